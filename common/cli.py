@@ -1,0 +1,59 @@
+"""The `colibri` command. Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs, so `colibri router` never
+loads numba. Expected failures (``ColibriError``) print one line and exit with the error's code
+(docs/cli.md lists them); anything else keeps its traceback because it is a bug.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from common.errors import ColibriError
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("expert_service.cli.convert_cmd", "convert a Hugging Face safetensors checkpoint to a model dir"),
+    "verify": ("expert_service.cli.verify_cmd", "re-check every tensor checksum of a model directory"),
+    "make-tiny": ("expert_service.cli.make_tiny_cmd", "write and convert the small embedded default model"),
+    "logits": ("expert_service.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
+    "complete": ("expert_service.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
+    "worker": ("expert_service.main", "run the expert worker gRPC service (owns the model and GPU)"),
+    "router": ("router_service.main", "run the router gRPC service (public API, batching)"),
+    "serve": ("common.serve", "run worker and router as two processes, for local use"),
+    "generate": ("router_service.generate_cmd", "client: stream a completion from a running router"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colibri", description="Colibri: an inference server for Mixture-of-Experts LLMs.",
+        epilog="Run `colibri SUBCOMMAND --help` for each subcommand's options. Exit codes: docs/cli.md.")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # Options are added lazily (see main) so that --help of one subcommand imports only its module.
+        if name in sys.argv[1:2]:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    try:
+        parser = build_parser()
+    finally:
+        sys.argv = saved
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ColibriError as e:
+        print(f"colibri {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

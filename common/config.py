@@ -1,0 +1,127 @@
+"""Configuration: one frozen dataclass per concern, resolved as defaults < config file < environment < flags.
+
+A field's metadata names its environment variables (``COLIBRI_*`` first, then the TGI-style names from
+docs/configuration.md) and its help text; ``add_flags`` turns the fields into argparse flags, so a setting
+has one definition. Values are validated by each dataclass's ``__post_init__``; every error is one line
+naming the setting, the source and the expected value.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from common.errors import ConfigError
+
+T = TypeVar("T")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def setting(default: Any, help: str, env: tuple[str, ...] = (), flag: str | None = None) -> Any:
+    """A dataclass field with its env names, help text and (optional) flag name."""
+    return dataclasses.field(default=default, metadata={"help": help, "env": env, "flag": flag})
+
+
+def _base_type(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    base = _base_type(tp)
+    if value is None:
+        return None
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError
+        if base in (int, float, str):
+            return base(value)
+        if typing.get_origin(base) is tuple or base is tuple:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            inner = (typing.get_args(base) or (str,))[0]
+            return tuple(inner(x) for x in items if str(x).strip() != "")
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: cannot read {value!r} as {getattr(base, '__name__', base)}") from None
+    return value
+
+
+def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
+    """The `section` mapping of a JSON or YAML file (or the whole file when it has no such section)."""
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file {p} not found")
+    try:
+        data = yaml.safe_load(p.read_text()) if p.suffix in (".yaml", ".yml") else json.loads(p.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--config: {p} is not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "
+                          f"{str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {p} must hold a mapping")
+    return dict(data.get(section, data)) if isinstance(data.get(section, data), dict) else {}
+
+
+def resolve(cls: type[T], *, file_values: Mapping[str, Any] | None = None,
+            env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> T:
+    """Builds `cls` from its defaults, then the file, then the environment, then flags (None = not given)."""
+    env = os.environ if env is None else env
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in (file_values or {}).items():
+        if key not in fields:
+            raise ConfigError(f"config file: unknown setting {key!r} for {cls.__name__} "
+                              f"(known: {', '.join(sorted(fields))})")
+        values[key] = _coerce(value, hints[key], f"config file: {key}")
+    for name, f in fields.items():
+        for var in f.metadata.get("env", ()):
+            if env.get(var) not in (None, ""):
+                values[name] = _coerce(env[var], hints[name], f"environment {var}")
+                break
+        if flags is not None and flags.get(name) is not None:
+            values[name] = _coerce(flags[name], hints[name], f"--{_flag_name(f)}")
+    return cls(**values)
+
+
+def _flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or f.name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--flag` per field of `cls`; every flag defaults to None so `resolve` can tell it was not given."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        base = _base_type(hints[f.name])
+        env = f.metadata.get("env") or ()
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"{f.metadata['help']} (default: {default}" + (f"; env: {', '.join(env)})" if env else ")")
+        kind = str if base is bool or typing.get_origin(base) is tuple else base
+        metavar = "BOOL" if base is bool else None
+        group.add_argument(f"--{_flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar,
+                           help=help_text)
+
+
+def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
