@@ -1,0 +1,204 @@
+"""The worker's engine: sequences, the paged KV cache, one forward pass per step, and sampling.
+
+It holds no request policy: the router decides which tokens run in a step (prompt chunks and decodes
+mixed) and when a sequence ends; the engine keeps each sequence's KV blocks and sampler between steps,
+keyed by the router's request id, until told to free it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import CapacityError, ConfigError, InvalidRequestError
+from common.model_format import ModelDir
+from expert_service.config import EngineConfig
+from expert_service.kv_cache import BlockAllocator, KVPool
+from expert_service.model import CpuDecoder, CpuWeights, ForwardBatch, StepTrace
+from expert_service.sampling import Sampler, SamplingParams
+
+NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInput:
+    request_id: int
+    token_ids: np.ndarray                # prompt tokens of this chunk
+    sampling: SamplingParams | None      # set on a sequence's first chunk
+    is_last: bool                        # the chunk ends the prompt: sample the first new token
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    request_id: int
+    token_id: int | None = None          # None: a non-final prompt chunk, or an error
+    logprob: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class StepResult:
+    outputs: list[SeqOutput]
+    forward_ms: float
+    sample_ms: float
+    trace: StepTrace
+    logits: np.ndarray                   # [sampling sequences, V] float32, in output order
+
+
+@dataclass
+class Sequence:
+    sampler: Sampler
+    num_cached: int = 0                  # tokens whose K/V are in the cache
+    last_token: int | None = None        # the latest sampled token, fed by the next decode
+
+
+def select_backend(requested: str) -> str:
+    if requested == "cuda":
+        raise ConfigError("backend: cuda is not available in this build yet (use --backend cpu)")
+    return "cpu"
+
+
+class Engine:
+    def __init__(self, model: ModelDir, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        self.model_config = model.config
+        self.backend = select_backend(config.backend)
+        self.decoder = CpuDecoder(CpuWeights(model))
+        mc = self.model_config
+        self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
+        self.kv = KVPool.allocate(mc.num_hidden_layers, self.allocator.num_blocks, config.kv_block_size,
+                                  mc.num_key_value_heads, mc.head_dim)
+        self.sequences: dict[int, Sequence] = {}
+
+    # --- sequence lifecycle -------------------------------------------------------------------------
+    def release(self, request_ids) -> list[int]:
+        freed = []
+        for rid in request_ids:
+            if self.sequences.pop(rid, None) is not None:
+                freed.append(rid)
+            self.allocator.free(rid)
+        return freed
+
+    def keep_only(self, keep_ids) -> list[int]:
+        keep = set(keep_ids)
+        return self.release([rid for rid in list(self.sequences) if rid not in keep])
+
+    def clear(self) -> int:
+        return len(self.release(list(self.sequences)))
+
+    # --- steps --------------------------------------------------------------------------------------
+    def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = ()) -> StepResult:
+        """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token."""
+        work: list[tuple[int, np.ndarray, bool]] = []
+        for chunk in prefill:
+            seq = self.sequences.get(chunk.request_id)
+            if seq is None:
+                if chunk.sampling is None:
+                    raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
+                                                          f"chunk must carry sampling parameters")
+                self.sequences[chunk.request_id] = Sequence(Sampler(chunk.sampling))
+            work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+        for rid in decode_ids:
+            seq = self.sequences.get(rid)
+            if seq is None or seq.last_token is None:
+                raise InvalidRequestError("request_ids", f"sequence {rid} has no sampled token to decode from")
+            work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+        self._check_step(work)
+        batch = self._build_batch(work, all_logits=False)
+        trace = StepTrace()
+        t0 = time.perf_counter()
+        logits = self.decoder.forward(batch, self.kv, trace)
+        t1 = time.perf_counter()
+        outputs, row = [], 0
+        for rid, tokens, wants_token in work:
+            seq = self.sequences[rid]
+            seq.num_cached += len(tokens)
+            if not wants_token:
+                outputs.append(SeqOutput(rid))
+                continue
+            sampled = seq.sampler.sample(logits[row])
+            row += 1
+            if sampled is None:
+                outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
+                self.release([rid])
+                continue
+            seq.last_token = sampled[0]
+            outputs.append(SeqOutput(rid, sampled[0], sampled[1]))
+        t2 = time.perf_counter()
+        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, logits)
+
+    def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
+        vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        total = sum(len(t) for _, t, _ in work)
+        if total > self.config.max_batch_tokens:
+            raise CapacityError(f"step: {total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
+        if len(work) > self.config.max_batch_size:
+            raise CapacityError(f"step: {len(work)} sequences exceed max_batch_size {self.config.max_batch_size}")
+        seen = set()
+        for rid, tokens, _ in work:
+            if rid in seen:
+                raise InvalidRequestError("request_id", f"sequence {rid} appears twice in one step")
+            seen.add(rid)
+            if tokens.size == 0:
+                raise InvalidRequestError("token_ids", f"sequence {rid}: empty chunk")
+            if tokens.min() < 0 or tokens.max() >= vocab:
+                raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
+            if self.sequences[rid].num_cached + len(tokens) > limit:
+                raise InvalidRequestError("token_ids", f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
+                                                       f" tokens exceed max_position_embeddings {limit}")
+        for rid, tokens, _ in work:
+            self.allocator.ensure_capacity(rid, self.sequences[rid].num_cached + len(tokens))
+
+    def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], all_logits: bool) -> ForwardBatch:
+        block_size = self.config.kv_block_size
+        token_ids = np.concatenate([t for _, t, _ in work])
+        positions, slots, tables, context_lens, logits_rows = [], [], [], [], []
+        seq_starts = np.zeros(len(work) + 1, dtype=np.int64)
+        for s, (rid, tokens, wants_token) in enumerate(work):
+            start = self.sequences[rid].num_cached
+            pos = np.arange(start, start + len(tokens), dtype=np.int64)
+            table = np.asarray(self.allocator.tables[rid], dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            tables.append(table)
+            context_lens.append(start + len(tokens))
+            seq_starts[s + 1] = seq_starts[s] + len(tokens)
+            if all_logits:
+                logits_rows.extend(range(seq_starts[s], seq_starts[s + 1]))
+            elif wants_token:
+                logits_rows.append(seq_starts[s + 1] - 1)
+        return ForwardBatch(token_ids, np.concatenate(positions), seq_starts, np.asarray(context_lens, np.int64),
+                            tables, np.concatenate(slots), np.asarray(logits_rows, dtype=np.int64))
+
+    # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
+    def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
+        """Float32 logits [n, V] at every prompt position, in one prefill; frees the sequence after."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        self.sequences[request_id] = Sequence(Sampler(SamplingParams()))
+        try:
+            work = [(request_id, tokens, True)]
+            self._check_step(work)
+            return self.decoder.forward(self._build_batch(work, all_logits=True), self.kv)
+        finally:
+            self.release([request_id])
+
+    def generate(self, token_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_token_ids=(), request_id: int = -1) -> tuple[list[int], list[float], str]:
+        """Prefill then decode one sequence; returns (new ids, logprobs, stop reason: length|stop)."""
+        tokens, logprobs = [], []
+        out = self.step([PrefillInput(request_id, np.asarray(token_ids), sampling, True)]).outputs[0]
+        try:
+            while True:
+                if out.error:
+                    raise InvalidRequestError("logits", f"the model produced non-finite logits ({out.error})")
+                tokens.append(out.token_id)
+                logprobs.append(out.logprob)
+                if out.token_id in stop_token_ids:
+                    return tokens, logprobs, "stop"
+                if len(tokens) >= max_new_tokens:
+                    return tokens, logprobs, "length"
+                out = self.step(decode_ids=[request_id]).outputs[0]
+        finally:
+            self.release([request_id])

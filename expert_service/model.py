@@ -1,0 +1,122 @@
+"""The MoE decoder on the CPU backend (numpy, float32): one code path for the four families, whose
+differences are fields of ``ModelConfig`` (biases, q/k norms, clip_qkv, shared expert, dense layers,
+sliding windows, routing normalisation). It is also the reference the CUDA backend is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.model_config import ModelConfig, QKNorm
+from common.model_format import ModelDir
+from expert_service.kv_cache import KVPool
+from expert_service.layers.attention import paged_attention, write_kv
+from expert_service.layers.moe import sparse_moe, swiglu_mlp
+from expert_service.layers.norm import rms_norm
+from expert_service.layers.rope import Rotary, apply_rotary
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """One step's tokens: sequence s owns rows seq_starts[s]:seq_starts[s+1] of every [T, ...] array."""
+    token_ids: np.ndarray          # [T] int64
+    positions: np.ndarray          # [T] int64, position of each token in its sequence
+    seq_starts: np.ndarray         # [S + 1] int64
+    context_lens: np.ndarray       # [S] tokens of each sequence in the cache after this step
+    block_tables: list[np.ndarray]  # S x [blocks] int64
+    slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
+    logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
+
+
+@dataclass
+class StepTrace:
+    """What a forward pass observed, for routing-plan recall and expert statistics."""
+    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
+
+
+class CpuWeights:
+    """Float32 weights from a model directory: dense tensors up front, experts converted on first use."""
+
+    def __init__(self, model: ModelDir):
+        self.model = model
+        self.config = model.config
+        self.dense = {name: model.tensor_f32(name) for name, e in model.entries.items() if ".experts." not in name}
+        self._experts: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        return self.dense[name]
+
+    def layer(self, i: int, name: str) -> np.ndarray | None:
+        return self.dense.get(f"layers.{i}.{name}")
+
+    def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        key = (layer, expert)
+        if key not in self._experts:
+            prefix = f"layers.{layer}.experts.{expert}."
+            self._experts[key] = tuple(self.model.tensor_f32(prefix + p) for p in ("gate_proj", "up_proj", "down_proj"))
+        return self._experts[key]
+
+    @property
+    def lm_head(self) -> np.ndarray:
+        return self.dense["embed_tokens"] if self.config.tie_word_embeddings else self.dense["lm_head"]
+
+
+class CpuDecoder:
+    def __init__(self, weights: CpuWeights):
+        self.w = weights
+        self.config: ModelConfig = weights.config
+        self.rotary = Rotary(self.config.rope, self.config.head_dim)
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, trace: StepTrace | None = None) -> np.ndarray:
+        """Runs the step, writing its K/V into `kv`; returns float32 logits [len(logits_rows), V]."""
+        cfg = self.config
+        h = self.w.get("embed_tokens")[batch.token_ids]                    # [T, D]
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for i in range(cfg.num_hidden_layers):
+            h = h + self._attention(i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps),
+                                    batch, kv, cos, sin)
+            h = h + self._mlp(i, rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps), trace)
+        h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
+        return h @ self.w.lm_head.T
+
+    def _project(self, i: int, x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ self.w.layer(i, f"{name}_proj").T
+        bias = self.w.layer(i, f"{name}_bias")
+        return y + bias if bias is not None else y
+
+    def _attention(self, i: int, x: np.ndarray, batch: ForwardBatch, kv: KVPool,
+                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        cfg, T = self.config, x.shape[0]
+        q, k, v = (self._project(i, x, n) for n in ("q", "k", "v"))
+        if cfg.qk_norm is QKNorm.FULL:
+            q = rms_norm(q, self.w.layer(i, "q_norm"), cfg.rms_norm_eps)
+            k = rms_norm(k, self.w.layer(i, "k_norm"), cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm is QKNorm.PER_HEAD:
+            q = rms_norm(q, self.w.layer(i, "q_norm"), cfg.rms_norm_eps)
+            k = rms_norm(k, self.w.layer(i, "k_norm"), cfg.rms_norm_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
+        out = paged_attention(q, kv.k[i], kv.v[i], batch.seq_starts, batch.context_lens, batch.block_tables,
+                              batch.positions, cfg.head_dim ** -0.5, cfg.sliding_windows[i])
+        return self._project(i, out.reshape(T, cfg.q_size), "o")
+
+    def _mlp(self, i: int, x: np.ndarray, trace: StepTrace | None) -> np.ndarray:
+        cfg = self.config
+        if not cfg.sparse_layers[i]:
+            return swiglu_mlp(x, self.w.layer(i, "gate_proj"), self.w.layer(i, "up_proj"), self.w.layer(i, "down_proj"))
+        out, expert_ids = sparse_moe(x, self.w.layer(i, "router"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                     lambda e: self.w.expert(i, e))
+        if trace is not None:
+            trace.expert_ids[i] = expert_ids
+        if cfg.shared_expert_intermediate_size:
+            shared = swiglu_mlp(x, self.w.layer(i, "shared_gate_proj"), self.w.layer(i, "shared_up_proj"),
+                                self.w.layer(i, "shared_down_proj"))
+            gate = x @ self.w.layer(i, "shared_expert_gate").T                  # [T, 1]
+            out = out + shared / (np.float32(1.0) + np.exp(-gate))
+        return out

@@ -1,0 +1,82 @@
+"""Token sampling on the worker, vLLM semantics: temperature 0 = greedy; otherwise logits / temperature,
+then top-k (0 = off), then top-p (1 = off), then one draw from the sequence's own seeded generator, so the
+same seed gives the same tokens whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()   # suppressed until min_new_tokens tokens were generated
+    min_new_tokens: int = 0
+    logprobs: bool = False
+
+    def __post_init__(self):
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1) or not np.isfinite(self.top_p):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+class Sampler:
+    """Per-sequence sampling state: the parameters and a generator seeded once."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self.num_generated = 0
+
+    def sample(self, logits: np.ndarray) -> tuple[int, float] | None:
+        """logits [V] float32 -> (token id, logprob under the unmodified distribution); None if non-finite."""
+        if not np.all(np.isfinite(logits)):
+            return None
+        p = self.params
+        logits = logits.astype(np.float32, copy=True)
+        if self.num_generated < p.min_new_tokens and p.stop_token_ids:
+            logits[list(p.stop_token_ids)] = -np.inf
+        if p.temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            token = int(self._draw(filter_logits(logits / np.float32(p.temperature), p.top_k, p.top_p)))
+        self.num_generated += 1
+        return token, (float(log_softmax(logits)[token]) if p.logprobs else 0.0)
+
+    def _draw(self, logits: np.ndarray) -> int:
+        probs = np.exp(logits - logits.max()).astype(np.float64)
+        probs /= probs.sum()
+        cdf = np.cumsum(probs)
+        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Masks (to -inf) every token outside the top-k and outside the top-p nucleus."""
+    out = logits.copy()
+    if 0 < top_k < out.size:
+        keep = np.argpartition(-out, top_k - 1)[:top_k]   # exactly k survive, even with ties
+        mask = np.ones(out.size, dtype=bool)
+        mask[keep] = False
+        out[mask] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-out, kind="stable")
+        probs = np.exp(out[order] - out[order[0]])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs            # mass strictly ahead of each token
+        out[order[before >= top_p]] = -np.inf        # the top token (before = 0) always stays
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.sum(np.exp(shifted)))
