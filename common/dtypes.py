@@ -63,5 +63,5 @@ def convert(raw: np.ndarray, src: str, dst: str, tensor_name: str) -> np.ndarray
     peak = float(np.abs(finite).max()) if finite.size else 0.0
     if peak > FP16_MAX:
         raise ModelFormatError(f"tensor {tensor_name}: converting {src} to float16 would overflow "
-                               f"(|value| up to {peak:.6g} > {FP16_MAX:g}); keep {src} or choose --dtype bfloat16")
+                               f"(|value| up to {peak:.6g} > {FP16_MAX:g}); use --dtype bfloat16 or float32")
     return values.astype(np.float16)

@@ -95,7 +95,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ModelFormatError(f"{config_path}: not found")
-    hf_config = json.loads(config_path.read_text())
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from None
     config = config_from_hf(hf_config)
     where = open_checkpoint(hf_dir)
     specs = tensor_specs(config)
