@@ -1,0 +1,162 @@
+"""The expert worker's gRPC service: a thin pb <-> engine adapter.
+
+All model work runs on one dedicated executor thread, so health checks and Info answer during long
+steps. Expected errors map to gRPC codes; anything else is a worker fault: the failing call gets INTERNAL,
+health turns NOT_SERVING and the process exits non-zero so Kubernetes (or `colibri serve`) restarts it.
+A watchdog treats a step that runs past ``step_timeout_s`` the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2
+
+from common.errors import CapacityError, ColibriError, InvalidRequestError
+from common.pb import worker_pb2 as pb
+from common.pb import worker_pb2_grpc
+from expert_service.engine import Engine, PrefillInput, StepResult
+from expert_service.sampling import SamplingParams
+
+log = logging.getLogger("colibri.worker")
+SERVICE_NAME = "colibri.worker.v1.WorkerService"
+
+
+def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0, seed=p.seed,
+                          stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens,
+                          logprobs=p.logprobs)
+
+
+def prefill_from_pb(chunk: pb.PrefillChunk) -> PrefillInput:
+    return PrefillInput(chunk.request_id, np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
+                        sampling_from_pb(chunk.sampling) if chunk.HasField("sampling") else None, chunk.is_last)
+
+
+def step_to_pb(result: StepResult, engine: Engine, started: float) -> pb.StepResponse:
+    return pb.StepResponse(
+        generations=[pb.Generation(request_id=o.request_id, has_token=o.token_id is not None,
+                                   token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
+                     for o in result.outputs],
+        timings=pb.StepTimings(forward_ms=result.forward_ms, sample_ms=result.sample_ms,
+                               total_ms=(time.perf_counter() - started) * 1e3),
+        kv_blocks_used=engine.allocator.num_used_blocks)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: Engine, health_servicer: health.HealthServicer, model_name: str,
+                 on_fatal: Callable[[BaseException], None], step_timeout_s: float = 300.0, metrics=None):
+        self.engine = engine
+        self.health = health_servicer
+        self.model_name = model_name
+        self.on_fatal = on_fatal
+        self.step_timeout_s = step_timeout_s
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-model")
+        self.ready = False
+
+    async def run_on_model_thread(self, context: grpc.aio.ServicerContext, fn, *args):
+        """Runs `fn` on the model thread; maps errors to status codes, treats the unexpected as fatal."""
+        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.step_timeout_s)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ColibriError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except asyncio.TimeoutError:
+            self._fatal(TimeoutError(f"watchdog: a model call ran past {self.step_timeout_s:.0f} s"))
+            await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
+        except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast
+            self._fatal(e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"worker fault: {type(e).__name__}: {e}")
+
+    def _fatal(self, error: BaseException) -> None:
+        log.error("worker fault, exiting", exc_info=error)
+        self.ready = False
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.on_fatal(error)
+
+    def mark_ready(self) -> None:
+        self.ready = True
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def memory_plan(self) -> list[tuple[str, int]]:
+        model = self.engine.model
+        experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
+        return [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
+                ("kv_cache", self.engine.kv.nbytes)]
+
+    async def Info(self, request, context):
+        e, mc = self.engine, self.engine.model_config
+        return pb.InfoResponse(
+            family=mc.family, dtype=e.model.dtype, hf_config_json=json.dumps(e.model.hf_config),
+            vocab_size=mc.vocab_size, max_position_embeddings=mc.max_position_embeddings,
+            eos_token_ids=list(mc.eos_token_ids), kv_block_size=e.config.kv_block_size,
+            num_kv_blocks=e.allocator.num_blocks, max_batch_tokens=e.config.max_batch_tokens,
+            max_batch_size=e.config.max_batch_size, backend=e.backend, routing="exact",
+            memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
+            model_name=self.model_name)
+
+    def warmup(self, num_tokens: int) -> float:
+        """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
+        started = time.perf_counter()
+        cfg, mc = self.engine.config, self.engine.model_config
+        n = max(1, min(num_tokens, cfg.max_batch_tokens, mc.max_position_embeddings,
+                       self.engine.allocator.num_free_blocks * cfg.kv_block_size))
+        ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
+        try:
+            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)])
+        finally:
+            self.engine.release([-1])
+        return (time.perf_counter() - started) * 1e3
+
+    async def Warmup(self, request, context):
+        ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
+        return pb.WarmupResponse(warmup_ms=ms)
+
+    async def _step(self, context, prefill: list[PrefillInput], decode_ids: list[int], kind: str):
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
+        started = time.perf_counter()
+        result = await self.run_on_model_thread(context, self.engine.step, prefill, decode_ids)
+        response = step_to_pb(result, self.engine, started)
+        if self.metrics is not None:
+            self._observe(kind, result, response.timings.total_ms / 1e3)
+        return response
+
+    def _observe(self, kind: str, result: StepResult, seconds: float) -> None:
+        m, e = self.metrics, self.engine
+        m.worker_step_duration.labels(kind=kind).observe(seconds)
+        m.set_kv_usage(e.allocator.num_used_blocks, e.allocator.num_blocks)
+        num_experts = e.model_config.num_experts
+        m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+                              for ids in result.trace.expert_ids.values()])
+
+    async def Prefill(self, request, context):
+        return await self._step(context, [prefill_from_pb(c) for c in request.chunks],
+                                list(request.decode_request_ids), "prefill")
+
+    async def Decode(self, request, context):
+        return await self._step(context, [], list(request.request_ids), "decode")
+
+    async def FilterBatch(self, request, context):
+        freed = await self.run_on_model_thread(context, self.engine.keep_only, list(request.keep_request_ids))
+        return pb.FilterBatchResponse(freed_request_ids=freed, kv_blocks_used=self.engine.allocator.num_used_blocks)
+
+    async def ClearCache(self, request, context):
+        freed = await self.run_on_model_thread(context, self.engine.clear)
+        return pb.ClearCacheResponse(freed_sequences=freed)
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(ready=self.ready)
