@@ -1,0 +1,127 @@
+"""The model directory format: round trip for every family, the layout rules, and the writer's checks.
+
+Checkpoints come from make-tiny's generator here; tests/expert_service/test_convert.py covers checkpoints
+saved by transformers. The reader's one-line errors are exercised through the CLI in test_cli_offline.py.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from common.errors import ModelFormatError
+from common.model_format import (DENSE_ALIGN, DENSE_FILE, EXPERT_ALIGN, MANIFEST, ModelDir, ModelWriter,
+                                 expert_file, plan_layout, read_manifest_config)
+from common.models import FAMILIES, config_from_hf, tensor_specs
+from common.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+from expert_service.convert import convert
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def converted(request, tmp_path_factory):
+    """(family, HF checkpoint dir, converted ModelDir) for each family."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf_dir = write_tiny_checkpoint(root / "hf", request.param, seed=7)
+    return request.param, hf_dir, ModelDir.open(convert(hf_dir, root / "model", progress=False))
+
+
+def test_round_trip_is_bitwise(converted):
+    family, hf_dir, model = converted
+    source = load_file(hf_dir / "model.safetensors")
+    specs = tensor_specs(model.config)
+    assert model.config.family == family and model.dtype == "float32"
+    assert set(model.entries) == {s.name for s in specs} and len(source) == len(specs)
+    for spec in specs:
+        assert model.tensor(spec.name).tobytes() == source[spec.hf_name].tobytes(), spec.name
+        assert np.array_equal(model.tensor_f32(spec.name), source[spec.hf_name])
+    assert model.hf_config == json.loads((hf_dir / "config.json").read_text())
+
+
+def test_expert_blocks_are_contiguous_and_aligned(converted):
+    _, _, model = converted
+    config = model.config
+    F, D, size = config.moe_intermediate_size, config.hidden_size, 4
+    assert model.expert_stride % EXPERT_ALIGN == 0 and model.expert_stride >= 3 * F * D * size
+    for layer in config.moe_layers:
+        for expert in range(config.num_experts):
+            file, offset, nbytes = model.expert_block(layer, expert)
+            assert file == expert_file(layer)
+            assert offset % EXPERT_ALIGN == 0 and offset == expert * model.expert_stride
+            assert nbytes == 3 * F * D * size
+            prefix = f"layers.{layer}.experts.{expert}."
+            gate, up, down = (model.entries[prefix + m] for m in ("gate_proj", "up_proj", "down_proj"))
+            assert gate.offset == offset and up.offset == gate.offset + gate.nbytes
+            assert down.offset == up.offset + up.nbytes and down.offset + down.nbytes == offset + nbytes
+            # One block = one copy: its bytes are exactly the three matrices back to back.
+            block = model._map(file)[offset:offset + nbytes]
+            parts = [model.raw_bytes(prefix + m) for m in ("gate_proj", "up_proj", "down_proj")]
+            assert block.tobytes() == b"".join(p.tobytes() for p in parts)
+
+
+def test_dense_tensors_live_in_dense_file_aligned(converted):
+    _, _, model = converted
+    expert_names = {s.name for s in tensor_specs(model.config) if s.expert is not None}
+    for name, entry in model.entries.items():
+        if name in expert_names:
+            continue
+        assert entry.file == DENSE_FILE and entry.offset % DENSE_ALIGN == 0, name
+    dense = sorted((e for e in model.entries.values() if e.file == DENSE_FILE), key=lambda e: e.offset)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(dense, dense[1:]))   # no overlap
+
+
+def test_qwen2_dense_layer_has_no_expert_file(tmp_path):
+    model = ModelDir.open(convert(write_tiny_checkpoint(tmp_path / "hf", "qwen2_moe"), tmp_path / "m",
+                                  progress=False))
+    assert model.config.sparse_layers == (True, False)
+    assert (tmp_path / "m" / expert_file(0)).is_file() and not (tmp_path / "m" / expert_file(1)).exists()
+    assert model.has("layers.1.gate_proj") and model.has("layers.0.shared_expert_gate")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_layout_is_a_pure_function_of_config_and_dtype(dtype):
+    config = config_from_hf(tiny_hf_config("olmoe"))
+    a, stride_a = plan_layout(config, dtype)
+    b, stride_b = plan_layout(config, dtype)
+    assert a == b and stride_a == stride_b and stride_a % EXPERT_ALIGN == 0
+    assert all(e.dtype == dtype for e in a.values())
+
+
+def test_writer_accepts_any_order(tmp_path):
+    hf_config = tiny_hf_config("qwen3_moe")
+    weights = tiny_weights(hf_config, seed=2)
+    specs = tensor_specs(config_from_hf(hf_config))
+    dirs = []
+    for order in (specs, specs[::-1]):
+        writer = ModelWriter(tmp_path / f"m{len(dirs)}", hf_config, "float32")
+        for spec in order:
+            writer.write(spec.name, weights[spec.hf_name])
+        dirs.append(writer.finish())
+    for file in [DENSE_FILE, expert_file(0), expert_file(1), MANIFEST]:
+        assert (dirs[0] / file).read_bytes() == (dirs[1] / file).read_bytes(), file
+
+
+def test_writer_rejects_wrong_tensors_and_unfinished_models(tmp_path):
+    hf_config = tiny_hf_config("mixtral")
+    writer = ModelWriter(tmp_path / "m", hf_config, "float16")
+    with pytest.raises(ModelFormatError, match="tensor layers.9.q_proj: not part of a mixtral model"):
+        writer.write("layers.9.q_proj", np.zeros((64, 64), np.float16))
+    with pytest.raises(ModelFormatError, match=r"tensor final_norm: expected float16 \[64\], got float32 \[64\]"):
+        writer.write("final_norm", np.zeros(64, np.float32))
+    with pytest.raises(ModelFormatError, match=r"tensor final_norm: expected float16 \[64\], got float16 \[65\]"):
+        writer.write("final_norm", np.zeros(65, np.float16))
+    writer.write("final_norm", np.ones(64, np.float16))
+    with pytest.raises(ModelFormatError, match="never written"):
+        writer.finish()
+    assert not (tmp_path / "m" / MANIFEST).exists()
+
+
+def test_manifest_records_format_and_tokenizer(converted):
+    _, hf_dir, model = converted
+    manifest = json.loads((model.path / MANIFEST).read_text())
+    assert manifest["format"] == "colibri" and manifest["format_version"] == 1
+    assert manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    config, read_back = read_manifest_config(model.path)
+    assert config == model.config and read_back == manifest
+    assert model.tokenizer_path() == model.path / "tokenizer.json"
