@@ -176,6 +176,8 @@ class ModelDir:
             manifest = json.loads(manifest_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelFormatError(f"{manifest_path}: not valid JSON ({e})") from None
+        if not isinstance(manifest, dict):
+            raise ModelFormatError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
         for key in ("format", "format_version", "dtype", "config", "tensors", "expert_stride"):
             if key not in manifest:
                 raise ModelFormatError(f"{manifest_path}: missing key {key!r}")
@@ -186,6 +188,10 @@ class ModelDir:
             model = cls(root, manifest)
         except ConfigError as e:
             raise ModelFormatError(f"{manifest_path}: {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:   # e.g. "config": [] or "expert_stride": "x"
+            raise ModelFormatError(f"{manifest_path}: malformed manifest ({e})") from None
+        if not isinstance(manifest["tensors"], dict):
+            raise ModelFormatError(f"{manifest_path}: 'tensors' must be an object of name -> entry")
         model._check_entries()
         if verify:
             model.verify(progress=progress)
@@ -193,7 +199,7 @@ class ModelDir:
 
     def _safe_path(self, name: str, tensor: str) -> Path:
         p = Path(name)
-        if p.is_absolute() or ".." in p.parts or not name:
+        if p.is_absolute() or ".." in p.parts or not name or "\0" in name:
             raise ModelFormatError(f"tensor {tensor}: file path {name!r} must be relative to the model directory")
         full = (self.path / p)
         root = self.path.resolve()
@@ -203,7 +209,7 @@ class ModelDir:
         return full
 
     def _check_entries(self) -> None:
-        if dtypes.ALIASES.get(self.dtype) != self.dtype:
+        if not isinstance(self.dtype, str) or dtypes.ALIASES.get(self.dtype) != self.dtype:
             raise ModelFormatError(f"{MANIFEST}: dtype {self.dtype!r} is not supported")
         file_sizes: dict[str, int] = {}
         for name, raw in self.manifest["tensors"].items():
