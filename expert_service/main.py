@@ -8,6 +8,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,16 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, EngineConfig)
 
 
-async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfig,
-                ready: asyncio.Event | None = None, port_holder: list | None = None) -> int:
-    """Loads the model, serves until SIGTERM/SIGINT (exit 0) or a worker fault (exit 1)."""
+async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfig, *,
+                stop: asyncio.Event | None = None, on_ready: Callable[[int], None] | None = None) -> int:
+    """Loads the model, serves until SIGTERM/SIGINT or `stop` (exit 0) or a worker fault (exit 1).
+    `on_ready(port)` runs once the worker is warmed up and SERVING."""
     model = ModelDir.open(model_dir, verify=engine_config.verify_checksums, progress=True)
     engine = Engine(model, engine_config)
     name = config.model_name or Path(model_dir).resolve().name
     registry = new_registry()
     metrics = WorkerMetrics(registry, name)
     tracer_provider = configure_tracing("colibri-worker")
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     exit_code = [0]
 
     def on_fatal(error: BaseException) -> None:
@@ -103,10 +105,8 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     log.info("worker serving %s on %s:%d (backend %s, %d KV blocks of %d tokens, warm-up %.0f ms)", name,
              config.host, port, engine.backend, engine.allocator.num_blocks, engine_config.kv_block_size, warm_ms,
              extra={"port": port})
-    if port_holder is not None:
-        port_holder.append(port)
-    if ready is not None:
-        ready.set()
+    if on_ready is not None:
+        on_ready(port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:

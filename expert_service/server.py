@@ -125,11 +125,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
-    async def _step(self, context, prefill: list[PrefillInput], decode_ids: list[int], kind: str):
+    def _run_prefill(self, request: pb.PrefillRequest) -> StepResult:
+        return self.engine.step([prefill_from_pb(c) for c in request.chunks], list(request.decode_request_ids))
+
+    def _run_decode(self, request: pb.DecodeRequest) -> StepResult:
+        return self.engine.step([], list(request.request_ids))
+
+    async def _step(self, context, kind: str, fn, request):
         if not self.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
         started = time.perf_counter()
-        result = await self.run_on_model_thread(context, self.engine.step, prefill, decode_ids)
+        result = await self.run_on_model_thread(context, fn, request)
         response = step_to_pb(result, self.engine, started)
         if self.metrics is not None:
             self._observe(kind, result, response.timings.total_ms / 1e3)
@@ -144,11 +150,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                               for ids in result.trace.expert_ids.values()])
 
     async def Prefill(self, request, context):
-        return await self._step(context, [prefill_from_pb(c) for c in request.chunks],
-                                list(request.decode_request_ids), "prefill")
+        return await self._step(context, "prefill", self._run_prefill, request)
 
     async def Decode(self, request, context):
-        return await self._step(context, [], list(request.request_ids), "decode")
+        return await self._step(context, "decode", self._run_decode, request)
 
     async def FilterBatch(self, request, context):
         freed = await self.run_on_model_thread(context, self.engine.keep_only, list(request.keep_request_ids))

@@ -1,0 +1,74 @@
+"""Shared fixtures: the embedded tiny model and an in-process expert worker on loopback."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from common.tiny_model import make_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", family="mixtral", seed=0)
+
+
+class BackgroundWorker:
+    """Runs `expert_service.main.serve` on its own event loop in a thread; `.address` once ready."""
+
+    def __init__(self, model_dir: Path, port: int = 0, **engine_overrides):
+        from expert_service.config import EngineConfig
+        from expert_service.main import WorkerConfig
+        self.config = WorkerConfig(port=port, metrics_port=0, warmup_tokens=8)
+        self.engine_config = EngineConfig(**{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096,
+                                             **engine_overrides})
+        self.model_dir = model_dir
+        self.loop = asyncio.new_event_loop()
+        self.port: int | None = None
+        self.exit_code: int | None = None
+        self.servicer = None
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from expert_service.main import serve
+        asyncio.set_event_loop(self.loop)
+
+        def on_ready(port: int):
+            self.port = port
+            self._ready.set()
+
+        async def main():
+            self._stop = asyncio.Event()
+            return await serve(str(self.model_dir), self.config, self.engine_config, stop=self._stop,
+                               on_ready=on_ready)
+        try:
+            self.exit_code = self.loop.run_until_complete(main())
+        finally:
+            self._ready.set()
+
+    def start(self) -> "BackgroundWorker":
+        self._thread.start()
+        assert self._ready.wait(120), "worker did not start in time"
+        assert self.port, f"worker failed to start (exit code {self.exit_code})"
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int | None:
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        return self.exit_code
+
+
+@pytest.fixture
+def worker(tiny_model):
+    w = BackgroundWorker(tiny_model).start()
+    yield w
+    w.stop()

@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequestError
+from expert_service.sampling import Sampler, SamplingParams, filter_logits
+
+
+def draw(params, logits, n):
+    sampler = Sampler(params)
+    return [sampler.sample(logits)[0] for _ in range(n)]
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng(0).standard_normal(50).astype(np.float32)
+    assert draw(SamplingParams(), logits, 3) == [int(np.argmax(logits))] * 3
+
+
+def test_top_k_never_emits_excluded_tokens():
+    logits = np.random.default_rng(1).standard_normal(40).astype(np.float32)
+    allowed = set(np.argsort(-logits)[:5].tolist())
+    tokens = draw(SamplingParams(temperature=1.5, top_k=5, seed=3), logits, 2000)
+    assert set(tokens) <= allowed and len(set(tokens)) == 5
+
+
+def test_top_k_with_ties_keeps_exactly_k():
+    out = filter_logits(np.zeros(10, dtype=np.float32), top_k=3, top_p=1.0)
+    assert np.isfinite(out).sum() == 3
+
+
+def test_top_p_never_emits_outside_nucleus():
+    probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04])
+    logits = np.log(probs).astype(np.float32)
+    tokens = draw(SamplingParams(temperature=1.0, top_p=0.85, seed=5), logits, 3000)
+    assert set(tokens) == {0, 1, 2}         # 0.5 + 0.3 < 0.85, so token 2 completes the nucleus
+    freq = np.bincount(tokens, minlength=5)[:3] / len(tokens)
+    np.testing.assert_allclose(freq, probs[:3] / probs[:3].sum(), atol=0.03)
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = np.array([0.6, 0.25, 0.15])
+    tokens = draw(SamplingParams(temperature=1.0, seed=11), np.log(probs).astype(np.float32), 5000)
+    np.testing.assert_allclose(np.bincount(tokens, minlength=3) / 5000, probs, atol=0.03)
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    logits = np.random.default_rng(2).standard_normal(100).astype(np.float32)
+    a = draw(SamplingParams(temperature=1.0, seed=42), logits, 50)
+    assert a == draw(SamplingParams(temperature=1.0, seed=42), logits, 50)
+    assert a != draw(SamplingParams(temperature=1.0, seed=43), logits, 50)
+
+
+def test_min_new_tokens_suppresses_stop_ids():
+    logits = np.array([0.0, 10.0, 0.0], dtype=np.float32)      # token 1 (EOS) is overwhelmingly likely
+    sampler = Sampler(SamplingParams(stop_token_ids=(1,), min_new_tokens=2))
+    assert [sampler.sample(logits)[0] for _ in range(3)] == [0, 0, 1]
+
+
+def test_non_finite_logits_fail_instead_of_emitting_a_token():
+    logits = np.array([0.0, np.nan, 1.0], dtype=np.float32)
+    assert Sampler(SamplingParams()).sample(logits) is None
+
+
+def test_logprob_is_log_softmax_of_the_raw_logits():
+    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    token, logprob = Sampler(SamplingParams(logprobs=True)).sample(logits)
+    assert token == 2 and logprob == pytest.approx(3.0 - np.log(np.exp(logits).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(temperature=-1), "temperature"),
+                                          (dict(temperature=float("nan")), "temperature"),
+                                          (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                                          (dict(top_k=-2), "top_k")])
+def test_invalid_parameters_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field

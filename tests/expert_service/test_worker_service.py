@@ -1,0 +1,116 @@
+"""The expert worker over real gRPC on loopback: steps, freeing, health, reflection, errors."""
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.model_format import ModelDir
+from common.pb import worker_pb2 as pb
+from common.pb import worker_pb2_grpc
+from expert_service.config import EngineConfig
+from expert_service.engine import Engine
+
+
+@pytest.fixture
+def stub(worker):
+    channel = grpc.insecure_channel(worker.address)
+    yield worker_pb2_grpc.WorkerServiceStub(channel)
+    channel.close()
+
+
+def test_info_describes_model_and_memory_plan(stub, tiny_model):
+    info = stub.Info(pb.InfoRequest())
+    assert info.family == "mixtral" and info.vocab_size == ModelDir.open(tiny_model).config.vocab_size
+    assert info.kv_block_size == 4 and info.num_kv_blocks == 1024 and info.backend == "cpu"
+    assert {m.name for m in info.memory_plan} == {"dense_weights", "expert_weights", "kv_cache"}
+    assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
+
+
+def test_greedy_steps_equal_offline_engine(stub, tiny_model):
+    prompt = [5, 17, 42, 99, 3, 250, 7]
+    expected, _, _ = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu")).generate(prompt, 8)
+    sampling = pb.SamplingParams(temperature=0, top_p=1.0, seed=1)
+    first = stub.Prefill(pb.PrefillRequest(chunks=[
+        pb.PrefillChunk(request_id=11, token_ids=prompt[:4], sampling=sampling, is_last=False)]))
+    assert not first.generations[0].has_token and first.timings.total_ms > 0
+    step = stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=11, token_ids=prompt[4:], is_last=True)]))
+    tokens = [step.generations[0].token_id]
+    while len(tokens) < 8:
+        tokens.append(stub.Decode(pb.DecodeRequest(request_ids=[11])).generations[0].token_id)
+    assert tokens == expected
+    assert step.kv_blocks_used > 0
+    freed = stub.FilterBatch(pb.FilterBatchRequest(keep_request_ids=[]))
+    assert list(freed.freed_request_ids) == [11] and freed.kv_blocks_used == 0
+
+
+def test_prefill_with_decodes_riding_along(stub):
+    s = pb.SamplingParams(temperature=0, top_p=1.0)
+    a = stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=1, token_ids=[1, 2, 3], sampling=s,
+                                                               is_last=True)]))
+    b = stub.Prefill(pb.PrefillRequest(
+        chunks=[pb.PrefillChunk(request_id=2, token_ids=[9, 8], sampling=s, is_last=True)], decode_request_ids=[1]))
+    assert [g.request_id for g in b.generations] == [2, 1] and all(g.has_token for g in b.generations)
+    assert a.generations[0].has_token
+    assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 2
+
+
+@pytest.mark.parametrize("request_,code,needle", [
+    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True)]),
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling"),
+    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[100000], is_last=True,
+                                               sampling=pb.SamplingParams(top_p=1.0))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True,
+                                               sampling=pb.SamplingParams(temperature=-1, top_p=1.0))]),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+])
+def test_bad_steps_are_rejected_and_worker_stays_up(stub, request_, code, needle):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(request_)
+    assert e.value.code() == code and needle in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Decode(pb.DecodeRequest(request_ids=[12345]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.Health(pb.HealthRequest()).ready
+
+
+def test_standard_health_and_reflection(worker):
+    with grpc.insecure_channel(worker.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "colibri.worker.v1.WorkerService"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in answer.list_services_response.service}
+        assert {"colibri.worker.v1.WorkerService", "grpc.health.v1.Health"} <= names
+
+
+def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch):
+    """An unexpected exception in a step (standing in for a CUDA error): the call gets INTERNAL, health
+    turns NOT_SERVING and serve() returns exit code 1."""
+    from tests.conftest import BackgroundWorker
+    w = BackgroundWorker(tiny_model).start()
+
+    def broken_step(self, *args, **kwargs):
+        raise RuntimeError("injected device fault")
+    monkeypatch.setattr(Engine, "step", broken_step)
+    with grpc.insecure_channel(w.address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=1, token_ids=[1, 2], is_last=True,
+                                                                   sampling=pb.SamplingParams(top_p=1.0))]))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
+    w._thread.join(30)
+    assert w.exit_code == 1
+
+
+def test_worker_cli_rejects_bad_model_dir_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "common.cli", "worker", "--model", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert result.stderr.strip().count("\n") == 0 and "colibri.json" in result.stderr
