@@ -1,0 +1,85 @@
+"""A small Python client of the router's public API, for scripts and other services.
+
+    with ColibriClient("localhost:50051") as client:
+        print(client.generate("Hello", max_new_tokens=16).text)
+        for piece in client.stream(token_ids=[1, 2, 3], max_new_tokens=8):
+            print(piece.text, end="", flush=True)
+
+Errors surface as grpc.RpcError; `retry_delay(error)` reads the RetryInfo of a RESOURCE_EXHAUSTED answer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from common.pb import router_pb2, router_pb2_grpc
+
+SAMPLING_FIELDS = {f.name for f in router_pb2.SamplingParameters.DESCRIPTOR.fields}
+
+
+def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, request_id: str = "",
+                  **parameters) -> router_pb2.GenerateRequest:
+    """A GenerateRequest from a text prompt or token ids plus SamplingParameters fields as keywords."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("give exactly one of prompt or token_ids")
+    unknown = set(parameters) - SAMPLING_FIELDS
+    if unknown:
+        raise ValueError(f"unknown parameters {sorted(unknown)} (known: {sorted(SAMPLING_FIELDS)})")
+    params = router_pb2.SamplingParameters(**{k: v for k, v in parameters.items() if v is not None})
+    if prompt is not None:
+        return router_pb2.GenerateRequest(text=prompt, parameters=params, request_id=request_id)
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=list(token_ids)), parameters=params,
+                                      request_id=request_id)
+
+
+def retry_delay(error: grpc.RpcError) -> float | None:
+    """Seconds the server asked us to wait (RetryInfo), or None."""
+    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
+    for detail in (status.details if status else ()):
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return None
+
+
+class ColibriClient:
+    """Blocking client; `timeout` (seconds) is the deadline of each call, `token` a bearer token."""
+
+    def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "",
+                 max_message_bytes: int = 16 << 20):
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def __enter__(self) -> "ColibriClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "",
+                 **parameters) -> router_pb2.GenerateResponse:
+        request = build_request(prompt, token_ids, request_id, **parameters)
+        return self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+
+    def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "",
+               **parameters) -> Iterator[router_pb2.GenerateStreamResponse]:
+        request = build_request(prompt, token_ids, request_id, **parameters)
+        yield from self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+
+    def tokenize(self, text: str) -> list[int]:
+        request = router_pb2.TokenizeRequest(text=text)
+        return list(self._stub.Tokenize(request, timeout=self.timeout, metadata=self._metadata).token_ids)
+
+    def model_info(self) -> router_pb2.ModelInfoResponse:
+        return self._stub.ModelInfo(router_pb2.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)

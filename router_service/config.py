@@ -1,0 +1,90 @@
+"""Router settings: one frozen dataclass, resolved by common.config (defaults < file < env < flags).
+
+Limits that depend on the model (vocabulary, context, KV capacity, the worker's own batch limits) come
+from the worker's Info at run time; the values here only cap them further.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import setting
+from common.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = setting("0.0.0.0", "address the public gRPC server binds to", ("COLIBRI_HOST", "HOSTNAME"))
+    port: int = setting(50051, "public gRPC port (GenerationService, health, reflection); 0 = pick a free one",
+                        ("COLIBRI_PORT", "PORT"))
+    metrics_port: int = setting(9090, "HTTP port serving Prometheus /metrics; 0 = off",
+                                ("COLIBRI_METRICS_PORT", "METRICS_PORT"))
+    worker: str = setting("localhost:50052", "gRPC address of the expert worker (host:port or unix:PATH)",
+                          ("COLIBRI_WORKER", "WORKER_ADDRESS"))
+    model: str = setting("", "model directory; its tokenizer.json enables text prompts and text output",
+                         ("COLIBRI_MODEL", "MODEL_DIR"))
+    model_name: str = setting("", "served model name; empty = the worker's (the model directory name)",
+                              ("COLIBRI_MODEL_NAME", "SERVED_MODEL_NAME"))
+    max_concurrent_requests: int = setting(
+        128, "requests admitted at once (queued + running); more get RESOURCE_EXHAUSTED",
+        ("COLIBRI_MAX_CONCURRENT_REQUESTS", "MAX_CONCURRENT_REQUESTS"))
+    max_batch_size: int = setting(64, "sequences per step (capped by the worker's own limit)",
+                                  ("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE"))
+    max_batch_tokens: int = setting(2048, "token budget per step, prefill chunks + decodes (capped by the worker)",
+                                    ("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS", "MAX_BATCH_PREFILL_TOKENS"))
+    default_max_new_tokens: int = setting(256, "max_new_tokens when a request leaves it 0",
+                                          ("COLIBRI_DEFAULT_MAX_NEW_TOKENS",))
+    max_new_tokens: int = setting(4096, "largest max_new_tokens a request may ask for",
+                                  ("COLIBRI_MAX_NEW_TOKENS", "MAX_NEW_TOKENS"))
+    max_stop_sequences: int = setting(4, "stop sequences per request", ("COLIBRI_MAX_STOP_SEQUENCES",
+                                                                        "MAX_STOP_SEQUENCES"))
+    max_stop_sequence_length: int = setting(256, "characters per stop sequence",
+                                            ("COLIBRI_MAX_STOP_SEQUENCE_LENGTH",))
+    max_stop_token_ids: int = setting(64, "stop_token_ids per request", ("COLIBRI_MAX_STOP_TOKEN_IDS",))
+    max_request_id_length: int = setting(128, "characters of a caller-chosen request_id",
+                                         ("COLIBRI_MAX_REQUEST_ID_LENGTH",))
+    queue_timeout_s: float = setting(60.0, "seconds a request may wait for admission to the batch",
+                                     ("COLIBRI_QUEUE_TIMEOUT", "QUEUE_TIMEOUT"))
+    request_timeout_s: float = setting(600.0, "upper bound on one request's total time (a client deadline "
+                                       "shortens it)", ("COLIBRI_REQUEST_TIMEOUT", "REQUEST_TIMEOUT"))
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish",
+                                     ("COLIBRI_DRAIN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"))
+    worker_step_timeout_s: float = setting(120.0, "deadline of one worker step RPC (a wedged worker fails the "
+                                           "batch after this)", ("COLIBRI_WORKER_STEP_TIMEOUT",))
+    worker_retry_s: float = setting(1.0, "seconds between attempts to reach an unavailable worker",
+                                    ("COLIBRI_WORKER_RETRY",))
+    max_message_bytes: int = setting(16 * MiB, "largest gRPC message on the public port",
+                                     ("COLIBRI_MAX_MESSAGE_BYTES", "PAYLOAD_LIMIT"))
+    worker_max_message_bytes: int = setting(256 * MiB, "largest gRPC message to/from the worker",
+                                            ("COLIBRI_WORKER_MAX_MESSAGE_BYTES",))
+    retry_after_s: float = setting(1.0, "back-off suggested in RetryInfo when the router is full",
+                                   ("COLIBRI_RETRY_AFTER",))
+    auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off",
+                              ("COLIBRI_AUTH_TOKEN", "API_KEY"))
+    warmup: bool = setting(True, "ask the worker for a warm-up step of max_batch_tokens when it connects "
+                           "(a worker without Warmup is fine)",
+                           ("COLIBRI_WARMUP",))
+
+    def __post_init__(self):
+        positive = ("max_concurrent_requests", "max_batch_size", "max_batch_tokens", "default_max_new_tokens",
+                    "max_new_tokens", "max_stop_sequence_length", "max_request_id_length", "max_message_bytes",
+                    "worker_max_message_bytes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_stop_sequences", "max_stop_token_ids"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"router: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("queue_timeout_s", "request_timeout_s", "drain_timeout_s", "worker_step_timeout_s",
+                     "worker_retry_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"router: {name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"router: default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
+                              f"max_new_tokens ({self.max_new_tokens})")
+        if not self.worker:
+            raise ConfigError("router: worker address is required (--worker HOST:PORT)")

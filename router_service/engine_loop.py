@@ -1,0 +1,334 @@
+"""The router's engine: one asyncio task running schedule -> worker step -> update, and the requests it serves.
+
+The loop is the three lines of `_step`; everything else feeds it. Requests enter through `submit` (admission:
+draining, worker readiness, bounded concurrency), receive `Delta`s on their own asyncio queue, and leave via
+a finish reason, an error, or `cancel` (which frees their KV blocks at once and wakes the loop so the worker's
+FilterBatch happens before the next step). When the worker fails, every request in flight ends (INTERNAL for
+the batch the worker failed, UNAVAILABLE otherwise) and the loop reconnects: Info, Health, ClearCache.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from router_service.config import RouterConfig
+from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
+from router_service.scheduler import FinishReason, Scheduler, SchedulerLimits, Sequence, StepPlan
+from router_service.tokenizer import StopSequenceMatcher, Tokenizer
+from router_service.validation import ModelLimits, ValidatedRequest
+from router_service.worker_client import WorkerClient, sampling_params, step_outputs
+
+log = logging.getLogger("colibri.router.engine")
+tracer = trace.get_tracer("colibri.router")
+IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request since its previous Delta; the last one has finish_reason set."""
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+class EngineHooks:
+    """Observability hooks, no-ops here; main wires metrics into a subclass."""
+
+    def on_worker_state(self, ready: bool) -> None: ...
+
+    def on_step(self, kind: str, batch_size: int, num_tokens: int, seconds: float, kv_blocks_used: int,
+                num_kv_blocks: int) -> None: ...
+
+    def on_first_token(self, request: "RequestState") -> None: ...
+
+    def on_request_done(self, request: "RequestState", outcome: str) -> None: ...
+
+
+@dataclass
+class RequestState:
+    seq_id: int  # the worker's request id
+    request_id: str  # the public one, echoed to the caller
+    req: ValidatedRequest
+    deadline: float  # time.monotonic() by which the request must be done
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    detokenizer: object | None = None
+    stops: StopSequenceMatcher = field(default_factory=StopSequenceMatcher)
+    span_context: object | None = None  # the request span, linked from the batch spans that carry it
+    arrived_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_generated: int = 0
+    is_done: bool = False
+
+
+class RequestHandle:
+    """What submit returns: iterate it for Deltas; errors surface as RouterError."""
+
+    def __init__(self, engine: "Engine", state: RequestState):
+        self._engine, self._state = engine, state
+        self.request_id = state.request_id
+        self.num_prompt_tokens = len(state.req.prompt_ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        state = self._state
+        if state.is_done and state.queue.empty():
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(state.queue.get(), max(state.deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            self._engine.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
+            item = state.queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Ends the request now (client gone); a no-op once it finished."""
+        self._engine.cancel(self._state.seq_id)
+
+
+class Engine:
+    def __init__(self, config: RouterConfig, worker: WorkerClient, tokenizer: Tokenizer | None = None,
+                 hooks: EngineHooks | None = None):
+        self.config, self.worker, self.tokenizer = config, worker, tokenizer
+        self.hooks = hooks or EngineHooks()
+        self.info = None  # the worker's InfoResponse once connected
+        self.limits: ModelLimits | None = None
+        self.scheduler: Scheduler | None = None
+        self.is_worker_ready = False
+        self.is_draining = False
+        self._requests: dict[int, RequestState] = {}
+        self._sampling: dict = {}
+        self._ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="colibri-engine")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for seq_id in list(self._requests):
+            self.fail(seq_id, Unavailable("the router is shutting down"))
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def start_draining(self) -> None:
+        self.is_draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_worker_ready and not self.is_draining
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    # ---- requests ----
+    def submit(self, req: ValidatedRequest, deadline: float | None = None, span_context=None) -> RequestHandle:
+        if self.is_draining:
+            raise Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
+        if not self.is_worker_ready or self.scheduler is None:
+            raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+        if len(self._requests) >= self.config.max_concurrent_requests:
+            raise Overloaded(f"model is overloaded: {self.config.max_concurrent_requests} requests in flight "
+                             f"(max_concurrent_requests)", self.config.retry_after_s)
+        now = time.monotonic()
+        deadline = min(deadline or float("inf"), now + self.config.request_timeout_s)
+        seq_id = next(self._ids)
+        state = RequestState(seq_id, req.request_id or f"cmpl-{uuid.uuid4().hex}", req, deadline,
+                             span_context=span_context, arrived_at=now)
+        if self.tokenizer is not None:
+            state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
+            state.stops = StopSequenceMatcher(req.stop_sequences)
+        eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)
+        self.scheduler.add(Sequence(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
+                                    frozenset(req.stop_token_ids), queue_deadline=min(
+                                        deadline, now + self.config.queue_timeout_s)))
+        self._sampling[seq_id] = sampling_params(req, self.info.eos_token_ids)
+        self._requests[seq_id] = state
+        self._idle.clear()
+        self._wake.set()
+        return RequestHandle(self, state)
+
+    def cancel(self, seq_id: int) -> None:
+        self._end(seq_id, None, "cancelled", FinishReason.CANCELLED)
+
+    def fail(self, seq_id: int, error: RouterError) -> None:
+        self._end(seq_id, error, error.reason.lower(), FinishReason.ERROR)
+
+    def _end(self, seq_id: int, error: RouterError | None, outcome: str, reason: FinishReason) -> None:
+        state = self._requests.pop(seq_id, None)
+        if state is None:
+            return
+        if self.scheduler is not None:
+            self.scheduler.finish(seq_id, reason)  # blocks back now; FilterBatch before the next step
+        self._sampling.pop(seq_id, None)
+        state.is_done = True
+        if error is not None:
+            state.queue.put_nowait(error)
+        self.hooks.on_request_done(state, outcome)
+        if not self._requests:
+            self._idle.set()
+        self._wake.set()
+
+    # ---- the loop ----
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                if not self.is_worker_ready:
+                    await self._connect()
+                else:
+                    await self._step()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                self._on_worker_failure(e, ())
+            except Exception:  # a bug: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all(lambda _: GenerationFailed("internal router error"))
+                await asyncio.sleep(self.config.worker_retry_s)
+
+    async def _step(self) -> None:
+        self._wake.clear()
+        plan = self.scheduler.schedule(time.monotonic())
+        for seq_id in plan.expired_ids:
+            self.fail(seq_id, DeadlineExceeded(f"waited in the queue longer than queue_timeout_s="
+                                               f"{self.config.queue_timeout_s}", reason="QUEUE_TIMEOUT"))
+        if plan.free_ids:
+            await self.worker.filter_batch(plan.keep_ids)
+        if plan.is_empty:
+            await self._idle_wait()
+            return
+        started = time.perf_counter()
+        try:
+            with tracer.start_as_current_span(f"colibri.{plan.kind}", links=self._links(plan)):
+                response = await self.worker.step(plan, self._sampling)
+        except grpc.aio.AioRpcError as e:
+            self._on_worker_failure(e, plan.num_scheduled_tokens)
+            return
+        outputs = self.scheduler.update(plan, step_outputs(response))
+        self.hooks.on_step(plan.kind, len(plan.num_scheduled_tokens), plan.num_tokens,
+                           time.perf_counter() - started, response.kv_blocks_used,
+                           self.scheduler.limits.num_kv_blocks)
+        for out in outputs:
+            self._deliver(out)
+
+    def _links(self, plan: StepPlan) -> list[trace.Link]:
+        states = (self._requests.get(i) for i in plan.num_scheduled_tokens)
+        return [trace.Link(s.span_context) for s in states if s is not None and s.span_context is not None]
+
+    async def _idle_wait(self) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+        except asyncio.TimeoutError:
+            if not self._requests and not await self.worker.health(timeout=IDLE_POLL_S):
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "worker reports not ready")
+
+    def _deliver(self, out) -> None:
+        state = self._requests.get(out.request_id)
+        if state is None:
+            return
+        if out.error:
+            self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}",
+                                                     reason=out.error))
+            return
+        if state.first_token_at is None:
+            state.first_token_at = time.monotonic()
+            self.hooks.on_first_token(state)
+        state.num_generated += 1
+        reason, text = out.finish_reason, ""
+        if state.detokenizer is not None:
+            text, stopped = state.stops.push(state.detokenizer.step(out.token_id))
+            if not stopped and reason is not None:
+                tail, stopped = state.stops.push(state.detokenizer.flush())
+                text += tail + state.stops.flush()
+            if stopped:
+                reason = FinishReason.STOP_SEQUENCE
+        logprobs = [out.logprob] if state.req.logprobs and out.logprob is not None else []
+        state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason))
+        if reason is not None:
+            self._end(state.seq_id, None, reason.value, reason)
+
+    def _fail_all(self, error_for) -> None:
+        for seq_id in list(self._requests):
+            self.fail(seq_id, error_for(seq_id))
+
+    def _on_worker_failure(self, e: grpc.aio.AioRpcError, batch) -> None:
+        log.error("worker call failed: %s %s", e.code().name, e.details())
+        batch_error = (GenerationFailed(f"the worker failed the step: {e.details()}")
+                       if e.code() == grpc.StatusCode.INTERNAL else None)
+        other = Unavailable(f"lost the worker ({e.code().name}); retry shortly", reason="WORKER_UNAVAILABLE")
+        self._fail_all(lambda seq_id: batch_error if batch_error and seq_id in batch else other)
+        if self.scheduler is not None:
+            self.scheduler.clear()
+        self.is_worker_ready = False
+        self.hooks.on_worker_state(False)
+
+    async def _connect(self) -> None:
+        """Waits for a ready worker, then (re)configures limits and scheduler from its Info."""
+        try:
+            info = await self.worker.info()
+            if not await self.worker.health():
+                raise _NotReady()
+            await self.worker.clear_cache()  # we may have restarted while it held sequences
+            self._configure(info)
+            if self.config.warmup:
+                await self._warmup()
+        except (grpc.aio.AioRpcError, _NotReady) as e:
+            if self.info is None or isinstance(e, _NotReady):
+                log.info("waiting for the worker at %s", self.worker.address)
+            await asyncio.sleep(self.config.worker_retry_s)
+            return
+        self.is_worker_ready = True
+        log.info("worker ready: %s %s, %d KV blocks of %d tokens", info.family, info.backend,
+                 info.num_kv_blocks, info.kv_block_size)
+        self.hooks.on_worker_state(True)
+
+    async def _warmup(self) -> None:
+        try:
+            await self.worker.warmup(self.scheduler.limits.max_batch_tokens)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+
+    def _configure(self, info) -> None:
+        c = self.config
+        limits = SchedulerLimits(
+            max_batch_size=min(c.max_batch_size, info.max_batch_size or c.max_batch_size),
+            max_batch_tokens=min(c.max_batch_tokens, info.max_batch_tokens or c.max_batch_tokens),
+            kv_block_size=info.kv_block_size, num_kv_blocks=info.num_kv_blocks)
+        self.info = info
+        self.scheduler = Scheduler(limits)
+        self.limits = ModelLimits(vocab_size=info.vocab_size, max_sequence_length=info.max_position_embeddings,
+                                  kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks,
+                                  eos_token_ids=tuple(info.eos_token_ids), has_tokenizer=self.tokenizer is not None)
+
+
+class _NotReady(Exception):
+    pass

@@ -1,0 +1,90 @@
+"""The router's error contract, in one place: exception classes and their gRPC status (notes/reliability.md §2).
+
+INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUSTED carries RetryInfo; every
+status carries google.rpc.ErrorInfo with an UPPER_SNAKE reason so clients can branch without parsing text.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from common.errors import InvalidRequestError
+
+log = logging.getLogger("colibri.router")
+DOMAIN = "colibri.router"
+
+
+class RouterError(Exception):
+    """A request failed with a known gRPC status."""
+    code = grpc.StatusCode.INTERNAL
+    reason = "INTERNAL"
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        if reason:
+            self.reason = reason
+
+
+class Overloaded(RouterError):
+    code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(RouterError):
+    code, reason = grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"
+
+
+class DeadlineExceeded(RouterError):
+    code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"
+
+
+class Cancelled(RouterError):
+    code, reason = grpc.StatusCode.CANCELLED, "CANCELLED"
+
+
+class GenerationFailed(RouterError):
+    code, reason = grpc.StatusCode.INTERNAL, "GENERATION_FAILED"
+
+
+class Unauthenticated(RouterError):
+    code, reason = grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"
+
+
+def _pack(message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def to_status(exc: BaseException) -> grpc.Status:
+    """The gRPC status (code, one-line message, rich details) for any exception a handler raises."""
+    details = []
+    if isinstance(exc, InvalidRequestError):
+        code, reason, message = grpc.StatusCode.INVALID_ARGUMENT, "VALIDATION", str(exc)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=message)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    elif isinstance(exc, RouterError):
+        code, reason, message = exc.code, exc.reason, str(exc)
+        if isinstance(exc, Overloaded):
+            seconds = max(exc.retry_after_s, 0.0)
+            delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
+            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    else:
+        log.exception("unexpected error in a request handler")
+        code, reason, message = grpc.StatusCode.INTERNAL, "INTERNAL", f"internal error: {type(exc).__name__}"
+    details.insert(0, _pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
+    return rpc_status.to_status(status)
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Ends the RPC with exc's status (raises grpc's AbortError, as context.abort does)."""
+    status = to_status(exc)
+    await context.abort(status.code, status.details, status.trailing_metadata)

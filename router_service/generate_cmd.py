@@ -1,0 +1,70 @@
+"""`colibri generate --target ADDR "prompt"` (or `--tokens 1,2,3`): stream a completion to stdout.
+
+Text goes to stdout as it arrives (token ids too, with --show-tokens); the stop reason and token counts go
+to stderr so stdout stays pipeable. A failed call prints the one-line status and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from common.errors import ConfigError
+from common.pb import router_pb2
+from router_service.client import ColibriClient
+
+
+def _token_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens: expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", help="text prompt (needs a router started with --model)")
+    parser.add_argument("--target", default=os.environ.get("COLIBRI_TARGET", "localhost:50051"),
+                        help="router address (default: localhost:50051; env COLIBRI_TARGET)")
+    parser.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids")
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the router's default")
+    parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=0.0, help="in (0, 1]; 0 = off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--show-tokens", action="store_true", help="print generated token ids instead of text")
+    parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
+    parser.add_argument("--token", default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
+                        help="bearer token (env COLIBRI_AUTH_TOKEN)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.tokens is None):
+        raise ConfigError("generate: give a text prompt or --tokens, exactly one")
+    params = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
+    final = None
+    try:
+        with ColibriClient(args.target, timeout=args.timeout, token=args.token) as client:
+            for message in client.stream(args.prompt, token_ids=args.tokens, **params):
+                if args.show_tokens:
+                    if message.token_ids:
+                        print(" ".join(map(str, message.token_ids)), end=" ", flush=True)
+                else:
+                    print(message.text, end="", flush=True)
+                final = message
+    except grpc.RpcError as e:
+        print(f"\ncolibri generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print()
+    if final is not None:
+        reason = router_pb2.StopReason.Name(final.stop_reason)
+        print(f"[{final.request_id}] {reason}, {final.prompt_tokens} prompt + {final.generated_tokens} generated "
+              f"tokens", file=sys.stderr)
+    return 0

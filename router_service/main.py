@@ -1,0 +1,174 @@
+"""`colibri router --worker ADDR [--model DIR]`: the public gRPC server in front of one expert worker.
+
+Serves GenerationService, grpc.health.v1 (NOT_SERVING until the worker is ready, and again while it is
+lost or we drain) and server reflection. SIGTERM: health NOT_SERVING at once, new requests UNAVAILABLE,
+in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import signal
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import add_flags, flag_values, load_config_file, resolve
+from common.pb import router_pb2, router_pb2_grpc
+from router_service.config import RouterConfig
+from router_service.engine_loop import Engine, EngineHooks
+from router_service.servicer import BearerAuthInterceptor, GenerationServicer
+from router_service.tokenizer import Tokenizer
+from router_service.worker_client import WorkerClient
+
+log = logging.getLogger("colibri.router")
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class _HealthHooks(EngineHooks):
+    """Mirrors the worker's readiness into grpc.health, then delegates to the observability hooks."""
+
+    def __init__(self, inner: EngineHooks, health_servicer, router: "Router"):
+        self._inner, self._health, self._router = inner, health_servicer, router
+
+    def on_worker_state(self, ready: bool) -> None:
+        self._router.set_serving(ready)
+        self._inner.on_worker_state(ready)
+
+    def on_step(self, *args) -> None:
+        self._inner.on_step(*args)
+
+    def on_first_token(self, request) -> None:
+        self._inner.on_first_token(request)
+
+    def on_request_done(self, request, outcome: str) -> None:
+        self._inner.on_request_done(request, outcome)
+
+
+@dataclass
+class Router:
+    """A running router: its server, port, engine and health servicer."""
+    server: grpc.aio.Server
+    port: int
+    engine: Engine
+    health: health.aio.HealthServicer
+    worker: WorkerClient
+    draining: bool = False
+
+    def set_serving(self, serving: bool) -> None:
+        if self.draining:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, status))
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Stops admitting, waits for in-flight requests (True if all finished in time)."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        self.engine.start_draining()
+        finished = await self.engine.wait_idle(self.engine.config.drain_timeout_s if timeout is None else timeout)
+        if not finished:
+            log.warning("drain timeout: %d requests still in flight end UNAVAILABLE", self.engine.num_active)
+        return finished
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.engine.stop()
+        await self.server.stop(grace)
+        await self.worker.close()
+
+
+async def start_router(config: RouterConfig, worker_address: str | None = None,
+                       tokenizer: Tokenizer | None = None, hooks: EngineHooks | None = None) -> Router:
+    """Builds and starts the router (the engine connects to the worker in the background).
+
+    `worker_address` overrides config.worker; `tokenizer` overrides the one from config.model. With
+    config.port == 0 a free port is chosen: read it from the returned Router.port.
+    """
+    if worker_address:
+        config = replace(config, worker=worker_address)
+    if tokenizer is None and config.model:
+        tokenizer = Tokenizer.from_model_dir(config.model)
+    worker = WorkerClient(config.worker, max_message_bytes=config.worker_max_message_bytes,
+                          step_timeout_s=config.worker_step_timeout_s)
+    interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # Long-lived client connections get re-balanced across replicas behind a Service.
+        ("grpc.max_connection_age_ms", 600_000),
+        ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
+    ], maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16)
+    health_servicer = health.aio.HealthServicer()
+    engine = Engine(config, worker, tokenizer)
+    router = Router(server, 0, engine, health_servicer, worker)
+    engine.hooks = _HealthHooks(hooks or EngineHooks(), health_servicer, router)
+    model_name = config.model_name or (Path(config.model).name if config.model else "")
+    router_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, model_name), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    router.port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await engine.start()
+    log.info("router listening on %s:%d, worker %s", config.host, router.port, config.worker)
+    return router
+
+
+async def serve(config: RouterConfig, hooks: EngineHooks | None = None) -> int:
+    router = await start_router(config, hooks=hooks)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining for up to %.0f s", config.drain_timeout_s)
+    await router.drain()
+    await router.stop()
+    return 0
+
+
+def _setup_observability(config: RouterConfig) -> EngineHooks | None:
+    """Logging, tracing and metrics from common/ when those modules exist (written in parallel).
+
+    Hook points: common.logging_setup.setup_logging(service=...), common.tracing.setup_tracing(service=...),
+    common.metrics.router_hooks(model_name) -> EngineHooks. A missing or mismatched module only warns.
+    """
+    hooks = None
+    calls = (("common.logging_setup", "setup_logging", {"service": "router"}),
+             ("common.tracing", "setup_tracing", {"service": "colibri-router"}),
+             ("common.metrics", "router_hooks", {"model_name": config.model_name or Path(config.model).name}))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for module, function, kwargs in calls:
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+            result = getattr(importlib.import_module(module), function)(**kwargs)
+            hooks = result if isinstance(result, EngineHooks) else hooks
+        except Exception as e:  # observability must never stop the router from serving
+            log.warning("observability hook %s.%s unavailable: %s", module, function, e)
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(config.metrics_port)
+    return hooks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="JSON/YAML config file (its `router` section is used)")
+    add_flags(parser, RouterConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve(RouterConfig, file_values=load_config_file(args.config, "router"),
+                     flags=flag_values(args, RouterConfig))
+    hooks = _setup_observability(config)
+    return asyncio.run(serve(config, hooks))

@@ -1,0 +1,197 @@
+"""GenerationService: a thin grpc.aio servicer (protobuf <-> engine), plus the bearer-token interceptor.
+
+Each method converts, delegates to validation and the engine, and converts back; errors of every kind become
+a status in `errors.to_status`, the one place that maps them. A request leaves the engine in a `finally`,
+so a client that cancels or disconnects (the handler task is cancelled) frees its KV blocks at once.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+
+import grpc
+from opentelemetry import trace
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2, router_pb2_grpc
+from router_service import errors
+from router_service.engine_loop import Engine, RequestHandle
+from router_service.scheduler import FinishReason
+from router_service.validation import validate_request
+
+tracer = trace.get_tracer("colibri.router")
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+STOP_REASONS = {
+    FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
+    FinishReason.EOS: router_pb2.STOP_REASON_EOS,
+    FinishReason.STOP_TOKEN: router_pb2.STOP_REASON_STOP_TOKEN,
+    FinishReason.STOP_SEQUENCE: router_pb2.STOP_REASON_STOP_SEQUENCE,
+}
+
+
+class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, engine: Engine, model_name: str = ""):
+        self.engine = engine
+        self.config = engine.config
+        self._model_name = model_name
+
+    @property
+    def model_name(self) -> str:
+        info = self.engine.info
+        return self.config.model_name or self._model_name or (info.model_name if info else "") or "colibri"
+
+    def _submit(self, request: router_pb2.GenerateRequest, context, stream: bool) -> RequestHandle:
+        if self.engine.is_draining:
+            raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
+        if self.engine.limits is None:
+            raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+        req = validate_request(request, self.config, self.engine.limits, self.engine.tokenizer)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        span = trace.get_current_span()
+        _set_request_attributes(span, self.model_name, req, stream)
+        return self.engine.submit(req, deadline, span.get_span_context())
+
+    async def Generate(self, request, context):
+        with tracer.start_as_current_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER):
+            handle = None
+            try:
+                handle = self._submit(request, context, stream=False)
+                token_ids, text, logprobs, reason = [], [], [], None
+                async for delta in handle:
+                    token_ids += delta.token_ids
+                    text.append(delta.text)
+                    logprobs += delta.logprobs
+                    reason = delta.finish_reason or reason
+                _set_usage(handle, len(token_ids), reason)
+                return router_pb2.GenerateResponse(
+                    request_id=handle.request_id, token_ids=token_ids, text="".join(text),
+                    stop_reason=STOP_REASONS.get(reason, router_pb2.STOP_REASON_UNSPECIFIED),
+                    prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(token_ids), logprobs=logprobs,
+                    routing=self._routing())
+            except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
+                await self._abort(context, e, request, handle)
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    async def GenerateStream(self, request, context):
+        with tracer.start_as_current_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER):
+            handle = None
+            try:
+                handle = self._submit(request, context, stream=True)
+                await context.send_initial_metadata((("x-request-id", handle.request_id),))
+                generated = 0
+                async for delta in handle:
+                    generated += len(delta.token_ids)
+                    message = router_pb2.GenerateStreamResponse(
+                        request_id=handle.request_id, token_ids=delta.token_ids, text=delta.text,
+                        logprobs=delta.logprobs)
+                    if delta.finish_reason is not None:
+                        message.stop_reason = STOP_REASONS.get(delta.finish_reason,
+                                                               router_pb2.STOP_REASON_UNSPECIFIED)
+                        message.prompt_tokens = handle.num_prompt_tokens
+                        message.generated_tokens = generated
+                        message.routing = self._routing()
+                        _set_usage(handle, generated, delta.finish_reason)
+                    yield message
+            except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
+                await self._abort(context, e, request, handle)
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    async def Tokenize(self, request, context):
+        try:
+            if self.engine.tokenizer is None:
+                raise InvalidRequestError("text", "this model has no tokenizer (start the router with --model DIR)")
+            if len(request.text.encode()) > self.config.max_message_bytes:
+                raise InvalidRequestError("text", f"must be at most {self.config.max_message_bytes} bytes")
+            return router_pb2.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text))
+        except Exception as e:  # mapped to a status in errors.to_status
+            await self._abort(context, e, request, None)
+
+    async def ModelInfo(self, request, context):
+        info, limits = self.engine.info, self.engine.limits
+        if info is None or limits is None:
+            await self._abort(context, errors.Unavailable("the worker has not connected yet"), request, None)
+        hf = _hf_config(info.hf_config_json)
+        return router_pb2.ModelInfoResponse(
+            model_name=self.model_name, family=info.family, dtype=info.dtype, vocab_size=limits.vocab_size,
+            max_sequence_length=min(limits.max_sequence_length, limits.kv_capacity_tokens),
+            eos_token_ids=limits.eos_token_ids, has_tokenizer=limits.has_tokenizer, backend=info.backend,
+            routing=info.routing, num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0))
+
+    def _routing(self) -> str:
+        return self.engine.info.routing if self.engine.info is not None else ""
+
+    async def _abort(self, context, error: Exception, request, handle) -> None:
+        request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
+        span = trace.get_current_span()
+        span.set_attribute("error.type", getattr(error, "reason", "VALIDATION"))
+        status = errors.to_status(error)
+        metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
+        await context.abort(status.code, status.details, metadata)
+
+
+def _hf_config(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text) if text else {}
+        return value if isinstance(value, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _set_request_attributes(span, model_name: str, req, stream: bool) -> None:
+    # OTel GenAI semantic conventions (Development status as of semconv 1.37); prompts are never recorded.
+    span.set_attributes({
+        "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "colibri",
+        "gen_ai.request.model": model_name, "gen_ai.request.max_tokens": req.max_new_tokens,
+        "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
+        "gen_ai.request.top_k": req.top_k, "gen_ai.request.seed": req.seed, "gen_ai.request.stream": stream,
+        "gen_ai.usage.input_tokens": len(req.prompt_ids)})
+
+
+def _set_usage(handle: RequestHandle, generated: int, reason) -> None:
+    span = trace.get_current_span()
+    span.set_attributes({"gen_ai.response.id": handle.request_id, "gen_ai.usage.output_tokens": generated,
+                         "gen_ai.response.finish_reasons": [reason.value if reason else "unknown"]})
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer TOKEN` on every RPC except grpc.health.v1 (probes carry no token)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler):
+    status = errors.to_status(errors.Unauthenticated("missing or wrong bearer token (authorization metadata)"))
+
+    async def unary(request, context):
+        await context.abort(status.code, status.details, status.trailing_metadata)
+
+    async def streaming(request, context):
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        yield  # makes this an async generator, as streaming handlers are
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)

@@ -1,0 +1,135 @@
+"""Text in and out: the model's tokenizer.json (HF `tokenizers`), incremental detokenisation, stop sequences.
+
+Streams must never emit broken or retracted text, which takes two hold-backs:
+- IncrementalDetokenizer: a token can end inside a multi-byte UTF-8 character (byte-level BPE), and some
+  tokenizers change the text of earlier tokens depending on what follows (SentencePiece's leading space).
+  So each step decodes a short window that starts a few tokens back (prefix offset) and emits only the text
+  past what that window already produced, and only when it does not end in U+FFFD (an incomplete character).
+  This is the technique of TGI's `decode_token` and vLLM's `detokenize_incrementally`.
+- StopSequenceMatcher: text that might be the beginning of a stop sequence is held back until the next text
+  proves it is not; when a stop sequence completes, the output ends right before it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from common.errors import ConfigError
+
+REPLACEMENT = "\ufffd"
+# Tokens of context decoded before the new ones; enough for every tokenizer's look-back (TGI uses 5).
+PREFIX_WINDOW = 5
+
+
+class Tokenizer:
+    """The model's tokenizer: text <-> token ids."""
+
+    def __init__(self, tokenizer, path: str = ""):
+        self._tok = tokenizer
+        self.path = path
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer  # imported here: only text-serving routers need it
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"tokenizer: {p} not found")
+        try:
+            return cls(HFTokenizer.from_file(str(p)), str(p))
+        except Exception as e:  # the library raises bare Exceptions with a message
+            raise ConfigError(f"tokenizer: {p} is not a valid tokenizer.json: {e}") from None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer | None":
+        """The directory's tokenizer.json, or None when the model has none (token-id prompts only)."""
+        p = Path(model_dir) / "tokenizer.json"
+        if not Path(model_dir).is_dir():
+            raise ConfigError(f"--model: {model_dir} is not a directory")
+        return cls.from_file(p) if p.is_file() else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_ids) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated tokens into text, piece by piece, emitting only complete characters."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=()):
+        self._tok = tokenizer
+        context = list(prompt_ids)[-PREFIX_WINDOW:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def step(self, token_id: int) -> str:
+        """Adds one token; returns the new complete text (often "", e.g. mid-character)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._tok.decode(self._ids[self._prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._trim()
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is still held (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._tok.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+    def _trim(self) -> None:
+        # Only ids from the prefix offset on are ever decoded again; keep the list short on long outputs.
+        if self._prefix_offset > 64:
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+
+class StopSequenceMatcher:
+    """Finds stop sequences in streamed text; holds back text that may still become one."""
+
+    def __init__(self, stop_sequences=()):
+        self.stop_sequences = tuple(s for s in stop_sequences if s)
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Adds new text; returns (text safe to emit now, whether a stop sequence completed)."""
+        if self.stopped:
+            return "", True
+        if not self.stop_sequences:
+            return text, False
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self.stop_sequences) if i >= 0]
+        if hits:
+            emit, self._pending, self.stopped = self._pending[:min(hits)], "", True
+            return emit, True
+        cut = self._partial_match_start(self._pending)
+        emit, self._pending = self._pending[:cut], self._pending[cut:]
+        return emit, False
+
+    def flush(self) -> str:
+        """The held-back text, once the sequence ended for another reason."""
+        emit, self._pending = ("" if self.stopped else self._pending), ""
+        return emit
+
+    def _partial_match_start(self, text: str) -> int:
+        """The smallest i such that text[i:] is a proper prefix of some stop sequence (len(text) if none)."""
+        longest = max(len(s) for s in self.stop_sequences)
+        for i in range(max(0, len(text) - longest + 1), len(text)):
+            tail = text[i:]
+            if any(s.startswith(tail) for s in self.stop_sequences):
+                return i
+        return len(text)

@@ -1,0 +1,107 @@
+"""Async client of colibri.worker.v1.WorkerService, plus the scheduler-plan -> protobuf conversion.
+
+No automatic retries: steps are stateful and not idempotent (a retried Prefill would run a chunk twice), so
+a failed call fails the batch and the engine loop decides what to do. Every call has a deadline, and the
+W3C trace context of the current span travels in the metadata (no-op unless an OpenTelemetry SDK is set up).
+"""
+from __future__ import annotations
+
+import grpc
+from opentelemetry import propagate
+
+from common.pb import worker_pb2, worker_pb2_grpc
+from router_service.scheduler import StepOutput, StepPlan
+from router_service.validation import ValidatedRequest
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
+
+
+class WorkerClient:
+    """One channel to the worker; every method takes an optional timeout (seconds)."""
+
+    def __init__(self, address: str, *, max_message_bytes: int = 256 << 20, step_timeout_s: float = 120.0,
+                 control_timeout_s: float = 10.0):
+        self.address = address
+        self.step_timeout_s = step_timeout_s
+        self.control_timeout_s = control_timeout_s
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Notice a dead worker on an idle channel within seconds, not minutes.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.enable_retries", 0),
+        ]
+        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request, timeout: float | None):
+        return await method(request, timeout=timeout, metadata=_trace_metadata())
+
+    async def info(self, timeout: float | None = None) -> worker_pb2.InfoResponse:
+        return await self._call(self._stub.Info, worker_pb2.InfoRequest(), timeout or self.control_timeout_s)
+
+    async def health(self, timeout: float | None = None) -> bool:
+        response = await self._call(self._stub.Health, worker_pb2.HealthRequest(),
+                                    timeout or self.control_timeout_s)
+        return response.ready
+
+    async def warmup(self, max_batch_tokens: int, timeout: float | None = None) -> float:
+        response = await self._call(self._stub.Warmup, worker_pb2.WarmupRequest(max_batch_tokens=max_batch_tokens),
+                                    timeout or self.step_timeout_s * 5)
+        return response.warmup_ms
+
+    async def prefill(self, request: worker_pb2.PrefillRequest,
+                      timeout: float | None = None) -> worker_pb2.StepResponse:
+        return await self._call(self._stub.Prefill, request, timeout or self.step_timeout_s)
+
+    async def decode(self, request: worker_pb2.DecodeRequest,
+                     timeout: float | None = None) -> worker_pb2.StepResponse:
+        return await self._call(self._stub.Decode, request, timeout or self.step_timeout_s)
+
+    async def filter_batch(self, keep_request_ids, timeout: float | None = None) -> worker_pb2.FilterBatchResponse:
+        request = worker_pb2.FilterBatchRequest(keep_request_ids=list(keep_request_ids))
+        return await self._call(self._stub.FilterBatch, request, timeout or self.control_timeout_s)
+
+    async def clear_cache(self, timeout: float | None = None) -> int:
+        response = await self._call(self._stub.ClearCache, worker_pb2.ClearCacheRequest(),
+                                    timeout or self.control_timeout_s)
+        return response.freed_sequences
+
+    async def step(self, plan: StepPlan, sampling: dict[int, worker_pb2.SamplingParams],
+                   timeout: float | None = None) -> worker_pb2.StepResponse:
+        """Runs `plan` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
+        if plan.prefill_chunks:
+            return await self.prefill(plan_to_prefill(plan, sampling), timeout)
+        return await self.decode(worker_pb2.DecodeRequest(request_ids=list(plan.decode_ids)), timeout)
+
+
+def sampling_params(req: ValidatedRequest, eos_token_ids) -> worker_pb2.SamplingParams:
+    """Worker sampling settings; the worker suppresses stop ids (EOS unless ignored) before min_new_tokens."""
+    stop_ids = list(dict.fromkeys([*([] if req.ignore_eos else eos_token_ids), *req.stop_token_ids]))
+    return worker_pb2.SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                     seed=req.seed, stop_token_ids=stop_ids, min_new_tokens=req.min_new_tokens,
+                                     logprobs=req.logprobs)
+
+
+def plan_to_prefill(plan: StepPlan, sampling: dict[int, worker_pb2.SamplingParams]) -> worker_pb2.PrefillRequest:
+    chunks = []
+    for chunk in plan.prefill_chunks:
+        pb = worker_pb2.PrefillChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last)
+        if chunk.is_first:
+            pb.sampling.CopyFrom(sampling[chunk.request_id])
+        chunks.append(pb)
+    return worker_pb2.PrefillRequest(chunks=chunks, decode_request_ids=list(plan.decode_ids))
+
+
+def step_outputs(response: worker_pb2.StepResponse) -> list[StepOutput]:
+    return [StepOutput(g.request_id, g.token_id if g.has_token else None, g.logprob, error=g.error)
+            for g in response.generations]
