@@ -200,3 +200,9 @@ def test_malformed_manifest_fields(broken, capsys, key, value):
 
 def test_not_a_model_directory(tmp_path, capsys):
     assert_one_line_error(capsys, tmp_path, ModelFormatError.exit_code, MANIFEST, "colibri convert")
+
+
+def test_os_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "a_file" / "model"), "--no-progress")
+    assert rc == 1 and err.count("\n") == 1 and "a_file" in err and "Traceback" not in err
