@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 
 from common.errors import ColibriError
-
 from common.models import FAMILIES
 
 
