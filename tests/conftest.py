@@ -1,6 +1,13 @@
 """Shared fixtures: the embedded tiny model and an in-process expert worker on loopback."""
 from __future__ import annotations
 
+import os
+
+# Kernel tests run in Numba's CUDA simulator unless a GPU run asks otherwise (`COLIBRI_TEST_GPU=1 pytest -m gpu`).
+# It must be chosen before numba is first imported, hence here, at the top of the root conftest.
+if os.environ.get("COLIBRI_TEST_GPU") != "1":
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
 import asyncio
 import threading
 from pathlib import Path

@@ -1,0 +1,119 @@
+"""Device helpers shared by the kernels: 16-bit <-> float32 conversion and reductions.
+
+Real GPU: bfloat16 widening is a shift into the top half of a float32 word (exact), narrowing rounds to
+nearest even; reductions use warp shuffles. Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) libdevice
+and shuffles do not exist, so the same names are bound to Python equivalents that give identical results.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+from numba.cuda import config
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def bf16_to_f32(u):
+        return np.array([np.uint32(u) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def f32_to_bf16(x):
+        bits = np.array([x], dtype=np.float32).view(np.uint32)[0]
+        if math.isnan(x):
+            return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+        return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_to_f32(u):
+        return libdevice.int_as_float(np.int32(np.uint32(u) << np.uint32(16)))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_to_bf16(x):
+        bits = np.uint32(libdevice.float_as_int(x))
+        if math.isnan(x):
+            return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+        return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def _load_bf16(a, i):
+    return bf16_to_f32(a[i])
+
+
+@cuda.jit(device=True, inline=True)
+def _load_float(a, i):
+    return np.float32(a[i])
+
+
+@cuda.jit(device=True, inline=True)
+def _store_bf16(a, i, x):
+    a[i] = f32_to_bf16(x)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_float(a, i, x):
+    a[i] = x
+
+
+def loader(dtype):
+    """Device function `load(array, flat_index) -> float32` for arrays of storage dtype `dtype`."""
+    return _load_bf16 if np.dtype(dtype) == np.uint16 else _load_float
+
+
+def storer(dtype):
+    """Device function `store(array, flat_index, float32)` rounding to the storage dtype."""
+    return _store_bf16 if np.dtype(dtype) == np.uint16 else _store_float
+
+
+if SIMULATOR:
+    # The simulator runs every thread of a block as a Python thread; a block-wide shared scratch makes the
+    # butterfly exchange explicit. Each warp uses its own 32-slot window.
+    @cuda.jit(device=True)
+    def warp_sum(value):
+        scratch = cuda.shared.array(1024, dtype=np.float32)
+        lane = cuda.threadIdx.x % WARP
+        base = cuda.threadIdx.x - lane
+        scratch[cuda.threadIdx.x] = value
+        cuda.syncthreads()
+        total = np.float32(0.0)
+        for j in range(WARP):
+            total += scratch[base + j]
+        cuda.syncthreads()
+        return total
+
+    @cuda.jit(device=True)
+    def warp_max(value):
+        scratch = cuda.shared.array(1024, dtype=np.float32)
+        lane = cuda.threadIdx.x % WARP
+        base = cuda.threadIdx.x - lane
+        scratch[cuda.threadIdx.x] = value
+        cuda.syncthreads()
+        best = scratch[base]
+        for j in range(1, WARP):
+            best = max(best, scratch[base + j])
+        cuda.syncthreads()
+        return best
+else:
+    @cuda.jit(device=True, inline=True)
+    def warp_sum(value):
+        """Sum over the 32 lanes of the calling warp; every lane gets the total (all lanes must call)."""
+        offset = 16
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max(value):
+        offset = 16
+        while offset > 0:
+            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
+            offset //= 2
+        return value
