@@ -1,0 +1,90 @@
+"""Every GenerateRequest field is validated: each case names the field, the limit and the value."""
+import math
+
+import pytest
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2
+from router_service.config import RouterConfig
+from router_service.validation import ModelLimits, validate_request
+
+CONFIG = RouterConfig(max_new_tokens=100, default_max_new_tokens=20, max_stop_sequences=2,
+                      max_stop_sequence_length=8, max_request_id_length=16, max_stop_token_ids=3)
+LIMITS = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000, eos_token_ids=(256,),
+                     has_tokenizer=True)
+
+
+def req(ids=(1, 2, 3), text=None, request_id="", **params):
+    r = router_pb2.GenerateRequest(request_id=request_id, parameters=router_pb2.SamplingParameters(**params))
+    if text is not None:
+        r.text = text
+    elif ids is not None:
+        r.token_ids.ids.extend(ids)
+    return r
+
+
+CASES = [
+    # (name, request, limits override, field, words the message must contain)
+    ("prompt missing", req(ids=None), {}, "prompt", ["text or token_ids"]),
+    ("empty ids", req(ids=()), {}, "token_ids.ids", ["empty"]),
+    ("empty text", req(text=""), {}, "text", ["empty"]),
+    ("id = vocab", req(ids=(1, 258)), {}, "token_ids.ids[1]", ["[0, 258)", "258"]),
+    ("id huge", req(ids=(2**32 - 1,)), {}, "token_ids.ids[0]", ["4294967295"]),
+    ("text without tokenizer", req(text="hi"), {"tokenizer": None}, "text", ["tokenizer"]),
+    ("stop id out of vocab", req(stop_token_ids=[5, 300]), {}, "parameters.stop_token_ids[1]", ["258", "300"]),
+    ("too many stop ids", req(stop_token_ids=[1, 2, 3, 4]), {}, "parameters.stop_token_ids", ["3", "4"]),
+    ("temperature negative", req(temperature=-1), {}, "parameters.temperature", [">= 0", "-1"]),
+    ("temperature nan", req(temperature=math.nan), {}, "parameters.temperature", ["nan"]),
+    ("temperature inf", req(temperature=math.inf), {}, "parameters.temperature", ["inf"]),
+    ("top_p above 1", req(top_p=1.5), {}, "parameters.top_p", ["(0, 1]", "1.5"]),
+    ("top_p negative", req(top_p=-0.1), {}, "parameters.top_p", ["(0, 1]"]),
+    ("top_p nan", req(top_p=math.nan), {}, "parameters.top_p", ["nan"]),
+    ("top_k above vocab", req(top_k=259), {}, "parameters.top_k", ["258", "259"]),
+    ("max_new_tokens above cap", req(max_new_tokens=101), {}, "parameters.max_new_tokens", ["100", "101"]),
+    ("max_new_tokens 2^32-1", req(max_new_tokens=2**32 - 1), {}, "parameters.max_new_tokens", ["4294967295"]),
+    ("prompt + max_new over context", req(ids=[1] * 60, max_new_tokens=5), {}, "parameters.max_new_tokens",
+     ["max_sequence_length", "64", "60", "5"]),
+    ("prompt + max_new over KV", req(ids=[1] * 10, max_new_tokens=30),
+     {"limits": ModelLimits(258, 64, 32, (256,), True)}, "parameters.max_new_tokens", ["KV capacity", "32"]),
+    ("prompt fills context", req(ids=[1] * 64), {}, "prompt", ["64", "no room"]),
+    ("min > max", req(max_new_tokens=5, min_new_tokens=6), {}, "parameters.min_new_tokens", ["5", "6"]),
+    ("too many stops", req(stop_sequences=["a", "b", "c"]), {}, "parameters.stop_sequences", ["2", "3"]),
+    ("empty stop", req(stop_sequences=["a", ""]), {}, "parameters.stop_sequences[1]", ["empty"]),
+    ("long stop", req(stop_sequences=["x" * 9]), {}, "parameters.stop_sequences[0]", ["8", "9"]),
+    ("stops without tokenizer", req(stop_sequences=["x"]), {"limits": ModelLimits(258, 64, 1000, (), False)},
+     "parameters.stop_sequences", ["tokenizer"]),
+    ("request_id too long", req(request_id="r" * 17), {}, "request_id", ["16", "17"]),
+    ("request_id control chars", req(request_id="a\nb"), {}, "request_id", ["printable"]),
+]
+
+
+@pytest.mark.parametrize("name,request_,override,field,words", CASES, ids=[c[0] for c in CASES])
+def test_invalid(name, request_, override, field, words, tokenizer):
+    tok = override.get("tokenizer", tokenizer)
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(request_, CONFIG, override.get("limits", LIMITS), tok)
+    assert err.value.field == field
+    message = str(err.value)
+    assert message.startswith(field + ":")
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_defaults_applied(tokenizer):
+    v = validate_request(req(text="hi"), CONFIG, LIMITS, tokenizer)
+    assert v.prompt_ids == (ord("h"), ord("i")) and v.is_text_prompt
+    assert v.max_new_tokens == 20 and v.top_p == 1.0 and v.top_k == 0 and v.temperature == 0.0
+    assert 0 <= v.seed < 2**64
+    assert validate_request(req(seed=0), CONFIG, LIMITS, None).seed == 0
+
+
+def test_default_max_new_tokens_shrinks_to_fit_context():
+    v = validate_request(req(ids=[1] * 60), CONFIG, LIMITS, None)
+    assert v.max_new_tokens == 4
+
+
+def test_valid_edges_pass(tokenizer):
+    v = validate_request(req(ids=[0, 257], top_p=1.0, top_k=258, temperature=2.0, max_new_tokens=62,
+                             min_new_tokens=62, stop_sequences=["12345678", "b"], stop_token_ids=[0, 1, 257],
+                             request_id="r" * 16), CONFIG, LIMITS, tokenizer)
+    assert v.max_new_tokens == 62 and v.stop_token_ids == (0, 1, 257) and v.request_id == "r" * 16
