@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_STEP_KIND, get_tracer,
+                            links_from_contexts)
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
-from router_service.scheduler import FinishReason, Scheduler, SchedulerLimits, Sequence, StepPlan
+from router_service.observability import EngineHooks
+from router_service.scheduler import FinishReason, Scheduler, SchedulerLimits, Sequence
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import WorkerClient, sampling_params, step_outputs
 
 log = logging.getLogger("colibri.router.engine")
-tracer = trace.get_tracer("colibri.router")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
 
 
@@ -37,19 +39,6 @@ class Delta:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-
-
-class EngineHooks:
-    """Observability hooks, no-ops here; main wires metrics into a subclass."""
-
-    def on_worker_state(self, ready: bool) -> None: ...
-
-    def on_step(self, kind: str, batch_size: int, num_tokens: int, seconds: float, kv_blocks_used: int,
-                num_kv_blocks: int) -> None: ...
-
-    def on_first_token(self, request: "RequestState") -> None: ...
-
-    def on_request_done(self, request: "RequestState", outcome: str) -> None: ...
 
 
 @dataclass
@@ -63,7 +52,8 @@ class RequestState:
     stops: StopSequenceMatcher = field(default_factory=StopSequenceMatcher)
     span_context: object | None = None  # the request span, linked from the batch spans that carry it
     arrived_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
+    scheduled_at: float | None = None  # first step that carried it
+    last_token_at: float | None = None
     num_generated: int = 0
     is_done: bool = False
 
@@ -171,6 +161,7 @@ class Engine:
                                         deadline, now + self.config.queue_timeout_s)))
         self._sampling[seq_id] = sampling_params(req, self.info.eos_token_ids)
         self._requests[seq_id] = state
+        self.hooks.on_admitted(state)
         self._idle.clear()
         self._wake.set()
         return RequestHandle(self, state)
@@ -179,7 +170,7 @@ class Engine:
         self._end(seq_id, None, "cancelled", FinishReason.CANCELLED)
 
     def fail(self, seq_id: int, error: RouterError) -> None:
-        self._end(seq_id, error, error.reason.lower(), FinishReason.ERROR)
+        self._end(seq_id, error, error.code.name.lower(), FinishReason.ERROR)
 
     def _end(self, seq_id: int, error: RouterError | None, outcome: str, reason: FinishReason) -> None:
         state = self._requests.pop(seq_id, None)
@@ -191,7 +182,7 @@ class Engine:
         state.is_done = True
         if error is not None:
             state.queue.put_nowait(error)
-        self.hooks.on_request_done(state, outcome)
+        self.hooks.on_request_done(state, outcome, time.monotonic())
         if not self._requests:
             self._idle.set()
         self._wake.set()
@@ -224,23 +215,30 @@ class Engine:
         if plan.is_empty:
             await self._idle_wait()
             return
-        started = time.perf_counter()
+        started = time.monotonic()
+        states = [s for s in map(self._requests.get, plan.num_scheduled_tokens) if s is not None]
+        for state in states:
+            if state.scheduled_at is None:
+                state.scheduled_at = started
+                self.hooks.on_scheduled(state, started)
+        attributes = {COLIBRI_STEP_KIND: plan.kind, COLIBRI_BATCH_SIZE: len(plan.num_scheduled_tokens),
+                      COLIBRI_BATCH_TOKENS: plan.num_tokens}
         try:
-            with tracer.start_as_current_span(f"colibri.{plan.kind}", links=self._links(plan)):
+            # One CLIENT span per worker call, linked to its members' request spans; its context travels
+            # to the worker in the call metadata, so the worker's step span is its child.
+            with get_tracer().start_as_current_span(plan.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
+                                                    links=links_from_contexts(s.span_context for s in states)):
                 response = await self.worker.step(plan, self._sampling)
         except grpc.aio.AioRpcError as e:
             self._on_worker_failure(e, plan.num_scheduled_tokens)
             return
         outputs = self.scheduler.update(plan, step_outputs(response))
-        self.hooks.on_step(plan.kind, len(plan.num_scheduled_tokens), plan.num_tokens,
-                           time.perf_counter() - started, response.kv_blocks_used,
-                           self.scheduler.limits.num_kv_blocks)
+        worker_ms = response.timings.total_ms
+        self.hooks.on_step(plan.kind, len(plan.num_scheduled_tokens), plan.num_tokens, time.monotonic() - started,
+                           worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,
+                           self.scheduler.num_waiting, len(self._requests))
         for out in outputs:
             self._deliver(out)
-
-    def _links(self, plan: StepPlan) -> list[trace.Link]:
-        states = (self._requests.get(i) for i in plan.num_scheduled_tokens)
-        return [trace.Link(s.span_context) for s in states if s is not None and s.span_context is not None]
 
     async def _idle_wait(self) -> None:
         try:
@@ -258,9 +256,9 @@ class Engine:
             self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}",
                                                      reason=out.error))
             return
-        if state.first_token_at is None:
-            state.first_token_at = time.monotonic()
-            self.hooks.on_first_token(state)
+        now = time.monotonic()
+        self.hooks.on_token(state, now)
+        state.last_token_at = now
         state.num_generated += 1
         reason, text = out.finish_reason, ""
         if state.detokenizer is not None:
@@ -273,7 +271,7 @@ class Engine:
         logprobs = [out.logprob] if state.req.logprobs and out.logprob is not None else []
         state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason))
         if reason is not None:
-            self._end(state.seq_id, None, reason.value, reason)
+            self._end(state.seq_id, None, "ok", reason)
 
     def _fail_all(self, error_for) -> None:
         for seq_id in list(self._requests):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
+import os
 import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,9 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import add_flags, flag_values, load_config_file, resolve
+from common.logging_setup import configure_logging
+from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig
-from router_service.engine_loop import Engine, EngineHooks
+from router_service.engine_loop import Engine
+from router_service.observability import ChainedHooks, EngineHooks, router_metrics
 from router_service.servicer import BearerAuthInterceptor, GenerationServicer
 from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
@@ -31,23 +34,13 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_
 
 
 class _HealthHooks(EngineHooks):
-    """Mirrors the worker's readiness into grpc.health, then delegates to the observability hooks."""
+    """Mirrors the worker's readiness into grpc.health."""
 
-    def __init__(self, inner: EngineHooks, health_servicer, router: "Router"):
-        self._inner, self._health, self._router = inner, health_servicer, router
+    def __init__(self, router: "Router"):
+        self._router = router
 
     def on_worker_state(self, ready: bool) -> None:
         self._router.set_serving(ready)
-        self._inner.on_worker_state(ready)
-
-    def on_step(self, *args) -> None:
-        self._inner.on_step(*args)
-
-    def on_first_token(self, request) -> None:
-        self._inner.on_first_token(request)
-
-    def on_request_done(self, request, outcome: str) -> None:
-        self._inner.on_request_done(request, outcome)
 
 
 @dataclass
@@ -109,7 +102,7 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     health_servicer = health.aio.HealthServicer()
     engine = Engine(config, worker, tokenizer)
     router = Router(server, 0, engine, health_servicer, worker)
-    engine.hooks = _HealthHooks(hooks or EngineHooks(), health_servicer, router)
+    engine.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     router_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, model_name), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -137,28 +130,14 @@ async def serve(config: RouterConfig, hooks: EngineHooks | None = None) -> int:
     return 0
 
 
-def _setup_observability(config: RouterConfig) -> EngineHooks | None:
-    """Logging, tracing and metrics from common/ when those modules exist (written in parallel).
-
-    Hook points: common.logging_setup.setup_logging(service=...), common.tracing.setup_tracing(service=...),
-    common.metrics.router_hooks(model_name) -> EngineHooks. A missing or mismatched module only warns.
-    """
-    hooks = None
-    calls = (("common.logging_setup", "setup_logging", {"service": "router"}),
-             ("common.tracing", "setup_tracing", {"service": "colibri-router"}),
-             ("common.metrics", "router_hooks", {"model_name": config.model_name or Path(config.model).name}))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for module, function, kwargs in calls:
-        try:
-            if importlib.util.find_spec(module) is None:
-                continue
-            result = getattr(importlib.import_module(module), function)(**kwargs)
-            hooks = result if isinstance(result, EngineHooks) else hooks
-        except Exception as e:  # observability must never stop the router from serving
-            log.warning("observability hook %s.%s unavailable: %s", module, function, e)
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-        start_http_server(config.metrics_port)
+def _setup_observability(config: RouterConfig) -> EngineHooks:
+    """JSON logs (LOG_FORMAT), the tracer provider (OTLP only when configured) and /metrics."""
+    configure_logging("router", os.environ.get("LOG_LEVEL", "INFO"))
+    configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))
+    model_name = config.model_name or (Path(config.model).name if config.model else "colibri")
+    hooks, port = router_metrics(model_name, config.metrics_port if config.metrics_port else -1)
+    if port >= 0:
+        log.info("metrics on http://0.0.0.0:%d/metrics", port)
     return hooks
 
 

@@ -14,12 +14,12 @@ from opentelemetry import trace
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
+from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.engine_loop import Engine, RequestHandle
 from router_service.scheduler import FinishReason
 from router_service.validation import validate_request
 
-tracer = trace.get_tracer("colibri.router")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 STOP_REASONS = {
@@ -54,7 +54,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return self.engine.submit(req, deadline, span.get_span_context())
 
     async def Generate(self, request, context):
-        with tracer.start_as_current_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER):
+        with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
             handle = None
             try:
                 handle = self._submit(request, context, stream=False)
@@ -71,13 +71,13 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(token_ids), logprobs=logprobs,
                     routing=self._routing())
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
-                await self._abort(context, e, request, handle)
+                await self._abort(context, e, request, handle, count=handle is None)
             finally:
                 if handle is not None:
                     handle.cancel()
 
     async def GenerateStream(self, request, context):
-        with tracer.start_as_current_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER):
+        with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
             handle = None
             try:
                 handle = self._submit(request, context, stream=True)
@@ -97,7 +97,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         _set_usage(handle, generated, delta.finish_reason)
                     yield message
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
-                await self._abort(context, e, request, handle)
+                await self._abort(context, e, request, handle, count=handle is None)
             finally:
                 if handle is not None:
                     handle.cancel()
@@ -127,11 +127,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     def _routing(self) -> str:
         return self.engine.info.routing if self.engine.info is not None else ""
 
-    async def _abort(self, context, error: Exception, request, handle) -> None:
+    async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
+        """Ends the RPC with `error`'s status; `count`: it never reached the engine, so count it here."""
         request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
         span = trace.get_current_span()
         span.set_attribute("error.type", getattr(error, "reason", "VALIDATION"))
         status = errors.to_status(error)
+        if count:
+            self.engine.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
         await context.abort(status.code, status.details, metadata)
 

@@ -16,12 +16,12 @@ from router_service.main import start_router
 
 
 @contextlib.asynccontextmanager
-async def harness(fake=None, tokenizer=None, wait_ready=True, **overrides):
+async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **overrides):
     fake = fake or FakeWorker()
     worker_server, address = await start_fake_worker(fake)
     config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
                              **overrides})
-    router = await start_router(config, address, tokenizer=tokenizer)
+    router = await start_router(config, address, tokenizer=tokenizer, hooks=hooks)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
     stub = router_pb2_grpc.GenerationServiceStub(channel)
     try:

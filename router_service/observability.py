@@ -1,0 +1,89 @@
+"""Engine hooks and the router's metrics: the engine calls hooks, this file turns them into Prometheus series.
+
+The engine knows nothing about Prometheus; it calls `EngineHooks` at the moments that matter (admission,
+first scheduling, every token, every step, the terminal status). All intervals use time.monotonic() stamps
+taken in this one process (vLLM's rule: never compare monotonic clocks across processes).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from common.metrics import RouterMetrics, new_registry, start_metrics_server
+
+
+class EngineHooks:
+    """No-op observability hooks; `request` is the engine's RequestState."""
+
+    def on_worker_state(self, ready: bool) -> None: ...
+
+    def on_admitted(self, request) -> None: ...
+
+    def on_scheduled(self, request, now: float) -> None: ...
+
+    def on_token(self, request, now: float) -> None: ...
+
+    def on_step(self, kind: str, num_seqs: int, num_tokens: int, router_seconds: float,
+                worker_seconds: float | None, num_running: int, num_waiting: int, num_active: int) -> None: ...
+
+    def on_request_done(self, request, outcome: str, now: float) -> None: ...
+
+    def on_rejected(self, outcome: str) -> None:
+        """A request refused before admission (validation, overload, draining): outcome = status, lower-case."""
+
+
+class MetricsHooks(EngineHooks):
+    """EngineHooks that update common.metrics.RouterMetrics."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.m = metrics
+
+    def on_admitted(self, request) -> None:
+        self.m.prompt_tokens.inc(len(request.req.prompt_ids))
+
+    def on_scheduled(self, request, now: float) -> None:
+        self.m.request_queue_duration.observe(now - request.arrived_at)
+
+    def on_token(self, request, now: float) -> None:
+        self.m.generation_tokens.inc()
+        if request.last_token_at is None:
+            self.m.time_to_first_token.observe(now - request.arrived_at)
+        else:
+            self.m.time_per_output_token.observe(now - request.last_token_at)
+
+    def on_step(self, kind, num_seqs, num_tokens, router_seconds, worker_seconds, num_running, num_waiting,
+                num_active) -> None:
+        self.m.observe_step(kind, router_seconds, worker_seconds, num_seqs, num_tokens)
+        self._gauges(num_running, num_waiting, num_active)
+
+    def on_request_done(self, request, outcome: str, now: float) -> None:
+        self.m.observe_finished(outcome, now - request.arrived_at)
+
+    def on_rejected(self, outcome: str) -> None:
+        self.m.requests.labels(outcome=outcome).inc()
+
+    def _gauges(self, running: int, waiting: int, active: int) -> None:
+        self.m.num_requests_running.set(running)
+        self.m.num_requests_waiting.set(waiting)
+        self.m.queue_size.set(active)
+
+
+class ChainedHooks(EngineHooks):
+    """Calls several hooks objects in order (health mirroring + metrics)."""
+
+    def __init__(self, *hooks: EngineHooks):
+        self.hooks = hooks
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            hooks = object.__getattribute__(self, "hooks")
+            return lambda *args: [getattr(h, name)(*args) for h in hooks] and None
+        return object.__getattribute__(self, name)
+
+
+def router_metrics(model_name: str, port: int, registry: CollectorRegistry | None = None,
+                   host: str = "0.0.0.0") -> tuple[MetricsHooks, int]:
+    """Metrics hooks on a fresh registry, served on http://host:port/metrics (port 0 = a free one, -1 = none)."""
+    registry = registry or new_registry()
+    hooks = MetricsHooks(RouterMetrics(registry, model_name))
+    bound = start_metrics_server(registry, port, host)[2] if port >= 0 else -1
+    return hooks, bound
