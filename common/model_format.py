@@ -242,6 +242,18 @@ class ModelDir:
             if entry.shape != spec.shape:
                 raise ModelFormatError(f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
                                        f"config.json implies {list(spec.shape)}")
+        for layer in self.config.moe_layers:
+            for expert in range(self.config.num_experts):
+                self._check_expert_layout(layer, expert)
+
+    def _check_expert_layout(self, layer: int, expert: int) -> None:
+        """An expert must be one aligned contiguous range (gate, up, down back to back): it is copied as one."""
+        prefix = f"layers.{layer}.experts.{expert}."
+        gate, up, down = (self.entries[prefix + p] for p in ("gate_proj", "up_proj", "down_proj"))
+        if gate.offset % EXPERT_ALIGN or not (gate.file == up.file == down.file) \
+                or up.offset != gate.offset + gate.nbytes or down.offset != up.offset + up.nbytes:
+            raise ModelFormatError(f"tensor {prefix}gate_proj: expert {expert} of layer {layer} is not one "
+                                   f"{EXPERT_ALIGN}-byte-aligned block of gate, up, down back to back")
 
     def _map(self, file: str) -> np.memmap:
         if file not in self._maps:

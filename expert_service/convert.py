@@ -50,6 +50,8 @@ class SafetensorsShard:
     def read(self, name: str) -> tuple[np.ndarray, str]:
         """(storage array view, dtype name) of one tensor."""
         info = self.header[name]
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ModelFormatError(f"{self.path}: malformed safetensors header entry for tensor {name}")
         dtype = dtypes.SAFETENSORS_NAMES.get(info["dtype"])
         if dtype is None:
             raise ModelFormatError(f"{self.path}: tensor {name} has dtype {info['dtype']}, "
@@ -79,7 +81,11 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
     index_path = hf_dir / "model.safetensors.index.json"
     where: dict[str, SafetensorsShard] = {}
     if index_path.is_file():
-        for name, file in json.loads(index_path.read_text())["weight_map"].items():
+        try:
+            weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{index_path}: malformed index ({type(e).__name__}: {e})") from None
+        for name, file in weight_map.items():
             if file not in opened:
                 raise ModelFormatError(f"{index_path}: tensor {name} maps to missing shard {file}")
             where[name] = opened[file]

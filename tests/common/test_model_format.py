@@ -125,3 +125,18 @@ def test_manifest_records_format_and_tokenizer(converted):
     config, read_back = read_manifest_config(model.path)
     assert config == model.config and read_back == manifest
     assert model.tokenizer_path() == model.path / "tokenizer.json"
+
+
+def test_reader_rejects_an_expert_that_is_not_one_contiguous_block(tmp_path):
+    """A manifest edited so an expert's matrices are no longer back to back is refused on load, since the
+    worker copies each expert as one byte range."""
+    import shutil
+    src = convert(write_tiny_checkpoint(tmp_path / "hf"), tmp_path / "model", progress=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    up = manifest["tensors"]["layers.1.experts.2.up_proj"]
+    up["offset"] += 64
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ModelFormatError, match=r"layers\.1\.experts\.2\..*not one 4096-byte-aligned block"):
+        ModelDir.open(bad, verify=False)
