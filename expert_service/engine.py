@@ -14,8 +14,8 @@ import numpy as np
 from common.errors import CapacityError, ConfigError, InvalidRequestError
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
-from expert_service.kv_cache import BlockAllocator, KVPool
-from expert_service.model import CpuDecoder, CpuWeights, ForwardBatch, StepTrace
+from expert_service.kv_cache import BlockAllocator
+from expert_service.model import CpuDecoder, ForwardBatch, StepTrace
 from expert_service.sampling import Sampler, SamplingParams
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
@@ -53,10 +53,29 @@ class Sequence:
     last_token: int | None = None        # the latest sampled token, fed by the next decode
 
 
-def select_backend(requested: str) -> str:
-    if requested == "cuda":
-        raise ConfigError("backend: cuda is not available in this build yet (use --backend cpu)")
-    return "cpu"
+def cuda_available() -> bool:
+    """A usable NVIDIA GPU and driver (never true in the simulator)."""
+    try:
+        from numba import cuda
+        from numba.cuda import config
+        return not config.ENABLE_CUDASIM and cuda.is_available()
+    except Exception:        # no driver library, broken install: the CPU backend still works
+        return False
+
+
+def make_decoder(model: ModelDir, config: EngineConfig):
+    """The backend's decoder: `auto` picks cuda when a GPU is present, else cpu."""
+    backend = config.backend
+    if backend == "auto":
+        backend = "cuda" if cuda_available() else "cpu"
+    num_blocks = config.resolved_num_kv_blocks
+    if backend == "cuda":
+        if not cuda_available():
+            raise ConfigError("backend: cuda was asked for but no usable NVIDIA GPU/driver was found "
+                              "(use --backend cpu or auto)")
+        from expert_service.cuda.decoder import CudaDecoder
+        return CudaDecoder(model, config)
+    return CpuDecoder(model, num_blocks, config.kv_block_size)
 
 
 class Engine:
@@ -64,12 +83,9 @@ class Engine:
         self.model = model
         self.config = config
         self.model_config = model.config
-        self.backend = select_backend(config.backend)
-        self.decoder = CpuDecoder(CpuWeights(model))
-        mc = self.model_config
+        self.decoder = make_decoder(model, config)
+        self.backend = self.decoder.backend
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
-        self.kv = KVPool.allocate(mc.num_hidden_layers, self.allocator.num_blocks, config.kv_block_size,
-                                  mc.num_key_value_heads, mc.head_dim)
         self.sequences: dict[int, Sequence] = {}
 
     # --- sequence lifecycle -------------------------------------------------------------------------
@@ -109,7 +125,7 @@ class Engine:
         batch = self._build_batch(work, all_logits=False)
         trace = StepTrace()
         t0 = time.perf_counter()
-        logits = self.decoder.forward(batch, self.kv, trace)
+        logits = self.decoder.forward(batch, trace)
         t1 = time.perf_counter()
         outputs, row = [], 0
         for rid, tokens, wants_token in work:
@@ -180,7 +196,7 @@ class Engine:
         try:
             work = [(request_id, tokens, True)]
             self._check_step(work)
-            return self.decoder.forward(self._build_batch(work, all_logits=True), self.kv)
+            return self.decoder.forward(self._build_batch(work, all_logits=True))
         finally:
             self.release([request_id])
 

@@ -63,14 +63,25 @@ class CpuWeights:
 
 
 class CpuDecoder:
-    def __init__(self, weights: CpuWeights):
-        self.w = weights
-        self.config: ModelConfig = weights.config
-        self.rotary = Rotary(self.config.rope, self.config.head_dim)
+    """The numpy backend: weights in host memory, KV pool as host arrays."""
+    backend = "cpu"
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, trace: StepTrace | None = None) -> np.ndarray:
-        """Runs the step, writing its K/V into `kv`; returns float32 logits [len(logits_rows), V]."""
-        cfg = self.config
+    def __init__(self, model: ModelDir, num_kv_blocks: int, kv_block_size: int):
+        self.w = CpuWeights(model)
+        self.config: ModelConfig = model.config
+        self.rotary = Rotary(self.config.rope, self.config.head_dim)
+        self.kv = KVPool.allocate(self.config.num_hidden_layers, num_kv_blocks, kv_block_size,
+                                  self.config.num_key_value_heads, self.config.head_dim)
+
+    def memory_plan(self) -> list[tuple[str, int]]:
+        model = self.w.model
+        experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
+        return [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
+                ("kv_cache", self.kv.nbytes)]
+
+    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> np.ndarray:
+        """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""
+        cfg, kv = self.config, self.kv
         h = self.w.get("embed_tokens")[batch.token_ids]                    # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions)
         for i in range(cfg.num_hidden_layers):

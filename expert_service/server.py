@@ -92,10 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     def memory_plan(self) -> list[tuple[str, int]]:
-        model = self.engine.model
-        experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
-        return [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
-                ("kv_cache", self.engine.kv.nbytes)]
+        return self.engine.decoder.memory_plan()
 
     async def Info(self, request, context):
         e, mc = self.engine, self.engine.model_config
