@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
 from common.logging_setup import configure_logging
@@ -150,4 +151,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(RouterConfig, file_values=load_config_file(args.config, "router"),
                      flags=flag_values(args, RouterConfig))
     hooks = _setup_observability(config)
-    return asyncio.run(serve(config, hooks))
+    try:
+        return asyncio.run(serve(config, hooks))
+    finally:
+        getattr(trace.get_tracer_provider(), "shutdown", lambda: None)()  # flush batched spans

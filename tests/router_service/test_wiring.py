@@ -13,7 +13,7 @@ from router_service import generate_cmd, main
 from router_service.client import ColibriClient, build_request, retry_delay
 from router_service.config import RouterConfig
 from router_service.observability import router_metrics
-from test_servicer import harness, ids_request, wait_for
+from test_servicer import harness, ids_request
 
 PURITY_SCRIPT = """
 import sys
