@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-port", type=int, default=0,
                         help="the worker's loopback gRPC port (default: a free port)")
     parser.add_argument("--worker-metrics-port", type=int, default=9091,
-                        help="the worker's Prometheus /metrics port (default: 9091)")
-    add_flags(parser, _router_config(), skip=("worker", "model"))
+                        help="the worker's Prometheus /metrics port; 0 = off (default: 9091)")
+    # The router caps its batch limits to the worker's (Info), so those two flags go to the worker only.
+    add_flags(parser, _router_config(), skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
     add_flags(parser, _engine_config())
 
 
@@ -83,7 +84,8 @@ class Supervisor:
         while not self.stopping:
             time.sleep(0.2)
             if router.poll() is not None:
-                log.error("router exited with code %d; stopping the worker", router.returncode)
+                log.log(logging.INFO if router.returncode == 0 else logging.ERROR,
+                        "router exited with code %d; stopping the worker", router.returncode)
                 self._stop(worker)
                 return router.returncode or 1
             if worker.poll() is not None:

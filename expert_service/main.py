@@ -33,7 +33,7 @@ class WorkerConfig:
     host: str = setting("127.0.0.1", "address to bind the worker's gRPC port (loopback: only the router "
                         "sidecar should reach it)", env=("COLIBRI_WORKER_HOST",))
     port: int = setting(50052, "worker gRPC port (0 = pick a free one)", env=("COLIBRI_WORKER_PORT",))
-    metrics_port: int = setting(9091, "worker Prometheus /metrics port (-1 = off)",
+    metrics_port: int = setting(9091, "worker Prometheus /metrics port; 0 = off",
                                 env=("COLIBRI_WORKER_METRICS_PORT",))
     model_name: str = setting("", "served model name (default: the model directory's name)",
                               env=("COLIBRI_MODEL_NAME", "MODEL_ID"))
@@ -46,8 +46,9 @@ class WorkerConfig:
     log_level: str = setting("INFO", "log level", env=("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
 
     def __post_init__(self):
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
 
@@ -60,15 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfig, *,
-                stop: asyncio.Event | None = None, on_ready: Callable[[int], None] | None = None) -> int:
+                stop: asyncio.Event | None = None, on_ready: Callable[[int, WorkerServicer], None] | None = None,
+                tracer_provider=None) -> int:
     """Loads the model, serves until SIGTERM/SIGINT or `stop` (exit 0) or a worker fault (exit 1).
-    `on_ready(port)` runs once the worker is warmed up and SERVING."""
+    `on_ready(port, servicer)` runs once the worker is warmed up and SERVING; `tracer_provider` defaults to
+    the process's (OTLP export only when configured)."""
     model = ModelDir.open(model_dir, verify=engine_config.verify_checksums, progress=True)
     engine = Engine(model, engine_config)
     name = config.model_name or Path(model_dir).resolve().name
     registry = new_registry()
     metrics = WorkerMetrics(registry, name)
-    tracer_provider = configure_tracing("colibri-worker")
+    owns_provider = tracer_provider is None
+    tracer_provider = tracer_provider or configure_tracing("colibri-worker")
     stop = stop or asyncio.Event()
     exit_code = [0]
 
@@ -93,7 +97,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         raise ConfigError(f"port: cannot bind {config.host}:{config.port}")
     await server.start()
     metrics_server = None
-    if config.metrics_port >= 0:
+    if config.metrics_port:
         metrics_server, _, metrics_port = start_metrics_server(registry, config.metrics_port)
         log.info("metrics on :%d/metrics", metrics_port)
     metrics.set_memory_plan(dict(servicer.memory_plan()))
@@ -106,7 +110,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
              config.host, port, engine.backend, engine.allocator.num_blocks, engine_config.kv_block_size, warm_ms,
              extra={"port": port})
     if on_ready is not None:
-        on_ready(port)
+        on_ready(port, servicer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -123,7 +127,8 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     if metrics_server is not None:
         metrics_server.shutdown()
     servicer.executor.shutdown(wait=False, cancel_futures=True)
-    tracer_provider.shutdown()
+    if owns_provider:
+        tracer_provider.shutdown()
     log.info("worker stopped", extra={"exit_code": exit_code[0]})
     return exit_code[0]
 

@@ -25,10 +25,11 @@ def tiny_model(tmp_path_factory) -> Path:
 class BackgroundWorker:
     """Runs `expert_service.main.serve` on its own event loop in a thread; `.address` once ready."""
 
-    def __init__(self, model_dir: Path, port: int = 0, **engine_overrides):
+    def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None,
+                 **engine_overrides):
         from expert_service.config import EngineConfig
         from expert_service.main import WorkerConfig
-        self.config = WorkerConfig(port=port, metrics_port=0, warmup_tokens=8)
+        self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8)
         self.engine_config = EngineConfig(**{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096,
                                              **engine_overrides})
         self.model_dir = model_dir
@@ -36,6 +37,7 @@ class BackgroundWorker:
         self.port: int | None = None
         self.exit_code: int | None = None
         self.servicer = None
+        self.tracer_provider = tracer_provider
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -44,14 +46,14 @@ class BackgroundWorker:
         from expert_service.main import serve
         asyncio.set_event_loop(self.loop)
 
-        def on_ready(port: int):
-            self.port = port
+        def on_ready(port: int, servicer):
+            self.port, self.servicer = port, servicer
             self._ready.set()
 
         async def main():
             self._stop = asyncio.Event()
             return await serve(str(self.model_dir), self.config, self.engine_config, stop=self._stop,
-                               on_ready=on_ready)
+                               on_ready=on_ready, tracer_provider=self.tracer_provider)
         try:
             self.exit_code = self.loop.run_until_complete(main())
         finally:
@@ -62,6 +64,10 @@ class BackgroundWorker:
         assert self._ready.wait(120), "worker did not start in time"
         assert self.port, f"worker failed to start (exit code {self.exit_code})"
         return self
+
+    @property
+    def engine(self):
+        return self.servicer.engine
 
     @property
     def address(self) -> str:

@@ -1,0 +1,227 @@
+"""Both services together: `colibri serve` as real processes, and in-process router + worker for
+traces and cancel storms (SPEC §6, §9, §11)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.model_format import ModelDir
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+SECTION_9_METRICS = {
+    "router": ["colibri_requests_total", "colibri_queue_size", "colibri_num_requests_running",
+               "colibri_num_requests_waiting", "colibri_time_to_first_token_seconds",
+               "colibri_time_per_output_token_seconds", "colibri_request_duration_seconds",
+               "colibri_prompt_tokens_total", "colibri_generation_tokens_total", "colibri_batch_size",
+               "colibri_step_duration_seconds"],
+    "worker": ["colibri_worker_step_duration_seconds", "colibri_kv_cache_usage_ratio",
+               "colibri_expert_cache_hits_total", "colibri_expert_cache_misses_total",
+               "colibri_expert_cache_copied_bytes_total", "colibri_expert_cache_stall_seconds_total",
+               "colibri_routing_plan_recall", "colibri_expert_load_imbalance"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_greedy(model, prompt, n):
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine
+    return Engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
+
+
+def request(ids, n):
+    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids),
+                               parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True))
+
+
+def wait_serving(channel, timeout=90.0):
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("router never became SERVING")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def worker_pid(serve_pid: int) -> int:
+    for pid in child_pids(serve_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"worker" in f.read().split(b"\0"):
+                return pid
+    raise AssertionError("no worker process")
+
+
+def test_serve_processes_end_to_end(tiny_model):
+    port, metrics, worker_metrics = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    serve = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", str(tiny_model),
+                              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
+                              "--worker-metrics-port", str(worker_metrics), "--backend", "cpu",
+                              "--max-batch-tokens", "16", "--worker-retry-s", "0.1"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        wait_serving(channel)
+        stub = router_pb2_grpc.GenerationServiceStub(channel)
+
+        # Discovery through reflection.
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert "colibri.router.v1.GenerationService" in {s.name for s in answer.list_services_response.service}
+
+        # 8 concurrent streams of different lengths, each equal to its solo offline run.
+        prompts = [[(7 * i + j) % 250 + 3 for j in range(1 + 3 * i)] for i in range(8)]
+        lengths = [4 + i for i in range(8)]
+        expected = [offline_greedy(tiny_model, p, n) for p, n in zip(prompts, lengths)]
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda pn: [t for m in stub.GenerateStream(request(*pn)) for t in m.token_ids],
+                                zip(prompts, lengths)))
+        assert got == expected
+
+        # Both /metrics endpoints carry the §9 names with the model_name label.
+        for service, scrape_port in (("router", metrics), ("worker", worker_metrics)):
+            text = urllib.request.urlopen(f"http://127.0.0.1:{scrape_port}/metrics", timeout=5).read().decode()
+            for name in SECTION_9_METRICS[service]:
+                assert name in text, f"{service} /metrics lacks {name}"
+            assert 'model_name="model"' in text
+
+        # Kill the worker mid-stream: the stream ends UNAVAILABLE/INTERNAL, the router stays up, and once
+        # `serve` has restarted the worker, requests succeed again.
+        stream = stub.GenerateStream(request([5, 6, 7], 2000))
+        next(stream)
+        os.kill(worker_pid(serve.pid), signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stream:
+                pass
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                reply = stub.Generate(request(prompts[1], lengths[1]), timeout=10)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert time.monotonic() < deadline, "router did not recover after the worker restart"
+                time.sleep(0.5)
+        assert list(reply.token_ids) == expected[1]
+        channel.close()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+    assert code == 0, serve.stderr.read().decode()[-2000:]
+
+
+def test_trace_links_router_request_to_worker_step(tiny_model):
+    """Spans captured in memory: the worker's Prefill/Decode server spans are children of the router's
+    step spans, in the same trace as the request span."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common.tracing import make_tracer_provider
+    from router_service.config import RouterConfig
+    from router_service.main import start_router
+    from tests.conftest import BackgroundWorker
+
+    exporter = InMemorySpanExporter()
+    provider = make_tracer_provider("test", SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)   # the router uses the global provider
+    worker = BackgroundWorker(tiny_model, tracer_provider=provider).start()
+
+    async def body():
+        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05),
+                                    worker.address)
+        try:
+            for _ in range(500):
+                if router.engine.is_ready:
+                    break
+                await asyncio.sleep(0.02)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                reply = await router_pb2_grpc.GenerationServiceStub(channel).Generate(request([9, 8, 7], 3))
+                assert len(reply.token_ids) == 3
+        finally:
+            await router.stop(grace=0.1)
+    try:
+        asyncio.run(body())
+    finally:
+        worker.stop()
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    worker_steps = [s for s in spans if s.name in ("colibri.worker.v1.WorkerService/Prefill",
+                                                   "colibri.worker.v1.WorkerService/Decode")]
+    assert worker_steps, [s.name for s in spans]
+    for step in worker_steps:
+        parent = by_id.get(step.parent.span_id) if step.parent else None
+        assert parent is not None and parent.name in ("prefill", "decode"), (step.name, parent)
+        assert parent.context.trace_id == step.context.trace_id
+        assert any(link.context.trace_id for link in parent.links) or parent.parent is not None
+
+
+def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
+    from router_service.config import RouterConfig
+    from router_service.main import start_router
+    from tests.conftest import BackgroundWorker
+    worker = BackgroundWorker(tiny_model).start()
+
+    async def body():
+        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
+                                                 max_batch_tokens=32), worker.address)
+        try:
+            for _ in range(500):
+                if router.engine.is_ready:
+                    break
+                await asyncio.sleep(0.02)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                stub = router_pb2_grpc.GenerationServiceStub(channel)
+
+                async def start_and_cancel(i):
+                    call = stub.GenerateStream(request([3 + i % 200] * (1 + i % 17), 500))
+                    if i % 2:
+                        await call.read()
+                    await asyncio.sleep(0.001 * (i % 5))
+                    call.cancel()
+                await asyncio.gather(*(start_and_cancel(i) for i in range(40)))
+            for _ in range(500):
+                if router.engine.num_active == 0:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+        finally:
+            await router.stop(grace=0.1)
+    try:
+        asyncio.run(body())
+        allocator = worker.engine.allocator
+        assert allocator.num_allocations > 0
+        assert allocator.num_used_blocks == 0 and allocator.num_allocations == allocator.num_frees
+        assert not worker.engine.sequences
+    finally:
+        worker.stop()
