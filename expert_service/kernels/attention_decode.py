@@ -1,0 +1,225 @@
+"""Paged decode attention: one query token per sequence over its cached keys (numpy reference:
+expert_service.layers.attention.paged_attention with one row per sequence).
+
+Design (memory-bound: every K/V byte of a (sequence, kv head) is read once, by one block):
+- Block = (sequence, tile of GT query heads sharing one kv head, split). GT is the whole GQA group when it is
+  at most MAX_GROUP_TILE; larger groups (MQA) are cut into tiles, each re-reading the kv head (from L2).
+- NWARPS warps take keys round-robin; a warp's lanes hold Hd/32 dims each (lane-major, so each load
+  instruction reads one contiguous run of the key row). Per key: GT warp reductions give the scores, then
+  each warp updates its own online softmax (max, sum, accumulator) in float32 registers. At the end the
+  warps' states are merged through shared memory.
+- Split-K: with few sequences (b=1) a grid of S * H/GT blocks leaves most SMs idle, so each sequence's key
+  range is cut into P equal parts (grid z). Each part writes an unnormalised partial output with its
+  (max, sum), and a reduce kernel merges them. `decode_splits` picks P so the grid has about TARGET_BLOCKS
+  blocks, with parts of at least MIN_PARTITION_TOKENS keys; P=1 (large batches) skips the reduce.
+  Parts are equal per sequence (not fixed-size), so long and short sequences and sliding windows balance.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from expert_service.kernels.numeric import WARP, loader, warp_sum
+
+NWARPS = 4
+THREADS = NWARPS * WARP
+MAX_GROUP_TILE = 8            # query heads per block: registers hold GT * Hd/32 accumulators per lane
+TARGET_BLOCKS = 264           # 2 blocks per SM on the H200's 132 SMs
+MIN_PARTITION_TOKENS = 256    # below this a part's merge costs more than the parallelism gains
+NEG_INF = np.float32(-np.inf)
+
+
+def group_tile(group: int) -> int:
+    """Largest divisor of the GQA group size that fits MAX_GROUP_TILE."""
+    return max(g for g in range(1, min(group, MAX_GROUP_TILE) + 1) if group % g == 0)
+
+
+def decode_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_context: int) -> int:
+    """Number of key partitions P per sequence (1 = no split-K) for a batch whose longest context is
+    max_context; the split workspaces are [S, H, P, Hd] and [S, H, P, 2] float32."""
+    blocks = num_seqs * (num_heads // group_tile(num_heads // num_kv_heads))
+    wanted = -(-TARGET_BLOCKS // blocks)
+    return max(1, min(wanted, max_context // MIN_PARTITION_TOKENS))
+
+
+@functools.lru_cache(maxsize=None)
+def _build(kv_dtype, head_dim: int, gt: int):
+    load = loader(kv_dtype)
+    dpl = -(-head_dim // WARP)       # dims per lane
+    acc_len = gt * dpl
+    sm_states = NWARPS * gt          # shared-array sizes must be closure constants, not expressions
+    sm_acc_len = NWARPS * gt * head_dim
+
+    def attention_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, positions, block_size,
+                                num_kv_heads, window, scale, out, part_out, part_ml):
+        """q: [S, H, Hd] float32, the query of each sequence's one new token.
+        k_pool, v_pool: [NB * BS * Hkv * Hd] flat views of the layer's pools [NB, BS, Hkv, Hd] (kv dtype).
+        block_tables: [S, max_blocks] int32; context_lens: [S] int32 keys in the cache (0 = idle slot: out 0);
+        positions: [S] int32 query position; keys at positions <= it (and > it - window if window > 0) count.
+        block_size, num_kv_heads: int32; scale: float32 (head_dim ** -0.5).
+        out: [S, H, Hd] float32 (written when gridDim.z == 1).
+        part_out: [S, H, P, Hd], part_ml: [S, H, P, 2] float32 partials (written when gridDim.z == P > 1).
+        Grid (S, H // GT, P), block (THREADS,)."""
+        s = cuda.blockIdx.x
+        h0 = cuda.blockIdx.y * gt
+        split = cuda.blockIdx.z
+        num_splits = cuda.gridDim.z
+        kvh = h0 // (q.shape[1] // num_kv_heads)
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+
+        q_pos = positions[s]
+        hi = min(context_lens[s], q_pos + 1)
+        lo = max(0, q_pos - window + 1) if window > 0 else 0
+        part = (max(hi - lo, 0) + num_splits - 1) // num_splits
+        k_lo = lo + split * part
+        k_hi = min(k_lo + part, hi)
+
+        qr = cuda.local.array(acc_len, types.float32)
+        acc = cuda.local.array(acc_len, types.float32)
+        m = cuda.local.array(gt, types.float32)
+        den = cuda.local.array(gt, types.float32)
+        kr = cuda.local.array(dpl, types.float32)
+        vr = cuda.local.array(dpl, types.float32)
+        for g in range(gt):
+            m[g] = NEG_INF
+            den[g] = 0.0
+            for i in range(dpl):
+                d = i * WARP + lane
+                qr[g * dpl + i] = q[s, h0 + g, d] * scale if d < head_dim else np.float32(0.0)
+                acc[g * dpl + i] = 0.0
+
+        row = num_kv_heads * head_dim
+        # Same trip count for every warp: warp_sum needs all lanes (and, in the simulator, all threads).
+        for it in range((max(k_hi - k_lo, 0) + NWARPS - 1) // NWARPS):
+            key = k_lo + it * NWARPS + warp
+            valid = key < k_hi
+            base = np.int64(0)
+            if valid:
+                blk = block_tables[s, key // block_size]
+                base = (np.int64(blk) * block_size + key % block_size) * row + kvh * head_dim
+            for i in range(dpl):
+                d = i * WARP + lane
+                kr[i] = load(k_pool, base + d) if valid and d < head_dim else np.float32(0.0)
+                vr[i] = load(v_pool, base + d) if valid and d < head_dim else np.float32(0.0)
+            for g in range(gt):
+                dot = np.float32(0.0)
+                for i in range(dpl):
+                    dot += qr[g * dpl + i] * kr[i]
+                score = warp_sum(dot)
+                if valid:
+                    m_new = max(m[g], score)
+                    alpha = math.exp(m[g] - m_new)
+                    p = math.exp(score - m_new)
+                    den[g] = den[g] * alpha + p
+                    for i in range(dpl):
+                        acc[g * dpl + i] = acc[g * dpl + i] * alpha + p * vr[i]
+                    m[g] = m_new
+
+        # Merge the warps' softmax states: acc is relative to each warp's own max.
+        sm_m = cuda.shared.array(sm_states, types.float32)
+        sm_den = cuda.shared.array(sm_states, types.float32)
+        sm_acc = cuda.shared.array(sm_acc_len, types.float32)
+        for g in range(gt):
+            if lane == 0:
+                sm_m[warp * gt + g] = m[g]
+                sm_den[warp * gt + g] = den[g]
+            for i in range(dpl):
+                d = i * WARP + lane
+                if d < head_dim:
+                    sm_acc[(warp * gt + g) * head_dim + d] = acc[g * dpl + i]
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, gt * head_dim, THREADS):
+            g = e // head_dim
+            d = e % head_dim
+            mx = NEG_INF
+            for w in range(NWARPS):
+                mx = max(mx, sm_m[w * gt + g])
+            total = np.float32(0.0)
+            o = np.float32(0.0)
+            if mx > NEG_INF:
+                for w in range(NWARPS):
+                    c = math.exp(sm_m[w * gt + g] - mx)
+                    total += sm_den[w * gt + g] * c
+                    o += sm_acc[(w * gt + g) * head_dim + d] * c
+            if num_splits == 1:
+                out[s, h0 + g, d] = o / total if total > 0 else np.float32(0.0)
+            else:
+                part_out[s, h0 + g, split, d] = o
+                if d == 0:
+                    part_ml[s, h0 + g, split, 0] = mx
+                    part_ml[s, h0 + g, split, 1] = total
+
+    return attention_decode_kernel, cuda.jit(attention_decode_kernel)
+
+
+def attention_decode_reduce_kernel(part_out, part_ml, out):
+    """Merge split-K partials: part_out [S, H, P, Hd], part_ml [S, H, P, 2] (max, sum) float32
+    -> out [S, H, Hd] float32. Grid (S, H), block (THREADS,)."""
+    s = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    num_parts = part_out.shape[2]
+    mx = NEG_INF
+    for p in range(num_parts):
+        mx = max(mx, part_ml[s, h, p, 0])
+    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        total = np.float32(0.0)
+        o = np.float32(0.0)
+        if mx > NEG_INF:
+            for p in range(num_parts):
+                c = math.exp(part_ml[s, h, p, 0] - mx)
+                total += part_ml[s, h, p, 1] * c
+                o += part_out[s, h, p, d] * c
+        out[s, h, d] = o / total if total > 0 else np.float32(0.0)
+
+
+_reduce = cuda.jit(attention_decode_reduce_kernel)
+
+
+def attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
+                     part_out=None, part_ml=None, stream=0) -> None:
+    """q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits);
+    block_tables: [S, max_blocks] int32; context_lens, positions: [S] int32; window: 0 = none;
+    out: [S, H, Hd] float32. Split-K workspaces part_out [S, H, P, Hd] and part_ml [S, H, P, 2] float32
+    (P from decode_splits); None or P == 1 runs one kernel without them."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
+    assert q.dtype == out.dtype == np.float32 and out.shape == q.shape, (q.dtype, out.dtype, out.shape)
+    assert k_pool.shape == v_pool.shape and k_pool.dtype == v_pool.dtype and k_pool.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert block_tables.dtype == context_lens.dtype == positions.dtype == np.int32
+    assert block_tables.shape[0] == context_lens.shape[0] == positions.shape[0] == num_seqs
+    splits = 1 if part_out is None else part_out.shape[2]
+    if splits > 1:
+        assert part_out.shape == (num_seqs, num_heads, splits, head_dim) and part_out.dtype == np.float32
+        assert part_ml.shape == (num_seqs, num_heads, splits, 2) and part_ml.dtype == np.float32
+    for a in (q, k_pool, v_pool, block_tables, context_lens, positions, out):
+        assert a.flags["C_CONTIGUOUS"], "attention_decode needs contiguous arrays"
+    if num_seqs == 0:
+        return
+    gt = group_tile(num_heads // num_kv_heads)
+    kernel = _build(np.dtype(k_pool.dtype), head_dim, gt)[1]
+    if splits == 1:      # the partial arguments are never touched: pass `out` views of the right rank
+        part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
+    kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
+        q, k_pool.reshape(-1), v_pool.reshape(-1), block_tables, context_lens, positions, np.int32(block_size),
+        np.int32(num_kv_heads), np.int32(window), np.float32(scale), out, part_out, part_ml)
+    if splits > 1:
+        _reduce[(num_seqs, num_heads), THREADS, stream](part_out, part_ml, out)
+
+
+def sm90_signatures():
+    """(python function, numba signature) of the variants to compile for sm_90: every kv dtype at Hd=128 with
+    GQA tiles 4 and 8, an odd head size, and the split-K reduce."""
+    f32_3d, f32_4d, i32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32
+    out = []
+    variants = [(np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)]
+    for (dtype, nb), head_dim, gt in [(v, 128, gt) for v in variants for gt in (4, 8)] + [(variants[2], 20, 3)]:
+        out.append((_build(np.dtype(dtype), head_dim, gt)[0],
+                    (f32_3d, nb[::1], nb[::1], i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32,
+                     f32_3d, f32_4d, f32_4d)))
+    out.append((attention_decode_reduce_kernel, (f32_4d, f32_4d, f32_3d)))
+    return out

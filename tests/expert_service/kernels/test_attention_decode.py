@@ -1,0 +1,72 @@
+"""attention_decode kernel vs expert_service.layers.attention.paged_attention (one query per sequence)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.attention_decode import attention_decode, decode_splits
+from expert_service.layers.attention import paged_attention
+
+from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
+
+
+def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5):
+    num_seqs = len(context_lens)
+    need = sum(-(-c // block_size) for c in context_lens)
+    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim,
+                                                 dtype)
+    q = rng.standard_normal((num_seqs, num_heads, head_dim), dtype=np.float32)
+    ctx = np.asarray(context_lens, dtype=np.int32)
+    positions = ctx - 1
+    scale = head_dim ** -0.5
+    # The reference reads the same stored values, so only float32 arithmetic order differs.
+    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), np.arange(num_seqs + 1), ctx, lists,
+                           positions, scale, window)
+    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
+    part_out = part_ml = None
+    if splits > 1:
+        part_out = cuda.to_device(np.full((num_seqs, num_heads, splits, head_dim), np.nan, dtype=np.float32))
+        part_ml = cuda.to_device(np.full((num_seqs, num_heads, splits, 2), np.nan, dtype=np.float32))
+    attention_decode(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
+                     cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, part_out, part_ml)
+    assert_close(out.copy_to_host(), want, rtol)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_gqa_mixed_lengths_split(dtype):
+    # 2 query heads on 1 kv head, Hd=20 (not a multiple of 32), contexts 1..9, 3 parts (some empty for ctx=1).
+    _check(np.random.default_rng(1), [1, 9, 6], 2, 1, 20, 4, 0, dtype, splits=3)
+
+
+def test_mqa_sliding_window_no_split():
+    # 3 query heads on one kv head, window 3 < context, non-contiguous blocks.
+    _check(np.random.default_rng(2), [7, 2], 3, 1, 24, 2, 3, np.uint16, splits=1)
+
+
+def test_gqa_window_with_split():
+    # 4 query heads over 2 kv heads, window 5 < context 10 split in 2.
+    _check(np.random.default_rng(3), [10], 4, 2, 8, 4, 5, np.float32, splits=2)
+
+
+def test_decode_splits_policy():
+    assert decode_splits(64, 32, 8, 4096) == 1                  # 512 blocks already fill the GPU
+    assert decode_splits(1, 32, 8, 256) == 1                    # too short to split
+    assert 1 < decode_splits(1, 32, 8, 32768) <= 128
+    assert decode_splits(1, 32, 8, 4096) == 4096 // 256         # capped by the minimum part length
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("num_seqs,num_kv_heads,max_ctx,window", [(1, 8, 4096, 0), (1, 4, 32768, 0),
+                                                                 (16, 8, 2048, 0), (64, 4, 1024, 0),
+                                                                 (8, 8, 3000, 1024)])
+def test_decode_gpu(dtype, num_seqs, num_kv_heads, max_ctx, window):
+    rng = np.random.default_rng(num_seqs)
+    lens = [int(x) for x in rng.integers(1, max_ctx + 1, num_seqs)]
+    lens[0] = max_ctx
+    splits = decode_splits(num_seqs, 32, num_kv_heads, max_ctx)
+    _check(rng, lens, 32, num_kv_heads, 128, 16, window, dtype, splits, rtol=1e-4)
+    if splits > 1:
+        _check(rng, lens, 32, num_kv_heads, 128, 16, window, dtype, splits=1, rtol=1e-4)
