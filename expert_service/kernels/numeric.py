@@ -117,3 +117,63 @@ else:
             value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
             offset //= 2
         return value
+
+
+# ---- bit casts of packed words and block reductions (used by the dense kernels) ----
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def u32_as_f32(u):
+        return np.array([u], dtype=np.uint64).astype(np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
+    def f16_to_f32(u):
+        return np.float32(np.array([u], dtype=np.uint64).astype(np.uint16).view(np.float16)[0])
+else:
+    from numba.cuda import libdevice as _libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def u32_as_f32(u):
+        """The float32 whose bits are the low 32 bits of integer `u`."""
+        return _libdevice.int_as_float(np.int32(np.uint32(u)))
+
+    @cuda.jit(device=True, inline=True)
+    def f16_to_f32(u):
+        """float16 bits (low 16 bits of `u`) -> float32, exact: subnormals via a 2**112 rescale (no FTZ)."""
+        h = np.uint32(u) & np.uint32(0xFFFF)
+        sign = (h & np.uint32(0x8000)) << np.uint32(16)
+        mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
+        if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
+            return u32_as_f32(sign | np.uint32(0x7F800000) | mag)
+        f = u32_as_f32(mag) * np.float32(5.192296858534828e+33)
+        return u32_as_f32(np.uint32(_libdevice.float_as_int(f)) | sign)
+
+
+@cuda.jit(device=True, inline=True)
+def _widen_bf16(v):
+    return bf16_to_f32(v)
+
+
+@cuda.jit(device=True, inline=True)
+def _widen_float(v):
+    return np.float32(v)
+
+
+def widener(dtype):
+    """Device function `widen(element) -> float32` for one element of storage dtype `dtype`."""
+    return _widen_bf16 if np.dtype(dtype) == np.uint16 else _widen_float
+
+
+@cuda.jit(device=True, inline=True)      # inline: compile_ptx of a caller then needs no device
+def block_sum(value):
+    """Sum over all threads of the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
+    Every thread of the block must call it (it synchronises)."""
+    partial = cuda.shared.array(32, dtype=np.float32)
+    total = warp_sum(value)
+    if cuda.threadIdx.x % WARP == 0:
+        partial[cuda.threadIdx.x // WARP] = total
+    cuda.syncthreads()
+    total = np.float32(0.0)
+    for i in range(cuda.blockDim.x // WARP):
+        total += partial[i]
+    cuda.syncthreads()
+    return total

@@ -1,0 +1,144 @@
+"""Elementwise ops on float32 activations (numpy references: expert_service.layers.moe.silu / swiglu_mlp,
+expert_service.model.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid gate).
+
+silu_mul:        h = silu(g) * u                         (g, u, h [R, F]; silu(x) = x / (1 + exp(-x)))
+sigmoid_gate_add: out[t, :] += shared[t, :] / (1 + exp(-gate_logit[t]))   (Qwen2-MoE shared expert)
+clamp:           x = clip(x, lo, hi) in place           (OLMoE clip_qkv)
+add_bias:        y[t, :] += bias[:]                      (bias [N] W)
+cast:            out = round(x) to bfloat16 bits / float16 (activations for 16-bit GEMMs)
+
+All kernels run over flat C-contiguous views with a grid-stride loop (one element per thread per step,
+coalesced); grids are capped at MAX_BLOCKS so big tensors reuse resident blocks. Pure bandwidth.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from expert_service.kernels.numeric import storer, widener
+
+THREADS = 256
+MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
+
+
+def silu_mul_kernel(g, u, h):
+    """g, u, h: [n] float32 flat views; h = silu(g) * u (h may alias g or u)."""
+    for i in range(cuda.grid(1), h.shape[0], cuda.gridsize(1)):
+        x = g[i]
+        h[i] = x / (np.float32(1.0) + math.exp(-x)) * u[i]
+
+
+def sigmoid_gate_add_kernel(out, shared, gate_logit):
+    """out, shared: [T, D] float32 (out += sigmoid(gate_logit[t]) * shared). gate_logit: [T] float32."""
+    d = out.shape[1]
+    for i in range(cuda.grid(1), out.shape[0] * d, cuda.gridsize(1)):
+        t = i // d
+        c = i - t * d
+        out[t, c] += shared[t, c] / (np.float32(1.0) + math.exp(-gate_logit[t]))
+
+
+def clamp_kernel(x, lo, hi):
+    """x: [n] float32 flat view, clipped to [lo, hi] in place (NaN stays NaN, like numpy.clip)."""
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        v = x[i]
+        if v < lo:
+            x[i] = lo
+        elif v > hi:
+            x[i] = hi
+
+
+@functools.lru_cache(maxsize=None)
+def _build_bias(weight_dtype):
+    widen = widener(weight_dtype)
+
+    def add_bias_kernel(y, bias):
+        """y: [T, N] float32, += bias. bias: [N] W."""
+        n = y.shape[1]
+        for i in range(cuda.grid(1), y.shape[0] * n, cuda.gridsize(1)):
+            t = i // n
+            c = i - t * n
+            y[t, c] += widen(bias[c])
+
+    return add_bias_kernel, cuda.jit(add_bias_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_cast(out_dtype):
+    store = storer(out_dtype)
+
+    def cast_kernel(x, out):
+        """x: [n] float32 flat view. out: [n] uint16 (bfloat16 bits, round to nearest even) or float16."""
+        for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+            store(out, i, x[i])
+
+    return cast_kernel, cuda.jit(cast_kernel)
+
+
+_silu_mul = cuda.jit(silu_mul_kernel)
+_sigmoid_gate_add = cuda.jit(sigmoid_gate_add_kernel)
+_clamp = cuda.jit(clamp_kernel)
+
+
+def _grid(n, threads):
+    return max(1, min(MAX_BLOCKS, -(-n // threads)))
+
+
+def _flat(*arrays):
+    for a in arrays:
+        assert a.flags["C_CONTIGUOUS"], "elementwise ops need contiguous arrays"
+    return [a.reshape(-1) for a in arrays]
+
+
+def launch_silu_mul(g, u, h, stream=0, threads=THREADS) -> None:
+    """g, u, h: same-shape float32 device arrays (any rank); h = silu(g) * u, h may be g or u."""
+    assert g.shape == u.shape == h.shape and g.dtype == u.dtype == h.dtype == np.float32, (g.shape, u.shape, h.shape)
+    if h.size:
+        _silu_mul[_grid(h.size, threads), threads, stream](*_flat(g, u, h))
+
+
+def launch_sigmoid_gate_add(out, shared, gate_logit, stream=0, threads=THREADS) -> None:
+    """out: [T, D] float32, += sigmoid(gate_logit[t]) * shared[t]; shared: [T, D] float32; gate_logit: [T] or
+    [T, 1] float32 (x @ shared_expert_gate.T)."""
+    assert out.ndim == 2 and shared.shape == out.shape and out.dtype == shared.dtype == np.float32
+    assert gate_logit.size == out.shape[0] and gate_logit.dtype == np.float32, (gate_logit.shape, out.shape)
+    _flat(out, shared, gate_logit)
+    if out.size:
+        _sigmoid_gate_add[_grid(out.size, threads), threads, stream](out, shared, gate_logit.reshape(-1))
+
+
+def launch_clamp(x, limit, stream=0, threads=THREADS) -> None:
+    """x: float32 device array (any rank), clipped in place to [-limit, limit] (clip_qkv)."""
+    assert x.dtype == np.float32, x.dtype
+    if x.size:
+        _clamp[_grid(x.size, threads), threads, stream](_flat(x)[0], np.float32(-limit), np.float32(limit))
+
+
+def launch_add_bias(y, bias, stream=0, threads=THREADS) -> None:
+    """y: [T, N] float32, += bias in place; bias: [N] float32/float16/uint16 (bfloat16 bits)."""
+    assert y.ndim == 2 and y.dtype == np.float32 and bias.shape == (y.shape[1],), (y.shape, bias.shape)
+    assert bias.dtype in (np.float32, np.float16, np.uint16), bias.dtype
+    _flat(y, bias)
+    if y.size:
+        _build_bias(np.dtype(bias.dtype))[1][_grid(y.size, threads), threads, stream](y, bias)
+
+
+def launch_cast(x, out, stream=0, threads=THREADS) -> None:
+    """x: float32 device array; out: same shape, uint16 (bfloat16 bits, round to nearest even) or float16."""
+    assert x.shape == out.shape and x.dtype == np.float32 and out.dtype in (np.uint16, np.float16), out.dtype
+    if x.size:
+        _build_cast(np.dtype(out.dtype))[1][_grid(x.size, threads), threads, stream](*_flat(x, out))
+
+
+def sm90_signatures():
+    """(python function, numba signature) of every variant, for the sm_90 compile check."""
+    f1, f2 = types.float32[::1], types.float32[:, ::1]
+    out = [(silu_mul_kernel, (f1, f1, f1)), (sigmoid_gate_add_kernel, (f2, f2, f1)),
+           (clamp_kernel, (f1, types.float32, types.float32))]
+    for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
+        out.append((_build_bias(np.dtype(dt))[0], (f2, nb[::1])))
+    for dt, nb in ((np.float16, types.float16), (np.uint16, types.uint16)):
+        out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1])))
+    return out
