@@ -15,7 +15,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = setting("0.0.0.0", "address the public gRPC server binds to", ("COLIBRI_HOST", "HOSTNAME"))
+    host: str = setting("0.0.0.0", "address the public gRPC server binds to", ("COLIBRI_HOST",))
     port: int = setting(50051, "public gRPC port (GenerationService, health, reflection); 0 = pick a free one",
                         ("COLIBRI_PORT", "PORT"))
     metrics_port: int = setting(9090, "HTTP port serving Prometheus /metrics; 0 = off",
