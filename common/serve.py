@@ -81,6 +81,11 @@ class Supervisor:
         restarts = 0
         log.info("serving %s: router pid %d, worker pid %d on 127.0.0.1:%d", self.args.model, router.pid,
                  worker.pid, self.worker_port)
+        port = self.args.port or 50051
+        print(f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
+              f"  colibri generate --target localhost:{port} \"Hello\" --max-new-tokens 16\n"
+              f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{port} "
+              f"colibri.router.v1.GenerationService/Generate", flush=True)
         while not self.stopping:
             time.sleep(0.2)
             if router.poll() is not None:
