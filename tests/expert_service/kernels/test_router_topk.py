@@ -1,0 +1,54 @@
+"""router_topk kernel vs expert_service.layers.moe.route (simulator; realistic sizes on a GPU)."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.router_topk import router_topk
+from expert_service.layers.moe import route
+from tests.expert_service.kernels._moe_helpers import GPU_ONLY, fast_simulator_threads, has_gpu  # noqa: F401
+
+
+def run(logits, top_k, normalize):
+    n_tok = logits.shape[0]
+    ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
+    weights = cuda.to_device(np.full((n_tok, top_k), np.nan, np.float32))
+    router_topk(cuda.to_device(logits), ids, weights, normalize)
+    return ids.copy_to_host(), weights.copy_to_host()
+
+
+@pytest.mark.parametrize("n_tok,n_exp,top_k,normalize", [
+    (1, 8, 2, True), (33, 60, 4, True), (3, 7, 1, False), (2, 256, 8, True), (4, 128, 3, False)])
+def test_matches_reference(n_tok, n_exp, top_k, normalize):
+    rng = np.random.default_rng(n_tok * 1000 + n_exp)
+    logits = (rng.standard_normal((n_tok, n_exp)) * 3).astype(np.float32)
+    ids, weights = run(logits, top_k, normalize)
+    ref_ids, ref_w = route(logits, top_k, normalize)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-7)
+
+
+def test_ties_go_to_the_lower_index():
+    logits = np.array([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0, 0.5, 0.5]], np.float32)
+    ids, weights = run(logits, 5, False)
+    assert ids.tolist() == [[1, 2, 4, 0, 3]] == route(logits, 5, False)[0].tolist()
+    np.testing.assert_allclose(weights, route(logits, 5, False)[1], rtol=1e-6)
+
+
+def test_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        run(np.zeros((2, 4), np.float32) + 1, 5, True)     # K > E
+    with pytest.raises(ValueError):
+        run(np.ones((2, 300), np.float32), 2, True)        # E > 256
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("n_exp,top_k", [(8, 2), (128, 8), (60, 4)])
+@pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
+def test_gpu_realistic(n_tok, n_exp, top_k):
+    rng = np.random.default_rng(n_tok + n_exp)
+    logits = (rng.standard_normal((n_tok, n_exp)) * 2).astype(np.float32)
+    ids, weights = run(logits, top_k, True)
+    ref_ids, ref_w = route(logits, top_k, True)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-7)
