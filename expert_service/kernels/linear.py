@@ -93,10 +93,11 @@ def _build(weight_dtype, vec, token_tile):
             acc[i] = np.float32(0.0)
         for w0 in range(0, num_words, TILE_WORDS):
             nw = min(TILE_WORDS, num_words - w0)
+            span = min(TILE_WORDS, (nw + 32 * UNROLL - 1) // (32 * UNROLL) * (32 * UNROLL))   # words read below
             cuda.syncthreads()
-            for e in range(cuda.threadIdx.x, tt * vec * TILE_WORDS, cuda.blockDim.x):
-                t = e // (vec * TILE_WORDS)
-                r = e - t * (vec * TILE_WORDS)
+            for e in range(cuda.threadIdx.x, tt * vec * span, cuda.blockDim.x):
+                t = e // (vec * span)
+                r = e - t * (vec * span)
                 wl = r // vec
                 j = r - wl * vec
                 v = np.float32(0.0)

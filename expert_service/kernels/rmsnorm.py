@@ -67,7 +67,9 @@ def _check(rows, weight, out, threads):
 def launch_rmsnorm(x, weight, eps, out, stream=0, threads=THREADS) -> None:
     """x: [R, N] float32 (or [T, H, Hd], normalised per head over Hd); weight: [N] float32/float16/uint16
     (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself)."""
-    x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+    n = x.shape[x.ndim - 1]                      # (the simulator's shape tuple rejects negative indices)
+    assert out.shape == x.shape, (x.shape, out.shape)
+    x2, out2 = x.reshape(x.size // n, n), out.reshape(x.size // n, n)
     _check(x2, weight, out2, threads)
     if x2.shape[0] == 0:
         return

@@ -1,0 +1,79 @@
+"""Embedding gather and RMSNorm / fused add+RMSNorm kernels vs numpy, in the simulator and (gpu) on a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.embedding import launch_embedding
+from expert_service.kernels.rmsnorm import launch_add_rmsnorm, launch_rmsnorm
+from expert_service.layers.norm import rms_norm
+
+from ._dense_helpers import TOL, WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
+
+EPS = 1e-6
+
+
+def _check_embedding(rng, num_tokens, vocab, dim, dtype, threads):
+    table, table_f = random_weight(rng, (vocab, dim), dtype)
+    ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
+    out = nan_device((num_tokens, dim))
+    launch_embedding(cuda.to_device(ids), cuda.to_device(table), out, threads=threads)
+    np.testing.assert_array_equal(out.copy_to_host(), table_f[ids])       # a gather is exact
+
+
+def _check_rmsnorm(rng, shape, dtype, threads):
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(3.0)
+    w, wf = random_weight(rng, (shape[-1],), dtype)
+    out = nan_device(shape)
+    launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, out, threads=threads)
+    assert_close(out.copy_to_host(), rms_norm(x, wf, EPS), 1e-5)
+
+
+def _check_add_rmsnorm(rng, rows, n, dtype, threads):
+    residual = rng.standard_normal((rows, n), dtype=np.float32)
+    delta = rng.standard_normal((rows, n), dtype=np.float32)
+    w, wf = random_weight(rng, (n,), dtype)
+    d_res, out = cuda.to_device(residual), nan_device((rows, n))
+    launch_add_rmsnorm(d_res, cuda.to_device(delta), cuda.to_device(w), EPS, out, threads=threads)
+    assert_close(d_res.copy_to_host(), residual + delta, 0.0)
+    assert_close(out.copy_to_host(), rms_norm(residual + delta, wf, EPS), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("num_tokens,dim", [(1, 7), (4, 37)])
+def test_embedding_matches_reference(dtype, num_tokens, dim):
+    _check_embedding(np.random.default_rng(dim), num_tokens, 11, dim, dtype, threads=32)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 45), (3, 70), (2, 3, 8)])       # (T, H, Hd): per-head q/k norm
+def test_rmsnorm_matches_reference(dtype, shape):
+    _check_rmsnorm(np.random.default_rng(shape[-1]), shape, dtype, threads=32 if len(shape) == 3 else 64)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 33), (3, 70)])
+def test_add_rmsnorm_matches_reference(dtype, rows, n):
+    _check_add_rmsnorm(np.random.default_rng(n), rows, n, dtype, threads=64)
+
+
+def test_rmsnorm_in_place():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 40), dtype=np.float32)
+    d_x = cuda.to_device(x)
+    launch_rmsnorm(d_x, cuda.to_device(np.ones(40, np.float32)), EPS, d_x, threads=32)
+    assert_close(d_x.copy_to_host(), rms_norm(x, np.ones(40, np.float32), EPS), 1e-5)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 33, 512])
+def test_embedding_rmsnorm_gpu(dtype, num_tokens):
+    rng = np.random.default_rng(num_tokens)
+    for dim in (4096, 2048, 1001):
+        _check_embedding(rng, num_tokens, 32000, dim, dtype, threads=128)
+        _check_rmsnorm(rng, (num_tokens, dim), dtype, threads=256)
+        _check_add_rmsnorm(rng, num_tokens, dim, dtype, threads=256)
+    _check_rmsnorm(rng, (num_tokens, 32, 128), dtype, threads=256)
