@@ -1,0 +1,49 @@
+"""Weighted combine of the grouped expert outputs, fused with the residual add; reference:
+``expert_service.moe_grouping.combine`` followed by ``h + ...``.
+
+One block per token, threads stride over D. Each output element is written by exactly one thread and its K
+terms are summed in slot order, so the result is deterministic (no atomics).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, types
+
+from expert_service.kernels.numeric import SIMULATOR
+
+THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
+
+
+@cuda.jit
+def _moe_combine_kernel(y, position, weights, h):
+    """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
+    weights [T, K] f32 -> h [T, D] f32 updated in place: h[t] += sum_k weights[t, k] * y[position[t*K+k]]."""
+    t = cuda.blockIdx.x
+    top_k = weights.shape[1]
+    width = h.shape[1]
+    for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        acc = np.float32(0.0)
+        for k in range(top_k):
+            acc += weights[t, k] * y[position[t * top_k + k], d]
+        h[t, d] += acc
+
+
+def moe_combine(y, position, weights, h, stream=0) -> None:
+    """y [T*K, D] f32, position [T*K] int32, weights [T, K] f32, h [T, D] f32 (all device; h updated in place)."""
+    n_tok, top_k = weights.shape
+    width = h.shape[1]
+    expected = {"y": (n_tok * top_k, width), "position": (n_tok * top_k,), "weights": (n_tok, top_k),
+                "h": (n_tok, width)}
+    for name, a, dt in (("y", y, np.float32), ("position", position, np.int32), ("weights", weights, np.float32),
+                        ("h", h, np.float32)):
+        if a.shape != expected[name] or a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(expected[name])}, "
+                             f"got {a.dtype} {list(a.shape)}")
+    if n_tok:
+        _moe_combine_kernel[n_tok, THREADS, stream](y, position, weights, h)
+
+
+def sm90_signatures():
+    """(python function, numba signature) of every kernel variant, for the sm_90 compile check."""
+    f2 = types.float32[:, ::1]
+    return [(_moe_combine_kernel.py_func, (f2, types.int32[::1], f2, f2))]

@@ -1,0 +1,76 @@
+"""moe_combine vs expert_service.moe_grouping.combine (+ residual), and the whole device MoE pipeline
+router_topk -> expert_grouping -> moe_gate_up -> moe_down -> moe_combine vs layers.moe.sparse_moe."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.moe_combine import moe_combine
+from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.kernels.router_topk import router_topk
+from expert_service.layers.moe import sparse_moe
+from expert_service.moe_grouping import combine, group_by_expert
+from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
+                                                        has_gpu, random_ids)
+
+
+@pytest.mark.parametrize("n_tok,top_k,n_exp,D", [(1, 1, 3, 5), (33, 2, 8, 37), (6, 4, 7, 64)])
+def test_combine_matches_reference(n_tok, top_k, n_exp, D):
+    rng = np.random.default_rng(n_tok + D)
+    groups = group_by_expert(random_ids(rng, n_tok, top_k, n_exp), n_exp)
+    y = rng.standard_normal((n_tok * top_k, D)).astype(np.float32)
+    weights = rng.random((n_tok, top_k)).astype(np.float32)
+    hidden = rng.standard_normal((n_tok, D)).astype(np.float32)
+    position = np.empty(n_tok * top_k, np.int32)
+    position[groups.order] = np.arange(n_tok * top_k)
+    out = cuda.to_device(hidden)
+    moe_combine(cuda.to_device(y), cuda.to_device(position), cuda.to_device(weights), out)
+    np.testing.assert_allclose(out.copy_to_host(), hidden + combine(y, groups, weights), rtol=1e-5, atol=1e-6)
+
+
+def run_pipeline(x, router, top_k, normalize, W, F, D):
+    """Device MoE layer on x [T, D]; router logits come from the host (the gate GEMM is another kernel)."""
+    n_tok, n_exp = x.shape[0], router.shape[0]
+    n = n_tok * top_k
+    ids = cuda.to_device(np.full((n_tok, top_k), -1, np.int32))
+    weights = cuda.to_device(np.full((n_tok, top_k), np.nan, np.float32))
+    counts, offsets, order, position = (cuda.to_device(np.full(s, -1, np.int32)) for s in (n_exp, n_exp + 1, n, n))
+    h = cuda.to_device(np.full((n, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((n, D), np.nan, np.float32))
+    out = cuda.to_device(np.zeros((n_tok, D), np.float32))     # residual stream (zero: compare the MoE output)
+    dx, dW = cuda.to_device(x), cuda.to_device(W)
+    router_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
+    expert_grouping(ids, counts, offsets, order, position)
+    moe_gate_up(dx, order, offsets, dW, F, D, h)
+    moe_down(h, order, offsets, dW, F, D, y)
+    moe_combine(y, position, weights, out)
+    return out.copy_to_host(), ids.copy_to_host()
+
+
+@pytest.mark.parametrize("dtype,n_tok,top_k,n_exp,normalize", [("bfloat16", 5, 2, 7, True),
+                                                                ("float32", 3, 3, 4, False)])
+def test_pipeline_matches_sparse_moe(dtype, n_tok, top_k, n_exp, normalize):
+    rng = np.random.default_rng(11)
+    F, D = 12, 20
+    W, mats = expert_buffer(rng, n_exp, F, D, dtype)
+    x = rng.standard_normal((n_tok, D)).astype(np.float32)
+    router = rng.standard_normal((n_exp, D)).astype(np.float32)
+    out, ids = run_pipeline(x, router, top_k, normalize, W, F, D)
+    ref, ref_ids = sparse_moe(x, router, top_k, normalize, lambda e: mats[e])
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("n_exp,top_k,F,D", [(8, 2, 14336, 4096), (128, 8, 768, 2048)])
+@pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
+def test_gpu_pipeline_realistic(n_tok, n_exp, top_k, F, D):
+    rng = np.random.default_rng(n_tok)
+    W, mats = expert_buffer(rng, n_exp, F, D, "bfloat16", scale=0.02)
+    x = rng.standard_normal((n_tok, D)).astype(np.float32)
+    router = (rng.standard_normal((n_exp, D)) * 0.05).astype(np.float32)
+    out, ids = run_pipeline(x, router, top_k, True, W, F, D)
+    ref, ref_ids = sparse_moe(x, router, top_k, True, lambda e: mats[e])
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())

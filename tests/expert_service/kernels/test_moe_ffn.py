@@ -1,0 +1,77 @@
+"""moe_gate_up + moe_down vs swiglu_mlp per expert in grouped order, for every weight dtype (simulator on tiny
+shapes; Mixtral/Qwen3 sizes on a GPU). The reference uses the exact float32 values of the stored weights."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.layers.moe import silu
+from expert_service.moe_grouping import group_by_expert
+from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
+                                                        has_gpu, random_ids)
+
+
+def check(ids, n_exp, F, D, dtype, seed, rtol=1e-5):
+    rng = np.random.default_rng(seed)
+    n_tok, top_k = ids.shape
+    W, mats = expert_buffer(rng, n_exp, F, D, dtype)
+    x = rng.standard_normal((n_tok, D)).astype(np.float32)
+    groups = group_by_expert(ids, n_exp)
+    order = cuda.to_device(groups.order.astype(np.int32))
+    offsets = cuda.to_device(groups.offsets.astype(np.int32))
+    h = cuda.to_device(np.full((n_tok * top_k, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((n_tok * top_k, D), np.nan, np.float32))
+    dW = cuda.to_device(W)
+    moe_gate_up(cuda.to_device(x), order, offsets, dW, F, D, h)
+    moe_down(h, order, offsets, dW, F, D, y)
+    h, y = h.copy_to_host(), y.copy_to_host()
+    assert np.isfinite(h).all() and np.isfinite(y).all()       # every element written, no padding read
+    for e in groups.active_experts():
+        lo, hi = groups.offsets[e], groups.offsets[e + 1]
+        gate, up, down = mats[e]
+        xe = x[groups.tokens_of(e)].astype(np.float64)
+        ref_h = silu(xe @ gate.T) * (xe @ up.T)
+        np.testing.assert_allclose(h[lo:hi], ref_h, rtol=rtol, atol=rtol * np.abs(ref_h).max())
+        ref_y = h[lo:hi].astype(np.float64) @ down.T.astype(np.float64)
+        np.testing.assert_allclose(y[lo:hi], ref_y, rtol=rtol, atol=rtol * np.abs(ref_y).max())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_awkward_shapes(dtype):
+    rng = np.random.default_rng(1)
+    # 5 tokens x K=2 over 7 experts (some empty), D=36/F=20 (bf16: 8-byte words; two input chunks, token tiles)
+    check(random_ids(rng, 5, 2, 7), 7, 20, 36, dtype, seed=2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_odd_sizes_one_token(dtype):
+    # one token, K=1, D and F odd (bf16 falls back to element loads)
+    check(np.array([[2]], np.int32), 3, 13, 33, dtype, seed=3)
+
+
+def test_all_tokens_on_one_expert_many_token_tiles():
+    check(np.full((7, 1), 1, np.int32), 3, 8, 12, "bfloat16", seed=4)
+
+
+def test_rejects_small_stride():
+    W = cuda.to_device(np.zeros((2, 100), np.float32))
+    with pytest.raises(ValueError):
+        moe_gate_up(cuda.to_device(np.ones((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32)),
+                    cuda.to_device(np.array([0, 1, 1], np.int32)), W, 8, 8,
+                    cuda.to_device(np.zeros((1, 8), np.float32)))
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("n_exp,top_k,F,D", [(8, 2, 14336, 4096), (128, 8, 768, 2048)])
+@pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
+def test_gpu_realistic(n_tok, n_exp, top_k, F, D):
+    rng = np.random.default_rng(n_tok)
+    check(random_ids(rng, n_tok, top_k, n_exp), n_exp, F, D, "bfloat16", seed=n_tok, rtol=1e-3)
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpu_other_dtypes_and_one_expert(dtype):
+    check(np.full((64, 1), 5, np.int32), 8, 1000, 515, dtype, seed=9, rtol=1e-4)
