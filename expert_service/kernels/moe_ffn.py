@@ -198,7 +198,8 @@ def _check(W, F, D, offsets, arrays):
         raise ValueError(f"expert stride {W.shape[1]} < 3*F*D or offsets not int32 [E+1] ({offsets.shape})")
     for name, a, shape, dt in arrays:
         if a.shape != shape or a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(shape)}, got {a.dtype} {list(a.shape)}")
+            raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(shape)}, "
+                             f"got {a.dtype} {list(a.shape)}")
 
 
 def _wide(W, n_in):

@@ -6,7 +6,8 @@ from numba import cuda
 
 from expert_service.kernels.expert_grouping import expert_grouping
 from expert_service.moe_grouping import group_by_expert
-from tests.expert_service.kernels._moe_helpers import GPU_ONLY, fast_simulator_threads, has_gpu, random_ids  # noqa: F401
+from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, fast_simulator_threads,  # noqa: F401
+                                                        has_gpu, random_ids)
 
 
 def run_and_check(ids, n_exp):
