@@ -9,7 +9,6 @@ from numba import cuda
 from expert_service.kernels.numeric import SIMULATOR
 
 WEIGHT_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 bits
-TOL = {np.float32: 1e-5, np.float16: 2e-3, np.uint16: 1e-2}
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(SIMULATOR or not cuda.is_available(),

@@ -9,7 +9,7 @@ from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.rmsnorm import launch_add_rmsnorm, launch_rmsnorm
 from expert_service.layers.norm import rms_norm
 
-from ._dense_helpers import TOL, WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
+from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
 
 EPS = 1e-6
 
@@ -73,7 +73,7 @@ def test_rmsnorm_in_place():
 def test_embedding_rmsnorm_gpu(dtype, num_tokens):
     rng = np.random.default_rng(num_tokens)
     for dim in (4096, 2048, 1001):
-        _check_embedding(rng, num_tokens, 32000, dim, dtype, threads=128)
+        _check_embedding(rng, num_tokens, 5000, dim, dtype, threads=128)
         _check_rmsnorm(rng, (num_tokens, dim), dtype, threads=256)
         _check_add_rmsnorm(rng, num_tokens, dim, dtype, threads=256)
     _check_rmsnorm(rng, (num_tokens, 32, 128), dtype, threads=256)

@@ -9,7 +9,7 @@ from numba import cuda
 from expert_service.kernels.linear import launch_linear, launch_swiglu
 from expert_service.layers.moe import silu
 
-from ._dense_helpers import TOL, WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
+from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
 
 
 def _check_linear(rng, num_tokens, n, k, dtype, bias=False, accumulate=False, warps=None):
@@ -25,7 +25,12 @@ def _check_linear(rng, num_tokens, n, k, dtype, bias=False, accumulate=False, wa
         out = nan_device((num_tokens, n))
     launch_linear(cuda.to_device(x), cuda.to_device(w), out, bias=cuda.to_device(b) if bias else None,
                   accumulate=accumulate, warps=warps)
-    assert_close(out.copy_to_host(), want, 1e-5 if dtype is np.float32 else 1e-4)
+    assert_close(out.copy_to_host(), want, _rtol(dtype, k))
+
+
+def _rtol(dtype, k):
+    """Weights are exact in both; only float32 accumulation order differs (grows like sqrt(K))."""
+    return (1e-5 if k < 1024 else 5e-5) if dtype is np.float32 else 1e-4
 
 
 def _check_swiglu(rng, num_tokens, f, k, dtype, fused_matrix=False, warps=None):
@@ -39,7 +44,7 @@ def _check_swiglu(rng, num_tokens, f, k, dtype, fused_matrix=False, warps=None):
     else:
         launch_swiglu(cuda.to_device(x), cuda.to_device(gu[:f].copy()), cuda.to_device(gu[f:].copy()), out,
                       warps=warps)
-    assert_close(out.copy_to_host(), want, 1e-5 if dtype is np.float32 else 1e-4)
+    assert_close(out.copy_to_host(), want, _rtol(dtype, k))
 
 
 # Shapes: 1 token (token tile 1), 3 and 9 tokens (tile 8, partial second tile), odd N, K odd (scalar path),
