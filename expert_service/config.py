@@ -22,6 +22,11 @@ class EngineConfig:
                                     env=("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS"))
     max_batch_size: int = setting(64, "largest number of sequences in one step",
                                   env=("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE"))
+    cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs, one per batch-size bucket (false: "
+                                "launch every kernel eagerly, for debugging)", env=("COLIBRI_CUDA_GRAPHS",))
+    use_pinned_memory: bool = setting(True, "page-lock the model mmaps for fast host-to-device copies (false: "
+                                      "copy through a pinned bounce buffer, for comparison)",
+                                      env=("COLIBRI_USE_PINNED_MEMORY",))
     verify_checksums: bool = setting(True, "verify every tensor's crc32 when loading (false skips it)",
                                      env=("COLIBRI_VERIFY_CHECKSUMS",))
 

@@ -43,7 +43,7 @@ class StepResult:
     forward_ms: float
     sample_ms: float
     trace: StepTrace
-    logits: np.ndarray                   # [sampling sequences, V] float32, in output order
+    logits: object                       # HostLogits-like: rows [sampling sequences] of [V], in output order
 
 
 @dataclass
@@ -134,7 +134,11 @@ class Engine:
             if not wants_token:
                 outputs.append(SeqOutput(rid))
                 continue
-            sampled = seq.sampler.sample(logits[row])
+            if seq.sampler.plain_greedy:
+                token, finite = logits.greedy(row)
+                sampled = seq.sampler.take_greedy(token) if finite else None
+            else:
+                sampled = seq.sampler.sample(logits[row])
             row += 1
             if sampled is None:
                 outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
@@ -196,7 +200,7 @@ class Engine:
         try:
             work = [(request_id, tokens, True)]
             self._check_step(work)
-            return self.decoder.forward(self._build_batch(work, all_logits=True))
+            return np.stack(list(self.decoder.forward(self._build_batch(work, all_logits=True))))
         finally:
             self.release([request_id])
 

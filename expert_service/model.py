@@ -11,6 +11,7 @@ import numpy as np
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.kv_cache import KVPool
+from expert_service.logits import HostLogits
 from expert_service.layers.attention import paged_attention, write_kv
 from expert_service.layers.moe import sparse_moe, swiglu_mlp
 from expert_service.layers.norm import rms_norm
@@ -79,7 +80,7 @@ class CpuDecoder:
         return [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
                 ("kv_cache", self.kv.nbytes)]
 
-    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> np.ndarray:
+    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> HostLogits:
         """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""
         cfg, kv = self.config, self.kv
         h = self.w.get("embed_tokens")[batch.token_ids]                    # [T, D]
@@ -89,7 +90,7 @@ class CpuDecoder:
                                     batch, kv, cos, sin)
             h = h + self._mlp(i, rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps), trace)
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
-        return h @ self.w.lm_head.T
+        return HostLogits(h @ self.w.lm_head.T)
 
     def _project(self, i: int, x: np.ndarray, name: str) -> np.ndarray:
         y = x @ self.w.layer(i, f"{name}_proj").T

@@ -38,6 +38,18 @@ class Sampler:
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
         self.num_generated = 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is all this step needs (no logprob, no stop-token suppression)."""
+        p = self.params
+        return p.temperature == 0 and not p.logprobs and not (self.num_generated < p.min_new_tokens
+                                                              and p.stop_token_ids)
+
+    def take_greedy(self, token: int) -> tuple[int, float]:
+        """Records a token chosen by a device-side argmax (only when `plain_greedy`)."""
+        self.num_generated += 1
+        return token, 0.0
+
     def sample(self, logits: np.ndarray) -> tuple[int, float] | None:
         """logits [V] float32 -> (token id, logprob under the unmodified distribution); None if non-finite."""
         if not np.all(np.isfinite(logits)):

@@ -1,0 +1,243 @@
+"""Engine benchmark (SPEC §12): Colibri's cuda backend against Hugging Face transformers, same weights, one run.
+
+For each reference shape (mixtral-shape: Mixtral-8x7B dimensions with 4 layers; qwen3moe-shape: Qwen3-30B-A3B
+dimensions with 8 layers) it builds a random bf16 model on the GPU with transformers, writes the same weights
+as a Colibri model directory (to --workdir, /dev/shm by default), and measures on both: prefill tok/s (b=1 x 512,
+b=16 x 128), decode ms/step (b=1, 16, 64) and peak device memory; for Colibri also the decode HBM-roofline
+fraction (bytes the step must read -- dense weights, the experts its tokens routed to, the KV it attends
+over -- / 4.3 TB/s / measured time). Writes JSON + PNG and prints ratios.
+
+    python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 4.3e12
+SHAPES = {
+    "mixtral-shape": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                                      num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)),
+    "qwen3moe-shape": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                         moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=32,
+                                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                         norm_topk_prob=True, max_position_embeddings=4096)),
+}
+PREFILL = ((1, 512), (16, 128))
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXT = 128
+DECODE_STEPS = 32
+
+
+def build_hf(family: str, params: dict):
+    import torch
+    import transformers
+    classes = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}
+    config = classes[family](**params, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                             tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+    return model
+
+
+def write_colibri(model, out: Path) -> Path:
+    """The HF model's own tensors, as raw bf16 words, through Colibri's writer (no second random init)."""
+    import torch
+
+    from common.model_format import ModelWriter
+    from common.models import tensor_specs
+    hf_config = model.config.to_dict()
+    hf_config["model_type"] = model.config.model_type
+    writer = ModelWriter(out, hf_config, "bfloat16")
+    state = model.state_dict()
+    fused = {k: v for k, v in state.items() if "experts" in k and k not in {s.hf_name for s in tensor_specs(writer.config)}}
+    for spec in tensor_specs(writer.config):
+        tensor = state.get(spec.hf_name)
+        if tensor is None:   # transformers 5 may keep experts fused: [E, 2F, D] gate_up / [E, D, F] down
+            tensor = _from_fused(fused, spec, writer.config)
+        writer.write(spec.name, tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+                     .view(np.uint16).reshape(spec.shape))
+    return writer.finish()
+
+
+def _from_fused(fused: dict, spec, config):
+    prefix = spec.hf_name.split(".experts.")[0] + ".experts."
+    F = config.moe_intermediate_size
+    which = spec.name.rsplit(".", 1)[-1]
+    if which in ("gate_proj", "up_proj"):
+        gate_up = fused[prefix + "gate_up_proj"][spec.expert]
+        if gate_up.shape[0] != 2 * F:
+            gate_up = gate_up.T
+        return gate_up[:F] if which == "gate_proj" else gate_up[F:]
+    down = fused[prefix + "down_proj"][spec.expert]
+    return down if tuple(down.shape) == spec.shape else down.T
+
+
+def cuda_time(fn, repeats: int = 3) -> float:
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_hf(model, vocab: int) -> dict:
+    import torch
+    rng = np.random.default_rng(0)
+    out = {"prefill_tok_s": {}, "decode_ms": {}}
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for b, n in PREFILL:
+            ids = torch.tensor(rng.integers(0, vocab, (b, n)), device="cuda")
+            out["prefill_tok_s"][f"{b}x{n}"] = b * n / cuda_time(lambda: model(ids))
+        for b in DECODE_BATCHES:
+            ids = torch.tensor(rng.integers(0, vocab, (b, DECODE_CONTEXT)), device="cuda")
+            gen = dict(do_sample=False, pad_token_id=0)
+            t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 2)
+            tn = cuda_time(lambda: model.generate(ids, max_new_tokens=DECODE_STEPS + 1,
+                                                  min_new_tokens=DECODE_STEPS + 1, **gen), 2)
+            out["decode_ms"][str(b)] = (tn - t1) / DECODE_STEPS * 1e3
+            if b == 1:
+                out["peak_memory_gib_b1"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def device_used_bytes() -> int:
+    from cuda.bindings import driver as drv
+    err, free, total = drv.cuMemGetInfo()
+    return total - free
+
+
+def bench_colibri(model_dir: Path, vocab: int) -> dict:
+    from common.model_format import ModelDir
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine, PrefillInput
+    from expert_service.model import StepTrace
+    from expert_service.sampling import SamplingParams
+    rng = np.random.default_rng(0)
+    before = device_used_bytes()
+    model = ModelDir.open(model_dir, verify=False)
+    engine = Engine(model, EngineConfig(backend="cuda", kv_block_size=16, kv_cache_tokens=64 * 512,
+                                        max_batch_tokens=2048, max_batch_size=64))
+    out = {"prefill_tok_s": {}, "decode_ms": {}, "roofline_fraction": {}, "bytes_per_step": {},
+           "memory_plan": dict(engine.decoder.memory_plan()),
+           "device_memory_gib": (device_used_bytes() - before) / 2**30}
+    sync = engine.decoder.stream.synchronize
+    for b, n in PREFILL:
+        chunks = [PrefillInput(1000 + i, rng.integers(0, vocab, n), SamplingParams(), True) for i in range(b)]
+
+        def prefill():
+            engine.step(chunks)
+            engine.clear()
+        best = float("inf")
+        prefill()
+        for _ in range(3):
+            start = time.perf_counter()
+            prefill()
+            sync()
+            best = min(best, time.perf_counter() - start)
+        out["prefill_tok_s"][f"{b}x{n}"] = b * n / best
+    cfg = model.config
+    dense = engine.decoder.weights.dense_bytes - cfg.vocab_size * cfg.hidden_size * 2   # the embedding is gathered
+    expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    for b in DECODE_BATCHES:
+        ids = list(range(b))
+        for start in range(0, b, 16):           # prompts in chunks of 16 x 128 tokens (the step budget)
+            engine.step([PrefillInput(i, rng.integers(0, vocab, DECODE_CONTEXT), SamplingParams(), True)
+                         for i in ids[start:start + 16]])
+        for _ in range(3):                      # eager, capture, replay
+            engine.step(decode_ids=ids)
+        times, moved = [], []
+        for _ in range(DECODE_STEPS):
+            trace = StepTrace()
+            start = time.perf_counter()
+            result = engine.step(decode_ids=ids)
+            times.append(time.perf_counter() - start)
+            experts = sum(len(np.unique(e)) for e in result.trace.expert_ids.values())
+            context = sum(engine.sequences[i].num_cached for i in ids)
+            moved.append(dense + experts * expert_bytes + context * kv_per_token)
+            del trace
+        engine.clear()
+        step = float(np.median(times))
+        out["decode_ms"][str(b)] = step * 1e3
+        out["bytes_per_step"][str(b)] = float(np.median(moved))
+        out["roofline_fraction"][str(b)] = float(np.median(moved)) / HBM_BYTES_PER_S / step
+    engine.decoder.close()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    import torch
+    results = {"hbm_bytes_per_s": HBM_BYTES_PER_S, "device": torch.cuda.get_device_name(), "shapes": {}}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.shapes.split(","):
+        family, params = SHAPES[name]
+        hf = build_hf(family, params)
+        model_dir = write_colibri(hf, Path(args.workdir) / name)
+        entry = {"hf": None if args.skip_hf else bench_hf(hf, params["vocab_size"])}
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+        entry["colibri"] = bench_colibri(model_dir, params["vocab_size"])
+        shutil.rmtree(model_dir, ignore_errors=True)
+        if entry["hf"]:
+            c, h = entry["colibri"], entry["hf"]
+            entry["ratios"] = {
+                **{f"prefill_{k}_x_hf": c["prefill_tok_s"][k] / h["prefill_tok_s"][k] for k in c["prefill_tok_s"]},
+                **{f"decode_b{k}_speedup_x_hf": h["decode_ms"][k] / c["decode_ms"][k] for k in c["decode_ms"]},
+                "memory_x_hf": c["device_memory_gib"] / h["peak_memory_gib_b1"],
+            }
+        results["shapes"][name] = entry
+        print(json.dumps({name: entry}, indent=1), flush=True)
+        (out_dir / "engine.json").write_text(json.dumps(results, indent=1))
+    _plot(results, out_dir / "engine.png")
+    return 0
+
+
+def _plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = results["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, (name, entry) in zip(axes[0], shapes.items()):
+        batches = list(entry["colibri"]["decode_ms"])
+        x = np.arange(len(batches))
+        ax.bar(x - 0.2, [entry["colibri"]["decode_ms"][b] for b in batches], 0.4, label="colibri")
+        if entry.get("hf"):
+            ax.bar(x + 0.2, [entry["hf"]["decode_ms"][b] for b in batches], 0.4, label="transformers")
+        ax.set(xticks=x, xticklabels=[f"b={b}" for b in batches], ylabel="ms / decode step", title=name)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""cuBLAS through ctypes on a dedicated handle, for the large GEMMs of prefill where tensor cores pay.
+
+A dedicated handle with its own preallocated workspace keeps calls capturable in CUDA graphs (CuPy's
+shared handle refuses capture; notes/numba-cuda.md §6). Row-major Y[M, N] = X[M, K] @ W[N, K]^T is the
+column-major product Y^T = W^T' * X^T, i.e. gemm(transa=T, transb=N, m=N, n=M, k=K).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+WORKSPACE_BYTES = 32 * 1024 * 1024
+DATA_TYPES = {np.dtype(np.float32): CUDA_R_32F, np.dtype(np.float16): CUDA_R_16F, np.dtype(np.uint16): CUDA_R_16BF}
+
+
+def _load_library() -> ctypes.CDLL:
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+class Cublas:
+    def __init__(self, stream, workspace):
+        """`workspace`: a preallocated device byte array of at least WORKSPACE_BYTES (memory plan)."""
+        self.lib = _load_library()
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        from expert_service.cuda.driver import stream_handle
+        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(int(stream_handle(stream)))),
+                    "cublasSetStream")
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace.device_ctypes_pointer.value),
+                                                   ctypes.c_size_t(workspace.nbytes)), "cublasSetWorkspace")
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise CublasError(f"{what} failed with cuBLAS status {status}")
+
+    def linear(self, x, w, y, accumulate: bool = False) -> None:
+        """y [M, N] f32 (+)= x [M, K] @ w [N, K]^T; x and w of the same dtype (f32, f16 or bf16-as-uint16)."""
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K or y.shape != (M, N) or x.dtype != w.dtype or y.dtype != np.float32:
+            raise ValueError(f"linear: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, y {y.shape} {y.dtype}")
+        dtype = DATA_TYPES[np.dtype(w.dtype)]
+        beta = self._one if accumulate else self._zero
+        self._check(self.lib.cublasGemmEx(
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, ctypes.byref(self._one),
+            ctypes.c_void_p(w.device_ctypes_pointer.value), dtype, K,
+            ctypes.c_void_p(x.device_ctypes_pointer.value), dtype, K, ctypes.byref(beta),
+            ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, N,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.cublasDestroy_v2(self.handle)
+            self.handle = ctypes.c_void_p()

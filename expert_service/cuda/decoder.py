@@ -1,0 +1,307 @@
+"""The MoE decoder on the cuda backend: the same step as expert_service/model.py, as Numba kernels.
+
+One non-blocking stream carries everything. Decode-only steps of up to GRAPH_MAX_SEQS sequences replay a
+CUDA graph captured per batch-size bucket (padded sequences write no KV and attend to nothing); other
+steps run eagerly. Linear layers of up to GEMV_MAX_TOKENS tokens use the weight-streaming kernels (decode is
+memory-bound); larger ones go through cuBLAS on tensor cores, and so do the experts of a large step, one GEMM
+per active expert over its contiguous block of grouped tokens.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from cuda.bindings import driver as drv
+from numba import cuda
+
+from common.model_config import ModelConfig, QKNorm
+from common.model_format import ModelDir
+from expert_service.config import EngineConfig
+from expert_service.cuda.driver import Graph, check
+from expert_service.cuda.weights import DeviceWeights
+from expert_service.cuda.workspace import METADATA, allocate_workspace, plan_workspace
+from expert_service.kernels import elementwise, greedy, rmsnorm
+from expert_service.kernels.attention_decode import attention_decode
+from expert_service.kernels.attention_prefill import attention_prefill
+from expert_service.kernels.embedding import launch_embedding
+from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.kv_write import kv_write
+from expert_service.kernels.linear import launch_linear, launch_swiglu
+from expert_service.kernels.moe_combine import moe_combine
+from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.kernels.rope import launch_rope
+from expert_service.kernels.router_topk import router_topk
+from expert_service.model import ForwardBatch, StepTrace
+
+log = logging.getLogger("colibri.worker.cuda")
+GEMV_MAX_TOKENS = 64
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DeviceLogits:
+    """Logits rows of a step on the device; argmax + finiteness already on the host, rows fetched lazily."""
+
+    def __init__(self, decoder: "CudaDecoder", rows: int):
+        self.decoder, self.rows = decoder, rows
+        self.ids = decoder.ws.host["greedy_ids"][:rows].copy()
+        self.nonfinite = decoder.ws.host["nonfinite"][:rows].copy()
+        self._host = None
+
+    def greedy(self, row: int) -> tuple[int, bool]:
+        return int(self.ids[row]), not bool(self.nonfinite[row])
+
+    def _fetch(self) -> np.ndarray:
+        if self._host is None:
+            d = self.decoder
+            host = d.ws.host["logits"][:self.rows]
+            d.ws.logits[:self.rows].copy_to_host(host, stream=d.stream)
+            d.stream.synchronize()
+            self._host = host.copy()
+        return self._host
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return self._fetch()[row]
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __iter__(self):
+        return iter(self._fetch())
+
+
+def _non_blocking_stream():
+    handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    return handle, cuda.external_stream(int(handle))
+
+
+class CudaDecoder:
+    backend = "cuda"
+
+    def __init__(self, model: ModelDir, config: EngineConfig):
+        self.config: ModelConfig = model.config
+        self.engine_config = config
+        self._stream_handle, self.stream = _non_blocking_stream()
+        self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory)
+        cfg = self.config
+        self.kv_dtype = self.weights.dtype
+        self.num_blocks, self.block_size = config.resolved_num_kv_blocks, config.kv_block_size
+        pool_shape = (cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
+        self.v_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
+        self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
+        max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
+        self.max_blocks_per_seq = -(-max_context // self.block_size)
+        self.moe_layers = cfg.moe_layers
+        self.plan = plan_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs, self.max_blocks_per_seq,
+                                   len(self.moe_layers))
+        self.ws = allocate_workspace(self.plan, self.stream)
+        inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
+        self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
+        self.graphs: dict[int, Graph] = {}
+        self._eager_buckets: set[int] = set()
+        self._cublas = None
+        self.stream.synchronize()
+
+    # --- plan ---------------------------------------------------------------------------------------
+    def memory_plan(self) -> list[tuple[str, int]]:
+        return [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
+                ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes)]
+
+    @property
+    def cublas(self):
+        if self._cublas is None:
+            from expert_service.cuda.cublas import Cublas
+            self._cublas = Cublas(self.stream, self.ws.cublas_workspace)
+        return self._cublas
+
+    # --- step ---------------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> DeviceLogits:
+        T, S, R = len(batch.token_ids), len(batch.context_lens), len(batch.logits_rows)
+        if T > self.max_tokens or S > self.max_seqs or R > self.max_seqs:
+            raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
+                             f"({self.max_tokens} / {self.max_seqs})")
+        decode_only = T == S and R == S
+        bucket = next((b for b in GRAPH_BUCKETS if b >= S), None) if decode_only else None
+        if bucket is not None and bucket > self.max_seqs:
+            bucket = None
+        padded = bucket or T
+        self._stage(batch, padded if bucket else T, bucket or S, bucket or R)
+        if bucket is not None and self.engine_config.cuda_graphs:
+            graph = self.graphs.get(bucket)
+            if graph is not None:
+                graph.replay()
+            elif bucket in self._eager_buckets:        # second time: kernels are compiled and loaded, capture
+                graph = Graph(self.stream)
+                with graph:
+                    self._run(bucket, bucket, bucket, decode=True)
+                self.graphs[bucket] = graph
+                graph.replay()
+            else:
+                self._eager_buckets.add(bucket)
+                self._run(bucket, bucket, bucket, decode=True)
+        else:
+            self._run(padded, bucket or S, bucket or R, decode=decode_only)
+        host = self.ws.host
+        self.ws.greedy_ids.copy_to_host(host["greedy_ids"], stream=self.stream)
+        self.ws.nonfinite.copy_to_host(host["nonfinite"], stream=self.stream)
+        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok
+        if trace is not None and n_ids:
+            flat_ids = self.ws.topk_ids.reshape(-1)
+            flat_ids[:n_ids].copy_to_host(host["topk_ids"].reshape(-1)[:n_ids], stream=self.stream)
+        self.stream.synchronize()
+        if trace is not None and n_ids:
+            ids = host["topk_ids"].reshape(-1)[:n_ids].reshape(len(self.moe_layers), padded, -1)
+            for index, layer in enumerate(self.moe_layers):
+                trace.expert_ids[layer] = ids[index, :T].copy()
+        return DeviceLogits(self, R)
+
+    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int) -> None:
+        """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device."""
+        h = self.ws.host
+        n, s = len(batch.token_ids), len(batch.context_lens)
+        h["token_ids"][:n] = batch.token_ids
+        h["token_ids"][n:T] = 0
+        h["positions"][:n] = batch.positions
+        h["positions"][n:T] = 0
+        h["slot_mapping"][:n] = batch.slot_mapping
+        h["slot_mapping"][n:T] = -1                   # padding writes no KV
+        h["seq_starts"][:s + 1] = batch.seq_starts
+        h["seq_starts"][s + 1:S + 1] = n + np.arange(1, S - s + 1)
+        h["context_lens"][:s] = batch.context_lens
+        h["context_lens"][s:S] = 0                    # padding attends to nothing
+        r = len(batch.logits_rows)
+        h["logits_rows"][:r] = batch.logits_rows
+        h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
+        for i, table in enumerate(batch.block_tables):
+            h["block_tables"][i, :len(table)] = table
+        for name in METADATA:
+            rows = {"token_ids": T, "positions": T, "slot_mapping": T, "seq_starts": S + 1, "context_lens": S,
+                    "logits_rows": R, "block_tables": S}[name]
+            self.ws.arrays[name][:rows].copy_to_device(h[name][:rows], stream=self.stream)
+
+    # --- the forward pass (eager, or captured into a graph) -----------------------------------------
+    def _run(self, T: int, S: int, R: int, decode: bool) -> None:
+        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
+        h, x = ws.hidden[:T], ws.normed[:T]
+        launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st)
+        for i in range(cfg.num_hidden_layers):
+            rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
+            self._attention(i, x, h, T, S, decode)
+            rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
+            if cfg.sparse_layers[i]:
+                self._moe(i, x, h, T)
+            else:
+                g = ws.dense_gate[:T]
+                self._swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
+                self._linear(g, w.layer(i, "down_proj"), h, accumulate=True)
+        last = ws.last_hidden[:R]
+        launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
+        rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
+        self._linear(last, w.lm_head, ws.logits[:R])
+        greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
+
+    def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
+        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
+        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]
+        for name, out in (("q", q), ("k", k), ("v", v)):
+            self._linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"))
+        H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if cfg.qk_norm is QKNorm.FULL:
+            rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
+            rmsnorm.launch_rmsnorm(k, w.layer(i, "k_norm"), cfg.rms_norm_eps, k, stream=st)
+        elif cfg.qk_norm is QKNorm.PER_HEAD:
+            rmsnorm.launch_rmsnorm(q.reshape(T * H, Hd), w.layer(i, "q_norm"), cfg.rms_norm_eps,
+                                   q.reshape(T * H, Hd), stream=st)
+            rmsnorm.launch_rmsnorm(k.reshape(T * Hkv, Hd), w.layer(i, "k_norm"), cfg.rms_norm_eps,
+                                   k.reshape(T * Hkv, Hd), stream=st)
+        if cfg.clip_qkv is not None:
+            for t in (q, k, v):
+                elementwise.launch_clamp(t, cfg.clip_qkv, stream=st)
+        q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
+        launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
+        kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
+        attn3 = ws.attn[:T].reshape(T, H, Hd)
+        window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
+        if decode:
+            attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
+                             ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
+        else:
+            attention_prefill(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
+                              ws.block_tables[:S], ws.context_lens[:S], window, scale, attn3, stream=st)
+        self._linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    def _moe(self, i: int, x, h, T: int) -> None:
+        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
+        K, E, F, D = cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        n = T * K
+        logits = ws.router_logits[:T]
+        self._linear(x, w.layer(i, "router"), logits)
+        moe_index = self.moe_layers.index(i)
+        ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
+        weights = ws.topk_weights[:T]
+        router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+        order, position = ws.order[:n], ws.position[:n]
+        expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        experts = w.experts[i]
+        out = ws.moe_out[:n]
+        if T <= GEMV_MAX_TOKENS:
+            moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
+            moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
+        else:
+            self._experts_cublas(x, experts, order, n, K, F, D, out)
+        moe_combine(out, position, weights, h, stream=st)
+        if cfg.shared_expert_intermediate_size:
+            g = ws.shared_gate[:T]
+            self._swiglu(x, w.layer(i, "shared_gate_proj"), w.layer(i, "shared_up_proj"), g, ws.shared_up[:T])
+            self._linear(g, w.layer(i, "shared_down_proj"), ws.shared_out[:T])
+            self._linear(x, w.layer(i, "shared_expert_gate"), ws.shared_logit[:T])
+            elementwise.launch_sigmoid_gate_add(h, ws.shared_out[:T], ws.shared_logit[:T], stream=st)
+
+    def _experts_cublas(self, x, experts, order, n: int, K: int, F: int, D: int, out) -> None:
+        """Large steps: tokens gathered into grouped order, then per active expert two GEMMs on tensor cores."""
+        ws, st = self.ws, self.stream
+        launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
+        ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
+        st.synchronize()
+        offsets = ws.host["offsets"]
+        for e in np.flatnonzero(np.diff(offsets)):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            block = experts[int(e)]
+            gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
+            down = block[2 * F * D:3 * F * D].reshape(D, F)
+            g = ws.moe_gate[lo:hi]
+            self._swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
+            self._linear(g, down, out[lo:hi], force_cublas=True)
+
+    # --- linear layers: weight streaming for few tokens, cuBLAS for many ----------------------------
+    def _linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False) -> None:
+        if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
+            launch_linear(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
+            return
+        self.cublas.linear(self._as_weight_dtype(x), weight, out, accumulate=accumulate)
+        if bias is not None:
+            elementwise.launch_add_bias(out, bias, stream=self.stream)
+
+    def _swiglu(self, x, gate, up, out, scratch, force_cublas: bool = False) -> None:
+        if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
+            launch_swiglu(x, gate, up, out, stream=self.stream)
+            return
+        xc = self._as_weight_dtype(x)
+        self.cublas.linear(xc, gate, out)
+        self.cublas.linear(xc, up, scratch)
+        elementwise.launch_silu_mul(out, scratch, out, stream=self.stream)
+
+    def _as_weight_dtype(self, x):
+        if self.weights.dtype == np.float32:
+            return x
+        rows, cols = x.shape
+        xc = self.ws.cast[:rows * cols].reshape(rows, cols)
+        elementwise.launch_cast(x, xc, stream=self.stream)
+        return xc
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.close()
+        if self._cublas is not None:
+            self._cublas.close()

@@ -1,0 +1,79 @@
+"""Thin helpers over the CUDA driver API (cuda.bindings) for what Numba does not expose: page-locking
+read-only mmaps, stream capture into graphs, and graph replay."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from cuda.bindings import driver as drv
+
+log = logging.getLogger("colibri.worker.cuda")
+
+
+class CudaDriverError(RuntimeError):
+    pass
+
+
+def check(result):
+    """cuda.bindings calls return (CUresult, *values): raise on an error, return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        raise CudaDriverError(f"CUDA driver error {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else values
+
+
+def stream_handle(stream) -> drv.CUstream:
+    """The driver handle of a Numba stream (handle is a CUstream or a ctypes pointer by binding)."""
+    handle = stream.handle
+    value = getattr(handle, "value", None)
+    return drv.CUstream(int(value if value is not None else int(handle)))
+
+
+def pin_readonly(array: np.ndarray) -> bool:
+    """Page-locks the host range of a read-only array (an mmap) so copies from it run at PCIe speed.
+    Returns False when the driver refuses (limits, unsupported), so the caller can fall back."""
+    if array.nbytes == 0:
+        return True
+    try:
+        check(drv.cuMemHostRegister(array.ctypes.data, array.nbytes, drv.CU_MEMHOSTREGISTER_READ_ONLY))
+        return True
+    except CudaDriverError as e:
+        log.warning("could not page-lock %d bytes of model weights (%s)", array.nbytes, e)
+        return False
+
+
+def unpin(array: np.ndarray) -> None:
+    try:
+        check(drv.cuMemHostUnregister(array.ctypes.data))
+    except CudaDriverError:
+        pass
+
+
+class Graph:
+    """A captured sequence of launches on one stream, replayed with one call."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._handle = stream_handle(stream)
+        self.exec = None
+
+    def __enter__(self) -> "Graph":
+        check(drv.cuStreamBeginCapture(self._handle,
+                                       drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        graph = check(drv.cuStreamEndCapture(self._handle))
+        if exc_type is None:
+            self.exec = check(drv.cuGraphInstantiate(graph, 0))
+        check(drv.cuGraphDestroy(graph))
+        return False
+
+    def replay(self) -> None:
+        check(drv.cuGraphLaunch(self.exec, self._handle))
+
+    def close(self) -> None:
+        if self.exec is not None:
+            check(drv.cuGraphExecDestroy(self.exec))
+            self.exec = None

@@ -1,0 +1,110 @@
+"""Model weights on the device, uploaded from the read-only mmaps of the model directory.
+
+The dense file goes up as one device buffer and each MoE layer's experts file as another (the format lays
+every expert out as one aligned block, so a layer is one copy and an expert one range of it); tensors are
+typed zero-copy views into those buffers. Host ranges are page-locked with cuMemHostRegister(READ_ONLY)
+so copies run at PCIe speed; where the driver refuses, copies go through a pinned bounce buffer, said once.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from numba import cuda
+
+from common import dtypes
+from common.model_format import DENSE_FILE, ModelDir, expert_file
+from expert_service.cuda.driver import pin_readonly, unpin
+
+log = logging.getLogger("colibri.worker.cuda")
+BOUNCE_BYTES = 64 * 1024 * 1024
+
+
+class HostUploader:
+    """Copies host byte ranges of the model's mmaps to device buffers, pinned when the driver allows."""
+
+    def __init__(self, stream, use_pinned_memory: bool = True):
+        self.stream = stream
+        self.use_pinned_memory = use_pinned_memory
+        self._bounce = None
+        self._warned = False
+        self.pinned: list[np.ndarray] = []
+        self.bytes_copied = 0
+
+    def pin(self, host: np.ndarray) -> bool:
+        if self.use_pinned_memory and pin_readonly(host):
+            self.pinned.append(host)
+            return True
+        if self.use_pinned_memory and not self._warned:
+            log.warning("page-locking the model mmaps failed; copying through a %d MiB pinned bounce buffer "
+                        "(slower host-to-device copies)", BOUNCE_BYTES >> 20)
+            self._warned = True
+        return False
+
+    def copy(self, host: np.ndarray, device, pinned: bool) -> None:
+        """host: uint8 [n] (a slice of a mmap); device: uint8 [n] device array."""
+        if pinned:
+            device.copy_to_device(host, stream=self.stream)
+        else:
+            if self._bounce is None:
+                self._bounce = cuda.pinned_array(BOUNCE_BYTES, dtype=np.uint8)
+            for start in range(0, host.nbytes, BOUNCE_BYTES):
+                n = min(BOUNCE_BYTES, host.nbytes - start)
+                self._bounce[:n] = host[start:start + n]
+                device[start:start + n].copy_to_device(self._bounce[:n], stream=self.stream)
+                self.stream.synchronize()    # the bounce buffer is reused by the next chunk
+        self.bytes_copied += host.nbytes
+
+    def release(self) -> None:
+        for host in self.pinned:
+            unpin(host)
+        self.pinned.clear()
+
+
+class DeviceWeights:
+    """Typed device views of every tensor; experts as one [E, stride_elems] array per MoE layer."""
+
+    def __init__(self, model: ModelDir, stream, use_pinned_memory: bool = True, load_experts: bool = True):
+        self.model = model
+        self.config = model.config
+        self.dtype = np.dtype(dtypes.STORAGE[model.dtype])
+        self.uploader = HostUploader(stream, use_pinned_memory)
+        dense_host = model._map(DENSE_FILE)
+        self.dense_buffer = cuda.device_array(dense_host.nbytes, dtype=np.uint8, stream=stream)
+        self.uploader.copy(dense_host, self.dense_buffer, self.uploader.pin(dense_host))
+        self.views: dict[str, object] = {}
+        for name, entry in model.entries.items():
+            if entry.file == DENSE_FILE:
+                raw = self.dense_buffer[entry.offset:entry.offset + entry.nbytes]
+                self.views[name] = raw.view(dtypes.STORAGE[entry.dtype]).reshape(entry.shape)
+        self.experts: dict[int, object] = {}
+        self.expert_host: dict[int, np.ndarray] = {}
+        self.expert_pinned: dict[int, bool] = {}
+        for layer in self.config.moe_layers:
+            host = model._map(expert_file(layer))[:self.config.num_experts * model.expert_stride]
+            self.expert_host[layer] = host
+            self.expert_pinned[layer] = self.uploader.pin(host)
+            if load_experts:
+                buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
+                self.uploader.copy(host, buffer, self.expert_pinned[layer])
+                self.experts[layer] = buffer.view(self.dtype).reshape(
+                    self.config.num_experts, model.expert_stride // self.dtype.itemsize)
+        stream.synchronize()
+
+    def get(self, name: str):
+        return self.views[name]
+
+    def layer(self, i: int, name: str):
+        return self.views.get(f"layers.{i}.{name}")
+
+    @property
+    def lm_head(self):
+        return self.views["embed_tokens"] if self.config.tie_word_embeddings else self.views["lm_head"]
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_buffer.nbytes
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(a.nbytes for a in self.experts.values())

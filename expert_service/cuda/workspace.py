@@ -1,0 +1,91 @@
+"""The worker's device memory plan: every buffer a step touches, allocated once at start-up.
+
+Steps only take views (``buf[:T]``) of these arrays, so nothing is allocated on the device while serving
+(tests count it). Sizes follow the engine limits: T = max_batch_tokens, S = max_batch_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import cuda
+
+from common.model_config import ModelConfig
+from expert_service.cuda.cublas import WORKSPACE_BYTES
+from expert_service.kernels.attention_decode import decode_splits
+
+
+@dataclass
+class Workspace:
+    arrays: dict[str, object] = field(default_factory=dict)
+    host: dict[str, np.ndarray] = field(default_factory=dict)    # pinned staging for step metadata
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["arrays"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
+                   max_blocks_per_seq: int, num_layers_moe: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Name -> (shape, dtype) of every step buffer; pure, so the plan can be printed before allocating."""
+    T, S, D = max_tokens, max_seqs, config.hidden_size
+    K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    dense_ffn = config.intermediate_size if not all(config.sparse_layers) else 0
+    shared_ffn = config.shared_expert_intermediate_size
+    splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
+    widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
+    plan = {
+        "hidden": ((T, D), f32), "normed": ((T, D), f32),
+        "q": ((T, config.q_size), f32), "k": ((T, config.kv_size), f32), "v": ((T, config.kv_size), f32),
+        "attn": ((T, config.q_size), f32),
+        "router_logits": ((T, E), f32), "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
+        "topk_weights": ((T, K), f32),
+        "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
+        "moe_gate": ((T * K, F), f32), "moe_up": ((T * K, F), f32), "moe_out": ((T * K, D), f32),
+        "moe_in": ((T * K, D), f32),
+        "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
+        "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
+        "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
+        "greedy_ids": ((S,), i32), "nonfinite": ((S,), i32),
+        "token_ids": ((T,), i32), "positions": ((T,), i32), "slot_mapping": ((T,), i32),
+        "seq_starts": ((S + 1,), i32), "context_lens": ((S,), i32), "logits_rows": ((S,), i32),
+        "block_tables": ((S, max_blocks_per_seq), i32),
+        "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
+    }
+    if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
+        plan["cast"] = ((T * K * widest,), weight_dtype)
+    if dense_ffn:
+        plan["dense_gate"] = ((T, dense_ffn), f32)
+        plan["dense_up"] = ((T, dense_ffn), f32)
+    if shared_ffn:
+        plan["shared_gate"] = ((T, shared_ffn), f32)
+        plan["shared_up"] = ((T, shared_ffn), f32)
+        plan["shared_out"] = ((T, D), f32)
+        plan["shared_logit"] = ((T, 1), f32)
+    return plan
+
+
+METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
+
+
+def allocate_workspace(plan: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
+    ws = Workspace()
+    for name, (shape, dtype) in plan.items():
+        ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
+    for name in METADATA:
+        shape, dtype = plan[name]
+        ws.host[name] = cuda.pinned_array(shape, dtype=dtype)
+    ws.host["greedy_ids"] = cuda.pinned_array(plan["greedy_ids"][0], dtype=np.int32)
+    ws.host["nonfinite"] = cuda.pinned_array(plan["nonfinite"][0], dtype=np.int32)
+    ws.host["logits"] = cuda.pinned_array(plan["logits"][0], dtype=np.float32)
+    ws.host["topk_ids"] = cuda.pinned_array(plan["topk_ids"][0], dtype=np.int32)
+    ws.host["counts"] = cuda.pinned_array(plan["counts"][0], dtype=np.int32)
+    ws.host["offsets"] = cuda.pinned_array(plan["offsets"][0], dtype=np.int32)
+    return ws
