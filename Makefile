@@ -41,7 +41,7 @@ test: install $(BIN)/.installed-test
 
 # GPU-only tests (run on a machine with an NVIDIA GPU).
 test-gpu: install $(BIN)/.installed-test
-	$(BIN)/python -m pytest -q -m gpu
+	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -m gpu
 
 # Files past 600 lines must be split (docs/style.md).
 lint-size:
