@@ -4,9 +4,11 @@ expert_service.layers.attention.paged_attention with one row per sequence).
 Design (memory-bound: every K/V byte of a (sequence, kv head) is read once, by one block):
 - Block = (sequence, tile of GT query heads sharing one kv head, split). GT is the whole GQA group when it is
   at most MAX_GROUP_TILE; larger groups (MQA) are cut into tiles, each re-reading the kv head (from L2).
-- NWARPS warps take keys round-robin; a warp's lanes hold Hd/32 dims each (lane-major, so each load
-  instruction reads one contiguous run of the key row). Per key: GT warp reductions give the scores, then
-  each warp updates its own online softmax (max, sum, accumulator) in float32 registers. At the end the
+- NWARPS warps take runs of KEYS_PER_WARP keys round-robin; a warp's lanes hold Hd/32 dims each (lane-major,
+  so each load instruction reads one contiguous run of the key row). A warp issues the loads of its whole
+  run before using them (one key at a time was latency-bound on the H200: ~1.4 us per key, 0.01 TB/s at
+  b=1). Warp reductions give the GT x KEYS_PER_WARP scores, then each warp updates its own online softmax
+  (max, sum, accumulator) in float32 registers once per run. At the end the
   warps' states are merged through shared memory.
 - Split-K: with few sequences (b=1) a grid of S * H/GT blocks leaves most SMs idle, so each sequence's key
   range is cut into P equal parts (grid z). Each part writes an unnormalised partial output with its
@@ -26,8 +28,9 @@ from expert_service.kernels.numeric import WARP, loader, warp_sum
 
 NWARPS = 4
 THREADS = NWARPS * WARP
-MAX_GROUP_TILE = 8            # query heads per block: registers hold GT * Hd/32 accumulators per lane
-TARGET_BLOCKS = 264           # 2 blocks per SM on the H200's 132 SMs
+KEYS_PER_WARP = 4             # keys a warp loads per iteration (bytes in flight; registers: 2 * 4 * Hd/32)
+MAX_GROUP_TILE = 4            # query heads per block; 8 no longer fits registers (PTX used local memory)
+TARGET_BLOCKS = 528           # 4 blocks per SM on the H200's 132 SMs
 MIN_PARTITION_TOKENS = 256    # below this a part's merge costs more than the parallelism gains
 NEG_INF = np.float32(-np.inf)
 
@@ -50,6 +53,7 @@ def _build(kv_dtype, head_dim: int, gt: int):
     load = loader(kv_dtype)
     dpl = -(-head_dim // WARP)       # dims per lane
     acc_len = gt * dpl
+    kv_len = KEYS_PER_WARP * dpl
     sm_states = NWARPS * gt          # shared-array sizes must be closure constants, not expressions
     sm_acc_len = NWARPS * gt * head_dim
 
@@ -82,8 +86,9 @@ def _build(kv_dtype, head_dim: int, gt: int):
         acc = cuda.local.array(acc_len, types.float32)
         m = cuda.local.array(gt, types.float32)
         den = cuda.local.array(gt, types.float32)
-        kr = cuda.local.array(dpl, types.float32)
-        vr = cuda.local.array(dpl, types.float32)
+        kr = cuda.local.array(kv_len, types.float32)
+        vr = cuda.local.array(kv_len, types.float32)
+        sc = cuda.local.array(KEYS_PER_WARP, types.float32)
         for g in range(gt):
             m[g] = NEG_INF
             den[g] = 0.0
@@ -93,31 +98,42 @@ def _build(kv_dtype, head_dim: int, gt: int):
                 acc[g * dpl + i] = 0.0
 
         row = num_kv_heads * head_dim
+        step = NWARPS * KEYS_PER_WARP
         # Same trip count for every warp: warp_sum needs all lanes (and, in the simulator, all threads).
-        for it in range((max(k_hi - k_lo, 0) + NWARPS - 1) // NWARPS):
-            key = k_lo + it * NWARPS + warp
-            valid = key < k_hi
-            base = np.int64(0)
-            if valid:
-                blk = block_tables[s, key // block_size]
-                base = (np.int64(blk) * block_size + key % block_size) * row + kvh * head_dim
-            for i in range(dpl):
-                d = i * WARP + lane
-                kr[i] = load(k_pool, base + d) if valid and d < head_dim else np.float32(0.0)
-                vr[i] = load(v_pool, base + d) if valid and d < head_dim else np.float32(0.0)
-            for g in range(gt):
-                dot = np.float32(0.0)
+        for it in range((max(k_hi - k_lo, 0) + step - 1) // step):
+            first = k_lo + (it * NWARPS + warp) * KEYS_PER_WARP
+            # Issue all KEYS_PER_WARP keys' loads before using any: the loop is latency-bound otherwise.
+            for u in range(KEYS_PER_WARP):
+                key = first + u
+                base = np.int64(0)
+                if key < k_hi:
+                    blk = block_tables[s, key // block_size]
+                    base = (np.int64(blk) * block_size + key % block_size) * row + kvh * head_dim
                 for i in range(dpl):
-                    dot += qr[g * dpl + i] * kr[i]
-                score = warp_sum(dot)
-                if valid:
-                    m_new = max(m[g], score)
-                    alpha = math.exp(m[g] - m_new)
-                    p = math.exp(score - m_new)
-                    den[g] = den[g] * alpha + p
+                    d = i * WARP + lane
+                    ok = key < k_hi and d < head_dim
+                    kr[u * dpl + i] = load(k_pool, base + d) if ok else np.float32(0.0)
+                    vr[u * dpl + i] = load(v_pool, base + d) if ok else np.float32(0.0)
+            for g in range(gt):
+                mx = m[g]
+                for u in range(KEYS_PER_WARP):
+                    dot = np.float32(0.0)
                     for i in range(dpl):
-                        acc[g * dpl + i] = acc[g * dpl + i] * alpha + p * vr[i]
-                    m[g] = m_new
+                        dot += qr[g * dpl + i] * kr[u * dpl + i]
+                    score = warp_sum(dot)
+                    sc[u] = score if first + u < k_hi else NEG_INF
+                    mx = max(mx, sc[u])
+                if mx > NEG_INF:         # warp-uniform: this warp had at least one key
+                    alpha = math.exp(m[g] - mx)
+                    den[g] *= alpha
+                    for i in range(dpl):
+                        acc[g * dpl + i] *= alpha
+                    for u in range(KEYS_PER_WARP):
+                        p = math.exp(sc[u] - mx)
+                        den[g] += p
+                        for i in range(dpl):
+                            acc[g * dpl + i] += p * vr[u * dpl + i]
+                    m[g] = mx
 
         # Merge the warps' softmax states: acc is relative to each warp's own max.
         sm_m = cuda.shared.array(sm_states, types.float32)
@@ -213,11 +229,11 @@ def attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, w
 
 def sm90_signatures():
     """(python function, numba signature) of the variants to compile for sm_90: every kv dtype at Hd=128 with
-    GQA tiles 4 and 8, an odd head size, and the split-K reduce."""
+    GQA tiles 2 and 4, an odd head size, and the split-K reduce."""
     f32_3d, f32_4d, i32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32
     out = []
     variants = [(np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)]
-    for (dtype, nb), head_dim, gt in [(v, 128, gt) for v in variants for gt in (4, 8)] + [(variants[2], 20, 3)]:
+    for (dtype, nb), head_dim, gt in [(v, 128, gt) for v in variants for gt in (2, 4)] + [(variants[2], 20, 3)]:
         out.append((_build(np.dtype(dtype), head_dim, gt)[0],
                     (f32_3d, nb[::1], nb[::1], i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32,
                      f32_3d, f32_4d, f32_4d)))

@@ -50,7 +50,7 @@ def test_gqa_window_with_split():
 
 
 def test_decode_splits_policy():
-    assert decode_splits(64, 32, 8, 4096) == 1                  # 512 blocks already fill the GPU
+    assert decode_splits(128, 32, 8, 4096) == 1                 # 1024 blocks already fill the GPU
     assert decode_splits(1, 32, 8, 256) == 1                    # too short to split
     assert 1 < decode_splits(1, 32, 8, 32768) <= 128
     assert decode_splits(1, 32, 8, 4096) == 4096 // 256         # capped by the minimum part length
