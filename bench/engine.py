@@ -47,41 +47,20 @@ def build_hf(family: str, params: dict):
                              tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return model
 
 
 def write_colibri(model, out: Path) -> Path:
-    """The HF model's own tensors, as raw bf16 words, through Colibri's writer (no second random init)."""
-    import torch
-
-    from common.model_format import ModelWriter
-    from common.models import tensor_specs
-    hf_config = model.config.to_dict()
-    hf_config["model_type"] = model.config.model_type
-    writer = ModelWriter(out, hf_config, "bfloat16")
-    state = model.state_dict()
-    fused = {k: v for k, v in state.items() if "experts" in k and k not in {s.hf_name for s in tensor_specs(writer.config)}}
-    for spec in tensor_specs(writer.config):
-        tensor = state.get(spec.hf_name)
-        if tensor is None:   # transformers 5 may keep experts fused: [E, 2F, D] gate_up / [E, D, F] down
-            tensor = _from_fused(fused, spec, writer.config)
-        writer.write(spec.name, tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
-                     .view(np.uint16).reshape(spec.shape))
-    return writer.finish()
-
-
-def _from_fused(fused: dict, spec, config):
-    prefix = spec.hf_name.split(".experts.")[0] + ".experts."
-    F = config.moe_intermediate_size
-    which = spec.name.rsplit(".", 1)[-1]
-    if which in ("gate_proj", "up_proj"):
-        gate_up = fused[prefix + "gate_up_proj"][spec.expert]
-        if gate_up.shape[0] != 2 * F:
-            gate_up = gate_up.T
-        return gate_up[:F] if which == "gate_proj" else gate_up[F:]
-    down = fused[prefix + "down_proj"][spec.expert]
-    return down if tuple(down.shape) == spec.shape else down.T
+    """The HF model's own weights, saved by transformers (legacy per-expert names) and run through
+    `colibri convert`, so both engines hold the same bf16 weights."""
+    from expert_service.convert import convert
+    hf_dir = out.parent / (out.name + "-hf")
+    model.save_pretrained(hf_dir)
+    try:
+        return convert(hf_dir, out, progress=False)
+    finally:
+        shutil.rmtree(hf_dir, ignore_errors=True)
 
 
 def cuda_time(fn, repeats: int = 3) -> float:

@@ -71,6 +71,7 @@ class DeviceLogits:
 
 
 def _non_blocking_stream():
+    cuda.current_context()       # the driver call needs Numba's (primary) context to be current
     handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
     return handle, cuda.external_stream(int(handle))
 
