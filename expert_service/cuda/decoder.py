@@ -119,6 +119,8 @@ class CudaDecoder:
     # --- step ---------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> DeviceLogits:
         T, S, R = len(batch.token_ids), len(batch.context_lens), len(batch.logits_rows)
+        if R > self.max_seqs and T <= self.max_tokens and S <= self.max_seqs:
+            return self._forward_all_rows(batch, T, S, R)
         if T > self.max_tokens or S > self.max_seqs or R > self.max_seqs:
             raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
                              f"({self.max_tokens} / {self.max_seqs})")
@@ -157,6 +159,25 @@ class CudaDecoder:
                 trace.expert_ids[layer] = ids[index, :T].copy()
         return DeviceLogits(self, R)
 
+    def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
+        """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
+        once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
+        from expert_service.logits import HostLogits
+        self._stage(batch, T, S, 0)
+        self._run(T, S, 0, decode=False)
+        rows = np.asarray(batch.logits_rows, dtype=np.int32)
+        out = np.empty((R, self.config.vocab_size), dtype=np.float32)
+        for start in range(0, R, self.max_seqs):
+            chunk = rows[start:start + self.max_seqs]
+            n = len(chunk)
+            self.ws.host["logits_rows"][:n] = chunk
+            self.ws.logits_rows[:n].copy_to_device(self.ws.host["logits_rows"][:n], stream=self.stream)
+            self._head(T, n)
+            self.ws.logits[:n].copy_to_host(self.ws.host["logits"][:n], stream=self.stream)
+            self.stream.synchronize()
+            out[start:start + n] = self.ws.host["logits"][:n]
+        return HostLogits(out)
+
     def _stage(self, batch: ForwardBatch, T: int, S: int, R: int) -> None:
         """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device."""
         h = self.ws.host
@@ -171,8 +192,8 @@ class CudaDecoder:
         h["seq_starts"][s + 1:S + 1] = n + np.arange(1, S - s + 1)
         h["context_lens"][:s] = batch.context_lens
         h["context_lens"][s:S] = 0                    # padding attends to nothing
-        r = len(batch.logits_rows)
-        h["logits_rows"][:r] = batch.logits_rows
+        r = min(len(batch.logits_rows), R)
+        h["logits_rows"][:r] = batch.logits_rows[:r]
         h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
@@ -196,6 +217,13 @@ class CudaDecoder:
                 g = ws.dense_gate[:T]
                 self._swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
                 self._linear(g, w.layer(i, "down_proj"), h, accumulate=True)
+        if R:
+            self._head(T, R)
+
+    def _head(self, T: int, R: int) -> None:
+        """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax."""
+        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
+        h = ws.hidden[:T]
         last = ws.last_hidden[:R]
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
