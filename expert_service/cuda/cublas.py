@@ -60,6 +60,23 @@ class Cublas:
             ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, N,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
+    def linear_batched(self, x, x_stride: int, w, w_offset: int, w_stride: int, n: int, k: int, y, y_stride: int,
+                       batch: int, rows: int) -> None:
+        """For b < batch: y_b [rows, n] f32 = x_b [rows, k] @ W_b[n, k]^T, one strided-batched call.
+        x_b starts x_stride elements after x_{b-1} (0: the same input for every b); W_b is the [n, k] matrix
+        starting w_offset + b * w_stride elements into `w` (experts of a layer: stride = the expert block);
+        y_b starts y_stride elements after y_{b-1}."""
+        dtype = DATA_TYPES[np.dtype(w.dtype)]
+        if np.dtype(x.dtype) != np.dtype(w.dtype) or y.dtype != np.float32:
+            raise ValueError(f"linear_batched: x {x.dtype}, w {w.dtype}, y {y.dtype}")
+        item = np.dtype(w.dtype).itemsize
+        self._check(self.lib.cublasGemmStridedBatchedEx(
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, ctypes.byref(self._one),
+            ctypes.c_void_p(w.device_ctypes_pointer.value + w_offset * item), dtype, k, ctypes.c_longlong(w_stride),
+            ctypes.c_void_p(x.device_ctypes_pointer.value), dtype, k, ctypes.c_longlong(x_stride),
+            ctypes.byref(self._zero), ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, n,
+            ctypes.c_longlong(y_stride), batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+
     def close(self) -> None:
         if self.handle:
             self.lib.cublasDestroy_v2(self.handle)

@@ -1,10 +1,13 @@
 """The MoE decoder on the cuda backend: the same step as expert_service/model.py, as Numba kernels.
 
-One non-blocking stream carries everything. Decode-only steps of up to GRAPH_MAX_SEQS sequences replay a
-CUDA graph captured per batch-size bucket (padded sequences write no KV and attend to nothing); other
-steps run eagerly. Linear layers of up to GEMV_MAX_TOKENS tokens use the weight-streaming kernels (decode is
-memory-bound); larger ones go through cuBLAS on tensor cores, and so do the experts of a large step, one GEMM
-per active expert over its contiguous block of grouped tokens.
+One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
+captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
+eagerly. Linear layers of a single token use the weight-streaming GEMV kernels (memory-bound); more tokens
+go through cuBLAS on tensor cores (a dedicated handle, so graphs can capture it). Experts, by how many of
+them a step reaches: few assignments (T*K < E) -> the grouped GEMV kernels, each active expert read once;
+up to 64 tokens reaching most experts -> every expert on every token as strided-batched GEMMs, then a
+combine that keeps each token's routed experts (no host round trip, graph-capturable); larger steps ->
+one GEMM per active expert over its contiguous block of grouped tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.cuda.driver import Graph, check
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import METADATA, allocate_workspace, plan_workspace
+from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, METADATA, allocate_workspace, plan_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import attention_decode
 from expert_service.kernels.attention_prefill import attention_prefill
@@ -29,13 +32,14 @@ from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.kv_write import kv_write
 from expert_service.kernels.linear import launch_linear, launch_swiglu
 from expert_service.kernels.moe_combine import moe_combine
+from expert_service.kernels.moe_combine_dense import moe_combine_dense
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.router_topk import router_topk
 from expert_service.model import ForwardBatch, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
-GEMV_MAX_TOKENS = 64
+GEMV_MAX_TOKENS = 1
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -102,6 +106,7 @@ class CudaDecoder:
         self.graphs: dict[int, Graph] = {}
         self._eager_buckets: set[int] = set()
         self._cublas = None
+        _ = self.cublas          # created before any graph capture (cublasCreate cannot run inside one)
         self.stream.synchronize()
 
     # --- plan ---------------------------------------------------------------------------------------
@@ -270,22 +275,42 @@ class CudaDecoder:
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
         router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
-        order, position = ws.order[:n], ws.position[:n]
-        expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         experts = w.experts[i]
-        out = ws.moe_out[:n]
-        if T <= GEMV_MAX_TOKENS:
-            moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
-            moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
+        if n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
+            y = self._all_experts(x, experts, T, E, F, D)
+            moe_combine_dense(y, ids, weights, h, stream=st)
         else:
-            self._experts_cublas(x, experts, order, n, K, F, D, out)
-        moe_combine(out, position, weights, h, stream=st)
+            order, position = ws.order[:n], ws.position[:n]
+            expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+            out = ws.moe_out[:n]
+            if T <= DENSE_EXPERT_MAX_TOKENS:
+                moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
+                moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
+            else:
+                self._experts_cublas(x, experts, order, n, K, F, D, out)
+            moe_combine(out, position, weights, h, stream=st)
         if cfg.shared_expert_intermediate_size:
             g = ws.shared_gate[:T]
             self._swiglu(x, w.layer(i, "shared_gate_proj"), w.layer(i, "shared_up_proj"), g, ws.shared_up[:T])
             self._linear(g, w.layer(i, "shared_down_proj"), ws.shared_out[:T])
             self._linear(x, w.layer(i, "shared_expert_gate"), ws.shared_logit[:T])
             elementwise.launch_sigmoid_gate_add(h, ws.shared_out[:T], ws.shared_logit[:T], stream=st)
+
+    def _all_experts(self, x, experts, T: int, E: int, F: int, D: int):
+        """Every expert on every token: gate/up/down as three strided-batched GEMMs over the expert blocks;
+        returns y [E, T, D] (a packed view of the workspace)."""
+        ws, st, blas = self.ws, self.stream, self.cublas
+        stride = experts.shape[1]
+        flat = experts.reshape(-1)
+        gate, up = ws.all_experts_gate[:E * T * F], ws.all_experts_up[:E * T * F]
+        xc = self._as_weight_dtype(x)
+        blas.linear_batched(xc, 0, flat, 0, stride, F, D, gate, T * F, E, T)
+        blas.linear_batched(xc, 0, flat, F * D, stride, F, D, up, T * F, E, T)
+        elementwise.launch_silu_mul(gate, up, gate, stream=st)
+        hc = self._as_weight_dtype(gate.reshape(E * T, F))
+        y = ws.all_experts_out.reshape(-1)[:E * T * D]
+        blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
+        return y.reshape(E, T, D)
 
     def _experts_cublas(self, x, experts, order, n: int, K: int, F: int, D: int, out) -> None:
         """Large steps: tokens gathered into grouped order, then per active expert two GEMMs on tensor cores."""

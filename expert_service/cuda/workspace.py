@@ -14,6 +14,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.kernels.attention_decode import decode_splits
 
+DENSE_EXPERT_MAX_TOKENS = 64
 
 @dataclass
 class Workspace:
@@ -41,6 +42,7 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
     shared_ffn = config.shared_expert_intermediate_size
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
+    dense_tokens = min(DENSE_EXPERT_MAX_TOKENS, T)   # the all-experts path of decode steps
     plan = {
         "hidden": ((T, D), f32), "normed": ((T, D), f32),
         "q": ((T, config.q_size), f32), "k": ((T, config.kv_size), f32), "v": ((T, config.kv_size), f32),
@@ -50,6 +52,8 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
         "moe_gate": ((T * K, F), f32), "moe_up": ((T * K, F), f32), "moe_out": ((T * K, D), f32),
         "moe_in": ((T * K, D), f32),
+        "all_experts_gate": ((E * dense_tokens * F,), f32), "all_experts_up": ((E * dense_tokens * F,), f32),
+        "all_experts_out": ((E, dense_tokens, D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
         "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
@@ -60,7 +64,7 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
-        plan["cast"] = ((T * K * widest,), weight_dtype)
+        plan["cast"] = ((max(T * K * widest, E * dense_tokens * F),), weight_dtype)
     if dense_ffn:
         plan["dense_gate"] = ((T, dense_ffn), f32)
         plan["dense_up"] = ((T, dense_ffn), f32)

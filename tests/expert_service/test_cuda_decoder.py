@@ -80,6 +80,8 @@ def test_no_device_allocations_during_steps(pair, monkeypatch):
     gpu.step([PrefillInput(5, np.array(prompt(5, 9)), SamplingParams(), True)])   # compile + capture first
     for _ in range(3):
         gpu.step(decode_ids=[5])
+    from cuda.bindings import driver as drv
+    free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc
     monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
@@ -88,6 +90,7 @@ def test_no_device_allocations_during_steps(pair, monkeypatch):
         gpu.step(decode_ids=[5, 6])
     gpu.clear()
     assert calls == [], f"{name}: {len(calls)} device allocations during steps"
+    assert drv.cuMemGetInfo()[1] == free_before, f"{name}: device memory changed during steps (cuBLAS?)"
 
 
 def test_bf16_weights_close_to_fp32_cpu(pair, tmp_path):
