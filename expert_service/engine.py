@@ -88,6 +88,12 @@ class Engine:
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
         self.sequences: dict[int, Sequence] = {}
 
+    def warmup(self) -> None:
+        """Backend start-up work that must not happen while serving (CUDA: compile kernels, capture graphs)."""
+        warmup = getattr(self.decoder, "warmup", None)
+        if warmup is not None:
+            warmup()
+
     # --- sequence lifecycle -------------------------------------------------------------------------
     def release(self, request_ids) -> list[int]:
         freed = []

@@ -112,6 +112,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         n = max(1, min(num_tokens, cfg.max_batch_tokens, mc.max_position_embeddings,
                        self.engine.allocator.num_free_blocks * cfg.kv_block_size))
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
+        self.engine.warmup()
         try:
             self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)])
         finally:

@@ -109,6 +109,21 @@ class CudaDecoder:
         _ = self.cublas          # created before any graph capture (cublasCreate cannot run inside one)
         self.stream.synchronize()
 
+    def warmup(self) -> None:
+        """Compiles every kernel and captures the decode graph of every batch-size bucket now, so serving
+        allocates nothing on the device (graph instantiation does) and never compiles."""
+        if not self.engine_config.cuda_graphs:
+            return
+        for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
+            padding = ForwardBatch(token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64),
+                                   seq_starts=np.zeros(1, np.int64), context_lens=np.zeros(0, np.int64),
+                                   block_tables=[], slot_mapping=np.zeros(0, np.int64),
+                                   logits_rows=np.zeros(0, np.int64))
+            while bucket not in self.graphs:
+                self._stage(padding, bucket, bucket, bucket)
+                self._forward_bucket(bucket)
+        self.stream.synchronize()
+
     # --- plan ---------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
         return [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
@@ -136,18 +151,7 @@ class CudaDecoder:
         padded = bucket or T
         self._stage(batch, padded if bucket else T, bucket or S, bucket or R)
         if bucket is not None and self.engine_config.cuda_graphs:
-            graph = self.graphs.get(bucket)
-            if graph is not None:
-                graph.replay()
-            elif bucket in self._eager_buckets:        # second time: kernels are compiled and loaded, capture
-                graph = Graph(self.stream)
-                with graph:
-                    self._run(bucket, bucket, bucket, decode=True)
-                self.graphs[bucket] = graph
-                graph.replay()
-            else:
-                self._eager_buckets.add(bucket)
-                self._run(bucket, bucket, bucket, decode=True)
+            self._forward_bucket(bucket)
         else:
             self._run(padded, bucket or S, bucket or R, decode=decode_only)
         host = self.ws.host
@@ -163,6 +167,22 @@ class CudaDecoder:
             for index, layer in enumerate(self.moe_layers):
                 trace.expert_ids[layer] = ids[index, :T].copy()
         return DeviceLogits(self, R)
+
+    def _forward_bucket(self, bucket: int) -> None:
+        """A staged decode step of `bucket` sequences: eager the first time (compiles and loads every
+        kernel), captured into a graph the second, replayed from then on."""
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        elif bucket in self._eager_buckets:
+            graph = Graph(self.stream)
+            with graph:
+                self._run(bucket, bucket, bucket, decode=True)
+            self.graphs[bucket] = graph
+            graph.replay()
+        else:
+            self._eager_buckets.add(bucket)
+            self._run(bucket, bucket, bucket, decode=True)
 
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
