@@ -225,3 +225,34 @@ def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
         assert not worker.engine.sequences
     finally:
         worker.stop()
+
+
+@pytest.mark.gpu
+def test_serve_on_the_gpu_equals_cpu_reference(tiny_model):
+    """Both services with the cuda backend: streamed greedy output equals the fp32 CPU engine's."""
+    from expert_service.engine import cuda_available
+    if not cuda_available():
+        pytest.skip("needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    serve = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", str(tiny_model),
+                              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                              "--worker-metrics-port", "0", "--backend", "cuda", "--max-batch-size", "16",
+                              "--max-batch-tokens", "256"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        wait_serving(channel, timeout=240)
+        stub = router_pb2_grpc.GenerationServiceStub(channel)
+        assert stub.ModelInfo(rpb.ModelInfoRequest()).backend == "cuda"
+        prompts = [[(5 * i + j) % 250 + 3 for j in range(2 + 7 * i)] for i in range(6)]
+        expected = [offline_greedy(tiny_model, p, 12) for p in prompts]
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda p: [t for m in stub.GenerateStream(request(p, 12)) for t in m.token_ids],
+                                prompts))
+        assert got == expected
+        channel.close()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+    assert code == 0, serve.stderr.read().decode()[-3000:]
