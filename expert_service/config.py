@@ -27,6 +27,8 @@ class EngineConfig:
     use_pinned_memory: bool = setting(True, "page-lock the model mmaps for fast host-to-device copies (false: "
                                       "copy through a pinned bounce buffer, for comparison)",
                                       env=("COLIBRI_USE_PINNED_MEMORY",))
+    routing: str = setting("exact", "expert routing: exact (the model's gate, default) or lut (the router's static "
+                           "table, an approximation: responses are labelled)", env=("COLIBRI_ROUTING",))
     verify_checksums: bool = setting(True, "verify every tensor's crc32 when loading (false skips it)",
                                      env=("COLIBRI_VERIFY_CHECKSUMS",))
 
@@ -36,6 +38,8 @@ class EngineConfig:
         for name in ("kv_block_size", "kv_cache_tokens", "max_batch_tokens", "max_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.routing not in ("exact", "lut"):
+            raise ConfigError(f"routing: must be exact or lut, got {self.routing!r}")
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
 

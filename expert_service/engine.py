@@ -7,7 +7,7 @@ keyed by the router's request id, until told to free it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.kv_cache import BlockAllocator
 from expert_service.model import CpuDecoder, ForwardBatch, StepTrace
+from expert_service.routing_plan import plan_ids, plan_recall
 from expert_service.sampling import Sampler, SamplingParams
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
@@ -43,6 +44,7 @@ class StepResult:
     forward_ms: float
     sample_ms: float
     trace: StepTrace
+    routing_plan_recall: float | None    # routing=exact with a plan: share of the exact routing it predicted
     logits: object                       # HostLogits-like: rows [sampling sequences] of [V], in output order
 
 
@@ -70,6 +72,9 @@ def make_decoder(model: ModelDir, config: EngineConfig):
         backend = "cuda" if cuda_available() else "cpu"
     num_blocks = config.resolved_num_kv_blocks
     if backend == "cuda":
+        if config.routing == "lut":
+            raise ConfigError("routing: lut is available on the cpu backend only so far (use --routing exact "
+                              "with --backend cuda)")
         if not cuda_available():
             raise ConfigError("backend: cuda was asked for but no usable NVIDIA GPU/driver was found "
                               "(use --backend cpu or auto)")
@@ -111,8 +116,11 @@ class Engine:
         return len(self.release(list(self.sequences)))
 
     # --- steps --------------------------------------------------------------------------------------
-    def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = ()) -> StepResult:
-        """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token."""
+    def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+             routing_plan: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> StepResult:
+        """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
+        `routing_plan` ({MoE layer: CSR expert -> step token indices}, tokens in prompt-chunk-then-decode
+        order) is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
         work: list[tuple[int, np.ndarray, bool]] = []
         for chunk in prefill:
             seq = self.sequences.get(chunk.request_id)
@@ -128,11 +136,19 @@ class Engine:
                 raise InvalidRequestError("request_ids", f"sequence {rid} has no sampled token to decode from")
             work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
         self._check_step(work)
+        num_tokens = sum(len(t) for _, t, _ in work)
+        planned = plan_ids(routing_plan, self.model_config.num_experts, num_tokens) if routing_plan else None
+        if self.config.routing == "lut" and not planned:
+            raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
+                                                      "(start the router with --routing-table)")
         batch = self._build_batch(work, all_logits=False)
+        if self.config.routing == "lut":
+            batch = replace(batch, routed_experts=planned)
         trace = StepTrace()
         t0 = time.perf_counter()
         logits = self.decoder.forward(batch, trace)
         t1 = time.perf_counter()
+        recall = plan_recall(planned, trace.expert_ids) if planned and self.config.routing == "exact" else None
         outputs, row = [], 0
         for rid, tokens, wants_token in work:
             seq = self.sequences[rid]
@@ -153,7 +169,7 @@ class Engine:
             seq.last_token = sampled[0]
             outputs.append(SeqOutput(rid, sampled[0], sampled[1]))
         t2 = time.perf_counter()
-        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, logits)
+        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits)
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings

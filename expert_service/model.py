@@ -28,6 +28,7 @@ class ForwardBatch:
     block_tables: list[np.ndarray]  # S x [blocks] int64
     slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
     logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
+    routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
 
 
 @dataclass
@@ -88,7 +89,8 @@ class CpuDecoder:
         for i in range(cfg.num_hidden_layers):
             h = h + self._attention(i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps),
                                     batch, kv, cos, sin)
-            h = h + self._mlp(i, rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps), trace)
+            planned = batch.routed_experts.get(i) if batch.routed_experts else None
+            h = h + self._mlp(i, rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps), trace, planned)
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
         return HostLogits(h @ self.w.lm_head.T)
 
@@ -118,12 +120,12 @@ class CpuDecoder:
                               batch.positions, cfg.head_dim ** -0.5, cfg.sliding_windows[i])
         return self._project(i, out.reshape(T, cfg.q_size), "o")
 
-    def _mlp(self, i: int, x: np.ndarray, trace: StepTrace | None) -> np.ndarray:
+    def _mlp(self, i: int, x: np.ndarray, trace: StepTrace | None, planned: np.ndarray | None) -> np.ndarray:
         cfg = self.config
         if not cfg.sparse_layers[i]:
             return swiglu_mlp(x, self.w.layer(i, "gate_proj"), self.w.layer(i, "up_proj"), self.w.layer(i, "down_proj"))
         out, expert_ids = sparse_moe(x, self.w.layer(i, "router"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                     lambda e: self.w.expert(i, e))
+                                     lambda e: self.w.expert(i, e), planned)
         if trace is not None:
             trace.expert_ids[i] = expert_ids
         if cfg.shared_expert_intermediate_size:

@@ -22,6 +22,7 @@ from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from expert_service.engine import Engine, PrefillInput, StepResult
+from expert_service.routing_plan import plan_from_pb
 from expert_service.sampling import SamplingParams
 
 log = logging.getLogger("colibri.worker")
@@ -101,7 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             vocab_size=mc.vocab_size, max_position_embeddings=mc.max_position_embeddings,
             eos_token_ids=list(mc.eos_token_ids), kv_block_size=e.config.kv_block_size,
             num_kv_blocks=e.allocator.num_blocks, max_batch_tokens=e.config.max_batch_tokens,
-            max_batch_size=e.config.max_batch_size, backend=e.backend, routing="exact",
+            max_batch_size=e.config.max_batch_size, backend=e.backend, routing=e.config.routing,
             memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
             model_name=self.model_name)
 
@@ -123,11 +124,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
+    def _plan(self, request):
+        if not request.HasField("routing_plan"):
+            return None
+        return plan_from_pb(request.routing_plan, self.engine.model_config.moe_layers)
+
     def _run_prefill(self, request: pb.PrefillRequest) -> StepResult:
-        return self.engine.step([prefill_from_pb(c) for c in request.chunks], list(request.decode_request_ids))
+        return self.engine.step([prefill_from_pb(c) for c in request.chunks], list(request.decode_request_ids),
+                                self._plan(request))
 
     def _run_decode(self, request: pb.DecodeRequest) -> StepResult:
-        return self.engine.step([], list(request.request_ids))
+        return self.engine.step([], list(request.request_ids), self._plan(request))
 
     async def _step(self, context, kind: str, fn, request):
         if not self.ready:
@@ -135,6 +142,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         started = time.perf_counter()
         result = await self.run_on_model_thread(context, fn, request)
         response = step_to_pb(result, self.engine, started)
+        if result.routing_plan_recall is not None:
+            response.routing_plan_recall = result.routing_plan_recall
         if self.metrics is not None:
             self._observe(kind, result, response.timings.total_ms / 1e3)
         return response
@@ -142,6 +151,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _observe(self, kind: str, result: StepResult, seconds: float) -> None:
         m, e = self.metrics, self.engine
         m.worker_step_duration.labels(kind=kind).observe(seconds)
+        if result.routing_plan_recall is not None:
+            m.observe_recall(result.routing_plan_recall)
         m.set_kv_usage(e.allocator.num_used_blocks, e.allocator.num_blocks)
         num_experts = e.model_config.num_experts
         m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()

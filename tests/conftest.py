@@ -37,7 +37,9 @@ class BackgroundWorker:
         self.port: int | None = None
         self.exit_code: int | None = None
         self.servicer = None
-        self.tracer_provider = tracer_provider
+        # A private provider unless a test brings one: the process-global one can be set only once.
+        from common.tracing import make_tracer_provider
+        self.tracer_provider = tracer_provider or make_tracer_provider("test-worker")
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -27,6 +27,14 @@ def route(router_logits: np.ndarray, top_k: int, normalize: bool) -> tuple[np.nd
     return ids, weights.astype(np.float32)
 
 
+def route_planned(router_logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """LUT routing: the experts are given; weights = softmax of the gate logits of just those experts.
+    logits [T, E], ids [T, k] -> weights [T, k]."""
+    chosen = np.take_along_axis(router_logits.astype(np.float32), ids, axis=-1)
+    chosen = np.exp(chosen - chosen.max(axis=-1, keepdims=True))
+    return (chosen / chosen.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
 def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, expert_weights) -> np.ndarray:
     """x [T, D]; expert_weights(e) -> (gate, up, down). Returns the weighted sum over each token's experts."""
     grouped = np.zeros((groups.order.size, x.shape[1]), dtype=np.float32)
@@ -37,8 +45,13 @@ def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, ex
 
 
 def sparse_moe(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool,
-               expert_weights) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, D], router [E, D] -> (output [T, D], chosen expert ids [T, K])."""
-    ids, weights = route(x @ router.T, top_k, normalize)
+               expert_weights, planned_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, D], router [E, D] -> (output [T, D], expert ids [T, K]); `planned_ids` [T, k] replaces the
+    exact top-k (LUT routing)."""
+    logits = x @ router.T
+    if planned_ids is None:
+        ids, weights = route(logits, top_k, normalize)
+    else:
+        ids, weights = planned_ids, route_planned(logits, planned_ids)
     groups = group_by_expert(ids, router.shape[0])
     return grouped_experts(x, groups, weights, expert_weights), ids

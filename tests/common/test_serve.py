@@ -152,9 +152,14 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     from router_service.main import start_router
     from tests.conftest import BackgroundWorker
 
+    from opentelemetry.util._once import Once
     exporter = InMemorySpanExporter()
     provider = make_tracer_provider("test", SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)   # the router uses the global provider
+    # The router uses the global provider, which OpenTelemetry lets a process set once; reset it the way
+    # OpenTelemetry's own test utilities do, since an earlier test in this process may have set it.
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+    trace.set_tracer_provider(provider)
     worker = BackgroundWorker(tiny_model, tracer_provider=provider).start()
 
     async def body():
