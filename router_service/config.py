@@ -60,6 +60,10 @@ class RouterConfig:
                                             ("COLIBRI_WORKER_MAX_MESSAGE_BYTES",))
     retry_after_s: float = setting(1.0, "back-off suggested in RetryInfo when the router is full",
                                    ("COLIBRI_RETRY_AFTER",))
+    routing_table: str = setting("", "static routing table (`colibri router-gen`): every step carries its lookup "
+                                 "as a routing plan (the routing itself when the worker runs --routing lut; "
+                                 "a prefetch prediction whose recall is measured otherwise); needs --model",
+                                 ("COLIBRI_ROUTING_TABLE",))
     auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off",
                               ("COLIBRI_AUTH_TOKEN", "API_KEY"))
     warmup: bool = setting(True, "ask the worker for a warm-up step of max_batch_tokens when it connects "

@@ -89,8 +89,9 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, config: RouterConfig, worker: WorkerClient, tokenizer: Tokenizer | None = None,
-                 hooks: EngineHooks | None = None):
+                 hooks: EngineHooks | None = None, planner=None):
         self.config, self.worker, self.tokenizer = config, worker, tokenizer
+        self.planner = planner  # RoutingPlanner when a static routing table is configured
         self.hooks = hooks or EngineHooks()
         self.info = None  # the worker's InfoResponse once connected
         self.limits: ModelLimits | None = None
@@ -228,7 +229,8 @@ class Engine:
             # to the worker in the call metadata, so the worker's step span is its child.
             with get_tracer().start_as_current_span(plan.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
                                                     links=links_from_contexts(s.span_context for s in states)):
-                response = await self.worker.step(plan, self._sampling)
+                routing_plan = self.planner.plan(plan, self.scheduler) if self.planner is not None else None
+                response = await self.worker.step(plan, self._sampling, routing_plan=routing_plan)
         except grpc.aio.AioRpcError as e:
             self._on_worker_failure(e, plan.num_scheduled_tokens)
             return

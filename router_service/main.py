@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
+from common.errors import ConfigError
 from common.logging_setup import configure_logging
 from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
@@ -77,6 +78,19 @@ class Router:
         await self.worker.close()
 
 
+def _routing_planner(config: RouterConfig):
+    """The static routing table, checked against the model before serving anything."""
+    if not config.routing_table:
+        return None
+    if not config.model:
+        raise ConfigError("routing_table: needs --model (the table is checked against the model's config)")
+    from common.model_format import read_manifest_config
+    from common.routing_table import RoutingTable
+    from router_service.routing import RoutingPlanner
+    model_config, _ = read_manifest_config(config.model)
+    return RoutingPlanner(RoutingTable.load(config.routing_table, model_config))
+
+
 async def start_router(config: RouterConfig, worker_address: str | None = None,
                        tokenizer: Tokenizer | None = None, hooks: EngineHooks | None = None) -> Router:
     """Builds and starts the router (the engine connects to the worker in the background).
@@ -101,7 +115,7 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
     ], maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16)
     health_servicer = health.aio.HealthServicer()
-    engine = Engine(config, worker, tokenizer)
+    engine = Engine(config, worker, tokenizer, planner=_routing_planner(config))
     router = Router(server, 0, engine, health_servicer, worker)
     engine.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")

@@ -77,11 +77,18 @@ class WorkerClient:
         return response.freed_sequences
 
     async def step(self, plan: StepPlan, sampling: dict[int, worker_pb2.SamplingParams],
-                   timeout: float | None = None) -> worker_pb2.StepResponse:
+                   timeout: float | None = None,
+                   routing_plan: worker_pb2.RoutingPlan | None = None) -> worker_pb2.StepResponse:
         """Runs `plan` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
         if plan.prefill_chunks:
-            return await self.prefill(plan_to_prefill(plan, sampling), timeout)
-        return await self.decode(worker_pb2.DecodeRequest(request_ids=list(plan.decode_ids)), timeout)
+            request = plan_to_prefill(plan, sampling)
+        else:
+            request = worker_pb2.DecodeRequest(request_ids=list(plan.decode_ids))
+        if routing_plan is not None:
+            request.routing_plan.CopyFrom(routing_plan)
+        if plan.prefill_chunks:
+            return await self.prefill(request, timeout)
+        return await self.decode(request, timeout)
 
 
 def sampling_params(req: ValidatedRequest, eos_token_ids) -> worker_pb2.SamplingParams:

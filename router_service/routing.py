@@ -1,0 +1,42 @@
+"""Routing plans from the static routing table (SPEC §4): every step's tokens are looked up, vectorised,
+into per-MoE-layer CSR arrays (expert -> indices of the step's tokens) that travel with the step.
+
+Token order is the worker's: prompt chunks in plan order, then one token per decoding sequence (the
+token it sampled last, which the worker feeds next).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common.pb import worker_pb2
+from common.routing_table import RoutingTable
+from common.tensors import to_pb
+from router_service.scheduler import Scheduler, StepPlan
+
+
+def step_token_ids(plan: StepPlan, scheduler: Scheduler) -> np.ndarray:
+    """The step's tokens in the order the worker lays them out."""
+    pieces = [np.asarray(chunk.token_ids, dtype=np.int64) for chunk in plan.prefill_chunks]
+    pieces.append(np.asarray([scheduler.sequences[rid].output_ids[-1] for rid in plan.decode_ids], dtype=np.int64))
+    return np.concatenate(pieces)
+
+
+class RoutingPlanner:
+    """Turns a step into a `RoutingPlan` message; keeps the time spent doing it (reported by benchmarks)."""
+
+    def __init__(self, table: RoutingTable):
+        self.table = table
+        self.seconds = 0.0
+        self.steps = 0
+
+    def plan(self, step: StepPlan, scheduler: Scheduler) -> worker_pb2.RoutingPlan:
+        started = time.perf_counter()
+        csr = self.table.plan(step_token_ids(step, scheduler))
+        message = worker_pb2.RoutingPlan(layers=[
+            worker_pb2.LayerPlan(layer=layer, offsets=to_pb(offsets), token_indices=to_pb(tokens))
+            for layer, (offsets, tokens) in zip(self.table.moe_layers, csr)])
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        return message
