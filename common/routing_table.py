@@ -1,0 +1,155 @@
+"""The static routing table (LUT) file, version 1: this docstring is the specification; writer and reader follow it.
+
+    offset  bytes  field (all integers little-endian)
+    0       4      magic b"CLRT"
+    4       4      uint32 version         1
+    8       4      uint32 num_layers      the model's MoE layers only, in the order of ModelConfig.moe_layers
+                                          (dense layers have no row: table layer l is model layer moe_layers[l])
+    12      4      uint32 vocab_size      equals the model's vocab_size
+    16      4      uint32 top_k           experts kept per token, 1 <= top_k <= num_experts (it may differ
+                                          from the model's num_experts_per_tok)
+    20      4      uint32 num_experts     equals the model's num_experts
+    24      4      uint32 crc32           zlib.crc32 of the body
+    28      ...    body: uint16[num_layers][vocab_size][top_k], C order, nothing after it
+
+Entry [l][t][j] is the j-th predicted expert of token id t at MoE layer l, most likely first (readers do not
+rely on the order). Every entry is < num_experts and the top_k entries of one token are distinct.
+
+The reader checks every header field against the model, the body size (truncation or trailing bytes), the
+crc32, the entry range and distinctness; each failure is one line naming the field, the expected and the
+found value (``RoutingTableError``, a ``ModelFormatError``, exit code 3).
+
+Pure numpy (the router imports it and must never load numba).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import InvalidRequestError, ModelFormatError
+from common.model_config import ModelConfig
+
+MAGIC = b"CLRT"
+VERSION = 1
+_HEADER = struct.Struct("<4s6I")        # magic, version, num_layers, vocab_size, top_k, num_experts, crc32
+HEADER_SIZE = _HEADER.size              # 28
+ENTRY_DTYPE = np.dtype("<u2")
+
+
+class RoutingTableError(ModelFormatError):
+    """A routing table file is malformed or does not belong to the model."""
+
+
+def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts: int) -> Path:
+    """Writes `table` uint16 [num_layers, vocab_size, top_k] (entries < num_experts) atomically to `path`."""
+    table = np.asarray(table)
+    if table.ndim != 3 or table.shape[2] < 1:
+        raise ValueError(f"table must be [num_layers, vocab_size, top_k>=1], got shape {table.shape}")
+    if table.size and int(table.max()) >= num_experts:
+        raise ValueError(f"table entry {int(table.max())} is not < num_experts={num_experts}")
+    body = np.ascontiguousarray(table, dtype=ENTRY_DTYPE).tobytes()
+    num_layers, vocab_size, top_k = table.shape
+    header = _HEADER.pack(MAGIC, VERSION, num_layers, vocab_size, top_k, num_experts, zlib.crc32(body))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(body)
+    tmp.replace(path)
+    return path
+
+
+class RoutingTable:
+    """A loaded, validated table: token id -> predicted experts at every MoE layer of one model."""
+
+    def __init__(self, table: np.ndarray, num_experts: int, moe_layers: list[int]):
+        self.table = table                      # [L, V, k] uint16
+        self.top_k = int(table.shape[2])
+        self.num_experts = int(num_experts)
+        self.moe_layers = list(moe_layers)      # table layer l is model layer moe_layers[l]
+        self.vocab_size = int(table.shape[1])
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, config: ModelConfig) -> "RoutingTable":
+        path = Path(path)
+        if not path.is_file():
+            raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
+        data = path.read_bytes()
+
+        def fail(field: str, found, expected) -> RoutingTableError:
+            return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
+
+        if len(data) < HEADER_SIZE:
+            raise fail("header size", f"{len(data)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
+        magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise fail("magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
+        if version != VERSION:
+            raise fail("version", version, VERSION)
+        moe_layers = config.moe_layers
+        if num_layers != len(moe_layers):
+            raise fail("num_layers", num_layers, f"{len(moe_layers)} (the model's MoE layers)")
+        if vocab_size != config.vocab_size:
+            raise fail("vocab_size", vocab_size, f"{config.vocab_size} (the model's vocab_size)")
+        if num_experts != config.num_experts:
+            raise fail("num_experts", num_experts, f"{config.num_experts} (the model's num_experts)")
+        if not 1 <= top_k <= num_experts:
+            raise fail("top_k", top_k, f"1..{num_experts} (num_experts)")
+        body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
+        if len(data) - HEADER_SIZE != body_size:
+            raise fail("body size", f"{len(data) - HEADER_SIZE} bytes",
+                       f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
+        body = memoryview(data)[HEADER_SIZE:]
+        if zlib.crc32(body) != crc:
+            raise fail("crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
+        table = np.frombuffer(body, dtype=ENTRY_DTYPE).reshape(num_layers, vocab_size, top_k).astype(np.uint16)
+        _check_entries(table, num_experts, fail, moe_layers)
+        return cls(table, num_experts, moe_layers)
+
+    def lookup(self, token_ids: np.ndarray) -> np.ndarray:
+        """token_ids [T] -> predicted expert ids [L, T, k] uint16 (one fancy-indexing gather)."""
+        ids = np.asarray(token_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+            raise InvalidRequestError("token_ids", f"token id {int(bad)} is outside [0, {self.vocab_size})")
+        return self.table[:, ids]
+
+    def plan(self, token_ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per MoE layer, expert -> indices into `token_ids` in CSR form: (offsets int32 [E+1],
+        token_indices int32 [T*k]); the tokens of expert e are token_indices[offsets[e]:offsets[e+1]],
+        ascending. An expert with no tokens has offsets[e] == offsets[e+1].
+        """
+        experts = self.lookup(token_ids)                                     # [L, T, k]
+        L, T, k = experts.shape
+        E, n = self.num_experts, T * k
+        # One sort for all layers: key = layer * E + expert keeps layers apart and groups experts inside
+        # each; a stable sort over the token-major flattening leaves each expert's tokens ascending.
+        keys = experts.reshape(L, n).astype(np.int32) + (np.arange(L, dtype=np.int32) * E)[:, None]
+        keys = keys.ravel()
+        order = np.argsort(keys, kind="stable").astype(np.int32)             # [L * n]
+        counts = np.bincount(keys, minlength=L * E).reshape(L, E)
+        offsets = np.zeros((L, E + 1), dtype=np.int32)
+        np.cumsum(counts, axis=1, out=offsets[:, 1:])
+        # Sorted positions l*n .. (l+1)*n - 1 hold exactly layer l's entries (its keys sort between layers).
+        token_indices = (order.reshape(L, n) - (np.arange(L, dtype=np.int32) * n)[:, None]) // k
+        return [(offsets[l], token_indices[l]) for l in range(L)]
+
+
+def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:
+    """Every entry < num_experts and distinct within a token; names the first offending entry."""
+    bad = np.argwhere(table >= num_experts)
+    if bad.size:
+        l, t, j = (int(v) for v in bad[0])
+        raise fail(f"entry [layer {l} (model layer {moe_layers[l]}), token {t}, slot {j}]",
+                   int(table[l, t, j]), f"< num_experts={num_experts}")
+    if table.shape[2] > 1:
+        ordered = np.sort(table, axis=2)
+        dup = np.argwhere((ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2))
+        if dup.size:
+            l, t = (int(v) for v in dup[0])
+            raise fail(f"experts of [layer {l} (model layer {moe_layers[l]}), token {t}]",
+                       table[l, t].tolist(), "distinct expert ids")

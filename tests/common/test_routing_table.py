@@ -1,0 +1,216 @@
+"""The routing table file: round trip, every load error, lookup, and the CSR plan against a slow reference."""
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequestError, ModelFormatError
+from common.models import config_from_hf
+from common.routing_table import HEADER_SIZE, RoutingTable, RoutingTableError, write_routing_table
+from common.tiny_model import tiny_hf_config
+
+CONFIG = config_from_hf(tiny_hf_config("mixtral"))          # 2 MoE layers, 259 tokens, 4 experts, top-2
+L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts
+
+
+def random_table(k: int = 2, seed: int = 0) -> np.ndarray:
+    """[L, V, k] with distinct experts per token (a random permutation's first k)."""
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((L, V, E)), axis=2)[:, :, :k].astype(np.uint16)
+
+
+@pytest.fixture
+def table_file(tmp_path):
+    path = tmp_path / "lut.bin"
+    write_routing_table(path, random_table(), E)
+    return path
+
+
+def patch_header(path, index: int, value: int) -> None:
+    """Overwrites uint32 field `index` (0 = version, ..., 5 = crc32) of the header."""
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, 4 + 4 * index, value)
+    path.write_bytes(bytes(data))
+
+
+def expect_error(path, *fragments):
+    with pytest.raises(RoutingTableError) as info:
+        RoutingTable.load(path, CONFIG)
+    message = str(info.value)
+    assert "\n" not in message and isinstance(info.value, ModelFormatError)
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_round_trip(table_file):
+    table = RoutingTable.load(table_file, CONFIG)
+    np.testing.assert_array_equal(table.table, random_table())
+    assert table.table.dtype == np.uint16 and table.table.shape == (L, V, 2)
+    assert (table.top_k, table.num_experts, table.moe_layers) == (2, E, CONFIG.moe_layers)
+    assert table_file.stat().st_size == HEADER_SIZE + L * V * 2 * 2
+
+
+def test_top_k_may_differ_from_the_model(tmp_path):
+    path = tmp_path / "lut3.bin"
+    write_routing_table(path, random_table(k=3), E)
+    assert RoutingTable.load(path, CONFIG).top_k == 3
+
+
+def test_bad_magic(table_file):
+    data = bytearray(table_file.read_bytes())
+    data[:4] = b"NOPE"
+    table_file.write_bytes(bytes(data))
+    expect_error(table_file, "magic", "b'NOPE'", "b'CLRT'")
+
+
+def test_short_header(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"CLRT\x01\x00")
+    expect_error(path, "header size", "6 bytes", f"{HEADER_SIZE} bytes")
+
+
+def test_missing_file(tmp_path):
+    expect_error(tmp_path / "absent.bin", "not found", "router-gen")
+
+
+@pytest.mark.parametrize("index, field, value, expected", [
+    (0, "version", 7, "expected 1"),
+    (1, "num_layers", 5, f"expected {L}"),
+    (2, "vocab_size", 1000, f"expected {V}"),
+    (4, "num_experts", 8, f"expected {E}"),
+    (3, "top_k", 0, f"expected 1..{E}"),
+    (3, "top_k", 9, f"expected 1..{E}"),
+])
+def test_header_field_mismatch(table_file, index, field, value, expected):
+    patch_header(table_file, index, value)
+    expect_error(table_file, f"{field} is {value}", expected)
+
+
+def test_truncated_body(table_file):
+    data = table_file.read_bytes()
+    table_file.write_bytes(data[:-10])
+    body = L * V * 2 * 2
+    expect_error(table_file, "body size", f"is {body - 10} bytes", f"expected {body} bytes")
+
+
+def test_trailing_bytes(table_file):
+    table_file.write_bytes(table_file.read_bytes() + b"\0\0")
+    expect_error(table_file, "body size", f"expected {L * V * 2 * 2} bytes")
+
+
+def test_crc_mismatch(table_file):
+    data = bytearray(table_file.read_bytes())
+    data[HEADER_SIZE + 100] ^= 0x01
+    table_file.write_bytes(bytes(data))
+    body_crc = zlib.crc32(bytes(data[HEADER_SIZE:]))
+    stored = struct.unpack_from("<I", data, 24)[0]
+    expect_error(table_file, "crc32", f"is {body_crc:#010x}", f"expected {stored:#010x}")
+
+
+def write_raw(path, table: np.ndarray, num_experts: int) -> None:
+    """Writes a table bypassing the writer's checks, with a correct crc."""
+    body = table.astype("<u2").tobytes()
+    path.write_bytes(struct.pack("<4s6I", b"CLRT", 1, *table.shape[:2], table.shape[2], num_experts,
+                                 zlib.crc32(body)) + body)
+
+
+def test_entry_out_of_range(tmp_path):
+    table = random_table()
+    table[1, 42, 1] = 9
+    write_raw(tmp_path / "bad.bin", table, E)
+    expect_error(tmp_path / "bad.bin", "layer 1", "token 42", "slot 1", "is 9", f"< num_experts={E}")
+
+
+def test_duplicate_entries(tmp_path):
+    table = random_table()
+    table[0, 7] = [3, 3]
+    write_raw(tmp_path / "dup.bin", table, E)
+    expect_error(tmp_path / "dup.bin", "layer 0", "token 7", "[3, 3]", "distinct")
+
+
+def test_writer_rejects_out_of_range(tmp_path):
+    with pytest.raises(ValueError):
+        write_routing_table(tmp_path / "x.bin", np.full((L, V, 2), E, dtype=np.uint16), E)
+
+
+def test_lookup(table_file):
+    table = RoutingTable.load(table_file, CONFIG)
+    ids = np.array([5, 258, 5, 0])
+    out = table.lookup(ids)
+    assert out.shape == (L, 4, 2)
+    for l in range(L):
+        for t, token in enumerate(ids):
+            np.testing.assert_array_equal(out[l, t], table.table[l, token])
+    with pytest.raises(InvalidRequestError, match="259"):
+        table.lookup(np.array([1, 259]))
+    with pytest.raises(InvalidRequestError, match="-1"):
+        table.lookup(np.array([-1]))
+
+
+def reference_plan(table: RoutingTable, token_ids) -> list[tuple[list[int], list[int]]]:
+    """Slow and obvious: walk the tokens in order, append each to its experts' lists."""
+    plans = []
+    for l in range(table.table.shape[0]):
+        lists = [[] for _ in range(table.num_experts)]
+        for t, token in enumerate(token_ids):
+            for e in table.table[l, token]:
+                lists[int(e)].append(t)
+        offsets = [0]
+        for tokens in lists:
+            offsets.append(offsets[-1] + len(tokens))
+        plans.append((offsets, [t for tokens in lists for t in tokens]))
+    return plans
+
+
+def assert_plan_matches(table: RoutingTable, token_ids) -> list:
+    plan = table.plan(np.asarray(token_ids))
+    expected = reference_plan(table, token_ids)
+    assert len(plan) == len(expected)
+    for (offsets, indices), (ref_offsets, ref_indices) in zip(plan, expected):
+        assert offsets.dtype == np.int32 and indices.dtype == np.int32
+        assert offsets.shape == (table.num_experts + 1,) and indices.shape == (len(token_ids) * table.top_k,)
+        np.testing.assert_array_equal(offsets, ref_offsets)
+        np.testing.assert_array_equal(indices, ref_indices)
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_matches_reference_on_random_ids(table_file, seed):
+    rng = np.random.default_rng(seed)
+    table = RoutingTable.load(table_file, CONFIG)
+    ids = rng.integers(0, 20, size=int(rng.integers(1, 60)))      # few distinct ids: many repeats
+    assert_plan_matches(table, ids)
+
+
+def test_plan_with_experts_that_get_no_tokens(tmp_path):
+    table = random_table(k=1)
+    table[:, :, 0] = 2                                           # every token -> expert 2 only
+    write_routing_table(tmp_path / "one.bin", table, E)
+    lut = RoutingTable.load(tmp_path / "one.bin", CONFIG)
+    plan = assert_plan_matches(lut, [9, 9, 4])
+    offsets, indices = plan[0]
+    np.testing.assert_array_equal(offsets, [0, 0, 0, 3, 3])
+    np.testing.assert_array_equal(indices, [0, 1, 2])
+
+
+def test_plan_empty_step(table_file):
+    plan = RoutingTable.load(table_file, CONFIG).plan(np.zeros(0, dtype=np.int64))
+    assert all(o.tolist() == [0] * (E + 1) and i.size == 0 for o, i in plan)
+
+
+def test_plan_for_a_mixed_prefill_and_decode_batch(table_file):
+    """A step as the router builds it: two prompt chunks and three single decode tokens, concatenated."""
+    table = RoutingTable.load(table_file, CONFIG)
+    prompt_a, prompt_b = [10, 11, 12, 10, 13], [200, 201]
+    decodes = [10, 77, 258]
+    ids = prompt_a + prompt_b + decodes
+    plan = assert_plan_matches(table, ids)
+    for l, (offsets, indices) in enumerate(plan):
+        for e in range(E):
+            for t in indices[offsets[e]:offsets[e + 1]]:
+                assert e in table.table[l, ids[t]]               # every listed token predicts that expert
+        assert np.bincount(indices, minlength=len(ids)).tolist() == [2] * len(ids)   # each token k times
