@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("expert_service.cli.make_tiny_cmd", "write and convert the small embedded default model"),
     "logits": ("expert_service.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
     "complete": ("expert_service.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
+    "router-gen": ("expert_service.cli.router_gen_cmd", "build the static token -> experts routing table "
+                                                        "and report its recall"),
     "worker": ("expert_service.main", "run the expert worker gRPC service (owns the model and GPU)"),
     "router": ("router_service.main", "run the router gRPC service (public API, batching)"),
     "serve": ("common.serve", "run worker and router as two processes, for local use"),
