@@ -116,27 +116,31 @@ class RoutingTable:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
             raise InvalidRequestError("token_ids", f"token id {int(bad)} is outside [0, {self.vocab_size})")
-        return self.table[:, ids]
+        return np.take(self.table, ids, axis=1)          # contiguous [L, T, k] (plain indexing is not)
 
     def plan(self, token_ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer, expert -> indices into `token_ids` in CSR form: (offsets int32 [E+1],
         token_indices int32 [T*k]); the tokens of expert e are token_indices[offsets[e]:offsets[e+1]],
         ascending. An expert with no tokens has offsets[e] == offsets[e+1].
         """
-        experts = self.lookup(token_ids)                                     # [L, T, k]
+        offsets, token_indices = self.plan_packed(token_ids)
+        return [(offsets[l], token_indices[l]) for l in range(len(self.moe_layers))]
+
+    def plan_packed(self, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`plan` for all layers at once, as the worker protocol carries it: offsets int32 [L, E+1] and
+        token_indices int32 [L, T*k] (row l is MoE layer moe_layers[l])."""
+        experts = self.lookup(token_ids)                                     # [L, T, k] uint16
         L, T, k = experts.shape
         E, n = self.num_experts, T * k
-        # One sort for all layers: key = layer * E + expert keeps layers apart and groups experts inside
-        # each; a stable sort over the token-major flattening leaves each expert's tokens ascending.
-        keys = experts.reshape(L, n).astype(np.int32) + (np.arange(L, dtype=np.int32) * E)[:, None]
-        keys = keys.ravel()
-        order = np.argsort(keys, kind="stable").astype(np.int32)             # [L * n]
-        counts = np.bincount(keys, minlength=L * E).reshape(L, E)
+        flat = experts.reshape(L, n)
+        # A stable sort of uint16 keys is numpy's radix sort: O(n) per layer, and it leaves each expert's
+        # tokens ascending (the flattening is token-major).
+        order = np.argsort(flat, axis=1, kind="stable")                     # [L, n]
+        keys = flat.astype(np.int32) + (np.arange(L, dtype=np.int32) * E)[:, None]
+        counts = np.bincount(keys.ravel(), minlength=L * E).reshape(L, E)
         offsets = np.zeros((L, E + 1), dtype=np.int32)
         np.cumsum(counts, axis=1, out=offsets[:, 1:])
-        # Sorted positions l*n .. (l+1)*n - 1 hold exactly layer l's entries (its keys sort between layers).
-        token_indices = (order.reshape(L, n) - (np.arange(L, dtype=np.int32) * n)[:, None]) // k
-        return [(offsets[l], token_indices[l]) for l in range(L)]
+        return offsets, (order // k).astype(np.int32)
 
 
 def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:

@@ -14,18 +14,17 @@ ROUTING_MODES = ("exact", "lut")
 
 def plan_from_pb(routing_plan, moe_layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """A `RoutingPlan` message -> {layer: (offsets [E+1], token_indices [T*k])} (checked by `plan_ids`)."""
-    plan = {}
-    for layer_plan in routing_plan.layers:
-        layer = int(layer_plan.layer)
-        if layer not in moe_layers:
-            raise InvalidRequestError("routing_plan.layers.layer", f"{layer} is not an MoE layer "
-                                                                   f"(MoE layers: {moe_layers})")
-        plan[layer] = (from_pb(layer_plan.offsets, "routing_plan.layers.offsets", "int32"),
-                       from_pb(layer_plan.token_indices, "routing_plan.layers.token_indices", "int32"))
-    missing = [layer for layer in moe_layers if layer not in plan]
-    if plan and missing:
-        raise InvalidRequestError("routing_plan.layers", f"missing MoE layers {missing}")
-    return plan
+    layers = [int(layer) for layer in routing_plan.layers]
+    if not layers:
+        return {}
+    if layers != list(moe_layers):
+        raise InvalidRequestError("routing_plan.layers", f"must be the MoE layers {moe_layers}, got {layers}")
+    offsets = from_pb(routing_plan.offsets, "routing_plan.offsets", "int32")
+    tokens = from_pb(routing_plan.token_indices, "routing_plan.token_indices", "int32")
+    if offsets.ndim != 2 or tokens.ndim != 2 or offsets.shape[0] != len(layers) or tokens.shape[0] != len(layers):
+        raise InvalidRequestError("routing_plan", f"offsets {list(offsets.shape)} and token_indices "
+                                                  f"{list(tokens.shape)} need one row per layer ({len(layers)})")
+    return {layer: (offsets[i], tokens[i]) for i, layer in enumerate(layers)}
 
 
 def plan_ids(plan: dict[int, tuple[np.ndarray, np.ndarray]], num_experts: int,
@@ -39,16 +38,16 @@ def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int,
     experts in ascending expert order."""
     if offsets.shape != (num_experts + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
             or offsets[-1] != token_indices.size:
-        raise InvalidRequestError("routing_plan.layers.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 "
+        raise InvalidRequestError("routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 "
                                                                  f"to {token_indices.size}")
     if token_indices.size % max(num_tokens, 1) or (token_indices.size and (token_indices.min() < 0
                                                                           or token_indices.max() >= num_tokens)):
-        raise InvalidRequestError("routing_plan.layers.token_indices",
+        raise InvalidRequestError("routing_plan.token_indices",
                                   f"must index the step's {num_tokens} tokens, the same number of times each")
     per_token = np.bincount(token_indices, minlength=num_tokens)
     k = token_indices.size // max(num_tokens, 1)
     if np.any(per_token != k):
-        raise InvalidRequestError("routing_plan.layers.token_indices", f"every token needs {k} experts")
+        raise InvalidRequestError("routing_plan.token_indices", f"every token needs {k} experts")
     experts = np.repeat(np.arange(num_experts, dtype=np.int64), np.diff(offsets))
     order = np.argsort(token_indices, kind="stable")
     return experts[order].reshape(num_tokens, k)

@@ -33,10 +33,9 @@ class RoutingPlanner:
 
     def plan(self, step: StepPlan, scheduler: Scheduler) -> worker_pb2.RoutingPlan:
         started = time.perf_counter()
-        csr = self.table.plan(step_token_ids(step, scheduler))
-        message = worker_pb2.RoutingPlan(layers=[
-            worker_pb2.LayerPlan(layer=layer, offsets=to_pb(offsets), token_indices=to_pb(tokens))
-            for layer, (offsets, tokens) in zip(self.table.moe_layers, csr)])
+        offsets, token_indices = self.table.plan_packed(step_token_ids(step, scheduler))
+        message = worker_pb2.RoutingPlan(layers=self.table.moe_layers, offsets=to_pb(offsets),
+                                         token_indices=to_pb(token_indices))
         self.seconds += time.perf_counter() - started
         self.steps += 1
         return message

@@ -38,15 +38,16 @@ def test_malformed_plans_name_the_field(mutate, field):
 def test_plan_from_pb_and_recall():
     exact = {0: np.array([[0, 1], [2, 3]]), 1: np.array([[1, 2], [0, 3]])}
     predicted = {0: np.array([[0, 1], [2, 0]]), 1: np.array([[3, 0], [0, 3]])}
-    message = pb.RoutingPlan(layers=[pb.LayerPlan(layer=layer, offsets=to_pb(o), token_indices=to_pb(t))
-                                     for layer, (o, t) in ((k, csr(v, 4)) for k, v in predicted.items())])
+    packed = [csr(v, 4) for v in predicted.values()]
+    message = pb.RoutingPlan(layers=list(predicted), offsets=to_pb(np.stack([o for o, _ in packed])),
+                             token_indices=to_pb(np.stack([t for _, t in packed])))
     decoded = plan_ids(plan_from_pb(message, [0, 1]), 4, 2)
     for layer in predicted:
         np.testing.assert_array_equal(np.sort(decoded[layer], axis=1), np.sort(predicted[layer], axis=1))
     assert plan_recall(decoded, exact) == pytest.approx(5 / 8)
-    with pytest.raises(InvalidRequestError, match="MoE layer"):
-        plan_from_pb(pb.RoutingPlan(layers=[pb.LayerPlan(layer=5, offsets=to_pb(np.zeros(5, np.int32)),
-                                                         token_indices=to_pb(np.zeros(0, np.int32)))]), [0, 1])
+    with pytest.raises(InvalidRequestError, match="MoE layers"):
+        plan_from_pb(pb.RoutingPlan(layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)),
+                                    token_indices=to_pb(np.zeros((1, 0), np.int32))), [0, 1])
 
 
 def test_tensor_wire_checks():
