@@ -63,3 +63,12 @@ def plan_recall(plan: dict[int, np.ndarray], exact: dict[int, np.ndarray]) -> fl
         hits += int((exact_ids[:, :, None] == predicted[:, None, :]).any(axis=-1).sum())
         total += exact_ids.size
     return hits / total if total else None
+
+
+def warmup_plan(moe_layers: list[int], num_experts: int, top_k: int, num_tokens: int):
+    """A plan sending every token to experts 0..top_k-1 (the worker's own warm-up step under routing=lut)."""
+    counts = np.zeros(num_experts, dtype=np.int32)
+    counts[:top_k] = num_tokens
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tokens = np.tile(np.arange(num_tokens, dtype=np.int32), top_k)
+    return {layer: (offsets, tokens) for layer in moe_layers}

@@ -22,7 +22,7 @@ from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from expert_service.engine import Engine, PrefillInput, StepResult
-from expert_service.routing_plan import plan_from_pb
+from expert_service.routing_plan import plan_from_pb, warmup_plan
 from expert_service.sampling import SamplingParams
 
 log = logging.getLogger("colibri.worker")
@@ -114,8 +114,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                        self.engine.allocator.num_free_blocks * cfg.kv_block_size))
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
         self.engine.warmup()
+        plan = warmup_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n) \
+            if self.engine.config.routing == "lut" else None
         try:
-            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)])
+            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=plan)
         finally:
             self.engine.release([-1])
         return (time.perf_counter() - started) * 1e3

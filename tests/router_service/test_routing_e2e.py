@@ -1,0 +1,127 @@
+"""The static routing table through both services (SPEC §4): router-gen -> router plans -> worker.
+
+A token-routed model (exact routing is a function of the token id) must give recall 1.0 and identical
+outputs under routing=lut; a random model under routing=lut is labelled in every response.
+"""
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from common.cli import main as colibri
+from common.model_format import ModelDir
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
+from common.pb import worker_pb2 as wpb
+from common.pb import worker_pb2_grpc
+from common.tiny_model import make_tiny
+from router_service.config import RouterConfig
+from router_service.main import start_router
+from tests.conftest import BackgroundWorker
+from tests.routing_models import make_token_routed_model
+
+pytestmark = pytest.mark.slow
+
+
+def build_table(model, tmp_path, seed=0):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(map(str, np.random.default_rng(seed).integers(3, 259, 3000))))
+    table = tmp_path / "table.bin"
+    assert colibri(["router-gen", str(model), "--corpus", str(corpus), "--corpus-format", "ids",
+                    "--out", str(table), "--sequence-length", "100"]) == 0
+    return table, json.loads((tmp_path / "table.bin.report.json").read_text())
+
+
+def exact_greedy(model, prompt, n):
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine
+    return Engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
+
+
+def run_requests(worker, model, table, prompts, n):
+    async def body():
+        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
+                                                 max_batch_tokens=24, model=str(model), routing_table=str(table)),
+                                    worker.address if worker else "127.0.0.1:1")
+        try:
+            for _ in range(500):
+                if router.engine.is_ready:
+                    break
+                await asyncio.sleep(0.02)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                stub = router_pb2_grpc.GenerationServiceStub(channel)
+                requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(
+                    max_new_tokens=n, ignore_eos=True)) for p in prompts]
+                replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
+            return replies, router.engine.planner.steps
+        finally:
+            await router.stop(grace=0.1)
+    return asyncio.run(body())
+
+
+@pytest.fixture(scope="module")
+def token_routed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("token_routed")
+    model = make_token_routed_model(tmp)
+    table, report = build_table(model, tmp)
+    return model, table, report
+
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2], list(range(10, 40)), [200, 201, 202, 9]]
+
+
+def test_token_routed_model_has_recall_one(token_routed):
+    _, _, report = token_routed
+    assert report["recall"] == 1.0 and all(r == 1.0 for r in report["recall_per_layer"])
+
+
+def test_lut_routing_equals_exact_on_a_token_routed_model(token_routed):
+    model, table, _ = token_routed
+    expected = [exact_greedy(model, p, 10) for p in PROMPTS]
+    worker = BackgroundWorker(model, routing="lut").start()
+    try:
+        replies, planned_steps = run_requests(worker, model, table, PROMPTS, 10)
+    finally:
+        worker.stop()
+    assert [list(r.token_ids) for r in replies] == expected
+    assert all(r.routing == "lut" for r in replies) and planned_steps > 0
+
+
+def test_exact_worker_measures_plan_recall(token_routed):
+    model, table, _ = token_routed
+    worker = BackgroundWorker(model).start()
+    try:
+        replies, _ = run_requests(worker, model, table, PROMPTS[:2], 5)
+        recall = worker.servicer.metrics.routing_plan_recall._value.get()
+    finally:
+        worker.stop()
+    assert all(r.routing == "exact" for r in replies)
+    assert recall == 1.0
+
+
+def test_lut_on_a_random_model_is_labelled(tmp_path):
+    model = make_tiny(tmp_path / "random", family="mixtral", seed=5)
+    table, report = build_table(model, tmp_path)
+    assert 0.0 <= report["recall"] < 1.0          # contextual routing: the table only approximates it
+    worker = BackgroundWorker(model, routing="lut").start()
+    try:
+        replies, _ = run_requests(worker, model, table, PROMPTS[:2], 8)
+        with grpc.insecure_channel(worker.address) as channel:
+            info = worker_pb2_grpc.WorkerServiceStub(channel).Info(wpb.InfoRequest())
+            with pytest.raises(grpc.RpcError) as e:   # lut without a plan is refused, naming the field
+                worker_pb2_grpc.WorkerServiceStub(channel).Prefill(wpb.PrefillRequest(chunks=[wpb.PrefillChunk(
+                    request_id=1, token_ids=[3, 4], is_last=True, sampling=wpb.SamplingParams(top_p=1.0))]))
+    finally:
+        worker.stop()
+    assert info.routing == "lut" and all(r.routing == "lut" for r in replies)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "routing_plan" in e.value.details()
+
+
+def test_router_refuses_a_table_for_another_model(token_routed, tmp_path):
+    _, table, _ = token_routed
+    other = make_tiny(tmp_path / "qwen", family="qwen3_moe", seed=1)
+    from common.errors import ModelFormatError
+    with pytest.raises(ModelFormatError):
+        run_requests(None, other, table, [], 1)
