@@ -121,7 +121,7 @@ def test_lut_on_a_random_model_is_labelled(tmp_path):
 
 def test_router_refuses_a_table_for_another_model(token_routed, tmp_path):
     _, table, _ = token_routed
-    other = make_tiny(tmp_path / "qwen", family="qwen3_moe", seed=1)
+    other = make_tiny(tmp_path / "qwen2", family="qwen2_moe", seed=1)   # one MoE layer, not two
     from common.errors import ModelFormatError
-    with pytest.raises(ModelFormatError):
+    with pytest.raises(ModelFormatError, match="num_layers is 2, expected 1"):
         run_requests(None, other, table, [], 1)
