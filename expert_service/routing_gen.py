@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -126,45 +125,39 @@ def trace_routing(engine: Engine, sequences: list[np.ndarray], progress: bool = 
             start = end
 
 
-@dataclass
 class RoutingCounts:
-    """Per MoE layer, how often each (token id, expert) pair was chosen, kept as sparse keys."""
-    vocab_size: int
-    num_experts: int
-    num_layers: int
-    keys: list[list[np.ndarray]] = field(default_factory=list)     # per layer: buffered key arrays
-    counts: list[list[np.ndarray]] = field(default_factory=list)   # per layer: counts of each buffered key
-    buffered: int = 0
-    seen: np.ndarray = None                                        # [V] bool: token ids in the training data
+    """Per MoE layer, how often each (token id, expert) pair was chosen: raw int32 keys (token * E + expert)
+    are buffered, then merged into sorted unique keys with counts once the buffer is large."""
 
-    def __post_init__(self):
-        self.key_dtype = np.int32 if self.vocab_size * self.num_experts < 2 ** 31 else np.int64
-        self.keys = [[] for _ in range(self.num_layers)]
-        self.counts = [[] for _ in range(self.num_layers)]
-        self.seen = np.zeros(self.vocab_size, dtype=bool)
+    def __init__(self, vocab_size: int, num_experts: int, num_layers: int):
+        self.vocab_size, self.num_experts, self.num_layers = vocab_size, num_experts, num_layers
+        self.key_dtype = np.int32 if vocab_size * num_experts < 2 ** 31 else np.int64
+        self.buffer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]   # per layer: raw keys
+        self.merged = [(np.zeros(0, self.key_dtype), np.zeros(0, np.int64)) for _ in range(num_layers)]
+        self.buffered = 0
+        self.seen = np.zeros(vocab_size, dtype=bool)          # [V]: token ids present in the training data
 
     def add(self, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> None:
         """token_ids [T]; experts_per_layer: per MoE layer, chosen expert ids [T, K]."""
         self.seen[token_ids] = True
         base = token_ids.astype(self.key_dtype)[:, None] * self.num_experts
         for layer, experts in enumerate(experts_per_layer):
-            keys = (base + experts.astype(self.key_dtype)).ravel()
-            self.keys[layer].append(keys)
-            self.counts[layer].append(np.ones(keys.size, dtype=np.int64))
-            self.buffered += keys.size
+            self.buffer[layer].append((base + experts.astype(self.key_dtype)).ravel())
+            self.buffered += experts.size
         if self.buffered > _COMPACT_KEYS:
             for layer in range(self.num_layers):
                 self._compact(layer)
             self.buffered = 0
 
     def _compact(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        if len(self.keys[layer]) != 1:
-            keys = np.concatenate(self.keys[layer] or [np.zeros(0, self.key_dtype)])
-            counts = np.concatenate(self.counts[layer] or [np.zeros(0, np.int64)])
-            unique, inverse = np.unique(keys, return_inverse=True)
-            self.keys[layer] = [unique]
-            self.counts[layer] = [np.bincount(inverse.ravel(), weights=counts, minlength=unique.size).astype(np.int64)]
-        return self.keys[layer][0], self.counts[layer][0]
+        if self.buffer[layer]:
+            new_keys, new_counts = np.unique(np.concatenate(self.buffer[layer]), return_counts=True)
+            keys, inverse = np.unique(np.concatenate([self.merged[layer][0], new_keys]), return_inverse=True)
+            weights = np.concatenate([self.merged[layer][1], new_counts])
+            self.merged[layer] = (keys, np.bincount(inverse.ravel(), weights=weights,
+                                                    minlength=keys.size).astype(np.int64))
+            self.buffer[layer] = []
+        return self.merged[layer]
 
     def dense(self, layer: int) -> np.ndarray:
         """Counts [V, E] int64 of one MoE layer."""

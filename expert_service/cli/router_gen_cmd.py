@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "file holds only digits, commas and whitespace (default: auto)")
     parser.add_argument("--out", metavar="FILE", help="table file (default: MODEL_DIR/routing_table.bin); "
                         "the report goes to FILE.report.json")
-    parser.add_argument("--top-k", type=int, help="experts per token in the table (default: the model's "
+    parser.add_argument("--top-k", type=int, metavar="K", help="experts per token in the table (default: the model's "
                         "num_experts_per_tok)")
-    parser.add_argument("--holdout", type=float, default=0.1, help="share of the corpus's sequences held out "
+    parser.add_argument("--holdout", type=float, default=0.1, metavar="FRACTION", help="share of the corpus's sequences held out "
                         "to measure recall (default: 0.1; at least one sequence when there are two)")
-    parser.add_argument("--sequence-length", type=int, default=256, help="tokens per traced sequence; each "
+    parser.add_argument("--sequence-length", type=int, default=256, metavar="N", help="tokens per traced sequence; each "
                         "is prefilled on its own, so this is the context routing sees (default: 256)")
     parser.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="engine backend for exact routing (default: cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                                           kv_cache_tokens=batch_tokens + 64 * 16))
 
     report = run_router_gen(model, engine_factory, corpus, args.corpus, out, top_k, args.holdout,
-                            args.sequence_length, progress=True)
+                            args.sequence_length, progress=not args.no_progress)
     print_report(report)
     return 0
 

@@ -134,13 +134,14 @@ def test_split_sequences():
     assert split_sequences(ids, 2, 0.0)[1] == []
 
 
-def test_counts_compaction_matches_direct_counting(monkeypatch):
-    monkeypatch.setattr(routing_gen, "_COMPACT_KEYS", 10)      # compact after almost every add
+@pytest.mark.parametrize("compact_keys, num_adds", [(10, 7), (10 ** 9, 7), (10 ** 9, 1)])
+def test_counts_match_direct_counting(monkeypatch, compact_keys, num_adds):
+    monkeypatch.setattr(routing_gen, "_COMPACT_KEYS", compact_keys)   # 10: merge after almost every add
     rng = np.random.default_rng(1)
     counts, direct = RoutingCounts(50, 4, 2), np.zeros((2, 50, 4), dtype=np.int64)
-    for _ in range(7):
-        tokens = rng.integers(0, 50, 9)
-        experts = [np.argsort(rng.random((9, 4)), axis=1)[:, :2] for _ in range(2)]
+    for _ in range(num_adds):
+        tokens = rng.integers(0, 20, 30)                               # repeated ids inside one add
+        experts = [np.argsort(rng.random((30, 4)), axis=1)[:, :2] for _ in range(2)]
         counts.add(tokens, experts)
         for l in range(2):
             np.add.at(direct[l], (np.repeat(tokens, 2), experts[l].ravel()), 1)
@@ -150,11 +151,13 @@ def test_counts_compaction_matches_direct_counting(monkeypatch):
 
 def test_table_ranks_by_count_then_fallback(tiny_model):
     model = ModelDir.open(tiny_model, verify=False)
+    best, second, third, worst = fallback_ranking(model, 0, 5, 6)[0].tolist()
+    # Token 5 at layer 0: the fallback's worst expert is counted 5 times, its 2nd and 3rd twice each (a tie
+    # the fallback order breaks), its best once. The other layer gets token 5 on the fallback's best two.
+    rows = np.array([[worst, second], [worst, third], [second, worst], [third, worst], [best, worst]])
     counts = RoutingCounts(259, 4, 2)
-    # Token 5: expert 3 chosen twice, experts 0 and 1 once each (a tie the fallback order must break).
-    counts.add(np.array([5, 5, 5, 5]), [np.array([[3, 0], [3, 1], [3, 3], [3, 3]])] * 2)
+    counts.add(np.full(5, 5), [rows, np.tile(fallback_ranking(model, 1, 5, 6)[:, :2], (5, 1))])
     table = build_table(model, counts, top_k=2)
-    ranking = fallback_ranking(model, 0, 5, 6)[0].tolist()
-    tie_winner = 0 if ranking.index(0) < ranking.index(1) else 1
-    assert table[0, 5].tolist() == [3, tie_winner]
+    assert table[0, 5].tolist() == [worst, second]
+    np.testing.assert_array_equal(table[1, 5], fallback_ranking(model, 1, 5, 6)[0, :2])
     np.testing.assert_array_equal(table[0, 6], fallback_ranking(model, 0, 6, 7)[0, :2])   # unseen token
