@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
+from tests.router_harness import running_router
 
 pytestmark = pytest.mark.slow
 
@@ -148,8 +149,6 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from common.tracing import make_tracer_provider
-    from router_service.config import RouterConfig
-    from router_service.main import start_router
     from tests.conftest import BackgroundWorker
 
     from opentelemetry.util._once import Once
@@ -163,18 +162,9 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     worker = BackgroundWorker(tiny_model, tracer_provider=provider).start()
 
     async def body():
-        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05),
-                                    worker.address)
-        try:
-            for _ in range(500):
-                if router.engine.is_ready:
-                    break
-                await asyncio.sleep(0.02)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
-                reply = await router_pb2_grpc.GenerationServiceStub(channel).Generate(request([9, 8, 7], 3))
-                assert len(reply.token_ids) == 3
-        finally:
-            await router.stop(grace=0.1)
+        async with running_router(worker.address) as (_, stub):
+            reply = await stub.Generate(request([9, 8, 7], 3))
+            assert len(reply.token_ids) == 3
     try:
         asyncio.run(body())
     finally:
@@ -192,36 +182,23 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
 
 
 def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
-    from router_service.config import RouterConfig
-    from router_service.main import start_router
     from tests.conftest import BackgroundWorker
     worker = BackgroundWorker(tiny_model).start()
 
     async def body():
-        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
-                                                 max_batch_tokens=32), worker.address)
-        try:
-            for _ in range(500):
-                if router.engine.is_ready:
-                    break
-                await asyncio.sleep(0.02)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
-                stub = router_pb2_grpc.GenerationServiceStub(channel)
-
-                async def start_and_cancel(i):
-                    call = stub.GenerateStream(request([3 + i % 200] * (1 + i % 17), 500))
-                    if i % 2:
-                        await call.read()
-                    await asyncio.sleep(0.001 * (i % 5))
-                    call.cancel()
-                await asyncio.gather(*(start_and_cancel(i) for i in range(40)))
+        async with running_router(worker.address, max_batch_tokens=32) as (router, stub):
+            async def start_and_cancel(i):
+                call = stub.GenerateStream(request([3 + i % 200] * (1 + i % 17), 500))
+                if i % 2:
+                    await call.read()
+                await asyncio.sleep(0.001 * (i % 5))
+                call.cancel()
+            await asyncio.gather(*(start_and_cancel(i) for i in range(40)))
             for _ in range(500):
                 if router.engine.num_active == 0:
                     break
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)
-        finally:
-            await router.stop(grace=0.1)
     try:
         asyncio.run(body())
         allocator = worker.engine.allocator

@@ -1,14 +1,11 @@
 """The router against the real CPU worker on the tiny model: greedy output equals the offline engine."""
 import asyncio
 
-import grpc
 import pytest
 
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
-from common.pb import router_pb2_grpc
-from router_service.config import RouterConfig
-from router_service.main import start_router
+from tests.router_harness import running_router
 
 pytestmark = pytest.mark.slow
 
@@ -21,19 +18,8 @@ def offline_greedy(tiny_model, prompt, n):
 
 
 async def with_router(worker, body, **overrides):
-    config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, **overrides)
-    router = await start_router(config, worker.address)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-    try:
-        for _ in range(500):
-            if router.engine.is_ready:
-                break
-            await asyncio.sleep(0.02)
-        assert router.engine.is_ready
-        return await body(router, router_pb2_grpc.GenerationServiceStub(channel))
-    finally:
-        await channel.close()
-        await router.stop(grace=0.1)
+    async with running_router(worker.address, **overrides) as (router, stub):
+        return await body(router, stub)
 
 
 def request(ids, n, **kw):

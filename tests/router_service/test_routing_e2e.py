@@ -13,13 +13,11 @@ import pytest
 from common.cli import main as colibri
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
-from common.pb import router_pb2_grpc
 from common.pb import worker_pb2 as wpb
 from common.pb import worker_pb2_grpc
 from common.tiny_model import make_tiny
-from router_service.config import RouterConfig
-from router_service.main import start_router
 from tests.conftest import BackgroundWorker
+from tests.router_harness import running_router
 from tests.routing_models import make_token_routed_model
 
 pytestmark = pytest.mark.slow
@@ -42,22 +40,12 @@ def exact_greedy(model, prompt, n):
 
 def run_requests(worker, model, table, prompts, n):
     async def body():
-        router = await start_router(RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
-                                                 max_batch_tokens=24, model=str(model), routing_table=str(table)),
-                                    worker.address if worker else "127.0.0.1:1")
-        try:
-            for _ in range(500):
-                if router.engine.is_ready:
-                    break
-                await asyncio.sleep(0.02)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
-                stub = router_pb2_grpc.GenerationServiceStub(channel)
-                requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(
-                    max_new_tokens=n, ignore_eos=True)) for p in prompts]
-                replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
+        async with running_router(worker.address if worker else "127.0.0.1:1", wait_ready=worker is not None,
+                                  max_batch_tokens=24, model=str(model), routing_table=str(table)) as (router, stub):
+            requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(
+                max_new_tokens=n, ignore_eos=True)) for p in prompts]
+            replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
             return replies, router.engine.planner.steps
-        finally:
-            await router.stop(grace=0.1)
     return asyncio.run(body())
 
 
