@@ -182,7 +182,7 @@ def build_table(model: ModelDir, counts: RoutingCounts | None, top_k: int) -> np
     """uint16 [L, V, top_k]: per MoE layer and token, the top_k most counted experts, ties and unseen tokens
     ranked by `fallback_ranking` (so with no counts the table is the fallback alone)."""
     config = model.config
-    V, E = config.vocab_size, config.num_experts
+    V = config.vocab_size
     table = np.zeros((len(config.moe_layers), V, top_k), dtype=np.uint16)
     for l, layer in enumerate(config.moe_layers):
         dense = counts.dense(l) if counts is not None else None

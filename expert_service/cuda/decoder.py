@@ -36,6 +36,7 @@ from expert_service.kernels.moe_combine_dense import moe_combine_dense
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.router_topk import router_topk
+from expert_service.logits import HostLogits
 from expert_service.model import ForwardBatch, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
@@ -187,7 +188,6 @@ class CudaDecoder:
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
-        from expert_service.logits import HostLogits
         self._stage(batch, T, S, 0)
         self._run(T, S, 0, decode=False)
         rows = np.asarray(batch.logits_rows, dtype=np.int32)
