@@ -1,7 +1,7 @@
 """The `colibri` command. Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported only when their subcommand runs, so `colibri router` never
-loads numba. Expected failures (``ColibriError``) print one line and exit with the error's code
-(docs/cli.md lists them); anything else keeps its traceback because it is a bug.
+loads numba. Expected failures (``ColibriError``, and ``OSError``: the disk, permissions, ports) print one
+line and exit with the error's code (docs/cli.md lists them); anything else keeps its traceback: a bug.
 """
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as e:
         print(f"colibri {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:   # disk full, permissions, a port in use: the operator's to fix, not a bug
+        print(f"colibri {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

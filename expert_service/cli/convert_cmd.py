@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from common.errors import ColibriError
 from common.model_format import ModelDir
 
 
@@ -18,11 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from expert_service.convert import convert
-
-    try:
-        out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, progress=not args.no_progress)
-    except OSError as e:   # disk full, permissions, I/O errors: the operator's to fix, not a bug
-        raise ColibriError(f"{e.filename or '?'}: {e.strerror or e}") from None
+    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, progress=not args.no_progress)
     model = ModelDir.open(out, verify=False)
     print(f"converted {args.hf_dir} -> {out}: {model.config.family}, {len(model.entries)} tensors, "
           f"{model.total_bytes:,} bytes {model.dtype}")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from common.errors import ColibriError
 from common.models import FAMILIES
 
 
@@ -18,11 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from common.model_format import ModelDir
     from common.tiny_model import make_tiny
-
-    try:
-        out = make_tiny(args.out_dir, family=args.family, seed=args.seed, progress=not args.no_progress)
-    except OSError as e:   # disk full, permissions, I/O errors: the operator's to fix, not a bug
-        raise ColibriError(f"{e.filename or '?'}: {e.strerror or e}") from None
+    out = make_tiny(args.out_dir, family=args.family, seed=args.seed, progress=not args.no_progress)
     model = ModelDir.open(out, verify=False)
     print(f"wrote tiny {args.family} (seed {args.seed}) to {out}: {len(model.entries)} tensors, "
           f"{model.total_bytes:,} bytes, vocab {model.config.vocab_size}")

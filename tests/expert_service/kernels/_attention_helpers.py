@@ -1,31 +1,15 @@
 """Shared by the attention/kv_write kernel tests: KV dtypes, a random paged cache, device checks."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
-import pytest
-from numba import cuda
 
-from expert_service.kernels.numeric import SIMULATOR
+# Pools store values exactly like weights do (bfloat16 as uint16 bits, round to nearest even).
+from tests.expert_service.kernels._dense_helpers import from_weight as from_pool  # noqa: F401
+from tests.expert_service.kernels._dense_helpers import gpu, needs_gpu  # noqa: F401
+from tests.expert_service.kernels._dense_helpers import to_weight as to_pool
 
 KV_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 bits
 TOL = {np.float32: 1e-5, np.float16: 2e-3, np.uint16: 1e-2}
-
-gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(SIMULATOR or not cuda.is_available(), reason="needs an NVIDIA GPU (run with COLIBRI_TEST_GPU=1)")
-
-
-def to_pool(x: np.ndarray, dtype) -> np.ndarray:
-    """float32 -> pool storage dtype (round to nearest even, like the kernels)."""
-    if np.dtype(dtype) == np.uint16:
-        return x.astype(ml_dtypes.bfloat16).view(np.uint16)
-    return x.astype(dtype)
-
-
-def from_pool(x: np.ndarray) -> np.ndarray:
-    if x.dtype == np.uint16:
-        return x.view(ml_dtypes.bfloat16).astype(np.float32)
-    return x.astype(np.float32)
 
 
 def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, head_dim, dtype):
