@@ -183,7 +183,15 @@ class Engine:
         state.is_done = True
         if error is not None:
             state.queue.put_nowait(error)
-        self.hooks.on_request_done(state, outcome, time.monotonic())
+        now = time.monotonic()
+        # One line per request, with ids, sizes and timings only: prompts and outputs are never logged.
+        log.info("request %s", outcome, extra={
+            "request_id": state.request_id, "outcome": outcome, "finish_reason": reason.name.lower(),
+            "prompt_tokens": len(state.req.prompt_ids), "generated_tokens": state.num_generated,
+            "duration_s": round(now - state.arrived_at, 6),
+            "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
+            **({"error": str(error)} if error is not None else {})})
+        self.hooks.on_request_done(state, outcome, now)
         if not self._requests:
             self._idle.set()
         self._wake.set()

@@ -65,3 +65,18 @@ def test_cancel_mid_stream_returns_worker_kv(worker):
         info = await router.worker.filter_batch([])
         assert info.kv_blocks_used == 0 and not list(info.freed_request_ids)
     asyncio.run(with_router(worker, body))
+
+
+def test_every_request_is_logged_with_its_id_and_never_its_prompt(worker, caplog):
+    import logging
+
+    async def body(router, stub):
+        await stub.Generate(request([77, 78, 79], 3), metadata=())
+        return await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), request_id="req-42",
+                                                       parameters=rpb.SamplingParameters(max_new_tokens=2)))
+    with caplog.at_level(logging.INFO, logger="colibri.router.engine"):
+        reply = asyncio.run(with_router(worker, body))
+    assert reply.request_id == "req-42"
+    records = [r for r in caplog.records if getattr(r, "request_id", None) == "req-42"]
+    assert len(records) == 1 and records[0].outcome == "ok" and records[0].generated_tokens == 2
+    assert all("77" not in r.getMessage() and "[5, 6]" not in str(r.__dict__) for r in caplog.records)
