@@ -155,6 +155,10 @@ class WorkerMetrics:
             "expert_cache_copied_bytes", "Bytes of expert weights copied host to device")
         self.expert_cache_stall_seconds = b.counter(
             "expert_cache_stall_seconds", "Compute time lost waiting for expert copies (not hidden by overlap)")
+        self.expert_cache_prefetches_issued = b.counter(
+            "expert_cache_prefetches_issued", "Expert copies issued by prefetch (routing plan and lookahead)")
+        self.expert_cache_prefetches_used = b.counter(
+            "expert_cache_prefetches_used", "Prefetched experts that a step then used (hit)")
         self.expert_cache_step_stall = b.histogram(
             "expert_cache_step_stall_seconds", "Expert-copy stall per step", STALL_BUCKETS)
         self.routing_plan_recall = b.gauge(
@@ -167,8 +171,11 @@ class WorkerMetrics:
         self.memory_plan_bytes = b.family(
             b.gauge("worker_memory_plan_bytes", "Start-up device memory plan, bytes per item", ("item",)))
 
-    def observe_expert_cache(self, hits: int, misses: int, copied_bytes: int, stall_seconds: float) -> None:
-        """One step's expert-cache counts (zeros when all experts are resident)."""
+    def observe_expert_cache(self, hits: int, misses: int, copied_bytes: int, stall_seconds: float,
+                             prefetches_issued: int = 0, prefetches_used: int = 0) -> None:
+        """One step's expert-cache counts (all uses are hits, the rest zeros, when all experts are resident)."""
+        self.expert_cache_prefetches_issued.inc(prefetches_issued)
+        self.expert_cache_prefetches_used.inc(prefetches_used)
         self.expert_cache_hits.inc(hits)
         self.expert_cache_misses.inc(misses)
         self.expert_cache_copied_bytes.inc(copied_bytes)

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 from common.config import setting
 from common.errors import ConfigError
+from expert_service.expert_cache import POLICIES
 
 BACKENDS = ("auto", "cpu", "cuda")
+PREFETCH_SOURCES = ("plan", "lookahead")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,16 @@ class EngineConfig:
                            "table, an approximation: responses are labelled)", env=("COLIBRI_ROUTING",))
     verify_checksums: bool = setting(True, "verify every tensor's crc32 when loading (false skips it)",
                                      env=("COLIBRI_VERIFY_CHECKSUMS",))
+    expert_cache_gb: float = setting(0.0, "GiB of expert slots (stored bytes); 0 = every expert resident. Below "
+                                     "the experts' total, each MoE layer gets floor(budget / (MoE layers x expert "
+                                     "bytes)) slots (at least 1) caching the host copy", env=("COLIBRI_EXPERT_CACHE_GB",))
+    expert_cache_slots: int = setting(0, "expert slots per MoE layer (overrides --expert-cache-gb; 0 = from the "
+                                      "budget)", env=("COLIBRI_EXPERT_CACHE_SLOTS",))
+    expert_cache_policy: str = setting("lru", "expert cache replacement policy: lru",
+                                       env=("COLIBRI_EXPERT_CACHE_POLICY",))
+    prefetch: str = setting("plan,lookahead", "expert prefetch sources when the expert cache runs: none, plan (the "
+                            "router's routing plan), lookahead (layer L+1's gate on layer L's input) or both, "
+                            "comma-separated", env=("COLIBRI_PREFETCH",))
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -42,6 +54,20 @@ class EngineConfig:
             raise ConfigError(f"routing: must be exact or lut, got {self.routing!r}")
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
+        if self.expert_cache_gb < 0 or self.expert_cache_slots < 0:
+            raise ConfigError(f"expert_cache_gb / expert_cache_slots: must be >= 0, got {self.expert_cache_gb} / "
+                              f"{self.expert_cache_slots}")
+        if self.expert_cache_policy not in POLICIES:
+            raise ConfigError(f"expert_cache_policy: must be one of {', '.join(POLICIES)}, "
+                              f"got {self.expert_cache_policy!r}")
+        sources = [s.strip() for s in self.prefetch.split(",") if s.strip()]
+        if sources != ["none"] and (not sources or any(s not in PREFETCH_SOURCES for s in sources)):
+            raise ConfigError(f"prefetch: must be none, plan, lookahead or plan,lookahead, got {self.prefetch!r}")
+
+    @property
+    def prefetch_sources(self) -> frozenset[str]:
+        """The enabled prefetch sources: a subset of {"plan", "lookahead"}."""
+        return frozenset(s.strip() for s in self.prefetch.split(",")) & set(PREFETCH_SOURCES)
 
     @property
     def resolved_num_kv_blocks(self) -> int:

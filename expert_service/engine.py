@@ -15,6 +15,8 @@ from common.errors import CapacityError, ConfigError, InvalidRequestError
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.kv_cache import BlockAllocator
+from expert_service.expert_cache import CacheStats
+from expert_service.host_copy import SlotPlan, plan_slots
 from expert_service.model import CpuDecoder, ForwardBatch, StepTrace
 from expert_service.routing_plan import plan_ids, plan_recall
 from expert_service.sampling import Sampler, SamplingParams
@@ -46,6 +48,7 @@ class StepResult:
     trace: StepTrace
     routing_plan_recall: float | None    # routing=exact with a plan: share of the exact routing it predicted
     logits: object                       # HostLogits-like: rows [sampling sequences] of [V], in output order
+    expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
 
 
 @dataclass
@@ -65,13 +68,18 @@ def cuda_available() -> bool:
         return False
 
 
-def make_decoder(model: ModelDir, config: EngineConfig):
+def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | None = None):
     """The backend's decoder: `auto` picks cuda when a GPU is present, else cpu."""
     backend = config.backend
     if backend == "auto":
         backend = "cuda" if cuda_available() else "cpu"
     num_blocks = config.resolved_num_kv_blocks
+    slot_plan = slot_plan or plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
     if backend == "cuda":
+        if slot_plan.is_cached:
+            raise ConfigError(f"expert_cache_gb / expert_cache_slots: {slot_plan.slots_per_layer} slots per layer "
+                              f"for {slot_plan.num_experts} experts, but the expert cache on the cuda backend is "
+                              f"not built yet (leave both at 0 for full residency, or use --backend cpu)")
         if config.routing == "lut":
             raise ConfigError("routing: lut is available on the cpu backend only so far (use --routing exact "
                               "with --backend cuda)")
@@ -80,7 +88,8 @@ def make_decoder(model: ModelDir, config: EngineConfig):
                               "(use --backend cpu or auto)")
         from expert_service.cuda.decoder import CudaDecoder
         return CudaDecoder(model, config)
-    return CpuDecoder(model, num_blocks, config.kv_block_size)
+    return CpuDecoder(model, num_blocks, config.kv_block_size, slot_plan, config.prefetch_sources,
+                      config.expert_cache_policy)
 
 
 class Engine:
@@ -88,7 +97,8 @@ class Engine:
         self.model = model
         self.config = config
         self.model_config = model.config
-        self.decoder = make_decoder(model, config)
+        self.slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+        self.decoder = make_decoder(model, config, self.slot_plan)
         self.backend = self.decoder.backend
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
         self.sequences: dict[int, Sequence] = {}
@@ -142,8 +152,9 @@ class Engine:
             raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
                                                       "(start the router with --routing-table)")
         batch = self._build_batch(work, all_logits=False)
-        if self.config.routing == "lut":
-            batch = replace(batch, routed_experts=planned)
+        if planned:
+            batch = replace(batch, expert_hints=planned,
+                            routed_experts=planned if self.config.routing == "lut" else None)
         trace = StepTrace()
         t0 = time.perf_counter()
         logits = self.decoder.forward(batch, trace)
@@ -169,7 +180,7 @@ class Engine:
             seq.last_token = sampled[0]
             outputs.append(SeqOutput(rid, sampled[0], sampled[1]))
         t2 = time.perf_counter()
-        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits)
+        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings

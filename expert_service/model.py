@@ -10,10 +10,12 @@ import numpy as np
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
+from expert_service.expert_cache import CacheStats, ExpertCache
+from expert_service.host_copy import HostCopyEngine, SlotPlan
 from expert_service.kv_cache import KVPool
 from expert_service.logits import HostLogits
 from expert_service.layers.attention import paged_attention, write_kv
-from expert_service.layers.moe import sparse_moe, swiglu_mlp
+from expert_service.layers.moe import route, sparse_moe, swiglu_mlp
 from expert_service.layers.norm import rms_norm
 from expert_service.layers.rope import Rotary, apply_rotary
 
@@ -29,12 +31,15 @@ class ForwardBatch:
     slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
     logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
     routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
+    expert_hints: dict[int, np.ndarray] | None = None    # the router's plan (either routing): layer -> [T, k],
+                                                         # what the expert cache prefetches from
 
 
 @dataclass
 class StepTrace:
     """What a forward pass observed, for routing-plan recall and expert statistics."""
     expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
+    expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
 
 
 class CpuWeights:
@@ -68,31 +73,74 @@ class CpuDecoder:
     """The numpy backend: weights in host memory, KV pool as host arrays."""
     backend = "cpu"
 
-    def __init__(self, model: ModelDir, num_kv_blocks: int, kv_block_size: int):
+    def __init__(self, model: ModelDir, num_kv_blocks: int, kv_block_size: int, slot_plan: SlotPlan | None = None,
+                 prefetch: frozenset[str] = frozenset(), policy: str = "lru"):
         self.w = CpuWeights(model)
         self.config: ModelConfig = model.config
         self.rotary = Rotary(self.config.rope, self.config.head_dim)
         self.kv = KVPool.allocate(self.config.num_hidden_layers, num_kv_blocks, kv_block_size,
                                   self.config.num_key_value_heads, self.config.head_dim)
+        self.slot_plan, self.prefetch = slot_plan, prefetch
+        self.cache: ExpertCache | None = None       # None: every expert resident, no cache logic runs
+        if slot_plan is not None and slot_plan.is_cached:
+            self.copy_engine = HostCopyEngine(model, self.config.moe_layers, slot_plan.slots_per_layer)
+            self.cache = ExpertCache(self.config.moe_layers, slot_plan.num_experts, slot_plan.slots_per_layer,
+                                     slot_plan.expert_block_bytes, self.copy_engine, policy)
+        moe = self.config.moe_layers
+        self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
 
     def memory_plan(self) -> list[tuple[str, int]]:
         model = self.w.model
         experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
-        return [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
+        plan = [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
                 ("kv_cache", self.kv.nbytes)]
+        if self.cache is not None:    # float32 buffers on this backend (the plan's slot_bytes are stored bytes)
+            plan.append(("expert_slots", self.copy_engine.nbytes))
+        return plan
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> HostLogits:
         """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""
-        cfg, kv = self.config, self.kv
+        cfg, kv, cache = self.config, self.kv, self.cache
         h = self.w.get("embed_tokens")[batch.token_ids]                    # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions)
+        if cache is not None:
+            cache.begin_step()
+            if cfg.moe_layers:      # the first MoE layer's plan: its copies overlap the attention before it
+                self._prefetch_plan(batch, cfg.moe_layers[0])
         for i in range(cfg.num_hidden_layers):
+            if cache is not None:
+                self._prefetch_plan(batch, self._next_moe[i])
             h = h + self._attention(i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps),
                                     batch, kv, cos, sin)
             planned = batch.routed_experts.get(i) if batch.routed_experts else None
-            h = h + self._mlp(i, rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps), trace, planned)
+            x = rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps)
+            if cache is not None:
+                self._prefetch_lookahead(x, self._next_moe[i])
+            h = h + self._mlp(i, x, trace, planned)
+        if cache is not None:
+            stats = cache.end_step()
+            if trace is not None:
+                trace.expert_cache = stats
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
         return HostLogits(h @ self.w.lm_head.T)
+
+    # --- expert cache -------------------------------------------------------------------------------
+    def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:
+        if layer is not None and "plan" in self.prefetch and batch.expert_hints and layer in batch.expert_hints:
+            self.cache.prefetch(layer, _by_count(batch.expert_hints[layer]))
+
+    def _prefetch_lookahead(self, x: np.ndarray, layer: int | None) -> None:
+        """Layer `layer`'s gate applied to the current layer's router input predicts its experts (the input
+        changes by one residual update in between, so the top-k mostly survives)."""
+        if layer is not None and "lookahead" in self.prefetch:
+            ids, _ = route(x @ self.w.layer(layer, "router").T, self.config.num_experts_per_tok, False)
+            self.cache.prefetch(layer, _by_count(ids))
+
+    def _stream_experts(self, layer: int):
+        def stream(active):
+            for e, slot in self.cache.stream(layer, active):
+                yield e, self.copy_engine.weights(layer, slot)
+        return stream
 
     def _project(self, i: int, x: np.ndarray, name: str) -> np.ndarray:
         y = x @ self.w.layer(i, f"{name}_proj").T
@@ -124,8 +172,9 @@ class CpuDecoder:
         cfg = self.config
         if not cfg.sparse_layers[i]:
             return swiglu_mlp(x, self.w.layer(i, "gate_proj"), self.w.layer(i, "up_proj"), self.w.layer(i, "down_proj"))
+        stream = self._stream_experts(i) if self.cache is not None else None
         out, expert_ids = sparse_moe(x, self.w.layer(i, "router"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                     lambda e: self.w.expert(i, e), planned)
+                                     lambda e: self.w.expert(i, e), planned, stream)
         if trace is not None:
             trace.expert_ids[i] = expert_ids
         if cfg.shared_expert_intermediate_size:
@@ -134,3 +183,9 @@ class CpuDecoder:
             gate = x @ self.w.layer(i, "shared_expert_gate").T                  # [T, 1]
             out = out + shared / (np.float32(1.0) + np.exp(-gate))
         return out
+
+
+def _by_count(ids: np.ndarray) -> list[int]:
+    """Distinct expert ids, most tokens first (what a prefetch with little room should bring first)."""
+    experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
+    return [int(e) for e in experts[np.argsort(-counts, kind="stable")]]

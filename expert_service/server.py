@@ -40,14 +40,31 @@ def prefill_from_pb(chunk: pb.PrefillChunk) -> PrefillInput:
                         sampling_from_pb(chunk.sampling) if chunk.HasField("sampling") else None, chunk.is_last)
 
 
+def cache_stats_to_pb(stats) -> pb.ExpertCacheStats:
+    return pb.ExpertCacheStats(hits=stats.hits, misses=stats.misses, bytes_copied=stats.bytes_copied,
+                               prefetches_issued=stats.prefetches_issued, prefetches_used=stats.prefetches_used,
+                               stall_ms=stats.stall_seconds * 1e3)
+
+
+def slot_plan_to_pb(engine: Engine) -> pb.ExpertSlotPlan:
+    plan, cfg = engine.slot_plan, engine.config
+    return pb.ExpertSlotPlan(slots_per_layer=plan.slots_per_layer, num_experts=plan.num_experts,
+                             num_moe_layers=plan.num_moe_layers, expert_block_bytes=plan.expert_block_bytes,
+                             budget_bytes=plan.budget_bytes, cached=plan.is_cached, policy=cfg.expert_cache_policy,
+                             prefetch=",".join(sorted(cfg.prefetch_sources, reverse=True)) or "none")
+
+
 def step_to_pb(result: StepResult, engine: Engine, started: float) -> pb.StepResponse:
-    return pb.StepResponse(
+    response = pb.StepResponse(
         generations=[pb.Generation(request_id=o.request_id, has_token=o.token_id is not None,
                                    token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
                      for o in result.outputs],
         timings=pb.StepTimings(forward_ms=result.forward_ms, sample_ms=result.sample_ms,
                                total_ms=(time.perf_counter() - started) * 1e3),
         kv_blocks_used=engine.allocator.num_used_blocks)
+    if result.expert_cache is not None:
+        response.expert_cache.CopyFrom(cache_stats_to_pb(result.expert_cache))
+    return response
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -104,7 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_kv_blocks=e.allocator.num_blocks, max_batch_tokens=e.config.max_batch_tokens,
             max_batch_size=e.config.max_batch_size, backend=e.backend, routing=e.config.routing,
             memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
-            model_name=self.model_name)
+            model_name=self.model_name, expert_slots=slot_plan_to_pb(e))
 
     def warmup(self, num_tokens: int) -> float:
         """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
@@ -156,6 +173,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if result.routing_plan_recall is not None:
             m.observe_recall(result.routing_plan_recall)
         m.set_kv_usage(e.allocator.num_used_blocks, e.allocator.num_blocks)
+        stats = result.expert_cache
+        if stats is not None:
+            m.observe_expert_cache(stats.hits, stats.misses, stats.bytes_copied, stats.stall_seconds,
+                                   stats.prefetches_issued, stats.prefetches_used)
+        else:   # all experts resident: every use is a hit that costs nothing
+            m.observe_expert_cache(sum(len(np.unique(ids)) for ids in result.trace.expert_ids.values()), 0, 0, 0.0)
         num_experts = e.model_config.num_experts
         m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
                               for ids in result.trace.expert_ids.values()])

@@ -35,23 +35,29 @@ def route_planned(router_logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return (chosen / chosen.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
-def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, expert_weights) -> np.ndarray:
-    """x [T, D]; expert_weights(e) -> (gate, up, down). Returns the weighted sum over each token's experts."""
+def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, expert_weights,
+                    stream_experts=None) -> np.ndarray:
+    """x [T, D]; expert_weights(e) -> (gate, up, down). Returns the weighted sum over each token's experts.
+    `stream_experts(active ids)` -> iterator of (e, (gate, up, down)) replaces the lookup when experts pass
+    through a cache in waves: each expert's rows are independent, so the order never changes the result."""
     grouped = np.zeros((groups.order.size, x.shape[1]), dtype=np.float32)
-    for e in groups.active_experts():
+    active = groups.active_experts()
+    items = stream_experts(active) if stream_experts else ((e, expert_weights(int(e))) for e in active)
+    for e, mats in items:
         lo, hi = groups.offsets[e], groups.offsets[e + 1]
-        grouped[lo:hi] = swiglu_mlp(x[groups.tokens_of(e)], *expert_weights(int(e)))
+        grouped[lo:hi] = swiglu_mlp(x[groups.tokens_of(e)], *mats)
     return combine(grouped, groups, weights)
 
 
 def sparse_moe(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool,
-               expert_weights, planned_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               expert_weights, planned_ids: np.ndarray | None = None,
+               stream_experts=None) -> tuple[np.ndarray, np.ndarray]:
     """x [T, D], router [E, D] -> (output [T, D], expert ids [T, K]); `planned_ids` [T, k] replaces the
-    exact top-k (LUT routing)."""
+    exact top-k (LUT routing); `stream_experts` as in `grouped_experts`."""
     logits = x @ router.T
     if planned_ids is None:
         ids, weights = route(logits, top_k, normalize)
     else:
         ids, weights = planned_ids, route_planned(logits, planned_ids)
     groups = group_by_expert(ids, router.shape[0])
-    return grouped_experts(x, groups, weights, expert_weights), ids
+    return grouped_experts(x, groups, weights, expert_weights, stream_experts), ids

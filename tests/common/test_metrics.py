@@ -20,6 +20,7 @@ WORKER = {
     "colibri_kv_blocks_used": "gauge", "colibri_expert_cache_hits": "counter",
     "colibri_expert_cache_misses": "counter", "colibri_expert_cache_copied_bytes": "counter",
     "colibri_expert_cache_stall_seconds": "counter", "colibri_expert_cache_step_stall_seconds": "histogram",
+    "colibri_expert_cache_prefetches_issued": "counter", "colibri_expert_cache_prefetches_used": "counter",
     "colibri_routing_plan_recall": "gauge", "colibri_routing_plan_recall_per_step": "histogram",
     "colibri_expert_load_imbalance": "gauge", "colibri_worker_memory_plan_bytes": "gauge",
 }
@@ -96,7 +97,8 @@ def test_worker_scrape_has_every_metric_with_model_name():
     m = WorkerMetrics(registry, "tiny-mixtral")
     m.worker_step_duration.labels(kind="decode").observe(0.003)
     m.set_kv_usage(blocks_used=25, num_blocks=100)
-    m.observe_expert_cache(hits=10, misses=2, copied_bytes=4096, stall_seconds=0.001)
+    m.observe_expert_cache(hits=10, misses=2, copied_bytes=4096, stall_seconds=0.001, prefetches_issued=3,
+                           prefetches_used=2)
     m.observe_recall(0.9)
     m.set_load_imbalance([[4, 0, 0, 0], [1, 1, 1, 1]])
     m.set_memory_plan({"dense_weights": 1 << 20, "kv_cache": 1 << 30})
@@ -114,6 +116,7 @@ def test_worker_scrape_has_every_metric_with_model_name():
     plan = {s.labels["item"]: s.value for s in families["colibri_worker_memory_plan_bytes"].samples}
     assert plan == {"dense_weights": 2 ** 20, "kv_cache": 2 ** 30}
     assert families["colibri_expert_cache_copied_bytes"].samples[0].value == 4096
+    assert families["colibri_expert_cache_prefetches_used"].samples[0].value == 2
 
 
 def test_fixed_labels_are_checked_and_registries_are_independent():
