@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from common.errors import CapacityError, ConfigError, InvalidRequestError
+from common.errors import CapacityError, ConfigError, InvalidRequestError, NonFiniteLogitsError
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.kv_cache import BlockAllocator
@@ -245,7 +245,7 @@ class Engine:
         try:
             while True:
                 if out.error:
-                    raise InvalidRequestError("logits", f"the model produced non-finite logits ({out.error})")
+                    raise NonFiniteLogitsError(f"the model produced non-finite logits ({out.error})")
                 tokens.append(out.token_id)
                 logprobs.append(out.logprob)
                 if out.token_id in stop_token_ids:

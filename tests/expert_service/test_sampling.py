@@ -74,3 +74,18 @@ def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field
+
+
+def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_model, monkeypatch):
+    from common.errors import NonFiniteLogitsError
+    from common.model_format import ModelDir
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine
+    from expert_service.logits import HostLogits
+    engine = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu"))
+    original = engine.decoder.forward
+    monkeypatch.setattr(engine.decoder, "forward", lambda *a, **k: HostLogits(
+        np.full_like(np.stack(list(original(*a, **k))), np.nan)))
+    with pytest.raises(NonFiniteLogitsError, match="non-finite"):
+        engine.generate([5, 6, 7], 4)
+    assert engine.allocator.num_used_blocks == 0 and not engine.sequences
