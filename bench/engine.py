@@ -107,7 +107,6 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
     from common.model_format import ModelDir
     from expert_service.config import EngineConfig
     from expert_service.engine import Engine, PrefillInput
-    from expert_service.model import StepTrace
     from expert_service.sampling import SamplingParams
     rng = np.random.default_rng(0)
     before = device_used_bytes()
@@ -145,14 +144,12 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
             engine.step(decode_ids=ids)
         times, moved = [], []
         for _ in range(DECODE_STEPS):
-            trace = StepTrace()
             start = time.perf_counter()
             result = engine.step(decode_ids=ids)
             times.append(time.perf_counter() - start)
             experts = sum(len(np.unique(e)) for e in result.trace.expert_ids.values())
             context = sum(engine.sequences[i].num_cached for i in ids)
             moved.append(dense + experts * expert_bytes + context * kv_per_token)
-            del trace
         engine.clear()
         step = float(np.median(times))
         out["decode_ms"][str(b)] = step * 1e3

@@ -98,11 +98,12 @@ def resolve(cls: type[T], *, file_values: Mapping[str, Any] | None = None,
                 values[name] = _coerce(env[var], hints[name], f"environment {var}")
                 break
         if flags is not None and flags.get(name) is not None:
-            values[name] = _coerce(flags[name], hints[name], f"--{_flag_name(f)}")
+            values[name] = _coerce(flags[name], hints[name], f"--{flag_name(f)}")
     return cls(**values)
 
 
-def _flag_name(f: dataclasses.Field) -> str:
+def flag_name(f: dataclasses.Field) -> str:
+    """The command-line flag (without dashes) of a setting."""
     return f.metadata.get("flag") or f.name.replace("_", "-")
 
 
@@ -119,7 +120,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         help_text = f"{f.metadata['help']} (default: {default}" + (f"; env: {', '.join(env)})" if env else ")")
         kind = str if base is bool or typing.get_origin(base) is tuple else base
         metavar = "BOOL" if base is bool else None
-        group.add_argument(f"--{_flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar,
+        group.add_argument(f"--{flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar,
                            help=help_text)
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from common.config import add_flags
+from common.config import add_flags, flag_name
 from common.errors import ConfigError
 from common.logging_setup import configure_logging
 
@@ -50,7 +50,7 @@ def _flags_for(cls, args: argparse.Namespace) -> list[str]:
     for f in dataclasses.fields(cls):
         value = getattr(args, f.name, None)
         if value is not None and "help" in f.metadata:
-            out += [f"--{f.metadata.get('flag') or f.name.replace('_', '-')}", str(value)]
+            out += [f"--{flag_name(f)}", str(value)]
     return out
 
 

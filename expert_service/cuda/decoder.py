@@ -222,10 +222,10 @@ class CudaDecoder:
         h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
+        rows = {"token_ids": T, "positions": T, "slot_mapping": T, "seq_starts": S + 1, "context_lens": S,
+                "logits_rows": R, "block_tables": S}
         for name in METADATA:
-            rows = {"token_ids": T, "positions": T, "slot_mapping": T, "seq_starts": S + 1, "context_lens": S,
-                    "logits_rows": R, "block_tables": S}[name]
-            self.ws.arrays[name][:rows].copy_to_device(h[name][:rows], stream=self.stream)
+            self.ws.arrays[name][:rows[name]].copy_to_device(h[name][:rows[name]], stream=self.stream)
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:

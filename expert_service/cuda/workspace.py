@@ -77,19 +77,15 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
 
 
 METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
+# Buffers the host reads back after a step (through pinned staging, so the copies are asynchronous).
+READBACK = ("greedy_ids", "nonfinite", "logits", "topk_ids", "offsets")
 
 
 def allocate_workspace(plan: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
     ws = Workspace()
     for name, (shape, dtype) in plan.items():
         ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
-    for name in METADATA:
+    for name in METADATA + READBACK:
         shape, dtype = plan[name]
         ws.host[name] = cuda.pinned_array(shape, dtype=dtype)
-    ws.host["greedy_ids"] = cuda.pinned_array(plan["greedy_ids"][0], dtype=np.int32)
-    ws.host["nonfinite"] = cuda.pinned_array(plan["nonfinite"][0], dtype=np.int32)
-    ws.host["logits"] = cuda.pinned_array(plan["logits"][0], dtype=np.float32)
-    ws.host["topk_ids"] = cuda.pinned_array(plan["topk_ids"][0], dtype=np.int32)
-    ws.host["counts"] = cuda.pinned_array(plan["counts"][0], dtype=np.int32)
-    ws.host["offsets"] = cuda.pinned_array(plan["offsets"][0], dtype=np.int32)
     return ws
