@@ -76,10 +76,6 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | No
     num_blocks = config.resolved_num_kv_blocks
     slot_plan = slot_plan or plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
     if backend == "cuda":
-        if slot_plan.is_cached:
-            raise ConfigError(f"expert_cache_gb / expert_cache_slots: {slot_plan.slots_per_layer} slots per layer "
-                              f"for {slot_plan.num_experts} experts, but the expert cache on the cuda backend is "
-                              f"not built yet (leave both at 0 for full residency, or use --backend cpu)")
         if config.routing == "lut":
             raise ConfigError("routing: lut is available on the cpu backend only so far (use --routing exact "
                               "with --backend cuda)")
@@ -87,7 +83,7 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | No
             raise ConfigError("backend: cuda was asked for but no usable NVIDIA GPU/driver was found "
                               "(use --backend cpu or auto)")
         from expert_service.cuda.decoder import CudaDecoder
-        return CudaDecoder(model, config)
+        return CudaDecoder(model, config, slot_plan)
     return CpuDecoder(model, num_blocks, config.kv_block_size, slot_plan, config.prefetch_sources,
                       config.expert_cache_policy)
 

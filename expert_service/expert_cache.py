@@ -183,16 +183,27 @@ class ExpertCache:
         """Yields (expert, slot) with the slot's weights ready, for every expert of the step in this layer, in
         waves of at most slots_per_layer; a wave's slots stay valid until the item after its last is asked
         for. Resident experts come first (waited on in copy order), then misses, so copies overlap compute."""
+        for wave in self.waves(layer, experts):
+            yield from wave.items()
+
+    def waves(self, layer: int, experts: Iterable[int]) -> Iterator[dict[int, int]]:
+        """The same in whole waves: {expert: slot}, each slot waited on (`wait`) before the wave is yielded,
+        and released when the next wave is asked for."""
         state = self.layers[layer]
         experts = list(dict.fromkeys(int(e) for e in experts))
         experts.sort(key=lambda e: e not in state.slot_of)          # stable: residents first
         size = self.slots_per_layer
         for start in range(0, len(experts), size):
             wave = self.acquire(layer, experts[start:start + size], wait=False)
-            for e, slot in wave.items():
+            for slot in wave.values():
                 self.wait(layer, slot)
-                yield e, slot
+            yield wave
             self.release(layer)
+
+    def add_stall(self, seconds: float) -> None:
+        """Stall measured by the backend where `wait` does not block the host (the GPU's compute stream waits
+        on copy events; the time is read from timing events after the step)."""
+        self._step.stall_seconds += seconds
 
     # --- prefetch -----------------------------------------------------------------------------------
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:

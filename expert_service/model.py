@@ -127,14 +127,14 @@ class CpuDecoder:
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:
         if layer is not None and "plan" in self.prefetch and batch.expert_hints and layer in batch.expert_hints:
-            self.cache.prefetch(layer, _by_count(batch.expert_hints[layer]))
+            self.cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
 
     def _prefetch_lookahead(self, x: np.ndarray, layer: int | None) -> None:
         """Layer `layer`'s gate applied to the current layer's router input predicts its experts (the input
         changes by one residual update in between, so the top-k mostly survives)."""
         if layer is not None and "lookahead" in self.prefetch:
             ids, _ = route(x @ self.w.layer(layer, "router").T, self.config.num_experts_per_tok, False)
-            self.cache.prefetch(layer, _by_count(ids))
+            self.cache.prefetch(layer, experts_by_count(ids))
 
     def _stream_experts(self, layer: int):
         def stream(active):
@@ -185,7 +185,7 @@ class CpuDecoder:
         return out
 
 
-def _by_count(ids: np.ndarray) -> list[int]:
+def experts_by_count(ids: np.ndarray) -> list[int]:
     """Distinct expert ids, most tokens first (what a prefetch with little room should bring first)."""
     experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
     return [int(e) for e in experts[np.argsort(-counts, kind="stable")]]

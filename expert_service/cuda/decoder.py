@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from cuda.bindings import driver as drv
 from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
-from expert_service.cuda.driver import Graph, check
+from expert_service.cuda.driver import Graph, non_blocking_stream
+from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, METADATA, allocate_workspace, plan_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
@@ -36,6 +36,7 @@ from expert_service.kernels.moe_combine_dense import moe_combine_dense
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.router_topk import router_topk
+from expert_service.host_copy import SlotPlan
 from expert_service.logits import HostLogits
 from expert_service.model import ForwardBatch, StepTrace
 
@@ -75,20 +76,15 @@ class DeviceLogits:
         return iter(self._fetch())
 
 
-def _non_blocking_stream():
-    cuda.current_context()       # the driver call needs Numba's (primary) context to be current
-    handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
-    return handle, cuda.external_stream(int(handle))
-
-
 class CudaDecoder:
     backend = "cuda"
 
-    def __init__(self, model: ModelDir, config: EngineConfig):
+    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | None = None):
         self.config: ModelConfig = model.config
         self.engine_config = config
-        self._stream_handle, self.stream = _non_blocking_stream()
-        self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory)
+        self._stream_handle, self.stream = non_blocking_stream()
+        cached = slot_plan is not None and slot_plan.is_cached
+        self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory, load_experts=not cached)
         cfg = self.config
         self.kv_dtype = self.weights.dtype
         self.num_blocks, self.block_size = config.resolved_num_kv_blocks, config.kv_block_size
@@ -108,12 +104,14 @@ class CudaDecoder:
         self._eager_buckets: set[int] = set()
         self._cublas = None
         _ = self.cublas          # created before any graph capture (cublasCreate cannot run inside one)
+        self.cached = CachedExperts(self, slot_plan, config.prefetch_sources, config.expert_cache_policy) \
+            if cached else None  # None: every expert resident, no cache logic runs
         self.stream.synchronize()
 
     def warmup(self) -> None:
         """Compiles every kernel and captures the decode graph of every batch-size bucket now, so serving
         allocates nothing on the device (graph instantiation does) and never compiles."""
-        if not self.engine_config.cuda_graphs:
+        if not self.engine_config.cuda_graphs or self.cached is not None:
             return
         for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
             padding = ForwardBatch(token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64),
@@ -127,8 +125,11 @@ class CudaDecoder:
 
     # --- plan ---------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
-        return [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
+        plan = [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
                 ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes)]
+        if self.cached is not None:
+            plan.append(("expert_slots", self.cached.nbytes))
+        return plan
 
     @property
     def cublas(self):
@@ -146,12 +147,15 @@ class CudaDecoder:
             raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
                              f"({self.max_tokens} / {self.max_seqs})")
         decode_only = T == S and R == S
-        bucket = next((b for b in GRAPH_BUCKETS if b >= S), None) if decode_only else None
+        graphs = self.engine_config.cuda_graphs and self.cached is None
+        bucket = next((b for b in GRAPH_BUCKETS if b >= S), None) if decode_only and graphs else None
         if bucket is not None and bucket > self.max_seqs:
             bucket = None
         padded = bucket or T
         self._stage(batch, padded if bucket else T, bucket or S, bucket or R)
-        if bucket is not None and self.engine_config.cuda_graphs:
+        if self.cached is not None:
+            self.cached.begin_step(batch.expert_hints)
+        if bucket is not None:
             self._forward_bucket(bucket)
         else:
             self._run(padded, bucket or S, bucket or R, decode=decode_only)
@@ -163,6 +167,10 @@ class CudaDecoder:
             flat_ids = self.ws.topk_ids.reshape(-1)
             flat_ids[:n_ids].copy_to_host(host["topk_ids"].reshape(-1)[:n_ids], stream=self.stream)
         self.stream.synchronize()
+        if self.cached is not None:
+            stats = self.cached.end_step()
+            if trace is not None:
+                trace.expert_cache = stats
         if trace is not None and n_ids:
             ids = host["topk_ids"].reshape(-1)[:n_ids].reshape(len(self.moe_layers), padded, -1)
             for index, layer in enumerate(self.moe_layers):
@@ -189,7 +197,12 @@ class CudaDecoder:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
         self._stage(batch, T, S, 0)
+        if self.cached is not None:
+            self.cached.begin_step(batch.expert_hints)
         self._run(T, S, 0, decode=False)
+        if self.cached is not None:
+            self.stream.synchronize()
+            self.cached.end_step()
         rows = np.asarray(batch.logits_rows, dtype=np.int32)
         out = np.empty((R, self.config.vocab_size), dtype=np.float32)
         for start in range(0, R, self.max_seqs):
@@ -233,6 +246,8 @@ class CudaDecoder:
         h, x = ws.hidden[:T], ws.normed[:T]
         launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st)
         for i in range(cfg.num_hidden_layers):
+            if self.cached is not None:
+                self.cached.prefetch_plan(self.cached.next_moe[i])
             rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
             self._attention(i, x, h, T, S, decode)
             rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
@@ -258,8 +273,9 @@ class CudaDecoder:
     def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]
+        xc = self._as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
         for name, out in (("q", q), ("k", k), ("v", v)):
-            self._linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"))
+            self._linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if cfg.qk_norm is QKNorm.FULL:
             rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
@@ -295,8 +311,10 @@ class CudaDecoder:
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
         router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
-        experts = w.experts[i]
-        if n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
+        experts = w.experts.get(i)
+        if self.cached is not None:
+            self.cached.moe(i, x, h, T, ids, weights)
+        elif n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
             y = self._all_experts(x, experts, T, E, F, D)
             moe_combine_dense(y, ids, weights, h, stream=st)
         else:
@@ -340,20 +358,25 @@ class CudaDecoder:
         st.synchronize()
         offsets = ws.host["offsets"]
         for e in np.flatnonzero(np.diff(offsets)):
-            lo, hi = int(offsets[e]), int(offsets[e + 1])
-            block = experts[int(e)]
-            gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
-            down = block[2 * F * D:3 * F * D].reshape(D, F)
-            g = ws.moe_gate[lo:hi]
-            self._swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
-            self._linear(g, down, out[lo:hi], force_cublas=True)
+            self._expert_gemms(experts[int(e)], int(offsets[e]), int(offsets[e + 1]), F, D, out)
+
+    def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
+        """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
+        ws = self.ws
+        gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
+        down = block[2 * F * D:3 * F * D].reshape(D, F)
+        g = ws.moe_gate[lo:hi]
+        self._swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
+        self._linear(g, down, out[lo:hi], force_cublas=True)
 
     # --- linear layers: weight streaming for few tokens, cuBLAS for many ----------------------------
-    def _linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False) -> None:
+    def _linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False,
+                xc=None) -> None:
+        """xc: x already in the weights' dtype (one cast shared by several projections of the same input)."""
         if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
             launch_linear(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
             return
-        self.cublas.linear(self._as_weight_dtype(x), weight, out, accumulate=accumulate)
+        self.cublas.linear(xc if xc is not None else self._as_weight_dtype(x), weight, out, accumulate=accumulate)
         if bias is not None:
             elementwise.launch_add_bias(out, bias, stream=self.stream)
 
@@ -375,7 +398,11 @@ class CudaDecoder:
         return xc
 
     def close(self) -> None:
+        self.stream.synchronize()
         for graph in self.graphs.values():
             graph.close()
         if self._cublas is not None:
             self._cublas.close()
+        if self.cached is not None:
+            self.cached.close()
+        self.weights.close()

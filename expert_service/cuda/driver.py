@@ -30,6 +30,14 @@ def stream_handle(stream) -> drv.CUstream:
     return drv.CUstream(int(value if value is not None else int(handle)))
 
 
+def non_blocking_stream():
+    """(driver handle, Numba external stream) of a new stream that does not synchronise with stream 0."""
+    from numba import cuda
+    cuda.current_context()       # the driver call needs Numba's (primary) context to be current
+    handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    return handle, cuda.external_stream(int(handle))
+
+
 def pin_readonly(array: np.ndarray) -> bool:
     """Page-locks the host range of a read-only array (an mmap) so copies from it run at PCIe speed.
     Returns False when the driver refuses (limits, unsupported), so the caller can fall back."""

@@ -97,6 +97,10 @@ class DeviceWeights:
     def layer(self, i: int, name: str):
         return self.views.get(f"layers.{i}.{name}")
 
+    def close(self) -> None:
+        """Unpins the host ranges (a later model in the same process may map the same addresses)."""
+        self.uploader.release()
+
     @property
     def lm_head(self):
         return self.views["embed_tokens"] if self.config.tie_word_embeddings else self.views["lm_head"]

@@ -109,15 +109,21 @@ def _kernel(dtype, wide: bool, gated: bool):
     dot_tile = _make_dot(get, per_word, TOK_TILE, gated)
 
     @cuda.jit
-    def kernel(src, order, offsets, wts, stride, n_rows, n_in, top_k, first, second, out):
+    def kernel(src, order, offsets, wts, stride, n_rows, n_in, top_k, first, second, slot_of, use_slots, out):
         """src: x [T, D] (gated, gathered through order[p] // top_k) or h [T*K, F] (down, row p);
         order [T*K] int32; offsets [E+1] int32; wts: W flattened (uint64 words if wide); stride: elements per
         expert; n_rows/n_in: output rows and input features of the matrix; first/second: element offsets of
-        gate and up (down: first = second = offset of down) inside an expert; out [T*K, n_rows] f32."""
+        gate and up (down: first = second = offset of down) inside an expert; slot_of [E] int32, read when
+        use_slots != 0: expert e's weights are block slot_of[e] of W, and experts with slot_of[e] < 0 are
+        skipped (their rows of `out` untouched: the expert cache computes a layer in waves); else block e.
+        out [T*K, n_rows] f32."""
         e = cuda.blockIdx.x
         start = offsets[e]
         end = offsets[e + 1]
-        if start >= end:
+        block = e
+        if use_slots != 0:
+            block = slot_of[e]
+        if start >= end or block < 0:
             return                      # whole block leaves before any barrier
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -128,7 +134,7 @@ def _kernel(dtype, wide: bool, gated: bool):
         red = cuda.shared.array((WARPS, _RED_VALUES, _RED_LANES), np.float32)
         acc_g = cuda.local.array((ROWS_PER_WARP, TOK_TILE), np.float32)
         acc_u = cuda.local.array((ROWS_PER_WARP, TOK_TILE), np.float32)
-        base = e * stride
+        base = block * stride
         # A block owns ROW_GROUPS groups of WARPS*ROWS_PER_WARP rows, walked one after the other.
         for group in range(cuda.blockIdx.y * ROW_GROUPS, min((cuda.blockIdx.y + 1) * ROW_GROUPS, n_groups)):
             # rows past n_rows re-read the last row (cache hit) and are never written: no divergent branches
@@ -191,11 +197,15 @@ def _weights_view(W, wide):
     return flat.view(np.uint64) if wide else flat
 
 
-def _check(W, F, D, offsets, arrays):
+def _check(W, F, D, offsets, slot_of, arrays):
     if W.ndim != 2 or np.dtype(W.dtype) not in [np.dtype(d) for d in _DTYPES] or not W.flags["C_CONTIGUOUS"]:
         raise ValueError(f"W must be C-contiguous [E, stride] uint16/float16/float32, got {W.dtype} {W.shape}")
-    if W.shape[1] < 3 * F * D or offsets.shape != (W.shape[0] + 1,) or offsets.dtype != np.int32:
-        raise ValueError(f"expert stride {W.shape[1]} < 3*F*D or offsets not int32 [E+1] ({offsets.shape})")
+    experts = offsets.shape[0] - 1
+    if W.shape[1] < 3 * F * D or offsets.dtype != np.int32 or (slot_of is None and W.shape[0] != experts):
+        raise ValueError(f"expert stride {W.shape[1]} < 3*F*D, or offsets {offsets.shape} not int32 [E+1] for "
+                         f"W's {W.shape[0]} experts")
+    if slot_of is not None:
+        arrays = arrays + [("slot_of", slot_of, (experts,), np.int32)]
     for name, a, shape, dt in arrays:
         if a.shape != shape or a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(shape)}, "
@@ -207,30 +217,34 @@ def _wide(W, n_in):
     return np.dtype(W.dtype) == np.uint16 and n_in % WIDE == 0 and W.shape[1] % WIDE == 0
 
 
-def moe_gate_up(x, order, offsets, W, F: int, D: int, h, stream=0) -> None:
-    """x [T, D] f32, order [T*K] int32, offsets [E+1] int32, W [E, stride] -> h [T*K, F] f32 (grouped order)."""
+def moe_gate_up(x, order, offsets, W, F: int, D: int, h, stream=0, slot_of=None) -> None:
+    """x [T, D] f32, order [T*K] int32, offsets [E+1] int32, W [E, stride] -> h [T*K, F] f32 (grouped order).
+    With slot_of [E] int32 (device), W is [slots, stride] and expert e reads block slot_of[e] (< 0: skipped)."""
     n_tok = x.shape[0]
     n = order.shape[0]
     if n_tok == 0 or n % n_tok:
         raise ValueError(f"order length {n} is not a multiple of T={n_tok}")
-    _check(W, F, D, offsets, [("x", x, (n_tok, D), np.float32), ("order", order, (n,), np.int32),
-                               ("h", h, (n, F), np.float32)])
-    wide = _wide(W, D)
-    grid = (W.shape[0], (F + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK)
-    _kernel(np.dtype(W.dtype).type, wide, True)[grid, THREADS, stream](
-        x, order, offsets, _weights_view(W, wide), W.shape[1], F, D, n // n_tok, 0, F * D, h)
+    _check(W, F, D, offsets, slot_of, [("x", x, (n_tok, D), np.float32), ("order", order, (n,), np.int32),
+                                       ("h", h, (n, F), np.float32)])
+    _launch(x, order, offsets, W, F, D, 0, F * D, n // n_tok, True, slot_of, h, stream)
 
 
-def moe_down(h, order, offsets, W, F: int, D: int, y, stream=0) -> None:
+def moe_down(h, order, offsets, W, F: int, D: int, y, stream=0, slot_of=None) -> None:
     """h [T*K, F] f32 (grouped order), order [T*K] int32 (unused: h is already grouped; kept for one kernel
-    signature), offsets [E+1] int32, W [E, stride] -> y [T*K, D] f32 (grouped order)."""
+    signature), offsets [E+1] int32, W [E, stride] -> y [T*K, D] f32 (grouped order); slot_of as moe_gate_up."""
     n = h.shape[0]
-    _check(W, F, D, offsets, [("h", h, (n, F), np.float32), ("order", order, (n,), np.int32),
-                               ("y", y, (n, D), np.float32)])
-    wide = _wide(W, F)
-    grid = (W.shape[0], (D + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK)
-    _kernel(np.dtype(W.dtype).type, wide, False)[grid, THREADS, stream](
-        h, order, offsets, _weights_view(W, wide), W.shape[1], D, F, 1, 2 * F * D, 2 * F * D, y)
+    _check(W, F, D, offsets, slot_of, [("h", h, (n, F), np.float32), ("order", order, (n,), np.int32),
+                                       ("y", y, (n, D), np.float32)])
+    _launch(h, order, offsets, W, D, F, 2 * F * D, 2 * F * D, 1, False, slot_of, y, stream)
+
+
+def _launch(src, order, offsets, W, n_rows, n_in, first, second, top_k, gated, slot_of, out, stream):
+    wide = _wide(W, n_in)
+    grid = (offsets.shape[0] - 1, (n_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK)
+    use_slots = np.int64(slot_of is not None)
+    _kernel(np.dtype(W.dtype).type, wide, gated)[grid, THREADS, stream](
+        src, order, offsets, _weights_view(W, wide), W.shape[1], n_rows, n_in, top_k, first, second,
+        slot_of if slot_of is not None else offsets[:1], use_slots, out)
 
 
 def sm90_signatures():
@@ -242,5 +256,5 @@ def sm90_signatures():
             wts = types.uint64[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
             for gated in (True, False):
                 out.append((_kernel(dtype, wide, gated).py_func,
-                            (f2, i1, i1, wts, i64, i64, i64, i64, i64, i64, f2)))
+                            (f2, i1, i1, wts, i64, i64, i64, i64, i64, i64, i1, i64, f2)))
     return out

@@ -8,11 +8,11 @@ from common.model_format import ModelDir
 from common.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.convert import convert
-from expert_service.engine import Engine, PrefillInput, make_decoder
+from expert_service.engine import Engine
 from expert_service.expert_cache import CacheStats, ExpertCache
 from expert_service.host_copy import GIB, HostCopyEngine, plan_slots
-from expert_service.moe_grouping import group_by_expert
-from expert_service.sampling import SamplingParams
+
+from tests.expert_service._cache_helpers import exact_plans, run_session
 
 NBYTES = 1000
 
@@ -153,35 +153,6 @@ def family_model(request, tmp_path_factory):
     return ModelDir.open(make_tiny(tmp_path_factory.mktemp(request.param) / "m", family=request.param, seed=1))
 
 
-def run_session(model: ModelDir, plans=None, **overrides):
-    """Two prompts in one step, then decodes: (logits of every step, tokens, per-step stats, traces)."""
-    engine = Engine(model, EngineConfig(backend="cpu", kv_block_size=4, **overrides))
-    prompts = [np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 200])]
-    greedy = SamplingParams()
-    steps = [dict(prefill=[PrefillInput(i, p, greedy, True) for i, p in enumerate(prompts)])]
-    steps += [dict(decode_ids=[0, 1])] * 4
-    logits, tokens, stats, traces = [], [], [], []
-    for n, step in enumerate(steps):
-        result = engine.step(**step, routing_plan=plans[n] if plans else None)
-        logits.append(np.array(result.logits.array))
-        tokens.append([o.token_id for o in result.outputs])
-        stats.append(result.expert_cache)
-        traces.append(result.trace)
-    return logits, tokens, stats, traces, engine
-
-
-def exact_plans(traces):
-    """The exact routing of each step as routing plans (CSR per MoE layer)."""
-    plans = []
-    for trace in traces:
-        plan = {}
-        for layer, ids in trace.expert_ids.items():
-            groups = group_by_expert(ids, 4)
-            plan[layer] = (groups.offsets.astype(np.int32), groups.token_indices.astype(np.int32))
-        plans.append(plan)
-    return plans
-
-
 @pytest.mark.parametrize("slots", [1, 2, 3, 4])
 def test_every_cache_size_equals_full_residency_bitwise(family_model, slots):
     ref_logits, ref_tokens, ref_stats, traces, _ = run_session(family_model)
@@ -251,14 +222,12 @@ def test_host_copy_widens_bf16_blocks_exactly(tmp_path):
     copier.close()
 
 
-def test_config_checks_and_cuda_refuses_the_cache(family_model):
+def test_config_checks(family_model):
     with pytest.raises(ConfigError, match="prefetch"):
         EngineConfig(prefetch="plan,psychic")
     with pytest.raises(ConfigError, match="expert_cache"):
         EngineConfig(expert_cache_slots=-1)
     assert EngineConfig(prefetch="none").prefetch_sources == frozenset()
-    with pytest.raises(ConfigError, match="expert cache on the cuda backend is not built yet"):
-        make_decoder(family_model, EngineConfig(backend="cuda", expert_cache_slots=1))
 
 
 # --- through the worker ---------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""A MoE layer on the cuda backend when the experts do not all fit the device (SPEC §5, issue 6): the
+routing is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's
+distinct experts (batch-level union), misses are copied on the copy stream (expert_slots.DeviceSlots), and
+the experts run in waves of at most `slots` experts against the layer's slot buffer through a slot_of map.
+
+Per MoE layer: router -> top-k -> grouping (as the resident path) -> [lookahead: the next MoE layer's gate on
+this layer's input] -> one readback + sync -> lookahead prefetch into the next layer's slots -> waves ->
+one weighted combine. Steps of up to 64 tokens use the grouped expert kernels (moe_gate_up / moe_down);
+larger steps gather their tokens once and run two cuBLAS GEMMs per expert. Every assignment's output row
+is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are bitwise
+the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host decides
+per layer which slots to use).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from expert_service.cuda.expert_slots import DeviceSlots
+from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS
+from expert_service.expert_cache import CacheStats, ExpertCache
+from expert_service.host_copy import SlotPlan
+from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.moe_combine import moe_combine
+from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.kernels.router_topk import router_topk
+from expert_service.model import experts_by_count
+
+
+class CachedExperts:
+    def __init__(self, decoder, slot_plan: SlotPlan, prefetch: frozenset[str], policy: str):
+        cfg = decoder.config
+        self.decoder, self.prefetch = decoder, prefetch
+        moe = cfg.moe_layers
+        S, E, K, T = slot_plan.slots_per_layer, cfg.num_experts, cfg.num_experts_per_tok, decoder.max_tokens
+        self.slots = DeviceSlots(decoder.weights, moe, S, decoder.stream)
+        self.cache = ExpertCache(moe, E, S, slot_plan.expert_block_bytes, self.slots, policy)
+        self.next_moe = {i: next((j for j in moe if j > i), None) for i in range(cfg.num_hidden_layers)}
+        self.max_waves = -(-E // S)
+        st = decoder.stream
+        self.slot_of = cuda.device_array((self.max_waves, E), np.int32, stream=st)
+        self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
+        self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
+        self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
+        self.host = {"slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
+                     "ids": cuda.pinned_array(T * K, np.int32), "ahead_ids": cuda.pinned_array(T * K, np.int32),
+                     "offsets": cuda.pinned_array(E + 1, np.int32)}
+        self._hints = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes + self.slot_of.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes
+
+    # --- step boundaries ----------------------------------------------------------------------------
+    def begin_step(self, hints: dict[int, np.ndarray] | None) -> None:
+        self.cache.begin_step()
+        self._hints = hints
+        moe = self.decoder.config.moe_layers
+        if moe:           # the first MoE layer's plan: its copies overlap everything before it
+            self.prefetch_plan(moe[0])
+
+    def end_step(self) -> CacheStats:
+        """After the step's final synchronisation: the measured stall joins the step's counts."""
+        self.cache.add_stall(self.slots.stall_seconds())
+        self._hints = None
+        return self.cache.end_step()
+
+    def prefetch_plan(self, layer: int | None) -> None:
+        if layer is not None and "plan" in self.prefetch and self._hints and layer in self._hints:
+            self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
+
+    # --- a MoE layer --------------------------------------------------------------------------------
+    def moe(self, i: int, x, h, T: int, ids, weights) -> None:
+        """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device."""
+        d = self.decoder
+        cfg, ws, st = d.config, d.ws, d.stream
+        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        n = T * K
+        order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
+        expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        ahead = self.next_moe[i] if "lookahead" in self.prefetch else None
+        if ahead is not None:
+            d._linear(x, d.weights.layer(ahead, "router"), self.ahead_logits[:T])
+            router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
+                        stream=st)
+            self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
+        ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
+        ws.offsets.copy_to_host(self.host["offsets"], stream=st)
+        st.synchronize()
+        if ahead is not None:
+            self.cache.prefetch(ahead, experts_by_count(self.host["ahead_ids"][:n]))
+        large = T > DENSE_EXPERT_MAX_TOKENS
+        if large:
+            launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
+        buffer = self.slots.weights_of(i)
+        offsets = self.host["offsets"]
+        for w, wave in enumerate(self.cache.waves(i, experts_by_count(self.host["ids"][:n]))):
+            if large:
+                for e, slot in wave.items():
+                    d._expert_gemms(buffer[slot], int(offsets[e]), int(offsets[e + 1]), F, D, out)
+            else:
+                row = self.host["slot_of"][w]
+                row[:] = -1
+                for e, slot in wave.items():
+                    row[e] = slot
+                slot_of = self.slot_of[w]
+                slot_of.copy_to_device(row, stream=st)
+                moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
+                moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
+            self.slots.used(i, wave.values())
+        moe_combine(out, position, weights, h, stream=st)
+
+    def close(self) -> None:
+        self.slots.close()
