@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from common import dtypes
 from common.errors import ConfigError, InvalidRequestError, ModelFormatError
 from common.model_format import ModelDir
 from common.routing_table import write_routing_table
@@ -172,7 +173,8 @@ def fallback_ranking(model: ModelDir, layer: int, token_start: int, token_end: i
     """Experts [b, E] of tokens token_start..token_end-1 at model layer `layer`, best first (ties: lower id),
     by the gate on the token's embedding normalised with the layer's post_attn_norm (which feeds the gate)."""
     config = model.config
-    embed = model.tensor_f32("embed_tokens")[token_start:token_end]
+    rows = model.tensor("embed_tokens")[token_start:token_end]       # widen only these rows (a 152k vocab is GBs)
+    embed = dtypes.to_float32(rows, model.entries["embed_tokens"].dtype).astype(np.float32, copy=False)
     x = rms_norm(embed, model.tensor_f32(f"layers.{layer}.post_attn_norm"), config.rms_norm_eps)
     ranking, _ = route(x @ model.tensor_f32(f"layers.{layer}.router").T, config.num_experts, False)
     return ranking

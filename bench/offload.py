@@ -1,0 +1,425 @@
+"""Offload benchmark (SPEC §5, §12, issue 6): Colibri's expert cache against HF transformers with accelerate CPU
+offload at the same device budget, same weights, one run.
+
+For each reference shape (bench/engine.py SHAPES) it builds the random bf16 model with transformers, writes it
+as a Colibri model directory (to --workdir, /dev/shm by default) and runs Colibri with the expert cache holding
+100%, 50%, 25% and 12.5% of the expert bytes (slots per MoE layer = max(1, round(fraction x num_experts)))
+under each prefetch mode: none, plan (the static routing table), lookahead (layer L+1's gate on layer L's
+input) and plan+lookahead. At 100% every expert is resident, no cache logic runs, and there is one run.
+
+Measured per run: prefill tok/s (b=1 x 512, best of 3), decode tok/s at b=1 and b=16 (context 128, median of
+16 steps after 3 warm-up steps), and the expert-cache counts summed over the timed steps: hit rate, bytes
+copied per token (demand + prefetch copies), prefetches issued/used, stall fraction (stall time / step wall
+time) and the PCIe bound: bytes copied per step / pinned host->device bandwidth, measured in the same run
+(numba pinned_array -> device copy); x_pcie_bound = measured step time / bound (target at 25%: <= 1.5).
+
+The "plan" prefetch needs a routing table: one is built for the benchmark model by tracing exact routing
+(a fully resident engine, routing_gen.generate) over 64 x 128 random token ids; every step's plan is then
+looked up from it the way the router does (prompt chunks first, then decode tokens). A table from random
+weights and tokens says little about a trained model's on real traffic; its held-out recall and the per-step
+plan recall are recorded next to the runs.
+
+HF reference: the same weights, held on the host; at 100% the model is moved to the GPU; below it, the most
+favourable placement at the same device budget (non-expert bytes + the Colibri run's slot bytes): everything
+but the MoE blocks on GPU 0, then whole MoE blocks on the GPU while they fit and the rest mapped to the CPU,
+dispatched with accelerate's dispatch_model (its hooks copy the CPU-mapped blocks to the GPU at every
+forward). accelerate's own infer_auto_device_map keeps a whole decoder layer of headroom and would place
+fewer weights than the budget. Prefill and decode are timed as bench/engine.py's bench_hf does, with fewer
+decode steps when offloaded (each takes ~a second); a failing reference is recorded as an error.
+Needs `accelerate` (not a project dependency).
+
+    python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
+        [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
+
+`--shapes tiny --backend cpu`: common.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine import SHAPES, build_hf, cuda_time, write_colibri  # noqa: E402
+from common.model_format import ModelDir  # noqa: E402
+from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
+from expert_service.config import EngineConfig  # noqa: E402
+from expert_service.engine import Engine, PrefillInput, cuda_available  # noqa: E402
+from expert_service.expert_cache import CacheStats  # noqa: E402
+from expert_service.host_copy import plan_slots  # noqa: E402
+from expert_service.routing_gen import generate  # noqa: E402
+from expert_service.sampling import SamplingParams  # noqa: E402
+
+FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
+TINY = "tiny"                    # test-only shape: common.tiny_model's Mixtral (cpu backend, no HF)
+NOMINAL_PCIE_BYTES_PER_S = 55e9  # SPEC §12's H200 figure; used only when no GPU can measure it
+PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
+DECODE_BATCHES = (1, 16)
+DECODE_CONTEXT = 128
+DECODE_STEPS, WARMUP_STEPS = 16, 3
+HF_OFFLOAD_DECODE_STEPS = 4      # an offloaded HF step copies most layers: seconds each
+TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
+
+
+def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
+    """Pinned host -> device bytes/s, best of `repeats` copies of `nbytes` on one stream; None without a GPU."""
+    if not cuda_available():
+        return None
+    from numba import cuda
+    host = cuda.pinned_array(nbytes, dtype=np.uint8)
+    device = cuda.device_array(nbytes, dtype=np.uint8)
+    stream = cuda.stream()
+    best = float("inf")
+    for _ in range(repeats + 1):                # the first copy warms up
+        start = time.perf_counter()
+        device.copy_to_device(host, stream=stream)
+        stream.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def make_engine(model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none") -> Engine:
+    return Engine(model, EngineConfig(backend=backend, kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=2048,
+                                      max_batch_size=16, expert_cache_slots=slots,
+                                      prefetch=prefetch.replace("+", ",")))
+
+
+def close(engine: Engine) -> None:
+    decoder = engine.decoder
+    closer = getattr(decoder, "close", None) or getattr(getattr(decoder, "copy_engine", None), "close", None)
+    if closer is not None:
+        closer()
+
+
+def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[RoutingTable, dict]:
+    """Traces exact routing of random token ids through `engine` (fully resident) into a table at `path`."""
+    cfg = model.config
+    corpus = np.random.default_rng(1).integers(0, cfg.vocab_size, TABLE_SEQUENCES * TABLE_SEQUENCE_LENGTH)
+    table, report = generate(model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT,
+                             TABLE_SEQUENCE_LENGTH)
+    write_routing_table(path, table, cfg.num_experts)
+    keys = ("top_k", "num_experts", "train_tokens", "heldout_tokens", "heldout_unseen_share", "recall",
+            "fallback_recall")
+    summary = {k: report[k] for k in keys}
+    summary["chance_recall"] = cfg.num_experts_per_tok / cfg.num_experts
+    summary["note"] = (f"{TABLE_SEQUENCES} x {TABLE_SEQUENCE_LENGTH} random token ids through random weights: "
+                       f"this recall says nothing about a trained model's table on real traffic, so neither do "
+                       f"the plan-prefetch runs; token ids the corpus missed use the embedding fallback")
+    return RoutingTable.load(path, cfg), summary
+
+
+def cache_stats(result) -> CacheStats:
+    """The step's expert-cache counts; with every expert resident, each distinct expert per layer is a hit."""
+    if result.expert_cache is not None:
+        return result.expert_cache
+    return CacheStats(hits=sum(len(np.unique(ids)) for ids in result.trace.expert_ids.values()))
+
+
+def summarize(runs: list, tokens_per_step: int, bytes_per_s: float, pick=np.median) -> dict:
+    """runs: [(seconds, StepResult)] of one phase -> tok/s, cache counts and the PCIe bound."""
+    times = [t for t, _ in runs]
+    stats = sum((cache_stats(r) for _, r in runs), CacheStats())
+    step_s = float(pick(times))
+    bound_s = stats.bytes_copied / len(runs) / bytes_per_s
+    recalls = [r.routing_plan_recall for _, r in runs if r.routing_plan_recall is not None]
+    return {"tok_s": tokens_per_step / step_s, "ms_per_step": step_s * 1e3, "steps": len(runs), **asdict(stats),
+            "hit_rate": stats.hit_rate, "bytes_copied_per_token": stats.bytes_copied / (tokens_per_step * len(runs)),
+            "stall_fraction": stats.stall_seconds / sum(times), "pcie_bound_ms": bound_s * 1e3,
+            "x_pcie_bound": step_s / bound_s if bound_s else None,
+            "plan_recall": float(np.mean(recalls)) if recalls else None}
+
+
+def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float) -> dict:
+    """Prefill b=1 x 512, then decode at each batch size; the step's routing plan goes along when prefetching
+    from the plan (looked up outside the timed region: the router does it before sending the step)."""
+    cfg = engine.model_config
+    rng = np.random.default_rng(0)
+    use_plan = table is not None and "plan" in engine.config.prefetch_sources
+    sync = getattr(getattr(engine.decoder, "stream", None), "synchronize", lambda: None)
+
+    def chunk(rid: int, n: int) -> PrefillInput:
+        return PrefillInput(rid, rng.integers(0, cfg.vocab_size, n), SamplingParams(), True)
+
+    def step(prefill=(), decode_ids=()):
+        plan = None
+        if use_plan:            # the worker's token order: prompt chunks, then one token per decoding sequence
+            last = np.array([engine.sequences[rid].last_token for rid in decode_ids], dtype=np.int64)
+            offsets, tokens = table.plan_packed(np.concatenate([c.token_ids for c in prefill] + [last]))
+            plan = {layer: (offsets[l], tokens[l]) for l, layer in enumerate(table.moe_layers)}
+        start = time.perf_counter()
+        result = engine.step(list(prefill), list(decode_ids), plan)
+        sync()
+        return time.perf_counter() - start, result
+
+    runs = []
+    for i in range(1 + PREFILL_REPEATS):        # the first one warms up
+        runs.append(step([chunk(1000 + i, PREFILL_TOKENS)]))
+        engine.clear()
+    out = {"memory_plan": dict(engine.decoder.memory_plan()),
+           "prefill": summarize(runs[1:], PREFILL_TOKENS, bytes_per_s, pick=min), "decode": {}}
+    for b in DECODE_BATCHES:
+        ids = list(range(b))
+        step([chunk(rid, DECODE_CONTEXT) for rid in ids])     # b x 128 <= max_batch_tokens: one step
+        for _ in range(WARMUP_STEPS):                          # cuda: eager, capture, replay
+            step(decode_ids=ids)
+        runs = [step(decode_ids=ids) for _ in range(DECODE_STEPS)]
+        engine.clear()
+        out["decode"][str(b)] = summarize(runs, b, bytes_per_s)
+    return out
+
+
+def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path) -> dict:
+    """Every (fraction, prefetch mode) run of one model; the resident engine also traces the routing table."""
+    cfg = model.config
+    plan = plan_slots(model, 0, 0)
+    block, layers, experts = plan.expert_block_bytes, plan.num_moe_layers, plan.num_experts
+    expert_bytes = block * experts * layers
+    entry = {"num_experts": experts, "num_moe_layers": layers, "top_k": cfg.num_experts_per_tok,
+             "expert_block_bytes": block, "expert_bytes": expert_bytes,
+             "non_expert_bytes": model.total_bytes - expert_bytes, "routing_table": None, "runs": {}}
+    slots = {fraction: max(1, round(fraction * experts)) for fraction in args.fractions}
+    table, resident = None, None
+    engine = make_engine(model, args.backend)    # every expert resident; closed before any cached engine
+    try:                                         # is built (each pins the model's host pages)
+        if any("plan" in m for m in args.prefetch_modes):
+            table, entry["routing_table"] = build_routing_table(model, engine, workdir / "routing_table.bin")
+        if any(n >= experts for n in slots.values()):
+            resident = {"slots_per_layer": experts, "slot_bytes": expert_bytes, "prefetch": "n/a",
+                        **bench_colibri(engine, None, bytes_per_s)}
+    finally:
+        close(engine)
+    for fraction, n in slots.items():
+        runs = entry["runs"][str(fraction)] = {}
+        if n >= experts:
+            runs["resident"] = resident
+            continue
+        for mode in args.prefetch_modes:
+            cached = make_engine(model, args.backend, n, mode)
+            try:
+                runs[mode] = {"slots_per_layer": n, "slot_bytes": n * layers * block, "prefetch": mode,
+                              **bench_colibri(cached, table, bytes_per_s)}
+            finally:
+                close(cached)
+            decode = runs[mode]["decode"]
+            print(f"{fraction:>6} {mode:<15} decode {decode['1']['tok_s']:.1f} tok/s (b=1), "
+                  f"{decode['16']['tok_s']:.1f} tok/s (b=16)", flush=True)
+    return entry
+
+
+def offload_map(model, budget: int) -> dict[str, object]:
+    """The most favourable placement HF can be given at `budget` device bytes: everything but the MoE blocks
+    on GPU 0, then whole MoE blocks (a layer's experts + router) on the GPU while they fit, the rest on the CPU
+    (streamed to the GPU at every forward by accelerate's hooks)."""
+    def nbytes(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+    layers = model.model.layers
+    moe = [next(name for name, child in layer.named_children() if hasattr(child, "experts")) for layer in layers]
+    left = budget - (nbytes(model) - sum(nbytes(getattr(layer, name)) for layer, name in zip(layers, moe)))
+    device_map: dict[str, object] = {}
+    for name, child in model.named_children():
+        if name != "model":
+            device_map[name] = 0
+    for name, child in model.model.named_children():
+        if name != "layers":
+            device_map[f"model.{name}"] = 0
+    for i, (layer, block) in enumerate(zip(layers, moe)):
+        for name, child in layer.named_children():
+            size = nbytes(child)
+            on_gpu = name != block or size <= left
+            left -= size if name == block and on_gpu else 0
+            device_map[f"model.layers.{i}.{name}"] = 0 if on_gpu else "cpu"
+    return device_map
+
+
+def bench_hf(base, budget: int | None, vocab: int) -> dict:
+    """The HF model (held on the CPU) copied and placed: all on GPU 0 (budget None), else dispatched by
+    accelerate with `offload_map`; prefill and decode timed as bench/engine.py's bench_hf does."""
+    try:
+        return _bench_hf(base, budget, vocab)
+    except Exception as e:                       # a broken reference must not lose Colibri's runs
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"budget_bytes": budget, "error": f"{type(e).__name__}: {e}"}
+
+
+def _bench_hf(base, budget: int | None, vocab: int) -> dict:
+    import torch
+    model = copy.deepcopy(base)
+    out = {"budget_bytes": budget, "offloaded_modules": [], "decode_ms": {}}
+    if budget is None:
+        model.to("cuda")
+    else:
+        from accelerate import dispatch_model
+        device_map = offload_map(model, budget)
+        dispatch_model(model, device_map, main_device=0)
+        out["offloaded_modules"] = sorted(name for name, device in device_map.items() if device == "cpu")
+    torch.cuda.synchronize()
+    out["device_weight_bytes"] = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    steps, repeats = (DECODE_STEPS, 2) if budget is None else (HF_OFFLOAD_DECODE_STEPS, 1)
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        ids = torch.tensor(rng.integers(0, vocab, (1, PREFILL_TOKENS)), device="cuda")
+        out["prefill_tok_s"] = PREFILL_TOKENS / cuda_time(lambda: model(ids), repeats)
+        gen = dict(do_sample=False, pad_token_id=0)
+        for b in DECODE_BATCHES:
+            ids = torch.tensor(rng.integers(0, vocab, (b, DECODE_CONTEXT)), device="cuda")
+            t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), repeats)
+            tn = cuda_time(lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen),
+                           repeats)
+            out["decode_ms"][str(b)] = (tn - t1) / steps * 1e3
+    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    model = None                                # free the device copy before the next budget
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def add_ratios(entry: dict) -> None:
+    """Per fraction and mode: x_hf (speed-up over HF), x_none (over no prefetch; < 1 = prefetch loses) and
+    x_pcie_bound (measured / bound; target <= 1.5 at 25%)."""
+    entry["ratios"] = {}
+    for fraction, modes in entry["runs"].items():
+        hf, baseline = (entry.get("hf") or {}).get(fraction), modes.get("none")
+        hf = hf if hf and "error" not in hf else None
+        for mode, run in modes.items():
+            r = {}
+            if hf:
+                r["prefill_x_hf"] = run["prefill"]["tok_s"] / hf["prefill_tok_s"]
+            for b, d in run["decode"].items():
+                r[f"decode_b{b}_x_pcie_bound"] = d["x_pcie_bound"]
+                if hf:
+                    r[f"decode_b{b}_x_hf"] = hf["decode_ms"][b] / d["ms_per_step"]
+                if baseline is not None and mode != "none":
+                    r[f"decode_b{b}_x_none"] = d["tok_s"] / baseline["decode"][b]["tok_s"]
+            entry["ratios"].setdefault(fraction, {})[mode] = r
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    parser.add_argument("--prefetch-modes", default=",".join(PREFETCH_MODES))
+    parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args(argv)
+    args.fractions = [float(f) for f in args.fractions.split(",")]
+    args.prefetch_modes = args.prefetch_modes.split(",")
+    if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
+        parser.error(f"--prefetch-modes: {bad} not in {', '.join(PREFETCH_MODES)}")
+    if not args.skip_hf and args.shapes != TINY and importlib.util.find_spec("accelerate") is None:
+        parser.error("the HF reference needs accelerate (pip install 'accelerate>=1.15'); or pass --skip-hf")
+    measured = measure_pcie()
+    bytes_per_s = measured or NOMINAL_PCIE_BYTES_PER_S
+    results = {"backend": args.backend, "device": _device_name(), "pcie_bytes_per_s": bytes_per_s,
+               "pcie_measured": measured is not None, "shapes": {},
+               "note": "bytes copied count demand and prefetch copies; the PCIe bound is bytes copied per step / "
+                       "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)")}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.shapes.split(","):
+        workdir = Path(args.workdir) / name
+        base = None
+        if name == TINY:
+            from common.tiny_model import make_tiny
+            model_dir = make_tiny(workdir / "model", family="mixtral")
+        else:
+            import torch
+            base = build_hf(*SHAPES[name])
+            model_dir = write_colibri(base, workdir / "model")
+            base.to("cpu")              # HF waits on the host while Colibri has the GPU
+            torch.cuda.empty_cache()
+        model = ModelDir.open(model_dir, verify=False)
+        entry = bench_shape(model, args, bytes_per_s, workdir)
+        entry["hf"] = None
+        results["shapes"][name] = entry
+        (out_dir / "offload.json").write_text(json.dumps(results, indent=1))     # Colibri's runs, before HF
+        if base is not None and not args.skip_hf:
+            entry["hf"] = {}
+            for fraction, runs in entry["runs"].items():
+                slot_bytes = next(iter(runs.values()))["slot_bytes"]
+                budget = None if "resident" in runs else entry["non_expert_bytes"] + slot_bytes
+                entry["hf"][fraction] = bench_hf(base, budget, model.config.vocab_size)
+        add_ratios(entry)
+        del base, model
+        gc.collect()
+        shutil.rmtree(workdir, ignore_errors=True)
+        results["shapes"][name] = entry
+        (out_dir / "offload.json").write_text(json.dumps(results, indent=1))
+        _print_table(name, entry)
+    _plot(results, out_dir / "offload.png")
+    return 0
+
+
+def _device_name() -> str:
+    if not cuda_available():
+        return "cpu"
+    from numba import cuda
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _print_table(name: str, entry: dict) -> None:
+    print(f"\n{name}: {entry['num_experts']} experts x {entry['num_moe_layers']} MoE layers, "
+          f"{entry['expert_bytes'] / 2**30:.2f} GiB of experts")
+    print(f"{'budget':>7} {'prefetch':<15}{'b1 tok/s':>10}{'b16 tok/s':>11}{'prefill':>10}{'hit b16':>9}"
+          f"{'MB/tok b16':>11}{'stall b16':>10}{'xPCIe b1/b16':>14}{'xHF b1/b16':>13}{'xnone b1/b16':>14}")
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"   # noqa: E731
+    for fraction, modes in entry["runs"].items():
+        for mode, run in modes.items():
+            d1, d16, r = run["decode"]["1"], run["decode"]["16"], entry["ratios"][fraction][mode]
+            print(f"{float(fraction):>7.3f} {mode:<15}{d1['tok_s']:>10.1f}{d16['tok_s']:>11.1f}"
+                  f"{run['prefill']['tok_s']:>10.0f}{d16['hit_rate']:>9.2f}{d16['bytes_copied_per_token'] / 1e6:>11.3g}"
+                  f"{d16['stall_fraction']:>10.2f}{fmt(d1['x_pcie_bound']) + '/' + fmt(d16['x_pcie_bound']):>14}"
+                  f"{fmt(r.get('decode_b1_x_hf')) + '/' + fmt(r.get('decode_b16_x_hf')):>13}"
+                  f"{fmt(r.get('decode_b1_x_none')) + '/' + fmt(r.get('decode_b16_x_none')):>14}")
+    print("targets at 0.25 (SPEC §12): xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
+
+
+def _plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = results["shapes"]
+    fig, axes = plt.subplots(len(DECODE_BATCHES), len(shapes), figsize=(6 * len(shapes), 4 * len(DECODE_BATCHES)),
+                             squeeze=False)
+    for col, (name, entry) in enumerate(shapes.items()):
+        resident = {f: m["resident"] for f, m in entry["runs"].items() if "resident" in m}
+        for row, b in enumerate(map(str, DECODE_BATCHES)):
+            ax = axes[row][col]
+            for mode in PREFETCH_MODES:
+                points = sorted((float(f), m[mode]["decode"][b]["tok_s"]) for f, m in entry["runs"].items() if mode in m)
+                points += [(float(f), r["decode"][b]["tok_s"]) for f, r in resident.items()]
+                if len(points) > len(resident):
+                    ax.plot(*zip(*sorted(points)), marker="o", label=f"colibri, prefetch {mode}")
+            if entry.get("hf"):
+                hf = sorted((float(f), int(b) * 1e3 / h["decode_ms"][b]) for f, h in entry["hf"].items())
+                ax.plot(*zip(*hf), "k--", marker="x", label="transformers + accelerate offload")
+            ax.set(xscale="log", yscale="log", xlabel="expert cache / expert bytes", ylabel="decode tok/s",
+                   title=f"{name}, b={b}")
+            ax.set_xticks([float(f) for f in entry["runs"]], [f"{float(f):g}" for f in entry["runs"]])
+            ax.minorticks_off()
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

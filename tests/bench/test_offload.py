@@ -1,0 +1,45 @@
+"""bench/offload.py end to end on the tiny model with the cpu backend: the JSON's cache accounting is consistent."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from bench import offload
+
+
+def test_offload_tiny_cpu(tmp_path):
+    out = tmp_path / "out"
+    assert offload.main(["--shapes", "tiny", "--backend", "cpu", "--fractions", "1,0.5", "--prefetch-modes",
+                         "none,plan", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "offload.json").read_text())
+    assert results["pcie_bytes_per_s"] > 0 and results["backend"] == "cpu"
+    entry = results["shapes"]["tiny"]
+    assert entry["hf"] is None
+    block = entry["expert_block_bytes"]
+    assert entry["expert_bytes"] == block * entry["num_experts"] * entry["num_moe_layers"]
+    assert 0 <= entry["routing_table"]["recall"] <= 1
+    assert list(entry["runs"]["1.0"]) == ["resident"] and list(entry["runs"]["0.5"]) == ["none", "plan"]
+    assert entry["runs"]["0.5"]["none"]["slots_per_layer"] == entry["num_experts"] // 2
+
+    for fraction, modes in entry["runs"].items():
+        for mode, run in modes.items():
+            phases = [run["prefill"], *(run["decode"][b] for b in ("1", "16"))]
+            for phase in phases:
+                assert phase["tok_s"] > 0 and phase["steps"] > 0
+                assert phase["hits"] + phase["misses"] > 0
+                assert 0 <= phase["hit_rate"] <= 1
+                assert phase["bytes_copied"] == (phase["misses"] + phase["prefetches_issued"]) * block
+                assert phase["prefetches_used"] <= phase["prefetches_issued"]
+                assert 0 <= phase["stall_fraction"] <= 1
+                if mode == "none":
+                    assert phase["bytes_copied"] == phase["misses"] * block and phase["prefetches_issued"] == 0
+                if mode == "resident":
+                    assert phase["misses"] == 0 and phase["bytes_copied"] == 0 and phase["hit_rate"] == 1
+                    assert phase["x_pcie_bound"] is None
+                else:
+                    assert phase["misses"] > 0 and phase["x_pcie_bound"] > 0
+                assert (phase["plan_recall"] is not None) == (mode == "plan")
+    # b=16 x top-2 needs every expert of the tiny model and only half of them fit: misses every step
+    assert entry["runs"]["0.5"]["none"]["decode"]["16"]["hit_rate"] < 1
+    assert "decode_b1_x_none" in entry["ratios"]["0.5"]["plan"]
+    assert (out / "offload.png").is_file() or importlib.util.find_spec("matplotlib") is None
