@@ -25,7 +25,7 @@ from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, METADATA, allocate_workspace, plan_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import attention_decode
-from expert_service.kernels.attention_prefill import attention_prefill
+from expert_service.kernels.attention_prefill_mma import attention_prefill_fast
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.expert_grouping import expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
@@ -297,7 +297,7 @@ class CudaDecoder:
             attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
                              ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
         else:
-            attention_prefill(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
+            attention_prefill_fast(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
                               ws.block_tables[:S], ws.context_lens[:S], window, scale, attn3, stream=st)
         self._linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 

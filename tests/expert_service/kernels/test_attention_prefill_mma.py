@@ -1,0 +1,120 @@
+"""attention_prefill_mma (tensor cores, bf16 pools) vs expert_service.layers.attention.paged_attention and vs the
+fp32 attention_prefill kernel; attention_prefill_fast falls back to attention_prefill where mma cannot run.
+
+Tolerance: RTOL = 1e-2 of max |reference|. The kernel rounds q * scale and the softmax weights P to bf16
+(relative step 2**-8, so up to 2e-3 per value) before the tensor-core products; errors measured in an emulation of
+the kernel were ~2e-3. The pools hold bf16 values exactly, so the fp32 kernel itself is within 1e-5."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels import attention_prefill_mma as mma_module
+from expert_service.kernels.attention_prefill import attention_prefill
+from expert_service.kernels.attention_prefill_mma import attention_prefill_fast, supports
+from expert_service.layers.attention import paged_attention
+
+from ._attention_helpers import assert_close, from_pool, gpu, needs_gpu, random_cache
+
+RTOL = 1e-2
+
+
+def _inputs(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_size):
+    """Random bf16 pools holding `history[s] + new_tokens[s]` tokens per sequence, q for the new tokens."""
+    ctx = np.asarray(history, dtype=np.int32) + np.asarray(new_tokens, dtype=np.int32)
+    need = sum(-(-int(c) // block_size) for c in ctx)
+    k_pool, v_pool, tables, lists = random_cache(rng, ctx, need + 3, block_size, num_kv_heads, head_dim, np.uint16)
+    seq_starts = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(h, h + n) for h, n in zip(history, new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((int(seq_starts[-1]), num_heads, head_dim), dtype=np.float32)
+    return q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists
+
+
+def _run(launch, q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale):
+    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))    # every element must be written
+    launch(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(seq_starts),
+           cuda.to_device(positions), cuda.to_device(tables), cuda.to_device(ctx), window, scale, out)
+    return out.copy_to_host()
+
+
+def _check(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=0, block_size=16):
+    assert supports(np.uint16, head_dim)          # attention_prefill_fast takes the tensor-core path
+    q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
+        np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim ** -0.5
+    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, scale, window)
+    args = (q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale)
+    got = _run(attention_prefill_fast, *args)
+    assert_close(got, want, RTOL)
+    assert_close(got, _run(attention_prefill, *args), RTOL)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_long_sequence(head_dim):
+    _check(1, [512], [0], 32, 8, head_dim)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4), (32, 4)])    # GQA 1, 4, 8
+def test_awkward_lengths_gqa(head_dim, num_heads, num_kv_heads):
+    _check(2, [1, 33, 100, 17], [0, 0, 0, 0], num_heads, num_kv_heads, head_dim)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunked_prefill(head_dim):
+    # Later chunks of prompts whose earlier tokens are in the pool; a sequence with no new tokens; block size 8.
+    _check(3, [256, 0, 100, 1], [512, 7, 37, 64], 32, 8, head_dim, block_size=8)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [1, 100])
+def test_sliding_window(head_dim, window):
+    _check(4, [300, 64, 5], [200, 0, 150], 16, 4, head_dim, window=window)
+
+
+@gpu
+@needs_gpu
+def test_many_sequences():
+    _check(5, [128] * 16, [0] * 16, 32, 8, 128)
+
+
+@gpu
+@needs_gpu
+def test_more_sequences_than_threads():
+    # 150 sequences (the block -> sequence walk reads tile counts in chunks of THREADS) of 1-5 new tokens.
+    rng = np.random.default_rng(7)
+    _check(7, list(rng.integers(1, 6, 150)), list(rng.integers(0, 40, 150)), 8, 2, 64)
+
+
+def test_supports():
+    for dtype, head_dim in [(np.float32, 128), (np.float16, 128), (np.uint16, 20), (np.uint16, 256)]:
+        assert not supports(dtype, head_dim)
+    assert supports(np.uint16, 128) == supports(np.uint16, 64) == (not mma_module.SIMULATOR)
+
+
+def test_fast_falls_back_without_mma(monkeypatch):
+    # In the simulator (no inline PTX) a bf16 pool with Hd=16 goes to the fp32 kernel, with its exact results.
+    if not mma_module.SIMULATOR:
+        pytest.skip("the fallback for bf16 pools is the simulator's")
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        attention_prefill(*args)
+
+    monkeypatch.setattr(mma_module, "attention_prefill", spy)
+    q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
+        np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4)
+    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
+    got = _run(attention_prefill_fast, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
+    assert len(calls) == 1
+    assert_close(got, want, 1e-5)
