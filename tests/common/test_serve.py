@@ -210,8 +210,11 @@ def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
 
 
 @pytest.mark.gpu
-def test_serve_on_the_gpu_equals_cpu_reference(tiny_model):
-    """Both services with the cuda backend: streamed greedy output equals the fp32 CPU engine's."""
+@pytest.mark.parametrize("extra", [[], ["--expert-cache-slots", "1", "--prefetch", "lookahead"]],
+                         ids=["resident", "expert-cache-1-slot"])
+def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
+    """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
+    per layer): streamed greedy output equals the fp32 CPU engine's."""
     from expert_service.engine import cuda_available
     if not cuda_available():
         pytest.skip("needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")
@@ -220,7 +223,7 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model):
     serve = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", str(tiny_model),
                               "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                               "--worker-metrics-port", "0", "--backend", "cuda", "--max-batch-size", "16",
-                              "--max-batch-tokens", "256"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                              "--max-batch-tokens", "256", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_serving(channel, timeout=240)
