@@ -67,7 +67,6 @@ class DeviceSlots:
         self._used = set()                                     # slots whose _last_use has been recorded
         self._timers: list[tuple[object, object]] = []         # timing event pairs, reused step after step
         self._timed = 0
-        self.copies = 0
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +86,6 @@ class DeviceSlots:
         dst = self.buffers[layer].device_ctypes_pointer.value + slot * nbytes
         check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, self._copy_handle))
         check(drv.cuEventRecord(self._copied[key], self._copy_handle))
-        self.copies += 1
         return CopyHandle(self, self._copied[key])
 
     # --- compute-side ordering ----------------------------------------------------------------------

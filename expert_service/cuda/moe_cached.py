@@ -85,12 +85,13 @@ class CachedExperts:
             router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
                         stream=st)
             self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
+        large = T > DENSE_EXPERT_MAX_TOKENS          # the per-expert GEMMs need the row ranges on the host
         ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
-        ws.offsets.copy_to_host(self.host["offsets"], stream=st)
+        if large:
+            ws.offsets.copy_to_host(self.host["offsets"], stream=st)
         st.synchronize()
         if ahead is not None:
             self.cache.prefetch(ahead, experts_by_count(self.host["ahead_ids"][:n]))
-        large = T > DENSE_EXPERT_MAX_TOKENS
         if large:
             launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
         buffer = self.slots.weights_of(i)

@@ -180,12 +180,9 @@ def _build(kv_dtype, head_dim: int):
     return attention_prefill_kernel, cuda.jit(attention_prefill_kernel)
 
 
-def attention_prefill(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
-                      scale: float, out, stream=0) -> None:
-    """q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits),
-    already holding this step's keys/values; seq_starts: [S + 1] int32; positions: [T] int32 (ascending
-    within a sequence); block_tables: [S, max_blocks] int32; context_lens: [S] int32; window: 0 = none;
-    out: [T, H, Hd] float32."""
+def check_arguments(kernel: str, q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out):
+    """Shapes, dtypes and contiguity of a prefill attention launch (this kernel's and the tensor-core one's);
+    returns (T, H, Hd, S, Hkv, block_size)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     num_kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
@@ -196,7 +193,18 @@ def attention_prefill(q, k_pool, v_pool, seq_starts, positions, block_tables, co
     assert block_tables.shape[0] == num_seqs
     assert seq_starts.dtype == positions.dtype == block_tables.dtype == context_lens.dtype == np.int32
     for a in (q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out):
-        assert a.flags["C_CONTIGUOUS"], "attention_prefill needs contiguous arrays"
+        assert a.flags["C_CONTIGUOUS"], f"{kernel} needs contiguous arrays"
+    return num_tokens, num_heads, head_dim, num_seqs, num_kv_heads, block_size
+
+
+def attention_prefill(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
+                      scale: float, out, stream=0) -> None:
+    """q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits),
+    already holding this step's keys/values; seq_starts: [S + 1] int32; positions: [T] int32 (ascending
+    within a sequence); block_tables: [S, max_blocks] int32; context_lens: [S] int32; window: 0 = none;
+    out: [T, H, Hd] float32."""
+    num_tokens, num_heads, head_dim, num_seqs, num_kv_heads, block_size = check_arguments(
+        "attention_prefill", q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out)
     if num_tokens == 0:
         return
     bq = tile_sizes(head_dim)[0]

@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_prefill import attention_prefill
+from expert_service.kernels.attention_prefill import attention_prefill, check_arguments
 from expert_service.kernels.mma import exp2_approx, mma_bf16_m16n8k16 as mma, pack_bf16x2 as pack
 from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
 
@@ -318,18 +318,10 @@ def attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables
                           scale: float, out, stream=0) -> None:
     """attention_prefill's arguments (q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16 bits
     with Hd a multiple of 16, <= MAX_HEAD_DIM; ...; out: [T, H, Hd] float32), on tensor cores."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = context_lens.shape[0]
-    num_kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
-    assert q.dtype == out.dtype == np.float32 and out.shape == q.shape, (q.dtype, out.dtype, out.shape)
-    assert k_pool.shape == v_pool.shape and k_pool.dtype == v_pool.dtype == np.uint16 and k_pool.shape[3] == head_dim
+    num_tokens, num_heads, head_dim, num_seqs, num_kv_heads, block_size = check_arguments(
+        "attention_prefill_mma", q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out)
+    assert k_pool.dtype == np.uint16, k_pool.dtype
     assert head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM, head_dim
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert seq_starts.shape == (num_seqs + 1,) and positions.shape == (num_tokens,)
-    assert block_tables.shape[0] == num_seqs
-    assert seq_starts.dtype == positions.dtype == block_tables.dtype == context_lens.dtype == np.int32
-    for a in (q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out):
-        assert a.flags["C_CONTIGUOUS"], "attention_prefill_mma needs contiguous arrays"
     if num_tokens == 0:
         return
     kernel = _build(head_dim)[1]
