@@ -1,17 +1,22 @@
-"""Per-kernel timings at the decode shapes of mixtral-shape (GPU): where a decode step's time goes.
+"""One-token (decode, b = 1) GEMV kernels of expert_service.kernels.gemv against references, in one run (GPU).
 
-Each kernel is launched `--repeats` times between two CUDA events on one stream; the time per launch
-includes Numba's dispatcher cost (tens of µs), so small kernels read high -- graphs remove that cost in
-the decoder. Bytes are the weight/KV bytes the kernel must read; GB/s = bytes / time. Writes JSON.
+At the mixtral and qwen3 decode shapes (bf16 weights), every matrix one decode step reads:
+- dense (q_proj, o_proj, kv_proj, router, lm_head; mixtral also swiglu_dense, a mixtral-sized dense MLP):
+  launch_gemv / launch_gemv_swiglu against PyTorch (cuBLAS) on the same device memory:
+  torch.nn.functional.linear(x_bf16, W), and for SwiGLU two linears + silu * mul, as Hugging Face does;
+- experts (expert_gate_up, expert_down: the top-k experts of one token): launch_expert_gate_up /
+  launch_expert_down against the grouped kernels moe_ffn.moe_gate_up / moe_down (still used for T > 1).
+Times are GPU time only: `--repeats` launches captured in one CUDA graph (Numba side: driver.Graph; torch side:
+torch.cuda.CUDAGraph) and replayed between two events. Weights rotate over copies / expert sets (L2_FLUSH bytes,
+more than the H200's 50 MB L2), so every byte comes from HBM. torch is also timed with eager launches
+(`ref_eager_ms`: what an ungraphed decode pays; launch cost dominates the small matrices).
 
-    python bench/kernels.py --out out/kernels.json
+One line per case: MB read, gemv ms and TB/s, reference ms and TB/s, ratio = reference time / gemv time
+(> 1: gemv faster), HBM roofline fraction = bytes / 4.3 TB/s / time, and max |gemv - ref| / max |ref| (torch
+returns bf16, so ~1e-2 is expected; moe_ffn is fp32, ~1e-6). JSON is written to --out after each model.
+`--sweep` adds the gemv kernels' TB/s under other launch shapes (Plan) and LOADS_IN_FLIGHT 4 / 16.
 
-`--gemv` instead compares the one-token kernels (kernels.gemv) with the old ones (launch_linear /
-launch_swiglu, moe_gate_up / moe_down) at mixtral and qwen3 decode shapes (T = 1, bf16 weights): GPU time
-only (launches captured in a CUDA graph), weights rotated over copies / expert sets larger than L2, so
-every byte comes from HBM. Prints TB/s old vs new; `--sweep` adds launch-shape variants of the new kernels.
-
-    python bench/kernels.py --gemv --sweep --out out/gemv.json
+    python bench/kernels.py --out out/kernels.json [--sweep]
 """
 from __future__ import annotations
 
@@ -19,29 +24,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-D, F, E, K, H, HKV, HD, V = 4096, 14336, 8, 2, 32, 8, 128, 32000
-
-
-def timed(fn, stream, repeats: int) -> float:
-    from numba import cuda
-    fn()
-    stream.synchronize()
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    for _ in range(repeats):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cuda.event_elapsed_time(start, end) / repeats * 1e-3
-
-
-# ---- one-token gemv vs the old decode kernels ----
+HBM_BYTES_PER_S = 4.3e12    # H200 HBM peak used for roofline fractions (as bench/engine.py)
 L2_FLUSH = 192 << 20        # weight bytes cycled through per measurement (H200 L2: 50 MB)
 SHAPES = {                  # decode shapes: hidden D, expert F, experts E, top-k K, vocab V, q / kv widths
     "mixtral": dict(D=4096, F=14336, E=8, K=2, V=32000, Q=4096, KV=1024),
@@ -49,11 +39,18 @@ SHAPES = {                  # decode shapes: hidden D, expert F, experts E, top-
 }
 
 
+class Case(NamedTuple):
+    nbytes: int                             # weight bytes one launch reads
+    gemv: Callable                          # gemv(i, stream, plan=None): launch on weight copy / expert set i
+    y: Any                                  # gemv's output (device)
+    torch_ref: Optional[Callable] = None    # dense: torch_ref(i) -> bf16 tensor
+    moe_ref: Optional[Callable] = None      # experts: moe_ref(i, stream) writes moe_y
+    moe_y: Any = None
+
+
 def graph_timed(launch, stream, repeats: int) -> float:
     """Seconds per launch of launch(i, stream), GPU time only: `repeats` launches (i = 0..repeats-1) captured
     in one CUDA graph and replayed between two events, so Numba's dispatcher cost is not counted."""
-    from numba import cuda
-
     from expert_service.cuda.driver import Graph
     launch(0, stream)                   # compiles outside the capture
     stream.synchronize()
@@ -70,6 +67,34 @@ def graph_timed(launch, stream, repeats: int) -> float:
     return cuda.event_elapsed_time(start, end) / repeats * 1e-3
 
 
+def torch_timed(fn, repeats: int, graph: bool) -> float:
+    """Seconds per fn(i) (i = 0..repeats-1) on torch's current stream: captured in a torch CUDA graph like
+    graph_timed (graph=True), or eager launches between the events (includes the CPU launch cost)."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # warm-up (cuBLAS handle, workspace) off the capture, as torch asks
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for i in range(repeats):
+                fn(i)
+        captured.replay()
+        start.record()
+        captured.replay()
+    else:
+        start.record()
+        for i in range(repeats):
+            fn(i)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats * 1e-3
+
+
 @cuda.jit
 def fill_bf16(w, seed):
     """w flat uint16: hashed bf16 bits, |v| in [2^-7, 2): finite, and no host RNG for GBs of weights."""
@@ -79,17 +104,43 @@ def fill_bf16(w, seed):
         w[i] = np.uint16(0x3C00 | ((h >> 7) & 0x3FF) | (((h >> 20) & 1) << 15))
 
 
-def compare_gemv(args) -> int:
-    """Old vs new kernels per decode matrix; results[model][name] = {bytes, old/new ms and TB/s, speedup,
-    max |new - old| / max |old|}; --sweep adds results[model]["sweep"][name][plan] = TB/s."""
-    from numba import cuda
+def expert_sets(rng, n_experts: int, top_k: int, n_sets: int) -> list:
+    """n_sets expert-id arrays [1, top_k] int32, sorted and distinct (grouped order == slot order, so the
+    moe_ffn reference's rows line up with gemv's). Built C-contiguous: a `[None]` view has a stride-0 leading
+    axis, and Numba's device reshape of it fails ("operation requires copying")."""
+    return [np.sort(rng.choice(n_experts, top_k, replace=False)).astype(np.int32).reshape(1, top_k).copy()
+            for _ in range(n_sets)]
 
-    from expert_service.cuda.driver import non_blocking_stream
+
+def rel_diff(got, want) -> float:
+    """max |got - want| / max |want|, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def summarize(nbytes: int, reference: str, t_gemv: float, t_ref: float, diff: float) -> dict:
+    """One case's JSON entry from seconds per launch."""
+    return {"bytes": nbytes, "reference": reference, "gemv_ms": t_gemv * 1e3, "ref_ms": t_ref * 1e3,
+            "gemv_TB_per_s": nbytes / t_gemv / 1e12, "ref_TB_per_s": nbytes / t_ref / 1e12,
+            "ratio": t_ref / t_gemv, "gemv_roofline": nbytes / HBM_BYTES_PER_S / t_gemv,
+            "ref_roofline": nbytes / HBM_BYTES_PER_S / t_ref, "max_rel_diff": diff}
+
+
+def format_row(model: str, name: str, r: dict) -> str:
+    return (f"{model:8s} {name:15s} {r['bytes'] / 1e6:8.1f} MB  gemv {r['gemv_ms']:8.4f} ms "
+            f"{r['gemv_TB_per_s']:5.2f} TB/s  {r['reference']:5s} {r['ref_ms']:8.4f} ms {r['ref_TB_per_s']:5.2f} TB/s"
+            f"  ratio x{r['ratio']:5.2f}  roofline {r['gemv_roofline']:4.2f} (ref {r['ref_roofline']:4.2f})"
+            f"  diff {r['max_rel_diff']:.1e}")
+
+
+def build_cases(s: dict, st, dense_mlp: bool) -> dict:
+    """Case per decode matrix of shape dict s; weights filled on st (synchronize before torch reads them)."""
+    import torch
+
     from expert_service.kernels import gemv
-    from expert_service.kernels.linear import launch_linear, launch_swiglu
     from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
     from expert_service.moe_grouping import group_by_expert
-    _, st = non_blocking_stream()
+    linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     seed = iter(range(1, 1 << 30, 7919))
 
     def weights(shape):
@@ -102,74 +153,82 @@ def compare_gemv(args) -> int:
         """Copies of one [n, k] matrix, enough to cycle past L2."""
         return [weights((n, k)) for _ in range(min(16, -(-L2_FLUSH // (n * k * 2))))]
 
-    results = {}
-    for model, s in SHAPES.items():
-        D, F, E, K = s["D"], s["F"], s["E"], s["K"]
-        rng = np.random.default_rng(0)
-        x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
-        xq = cuda.to_device(rng.standard_normal((1, s["Q"])).astype(np.float32))
-        experts = weights((E, 3 * F * D))
-        # distinct sorted expert sets (grouped order == slot order), cycled so L2 holds none of them
-        sets = [np.sort(rng.choice(E, K, replace=False)).astype(np.int32)[None] for _ in range(min(8, E // K))]
-        ids = [cuda.to_device(i) for i in sets]
-        groups = [group_by_expert(i, E) for i in sets]
-        order = [cuda.to_device(g.order.astype(np.int32)) for g in groups]
-        offsets = [cuda.to_device(g.offsets.astype(np.int32)) for g in groups]
-        dense = {"q_proj": (dense_set(s["Q"], D), x), "o_proj": (dense_set(D, s["Q"]), xq),
-                 "kv_proj": (dense_set(s["KV"], D), x), "router": (dense_set(E, D), x),
-                 "lm_head": (dense_set(s["V"], D), x)}
-        cases = {}
-        for name, (ws, xin) in dense.items():
-            n = ws[0].shape[0]
-            y_old, y_new = cuda.device_array((1, n), np.float32), cuda.device_array((1, n), np.float32)
-            cases[name] = (n * ws[0].shape[1] * 2,
-                           lambda i, q, ws=ws, xin=xin, y=y_old: launch_linear(xin, ws[i % len(ws)], y, stream=q),
-                           lambda i, q, plan=None, ws=ws, xin=xin, y=y_new: gemv.launch_gemv(
+    def as_bf16(a):                     # zero-copy torch view of a Numba uint16 (bf16 bits) array
+        return torch.as_tensor(a, device="cuda").view(torch.bfloat16)
+
+    D, F, E, K = s["D"], s["F"], s["E"], s["K"]
+    rng = np.random.default_rng(0)
+    x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    xq = cuda.to_device(rng.standard_normal((1, s["Q"])).astype(np.float32))
+    x_bf16 = torch.as_tensor(x, device="cuda").to(torch.bfloat16)     # cast once, outside the timing
+    xq_bf16 = torch.as_tensor(xq, device="cuda").to(torch.bfloat16)
+    cases = {}
+    dense = {"q_proj": (dense_set(s["Q"], D), x, x_bf16), "o_proj": (dense_set(D, s["Q"]), xq, xq_bf16),
+             "kv_proj": (dense_set(s["KV"], D), x, x_bf16), "router": (dense_set(E, D), x, x_bf16),
+             "lm_head": (dense_set(s["V"], D), x, x_bf16)}
+    for name, (ws, xin, xb) in dense.items():
+        n, tw = ws[0].shape[0], [as_bf16(w) for w in ws]
+        y = cuda.device_array((1, n), np.float32)
+        cases[name] = Case(n * ws[0].shape[1] * 2,
+                           lambda i, q, plan=None, ws=ws, xin=xin, y=y: gemv.launch_gemv(
                                xin, ws[i % len(ws)], y, stream=q, plan=plan),
-                           y_old, y_new)
-        if model == "mixtral":      # dense SwiGLU (a mixtral-sized dense MLP), both kernels' fused-gate form
-            gus = dense_set(2 * F, D)
-            h_old, h_new = cuda.device_array((1, F), np.float32), cuda.device_array((1, F), np.float32)
-            cases["swiglu_dense"] = (2 * F * D * 2,
-                                     lambda i, q: launch_swiglu(x, gus[i % len(gus)], None, h_old, stream=q),
-                                     lambda i, q, plan=None: gemv.launch_gemv_swiglu(
-                                         x, gus[i % len(gus)], None, h_new, stream=q, plan=plan), h_old, h_new)
-        hg_old, hg_new = cuda.device_array((K, F), np.float32), cuda.device_array((K, F), np.float32)
-        ye_old, ye_new = cuda.device_array((K, D), np.float32), cuda.device_array((K, D), np.float32)
-        n_sets = len(sets)
-        cases["expert_gate_up"] = (
-            K * 2 * F * D * 2,
-            lambda i, q: moe_gate_up(x, order[i % n_sets], offsets[i % n_sets], experts, F, D, hg_old, stream=q),
-            lambda i, q, plan=None: gemv.launch_expert_gate_up(x, ids[i % n_sets], experts, F, D, hg_new,
-                                                               stream=q, plan=plan),
-            hg_old, hg_new)
-        cases["expert_down"] = (
-            K * F * D * 2,
-            lambda i, q: moe_down(hg_old, order[i % n_sets], offsets[i % n_sets], experts, F, D, ye_old, stream=q),
-            lambda i, q, plan=None: gemv.launch_expert_down(hg_old, ids[i % n_sets], experts, F, D, ye_new,
-                                                            stream=q, plan=plan),
-            ye_old, ye_new)
-        out = {}
-        for name, (nbytes, old, new, y_old, y_new) in cases.items():
-            t_old, t_new = graph_timed(old, st, args.repeats), graph_timed(new, st, args.repeats)
-            old(0, st)
-            new(0, st)
-            a, b = y_old.copy_to_host(stream=st), y_new.copy_to_host(stream=st)
-            st.synchronize()
-            out[name] = {"bytes": nbytes, "old_ms": t_old * 1e3, "new_ms": t_new * 1e3,
-                         "old_TB_per_s": nbytes / t_old / 1e12, "new_TB_per_s": nbytes / t_new / 1e12,
-                         "speedup": t_old / t_new,
-                         "max_rel_diff": float(np.abs(b - a).max() / max(np.abs(a).max(), 1e-30))}
-            r = out[name]
-            print(f"{model:8s} {name:15s} {nbytes / 1e6:9.1f} MB  old {r['old_ms']:8.4f} ms "
-                  f"{r['old_TB_per_s']:5.2f} TB/s  new {r['new_ms']:8.4f} ms {r['new_TB_per_s']:5.2f} TB/s  "
-                  f"x{r['speedup']:5.2f}  diff {r['max_rel_diff']:.1e}", flush=True)
-        if args.sweep:
-            out["sweep"] = _sweep(cases, st, args.repeats)
-        results[model] = out
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+                           y, torch_ref=lambda i, tw=tw, xb=xb: linear(xb, tw[i % len(tw)]))
+    if dense_mlp:                       # gate rows then up rows in one [2F, D] matrix (the fused-gate form)
+        gus = dense_set(2 * F, D)
+        tgu = [as_bf16(w) for w in gus]
+        h = cuda.device_array((1, F), np.float32)
+
+        def swiglu_torch(i):
+            w = tgu[i % len(tgu)]
+            return silu(linear(x_bf16, w[:F])) * linear(x_bf16, w[F:])
+        cases["swiglu_dense"] = Case(
+            2 * F * D * 2,
+            lambda i, q, plan=None: gemv.launch_gemv_swiglu(x, gus[i % len(gus)], None, h, stream=q, plan=plan),
+            h, torch_ref=swiglu_torch)
+    experts = weights((E, 3 * F * D))
+    # distinct expert sets, cycled so L2 holds none of them
+    sets = expert_sets(rng, E, K, min(8, E // K))
+    ids = [cuda.to_device(i) for i in sets]
+    groups = [group_by_expert(i, E) for i in sets]
+    order = [cuda.to_device(g.order.astype(np.int32)) for g in groups]
+    offsets = [cuda.to_device(g.offsets.astype(np.int32)) for g in groups]
+    n_sets = len(sets)
+    hg, hg_ref = cuda.device_array((K, F), np.float32), cuda.device_array((K, F), np.float32)
+    ye, ye_ref = cuda.device_array((K, D), np.float32), cuda.device_array((K, D), np.float32)
+    cases["expert_gate_up"] = Case(
+        K * 2 * F * D * 2,
+        lambda i, q, plan=None: gemv.launch_expert_gate_up(x, ids[i % n_sets], experts, F, D, hg, stream=q,
+                                                           plan=plan),
+        hg, moe_ref=lambda i, q: moe_gate_up(x, order[i % n_sets], offsets[i % n_sets], experts, F, D, hg_ref,
+                                             stream=q), moe_y=hg_ref)
+    # both down kernels read hg_ref, written by the gate_up reference (measured first: dict order)
+    cases["expert_down"] = Case(
+        K * F * D * 2,
+        lambda i, q, plan=None: gemv.launch_expert_down(hg_ref, ids[i % n_sets], experts, F, D, ye, stream=q,
+                                                        plan=plan),
+        ye, moe_ref=lambda i, q: moe_down(hg_ref, order[i % n_sets], offsets[i % n_sets], experts, F, D, ye_ref,
+                                          stream=q), moe_y=ye_ref)
+    return cases
+
+
+def measure(case: Case, st, repeats: int) -> dict:
+    """Times gemv and its reference over the same rotation; diff from one launch each on copy / set 0."""
+    t_gemv = graph_timed(case.gemv, st, repeats)
+    case.gemv(0, st)
+    got = case.y.copy_to_host(stream=st)
+    st.synchronize()
+    if case.torch_ref is not None:
+        t_ref = torch_timed(case.torch_ref, repeats, graph=True)
+        t_eager = torch_timed(case.torch_ref, repeats, graph=False)
+        want = case.torch_ref(0).float().cpu().numpy()
+        entry = summarize(case.nbytes, "torch", t_gemv, t_ref, rel_diff(got, want))
+        entry["ref_eager_ms"] = t_eager * 1e3
+        return entry
+    t_ref = graph_timed(case.moe_ref, st, repeats)
+    case.moe_ref(0, st)
+    want = case.moe_y.copy_to_host(stream=st)
+    st.synchronize()
+    return summarize(case.nbytes, "moe", t_gemv, t_ref, rel_diff(got, want))
 
 
 def _sweep(cases, st, repeats):
@@ -183,16 +242,17 @@ def _sweep(cases, st, repeats):
              if n in cases]
     out = {name: {} for name in names}
     for name in names:
-        nbytes, new = cases[name][0], cases[name][2]
+        nbytes, launch = cases[name].nbytes, cases[name].gemv
         for plan in plans[name in ("swiglu_dense", "expert_gate_up")]:
-            t = graph_timed(lambda i, q, p=plan: new(i, q, plan=p), st, repeats)
+            t = graph_timed(lambda i, q, p=plan, launch=launch: launch(i, q, plan=p), st, repeats)
             out[name][str(tuple(plan))] = nbytes / t / 1e12
     default = gemv.LOADS_IN_FLIGHT
     for lif in (4, 16):                 # module constant read when a variant is built: rebuild all
         gemv.LOADS_IN_FLIGHT = lif
         gemv._build.cache_clear()
         for name in ("lm_head", "expert_gate_up", "expert_down"):
-            out[name][f"loads_in_flight={lif}"] = cases[name][0] / graph_timed(cases[name][2], st, repeats) / 1e12
+            out[name][f"loads_in_flight={lif}"] = cases[name].nbytes / graph_timed(cases[name].gemv, st,
+                                                                                   repeats) / 1e12
     gemv.LOADS_IN_FLIGHT = default
     gemv._build.cache_clear()
     for name in names:
@@ -200,84 +260,35 @@ def _sweep(cases, st, repeats):
     return out
 
 
-def main() -> int:
-    from numba import cuda
-
-    from expert_service.kernels.attention_decode import attention_decode, decode_splits
-    from expert_service.kernels.expert_grouping import expert_grouping
-    from expert_service.kernels.linear import launch_linear, launch_swiglu
-    from expert_service.kernels.moe_combine import moe_combine
-    from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
-    from expert_service.kernels.router_topk import router_topk
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/kernels.json")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--gemv", action="store_true", help="old vs one-token gemv kernels only")
-    parser.add_argument("--sweep", action="store_true", help="with --gemv: launch-shape variants too")
-    args = parser.parse_args()
-    if args.gemv:
-        return compare_gemv(args)
-    rng = np.random.default_rng(0)
-    st = cuda.stream()
+    parser.add_argument("--repeats", type=int, default=20, help="launches per timed graph / event pair")
+    parser.add_argument("--sweep", action="store_true", help="also launch-shape and LOADS_IN_FLIGHT variants")
+    parser.add_argument("--gemv", action="store_true", help=argparse.SUPPRESS)   # old command lines: no-op
+    return parser.parse_args(argv)
 
-    def dev(shape, dtype=np.float32, scale=0.02):
-        if dtype == np.uint16:
-            host = (rng.standard_normal(shape).astype(np.float32) * scale).view(np.uint32) >> 16
-            return cuda.to_device(host.astype(np.uint16), stream=st)
-        return cuda.to_device((rng.standard_normal(shape) * scale).astype(dtype), stream=st)
 
-    w_q = dev((D, D), np.uint16)
-    w_lm = dev((V, D), np.uint16)
-    w_gate, w_up = dev((F, D), np.uint16), dev((F, D), np.uint16)
-    stride = 3 * F * D
-    experts = dev((E, stride), np.uint16)
-    context = 128
-    results = {}
-    for T in (1, 16, 64):
-        x = dev((T, D), scale=1.0)
+def main(argv=None) -> int:
+    import torch
+
+    from expert_service.cuda.driver import non_blocking_stream
+    args = parse_args(argv)
+    _, st = non_blocking_stream()
+    results = {"hbm_bytes_per_s": HBM_BYTES_PER_S, "device": torch.cuda.get_device_name(),
+               "repeats": args.repeats, "models": {}}
+    for model, shape in SHAPES.items():
+        cases = build_cases(shape, st, dense_mlp=model == "mixtral")
+        st.synchronize()                # torch reads the weights on its own stream
         out = {}
-        y = cuda.device_array((T, D), np.float32, stream=st)
-        out["linear_q_4096x4096"] = (timed(lambda: launch_linear(x, w_q, y, stream=st), st, args.repeats), D * D * 2)
-        ylm = cuda.device_array((T, V), np.float32, stream=st)
-        out["linear_lm_head"] = (timed(lambda: launch_linear(x, w_lm, ylm, stream=st), st, args.repeats), V * D * 2)
-        h = cuda.device_array((T, F), np.float32, stream=st)
-        out["swiglu_dense_14336"] = (timed(lambda: launch_swiglu(x, w_gate, w_up, h, stream=st), st, args.repeats),
-                                     2 * F * D * 2)
-        logits = dev((T, E), scale=1.0)
-        ids = cuda.device_array((T, K), np.int32, stream=st)
-        weights = cuda.device_array((T, K), np.float32, stream=st)
-        out["router_topk"] = (timed(lambda: router_topk(logits, ids, weights, True, stream=st), st, args.repeats), 0)
-        counts, offsets = cuda.device_array(E, np.int32), cuda.device_array(E + 1, np.int32)
-        order, position = cuda.device_array(T * K, np.int32), cuda.device_array(T * K, np.int32)
-        out["expert_grouping"] = (timed(lambda: expert_grouping(ids, counts, offsets, order, position, stream=st), st,
-                                        args.repeats), 0)
-        active = len(np.unique(ids.copy_to_host()))
-        hg = cuda.device_array((T * K, F), np.float32, stream=st)
-        ye = cuda.device_array((T * K, D), np.float32, stream=st)
-        out["moe_gate_up"] = (timed(lambda: moe_gate_up(x, order, offsets, experts, F, D, hg, stream=st), st,
-                                    args.repeats), active * 2 * F * D * 2)
-        out["moe_down"] = (timed(lambda: moe_down(hg, order, offsets, experts, F, D, ye, stream=st), st,
-                                 args.repeats), active * F * D * 2)
-        hh = dev((T, D), scale=1.0)
-        out["moe_combine"] = (timed(lambda: moe_combine(ye, position, weights, hh, stream=st), st, args.repeats), 0)
-        blocks = -(-context // 16)
-        pool_k, pool_v = dev((T * blocks, 16, HKV, HD), np.uint16), dev((T * blocks, 16, HKV, HD), np.uint16)
-        q = dev((T, H, HD), scale=1.0)
-        tables = cuda.to_device(np.arange(T * blocks, dtype=np.int32).reshape(T, blocks))
-        lens = cuda.to_device(np.full(T, context, np.int32))
-        pos = cuda.to_device(np.full(T, context - 1, np.int32))
-        P = decode_splits(T, H, HKV, 4096)
-        po, pm = cuda.device_array((T, H, P, HD), np.float32), cuda.device_array((T, H, P, 2), np.float32)
-        ao = cuda.device_array((T, H, HD), np.float32)
-        out["attention_decode_ctx128"] = (timed(lambda: attention_decode(q, pool_k, pool_v, tables, lens, pos, 0,
-                                                                         HD ** -0.5, ao, po, pm, stream=st), st,
-                                                args.repeats), T * context * 2 * HKV * HD * 2)
-        results[str(T)] = {name: {"ms": t * 1e3, "bytes": b, "GB_per_s": (b / t / 1e9) if b else None}
-                           for name, (t, b) in out.items()}
-        results[str(T)]["active_experts"] = active
-        print(T, json.dumps(results[str(T)], indent=1), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        for name, case in cases.items():
+            out[name] = measure(case, st, args.repeats)
+            print(format_row(model, name, out[name]), flush=True)
+        if args.sweep:
+            out["sweep"] = _sweep(cases, st, args.repeats)
+        results["models"][model] = out
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
 
