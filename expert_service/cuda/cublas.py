@@ -77,6 +77,19 @@ class Cublas:
             ctypes.byref(self._zero), ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, n,
             ctypes.c_longlong(y_stride), batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
 
+    def linear_each(self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray, n: int, k: int,
+                    dtype) -> None:
+        """For each g: Y_g [rows[g], n] f32 = X_g [rows[g], k] @ W_g [n, k]^T, one cublasGemmEx each on raw
+        device addresses (w, x, y: int64 host arrays): no device-array slicing, a few µs of host time per
+        GEMM. (cublasGemmGroupedBatchedEx would be one call, but cuBLAS 13.1 refuses 16-bit inputs with f32
+        outputs: CUBLAS_STATUS_NOT_SUPPORTED, measured on the H200.)"""
+        data_type = DATA_TYPES[np.dtype(dtype)]
+        one, zero, gemm = ctypes.byref(self._one), ctypes.byref(self._zero), self.lib.cublasGemmEx
+        for wg, xg, yg, m in zip(w.tolist(), x.tolist(), y.tolist(), rows.tolist()):
+            self._check(gemm(self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, one, ctypes.c_void_p(wg), data_type, k,
+                             ctypes.c_void_p(xg), data_type, k, zero, ctypes.c_void_p(yg), CUDA_R_32F, n,
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+
     def close(self) -> None:
         if self.handle:
             self.lib.cublasDestroy_v2(self.handle)

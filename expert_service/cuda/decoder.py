@@ -2,35 +2,38 @@
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
-eagerly. Linear layers of a single token use the weight-streaming GEMV kernels (memory-bound); more tokens
-go through cuBLAS on tensor cores (a dedicated handle, so graphs can capture it). Experts, by how many of
-them a step reaches: few assignments (T*K < E) -> the grouped GEMV kernels, each active expert read once;
-up to 64 tokens reaching most experts -> every expert on every token as strided-batched GEMMs, then a
-combine that keeps each token's routed experts (no host round trip, graph-capturable); larger steps ->
-one GEMM per active expert over its contiguous block of grouped tokens.
+eagerly. Linear layers of a single token use the weight-streaming GEMV kernels (kernels.gemv: memory-bound,
+16-byte streaming loads); more tokens go through cuBLAS on tensor cores (a dedicated handle, so graphs can
+capture it). Experts, by how many of them a step reaches: one token -> the gemv expert kernels (its K experts'
+ids read on the device); few assignments (T*K < E) -> the grouped kernels (moe_ffn), each active expert read
+once; up to 64 tokens reaching most experts -> every expert on every token as strided-batched GEMMs, then a
+combine that keeps each token's routed experts (no host round trip, graph-capturable); larger steps -> one
+GEMM per active expert over its contiguous block of grouped tokens.
 """
 from __future__ import annotations
 
 import logging
 
 import numpy as np
+from cuda.bindings import driver as drv
 from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
-from expert_service.cuda.driver import Graph, non_blocking_stream
+from expert_service.cuda.driver import Graph, check, non_blocking_stream
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, METADATA, allocate_workspace, plan_workspace
+from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, allocate_workspace, plan_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import attention_decode
 from expert_service.kernels.attention_prefill_mma import attention_prefill_fast
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.expert_grouping import expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.gemv import (launch_expert_down, launch_expert_gate_up, launch_gemv,
+                                         launch_gemv_swiglu)
 from expert_service.kernels.kv_write import kv_write
-from expert_service.kernels.linear import launch_linear, launch_swiglu
 from expert_service.kernels.moe_combine import moe_combine
 from expert_service.kernels.moe_combine_dense import moe_combine_dense
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
@@ -43,6 +46,10 @@ from expert_service.model import ForwardBatch, StepTrace
 log = logging.getLogger("colibri.worker.cuda")
 GEMV_MAX_TOKENS = 1
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _address(array) -> int:
+    return array.__cuda_array_interface__["data"][0]
 
 
 class DeviceLogits:
@@ -91,6 +98,8 @@ class CudaDecoder:
         pool_shape = (cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         self.v_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
+        for pool in (self.k_pool, self.v_pool):    # finite garbage: warm-up steps attend over unwritten blocks
+            check(drv.cuMemsetD8Async(_address(pool), 0, pool.nbytes, self._stream_handle))
         self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
@@ -98,6 +107,7 @@ class CudaDecoder:
         self.plan = plan_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs, self.max_blocks_per_seq,
                                    len(self.moe_layers))
         self.ws = allocate_workspace(self.plan, self.stream)
+        self.ws.identity_position.copy_to_device(np.arange(cfg.num_experts_per_tok, dtype=np.int32), stream=self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
         self.graphs: dict[int, Graph] = {}
@@ -109,9 +119,23 @@ class CudaDecoder:
         self.stream.synchronize()
 
     def warmup(self) -> None:
-        """Compiles every kernel and captures the decode graph of every batch-size bucket now, so serving
-        allocates nothing on the device (graph instantiation does) and never compiles."""
-        if not self.engine_config.cuda_graphs or self.cached is not None:
+        """Compiles and loads every kernel now -- eager prefills of 1, 2, 64 and 65 tokens take each expert path
+        (one-token gemv, grouped kernels, all experts, per-expert GEMMs) -- and captures the decode graph of
+        every batch-size bucket, so serving never compiles and allocates nothing on the device (module loads
+        and graph instantiation do). With the expert cache, steps run eagerly and the first ones load kernels."""
+        if self.cached is not None:
+            return
+        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)
+        for T in sorted({t for t in (1, 2, DENSE_EXPERT_MAX_TOKENS, DENSE_EXPERT_MAX_TOKENS + 1) if t <= span}):
+            blocks = np.zeros(-(-T // self.block_size), np.int64)     # reads the zeroed pool, writes no KV
+            prompt = ForwardBatch(token_ids=np.zeros(T, np.int64), positions=np.arange(T, dtype=np.int64),
+                                  seq_starts=np.array([0, T], np.int64), context_lens=np.array([T], np.int64),
+                                  block_tables=[blocks], slot_mapping=np.full(T, -1, np.int64),
+                                  logits_rows=np.array([T - 1], np.int64))
+            self._stage(prompt, T, 1, 1)
+            self._run(T, 1, 1, decode=False)
+        if not self.engine_config.cuda_graphs:
+            self.stream.synchronize()
             return
         for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
             padding = ForwardBatch(token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64),
@@ -159,13 +183,9 @@ class CudaDecoder:
             self._forward_bucket(bucket)
         else:
             self._run(padded, bucket or S, bucket or R, decode=decode_only)
-        host = self.ws.host
-        self.ws.greedy_ids.copy_to_host(host["greedy_ids"], stream=self.stream)
-        self.ws.nonfinite.copy_to_host(host["nonfinite"], stream=self.stream)
-        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok
-        if trace is not None and n_ids:
-            flat_ids = self.ws.topk_ids.reshape(-1)
-            flat_ids[:n_ids].copy_to_host(host["topk_ids"].reshape(-1)[:n_ids], stream=self.stream)
+        host, results = self.ws.host, self.ws.results
+        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if trace is not None else 0
+        results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
         self.stream.synchronize()
         if self.cached is not None:
             stats = self.cached.end_step()
@@ -235,10 +255,8 @@ class CudaDecoder:
         h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
-        rows = {"token_ids": T, "positions": T, "slot_mapping": T, "seq_starts": S + 1, "context_lens": S,
-                "logits_rows": R, "block_tables": S}
-        for name in METADATA:
-            self.ws.arrays[name][:rows[name]].copy_to_device(h[name][:rows[name]], stream=self.stream)
+        meta = self.ws.metadata
+        meta.upload(meta.end_of("block_tables", S * self.max_blocks_per_seq), self._stream_handle)
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:
@@ -314,6 +332,11 @@ class CudaDecoder:
         experts = w.experts.get(i)
         if self.cached is not None:
             self.cached.moe(i, x, h, T, ids, weights)
+        elif T <= GEMV_MAX_TOKENS and n < E:     # one token: its K experts streamed, ids read on the device
+            out = ws.moe_out[:n]
+            launch_expert_gate_up(x, ids, experts, F, D, ws.moe_gate[:n], stream=st)
+            launch_expert_down(ws.moe_gate[:n], ids, experts, F, D, out, stream=st)
+            moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
         elif n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
             y = self._all_experts(x, experts, T, E, F, D)
             moe_combine_dense(y, ids, weights, h, stream=st)
@@ -351,14 +374,24 @@ class CudaDecoder:
         return y.reshape(E, T, D)
 
     def _experts_cublas(self, x, experts, order, n: int, K: int, F: int, D: int, out) -> None:
-        """Large steps: tokens gathered into grouped order, then per active expert two GEMMs on tensor cores."""
+        """Large steps: tokens gathered into grouped order, then per active expert three GEMMs on tensor cores
+        (gate, up, down over its contiguous rows), with one cast and one silu_mul for all experts."""
         ws, st = self.ws, self.stream
         launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
         ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
         st.synchronize()
         offsets = ws.host["offsets"]
-        for e in np.flatnonzero(np.diff(offsets)):
-            self._expert_gemms(experts[int(e)], int(offsets[e]), int(offsets[e + 1]), F, D, out)
+        active = np.flatnonzero(np.diff(offsets))
+        lo, rows = offsets[active].astype(np.int64), np.diff(offsets)[active]
+        dtype, item = self.weights.dtype, experts.dtype.itemsize
+        gate = _address(experts) + active.astype(np.int64) * experts.shape[1] * item
+        h, up = ws.moe_gate[:n], ws.moe_up[:n]
+        xc = _address(self._as_weight_dtype(ws.moe_in[:n])) + lo * D * item
+        self.cublas.linear_each(gate, xc, _address(h) + lo * F * 4, rows, F, D, dtype)
+        self.cublas.linear_each(gate + F * D * item, xc, _address(up) + lo * F * 4, rows, F, D, dtype)
+        elementwise.launch_silu_mul(h, up, h, stream=st)
+        hc = _address(self._as_weight_dtype(h)) + lo * F * item
+        self.cublas.linear_each(gate + 2 * F * D * item, hc, _address(out) + lo * D * 4, rows, D, F, dtype)
 
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
@@ -374,7 +407,7 @@ class CudaDecoder:
                 xc=None) -> None:
         """xc: x already in the weights' dtype (one cast shared by several projections of the same input)."""
         if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
-            launch_linear(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
+            launch_gemv(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
             return
         self.cublas.linear(xc if xc is not None else self._as_weight_dtype(x), weight, out, accumulate=accumulate)
         if bias is not None:
@@ -382,7 +415,7 @@ class CudaDecoder:
 
     def _swiglu(self, x, gate, up, out, scratch, force_cublas: bool = False) -> None:
         if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
-            launch_swiglu(x, gate, up, out, stream=self.stream)
+            launch_gemv_swiglu(x, gate, up, out, stream=self.stream)
             return
         xc = self._as_weight_dtype(x)
         self.cublas.linear(xc, gate, out)

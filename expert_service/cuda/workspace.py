@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from cuda.bindings import driver as drv
 from numba import cuda
 
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
+from expert_service.cuda.driver import check
 from expert_service.kernels.attention_decode import decode_splits
 
 DENSE_EXPERT_MAX_TOKENS = 64
@@ -19,7 +21,9 @@ DENSE_EXPERT_MAX_TOKENS = 64
 @dataclass
 class Workspace:
     arrays: dict[str, object] = field(default_factory=dict)
-    host: dict[str, np.ndarray] = field(default_factory=dict)    # pinned staging for step metadata
+    host: dict[str, np.ndarray] = field(default_factory=dict)    # pinned host views (metadata, readbacks)
+    metadata: "PackedBuffer | None" = None
+    results: "PackedBuffer | None" = None
 
     def __getattr__(self, name):
         try:
@@ -29,7 +33,9 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        packed = set(METADATA + RESULTS)
+        return sum(a.nbytes for n, a in self.arrays.items() if n not in packed) + sum(
+            b.nbytes for b in (self.metadata, self.results) if b is not None)
 
 
 def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
@@ -49,6 +55,7 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
         "attn": ((T, config.q_size), f32),
         "router_logits": ((T, E), f32), "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
+        "identity_position": ((K,), i32),   # slot order = grouped order: one token's experts (gemv path)
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
         "moe_gate": ((T * K, F), f32), "moe_up": ((T * K, F), f32), "moe_out": ((T * K, D), f32),
         "moe_in": ((T * K, D), f32),
@@ -76,16 +83,60 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
     return plan
 
 
+# Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
+# a step uploads a prefix of the packed buffer).
 METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
-# Buffers the host reads back after a step (through pinned staging, so the copies are asynchronous).
-READBACK = ("greedy_ids", "nonfinite", "logits", "topk_ids", "offsets")
+# Per-step results the host reads back with one copy (a prefix: the MoE top-k ids only when traced).
+RESULTS = ("greedy_ids", "nonfinite", "topk_ids")
+# Other buffers with pinned host twins, so their copies are asynchronous.
+READBACK = ("logits", "offsets")
+
+
+class PackedBuffer:
+    """int32 arrays packed into one device buffer with a pinned host twin at the same offsets: the host fills
+    its views, then one driver copy of a prefix moves them (each Numba copy costs tens of µs of host time)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], stream):
+        self.offsets, total = {}, 0
+        for name, shape in shapes.items():
+            self.offsets[name] = total
+            total += -(-int(np.prod(shape)) // 4) * 4          # 16-byte aligned views
+        self.device = cuda.device_array(max(total, 1), np.int32, stream=stream)
+        self.host = cuda.pinned_array(max(total, 1), np.int32)
+        self.device_views = {n: self.device[o:o + int(np.prod(s))].reshape(s)
+                             for (n, s), o in zip(shapes.items(), self.offsets.values())}
+        self.host_views = {n: self.host[o:o + int(np.prod(s))].reshape(s)
+                           for (n, s), o in zip(shapes.items(), self.offsets.values())}
+        self._device_ptr = self.device.__cuda_array_interface__["data"][0]
+        self._host_ptr = self.host.ctypes.data
+
+    def end_of(self, name: str, elements: int) -> int:
+        """Elements of the packed prefix that ends after `elements` of array `name`."""
+        return self.offsets[name] + elements
+
+    def upload(self, elements: int, stream_handle) -> None:
+        check(drv.cuMemcpyHtoDAsync(self._device_ptr, self._host_ptr, 4 * elements, stream_handle))
+
+    def download(self, elements: int, stream_handle) -> None:
+        check(drv.cuMemcpyDtoHAsync(self._host_ptr, self._device_ptr, 4 * elements, stream_handle))
+
+    @property
+    def nbytes(self) -> int:
+        return self.device.nbytes
 
 
 def allocate_workspace(plan: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
     ws = Workspace()
+    for packed in (METADATA, RESULTS):
+        assert all(plan[name][1] == np.int32 for name in packed), "packed buffers hold int32 arrays"
+        buffer = PackedBuffer({name: plan[name][0] for name in packed}, stream)
+        ws.arrays.update(buffer.device_views)
+        ws.host.update(buffer.host_views)
+        setattr(ws, "metadata" if packed is METADATA else "results", buffer)
     for name, (shape, dtype) in plan.items():
-        ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
-    for name in METADATA + READBACK:
+        if name not in ws.arrays:
+            ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
+    for name in READBACK:
         shape, dtype = plan[name]
         ws.host[name] = cuda.pinned_array(shape, dtype=dtype)
     return ws

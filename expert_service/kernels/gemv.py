@@ -21,7 +21,8 @@ At T == 1 every weight byte is used once, so the kernels are pure HBM streams; t
 - Experts: grid (row blocks, K slots); slot k reads ids[k] on the device and offsets into experts [E, stride].
 - Fallback: when a row is not 16-byte aligned (K % 8 for 16-bit, K % 4 for f32, or an unaligned pointer) the
   same kernel is built with one element per chunk (scalar loads: correct, slower).
-Prefill (T > 1) stays on ``linear``/``moe_ffn``: reusing a weight for many tokens needs token tiles, not this.
+More than one token goes to cuBLAS or ``moe_ffn`` (the decoder): reusing a weight for many tokens needs token
+tiles, not this.
 """
 from __future__ import annotations
 
