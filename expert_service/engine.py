@@ -179,6 +179,8 @@ class Engine:
         return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
+        """Validates the step as a whole (vectorised: decode steps are many one-token chunks), then grows
+        each sequence's block table; raises before any state changes."""
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
         total = sum(len(t) for _, t, _ in work)
         if total > self.config.max_batch_tokens:
@@ -192,34 +194,41 @@ class Engine:
             seen.add(rid)
             if tokens.size == 0:
                 raise InvalidRequestError("token_ids", f"sequence {rid}: empty chunk")
-            if tokens.min() < 0 or tokens.max() >= vocab:
-                raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
             if self.sequences[rid].num_cached + len(tokens) > limit:
                 raise InvalidRequestError("token_ids", f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
                                                        f" tokens exceed max_position_embeddings {limit}")
+        everything = np.concatenate([t for _, t, _ in work])
+        if everything.min() < 0 or everything.max() >= vocab:
+            rid = next(r for r, t, _ in work if t.min() < 0 or t.max() >= vocab)
+            raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
         for rid, tokens, _ in work:
             self.allocator.ensure_capacity(rid, self.sequences[rid].num_cached + len(tokens))
 
     def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], all_logits: bool) -> ForwardBatch:
         block_size = self.config.kv_block_size
         token_ids = np.concatenate([t for _, t, _ in work])
-        positions, slots, tables, context_lens, logits_rows = [], [], [], [], []
-        seq_starts = np.zeros(len(work) + 1, dtype=np.int64)
-        for s, (rid, tokens, wants_token) in enumerate(work):
-            start = self.sequences[rid].num_cached
-            pos = np.arange(start, start + len(tokens), dtype=np.int64)
-            table = np.asarray(self.allocator.tables[rid], dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            tables.append(table)
-            context_lens.append(start + len(tokens))
-            seq_starts[s + 1] = seq_starts[s] + len(tokens)
+        positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
+        tables, context_lens, logits_rows, seq_starts = [], [], [], [0]
+        for rid, tokens, wants_token in work:
+            begin, start, n = seq_starts[-1], self.sequences[rid].num_cached, len(tokens)
+            table = self.allocator.tables[rid]
+            if n == 1:      # decode: plain ints (numpy calls cost more than they save on one element)
+                positions[begin] = start
+                slots[begin] = table[start // block_size] * block_size + start % block_size
+            else:
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions[begin:begin + n] = pos
+                slots[begin:begin + n] = np.asarray(table, np.int64)[pos // block_size] * block_size \
+                    + pos % block_size
+            tables.append(np.asarray(table, dtype=np.int64))
+            context_lens.append(start + n)
+            seq_starts.append(begin + n)
             if all_logits:
-                logits_rows.extend(range(seq_starts[s], seq_starts[s + 1]))
+                logits_rows.extend(range(begin, begin + n))
             elif wants_token:
-                logits_rows.append(seq_starts[s + 1] - 1)
-        return ForwardBatch(token_ids, np.concatenate(positions), seq_starts, np.asarray(context_lens, np.int64),
-                            tables, np.concatenate(slots), np.asarray(logits_rows, dtype=np.int64))
+                logits_rows.append(begin + n - 1)
+        return ForwardBatch(token_ids, positions, np.asarray(seq_starts, np.int64), np.asarray(context_lens, np.int64),
+                            tables, slots, np.asarray(logits_rows, dtype=np.int64))
 
     # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
     def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
