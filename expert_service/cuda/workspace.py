@@ -92,15 +92,22 @@ RESULTS = ("greedy_ids", "nonfinite", "topk_ids")
 READBACK = ("logits", "offsets")
 
 
+def packed_layout(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
+    """(element offset of each array, total elements) for int32 arrays packed in order, each starting
+    16-byte aligned (the kernels' vector loads and the driver copies want aligned views)."""
+    offsets, total = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = total
+        total += -(-int(np.prod(shape)) // 4) * 4
+    return offsets, total
+
+
 class PackedBuffer:
     """int32 arrays packed into one device buffer with a pinned host twin at the same offsets: the host fills
     its views, then one driver copy of a prefix moves them (each Numba copy costs tens of µs of host time)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], stream):
-        self.offsets, total = {}, 0
-        for name, shape in shapes.items():
-            self.offsets[name] = total
-            total += -(-int(np.prod(shape)) // 4) * 4          # 16-byte aligned views
+        self.offsets, total = packed_layout(shapes)
         self.device = cuda.device_array(max(total, 1), np.int32, stream=stream)
         self.host = cuda.pinned_array(max(total, 1), np.int32)
         self.device_views = {n: self.device[o:o + int(np.prod(s))].reshape(s)
