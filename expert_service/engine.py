@@ -179,8 +179,8 @@ class Engine:
         return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
-        """Validates the step as a whole (vectorised: decode steps are many one-token chunks), then grows
-        each sequence's block table; raises before any state changes."""
+        """Validates the step (the vocabulary check vectorised: decode steps are many one-token chunks),
+        then grows each sequence's block table."""
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
         total = sum(len(t) for _, t, _ in work)
         if total > self.config.max_batch_tokens:

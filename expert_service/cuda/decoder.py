@@ -134,18 +134,24 @@ class CudaDecoder:
                                   logits_rows=np.array([T - 1], np.int64))
             self._stage(prompt, T, 1, 1)
             self._run(T, 1, 1, decode=False)
-        if not self.engine_config.cuda_graphs:
+            self.stream.synchronize()     # the next _stage rewrites the pinned staging this upload reads
+        if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads attention_decode
+            self._stage(self._padding(), 1, 1, 1)
+            self._run(1, 1, 1, decode=True)
             self.stream.synchronize()
             return
         for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
-            padding = ForwardBatch(token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64),
-                                   seq_starts=np.zeros(1, np.int64), context_lens=np.zeros(0, np.int64),
-                                   block_tables=[], slot_mapping=np.zeros(0, np.int64),
-                                   logits_rows=np.zeros(0, np.int64))
             while bucket not in self.graphs:
-                self._stage(padding, bucket, bucket, bucket)
+                self._stage(self._padding(), bucket, bucket, bucket)
                 self._forward_bucket(bucket)
-        self.stream.synchronize()
+                self.stream.synchronize()
+
+    @staticmethod
+    def _padding() -> ForwardBatch:
+        """A step of no sequences: _stage pads it to any bucket (padding writes no KV, attends to nothing)."""
+        empty = np.zeros(0, np.int64)
+        return ForwardBatch(token_ids=empty, positions=empty, seq_starts=np.zeros(1, np.int64), context_lens=empty,
+                            block_tables=[], slot_mapping=empty, logits_rows=empty)
 
     # --- plan ---------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:

@@ -70,6 +70,11 @@ def _router_topk_kernel(logits, ids, weights, normalize):
             if pj > top or (pj == top and ij < winner):
                 top = pj
                 winner = ij
+        if winner >= n_exp:
+            # a non-finite row (NaN/inf logits): every comparison fails and padding slots win. Still hand out
+            # valid distinct ids (the expert kernels index weights with them) with NaN weights
+            winner = k
+            top = np.float32(math.nan)
         for i in range(PER_LANE):
             if lane + i * WARP == winner:
                 probs[i] = _RETIRED

@@ -34,6 +34,21 @@ def test_ties_go_to_the_lower_index():
     np.testing.assert_allclose(weights, route(logits, 5, False)[1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_rows_still_give_valid_ids(bad):
+    """The expert kernels index weights with the ids: a NaN/inf router row must not yield ids outside [0, E)."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((3, 16)).astype(np.float32)
+    logits[1, rng.integers(16)] = bad
+    ids, weights = run(logits, 4, True)
+    assert ((ids >= 0) & (ids < 16)).all() and all(len(set(row)) == 4 for row in ids.tolist())
+    assert np.isnan(weights[1]).all()
+    for t in (0, 2):          # finite rows are unaffected
+        ref_ids, ref_w = route(logits[t:t + 1], 4, True)
+        np.testing.assert_array_equal(ids[t:t + 1], ref_ids)
+        np.testing.assert_allclose(weights[t:t + 1], ref_w, rtol=1e-5, atol=1e-7)
+
+
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
         run(np.zeros((2, 4), np.float32) + 1, 5, True)     # K > E
