@@ -51,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, write_colibri  # noqa: E402
+from bench.plotting import pyplot  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
 from expert_service.config import EngineConfig  # noqa: E402
@@ -391,11 +392,8 @@ def _print_table(name: str, entry: dict) -> None:
 
 
 def _plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     shapes = results["shapes"]
     fig, axes = plt.subplots(len(DECODE_BATCHES), len(shapes), figsize=(6 * len(shapes), 4 * len(DECODE_BATCHES)),

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.plotting import pyplot  # noqa: E402
 from common.pb import router_pb2 as rpb  # noqa: E402
 from common.pb import router_pb2_grpc  # noqa: E402
 
@@ -138,10 +139,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
+    else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         axes[0].hist(ttft, bins=30)
         axes[0].set(title="time to first token", xlabel="ms")
@@ -150,8 +151,6 @@ def main() -> int:
         fig.suptitle(f"{args.clients} streaming clients: {result['throughput_tokens_per_s']:.0f} tok/s")
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
     return 0
 
 
