@@ -141,13 +141,12 @@ class Engine:
             if seq is None or seq.last_token is None:
                 raise InvalidRequestError("request_ids", f"sequence {rid} has no sampled token to decode from")
             work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
-        self._check_step(work)
-        num_tokens = sum(len(t) for _, t, _ in work)
-        planned = plan_ids(routing_plan, self.model_config.num_experts, num_tokens) if routing_plan else None
+        token_ids = self._check_step(work)
+        planned = plan_ids(routing_plan, self.model_config.num_experts, len(token_ids)) if routing_plan else None
         if self.config.routing == "lut" and not planned:
             raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
                                                       "(start the router with --routing-table)")
-        batch = self._build_batch(work, all_logits=False)
+        batch = self._build_batch(work, token_ids, all_logits=False)
         if planned:
             batch = replace(batch, expert_hints=planned,
                             routed_experts=planned if self.config.routing == "lut" else None)
@@ -178,9 +177,9 @@ class Engine:
         t2 = time.perf_counter()
         return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
 
-    def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> None:
+    def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
         """Validates the step (the vocabulary check vectorised: decode steps are many one-token chunks),
-        then grows each sequence's block table."""
+        then grows each sequence's block table; returns the step's token ids, concatenated."""
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
         total = sum(len(t) for _, t, _ in work)
         if total > self.config.max_batch_tokens:
@@ -197,16 +196,18 @@ class Engine:
             if self.sequences[rid].num_cached + len(tokens) > limit:
                 raise InvalidRequestError("token_ids", f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
                                                        f" tokens exceed max_position_embeddings {limit}")
-        everything = np.concatenate([t for _, t, _ in work])
-        if everything.min() < 0 or everything.max() >= vocab:
+        token_ids = np.concatenate([t for _, t, _ in work])
+        if token_ids.min() < 0 or token_ids.max() >= vocab:
             rid = next(r for r, t, _ in work if t.min() < 0 or t.max() >= vocab)
             raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
         for rid, tokens, _ in work:
             self.allocator.ensure_capacity(rid, self.sequences[rid].num_cached + len(tokens))
+        return token_ids
 
-    def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], all_logits: bool) -> ForwardBatch:
+    def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
+                     all_logits: bool) -> ForwardBatch:
+        """token_ids: the work's tokens concatenated (as _check_step returns them)."""
         block_size = self.config.kv_block_size
-        token_ids = np.concatenate([t for _, t, _ in work])
         positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
         tables, context_lens, logits_rows, seq_starts = [], [], [], [0]
         for rid, tokens, wants_token in work:
@@ -237,8 +238,8 @@ class Engine:
         self.sequences[request_id] = Sequence(Sampler(SamplingParams()))
         try:
             work = [(request_id, tokens, True)]
-            self._check_step(work)
-            return np.stack(list(self.decoder.forward(self._build_batch(work, all_logits=True))))
+            token_ids = self._check_step(work)
+            return np.stack(list(self.decoder.forward(self._build_batch(work, token_ids, all_logits=True))))
         finally:
             self.release([request_id])
 
