@@ -10,6 +10,8 @@ import ctypes
 
 import numpy as np
 
+from expert_service.cuda.driver import device_address
+
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
 CUBLAS_COMPUTE_32F = 68
@@ -51,13 +53,14 @@ class Cublas:
         N = w.shape[0]
         if w.shape[1] != K or y.shape != (M, N) or x.dtype != w.dtype or y.dtype != np.float32:
             raise ValueError(f"linear: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, y {y.shape} {y.dtype}")
-        dtype = DATA_TYPES[np.dtype(w.dtype)]
-        beta = self._one if accumulate else self._zero
+        self._gemm(device_address(w), device_address(x), device_address(y), M, N, K, DATA_TYPES[np.dtype(w.dtype)],
+                   self._one if accumulate else self._zero)
+
+    def _gemm(self, w: int, x: int, y: int, m: int, n: int, k: int, data_type: int, beta) -> None:
+        """Row-major Y [m, n] f32 = X [m, k] @ W [n, k]^T (+ beta * Y) on raw device addresses."""
         self._check(self.lib.cublasGemmEx(
-            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, ctypes.byref(self._one),
-            ctypes.c_void_p(w.device_ctypes_pointer.value), dtype, K,
-            ctypes.c_void_p(x.device_ctypes_pointer.value), dtype, K, ctypes.byref(beta),
-            ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, N,
+            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), data_type, k,
+            ctypes.c_void_p(x), data_type, k, ctypes.byref(beta), ctypes.c_void_p(y), CUDA_R_32F, n,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
     def linear_batched(self, x, x_stride: int, w, w_offset: int, w_stride: int, n: int, k: int, y, y_stride: int,
@@ -84,11 +87,8 @@ class Cublas:
         GEMM. (cublasGemmGroupedBatchedEx would be one call, but cuBLAS 13.1 refuses 16-bit inputs with f32
         outputs: CUBLAS_STATUS_NOT_SUPPORTED, measured on the H200.)"""
         data_type = DATA_TYPES[np.dtype(dtype)]
-        one, zero, gemm = ctypes.byref(self._one), ctypes.byref(self._zero), self.lib.cublasGemmEx
         for wg, xg, yg, m in zip(w.tolist(), x.tolist(), y.tolist(), rows.tolist()):
-            self._check(gemm(self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, one, ctypes.c_void_p(wg), data_type, k,
-                             ctypes.c_void_p(xg), data_type, k, zero, ctypes.c_void_p(yg), CUDA_R_32F, n,
-                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+            self._gemm(wg, xg, yg, m, n, k, data_type, self._zero)
 
     def close(self) -> None:
         if self.handle:

@@ -21,7 +21,7 @@ from numba import cuda
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
-from expert_service.cuda.driver import Graph, check, non_blocking_stream
+from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, allocate_workspace, plan_workspace
@@ -46,10 +46,6 @@ from expert_service.model import ForwardBatch, StepTrace
 log = logging.getLogger("colibri.worker.cuda")
 GEMV_MAX_TOKENS = 1
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def _address(array) -> int:
-    return array.__cuda_array_interface__["data"][0]
 
 
 class DeviceLogits:
@@ -99,7 +95,7 @@ class CudaDecoder:
         self.k_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         self.v_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         for pool in (self.k_pool, self.v_pool):    # finite garbage: warm-up steps attend over unwritten blocks
-            check(drv.cuMemsetD8Async(_address(pool), 0, pool.nbytes, self._stream_handle))
+            check(drv.cuMemsetD8Async(device_address(pool), 0, pool.nbytes, self._stream_handle))
         self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
@@ -390,14 +386,14 @@ class CudaDecoder:
         active = np.flatnonzero(np.diff(offsets))
         lo, rows = offsets[active].astype(np.int64), np.diff(offsets)[active]
         dtype, item = self.weights.dtype, experts.dtype.itemsize
-        gate = _address(experts) + active.astype(np.int64) * experts.shape[1] * item
+        gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
         h, up = ws.moe_gate[:n], ws.moe_up[:n]
-        xc = _address(self._as_weight_dtype(ws.moe_in[:n])) + lo * D * item
-        self.cublas.linear_each(gate, xc, _address(h) + lo * F * 4, rows, F, D, dtype)
-        self.cublas.linear_each(gate + F * D * item, xc, _address(up) + lo * F * 4, rows, F, D, dtype)
+        xc = device_address(self._as_weight_dtype(ws.moe_in[:n])) + lo * D * item
+        self.cublas.linear_each(gate, xc, device_address(h) + lo * F * 4, rows, F, D, dtype)
+        self.cublas.linear_each(gate + F * D * item, xc, device_address(up) + lo * F * 4, rows, F, D, dtype)
         elementwise.launch_silu_mul(h, up, h, stream=st)
-        hc = _address(self._as_weight_dtype(h)) + lo * F * item
-        self.cublas.linear_each(gate + 2 * F * D * item, hc, _address(out) + lo * D * 4, rows, D, F, dtype)
+        hc = device_address(self._as_weight_dtype(h)) + lo * F * item
+        self.cublas.linear_each(gate + 2 * F * D * item, hc, device_address(out) + lo * D * 4, rows, D, F, dtype)
 
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""

@@ -23,6 +23,11 @@ def check(result):
     return values[0] if len(values) == 1 else values
 
 
+def device_address(array) -> int:
+    """The device address of a Numba device array (or view) as an int, for driver and cuBLAS calls."""
+    return array.__cuda_array_interface__["data"][0]
+
+
 def stream_handle(stream) -> drv.CUstream:
     """The driver handle of a Numba stream (handle is a CUstream or a ctypes pointer by binding)."""
     handle = stream.handle

@@ -13,7 +13,7 @@ from numba import cuda
 
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
-from expert_service.cuda.driver import check
+from expert_service.cuda.driver import check, device_address
 from expert_service.kernels.attention_decode import decode_splits
 
 DENSE_EXPERT_MAX_TOKENS = 64
@@ -114,7 +114,7 @@ class PackedBuffer:
                              for (n, s), o in zip(shapes.items(), self.offsets.values())}
         self.host_views = {n: self.host[o:o + int(np.prod(s))].reshape(s)
                            for (n, s), o in zip(shapes.items(), self.offsets.values())}
-        self._device_ptr = self.device.__cuda_array_interface__["data"][0]
+        self._device_ptr = device_address(self.device)
         self._host_ptr = self.host.ctypes.data
 
     def end_of(self, name: str, elements: int) -> int:
@@ -134,12 +134,14 @@ class PackedBuffer:
 
 def allocate_workspace(plan: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
     ws = Workspace()
-    for packed in (METADATA, RESULTS):
-        assert all(plan[name][1] == np.int32 for name in packed), "packed buffers hold int32 arrays"
-        buffer = PackedBuffer({name: plan[name][0] for name in packed}, stream)
+
+    def packed(names):
+        assert all(plan[name][1] == np.int32 for name in names), "packed buffers hold int32 arrays"
+        buffer = PackedBuffer({name: plan[name][0] for name in names}, stream)
         ws.arrays.update(buffer.device_views)
         ws.host.update(buffer.host_views)
-        setattr(ws, "metadata" if packed is METADATA else "results", buffer)
+        return buffer
+    ws.metadata, ws.results = packed(METADATA), packed(RESULTS)
     for name, (shape, dtype) in plan.items():
         if name not in ws.arrays:
             ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
