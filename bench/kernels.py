@@ -139,7 +139,7 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
 
     from expert_service.kernels import gemv
     from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
-    from expert_service.moe_grouping import group_by_expert
+    from expert_service.experts import group_by_expert
     linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     seed = iter(range(1, 1 << 30, 7919))
 

@@ -56,8 +56,8 @@ from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
 from expert_service.config import EngineConfig  # noqa: E402
 from expert_service.engine import Engine, PrefillInput, cuda_available  # noqa: E402
-from expert_service.expert_cache import CacheStats  # noqa: E402
-from expert_service.host_copy import plan_slots  # noqa: E402
+from expert_service.experts import CacheStats  # noqa: E402
+from expert_service.experts import plan_slots  # noqa: E402
 from expert_service.routing_gen import generate  # noqa: E402
 from expert_service.sampling import SamplingParams  # noqa: E402
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -52,6 +53,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if text in _FALSE:
                 return False
             raise ValueError
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            try:
+                return base(str(value).strip().lower())
+            except ValueError:
+                raise ConfigError(f"{where}: must be one of {', '.join(m.value for m in base)}, got {value!r}") from None
         if base in (int, float, str):
             return base(value)
         if typing.get_origin(base) is tuple or base is tuple:
@@ -118,7 +124,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         env = f.metadata.get("env") or ()
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata['help']} (default: {default}" + (f"; env: {', '.join(env)})" if env else ")")
-        kind = str if base is bool or typing.get_origin(base) is tuple else base
+        kind = str if base is bool or typing.get_origin(base) is tuple or isinstance(base, type) and issubclass(
+            base, enum.Enum) else base
         metavar = "BOOL" if base is bool else None
         group.add_argument(f"--{flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar,
                            help=help_text)

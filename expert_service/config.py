@@ -2,18 +2,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from common.config import setting
 from common.errors import ConfigError
-from expert_service.expert_cache import POLICIES
+from expert_service.experts import POLICIES
 
-BACKENDS = ("auto", "cpu", "cuda")
-PREFETCH_SOURCES = ("plan", "lookahead")
+
+class Backend(StrEnum):
+    AUTO = "auto"     # cuda when a usable GPU is present, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class RoutingMode(StrEnum):
+    EXACT = "exact"   # the model's own gate (default)
+    LUT = "lut"       # the router's static token -> experts table: an approximation, labelled in outputs
+
+
+class PrefetchSource(StrEnum):
+    PLAN = "plan"             # the router's routing plan for the step
+    LOOKAHEAD = "lookahead"   # layer L+1's gate applied to layer L's input
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    backend: str = setting("auto", "compute backend: auto (cuda when a GPU is present), cuda or cpu",
+    backend: Backend = setting(Backend.AUTO, "compute backend: auto (cuda when a GPU is present), cuda or cpu",
                            env=("COLIBRI_BACKEND",))
     kv_block_size: int = setting(16, "tokens per KV-cache block", env=("COLIBRI_KV_BLOCK_SIZE",))
     num_kv_blocks: int = setting(0, "KV-cache blocks in the pool; 0 = derive from --kv-cache-tokens",
@@ -29,7 +43,7 @@ class EngineConfig:
     use_pinned_memory: bool = setting(True, "page-lock the model mmaps for fast host-to-device copies (false: "
                                       "copy through a pinned bounce buffer, for comparison)",
                                       env=("COLIBRI_USE_PINNED_MEMORY",))
-    routing: str = setting("exact", "expert routing: exact (the model's gate, default) or lut (the router's static "
+    routing: RoutingMode = setting(RoutingMode.EXACT, "expert routing: exact (the model's gate, default) or lut (the router's static "
                            "table, an approximation: responses are labelled)", env=("COLIBRI_ROUTING",))
     verify_checksums: bool = setting(True, "verify every tensor's crc32 when loading (false skips it)",
                                      env=("COLIBRI_VERIFY_CHECKSUMS",))
@@ -45,13 +59,14 @@ class EngineConfig:
                             "comma-separated", env=("COLIBRI_PREFETCH",))
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name, kind in (("backend", Backend), ("routing", RoutingMode)):    # plain strings from code
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ConfigError(f"{name}: must be one of {', '.join(kind)}, got {getattr(self, name)!r}") from None
         for name in ("kv_block_size", "kv_cache_tokens", "max_batch_tokens", "max_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.routing not in ("exact", "lut"):
-            raise ConfigError(f"routing: must be exact or lut, got {self.routing!r}")
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
         if self.expert_cache_gb < 0 or self.expert_cache_slots < 0:
@@ -61,13 +76,13 @@ class EngineConfig:
             raise ConfigError(f"expert_cache_policy: must be one of {', '.join(POLICIES)}, "
                               f"got {self.expert_cache_policy!r}")
         sources = [s.strip() for s in self.prefetch.split(",") if s.strip()]
-        if sources != ["none"] and (not sources or any(s not in PREFETCH_SOURCES for s in sources)):
+        if sources != ["none"] and (not sources or any(s not in set(PrefetchSource) for s in sources)):
             raise ConfigError(f"prefetch: must be none, plan, lookahead or plan,lookahead, got {self.prefetch!r}")
 
     @property
-    def prefetch_sources(self) -> frozenset[str]:
-        """The enabled prefetch sources: a subset of {"plan", "lookahead"}."""
-        return frozenset(s.strip() for s in self.prefetch.split(",")) & set(PREFETCH_SOURCES)
+    def prefetch_sources(self) -> frozenset[PrefetchSource]:
+        """The enabled prefetch sources (empty: none)."""
+        return frozenset(PrefetchSource(s.strip()) for s in self.prefetch.split(",") if s.strip() in set(PrefetchSource))
 
     @property
     def resolved_num_kv_blocks(self) -> int:

@@ -13,13 +13,12 @@ import numpy as np
 
 from common.errors import CapacityError, ConfigError, InvalidRequestError, NonFiniteLogitsError
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
+from expert_service.config import Backend, EngineConfig, RoutingMode
+from expert_service.experts import CacheStats, SlotPlan, plan_slots
 from expert_service.kv_cache import BlockAllocator
-from expert_service.expert_cache import CacheStats
-from expert_service.host_copy import SlotPlan, plan_slots
-from expert_service.model import CpuDecoder, ForwardBatch, StepTrace
 from expert_service.routing_plan import plan_ids, plan_recall
 from expert_service.sampling import Sampler, SamplingParams
+from expert_service.step import Decoder, ForwardBatch, Logits, StepTrace
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 
@@ -47,12 +46,13 @@ class StepResult:
     sample_ms: float
     trace: StepTrace
     routing_plan_recall: float | None    # routing=exact with a plan: share of the exact routing it predicted
-    logits: object                       # HostLogits-like: rows [sampling sequences] of [V], in output order
+    logits: Logits                       # rows [sampling sequences] of [V], in output order
     expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
 
 
 @dataclass
-class Sequence:
+class SequenceState:
+    """What the worker keeps of one sequence between steps (its KV blocks live in the allocator)."""
     sampler: Sampler
     num_cached: int = 0                  # tokens whose K/V are in the cache
     last_token: int | None = None        # the latest sampled token, fed by the next decode
@@ -68,15 +68,18 @@ def cuda_available() -> bool:
         return False
 
 
-def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | None = None):
-    """The backend's decoder: `auto` picks cuda when a GPU is present, else cpu."""
-    backend = config.backend
-    if backend == "auto":
-        backend = "cuda" if cuda_available() else "cpu"
-    num_blocks = config.resolved_num_kv_blocks
-    slot_plan = slot_plan or plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
-    if backend == "cuda":
-        if config.routing == "lut":
+def resolve_backend(requested: Backend) -> Backend:
+    """`auto` is cuda when a usable GPU is present, else cpu."""
+    if requested is Backend.AUTO:
+        return Backend.CUDA if cuda_available() else Backend.CPU
+    return requested
+
+
+def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> Decoder:
+    """The backend's decoder; each backend is imported only when chosen (cpu never loads numba.cuda)."""
+    backend = resolve_backend(config.backend)
+    if backend is Backend.CUDA:
+        if config.routing is RoutingMode.LUT:
             raise ConfigError("routing: lut is available on the cpu backend only so far (use --routing exact "
                               "with --backend cuda)")
         if not cuda_available():
@@ -84,8 +87,8 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | No
                               "(use --backend cpu or auto)")
         from expert_service.cuda.decoder import CudaDecoder
         return CudaDecoder(model, config, slot_plan)
-    return CpuDecoder(model, num_blocks, config.kv_block_size, slot_plan, config.prefetch_sources,
-                      config.expert_cache_policy)
+    from expert_service.cpu.decoder import CpuDecoder
+    return CpuDecoder(model, config, slot_plan)
 
 
 class Engine:
@@ -97,13 +100,15 @@ class Engine:
         self.decoder = make_decoder(model, config, self.slot_plan)
         self.backend = self.decoder.backend
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, SequenceState] = {}
 
     def warmup(self) -> None:
         """Backend start-up work that must not happen while serving (CUDA: compile kernels, capture graphs)."""
-        warmup = getattr(self.decoder, "warmup", None)
-        if warmup is not None:
-            warmup()
+        self.decoder.warmup()
+
+    def close(self) -> None:
+        """Releases the backend (device memory, pinned ranges, copy threads); the engine is unusable after."""
+        self.decoder.close()
 
     # --- sequence lifecycle -------------------------------------------------------------------------
     def release(self, request_ids) -> list[int]:
@@ -134,7 +139,7 @@ class Engine:
                 if chunk.sampling is None:
                     raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
                                                           f"chunk must carry sampling parameters")
-                self.sequences[chunk.request_id] = Sequence(Sampler(chunk.sampling))
+                self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
             work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
         for rid in decode_ids:
             seq = self.sequences.get(rid)
@@ -143,18 +148,18 @@ class Engine:
             work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
         token_ids = self._check_step(work)
         planned = plan_ids(routing_plan, self.model_config.num_experts, len(token_ids)) if routing_plan else None
-        if self.config.routing == "lut" and not planned:
+        if self.config.routing is RoutingMode.LUT and not planned:
             raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
                                                       "(start the router with --routing-table)")
         batch = self._build_batch(work, token_ids, all_logits=False)
         if planned:
             batch = replace(batch, expert_hints=planned,
-                            routed_experts=planned if self.config.routing == "lut" else None)
+                            routed_experts=planned if self.config.routing is RoutingMode.LUT else None)
         trace = StepTrace()
         t0 = time.perf_counter()
         logits = self.decoder.forward(batch, trace)
         t1 = time.perf_counter()
-        recall = plan_recall(planned, trace.expert_ids) if planned and self.config.routing == "exact" else None
+        recall = plan_recall(planned, trace.expert_ids) if planned and self.config.routing is RoutingMode.EXACT else None
         outputs, row = [], 0
         for rid, tokens, wants_token in work:
             seq = self.sequences[rid]
@@ -235,7 +240,7 @@ class Engine:
     def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
         """Float32 logits [n, V] at every prompt position, in one prefill; frees the sequence after."""
         tokens = np.asarray(token_ids, dtype=np.int64)
-        self.sequences[request_id] = Sequence(Sampler(SamplingParams()))
+        self.sequences[request_id] = SequenceState(Sampler(SamplingParams()))
         try:
             work = [(request_id, tokens, True)]
             token_ids = self._check_step(work)

@@ -28,8 +28,8 @@ from common.errors import ConfigError, InvalidRequestError, ModelFormatError
 from common.model_format import ModelDir
 from common.routing_table import write_routing_table
 from expert_service.engine import Engine, PrefillInput
-from expert_service.layers.moe import route
-from expert_service.layers.norm import rms_norm
+from expert_service.cpu.layers.moe import route
+from expert_service.cpu.layers.norm import rms_norm
 from expert_service.sampling import SamplingParams
 
 CORPUS_FORMATS = ("auto", "text", "ids")

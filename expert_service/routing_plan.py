@@ -9,7 +9,6 @@ import numpy as np
 from common.errors import InvalidRequestError
 from common.tensors import from_pb
 
-ROUTING_MODES = ("exact", "lut")
 
 
 def plan_from_pb(routing_plan, moe_layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

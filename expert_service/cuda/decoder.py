@@ -1,4 +1,4 @@
-"""The MoE decoder on the cuda backend: the same step as expert_service/model.py, as Numba kernels.
+"""The MoE decoder on the cuda backend: the same step as expert_service/cpu/decoder.py, as Numba kernels.
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
@@ -20,7 +20,7 @@ from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
+from expert_service.config import Backend, EngineConfig
 from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
@@ -39,9 +39,8 @@ from expert_service.kernels.moe_combine_dense import moe_combine_dense
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.router_topk import router_topk
-from expert_service.host_copy import SlotPlan
-from expert_service.logits import HostLogits
-from expert_service.model import ForwardBatch, StepTrace
+from expert_service.experts import SlotPlan
+from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GEMV_MAX_TOKENS = 1
@@ -80,13 +79,13 @@ class DeviceLogits:
 
 
 class CudaDecoder:
-    backend = "cuda"
+    backend = Backend.CUDA
 
-    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan | None = None):
+    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
         self.config: ModelConfig = model.config
         self.engine_config = config
         self._stream_handle, self.stream = non_blocking_stream()
-        cached = slot_plan is not None and slot_plan.is_cached
+        cached = slot_plan.is_cached
         self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory, load_experts=not cached)
         cfg = self.config
         self.kv_dtype = self.weights.dtype

@@ -1,4 +1,4 @@
-"""A MoE layer on the cuda backend when the experts do not all fit the device (SPEC §5, issue 6): the
+"""A MoE layer on the cuda backend when the experts do not all fit the device: the
 routing is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's
 distinct experts (batch-level union), misses are copied on the copy stream (expert_slots.DeviceSlots), and
 the experts run in waves of at most `slots` experts against the layer's slot buffer through a slot_of map.
@@ -18,18 +18,17 @@ from numba import cuda
 
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS
-from expert_service.expert_cache import CacheStats, ExpertCache
-from expert_service.host_copy import SlotPlan
+from expert_service.config import PrefetchSource
+from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
 from expert_service.kernels.expert_grouping import expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import moe_combine
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.router_topk import router_topk
-from expert_service.model import experts_by_count
 
 
 class CachedExperts:
-    def __init__(self, decoder, slot_plan: SlotPlan, prefetch: frozenset[str], policy: str):
+    def __init__(self, decoder, slot_plan: SlotPlan, prefetch: frozenset[PrefetchSource], policy: str):
         cfg = decoder.config
         self.decoder, self.prefetch = decoder, prefetch
         moe = cfg.moe_layers
@@ -67,7 +66,7 @@ class CachedExperts:
         return self.cache.end_step()
 
     def prefetch_plan(self, layer: int | None) -> None:
-        if layer is not None and "plan" in self.prefetch and self._hints and layer in self._hints:
+        if layer is not None and PrefetchSource.PLAN in self.prefetch and self._hints and layer in self._hints:
             self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
 
     # --- a MoE layer --------------------------------------------------------------------------------
@@ -79,7 +78,7 @@ class CachedExperts:
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
         expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        ahead = self.next_moe[i] if "lookahead" in self.prefetch else None
+        ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
         if ahead is not None:
             d._linear(x, d.weights.layer(ahead, "router"), self.ahead_logits[:T])
             router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,

@@ -1,5 +1,5 @@
 """Paged decode attention: one query token per sequence over its cached keys (numpy reference:
-expert_service.layers.attention.paged_attention with one row per sequence).
+expert_service.cpu.layers.attention.paged_attention with one row per sequence).
 
 Design (memory-bound: every K/V byte of a (sequence, kv head) is read once, by one block):
 - Block = (sequence, tile of GT query heads sharing one kv head, split). GT is the whole GQA group when it is

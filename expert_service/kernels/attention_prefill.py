@@ -1,5 +1,5 @@
 """Varlen causal attention of a step's new tokens over each sequence's paged KV cache, flash-attention
-style (numpy reference: expert_service.layers.attention.paged_attention). The new tokens' keys and values
+style (numpy reference: expert_service.cpu.layers.attention.paged_attention). The new tokens' keys and values
 are already in the pool (kv_write runs first), so chunked prefill needs nothing special: a chunk's queries
 read the earlier chunks from the same block table.
 

@@ -1,5 +1,5 @@
-"""Elementwise ops on float32 activations (numpy references: expert_service.layers.moe.silu / swiglu_mlp,
-expert_service.model.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid gate).
+"""Elementwise ops on float32 activations (numpy references: expert_service.cpu.layers.moe.silu / swiglu_mlp,
+expert_service.cpu.decoder.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid gate).
 
 silu_mul:        h = silu(g) * u                         (g, u, h [R, F]; silu(x) = x / (1 + exp(-x)))
 sigmoid_gate_add: out[t, :] += shared[t, :] / (1 + exp(-gate_logit[t]))   (Qwen2-MoE shared expert)

@@ -1,5 +1,5 @@
 """Embedding gather: out[t, :] = W[ids[t], :] widened to float32 (numpy reference: ``W[ids]`` as in
-expert_service.model.CpuDecoder.forward).
+expert_service.cpu.decoder.CpuDecoder.forward).
 
 One block per token, threads striding over D: each token's table row is one contiguous run, so the reads
 of W and the writes of out are coalesced; the op is pure bandwidth (T*D elements).

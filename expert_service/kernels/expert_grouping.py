@@ -1,5 +1,5 @@
 """Counting sort of the step's (token, slot) assignments by expert, on the device; reference:
-``expert_service.moe_grouping.group_by_expert``.
+``expert_service.experts.group_by_expert``.
 
 One block does the whole sort in a single launch, so nothing needs zeroing beforehand and no value goes back
 to the host (CUDA-graph capturable): histogram with shared-memory atomics, exclusive scan of the E counts, then

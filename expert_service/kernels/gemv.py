@@ -1,7 +1,7 @@
 """One-token (T == 1) GEMV for decode: y [1, N] = x [1, K] @ W[N, K]^T (+ bias, optionally += into y), the
 fused SwiGLU h = silu(x @ Wg^T) * (x @ Wu^T), and the same two for the K experts one token is routed to,
 read straight from the layer's expert array (expert id read on the device: graph-capturable).
-References: ``x @ W.T (+ b)``, ``expert_service.layers.moe.swiglu_mlp``.
+References: ``x @ W.T (+ b)``, ``expert_service.cpu.layers.moe.swiglu_mlp``.
 
 At T == 1 every weight byte is used once, so the kernels are pure HBM streams; the design keeps as many
 16-byte loads in flight as the memory system needs and does nothing else in the main loop.

@@ -1,5 +1,5 @@
 """Write a step's new keys and values into one layer's paged KV pool (numpy reference:
-expert_service.layers.attention.write_kv).
+expert_service.cpu.layers.attention.write_kv).
 
 One block per token, threads striding over its Hkv*Hd values: a token's row of the pool
 ([BS, Hkv, Hd] is row-major, so (slot, kv head, dim) is contiguous per slot) is one contiguous run, so

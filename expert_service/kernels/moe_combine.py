@@ -1,5 +1,5 @@
 """Weighted combine of the grouped expert outputs, fused with the residual add; reference:
-``expert_service.moe_grouping.combine`` followed by ``h + ...``.
+``expert_service.experts.combine`` followed by ``h + ...``.
 
 One block per token, threads stride over D. Each output element is written by exactly one thread and its K
 terms are summed in slot order, so the result is deterministic (no atomics).

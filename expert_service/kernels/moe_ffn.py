@@ -1,5 +1,5 @@
 """Grouped expert SwiGLU FFN: each active expert's weights are streamed once per step for all of its tokens.
-Reference: ``expert_service.layers.moe.swiglu_mlp`` applied per expert in grouped order.
+Reference: ``expert_service.cpu.layers.moe.swiglu_mlp`` applied per expert in grouped order.
 
 Weights: one device array per MoE layer, W [E, stride] (stride = expert_stride / itemsize elements), expert e
 holding gate [F, D], up [F, D], down [D, F] back to back, row-major [out, in]; uint16 (bf16 bits), float16 or

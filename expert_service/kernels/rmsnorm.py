@@ -1,4 +1,4 @@
-"""RMSNorm, HF numerics (numpy reference: expert_service.layers.norm.rms_norm):
+"""RMSNorm, HF numerics (numpy reference: expert_service.cpu.layers.norm.rms_norm):
 out = (x / sqrt(mean(x^2) + eps)) * weight, mean of squares accumulated in float32.
 
 rmsnorm:     out[r] = rmsnorm(x[r]) for rows of x [R, N]; per-head q/k norm views [T, H, Hd] as [T*H, Hd].

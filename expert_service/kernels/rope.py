@@ -1,5 +1,5 @@
 """Rotate-half (NeoX) rotary embedding, in place on q and k (numpy reference:
-expert_service.layers.rope.Rotary.cos_sin + apply_rotary).
+expert_service.cpu.layers.rope.Rotary.cos_sin + apply_rotary).
 
 For token t, head h and i < Hd/2, with f = float32(positions[t]) * inv_freq[i] (float32, as the reference),
 c = cos(f) * scale, s = sin(f) * scale (scale = yarn attention factor, 1.0 otherwise):

@@ -1,4 +1,4 @@
-"""Router softmax + top-k (+ optional renormalisation) on the device; reference: ``expert_service.layers.moe.route``.
+"""Router softmax + top-k (+ optional renormalisation) on the device; reference: ``expert_service.cpu.layers.moe.route``.
 
 One warp per token (block = 32 threads, grid = T). Each lane holds up to MAX_E / 32 logits in registers, so any
 E <= 256 works (E = 8, 60, 128, ...). Selection repeats K times: every lane posts its best candidate to shared

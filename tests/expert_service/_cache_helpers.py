@@ -4,7 +4,7 @@ import numpy as np
 from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput
-from expert_service.moe_grouping import group_by_expert
+from expert_service.experts import group_by_expert
 from expert_service.sampling import SamplingParams
 
 PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 200]))

@@ -12,7 +12,7 @@ from common.model_format import ModelDir
 from common.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput, cuda_available
-from expert_service.expert_cache import CacheStats
+from expert_service.experts import CacheStats
 from expert_service.sampling import SamplingParams
 from tests.expert_service._cache_helpers import PROMPTS, exact_plans, run_session
 from tests.hf_reference import rel_error

@@ -9,8 +9,9 @@ from common.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.convert import convert
 from expert_service.engine import Engine
-from expert_service.expert_cache import CacheStats, ExpertCache
-from expert_service.host_copy import GIB, HostCopyEngine, plan_slots
+from expert_service.experts import CacheStats, ExpertCache
+from expert_service.cpu.host_copy import HostCopyEngine
+from expert_service.experts import GIB, plan_slots
 
 from tests.expert_service._cache_helpers import exact_plans, run_session
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from expert_service.layers.moe import grouped_experts, route
-from expert_service.moe_grouping import combine, group_by_expert, ungroup
+from expert_service.cpu.layers.moe import grouped_experts, route
+from expert_service.experts import combine, group_by_expert, ungroup
 
 
 def slow_reference(expert_ids, num_experts):

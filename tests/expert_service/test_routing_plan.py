@@ -4,7 +4,7 @@ import pytest
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.tensors import from_pb, to_pb
-from expert_service.layers.moe import route, route_planned
+from expert_service.cpu.layers.moe import route, route_planned
 from expert_service.routing_plan import csr_to_ids, plan_from_pb, plan_ids, plan_recall
 
 

@@ -81,7 +81,7 @@ def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_m
     from common.model_format import ModelDir
     from expert_service.config import EngineConfig
     from expert_service.engine import Engine
-    from expert_service.logits import HostLogits
+    from expert_service.step import HostLogits
     engine = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu"))
     original = engine.decoder.forward
     monkeypatch.setattr(engine.decoder, "forward", lambda *a, **k: HostLogits(

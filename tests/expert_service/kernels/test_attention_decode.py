@@ -1,4 +1,4 @@
-"""attention_decode kernel vs expert_service.layers.attention.paged_attention (one query per sequence)."""
+"""attention_decode kernel vs expert_service.cpu.layers.attention.paged_attention (one query per sequence)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.attention_decode import attention_decode, decode_splits
-from expert_service.layers.attention import paged_attention
+from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
 

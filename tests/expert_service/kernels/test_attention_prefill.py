@@ -1,4 +1,4 @@
-"""attention_prefill kernel vs expert_service.layers.attention.paged_attention (varlen, chunked, windowed)."""
+"""attention_prefill kernel vs expert_service.cpu.layers.attention.paged_attention (varlen, chunked, windowed)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.attention_prefill import attention_prefill
-from expert_service.layers.attention import paged_attention
+from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
 

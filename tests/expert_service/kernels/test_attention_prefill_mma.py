@@ -1,4 +1,4 @@
-"""attention_prefill_mma (tensor cores, bf16 pools) vs expert_service.layers.attention.paged_attention and vs the
+"""attention_prefill_mma (tensor cores, bf16 pools) vs expert_service.cpu.layers.attention.paged_attention and vs the
 fp32 attention_prefill kernel; attention_prefill_fast falls back to attention_prefill where mma cannot run.
 
 Tolerance: RTOL = 1e-2 of max |reference|. The kernel rounds q * scale and the softmax weights P to bf16
@@ -13,7 +13,7 @@ from numba import cuda
 from expert_service.kernels import attention_prefill_mma as mma_module
 from expert_service.kernels.attention_prefill import attention_prefill
 from expert_service.kernels.attention_prefill_mma import attention_prefill_fast, supports
-from expert_service.layers.attention import paged_attention
+from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import assert_close, from_pool, gpu, needs_gpu, random_cache
 

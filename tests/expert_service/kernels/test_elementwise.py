@@ -7,7 +7,7 @@ from numba import cuda
 
 from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, launch_clamp,
                                                 launch_sigmoid_gate_add, launch_silu_mul)
-from expert_service.layers.moe import silu
+from expert_service.cpu.layers.moe import silu
 
 from ._dense_helpers import (WEIGHT_DTYPES, assert_close, from_weight, gpu, nan_device, needs_gpu, random_weight,
                              to_weight)

@@ -7,7 +7,7 @@ from numba import cuda
 
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.rmsnorm import launch_add_rmsnorm, launch_rmsnorm
-from expert_service.layers.norm import rms_norm
+from expert_service.cpu.layers.norm import rms_norm
 
 from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
 

@@ -9,7 +9,7 @@ from numba import cuda
 
 from expert_service.kernels.gemv import (Plan, launch_expert_down, launch_expert_gate_up, launch_gemv,
                                          launch_gemv_swiglu, plan_for)
-from expert_service.layers.moe import silu
+from expert_service.cpu.layers.moe import silu
 
 from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
 from ._moe_helpers import expert_buffer, fast_simulator_threads  # noqa: F401  (autouse fixture)

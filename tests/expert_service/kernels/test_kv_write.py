@@ -1,4 +1,4 @@
-"""kv_write kernel vs expert_service.layers.attention.write_kv, in the simulator and (gpu) on a GPU."""
+"""kv_write kernel vs expert_service.cpu.layers.attention.write_kv, in the simulator and (gpu) on a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.kv_write import kv_write
-from expert_service.layers.attention import write_kv
+from expert_service.cpu.layers.attention import write_kv
 
 from ._attention_helpers import KV_DTYPES, gpu, needs_gpu, to_pool
 

@@ -1,4 +1,4 @@
-"""moe_combine vs expert_service.moe_grouping.combine (+ residual), and the whole device MoE pipeline
+"""moe_combine vs expert_service.experts.combine (+ residual), and the whole device MoE pipeline
 router_topk -> expert_grouping -> moe_gate_up -> moe_down -> moe_combine vs layers.moe.sparse_moe."""
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ from expert_service.kernels.expert_grouping import expert_grouping
 from expert_service.kernels.moe_combine import moe_combine
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
 from expert_service.kernels.router_topk import router_topk
-from expert_service.layers.moe import sparse_moe
-from expert_service.moe_grouping import combine, group_by_expert
+from expert_service.cpu.layers.moe import sparse_moe
+from expert_service.experts import combine, group_by_expert
 from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
                                                         has_gpu, random_ids)
 

@@ -5,8 +5,8 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
-from expert_service.layers.moe import silu
-from expert_service.moe_grouping import group_by_expert
+from expert_service.cpu.layers.moe import silu
+from expert_service.experts import group_by_expert
 from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
                                                         has_gpu, random_ids)
 

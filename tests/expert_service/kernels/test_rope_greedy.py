@@ -7,7 +7,7 @@ from numba import cuda
 
 from expert_service.kernels.greedy import launch_greedy
 from expert_service.kernels.rope import launch_rope
-from expert_service.layers.rope import apply_rotary
+from expert_service.cpu.layers.rope import apply_rotary
 
 from ._dense_helpers import assert_close, gpu, nan_device, needs_gpu
 

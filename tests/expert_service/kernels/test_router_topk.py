@@ -1,10 +1,10 @@
-"""router_topk kernel vs expert_service.layers.moe.route (simulator; realistic sizes on a GPU)."""
+"""router_topk kernel vs expert_service.cpu.layers.moe.route (simulator; realistic sizes on a GPU)."""
 import numpy as np
 import pytest
 from numba import cuda
 
 from expert_service.kernels.router_topk import router_topk
-from expert_service.layers.moe import route
+from expert_service.cpu.layers.moe import route
 from tests.expert_service.kernels._moe_helpers import GPU_ONLY, fast_simulator_threads, has_gpu  # noqa: F401
 
 

@@ -1,11 +1,22 @@
-"""The expert cache (SPEC §5, issue 6): a fixed number of expert slots per MoE layer over the full host copy
-of the experts, backend-agnostic. This module is only bookkeeping; a *copy engine* owns the slot memory and
-moves an expert's contiguous block into a slot (the CPU backend's is ``host_copy.HostCopyEngine``).
+"""What both backends need to know about experts, as pure host-side logic: which experts a step groups
+together (batch-level expert grouping), how experts are held (the slot plan), and -- when they do not all
+fit -- the expert cache's bookkeeping (slots, replacement policy, waves, prefetch ordering). Neither backend's
+memory lives here: a backend's *copy engine* owns the slots and moves bytes into them.
+
+Grouping: every active expert runs once per step over all of its
+tokens. A counting sort over the flat (token, slot) assignments gives per-expert offsets and the
+permutation; the same arrays become CSR routing plans and the CUDA kernels' work lists.
+
+Shapes: T tokens, K experts per token, E experts. ``expert_ids`` [T, K] int.
+
+Expert cache: a fixed number of expert slots per MoE layer over the full host copy of the experts. A copy
+engine moves an expert's contiguous block into a slot (cpu: ``cpu.host_copy.HostCopyEngine``; cuda:
+``cuda.expert_slots.DeviceSlots``).
 
 Design note. A slot is in one of three states: empty, pending (a copy was issued and may still be running)
 or ready. A step marks the slots it computes with as *in use* from `acquire` to `release`; a victim is only
-ever chosen among slots not in use, so a running step never has its weights overwritten (the bug of vLLM
-PR #37190, where a prefetch evicted an expert the step was reading). Copies complete in issue order (one
+ever chosen among slots not in use, so a running step never has its weights overwritten (a prefetch that
+evicts an expert the step is still reading would corrupt its output). Copies complete in issue order (one
 copy stream), so a slot re-targeted while a copy into it is pending ends up with the latest expert, and
 waiting on the latest copy suffices. A layer that needs more distinct experts than it has slots is run in
 *waves* (`stream`): resident experts first (so no miss evicts an expert that is needed later in the same
@@ -25,6 +36,108 @@ import time
 from dataclasses import dataclass, fields
 from typing import Iterable, Iterator, Protocol
 
+import numpy as np
+
+from common.model_format import ModelDir
+
+
+# --- grouping ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ExpertGroups:
+    offsets: np.ndarray      # [E + 1] int64: assignments of expert e are order[offsets[e]:offsets[e+1]]
+    order: np.ndarray        # [T*K] int64: flat assignment indices (t * K + k), grouped by expert, stable
+    top_k: int
+
+    @property
+    def token_indices(self) -> np.ndarray:
+        """[T*K] token of each grouped assignment (CSR column indices of the routing plan)."""
+        return self.order // self.top_k
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def active_experts(self) -> np.ndarray:
+        return np.flatnonzero(self.counts())
+
+    def tokens_of(self, expert: int) -> np.ndarray:
+        return self.token_indices[self.offsets[expert]:self.offsets[expert + 1]]
+
+    def slots_of(self, expert: int) -> np.ndarray:
+        return self.order[self.offsets[expert]:self.offsets[expert + 1]]
+
+
+def group_by_expert(expert_ids: np.ndarray, num_experts: int) -> ExpertGroups:
+    """Counting sort of [T, K] expert ids: offsets from a histogram, order stable within each expert."""
+    flat = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= num_experts):
+        raise ValueError(f"expert ids must be in [0, {num_experts}), got {flat.min()}..{flat.max()}")
+    counts = np.bincount(flat, minlength=num_experts)
+    offsets = np.zeros(num_experts + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    order = np.argsort(flat, kind="stable")
+    top_k = expert_ids.shape[1] if np.ndim(expert_ids) == 2 else 1
+    return ExpertGroups(offsets, order.astype(np.int64), top_k)
+
+
+def ungroup(grouped: np.ndarray, groups: ExpertGroups) -> np.ndarray:
+    """Inverse permutation: rows in grouped order [T*K, ...] -> rows in assignment order [T*K, ...]."""
+    out = np.empty_like(grouped)
+    out[groups.order] = grouped
+    return out
+
+
+def combine(grouped_outputs: np.ndarray, groups: ExpertGroups, weights: np.ndarray) -> np.ndarray:
+    """Weighted sum over each token's K experts: grouped [T*K, D] + weights [T, K] -> [T, D]."""
+    per_slot = ungroup(grouped_outputs, groups).reshape(weights.shape[0], weights.shape[1], -1)
+    return np.einsum("tkd,tk->td", per_slot, weights.astype(per_slot.dtype))
+
+
+def experts_by_count(ids: np.ndarray) -> list[int]:
+    """Distinct expert ids, most tokens first (what a prefetch with little room should bring first)."""
+    experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
+    return [int(e) for e in experts[np.argsort(-counts, kind="stable")]]
+
+
+# --- slot plan ---------------------------------------------------------------------------------
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """How experts are held: all resident, or `slots_per_layer` slots per MoE layer acting as a cache."""
+    slots_per_layer: int           # == num_experts when every expert is resident
+    num_experts: int
+    num_moe_layers: int
+    expert_block_bytes: int        # stored bytes of one expert (gate, up, down back to back)
+    budget_bytes: int              # the --expert-cache-gb budget (0: none given)
+
+    @property
+    def is_cached(self) -> bool:
+        """Fewer slots than experts: the expert cache runs."""
+        return self.slots_per_layer < self.num_experts
+
+    @property
+    def slot_bytes(self) -> int:
+        """Stored bytes the slots hold: what the device would allocate for them."""
+        return self.slots_per_layer * self.num_moe_layers * self.expert_block_bytes
+
+
+def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:
+    """Explicit slots win; else floor(budget / (MoE layers x expert block bytes)), at least 1; else all."""
+    cfg = model.config
+    layers, num_experts = cfg.moe_layers, cfg.num_experts
+    block = model.expert_block(layers[0], 0)[2] if layers else 0
+    budget = int(expert_cache_gb * GIB)
+    if expert_cache_slots > 0:
+        slots = expert_cache_slots
+    elif budget > 0 and layers:
+        slots = max(1, budget // (len(layers) * block))
+    else:
+        slots = num_experts
+    return SlotPlan(min(slots, num_experts), num_experts, len(layers), block, budget)
+
+
+# --- expert cache ------------------------------------------------------------------------------
 EMPTY = -1
 
 

@@ -1,5 +1,4 @@
-"""The expert cache on the CPU backend: the slot plan (how many slots a budget buys) and a simulated copy
-engine. Slots are float32 buffers allocated once; a copy reads the expert's one contiguous block from the
+"""The expert cache's copy engine on the CPU backend, a simulated one. Slots are float32 buffers allocated once; a copy reads the expert's one contiguous block from the
 model's mmap and widens it into the slot on a single background thread, which stands in for the GPU's copy
 stream: copies run in issue order and overlap with the numpy compute on the model thread (numpy releases
 the GIL). Copies are accounted as the stored block's bytes — what a host-to-device copy would move.
@@ -13,44 +12,6 @@ import numpy as np
 
 from common import dtypes
 from common.model_format import ModelDir
-
-GIB = 2 ** 30
-
-
-@dataclass(frozen=True, slots=True)
-class SlotPlan:
-    """How experts are held: all resident, or `slots_per_layer` slots per MoE layer acting as a cache."""
-    slots_per_layer: int           # == num_experts when every expert is resident
-    num_experts: int
-    num_moe_layers: int
-    expert_block_bytes: int        # stored bytes of one expert (gate, up, down back to back)
-    budget_bytes: int              # the --expert-cache-gb budget (0: none given)
-
-    @property
-    def is_cached(self) -> bool:
-        """Fewer slots than experts: the expert cache runs."""
-        return self.slots_per_layer < self.num_experts
-
-    @property
-    def slot_bytes(self) -> int:
-        """Stored bytes the slots hold: what the device would allocate for them."""
-        return self.slots_per_layer * self.num_moe_layers * self.expert_block_bytes
-
-
-def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:
-    """Explicit slots win; else floor(budget / (MoE layers x expert block bytes)), at least 1; else all."""
-    cfg = model.config
-    layers, num_experts = cfg.moe_layers, cfg.num_experts
-    block = model.expert_block(layers[0], 0)[2] if layers else 0
-    budget = int(expert_cache_gb * GIB)
-    if expert_cache_slots > 0:
-        slots = expert_cache_slots
-    elif budget > 0 and layers:
-        slots = max(1, budget // (len(layers) * block))
-    else:
-        slots = num_experts
-    return SlotPlan(min(slots, num_experts), num_experts, len(layers), block, budget)
-
 
 class HostCopyEngine:
     """Float32 slot buffers [layer][slot] = (gate [F, D], up [F, D], down [D, F]) and a one-thread copier."""

@@ -1,45 +1,22 @@
-"""The MoE decoder on the CPU backend (numpy, float32): one code path for the four families, whose
+"""The MoE decoder on the cpu backend (numpy, float32): one code path for the four families, whose
 differences are fields of ``ModelConfig`` (biases, q/k norms, clip_qkv, shared expert, dense layers,
 sliding windows, routing normalisation). It is also the reference the CUDA backend is tested against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from expert_service.expert_cache import CacheStats, ExpertCache
-from expert_service.host_copy import HostCopyEngine, SlotPlan
+from expert_service.config import Backend, EngineConfig, PrefetchSource
+from expert_service.cpu.host_copy import HostCopyEngine
+from expert_service.cpu.layers.attention import paged_attention, write_kv
+from expert_service.cpu.layers.moe import route, sparse_moe, swiglu_mlp
+from expert_service.cpu.layers.norm import rms_norm
+from expert_service.cpu.layers.rope import Rotary, apply_rotary
+from expert_service.experts import ExpertCache, SlotPlan, experts_by_count
 from expert_service.kv_cache import KVPool
-from expert_service.logits import HostLogits
-from expert_service.layers.attention import paged_attention, write_kv
-from expert_service.layers.moe import route, sparse_moe, swiglu_mlp
-from expert_service.layers.norm import rms_norm
-from expert_service.layers.rope import Rotary, apply_rotary
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardBatch:
-    """One step's tokens: sequence s owns rows seq_starts[s]:seq_starts[s+1] of every [T, ...] array."""
-    token_ids: np.ndarray          # [T] int64
-    positions: np.ndarray          # [T] int64, position of each token in its sequence
-    seq_starts: np.ndarray         # [S + 1] int64
-    context_lens: np.ndarray       # [S] tokens of each sequence in the cache after this step
-    block_tables: list[np.ndarray]  # S x [blocks] int64
-    slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
-    logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
-    routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
-    expert_hints: dict[int, np.ndarray] | None = None    # the router's plan (either routing): layer -> [T, k],
-                                                         # what the expert cache prefetches from
-
-
-@dataclass
-class StepTrace:
-    """What a forward pass observed, for routing-plan recall and expert statistics."""
-    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
-    expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
+from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 
 class CpuWeights:
@@ -71,21 +48,20 @@ class CpuWeights:
 
 class CpuDecoder:
     """The numpy backend: weights in host memory, KV pool as host arrays."""
-    backend = "cpu"
+    backend = Backend.CPU
 
-    def __init__(self, model: ModelDir, num_kv_blocks: int, kv_block_size: int, slot_plan: SlotPlan | None = None,
-                 prefetch: frozenset[str] = frozenset(), policy: str = "lru"):
+    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
         self.w = CpuWeights(model)
         self.config: ModelConfig = model.config
         self.rotary = Rotary(self.config.rope, self.config.head_dim)
-        self.kv = KVPool.allocate(self.config.num_hidden_layers, num_kv_blocks, kv_block_size,
+        self.kv = KVPool.allocate(self.config.num_hidden_layers, config.resolved_num_kv_blocks, config.kv_block_size,
                                   self.config.num_key_value_heads, self.config.head_dim)
-        self.slot_plan, self.prefetch = slot_plan, prefetch
+        self.slot_plan, self.prefetch = slot_plan, config.prefetch_sources
         self.cache: ExpertCache | None = None       # None: every expert resident, no cache logic runs
-        if slot_plan is not None and slot_plan.is_cached:
+        if slot_plan.is_cached:
             self.copy_engine = HostCopyEngine(model, self.config.moe_layers, slot_plan.slots_per_layer)
             self.cache = ExpertCache(self.config.moe_layers, slot_plan.num_experts, slot_plan.slots_per_layer,
-                                     slot_plan.expert_block_bytes, self.copy_engine, policy)
+                                     slot_plan.expert_block_bytes, self.copy_engine, config.expert_cache_policy)
         moe = self.config.moe_layers
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
 
@@ -97,6 +73,13 @@ class CpuDecoder:
         if self.cache is not None:    # float32 buffers on this backend (the plan's slot_bytes are stored bytes)
             plan.append(("expert_slots", self.copy_engine.nbytes))
         return plan
+
+    def warmup(self) -> None:
+        """Nothing to compile or capture on this backend."""
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.copy_engine.close()
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> HostLogits:
         """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""
@@ -126,13 +109,13 @@ class CpuDecoder:
 
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:
-        if layer is not None and "plan" in self.prefetch and batch.expert_hints and layer in batch.expert_hints:
+        if layer is not None and PrefetchSource.PLAN in self.prefetch and batch.expert_hints and layer in batch.expert_hints:
             self.cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
 
     def _prefetch_lookahead(self, x: np.ndarray, layer: int | None) -> None:
         """Layer `layer`'s gate applied to the current layer's router input predicts its experts (the input
         changes by one residual update in between, so the top-k mostly survives)."""
-        if layer is not None and "lookahead" in self.prefetch:
+        if layer is not None and PrefetchSource.LOOKAHEAD in self.prefetch:
             ids, _ = route(x @ self.w.layer(layer, "router").T, self.config.num_experts_per_tok, False)
             self.cache.prefetch(layer, experts_by_count(ids))
 
@@ -183,9 +166,3 @@ class CpuDecoder:
             gate = x @ self.w.layer(i, "shared_expert_gate").T                  # [T, 1]
             out = out + shared / (np.float32(1.0) + np.exp(-gate))
         return out
-
-
-def experts_by_count(ids: np.ndarray) -> list[int]:
-    """Distinct expert ids, most tokens first (what a prefetch with little room should bring first)."""
-    experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
-    return [int(e) for e in experts[np.argsort(-counts, kind="stable")]]
