@@ -5,7 +5,7 @@ At the mixtral and qwen3 decode shapes (bf16 weights), every matrix one decode s
   launch_gemv / launch_gemv_swiglu against PyTorch (cuBLAS) on the same device memory:
   torch.nn.functional.linear(x_bf16, W), and for SwiGLU two linears + silu * mul, as Hugging Face does;
 - experts (expert_gate_up, expert_down: the top-k experts of one token): launch_expert_gate_up /
-  launch_expert_down against the grouped kernels moe_ffn.moe_gate_up / moe_down (still used for T > 1).
+  launch_expert_down against the grouped kernels moe_ffn.moe_gate_up / launch_moe_down (still used for T > 1).
 Times are GPU time only: `--repeats` launches captured in one CUDA graph (Numba side: driver.Graph; torch side:
 torch.cuda.CUDAGraph) and replayed between two events. Weights rotate over copies / expert sets (L2_FLUSH bytes,
 more than the H200's 50 MB L2), so every byte comes from HBM. torch is also timed with eager launches
@@ -14,7 +14,7 @@ more than the H200's 50 MB L2), so every byte comes from HBM. torch is also time
 One line per case: MB read, gemv ms and TB/s, reference ms and TB/s, ratio = reference time / gemv time
 (> 1: gemv faster), HBM roofline fraction = bytes / 4.3 TB/s / time, and max |gemv - ref| / max |ref| (torch
 returns bf16, so ~1e-2 is expected; moe_ffn is fp32, ~1e-6). JSON is written to --out after each model.
-`--sweep` adds the gemv kernels' TB/s under other launch shapes (Plan) and LOADS_IN_FLIGHT 4 / 16.
+`--sweep` adds the gemv kernels' TB/s under other launch shapes (LaunchShape) and LOADS_IN_FLIGHT 4 / 16.
 
     python bench/kernels.py --out out/kernels.json [--sweep]
 """
@@ -41,7 +41,7 @@ SHAPES = {                  # decode shapes: hidden D, expert F, experts E, top-
 
 class Case(NamedTuple):
     nbytes: int                             # weight bytes one launch reads
-    gemv: Callable                          # gemv(i, stream, plan=None): launch on weight copy / expert set i
+    gemv: Callable                          # gemv(i, stream, shape=None): launch on weight copy / expert set i
     y: Any                                  # gemv's output (device)
     torch_ref: Optional[Callable] = None    # dense: torch_ref(i) -> bf16 tensor
     moe_ref: Optional[Callable] = None      # experts: moe_ref(i, stream) writes moe_y
@@ -138,7 +138,7 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
     import torch
 
     from expert_service.kernels import gemv
-    from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+    from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
     from expert_service.experts import group_by_expert
     linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     seed = iter(range(1, 1 << 30, 7919))
@@ -170,8 +170,8 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
         n, tw = ws[0].shape[0], [as_bf16(w) for w in ws]
         y = cuda.device_array((1, n), np.float32)
         cases[name] = Case(n * ws[0].shape[1] * 2,
-                           lambda i, q, plan=None, ws=ws, xin=xin, y=y: gemv.launch_gemv(
-                               xin, ws[i % len(ws)], y, stream=q, plan=plan),
+                           lambda i, q, shape=None, ws=ws, xin=xin, y=y: gemv.launch_gemv(
+                               xin, ws[i % len(ws)], y, stream=q, shape=shape),
                            y, torch_ref=lambda i, tw=tw, xb=xb: linear(xb, tw[i % len(tw)]))
     if dense_mlp:                       # gate rows then up rows in one [2F, D] matrix (the fused-gate form)
         gus = dense_set(2 * F, D)
@@ -183,7 +183,7 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
             return silu(linear(x_bf16, w[:F])) * linear(x_bf16, w[F:])
         cases["swiglu_dense"] = Case(
             2 * F * D * 2,
-            lambda i, q, plan=None: gemv.launch_gemv_swiglu(x, gus[i % len(gus)], None, h, stream=q, plan=plan),
+            lambda i, q, shape=None: gemv.launch_gemv_swiglu(x, gus[i % len(gus)], None, h, stream=q, shape=shape),
             h, torch_ref=swiglu_torch)
     experts = weights((E, 3 * F * D))
     # distinct expert sets, cycled so L2 holds none of them
@@ -197,16 +197,16 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
     ye, ye_ref = cuda.device_array((K, D), np.float32), cuda.device_array((K, D), np.float32)
     cases["expert_gate_up"] = Case(
         K * 2 * F * D * 2,
-        lambda i, q, plan=None: gemv.launch_expert_gate_up(x, ids[i % n_sets], experts, F, D, hg, stream=q,
-                                                           plan=plan),
-        hg, moe_ref=lambda i, q: moe_gate_up(x, order[i % n_sets], offsets[i % n_sets], experts, F, D, hg_ref,
+        lambda i, q, shape=None: gemv.launch_expert_gate_up(x, ids[i % n_sets], experts, F, D, hg, stream=q,
+                                                           shape=shape),
+        hg, moe_ref=lambda i, q: launch_moe_gate_up(x, order[i % n_sets], offsets[i % n_sets], experts, F, D, hg_ref,
                                              stream=q), moe_y=hg_ref)
     # both down kernels read hg_ref, written by the gate_up reference (measured first: dict order)
     cases["expert_down"] = Case(
         K * F * D * 2,
-        lambda i, q, plan=None: gemv.launch_expert_down(hg_ref, ids[i % n_sets], experts, F, D, ye, stream=q,
-                                                        plan=plan),
-        ye, moe_ref=lambda i, q: moe_down(hg_ref, order[i % n_sets], offsets[i % n_sets], experts, F, D, ye_ref,
+        lambda i, q, shape=None: gemv.launch_expert_down(hg_ref, ids[i % n_sets], experts, F, D, ye, stream=q,
+                                                        shape=shape),
+        ye, moe_ref=lambda i, q: launch_moe_down(hg_ref, order[i % n_sets], offsets[i % n_sets], experts, F, D, ye_ref,
                                           stream=q), moe_y=ye_ref)
     return cases
 
@@ -232,20 +232,20 @@ def measure(case: Case, st, repeats: int) -> dict:
 
 
 def _sweep(cases, st, repeats):
-    """TB/s of the new kernels under other launch shapes (Plan(rows, split, groups)) and LOADS_IN_FLIGHT."""
+    """TB/s of the new kernels under other launch shapes (LaunchShape(rows, split, groups)) and LOADS_IN_FLIGHT."""
     from expert_service.kernels import gemv
-    from expert_service.kernels.gemv import Plan
-    plans = {False: [Plan(4, 1, 4), Plan(4, 1, 2), Plan(4, 2, 2), Plan(2, 1, 4), Plan(2, 2, 2), Plan(1, 1, 4),
-                     Plan(1, 4, 1)],
-             True: [Plan(2, 1, 4), Plan(2, 1, 2), Plan(2, 2, 2), Plan(1, 1, 4), Plan(1, 2, 2)]}
+    from expert_service.kernels.gemv import LaunchShape
+    shapes = {False: [LaunchShape(4, 1, 4), LaunchShape(4, 1, 2), LaunchShape(4, 2, 2), LaunchShape(2, 1, 4), LaunchShape(2, 2, 2), LaunchShape(1, 1, 4),
+                     LaunchShape(1, 4, 1)],
+             True: [LaunchShape(2, 1, 4), LaunchShape(2, 1, 2), LaunchShape(2, 2, 2), LaunchShape(1, 1, 4), LaunchShape(1, 2, 2)]}
     names = [n for n in ("q_proj", "kv_proj", "lm_head", "swiglu_dense", "expert_gate_up", "expert_down")
              if n in cases]
     out = {name: {} for name in names}
     for name in names:
         nbytes, launch = cases[name].nbytes, cases[name].gemv
-        for plan in plans[name in ("swiglu_dense", "expert_gate_up")]:
-            t = graph_timed(lambda i, q, p=plan, launch=launch: launch(i, q, plan=p), st, repeats)
-            out[name][str(tuple(plan))] = nbytes / t / 1e12
+        for shape in shapes[name in ("swiglu_dense", "expert_gate_up")]:
+            t = graph_timed(lambda i, q, p=shape, launch=launch: launch(i, q, shape=p), st, repeats)
+            out[name][str(tuple(shape))] = nbytes / t / 1e12
     default = gemv.LOADS_IN_FLIGHT
     for lif in (4, 16):                 # module constant read when a variant is built: rebuild all
         gemv.LOADS_IN_FLIGHT = lif

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_format import ModelDir  # noqa: E402
 from common.models import FAMILIES  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
-from common.tiny_model import make_tiny  # noqa: E402
+from expert_service.tiny_model import make_tiny  # noqa: E402
 from expert_service.config import EngineConfig  # noqa: E402
 from expert_service.engine import Engine, PrefillInput  # noqa: E402
 from expert_service.routing_gen import generate  # noqa: E402

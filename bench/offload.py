@@ -31,7 +31,7 @@ Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
 
-`--shapes tiny --backend cpu`: common.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
+`--shapes tiny --backend cpu`: expert_service.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ from expert_service.sampling import SamplingParams  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
-TINY = "tiny"                    # test-only shape: common.tiny_model's Mixtral (cpu backend, no HF)
+TINY = "tiny"                    # test-only shape: expert_service.tiny_model's Mixtral (cpu backend, no HF)
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # SPEC §12's H200 figure; used only when no GPU can measure it
 PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
 DECODE_BATCHES = (1, 16)
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir) / name
         base = None
         if name == TINY:
-            from common.tiny_model import make_tiny
+            from expert_service.tiny_model import make_tiny
             model_dir = make_tiny(workdir / "model", family="mixtral")
         else:
             import torch

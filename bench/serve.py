@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def start_serve(args) -> tuple[subprocess.Popen, str, int]:
     port, metrics = free_port(), free_port()
-    cmd = [sys.executable, "-m", "common.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "colibri.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(metrics), "--worker-metrics-port", "0",
            "--backend", args.backend, "--max-concurrent-requests", str(max(args.clients * 2, 8))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tiny_model import make_tiny
+from expert_service.tiny_model import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from common.models import config_from_hf, tensor_specs
-from common.tiny_model import write_tiny_checkpoint
+from expert_service.tiny_model import write_tiny_checkpoint
 
 TOKEN_DIMS = 16     # residual dims that keep the embedding untouched through every layer
 

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from common.model_format import ModelDir
-    from common.tiny_model import make_tiny
+    from expert_service.tiny_model import make_tiny
     out = make_tiny(args.out_dir, family=args.family, seed=args.seed, progress=not args.no_progress)
     model = ModelDir.open(out, verify=False)
     print(f"wrote tiny {args.family} (seed {args.seed}) to {out}: {len(model.entries)} tensors, "

@@ -26,19 +26,19 @@ from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, allocate_workspace, plan_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
-from expert_service.kernels.attention_decode import attention_decode
-from expert_service.kernels.attention_prefill_mma import attention_prefill_fast
+from expert_service.kernels.attention_decode import launch_attention_decode
+from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
-from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import (launch_expert_down, launch_expert_gate_up, launch_gemv,
                                          launch_gemv_swiglu)
-from expert_service.kernels.kv_write import kv_write
-from expert_service.kernels.moe_combine import moe_combine
-from expert_service.kernels.moe_combine_dense import moe_combine_dense
-from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.kernels.kv_write import launch_kv_write
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.rope import launch_rope
-from expert_service.kernels.router_topk import router_topk
+from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.experts import SlotPlan
 from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
@@ -130,7 +130,7 @@ class CudaDecoder:
             self._stage(prompt, T, 1, 1)
             self._run(T, 1, 1, decode=False)
             self.stream.synchronize()     # the next _stage rewrites the pinned staging this upload reads
-        if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads attention_decode
+        if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads launch_attention_decode
             self._stage(self._padding(), 1, 1, 1)
             self._run(1, 1, 1, decode=True)
             self.stream.synchronize()
@@ -309,14 +309,14 @@ class CudaDecoder:
                 elementwise.launch_clamp(t, cfg.clip_qkv, stream=st)
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
         launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
-        kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
+        launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
         attn3 = ws.attn[:T].reshape(T, H, Hd)
         window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
         if decode:
-            attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
+            launch_attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
                              ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
         else:
-            attention_prefill_fast(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
+            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
                               ws.block_tables[:S], ws.context_lens[:S], window, scale, attn3, stream=st)
         self._linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 
@@ -329,7 +329,7 @@ class CudaDecoder:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+        launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
         experts = w.experts.get(i)
         if self.cached is not None:
             self.cached.moe(i, x, h, T, ids, weights)
@@ -337,20 +337,20 @@ class CudaDecoder:
             out = ws.moe_out[:n]
             launch_expert_gate_up(x, ids, experts, F, D, ws.moe_gate[:n], stream=st)
             launch_expert_down(ws.moe_gate[:n], ids, experts, F, D, out, stream=st)
-            moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
+            launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
         elif n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
             y = self._all_experts(x, experts, T, E, F, D)
-            moe_combine_dense(y, ids, weights, h, stream=st)
+            launch_moe_combine_dense(y, ids, weights, h, stream=st)
         else:
             order, position = ws.order[:n], ws.position[:n]
-            expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+            launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
             out = ws.moe_out[:n]
             if T <= DENSE_EXPERT_MAX_TOKENS:
-                moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
-                moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
+                launch_moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
+                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
             else:
                 self._experts_cublas(x, experts, order, n, K, F, D, out)
-            moe_combine(out, position, weights, h, stream=st)
+            launch_moe_combine(out, position, weights, h, stream=st)
         if cfg.shared_expert_intermediate_size:
             g = ws.shared_gate[:T]
             self._swiglu(x, w.layer(i, "shared_gate_proj"), w.layer(i, "shared_up_proj"), g, ws.shared_up[:T])

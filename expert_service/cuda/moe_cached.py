@@ -5,7 +5,7 @@ the experts run in waves of at most `slots` experts against the layer's slot buf
 
 Per MoE layer: router -> top-k -> grouping (as the resident path) -> [lookahead: the next MoE layer's gate on
 this layer's input] -> one readback + sync -> lookahead prefetch into the next layer's slots -> waves ->
-one weighted combine. Steps of up to 64 tokens use the grouped expert kernels (moe_gate_up / moe_down);
+one weighted combine. Steps of up to 64 tokens use the grouped expert kernels (launch_moe_gate_up / launch_moe_down);
 larger steps gather their tokens once and run two cuBLAS GEMMs per expert. Every assignment's output row
 is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are bitwise
 the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host decides
@@ -20,11 +20,11 @@ from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS
 from expert_service.config import PrefetchSource
 from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
-from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
-from expert_service.kernels.moe_combine import moe_combine
-from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
-from expert_service.kernels.router_topk import router_topk
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.router_topk import launch_router_topk
 
 
 class CachedExperts:
@@ -77,11 +77,11 @@ class CachedExperts:
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
-        expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
         if ahead is not None:
             d._linear(x, d.weights.layer(ahead, "router"), self.ahead_logits[:T])
-            router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
+            launch_router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
                         stream=st)
             self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
         large = T > DENSE_EXPERT_MAX_TOKENS          # the per-expert GEMMs need the row ranges on the host
@@ -106,10 +106,10 @@ class CachedExperts:
                     row[e] = slot
                 slot_of = self.slot_of[w]
                 slot_of.copy_to_device(row, stream=st)
-                moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
-                moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
+                launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
+                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
             self.slots.used(i, wave.values())
-        moe_combine(out, position, weights, h, stream=st)
+        launch_moe_combine(out, position, weights, h, stream=st)
 
     def close(self) -> None:
         self.slots.close()

@@ -195,7 +195,7 @@ def attention_decode_reduce_kernel(part_out, part_ml, out):
 _reduce = cuda.jit(attention_decode_reduce_kernel)
 
 
-def attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
+def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
                      part_out=None, part_ml=None, stream=0) -> None:
     """q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits);
     block_tables: [S, max_blocks] int32; context_lens, positions: [S] int32; window: 0 = none;

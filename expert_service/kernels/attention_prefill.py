@@ -1,6 +1,6 @@
 """Varlen causal attention of a step's new tokens over each sequence's paged KV cache, flash-attention
 style (numpy reference: expert_service.cpu.layers.attention.paged_attention). The new tokens' keys and values
-are already in the pool (kv_write runs first), so chunked prefill needs nothing special: a chunk's queries
+are already in the pool (launch_kv_write runs first), so chunked prefill needs nothing special: a chunk's queries
 read the earlier chunks from the same block table.
 
 Design:
@@ -197,7 +197,7 @@ def check_arguments(kernel: str, q, k_pool, v_pool, seq_starts, positions, block
     return num_tokens, num_heads, head_dim, num_seqs, num_kv_heads, block_size
 
 
-def attention_prefill(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
+def launch_attention_prefill(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
                       scale: float, out, stream=0) -> None:
     """q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits),
     already holding this step's keys/values; seq_starts: [S + 1] int32; positions: [T] int32 (ascending

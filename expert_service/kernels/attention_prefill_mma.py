@@ -1,12 +1,12 @@
 """attention_prefill on tensor cores for bf16 KV pools: the same operation and launcher signature as
 kernels.attention_prefill (varlen causal attention of a step's new tokens over each sequence's paged KV cache,
 chunked prefill, sliding window, GQA), with QK^T and PV on inline-PTX mma.sync m16n8k16 bf16 (kernels.mma).
-`attention_prefill_fast` picks this kernel when it applies and the fp32 CUDA-core kernel otherwise (fp32/fp16
+`launch_attention_prefill_fastest` picks this kernel when it applies and the fp32 CUDA-core kernel otherwise (fp32/fp16
 pools, head sizes that are not a multiple of 16, the CUDA simulator, which cannot run inline PTX).
 
 Design (FlashAttention-2, one warp per 16 query rows):
 - Block = (query tile of BQ = 64 rows of one sequence, query head), 4 warps. Grid x is ceil(T / BQ) + S as in
-  attention_prefill; the block -> (sequence, tile) walk reads the tile counts in parallel, and a sequence's
+  launch_attention_prefill; the block -> (sequence, tile) walk reads the tile counts in parallel, and a sequence's
   last (most keys) tile is launched first.
 - q is scaled by scale * log2(e), rounded to bf16 and kept in registers as A fragments, so softmax runs in base
   2 (ex2.approx). S = Q K^T and O += P V accumulate in fp32 registers; P is rounded to bf16 for the PV product
@@ -32,7 +32,7 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_prefill import attention_prefill, check_arguments
+from expert_service.kernels.attention_prefill import launch_attention_prefill, check_arguments
 from expert_service.kernels.mma import exp2_approx, mma_bf16_m16n8k16 as mma, pack_bf16x2 as pack
 from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
 
@@ -52,7 +52,7 @@ def key_tile(head_dim: int) -> int:
 
 
 def supports(kv_dtype, head_dim: int) -> bool:
-    """Whether attention_prefill_fast runs the tensor-core kernel for this pool dtype and head size."""
+    """Whether launch_attention_prefill_fastest runs the tensor-core kernel for this pool dtype and head size."""
     return (not SIMULATOR and np.dtype(kv_dtype) == np.uint16 and head_dim % 16 == 0
             and 16 <= head_dim <= MAX_HEAD_DIM)
 
@@ -314,7 +314,7 @@ def _build(head_dim: int):
     return attention_prefill_mma_kernel, cuda.jit(attention_prefill_mma_kernel)
 
 
-def attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
+def launch_attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
                           scale: float, out, stream=0) -> None:
     """attention_prefill's arguments (q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16 bits
     with Hd a multiple of 16, <= MAX_HEAD_DIM; ...; out: [T, H, Hd] float32), on tensor cores."""
@@ -331,10 +331,10 @@ def attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables
         np.float32(scale * LOG2E), out)
 
 
-def attention_prefill_fast(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
+def launch_attention_prefill_fastest(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
                            scale: float, out, stream=0) -> None:
     """attention_prefill, on tensor cores when `supports(k_pool.dtype, head_dim)`, else the fp32 kernel."""
-    launch = attention_prefill_mma if supports(k_pool.dtype, q.shape[2]) else attention_prefill
+    launch = launch_attention_prefill_mma if supports(k_pool.dtype, q.shape[2]) else launch_attention_prefill
     launch(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window, scale, out, stream)
 
 

@@ -31,7 +31,7 @@ def _expert_grouping_kernel(ids, counts, offsets, order, position):
     """ids [T, K] int32 in [0, E) -> counts [E], offsets [E+1], order [T*K], position [T*K] (all int32).
 
     order[p] = flat assignment index t*K+k at grouped position p; position[t*K+k] = p (inverse permutation).
-    Ids outside [0, E) are dropped (router_topk never produces them); they would leave holes in order.
+    Ids outside [0, E) are dropped (launch_router_topk never produces them); they would leave holes in order.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -87,7 +87,7 @@ def _expert_grouping_kernel(ids, counts, offsets, order, position):
             position[i] = p
 
 
-def expert_grouping(ids, counts, offsets, order, position, stream=0) -> None:
+def launch_expert_grouping(ids, counts, offsets, order, position, stream=0) -> None:
     """ids [T, K] int32 (device); writes counts [E], offsets [E+1], order [T*K], position [T*K] (int32, device)."""
     n_tok, top_k = ids.shape
     n_exp = counts.shape[0]

@@ -50,14 +50,14 @@ _MAX_ROWS = 4             # weight rows per warp (dense ROWS <= 4, gated 2 * ROW
 _RED_SHAPE = (MAX_SPLIT * BLOCK_WARPS, _MAX_ROWS)   # per-warp partial sums (up to 64 warps)
 
 
-class Plan(NamedTuple):
+class LaunchShape(NamedTuple):
     """rows: output rows per warp; split: warps per row group (K ranges); groups: row groups per block."""
     rows: int
     split: int
     groups: int
 
 
-def plan_for(n_rows: int, n_chunks: int, slots: int, gated: bool) -> Plan:
+def launch_shape_for(n_rows: int, n_chunks: int, slots: int, gated: bool) -> LaunchShape:
     """Launch shape for n_rows outputs per slot, n_chunks 16-byte chunks per weight row, slots (1 or K)."""
     def warps(r):
         return -(-n_rows // r) * slots
@@ -67,7 +67,7 @@ def plan_for(n_rows: int, n_chunks: int, slots: int, gated: bool) -> Plan:
     # each warp keeps >= 32 chunks (one per lane): splitting thinner only adds reduction work
     while split < MAX_SPLIT and warps(rows) * split < TARGET_WARPS and n_chunks >= 2 * split * WARP:
         split *= 2
-    return Plan(rows, split, max(1, BLOCK_WARPS // split))
+    return LaunchShape(rows, split, max(1, BLOCK_WARPS // split))
 
 
 def _chunk_ops(dtype, wide: bool):
@@ -257,7 +257,7 @@ def _check(name, a, shape, dtypes):
 
 
 def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, slots, gated, bias, mode, out,
-            stream, plan, wide):
+            stream, shape, wide):
     """Offsets in elements of the weights' dtype; converts them to u32 words for the 16-byte path."""
     dtype = np.dtype(wa.dtype)
     flat_a, flat_b = wa.reshape(wa.size), wb.reshape(wb.size)
@@ -269,23 +269,23 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
         n_chunks = row_len // 4
     else:
         n_chunks = row_len
-    plan = plan or plan_for(n_rows, n_chunks, slots, gated)
-    if plan.rows * (2 if gated else 1) > _MAX_ROWS or plan.groups * plan.split > _RED_SHAPE[0]:
-        raise ValueError(f"plan {plan} exceeds {_MAX_ROWS} weight rows per warp or {_RED_SHAPE[0]} warps")
-    kernel = _build(dtype.type, wide, plan.rows, gated)[1]
-    grid = (-(-n_rows // (plan.rows * plan.groups)), slots)
-    block = WARP * plan.groups * plan.split
+    shape = shape or launch_shape_for(n_rows, n_chunks, slots, gated)
+    if shape.rows * (2 if gated else 1) > _MAX_ROWS or shape.groups * shape.split > _RED_SHAPE[0]:
+        raise ValueError(f"shape {shape} exceeds {_MAX_ROWS} weight rows per warp or {_RED_SHAPE[0]} warps")
+    kernel = _build(dtype.type, wide, shape.rows, gated)[1]
+    grid = (-(-n_rows // (shape.rows * shape.groups)), slots)
+    block = WARP * shape.groups * shape.split
     use_ids = int(ids is not None)
     ids = ids.reshape(ids.size) if ids is not None else x.reshape(x.size).view(np.int32)
     kernel[grid, block, stream](x.reshape(x.size), x_stride, ids, use_ids, flat_a, flat_b, stride, first,
-                                second, row_len, n_rows, n_chunks, plan.split,
+                                second, row_len, n_rows, n_chunks, shape.split,
                                 bias if bias is not None else dummy, int(bias is not None), mode, out)
 
 
-def launch_gemv(x, weight, out, bias=None, accumulate=False, stream=0, plan=None) -> None:
+def launch_gemv(x, weight, out, bias=None, accumulate=False, stream=0, shape=None) -> None:
     """x: [1, K] float32; weight: [N, K] uint16 (bfloat16 bits) / float16 / float32; out: [1, N] float32,
     written (out = x @ W^T + bias) or, with accumulate=True, added to (fused residual: out += x @ W^T + bias).
-    bias: optional [N] of weight's dtype. plan: launch shape override (default plan_for)."""
+    bias: optional [N] of weight's dtype. shape: launch shape override (default launch_shape_for)."""
     n, k = weight.shape
     _check("x", x, (1, k), (np.float32,))
     _check("weight", weight, (n, k), _DTYPES)
@@ -296,10 +296,10 @@ def launch_gemv(x, weight, out, bias=None, accumulate=False, stream=0, plan=None
         return
     wide = k * weight.dtype.itemsize % 16 == 0 and _aligned(weight) and _aligned(x)
     _launch(x, 0, None, weight, weight, 0, 0, 0, k, n, 1, False, bias,
-            MODE_ACCUMULATE if accumulate else MODE_STORE, out, stream, plan, wide)
+            MODE_ACCUMULATE if accumulate else MODE_STORE, out, stream, shape, wide)
 
 
-def launch_gemv_swiglu(x, gate, up, out, stream=0, plan=None) -> None:
+def launch_gemv_swiglu(x, gate, up, out, stream=0, shape=None) -> None:
     """x: [1, K] float32; gate, up: [F, K] weights of one dtype (or up=None and gate = [2F, K]: gate rows then
     up rows); out: [1, F] float32 = silu(x @ gate^T) * (x @ up^T)."""
     rows, k = gate.shape
@@ -314,7 +314,7 @@ def launch_gemv_swiglu(x, gate, up, out, stream=0, plan=None) -> None:
     wide = (k * gate.dtype.itemsize % 16 == 0 and _aligned(gate) and _aligned(x)
             and (up is None or _aligned(up)))
     _launch(x, 0, None, gate, gate if up is None else up, 0, 0, f * k if up is None else 0, k, f, 1, True,
-            None, MODE_SWIGLU, out, stream, plan, wide)
+            None, MODE_SWIGLU, out, stream, shape, wide)
 
 
 def _expert_wide(experts, row_elems, src) -> bool:
@@ -332,7 +332,7 @@ def _check_experts(experts, F, D, ids):
     return ids.shape[1]
 
 
-def launch_expert_gate_up(x, ids, experts, F: int, D: int, h, stream=0, plan=None) -> None:
+def launch_expert_gate_up(x, ids, experts, F: int, D: int, h, stream=0, shape=None) -> None:
     """One token through the gate/up of its K experts: x [1, D] float32; ids [1, K] int32 (device; repeats
     allowed, each id in [0, E)); experts [E, stride] uint16/float16/float32, expert e = gate [F, D], up [F, D],
     down [D, F] back to back (moe_ffn layout); h [K, F] float32: h[k] = silu(x . gate[ids[k]]^T) *
@@ -343,10 +343,10 @@ def launch_expert_gate_up(x, ids, experts, F: int, D: int, h, stream=0, plan=Non
     if top_k == 0 or F == 0:
         return
     _launch(x, 0, ids, experts, experts, experts.shape[1], 0, F * D, D, F, top_k, True, None, MODE_SWIGLU, h,
-            stream, plan, _expert_wide(experts, D, x))
+            stream, shape, _expert_wide(experts, D, x))
 
 
-def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, plan=None) -> None:
+def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, shape=None) -> None:
     """h [K, F] float32 (launch_expert_gate_up's output, slot order); ids [1, K] int32 (device); experts as in
     launch_expert_gate_up; y [K, D] float32: y[k] = h[k] @ down[ids[k]]^T (not yet weighted by the router)."""
     top_k = _check_experts(experts, F, D, ids)
@@ -355,7 +355,7 @@ def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, plan=None) 
     if top_k == 0 or D == 0:
         return
     _launch(h, F, ids, experts, experts, experts.shape[1], 2 * F * D, 2 * F * D, F, D, top_k, False, None,
-            MODE_STORE, y, stream, plan, _expert_wide(experts, F, h))
+            MODE_STORE, y, stream, shape, _expert_wide(experts, F, h))
 
 
 def sm90_signatures():

@@ -39,7 +39,7 @@ def _build(pool_dtype):
     return kv_write_kernel, cuda.jit(kv_write_kernel)
 
 
-def kv_write(k, v, slot_mapping, k_pool, v_pool, stream=0) -> None:
+def launch_kv_write(k, v, slot_mapping, k_pool, v_pool, stream=0) -> None:
     """k, v: [T, Hkv, Hd] float32 device arrays; slot_mapping: [T] int32 (slot = block * BS + row, negative
     = skip); k_pool, v_pool: [NB, BS, Hkv, Hd] device arrays of one storage dtype (float32, float16, or
     uint16 holding bfloat16 bits), written in place with round-to-nearest-even narrowing."""

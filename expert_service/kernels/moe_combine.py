@@ -28,7 +28,7 @@ def _moe_combine_kernel(y, position, weights, h):
         h[t, d] += acc
 
 
-def moe_combine(y, position, weights, h, stream=0) -> None:
+def launch_moe_combine(y, position, weights, h, stream=0) -> None:
     """y [T*K, D] f32, position [T*K] int32, weights [T, K] f32, h [T, D] f32 (all device; h updated in place)."""
     n_tok, top_k = weights.shape
     width = h.shape[1]

@@ -24,7 +24,7 @@ def _combine_dense(y, ids, weights, h):
         h[t, d] += acc
 
 
-def moe_combine_dense(y, ids, weights, h, stream=0) -> None:
+def launch_moe_combine_dense(y, ids, weights, h, stream=0) -> None:
     """y: [E, T, D] float32 (every expert's output for every token); ids: [T, K] int32; weights: [T, K]
     float32; h: [T, D] float32, updated in place."""
     num_tokens = h.shape[0]

@@ -4,13 +4,13 @@ Reference: ``expert_service.cpu.layers.moe.swiglu_mlp`` applied per expert in gr
 Weights: one device array per MoE layer, W [E, stride] (stride = expert_stride / itemsize elements), expert e
 holding gate [F, D], up [F, D], down [D, F] back to back, row-major [out, in]; uint16 (bf16 bits), float16 or
 float32. Two launches per layer:
-  moe_gate_up: h[p, f] = silu(x[order[p] // K] . gate[e, f]) * (x[order[p] // K] . up[e, f])   h [T*K, F]
-  moe_down:    y[p, d] = h[p] . down[e, d]                                                      y [T*K, D]
+  launch_moe_gate_up: h[p, f] = silu(x[order[p] // K] . gate[e, f]) * (x[order[p] // K] . up[e, f])   h [T*K, F]
+  launch_moe_down:    y[p, d] = h[p] . down[e, d]                                                      y [T*K, D]
 for every grouped position p in [offsets[e], offsets[e+1]).
 
 Grid = (E, ceil(rows / ROWS_PER_BLOCK)) whatever the routing, so the launch is graph-capturable; blocks of
 experts without tokens return at once. A block (WARPS warps) owns ROWS_PER_BLOCK output rows of one expert;
-each warp streams ROWS_PER_WARP rows (both gate and up rows in moe_gate_up), lanes striding along the input
+each warp streams ROWS_PER_WARP rows (both gate and up rows in launch_moe_gate_up), lanes striding along the input
 dim and accumulating in f32, then a shared-memory reduction per (row, token). The expert's inputs are staged in shared
 memory TOK_TILE tokens x CHUNK features at a time; experts with more tokens loop over token tiles, re-reading
 the block's weight rows (L2-resident: 16 rows x D) instead of keeping one accumulator per token.
@@ -217,7 +217,7 @@ def _wide(W, n_in):
     return np.dtype(W.dtype) == np.uint16 and n_in % WIDE == 0 and W.shape[1] % WIDE == 0
 
 
-def moe_gate_up(x, order, offsets, W, F: int, D: int, h, stream=0, slot_of=None) -> None:
+def launch_moe_gate_up(x, order, offsets, W, F: int, D: int, h, stream=0, slot_of=None) -> None:
     """x [T, D] f32, order [T*K] int32, offsets [E+1] int32, W [E, stride] -> h [T*K, F] f32 (grouped order).
     With slot_of [E] int32 (device), W is [slots, stride] and expert e reads block slot_of[e] (< 0: skipped)."""
     n_tok = x.shape[0]
@@ -229,7 +229,7 @@ def moe_gate_up(x, order, offsets, W, F: int, D: int, h, stream=0, slot_of=None)
     _launch(x, order, offsets, W, F, D, 0, F * D, n // n_tok, True, slot_of, h, stream)
 
 
-def moe_down(h, order, offsets, W, F: int, D: int, y, stream=0, slot_of=None) -> None:
+def launch_moe_down(h, order, offsets, W, F: int, D: int, y, stream=0, slot_of=None) -> None:
     """h [T*K, F] f32 (grouped order), order [T*K] int32 (unused: h is already grouped; kept for one kernel
     signature), offsets [E+1] int32, W [E, stride] -> y [T*K, D] f32 (grouped order); slot_of as moe_gate_up."""
     n = h.shape[0]

@@ -87,7 +87,7 @@ def _router_topk_kernel(logits, ids, weights, normalize):
             weights[t, k] = weights[t, k] / total
 
 
-def router_topk(logits, ids, weights, normalize: bool, stream=0) -> None:
+def launch_router_topk(logits, ids, weights, normalize: bool, stream=0) -> None:
     """logits [T, E] f32 (device), ids [T, K] int32 and weights [T, K] f32 (device, written)."""
     n_tok, n_exp = logits.shape
     top_k = ids.shape[1]

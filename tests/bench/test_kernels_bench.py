@@ -21,7 +21,7 @@ def test_expert_reference_rows_line_up():
     """gemv's expert outputs (slot order) equal moe_ffn's (grouped order) for expert_sets' ids, so the
     bench's diff compares row by row (simulator, bf16, tiny shapes)."""
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
-    from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+    from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
     from expert_service.experts import group_by_expert
     rng = np.random.default_rng(1)
     E, K, F, D = 4, 2, 8, 40
@@ -35,9 +35,9 @@ def test_expert_reference_rows_line_up():
     y, y_ref = cuda.device_array((K, D), np.float32), cuda.device_array((K, D), np.float32)
     d_ids = cuda.to_device(ids)
     launch_expert_gate_up(x, d_ids, experts, F, D, h)
-    moe_gate_up(x, order, offsets, experts, F, D, h_ref)
+    launch_moe_gate_up(x, order, offsets, experts, F, D, h_ref)
     launch_expert_down(h_ref, d_ids, experts, F, D, y)
-    moe_down(h_ref, order, offsets, experts, F, D, y_ref)
+    launch_moe_down(h_ref, order, offsets, experts, F, D, y_ref)
     assert kernels.rel_diff(h.copy_to_host(), h_ref.copy_to_host()) < 1e-5
     assert kernels.rel_diff(y.copy_to_host(), y_ref.copy_to_host()) < 1e-5
 

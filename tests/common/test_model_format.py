@@ -15,7 +15,7 @@ from common.errors import ModelFormatError
 from common.model_format import (DENSE_ALIGN, DENSE_FILE, EXPERT_ALIGN, MANIFEST, ModelDir, ModelWriter,
                                  expert_file, plan_layout, read_manifest_config)
 from common.models import FAMILIES, config_from_hf, tensor_specs
-from common.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
 from expert_service.convert import convert
 
 

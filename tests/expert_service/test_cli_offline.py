@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from common.cli import main
+from colibri.cli import main
 from common.errors import ChecksumError, ModelFormatError
 from common.model_format import MANIFEST, ModelDir
 from common.models import FAMILIES
-from common.tiny_model import BOS_ID, EOS_ID, VOCAB_SIZE, make_tiny
+from expert_service.tiny_model import BOS_ID, EOS_ID, VOCAB_SIZE, make_tiny
 
 TEXTS = ["Hello, world!", "héllo wörld ß ø", "日本語のテキスト", "emoji 🦜🔥👩‍👩‍👧 and\ttabs\n\nnewlines  ",
          "<s> looks special but is text", "\x00\x7f control \u200b zero-width", ""]

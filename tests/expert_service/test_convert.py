@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from common.cli import main
+from colibri.cli import main
 from common.errors import ModelFormatError
 from common.model_format import ModelDir
 from common.models import FAMILIES, tensor_specs
-from common.tiny_model import tiny_hf_config, write_tiny_checkpoint
+from expert_service.tiny_model import tiny_hf_config, write_tiny_checkpoint
 from expert_service.convert import convert
 
 # Sizes that are not multiples of 32 and expert counts that are not powers of two.

@@ -4,7 +4,7 @@ import pytest
 
 from common.model_format import ModelDir
 from common.models import FAMILIES
-from common.tiny_model import make_tiny
+from expert_service.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput, cuda_available
 from expert_service.sampling import SamplingParams

@@ -2,7 +2,7 @@
 import numpy as np
 
 from common.models import config_from_hf
-from common.tiny_model import tiny_hf_config
+from expert_service.tiny_model import tiny_hf_config
 from expert_service.cuda.workspace import METADATA, RESULTS, packed_layout, plan_workspace
 
 

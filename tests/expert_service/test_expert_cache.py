@@ -5,7 +5,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
-from common.tiny_model import make_tiny
+from expert_service.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.convert import convert
 from expert_service.engine import Engine

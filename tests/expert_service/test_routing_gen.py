@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from common.cli import main
+from colibri.cli import main
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
-from common.tiny_model import make_tiny
+from expert_service.tiny_model import make_tiny
 from expert_service import routing_gen
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine

@@ -110,7 +110,7 @@ def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch)
 
 
 def test_worker_cli_rejects_bad_model_dir_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "common.cli", "worker", "--model", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "colibri.cli", "worker", "--model", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
     assert result.stderr.strip().count("\n") == 0 and "colibri.json" in result.stderr

@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 import pytest
 
-from common.cli import main as colibri
+from colibri.cli import main as colibri
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import worker_pb2 as wpb
 from common.pb import worker_pb2_grpc
-from common.tiny_model import make_tiny
+from expert_service.tiny_model import make_tiny
 from tests.conftest import BackgroundWorker
 from tests.router_harness import running_router
 from tests.routing_models import make_token_routed_model

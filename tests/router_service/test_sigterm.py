@@ -36,7 +36,7 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         worker_server, address = await start_fake_worker(FakeWorker(step_delay=0.01))
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "common.cli", "router", "--worker", address, "--host", "127.0.0.1",
+            sys.executable, "-m", "colibri.cli", "router", "--worker", address, "--host", "127.0.0.1",
             "--port", str(port), "--metrics-port", "0", "--drain-timeout-s", "10",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.attention_decode import attention_decode, decode_splits
+from expert_service.kernels.attention_decode import launch_attention_decode, decode_splits
 from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
@@ -28,7 +28,7 @@ def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, win
     if splits > 1:
         part_out = cuda.to_device(np.full((num_seqs, num_heads, splits, head_dim), np.nan, dtype=np.float32))
         part_ml = cuda.to_device(np.full((num_seqs, num_heads, splits, 2), np.nan, dtype=np.float32))
-    attention_decode(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
+    launch_attention_decode(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
                      cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, part_out, part_ml)
     assert_close(out.copy_to_host(), want, rtol)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.attention_prefill import attention_prefill
+from expert_service.kernels.attention_prefill import launch_attention_prefill
 from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
@@ -23,7 +23,7 @@ def _check(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_si
     scale = head_dim ** -0.5
     want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, scale, window)
     out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
-    attention_prefill(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(seq_starts),
+    launch_attention_prefill(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(seq_starts),
                       cuda.to_device(positions), cuda.to_device(tables), cuda.to_device(ctx), window, scale, out)
     assert_close(out.copy_to_host(), want, rtol)
 

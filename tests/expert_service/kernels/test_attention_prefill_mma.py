@@ -1,5 +1,5 @@
 """attention_prefill_mma (tensor cores, bf16 pools) vs expert_service.cpu.layers.attention.paged_attention and vs the
-fp32 attention_prefill kernel; attention_prefill_fast falls back to attention_prefill where mma cannot run.
+fp32 launch_attention_prefill kernel; launch_attention_prefill_fastest falls back to launch_attention_prefill where mma cannot run.
 
 Tolerance: RTOL = 1e-2 of max |reference|. The kernel rounds q * scale and the softmax weights P to bf16
 (relative step 2**-8, so up to 2e-3 per value) before the tensor-core products; errors measured in an emulation of
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels import attention_prefill_mma as mma_module
-from expert_service.kernels.attention_prefill import attention_prefill
-from expert_service.kernels.attention_prefill_mma import attention_prefill_fast, supports
+from expert_service.kernels import launch_attention_prefill_mma as mma_module
+from expert_service.kernels.attention_prefill import launch_attention_prefill
+from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest, supports
 from expert_service.cpu.layers.attention import paged_attention
 
 from ._attention_helpers import assert_close, from_pool, gpu, needs_gpu, random_cache
@@ -39,15 +39,15 @@ def _run(launch, q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, 
 
 
 def _check(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=0, block_size=16):
-    assert supports(np.uint16, head_dim)          # attention_prefill_fast takes the tensor-core path
+    assert supports(np.uint16, head_dim)          # launch_attention_prefill_fastest takes the tensor-core path
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
         np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size)
     scale = head_dim ** -0.5
     want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, scale, window)
     args = (q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale)
-    got = _run(attention_prefill_fast, *args)
+    got = _run(launch_attention_prefill_fastest, *args)
     assert_close(got, want, RTOL)
-    assert_close(got, _run(attention_prefill, *args), RTOL)
+    assert_close(got, _run(launch_attention_prefill, *args), RTOL)
 
 
 @gpu
@@ -109,12 +109,12 @@ def test_fast_falls_back_without_mma(monkeypatch):
 
     def spy(*args):
         calls.append(args)
-        attention_prefill(*args)
+        launch_attention_prefill(*args)
 
     monkeypatch.setattr(mma_module, "attention_prefill", spy)
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
         np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4)
     want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
-    got = _run(attention_prefill_fast, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
+    got = _run(launch_attention_prefill_fastest, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
     assert len(calls) == 1
     assert_close(got, want, 1e-5)

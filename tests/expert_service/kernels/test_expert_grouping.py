@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.expert_grouping import expert_grouping
+from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.experts import group_by_expert
 from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, fast_simulator_threads,  # noqa: F401
                                                         has_gpu, random_ids)
@@ -13,7 +13,7 @@ from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, fast_simulator_
 def run_and_check(ids, n_exp):
     n = ids.size
     bufs = [cuda.to_device(np.full(size, -5, np.int32)) for size in (n_exp, n_exp + 1, n, n)]
-    expert_grouping(cuda.to_device(ids), *bufs)
+    launch_expert_grouping(cuda.to_device(ids), *bufs)
     counts, offsets, order, position = (b.copy_to_host() for b in bufs)
     ref = group_by_expert(ids, n_exp)
     np.testing.assert_array_equal(offsets, ref.offsets)
@@ -37,8 +37,8 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 def test_counts_are_rezeroed_between_calls():
     ids = cuda.to_device(np.array([[0, 1], [1, 2]], np.int32))
     bufs = [cuda.to_device(np.zeros(s, np.int32)) for s in (3, 4, 4, 4)]
-    expert_grouping(ids, *bufs)
-    expert_grouping(ids, *bufs)
+    launch_expert_grouping(ids, *bufs)
+    launch_expert_grouping(ids, *bufs)
     assert bufs[0].copy_to_host().tolist() == [1, 2, 1]
     assert bufs[1].copy_to_host().tolist() == [0, 1, 3, 4]
 

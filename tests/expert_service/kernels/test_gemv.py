@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.gemv import (Plan, launch_expert_down, launch_expert_gate_up, launch_gemv,
-                                         launch_gemv_swiglu, plan_for)
+from expert_service.kernels.gemv import (LaunchShape, launch_expert_down, launch_expert_gate_up, launch_gemv,
+                                         launch_gemv_swiglu, launch_shape_for)
 from expert_service.cpu.layers.moe import silu
 
 from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
 from ._moe_helpers import expert_buffer, fast_simulator_threads  # noqa: F401  (autouse fixture)
 
 _NAME = {np.uint16: "bfloat16", np.float16: "float16", np.float32: "float32"}
-# (rows, split, groups): default plan, then K split over warps with several row groups per block
-_PLANS = [None, Plan(2, 2, 2), Plan(4, 1, 2)]
+# (rows, split, groups): default shape, then K split over warps with several row groups per block
+_PLANS = [None, LaunchShape(2, 2, 2), LaunchShape(4, 1, 2)]
 
 
 def _rtol(k):
@@ -24,7 +24,7 @@ def _rtol(k):
     return 2e-5 if k < 1024 else 1e-4
 
 
-def _check_gemv(rng, n, k, dtype, bias=False, accumulate=False, plan=None, offset=0):
+def _check_gemv(rng, n, k, dtype, bias=False, accumulate=False, shape=None, offset=0):
     x = rng.standard_normal((1, k), dtype=np.float32)
     w, wf = random_weight(rng, (n, k), dtype, scale=k ** -0.5)
     b, bf = random_weight(rng, (n,), dtype) if bias else (None, 0.0)
@@ -40,25 +40,25 @@ def _check_gemv(rng, n, k, dtype, bias=False, accumulate=False, plan=None, offse
     else:
         d_w = cuda.to_device(w)
     launch_gemv(cuda.to_device(x), d_w, out, bias=cuda.to_device(b) if bias else None, accumulate=accumulate,
-                plan=plan)
+                shape=shape)
     assert_close(out.copy_to_host(), want, _rtol(k))
 
 
-def _check_swiglu(rng, f, k, dtype, fused_matrix, plan=None):
+def _check_swiglu(rng, f, k, dtype, fused_matrix, shape=None):
     x = rng.standard_normal((1, k), dtype=np.float32)
     gu, guf = random_weight(rng, (2 * f, k), dtype, scale=k ** -0.5)
     x64 = x.astype(np.float64)
     want = silu(x64 @ guf[:f].T.astype(np.float64)) * (x64 @ guf[f:].T.astype(np.float64))
     out = nan_device((1, f))
     if fused_matrix:
-        launch_gemv_swiglu(cuda.to_device(x), cuda.to_device(gu), None, out, plan=plan)
+        launch_gemv_swiglu(cuda.to_device(x), cuda.to_device(gu), None, out, shape=shape)
     else:
         launch_gemv_swiglu(cuda.to_device(x), cuda.to_device(gu[:f].copy()), cuda.to_device(gu[f:].copy()), out,
-                           plan=plan)
+                           shape=shape)
     assert_close(out.copy_to_host(), want, _rtol(k))
 
 
-def _check_experts(rng, ids, n_exp, F, D, dtype, plan=None, down_plan=None, unpadded=False):
+def _check_experts(rng, ids, n_exp, F, D, dtype, shape=None, down_plan=None, unpadded=False):
     """unpadded: experts [E, 3FD] without expert_buffer's NaN padding (mixtral sizes: a quarter of its host
     work)."""
     if unpadded:
@@ -71,8 +71,8 @@ def _check_experts(rng, ids, n_exp, F, D, dtype, plan=None, down_plan=None, unpa
     top_k = ids.shape[1]
     h, y = nan_device((top_k, F)), nan_device((top_k, D))
     d_w, d_ids = cuda.to_device(W), cuda.to_device(ids)
-    launch_expert_gate_up(cuda.to_device(x), d_ids, d_w, F, D, h, plan=plan)
-    launch_expert_down(h, d_ids, d_w, F, D, y, plan=down_plan)
+    launch_expert_gate_up(cuda.to_device(x), d_ids, d_w, F, D, h, shape=shape)
+    launch_expert_down(h, d_ids, d_w, F, D, y, shape=down_plan)
     h, y = h.copy_to_host(), y.copy_to_host()
     x64 = x.astype(np.float64)
     want_h = np.concatenate([silu(x64 @ mats[e][0].T.astype(np.float64)) * (x64 @ mats[e][1].T.astype(np.float64))
@@ -92,9 +92,9 @@ def test_gemv_matches_reference(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
-@pytest.mark.parametrize("plan", _PLANS[1:])
-def test_gemv_split_and_row_groups(dtype, plan):
-    _check_gemv(np.random.default_rng(3), 9, 520, dtype, plan=plan)
+@pytest.mark.parametrize("shape", _PLANS[1:])
+def test_gemv_split_and_row_groups(dtype, shape):
+    _check_gemv(np.random.default_rng(3), 9, 520, dtype, shape=shape)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
@@ -102,7 +102,7 @@ def test_gemv_bias_and_residual(dtype):
     rng = np.random.default_rng(1)
     _check_gemv(rng, 5, 16, dtype, bias=True)
     _check_gemv(rng, 3, 9, dtype, bias=True, accumulate=True)
-    _check_gemv(rng, 6, 48, dtype, accumulate=True, plan=Plan(1, 2, 1))
+    _check_gemv(rng, 6, 48, dtype, accumulate=True, shape=LaunchShape(1, 2, 1))
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
@@ -113,7 +113,7 @@ def test_gemv_swiglu_matches_reference(dtype, f, k, fused):
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 def test_gemv_swiglu_split(dtype):
-    _check_swiglu(np.random.default_rng(5), 3, 264, dtype, True, plan=Plan(1, 2, 2))
+    _check_swiglu(np.random.default_rng(5), 3, 264, dtype, True, shape=LaunchShape(1, 2, 2))
 
 
 # (F, D) = (6, 40): gate/up rows 16-byte aligned for every dtype, down rows (F) scalar; (8, 36) the reverse
@@ -127,16 +127,16 @@ def test_experts_match_reference(dtype, ids, F, D):
 def test_experts_split_plan():
     # gate/up: K split over 2 warps (D = 132 f32 = 33 chunks); down: 4 rows x 4 groups (fewer simulated threads)
     _check_experts(np.random.default_rng(9), np.array([[1, 1]], np.int32), 2, 8, 132, np.float32,
-                   plan=Plan(1, 2, 1), down_plan=Plan(4, 1, 4))
+                   shape=LaunchShape(1, 2, 1), down_plan=LaunchShape(4, 1, 4))
 
 
 def test_plan_fills_the_gpu():
     """Small N splits K over warps; large N keeps 4 rows per warp; each warp has >= 32 chunks."""
-    assert plan_for(8, 512, 1, False) == Plan(1, 16, 1)          # N = 8 router, K = 4096 bf16
-    assert plan_for(128, 256, 1, False) == Plan(1, 8, 1)         # N = 128 router, K = 2048
-    assert plan_for(32000, 512, 1, False).rows == 4
+    assert launch_shape_for(8, 512, 1, False) == LaunchShape(1, 16, 1)          # N = 8 router, K = 4096 bf16
+    assert launch_shape_for(128, 256, 1, False) == LaunchShape(1, 8, 1)         # N = 128 router, K = 2048
+    assert launch_shape_for(32000, 512, 1, False).rows == 4
     for n, chunks, slots, gated in ((1024, 512, 1, False), (4096, 512, 1, False), (768, 256, 8, True)):
-        p = plan_for(n, chunks, slots, gated)
+        p = launch_shape_for(n, chunks, slots, gated)
         assert -(-n // p.rows) * slots * p.split >= 2048 and chunks // p.split >= 32, p
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.kv_write import kv_write
+from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.cpu.layers.attention import write_kv
 
 from ._attention_helpers import KV_DTYPES, gpu, needs_gpu, to_pool
@@ -23,7 +23,7 @@ def _check(rng, num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtyp
     want_k, want_v = k_pool.copy(), v_pool.copy()
     write_kv(want_k, want_v, to_pool(k[real], dtype), to_pool(v[real], dtype), slots[real])
     d_k, d_v = cuda.to_device(k_pool), cuda.to_device(v_pool)
-    kv_write(cuda.to_device(k), cuda.to_device(v), cuda.to_device(slots), d_k, d_v)
+    launch_kv_write(cuda.to_device(k), cuda.to_device(v), cuda.to_device(slots), d_k, d_v)
     np.testing.assert_array_equal(d_k.copy_to_host(), want_k)
     np.testing.assert_array_equal(d_v.copy_to_host(), want_v)
 

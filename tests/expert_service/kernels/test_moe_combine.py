@@ -1,13 +1,13 @@
 """moe_combine vs expert_service.experts.combine (+ residual), and the whole device MoE pipeline
-router_topk -> expert_grouping -> moe_gate_up -> moe_down -> moe_combine vs layers.moe.sparse_moe."""
+launch_router_topk -> launch_expert_grouping -> launch_moe_gate_up -> launch_moe_down -> launch_moe_combine vs layers.moe.sparse_moe."""
 import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.expert_grouping import expert_grouping
-from expert_service.kernels.moe_combine import moe_combine
-from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
-from expert_service.kernels.router_topk import router_topk
+from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.cpu.layers.moe import sparse_moe
 from expert_service.experts import combine, group_by_expert
 from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
@@ -24,7 +24,7 @@ def test_combine_matches_reference(n_tok, top_k, n_exp, D):
     position = np.empty(n_tok * top_k, np.int32)
     position[groups.order] = np.arange(n_tok * top_k)
     out = cuda.to_device(hidden)
-    moe_combine(cuda.to_device(y), cuda.to_device(position), cuda.to_device(weights), out)
+    launch_moe_combine(cuda.to_device(y), cuda.to_device(position), cuda.to_device(weights), out)
     np.testing.assert_allclose(out.copy_to_host(), hidden + combine(y, groups, weights), rtol=1e-5, atol=1e-6)
 
 
@@ -39,11 +39,11 @@ def run_pipeline(x, router, top_k, normalize, W, F, D):
     y = cuda.to_device(np.full((n, D), np.nan, np.float32))
     out = cuda.to_device(np.zeros((n_tok, D), np.float32))     # residual stream (zero: compare the MoE output)
     dx, dW = cuda.to_device(x), cuda.to_device(W)
-    router_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
-    expert_grouping(ids, counts, offsets, order, position)
-    moe_gate_up(dx, order, offsets, dW, F, D, h)
-    moe_down(h, order, offsets, dW, F, D, y)
-    moe_combine(y, position, weights, out)
+    launch_router_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
+    launch_expert_grouping(ids, counts, offsets, order, position)
+    launch_moe_gate_up(dx, order, offsets, dW, F, D, h)
+    launch_moe_down(h, order, offsets, dW, F, D, y)
+    launch_moe_combine(y, position, weights, out)
     return out.copy_to_host(), ids.copy_to_host()
 
 

@@ -1,10 +1,10 @@
-"""moe_gate_up + moe_down vs swiglu_mlp per expert in grouped order, for every weight dtype (simulator on tiny
+"""moe_gate_up + launch_moe_down vs swiglu_mlp per expert in grouped order, for every weight dtype (simulator on tiny
 shapes; Mixtral/Qwen3 sizes on a GPU). The reference uses the exact float32 values of the stored weights."""
 import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.moe_ffn import moe_down, moe_gate_up
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.cpu.layers.moe import silu
 from expert_service.experts import group_by_expert
 from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
@@ -22,8 +22,8 @@ def check(ids, n_exp, F, D, dtype, seed, rtol=1e-5):
     h = cuda.to_device(np.full((n_tok * top_k, F), np.nan, np.float32))
     y = cuda.to_device(np.full((n_tok * top_k, D), np.nan, np.float32))
     dW = cuda.to_device(W)
-    moe_gate_up(cuda.to_device(x), order, offsets, dW, F, D, h)
-    moe_down(h, order, offsets, dW, F, D, y)
+    launch_moe_gate_up(cuda.to_device(x), order, offsets, dW, F, D, h)
+    launch_moe_down(h, order, offsets, dW, F, D, y)
     h, y = h.copy_to_host(), y.copy_to_host()
     assert np.isfinite(h).all() and np.isfinite(y).all()       # every element written, no padding read
     for e in groups.active_experts():
@@ -56,7 +56,7 @@ def test_all_tokens_on_one_expert_many_token_tiles():
 def test_rejects_small_stride():
     W = cuda.to_device(np.zeros((2, 100), np.float32))
     with pytest.raises(ValueError):
-        moe_gate_up(cuda.to_device(np.ones((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32)),
+        launch_moe_gate_up(cuda.to_device(np.ones((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32)),
                     cuda.to_device(np.array([0, 1, 1], np.int32)), W, 8, 8,
                     cuda.to_device(np.zeros((1, 8), np.float32)))
 
@@ -91,8 +91,8 @@ def test_slot_indirection_in_waves_equals_full_residency(dtype):
     offsets = cuda.to_device(groups.offsets.astype(np.int32))
     full_h, full_y = (cuda.to_device(np.full((10, n), np.nan, np.float32)) for n in (F, D))
     dW = cuda.to_device(W)
-    moe_gate_up(x, order, offsets, dW, F, D, full_h)
-    moe_down(full_h, order, offsets, dW, F, D, full_y)
+    launch_moe_gate_up(x, order, offsets, dW, F, D, full_h)
+    launch_moe_down(full_h, order, offsets, dW, F, D, full_y)
     h, y = (cuda.to_device(np.full((10, n), np.nan, np.float32)) for n in (F, D))
     active = [int(e) for e in groups.active_experts()]
     for wave in (active[::2], active[1::2]):
@@ -101,7 +101,7 @@ def test_slot_indirection_in_waves_equals_full_residency(dtype):
         for slot, e in enumerate(reversed(wave)):          # slots in another order than experts
             slots[slot], slot_of[e] = W[e], slot
         d_slots, d_slot_of = cuda.to_device(slots), cuda.to_device(slot_of)
-        moe_gate_up(x, order, offsets, d_slots, F, D, h, slot_of=d_slot_of)
-        moe_down(h, order, offsets, d_slots, F, D, y, slot_of=d_slot_of)
+        launch_moe_gate_up(x, order, offsets, d_slots, F, D, h, slot_of=d_slot_of)
+        launch_moe_down(h, order, offsets, d_slots, F, D, y, slot_of=d_slot_of)
     np.testing.assert_array_equal(h.copy_to_host(), full_h.copy_to_host())
     np.testing.assert_array_equal(y.copy_to_host(), full_y.copy_to_host())

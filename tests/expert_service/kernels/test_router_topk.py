@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.router_topk import router_topk
+from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.cpu.layers.moe import route
 from tests.expert_service.kernels._moe_helpers import GPU_ONLY, fast_simulator_threads, has_gpu  # noqa: F401
 
@@ -12,7 +12,7 @@ def run(logits, top_k, normalize):
     n_tok = logits.shape[0]
     ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
     weights = cuda.to_device(np.full((n_tok, top_k), np.nan, np.float32))
-    router_topk(cuda.to_device(logits), ids, weights, normalize)
+    launch_router_topk(cuda.to_device(logits), ids, weights, normalize)
     return ids.copy_to_host(), weights.copy_to_host()
 
 

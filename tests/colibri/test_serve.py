@@ -83,7 +83,7 @@ def worker_pid(serve_pid: int) -> int:
 def test_serve_processes_end_to_end(tiny_model):
     port, metrics, worker_metrics = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    serve = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", str(tiny_model),
+    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
                               "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
                               "--worker-metrics-port", str(worker_metrics), "--backend", "cpu",
                               "--max-batch-tokens", "16", "--worker-retry-s", "0.1"],
@@ -220,7 +220,7 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
         pytest.skip("needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    serve = subprocess.Popen([sys.executable, "-m", "common.cli", "serve", "--model", str(tiny_model),
+    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
                               "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
                               "--worker-metrics-port", "0", "--backend", "cuda", "--max-batch-size", "16",
                               "--max-batch-tokens", "256", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -18,19 +18,11 @@ import time
 from common.config import add_flags, flag_name
 from common.errors import ConfigError
 from common.logging_setup import configure_logging
+from expert_service.config import EngineConfig      # numpy-only: serve never loads numba itself
+from router_service.config import RouterConfig
 
 log = logging.getLogger("colibri.serve")
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
-
-
-def _router_config():
-    from router_service.config import RouterConfig
-    return RouterConfig
-
-
-def _engine_config():
-    from expert_service.config import EngineConfig   # numpy-only module; no numba import
-    return EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-metrics-port", type=int, default=9091,
                         help="the worker's Prometheus /metrics port; 0 = off (default: 9091)")
     # The router caps its batch limits to the worker's (Info), so those two flags go to the worker only.
-    add_flags(parser, _router_config(), skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
-    add_flags(parser, _engine_config())
+    add_flags(parser, RouterConfig, skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
+    add_flags(parser, EngineConfig)
 
 
 def _flags_for(cls, args: argparse.Namespace) -> list[str]:
@@ -65,12 +57,12 @@ class Supervisor:
         self.args = args
         self.worker_port = args.worker_port or free_port()
         common = ["--config", args.config] if args.config else []
-        base = [sys.executable, "-m", "common.cli"]
+        base = [sys.executable, "-m", "colibri.cli"]
         self.worker_cmd = base + ["worker", "--model", args.model, "--port", str(self.worker_port),
                                   "--metrics-port", str(args.worker_metrics_port), "--parent-pid", str(os.getpid()),
-                                  *common, *_flags_for(_engine_config(), args)]
+                                  *common, *_flags_for(EngineConfig, args)]
         self.router_cmd = base + ["router", "--worker", f"127.0.0.1:{self.worker_port}", "--model", args.model,
-                                  *common, *_flags_for(_router_config(), args)]
+                                  *common, *_flags_for(RouterConfig, args)]
         self.stopping = False
 
     def run(self) -> int:

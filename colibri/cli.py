@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                                         "and report its recall"),
     "worker": ("expert_service.main", "run the expert worker gRPC service (owns the model and GPU)"),
     "router": ("router_service.main", "run the router gRPC service (public API, batching)"),
-    "serve": ("common.serve", "run worker and router as two processes, for local use"),
+    "serve": ("colibri.serve", "run worker and router as two processes, for local use"),
     "generate": ("router_service.generate_cmd", "client: stream a completion from a running router"),
 }
 

@@ -1,0 +1,1 @@
+"""The `colibri` command: subcommand dispatch and `colibri serve`, above both services."""
