@@ -1,4 +1,4 @@
-"""Engine benchmark (SPEC §12): Colibri's cuda backend against Hugging Face transformers, same weights, one run.
+"""Engine benchmark: Colibri's cuda backend against Hugging Face transformers, same weights, one run.
 
 For each reference shape (mixtral-shape: Mixtral-8x7B dimensions with 4 layers; qwen3moe-shape: Qwen3-30B-A3B
 dimensions with 8 layers) it builds a random bf16 model on the GPU with transformers, writes the same weights

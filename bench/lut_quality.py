@@ -1,4 +1,4 @@
-"""What routing=lut costs in quality (SPEC §2: approximations are opt-in and measured).
+"""What routing=lut costs in quality (approximations are opt-in, and each one is measured).
 
 For tiny random models of each family: build a routing table from a random-id corpus with router-gen's
 code, then run the same prompts with exact routing and with the table's routing (CPU backend) and report

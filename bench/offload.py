@@ -1,4 +1,4 @@
-"""Offload benchmark (SPEC §5, §12, issue 6): Colibri's expert cache against HF transformers with accelerate CPU
+"""Offload benchmark: Colibri's expert cache against HF transformers with accelerate CPU
 offload at the same device budget, same weights, one run.
 
 For each reference shape (bench/engine.py SHAPES) it builds the random bf16 model with transformers, writes it
@@ -64,7 +64,7 @@ from expert_service.sampling import SamplingParams  # noqa: E402
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
 TINY = "tiny"                    # test-only shape: expert_service.tiny_model's Mixtral (cpu backend, no HF)
-NOMINAL_PCIE_BYTES_PER_S = 55e9  # SPEC §12's H200 figure; used only when no GPU can measure it
+NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
 PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
 DECODE_BATCHES = (1, 16)
 DECODE_CONTEXT = 128
@@ -388,7 +388,7 @@ def _print_table(name: str, entry: dict) -> None:
                   f"{d16['stall_fraction']:>10.2f}{fmt(d1['x_pcie_bound']) + '/' + fmt(d16['x_pcie_bound']):>14}"
                   f"{fmt(r.get('decode_b1_x_hf')) + '/' + fmt(r.get('decode_b16_x_hf')):>13}"
                   f"{fmt(r.get('decode_b1_x_none')) + '/' + fmt(r.get('decode_b16_x_none')):>14}")
-    print("targets at 0.25 (SPEC §12): xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
+    print("targets at 0.25: xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
 
 
 def _plot(results: dict, path: Path) -> None:

@@ -1,5 +1,5 @@
 """Where a cuda-backend step spends its device time: per-kernel totals for prefill and decode steps of the
-§12 reference shapes, recorded with CUPTI through torch.profiler (it sees every kernel of the process,
+reference shapes (bench/engine.py SHAPES), recorded with CUPTI through torch.profiler (it sees every kernel of the process,
 Numba's and cuBLAS's, including those replayed from CUDA graphs). Writes JSON; prints the top kernels per
 scenario with the device-busy share of the wall time (the rest is host time: launches, syncs, Python).
 

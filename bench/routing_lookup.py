@@ -1,4 +1,4 @@
-"""Cost of the router's routing-plan lookups (SPEC §4, issue: the lookup must stay a small fraction of a step).
+"""Cost of the router's routing-plan lookups (the lookup must stay a small fraction of a step).
 
 Builds a random table of a real model's size (default: Qwen3-30B-A3B, 48 MoE layers x 151936 tokens x top-8
 of 128 experts, 117 MB) and times `RoutingPlanner.plan` -- lookup, CSR build and protobuf encoding, what

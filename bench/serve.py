@@ -1,4 +1,4 @@
-"""Serving benchmark (SPEC §12): N concurrent streaming clients against `colibri serve`.
+"""Serving benchmark: N concurrent streaming clients against `colibri serve`.
 
 Starts `colibri serve` on a model (default: the embedded tiny model) unless --target names a running
 router, runs N clients that each send --requests-per-client greedy streaming requests back to back, and

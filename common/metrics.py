@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §9): names, types, labels and buckets in one place, one class per process.
+"""Prometheus metrics: names, types, labels and buckets in one place, one class per process.
 
 Every metric is prefixed ``colibri_`` and carries a ``model_name`` label. Each lives in exactly one
 process (router or worker), so summing across a pod never counts a thing twice. Each process builds its
@@ -35,7 +35,7 @@ BATCH_TOKENS_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768
 RECALL_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 STALL_BUCKETS = (0.0, 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-# Request outcomes = the terminal gRPC status of the request's stream (§11), lower-cased.
+# Request outcomes = the terminal gRPC status of the request's stream (docs/api.md, status codes), lower-cased.
 OUTCOMES = ("ok", "invalid_argument", "resource_exhausted", "unavailable", "deadline_exceeded", "cancelled",
             "internal")
 STEP_KINDS = ("prefill", "decode")
@@ -133,7 +133,7 @@ class RouterMetrics:
         self.batch_tokens.observe(num_tokens)
 
     def observe_finished(self, outcome: str, duration_seconds: float) -> None:
-        """A request reached its terminal status (exactly once per request, §11)."""
+        """A request reached its terminal status (every stream ends with exactly one, so once per request)."""
         self.requests.labels(outcome=outcome).inc()
         self.request_duration.observe(duration_seconds)
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (SPEC §9): provider set-up, W3C context over gRPC metadata, GenAI attribute names.
+"""OpenTelemetry tracing: provider set-up, W3C context over gRPC metadata, GenAI attribute names.
 
 Span tree: the router's request span (SERVER, ``text_completion {model}``) → its ``queue`` child; each
 worker call gets one router step span (CLIENT, ``prefill`` / ``decode``) linked to the request spans of the

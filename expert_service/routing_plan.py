@@ -1,4 +1,4 @@
-"""Routing plans on the worker (SPEC §4): the router's per-layer CSR prediction of which experts each of the
+"""Routing plans on the worker (docs/routing.md): the router's per-layer CSR prediction of which experts each of the
 step's tokens goes to. With `routing=lut` the plan is the routing (combine weights = softmax of the gate
 logits of just the planned experts); with `routing=exact` it is a prediction whose recall is measured.
 """

@@ -1,4 +1,4 @@
-"""The router's error contract, in one place: exception classes and their gRPC status (notes/reliability.md §2).
+"""The router's error contract, in one place: exception classes and their gRPC status (docs/api.md, status codes).
 
 INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUSTED carries RetryInfo; every
 status carries google.rpc.ErrorInfo with an UPPER_SNAKE reason so clients can branch without parsing text.

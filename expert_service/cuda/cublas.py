@@ -1,7 +1,7 @@
 """cuBLAS through ctypes on a dedicated handle, for the large GEMMs of prefill where tensor cores pay.
 
 A dedicated handle with its own preallocated workspace keeps calls capturable in CUDA graphs (CuPy's
-shared handle refuses capture; notes/numba-cuda.md §6). Row-major Y[M, N] = X[M, K] @ W[N, K]^T is the
+shared handle refuses capture). Row-major Y[M, N] = X[M, K] @ W[N, K]^T is the
 column-major product Y^T = W^T' * X^T, i.e. gemm(transa=T, transb=N, m=N, n=M, k=K).
 """
 from __future__ import annotations

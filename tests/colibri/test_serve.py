@@ -1,5 +1,5 @@
 """Both services together: `colibri serve` as real processes, and in-process router + worker for
-traces and cancel storms (SPEC §6, §9, §11)."""
+traces and cancel storms."""
 from __future__ import annotations
 
 import asyncio
@@ -108,7 +108,7 @@ def test_serve_processes_end_to_end(tiny_model):
                                 zip(prompts, lengths)))
         assert got == expected
 
-        # Both /metrics endpoints carry the §9 names with the model_name label.
+        # Both /metrics endpoints carry the documented names (docs/observability.md) with the model_name label.
         for service, scrape_port in (("router", metrics), ("worker", worker_metrics)):
             text = urllib.request.urlopen(f"http://127.0.0.1:{scrape_port}/metrics", timeout=5).read().decode()
             for name in SECTION_9_METRICS[service]:

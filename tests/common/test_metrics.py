@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.metrics import (GENAI_TPOT_BUCKETS, OUTCOMES, REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
                             RouterMetrics, WorkerMetrics, load_imbalance, new_registry, start_metrics_server)
 
-# Every §9 metric, with its Prometheus type, and the process it lives in.
+# Every metric of docs/observability.md, with its Prometheus type, and the process it lives in.
 ROUTER = {
     "colibri_requests": "counter", "colibri_queue_size": "gauge", "colibri_num_requests_running": "gauge",
     "colibri_num_requests_waiting": "gauge", "colibri_time_to_first_token_seconds": "histogram",

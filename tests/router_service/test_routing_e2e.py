@@ -1,4 +1,4 @@
-"""The static routing table through both services (SPEC §4): router-gen -> router plans -> worker.
+"""The static routing table through both services: router-gen -> router plans -> worker.
 
 A token-routed model (exact routing is a function of the token id) must give recall 1.0 and identical
 outputs under routing=lut; a random model under routing=lut is labelled in every response.
