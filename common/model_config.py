@@ -14,6 +14,9 @@ import numpy as np
 
 from common.errors import ConfigError
 
+MAX_VOCAB = 1 << 24        # token ids travel as uint32; embeddings this size are already ~100 GB
+MAX_CONTEXT = 1 << 24      # positions per sequence: beyond any KV pool a GPU holds
+
 
 class QKNorm(str, Enum):
     NONE = "none"
@@ -151,6 +154,25 @@ class ModelConfig:
             raise ConfigError("config.json: per-layer settings do not match num_hidden_layers")
         if self.num_experts > 65535:
             raise ConfigError(f"config.json: num_experts {self.num_experts} exceeds 65535")
+        if self.head_dim % 2:
+            raise ConfigError(f"config.json: head_dim must be even (rotary embeddings pair its halves), got "
+                              f"{self.head_dim}")
+        if not (math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1):
+            raise ConfigError(f"config.json: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
+        for window in self.sliding_windows:
+            if window is not None and not 0 < window <= MAX_CONTEXT:
+                raise ConfigError(f"config.json: sliding_window must be in [1, {MAX_CONTEXT}], got {window}")
+        for name, ids in (("eos_token_id", self.eos_token_ids),
+                          ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,))):
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ConfigError(f"config.json: {name} {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if self.clip_qkv is not None and not (math.isfinite(self.clip_qkv) and self.clip_qkv > 0):
+            raise ConfigError(f"config.json: clip_qkv must be a finite number > 0, got {self.clip_qkv}")
+        rope = self.rope
+        if not all(math.isfinite(v) and v > 0 for v in (rope.theta, rope.factor)):
+            raise ConfigError(f"config.json: rope theta and factor must be finite and > 0, got {rope.theta}, "
+                              f"{rope.factor}")
 
     @property
     def q_size(self) -> int:

@@ -30,6 +30,7 @@ missing tensors, and (unless told to skip) any crc32 mismatch; each is a one-lin
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,8 @@ MANIFEST = "colibri.json"
 DENSE_FILE = "dense.bin"
 DENSE_ALIGN = 64
 EXPERT_ALIGN = 4096
+MAX_DIM = 1 << 31             # one tensor dimension
+MAX_FILE_BYTES = 1 << 48      # offsets and sizes: far past any disk, far below int64 overflow
 
 
 def expert_file(layer: int) -> str:
@@ -172,10 +175,7 @@ class ModelDir:
         if not manifest_path.is_file():
             raise ModelFormatError(f"{manifest_path}: not found (is {root} a Colibri model directory? "
                                    f"make one with `colibri convert`)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelFormatError(f"{manifest_path}: not valid JSON ({e})") from None
+        manifest = load_json(manifest_path, ModelFormatError)
         if not isinstance(manifest, dict):
             raise ModelFormatError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
         for key in ("format", "format_version", "dtype", "config", "tensors", "expert_stride"):
@@ -188,7 +188,7 @@ class ModelDir:
             model = cls(root, manifest)
         except ConfigError as e:
             raise ModelFormatError(f"{manifest_path}: {e}") from None
-        except (TypeError, ValueError, AttributeError) as e:   # e.g. "config": [] or "expert_stride": "x"
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:   # "config": [], "expert_stride": "x"
             raise ModelFormatError(f"{manifest_path}: malformed manifest ({e})") from None
         if not isinstance(manifest["tensors"], dict):
             raise ModelFormatError(f"{manifest_path}: 'tensors' must be an object of name -> entry")
@@ -213,14 +213,10 @@ class ModelDir:
             raise ModelFormatError(f"{MANIFEST}: dtype {self.dtype!r} is not supported")
         file_sizes: dict[str, int] = {}
         for name, raw in self.manifest["tensors"].items():
-            try:
-                entry = TensorEntry(name, str(raw["file"]), int(raw["offset"]), int(raw["nbytes"]),
-                                    str(raw["dtype"]), tuple(int(d) for d in raw["shape"]), int(raw["crc32"]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ModelFormatError(f"tensor {name}: malformed manifest entry ({e!r})") from None
+            entry = _entry(name, raw)
             if entry.dtype not in dtypes.STORAGE:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
-            expected = int(np.prod(entry.shape)) * dtypes.itemsize(entry.dtype)
+            expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
                 raise ModelFormatError(f"tensor {name}: {entry.nbytes} bytes do not fit {entry.dtype} "
                                        f"{list(entry.shape)} (expected {expected} bytes)")
@@ -306,6 +302,48 @@ class ModelDir:
     def tokenizer_path(self) -> Path | None:
         p = self.path / "tokenizer.json"
         return p if p.is_file() else None
+
+
+def load_json(path: Path, error: type[Exception]) -> object:
+    """A JSON file as Python values, refusing what would later overflow or recurse: NaN/Infinity, numbers
+    that do not fit a double (1e999), nesting deeper than a manifest ever needs."""
+    def reject_constant(name: str):
+        raise error(f"{path}: {name} is not a valid JSON number here")
+
+    def finite_float(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise error(f"{path}: number {text} is out of range")
+        return value
+    try:
+        return json.loads(path.read_text(), parse_constant=reject_constant, parse_float=finite_float)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply") from None
+
+
+def _entry(name: str, raw: object) -> TensorEntry:
+    """One manifest tensor entry, every field of the type and range the loader relies on."""
+    def integer(key: str, hi: int) -> int:
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+            raise ModelFormatError(f"tensor {name}: {key} must be an integer in [0, {hi}], got {value!r}")
+        return value
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"tensor {name}: manifest entry must be an object")
+    try:
+        shape = raw["shape"]
+        if not isinstance(shape, list) or len(shape) > 8 or any(
+                isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_DIM for d in shape):
+            raise ModelFormatError(f"tensor {name}: shape must be a list of at most 8 sizes in [0, {MAX_DIM}), "
+                                   f"got {shape!r}")
+        if not isinstance(raw["file"], str) or not isinstance(raw["dtype"], str):
+            raise ModelFormatError(f"tensor {name}: file and dtype must be strings")
+        return TensorEntry(name, raw["file"], integer("offset", MAX_FILE_BYTES), integer("nbytes", MAX_FILE_BYTES),
+                           raw["dtype"], tuple(shape), integer("crc32", 0xFFFFFFFF))
+    except KeyError as e:
+        raise ModelFormatError(f"tensor {name}: manifest entry lacks {e}") from None
 
 
 def read_manifest_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -17,11 +17,12 @@ Matrices keep HF's [out, in] layout: row-major rows along the input dimension ar
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
 from common.errors import ConfigError
-from common.model_config import ModelConfig, QKNorm
+from common.model_config import MAX_CONTEXT, MAX_VOCAB, ModelConfig, QKNorm
 from common.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
@@ -36,8 +37,53 @@ def family_module(model_type: str | None) -> ModuleType:
     return FAMILIES[model_type]
 
 
+# Bounds on every numeric config.json key a family reads, checked before any of them sizes a loop, an
+# array or a division: generous for real checkpoints, fatal for typos and hostile files.
+_INT_BOUNDS = {
+    "vocab_size": (1, MAX_VOCAB), "hidden_size": (1, 1 << 16), "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 1024),
+    "intermediate_size": (0, 1 << 20), "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20), "num_experts": (1, 65535), "num_local_experts": (1, 65535),
+    "num_experts_per_tok": (1, 65535), "max_position_embeddings": (1, MAX_CONTEXT),
+    "decoder_sparse_step": (1, 1024), "sliding_window": (0, MAX_CONTEXT), "max_window_layers": (0, 1024),
+}
+_FLOAT_BOUNDS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "clip_qkv": (0.0, 1e30)}
+
+
+def _check_numbers(hf: dict) -> None:
+    for key, (lo, hi) in _INT_BOUNDS.items():
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config.json: {key} must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise ConfigError(f"config.json: {key} must be in [{lo}, {hi}], got {value}")
+    for key, (lo, hi) in _FLOAT_BOUNDS.items():
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not lo < value <= hi:
+            raise ConfigError(f"config.json: {key} must be a finite number in ({lo}, {hi}], got {value!r}")
+    for key in ("mlp_only_layers",):
+        value = hf.get(key) or []
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1024
+                                              for v in value):
+            raise ConfigError(f"config.json: {key} must be a list of layer indices, got {value!r}")
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = hf.get(key)
+        for v in (value if isinstance(value, list) else [value]) if value is not None else []:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_VOCAB:
+                raise ConfigError(f"config.json: {key} must be token ids in [0, vocab_size), got {value!r}")
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
-    return family_module(hf.get("model_type")).config_from_hf(hf)
+    if not isinstance(hf, dict):
+        raise ConfigError(f"config.json: expected an object, got {type(hf).__name__}")
+    module = family_module(hf.get("model_type"))
+    _check_numbers(hf)
+    return module.config_from_hf(hf)
 
 
 @dataclass(frozen=True, slots=True)
