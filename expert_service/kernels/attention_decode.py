@@ -6,10 +6,9 @@ Design (memory-bound: every K/V byte of a (sequence, kv head) is read once, by o
   at most MAX_GROUP_TILE; larger groups (MQA) are cut into tiles, each re-reading the kv head (from L2).
 - NWARPS warps take runs of KEYS_PER_WARP keys round-robin; a warp's lanes hold Hd/32 dims each (lane-major,
   so each load instruction reads one contiguous run of the key row). A warp issues the loads of its whole
-  run before using them (one key at a time was latency-bound on the H200: ~1.4 us per key, 0.01 TB/s at
-  b=1). Warp reductions give the GT x KEYS_PER_WARP scores, then each warp updates its own online softmax
-  (max, sum, accumulator) in float32 registers once per run. At the end the
-  warps' states are merged through shared memory.
+  run before using them (one key at a time is latency-bound: a load's round trip per key). Warp reductions
+  give the GT x KEYS_PER_WARP scores, then each warp updates its own online softmax (max, sum, accumulator)
+  in float32 registers once per run. At the end the warps' states are merged through shared memory.
 - Split-K: with few sequences (b=1) a grid of S * H/GT blocks leaves most SMs idle, so each sequence's key
   range is cut into P equal parts (grid z). Each part writes an unnormalised partial output with its
   (max, sum), and a reduce kernel merges them. `decode_splits` picks P so the grid has about TARGET_BLOCKS

@@ -16,7 +16,8 @@ memory TOK_TILE tokens x CHUNK features at a time; experts with more tokens loop
 the block's weight rows (L2-resident: 16 rows x D) instead of keeping one accumulator per token.
 
 Loads: bf16 weights with the input dim a multiple of 4 read one 8-byte word (4 values) per lane per row
-(measured 4.24 TB/s for that width); other cases (fp16, fp32, odd sizes) read one element per lane.
+(wide loads stream weights faster than element loads); other cases (fp16, fp32, odd sizes) read one element
+per lane.
 A token tile of one (decode: 1-2 tokens per expert) takes a path that touches only that token.
 
 Prefill is compute-bound here (f32 FMAs, every weight reused only TOK_TILE times from registers). What would

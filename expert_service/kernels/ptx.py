@@ -2,8 +2,7 @@
 
 Numba's vector types are register values only, and its cache-hint loads (`cuda.ldcs`, ...) stop at 8 bytes,
 so a 16-byte `ld.global.*.v4` needs an intrinsic that emits the instruction itself (the pattern of
-numba-cuda's cache_hints.py). A 16-byte load read weights at 4.35 TB/s on an H200, against 4.24 TB/s for
-8-byte words and 3.70 TB/s for 4-byte ones.
+numba-cuda's cache_hints.py). The widest load streams weights fastest (docs/kernels.md has the figures).
 
 - ``ld_stream_v4(a, i)``: ``ld.global.nc.L1::no_allocate.v4`` -- weights, read once: they bypass L1 so
   they do not evict the activation vector that every warp of the SM re-reads.
