@@ -16,6 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     engine, ids = open_engine(args)
     logits = engine.prompt_logits(ids).astype(np.float32)
-    np.save(args.out, logits)
+    # Opened here, not by np.save, which would append ".npy" to any other name and write elsewhere; the
+    # close flushes, so a full disk or device raises here instead of reporting success.
+    try:
+        with open(args.out, "wb") as f:
+            np.save(f, logits)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, args.out) from None
     print(f"wrote {args.out}: float32 {list(logits.shape)}")
     return 0

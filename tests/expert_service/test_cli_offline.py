@@ -206,3 +206,17 @@ def test_os_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "a_file" / "model"), "--no-progress")
     assert rc == 1 and err.count("\n") == 1 and "a_file" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_logits_write_failure_is_an_error_naming_the_file(tiny_model, capsys):
+    assert main(["logits", "--model", str(tiny_model), "--tokens", "1,2,3", "--out", "/dev/full"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "colibri logits: error: /dev/full: No space left on device", err
+    assert not os.path.exists("/dev/full.npy")
+
+
+def test_logits_writes_exactly_the_named_file(tiny_model, tmp_path):
+    out = tmp_path / "logits.bin"
+    assert main(["logits", "--model", str(tiny_model), "--tokens", "1,2,3", "--out", str(out)]) == 0
+    assert out.is_file() and not (tmp_path / "logits.bin.npy").exists()
