@@ -1,7 +1,7 @@
 """Cost of the router's routing-plan lookups (the lookup must stay a small fraction of a step).
 
 Builds a random table of a real model's size (default: Qwen3-30B-A3B, 48 MoE layers x 151936 tokens x top-8
-of 128 experts, 117 MB) and times `RoutingPlanner.plan` -- lookup, CSR build and protobuf encoding, what
+of 128 experts, 117 MB) and times `RoutingPlanner.routing_plan` -- lookup, CSR build and protobuf encoding, what
 the router does per step -- for decode steps of 1/16/64 tokens and prefill steps of 512/2048 tokens.
 Writes JSON.
 
@@ -21,14 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.routing_table import RoutingTable  # noqa: E402
 from router_service.routing import RoutingPlanner  # noqa: E402
-from router_service.scheduler import Chunk, StepPlan  # noqa: E402
-
-
-class _Scheduler:
-    """Just what `step_token_ids` reads: each decoding sequence's last sampled token."""
-
-    def __init__(self, last_tokens: dict[int, int]):
-        self.sequences = {rid: type("S", (), {"output_ids": [tok]})() for rid, tok in last_tokens.items()}
+from router_service.scheduler import Chunk, ScheduledStep  # noqa: E402
 
 
 def main() -> int:
@@ -48,15 +41,14 @@ def main() -> int:
     for kind, tokens in (("decode", 1), ("decode", 16), ("decode", 64), ("prefill", 512), ("prefill", 2048)):
         if kind == "decode":
             ids = {i: int(rng.integers(0, args.vocab)) for i in range(tokens)}
-            step = StepPlan({i: 1 for i in ids}, (), tuple(ids), frozenset(), ())
-            scheduler = _Scheduler(ids)
+            step = ScheduledStep({i: 1 for i in ids}, (), tuple(ids), tuple(ids.values()), frozenset(), ())
         else:
             chunk = Chunk(1, tuple(int(t) for t in rng.integers(0, args.vocab, tokens)), True, True)
-            step, scheduler = StepPlan({1: tokens}, (chunk,), (), frozenset(), ()), _Scheduler({})
+            step = ScheduledStep({1: tokens}, (chunk,), (), (), frozenset(), ())
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            message = planner.plan(step, scheduler)
+            message = planner.routing_plan(step)
             times.append(time.perf_counter() - start)
         results["steps"][f"{kind}_{tokens}"] = {"tokens": tokens, "median_us": float(np.median(times) * 1e6),
                                                 "p99_us": float(np.percentile(times, 99) * 1e6),

@@ -1,4 +1,4 @@
-"""The router's engine: one asyncio task running schedule -> worker step -> update, and the requests it serves.
+"""The router's batching loop: one asyncio task (schedule -> worker step -> update) and the requests it serves.
 
 The loop is the three lines of `_step`; everything else feeds it. Requests enter through `submit` (admission:
 draining, worker readiness, bounded concurrency), receive `Delta`s on their own asyncio queue, and leave via
@@ -22,13 +22,13 @@ from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_ST
                             links_from_contexts)
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
-from router_service.observability import EngineHooks
-from router_service.scheduler import FinishReason, Scheduler, SchedulerLimits, Sequence
+from router_service.observability import BatchingLoopHooks
+from router_service.scheduler import FinishReason, ScheduledRequest, Scheduler, SchedulerLimits
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import WorkerClient, sampling_params, step_outputs
 
-log = logging.getLogger("colibri.router.engine")
+log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
 
 
@@ -61,8 +61,8 @@ class RequestState:
 class RequestHandle:
     """What submit returns: iterate it for Deltas; errors surface as RouterError."""
 
-    def __init__(self, engine: "Engine", state: RequestState):
-        self._engine, self._state = engine, state
+    def __init__(self, batching_loop: "BatchingLoop", state: RequestState):
+        self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.num_prompt_tokens = len(state.req.prompt_ids)
 
@@ -76,7 +76,7 @@ class RequestHandle:
         try:
             item = await asyncio.wait_for(state.queue.get(), max(state.deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
-            self._engine.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
+            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
             item = state.queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
@@ -84,15 +84,15 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Ends the request now (client gone); a no-op once it finished."""
-        self._engine.cancel(self._state.seq_id)
+        self._batching_loop.cancel(self._state.seq_id)
 
 
-class Engine:
+class BatchingLoop:
     def __init__(self, config: RouterConfig, worker: WorkerClient, tokenizer: Tokenizer | None = None,
-                 hooks: EngineHooks | None = None, planner=None):
+                 hooks: BatchingLoopHooks | None = None, planner=None):
         self.config, self.worker, self.tokenizer = config, worker, tokenizer
         self.planner = planner  # RoutingPlanner when a static routing table is configured
-        self.hooks = hooks or EngineHooks()
+        self.hooks = hooks or BatchingLoopHooks()
         self.info = None  # the worker's InfoResponse once connected
         self.limits: ModelLimits | None = None
         self.scheduler: Scheduler | None = None
@@ -109,7 +109,7 @@ class Engine:
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="colibri-engine")
+        self._task = asyncio.create_task(self._run(), name="colibri-batching-loop")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -157,9 +157,9 @@ class Engine:
             state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
             state.stops = StopSequenceMatcher(req.stop_sequences)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)
-        self.scheduler.add(Sequence(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
-                                    frozenset(req.stop_token_ids), queue_deadline=min(
-                                        deadline, now + self.config.queue_timeout_s)))
+        self.scheduler.add(ScheduledRequest(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
+                                            frozenset(req.stop_token_ids), queue_deadline=min(
+                                                deadline, now + self.config.queue_timeout_s)))
         self._sampling[seq_id] = sampling_params(req, self.info.eos_token_ids)
         self._requests[seq_id] = state
         self.hooks.on_admitted(state)
@@ -209,42 +209,42 @@ class Engine:
             except grpc.aio.AioRpcError as e:
                 self._on_worker_failure(e, ())
             except Exception:  # a bug: fail what is in flight, keep serving
-                log.exception("engine loop error")
+                log.exception("batching loop error")
                 self._fail_all(lambda _: GenerationFailed("internal router error"))
                 await asyncio.sleep(self.config.worker_retry_s)
 
     async def _step(self) -> None:
         self._wake.clear()
-        plan = self.scheduler.schedule(time.monotonic())
-        for seq_id in plan.expired_ids:
+        step = self.scheduler.schedule(time.monotonic())
+        for seq_id in step.expired_ids:
             self.fail(seq_id, DeadlineExceeded(f"waited in the queue longer than queue_timeout_s="
                                                f"{self.config.queue_timeout_s}", reason="QUEUE_TIMEOUT"))
-        if plan.free_ids:
-            await self.worker.filter_batch(plan.keep_ids)
-        if plan.is_empty:
+        if step.free_ids:
+            await self.worker.filter_batch(step.keep_ids)
+        if step.is_empty:
             await self._idle_wait()
             return
         started = time.monotonic()
-        states = [s for s in map(self._requests.get, plan.num_scheduled_tokens) if s is not None]
+        states = [s for s in map(self._requests.get, step.num_scheduled_tokens) if s is not None]
         for state in states:
             if state.scheduled_at is None:
                 state.scheduled_at = started
                 self.hooks.on_scheduled(state, started)
-        attributes = {COLIBRI_STEP_KIND: plan.kind, COLIBRI_BATCH_SIZE: len(plan.num_scheduled_tokens),
-                      COLIBRI_BATCH_TOKENS: plan.num_tokens}
+        attributes = {COLIBRI_STEP_KIND: step.kind, COLIBRI_BATCH_SIZE: len(step.num_scheduled_tokens),
+                      COLIBRI_BATCH_TOKENS: step.num_tokens}
         try:
             # One CLIENT span per worker call, linked to its members' request spans; its context travels
             # to the worker in the call metadata, so the worker's step span is its child.
-            with get_tracer().start_as_current_span(plan.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
+            with get_tracer().start_as_current_span(step.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
                                                     links=links_from_contexts(s.span_context for s in states)):
-                routing_plan = self.planner.plan(plan, self.scheduler) if self.planner is not None else None
-                response = await self.worker.step(plan, self._sampling, routing_plan=routing_plan)
+                routing_plan = self.planner.routing_plan(step) if self.planner is not None else None
+                response = await self.worker.step(step, self._sampling, routing_plan=routing_plan)
         except grpc.aio.AioRpcError as e:
-            self._on_worker_failure(e, plan.num_scheduled_tokens)
+            self._on_worker_failure(e, step.num_scheduled_tokens)
             return
-        outputs = self.scheduler.update(plan, step_outputs(response))
+        outputs = self.scheduler.update(step, step_outputs(response))
         worker_ms = response.timings.total_ms
-        self.hooks.on_step(plan.kind, len(plan.num_scheduled_tokens), plan.num_tokens, time.monotonic() - started,
+        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, time.monotonic() - started,
                            worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,
                            self.scheduler.num_waiting, len(self._requests))
         for out in outputs:

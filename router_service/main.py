@@ -25,8 +25,8 @@ from common.logging_setup import configure_logging
 from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig
-from router_service.engine_loop import Engine
-from router_service.observability import ChainedHooks, EngineHooks, router_metrics
+from router_service.batching_loop import BatchingLoop
+from router_service.observability import BatchingLoopHooks, ChainedHooks, router_metrics
 from router_service.servicer import BearerAuthInterceptor, GenerationServicer
 from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
@@ -35,7 +35,7 @@ log = logging.getLogger("colibri.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
-class _HealthHooks(EngineHooks):
+class _HealthHooks(BatchingLoopHooks):
     """Mirrors the worker's readiness into grpc.health."""
 
     def __init__(self, router: "Router"):
@@ -47,10 +47,10 @@ class _HealthHooks(EngineHooks):
 
 @dataclass
 class Router:
-    """A running router: its server, port, engine and health servicer."""
+    """A running router: its server, port, batching loop and health servicer."""
     server: grpc.aio.Server
     port: int
-    engine: Engine
+    batching_loop: BatchingLoop
     health: health.aio.HealthServicer
     worker: WorkerClient
     draining: bool = False
@@ -66,14 +66,16 @@ class Router:
         """Stops admitting, waits for in-flight requests (True if all finished in time)."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
-        self.engine.start_draining()
-        finished = await self.engine.wait_idle(self.engine.config.drain_timeout_s if timeout is None else timeout)
+        self.batching_loop.start_draining()
+        finished = await self.batching_loop.wait_idle(
+            self.batching_loop.config.drain_timeout_s if timeout is None else timeout)
         if not finished:
-            log.warning("drain timeout: %d requests still in flight end UNAVAILABLE", self.engine.num_active)
+            log.warning("drain timeout: %d requests still in flight end UNAVAILABLE",
+                        self.batching_loop.num_active)
         return finished
 
     async def stop(self, grace: float = 1.0) -> None:
-        await self.engine.stop()
+        await self.batching_loop.stop()
         await self.server.stop(grace)
         await self.worker.close()
 
@@ -92,8 +94,8 @@ def _routing_planner(config: RouterConfig):
 
 
 async def start_router(config: RouterConfig, worker_address: str | None = None,
-                       tokenizer: Tokenizer | None = None, hooks: EngineHooks | None = None) -> Router:
-    """Builds and starts the router (the engine connects to the worker in the background).
+                       tokenizer: Tokenizer | None = None, hooks: BatchingLoopHooks | None = None) -> Router:
+    """Builds and starts the router (the batching loop connects to the worker in the background).
 
     `worker_address` overrides config.worker; `tokenizer` overrides the one from config.model. With
     config.port == 0 a free port is chosen: read it from the returned Router.port.
@@ -115,11 +117,11 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
     ], maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16)
     health_servicer = health.aio.HealthServicer()
-    engine = Engine(config, worker, tokenizer, planner=_routing_planner(config))
-    router = Router(server, 0, engine, health_servicer, worker)
-    engine.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
+    batching_loop = BatchingLoop(config, worker, tokenizer, planner=_routing_planner(config))
+    router = Router(server, 0, batching_loop, health_servicer, worker)
+    batching_loop.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
-    router_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, model_name), server)
+    router_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(batching_loop, model_name), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -127,12 +129,12 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     router.port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    await engine.start()
+    await batching_loop.start()
     log.info("router listening on %s:%d, worker %s", config.host, router.port, config.worker)
     return router
 
 
-async def serve(config: RouterConfig, hooks: EngineHooks | None = None) -> int:
+async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:
     router = await start_router(config, hooks=hooks)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -145,7 +147,7 @@ async def serve(config: RouterConfig, hooks: EngineHooks | None = None) -> int:
     return 0
 
 
-def _setup_observability(config: RouterConfig) -> EngineHooks:
+def _setup_observability(config: RouterConfig) -> BatchingLoopHooks:
     """JSON logs (LOG_FORMAT), the tracer provider (OTLP only when configured) and /metrics."""
     configure_logging("router", os.environ.get("LOG_LEVEL", "INFO"))
     configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))

@@ -1,7 +1,8 @@
-"""Engine hooks and the router's metrics: the engine calls hooks, this file turns them into Prometheus series.
+"""Batching-loop hooks and the router's metrics: the loop calls hooks, this file turns them into Prometheus
+series.
 
-The engine knows nothing about Prometheus; it calls `EngineHooks` at the moments that matter (admission,
-first scheduling, every token, every step, the terminal status). All intervals use time.monotonic() stamps
+The batching loop knows nothing about Prometheus; it calls `BatchingLoopHooks` at the moments that matter
+(admission, first scheduling, every token, every step, the terminal status). All intervals use time.monotonic() stamps
 taken in this one process (vLLM's rule: never compare monotonic clocks across processes).
 """
 from __future__ import annotations
@@ -11,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from common.metrics import RouterMetrics, new_registry, start_metrics_server
 
 
-class EngineHooks:
-    """No-op observability hooks; `request` is the engine's RequestState."""
+class BatchingLoopHooks:
+    """No-op observability hooks; `request` is the batching loop's RequestState."""
 
     def on_worker_state(self, ready: bool) -> None: ...
 
@@ -31,8 +32,8 @@ class EngineHooks:
         """A request refused before admission (validation, overload, draining): outcome = status, lower-case."""
 
 
-class MetricsHooks(EngineHooks):
-    """EngineHooks that update common.metrics.RouterMetrics."""
+class MetricsHooks(BatchingLoopHooks):
+    """BatchingLoopHooks that update common.metrics.RouterMetrics."""
 
     def __init__(self, metrics: RouterMetrics):
         self.m = metrics
@@ -67,10 +68,10 @@ class MetricsHooks(EngineHooks):
         self.m.queue_size.set(active)
 
 
-class ChainedHooks(EngineHooks):
+class ChainedHooks(BatchingLoopHooks):
     """Calls several hooks objects in order (health mirroring + metrics)."""
 
-    def __init__(self, *hooks: EngineHooks):
+    def __init__(self, *hooks: BatchingLoopHooks):
         self.hooks = hooks
 
     def __getattribute__(self, name):

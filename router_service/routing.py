@@ -1,8 +1,8 @@
-"""Routing plans from the static routing table (SPEC §4): every step's tokens are looked up, vectorised,
-into per-MoE-layer CSR arrays (expert -> indices of the step's tokens) that travel with the step.
+"""Routing plans from the static routing table: every step's tokens are looked up, vectorised, into per-MoE-layer
+CSR arrays (expert -> indices of the step's tokens) that travel with the step.
 
-Token order is the worker's: prompt chunks in plan order, then one token per decoding sequence (the
-token it sampled last, which the worker feeds next).
+Token order is the worker's: prompt chunks in step order, then one token per decoding request (the token it
+sampled last, which the worker feeds next). The planner reads only the scheduled step, which carries both.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import numpy as np
 from common.pb import worker_pb2
 from common.routing_table import RoutingTable
 from common.tensors import to_pb
-from router_service.scheduler import Scheduler, StepPlan
+from router_service.scheduler import ScheduledStep
 
 
-def step_token_ids(plan: StepPlan, scheduler: Scheduler) -> np.ndarray:
+def step_token_ids(step: ScheduledStep) -> np.ndarray:
     """The step's tokens in the order the worker lays them out."""
-    pieces = [np.asarray(chunk.token_ids, dtype=np.int64) for chunk in plan.prefill_chunks]
-    pieces.append(np.asarray([scheduler.sequences[rid].output_ids[-1] for rid in plan.decode_ids], dtype=np.int64))
+    pieces = [np.asarray(chunk.token_ids, dtype=np.int64) for chunk in step.prefill_chunks]
+    pieces.append(np.asarray(step.decode_token_ids, dtype=np.int64))
     return np.concatenate(pieces)
 
 
@@ -31,9 +31,9 @@ class RoutingPlanner:
         self.seconds = 0.0
         self.steps = 0
 
-    def plan(self, step: StepPlan, scheduler: Scheduler) -> worker_pb2.RoutingPlan:
+    def routing_plan(self, step: ScheduledStep) -> worker_pb2.RoutingPlan:
         started = time.perf_counter()
-        offsets, token_indices = self.table.plan_packed(step_token_ids(step, scheduler))
+        offsets, token_indices = self.table.plan_packed(step_token_ids(step))
         message = worker_pb2.RoutingPlan(layers=self.table.moe_layers, offsets=to_pb(offsets),
                                          token_indices=to_pb(token_indices))
         self.seconds += time.perf_counter() - started

@@ -1,10 +1,10 @@
-"""Continuous-batching scheduler: pure Python, no grpc, no asyncio; the engine loop drives it.
+"""Continuous-batching scheduler: pure Python, no grpc, no asyncio; the batching loop drives it.
 
-Design note. There is one token-accounting model and no prefill/decode "phases": every sequence has
+Design note. There is one token-accounting model and no prefill/decode "phases": every request has
 ``num_tokens`` (prompt + generated) and ``num_computed_tokens`` (tokens whose KV the worker holds), and a
-step is ``{request_id: tokens to run}``. A sequence still inside its prompt runs a chunk of it (chunked
-prefill falls out of the token budget); a sequence past its prompt runs exactly one token, its last sampled
-one. Running sequences are served first, oldest first, so decodes never starve behind a long prompt; the
+step is ``{request_id: tokens to run}``. A request still inside its prompt runs a chunk of it (chunked
+prefill falls out of the token budget); a request past its prompt runs exactly one token, its last sampled
+one. Running requests are served first, oldest first, so decodes never starve behind a long prompt; the
 rest of the budget admits waiting requests in FIFO order, between steps.
 
 KV admission reserves blocks for prompt + max_new_tokens when a request is admitted. The worker protocol has
@@ -12,9 +12,9 @@ no swap or preemption, so reserving the worst case is what lets an admitted requ
 is a lower batch occupancy when max_new_tokens is generous. Admission stops at the first waiting request that
 does not fit (head-of-line, as TGI), so a large request is not overtaken forever by small ones.
 
-A sequence that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
-it, the next plan carries a FilterBatch so the worker frees its KV before (or instead of) the next step. A
-request cancelled while waiting is dropped from the queue and never reaches the worker.
+A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
+it, the next scheduled step carries a FilterBatch so the worker frees its KV before (or instead of) running
+it. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ class FinishReason(enum.Enum):
 
 
 @dataclass
-class Sequence:
+class ScheduledRequest:
     """The scheduler's view of one request."""
     request_id: int
     prompt_ids: list[int]
     max_new_tokens: int
-    # Token ids that end the sequence (EOS unless ignore_eos, plus stop_token_ids), by reason.
+    # Token ids that end the request (EOS unless ignore_eos, plus stop_token_ids), by reason.
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
     # Opaque to the scheduler: carried into the first prefill chunk (worker SamplingParams).
@@ -84,13 +84,16 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """One step: what to run, plus what the worker must free first."""
+class ScheduledStep:
+    """One step as the scheduler decided it: what to run, plus what the worker must free first."""
     # request_id -> tokens this step runs for it (chunk length, or 1 for a decode)
     num_scheduled_tokens: dict[int, int]
     prefill_chunks: tuple[Chunk, ...]
     decode_ids: tuple[int, ...]
-    # Sequences the worker must free before the step (FilterBatch keeps keep_ids) ...
+    # The input token of each decode, in decode_ids order: the token the request sampled last (the worker
+    # feeds its own copy; routing lookups read this one).
+    decode_token_ids: tuple[int, ...]
+    # Requests the worker must free before the step (FilterBatch keeps keep_ids) ...
     free_ids: frozenset[int]
     keep_ids: tuple[int, ...]
     # ... and waiting requests dropped because their queue deadline passed (never sent to the worker).
@@ -112,7 +115,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one sequence produced in a step."""
+    """What one request produced in a step."""
     request_id: int
     token_id: int | None  # None for a prompt chunk that did not end the prompt
     logprob: float | None = None
@@ -139,46 +142,46 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order
-        self.sequences: dict[int, Sequence] = {}
+        self.waiting: deque[ScheduledRequest] = deque()
+        self.running: list[ScheduledRequest] = []  # admission order
+        self.requests: dict[int, ScheduledRequest] = {}
         self.num_free_blocks = limits.num_kv_blocks
-        self._pending_free: set[int] = set()  # left while on the worker; next plan filters them out
+        self._pending_free: set[int] = set()  # left while on the worker; next step filters them out
 
     # ---- requests in and out ----
-    def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.sequences:
-            raise ValueError(f"scheduler: request {seq.request_id} is already scheduled")
-        if not seq.prompt_ids or seq.max_new_tokens < 1:
-            raise ValueError("scheduler: a sequence needs a prompt and max_new_tokens >= 1")
-        if self._blocks_needed(seq) > self.limits.num_kv_blocks:
-            raise ValueError(f"scheduler: request {seq.request_id} needs more KV blocks than exist")
-        seq.status = Status.WAITING
-        self.waiting.append(seq)
-        self.sequences[seq.request_id] = seq
+    def add(self, req: ScheduledRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"scheduler: request {req.request_id} is already scheduled")
+        if not req.prompt_ids or req.max_new_tokens < 1:
+            raise ValueError("scheduler: a request needs a prompt and max_new_tokens >= 1")
+        if self._blocks_needed(req) > self.limits.num_kv_blocks:
+            raise ValueError(f"scheduler: request {req.request_id} needs more KV blocks than exist")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
 
     def finish(self, request_id: int, reason: FinishReason) -> bool:
-        """Removes a sequence (finished, cancelled, failed) and frees its blocks now; False if unknown."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
+        """Removes a request (finished, cancelled, failed) and frees its blocks now; False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
             return False
-        if seq.status is Status.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        self.num_free_blocks += seq.num_blocks
-        seq.num_blocks = 0
-        seq.status, seq.finish_reason = Status.FINISHED, seq.finish_reason or reason
-        if seq.is_on_worker:
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        self.num_free_blocks += req.num_blocks
+        req.num_blocks = 0
+        req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
+        if req.is_on_worker:
             self._pending_free.add(request_id)
         return True
 
     def clear(self) -> list[int]:
-        """Forgets every sequence (the worker was lost); returns their ids."""
-        ids = list(self.sequences)
+        """Forgets every request (the worker was lost); returns their ids."""
+        ids = list(self.requests)
         self.waiting.clear()
         self.running.clear()
-        self.sequences.clear()
+        self.requests.clear()
         self._pending_free.clear()
         self.num_free_blocks = self.limits.num_kv_blocks
         return ids
@@ -195,11 +198,11 @@ class Scheduler:
     def num_used_blocks(self) -> int:
         return self.limits.num_kv_blocks - self.num_free_blocks
 
-    def _blocks_needed(self, seq: Sequence) -> int:
-        return self.limits.blocks_for(seq.num_prompt_tokens + seq.max_new_tokens)
+    def _blocks_needed(self, req: ScheduledRequest) -> int:
+        return self.limits.blocks_for(req.num_prompt_tokens + req.max_new_tokens)
 
     # ---- one step ----
-    def schedule(self, now: float = 0.0) -> StepPlan:
+    def schedule(self, now: float = 0.0) -> ScheduledStep:
         expired = [s.request_id for s in self.waiting if s.queue_deadline <= now]
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
@@ -207,52 +210,55 @@ class Scheduler:
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
         decodes: list[int] = []
-        for seq in self.running:
+        decode_tokens: list[int] = []
+        for req in self.running:
             if budget == 0 or len(scheduled) == self.limits.max_batch_size:
                 break
-            if seq.is_prefilling:
-                budget -= self._add_chunk(seq, budget, scheduled, chunks)
+            if req.is_prefilling:
+                budget -= self._add_chunk(req, budget, scheduled, chunks)
             else:
-                scheduled[seq.request_id] = 1
-                decodes.append(seq.request_id)
+                scheduled[req.request_id] = 1
+                decodes.append(req.request_id)
+                decode_tokens.append(req.output_ids[-1])
                 budget -= 1
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
-            seq = self.waiting[0]
-            needed = self._blocks_needed(seq)
+            req = self.waiting[0]
+            needed = self._blocks_needed(req)
             if needed > self.num_free_blocks:
                 break
             self.waiting.popleft()
             self.num_free_blocks -= needed
-            seq.num_blocks, seq.status = needed, Status.RUNNING
-            self.running.append(seq)
-            budget -= self._add_chunk(seq, budget, scheduled, chunks)
+            req.num_blocks, req.status = needed, Status.RUNNING
+            self.running.append(req)
+            budget -= self._add_chunk(req, budget, scheduled, chunks)
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
         keep = tuple(s.request_id for s in self.running if s.is_on_worker)
-        return StepPlan(scheduled, tuple(chunks), tuple(decodes), free_ids, keep, tuple(expired))
+        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, keep,
+                             tuple(expired))
 
-    def _add_chunk(self, seq: Sequence, budget: int, scheduled: dict, chunks: list) -> int:
-        start = seq.num_computed_tokens
-        n = min(seq.num_prompt_tokens - start, budget)
-        scheduled[seq.request_id] = n
-        chunks.append(Chunk(seq.request_id, tuple(seq.prompt_ids[start:start + n]), is_first=start == 0,
-                            is_last=start + n == seq.num_prompt_tokens))
-        seq.is_on_worker = True
+    def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
+        start = req.num_computed_tokens
+        n = min(req.num_prompt_tokens - start, budget)
+        scheduled[req.request_id] = n
+        chunks.append(Chunk(req.request_id, tuple(req.prompt_ids[start:start + n]), is_first=start == 0,
+                            is_last=start + n == req.num_prompt_tokens))
+        req.is_on_worker = True
         return n
 
-    def update(self, plan: StepPlan, generations: list[StepOutput]) -> list[StepOutput]:
-        """Applies a step's results; returns one output per sequence still known, with finish reasons.
+    def update(self, step: ScheduledStep, generations: list[StepOutput]) -> list[StepOutput]:
+        """Applies a step's results; returns one output per request still known, with finish reasons.
 
-        Sequences that left while the step ran (cancelled) are skipped; their ids are already queued for
+        Requests that left while the step ran (cancelled) are skipped; their ids are already queued for
         FilterBatch by `finish`.
         """
         by_id = {g.request_id: g for g in generations}
         outputs = []
-        for request_id, n in plan.num_scheduled_tokens.items():
-            seq = self.sequences.get(request_id)
-            if seq is None:
+        for request_id, n in step.num_scheduled_tokens.items():
+            req = self.requests.get(request_id)
+            if req is None:
                 continue
-            seq.num_computed_tokens += n
+            req.num_computed_tokens += n
             gen = by_id.get(request_id)
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
@@ -260,25 +266,25 @@ class Scheduler:
                 outputs.append(StepOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
             if gen.token_id is None:
-                if not seq.is_prefilling:  # the prompt ended but the worker sampled nothing
+                if not req.is_prefilling:  # the prompt ended but the worker sampled nothing
                     self.finish(request_id, FinishReason.ERROR)
                     outputs.append(StepOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT",
                                               finish_reason=FinishReason.ERROR))
                 continue
-            seq.output_ids.append(gen.token_id)
-            reason = self._stop_reason(seq, gen.token_id)
+            req.output_ids.append(gen.token_id)
+            reason = self._stop_reason(req, gen.token_id)
             if reason is not None:
                 self.finish(request_id, reason)
             outputs.append(StepOutput(request_id, gen.token_id, gen.logprob, reason))
         return outputs
 
     @staticmethod
-    def _stop_reason(seq: Sequence, token_id: int) -> FinishReason | None:
+    def _stop_reason(req: ScheduledRequest, token_id: int) -> FinishReason | None:
         # The worker suppresses these ids until min_new_tokens, so seeing one means it may stop here.
-        if token_id in seq.stop_token_ids:
+        if token_id in req.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if token_id in seq.eos_token_ids:
+        if token_id in req.eos_token_ids:
             return FinishReason.EOS
-        if len(seq.output_ids) >= seq.max_new_tokens:
+        if len(req.output_ids) >= req.max_new_tokens:
             return FinishReason.LENGTH
         return None

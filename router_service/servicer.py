@@ -1,8 +1,8 @@
-"""GenerationService: a thin grpc.aio servicer (protobuf <-> engine), plus the bearer-token interceptor.
+"""GenerationService: a thin grpc.aio servicer (protobuf <-> batching loop), plus the bearer-token interceptor.
 
-Each method converts, delegates to validation and the engine, and converts back; errors of every kind become
-a status in `errors.to_status`, the one place that maps them. A request leaves the engine in a `finally`,
-so a client that cancels or disconnects (the handler task is cancelled) frees its KV blocks at once.
+Each method converts, delegates to validation and the batching loop, and converts back; errors of every kind
+become a status in `errors.to_status`, the one place that maps them. A request leaves the batching loop in a
+`finally`, so a client that cancels or disconnects (the handler task is cancelled) frees its KV blocks at once.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
-from router_service.engine_loop import Engine, RequestHandle
+from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.scheduler import FinishReason
 from router_service.validation import validate_request
 
@@ -31,27 +31,27 @@ STOP_REASONS = {
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: Engine, model_name: str = ""):
-        self.engine = engine
-        self.config = engine.config
+    def __init__(self, batching_loop: BatchingLoop, model_name: str = ""):
+        self.batching_loop = batching_loop
+        self.config = batching_loop.config
         self._model_name = model_name
 
     @property
     def model_name(self) -> str:
-        info = self.engine.info
+        info = self.batching_loop.info
         return self.config.model_name or self._model_name or (info.model_name if info else "") or "colibri"
 
     def _submit(self, request: router_pb2.GenerateRequest, context, stream: bool) -> RequestHandle:
-        if self.engine.is_draining:
+        if self.batching_loop.is_draining:
             raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
-        if self.engine.limits is None:
+        if self.batching_loop.limits is None:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
-        req = validate_request(request, self.config, self.engine.limits, self.engine.tokenizer)
+        req = validate_request(request, self.config, self.batching_loop.limits, self.batching_loop.tokenizer)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         span = trace.get_current_span()
         _set_request_attributes(span, self.model_name, req, stream)
-        return self.engine.submit(req, deadline, span.get_span_context())
+        return self.batching_loop.submit(req, deadline, span.get_span_context())
 
     async def Generate(self, request, context):
         with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
@@ -104,16 +104,16 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context):
         try:
-            if self.engine.tokenizer is None:
+            if self.batching_loop.tokenizer is None:
                 raise InvalidRequestError("text", "this model has no tokenizer (start the router with --model DIR)")
             if len(request.text.encode()) > self.config.max_message_bytes:
                 raise InvalidRequestError("text", f"must be at most {self.config.max_message_bytes} bytes")
-            return router_pb2.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text))
+            return router_pb2.TokenizeResponse(token_ids=self.batching_loop.tokenizer.encode(request.text))
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 
     async def ModelInfo(self, request, context):
-        info, limits = self.engine.info, self.engine.limits
+        info, limits = self.batching_loop.info, self.batching_loop.limits
         if info is None or limits is None:
             await self._abort(context, errors.Unavailable("the worker has not connected yet"), request, None)
         hf = _hf_config(info.hf_config_json)
@@ -125,16 +125,16 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0))
 
     def _routing(self) -> str:
-        return self.engine.info.routing if self.engine.info is not None else ""
+        return self.batching_loop.info.routing if self.batching_loop.info is not None else ""
 
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
-        """Ends the RPC with `error`'s status; `count`: it never reached the engine, so count it here."""
+        """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""
         request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
         span = trace.get_current_span()
         span.set_attribute("error.type", getattr(error, "reason", "VALIDATION"))
         status = errors.to_status(error)
         if count:
-            self.engine.hooks.on_rejected(status.code.name.lower())
+            self.batching_loop.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
         await context.abort(status.code, status.details, metadata)
 

@@ -29,7 +29,7 @@ class ModelLimits:
 @dataclass(frozen=True)
 class ValidatedRequest:
     """A request that passed validation, with defaults applied; nothing protobuf below this point."""
-    request_id: str  # the caller's, or "" (the engine assigns one)
+    request_id: str  # the caller's, or "" (the batching loop assigns one)
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     min_new_tokens: int

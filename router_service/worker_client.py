@@ -1,7 +1,7 @@
-"""Async client of colibri.worker.v1.WorkerService, plus the scheduler-plan -> protobuf conversion.
+"""Async client of colibri.worker.v1.WorkerService, plus the scheduled-step -> protobuf conversion.
 
 No automatic retries: steps are stateful and not idempotent (a retried Prefill would run a chunk twice), so
-a failed call fails the batch and the engine loop decides what to do. Every call has a deadline, and the
+a failed call fails the batch and the batching loop decides what to do. Every call has a deadline, and the
 W3C trace context of the current span travels in the metadata (no-op unless an OpenTelemetry SDK is set up).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 from opentelemetry import propagate
 
 from common.pb import worker_pb2, worker_pb2_grpc
-from router_service.scheduler import StepOutput, StepPlan
+from router_service.scheduler import ScheduledStep, StepOutput
 from router_service.validation import ValidatedRequest
 
 
@@ -76,17 +76,17 @@ class WorkerClient:
                                     timeout or self.control_timeout_s)
         return response.freed_sequences
 
-    async def step(self, plan: StepPlan, sampling: dict[int, worker_pb2.SamplingParams],
+    async def step(self, step: ScheduledStep, sampling: dict[int, worker_pb2.SamplingParams],
                    timeout: float | None = None,
                    routing_plan: worker_pb2.RoutingPlan | None = None) -> worker_pb2.StepResponse:
-        """Runs `plan` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
-        if plan.prefill_chunks:
-            request = plan_to_prefill(plan, sampling)
+        """Runs `step` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
+        if step.prefill_chunks:
+            request = plan_to_prefill(step, sampling)
         else:
-            request = worker_pb2.DecodeRequest(request_ids=list(plan.decode_ids))
+            request = worker_pb2.DecodeRequest(request_ids=list(step.decode_ids))
         if routing_plan is not None:
             request.routing_plan.CopyFrom(routing_plan)
-        if plan.prefill_chunks:
+        if step.prefill_chunks:
             return await self.prefill(request, timeout)
         return await self.decode(request, timeout)
 
@@ -99,14 +99,14 @@ def sampling_params(req: ValidatedRequest, eos_token_ids) -> worker_pb2.Sampling
                                      logprobs=req.logprobs)
 
 
-def plan_to_prefill(plan: StepPlan, sampling: dict[int, worker_pb2.SamplingParams]) -> worker_pb2.PrefillRequest:
+def plan_to_prefill(step: ScheduledStep, sampling: dict[int, worker_pb2.SamplingParams]) -> worker_pb2.PrefillRequest:
     chunks = []
-    for chunk in plan.prefill_chunks:
+    for chunk in step.prefill_chunks:
         pb = worker_pb2.PrefillChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last)
         if chunk.is_first:
             pb.sampling.CopyFrom(sampling[chunk.request_id])
         chunks.append(pb)
-    return worker_pb2.PrefillRequest(chunks=chunks, decode_request_ids=list(plan.decode_ids))
+    return worker_pb2.PrefillRequest(chunks=chunks, decode_request_ids=list(step.decode_ids))
 
 
 def step_outputs(response: worker_pb2.StepResponse) -> list[StepOutput]:

@@ -195,7 +195,7 @@ def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
                 call.cancel()
             await asyncio.gather(*(start_and_cancel(i) for i in range(40)))
             for _ in range(500):
-                if router.engine.num_active == 0:
+                if router.batching_loop.num_active == 0:
                     break
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)

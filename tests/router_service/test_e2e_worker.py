@@ -42,11 +42,11 @@ def test_greedy_and_concurrent_streams_equal_offline(worker, tiny_model):
         assert together == expected
         # Everything finished: the worker holds no sequence (FilterBatch ran), the router no block.
         for _ in range(100):
-            if router.engine.num_active == 0:
+            if router.batching_loop.num_active == 0:
                 break
             await asyncio.sleep(0.01)
         freed = await router.worker.filter_batch([])
-        assert freed.kv_blocks_used == 0 and router.engine.scheduler.num_used_blocks == 0
+        assert freed.kv_blocks_used == 0 and router.batching_loop.scheduler.num_used_blocks == 0
 
     # A small token budget forces chunked prefill and decodes riding along with prefill chunks.
     asyncio.run(with_router(worker, body, max_batch_tokens=8))
@@ -58,7 +58,7 @@ def test_cancel_mid_stream_returns_worker_kv(worker):
         await call.read()
         call.cancel()
         for _ in range(200):
-            if router.engine.num_active == 0:
+            if router.batching_loop.num_active == 0:
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
@@ -74,7 +74,7 @@ def test_every_request_is_logged_with_its_id_and_never_its_prompt(worker, caplog
         await stub.Generate(request([77, 78, 79], 3), metadata=())
         return await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), request_id="req-42",
                                                        parameters=rpb.SamplingParameters(max_new_tokens=2)))
-    with caplog.at_level(logging.INFO, logger="colibri.router.engine"):
+    with caplog.at_level(logging.INFO, logger="colibri.router.batching_loop"):
         reply = asyncio.run(with_router(worker, body))
     assert reply.request_id == "req-42"
     records = [r for r in caplog.records if getattr(r, "request_id", None) == "req-42"]

@@ -45,7 +45,7 @@ def run_requests(worker, model, table, prompts, n):
             requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(
                 max_new_tokens=n, ignore_eos=True)) for p in prompts]
             replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
-            return replies, router.engine.planner.steps
+            return replies, router.batching_loop.planner.steps
     return asyncio.run(body())
 
 

@@ -26,7 +26,7 @@ async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **over
     stub = router_pb2_grpc.GenerationServiceStub(channel)
     try:
         if wait_ready:
-            await wait_for(lambda: router.engine.is_ready)
+            await wait_for(lambda: router.batching_loop.is_ready)
         yield router, fake, stub, channel
     finally:
         await channel.close()
@@ -73,7 +73,7 @@ def test_generate_unary_token_ids():
             s = fake.sampling[1]
             assert s.seed != 0 and list(s.stop_token_ids) == [EOS]  # a seed is always assigned
             await wait_for(lambda: not fake.seqs)  # finished -> FilterBatch freed it
-            assert router.engine.scheduler.num_used_blocks == 0
+            assert router.batching_loop.scheduler.num_used_blocks == 0
             r2 = await stub.Generate(ids_request([1], max_new_tokens=1))
             assert r2.request_id.startswith("cmpl-")
     run(main())
@@ -125,8 +125,8 @@ def test_cancel_mid_stream_frees_worker_kv():
                     break
             assert fake.seqs
             call.cancel()
-            await wait_for(lambda: not fake.seqs and router.engine.num_active == 0)
-            assert fake.filter_keeps[-1] == [] and router.engine.scheduler.num_used_blocks == 0
+            await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
+            assert fake.filter_keeps[-1] == [] and router.batching_loop.scheduler.num_used_blocks == 0
     run(main())
 
 
@@ -136,7 +136,7 @@ def test_unary_client_cancel_frees_worker_kv():
             call = stub.Generate(ids_request([1], max_new_tokens=200))
             await wait_for(lambda: bool(fake.seqs))
             call.cancel()
-            await wait_for(lambda: not fake.seqs and router.engine.num_active == 0)
+            await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
     run(main())
 
 
@@ -147,11 +147,11 @@ def test_cancel_while_queued_never_reaches_worker():
             first = stub.GenerateStream(ids_request([1], max_new_tokens=31))
             await first.read()
             second = stub.GenerateStream(ids_request([2], max_new_tokens=31))
-            await wait_for(lambda: router.engine.scheduler.num_waiting == 1)
+            await wait_for(lambda: router.batching_loop.scheduler.num_waiting == 1)
             second.cancel()
-            await wait_for(lambda: router.engine.num_active == 1)
+            await wait_for(lambda: router.batching_loop.num_active == 1)
             first.cancel()
-            await wait_for(lambda: not fake.seqs and router.engine.num_active == 0)
+            await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
             assert fake.seen_ids == {1}
     run(main())
 
@@ -171,7 +171,7 @@ def test_overload_resource_exhausted_with_retry_info():
             assert found["ErrorInfo"].reason == "OVERLOADED"
             for c in calls:
                 c.cancel()
-            await wait_for(lambda: router.engine.num_active == 0)
+            await wait_for(lambda: router.batching_loop.num_active == 0)
             assert (await stub.Generate(ids_request([1], max_new_tokens=2))).generated_tokens == 2
     run(main())
 
@@ -196,7 +196,7 @@ def test_validation_errors_name_the_field(request_, field):
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert err.value.details().startswith(field + ":")
                 assert details(err.value)["BadRequest"].field_violations[0].field == field
-            assert not fake.seen_ids and router.engine.is_ready
+            assert not fake.seen_ids and router.batching_loop.is_ready
             assert (await stub.Generate(ids_request([1], max_new_tokens=1))).generated_tokens == 1
     run(main())
 
@@ -214,7 +214,7 @@ def test_worker_failure_fails_in_flight_then_recovers(code, expected):
                     pass
             assert err.value.code() == expected
             clears = fake.calls.count("ClearCache")
-            await wait_for(lambda: router.engine.is_ready)
+            await wait_for(lambda: router.batching_loop.is_ready)
             assert fake.calls.count("ClearCache") == clears + 1  # reconnect cleared the worker
             assert (await stub.Generate(ids_request([1], max_new_tokens=3))).generated_tokens == 3
     run(main())
@@ -232,13 +232,13 @@ def test_health_follows_worker_and_drain():
                 await stub.Generate(ids_request([1]))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             fake.ready = True
-            await wait_for(lambda: router.engine.is_ready)
+            await wait_for(lambda: router.batching_loop.is_ready)
             await asyncio.sleep(0.05)
             assert (await check()).status == health_pb2.HealthCheckResponse.SERVING
             in_flight = stub.Generate(ids_request([1], max_new_tokens=20))
-            await wait_for(lambda: router.engine.num_active == 1)
+            await wait_for(lambda: router.batching_loop.num_active == 1)
             drain = asyncio.create_task(router.drain(timeout=5))
-            await wait_for(lambda: router.engine.is_draining)
+            await wait_for(lambda: router.batching_loop.is_draining)
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1]))
@@ -254,7 +254,7 @@ def test_deadline_exceeded_frees_request():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1], max_new_tokens=500), timeout=0.3)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            await wait_for(lambda: not fake.seqs and router.engine.num_active == 0)
+            await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
     run(main())
 
 

@@ -18,15 +18,15 @@ from test_servicer import harness, ids_request
 PURITY_SCRIPT = """
 import sys
 import router_service.main, router_service.client, router_service.generate_cmd
-from router_service.scheduler import Scheduler, SchedulerLimits, Sequence, StepOutput
+from router_service.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, StepOutput
 from router_service.tokenizer import StopSequenceMatcher
 from router_service.validation import ModelLimits, validate_request
 from router_service.config import RouterConfig
 from common.pb import router_pb2
 s = Scheduler(SchedulerLimits(4, 16, 4, 16))
-s.add(Sequence(1, [1, 2, 3], 2))
-plan = s.schedule()
-s.update(plan, [StepOutput(1, 5)])
+s.add(ScheduledRequest(1, [1, 2, 3], 2))
+step = s.schedule()
+s.update(step, [StepOutput(1, 5)])
 validate_request(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1])), RouterConfig(),
                  ModelLimits(10, 100, 100))
 StopSequenceMatcher(["x"]).push("abc")
