@@ -2,10 +2,10 @@
 
 Streams must never emit broken or retracted text, which takes two hold-backs:
 - IncrementalDetokenizer: a token can end inside a multi-byte UTF-8 character (byte-level BPE), and some
-  tokenizers change the text of earlier tokens depending on what follows (SentencePiece's leading space).
-  So each step decodes a short window that starts a few tokens back (prefix offset) and emits only the text
-  past what that window already produced, and only when it does not end in U+FFFD (an incomplete character).
-  This is the technique of TGI's `decode_token` and vLLM's `detokenize_incrementally`.
+  tokenizers change the text of a token depending on what precedes it (SentencePiece's leading space).
+  `tokenizers.decoders.DecodeStream` handles both: it decodes a short window that starts a few tokens back
+  and emits only the text past what that window already produced, and only when it does not end in U+FFFD
+  (an incomplete character) -- the technique of TGI's `decode_token` and vLLM's `detokenize_incrementally`.
 - StopSequenceMatcher: text that might be the beginning of a stop sequence is held back until the next text
   proves it is not; when a stop sequence completes, the output ends right before it.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from common.errors import ConfigError
 
 REPLACEMENT = "\ufffd"
-# Tokens of context decoded before the new ones; enough for every tokenizer's look-back (TGI uses 5).
+# Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
 PREFIX_WINDOW = 5
 
 
@@ -62,39 +62,56 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's generated tokens into text, piece by piece, emitting only complete characters."""
+    """Turns one sequence's generated tokens into text, piece by piece, emitting only complete characters.
+
+    The DecodeStream starts from the prompt's last tokens, so the first piece decodes in context. A prompt
+    that ends inside a character starts it from the complete part and steps the rest like generated tokens:
+    the character comes out whole once the generated tokens complete it.
+    """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids=()):
-        self._tok = tokenizer
-        context = list(prompt_ids)[-PREFIX_WINDOW:]
-        self._ids: list[int] = context
-        self._prefix_offset = 0
-        self._read_offset = len(context)
+        from tokenizers.decoders import DecodeStream  # imported here, like the tokenizer itself
+        self._new_stream = lambda ids: DecodeStream(ids, skip_special_tokens=True)
+        self._hf, self._decode = tokenizer._tok, tokenizer.decode
+        context, tail = [int(i) for i in list(prompt_ids)[-PREFIX_WINDOW:]], []
+        while context and self._decode(context).endswith(REPLACEMENT):
+            tail.insert(0, context.pop())
+        self._stream = self._new_stream(context)
+        self._emitted = context      # the last ids behind emitted text (flush decodes against them)
+        self._held: list[int] = []   # ids stepped since the last emitted text
+        self._held_from_prompt = 0
+        for token_id in tail:
+            self._step(token_id)
+        self._held_from_prompt = len(self._held)
 
     def step(self, token_id: int) -> str:
         """Adds one token; returns the new complete text (often "", e.g. mid-character)."""
-        self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._tok.decode(self._ids[self._prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._trim()
-            return new_text[len(prefix_text):]
-        return ""
+        return self._step(int(token_id))
 
     def flush(self) -> str:
         """At the end of the sequence: whatever is still held (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._tok.decode(self._ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        if len(self._held) <= self._held_from_prompt:
+            return ""
+        prefix, text = self._decode(self._emitted), self._decode(self._emitted + self._held)
+        self._held, self._held_from_prompt = [], 0
+        return text[len(prefix):] if text.startswith(prefix) else text
 
-    def _trim(self) -> None:
-        # Only ids from the prefix offset on are ever decoded again; keep the list short on long outputs.
-        if self._prefix_offset > 64:
-            del self._ids[:self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+    def _step(self, token_id: int) -> str:
+        self._held.append(token_id)
+        try:
+            text = self._stream.step(self._hf, token_id)
+        except Exception as e:  # the library raises a bare Exception
+            if "Invalid prefix" not in str(e):
+                raise
+            # A decoder rewrote text it had already produced: restart the window after the emitted text.
+            held, self._held = self._held, []
+            self._stream = self._new_stream(self._emitted)
+            return "".join(self._step(i) for i in held)
+        if text is None:
+            return ""
+        self._emitted, self._held = (self._emitted + self._held)[-PREFIX_WINDOW:], []
+        self._held_from_prompt = 0
+        return text
 
 
 class StopSequenceMatcher:
