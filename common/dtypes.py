@@ -1,10 +1,12 @@
 """Storage dtypes of model weights and exact conversions between them.
 
-bfloat16 has no numpy dtype: it is stored and handled as raw ``uint16`` words (the top half of a float32),
-widened with a shift and narrowed with round-to-nearest-even, as the CUDA kernels do.
+bfloat16 is stored and handled as raw ``uint16`` words (the top half of a float32), the form the CUDA kernels
+read; ``ml_dtypes.bfloat16`` converts them: widening is exact, narrowing rounds to nearest even (as the kernels
+do) and keeps a NaN a NaN.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from common.errors import ModelFormatError
@@ -33,15 +35,13 @@ def itemsize(dtype: str) -> int:
 
 
 def bf16_to_float32(words: np.ndarray) -> np.ndarray:
-    return (words.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(words, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def float32_to_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to nearest even; NaN stays a quiet NaN (rounding could otherwise carry it into inf)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16
-    nan = np.isnan(values)
-    return np.where(nan, (bits >> 16) | np.uint32(0x40), rounded).astype(np.uint16)
+    """Round to nearest even; a NaN stays a NaN (bit rounding could carry it into inf)."""
+    with np.errstate(invalid="ignore"):     # a NaN input is not an error here: it converts to a NaN
+        return np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
