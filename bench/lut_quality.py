@@ -31,16 +31,14 @@ from expert_service.sampling import SamplingParams  # noqa: E402
 
 
 def run(engine: Engine, prompt: list[int], steps: int, table: RoutingTable | None):
-    """Greedy continuation and prefill logits, with the table's plan on every step when given."""
-    def plan(tokens):
-        if table is None:
-            return None
-        offsets, indices = table.plan_packed(np.asarray(tokens))
-        return {layer: (offsets[i], indices[i]) for i, layer in enumerate(table.moe_layers)}
-    first = engine.step([PrefillInput(0, np.asarray(prompt), SamplingParams(), True)], routing_plan=plan(prompt))
+    """Greedy continuation and prefill logits, with the table's routing plan on every step when given."""
+    def routing_plan(tokens):
+        return table.routing_plan(np.asarray(tokens)) if table is not None else None
+    first = engine.step([PrefillInput(0, np.asarray(prompt), SamplingParams(), True)],
+                        routing_plan=routing_plan(prompt))
     tokens, logits = [first.outputs[0].token_id], np.asarray(first.logits[0])
     for _ in range(steps - 1):
-        tokens.append(engine.step(decode_ids=[0], routing_plan=plan([tokens[-1]])).outputs[0].token_id)
+        tokens.append(engine.step(decode_ids=[0], routing_plan=routing_plan([tokens[-1]])).outputs[0].token_id)
     engine.release([0])
     return tokens, logits
 

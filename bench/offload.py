@@ -153,13 +153,12 @@ def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float
         return PrefillInput(rid, rng.integers(0, cfg.vocab_size, n), SamplingParams(), True)
 
     def step(prefill=(), decode_ids=()):
-        plan = None
+        routing_plan = None
         if use_plan:            # the worker's token order: prompt chunks, then one token per decoding sequence
             last = np.array([engine.sequences[rid].last_token for rid in decode_ids], dtype=np.int64)
-            offsets, tokens = table.plan_packed(np.concatenate([c.token_ids for c in prefill] + [last]))
-            plan = {layer: (offsets[l], tokens[l]) for l, layer in enumerate(table.moe_layers)}
+            routing_plan = table.routing_plan(np.concatenate([c.token_ids for c in prefill] + [last]))
         start = time.perf_counter()
-        result = engine.step(list(prefill), list(decode_ids), plan)
+        result = engine.step(list(prefill), list(decode_ids), routing_plan)
         sync()
         return time.perf_counter() - start, result
 

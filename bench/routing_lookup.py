@@ -1,9 +1,9 @@
 """Cost of the router's routing-plan lookups (the lookup must stay a small fraction of a step).
 
 Builds a random table of a real model's size (default: Qwen3-30B-A3B, 48 MoE layers x 151936 tokens x top-8
-of 128 experts, 117 MB) and times `RoutingPlanner.routing_plan` -- lookup, CSR build and protobuf encoding, what
-the router does per step -- for decode steps of 1/16/64 tokens and prefill steps of 512/2048 tokens.
-Writes JSON.
+of 128 experts, 117 MB) and times `RoutingPlanner.routing_plan(step).to_pb()` -- lookup, CSR build and
+protobuf encoding, what the router does per step -- for decode steps of 1/16/64 tokens and prefill steps of
+512/2048 tokens. Writes JSON.
 
     python bench/routing_lookup.py --out out/routing_lookup.json
 """
@@ -48,7 +48,7 @@ def main() -> int:
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            message = planner.routing_plan(step)
+            message = planner.routing_plan(step).to_pb()
             times.append(time.perf_counter() - start)
         results["steps"][f"{kind}_{tokens}"] = {"tokens": tokens, "median_us": float(np.median(times) * 1e6),
                                                 "p99_us": float(np.percentile(times, 99) * 1e6),

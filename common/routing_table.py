@@ -32,6 +32,7 @@ import numpy as np
 
 from common.errors import InvalidRequestError, ModelFormatError
 from common.model_config import ModelConfig
+from common.routing_plan import RoutingPlan
 
 MAGIC = b"CLRT"
 VERSION = 1
@@ -118,29 +119,10 @@ class RoutingTable:
             raise InvalidRequestError("token_ids", f"token id {int(bad)} is outside [0, {self.vocab_size})")
         return np.take(self.table, ids, axis=1)          # contiguous [L, T, k] (plain indexing is not)
 
-    def plan(self, token_ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per MoE layer, expert -> indices into `token_ids` in CSR form: (offsets int32 [E+1],
-        token_indices int32 [T*k]); the tokens of expert e are token_indices[offsets[e]:offsets[e+1]],
-        ascending. An expert with no tokens has offsets[e] == offsets[e+1].
-        """
-        offsets, token_indices = self.plan_packed(token_ids)
-        return [(offsets[l], token_indices[l]) for l in range(len(self.moe_layers))]
-
-    def plan_packed(self, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`plan` for all layers at once, as the worker protocol carries it: offsets int32 [L, E+1] and
-        token_indices int32 [L, T*k] (row l is MoE layer moe_layers[l])."""
-        experts = self.lookup(token_ids)                                     # [L, T, k] uint16
-        L, T, k = experts.shape
-        E, n = self.num_experts, T * k
-        flat = experts.reshape(L, n)
-        # A stable sort of uint16 keys is numpy's radix sort: O(n) per layer, and it leaves each expert's
-        # tokens ascending (the flattening is token-major).
-        order = np.argsort(flat, axis=1, kind="stable")                     # [L, n]
-        keys = flat.astype(np.int32) + (np.arange(L, dtype=np.int32) * E)[:, None]
-        counts = np.bincount(keys.ravel(), minlength=L * E).reshape(L, E)
-        offsets = np.zeros((L, E + 1), dtype=np.int32)
-        np.cumsum(counts, axis=1, out=offsets[:, 1:])
-        return offsets, (order // k).astype(np.int32)
+    def routing_plan(self, token_ids: np.ndarray) -> RoutingPlan:
+        """The routing plan of a step whose tokens are `token_ids`: per MoE layer, expert -> indices into
+        `token_ids` in CSR form (one gather, then a radix sort per layer)."""
+        return RoutingPlan.from_expert_ids(self.moe_layers, self.lookup(token_ids), self.num_experts)
 
 
 def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:

@@ -13,10 +13,11 @@ import numpy as np
 
 from common.errors import CapacityError, ConfigError, InvalidRequestError, NonFiniteLogitsError
 from common.model_format import ModelDir
+from common.routing_plan import RoutingPlan
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.experts import CacheStats, SlotPlan, plan_slots
 from expert_service.kv_cache import BlockAllocator
-from expert_service.routing_plan import plan_ids, plan_recall
+from expert_service.routing_plan import routing_plan_recall
 from expert_service.sampling import Sampler, SamplingParams
 from expert_service.step import Decoder, ForwardBatch, Logits, StepTrace
 
@@ -45,7 +46,7 @@ class StepResult:
     forward_ms: float
     sample_ms: float
     trace: StepTrace
-    routing_plan_recall: float | None    # routing=exact with a plan: share of the exact routing it predicted
+    routing_plan_recall: float | None    # routing=exact with a routing plan: share of the exact routing predicted
     logits: Logits                       # rows [sampling sequences] of [V], in output order
     expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
 
@@ -128,10 +129,10 @@ class Engine:
 
     # --- steps --------------------------------------------------------------------------------------
     def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
-             routing_plan: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> StepResult:
+             routing_plan: RoutingPlan | None = None) -> StepResult:
         """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
-        `routing_plan` ({MoE layer: CSR expert -> step token indices}, tokens in prompt-chunk-then-decode
-        order) is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
+        `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
+        is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
         work: list[tuple[int, np.ndarray, bool]] = []
         for chunk in prefill:
             seq = self.sequences.get(chunk.request_id)
@@ -147,19 +148,21 @@ class Engine:
                 raise InvalidRequestError("request_ids", f"sequence {rid} has no sampled token to decode from")
             work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
         token_ids = self._check_step(work)
-        planned = plan_ids(routing_plan, self.model_config.num_experts, len(token_ids)) if routing_plan else None
-        if self.config.routing is RoutingMode.LUT and not planned:
+        planned_ids = routing_plan.expert_ids(self.model_config.num_experts, len(token_ids)) \
+            if routing_plan is not None else None
+        if self.config.routing is RoutingMode.LUT and not planned_ids:
             raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
                                                       "(start the router with --routing-table)")
         batch = self._build_batch(work, token_ids, all_logits=False)
-        if planned:
-            batch = replace(batch, expert_hints=planned,
-                            routed_experts=planned if self.config.routing is RoutingMode.LUT else None)
+        if planned_ids:
+            batch = replace(batch, expert_hints=planned_ids,
+                            routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
         trace = StepTrace()
         t0 = time.perf_counter()
         logits = self.decoder.forward(batch, trace)
         t1 = time.perf_counter()
-        recall = plan_recall(planned, trace.expert_ids) if planned and self.config.routing is RoutingMode.EXACT else None
+        recall = routing_plan_recall(planned_ids, trace.expert_ids) \
+            if planned_ids and self.config.routing is RoutingMode.EXACT else None
         outputs, row = [], 0
         for rid, tokens, wants_token in work:
             seq = self.sequences[rid]

@@ -21,8 +21,9 @@ from grpc_health.v1 import health, health_pb2
 from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
+from common.routing_plan import RoutingPlan
 from expert_service.engine import Engine, PrefillInput, StepResult
-from expert_service.routing_plan import plan_from_pb, warmup_plan
+from expert_service.routing_plan import warmup_routing_plan
 from expert_service.sampling import SamplingParams
 
 log = logging.getLogger("colibri.worker")
@@ -131,10 +132,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                        self.engine.allocator.num_free_blocks * cfg.kv_block_size))
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
         self.engine.warmup()
-        plan = warmup_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n) \
+        routing_plan = warmup_routing_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n) \
             if self.engine.config.routing == "lut" else None
         try:
-            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=plan)
+            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=routing_plan)
         finally:
             self.engine.release([-1])
         return (time.perf_counter() - started) * 1e3
@@ -143,17 +144,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
-    def _plan(self, request):
+    def _routing_plan(self, request) -> RoutingPlan | None:
         if not request.HasField("routing_plan"):
             return None
-        return plan_from_pb(request.routing_plan, self.engine.model_config.moe_layers)
+        return RoutingPlan.from_pb(request.routing_plan, self.engine.model_config.moe_layers)
 
     def _run_prefill(self, request: pb.PrefillRequest) -> StepResult:
         return self.engine.step([prefill_from_pb(c) for c in request.chunks], list(request.decode_request_ids),
-                                self._plan(request))
+                                self._routing_plan(request))
 
     def _run_decode(self, request: pb.DecodeRequest) -> StepResult:
-        return self.engine.step([], list(request.request_ids), self._plan(request))
+        return self.engine.step([], list(request.request_ids), self._routing_plan(request))
 
     async def _step(self, context, kind: str, fn, request):
         if not self.ready:

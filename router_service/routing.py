@@ -10,9 +10,8 @@ import time
 
 import numpy as np
 
-from common.pb import worker_pb2
+from common.routing_plan import RoutingPlan
 from common.routing_table import RoutingTable
-from common.tensors import to_pb
 from router_service.scheduler import ScheduledStep
 
 
@@ -24,18 +23,16 @@ def step_token_ids(step: ScheduledStep) -> np.ndarray:
 
 
 class RoutingPlanner:
-    """Turns a step into a `RoutingPlan` message; keeps the time spent doing it (reported by benchmarks)."""
+    """Turns a scheduled step into its `RoutingPlan`; keeps the time spent doing it (reported by benchmarks)."""
 
     def __init__(self, table: RoutingTable):
         self.table = table
         self.seconds = 0.0
         self.steps = 0
 
-    def routing_plan(self, step: ScheduledStep) -> worker_pb2.RoutingPlan:
+    def routing_plan(self, step: ScheduledStep) -> RoutingPlan:
         started = time.perf_counter()
-        offsets, token_indices = self.table.plan_packed(step_token_ids(step))
-        message = worker_pb2.RoutingPlan(layers=self.table.moe_layers, offsets=to_pb(offsets),
-                                         token_indices=to_pb(token_indices))
+        routing_plan = self.table.routing_plan(step_token_ids(step))
         self.seconds += time.perf_counter() - started
         self.steps += 1
-        return message
+        return routing_plan

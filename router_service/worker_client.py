@@ -10,6 +10,7 @@ import grpc
 from opentelemetry import propagate
 
 from common.pb import worker_pb2, worker_pb2_grpc
+from common.routing_plan import RoutingPlan
 from router_service.scheduler import ScheduledStep, StepOutput
 from router_service.validation import ValidatedRequest
 
@@ -78,14 +79,14 @@ class WorkerClient:
 
     async def step(self, step: ScheduledStep, sampling: dict[int, worker_pb2.SamplingParams],
                    timeout: float | None = None,
-                   routing_plan: worker_pb2.RoutingPlan | None = None) -> worker_pb2.StepResponse:
+                   routing_plan: RoutingPlan | None = None) -> worker_pb2.StepResponse:
         """Runs `step` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
         if step.prefill_chunks:
             request = plan_to_prefill(step, sampling)
         else:
             request = worker_pb2.DecodeRequest(request_ids=list(step.decode_ids))
         if routing_plan is not None:
-            request.routing_plan.CopyFrom(routing_plan)
+            request.routing_plan.CopyFrom(routing_plan.to_pb())
         if step.prefill_chunks:
             return await self.prefill(request, timeout)
         return await self.decode(request, timeout)

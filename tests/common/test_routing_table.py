@@ -167,7 +167,7 @@ def reference_plan(table: RoutingTable, token_ids) -> list[tuple[list[int], list
 
 
 def assert_plan_matches(table: RoutingTable, token_ids) -> list:
-    plan = table.plan(np.asarray(token_ids))
+    plan = [(offsets, indices) for _, offsets, indices in table.routing_plan(np.asarray(token_ids)).csr()]
     expected = reference_plan(table, token_ids)
     assert len(plan) == len(expected)
     for (offsets, indices), (ref_offsets, ref_indices) in zip(plan, expected):
@@ -198,8 +198,8 @@ def test_plan_with_experts_that_get_no_tokens(tmp_path):
 
 
 def test_plan_empty_step(table_file):
-    plan = RoutingTable.load(table_file, CONFIG).plan(np.zeros(0, dtype=np.int64))
-    assert all(o.tolist() == [0] * (E + 1) and i.size == 0 for o, i in plan)
+    plan = RoutingTable.load(table_file, CONFIG).routing_plan(np.zeros(0, dtype=np.int64))
+    assert all(o.tolist() == [0] * (E + 1) and i.size == 0 for _, o, i in plan.csr())
 
 
 def test_plan_for_a_mixed_prefill_and_decode_batch(table_file):

@@ -2,9 +2,9 @@
 import numpy as np
 
 from common.model_format import ModelDir
+from common.routing_plan import RoutingPlan
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput
-from expert_service.experts import group_by_expert
 from expert_service.sampling import SamplingParams
 
 PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 200]))
@@ -28,11 +28,5 @@ def run_session(model: ModelDir, plans=None, backend="cpu", prompts=PROMPTS, **o
 
 def exact_plans(traces, num_experts=4):
     """The exact routing of each step as routing plans (CSR per MoE layer)."""
-    plans = []
-    for trace in traces:
-        plan = {}
-        for layer, ids in trace.expert_ids.items():
-            groups = group_by_expert(ids, num_experts)
-            plan[layer] = (groups.offsets.astype(np.int32), groups.token_indices.astype(np.int32))
-        plans.append(plan)
-    return plans
+    return [RoutingPlan.from_expert_ids(list(trace.expert_ids), np.stack(list(trace.expert_ids.values())),
+                                        num_experts) for trace in traces]

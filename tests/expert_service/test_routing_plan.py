@@ -3,9 +3,10 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2 as pb
+from common.routing_plan import RoutingPlan, csr_to_ids
 from common.tensors import from_pb, to_pb
 from expert_service.cpu.layers.moe import route, route_planned
-from expert_service.routing_plan import csr_to_ids, plan_from_pb, plan_ids, plan_recall
+from expert_service.routing_plan import routing_plan_recall, warmup_routing_plan
 
 
 def csr(ids: np.ndarray, num_experts: int):
@@ -35,19 +36,42 @@ def test_malformed_plans_name_the_field(mutate, field):
     assert field in e.value.field
 
 
-def test_plan_from_pb_and_recall():
+def test_routing_plan_from_pb_and_recall():
     exact = {0: np.array([[0, 1], [2, 3]]), 1: np.array([[1, 2], [0, 3]])}
     predicted = {0: np.array([[0, 1], [2, 0]]), 1: np.array([[3, 0], [0, 3]])}
     packed = [csr(v, 4) for v in predicted.values()]
     message = pb.RoutingPlan(layers=list(predicted), offsets=to_pb(np.stack([o for o, _ in packed])),
                              token_indices=to_pb(np.stack([t for _, t in packed])))
-    decoded = plan_ids(plan_from_pb(message, [0, 1]), 4, 2)
+    decoded = RoutingPlan.from_pb(message, [0, 1]).expert_ids(4, 2)
     for layer in predicted:
         np.testing.assert_array_equal(np.sort(decoded[layer], axis=1), np.sort(predicted[layer], axis=1))
-    assert plan_recall(decoded, exact) == pytest.approx(5 / 8)
+    assert routing_plan_recall(decoded, exact) == pytest.approx(5 / 8)
     with pytest.raises(InvalidRequestError, match="MoE layers"):
-        plan_from_pb(pb.RoutingPlan(layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)),
-                                    token_indices=to_pb(np.zeros((1, 0), np.int32))), [0, 1])
+        RoutingPlan.from_pb(pb.RoutingPlan(layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)),
+                                           token_indices=to_pb(np.zeros((1, 0), np.int32))), [0, 1])
+    assert RoutingPlan.from_pb(pb.RoutingPlan(), [0, 1]) is None        # no layers: no plan
+
+
+def test_routing_plan_pb_round_trip_and_expert_ids():
+    """The router's side (from expert ids, to_pb) and the worker's (from_pb, expert_ids) agree."""
+    rng = np.random.default_rng(3)
+    ids = np.stack([[rng.choice(6, 2, replace=False) for _ in range(9)] for _ in range(3)])   # [L, T, k]
+    plan = RoutingPlan.from_expert_ids([1, 3, 4], ids.astype(np.uint16), 6)
+    for l, (layer, offsets, tokens) in enumerate(plan.csr()):
+        ref_offsets, ref_tokens = csr(ids[l], 6)
+        np.testing.assert_array_equal(offsets, ref_offsets)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+    back = RoutingPlan.from_pb(pb.RoutingPlan.FromString(plan.to_pb().SerializeToString()), [1, 3, 4])
+    assert back.layers == (1, 3, 4)
+    decoded = back.expert_ids(6, 9)
+    for l, layer in enumerate(back.layers):
+        np.testing.assert_array_equal(decoded[layer], np.sort(ids[l], axis=1))
+
+
+def test_warmup_routing_plan_sends_every_token_to_the_first_experts():
+    plan = warmup_routing_plan([0, 2], num_experts=5, top_k=2, num_tokens=3)
+    for ids in plan.expert_ids(5, 3).values():
+        np.testing.assert_array_equal(ids, [[0, 1]] * 3)
 
 
 def test_tensor_wire_checks():

@@ -1,0 +1,91 @@
+"""The routing plan: for every MoE layer, which of a step's tokens each expert gets, in CSR form.
+
+The router builds it from the static routing table (`RoutingTable.routing_plan`) and sends it with the step;
+the worker reads it back (`RoutingPlan.from_pb`) and uses it as the routing (`--routing lut`) or as a
+prediction to prefetch experts and measure recall (`--routing exact`). Token indices count the step's tokens
+in the worker's order: prompt chunks first, then one token per decoding sequence.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from common.pb import worker_pb2
+from common.tensors import from_pb, to_pb
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Row l is MoE layer layers[l]; the tokens of expert e there are
+    token_indices[l, offsets[l, e]:offsets[l, e+1]], ascending (none when the two offsets are equal)."""
+    layers: tuple[int, ...]
+    offsets: np.ndarray          # int32 [L, E+1]
+    token_indices: np.ndarray    # int32 [L, T*k]
+
+    @classmethod
+    def from_expert_ids(cls, layers: Sequence[int], expert_ids: np.ndarray, num_experts: int) -> RoutingPlan:
+        """expert_ids [L, T, k] (row l: MoE layer layers[l]; distinct experts per token) -> the plan."""
+        L, T, k = expert_ids.shape
+        n = T * k
+        flat = expert_ids.reshape(L, n)
+        # A stable sort of uint16 keys (the routing table's) is numpy's radix sort: O(n) per layer, and it
+        # leaves each expert's tokens ascending (the flattening is token-major).
+        order = np.argsort(flat, axis=1, kind="stable")                     # [L, n]
+        keys = flat.astype(np.int32) + (np.arange(L, dtype=np.int32) * num_experts)[:, None]
+        counts = np.bincount(keys.ravel(), minlength=L * num_experts).reshape(L, num_experts)
+        offsets = np.zeros((L, num_experts + 1), dtype=np.int32)
+        np.cumsum(counts, axis=1, out=offsets[:, 1:])
+        return cls(tuple(int(layer) for layer in layers), offsets, (order // k).astype(np.int32))
+
+    def csr(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(MoE layer, offsets [E+1], token_indices [T*k]) for each layer of the plan."""
+        return zip(self.layers, self.offsets, self.token_indices)
+
+    def expert_ids(self, num_experts: int, num_tokens: int) -> dict[int, np.ndarray]:
+        """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` (see `csr_to_ids`)."""
+        return {layer: csr_to_ids(offsets, tokens, num_experts, num_tokens)
+                for layer, offsets, tokens in self.csr()}
+
+    def to_pb(self) -> worker_pb2.RoutingPlan:
+        return worker_pb2.RoutingPlan(layers=list(self.layers), offsets=to_pb(self.offsets),
+                                      token_indices=to_pb(self.token_indices))
+
+    @classmethod
+    def from_pb(cls, message: worker_pb2.RoutingPlan, moe_layers: Sequence[int]) -> RoutingPlan | None:
+        """The plan a message carries (None when it names no layer); its shapes are checked here, its CSR
+        contents by `expert_ids`."""
+        layers = [int(layer) for layer in message.layers]
+        if not layers:
+            return None
+        if layers != list(moe_layers):
+            raise InvalidRequestError("routing_plan.layers", f"must be the MoE layers {list(moe_layers)}, "
+                                                             f"got {layers}")
+        offsets = from_pb(message.offsets, "routing_plan.offsets", "int32")
+        tokens = from_pb(message.token_indices, "routing_plan.token_indices", "int32")
+        if offsets.ndim != 2 or tokens.ndim != 2 or offsets.shape[0] != len(layers) or tokens.shape[0] != len(layers):
+            raise InvalidRequestError("routing_plan", f"offsets {list(offsets.shape)} and token_indices "
+                                                      f"{list(tokens.shape)} need one row per layer ({len(layers)})")
+        return cls(tuple(layers), offsets, tokens)
+
+
+def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int) -> np.ndarray:
+    """CSR (tokens of expert e = token_indices[offsets[e]:offsets[e+1]]) -> expert ids [T, k], each token's
+    experts in ascending expert order."""
+    if offsets.shape != (num_experts + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
+            or offsets[-1] != token_indices.size:
+        raise InvalidRequestError("routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 "
+                                                          f"to {token_indices.size}")
+    if token_indices.size % max(num_tokens, 1) or (token_indices.size and (token_indices.min() < 0
+                                                                          or token_indices.max() >= num_tokens)):
+        raise InvalidRequestError("routing_plan.token_indices",
+                                  f"must index the step's {num_tokens} tokens, the same number of times each")
+    per_token = np.bincount(token_indices, minlength=num_tokens)
+    k = token_indices.size // max(num_tokens, 1)
+    if np.any(per_token != k):
+        raise InvalidRequestError("routing_plan.token_indices", f"every token needs {k} experts")
+    experts = np.repeat(np.arange(num_experts, dtype=np.int64), np.diff(offsets))
+    order = np.argsort(token_indices, kind="stable")
+    return experts[order].reshape(num_tokens, k)
