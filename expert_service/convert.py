@@ -7,12 +7,14 @@ Pickle checkpoints (.bin/.pt) are never loaded.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common import dtypes
@@ -22,52 +24,40 @@ from common.models import config_from_hf, tensor_specs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 class SafetensorsShard:
-    """A read-only mapped safetensors file (8-byte little-endian header size, JSON header, raw data)."""
+    """One checkpoint file. `safetensors.safe_open` parses and validates the header (names, dtypes, shapes,
+    offsets that tile the data inside the file); tensors are read as views of our own read-only mmap at the
+    header's offsets, because safe_open hands numpy a copy of each tensor (and has no numpy bfloat16)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = open(path, "rb")
-        size = path.stat().st_size
-        if size < 8:
-            raise ModelFormatError(f"{path}: too short to be a safetensors file ({size} bytes)")
-        (header_len,) = struct.unpack("<Q", self._file.read(8))
-        if header_len > min(_MAX_HEADER, size - 8):
-            raise ModelFormatError(f"{path}: safetensors header length {header_len} exceeds the file")
         try:
-            header = json.loads(self._file.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelFormatError(f"{path}: unreadable safetensors header ({e})") from None
-        header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
-        self.header = header
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > self.data_start else None
-        self.size = size
+            with safe_open(path, framework="numpy") as f:
+                self.tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                                for name in f.keys()}
+        except SafetensorError as e:
+            raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
+        with open(path, "rb") as file:    # safe_open does not expose offsets: read them from the checked header
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_len))
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._begin = {name: 8 + header_len + int(header[name]["data_offsets"][0]) for name in self.tensors}
 
     def read(self, name: str) -> tuple[np.ndarray, str]:
         """(storage array view, dtype name) of one tensor."""
-        info = self.header[name]
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise ModelFormatError(f"{self.path}: malformed safetensors header entry for tensor {name}")
-        dtype = dtypes.SAFETENSORS_NAMES.get(info["dtype"])
+        safetensors_dtype, shape = self.tensors[name]
+        dtype = dtypes.SAFETENSORS_NAMES.get(safetensors_dtype)
         if dtype is None:
-            raise ModelFormatError(f"{self.path}: tensor {name} has dtype {info['dtype']}, "
+            raise ModelFormatError(f"{self.path}: tensor {name} has dtype {safetensors_dtype}, "
                                    f"supported: {', '.join(dtypes.SAFETENSORS_NAMES)}")
-        begin, end = (self.data_start + int(o) for o in info["data_offsets"])
-        shape = tuple(int(d) for d in info["shape"])
-        if end > self.size or end - begin != int(np.prod(shape)) * dtypes.itemsize(dtype):
-            raise ModelFormatError(f"{self.path}: tensor {name} byte range {begin}..{end} does not fit "
-                                   f"{info['dtype']} {list(shape)} in a {self.size}-byte file")
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=end - begin, offset=begin)
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype),
+                            offset=self._begin[name])
         return raw.view(dtypes.STORAGE[dtype]).reshape(shape), dtype
 
     def close(self):
-        if self._map is not None:
-            self._map.close()
-        self._file.close()
+        self._map.close()
 
 
 def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
@@ -91,7 +81,7 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
             where[name] = opened[file]
     else:
         for shard in opened.values():
-            for name in shard.header:
+            for name in shard.tensors:
                 where[name] = shard
     return where
 

@@ -126,6 +126,14 @@ def test_index_naming_a_missing_shard_is_refused(tmp_path):
         convert(sharded, tmp_path / "out", progress=False)
 
 
+def test_truncated_shard_is_refused_naming_the_file(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    shard = hf_dir / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(ModelFormatError, match=r"model\.safetensors: not a valid safetensors file"):
+        convert(hf_dir, tmp_path / "out", progress=False)
+
+
 def test_dtype_conversions(tmp_path):
     hf_dir = write_tiny_checkpoint(tmp_path / "hf", "mixtral", seed=1)
     source = load_file(hf_dir / "model.safetensors")
