@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 PREFIX = "colibri_"
 
-# OTel GenAI semantic conventions (open-telemetry/semantic-conventions @7b0c0fe, docs/gen-ai/gen-ai-metrics.md),
+# OTel GenAI semantic conventions (GitHub open-telemetry/semantic-conventions @7b0c0fe, docs/gen-ai/gen-ai-metrics.md),
 # ExplicitBucketBoundaries of gen_ai.server.{time_to_first_token, time_per_output_token, request.duration}.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)

@@ -36,8 +36,8 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 
 INSTRUMENTATION_NAME = "colibri"
 
-# GenAI semantic conventions, open-telemetry/semantic-conventions @7b0c0fe (docs/gen-ai/gen-ai-spans.md,
-# status Development: names may change, so they live only here).
+# OpenTelemetry GenAI semantic conventions (GitHub open-telemetry/semantic-conventions @7b0c0fe, its
+# docs/gen-ai/gen-ai-spans.md; status Development: names may change, so they live only here).
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
@@ -46,21 +46,17 @@ GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
-GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
-GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 ERROR_TYPE = "error.type"
-SERVER_ADDRESS = "server.address"
-SERVER_PORT = "server.port"
 # Values: our operation is a plain completion; the provider is us (a custom value is allowed).
 OPERATION_TEXT_COMPLETION = "text_completion"
 PROVIDER_COLIBRI = "colibri"
 
-# RPC semantic conventions (docs/rpc/grpc.md), for spans of gRPC calls.
+# OpenTelemetry RPC semantic conventions (the same repository's docs/rpc/grpc.md), for spans of gRPC calls.
 RPC_SYSTEM = "rpc.system"
 RPC_SERVICE = "rpc.service"
 RPC_METHOD = "rpc.method"

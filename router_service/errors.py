@@ -45,10 +45,6 @@ class DeadlineExceeded(RouterError):
     code, reason = grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"
 
 
-class Cancelled(RouterError):
-    code, reason = grpc.StatusCode.CANCELLED, "CANCELLED"
-
-
 class GenerationFailed(RouterError):
     code, reason = grpc.StatusCode.INTERNAL, "GENERATION_FAILED"
 

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
+from common import tracing as semconv
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
@@ -131,7 +132,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""
         request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
         span = trace.get_current_span()
-        span.set_attribute("error.type", getattr(error, "reason", "VALIDATION"))
+        span.set_attribute(semconv.ERROR_TYPE, getattr(error, "reason", "VALIDATION"))
         status = errors.to_status(error)
         if count:
             self.batching_loop.hooks.on_rejected(status.code.name.lower())
@@ -151,17 +152,18 @@ def _hf_config(text: str) -> dict:
 def _set_request_attributes(span, model_name: str, req, stream: bool) -> None:
     # OTel GenAI semantic conventions (Development status as of semconv 1.37); prompts are never recorded.
     span.set_attributes({
-        "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "colibri",
-        "gen_ai.request.model": model_name, "gen_ai.request.max_tokens": req.max_new_tokens,
-        "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
-        "gen_ai.request.top_k": req.top_k, "gen_ai.request.seed": req.seed, "gen_ai.request.stream": stream,
-        "gen_ai.usage.input_tokens": len(req.prompt_ids)})
+        semconv.GEN_AI_OPERATION_NAME: semconv.OPERATION_TEXT_COMPLETION,
+        semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER_COLIBRI, semconv.GEN_AI_REQUEST_MODEL: model_name,
+        semconv.GEN_AI_REQUEST_MAX_TOKENS: req.max_new_tokens, semconv.GEN_AI_REQUEST_TEMPERATURE: req.temperature,
+        semconv.GEN_AI_REQUEST_TOP_P: req.top_p, semconv.GEN_AI_REQUEST_TOP_K: req.top_k,
+        semconv.GEN_AI_REQUEST_SEED: req.seed, semconv.GEN_AI_REQUEST_STREAM: stream,
+        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_ids)})
 
 
 def _set_usage(handle: RequestHandle, generated: int, reason) -> None:
     span = trace.get_current_span()
-    span.set_attributes({"gen_ai.response.id": handle.request_id, "gen_ai.usage.output_tokens": generated,
-                         "gen_ai.response.finish_reasons": [reason.value if reason else "unknown"]})
+    span.set_attributes({semconv.GEN_AI_RESPONSE_ID: handle.request_id, semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
+                         semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"]})
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
