@@ -1,63 +1,37 @@
 """Process-wide logging: one JSON object per line on stderr (or a human text format), shared by both services.
 
 Every record carries ``timestamp`` (RFC 3339, UTC, ms), ``level``, ``message``, ``logger``, ``service``,
-``request_id`` (when known), ``trace_id`` / ``span_id`` / ``trace_flags`` (when an OpenTelemetry span is
+``request_id`` (when passed in ``extra=``), ``trace_id`` / ``span_id`` / ``trace_flags`` (when an OpenTelemetry span is
 current; lowercase W3C hex, as in the OTel "trace context in non-OTLP logs" spec), ``exc_info`` (the
 formatted traceback, when an exception is attached) and any event fields passed with ``extra=``::
 
     log.info("request finished", extra={"request_id": rid, "outcome": "ok", "generated_tokens": 17})
 
-The request id comes from ``extra={"request_id": ...}`` when given, else from ``request_id_var``. Set the
-var in the RPC handler (``with request_context(rid): ...``); asyncio tasks copy it at creation, but a
-long-lived task such as the batching loop does not see it, so code there passes ``extra=`` instead.
-
 Privacy: callers must never log prompt or completion text, token ids of a prompt, or anything derived
-from them, unless ``log_prompts_enabled()`` is true (``COLIBRI_LOG_PROMPTS=1``, an explicit operator
-opt-in). Log lengths and counts instead. This module does not (and cannot) filter message text.
+from them. Log lengths and counts instead. This module does not (and cannot) filter message text.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Mapping
 from typing import IO, Any
 
 from opentelemetry import trace
 
 from common.errors import ConfigError
 
-request_id_var: ContextVar[str | None] = ContextVar("colibri_request_id", default=None)
-
 LOG_FORMATS = ("json", "text")
-_TRUE = {"1", "true", "yes", "on"}
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is an event field.
 _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 # Keys the formatter owns; an `extra=` field with one of these names is renamed rather than lost.
 _OWN_KEYS = frozenset({"timestamp", "level", "message", "logger", "service", "request_id",
                        "trace_id", "span_id", "trace_flags", "exc_info", "stack_info"})
-
-
-def log_prompts_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """True only when the operator opted in to logging prompt/output text (COLIBRI_LOG_PROMPTS=1)."""
-    env = os.environ if env is None else env
-    return env.get("COLIBRI_LOG_PROMPTS", "").strip().lower() in _TRUE
-
-
-@contextlib.contextmanager
-def request_context(request_id: str | None) -> Iterator[None]:
-    """Sets `request_id_var` for the block (and for tasks created inside it), then restores it."""
-    token = request_id_var.set(request_id)
-    try:
-        yield
-    finally:
-        request_id_var.reset(token)
 
 
 def _timestamp(created: float) -> str:
@@ -84,7 +58,7 @@ def _event_fields(record: logging.LogRecord) -> dict[str, Any]:
 
 def _request_id(record: logging.LogRecord) -> str | None:
     rid = getattr(record, "request_id", None)
-    return str(rid) if rid is not None else request_id_var.get()
+    return str(rid) if rid is not None else None
 
 
 class JsonFormatter(logging.Formatter):

@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.errors import ConfigError
-from common.logging_setup import configure_logging, log_prompts_enabled, request_context, request_id_var
+from common.logging_setup import configure_logging
 from common.tracing import get_tracer, make_tracer_provider
 
 
@@ -36,19 +36,6 @@ def test_json_has_core_keys_and_event_fields(stream):
     assert rec["request_id"] == "r1" and rec["tokens"] == 3
     assert rec["timestamp"].endswith("Z") and "T" in rec["timestamp"]
     assert "trace_id" not in rec and "span_id" not in rec  # no span: omitted, never zeros
-
-
-def test_request_id_from_contextvar(stream):
-    configure_logging("router", fmt="json", stream=stream)
-    log = logging.getLogger("t")
-    with request_context("abc123"):
-        log.info("inside")
-        log.info("explicit wins", extra={"request_id": "other"})
-    log.info("outside")
-    inside, explicit, outside = lines(stream)
-    assert inside["request_id"] == "abc123"
-    assert explicit["request_id"] == "other"
-    assert "request_id" not in outside and request_id_var.get() is None
 
 
 def test_trace_ids_inside_span(stream):
@@ -87,8 +74,7 @@ def test_text_mode_from_env_and_reconfigure(stream):
     configure_logging("router", fmt="json", stream=stream)
     configure_logging("router", env={"LOG_FORMAT": "text"}, stream=stream)
     assert sum(getattr(h, "_colibri", False) for h in logging.getLogger().handlers) == 1
-    with request_context("r9"):
-        logging.getLogger("router_service.x").info("hello", extra={"batch_id": 4})
+    logging.getLogger("router_service.x").info("hello", extra={"request_id": "r9", "batch_id": 4})
     text = stream.getvalue().strip()
     assert not text.startswith("{")
     assert "INFO" in text and "hello" in text and "rid=r9" in text and "batch_id=4" in text
@@ -103,8 +89,3 @@ def test_level_and_format_validation(stream):
     with pytest.raises(ConfigError, match="LOG_FORMAT"):
         configure_logging("router", fmt="xml", stream=stream)
 
-
-def test_log_prompts_is_opt_in():
-    assert not log_prompts_enabled({})
-    assert not log_prompts_enabled({"COLIBRI_LOG_PROMPTS": "0"})
-    assert log_prompts_enabled({"COLIBRI_LOG_PROMPTS": "true"})
