@@ -13,6 +13,7 @@ import numpy as np
 
 from common.errors import CapacityError, ConfigError, InvalidRequestError, NonFiniteLogitsError
 from common.model_format import ModelDir
+from common.pb import worker_pb2
 from common.routing_plan import RoutingPlan
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.experts import CacheStats, SlotPlan, plan_slots
@@ -30,6 +31,11 @@ class PrefillInput:
     token_ids: np.ndarray                # prompt tokens of this chunk
     sampling: SamplingParams | None      # set on a sequence's first chunk
     is_last: bool                        # the chunk ends the prompt: sample the first new token
+
+    @classmethod
+    def from_pb(cls, chunk: worker_pb2.PrefillChunk) -> PrefillInput:
+        return cls(chunk.request_id, np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
+                   SamplingParams.from_pb(chunk.sampling) if chunk.HasField("sampling") else None, chunk.is_last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,20 @@ class StepResult:
     routing_plan_recall: float | None    # routing=exact with a routing plan: share of the exact routing predicted
     logits: Logits                       # rows [sampling sequences] of [V], in output order
     expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
+
+    def to_pb(self, kv_blocks_used: int, total_ms: float) -> worker_pb2.StepResponse:
+        """The step's answer; `total_ms` is the worker's whole time on it (the servicer measures it)."""
+        response = worker_pb2.StepResponse(
+            generations=[worker_pb2.Generation(request_id=o.request_id, has_token=o.token_id is not None,
+                                               token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
+                         for o in self.outputs],
+            timings=worker_pb2.StepTimings(forward_ms=self.forward_ms, sample_ms=self.sample_ms, total_ms=total_ms),
+            kv_blocks_used=kv_blocks_used)
+        if self.routing_plan_recall is not None:
+            response.routing_plan_recall = self.routing_plan_recall
+        if self.expert_cache is not None:
+            response.expert_cache.CopyFrom(self.expert_cache.to_pb())
+        return response
 
 
 @dataclass

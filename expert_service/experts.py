@@ -39,6 +39,7 @@ from typing import Iterable, Iterator, Protocol
 import numpy as np
 
 from common.model_format import ModelDir
+from common.pb import worker_pb2
 
 
 # --- grouping ----------------------------------------------------------------------------------
@@ -121,6 +122,15 @@ class SlotPlan:
         """Stored bytes the slots hold: what the device would allocate for them."""
         return self.slots_per_layer * self.num_moe_layers * self.expert_block_bytes
 
+    def to_pb(self, policy: str, prefetch_sources: Iterable[str]) -> worker_pb2.ExpertSlotPlan:
+        """`Info.expert_slots`, with the cache's replacement policy and prefetch sources ("plan,lookahead";
+        "none" when there is none)."""
+        return worker_pb2.ExpertSlotPlan(slots_per_layer=self.slots_per_layer, num_experts=self.num_experts,
+                                         num_moe_layers=self.num_moe_layers,
+                                         expert_block_bytes=self.expert_block_bytes, budget_bytes=self.budget_bytes,
+                                         cached=self.is_cached, policy=policy,
+                                         prefetch=",".join(sorted(prefetch_sources, reverse=True)) or "none")
+
 
 def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:
     """Explicit slots win; else floor(budget / (MoE layers x expert block bytes)), at least 1; else all."""
@@ -190,6 +200,11 @@ class CacheStats:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 1.0
+
+    def to_pb(self) -> worker_pb2.ExpertCacheStats:
+        return worker_pb2.ExpertCacheStats(hits=self.hits, misses=self.misses, bytes_copied=self.bytes_copied,
+                                           prefetches_issued=self.prefetches_issued,
+                                           prefetches_used=self.prefetches_used, stall_ms=self.stall_seconds * 1e3)
 
 
 class _Counters:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.errors import InvalidRequestError
+from common.pb import worker_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,12 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
         if not (0 < self.top_p <= 1) or not np.isfinite(self.top_p):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def from_pb(cls, p: worker_pb2.SamplingParams) -> SamplingParams:
+        """The message's settings (top_p 0 reads as 1, off), checked as any others."""
+        return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0, seed=p.seed,
+                   stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens, logprobs=p.logprobs)
 
 
 class Sampler:

@@ -30,44 +30,6 @@ log = logging.getLogger("colibri.worker")
 SERVICE_NAME = "colibri.worker.v1.WorkerService"
 
 
-def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0, seed=p.seed,
-                          stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens,
-                          logprobs=p.logprobs)
-
-
-def prefill_from_pb(chunk: pb.PrefillChunk) -> PrefillInput:
-    return PrefillInput(chunk.request_id, np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
-                        sampling_from_pb(chunk.sampling) if chunk.HasField("sampling") else None, chunk.is_last)
-
-
-def cache_stats_to_pb(stats) -> pb.ExpertCacheStats:
-    return pb.ExpertCacheStats(hits=stats.hits, misses=stats.misses, bytes_copied=stats.bytes_copied,
-                               prefetches_issued=stats.prefetches_issued, prefetches_used=stats.prefetches_used,
-                               stall_ms=stats.stall_seconds * 1e3)
-
-
-def slot_plan_to_pb(engine: Engine) -> pb.ExpertSlotPlan:
-    plan, cfg = engine.slot_plan, engine.config
-    return pb.ExpertSlotPlan(slots_per_layer=plan.slots_per_layer, num_experts=plan.num_experts,
-                             num_moe_layers=plan.num_moe_layers, expert_block_bytes=plan.expert_block_bytes,
-                             budget_bytes=plan.budget_bytes, cached=plan.is_cached, policy=cfg.expert_cache_policy,
-                             prefetch=",".join(sorted(cfg.prefetch_sources, reverse=True)) or "none")
-
-
-def step_to_pb(result: StepResult, engine: Engine, started: float) -> pb.StepResponse:
-    response = pb.StepResponse(
-        generations=[pb.Generation(request_id=o.request_id, has_token=o.token_id is not None,
-                                   token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
-                     for o in result.outputs],
-        timings=pb.StepTimings(forward_ms=result.forward_ms, sample_ms=result.sample_ms,
-                               total_ms=(time.perf_counter() - started) * 1e3),
-        kv_blocks_used=engine.allocator.num_used_blocks)
-    if result.expert_cache is not None:
-        response.expert_cache.CopyFrom(cache_stats_to_pb(result.expert_cache))
-    return response
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: Engine, health_servicer: health.HealthServicer, model_name: str,
                  on_fatal: Callable[[BaseException], None], step_timeout_s: float = 300.0, metrics=None):
@@ -122,7 +84,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_kv_blocks=e.allocator.num_blocks, max_batch_tokens=e.config.max_batch_tokens,
             max_batch_size=e.config.max_batch_size, backend=e.backend, routing=e.config.routing,
             memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
-            model_name=self.model_name, expert_slots=slot_plan_to_pb(e))
+            model_name=self.model_name,
+            expert_slots=e.slot_plan.to_pb(e.config.expert_cache_policy, e.config.prefetch_sources))
 
     def warmup(self, num_tokens: int) -> float:
         """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
@@ -150,7 +113,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return RoutingPlan.from_pb(request.routing_plan, self.engine.model_config.moe_layers)
 
     def _run_prefill(self, request: pb.PrefillRequest) -> StepResult:
-        return self.engine.step([prefill_from_pb(c) for c in request.chunks], list(request.decode_request_ids),
+        return self.engine.step([PrefillInput.from_pb(c) for c in request.chunks], list(request.decode_request_ids),
                                 self._routing_plan(request))
 
     def _run_decode(self, request: pb.DecodeRequest) -> StepResult:
@@ -161,9 +124,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
         started = time.perf_counter()
         result = await self.run_on_model_thread(context, fn, request)
-        response = step_to_pb(result, self.engine, started)
-        if result.routing_plan_recall is not None:
-            response.routing_plan_recall = result.routing_plan_recall
+        response = result.to_pb(self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3)
         if self.metrics is not None:
             self._observe(kind, result, response.timings.total_ms / 1e3)
         return response

@@ -23,10 +23,10 @@ from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_ST
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.observability import BatchingLoopHooks
-from router_service.scheduler import FinishReason, ScheduledRequest, Scheduler, SchedulerLimits
+from router_service.scheduler import FinishReason, ScheduledRequest, Scheduler, SchedulerLimits, StepOutput
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
-from router_service.worker_client import WorkerClient, sampling_params, step_outputs
+from router_service.worker_client import WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -99,7 +99,6 @@ class BatchingLoop:
         self.is_worker_ready = False
         self.is_draining = False
         self._requests: dict[int, RequestState] = {}
-        self._sampling: dict = {}
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -158,9 +157,9 @@ class BatchingLoop:
             state.stops = StopSequenceMatcher(req.stop_sequences)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)
         self.scheduler.add(ScheduledRequest(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
-                                            frozenset(req.stop_token_ids), queue_deadline=min(
-                                                deadline, now + self.config.queue_timeout_s)))
-        self._sampling[seq_id] = sampling_params(req, self.info.eos_token_ids)
+                                            frozenset(req.stop_token_ids),
+                                            sampling=req.to_sampling_pb(self.info.eos_token_ids),
+                                            queue_deadline=min(deadline, now + self.config.queue_timeout_s)))
         self._requests[seq_id] = state
         self.hooks.on_admitted(state)
         self._idle.clear()
@@ -179,7 +178,6 @@ class BatchingLoop:
             return
         if self.scheduler is not None:
             self.scheduler.finish(seq_id, reason)  # blocks back now; FilterBatch before the next step
-        self._sampling.pop(seq_id, None)
         state.is_done = True
         if error is not None:
             state.queue.put_nowait(error)
@@ -238,11 +236,11 @@ class BatchingLoop:
             with get_tracer().start_as_current_span(step.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
                                                     links=links_from_contexts(s.span_context for s in states)):
                 routing_plan = self.planner.routing_plan(step) if self.planner is not None else None
-                response = await self.worker.step(step, self._sampling, routing_plan=routing_plan)
+                response = await self.worker.step(step, routing_plan=routing_plan)
         except grpc.aio.AioRpcError as e:
             self._on_worker_failure(e, step.num_scheduled_tokens)
             return
-        outputs = self.scheduler.update(step, step_outputs(response))
+        outputs = self.scheduler.update(step, [StepOutput.from_pb(g) for g in response.generations])
         worker_ms = response.timings.total_ms
         self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, time.monotonic() - started,
                            worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,

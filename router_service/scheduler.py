@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: pure Python, no grpc, no asyncio; the batching loop drives it.
+"""Continuous-batching scheduler: pure Python, no grpc, no asyncio; the batching loop drives it. Its step and
+output types convert themselves to and from the worker's protobuf messages (`to_pb`, `from_pb`).
 
 Design note. There is one token-accounting model and no prefill/decode "phases": every request has
 ``num_tokens`` (prompt + generated) and ``num_computed_tokens`` (tokens whose KV the worker holds), and a
@@ -21,7 +22,12 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from common.pb import worker_pb2
+
+if TYPE_CHECKING:
+    from common.routing_plan import RoutingPlan
 
 
 class Status(enum.Enum):
@@ -49,8 +55,8 @@ class ScheduledRequest:
     # Token ids that end the request (EOS unless ignore_eos, plus stop_token_ids), by reason.
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
-    # Opaque to the scheduler: carried into the first prefill chunk (worker SamplingParams).
-    sampling: Any = None
+    # Opaque to the scheduler: carried into the first prefill chunk.
+    sampling: worker_pb2.SamplingParams | None = None
     # time.monotonic() after which a still-waiting request is dropped.
     queue_deadline: float = float("inf")
     output_ids: list[int] = field(default_factory=list)
@@ -81,6 +87,13 @@ class Chunk:
     token_ids: tuple[int, ...]
     is_first: bool  # the worker learns the sequence (and its sampling) from this chunk
     is_last: bool  # the prompt ends here: the worker samples the first generated token
+    sampling: worker_pb2.SamplingParams | None = None  # the request's, on its first chunk
+
+    def to_pb(self) -> worker_pb2.PrefillChunk:
+        chunk = worker_pb2.PrefillChunk(request_id=self.request_id, token_ids=self.token_ids, is_last=self.is_last)
+        if self.is_first and self.sampling is not None:
+            chunk.sampling.CopyFrom(self.sampling)
+        return chunk
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,18 @@ class ScheduledStep:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    def to_pb(self, routing_plan: RoutingPlan | None = None) -> worker_pb2.PrefillRequest | worker_pb2.DecodeRequest:
+        """The worker request that runs this step: a PrefillRequest (decodes riding along) when it has prompt
+        chunks, else a DecodeRequest; the routing plan travels inside it."""
+        if self.prefill_chunks:
+            request = worker_pb2.PrefillRequest(chunks=[c.to_pb() for c in self.prefill_chunks],
+                                                decode_request_ids=self.decode_ids)
+        else:
+            request = worker_pb2.DecodeRequest(request_ids=self.decode_ids)
+        if routing_plan is not None:
+            request.routing_plan.CopyFrom(routing_plan.to_pb())
+        return request
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -121,6 +146,11 @@ class StepOutput:
     logprob: float | None = None
     finish_reason: FinishReason | None = None
     error: str = ""
+
+    @classmethod
+    def from_pb(cls, generation: worker_pb2.Generation) -> StepOutput:
+        return cls(generation.request_id, generation.token_id if generation.has_token else None,
+                   generation.logprob, error=generation.error)
 
 
 @dataclass(frozen=True)
@@ -242,7 +272,8 @@ class Scheduler:
         n = min(req.num_prompt_tokens - start, budget)
         scheduled[req.request_id] = n
         chunks.append(Chunk(req.request_id, tuple(req.prompt_ids[start:start + n]), is_first=start == 0,
-                            is_last=start + n == req.num_prompt_tokens))
+                            is_last=start + n == req.num_prompt_tokens,
+                            sampling=req.sampling if start == 0 else None))
         req.is_on_worker = True
         return n
 

@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.pb import router_pb2
+from common.pb import router_pb2, worker_pb2
 from router_service.config import RouterConfig
 
 MAX_SEED = (1 << 64) - 1
@@ -28,7 +28,7 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    """A request that passed validation, with defaults applied; nothing protobuf below this point."""
+    """A request that passed validation, with defaults applied; no client protobuf below this point."""
     request_id: str  # the caller's, or "" (the batching loop assigns one)
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -42,6 +42,14 @@ class ValidatedRequest:
     ignore_eos: bool
     logprobs: bool
     is_text_prompt: bool
+
+    def to_sampling_pb(self, eos_token_ids) -> worker_pb2.SamplingParams:
+        """The worker's sampling settings; it suppresses the stop ids (EOS unless ignored, then stop_token_ids)
+        before min_new_tokens."""
+        stop_ids = list(dict.fromkeys([*([] if self.ignore_eos else eos_token_ids), *self.stop_token_ids]))
+        return worker_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                         seed=self.seed, stop_token_ids=stop_ids, min_new_tokens=self.min_new_tokens,
+                                         logprobs=self.logprobs)
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:

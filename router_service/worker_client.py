@@ -1,4 +1,4 @@
-"""Async client of colibri.worker.v1.WorkerService, plus the scheduled-step -> protobuf conversion.
+"""Async client of colibri.worker.v1.WorkerService (the step converts itself: `ScheduledStep.to_pb`).
 
 No automatic retries: steps are stateful and not idempotent (a retried Prefill would run a chunk twice), so
 a failed call fails the batch and the batching loop decides what to do. Every call has a deadline, and the
@@ -11,8 +11,7 @@ from opentelemetry import propagate
 
 from common.pb import worker_pb2, worker_pb2_grpc
 from common.routing_plan import RoutingPlan
-from router_service.scheduler import ScheduledStep, StepOutput
-from router_service.validation import ValidatedRequest
+from router_service.scheduler import ScheduledStep
 
 
 def _trace_metadata() -> tuple[tuple[str, str], ...]:
@@ -77,39 +76,10 @@ class WorkerClient:
                                     timeout or self.control_timeout_s)
         return response.freed_sequences
 
-    async def step(self, step: ScheduledStep, sampling: dict[int, worker_pb2.SamplingParams],
-                   timeout: float | None = None,
+    async def step(self, step: ScheduledStep, timeout: float | None = None,
                    routing_plan: RoutingPlan | None = None) -> worker_pb2.StepResponse:
         """Runs `step` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
-        if step.prefill_chunks:
-            request = plan_to_prefill(step, sampling)
-        else:
-            request = worker_pb2.DecodeRequest(request_ids=list(step.decode_ids))
-        if routing_plan is not None:
-            request.routing_plan.CopyFrom(routing_plan.to_pb())
+        request = step.to_pb(routing_plan)
         if step.prefill_chunks:
             return await self.prefill(request, timeout)
         return await self.decode(request, timeout)
-
-
-def sampling_params(req: ValidatedRequest, eos_token_ids) -> worker_pb2.SamplingParams:
-    """Worker sampling settings; the worker suppresses stop ids (EOS unless ignored) before min_new_tokens."""
-    stop_ids = list(dict.fromkeys([*([] if req.ignore_eos else eos_token_ids), *req.stop_token_ids]))
-    return worker_pb2.SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                                     seed=req.seed, stop_token_ids=stop_ids, min_new_tokens=req.min_new_tokens,
-                                     logprobs=req.logprobs)
-
-
-def plan_to_prefill(step: ScheduledStep, sampling: dict[int, worker_pb2.SamplingParams]) -> worker_pb2.PrefillRequest:
-    chunks = []
-    for chunk in step.prefill_chunks:
-        pb = worker_pb2.PrefillChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last)
-        if chunk.is_first:
-            pb.sampling.CopyFrom(sampling[chunk.request_id])
-        chunks.append(pb)
-    return worker_pb2.PrefillRequest(chunks=chunks, decode_request_ids=list(step.decode_ids))
-
-
-def step_outputs(response: worker_pb2.StepResponse) -> list[StepOutput]:
-    return [StepOutput(g.request_id, g.token_id if g.has_token else None, g.logprob, error=g.error)
-            for g in response.generations]

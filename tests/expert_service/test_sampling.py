@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from common.errors import InvalidRequestError
+from common.pb import worker_pb2 as pb
 from expert_service.sampling import Sampler, SamplingParams, filter_logits
 
 
@@ -74,6 +75,15 @@ def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field
+
+
+def test_from_pb_reads_top_p_zero_as_off_and_checks_the_rest():
+    params = SamplingParams.from_pb(pb.SamplingParams(temperature=0.5, top_k=4, seed=9, stop_token_ids=[2, 3],
+                                                      min_new_tokens=1, logprobs=True))
+    assert params == SamplingParams(0.5, 4, 1.0, 9, (2, 3), 1, True)
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_pb(pb.SamplingParams(top_p=1.5))
+    assert e.value.field == "top_p"
 
 
 def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_model, monkeypatch):

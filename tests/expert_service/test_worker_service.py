@@ -12,7 +12,9 @@ from common.model_format import ModelDir
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from expert_service.config import EngineConfig
-from expert_service.engine import Engine
+from expert_service.engine import Engine, PrefillInput, SeqOutput, StepResult
+from expert_service.experts import CacheStats, SlotPlan
+from expert_service.step import StepTrace
 
 
 @pytest.fixture
@@ -28,6 +30,25 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert info.kv_block_size == 4 and info.num_kv_blocks == 1024 and info.backend == "cpu"
     assert {m.name for m in info.memory_plan} == {"dense_weights", "expert_weights", "kv_cache"}
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
+
+
+def test_messages_convert_through_the_types():
+    """The servicer is a thin adapter: the types own their protobuf conversion."""
+    chunk = PrefillInput.from_pb(pb.PrefillChunk(request_id=4, token_ids=[5, 6], is_last=True,
+                                                 sampling=pb.SamplingParams(seed=3)))
+    assert chunk.request_id == 4 and chunk.token_ids.tolist() == [5, 6] and chunk.sampling.seed == 3
+    assert PrefillInput.from_pb(pb.PrefillChunk(request_id=4, token_ids=[5])).sampling is None
+    stats = CacheStats(hits=3, misses=1, bytes_copied=64, prefetches_issued=2, prefetches_used=1, stall_seconds=0.25)
+    result = StepResult([SeqOutput(4, 7, -0.5), SeqOutput(5), SeqOutput(6, error="NON_FINITE_LOGITS")], 1.5, 0.5,
+                        StepTrace(), 0.75, None, stats)
+    response = result.to_pb(kv_blocks_used=9, total_ms=3.0)
+    assert [(g.request_id, g.has_token, g.token_id, g.error) for g in response.generations] == \
+        [(4, True, 7, ""), (5, False, 0, ""), (6, False, 0, "NON_FINITE_LOGITS")]
+    assert response.timings.total_ms == 3.0 and response.kv_blocks_used == 9 and response.routing_plan_recall == 0.75
+    assert response.expert_cache.hits == 3 and response.expert_cache.stall_ms == 250.0
+    assert not StepResult([], 0, 0, StepTrace(), None, None).to_pb(0, 0).HasField("routing_plan_recall")
+    slots = SlotPlan(2, 8, 3, 4096, 1 << 20).to_pb("lru", set())
+    assert slots.cached and slots.slots_per_layer == 2 and slots.prefetch == "none" and slots.policy == "lru"
 
 
 def test_greedy_steps_equal_offline_engine(stub, tiny_model):

@@ -1,6 +1,9 @@
 """Scheduler: token budget, chunked prefill, admission by KV blocks, join/leave between steps."""
+import numpy as np
 import pytest
 
+from common.pb import worker_pb2 as pb
+from common.routing_plan import RoutingPlan
 from router_service.scheduler import (FinishReason, ScheduledRequest, Scheduler, SchedulerLimits, Status,
                                       StepOutput)
 
@@ -161,7 +164,7 @@ def test_allocations_equal_frees_after_cancel_storm():
     rng = random.Random(0)
     s = make(max_batch_size=4, max_batch_tokens=10, block=2, blocks=40)
     next_id, live = 1, set()
-    for step in range(300):
+    for _ in range(300):
         if rng.random() < 0.5:
             s.add(req(next_id, n_prompt=rng.randint(1, 12), max_new=rng.randint(1, 6)))
             live.add(next_id)
@@ -178,3 +181,29 @@ def test_allocations_equal_frees_after_cancel_storm():
     for rid in list(s.requests):
         s.finish(rid, FinishReason.CANCELLED)
     assert s.num_free_blocks == 40
+
+
+def test_step_to_pb_and_output_from_pb():
+    """A step converts itself into the worker's request: sampling rides on a request's first chunk only,
+    decodes ride along, the routing plan travels inside; a Generation converts back into a StepOutput."""
+    s = make(max_batch_tokens=6)
+    s.add(req(1, n_prompt=3, sampling=pb.SamplingParams(seed=11)))
+    s.add(req(2, n_prompt=5, sampling=pb.SamplingParams(seed=12)))
+    step = s.schedule()                                   # 1: whole prompt, 2: first 3 tokens
+    request = step.to_pb()
+    assert isinstance(request, pb.PrefillRequest) and not request.HasField("routing_plan")
+    assert [(c.request_id, list(c.token_ids), c.is_last, c.sampling.seed) for c in request.chunks] == \
+        [(1, [1, 2, 3], True, 11), (2, [1, 2, 3], False, 12)]
+    s.update(step, [StepOutput.from_pb(pb.Generation(request_id=1, has_token=True, token_id=9, logprob=-0.5)),
+                    StepOutput.from_pb(pb.Generation(request_id=2))])
+    assert s.requests[1].output_ids == [9]
+    step = s.schedule()                                   # 1 decodes, 2's last chunk carries no sampling
+    plan = RoutingPlan((0,), np.array([[0, 3]], np.int32), np.array([[0, 1, 2]], np.int32))
+    request = step.to_pb(plan)
+    assert list(request.decode_request_ids) == [1] and not request.chunks[0].HasField("sampling")
+    assert RoutingPlan.from_pb(request.routing_plan, [0]).expert_ids(1, 3)[0].tolist() == [[0], [0], [0]]
+    s.update(step, tokens_for(step))
+    request = s.schedule().to_pb()
+    assert isinstance(request, pb.DecodeRequest) and list(request.request_ids) == [1, 2]
+    assert StepOutput.from_pb(pb.Generation(request_id=3, error="NON_FINITE_LOGITS")) == \
+        StepOutput(3, None, 0.0, error="NON_FINITE_LOGITS")
