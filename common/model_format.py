@@ -269,9 +269,6 @@ class ModelDir:
         e = self.entries[name]
         return np.ascontiguousarray(dtypes.to_float32(self.tensor(name), e.dtype), dtype=np.float32)
 
-    def has(self, name: str) -> bool:
-        return name in self.entries
-
     def expert_block(self, layer: int, expert: int) -> tuple[str, int, int]:
         """(file, offset, nbytes) of expert `expert` of `layer`: its gate, up and down matrices."""
         first = self.entries[f"layers.{layer}.experts.{expert}.gate_proj"]

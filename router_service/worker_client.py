@@ -7,17 +7,11 @@ W3C trace context of the current span travels in the metadata (no-op unless an O
 from __future__ import annotations
 
 import grpc
-from opentelemetry import propagate
 
 from common.pb import worker_pb2, worker_pb2_grpc
 from common.routing_plan import RoutingPlan
+from common.tracing import inject_metadata
 from router_service.scheduler import ScheduledStep
-
-
-def _trace_metadata() -> tuple[tuple[str, str], ...]:
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return tuple(carrier.items())
 
 
 class WorkerClient:
@@ -44,7 +38,7 @@ class WorkerClient:
         await self._channel.close()
 
     async def _call(self, method, request, timeout: float | None):
-        return await method(request, timeout=timeout, metadata=_trace_metadata())
+        return await method(request, timeout=timeout, metadata=inject_metadata())
 
     async def info(self, timeout: float | None = None) -> worker_pb2.InfoResponse:
         return await self._call(self._stub.Info, worker_pb2.InfoRequest(), timeout or self.control_timeout_s)
