@@ -63,9 +63,6 @@ class ExpertGroups:
     def tokens_of(self, expert: int) -> np.ndarray:
         return self.token_indices[self.offsets[expert]:self.offsets[expert + 1]]
 
-    def slots_of(self, expert: int) -> np.ndarray:
-        return self.order[self.offsets[expert]:self.offsets[expert + 1]]
-
 
 def group_by_expert(expert_ids: np.ndarray, num_experts: int) -> ExpertGroups:
     """Counting sort of [T, K] expert ids: offsets from a histogram, order stable within each expert."""
@@ -116,11 +113,6 @@ class SlotPlan:
     def is_cached(self) -> bool:
         """Fewer slots than experts: the expert cache runs."""
         return self.slots_per_layer < self.num_experts
-
-    @property
-    def slot_bytes(self) -> int:
-        """Stored bytes the slots hold: what the device would allocate for them."""
-        return self.slots_per_layer * self.num_moe_layers * self.expert_block_bytes
 
     def to_pb(self, policy: str, prefetch_sources: Iterable[str]) -> worker_pb2.ExpertSlotPlan:
         """`Info.expert_slots`, with the cache's replacement policy and prefetch sources ("plan,lookahead";
@@ -261,10 +253,6 @@ class ExpertCache:
         return stats
 
     # --- the step's experts -------------------------------------------------------------------------
-    def resident(self, layer: int, expert: int) -> bool:
-        """Held by a slot, ready or with its copy pending."""
-        return expert in self.layers[layer].slot_of
-
     def acquire(self, layer: int, experts: Iterable[int], wait: bool = True) -> dict[int, int]:
         """Slots for `experts` (distinct, at most slots_per_layer not counting those already in use), marked in
         use until `release(layer)`. Hits keep their slot; misses are copied into victims chosen by the policy

@@ -27,8 +27,6 @@ class BlockAllocator:
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
         self.tables: dict[int, list[int]] = {}
-        self.num_allocations = 0
-        self.num_frees = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,13 +47,11 @@ class BlockAllocator:
                                 f"{len(self._free)} of {self.num_blocks} free")
         for _ in range(max(extra, 0)):
             table.append(self._free.pop())
-        self.num_allocations += max(extra, 0)
         return table
 
     def free(self, seq_id: int) -> int:
         table = self.tables.pop(seq_id, [])
         self._free.extend(reversed(table))
-        self.num_frees += len(table)
         return len(table)
 
 

@@ -70,7 +70,7 @@ class CpuDecoder:
         experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
         plan = [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
                 ("kv_cache", self.kv.nbytes)]
-        if self.cache is not None:    # float32 buffers on this backend (the plan's slot_bytes are stored bytes)
+        if self.cache is not None:    # float32 buffers on this backend (the slot plan counts stored bytes)
             plan.append(("expert_slots", self.copy_engine.nbytes))
         return plan
 

@@ -181,7 +181,7 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
         assert any(link.context.trace_id for link in parent.links) or parent.parent is not None
 
 
-def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
+def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
     from tests.conftest import BackgroundWorker
     worker = BackgroundWorker(tiny_model).start()
 
@@ -201,9 +201,8 @@ def test_cancel_storm_leaves_worker_allocations_equal_frees(tiny_model):
             await asyncio.sleep(0.2)
     try:
         asyncio.run(body())
-        allocator = worker.engine.allocator
-        assert allocator.num_allocations > 0
-        assert allocator.num_used_blocks == 0 and allocator.num_allocations == allocator.num_frees
+        allocator = worker.engine.allocator     # half the calls read a token first: blocks were allocated
+        assert allocator.num_used_blocks == 0 and not allocator.tables
         assert not worker.engine.sequences
     finally:
         worker.stop()

@@ -18,6 +18,11 @@ from tests.expert_service._cache_helpers import exact_plans, run_session
 NBYTES = 1000
 
 
+def resident(cache: ExpertCache, layer: int, expert: int) -> bool:
+    """Held by a slot, ready or with its copy pending."""
+    return expert in cache.layers[layer].slot_of
+
+
 class FakeCopies:
     """A copy stream: copies land in issue order, when someone waits on one (or `land_all`)."""
 
@@ -73,7 +78,7 @@ def test_hits_misses_and_lru_order():
     run_layer(cache, copies, 0, [0])          # a hit: 0 becomes the most recently used
     run_layer(cache, copies, 0, [2])          # evicts 1, the least recently used
     stats = cache.end_step()
-    assert cache.resident(0, 0) and cache.resident(0, 2) and not cache.resident(0, 1)
+    assert resident(cache, 0, 0) and resident(cache, 0, 2) and not resident(cache, 0, 1)
     assert stats == CacheStats(hits=1, misses=3, bytes_copied=3 * NBYTES, stall_seconds=stats.stall_seconds)
     assert cache.total == stats
 
@@ -120,7 +125,7 @@ def test_prefetch_never_evicts_experts_in_use():
     slots = cache.acquire(0, [0, 1])
     assert cache.prefetch(0, [2, 3]) == 1
     copies.land_all()
-    assert {copies.contents[(0, s)] for s in slots.values()} == {0, 1} and cache.resident(0, 2)
+    assert {copies.contents[(0, s)] for s in slots.values()} == {0, 1} and resident(cache, 0, 2)
 
 
 def test_adversarial_prefetch_during_waves_cannot_corrupt_weights():
@@ -138,7 +143,7 @@ def test_prefetch_is_used_later_and_predictions_do_not_evict_each_other():
     cache.begin_step()
     assert cache.prefetch(1, [2]) == 1
     assert cache.prefetch(1, [3, 0]) == 1          # the slot holding the first prediction stays
-    assert cache.resident(1, 2) and cache.resident(1, 3) and not cache.resident(1, 0)
+    assert resident(cache, 1, 2) and resident(cache, 1, 3) and not resident(cache, 1, 0)
     run_layer(cache, copies, 1, [2, 0])            # 2: a used prefetch; 0: a miss evicting the unused 3
     stats = cache.end_step()
     assert (stats.prefetches_issued, stats.prefetches_used, stats.hits, stats.misses) == (2, 1, 1, 1)

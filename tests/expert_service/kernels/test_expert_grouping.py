@@ -19,7 +19,7 @@ def run_and_check(ids, n_exp):
     np.testing.assert_array_equal(offsets, ref.offsets)
     np.testing.assert_array_equal(counts, ref.counts())
     for e in range(n_exp):
-        assert sorted(order[offsets[e]:offsets[e + 1]].tolist()) == ref.slots_of(e).tolist()
+        assert sorted(order[offsets[e]:offsets[e + 1]].tolist()) == ref.order[ref.offsets[e]:ref.offsets[e + 1]].tolist()
     np.testing.assert_array_equal(position[order], np.arange(n))     # inverse permutation, every slot written
     np.testing.assert_array_equal(order[position], np.arange(n))
 
