@@ -6,8 +6,6 @@ sampled last, which the worker feeds next). The planner reads only the scheduled
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from common.routing_plan import RoutingPlan
@@ -23,16 +21,10 @@ def step_token_ids(step: ScheduledStep) -> np.ndarray:
 
 
 class RoutingPlanner:
-    """Turns a scheduled step into its `RoutingPlan`; keeps the time spent doing it (reported by benchmarks)."""
+    """Turns a scheduled step into its `RoutingPlan` (bench/routing_lookup.py times it)."""
 
     def __init__(self, table: RoutingTable):
         self.table = table
-        self.seconds = 0.0
-        self.steps = 0
 
     def routing_plan(self, step: ScheduledStep) -> RoutingPlan:
-        started = time.perf_counter()
-        routing_plan = self.table.routing_plan(step_token_ids(step))
-        self.seconds += time.perf_counter() - started
-        self.steps += 1
-        return routing_plan
+        return self.table.routing_plan(step_token_ids(step))

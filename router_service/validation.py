@@ -41,7 +41,6 @@ class ValidatedRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: bool
-    is_text_prompt: bool
 
     def to_sampling_pb(self, eos_token_ids) -> worker_pb2.SamplingParams:
         """The worker's sampling settings; it suppresses the stop ids (EOS unless ignored, then stop_token_ids)
@@ -79,8 +78,7 @@ def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limi
         request_id=req.request_id, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens,
         min_new_tokens=p.min_new_tokens, temperature=float(p.temperature), top_k=p.top_k,
         top_p=float(p.top_p) if p.top_p > 0 else 1.0, seed=seed, stop_sequences=stop_sequences,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-        is_text_prompt=req.WhichOneof("prompt") == "text")
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
 
 
 def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> None:

@@ -72,7 +72,7 @@ def test_invalid(name, request_, override, field, words, tokenizer):
 
 def test_defaults_applied(tokenizer):
     v = validate_request(req(text="hi"), CONFIG, LIMITS, tokenizer)
-    assert v.prompt_ids == (ord("h"), ord("i")) and v.is_text_prompt
+    assert v.prompt_ids == (ord("h"), ord("i"))
     assert v.max_new_tokens == 20 and v.top_p == 1.0 and v.top_k == 0 and v.temperature == 0.0
     assert 0 <= v.seed < 2**64
     assert validate_request(req(seed=0), CONFIG, LIMITS, None).seed == 0
