@@ -131,10 +131,6 @@ class BatchingLoop:
             return False
 
     @property
-    def is_ready(self) -> bool:
-        return self.is_worker_ready and not self.is_draining
-
-    @property
     def num_active(self) -> int:
         return len(self._requests)
 

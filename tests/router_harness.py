@@ -18,10 +18,10 @@ async def running_router(worker_address: str, wait_ready: bool = True, **overrid
     router = await start_router(config, worker_address)
     try:
         for _ in range(500 if wait_ready else 0):
-            if router.batching_loop.is_ready:
+            if router.batching_loop.is_worker_ready:
                 break
             await asyncio.sleep(0.02)
-        assert router.batching_loop.is_ready or not wait_ready, "the router never connected to the worker"
+        assert router.batching_loop.is_worker_ready or not wait_ready, "the router never connected to the worker"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             yield router, router_pb2_grpc.GenerationServiceStub(channel)
     finally:

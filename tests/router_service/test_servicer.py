@@ -26,7 +26,7 @@ async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **over
     stub = router_pb2_grpc.GenerationServiceStub(channel)
     try:
         if wait_ready:
-            await wait_for(lambda: router.batching_loop.is_ready)
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
         yield router, fake, stub, channel
     finally:
         await channel.close()
@@ -196,7 +196,7 @@ def test_validation_errors_name_the_field(request_, field):
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert err.value.details().startswith(field + ":")
                 assert details(err.value)["BadRequest"].field_violations[0].field == field
-            assert not fake.seen_ids and router.batching_loop.is_ready
+            assert not fake.seen_ids and router.batching_loop.is_worker_ready
             assert (await stub.Generate(ids_request([1], max_new_tokens=1))).generated_tokens == 1
     run(main())
 
@@ -214,7 +214,7 @@ def test_worker_failure_fails_in_flight_then_recovers(code, expected):
                     pass
             assert err.value.code() == expected
             clears = fake.calls.count("ClearCache")
-            await wait_for(lambda: router.batching_loop.is_ready)
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
             assert fake.calls.count("ClearCache") == clears + 1  # reconnect cleared the worker
             assert (await stub.Generate(ids_request([1], max_new_tokens=3))).generated_tokens == 3
     run(main())
@@ -232,7 +232,7 @@ def test_health_follows_worker_and_drain():
                 await stub.Generate(ids_request([1]))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             fake.ready = True
-            await wait_for(lambda: router.batching_loop.is_ready)
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
             await asyncio.sleep(0.05)
             assert (await check()).status == health_pb2.HealthCheckResponse.SERVING
             in_flight = stub.Generate(ids_request([1], max_new_tokens=20))
