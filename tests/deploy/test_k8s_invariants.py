@@ -360,9 +360,10 @@ def test_manifest_flags_exist_in_the_cli(renderings):
     """Every flag the manifests pass is one the command accepts (once the pod lifecycle flags exist)."""
     spec = pod_spec(renderings["production"].one("Deployment", "colibri"))
     mtls = pod_spec(renderings["cpu+tls+mtls"].one("Deployment", "colibri"))
+    router_args = container(spec, "router")["args"][1:] + container(mtls, "router")["args"][1:]
     wanted = {
         "worker": {a.split("=")[0] for a in container(spec, "worker")["args"][1:]},
-        "router": {a.split("=")[0] for a in container(spec, "router")["args"][1:] + container(mtls, "router")["args"][1:]},
+        "router": {a.split("=")[0] for a in router_args},
     }
     for subcommand, flags in wanted.items():
         text = _help(subcommand)
