@@ -323,7 +323,7 @@ def test_convert_job(renderings):
     assert env_map["MODEL_DIR"] == servers_model, "the Job writes where the servers read"
     assert c["image"].endswith("-cpu"), "converting needs no GPU"
     assert mount_of(c, env_map["MODEL_DIR"]).get("readOnly") is not True
-    # The servers wait for the manifest the converter writes last.
+    # The servers wait for the model's manifest, which appears when the Job moves the verified model in.
     prepare = container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "prepare")
     assert f"{servers_model}/colibri.json" in prepare["args"][0]
 
