@@ -2,13 +2,9 @@
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
-eagerly. Linear layers of a single token use the weight-streaming GEMV kernels (kernels.gemv: memory-bound,
-16-byte streaming loads); more tokens go through cuBLAS on tensor cores (a dedicated handle, so graphs can
-capture it). Experts, by how many of them a step reaches: one token -> the gemv expert kernels (its K experts'
-ids read on the device); few assignments (T*K < E) -> the grouped kernels (moe_ffn), each active expert read
-once; up to 64 tokens reaching most experts -> every expert on every token as strided-batched GEMMs, then a
-combine that keeps each token's routed experts (no host round trip, graph-capturable); larger steps -> one
-GEMM per active expert over its contiguous block of grouped tokens.
+eagerly. The decoder holds embedding, attention, the dense MLP, the LM head, step staging and the graphs;
+linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
+sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache).
 """
 from __future__ import annotations
 
@@ -21,29 +17,23 @@ from numba import cuda
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.config import Backend, EngineConfig
+from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
-from expert_service.cuda.moe_cached import CachedExperts
+from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.moe import WARMUP_TOKENS, CachedExperts, DeviceMoe
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import DENSE_EXPERT_MAX_TOKENS, allocate_workspace, plan_workspace
+from expert_service.cuda.workspace import allocate_workspace, layout_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
-from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
-from expert_service.kernels.gemv import (launch_expert_down, launch_expert_gate_up, launch_gemv,
-                                         launch_gemv_swiglu)
 from expert_service.kernels.kv_write import launch_kv_write
-from expert_service.kernels.moe_combine import launch_moe_combine
-from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
-from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.rope import launch_rope
-from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.experts import SlotPlan
 from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
-GEMV_MAX_TOKENS = 1
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -99,29 +89,32 @@ class CudaDecoder:
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
-        self.plan = plan_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs, self.max_blocks_per_seq,
-                                   len(self.moe_layers))
-        self.ws = allocate_workspace(self.plan, self.stream)
-        self.ws.identity_position.copy_to_device(np.arange(cfg.num_experts_per_tok, dtype=np.int32), stream=self.stream)
+        self.workspace_layout = layout_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs,
+                                                 self.max_blocks_per_seq, len(self.moe_layers))
+        self.ws = allocate_workspace(self.workspace_layout, self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
         self.graphs: dict[int, Graph] = {}
         self._eager_buckets: set[int] = set()
-        self._cublas = None
-        _ = self.cublas          # created before any graph capture (cublasCreate cannot run inside one)
-        self.cached = CachedExperts(self, slot_plan, config.prefetch_sources, config.expert_cache_policy) \
+        # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
+        self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
+        self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
+        self.cached = CachedExperts(cfg, self.weights, self.ws, self.linear, self.stream, self.max_tokens, slot_plan,
+                                    config.prefetch_sources, config.expert_cache_policy) \
             if cached else None  # None: every expert resident, no cache logic runs
+        self.moe = DeviceMoe(cfg, self.weights, self.ws, self.linear, self.stream, self.cached)
         self.stream.synchronize()
 
     def warmup(self) -> None:
-        """Compiles and loads every kernel now -- eager prefills of 1, 2, 64 and 65 tokens take each expert path
-        (one-token gemv, grouped kernels, all experts, per-expert GEMMs) -- and captures the decode graph of
-        every batch-size bucket, so serving never compiles and allocates nothing on the device (module loads
-        and graph instantiation do). With the expert cache, steps run eagerly and the first ones load kernels."""
+        """Compiles and loads every kernel now -- eager prefills of moe.WARMUP_TOKENS (1, 2, 64, 65) take each
+        MoE strategy (one-token gemv, grouped kernels, all experts, per-expert GEMMs) -- and captures the
+        decode graph of every batch-size bucket, so serving never compiles and allocates nothing on the device
+        (module loads and graph instantiation do). With the expert cache, steps run eagerly and the first ones
+        load kernels."""
         if self.cached is not None:
             return
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)
-        for T in sorted({t for t in (1, 2, DENSE_EXPERT_MAX_TOKENS, DENSE_EXPERT_MAX_TOKENS + 1) if t <= span}):
+        for T in sorted({t for t in WARMUP_TOKENS if t <= span}):
             blocks = np.zeros(-(-T // self.block_size), np.int64)     # reads the zeroed pool, writes no KV
             prompt = ForwardBatch(token_ids=np.zeros(T, np.int64), positions=np.arange(T, dtype=np.int64),
                                   seq_starts=np.array([0, T], np.int64), context_lens=np.array([T], np.int64),
@@ -148,20 +141,13 @@ class CudaDecoder:
         return ForwardBatch(token_ids=empty, positions=empty, seq_starts=np.zeros(1, np.int64), context_lens=empty,
                             block_tables=[], slot_mapping=empty, logits_rows=empty)
 
-    # --- plan ---------------------------------------------------------------------------------------
+    # --- memory -------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
         plan = [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
                 ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes)]
         if self.cached is not None:
             plan.append(("expert_slots", self.cached.nbytes))
         return plan
-
-    @property
-    def cublas(self):
-        if self._cublas is None:
-            from expert_service.cuda.cublas import Cublas
-            self._cublas = Cublas(self.stream, self.ws.cublas_workspace)
-        return self._cublas
 
     # --- step ---------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> DeviceLogits:
@@ -271,11 +257,11 @@ class CudaDecoder:
             self._attention(i, x, h, T, S, decode)
             rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
             if cfg.sparse_layers[i]:
-                self._moe(i, x, h, T)
+                self.moe.forward(i, x, h, T)
             else:
                 g = ws.dense_gate[:T]
-                self._swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
-                self._linear(g, w.layer(i, "down_proj"), h, accumulate=True)
+                self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
+                self.linear.linear(g, w.layer(i, "down_proj"), h, accumulate=True)
         if R:
             self._head(T, R)
 
@@ -286,15 +272,15 @@ class CudaDecoder:
         last = ws.last_hidden[:R]
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
-        self._linear(last, w.lm_head, ws.logits[:R])
+        self.linear.linear(last, w.lm_head, ws.logits[:R])
         greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
 
     def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]
-        xc = self._as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
+        xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
         for name, out in (("q", q), ("k", k), ("v", v)):
-            self._linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
+            self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if cfg.qk_norm is QKNorm.FULL:
             rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
@@ -314,129 +300,19 @@ class CudaDecoder:
         window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
         if decode:
             launch_attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
-                             ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
+                                    ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S],
+                                    stream=st)
         else:
-            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1], ws.positions[:T],
-                              ws.block_tables[:S], ws.context_lens[:S], window, scale, attn3, stream=st)
-        self._linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
-
-    def _moe(self, i: int, x, h, T: int) -> None:
-        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        K, E, F, D = cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        n = T * K
-        logits = ws.router_logits[:T]
-        self._linear(x, w.layer(i, "router"), logits)
-        moe_index = self.moe_layers.index(i)
-        ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
-        weights = ws.topk_weights[:T]
-        launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
-        experts = w.experts.get(i)
-        if self.cached is not None:
-            self.cached.moe(i, x, h, T, ids, weights)
-        elif T <= GEMV_MAX_TOKENS and n < E:     # one token: its K experts streamed, ids read on the device
-            out = ws.moe_out[:n]
-            launch_expert_gate_up(x, ids, experts, F, D, ws.moe_gate[:n], stream=st)
-            launch_expert_down(ws.moe_gate[:n], ids, experts, F, D, out, stream=st)
-            launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
-        elif n >= E and T <= DENSE_EXPERT_MAX_TOKENS:
-            y = self._all_experts(x, experts, T, E, F, D)
-            launch_moe_combine_dense(y, ids, weights, h, stream=st)
-        else:
-            order, position = ws.order[:n], ws.position[:n]
-            launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-            out = ws.moe_out[:n]
-            if T <= DENSE_EXPERT_MAX_TOKENS:
-                launch_moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
-                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
-            else:
-                self._experts_cublas(x, experts, order, n, K, F, D, out)
-            launch_moe_combine(out, position, weights, h, stream=st)
-        if cfg.shared_expert_intermediate_size:
-            g = ws.shared_gate[:T]
-            self._swiglu(x, w.layer(i, "shared_gate_proj"), w.layer(i, "shared_up_proj"), g, ws.shared_up[:T])
-            self._linear(g, w.layer(i, "shared_down_proj"), ws.shared_out[:T])
-            self._linear(x, w.layer(i, "shared_expert_gate"), ws.shared_logit[:T])
-            elementwise.launch_sigmoid_gate_add(h, ws.shared_out[:T], ws.shared_logit[:T], stream=st)
-
-    def _all_experts(self, x, experts, T: int, E: int, F: int, D: int):
-        """Every expert on every token: gate/up/down as three strided-batched GEMMs over the expert blocks;
-        returns y [E, T, D] (a packed view of the workspace)."""
-        ws, st, blas = self.ws, self.stream, self.cublas
-        stride = experts.shape[1]
-        flat = experts.reshape(-1)
-        gate, up = ws.all_experts_gate[:E * T * F], ws.all_experts_up[:E * T * F]
-        xc = self._as_weight_dtype(x)
-        blas.linear_batched(xc, 0, flat, 0, stride, F, D, gate, T * F, E, T)
-        blas.linear_batched(xc, 0, flat, F * D, stride, F, D, up, T * F, E, T)
-        elementwise.launch_silu_mul(gate, up, gate, stream=st)
-        hc = self._as_weight_dtype(gate.reshape(E * T, F))
-        y = ws.all_experts_out.reshape(-1)[:E * T * D]
-        blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
-        return y.reshape(E, T, D)
-
-    def _experts_cublas(self, x, experts, order, n: int, K: int, F: int, D: int, out) -> None:
-        """Large steps: tokens gathered into grouped order, then per active expert three GEMMs on tensor cores
-        (gate, up, down over its contiguous rows), with one cast and one silu_mul for all experts."""
-        ws, st = self.ws, self.stream
-        launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
-        ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
-        st.synchronize()
-        offsets = ws.host["offsets"]
-        active = np.flatnonzero(np.diff(offsets))
-        lo, rows = offsets[active].astype(np.int64), np.diff(offsets)[active]
-        dtype, item = self.weights.dtype, experts.dtype.itemsize
-        gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
-        h, up = ws.moe_gate[:n], ws.moe_up[:n]
-        xc = device_address(self._as_weight_dtype(ws.moe_in[:n])) + lo * D * item
-        self.cublas.linear_each(gate, xc, device_address(h) + lo * F * 4, rows, F, D, dtype)
-        self.cublas.linear_each(gate + F * D * item, xc, device_address(up) + lo * F * 4, rows, F, D, dtype)
-        elementwise.launch_silu_mul(h, up, h, stream=st)
-        hc = device_address(self._as_weight_dtype(h)) + lo * F * item
-        self.cublas.linear_each(gate + 2 * F * D * item, hc, device_address(out) + lo * D * 4, rows, D, F, dtype)
-
-    def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
-        """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
-        ws = self.ws
-        gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
-        down = block[2 * F * D:3 * F * D].reshape(D, F)
-        g = ws.moe_gate[lo:hi]
-        self._swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
-        self._linear(g, down, out[lo:hi], force_cublas=True)
-
-    # --- linear layers: weight streaming for few tokens, cuBLAS for many ----------------------------
-    def _linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False,
-                xc=None) -> None:
-        """xc: x already in the weights' dtype (one cast shared by several projections of the same input)."""
-        if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
-            launch_gemv(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
-            return
-        self.cublas.linear(xc if xc is not None else self._as_weight_dtype(x), weight, out, accumulate=accumulate)
-        if bias is not None:
-            elementwise.launch_add_bias(out, bias, stream=self.stream)
-
-    def _swiglu(self, x, gate, up, out, scratch, force_cublas: bool = False) -> None:
-        if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
-            launch_gemv_swiglu(x, gate, up, out, stream=self.stream)
-            return
-        xc = self._as_weight_dtype(x)
-        self.cublas.linear(xc, gate, out)
-        self.cublas.linear(xc, up, scratch)
-        elementwise.launch_silu_mul(out, scratch, out, stream=self.stream)
-
-    def _as_weight_dtype(self, x):
-        if self.weights.dtype == np.float32:
-            return x
-        rows, cols = x.shape
-        xc = self.ws.cast[:rows * cols].reshape(rows, cols)
-        elementwise.launch_cast(x, xc, stream=self.stream)
-        return xc
+            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
+                                             ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
+                                             scale, attn3, stream=st)
+        self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 
     def close(self) -> None:
         self.stream.synchronize()
         for graph in self.graphs.values():
             graph.close()
-        if self._cublas is not None:
-            self._cublas.close()
+        self.cublas.close()
         if self.cached is not None:
             self.cached.close()
         self.weights.close()

@@ -14,9 +14,9 @@ from numba import cuda
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.driver import check, device_address
+from expert_service.cuda.moe import ALL_EXPERTS_MAX_TOKENS
 from expert_service.kernels.attention_decode import decode_splits
 
-DENSE_EXPERT_MAX_TOKENS = 64
 
 @dataclass
 class Workspace:
@@ -38,9 +38,9 @@ class Workspace:
             b.nbytes for b in (self.metadata, self.results) if b is not None)
 
 
-def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
-                   max_blocks_per_seq: int, num_layers_moe: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Name -> (shape, dtype) of every step buffer; pure, so the plan can be printed before allocating."""
+def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
+                     max_blocks_per_seq: int, num_layers_moe: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -48,8 +48,8 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
     shared_ffn = config.shared_expert_intermediate_size
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
-    dense_tokens = min(DENSE_EXPERT_MAX_TOKENS, T)   # the all-experts path of decode steps
-    plan = {
+    all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T)   # the all-experts strategy of decode steps (cuda/moe.py)
+    layout = {
         "hidden": ((T, D), f32), "normed": ((T, D), f32),
         "q": ((T, config.q_size), f32), "k": ((T, config.kv_size), f32), "v": ((T, config.kv_size), f32),
         "attn": ((T, config.q_size), f32),
@@ -59,8 +59,9 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
         "moe_gate": ((T * K, F), f32), "moe_up": ((T * K, F), f32), "moe_out": ((T * K, D), f32),
         "moe_in": ((T * K, D), f32),
-        "all_experts_gate": ((E * dense_tokens * F,), f32), "all_experts_up": ((E * dense_tokens * F,), f32),
-        "all_experts_out": ((E, dense_tokens, D), f32),
+        "all_experts_gate": ((E * all_experts_tokens * F,), f32),
+        "all_experts_up": ((E * all_experts_tokens * F,), f32),
+        "all_experts_out": ((E, all_experts_tokens, D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
         "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
@@ -71,16 +72,16 @@ def plan_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int,
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
-        plan["cast"] = ((max(T * K * widest, E * dense_tokens * F),), weight_dtype)
+        layout["cast"] = ((max(T * K * widest, E * all_experts_tokens * F),), weight_dtype)
     if dense_ffn:
-        plan["dense_gate"] = ((T, dense_ffn), f32)
-        plan["dense_up"] = ((T, dense_ffn), f32)
+        layout["dense_gate"] = ((T, dense_ffn), f32)
+        layout["dense_up"] = ((T, dense_ffn), f32)
     if shared_ffn:
-        plan["shared_gate"] = ((T, shared_ffn), f32)
-        plan["shared_up"] = ((T, shared_ffn), f32)
-        plan["shared_out"] = ((T, D), f32)
-        plan["shared_logit"] = ((T, 1), f32)
-    return plan
+        layout["shared_gate"] = ((T, shared_ffn), f32)
+        layout["shared_up"] = ((T, shared_ffn), f32)
+        layout["shared_out"] = ((T, D), f32)
+        layout["shared_logit"] = ((T, 1), f32)
+    return layout
 
 
 # Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
@@ -132,20 +133,20 @@ class PackedBuffer:
         return self.device.nbytes
 
 
-def allocate_workspace(plan: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
+def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stream) -> Workspace:
     ws = Workspace()
 
     def packed(names):
-        assert all(plan[name][1] == np.int32 for name in names), "packed buffers hold int32 arrays"
-        buffer = PackedBuffer({name: plan[name][0] for name in names}, stream)
+        assert all(layout[name][1] == np.int32 for name in names), "packed buffers hold int32 arrays"
+        buffer = PackedBuffer({name: layout[name][0] for name in names}, stream)
         ws.arrays.update(buffer.device_views)
         ws.host.update(buffer.host_views)
         return buffer
     ws.metadata, ws.results = packed(METADATA), packed(RESULTS)
-    for name, (shape, dtype) in plan.items():
+    for name, (shape, dtype) in layout.items():
         if name not in ws.arrays:
             ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
     for name in READBACK:
-        shape, dtype = plan[name]
+        shape, dtype = layout[name]
         ws.host[name] = cuda.pinned_array(shape, dtype=dtype)
     return ws

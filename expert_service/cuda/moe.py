@@ -1,0 +1,307 @@
+"""The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert.
+
+How the routed experts run depends on the step's T tokens, the K of E experts each token is routed to, and
+whether every expert is resident on the device. `choose_strategy` decides, in one place, from the
+thresholds defined beside it.
+
+- GEMV (T <= GEMV_MAX_TOKENS and T*K < E): one token's K experts streamed by the gemv expert kernels
+  (`launch_expert_gate_up` / `launch_expert_down`, grid = row blocks x its K experts) -> `moe_combine`.
+  Memory-bound: each of the K experts read once at close to HBM bandwidth; the expert ids are read on the
+  device, so decode graphs capture it.
+- ALL_EXPERTS (T*K >= E and T <= ALL_EXPERTS_MAX_TOKENS): a decode step reaching most experts runs every
+  expert on every token as three strided-batched cuBLAS GEMMs (gate, up, down), then `moe_combine_dense`
+  keeps each token's routed experts. The step reads (nearly) every expert anyway; tensor cores, no host
+  round trip, graph-capturable.
+- GROUPED (otherwise, T <= GROUPED_MAX_TOKENS; few assignments: T*K < E): `expert_grouping` (a counting
+  sort on the device) -> `moe_gate_up` / `moe_down` (grid = experts x row tiles, empty experts exit, each
+  active expert read once) -> `moe_combine`. No host round trip, graph-capturable.
+- CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in
+  grouped order, the expert offsets read back to the host (one sync), one cast, then per active expert
+  three `cublasGemmEx` calls on raw addresses (gate, up, down over its contiguous rows) around one
+  `silu_mul` and one cast for all experts -> `moe_combine`. Tensor cores pay at these sizes; the host sync
+  is why only eager steps may take it.
+- CACHED_GROUPED (expert cache, T <= GROUPED_MAX_TOKENS): the grouped kernels, in waves, against the
+  layer's expert slots through a `slot_of` map.
+- CACHED_CUBLAS (expert cache, T > GROUPED_MAX_TOKENS): the tokens gathered once, then per expert of each
+  wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
+
+GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): every step a
+graph captures must stay on the device. ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
+(E x tokens x F, `workspace.layout_workspace`).
+
+With the expert cache (not every expert fits the device; `CachedExperts`): the routing is read back to the
+host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts (batch-level
+union), misses are copied on the copy stream (expert_slots.DeviceSlots), and the experts run in waves of at
+most `slots` experts against the layer's slot buffer. Per MoE layer: router -> top-k -> grouping (as the
+resident path) -> [lookahead: the next MoE layer's router on this layer's input] -> one readback + sync ->
+lookahead prefetch into the next layer's slots -> waves -> one weighted combine. Every assignment's output
+row is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are
+bitwise the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host
+decides per layer which slots to use).
+
+The shared expert (Qwen2-MoE) runs after the routed experts on every token: SwiGLU, down projection, its
+sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+from numba import cuda
+
+from common.model_config import ModelConfig
+from expert_service.config import PrefetchSource
+from expert_service.cuda.driver import device_address
+from expert_service.cuda.expert_slots import DeviceSlots
+from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.weights import DeviceWeights
+from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
+from expert_service.kernels import elementwise
+from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.router_topk import launch_router_topk
+
+ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
+GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, one cuBLAS GEMM per expert (host sync)
+# Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
+# GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
+WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)
+
+
+class MoeStrategy(Enum):
+    GEMV = "gemv"
+    ALL_EXPERTS = "all_experts"
+    GROUPED = "grouped"
+    CUBLAS_PER_EXPERT = "cublas_per_expert"
+    CACHED_GROUPED = "cached_grouped"
+    CACHED_CUBLAS = "cached_cublas"
+
+
+def choose_strategy(T: int, K: int, E: int, cached: bool) -> MoeStrategy:
+    """How a step of T tokens, each routed to K of E experts, runs its experts (module docstring)."""
+    if cached:
+        return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
+    n = T * K
+    if T <= GEMV_MAX_TOKENS and n < E:
+        return MoeStrategy.GEMV
+    if n >= E and T <= ALL_EXPERTS_MAX_TOKENS:
+        return MoeStrategy.ALL_EXPERTS
+    if T <= GROUPED_MAX_TOKENS:
+        return MoeStrategy.GROUPED
+    return MoeStrategy.CUBLAS_PER_EXPERT
+
+
+class CachedExperts:
+    """The expert cache on the device: slots per MoE layer, their replacement and prefetch, and the CACHED_*
+    strategies. The decoder drives the step boundaries (begin_step / prefetch_plan / end_step)."""
+
+    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
+                 max_tokens: int, slot_plan: SlotPlan, prefetch: frozenset[PrefetchSource], policy: str):
+        cfg = config
+        self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
+        self.prefetch = prefetch
+        moe = cfg.moe_layers
+        S, E, K, T = slot_plan.slots_per_layer, cfg.num_experts, cfg.num_experts_per_tok, max_tokens
+        self.slots = DeviceSlots(weights, moe, S, stream)
+        self.cache = ExpertCache(moe, E, S, slot_plan.expert_block_bytes, self.slots, policy)
+        self.next_moe = {i: next((j for j in moe if j > i), None) for i in range(cfg.num_hidden_layers)}
+        self.max_waves = -(-E // S)
+        st = stream
+        self.slot_of = cuda.device_array((self.max_waves, E), np.int32, stream=st)
+        self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
+        self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
+        self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
+        self.host = {"slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
+                     "ids": cuda.pinned_array(T * K, np.int32), "ahead_ids": cuda.pinned_array(T * K, np.int32),
+                     "offsets": cuda.pinned_array(E + 1, np.int32)}
+        self._hints = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes + self.slot_of.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes
+
+    # --- step boundaries ----------------------------------------------------------------------------
+    def begin_step(self, hints: dict[int, np.ndarray] | None) -> None:
+        self.cache.begin_step()
+        self._hints = hints
+        moe = self.config.moe_layers
+        if moe:           # the first MoE layer's plan: its copies overlap everything before it
+            self.prefetch_plan(moe[0])
+
+    def end_step(self) -> CacheStats:
+        """After the step's final synchronisation: the measured stall joins the step's counts."""
+        self.cache.add_stall(self.slots.stall_seconds())
+        self._hints = None
+        return self.cache.end_step()
+
+    def prefetch_plan(self, layer: int | None) -> None:
+        if layer is not None and PrefetchSource.PLAN in self.prefetch and self._hints and layer in self._hints:
+            self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
+
+    # --- the routed experts of a MoE layer ----------------------------------------------------------
+    def run(self, i: int, x, h, T: int, ids, weights, strategy: MoeStrategy) -> None:
+        """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        n = T * K
+        order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
+        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
+        if ahead is not None:
+            self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
+            launch_router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
+                               stream=st)
+            self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
+        large = strategy is MoeStrategy.CACHED_CUBLAS    # the per-expert GEMMs need the row ranges on the host
+        ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
+        if large:
+            ws.offsets.copy_to_host(self.host["offsets"], stream=st)
+        st.synchronize()
+        if ahead is not None:
+            self.cache.prefetch(ahead, experts_by_count(self.host["ahead_ids"][:n]))
+        if large:
+            launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
+        buffer = self.slots.weights_of(i)
+        offsets = self.host["offsets"]
+        for w, wave in enumerate(self.cache.waves(i, experts_by_count(self.host["ids"][:n]))):
+            if large:
+                for e, slot in wave.items():
+                    self._expert_gemms(buffer[slot], int(offsets[e]), int(offsets[e + 1]), F, D, out)
+            else:
+                row = self.host["slot_of"][w]
+                row[:] = -1
+                for e, slot in wave.items():
+                    row[e] = slot
+                slot_of = self.slot_of[w]
+                slot_of.copy_to_device(row, stream=st)
+                launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
+                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
+            self.slots.used(i, wave.values())
+        launch_moe_combine(out, position, weights, h, stream=st)
+
+    def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
+        """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
+        ws = self.ws
+        gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
+        down = block[2 * F * D:3 * F * D].reshape(D, F)
+        g = ws.moe_gate[lo:hi]
+        self.linear.swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
+        self.linear.linear(g, down, out[lo:hi], force_cublas=True)
+
+    def close(self) -> None:
+        self.slots.close()
+
+
+class DeviceMoe:
+    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident)."""
+
+    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
+                 cached: CachedExperts | None):
+        self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
+        self.cached = cached
+        self.moe_layers = config.moe_layers
+        # slot order = grouped order for one token's experts (the GEMV strategy's combine)
+        workspace.identity_position.copy_to_device(np.arange(config.num_experts_per_tok, dtype=np.int32),
+                                                   stream=stream)
+
+    def forward(self, i: int, x, h, T: int) -> None:
+        """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
+        MoE layer m stay in workspace.topk_ids[m] for the step's trace."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        K, E = cfg.num_experts_per_tok, cfg.num_experts
+        n = T * K
+        logits = ws.router_logits[:T]
+        self.linear.linear(x, self.weights.layer(i, "router"), logits)
+        moe_index = self.moe_layers.index(i)
+        ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
+        weights = ws.topk_weights[:T]
+        launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+        strategy = choose_strategy(T, K, E, cached=self.cached is not None)
+        experts = self.weights.experts.get(i)
+        if strategy is MoeStrategy.GEMV:
+            self._gemv(x, h, T, ids, weights, experts)
+        elif strategy is MoeStrategy.ALL_EXPERTS:
+            self._all_experts(x, h, T, ids, weights, experts)
+        elif strategy is MoeStrategy.GROUPED:
+            self._grouped(x, h, T, ids, weights, experts)
+        elif strategy is MoeStrategy.CUBLAS_PER_EXPERT:
+            self._cublas_per_expert(x, h, T, ids, weights, experts)
+        else:
+            self.cached.run(i, x, h, T, ids, weights, strategy)
+        if cfg.shared_expert_intermediate_size:
+            self._shared_expert(i, x, h, T)
+
+    def _gemv(self, x, h, T: int, ids, weights, experts) -> None:
+        """One token: its K experts streamed, their ids read on the device."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
+        out = ws.moe_out[:n]
+        launch_expert_gate_up(x, ids, experts, F, D, ws.moe_gate[:n], stream=st)
+        launch_expert_down(ws.moe_gate[:n], ids, experts, F, D, out, stream=st)
+        launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
+
+    def _all_experts(self, x, h, T: int, ids, weights, experts) -> None:
+        """Every expert on every token: gate/up/down as three strided-batched GEMMs over the expert blocks
+        into y [E, T, D] (a packed view of the workspace), then the dense combine of each token's experts."""
+        cfg, ws, st, blas = self.config, self.ws, self.stream, self.linear.cublas
+        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        stride = experts.shape[1]
+        flat = experts.reshape(-1)
+        gate, up = ws.all_experts_gate[:E * T * F], ws.all_experts_up[:E * T * F]
+        xc = self.linear.as_weight_dtype(x)
+        blas.linear_batched(xc, 0, flat, 0, stride, F, D, gate, T * F, E, T)
+        blas.linear_batched(xc, 0, flat, F * D, stride, F, D, up, T * F, E, T)
+        elementwise.launch_silu_mul(gate, up, gate, stream=st)
+        hc = self.linear.as_weight_dtype(gate.reshape(E * T, F))
+        y = ws.all_experts_out.reshape(-1)[:E * T * D]
+        blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
+        launch_moe_combine_dense(y.reshape(E, T, D), ids, weights, h, stream=st)
+
+    def _grouped(self, x, h, T: int, ids, weights, experts) -> None:
+        """Assignments sorted by expert on the device; each active expert's weights read once."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
+        order, position = ws.order[:n], ws.position[:n]
+        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        out = ws.moe_out[:n]
+        launch_moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
+        launch_moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
+        launch_moe_combine(out, position, weights, h, stream=st)
+
+    def _cublas_per_expert(self, x, h, T: int, ids, weights, experts) -> None:
+        """Large steps: tokens gathered into grouped order, then per active expert three GEMMs on tensor cores
+        (gate, up, down over its contiguous rows), with one cast and one silu_mul for all experts."""
+        cfg, ws, st, blas = self.config, self.ws, self.stream, self.linear.cublas
+        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        n = T * K
+        order, position = ws.order[:n], ws.position[:n]
+        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        out = ws.moe_out[:n]
+        launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
+        ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
+        st.synchronize()
+        offsets = ws.host["offsets"]
+        active = np.flatnonzero(np.diff(offsets))
+        lo, rows = offsets[active].astype(np.int64), np.diff(offsets)[active]
+        dtype, item = self.weights.dtype, experts.dtype.itemsize
+        gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
+        g, up = ws.moe_gate[:n], ws.moe_up[:n]
+        xc = device_address(self.linear.as_weight_dtype(ws.moe_in[:n])) + lo * D * item
+        blas.linear_each(gate, xc, device_address(g) + lo * F * 4, rows, F, D, dtype)
+        blas.linear_each(gate + F * D * item, xc, device_address(up) + lo * F * 4, rows, F, D, dtype)
+        elementwise.launch_silu_mul(g, up, g, stream=st)
+        gc = device_address(self.linear.as_weight_dtype(g)) + lo * F * item
+        blas.linear_each(gate + 2 * F * D * item, gc, device_address(out) + lo * D * 4, rows, D, F, dtype)
+        launch_moe_combine(out, position, weights, h, stream=st)
+
+    def _shared_expert(self, i: int, x, h, T: int) -> None:
+        ws, w, lin = self.ws, self.weights, self.linear
+        g = ws.shared_gate[:T]
+        lin.swiglu(x, w.layer(i, "shared_gate_proj"), w.layer(i, "shared_up_proj"), g, ws.shared_up[:T])
+        lin.linear(g, w.layer(i, "shared_down_proj"), ws.shared_out[:T])
+        lin.linear(x, w.layer(i, "shared_expert_gate"), ws.shared_logit[:T])
+        elementwise.launch_sigmoid_gate_add(h, ws.shared_out[:T], ws.shared_logit[:T], stream=self.stream)
