@@ -20,9 +20,10 @@ from expert_service.experts import CacheStats, SlotPlan, plan_slots
 from expert_service.kv_cache import BlockAllocator
 from expert_service.routing_plan import routing_plan_recall
 from expert_service.sampling import Sampler, SamplingParams
-from expert_service.step import Decoder, ForwardBatch, Logits, StepTrace
+from expert_service.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
+UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,25 @@ class StepResult:
                          for o in self.outputs],
             timings=worker_pb2.StepTimings(forward_ms=self.forward_ms, sample_ms=self.sample_ms, total_ms=total_ms),
             kv_blocks_used=kv_blocks_used)
+        if self.routing_plan_recall is not None:
+            response.routing_plan_recall = self.routing_plan_recall
+        if self.expert_cache is not None:
+            response.expert_cache.CopyFrom(self.expert_cache.to_pb())
+        return response
+
+    def to_stream_pb(self, step_id: int, kv_blocks_used: int, total_ms: float) -> worker_pb2.StepStreamResponse:
+        """The step's answer on the step stream: packed arrays instead of one message per sequence."""
+        outputs = self.outputs
+        response = worker_pb2.StepStreamResponse(
+            step_id=step_id,
+            request_ids=np.fromiter((o.request_id for o in outputs), np.uint64, len(outputs)).tobytes(),
+            token_ids=np.fromiter((-1 if o.token_id is None else o.token_id for o in outputs), np.int32,
+                                  len(outputs)).tobytes(),
+            errors=[worker_pb2.SequenceError(request_id=o.request_id, code=o.error) for o in outputs if o.error],
+            timings=worker_pb2.StepTimings(forward_ms=self.forward_ms, sample_ms=self.sample_ms, total_ms=total_ms),
+            kv_blocks_used=kv_blocks_used)
+        if any(o.logprob for o in outputs):
+            response.logprobs = np.fromiter((o.logprob for o in outputs), np.float32, len(outputs)).tobytes()
         if self.routing_plan_recall is not None:
             response.routing_plan_recall = self.routing_plan_recall
         if self.expert_cache is not None:
@@ -162,11 +182,15 @@ class Engine:
                                                           f"chunk must carry sampling parameters")
                 self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
             work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+        unknown = []     # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
         for rid in decode_ids:
             seq = self.sequences.get(rid)
             if seq is None or seq.last_token is None:
-                raise InvalidRequestError("request_ids", f"sequence {rid} has no sampled token to decode from")
+                unknown.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
+                continue
             work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+        if not work:
+            return StepResult(unknown, 0.0, 0.0, StepTrace(), None, HostLogits(np.zeros((0, 0), np.float32)))
         token_ids = self._check_step(work)
         planned_ids = routing_plan.expert_ids(self.model_config.num_experts, len(token_ids)) \
             if routing_plan is not None else None
@@ -202,6 +226,7 @@ class Engine:
                 continue
             seq.last_token = sampled[0]
             outputs.append(SeqOutput(rid, sampled[0], sampled[1]))
+        outputs += unknown
         t2 = time.perf_counter()
         return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
 

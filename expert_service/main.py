@@ -86,7 +86,8 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     health_servicer = health.HealthServicer()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer = WorkerServicer(engine, health_servicer, name, on_fatal, config.step_timeout_s, metrics)
+    servicer = WorkerServicer(engine, health_servicer, name, on_fatal, config.step_timeout_s, metrics,
+                              tracer_provider)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -22,7 +22,9 @@ from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from common.routing_plan import RoutingPlan
+from common.tracing import COLIBRI_STEP_KIND, extract_context, get_tracer
 from expert_service.engine import Engine, PrefillInput, StepResult
+from expert_service.step_stream import StepOutcome, StreamSession, StreamStep
 from expert_service.routing_plan import warmup_routing_plan
 from expert_service.sampling import SamplingParams
 
@@ -32,15 +34,18 @@ SERVICE_NAME = "colibri.worker.v1.WorkerService"
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: Engine, health_servicer: health.HealthServicer, model_name: str,
-                 on_fatal: Callable[[BaseException], None], step_timeout_s: float = 300.0, metrics=None):
+                 on_fatal: Callable[[BaseException], None], step_timeout_s: float = 300.0, metrics=None,
+                 tracer_provider=None):
         self.engine = engine
         self.health = health_servicer
         self.model_name = model_name
         self.on_fatal = on_fatal
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics
+        self.tracer_provider = tracer_provider
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-model")
         self.ready = False
+        self.sequence_owners: dict[int, int] = {}    # sequence id -> the step-stream session that started it
 
     async def run_on_model_thread(self, context: grpc.aio.ServicerContext, fn, *args):
         """Runs `fn` on the model thread; maps errors to status codes, treats the unexpected as fatal."""
@@ -150,6 +155,59 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Decode(self, request, context):
         return await self._step(context, "decode", self._run_decode, request)
+
+    async def StepStream(self, request_iterator, context):
+        """Steps queue on the model thread as they arrive; results go back in order as they complete."""
+        if not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
+        session = StreamSession(self.engine, self.sequence_owners)
+        queued: asyncio.Queue = asyncio.Queue()
+        moe_layers = self.engine.model_config.moe_layers
+
+        async def receive():
+            try:
+                async for request in request_iterator:
+                    span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
+                    try:
+                        step = StreamStep.from_pb(request, moe_layers)
+                    except ColibriError as e:   # malformed: refuse this step alone
+                        queued.put_nowait((span, StepOutcome(request.step_id, None, str(e), 0.0)))
+                        continue
+                    queued.put_nowait((span, asyncio.wrap_future(self.executor.submit(session.run, step))))
+            finally:
+                queued.put_nowait(None)
+        tracer = get_tracer(self.tracer_provider)
+        receiver = asyncio.create_task(receive())
+        try:
+            while (item := await queued.get()) is not None:
+                span, work = item
+                outcome = work if isinstance(work, StepOutcome) else await self._await_step(work, context)
+                span.update_name(f"worker {outcome.kind}")
+                span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)
+                span.end()
+                yield self._stream_response(outcome)
+        finally:
+            receiver.cancel()
+            self.executor.submit(session.close)     # after every step it queued
+
+    async def _await_step(self, future, context) -> StepOutcome:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._fatal(TimeoutError(f"watchdog: a step ran past {self.step_timeout_s:.0f} s"))
+            await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
+        except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast
+            self._fatal(e)
+            await context.abort(grpc.StatusCode.INTERNAL, "worker fault; the worker is restarting")
+
+    def _stream_response(self, outcome: StepOutcome) -> pb.StepStreamResponse:
+        result, used = outcome.result, self.engine.allocator.num_used_blocks
+        if result is None:
+            return pb.StepStreamResponse(step_id=outcome.step_id, step_error=outcome.refused, kv_blocks_used=used,
+                                         timings=pb.StepTimings(total_ms=outcome.seconds * 1e3))
+        if self.metrics is not None:
+            self._observe(outcome.kind, result, outcome.seconds)
+        return result.to_stream_pb(outcome.step_id, used, outcome.seconds * 1e3)
 
     async def FilterBatch(self, request, context):
         freed = await self.run_on_model_thread(context, self.engine.keep_only, list(request.keep_request_ids))

@@ -9,6 +9,7 @@ the batch the worker failed, UNAVAILABLE otherwise) and the loop reconnects: Inf
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -19,14 +20,15 @@ import grpc
 from opentelemetry import trace
 
 from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_STEP_KIND, get_tracer,
-                            links_from_contexts)
+                            inject_metadata, links_from_contexts)
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.observability import BatchingLoopHooks
-from router_service.scheduler import FinishReason, ScheduledRequest, Scheduler, SchedulerLimits, StepOutput
+from router_service.scheduler import (FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits,
+                                      StepOutput)
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
-from router_service.worker_client import WorkerClient
+from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -39,6 +41,15 @@ class Delta:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step sent on the step stream whose result has not come back."""
+    step: ScheduledStep
+    step_id: int
+    started: float
+    span: trace.Span
 
 
 @dataclass
@@ -105,6 +116,12 @@ class BatchingLoop:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._stream: StepStream | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._receiving: asyncio.Future | None = None
+        self._step_ids = itertools.count(1)
+        # The static table looks up each step's input tokens, which a pipeline has not seen yet.
+        self._depth = 1 if planner is not None else config.pipeline_depth
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -118,6 +135,7 @@ class BatchingLoop:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._close_stream()
 
     def start_draining(self) -> None:
         self.is_draining = True
@@ -208,37 +226,79 @@ class BatchingLoop:
                 await asyncio.sleep(self.config.worker_retry_s)
 
     async def _step(self) -> None:
+        """Keep up to `pipeline_depth` steps on the worker, then apply the oldest result; while the pipeline
+        has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
         self._wake.clear()
-        step = self.scheduler.schedule(time.monotonic())
-        for seq_id in step.expired_ids:
-            self.fail(seq_id, DeadlineExceeded(f"waited in the queue longer than queue_timeout_s="
-                                               f"{self.config.queue_timeout_s}", reason="QUEUE_TIMEOUT"))
-        if step.free_ids:
-            await self.worker.filter_batch(step.keep_ids)
-        if step.is_empty:
+        await self._fill_pipeline()
+        if not self._in_flight:
             await self._idle_wait()
             return
+        if self._receiving is None:
+            self._receiving = asyncio.ensure_future(self._stream.receive())
+        waiting = {self._receiving}
+        if len(self._in_flight) < self._depth:
+            waiting.add(asyncio.ensure_future(self._wake.wait()))
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for future in waiting - {self._receiving}:
+            future.cancel()
+        if not self._receiving.done():
+            return
+        receiving, self._receiving = self._receiving, None
+        try:
+            response = receiving.result()
+        except grpc.aio.AioRpcError as e:   # the steps in flight are the batch the worker failed
+            self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
+            return
+        self._apply(self._in_flight.popleft(), response)
+
+    async def _fill_pipeline(self) -> None:
+        while len(self._in_flight) < self._depth:
+            step = self.scheduler.schedule(time.monotonic())
+            for seq_id in step.expired_ids:
+                self.fail(seq_id, DeadlineExceeded(f"waited in the queue longer than queue_timeout_s="
+                                                   f"{self.config.queue_timeout_s}", reason="QUEUE_TIMEOUT"))
+            if step.is_empty and not step.free_ids:
+                return
+            await self._send(step)
+            if step.is_empty:       # frees only: nothing else could be scheduled
+                return
+
+    async def _send(self, step: ScheduledStep) -> None:
         started = time.monotonic()
         states = [s for s in map(self._requests.get, step.num_scheduled_tokens) if s is not None]
         for state in states:
             if state.scheduled_at is None:
                 state.scheduled_at = started
                 self.hooks.on_scheduled(state, started)
-        attributes = {COLIBRI_STEP_KIND: step.kind, COLIBRI_BATCH_SIZE: len(step.num_scheduled_tokens),
-                      COLIBRI_BATCH_TOKENS: step.num_tokens}
-        try:
-            # One CLIENT span per worker call, linked to its members' request spans; its context travels
-            # to the worker in the call metadata, so the worker's step span is its child.
-            with get_tracer().start_as_current_span(step.kind, kind=trace.SpanKind.CLIENT, attributes=attributes,
-                                                    links=links_from_contexts(s.span_context for s in states)):
-                routing_plan = self.planner.routing_plan(step) if self.planner is not None else None
-                response = await self.worker.step(step, routing_plan=routing_plan)
-        except grpc.aio.AioRpcError as e:
-            self._on_worker_failure(e, step.num_scheduled_tokens)
+        # One CLIENT span per step, linked to its members' request spans; its context travels in the step,
+        # so the worker's step span is its child.
+        span = get_tracer().start_span(step.kind, kind=trace.SpanKind.CLIENT, links=links_from_contexts(
+            s.span_context for s in states), attributes={COLIBRI_STEP_KIND: step.kind, COLIBRI_BATCH_SIZE: len(
+                step.num_scheduled_tokens), COLIBRI_BATCH_TOKENS: step.num_tokens})
+        routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
+        request = step.to_stream_pb(next(self._step_ids), routing_plan)
+        request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
+        self._in_flight.append(_InFlight(step, request.step_id, started, span))
+        await self._stream.send(request)
+
+    def _apply(self, sent: _InFlight, response) -> None:
+        sent.span.end()
+        if response.step_id != sent.step_id:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"step stream out of order: got step {response.step_id}, "
+                                       f"expected {sent.step_id}")
+        step = sent.step
+        if step.is_empty:
             return
-        outputs = self.scheduler.update(step, [StepOutput.from_pb(g) for g in response.generations])
+        if response.step_error:     # the worker refused the whole step: its requests fail, the rest go on
+            log.error("worker refused step %d: %s", sent.step_id, response.step_error)
+            for seq_id in step.num_scheduled_tokens:
+                if seq_id in self._requests:
+                    self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
+            return
+        outputs = self.scheduler.update(step, StepOutput.from_stream_pb(response))
         worker_ms = response.timings.total_ms
-        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, time.monotonic() - started,
+        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, time.monotonic() - sent.started,
                            worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,
                            self.scheduler.num_waiting, len(self._requests))
         for out in outputs:
@@ -277,6 +337,17 @@ class BatchingLoop:
         if reason is not None:
             self._end(state.seq_id, None, "ok", reason)
 
+    def _close_stream(self) -> None:
+        for sent in self._in_flight:
+            sent.span.end()
+        self._in_flight.clear()
+        if self._receiving is not None:
+            self._receiving.cancel()
+            self._receiving = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
     def _fail_all(self, error_for) -> None:
         for seq_id in list(self._requests):
             self.fail(seq_id, error_for(seq_id))
@@ -289,6 +360,7 @@ class BatchingLoop:
         self._fail_all(lambda seq_id: batch_error if batch_error and seq_id in batch else other)
         if self.scheduler is not None:
             self.scheduler.clear()
+        self._close_stream()
         self.is_worker_ready = False
         self.hooks.on_worker_state(False)
 
@@ -307,6 +379,7 @@ class BatchingLoop:
                 log.info("waiting for the worker at %s", self.worker.address)
             await asyncio.sleep(self.config.worker_retry_s)
             return
+        self._stream = self.worker.open_step_stream()
         self.is_worker_ready = True
         log.info("worker ready: %s %s, %d KV blocks of %d tokens", info.family, info.backend,
                  info.num_kv_blocks, info.kv_block_size)

@@ -66,6 +66,10 @@ class RouterConfig:
                                  ("COLIBRI_ROUTING_TABLE",))
     auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off",
                               ("COLIBRI_AUTH_TOKEN", "API_KEY"))
+    pipeline_depth: int = setting(2, "worker steps in flight: 2 sends step t+1 while step t runs (a stop is then "
+                                  "seen one step late, costing one discarded token), 1 waits for each result; a "
+                                  "routing table forces 1 (its lookup needs each step's input tokens)",
+                                  ("COLIBRI_PIPELINE_DEPTH",))
     warmup: bool = setting(True, "ask the worker for a warm-up step of max_batch_tokens when it connects "
                            "(a worker without Warmup is fine)",
                            ("COLIBRI_WARMUP",))
@@ -77,6 +81,8 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.pipeline_depth <= 4:
+            raise ConfigError(f"router: pipeline_depth must be in [1, 4], got {self.pipeline_depth}")
         for name in ("max_stop_sequences", "max_stop_token_ids"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"router: {name} must be >= 0, got {getattr(self, name)}")

@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from common.pb import worker_pb2
 
 if TYPE_CHECKING:
@@ -61,6 +63,10 @@ class ScheduledRequest:
     queue_deadline: float = float("inf")
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sent to the worker (prompt chunks and decode inputs), ahead of num_computed_tokens while steps
+    # are in flight, and tokens those steps will sample that have not come back yet.
+    num_scheduled_tokens: int = 0
+    num_pending_outputs: int = 0
     num_blocks: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -77,7 +83,14 @@ class ScheduledRequest:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+        """Part of the prompt is still to be sent (chunks already in flight count as sent)."""
+        return self.num_scheduled_tokens < self.num_prompt_tokens
+
+    @property
+    def may_decode(self) -> bool:
+        """Another decode can be sent: the prompt is out and the tokens in flight leave room below
+        max_new_tokens (so a length stop never costs a wasted step)."""
+        return not self.is_prefilling and len(self.output_ids) + self.num_pending_outputs < self.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -118,8 +131,8 @@ class ScheduledStep:
 
     @property
     def kind(self) -> str:
-        """"prefill" (a Prefill RPC, decodes riding along) or "decode" (a Decode RPC)."""
-        return "prefill" if self.prefill_chunks else "decode"
+        """"prefill" (prompt chunks, decodes riding along), "decode", or "free" (only frees to carry)."""
+        return "prefill" if self.prefill_chunks else "decode" if self.decode_ids else "free"
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +146,16 @@ class ScheduledStep:
                                                 decode_request_ids=self.decode_ids)
         else:
             request = worker_pb2.DecodeRequest(request_ids=self.decode_ids)
+        if routing_plan is not None:
+            request.routing_plan.CopyFrom(routing_plan.to_pb())
+        return request
+
+    def to_stream_pb(self, step_id: int, routing_plan: RoutingPlan | None = None) -> worker_pb2.StepStreamRequest:
+        """The step on the step stream: frees first, then chunks, then decodes (ids packed as uint64)."""
+        request = worker_pb2.StepStreamRequest(
+            step_id=step_id, free_request_ids=np.fromiter(self.free_ids, "<u8", len(self.free_ids)).tobytes(),
+            chunks=[c.to_pb() for c in self.prefill_chunks],
+            decode_request_ids=np.asarray(self.decode_ids, "<u8").tobytes())
         if routing_plan is not None:
             request.routing_plan.CopyFrom(routing_plan.to_pb())
         return request
@@ -151,6 +174,19 @@ class StepOutput:
     def from_pb(cls, generation: worker_pb2.Generation) -> StepOutput:
         return cls(generation.request_id, generation.token_id if generation.has_token else None,
                    generation.logprob, error=generation.error)
+
+    @classmethod
+    def from_stream_pb(cls, response: worker_pb2.StepStreamResponse) -> list[StepOutput]:
+        """The outputs of one step-stream result (packed arrays: request ids, token ids with -1 for none)."""
+        ids = np.frombuffer(response.request_ids, "<u8").tolist()
+        tokens = np.frombuffer(response.token_ids, "<i4").tolist()
+        logprobs = np.frombuffer(response.logprobs, "<f4").tolist() if response.logprobs else [0.0] * len(ids)
+        if len(tokens) != len(ids) or len(logprobs) != len(ids):
+            raise ValueError(f"step {response.step_id}: {len(ids)} request ids, {len(tokens)} tokens, "
+                             f"{len(logprobs)} logprobs")
+        errors = {e.request_id: e.code for e in response.errors}
+        return [cls(rid, None if token < 0 else token, logprob, error=errors.get(rid, ""))
+                for rid, token, logprob in zip(ids, tokens, logprobs)]
 
 
 @dataclass(frozen=True)
@@ -246,10 +282,13 @@ class Scheduler:
                 break
             if req.is_prefilling:
                 budget -= self._add_chunk(req, budget, scheduled, chunks)
-            else:
+            elif req.may_decode:
                 scheduled[req.request_id] = 1
                 decodes.append(req.request_id)
-                decode_tokens.append(req.output_ids[-1])
+                # -1: the input token is still being sampled by a step in flight (the worker feeds its own copy)
+                decode_tokens.append(req.output_ids[-1] if req.num_pending_outputs == 0 else -1)
+                req.num_scheduled_tokens += 1
+                req.num_pending_outputs += 1
                 budget -= 1
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             req = self.waiting[0]
@@ -268,12 +307,14 @@ class Scheduler:
                              tuple(expired))
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
         n = min(req.num_prompt_tokens - start, budget)
         scheduled[req.request_id] = n
+        is_last = start + n == req.num_prompt_tokens
         chunks.append(Chunk(req.request_id, tuple(req.prompt_ids[start:start + n]), is_first=start == 0,
-                            is_last=start + n == req.num_prompt_tokens,
-                            sampling=req.sampling if start == 0 else None))
+                            is_last=is_last, sampling=req.sampling if start == 0 else None))
+        req.num_scheduled_tokens += n
+        req.num_pending_outputs += is_last
         req.is_on_worker = True
         return n
 
@@ -290,6 +331,8 @@ class Scheduler:
             if req is None:
                 continue
             req.num_computed_tokens += n
+            expects_token = req.num_computed_tokens >= req.num_prompt_tokens
+            req.num_pending_outputs -= expects_token
             gen = by_id.get(request_id)
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
@@ -297,7 +340,7 @@ class Scheduler:
                 outputs.append(StepOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
             if gen.token_id is None:
-                if not req.is_prefilling:  # the prompt ended but the worker sampled nothing
+                if expects_token:  # the prompt ended but the worker sampled nothing
                     self.finish(request_id, FinishReason.ERROR)
                     outputs.append(StepOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT",
                                               finish_reason=FinishReason.ERROR))

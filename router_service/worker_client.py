@@ -6,6 +6,8 @@ W3C trace context of the current span travels in the metadata (no-op unless an O
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from common.pb import worker_pb2, worker_pb2_grpc
@@ -77,3 +79,36 @@ class WorkerClient:
         if step.prefill_chunks:
             return await self.prefill(request, timeout)
         return await self.decode(request, timeout)
+
+    def open_step_stream(self) -> StepStream:
+        """A new step stream (the serving path); the worker frees its sequences when it ends."""
+        return StepStream(self._stub.StepStream(metadata=inject_metadata()), self.step_timeout_s)
+
+
+class StepStream:
+    """The router's end of one step stream: `send` steps ahead, `receive` results in order."""
+
+    def __init__(self, call, step_timeout_s: float):
+        self._call, self.step_timeout_s = call, step_timeout_s
+
+    async def send(self, request: worker_pb2.StepStreamRequest) -> None:
+        await self._call.write(request)
+
+    async def receive(self) -> worker_pb2.StepStreamResponse:
+        """The next result; a worker that ends the stream or misses the step deadline is a lost worker."""
+        try:
+            response = await asyncio.wait_for(self._call.read(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self.close()
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"no step result within worker_step_timeout_s={self.step_timeout_s:g}") from None
+        if response is grpc.aio.EOF:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream")
+        return response
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

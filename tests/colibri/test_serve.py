@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
-from tests.router_harness import running_router
+from tests.helpers import BackgroundWorker, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,6 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from common.tracing import make_tracer_provider
-    from tests.conftest import BackgroundWorker
 
     from opentelemetry.util._once import Once
     exporter = InMemorySpanExporter()
@@ -171,8 +170,7 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
         worker.stop()
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
-    worker_steps = [s for s in spans if s.name in ("colibri.worker.v1.WorkerService/Prefill",
-                                                   "colibri.worker.v1.WorkerService/Decode")]
+    worker_steps = [s for s in spans if s.name in ("worker prefill", "worker decode")]
     assert worker_steps, [s.name for s in spans]
     for step in worker_steps:
         parent = by_id.get(step.parent.span_id) if step.parent else None
@@ -182,7 +180,6 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
 
 
 def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
-    from tests.conftest import BackgroundWorker
     worker = BackgroundWorker(tiny_model).start()
 
     async def body():
@@ -214,9 +211,6 @@ def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
 def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
     """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
     per layer): streamed greedy output equals the fp32 CPU engine's."""
-    from expert_service.engine import cuda_available
-    if not cuda_available():
-        pytest.skip("needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -93,10 +94,69 @@ def test_bad_steps_are_rejected_and_worker_stays_up(stub, request_, code, needle
     with pytest.raises(grpc.RpcError) as e:
         stub.Prefill(request_)
     assert e.value.code() == code and needle in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        stub.Decode(pb.DecodeRequest(request_ids=[12345]))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = stub.Decode(pb.DecodeRequest(request_ids=[12345])).generations
+    assert [(g.request_id, g.has_token, g.error) for g in unknown] == [(12345, False, "UNKNOWN_SEQUENCE")]
     assert stub.Health(pb.HealthRequest()).ready
+
+
+def _stream_step(step_id, chunks=(), decodes=(), frees=()):
+    return pb.StepStreamRequest(step_id=step_id, chunks=list(chunks),
+                                decode_request_ids=np.asarray(decodes, "<u8").tobytes(),
+                                free_request_ids=np.asarray(frees, "<u8").tobytes())
+
+
+def _outputs(response):
+    errors = {e.request_id: e.code for e in response.errors}
+    return [(r, t, errors.get(r, "")) for r, t in zip(np.frombuffer(response.request_ids, "<u8").tolist(),
+                                                      np.frombuffer(response.token_ids, "<i4").tolist())]
+
+
+def test_step_stream_runs_steps_sent_ahead_and_equals_unary_steps(stub):
+    """Steps sent before the previous result arrives decode from the worker's own last token; the tokens
+    equal the unary Prefill/Decode path's, and the stream's end frees what it started."""
+    s = pb.SamplingParams(temperature=0, top_p=1.0)
+    chunk = pb.PrefillChunk(request_id=7, token_ids=[5, 6, 7, 8], sampling=s, is_last=True)
+    unary = [stub.Prefill(pb.PrefillRequest(chunks=[chunk])).generations[0].token_id]
+    unary += [stub.Decode(pb.DecodeRequest(request_ids=[7])).generations[0].token_id for _ in range(4)]
+    stub.ClearCache(pb.ClearCacheRequest())
+    requests = [_stream_step(1, chunks=[chunk])] + [_stream_step(i, decodes=[7]) for i in range(2, 6)]
+    responses = list(stub.StepStream(iter(requests)))
+    assert [r.step_id for r in responses] == [1, 2, 3, 4, 5]
+    assert [_outputs(r)[0][1] for r in responses] == unary
+    assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0     # the stream's end freed seq 7
+
+
+def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
+    s = pb.SamplingParams(temperature=0, top_p=1.0)
+    good = pb.PrefillChunk(request_id=1, token_ids=[3, 4], sampling=s, is_last=True)
+    requests = [
+        _stream_step(1, chunks=[good]),
+        _stream_step(2, decodes=[1, 999]),                                   # 999 never started
+        pb.StepStreamRequest(step_id=3, decode_request_ids=b"\x01\x02\x03"),   # not whole uint64s
+        _stream_step(4, chunks=[pb.PrefillChunk(request_id=2, token_ids=[10 ** 6], sampling=s, is_last=True)]),
+        _stream_step(5, decodes=[1], frees=[1]),                             # freed first, then unknown
+        _stream_step(6, chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], sampling=s, is_last=True)]),
+    ]
+    r = list(stub.StepStream(iter(requests)))
+    assert _outputs(r[0])[0][1] >= 0
+    assert [(rid, err) for rid, _, err in _outputs(r[1])] == [(1, ""), (999, "UNKNOWN_SEQUENCE")]
+    assert "decode_request_ids" in r[2].step_error and "token_ids" in r[3].step_error
+    assert _outputs(r[4]) == [(1, -1, "UNKNOWN_SEQUENCE")]
+    assert _outputs(r[5])[0][1] >= 0 and not r[5].step_error
+    assert stub.Health(pb.HealthRequest()).ready
+
+
+def test_step_stream_cannot_touch_another_streams_sequences(stub):
+    s = pb.SamplingParams(temperature=0, top_p=1.0)
+    mine = pb.PrefillChunk(request_id=42, token_ids=[1, 2], sampling=s, is_last=True)
+    first = stub.StepStream(iter([_stream_step(1, chunks=[mine])] + [_stream_step(i, decodes=[42])
+                                                                     for i in range(2, 40)]))
+    next(first)                      # stream 1 holds sequence 42 and keeps stepping it
+    intruder = list(stub.StepStream(iter([_stream_step(1, decodes=[42]), _stream_step(2, frees=[42]),
+                                          _stream_step(3, chunks=[mine])])))
+    assert _outputs(intruder[0]) == [(42, -1, "FOREIGN_SEQUENCE")]
+    assert _outputs(intruder[2]) == [(42, -1, "FOREIGN_SEQUENCE")]
+    assert all(not err for r in first for _, _, err in _outputs(r))     # the owner never noticed
 
 
 def test_standard_health_and_reflection(worker):
@@ -114,7 +174,7 @@ def test_standard_health_and_reflection(worker):
 def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch):
     """An unexpected exception in a step (standing in for a CUDA error): the call gets INTERNAL, health
     turns NOT_SERVING and serve() returns exit code 1."""
-    from tests.conftest import BackgroundWorker
+    from tests.helpers import BackgroundWorker
     w = BackgroundWorker(tiny_model).start()
 
     def broken_step(self, *args, **kwargs):

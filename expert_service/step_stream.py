@@ -1,0 +1,111 @@
+"""The worker's side of the step stream: the router's steps, run back to back.
+
+Each request that arrives is converted on the event loop and queued at once on the model thread (one
+worker thread, so steps run in arrival order); the model thread never waits for the router or for the
+event loop between steps. A decode is fed the token its sequence sampled in the step before, which the
+engine keeps, so the router can send step t+1 before it has seen step t's tokens. Frees travel inside the
+step and run before it. A session owns the sequences its stream started: it may step or free only those,
+and when the stream ends (the router went away) they are freed.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import CapacityError, InvalidRequestError
+from common.pb import worker_pb2
+from common.routing_plan import RoutingPlan
+from expert_service.engine import Engine, PrefillInput, SeqOutput, StepResult
+
+FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
+_session_ids = itertools.count(1)
+
+
+def _ids(data: bytes, field: str) -> np.ndarray:
+    if len(data) % 8:
+        raise InvalidRequestError(field, f"{len(data)} bytes is not a whole number of uint64 ids")
+    return np.frombuffer(data, dtype="<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStep:
+    step_id: int
+    free_ids: np.ndarray             # [n] uint64: sequences to free before the step
+    chunks: list[PrefillInput]
+    decode_ids: np.ndarray           # [m] uint64
+    routing_plan: RoutingPlan | None
+
+    @classmethod
+    def from_pb(cls, request: worker_pb2.StepStreamRequest, moe_layers: list[int]) -> StreamStep:
+        plan = RoutingPlan.from_pb(request.routing_plan, moe_layers) if request.HasField("routing_plan") else None
+        return cls(request.step_id, _ids(request.free_request_ids, "free_request_ids"),
+                   [PrefillInput.from_pb(c) for c in request.chunks],
+                   _ids(request.decode_request_ids, "decode_request_ids"), plan)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not len(self.decode_ids)
+
+
+@dataclass
+class StepOutcome:
+    """What the model thread hands back for one step: a result, or why the whole step was refused."""
+    step_id: int
+    result: StepResult | None
+    refused: str
+    seconds: float
+    kind: str = "decode"      # "prefill" when the step carried prompt chunks (the step-duration metric's label)
+
+
+class StreamSession:
+    """One router stream's sequences and its steps on the model thread (every method below runs there)."""
+
+    def __init__(self, engine: Engine, owners: dict[int, int]):
+        self.engine = engine
+        self.id = next(_session_ids)
+        self.owners = owners          # sequence id -> session id, shared by every session of the worker
+
+    def run(self, step: StreamStep) -> StepOutcome:
+        started = time.perf_counter()
+        self._free(int(r) for r in step.free_ids)
+        if step.is_empty:
+            return StepOutcome(step.step_id, None, "", time.perf_counter() - started, "free")
+        foreign = [SeqOutput(r, error=FOREIGN_SEQUENCE) for r in self._foreign(step)]
+        chunks = [c for c in step.chunks if self.owners.get(c.request_id, self.id) == self.id]
+        decodes = [int(r) for r in step.decode_ids if self.owners.get(int(r), self.id) == self.id]
+        for chunk in chunks:
+            self.owners.setdefault(chunk.request_id, self.id)
+        kind = "prefill" if step.chunks else "decode"
+        try:
+            result = self.engine.step(chunks, decodes, step.routing_plan)
+        except (InvalidRequestError, CapacityError) as e:
+            self._forget_unknown(chunks)
+            return StepOutcome(step.step_id, None, str(e), time.perf_counter() - started, kind)
+        for out in result.outputs:
+            if out.error:
+                self.owners.pop(out.request_id, None)
+        result.outputs += foreign
+        return StepOutcome(step.step_id, result, "", time.perf_counter() - started, kind)
+
+    def close(self) -> None:
+        """The stream ended: free every sequence it started."""
+        self._free([r for r, owner in self.owners.items() if owner == self.id])
+
+    def _foreign(self, step: StreamStep) -> list[int]:
+        ids = [c.request_id for c in step.chunks] + [int(r) for r in step.decode_ids]
+        return [r for r in ids if self.owners.get(r, self.id) != self.id]
+
+    def _free(self, request_ids) -> None:
+        mine = [r for r in request_ids if self.owners.get(r) == self.id]
+        for r in mine:
+            del self.owners[r]
+        self.engine.release(mine)
+
+    def _forget_unknown(self, chunks: list[PrefillInput]) -> None:
+        """A refused step started nothing: drop ownership the engine never took up."""
+        for chunk in chunks:
+            if chunk.request_id not in self.engine.sequences:
+                self.owners.pop(chunk.request_id, None)
