@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 TINY_MODEL ?= .colibri/tiny-mixtral
 PROTOS := protos/router.proto protos/worker.proto
 PB := common/pb/router_pb2.py common/pb/worker_pb2.py
+CHECKOV_VENV ?= .venv-checkov
 
 .PHONY: run test test-gpu proto install install-test lint-size clean
 
@@ -19,6 +20,12 @@ $(BIN)/.installed: pyproject.toml
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
+
+# checkov (the policy check of deploy/k8s in tests/deploy) in a venv of its own: its pins (networkx<2.7,
+# packaging<24) conflict with the test extra's torch and transformers.
+$(CHECKOV_VENV)/bin/checkov:
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet 'checkov==3.3.30'
 
 # gRPC stubs (and .pyi type stubs) from protos/, importable as common.pb.*
 $(PB): $(PROTOS) $(BIN)/.installed
@@ -36,7 +43,7 @@ run: install $(TINY_MODEL)/colibri.json
 	$(BIN)/colibri serve --model $(or $(MODEL),$(TINY_MODEL))
 
 # Everything CI runs: unit, parity, kernel (simulator + sm_90 compile) and loopback end-to-end tests.
-test: install $(BIN)/.installed-test
+test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov
 	$(BIN)/python -m pytest -q
 
 # GPU-only tests (run on a machine with an NVIDIA GPU).
@@ -48,4 +55,4 @@ lint-size:
 	@! git ls-files '*.py' | xargs wc -l | awk '$$2 != "total" && $$1 > 600 {print; found=1} END {exit !found}'
 
 clean:
-	rm -rf $(VENV) common/pb/*_pb2*.py common/pb/*_pb2*.pyi .colibri
+	rm -rf $(VENV) $(CHECKOV_VENV) common/pb/*_pb2*.py common/pb/*_pb2*.pyi .colibri
