@@ -40,13 +40,6 @@ class StepTrace:
     expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
 
 
-@dataclass
-class StepTrace:
-    """What a forward pass observed, for routing-plan recall and expert statistics."""
-    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
-    expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
-
-
 class Logits(Protocol):
     """A step's logits rows [R, V] in output order, on the host or the device."""
 
