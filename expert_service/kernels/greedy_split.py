@@ -121,8 +121,10 @@ def launch_greedy_split(logits, ids, flags, part_values, part_ids, part_flags, s
     rows, vocab = logits.shape
     p = parts(vocab)
     for name, a, shape, dt in (("logits", logits, (rows, vocab), np.float32), ("ids", ids, (rows,), np.int32),
-                               ("flags", flags, (rows,), np.int32), ("part_values", part_values, (rows, p), np.float32),
-                               ("part_ids", part_ids, (rows, p), np.int32), ("part_flags", part_flags, (rows, p), np.int32)):
+                               ("flags", flags, (rows,), np.int32),
+                               ("part_values", part_values, (rows, p), np.float32),
+                               ("part_ids", part_ids, (rows, p), np.int32),
+                               ("part_flags", part_flags, (rows, p), np.int32)):
         if a.shape != shape or a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(shape)}, got {a.dtype} "
                              f"{list(a.shape)}")

@@ -203,7 +203,8 @@ def launch_router_fused(x, weight, ids, weights, normalize: bool, logits, counte
     if counter.ndim != 1 or counter.shape[0] < n_tok:
         raise ValueError(f"counter must be int32 [>= {n_tok}], got {counter.shape}")
     for name, a, dt in (("x", x, np.float32), ("ids", ids, np.int32), ("weights", weights, np.float32),
-                        ("weight", weight, weight.dtype), ("logits", logits, np.float32), ("counter", counter, np.int32)):
+                        ("weight", weight, weight.dtype), ("logits", logits, np.float32),
+                        ("counter", counter, np.int32)):
         if a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
     if n_tok == 0:
