@@ -89,6 +89,3 @@ def hf_greedy(model, token_ids, max_new_tokens: int) -> list[int]:
                              min_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(token_ids):].tolist()
 
-
-def rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))

@@ -6,12 +6,11 @@ from common.model_format import ModelDir
 from common.models import FAMILIES
 from expert_service.tiny_model import make_tiny
 from expert_service.config import EngineConfig
-from expert_service.engine import Engine, PrefillInput, cuda_available
+from expert_service.engine import Engine, PrefillInput
 from expert_service.sampling import SamplingParams
-from tests.hf_reference import rel_error
+from tests.helpers import rel_error
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not cuda_available(), reason="needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

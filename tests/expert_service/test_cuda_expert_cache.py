@@ -11,16 +11,14 @@ import pytest
 from common.model_format import ModelDir
 from expert_service.tiny_model import make_tiny
 from expert_service.config import EngineConfig
-from expert_service.engine import Engine, PrefillInput, cuda_available
+from expert_service.engine import Engine, PrefillInput
 from expert_service.experts import CacheStats
 from expert_service.sampling import SamplingParams
-from tests.expert_service._cache_helpers import PROMPTS, exact_plans, run_session
-from tests.hf_reference import rel_error
+from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not cuda_available(), reason="needs an NVIDIA GPU (COLIBRI_TEST_GPU=1)")]
+pytestmark = pytest.mark.gpu
 
-LONG_PROMPTS = PROMPTS + (np.arange(90) * 7 % 250 + 3,)      # a 121-token step: the per-expert cuBLAS path
+LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)      # a 121-token step: the per-expert cuBLAS path
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
@@ -35,7 +33,7 @@ def _check_accounting(stats, traces, block):
         assert s.stall_seconds >= 0.0
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS, LONG_PROMPTS], ids=["short", "long"])
+@pytest.mark.parametrize("prompts", [SESSION_PROMPTS, LONG_PROMPTS], ids=["short", "long"])
 def test_every_cache_size_bitwise_equal_and_close_to_resident(family_model, prompts):
     ref_logits, ref_tokens, ref_stats, traces, _ = run_session(family_model, backend="cuda", prompts=prompts)
     assert all(s is None for s in ref_stats)

@@ -12,8 +12,7 @@ from expert_service.engine import Engine
 from expert_service.experts import CacheStats, ExpertCache
 from expert_service.cpu.host_copy import HostCopyEngine
 from expert_service.experts import GIB, plan_slots
-
-from tests.expert_service._cache_helpers import exact_plans, run_session
+from tests.helpers import BackgroundWorker, exact_plans, run_session
 
 NBYTES = 1000
 
@@ -241,7 +240,6 @@ def test_worker_reports_cache_stats_and_metrics(tiny_model):
     import grpc
     from common.pb import worker_pb2 as pb
     from common.pb import worker_pb2_grpc
-    from tests.conftest import BackgroundWorker
 
     worker = BackgroundWorker(tiny_model, expert_cache_slots=1).start()
     try:

@@ -6,7 +6,8 @@ from common.model_format import ModelDir
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput
 from expert_service.sampling import SamplingParams
-from tests.hf_reference import CASES, hf_greedy, hf_logits, make_hf_model, rel_error, save_and_convert
+from tests.helpers import rel_error
+from tests.hf_reference import CASES, hf_greedy, hf_logits, make_hf_model, save_and_convert
 
 TOLERANCE = 1e-4
 VOCAB = 211

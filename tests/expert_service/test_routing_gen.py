@@ -15,7 +15,7 @@ from expert_service import routing_gen
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine
 from expert_service.routing_gen import RoutingCounts, build_table, fallback_ranking, split_sequences
-from tests.routing_models import make_token_routed_model
+from tests.helpers import make_token_routed_model
 
 
 def write_ids(path, count: int, seed: int = 0, low: int = 3, high: int = 259):

@@ -1,22 +1,30 @@
-"""A tiny in-process WorkerService for router tests: deterministic tokens, real KV block accounting.
+"""A tiny in-process WorkerService for router tests (deterministic tokens, real KV block accounting), and the
+router against it (`harness`).
 
-Each sequence's next token is its last token + 1; from byte 255 on it produces EOS (256), unless EOS is a
-stop id still suppressed by min_new_tokens, in which case it produces 0. Every call is recorded.
+It speaks the tiny model's byte-level vocabulary (tests.helpers.byte_ids): each sequence's next token is the
+id after its last one, skipping the special ids (so text walks through characters); past the vocabulary's last
+id it produces EOS, unless EOS is a stop id still suppressed by min_new_tokens, in which case it produces 0.
+Every call is recorded.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
+import numpy as np
 
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
-
-EOS = 256
+from expert_service.tiny_model import EOS_ID as EOS, NUM_SPECIAL, VOCAB_SIZE
+from router_service.config import RouterConfig
+from router_service.main import start_router
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, vocab_size=258, block_size=4, num_blocks=256, max_batch_tokens=64, max_batch_size=8,
+    def __init__(self, vocab_size=VOCAB_SIZE, block_size=4, num_blocks=256, max_batch_tokens=64, max_batch_size=8,
                  max_position_embeddings=4096, step_delay=0.0):
         self.vocab_size, self.block_size, self.num_blocks = vocab_size, block_size, num_blocks
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -28,6 +36,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.seen_ids: set[int] = set()
         self.calls: list[str] = []
         self.filter_keeps: list[list[int]] = []
+        self.freed: list[int] = []   # ids freed through the step stream
+        self.extra_samples = 0       # tokens sampled for a sequence after its EOS / stop id
+        self.max_queued = 0          # most step-stream requests received and not yet answered
         self.sampling: dict[int, pb.SamplingParams] = {}
         self.step_started = asyncio.Event()
 
@@ -67,14 +78,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def _sample(self, rid: int) -> int:
         s = self.seqs[rid]
-        nxt = s["tokens"][-1] + 1
-        if nxt >= 256:
+        nxt = max(s["tokens"][-1] + 1, NUM_SPECIAL)
+        if nxt >= self.vocab_size:
             nxt = EOS
         params = s["sampling"]
         if nxt in params.stop_token_ids and s["generated"] < params.min_new_tokens:
             nxt = 0
         s["generated"] += 1
         s["last"] = nxt
+        if s.get("stopped"):
+            self.extra_samples += 1
+        s["stopped"] = nxt == EOS or nxt in params.stop_token_ids
         return nxt
 
     async def _step(self, context, name):
@@ -124,9 +138,89 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         return out
 
 
+    async def StepStream(self, request_iterator, context):
+        """The step stream: frees, then chunks, then decodes; unknown decodes fail alone (UNKNOWN_SEQUENCE)."""
+        queued: asyncio.Queue = asyncio.Queue()
+
+        async def receive():
+            async for request in request_iterator:
+                queued.put_nowait(request)
+                self.max_queued = max(self.max_queued, queued.qsize() + busy[0])
+            queued.put_nowait(None)
+        busy = [0]
+        receiver = asyncio.create_task(receive())
+        while (request := await queued.get()) is not None:
+            busy[0] = 1
+            await self._step(context, "StepStream")
+            for rid in np.frombuffer(request.free_request_ids, "<u8").tolist():
+                self.freed.append(rid)
+                self.seqs.pop(rid, None)
+            ids, tokens, logprobs, errors = [], [], [], []
+            for chunk in request.chunks:
+                rid = chunk.request_id
+                if rid not in self.seqs:
+                    self.seqs[rid] = {"tokens": [], "sampling": chunk.sampling, "generated": 0}
+                    self.sampling[rid] = chunk.sampling
+                    self.seen_ids.add(rid)
+                self.seqs[rid]["tokens"] += list(chunk.token_ids)
+                ids.append(rid)
+                tokens.append(self._sample(rid) if chunk.is_last else -1)
+                logprobs.append(-0.5)
+            for rid in np.frombuffer(request.decode_request_ids, "<u8").tolist():
+                ids.append(rid)
+                logprobs.append(-0.25)
+                if rid not in self.seqs:
+                    tokens.append(-1)
+                    errors.append(pb.SequenceError(request_id=rid, code="UNKNOWN_SEQUENCE"))
+                    continue
+                s = self.seqs[rid]
+                s["tokens"].append(s["last"])
+                tokens.append(self._sample(rid))
+            yield pb.StepStreamResponse(
+                step_id=request.step_id, request_ids=np.asarray(ids, "<u8").tobytes(),
+                token_ids=np.asarray(tokens, "<i4").tobytes(),
+                logprobs=np.asarray(logprobs, "<f4").tobytes(), errors=errors,
+                kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1))
+            busy[0] = 0
+        receiver.cancel()
+
+
 async def start_fake_worker(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **overrides):
+    """Yields (router, fake worker, GenerationService stub, channel): an in-process router on loopback."""
+    fake = fake or FakeWorker()
+    worker_server, address = await start_fake_worker(fake)
+    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
+                             **overrides})
+    router = await start_router(config, address, tokenizer=tokenizer, hooks=hooks)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub = router_pb2_grpc.GenerationServiceStub(channel)
+    try:
+        if wait_ready:
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
+        yield router, fake, stub, channel
+    finally:
+        await channel.close()
+        await router.stop(grace=0.1)
+        await worker_server.stop(0)
+
+
+async def wait_for(predicate, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def ids_request(ids, request_id="", **params):
+    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids), request_id=request_id,
+                               parameters=rpb.SamplingParameters(**params))

@@ -5,7 +5,7 @@ import pytest
 
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
-from tests.router_harness import running_router
+from tests.helpers import running_router
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,7 @@ from common.pb import router_pb2 as rpb
 from common.pb import worker_pb2 as wpb
 from common.pb import worker_pb2_grpc
 from expert_service.tiny_model import make_tiny
-from tests.conftest import BackgroundWorker
-from tests.router_harness import running_router
-from tests.routing_models import make_token_routed_model
+from tests.helpers import BackgroundWorker, make_token_routed_model, running_router
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,5 @@
 """The router over real gRPC on loopback, against the fake worker: streaming, cancel, overload, errors."""
 import asyncio
-import contextlib
 
 import grpc
 import pytest
@@ -9,42 +8,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from common.pb import router_pb2 as rpb
-from common.pb import router_pb2_grpc
-from fake_worker import EOS, FakeWorker, start_fake_worker
-from router_service.config import RouterConfig
-from router_service.main import start_router
-
-
-@contextlib.asynccontextmanager
-async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **overrides):
-    fake = fake or FakeWorker()
-    worker_server, address = await start_fake_worker(fake)
-    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
-                             **overrides})
-    router = await start_router(config, address, tokenizer=tokenizer, hooks=hooks)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-    stub = router_pb2_grpc.GenerationServiceStub(channel)
-    try:
-        if wait_ready:
-            await wait_for(lambda: router.batching_loop.is_worker_ready)
-        yield router, fake, stub, channel
-    finally:
-        await channel.close()
-        await router.stop(grace=0.1)
-        await worker_server.stop(0)
-
-
-async def wait_for(predicate, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
-def ids_request(ids, request_id="", **params):
-    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids), request_id=request_id,
-                               parameters=rpb.SamplingParameters(**params))
+from expert_service.tiny_model import NUM_SPECIAL, VOCAB_SIZE
+from tests.helpers import byte_ids
+from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 
 
 def details(error: grpc.aio.AioRpcError):
@@ -82,12 +48,13 @@ def test_generate_unary_token_ids():
 def test_eos_min_new_tokens_and_ignore_eos():
     async def main():
         async with harness() as (_, fake, stub, _):
-            r = await stub.Generate(ids_request([254], max_new_tokens=10))
-            assert list(r.token_ids) == [255, EOS] and r.stop_reason == rpb.STOP_REASON_EOS
-            r = await stub.Generate(ids_request([254], max_new_tokens=3, min_new_tokens=3))
-            assert list(r.token_ids) == [255, 0, 1] and r.stop_reason == rpb.STOP_REASON_LENGTH
-            r = await stub.Generate(ids_request([254], max_new_tokens=3, ignore_eos=True))
-            assert list(r.token_ids) == [255, EOS, EOS] and r.stop_reason == rpb.STOP_REASON_LENGTH
+            last = VOCAB_SIZE - 1      # the fake worker answers EOS after the vocabulary's last id
+            r = await stub.Generate(ids_request([last - 1], max_new_tokens=10))
+            assert list(r.token_ids) == [last, EOS] and r.stop_reason == rpb.STOP_REASON_EOS
+            r = await stub.Generate(ids_request([last - 1], max_new_tokens=3, min_new_tokens=3))
+            assert list(r.token_ids) == [last, 0, NUM_SPECIAL] and r.stop_reason == rpb.STOP_REASON_LENGTH
+            r = await stub.Generate(ids_request([last - 1], max_new_tokens=3, ignore_eos=True))
+            assert list(r.token_ids) == [last, EOS, NUM_SPECIAL] and r.stop_reason == rpb.STOP_REASON_LENGTH
             r = await stub.Generate(ids_request([5], max_new_tokens=9, stop_token_ids=[8]))
             assert list(r.token_ids) == [6, 7, 8] and r.stop_reason == rpb.STOP_REASON_STOP_TOKEN
     run(main())
@@ -104,12 +71,12 @@ def test_stream_text_with_stop_sequence(tokenizer):
             finals = [m for m in messages if m.stop_reason != rpb.STOP_REASON_UNSPECIFIED]
             assert finals == [messages[-1]] and messages[-1].stop_reason == rpb.STOP_REASON_STOP_SEQUENCE
             assert messages[-1].generated_tokens == 4 and messages[-1].prompt_tokens == 2
-            assert [t for m in messages for t in m.token_ids] == [ord(c) for c in "cdef"]
+            assert [t for m in messages for t in m.token_ids] == byte_ids("cdef")
             unary = await stub.Generate(request)
             assert unary.text == "cd" and unary.stop_reason == rpb.STOP_REASON_STOP_SEQUENCE
-            assert list((await stub.Tokenize(rpb.TokenizeRequest(text="hé"))).token_ids) == list("hé".encode())
+            assert list((await stub.Tokenize(rpb.TokenizeRequest(text="hé"))).token_ids) == byte_ids("hé")
             info = await stub.ModelInfo(rpb.ModelInfoRequest())
-            assert info.vocab_size == 258 and info.has_tokenizer and info.num_experts == 8
+            assert info.vocab_size == VOCAB_SIZE and info.has_tokenizer and info.num_experts == 8
             assert list(info.eos_token_ids) == [EOS] and info.max_sequence_length == 1024
     run(main())
 
@@ -126,7 +93,7 @@ def test_cancel_mid_stream_frees_worker_kv():
             assert fake.seqs
             call.cancel()
             await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
-            assert fake.filter_keeps[-1] == [] and router.batching_loop.scheduler.num_used_blocks == 0
+            assert fake.freed and router.batching_loop.scheduler.num_used_blocks == 0
     run(main())
 
 

@@ -8,8 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import router_pb2_grpc
-from fake_worker import FakeWorker, start_fake_worker
-from test_servicer import ids_request
+from tests.router_service.fake_worker import FakeWorker, ids_request, start_fake_worker
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service.config import RouterConfig
 from router_service.validation import ModelLimits, validate_request
+from tests.helpers import byte_ids
 
 CONFIG = RouterConfig(max_new_tokens=100, default_max_new_tokens=20, max_stop_sequences=2,
                       max_stop_sequence_length=8, max_request_id_length=16, max_stop_token_ids=3)
@@ -72,7 +73,7 @@ def test_invalid(name, request_, override, field, words, tokenizer):
 
 def test_defaults_applied(tokenizer):
     v = validate_request(req(text="hi"), CONFIG, LIMITS, tokenizer)
-    assert v.prompt_ids == (ord("h"), ord("i"))
+    assert v.prompt_ids == tuple(byte_ids("hi"))
     assert v.max_new_tokens == 20 and v.top_p == 1.0 and v.top_k == 0 and v.temperature == 0.0
     assert 0 <= v.seed < 2**64
     assert validate_request(req(seed=0), CONFIG, LIMITS, None).seed == 0

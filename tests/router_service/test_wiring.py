@@ -13,7 +13,9 @@ from router_service import generate_cmd, main
 from router_service.client import ColibriClient, build_request, retry_delay
 from router_service.config import RouterConfig
 from router_service.observability import router_metrics
-from test_servicer import harness, ids_request
+from expert_service.tiny_model import VOCAB_SIZE
+from tests.helpers import byte_ids
+from tests.router_service.fake_worker import harness, ids_request
 
 PURITY_SCRIPT = """
 import sys
@@ -81,8 +83,8 @@ def test_python_client_and_generate_command(tokenizer, capsys):
             def blocking():
                 with ColibriClient(target, timeout=10) as client:
                     r = client.generate("ab", max_new_tokens=3)
-                    pieces = list(client.stream(token_ids=[97], max_new_tokens=2, stop_sequences=["c"]))
-                    assert client.tokenize("a") == [97] and client.model_info().vocab_size == 258
+                    pieces = list(client.stream(token_ids=byte_ids("a"), max_new_tokens=2, stop_sequences=["c"]))
+                    assert client.tokenize("a") == byte_ids("a") and client.model_info().vocab_size == VOCAB_SIZE
                     return r, pieces
             r, pieces = await asyncio.to_thread(blocking)
             assert r.text == "cde" and "".join(p.text for p in pieces) == "b"

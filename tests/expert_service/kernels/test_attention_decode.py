@@ -8,7 +8,7 @@ from numba import cuda
 from expert_service.kernels.attention_decode import launch_attention_decode, decode_splits
 from expert_service.cpu.layers.attention import paged_attention
 
-from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
+from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache
 
 
 def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5):
@@ -21,7 +21,7 @@ def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, win
     positions = ctx - 1
     scale = head_dim ** -0.5
     # The reference reads the same stored values, so only float32 arithmetic order differs.
-    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), np.arange(num_seqs + 1), ctx, lists,
+    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), np.arange(num_seqs + 1), ctx, lists,
                            positions, scale, window)
     out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
     part_out = part_ml = None
@@ -33,7 +33,7 @@ def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, win
     assert_close(out.copy_to_host(), want, rtol)
 
 
-@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_gqa_mixed_lengths_split(dtype):
     # 2 query heads on 1 kv head, Hd=20 (not a multiple of 32), contexts 1..9, 3 parts (some empty for ctx=1).
     _check(np.random.default_rng(1), [1, 9, 6], 2, 1, 20, 4, 0, dtype, splits=3)
@@ -56,9 +56,8 @@ def test_decode_splits_policy():
     assert decode_splits(1, 32, 8, 4096) == 4096 // 256         # capped by the minimum part length
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("num_seqs,num_kv_heads,max_ctx,window", [(1, 8, 4096, 0), (1, 4, 32768, 0),
                                                                  (16, 8, 2048, 0), (64, 4, 1024, 0),
                                                                  (8, 8, 3000, 1024)])

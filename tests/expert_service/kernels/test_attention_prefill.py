@@ -8,7 +8,7 @@ from numba import cuda
 from expert_service.kernels.attention_prefill import launch_attention_prefill
 from expert_service.cpu.layers.attention import paged_attention
 
-from ._attention_helpers import KV_DTYPES, assert_close, from_pool, gpu, needs_gpu, random_cache
+from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache
 
 
 def _check(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_size, window, dtype, rtol=1e-5):
@@ -21,14 +21,15 @@ def _check(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_si
     num_tokens = int(seq_starts[-1])
     q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
     scale = head_dim ** -0.5
-    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, scale, window)
+    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, scale,
+                           window)
     out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
     launch_attention_prefill(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(seq_starts),
                       cuda.to_device(positions), cuda.to_device(tables), cuda.to_device(ctx), window, scale, out)
     assert_close(out.copy_to_host(), want, rtol)
 
 
-@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_mixed_lengths_with_history(dtype):
     # 1-token sequence, a sequence with no new tokens, chunked prefill over cached history; Hd=20; GQA 2:1.
     _check(np.random.default_rng(1), new_tokens=[1, 5, 0, 3], history=[0, 2, 3, 4], num_heads=2, num_kv_heads=1,
@@ -47,9 +48,8 @@ def test_several_query_and_key_tiles():
            block_size=4, window=37, dtype=np.float32)
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("new_tokens,history,num_kv_heads,window", [
     ([512], [0], 8, 0), ([128] * 16, [0] * 16, 4, 0), ([1, 33, 700, 5], [0, 100, 3000, 1], 8, 0),
     ([256, 256], [512, 0], 8, 300)])
@@ -58,8 +58,7 @@ def test_prefill_gpu(dtype, new_tokens, history, num_kv_heads, window):
            rtol=1e-4)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 24, 256])
 def test_prefill_gpu_head_dims(head_dim):
     _check(np.random.default_rng(head_dim), [100, 37], [0, 60], 8, 2, head_dim, 16, 0, np.uint16, rtol=1e-4)

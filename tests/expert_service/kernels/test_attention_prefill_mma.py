@@ -15,7 +15,7 @@ from expert_service.kernels.attention_prefill import launch_attention_prefill
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest, supports
 from expert_service.cpu.layers.attention import paged_attention
 
-from ._attention_helpers import assert_close, from_pool, gpu, needs_gpu, random_cache
+from tests.helpers import assert_close, from_storage, random_cache
 
 RTOL = 1e-2
 
@@ -43,52 +43,47 @@ def _check(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
         np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size)
     scale = head_dim ** -0.5
-    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, scale, window)
+    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, scale,
+                           window)
     args = (q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale)
     got = _run(launch_attention_prefill_fastest, *args)
     assert_close(got, want, RTOL)
     assert_close(got, _run(launch_attention_prefill, *args), RTOL)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_one_long_sequence(head_dim):
     _check(1, [512], [0], 32, 8, head_dim)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4), (32, 4)])    # GQA 1, 4, 8
 def test_awkward_lengths_gqa(head_dim, num_heads, num_kv_heads):
     _check(2, [1, 33, 100, 17], [0, 0, 0, 0], num_heads, num_kv_heads, head_dim)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_chunked_prefill(head_dim):
     # Later chunks of prompts whose earlier tokens are in the pool; a sequence with no new tokens; block size 8.
     _check(3, [256, 0, 100, 1], [512, 7, 37, 64], 32, 8, head_dim, block_size=8)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [1, 100])
 def test_sliding_window(head_dim, window):
     _check(4, [300, 64, 5], [200, 0, 150], 16, 4, head_dim, window=window)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 def test_many_sequences():
     _check(5, [128] * 16, [0] * 16, 32, 8, 128)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 def test_more_sequences_than_threads():
     # 150 sequences (the block -> sequence walk reads tile counts in chunks of THREADS) of 1-5 new tokens.
     rng = np.random.default_rng(7)
@@ -111,10 +106,10 @@ def test_fast_falls_back_without_mma(monkeypatch):
         calls.append(args)
         launch_attention_prefill(*args)
 
-    monkeypatch.setattr(mma_module, "attention_prefill", spy)
+    monkeypatch.setattr(mma_module, "launch_attention_prefill", spy)
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
         np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4)
-    want = paged_attention(q, from_pool(k_pool), from_pool(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
+    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
     got = _run(launch_attention_prefill_fastest, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
     assert len(calls) == 1
     assert_close(got, want, 1e-5)

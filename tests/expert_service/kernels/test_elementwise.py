@@ -9,8 +9,7 @@ from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, la
                                                 launch_sigmoid_gate_add, launch_silu_mul)
 from expert_service.cpu.layers.moe import silu
 
-from ._dense_helpers import (WEIGHT_DTYPES, assert_close, from_weight, gpu, nan_device, needs_gpu, random_weight,
-                             to_weight)
+from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, nan_device, random_weight, to_storage
 
 
 def _check_all(rng, rows, cols, threads):
@@ -33,7 +32,7 @@ def _check_all(rng, rows, cols, threads):
     launch_clamp(d_x, 8.0, threads=threads)
     np.testing.assert_array_equal(d_x.copy_to_host(), np.clip(x, -8.0, 8.0))
 
-    for dtype in WEIGHT_DTYPES:
+    for dtype in STORAGE_DTYPES:
         b, bf = random_weight(rng, (cols,), dtype)
         d_y = cuda.to_device(base)
         launch_add_bias(d_y, cuda.to_device(b), threads=threads)
@@ -43,7 +42,7 @@ def _check_all(rng, rows, cols, threads):
         out = cuda.to_device(np.full((rows, cols), 0x7E01 if dtype is np.uint16 else np.nan, dtype=dtype))
         launch_cast(cuda.to_device(x), out, threads=threads)
         # values compared (NaN payloads differ between numpy and the GPU's cvt), NaN positions must match
-        np.testing.assert_array_equal(from_weight(out.copy_to_host()), from_weight(to_weight(x, dtype)))
+        np.testing.assert_array_equal(from_storage(out.copy_to_host()), from_storage(to_storage(x, dtype)))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
@@ -51,8 +50,7 @@ def test_elementwise_matches_reference(rows, cols):
     _check_all(np.random.default_rng(cols), rows, cols, threads=32)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 33, 512])
 def test_elementwise_gpu(rows):
     rng = np.random.default_rng(rows)

@@ -9,7 +9,7 @@ from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.rmsnorm import launch_add_rmsnorm, launch_rmsnorm
 from expert_service.cpu.layers.norm import rms_norm
 
-from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
+from tests.helpers import STORAGE_DTYPES, assert_close, nan_device, random_weight
 
 EPS = 1e-6
 
@@ -40,19 +40,19 @@ def _check_add_rmsnorm(rng, rows, n, dtype, threads):
     assert_close(out.copy_to_host(), rms_norm(residual + delta, wf, EPS), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("num_tokens,dim", [(1, 7), (4, 37)])
 def test_embedding_matches_reference(dtype, num_tokens, dim):
     _check_embedding(np.random.default_rng(dim), num_tokens, 11, dim, dtype, threads=32)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 45), (3, 70), (2, 3, 8)])       # (T, H, Hd): per-head q/k norm
 def test_rmsnorm_matches_reference(dtype, shape):
     _check_rmsnorm(np.random.default_rng(shape[-1]), shape, dtype, threads=32 if len(shape) == 3 else 64)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("rows,n", [(1, 33), (3, 70)])
 def test_add_rmsnorm_matches_reference(dtype, rows, n):
     _check_add_rmsnorm(np.random.default_rng(n), rows, n, dtype, threads=64)
@@ -66,9 +66,8 @@ def test_rmsnorm_in_place():
     assert_close(d_x.copy_to_host(), rms_norm(x, np.ones(40, np.float32), EPS), 1e-5)
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 33, 512])
 def test_embedding_rmsnorm_gpu(dtype, num_tokens):
     rng = np.random.default_rng(num_tokens)

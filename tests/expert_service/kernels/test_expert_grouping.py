@@ -6,8 +6,7 @@ from numba import cuda
 
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.experts import group_by_expert
-from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, fast_simulator_threads,  # noqa: F401
-                                                        has_gpu, random_ids)
+from tests.helpers import random_ids
 
 
 def run_and_check(ids, n_exp):
@@ -19,7 +18,8 @@ def run_and_check(ids, n_exp):
     np.testing.assert_array_equal(offsets, ref.offsets)
     np.testing.assert_array_equal(counts, ref.counts())
     for e in range(n_exp):
-        assert sorted(order[offsets[e]:offsets[e + 1]].tolist()) == ref.order[ref.offsets[e]:ref.offsets[e + 1]].tolist()
+        want = ref.order[ref.offsets[e]:ref.offsets[e + 1]]
+        assert sorted(order[offsets[e]:offsets[e + 1]].tolist()) == want.tolist()
     np.testing.assert_array_equal(position[order], np.arange(n))     # inverse permutation, every slot written
     np.testing.assert_array_equal(order[position], np.arange(n))
 
@@ -43,8 +43,7 @@ def test_counts_are_rezeroed_between_calls():
     assert bufs[1].copy_to_host().tolist() == [0, 1, 3, 4]
 
 
-@GPU_ONLY
-@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_exp,top_k", [(8, 2), (128, 8)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64, 512, 8192])
 def test_gpu_realistic(n_tok, top_k, n_exp):

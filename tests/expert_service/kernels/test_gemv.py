@@ -11,10 +11,8 @@ from expert_service.kernels.gemv import (LaunchShape, launch_expert_down, launch
                                          launch_gemv_swiglu, launch_shape_for)
 from expert_service.cpu.layers.moe import silu
 
-from ._dense_helpers import WEIGHT_DTYPES, assert_close, gpu, nan_device, needs_gpu, random_weight
-from ._moe_helpers import expert_buffer, fast_simulator_threads  # noqa: F401  (autouse fixture)
+from tests.helpers import STORAGE_DTYPES, assert_close, expert_buffer, nan_device, random_weight
 
-_NAME = {np.uint16: "bfloat16", np.float16: "float16", np.float32: "float32"}
 # (rows, split, groups): default shape, then K split over warps with several row groups per block
 _PLANS = [None, LaunchShape(2, 2, 2), LaunchShape(4, 1, 2)]
 
@@ -66,7 +64,7 @@ def _check_experts(rng, ids, n_exp, F, D, dtype, shape=None, down_plan=None, unp
         mats = [(e[:F * D].reshape(F, D), e[F * D:2 * F * D].reshape(F, D), e[2 * F * D:].reshape(D, F))
                 for e in exact]
     else:
-        W, mats = expert_buffer(rng, n_exp, F, D, _NAME[dtype], scale=D ** -0.5)
+        W, mats = expert_buffer(rng, n_exp, F, D, dtype, scale=D ** -0.5)
     x = rng.standard_normal((1, D), dtype=np.float32)
     top_k = ids.shape[1]
     h, y = nan_device((top_k, F)), nan_device((top_k, D))
@@ -85,19 +83,19 @@ def _check_experts(rng, ids, n_exp, F, D, dtype, shape=None, down_plan=None, unp
 # K = 40 / 1032: 16-byte path (bf16, f16 and f32 rows aligned); 1032 bf16 = 129 chunks -> two full unrolled
 # steps (2 x 32 lanes x 2 chunks in the simulator) plus a partial one; K = 36: f32 wide, 16-bit scalar;
 # K = 37: scalar for all. N = 1, 3, 5, 7: odd and below a row group.
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("n,k", [(5, 40), (7, 37), (3, 1032), (1, 36)])
 def test_gemv_matches_reference(dtype, n, k):
     _check_gemv(np.random.default_rng(n * k), n, k, dtype)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("shape", _PLANS[1:])
 def test_gemv_split_and_row_groups(dtype, shape):
     _check_gemv(np.random.default_rng(3), 9, 520, dtype, shape=shape)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_gemv_bias_and_residual(dtype):
     rng = np.random.default_rng(1)
     _check_gemv(rng, 5, 16, dtype, bias=True)
@@ -105,20 +103,20 @@ def test_gemv_bias_and_residual(dtype):
     _check_gemv(rng, 6, 48, dtype, accumulate=True, shape=LaunchShape(1, 2, 1))
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("f,k,fused", [(3, 16, True), (5, 13, False), (4, 72, False)])
 def test_gemv_swiglu_matches_reference(dtype, f, k, fused):
     _check_swiglu(np.random.default_rng(f * k), f, k, dtype, fused)
 
 
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_gemv_swiglu_split(dtype):
     _check_swiglu(np.random.default_rng(5), 3, 264, dtype, True, shape=LaunchShape(1, 2, 2))
 
 
 # (F, D) = (6, 40): gate/up rows 16-byte aligned for every dtype, down rows (F) scalar; (8, 36) the reverse
 # for 16-bit. Ids: K = 2, and K = 3 with a repeated expert.
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("ids,F,D", [([[3, 1]], 6, 40), ([[2, 2, 0]], 8, 36)])
 def test_experts_match_reference(dtype, ids, F, D):
     _check_experts(np.random.default_rng(F * D), np.array(ids, np.int32), 4, F, D, dtype)
@@ -141,9 +139,8 @@ def test_plan_fills_the_gpu():
 
 
 # ---- model sizes on a GPU (mixtral: D=4096, F=14336, V=32000; qwen3: D=2048, F=768, K=8 of E=128) ----
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (8, 4096), (128, 2048), (4096, 2048),
                                  (2048, 4096), (1001, 1001)])
 def test_gemv_gpu(dtype, n, k):
@@ -152,8 +149,7 @@ def test_gemv_gpu(dtype, n, k):
     _check_gemv(rng, n, k, dtype, bias=True, accumulate=True)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 def test_gemv_gpu_lm_head_and_unaligned():
     rng = np.random.default_rng(0)
     _check_gemv(rng, 32000, 4096, np.uint16)
@@ -161,25 +157,22 @@ def test_gemv_gpu_lm_head_and_unaligned():
     _check_gemv(rng, 999, 4096, np.float32, offset=3)
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("f,k", [(14336, 4096), (768, 2048), (99, 257)])
 def test_gemv_swiglu_gpu(dtype, f, k):
     _check_swiglu(np.random.default_rng(f), f, k, dtype, fused_matrix=f % 2 == 1)
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_experts_gpu_qwen3(dtype):
     # 16 experts stand in for 128 (the kernel only offsets by id); K = 8 with a repeat
     ids = np.array([[15, 3, 3, 7, 0, 9, 12, 5]], np.int32)
     _check_experts(np.random.default_rng(8), ids, 16, 768, 2048, dtype)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 def test_experts_gpu_mixtral():
     _check_experts(np.random.default_rng(2), np.array([[1, 0]], np.int32), 2, 14336, 4096, np.uint16,
                    unpadded=True)

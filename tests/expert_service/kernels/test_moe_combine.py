@@ -10,8 +10,7 @@ from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.cpu.layers.moe import sparse_moe
 from expert_service.experts import combine, group_by_expert
-from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
-                                                        has_gpu, random_ids)
+from tests.helpers import expert_buffer, random_ids
 
 
 @pytest.mark.parametrize("n_tok,top_k,n_exp,D", [(1, 1, 3, 5), (33, 2, 8, 37), (6, 4, 7, 64)])
@@ -47,8 +46,8 @@ def run_pipeline(x, router, top_k, normalize, W, F, D):
     return out.copy_to_host(), ids.copy_to_host()
 
 
-@pytest.mark.parametrize("dtype,n_tok,top_k,n_exp,normalize", [("bfloat16", 5, 2, 7, True),
-                                                                ("float32", 3, 3, 4, False)])
+@pytest.mark.parametrize("dtype,n_tok,top_k,n_exp,normalize", [(np.uint16, 5, 2, 7, True),
+                                                                (np.float32, 3, 3, 4, False)])
 def test_pipeline_matches_sparse_moe(dtype, n_tok, top_k, n_exp, normalize):
     rng = np.random.default_rng(11)
     F, D = 12, 20
@@ -61,13 +60,12 @@ def test_pipeline_matches_sparse_moe(dtype, n_tok, top_k, n_exp, normalize):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@GPU_ONLY
-@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_exp,top_k,F,D", [(8, 2, 14336, 4096), (128, 8, 768, 2048)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
 def test_gpu_pipeline_realistic(n_tok, n_exp, top_k, F, D):
     rng = np.random.default_rng(n_tok)
-    W, mats = expert_buffer(rng, n_exp, F, D, "bfloat16", scale=0.02)
+    W, mats = expert_buffer(rng, n_exp, F, D, np.uint16, scale=0.02)
     x = rng.standard_normal((n_tok, D)).astype(np.float32)
     router = (rng.standard_normal((n_exp, D)) * 0.05).astype(np.float32)
     out, ids = run_pipeline(x, router, top_k, True, W, F, D)

@@ -7,8 +7,7 @@ from numba import cuda
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.cpu.layers.moe import silu
 from expert_service.experts import group_by_expert
-from tests.expert_service.kernels._moe_helpers import (GPU_ONLY, expert_buffer, fast_simulator_threads,  # noqa: F401
-                                                        has_gpu, random_ids)
+from tests.helpers import STORAGE_DTYPES, expert_buffer, random_ids
 
 
 def check(ids, n_exp, F, D, dtype, seed, rtol=1e-5):
@@ -36,21 +35,21 @@ def check(ids, n_exp, F, D, dtype, seed, rtol=1e-5):
         np.testing.assert_allclose(y[lo:hi], ref_y, rtol=rtol, atol=rtol * np.abs(ref_y).max())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 def test_awkward_shapes(dtype):
     rng = np.random.default_rng(1)
     # 5 tokens x K=2 over 7 experts (some empty), D=36/F=20 (bf16: 8-byte words; two input chunks, token tiles)
     check(random_ids(rng, 5, 2, 7), 7, 20, 36, dtype, seed=2)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
 def test_odd_sizes_one_token(dtype):
     # one token, K=1, D and F odd (bf16 falls back to element loads)
     check(np.array([[2]], np.int32), 3, 13, 33, dtype, seed=3)
 
 
 def test_all_tokens_on_one_expert_many_token_tiles():
-    check(np.full((7, 1), 1, np.int32), 3, 8, 12, "bfloat16", seed=4)
+    check(np.full((7, 1), 1, np.int32), 3, 8, 12, np.uint16, seed=4)
 
 
 def test_rejects_small_stride():
@@ -61,23 +60,21 @@ def test_rejects_small_stride():
                     cuda.to_device(np.zeros((1, 8), np.float32)))
 
 
-@GPU_ONLY
-@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_exp,top_k,F,D", [(8, 2, 14336, 4096), (128, 8, 768, 2048)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
 def test_gpu_realistic(n_tok, n_exp, top_k, F, D):
     rng = np.random.default_rng(n_tok)
-    check(random_ids(rng, n_tok, top_k, n_exp), n_exp, F, D, "bfloat16", seed=n_tok, rtol=1e-3)
+    check(random_ids(rng, n_tok, top_k, n_exp), n_exp, F, D, np.uint16, seed=n_tok, rtol=1e-3)
 
 
-@GPU_ONLY
-@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_gpu_other_dtypes_and_one_expert(dtype):
     check(np.full((64, 1), 5, np.int32), 8, 1000, 515, dtype, seed=9, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
 def test_slot_indirection_in_waves_equals_full_residency(dtype):
     """The expert cache's use: weights in a [slots, stride] buffer, expert e at slot_of[e], a layer computed in
     two waves (experts outside a wave skipped, their rows left alone) -> bitwise the full-residency result."""

@@ -9,7 +9,7 @@ from expert_service.kernels.greedy import launch_greedy
 from expert_service.kernels.rope import launch_rope
 from expert_service.cpu.layers.rope import apply_rotary
 
-from ._dense_helpers import assert_close, gpu, nan_device, needs_gpu
+from tests.helpers import assert_close, nan_device
 
 
 def _reference_rope(x, positions, inv_freq, scale):
@@ -62,8 +62,7 @@ def test_greedy_all_negative_infinity():
     assert ids.copy_to_host()[0] == 0 and flags.copy_to_host()[0] == 1
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 33, 4096])
 def test_rope_gpu(num_tokens):
     rng = np.random.default_rng(num_tokens)
@@ -71,8 +70,7 @@ def test_rope_gpu(num_tokens):
     _check_rope(rng, num_tokens, 32, 4, 64, 1.2, 4096, threads=128)
 
 
-@gpu
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_greedy_gpu(rows):
     rng = np.random.default_rng(rows)

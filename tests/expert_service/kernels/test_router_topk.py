@@ -5,7 +5,6 @@ from numba import cuda
 
 from expert_service.kernels.router_topk import launch_router_topk
 from expert_service.cpu.layers.moe import route
-from tests.expert_service.kernels._moe_helpers import GPU_ONLY, fast_simulator_threads, has_gpu  # noqa: F401
 
 
 def run(logits, top_k, normalize):
@@ -56,8 +55,7 @@ def test_rejects_bad_shapes():
         run(np.ones((2, 300), np.float32), 2, True)        # E > 256
 
 
-@GPU_ONLY
-@pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_exp,top_k", [(8, 2), (128, 8), (60, 4)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64, 512])
 def test_gpu_realistic(n_tok, n_exp, top_k):

@@ -1,0 +1,259 @@
+"""Functions shared by the tests, imported one way: ``from tests.helpers import ...``. Fixtures live in
+tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_service/kernels/conftest.py).
+
+- GPU: a GPU-only test is marked ``@pytest.mark.gpu``; tests/conftest.py skips it where ``has_gpu()`` is false.
+- Storage dtypes: ``STORAGE_DTYPES`` (weights and KV pools: float32, float16, bfloat16 as uint16 words),
+  ``to_storage`` / ``from_storage`` (through common.dtypes, as the model files do), ``random_weight``.
+- Comparisons: ``assert_close`` for kernel outputs, ``rel_error`` for a figure to check or report.
+- Kernel inputs: ``nan_device``, ``random_cache`` (paged KV), ``expert_buffer`` and ``random_ids`` (MoE).
+- Text: ``byte_ids``; the one byte-level tokenizer is the tiny model's (``expert_service.tiny_model``).
+- Engines and services: ``run_session`` / ``exact_plans`` (expert cache), ``make_token_routed_model``,
+  ``BackgroundWorker`` (an in-process worker) and ``running_router`` (an in-process router).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from common.dtypes import bf16_to_float32, float32_to_bf16
+from expert_service.tiny_model import NUM_SPECIAL
+
+STORAGE_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 bits
+
+
+# --- GPU ------------------------------------------------------------------------------------------------
+def has_gpu() -> bool:
+    """A usable NVIDIA GPU (never in Numba's CUDA simulator)."""
+    from expert_service.engine import cuda_available
+    return cuda_available()
+
+
+# --- storage dtypes and comparisons ----------------------------------------------------------------------
+def to_storage(x: np.ndarray, dtype) -> np.ndarray:
+    """float32 -> storage dtype (bfloat16 as uint16 words, round to nearest even)."""
+    return float32_to_bf16(x) if np.dtype(dtype) == np.uint16 else x.astype(dtype)
+
+
+def from_storage(w: np.ndarray) -> np.ndarray:
+    """Storage array -> the float32 values the kernels compute with."""
+    return bf16_to_float32(w) if w.dtype == np.uint16 else w.astype(np.float32)
+
+
+def random_weight(rng, shape, dtype, scale=1.0):
+    """(storage array, its float32 values): the reference uses the rounded values, so only the kernel's
+    accumulation order differs from it."""
+    w = to_storage(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale), dtype)
+    return w, from_storage(w)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
+    """Every element written (finite) and max |got - want| <= rtol * max(|want|, 1) over the array."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} elements not written / not finite"
+    err = float(np.max(np.abs(got.astype(np.float64) - want))) if got.size else 0.0
+    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1.0)
+    assert err <= rtol * scale, f"max abs err {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| relative to max |ref|."""
+    return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+# --- kernel inputs ---------------------------------------------------------------------------------------
+def nan_device(shape, dtype=np.float32):
+    """Device output pre-filled with NaN (or -1 for ints), so unwritten elements fail the comparison."""
+    from numba import cuda
+    fill = np.nan if np.dtype(dtype).kind == "f" else -1
+    return cuda.to_device(np.full(shape, fill, dtype=dtype))
+
+
+def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, head_dim, dtype):
+    """Pools full of random values and per-sequence block tables with shuffled, non-contiguous block ids.
+    Returns (k_pool, v_pool, tables [S, max_blocks] int32, per-sequence int64 tables for the reference). Unused
+    table entries hold a real block id, so a kernel that reads past a sequence's blocks gets wrong values."""
+    shape = (num_blocks_total, block_size, num_kv_heads, head_dim)
+    k_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), dtype)
+    v_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), dtype)
+    need = [-(-int(c) // block_size) for c in context_lens]
+    max_blocks = max(max(need), 1) + 1                   # one spare column: padding must be ignored
+    ids = rng.permutation(num_blocks_total)
+    assert sum(need) <= num_blocks_total
+    tables = np.full((len(context_lens), max_blocks), num_blocks_total - 1, dtype=np.int32)
+    lists, at = [], 0
+    for s, n in enumerate(need):
+        tables[s, :n] = ids[at:at + n]
+        lists.append(tables[s, :n].astype(np.int64))
+        at += n
+    return k_pool, v_pool, tables, lists
+
+
+def expert_buffer(rng, n_exp: int, F: int, D: int, dtype, scale: float = 0.3):
+    """W [E, stride] in storage dtype `dtype` (stride = 4096-byte multiple, padding filled with NaN bits so a
+    stray read shows) and the exact float32 values of each expert's (gate [F, D], up [F, D], down [D, F])."""
+    store = np.dtype(dtype)
+    stride = -(-3 * F * D * store.itemsize // 4096) * 4096 // store.itemsize
+    words = to_storage((rng.standard_normal((n_exp, 3 * F * D)) * scale).astype(np.float32), store)
+    exact = from_storage(words)
+    W = np.full((n_exp, stride), 0x7FC1 if store == np.uint16 else np.nan, store)
+    W[:, :3 * F * D] = words
+    mats = [(e[:F * D].reshape(F, D), e[F * D:2 * F * D].reshape(F, D), e[2 * F * D:].reshape(D, F)) for e in exact]
+    return W, mats
+
+
+def random_ids(rng, n_tok: int, top_k: int, n_exp: int) -> np.ndarray:
+    """[n_tok, top_k] int32 distinct expert ids per token."""
+    return np.stack([rng.choice(n_exp, size=top_k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+
+
+# --- text ------------------------------------------------------------------------------------------------
+def byte_ids(text: str) -> list[int]:
+    """Token ids of `text` under the tiny model's byte-level tokenizer: one token per UTF-8 byte."""
+    return [NUM_SPECIAL + b for b in text.encode()]
+
+
+# --- engines and services --------------------------------------------------------------------------------
+SESSION_PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 200]))
+
+
+def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **overrides):
+    """Prompts in one step, then 4 decodes, on a fresh engine (the expert-cache tests of both backends run the
+    same steps at any cache size): (logits of every step, tokens, per-step cache stats, traces, engine)."""
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine, PrefillInput
+    from expert_service.sampling import SamplingParams
+    engine = Engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
+    greedy = SamplingParams()
+    steps = [dict(prefill=[PrefillInput(i, p, greedy, True) for i, p in enumerate(prompts)])]
+    steps += [dict(decode_ids=list(range(len(prompts))))] * 4
+    logits, tokens, stats, traces = [], [], [], []
+    for n, step in enumerate(steps):
+        result = engine.step(**step, routing_plan=plans[n] if plans else None)
+        logits.append(np.stack(list(result.logits)))
+        tokens.append([o.token_id for o in result.outputs])
+        stats.append(result.expert_cache)
+        traces.append(result.trace)
+    return logits, tokens, stats, traces, engine
+
+
+def exact_plans(traces, num_experts=4):
+    """The exact routing of each traced step as routing plans (CSR per MoE layer)."""
+    from common.routing_plan import RoutingPlan
+    return [RoutingPlan.from_expert_ids(list(trace.expert_ids), np.stack(list(trace.expert_ids.values())),
+                                        num_experts) for trace in traces]
+
+
+def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16) -> Path:
+    """A tiny mixtral whose exact routing depends only on the token id, at every MoE layer.
+
+    The first `token_dims` rows of every o_proj and expert down_proj are zero, so those residual dims carry
+    the embedding unchanged into every layer; the router columns outside them are zero, so the gate sees
+    only those dims. The post-attention RMSNorm multiplies them by a positive per-token scale (it depends
+    on the context) times a fixed weight, and a positive scale never changes a top-k ranking.
+    Mixtral has no shared expert or dense layer that could write into those dims. Returns the model dir.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    from common.models import config_from_hf, tensor_specs
+    from expert_service.convert import convert
+    from expert_service.tiny_model import write_tiny_checkpoint
+
+    hf_dir = write_tiny_checkpoint(Path(tmp_path) / "token_routed_hf", "mixtral", seed)
+    config = config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    for spec in tensor_specs(config):
+        leaf = spec.name.rsplit(".", 1)[-1]
+        if leaf in ("o_proj", "down_proj"):            # [D, in]: rows are residual dims
+            weights[spec.hf_name][:token_dims] = 0.0
+        elif leaf == "router":                          # [E, D]: columns are residual dims
+            weights[spec.hf_name][:, token_dims:] = 0.0
+    save_file(weights, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return convert(hf_dir, Path(tmp_path) / "token_routed", progress=False)
+
+
+class BackgroundWorker:
+    """Runs `expert_service.main.serve` on its own event loop in a thread; `.address` once ready."""
+
+    def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None,
+                 **engine_overrides):
+        from common.tracing import make_tracer_provider
+        from expert_service.config import EngineConfig
+        from expert_service.main import WorkerConfig
+        self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8)
+        self.engine_config = EngineConfig(**{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096,
+                                             **engine_overrides})
+        self.model_dir = model_dir
+        self.loop = asyncio.new_event_loop()
+        self.port: int | None = None
+        self.exit_code: int | None = None
+        self.servicer = None
+        # A private provider unless a test brings one: the process-global one can be set only once.
+        self.tracer_provider = tracer_provider or make_tracer_provider("test-worker")
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from expert_service.main import serve
+        asyncio.set_event_loop(self.loop)
+
+        def on_ready(port: int, servicer):
+            self.port, self.servicer = port, servicer
+            self._ready.set()
+
+        async def main():
+            self._stop = asyncio.Event()
+            return await serve(str(self.model_dir), self.config, self.engine_config, stop=self._stop,
+                               on_ready=on_ready, tracer_provider=self.tracer_provider)
+        try:
+            self.exit_code = self.loop.run_until_complete(main())
+        finally:
+            self._ready.set()
+
+    def start(self) -> "BackgroundWorker":
+        self._thread.start()
+        assert self._ready.wait(120), "worker did not start in time"
+        assert self.port, f"worker failed to start (exit code {self.exit_code})"
+        return self
+
+    @property
+    def engine(self):
+        return self.servicer.engine
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> int | None:
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        return self.exit_code
+
+
+@contextlib.asynccontextmanager
+async def running_router(worker_address: str, wait_ready: bool = True, **overrides):
+    """Yields (router, GenerationService stub): an in-process router against `worker_address`, bound to a free
+    loopback port, stopped after."""
+    import grpc
+
+    from common.pb import router_pb2_grpc
+    from router_service.config import RouterConfig
+    from router_service.main import start_router
+    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05, **overrides})
+    router = await start_router(config, worker_address)
+    try:
+        for _ in range(500 if wait_ready else 0):
+            if router.batching_loop.is_worker_ready:
+                break
+            await asyncio.sleep(0.02)
+        assert router.batching_loop.is_worker_ready or not wait_ready, "the router never connected to the worker"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            yield router, router_pb2_grpc.GenerationServiceStub(channel)
+    finally:
+        await router.stop(grace=0.1)
