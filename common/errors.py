@@ -42,3 +42,9 @@ class NonFiniteLogitsError(ColibriError):
 class CapacityError(ColibriError):
     """Not enough KV-cache blocks for what was asked (maps to RESOURCE_EXHAUSTED)."""
     exit_code = 6
+
+
+class AddressInUseError(ColibriError):
+    """A port or socket a server must listen on is taken or cannot be bound; the message names the role
+    and the address. A restart does not help, so `colibri serve` does not restart on it."""
+    exit_code = 7
