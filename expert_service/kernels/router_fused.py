@@ -7,8 +7,8 @@ Grid T x G blocks of THREADS threads (one launch; graph-capturable):
 - GEMV: block (t, g) computes ROWS = WARPS / SPLIT router rows of token t, SPLIT warps per row, lanes striding
   along D in 16-byte chunks of bf16 weights (`ptx.ld_stream_v4`, x via `ld_v4`, UNROLL chunks in flight) when
   D % 8 == 0, else one element at a time (fp16 / fp32 / odd D). SPLIT grows with D and for small E so that
-  G = ceil(E / ROWS) blocks spread the matrix over many SMs (one SM streams only a few tens of GB/s: a single
-  block per token took 25 us for qwen3's 128 x 2048 router on the H200). Partial sums meet in shared memory
+  G = ceil(E / ROWS) blocks spread the matrix over many SMs (one SM streams only a few tens of GB/s, so a
+  single block per token is latency-bound; docs/kernels.md has the figure). Partial sums meet in shared memory
   (fixed order: deterministic); the logits go to `logits` [T, E] (global).
 - Selection: each block fences its logits and takes a ticket on counter[t]; the last of the G blocks resets
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs

@@ -1,4 +1,5 @@
-"""H200 benchmark of issue 15's kernels (not a test: run on the GPU machine, `python -m
+"""H200 benchmark of the grouped MoE GEMM, fused router and two-pass argmax kernels (not a test: run on the GPU
+machine, `python -m
 tests.expert_service.kernels.bench_moe_gemm_mma OUT.json`).
 
 MoE layer (ids / routing weights given, random bf16 weights in the model-file layout, random uniform top-k):
