@@ -1,7 +1,7 @@
 """Greedy argmax over wide vocabularies in two passes: the same results as `greedy.launch_greedy`
 (ids[s] = argmax_v logits[s, v], ties -> lowest index, NaN never wins, an all -inf/NaN row gives 0;
 flags[s] = 1 if the row holds a NaN or +-inf), for rows too wide for one block to read quickly
-(152k logits per row: one block reads it at a fraction of HBM bandwidth, ~100 us).
+(152k logits per row: one block reads it at a fraction of HBM bandwidth; docs/kernels.md has the figure).
 
 Pass 1: grid S x P blocks, block (s, p) reduces the slice [p * CHUNK, (p + 1) * CHUNK) of row s (each thread
 loads ITEMS values, coalesced, all in flight before the first compare) to (value, lowest index, non-finite)

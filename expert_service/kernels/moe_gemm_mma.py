@@ -65,9 +65,9 @@ class Config(NamedTuple):
         return 8 * self.nt * self.wn
 
 
-# Named shapes (the benchmark times each; H200 figures in docs/kernels.md). BK = 64 helped the thin m32 tile
-# (more bytes in flight per main-loop step: qwen3 T = 512, 0.84 -> 0.79 ms) and hurt m64 (48 KB of shared
-# memory: mixtral's gate|up at T = 512, 2.17 -> 3.07 ms), so m64 and m128 stage 32 features per step.
+# Named shapes (the benchmark times each; H200 figures in docs/kernels.md). BK = 64 helps the thin m32 tile
+# (more bytes in flight per main-loop step) and hurts m64 (48 KB of shared memory), so m64 and m128 stage 32
+# features per step.
 # SIM: tiny tiles for the simulator (one Python thread per CUDA thread).
 CONFIGS = {
     "m16": Config(1, 4, 1, 4, 64),
