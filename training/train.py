@@ -131,7 +131,9 @@ def evaluate(model, stream: np.ndarray, sequence_length: int, device, batch_size
                                                minlength=r.shape[-1]).cpu().numpy() for r in out.router_logits]
                 counts = np.stack(layer_counts) if counts is None else counts + np.stack(layer_counts)
     model.train()
-    loss = total_loss / max(1, total_tokens)
+    if total_tokens == 0:
+        raise ValueError("evaluate: the split holds fewer than two tokens (corpus too small for its splits)")
+    loss = total_loss / total_tokens
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": total_tokens, "nats": total_loss,
             "expert_counts": counts}
 
