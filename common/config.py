@@ -11,7 +11,9 @@ import argparse
 import dataclasses
 import enum
 import json
+import logging
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -23,6 +25,7 @@ import yaml
 from common.errors import ConfigError
 
 T = TypeVar("T")
+log = logging.getLogger("colibri.config")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -69,6 +72,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# Kubernetes injects, for every Service named e.g. `colibri` in the namespace (unless the pod sets
+# enableServiceLinks: false): COLIBRI_SERVICE_HOST, COLIBRI_SERVICE_PORT[_NAME], COLIBRI_PORT=tcp://IP:PORT and
+# COLIBRI_PORT_<N>_<PROTO>[_PROTO|_PORT|_ADDR]. Such a value is never a setting: it is ignored with a warning.
+_SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://", re.IGNORECASE)
+_SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_[A-Z0-9_]+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?$")
+
+
+def _is_service_link(var: str, value: str) -> bool:
+    if not (_SERVICE_LINK_VALUE.match(value.strip()) or _SERVICE_LINK_NAME.search(var)):
+        return False
+    log.warning("environment %s=%r looks like a Kubernetes service link (a Service's address, not a Colibri "
+                "setting): ignored; set enableServiceLinks: false in the pod spec to silence this", var, value)
+    return True
+
+
 def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     """The `section` mapping of a JSON or YAML file (or the whole file when it has no such section)."""
     if not path:
@@ -100,7 +118,7 @@ def resolve(cls: type[T], *, file_values: Mapping[str, Any] | None = None,
         values[key] = _coerce(value, hints[key], f"config file: {key}")
     for name, f in fields.items():
         for var in f.metadata.get("env", ()):
-            if env.get(var) not in (None, ""):
+            if env.get(var) not in (None, "") and not _is_service_link(var, env[var]):
                 values[name] = _coerce(env[var], hints[name], f"environment {var}")
                 break
         if flags is not None and flags.get(name) is not None:

@@ -6,10 +6,13 @@
             print(piece.text, end="", flush=True)
 
 Errors surface as grpc.RpcError; `retry_delay(error)` reads the RetryInfo of a RESOURCE_EXHAUSTED answer.
+TLS: `tls_ca` (the CA that signed the router's certificate; `tls=True` alone trusts the system's CAs), plus
+`tls_cert`/`tls_key` where the router requires client certificates; `token` or `token_file` for bearer auth.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2
@@ -46,16 +49,41 @@ def retry_delay(error: grpc.RpcError) -> float | None:
     return None
 
 
-class ColibriClient:
-    """Blocking client; `timeout` (seconds) is the deadline of each call, `token` a bearer token."""
+def read_token_file(path: str) -> str:
+    """The first token of a token file (one per line; blank lines and # comments skipped)."""
+    for line in Path(path).read_text().splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            return line.strip()
+    raise ValueError(f"{path}: no token in the file")
 
-    def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "",
-                 max_message_bytes: int = 16 << 20):
+
+def channel_credentials(tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files: the CA to trust (empty = the system's) and an optional client pair."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(root_certificates=read(tls_ca), private_key=read(tls_key),
+                                        certificate_chain=read(tls_cert))
+
+
+class ColibriClient:
+    """Blocking client; `timeout` (seconds) is the deadline of each call, `token` (or the first line of
+    `token_file`) a bearer token; TLS when `tls` or any of the tls_* files is given."""
+
+    def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "", token_file: str = "",
+                 tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                 tls_server_name: str = "", max_message_bytes: int = 16 << 20):
         self.timeout = timeout
+        token = token or (read_token_file(token_file) if token_file else "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls or tls_ca or tls_cert or tls_key:
+            self._channel = grpc.secure_channel(target, channel_credentials(tls_ca, tls_cert, tls_key), options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
 
     def __enter__(self) -> "ColibriClient":

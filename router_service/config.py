@@ -5,6 +5,7 @@ from the worker's Info at run time; the values here only cap them further.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from common.config import setting
@@ -64,8 +65,28 @@ class RouterConfig:
                                  "as a routing plan (the routing itself when the worker runs --routing lut; "
                                  "a prefetch prediction whose recall is measured otherwise); needs --model",
                                  ("COLIBRI_ROUTING_TABLE",))
-    auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off",
+    auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off. Set it "
+                              "through the environment or the config file: on the command line it shows in `ps`",
                               ("COLIBRI_AUTH_TOKEN", "API_KEY"))
+    auth_token_file: str = setting("", "file of bearer tokens accepted on the public API, one per line (blank lines "
+                                   "and # comments skipped), re-read when it changes; health exempt",
+                                   ("COLIBRI_AUTH_TOKEN_FILE",))
+    worker_token_file: str = setting("", "file holding the token the router sends to the worker "
+                                     "(`authorization: Bearer ...`), re-read when it changes; env "
+                                     "COLIBRI_WORKER_TOKEN gives the token itself",
+                                     ("COLIBRI_WORKER_TOKEN_FILE",))
+    # The token itself has no flag (argv is visible to every local user): environment or config file only.
+    worker_token: str = dataclasses.field(default="", repr=False, metadata={"env": ("COLIBRI_WORKER_TOKEN",)})
+    tls_cert_file: str = setting("", "PEM certificate chain for TLS on the public port (with --tls-key-file); "
+                                 "re-read when the files change", ("COLIBRI_TLS_CERT_FILE",))
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file", ("COLIBRI_TLS_KEY_FILE",))
+    tls_client_ca_file: str = setting("", "PEM CA bundle: clients must present a certificate it signed (mutual "
+                                      "TLS); needs --tls-cert-file", ("COLIBRI_TLS_CLIENT_CA_FILE",))
+    health_port: int = setting(0, "plaintext port serving only grpc.health.v1 (kubelet gRPC probes speak neither "
+                               "TLS nor auth); 0 = off", ("COLIBRI_HEALTH_PORT",))
+    max_prompt_bytes: int = setting(0, "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
+                                    "tokenizing; 0 = 32 bytes per token of the context the worker reports, at "
+                                    "most max_message_bytes", ("COLIBRI_MAX_PROMPT_BYTES",))
     pipeline_depth: int = setting(2, "worker steps in flight: 2 sends step t+1 while step t runs (a stop is then "
                                   "seen one step late, costing one discarded token), 1 waits for each result; a "
                                   "routing table forces 1 (its lookup needs each step's input tokens)",
@@ -90,7 +111,7 @@ class RouterConfig:
                      "worker_retry_s", "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router: {name} must be in [0, 65535], got {getattr(self, name)}")
         if self.default_max_new_tokens > self.max_new_tokens:
@@ -98,3 +119,11 @@ class RouterConfig:
                               f"max_new_tokens ({self.max_new_tokens})")
         if not self.worker:
             raise ConfigError("router: worker address is required (--worker HOST:PORT)")
+        if self.max_prompt_bytes < 0:
+            raise ConfigError(f"router: max_prompt_bytes must be >= 0, got {self.max_prompt_bytes}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("router: tls_cert_file and tls_key_file go together (give both or neither)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("router: tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if self.health_port and self.health_port == self.port:
+            raise ConfigError(f"router: health_port must differ from port ({self.port})")

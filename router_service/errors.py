@@ -59,8 +59,12 @@ def _pack(message) -> any_pb2.Any:
     return packed
 
 
-def to_status(exc: BaseException) -> grpc.Status:
-    """The gRPC status (code, one-line message, rich details) for any exception a handler raises."""
+def to_status(exc: BaseException, request_id: str = "") -> grpc.Status:
+    """The gRPC status (code, one-line message, rich details) for any exception a handler raises.
+
+    INTERNAL answers say only that the request failed and its id; what failed (worker messages, exceptions)
+    goes to the log with the request id, never to the client.
+    """
     details = []
     if isinstance(exc, InvalidRequestError):
         code, reason, message = grpc.StatusCode.INVALID_ARGUMENT, "VALIDATION", str(exc)
@@ -73,14 +77,19 @@ def to_status(exc: BaseException) -> grpc.Status:
             delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
             details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
     else:
-        log.exception("unexpected error in a request handler")
-        code, reason, message = grpc.StatusCode.INTERNAL, "INTERNAL", f"internal error: {type(exc).__name__}"
-    details.insert(0, _pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN)))
+        log.exception("unexpected error in a request handler", extra={"request_id": request_id})
+        code, reason, message = grpc.StatusCode.INTERNAL, "INTERNAL", str(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        if isinstance(exc, RouterError):
+            log.error("request failed: %s", message, extra={"request_id": request_id, "reason": reason})
+        message = f"internal error{f' (request {request_id})' if request_id else ''}; the router's log has the details"
+    metadata = {"request_id": request_id} if request_id else {}
+    details.insert(0, _pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)))
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
     return rpc_status.to_status(status)
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> None:
     """Ends the RPC with exc's status (raises grpc's AbortError, as context.abort does)."""
-    status = to_status(exc)
+    status = to_status(exc, request_id)
     await context.abort(status.code, status.details, status.trailing_metadata)

@@ -40,7 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show-tokens", action="store_true", help="print generated token ids instead of text")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
     parser.add_argument("--token", default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
-                        help="bearer token (env COLIBRI_AUTH_TOKEN)")
+                        help="bearer token (env COLIBRI_AUTH_TOKEN; prefer the env or --token-file: argv shows in ps)")
+    parser.add_argument("--token-file", default="", help="file whose first line is the bearer token")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    parser.add_argument("--tls-ca", default="", help="PEM CA that signed the router's certificate (implies --tls)")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for a router that requires one")
+    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default="",
+                        help="name to verify the router's certificate against (default: the target's host)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +58,13 @@ def run(args: argparse.Namespace) -> int:
                   stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
     final = None
     try:
-        with ColibriClient(args.target, timeout=args.timeout, token=args.token) as client:
+        client = ColibriClient(args.target, timeout=args.timeout, token=args.token, token_file=args.token_file,
+                               tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                               tls_server_name=args.tls_server_name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"generate: {e}") from None
+    try:
+        with client:
             for message in client.stream(args.prompt, token_ids=args.tokens, **params):
                 if args.show_tokens:
                     if message.token_ids:

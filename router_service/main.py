@@ -1,8 +1,11 @@
 """`colibri router --worker ADDR [--model DIR]`: the public gRPC server in front of one expert worker.
 
-Serves GenerationService, grpc.health.v1 (NOT_SERVING until the worker is ready, and again while it is
-lost or we drain) and server reflection. SIGTERM: health NOT_SERVING at once, new requests UNAVAILABLE,
-in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
+Serves GenerationService, grpc.health.v1 and server reflection, over TLS when configured (router_service/
+security.py), optionally with health alone on a plaintext `--health-port` for kubelet probes. Health services:
+"" and `colibri.liveness` answer SERVING while the process and its event loop run (the answer comes from the
+loop, so a wedged loop fails the probe); `colibri.readiness` and the GenerationService name are SERVING while
+the worker is connected and ready and we are not draining. SIGTERM: readiness NOT_SERVING at once, new requests
+UNAVAILABLE, in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
 """
 from __future__ import annotations
 
@@ -27,12 +30,16 @@ from common.pb import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig
 from router_service.batching_loop import BatchingLoop
 from router_service.observability import BatchingLoopHooks, ChainedHooks, router_metrics
-from router_service.servicer import BearerAuthInterceptor, GenerationServicer
+from router_service.protocol import DecodeGuardInterceptor
+from router_service.security import BearerAuthInterceptor, TokenSet, server_credentials, worker_token_source
+from router_service.servicer import GenerationServicer
 from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
 
 log = logging.getLogger("colibri.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+LIVENESS = ("", "colibri.liveness")
+READINESS = ("colibri.readiness", SERVICE_NAME)
 
 
 class _HealthHooks(BatchingLoopHooks):
@@ -54,18 +61,22 @@ class Router:
     health: health.aio.HealthServicer
     worker: WorkerClient
     draining: bool = False
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
     def set_serving(self, serving: bool) -> None:
         if self.draining:
             return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in READINESS:
             asyncio.ensure_future(self.health.set(name, status))
 
     async def drain(self, timeout: float | None = None) -> bool:
-        """Stops admitting, waits for in-flight requests (True if all finished in time)."""
+        """Stops admitting, waits for in-flight requests (True if all finished in time). Liveness stays SERVING:
+        a draining router is alive, and must not be restarted mid-drain."""
         self.draining = True
-        await self.health.enter_graceful_shutdown()
+        for name in READINESS:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.batching_loop.start_draining()
         finished = await self.batching_loop.wait_idle(
             self.batching_loop.config.drain_timeout_s if timeout is None else timeout)
@@ -77,6 +88,8 @@ class Router:
     async def stop(self, grace: float = 1.0) -> None:
         await self.batching_loop.stop()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.worker.close()
 
 
@@ -105,8 +118,11 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     if tokenizer is None and config.model:
         tokenizer = Tokenizer.from_model_dir(config.model)
     worker = WorkerClient(config.worker, max_message_bytes=config.worker_max_message_bytes,
-                          step_timeout_s=config.worker_step_timeout_s)
-    interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
+                          step_timeout_s=config.worker_step_timeout_s, token=worker_token_source(config))
+    tokens = TokenSet(config.auth_token, config.auth_token_file)
+    tls = server_credentials(config)
+    # Auth first: an unauthenticated caller learns nothing, not even whether its bytes decoded.
+    interceptors = ([BearerAuthInterceptor(tokens)] if tokens.enabled else []) + [DecodeGuardInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -125,12 +141,24 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    for name in ("", SERVICE_NAME):
+    for name in LIVENESS:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name in READINESS:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    router.port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    router.port = (server.add_secure_port(address, tls.credentials) if tls is not None
+                   else server.add_insecure_port(address))
+    if config.health_port:
+        router.health_server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
+        router.health_port = router.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+        await router.health_server.start()
     await server.start()
     await batching_loop.start()
-    log.info("router listening on %s:%d, worker %s", config.host, router.port, config.worker)
+    log.info("router listening on %s:%d (%s%s), worker %s", config.host, router.port,
+             "mutual TLS" if config.tls_client_ca_file else "TLS" if tls else "plaintext",
+             ", bearer tokens" if tokens.enabled else "", config.worker,
+             extra={"health_port": router.health_port} if config.health_port else None)
     return router
 
 
@@ -167,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(RouterConfig, file_values=load_config_file(args.config, "router"),
                      flags=flag_values(args, RouterConfig))
     hooks = _setup_observability(config)
+    if getattr(args, "auth_token", None):
+        log.warning("--auth-token on the command line is visible to every local user (ps, /proc): use "
+                    "--auth-token-file or COLIBRI_AUTH_TOKEN")
     try:
         return asyncio.run(serve(config, hooks))
     finally:

@@ -1,15 +1,16 @@
-"""GenerationService: a thin grpc.aio servicer (protobuf <-> batching loop), plus the bearer-token interceptor.
+"""GenerationService: a thin grpc.aio servicer (protobuf <-> batching loop).
 
 Each method converts, delegates to validation and the batching loop, and converts back; errors of every kind
 become a status in `errors.to_status`, the one place that maps them. A request leaves the batching loop in a
 `finally`, so a client that cancels or disconnects (the handler task is cancelled) frees its KV blocks at once.
+GenerateStream writes with `context.write` from a coroutine rather than yielding: a cancelled call then unwinds
+in its own task (a suspended generator would be closed later, in another task, where its trace context cannot
+be detached). Text is tokenized off the event loop once every cheap check has passed (validation).
 """
 from __future__ import annotations
 
-import hmac
 import time
 
-import grpc
 from opentelemetry import trace
 
 from common.errors import InvalidRequestError
@@ -18,10 +19,9 @@ from common import tracing as semconv
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
+from router_service.protocol import is_metadata_safe
 from router_service.scheduler import FinishReason
-from router_service.validation import validate_request
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
+from router_service.validation import check_text_size, prompt_byte_limit, validate_request_async
 
 STOP_REASONS = {
     FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
@@ -42,12 +42,13 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         info = self.batching_loop.info
         return self.config.model_name or self._model_name or (info.model_name if info else "") or "colibri"
 
-    def _submit(self, request: router_pb2.GenerateRequest, context, stream: bool) -> RequestHandle:
+    async def _submit(self, request: router_pb2.GenerateRequest, context, stream: bool) -> RequestHandle:
         if self.batching_loop.is_draining:
             raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
         if self.batching_loop.limits is None:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
-        req = validate_request(request, self.config, self.batching_loop.limits, self.batching_loop.tokenizer)
+        req = await validate_request_async(request, self.config, self.batching_loop.limits,
+                                           self.batching_loop.tokenizer)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         span = trace.get_current_span()
@@ -58,7 +59,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
             handle = None
             try:
-                handle = self._submit(request, context, stream=False)
+                handle = await self._submit(request, context, stream=False)
                 token_ids, text, logprobs, reason = [], [], [], None
                 async for delta in handle:
                     token_ids += delta.token_ids
@@ -81,7 +82,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
             handle = None
             try:
-                handle = self._submit(request, context, stream=True)
+                handle = await self._submit(request, context, stream=True)
                 await context.send_initial_metadata((("x-request-id", handle.request_id),))
                 generated = 0
                 async for delta in handle:
@@ -96,7 +97,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.generated_tokens = generated
                         message.routing = self._routing()
                         _set_usage(handle, generated, delta.finish_reason)
-                    yield message
+                    await context.write(message)
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -107,9 +108,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         try:
             if self.batching_loop.tokenizer is None:
                 raise InvalidRequestError("text", "this model has no tokenizer (start the router with --model DIR)")
-            if len(request.text.encode()) > self.config.max_message_bytes:
-                raise InvalidRequestError("text", f"must be at most {self.config.max_message_bytes} bytes")
-            return router_pb2.TokenizeResponse(token_ids=self.batching_loop.tokenizer.encode(request.text))
+            check_text_size("text", request.text, prompt_byte_limit(self.config, self.batching_loop.limits))
+            return router_pb2.TokenizeResponse(token_ids=await self.batching_loop.tokenizer.encode_async(request.text))
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 
@@ -131,9 +131,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""
         request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
+        if not is_metadata_safe(request_id) or len(request_id) > self.config.max_request_id_length:
+            request_id = ""  # never echo what validation refused
         span = trace.get_current_span()
         span.set_attribute(semconv.ERROR_TYPE, getattr(error, "reason", "VALIDATION"))
-        status = errors.to_status(error)
+        status = errors.to_status(error, request_id)
         if count:
             self.batching_loop.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
@@ -164,39 +166,3 @@ def _set_usage(handle: RequestHandle, generated: int, reason) -> None:
     span = trace.get_current_span()
     span.set_attributes({semconv.GEN_AI_RESPONSE_ID: handle.request_id, semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
                          semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"]})
-
-
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer TOKEN` on every RPC except grpc.health.v1 (probes carry no token)."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
-            return handler
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
-            return handler
-        return _deny(handler)
-
-
-def _deny(handler):
-    status = errors.to_status(errors.Unauthenticated("missing or wrong bearer token (authorization metadata)"))
-
-    async def unary(request, context):
-        await context.abort(status.code, status.details, status.trailing_metadata)
-
-    async def streaming(request, context):
-        await context.abort(status.code, status.details, status.trailing_metadata)
-        yield  # makes this an async generator, as streaming handlers are
-
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)

@@ -11,12 +11,26 @@ Streams must never emit broken or retracted text, which takes two hold-backs:
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 from pathlib import Path
 
 from common.errors import ConfigError
 
 REPLACEMENT = "\ufffd"
+# Texts up to this many characters tokenize inline (tens of microseconds); longer ones on a thread.
+INLINE_MAX_CHARS = 1024
+# Threads tokenizing long texts, leaving a core to the event loop on small machines.
+TOKENIZER_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="colibri-tokenize")
+    return _executor
 # Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
 PREFIX_WINDOW = 5
 
@@ -53,6 +67,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` that never holds the event loop for long: a text past INLINE_MAX_CHARS is tokenized on one of
+        the TOKENIZER_THREADS threads, through `encode_batch`, which releases the GIL (`encode` does not: an
+        8 MB text would stall every other request on the loop for seconds). Callers bound the text's size."""
+        if len(text) <= INLINE_MAX_CHARS:
+            return self.encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(_pool(), self._encode_released, text,
+                                                                add_special_tokens)
+
+    def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

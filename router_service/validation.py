@@ -12,8 +12,14 @@ from dataclasses import dataclass
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, worker_pb2
 from router_service.config import RouterConfig
+from router_service.protocol import is_metadata_safe
 
 MAX_SEED = (1 << 64) - 1
+# Temperatures a float32 softmax survives: 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0
+# With max_prompt_bytes 0, a text prompt may have this many UTF-8 bytes per token of context: far above any
+# real tokenizer's average, and still a bound on what one request can make the router tokenize.
+BYTES_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -59,16 +65,78 @@ def _check_ids(field: str, ids, vocab_size: int) -> None:
 
 def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
                      tokenizer=None) -> ValidatedRequest:
-    """Checks every field of `req`; raises InvalidRequestError naming the first bad one."""
+    """Checks every field of `req`; raises InvalidRequestError naming the first bad one. Tokenizes inline."""
+    text = _check_before_tokenizing(req, config, limits, tokenizer)
+    return _complete(req, config, limits, tokenizer.encode(text) if text is not None else None)
+
+
+async def validate_request_async(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+                                 tokenizer=None) -> ValidatedRequest:
+    """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread."""
+    text = _check_before_tokenizing(req, config, limits, tokenizer)
+    return _complete(req, config, limits, await tokenizer.encode_async(text) if text is not None else None)
+
+
+def prompt_byte_limit(config: RouterConfig, limits: ModelLimits | None) -> int:
+    """The most UTF-8 bytes a text prompt (or Tokenize text) may have: max_prompt_bytes, or a generous
+    BYTES_PER_TOKEN per token of the context when it is 0; never above max_message_bytes."""
+    if config.max_prompt_bytes:
+        return min(config.max_prompt_bytes, config.max_message_bytes)
+    if limits is None:
+        return min(config.max_message_bytes, 1 << 20)
+    return min(config.max_message_bytes, _room(limits) * BYTES_PER_TOKEN)
+
+
+def check_text_size(field: str, text: str, limit: int) -> None:
+    """Raises InvalidRequestError when `text` is over `limit` UTF-8 bytes (without encoding it when the character
+    count decides: a character is 1 to 4 bytes)."""
+    if len(text) * 4 <= limit:
+        return
+    size = len(text) if len(text) > limit else len(text.encode())
+    if size > limit:
+        raise InvalidRequestError(field, f"must be at most {limit} bytes (max_prompt_bytes), got "
+                                         f"{'more than ' if size == len(text) else ''}{size}")
+
+
+def _check_before_tokenizing(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+                             tokenizer) -> str | None:
+    """Every check that needs no tokens; returns the text to tokenize (None for a token-id prompt)."""
     if len(req.request_id) > config.max_request_id_length:
         raise InvalidRequestError("request_id", f"must be at most {config.max_request_id_length} characters, "
                                                 f"got {len(req.request_id)}")
-    if not req.request_id.isprintable():
-        raise InvalidRequestError("request_id", "must be printable text")
+    if not is_metadata_safe(req.request_id):
+        raise InvalidRequestError("request_id", "must be printable ASCII (0x20-0x7e): it is echoed in metadata")
     p = req.parameters
     _check_sampling(p, limits)
-    stop_sequences = _check_stops(p, config, limits)
-    prompt_ids = _prompt_ids(req, limits, tokenizer)
+    _check_stops(p, config, limits)
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "set either text or token_ids")
+    if kind == "token_ids":
+        ids = req.token_ids.ids
+        if not ids:
+            raise InvalidRequestError("token_ids.ids", "must not be empty")
+        _check_prompt_length(len(ids), limits)
+        _check_ids("token_ids.ids", ids, limits.vocab_size)
+        return None
+    if not req.text:
+        raise InvalidRequestError("text", "must not be empty")
+    if tokenizer is None:
+        raise InvalidRequestError("text", "this model has no tokenizer; send token_ids "
+                                          "(or start the router with --model DIR)")
+    check_text_size("text", req.text, prompt_byte_limit(config, limits))
+    return req.text
+
+
+def _complete(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+              text_ids: list[int] | None) -> ValidatedRequest:
+    if text_ids is not None:
+        if not text_ids:
+            raise InvalidRequestError("text", "tokenizes to no tokens")
+        _check_prompt_length(len(text_ids), limits)
+        _check_ids("text (tokenized)", text_ids, limits.vocab_size)
+    prompt_ids = text_ids if text_ids is not None else list(req.token_ids.ids)
+    p = req.parameters
     max_new_tokens = _max_new_tokens(p, config, limits, len(prompt_ids))
     if p.min_new_tokens > max_new_tokens:
         raise InvalidRequestError("parameters.min_new_tokens",
@@ -77,16 +145,19 @@ def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limi
     return ValidatedRequest(
         request_id=req.request_id, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens,
         min_new_tokens=p.min_new_tokens, temperature=float(p.temperature), top_k=p.top_k,
-        top_p=float(p.top_p) if p.top_p > 0 else 1.0, seed=seed, stop_sequences=stop_sequences,
+        top_p=float(p.top_p) if p.top_p > 0 else 1.0, seed=seed, stop_sequences=tuple(p.stop_sequences),
         stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
 
 
 def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> None:
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidRequestError("parameters.temperature",
-                                  f"must be a finite number >= 0 (0 = greedy), got {p.temperature}")
+    # Below MIN_TEMPERATURE, logits / temperature overflows float32 (1e-45 made every token inf and always
+    # sampled the last id); use 0 for greedy.
+    t = p.temperature  # a float32: 0.01 arrives as 0.0099999998, hence the float32-sized tolerance
+    if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE * (1 - 1e-6) <= t <= MAX_TEMPERATURE):
+        raise InvalidRequestError("parameters.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                                                            f"{MAX_TEMPERATURE:g}], got {t:g}")
     if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
-        raise InvalidRequestError("parameters.top_p", f"must be in (0, 1] (0 = off), got {p.top_p}")
+        raise InvalidRequestError("parameters.top_p", f"must be in (0, 1] (0 = off), got {p.top_p:g}")
     if p.top_k > limits.vocab_size:
         raise InvalidRequestError("parameters.top_k",
                                   f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}")
@@ -113,36 +184,24 @@ def _check_stops(p: router_pb2.SamplingParameters, config: RouterConfig, limits:
     return tuple(p.stop_sequences)
 
 
-def _prompt_ids(req: router_pb2.GenerateRequest, limits: ModelLimits, tokenizer) -> list[int]:
-    kind = req.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", "set either text or token_ids")
-    if kind == "text":
-        if not req.text:
-            raise InvalidRequestError("text", "must not be empty")
-        if tokenizer is None:
-            raise InvalidRequestError("text", "this model has no tokenizer; send token_ids "
-                                              "(or start the router with --model DIR)")
-        ids = tokenizer.encode(req.text)
-        if not ids:
-            raise InvalidRequestError("text", "tokenizes to no tokens")
-        _check_ids("text (tokenized)", ids, limits.vocab_size)
-        return ids
-    ids = list(req.token_ids.ids)
-    if not ids:
-        raise InvalidRequestError("token_ids.ids", "must not be empty")
-    _check_ids("token_ids.ids", ids, limits.vocab_size)
-    return ids
+def _room(limits: ModelLimits) -> int:
+    """Both the context (position embeddings) and the KV pool bound prompt + completion."""
+    return min(limits.max_sequence_length, limits.kv_capacity_tokens)
+
+
+def _check_prompt_length(num_prompt: int, limits: ModelLimits) -> None:
+    room = _room(limits)
+    if num_prompt >= room:
+        bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
+        raise InvalidRequestError("prompt", f"{num_prompt} tokens leave no room to generate: prompt + "
+                                            f"max_new_tokens must be <= {bound} ({room})")
 
 
 def _max_new_tokens(p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits,
                     num_prompt: int) -> int:
-    # Both the context (position embeddings) and the KV pool bound prompt + completion.
-    room = min(limits.max_sequence_length, limits.kv_capacity_tokens)
+    room = _room(limits)
     bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
-    if num_prompt >= room:
-        raise InvalidRequestError("prompt", f"{num_prompt} tokens leave no room to generate: prompt + "
-                                            f"max_new_tokens must be <= {bound} ({room})")
+    _check_prompt_length(num_prompt, limits)
     if p.max_new_tokens == 0:  # the default, shortened to fit rather than refused
         return min(config.default_max_new_tokens, room - num_prompt)
     if p.max_new_tokens > config.max_new_tokens:

@@ -2,11 +2,13 @@
 
 No automatic retries: steps are stateful and not idempotent (a retried Prefill would run a chunk twice), so
 a failed call fails the batch and the batching loop decides what to do. Every call has a deadline, and the
-W3C trace context of the current span travels in the metadata (no-op unless an OpenTelemetry SDK is set up).
+W3C trace context of the current span travels in the metadata (no-op unless an OpenTelemetry SDK is set up),
+with `authorization: Bearer TOKEN` when the worker requires a token (router_service/security.py reads it).
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -20,8 +22,9 @@ class WorkerClient:
     """One channel to the worker; every method takes an optional timeout (seconds)."""
 
     def __init__(self, address: str, *, max_message_bytes: int = 256 << 20, step_timeout_s: float = 120.0,
-                 control_timeout_s: float = 10.0):
+                 control_timeout_s: float = 10.0, token: Callable[[], str] | str = ""):
         self.address = address
+        self._token = token if callable(token) else (lambda: token)
         self.step_timeout_s = step_timeout_s
         self.control_timeout_s = control_timeout_s
         options = [
@@ -39,8 +42,12 @@ class WorkerClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    def _metadata(self) -> list[tuple[str, str]]:
+        token = self._token()
+        return inject_metadata() + ([("authorization", f"Bearer {token}")] if token else [])
+
     async def _call(self, method, request, timeout: float | None):
-        return await method(request, timeout=timeout, metadata=inject_metadata())
+        return await method(request, timeout=timeout, metadata=self._metadata())
 
     async def info(self, timeout: float | None = None) -> worker_pb2.InfoResponse:
         return await self._call(self._stub.Info, worker_pb2.InfoRequest(), timeout or self.control_timeout_s)
@@ -82,7 +89,7 @@ class WorkerClient:
 
     def open_step_stream(self) -> StepStream:
         """A new step stream (the serving path); the worker frees its sequences when it ends."""
-        return StepStream(self._stub.StepStream(metadata=inject_metadata()), self.step_timeout_s)
+        return StepStream(self._stub.StepStream(metadata=self._metadata()), self.step_timeout_s)
 
 
 class StepStream:

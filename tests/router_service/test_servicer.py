@@ -193,8 +193,10 @@ def test_health_follows_worker_and_drain():
         fake.ready = False
         async with harness(fake, wait_ready=False) as (router, _, stub, channel):
             health = health_pb2_grpc.HealthStub(channel)
-            check = lambda: health.Check(health_pb2.HealthCheckRequest(service="")) # noqa: E731
+            check = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness")) # noqa: E731
+            live = lambda: health.Check(health_pb2.HealthCheckRequest(service="")) # noqa: E731
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await live()).status == health_pb2.HealthCheckResponse.SERVING  # liveness: the process runs
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1]))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -207,6 +209,7 @@ def test_health_follows_worker_and_drain():
             drain = asyncio.create_task(router.drain(timeout=5))
             await wait_for(lambda: router.batching_loop.is_draining)
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await live()).status == health_pb2.HealthCheckResponse.SERVING  # draining is not dead
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1]))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

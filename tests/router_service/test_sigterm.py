@@ -21,7 +21,7 @@ async def wait_serving(health, timeout=30.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
         try:
-            r = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            r = await health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"), timeout=1)
             if r.status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.aio.AioRpcError:
@@ -47,7 +47,7 @@ def test_sigterm_drains_in_flight_and_exits_zero():
             await asyncio.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.1)
-            status = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            status = await health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"), timeout=1)
             assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
             try:
                 await stub.Generate(ids_request([1], max_new_tokens=1), timeout=2)

@@ -1,0 +1,246 @@
+"""What the public port trusts: TLS and mutual TLS with certificates rotated in place, bearer tokens from a file
+that changes, the plaintext health-only port, the token sent to the worker, Kubernetes service-link variables."""
+import asyncio
+import logging
+import os
+import socket
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import resolve
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
+from common.pb import worker_pb2_grpc
+from router_service import generate_cmd, security
+from router_service.config import RouterConfig
+from router_service.main import start_router
+from tests.router_service.certs import issue, make_ca
+from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(autouse=True)
+def recheck_at_once(monkeypatch):
+    monkeypatch.setattr(security, "RECHECK_S", 0.0)
+
+
+def write(path, data):
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def model_info(port, credentials=None, metadata=None):
+    """ModelInfo over a fresh channel (TLS when `credentials`): the response, or the error's status code."""
+    target = f"127.0.0.1:{port}"
+    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    try:
+        return await router_pb2_grpc.GenerationServiceStub(channel).ModelInfo(
+            rpb.ModelInfoRequest(), timeout=5, metadata=metadata)
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    finally:
+        await channel.close()
+
+
+def creds(ca=None, client=None):
+    return grpc.ssl_channel_credentials(root_certificates=ca.cert if ca else None,
+                                        private_key=client.key if client else None,
+                                        certificate_chain=client.cert if client else None)
+
+
+def test_tls_needs_the_right_ca(tmp_path):
+    ca, other_ca = make_ca(), make_ca("other CA")
+    server = issue(ca, "localhost", server=True)
+    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert), tls_key_file=write(tmp_path / "tls.key",
+                                                                                           server.key))
+
+    async def main():
+        async with harness(**files) as (router, _, _, _):
+            assert (await model_info(router.port, creds(ca))).vocab_size > 0
+            assert await model_info(router.port, creds(other_ca)) == grpc.StatusCode.UNAVAILABLE
+            assert await model_info(router.port, creds()) == grpc.StatusCode.UNAVAILABLE  # system CAs
+            assert await model_info(router.port) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    asyncio.run(main())
+
+
+def test_mtls_requires_a_client_certificate_from_the_ca(tmp_path):
+    ca, other_ca = make_ca(), make_ca("other CA")
+    server = issue(ca, "localhost", server=True)
+    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
+                 tls_key_file=write(tmp_path / "tls.key", server.key),
+                 tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert))
+
+    async def main():
+        async with harness(**files) as (router, _, _, _):
+            assert (await model_info(router.port, creds(ca, issue(ca, "client", server=False)))).vocab_size > 0
+            assert await model_info(router.port, creds(ca)) == grpc.StatusCode.UNAVAILABLE
+            stranger = issue(other_ca, "client", server=False)
+            assert await model_info(router.port, creds(ca, stranger)) == grpc.StatusCode.UNAVAILABLE
+    asyncio.run(main())
+
+
+def k8s_secret(directory, version: str, files: dict[str, bytes]) -> None:
+    """Writes `files` the way the kubelet updates a mounted Secret: a new `..VERSION` directory, then an atomic
+    swap of the `..data` symlink; the visible names link through `..data`."""
+    target = directory / f"..{version}"
+    target.mkdir()
+    for name, data in files.items():
+        (target / name).write_bytes(data)
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+    (directory / "..data_tmp").symlink_to(target.name)
+    os.replace(directory / "..data_tmp", directory / "..data")
+
+
+def test_certificate_rotation_without_restart(tmp_path):
+    old_ca, new_ca = make_ca("old CA"), make_ca("new CA")
+    old, new = issue(old_ca, "localhost", server=True), issue(new_ca, "localhost", server=True)
+    k8s_secret(tmp_path, "v1", {"tls.crt": old.cert, "tls.key": old.key})
+
+    async def main():
+        async with harness(tls_cert_file=str(tmp_path / "tls.crt"), tls_key_file=str(tmp_path / "tls.key")) as (
+                router, _, _, _):
+            assert (await model_info(router.port, creds(old_ca))).vocab_size > 0
+            # Half a rotation (a new certificate with the old key) is not served: the old pair stays.
+            k8s_secret(tmp_path, "v2", {"tls.crt": new.cert, "tls.key": old.key})
+            assert (await model_info(router.port, creds(old_ca))).vocab_size > 0
+            k8s_secret(tmp_path, "v3", {"tls.crt": new.cert, "tls.key": new.key})
+            assert (await model_info(router.port, creds(new_ca))).vocab_size > 0
+            assert await model_info(router.port, creds(old_ca)) == grpc.StatusCode.UNAVAILABLE
+    asyncio.run(main())
+
+
+def test_token_file_several_tokens_reloaded(tmp_path):
+    tokens = tmp_path / "tokens"
+    write(tokens, "# API tokens\nalpha\n\n  beta  \n")
+    bearer = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
+
+    async def main():
+        async with harness(auth_token_file=str(tokens)) as (router, _, _, channel):
+            for token in ("alpha", "beta"):
+                assert (await model_info(router.port, metadata=bearer(token))).vocab_size > 0
+            for metadata in (bearer("gamma"), bearer("alph"), (("authorization", "alpha"),), None):
+                assert await model_info(router.port, metadata=metadata) == grpc.StatusCode.UNAUTHENTICATED
+            # Undecodable bytes: an unauthenticated caller learns nothing; an authenticated one INVALID_ARGUMENT.
+            raw = channel.unary_unary("/colibri.router.v1.GenerationService/Generate")
+            for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                                   (bearer("beta"), grpc.StatusCode.INVALID_ARGUMENT)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await raw(b"\xff\xff\xff", metadata=metadata)
+                assert err.value.code() == code
+            health = health_pb2_grpc.HealthStub(channel)
+            assert (await health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"))).status == SERVING
+            write(tokens, "gamma\n")  # rotated: the new token works at once, the old ones no longer
+            assert (await model_info(router.port, metadata=bearer("gamma"))).vocab_size > 0
+            assert await model_info(router.port, metadata=bearer("alpha")) == grpc.StatusCode.UNAUTHENTICATED
+            write(tokens, "")  # an emptied file keeps the previous tokens (a half-written file locks nobody out)
+            assert (await model_info(router.port, metadata=bearer("gamma"))).vocab_size > 0
+    asyncio.run(main())
+
+
+def test_plaintext_health_port_beside_tls(tmp_path):
+    ca = make_ca()
+    server = issue(ca, "localhost", server=True)
+    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
+                 tls_key_file=write(tmp_path / "tls.key", server.key))
+    fake = FakeWorker()
+    fake.ready = False
+
+    async def main():
+        async with harness(fake, wait_ready=False, health_port=free_port(), **files) as (router, _, _, _):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.health_port}")
+            health = health_pb2_grpc.HealthStub(channel)
+            check = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name))  # noqa: E731
+            for name in ("", "colibri.liveness"):
+                assert (await check(name)).status == SERVING
+            for name in ("colibri.readiness", "colibri.router.v1.GenerationService"):
+                assert (await check(name)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            fake.ready = True
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
+            await asyncio.sleep(0.05)
+            assert (await check("colibri.readiness")).status == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # the health port serves nothing else
+                await router_pb2_grpc.GenerationServiceStub(channel).ModelInfo(rpb.ModelInfoRequest())
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await channel.close()
+    asyncio.run(main())
+
+
+def test_worker_token_sent_on_every_worker_call(tmp_path, monkeypatch):
+    seen = []
+
+    class RequireToken(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            seen.append((details.method.rsplit("/", 1)[-1], dict(details.invocation_metadata).get("authorization")))
+            return await continuation(details)
+
+    async def main():
+        fake = FakeWorker()
+        server = grpc.aio.server(interceptors=[RequireToken()])
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
+                              worker_token_file=write(tmp_path / "token", "s3cret\n"))
+        router = await start_router(config, f"127.0.0.1:{port}")
+        try:
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+            assert (await router_pb2_grpc.GenerationServiceStub(channel).Generate(
+                ids_request([5], max_new_tokens=2))).generated_tokens == 2
+            await channel.close()
+        finally:
+            await router.stop(0.1)
+            await server.stop(0)
+        assert {m for m, _ in seen} >= {"Info", "Health", "ClearCache", "StepStream"}
+        assert {token for _, token in seen} == {"Bearer s3cret"}
+    asyncio.run(main())
+
+    monkeypatch.setenv("COLIBRI_WORKER_TOKEN", "from-env")
+    config = resolve(RouterConfig, env=os.environ)
+    assert security.worker_token_source(config)() == "from-env" and "from-env" not in repr(config)
+
+
+def test_service_link_variables_are_ignored_with_a_warning(caplog):
+    env = {"COLIBRI_PORT": "tcp://10.0.0.1:50051", "COLIBRI_SERVICE_HOST": "10.0.0.1",
+           "COLIBRI_SERVICE_PORT": "50051", "COLIBRI_PORT_50051_TCP": "tcp://10.0.0.1:50051",
+           "COLIBRI_PORT_50051_TCP_PORT": "50051", "COLIBRI_METRICS_PORT": "udp://10.0.0.2:9090",
+           "COLIBRI_MAX_BATCH_SIZE": "8"}
+    with caplog.at_level(logging.WARNING, "colibri.config"):
+        config = resolve(RouterConfig, env=env)
+    assert config.port == 50051 and config.metrics_port == 9090 and config.max_batch_size == 8
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "COLIBRI_PORT=" in warned and "service link" in warned and "COLIBRI_METRICS_PORT" in warned
+    assert resolve(RouterConfig, env={"COLIBRI_PORT": "tcp://10.0.0.1:50051", "PORT": "7"}).port == 7
+
+
+def test_colibri_generate_over_mtls_with_a_token_file(tmp_path, capsys):
+    ca = make_ca()
+    server, client = issue(ca, "localhost", server=True), issue(ca, "client", server=False)
+    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
+                 tls_key_file=write(tmp_path / "tls.key", server.key),
+                 tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert))
+    token_file = write(tmp_path / "token", "t0k\n")
+
+    async def main():
+        async with harness(auth_token_file=token_file, **files) as (router, _, _, _):
+            parser = generate_cmd.argparse.ArgumentParser()
+            generate_cmd.add_arguments(parser)
+            args = parser.parse_args(["--target", f"127.0.0.1:{router.port}", "--tokens", "5,6", "--show-tokens",
+                                      "--max-new-tokens", "3", "--token-file", token_file, "--tls-ca", files[
+                                          "tls_client_ca_file"], "--tls-cert", write(tmp_path / "c.crt", client.cert),
+                                      "--tls-key", write(tmp_path / "c.key", client.key), "--token", ""])
+            assert await asyncio.to_thread(generate_cmd.run, args) == 0
+            args.tls_cert = args.tls_key = ""
+            assert await asyncio.to_thread(generate_cmd.run, args) == 1  # no client certificate
+    asyncio.run(main())
+    assert "7 8 9" in capsys.readouterr().out
