@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
-from common.errors import ConfigError
+from common.errors import AddressInUseError, ConfigError
 from common.logging_setup import configure_logging
 from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
@@ -146,12 +146,11 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     for name in READINESS:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.port}"
-    router.port = (server.add_secure_port(address, tls.credentials) if tls is not None
-                   else server.add_insecure_port(address))
+    router.port = _bind(server, "router gRPC", address, tls.credentials if tls is not None else None)
     if config.health_port:
         router.health_server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
-        router.health_port = router.health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+        router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
         await router.health_server.start()
     await server.start()
     await batching_loop.start()
@@ -160,6 +159,18 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
              ", bearer tokens" if tokens.enabled else "", config.worker,
              extra={"health_port": router.health_port} if config.health_port else None)
     return router
+
+
+def _bind(server: grpc.aio.Server, role: str, address: str, credentials=None) -> int:
+    """Adds a port (TLS with `credentials`); a port that cannot be bound is AddressInUseError naming role and
+    address (exit code 7, which `colibri serve` does not restart on)."""
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise AddressInUseError(f"{role} {address} is in use or cannot be bound")
+    return port
 
 
 async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:

@@ -244,3 +244,21 @@ def test_colibri_generate_over_mtls_with_a_token_file(tmp_path, capsys):
             assert await asyncio.to_thread(generate_cmd.run, args) == 1  # no client certificate
     asyncio.run(main())
     assert "7 8 9" in capsys.readouterr().out
+
+
+def test_port_in_use_names_the_role_and_address():
+    from common.errors import AddressInUseError
+
+    async def main():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            for overrides in ({"port": port}, {"health_port": port}):
+                config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, **overrides})
+                with pytest.raises(AddressInUseError) as err:
+                    await start_router(config, "127.0.0.1:1")
+                role = "router health" if "health_port" in overrides else "router gRPC"
+                assert str(err.value) == f"{role} 127.0.0.1:{port} is in use or cannot be bound"
+                assert err.value.exit_code == 7
+    asyncio.run(main())
