@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ DENSE_ALIGN = 64
 EXPERT_ALIGN = 4096
 MAX_DIM = 1 << 31             # one tensor dimension
 MAX_FILE_BYTES = 1 << 48      # offsets and sizes: far past any disk, far below int64 overflow
+MAX_JSON_DEPTH = 64           # a manifest is 4 levels deep
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 def expert_file(layer: int) -> str:
@@ -313,11 +317,21 @@ def load_json(path: Path, error: type[Exception]) -> object:
             raise error(f"{path}: number {text} is out of range")
         return value
     try:
-        return json.loads(path.read_text(), parse_constant=reject_constant, parse_float=finite_float)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise error(f"{path}: JSON nested too deeply") from None
+    # Checked before parsing: letting the parser hit Python's recursion limit leaves CPython 3.11's
+    # recursion bookkeeping skewed for later code (seen as "AST constructor recursion depth mismatch").
+    depth = deepest = 0
+    for bracket in _BRACKETS.finditer(_JSON_STRINGS.sub('""', text)):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_JSON_DEPTH:
+        raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
 
 
 def _entry(name: str, raw: object) -> TensorEntry:
