@@ -1,0 +1,1 @@
+"""Training the default model: corpus, tokenizer, Mixtral presets, training loop, routing measurements."""
