@@ -22,7 +22,7 @@ from common.errors import ModelFormatError
 from common.model_format import ModelWriter
 from common.models import config_from_hf, tensor_specs
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 

@@ -85,8 +85,11 @@ class RequestHandle:
         if state.is_done and state.queue.empty():
             raise StopAsyncIteration
         try:
-            item = await asyncio.wait_for(state.queue.get(), max(state.deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
+            # queue yields an item, and a cancelled (disconnected) request would then run to its end.
+            async with asyncio.timeout(max(state.deadline - time.monotonic(), 0.0)):
+                item = await state.queue.get()
+        except TimeoutError:
             self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
             item = state.queue.get_nowait()
         if isinstance(item, BaseException):

@@ -4,6 +4,9 @@
         print(client.generate("Hello", max_new_tokens=16).text)
         for piece in client.stream(token_ids=[1, 2, 3], max_new_tokens=8):
             print(piece.text, end="", flush=True)
+        print(client.chat([{"role": "user", "content": "Hi"}], max_new_tokens=16).text)
+
+The asyncio twin is router_service.async_client.AsyncColibriClient.
 
 Errors surface as grpc.RpcError; `retry_delay(error)` reads the RetryInfo of a RESOURCE_EXHAUSTED answer.
 TLS: `tls_ca` (the CA that signed the router's certificate; `tls=True` alone trusts the system's CAs), plus
@@ -36,6 +39,35 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
         return router_pb2.GenerateRequest(text=prompt, parameters=params, request_id=request_id)
     return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=list(token_ids)), parameters=params,
                                       request_id=request_id)
+
+
+def chat_messages(messages) -> list[router_pb2.ChatMessage]:
+    """ChatMessages from {"role", "content"} dicts, (role, content) pairs or ChatMessages."""
+    out = []
+    for m in messages:
+        if isinstance(m, router_pb2.ChatMessage):
+            out.append(m)
+        elif isinstance(m, dict):
+            out.append(router_pb2.ChatMessage(role=m["role"], content=m.get("content") or ""))
+        else:
+            role, content = m
+            out.append(router_pb2.ChatMessage(role=role, content=content))
+    return out
+
+
+def build_chat_request(messages, request_id: str = "", continue_final_message: bool = False,
+                       chat_template_kwargs: dict | None = None, stream: bool = False, **parameters):
+    """A ChatRequest (ChatStreamRequest with `stream`) from messages plus SamplingParameters fields as keywords."""
+    unknown = set(parameters) - SAMPLING_FIELDS
+    if unknown:
+        raise ValueError(f"unknown parameters {sorted(unknown)} (known: {sorted(SAMPLING_FIELDS)})")
+    params = router_pb2.SamplingParameters(**{k: v for k, v in parameters.items() if v is not None})
+    request = (router_pb2.ChatStreamRequest if stream else router_pb2.ChatRequest)(
+        messages=chat_messages(messages), parameters=params, request_id=request_id,
+        continue_final_message=continue_final_message)
+    if chat_template_kwargs:
+        request.chat_template_kwargs.update(chat_template_kwargs)
+    return request
 
 
 def retry_delay(error: grpc.RpcError) -> float | None:
@@ -104,6 +136,19 @@ class ColibriClient:
                **parameters) -> Iterator[router_pb2.GenerateStreamResponse]:
         request = build_request(prompt, token_ids, request_id, **parameters)
         yield from self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+
+    def chat(self, messages, *, request_id: str = "", continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, **parameters) -> router_pb2.ChatResponse:
+        """The assistant's reply to `messages` (rendered with the model's chat template on the router)."""
+        request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs, **parameters)
+        return self._stub.Chat(request, timeout=self.timeout, metadata=self._metadata)
+
+    def chat_stream(self, messages, *, request_id: str = "", continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None, **parameters
+                    ) -> Iterator[router_pb2.ChatStreamResponse]:
+        request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs,
+                                     stream=True, **parameters)
+        yield from self._stub.ChatStream(request, timeout=self.timeout, metadata=self._metadata)
 
     def tokenize(self, text: str) -> list[int]:
         request = router_pb2.TokenizeRequest(text=text)

@@ -84,6 +84,11 @@ class RouterConfig:
                                       "TLS); needs --tls-cert-file", ("COLIBRI_TLS_CLIENT_CA_FILE",))
     health_port: int = setting(0, "plaintext port serving only grpc.health.v1 (kubelet gRPC probes speak neither "
                                "TLS nor auth); 0 = off", ("COLIBRI_HEALTH_PORT",))
+    http_port: int = setting(0, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                             "/v1/models, /health), with the same auth and TLS as the gRPC port; 0 = off",
+                             ("COLIBRI_HTTP_PORT",))
+    chat_template: str = setting("", "Jinja2 chat template file used instead of the model's (tokenizer_config.json "
+                                 "chat_template)", ("COLIBRI_CHAT_TEMPLATE",))
     max_prompt_bytes: int = setting(0, "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
                                     "tokenizing; 0 = 32 bytes per token of the context the worker reports, at "
                                     "most max_message_bytes", ("COLIBRI_MAX_PROMPT_BYTES",))
@@ -111,7 +116,7 @@ class RouterConfig:
                      "worker_retry_s", "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("port", "metrics_port", "health_port"):
+        for name in ("port", "metrics_port", "health_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router: {name} must be in [0, 65535], got {getattr(self, name)}")
         if self.default_max_new_tokens > self.max_new_tokens:
@@ -127,3 +132,5 @@ class RouterConfig:
             raise ConfigError("router: tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         if self.health_port and self.health_port == self.port:
             raise ConfigError(f"router: health_port must differ from port ({self.port})")
+        if self.http_port and self.http_port in (self.port, self.health_port):
+            raise ConfigError(f"router: http_port must differ from port and health_port ({self.http_port})")

@@ -1,7 +1,9 @@
 """`colibri generate --target ADDR "prompt"` (or `--tokens 1,2,3`): stream a completion to stdout.
 
 Text goes to stdout as it arrives (token ids too, with --show-tokens); the stop reason and token counts go
-to stderr so stdout stays pipeable. A failed call prints the one-line status and exits 1.
+to stderr so stdout stays pipeable, and so do the tokens' log-probabilities with --logprobs (one `id logprob`
+line per token). `--chat` sends the prompt as one user message (ChatStream: the router applies the model's chat
+template), after an optional `--system` message. A failed call prints the one-line status and exits 1.
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--show-tokens", action="store_true", help="print generated token ids instead of text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message, through the model's chat template")
+    parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="print each generated token's log-probability (to stderr, after the text)")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
     parser.add_argument("--token", default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
                         help="bearer token (env COLIBRI_AUTH_TOKEN; prefer the env or --token-file: argv shows in ps)")
@@ -53,10 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("generate: give a text prompt or --tokens, exactly one")
+    if args.chat and args.prompt is None:
+        raise ConfigError("generate: --chat needs a text prompt (the user message)")
     params = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
-    final = None
+                  stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                  logprobs=args.logprobs)
+    final, logprobs = None, []
     try:
         client = ColibriClient(args.target, timeout=args.timeout, token=args.token, token_file=args.token_file,
                                tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -65,7 +75,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"generate: {e}") from None
     try:
         with client:
-            for message in client.stream(args.prompt, token_ids=args.tokens, **params):
+            if args.chat:
+                messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+                stream = client.chat_stream(messages, **params)
+            else:
+                stream = client.stream(args.prompt, token_ids=args.tokens, **params)
+            for message in stream:
+                logprobs += zip(message.token_ids, message.logprobs)
                 if args.show_tokens:
                     if message.token_ids:
                         print(" ".join(map(str, message.token_ids)), end=" ", flush=True)
@@ -76,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ncolibri generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     print()
+    for token_id, logprob in logprobs:
+        print(f"{token_id}\t{logprob:.4f}", file=sys.stderr)
     if final is not None:
         reason = router_pb2.StopReason.Name(final.stop_reason)
         print(f"[{final.request_id}] {reason}, {final.prompt_tokens} prompt + {final.generated_tokens} generated "

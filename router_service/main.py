@@ -1,7 +1,8 @@
 """`colibri router --worker ADDR [--model DIR]`: the public gRPC server in front of one expert worker.
 
 Serves GenerationService, grpc.health.v1 and server reflection, over TLS when configured (router_service/
-security.py), optionally with health alone on a plaintext `--health-port` for kubelet probes. Health services:
+security.py), optionally with health alone on a plaintext `--health-port` for kubelet probes, and with
+`--http-port` the OpenAI-compatible HTTP API on the same event loop (router_service/http_api.py). Health services:
 "" and `colibri.liveness` answer SERVING while the process and its event loop run (the answer comes from the
 loop, so a wedged loop fails the probe); `colibri.readiness` and the GenerationService name are SERVING while
 the worker is connected and ready and we are not draining. SIGTERM: readiness NOT_SERVING at once, new requests
@@ -29,6 +30,8 @@ from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig
 from router_service.batching_loop import BatchingLoop
+from router_service.chat import ChatTemplate
+from router_service.frontend import Frontend
 from router_service.observability import BatchingLoopHooks, ChainedHooks, router_metrics
 from router_service.protocol import DecodeGuardInterceptor
 from router_service.security import BearerAuthInterceptor, TokenSet, server_credentials, worker_token_source
@@ -63,6 +66,8 @@ class Router:
     draining: bool = False
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    http: object | None = None  # router_service.http_api.HttpFront when --http-port is set
+    http_port: int = 0
 
     def set_serving(self, serving: bool) -> None:
         if self.draining:
@@ -90,6 +95,8 @@ class Router:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
         await self.worker.close()
 
 
@@ -137,7 +144,9 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     router = Router(server, 0, batching_loop, health_servicer, worker)
     batching_loop.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
-    router_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(batching_loop, model_name), server)
+    frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
+    servicer = GenerationServicer(batching_loop, frontend=frontend)
+    router_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -152,6 +161,11 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
         router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
         await router.health_server.start()
+    if config.http_port:  # the OpenAI-compatible front, on this event loop, through the same frontend
+        from router_service.http_api import HttpFront, ssl_context
+        router.http = HttpFront(frontend, tokens, ssl_context(config))
+        router.http_port = await router.http.start(config.host, config.http_port)
+        log.info("OpenAI-compatible HTTP API on %s:%d", config.host, router.http_port)
     await server.start()
     await batching_loop.start()
     log.info("router listening on %s:%d (%s%s), worker %s", config.host, router.port,

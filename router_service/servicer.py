@@ -5,12 +5,15 @@ become a status in `errors.to_status`, the one place that maps them. A request l
 `finally`, so a client that cancels or disconnects (the handler task is cancelled) frees its KV blocks at once.
 GenerateStream writes with `context.write` from a coroutine rather than yielding: a cancelled call then unwinds
 in its own task (a suspended generator would be closed later, in another task, where its trace context cannot
-be detached). Text is tokenized off the event loop once every cheap check has passed (validation).
+be detached). Text is tokenized off the event loop once every cheap check has passed (validation). Chat and
+ChatStream render the messages with the chat template and then run exactly as Generate and GenerateStream do;
+the request path itself (admission, validation, submit) is router_service.frontend's, shared with the HTTP front.
 """
 from __future__ import annotations
 
 import time
 
+from google.protobuf import json_format
 from opentelemetry import trace
 
 from common.errors import InvalidRequestError
@@ -19,67 +22,66 @@ from common import tracing as semconv
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
+from router_service.chat import ChatTemplate
+from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.protocol import is_metadata_safe
-from router_service.scheduler import FinishReason
-from router_service.validation import check_text_size, prompt_byte_limit, validate_request_async
-
-STOP_REASONS = {
-    FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
-    FinishReason.EOS: router_pb2.STOP_REASON_EOS,
-    FinishReason.STOP_TOKEN: router_pb2.STOP_REASON_STOP_TOKEN,
-    FinishReason.STOP_SEQUENCE: router_pb2.STOP_REASON_STOP_SEQUENCE,
-}
+from router_service.validation import check_text_size, prompt_byte_limit
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, batching_loop: BatchingLoop, model_name: str = ""):
+    def __init__(self, batching_loop: BatchingLoop, model_name: str = "", chat_template: ChatTemplate | None = None,
+                 frontend: Frontend | None = None):
         self.batching_loop = batching_loop
         self.config = batching_loop.config
-        self._model_name = model_name
+        self.frontend = frontend or Frontend(batching_loop, model_name, chat_template)
 
     @property
     def model_name(self) -> str:
-        info = self.batching_loop.info
-        return self.config.model_name or self._model_name or (info.model_name if info else "") or "colibri"
+        return self.frontend.model_name
 
-    async def _submit(self, request: router_pb2.GenerateRequest, context, stream: bool) -> RequestHandle:
-        if self.batching_loop.is_draining:
-            raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
-        if self.batching_loop.limits is None:
-            raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
-        req = await validate_request_async(request, self.config, self.batching_loop.limits,
-                                           self.batching_loop.tokenizer)
+    async def _submit(self, request, context, stream: bool) -> RequestHandle:
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        span = trace.get_current_span()
-        _set_request_attributes(span, self.model_name, req, stream)
-        return self.batching_loop.submit(req, deadline, span.get_span_context())
+        if isinstance(request, router_pb2.GenerateRequest):
+            return await self.frontend.submit(request, deadline, stream)
+        kwargs = (json_format.MessageToDict(request.chat_template_kwargs)
+                  if request.HasField("chat_template_kwargs") else None)
+        options = ChatOptions(continue_final_message=request.continue_final_message, template_kwargs=kwargs)
+        return await self.frontend.submit_chat(request.messages, request.parameters, request.request_id, deadline,
+                                               stream, options)
 
     async def Generate(self, request, context):
-        with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
+        return await self._unary(request, context, router_pb2.GenerateResponse)
+
+    async def GenerateStream(self, request, context):
+        await self._stream(request, context, router_pb2.GenerateStreamResponse)
+
+    async def Chat(self, request, context):
+        return await self._unary(request, context, router_pb2.ChatResponse, OPERATION_CHAT)
+
+    async def ChatStream(self, request, context):
+        await self._stream(request, context, router_pb2.ChatStreamResponse, OPERATION_CHAT)
+
+    async def _unary(self, request, context, response_type, operation: str = semconv.OPERATION_TEXT_COMPLETION):
+        with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
             handle = None
             try:
                 handle = await self._submit(request, context, stream=False)
-                token_ids, text, logprobs, reason = [], [], [], None
-                async for delta in handle:
-                    token_ids += delta.token_ids
-                    text.append(delta.text)
-                    logprobs += delta.logprobs
-                    reason = delta.finish_reason or reason
-                _set_usage(handle, len(token_ids), reason)
-                return router_pb2.GenerateResponse(
-                    request_id=handle.request_id, token_ids=token_ids, text="".join(text),
-                    stop_reason=STOP_REASONS.get(reason, router_pb2.STOP_REASON_UNSPECIFIED),
-                    prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(token_ids), logprobs=logprobs,
-                    routing=self._routing())
+                out = await collect(handle)
+                set_usage(handle, len(out.token_ids), out.finish_reason)
+                return response_type(
+                    request_id=handle.request_id, token_ids=out.token_ids, text=out.text,
+                    stop_reason=STOP_REASONS.get(out.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED),
+                    prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(out.token_ids),
+                    logprobs=out.logprobs, routing=self._routing())
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
                 if handle is not None:
                     handle.cancel()
 
-    async def GenerateStream(self, request, context):
-        with start_server_span(request_span_name(self.model_name), context.invocation_metadata()):
+    async def _stream(self, request, context, message_type, operation: str = semconv.OPERATION_TEXT_COMPLETION):
+        with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
             handle = None
             try:
                 handle = await self._submit(request, context, stream=True)
@@ -87,7 +89,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 generated = 0
                 async for delta in handle:
                     generated += len(delta.token_ids)
-                    message = router_pb2.GenerateStreamResponse(
+                    message = message_type(
                         request_id=handle.request_id, token_ids=delta.token_ids, text=delta.text,
                         logprobs=delta.logprobs)
                     if delta.finish_reason is not None:
@@ -96,7 +98,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.prompt_tokens = handle.num_prompt_tokens
                         message.generated_tokens = generated
                         message.routing = self._routing()
-                        _set_usage(handle, generated, delta.finish_reason)
+                        set_usage(handle, generated, delta.finish_reason)
                     await context.write(message)
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
@@ -126,7 +128,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0))
 
     def _routing(self) -> str:
-        return self.batching_loop.info.routing if self.batching_loop.info is not None else ""
+        return self.frontend.routing
 
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""
@@ -149,20 +151,3 @@ def _hf_config(text: str) -> dict:
         return value if isinstance(value, dict) else {}
     except ValueError:
         return {}
-
-
-def _set_request_attributes(span, model_name: str, req, stream: bool) -> None:
-    # OTel GenAI semantic conventions (Development status as of semconv 1.37); prompts are never recorded.
-    span.set_attributes({
-        semconv.GEN_AI_OPERATION_NAME: semconv.OPERATION_TEXT_COMPLETION,
-        semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER_COLIBRI, semconv.GEN_AI_REQUEST_MODEL: model_name,
-        semconv.GEN_AI_REQUEST_MAX_TOKENS: req.max_new_tokens, semconv.GEN_AI_REQUEST_TEMPERATURE: req.temperature,
-        semconv.GEN_AI_REQUEST_TOP_P: req.top_p, semconv.GEN_AI_REQUEST_TOP_K: req.top_k,
-        semconv.GEN_AI_REQUEST_SEED: req.seed, semconv.GEN_AI_REQUEST_STREAM: stream,
-        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_ids)})
-
-
-def _set_usage(handle: RequestHandle, generated: int, reason) -> None:
-    span = trace.get_current_span()
-    span.set_attributes({semconv.GEN_AI_RESPONSE_ID: handle.request_id, semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
-                         semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"]})

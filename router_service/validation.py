@@ -71,10 +71,12 @@ def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limi
 
 
 async def validate_request_async(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
-                                 tokenizer=None) -> ValidatedRequest:
-    """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread."""
+                                 tokenizer=None, add_special_tokens: bool = True) -> ValidatedRequest:
+    """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread.
+    `add_special_tokens=False` for text that already has them (a rendered chat template)."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
-    return _complete(req, config, limits, await tokenizer.encode_async(text) if text is not None else None)
+    ids = await tokenizer.encode_async(text, add_special_tokens) if text is not None else None
+    return _complete(req, config, limits, ids)
 
 
 def prompt_byte_limit(config: RouterConfig, limits: ModelLimits | None) -> int:

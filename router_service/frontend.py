@@ -1,0 +1,162 @@
+"""What the two public fronts (the gRPC servicer and the OpenAI-compatible HTTP server) share: one code path from
+a request to the batching loop and back.
+
+Both turn their request into a GenerateRequest (a chat's messages are first rendered with the chat template),
+which `Frontend.submit` admits (draining, worker readiness), validates (router_service.validation), annotates
+on the current span and hands to `BatchingLoop.submit`; answers are read from the RequestHandle's Deltas, and
+`collect` gathers a unary answer. Rejections before the batching loop are counted with `count_rejection`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from common import tracing as semconv
+from common.errors import InvalidRequestError
+from common.pb import router_pb2
+from router_service import errors
+from router_service.batching_loop import BatchingLoop, RequestHandle
+from router_service.chat import ChatTemplate, message_dicts
+from router_service.scheduler import FinishReason
+from router_service.validation import check_text_size, prompt_byte_limit, validate_request_async
+
+OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
+
+STOP_REASONS = {
+    FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
+    FinishReason.EOS: router_pb2.STOP_REASON_EOS,
+    FinishReason.STOP_TOKEN: router_pb2.STOP_REASON_STOP_TOKEN,
+    FinishReason.STOP_SEQUENCE: router_pb2.STOP_REASON_STOP_SEQUENCE,
+}
+
+
+@dataclass
+class Completion:
+    """A whole answer, gathered from a request's Deltas."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # None = not continue_final_message
+    template_kwargs: dict | None = None
+
+
+class Frontend:
+    """The shared request path over one batching loop."""
+
+    def __init__(self, batching_loop: BatchingLoop, model_name: str = "", chat_template: ChatTemplate | None = None):
+        self.batching_loop = batching_loop
+        self.config = batching_loop.config
+        self.chat_template = chat_template
+        self._model_name = model_name
+
+    @property
+    def model_name(self) -> str:
+        info = self.batching_loop.info
+        return self.config.model_name or self._model_name or (info.model_name if info else "") or "colibri"
+
+    @property
+    def routing(self) -> str:
+        return self.batching_loop.info.routing if self.batching_loop.info is not None else ""
+
+    def check_ready(self) -> None:
+        if self.batching_loop.is_draining:
+            raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
+        if self.batching_loop.limits is None:
+            raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+
+    async def submit(self, request: router_pb2.GenerateRequest, deadline: float | None, stream: bool, *,
+                     add_special_tokens: bool = True, operation: str = semconv.OPERATION_TEXT_COMPLETION
+                     ) -> RequestHandle:
+        """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
+        request timeout alone). Raises InvalidRequestError or a RouterError."""
+        self.check_ready()
+        req = await validate_request_async(request, self.config, self.batching_loop.limits,
+                                           self.batching_loop.tokenizer, add_special_tokens=add_special_tokens)
+        span = trace.get_current_span()
+        set_request_attributes(span, self.model_name, req, stream, operation)
+        return self.batching_loop.submit(req, deadline, span.get_span_context())
+
+    def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
+        """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts)."""
+        if self.chat_template is None:
+            raise InvalidRequestError(field, "this model has no chat template (tokenizer_config.json); start the "
+                                             "router with --chat-template FILE, or send a text prompt")
+        if self.batching_loop.tokenizer is None:
+            raise InvalidRequestError(field, "chat needs the model's tokenizer (start the router with --model DIR)")
+        dicts = message_dicts(messages, field)
+        # Bound what the template sees before rendering it (the rendered text is checked again).
+        check_text_size(field, "".join(m.get("content", "") for m in dicts),
+                        prompt_byte_limit(self.config, self.batching_loop.limits))
+        try:
+            add = options.add_generation_prompt
+            return self.chat_template.render(dicts, add_generation_prompt=not options.continue_final_message
+                                             if add is None else add,
+                                             continue_final_message=options.continue_final_message,
+                                             template_kwargs=options.template_kwargs)
+        except InvalidRequestError as e:
+            if e.field.startswith("messages") and field != "messages":
+                raise InvalidRequestError(field + e.field[len("messages"):], detail(e)) from None
+            raise
+
+    async def submit_chat(self, messages, parameters: router_pb2.SamplingParameters, request_id: str,
+                          deadline: float | None, stream: bool, options: ChatOptions = ChatOptions(),
+                          field: str = "messages") -> RequestHandle:
+        """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
+        (the template wrote them). Errors about the prompt text name `field`."""
+        self.check_ready()
+        text = self.render_chat(messages, options, field)
+        if not text:
+            raise InvalidRequestError(field, "the chat template rendered no text")
+        request = router_pb2.GenerateRequest(text=text, parameters=parameters, request_id=request_id)
+        try:
+            return await self.submit(request, deadline, stream, add_special_tokens=False, operation=OPERATION_CHAT)
+        except InvalidRequestError as e:
+            if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
+                raise InvalidRequestError(field, detail(e)) from None
+            raise
+
+    def count_rejection(self, error: Exception) -> None:
+        """Counts a request that failed before reaching the batching loop (as the loop counts the others)."""
+        self.batching_loop.hooks.on_rejected(errors.to_status(error).code.name.lower())
+
+
+def detail(error: InvalidRequestError) -> str:
+    """The message of an InvalidRequestError without its `field: ` prefix."""
+    return str(error)[len(error.field) + 2:]
+
+
+async def collect(handle: RequestHandle) -> Completion:
+    """The request's whole answer (waits for its last Delta)."""
+    out, text = Completion(), []
+    async for delta in handle:
+        out.token_ids += delta.token_ids
+        text.append(delta.text)
+        out.logprobs += delta.logprobs
+        out.finish_reason = delta.finish_reason or out.finish_reason
+    out.text = "".join(text)
+    return out
+
+
+def set_request_attributes(span, model_name: str, req, stream: bool,
+                           operation: str = semconv.OPERATION_TEXT_COMPLETION) -> None:
+    # OTel GenAI semantic conventions (Development status as of semconv 1.37); prompts are never recorded.
+    span.set_attributes({
+        semconv.GEN_AI_OPERATION_NAME: operation,
+        semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER_COLIBRI, semconv.GEN_AI_REQUEST_MODEL: model_name,
+        semconv.GEN_AI_REQUEST_MAX_TOKENS: req.max_new_tokens, semconv.GEN_AI_REQUEST_TEMPERATURE: req.temperature,
+        semconv.GEN_AI_REQUEST_TOP_P: req.top_p, semconv.GEN_AI_REQUEST_TOP_K: req.top_k,
+        semconv.GEN_AI_REQUEST_SEED: req.seed, semconv.GEN_AI_REQUEST_STREAM: stream,
+        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_ids)})
+
+
+def set_usage(handle: RequestHandle, generated: int, reason) -> None:
+    span = trace.get_current_span()
+    span.set_attributes({semconv.GEN_AI_RESPONSE_ID: handle.request_id, semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
+                         semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"]})

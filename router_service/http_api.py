@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP front (`--http-port`): aiohttp on the router's own event loop.
+
+POST /v1/completions and /v1/chat/completions (streamed as server-sent events when `stream` is true: one
+`data: {chunk}` per piece, with `stream_options.include_usage` a last chunk with `choices: []` and the usage,
+then `data: [DONE]`), GET /v1/models (and /v1/models/{id}), GET /health (no auth: 200 while the worker is ready
+and the router is not draining, else 503). Requests take the gRPC front's path (router_service.frontend):
+the same validation, admission, deadlines, metrics and spans (the caller's `traceparent` header is honoured).
+Bearer tokens are checked as on the gRPC port (router_service.security), and the port serves TLS with the
+gRPC port's certificate files when they are configured. A client that disconnects cancels its request: the
+handler task is cancelled (aiohttp's handler_cancellation), which frees the request's KV blocks within a step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import time
+
+from aiohttp import web
+
+from common import tracing as semconv
+from common.errors import AddressInUseError
+from common.tracing import request_span_name, start_server_span
+from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
+from router_service.openai_api import (HTTP_STATUS, ApiError, api_error, choice, envelope, generate_request,
+                                       logprobs_field, parse_request, response, usage)
+from router_service.protocol import is_metadata_safe
+
+log = logging.getLogger("colibri.router.http")
+OUTCOMES = {status: code.name.lower() for code, status in HTTP_STATUS.items()}
+UNAUTHENTICATED = "missing or wrong bearer token (Authorization: Bearer ...)"
+
+
+def authorized(tokens, authorization: str) -> bool:
+    """The router's bearer-token check (the one the gRPC interceptor uses); no tokens configured = open."""
+    return tokens is None or not tokens.enabled or tokens.accepts(authorization)
+
+
+def error_response(error: ApiError, request_id: str = "") -> web.Response:
+    headers = dict(error.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+class HttpFront:
+    """The aiohttp application and its server; `start` binds, `stop` closes."""
+
+    def __init__(self, frontend: Frontend, tokens=None, ssl_context: ssl.SSLContext | None = None):
+        self.frontend, self.tokens, self.ssl_context = frontend, tokens, ssl_context
+        self.config = frontend.config
+        self.created = int(time.time())
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[self._middleware])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        # handler_cancellation: a client that disconnects cancels its handler, hence its request.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
+        try:
+            await site.start()
+        except OSError:
+            await self.stop()
+            raise AddressInUseError(f"router HTTP {host}:{port} is in use or cannot be bound") from None
+        self.port = self._runner.addresses[0][1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- middleware: auth and OpenAI-shaped errors for what never reached a handler ----
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
+            return error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = f"{request.method} {request.path}: {e.reason}"
+            return error_response(ApiError(e.status, message, "invalid_request_error" if e.status < 500
+                                           else "server_error"))
+
+    # ---- routes ----
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            self.frontend.check_ready()
+            if not self.frontend.batching_loop.is_worker_ready:
+                raise ApiError(503, "the worker is not ready", "server_error", code="worker_unavailable")
+        except Exception as e:
+            return error_response(api_error(e))
+        return web.json_response({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        card = {"id": self.frontend.model_name, "object": "model", "created": self.created, "owned_by": "colibri"}
+        limits = self.frontend.batching_loop.limits
+        if limits is not None:
+            card["max_model_len"] = min(limits.max_sequence_length, limits.kv_capacity_tokens)
+        return card
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.frontend.model_name:
+            return error_response(ApiError(404, f"The model `{name}` does not exist.", param="model",
+                                           code="model_not_found"))
+        return web.json_response(self._model_card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    # ---- the request path ----
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        request_id = request.headers.get("X-Request-Id", "")
+        operation = OPERATION_CHAT if kind == "chat" else semconv.OPERATION_TEXT_COMPLETION
+        frontend = self.frontend
+        with start_server_span(request_span_name(frontend.model_name, operation), request.headers.items()) as span:
+            handle, parsed = None, None
+            try:
+                parsed = parse_request(await _json_body(request), kind, frontend.model_name)
+                if kind == "chat":
+                    handle = await frontend.submit_chat(parsed.messages, parsed.parameters, request_id, None,
+                                                        parsed.stream, parsed.chat_options)
+                else:
+                    handle = await frontend.submit(generate_request(parsed, request_id), None, parsed.stream)
+                if parsed.stream:
+                    return await self._stream(request, parsed, handle)
+                out = await collect(handle)
+                set_usage(handle, len(out.token_ids), out.finish_reason)
+                body = response(parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens,
+                                frontend.batching_loop.tokenizer)
+                return web.json_response(body, headers={"X-Request-Id": handle.request_id})
+            except ConnectionError:  # the client went away mid-answer: nothing to answer
+                raise
+            except Exception as e:
+                error = api_error(e, kind, handle.request_id if handle else request_id,
+                                  parsed.max_tokens_name if parsed else "max_tokens")
+                span.set_attribute(semconv.ERROR_TYPE, getattr(e, "reason", None) or error.code or error.type)
+                if handle is None:
+                    frontend.batching_loop.hooks.on_rejected(OUTCOMES.get(error.status, "invalid_argument"))
+                echo = handle.request_id if handle else request_id
+                safe = is_metadata_safe(echo) and len(echo) <= self.config.max_request_id_length
+                return error_response(error, echo if safe else "")
+            finally:
+                if handle is not None:
+                    handle.cancel()
+
+    async def _stream(self, request: web.Request, parsed, handle) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": handle.request_id})
+        await resp.prepare(request)
+        kind, model, created = parsed.kind, self.frontend.model_name, int(time.time())
+        tokenizer = self.frontend.batching_loop.tokenizer
+        generated, first, offset = 0, kind == "chat", 0
+        try:
+            async for delta in handle:
+                generated += len(delta.token_ids)
+                if not (delta.text or first or delta.finish_reason is not None
+                        or (parsed.logprobs and delta.token_ids)):
+                    continue
+                lp = None
+                if parsed.logprobs:
+                    lp = logprobs_field(kind, tokenizer, delta.token_ids, delta.logprobs, offset)
+                offset += len(delta.text)
+                chunk = envelope(kind, handle.request_id, model, created,
+                                 [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)], True)
+                if parsed.include_usage:
+                    chunk["usage"] = None
+                first = False
+                if delta.finish_reason is not None:
+                    set_usage(handle, generated, delta.finish_reason)
+                await _event(resp, chunk)
+            if parsed.include_usage:
+                chunk = envelope(kind, handle.request_id, model, created, [], True)
+                chunk["usage"] = usage(handle.num_prompt_tokens, generated)
+                await _event(resp, chunk)
+        except ConnectionError:  # the client went away: the caller's `finally` cancels the request
+            return resp
+        except Exception as e:  # the status line is sent: the error travels as an event
+            await _event(resp, api_error(e, kind, handle.request_id, parsed.max_tokens_name).body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _event(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(413, f"the body is larger than {e.max_size} bytes (max_message_bytes)") from None
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+def ssl_context(config) -> ssl.SSLContext | None:
+    """TLS for the HTTP port from the gRPC port's files (mutual when a client CA is set), re-read when they
+    change: each handshake takes the newest context."""
+    if not config.tls_cert_file:
+        return None
+    from router_service.security import WatchedFiles
+    paths = [config.tls_cert_file, config.tls_key_file] + ([config.tls_client_ca_file]
+                                                           if config.tls_client_ca_file else [])
+
+    def build(_contents) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        if config.tls_client_ca_file:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(config.tls_client_ca_file)
+        return context
+
+    watched = WatchedFiles(paths, build, "http tls")
+    base = watched.value
+
+    def newest(connection, _server_name, _context) -> None:
+        current = watched.current()
+        if current is not base:
+            connection.context = current
+
+    base.sni_callback = newest
+    return base

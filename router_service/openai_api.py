@@ -1,0 +1,267 @@
+"""OpenAI's protocol, as data: request bodies -> the router's SamplingParameters, answers and stream chunks ->
+OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O here (router_service/http_api.py).
+
+Accepted: OpenAI's fields with n = 1 and vLLM's usual extensions (top_k, min_tokens, stop_token_ids,
+ignore_eos, add_generation_prompt, continue_final_message, chat_template_kwargs). Fields asking for what the
+router does not do (n > 1, echo, suffix, penalties, logit_bias, tools, top logprobs, JSON response formats) are
+refused with 400 naming them rather than silently ignored; fields that change nothing (user, metadata, ...)
+are ignored.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2
+from router_service import errors
+from router_service.frontend import ChatOptions, Completion, detail
+from router_service.scheduler import FinishReason
+
+MAX_UINT32 = (1 << 32) - 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# Router validation fields (after `parameters.`) -> OpenAI parameter names.
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_sequences": "stop",
+               "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+               "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop",
+                  FinishReason.STOP_SEQUENCE: "stop"}
+# (field, the only values accepted): what the router cannot do yet.
+UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
+               ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("repetition_penalty", (None, 1)),
+               ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])))
+
+
+class ApiError(Exception):
+    """An HTTP error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def api_error(exc: BaseException, kind: str = "completion", request_id: str = "",
+              max_tokens_name: str = "max_tokens") -> ApiError:
+    """The OpenAI error for anything a request raised (unexpected exceptions are logged, their text hidden)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        param = openai_param(exc.field, kind, max_tokens_name)
+        message = f"{param}: {detail(exc)}" if param else str(exc)
+        too_long = "max_sequence_length (" in message or "KV capacity (" in message
+        code = "context_length_exceeded" if too_long else None
+        return ApiError(400, message, "invalid_request_error", param, code)
+    status = errors.to_status(exc, request_id)  # the gRPC front's mapping and message (INTERNAL is logged there)
+    http = HTTP_STATUS.get(status.code, 500)
+    reason = getattr(exc, "reason", "INTERNAL").lower()
+    headers = {}
+    if isinstance(exc, errors.Overloaded):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    kind_name = {401: "invalid_request_error", 429: "rate_limit_error"}.get(http, "server_error")
+    return ApiError(http, status.details, kind_name, None,
+                    "invalid_api_key" if http == 401 else reason, headers)
+
+
+def openai_param(field_name: str, kind: str, max_tokens_name: str = "max_tokens") -> str:
+    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays."""
+    if field_name.startswith("parameters."):
+        rest = field_name[len("parameters."):]
+        base, bracket, index = rest.partition("[")
+        name = PARAM_NAMES.get(base, base)
+        name = max_tokens_name if name == "max_tokens" else name
+        return name + (bracket + index if bracket else "")
+    if field_name.startswith(("text", "token_ids", "prompt")):
+        return "prompt" if kind == "completion" else "messages"
+    return field_name
+
+
+# ---- requests ----
+@dataclass
+class ParsedRequest:
+    kind: str  # "completion" or "chat"
+    parameters: router_pb2.SamplingParameters
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    prompt: str | list[int] | None = None  # completion
+    messages: list = field(default_factory=list)  # chat
+    chat_options: ChatOptions = ChatOptions()
+    max_tokens_name: str = "max_tokens"
+
+
+def _get(body: dict, name: str, types, default=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"{name}: must be {what}, got {value!r}", param=name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"{name}: must be {what}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _int(body, name, default=None, low=0, high=MAX_UINT32):
+    value = _get(body, name, int, default, "an integer")
+    if value is not None and not low <= value <= high:
+        raise ApiError(400, f"{name}: must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def _float(body, name, default):
+    return float(_get(body, name, (int, float), default, "a number"))
+
+
+def parse_request(body, kind: str, model_name: str) -> ParsedRequest:
+    """Checks the OpenAI fields and converts them; the router's own validation checks the values later."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{model_name}`).",
+                       param="model", code="model_not_found")
+    for name, allowed in UNSUPPORTED:
+        if name in body and body[name] not in allowed:
+            raise ApiError(400, f"{name}: not supported by this server (allowed: "
+                                f"{', '.join(repr(a) for a in allowed if a is not None)})", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    stream = _get(body, "stream", bool, False, "a boolean")
+    options = _get(body, "stream_options", dict, None, "an object")
+    if options is not None and not stream:
+        raise ApiError(400, "stream_options: only allowed with stream = true", param="stream_options")
+    include_usage = bool(options and _get(options, "include_usage", bool, False, "a boolean"))
+
+    max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, max_tokens_name, COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else 0,
+                      low=1 if body.get(max_tokens_name) is not None else 0)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
+    stop_ids = _get(body, "stop_token_ids", list, [], "a list of integers")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_UINT32 for i in stop_ids):
+        raise ApiError(400, "stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
+    top_k = _int(body, "top_k", 0, low=-1)
+    seed = _int(body, "seed", None, low=-(1 << 63), high=(1 << 64) - 1)
+    params = router_pb2.SamplingParameters(
+        temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0), top_k=max(top_k, 0),
+        max_new_tokens=max_tokens, min_new_tokens=_int(body, "min_tokens", 0), stop_sequences=stop or [],
+        stop_token_ids=stop_ids, ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"))
+    if seed is not None:
+        params.seed = seed % (1 << 64)
+    parsed = ParsedRequest(kind, params, stream, include_usage, max_tokens_name=max_tokens_name)
+    if kind == "completion":
+        logprobs = _int(body, "logprobs", None, high=5)
+        if logprobs:
+            raise ApiError(400, "logprobs: only 0 (the sampled tokens' log-probabilities) is supported",
+                           param="logprobs")
+        parsed.logprobs = logprobs is not None
+        parsed.prompt = _prompt(body)
+    else:
+        parsed.logprobs = _get(body, "logprobs", bool, False, "a boolean")
+        if _int(body, "top_logprobs", 0, high=20):
+            raise ApiError(400, "top_logprobs: only 0 is supported (the sampled tokens' log-probabilities come "
+                                "with logprobs = true)", param="top_logprobs")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: required, a non-empty list of {role, content} objects", param="messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages: each message must be an object", param="messages")
+        parsed.messages = messages
+        cont = _get(body, "continue_final_message", bool, False, "a boolean")
+        add = _get(body, "add_generation_prompt", bool, not cont, "a boolean")
+        kwargs = _get(body, "chat_template_kwargs", dict, None, "an object")
+        parsed.chat_options = ChatOptions(continue_final_message=cont, add_generation_prompt=add,
+                                          template_kwargs=kwargs)
+    params.logprobs = parsed.logprobs
+    return parsed
+
+
+def _prompt(body) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        if not all(0 <= i <= MAX_UINT32 for i in prompt):
+            raise ApiError(400, "prompt: token ids must be non-negative", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "prompt: one prompt per request (send a batch as separate requests)", param="prompt")
+    raise ApiError(400, "prompt: required, a string or a list of token ids", param="prompt")
+
+
+def generate_request(parsed: ParsedRequest, request_id: str) -> router_pb2.GenerateRequest:
+    if isinstance(parsed.prompt, str):
+        return router_pb2.GenerateRequest(text=parsed.prompt, parameters=parsed.parameters, request_id=request_id)
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=parsed.prompt), parameters=parsed.parameters,
+                                      request_id=request_id)
+
+
+# ---- answers ----
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return FINISH_REASONS.get(reason) if reason is not None else None
+
+
+def token_texts(tokenizer, token_ids) -> list[str]:
+    if tokenizer is None:
+        return [f"token_id:{i}" for i in token_ids]
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in token_ids]
+
+
+def logprobs_field(kind: str, tokenizer, token_ids, logprobs, offset: int = 0) -> dict:
+    tokens = token_texts(tokenizer, token_ids)
+    if kind == "chat":
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(tokens, logprobs)]}
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def choice(kind: str, text: str, reason, logprobs, stream: bool, first: bool = False) -> dict:
+    if kind == "completion":
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    if stream:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int, choices: list, stream: bool) -> dict:
+    obj = ("text_completion" if kind == "completion" else
+           "chat.completion.chunk" if stream else "chat.completion")
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices,
+            "system_fingerprint": None}
+
+
+def response(parsed: ParsedRequest, request_id: str, model: str, out: Completion, prompt_tokens: int,
+             tokenizer) -> dict:
+    lp = logprobs_field(parsed.kind, tokenizer, out.token_ids, out.logprobs) if parsed.logprobs else None
+    body = envelope(parsed.kind, request_id, model, int(time.time()),
+                    [choice(parsed.kind, out.text, out.finish_reason, lp, stream=False)], stream=False)
+    body["usage"] = usage(prompt_tokens, len(out.token_ids))
+    return body

@@ -1,0 +1,250 @@
+"""Chat templates render as transformers' apply_chat_template does, and the Chat / ChatStream RPCs answer as
+Generate does on the rendered prompt (tokenized without adding special tokens)."""
+import asyncio
+import json
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from common.errors import ConfigError, InvalidRequestError
+from common.pb import router_pb2 as rpb
+from expert_service.tiny_model import BOS_ID, SPECIAL_TOKENS, byte_tokenizer
+from router_service.chat import ChatTemplate
+from router_service.tokenizer import Tokenizer
+from tests.helpers import running_router
+
+BOS, EOS = SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]
+
+# Representative templates of the four families, written the way their tokenizer_config.json files write them.
+MIXTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+QWEN2_MOE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+QWEN3_MOE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- if '</think>' in content %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and loop.last %}
+            {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+OLMOE = """{{ bos_token }}{% for message in messages %}
+{% if message['role'] == 'system' %}
+{{ '<|system|>\\n' + message['content'] + '\\n' }}
+{% elif message['role'] == 'user' %}
+{{ '<|user|>\\n' + message['content'] + '\\n' }}
+{% elif message['role'] == 'assistant' %}
+{% if not loop.last %}
+{{ '<|assistant|>\\n'  + message['content'] + eos_token + '\\n' }}
+{% else %}
+{{ '<|assistant|>\\n'  + message['content'] + eos_token }}
+{% endif %}
+{% endif %}
+{% if loop.last and add_generation_prompt %}
+{{ '<|assistant|>\\n' }}
+{% endif %}
+{% endfor %}"""
+# The globals and filters transformers gives templates: tojson (no HTML escaping), namespace, dict, loop controls.
+HELPERS = """{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}
+{% set ns.n = ns.n + 1 %}{{ m | tojson }}|{{ dict(role=m.role) | tojson }}|{{ m.content | length }}
+{% endfor %}{{ ns.n }}{{ bos_token }}{{ eos_token }}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Write a haiku <b>&</b> \"quotes\" é ü 漢字"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "<think>sum</think>\n4"}, {"role": "user", "content": "and 3+3?"}],
+]
+
+
+def hf_tokenizer(template, post_bos=False):
+    from transformers import PreTrainedTokenizerFast
+    backend = byte_tokenizer()
+    if post_bos:  # like Llama/Mixtral tokenizers: encode() prepends BOS
+        from tokenizers.processors import TemplateProcessing
+        backend.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=SPECIAL_TOKENS[0],
+                                   chat_template=template)
+
+
+def model_dir(tmp_path, template, **extra):
+    config = {"bos_token": BOS, "eos_token": {"content": EOS, "special": True}, "unk_token": SPECIAL_TOKENS[0],
+              "chat_template": template, **extra}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,template", [("mixtral", MIXTRAL), ("qwen2_moe", QWEN2_MOE), ("qwen3_moe", QWEN3_MOE),
+                                           ("olmoe", OLMOE), ("helpers", HELPERS)])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_templates_render_like_transformers(tmp_path, name, template, add_generation_prompt):
+    ours = ChatTemplate.load(model_dir(tmp_path, template))
+    hf = hf_tokenizer(template)
+    for messages in CONVERSATIONS:
+        if name == "mixtral" and messages[0]["role"] == "system":
+            continue  # refused by the template (tested below)
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert ours.render(messages, add_generation_prompt=add_generation_prompt) == want
+
+
+def test_template_kwargs_and_continue_final_message_like_transformers(tmp_path):
+    ours, hf = ChatTemplate.load(model_dir(tmp_path, QWEN3_MOE)), hf_tokenizer(QWEN3_MOE)
+    messages = CONVERSATIONS[2]
+    got = ours.render(messages, template_kwargs={"enable_thinking": False})
+    assert got == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert got.endswith("<think>\n\n</think>\n\n")
+    prefill = messages + [{"role": "assistant", "content": "The answer is"}]
+    got = ours.render(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert got == hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert got.endswith("The answer is")
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs: must not set messages"):
+        ours.render(messages, template_kwargs={"messages": []})
+
+
+def test_rendered_chat_tokenizes_without_a_second_bos(tmp_path):
+    hf = hf_tokenizer(MIXTRAL, post_bos=True)
+    ours = ChatTemplate.load(model_dir(tmp_path, MIXTRAL))
+    tokenizer = Tokenizer(hf.backend_tokenizer)
+    text = ours.render(CONVERSATIONS[1])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == hf.apply_chat_template(CONVERSATIONS[1], tokenize=True, return_dict=False)
+    assert ids.count(BOS_ID) == 1 and ids[0] == BOS_ID
+    assert tokenizer.encode(text)[:2] == [BOS_ID, BOS_ID]  # what adding special tokens again would do
+
+
+def test_errors_name_the_message(tmp_path):
+    ours = ChatTemplate.load(model_dir(tmp_path, MIXTRAL))
+    bad = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+           {"role": "assistant", "content": "c"}]
+    with pytest.raises(InvalidRequestError) as e:
+        ours.render(bad)
+    assert e.value.field == "messages[2]" and "Conversation roles must alternate" in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        ours.render([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+    assert e.value.field == "messages[0]"  # the alternation check fails first, on the system message
+    with pytest.raises(InvalidRequestError, match="messages: must not be empty"):
+        ours.render([])
+    escape = ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__ }}")
+    with pytest.raises(InvalidRequestError, match="messages\\[0\\]: chat template"):
+        escape.render([{"role": "user", "content": "x"}])
+    private = ChatTemplate("{% set ns = namespace(_x=1) %}{{ ns._x }}")
+    with pytest.raises(InvalidRequestError, match="underscore"):
+        private.render([{"role": "user", "content": "x"}])
+
+
+def test_where_templates_come_from(tmp_path):
+    assert ChatTemplate.load(model_dir(tmp_path, None)) is None  # no chat template: chat is off
+    named = [{"name": "default", "template": QWEN2_MOE}, {"name": "tool_use", "template": "tools"}]
+    assert ChatTemplate.load(model_dir(tmp_path, named)).source == QWEN2_MOE
+    assert ChatTemplate.load(model_dir(tmp_path, [{"name": "rag", "template": "x"}])) is None
+    (tmp_path / "chat_template.jinja").write_text(OLMOE)  # transformers' newer layout wins
+    assert ChatTemplate.load(tmp_path).source == OLMOE
+    override = tmp_path / "mine.jinja"
+    override.write_text("{{ eos_token }}{{ messages[0].content }}")
+    loaded = ChatTemplate.load(tmp_path, override)
+    assert loaded.render([{"role": "user", "content": "x"}]) == EOS + "x"  # special tokens from the model
+    override.write_text("{% if %}")
+    with pytest.raises(ConfigError, match="line 1"):
+        ChatTemplate.load(tmp_path, override)
+    with pytest.raises(ConfigError, match="--chat-template"):
+        ChatTemplate.load(tmp_path, tmp_path / "missing.jinja")
+
+
+# ---- the RPCs against the real CPU worker ----
+def chat_request(messages, n=8, cls=rpb.ChatRequest, **kw):
+    return cls(messages=[rpb.ChatMessage(role=r, content=c) for r, c in messages],
+               parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True), **kw)
+
+
+@pytest.mark.slow
+def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(MIXTRAL)
+    messages = [("user", "Hi"), ("assistant", "Hello"), ("user", "More?")]
+    rendered = ChatTemplate.load(tiny_model, template).render([{"role": r, "content": c} for r, c in messages])
+    ids = Tokenizer.from_model_dir(tiny_model).encode(rendered, add_special_tokens=False)
+    assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
+
+    async def body(router, stub):
+        want = await stub.Generate(rpb.GenerateRequest(
+            token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=8, ignore_eos=True)))
+        got = await stub.Chat(chat_request(messages))
+        assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
+        assert got.prompt_tokens == len(ids) and got.stop_reason == rpb.STOP_REASON_LENGTH
+        pieces = [m async for m in stub.ChatStream(chat_request(messages, cls=rpb.ChatStreamRequest))]
+        assert [t for m in pieces for t in m.token_ids] == list(want.token_ids)
+        assert "".join(m.text for m in pieces) == want.text and pieces[-1].generated_tokens == 8
+        kwargs, reserved = struct_pb2.Struct(), struct_pb2.Struct()
+        kwargs.update({"unused": True})
+        reserved.update({"messages": 1})
+        await stub.Chat(chat_request(messages, chat_template_kwargs=kwargs))
+
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Chat(chat_request([("user", "a"), ("assistant", "b"), ("assistant", "c")]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("messages[2]: chat template: Conversation roles must alternate")
+        detail = rpc_status.from_call(e.value).details[1]
+        violations = error_details_pb2.BadRequest()
+        detail.Unpack(violations)
+        assert violations.field_violations[0].field == "messages[2]"
+        for bad, field in [(chat_request([]), "messages"),
+                           (chat_request([("", "x")]), "messages[0].role"),
+                           (chat_request([("user", "x" * 10_000)], n=8000), "messages"),
+                           (chat_request([("user", "x")], chat_template_kwargs=reserved), "chat_template_kwargs")]:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Chat(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), \
+                e.value.details()
+        again = await stub.Chat(chat_request(messages))  # still serving
+        assert list(again.token_ids) == list(want.token_ids)
+
+    async def run():
+        async with running_router(worker.address, model=str(tiny_model), chat_template=str(template)) as rs:
+            await body(*rs)
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_chat_without_a_template_is_invalid_argument(worker, tiny_model):
+    async def run():
+        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Chat(chat_request([("user", "x")]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
+    asyncio.run(run())

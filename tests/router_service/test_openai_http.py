@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` package against a real router and CPU worker:
+its answers equal the gRPC front's, errors have OpenAI's shape and status, a disconnect frees the request."""
+import asyncio
+import contextlib
+import json
+import socket
+
+import aiohttp
+import openai
+import pytest
+
+from common.pb import router_pb2 as rpb
+from router_service.openai_api import ApiError, parse_request
+from tests.helpers import running_router
+
+pytestmark = pytest.mark.slow
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}" \
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+GREEDY = dict(max_new_tokens=8, ignore_eos=True, logprobs=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def http_router(worker, tiny_model, tmp_path, **overrides):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    async with running_router(worker.address, model=str(tiny_model), chat_template=str(template),
+                              http_port=free_port(), **overrides) as (router, stub):
+        base = f"http://127.0.0.1:{router.http_port}"
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=overrides.get("auth_token") or "unused",
+                                    max_retries=0)
+        try:
+            yield router, stub, client, base
+        finally:
+            await client.close()
+
+
+def test_openai_client_answers_equal_the_grpc_front(worker, tiny_model, tmp_path):
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            model = (await client.models.list()).data[0].id
+            assert model == "model" and (await client.models.retrieve(model)).id == model
+            extra = {"ignore_eos": True}
+            want = await stub.Generate(rpb.GenerateRequest(text="Hello", parameters=rpb.SamplingParameters(**GREEDY)))
+
+            got = await client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
+                                                  logprobs=0, extra_body=extra)
+            assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+            assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == 8
+            assert got.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-6)
+            by_ids = await client.completions.create(model=model, prompt=[72, 101], max_tokens=4, temperature=0,
+                                                     extra_body=extra)
+            ids = await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[72, 101]),
+                                                          parameters=rpb.SamplingParameters(max_new_tokens=4,
+                                                                                            ignore_eos=True)))
+            assert by_ids.choices[0].text == ids.text
+
+            chunks = [c async for c in await client.completions.create(
+                model=model, prompt="Hello", max_tokens=8, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra)]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+            assert all(c.usage is None for c in chunks[:-1])
+            assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi é"}]
+            want = await stub.Chat(rpb.ChatRequest(messages=[rpb.ChatMessage(**m) for m in messages],
+                                                   parameters=rpb.SamplingParameters(**GREEDY)))
+            got = await client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
+                                                       temperature=0, logprobs=True, extra_body=extra)
+            assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+            assert got.usage.prompt_tokens == want.prompt_tokens and got.object == "chat.completion"
+            assert [t.logprob for t in got.choices[0].logprobs.content] == pytest.approx(list(want.logprobs),
+                                                                                         abs=1e-6)
+            chunks = [c async for c in await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra)]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+            assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == want.prompt_tokens + 8
+            assert len({c.id for c in chunks}) == 1
+
+            # The raw stream: SSE framing, [DONE] last.
+            async with aiohttp.ClientSession() as session:
+                async with session.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                                        "stream": True}) as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                    raw = (await r.read()).decode()
+            events = raw.split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    asyncio.run(body())
+
+
+async def post(session, url, payload, headers=None):
+    data = payload if isinstance(payload, (bytes, str)) else json.dumps(payload)
+    async with session.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+def test_errors_have_openai_shape_and_the_server_keeps_serving(worker, tiny_model, tmp_path):
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path, max_concurrent_requests=1,
+                               auth_token="sesame") as (router, stub, client, base):
+            auth = {"Authorization": "Bearer sesame"}
+            chat, comp = base + "/v1/chat/completions", base + "/v1/completions"
+            async with aiohttp.ClientSession() as s:
+                cases = [
+                    (chat, b"{not json", 400, None, None),
+                    (chat, {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", None),
+                    (chat, {"max_tokens": 3}, 400, "messages", None),
+                    (chat, {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400,
+                     "temperature", None),
+                    (chat, {"messages": [{"role": "user", "content": "x" * 3000}]}, 400, "messages",
+                     "context_length_exceeded"),
+                    (comp, {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", None),
+                    (comp, {"prompt": "x", "stop": ["a", ""]}, 400, "stop[1]", None),
+                    (comp, {"prompt": ["a", "b"]}, 400, "prompt", None),
+                    (comp, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+                    (comp, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+                ]
+                for url, payload, status, param, code in cases:
+                    got, headers, answer = await post(s, url, payload, auth)
+                    assert got == status, (payload, answer)
+                    error = answer["error"]
+                    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, answer
+                    assert error["code"] == code and error["type"] == "invalid_request_error", answer
+                got, headers, answer = await post(s, comp, {"prompt": "x"})
+                assert got == 401 and answer["error"]["code"] == "invalid_api_key"
+                assert headers["WWW-Authenticate"] == "Bearer"
+                async with s.get(base + "/health") as r:  # probes carry no token
+                    assert r.status == 200 and (await r.json()) == {"status": "ok"}
+                async with s.get(base + "/v1/nowhere", headers=auth) as r:
+                    assert r.status == 404 and "error" in await r.json()
+                async with s.get(base + "/v1/completions", headers=auth) as r:
+                    assert r.status == 405 and "error" in await r.json()
+
+                # Full: the second request gets 429 with Retry-After while the first one streams.
+                async with s.post(comp, json={"prompt": "x", "max_tokens": 2000, "stream": True, "ignore_eos": True},
+                                  headers=auth) as first:
+                    await first.content.readline()
+                    got, headers, answer = await post(s, comp, {"prompt": "x"}, auth)
+                    assert got == 429 and headers["Retry-After"] == "1", answer
+                    assert answer["error"]["type"] == "rate_limit_error"
+
+            with pytest.raises(openai.BadRequestError) as e:  # the openai package reads the shape too
+                await client.chat.completions.create(model="model", messages=[], max_tokens=2)
+            assert e.value.status_code == 400 and e.value.param == "messages"
+            ok = await client.chat.completions.create(model="model", messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=2)
+            assert ok.usage.completion_tokens <= 2  # still serving
+    asyncio.run(body())
+
+
+def test_disconnect_cancels_the_request(worker, tiny_model, tmp_path):
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            for stream in (True, False):
+                async with aiohttp.ClientSession() as s:
+                    payload = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+                    call = asyncio.ensure_future(s.post(base + "/v1/completions", json=payload))
+                    if stream:
+                        await (await call).content.readline()
+                    for _ in range(300):
+                        if router.batching_loop.num_active:
+                            break
+                        await asyncio.sleep(0.01)
+                    assert router.batching_loop.num_active == 1
+                    if stream:
+                        call.result().close()
+                    else:
+                        call.cancel()  # gives up waiting: the connection closes
+                        await asyncio.gather(call, return_exceptions=True)
+                for _ in range(300):
+                    if router.batching_loop.num_active == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert router.batching_loop.num_active == 0
+                await asyncio.sleep(0.1)
+                info = await router.worker.filter_batch([])
+                assert info.kv_blocks_used == 0
+    asyncio.run(body())
+
+
+def test_parse_request_converts_openai_fields():
+    parsed = parse_request({"prompt": "x", "top_k": -1, "seed": -1, "stop": "END", "logprobs": 0}, "completion", "m")
+    p = parsed.parameters
+    assert (p.top_k, p.seed, list(p.stop_sequences), p.max_new_tokens, p.logprobs) == (0, 2**64 - 1, ["END"], 16, True)
+    assert p.temperature == 1.0 and p.top_p == 1.0  # OpenAI's defaults
+    chat = parse_request({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
+                          "continue_final_message": True}, "chat", "m")
+    assert chat.parameters.max_new_tokens == 5 and chat.max_tokens_name == "max_completion_tokens"
+    assert chat.chat_options.continue_final_message and not chat.chat_options.add_generation_prompt
+    for body, param in [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "max_tokens": 0},
+                        "max_tokens"), ({"prompt": "x", "stream_options": {}}, "stream_options"),
+                        ({"prompt": "x", "logprobs": 2}, "logprobs"), ({"prompt": "x", "echo": True}, "echo")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(body, "completion", "m")
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_taken_http_port_is_address_in_use():
+    from common.errors import AddressInUseError
+    from router_service.config import RouterConfig
+    from router_service.main import start_router
+
+    async def body():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=taken.getsockname()[1])
+            with pytest.raises(AddressInUseError, match="router HTTP 127.0.0.1:"):
+                await start_router(config, "127.0.0.1:1")
+    asyncio.run(body())
