@@ -123,6 +123,7 @@ class BatchingLoop:
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._receiving: asyncio.Future | None = None
         self._step_ids = itertools.count(1)
+        self._last_result_at = 0.0
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
 
@@ -301,7 +302,11 @@ class BatchingLoop:
             return
         outputs = self.scheduler.update(step, StepOutput.from_stream_pb(response))
         worker_ms = response.timings.total_ms
-        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, time.monotonic() - sent.started,
+        # A pipelined step waits on the worker behind the one ahead of it: its round trip starts when both it
+        # was sent and the previous result was back, so the transport metric stays transport, not queueing.
+        now = time.monotonic()
+        began, self._last_result_at = max(sent.started, self._last_result_at), now
+        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, now - began,
                            worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,
                            self.scheduler.num_waiting, len(self._requests))
         for out in outputs:
