@@ -10,11 +10,14 @@ docs/observability.md lists every metric with its meaning.
 """
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+
+from common.errors import AddressInUseError
 
 PREFIX = "colibri_"
 
@@ -208,12 +211,17 @@ def load_imbalance(counts: Sequence[int]) -> float:
     return max(counts) * len(counts) / total
 
 
-def start_metrics_server(registry: CollectorRegistry, port: int,
-                         host: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread, int]:
+def start_metrics_server(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                         role: str = "metrics") -> tuple[WSGIServer, threading.Thread, int]:
     """Serves the registry as Prometheus text on http://host:port/metrics from a daemon thread.
 
     Port 0 binds a free port; the third value is the port actually bound. Stop with
-    ``server.shutdown(); server.server_close()``.
+    ``server.shutdown(); server.server_close()``. A port that cannot be bound raises AddressInUseError
+    naming `role` and the address ("worker metrics 0.0.0.0:9091 is in use").
     """
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
+        raise AddressInUseError(f"{role} {host}:{port} {reason}") from None
     return server, thread, server.server_port

@@ -44,9 +44,10 @@ class RoutingPlan:
         """(MoE layer, offsets [E+1], token_indices [T*k]) for each layer of the plan."""
         return zip(self.layers, self.offsets, self.token_indices)
 
-    def expert_ids(self, num_experts: int, num_tokens: int) -> dict[int, np.ndarray]:
-        """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` (see `csr_to_ids`)."""
-        return {layer: csr_to_ids(offsets, tokens, num_experts, num_tokens)
+    def expert_ids(self, num_experts: int, num_tokens: int, top_k: int | None = None) -> dict[int, np.ndarray]:
+        """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` and the model's `top_k`
+        (see `csr_to_ids`)."""
+        return {layer: csr_to_ids(offsets, tokens, num_experts, num_tokens, top_k)
                 for layer, offsets, tokens in self.csr()}
 
     def to_pb(self) -> worker_pb2.RoutingPlan:
@@ -71,9 +72,10 @@ class RoutingPlan:
         return cls(tuple(layers), offsets, tokens)
 
 
-def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int) -> np.ndarray:
+def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int,
+               top_k: int | None = None) -> np.ndarray:
     """CSR (tokens of expert e = token_indices[offsets[e]:offsets[e+1]]) -> expert ids [T, k], each token's
-    experts in ascending expert order."""
+    experts in ascending expert order. With `top_k`, every token needs exactly that many distinct experts."""
     if offsets.shape != (num_experts + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
             or offsets[-1] != token_indices.size:
         raise InvalidRequestError("routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 "
@@ -84,8 +86,11 @@ def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int,
                                   f"must index the step's {num_tokens} tokens, the same number of times each")
     per_token = np.bincount(token_indices, minlength=num_tokens)
     k = token_indices.size // max(num_tokens, 1)
-    if np.any(per_token != k):
-        raise InvalidRequestError("routing_plan.token_indices", f"every token needs {k} experts")
+    if np.any(per_token != k) or (top_k is not None and num_tokens and k != top_k):
+        raise InvalidRequestError("routing_plan.token_indices", f"every token needs {top_k or k} experts")
     experts = np.repeat(np.arange(num_experts, dtype=np.int64), np.diff(offsets))
     order = np.argsort(token_indices, kind="stable")
-    return experts[order].reshape(num_tokens, k)
+    ids = experts[order].reshape(num_tokens, k)
+    if k > 1 and np.any(ids[:, 1:] == ids[:, :-1]):     # ascending per token: a repeat sits next to itself
+        raise InvalidRequestError("routing_plan.token_indices", "a token is routed to the same expert twice")
+    return ids

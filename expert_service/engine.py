@@ -174,29 +174,36 @@ class Engine:
         `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
         is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
         work: list[tuple[int, np.ndarray, bool]] = []
-        for chunk in prefill:
-            seq = self.sequences.get(chunk.request_id)
-            if seq is None:
-                if chunk.sampling is None:
-                    raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
-                                                          f"chunk must carry sampling parameters")
-                self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
-            work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+        created: list[int] = []      # a refused step starts nothing: these are dropped again
         unknown = []     # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
-        for rid in decode_ids:
-            seq = self.sequences.get(rid)
-            if seq is None or seq.last_token is None:
-                unknown.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
-                continue
-            work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
-        if not work:
-            return StepResult(unknown, 0.0, 0.0, StepTrace(), None, HostLogits(np.zeros((0, 0), np.float32)))
-        token_ids = self._check_step(work)
-        planned_ids = routing_plan.expert_ids(self.model_config.num_experts, len(token_ids)) \
-            if routing_plan is not None else None
-        if self.config.routing is RoutingMode.LUT and not planned_ids:
-            raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
-                                                      "(start the router with --routing-table)")
+        try:
+            for chunk in prefill:
+                if self.sequences.get(chunk.request_id) is None:
+                    if chunk.sampling is None:
+                        raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
+                                                              f"chunk must carry sampling parameters")
+                    chunk.sampling.check_vocabulary(self.model_config.vocab_size)
+                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
+                    created.append(chunk.request_id)
+                work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+            for rid in decode_ids:
+                seq = self.sequences.get(rid)
+                if seq is None or seq.last_token is None:
+                    unknown.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
+                    continue
+                work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+            if not work:
+                return StepResult(unknown, 0.0, 0.0, StepTrace(), None, HostLogits(np.zeros((0, 0), np.float32)))
+            token_ids = self._check_step(work)
+            mc = self.model_config
+            planned_ids = routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok) \
+                if routing_plan is not None else None
+            if self.config.routing is RoutingMode.LUT and not planned_ids:
+                raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
+                                                          "(start the router with --routing-table)")
+        except (InvalidRequestError, CapacityError):
+            self.release(created)
+            raise
         batch = self._build_batch(work, token_ids, all_logits=False)
         if planned_ids:
             batch = replace(batch, expert_hints=planned_ids,
@@ -236,9 +243,10 @@ class Engine:
         vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
         total = sum(len(t) for _, t, _ in work)
         if total > self.config.max_batch_tokens:
-            raise CapacityError(f"step: {total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
+            raise InvalidRequestError("step", f"{total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
         if len(work) > self.config.max_batch_size:
-            raise CapacityError(f"step: {len(work)} sequences exceed max_batch_size {self.config.max_batch_size}")
+            raise InvalidRequestError("step", f"{len(work)} sequences exceed max_batch_size "
+                                              f"{self.config.max_batch_size}")
         seen = set()
         for rid, tokens, _ in work:
             if rid in seen:

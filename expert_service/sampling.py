@@ -11,6 +11,8 @@ import numpy as np
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2
 
+MAX_STOP_TOKEN_IDS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -29,6 +31,14 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
         if not (0 < self.top_p <= 1) or not np.isfinite(self.top_p):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"{len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every id this sequence names must be a row of the logits."""
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab_size}), got "
+                                                        f"{max(self.stop_token_ids)}")
 
     @classmethod
     def from_pb(cls, p: worker_pb2.SamplingParams) -> SamplingParams:
@@ -68,7 +78,10 @@ class Sampler:
         if p.temperature == 0:
             token = int(np.argmax(logits))
         else:
-            token = int(self._draw(filter_logits(logits / np.float32(p.temperature), p.top_k, p.top_p)))
+            # Shifted to <= 0 before dividing, in float64: a tiny temperature sends every other token to -inf
+            # (never inf - inf = NaN), so it degrades to greedy instead of to the last id.
+            scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
+            token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p)))
         self.num_generated += 1
         return token, (float(log_softmax(logits)[token]) if p.logprobs else 0.0)
 

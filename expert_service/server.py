@@ -1,9 +1,13 @@
-"""The expert worker's gRPC service: a thin pb <-> engine adapter.
+"""The expert worker's gRPC service: a thin pb <-> engine adapter that trusts no field.
 
-All model work runs on one dedicated executor thread, so health checks and Info answer during long
-steps. Expected errors map to gRPC codes; anything else is a worker fault: the failing call gets INTERNAL,
-health turns NOT_SERVING and the process exits non-zero so Kubernetes (or `colibri serve`) restarts it.
-A watchdog treats a step that runs past ``step_timeout_s`` the same way.
+All model work runs on one dedicated thread (lifecycle.ModelThread), so health checks and Info answer during
+long steps. Every request is checked before it reaches the engine: bytes that are not the method's message,
+and any field out of range, are INVALID_ARGUMENT for that call alone (RESOURCE_EXHAUSTED when the KV cache
+is full); on the step stream a bad step is refused in its own result and the stream goes on. Anything else
+raised by the model is a worker fault: the failing call gets INTERNAL, health turns NOT_SERVING and the
+process exits non-zero so Kubernetes (or `colibri serve`) restarts it. A watchdog treats a step that runs
+past ``step_timeout_s`` the same way. While the worker drains, new streams and new sequences are refused
+(UNAVAILABLE, or DRAINING for a sequence on a stream) and the sequences it holds keep stepping.
 """
 from __future__ import annotations
 
@@ -11,45 +15,122 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2
 
 from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
-from common.pb import worker_pb2_grpc
-from common.routing_plan import RoutingPlan
 from common.tracing import COLIBRI_STEP_KIND, extract_context, get_tracer
 from expert_service.engine import Engine, PrefillInput, StepResult
-from expert_service.step_stream import StepOutcome, StreamSession, StreamStep
+from expert_service.lifecycle import WORKER_SERVICE, ModelThread, WorkerHealth
 from expert_service.routing_plan import warmup_routing_plan
 from expert_service.sampling import SamplingParams
+from expert_service.step_stream import (MAX_FREE_IDS, UNARY, StepLimits, StepOutcome, StreamSession,
+                                        StreamStep)
 
 log = logging.getLogger("colibri.worker")
-SERVICE_NAME = "colibri.worker.v1.WorkerService"
+SERVICE_NAME = WORKER_SERVICE
+# method: (request, response, streaming)
+METHODS = {"Info": (pb.InfoRequest, pb.InfoResponse, False), "Warmup": (pb.WarmupRequest, pb.WarmupResponse, False),
+           "Prefill": (pb.PrefillRequest, pb.StepResponse, False), "Decode": (pb.DecodeRequest, pb.StepResponse, False),
+           "FilterBatch": (pb.FilterBatchRequest, pb.FilterBatchResponse, False),
+           "ClearCache": (pb.ClearCacheRequest, pb.ClearCacheResponse, False),
+           "Health": (pb.HealthRequest, pb.HealthResponse, False),
+           "StepStream": (pb.StepStreamRequest, pb.StepStreamResponse, True)}
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, health_servicer: health.HealthServicer, model_name: str,
-                 on_fatal: Callable[[BaseException], None], step_timeout_s: float = 300.0, metrics=None,
-                 tracer_provider=None):
-        self.engine = engine
-        self.health = health_servicer
-        self.model_name = model_name
+class Malformed:
+    """What the deserializer hands over instead of a message it could not parse."""
+
+    def __init__(self, cls, error: Exception):
+        self.message = f"request: not a {cls.DESCRIPTOR.full_name} ({type(error).__name__})"
+
+
+def _tolerant(cls):
+    def deserialize(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:        # DecodeError, and whatever else the parser raises on hostile bytes
+            return Malformed(cls, e)
+    return deserialize
+
+
+def _refusing_malformed(behaviour):
+    async def unary(request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behaviour(request, context)
+    return unary
+
+
+def add_to_server(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    """Registers the service with deserializers that never raise (see Malformed)."""
+    handlers = {}
+    for name, (request, response, streaming) in METHODS.items():
+        behaviour = getattr(servicer, name)
+        make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(behaviour if streaming else _refusing_malformed(behaviour),
+                              request_deserializer=_tolerant(request),
+                              response_serializer=response.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+class WorkerServicer:
+    def __init__(self, health: WorkerHealth, on_fatal: Callable[[BaseException], None],
+                 step_timeout_s: float = 300.0, metrics=None, tracer_provider=None):
+        self.engine: Engine | None = None      # set by attach() once the model is loaded
+        self.model_name = ""
+        self.health = health
         self.on_fatal = on_fatal
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics
         self.tracer_provider = tracer_provider
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-model")
-        self.ready = False
-        self.sequence_owners: dict[int, int] = {}    # sequence id -> the step-stream session that started it
+        self.executor = ModelThread()
+        health.model_thread = self.executor
+        self.sequence_owners: dict[int, int] = {}    # sequence id -> the session that started it
+        self.open_streams = 0
+        self.limits: StepLimits | None = None
+        self._unary: StreamSession | None = None
+
+    def attach(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name, self.limits = engine, model_name, StepLimits.of(engine)
+        self._unary = StreamSession(engine, self.sequence_owners, self.is_draining, UNARY)
+
+    @property
+    def ready(self) -> bool:
+        return self.health.is_ready()
+
+    def is_draining(self) -> bool:
+        return self.health.draining
+
+    def mark_ready(self) -> None:
+        self.health.update(ready=True)
+        self.update_gauges()
+
+    def holds_sequences(self) -> bool:
+        return bool(self.engine is not None and self.engine.sequences)
+
+    def memory_plan(self) -> list[tuple[str, int]]:
+        return self.engine.decoder.memory_plan()
+
+    def update_gauges(self) -> None:
+        if self.metrics is not None and self.engine is not None:
+            allocator = self.engine.allocator
+            self.metrics.set_kv_usage(allocator.num_used_blocks, allocator.num_blocks)
+
+    async def _require(self, context, new_work: bool = False) -> None:
+        if self.health.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is stopping after a fault")
+        if self.engine is None or not self.health.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not ready (loading the model)")
+        if new_work and self.health.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining: new work is refused")
 
     async def run_on_model_thread(self, context: grpc.aio.ServicerContext, fn, *args):
         """Runs `fn` on the model thread; maps errors to status codes, treats the unexpected as fatal."""
-        future = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        future = asyncio.wrap_future(self.executor.submit(fn, *args))
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.step_timeout_s)
         except InvalidRequestError as e:
@@ -67,20 +148,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _fatal(self, error: BaseException) -> None:
         log.error("worker fault, exiting", exc_info=error)
-        self.ready = False
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.update(failed=True)
         self.on_fatal(error)
 
-    def mark_ready(self) -> None:
-        self.ready = True
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-
-    def memory_plan(self) -> list[tuple[str, int]]:
-        return self.engine.decoder.memory_plan()
-
     async def Info(self, request, context):
+        await self._require(context)
         e, mc = self.engine, self.engine.model_config
         return pb.InfoResponse(
             family=mc.family, dtype=e.model.dtype, hf_config_json=json.dumps(e.model.hf_config),
@@ -109,78 +181,79 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return (time.perf_counter() - started) * 1e3
 
     async def Warmup(self, request, context):
+        await self._require(context, new_work=True)
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
-    def _routing_plan(self, request) -> RoutingPlan | None:
-        if not request.HasField("routing_plan"):
-            return None
-        return RoutingPlan.from_pb(request.routing_plan, self.engine.model_config.moe_layers)
-
-    def _run_prefill(self, request: pb.PrefillRequest) -> StepResult:
-        return self.engine.step([PrefillInput.from_pb(c) for c in request.chunks], list(request.decode_request_ids),
-                                self._routing_plan(request))
-
-    def _run_decode(self, request: pb.DecodeRequest) -> StepResult:
-        return self.engine.step([], list(request.request_ids), self._routing_plan(request))
-
-    async def _step(self, context, kind: str, fn, request):
-        if not self.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
+    async def _unary_step(self, context, request) -> pb.StepResponse:
+        await self._require(context)
         started = time.perf_counter()
-        result = await self.run_on_model_thread(context, fn, request)
-        response = result.to_pb(self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3)
-        if self.metrics is not None:
-            self._observe(kind, result, response.timings.total_ms / 1e3)
+        try:
+            step = StreamStep.from_unary(request, self.limits)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.is_draining() and any(c.request_id not in self.engine.sequences for c in step.chunks):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining: new sequences are refused")
+        outcome = await self.run_on_model_thread(context, self._unary.run, step)
+        if outcome.result is None:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if outcome.capacity else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, outcome.refused)
+        response = outcome.result.to_pb(self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3)
+        self._observe(outcome.kind, outcome.result, response.timings.total_ms / 1e3)
         return response
+
+    async def Prefill(self, request, context):
+        return await self._unary_step(context, request)
+
+    async def Decode(self, request, context):
+        return await self._unary_step(context, request)
 
     def _observe(self, kind: str, result: StepResult, seconds: float) -> None:
         m, e = self.metrics, self.engine
-        m.worker_step_duration.labels(kind=kind).observe(seconds)
+        if m is None:
+            return
+        if kind in ("prefill", "decode"):
+            m.worker_step_duration.labels(kind=kind).observe(seconds)
         if result.routing_plan_recall is not None:
             m.observe_recall(result.routing_plan_recall)
-        m.set_kv_usage(e.allocator.num_used_blocks, e.allocator.num_blocks)
+        self.update_gauges()
         stats = result.expert_cache
         if stats is not None:
             m.observe_expert_cache(stats.hits, stats.misses, stats.bytes_copied, stats.stall_seconds,
                                    stats.prefetches_issued, stats.prefetches_used)
         else:   # all experts resident: every use is a hit that costs nothing
             m.observe_expert_cache(sum(len(np.unique(ids)) for ids in result.trace.expert_ids.values()), 0, 0, 0.0)
-        num_experts = e.model_config.num_experts
-        m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
-                              for ids in result.trace.expert_ids.values()])
-
-    async def Prefill(self, request, context):
-        return await self._step(context, "prefill", self._run_prefill, request)
-
-    async def Decode(self, request, context):
-        return await self._step(context, "decode", self._run_decode, request)
+        if result.trace.expert_ids:
+            num_experts = e.model_config.num_experts
+            m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+                                  for ids in result.trace.expert_ids.values()])
 
     async def StepStream(self, request_iterator, context):
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
-        if not self.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is not ready")
-        session = StreamSession(self.engine, self.sequence_owners)
+        await self._require(context, new_work=True)
+        session = StreamSession(self.engine, self.sequence_owners, self.is_draining)
         queued: asyncio.Queue = asyncio.Queue()
-        moe_layers = self.engine.model_config.moe_layers
+        tracer = get_tracer(self.tracer_provider)
 
         async def receive():
             try:
                 async for request in request_iterator:
+                    if isinstance(request, Malformed):    # the stream's framing cannot be trusted after this
+                        queued.put_nowait(("abort", request.message, None))
+                        return
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
-                    try:
-                        step = StreamStep.from_pb(request, moe_layers)
-                    except ColibriError as e:   # malformed: refuse this step alone
-                        queued.put_nowait((span, StepOutcome(request.step_id, None, str(e), 0.0)))
-                        continue
-                    queued.put_nowait((span, asyncio.wrap_future(self.executor.submit(session.run, step))))
+                    queued.put_nowait(("step", span, self._submit(session, request)))
+            except Exception as e:     # the call went away under us (cancelled, reset): the loop below ends
+                log.debug("step stream closed while reading: %s", type(e).__name__)
             finally:
                 queued.put_nowait(None)
-        tracer = get_tracer(self.tracer_provider)
+        self.open_streams += 1
         receiver = asyncio.create_task(receive())
         try:
             while (item := await queued.get()) is not None:
-                span, work = item
+                tag, span, work = item
+                if tag == "abort":
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, span)
                 outcome = work if isinstance(work, StepOutcome) else await self._await_step(work, context)
                 span.update_name(f"worker {outcome.kind}")
                 span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)
@@ -188,7 +261,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield self._stream_response(outcome)
         finally:
             receiver.cancel()
-            self.executor.submit(session.close)     # after every step it queued
+            self.open_streams -= 1
+            # After every step it queued; the gauge shows the blocks the stream held coming back.
+            self.executor.submit(session.close).add_done_callback(lambda _: self.update_gauges())
+
+    def _submit(self, session: StreamSession, request: pb.StepStreamRequest):
+        """The step queued on the model thread, or its refusal when the request is malformed."""
+        try:
+            step = StreamStep.from_pb(request, self.limits)
+        except ColibriError as e:       # malformed: refuse this step alone
+            return StepOutcome(request.step_id, None, str(e), 0.0)
+        except Exception as e:          # a check missed something: still this step's problem alone
+            log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
+            return StepOutcome(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0)
+        return asyncio.wrap_future(self.executor.submit(session.run, step))
 
     async def _await_step(self, future, context) -> StepOutcome:
         try:
@@ -203,18 +289,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _stream_response(self, outcome: StepOutcome) -> pb.StepStreamResponse:
         result, used = outcome.result, self.engine.allocator.num_used_blocks
         if result is None:
+            self.update_gauges()         # a frees-only step
             return pb.StepStreamResponse(step_id=outcome.step_id, step_error=outcome.refused, kv_blocks_used=used,
                                          timings=pb.StepTimings(total_ms=outcome.seconds * 1e3))
-        if self.metrics is not None:
-            self._observe(outcome.kind, result, outcome.seconds)
+        self._observe(outcome.kind, result, outcome.seconds)
         return result.to_stream_pb(outcome.step_id, used, outcome.seconds * 1e3)
 
+    def _keep_only(self, keep_ids) -> list[int]:
+        """Frees the unary calls' sequences not kept (a live stream's sequences are its own to free)."""
+        keep = set(keep_ids)
+        owners = self.sequence_owners
+        gone = [r for r in list(self.engine.sequences) if r not in keep and owners.get(r, UNARY) == UNARY]
+        for r in gone:
+            owners.pop(r, None)
+        return self.engine.release(gone)
+
+    def _clear(self) -> int:
+        self.sequence_owners.clear()
+        return self.engine.clear()
+
     async def FilterBatch(self, request, context):
-        freed = await self.run_on_model_thread(context, self.engine.keep_only, list(request.keep_request_ids))
+        await self._require(context)
+        if len(request.keep_request_ids) > MAX_FREE_IDS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"keep_request_ids: {len(request.keep_request_ids)} "
+                                                                  f"ids, at most {MAX_FREE_IDS}")
+        freed = await self.run_on_model_thread(context, self._keep_only, list(request.keep_request_ids))
+        self.update_gauges()
         return pb.FilterBatchResponse(freed_request_ids=freed, kv_blocks_used=self.engine.allocator.num_used_blocks)
 
     async def ClearCache(self, request, context):
-        freed = await self.run_on_model_thread(context, self.engine.clear)
+        await self._require(context)
+        freed = await self.run_on_model_thread(context, self._clear)
+        self.update_gauges()
         return pb.ClearCacheResponse(freed_sequences=freed)
 
     async def Health(self, request, context):
