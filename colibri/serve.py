@@ -1,37 +1,65 @@
 """`colibri serve --model DIR`: worker and router as two processes on this machine, for local use.
 
-It plays the part Kubernetes plays in production: a worker that exits non-zero (a fault) is restarted
-while the router keeps answering UNAVAILABLE; SIGTERM drains the router first, then stops the worker.
+It plays the part Kubernetes plays in production:
+
+- The router reaches the worker over a Unix socket in a private directory (mode 0700), and both processes
+  get a random per-run token in their environment (COLIBRI_WORKER_TOKEN), never in argv (`ps` shows none).
+- A worker that exits with a fault (1, or killed by a signal) is restarted with a growing delay while the
+  router answers UNAVAILABLE; after MAX_FAILED_STARTS failures in a row serve gives up (exit 1); a worker that
+  stayed up HEALTHY_AFTER_S starts the count again. Codes a restart cannot fix (2 configuration, 3/4 model,
+  7 address in use) stop serve with that code.
+- SIGTERM/SIGINT: the router drains first (its in-flight requests finish), then the worker stops; exit 0.
+  A second signal kills both at once (exit 128 + signal). The children run in their own process group, so
+  a terminal's Ctrl-C reaches serve alone and the stop runs in that order; were they signalled too, they
+  drain on their own and serve still exits 0. They get SIGTERM if serve dies (Linux PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import logging
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 
-from common.config import add_flags, flag_name
-from common.errors import ConfigError
-from common.logging_setup import configure_logging
-from expert_service.config import EngineConfig      # numpy-only: serve never loads numba itself
-from router_service.config import RouterConfig
+# A signal during the imports below (a second or more on a loaded machine) must not kill serve with the
+# default action: it is recorded and the run ends at once with 0.
+_EARLY_SIGNALS: list[int] = []
+if sys.argv[1:2] == ["serve"]:
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+
+import argparse  # noqa: E402 (after the early handlers on purpose)
+import ctypes  # noqa: E402
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import secrets  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from common.config import add_flags, flag_name  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
+from common.logging_setup import configure_logging  # noqa: E402
+from expert_service.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
+from router_service.config import RouterConfig  # noqa: E402
 
 log = logging.getLogger("colibri.serve")
+TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+MAX_FAILED_STARTS = 5
+HEALTHY_AFTER_S = 60.0
+NOT_RESTARTED = (2, 3, 4, 7)      # ConfigError, ModelFormatError, ChecksumError, AddressInUseError
+STOP_MARGIN_S = 15.0              # beyond a child's drain timeout before it is killed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="Colibri model directory")
     parser.add_argument("--config", metavar="FILE", help="JSON/YAML config file passed to both processes")
     parser.add_argument("--worker-port", type=int, default=0,
-                        help="the worker's loopback gRPC port (default: a free port)")
+                        help="serve the worker on this loopback TCP port instead of a private Unix socket "
+                             "(default: the socket)")
     parser.add_argument("--worker-metrics-port", type=int, default=9091,
-                        help="the worker's Prometheus /metrics port; 0 = off (default: 9091)")
+                        help="the worker's Prometheus /metrics port on 127.0.0.1; 0 = off (default: 9091)")
     # The router caps its batch limits to the worker's (Info), so those two flags go to the worker only.
     add_flags(parser, RouterConfig, skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
     add_flags(parser, EngineConfig)
@@ -46,70 +74,133 @@ def _flags_for(cls, args: argparse.Namespace) -> list[str]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _die_with_parent_hook():
+    """A preexec_fn asking Linux to SIGTERM the child when serve dies (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl      # resolved before fork: nothing to load after
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)                 # PR_SET_PDEATHSIG
 
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.worker_port = args.worker_port or free_port()
+        self.private_dir = Path(tempfile.mkdtemp(prefix="colibri-serve-"))    # mode 0700
         common = ["--config", args.config] if args.config else []
         base = [sys.executable, "-m", "colibri.cli"]
-        self.worker_cmd = base + ["worker", "--model", args.model, "--port", str(self.worker_port),
-                                  "--metrics-port", str(args.worker_metrics_port), "--parent-pid", str(os.getpid()),
-                                  *common, *_flags_for(EngineConfig, args)]
-        self.router_cmd = base + ["router", "--worker", f"127.0.0.1:{self.worker_port}", "--model", args.model,
-                                  *common, *_flags_for(RouterConfig, args)]
-        self.stopping = False
+        if args.worker_port:
+            listen, address = ["--port", str(args.worker_port)], f"127.0.0.1:{args.worker_port}"
+        else:
+            sock = self.private_dir / "worker.sock"
+            listen, address = ["--socket", str(sock)], f"unix://{sock}"
+        self.worker_address = address
+        self.worker_cmd = base + ["worker", "--model", args.model, *listen, "--metrics-port",
+                                  str(args.worker_metrics_port), "--parent-pid", str(os.getpid()), *common,
+                                  *_flags_for(EngineConfig, args)]
+        self.router_cmd = base + ["router", "--worker", address, "--model", args.model, *common,
+                                  *_flags_for(RouterConfig, args)]
+        # One secret per run, for both children, in their environment only.
+        self.env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}
+        self.router_stop_s = (args.drain_timeout_s or 30.0) + STOP_MARGIN_S
+        self.worker_stop_s = 30.0 + STOP_MARGIN_S
+        self.signals: list[int] = []
+        self._preexec = _die_with_parent_hook()
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.signals)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals.append(signum)
+
+    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=self.env, process_group=0, preexec_fn=self._preexec)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps in short slices, returning early once a signal has come."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        worker = subprocess.Popen(self.worker_cmd)
-        router = subprocess.Popen(self.router_cmd)
-        restarts = 0
-        log.info("serving %s: router pid %d, worker pid %d on 127.0.0.1:%d", self.args.model, router.pid,
-                 worker.pid, self.worker_port)
+            signal.signal(sig, self._on_signal)
+        self.signals += _EARLY_SIGNALS
+        try:
+            if self.stopping:
+                log.info("signal received before the processes started; nothing to stop")
+                return 0
+            return self._supervise()
+        finally:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def _supervise(self) -> int:
+        worker, router = self._spawn(self.worker_cmd), self._spawn(self.router_cmd)
+        started, failed_starts = time.monotonic(), 0
+        log.info("serving %s: router pid %d, worker pid %d on %s", self.args.model, router.pid, worker.pid,
+                 self.worker_address)
         port = self.args.port or 50051
         print(f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
               f"  colibri generate --target localhost:{port} \"Hello\" --max-new-tokens 16\n"
               f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{port} "
               f"colibri.router.v1.GenerationService/Generate", flush=True)
-        while not self.stopping:
-            time.sleep(0.2)
-            if router.poll() is not None:
-                log.log(logging.INFO if router.returncode == 0 else logging.ERROR,
-                        "router exited with code %d; stopping the worker", router.returncode)
-                self._stop(worker)
-                return router.returncode or 1
-            if worker.poll() is not None:
-                code = worker.returncode
-                if code == 0 or code in (2, 3, 4):    # stopped, or a config/model error a restart cannot fix
-                    log.error("worker exited with code %d; stopping", code)
-                    self._stop(router)
-                    return code or 1
-                delay = RESTART_BACKOFF_S[min(restarts, len(RESTART_BACKOFF_S) - 1)]
-                log.warning("worker exited with code %d (fault); restarting in %.0f s", code, delay)
-                time.sleep(delay)
-                restarts += 1
-                worker = subprocess.Popen(self.worker_cmd)
-        # Drain: the router finishes in-flight requests (or its drain timeout passes), then the worker goes.
-        self._stop(router)
-        self._stop(worker)
-        return 0
+        while True:
+            self._sleep(0.2)
+            if self.stopping:     # checked before the children: one that exits on the same signal is no failure
+                return self._shut_down(router, worker)
+            if (code := router.poll()) is not None:
+                log.log(logging.INFO if code == 0 else logging.ERROR, "router exited with code %d; stopping the "
+                        "worker", code)
+                self._stop(worker, self.worker_stop_s)
+                return _exit_status(code)
+            code = worker.poll()
+            if code is None:
+                continue
+            up_s = time.monotonic() - started
+            if code == 0 or code in NOT_RESTARTED:   # stopped on its own signal, or a restart cannot help
+                log.log(logging.INFO if code == 0 else logging.ERROR, "worker exited with code %d; stopping", code)
+                self._stop(router, self.router_stop_s)
+                return code
+            failed_starts = 1 if up_s >= HEALTHY_AFTER_S else failed_starts + 1
+            if failed_starts >= MAX_FAILED_STARTS:
+                log.error("worker exited with code %d, %d failures in a row; giving up", code, failed_starts)
+                self._stop(router, self.router_stop_s)
+                return 1
+            delay = RESTART_BACKOFF_S[min(failed_starts - 1, len(RESTART_BACKOFF_S) - 1)]
+            log.warning("worker exited with code %d after %.0f s (fault %d of %d in a row); restarting in %.0f s",
+                        code, up_s, failed_starts, MAX_FAILED_STARTS, delay)
+            self._sleep(delay)
+            if not self.stopping:
+                worker, started = self._spawn(self.worker_cmd), time.monotonic()
 
-    @staticmethod
-    def _stop(process: subprocess.Popen, timeout: float = 60.0) -> None:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
+    def _shut_down(self, router: subprocess.Popen, worker: subprocess.Popen) -> int:
+        """The router drains first, then the worker goes; exit codes the signal caused are not failures."""
+        log.info("signal received: the router drains, then the worker stops")
+        self._stop(router, self.router_stop_s)
+        self._stop(worker, self.worker_stop_s)
+        return 128 + self.signals[1] if len(self.signals) > 1 else 0
+
+    def _stop(self, process: subprocess.Popen, timeout: float) -> None:
+        """SIGTERM, then waits (a second signal to serve, or `timeout`, turns it into SIGKILL)."""
+        if process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        deadline, seen = time.monotonic() + timeout, len(self.signals)
+        while process.poll() is None:
+            if len(self.signals) > max(seen, 1) or time.monotonic() >= deadline:
+                log.warning("killing pid %d", process.pid)
                 process.kill()
                 process.wait()
+                return
+            time.sleep(0.05)
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as serve's exit status (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,7 +58,7 @@ def wait_serving(channel, timeout=90.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+            if health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"), timeout=2).status == \
                     health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.RpcError:

@@ -1,0 +1,211 @@
+"""`colibri serve` stopping: SIGTERM or Ctrl-C to every process at once loses no stream and exits 0, whatever
+order the processes see it in (the supervisor late, during start-up, under CPU contention); a taken port is
+not restarted; a worker failing at start-up is given up after a few tries; the token never shows in argv."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from colibri import serve as serve_module
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
+from tests.colibri.test_serve import child_pids, free_port, request, wait_serving
+
+pytestmark = pytest.mark.slow
+TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
+
+
+def start_serve(model, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", TOKEN_ENV)}
+    process = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model), "--host",
+                                "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--worker-metrics-port", "0",
+                                "--backend", "cpu", "--worker-retry-s", "0.1", *extra],
+                               env={**env, "LOG_FORMAT": "text"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    return process, port
+
+
+def stream_while_signalled(model, signum: int, serve_late_s: float = 0.0) -> None:
+    """Four streams run; once each has a token, `signum` goes to the router and the worker, and to serve
+    `serve_late_s` later: every stream completes and serve exits 0."""
+    process, port = start_serve(model)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        wait_serving(channel)
+        stub = router_pb2_grpc.GenerationServiceStub(channel)
+        started = threading.Barrier(5)
+
+        def generate(i: int) -> int:
+            tokens = 0
+            for n, message in enumerate(stub.GenerateStream(request([5 + i, 6, 7], 150), timeout=120)):
+                tokens += len(message.token_ids)
+                if n == 0:
+                    started.wait(60)
+            return tokens
+        with ThreadPoolExecutor(4) as pool:
+            results = [pool.submit(generate, i) for i in range(4)]
+            started.wait(60)
+            children = child_pids(process.pid)
+            assert len(children) == 2
+            for pid in children:
+                os.kill(pid, signum)
+            time.sleep(serve_late_s)
+            process.send_signal(signum)
+            assert [r.result(timeout=120) for r in results] == [150] * 4
+        channel.close()
+        code = process.wait(90)
+        assert code == 0, process.stderr.read()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_to_every_process_at_once_loses_no_stream(tiny_model):
+    stream_while_signalled(tiny_model, signal.SIGTERM)
+
+
+def test_ctrl_c_to_every_process_loses_no_stream(tiny_model):
+    stream_while_signalled(tiny_model, signal.SIGINT)
+
+
+def test_children_stopping_before_serve_sees_the_signal_is_still_exit_0(tiny_model):
+    """The supervisor descheduled on a busy machine: router and worker have stopped on the signal before
+    serve runs its handler. Serve used to read that as the router failing (`0 or 1`) and exit 1."""
+    stream_while_signalled(tiny_model, signal.SIGTERM, serve_late_s=1.5)
+
+
+def test_sigterm_during_start_up_under_cpu_contention(tiny_model):
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for delay in (0.0, 0.2, 1.0, 2.5):      # after serve has started its children (it is running then)
+            process, _ = start_serve(tiny_model)
+            while not child_pids(process.pid):
+                assert process.poll() is None, process.stderr.read()
+                time.sleep(0.01)
+            time.sleep(delay)
+            children = child_pids(process.pid)
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(90)
+            assert code == 0, f"after {delay} s: exit {code}: {process.stderr.read()[-2000:]}"
+            for pid in children:       # no orphan left behind
+                assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"child {pid} outlived serve"
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def test_token_travels_in_the_environment_never_in_argv(tiny_model):
+    process, port = start_serve(tiny_model)
+    try:
+        wait_serving(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        tokens = set()
+        for pid in child_pids(process.pid):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            token = env[TOKEN_ENV.encode()]
+            assert len(token) >= 32
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert token not in f.read()
+            tokens.add(token)
+        assert len(tokens) == 1
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True).stdout
+        assert tokens.pop() not in ps
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
+def test_a_taken_worker_port_is_not_restarted(tiny_model):
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        process, _ = start_serve(tiny_model, "--worker-port", str(port))
+        code = process.wait(90)
+        stderr = process.stderr.read()
+    finally:
+        taken.close()
+    assert code == 7, stderr[-2000:]
+    assert f"colibri worker: error: worker gRPC 127.0.0.1:{port} is in use" in stderr
+    assert "restarting" not in stderr
+
+
+# --- the supervisor with stand-in children -------------------------------------------------------------------
+
+def _supervisor(tmp_path, worker: str, router: str) -> serve_module.Supervisor:
+    args = argparse.Namespace(model=str(tmp_path), config=None, worker_port=0, worker_metrics_port=0, port=0,
+                              drain_timeout_s=5.0)
+    supervisor = serve_module.Supervisor(args)
+    supervisor.worker_cmd = [sys.executable, "-c", worker]
+    supervisor.router_cmd = [sys.executable, "-c", router]
+    return supervisor
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+SLEEPER = "import time; time.sleep(120)"
+
+
+def test_a_worker_failing_at_start_up_is_given_up(tmp_path, monkeypatch, restore_signals):
+    monkeypatch.setattr(serve_module, "RESTART_BACKOFF_S", (0.05,))
+    starts = tmp_path / "starts"
+    supervisor = _supervisor(tmp_path, f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(1)", SLEEPER)
+    assert supervisor.run() == 1
+    assert starts.read_text() == "x" * serve_module.MAX_FAILED_STARTS
+
+
+def test_a_healthy_period_resets_the_failure_count(tmp_path, monkeypatch, restore_signals):
+    """Each run lasts past HEALTHY_AFTER_S before failing, so the count never grows: serve keeps restarting
+    it until told to stop."""
+    monkeypatch.setattr(serve_module, "RESTART_BACKOFF_S", (0.05,))
+    monkeypatch.setattr(serve_module, "HEALTHY_AFTER_S", 0.2)
+    starts = tmp_path / "starts"
+    supervisor = _supervisor(tmp_path, f"import time; open({str(starts)!r}, 'a').write('x'); time.sleep(0.5); "
+                                       f"raise SystemExit(1)", SLEEPER)
+    threading.Timer(6.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert supervisor.run() == 0
+    assert len(starts.read_text()) > serve_module.MAX_FAILED_STARTS
+
+
+def test_a_child_slow_to_exit_is_waited_for_and_a_second_signal_kills(tmp_path, restore_signals):
+    slow = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
+            "time.sleep(120)")
+    supervisor = _supervisor(tmp_path, SLEEPER, slow)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    assert supervisor.run() == 0
+    assert time.monotonic() - started >= 2.4              # waited for the router's 1.5 s
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    supervisor = _supervisor(tmp_path, SLEEPER, stubborn)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    assert supervisor.run() == 128 + signal.SIGINT
+    assert time.monotonic() - started < 10
