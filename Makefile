@@ -1,19 +1,24 @@
-# Colibri: `make run` serves the embedded tiny model, `make test` runs the test suite; both set up .venv first.
+# Colibri: `make run` serves the trained default model, `make test` runs the test suite; both set up .venv first.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TINY_MODEL ?= .colibri/tiny-mixtral
+DEFAULT_MODEL ?= .colibri/default-model
+DEFAULT_MODEL_HF := training/default-model-hf
+# With an NVIDIA GPU visible, the cuda extra (numba-cuda and its CUDA 13 wheels) comes too.
+comma := ,
+EXTRAS := dev$(if $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null),$(comma)cuda)
 PROTOS := protos/router.proto protos/worker.proto
 PB := common/pb/router_pb2.py common/pb/worker_pb2.py
 CHECKOV_VENV ?= .venv-checkov
 
-.PHONY: run test test-gpu proto install install-test lint-size clean
+.PHONY: run tiny test test-gpu proto install install-test lint-size clean
 
 # Runtime dependencies + the package (editable) in .venv.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 # Test extra: torch (CPU) + transformers for parity, numba-cuda for sm_90 compile checks.
@@ -34,13 +39,19 @@ proto: $(PB)
 
 install: $(BIN)/.installed $(PB)
 
-# The embedded default model: a deterministic random-weight Mixtral with a byte-level tokenizer.
+# The default model: a small Mixtral trained on the World English Bible (docs/default-model.md), converted.
+$(DEFAULT_MODEL)/colibri.json: $(DEFAULT_MODEL_HF)/model.safetensors $(DEFAULT_MODEL_HF)/config.json $(DEFAULT_MODEL_HF)/tokenizer.json | install
+	$(BIN)/colibri convert $(DEFAULT_MODEL_HF) $(DEFAULT_MODEL) --dtype bfloat16
+
+# A deterministic random-weight test model with a byte-level tokenizer (`make tiny`).
 $(TINY_MODEL)/colibri.json: | install
 	$(BIN)/colibri make-tiny $(TINY_MODEL)
+tiny: $(TINY_MODEL)/colibri.json
 
-# Serve the tiny model (or MODEL=DIR) through both gRPC services; CPU when no GPU is present.
-run: install $(TINY_MODEL)/colibri.json
-	$(BIN)/colibri serve --model $(or $(MODEL),$(TINY_MODEL))
+# Serve the default model (or MODEL=DIR) through both gRPC services, on the GPU when one is present (the
+# log says which backend and why); ARGS="..." adds flags, e.g. make run ARGS="--http-port 8000".
+run: install $(DEFAULT_MODEL)/colibri.json
+	$(BIN)/colibri serve --model $(or $(MODEL),$(DEFAULT_MODEL)) $(ARGS)
 
 # Everything CI runs: unit, parity, kernel (simulator + sm_90 compile) and loopback end-to-end tests.
 test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov

@@ -1,4 +1,4 @@
-"""The embedded default model: a small deterministic random-weight MoE checkpoint with a byte-level tokenizer.
+"""A small deterministic random-weight test model: an MoE checkpoint with a byte-level tokenizer.
 
 ``make_tiny(out_dir)`` writes a Hugging Face checkpoint (config.json, model.safetensors, tokenizer.json)
 into ``out_dir/hf`` and converts it into ``out_dir``. Everything comes from numpy and the `tokenizers`

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--show-tokens", action="store_true", help="print generated token ids instead of text")
+    parser.add_argument("--raw", action="store_true",
+                        help="write control characters in the output as they are, even to a terminal (by default a "
+                             "terminal gets them escaped, e.g. \\x1b, so model output cannot drive it)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message, through the model's chat template")
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
@@ -57,6 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name to verify the router's certificate against (default: the target's host)")
 
 
+# C0 controls but newline and tab, DEL, and C1 controls: escaped before model output reaches a terminal.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0d, 0x20), 0x7f)}
+_CONTROL |= {c: f"\\u{c:04x}" for c in range(0x80, 0xa0)}
+
+
+def terminal_safe(text: str) -> str:
+    """Model output with every control character shown as an escape, so it cannot move the cursor,
+    change colours or send terminal commands."""
+    return text.translate(_CONTROL)
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("generate: give a text prompt or --tokens, exactly one")
@@ -67,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
                   stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
                   logprobs=args.logprobs)
     final, logprobs = None, []
+    raw = args.raw or not sys.stdout.isatty()
     try:
         client = ColibriClient(args.target, timeout=args.timeout, token=args.token, token_file=args.token_file,
                                tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -86,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                     if message.token_ids:
                         print(" ".join(map(str, message.token_ids)), end=" ", flush=True)
                 else:
-                    print(message.text, end="", flush=True)
+                    print(message.text if raw else terminal_safe(message.text), end="", flush=True)
                 final = message
     except grpc.RpcError as e:
         print(f"\ncolibri generate: {e.code().name}: {e.details()}", file=sys.stderr)

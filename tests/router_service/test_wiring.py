@@ -110,3 +110,22 @@ def test_build_request_and_retry_delay_helpers():
         build_request("a", max_tokens=3)
     assert isinstance(build_request("hi"), rpb.GenerateRequest)
     assert retry_delay(grpc.RpcError()) is None
+
+
+@pytest.mark.parametrize("tty,raw", [(True, False), (True, True), (False, False)])
+def test_generate_escapes_control_characters_on_a_terminal(tokenizer, capsys, monkeypatch, tty, raw):
+    """The fake worker counts bytes up from the prompt: ESC and friends reach the terminal only as escapes
+    (unless --raw), while a pipe gets the text as it is."""
+    async def run():
+        async with harness(tokenizer=tokenizer) as (router, _, _, _):
+            args = argparse.ArgumentParser()
+            generate_cmd.add_arguments(args)
+            argv = ["--target", f"127.0.0.1:{router.port}", "--max-new-tokens", "3", "\x19"] + (["--raw"] if raw else [])
+            monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+            assert await asyncio.to_thread(generate_cmd.run, args.parse_args(argv)) == 0
+    asyncio.run(run())
+    out = capsys.readouterr().out
+    if tty and not raw:
+        assert "\\x1a\\x1b\\x1c" in out and "\x1b" not in out
+    else:
+        assert "\x1a\x1b\x1c" in out
