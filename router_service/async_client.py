@@ -83,9 +83,13 @@ class AsyncColibriClient:
         finally:
             call.cancel()
 
-    async def tokenize(self, text: str) -> list[int]:
-        reply = await self._stub.Tokenize(router_pb2.TokenizeRequest(text=text), **self._call())
-        return list(reply.token_ids)
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = router_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._stub.Tokenize(request, **self._call())).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        request = router_pb2.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return (await self._stub.Detokenize(request, **self._call())).text
 
     async def model_info(self) -> router_pb2.ModelInfoResponse:
         return await self._stub.ModelInfo(router_pb2.ModelInfoRequest(), **self._call())

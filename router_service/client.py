@@ -150,9 +150,13 @@ class ColibriClient:
                                      stream=True, **parameters)
         yield from self._stub.ChatStream(request, timeout=self.timeout, metadata=self._metadata)
 
-    def tokenize(self, text: str) -> list[int]:
-        request = router_pb2.TokenizeRequest(text=text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = router_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self._stub.Tokenize(request, timeout=self.timeout, metadata=self._metadata).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        request = router_pb2.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._stub.Detokenize(request, timeout=self.timeout, metadata=self._metadata).text
 
     def model_info(self) -> router_pb2.ModelInfoResponse:
         return self._stub.ModelInfo(router_pb2.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)

@@ -31,7 +31,8 @@ HTTP_STATUS = {
 # Router validation fields (after `parameters.`) -> OpenAI parameter names.
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_sequences": "stop",
                "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-               "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+               "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+               "truncate_input_tokens": "truncate_prompt_tokens"}
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop",
                   FinishReason.STOP_SEQUENCE: "stop"}
 # (field, the only values accepted): what the router cannot do yet.
@@ -160,7 +161,8 @@ def parse_request(body, kind: str, model_name: str) -> ParsedRequest:
     params = router_pb2.SamplingParameters(
         temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0), top_k=max(top_k, 0),
         max_new_tokens=max_tokens, min_new_tokens=_int(body, "min_tokens", 0), stop_sequences=stop or [],
-        stop_token_ids=stop_ids, ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"))
+        stop_token_ids=stop_ids, ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
+        truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0))
     if seed is not None:
         params.seed = seed % (1 << 64)
     parsed = ParsedRequest(kind, params, stream, include_usage, max_tokens_name=max_tokens_name)

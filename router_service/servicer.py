@@ -11,9 +11,11 @@ the request path itself (admission, validation, submit) is router_service.fronte
 """
 from __future__ import annotations
 
+import importlib.metadata
 import time
+from pathlib import Path
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 from opentelemetry import trace
 
 from common.errors import InvalidRequestError
@@ -25,7 +27,7 @@ from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.protocol import is_metadata_safe
-from router_service.validation import check_text_size, prompt_byte_limit
+from router_service.validation import check_ids, check_text_size, prompt_byte_limit
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
@@ -111,7 +113,29 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             if self.batching_loop.tokenizer is None:
                 raise InvalidRequestError("text", "this model has no tokenizer (start the router with --model DIR)")
             check_text_size("text", request.text, prompt_byte_limit(self.config, self.batching_loop.limits))
-            return router_pb2.TokenizeResponse(token_ids=await self.batching_loop.tokenizer.encode_async(request.text))
+            add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            if not (request.return_pieces or request.return_offsets):
+                ids = await self.batching_loop.tokenizer.encode_async(request.text, add)
+                return router_pb2.TokenizeResponse(token_ids=ids)
+            ids, pieces, offsets = await self.batching_loop.tokenizer.encode_details_async(request.text, add)
+            return router_pb2.TokenizeResponse(
+                token_ids=ids, pieces=pieces if request.return_pieces else [],
+                offsets=[router_pb2.TokenOffset(start=a, end=b) for a, b in offsets] if request.return_offsets else [])
+        except Exception as e:  # mapped to a status in errors.to_status
+            await self._abort(context, e, request, None)
+
+    async def Detokenize(self, request, context):
+        try:
+            tokenizer = self.batching_loop.tokenizer
+            if tokenizer is None:
+                raise InvalidRequestError("token_ids", "this model has no tokenizer (start the router with --model DIR)")
+            limit = prompt_byte_limit(self.config, self.batching_loop.limits)
+            if len(request.token_ids) > limit:
+                raise InvalidRequestError("token_ids", f"at most {limit} ids allowed, got {len(request.token_ids)}")
+            limits = self.batching_loop.limits
+            check_ids("token_ids", request.token_ids, limits.vocab_size if limits else tokenizer.vocab_size)
+            text = await tokenizer.decode_async(request.token_ids, request.skip_special_tokens)
+            return router_pb2.DetokenizeResponse(text=text)
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 
@@ -125,7 +149,18 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             max_sequence_length=min(limits.max_sequence_length, limits.kv_capacity_tokens),
             eos_token_ids=limits.eos_token_ids, has_tokenizer=limits.has_tokenizer, backend=info.backend,
             routing=info.routing, num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0))
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0), server_version=_version(),
+            generation_config=self._generation_config())
+
+    def _generation_config(self) -> struct_pb2.Struct:
+        """The model directory's generation_config.json (read once; empty when absent or not an object)."""
+        if not hasattr(self, "_generation_config_pb"):
+            self._generation_config_pb = struct_pb2.Struct()
+            path = Path(self.config.model) / "generation_config.json" if self.config.model else None
+            if path is not None and path.is_file():
+                value = _hf_config(path.read_text(encoding="utf-8", errors="replace"))
+                self._generation_config_pb.update({k: v for k, v in value.items() if not k.startswith("_")})
+        return self._generation_config_pb
 
     def _routing(self) -> str:
         return self.frontend.routing
@@ -142,6 +177,13 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             self.batching_loop.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
         await context.abort(status.code, status.details, metadata)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("colibri")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _hf_config(text: str) -> dict:

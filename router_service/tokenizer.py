@@ -83,6 +83,23 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    async def encode_details_async(self, text: str, add_special_tokens: bool = True):
+        """(ids, vocabulary strings, character offsets) of `text`; a long text on a thread, as encode_async."""
+        if len(text) <= INLINE_MAX_CHARS:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            enc = await asyncio.get_running_loop().run_in_executor(
+                _pool(), lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0])
+        return list(enc.ids), list(enc.tokens), list(enc.offsets)
+
+    async def decode_async(self, ids, skip_special_tokens: bool = True) -> str:
+        """`decode` that never holds the event loop for long: many ids decode on a thread (`decode_batch`)."""
+        ids = list(ids)
+        if len(ids) <= INLINE_MAX_CHARS:
+            return self.decode(ids, skip_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+
     def detokenizer(self, prompt_ids) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids)
 

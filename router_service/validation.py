@@ -63,6 +63,15 @@ def _check_ids(field: str, ids, vocab_size: int) -> None:
             raise InvalidRequestError(f"{field}[{i}]", f"token id must be in [0, {vocab_size}), got {token_id}")
 
 
+check_ids = _check_ids  # Detokenize checks its ids the same way
+
+
+def _truncated(ids, p: router_pb2.SamplingParameters):
+    """The last truncate_input_tokens ids (all of them when it is 0 or larger)."""
+    n = p.truncate_input_tokens
+    return ids[len(ids) - n:] if 0 < n < len(ids) else ids
+
+
 def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
                      tokenizer=None) -> ValidatedRequest:
     """Checks every field of `req`; raises InvalidRequestError naming the first bad one. Tokenizes inline."""
@@ -118,7 +127,7 @@ def _check_before_tokenizing(req: router_pb2.GenerateRequest, config: RouterConf
         ids = req.token_ids.ids
         if not ids:
             raise InvalidRequestError("token_ids.ids", "must not be empty")
-        _check_prompt_length(len(ids), limits)
+        _check_prompt_length(len(_truncated(ids, p)), limits)
         _check_ids("token_ids.ids", ids, limits.vocab_size)
         return None
     if not req.text:
@@ -132,13 +141,14 @@ def _check_before_tokenizing(req: router_pb2.GenerateRequest, config: RouterConf
 
 def _complete(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
               text_ids: list[int] | None) -> ValidatedRequest:
+    p = req.parameters
     if text_ids is not None:
         if not text_ids:
             raise InvalidRequestError("text", "tokenizes to no tokens")
+        text_ids = _truncated(text_ids, p)
         _check_prompt_length(len(text_ids), limits)
         _check_ids("text (tokenized)", text_ids, limits.vocab_size)
-    prompt_ids = text_ids if text_ids is not None else list(req.token_ids.ids)
-    p = req.parameters
+    prompt_ids = text_ids if text_ids is not None else _truncated(list(req.token_ids.ids), p)
     max_new_tokens = _max_new_tokens(p, config, limits, len(prompt_ids))
     if p.min_new_tokens > max_new_tokens:
         raise InvalidRequestError("parameters.min_new_tokens",

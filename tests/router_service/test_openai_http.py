@@ -191,6 +191,8 @@ def test_parse_request_converts_openai_fields():
     p = parsed.parameters
     assert (p.top_k, p.seed, list(p.stop_sequences), p.max_new_tokens, p.logprobs) == (0, 2**64 - 1, ["END"], 16, True)
     assert p.temperature == 1.0 and p.top_p == 1.0  # OpenAI's defaults
+    assert parse_request({"prompt": "x", "truncate_prompt_tokens": 5}, "completion", "m").parameters \
+        .truncate_input_tokens == 5
     chat = parse_request({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
                           "continue_final_message": True}, "chat", "m")
     assert chat.parameters.max_new_tokens == 5 and chat.max_tokens_name == "max_completion_tokens"
