@@ -8,6 +8,8 @@ on the current span and hands to `BatchingLoop.submit`; answers are read from th
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -19,9 +21,11 @@ from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate, message_dicts
 from router_service.scheduler import FinishReason
+from router_service.tokenizer import INLINE_MAX_CHARS
 from router_service.validation import check_text_size, prompt_byte_limit, validate_request_async
 
 OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
+INLINE_MAX_MESSAGES = 64  # larger conversations render on a thread
 
 STOP_REASONS = {
     FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
@@ -83,23 +87,31 @@ class Frontend:
         set_request_attributes(span, self.model_name, req, stream, operation)
         return self.batching_loop.submit(req, deadline, span.get_span_context())
 
-    def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
-        """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts)."""
+    async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
+        """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts). A large one renders on
+        a thread, so the event loop keeps serving while the template runs."""
         if self.chat_template is None:
             raise InvalidRequestError(field, "this model has no chat template (tokenizer_config.json); start the "
                                              "router with --chat-template FILE, or send a text prompt")
         if self.batching_loop.tokenizer is None:
             raise InvalidRequestError(field, "chat needs the model's tokenizer (start the router with --model DIR)")
+        # Bound what the template sees before rendering it (the rendered text is checked again): every message
+        # takes at least one token of the context.
+        room = min(self.batching_loop.limits.max_sequence_length, self.batching_loop.limits.kv_capacity_tokens)
+        if len(messages) > room:
+            raise InvalidRequestError(field, f"at most {room} messages fit the context, got {len(messages)}")
         dicts = message_dicts(messages, field)
-        # Bound what the template sees before rendering it (the rendered text is checked again).
+        content = sum(len(m.get("content", "")) for m in dicts)
         check_text_size(field, "".join(m.get("content", "") for m in dicts),
                         prompt_byte_limit(self.config, self.batching_loop.limits))
+        add = options.add_generation_prompt
+        render = functools.partial(self.chat_template.render, dicts,
+                                   add_generation_prompt=not options.continue_final_message if add is None else add,
+                                   continue_final_message=options.continue_final_message,
+                                   template_kwargs=options.template_kwargs)
         try:
-            add = options.add_generation_prompt
-            return self.chat_template.render(dicts, add_generation_prompt=not options.continue_final_message
-                                             if add is None else add,
-                                             continue_final_message=options.continue_final_message,
-                                             template_kwargs=options.template_kwargs)
+            large = len(dicts) > INLINE_MAX_MESSAGES or content > INLINE_MAX_CHARS
+            return await asyncio.to_thread(render) if large else render()
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
                 raise InvalidRequestError(field + e.field[len("messages"):], detail(e)) from None
@@ -111,7 +123,7 @@ class Frontend:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
-        text = self.render_chat(messages, options, field)
+        text = await self.render_chat(messages, options, field)
         if not text:
             raise InvalidRequestError(field, "the chat template rendered no text")
         request = router_pb2.GenerateRequest(text=text, parameters=parameters, request_id=request_id)

@@ -128,7 +128,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         try:
             tokenizer = self.batching_loop.tokenizer
             if tokenizer is None:
-                raise InvalidRequestError("token_ids", "this model has no tokenizer (start the router with --model DIR)")
+                raise InvalidRequestError("token_ids",
+                                          "this model has no tokenizer (start the router with --model DIR)")
             limit = prompt_byte_limit(self.config, self.batching_loop.limits)
             if len(request.token_ids) > limit:
                 raise InvalidRequestError("token_ids", f"at most {limit} ids allowed, got {len(request.token_ids)}")

@@ -226,11 +226,16 @@ def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp
         for bad, field in [(chat_request([]), "messages"),
                            (chat_request([("", "x")]), "messages[0].role"),
                            (chat_request([("user", "x" * 10_000)], n=8000), "messages"),
-                           (chat_request([("user", "x")], chat_template_kwargs=reserved), "chat_template_kwargs")]:
+                           (chat_request([("user", "x")], chat_template_kwargs=reserved), "chat_template_kwargs"),
+                           (chat_request([("user", "")] * 3000), "messages: at most 2048 messages")]:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Chat(bad)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), \
                 e.value.details()
+        long = [("user", "a"), ("assistant", "b")] * 50 + [("user", "c")]  # renders on a thread
+        text = ChatTemplate.load(tiny_model, template).render([{"role": r, "content": c} for r, c in long])
+        want_ids = Tokenizer.from_model_dir(tiny_model).encode(text, add_special_tokens=False)
+        assert (await stub.Chat(chat_request(long, n=2))).prompt_tokens == len(want_ids)
         again = await stub.Chat(chat_request(messages))  # still serving
         assert list(again.token_ids) == list(want.token_ids)
 
