@@ -324,6 +324,9 @@ class BatchingLoop:
         state = self._requests.get(out.request_id)
         if state is None:
             return
+        if out.error == "DRAINING":     # the worker is shutting down and took no new sequence: safe to retry
+            self.fail(state.seq_id, Unavailable("the worker is shutting down; retry", reason="DRAINING"))
+            return
         if out.error:
             self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}",
                                                      reason=out.error))

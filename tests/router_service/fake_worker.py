@@ -39,6 +39,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.freed: list[int] = []   # ids freed through the step stream
         self.extra_samples = 0       # tokens sampled for a sequence after its EOS / stop id
         self.max_queued = 0          # most step-stream requests received and not yet answered
+        self.draining = False        # new sequences on the step stream get DRAINING, as a signalled worker answers
         self.sampling: dict[int, pb.SamplingParams] = {}
         self.step_started = asyncio.Event()
 
@@ -158,6 +159,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             ids, tokens, logprobs, errors = [], [], [], []
             for chunk in request.chunks:
                 rid = chunk.request_id
+                if rid not in self.seqs and self.draining:     # a draining worker starts nothing new
+                    ids.append(rid)
+                    tokens.append(-1)
+                    logprobs.append(0.0)
+                    errors.append(pb.SequenceError(request_id=rid, code="DRAINING"))
+                    continue
                 if rid not in self.seqs:
                     self.seqs[rid] = {"tokens": [], "sampling": chunk.sampling, "generated": 0}
                     self.sampling[rid] = chunk.sampling

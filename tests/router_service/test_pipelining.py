@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from common.pb import router_pb2 as rpb
@@ -56,8 +57,9 @@ def test_cancel_between_pipelined_steps_frees_kv_within_two_steps():
             call = stub.GenerateStream(ids_request([1], max_new_tokens=200))
             async for _ in call:
                 break
-            steps_at_cancel = fake.calls.count("StepStream")
             call.cancel()
+            await wait_for(lambda: router.batching_loop.num_active == 0)     # the router saw the cancel
+            steps_at_cancel = fake.calls.count("StepStream")
             await wait_for(lambda: not fake.seqs)
             assert fake.calls.count("StepStream") - steps_at_cancel <= 2
             assert router.batching_loop.scheduler.num_used_blocks == 0
@@ -80,3 +82,22 @@ def test_greedy_equal_with_pipeline_on_and_off(tiny_model):
     finally:
         worker.stop()
     assert off == on and all(off)
+
+
+def test_a_draining_worker_refusal_is_unavailable_to_the_client():
+    """A worker that is shutting down refuses new sequences; the client gets UNAVAILABLE (retry elsewhere), not
+    INTERNAL, and requests already running are unaffected."""
+    async def main():
+        fake = FakeWorker(step_delay=0.002)
+        async with harness(fake) as (router, _, stub, _):
+            running = stub.GenerateStream(ids_request([40], max_new_tokens=30))
+            await running.read()
+            fake.draining = True
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(ids_request([50], max_new_tokens=3))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = []
+            while (m := await running.read()) != grpc.aio.EOF:
+                rest += m.token_ids
+            assert len(rest) == 29
+    asyncio.run(main())
