@@ -218,3 +218,56 @@ def test_a_taken_http_port_is_address_in_use():
             with pytest.raises(AddressInUseError, match="router HTTP 127.0.0.1:"):
                 await start_router(config, "127.0.0.1:1")
     asyncio.run(body())
+
+
+def test_colibri_serve_with_http_port(tiny_model, tmp_path):
+    """The real processes: `colibri serve --http-port`, driven by the synchronous openai client."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import grpc
+
+    from common.pb import router_pb2_grpc
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    port, http = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
+                              "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
+                              "--chat-template", str(template), "--metrics-port", "0", "--worker-metrics-port", "0",
+                              "--backend", "cpu", "--worker-retry-s", "0.1"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline and serve.poll() is None, "colibri serve never became healthy"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Hello"}]
+        whole = client.chat.completions.create(model="model", messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        pieces = client.chat.completions.create(model="model", messages=messages, max_tokens=6, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].delta.content or "" for c in pieces) == whole.choices[0].message.content
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            chat = router_pb2_grpc.GenerationServiceStub(channel).Chat(rpb.ChatRequest(
+                messages=[rpb.ChatMessage(**m) for m in messages],
+                parameters=rpb.SamplingParameters(max_new_tokens=6, ignore_eos=True)), timeout=30)
+        assert chat.text == whole.choices[0].message.content
+    finally:
+        serve.send_signal(2)
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
