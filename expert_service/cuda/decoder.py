@@ -4,7 +4,9 @@ One non-blocking stream carries everything. Decode-only steps of up to 64 sequen
 captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
 eagerly. The decoder holds embedding, attention, the dense MLP, the LM head, step staging and the graphs;
 linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
-sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache).
+sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache). The head's
+argmax is `greedy_split` (two passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the
+one-block-per-row `greedy`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from expert_service.config import Backend, EngineConfig
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import WARMUP_TOKENS, CachedExperts, DeviceMoe
+from expert_service.cuda.moe import CachedExperts, DeviceMoe, warmup_tokens
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace
 from expert_service.kernels import elementwise, greedy, rmsnorm
@@ -28,6 +30,7 @@ from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.kernels.rope import launch_rope
 from expert_service.experts import SlotPlan
@@ -35,6 +38,7 @@ from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 
 
 class DeviceLogits:
@@ -90,7 +94,7 @@ class CudaDecoder:
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
         self.workspace_layout = layout_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs,
-                                                 self.max_blocks_per_seq, len(self.moe_layers))
+                                                 self.max_blocks_per_seq, len(self.moe_layers), cached=cached)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
@@ -106,15 +110,18 @@ class CudaDecoder:
         self.stream.synchronize()
 
     def warmup(self) -> None:
-        """Compiles and loads every kernel now -- eager prefills of moe.WARMUP_TOKENS (1, 2, 64, 65) take each
-        MoE strategy (one-token gemv, grouped kernels, all experts, per-expert GEMMs) -- and captures the
-        decode graph of every batch-size bucket, so serving never compiles and allocates nothing on the device
-        (module loads and graph instantiation do). With the expert cache, steps run eagerly and the first ones
-        load kernels."""
+        """Compiles and loads every kernel now -- eager prefills of moe.warmup_tokens (1, 2, 64, 65 and the
+        first size of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped
+        kernels, all experts, per-expert GEMMs, grouped MMA) -- and captures the decode graph of every
+        batch-size bucket, so serving never compiles and allocates nothing on the device (module loads and
+        graph instantiation do). With the expert cache, steps run eagerly and the first ones load kernels."""
         if self.cached is not None:
             return
+        cfg = self.config
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)
-        for T in sorted({t for t in WARMUP_TOKENS if t <= span}):
+        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts,
+                              bf16=self.weights.dtype == np.uint16)
+        for T in sorted({t for t in sizes if t <= span}):
             blocks = np.zeros(-(-T // self.block_size), np.int64)     # reads the zeroed pool, writes no KV
             prompt = ForwardBatch(token_ids=np.zeros(T, np.int64), positions=np.arange(T, dtype=np.int64),
                                   seq_starts=np.array([0, T], np.int64), context_lens=np.array([T], np.int64),
@@ -266,14 +273,19 @@ class CudaDecoder:
             self._head(T, R)
 
     def _head(self, T: int, R: int) -> None:
-        """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax."""
+        """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax (and
+        non-finite flags)."""
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h = ws.hidden[:T]
         last = ws.last_hidden[:R]
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
         self.linear.linear(last, w.lm_head, ws.logits[:R])
-        greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
+        if USE_GREEDY_SPLIT:
+            launch_greedy_split(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], ws.greedy_part_values[:R],
+                                ws.greedy_part_ids[:R], ws.greedy_part_flags[:R], stream=st)
+        else:
+            greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
 
     def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream

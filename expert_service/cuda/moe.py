@@ -1,9 +1,16 @@
 """The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert.
 
-How the routed experts run depends on the step's T tokens, the K of E experts each token is routed to, and
-whether every expert is resident on the device. `choose_strategy` decides, in one place, from the
-thresholds defined beside it.
+How the routed experts run depends on the step's T tokens, the K of E experts each token is routed to, the
+weights' dtype and whether every expert is resident on the device. `choose_strategy` decides, in one place,
+from the thresholds defined beside it.
 
+- GROUPED_MMA (bf16 weights, every expert resident, GROUPED_MMA_MIN_EXPERTS <= E <= 256, T >= 2; it takes
+  precedence over the three strategies below for such layers): `moe_align` (tokens sorted by expert and padded
+  to the tile on the device) -> bf16 gather -> grouped gate|up and down GEMMs on tensor cores (one launch per
+  matrix for all experts, SwiGLU fused) -> `moe_combine` (store epilogue: bitwise reproducible). No host
+  round trip at any T, graph-capturable; cuda/moe_grouped_mma.py. On the H200 4-12x faster than per-expert
+  cuBLAS for qwen3-like layers (E=128, F=768) at T=512/2048 and faster than ALL_EXPERTS at T=16/64, but
+  slower than cuBLAS on mixtral-like layers (E=8, F=14336), hence the expert-count threshold.
 - GEMV (T <= GEMV_MAX_TOKENS and T*K < E): one token's K experts streamed by the gemv expert kernels
   (`launch_expert_gate_up` / `launch_expert_down`, grid = row blocks x its K experts) -> `moe_combine`.
   Memory-bound: each of the K experts read once at close to HBM bandwidth; the expert ids are read on the
@@ -39,6 +46,16 @@ row is computed by the same kernel whatever the wave split, and the combine runs
 bitwise the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host
 decides per layer which slots to use).
 
+Routing: up to FUSED_ROUTER_MAX_TOKENS tokens (decode, small prefills) `router_fused` computes the router
+GEMV, softmax, top-k and normalisation in one launch (a zeroed int32 counter per token in the workspace, which
+the kernel leaves zeroed, so graph replays work); larger steps run the router through `DeviceLinear` (cuBLAS)
+then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the step's trace).
+
+Switches, to turn a new path off at once: GROUPED_MMA_MIN_EXPERTS = 1 << 30 (no layer takes GROUPED_MMA; the
+workspace layout follows: the per-assignment and all-experts buffers come back, the grouped-MMA ones go);
+USE_FUSED_ROUTER = False (DeviceLinear + router_topk at every T); the decoder's USE_GREEDY_SPLIT (the head's
+argmax).
+
 The shared expert (Qwen2-MoE) runs after the routed experts on every token: SwiGLU, down projection, its
 sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
 """
@@ -54,15 +71,19 @@ from expert_service.config import PrefetchSource
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.moe_grouped_mma import run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
+from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS, MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_gemm_mma import choose_config
+from expert_service.kernels.router_fused import launch_router_fused
 from expert_service.kernels.router_topk import launch_router_topk
 
 ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
@@ -70,9 +91,17 @@ GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, one cuBLAS G
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
 # GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
 WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)
+# GROUPED_MMA for bf16 resident layers with at least this many experts (mixtral-like E = 8 stays on cuBLAS,
+# where the tensor-core kernel measured 2-3.5x slower); 1 << 30 switches the strategy off.
+GROUPED_MMA_MIN_EXPERTS = 32
+GROUPED_MMA_MIN_TOKENS = 2     # one token keeps the GEMV strategy (T*K < E here)
+# The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
+USE_FUSED_ROUTER = True
+FUSED_ROUTER_MAX_TOKENS = 64
 
 
 class MoeStrategy(Enum):
+    GROUPED_MMA = "grouped_mma"
     GEMV = "gemv"
     ALL_EXPERTS = "all_experts"
     GROUPED = "grouped"
@@ -81,11 +110,15 @@ class MoeStrategy(Enum):
     CACHED_CUBLAS = "cached_cublas"
 
 
-def choose_strategy(T: int, K: int, E: int, cached: bool) -> MoeStrategy:
-    """How a step of T tokens, each routed to K of E experts, runs its experts (module docstring)."""
+def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) -> MoeStrategy:
+    """How a step of T tokens, each routed to K of E experts, runs its experts (module docstring); bf16: the
+    weights are bfloat16."""
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     n = T * K
+    if (bf16 and T >= GROUPED_MMA_MIN_TOKENS and GROUPED_MMA_MIN_EXPERTS <= E <= ALIGN_MAX_E
+            and n <= ALIGN_MAX_ASSIGNMENTS):
+        return MoeStrategy.GROUPED_MMA
     if T <= GEMV_MAX_TOKENS and n < E:
         return MoeStrategy.GEMV
     if n >= E and T <= ALL_EXPERTS_MAX_TOKENS:
@@ -93,6 +126,27 @@ def choose_strategy(T: int, K: int, E: int, cached: bool) -> MoeStrategy:
     if T <= GROUPED_MAX_TOKENS:
         return MoeStrategy.GROUPED
     return MoeStrategy.CUBLAS_PER_EXPERT
+
+
+def reachable_strategies(max_tokens: int, K: int, E: int, cached: bool, bf16: bool) -> set[MoeStrategy]:
+    """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers)."""
+    return {choose_strategy(T, K, E, cached, bf16) for T in range(1, max_tokens + 1)}
+
+
+def fused_router(T: int) -> bool:
+    """Whether a step of T tokens routes with router_fused (else DeviceLinear + router_topk)."""
+    return USE_FUSED_ROUTER and T <= FUSED_ROUTER_MAX_TOKENS
+
+
+def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool) -> tuple[int, ...]:
+    """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
+    WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
+    first = {}
+    for T in range(1, max_tokens + 1):
+        strategy = choose_strategy(T, K, E, False, bf16)
+        tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
+        first.setdefault((strategy, tile, fused_router(T)), T)
+    return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
 
 class CachedExperts:
@@ -204,9 +258,12 @@ class DeviceMoe:
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
         self.cached = cached
         self.moe_layers = config.moe_layers
-        # slot order = grouped order for one token's experts (the GEMV strategy's combine)
-        workspace.identity_position.copy_to_device(np.arange(config.num_experts_per_tok, dtype=np.int32),
-                                                   stream=stream)
+        self.bf16 = np.dtype(weights.dtype) == np.uint16
+        # y rows in assignment order (the GEMV and GROUPED_MMA strategies' combine)
+        workspace.identity_position.copy_to_device(
+            np.arange(workspace.identity_position.shape[0], dtype=np.int32), stream=stream)
+        # router_fused's tickets: zero before its first launch, and every launch leaves them zero
+        workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
     def forward(self, i: int, x, h, T: int) -> None:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
@@ -214,15 +271,20 @@ class DeviceMoe:
         cfg, ws, st = self.config, self.ws, self.stream
         K, E = cfg.num_experts_per_tok, cfg.num_experts
         n = T * K
-        logits = ws.router_logits[:T]
-        self.linear.linear(x, self.weights.layer(i, "router"), logits)
+        logits, router = ws.router_logits[:T], self.weights.layer(i, "router")
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
-        strategy = choose_strategy(T, K, E, cached=self.cached is not None)
+        if fused_router(T):
+            launch_router_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
+        else:
+            self.linear.linear(x, router, logits)
+            launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
         experts = self.weights.experts.get(i)
-        if strategy is MoeStrategy.GEMV:
+        if strategy is MoeStrategy.GROUPED_MMA:
+            run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size)
+        elif strategy is MoeStrategy.GEMV:
             self._gemv(x, h, T, ids, weights, experts)
         elif strategy is MoeStrategy.ALL_EXPERTS:
             self._all_experts(x, h, T, ids, weights, experts)

@@ -1,7 +1,10 @@
 """The worker's device memory plan: every buffer a step touches, allocated once at start-up.
 
 Steps only take views (``buf[:T]``) of these arrays, so nothing is allocated on the device while serving
-(tests count it). Sizes follow the engine limits: T = max_batch_tokens, S = max_batch_size.
+(tests count it). Sizes follow the engine limits: T = max_batch_tokens, S = max_batch_size. The MoE buffers
+follow the strategies steps of up to T tokens can take (`moe.reachable_strategies`): a bf16 model with many
+experts runs GROUPED_MMA at every T >= 2 and needs neither the per-assignment f32 inputs / gate / up of the
+grouped and per-expert cuBLAS strategies nor the all-experts buffers, but its bf16 sorted rows.
 """
 from __future__ import annotations
 
@@ -14,8 +17,11 @@ from numba import cuda
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.driver import check, device_address
-from expert_service.cuda.moe import ALL_EXPERTS_MAX_TOKENS
+from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, MoeStrategy,
+                                     reachable_strategies)
+from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
+from expert_service.kernels.greedy_split import parts as greedy_parts
 
 
 @dataclass
@@ -39,8 +45,10 @@ class Workspace:
 
 
 def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
-                     max_blocks_per_seq: int, num_layers_moe: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating."""
+                     max_blocks_per_seq: int, num_layers_moe: int,
+                     cached: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
+    cached: the expert cache runs (CachedExperts)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -48,31 +56,49 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     shared_ffn = config.shared_expert_intermediate_size
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
-    all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T)   # the all-experts strategy of decode steps (cuda/moe.py)
+    strategies = reachable_strategies(T, K, E, cached, np.dtype(weight_dtype) == np.uint16)
+    # per-assignment f32 inputs / gate / up (grouped kernels, per-expert cuBLAS, the expert cache)
+    per_assignment = bool(strategies & {MoeStrategy.GROUPED, MoeStrategy.CUBLAS_PER_EXPERT,
+                                        MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS})
+    # the all-experts strategy of decode steps (cuda/moe.py)
+    all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
     layout = {
         "hidden": ((T, D), f32), "normed": ((T, D), f32),
         "q": ((T, config.q_size), f32), "k": ((T, config.kv_size), f32), "v": ((T, config.kv_size), f32),
         "attn": ((T, config.q_size), f32),
         "router_logits": ((T, E), f32), "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
-        "identity_position": ((K,), i32),   # slot order = grouped order: one token's experts (gemv path)
+        "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),   # router_fused's tickets (zeroed)
+        "identity_position": ((T * K,), i32),   # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
-        "moe_gate": ((T * K, F), f32), "moe_up": ((T * K, F), f32), "moe_out": ((T * K, D), f32),
-        "moe_in": ((T * K, D), f32),
-        "all_experts_gate": ((E * all_experts_tokens * F,), f32),
-        "all_experts_up": ((E * all_experts_tokens * F,), f32),
-        "all_experts_out": ((E, all_experts_tokens, D), f32),
+        "moe_gate": ((T * K if per_assignment else K, F), f32), "moe_out": ((T * K, D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
         "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
         "greedy_ids": ((S,), i32), "nonfinite": ((S,), i32),
+        # greedy_split's partials per pass-1 block of each logits row
+        "greedy_part_values": ((S, greedy_parts(config.vocab_size)), f32),
+        "greedy_part_ids": ((S, greedy_parts(config.vocab_size)), i32),
+        "greedy_part_flags": ((S, greedy_parts(config.vocab_size)), i32),
         "token_ids": ((T,), i32), "positions": ((T,), i32), "slot_mapping": ((T,), i32),
         "seq_starts": ((S + 1,), i32), "context_lens": ((S,), i32), "logits_rows": ((S,), i32),
         "block_tables": ((S, max_blocks_per_seq), i32),
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
+    if per_assignment:
+        layout["moe_up"] = ((T * K, F), f32)
+        layout["moe_in"] = ((T * K, D), f32)
+    if all_experts_tokens:
+        layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
+        layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)
+        layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
+    if MoeStrategy.GROUPED_MMA in strategies:
+        layout.update(grouped_mma_layout(T, K, E, D, F))
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
-        layout["cast"] = ((max(T * K * widest, E * all_experts_tokens * F),), weight_dtype)
+        # rows of the dense layers, router, shared expert and head; per-assignment rows; all experts' h
+        dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
+        layout["cast"] = ((max(dense_rows, T * K * widest if per_assignment else 0, E * all_experts_tokens * F),),
+                          weight_dtype)
     if dense_ffn:
         layout["dense_gate"] = ((T, dense_ffn), f32)
         layout["dense_up"] = ((T, dense_ffn), f32)

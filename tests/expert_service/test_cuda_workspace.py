@@ -3,9 +3,14 @@ import numpy as np
 
 from common.models import config_from_hf
 from expert_service.tiny_model import tiny_hf_config
-from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS, WARMUP_TOKENS, MoeStrategy,
-                                     choose_strategy)
+from expert_service.cuda import moe
+from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, GROUPED_MAX_TOKENS,
+                                     GROUPED_MMA_MIN_EXPERTS, WARMUP_TOKENS, MoeStrategy, choose_strategy,
+                                     fused_router, warmup_tokens)
 from expert_service.cuda.workspace import METADATA, RESULTS, layout_workspace, packed_layout
+from expert_service.kernels.greedy_split import parts
+from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, MAX_E, max_rows, max_tiles
+from expert_service.kernels.moe_gemm_mma import choose_config
 
 
 def test_packed_layout_is_ordered_aligned_and_disjoint():
@@ -44,3 +49,78 @@ def test_moe_strategy_by_step_size():
     assert choose_strategy(GROUPED_MAX_TOKENS + 1, 2, 8, cached=True) is S.CACHED_CUBLAS
     assert {choose_strategy(t, 2, 8, cached=False) for t in WARMUP_TOKENS} == {
         S.GEMV, S.GROUPED, S.ALL_EXPERTS, S.CUBLAS_PER_EXPERT}
+
+
+def test_grouped_mma_strategy_thresholds(monkeypatch):
+    """bf16 resident layers with GROUPED_MMA_MIN_EXPERTS..256 experts take GROUPED_MMA at every T >= 2 (one
+    token keeps GEMV); fewer experts, other dtypes and the expert cache keep their strategies; the switch
+    turns it off."""
+    S = MoeStrategy
+    E = GROUPED_MMA_MIN_EXPERTS
+    assert E == 32
+    for T in (2, 3, 16, 64, 65, 512, 8192):
+        assert choose_strategy(T, 8, 128, cached=False, bf16=True) is S.GROUPED_MMA
+        assert choose_strategy(T, 2, E, cached=False, bf16=True) is S.GROUPED_MMA
+        assert choose_strategy(T, 8, 128, cached=False) is choose_strategy(T, 8, 128, cached=False, bf16=False)
+        assert choose_strategy(T, 2, E - 1, cached=False, bf16=True) is choose_strategy(T, 2, E - 1, cached=False)
+        assert choose_strategy(T, 2, 8, cached=False, bf16=True) is choose_strategy(T, 2, 8, cached=False)
+        assert choose_strategy(T, 8, 128, cached=True, bf16=True) in (S.CACHED_GROUPED, S.CACHED_CUBLAS)
+    assert choose_strategy(1, 8, 128, cached=False, bf16=True) is S.GEMV
+    assert choose_strategy(1, 2, E, cached=False, bf16=True) is S.GEMV
+    assert choose_strategy(4, 8, MAX_E, cached=False, bf16=True) is S.GROUPED_MMA
+    assert choose_strategy(4, 8, MAX_E + 1, cached=False, bf16=True) is not S.GROUPED_MMA   # moe_align's limit
+    assert choose_strategy(MAX_ASSIGNMENTS // 8 + 1, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
+    monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
+    assert choose_strategy(16, 8, 128, cached=False, bf16=True) is S.ALL_EXPERTS
+    assert choose_strategy(512, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
+
+
+def test_fused_router_threshold(monkeypatch):
+    assert FUSED_ROUTER_MAX_TOKENS == 64
+    assert fused_router(1) and fused_router(64) and not fused_router(65)
+    monkeypatch.setattr(moe, "USE_FUSED_ROUTER", False)
+    assert not fused_router(1)
+
+
+def test_warmup_reaches_every_strategy_tile_config_and_router():
+    """Every (strategy, grouped-MMA tile config, router) a step of up to T tokens takes is taken by one of the
+    warm-up prefills, so no kernel module loads while serving."""
+    def kind(T, K, E, bf16):
+        strategy = choose_strategy(T, K, E, cached=False, bf16=bf16)
+        return strategy, choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None, fused_router(T)
+    for K, E, bf16, T in ((8, 128, True, 2048), (4, 40, True, 512), (2, 8, True, 512), (8, 128, False, 512)):
+        sizes = warmup_tokens(T, K, E, bf16)
+        assert set(WARMUP_TOKENS) <= set(sizes)
+        assert {kind(t, K, E, bf16) for t in sizes if t <= T} == {kind(t, K, E, bf16) for t in range(1, T + 1)}
+    assert {kind(t, 8, 128, True)[0] for t in warmup_tokens(2048, 8, 128, True)} == {
+        MoeStrategy.GEMV, MoeStrategy.GROUPED_MMA}
+
+
+def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
+    """A bf16 many-expert model gets the grouped-MMA buffers (sized for the largest tile need of any step) and
+    none of the per-assignment f32 / all-experts buffers; with the switch off, the reverse. The fused router's
+    counter and greedy_split's partials are there for every model."""
+    config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
+    T, S, K, E = 512, 16, 8, 40
+    bf16, f32 = np.dtype(np.uint16), np.dtype(np.float32)
+    layout = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
+    rows = max(max_rows(t * K, E, choose_config(t * K, E).block_m) for t in range(1, T + 1))
+    tiles = max(max_tiles(t * K, E, choose_config(t * K, E).block_m) for t in range(1, T + 1))
+    D, F = config.hidden_size, config.moe_intermediate_size
+    assert layout["mma_sorted_ids"][0] == (rows,) and layout["mma_tile_expert"][0] == (tiles,)
+    assert layout["mma_xs"] == ((rows, D), bf16) and layout["mma_h"] == ((rows, F), bf16)
+    assert layout["mma_num_tiles"][0] == (1,)
+    assert not {"moe_in", "moe_up", "all_experts_gate", "all_experts_up", "all_experts_out"} & set(layout)
+    assert layout["moe_gate"][0] == (K, F) and layout["moe_out"][0] == (T * K, D)      # GEMV rows; y rows
+    assert layout["identity_position"][0] == (T * K,)
+    assert layout["cast"][0][0] >= T * max(D, config.q_size)
+    assert layout["router_counter"] == ((FUSED_ROUTER_MAX_TOKENS,), np.dtype(np.int32))
+    for name in ("greedy_part_values", "greedy_part_ids", "greedy_part_flags"):
+        assert layout[name][0] == (S, parts(config.vocab_size))
+    for dtype, cached in ((f32, False), (bf16, True)):     # other dtypes and the expert cache: no grouped MMA
+        other = layout_workspace(config, dtype, T, S, 16, len(config.moe_layers), cached=cached)
+        assert "mma_xs" not in other and other["moe_in"][0] == (T * K, D) and other["moe_gate"][0] == (T * K, F)
+    monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
+    off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
+    assert "mma_xs" not in off and off["moe_in"][0] == (T * K, D) and "all_experts_out" in off
+    assert off["cast"][0][0] >= T * K * max(D, config.q_size, F)

@@ -1,0 +1,58 @@
+"""The GROUPED_MMA strategy of the MoE block (cuda/moe.py chooses it): every routed expert of a layer on tensor
+cores, one launch per expert matrix, no host synchronisation (graph-capturable at any T).
+
+Per MoE layer, with cfg = choose_config(T*K, E), BM = cfg.block_m, tiles = max_tiles(T*K, E, BM), rows = tiles*BM:
+  moe_align        ids [T, K] -> sorted_ids [rows] (assignments sorted by expert, padded to BM; -1: padding),
+                   tile_expert [tiles], num_tiles [1] (device-side count: the GEMM grids use the host bound
+                   `tiles`, tiles past num_tiles exit), position [T*K] (unused here: the store combine below
+                   writes y in assignment order)
+  moe_gather_bf16  x [T, D] f32 -> xs [rows, D] bf16 in sorted order (zeros in padding rows)
+  moe_gemm_gate_up xs -> h [rows, F] bf16 = silu(xs gate^T) * (xs up^T)   (mma.sync bf16, fp32 accumulation)
+  moe_gemm_down    h -> y = moe_out [T*K, D] f32 (combine="store": row t*K + k, not atomics)
+  moe_combine      residual[t] += sum_k weights[t, k] * y[t*K + k]   (identity position: fixed order)
+The store epilogue plus the existing combine is bitwise reproducible (graph == eager, run to run); the atomic
+epilogue measured 1-6% faster but sums in arrival order. Kernels and H200 figures: docs/kernels.md.
+
+Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
+`max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from expert_service.kernels.moe_align import (launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles)
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_gemm_mma import (COMBINE_STORE, choose_config, launch_moe_gemm_down,
+                                                 launch_moe_gemm_gate_up)
+
+
+def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype))."""
+    rows = tiles = 1
+    for T in range(1, max_tokens + 1):        # the tile config (BM) changes with T*K / E: take the largest need
+        block_m = choose_config(T * K, E).block_m
+        rows = max(rows, max_rows(T * K, E, block_m))
+        tiles = max(tiles, max_tiles(T * K, E, block_m))
+    i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
+    return {"mma_sorted_ids": ((rows,), i32), "mma_tile_expert": ((tiles,), i32), "mma_num_tiles": ((1,), i32),
+            "mma_xs": ((rows, D), u16), "mma_h": ((rows, F), u16)}
+
+
+def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int) -> None:
+    """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
+    device), experts [E, stride] bf16 (uint16) -> h += the routed experts' weighted outputs."""
+    T, K = ids.shape
+    E = experts.shape[0]
+    n = T * K
+    cfg = choose_config(n, E)
+    bm = cfg.block_m
+    tiles = max_tiles(n, E, bm)
+    rows = tiles * bm
+    sorted_ids, tile_expert, num_tiles = ws.mma_sorted_ids[:rows], ws.mma_tile_expert[:tiles], ws.mma_num_tiles
+    xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
+    launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
+    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
+    launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
+    launch_moe_gemm_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE,
+                         config=cfg, stream=stream)
+    launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
