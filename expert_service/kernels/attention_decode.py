@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import WARP, loader, warp_sum
+from expert_service.kernels.jit_cache import cached_jit
 
 NWARPS = 4
 THREADS = NWARPS * WARP
@@ -168,7 +169,7 @@ def _build(kv_dtype, head_dim: int, gt: int):
                     part_ml[s, h0 + g, split, 0] = mx
                     part_ml[s, h0 + g, split, 1] = total
 
-    return attention_decode_kernel, cuda.jit(attention_decode_kernel)
+    return attention_decode_kernel, cached_jit(attention_decode_kernel)
 
 
 def attention_decode_reduce_kernel(part_out, part_ml, out):
@@ -191,7 +192,7 @@ def attention_decode_reduce_kernel(part_out, part_ml, out):
         out[s, h, d] = o / total if total > 0 else np.float32(0.0)
 
 
-_reduce = cuda.jit(attention_decode_reduce_kernel)
+_reduce = cached_jit(attention_decode_reduce_kernel)
 
 
 def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,

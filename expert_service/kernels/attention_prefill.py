@@ -26,6 +26,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import loader
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128
 SMEM_BUDGET = 44 * 1024                   # static shared memory is capped at 48 KB
@@ -177,7 +178,7 @@ def _build(kv_dtype, head_dim: int):
                 total = den_s[i]
                 out[r0 + i, h, e % head_dim] = acc[r] / total if total > 0 else np.float32(0.0)
 
-    return attention_prefill_kernel, cuda.jit(attention_prefill_kernel)
+    return attention_prefill_kernel, cached_jit(attention_prefill_kernel)
 
 
 def check_arguments(kernel: str, q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out):

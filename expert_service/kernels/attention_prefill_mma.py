@@ -34,6 +34,7 @@ from numba import cuda, types
 from expert_service.kernels.attention_prefill import launch_attention_prefill, check_arguments
 from expert_service.kernels.mma import exp2_approx, mma_bf16_m16n8k16 as mma, pack_bf16x2 as pack
 from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
+from expert_service.kernels.jit_cache import cached_jit
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -310,7 +311,7 @@ def _build(head_dim: int):
                 out[r0 + i0 + 8, h, d] = acc[4 * j + 2] * inv1
                 out[r0 + i0 + 8, h, d + 1] = acc[4 * j + 3] * inv1
 
-    return attention_prefill_mma_kernel, cuda.jit(attention_prefill_mma_kernel)
+    return attention_prefill_mma_kernel, cached_jit(attention_prefill_mma_kernel)
 
 
 def launch_attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import storer, widener
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
 MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
@@ -62,7 +63,7 @@ def _build_bias(weight_dtype):
             c = i - t * n
             y[t, c] += widen(bias[c])
 
-    return add_bias_kernel, cuda.jit(add_bias_kernel)
+    return add_bias_kernel, cached_jit(add_bias_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,12 +75,12 @@ def _build_cast(out_dtype):
         for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
             store(out, i, x[i])
 
-    return cast_kernel, cuda.jit(cast_kernel)
+    return cast_kernel, cached_jit(cast_kernel)
 
 
-_silu_mul = cuda.jit(silu_mul_kernel)
-_sigmoid_gate_add = cuda.jit(sigmoid_gate_add_kernel)
-_clamp = cuda.jit(clamp_kernel)
+_silu_mul = cached_jit(silu_mul_kernel)
+_sigmoid_gate_add = cached_jit(sigmoid_gate_add_kernel)
+_clamp = cached_jit(clamp_kernel)
 
 
 def _grid(n, threads):

@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import widener
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128   # 4 warps; D=4096 -> 32 elements per thread
 
@@ -28,7 +29,7 @@ def _build(weight_dtype):
         for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
             out[t, d] = widen(table[row, d])
 
-    return embedding_kernel, cuda.jit(embedding_kernel)
+    return embedding_kernel, cached_jit(embedding_kernel)
 
 
 def launch_embedding(ids, table, out, stream=0, threads=THREADS) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.jit_cache import cached_jit
 
 MAX_E = 256
 MAX_ASSIGNMENTS = 65536
@@ -26,7 +27,7 @@ THREADS = 64 if SIMULATOR else 1024
 _SCAN_SLOTS = 1024          # >= THREADS
 
 
-@cuda.jit
+@cached_jit
 def _expert_grouping_kernel(ids, counts, offsets, order, position):
     """ids [T, K] int32 in [0, E) -> counts [E], offsets [E+1], order [T*K], position [T*K] (all int32).
 

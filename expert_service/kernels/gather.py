@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, types
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128
 
 
-@cuda.jit
+@cached_jit
 def _gather_rows(src, index, divisor, dst):
     """src [R, D] f32, index [n] int32, divisor int32, dst [n, D] f32. Grid (n,), block (THREADS,)."""
     p = cuda.blockIdx.x

@@ -36,6 +36,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, u32_as_f32, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.jit_cache import cached_jit
 
 # The simulator runs one Python thread per CUDA thread: fewer loads per lane so tiny K still reaches the
 # unrolled main loop (the code path is the same).
@@ -242,7 +243,7 @@ def _build(dtype, wide: bool, rows: int, gated: bool):
                     else:
                         out[slot, row] = a
 
-    return gemv_kernel, cuda.jit(gemv_kernel)
+    return gemv_kernel, cached_jit(gemv_kernel)
 
 
 def _aligned(a) -> bool:

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 from numba import cuda, types
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256      # power of two (tree reduction); at most MAX_THREADS
 MAX_THREADS = 1024
@@ -56,7 +57,7 @@ def argmax_kernel(logits, ids, flags):
         flags[s] = bad[0]
 
 
-_argmax = cuda.jit(argmax_kernel)
+_argmax = cached_jit(argmax_kernel)
 
 
 def launch_greedy(logits, ids, flags, stream=0, threads=THREADS) -> None:

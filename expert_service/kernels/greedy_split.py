@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 32 if SIMULATOR else 256       # power of two (tree reductions)
 ITEMS = 2 if SIMULATOR else 8
@@ -51,7 +52,7 @@ def _tree(best_v, best_i, bad, tid):
         stride //= 2
 
 
-@cuda.jit
+@cached_jit
 def _argmax_parts_kernel(logits, part_values, part_ids, part_flags):
     """logits [S, V] f32 -> part_values [S, P] f32, part_ids [S, P] int32 (V where the slice has no candidate),
     part_flags [S, P] int32. Grid (S * P,), block (THREADS,)."""
@@ -90,7 +91,7 @@ def _argmax_parts_kernel(logits, part_values, part_ids, part_flags):
         part_flags[s, p] = bad[0]
 
 
-@cuda.jit
+@cached_jit
 def _argmax_final_kernel(part_values, part_ids, part_flags, vocab, ids, flags):
     """Reduce each row's P partials -> ids [S], flags [S] int32. Grid (S,), block (FINAL_THREADS,)."""
     best_v = cuda.shared.array(FINAL_THREADS, np.float32)

@@ -13,6 +13,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import storer
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128   # 4 warps; a token's row is Hkv*Hd values (1024 for Hkv=8, Hd=128): 8 per thread
 
@@ -36,7 +37,7 @@ def _build(pool_dtype):
             store(k_pool, base + e, k[t, e])
             store(v_pool, base + e, v[t, e])
 
-    return kv_write_kernel, cuda.jit(kv_write_kernel)
+    return kv_write_kernel, cached_jit(kv_write_kernel)
 
 
 def launch_kv_write(k, v, slot_mapping, k_pool, v_pool, stream=0) -> None:

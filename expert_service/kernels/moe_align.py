@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import SIMULATOR, f32_to_bf16
+from expert_service.kernels.jit_cache import cached_jit
 
 MAX_E = 256
 _STARTS = MAX_E + 1                     # shared array sizes must be plain constants
@@ -42,7 +43,7 @@ def max_rows(n_assignments: int, n_experts: int, block_m: int) -> int:
     return max_tiles(n_assignments, n_experts, block_m) * block_m
 
 
-@cuda.jit
+@cached_jit
 def _moe_align_kernel(ids, n_exp, block_m, sorted_ids, tile_expert, num_tiles, position):
     """ids [T, K] int32; n_exp, block_m int32 -> sorted_ids [rows], tile_expert [tiles], num_tiles [1],
     position [T*K] (int32). One block of THREADS threads."""
@@ -138,7 +139,7 @@ def launch_moe_align(ids, n_exp: int, block_m: int, sorted_ids, tile_expert, num
                                           num_tiles, position)
 
 
-@cuda.jit
+@cached_jit
 def _gather_bf16_kernel(x, sorted_ids, num_tiles, top_k, block_m, xs):
     """x [T, D] f32, sorted_ids [rows] int32, num_tiles [1] -> xs [rows, D] uint16 (bf16 bits).
     Grid (rows,), block (GATHER_THREADS,)."""

@@ -10,11 +10,12 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
 
 
-@cuda.jit
+@cached_jit
 def _moe_combine_kernel(y, position, weights, h):
     """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
     weights [T, K] f32 -> h [T, D] f32 updated in place: h[t] += sum_k weights[t, k] * y[position[t*K+k]]."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, types
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
 
 
-@cuda.jit
+@cached_jit
 def _combine_dense(y, ids, weights, h):
     """y [E, T, D] f32, ids [T, K] int32, weights [T, K] f32, h [T, D] f32 (+=). Grid (T,), block (THREADS,)."""
     t = cuda.blockIdx.x

@@ -35,6 +35,7 @@ from numba import cuda, types
 from numba.np import numpy_support
 
 from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader
+from expert_service.kernels.jit_cache import cached_jit
 
 # The simulator runs one Python thread per CUDA thread: it gets small tiles that still exercise every loop
 # (several row tiles, token tiles and input chunks on tiny shapes). The code path is identical.
@@ -109,7 +110,7 @@ def _kernel(dtype, wide: bool, gated: bool):
     dot_one = _make_dot(get, per_word, 1, gated)
     dot_tile = _make_dot(get, per_word, TOK_TILE, gated)
 
-    @cuda.jit
+    @cached_jit
     def kernel(src, order, offsets, wts, stride, n_rows, n_in, top_k, first, second, slot_of, use_slots, out):
         """src: x [T, D] (gated, gathered through order[p] // top_k) or h [T*K, F] (down, row p);
         order [T*K] int32; offsets [E+1] int32; wts: W flattened (uint64 words if wide); stride: elements per

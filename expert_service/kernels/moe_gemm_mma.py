@@ -40,6 +40,7 @@ from numba import cuda, types
 
 from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, f32_to_bf16
 from expert_service.kernels.ptx import ld_v4
+from expert_service.kernels.jit_cache import cached_jit
 
 
 class Config(NamedTuple):
@@ -419,7 +420,7 @@ def _build(cfg: Config, mode: int, aligned: bool):
         # epilogue: accumulator (i, j, v) is row g + 8 (v // 2) of m-tile i, column 2t + v % 2 of n-tile j
         epilogue(acc, out, sorted_ids, route_w, row0 + wm * MT * 16, n0, n_out, top_k, wn, g, t)
 
-    return moe_gemm_mma_kernel, cuda.jit(moe_gemm_mma_kernel)
+    return moe_gemm_mma_kernel, cached_jit(moe_gemm_mma_kernel)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import block_sum, widener
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256   # 8 warps; N=4096 -> 16 elements per thread, N=128 (head norm) -> most threads idle but cheap
 
@@ -52,7 +53,7 @@ def _build(weight_dtype):
         for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):   # same thread wrote residual[r, i]: no sync
             out[r, i] = (residual[r, i] / denom) * widen(weight[i])
 
-    return (rmsnorm_kernel, cuda.jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cuda.jit(add_rmsnorm_kernel))
+    return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
 
 
 def _check(rows, weight, out, threads):

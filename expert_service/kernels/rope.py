@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 from numba import cuda, types
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128   # 4 warps; 40 heads * 64 pairs = 2560 pairs per token -> 20 per thread
 
@@ -45,7 +46,7 @@ def rope_kernel(q, k, positions, inv_freq, scale):
             k[t, h, i + half] = x2 * c + x1 * s
 
 
-_rope = cuda.jit(rope_kernel)
+_rope = cached_jit(rope_kernel)
 
 
 def launch_rope(q, k, positions, inv_freq, scale, stream=0, threads=THREADS) -> None:

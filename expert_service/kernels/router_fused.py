@@ -26,6 +26,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -179,7 +180,7 @@ def _build(dtype, wide: bool):
             for k in range(top_k):                # thread 0 reads back only its own writes
                 weights[t, k] = weights[t, k] / chosen
 
-    return router_fused_kernel, cuda.jit(router_fused_kernel)
+    return router_fused_kernel, cached_jit(router_fused_kernel)
 
 
 def _wide(weight, D):

@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.numeric import WARP, warp_max, warp_sum
+from expert_service.kernels.jit_cache import cached_jit
 
 MAX_E = 256                 # experts per token row a lane set can hold
 PER_LANE = MAX_E // WARP    # logits held by each lane (registers: indices are compile-time after unrolling)
@@ -21,7 +22,7 @@ MAX_K = 8
 _RETIRED = np.float32(-2.0)   # below every probability and below the -1 of padding slots
 
 
-@cuda.jit
+@cached_jit
 def _router_topk_kernel(logits, ids, weights, normalize):
     """logits [T, E] f32 -> ids [T, K] int32 (descending probability), weights [T, K] f32; normalize: int32 0/1."""
     t = cuda.blockIdx.x

@@ -88,7 +88,7 @@ def test_builder_runs_the_install_script_that_ci_runs():
 
 
 def test_kernel_cache_lives_on_the_mounted_cache_volume(renderings):
-    env = dict(re.findall(r"^\s+(NUMBA_CACHE_DIR|CUDA_CACHE_PATH)=(\S+)", DOCKERFILE.read_text(), re.M))
+    env = dict(re.findall(r"^\s+(COLIBRI_KERNEL_CACHE|CUDA_CACHE_PATH)=(\S+)", DOCKERFILE.read_text(), re.M))
     volumes = re.findall(r'^VOLUME \["([^"]+)"\]', DOCKERFILE.read_text(), re.M)
     worker = container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "worker")
     for name, path in env.items():
@@ -96,7 +96,7 @@ def test_kernel_cache_lives_on_the_mounted_cache_volume(renderings):
         mount = mount_of(worker, path)
         assert mount and mount["mountPath"] != "/" and not mount.get("readOnly"), \
             f"{name}={path}: the worker has no writable volume there"
-    assert set(env) == {"NUMBA_CACHE_DIR", "CUDA_CACHE_PATH"}
+    assert set(env) == {"COLIBRI_KERNEL_CACHE", "CUDA_CACHE_PATH"}
 
 
 def test_dockerignore_lets_every_package_in():

@@ -1,0 +1,124 @@
+"""The on-disk kernel cache (COLIBRI_KERNEL_CACHE): every kernel goes through it, its folder follows the kernel
+sources, an unusable folder costs only the compile time; on the GPU a second process compiles nothing."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expert_service.kernels import jit_cache
+
+REPO = Path(__file__).resolve().parents[3]
+KERNELS = REPO / "expert_service" / "kernels"
+
+
+def _is_cuda_jit(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "cuda"
+
+
+def _device_function(call: ast.Call) -> bool:
+    return any(k.arg == "device" and getattr(k.value, "value", False) is True for k in call.keywords)
+
+
+def test_every_kernel_compiles_through_cached_jit():
+    """A kernel built with plain cuda.jit would compile in every process even with the cache set."""
+    plain = []
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.name == "jit_cache.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and _is_cuda_jit(node.func) and not _device_function(node):
+                plain.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.FunctionDef):
+                plain += [f"{path.name}:{d.lineno}" for d in node.decorator_list if _is_cuda_jit(d)]
+    assert not plain, f"kernels compiled with cuda.jit instead of cached_jit: {plain}"
+
+
+def test_the_cache_folder_changes_with_any_kernel_source(tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(KERNELS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = jit_cache.source_digest(copy)
+    assert before == jit_cache.source_digest(KERNELS)
+    helper = copy / "numeric.py"            # a module of device functions only: no kernel of its own
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert jit_cache.source_digest(copy) != before
+
+
+def _cache_dir_in_a_fresh_process(env_value: str | None) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (jit_cache.CACHE_ENV, "NUMBA_CACHE_DIR")}
+    env["NUMBA_ENABLE_CUDASIM"] = "0"
+    if env_value is not None:
+        env[jit_cache.CACHE_ENV] = env_value
+    code = ("import json; from numba.cuda.core import config; from expert_service.kernels import jit_cache as j; "
+            "print(json.dumps({'dir': str(j.CACHE_DIR) if j.CACHE_DIR else None, 'numba': config.CACHE_DIR, "
+            "'digest': j.source_digest()}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+def test_a_set_cache_points_numba_at_the_digest_folder(tmp_path):
+    got, stderr = _cache_dir_in_a_fresh_process(str(tmp_path / "cache"))
+    want = tmp_path / "cache" / got["digest"]
+    assert got["dir"] == str(want) and got["numba"] == str(want) and want.is_dir()
+    assert "WARNING" not in stderr.upper()
+
+
+def test_unset_means_no_cache():
+    got, _ = _cache_dir_in_a_fresh_process(None)
+    assert got["dir"] is None and not got["numba"]
+
+
+def test_an_unwritable_cache_warns_in_one_line_and_compiles_without(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    got, stderr = _cache_dir_in_a_fresh_process(str(blocker / "cache"))
+    assert got["dir"] is None and not got["numba"]
+    lines = [line for line in stderr.splitlines() if jit_cache.CACHE_ENV in line]
+    assert len(lines) == 1 and "not writable" in lines[0] and "Traceback" not in stderr
+
+
+WARM_UP = """
+import json, sys, time
+from common.model_format import ModelDir
+from expert_service.config import EngineConfig
+from expert_service.engine import Engine
+engine = Engine(ModelDir.open(sys.argv[1]), EngineConfig(backend="cuda", kv_block_size=8, kv_cache_tokens=1024,
+                                                         max_batch_tokens=128, max_batch_size=4))
+started = time.monotonic()
+engine.warmup()
+ids = engine.generate([5, 9, 11], 4)[0]
+print(json.dumps({"warmup_s": time.monotonic() - started, "ids": list(map(int, ids))}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_second_process_loads_every_kernel_from_the_cache(tmp_path):
+    """Two processes warm up the same model with one cache folder: the first writes it, the second adds and
+    rewrites nothing (every kernel it launched was found) and generates the same tokens."""
+    from expert_service.tiny_model import make_tiny
+    model = make_tiny(tmp_path / "m", family="qwen3_moe", seed=4, progress=False)
+    env = dict(os.environ, **{jit_cache.CACHE_ENV: str(tmp_path / "cache")})
+
+    def warm_up() -> dict:
+        done = subprocess.run([sys.executable, "-c", WARM_UP, str(model)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    def files() -> dict:
+        return {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+
+    first = warm_up()
+    written = files()
+    assert any(p.suffix == ".nbi" for p in written) and any(p.suffix == ".nbc" for p in written)
+    second = warm_up()
+    assert files() == written, "the second process compiled kernels the first had cached"
+    assert second["ids"] == first["ids"]
