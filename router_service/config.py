@@ -21,6 +21,8 @@ class RouterConfig:
                         ("COLIBRI_PORT", "PORT"))
     metrics_port: int = setting(9090, "HTTP port serving Prometheus /metrics; 0 = off",
                                 ("COLIBRI_METRICS_PORT", "METRICS_PORT"))
+    metrics_host: str = setting("127.0.0.1", "address of the /metrics port (0.0.0.0 to let Prometheus scrape it "
+                                "from outside the host or pod)", ("COLIBRI_METRICS_HOST",))
     worker: str = setting("localhost:50052", "gRPC address of the expert worker (host:port or unix:PATH)",
                           ("COLIBRI_WORKER", "WORKER_ADDRESS"))
     model: str = setting("", "model directory; its tokenizer.json enables text prompts and text output",

@@ -205,9 +205,10 @@ def _setup_observability(config: RouterConfig) -> BatchingLoopHooks:
     configure_logging("router", os.environ.get("LOG_LEVEL", "INFO"))
     configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))
     model_name = config.model_name or (Path(config.model).name if config.model else "colibri")
-    hooks, port = router_metrics(model_name, config.metrics_port if config.metrics_port else -1)
+    hooks, port = router_metrics(model_name, config.metrics_port if config.metrics_port else -1,
+                                 host=config.metrics_host)
     if port >= 0:
-        log.info("metrics on http://0.0.0.0:%d/metrics", port)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     return hooks
 
 

@@ -82,9 +82,9 @@ class ChainedHooks(BatchingLoopHooks):
 
 
 def router_metrics(model_name: str, port: int, registry: CollectorRegistry | None = None,
-                   host: str = "0.0.0.0") -> tuple[MetricsHooks, int]:
+                   host: str = "127.0.0.1") -> tuple[MetricsHooks, int]:
     """Metrics hooks on a fresh registry, served on http://host:port/metrics (port 0 = a free one, -1 = none)."""
     registry = registry or new_registry()
     hooks = MetricsHooks(RouterMetrics(registry, model_name))
-    bound = start_metrics_server(registry, port, host)[2] if port >= 0 else -1
+    bound = start_metrics_server(registry, port, host, role="router metrics")[2] if port >= 0 else -1
     return hooks, bound

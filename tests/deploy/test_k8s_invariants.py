@@ -236,7 +236,8 @@ def test_service_exposes_the_router_over_h2c_and_both_metrics_ports(renderings):
         ports = {p["name"]: p for p in r.one("Service", "colibri")["spec"]["ports"]}
         assert _port_names(router)["metrics-router"] == int(flag(router["args"], "metrics-port")) == 9090
         assert _port_names(worker)["metrics-worker"] == int(flag(worker["args"], "metrics-port")) == 9091
-        assert flag(worker["args"], "metrics-host") == "0.0.0.0", f"{name}: loopback metrics cannot be scraped"
+        for container_ in (router, worker):
+            assert flag(container_["args"], "metrics-host") == "0.0.0.0", f"{name}: loopback metrics cannot be scraped"
         assert {"metrics-router", "metrics-worker"} <= set(ports), name
         # Health ports are for the kubelet only.
         assert not any(p["name"].startswith("health") for p in ports.values()), name

@@ -262,3 +262,22 @@ def test_port_in_use_names_the_role_and_address():
                 assert str(err.value) == f"{role} 127.0.0.1:{port} is in use or cannot be bound"
                 assert err.value.exit_code == 7
     asyncio.run(main())
+
+
+def test_metrics_port_in_use_names_the_router_and_binds_loopback_by_default(tmp_path):
+    """A taken --metrics-port exits 7 with one line naming the router's metrics and the address it tried
+    (loopback unless --metrics-host says otherwise)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "colibri.cli", "router", "--worker", "127.0.0.1:1",
+                               "--port", "0", "--metrics-port", str(port)], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 7, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == \
+        f"colibri router: error: router metrics 127.0.0.1:{port} is in use"
