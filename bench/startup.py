@@ -9,8 +9,8 @@ warm-up that compiles and loads every kernel and captures the decode CUDA graphs
 Each start reports the readiness wait and the worker's own warm-up time (its "warm-up N ms" log line); the
 warm / none ratios are what the cache buys.
 
-Models: `--backend cpu` the tiny model (kernels are not compiled on cpu: the three rows measure the rest);
-`--backend cuda` the tiny model and mixtral-shape (bench/engine.py's random bf16 shapes).
+Models (--models): `--backend cpu` the tiny model (kernels are not compiled on cpu: the rows measure the
+rest); `--backend cuda` the tiny model and mixtral-shape (bench/engine.py's random bf16 shapes) by default.
     python bench/startup.py --backend cuda --out out/startup
 """
 from __future__ import annotations
@@ -37,13 +37,14 @@ WARMUP_LINE = re.compile(r"warm-up (\d+) ms")
 WORKER = dict(kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=2048, max_batch_size=64)
 
 
-def prepare_models(backend: str, shapes: list[str], workdir: Path):
-    """(name, model directory) pairs: the tiny model, then the cuda shapes."""
-    from expert_service.tiny_model import make_tiny
-    yield "tiny", make_tiny(workdir / "tiny", family="mixtral", seed=0, progress=False)
-    if backend == "cuda":
-        from bench.engine import SHAPES, build_hf, write_colibri
-        for name in shapes:
+def prepare_models(names: list[str], workdir: Path):
+    """(name, model directory) pairs, each built just before it is measured: "tiny" or a bench/engine.py shape."""
+    for name in names:
+        if name == "tiny":
+            from expert_service.tiny_model import make_tiny
+            yield name, make_tiny(workdir / name, family="mixtral", seed=0, progress=False)
+        else:
+            from bench.engine import SHAPES, build_hf, write_colibri
             family, params = SHAPES[name]
             yield name, write_colibri(build_hf(family, params), workdir / name)
 
@@ -90,7 +91,8 @@ def measure(name: str, model_dir: Path, backend: str, workdir: Path, timeout: fl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--shapes", default="mixtral-shape", help="cuda: bench/engine.py's shapes, comma-separated")
+    parser.add_argument("--models", help="comma-separated: tiny and (cuda) bench/engine.py's shapes "
+                        "(default: cpu tiny, cuda tiny,mixtral-shape)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="directory for the JSON")
     parser.add_argument("--name", help="file stem (default: <backend>-startup)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")
@@ -100,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     states = [s for s in args.states.split(",") if s]
     if set(states) - set(CACHE_STATES) or ("warm" in states and "cold" not in states[:states.index("warm")]):
         parser.error(f"--states: a subset of {','.join(CACHE_STATES)} with cold before warm")
+    models = [m for m in (args.models or ("tiny" if args.backend == "cpu" else "tiny,mixtral-shape")).split(",") if m]
+    if args.backend == "cpu" and models != ["tiny"]:
+        parser.error("--models: the cpu backend measures the tiny model only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"machine": platform.node(), "python": platform.python_version(), "backend": args.backend,
                "worker": WORKER, "models": {}}
     with tempfile.TemporaryDirectory(prefix="colibri-startup-") as tmp:
         workdir = Path(tmp)
-        for name, model_dir in prepare_models(args.backend, [s for s in args.shapes.split(",") if s], workdir):
+        for name, model_dir in prepare_models(models, workdir):
             results["models"][name] = measure(name, model_dir, args.backend, workdir, args.timeout, states)
     path = out / f"{args.name or args.backend + '-startup'}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
