@@ -41,7 +41,8 @@ class StepTrace:
 
 
 class Logits(Protocol):
-    """A step's logits rows [R, V] in output order, on the host or the device."""
+    """A step's logits rows [R, V] in output order, on the host or the device. Read the rows before the
+    decoder's next step: the cuda backend's live in a workspace that step overwrites (``greedy`` stays valid)."""
 
     def greedy(self, row: int) -> tuple[int, bool]:
         """(argmax, every value finite) of one row."""

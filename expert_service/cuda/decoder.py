@@ -42,10 +42,12 @@ USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one
 
 
 class DeviceLogits:
-    """Logits rows of a step on the device; argmax + finiteness already on the host, rows fetched lazily."""
+    """Logits rows of a step on the device; argmax + finiteness already on the host, rows fetched lazily.
+    The rows live in the workspace the decoder's next step overwrites: fetch them before then (a later fetch
+    raises rather than return another step's rows); the argmax stays valid."""
 
     def __init__(self, decoder: "CudaDecoder", rows: int):
-        self.decoder, self.rows = decoder, rows
+        self.decoder, self.rows, self.step = decoder, rows, decoder.staged_steps
         self.ids = decoder.ws.host["greedy_ids"][:rows].copy()
         self.nonfinite = decoder.ws.host["nonfinite"][:rows].copy()
         self._host = None
@@ -56,6 +58,9 @@ class DeviceLogits:
     def _fetch(self) -> np.ndarray:
         if self._host is None:
             d = self.decoder
+            if d.staged_steps != self.step:
+                raise RuntimeError(f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
+                                   f"on the device: read a step's rows before the next step")
             host = d.ws.host["logits"][:self.rows]
             d.ws.logits[:self.rows].copy_to_host(host, stream=d.stream)
             d.stream.synchronize()
@@ -99,6 +104,7 @@ class CudaDecoder:
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
         self.graphs: dict[int, Graph] = {}
+        self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
         self._eager_buckets: set[int] = set()
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
@@ -232,6 +238,7 @@ class CudaDecoder:
 
     def _stage(self, batch: ForwardBatch, T: int, S: int, R: int) -> None:
         """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device."""
+        self.staged_steps += 1
         h = self.ws.host
         n, s = len(batch.token_ids), len(batch.context_lens)
         h["token_ids"][:n] = batch.token_ids

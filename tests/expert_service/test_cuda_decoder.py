@@ -73,6 +73,21 @@ def test_graph_replay_equals_eager(pair):
         assert ta == tb and np.array_equal(la, lb), name
 
 
+def test_step_logits_read_after_the_next_step_raise(pair):
+    """A step's rows live in the workspace the next step overwrites: read in time they stay that step's; read
+    later they raise instead of returning the later step's rows."""
+    name, _, gpu, _ = pair
+    first = gpu.step([PrefillInput(0, np.array(prompt(0, 6)), SamplingParams(), True)])
+    rows = np.stack(list(first.logits))
+    second = gpu.step(decode_ids=[0])
+    third = gpu.step(decode_ids=[0])
+    gpu.clear()
+    with pytest.raises(RuntimeError, match="read after step"):
+        second.logits[0]
+    assert np.array_equal(np.stack(list(first.logits)), rows), name
+    assert not np.array_equal(third.logits[0], rows[0]) and third.logits.greedy(0)[0] == third.outputs[0].token_id
+
+
 def test_no_device_allocations_during_steps(pair, monkeypatch):
     from numba.cuda.cudadrv import driver
     name, _, gpu, _ = pair
@@ -216,8 +231,10 @@ def test_many_experts_batched_decode(many, monkeypatch):
         prefill = [PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)]
         runs = {}
         for engine in (gpu, eager):
-            steps = [engine.step(prefill)] + [engine.step(decode_ids=rids) for _ in range(4)]
-            runs[engine] = [([o.token_id for o in s.outputs], np.stack(list(s.logits)), s.trace) for s in steps]
+            runs[engine] = []
+            for n in range(5):      # each step's rows read before the next step overwrites the device logits
+                s = engine.step(prefill) if n == 0 else engine.step(decode_ids=rids)
+                runs[engine].append(([o.token_id for o in s.outputs], np.stack(list(s.logits)), s.trace))
             engine.clear()
         for (ta, la, _), (tb, lb, _) in zip(runs[gpu], runs[eager]):
             assert ta == tb and np.array_equal(la, lb), f"{name}: batch {batch}: graph replay != eager"
