@@ -1,0 +1,98 @@
+"""The MoE layer's combine and residual add fused with the next layer's input RMSNorm: one launch where the
+decoder ran `moe_combine` (or `moe_combine_dense`) and then `rmsnorm` (numpy reference:
+``expert_service.experts.combine`` + ``h + ...``, then ``expert_service.cpu.layers.norm.rms_norm``).
+
+    h[t, d] += sum_k weights[t, k] * y[row(t, k), d]      row: position[t*K + k] of y [T*K, D] (grouped layout)
+                                                           or y[ids[t, k], t] of y [E, T, D] (dense layout)
+    out[t]   = h[t] / sqrt(mean(h[t]^2) + eps) * norm_weight
+
+This is `rmsnorm.add_rmsnorm` (residual add, then the norm of the updated row) with the delta computed on the fly
+from the expert outputs: every residual add of the decoder is already fused into the op that produces it (GEMV /
+cuBLAS accumulate, `moe_combine`), so the add + norm fusion that removes a launch is the combine's, not a
+separate delta buffer. The two kernels it replaces are one block per token striding over D; so is this one.
+Bitwise the same as the unfused pair: each h element sums its K terms in slot order as `moe_combine[_dense]`
+does, and the sum of squares runs over the same `rmsnorm.THREADS`-thread partition and block reduction as
+`rmsnorm`, so graph replay, eager steps and the unfused path agree bit for bit.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import block_sum, widener
+from expert_service.kernels.rmsnorm import THREADS     # the same partition as rmsnorm: bitwise-equal norms
+
+
+@functools.lru_cache(maxsize=None)
+def _build(weight_dtype, dense: bool):
+    widen = widener(weight_dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def grouped_term(y, index, weights, t, k, d):
+        return weights[t, k] * y[index[t * weights.shape[1] + k], d]
+
+    @cuda.jit(device=True, inline=True)
+    def dense_term(y, index, weights, t, k, d):
+        return weights[t, k] * y[index[t, k], t, d]
+
+    term = dense_term if dense else grouped_term
+
+    def moe_combine_rmsnorm_kernel(y, index, weights, h, norm_weight, eps, out):
+        """y: [T*K, D] float32 (grouped) or [E, T, D] float32 (dense). index: position [T*K] int32 (grouped) or
+        ids [T, K] int32 (dense). weights: [T, K] float32. h: [T, D] float32 residual, updated in place.
+        norm_weight: [D] W. eps: float32. out: [T, D] float32 = rmsnorm(updated h). Grid (T,), block (THREADS,)."""
+        t = cuda.blockIdx.x
+        width = h.shape[1]
+        top_k = weights.shape[1]
+        ss = np.float32(0.0)
+        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            acc = np.float32(0.0)
+            for k in range(top_k):
+                acc += term(y, index, weights, t, k, d)
+            v = h[t, d] + acc
+            h[t, d] = v
+            ss += v * v
+        denom = math.sqrt(block_sum(ss) / np.float32(width) + eps)
+        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):   # this thread wrote h[t, d]: no sync
+            out[t, d] = (h[t, d] / denom) * widen(norm_weight[d])
+
+    return moe_combine_rmsnorm_kernel, cached_jit(moe_combine_rmsnorm_kernel)
+
+
+def launch_moe_combine_rmsnorm(y, index, weights, h, norm_weight, eps, out, dense: bool = False,
+                               stream=0, threads=THREADS) -> None:
+    """Grouped layout (dense=False): y [T*K, D] float32, index = position [T*K] int32 (row of assignment t*K+k);
+    dense layout (dense=True): y [E, T, D] float32, index = ids [T, K] int32. weights: [T, K] float32; h: [T, D]
+    float32, += the weighted expert outputs in place; norm_weight: [D] float32/float16/uint16 (bfloat16 bits);
+    eps: float; out: [T, D] float32 = rmsnorm(h after the add), written (must not alias h or y). threads:
+    bitwise equal to `rmsnorm` launched with the same count (both default to rmsnorm.THREADS)."""
+    num_tokens, top_k = weights.shape
+    width = h.shape[1]
+    if dense:
+        assert y.ndim == 3 and y.shape[1:] == h.shape and index.shape == (num_tokens, top_k), (y.shape, index.shape)
+    else:
+        assert y.shape == (num_tokens * top_k, width) and index.shape == (num_tokens * top_k,), (y.shape, index.shape)
+    assert y.dtype == weights.dtype == h.dtype == out.dtype == np.float32 and index.dtype == np.int32
+    assert out.shape == h.shape and norm_weight.shape == (width,), (out.shape, norm_weight.shape)
+    assert norm_weight.dtype in (np.float32, np.float16, np.uint16), norm_weight.dtype
+    assert threads % 32 == 0 and 0 < threads <= 1024, threads
+    for a in (y, index, weights, h, norm_weight, out):
+        assert a.flags["C_CONTIGUOUS"], "moe_combine_rmsnorm needs contiguous arrays"
+    if num_tokens == 0:
+        return
+    kernel = _build(np.dtype(norm_weight.dtype), bool(dense))[1]
+    kernel[num_tokens, threads, stream](y, index, weights, h, norm_weight, np.float32(eps), out)
+
+
+def sm90_signatures():
+    """(python function, numba signature) of each layout and norm-weight dtype, for the sm_90 compile check."""
+    f2, f3 = types.float32[:, ::1], types.float32[:, :, ::1]
+    out = []
+    for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
+        out.append((_build(np.dtype(dt), False)[0], (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
+        out.append((_build(np.dtype(dt), True)[0], (f3, types.int32[:, ::1], f2, f2, nb[::1], types.float32, f2)))
+    return out
