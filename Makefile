@@ -8,8 +8,8 @@ DEFAULT_MODEL_HF := training/default-model-hf
 # With an NVIDIA GPU visible, the cuda extra (numba-cuda and its CUDA 13 wheels) comes too.
 comma := ,
 EXTRAS := dev$(if $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null),$(comma)cuda)
-PROTOS := protos/router.proto protos/worker.proto
-PB := common/pb/router_pb2.py common/pb/worker_pb2.py
+PROTOS := protos/colibri/router/v1/router.proto protos/colibri/worker/v1/worker.proto
+PB := common/pb/colibri/router/v1/router_pb2.py common/pb/colibri/worker/v1/worker_pb2.py
 CHECKOV_VENV ?= .venv-checkov
 
 .PHONY: run tiny test test-gpu proto install install-test lint-size clean
@@ -32,8 +32,11 @@ $(CHECKOV_VENV)/bin/checkov:
 	$(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/pip install --quiet 'checkov==3.3.30'
 
-# gRPC stubs (and .pyi type stubs) from protos/, importable as common.pb.*
+# gRPC stubs (and .pyi type stubs) from protos/ into common/pb/colibri/<service>/v1/, re-exported by
+# common/pb/__init__.py (`from common.pb import router_pb2`). Stubs of the old flat layout are removed: loaded
+# next to the new ones they would define the same messages twice.
 $(PB): $(PROTOS) $(BIN)/.installed
+	rm -f common/pb/*_pb2*.py common/pb/*_pb2*.pyi
 	$(BIN)/python -m grpc_tools.protoc -Icommon/pb=protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 proto: $(PB)
 
@@ -66,4 +69,5 @@ lint-size:
 	@! git ls-files '*.py' | xargs wc -l | awk '$$2 != "total" && $$1 > 600 {print; found=1} END {exit !found}'
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) common/pb/*_pb2*.py common/pb/*_pb2*.pyi .colibri
+	rm -rf $(VENV) $(CHECKOV_VENV) .colibri
+	find common/pb \( -name '*_pb2*.py' -o -name '*_pb2*.pyi' \) -delete

@@ -278,7 +278,7 @@ def router_steps(before: dict, after: dict) -> dict:
 
 # --- the clients -----------------------------------------------------------------------------------------
 async def client(stub, prompt: list[int], new_tokens: int) -> dict:
-    request = rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.SamplingParameters(
+    request = rpb.GenerateStreamRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.SamplingParameters(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True))
     start, times, counts, error = time.perf_counter(), [], [], ""
     try:

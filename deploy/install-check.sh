@@ -26,8 +26,8 @@ start=$SECONDS
 # 1. The build context: every `!path` of .dockerignore, without caches and generated stubs.
 mkdir -p "$work/src"
 mapfile -t allowed < <(sed -n 's|^!\(.*[^/]\)/*$|\1|p' "$repo/.dockerignore")
-(cd "$repo" && tar --exclude='__pycache__' --exclude='*.pyc' --exclude='common/pb/*_pb2*.py' \
-    --exclude='common/pb/*_pb2*.pyi' -cf - "${allowed[@]}") | tar -xf - -C "$work/src"
+(cd "$repo" && tar --exclude='__pycache__' --exclude='*.pyc' --exclude='*_pb2*.py' --exclude='*_pb2*.pyi' \
+    -cf - "${allowed[@]}") | tar -xf - -C "$work/src"
 
 # 2. The Dockerfile's install step, verbatim: `sh deploy/docker/install.sh VARIANT VENV SRC`.
 (cd "$work/src" && sh deploy/docker/install.sh "$variant" "$work/venv" "$work/src")

@@ -57,9 +57,11 @@ class StepResult:
     logits: Logits                       # rows [sampling sequences] of [V], in output order
     expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
 
-    def to_pb(self, kv_blocks_used: int, total_ms: float) -> worker_pb2.StepResponse:
-        """The step's answer; `total_ms` is the worker's whole time on it (the servicer measures it)."""
-        response = worker_pb2.StepResponse(
+    def to_pb(self, message: type[worker_pb2.PrefillResponse | worker_pb2.DecodeResponse], kv_blocks_used: int,
+              total_ms: float) -> worker_pb2.PrefillResponse | worker_pb2.DecodeResponse:
+        """The step's answer as a unary Prefill or Decode `message` (the two have the same fields); `total_ms` is
+        the worker's whole time on it (the servicer measures it)."""
+        response = message(
             generations=[worker_pb2.Generation(request_id=o.request_id, has_token=o.token_id is not None,
                                                token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
                          for o in self.outputs],

@@ -34,7 +34,8 @@ log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
 # method: (request, response, streaming)
 METHODS = {"Info": (pb.InfoRequest, pb.InfoResponse, False), "Warmup": (pb.WarmupRequest, pb.WarmupResponse, False),
-           "Prefill": (pb.PrefillRequest, pb.StepResponse, False), "Decode": (pb.DecodeRequest, pb.StepResponse, False),
+           "Prefill": (pb.PrefillRequest, pb.PrefillResponse, False),
+           "Decode": (pb.DecodeRequest, pb.DecodeResponse, False),
            "FilterBatch": (pb.FilterBatchRequest, pb.FilterBatchResponse, False),
            "ClearCache": (pb.ClearCacheRequest, pb.ClearCacheResponse, False),
            "Health": (pb.HealthRequest, pb.HealthResponse, False),
@@ -185,7 +186,8 @@ class WorkerServicer:
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
-    async def _unary_step(self, context, request) -> pb.StepResponse:
+    async def _unary_step(self, context, request, message: type[pb.PrefillResponse | pb.DecodeResponse]
+                          ) -> pb.PrefillResponse | pb.DecodeResponse:
         await self._require(context)
         started = time.perf_counter()
         try:
@@ -198,15 +200,16 @@ class WorkerServicer:
         if outcome.result is None:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if outcome.capacity else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, outcome.refused)
-        response = outcome.result.to_pb(self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3)
+        response = outcome.result.to_pb(message, self.engine.allocator.num_used_blocks,
+                                        (time.perf_counter() - started) * 1e3)
         self._observe(outcome.kind, outcome.result, response.timings.total_ms / 1e3)
         return response
 
     async def Prefill(self, request, context):
-        return await self._unary_step(context, request)
+        return await self._unary_step(context, request, pb.PrefillResponse)
 
     async def Decode(self, request, context):
-        return await self._unary_step(context, request)
+        return await self._unary_step(context, request, pb.DecodeResponse)
 
     def _observe(self, kind: str, result: StepResult, seconds: float) -> None:
         m, e = self.metrics, self.engine

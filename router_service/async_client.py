@@ -59,7 +59,8 @@ class AsyncColibriClient:
 
     async def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
                      request_id: str = "", **parameters) -> AsyncIterator[router_pb2.GenerateStreamResponse]:
-        call = self._stub.GenerateStream(build_request(prompt, token_ids, request_id, **parameters), **self._call())
+        call = self._stub.GenerateStream(build_request(prompt, token_ids, request_id, stream=True, **parameters),
+                                         **self._call())
         try:
             async for message in call:
                 yield message

@@ -27,18 +27,20 @@ SAMPLING_FIELDS = {f.name for f in router_pb2.SamplingParameters.DESCRIPTOR.fiel
 
 
 def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, request_id: str = "",
-                  **parameters) -> router_pb2.GenerateRequest:
-    """A GenerateRequest from a text prompt or token ids plus SamplingParameters fields as keywords."""
+                  stream: bool = False, **parameters
+                  ) -> router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest:
+    """A GenerateRequest (GenerateStreamRequest with `stream`) from a text prompt or token ids plus
+    SamplingParameters fields as keywords."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt or token_ids")
     unknown = set(parameters) - SAMPLING_FIELDS
     if unknown:
         raise ValueError(f"unknown parameters {sorted(unknown)} (known: {sorted(SAMPLING_FIELDS)})")
     params = router_pb2.SamplingParameters(**{k: v for k, v in parameters.items() if v is not None})
+    message = router_pb2.GenerateStreamRequest if stream else router_pb2.GenerateRequest
     if prompt is not None:
-        return router_pb2.GenerateRequest(text=prompt, parameters=params, request_id=request_id)
-    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=list(token_ids)), parameters=params,
-                                      request_id=request_id)
+        return message(text=prompt, parameters=params, request_id=request_id)
+    return message(token_ids=router_pb2.TokenIds(ids=list(token_ids)), parameters=params, request_id=request_id)
 
 
 def chat_messages(messages) -> list[router_pb2.ChatMessage]:
@@ -134,7 +136,7 @@ class ColibriClient:
 
     def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "",
                **parameters) -> Iterator[router_pb2.GenerateStreamResponse]:
-        request = build_request(prompt, token_ids, request_id, **parameters)
+        request = build_request(prompt, token_ids, request_id, stream=True, **parameters)
         yield from self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
 
     def chat(self, messages, *, request_id: str = "", continue_final_message: bool = False,

@@ -22,7 +22,7 @@ from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate, message_dicts
 from router_service.scheduler import FinishReason
 from router_service.tokenizer import INLINE_MAX_CHARS
-from router_service.validation import check_text_size, prompt_byte_limit, validate_request_async
+from router_service.validation import PromptRequest, check_text_size, prompt_byte_limit, validate_request_async
 
 OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
 INLINE_MAX_MESSAGES = 64  # larger conversations render on a thread
@@ -75,7 +75,7 @@ class Frontend:
         if self.batching_loop.limits is None:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
 
-    async def submit(self, request: router_pb2.GenerateRequest, deadline: float | None, stream: bool, *,
+    async def submit(self, request: PromptRequest, deadline: float | None, stream: bool, *,
                      add_special_tokens: bool = True, operation: str = semconv.OPERATION_TEXT_COMPLETION
                      ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's

@@ -27,7 +27,7 @@ from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.protocol import is_metadata_safe
-from router_service.validation import check_ids, check_text_size, prompt_byte_limit
+from router_service.validation import PromptRequest, check_ids, check_text_size, prompt_byte_limit
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
@@ -44,7 +44,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def _submit(self, request, context, stream: bool) -> RequestHandle:
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        if isinstance(request, router_pb2.GenerateRequest):
+        if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream)
         kwargs = (json_format.MessageToDict(request.chat_template_kwargs)
                   if request.HasField("chat_template_kwargs") else None)

@@ -1,4 +1,5 @@
-"""Validation of GenerateRequest: every field is checked before anything reaches the worker.
+"""Validation of GenerateRequest and GenerateStreamRequest: every field is checked before anything reaches the
+worker.
 
 Each failure is an InvalidRequestError whose field is the proto path (`parameters.top_p`,
 `token_ids.ids[3]`) and whose message names the limit and the value given, as TGI's validation does.
@@ -13,6 +14,9 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2, worker_pb2
 from router_service.config import RouterConfig
 from router_service.protocol import is_metadata_safe
+
+# GenerateStream's request carries GenerateRequest's fields (each RPC has a request type of its own).
+PromptRequest = router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest
 
 MAX_SEED = (1 << 64) - 1
 # Temperatures a float32 softmax survives: 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
@@ -72,14 +76,14 @@ def _truncated(ids, p: router_pb2.SamplingParameters):
     return ids[len(ids) - n:] if 0 < n < len(ids) else ids
 
 
-def validate_request(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+def validate_request(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
                      tokenizer=None) -> ValidatedRequest:
     """Checks every field of `req`; raises InvalidRequestError naming the first bad one. Tokenizes inline."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
     return _complete(req, config, limits, tokenizer.encode(text) if text is not None else None)
 
 
-async def validate_request_async(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+async def validate_request_async(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
                                  tokenizer=None, add_special_tokens: bool = True) -> ValidatedRequest:
     """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread.
     `add_special_tokens=False` for text that already has them (a rendered chat template)."""
@@ -109,7 +113,7 @@ def check_text_size(field: str, text: str, limit: int) -> None:
                                          f"{'more than ' if size == len(text) else ''}{size}")
 
 
-def _check_before_tokenizing(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
                              tokenizer) -> str | None:
     """Every check that needs no tokens; returns the text to tokenize (None for a token-id prompt)."""
     if len(req.request_id) > config.max_request_id_length:
@@ -139,7 +143,7 @@ def _check_before_tokenizing(req: router_pb2.GenerateRequest, config: RouterConf
     return req.text
 
 
-def _complete(req: router_pb2.GenerateRequest, config: RouterConfig, limits: ModelLimits,
+def _complete(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
               text_ids: list[int] | None) -> ValidatedRequest:
     p = req.parameters
     if text_ids is not None:

@@ -63,11 +63,11 @@ class WorkerClient:
         return response.warmup_ms
 
     async def prefill(self, request: worker_pb2.PrefillRequest,
-                      timeout: float | None = None) -> worker_pb2.StepResponse:
+                      timeout: float | None = None) -> worker_pb2.PrefillResponse:
         return await self._call(self._stub.Prefill, request, timeout or self.step_timeout_s)
 
     async def decode(self, request: worker_pb2.DecodeRequest,
-                     timeout: float | None = None) -> worker_pb2.StepResponse:
+                     timeout: float | None = None) -> worker_pb2.DecodeResponse:
         return await self._call(self._stub.Decode, request, timeout or self.step_timeout_s)
 
     async def filter_batch(self, keep_request_ids, timeout: float | None = None) -> worker_pb2.FilterBatchResponse:
@@ -80,7 +80,8 @@ class WorkerClient:
         return response.freed_sequences
 
     async def step(self, step: ScheduledStep, timeout: float | None = None,
-                   routing_plan: RoutingPlan | None = None) -> worker_pb2.StepResponse:
+                   routing_plan: RoutingPlan | None = None
+                   ) -> worker_pb2.PrefillResponse | worker_pb2.DecodeResponse:
         """Runs `step` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
         request = step.to_pb(routing_plan)
         if step.prefill_chunks:

@@ -42,12 +42,14 @@ def test_messages_convert_through_the_types():
     stats = CacheStats(hits=3, misses=1, bytes_copied=64, prefetches_issued=2, prefetches_used=1, stall_seconds=0.25)
     result = StepResult([SeqOutput(4, 7, -0.5), SeqOutput(5), SeqOutput(6, error="NON_FINITE_LOGITS")], 1.5, 0.5,
                         StepTrace(), 0.75, None, stats)
-    response = result.to_pb(kv_blocks_used=9, total_ms=3.0)
+    response = result.to_pb(pb.PrefillResponse, kv_blocks_used=9, total_ms=3.0)
+    assert isinstance(response, pb.PrefillResponse)
     assert [(g.request_id, g.has_token, g.token_id, g.error) for g in response.generations] == \
         [(4, True, 7, ""), (5, False, 0, ""), (6, False, 0, "NON_FINITE_LOGITS")]
     assert response.timings.total_ms == 3.0 and response.kv_blocks_used == 9 and response.routing_plan_recall == 0.75
     assert response.expert_cache.hits == 3 and response.expert_cache.stall_ms == 250.0
-    assert not StepResult([], 0, 0, StepTrace(), None, None).to_pb(0, 0).HasField("routing_plan_recall")
+    decode = StepResult([], 0, 0, StepTrace(), None, None).to_pb(pb.DecodeResponse, 0, 0)
+    assert isinstance(decode, pb.DecodeResponse) and not decode.HasField("routing_plan_recall")
     slots = SlotPlan(2, 8, 3, 4096, 1 << 20).to_pb("lru", set())
     assert slots.cached and slots.slots_per_layer == 2 and slots.prefetch == "none" and slots.policy == "lru"
 

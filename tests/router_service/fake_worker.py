@@ -119,14 +119,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             else:
                 out.append(pb.Generation(request_id=rid, has_token=False))
         out += await self._decode(request.decode_request_ids, context)
-        return pb.StepResponse(generations=out, kv_blocks_used=self.blocks_used(),
-                               timings=pb.StepTimings(total_ms=0.1))
+        return pb.PrefillResponse(generations=out, kv_blocks_used=self.blocks_used(),
+                                  timings=pb.StepTimings(total_ms=0.1))
 
     async def Decode(self, request, context):
         await self._step(context, "Decode")
         out = await self._decode(request.request_ids, context)
-        return pb.StepResponse(generations=out, kv_blocks_used=self.blocks_used(),
-                               timings=pb.StepTimings(total_ms=0.1))
+        return pb.DecodeResponse(generations=out, kv_blocks_used=self.blocks_used(),
+                                 timings=pb.StepTimings(total_ms=0.1))
 
     async def _decode(self, ids, context):
         out = []

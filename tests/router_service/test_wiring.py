@@ -109,6 +109,9 @@ def test_build_request_and_retry_delay_helpers():
     with pytest.raises(ValueError, match="unknown parameters"):
         build_request("a", max_tokens=3)
     assert isinstance(build_request("hi"), rpb.GenerateRequest)
+    streamed = build_request(token_ids=[3], stream=True, max_new_tokens=2)
+    assert isinstance(streamed, rpb.GenerateStreamRequest)
+    assert list(streamed.token_ids.ids) == [3] and streamed.parameters.max_new_tokens == 2
     assert retry_delay(grpc.RpcError()) is None
 
 
