@@ -6,17 +6,27 @@ volume — loads its compiled kernels instead of compiling them again (docs/depl
 The digest covers the sources of every kernel module and the numba-cuda version: Numba keys a cached kernel by
 its own file only, not by the device functions it inlines from other files, so without it an edited helper
 could be served from a stale cache. Unset (the default for a checkout), kernels compile in memory as usual.
+
+Kernels built by factories close over device functions made in the factory. Numba keys such a kernel by the
+pickled closure, and a pickled device function carries a random per-process id, so the key would differ in
+every process and the kernel would never be found: `pin_closure_ids` gives those device functions, and the
+intrinsics they use, ids derived from their code and what they reach instead.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import types
+import uuid
 from pathlib import Path
 
 import numba_cuda
 from numba import cuda
 from numba.cuda.core import config as cuda_config
+from numba.cuda.dispatcher import CUDADispatcher
+from numba.cuda.extending import _Intrinsic
+from numba.cuda.serialize import dumps
 
 from expert_service.kernels.numeric import SIMULATOR
 
@@ -56,6 +66,55 @@ if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = str(CACHE_DIR)     # the same if Numba re-reads its configuration
 
 
+def _fingerprint(value, memo: dict) -> bytes:
+    """Bytes that are the same in every process for the same closure value (pins the ids it reaches)."""
+    if isinstance(value, (CUDADispatcher, _Intrinsic)):
+        return _pin(value, memo).encode()
+    if isinstance(value, types.FunctionType):
+        return _function_digest(value, memo).encode()
+    return dumps(value)
+
+
+def _global_names(code: types.CodeType):
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _function_digest(fn, memo: dict) -> str:
+    """A digest of fn's code, closure and the device functions and intrinsics it reaches through globals."""
+    if id(fn) in memo:
+        return memo[id(fn)]
+    memo[id(fn)] = f"{fn.__module__}.{fn.__qualname__}"        # a recursive reference stops here
+    digest = hashlib.sha256(memo[id(fn)].encode() + fn.__code__.co_code)
+    for cell in fn.__closure__ or ():
+        digest.update(_fingerprint(cell.cell_contents, memo))
+    for name in sorted(set(_global_names(fn.__code__))):
+        value = fn.__globals__.get(name)
+        if isinstance(value, (CUDADispatcher, _Intrinsic, types.FunctionType)):
+            digest.update(name.encode() + _fingerprint(value, memo))
+    memo[id(fn)] = digest.hexdigest()
+    return memo[id(fn)]
+
+
+def _pin(obj, memo: dict) -> str:
+    """A device function's or intrinsic's id, set from its code and what it reaches unless it has one."""
+    dispatcher = isinstance(obj, CUDADispatcher)
+    if (obj._MemoMixin__uuid if dispatcher else obj._Intrinsic__uuid) is None:
+        fn = obj.py_func if dispatcher else obj._defn
+        obj._set_uuid(str(uuid.UUID(_function_digest(fn, memo)[:32])))
+    return obj._uuid
+
+
+def pin_closure_ids(kernel) -> None:
+    """Stable ids for the device functions and intrinsics `kernel` reaches (module docstring)."""
+    _function_digest(kernel, {})
+
+
 def cached_jit(kernel):
     """``cuda.jit`` for a kernel (not a device function), cached on disk when COLIBRI_KERNEL_CACHE is set."""
-    return cuda.jit(kernel, cache=True) if CACHE_DIR is not None else cuda.jit(kernel)
+    if CACHE_DIR is None:
+        return cuda.jit(kernel)
+    pin_closure_ids(kernel)
+    return cuda.jit(kernel, cache=True)

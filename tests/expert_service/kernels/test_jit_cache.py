@@ -85,6 +85,39 @@ def test_an_unwritable_cache_warns_in_one_line_and_compiles_without(tmp_path):
     assert len(lines) == 1 and "not writable" in lines[0] and "Traceback" not in stderr
 
 
+CACHE_KEYS = """
+import hashlib, importlib, json, pkgutil
+import numpy as np
+from numba.cuda.serialize import dumps
+import expert_service.kernels as kernels
+from expert_service.kernels import jit_cache
+built = []
+jit_cache.cached_jit = lambda kernel: built.append(kernel) or jit_cache.pin_closure_ids(kernel) or kernel
+for module in pkgutil.iter_modules(kernels.__path__):
+    importlib.import_module("expert_service.kernels." + module.name)
+from expert_service.kernels import gemv, moe_ffn
+gemv._build(np.dtype(np.uint16), True, 2, True)
+moe_ffn._kernel(np.dtype(np.uint16), True, True)
+# what Numba hashes into a cached kernel's key besides its bytecode: the pickled closure
+print(json.dumps({k.__module__ + "." + k.__qualname__: hashlib.sha256(dumps(tuple(
+    c.cell_contents for c in k.__closure__ or ()))).hexdigest() for k in built}))
+"""
+
+
+def test_cache_keys_are_the_same_in_every_process():
+    """A factory-built kernel's closure holds device functions (and they intrinsics) whose pickles carry a
+    per-process id unless pinned: two processes must agree on every key, or a restarted worker recompiles."""
+    def keys() -> dict:
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        done = subprocess.run([sys.executable, "-c", CACHE_KEYS], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.splitlines()[-1])
+    first, second = keys(), keys()
+    assert "expert_service.kernels.gemv._build.<locals>.gemv_kernel" in first and len(first) >= 15
+    assert first == second, [k for k in first if first[k] != second.get(k)]
+
+
 WARM_UP = """
 import json, sys, time
 from common.model_format import ModelDir
