@@ -122,9 +122,6 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
     """The backend's decoder; each backend is imported only when chosen (cpu never loads numba.cuda)."""
     backend = resolve_backend(config.backend)
     if backend is Backend.CUDA:
-        if config.routing is RoutingMode.LUT:
-            raise ConfigError("routing: lut is available on the cpu backend only so far (use --routing exact "
-                              "with --backend cuda)")
         if not cuda_available():
             raise ConfigError("backend: cuda was asked for but no usable NVIDIA GPU/driver was found "
                               "(use --backend cpu or auto)")

@@ -6,7 +6,11 @@ eagerly. The decoder holds embedding, attention, the dense MLP, the LM head, ste
 linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
 sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache). The head's
 argmax is `greedy_split` (two passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the
-one-block-per-row `greedy`).
+one-block-per-row `greedy`). RoPE and the KV write are one launch (`rope_kv_write`) unless USE_FUSED_ROPE_KV is
+off; a MoE layer's combine also computes the next layer's input RMSNorm (`moe_combine_rmsnorm`) unless
+USE_FUSED_COMBINE_NORM is off. Switches are read while a pass is issued: a captured graph keeps the path it was
+captured with (drop_graphs() re-captures). With routing=lut each step's routing plan is staged with its metadata
+(workspace.stage_routed_ids) and the MoE layers route from it (cuda/moe.py).
 """
 from __future__ import annotations
 
@@ -18,13 +22,13 @@ from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from expert_service.config import Backend, EngineConfig
+from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import CachedExperts, DeviceMoe, warmup_tokens
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import allocate_workspace, layout_workspace
+from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
@@ -33,12 +37,15 @@ from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.kernels.rope import launch_rope
+from expert_service.kernels.rope_kv_write import launch_rope_kv_write
 from expert_service.experts import SlotPlan
 from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
+USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
+USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its start)
 
 
 class DeviceLogits:
@@ -98,8 +105,10 @@ class CudaDecoder:
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
+        self.planned_routing = config.routing is RoutingMode.LUT    # each step routes by its plan (routed_ids)
         self.workspace_layout = layout_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs,
-                                                 self.max_blocks_per_seq, len(self.moe_layers), cached=cached)
+                                                 self.max_blocks_per_seq, len(self.moe_layers), cached=cached,
+                                                 planned=self.planned_routing)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
@@ -112,7 +121,8 @@ class CudaDecoder:
         self.cached = CachedExperts(cfg, self.weights, self.ws, self.linear, self.stream, self.max_tokens, slot_plan,
                                     config.prefetch_sources, config.expert_cache_policy) \
             if cached else None  # None: every expert resident, no cache logic runs
-        self.moe = DeviceMoe(cfg, self.weights, self.ws, self.linear, self.stream, self.cached)
+        self.moe = DeviceMoe(cfg, self.weights, self.ws, self.linear, self.stream, self.cached,
+                             planned=self.planned_routing)
         self.stream.synchronize()
 
     def warmup(self) -> None:
@@ -257,6 +267,11 @@ class CudaDecoder:
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
         meta = self.ws.metadata
+        if self.planned_routing:      # the plan rides in the same copy, after the whole block_tables array
+            n_ids = stage_routed_ids(h["routed_ids"], batch.routed_experts, self.moe_layers, n, T,
+                                     self.config.num_experts_per_tok)
+            meta.upload(meta.end_of("routed_ids", n_ids), self._stream_handle)
+            return
         meta.upload(meta.end_of("block_tables", S * self.max_blocks_per_seq), self._stream_handle)
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
@@ -264,14 +279,19 @@ class CudaDecoder:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h, x = ws.hidden[:T], ws.normed[:T]
         launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st)
+        normed = False          # x already holds this layer's input norm (the previous MoE combine wrote it)
         for i in range(cfg.num_hidden_layers):
             if self.cached is not None:
                 self.cached.prefetch_plan(self.cached.next_moe[i])
-            rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
+            if not normed:
+                rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
             self._attention(i, x, h, T, S, decode)
             rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
+            normed = False
             if cfg.sparse_layers[i]:
-                self.moe.forward(i, x, h, T)
+                last = i + 1 == cfg.num_hidden_layers
+                next_norm = None if last or not USE_FUSED_COMBINE_NORM else w.layer(i + 1, "input_norm")
+                normed = self.moe.forward(i, x, h, T, next_norm=next_norm)
             else:
                 g = ws.dense_gate[:T]
                 self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
@@ -313,8 +333,12 @@ class CudaDecoder:
             for t in (q, k, v):
                 elementwise.launch_clamp(t, cfg.clip_qkv, stream=st)
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
-        launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
-        launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
+        if USE_FUSED_ROPE_KV:     # the rotated keys go straight to the pool (k itself stays unrotated)
+            launch_rope_kv_write(q3, k3, v3, ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
+                                 self.k_pool[i], self.v_pool[i], stream=st)
+        else:
+            launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
+            launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
         attn3 = ws.attn[:T].reshape(T, H, Hd)
         window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
         if decode:
@@ -326,6 +350,15 @@ class CudaDecoder:
                                              ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
                                              scale, attn3, stream=st)
         self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    def drop_graphs(self) -> None:
+        """Forgets the captured decode graphs: the next decode step of each bucket runs eagerly, then is captured
+        again (with the switches as they are then; benchmarks compare paths in one process this way)."""
+        self.stream.synchronize()
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        self._eager_buckets.clear()
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -49,7 +49,13 @@ decides per layer which slots to use).
 Routing: up to FUSED_ROUTER_MAX_TOKENS tokens (decode, small prefills) `router_fused` computes the router
 GEMV, softmax, top-k and normalisation in one launch (a zeroed int32 counter per token in the workspace, which
 the kernel leaves zeroed, so graph replays work); larger steps run the router through `DeviceLinear` (cuBLAS)
-then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the step's trace).
+then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the step's trace). With routing=lut
+(`planned`) the ids are the step's routing plan, staged with its metadata (workspace.routed_ids), and
+`router_planned` computes their weights (softmax over just those experts' gate logits) and copies them there.
+
+The combine (every strategy's last op) can also compute the next layer's input RMSNorm into x when the decoder
+passes that norm's weight (`moe_combine_rmsnorm`, bitwise the same as combine + rmsnorm; not with a shared
+expert, which reads x after the combine): one launch less per MoE layer (decoder.USE_FUSED_COMBINE_NORM).
 
 Switches, to turn a new path off at once: GROUPED_MMA_MIN_EXPERTS = 1 << 30 (no layer takes GROUPED_MMA; the
 workspace layout follows: the per-assignment and all-experts buffers come back, the grouped-MMA ones go);
@@ -81,9 +87,11 @@ from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_u
 from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS, MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
+from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import choose_config
 from expert_service.kernels.router_fused import launch_router_fused
+from expert_service.kernels.router_planned import launch_router_planned
 from expert_service.kernels.router_topk import launch_router_topk
 
 ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
@@ -197,8 +205,9 @@ class CachedExperts:
             self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
 
     # --- the routed experts of a MoE layer ----------------------------------------------------------
-    def run(self, i: int, x, h, T: int, ids, weights, strategy: MoeStrategy) -> None:
-        """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device."""
+    def run(self, i: int, x, h, T: int, ids, weights, strategy: MoeStrategy, combine=None) -> None:
+        """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
+        combine: DeviceMoe's combine (None: launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         n = T * K
@@ -235,7 +244,10 @@ class CachedExperts:
                 launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
                 launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
             self.slots.used(i, wave.values())
-        launch_moe_combine(out, position, weights, h, stream=st)
+        if combine is None:
+            launch_moe_combine(out, position, weights, h, stream=st)
+        else:
+            combine(out, position, weights, h)
 
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
@@ -251,12 +263,13 @@ class CachedExperts:
 
 
 class DeviceMoe:
-    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident)."""
+    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident). `planned`:
+    routing=lut, each step's expert ids come from its routing plan (workspace.routed_ids), not the top-k."""
 
     def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 cached: CachedExperts | None):
+                 cached: CachedExperts | None, planned: bool = False):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
-        self.cached = cached
+        self.cached, self.planned = cached, planned
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         # y rows in assignment order (the GEMV and GROUPED_MMA strategies' combine)
@@ -265,9 +278,11 @@ class DeviceMoe:
         # router_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
-    def forward(self, i: int, x, h, T: int) -> None:
+    def forward(self, i: int, x, h, T: int, next_norm=None) -> bool:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
-        MoE layer m stay in workspace.topk_ids[m] for the step's trace."""
+        MoE layer m stay in workspace.topk_ids[m] for the step's trace. next_norm: the next layer's input-norm
+        weight [D]; unless a shared expert still reads x after the combine, the combine then also writes
+        x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, E = cfg.num_experts_per_tok, cfg.num_experts
         n = T * K
@@ -275,7 +290,12 @@ class DeviceMoe:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        if fused_router(T):
+        fuse_norm = next_norm is not None and not cfg.shared_expert_intermediate_size
+        combine = self._combiner(x, next_norm if fuse_norm else None)
+        if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
+            planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
+            launch_router_planned(x, router, planned, ids, weights, stream=st)
+        elif fused_router(T):
             launch_router_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
             self.linear.linear(x, router, logits)
@@ -283,30 +303,47 @@ class DeviceMoe:
         strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
         experts = self.weights.experts.get(i)
         if strategy is MoeStrategy.GROUPED_MMA:
-            run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size)
+            run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size,
+                            combine=combine)
         elif strategy is MoeStrategy.GEMV:
-            self._gemv(x, h, T, ids, weights, experts)
+            self._gemv(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.ALL_EXPERTS:
-            self._all_experts(x, h, T, ids, weights, experts)
+            self._all_experts(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GROUPED:
-            self._grouped(x, h, T, ids, weights, experts)
+            self._grouped(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.CUBLAS_PER_EXPERT:
-            self._cublas_per_expert(x, h, T, ids, weights, experts)
+            self._cublas_per_expert(x, h, T, ids, weights, experts, combine)
         else:
-            self.cached.run(i, x, h, T, ids, weights, strategy)
+            self.cached.run(i, x, h, T, ids, weights, strategy, combine=combine)
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
+        return fuse_norm
 
-    def _gemv(self, x, h, T: int, ids, weights, experts) -> None:
+    def _combiner(self, x, norm_weight):
+        """combine(y, index, weights, h, dense=False): the layer's last op, h += the weighted expert outputs
+        (moe_combine, or moe_combine_dense for y [E, T, D]); with norm_weight, also x = rmsnorm(h, norm_weight)
+        in the same launch (moe_combine_rmsnorm: bitwise the same as the combine, then rmsnorm)."""
+        st, eps = self.stream, self.config.rms_norm_eps
+
+        def combine(y, index, weights, h, dense: bool = False) -> None:
+            if norm_weight is not None:
+                launch_moe_combine_rmsnorm(y, index, weights, h, norm_weight, eps, x, dense=dense, stream=st)
+            elif dense:
+                launch_moe_combine_dense(y, index, weights, h, stream=st)
+            else:
+                launch_moe_combine(y, index, weights, h, stream=st)
+        return combine
+
+    def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:
         """One token: its K experts streamed, their ids read on the device."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
         out = ws.moe_out[:n]
         launch_expert_gate_up(x, ids, experts, F, D, ws.moe_gate[:n], stream=st)
         launch_expert_down(ws.moe_gate[:n], ids, experts, F, D, out, stream=st)
-        launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=st)
+        combine(out, ws.identity_position[:n], weights, h)
 
-    def _all_experts(self, x, h, T: int, ids, weights, experts) -> None:
+    def _all_experts(self, x, h, T: int, ids, weights, experts, combine) -> None:
         """Every expert on every token: gate/up/down as three strided-batched GEMMs over the expert blocks
         into y [E, T, D] (a packed view of the workspace), then the dense combine of each token's experts."""
         cfg, ws, st, blas = self.config, self.ws, self.stream, self.linear.cublas
@@ -321,9 +358,9 @@ class DeviceMoe:
         hc = self.linear.as_weight_dtype(gate.reshape(E * T, F))
         y = ws.all_experts_out.reshape(-1)[:E * T * D]
         blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
-        launch_moe_combine_dense(y.reshape(E, T, D), ids, weights, h, stream=st)
+        combine(y.reshape(E, T, D), ids, weights, h, dense=True)
 
-    def _grouped(self, x, h, T: int, ids, weights, experts) -> None:
+    def _grouped(self, x, h, T: int, ids, weights, experts, combine) -> None:
         """Assignments sorted by expert on the device; each active expert's weights read once."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
@@ -332,9 +369,9 @@ class DeviceMoe:
         out = ws.moe_out[:n]
         launch_moe_gate_up(x, order, ws.offsets, experts, F, D, ws.moe_gate[:n], stream=st)
         launch_moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
-        launch_moe_combine(out, position, weights, h, stream=st)
+        combine(out, position, weights, h)
 
-    def _cublas_per_expert(self, x, h, T: int, ids, weights, experts) -> None:
+    def _cublas_per_expert(self, x, h, T: int, ids, weights, experts, combine) -> None:
         """Large steps: tokens gathered into grouped order, then per active expert three GEMMs on tensor cores
         (gate, up, down over its contiguous rows), with one cast and one silu_mul for all experts."""
         cfg, ws, st, blas = self.config, self.ws, self.stream, self.linear.cublas
@@ -358,7 +395,7 @@ class DeviceMoe:
         elementwise.launch_silu_mul(g, up, g, stream=st)
         gc = device_address(self.linear.as_weight_dtype(g)) + lo * F * item
         blas.linear_each(gate + 2 * F * D * item, gc, device_address(out) + lo * D * 4, rows, D, F, dtype)
-        launch_moe_combine(out, position, weights, h, stream=st)
+        combine(out, position, weights, h)
 
     def _shared_expert(self, i: int, x, h, T: int) -> None:
         ws, w, lin = self.ws, self.weights, self.linear

@@ -38,9 +38,10 @@ def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[
             "mma_xs": ((rows, D), u16), "mma_h": ((rows, F), u16)}
 
 
-def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int) -> None:
+def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None) -> None:
     """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
-    device), experts [E, stride] bf16 (uint16) -> h += the routed experts' weighted outputs."""
+    device), experts [E, stride] bf16 (uint16) -> h += the routed experts' weighted outputs. combine(y, position,
+    weights, h): the MoE block's combine (None: launch_moe_combine)."""
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
@@ -55,4 +56,7 @@ def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int) -> 
     launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
     launch_moe_gemm_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE,
                          config=cfg, stream=stream)
-    launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
+    if combine is None:
+        launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
+    else:
+        combine(out, ws.identity_position[:n], weights, h)

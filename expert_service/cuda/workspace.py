@@ -39,16 +39,16 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        packed = set(METADATA + RESULTS)
+        packed = set(METADATA + PLAN_METADATA + RESULTS)
         return sum(a.nbytes for n, a in self.arrays.items() if n not in packed) + sum(
             b.nbytes for b in (self.metadata, self.results) if b is not None)
 
 
 def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
-                     max_blocks_per_seq: int, num_layers_moe: int,
-                     cached: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+                     max_blocks_per_seq: int, num_layers_moe: int, cached: bool = False,
+                     planned: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
-    cached: the expert cache runs (CachedExperts)."""
+    cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -94,6 +94,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
     if MoeStrategy.GROUPED_MMA in strategies:
         layout.update(grouped_mma_layout(T, K, E, D, F))
+    if planned:           # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
+        layout["routed_ids"] = ((max(num_layers_moe, 1) * T * K,), i32)
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
         # rows of the dense layers, router, shared expert and head; per-assignment rows; all experts' h
         dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
@@ -113,6 +115,9 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
 # Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
 # a step uploads a prefix of the packed buffer).
 METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
+# With routing=lut the step's routing plan follows (same packed buffer, still one copy: a lut step uploads the
+# prefix through its plan, so the whole block_tables array -- S_max x blocks per sequence -- rides along).
+PLAN_METADATA = ("routed_ids",)
 # Per-step results the host reads back with one copy (a prefix: the MoE top-k ids only when traced).
 RESULTS = ("greedy_ids", "nonfinite", "topk_ids")
 # Other buffers with pinned host twins, so their copies are asynchronous.
@@ -168,7 +173,8 @@ def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stre
         ws.arrays.update(buffer.device_views)
         ws.host.update(buffer.host_views)
         return buffer
-    ws.metadata, ws.results = packed(METADATA), packed(RESULTS)
+    ws.metadata = packed(METADATA + tuple(n for n in PLAN_METADATA if n in layout))
+    ws.results = packed(RESULTS)
     for name, (shape, dtype) in layout.items():
         if name not in ws.arrays:
             ws.arrays[name] = cuda.device_array(shape, dtype=dtype, stream=stream)
@@ -176,3 +182,26 @@ def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stre
         shape, dtype = layout[name]
         ws.host[name] = cuda.pinned_array(shape, dtype=dtype)
     return ws
+
+
+def stage_routed_ids(flat: np.ndarray, routed: dict[int, np.ndarray] | None, moe_layers, num_tokens: int,
+                     padded: int, top_k: int) -> int:
+    """Writes a step's routing plan into the packed staging `flat` (the routed_ids view) as int32
+    [MoE layers, padded, top_k], layer-major like workspace.topk_ids, so MoE layer m of a step of T tokens reads
+    rows m*T*K:(m+1)*T*K. routed: {layer: expert ids [num_tokens, top_k]} (routing=lut), or None for steps the
+    worker makes itself (warm-up, padding-only graph captures). Padding tokens num_tokens..padded, and every token
+    without a plan, go to experts 0..top_k-1 (valid and distinct: the kernels never index out of range). Returns
+    the elements written."""
+    count = len(moe_layers) * padded * top_k
+    ids = flat[:count].reshape(len(moe_layers), padded, top_k)
+    ids[:] = np.arange(top_k, dtype=np.int32)
+    if routed is not None:
+        for m, layer in enumerate(moe_layers):
+            plan = routed.get(layer)
+            if plan is None:
+                raise ValueError(f"routing plan: no expert ids for MoE layer {layer}")
+            if plan.shape != (num_tokens, top_k):
+                raise ValueError(f"routing plan: layer {layer} has shape {list(plan.shape)}, "
+                                 f"expected [{num_tokens}, {top_k}]")
+            ids[m, :num_tokens] = plan
+    return count

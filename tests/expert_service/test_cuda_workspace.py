@@ -1,5 +1,6 @@
 """The cuda backend's pure host-side logic (no GPU needed): the workspace layout, the MoE strategy choice."""
 import numpy as np
+import pytest
 
 from common.models import config_from_hf
 from expert_service.tiny_model import tiny_hf_config
@@ -7,7 +8,8 @@ from expert_service.cuda import moe
 from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, GROUPED_MAX_TOKENS,
                                      GROUPED_MMA_MIN_EXPERTS, WARMUP_TOKENS, MoeStrategy, choose_strategy,
                                      fused_router, warmup_tokens)
-from expert_service.cuda.workspace import METADATA, RESULTS, layout_workspace, packed_layout
+from expert_service.cuda.workspace import (METADATA, PLAN_METADATA, RESULTS, layout_workspace, packed_layout,
+                                          stage_routed_ids)
 from expert_service.kernels.greedy_split import parts
 from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, MAX_E, max_rows, max_tiles
 from expert_service.kernels.moe_gemm_mma import choose_config
@@ -124,3 +126,47 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
     assert "mma_xs" not in off and off["moe_in"][0] == (T * K, D) and "all_experts_out" in off
     assert off["cast"][0][0] >= T * K * max(D, config.q_size, F)
+
+
+# --- routing=lut: the step's plan staged with its metadata ------------------------------------------------
+def test_lut_layout_packs_the_plan_after_block_tables():
+    """routing=lut adds routed_ids ([MoE layers x T x K] int32) behind block_tables in the packed metadata, so a
+    lut step's one upload is the prefix through its plan; exact routing has no such buffer."""
+    config = config_from_hf(tiny_hf_config("qwen3_moe"))
+    L, T, S, K = len(config.moe_layers), 96, 8, config.num_experts_per_tok
+    exact = layout_workspace(config, np.dtype(np.float32), T, S, 16, L)
+    lut = layout_workspace(config, np.dtype(np.float32), T, S, 16, L, planned=True)
+    assert "routed_ids" not in exact and set(lut) - set(exact) == {"routed_ids"}
+    assert lut["routed_ids"] == ((L * T * K,), np.dtype(np.int32)) and PLAN_METADATA == ("routed_ids",)
+    offsets, _ = packed_layout({name: lut[name][0] for name in METADATA + PLAN_METADATA})
+    tables_end = offsets["block_tables"] + S * 16
+    assert offsets["routed_ids"] >= tables_end and offsets["routed_ids"] - tables_end < 4
+
+
+def test_stage_routed_ids_lays_out_each_layer_as_the_moe_block_reads_it():
+    """Layer m of a step of T (padded) tokens is rows m*T*K:(m+1)*T*K (DeviceMoe's view, as topk_ids); real
+    tokens carry their plan, padding tokens experts 0..K-1; nothing past the step's part is written."""
+    rng = np.random.default_rng()
+    layers, n, padded, K, E = [1, 3, 4], 5, 8, 3, 9
+    routed = {layer: np.stack([rng.choice(E, K, replace=False) for _ in range(n)]) for layer in layers}
+    flat = np.full(len(layers) * 16 * K, -7, np.int32)
+    count = stage_routed_ids(flat, routed, layers, n, padded, K)
+    assert count == len(layers) * padded * K
+    assert (flat[count:] == -7).all()
+    n_step = padded * K
+    for m, layer in enumerate(layers):
+        ids = flat[m * n_step:(m + 1) * n_step].reshape(padded, K)
+        np.testing.assert_array_equal(ids[:n], routed[layer])
+        np.testing.assert_array_equal(ids[n:], np.tile(np.arange(K), (padded - n, 1)))
+
+
+def test_stage_routed_ids_without_a_plan_and_with_a_bad_one():
+    """Steps the worker makes itself (warm-up, graph capture) have no plan: every token gets experts 0..K-1. A
+    plan missing a layer or of the wrong shape is refused naming the layer (the engine checks plans before)."""
+    flat = np.full(2 * 4 * 2, -7, np.int32)
+    assert stage_routed_ids(flat, None, [0, 1], 3, 4, 2) == 16
+    np.testing.assert_array_equal(flat.reshape(2, 4, 2), np.tile(np.arange(2), (2, 4, 1)))
+    with pytest.raises(ValueError, match="layer 1"):
+        stage_routed_ids(flat, {0: np.zeros((3, 2), np.int64)}, [0, 1], 3, 4, 2)
+    with pytest.raises(ValueError, match=r"layer 0 has shape \[3, 1\]"):
+        stage_routed_ids(flat, {0: np.zeros((3, 1), np.int64), 1: np.zeros((3, 2), np.int64)}, [0, 1], 3, 4, 2)
