@@ -1,14 +1,28 @@
-"""Where a cuda-backend step spends its device time: per-kernel totals for prefill and decode steps of the
-reference shapes (bench/engine.py SHAPES), recorded with CUPTI through torch.profiler (it sees every kernel of the process,
-Numba's and cuBLAS's, including those replayed from CUDA graphs). Writes JSON; prints the top kernels per
-scenario with the device-busy share of the wall time (the rest is host time: launches, syncs, Python).
+"""Where a cuda-backend step spends its device time: per-kernel totals of prefill and decode steps of the
+reference shapes (bench/engine.py SHAPES), recorded with CUPTI through torch.profiler (it sees every kernel of
+the process, Numba's and cuBLAS's, including those replayed from CUDA graphs), for several variants of the
+decoder in the same run:
 
-    python bench/profile_step.py --out out/ [--shapes mixtral-shape] [--top 12]
+- fused:   every switch as shipped (rope_kv_write, moe_combine_rmsnorm, and the paths before them);
+- unfused: decoder.USE_FUSED_ROPE_KV and decoder.USE_FUSED_COMBINE_NORM off (rope + kv_write, combine + rmsnorm);
+- lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (router_planned);
+- baseline: unfused and also moe.USE_FUSED_ROUTER and decoder.USE_GREEDY_SPLIT off.
+
+fused / unfused / baseline share one engine and the same sequences (switches are read as a pass is issued;
+decode graphs are dropped and re-captured between variants, so each variant's graphs are its own); lut needs
+its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy, every kernel's
+time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top kernels.
+Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
+pool reused across tensors, fresh values for the routers so routing stays uniform).
+
+    python bench/profile_step.py --out out/ [--shapes mixtral-shape] [--variants fused,unfused,lut]
+                                 [--scenarios prefill_1x512,decode_1,decode_16,decode_64] [--top 12]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import shutil
@@ -20,10 +34,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import SHAPES, build_hf, write_colibri  # noqa: E402
+from bench.engine import SHAPES  # noqa: E402
 
-SCENARIOS = (("prefill", 1, 512), ("prefill", 16, 128), ("decode", 1, 128), ("decode", 16, 128),
-             ("decode", 64, 128))
+SCENARIOS = {"prefill_1x512": ("prefill", 1, 512), "prefill_16x128": ("prefill", 16, 128),
+             "decode_1": ("decode", 1, 128), "decode_16": ("decode", 16, 128), "decode_64": ("decode", 64, 128)}
+# module attribute -> value of each variant (unlisted switches keep their shipped values)
+VARIANTS = {
+    "fused": {},
+    "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False},
+    "lut": {},
+    "baseline": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
+                 "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False},
+}
+PROFILED_STEPS = {"prefill": 3, "decode": 10}
 
 
 def short_name(name: str) -> str:
@@ -38,6 +61,60 @@ def short_name(name: str) -> str:
         parts.append(name[i:i + int(digits)])
         i += int(digits)
     return parts[-1] if parts else name[:60]
+
+
+@contextlib.contextmanager
+def switches(settings: dict[str, object]):
+    """Sets the decoder / MoE module switches named 'decoder.X' / 'moe.X' for the block, then restores them."""
+    import expert_service.cuda.decoder as decoder
+    import expert_service.cuda.moe as moe
+    modules = {"decoder": decoder, "moe": moe}
+    saved = {}
+    try:
+        for key, value in settings.items():
+            module, attr = key.split(".")
+            saved[key] = getattr(modules[module], attr)
+            setattr(modules[module], attr, value)
+        yield
+    finally:
+        for key, value in saved.items():
+            module, attr = key.split(".")
+            setattr(modules[module], attr, value)
+
+
+def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> Path:
+    """A Colibri model directory of `family` with bench/engine.py's shape `params` and random bf16 weights:
+    norms 1, routers fresh N(0, 0.02) (uniform routing), everything else slices of one N(0, 0.02) pool."""
+    from common.dtypes import float32_to_bf16
+    from common.model_format import ModelWriter
+    from common.models import tensor_specs
+    from expert_service.tiny_model import tiny_hf_config
+    rng = np.random.default_rng(seed)
+    hf = {**tiny_hf_config(family), **params, "rope_theta": 1e6, "dtype": "bfloat16"}
+    writer = ModelWriter(out, hf, "bfloat16")
+    pool = float32_to_bf16((rng.standard_normal(1 << 24, dtype=np.float32) * np.float32(0.02)))
+    for spec in tensor_specs(writer.config):
+        size = int(np.prod(spec.shape))
+        leaf = spec.name.rsplit(".", 1)[-1]
+        if leaf.endswith("norm"):
+            values = np.full(size, 0x3F80, np.uint16)           # bf16 1.0
+        elif leaf == "router":
+            values = float32_to_bf16(rng.standard_normal(size, dtype=np.float32) * np.float32(0.02))
+        elif size <= pool.size:                                  # a view: no copy, no generator
+            start = int(rng.integers(0, pool.size - size + 1))
+            values = pool[start:start + size]
+        else:
+            values = np.resize(pool, size)                       # the pool tiled, at memcpy speed
+        writer.write(spec.name, values.reshape(spec.shape))
+    return writer.finish()
+
+
+def random_plan(layers, num_tokens: int, num_experts: int, top_k: int, rng):
+    """A routing plan sending each token to top_k distinct uniform random experts at every MoE layer."""
+    from common.routing_plan import RoutingPlan
+    keys = rng.random((len(layers), num_tokens, num_experts))
+    ids = np.argpartition(keys, top_k - 1, axis=2)[:, :, :top_k].astype(np.uint16)
+    return RoutingPlan.from_expert_ids(layers, ids, num_experts)
 
 
 def profile(fn, repeats: int) -> tuple[dict, float]:
@@ -60,69 +137,159 @@ def profile(fn, repeats: int) -> tuple[dict, float]:
     return dict(totals), wall * 1e6
 
 
-def run_shape(name: str, workdir: Path, top: int) -> dict:
-    import torch
+def summarise(totals: dict, wall_us: float) -> dict:
+    busy = sum(t for t, _ in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"wall_us": wall_us, "device_busy_us": busy,
+            "kernels": {k: {"us": t, "launches": c} for k, (t, c) in ranked}}
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Scenario results a vs b: busy and wall differences (a - b) and every kernel whose time or launch count
+    differs, largest change first."""
+    names = set(a["kernels"]) | set(b["kernels"])
+    zero = {"us": 0.0, "launches": 0.0}
+    rows = []
+    for name in names:
+        x, y = a["kernels"].get(name, zero), b["kernels"].get(name, zero)
+        if abs(x["launches"] - y["launches"]) > 1e-9 or abs(x["us"] - y["us"]) > 0.5:
+            rows.append((name, x["us"] - y["us"], x["launches"] - y["launches"]))
+    rows.sort(key=lambda r: -abs(r[1]))
+    return {"device_busy_us": a["device_busy_us"] - b["device_busy_us"], "wall_us": a["wall_us"] - b["wall_us"],
+            "kernels": {n: {"us": d, "launches": c} for n, d, c in rows}}
+
+
+class Scenarios:
+    """Runs one shape's scenarios on an engine; decode sequences are prefilled once per batch size and shared
+    by the variants that use this engine (their contexts grow by the steps each variant runs)."""
+
+    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0):
+        self.engine, self.vocab, self.lut = engine, vocab, lut
+        self.rng = np.random.default_rng(seed)
+        mc = engine.model_config
+        self.layers, self.E, self.K = mc.moe_layers, mc.num_experts, mc.num_experts_per_tok
+        self.decoding: dict[int, list[int]] = {}
+
+    def _plan(self, num_tokens: int):
+        return random_plan(self.layers, num_tokens, self.E, self.K, self.rng) if self.lut else None
+
+    def _sequences(self, b: int, n: int) -> list[int]:
+        from expert_service.engine import PrefillInput
+        from expert_service.sampling import SamplingParams
+        if b not in self.decoding:
+            for other in list(self.decoding):        # one batch in the KV pool at a time
+                self.engine.release(self.decoding.pop(other))
+            ids = list(range(10_000 * b, 10_000 * b + b))
+            for start in range(0, b, 16):              # prompts in chunks of 16 x n tokens (the step budget)
+                chunk = [PrefillInput(i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
+                         for i in ids[start:start + 16]]
+                self.engine.step(chunk, routing_plan=self._plan(len(chunk) * n))
+            self.decoding[b] = ids
+        return self.decoding[b]
+
+    def run(self, scenario: str) -> dict:
+        from expert_service.engine import PrefillInput
+        from expert_service.sampling import SamplingParams
+        kind, b, n = SCENARIOS[scenario]
+        engine = self.engine
+        if kind == "prefill":
+            chunks = [PrefillInput(1000 + i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
+                      for i in range(b)]
+            plan = self._plan(b * n)
+
+            def fn():
+                engine.step(chunks, routing_plan=plan)
+                engine.release([c.request_id for c in chunks])
+        else:
+            ids = self._sequences(b, n)
+            plan = self._plan(b)
+            engine.decoder.drop_graphs()               # this variant's own graphs: eager, capture, replay
+            for _ in range(2):
+                engine.step(decode_ids=ids, routing_plan=plan)
+
+            def fn():
+                engine.step(decode_ids=ids, routing_plan=plan)
+        totals, wall_us = profile(fn, PROFILED_STEPS[kind])
+        return summarise(totals, wall_us)
+
+
+def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str], top: int, on_result) -> dict:
     from common.model_format import ModelDir
     from expert_service.config import EngineConfig
-    from expert_service.engine import Engine, PrefillInput
-    from expert_service.sampling import SamplingParams
+    from expert_service.engine import Engine
     family, params = SHAPES[name]
-    hf = build_hf(family, params)
-    model_dir = write_colibri(hf, workdir / name)
-    del hf
-    torch.cuda.empty_cache()
-    engine = Engine(ModelDir.open(model_dir, verify=False),
-                    EngineConfig(backend="cuda", kv_block_size=16, kv_cache_tokens=64 * 512,
-                                 max_batch_tokens=2048, max_batch_size=64))
-    rng = np.random.default_rng(0)
-    vocab = params["vocab_size"]
-    results = {}
-    for kind, b, n in SCENARIOS:
-        if kind == "prefill":
-            chunks = [PrefillInput(1000 + i, rng.integers(0, vocab, n), SamplingParams(), True) for i in range(b)]
-
-            def fn(chunks=chunks):
-                engine.step(chunks)
-                engine.clear()
-        else:
-            ids = list(range(b))
-            for start in range(0, b, 16):
-                engine.step([PrefillInput(i, rng.integers(0, vocab, n), SamplingParams(), True)
-                             for i in ids[start:start + 16]])
-            for _ in range(3):
-                engine.step(decode_ids=ids)
-
-            def fn(ids=ids):
-                engine.step(decode_ids=ids)
-        totals, wall_us = profile(fn, 3 if kind == "prefill" else 10)
-        if kind == "decode":
-            engine.clear()
-        busy = sum(t for t, _ in totals.values())
-        key = f"{kind}_{b}x{n}"
-        ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-        results[key] = {"wall_us": wall_us, "device_busy_us": busy,
-                        "kernels": {k: {"us": t, "launches": c} for k, (t, c) in ranked}}
-        print(f"\n{name} {key}: wall {wall_us:.0f} us, device busy {busy:.0f} us ({busy / wall_us:.0%})")
-        for k, (t, c) in ranked[:top]:
-            print(f"  {t:9.1f} us  {c:6.1f}x  {k}")
-    engine.decoder.close()
-    shutil.rmtree(model_dir, ignore_errors=True)
+    started = time.perf_counter()
+    model_dir = write_random_model(family, params, workdir / name)
+    print(f"{name}: model written in {time.perf_counter() - started:.1f} s", flush=True)
+    results: dict[str, dict] = {}
+    try:
+        for lut in (False, True):
+            group = [v for v in variants if (v == "lut") == lut]
+            if not group:
+                continue
+            engine = Engine(ModelDir.open(model_dir, verify=False), EngineConfig(
+                backend="cuda", kv_block_size=16, kv_cache_tokens=64 * 512, max_batch_tokens=2048,
+                max_batch_size=64, routing="lut" if lut else "exact"))
+            runner = Scenarios(engine, params["vocab_size"], lut)
+            try:
+                for scenario in scenarios:            # variants inner: same sequences, adjacent in time
+                    for variant in group:
+                        with switches(VARIANTS[variant]):
+                            entry = runner.run(scenario)
+                        results.setdefault(variant, {})[scenario] = entry
+                        _print(name, variant, scenario, entry, top)
+                        on_result(results)
+            finally:
+                engine.decoder.close()
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    if "fused" in results and "unfused" in results:
+        results["fused_minus_unfused"] = {s: compare(results["fused"][s], results["unfused"][s])
+                                          for s in scenarios if s in results["fused"] and s in results["unfused"]}
+        for s, diff in results["fused_minus_unfused"].items():
+            changed = ", ".join(f"{k} {v['us']:+.1f} us ({v['launches']:+.0f})" for k, v in list(diff["kernels"].items())[:6])
+            print(f"{name} {s} fused - unfused: busy {diff['device_busy_us']:+.1f} us, wall {diff['wall_us']:+.1f} us; "
+                  f"{changed}", flush=True)
     return results
+
+
+def _print(shape: str, variant: str, scenario: str, entry: dict, top: int) -> None:
+    wall, busy = entry["wall_us"], entry["device_busy_us"]
+    print(f"\n{shape} {variant} {scenario}: wall {wall:.0f} us, device busy {busy:.0f} us ({busy / wall:.0%})")
+    for k, v in list(entry["kernels"].items())[:top]:
+        print(f"  {v['us']:9.1f} us  {v['launches']:6.1f}x  {k}")
+    sys.stdout.flush()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--variants", default="fused,unfused", help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {', '.join(SCENARIOS)}")
     parser.add_argument("--workdir", default="/dev/shm/colibri-profile")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
+    variants, scenarios = args.variants.split(","), args.scenarios.split(",")
+    for value, known, what in ((variants, VARIANTS, "variant"), (scenarios, SCENARIOS, "scenario")):
+        unknown = [v for v in value if v not in known]
+        if unknown:
+            parser.error(f"--{what}s: unknown {what} {unknown[0]!r} (known: {', '.join(known)})")
+    import torch
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name in args.shapes.split(","):
-        results[name] = run_shape(name, Path(args.workdir), args.top)
+    results = {"device": torch.cuda.get_device_name(), "variants": {v: VARIANTS[v] for v in variants},
+               "profiled_steps": PROFILED_STEPS, "shapes": {}}
+
+    def save(shape_results, name=None):
+        if name is not None:
+            results["shapes"][name] = shape_results
         (out_dir / "profile_step.json").write_text(json.dumps(results, indent=1))
+    for name in args.shapes.split(","):
+        results["shapes"][name] = {}
+        shape = run_shape(name, Path(args.workdir), variants, scenarios, args.top,
+                          lambda partial, name=name: save(partial, name))
+        save(shape, name)
     return 0
 
 
