@@ -18,6 +18,8 @@ from common.routing_plan import RoutingPlan
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.experts import CacheStats, SlotPlan, plan_slots
 from expert_service.kv_cache import BlockAllocator
+from expert_service.logprobs import StepScores, TokenLogprobs
+from expert_service.penalties import PenaltySlots
 from expert_service.routing_plan import routing_plan_recall
 from expert_service.sampling import Sampler, SamplingParams
 from expert_service.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
@@ -45,6 +47,20 @@ class SeqOutput:
     token_id: int | None = None          # None: a non-final prompt chunk, or an error
     logprob: float = 0.0
     error: str = ""
+    top: TokenLogprobs | None = None     # top_logprobs: the sampled position's most likely tokens
+    prompt: TokenLogprobs | None = None  # prompt_logprobs: this step's prompt chunk scored
+
+    def scored_pb(self) -> worker_pb2.SequenceLogprobs | None:
+        if self.top is None and self.prompt is None:
+            return None
+        scored = worker_pb2.SequenceLogprobs(request_id=self.request_id)
+        for name, value in (("sampled", self.top), ("prompt", self.prompt)):
+            if value is not None:
+                getattr(scored, name).CopyFrom(worker_pb2.TokenLogprobs(
+                    top_k=value.top_ids.shape[1], logprobs=value.logprobs.astype("<f4").tobytes(),
+                    top_ids=value.top_ids.astype("<i4").tobytes(),
+                    top_logprobs=value.top_logprobs.astype("<f4").tobytes()))
+        return scored
 
 
 @dataclass
@@ -63,7 +79,8 @@ class StepResult:
         the worker's whole time on it (the servicer measures it)."""
         response = message(
             generations=[worker_pb2.Generation(request_id=o.request_id, has_token=o.token_id is not None,
-                                               token_id=o.token_id or 0, logprob=o.logprob, error=o.error)
+                                               token_id=o.token_id or 0, logprob=o.logprob, error=o.error,
+                                               scored=o.scored_pb())
                          for o in self.outputs],
             timings=worker_pb2.StepTimings(forward_ms=self.forward_ms, sample_ms=self.sample_ms, total_ms=total_ms),
             kv_blocks_used=kv_blocks_used)
@@ -86,6 +103,7 @@ class StepResult:
             kv_blocks_used=kv_blocks_used)
         if any(o.logprob for o in outputs):
             response.logprobs = np.fromiter((o.logprob for o in outputs), np.float32, len(outputs)).tobytes()
+        response.scored.extend(scored for scored in (o.scored_pb() for o in outputs) if scored is not None)
         if self.routing_plan_recall is not None:
             response.routing_plan_recall = self.routing_plan_recall
         if self.expert_cache is not None:
@@ -99,6 +117,7 @@ class SequenceState:
     sampler: Sampler
     num_cached: int = 0                  # tokens whose K/V are in the cache
     last_token: int | None = None        # the latest sampled token, fed by the next decode
+    prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
 
 
 def cuda_available() -> bool:
@@ -141,6 +160,7 @@ class Engine:
         self.backend = self.decoder.backend
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
         self.sequences: dict[int, SequenceState] = {}
+        self.penalty_slots = PenaltySlots(config.max_batch_size)   # the backends hold as many state slots
 
     def warmup(self) -> None:
         """Backend start-up work that must not happen while serving (CUDA: compile kernels, capture graphs)."""
@@ -157,6 +177,7 @@ class Engine:
             if self.sequences.pop(rid, None) is not None:
                 freed.append(rid)
             self.allocator.free(rid)
+            self.penalty_slots.release(rid)
         return freed
 
     def keep_only(self, keep_ids) -> list[int]:
@@ -185,6 +206,7 @@ class Engine:
                     self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
                     created.append(chunk.request_id)
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+            first_decode = len(work)
             for rid in decode_ids:
                 seq = self.sequences.get(rid)
                 if seq is None or seq.last_token is None:
@@ -194,6 +216,8 @@ class Engine:
             if not work:
                 return StepResult(unknown, 0.0, 0.0, StepTrace(), None, HostLogits(np.zeros((0, 0), np.float32)))
             token_ids = self._check_step(work)
+            scored = self._scored_prompts(work[:first_decode])
+            penalties = self._penalties(work, first_decode, created)
             mc = self.model_config
             planned_ids = routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok) \
                 if routing_plan is not None else None
@@ -203,7 +227,7 @@ class Engine:
         except (InvalidRequestError, CapacityError):
             self.release(created)
             raise
-        batch = self._build_batch(work, token_ids, all_logits=False)
+        batch = replace(self._build_batch(work, token_ids, all_logits=False, scored=scored), penalties=penalties)
         if planned_ids:
             batch = replace(batch, expert_hints=planned_ids,
                             routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
@@ -213,28 +237,80 @@ class Engine:
         t1 = time.perf_counter()
         recall = routing_plan_recall(planned_ids, trace.expert_ids) \
             if planned_ids and self.config.routing is RoutingMode.EXACT else None
-        outputs, row = [], 0
-        for rid, tokens, wants_token in work:
+        outputs = self._sample(work, logits, scored) + unknown
+        t2 = time.perf_counter()
+        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
+
+    def _scored_prompts(self, chunks: list[tuple[int, np.ndarray, bool]]) -> set[int]:
+        """The sequences whose prompt chunk this step scores (prompt_logprobs): every position of the chunk
+        becomes a logits row, at most max_batch_size of them per step (they are copied to the host)."""
+        scored = {rid for rid, _, _ in chunks if self.sequences[rid].sampler.params.prompt_logprobs is not None}
+        rows = sum(len(tokens) for rid, tokens, _ in chunks if rid in scored)
+        if rows > self.config.max_batch_size:
+            raise InvalidRequestError("prompt_logprobs", f"{rows} prompt tokens to score in one step, at most "
+                                                         f"max_batch_size ({self.config.max_batch_size})")
+        return scored
+
+    def _penalties(self, work, first_decode: int, created: list[int]):
+        """The step's PenaltyBatch (None when no penalised sequence takes part): new penalised sequences take a
+        state slot; prompt chunks mark their tokens; a decode counts its input token, the one it sampled last."""
+        builder = self.penalty_slots.builder()
+        for rid in created:
+            if self.sequences[rid].sampler.params.penalties.active:
+                builder.reset(self.penalty_slots.acquire(rid))
+        if not self.penalty_slots.slots:
+            return None
+        for index, (rid, tokens, wants_token) in enumerate(work):
+            if index < first_decode:
+                builder.prompt(rid, tokens)
+            else:
+                builder.output(rid, int(tokens[0]))
+        for rid, _, wants_token in work:
+            if wants_token:
+                builder.row(rid, self.sequences[rid].sampler.params.penalties)
+        return builder.build()
+
+    def _sample(self, work, logits: Logits, scored: set[int]) -> list[SeqOutput]:
+        """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
+        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows)."""
+        tokens_out, row = [], 0
+        scores = StepScores(self.model_config.vocab_size)
+        for index, (rid, tokens, wants_token) in enumerate(work):
             seq = self.sequences[rid]
             seq.num_cached += len(tokens)
             if not wants_token:
-                outputs.append(SeqOutput(rid))
+                tokens_out.append(None)
                 continue
             if seq.sampler.plain_greedy:
                 token, finite = logits.greedy(row)
                 sampled = seq.sampler.take_greedy(token) if finite else None
             else:
-                sampled = seq.sampler.sample(logits[row])
+                sampled = seq.sampler.sample(logits[row], logits.processed(row))
+            if sampled is not None and seq.sampler.params.logprobs:
+                scores.sampled(index, row, sampled, seq.sampler.params.top_logprobs)
+            tokens_out.append(sampled)
             row += 1
-            if sampled is None:
+        for index, (rid, tokens, wants_token) in enumerate(work):
+            if rid in scored:
+                seq, n = self.sequences[rid], len(tokens) - 1     # the chunk's last position scores what follows
+                scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens,
+                              seq.sampler.params.prompt_logprobs)
+                seq.prompt_row = None if wants_token else logits[row + n].copy()
+                row += n + (not wants_token)
+        sampled_scores, prompt_scores = scores.run(logits) if scores else ({}, {})
+        outputs = []
+        for index, ((rid, _, wants_token), token) in enumerate(zip(work, tokens_out)):
+            if wants_token and token is None:
                 outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
                 self.release([rid])
                 continue
-            seq.last_token = sampled[0]
-            outputs.append(SeqOutput(rid, sampled[0], sampled[1]))
-        outputs += unknown
-        t2 = time.perf_counter()
-        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
+            top = sampled_scores.get(index)
+            if token is not None:
+                self.sequences[rid].last_token = token
+            outputs.append(SeqOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
+                                     if top is not None and top.top_ids.shape[1] else None,
+                                     prompt=prompt_scores.get(index)))
+        return outputs
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
         """Validates the step (the vocabulary check vectorised: decode steps are many one-token chunks),
@@ -265,11 +341,13 @@ class Engine:
         return token_ids
 
     def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
-                     all_logits: bool) -> ForwardBatch:
-        """token_ids: the work's tokens concatenated (as _check_step returns them)."""
+                     all_logits: bool, scored: set[int] = frozenset()) -> ForwardBatch:
+        """token_ids: the work's tokens concatenated (as _check_step returns them). Logits rows: each sampling
+        sequence's last position, in work order, then the positions of the `scored` prompt chunks (all but a
+        sampling chunk's last, which is its sampling row)."""
         block_size = self.config.kv_block_size
         positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
-        tables, context_lens, logits_rows, seq_starts = [], [], [], [0]
+        tables, context_lens, logits_rows, seq_starts, scored_rows = [], [], [], [0], []
         for rid, tokens, wants_token in work:
             begin, start, n = seq_starts[-1], self.sequences[rid].num_cached, len(tokens)
             table = self.allocator.tables[rid]
@@ -288,8 +366,10 @@ class Engine:
                 logits_rows.extend(range(begin, begin + n))
             elif wants_token:
                 logits_rows.append(begin + n - 1)
+            if rid in scored:
+                scored_rows.extend(range(begin, begin + n - wants_token))
         return ForwardBatch(token_ids, positions, np.asarray(seq_starts, np.int64), np.asarray(context_lens, np.int64),
-                            tables, slots, np.asarray(logits_rows, dtype=np.int64))
+                            tables, slots, np.asarray(logits_rows + scored_rows, dtype=np.int64))
 
     # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
     def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:

@@ -77,3 +77,41 @@ def prompt_logprobs(rows: np.ndarray, previous_row: np.ndarray | None, tokens: n
     else:
         first = token_logprobs(previous_row[None, :], tokens[:1], k)
     return TokenLogprobs.concat([first, token_logprobs(rows, tokens[1:], k)]) if len(tokens) > 1 else first
+
+
+class StepScores:
+    """One step's log-probability work, scored together once the step's logits exist: sampled tokens (one row
+    each, one log_softmax over all of them) and prompt chunks (their positions' rows)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._sampled: list[tuple[object, int, int, int]] = []          # (key, row, token, k)
+        self._prompts: list[tuple[object, np.ndarray, np.ndarray | None, np.ndarray, int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._sampled or self._prompts)
+
+    def sampled(self, key, row: int, token: int, k: int) -> None:
+        self._sampled.append((key, row, token, k))
+
+    def prompt(self, key, rows: np.ndarray, previous_row: np.ndarray | None, tokens: np.ndarray, k: int) -> None:
+        """`rows`: the logits rows of the chunk's positions but its last (see prompt_logprobs)."""
+        self._prompts.append((key, rows, previous_row, tokens, k))
+
+    def run(self, logits) -> tuple[dict, dict]:
+        """({key: TokenLogprobs of its sampled token}, {key: TokenLogprobs of its prompt chunk}); `logits` is the
+        step's Logits (raw rows by index)."""
+        sampled = {}
+        if self._sampled:
+            k_max = max(k for _, _, _, k in self._sampled)
+            scored = token_logprobs(np.stack([logits[row] for _, row, _, _ in self._sampled]),
+                                    np.array([t for _, _, t, _ in self._sampled]), k_max)
+            for i, (key, _, _, k) in enumerate(self._sampled):
+                kk = min(k, scored.top_ids.shape[1])
+                sampled[key] = TokenLogprobs(scored.logprobs[i:i + 1], scored.top_ids[i:i + 1, :kk],
+                                             scored.top_logprobs[i:i + 1, :kk])
+        prompts = {}
+        for key, rows, previous_row, tokens, k in self._prompts:
+            block = np.stack([logits[r] for r in rows]) if len(rows) else np.zeros((0, self.vocab_size), np.float32)
+            prompts[key] = prompt_logprobs(block, previous_row, tokens, k)
+        return sampled, prompts

@@ -1,6 +1,7 @@
-"""Token sampling on the worker, vLLM semantics: temperature 0 = greedy; otherwise logits / temperature,
-then top-k (0 = off), then top-p (1 = off), then one draw from the sequence's own seeded generator, so the
-same seed gives the same tokens whatever else shares the batch.
+"""Token sampling on the worker, vLLM semantics: the penalties (expert_service/penalties.py, applied by the
+backend), then temperature 0 = greedy; otherwise logits / temperature, then top-k (0 = off), then top-p
+(1 = off), then one draw from the sequence's own seeded generator, so the same seed gives the same tokens
+whatever else shares the batch. Log-probabilities are of the raw logits (expert_service/logprobs.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2
+from expert_service.logprobs import MAX_TOP_LOGPROBS
+from expert_service.penalties import PenaltyParams
 
 MAX_STOP_TOKEN_IDS = 4096
 
@@ -23,6 +26,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # suppressed until min_new_tokens tokens were generated
     min_new_tokens: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0                 # with logprobs: the most likely tokens of each sampled position
+    prompt_logprobs: int | None = None    # score the prompt with this many top tokens per position; None = off
+    penalties: PenaltyParams = PenaltyParams()
 
     def __post_init__(self):
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -33,6 +39,9 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError("stop_token_ids", f"{len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+        for name, value in (("top_logprobs", self.top_logprobs), ("prompt_logprobs", self.prompt_logprobs or 0)):
+            if not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Every id this sequence names must be a row of the logits."""
@@ -42,9 +51,14 @@ class SamplingParams:
 
     @classmethod
     def from_pb(cls, p: worker_pb2.SamplingParams) -> SamplingParams:
-        """The message's settings (top_p 0 reads as 1, off), checked as any others."""
+        """The message's settings (top_p 0 reads as 1, off; an unset repetition penalty as 1), checked as any
+        others."""
+        penalties = PenaltyParams(p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+                                  p.presence_penalty, p.frequency_penalty)
         return cls(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0, seed=p.seed,
-                   stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens, logprobs=p.logprobs)
+                   stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens, logprobs=p.logprobs,
+                   top_logprobs=p.top_logprobs,
+                   prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None, penalties=penalties)
 
 
 class Sampler:
@@ -57,22 +71,23 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Argmax of the raw logits is all this step needs (no logprob, no stop-token suppression)."""
+        """The argmax of the (penalised) logits is the token: no stop-token suppression, no temperature.
+        Log-probabilities are scored apart from the choice."""
         p = self.params
-        return p.temperature == 0 and not p.logprobs and not (self.num_generated < p.min_new_tokens
-                                                              and p.stop_token_ids)
+        return p.temperature == 0 and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
 
-    def take_greedy(self, token: int) -> tuple[int, float]:
-        """Records a token chosen by a device-side argmax (only when `plain_greedy`)."""
+    def take_greedy(self, token: int) -> int:
+        """Records a token chosen by the backend's argmax (only when `plain_greedy`)."""
         self.num_generated += 1
-        return token, 0.0
+        return token
 
-    def sample(self, logits: np.ndarray) -> tuple[int, float] | None:
-        """logits [V] float32 -> (token id, logprob under the unmodified distribution); None if non-finite."""
+    def sample(self, logits: np.ndarray, processed: np.ndarray | None = None) -> int | None:
+        """The next token from `processed` (the row after the step's penalties; the raw `logits` [V] float32 when
+        None); None if the raw logits are non-finite."""
         if not np.all(np.isfinite(logits)):
             return None
         p = self.params
-        logits = logits.astype(np.float32, copy=True)
+        logits = (logits if processed is None else processed).astype(np.float32, copy=True)
         if self.num_generated < p.min_new_tokens and p.stop_token_ids:
             logits[list(p.stop_token_ids)] = -np.inf
         if p.temperature == 0:
@@ -83,7 +98,7 @@ class Sampler:
             scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
             token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p)))
         self.num_generated += 1
-        return token, (float(log_softmax(logits)[token]) if p.logprobs else 0.0)
+        return token
 
     def _draw(self, logits: np.ndarray) -> int:
         probs = np.exp(logits - logits.max()).astype(np.float64)
@@ -107,8 +122,3 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
         before = np.cumsum(probs) - probs            # mass strictly ahead of each token
         out[order[before >= top_p]] = -np.inf        # the top token (before = 0) always stays
     return out
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max()
-    return shifted - np.log(np.sum(np.exp(shifted)))

@@ -16,6 +16,7 @@ import numpy as np
 from common.model_format import ModelDir
 from expert_service.config import Backend, EngineConfig
 from expert_service.experts import CacheStats, SlotPlan
+from expert_service.penalties import PenaltyBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class ForwardBatch:
     routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
     expert_hints: dict[int, np.ndarray] | None = None    # the router's plan (either routing): layer -> [T, k],
                                                          # what the expert cache prefetches from
+    penalties: PenaltyBatch | None = None   # penalty state updates and the penalised sampling rows (the first
+                                            # rows of logits_rows); None: no penalised sequence in the step
 
 
 @dataclass
@@ -45,10 +48,13 @@ class Logits(Protocol):
     decoder's next step: the cuda backend's live in a workspace that step overwrites (``greedy`` stays valid)."""
 
     def greedy(self, row: int) -> tuple[int, bool]:
-        """(argmax, every value finite) of one row."""
+        """(argmax, every value finite) of one row, after the step's penalties."""
 
     def __getitem__(self, row: int) -> np.ndarray:
-        """One row as float32 [V] on the host."""
+        """One row as float32 [V] on the host: the model's raw logits."""
+
+    def processed(self, row: int) -> np.ndarray:
+        """One row after the step's penalties (the raw row where none apply), float32 [V] on the host."""
 
     def __len__(self) -> int: ...
 
@@ -56,18 +62,21 @@ class Logits(Protocol):
 
 
 class HostLogits:
-    """Logits already on the host: [rows, V] float32."""
+    """Logits already on the host: [rows, V] float32, and the penalised copy of the first rows (None: none)."""
 
-    def __init__(self, logits: np.ndarray):
-        self.array = logits
+    def __init__(self, logits: np.ndarray, penalized: np.ndarray | None = None):
+        self.array, self.penalized = logits, penalized
 
     def greedy(self, row: int) -> tuple[int, bool]:
-        """(argmax, all finite) of one row."""
-        values = self.array[row]
+        """(argmax, all finite) of one row, after the step's penalties."""
+        values = self.processed(row)
         return int(np.argmax(values)), bool(np.all(np.isfinite(values)))
 
     def __getitem__(self, row: int) -> np.ndarray:
         return self.array[row]
+
+    def processed(self, row: int) -> np.ndarray:
+        return self.penalized[row] if self.penalized is not None and row < len(self.penalized) else self.array[row]
 
     def __len__(self) -> int:
         return self.array.shape[0]

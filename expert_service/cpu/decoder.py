@@ -14,6 +14,7 @@ from expert_service.cpu.layers.attention import paged_attention, write_kv
 from expert_service.cpu.layers.moe import route, sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cpu.layers.rope import Rotary, apply_rotary
+from expert_service.cpu.penalties import HostPenalties
 from expert_service.experts import ExpertCache, SlotPlan, experts_by_count
 from expert_service.kv_cache import KVPool
 from expert_service.step import ForwardBatch, HostLogits, StepTrace
@@ -62,6 +63,7 @@ class CpuDecoder:
             self.copy_engine = HostCopyEngine(model, self.config.moe_layers, slot_plan.slots_per_layer)
             self.cache = ExpertCache(self.config.moe_layers, slot_plan.num_experts, slot_plan.slots_per_layer,
                                      slot_plan.expert_block_bytes, self.copy_engine, config.expert_cache_policy)
+        self.penalties = HostPenalties(config.max_batch_size, self.config.vocab_size)
         moe = self.config.moe_layers
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
 
@@ -69,7 +71,7 @@ class CpuDecoder:
         model = self.w.model
         experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
         plan = [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
-                ("kv_cache", self.kv.nbytes)]
+                ("kv_cache", self.kv.nbytes), ("penalties", self.penalties.nbytes)]
         if self.cache is not None:    # float32 buffers on this backend (the slot plan counts stored bytes)
             plan.append(("expert_slots", self.copy_engine.nbytes))
         return plan
@@ -105,7 +107,9 @@ class CpuDecoder:
             if trace is not None:
                 trace.expert_cache = stats
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
-        return HostLogits(h @ self.w.lm_head.T)
+        logits = h @ self.w.lm_head.T
+        penalized = self.penalties.apply(batch.penalties, logits) if batch.penalties is not None else None
+        return HostLogits(logits, penalized)
 
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:

@@ -27,6 +27,7 @@ from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import CachedExperts, DeviceMoe, warmup_tokens
+from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels import elementwise, greedy, rmsnorm
@@ -53,8 +54,10 @@ class DeviceLogits:
     The rows live in the workspace the decoder's next step overwrites: fetch them before then (a later fetch
     raises rather than return another step's rows); the argmax stays valid."""
 
-    def __init__(self, decoder: "CudaDecoder", rows: int):
+    def __init__(self, decoder: "CudaDecoder", rows: int, penalized: int = 0):
         self.decoder, self.rows, self.step = decoder, rows, decoder.staged_steps
+        self.penalized = penalized       # the first rows, penalised in decoder.penalties (argmax of those)
+        self._penalized_host = None
         self.ids = decoder.ws.host["greedy_ids"][:rows].copy()
         self.nonfinite = decoder.ws.host["nonfinite"][:rows].copy()
         self._host = None
@@ -62,12 +65,16 @@ class DeviceLogits:
     def greedy(self, row: int) -> tuple[int, bool]:
         return int(self.ids[row]), not bool(self.nonfinite[row])
 
+    def _check_current(self) -> None:
+        d = self.decoder
+        if d.staged_steps != self.step:
+            raise RuntimeError(f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
+                               f"on the device: read a step's rows before the next step")
+
     def _fetch(self) -> np.ndarray:
         if self._host is None:
             d = self.decoder
-            if d.staged_steps != self.step:
-                raise RuntimeError(f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
-                                   f"on the device: read a step's rows before the next step")
+            self._check_current()
             host = d.ws.host["logits"][:self.rows]
             d.ws.logits[:self.rows].copy_to_host(host, stream=d.stream)
             d.stream.synchronize()
@@ -76,6 +83,14 @@ class DeviceLogits:
 
     def __getitem__(self, row: int) -> np.ndarray:
         return self._fetch()[row]
+
+    def processed(self, row: int) -> np.ndarray:
+        if row >= self.penalized:
+            return self[row]
+        if self._penalized_host is None:
+            self._check_current()        # the next step rewrites the penalised rows too
+            self._penalized_host = self.decoder.penalties.download(self.penalized)
+        return self._penalized_host[row]
 
     def __len__(self) -> int:
         return self.rows
@@ -110,6 +125,8 @@ class CudaDecoder:
                                                  self.max_blocks_per_seq, len(self.moe_layers), cached=cached,
                                                  planned=self.planned_routing)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
+        self.penalties = DevicePenalties(self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws,
+                                         self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
         self.graphs: dict[int, Graph] = {}
@@ -167,7 +184,8 @@ class CudaDecoder:
     # --- memory -------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
         plan = [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
-                ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes)]
+                ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes),
+                ("penalties", self.penalties.nbytes)]
         if self.cached is not None:
             plan.append(("expert_slots", self.cached.nbytes))
         return plan
@@ -193,6 +211,8 @@ class CudaDecoder:
             self._forward_bucket(bucket)
         else:
             self._run(padded, bucket or S, bucket or R, decode=decode_only)
+        # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
+        penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
         host, results = self.ws.host, self.ws.results
         n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if trace is not None else 0
         results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
@@ -205,7 +225,7 @@ class CudaDecoder:
             ids = host["topk_ids"].reshape(-1)[:n_ids].reshape(len(self.moe_layers), padded, -1)
             for index, layer in enumerate(self.moe_layers):
                 trace.expert_ids[layer] = ids[index, :T].copy()
-        return DeviceLogits(self, R)
+        return DeviceLogits(self, R, penalized)
 
     def _forward_bucket(self, bucket: int) -> None:
         """A staged decode step of `bucket` sequences: eager the first time (compiles and loads every
@@ -234,17 +254,20 @@ class CudaDecoder:
             self.stream.synchronize()
             self.cached.end_step()
         rows = np.asarray(batch.logits_rows, dtype=np.int32)
-        out = np.empty((R, self.config.vocab_size), dtype=np.float32)
+        out, penalized = np.empty((R, self.config.vocab_size), dtype=np.float32), None
         for start in range(0, R, self.max_seqs):
             chunk = rows[start:start + self.max_seqs]
             n = len(chunk)
             self.ws.host["logits_rows"][:n] = chunk
             self.ws.logits_rows[:n].copy_to_device(self.ws.host["logits_rows"][:n], stream=self.stream)
             self._head(T, n)
+            if start == 0 and batch.penalties is not None:    # the sampling rows come first
+                rows_penalized = self.penalties.apply(batch.penalties, self.ws.logits)
+                penalized = self.penalties.download(rows_penalized) if rows_penalized else None
             self.ws.logits[:n].copy_to_host(self.ws.host["logits"][:n], stream=self.stream)
             self.stream.synchronize()
             out[start:start + n] = self.ws.host["logits"][:n]
-        return HostLogits(out)
+        return HostLogits(out, penalized)
 
     def _stage(self, batch: ForwardBatch, T: int, S: int, R: int) -> None:
         """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device."""

@@ -58,3 +58,18 @@ def test_rows_fetched_after_the_next_step_raise():
         list(stale)
     assert [stale.greedy(r) for r in range(ROWS)] == [(int(ids[r]), not flags[r]) for r in range(ROWS)]
     np.testing.assert_array_equal(np.stack(list(DeviceLogits(decoder, ROWS))), later[:ROWS])
+
+
+def test_processed_rows_are_the_penalised_ones_then_the_raw_ones():
+    rng = np.random.default_rng()
+    decoder, logits = fake_decoder(rng)
+    penalised = rng.standard_normal((2, VOCAB)).astype(np.float32)
+    decoder.penalties = SimpleNamespace(download=lambda n: penalised[:n].copy())
+    read = DeviceLogits(decoder, ROWS, penalized=2)
+    np.testing.assert_array_equal(np.stack([read.processed(r) for r in range(ROWS)]),
+                                  np.concatenate([penalised, logits[2:ROWS]]))
+    np.testing.assert_array_equal(read[0], logits[0])                   # indexing stays the raw rows
+    stale = DeviceLogits(decoder, ROWS, penalized=2)
+    next_step(decoder, rng)
+    with pytest.raises(RuntimeError, match="read after step"):
+        stale.processed(0)

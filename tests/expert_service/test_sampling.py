@@ -3,12 +3,13 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2 as pb
+from expert_service.penalties import PenaltyParams
 from expert_service.sampling import Sampler, SamplingParams, filter_logits
 
 
 def draw(params, logits, n):
     sampler = Sampler(params)
-    return [sampler.sample(logits)[0] for _ in range(n)]
+    return [sampler.sample(logits) for _ in range(n)]
 
 
 def test_greedy_is_argmax():
@@ -53,7 +54,7 @@ def test_same_seed_same_tokens_different_seed_differs():
 def test_min_new_tokens_suppresses_stop_ids():
     logits = np.array([0.0, 10.0, 0.0], dtype=np.float32)      # token 1 (EOS) is overwhelmingly likely
     sampler = Sampler(SamplingParams(stop_token_ids=(1,), min_new_tokens=2))
-    assert [sampler.sample(logits)[0] for _ in range(3)] == [0, 0, 1]
+    assert [sampler.sample(logits) for _ in range(3)] == [0, 0, 1]
 
 
 def test_non_finite_logits_fail_instead_of_emitting_a_token():
@@ -61,17 +62,24 @@ def test_non_finite_logits_fail_instead_of_emitting_a_token():
     assert Sampler(SamplingParams()).sample(logits) is None
 
 
-def test_logprob_is_log_softmax_of_the_raw_logits():
-    logits = np.array([1.0, 2.0, 3.0], dtype=np.float32)
-    token, logprob = Sampler(SamplingParams(logprobs=True)).sample(logits)
-    assert token == 2 and logprob == pytest.approx(3.0 - np.log(np.exp(logits).sum()), rel=1e-6)
+def test_the_token_comes_from_the_processed_row_and_finiteness_from_the_raw_one():
+    raw = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    processed = np.array([1.0, 2.5, -3.0], dtype=np.float32)         # a penalty pushed token 2 down
+    assert Sampler(SamplingParams()).sample(raw, processed) == 1
+    assert Sampler(SamplingParams()).sample(raw) == 2
+    assert Sampler(SamplingParams()).sample(np.array([np.inf, 0, 0], np.float32), processed) is None
 
 
 @pytest.mark.parametrize("kwargs,field", [(dict(temperature=-1), "temperature"),
                                           (dict(temperature=float("nan")), "temperature"),
                                           (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                                          (dict(top_k=-2), "top_k")])
+                                          (dict(top_k=-2), "top_k"), (dict(top_logprobs=21), "top_logprobs"),
+                                          (dict(prompt_logprobs=21), "prompt_logprobs"),
+                                          (dict(penalties=PenaltyParams(0.5)), None)])
 def test_invalid_parameters_name_the_field(kwargs, field):
+    if field is None:                   # valid: a control that the others fail for their field alone
+        SamplingParams(**kwargs)
+        return
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field
@@ -84,6 +92,23 @@ def test_from_pb_reads_top_p_zero_as_off_and_checks_the_rest():
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams.from_pb(pb.SamplingParams(top_p=1.5))
     assert e.value.field == "top_p"
+
+
+def test_from_pb_reads_logprobs_and_penalties_unset_as_off():
+    params = SamplingParams.from_pb(pb.SamplingParams(logprobs=True, top_logprobs=5, prompt_logprobs=0,
+                                                      repetition_penalty=1.2, presence_penalty=-0.5,
+                                                      frequency_penalty=2.0))
+    assert (params.top_logprobs, params.prompt_logprobs) == (5, 0)
+    penalties = params.penalties
+    assert (penalties.repetition, penalties.presence, penalties.frequency) == (pytest.approx(1.2), -0.5, 2.0)
+    plain = SamplingParams.from_pb(pb.SamplingParams())
+    assert plain.prompt_logprobs is None and not plain.penalties.active
+    for message, field in ((pb.SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+                           (pb.SamplingParams(frequency_penalty=3.0), "frequency_penalty"),
+                           (pb.SamplingParams(prompt_logprobs=30), "prompt_logprobs")):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams.from_pb(message)
+        assert e.value.field == field
 
 
 def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_model, monkeypatch):

@@ -29,7 +29,9 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     info = stub.Info(pb.InfoRequest())
     assert info.family == "mixtral" and info.vocab_size == ModelDir.open(tiny_model).config.vocab_size
     assert info.kv_block_size == 4 and info.num_kv_blocks == 1024 and info.backend == "cpu"
-    assert {m.name for m in info.memory_plan} == {"dense_weights", "expert_weights", "kv_cache"}
+    plan = {m.name: m.bytes for m in info.memory_plan}
+    assert set(plan) == {"dense_weights", "expert_weights", "kv_cache", "penalties"}
+    assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2     # one uint16 word per slot and token
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
 
 
