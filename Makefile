@@ -8,11 +8,18 @@ DEFAULT_MODEL_HF := training/default-model-hf
 # With an NVIDIA GPU visible, the cuda extra (numba-cuda and its CUDA 13 wheels) comes too.
 comma := ,
 EXTRAS := dev$(if $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null),$(comma)cuda)
-PROTOS := protos/colibri/router/v1/router.proto protos/colibri/worker/v1/worker.proto
-PB := common/pb/colibri/router/v1/router_pb2.py common/pb/colibri/worker/v1/worker_pb2.py
+PROTOS := $(shell find protos -name '*.proto')
+PB := $(patsubst protos/%.proto,common/pb/%_pb2.py,$(PROTOS))
 CHECKOV_VENV ?= .venv-checkov
+# buf (protobuf lint and breaking-change checks), pinned, installed from npm into .buf/ (git-ignored).
+BUF_VERSION := 1.75.0
+BUF_DIR := .buf
+BUF := $(BUF_DIR)/node_modules/.bin/buf
+BUF_STAMP := $(BUF_DIR)/.installed-$(BUF_VERSION)
+# The released API that `buf breaking` compares protos/ against; `make proto-baseline` refreshes it.
+API_BASELINE := protos/api.binpb
 
-.PHONY: run tiny test test-gpu proto install install-test lint-size clean
+.PHONY: run tiny test test-gpu proto install install-test lint-size lint-proto proto-baseline clean
 
 # Runtime dependencies + the package (editable) in .venv.
 $(BIN)/.installed: pyproject.toml
@@ -33,12 +40,29 @@ $(CHECKOV_VENV)/bin/checkov:
 	$(CHECKOV_VENV)/bin/pip install --quiet 'checkov==3.3.30'
 
 # gRPC stubs (and .pyi type stubs) from protos/ into common/pb/colibri/<service>/v1/, re-exported by
-# common/pb/__init__.py (`from common.pb import router_pb2`). Stubs of the old flat layout are removed: loaded
-# next to the new ones they would define the same messages twice.
-$(PB): $(PROTOS) $(BIN)/.installed
+# common/pb/__init__.py (`from common.pb import router_pb2`), by setup.py's generate_stubs (pip runs it too).
+# Stubs of the old flat layout are removed: loaded next to the new ones they would define the messages twice.
+$(PB): $(PROTOS) setup.py $(BIN)/.installed
 	rm -f common/pb/*_pb2*.py common/pb/*_pb2*.pyi
-	$(BIN)/python -m grpc_tools.protoc -Icommon/pb=protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(BIN)/python -c 'import setup; setup.generate_stubs()'
 proto: $(PB)
+
+# The binary comes as the platform's optional dependency (@bufbuild/buf-linux-x64, ...); the package's install
+# script, skipped here, only checks it or fetches it again.
+$(BUF_STAMP):
+	npm install --prefix $(BUF_DIR) --no-save --ignore-scripts --no-audit --no-fund --loglevel=error \
+		@bufbuild/buf@$(BUF_VERSION)
+	touch $@
+
+# The gRPC contract (docs/api.md): buf's STANDARD lint, and no breaking change against the committed baseline.
+lint-proto: $(BUF_STAMP)
+	$(BUF) lint protos
+	$(BUF) breaking protos --against $(API_BASELINE)
+
+# Makes the protos as they are the baseline: run it, and commit protos/api.binpb, when a deliberate API change is
+# released (a break shows up in review as a changed baseline).
+proto-baseline: $(BUF_STAMP)
+	$(BUF) build protos --exclude-source-info -o $(API_BASELINE)
 
 install: $(BIN)/.installed $(PB)
 
@@ -56,8 +80,9 @@ tiny: $(TINY_MODEL)/colibri.json
 run: install $(DEFAULT_MODEL)/colibri.json
 	$(BIN)/colibri serve --model $(or $(MODEL),$(DEFAULT_MODEL)) $(ARGS)
 
-# Everything CI runs: unit, parity, kernel (simulator + sm_90 compile) and loopback end-to-end tests.
-test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov
+# Everything CI runs: unit, parity, kernel (simulator + sm_90 compile) and loopback end-to-end tests, and the
+# protos' buf checks (tests/protos, hence buf).
+test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov $(BUF_STAMP)
 	$(BIN)/python -m pytest -q
 
 # GPU-only tests (run on a machine with an NVIDIA GPU).
@@ -69,5 +94,5 @@ lint-size:
 	@! git ls-files '*.py' | xargs wc -l | awk '$$2 != "total" && $$1 > 600 {print; found=1} END {exit !found}'
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) .colibri
+	rm -rf $(VENV) $(CHECKOV_VENV) $(BUF_DIR) .colibri
 	find common/pb \( -name '*_pb2*.py' -o -name '*_pb2*.pyi' \) -delete

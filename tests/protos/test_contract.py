@@ -28,9 +28,11 @@ def _generated(proto: Path):
 
 
 def test_every_proto_is_generated_under_common_pb_and_reexported():
-    assert [p.relative_to(PROTOS).as_posix() for p in PROTO_FILES] == \
-        ["colibri/router/v1/router.proto", "colibri/worker/v1/worker.proto"]
-    assert _generated(PROTO_FILES[0]) is router_pb2 and _generated(PROTO_FILES[1]) is worker_pb2
+    names = {p.relative_to(PROTOS).as_posix(): _generated(p) for p in PROTO_FILES}
+    assert names["colibri/router/v1/router.proto"] is router_pb2
+    assert names["colibri/worker/v1/worker.proto"] is worker_pb2
+    for name, module in names.items():    # named from the include root protos/, as buf and other languages do
+        assert module.DESCRIPTOR.name == name
 
 
 @pytest.mark.parametrize("proto", PROTO_FILES, ids=lambda p: p.name)
