@@ -1,0 +1,106 @@
+"""cuda/moe.py's DeviceMoe wiring in Numba's CUDA simulator (no GPU): routing=lut's planned ids read from the
+staged plan (workspace.stage_routed_ids's layout) and the combine fused with the next layer's input RMSNorm,
+on the strategies that need no cuBLAS (GEMV at one token, GROUPED below T*K = E), against numpy's
+`sparse_moe(..., planned_ids)` + `rms_norm`, and bit for bit against the unfused combine + rmsnorm."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from common.models import config_from_hf
+from expert_service.cpu.layers.moe import sparse_moe, swiglu_mlp
+from expert_service.cpu.layers.norm import rms_norm
+from expert_service.cuda.linear import DeviceLinear
+from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy
+from expert_service.cuda.workspace import Workspace, layout_workspace, stage_routed_ids
+from expert_service.kernels.rmsnorm import launch_rmsnorm
+from expert_service.tiny_model import tiny_hf_config
+from tests.expert_service.kernels.conftest import fast_simulator_threads  # noqa: F401 (autouse: simulator pacing)
+from tests.helpers import expert_buffer, random_ids
+
+MAX_TOKENS = 4
+
+
+class Weights:
+    """The parts of DeviceWeights the MoE block reads: layer tensors, each MoE layer's expert array, dtype."""
+
+    def __init__(self, config, rng):
+        D, E, F, Fs = config.hidden_size, config.num_experts, config.moe_intermediate_size, \
+            config.shared_expert_intermediate_size
+        self.dtype = np.dtype(np.float32)
+        self.host, self.mats, self.experts = {}, {}, {}
+        for i in config.moe_layers:
+            shapes = {"router": (E, D)}
+            if Fs:
+                shapes.update(shared_gate_proj=(Fs, D), shared_up_proj=(Fs, D), shared_down_proj=(D, Fs),
+                              shared_expert_gate=(1, D))
+            for name, shape in shapes.items():
+                self.host[i, name] = rng.standard_normal(shape).astype(np.float32) * np.float32(shape[1] ** -0.5)
+            buffer, self.mats[i] = expert_buffer(rng, E, F, D, np.float32)
+            self.experts[i] = cuda.to_device(buffer)
+        self.device = {key: cuda.to_device(a) for key, a in self.host.items()}
+
+    def layer(self, i, name):
+        return self.device[i, name]
+
+
+def reference(weights, config, layer, x, planned):
+    """The cpu decoder's MoE block (cpu/decoder.py _mlp) with LUT routing: routed experts + the shared expert."""
+    w = lambda name: weights.host[layer, name]         # noqa: E731
+    out, ids = sparse_moe(x, w("router"), config.num_experts_per_tok, config.norm_topk_prob,
+                          lambda e: weights.mats[layer][e], planned_ids=planned.astype(np.int64))
+    np.testing.assert_array_equal(ids, planned)
+    if config.shared_expert_intermediate_size:
+        shared = swiglu_mlp(x, w("shared_gate_proj"), w("shared_up_proj"), w("shared_down_proj"))
+        out = out + shared / (np.float32(1.0) + np.exp(-(x @ w("shared_expert_gate").T)))
+    return out
+
+
+def setup(family: str):
+    overrides = {"mixtral": {"num_local_experts": 8, "intermediate_size": 8},
+                 "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12}}
+    config = config_from_hf({**tiny_hf_config(family), "hidden_size": 16, **overrides[family]})
+    rng = np.random.default_rng(11)
+    layout = layout_workspace(config, np.dtype(np.float32), MAX_TOKENS, 2, 4, len(config.moe_layers), planned=True)
+    ws = Workspace({name: cuda.device_array(shape, dtype) for name, (shape, dtype) in layout.items()
+                    if name != "cublas_workspace"})
+    weights = Weights(config, rng)
+    moe = DeviceMoe(config, weights, ws, DeviceLinear(0, None, ws, np.float32), 0, None, planned=True)
+    return config, rng, ws, weights, moe
+
+
+# one token: GEMV (the shared expert's linears too); 3 tokens: GROUPED (T*K < E); qwen2_moe: a shared expert
+@pytest.mark.parametrize("family,T,strategy", [("mixtral", 1, MoeStrategy.GEMV), ("mixtral", 3, MoeStrategy.GROUPED),
+                                               ("qwen2_moe", 1, MoeStrategy.GEMV)])
+def test_planned_routing_and_fused_norm(family, T, strategy):
+    config, rng, ws, weights, moe = setup(family)
+    K, E, D, layer = config.num_experts_per_tok, config.num_experts, config.hidden_size, config.moe_layers[-1]
+    assert choose_strategy(T, K, E, cached=False) is strategy
+    plans = {i: random_ids(rng, T, K, E) for i in config.moe_layers}
+    host = np.empty(ws.routed_ids.shape, np.int32)
+    n = stage_routed_ids(host, plans, config.moe_layers, T, T, K)
+    ws.routed_ids[:n].copy_to_device(host[:n])
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    d_norm = cuda.to_device(norm)
+    index = config.moe_layers.index(layer)
+    runs = []
+    for next_norm in (d_norm, None):
+        ws.normed[:T].copy_to_device(x)
+        ws.hidden[:T].copy_to_device(h)
+        wrote = moe.forward(layer, ws.normed[:T], ws.hidden[:T], T, next_norm=next_norm)
+        # a shared expert reads x after the combine: then the block leaves the norm to the decoder
+        assert wrote is (next_norm is not None and not config.shared_expert_intermediate_size)
+        if not wrote:
+            launch_rmsnorm(ws.hidden[:T], d_norm, config.rms_norm_eps, ws.normed[:T])
+        ids = ws.topk_ids.reshape(-1)[index * T * K:(index + 1) * T * K].copy_to_host().reshape(T, K)
+        runs.append((ws.hidden[:T].copy_to_host(), ws.normed[:T].copy_to_host(), ids))
+    (h_fused, x_fused, ids), (h_plain, x_plain, _) = runs
+    np.testing.assert_array_equal(ids, plans[layer])             # the trace holds the plan's experts
+    want_h = h + reference(weights, config, layer, x, plans[layer])
+    np.testing.assert_allclose(h_fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    np.testing.assert_allclose(x_fused, rms_norm(want_h, norm, config.rms_norm_eps), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(h_fused, h_plain)                # fused == combine, then rmsnorm: same bits
+    np.testing.assert_array_equal(x_fused, x_plain)
