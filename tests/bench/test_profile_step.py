@@ -67,3 +67,34 @@ def test_compare_lists_the_kernels_that_changed():
     assert diff["kernels"]["rope_kernel"] == {"us": -9.0, "launches": -8}
     assert diff["kernels"]["rmsnorm_kernel"] == {"us": -2.0, "launches": -7}
     assert list(diff["kernels"])[0] == "rope_kv_write_kernel"       # largest change first
+
+
+@pytest.mark.parametrize("lut", [False, True])
+def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, lut):
+    """The scenario flow (prefill chunks, decode sequences kept across variants, random plans under lut) on the
+    cpu engine, with the profiler replaced by a counter of the steps it would record."""
+    from common.model_format import ModelDir
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine
+    engine = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=4096,
+                                                           max_batch_tokens=256, routing="lut" if lut else "exact"))
+    dropped, steps = [], []
+    engine.decoder.drop_graphs = lambda: dropped.append(1)
+    original_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **k: steps.append(k.get("routing_plan")) or original_step(*a, **k))
+
+    def fake_profile(fn, repeats):
+        for _ in range(repeats + 1):
+            fn()
+        return {"k": [1.0, 1.0]}, 10.0
+    monkeypatch.setattr(profile_step, "profile", fake_profile)
+    monkeypatch.setitem(profile_step.SCENARIOS, "prefill_2x16", ("prefill", 2, 16))
+    monkeypatch.setitem(profile_step.SCENARIOS, "decode_3", ("decode", 3, 8))
+    runner = profile_step.Scenarios(engine, 259, lut)
+    for scenario in ("prefill_2x16", "decode_3", "decode_3"):     # a second variant reuses the sequences
+        assert runner.run(scenario)["device_busy_us"] == 1.0
+    assert len(dropped) == 2 and sorted(engine.sequences) == runner.decoding[3]
+    assert all((plan is not None) == lut for plan in steps)
+    # prefill: 4 passes; decode: one prefill of the 3 sequences, then 2 + 11 steps per variant
+    assert len(steps) == 4 + 1 + 2 * 13
+    assert all(engine.sequences[i].num_cached == 8 + 2 * 13 for i in runner.decoding[3])
