@@ -47,6 +47,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
 USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its start)
+# routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
+# (64 KiB: a few microseconds of PCIe either way; not tuned on the GPU)
+PLAN_COPY_GAP = 16384
 
 
 class DeviceLogits:
@@ -290,12 +293,18 @@ class CudaDecoder:
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
         meta = self.ws.metadata
-        if self.planned_routing:      # the plan rides in the same copy, after the whole block_tables array
+        tables_end = meta.end_of("block_tables", S * self.max_blocks_per_seq)
+        if self.planned_routing:      # the plan, behind the whole block_tables array: one copy unless that is long
             n_ids = stage_routed_ids(h["routed_ids"], batch.routed_experts, self.moe_layers, n, T,
                                      self.config.num_experts_per_tok)
-            meta.upload(meta.end_of("routed_ids", n_ids), self._stream_handle)
+            start = meta.offsets["routed_ids"]
+            if start - tables_end > PLAN_COPY_GAP:
+                meta.upload(tables_end, self._stream_handle)
+                meta.upload(n_ids, self._stream_handle, start=start)
+            else:
+                meta.upload(start + n_ids, self._stream_handle)
             return
-        meta.upload(meta.end_of("block_tables", S * self.max_blocks_per_seq), self._stream_handle)
+        meta.upload(tables_end, self._stream_handle)
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:

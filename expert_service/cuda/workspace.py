@@ -115,8 +115,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
 # Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
 # a step uploads a prefix of the packed buffer).
 METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
-# With routing=lut the step's routing plan follows (same packed buffer, still one copy: a lut step uploads the
-# prefix through its plan, so the whole block_tables array -- S_max x blocks per sequence -- rides along).
+# With routing=lut the step's routing plan follows (same packed buffer: a lut step uploads the prefix through its
+# plan, the whole block_tables array riding along, or two copies when that array's unused rows are long).
 PLAN_METADATA = ("routed_ids",)
 # Per-step results the host reads back with one copy (a prefix: the MoE top-k ids only when traced).
 RESULTS = ("greedy_ids", "nonfinite", "topk_ids")
@@ -153,8 +153,10 @@ class PackedBuffer:
         """Elements of the packed prefix that ends after `elements` of array `name`."""
         return self.offsets[name] + elements
 
-    def upload(self, elements: int, stream_handle) -> None:
-        check(drv.cuMemcpyHtoDAsync(self._device_ptr, self._host_ptr, 4 * elements, stream_handle))
+    def upload(self, elements: int, stream_handle, start: int = 0) -> None:
+        """Copies `elements` int32s from element `start` of the host twin to the device (a prefix by default)."""
+        check(drv.cuMemcpyHtoDAsync(self._device_ptr + 4 * start, self._host_ptr + 4 * start, 4 * elements,
+                                    stream_handle))
 
     def download(self, elements: int, stream_handle) -> None:
         check(drv.cuMemcpyDtoHAsync(self._host_ptr, self._device_ptr, 4 * elements, stream_handle))
