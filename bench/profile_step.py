@@ -47,6 +47,7 @@ VARIANTS = {
                  "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
+POOL_ELEMENTS = 1 << 26     # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
 
 
 def short_name(name: str) -> str:
@@ -92,7 +93,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
     rng = np.random.default_rng(seed)
     hf = {**tiny_hf_config(family), **params, "rope_theta": 1e6, "dtype": "bfloat16"}
     writer = ModelWriter(out, hf, "bfloat16")
-    pool = float32_to_bf16((rng.standard_normal(1 << 24, dtype=np.float32) * np.float32(0.02)))
+    pool = float32_to_bf16((rng.standard_normal(POOL_ELEMENTS, dtype=np.float32) * np.float32(0.02)))
     for spec in tensor_specs(writer.config):
         size = int(np.prod(spec.shape))
         leaf = spec.name.rsplit(".", 1)[-1]
@@ -103,8 +104,10 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
         elif size <= pool.size:                                  # a view: no copy, no generator
             start = int(rng.integers(0, pool.size - size + 1))
             values = pool[start:start + size]
-        else:
-            values = np.resize(pool, size)                       # the pool tiled, at memcpy speed
+        else:                                                    # the pool tiled (slice copies: memcpy speed)
+            values = np.empty(size, np.uint16)
+            for at in range(0, size, pool.size):
+                values[at:at + pool.size] = pool[:size - at]
         writer.write(spec.name, values.reshape(spec.shape))
     return writer.finish()
 
