@@ -32,6 +32,15 @@ Needs `accelerate` (not a project dependency).
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
 
 `--shapes tiny --backend cpu`: expert_service.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
+
+A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
+
+    python bench/offload.py --model DIR --prompts heldout.txt [--table DIR/routing_table.bin]
+        [--hf-model HF_DIR | --skip-hf] [--decode-steps N] --out out/
+
+DIR is a converted Colibri model directory; prompts are slices of the --prompts text (held out from training
+and from the table's corpus), the plan prefetch uses the `colibri router-gen` table, and HF loads the
+checkpoint DIR was converted from. `--prompts` also works with `--shapes tiny` (its byte tokenizer).
 """
 from __future__ import annotations
 
@@ -51,7 +60,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, write_colibri  # noqa: E402
-from bench.plotting import pyplot  # noqa: E402
+from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
+from bench.offload_report import plot_offload, print_offload  # noqa: E402
+from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
 from expert_service.config import EngineConfig  # noqa: E402
@@ -141,16 +152,17 @@ def summarize(runs: list, tokens_per_step: int, bytes_per_s: float, pick=np.medi
             "plan_recall": float(np.mean(recalls)) if recalls else None}
 
 
-def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float) -> dict:
+def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float, tokens: TokenSource,
+                  decode_steps: int = DECODE_STEPS) -> dict:
     """Prefill b=1 x 512, then decode at each batch size; the step's routing plan goes along when prefetching
-    from the plan (looked up outside the timed region: the router does it before sending the step)."""
-    cfg = engine.model_config
-    rng = np.random.default_rng(0)
+    from the plan (looked up outside the timed region: the router does it before sending the step). Prompts
+    come from `tokens`, the same ones for every engine."""
+    take = tokens.sampler()
     use_plan = table is not None and "plan" in engine.config.prefetch_sources
     sync = getattr(getattr(engine.decoder, "stream", None), "synchronize", lambda: None)
 
     def chunk(rid: int, n: int) -> PrefillInput:
-        return PrefillInput(rid, rng.integers(0, cfg.vocab_size, n), SamplingParams(), True)
+        return PrefillInput(rid, take(n), SamplingParams(), True)
 
     def step(prefill=(), decode_ids=()):
         routing_plan = None
@@ -173,30 +185,34 @@ def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float
         step([chunk(rid, DECODE_CONTEXT) for rid in ids])     # b x 128 <= max_batch_tokens: one step
         for _ in range(WARMUP_STEPS):                          # cuda: eager, capture, replay
             step(decode_ids=ids)
-        runs = [step(decode_ids=ids) for _ in range(DECODE_STEPS)]
+        runs = [step(decode_ids=ids) for _ in range(decode_steps)]
         engine.clear()
         out["decode"][str(b)] = summarize(runs, b, bytes_per_s)
     return out
 
 
-def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path) -> dict:
-    """Every (fraction, prefetch mode) run of one model; the resident engine also traces the routing table."""
+def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens: TokenSource) -> dict:
+    """Every (fraction, prefetch mode) run of one model; without --table the resident engine also traces the
+    routing table."""
     cfg = model.config
     plan = plan_slots(model, 0, 0)
     block, layers, experts = plan.expert_block_bytes, plan.num_moe_layers, plan.num_experts
     expert_bytes = block * experts * layers
     entry = {"num_experts": experts, "num_moe_layers": layers, "top_k": cfg.num_experts_per_tok,
              "expert_block_bytes": block, "expert_bytes": expert_bytes,
-             "non_expert_bytes": model.total_bytes - expert_bytes, "routing_table": None, "runs": {}}
+             "non_expert_bytes": model.total_bytes - expert_bytes, "prompts": tokens.describe(),
+             "routing_table": None, "runs": {}}
     slots = {fraction: max(1, round(fraction * experts)) for fraction in args.fractions}
     table, resident = None, None
     engine = make_engine(model, args.backend)    # every expert resident; closed before any cached engine
     try:                                         # is built (each pins the model's host pages)
-        if any("plan" in m for m in args.prefetch_modes):
+        if args.table is not None:
+            table, entry["routing_table"] = load_table(model, args.table)
+        elif any("plan" in m for m in args.prefetch_modes):
             table, entry["routing_table"] = build_routing_table(model, engine, workdir / "routing_table.bin")
         if any(n >= experts for n in slots.values()):
             resident = {"slots_per_layer": experts, "slot_bytes": expert_bytes, "prefetch": "n/a",
-                        **bench_colibri(engine, None, bytes_per_s)}
+                        **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps)}
     finally:
         close(engine)
     for fraction, n in slots.items():
@@ -208,7 +224,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path) -> dic
             cached = make_engine(model, args.backend, n, mode)
             try:
                 runs[mode] = {"slots_per_layer": n, "slot_bytes": n * layers * block, "prefetch": mode,
-                              **bench_colibri(cached, table, bytes_per_s)}
+                              **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps)}
             finally:
                 close(cached)
             decode = runs[mode]["decode"]
@@ -242,11 +258,11 @@ def offload_map(model, budget: int) -> dict[str, object]:
     return device_map
 
 
-def bench_hf(base, budget: int | None, vocab: int) -> dict:
+def bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
     """The HF model (held on the CPU) copied and placed: all on GPU 0 (budget None), else dispatched by
     accelerate with `offload_map`; prefill and decode timed as bench/engine.py's bench_hf does."""
     try:
-        return _bench_hf(base, budget, vocab)
+        return _bench_hf(base, budget, tokens)
     except Exception as e:                       # a broken reference must not lose Colibri's runs
         import torch
         gc.collect()
@@ -254,7 +270,7 @@ def bench_hf(base, budget: int | None, vocab: int) -> dict:
         return {"budget_bytes": budget, "error": f"{type(e).__name__}: {e}"}
 
 
-def _bench_hf(base, budget: int | None, vocab: int) -> dict:
+def _bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
     import torch
     model = copy.deepcopy(base)
     out = {"budget_bytes": budget, "offloaded_modules": [], "decode_ms": {}}
@@ -269,13 +285,13 @@ def _bench_hf(base, budget: int | None, vocab: int) -> dict:
     out["device_weight_bytes"] = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     steps, repeats = (DECODE_STEPS, 2) if budget is None else (HF_OFFLOAD_DECODE_STEPS, 1)
-    rng = np.random.default_rng(0)
+    take = tokens.sampler()
     with torch.no_grad():
-        ids = torch.tensor(rng.integers(0, vocab, (1, PREFILL_TOKENS)), device="cuda")
+        ids = torch.tensor(take(PREFILL_TOKENS)[None], device="cuda")
         out["prefill_tok_s"] = PREFILL_TOKENS / cuda_time(lambda: model(ids), repeats)
         gen = dict(do_sample=False, pad_token_id=0)
         for b in DECODE_BATCHES:
-            ids = torch.tensor(rng.integers(0, vocab, (b, DECODE_CONTEXT)), device="cuda")
+            ids = torch.tensor(np.stack([take(DECODE_CONTEXT) for _ in range(b)]), device="cuda")
             t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), repeats)
             tn = cuda_time(lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen),
                            repeats)
@@ -311,8 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--model", help="a converted Colibri model directory to run instead of --shapes")
+    parser.add_argument("--prompts", help="text to take prompts from (tokenised with the model's tokenizer.json); "
+                        "default: uniform random token ids")
+    parser.add_argument("--table", help="routing table for the plan prefetch (with --model; default: "
+                        "MODEL/routing_table.bin); without --model one is traced from random ids")
+    parser.add_argument("--hf-model", help="the Hugging Face checkpoint --model was converted from (the reference)")
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--prefetch-modes", default=",".join(PREFETCH_MODES))
+    parser.add_argument("--decode-steps", type=int, default=DECODE_STEPS, help="timed decode steps per batch size")
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
@@ -321,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     args.prefetch_modes = args.prefetch_modes.split(",")
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
         parser.error(f"--prefetch-modes: {bad} not in {', '.join(PREFETCH_MODES)}")
+    if args.decode_steps < 1:
+        parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
+    try:
+        model_input = _check_model_args(parser, args)
+    except ColibriError as e:
+        parser.error(str(e))
     if not args.skip_hf and args.shapes != TINY and importlib.util.find_spec("accelerate") is None:
         parser.error("the HF reference needs accelerate (pip install 'accelerate>=1.15'); or pass --skip-hf")
     measured = measure_pcie()
@@ -331,38 +360,88 @@ def main(argv: list[str] | None = None) -> int:
                        "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)")}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in args.shapes.split(","):
+    names = [Path(args.model).name] if model_input else args.shapes.split(",")
+    for name in names:
         workdir = Path(args.workdir) / name
         base = None
-        if name == TINY:
-            from expert_service.tiny_model import make_tiny
-            model_dir = make_tiny(workdir / "model", family="mixtral")
+        if model_input:
+            model, tokens = model_input
         else:
-            import torch
-            base = build_hf(*SHAPES[name])
-            model_dir = write_colibri(base, workdir / "model")
-            base.to("cpu")              # HF waits on the host while Colibri has the GPU
-            torch.cuda.empty_cache()
-        model = ModelDir.open(model_dir, verify=False)
-        entry = bench_shape(model, args, bytes_per_s, workdir)
+            model_dir, base = _build_shape(name, workdir)
+            model = ModelDir.open(model_dir, verify=False)
+            tokens = _token_source(model, args.prompts)
+        entry = bench_shape(model, args, bytes_per_s, workdir, tokens)
         entry["hf"] = None
         results["shapes"][name] = entry
         (out_dir / "offload.json").write_text(json.dumps(results, indent=1))     # Colibri's runs, before HF
-        if base is not None and not args.skip_hf:
-            entry["hf"] = {}
-            for fraction, runs in entry["runs"].items():
-                slot_bytes = next(iter(runs.values()))["slot_bytes"]
-                budget = None if "resident" in runs else entry["non_expert_bytes"] + slot_bytes
-                entry["hf"][fraction] = bench_hf(base, budget, model.config.vocab_size)
+        if not args.skip_hf and (base is not None or model_input):
+            entry["hf"] = _bench_hf_budgets(entry, base if base is not None else Path(args.hf_model), tokens)
         add_ratios(entry)
         del base, model
         gc.collect()
         shutil.rmtree(workdir, ignore_errors=True)
         results["shapes"][name] = entry
         (out_dir / "offload.json").write_text(json.dumps(results, indent=1))
-        _print_table(name, entry)
-    _plot(results, out_dir / "offload.png")
+        print_offload(name, entry)
+    plot_offload(results, out_dir / "offload.png")
     return 0
+
+
+def _build_shape(name: str, workdir: Path):
+    """A reference shape's random bf16 model: (its Colibri model directory, the HF model on the host or None)."""
+    if name == TINY:
+        from expert_service.tiny_model import make_tiny
+        return make_tiny(workdir / "model", family="mixtral"), None
+    import torch
+    base = build_hf(*SHAPES[name])
+    model_dir = write_colibri(base, workdir / "model")
+    base.to("cpu")              # HF waits on the host while Colibri has the GPU
+    torch.cuda.empty_cache()
+    return model_dir, base
+
+
+def _token_source(model: ModelDir, prompts: str | None) -> TokenSource:
+    longest = max(PREFILL_TOKENS, DECODE_CONTEXT)
+    return text_source(model, prompts, longest) if prompts else TokenSource(model.config.vocab_size)
+
+
+def _check_model_args(parser, args) -> tuple[ModelDir, TokenSource] | None:
+    """--model, --table, --hf-model and --prompts checked before anything runs; (model, prompts) with --model."""
+    if args.model is None:
+        for flag in ("table", "hf_model"):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} needs --model")
+        if args.shapes != TINY and args.prompts:
+            parser.error("--prompts needs a model with a tokenizer: --model DIR (or --shapes tiny)")
+        return None
+    if not args.skip_hf and args.hf_model is None:
+        parser.error("--model: the HF reference needs --hf-model HF_DIR (the checkpoint --model was converted "
+                     "from); or pass --skip-hf")
+    if not args.skip_hf and not (Path(args.hf_model) / "config.json").is_file():
+        parser.error(f"--hf-model: {args.hf_model} has no config.json (expected the checkpoint --model was "
+                     f"converted from)")
+    model = open_model(args.model)
+    default_table = model.path / "routing_table.bin"
+    if args.table is None and (default_table.is_file() or any("plan" in m for m in args.prefetch_modes)):
+        args.table = str(default_table)
+    if args.table is not None:
+        load_table(model, args.table)            # a missing or mismatched table fails now, not after an hour
+    return model, _token_source(model, args.prompts)
+
+
+def _bench_hf_budgets(entry: dict, reference, tokens: TokenSource) -> dict:
+    """The HF reference (the model on the host, or the checkpoint folder to load it from) at each fraction's
+    device budget, all of it on the GPU when every expert fits."""
+    try:
+        base = load_hf(reference) if isinstance(reference, Path) else reference
+    except Exception as e:                       # a broken reference must not lose Colibri's runs
+        return {fraction: {"budget_bytes": None, "error": f"{type(e).__name__}: {e}"} for fraction in entry["runs"]}
+    out = {}
+    for fraction, runs in entry["runs"].items():
+        slot_bytes = next(iter(runs.values()))["slot_bytes"]
+        budget = None if "resident" in runs else entry["non_expert_bytes"] + slot_bytes
+        out[fraction] = bench_hf(base, budget, tokens)
+    return out
 
 
 def _device_name() -> str:
@@ -371,51 +450,6 @@ def _device_name() -> str:
     from numba import cuda
     name = cuda.get_current_device().name
     return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def _print_table(name: str, entry: dict) -> None:
-    print(f"\n{name}: {entry['num_experts']} experts x {entry['num_moe_layers']} MoE layers, "
-          f"{entry['expert_bytes'] / 2**30:.2f} GiB of experts")
-    print(f"{'budget':>7} {'prefetch':<15}{'b1 tok/s':>10}{'b16 tok/s':>11}{'prefill':>10}{'hit b16':>9}"
-          f"{'MB/tok b16':>11}{'stall b16':>10}{'xPCIe b1/b16':>14}{'xHF b1/b16':>13}{'xnone b1/b16':>14}")
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"   # noqa: E731
-    for fraction, modes in entry["runs"].items():
-        for mode, run in modes.items():
-            d1, d16, r = run["decode"]["1"], run["decode"]["16"], entry["ratios"][fraction][mode]
-            print(f"{float(fraction):>7.3f} {mode:<15}{d1['tok_s']:>10.1f}{d16['tok_s']:>11.1f}"
-                  f"{run['prefill']['tok_s']:>10.0f}{d16['hit_rate']:>9.2f}{d16['bytes_copied_per_token'] / 1e6:>11.3g}"
-                  f"{d16['stall_fraction']:>10.2f}{fmt(d1['x_pcie_bound']) + '/' + fmt(d16['x_pcie_bound']):>14}"
-                  f"{fmt(r.get('decode_b1_x_hf')) + '/' + fmt(r.get('decode_b16_x_hf')):>13}"
-                  f"{fmt(r.get('decode_b1_x_none')) + '/' + fmt(r.get('decode_b16_x_none')):>14}")
-    print("targets at 0.25: xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
-
-
-def _plot(results: dict, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    shapes = results["shapes"]
-    fig, axes = plt.subplots(len(DECODE_BATCHES), len(shapes), figsize=(6 * len(shapes), 4 * len(DECODE_BATCHES)),
-                             squeeze=False)
-    for col, (name, entry) in enumerate(shapes.items()):
-        resident = {f: m["resident"] for f, m in entry["runs"].items() if "resident" in m}
-        for row, b in enumerate(map(str, DECODE_BATCHES)):
-            ax = axes[row][col]
-            for mode in PREFETCH_MODES:
-                points = sorted((float(f), m[mode]["decode"][b]["tok_s"]) for f, m in entry["runs"].items() if mode in m)
-                points += [(float(f), r["decode"][b]["tok_s"]) for f, r in resident.items()]
-                if len(points) > len(resident):
-                    ax.plot(*zip(*sorted(points)), marker="o", label=f"colibri, prefetch {mode}")
-            if entry.get("hf"):
-                hf = sorted((float(f), int(b) * 1e3 / h["decode_ms"][b]) for f, h in entry["hf"].items())
-                ax.plot(*zip(*hf), "k--", marker="x", label="transformers + accelerate offload")
-            ax.set(xscale="log", yscale="log", xlabel="expert cache / expert bytes", ylabel="decode tok/s",
-                   title=f"{name}, b={b}")
-            ax.set_xticks([float(f) for f in entry["runs"]], [f"{float(f):g}" for f in entry["runs"]])
-            ax.minorticks_off()
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""bench/table_recall.py: a table's recall on a text it never saw, per MoE layer, with the fallback, chance and
+the unseen-token share; exactly 1.0 on a model whose routing is a function of the token id."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import table_recall
+from common.model_format import ModelDir
+from common.routing_table import RoutingTable
+from expert_service.config import EngineConfig
+from expert_service.engine import Engine, PrefillInput
+from expert_service.routing_gen import load_corpus, run_router_gen
+from expert_service.sampling import SamplingParams
+from tests.bench.conftest import HELDOUT_TEXT
+from tests.helpers import make_token_routed_model
+SEQUENCE_LENGTH = 64
+
+
+def texts(tmp_path, seed: int):
+    """Two disjoint pieces of the held-out books at random offsets: the table's corpus and the text to score."""
+    start = int(np.random.default_rng(seed).integers(0, len(HELDOUT_TEXT) - 8_000))
+    train, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    train.write_text(HELDOUT_TEXT[start:start + 4_000], encoding="utf-8")
+    held.write_text(HELDOUT_TEXT[start + 4_000:start + 5_000], encoding="utf-8")
+    return train, held
+
+
+def build_table(model_dir, corpus_path, out):
+    model = ModelDir.open(model_dir, verify=False)
+    corpus = load_corpus(corpus_path, "text", model)
+    run_router_gen(model, lambda: Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
+                   str(corpus_path), out, model.config.num_experts_per_tok, 0.0, SEQUENCE_LENGTH)
+    return out
+
+
+def engine_of(model: ModelDir) -> Engine:
+    return Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096))
+
+
+def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
+    train, held = texts(tmp_path, seed=1)
+    model = ModelDir.open(tiny_model, verify=False)
+    table = RoutingTable.load(build_table(tiny_model, train, tmp_path / "t.bin"), model.config)
+    ids = load_corpus(held, "text", model)
+    got = table_recall.heldout_recall(model, engine_of(model), table, ids, SEQUENCE_LENGTH)
+
+    # the same measure, one sequence at a time on a fresh engine, counted with Python sets
+    engine, k = engine_of(model), model.config.num_experts_per_tok
+    hits = np.zeros(len(model.config.moe_layers))
+    for rid, start in enumerate(range(0, ids.size, SEQUENCE_LENGTH)):
+        seq = ids[start:start + SEQUENCE_LENGTH]
+        trace = engine.step([PrefillInput(rid, seq, SamplingParams(), False)]).trace
+        engine.release([rid])
+        for l, layer in enumerate(model.config.moe_layers):
+            for t, token in enumerate(seq):
+                hits[l] += len(set(trace.expert_ids[layer][t]) & set(table.table[l, token])) / k
+    assert got["tokens"] == ids.size and got["sequences"] == -(-ids.size // SEQUENCE_LENGTH)
+    assert got["recall_per_layer"] == pytest.approx(list(hits / ids.size), abs=1e-12)
+    assert got["recall"] == pytest.approx(float(np.mean(hits / ids.size)), abs=1e-12)
+    assert got["chance_recall"] == k / model.config.num_experts
+    assert all(0 <= r <= 1 for r in got["fallback_recall_per_layer"]) and got["heldout_unseen_share"] is None
+
+
+def test_token_routed_model_scores_one_at_every_layer(tmp_path):
+    model_dir = make_token_routed_model(tmp_path / "model")
+    train, held = texts(tmp_path, seed=2)
+    model = ModelDir.open(model_dir, verify=False)
+    table = RoutingTable.load(build_table(model_dir, train, tmp_path / "t.bin"), model.config)
+    ids = load_corpus(held, "text", model)
+    got = table_recall.heldout_recall(model, engine_of(model), table, ids, SEQUENCE_LENGTH)
+    assert got["recall_per_layer"] == [1.0] * len(model.config.moe_layers)
+    assert got["fallback_recall_per_layer"] == [1.0] * len(model.config.moe_layers)
+
+
+def test_main_writes_the_report_with_the_unseen_share(tiny_model, tmp_path, capsys):
+    train, held = texts(tmp_path, seed=3)
+    table = build_table(tiny_model, train, tmp_path / "t.bin")
+    only_e = tmp_path / "e.txt"
+    only_e.write_text("e" * 50)
+    out = tmp_path / "recall.json"
+    assert table_recall.main([str(tiny_model), "--table", str(table), "--text", str(held), "--train-text",
+                              str(only_e), "--sequence-length", str(SEQUENCE_LENGTH), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    model = ModelDir.open(tiny_model, verify=False)
+    ids = load_corpus(held, "text", model)
+    e_id = load_corpus(only_e, "text", model)[0]
+    assert result["heldout_unseen_share"] == pytest.approx(float(np.mean(ids != e_id)))
+    assert result["text"] == str(held) and len(result["recall_per_layer"]) == len(model.config.moe_layers)
+    printed = capsys.readouterr().out
+    assert f"overall  : {result['recall']:.4f}" in printed and "unseen in training" in printed
+
+
+def test_missing_table_is_one_line(tiny_model, tmp_path, capsys):
+    held = tmp_path / "held.txt"
+    held.write_text(HELDOUT_TEXT[:500])
+    with pytest.raises(SystemExit) as exit_info:
+        table_recall.main([str(tiny_model), "--table", str(tmp_path / "none.bin"), "--text", str(held)])
+    assert exit_info.value.code == 2
+    assert "none.bin: routing table not found" in capsys.readouterr().err.strip().splitlines()[-1]
