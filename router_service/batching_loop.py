@@ -23,6 +23,8 @@ from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_ST
                             inject_metadata, links_from_contexts)
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
+from router_service.generation_defaults import GenerationDefaults
+from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
 from router_service.scheduler import (FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits,
                                       StepOutput)
@@ -41,6 +43,8 @@ class Delta:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    top_logprobs: list[Top] = field(default_factory=list)      # with top_logprobs: one per token
+    prompt_logprobs: list[PromptLogprob] | None = None         # with prompt_logprobs: on the first Delta
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ class BatchingLoop:
                  hooks: BatchingLoopHooks | None = None, planner=None):
         self.config, self.worker, self.tokenizer = config, worker, tokenizer
         self.planner = planner  # RoutingPlanner when a static routing table is configured
+        self.generation_defaults = GenerationDefaults.from_model_dir(config.model)
+        if self.generation_defaults != GenerationDefaults():
+            log.info("generation_config.json: requests inherit %s", self.generation_defaults.describe())
         self.hooks = hooks or BatchingLoopHooks()
         self.info = None  # the worker's InfoResponse once connected
         self.limits: ModelLimits | None = None
@@ -173,11 +180,12 @@ class BatchingLoop:
         if self.tokenizer is not None:
             state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
             state.stops = StopSequenceMatcher(req.stop_sequences)
-        eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)
+        eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         self.scheduler.add(ScheduledRequest(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
                                             frozenset(req.stop_token_ids),
-                                            sampling=req.to_sampling_pb(self.info.eos_token_ids),
-                                            queue_deadline=min(deadline, now + self.config.queue_timeout_s)))
+                                            sampling=req.to_sampling_pb(self.limits.eos_token_ids),
+                                            queue_deadline=min(deadline, now + self.config.queue_timeout_s),
+                                            scores_prompt=req.prompt_logprobs is not None, penalized=req.penalized))
         self._requests[seq_id] = state
         self.hooks.on_admitted(state)
         self._idle.clear()
@@ -344,7 +352,10 @@ class BatchingLoop:
             if stopped:
                 reason = FinishReason.STOP_SEQUENCE
         logprobs = [out.logprob] if state.req.logprobs and out.logprob is not None else []
-        state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason))
+        top = out.top.tops() if out.top is not None and state.req.top_logprobs else []
+        prompt = prompt_logprobs(state.req.prompt_ids, out.prompt) \
+            if out.prompt is not None and state.req.prompt_logprobs is not None else None
+        state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason, top, prompt))
         if reason is not None:
             self._end(state.seq_id, None, "ok", reason)
 
@@ -411,9 +422,11 @@ class BatchingLoop:
             kv_block_size=info.kv_block_size, num_kv_blocks=info.num_kv_blocks)
         self.info = info
         self.scheduler = Scheduler(limits)
+        defaults = self.generation_defaults
+        eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
         self.limits = ModelLimits(vocab_size=info.vocab_size, max_sequence_length=info.max_position_embeddings,
-                                  kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks,
-                                  eos_token_ids=tuple(info.eos_token_ids), has_tokenizer=self.tokenizer is not None)
+                                  kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks, eos_token_ids=eos,
+                                  has_tokenizer=self.tokenizer is not None, generation=defaults)
 
 
 class _NotReady(Exception):

@@ -20,6 +20,7 @@ from common.pb import router_pb2
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate, message_dicts
+from router_service.logprobs import PromptLogprob, Top
 from router_service.scheduler import FinishReason
 from router_service.tokenizer import INLINE_MAX_CHARS
 from router_service.validation import PromptRequest, check_text_size, prompt_byte_limit, validate_request_async
@@ -42,6 +43,8 @@ class Completion:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    top_logprobs: list[Top] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,8 @@ async def collect(handle: RequestHandle) -> Completion:
         out.token_ids += delta.token_ids
         text.append(delta.text)
         out.logprobs += delta.logprobs
+        out.top_logprobs += delta.top_logprobs
+        out.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else out.prompt_logprobs
         out.finish_reason = delta.finish_reason or out.finish_reason
     out.text = "".join(text)
     return out

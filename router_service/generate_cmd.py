@@ -2,7 +2,7 @@
 
 Text goes to stdout as it arrives (token ids too, with --show-tokens); the stop reason and token counts go
 to stderr so stdout stays pipeable, and so do the tokens' log-probabilities with --logprobs (one `id logprob`
-line per token). `--chat` sends the prompt as one user message (ChatStream: the router applies the model's chat
+line per token, followed by `id:logprob` of the most likely tokens of its position with --top-logprobs N). `--chat` sends the prompt as one user message (ChatStream: the router applies the model's chat
 template), after an optional `--system` message. A failed call prints the one-line status and exits 1.
 """
 from __future__ import annotations
@@ -32,9 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the router's default")
     parser.add_argument("--min-new-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=0.0, help="in (0, 1]; 0 = off")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy; unset = the model's generation_config.json temperature, else greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = the model's default, else off")
+    parser.add_argument("--top-p", type=float, default=0.0, help="in (0, 1]; 0 = the model's default, else off")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="> 0, 1 = off; unset = the model's default, else off")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
@@ -48,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
     parser.add_argument("--logprobs", action="store_true",
                         help="print each generated token's log-probability (to stderr, after the text)")
+    parser.add_argument("--top-logprobs", type=int, default=0,
+                        help="with --logprobs: also the N most likely tokens of each position (N <= 20)")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
     parser.add_argument("--token", default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
                         help="bearer token (env COLIBRI_AUTH_TOKEN; prefer the env or --token-file: argv shows in ps)")
@@ -79,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     params = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
-                  logprobs=args.logprobs)
-    final, logprobs = None, []
+                  logprobs=args.logprobs, top_logprobs=args.top_logprobs, repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    final, logprobs, tops = None, [], []
     raw = args.raw or not sys.stdout.isatty()
     try:
         client = ColibriClient(args.target, timeout=args.timeout, token=args.token, token_file=args.token_file,
@@ -97,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 stream = client.stream(args.prompt, token_ids=args.tokens, **params)
             for message in stream:
                 logprobs += zip(message.token_ids, message.logprobs)
+                tops += message.top_logprobs
                 if args.show_tokens:
                     if message.token_ids:
                         print(" ".join(map(str, message.token_ids)), end=" ", flush=True)
@@ -107,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ncolibri generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     print()
-    for token_id, logprob in logprobs:
-        print(f"{token_id}\t{logprob:.4f}", file=sys.stderr)
+    for i, (token_id, logprob) in enumerate(logprobs):
+        top = "".join(f"\t{t}:{v:.4f}" for t, v in zip(tops[i].token_ids, tops[i].logprobs)) if i < len(tops) else ""
+        print(f"{token_id}\t{logprob:.4f}{top}", file=sys.stderr)
     if final is not None:
         reason = router_pb2.StopReason.Name(final.stop_reason)
         print(f"[{final.request_id}] {reason}, {final.prompt_tokens} prompt + {final.generated_tokens} generated "

@@ -22,8 +22,9 @@ from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
-from router_service.openai_api import (HTTP_STATUS, ApiError, api_error, choice, envelope, generate_request,
-                                       logprobs_field, parse_request, response, usage)
+from router_service.logprobs import TokenTexts
+from router_service.openai_api import (HTTP_STATUS, ApiError, add_prompt_logprobs, api_error, choice, envelope,
+                                       generate_request, logprobs_field, parse_request, response, usage)
 from router_service.protocol import is_metadata_safe
 
 log = logging.getLogger("colibri.router.http")
@@ -54,6 +55,7 @@ class HttpFront:
         self.created = int(time.time())
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._texts: TokenTexts | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[self._middleware])
@@ -130,6 +132,13 @@ class HttpFront:
         return await self._generate(request, "chat")
 
     # ---- the request path ----
+    def texts(self) -> TokenTexts:
+        """Token texts of scored tokens, cached across requests (for the tokenizer the router has now)."""
+        tokenizer = self.frontend.batching_loop.tokenizer
+        if self._texts is None or self._texts.tokenizer is not tokenizer:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id", "")
         operation = OPERATION_CHAT if kind == "chat" else semconv.OPERATION_TEXT_COMPLETION
@@ -137,7 +146,10 @@ class HttpFront:
         with start_server_span(request_span_name(frontend.model_name, operation), request.headers.items()) as span:
             handle, parsed = None, None
             try:
-                parsed = parse_request(await _json_body(request), kind, frontend.model_name)
+                limits = frontend.batching_loop.limits
+                parsed = parse_request(await _json_body(request), kind, frontend.model_name,
+                                       frontend.batching_loop.generation_defaults,
+                                       limits.vocab_size if limits is not None else 0)
                 if kind == "chat":
                     handle = await frontend.submit_chat(parsed.messages, parsed.parameters, request_id, None,
                                                         parsed.stream, parsed.chat_options)
@@ -148,7 +160,7 @@ class HttpFront:
                 out = await collect(handle)
                 set_usage(handle, len(out.token_ids), out.finish_reason)
                 body = response(parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens,
-                                frontend.batching_loop.tokenizer)
+                                self.texts())
                 return web.json_response(body, headers={"X-Request-Id": handle.request_id})
             except ConnectionError:  # the client went away mid-answer: nothing to answer
                 raise
@@ -170,20 +182,22 @@ class HttpFront:
                                            "X-Request-Id": handle.request_id})
         await resp.prepare(request)
         kind, model, created = parsed.kind, self.frontend.model_name, int(time.time())
-        tokenizer = self.frontend.batching_loop.tokenizer
+        texts = self.texts()
         generated, first, offset = 0, kind == "chat", 0
         try:
             async for delta in handle:
                 generated += len(delta.token_ids)
                 if not (delta.text or first or delta.finish_reason is not None
-                        or (parsed.logprobs and delta.token_ids)):
+                        or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)):
                     continue
                 lp = None
                 if parsed.logprobs:
-                    lp = logprobs_field(kind, tokenizer, delta.token_ids, delta.logprobs, offset)
+                    lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
                 offset += len(delta.text)
                 chunk = envelope(kind, handle.request_id, model, created,
                                  [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)], True)
+                if parsed.prompt_logprobs:
+                    add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
                 if parsed.include_usage:
                     chunk["usage"] = None
                 first = False

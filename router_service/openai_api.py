@@ -1,11 +1,12 @@
 """OpenAI's protocol, as data: request bodies -> the router's SamplingParameters, answers and stream chunks ->
 OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O here (router_service/http_api.py).
 
-Accepted: OpenAI's fields with n = 1 and vLLM's usual extensions (top_k, min_tokens, stop_token_ids,
-ignore_eos, add_generation_prompt, continue_final_message, chat_template_kwargs). Fields asking for what the
-router does not do (n > 1, echo, suffix, penalties, logit_bias, tools, top logprobs, JSON response formats) are
-refused with 400 naming them rather than silently ignored; fields that change nothing (user, metadata, ...)
-are ignored.
+Accepted: OpenAI's fields with n = 1 (logprobs and top_logprobs, presence and frequency penalties included) and
+vLLM's usual extensions (top_k, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
+add_generation_prompt, continue_final_message, chat_template_kwargs). Fields asking for what the router does not
+do (n > 1, echo, suffix, logit_bias, tools, JSON response formats) are refused with 400 naming them rather than
+silently ignored; fields that change nothing (user, metadata, ...) are ignored. A sampling field left out takes
+the model's generation_config.json default when it has one (OpenAI's default otherwise), as in vLLM.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import errors
 from router_service.frontend import ChatOptions, Completion, detail
+from router_service.generation_defaults import GenerationDefaults
+from router_service.logprobs import PromptLogprob, Top, TokenTexts
 from router_service.scheduler import FinishReason
 
 MAX_UINT32 = (1 << 32) - 1
@@ -32,13 +35,13 @@ HTTP_STATUS = {
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_sequences": "stop",
                "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
                "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-               "truncate_input_tokens": "truncate_prompt_tokens"}
+               "truncate_input_tokens": "truncate_prompt_tokens", "logprobs": "logprobs"}
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop",
                   FinishReason.STOP_SEQUENCE: "stop"}
 # (field, the only values accepted): what the router cannot do yet.
 UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
-               ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("repetition_penalty", (None, 1)),
                ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])))
+MAX_LOGPROBS = 20   # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 
 
 class ApiError(Exception):
@@ -83,6 +86,7 @@ def openai_param(field_name: str, kind: str, max_tokens_name: str = "max_tokens"
         base, bracket, index = rest.partition("[")
         name = PARAM_NAMES.get(base, base)
         name = max_tokens_name if name == "max_tokens" else name
+        name = "logprobs" if name == "top_logprobs" and kind == "completion" else name
         return name + (bracket + index if bracket else "")
     if field_name.startswith(("text", "token_ids", "prompt")):
         return "prompt" if kind == "completion" else "messages"
@@ -97,6 +101,8 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
     prompt: str | list[int] | None = None  # completion
     messages: list = field(default_factory=list)  # chat
     chat_options: ChatOptions = ChatOptions()
@@ -125,8 +131,10 @@ def _float(body, name, default):
     return float(_get(body, name, (int, float), default, "a number"))
 
 
-def parse_request(body, kind: str, model_name: str) -> ParsedRequest:
-    """Checks the OpenAI fields and converts them; the router's own validation checks the values later."""
+def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(),
+                  vocab_size: int = 0) -> ParsedRequest:
+    """Checks the OpenAI fields and converts them; the router's own validation checks the values later. A field
+    left out that the model has a default for (`defaults`) is left unset for the router to fill."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = body.get("model")
@@ -156,28 +164,38 @@ def parse_request(body, kind: str, model_name: str) -> ParsedRequest:
     stop_ids = _get(body, "stop_token_ids", list, [], "a list of integers")
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_UINT32 for i in stop_ids):
         raise ApiError(400, "stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
-    top_k = _int(body, "top_k", 0, low=-1)
+    top_k = _int(body, "top_k", None, low=-1)
     seed = _int(body, "seed", None, low=-(1 << 63), high=(1 << 64) - 1)
     params = router_pb2.SamplingParameters(
-        temperature=_float(body, "temperature", 1.0), top_p=_float(body, "top_p", 1.0), top_k=max(top_k, 0),
-        max_new_tokens=max_tokens, min_new_tokens=_int(body, "min_tokens", 0), stop_sequences=stop or [],
-        stop_token_ids=stop_ids, ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
-        truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0))
+        top_p=_float(body, "top_p", 0.0), max_new_tokens=max_tokens, min_new_tokens=_int(body, "min_tokens", 0),
+        stop_sequences=stop or [], stop_token_ids=stop_ids,
+        ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
+        truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0),
+        presence_penalty=_float(body, "presence_penalty", 0.0), frequency_penalty=_float(body, "frequency_penalty", 0.0))
+    if body.get("temperature") is not None or defaults.temperature is None:
+        params.temperature = _float(body, "temperature", 1.0)     # OpenAI's default
+    if top_k is not None and top_k > 0:
+        params.top_k = top_k
+    elif top_k is not None and defaults.top_k and vocab_size:      # -1 / 0 turn a model default off
+        params.top_k = vocab_size
+    if body.get("repetition_penalty") is not None:
+        params.repetition_penalty = _float(body, "repetition_penalty", 1.0)
+    prompt_logprobs = _int(body, "prompt_logprobs", None, high=MAX_LOGPROBS)
+    if prompt_logprobs is not None:
+        params.prompt_logprobs = prompt_logprobs
     if seed is not None:
         params.seed = seed % (1 << 64)
-    parsed = ParsedRequest(kind, params, stream, include_usage, max_tokens_name=max_tokens_name)
+    parsed = ParsedRequest(kind, params, stream, include_usage, max_tokens_name=max_tokens_name,
+                           prompt_logprobs=prompt_logprobs is not None)
     if kind == "completion":
-        logprobs = _int(body, "logprobs", None, high=5)
-        if logprobs:
-            raise ApiError(400, "logprobs: only 0 (the sampled tokens' log-probabilities) is supported",
-                           param="logprobs")
-        parsed.logprobs = logprobs is not None
+        logprobs = _int(body, "logprobs", None, high=MAX_LOGPROBS)
+        parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
         parsed.prompt = _prompt(body)
     else:
         parsed.logprobs = _get(body, "logprobs", bool, False, "a boolean")
-        if _int(body, "top_logprobs", 0, high=20):
-            raise ApiError(400, "top_logprobs: only 0 is supported (the sampled tokens' log-probabilities come "
-                                "with logprobs = true)", param="top_logprobs")
+        parsed.top_logprobs = _int(body, "top_logprobs", 0, high=MAX_LOGPROBS)
+        if parsed.top_logprobs and not parsed.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs = true", param="top_logprobs")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: required, a non-empty list of {role, content} objects", param="messages")
@@ -189,7 +207,7 @@ def parse_request(body, kind: str, model_name: str) -> ParsedRequest:
         kwargs = _get(body, "chat_template_kwargs", dict, None, "an object")
         parsed.chat_options = ChatOptions(continue_final_message=cont, add_generation_prompt=add,
                                           template_kwargs=kwargs)
-    params.logprobs = parsed.logprobs
+    params.logprobs, params.top_logprobs = parsed.logprobs, parsed.top_logprobs
     return parsed
 
 
@@ -225,22 +243,40 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return FINISH_REASONS.get(reason) if reason is not None else None
 
 
-def token_texts(tokenizer, token_ids) -> list[str]:
-    if tokenizer is None:
-        return [f"token_id:{i}" for i in token_ids]
-    return [tokenizer.decode([i], skip_special_tokens=False) for i in token_ids]
-
-
-def logprobs_field(kind: str, tokenizer, token_ids, logprobs, offset: int = 0) -> dict:
-    tokens = token_texts(tokenizer, token_ids)
+def logprobs_field(kind: str, texts: TokenTexts, token_ids, logprobs, tops: list[Top], offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice (or chunk): chat's `content` list, or completions' parallel lists. `tops`:
+    each token's most likely tokens (empty when top log-probabilities were not asked for)."""
+    tokens = [texts(i) for i in token_ids]
     if kind == "chat":
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, logprobs)]}
+        tops = tops or [[] for _ in tokens]
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": texts(i), "logprob": v, "bytes": list(texts(i).encode())}
+                                              for i, v in top]}
+                            for t, lp, top in zip(tokens, logprobs, tops)]}
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(logprobs),
+            "top_logprobs": [{texts(i): v for i, v in top} for top in tops] if tops else None, "text_offset": offsets}
+
+
+def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and the most likely ones (rank: 1-based among those; null for a prompt token
+    outside them)."""
+    out = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        ranks = {i: r for r, (i, _) in enumerate(e.top, 1)}
+        scored = {str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id),
+                                    "decoded_token": texts(e.token_id)}}
+        scored.update({str(i): {"logprob": v, "rank": ranks[i], "decoded_token": texts(i)}
+                       for i, v in e.top if i != e.token_id})
+        out.append(scored)
+    return out
 
 
 def choice(kind: str, text: str, reason, logprobs, stream: bool, first: bool = False) -> dict:
@@ -260,10 +296,20 @@ def envelope(kind: str, request_id: str, model: str, created: int, choices: list
             "system_fingerprint": None}
 
 
+def add_prompt_logprobs(body: dict, kind: str, texts: TokenTexts, entries: list[PromptLogprob] | None) -> None:
+    """vLLM's placement: in the completion choice, at the top of a chat answer."""
+    if entries is not None:
+        target = body["choices"][0] if kind == "completion" and body["choices"] else body
+        target["prompt_logprobs"] = prompt_logprobs_field(texts, entries)
+
+
 def response(parsed: ParsedRequest, request_id: str, model: str, out: Completion, prompt_tokens: int,
-             tokenizer) -> dict:
-    lp = logprobs_field(parsed.kind, tokenizer, out.token_ids, out.logprobs) if parsed.logprobs else None
+             texts: TokenTexts) -> dict:
+    lp = logprobs_field(parsed.kind, texts, out.token_ids, out.logprobs, out.top_logprobs) if parsed.logprobs \
+        else None
     body = envelope(parsed.kind, request_id, model, int(time.time()),
                     [choice(parsed.kind, out.text, out.finish_reason, lp, stream=False)], stream=False)
+    if parsed.prompt_logprobs:
+        add_prompt_logprobs(body, parsed.kind, texts, out.prompt_logprobs or [])
     body["usage"] = usage(prompt_tokens, len(out.token_ids))
     return body

@@ -11,7 +11,9 @@ rest of the budget admits waiting requests in FIFO order, between steps.
 KV admission reserves blocks for prompt + max_new_tokens when a request is admitted. The worker protocol has
 no swap or preemption, so reserving the worst case is what lets an admitted request always finish; the cost
 is a lower batch occupancy when max_new_tokens is generous. Admission stops at the first waiting request that
-does not fit (head-of-line, as TGI), so a large request is not overtaken forever by small ones.
+does not fit (head-of-line, as TGI), so a large request is not overtaken forever by small ones. Two worker
+limits ride on the same rule, both max_batch_size: requests with penalties on the worker at once (it holds
+that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host).
 
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries a FilterBatch so the worker frees its KV before (or instead of) running
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.pb import worker_pb2
+from router_service.logprobs import Scored, scored_by_request
 
 if TYPE_CHECKING:
     from common.routing_plan import RoutingPlan
@@ -72,6 +75,12 @@ class ScheduledRequest:
     finish_reason: FinishReason | None = None
     # True once a chunk was sent: the worker holds state for it and must be told to free it.
     is_on_worker: bool = False
+    # prompt_logprobs: every prompt position is a logits row on the worker, at most max_batch_size a step.
+    scores_prompt: bool = False
+    # Repetition/presence/frequency penalties: the worker holds max_batch_size state slots for these.
+    penalized: bool = False
+    # prompt_logprobs chunk by chunk, delivered with the first token.
+    prompt_scores: list[Scored] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,11 +178,15 @@ class StepOutput:
     logprob: float | None = None
     finish_reason: FinishReason | None = None
     error: str = ""
+    top: Scored | None = None      # top_logprobs: the sampled position's most likely tokens
+    prompt: Scored | None = None   # prompt_logprobs: the step's chunk; on a first token, the whole prompt
 
     @classmethod
     def from_pb(cls, generation: worker_pb2.Generation) -> StepOutput:
+        top, prompt = scored_by_request([generation.scored]).get(generation.request_id, (None, None)) \
+            if generation.HasField("scored") else (None, None)
         return cls(generation.request_id, generation.token_id if generation.has_token else None,
-                   generation.logprob, error=generation.error)
+                   generation.logprob, error=generation.error, top=top, prompt=prompt)
 
     @classmethod
     def from_stream_pb(cls, response: worker_pb2.StepStreamResponse) -> list[StepOutput]:
@@ -185,7 +198,9 @@ class StepOutput:
             raise ValueError(f"step {response.step_id}: {len(ids)} request ids, {len(tokens)} tokens, "
                              f"{len(logprobs)} logprobs")
         errors = {e.request_id: e.code for e in response.errors}
-        return [cls(rid, None if token < 0 else token, logprob, error=errors.get(rid, ""))
+        scored = scored_by_request(response.scored)
+        return [cls(rid, None if token < 0 else token, logprob, error=errors.get(rid, ""),
+                    top=scored.get(rid, (None, None))[0], prompt=scored.get(rid, (None, None))[1])
                 for rid, token, logprob in zip(ids, tokens, logprobs)]
 
 
@@ -213,6 +228,7 @@ class Scheduler:
         self.requests: dict[int, ScheduledRequest] = {}
         self.num_free_blocks = limits.num_kv_blocks
         self._pending_free: set[int] = set()  # left while on the worker; next step filters them out
+        self._scoring_budget = limits.max_batch_size  # prompt_logprobs tokens left in the step being scheduled
 
     # ---- requests in and out ----
     def add(self, req: ScheduledRequest) -> None:
@@ -273,6 +289,7 @@ class Scheduler:
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
         budget = self.limits.max_batch_tokens
+        self._scoring_budget = self.limits.max_batch_size      # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
         decodes: list[int] = []
@@ -281,6 +298,8 @@ class Scheduler:
             if budget == 0 or len(scheduled) == self.limits.max_batch_size:
                 break
             if req.is_prefilling:
+                if req.scores_prompt and not self._scoring_budget:
+                    continue
                 budget -= self._add_chunk(req, budget, scheduled, chunks)
             elif req.may_decode:
                 scheduled[req.request_id] = 1
@@ -293,7 +312,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             req = self.waiting[0]
             needed = self._blocks_needed(req)
-            if needed > self.num_free_blocks:
+            if needed > self.num_free_blocks or (req.scores_prompt and not self._scoring_budget) \
+                    or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size):
                 break
             self.waiting.popleft()
             self.num_free_blocks -= needed
@@ -309,6 +329,9 @@ class Scheduler:
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
         start = req.num_scheduled_tokens
         n = min(req.num_prompt_tokens - start, budget)
+        if req.scores_prompt:
+            n = min(n, self._scoring_budget)
+            self._scoring_budget -= n
         scheduled[req.request_id] = n
         is_last = start + n == req.num_prompt_tokens
         chunks.append(Chunk(req.request_id, tuple(req.prompt_ids[start:start + n]), is_first=start == 0,
@@ -339,6 +362,8 @@ class Scheduler:
                 self.finish(request_id, FinishReason.ERROR)
                 outputs.append(StepOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
+            if gen.prompt is not None:
+                req.prompt_scores.append(gen.prompt)
             if gen.token_id is None:
                 if expects_token:  # the prompt ended but the worker sampled nothing
                     self.finish(request_id, FinishReason.ERROR)
@@ -349,7 +374,9 @@ class Scheduler:
             reason = self._stop_reason(req, gen.token_id)
             if reason is not None:
                 self.finish(request_id, reason)
-            outputs.append(StepOutput(request_id, gen.token_id, gen.logprob, reason))
+            prompt = Scored.concat(req.prompt_scores) if req.prompt_scores else None
+            req.prompt_scores = []
+            outputs.append(StepOutput(request_id, gen.token_id, gen.logprob, reason, top=gen.top, prompt=prompt))
         return outputs
 
     @staticmethod

@@ -26,6 +26,7 @@ from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
+from router_service.logprobs import PromptLogprob, Top, TokenTexts
 from router_service.protocol import is_metadata_safe
 from router_service.validation import PromptRequest, check_ids, check_text_size, prompt_byte_limit
 
@@ -75,7 +76,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     request_id=handle.request_id, token_ids=out.token_ids, text=out.text,
                     stop_reason=STOP_REASONS.get(out.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED),
                     prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(out.token_ids),
-                    logprobs=out.logprobs, routing=self._routing())
+                    logprobs=out.logprobs, routing=self._routing(),
+                    top_logprobs=[self._top_pb(top) for top in out.top_logprobs],
+                    prompt_logprobs=self._prompt_pb(out.prompt_logprobs))
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -93,7 +96,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     generated += len(delta.token_ids)
                     message = message_type(
                         request_id=handle.request_id, token_ids=delta.token_ids, text=delta.text,
-                        logprobs=delta.logprobs)
+                        logprobs=delta.logprobs, top_logprobs=[self._top_pb(top) for top in delta.top_logprobs],
+                        prompt_logprobs=self._prompt_pb(delta.prompt_logprobs))
                     if delta.finish_reason is not None:
                         message.stop_reason = STOP_REASONS.get(delta.finish_reason,
                                                                router_pb2.STOP_REASON_UNSPECIFIED)
@@ -165,6 +169,28 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     def _routing(self) -> str:
         return self.frontend.routing
+
+    def _texts(self) -> TokenTexts:
+        tokenizer = self.batching_loop.tokenizer
+        if getattr(self, "_token_texts", None) is None or self._token_texts.tokenizer is not tokenizer:
+            self._token_texts = TokenTexts(tokenizer)
+        return self._token_texts
+
+    def _top_pb(self, top: Top) -> router_pb2.TopLogprobs:
+        texts = self._texts() if self.batching_loop.tokenizer is not None else None
+        return router_pb2.TopLogprobs(token_ids=[i for i, _ in top], logprobs=[v for _, v in top],
+                                      texts=[texts(i) for i, _ in top] if texts else [])
+
+    def _prompt_pb(self, entries: list[PromptLogprob] | None) -> list[router_pb2.PromptTokenLogprob]:
+        texts = self._texts() if self.batching_loop.tokenizer is not None else None
+        out = []
+        for e in entries or ():
+            message = router_pb2.PromptTokenLogprob(token_id=e.token_id, text=texts(e.token_id) if texts else "",
+                                                    top_logprobs=self._top_pb(e.top))
+            if e.logprob is not None:
+                message.logprob = e.logprob
+            out.append(message)
+        return out
 
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""

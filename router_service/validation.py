@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, worker_pb2
 from router_service.config import RouterConfig
+from router_service.generation_defaults import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationDefaults
 from router_service.protocol import is_metadata_safe
 
 # GenerateStream's request carries GenerateRequest's fields (each RPC has a request type of its own).
 PromptRequest = router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest
 
 MAX_SEED = (1 << 64) - 1
-# Temperatures a float32 softmax survives: 0 = greedy, else in [MIN_TEMPERATURE, MAX_TEMPERATURE].
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0
+MAX_TOP_LOGPROBS = 20          # OpenAI's bound on top_logprobs; prompt_logprobs has the same
+MAX_PRESENCE_FREQUENCY = 2.0   # vLLM's range for presence_penalty and frequency_penalty: [-2, 2]
 # With max_prompt_bytes 0, a text prompt may have this many UTF-8 bytes per token of context: far above any
 # real tokenizer's average, and still a bound on what one request can make the router tokenize.
 BYTES_PER_TOKEN = 32
@@ -32,8 +33,9 @@ class ModelLimits:
     vocab_size: int
     max_sequence_length: int  # max_position_embeddings: prompt + generated tokens
     kv_capacity_tokens: int  # kv_block_size * num_kv_blocks: the most tokens one sequence can hold
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()   # the model's, with generation_config.json's
     has_tokenizer: bool = False
+    generation: GenerationDefaults = GenerationDefaults()   # what requests that leave a field unset inherit
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,30 @@ class ValidatedRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: bool
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None    # None = the prompt is not scored
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def to_sampling_pb(self, eos_token_ids) -> worker_pb2.SamplingParams:
         """The worker's sampling settings; it suppresses the stop ids (EOS unless ignored, then stop_token_ids)
         before min_new_tokens."""
         stop_ids = list(dict.fromkeys([*([] if self.ignore_eos else eos_token_ids), *self.stop_token_ids]))
-        return worker_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                         seed=self.seed, stop_token_ids=stop_ids, min_new_tokens=self.min_new_tokens,
-                                         logprobs=self.logprobs)
+        params = worker_pb2.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            stop_token_ids=stop_ids, min_new_tokens=self.min_new_tokens, logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty)
+        if self.prompt_logprobs is not None:
+            params.prompt_logprobs = self.prompt_logprobs
+        if self.repetition_penalty != 1.0:
+            params.repetition_penalty = self.repetition_penalty
+        return params
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:
@@ -158,11 +176,18 @@ def _complete(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
         raise InvalidRequestError("parameters.min_new_tokens",
                                   f"must be <= max_new_tokens ({max_new_tokens}), got {p.min_new_tokens}")
     seed = p.seed if p.HasField("seed") else secrets.randbelow(MAX_SEED + 1)
+    d = limits.generation
     return ValidatedRequest(
         request_id=req.request_id, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens,
-        min_new_tokens=p.min_new_tokens, temperature=float(p.temperature), top_k=p.top_k,
-        top_p=float(p.top_p) if p.top_p > 0 else 1.0, seed=seed, stop_sequences=tuple(p.stop_sequences),
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+        min_new_tokens=p.min_new_tokens,
+        temperature=float(p.temperature) if p.HasField("temperature") else float(d.temperature or 0.0),
+        top_k=p.top_k or min(d.top_k or 0, limits.vocab_size), top_p=float(p.top_p or d.top_p or 1.0), seed=seed,
+        stop_sequences=tuple(p.stop_sequences), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty")
+        else float(d.repetition_penalty or 1.0),
+        presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty))
 
 
 def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> None:
@@ -172,11 +197,30 @@ def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> No
     if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE * (1 - 1e-6) <= t <= MAX_TEMPERATURE):
         raise InvalidRequestError("parameters.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
                                                             f"{MAX_TEMPERATURE:g}], got {t:g}")
+    _check_logprobs_and_penalties(p)
     if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
         raise InvalidRequestError("parameters.top_p", f"must be in (0, 1] (0 = off), got {p.top_p:g}")
     if p.top_k > limits.vocab_size:
         raise InvalidRequestError("parameters.top_k",
                                   f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}")
+
+
+def _check_logprobs_and_penalties(p: router_pb2.SamplingParameters) -> None:
+    if p.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("parameters.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if p.top_logprobs and not p.logprobs:
+        raise InvalidRequestError("parameters.top_logprobs", "needs logprobs = true")
+    if p.HasField("prompt_logprobs") and p.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("parameters.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (unset = off), "
+                                                                f"got {p.prompt_logprobs}")
+    r = p.repetition_penalty
+    if p.HasField("repetition_penalty") and not (math.isfinite(r) and r > 0):
+        raise InvalidRequestError("parameters.repetition_penalty", f"must be a finite number > 0 (1 = off), got {r:g}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not (math.isfinite(value) and abs(value) <= MAX_PRESENCE_FREQUENCY):
+            raise InvalidRequestError(f"parameters.{name}", f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, "
+                                                            f"{MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}")
 
 
 def _check_stops(p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits) -> tuple[str, ...]:

@@ -84,3 +84,98 @@ def test_a_step_of_updates_only_writes_no_rows():
 @pytest.mark.gpu
 def test_device_penalties_match_the_host_at_a_real_vocabulary():
     _compare(vocab=151936, steps=6, seed=0)
+
+
+# --- the cuda decoder with penalties (GPU) -------------------------------------------------------------------
+ENGINE = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """cpu, cuda (graphs) and cuda (eager) engines of one tiny model."""
+    from common.model_format import ModelDir
+    from expert_service.config import EngineConfig
+    from expert_service.engine import Engine
+    from expert_service.tiny_model import make_tiny
+    model = make_tiny(tmp_path_factory.mktemp("penalties") / "m", family="qwen3_moe", seed=5)
+    return [Engine(ModelDir.open(model), EngineConfig(backend=backend, cuda_graphs=graphs, **ENGINE))
+            for backend, graphs in (("cpu", True), ("cuda", True), ("cuda", False))]
+
+
+def _run_mixed(engine, steps: int = 6):
+    """Three sequences (two penalised, one not, one with top/prompt log-probabilities) prefilled together,
+    then decoded: (tokens per step, processed rows per step, log-probabilities per step)."""
+    from expert_service.engine import PrefillInput
+    from expert_service.sampling import SamplingParams
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 259, n) for n in (9, 14, 5)]
+    sampling = [SamplingParams(penalties=PenaltyParams(1.3, 0.4, 0.6)), SamplingParams(),
+                SamplingParams(logprobs=True, top_logprobs=4, prompt_logprobs=2,
+                               penalties=PenaltyParams(repetition=0.8, frequency=1.0))]
+    result = engine.step([PrefillInput(i, p, s, True) for i, (p, s) in enumerate(zip(prompts, sampling))])
+    tokens, rows, scores = [], [], []
+    for _ in range(steps):
+        tokens.append([o.token_id for o in result.outputs])
+        rows.append(np.stack([result.logits.processed(r) for r in range(3)]))
+        scores.append((result.outputs[2].logprob, result.outputs[2].top, result.outputs[2].prompt))
+        result = engine.step(decode_ids=[0, 1, 2])
+    engine.clear()
+    assert not engine.penalty_slots.slots and engine.allocator.num_used_blocks == 0
+    return tokens, rows, scores
+
+
+@pytest.mark.gpu
+def test_cuda_penalties_and_logprobs_match_cpu(engines):
+    from tests.helpers import rel_error
+    cpu, gpu, _ = engines
+    (ct, cr, cs), (gt, gr, gs) = _run_mixed(cpu), _run_mixed(gpu)
+    assert gt == ct
+    for a, b in zip(gr, cr):
+        assert rel_error(a, b) <= 1e-4
+    for (clp, ctop, cprompt), (glp, gtop, gprompt) in zip(cs, gs):
+        assert glp == pytest.approx(clp, abs=1e-3) and gtop.top_ids.tolist() == ctop.top_ids.tolist()
+        if cprompt is not None:
+            np.testing.assert_allclose(gprompt.logprobs[1:], cprompt.logprobs[1:], atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_with_penalties(engines):
+    _, graphs, eager = engines
+    a, b = _run_mixed(graphs, steps=8), _run_mixed(eager, steps=8)
+    assert 4 in graphs.decoder.graphs, "decode steps did not replay a CUDA graph"
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.gpu
+def test_penalised_steps_allocate_nothing_on_the_device(engines, monkeypatch):
+    from cuda.bindings import driver as drv
+    from numba.cuda.cudadrv import driver
+    _, gpu, _ = engines
+    gpu.warmup()
+    _run_mixed(gpu, steps=2)                          # first use: kernels load
+    free_before = drv.cuMemGetInfo()[1]
+    calls = []
+    original = driver.Context.memalloc
+    monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    _run_mixed(gpu, steps=4)
+    assert calls == [] and drv.cuMemGetInfo()[1] == free_before
+
+
+@pytest.mark.gpu
+def test_penalties_on_the_all_rows_path_match_cpu(engines):
+    """Prompt scoring rows past max_batch_size take the cuda decoder's chunked head: the penalised sampling
+    rows still come from the device penalties."""
+    from expert_service.engine import PrefillInput
+    from expert_service.sampling import SamplingParams
+    cpu, gpu, _ = engines
+    out = []
+    for engine in (cpu, gpu):
+        params = SamplingParams(logprobs=True, prompt_logprobs=1, penalties=PenaltyParams(1.5, 1.0, 1.0))
+        steps = [engine.step([PrefillInput(0, np.arange(3, 19), params, True),
+                              PrefillInput(1, np.arange(40, 55), SamplingParams(penalties=PenaltyParams(2.0)), True)])]
+        steps += [engine.step(decode_ids=[0, 1]) for _ in range(4)]
+        out.append([[o.token_id for o in s.outputs] for s in steps])
+        engine.clear()
+    assert out[0] == out[1]

@@ -27,11 +27,17 @@ plausible_sampling = st.builds(
     pb.SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.0, 1e-45, 1e-38, 1e-5, 3.4e38]),
     top_k=st.sampled_from([0, 1, 3, VOCAB_SIZE, 2**32 - 1]), top_p=st.sampled_from([0.0, 0.9, 1.0, 1e-45]),
     seed=st.integers(0, 2**64 - 1), min_new_tokens=st.integers(0, 4), logprobs=st.booleans(),
-    stop_token_ids=st.lists(st.one_of(st.integers(VOCAB_SIZE - 2, VOCAB_SIZE + 2), token_ids), max_size=6))
+    stop_token_ids=st.lists(st.one_of(st.integers(VOCAB_SIZE - 2, VOCAB_SIZE + 2), token_ids), max_size=6),
+    top_logprobs=st.sampled_from([0, 1, 20, 21]), prompt_logprobs=st.sampled_from([None, 0, 3, 20, 21]),
+    repetition_penalty=st.sampled_from([None, 1e-38, 0.5, 1.0, 2.0, 3.4e38, 0.0]),
+    presence_penalty=st.sampled_from([-2.0, 0.0, 2.0, 2.5]), frequency_penalty=st.sampled_from([-2.0, 0.0, 1.5]))
 wild_sampling = st.builds(
     pb.SamplingParams, temperature=st.floats(width=32), top_k=st.integers(0, 2**32 - 1),
     top_p=st.floats(width=32), seed=st.integers(0, 2**64 - 1), stop_token_ids=st.lists(token_ids, max_size=6),
-    min_new_tokens=st.integers(0, 2**32 - 1), logprobs=st.booleans())
+    min_new_tokens=st.integers(0, 2**32 - 1), logprobs=st.booleans(), top_logprobs=st.integers(0, 2**32 - 1),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    repetition_penalty=st.one_of(st.none(), st.floats(width=32)), presence_penalty=st.floats(width=32),
+    frequency_penalty=st.floats(width=32))
 sampling = st.one_of(plausible_sampling, wild_sampling)
 dims = st.one_of(st.integers(-1, 12), st.sampled_from([2**31, 2**32, 2**62, 2**63 - 1, -2**63]))
 tensors = st.builds(pb.Tensor, data=st.binary(max_size=96),

@@ -1,4 +1,5 @@
-"""The Python clients (blocking and asyncio) and `colibri generate --chat --logprobs` against a real router."""
+"""The Python clients (blocking and asyncio) and `colibri generate --chat --logprobs --top-logprobs` against a real
+router, with a repetition penalty riding along."""
 import argparse
 import asyncio
 
@@ -12,7 +13,7 @@ from tests.helpers import byte_ids, running_router
 pytestmark = pytest.mark.slow
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}" \
            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-GREEDY = dict(max_new_tokens=6, ignore_eos=True, logprobs=True)
+GREEDY = dict(max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2, repetition_penalty=1.3, temperature=0.0)
 
 
 def test_sync_and_async_clients_agree(worker, tiny_model, tmp_path, capsys):
@@ -33,6 +34,8 @@ def test_sync_and_async_clients_agree(worker, tiny_model, tmp_path, capsys):
             generated, chat, streamed = await asyncio.to_thread(sync_calls, target)
             assert [t for m in streamed for t in m.token_ids] == list(chat.token_ids)
             assert "".join(m.text for m in streamed) == chat.text and len(chat.logprobs) == 6
+            assert [t for m in streamed for t in m.top_logprobs] == list(chat.top_logprobs)
+            assert len(chat.top_logprobs) == 6 and all(len(t.token_ids) == 2 for t in chat.top_logprobs)
             async with AsyncColibriClient(target) as client:
                 assert (await client.generate("Hello", **GREEDY)).text == generated.text
                 pieces = [m async for m in client.stream("Hello", **GREEDY)]
@@ -54,12 +57,14 @@ def test_sync_and_async_clients_agree(worker, tiny_model, tmp_path, capsys):
             parser = argparse.ArgumentParser()
             generate_cmd.add_arguments(parser)
             args = parser.parse_args(["Hi", "--target", target, "--chat", "--system", "Be brief.", "--logprobs",
-                                      "--max-new-tokens", "6", "--ignore-eos"])
+                                      "--top-logprobs", "2", "--repetition-penalty", "1.3", "--max-new-tokens", "6",
+                                      "--ignore-eos"])
             assert await asyncio.to_thread(generate_cmd.run, args) == 0
             return chat
     chat = asyncio.run(body())
     out, err = capsys.readouterr()
     assert out == chat.text + "\n"
     lines = [line.split("\t") for line in err.splitlines() if "\t" in line]
-    assert [int(i) for i, _ in lines] == list(chat.token_ids)
-    assert [float(lp) for _, lp in lines] == pytest.approx(list(chat.logprobs), abs=1e-4)
+    assert [int(i) for i, *_ in lines] == list(chat.token_ids)
+    assert [float(lp) for _, lp, *_ in lines] == pytest.approx(list(chat.logprobs), abs=1e-4)
+    assert [[int(t.split(":")[0]) for t in top] for _, _, *top in lines] == [list(t.token_ids) for t in chat.top_logprobs]

@@ -96,6 +96,63 @@ def test_openai_client_answers_equal_the_grpc_front(worker, tiny_model, tmp_path
     asyncio.run(body())
 
 
+def test_logprobs_and_penalties_equal_the_grpc_front(worker, tiny_model, tmp_path):
+    """Top log-probabilities (chat: top_logprobs; completions: logprobs = n), vLLM's prompt_logprobs and the
+    penalties, through the openai package, unary and streamed, equal the gRPC front's answers."""
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            extra = {"ignore_eos": True}
+            grpc_params = dict(GREEDY, temperature=0.0, top_logprobs=3, prompt_logprobs=2)
+            want = await stub.Generate(rpb.GenerateRequest(text="Hello", parameters=rpb.SamplingParameters(
+                **grpc_params)))
+            got = await client.completions.create(model="model", prompt="Hello", max_tokens=8, temperature=0,
+                                                  logprobs=3, extra_body={**extra, "prompt_logprobs": 2})
+            lp = got.choices[0].logprobs
+            assert lp.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-6)
+            assert lp.top_logprobs == [pytest.approx(dict(zip(t.texts, t.logprobs)), abs=1e-6)
+                                       for t in want.top_logprobs]
+            prompt = got.choices[0].model_extra["prompt_logprobs"]
+            assert prompt[0] is None and len(prompt) == want.prompt_tokens
+            for entry, p in zip(prompt[1:], want.prompt_logprobs[1:]):
+                assert entry[str(p.token_id)]["logprob"] == pytest.approx(p.logprob, abs=1e-6)
+                assert entry[str(p.token_id)]["decoded_token"] == p.text
+                assert [entry[str(i)]["rank"] for i in p.top_logprobs.token_ids] == [1, 2]
+            chunks = [c async for c in await client.completions.create(
+                model="model", prompt="Hello", max_tokens=8, temperature=0, logprobs=3, stream=True, extra_body=extra)]
+            parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+            assert [t for p in parts for t in p.tokens] == lp.tokens   # float sums differ by row count: approx
+            assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+            assert [d for p in parts for d in p.top_logprobs] == [pytest.approx(d, abs=1e-5) for d in lp.top_logprobs]
+
+            messages = [{"role": "user", "content": "Hi"}]
+            want = await stub.Chat(rpb.ChatRequest(messages=[rpb.ChatMessage(**m) for m in messages],
+                                                   parameters=rpb.SamplingParameters(**dict(GREEDY, top_logprobs=4))))
+            got = await client.chat.completions.create(model="model", messages=messages, max_tokens=8, temperature=0,
+                                                       logprobs=True, top_logprobs=4, extra_body=extra)
+            content = got.choices[0].logprobs.content
+            assert [[t.token for t in c.top_logprobs] for c in content] == [list(t.texts) for t in want.top_logprobs]
+            for c, t in zip(content, want.top_logprobs):
+                assert [x.logprob for x in c.top_logprobs] == pytest.approx(list(t.logprobs), abs=1e-6)
+                assert c.top_logprobs[0].bytes == list(c.top_logprobs[0].token.encode())
+            chunks = [c async for c in await client.chat.completions.create(
+                model="model", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4,
+                stream=True, extra_body=extra)]
+            streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+            penalties, prompt = dict(presence_penalty=0.5, frequency_penalty=0.7), [40, 41, 40, 77, 105, 40, 41, 9, 200, 77, 13]
+            greedy = dict(max_new_tokens=12, ignore_eos=True, temperature=0.0, logprobs=True)
+            want, plain = [await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.
+                                               SamplingParameters(**greedy, **extra_params)))
+                           for extra_params in (dict(repetition_penalty=1.4, **penalties), {})]
+            assert list(want.token_ids) != list(plain.token_ids)
+            got = await client.completions.create(model="model", prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                                  extra_body={**extra, "repetition_penalty": 1.4}, **penalties)
+            assert got.choices[0].text == want.text        # (many byte tokens decode alike: the logprobs tell them apart)
+            assert got.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
+    asyncio.run(body())
+
+
 async def post(session, url, payload, headers=None):
     data = payload if isinstance(payload, (bytes, str)) else json.dumps(payload)
     async with session.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
@@ -121,7 +178,15 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(worker, tiny_mode
                     (comp, {"prompt": "x", "stop": ["a", ""]}, 400, "stop[1]", None),
                     (comp, {"prompt": ["a", "b"]}, 400, "prompt", None),
                     (comp, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
-                    (comp, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+                    (comp, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+                    (comp, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", None),
+                    (comp, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+                    (comp, {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+                    (comp, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
+                    (chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+                     "top_logprobs", None),
+                    (chat, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+                     400, "top_logprobs", None),
                 ]
                 for url, payload, status, param, code in cases:
                     got, headers, answer = await post(s, url, payload, auth)
@@ -190,7 +255,8 @@ def test_parse_request_converts_openai_fields():
     parsed = parse_request({"prompt": "x", "top_k": -1, "seed": -1, "stop": "END", "logprobs": 0}, "completion", "m")
     p = parsed.parameters
     assert (p.top_k, p.seed, list(p.stop_sequences), p.max_new_tokens, p.logprobs) == (0, 2**64 - 1, ["END"], 16, True)
-    assert p.temperature == 1.0 and p.top_p == 1.0  # OpenAI's defaults
+    assert p.temperature == 1.0 and p.top_p == 0.0 and not p.HasField("repetition_penalty")   # 0 = off / the default
+    assert not p.HasField("prompt_logprobs") and p.top_logprobs == 0
     assert parse_request({"prompt": "x", "truncate_prompt_tokens": 5}, "completion", "m").parameters \
         .truncate_input_tokens == 5
     chat = parse_request({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
@@ -199,10 +265,30 @@ def test_parse_request_converts_openai_fields():
     assert chat.chat_options.continue_final_message and not chat.chat_options.add_generation_prompt
     for body, param in [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "max_tokens": 0},
                         "max_tokens"), ({"prompt": "x", "stream_options": {}}, "stream_options"),
-                        ({"prompt": "x", "logprobs": 2}, "logprobs"), ({"prompt": "x", "echo": True}, "echo")]:
+                        ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
+                        ({"prompt": "x", "presence_penalty": "a"}, "presence_penalty")]:
         with pytest.raises(ApiError) as e:
             parse_request(body, "completion", "m")
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_parse_request_leaves_model_defaults_to_the_router():
+    """With generation_config.json defaults, a field left out stays unset (the router fills the model's value);
+    given fields win, and top_k -1 turns a default top_k off."""
+    from router_service.generation_defaults import GenerationDefaults
+    defaults = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1)
+    p = parse_request({"prompt": "x"}, "completion", "m", defaults, vocab_size=259).parameters
+    assert not p.HasField("temperature") and p.top_p == 0 and p.top_k == 0 and not p.HasField("repetition_penalty")
+    p = parse_request({"prompt": "x", "temperature": 0, "top_k": -1, "repetition_penalty": 1.0, "top_p": 0.5},
+                      "completion", "m", defaults, vocab_size=259).parameters
+    assert p.HasField("temperature") and p.temperature == 0 and p.top_k == 259 and p.repetition_penalty == 1.0
+    chat = parse_request({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 3,
+                          "prompt_logprobs": 2, "presence_penalty": -1.5, "frequency_penalty": 0.25}, "chat", "m")
+    p = chat.parameters
+    assert (p.logprobs, p.top_logprobs, p.prompt_logprobs, p.presence_penalty, p.frequency_penalty) == \
+        (True, 3, 2, -1.5, 0.25) and chat.prompt_logprobs
+    comp = parse_request({"prompt": "x", "logprobs": 5}, "completion", "m")
+    assert comp.logprobs and comp.parameters.top_logprobs == 5
 
 
 def test_a_taken_http_port_is_address_in_use():

@@ -207,3 +207,53 @@ def test_step_to_pb_and_output_from_pb():
     assert isinstance(request, pb.DecodeRequest) and list(request.request_ids) == [1, 2]
     assert StepOutput.from_pb(pb.Generation(request_id=3, error="NON_FINITE_LOGITS")) == \
         StepOutput(3, None, 0.0, error="NON_FINITE_LOGITS")
+
+
+def test_prompt_scoring_requests_take_at_most_max_batch_size_prompt_tokens_a_step():
+    """prompt_logprobs makes every prompt position a logits row on the worker: at most max_batch_size a step,
+    shared by the scoring requests; admission stays FIFO (a scoring request waiting for budget holds the queue)."""
+    s = make(max_batch_size=4, max_batch_tokens=32)
+    for rid in (1, 2):
+        s.add(req(rid, n_prompt=7, scores_prompt=True))
+    s.add(req(3, n_prompt=9))
+    steps = []
+    while any(r.is_prefilling for r in s.requests.values()):
+        step = s.schedule()
+        steps.append({c.request_id: len(c.token_ids) for c in step.prefill_chunks})
+        s.update(step, tokens_for(step))
+    assert steps[0] == {1: 4} and steps[1] == {1: 3, 2: 1, 3: 9}    # 2 waits for budget, 3 behind it
+    assert all(sum(n for rid, n in st.items() if rid in (1, 2)) <= 4 for st in steps)
+    assert sum(st.get(1, 0) for st in steps) == 7 and sum(st.get(2, 0) for st in steps) == 7
+
+
+def test_penalised_requests_on_the_worker_are_bounded_by_max_batch_size():
+    """The worker holds max_batch_size penalty state slots: a penalised request waits until one is free."""
+    s = make(max_batch_size=2, max_batch_tokens=64)
+    for rid in (1, 2, 3):
+        s.add(req(rid, penalized=True, max_new=2))
+    s.add(req(4))
+    step = s.schedule()
+    assert set(step.num_scheduled_tokens) == {1, 2}   # 3 waits at the head: 4 is not let past it
+    s.update(step, tokens_for(step))
+    s.finish(1, FinishReason.CANCELLED)
+    step = s.schedule()
+    assert 3 in step.num_scheduled_tokens and sum(r.penalized for r in s.running) == 2
+
+
+def test_prompt_scores_gather_by_chunk_and_come_with_the_first_token():
+    from router_service.logprobs import Scored
+
+    def scored(values):
+        n = len(values)
+        return Scored(np.array(values, np.float32), np.arange(n * 2, dtype=np.int32).reshape(n, 2),
+                      np.full((n, 2), -1.0, np.float32))
+    s = make(max_batch_tokens=3)
+    s.add(req(1, n_prompt=5, scores_prompt=True))
+    first = s.schedule()
+    assert s.update(first, [StepOutput(1, None, prompt=scored([np.nan, -1.0, -2.0]))]) == []
+    second = s.schedule()
+    out = s.update(second, [StepOutput(1, 9, -0.5, prompt=scored([-3.0, -4.0]), top=scored([-0.5]))])
+    assert out[0].token_id == 9 and out[0].top.logprobs.tolist() == [-0.5]
+    assert np.isnan(out[0].prompt.logprobs[0]) and out[0].prompt.logprobs[1:].tolist() == [-1, -2, -3, -4]
+    step = s.schedule()
+    assert s.update(step, tokens_for(step))[0].prompt is None

@@ -57,7 +57,7 @@ def test_tokenize_detokenize_truncation_and_model_info(worker, tiny_model, tmp_p
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids[1]")
 
             prompt = list(range(10, 40))
-            params = dict(max_new_tokens=4, ignore_eos=True)
+            params = dict(max_new_tokens=4, ignore_eos=True, temperature=0.0)   # greedy, not the model's 0.6
             want = await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt[-6:]),
                                                            parameters=rpb.SamplingParameters(**params)))
             got = await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.

@@ -1,0 +1,87 @@
+"""Log-probabilities on the router: the worker's scored positions (packed arrays) as plain data for the fronts.
+
+A generated token comes with its log-probability and, with top_logprobs, the most likely tokens of its
+position; with prompt_logprobs every prompt token comes scored (the first with no log-probability: nothing
+predicts it), gathered chunk by chunk while the prompt is prefilled and delivered with the first token.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.pb import worker_pb2
+
+Top = list[tuple[int, float]]       # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class Scored:
+    """n scored positions: the scored token's log-probability (NaN: none) and the k most likely tokens."""
+    logprobs: np.ndarray        # [n] float32
+    top_ids: np.ndarray         # [n, k] int32 (-1: none)
+    top_logprobs: np.ndarray    # [n, k] float32
+
+    @classmethod
+    def from_pb(cls, message: worker_pb2.TokenLogprobs) -> Scored:
+        logprobs = np.frombuffer(message.logprobs, "<f4")
+        n, k = len(logprobs), message.top_k
+        top_ids, top_logprobs = np.frombuffer(message.top_ids, "<i4"), np.frombuffer(message.top_logprobs, "<f4")
+        if top_ids.size != n * k or top_logprobs.size != n * k:
+            raise ValueError(f"scored positions: {n} log-probabilities with top_k {k}, but {top_ids.size} ids and "
+                             f"{top_logprobs.size} top log-probabilities")
+        return cls(logprobs, top_ids.reshape(n, k), top_logprobs.reshape(n, k))
+
+    @classmethod
+    def concat(cls, parts: list[Scored]) -> Scored:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts])
+                     for f in ("logprobs", "top_ids", "top_logprobs")))
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def tops(self) -> list[Top]:
+        """Each position's most likely tokens."""
+        return [[(int(i), float(v)) for i, v in zip(ids, values) if i >= 0]
+                for ids, values in zip(self.top_ids.tolist(), self.top_logprobs.tolist())]
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token scored."""
+    token_id: int
+    logprob: float | None       # None for the prompt's first token
+    top: Top
+
+
+def prompt_logprobs(prompt_ids, scored: Scored) -> list[PromptLogprob]:
+    """The prompt's tokens with their scores (one position per prompt token)."""
+    if len(scored) != len(prompt_ids):
+        raise ValueError(f"prompt scores: {len(scored)} positions for {len(prompt_ids)} prompt tokens")
+    return [PromptLogprob(int(t), None if math.isnan(lp) else float(lp), top)
+            for t, lp, top in zip(prompt_ids, scored.logprobs.tolist(), scored.tops())]
+
+
+def scored_by_request(messages) -> dict[int, tuple[Scored | None, Scored | None]]:
+    """request id -> (sampled token's top tokens, prompt chunk's scores) of a step's SequenceLogprobs."""
+    return {m.request_id: (Scored.from_pb(m.sampled) if m.HasField("sampled") else None,
+                           Scored.from_pb(m.prompt) if m.HasField("prompt") else None) for m in messages}
+
+
+class TokenTexts:
+    """Each token id decoded on its own, as the fronts show scored tokens (special tokens included); cached,
+    since the same ids recur at every position. Without a tokenizer: `token_id:N`, as OpenAI-compatible
+    servers show an id they cannot decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
+            self._cache[token_id] = text
+        return text
