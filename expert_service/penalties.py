@@ -104,9 +104,10 @@ class PenaltyBatchBuilder:
     def __init__(self, slots: PenaltySlots):
         self._slots = slots.slots
         self.resets: list[int] = []
-        self.update_slots: list[np.ndarray] = []
-        self.update_tokens: list[np.ndarray] = []
-        self.update_output: list[np.ndarray] = []
+        self.prompt_slots: list[np.ndarray] = []
+        self.prompt_tokens: list[np.ndarray] = []
+        self.output_slots: list[int] = []          # plain ints: a decode step adds one per sequence
+        self.output_tokens: list[int] = []
         self.rows: list[tuple[int, PenaltyParams | None]] = []
 
     def reset(self, slot: int) -> None:
@@ -116,35 +117,34 @@ class PenaltyBatchBuilder:
         """A prompt chunk of the sequence: its tokens are marked (a no-op for an unpenalised sequence)."""
         slot = self._slots.get(request_id)
         if slot is not None and len(tokens):
-            self._add(slot, tokens, 0)
+            self.prompt_slots.append(np.full(len(tokens), slot, np.int32))
+            self.prompt_tokens.append(np.asarray(tokens, np.int32))
 
     def output(self, request_id: int, token: int) -> None:
         """A decode of the sequence: `token`, which it sampled in the step before, is counted."""
         slot = self._slots.get(request_id)
         if slot is not None:
-            self._add(slot, np.array([token]), 1)
+            self.output_slots.append(slot)
+            self.output_tokens.append(token)
 
     def row(self, request_id: int, params: PenaltyParams) -> None:
         """The next sampling row belongs to this sequence."""
         slot = self._slots.get(request_id)
         self.rows.append((slot, params) if slot is not None else (-1, None))
 
-    def _add(self, slot: int, tokens: np.ndarray, output: int) -> None:
-        self.update_slots.append(np.full(len(tokens), slot, np.int32))
-        self.update_tokens.append(np.asarray(tokens, np.int32))
-        self.update_output.append(np.full(len(tokens), output, np.int32))
-
     def build(self) -> PenaltyBatch | None:
         """The step's work; None when no penalised sequence takes part (the common path does nothing)."""
-        if not self.resets and not self.update_slots and all(slot < 0 for slot, _ in self.rows):
+        if not (self.resets or self.prompt_slots or self.output_slots) and all(slot < 0 for slot, _ in self.rows):
             return None
         params = [p or PenaltyParams() for _, p in self.rows]
-
-        def cat(parts, dtype):
-            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+        n_prompt = sum(len(t) for t in self.prompt_tokens)
+        output = np.zeros(n_prompt + len(self.output_slots), np.int32)
+        output[n_prompt:] = 1
         return PenaltyBatch(
-            reset_slots=np.asarray(self.resets, np.int32), update_slots=cat(self.update_slots, np.int32),
-            update_tokens=cat(self.update_tokens, np.int32), update_output=cat(self.update_output, np.int32),
+            reset_slots=np.asarray(self.resets, np.int32),
+            update_slots=np.concatenate([*self.prompt_slots, np.asarray(self.output_slots, np.int32)]),
+            update_tokens=np.concatenate([*self.prompt_tokens, np.asarray(self.output_tokens, np.int32)]),
+            update_output=output,
             row_slots=np.asarray([slot for slot, _ in self.rows], np.int32),
             repetition=np.asarray([p.repetition for p in params], np.float32),
             presence=np.asarray([p.presence for p in params], np.float32),
