@@ -93,6 +93,15 @@ def test_prefill_with_decodes_riding_along(stub):
     (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True,
                                                sampling=pb.SamplingParams(temperature=-1, top_p=1.0))]),
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    *[(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=list(range(1, n + 1)), is_last=True,
+                                                 sampling=pb.SamplingParams(**fields))]),
+       grpc.StatusCode.INVALID_ARGUMENT, needle)
+      for n, fields, needle in [(1, dict(logprobs=True, top_logprobs=21), "top_logprobs: must be in [0, 20]"),
+                                (1, dict(prompt_logprobs=21), "prompt_logprobs: must be in [0, 20]"),
+                                (65, dict(prompt_logprobs=0), "prompt_logprobs: 65 prompt tokens to score"),
+                                (1, dict(repetition_penalty=0.0), "repetition_penalty: must be a finite number > 0"),
+                                (1, dict(presence_penalty=3.0), "presence_penalty: must be in [-2, 2]"),
+                                (1, dict(frequency_penalty=float("nan")), "frequency_penalty: must be in [-2, 2]")]],
 ])
 def test_bad_steps_are_rejected_and_worker_stays_up(stub, request_, code, needle):
     with pytest.raises(grpc.RpcError) as e:
@@ -128,6 +137,31 @@ def test_step_stream_runs_steps_sent_ahead_and_equals_unary_steps(stub):
     assert [r.step_id for r in responses] == [1, 2, 3, 4, 5]
     assert [_outputs(r)[0][1] for r in responses] == unary
     assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0     # the stream's end freed seq 7
+
+
+def test_penalised_scored_sequences_stream_ahead_like_unary_steps(stub):
+    """Steps sent ahead count each sampled token on the worker (the router has not seen it yet): tokens, their
+    log-probabilities and the scored payloads equal the unary path's."""
+    s = pb.SamplingParams(temperature=0, top_p=1.0, logprobs=True, top_logprobs=3, prompt_logprobs=2,
+                          repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)
+    chunk = pb.PrefillChunk(request_id=9, token_ids=[5, 6, 5, 8, 5], sampling=s, is_last=True)
+    unary = [stub.Prefill(pb.PrefillRequest(chunks=[chunk])).generations[0]]
+    unary += [stub.Decode(pb.DecodeRequest(request_ids=[9])).generations[0] for _ in range(6)]
+    stub.ClearCache(pb.ClearCacheRequest())
+    responses = list(stub.StepStream(iter([_stream_step(1, chunks=[chunk])] +
+                                          [_stream_step(i, decodes=[9]) for i in range(2, 8)])))
+    assert [_outputs(r)[0][1] for r in responses] == [g.token_id for g in unary]
+    assert [np.frombuffer(r.logprobs, "<f4")[0] for r in responses] == [np.float32(g.logprob) for g in unary]
+    assert [r.scored[0] for r in responses] == [g.scored for g in unary]
+    first = unary[0].scored
+    assert first.HasField("prompt") and len(np.frombuffer(first.prompt.logprobs, "<f4")) == 5
+    assert all(g.scored.sampled.top_k == 3 and not g.scored.HasField("prompt") for g in unary[1:])
+    plain = pb.PrefillChunk(request_id=9, token_ids=[5, 6, 5, 8, 5], sampling=pb.SamplingParams(top_p=1.0),
+                            is_last=True)
+    tokens = [stub.Prefill(pb.PrefillRequest(chunks=[plain])).generations[0].token_id]
+    tokens += [stub.Decode(pb.DecodeRequest(request_ids=[9])).generations[0].token_id for _ in range(6)]
+    stub.ClearCache(pb.ClearCacheRequest())
+    assert tokens != [g.token_id for g in unary]                          # the penalties changed the output
 
 
 def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
