@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The static routing table and the expert cache on LEARNED routing at scale, in one GPU run (about 6 min on an H200).
+#   train the `large` preset (321 M parameters, 32 experts, top-2) -> convert to bf16 -> colibri router-gen on
+#   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> bench/offload.py
+#   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, with the PCIe
+#   bound and transformers + accelerate at the same budget.
+# Every stage has a hard timeout inside one 555 s deadline; results are packed after each stage, so a stage
+# that fails or runs out of time still leaves what came before. $OUT gets 3 files: results.tar.gz (the folder
+# below), summary.txt (stage times, return codes, the printed tables) and offload.json.
+#
+# On a GPU machine with the project installed (the cuda extra; accelerate for the HF reference), from the checkout:
+#     OUT=out bash bench/trained_offload.sh
+# It needs training/data/corpus.txt (`python -m training.corpus` writes it; git-ignored). Wheels in .whl/extra
+# (accelerate, psutil) are installed when the machine lacks accelerate; without them the HF reference is skipped.
+# CPU dry run (no GPU, no HF): a tiny variant (the tiny preset with 1,024-token windows), 2 steps, cpu backend:
+#     OFFLOAD_DRY_RUN=1 PY=.venv/bin/python OUT=/tmp/dry bash bench/trained_offload.sh
+# Markdown for the docs afterwards:  python bench/offload_report.py <the unpacked results folder>
+PY=${PY:-python3}
+OUT=${OUT:?OUT must name the folder for the results}
+DEADLINE=${DEADLINE:-555}
+T0=$(date +%s)
+W=${WORKDIR:-/dev/shm/colibri-large}
+R=$W/results
+rm -rf "$W" && mkdir -p "$R" "$OUT" || exit 1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export COLIBRI_KERNEL_CACHE=${COLIBRI_KERNEL_CACHE:-/tmp/colibri-kernel-cache}   # compile once for all stages
+HELDOUT=training/data/heldout.txt
+if [ -n "$OFFLOAD_DRY_RUN" ]; then
+  # a shared 2-core CPU: stage limits x 3, and router-gen on the first 60 chapters only
+  PRESET=dry DEVICE=cpu BACKEND=cpu STEPS=2 BUDGET=60 DECODE_STEPS=2 DEADLINE=${DEADLINE_DRY:-2000} SLOW=3 CHAPTERS=60
+else
+  PRESET=large DEVICE=cuda BACKEND=cuda STEPS=${STEPS:-400} BUDGET=${BUDGET:-165} DECODE_STEPS=32 SLOW=1 CHAPTERS=
+fi
+
+note() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/summary.txt"; }
+pack() {
+  tar -czf "$OUT/results.tar.gz.tmp" -C "$W" results && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+  cp "$R/summary.txt" "$OUT/summary.txt"
+  [ -f "$R/offload/offload.json" ] && cp "$R/offload/offload.json" "$OUT/offload.json"
+  return 0
+}
+# stage NAME MAX_S RESERVE_S CMD...: runs CMD under `timeout`, at most MAX_S and never into the RESERVE_S that
+# the later stages need; output in $R/NAME.log.
+stage() {
+  local name=$1 max=$(( $2 * SLOW )) reserve=$3; shift 3
+  local left=$(( DEADLINE - ($(date +%s) - T0) - reserve ))
+  local limit=$(( left < max ? left : max ))
+  if [ "$limit" -lt 10 ]; then note "$name: skipped, ${left} s left"; return 124; fi
+  local start=$(date +%s)
+  timeout -k 5 "$limit" bash -c '"$@"' "$name" "$@" > "$R/$name.log" 2>&1     # bash: runs the functions below
+  local rc=$?
+  note "$name: rc=$rc in $(( $(date +%s) - start )) s (limit $limit s)"
+  [ $rc -ne 0 ] && tail -5 "$R/$name.log" | sed 's/^/    /' | tee -a "$R/summary.txt"
+  pack
+  return $rc
+}
+# The training command: the dry run's tiny variant is a preset made on the fly (tiny with 1,024-token windows,
+# so that the bench's 512-token prompts fit its positions).
+train() {
+  if [ "$PRESET" = dry ]; then
+    "$PY" -c 'import sys; from dataclasses import replace; from training import model, train
+model.PRESETS["dry"] = replace(model.PRESETS["tiny"], sequence_length=1024, batch_size=2)
+sys.exit(train.main(sys.argv[1:]))' "$@"
+  else
+    "$PY" -m training.train "$@"
+  fi
+}
+# GROUPED_MMA (bf16, E >= 32) is new: if the first engine stage fails with it, later stages run without it.
+MMA_OFF=
+py_engine() {
+  if [ -n "$MMA_OFF" ]; then
+    "$PY" -c 'import runpy, sys; import expert_service.cuda.moe as moe; moe.GROUPED_MMA_MIN_EXPERTS = 1 << 30
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0][3:], run_name="__main__", alter_sys=True) if sys.argv[0].startswith("-m:") else runpy.run_path(sys.argv[0], run_name="__main__")' "$@"
+  else
+    case $1 in -m:*) local mod=${1#-m:}; shift; "$PY" -m "$mod" "$@";; *) "$PY" "$@";; esac
+  fi
+}
+
+export PY PRESET MMA_OFF
+export -f train py_engine
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
+  "$PY" -c 'import sys, torch, transformers, numpy; print(sys.version.split()[0], "torch", torch.__version__,
+"transformers", transformers.__version__, "numpy", numpy.__version__)'
+  git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20; } > "$R/env.txt" 2>&1
+note "preset $PRESET, device $DEVICE, backend $BACKEND, deadline $DEADLINE s; $(head -2 "$R/env.txt" | tr '\n' ' ')"
+[ -f training/data/corpus.txt ] || { note "training/data/corpus.txt missing: carry it"; pack; exit 1; }
+
+SKIP_HF=
+if [ -n "$OFFLOAD_DRY_RUN" ]; then SKIP_HF=--skip-hf
+elif ! "$PY" -c 'import accelerate' 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl \
+    > "$R/accelerate.log" 2>&1
+  "$PY" -c 'import accelerate; print("accelerate", accelerate.__version__)' >> "$R/env.txt" 2>&1 || SKIP_HF=--skip-hf
+fi
+[ -n "$SKIP_HF" ] && note "HF reference skipped (dry run or no accelerate)"
+
+# 1. train (reserve: convert 20 + router-gen 60 + recall 30 + offload 120)
+stage train 240 230 train --preset "$PRESET" --device "$DEVICE" --steps "$STEPS" --time-budget-s "$BUDGET" \
+  --out "$W/hf" || { note "training failed: nothing to measure"; exit 1; }
+cp "$W/hf/training_log.json" "$R/training_log.json"
+"$PY" -c 'import json, sys; log = json.load(open(sys.argv[1])); final = log["final"]
+steps, tokens, wall, best = log["steps"], log["tokens_seen"] / 1e6, log["wall_s"], log["best_step"]
+params, ppl = log["model"]["parameters"]["total"] / 1e6, final["heldout_perplexity"]
+print(f"trained {steps} steps ({tokens:.1f} M tokens) in {wall} s; held-out perplexity {ppl:.1f}, best step {best}; "
+      f"{params:.0f} M parameters")' "$R/training_log.json" | tee -a "$R/summary.txt"
+grep -E "^(time budget|step )" "$R/train.log" | tail -6 | sed 's/^/    /' | tee -a "$R/summary.txt"
+
+# 2. the training split (every chapter but the held-out books) for router-gen, and the held-out books
+timeout 60 "$PY" -c 'import sys; from training.corpus import read_chapters, split_heldout, write_chapters
+from pathlib import Path
+train, held = split_heldout(read_chapters(sys.argv[1])); write_chapters(train[:int(sys.argv[3] or len(train))], Path(sys.argv[2]))
+print(f"training split: {len(train)} chapters (router-gen: {sys.argv[3] or len(train)}); held out: {len(held)} chapters")' \
+  training/data/corpus.txt "$W/train-split.txt" "$CHAPTERS" | tee -a "$R/summary.txt"
+
+# 3. convert (bf16: the GROUPED_MMA path of bf16 models with >= 32 experts)
+stage convert 60 210 "$PY" -m colibri.cli convert "$W/hf" "$W/model" --dtype bfloat16 --no-progress || exit 1
+
+# 4. router-gen on the training split (all of it: the held-out recall comes from the next stage)
+ROUTER_GEN=(-m:colibri.cli router-gen "$W/model" --corpus "$W/train-split.txt" --holdout 0 --backend "$BACKEND"
+            --no-progress)
+stage router_gen 150 150 py_engine "${ROUTER_GEN[@]}"
+rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] && [ "$BACKEND" = cuda ]; then    # failed, not out of time
+  export MMA_OFF=1
+  note "router-gen failed: again with GROUPED_MMA off (and every later stage)"
+  stage router_gen_mma_off 120 130 py_engine "${ROUTER_GEN[@]}"
+fi
+cp "$W/model/routing_table.bin.report.json" "$R/" 2>/dev/null
+
+# 5. the table's recall on the held-out books, per layer, against the fallback and chance
+if [ -f "$W/model/routing_table.bin" ]; then
+  stage recall 90 120 py_engine bench/table_recall.py "$W/model" --text "$HELDOUT" --train-text "$W/train-split.txt" \
+    --backend "$BACKEND" --out "$R/recall.json"
+  tail -12 "$R/recall.log" | tee -a "$R/summary.txt"
+  MODES=none,plan,lookahead,plan+lookahead
+else
+  note "no routing table: offload runs without the plan prefetch"
+  MODES=none,lookahead
+fi
+
+# 6. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
+stage offload 400 5 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
+  --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
+  --out "$R/offload" --workdir "$W/offload-work"
+sed -n '/experts x/,$p' "$R/offload.log" | tee -a "$R/summary.txt"
+note "done"
+pack
