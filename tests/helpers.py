@@ -112,6 +112,23 @@ def random_ids(rng, n_tok: int, top_k: int, n_exp: int) -> np.ndarray:
 
 
 # --- text ------------------------------------------------------------------------------------------------
+def random_prompt(seed: int, n: int, vocab: int = 259) -> list[int]:
+    """n token ids drawn from the tiny models' non-special vocabulary, reproducible by seed."""
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def bf16_tiny(root: Path, family: str, seed: int, **overrides) -> Path:
+    """The tiny model of `family` with HF config overrides (e.g. num_experts=40), converted to bf16."""
+    from safetensors.numpy import save_file
+    from expert_service.convert import convert
+    from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+    hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
+    hf = {**tiny_hf_config(family), **overrides}
+    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(tiny_weights(hf, seed), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return convert(hf_dir, root / "bf16", dtype="bfloat16", progress=False)
+
+
 def byte_ids(text: str) -> list[int]:
     """Token ids of `text` under the tiny model's byte-level tokenizer: one token per UTF-8 byte."""
     return [NUM_SPECIAL + b for b in text.encode()]

@@ -8,7 +8,7 @@ from expert_service.tiny_model import make_tiny
 from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput
 from expert_service.sampling import SamplingParams
-from tests.helpers import rel_error
+from tests.helpers import bf16_tiny, random_prompt, rel_error
 
 pytestmark = pytest.mark.gpu
 
@@ -21,21 +21,18 @@ def pair(request, tmp_path_factory):
             Engine(ModelDir.open(model), EngineConfig(backend="cuda", **cfg)), model)
 
 
-def prompt(seed, n, vocab=259):
-    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
-
 
 def test_prefill_logits_match_cpu_fp32(pair):
     name, cpu, gpu, _ = pair
     for n in (1, 33, 100):       # 100 > 64 tokens takes the cuBLAS path
-        ids = prompt(n, n)
+        ids = random_prompt(n, n)
         err = rel_error(gpu.prompt_logits(ids), cpu.prompt_logits(ids))
         assert err <= 1e-4, f"{name}: prefill {n}: {err:.2e}"
 
 
 def test_greedy_and_batched_decode_match_cpu(pair):
     name, cpu, gpu, _ = pair
-    prompts = [prompt(10 + i, n) for i, n in enumerate((1, 5, 13, 70))]
+    prompts = [random_prompt(10 + i, n) for i, n in enumerate((1, 5, 13, 70))]
     for p in prompts:
         assert gpu.generate(p, 12)[0] == cpu.generate(p, 12)[0], name
     outs = {}
@@ -59,7 +56,7 @@ def test_graph_replay_equals_eager(pair):
     eager = Engine(ModelDir.open(model), EngineConfig(backend="cuda", cuda_graphs=False, kv_block_size=8,
                                                       kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16))
     for engine in (gpu, eager):
-        engine.step([PrefillInput(i, np.array(prompt(i, 3 + i)), SamplingParams(), True) for i in range(3)])
+        engine.step([PrefillInput(i, np.array(random_prompt(i, 3 + i)), SamplingParams(), True) for i in range(3)])
     results = []
     for engine in (gpu, eager):
         seq = []
@@ -77,7 +74,7 @@ def test_step_logits_read_after_the_next_step_raise(pair):
     """A step's rows live in the workspace the next step overwrites: read in time they stay that step's; read
     later they raise instead of returning the later step's rows."""
     name, _, gpu, _ = pair
-    first = gpu.step([PrefillInput(0, np.array(prompt(0, 6)), SamplingParams(), True)])
+    first = gpu.step([PrefillInput(0, np.array(random_prompt(0, 6)), SamplingParams(), True)])
     rows = np.stack(list(first.logits))
     second = gpu.step(decode_ids=[0])
     third = gpu.step(decode_ids=[0])
@@ -92,13 +89,13 @@ def test_no_device_allocations_during_steps(pair, monkeypatch):
     from numba.cuda.cudadrv import driver
     name, _, gpu, _ = pair
     gpu.warmup()                        # what the worker does at start-up: compile, capture every bucket
-    gpu.step([PrefillInput(5, np.array(prompt(5, 9)), SamplingParams(), True)])
+    gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
     from cuda.bindings import driver as drv
     free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc
     monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
-    gpu.step([PrefillInput(6, np.array(prompt(6, 80)), SamplingParams(), True)], decode_ids=[5])
+    gpu.step([PrefillInput(6, np.array(random_prompt(6, 80)), SamplingParams(), True)], decode_ids=[5])
     for _ in range(4):
         gpu.step(decode_ids=[5, 6])
     gpu.clear()
@@ -114,7 +111,7 @@ def test_bf16_weights_close_to_fp32_cpu(pair, tmp_path):
                                                      max_batch_tokens=512, max_batch_size=16))
     cpu16 = Engine(ModelDir.open(bf16), EngineConfig(backend="cpu", kv_block_size=8, kv_cache_tokens=4096))
     for n in (40, 90):        # the fp32 CPU path on the same bf16 weights is the reference
-        ids = prompt(7 + n, n)
+        ids = random_prompt(7 + n, n)
         logits = gpu16.prompt_logits(ids)
         assert np.all(np.isfinite(logits))
         assert rel_error(logits, cpu16.prompt_logits(ids)) <= 1e-2, name
@@ -131,18 +128,6 @@ MANY_CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max
 BF16_TOLERANCE = 1e-2          # as test_bf16_weights_close_to_fp32_cpu
 ROUTER_TIE = 0.05              # router logits within this of the CPU's K-th are a tie bf16 may break either way
 
-
-def bf16_tiny(root, family: str, seed: int, **overrides):
-    """The tiny model of `family` with HF config overrides, converted to bf16."""
-    import json
-    from safetensors.numpy import save_file
-    from expert_service.convert import convert
-    from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
-    hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
-    hf = {**tiny_hf_config(family), **overrides}
-    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(tiny_weights(hf, seed), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    return convert(hf_dir, root / "bf16", dtype="bfloat16", progress=False)
 
 
 @pytest.fixture(scope="module", params=sorted(MANY_EXPERTS))
@@ -206,7 +191,7 @@ def test_many_experts_prefill_close_to_cpu(many, monkeypatch):
     assert "mma_xs" in gpu.decoder.ws.arrays and "moe_in" not in gpu.decoder.ws.arrays
     forced = ForcedRouting(monkeypatch)
     for n in sizes:
-        ids = prompt(400 + n, n)
+        ids = random_prompt(400 + n, n)
         logits = gpu.prompt_logits(ids)
         assert np.all(np.isfinite(logits)), f"{name}: prefill {n}"
         forced.queue = last_step_expert_ids(gpu, n)
@@ -226,7 +211,7 @@ def test_many_experts_batched_decode(many, monkeypatch):
     forced = ForcedRouting(monkeypatch)
     moe_layers = gpu.decoder.moe_layers
     for batch in (1, 2, 5, 12):
-        prompts = [prompt(500 + 13 * batch + i, 2 + i % 4) for i in range(batch)]
+        prompts = [random_prompt(500 + 13 * batch + i, 2 + i % 4) for i in range(batch)]
         rids = list(range(batch))
         prefill = [PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)]
         runs = {}
@@ -260,13 +245,13 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
     from numba.cuda.cudadrv import driver
     name, _, gpu, _ = many
     gpu.warmup()
-    gpu.step([PrefillInput(5, np.array(prompt(5, 9)), SamplingParams(), True)])
+    gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
     free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc
     monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
     for rid, n in ((6, 33), (7, 150), (8, 300)):
-        gpu.step([PrefillInput(rid, np.array(prompt(rid, n)), SamplingParams(), True)], decode_ids=[5])
+        gpu.step([PrefillInput(rid, np.array(random_prompt(rid, n)), SamplingParams(), True)], decode_ids=[5])
     for _ in range(4):
         gpu.step(decode_ids=[5, 6, 7, 8])
     gpu.clear()

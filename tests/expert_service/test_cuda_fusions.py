@@ -10,7 +10,6 @@
   through both services (router-gen table, router, worker) a token-routed model gives the cpu's exact tokens.
 """
 import asyncio
-import json
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput
 from expert_service.sampling import SamplingParams
 from expert_service.tiny_model import make_tiny
-from tests.helpers import exact_plans, rel_error, run_session
+from tests.helpers import bf16_tiny, exact_plans, random_prompt, rel_error, run_session
 
 pytestmark = pytest.mark.gpu
 
@@ -33,20 +32,6 @@ MANY = {"qwen3_moe": dict(num_experts=40, num_experts_per_tok=8)}     # bf16, GR
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 1e-2
 
 
-def prompt(seed, n, vocab=259):
-    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
-
-
-def bf16_tiny(root, family: str, seed: int, **overrides):
-    """The tiny model of `family` with HF config overrides, converted to bf16."""
-    from safetensors.numpy import save_file
-    from expert_service.convert import convert
-    from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
-    hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
-    hf = {**tiny_hf_config(family), **overrides}
-    (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(tiny_weights(hf, seed), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    return convert(hf_dir, root / "bf16", dtype="bfloat16", progress=False)
 
 
 def random_plans(engine, seed):
@@ -63,7 +48,7 @@ def run_steps(engine, plans=None):
     """The ragged prompts prefilled in one step, then DECODES decode steps of all of them: per step (tokens,
     logits [R, V] read before the next step overwrites them, trace)."""
     rids = list(range(len(PROMPT_LENS)))
-    prefill = [PrefillInput(r, np.array(prompt(40 + r, n)), SamplingParams(), True) for r, n in zip(rids, PROMPT_LENS)]
+    prefill = [PrefillInput(r, np.array(random_prompt(40 + r, n)), SamplingParams(), True) for r, n in zip(rids, PROMPT_LENS)]
     steps = []
     for n in range(DECODES + 1):
         kw = dict(routing_plan=plans[n]) if plans else {}
@@ -165,7 +150,7 @@ def test_lut_refuses_a_step_without_a_plan_and_allocates_nothing_after_warmup(mo
     name, path = model
     gpu = open_engine(path, routing="lut")
     with pytest.raises(InvalidRequestError, match="routing_plan"):
-        gpu.step([PrefillInput(1, np.array(prompt(1, 5)), SamplingParams(), True)])
+        gpu.step([PrefillInput(1, np.array(random_prompt(1, 5)), SamplingParams(), True)])
     assert not gpu.sequences, "a refused step must start no sequence"
     gpu.warmup()                        # the worker's start-up: eager passes, then every bucket's graph
     plans = random_plans(gpu, seed=7)
