@@ -6,6 +6,7 @@ keyed by the router's request id, until told to free it.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,8 @@ from expert_service.penalties import PenaltySlots
 from expert_service.routing_plan import routing_plan_recall
 from expert_service.sampling import Sampler, SamplingParams
 from expert_service.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
+
+log = logging.getLogger("colibri.worker")
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
@@ -120,30 +123,44 @@ class SequenceState:
     prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
 
 
-def cuda_available() -> bool:
-    """A usable NVIDIA GPU and driver (never true in the simulator)."""
+def cuda_status() -> tuple[bool, str]:
+    """Whether a usable NVIDIA GPU and driver are present (never in the simulator), and why, in a few words."""
     try:
         from numba import cuda
         from numba.cuda import config
-        return not config.ENABLE_CUDASIM and cuda.is_available()
-    except Exception:        # no driver library, broken install: the CPU backend still works
-        return False
+    except Exception:        # no numba-cuda, broken install: the CPU backend still works
+        return False, "numba-cuda is not installed (the cuda extra)"
+    if config.ENABLE_CUDASIM:
+        return False, "NUMBA_ENABLE_CUDASIM=1 is set"
+    try:
+        if not cuda.is_available():
+            return False, "no usable NVIDIA GPU or driver was found"
+        return True, f"{cuda.get_current_device().name.decode(errors='replace')} found"
+    except Exception as exc:  # a driver that fails to initialise
+        return False, f"the CUDA driver failed to start ({type(exc).__name__})"
 
 
-def resolve_backend(requested: Backend) -> Backend:
-    """`auto` is cuda when a usable GPU is present, else cpu."""
-    if requested is Backend.AUTO:
-        return Backend.CUDA if cuda_available() else Backend.CPU
-    return requested
+def cuda_available() -> bool:
+    """A usable NVIDIA GPU and driver (never true in the simulator)."""
+    return cuda_status()[0]
+
+
+def resolve_backend(requested: Backend) -> tuple[Backend, str]:
+    """The backend to run and why: `auto` is cuda when a usable GPU is present, else cpu."""
+    if requested is not Backend.AUTO:
+        return requested, f"--backend {requested.value}"
+    usable, why = cuda_status()
+    return (Backend.CUDA if usable else Backend.CPU), f"auto: {why}"
 
 
 def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> Decoder:
     """The backend's decoder; each backend is imported only when chosen (cpu never loads numba.cuda)."""
-    backend = resolve_backend(config.backend)
+    backend, why = resolve_backend(config.backend)
+    log.info("backend %s (%s)", backend.value, why, extra={"backend": backend.value, "reason": why})
     if backend is Backend.CUDA:
-        if not cuda_available():
-            raise ConfigError("backend: cuda was asked for but no usable NVIDIA GPU/driver was found "
-                              "(use --backend cpu or auto)")
+        usable, status = cuda_status()
+        if not usable:
+            raise ConfigError(f"backend: cuda was asked for but {status} (use --backend cpu or auto)")
         from expert_service.cuda.decoder import CudaDecoder
         return CudaDecoder(model, config, slot_plan)
     from expert_service.cpu.decoder import CpuDecoder
