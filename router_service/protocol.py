@@ -66,15 +66,7 @@ def _wrap(handler):
         async def unary_stream(request, context):
             if request is UNDECODABLE:
                 await _reject(context)
-            result = inner_stream(request, context)
-            if not hasattr(result, "__aiter__"):
-                await result
-                return
-            try:
-                async for response in result:
-                    await context.write(response)
-            finally:
-                await result.aclose()
+            await _relay(inner_stream(request, context), context)
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
 
     async def checked(requests, context):
@@ -94,16 +86,21 @@ def _wrap(handler):
     inner_ss = handler.stream_stream
 
     async def stream_stream(requests, context):
-        result = inner_ss(checked(requests, context), context)
-        if not hasattr(result, "__aiter__"):
-            await result
-            return
-        try:
-            async for response in result:
-                await context.write(response)
-        finally:
-            await result.aclose()
+        await _relay(inner_ss(checked(requests, context), context), context)
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
+
+
+async def _relay(result, context) -> None:
+    """Writes what a streaming handler yields (or awaits a handler that writes for itself), and closes the
+    generator in this task."""
+    if not hasattr(result, "__aiter__"):
+        await result
+        return
+    try:
+        async for response in result:
+            await context.write(response)
+    finally:
+        await result.aclose()
 
 
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
