@@ -26,16 +26,11 @@ class AsyncColibriClient:
     def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "", token_file: str = "",
                  tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = "", max_message_bytes: int = 16 << 20):
-        from router_service import client as sync_client  # its TLS and token helpers
+        from router_service.client import connection     # the same token and TLS handling
         self.timeout = timeout
-        token = token or (sync_client.read_token_file(token_file) if token_file else "")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls or tls_ca or tls_cert or tls_key:
-            credentials = sync_client.channel_credentials(tls_ca, tls_cert, tls_key)
+        self._metadata, options, credentials = connection(token, token_file, tls, tls_ca, tls_cert, tls_key,
+                                                          tls_server_name, max_message_bytes)
+        if credentials is not None:
             self._channel = grpc.aio.secure_channel(target, credentials, options)
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)

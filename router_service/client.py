@@ -100,6 +100,19 @@ def channel_credentials(tls_ca: str = "", tls_cert: str = "", tls_key: str = "")
                                         certificate_chain=read(tls_cert))
 
 
+def connection(token: str, token_file: str, tls: bool, tls_ca: str, tls_cert: str, tls_key: str,
+               tls_server_name: str, max_message_bytes: int):
+    """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments."""
+    token = token or (read_token_file(token_file) if token_file else "")
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    secure = tls or tls_ca or tls_cert or tls_key
+    return metadata, options, channel_credentials(tls_ca, tls_cert, tls_key) if secure else None
+
+
 class ColibriClient:
     """Blocking client; `timeout` (seconds) is the deadline of each call, `token` (or the first line of
     `token_file`) a bearer token; TLS when `tls` or any of the tls_* files is given."""
@@ -108,14 +121,10 @@ class ColibriClient:
                  tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = "", max_message_bytes: int = 16 << 20):
         self.timeout = timeout
-        token = token or (read_token_file(token_file) if token_file else "")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls or tls_ca or tls_cert or tls_key:
-            self._channel = grpc.secure_channel(target, channel_credentials(tls_ca, tls_cert, tls_key), options)
+        self._metadata, options, credentials = connection(token, token_file, tls, tls_ca, tls_cert, tls_key,
+                                                          tls_server_name, max_message_bytes)
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials, options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
