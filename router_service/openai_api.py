@@ -128,7 +128,12 @@ def _int(body, name, default=None, low=0, high=MAX_UINT32):
 
 
 def _float(body, name, default):
-    return float(_get(body, name, (int, float), default, "a number"))
+    value = _get(body, name, (int, float), default, "a number")
+    try:
+        return float(value)
+    except OverflowError:   # JSON integers have any number of digits; float() refuses past ~1.8e308
+        raise ApiError(400, f"{name}: must be a number in float range, got an integer of {len(str(abs(value)))} "
+                            f"digits", param=name) from None
 
 
 def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(),

@@ -181,6 +181,9 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(worker, tiny_mode
                     (comp, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
                     (comp, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", None),
                     (comp, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+                    (comp, {"prompt": "x", "frequency_penalty": 10 ** 400}, 400, "frequency_penalty", None),
+                    (chat, {"messages": [{"role": "user", "content": "x"}], "temperature": -10 ** 400}, 400,
+                     "temperature", None),
                     (comp, {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
                     (comp, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
                     (chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
@@ -266,7 +269,10 @@ def test_parse_request_converts_openai_fields():
     for body, param in [({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "max_tokens": 0},
                         "max_tokens"), ({"prompt": "x", "stream_options": {}}, "stream_options"),
                         ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
-                        ({"prompt": "x", "presence_penalty": "a"}, "presence_penalty")]:
+                        ({"prompt": "x", "presence_penalty": "a"}, "presence_penalty")] + [
+                        # integers past float range (JSON allows any digits): 400, not a crash in float()
+                        ({"prompt": "x", name: sign * 10 ** 400}, name) for sign in (1, -1) for name in
+                        ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")]:
         with pytest.raises(ApiError) as e:
             parse_request(body, "completion", "m")
         assert e.value.status == 400 and e.value.param == param
