@@ -193,7 +193,8 @@ class HttpFront:
                 lp = None
                 if parsed.logprobs:
                     lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
-                offset += len(delta.text)
+                # offsets count token texts, as the unary answer's do (held-back text would shift them)
+                offset += sum(len(texts(i)) for i in delta.token_ids)
                 chunk = envelope(kind, handle.request_id, model, created,
                                  [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)], True)
                 if parsed.prompt_logprobs:

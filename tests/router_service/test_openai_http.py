@@ -123,6 +123,7 @@ def test_logprobs_and_penalties_equal_the_grpc_front(worker, tiny_model, tmp_pat
             assert [t for p in parts for t in p.tokens] == lp.tokens   # float sums differ by row count: approx
             assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
             assert [d for p in parts for d in p.top_logprobs] == [pytest.approx(d, abs=1e-5) for d in lp.top_logprobs]
+            assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
             messages = [{"role": "user", "content": "Hi"}]
             want = await stub.Chat(rpb.ChatRequest(messages=[rpb.ChatMessage(**m) for m in messages],
