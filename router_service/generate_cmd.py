@@ -78,9 +78,26 @@ def terminal_safe(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _check_integer_ranges(args: argparse.Namespace) -> None:
+    """Each integer flag fits its unsigned proto field (protobuf would raise a bare ValueError); what the
+    values mean (--top-logprobs <= 20, ...) the router checks."""
+    values = [("--max-new-tokens", args.max_new_tokens, MAX_UINT32), ("--min-new-tokens", args.min_new_tokens,
+              MAX_UINT32), ("--top-k", args.top_k, MAX_UINT32), ("--top-logprobs", args.top_logprobs, MAX_UINT32),
+              ("--seed", args.seed, MAX_UINT64)]
+    values += [("--stop-token-id", v, MAX_UINT32) for v in args.stop_token_id]
+    values += [(f"--tokens[{i}]", v, MAX_UINT32) for i, v in enumerate(args.tokens or [])]
+    for flag, value, high in values:
+        if value is not None and not 0 <= value <= high:
+            raise ConfigError(f"generate: {flag} must be in [0, {high}], got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("generate: give a text prompt or --tokens, exactly one")
+    _check_integer_ranges(args)
     if args.chat and args.prompt is None:
         raise ConfigError("generate: --chat needs a text prompt (the user message)")
     params = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,

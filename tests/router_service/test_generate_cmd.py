@@ -1,0 +1,34 @@
+"""`colibri generate`'s flags: an integer its proto field cannot hold is a one-line ConfigError naming the flag,
+raised before anything connects (the router checks the values' meaning: --top-logprobs over 20, ...)."""
+import argparse
+import random
+
+import pytest
+
+from common.errors import ConfigError
+from router_service import generate_cmd
+
+UINT32_FLAGS = ["--max-new-tokens", "--min-new-tokens", "--top-k", "--top-logprobs", "--stop-token-id"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    generate_cmd.add_arguments(parser)
+    return parser.parse_args(["--target", "127.0.0.1:1", "--timeout", "0.5", *argv])
+
+
+@pytest.mark.parametrize("flag", UINT32_FLAGS)
+def test_an_integer_flag_out_of_its_field_range_names_the_flag(flag):
+    rng = random.Random()
+    for value in (-rng.randrange(1, 1 << 40), (1 << 32) + rng.randrange(1 << 40)):
+        with pytest.raises(ConfigError) as e:
+            generate_cmd.run(parse("--tokens", "1,2", f"{flag}={value}"))
+        assert str(e.value) == f"generate: {flag} must be in [0, {(1 << 32) - 1}], got {value}"
+
+
+def test_seed_and_token_ids_out_of_range_name_the_flag():
+    for argv, message in [(["--tokens", "1,2", "--seed=-3"], "--seed must be in [0, 18446744073709551615], got -3"),
+                          (["--tokens", f"5,{1 << 32}"], f"--tokens[1] must be in [0, 4294967295], got {1 << 32}")]:
+        with pytest.raises(ConfigError) as e:
+            generate_cmd.run(parse(*argv))
+        assert str(e.value) == f"generate: {message}"
