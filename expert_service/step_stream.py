@@ -139,8 +139,8 @@ class StreamSession:
             self._forget_unknown(chunks)
             return StepOutcome(step.step_id, None, str(e), time.perf_counter() - started, kind,
                                isinstance(e, CapacityError))
-        for out in result.outputs:
-            if out.error:
+        for out in result.outputs:     # a failed sequence the engine still holds (a decode sent mid-prefill)
+            if out.error and out.request_id not in self.engine.sequences:   # stays ours to free
                 self.owners.pop(out.request_id, None)
         result.outputs += refused
         return StepOutcome(step.step_id, result, "", time.perf_counter() - started, kind)
