@@ -42,6 +42,7 @@ FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", Finis
 UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
                ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])))
 MAX_LOGPROBS = 20   # top_logprobs (chat), logprobs (completions) and prompt_logprobs
+FLOAT32_TINIEST = 2.0 ** -149   # the smallest positive float32 (a subnormal)
 
 
 class ApiError(Exception):
@@ -130,10 +131,13 @@ def _int(body, name, default=None, low=0, high=MAX_UINT32):
 def _float(body, name, default):
     value = _get(body, name, (int, float), default, "a number")
     try:
-        return float(value)
+        value = float(value)
     except OverflowError:   # JSON integers have any number of digits; float() refuses past ~1.8e308
         raise ApiError(400, f"{name}: must be a number in float range, got an integer of {len(str(abs(value)))} "
                             f"digits", param=name) from None
+    # The fields are float32: a nonzero value below its range would become 0, which means "off" or "the model's
+    # default" (top_p 1e-50 would sample the whole vocabulary); the smallest float32 keeps the sign and intent.
+    return math.copysign(FLOAT32_TINIEST, value) if 0 < abs(value) < FLOAT32_TINIEST else value
 
 
 def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(),

@@ -3,6 +3,8 @@ its answers equal the gRPC front's, errors have OpenAI's shape and status, a dis
 import asyncio
 import contextlib
 import json
+import math
+import random
 import socket
 
 import aiohttp
@@ -277,6 +279,17 @@ def test_parse_request_converts_openai_fields():
         with pytest.raises(ApiError) as e:
             parse_request(body, "completion", "m")
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_parse_request_keeps_tiny_positive_numbers_positive():
+    """A positive JSON number below float32's range is not flushed to 0, which means "off" or "the model's
+    default" (top_p 1e-50 must not sample the whole vocabulary; a tiny repetition_penalty is not 0)."""
+    rng = random.Random()
+    for name in ("top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature"):
+        for sign in (1, -1):
+            value = sign * 10.0 ** -rng.uniform(46, 300)
+            p = parse_request({"prompt": "x", name: value}, "completion", "m").parameters
+            assert getattr(p, name) != 0 and math.copysign(1, getattr(p, name)) == sign, (name, value)
 
 
 def test_parse_request_leaves_model_defaults_to_the_router():
