@@ -51,6 +51,12 @@ def top_k_rows(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
     part = np.argpartition(-logprobs, k - 1, axis=1)[:, :k] if k < vocab else np.tile(np.arange(vocab), (n, 1))
     values = np.take_along_axis(logprobs, part, axis=1)
+    if k < vocab:     # argpartition keeps arbitrary ids among values tied at the k-th place: keep the lowest
+        kth = values.min(axis=1, keepdims=True)
+        for r in np.flatnonzero((logprobs == kth).sum(axis=1) > (values == kth).sum(axis=1)):
+            above = np.flatnonzero(logprobs[r] > kth[r])
+            part[r] = np.concatenate([above, np.flatnonzero(logprobs[r] == kth[r])[:k - len(above)]])
+            values[r] = logprobs[r, part[r]]
     order = np.lexsort((part, -values), axis=1)
     ids = np.take_along_axis(part, order, axis=1)
     return ids.astype(np.int32), np.take_along_axis(values, order, axis=1).astype(np.float32)

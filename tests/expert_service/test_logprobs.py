@@ -29,6 +29,17 @@ def test_ties_order_by_id_and_k_is_capped_by_the_vocabulary():
     assert token_logprobs(np.zeros((2, 4), np.float32), np.array([1, 2]), 0).top_ids.shape == (2, 0)
 
 
+def test_ties_across_the_kth_place_keep_the_lowest_ids():
+    """Values tied at the k-th largest: the ones kept are the lowest ids, as a stable full sort keeps them."""
+    rng = np.random.default_rng()
+    logits = rng.integers(0, 4, (40, 97)).astype(np.float32)          # many ties in every row
+    for k in (1, 3, 7, 20):
+        ids, values = top_k_rows(logits, k)
+        want = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(values, np.take_along_axis(logits, want, axis=1))
+
+
 def test_prompt_chunks_stitch_to_the_whole_prompt():
     """Scoring a prompt in chunks (each chunk's first token under the previous chunk's last row) gives what
     scoring it whole gives; the prompt's first token has no distribution."""
