@@ -151,6 +151,7 @@ class CudaDecoder:
         kernels, all experts, per-expert GEMMs, grouped MMA) -- and captures the decode graph of every
         batch-size bucket, so serving never compiles and allocates nothing on the device (module loads and
         graph instantiation do). With the expert cache, steps run eagerly and the first ones load kernels."""
+        self.penalties.warmup(self.ws.logits)
         if self.cached is not None:
             return
         cfg = self.config

@@ -6,8 +6,9 @@ per token: 19 MiB for 64 slots of a 152k vocabulary, half of an int32 count), th
 step's updates and per-row parameters. A step with penalty work runs, after the forward pass (a replayed
 graph or eager): the slot resets (device-to-device copies of a zero row), penalty_update, apply_penalties
 and the argmax of the penalised rows into the workspace's greedy ids and non-finite flags, before they are
-read back. Steps without penalty work run none of it, so the decode graphs stay as they were captured. Every
-kernel reads only these preallocated buffers, so the tail could be captured as well.
+read back. Steps without penalty work run none of it, so the decode graphs stay as they were captured; warm-up
+runs each kernel once, so the first penalised request compiles nothing. Every kernel reads only these
+preallocated buffers, so the tail could be captured as well.
 """
 from __future__ import annotations
 
@@ -70,6 +71,15 @@ class DevicePenalties:
         launch_greedy_split(out, ws.greedy_ids[:R], ws.nonfinite[:R], ws.greedy_part_values[:R],
                             ws.greedy_part_ids[:R], ws.greedy_part_flags[:R], stream=st)
         return R
+
+    def warmup(self, logits) -> None:
+        """Runs every penalty kernel once on throw-away work (slot 0 marked, penalised into row 0, then zeroed
+        again), so the first penalised request compiles nothing; `logits` [>= 1, V] float32 is only read."""
+        slot0, ones = np.zeros(1, np.int32), np.ones(1, np.float32)     # slot 0, token 0, a prompt mark
+        none_i, none_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        self.apply(PenaltyBatch(none_i, slot0, slot0, slot0, slot0, ones, ones, ones), logits)
+        self.apply(PenaltyBatch(slot0, none_i, none_i, none_i, none_i, none_f, none_f, none_f), logits)
+        self.stream.synchronize()
 
     def download(self, rows: int) -> np.ndarray:
         """The penalised rows [rows, V] on the host (waits for the stream)."""

@@ -81,6 +81,21 @@ def test_a_step_of_updates_only_writes_no_rows():
     assert words[slots.slots[7], [3, 29]].tolist() == [1, 1] and words.sum() == 2
 
 
+def test_warmup_runs_every_penalty_kernel_and_leaves_no_state(monkeypatch):
+    """Warm-up launches the update, apply and argmax kernels once (so serving compiles none of them) and
+    leaves every slot as zero as it found it."""
+    import expert_service.cuda.penalties as module
+    launched = []
+    for name in ("launch_penalty_update", "launch_apply_penalties", "launch_greedy_split"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: launched.append(_n) or _f(*a, **k))
+    stream, vocab = cuda.stream(), 37
+    device = DevicePenalties(3, vocab, 2, 8, _workspace(2, vocab), stream)
+    device.warmup(cuda.to_device((np.random.default_rng().standard_normal((2, vocab))).astype(np.float32)))
+    assert sorted(set(launched)) == ["launch_apply_penalties", "launch_greedy_split", "launch_penalty_update"]
+    assert not device.words.copy_to_host().any()
+
+
 @pytest.mark.gpu
 def test_device_penalties_match_the_host_at_a_real_vocabulary():
     _compare(vocab=151936, steps=6, seed=0)
@@ -161,6 +176,18 @@ def test_penalised_steps_allocate_nothing_on_the_device(engines, monkeypatch):
     monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
     _run_mixed(gpu, steps=4)
     assert calls == [] and drv.cuMemGetInfo()[1] == free_before
+
+
+@pytest.mark.gpu
+def test_penalised_steps_compile_nothing_after_warmup(engines):
+    from expert_service.kernels import apply_penalties, penalty_update
+    _, gpu, _ = engines
+    gpu.warmup()
+    kernels = (penalty_update._penalty_update, apply_penalties._apply_penalties)
+    compiled = [len(k.overloads) for k in kernels]
+    assert all(compiled), compiled
+    _run_mixed(gpu, steps=2)
+    assert [len(k.overloads) for k in kernels] == compiled
 
 
 @pytest.mark.gpu
