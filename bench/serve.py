@@ -14,7 +14,7 @@ Models: `--backend cpu` the tiny model (`colibri make-tiny`); `--backend cuda` m
    small N: MIN_REQUESTS). ITL: time between successive token messages of a client (p50 over all gaps);
    throughput: tokens arriving between the last client's first token and the first one's last / that time.
 3. served / engine: ITL p50 at N / the b=N step, throughput at N / the b=N tok/s, TTFT p50 - prefill.
-   Issue 14's H200 targets: 1 client ITL <= 1.15x and TTFT <= prefill + 2 ms; 16 and 64 tok/s >= 0.90x.
+   The serving targets on an H200: 1 client ITL <= 1.15x and TTFT <= prefill + 2 ms; 16 and 64 tok/s >= 0.90x.
 
 Writes <out>/<name>.json (machine, device, config, every number) and .png; prints the ratio table:
     python bench/serve.py --backend cpu | --backend cuda --out out/serve
@@ -510,7 +510,7 @@ def print_table(name: str, entry: dict) -> None:
     for depth in entry["served"]:
         for key, value in entry["ratios"][depth]["headline"].items():
             op, target = TARGETS[key]
-            print(f"  depth {depth} {key}: {value:.3f}   (issue 14 target on the H200: {op} {target})")
+            print(f"  depth {depth} {key}: {value:.3f}   (target on the H200: {op} {target})")
 
 
 def device_name(backend: str) -> str:
