@@ -135,7 +135,8 @@ def cuda_status() -> tuple[bool, str]:
     try:
         if not cuda.is_available():
             return False, "no usable NVIDIA GPU or driver was found"
-        return True, f"{cuda.get_current_device().name.decode(errors='replace')} found"
+        name = cuda.get_current_device().name    # str in numba-cuda 0.30, bytes in older releases
+        return True, f"{name.decode(errors='replace') if isinstance(name, bytes) else name} found"
     except Exception as exc:  # a driver that fails to initialise
         return False, f"the CUDA driver failed to start ({type(exc).__name__})"
 

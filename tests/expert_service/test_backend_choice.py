@@ -41,3 +41,15 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
         Engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
     assert str(err.value) == ("backend: cuda was asked for but NUMBA_ENABLE_CUDASIM=1 is set "
                               "(use --backend cpu or auto)")
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])
+def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, name):
+    """numba-cuda 0.30 gives the device name as str, older releases as bytes: either is named, neither fails."""
+    from types import SimpleNamespace
+    from numba import cuda
+    from numba.cuda import config
+    monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))
+    assert engine_module.cuda_status() == (True, "NVIDIA H200 found")
