@@ -1,9 +1,13 @@
 """The MoE decoder on the cuda backend: the same step as expert_service/cpu/decoder.py, as Numba kernels.
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
-captured per batch-size bucket (padded sequences write no KV and attend to nothing); other steps run
-eagerly. The decoder holds embedding, attention, the dense MLP, the LM head, step staging and the graphs;
-linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
+captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
+prefill chunks mixed with decodes) are padded to a token bucket (`prefill_buckets`: powers of two and 1.5x
+powers of two) and replay a graph of the layers captured per bucket, when every MoE block of that size stays
+on the device (`moe.capturable`; not with the expert cache, nor where per-expert cuBLAS GEMMs need the expert
+offsets on the host); the padding tokens form one extra sequence that writes no KV and attends to nothing, and
+the LM head runs eagerly on the real rows while the graph executes. Everything else runs eagerly. The decoder
+holds embedding, attention, the dense MLP, the LM head, step staging and the graphs; linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
 sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache). The head's
 argmax is `greedy_split` (two passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the
 one-block-per-row `greedy`). RoPE and the KV write are one launch (`rope_kv_write`) unless USE_FUSED_ROPE_KV is
@@ -24,9 +28,10 @@ from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
-from expert_service.cuda.driver import Graph, check, device_address, non_blocking_stream
+from expert_service.cuda.device_logits import DeviceLogits
+from expert_service.cuda.driver import GraphCache, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import CachedExperts, DeviceMoe, warmup_tokens
+from expert_service.cuda.moe import CachedExperts, DeviceMoe, capturable, warmup_tokens
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
@@ -44,62 +49,32 @@ from expert_service.step import ForwardBatch, HostLogits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
 USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its start)
+# ... in steps of at least this many tokens: one block per token, so a smaller step's combine is latency-bound there
+# (~20 µs a qwen3 decode layer) where moe_combine spreads a token over blocks and rmsnorm follows (same bits)
+FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
 # (64 KiB: a few microseconds of PCIe either way; not tuned on the GPU)
 PLAN_COPY_GAP = 16384
 
 
-class DeviceLogits:
-    """Logits rows of a step on the device; argmax + finiteness already on the host, rows fetched lazily.
-    The rows live in the workspace the decoder's next step overwrites: fetch them before then (a later fetch
-    raises rather than return another step's rows); the argmax stays valid."""
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts non-decode steps are padded to: powers of two and 1.5x powers of two below max_tokens (at most
+    a third of a padded step is padding), then max_tokens."""
+    sizes = {b for k in range(max_tokens.bit_length()) for b in (1 << k, 3 << k >> 1) if b < max_tokens}
+    return sorted(sizes | {max_tokens})
 
-    def __init__(self, decoder: "CudaDecoder", rows: int, penalized: int = 0):
-        self.decoder, self.rows, self.step = decoder, rows, decoder.staged_steps
-        self.penalized = penalized       # the first rows, penalised in decoder.penalties (argmax of those)
-        self._penalized_host = None
-        self.ids = decoder.ws.host["greedy_ids"][:rows].copy()
-        self.nonfinite = decoder.ws.host["nonfinite"][:rows].copy()
-        self._host = None
 
-    def greedy(self, row: int) -> tuple[int, bool]:
-        return int(self.ids[row]), not bool(self.nonfinite[row])
-
-    def _check_current(self) -> None:
-        d = self.decoder
-        if d.staged_steps != self.step:
-            raise RuntimeError(f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
-                               f"on the device: read a step's rows before the next step")
-
-    def _fetch(self) -> np.ndarray:
-        if self._host is None:
-            d = self.decoder
-            self._check_current()
-            host = d.ws.host["logits"][:self.rows]
-            d.ws.logits[:self.rows].copy_to_host(host, stream=d.stream)
-            d.stream.synchronize()
-            self._host = host.copy()
-        return self._host
-
-    def __getitem__(self, row: int) -> np.ndarray:
-        return self._fetch()[row]
-
-    def processed(self, row: int) -> np.ndarray:
-        if row >= self.penalized:
-            return self[row]
-        if self._penalized_host is None:
-            self._check_current()        # the next step rewrites the penalised rows too
-            self._penalized_host = self.decoder.penalties.download(self.penalized)
-        return self._penalized_host[row]
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def __iter__(self):
-        return iter(self._fetch())
+def padding_seq_starts(n: int, T: int, count: int) -> np.ndarray:
+    """Ends of `count` padding sequences after n real tokens of a step padded to T: one padding token each, the
+    last one the rest; with fewer padding tokens than sequences the later ones are empty."""
+    ends = n + np.minimum(np.arange(1, count + 1), T - n)
+    if count:
+        ends[-1] = T
+    return ends
 
 
 class CudaDecoder:
@@ -120,6 +95,7 @@ class CudaDecoder:
         for pool in (self.k_pool, self.v_pool):    # finite garbage: warm-up steps attend over unwritten blocks
             check(drv.cuMemsetD8Async(device_address(pool), 0, pool.nbytes, self._stream_handle))
         self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
+        self.seq_slots = self.max_seqs + 1     # the workspace's sequence slots: a step's, and a padding one
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
@@ -132,9 +108,9 @@ class CudaDecoder:
                                          self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
-        self.graphs: dict[int, Graph] = {}
+        self.graphs = GraphCache(self.stream)            # decode steps, by batch-size bucket
+        self.prefill_graphs = GraphCache(self.stream)    # the layers of other steps, by token bucket
         self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
-        self._eager_buckets: set[int] = set()
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
@@ -146,11 +122,12 @@ class CudaDecoder:
         self.stream.synchronize()
 
     def warmup(self) -> None:
-        """Compiles and loads every kernel now -- eager prefills of moe.warmup_tokens (1, 2, 64, 65 and the
-        first size of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped
-        kernels, all experts, per-expert GEMMs, grouped MMA) -- and captures the decode graph of every
-        batch-size bucket, so serving never compiles and allocates nothing on the device (module loads and
-        graph instantiation do). With the expert cache, steps run eagerly and the first ones load kernels."""
+        """Compiles and loads every kernel now -- prefills of moe.warmup_tokens (1, 2, 64, 65 and the first size
+        of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped kernels, all
+        experts, per-expert GEMMs, grouped MMA) -- and captures the graph of every capturable prefill token bucket
+        and every decode batch-size bucket, so serving never compiles and allocates nothing on the device (module
+        loads and graph instantiation do). With the expert cache, steps run eagerly and the first ones load
+        kernels."""
         self.penalties.warmup(self.ws.logits)
         if self.cached is not None:
             return
@@ -158,15 +135,19 @@ class CudaDecoder:
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)
         sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts,
                               bf16=self.weights.dtype == np.uint16)
-        for T in sorted({t for t in sizes if t <= span}):
+        captured = self.engine_config.cuda_graphs and USE_PREFILL_GRAPHS
+        # 1 token is a decode step here (its bucket is captured when a step without a logits row needs it)
+        buckets = {b for b in self.prefill_buckets if 1 < b <= span and self._prefill_capturable(b)} if captured \
+            else set()
+        for T in sorted({t for t in sizes if t <= span} | buckets):
             blocks = np.zeros(-(-T // self.block_size), np.int64)     # reads the zeroed pool, writes no KV
             prompt = ForwardBatch(token_ids=np.zeros(T, np.int64), positions=np.arange(T, dtype=np.int64),
                                   seq_starts=np.array([0, T], np.int64), context_lens=np.array([T], np.int64),
                                   block_tables=[blocks], slot_mapping=np.full(T, -1, np.int64),
                                   logits_rows=np.array([T - 1], np.int64))
-            self._stage(prompt, T, 1, 1)
-            self._run(T, 1, 1, decode=False)
-            self.stream.synchronize()     # the next _stage rewrites the pinned staging this upload reads
+            for _ in range(2 if T in buckets else 1):     # a bucket: eager (loads its kernels), then captured
+                self.forward(prompt)
+                self.stream.synchronize()  # the next _stage rewrites the pinned staging this upload reads
         if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads launch_attention_decode
             self._stage(self._padding(), 1, 1, 1)
             self._run(1, 1, 1, decode=True)
@@ -175,7 +156,7 @@ class CudaDecoder:
         for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
             while bucket not in self.graphs:
                 self._stage(self._padding(), bucket, bucket, bucket)
-                self._forward_bucket(bucket)
+                self.graphs.run(bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
                 self.stream.synchronize()
 
     @staticmethod
@@ -207,14 +188,23 @@ class CudaDecoder:
         bucket = next((b for b in GRAPH_BUCKETS if b >= S), None) if decode_only and graphs else None
         if bucket is not None and bucket > self.max_seqs:
             bucket = None
-        padded = bucket or T
-        self._stage(batch, padded if bucket else T, bucket or S, bucket or R)
-        if self.cached is not None:
-            self.cached.begin_step(batch.expert_hints)
+        # other steps pad to their token bucket with or without graphs, so eager steps compute what replays do
+        tokens = None if decode_only or self.cached is not None else self._prefill_bucket(T)
+        padded = bucket or tokens or T
         if bucket is not None:
-            self._forward_bucket(bucket)
+            self._stage(batch, bucket, bucket, bucket)
+            self.graphs.run(bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
+        elif tokens is not None:      # every sequence slot, the first after the real ones holding the padding
+            self._stage(batch, tokens, self.seq_slots, R, table_rows=S + 1)
+            layers = lambda: self._layers(tokens, self.seq_slots, decode=False)    # noqa: E731
+            self.prefill_graphs.run(tokens, layers) if graphs else layers()
+            if R:         # a prompt chunk that is not its prompt's last samples nothing
+                self._head(tokens, R)
         else:
-            self._run(padded, bucket or S, bucket or R, decode=decode_only)
+            self._stage(batch, T, S, R)
+            if self.cached is not None:
+                self.cached.begin_step(batch.expert_hints)
+            self._run(T, S, R, decode=decode_only)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
         host, results = self.ws.host, self.ws.results
@@ -231,21 +221,21 @@ class CudaDecoder:
                 trace.expert_ids[layer] = ids[index, :T].copy()
         return DeviceLogits(self, R, penalized)
 
-    def _forward_bucket(self, bucket: int) -> None:
-        """A staged decode step of `bucket` sequences: eager the first time (compiles and loads every
-        kernel), captured into a graph the second, replayed from then on."""
-        graph = self.graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-        elif bucket in self._eager_buckets:
-            graph = Graph(self.stream)
-            with graph:
-                self._run(bucket, bucket, bucket, decode=True)
-            self.graphs[bucket] = graph
-            graph.replay()
-        else:
-            self._eager_buckets.add(bucket)
-            self._run(bucket, bucket, bucket, decode=True)
+    @property
+    def prefill_buckets(self) -> list[int]:
+        return prefill_buckets(self.max_tokens)
+
+    def _prefill_capturable(self, tokens: int) -> bool:
+        cfg = self.config
+        return capturable(tokens, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None,
+                          self.weights.dtype == np.uint16)
+
+    def _prefill_bucket(self, T: int) -> int | None:
+        """The token bucket a non-decode step of T tokens replays, or None (eager)."""
+        if not USE_PREFILL_GRAPHS:
+            return None
+        tokens = next(b for b in self.prefill_buckets if b >= T)
+        return tokens if self._prefill_capturable(tokens) else None
 
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
@@ -273,8 +263,10 @@ class CudaDecoder:
             out[start:start + n] = self.ws.host["logits"][:n]
         return HostLogits(out, penalized)
 
-    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int) -> None:
-        """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device."""
+    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None) -> None:
+        """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device. Padding
+        sequences take one padding token each and the last one the rest (none left: empty); they attend to nothing
+        and write no KV. table_rows: the block_tables rows to upload (default S; rows past them are never read)."""
         self.staged_steps += 1
         h = self.ws.host
         n, s = len(batch.token_ids), len(batch.context_lens)
@@ -285,7 +277,7 @@ class CudaDecoder:
         h["slot_mapping"][:n] = batch.slot_mapping
         h["slot_mapping"][n:T] = -1                   # padding writes no KV
         h["seq_starts"][:s + 1] = batch.seq_starts
-        h["seq_starts"][s + 1:S + 1] = n + np.arange(1, S - s + 1)
+        h["seq_starts"][s + 1:S + 1] = padding_seq_starts(n, T, S - s)
         h["context_lens"][:s] = batch.context_lens
         h["context_lens"][s:S] = 0                    # padding attends to nothing
         r = min(len(batch.logits_rows), R)
@@ -294,7 +286,7 @@ class CudaDecoder:
         for i, table in enumerate(batch.block_tables):
             h["block_tables"][i, :len(table)] = table
         meta = self.ws.metadata
-        tables_end = meta.end_of("block_tables", S * self.max_blocks_per_seq)
+        tables_end = meta.end_of("block_tables", min(S, table_rows or S) * self.max_blocks_per_seq)
         if self.planned_routing:      # the plan, behind the whole block_tables array: one copy unless that is long
             n_ids = stage_routed_ids(h["routed_ids"], batch.routed_experts, self.moe_layers, n, T,
                                      self.config.num_experts_per_tok)
@@ -309,6 +301,12 @@ class CudaDecoder:
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:
+        self._layers(T, S, decode)
+        if R:
+            self._head(T, R)
+
+    def _layers(self, T: int, S: int, decode: bool) -> None:
+        """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual."""
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h, x = ws.hidden[:T], ws.normed[:T]
         launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st)
@@ -323,14 +321,13 @@ class CudaDecoder:
             normed = False
             if cfg.sparse_layers[i]:
                 last = i + 1 == cfg.num_hidden_layers
-                next_norm = None if last or not USE_FUSED_COMBINE_NORM else w.layer(i + 1, "input_norm")
+                fuse = USE_FUSED_COMBINE_NORM and not last and T >= FUSED_COMBINE_NORM_MIN_TOKENS
+                next_norm = w.layer(i + 1, "input_norm") if fuse else None
                 normed = self.moe.forward(i, x, h, T, next_norm=next_norm)
             else:
                 g = ws.dense_gate[:T]
                 self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
                 self.linear.linear(g, w.layer(i, "down_proj"), h, accumulate=True)
-        if R:
-            self._head(T, R)
 
     def _head(self, T: int, R: int) -> None:
         """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax (and
@@ -385,18 +382,16 @@ class CudaDecoder:
         self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 
     def drop_graphs(self) -> None:
-        """Forgets the captured decode graphs: the next decode step of each bucket runs eagerly, then is captured
-        again (with the switches as they are then; benchmarks compare paths in one process this way)."""
+        """Forgets the captured graphs: the next step of each bucket runs eagerly, then is captured again (with the
+        switches as they are then; benchmarks compare paths in one process this way)."""
         self.stream.synchronize()
-        for graph in self.graphs.values():
-            graph.close()
         self.graphs.clear()
-        self._eager_buckets.clear()
+        self.prefill_graphs.clear()
 
     def close(self) -> None:
         self.stream.synchronize()
-        for graph in self.graphs.values():
-            graph.close()
+        self.graphs.clear()
+        self.prefill_graphs.clear()
         self.cublas.close()
         if self.cached is not None:
             self.cached.close()

@@ -90,3 +90,43 @@ class Graph:
         if self.exec is not None:
             check(drv.cuGraphExecDestroy(self.exec))
             self.exec = None
+
+
+class GraphCache:
+    """Passes captured per key (a step's padded shape): the first pass of a key runs eagerly, which loads every
+    kernel it launches (capture cannot load modules), the second is captured and replayed, later ones replay."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._graphs: dict[object, Graph] = {}
+        self._seen: set[object] = set()
+
+    def run(self, key, issue) -> None:
+        """issue(): launches the pass on self.stream (the same launches for the same key, every time)."""
+        graph = self._graphs.get(key)
+        if graph is None and key in self._seen:
+            graph = Graph(self.stream)
+            with graph:
+                issue()
+            self._graphs[key] = graph
+        if graph is None:
+            self._seen.add(key)
+            issue()
+        else:
+            graph.replay()
+
+    def __contains__(self, key) -> bool:
+        return key in self._graphs
+
+    def __iter__(self):
+        return iter(self._graphs)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Forgets every graph (the caller synchronises first): each key runs eagerly once more, then is captured."""
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+        self._seen.clear()

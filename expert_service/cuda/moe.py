@@ -33,7 +33,8 @@ from the thresholds defined beside it.
   wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
 
 GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): every step a
-graph captures must stay on the device. ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
+graph captures must stay on the device (`CAPTURABLE`; the decoder captures a prefill bucket only when `capturable`
+says so). ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
 (E x tokens x F, `workspace.layout_workspace`).
 
 With the expert cache (not every expert fits the device; `CachedExperts`): the routing is read back to the
@@ -134,6 +135,15 @@ def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) ->
     if T <= GROUPED_MAX_TOKENS:
         return MoeStrategy.GROUPED
     return MoeStrategy.CUBLAS_PER_EXPERT
+
+
+# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them.
+CAPTURABLE = frozenset({MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED})
+
+
+def capturable(T: int, K: int, E: int, cached: bool, bf16: bool) -> bool:
+    """Whether a step of T tokens keeps its MoE blocks on the device (no host round trip): graph-capturable."""
+    return choose_strategy(T, K, E, cached, bf16) in CAPTURABLE
 
 
 def reachable_strategies(max_tokens: int, K: int, E: int, cached: bool, bf16: bool) -> set[MoeStrategy]:

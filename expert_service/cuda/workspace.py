@@ -81,8 +81,9 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "greedy_part_ids": ((S, greedy_parts(config.vocab_size)), i32),
         "greedy_part_flags": ((S, greedy_parts(config.vocab_size)), i32),
         "token_ids": ((T,), i32), "positions": ((T,), i32), "slot_mapping": ((T,), i32),
-        "seq_starts": ((S + 1,), i32), "context_lens": ((S,), i32), "logits_rows": ((S,), i32),
-        "block_tables": ((S, max_blocks_per_seq), i32),
+        # one sequence slot more than a step holds: a captured prefill pads its tokens with a sequence of its own
+        "seq_starts": ((S + 2,), i32), "context_lens": ((S + 1,), i32), "logits_rows": ((S,), i32),
+        "block_tables": ((S + 1, max_blocks_per_seq), i32),
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
     if per_assignment:

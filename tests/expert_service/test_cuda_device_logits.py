@@ -1,4 +1,4 @@
-"""DeviceLogits (cuda/decoder.py), in the CUDA simulator unless on a GPU: a step's rows are fetched lazily from a
+"""DeviceLogits (cuda/device_logits.py), in the CUDA simulator unless on a GPU: a step's rows are fetched lazily from a
 workspace the next step overwrites, so a fetch after that raises instead of returning the later step's rows."""
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.cuda.decoder import DeviceLogits
+from expert_service.cuda.device_logits import DeviceLogits
 
 ROWS, VOCAB, MAX_SEQS = 3, 37, 5
 

@@ -10,7 +10,7 @@ from expert_service.cpu.layers.attention import write_kv
 from expert_service.cpu.layers.rope import apply_rotary
 from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.kernels.rope import launch_rope
-from expert_service.kernels.rope_kv_write import launch_rope_kv_write
+from expert_service.kernels.rope_kv_write import blocks_per_token, launch_rope_kv_write
 from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache, to_storage
 
 
@@ -82,8 +82,11 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
     ([0], [1], 0, 2, 1, 8, 1.0),                        # one token of one sequence
     ([3, 0, 9], [1, 5, 2], 2, 3, 1, 12, 1.3),           # ragged: a decode, a first chunk, a later chunk; padding
     ([6, 1], [1, 1], 1, 4, 2, 8, 1.0),                  # a decode batch with a padded bucket slot
+    ([5], [1], 0, 8, 2, 16, 1.0),                       # one decode token spread over 3 blocks (80 pairs)
+    ([2, 9], [3, 1], 1, 8, 4, 16, 0.9),                 # 5 tokens, 3 blocks each
 ])
 def test_rope_kv_write_matches_reference(dtype, cached, new, pad, heads, kv_heads, head_dim, scale):
+    assert blocks_per_token(sum(new) + pad, (heads + kv_heads) * head_dim // 2, 32) == (3 if head_dim == 16 else 1)
     _check(np.random.default_rng(sum(new) + head_dim), cached, new, pad, heads, kv_heads, head_dim, block_size=4,
            dtype=dtype, scale=scale, threads=32)
 
