@@ -38,8 +38,10 @@ class EngineConfig:
                                     env=("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS"))
     max_batch_size: int = setting(64, "largest number of sequences in one step",
                                   env=("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE"))
-    cuda_graphs: bool = setting(True, "replay decode steps as CUDA graphs, one per batch-size bucket (false: "
-                                "launch every kernel eagerly, for debugging)", env=("COLIBRI_CUDA_GRAPHS",))
+    cuda_graphs: bool = setting(True, "replay steps as CUDA graphs: decode steps one per batch-size bucket, other "
+                                "steps one per token bucket where their MoE blocks stay on the device (false: "
+                                "launch every kernel eagerly, for debugging; steps are padded the same way)",
+                                env=("COLIBRI_CUDA_GRAPHS",))
     use_pinned_memory: bool = setting(True, "page-lock the model mmaps for fast host-to-device copies (false: "
                                       "copy through a pinned bounce buffer, for comparison)",
                                       env=("COLIBRI_USE_PINNED_MEMORY",))
