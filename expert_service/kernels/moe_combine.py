@@ -2,7 +2,7 @@
 ``expert_service.experts.combine`` followed by ``h + ...``.
 
 Grid (T, Y): the Y blocks of a token stride together over D (Y = 1 for large steps; small steps spread a
-token's row over up to one element per thread, `blocks_per_token`: with one block a decode token's 2048 elements x
+token's row over up to one element per thread, `numeric.blocks_per_row`: with one block a decode token's 2048 elements x
 8 experts took 8 serial rounds of dependent loads, ~19 µs on the H200). Each output element is written by exactly
 one thread and its K terms are summed in slot order, so the result is deterministic (no atomics) and does not
 depend on Y.
@@ -12,16 +12,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.numeric import SIMULATOR, blocks_per_row
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
-TARGET_BLOCKS = 528   # small steps spread each token over blocks until the grid has about this many (4 per SM)
-
-
-def blocks_per_token(num_tokens: int, width: int, threads: int) -> int:
-    """Y: blocks per token, at most one element per thread, about TARGET_BLOCKS blocks in all (1 for large steps)."""
-    return max(1, min(-(-width // threads), TARGET_BLOCKS // max(num_tokens, 1)))
 
 
 @cached_jit
@@ -50,7 +44,7 @@ def launch_moe_combine(y, position, weights, h, stream=0) -> None:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(expected[name])}, "
                              f"got {a.dtype} {list(a.shape)}")
     if n_tok:
-        _moe_combine_kernel[(n_tok, blocks_per_token(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
+        _moe_combine_kernel[(n_tok, blocks_per_row(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
 
 
 def sm90_signatures():

@@ -15,6 +15,14 @@ from numba.cuda import config
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
+SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the grid has about this many (4 per SM)
+
+
+def blocks_per_row(rows: int, work: int, threads: int) -> int:
+    """Blocks that share one row of `work` independent items in a (rows, Y) grid: at most one item per thread and
+    about SPREAD_TARGET_BLOCKS blocks in all, so Y = 1 for large steps and a decode token's row is not one block's
+    serial chain of loads."""
+    return max(1, min(-(-work // threads), SPREAD_TARGET_BLOCKS // max(rows, 1)))
 
 if SIMULATOR:
     @cuda.jit(device=True)

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import block_sum, widener
+from expert_service.kernels.numeric import WARP, block_sum, widener
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256   # 8 warps; N=4096 -> 16 elements per thread, N=128 (head norm) -> most threads idle but cheap
@@ -65,10 +65,20 @@ def _check(rows, weight, out, threads):
         assert a.flags["C_CONTIGUOUS"], "rmsnorm needs contiguous arrays"
 
 
-def launch_rmsnorm(x, weight, eps, out, stream=0, threads=THREADS) -> None:
+def row_threads(n: int) -> int:
+    """Threads for rows of n elements: THREADS, or for shorter rows (per-head q/k norms) one per element rounded up
+    to whole warps. Each element then sits in the same lane of the same warp as with THREADS threads and the
+    missing warps would only have added zeros to the block sum, so the result is the same bit for bit; the
+    blocks are smaller and more of them fit an SM."""
+    return min(THREADS, -(-n // WARP) * WARP)
+
+
+def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
     """x: [R, N] float32 (or [T, H, Hd], normalised per head over Hd); weight: [N] float32/float16/uint16
-    (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself)."""
+    (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself); threads: per block
+    (default `row_threads(N)`)."""
     n = x.shape[x.ndim - 1]                      # (the simulator's shape tuple rejects negative indices)
+    threads = threads or row_threads(n)
     assert out.shape == x.shape, (x.shape, out.shape)
     x2, out2 = x.reshape(x.size // n, n), out.reshape(x.size // n, n)
     _check(x2, weight, out2, threads)

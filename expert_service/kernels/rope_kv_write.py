@@ -14,7 +14,7 @@ expression, and the narrowing kv_write's, so the pool holds the same bits as `ro
 Grid (T, Y): the Y blocks of a token stride together over its (H + Hkv) * Hd/2 rotation pairs of q then k
 (consecutive threads touch consecutive i: coalesced), then over its Hkv * Hd values of v (one contiguous run of
 the pool). Y = 1 for large steps (one block per token, as the two kernels it replaces); small steps spread a token
-over up to one pair per thread (`blocks_per_token`): with one block a decode token's 2304 qwen3 pairs took 18
+over up to one pair per thread (`numeric.blocks_per_row`): with one block a decode token's 2304 qwen3 pairs took 18
 serial rounds of loads and sincos (13.5 µs a layer on the H200). Each element's arithmetic does not depend on Y.
 Padding tokens still rotate q (harmless, attention ignores them) and write nothing.
 """
@@ -27,15 +27,9 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import storer
+from expert_service.kernels.numeric import blocks_per_row, storer
 
 THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 2304 pairs + 512 values per token
-TARGET_BLOCKS = 528   # small steps spread each token over blocks until the grid has about this many (4 per SM)
-
-
-def blocks_per_token(num_tokens: int, pairs: int, threads: int) -> int:
-    """Y: blocks per token, at most one pair per thread, about TARGET_BLOCKS blocks in all (1 for large steps)."""
-    return max(1, min(-(-pairs // threads), TARGET_BLOCKS // max(num_tokens, 1)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +99,7 @@ def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_po
         return
     row = k.shape[1] * head_dim
     kernel = _build(np.dtype(k_pool.dtype))[1]
-    grid = (num_tokens, blocks_per_token(num_tokens, (q.shape[1] + k.shape[1]) * head_dim // 2, threads))
+    grid = (num_tokens, blocks_per_row(num_tokens, (q.shape[1] + k.shape[1]) * head_dim // 2, threads))
     kernel[grid, threads, stream](q, k, v.reshape(num_tokens, row), positions, inv_freq, np.float32(scale),
                                   slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))
 

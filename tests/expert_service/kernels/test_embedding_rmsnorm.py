@@ -76,3 +76,19 @@ def test_embedding_rmsnorm_gpu(dtype, num_tokens):
         _check_rmsnorm(rng, (num_tokens, dim), dtype, threads=256)
         _check_add_rmsnorm(rng, num_tokens, dim, dtype, threads=256)
     _check_rmsnorm(rng, (num_tokens, 32, 128), dtype, threads=256)
+
+
+@pytest.mark.parametrize("n", [37, 64, 128, 200, 256, 300])
+def test_short_rows_take_fewer_threads_and_give_the_same_bits(n):
+    """Rows of at most rmsnorm.THREADS elements run one thread per element (whole warps): the same bits as
+    THREADS threads, since every element keeps its lane and warp and the dropped warps only summed zeros."""
+    from expert_service.kernels.rmsnorm import THREADS, row_threads
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((6, n)) * 3).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    assert row_threads(n) == min(THREADS, -(-n // 32) * 32)
+    auto, full = cuda.to_device(np.full_like(x, np.nan)), cuda.to_device(np.full_like(x, np.nan))
+    launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, auto)
+    launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, full, threads=THREADS)
+    got = auto.copy_to_host()
+    assert np.isfinite(got).all() and np.array_equal(got, full.copy_to_host())

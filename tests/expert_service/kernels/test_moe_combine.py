@@ -30,16 +30,17 @@ def test_combine_matches_reference(n_tok, top_k, n_exp, D):
 def test_combine_spread_over_blocks_gives_the_same_bits(monkeypatch):
     """A decode token's row spread over several blocks sums each element as one block per token does."""
     import expert_service.kernels.moe_combine as module
+    import expert_service.kernels.numeric as numeric
     rng = np.random.default_rng()
     n_tok, top_k, D = 2, 8, 200
-    assert module.blocks_per_token(n_tok, D, module.THREADS) > 1
+    assert numeric.blocks_per_row(n_tok, D, module.THREADS) > 1
     y = cuda.to_device(rng.standard_normal((n_tok * top_k, D)).astype(np.float32))
     position = cuda.to_device(rng.permutation(n_tok * top_k).astype(np.int32))
     weights = cuda.to_device(rng.random((n_tok, top_k)).astype(np.float32))
     hidden = rng.standard_normal((n_tok, D)).astype(np.float32)
     spread, single = cuda.to_device(hidden), cuda.to_device(hidden)
     launch_moe_combine(y, position, weights, spread)
-    monkeypatch.setattr(module, "TARGET_BLOCKS", 1)
+    monkeypatch.setattr(numeric, "SPREAD_TARGET_BLOCKS", 1)
     launch_moe_combine(y, position, weights, single)
     got = spread.copy_to_host()
     assert not np.array_equal(got, hidden) and np.array_equal(got, single.copy_to_host())

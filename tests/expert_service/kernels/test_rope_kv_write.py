@@ -10,7 +10,8 @@ from expert_service.cpu.layers.attention import write_kv
 from expert_service.cpu.layers.rope import apply_rotary
 from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.kernels.rope import launch_rope
-from expert_service.kernels.rope_kv_write import blocks_per_token, launch_rope_kv_write
+from expert_service.kernels.numeric import blocks_per_row
+from expert_service.kernels.rope_kv_write import launch_rope_kv_write
 from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache, to_storage
 
 
@@ -86,7 +87,7 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
     ([2, 9], [3, 1], 1, 8, 4, 16, 0.9),                 # 5 tokens, 3 blocks each
 ])
 def test_rope_kv_write_matches_reference(dtype, cached, new, pad, heads, kv_heads, head_dim, scale):
-    assert blocks_per_token(sum(new) + pad, (heads + kv_heads) * head_dim // 2, 32) == (3 if head_dim == 16 else 1)
+    assert blocks_per_row(sum(new) + pad, (heads + kv_heads) * head_dim // 2, 32) == (3 if head_dim == 16 else 1)
     _check(np.random.default_rng(sum(new) + head_dim), cached, new, pad, heads, kv_heads, head_dim, block_size=4,
            dtype=dtype, scale=scale, threads=32)
 
