@@ -52,10 +52,8 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
-USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its start)
-# ... in steps of at least this many tokens: one block per token, so a smaller step's combine is latency-bound there
-# (~20 µs a qwen3 decode layer) where moe_combine spreads a token over blocks and rmsnorm follows (same bits)
-FUSED_COMBINE_NORM_MIN_TOKENS = 256
+USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its
+# start); cuda/moe.py decides by step size and strategy where it pays (FUSED_COMBINE_NORM_MIN_TOKENS)
 # routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
 # (64 KiB: a few microseconds of PCIe either way; not tuned on the GPU)
 PLAN_COPY_GAP = 16384
@@ -321,8 +319,7 @@ class CudaDecoder:
             normed = False
             if cfg.sparse_layers[i]:
                 last = i + 1 == cfg.num_hidden_layers
-                fuse = USE_FUSED_COMBINE_NORM and not last and T >= FUSED_COMBINE_NORM_MIN_TOKENS
-                next_norm = w.layer(i + 1, "input_norm") if fuse else None
+                next_norm = None if last or not USE_FUSED_COMBINE_NORM else w.layer(i + 1, "input_norm")
                 normed = self.moe.forward(i, x, h, T, next_norm=next_norm)
             else:
                 g = ws.dense_gate[:T]

@@ -104,6 +104,11 @@ WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, G
 # where the tensor-core kernel measured 2-3.5x slower); 1 << 30 switches the strategy off.
 GROUPED_MMA_MIN_EXPERTS = 32
 GROUPED_MMA_MIN_TOKENS = 2     # one token keeps the GEMV strategy (T*K < E here)
+# The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
+# this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
+# token made a qwen3 decode combine ~20 µs. The all-experts combine (moe_combine_dense, one block a token either
+# way) always fuses: there the split would only add the rmsnorm launch.
+FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
 USE_FUSED_ROUTER = True
 FUSED_ROUTER_MAX_TOKENS = 64
@@ -292,7 +297,8 @@ class DeviceMoe:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
         MoE layer m stay in workspace.topk_ids[m] for the step's trace. next_norm: the next layer's input-norm
         weight [D]; unless a shared expert still reads x after the combine, the combine then also writes
-        x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input)."""
+        x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input) --
+        for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, E = cfg.num_experts_per_tok, cfg.num_experts
         n = T * K
@@ -300,7 +306,9 @@ class DeviceMoe:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        fuse_norm = next_norm is not None and not cfg.shared_expert_intermediate_size
+        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
+        fuse_norm = next_norm is not None and not cfg.shared_expert_intermediate_size and (
+            strategy is MoeStrategy.ALL_EXPERTS or T >= FUSED_COMBINE_NORM_MIN_TOKENS)
         combine = self._combiner(x, next_norm if fuse_norm else None)
         if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
@@ -310,7 +318,6 @@ class DeviceMoe:
         else:
             self.linear.linear(x, router, logits)
             launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
-        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
         experts = self.weights.experts.get(i)
         if strategy is MoeStrategy.GROUPED_MMA:
             run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size,

@@ -94,7 +94,7 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     import expert_service.cuda.decoder as decoder
     import expert_service.cuda.moe as moe
     name, path = model
-    monkeypatch.setattr(decoder, "FUSED_COMBINE_NORM_MIN_TOKENS", 1)    # fuse at every step size (default: large)
+    monkeypatch.setattr(moe, "FUSED_COMBINE_NORM_MIN_TOKENS", 1)    # fuse at every step size (default: large)
     eager, graphs = open_engine(path, cuda_graphs=False), open_engine(path)
     mc = eager.model_config
     rope_kv = Spy(monkeypatch, decoder, "launch_rope_kv_write")

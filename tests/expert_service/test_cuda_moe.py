@@ -73,7 +73,13 @@ def setup(family: str):
 # one token: GEMV (the shared expert's linears too); 3 tokens: GROUPED (T*K < E); qwen2_moe: a shared expert
 @pytest.mark.parametrize("family,T,strategy", [("mixtral", 1, MoeStrategy.GEMV), ("mixtral", 3, MoeStrategy.GROUPED),
                                                ("qwen2_moe", 1, MoeStrategy.GEMV)])
-def test_planned_routing_and_fused_norm(family, T, strategy):
+@pytest.mark.parametrize("fuse_from", [1, None])     # 1: fuse at these sizes; None: the default (large steps only)
+def test_planned_routing_and_fused_norm(family, T, strategy, fuse_from, monkeypatch):
+    import expert_service.cuda.moe as moe_module
+    if fuse_from:
+        monkeypatch.setattr(moe_module, "FUSED_COMBINE_NORM_MIN_TOKENS", fuse_from)
+    threshold = moe_module.FUSED_COMBINE_NORM_MIN_TOKENS
+    assert T < threshold or fuse_from
     config, rng, ws, weights, moe = setup(family)
     K, E, D, layer = config.num_experts_per_tok, config.num_experts, config.hidden_size, config.moe_layers[-1]
     assert choose_strategy(T, K, E, cached=False) is strategy
@@ -91,8 +97,9 @@ def test_planned_routing_and_fused_norm(family, T, strategy):
         ws.normed[:T].copy_to_device(x)
         ws.hidden[:T].copy_to_device(h)
         wrote = moe.forward(layer, ws.normed[:T], ws.hidden[:T], T, next_norm=next_norm)
-        # a shared expert reads x after the combine: then the block leaves the norm to the decoder
-        assert wrote is (next_norm is not None and not config.shared_expert_intermediate_size)
+        # a shared expert reads x after the combine, and a small step's combine runs spread over blocks: then
+        # the block leaves the norm to the decoder
+        assert wrote is (next_norm is not None and not config.shared_expert_intermediate_size and T >= threshold)
         if not wrote:
             launch_rmsnorm(ws.hidden[:T], d_norm, config.rms_norm_eps, ws.normed[:T])
         ids = ws.topk_ids.reshape(-1)[index * T * K:(index + 1) * T * K].copy_to_host().reshape(T, K)
