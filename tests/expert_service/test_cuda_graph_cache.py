@@ -1,0 +1,67 @@
+"""cuda/driver.py's GraphCache with a recording stand-in for the driver's Graph (no GPU): the first pass of a key
+runs eagerly, the second is captured and replayed, later ones only replay; keys are independent; clear() closes
+every graph and starts each key over."""
+from __future__ import annotations
+
+import expert_service.cuda.driver as driver
+from expert_service.cuda.driver import GraphCache
+
+
+class RecordingGraph:
+    log: list = []
+
+    def __init__(self, stream):
+        self.stream, self.closed = stream, False
+
+    def __enter__(self):
+        self.log.append("begin capture")
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append("end capture")
+        return False
+
+    def replay(self):
+        self.log.append("replay")
+
+    def close(self):
+        self.closed = True
+        self.log.append("close")
+
+
+def test_eager_then_captured_then_replayed_per_key(monkeypatch):
+    monkeypatch.setattr(driver, "Graph", RecordingGraph)
+    RecordingGraph.log = log = []
+    cache = GraphCache(stream="s")
+    issue = {key: (lambda key=key: log.append(f"issue {key}")) for key in (48, 64)}
+    cache.run(48, issue[48])
+    assert log == ["issue 48"] and 48 not in cache and not cache
+    cache.run(48, issue[48])
+    assert log[1:] == ["begin capture", "issue 48", "end capture", "replay"] and 48 in cache
+    cache.run(64, issue[64])                       # another key starts eagerly
+    cache.run(48, issue[48])
+    assert log[5:] == ["issue 64", "replay"] and list(cache) == [48] and len(cache) == 1
+    graph = cache._graphs[48]
+    cache.clear()
+    assert graph.closed and not cache
+    del log[:]
+    cache.run(48, issue[48])                       # after clear(): eager again, then captured
+    assert log == ["issue 48"]
+
+
+def test_a_failed_capture_keeps_no_graph(monkeypatch):
+    """A pass that raises while captured leaves nothing behind: the next step of that key is captured anew."""
+    monkeypatch.setattr(driver, "Graph", RecordingGraph)
+    RecordingGraph.log = []
+    cache = GraphCache(stream="s")
+    cache.run(8, lambda: None)
+
+    def fail():
+        raise ValueError("launch refused")
+    try:
+        cache.run(8, fail)
+    except ValueError:
+        pass
+    assert 8 not in cache
+    cache.run(8, lambda: None)
+    assert 8 in cache
