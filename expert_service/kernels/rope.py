@@ -19,6 +19,19 @@ from expert_service.kernels.jit_cache import cached_jit
 THREADS = 128   # 4 warps; 40 heads * 64 pairs = 2560 pairs per token -> 20 per thread
 
 
+@cuda.jit(device=True, inline=True)
+def rotation(pos, inv_freq, i, scale):
+    """(c, s) of rotation pair i at position pos (float32): cos and sin of pos * inv_freq[i], times scale."""
+    f = pos * inv_freq[i]
+    return math.cos(f) * scale, math.sin(f) * scale
+
+
+@cuda.jit(device=True, inline=True)
+def rotate(x1, x2, c, s):
+    """The pair (x[i], x[i + Hd/2]) rotated by (c, s). rope_kv_write uses it too: the same bits in both kernels."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
 def rope_kernel(q, k, positions, inv_freq, scale):
     """q: [T, H, Hd] float32, k: [T, Hkv, Hd] float32, rotated in place. positions: [T] int32.
     inv_freq: [Hd/2] float32. scale: float32 multiplier of cos and sin. Grid (T,), block (THREADS,)."""
@@ -29,21 +42,17 @@ def rope_kernel(q, k, positions, inv_freq, scale):
     pos = np.float32(positions[t])
     for p in range(cuda.threadIdx.x, total, cuda.blockDim.x):
         i = p % half
-        f = pos * inv_freq[i]
-        c = math.cos(f) * scale
-        s = math.sin(f) * scale
+        c, s = rotation(pos, inv_freq, i, scale)
         if p < num_q:
             h = p // half
-            x1 = q[t, h, i]
-            x2 = q[t, h, i + half]
-            q[t, h, i] = x1 * c - x2 * s
-            q[t, h, i + half] = x2 * c + x1 * s
+            r1, r2 = rotate(q[t, h, i], q[t, h, i + half], c, s)
+            q[t, h, i] = r1
+            q[t, h, i + half] = r2
         else:
             h = (p - num_q) // half
-            x1 = k[t, h, i]
-            x2 = k[t, h, i + half]
-            k[t, h, i] = x1 * c - x2 * s
-            k[t, h, i + half] = x2 * c + x1 * s
+            r1, r2 = rotate(k[t, h, i], k[t, h, i + half], c, s)
+            k[t, h, i] = r1
+            k[t, h, i + half] = r2
 
 
 _rope = cached_jit(rope_kernel)

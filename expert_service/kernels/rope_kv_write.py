@@ -8,8 +8,8 @@ with f = float32(positions[t]) * inv_freq[i], c = cos(f) * scale, s = sin(f) * s
     k_pool[slot, h, i] <- narrow(k[t, h, i] * c - k[t, h, i + Hd/2] * s), likewise i + Hd/2   (slot >= 0)
     v_pool[slot] <- narrow(v[t])                                                                (slot >= 0)
 The rotated keys go to the pool only: k itself is left as it was (attention reads keys from the pool), which
-saves the write and re-read of k between the two old kernels. The arithmetic is rope's, expression for
-expression, and the narrowing kv_write's, so the pool holds the same bits as `rope` + `kv_write`.
+saves the write and re-read of k between the two old kernels. The arithmetic is rope's (its `rotation` and
+`rotate`), and the narrowing kv_write's, so the pool holds the same bits as `rope` + `kv_write`.
 
 Grid (T, Y): the Y blocks of a token stride together over its (H + Hkv) * Hd/2 rotation pairs of q then k
 (consecutive threads touch consecutive i: coalesced), then over its Hkv * Hd values of v (one contiguous run of
@@ -21,13 +21,13 @@ Padding tokens still rotate q (harmless, attention ignores them) and write nothi
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import blocks_per_row, storer
+from expert_service.kernels.rope import rotate, rotation
 
 THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 2304 pairs + 512 values per token
 
@@ -54,22 +54,18 @@ def _build(pool_dtype):
         base = np.int64(slot) * row      # int64: pools can exceed 2**31 elements
         for p in range(first, total, stride):
             i = p % half
-            f = pos * inv_freq[i]
-            c = math.cos(f) * scale
-            s = math.sin(f) * scale
+            c, s = rotation(pos, inv_freq, i, scale)
             if p < num_q:
                 h = p // half
-                x1 = q[t, h, i]
-                x2 = q[t, h, i + half]
-                q[t, h, i] = x1 * c - x2 * s
-                q[t, h, i + half] = x2 * c + x1 * s
+                r1, r2 = rotate(q[t, h, i], q[t, h, i + half], c, s)
+                q[t, h, i] = r1
+                q[t, h, i + half] = r2
             elif slot >= 0:
                 h = (p - num_q) // half
-                x1 = k[t, h, i]
-                x2 = k[t, h, i + half]
+                r1, r2 = rotate(k[t, h, i], k[t, h, i + half], c, s)
                 at = base + h * head_dim + i
-                store(k_pool, at, x1 * c - x2 * s)
-                store(k_pool, at + half, x2 * c + x1 * s)
+                store(k_pool, at, r1)
+                store(k_pool, at + half, r2)
         if slot >= 0:
             for e in range(first, row, stride):
                 store(v_pool, base + e, v[t, e])
