@@ -121,6 +121,7 @@ class SequenceState:
     num_cached: int = 0                  # tokens whose K/V are in the cache
     last_token: int | None = None        # the latest sampled token, fed by the next decode
     prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
+    block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -291,10 +292,10 @@ class Engine:
     def _sample(self, work, logits: Logits, scored: set[int]) -> list[SeqOutput]:
         """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
         sampled tokens' and scored prompt chunks' (their rows follow the sampling rows)."""
-        tokens_out, row = [], 0
+        tokens_out, row, sequences = [], 0, self.sequences
         scores = StepScores(self.model_config.vocab_size)
         for index, (rid, tokens, wants_token) in enumerate(work):
-            seq = self.sequences[rid]
+            seq = sequences[rid]
             seq.num_cached += len(tokens)
             if not wants_token:
                 tokens_out.append(None)
@@ -308,9 +309,9 @@ class Engine:
                 scores.sampled(index, row, sampled, seq.sampler.params.top_logprobs)
             tokens_out.append(sampled)
             row += 1
-        for index, (rid, tokens, wants_token) in enumerate(work):
+        for index, (rid, tokens, wants_token) in enumerate(work if scored else ()):
             if rid in scored:
-                seq, n = self.sequences[rid], len(tokens) - 1     # the chunk's last position scores what follows
+                seq, n = sequences[rid], len(tokens) - 1     # the chunk's last position scores what follows
                 scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens,
                               seq.sampler.params.prompt_logprobs)
                 seq.prompt_row = None if wants_token else logits[row + n].copy()
@@ -322,12 +323,12 @@ class Engine:
                 outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
                 self.release([rid])
                 continue
-            top = sampled_scores.get(index)
+            top = sampled_scores.get(index) if sampled_scores else None
             if token is not None:
-                self.sequences[rid].last_token = token
+                sequences[rid].last_token = token
             outputs.append(SeqOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
                                      if top is not None and top.top_ids.shape[1] else None,
-                                     prompt=prompt_scores.get(index)))
+                                     prompt=prompt_scores.get(index) if prompt_scores else None))
         return outputs
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
@@ -354,8 +355,12 @@ class Engine:
         if token_ids.min() < 0 or token_ids.max() >= vocab:
             rid = next(r for r, t, _ in work if t.min() < 0 or t.max() >= vocab)
             raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
+        tables, block_size = self.allocator.tables, self.config.kv_block_size
         for rid, tokens, _ in work:
-            self.allocator.ensure_capacity(rid, self.sequences[rid].num_cached + len(tokens))
+            needed = self.sequences[rid].num_cached + len(tokens)
+            table = tables.get(rid)
+            if table is None or len(table) * block_size < needed:    # most decodes fit the last block
+                self.allocator.ensure_capacity(rid, needed)
         return token_ids
 
     def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
@@ -366,9 +371,11 @@ class Engine:
         block_size = self.config.kv_block_size
         positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
         tables, context_lens, logits_rows, seq_starts, scored_rows = [], [], [], [0], []
+        sequences, allocated = self.sequences, self.allocator.tables
         for rid, tokens, wants_token in work:
-            begin, start, n = seq_starts[-1], self.sequences[rid].num_cached, len(tokens)
-            table = self.allocator.tables[rid]
+            seq = sequences[rid]
+            begin, start, n = seq_starts[-1], seq.num_cached, len(tokens)
+            table = allocated[rid]
             if n == 1:      # decode: plain ints (numpy calls cost more than they save on one element)
                 positions[begin] = start
                 slots[begin] = table[start // block_size] * block_size + start % block_size
@@ -377,7 +384,9 @@ class Engine:
                 positions[begin:begin + n] = pos
                 slots[begin:begin + n] = np.asarray(table, np.int64)[pos // block_size] * block_size \
                     + pos % block_size
-            tables.append(np.asarray(table, dtype=np.int64))
+            if seq.block_array is None or len(seq.block_array) != len(table):
+                seq.block_array = np.asarray(table, dtype=np.int64)
+            tables.append(seq.block_array)
             context_lens.append(start + n)
             seq_starts.append(begin + n)
             if all_logits:
