@@ -67,12 +67,13 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 def padding_seq_starts(n: int, T: int, count: int) -> np.ndarray:
-    """Ends of `count` padding sequences after n real tokens of a step padded to T: one padding token each, the
-    last one the rest; with fewer padding tokens than sequences the later ones are empty."""
-    ends = n + np.minimum(np.arange(1, count + 1), T - n)
-    if count:
-        ends[-1] = T
-    return ends
+    """Ends of `count` padding sequences after n real tokens of a step padded to T. As many padding tokens as
+    sequences (a decode bucket): one each, as attention_decode reads them. Otherwise (a token bucket): the first
+    holds every padding token and the others are empty, so the padding costs the prefill attention one run of
+    tiles, not one per sequence slot."""
+    if T - n == count:
+        return n + np.arange(1, count + 1)
+    return np.full(count, T)
 
 
 class CudaDecoder:
@@ -130,32 +131,41 @@ class CudaDecoder:
         if self.cached is not None:
             return
         cfg = self.config
-        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)
+        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)    # one sequence's most tokens
         sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts,
                               bf16=self.weights.dtype == np.uint16)
-        captured = self.engine_config.cuda_graphs and USE_PREFILL_GRAPHS
-        # 1 token is a decode step here (its bucket is captured when a step without a logits row needs it)
-        buckets = {b for b in self.prefill_buckets if 1 < b <= span and self._prefill_capturable(b)} if captured \
-            else set()
-        for T in sorted({t for t in sizes if t <= span} | buckets):
-            blocks = np.zeros(-(-T // self.block_size), np.int64)     # reads the zeroed pool, writes no KV
-            prompt = ForwardBatch(token_ids=np.zeros(T, np.int64), positions=np.arange(T, dtype=np.int64),
-                                  seq_starts=np.array([0, T], np.int64), context_lens=np.array([T], np.int64),
-                                  block_tables=[blocks], slot_mapping=np.full(T, -1, np.int64),
-                                  logits_rows=np.array([T - 1], np.int64))
-            for _ in range(2 if T in buckets else 1):     # a bucket: eager (loads its kernels), then captured
-                self.forward(prompt)
-                self.stream.synchronize()  # the next _stage rewrites the pinned staging this upload reads
+        # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
+        buckets = [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs] \
+            if self.engine_config.cuda_graphs else []
+        for T in sorted({t for t in sizes if t <= span} | set(buckets)):
+            self._warmup_step(T, span, logits=True)
+        for T in buckets:       # without logits rows, so a one-token step takes its token bucket (not decode)
+            for _ in range(2):  # first sight eager, then captured (already captured: replayed)
+                self._warmup_step(T, span, logits=False)
         if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads launch_attention_decode
             self._stage(self._padding(), 1, 1, 1)
             self._run(1, 1, 1, decode=True)
             self.stream.synchronize()
             return
-        for bucket in (b for b in GRAPH_BUCKETS if b <= self.max_seqs):
-            while bucket not in self.graphs:
+        for bucket in (b for b in GRAPH_BUCKETS if b <= min(self.max_seqs, self.max_tokens)):
+            for _ in range(2):
                 self._stage(self._padding(), bucket, bucket, bucket)
                 self.graphs.run(bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
                 self.stream.synchronize()
+
+    def _warmup_step(self, T: int, span: int, logits: bool) -> None:
+        """A forward of T zero tokens in as few sequences of at most `span` tokens as hold them: they read the
+        zeroed KV pool and write none; with `logits`, each sequence's last position is a logits row."""
+        lens = np.diff(np.linspace(0, T, -(-T // span) + 1).astype(np.int64))
+        ends = np.cumsum(lens)
+        batch = ForwardBatch(token_ids=np.zeros(T, np.int64),
+                             positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+                             seq_starts=np.concatenate([[0], ends]), context_lens=lens,
+                             block_tables=[np.zeros(-(-n // self.block_size), np.int64) for n in lens],
+                             slot_mapping=np.full(T, -1, np.int64),
+                             logits_rows=ends - 1 if logits else np.zeros(0, np.int64))
+        self.forward(batch)
+        self.stream.synchronize()      # the next _stage rewrites the pinned staging this upload reads
 
     @staticmethod
     def _padding() -> ForwardBatch:
@@ -182,20 +192,15 @@ class CudaDecoder:
             raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
                              f"({self.max_tokens} / {self.max_seqs})")
         decode_only = T == S and R == S
-        graphs = self.engine_config.cuda_graphs and self.cached is None
-        bucket = next((b for b in GRAPH_BUCKETS if b >= S), None) if decode_only and graphs else None
-        if bucket is not None and bucket > self.max_seqs:
-            bucket = None
-        # other steps pad to their token bucket with or without graphs, so eager steps compute what replays do
-        tokens = None if decode_only or self.cached is not None else self._prefill_bucket(T)
+        # steps pad to their bucket with or without graphs, so eager steps compute what replays do
+        bucket = self._decode_bucket(S) if decode_only else None
+        tokens = None if decode_only else self._prefill_bucket(T)
         padded = bucket or tokens or T
         if bucket is not None:
             self._stage(batch, bucket, bucket, bucket)
-            self.graphs.run(bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
-        elif tokens is not None:      # every sequence slot, the first after the real ones holding the padding
-            self._stage(batch, tokens, self.seq_slots, R, table_rows=S + 1)
-            layers = lambda: self._layers(tokens, self.seq_slots, decode=False)    # noqa: E731
-            self.prefill_graphs.run(tokens, layers) if graphs else layers()
+            self._replay(self.graphs, bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
+        elif tokens is not None:
+            self._prefill_layers(batch, tokens, R)
             if R:         # a prompt chunk that is not its prompt's last samples nothing
                 self._head(tokens, R)
         else:
@@ -229,19 +234,45 @@ class CudaDecoder:
                           self.weights.dtype == np.uint16)
 
     def _prefill_bucket(self, T: int) -> int | None:
-        """The token bucket a non-decode step of T tokens replays, or None (eager)."""
-        if not USE_PREFILL_GRAPHS:
+        """The token bucket a non-decode step of T tokens is padded to (and replays), or None (unpadded, eager)."""
+        if not USE_PREFILL_GRAPHS or self.cached is not None:
             return None
         tokens = next(b for b in self.prefill_buckets if b >= T)
         return tokens if self._prefill_capturable(tokens) else None
 
+    def _decode_bucket(self, S: int) -> int | None:
+        """The batch bucket a decode step of S sequences is padded to (and replays), or None (unpadded, eager)."""
+        bucket = next((b for b in GRAPH_BUCKETS if b >= S), None)
+        if self.cached is not None or bucket is None or bucket > min(self.max_seqs, self.max_tokens):
+            return None
+        return bucket
+
+    def _replay(self, graphs: GraphCache, key: int, issue) -> None:
+        """issue() on the stream: through `graphs` (eager, captured, replayed) with cuda_graphs, else eagerly."""
+        if self.engine_config.cuda_graphs:
+            graphs.run(key, issue)
+        else:
+            issue()
+
+    def _prefill_layers(self, batch: ForwardBatch, tokens: int, rows: int) -> None:
+        """Stages a non-decode step padded to its token bucket -- the real sequences, then one more holding every
+        padding token, the other slots empty; its first `rows` logits rows -- and runs its layers (the bucket's
+        graph)."""
+        self._stage(batch, tokens, self.seq_slots, rows, table_rows=len(batch.context_lens) + 1)
+        self._replay(self.prefill_graphs, tokens, lambda: self._layers(tokens, self.seq_slots, decode=False))
+
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
-        self._stage(batch, T, S, 0)
-        if self.cached is not None:
-            self.cached.begin_step(batch.expert_hints)
-        self._run(T, S, 0, decode=False)
+        tokens = self._prefill_bucket(T)
+        if tokens is not None:     # padded as a step with fewer rows would be: the same bits in its sampling rows
+            self._prefill_layers(batch, tokens, 0)
+            T = tokens
+        else:
+            self._stage(batch, T, S, 0)
+            if self.cached is not None:
+                self.cached.begin_step(batch.expert_hints)
+            self._run(T, S, 0, decode=False)
         if self.cached is not None:
             self.stream.synchronize()
             self.cached.end_step()

@@ -94,21 +94,29 @@ class Graph:
 
 class GraphCache:
     """Passes captured per key (a step's padded shape): the first pass of a key runs eagerly, which loads every
-    kernel it launches (capture cannot load modules), the second is captured and replayed, later ones replay."""
+    kernel it launches (capture cannot load modules), the second is captured and replayed, later ones replay. A
+    key whose capture fails runs eagerly from then on (one warning), rather than failing every later step."""
 
     def __init__(self, stream):
         self.stream = stream
         self._graphs: dict[object, Graph] = {}
         self._seen: set[object] = set()
+        self._eager: set[object] = set()
 
     def run(self, key, issue) -> None:
         """issue(): launches the pass on self.stream (the same launches for the same key, every time)."""
         graph = self._graphs.get(key)
-        if graph is None and key in self._seen:
+        if graph is None and key in self._seen and key not in self._eager:
             graph = Graph(self.stream)
-            with graph:
-                issue()
-            self._graphs[key] = graph
+            try:
+                with graph:
+                    issue()
+            except Exception as exc:       # nothing ran: the capture only recorded the launches
+                log.warning("CUDA graph capture of step shape %s failed (%s); that shape runs eagerly", key, exc)
+                self._eager.add(key)
+                graph = None
+            else:
+                self._graphs[key] = graph
         if graph is None:
             self._seen.add(key)
             issue()
@@ -130,3 +138,4 @@ class GraphCache:
             graph.close()
         self._graphs.clear()
         self._seen.clear()
+        self._eager.clear()

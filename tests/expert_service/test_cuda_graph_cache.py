@@ -49,19 +49,31 @@ def test_eager_then_captured_then_replayed_per_key(monkeypatch):
     assert log == ["issue 48"]
 
 
-def test_a_failed_capture_keeps_no_graph(monkeypatch):
-    """A pass that raises while captured leaves nothing behind: the next step of that key is captured anew."""
+def test_a_failed_capture_runs_that_shape_eagerly_from_then_on(monkeypatch, caplog):
+    """A capture that fails (instantiation out of memory, a launch the capture refuses) leaves no graph: that pass
+    runs eagerly at once, and so does every later pass of that key, with one warning; other keys still capture."""
     monkeypatch.setattr(driver, "Graph", RecordingGraph)
-    RecordingGraph.log = []
+    RecordingGraph.log = log = []
     cache = GraphCache(stream="s")
-    cache.run(8, lambda: None)
+    calls = {"n": 0}
 
-    def fail():
-        raise ValueError("launch refused")
-    try:
-        cache.run(8, fail)
-    except ValueError:
-        pass
-    assert 8 not in cache
+    def issue():
+        calls["n"] += 1
+        log.append("issue")
+        if calls["n"] == 2:                         # the capture pass
+            raise RuntimeError("CUDA driver error CUDA_ERROR_OUT_OF_MEMORY")
+    cache.run(8, issue)
+    with caplog.at_level("WARNING", logger="colibri.worker.cuda"):
+        cache.run(8, issue)                         # capture fails, then the same pass eagerly
+    assert 8 not in cache and log == ["issue", "begin capture", "issue", "end capture", "issue"]
+    assert "capture of step shape 8 failed" in caplog.text
+    del log[:]
+    cache.run(8, issue)
+    assert log == ["issue"] and 8 not in cache      # eager, no second attempt
+    cache.run(16, lambda: None)
+    cache.run(16, lambda: None)
+    assert 16 in cache
+    cache.clear()                                   # a fresh start may capture again
+    cache.run(8, lambda: None)
     cache.run(8, lambda: None)
     assert 8 in cache
