@@ -66,12 +66,13 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return sorted(sizes | {max_tokens})
 
 
-def padding_seq_starts(n: int, T: int, count: int) -> np.ndarray:
-    """Ends of `count` padding sequences after n real tokens of a step padded to T. As many padding tokens as
-    sequences (a decode bucket): one each, as attention_decode reads them. Otherwise (a token bucket): the first
-    holds every padding token and the others are empty, so the padding costs the prefill attention one run of
-    tiles, not one per sequence slot."""
-    if T - n == count:
+def padding_seq_starts(n: int, T: int, count: int, one_each: bool) -> np.ndarray:
+    """Ends of `count` padding sequences after n real tokens of a step padded to T. one_each (a decode bucket: as
+    many padding tokens as sequences): one token each, as attention_decode reads them. Otherwise (a token bucket):
+    the first holds every padding token and the others are empty, so the padding costs the prefill attention one
+    run of tiles, not one per sequence slot."""
+    if one_each:
+        assert T - n == count, (n, T, count)
         return n + np.arange(1, count + 1)
     return np.full(count, T)
 
@@ -258,7 +259,7 @@ class CudaDecoder:
         """Stages a non-decode step padded to its token bucket -- the real sequences, then one more holding every
         padding token, the other slots empty; its first `rows` logits rows -- and runs its layers (the bucket's
         graph)."""
-        self._stage(batch, tokens, self.seq_slots, rows, table_rows=len(batch.context_lens) + 1)
+        self._stage(batch, tokens, self.seq_slots, rows, table_rows=len(batch.context_lens) + 1, token_bucket=True)
         self._replay(self.prefill_graphs, tokens, lambda: self._layers(tokens, self.seq_slots, decode=False))
 
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
@@ -292,10 +293,12 @@ class CudaDecoder:
             out[start:start + n] = self.ws.host["logits"][:n]
         return HostLogits(out, penalized)
 
-    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None) -> None:
+    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None,
+               token_bucket: bool = False) -> None:
         """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device. Padding
-        sequences take one padding token each and the last one the rest (none left: empty); they attend to nothing
-        and write no KV. table_rows: the block_tables rows to upload (default S; rows past them are never read)."""
+        sequences (`padding_seq_starts`) take one padding token each, or with token_bucket the first takes them all
+        and the rest are empty; they attend to nothing and write no KV. table_rows: the block_tables rows to upload
+        (default S; rows past them are never read)."""
         self.staged_steps += 1
         h = self.ws.host
         n, s = len(batch.token_ids), len(batch.context_lens)
@@ -306,7 +309,7 @@ class CudaDecoder:
         h["slot_mapping"][:n] = batch.slot_mapping
         h["slot_mapping"][n:T] = -1                   # padding writes no KV
         h["seq_starts"][:s + 1] = batch.seq_starts
-        h["seq_starts"][s + 1:S + 1] = padding_seq_starts(n, T, S - s)
+        h["seq_starts"][s + 1:S + 1] = padding_seq_starts(n, T, S - s, one_each=not token_bucket)
         h["context_lens"][:s] = batch.context_lens
         h["context_lens"][s:S] = 0                    # padding attends to nothing
         r = min(len(batch.logits_rows), R)

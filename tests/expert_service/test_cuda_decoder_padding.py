@@ -18,18 +18,16 @@ def test_buckets_cover_every_size_with_at_most_a_third_padding(max_tokens):
 @pytest.mark.parametrize("n, T, count", [(5, 8, 3), (0, 4, 4), (7, 7, 0), (61, 64, 3)])
 def test_decode_padding_gives_each_padding_sequence_one_token(n, T, count):
     """A decode bucket: as many padding tokens as padding sequences, one each (attention_decode's layout)."""
-    np.testing.assert_array_equal(padding_seq_starts(n, T, count), n + np.arange(1, count + 1))
+    np.testing.assert_array_equal(padding_seq_starts(n, T, count, one_each=True), n + np.arange(1, count + 1))
 
 
-@pytest.mark.parametrize("n, T, count", [(5, 100, 3), (5, 6, 3), (5, 5, 2), (0, 48, 1), (33, 48, 17), (3, 4, 65),
-                                         (512, 512, 65)])
+@pytest.mark.parametrize("n, T, count", [(5, 100, 3), (5, 6, 3), (5, 5, 2), (0, 48, 1), (33, 48, 15), (3, 4, 65),
+                                         (512, 512, 65), (61, 64, 3)])
 def test_token_padding_is_one_sequence_and_empty_slots(n, T, count):
     """A token bucket: the first padding sequence holds tokens n..T-1, every later slot is empty (ends at T), so
-    the prefill attention sees one run of padding tiles; ends never go backwards (the kernels walk seq_starts)."""
-    ends = padding_seq_starts(n, T, count)
-    if T - n == count:          # equal counts take the decode layout: also valid, one token each
-        np.testing.assert_array_equal(ends, n + np.arange(1, count + 1))
-        return
+    the prefill attention sees one run of padding tiles, even when the counts happen to match a decode layout;
+    ends never go backwards (the kernels walk seq_starts)."""
+    ends = padding_seq_starts(n, T, count, one_each=False)
     starts = np.concatenate([[n], ends[:-1]])
     sizes = ends - starts
     assert len(ends) == count and (ends == T).all() and (sizes >= 0).all() and sizes.sum() == T - n
