@@ -48,9 +48,10 @@ def cases(T: int, rng) -> dict:
     weights = dev(rng.random((T, K), dtype=np.float32))
     h = dev(rng.standard_normal((T, D), dtype=np.float32))
     state = {"previous": False}
+    spread_default = numeric.SPREAD_TARGET_BLOCKS      # every case ends with set_previous(False): restored
 
     def spread(previous: bool) -> None:
-        numeric.SPREAD_TARGET_BLOCKS = 1 if previous else SPREAD
+        numeric.SPREAD_TARGET_BLOCKS = 1 if previous else spread_default
     return {
         "rmsnorm_heads": (lambda i, st: launch_rmsnorm(heads, norm_w, 1e-6, heads, stream=st,
                                                        threads=THREADS if state["previous"] else None),
@@ -62,13 +63,10 @@ def cases(T: int, rng) -> dict:
 
 
 def main(argv=None) -> int:
-    global SPREAD
-    import expert_service.kernels.numeric as numeric
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/small_kernels.json")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
-    SPREAD = numeric.SPREAD_TARGET_BLOCKS
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     results = {"device": cuda.get_current_device().name, "repeats": args.repeats, "cases": []}

@@ -7,17 +7,19 @@ powers of two) and replay a graph of the layers captured per bucket, when every 
 on the device (`moe.capturable`; not with the expert cache, nor where per-expert cuBLAS GEMMs need the expert
 offsets on the host); the padding tokens form one extra sequence that writes no KV and attends to nothing, and
 the LM head runs eagerly on the real rows while the graph executes. Everything else runs eagerly. The decoder
-holds embedding, attention, the dense MLP, the LM head, step staging and the graphs; linear layers go through cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each
-sparse layer's MoE block through cuda/moe.py (its strategies by step size, and the expert cache). The head's
-argmax is `greedy_split` (two passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the
-one-block-per-row `greedy`). RoPE and the KV write are one launch (`rope_kv_write`) unless USE_FUSED_ROPE_KV is
-off; a MoE layer's combine also computes the next layer's input RMSNorm (`moe_combine_rmsnorm`) unless
-USE_FUSED_COMBINE_NORM is off. Switches are read while a pass is issued: a captured graph keeps the path it was
-captured with (drop_graphs() re-captures). With routing=lut each step's routing plan is staged with its metadata
-(workspace.stage_routed_ids) and the MoE layers route from it (cuda/moe.py).
+holds embedding, attention, the dense MLP, the LM head, step staging and the graphs; linear layers go through
+cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each sparse layer's MoE block through
+cuda/moe.py (its strategies by step size, and the expert cache). The head's argmax is `greedy_split` (two
+passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the one-block-per-row `greedy`).
+RoPE and the KV write are one launch (`rope_kv_write`) unless USE_FUSED_ROPE_KV is off; a MoE layer's combine
+also computes the next layer's input RMSNorm (`moe_combine_rmsnorm`) unless USE_FUSED_COMBINE_NORM is off.
+Switches are read while a pass is issued: a captured graph keeps the path it was captured with (drop_graphs()
+re-captures). With routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids)
+and the MoE layers route from it (cuda/moe.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -225,8 +227,8 @@ class CudaDecoder:
                 trace.expert_ids[layer] = ids[index, :T].copy()
         return DeviceLogits(self, R, penalized)
 
-    @property
-    def prefill_buckets(self) -> list[int]:
+    @functools.cached_property
+    def prefill_buckets(self) -> list[int]:        # max_tokens is fixed: listed once, read by every step
         return prefill_buckets(self.max_tokens)
 
     def _prefill_capturable(self, tokens: int) -> bool:
@@ -420,9 +422,7 @@ class CudaDecoder:
         self.prefill_graphs.clear()
 
     def close(self) -> None:
-        self.stream.synchronize()
-        self.graphs.clear()
-        self.prefill_graphs.clear()
+        self.drop_graphs()
         self.cublas.close()
         if self.cached is not None:
             self.cached.close()

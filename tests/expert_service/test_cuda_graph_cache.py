@@ -33,20 +33,20 @@ def test_eager_then_captured_then_replayed_per_key(monkeypatch):
     monkeypatch.setattr(driver, "Graph", RecordingGraph)
     RecordingGraph.log = log = []
     cache = GraphCache(stream="s")
-    issue = {key: (lambda key=key: log.append(f"issue {key}")) for key in (48, 64)}
-    cache.run(48, issue[48])
-    assert log == ["issue 48"] and 48 not in cache and not cache
-    cache.run(48, issue[48])
-    assert log[1:] == ["begin capture", "issue 48", "end capture", "replay"] and 48 in cache
-    cache.run(64, issue[64])                       # another key starts eagerly
-    cache.run(48, issue[48])
-    assert log[5:] == ["issue 64", "replay"] and list(cache) == [48] and len(cache) == 1
+    launch = {key: (lambda key=key: log.append(f"launch {key}")) for key in (48, 64)}
+    cache.run(48, launch[48])
+    assert log == ["launch 48"] and 48 not in cache and not cache
+    cache.run(48, launch[48])
+    assert log[1:] == ["begin capture", "launch 48", "end capture", "replay"] and 48 in cache
+    cache.run(64, launch[64])                       # another key starts eagerly
+    cache.run(48, launch[48])
+    assert log[5:] == ["launch 64", "replay"] and list(cache) == [48] and len(cache) == 1
     graph = cache._graphs[48]
     cache.clear()
     assert graph.closed and not cache
     del log[:]
-    cache.run(48, issue[48])                       # after clear(): eager again, then captured
-    assert log == ["issue 48"]
+    cache.run(48, launch[48])                       # after clear(): eager again, then captured
+    assert log == ["launch 48"]
 
 
 def test_a_failed_capture_runs_that_shape_eagerly_from_then_on(monkeypatch, caplog):
@@ -57,19 +57,19 @@ def test_a_failed_capture_runs_that_shape_eagerly_from_then_on(monkeypatch, capl
     cache = GraphCache(stream="s")
     calls = {"n": 0}
 
-    def issue():
+    def launch():
         calls["n"] += 1
-        log.append("issue")
+        log.append("launch")
         if calls["n"] == 2:                         # the capture pass
             raise RuntimeError("CUDA driver error CUDA_ERROR_OUT_OF_MEMORY")
-    cache.run(8, issue)
+    cache.run(8, launch)
     with caplog.at_level("WARNING", logger="colibri.worker.cuda"):
-        cache.run(8, issue)                         # capture fails, then the same pass eagerly
-    assert 8 not in cache and log == ["issue", "begin capture", "issue", "end capture", "issue"]
+        cache.run(8, launch)                         # capture fails, then the same pass eagerly
+    assert 8 not in cache and log == ["launch", "begin capture", "launch", "end capture", "launch"]
     assert "capture of step shape 8 failed" in caplog.text
     del log[:]
-    cache.run(8, issue)
-    assert log == ["issue"] and 8 not in cache      # eager, no second attempt
+    cache.run(8, launch)
+    assert log == ["launch"] and 8 not in cache      # eager, no second attempt
     cache.run(16, lambda: None)
     cache.run(16, lambda: None)
     assert 16 in cache
