@@ -1,9 +1,13 @@
-"""The small per-token kernels of a decode step under their current launch shape against the previous one, in
-one run (GPU; qwen3moe shape: D 2048, H 32, Hkv 4, Hd 128, top-8).
+"""Small memory-bound kernels of a step under their current launch shape against the previous one, in one run
+(GPU; qwen3moe shape: D 2048, H 32, Hkv 4, Hd 128, top-8).
 
-- rmsnorm over per-head rows [T*H, 128] (the q/k norms): `row_threads` (128 threads a row) vs rmsnorm.THREADS;
+- rmsnorm over per-head rows [T*H, 128] (the q/k norms): a warp per row, 8 rows a block (the default) vs one
+  block of 128 threads per row with a block reduction (`threads=128`, the previous default);
 - rope_kv_write [T tokens] and moe_combine [T tokens x 8 experts x 2048]: rows spread over blocks
-  (`numeric.blocks_per_row`) vs one block per token (SPREAD_TARGET_BLOCKS = 1).
+  (`numeric.blocks_per_row`) vs one block per token (SPREAD_TARGET_BLOCKS = 1);
+- prefill sizes only (T >= 512): moe_gather_bf16 [T*8 rows x 2048] (words of 4 bf16 vs the one-element kernel,
+  which odd widths still take) and the bf16 cast of [T, 6144] (words of 4, uncapped grid vs one element a
+  thread over at most elementwise.MAX_BLOCKS blocks: `cast_reference_launch` below).
 Both shapes of each kernel give the same bits (tested in tests/expert_service/kernels); only time differs.
 GPU time per launch: `--repeats` launches captured in one CUDA graph and replayed between two events
 (bench/kernels.py `graph_timed`). One line per case with both times and the ratio previous / current (> 1:
@@ -23,16 +27,35 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import graph_timed  # noqa: E402
+from expert_service.kernels.numeric import f32_to_bf16  # noqa: E402
 
 D, H, HKV, HD, K = 2048, 32, 4, 128, 8
-TOKENS = (1, 16, 64, 2048)
+TOKENS = (1, 16, 64, 512, 2048)
+PREFILL_TOKENS = 512          # the gather and the cast run at this many tokens and more
+CAST_COLS, GATHER_BLOCK_M = 6144, 64
+
+
+@cuda.jit
+def _cast_reference_kernel(x, out):
+    """The previous cast: x [n] float32 -> out [n] uint16 (bf16 bits), one element a thread per grid-stride step."""
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        out[i] = f32_to_bf16(x[i])
+
+
+def cast_reference_launch(x, out, stream) -> None:
+    """The previous launch_cast to bfloat16: 256 threads, grid capped at elementwise.MAX_BLOCKS."""
+    from expert_service.kernels.elementwise import MAX_BLOCKS
+    blocks = min(MAX_BLOCKS, -(-x.size // 256))
+    _cast_reference_kernel[blocks, 256, stream](x.reshape(-1), out.reshape(-1))
 
 
 def cases(T: int, rng) -> dict:
     """name -> (launch(i, stream), set_previous(bool)) for a step of T tokens."""
     import expert_service.kernels.numeric as numeric
+    from expert_service.kernels import moe_align
+    from expert_service.kernels.elementwise import launch_cast
     from expert_service.kernels.moe_combine import launch_moe_combine
-    from expert_service.kernels.rmsnorm import THREADS, launch_rmsnorm
+    from expert_service.kernels.rmsnorm import launch_rmsnorm
     from expert_service.kernels.rope_kv_write import launch_rope_kv_write
     dev = lambda a: cuda.to_device(np.ascontiguousarray(a))    # noqa: E731
     heads = dev(rng.standard_normal((T * H, HD), dtype=np.float32))
@@ -52,14 +75,39 @@ def cases(T: int, rng) -> dict:
 
     def spread(previous: bool) -> None:
         numeric.SPREAD_TARGET_BLOCKS = 1 if previous else spread_default
-    return {
+
+    def flag(previous: bool) -> None:
+        state.update(previous=previous)
+    out = {
         "rmsnorm_heads": (lambda i, st: launch_rmsnorm(heads, norm_w, 1e-6, heads, stream=st,
-                                                       threads=THREADS if state["previous"] else None),
-                          lambda previous: state.update(previous=previous)),
+                                                       threads=128 if state["previous"] else None), flag),
         "rope_kv_write": (lambda i, st: launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool,
                                                              stream=st), spread),
         "moe_combine": (lambda i, st: launch_moe_combine(y, position, weights, h, stream=st), spread),
     }
+    if T < PREFILL_TOKENS:
+        return out
+    rows = T * K                                       # every row an assignment (no padding rows)
+    sorted_ids = dev(rng.permutation(rows).astype(np.int32))
+    num_tiles = dev(np.array([rows // GATHER_BLOCK_M], np.int32))
+    xs = cuda.device_array((rows, D), np.uint16)
+    gather_args = (h, sorted_ids, num_tiles, np.int32(K), np.int32(GATHER_BLOCK_M), xs)
+    wide = dev(rng.standard_normal((T, CAST_COLS), dtype=np.float32))
+    wide_bf16 = cuda.device_array((T, CAST_COLS), np.uint16)
+
+    def gather(i, st):
+        if state["previous"]:
+            moe_align._gather_bf16_kernel[rows, moe_align.GATHER_THREADS, st](*gather_args)
+        else:
+            moe_align.launch_moe_gather_bf16(h, sorted_ids, num_tiles, K, GATHER_BLOCK_M, xs, stream=st)
+
+    def cast(i, st):
+        if state["previous"]:
+            cast_reference_launch(wide, wide_bf16, st)
+        else:
+            launch_cast(wide, wide_bf16, stream=st)
+    out.update(gather_bf16=(gather, flag), cast_bf16=(cast, flag))
+    return out
 
 
 def main(argv=None) -> int:

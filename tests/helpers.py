@@ -5,7 +5,8 @@ tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_servic
 - Storage dtypes: ``STORAGE_DTYPES`` (weights and KV pools: float32, float16, bfloat16 as uint16 words),
   ``to_storage`` / ``from_storage`` (through common.dtypes, as the model files do), ``random_weight``.
 - Comparisons: ``assert_close`` for kernel outputs, ``rel_error`` for a figure to check or report.
-- Kernel inputs: ``nan_device``, ``random_cache`` (paged KV), ``expert_buffer`` and ``random_ids`` (MoE).
+- Kernel inputs: ``nan_device``, ``random_cache`` (paged KV), ``expert_buffer`` and ``random_ids`` (MoE),
+  ``awkward_floats`` (16-bit rounding edge cases) with ``bf16_bits`` (the kernels' bfloat16 rounding).
 - Text: ``byte_ids``; the one byte-level tokenizer is the tiny model's (``expert_service.tiny_model``).
 - Engines and services: ``run_session`` / ``exact_plans`` (expert cache), ``make_token_routed_model``,
   ``BackgroundWorker`` (an in-process worker) and ``running_router`` (an in-process router).
@@ -109,6 +110,27 @@ def expert_buffer(rng, n_exp: int, F: int, D: int, dtype, scale: float = 0.3):
 def random_ids(rng, n_tok: int, top_k: int, n_exp: int) -> np.ndarray:
     """[n_tok, top_k] int32 distinct expert ids per token."""
     return np.stack([rng.choice(n_exp, size=top_k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """The kernels' float32 -> bfloat16 rounding (numeric.f32_to_bf16) in numpy, as uint16 bits: nearest even, a
+    NaN keeps its high bits and is made quiet (ml_dtypes agrees on every non-NaN value)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def awkward_floats(rng, shape) -> np.ndarray:
+    """Random float32 normals (never zero) with the 16-bit roundings' edge cases scattered in: bfloat16 ties to
+    even both ways, NaN, +-inf, float32 subnormals, the largest float32; float16 overflow to inf (65520) and
+    just below it, the smallest normal and the largest subnormal, a subnormal tie to even."""
+    x = rng.standard_normal(shape).astype(np.float32).reshape(-1)
+    special = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7FC00001, 0xFF800001, 0x7F800000, 0xFF800000,
+                        0x00000001, 0x80008000, 0x7F7FFFFF, 0x477FF000, 0xC77FEFFF, 0x38800000, 0x387FC000,
+                        0x33C00000], np.uint32).view(np.float32)
+    where = rng.choice(x.size, min(x.size, special.size), replace=False)
+    x[where] = special[:where.size]
+    return x.reshape(shape)
 
 
 # --- text ------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import GraphCache, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import CachedExperts, DeviceMoe, capturable, warmup_tokens
+from expert_service.cuda.moe import (CachedExperts, DeviceMoe, MoeStrategy, capturable, reachable_strategies,
+                                     warmup_tokens)
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
@@ -142,6 +143,10 @@ class CudaDecoder:
             if self.engine_config.cuda_graphs else []
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
+        bf16 = self.weights.dtype == np.uint16
+        if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(self.max_tokens, cfg.num_experts_per_tok,
+                                                                 cfg.num_experts, False, bf16):
+            self.moe.warm_cublas_shapes(self.max_tokens)
         for T in buckets:       # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warmup_step(T, span, logits=False)

@@ -109,6 +109,10 @@ GROUPED_MMA_MIN_TOKENS = 2     # one token keeps the GEMV strategy (T*K < E here
 # token made a qwen3 decode combine ~20 µs. The all-experts combine (moe_combine_dense, one block a token either
 # way) always fuses: there the split would only add the rmsnorm launch.
 FUSED_COMBINE_NORM_MIN_TOKENS = 256
+# cuBLAS chooses a kernel for every GEMM shape it has not seen, at ~0.6 ms of host time each (H200, cuBLAS 13;
+# bench/moe_gemm.py --cublas-host): the per-expert row counts of CUBLAS_PER_EXPERT change every step, so each
+# expert's GEMMs run on its rows rounded up to a multiple of these (warm-up runs every such shape once).
+CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
 # The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
 USE_FUSED_ROUTER = True
 FUSED_ROUTER_MAX_TOKENS = 64
@@ -154,6 +158,13 @@ def capturable(T: int, K: int, E: int, cached: bool, bf16: bool) -> bool:
 def reachable_strategies(max_tokens: int, K: int, E: int, cached: bool, bf16: bool) -> set[MoeStrategy]:
     """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers)."""
     return {choose_strategy(T, K, E, cached, bf16) for T in range(1, max_tokens + 1)}
+
+
+def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Rows each per-expert GEMM computes: `rows` rounded up (multiples of CUBLAS_ROW_QUANTUM, above
+    CUBLAS_LARGE_ROWS of CUBLAS_ROW_QUANTUM_LARGE), at most `room` (the buffer rows from the expert's first)."""
+    quantum = np.where(rows <= CUBLAS_LARGE_ROWS, CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE)
+    return np.minimum(-(-rows // quantum) * quantum, room)
 
 
 def fused_router(T: int) -> bool:
@@ -402,7 +413,10 @@ class DeviceMoe:
         st.synchronize()
         offsets = ws.host["offsets"]
         active = np.flatnonzero(np.diff(offsets))
-        lo, rows = offsets[active].astype(np.int64), np.diff(offsets)[active]
+        lo = offsets[active].astype(np.int64)
+        # Rounded row counts (cublas_rows): an expert's extra rows are the next experts' rows, recomputed by
+        # their own GEMMs issued after it on this stream, or rows past the step's (never read).
+        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), ws.moe_out.shape[0] - lo)
         dtype, item = self.weights.dtype, experts.dtype.itemsize
         gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
         g, up = ws.moe_gate[:n], ws.moe_up[:n]
@@ -413,6 +427,23 @@ class DeviceMoe:
         gc = device_address(self.linear.as_weight_dtype(g)) + lo * F * item
         blas.linear_each(gate + 2 * F * D * item, gc, device_address(out) + lo * D * 4, rows, D, F, dtype)
         combine(out, position, weights, h)
+
+    def warm_cublas_shapes(self, max_tokens: int) -> None:
+        """Runs the per-expert GEMM shapes of every rounded row count up to max_tokens * K once (cublas_rows), so
+        cuBLAS has chosen their kernels before serving. Writes only workspace rows."""
+        cfg, ws, blas = self.config, self.ws, self.linear.cublas
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        cap = ws.moe_out.shape[0]
+        counts = np.unique(cublas_rows(np.arange(1, min(cap, max_tokens * cfg.num_experts_per_tok) + 1), cap))
+        experts = self.weights.experts.get(self.moe_layers[0])
+        w, dtype = device_address(experts), self.weights.dtype
+        one = np.ones(1, np.int64)
+        for m in counts.tolist():     # as _cublas_per_expert: gate shape from moe_in, down shape from moe_gate
+            x = device_address(self.linear.as_weight_dtype(ws.moe_in))
+            blas.linear_each(w * one, x * one, device_address(ws.moe_gate) * one, m * one, F, D, dtype)
+            g = device_address(self.linear.as_weight_dtype(ws.moe_gate))
+            blas.linear_each(w * one, g * one, device_address(ws.moe_out) * one, m * one, D, F, dtype)
+        self.stream.synchronize()
 
     def _shared_expert(self, i: int, x, h, T: int) -> None:
         ws, w, lin = self.ws, self.weights, self.linear

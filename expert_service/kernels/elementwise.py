@@ -9,6 +9,12 @@ cast:            out = round(x) to bfloat16 bits / float16 (activations for 16-b
 
 All kernels run over flat C-contiguous views with a grid-stride loop (one element per thread per step,
 coalesced); grids are capped at MAX_BLOCKS so big tensors reuse resident blocks. Pure bandwidth.
+The cast is the exception, being the one run over whole prefill activations (T x 6144 and more): a thread
+loads CAST_WORDS words of 4 floats (two 8-byte loads each) before it stores them as 8-byte words of 4 16-bit
+values, and the grid covers every word. One element a step would keep one 4-byte load a thread in flight (the
+next step's load cannot move above a store the compiler must assume aliases it), too few bytes for the
+bandwidth, and a 2-byte store per element. Elements past the last whole word, and every element of arrays not
+8-byte aligned, take the one-element path.
 """
 from __future__ import annotations
 
@@ -18,11 +24,12 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import storer, widener
+from expert_service.kernels.numeric import aligned8, packer4, storer, widener
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
 MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
+CAST_WORDS = 4      # words of 4 elements a cast thread converts at once (8 loads of 8 bytes in flight)
 
 
 def silu_mul_kernel(g, u, h):
@@ -69,10 +76,26 @@ def _build_bias(weight_dtype):
 @functools.lru_cache(maxsize=None)
 def _build_cast(out_dtype):
     store = storer(out_dtype)
+    pack4 = packer4(out_dtype)
 
-    def cast_kernel(x, out):
-        """x: [n] float32 flat view. out: [n] uint16 (bfloat16 bits, round to nearest even) or float16."""
-        for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+    def cast_kernel(x, out, x2, out4):
+        """x: [n] float32 flat view. out: [n] uint16 (bfloat16 bits, round to nearest even) or float16.
+        x2: [2 * W] uint64, x[:4 * W] as float32 pairs; out4: [W] uint64, out[:4 * W] as words of 4 (W = 0
+        where x or out is not 8-byte aligned). Thread i converts words i, i + gridsize, ... (CAST_WORDS of
+        them) at once, grid-striding; then elements 4 * W .. n - 1 one a thread."""
+        stride = cuda.gridsize(1)
+        lo = cuda.local.array(CAST_WORDS, np.uint64)
+        hi = cuda.local.array(CAST_WORDS, np.uint64)
+        for base in range(cuda.grid(1), out4.shape[0], CAST_WORDS * stride):
+            for j in range(CAST_WORDS):          # every load before any store (see the module docstring)
+                q = base + j * stride
+                if q < out4.shape[0]:
+                    lo[j], hi[j] = x2[2 * q], x2[2 * q + 1]
+            for j in range(CAST_WORDS):
+                q = base + j * stride
+                if q < out4.shape[0]:
+                    out4[q] = pack4(lo[j], hi[j])
+        for i in range(4 * out4.shape[0] + cuda.grid(1), x.shape[0], stride):
             store(out, i, x[i])
 
     return cast_kernel, cached_jit(cast_kernel)
@@ -129,8 +152,15 @@ def launch_add_bias(y, bias, stream=0, threads=THREADS) -> None:
 def launch_cast(x, out, stream=0, threads=THREADS) -> None:
     """x: float32 device array; out: same shape, uint16 (bfloat16 bits, round to nearest even) or float16."""
     assert x.shape == out.shape and x.dtype == np.float32 and out.dtype in (np.uint16, np.float16), out.dtype
-    if x.size:
-        _build_cast(np.dtype(out.dtype))[1][_grid(x.size, threads), threads, stream](*_flat(x, out))
+    if not x.size:
+        return
+    flat_x, flat_out = _flat(x, out)
+    n = flat_x.shape[0]
+    main = n - n % 4 if aligned8(flat_x, flat_out) else 0
+    x2, out4 = ((a if main == n else a[:main]).view(np.uint64) for a in (flat_x, flat_out))
+    # uncapped: CAST_WORDS words a thread (the unaligned case: one element a thread)
+    blocks = max(1, -(-(main // 4) // (CAST_WORDS * threads)), -(-(n - main) // threads))
+    _build_cast(np.dtype(out.dtype))[1][blocks, threads, stream](flat_x, flat_out, x2, out4)
 
 
 def sm90_signatures():
@@ -141,5 +171,5 @@ def sm90_signatures():
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_bias(np.dtype(dt))[0], (f2, nb[::1])))
     for dt, nb in ((np.float16, types.float16), (np.uint16, types.uint16)):
-        out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1])))
+        out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1], types.uint64[::1], types.uint64[::1])))
     return out

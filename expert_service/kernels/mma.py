@@ -2,7 +2,9 @@
 
 Numba has no mma/wmma API (numba/numba#5899), so these are `numba.cuda.extending.intrinsic`s emitting llvmlite
 `ir.InlineAsm`, the way numba-cuda's own cache_hints.py emits `ld.global.cs`. The CUDA simulator cannot run inline
-PTX: a kernel that calls them must not be launched under NUMBA_ENABLE_CUDASIM (callers keep a plain fallback).
+PTX: a kernel that calls them must not be launched under NUMBA_ENABLE_CUDASIM (callers keep a plain fallback), or
+calls `block_mma` / `block_pack` instead: the intrinsics on the GPU and, in the simulator, an exact emulation
+through shared memory (every thread of the block must then call block_mma together).
 
 Fragments of `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (PTX ISA, "Matrix Fragments for mma.m16n8k16
 with floating point type"), per lane with g = lane >> 2 and t = lane & 3. Each A/B register is a uint32 holding two
@@ -15,9 +17,14 @@ four consecutive values 4t:4t+4 as its "2t:2t+2" and "2t+8:2t+10" pairs) to read
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import cuda, types
 from numba.cuda.extending import intrinsic
+
+from expert_service.kernels.numeric import SIMULATOR, WARP, f32_to_bf16
+
+_MAX_SIM_THREADS = 256
 
 _MMA_BF16 = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
              "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
@@ -65,3 +72,42 @@ def exp2_approx(typingctx, x):
         return builder.call(ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), list(args))
 
     return sig, codegen
+
+
+# ---- block_mma / block_pack: the intrinsics on the GPU, an exact emulation in the simulator ---------------
+# Kernels that must also run under NUMBA_ENABLE_CUDASIM (on small tiles, so CI tests their indexing) call these. -------------------------
+if SIMULATOR:
+    # Fragment maps of mma.m16n8k16 (PTX ISA): A[r, k] is half k % 2 of register r // 8 + 2 (k // 8) of lane
+    # (r % 8) * 4 + (k % 8) // 2; B[k, n] is half k % 2 of register 4 + k // 8 of lane n * 4 + (k % 8) // 2.
+    _r, _k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    _A_LANE, _A_REG, _A_SHIFT = (_r % 8) * 4 + (_k % 8) // 2, _r // 8 + 2 * (_k // 8), 16 * (_k % 2)
+    _kb, _n = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+    _B_LANE, _B_REG, _B_SHIFT = _n * 4 + (_kb % 8) // 2, 4 + _kb // 8, 16 * (_kb % 2)
+
+    def _unpack(words, shift):
+        return (((words >> shift.astype(np.uint32)) & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32)
+
+    @cuda.jit(device=True)
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync m16n8k16 bf16 -> f32 over the block's warps (every thread of the block must call it together:
+        the emulation exchanges fragments through shared memory between two block barriers)."""
+        regs = cuda.shared.array((_MAX_SIM_THREADS, 6), np.uint32)
+        tid = cuda.threadIdx.x
+        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
+            regs[tid, i] = v
+        cuda.syncthreads()
+        warp = regs[tid - tid % WARP:tid - tid % WARP + WARP]
+        a = _unpack(warp[_A_LANE, _A_REG], _A_SHIFT).astype(np.float64)
+        b = _unpack(warp[_B_LANE, _B_REG], _B_SHIFT).astype(np.float64)
+        g, t = (tid % WARP) // 4, tid % 4
+        d = a @ b
+        cuda.syncthreads()
+        return (np.float32(c0 + d[g, 2 * t]), np.float32(c1 + d[g, 2 * t + 1]),
+                np.float32(c2 + d[g + 8, 2 * t]), np.float32(c3 + d[g + 8, 2 * t + 1]))
+
+    @cuda.jit(device=True)
+    def pack(lo, hi):
+        return np.uint32(f32_to_bf16(lo)) | (np.uint32(f32_to_bf16(hi)) << np.uint32(16))
+    block_mma, block_pack = mma, pack
+else:
+    block_mma, block_pack = mma_bf16_m16n8k16, pack_bf16x2

@@ -12,6 +12,9 @@ launch_moe_align(ids, block_m, ...) -- one block, one launch (the counting sort 
   row's result is independent of it.
 launch_moe_gather_bf16(x, sorted_ids, num_tiles, top_k, block_m, xs) -- the GEMM's A operand: xs[r] =
   bf16(x[sorted_ids[r] // K]) (round to nearest even), zeros in padding rows; rows past the used ones exit.
+  A block per row. When D % 4 == 0 (and x, xs 8-byte aligned) a thread converts GATHER_WORDS words of 4 floats
+  at once: all their 8-byte loads in flight, then one 8-byte store of 4 bf16 per word. Other widths take one
+  element per step, a 2-byte store each, each step's load waiting for the previous step's store.
 
 Reference: `moe_align_reference` (numpy), which the tests compare with (per expert as sets).
 Why one block: as expert_grouping (T*K <= 65536 is a few passes over shared memory on one SM; a multi-block
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, f32_to_bf16
+from expert_service.kernels.numeric import SIMULATOR, aligned8, f32_to_bf16, packer4
 from expert_service.kernels.jit_cache import cached_jit
 
 MAX_E = 256
@@ -31,6 +34,10 @@ MAX_ASSIGNMENTS = 1 << 20
 THREADS = 64 if SIMULATOR else 1024     # the simulator runs a Python thread per CUDA thread; same code path
 _SCAN_SLOTS = 1024                      # >= THREADS
 GATHER_THREADS = 32 if SIMULATOR else 256
+# D % 4 == 0: a thread converts GATHER_WORDS words of 4 floats at once (8 loads in flight), so D = 2048 is one
+# step of 128 threads and 16 rows' blocks fit an SM: a row's memory round trips overlap other rows'.
+GATHER_WORDS = 4
+GATHER_WORD_THREADS = 32 if SIMULATOR else 128
 
 
 def max_tiles(n_assignments: int, n_experts: int, block_m: int) -> int:
@@ -141,7 +148,7 @@ def launch_moe_align(ids, n_exp: int, block_m: int, sorted_ids, tile_expert, num
 
 @cached_jit
 def _gather_bf16_kernel(x, sorted_ids, num_tiles, top_k, block_m, xs):
-    """x [T, D] f32, sorted_ids [rows] int32, num_tiles [1] -> xs [rows, D] uint16 (bf16 bits).
+    """Any D. x [T, D] f32, sorted_ids [rows] int32, num_tiles [1] -> xs [rows, D] uint16 (bf16 bits).
     Grid (rows,), block (GATHER_THREADS,)."""
     r = cuda.blockIdx.x
     if r >= num_tiles[0] * block_m:
@@ -157,6 +164,39 @@ def _gather_bf16_kernel(x, sorted_ids, num_tiles, top_k, block_m, xs):
         xs[r, d] = f32_to_bf16(x[t, d])
 
 
+_pack_bf16x4 = packer4(np.uint16)
+
+
+@cached_jit
+def _gather_bf16_words_kernel(x2, sorted_ids, num_tiles, top_k, block_m, xs4):
+    """D % 4 == 0. x2 [T, D/2] uint64 (x's float32 pairs), sorted_ids [rows] int32, num_tiles [1] -> xs4
+    [rows, D/4] uint64 (words of 4 bf16, the first element in the low bits). Grid (rows,), block
+    (GATHER_WORD_THREADS,): thread i converts words i, i + blockDim, ... (GATHER_WORDS of them) at once."""
+    r = cuda.blockIdx.x
+    if r >= num_tiles[0] * block_m:
+        return
+    a = sorted_ids[r]
+    words = xs4.shape[1]
+    step = cuda.blockDim.x
+    if a < 0:
+        for q in range(cuda.threadIdx.x, words, step):
+            xs4[r, q] = np.uint64(0)
+        return
+    t = a // top_k
+    lo = cuda.local.array(GATHER_WORDS, np.uint64)
+    hi = cuda.local.array(GATHER_WORDS, np.uint64)
+    for base in range(cuda.threadIdx.x, words, GATHER_WORDS * step):
+        # every load before any store: the compiler must assume xs4 may alias x2 and would not reorder them
+        for j in range(GATHER_WORDS):
+            q = base + j * step
+            if q < words:
+                lo[j], hi[j] = x2[t, 2 * q], x2[t, 2 * q + 1]
+        for j in range(GATHER_WORDS):
+            q = base + j * step
+            if q < words:
+                xs4[r, q] = _pack_bf16x4(lo[j], hi[j])
+
+
 def launch_moe_gather_bf16(x, sorted_ids, num_tiles, top_k: int, block_m: int, xs, stream=0) -> None:
     """x [T, D] f32; sorted_ids [rows] int32 and num_tiles [1] int32 from launch_moe_align; xs [rows, D] uint16
     written in the used rows (bf16 of each row's token, zeros in padding rows)."""
@@ -165,9 +205,14 @@ def launch_moe_gather_bf16(x, sorted_ids, num_tiles, top_k: int, block_m: int, x
             or sorted_ids.dtype != np.int32 or num_tiles.shape != (1,) or rows % block_m):
         raise ValueError(f"moe_gather_bf16: x {x.shape} {x.dtype}, sorted_ids {sorted_ids.shape}, xs {xs.shape} "
                          f"{xs.dtype}, BM {block_m}")
-    if rows:
-        _gather_bf16_kernel[rows, GATHER_THREADS, stream](x, sorted_ids, num_tiles, np.int32(top_k),
-                                                          np.int32(block_m), xs)
+    if not rows:
+        return
+    args = (sorted_ids, num_tiles, np.int32(top_k), np.int32(block_m))
+    if (x.shape[1] % 4 == 0 and x.shape[0] and x.flags["C_CONTIGUOUS"] and xs.flags["C_CONTIGUOUS"]
+            and aligned8(x, xs)):
+        _gather_bf16_words_kernel[rows, GATHER_WORD_THREADS, stream](x.view(np.uint64), *args, xs.view(np.uint64))
+    else:
+        _gather_bf16_kernel[rows, GATHER_THREADS, stream](x, *args, xs)
 
 
 def moe_align_reference(ids: np.ndarray, n_exp: int, block_m: int):
@@ -196,4 +241,5 @@ def sm90_signatures():
     """(python function, numba signature) of every kernel, for the sm_90 compile check."""
     i1, i32 = types.int32[::1], types.int32
     return [(_moe_align_kernel.py_func, (types.int32[:, ::1], i32, i32, i1, i1, i1, i1)),
-            (_gather_bf16_kernel.py_func, (types.float32[:, ::1], i1, i1, i32, i32, types.uint16[:, ::1]))]
+            (_gather_bf16_kernel.py_func, (types.float32[:, ::1], i1, i1, i32, i32, types.uint16[:, ::1])),
+            (_gather_bf16_words_kernel.py_func, (types.uint64[:, ::1], i1, i1, i32, i32, types.uint64[:, ::1]))]

@@ -18,16 +18,19 @@ Kernel design (one block = BM padded rows of one expert x BN weight rows; 32 * W
   order): consecutive blocks share an expert's weight tiles and a few A tiles, so both stay in L2.
 - gate|up: the block's BN weight rows are BN/2 gate rows and the same BN/2 up rows (F columns f0 .. f0+BN/2),
   and each warp holds matching gate and up accumulators, so SwiGLU is the epilogue; h is written as bf16.
-- Main loop over the input dim in BK steps: A [BM, BK] and B [BN, BK] tiles staged in shared memory as uint64
-  words of 4 bf16 (XOR-swizzled rows: the fragment loads are free of bank conflicts without padding), double
-  buffered with the next step's global loads held in registers across the mma's (one barrier per step).
-  16-byte global loads (`ptx.ld_v4`) when D, F are multiples of 8 ("aligned"); otherwise the same kernel with
-  element loads and bounds on every element ("generic": any D, F).
+- Main loop over the input dim in BK steps: A [BM, BK] and B [BN, BK] tiles in a ring of S stages in dynamic
+  shared memory, as uint64 words of 4 bf16 (XOR-swizzled rows: the fragment loads are free of bank conflicts
+  without padding). Aligned (D, F multiples of 8): 16-byte `cp.async` copies straight from global to shared
+  (`ptx.cp_async16`), S - 1 steps in flight; each step waits for its stage, passes one barrier, refills the
+  stage the previous step used, then runs its mma's. Input dims that are a multiple of BK (real models) skip
+  the K-tail checks. Otherwise ("generic": any D, F) the same pipeline with checked element loads and plain
+  shared stores.
 - mma fragments: the k index is permuted so that one 8-byte shared load is a lane's whole pair of A (or B)
   registers: lane t's "2t, 2t+1" / "2t+8, 2t+9" k slots hold k = 16 ks + 4t .. 4t+3 (kernels/mma.py).
 - Warp tile: MT m-tiles of 16 rows x NT n-tiles of 8 weight rows; fp32 accumulators in registers.
 Under NUMBA_ENABLE_CUDASIM the mma and bf16 packing are emulated through shared memory (the PTX fragment
-layout, exactly), on small tiles, so the indexing is tested in CI; the kernels are otherwise identical.
+layout, exactly: `mma.block_mma`) and cp.async is a plain copy, on small tiles, so the indexing is tested in
+CI; the kernels are otherwise identical.
 """
 from __future__ import annotations
 
@@ -38,20 +41,27 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, f32_to_bf16
-from expert_service.kernels.ptx import ld_v4
+from expert_service.kernels.mma import block_mma as mma, block_pack as pack
+from expert_service.kernels.numeric import SIMULATOR, WARP, f32_to_bf16
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.jit_cache import cached_jit
 
 
 class Config(NamedTuple):
     """Block shape: WM x WN warps, each MT m-tiles (16 rows) x NT n-tiles (8 weight rows); BK input features
-    per main-loop step (16, 32 or 64); GROUP_M M tiles per block group of the grid order."""
+    per main-loop step (16, 32 or 64); STAGES shared-memory stages of the copy pipeline (S - 1 steps of loads
+    in flight while one computes); GROUP_M M tiles per block group of the grid order."""
     wm: int
     wn: int
     mt: int
     nt: int
     bk: int = 32
+    stages: int = 3
     group_m: int = 8
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.block_m + self.block_n) * self.bk * 2
 
     @property
     def threads(self) -> int:
@@ -66,73 +76,38 @@ class Config(NamedTuple):
         return 8 * self.nt * self.wn
 
 
-# Named shapes (the benchmark times each; H200 figures in docs/kernels.md). BK = 64 helps the thin m32 tile
-# (more bytes in flight per main-loop step) and hurts m64 (48 KB of shared memory), so m64 and m128 stage 32
-# features per step.
+# Named shapes, by the rows per routed expert they suit (bench/moe_gemm.py times these and neighbours; H200
+# figures in docs/kernels.md). Small tiles stream weights (memory-bound: 64 features = 128-byte row pieces per
+# stage, 3-4 stages in flight); large ones reuse each weight tile over more rows (compute-bound).
 # SIM: tiny tiles for the simulator (one Python thread per CUDA thread).
 CONFIGS = {
-    "m16": Config(1, 4, 1, 4, 64),
-    "m32": Config(1, 4, 2, 4, 64),
-    "m64": Config(2, 4, 2, 4, 32),
-    "m128": Config(2, 4, 4, 4, 32),
+    "m16": Config(1, 4, 1, 4, bk=64, stages=3),
+    "m32": Config(1, 4, 2, 4, bk=64, stages=3),
+    "m64": Config(2, 2, 2, 8, bk=32, stages=3),
+    "m128": Config(2, 4, 4, 4, bk=32, stages=3),
 }
-SIM_CONFIG = Config(1, 2, 1, 2, 16, 2)
-SIM_CONFIG_2 = Config(2, 1, 1, 4, 32, 1)    # second simulator shape: two warps along M, BK 32 (swizzled rows)
+SIM_CONFIG = Config(1, 2, 1, 2, bk=16, stages=2, group_m=2)
+SIM_CONFIG_2 = Config(2, 1, 1, 4, bk=32, stages=3, group_m=1)   # two warps along M, BK 32 (swizzled rows)
 COMBINE_ATOMIC, COMBINE_STORE = "atomic", "store"
 _MODE_SWIGLU, _MODE_STORE, _MODE_ATOMIC = 0, 1, 2
 _LO32 = np.uint64(0xFFFFFFFF)
-_MAX_SIM_THREADS = 256
+_WORD = np.dtype(np.uint64)   # a dtype instance: the simulator's dynamic shared array needs its itemsize
 
 
 def choose_config(n_assignments: int, n_experts: int) -> Config:
-    """Tile shape for a step: BM near the mean rows per routed expert (fewer padding rows). On the H200, m64
-    was fastest from ~48 rows per expert up (m128 never was: 1 block per SM), m32 around 32 (qwen3 T = 512),
-    m16 for decode-sized steps."""
+    """Tile shape for a step, by the mean rows per routed expert. On the H200 (bench/moe_gemm.py): m16 at 1-4
+    rows (qwen3 T = 16, 64; mixtral T = 16), m32 at 16-32 (mixtral T = 64, qwen3 T = 512), m64 at 128 (qwen3
+    T = 2048, mixtral T = 512), m128 at 512 (mixtral T = 2048)."""
     if SIMULATOR:
         return SIM_CONFIG
     per_expert = n_assignments / max(1, min(n_experts, n_assignments))
-    if per_expert >= 48:
+    if per_expert >= 256:
+        return CONFIGS["m128"]
+    if per_expert >= 64:
         return CONFIGS["m64"]
-    if per_expert >= 20:
+    if per_expert >= 12:
         return CONFIGS["m32"]
     return CONFIGS["m16"]
-
-
-# ---- mma and bf16 packing: inline PTX on the GPU, an exact emulation in the simulator -------------------------
-if SIMULATOR:
-    # Fragment maps of mma.m16n8k16 (PTX ISA): A[r, k] is half k % 2 of register r // 8 + 2 (k // 8) of lane
-    # (r % 8) * 4 + (k % 8) // 2; B[k, n] is half k % 2 of register 4 + k // 8 of lane n * 4 + (k % 8) // 2.
-    _r, _k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-    _A_LANE, _A_REG, _A_SHIFT = (_r % 8) * 4 + (_k % 8) // 2, _r // 8 + 2 * (_k // 8), 16 * (_k % 2)
-    _kb, _n = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
-    _B_LANE, _B_REG, _B_SHIFT = _n * 4 + (_kb % 8) // 2, 4 + _kb // 8, 16 * (_kb % 2)
-
-    def _unpack(words, shift):
-        return (((words >> shift.astype(np.uint32)) & np.uint32(0xFFFF)) << np.uint32(16)).view(np.float32)
-
-    @cuda.jit(device=True)
-    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """mma.sync m16n8k16 bf16 -> f32 over the block's warps (every thread of the block must call it together:
-        the emulation exchanges fragments through shared memory between two block barriers)."""
-        regs = cuda.shared.array((_MAX_SIM_THREADS, 6), np.uint32)
-        tid = cuda.threadIdx.x
-        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
-            regs[tid, i] = v
-        cuda.syncthreads()
-        warp = regs[tid - tid % WARP:tid - tid % WARP + WARP]
-        a = _unpack(warp[_A_LANE, _A_REG], _A_SHIFT).astype(np.float64)
-        b = _unpack(warp[_B_LANE, _B_REG], _B_SHIFT).astype(np.float64)
-        g, t = (tid % WARP) // 4, tid % 4
-        d = a @ b
-        cuda.syncthreads()
-        return (np.float32(c0 + d[g, 2 * t]), np.float32(c1 + d[g, 2 * t + 1]),
-                np.float32(c2 + d[g + 8, 2 * t]), np.float32(c3 + d[g + 8, 2 * t + 1]))
-
-    @cuda.jit(device=True)
-    def pack(lo, hi):
-        return np.uint32(f32_to_bf16(lo)) | (np.uint32(f32_to_bf16(hi)) << np.uint32(16))
-else:
-    from expert_service.kernels.mma import mma_bf16_m16n8k16 as mma, pack_bf16x2 as pack
 
 
 @cuda.jit(device=True, inline=True)
@@ -171,28 +146,6 @@ def _swizzle(words_per_row: int):
     else:
         raise ValueError(f"BK must be 16, 32 or 64, got {4 * words_per_row}")
     return swz
-
-
-def _chunk_loader(aligned: bool):
-    """load(src, row_start, k, k_dim, valid) -> 4 uint32 (8 bf16 at src[row_start + k ..]): a 16-byte load from a
-    uint32 view (aligned: row_start, k and k_dim multiples of 8, k < k_dim or the chunk is skipped) or 8 element
-    loads from a uint16 array with each element's k checked."""
-    if aligned:
-        @cuda.jit(device=True, inline=True)
-        def load(src, row_start, k, k_dim, valid):
-            if valid and k < k_dim:
-                return ld_v4(src, (row_start + k) >> 1)
-            z = np.uint32(0)
-            return z, z, z, z
-    else:
-        @cuda.jit(device=True, inline=True)
-        def load(src, row_start, k, k_dim, valid):
-            i = row_start + k
-            return (_pair16(src, i, valid and k < k_dim, valid and k + 1 < k_dim),
-                    _pair16(src, i + 2, valid and k + 2 < k_dim, valid and k + 3 < k_dim),
-                    _pair16(src, i + 4, valid and k + 4 < k_dim, valid and k + 5 < k_dim),
-                    _pair16(src, i + 6, valid and k + 6 < k_dim, valid and k + 7 < k_dim))
-    return load
 
 
 def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
@@ -259,25 +212,52 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
     return epi
 
 
+def _stage_copier(aligned: bool, exact_k: bool):
+    """copy(dst, di, src, i, k, k_dim, valid): the 8 bf16 at element i of src, whose first is column k of its row,
+    into the shared words dst[di], dst[di + 1]; columns >= k_dim (or all, when not valid) as zeros.
+    Aligned: one 16-byte cp.async from a uint32 view (i, k, k_dim multiples of 8; a masked chunk reads
+    nothing), completed by the pipeline's wait; exact_k: k_dim is a multiple of the step, no column check.
+    Generic: 8 checked element loads from a uint16 array and two plain shared stores (synchronous)."""
+    if aligned:
+        @cuda.jit(device=True, inline=True)
+        def copy(dst, di, src, i, k, k_dim, valid):
+            ok = valid if exact_k else valid and k < k_dim
+            cp_async16(dst, di, src, (i >> 1) if ok else 0, ok)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def copy(dst, di, src, i, k, k_dim, valid):
+            dst[di] = _u64(_pair16(src, i, valid and k < k_dim, valid and k + 1 < k_dim),
+                           _pair16(src, i + 2, valid and k + 2 < k_dim, valid and k + 3 < k_dim))
+            dst[di + 1] = _u64(_pair16(src, i + 4, valid and k + 4 < k_dim, valid and k + 5 < k_dim),
+                               _pair16(src, i + 6, valid and k + 6 < k_dim, valid and k + 7 < k_dim))
+    return copy
+
+
 @functools.lru_cache(maxsize=None)
-def _build(cfg: Config, mode: int, aligned: bool):
-    """Kernel for one block shape, epilogue mode (SwiGLU -> bf16 h; store fp32 rows; atomic weighted combine) and
-    load width. Returns (python function, jitted kernel)."""
-    WM, WN, MT, NT, BK, GM = cfg.wm, cfg.wn, cfg.mt, cfg.nt, cfg.bk, cfg.group_m
+def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
+    """Kernel for one block shape, epilogue mode (SwiGLU -> bf16 h; store fp32 rows; atomic weighted combine),
+    load width and whether the input dim is a multiple of BK (aligned only: no tail checks). Returns (python
+    function, jitted kernel)."""
+    WM, WN, MT, NT, BK, S, GM = cfg.wm, cfg.wn, cfg.mt, cfg.nt, cfg.bk, cfg.stages, cfg.group_m
     THREADS, BM, BN = cfg.threads, cfg.block_m, cfg.block_n
     gated = mode == _MODE_SWIGLU
     if gated and NT % 2:
         raise ValueError("gate|up needs an even number of n-tiles per warp")
+    if S < 2:
+        raise ValueError("the pipeline needs at least 2 stages")
     WPR = BK // 4                       # uint64 words per shared row
     CPR = BK // 8                       # 16-byte chunks per tile row
-    A_ITERS = -(-BM * CPR // THREADS)   # chunks per thread per step
-    B_ITERS = -(-BN * CPR // THREADS)
+    A_WORDS, B_WORDS = BM * WPR, BN * WPR
+    B_SHARED = S * A_WORDS              # first word of the B stages
+    A_CHUNKS, B_CHUNKS = BM * CPR, BN * CPR
+    A_ITERS = -(-A_CHUNKS // THREADS)   # chunks per thread per stage
+    B_ITERS = -(-B_CHUNKS // THREADS)
     KS = BK // 16
     NH = NT // 2
     HALF_N = BN // 2                    # gated: F columns per block
     swz = _swizzle(WPR)
-    load = _chunk_loader(aligned)
-
+    copy = _stage_copier(aligned, aligned and exact_k)
+    wait_stage = cp_async_wait_fn(S - 2)
     epilogue = _epilogue(mode, aligned, MT, NT)
 
     def moe_gemm_mma_kernel(a, w, tile_expert, num_tiles, sorted_ids, route_w, stride, n_out, k_dim, w_off,
@@ -311,10 +291,9 @@ def _build(cfg: Config, mode: int, aligned: bool):
         g = lane // 4
         t = lane % 4
 
-        a_s = cuda.shared.array((2, BM, WPR), np.uint64)
-        b_s = cuda.shared.array((2, BN, WPR), np.uint64)
-        ra = cuda.local.array((A_ITERS, 4), np.uint32)
-        rb = cuda.local.array((B_ITERS, 4), np.uint32)
+        # S stages of A [BM, WPR] and then S stages of B [BN, WPR] uint64 words (4 bf16 each), rows XOR-swizzled,
+        # in dynamic shared memory (cfg.shared_bytes; above 48 KB the launcher raises the kernel's limit)
+        smem = cuda.shared.array(0, _WORD)
         acc = cuda.local.array((MT, NT, 4), np.float32)
         af = cuda.local.array((MT, 4), np.uint32)
         for i in range(MT):
@@ -322,100 +301,101 @@ def _build(cfg: Config, mode: int, aligned: bool):
                 for v in range(4):
                     acc[i, j, v] = np.float32(0.0)
 
-        # Row starts (elements) of this thread's chunks: fixed over the k loop.
+        # This thread's chunks of a stage: global element at step 0, shared word in a stage, column, validity.
         a_start = cuda.local.array(A_ITERS, np.int64)
+        a_word = cuda.local.array(A_ITERS, np.uint32)
+        a_col = cuda.local.array(A_ITERS, np.int32)
         b_start = cuda.local.array(B_ITERS, np.int64)
+        b_word = cuda.local.array(B_ITERS, np.uint32)
+        b_col = cuda.local.array(B_ITERS, np.int32)
         b_valid = cuda.local.array(B_ITERS, np.int32)
         for it in range(A_ITERS):
             q = tid + it * THREADS
-            a_start[it] = (row0 + q // CPR) * k_dim
+            r = q // CPR
+            c = q % CPR
+            a_start[it] = (row0 + r) * k_dim + c * 8
+            a_word[it] = r * WPR + swz(r, 2 * c)
+            a_col[it] = c * 8
         for it in range(B_ITERS):
             q = tid + it * THREADS
             r = q // CPR
+            c = q % CPR
             if gated:
                 col = n0 + (r % HALF_N)
-                b_start[it] = wbase + (up_off if r >= HALF_N else w_off) + np.int64(col) * k_dim
+                b_start[it] = wbase + (up_off if r >= HALF_N else w_off) + np.int64(col) * k_dim + c * 8
             else:
                 col = n0 + r
-                b_start[it] = wbase + w_off + np.int64(col) * k_dim
-            b_valid[it] = 1 if (col < n_out and q < BN * CPR) else 0
+                b_start[it] = wbase + w_off + np.int64(col) * k_dim + c * 8
+            b_word[it] = r * WPR + swz(r, 2 * c)
+            b_col[it] = c * 8
+            b_valid[it] = 1 if (col < n_out and q < B_CHUNKS) else 0
+
+        # Fragment words: row r's logical word 4 ks + t sits at r * WPR + 4 (ks ^ f) + t, where the swizzle
+        # group f depends on r only through g for every row a lane reads (A rows g + 16 i (+ 8), B rows g + 8 j):
+        # a per-lane base plus constant offsets, unsigned (no negative-index handling in the loop).
+        f = np.uint32(swz(g, 0) >> 2)
+        a_lane = np.uint32((wm * MT * 16 + g) * WPR + t)
+        b_lane = np.uint32(((wn * NH if gated else wn * NT) * 8 + g) * WPR + t)
 
         n_steps = (k_dim + BK - 1) // BK
-        # prologue: step 0 into registers, then shared buffer 0
-        for it in range(A_ITERS):
-            q = tid + it * THREADS
-            ra[it, 0], ra[it, 1], ra[it, 2], ra[it, 3] = load(a, a_start[it], (q % CPR) * 8, k_dim, q < BM * CPR)
-        for it in range(B_ITERS):
-            q = tid + it * THREADS
-            rb[it, 0], rb[it, 1], rb[it, 2], rb[it, 3] = load(w, b_start[it], (q % CPR) * 8, k_dim, b_valid[it] != 0)
-        for it in range(A_ITERS):
-            q = tid + it * THREADS
-            if q < BM * CPR:
-                r = q // CPR
-                c = q % CPR
-                a_s[0, r, swz(r, 2 * c)] = _u64(ra[it, 0], ra[it, 1])
-                a_s[0, r, swz(r, 2 * c + 1)] = _u64(ra[it, 2], ra[it, 3])
-        for it in range(B_ITERS):
-            q = tid + it * THREADS
-            if q < BN * CPR:
-                r = q // CPR
-                c = q % CPR
-                b_s[0, r, swz(r, 2 * c)] = _u64(rb[it, 0], rb[it, 1])
-                b_s[0, r, swz(r, 2 * c + 1)] = _u64(rb[it, 2], rb[it, 3])
-        cuda.syncthreads()
-
-        for step in range(n_steps):
-            cur = step % 2
-            more = step + 1 < n_steps
-            if more:                       # next step's global loads fly while this step's mma's run
-                k_next = (step + 1) * BK
+        # Pipeline: stages 0 .. S-2 in flight before the loop; step s waits for its stage, then refills the stage
+        # step s-1 used (every warp is past it after the barrier) with step s+S-1, then runs its mma's.
+        for s in range(S - 1):
+            if s < n_steps:
+                k0 = s * BK
                 for it in range(A_ITERS):
-                    q = tid + it * THREADS
-                    ra[it, 0], ra[it, 1], ra[it, 2], ra[it, 3] = load(a, a_start[it], k_next + (q % CPR) * 8,
-                                                                      k_dim, q < BM * CPR)
+                    if A_ITERS * THREADS == A_CHUNKS or tid + it * THREADS < A_CHUNKS:
+                        copy(smem, np.uint32(s * A_WORDS) + a_word[it], a, a_start[it] + k0, k0 + a_col[it],
+                             k_dim, True)
                 for it in range(B_ITERS):
-                    q = tid + it * THREADS
-                    rb[it, 0], rb[it, 1], rb[it, 2], rb[it, 3] = load(w, b_start[it], k_next + (q % CPR) * 8,
-                                                                      k_dim, b_valid[it] != 0)
+                    if B_ITERS * THREADS == B_CHUNKS or tid + it * THREADS < B_CHUNKS:
+                        copy(smem, np.uint32(B_SHARED + s * B_WORDS) + b_word[it], w, b_start[it] + k0,
+                             k0 + b_col[it], k_dim, b_valid[it] != 0)
+            cp_async_commit()
+
+        cur = np.uint32(0)                # stage of this step
+        fs = np.uint32(S - 1)             # stage the refill goes to
+        for step in range(n_steps):
+            wait_stage()
+            cuda.syncthreads()
+            fill = step + S - 1
+            if fill < n_steps:
+                k0 = fill * BK
+                a_stage = fs * np.uint32(A_WORDS)
+                b_stage = np.uint32(B_SHARED) + fs * np.uint32(B_WORDS)
+                for it in range(A_ITERS):
+                    if A_ITERS * THREADS == A_CHUNKS or tid + it * THREADS < A_CHUNKS:
+                        copy(smem, a_stage + a_word[it], a, a_start[it] + k0, k0 + a_col[it], k_dim, True)
+                for it in range(B_ITERS):
+                    if B_ITERS * THREADS == B_CHUNKS or tid + it * THREADS < B_CHUNKS:
+                        copy(smem, b_stage + b_word[it], w, b_start[it] + k0, k0 + b_col[it], k_dim,
+                             b_valid[it] != 0)
+            cp_async_commit()
+            a_base = cur * np.uint32(A_WORDS) + a_lane
+            b_base = np.uint32(B_SHARED) + cur * np.uint32(B_WORDS) + b_lane
             for ks in range(KS):
-                wl = 4 * ks + t
+                kw = (np.uint32(ks) ^ f) << np.uint32(2)
                 for i in range(MT):
-                    r = wm * MT * 16 + i * 16 + g
-                    lo_row = a_s[cur, r, swz(r, wl)]
-                    hi_row = a_s[cur, r + 8, swz(r + 8, wl)]
+                    lo_row = smem[a_base + kw + np.uint32(i * 16 * WPR)]
+                    hi_row = smem[a_base + kw + np.uint32((i * 16 + 8) * WPR)]
                     af[i, 0] = np.uint32(lo_row & _LO32)
                     af[i, 2] = np.uint32(lo_row >> np.uint64(32))
                     af[i, 1] = np.uint32(hi_row & _LO32)
                     af[i, 3] = np.uint32(hi_row >> np.uint64(32))
                 for j in range(NT):
                     if gated:
-                        n = (j // NH) * HALF_N + (wn * NH + j % NH) * 8 + g
+                        n_row = (j // NH) * HALF_N + (j % NH) * 8
                     else:
-                        n = (wn * NT + j) * 8 + g
-                    bw = b_s[cur, n, swz(n, wl)]
+                        n_row = j * 8
+                    bw = smem[b_base + kw + np.uint32(n_row * WPR)]
                     b0 = np.uint32(bw & _LO32)
                     b1 = np.uint32(bw >> np.uint64(32))
                     for i in range(MT):
                         acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma(
                             af[i, 0], af[i, 1], af[i, 2], af[i, 3], b0, b1,
                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
-            if more:
-                nxt = 1 - cur
-                for it in range(A_ITERS):
-                    q = tid + it * THREADS
-                    if q < BM * CPR:
-                        r = q // CPR
-                        c = q % CPR
-                        a_s[nxt, r, swz(r, 2 * c)] = _u64(ra[it, 0], ra[it, 1])
-                        a_s[nxt, r, swz(r, 2 * c + 1)] = _u64(ra[it, 2], ra[it, 3])
-                for it in range(B_ITERS):
-                    q = tid + it * THREADS
-                    if q < BN * CPR:
-                        r = q // CPR
-                        c = q % CPR
-                        b_s[nxt, r, swz(r, 2 * c)] = _u64(rb[it, 0], rb[it, 1])
-                        b_s[nxt, r, swz(r, 2 * c + 1)] = _u64(rb[it, 2], rb[it, 3])
-            cuda.syncthreads()
+            cur = np.uint32(0) if cur == S - 1 else cur + np.uint32(1)
+            fs = np.uint32(0) if fs == S - 1 else fs + np.uint32(1)
 
         # epilogue: accumulator (i, j, v) is row g + 8 (v // 2) of m-tile i, column 2t + v % 2 of n-tile j
         epilogue(acc, out, sorted_ids, route_w, row0 + wm * MT * 16, n0, n_out, top_k, wn, g, t)
@@ -428,6 +408,26 @@ def is_aligned(F: int, D: int, stride: int) -> bool:
     """16-byte loads need every weight/activation row to start on 16 bytes: D, F and the expert stride
     multiples of 8 bf16 values (the model format aligns expert blocks to 4096 bytes; D and F are the model's)."""
     return D % 8 == 0 and F % 8 == 0 and stride % 8 == 0
+
+
+_STATIC_SHARED_MAX = 48 * 1024
+_raised_shared: set[int] = set()     # kernels (dispatchers) allowed their dynamic shared memory
+
+
+def _launch(kernel, grid: int, cfg: Config, stream, args) -> None:
+    """kernel[grid, cfg.threads, stream, cfg.shared_bytes](*args); a kernel that needs more than 48 KB of dynamic
+    shared memory must first be allowed it (cuKernelSetAttribute on the compiled function: Numba has no API)."""
+    nbytes = cfg.shared_bytes
+    # Once per kernel: each has one overload (the launchers pass fixed argument types), so typing the
+    # arguments on every launch would only cost host time.
+    if nbytes > _STATIC_SHARED_MAX and not SIMULATOR and id(kernel) not in _raised_shared:
+        from cuda.bindings.driver import CUfunction_attribute
+        from numba.cuda.cudadrv.driver import driver as cu_driver
+        cufunc = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))._codelibrary.get_cufunc()
+        cu_driver.cuKernelSetAttribute(CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                       nbytes, cufunc.handle, cufunc.device.id)
+        _raised_shared.add(id(kernel))
+    kernel[grid, cfg.threads, stream, nbytes](*args)
 
 
 def _check_weights(W, F, D):
@@ -464,12 +464,12 @@ def launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F: int, D: int, h, co
         return
     aligned = is_aligned(F, D, W.shape[1])
     n_tiles_n = -(-F // (cfg.block_n // 2))
-    kernel = _build(cfg, _MODE_SWIGLU, aligned)[1]
+    kernel = _build(cfg, _MODE_SWIGLU, aligned, D % cfg.bk == 0)[1]
     dummy_i, dummy_f = tile_expert, num_tiles       # unused in this mode (typed like the real ones)
-    kernel[tiles * n_tiles_n, cfg.threads, stream](
+    _launch(kernel, tiles * n_tiles_n, cfg, stream, (
         _flat(xs, aligned), _flat(W, aligned), tile_expert, num_tiles, dummy_i, _float_dummy(dummy_f),
         np.int64(W.shape[1]), np.int64(F), np.int64(D), np.int64(0), np.int64(F * D), np.int64(n_tiles_n),
-        np.int64(1), _flat(h, aligned))
+        np.int64(1), _flat(h, aligned)))
 
 
 def launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F: int, D: int, out, route_weights=None,
@@ -506,11 +506,11 @@ def launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F: int, D: in
         return
     aligned = is_aligned(F, D, W.shape[1])
     n_tiles_n = -(-D // cfg.block_n)
-    kernel = _build(cfg, mode, aligned)[1]
-    kernel[tiles * n_tiles_n, cfg.threads, stream](
+    kernel = _build(cfg, mode, aligned, F % cfg.bk == 0)[1]
+    _launch(kernel, tiles * n_tiles_n, cfg, stream, (
         _flat(h, aligned), _flat(W, aligned), tile_expert, num_tiles, sorted_ids, rw,
         np.int64(W.shape[1]), np.int64(D), np.int64(F), np.int64(2 * F * D), np.int64(0), np.int64(n_tiles_n),
-        np.int64(top_k), out.reshape(out.size))
+        np.int64(top_k), out.reshape(out.size)))
 
 
 def choose_config_for(rows: int, tiles: int) -> Config:
@@ -561,15 +561,17 @@ def moe_reference(x, ids, route_weights, mats, residual=None):
 
 
 def sm90_signatures():
-    """(python function, numba signature): every epilogue with 16-byte loads at each named config, and every
-    epilogue with element loads at one config (the load width changes only the loader)."""
+    """(python function, numba signature): every epilogue with 16-byte loads at each named config (input dim a
+    multiple of BK, as real models have), and at one config every epilogue with a K tail and with element loads
+    (the flags change only the copies)."""
     i1, i64, f1 = types.int32[::1], types.int64, types.float32[::1]
     out = []
     for name, cfg in CONFIGS.items():
-        for aligned in ((True, False) if name == "m64" else (True,)):
+        variants = ((True, True), (True, False), (False, False)) if name == "m64" else ((True, True),)
+        for aligned, exact_k in variants:
             elem = types.uint32[::1] if aligned else types.uint16[::1]
             for mode in (_MODE_SWIGLU, _MODE_STORE, _MODE_ATOMIC):
                 dst = elem if mode == _MODE_SWIGLU else f1
-                out.append((_build(cfg, mode, aligned)[0],
+                out.append((_build(cfg, mode, aligned, exact_k)[0],
                             (elem, elem, i1, i1, i1, f1, i64, i64, i64, i64, i64, i64, i64, dst)))
     return out

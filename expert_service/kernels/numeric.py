@@ -18,6 +18,16 @@ FULL_MASK = 0xFFFFFFFF
 SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the grid has about this many (4 per SM)
 
 
+def aligned8(*arrays) -> bool:
+    """Every (device or simulator) array starts on an 8-byte boundary: a uint64 view of it may be loaded and
+    stored (the wide paths of the 16-bit casts; a view sliced at an odd offset falls back to their scalar path)."""
+    for a in arrays:
+        pointer = a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
+        if (pointer or 0) % 8:
+            return False
+    return True
+
+
 def blocks_per_row(rows: int, work: int, threads: int) -> int:
     """Blocks that share one row of `work` independent items in a (rows, Y) grid: at most one item per thread and
     about SPREAD_TARGET_BLOCKS blocks in all, so Y = 1 for large steps and a decode token's row is not one block's
@@ -185,3 +195,48 @@ def block_sum(value):
         total += partial[i]
     cuda.syncthreads()
     return total
+
+
+# ---- four float32 -> four 16-bit words in one uint64 (wide stores of the casts and the bf16 gather) ----
+@cuda.jit(device=True, inline=True)
+def bf16_bits(bits):
+    """uint32 bits of a float32 -> its bfloat16 bits (uint32, high half zero): `f32_to_bf16` on the raw word
+    (nearest even; NaN stays NaN, quiet). Every step is truncated back to uint32 (Numba widens uint32
+    arithmetic to 64 bits, which the GPU runs as two instructions)."""
+    u32 = np.uint32
+    high = u32(bits >> u32(16))
+    if u32(bits & u32(0x7FFFFFFF)) > u32(0x7F800000):
+        return u32(high | u32(0x40))
+    return u32(u32(u32(bits + u32(0x7FFF)) + u32(high & u32(1))) >> u32(16))
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def f16_bits(bits):
+        with np.errstate(over="ignore"):        # overflow to inf is the rounding asked for
+            return np.uint32(np.array([bits], np.uint32).view(np.float32).astype(np.float16).view(np.uint16)[0])
+else:
+    @cuda.jit(device=True, inline=True)
+    def f16_bits(bits):
+        """uint32 bits of a float32 -> its float16 bits (uint32, high half zero), cvt.rn as a float16 store."""
+        return np.uint32(np.uint16(_libdevice.float2half_rn(_libdevice.int_as_float(np.int32(bits)))))
+
+
+def _packer4(narrow):
+    @cuda.jit(device=True, inline=True)
+    def pack4(lo, hi):
+        u32, half = np.uint32, np.uint64(32)
+        first = u32(narrow(u32(lo)) | u32(narrow(u32(lo >> half)) << u32(16)))
+        second = u32(narrow(u32(hi)) | u32(narrow(u32(hi >> half)) << u32(16)))
+        return np.uint64(first) | (np.uint64(second) << half)
+    return pack4
+
+
+_PACK4 = {"bf16": _packer4(bf16_bits), "f16": _packer4(f16_bits)}
+
+
+def packer4(dtype):
+    """Device function `pack4(lo, hi) -> uint64` for 16-bit storage dtype `dtype` (uint16 = bfloat16 bits, or
+    float16): four float32 given as two uint64 words of their bits (element 0 in the low half of lo) ->
+    one word of their four 16-bit values (element 0 in the low 16 bits), rounded as `storer(dtype)` rounds."""
+    return _PACK4["bf16" if np.dtype(dtype) == np.uint16 else "f16"]

@@ -1,4 +1,5 @@
-"""Inline-PTX device helpers that Numba has no API for: 16-byte global loads.
+"""Inline-PTX device helpers that Numba has no API for: 16-byte global loads and asynchronous copies to shared
+memory.
 
 Numba's vector types are register values only, and its cache-hint loads (`cuda.ldcs`, ...) stop at 8 bytes,
 so a 16-byte `ld.global.*.v4` needs an intrinsic that emits the instruction itself (the pattern of
@@ -11,11 +12,21 @@ Both return the four 32-bit elements a[i], a[i+1], a[i+2], a[i+3] of a 1-d C-con
 array as a 4-tuple of that dtype. The caller guarantees a[i] is 16-byte aligned and that nothing writes the
 array during the kernel (`.nc` goes through the read-only path). No bounds check.
 
+- ``cp_async16(dst, di, src, si, valid)``: ``cp.async.cg.shared.global`` of 16 bytes: src[si .. si+3] (1-d
+  uint32 array in global memory, si a multiple of 4) to dst[di], dst[di+1] (1-d uint64 array in shared memory, di
+  even), without passing through registers; zeros instead when valid is false (src-size 0: nothing is read).
+  ``cp_async_commit()`` closes the group of copies this thread issued; ``cp_async_wait(n)`` (n a compile-time
+  constant: ``cp_async_wait_fn(n)`` returns the device function) waits until at most n of this thread's groups
+  are in flight. A block barrier after the wait makes every thread's copies visible (Ampere's multi-stage GEMM
+  pipeline).
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
-reads, so kernels using them still run (slowly) on tiny shapes.
+reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 from numba import cuda
 
 from expert_service.kernels.numeric import SIMULATOR
@@ -28,6 +39,25 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def ld_v4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @cuda.jit(device=True)
+    def cp_async16(dst, di, src, si, valid):
+        if valid:
+            dst[di] = np.uint64(src[si]) | (np.uint64(src[si + 1]) << np.uint64(32))
+            dst[di + 1] = np.uint64(src[si + 2]) | (np.uint64(src[si + 3]) << np.uint64(32))
+        else:
+            dst[di] = np.uint64(0)
+            dst[di + 1] = np.uint64(0)
+
+    @cuda.jit(device=True)
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait_fn(pending: int):
+        @cuda.jit(device=True)
+        def cp_async_wait():
+            pass
+        return cp_async_wait
 else:
     from llvmlite import ir
     from numba import types
@@ -66,3 +96,61 @@ else:
 
     ld_stream_v4 = _ld_v4_intrinsic("nc.L1::no_allocate")
     ld_v4 = _ld_v4_intrinsic("nc")
+
+    @intrinsic
+    def cp_async16(typingctx, dst, di, src, si, valid):
+        """16-byte cp.async (module docstring): dst 1-d uint64 shared array, src 1-d uint32 global array."""
+        if not (isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype == types.uint64
+                and isinstance(src, types.Array) and src.ndim == 1 and src.dtype == types.uint32
+                and isinstance(di, types.Integer) and isinstance(si, types.Integer)):
+            raise NumbaTypeError(f"cp_async16 needs a 1-d uint64 shared array and a 1-d uint32 array, got {dst}, "
+                                 f"{src}")
+        sig = types.void(dst, di, src, si, valid)
+
+        def codegen(context, builder, sig, args):
+            dst_t, di_t, src_t, si_t, valid_t = sig.args
+            dst_a, di_v, src_a, si_v, valid_v = args
+            i32 = ir.IntType(32)
+            # Destination: a 32-bit shared-window address. Numba hands the shared array over as a generic pointer
+            # cast from the shared variable; casting it back lets LLVM fold the pair, so the address is the
+            # variable plus 8 di in 32-bit arithmetic (no cvta per copy).
+            dst_ary = context.make_array(dst_t)(context, builder, value=dst_a)
+            shared = builder.addrspacecast(dst_ary.data, ir.PointerType(dst_ary.data.type.pointee, 3))
+            di = context.cast(builder, di_v, di_t, types.intp)
+            dst_addr = builder.ptrtoint(builder.gep(shared, [di], inbounds=True), i32)
+            src_ary = context.make_array(src_t)(context, builder, value=src_a)
+            si = context.cast(builder, si_v, si_t, types.intp)
+            src_ptr = cgutils.get_item_pointer(context, builder, src_t, src_ary, [si], wraparound=False)
+            valid_i1 = context.cast(builder, valid_v, valid_t, types.boolean)
+            size = builder.select(valid_i1, ir.Constant(i32, 16), ir.Constant(i32, 0))
+            fnty = ir.FunctionType(ir.VoidType(), [i32, src_ptr.type, i32])
+            asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+            builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True), [dst_addr, src_ptr, size])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        """Close this thread's group of cp.async copies."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, "cp.async.commit_group;", "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @functools.lru_cache(maxsize=None)
+    def cp_async_wait_fn(pending: int):
+        """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
+        @intrinsic
+        def cp_async_wait(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, f"cp.async.wait_group {int(pending)};", "~{memory}",
+                                          side_effect=True), [])
+                return context.get_dummy_value()
+            return sig, codegen
+        return cp_async_wait

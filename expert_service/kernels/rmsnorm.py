@@ -5,8 +5,14 @@ rmsnorm:     out[r] = rmsnorm(x[r]) for rows of x [R, N]; per-head q/k norm view
 add_rmsnorm: residual[r] += delta[r]; out[r] = rmsnorm(residual[r]) -- fuses the residual add of the
              decoder layer into the norm's first read (one pass over residual/delta instead of two).
 
-One block per row, threads striding over N (coalesced), a block reduction (warp shuffles + 32-slot shared
-partials) for the sum of squares; the second pass re-reads the row (L1/L2 hit: a row is at most 16 KB).
+Long rows (hidden-size norms): one block per row, threads striding over N (coalesced), a block reduction (warp
+shuffles + 32-slot shared partials) for the sum of squares; the second pass re-reads the row (L1/L2 hit: a row
+is at most 16 KB). Short rows (N <= WARP_ROW_MAX, the per-head q/k norms): one warp per row, ROWS_PER_BLOCK rows
+a block, the row held in registers (ceil(N / 32) elements a lane, loaded before any arithmetic so they are all
+in flight at once), shuffles only -- a block and two barriers for 128 elements cost far more than its bytes.
+The warp adds its squares in the block kernel's order (lane l's chunk w holds the elements thread 32*w + l of a
+THREADS-thread block holds, one butterfly per chunk, chunk totals in warp order), so both kernels give the same
+bits and `moe_combine_rmsnorm`, which reduces over that partition, stays bitwise equal to rmsnorm at any N.
 """
 from __future__ import annotations
 
@@ -16,10 +22,17 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import WARP, block_sum, widener
+from expert_service.kernels.numeric import SIMULATOR, WARP, block_sum, warp_sum, widener
 from expert_service.kernels.jit_cache import cached_jit
 
-THREADS = 256   # 8 warps; N=4096 -> 16 elements per thread, N=128 (head norm) -> most threads idle but cheap
+THREADS = 256   # block-per-row kernel: 8 warps; N=4096 -> 16 elements per thread
+CHUNKS = THREADS // WARP      # the warp kernel's partial sums: one per warp of a THREADS-thread block
+WARP_ROW_MAX = 1024           # rows up to this long take a warp each: at most 32 registers of the row per lane
+ROWS_PER_BLOCK = 2 if SIMULATOR else 8   # the simulator runs a Python thread per CUDA thread; same code path
+# Fewer rows (decode steps: 36-576 head rows) run the block kernel with one thread per element: on the H200 the
+# warp kernel took 3.5 / 3.4 µs where it took 2.6 / 3.0 at 1 / 16 tokens, and 3.9 where 7.4 at 64 (2304 rows).
+# The block kernel with fewer threads gives the same bits (its missing warps would only add zeros).
+WARP_KERNEL_MIN_ROWS = 0 if SIMULATOR else 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +69,41 @@ def _build(weight_dtype):
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
 
 
+@functools.lru_cache(maxsize=None)
+def _build_short(weight_dtype, per_lane: int):
+    """The warp-per-row kernel for rows of (per_lane - 1) * WARP < N <= per_lane * WARP elements: per_lane is a
+    compile-time constant so the row's loops unroll and it stays in registers."""
+    widen = widener(weight_dtype)
+    chunks = min(per_lane, CHUNKS)
+
+    def rmsnorm_short_kernel(x, weight, eps, out):
+        """x: [R, N] float32, N <= per_lane * WARP. weight: [N] W. eps: float32. out: [R, N] float32 (may alias
+        x). Grid (ceil(R / ROWS_PER_BLOCK),), block (ROWS_PER_BLOCK * WARP,): warp w of block b takes row
+        b * ROWS_PER_BLOCK + w."""
+        lane = cuda.threadIdx.x % WARP
+        r = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
+        n = x.shape[1]
+        live = r < x.shape[0]    # a warp past the last row still reduces zeros: the simulator's shuffle is a barrier
+        v = cuda.local.array(per_lane, np.float32)
+        for m in range(per_lane):
+            i = lane + m * WARP
+            v[m] = x[r, i] if live and i < n else np.float32(0.0)
+        ss = np.float32(0.0)
+        for w in range(chunks):
+            part = np.float32(0.0)   # thread 32*w + lane of the block kernel: elements i, i + THREADS, ...
+            for m in range(w, per_lane, CHUNKS):
+                part += v[m] * v[m]
+            ss += warp_sum(part)
+        denom = math.sqrt(ss / np.float32(n) + eps)
+        if live:
+            for m in range(per_lane):
+                i = lane + m * WARP
+                if i < n:
+                    out[r, i] = (v[m] / denom) * widen(weight[i])
+
+    return rmsnorm_short_kernel, cached_jit(rmsnorm_short_kernel)
+
+
 def _check(rows, weight, out, threads):
     assert rows.ndim == 2 and rows.dtype == np.float32 and out.shape == rows.shape, (rows.shape, out.shape)
     assert out.dtype == np.float32 and weight.shape == (rows.shape[1],), (out.dtype, weight.shape)
@@ -65,26 +113,26 @@ def _check(rows, weight, out, threads):
         assert a.flags["C_CONTIGUOUS"], "rmsnorm needs contiguous arrays"
 
 
-def row_threads(n: int) -> int:
-    """Threads for rows of n elements: THREADS, or for shorter rows (per-head q/k norms) one per element rounded up
-    to whole warps. Each element then sits in the same lane of the same warp as with THREADS threads and the
-    missing warps would only have added zeros to the block sum, so the result is the same bit for bit; the
-    blocks are smaller and more of them fit an SM."""
-    return min(THREADS, -(-n // WARP) * WARP)
-
-
 def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
     """x: [R, N] float32 (or [T, H, Hd], normalised per head over Hd); weight: [N] float32/float16/uint16
-    (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself); threads: per block
-    (default `row_threads(N)`)."""
+    (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself). threads: None picks
+    the kernel (a warp per row when N <= WARP_ROW_MAX and there are WARP_KERNEL_MIN_ROWS rows, else a block
+    per row, of one thread per element up to THREADS; the same bits either way); a count runs the block-per-row kernel with that many threads (bitwise equal to `moe_combine_rmsnorm`
+    launched with the same count)."""
     n = x.shape[x.ndim - 1]                      # (the simulator's shape tuple rejects negative indices)
-    threads = threads or row_threads(n)
     assert out.shape == x.shape, (x.shape, out.shape)
     x2, out2 = x.reshape(x.size // n, n), out.reshape(x.size // n, n)
-    _check(x2, weight, out2, threads)
-    if x2.shape[0] == 0:
+    _check(x2, weight, out2, threads or THREADS)
+    rows = x2.shape[0]
+    if rows == 0:
         return
-    _build(np.dtype(weight.dtype))[0][1][x2.shape[0], threads, stream](x2, weight, np.float32(eps), out2)
+    eps = np.float32(eps)
+    if threads is None and n <= WARP_ROW_MAX and rows >= WARP_KERNEL_MIN_ROWS:
+        kernel = _build_short(np.dtype(weight.dtype), -(-n // WARP))[1]
+        kernel[-(-rows // ROWS_PER_BLOCK), ROWS_PER_BLOCK * WARP, stream](x2, weight, eps, out2)
+    else:
+        threads = threads or min(THREADS, -(-n // WARP) * WARP)
+        _build(np.dtype(weight.dtype))[0][1][rows, threads, stream](x2, weight, eps, out2)
 
 
 def launch_add_rmsnorm(residual, delta, weight, eps, out, stream=0, threads=THREADS) -> None:
@@ -99,11 +147,14 @@ def launch_add_rmsnorm(residual, delta, weight, eps, out, stream=0, threads=THRE
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight-dtype variant, for the sm_90 compile check."""
+    """(python function, numba signature) of each weight-dtype variant (short rows: 1, 4 and 32 elements a
+    lane), for the sm_90 compile check."""
     f2 = types.float32[:, ::1]
     out = []
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
         (norm, _), (add_norm, _) = _build(np.dtype(dt))
         out.append((norm, (f2, nb[::1], types.float32, f2)))
         out.append((add_norm, (f2, f2, nb[::1], types.float32, f2)))
+        for per_lane in (1, 4, WARP_ROW_MAX // WARP):
+            out.append((_build_short(np.dtype(dt), per_lane)[0], (f2, nb[::1], types.float32, f2)))
     return out

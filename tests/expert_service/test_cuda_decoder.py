@@ -185,7 +185,7 @@ def test_many_experts_prefill_close_to_cpu(many, monkeypatch):
     name, cpu, gpu, _ = many
     mc = gpu.model_config
     K, E = mc.num_experts_per_tok, mc.num_experts
-    sizes = (2, 33, 150, 300)
+    sizes = (2, 33, 150, 400)
     assert all(choose_strategy(n, K, E, cached=False, bf16=True) is MoeStrategy.GROUPED_MMA for n in sizes)
     assert {choose_config(n * K, E).block_m for n in sizes} == {16, 32, 64}
     assert "mma_xs" in gpu.decoder.ws.arrays and "moe_in" not in gpu.decoder.ws.arrays

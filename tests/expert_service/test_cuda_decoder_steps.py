@@ -96,6 +96,7 @@ def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False) ->
                            logits_rows=DeviceRows(None), logits=DeviceRows(logits))
     d.stream, d._stream_handle, d.staged_steps = SimpleNamespace(synchronize=lambda: None), None, 0
     d.penalties = SimpleNamespace(warmup=lambda logits: None)
+    d.moe = SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T)))
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
     d.issued = []
     d._layers = lambda T, S, decode: d.issued.append(("layers", T, S, decode))
@@ -167,6 +168,7 @@ def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     d.warmup()
     assert set(d.prefill_graphs) == {b for b in prefill_buckets(MAX_TOKENS) if b <= 64}
     assert set(d.graphs) == {1, 2, 4, 8, 16}
+    assert ("cublas shapes", MAX_TOKENS) in d.issued      # steps above 64 tokens run per-expert cuBLAS GEMMs
     many = host_decoder(monkeypatch, family="qwen3_moe", bf16=True)
     many.config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
     many._run = lambda T, S, R, decode: many.issued.append(("run", T, S, R, decode))
@@ -175,6 +177,7 @@ def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     assert set(many.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))
     assert ("layers", 512, MAX_SEQS + 1, False) in many.issued and not any(
         step[0] == "run" and step[1] > 64 for step in many.issued)
+    assert not any(step[0] == "cublas shapes" for step in many.issued)    # grouped MMA at every size
 
 
 def test_the_all_rows_path_pads_and_chunks_its_head(monkeypatch):

@@ -12,7 +12,7 @@ from common.models import config_from_hf
 from expert_service.cpu.layers.moe import sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cuda.linear import DeviceLinear
-from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy
+from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy, cublas_rows
 from expert_service.cuda.workspace import Workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels.rmsnorm import launch_rmsnorm
 from expert_service.tiny_model import tiny_hf_config
@@ -111,3 +111,28 @@ def test_planned_routing_and_fused_norm(family, T, strategy, fuse_from, monkeypa
     np.testing.assert_allclose(x_fused, rms_norm(want_h, norm, config.rms_norm_eps), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(h_fused, h_plain)                # fused == combine, then rmsnorm: same bits
     np.testing.assert_array_equal(x_fused, x_plain)
+
+
+def test_cublas_rows_round_up_and_stay_in_the_buffer():
+    rows = np.array([1, 63, 64, 65, 1024, 1025, 5000])
+    assert cublas_rows(rows, np.full(7, 10 ** 6)).tolist() == [64, 64, 64, 128, 1024, 1280, 5120]
+    assert cublas_rows(np.array([5, 100]), np.array([40, 90])).tolist() == [40, 90]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rounded_expert_windows_leave_every_row_to_its_own_expert(seed):
+    """Per-expert GEMMs issued in expert order over rounded windows [lo, lo + rounded): each of the step's rows is
+    written last by its own expert's GEMM, and nothing is written past the buffer."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 300, 8) * (rng.random(8) < 0.8)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    cap = int(offsets[-1]) + int(rng.integers(0, 50))
+    active = np.flatnonzero(np.diff(offsets))
+    lo = offsets[active]
+    windows = cublas_rows(np.diff(offsets)[active], cap - lo)
+    owner = np.full(cap, -1)
+    for e, start, m in zip(active, lo, windows):
+        assert start + m <= cap
+        owner[start:start + m] = e
+    n = int(offsets[-1])
+    assert (owner[:n] == np.repeat(np.arange(8), counts)).all()

@@ -9,6 +9,7 @@ import pytest
 from common.model_format import ModelDir
 from common.models import FAMILIES
 from expert_service.config import EngineConfig
+from expert_service.cuda import decoder as decoder_module
 from expert_service.cuda.decoder import prefill_buckets
 from expert_service.engine import Engine, PrefillInput
 from expert_service.sampling import SamplingParams
@@ -131,23 +132,33 @@ def test_padding_writes_no_kv(engines):
     cpu.clear()
 
 
-def test_full_batch_with_a_prompt_chunk(engines):
+BF16_ROWS_TOLERANCE = 5e-2
+
+
+def test_full_batch_with_a_prompt_chunk(engines, monkeypatch):
     """15 decoding sequences and a 7-token prompt chunk: 16 sequences (max_batch_size) and 22 tokens, padded to
     24 with the padding in the spare 17th sequence slot; graph and eager engines agree bit for bit, close to the
-    CPU."""
+    same step unpadded (prefill graphs off) and to the CPU."""
     name, cpu, gpu, eager, tolerance, _ = engines
-    outs = {}
-    for engine in (gpu, eager, cpu):
+
+    def run(engine):
         engine.step([PrefillInput(r, np.array(random_prompt(30 + r, 4 + r % 5)), SamplingParams(), True)
                      for r in range(15)])
         step = engine.step([PrefillInput(15, np.array(random_prompt(45, 7)), SamplingParams(), True)],
                            decode_ids=list(range(15)))
-        outs[engine] = ([o.token_id for o in step.outputs], np.stack(list(step.logits)))
         engine.clear()
+        return [o.token_id for o in step.outputs], np.stack(list(step.logits))
+    outs = {engine: run(engine) for engine in (gpu, eager, cpu)}
+    monkeypatch.setattr(decoder_module, "USE_PREFILL_GRAPHS", False)
+    unpadded = run(eager)
     assert 24 in gpu.decoder.prefill_graphs, name
     assert outs[gpu][0] == outs[eager][0] and np.array_equal(outs[gpu][1], outs[eager][1]), name
-    err = rel_error(outs[gpu][1], outs[cpu][1])
-    assert err <= tolerance, f"{name}: {err:.2e}"
+    # The padding changes nothing the sequences see (0 difference on the H200 for every model). Against the fp32
+    # CPU, bf16 models differ by more over these 16 rows than over the other tests' 2: 2.4e-2 (mixtral_bf16) and,
+    # with 40 experts, router ties that bf16 breaks differently (4.1e-2) -- the same unpadded.
+    pad_err, cpu_err = rel_error(outs[gpu][1], unpadded[1]), rel_error(outs[gpu][1], outs[cpu][1])
+    assert pad_err <= tolerance / 20, f"{name}: padded vs unpadded {pad_err:.2e}"
+    assert cpu_err <= (tolerance if tolerance <= 1e-4 else BF16_ROWS_TOLERANCE), f"{name}: {cpu_err:.2e}"
 
 
 def test_chunked_prompt_matches_the_whole_prompt(engines):

@@ -9,7 +9,8 @@ from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, la
                                                 launch_sigmoid_gate_add, launch_silu_mul)
 from expert_service.cpu.layers.moe import silu
 
-from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, nan_device, random_weight, to_storage
+from tests.helpers import (STORAGE_DTYPES, assert_close, awkward_floats, bf16_bits, from_storage, nan_device,
+                           random_weight, to_storage)
 
 
 def _check_all(rng, rows, cols, threads):
@@ -48,6 +49,46 @@ def _check_all(rng, rows, cols, threads):
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
 def test_elementwise_matches_reference(rows, cols):
     _check_all(np.random.default_rng(cols), rows, cols, threads=32)
+
+
+class _WordCount:
+    """Wraps the cast kernel: records how many 4-element words each launch was given (0: all scalar)."""
+
+    def __init__(self, kernel, words):
+        self.kernel, self.words = kernel, words
+
+    def __getitem__(self, config):
+        def launch(*args):
+            self.words.append(args[3].shape[0])
+            self.kernel[config](*args)
+        return launch
+
+
+# sizes around whole words (1, 3, 4, 5; 35 = 8 words + 3; 1032 = more words than one block's threads);
+# offset 1 starts x one float past an 8-byte boundary: the whole array takes the scalar path
+@pytest.mark.parametrize("dtype", [np.uint16, np.float16])
+@pytest.mark.parametrize("shape,offset", [((1,), 0), ((3,), 0), ((4,), 0), ((5,), 0), ((7, 5), 0), ((2, 516), 0),
+                                          ((1032,), 1), ((3, 37), 1)])
+def test_cast_words_and_tail(dtype, shape, offset, monkeypatch):
+    import expert_service.kernels.elementwise as elementwise
+    rng = np.random.default_rng(int(np.prod(shape)) + offset)
+    x = awkward_floats(rng, shape)
+    d_x = cuda.to_device(np.r_[np.full(offset, 1.5, np.float32), x.reshape(-1)])[offset:].reshape(shape)
+    sentinel = 0x7E01 if dtype is np.uint16 else 0x7C01                    # a NaN no rounding produces
+    out = cuda.to_device(np.full(shape, sentinel, np.uint16).view(dtype))
+    words, build = [], elementwise._build_cast
+    monkeypatch.setattr(elementwise, "_build_cast", lambda dt: (build(dt)[0], _WordCount(build(dt)[1], words)))
+    launch_cast(d_x, out, threads=32)
+    assert words == [0 if offset else x.size // 4]
+    got = out.copy_to_host().view(np.uint16)
+    if dtype is np.uint16:
+        np.testing.assert_array_equal(got, bf16_bits(x))
+    else:           # the GPU's cvt gives its own NaN payload: NaN where numpy has one, numpy's bits elsewhere
+        with np.errstate(over="ignore"):
+            want = x.astype(np.float16).view(np.uint16)
+        nan = np.isnan(x)
+        assert np.isnan(got.view(np.float16)[nan]).all() and (got[nan] != sentinel).all()
+        np.testing.assert_array_equal(got[~nan], want[~nan])
 
 
 @pytest.mark.gpu

@@ -78,17 +78,49 @@ def test_embedding_rmsnorm_gpu(dtype, num_tokens):
     _check_rmsnorm(rng, (num_tokens, 32, 128), dtype, threads=256)
 
 
-@pytest.mark.parametrize("n", [37, 64, 128, 200, 256, 300])
-def test_short_rows_take_fewer_threads_and_give_the_same_bits(n):
-    """Rows of at most rmsnorm.THREADS elements run one thread per element (whole warps): the same bits as
-    THREADS threads, since every element keeps its lane and warp and the dropped warps only summed zeros."""
-    from expert_service.kernels.rmsnorm import THREADS, row_threads
-    rng = np.random.default_rng()
-    x = (rng.standard_normal((6, n)) * 3).astype(np.float32)
-    w = rng.standard_normal(n).astype(np.float32)
-    assert row_threads(n) == min(THREADS, -(-n // 32) * 32)
-    auto, full = cuda.to_device(np.full_like(x, np.nan)), cuda.to_device(np.full_like(x, np.nan))
-    launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, auto)
-    launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, full, threads=THREADS)
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1), (5, 31), (3, 33), (4, 128), (3, 200), (2, 257), (3, 1000), (2, 1024),
+                                    (2, 1025)])
+def test_short_rows_take_a_warp_each_and_give_the_block_kernels_bits(dtype, rows, n, monkeypatch):
+    """Rows of at most WARP_ROW_MAX elements take the warp-per-row kernel (row counts that leave a block's last
+    warps idle, N not a multiple of 32), longer rows the block kernel: the numpy result within float32 rounding,
+    every element written, and the same bits as the block kernel with THREADS threads."""
+    import expert_service.kernels.rmsnorm as rmsnorm
+    rng = np.random.default_rng(rows * 10000 + n)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w, wf = random_weight(rng, (n,), dtype)
+    auto, full = nan_device((rows, n)), nan_device((rows, n))
+    rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, full, threads=rmsnorm.THREADS)
+    monkeypatch.setattr(rmsnorm, "WARP_KERNEL_MIN_ROWS", 0)     # on a GPU, so few rows take the block kernel
+    if n <= rmsnorm.WARP_ROW_MAX:       # the default must not fall back to the block kernel
+        monkeypatch.setattr(rmsnorm, "_build", None)
+    rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, auto)
     got = auto.copy_to_host()
-    assert np.isfinite(got).all() and np.array_equal(got, full.copy_to_host())
+    assert_close(got, rms_norm(x, wf, EPS), 1e-5)
+    np.testing.assert_array_equal(got, full.copy_to_host())
+
+
+@pytest.mark.parametrize("rows,n", [(3, 33), (4, 128), (2, 1000)])
+def test_few_short_rows_take_the_block_kernel_with_a_thread_per_element(rows, n, monkeypatch):
+    """Below WARP_KERNEL_MIN_ROWS rows (decode steps) the block kernel runs with ceil(N / 32) warps: the same bits
+    as with THREADS threads."""
+    import expert_service.kernels.rmsnorm as rmsnorm
+    monkeypatch.setattr(rmsnorm, "WARP_KERNEL_MIN_ROWS", rows + 1)
+    monkeypatch.setattr(rmsnorm, "_build_short", None)
+    rng = np.random.default_rng(rows + n)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w, _ = random_weight(rng, (n,), np.float32)
+    auto, full = nan_device((rows, n)), nan_device((rows, n))
+    rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, full, threads=rmsnorm.THREADS)
+    rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, auto)
+    np.testing.assert_array_equal(auto.copy_to_host(), full.copy_to_host())
+
+
+def test_short_rows_in_place_per_head():
+    """The q/k norm call: a [T, H, Hd] view normalised per head, in place, rows not a multiple of a block's."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 5, 64), dtype=np.float32)
+    w = rng.standard_normal(64, dtype=np.float32)
+    d_x = cuda.to_device(x)
+    launch_rmsnorm(d_x, cuda.to_device(w), EPS, d_x)
+    assert_close(d_x.copy_to_host(), rms_norm(x, w, EPS), 1e-5)

@@ -7,8 +7,7 @@ from numba import cuda
 
 from expert_service.kernels.moe_align import (launch_moe_align, launch_moe_gather_bf16, max_tiles,
                                               moe_align_reference)
-from expert_service.kernels.moe_gemm_mma import bf16_round
-from tests.helpers import random_ids
+from tests.helpers import awkward_floats, bf16_bits, from_storage, random_ids, to_storage
 
 
 def run_align(ids, n_exp, block_m):
@@ -68,24 +67,32 @@ def test_rejects_bad_shapes():
                                                                              for s in (10, 5, 1, 4)])
 
 
-@pytest.mark.parametrize("block_m", [4, 16])
-def test_gather_bf16(block_m):
-    rng = np.random.default_rng(block_m)
-    n_tok, top_k, n_exp, D = 9, 2, 5, 13
+# D % 4 == 0 takes the word kernel (12: fewer words than threads; 280: two words a thread, then a partial
+# step), other D the scalar one; offset 1 starts x one float past an 8-byte boundary (scalar kernel too)
+@pytest.mark.parametrize("block_m,D,offset", [(4, 13, 0), (16, 13, 0), (4, 12, 0), (16, 280, 0), (4, 282, 0),
+                                              (4, 280, 1)])
+def test_gather_bf16(block_m, D, offset, monkeypatch):
+    import expert_service.kernels.moe_align as moe_align
+    rng = np.random.default_rng(block_m * 1000 + D)
+    n_tok, top_k, n_exp = 9, 2, 5
     ids = random_ids(rng, n_tok, top_k, n_exp)
-    x = rng.standard_normal((n_tok, D)).astype(np.float32)
+    x = awkward_floats(rng, (n_tok, D))
     tiles = max_tiles(ids.size, n_exp, block_m)
     bufs = [cuda.to_device(np.full(size, -7, np.int32)) for size in (tiles * block_m, tiles, 1, ids.size)]
     launch_moe_align(cuda.to_device(ids), n_exp, block_m, *bufs)
     xs = cuda.to_device(np.full((tiles * block_m, D), 0x7FC1, np.uint16))
-    launch_moe_gather_bf16(cuda.to_device(x), bufs[0], bufs[2], top_k, block_m, xs)
+    d_x = cuda.to_device(np.r_[np.full(offset, 1.5, np.float32), x.reshape(-1)])[offset:].reshape(n_tok, D)
+    if D % 4 == 0 and not offset:       # the word kernel must take these (the scalar one gives the same bits)
+        monkeypatch.setattr(moe_align, "_gather_bf16_kernel", None)
+    launch_moe_gather_bf16(d_x, bufs[0], bufs[2], top_k, block_m, xs)
     sorted_ids, num = bufs[0].copy_to_host(), int(bufs[2].copy_to_host()[0])
-    got = (xs.copy_to_host().astype(np.uint32) << 16).view(np.float32)
-    want = bf16_round(x)
+    got, want = xs.copy_to_host(), bf16_bits(x)
     for r in range(num * block_m):
         a = sorted_ids[r]
-        np.testing.assert_array_equal(got[r], want[a // top_k] if a >= 0 else np.zeros(D, np.float32))
-    assert np.isnan(got[num * block_m:]).all()             # rows past the used ones untouched
+        np.testing.assert_array_equal(got[r], want[a // top_k] if a >= 0 else np.zeros(D, np.uint16))
+    assert (got[num * block_m:] == 0x7FC1).all()             # rows past the used ones untouched
+    finite = np.isfinite(x)                                  # and the values are numpy's bfloat16 (ml_dtypes)
+    np.testing.assert_array_equal(from_storage(want)[finite], from_storage(to_storage(x, np.uint16))[finite])
 
 
 @pytest.mark.gpu
