@@ -111,8 +111,10 @@ GROUPED_MMA_MIN_TOKENS = 2     # one token keeps the GEMV strategy (T*K < E here
 FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # cuBLAS chooses a kernel for every GEMM shape it has not seen, at ~0.6 ms of host time each (H200, cuBLAS 13;
 # bench/moe_gemm.py --cublas-host): the per-expert row counts of CUBLAS_PER_EXPERT change every step, so each
-# expert's GEMMs run on its rows rounded up to a multiple of these (warm-up runs every such shape once).
+# expert's GEMMs run on its rows rounded up to a multiple of these (warm-up runs every such shape once). The
+# per-assignment buffers hold CUBLAS_ROW_SLACK rows more than a step's, so the last expert's rounded rows fit.
 CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
+CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
 # The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
 USE_FUSED_ROUTER = True
 FUSED_ROUTER_MAX_TOKENS = 64
@@ -415,8 +417,9 @@ class DeviceMoe:
         active = np.flatnonzero(np.diff(offsets))
         lo = offsets[active].astype(np.int64)
         # Rounded row counts (cublas_rows): an expert's extra rows are the next experts' rows, recomputed by
-        # their own GEMMs issued after it on this stream, or rows past the step's (never read).
-        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), ws.moe_out.shape[0] - lo)
+        # their own GEMMs issued after it on this stream, or rows past the step's (the buffers' slack; never read).
+        room = min(ws.moe_in.shape[0], ws.moe_gate.shape[0], ws.moe_up.shape[0], ws.moe_out.shape[0]) - lo
+        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), room)
         dtype, item = self.weights.dtype, experts.dtype.itemsize
         gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
         g, up = ws.moe_gate[:n], ws.moe_up[:n]
@@ -429,20 +432,22 @@ class DeviceMoe:
         combine(out, position, weights, h)
 
     def warm_cublas_shapes(self, max_tokens: int) -> None:
-        """Runs the per-expert GEMM shapes of every rounded row count up to max_tokens * K once (cublas_rows), so
-        cuBLAS has chosen their kernels before serving. Writes only workspace rows."""
+        """Runs the per-expert GEMM shapes of every rounded row count an expert can have in a step of up to
+        max_tokens tokens (at most max_tokens rows: a token's K experts are distinct) once, so cuBLAS has chosen
+        their kernels before serving. Writes only workspace rows."""
         cfg, ws, blas = self.config, self.ws, self.linear.cublas
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
-        cap = ws.moe_out.shape[0]
-        counts = np.unique(cublas_rows(np.arange(1, min(cap, max_tokens * cfg.num_experts_per_tok) + 1), cap))
+        counts = np.unique(cublas_rows(np.arange(1, max_tokens + 1), np.full(max_tokens, ws.moe_out.shape[0])))
         experts = self.weights.experts.get(self.moe_layers[0])
         w, dtype = device_address(experts), self.weights.dtype
         one = np.ones(1, np.int64)
-        for m in counts.tolist():     # as _cublas_per_expert: gate shape from moe_in, down shape from moe_gate
-            x = device_address(self.linear.as_weight_dtype(ws.moe_in))
-            blas.linear_each(w * one, x * one, device_address(ws.moe_gate) * one, m * one, F, D, dtype)
-            g = device_address(self.linear.as_weight_dtype(ws.moe_gate))
-            blas.linear_each(w * one, g * one, device_address(ws.moe_out) * one, m * one, D, F, dtype)
+        # as _cublas_per_expert: the gate shape reads moe_in's rows, the down shape moe_gate's
+        x = device_address(self.linear.as_weight_dtype(ws.moe_in)) * one
+        for m in counts.tolist():
+            blas.linear_each(w * one, x, device_address(ws.moe_gate) * one, m * one, F, D, dtype)
+        g = device_address(self.linear.as_weight_dtype(ws.moe_gate)) * one
+        for m in counts.tolist():
+            blas.linear_each(w * one, g, device_address(ws.moe_out) * one, m * one, D, F, dtype)
         self.stream.synchronize()
 
     def _shared_expert(self, i: int, x, h, T: int) -> None:

@@ -17,8 +17,8 @@ from numba import cuda
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.driver import check, device_address
-from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, MoeStrategy,
-                                     reachable_strategies)
+from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, CUBLAS_ROW_SLACK, FUSED_ROUTER_MAX_TOKENS,
+                                     MoeStrategy, reachable_strategies)
 from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
@@ -60,6 +60,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     # per-assignment f32 inputs / gate / up (grouped kernels, per-expert cuBLAS, the expert cache)
     per_assignment = bool(strategies & {MoeStrategy.GROUPED, MoeStrategy.CUBLAS_PER_EXPERT,
                                         MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS})
+    # rows of the per-assignment buffers: per-expert cuBLAS rounds each expert's rows up (moe.cublas_rows)
+    assignment_rows = T * K + (CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0)
     # the all-experts strategy of decode steps (cuda/moe.py)
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
     layout = {
@@ -71,7 +73,7 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),   # router_fused's tickets (zeroed)
         "identity_position": ((T * K,), i32),   # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
-        "moe_gate": ((T * K if per_assignment else K, F), f32), "moe_out": ((T * K, D), f32),
+        "moe_gate": ((assignment_rows if per_assignment else K, F), f32), "moe_out": ((assignment_rows, D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
         "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
@@ -87,8 +89,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
     if per_assignment:
-        layout["moe_up"] = ((T * K, F), f32)
-        layout["moe_in"] = ((T * K, D), f32)
+        layout["moe_up"] = ((assignment_rows, F), f32)
+        layout["moe_in"] = ((assignment_rows, D), f32)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)
@@ -100,8 +102,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
         # rows of the dense layers, router, shared expert and head; per-assignment rows; all experts' h
         dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
-        layout["cast"] = ((max(dense_rows, T * K * widest if per_assignment else 0, E * all_experts_tokens * F),),
-                          weight_dtype)
+        layout["cast"] = ((max(dense_rows, assignment_rows * widest if per_assignment else 0,
+                                E * all_experts_tokens * F),), weight_dtype)
     if dense_ffn:
         layout["dense_gate"] = ((T, dense_ffn), f32)
         layout["dense_up"] = ((T, dense_ffn), f32)

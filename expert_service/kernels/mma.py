@@ -75,7 +75,7 @@ def exp2_approx(typingctx, x):
 
 
 # ---- block_mma / block_pack: the intrinsics on the GPU, an exact emulation in the simulator ---------------
-# Kernels that must also run under NUMBA_ENABLE_CUDASIM (on small tiles, so CI tests their indexing) call these. -------------------------
+# Kernels that must also run under NUMBA_ENABLE_CUDASIM (on small tiles, so CI tests their indexing) call these.
 if SIMULATOR:
     # Fragment maps of mma.m16n8k16 (PTX ISA): A[r, k] is half k % 2 of register r // 8 + 2 (k // 8) of lane
     # (r % 8) * 4 + (k % 8) // 2; B[k, n] is half k % 2 of register 4 + k // 8 of lane n * 4 + (k % 8) // 2.

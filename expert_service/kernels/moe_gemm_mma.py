@@ -42,7 +42,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.mma import block_mma as mma, block_pack as pack
-from expert_service.kernels.numeric import SIMULATOR, WARP, f32_to_bf16
+from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.jit_cache import cached_jit
 
@@ -92,6 +92,9 @@ COMBINE_ATOMIC, COMBINE_STORE = "atomic", "store"
 _MODE_SWIGLU, _MODE_STORE, _MODE_ATOMIC = 0, 1, 2
 _LO32 = np.uint64(0xFFFFFFFF)
 _WORD = np.dtype(np.uint64)   # a dtype instance: the simulator's dynamic shared array needs its itemsize
+# cp.async writes 16-byte words: the stages' base must be 16-byte aligned whatever else shares the block's
+# shared memory (Numba aligns a dynamic array to its itemsize only). The simulator rejects any alignment.
+_SMEM_ALIGN = None if SIMULATOR else 16
 
 
 def choose_config(n_assignments: int, n_experts: int) -> Config:
@@ -293,7 +296,7 @@ def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
 
         # S stages of A [BM, WPR] and then S stages of B [BN, WPR] uint64 words (4 bf16 each), rows XOR-swizzled,
         # in dynamic shared memory (cfg.shared_bytes; above 48 KB the launcher raises the kernel's limit)
-        smem = cuda.shared.array(0, _WORD)
+        smem = cuda.shared.array(0, _WORD, alignment=_SMEM_ALIGN)
         acc = cuda.local.array((MT, NT, 4), np.float32)
         af = cuda.local.array((MT, 4), np.uint32)
         for i in range(MT):
@@ -411,22 +414,23 @@ def is_aligned(F: int, D: int, stride: int) -> bool:
 
 
 _STATIC_SHARED_MAX = 48 * 1024
-_raised_shared: set[int] = set()     # kernels (dispatchers) allowed their dynamic shared memory
+_raised_shared: set[tuple[int, int]] = set()     # (kernel, device) pairs allowed their dynamic shared memory
 
 
 def _launch(kernel, grid: int, cfg: Config, stream, args) -> None:
     """kernel[grid, cfg.threads, stream, cfg.shared_bytes](*args); a kernel that needs more than 48 KB of dynamic
     shared memory must first be allowed it (cuKernelSetAttribute on the compiled function: Numba has no API)."""
     nbytes = cfg.shared_bytes
-    # Once per kernel: each has one overload (the launchers pass fixed argument types), so typing the
-    # arguments on every launch would only cost host time.
-    if nbytes > _STATIC_SHARED_MAX and not SIMULATOR and id(kernel) not in _raised_shared:
+    # Once per kernel and device: each kernel has one overload (the launchers pass C-contiguous 1-d arrays of
+    # fixed dtypes), so typing the arguments on every launch would only cost host time.
+    key = (id(kernel), cuda.get_current_device().id) if nbytes > _STATIC_SHARED_MAX and not SIMULATOR else None
+    if key is not None and key not in _raised_shared:
         from cuda.bindings.driver import CUfunction_attribute
         from numba.cuda.cudadrv.driver import driver as cu_driver
         cufunc = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))._codelibrary.get_cufunc()
         cu_driver.cuKernelSetAttribute(CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        nbytes, cufunc.handle, cufunc.device.id)
-        _raised_shared.add(id(kernel))
+        _raised_shared.add(key)
     kernel[grid, cfg.threads, stream, nbytes](*args)
 
 
@@ -462,9 +466,9 @@ def launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F: int, D: int, h, co
     _check("num_tiles", num_tiles, (1,), np.int32)
     if tiles == 0:
         return
-    aligned = is_aligned(F, D, W.shape[1])
+    aligned = is_aligned(F, D, W.shape[1]) and aligned_to(16, xs, W, h)
     n_tiles_n = -(-F // (cfg.block_n // 2))
-    kernel = _build(cfg, _MODE_SWIGLU, aligned, D % cfg.bk == 0)[1]
+    kernel = _build(cfg, _MODE_SWIGLU, aligned, aligned and D % cfg.bk == 0)[1]
     dummy_i, dummy_f = tile_expert, num_tiles       # unused in this mode (typed like the real ones)
     _launch(kernel, tiles * n_tiles_n, cfg, stream, (
         _flat(xs, aligned), _flat(W, aligned), tile_expert, num_tiles, dummy_i, _float_dummy(dummy_f),
@@ -504,9 +508,9 @@ def launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F: int, D: in
         raise ValueError(f"combine must be {COMBINE_ATOMIC!r} or {COMBINE_STORE!r}, got {combine!r}")
     if tiles == 0 or out.shape[0] == 0:
         return
-    aligned = is_aligned(F, D, W.shape[1])
+    aligned = is_aligned(F, D, W.shape[1]) and aligned_to(16, h, W)
     n_tiles_n = -(-D // cfg.block_n)
-    kernel = _build(cfg, mode, aligned, F % cfg.bk == 0)[1]
+    kernel = _build(cfg, mode, aligned, aligned and F % cfg.bk == 0)[1]
     _launch(kernel, tiles * n_tiles_n, cfg, stream, (
         _flat(h, aligned), _flat(W, aligned), tile_expert, num_tiles, sorted_ids, rw,
         np.int64(W.shape[1]), np.int64(D), np.int64(F), np.int64(2 * F * D), np.int64(0), np.int64(n_tiles_n),

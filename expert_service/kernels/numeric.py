@@ -21,9 +21,14 @@ SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the gr
 def aligned8(*arrays) -> bool:
     """Every (device or simulator) array starts on an 8-byte boundary: a uint64 view of it may be loaded and
     stored (the wide paths of the 16-bit casts; a view sliced at an odd offset falls back to their scalar path)."""
+    return aligned_to(8, *arrays)
+
+
+def aligned_to(nbytes: int, *arrays) -> bool:
+    """Every (device or simulator) array starts on an nbytes boundary."""
     for a in arrays:
         pointer = a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
-        if (pointer or 0) % 8:
+        if (pointer or 0) % nbytes:
             return False
     return True
 

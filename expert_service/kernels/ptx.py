@@ -113,7 +113,7 @@ else:
             i32 = ir.IntType(32)
             # Destination: a 32-bit shared-window address. Numba hands the shared array over as a generic pointer
             # cast from the shared variable; casting it back lets LLVM fold the pair, so the address is the
-            # variable plus 8 di in 32-bit arithmetic (no cvta per copy).
+            # variable plus 8 di, truncated to 32 bits (no cvta per copy).
             dst_ary = context.make_array(dst_t)(context, builder, value=dst_a)
             shared = builder.addrspacecast(dst_ary.data, ir.PointerType(dst_ary.data.type.pointee, 3))
             di = context.cast(builder, di_v, di_t, types.intp)

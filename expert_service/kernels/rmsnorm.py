@@ -117,8 +117,8 @@ def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
     """x: [R, N] float32 (or [T, H, Hd], normalised per head over Hd); weight: [N] float32/float16/uint16
     (bfloat16 bits); eps: float; out: same shape as x, float32, written (may be x itself). threads: None picks
     the kernel (a warp per row when N <= WARP_ROW_MAX and there are WARP_KERNEL_MIN_ROWS rows, else a block
-    per row, of one thread per element up to THREADS; the same bits either way); a count runs the block-per-row kernel with that many threads (bitwise equal to `moe_combine_rmsnorm`
-    launched with the same count)."""
+    per row, of one thread per element up to THREADS; the same bits either way); a count runs the block-per-row
+    kernel with that many threads (bitwise equal to `moe_combine_rmsnorm` launched with the same count)."""
     n = x.shape[x.ndim - 1]                      # (the simulator's shape tuple rejects negative indices)
     assert out.shape == x.shape, (x.shape, out.shape)
     x2, out2 = x.reshape(x.size // n, n), out.reshape(x.size // n, n)

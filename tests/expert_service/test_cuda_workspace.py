@@ -119,13 +119,17 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert layout["router_counter"] == ((FUSED_ROUTER_MAX_TOKENS,), np.dtype(np.int32))
     for name in ("greedy_part_values", "greedy_part_ids", "greedy_part_flags"):
         assert layout[name][0] == (S, parts(config.vocab_size))
-    for dtype, cached in ((f32, False), (bf16, True)):     # other dtypes and the expert cache: no grouped MMA
-        other = layout_workspace(config, dtype, T, S, 16, len(config.moe_layers), cached=cached)
-        assert "mma_xs" not in other and other["moe_in"][0] == (T * K, D) and other["moe_gate"][0] == (T * K, F)
+    # other dtypes: no grouped MMA, and per-expert cuBLAS above 64 tokens, whose rounded rows need slack rows
+    other = layout_workspace(config, f32, T, S, 16, len(config.moe_layers))
+    rows = T * K + moe.CUBLAS_ROW_SLACK
+    assert "mma_xs" not in other and other["moe_in"][0] == (rows, D) and other["moe_gate"][0] == (rows, F)
+    assert other["moe_out"][0] == other["moe_up"][0][:1] + (D,) == (rows, D)
+    cached = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True)    # the expert cache
+    assert "mma_xs" not in cached and cached["moe_in"][0] == (T * K, D) and cached["moe_gate"][0] == (T * K, F)
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
-    assert "mma_xs" not in off and off["moe_in"][0] == (T * K, D) and "all_experts_out" in off
-    assert off["cast"][0][0] >= T * K * max(D, config.q_size, F)
+    assert "mma_xs" not in off and off["moe_in"][0] == (rows, D) and "all_experts_out" in off
+    assert off["cast"][0][0] >= rows * max(D, config.q_size, F)
 
 
 # --- routing=lut: the step's plan staged with its metadata ------------------------------------------------
