@@ -33,8 +33,8 @@ from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import GraphCache, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import (CachedExperts, DeviceMoe, MoeStrategy, capturable, reachable_strategies,
-                                     warmup_tokens)
+from expert_service.cuda.moe import DeviceMoe, MoeStrategy, capturable, reachable_strategies, warmup_tokens
+from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids

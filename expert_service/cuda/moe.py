@@ -37,10 +37,10 @@ graph captures must stay on the device (`CAPTURABLE`; the decoder captures a pre
 says so). ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
 (E x tokens x F, `workspace.layout_workspace`).
 
-With the expert cache (not every expert fits the device; `CachedExperts`): the routing is read back to the
-host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts (batch-level
-union), misses are copied on the copy stream (expert_slots.DeviceSlots), and the experts run in waves of at
-most `slots` experts against the layer's slot buffer. Per MoE layer: router -> top-k -> grouping (as the
+With the expert cache (not every expert fits the device; `CachedExperts` in cuda/moe_cached.py): the routing
+is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts
+(batch-level union), misses are copied on the copy stream (expert_slots.DeviceSlots), and the experts run in
+waves of at most `slots` experts against the layer's slot buffer. Per MoE layer: router -> top-k -> grouping (as the
 resident path) -> [lookahead: the next MoE layer's router on this layer's input] -> one readback + sync ->
 lookahead prefetch into the next layer's slots -> waves -> one weighted combine. Every assignment's output
 row is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are
@@ -71,16 +71,12 @@ from __future__ import annotations
 from enum import Enum
 
 import numpy as np
-from numba import cuda
 
 from common.model_config import ModelConfig
-from expert_service.config import PrefetchSource
 from expert_service.cuda.driver import device_address
-from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
@@ -183,111 +179,6 @@ def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool) -> tuple[int, ...
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
         first.setdefault((strategy, tile, fused_router(T)), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
-
-
-class CachedExperts:
-    """The expert cache on the device: slots per MoE layer, their replacement and prefetch, and the CACHED_*
-    strategies. The decoder drives the step boundaries (begin_step / prefetch_plan / end_step)."""
-
-    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 max_tokens: int, slot_plan: SlotPlan, prefetch: frozenset[PrefetchSource], policy: str):
-        cfg = config
-        self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
-        self.prefetch = prefetch
-        moe = cfg.moe_layers
-        S, E, K, T = slot_plan.slots_per_layer, cfg.num_experts, cfg.num_experts_per_tok, max_tokens
-        self.slots = DeviceSlots(weights, moe, S, stream)
-        self.cache = ExpertCache(moe, E, S, slot_plan.expert_block_bytes, self.slots, policy)
-        self.next_moe = {i: next((j for j in moe if j > i), None) for i in range(cfg.num_hidden_layers)}
-        self.max_waves = -(-E // S)
-        st = stream
-        self.slot_of = cuda.device_array((self.max_waves, E), np.int32, stream=st)
-        self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
-        self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
-        self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
-        self.host = {"slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
-                     "ids": cuda.pinned_array(T * K, np.int32), "ahead_ids": cuda.pinned_array(T * K, np.int32),
-                     "offsets": cuda.pinned_array(E + 1, np.int32)}
-        self._hints = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.slots.nbytes + self.slot_of.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes
-
-    # --- step boundaries ----------------------------------------------------------------------------
-    def begin_step(self, hints: dict[int, np.ndarray] | None) -> None:
-        self.cache.begin_step()
-        self._hints = hints
-        moe = self.config.moe_layers
-        if moe:           # the first MoE layer's plan: its copies overlap everything before it
-            self.prefetch_plan(moe[0])
-
-    def end_step(self) -> CacheStats:
-        """After the step's final synchronisation: the measured stall joins the step's counts."""
-        self.cache.add_stall(self.slots.stall_seconds())
-        self._hints = None
-        return self.cache.end_step()
-
-    def prefetch_plan(self, layer: int | None) -> None:
-        if layer is not None and PrefetchSource.PLAN in self.prefetch and self._hints and layer in self._hints:
-            self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
-
-    # --- the routed experts of a MoE layer ----------------------------------------------------------
-    def run(self, i: int, x, h, T: int, ids, weights, strategy: MoeStrategy, combine=None) -> None:
-        """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
-        combine: DeviceMoe's combine (None: launch_moe_combine)."""
-        cfg, ws, st = self.config, self.ws, self.stream
-        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
-        n = T * K
-        order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
-        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
-        if ahead is not None:
-            self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
-            launch_router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
-                               stream=st)
-            self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
-        large = strategy is MoeStrategy.CACHED_CUBLAS    # the per-expert GEMMs need the row ranges on the host
-        ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
-        if large:
-            ws.offsets.copy_to_host(self.host["offsets"], stream=st)
-        st.synchronize()
-        if ahead is not None:
-            self.cache.prefetch(ahead, experts_by_count(self.host["ahead_ids"][:n]))
-        if large:
-            launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
-        buffer = self.slots.weights_of(i)
-        offsets = self.host["offsets"]
-        for w, wave in enumerate(self.cache.waves(i, experts_by_count(self.host["ids"][:n]))):
-            if large:
-                for e, slot in wave.items():
-                    self._expert_gemms(buffer[slot], int(offsets[e]), int(offsets[e + 1]), F, D, out)
-            else:
-                row = self.host["slot_of"][w]
-                row[:] = -1
-                for e, slot in wave.items():
-                    row[e] = slot
-                slot_of = self.slot_of[w]
-                slot_of.copy_to_device(row, stream=st)
-                launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
-                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
-            self.slots.used(i, wave.values())
-        if combine is None:
-            launch_moe_combine(out, position, weights, h, stream=st)
-        else:
-            combine(out, position, weights, h)
-
-    def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
-        """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
-        ws = self.ws
-        gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
-        down = block[2 * F * D:3 * F * D].reshape(D, F)
-        g = ws.moe_gate[lo:hi]
-        self.linear.swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
-        self.linear.linear(g, down, out[lo:hi], force_cublas=True)
-
-    def close(self) -> None:
-        self.slots.close()
 
 
 class DeviceMoe:
