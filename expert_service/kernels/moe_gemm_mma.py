@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, types
 
+from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.kernels.mma import block_mma as mma, block_pack as pack
 from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
@@ -536,10 +537,8 @@ def _float_dummy(like):
 
 # ---- numpy reference --------------------------------------------------------------------------------------
 def bf16_round(x: np.ndarray) -> np.ndarray:
-    """float32 -> nearest bf16 (ties to even), as float32."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
-    return bits.astype(np.uint32).view(np.float32)
+    """float32 -> nearest bf16 (ties to even), as float32 (the model files' conversion, common.dtypes)."""
+    return bf16_to_float32(float32_to_bf16(x))
 
 
 def moe_reference(x, ids, route_weights, mats, residual=None):
