@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels import graph_timed, torch_timed  # noqa: E402
 
 SHAPES = {"qwen3moe": dict(D=2048, F=768, E=128, K=8), "mixtral": dict(D=4096, F=14336, E=8, K=2)}
 
@@ -100,7 +101,7 @@ def main():
 
     import torch
     from numba import cuda
-    from expert_service.cuda.driver import Graph, non_blocking_stream
+    from expert_service.cuda.driver import non_blocking_stream
     from expert_service.kernels import moe_gemm_mma as current
     from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
 
@@ -110,32 +111,11 @@ def main():
         modules["previous"] = load_module(args.previous)
     wanted = set(filter(None, args.configs.split(",")))
 
-    def graph_us(fn):
-        fn()
-        stream.synchronize()
-        g = Graph(stream)
-        with g:
-            fn()
-        g.replay()
-        start, end = cuda.event(), cuda.event()
-        start.record(stream)
-        for _ in range(args.reps):
-            g.replay()
-        end.record(stream)
-        end.synchronize()
-        g.close()
-        return cuda.event_elapsed_time(start, end) / args.reps * 1e3
+    def graph_us(launch):
+        return graph_timed(lambda i, q: launch(q), stream, args.reps) * 1e6
 
-    def torch_us(fn):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(args.reps):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / args.reps * 1e3
+    def torch_us(fn):       # eager launches between two events, as transformers runs them
+        return torch_timed(lambda i: fn(), args.reps, graph=False) * 1e6
 
     results = {"device": torch.cuda.get_device_name(), "cases": []}
     for shape in args.shapes.split(","):
@@ -185,11 +165,11 @@ def main():
                         y = cuda.device_array((n, D), np.float32)
                         launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, position, stream=stream)
                         launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-                        gu = graph_us(lambda: mod.launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F, D, h,
-                                                                          config=cfg, stream=stream))
-                        dn = graph_us(lambda: mod.launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F,
-                                                                       D, y, combine="store", config=cfg,
-                                                                       stream=stream))
+                        gu = graph_us(lambda q: mod.launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F, D, h,
+                                                                            config=cfg, stream=q))
+                        dn = graph_us(lambda q: mod.launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F,
+                                                                         D, y, combine="store", config=cfg,
+                                                                         stream=q))
                         stream.synchronize()
                         got = torch.as_tensor(y, device="cuda")
                         err = float((got - y_ref).abs().max() / y_ref.abs().max())

@@ -136,14 +136,13 @@ class CudaDecoder:
             return
         cfg = self.config
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)    # one sequence's most tokens
-        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts,
-                              bf16=self.weights.dtype == np.uint16)
+        bf16 = self.weights.dtype == np.uint16
+        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16)
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs] \
             if self.engine_config.cuda_graphs else []
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
-        bf16 = self.weights.dtype == np.uint16
         if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(self.max_tokens, cfg.num_experts_per_tok,
                                                                  cfg.num_experts, False, bf16):
             self.moe.warm_cublas_shapes(self.max_tokens)

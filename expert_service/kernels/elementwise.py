@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import aligned8, packer4, storer, widener
+from expert_service.kernels.numeric import aligned_to, packer4, storer, widener
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
@@ -156,7 +156,7 @@ def launch_cast(x, out, stream=0, threads=THREADS) -> None:
         return
     flat_x, flat_out = _flat(x, out)
     n = flat_x.shape[0]
-    main = n - n % 4 if aligned8(flat_x, flat_out) else 0
+    main = n - n % 4 if aligned_to(8, flat_x, flat_out) else 0
     x2, out4 = ((a if main == n else a[:main]).view(np.uint64) for a in (flat_x, flat_out))
     # uncapped: CAST_WORDS words a thread (the unaligned case: one element a thread)
     blocks = max(1, -(-(main // 4) // (CAST_WORDS * threads)), -(-(n - main) // threads))

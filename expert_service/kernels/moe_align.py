@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, aligned8, f32_to_bf16, packer4
+from expert_service.kernels.numeric import SIMULATOR, aligned_to, f32_to_bf16, packer4
 from expert_service.kernels.jit_cache import cached_jit
 
 MAX_E = 256
@@ -209,7 +209,7 @@ def launch_moe_gather_bf16(x, sorted_ids, num_tiles, top_k: int, block_m: int, x
         return
     args = (sorted_ids, num_tiles, np.int32(top_k), np.int32(block_m))
     if (x.shape[1] % 4 == 0 and x.shape[0] and x.flags["C_CONTIGUOUS"] and xs.flags["C_CONTIGUOUS"]
-            and aligned8(x, xs)):
+            and aligned_to(8, x, xs)):
         _gather_bf16_words_kernel[rows, GATHER_WORD_THREADS, stream](x.view(np.uint64), *args, xs.view(np.uint64))
     else:
         _gather_bf16_kernel[rows, GATHER_THREADS, stream](x, *args, xs)

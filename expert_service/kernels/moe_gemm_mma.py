@@ -237,6 +237,21 @@ def _stage_copier(aligned: bool, exact_k: bool):
     return copy
 
 
+def _stage_filler(copy, threads: int, a_iters: int, b_iters: int, a_chunks: int, b_chunks: int):
+    """fill(smem, a_stage, b_stage, k0, a, w, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_valid):
+    this thread's chunks of the A and B tiles at input column k0 into the stage whose first words are a_stage
+    and b_stage (the per-chunk arrays are the kernel's: element at step 0, word in a stage, column, validity)."""
+    @cuda.jit(device=True, inline=True)
+    def fill(smem, a_stage, b_stage, k0, a, w, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_valid):
+        for it in range(a_iters):
+            if a_iters * threads == a_chunks or tid + it * threads < a_chunks:
+                copy(smem, a_stage + a_word[it], a, a_start[it] + k0, k0 + a_col[it], k_dim, True)
+        for it in range(b_iters):
+            if b_iters * threads == b_chunks or tid + it * threads < b_chunks:
+                copy(smem, b_stage + b_word[it], w, b_start[it] + k0, k0 + b_col[it], k_dim, b_valid[it] != 0)
+    return fill
+
+
 @functools.lru_cache(maxsize=None)
 def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
     """Kernel for one block shape, epilogue mode (SwiGLU -> bf16 h; store fp32 rows; atomic weighted combine),
@@ -260,7 +275,8 @@ def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
     NH = NT // 2
     HALF_N = BN // 2                    # gated: F columns per block
     swz = _swizzle(WPR)
-    copy = _stage_copier(aligned, aligned and exact_k)
+    fill_stage = _stage_filler(_stage_copier(aligned, aligned and exact_k), THREADS, A_ITERS, B_ITERS, A_CHUNKS,
+                               B_CHUNKS)
     wait_stage = cp_async_wait_fn(S - 2)
     epilogue = _epilogue(mode, aligned, MT, NT)
 
@@ -346,15 +362,8 @@ def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
         # step s-1 used (every warp is past it after the barrier) with step s+S-1, then runs its mma's.
         for s in range(S - 1):
             if s < n_steps:
-                k0 = s * BK
-                for it in range(A_ITERS):
-                    if A_ITERS * THREADS == A_CHUNKS or tid + it * THREADS < A_CHUNKS:
-                        copy(smem, np.uint32(s * A_WORDS) + a_word[it], a, a_start[it] + k0, k0 + a_col[it],
-                             k_dim, True)
-                for it in range(B_ITERS):
-                    if B_ITERS * THREADS == B_CHUNKS or tid + it * THREADS < B_CHUNKS:
-                        copy(smem, np.uint32(B_SHARED + s * B_WORDS) + b_word[it], w, b_start[it] + k0,
-                             k0 + b_col[it], k_dim, b_valid[it] != 0)
+                fill_stage(smem, np.uint32(s * A_WORDS), np.uint32(B_SHARED + s * B_WORDS), s * BK, a, w, k_dim,
+                           tid, a_start, a_word, a_col, b_start, b_word, b_col, b_valid)
             cp_async_commit()
 
         cur = np.uint32(0)                # stage of this step
@@ -364,16 +373,8 @@ def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
             cuda.syncthreads()
             fill = step + S - 1
             if fill < n_steps:
-                k0 = fill * BK
-                a_stage = fs * np.uint32(A_WORDS)
-                b_stage = np.uint32(B_SHARED) + fs * np.uint32(B_WORDS)
-                for it in range(A_ITERS):
-                    if A_ITERS * THREADS == A_CHUNKS or tid + it * THREADS < A_CHUNKS:
-                        copy(smem, a_stage + a_word[it], a, a_start[it] + k0, k0 + a_col[it], k_dim, True)
-                for it in range(B_ITERS):
-                    if B_ITERS * THREADS == B_CHUNKS or tid + it * THREADS < B_CHUNKS:
-                        copy(smem, b_stage + b_word[it], w, b_start[it] + k0, k0 + b_col[it], k_dim,
-                             b_valid[it] != 0)
+                fill_stage(smem, fs * np.uint32(A_WORDS), np.uint32(B_SHARED) + fs * np.uint32(B_WORDS), fill * BK,
+                           a, w, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_valid)
             cp_async_commit()
             a_base = cur * np.uint32(A_WORDS) + a_lane
             b_base = np.uint32(B_SHARED) + cur * np.uint32(B_WORDS) + b_lane

@@ -18,14 +18,10 @@ FULL_MASK = 0xFFFFFFFF
 SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the grid has about this many (4 per SM)
 
 
-def aligned8(*arrays) -> bool:
-    """Every (device or simulator) array starts on an 8-byte boundary: a uint64 view of it may be loaded and
-    stored (the wide paths of the 16-bit casts; a view sliced at an odd offset falls back to their scalar path)."""
-    return aligned_to(8, *arrays)
-
-
 def aligned_to(nbytes: int, *arrays) -> bool:
-    """Every (device or simulator) array starts on an nbytes boundary."""
+    """Every (device or simulator) array starts on an nbytes boundary: e.g. 8, a uint64 view of it may be loaded
+    and stored (the wide paths of the 16-bit casts; a view sliced at an odd offset falls back to their scalar
+    path); 16, the grouped GEMM's 16-byte copies."""
     for a in arrays:
         pointer = a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
         if (pointer or 0) % nbytes:

@@ -54,10 +54,7 @@ if SIMULATOR:
         pass
 
     def cp_async_wait_fn(pending: int):
-        @cuda.jit(device=True)
-        def cp_async_wait():
-            pass
-        return cp_async_wait
+        return cp_async_commit      # the copies are synchronous here: nothing to wait for
 else:
     from llvmlite import ir
     from numba import types
@@ -129,28 +126,23 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @intrinsic
-    def cp_async_commit(typingctx):
-        """Close this thread's group of cp.async copies."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, "cp.async.commit_group;", "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @functools.lru_cache(maxsize=None)
-    def cp_async_wait_fn(pending: int):
-        """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
+    def _statement(asm: str, doc: str):
+        """Intrinsic `() -> None` emitting one PTX statement without operands (a memory barrier to LLVM)."""
         @intrinsic
-        def cp_async_wait(typingctx):
+        def impl(typingctx):
             sig = types.void()
 
             def codegen(context, builder, sig, args):
                 fnty = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fnty, f"cp.async.wait_group {int(pending)};", "~{memory}",
-                                          side_effect=True), [])
+                builder.call(ir.InlineAsm(fnty, asm, "~{memory}", side_effect=True), [])
                 return context.get_dummy_value()
             return sig, codegen
-        return cp_async_wait
+        impl.__doc__ = doc
+        return impl
+
+    cp_async_commit = _statement("cp.async.commit_group;", "Close this thread's group of cp.async copies.")
+
+    @functools.lru_cache(maxsize=None)
+    def cp_async_wait_fn(pending: int):
+        """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
+        return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__)
