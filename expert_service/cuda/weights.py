@@ -8,6 +8,7 @@ so copies run at PCIe speed; where the driver refuses, copies go through a pinne
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -30,6 +31,9 @@ class HostUploader:
         self._warned = False
         self.pinned: list[np.ndarray] = []
         self.bytes_copied = 0
+        # An uploader dropped without release() must still unpin before its mmaps go: a registration that
+        # outlives its mapping makes the driver refuse the next allocation or mmap placed at those addresses.
+        self._release = weakref.finalize(self, _unpin_all, self.pinned)
 
     def pin(self, host: np.ndarray) -> bool:
         if self.use_pinned_memory and pin_readonly(host):
@@ -56,9 +60,13 @@ class HostUploader:
         self.bytes_copied += host.nbytes
 
     def release(self) -> None:
-        for host in self.pinned:
-            unpin(host)
-        self.pinned.clear()
+        self._release()
+
+
+def _unpin_all(pinned: list[np.ndarray]) -> None:
+    for host in pinned:
+        unpin(host)
+    pinned.clear()
 
 
 class DeviceWeights:

@@ -164,11 +164,13 @@ class ForcedRouting:
 
 
 def last_step_expert_ids(engine, T):
-    """[MoE layers] of [T, K]: the top-k ids the GPU's last forward left in its workspace (layer-major)."""
+    """[MoE layers] of [T, K]: the top-k ids the GPU's last forward left in its workspace (layer-major, each
+    layer's block as long as the token bucket the step was padded to)."""
     d = engine.decoder
     K = engine.model_config.num_experts_per_tok
-    flat = d.ws.topk_ids.copy_to_host().reshape(-1)[:len(d.moe_layers) * T * K]
-    return list(flat.reshape(len(d.moe_layers), T, K))
+    padded = d._prefill_bucket(T) or T
+    flat = d.ws.topk_ids.copy_to_host().reshape(-1)[:len(d.moe_layers) * padded * K]
+    return [layer[:T] for layer in flat.reshape(len(d.moe_layers), padded, K)]
 
 
 def assert_greedy_close(tokens, cpu_rows, name):

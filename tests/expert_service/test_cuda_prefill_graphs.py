@@ -34,7 +34,10 @@ def engines(request, tmp_path_factory):
     tolerance = 1e-4 if spec is None else 2e-2
     gpu = open_(backend="cuda")
     gpu.warmup()                     # as the worker starts: every capturable bucket captured before serving
-    return request.param, open_(backend="cpu"), gpu, open_(backend="cuda", cuda_graphs=False), tolerance, open_
+    eager = open_(backend="cuda", cuda_graphs=False)
+    yield request.param, open_(backend="cpu"), gpu, eager, tolerance, open_
+    gpu.decoder.close()
+    eager.decoder.close()
 
 
 def bucket_of(T: int) -> int:
