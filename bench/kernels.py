@@ -21,6 +21,7 @@ returns bf16, so ~1e-2 is expected; moe_ffn is fp32, ~1e-6). JSON is written to 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -93,6 +94,14 @@ def torch_timed(fn, repeats: int, graph: bool) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / repeats * 1e-3
+
+
+def load_module(path):
+    """A kernel module from a file (an earlier version of it, for `--previous` comparisons in the same run)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_previous", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @cuda.jit

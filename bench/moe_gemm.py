@@ -19,7 +19,6 @@ is the same every call, new every call (ragged, as per-expert row counts are), o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels import graph_timed, torch_timed  # noqa: E402
+from bench.kernels import graph_timed, load_module, torch_timed  # noqa: E402
 
 SHAPES = {"qwen3moe": dict(D=2048, F=768, E=128, K=8), "mixtral": dict(D=4096, F=14336, E=8, K=2)}
 
@@ -77,13 +76,6 @@ def cublas_host(out_path):
         print(f"{kind:8s} host µs per cublasGemmEx, three rounds: " + ", ".join(f"{v:.1f}" for v in result[kind]))
     blas.close()
     Path(out_path).write_text(json.dumps({"host_us_per_gemm": result}, indent=1))
-
-
-def load_module(path):
-    spec = importlib.util.spec_from_file_location("moe_gemm_previous", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main():

@@ -6,11 +6,12 @@ decoder in the same run:
 - fused:   every switch as shipped (rope_kv_write, moe_combine_rmsnorm, and the paths before them);
 - unfused: decoder.USE_FUSED_ROPE_KV and decoder.USE_FUSED_COMBINE_NORM off (rope + kv_write, combine + rmsnorm);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (router_planned);
+- tiled_attention: fused, with decode attention on attention_decode_tiled (decoder.USE_TILED_DECODE_ATTENTION);
 - baseline: unfused and also moe.USE_FUSED_ROUTER and decoder.USE_GREEDY_SPLIT off.
 
-fused / unfused / baseline share one engine and the same sequences (switches are read as a pass is issued;
-decode graphs are dropped and re-captured between variants, so each variant's graphs are its own); lut needs
-its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy, every kernel's
+fused / unfused / baseline / tiled_attention share one engine and the same sequences (switches are read as a
+pass is issued; decode graphs are dropped and re-captured between variants, so each variant's graphs are their
+own); lut needs its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy, every kernel's
 time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
 pool reused across tensors, fresh values for the routers so routing stays uniform).
@@ -43,6 +44,7 @@ VARIANTS = {
     "fused": {},
     "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False},
     "lut": {},
+    "tiled_attention": {"decoder.USE_TILED_DECODE_ATTENTION": True},
     "baseline": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
                  "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False},
 }

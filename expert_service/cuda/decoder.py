@@ -40,6 +40,7 @@ from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
+from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.gather import launch_gather_rows
@@ -55,6 +56,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
+# decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128) -- off until the H200
+# measures it faster than attention_decode (bench/attention_decode.py)
+USE_TILED_DECODE_ATTENTION = False
 USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its
 # start); cuda/moe.py decides by step size and strategy where it pays (FUSED_COMBINE_NORM_MIN_TOKENS)
 # routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
@@ -409,9 +413,9 @@ class CudaDecoder:
         attn3 = ws.attn[:T].reshape(T, H, Hd)
         window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
         if decode:
-            launch_attention_decode(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
-                                    ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S],
-                                    stream=st)
+            attend = launch_attention_decode_fastest if USE_TILED_DECODE_ATTENTION else launch_attention_decode
+            attend(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
+                   ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
         else:
             launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
                                              ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,

@@ -259,3 +259,29 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
     gpu.clear()
     assert calls == [], f"{name}: {len(calls)} device allocations during steps"
     assert drv.cuMemGetInfo()[1] == free_before, f"{name}: device memory changed during steps"
+
+
+def test_tiled_decode_attention_matches_attention_decode(tmp_path, monkeypatch):
+    """decoder.USE_TILED_DECODE_ATTENTION: the same tokens and logits (fp32 attention either way, summed in
+    another order) on a bf16 model with Hd = 64 and a GQA group of 8, contexts crossing several 32-key tiles."""
+    import expert_service.cuda.decoder as decoder
+    from expert_service.kernels.attention_decode_tiled import supports
+    model = bf16_tiny(tmp_path, "qwen3_moe", 9, head_dim=64, num_attention_heads=8, num_key_value_heads=1)
+    engine = Engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
+    assert supports(engine.decoder.k_pool[0].dtype, 64, MANY_CFG["kv_block_size"])
+    prompts = [random_prompt(900 + i, n) for i, n in enumerate((70, 5, 33))]
+    rids = list(range(len(prompts)))
+    runs = []
+    for tiled in (False, True):
+        monkeypatch.setattr(decoder, "USE_TILED_DECODE_ATTENTION", tiled)
+        engine.decoder.drop_graphs()          # decode graphs captured with the other kernel
+        engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
+        steps = []
+        for _ in range(4):
+            s = engine.step(decode_ids=rids)
+            steps.append(([o.token_id for o in s.outputs], np.stack(list(s.logits))))
+        engine.clear()
+        runs.append(steps)
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
+        assert ta == tb and rel_error(lb, la) <= 1e-4, f"decode step {i}: {rel_error(lb, la):.2e}"
+    engine.decoder.close()
