@@ -9,7 +9,11 @@ the decoder's. The reference is what Hugging Face runs: SDPA (enable_gqa) on a c
 beforehand (not timed). Times are GPU time per launch (graph replay); the roofline is the K/V bytes / 4.3 TB/s.
 Each case also checks the kernels against each other (float32, same inputs) and against SDPA.
 
-    python bench/attention_decode.py --out out/attention_decode.json [--previous ab_old/attention_decode_prev.py]
+    python bench/attention_decode.py --out out/attention_decode.json [--previous OLD_attention_decode.py]
+                                     [--only qwen3moe-shape:64:1024 ...]
+
+`--only` runs the named cases alone, e.g. under Nsight Compute:
+    ncu -k regex:attention_decode --launch-count 2 python bench/attention_decode.py --only qwen3moe-shape:64:1024
 """
 from __future__ import annotations
 
@@ -74,11 +78,23 @@ def sdpa(host, b: int, H: int, Hkv: int):
     return seconds, result["out"].squeeze(2).float().cpu().numpy()
 
 
+def _case(text: str) -> tuple:
+    """--only's SHAPE:B:CTX -> (shape, batch, context), one of the cases this bench runs."""
+    parts = text.split(":")
+    known = [f"{shape}:{b}:{ctx}" for shape in SHAPES for b, ctx in CASES]
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"no such case {text!r}; one of {', '.join(known)}")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_decode.json")
     parser.add_argument("--previous", help="an earlier attention_decode.py to time in the same run")
+    parser.add_argument("--only", action="append", default=[], type=_case, metavar="SHAPE:B:CTX",
+                        help="run only these cases (repeatable)")
     args = parser.parse_args(argv)
+    only = set(args.only)
     from numba import cuda
     from expert_service.kernels import attention_decode, attention_decode_tiled
     kernels = {"new": (attention_decode.launch_attention_decode, attention_decode.decode_splits),
@@ -91,6 +107,8 @@ def main(argv=None) -> int:
     results = []
     for shape, (H, Hkv) in SHAPES.items():
         for b, ctx in CASES:
+            if only and (shape, b, ctx) not in only:
+                continue
             host = build_case(rng, b, ctx, H, Hkv)
             dev = [cuda.to_device(a, stream=stream) for a in host]
             row = {"shape": shape, "batch": b, "context": ctx,
