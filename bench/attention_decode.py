@@ -129,11 +129,13 @@ def main(argv=None) -> int:
             row["speedup_vs_sdpa"] = row["sdpa_us"] / row["new_us"]
             row["roofline_fraction"] = row["roofline_us"] / row["new_us"]
             results.append(row)
-            prev = f"previous {row['previous_us']:7.1f} us ({row['speedup_vs_previous']:.2f}x)  " if "previous" in outs else ""
+            prev = ""
+            if "previous" in outs:
+                prev = f"previous {row['previous_us']:7.1f} us ({row['speedup_vs_previous']:.2f}x)  "
             print(f"{shape:15s} b={b:3d} ctx={ctx:5d} P={row['new_splits']:3d}  new {row['new_us']:7.1f} us  "
                   f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  {prev}"
-                  f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  roofline {row['roofline_fraction']:.0%}"
-                  f"  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}", flush=True)
+                  f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  "
+                  f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}", flush=True)
             Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))
     return 0
 

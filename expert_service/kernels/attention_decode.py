@@ -48,6 +48,17 @@ def decode_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_context:
     return max(1, min(wanted, max_context // MIN_PARTITION_TOKENS))
 
 
+@cuda.jit(device=True, inline=True)
+def part_range(context_len, q_pos, window, split, num_splits):
+    """[k_lo, k_hi): the keys part `split` of `num_splits` equal parts attends to, of the keys at positions <= q_pos
+    (and > q_pos - window when window > 0) among the context_len cached ones; empty past the end."""
+    hi = min(context_len, q_pos + 1)
+    lo = max(0, q_pos - window + 1) if window > 0 else 0
+    part = (max(hi - lo, 0) + num_splits - 1) // num_splits
+    k_lo = lo + split * part
+    return k_lo, min(k_lo + part, hi)
+
+
 @functools.lru_cache(maxsize=None)
 def _build(kv_dtype, head_dim: int, gt: int):
     load = loader(kv_dtype)
@@ -75,12 +86,7 @@ def _build(kv_dtype, head_dim: int, gt: int):
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
 
-        q_pos = positions[s]
-        hi = min(context_lens[s], q_pos + 1)
-        lo = max(0, q_pos - window + 1) if window > 0 else 0
-        part = (max(hi - lo, 0) + num_splits - 1) // num_splits
-        k_lo = lo + split * part
-        k_hi = min(k_lo + part, hi)
+        k_lo, k_hi = part_range(context_lens[s], positions[s], window, split, num_splits)
 
         qr = cuda.local.array(acc_len, types.float32)
         acc = cuda.local.array(acc_len, types.float32)
@@ -195,12 +201,8 @@ def attention_decode_reduce_kernel(part_out, part_ml, out):
 _reduce = cached_jit(attention_decode_reduce_kernel)
 
 
-def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
-                     part_out=None, part_ml=None, stream=0) -> None:
-    """q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits);
-    block_tables: [S, max_blocks] int32; context_lens, positions: [S] int32; window: 0 = none;
-    out: [S, H, Hd] float32. Split-K workspaces part_out [S, H, P, Hd] and part_ml [S, H, P, 2] float32
-    (P from decode_splits); None or P == 1 runs one kernel without them."""
+def check_arguments(name, q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml):
+    """The launchers' shape / dtype / layout checks; returns (S, H, Hd, Hkv, block size, P)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
     assert q.dtype == out.dtype == np.float32 and out.shape == q.shape, (q.dtype, out.dtype, out.shape)
@@ -213,7 +215,18 @@ def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, posit
         assert part_out.shape == (num_seqs, num_heads, splits, head_dim) and part_out.dtype == np.float32
         assert part_ml.shape == (num_seqs, num_heads, splits, 2) and part_ml.dtype == np.float32
     for a in (q, k_pool, v_pool, block_tables, context_lens, positions, out):
-        assert a.flags["C_CONTIGUOUS"], "attention_decode needs contiguous arrays"
+        assert a.flags["C_CONTIGUOUS"], f"{name} needs contiguous arrays"
+    return num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits
+
+
+def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
+                     part_out=None, part_ml=None, stream=0) -> None:
+    """q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits);
+    block_tables: [S, max_blocks] int32; context_lens, positions: [S] int32; window: 0 = none;
+    out: [S, H, Hd] float32. Split-K workspaces part_out [S, H, P, Hd] and part_ml [S, H, P, 2] float32
+    (P from decode_splits); None or P == 1 runs one kernel without them."""
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
+        "attention_decode", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     if num_seqs == 0:
         return
     gt = group_tile(num_heads // num_kv_heads)

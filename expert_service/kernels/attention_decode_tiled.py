@@ -24,7 +24,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import NEG_INF, _reduce, group_tile, launch_attention_decode
+from expert_service.kernels.attention_decode import (NEG_INF, _reduce, check_arguments, group_tile,
+                                                     launch_attention_decode, part_range)
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_max, warp_sum
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
@@ -96,12 +97,7 @@ def _build(head_dim: int, gt: int):
         tid = _u(cuda.threadIdx.x)
         warp = tid >> _u(5)
         lane = tid & _u(31)
-        q_pos = positions[s]
-        hi = min(context_lens[s], q_pos + 1)
-        lo = max(0, q_pos - window + 1) if window > 0 else 0
-        part = (max(hi - lo, 0) + num_splits - 1) // num_splits
-        k_lo = lo + split * part
-        k_hi = min(k_lo + part, hi)
+        k_lo, k_hi = part_range(context_lens[s], positions[s], window, split, num_splits)
         n_tiles = (max(k_hi - k_lo, 0) + KT - 1) // KT
 
         ks = cuda.shared.array(stage_len, types.uint64)
@@ -232,18 +228,9 @@ def _build(head_dim: int, gt: int):
 def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
                                   scale: float, out, part_out=None, part_ml=None, stream=0) -> None:
     """launch_attention_decode's arguments; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 (bf16 bits), Hd 64 or 128."""
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_pool.shape[2], k_pool.shape[1]
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
+        "attention_decode_tiled", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     assert supports(k_pool.dtype, head_dim, block_size), (k_pool.dtype, head_dim, block_size)
-    assert q.dtype == out.dtype == np.float32 and out.shape == q.shape, (q.dtype, out.dtype, out.shape)
-    assert k_pool.shape == v_pool.shape and k_pool.dtype == v_pool.dtype and k_pool.shape[3] == head_dim
-    assert block_tables.dtype == context_lens.dtype == positions.dtype == np.int32
-    splits = 1 if part_out is None else part_out.shape[2]
-    if splits > 1:
-        assert part_out.shape == (num_seqs, num_heads, splits, head_dim) and part_out.dtype == np.float32
-        assert part_ml.shape == (num_seqs, num_heads, splits, 2) and part_ml.dtype == np.float32
-    for a in (q, k_pool, v_pool, block_tables, context_lens, positions, out):
-        assert a.flags["C_CONTIGUOUS"], "attention_decode_tiled needs contiguous arrays"
     if num_seqs == 0:
         return
     gt = group_tile(num_heads // num_kv_heads)
@@ -252,8 +239,8 @@ def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens,
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
         q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
-        positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window), np.float32(scale), out, part_out,
-        part_ml)
+        positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
+        np.float32(scale), out, part_out, part_ml)
     if splits > 1:
         _reduce[(num_seqs, num_heads), THREADS, stream](part_out, part_ml, out)
 
