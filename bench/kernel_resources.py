@@ -1,0 +1,116 @@
+"""Per-kernel sm_90 resources without a GPU: every signature in the kernel modules' `sm90_signatures()` compiled to
+PTX by Numba and linked to a cubin by nvJitLink, which reports registers, spill bytes, stack, shared and local
+memory; with `nvdisasm` (pip: nvidia-cuda-nvdisasm, or on PATH) also the SASS instruction mix: FFMA, shared and
+global loads, SEL (select chains: per-thread arrays indexed in loops that did not unroll), local loads and stores,
+and the subroutine calls (64-bit integer division, slow-path float division). Reading this before spending GPU time
+catches the code-generation problems that made a decode-attention rewrite 2-4x slower (docs/kernels.md).
+
+    python bench/kernel_resources.py --out out/kernel_resources.json [--modules attention_decode,attention_decode_tiled]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SASS_OPS = ("FFMA", "LDS", "LDG", "LDGSTS", "STS", "STG", "SEL", "SHFL", "BAR", "MUFU", "LDL", "STL")
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm on PATH, else the one an installed nvidia-cuda-nvdisasm wheel ships."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        for candidate in Path(root).glob("cu*/bin/nvdisasm"):
+            return str(candidate)
+    return None
+
+
+def link_report(ptx: str) -> tuple[dict, bytes]:
+    """(resources from nvJitLink's log, cubin) of one kernel's PTX for sm_90."""
+    from cuda.bindings import nvjitlink
+    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+    finally:
+        nvjitlink.destroy(handle)
+    text = log.decode(errors="replace")
+    found = {
+        "registers": re.findall(r"used (\d+) registers", text),
+        "spill_store_bytes": re.findall(r"(\d+) bytes spill stores", text),
+        "stack_bytes": re.findall(r"(\d+) bytes stack frame", text),
+        "shared_bytes": re.findall(r"(\d+) bytes smem", text),
+        "local_bytes": re.findall(r"(\d+) bytes lmem", text),
+    }
+    return {k: int(v[-1]) for k, v in found.items() if v}, bytes(cubin)
+
+
+def sass_mix(cubin: bytes, nvdisasm: str) -> dict:
+    """Instruction counts of the SASS (static: each instruction once, loops not multiplied) and call targets."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", sass))
+    return {"instructions": sum(ops.values()), **{op: ops.get(op, 0) for op in SASS_OPS},
+            "calls": dict(collections.Counter(re.findall(r"CALL\.\S+ `\((\w+)\)", sass)))}
+
+
+def kernel_modules(names: list[str] | None):
+    import expert_service.kernels as pkg
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if names and info.name not in names:
+            continue
+        module = importlib.import_module(f"expert_service.kernels.{info.name}")
+        if hasattr(module, "sm90_signatures"):
+            yield info.name, module
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="kernel_resources.json")
+    parser.add_argument("--modules", help="comma-separated kernel modules (default: all with sm90_signatures)")
+    args = parser.parse_args(argv)
+    from numba import cuda
+    names = args.modules.split(",") if args.modules else None
+    nvdisasm = nvdisasm_path()
+    if nvdisasm is None:
+        print("nvdisasm not found (pip install nvidia-cuda-nvdisasm): registers and memory only", file=sys.stderr)
+    rows = []
+    for name, module in kernel_modules(names):
+        for index, (fn, sig) in enumerate(module.sm90_signatures()):
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+            row, cubin = link_report(ptx)
+            row = {"module": name, "kernel": fn.__name__, "signature": index, **row}
+            if nvdisasm:
+                row.update(sass_mix(cubin, nvdisasm))
+            rows.append(row)
+            mix = (f"  instr {row['instructions']:5d} FFMA {row['FFMA']:4d} SEL {row['SEL']:4d} LDL {row['LDL']:3d} "
+                   f"calls {row['calls']}") if nvdisasm else ""
+            print(f"{name:22s} {fn.__name__[:30]:30s} #{index}  regs {row.get('registers', '?'):>3}  spill "
+                  f"{row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}", flush=True)
+    Path(args.out).write_text(json.dumps({"arch": "sm_90", "kernels": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
