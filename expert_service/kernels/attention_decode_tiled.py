@@ -44,6 +44,7 @@ def supports(kv_dtype, head_dim: int, block_size: int) -> bool:
 
 _u = np.uint32               # kernel index arithmetic stays unsigned: no negative-index wraparound code
 
+
 @functools.lru_cache(maxsize=None)
 def _build(head_dim: int, gt: int):
     chunks = head_dim // 8                 # 16-byte chunks per key row
