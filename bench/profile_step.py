@@ -11,8 +11,9 @@ decoder in the same run:
 
 fused / unfused / baseline / tiled_attention share one engine and the same sequences (switches are read as a
 pass is issued; decode graphs are dropped and re-captured between variants, so each variant's graphs are their
-own); lut needs its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy, every kernel's
-time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top kernels.
+own); lut needs its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy,
+every kernel's time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top
+kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
 pool reused across tensors, fresh values for the routers so routing stays uniform).
 

@@ -94,6 +94,33 @@ def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, 
     return k_pool, v_pool, tables, lists
 
 
+def check_decode_attention(launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype,
+                           splits, rtol=1e-5):
+    """Runs a decode-attention launcher (launch_attention_decode's arguments) on a random paged cache, one query
+    per sequence at its last position, split in `splits` parts, against the CPU paged_attention; sequences with
+    context 0 (idle batch slots) must come out as zeros. Outputs and partials start as NaN."""
+    from numba import cuda
+    from expert_service.cpu.layers.attention import paged_attention
+    num_seqs = len(context_lens)
+    need = sum(-(-c // block_size) for c in context_lens)
+    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim,
+                                                 dtype)
+    q = rng.standard_normal((num_seqs, num_heads, head_dim), dtype=np.float32)
+    ctx = np.asarray(context_lens, dtype=np.int32)
+    positions = ctx - 1
+    scale = head_dim ** -0.5
+    live = ctx > 0
+    # The reference reads the same stored values, so only float32 arithmetic order differs.
+    want = np.zeros_like(q)
+    want[live] = paged_attention(q[live], from_storage(k_pool), from_storage(v_pool), np.arange(live.sum() + 1),
+                                 ctx[live], [t for t, ok in zip(lists, live) if ok], positions[live], scale, window)
+    out = nan_device(q.shape)
+    parts = [nan_device((num_seqs, num_heads, splits, n)) for n in (head_dim, 2)] if splits > 1 else [None, None]
+    launch(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
+           cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, *parts)
+    assert_close(out.copy_to_host(), want, rtol)
+
+
 def expert_buffer(rng, n_exp: int, F: int, D: int, dtype, scale: float = 0.3):
     """W [E, stride] in storage dtype `dtype` (stride = 4096-byte multiple, padding filled with NaN bits so a
     stray read shows) and the exact float32 values of each expert's (gate [F, D], up [F, D], down [D, F])."""

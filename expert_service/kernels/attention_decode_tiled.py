@@ -45,6 +45,13 @@ def supports(kv_dtype, head_dim: int, block_size: int) -> bool:
 _u = np.uint32               # kernel index arithmetic stays unsigned: no negative-index wraparound code
 
 
+@cuda.jit(device=True, inline=True)
+def _dot8(sq, o, x0, x1, x2, x3, x4, x5, x6, x7):
+    """The two halves of sq[o .. o+7] . (x0 .. x7) (two independent sums for the caller's two chains)."""
+    return (sq[o] * x0 + sq[o + _u(1)] * x1 + sq[o + _u(2)] * x2 + sq[o + _u(3)] * x3,
+            sq[o + _u(4)] * x4 + sq[o + _u(5)] * x5 + sq[o + _u(6)] * x6 + sq[o + _u(7)] * x7)
+
+
 @functools.lru_cache(maxsize=None)
 def _build(head_dim: int, gt: int):
     chunks = head_dim // 8                 # 16-byte chunks per key row
@@ -166,13 +173,13 @@ def _build(head_dim: int, gt: int):
                 x5 = u32_as_f32(np.uint32(w1) & _HI16)
                 x6 = u32_as_f32(np.uint32(w1 >> np.uint64(32)) << _u(16))
                 x7 = u32_as_f32(np.uint32(w1 >> np.uint64(32)) & _HI16)
-                o = qa + (cu << _u(3))
-                a0 += sq[o] * x0 + sq[o + _u(1)] * x1 + sq[o + _u(2)] * x2 + sq[o + _u(3)] * x3
-                a1 += sq[o + _u(4)] * x4 + sq[o + _u(5)] * x5 + sq[o + _u(6)] * x6 + sq[o + _u(7)] * x7
+                lo, hi = _dot8(sq, qa + (cu << _u(3)), x0, x1, x2, x3, x4, x5, x6, x7)
+                a0 += lo
+                a1 += hi
                 if rounds == 2:
-                    o = qb + (cu << _u(3))
-                    b0 += sq[o] * x0 + sq[o + _u(1)] * x1 + sq[o + _u(2)] * x2 + sq[o + _u(3)] * x3
-                    b1 += sq[o + _u(4)] * x4 + sq[o + _u(5)] * x5 + sq[o + _u(6)] * x6 + sq[o + _u(7)] * x7
+                    lo, hi = _dot8(sq, qb + (cu << _u(3)), x0, x1, x2, x3, x4, x5, x6, x7)
+                    b0 += lo
+                    b1 += hi
             in_range = t0 + np.int32(lane) < k_hi
             for r in range(rounds):           # every warp joins every round's shuffles
                 g = warp + _u(r * WARPS)

@@ -3,34 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import cuda
 
 from expert_service.kernels.attention_decode import launch_attention_decode, decode_splits
-from expert_service.cpu.layers.attention import paged_attention
 
-from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache
+from tests.helpers import STORAGE_DTYPES, check_decode_attention
 
 
 def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5):
-    num_seqs = len(context_lens)
-    need = sum(-(-c // block_size) for c in context_lens)
-    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim,
-                                                 dtype)
-    q = rng.standard_normal((num_seqs, num_heads, head_dim), dtype=np.float32)
-    ctx = np.asarray(context_lens, dtype=np.int32)
-    positions = ctx - 1
-    scale = head_dim ** -0.5
-    # The reference reads the same stored values, so only float32 arithmetic order differs.
-    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), np.arange(num_seqs + 1), ctx, lists,
-                           positions, scale, window)
-    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
-    part_out = part_ml = None
-    if splits > 1:
-        part_out = cuda.to_device(np.full((num_seqs, num_heads, splits, head_dim), np.nan, dtype=np.float32))
-        part_ml = cuda.to_device(np.full((num_seqs, num_heads, splits, 2), np.nan, dtype=np.float32))
-    launch_attention_decode(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
-                     cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, part_out, part_ml)
-    assert_close(out.copy_to_host(), want, rtol)
+    check_decode_attention(launch_attention_decode, rng, context_lens, num_heads, num_kv_heads, head_dim,
+                           block_size, window, dtype, splits, rtol)
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)

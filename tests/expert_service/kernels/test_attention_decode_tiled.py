@@ -4,36 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import cuda
 
-from expert_service.cpu.layers.attention import paged_attention
 from expert_service.kernels.attention_decode_tiled import (launch_attention_decode_fastest,
                                                            launch_attention_decode_tiled, supports)
 
-from tests.helpers import assert_close, from_storage, random_cache
+from tests.helpers import check_decode_attention
 
 
 def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, launch,
            rtol=1e-5):
-    num_seqs = len(context_lens)
-    need = sum(-(-c // block_size) for c in context_lens)
-    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim,
-                                                 np.uint16)
-    q = rng.standard_normal((num_seqs, num_heads, head_dim), dtype=np.float32)
-    ctx = np.asarray(context_lens, dtype=np.int32)
-    positions = ctx - 1
-    scale = head_dim ** -0.5
-    live = ctx > 0
-    want = np.zeros_like(q)
-    want[live] = paged_attention(q[live], from_storage(k_pool), from_storage(v_pool), np.arange(live.sum() + 1),
-                                 ctx[live], [t for t, ok in zip(lists, live) if ok], positions[live], scale, window)
-    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))
-    parts = [None, None]
-    if splits > 1:
-        parts = [cuda.to_device(np.full((num_seqs, num_heads, splits, n), np.nan, np.float32)) for n in (head_dim, 2)]
-    launch(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
-           cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, *parts)
-    assert_close(out.copy_to_host(), want, rtol)
+    check_decode_attention(launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window,
+                           np.uint16, splits, rtol)
 
 
 def test_gqa_group_of_8_over_several_tiles():
