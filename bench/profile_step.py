@@ -6,10 +6,10 @@ decoder in the same run:
 - fused:   every switch as shipped (rope_kv_write, moe_combine_rmsnorm, and the paths before them);
 - unfused: decoder.USE_FUSED_ROPE_KV and decoder.USE_FUSED_COMBINE_NORM off (rope + kv_write, combine + rmsnorm);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (router_planned);
-- tiled_attention: fused, with decode attention on attention_decode_tiled (decoder.USE_TILED_DECODE_ATTENTION);
-- baseline: unfused and also moe.USE_FUSED_ROUTER and decoder.USE_GREEDY_SPLIT off.
+- untiled_attention: fused, with decode attention on attention_decode (decoder.USE_TILED_DECODE_ATTENTION off);
+- baseline: unfused and also moe.USE_FUSED_ROUTER, decoder.USE_GREEDY_SPLIT and USE_TILED_DECODE_ATTENTION off.
 
-fused / unfused / baseline / tiled_attention share one engine and the same sequences (switches are read as a
+fused / unfused / baseline / untiled_attention share one engine and the same sequences (switches are read as a
 pass is issued; decode graphs are dropped and re-captured between variants, so each variant's graphs are their
 own); lut needs its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy,
 every kernel's time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top
@@ -45,9 +45,10 @@ VARIANTS = {
     "fused": {},
     "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False},
     "lut": {},
-    "tiled_attention": {"decoder.USE_TILED_DECODE_ATTENTION": True},
+    "untiled_attention": {"decoder.USE_TILED_DECODE_ATTENTION": False},
     "baseline": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
-                 "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False},
+                 "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False,
+                 "decoder.USE_TILED_DECODE_ATTENTION": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
 POOL_ELEMENTS = 1 << 26     # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)

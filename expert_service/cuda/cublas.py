@@ -56,11 +56,13 @@ class Cublas:
         self._gemm(device_address(w), device_address(x), device_address(y), M, N, K, DATA_TYPES[np.dtype(w.dtype)],
                    self._one if accumulate else self._zero)
 
-    def _gemm(self, w: int, x: int, y: int, m: int, n: int, k: int, data_type: int, beta) -> None:
-        """Row-major Y [m, n] f32 = X [m, k] @ W [n, k]^T (+ beta * Y) on raw device addresses."""
+    def _gemm(self, w: int, x: int, y: int, m: int, n: int, k: int, data_type: int, beta,
+              out_type: int = CUDA_R_32F) -> None:
+        """Row-major Y [m, n] = X [m, k] @ W [n, k]^T (+ beta * Y) on raw device addresses; Y f32 (out_type:
+        the weights' type too, rounded from the f32 accumulation)."""
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), data_type, k,
-            ctypes.c_void_p(x), data_type, k, ctypes.byref(beta), ctypes.c_void_p(y), CUDA_R_32F, n,
+            ctypes.c_void_p(x), data_type, k, ctypes.byref(beta), ctypes.c_void_p(y), out_type, n,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
     def linear_batched(self, x, x_stride: int, w, w_offset: int, w_stride: int, n: int, k: int, y, y_stride: int,
@@ -81,14 +83,18 @@ class Cublas:
             ctypes.c_longlong(y_stride), batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
 
     def linear_each(self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray, n: int, k: int,
-                    dtype) -> None:
-        """For each g: Y_g [rows[g], n] f32 = X_g [rows[g], k] @ W_g [n, k]^T, one cublasGemmEx each on raw
+                    dtype, out_dtype=np.float32) -> None:
+        """For each g: Y_g [rows[g], n] = X_g [rows[g], k] @ W_g [n, k]^T, one cublasGemmEx each on raw
         device addresses (w, x, y: int64 host arrays): no device-array slicing, a few µs of host time per
-        GEMM. (cublasGemmGroupedBatchedEx would be one call, but cuBLAS 13.1 refuses 16-bit inputs with f32
-        outputs: CUBLAS_STATUS_NOT_SUPPORTED, measured on the H200.)"""
+        GEMM. X and W of `dtype`; Y of out_dtype (float32, or `dtype` itself). (cublasGemmGroupedBatchedEx
+        would be one call, but cuBLAS 13.1 refuses 16-bit inputs with f32 outputs: CUBLAS_STATUS_NOT_SUPPORTED,
+        measured on the H200.)"""
         data_type = DATA_TYPES[np.dtype(dtype)]
+        if np.dtype(out_dtype) not in (np.dtype(np.float32), np.dtype(dtype)):
+            raise ValueError(f"linear_each: {np.dtype(out_dtype)} outputs from {np.dtype(dtype)} inputs")
+        out_type = DATA_TYPES[np.dtype(out_dtype)]
         for wg, xg, yg, m in zip(w.tolist(), x.tolist(), y.tolist(), rows.tolist()):
-            self._gemm(wg, xg, yg, m, n, k, data_type, self._zero)
+            self._gemm(wg, xg, yg, m, n, k, data_type, self._zero, out_type)
 
     def close(self) -> None:
         if self.handle:

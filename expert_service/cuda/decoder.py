@@ -3,10 +3,11 @@
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
 prefill chunks mixed with decodes) are padded to a token bucket (`prefill_buckets`: powers of two and 1.5x
-powers of two) and replay a graph of the layers captured per bucket, when every MoE block of that size stays
-on the device (`moe.capturable`; not with the expert cache, nor where per-expert cuBLAS GEMMs need the expert
-offsets on the host); the padding tokens form one extra sequence that writes no KV and attends to nothing, and
-the LM head runs eagerly on the real rows while the graph executes. Everything else runs eagerly. The decoder
+powers of two) and replay a graph of the layers captured per bucket (`moe.capturable`; not with the expert
+cache). Where a MoE block needs the host mid-pass (per-expert cuBLAS GEMMs sized by the step's expert offsets)
+the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
+padding tokens form one extra sequence that writes no KV and attends to nothing, and the LM head runs eagerly
+on the real rows while the graph executes. Everything else runs eagerly. The decoder
 holds embedding, attention, the dense MLP, the LM head, step staging and the graphs; linear layers go through
 cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each sparse layer's MoE block through
 cuda/moe.py (its strategies by step size, and the expert cache). The head's argmax is `greedy_split` (two
@@ -31,7 +32,7 @@ from common.model_format import ModelDir
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
-from expert_service.cuda.driver import GraphCache, check, device_address, non_blocking_stream
+from expert_service.cuda.driver import GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe, MoeStrategy, capturable, reachable_strategies, warmup_tokens
 from expert_service.cuda.moe_cached import CachedExperts
@@ -56,9 +57,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
-# decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128) -- off until the H200
-# measures it faster than attention_decode (bench/attention_decode.py)
-USE_TILED_DECODE_ATTENTION = False
+# decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128; 1.2-4.2x faster than
+# attention_decode on the H200, bench/attention_decode.py); False: attention_decode everywhere
+USE_TILED_DECODE_ATTENTION = True
 USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its
 # start); cuda/moe.py decides by step size and strategy where it pays (FUSED_COMBINE_NORM_MIN_TOKENS)
 # routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
@@ -115,8 +116,9 @@ class CudaDecoder:
                                          self.stream)
         inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
-        self.graphs = GraphCache(self.stream)            # decode steps, by batch-size bucket
-        self.prefill_graphs = GraphCache(self.stream)    # the layers of other steps, by token bucket
+        self.host_breaks = HostBreaks(self.stream)       # where a captured pass hands over to the host
+        self.graphs = GraphCache(self.stream, self.host_breaks)            # decode steps, by batch-size bucket
+        self.prefill_graphs = GraphCache(self.stream, self.host_breaks)    # the layers of other steps, by token bucket
         self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
@@ -125,7 +127,7 @@ class CudaDecoder:
                                     config.prefetch_sources, config.expert_cache_policy) \
             if cached else None  # None: every expert resident, no cache logic runs
         self.moe = DeviceMoe(cfg, self.weights, self.ws, self.linear, self.stream, self.cached,
-                             planned=self.planned_routing)
+                             planned=self.planned_routing, host_break=self.host_breaks)
         self.stream.synchronize()
 
     def warmup(self) -> None:

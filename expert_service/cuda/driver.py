@@ -92,36 +92,106 @@ class Graph:
             self.exec = None
 
 
-class GraphCache:
-    """Passes captured per key (a step's padded shape): the first pass of a key runs eagerly, which loads every
-    kernel it launches (capture cannot load modules), the second is captured and replayed, later ones replay. A
-    key whose capture fails runs eagerly from then on (one warning), rather than failing every later step."""
+class Pieces:
+    """A pass captured as graphs between host breaks (HostBreaks), replayed in order: after every graph but the
+    last, that break's host work (`resume`) runs eagerly. A pass without breaks is one graph."""
+
+    def __init__(self):
+        self.graphs: list = []
+        self.resumes: list = []
+
+    def replay(self) -> None:
+        for graph, resume in zip(self.graphs, self.resumes + [None]):
+            graph.replay()
+            if resume is not None:
+                resume()
+
+    def close(self) -> None:
+        for graph in self.graphs:
+            graph.close()
+
+
+class HostBreaks:
+    """Where an issued pass needs the host between two launches (a readback the later launches' sizes depend
+    on): the issuing code calls `breaks(resume)` with that host work, which synchronises itself. Eagerly this
+    is resume(). While a GraphCache captures, the piece captured so far ends and runs, resume() runs eagerly and
+    a new piece begins: the pass becomes graphs around host steps, and replays the same way (Pieces)."""
 
     def __init__(self, stream):
         self.stream = stream
-        self._graphs: dict[object, Graph] = {}
+        self._pieces: Pieces | None = None
+        self._graph = None          # the piece being captured
+
+    def __call__(self, resume) -> None:
+        if self._pieces is None:
+            resume()
+            return
+        graph, self._graph = self._graph, None
+        graph.__exit__(None, None, None)
+        self._pieces.graphs.append(graph)
+        self._pieces.resumes.append(resume)
+        graph.replay()
+        resume()
+        self._graph = Graph(self.stream)
+        self._graph.__enter__()
+
+    def capture(self, issue) -> Pieces:
+        """issue() captured in pieces; every piece but the last has already run (the caller replays the last)."""
+        if self._pieces is not None:
+            raise RuntimeError("a capture is already in progress on this stream")
+        pieces = self._pieces = Pieces()
+        try:
+            self._graph = Graph(self.stream)
+            self._graph.__enter__()
+            try:
+                issue()
+            except BaseException as exc:
+                if self._graph is not None:     # None: a break failed between two pieces
+                    self._graph.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            self._graph.__exit__(None, None, None)
+            pieces.graphs.append(self._graph)
+        except BaseException:
+            pieces.close()
+            raise
+        finally:
+            self._pieces = self._graph = None
+        return pieces
+
+
+class GraphCache:
+    """Passes captured per key (a step's padded shape): the first pass of a key runs eagerly, which loads every
+    kernel it launches (capture cannot load modules), the second is captured and replayed, later ones replay.
+    A pass with host breaks is captured in pieces around them (`breaks`, shared by the caches of one stream). A
+    key whose capture fails runs eagerly from then on (one warning), rather than failing every later step."""
+
+    def __init__(self, stream, breaks: HostBreaks | None = None):
+        self.stream = stream
+        self.breaks = breaks if breaks is not None else HostBreaks(stream)
+        self._graphs: dict[object, Pieces] = {}
         self._seen: set[object] = set()
         self._eager: set[object] = set()
 
     def run(self, key, issue) -> None:
         """issue(): launches the pass on self.stream (the same launches for the same key, every time)."""
-        graph = self._graphs.get(key)
-        if graph is None and key in self._seen and key not in self._eager:
-            graph = Graph(self.stream)
+        pieces = self._graphs.get(key)
+        if pieces is not None:
+            pieces.replay()
+            return
+        if key in self._seen and key not in self._eager:
             try:
-                with graph:
-                    issue()
-            except Exception as exc:       # nothing ran: the capture only recorded the launches
+                pieces = self.breaks.capture(issue)
+            except Exception as exc:
+                # nothing ran, or (failing after a host break) its first pieces did: the eager pass below redoes
+                # the whole pass, which writes the same values to the same buffers and KV slots
                 log.warning("CUDA graph capture of step shape %s failed (%s); that shape runs eagerly", key, exc)
                 self._eager.add(key)
-                graph = None
             else:
-                self._graphs[key] = graph
-        if graph is None:
-            self._seen.add(key)
-            issue()
-        else:
-            graph.replay()
+                self._graphs[key] = pieces
+                pieces.graphs[-1].replay()
+                return
+        self._seen.add(key)
+        issue()
 
     def __contains__(self, key) -> bool:
         return key in self._graphs

@@ -22,19 +22,21 @@ from the thresholds defined beside it.
 - GROUPED (otherwise, T <= GROUPED_MAX_TOKENS; few assignments: T*K < E): `expert_grouping` (a counting
   sort on the device) -> `moe_gate_up` / `moe_down` (grid = experts x row tiles, empty experts exit, each
   active expert read once) -> `moe_combine`. No host round trip, graph-capturable.
-- CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in
-  grouped order, the expert offsets read back to the host (one sync), one cast, then per active expert
-  three `cublasGemmEx` calls on raw addresses (gate, up, down over its contiguous rows) around one
-  `silu_mul` and one cast for all experts -> `moe_combine`. Tensor cores pay at these sizes; the host sync
-  is why only eager steps may take it.
+- CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in grouped
+  order straight into the weights' dtype, the expert offsets copied to the host, then a host break
+  (`host_break`): the host waits for the offsets and issues, per active expert, two `cublasGemmEx` calls on raw
+  addresses (gate|up as one [2F, D] matrix into the weights' dtype, down into f32) around one `silu_mul_halves`
+  for all experts -> `moe_combine`. Tensor cores pay at these sizes. A captured pass splits at the break
+  (driver.HostBreaks): graph up to the readback, the host's GEMMs, the next graph -- so these steps replay
+  graphs too, leaving per MoE layer one sync, two cuBLAS calls per active expert and one Numba launch.
 - CACHED_GROUPED (expert cache, T <= GROUPED_MAX_TOKENS): the grouped kernels, in waves, against the
   layer's expert slots through a `slot_of` map.
 - CACHED_CUBLAS (expert cache, T > GROUPED_MAX_TOKENS): the tokens gathered once, then per expert of each
   wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
 
-GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): every step a
-graph captures must stay on the device (`CAPTURABLE`; the decoder captures a prefill bucket only when `capturable`
-says so). ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
+GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): a decode step
+stays on the device (`ON_DEVICE`: one graph, no host step). Prefill buckets are captured when `capturable` says so:
+on the device, or in pieces around CUBLAS_PER_EXPERT's host break. ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
 (E x tokens x F, `workspace.layout_workspace`).
 
 With the expert cache (not every expert fits the device; `CachedExperts` in cuda/moe_cached.py): the routing
@@ -68,6 +70,7 @@ sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
 """
 from __future__ import annotations
 
+import functools
 from enum import Enum
 
 import numpy as np
@@ -92,7 +95,7 @@ from expert_service.kernels.router_planned import launch_router_planned
 from expert_service.kernels.router_topk import launch_router_topk
 
 ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
-GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, one cuBLAS GEMM per expert (host sync)
+GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
 # GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
 WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)
@@ -144,12 +147,15 @@ def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) ->
     return MoeStrategy.CUBLAS_PER_EXPERT
 
 
-# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them.
-CAPTURABLE = frozenset({MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED})
+# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole.
+ON_DEVICE = frozenset({MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED})
+# ... and those a graph captures in pieces around a host break (driver.HostBreaks). The expert cache's strategies
+# are neither: its host work (slot choice, copies on another stream) runs inside the layer.
+CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT}
 
 
 def capturable(T: int, K: int, E: int, cached: bool, bf16: bool) -> bool:
-    """Whether a step of T tokens keeps its MoE blocks on the device (no host round trip): graph-capturable."""
+    """Whether a step of T tokens can replay CUDA graphs: its MoE blocks on the device, or split at host breaks."""
     return choose_strategy(T, K, E, cached, bf16) in CAPTURABLE
 
 
@@ -186,9 +192,11 @@ class DeviceMoe:
     routing=lut, each step's expert ids come from its routing plan (workspace.routed_ids), not the top-k."""
 
     def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 cached: CachedExperts | None, planned: bool = False):
+                 cached: CachedExperts | None, planned: bool = False, host_break=None):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
         self.cached, self.planned = cached, planned
+        # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
+        self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         # y rows in assignment order (the GEMV and GROUPED_MMA strategies' combine)
@@ -293,34 +301,39 @@ class DeviceMoe:
         combine(out, position, weights, h)
 
     def _cublas_per_expert(self, x, h, T: int, ids, weights, experts, combine) -> None:
-        """Large steps: tokens gathered into grouped order, then per active expert three GEMMs on tensor cores
-        (gate, up, down over its contiguous rows), with one cast and one silu_mul for all experts."""
-        cfg, ws, st, blas = self.config, self.ws, self.stream, self.linear.cublas
-        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        """Large steps: tokens gathered into grouped order in the weights' dtype, the expert offsets read back
+        at a host break, per active expert two GEMMs on tensor cores around one SwiGLU for all experts
+        (`_expert_gemms`), then the combine."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        K = cfg.num_experts_per_tok
         n = T * K
         order, position = ws.order[:n], ws.position[:n]
         launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        out = ws.moe_out[:n]
-        launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
+        launch_gather_rows(x, order, ws.expert_x[:n], divisor=K, stream=st)
         ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
-        st.synchronize()
+        self.host_break(functools.partial(self._expert_gemms, n, experts))
+        combine(ws.moe_out[:n], position, weights, h)
+
+    def _expert_gemms(self, n: int, experts) -> None:
+        """The host part of CUBLAS_PER_EXPERT, once the step's expert offsets are on their way to the host: per
+        active expert gate|up [rows, 2F] = x @ [gate; up]^T in the weights' dtype (one GEMM: the two matrices
+        are adjacent in the expert's block), SwiGLU over every expert's rows at once, then down [rows, D] f32."""
+        cfg, ws, blas = self.config, self.ws, self.linear.cublas
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        self.stream.synchronize()
         offsets = ws.host["offsets"]
         active = np.flatnonzero(np.diff(offsets))
         lo = offsets[active].astype(np.int64)
         # Rounded row counts (cublas_rows): an expert's extra rows are the next experts' rows, recomputed by
         # their own GEMMs issued after it on this stream, or rows past the step's (the buffers' slack; never read).
-        room = min(ws.moe_in.shape[0], ws.moe_gate.shape[0], ws.moe_up.shape[0], ws.moe_out.shape[0]) - lo
-        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), room)
+        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), ws.moe_out.shape[0] - lo)
         dtype, item = self.weights.dtype, experts.dtype.itemsize
         gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
-        g, up = ws.moe_gate[:n], ws.moe_up[:n]
-        xc = device_address(self.linear.as_weight_dtype(ws.moe_in[:n])) + lo * D * item
-        blas.linear_each(gate, xc, device_address(g) + lo * F * 4, rows, F, D, dtype)
-        blas.linear_each(gate + F * D * item, xc, device_address(up) + lo * F * 4, rows, F, D, dtype)
-        elementwise.launch_silu_mul(g, up, g, stream=st)
-        gc = device_address(self.linear.as_weight_dtype(g)) + lo * F * item
-        blas.linear_each(gate + 2 * F * D * item, gc, device_address(out) + lo * D * 4, rows, D, F, dtype)
-        combine(out, position, weights, h)
+        blas.linear_each(gate, device_address(ws.expert_x) + lo * D * item,
+                         device_address(ws.expert_gate_up) + lo * 2 * F * item, rows, 2 * F, D, dtype, out_dtype=dtype)
+        elementwise.launch_silu_mul_halves(ws.expert_gate_up[:n], ws.expert_h[:n], stream=self.stream)
+        blas.linear_each(gate + 2 * F * D * item, device_address(ws.expert_h) + lo * F * item,
+                         device_address(ws.moe_out) + lo * D * 4, rows, D, F, dtype)
 
     def warm_cublas_shapes(self, max_tokens: int) -> None:
         """Runs the per-expert GEMM shapes of every rounded row count an expert can have in a step of up to
@@ -332,13 +345,11 @@ class DeviceMoe:
         experts = self.weights.experts.get(self.moe_layers[0])
         w, dtype = device_address(experts), self.weights.dtype
         one = np.ones(1, np.int64)
-        # as _cublas_per_expert: the gate shape reads moe_in's rows, the down shape moe_gate's
-        x = device_address(self.linear.as_weight_dtype(ws.moe_in)) * one
-        for m in counts.tolist():
-            blas.linear_each(w * one, x, device_address(ws.moe_gate) * one, m * one, F, D, dtype)
-        g = device_address(self.linear.as_weight_dtype(ws.moe_gate)) * one
-        for m in counts.tolist():
-            blas.linear_each(w * one, g, device_address(ws.moe_out) * one, m * one, D, F, dtype)
+        for m in counts.tolist():           # as _expert_gemms: gate|up, then down
+            blas.linear_each(w * one, device_address(ws.expert_x) * one, device_address(ws.expert_gate_up) * one,
+                             m * one, 2 * F, D, dtype, out_dtype=dtype)
+            blas.linear_each(w * one, device_address(ws.expert_h) * one, device_address(ws.moe_out) * one,
+                             m * one, D, F, dtype)
         self.stream.synchronize()
 
     def _shared_expert(self, i: int, x, h, T: int) -> None:

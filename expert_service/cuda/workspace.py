@@ -3,8 +3,9 @@
 Steps only take views (``buf[:T]``) of these arrays, so nothing is allocated on the device while serving
 (tests count it). Sizes follow the engine limits: T = max_batch_tokens, S = max_batch_size. The MoE buffers
 follow the strategies steps of up to T tokens can take (`moe.reachable_strategies`): a bf16 model with many
-experts runs GROUPED_MMA at every T >= 2 and needs neither the per-assignment f32 inputs / gate / up of the
-grouped and per-expert cuBLAS strategies nor the all-experts buffers, but its bf16 sorted rows.
+experts runs GROUPED_MMA at every T >= 2 and needs neither the per-assignment f32 rows of the grouped kernels
+and the expert cache, nor per-expert cuBLAS's rows in the weights' dtype, nor the all-experts buffers, but its
+bf16 sorted rows.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.driver import check, device_address
 from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, CUBLAS_ROW_SLACK, FUSED_ROUTER_MAX_TOKENS,
-                                     MoeStrategy, reachable_strategies)
+                                     GROUPED_MAX_TOKENS, MoeStrategy, reachable_strategies)
 from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
@@ -57,11 +58,12 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
     strategies = reachable_strategies(T, K, E, cached, np.dtype(weight_dtype) == np.uint16)
-    # per-assignment f32 inputs / gate / up (grouped kernels, per-expert cuBLAS, the expert cache)
-    per_assignment = bool(strategies & {MoeStrategy.GROUPED, MoeStrategy.CUBLAS_PER_EXPERT,
-                                        MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS})
-    # rows of the per-assignment buffers: per-expert cuBLAS rounds each expert's rows up (moe.cublas_rows)
-    assignment_rows = T * K + (CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0)
+    # f32 gate (grouped kernels, GEMV, the expert cache), inputs and up (the expert cache) per assignment
+    cache_rows = T * K if strategies & {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS} else 0
+    grouped_rows = min(T, GROUPED_MAX_TOKENS) * K if MoeStrategy.GROUPED in strategies else 0
+    # per-expert cuBLAS: inputs, gate|up and SwiGLU rows in the weights' dtype; it rounds each expert's rows up
+    # (moe.cublas_rows), past the step's last one by up to CUBLAS_ROW_SLACK
+    per_expert_rows = T * K + CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0
     # the all-experts strategy of decode steps (cuda/moe.py)
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
     layout = {
@@ -73,7 +75,7 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),   # router_fused's tickets (zeroed)
         "identity_position": ((T * K,), i32),   # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
-        "moe_gate": ((assignment_rows if per_assignment else K, F), f32), "moe_out": ((assignment_rows, D), f32),
+        "moe_gate": ((max(K, cache_rows, grouped_rows), F), f32), "moe_out": ((max(T * K, per_expert_rows), D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
         "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
@@ -88,9 +90,14 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "block_tables": ((S + 1, max_blocks_per_seq), i32),
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
-    if per_assignment:
-        layout["moe_up"] = ((assignment_rows, F), f32)
-        layout["moe_in"] = ((assignment_rows, D), f32)
+    if cache_rows:
+        layout["moe_up"] = ((cache_rows, F), f32)
+        layout["moe_in"] = ((cache_rows, D), f32)
+    if per_expert_rows:
+        wd = np.dtype(weight_dtype)
+        layout["expert_x"] = ((per_expert_rows, D), wd)
+        layout["expert_gate_up"] = ((per_expert_rows, 2 * F), wd)
+        layout["expert_h"] = ((per_expert_rows, F), wd)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)
@@ -100,10 +107,9 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     if planned:           # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
         layout["routed_ids"] = ((max(num_layers_moe, 1) * T * K,), i32)
     if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
-        # rows of the dense layers, router, shared expert and head; per-assignment rows; all experts' h
+        # rows of the dense layers, router, shared expert and head; the expert cache's rows; all experts' h
         dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
-        layout["cast"] = ((max(dense_rows, assignment_rows * widest if per_assignment else 0,
-                                E * all_experts_tokens * F),), weight_dtype)
+        layout["cast"] = ((max(dense_rows, cache_rows * widest, E * all_experts_tokens * F),), weight_dtype)
     if dense_ffn:
         layout["dense_gate"] = ((T, dense_ffn), f32)
         layout["dense_up"] = ((T, dense_ffn), f32)

@@ -2,6 +2,8 @@
 expert_service.cpu.decoder.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid gate).
 
 silu_mul:        h = silu(g) * u                         (g, u, h [R, F]; silu(x) = x / (1 + exp(-x)))
+silu_mul_halves: h[r] = silu(gu[r, :F]) * gu[r, F:]       (gu [R, 2F], h [R, F] in f32/f16/bf16: per-expert cuBLAS
+                 writes a token's gate and up projections as one row; computed in float32, rounded once)
 sigmoid_gate_add: out[t, :] += shared[t, :] / (1 + exp(-gate_logit[t]))   (Qwen2-MoE shared expert)
 clamp:           x = clip(x, lo, hi) in place           (OLMoE clip_qkv)
 add_bias:        y[t, :] += bias[:]                      (bias [N] W)
@@ -24,7 +26,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import aligned_to, packer4, storer, widener
+from expert_service.kernels.numeric import aligned_to, loader, packer4, storer, widener
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
@@ -71,6 +73,22 @@ def _build_bias(weight_dtype):
             y[t, c] += widen(bias[c])
 
     return add_bias_kernel, cached_jit(add_bias_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_silu_mul_halves(dtype):
+    load, store = loader(dtype), storer(dtype)
+
+    def silu_mul_halves_kernel(gu, h, F):
+        """gu: [R * 2F] flat view of dtype ([R, 2F]: each row's gate, then up projections); h: [R * F] flat of
+        dtype. Grid (column blocks, R): block row r = blockIdx.y, its threads stride over the F columns."""
+        r = cuda.blockIdx.y
+        gate, out = r * 2 * F, r * F
+        for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F, cuda.gridDim.x * cuda.blockDim.x):
+            x = load(gu, gate + j)
+            store(h, out + j, x / (np.float32(1.0) + math.exp(-x)) * load(gu, gate + F + j))
+
+    return silu_mul_halves_kernel, cached_jit(silu_mul_halves_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,6 +141,18 @@ def launch_silu_mul(g, u, h, stream=0, threads=THREADS) -> None:
         _silu_mul[_grid(h.size, threads), threads, stream](*_flat(g, u, h))
 
 
+def launch_silu_mul_halves(gu, h, stream=0, threads=THREADS) -> None:
+    """gu: [R, 2F] (a row's gate then up projections), h: [R, F]; both C-contiguous float32, float16 or uint16
+    (bfloat16 bits), the same dtype. h = silu(gu[:, :F]) * gu[:, F:] in float32, rounded to the dtype once."""
+    R, F = h.shape
+    assert gu.shape == (R, 2 * F) and gu.dtype == h.dtype and R <= 65535, (gu.shape, h.shape, gu.dtype, h.dtype)
+    assert np.dtype(h.dtype) in (np.float32, np.float16, np.uint16), h.dtype
+    flat_gu, flat_h = _flat(gu, h)
+    if h.size:
+        blocks = max(1, min(-(-F // threads), MAX_BLOCKS // max(1, min(R, MAX_BLOCKS))))
+        _build_silu_mul_halves(np.dtype(h.dtype))[1][(blocks, R), threads, stream](flat_gu, flat_h, np.int32(F))
+
+
 def launch_sigmoid_gate_add(out, shared, gate_logit, stream=0, threads=THREADS) -> None:
     """out: [T, D] float32, += sigmoid(gate_logit[t]) * shared[t]; shared: [T, D] float32; gate_logit: [T] or
     [T, 1] float32 (x @ shared_expert_gate.T)."""
@@ -172,4 +202,6 @@ def sm90_signatures():
         out.append((_build_bias(np.dtype(dt))[0], (f2, nb[::1])))
     for dt, nb in ((np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1], types.uint64[::1], types.uint64[::1])))
+    for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
+        out.append((_build_silu_mul_halves(np.dtype(dt))[0], (nb[::1], nb[::1], types.int32)))
     return out

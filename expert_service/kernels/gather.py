@@ -1,35 +1,53 @@
-"""Row gather: dst[p, :] = src[index[p] // divisor, :] (float32).
+"""Row gather: dst[p, :] = src[index[p] // divisor, :] (float32 source; float32, float16 or bfloat16 dst).
 
-Used to pick each sequence's last row before the LM head (divisor 1) and, on the prefill path, to lay the
-step's tokens out in expert-grouped order (index = grouping's `order`, divisor = K) so each expert's tokens
-are one contiguous block for a cuBLAS GEMM. Numpy reference: ``src[index // divisor]``.
+Used to pick each sequence's last row before the LM head (divisor 1, float32) and, on the prefill path, to lay
+the step's tokens out in expert-grouped order (index = grouping's `order`, divisor = K) so each expert's tokens
+are one contiguous block for a cuBLAS GEMM -- there straight into the weights' 16-bit dtype, which is the cast
+the GEMM needs (round to nearest even for bfloat16). Numpy reference: ``src[index // divisor]`` (rounded).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda, types
+
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import storer
 
 THREADS = 128
+DST_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
-@cached_jit
-def _gather_rows(src, index, divisor, dst):
-    """src [R, D] f32, index [n] int32, divisor int32, dst [n, D] f32. Grid (n,), block (THREADS,)."""
-    p = cuda.blockIdx.x
-    row = index[p] // divisor
-    for d in range(cuda.threadIdx.x, dst.shape[1], cuda.blockDim.x):
-        dst[p, d] = src[row, d]
+@functools.lru_cache(maxsize=None)
+def _build(dst_dtype):
+    store = storer(dst_dtype)
+
+    def gather_rows_kernel(src, index, divisor, dst):
+        """src [R, D] f32, index [n] int32, divisor int32, dst [n * D] flat, of dst_dtype. Grid (n,),
+        block (THREADS,)."""
+        p = cuda.blockIdx.x
+        row = index[p] // divisor
+        width = src.shape[1]
+        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+            store(dst, p * width + d, src[row, d])
+
+    return gather_rows_kernel, cached_jit(gather_rows_kernel)
 
 
 def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
     """src: [R, D] float32; index: [n] int32 (index // divisor < R, not checked on the device);
-    dst: [n, D] float32, written."""
+    dst: [n, D] C-contiguous float32, float16 or uint16 (bfloat16 bits), written (rounded to its dtype)."""
     assert src.ndim == 2 and dst.shape == (index.shape[0], src.shape[1]), (src.shape, index.shape, dst.shape)
-    assert src.dtype == dst.dtype == np.float32 and index.dtype == np.int32 and divisor >= 1
+    assert src.dtype == np.float32 and np.dtype(dst.dtype) in DST_DTYPES, (src.dtype, dst.dtype)
+    assert index.dtype == np.int32 and divisor >= 1 and dst.flags["C_CONTIGUOUS"]
     if index.shape[0]:
-        _gather_rows[index.shape[0], THREADS, stream](src, index, np.int32(divisor), dst)
+        _build(np.dtype(dst.dtype))[1][index.shape[0], THREADS, stream](src, index, np.int32(divisor),
+                                                                         dst.reshape(-1))
 
 
 def sm90_signatures():
-    return [(_gather_rows.py_func, (types.float32[:, ::1], types.int32[::1], types.int32, types.float32[:, ::1]))]
+    out = []
+    for dtype, nb in zip(DST_DTYPES, (types.float32, types.float16, types.uint16)):
+        out.append((_build(dtype)[0], (types.float32[:, ::1], types.int32[::1], types.int32, nb[::1])))
+    return out

@@ -153,20 +153,29 @@ def test_decode_steps_pad_to_their_batch_bucket_with_or_without_graphs(monkeypat
         assert (4 in d.graphs._seen) == graphs
 
 
-def test_steps_past_the_capturable_buckets_run_unpadded(monkeypatch):
-    """fp32 experts: per-expert cuBLAS above 64 tokens (host row counts), so a 100-token prefill runs eagerly at
-    100 tokens, its own sequence count, no graph."""
+def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):
+    """fp32 experts: per-expert cuBLAS above 64 tokens; its pass is captured in pieces around the host's GEMMs,
+    so a 100-token prefill pads to the 128 bucket and goes through the prefill graphs like smaller ones."""
     d = host_decoder(monkeypatch)
+    d.forward(prompt([100]))
+    assert d.issued == [("layers", 128, MAX_SEQS + 1, False), ("head", 128, 1)] and 128 in d.prefill_graphs._seen
+
+
+def test_steps_with_the_expert_cache_run_unpadded(monkeypatch):
+    """The expert cache's host work (slot choice, copies) runs inside each layer: its prefills run eagerly at
+    their own size and sequence count, no graph."""
+    d = host_decoder(monkeypatch)
+    d.cached = SimpleNamespace(begin_step=lambda hints: d.issued.append("begin"), end_step=lambda: None)
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
     d.forward(prompt([100]))
-    assert d.issued == [("run", 100, 1, 1, False)] and not d.prefill_graphs._seen
+    assert d.issued == ["begin", ("run", 100, 1, 1, False)] and not d.prefill_graphs._seen
 
 
 def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     d = host_decoder(monkeypatch)
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
     d.warmup()
-    assert set(d.prefill_graphs) == {b for b in prefill_buckets(MAX_TOKENS) if b <= 64}
+    assert set(d.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))     # per-expert cuBLAS ones in pieces
     assert set(d.graphs) == {1, 2, 4, 8, 16}
     assert ("cublas shapes", MAX_TOKENS) in d.issued      # steps above 64 tokens run per-expert cuBLAS GEMMs
     many = host_decoder(monkeypatch, family="qwen3_moe", bf16=True)

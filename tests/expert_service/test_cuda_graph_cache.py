@@ -1,10 +1,10 @@
 """cuda/driver.py's GraphCache with a recording stand-in for the driver's Graph (no GPU): the first pass of a key
 runs eagerly, the second is captured and replayed, later ones only replay; keys are independent; clear() closes
-every graph and starts each key over."""
+every graph and starts each key over; a pass with host breaks is captured and replayed in pieces around them."""
 from __future__ import annotations
 
 import expert_service.cuda.driver as driver
-from expert_service.cuda.driver import GraphCache
+from expert_service.cuda.driver import GraphCache, HostBreaks
 
 
 class RecordingGraph:
@@ -41,7 +41,7 @@ def test_eager_then_captured_then_replayed_per_key(monkeypatch):
     cache.run(64, launch[64])                       # another key starts eagerly
     cache.run(48, launch[48])
     assert log[5:] == ["launch 64", "replay"] and list(cache) == [48] and len(cache) == 1
-    graph = cache._graphs[48]
+    graph = cache._graphs[48].graphs[0]
     cache.clear()
     assert graph.closed and not cache
     del log[:]
@@ -77,3 +77,62 @@ def test_a_failed_capture_runs_that_shape_eagerly_from_then_on(monkeypatch, capl
     cache.run(8, lambda: None)
     cache.run(8, lambda: None)
     assert 8 in cache
+
+
+def test_a_pass_with_host_breaks_is_captured_and_replayed_in_pieces(monkeypatch):
+    """Each break ends the piece captured so far, runs it, then its host work eagerly; capture goes on in a new
+    piece. Replays run the pieces in order with the host work between them; eagerly the host work runs inline."""
+    monkeypatch.setattr(driver, "Graph", RecordingGraph)
+    RecordingGraph.log = log = []
+    breaks = HostBreaks(stream="s")
+    cache = GraphCache(stream="s", breaks=breaks)
+
+    def issue():
+        log.append("launch a")
+        breaks(lambda: log.append("host 1"))
+        log.append("launch b")
+        breaks(lambda: log.append("host 2"))
+        log.append("launch c")
+    cache.run(512, issue)
+    assert log == ["launch a", "host 1", "launch b", "host 2", "launch c"]
+    del log[:]
+    cache.run(512, issue)
+    assert log == ["begin capture", "launch a", "end capture", "replay", "host 1",
+                   "begin capture", "launch b", "end capture", "replay", "host 2",
+                   "begin capture", "launch c", "end capture", "replay"]
+    assert len(cache._graphs[512].graphs) == 3
+    del log[:]
+    cache.run(512, issue)
+    assert log == ["replay", "host 1", "replay", "host 2", "replay"]
+    pieces = cache._graphs[512].graphs
+    cache.clear()
+    assert all(g.closed for g in pieces)
+
+
+def test_a_capture_failing_after_a_break_closes_its_pieces_and_runs_eagerly(monkeypatch, caplog):
+    """A launch refused in a later piece: the pieces already captured are closed (nothing kept), the whole pass
+    runs eagerly (it writes the same values again), and the key stays eager."""
+    monkeypatch.setattr(driver, "Graph", RecordingGraph)
+    RecordingGraph.log = log = []
+    breaks = HostBreaks(stream="s")
+    cache = GraphCache(stream="s", breaks=breaks)
+    calls = {"n": 0}
+
+    def issue():
+        calls["n"] += 1
+        log.append("launch a")
+        breaks(lambda: log.append("host"))
+        if calls["n"] == 2:
+            raise RuntimeError("CUDA driver error CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        log.append("launch b")
+    cache.run(8, issue)
+    del log[:]
+    with caplog.at_level("WARNING", logger="colibri.worker.cuda"):
+        cache.run(8, issue)
+    assert log == ["begin capture", "launch a", "end capture", "replay", "host", "begin capture", "end capture",
+                   "close", "launch a", "host", "launch b"]
+    assert 8 not in cache and "capture of step shape 8 failed" in caplog.text
+    assert breaks._pieces is None           # a later capture may start
+    cache.run(16, issue)
+    cache.run(16, issue)
+    assert 16 in cache

@@ -100,7 +100,7 @@ def test_warmup_reaches_every_strategy_tile_config_and_router():
 
 def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     """A bf16 many-expert model gets the grouped-MMA buffers (sized for the largest tile need of any step) and
-    none of the per-assignment f32 / all-experts buffers; with the switch off, the reverse. The fused router's
+    none of the per-assignment / all-experts buffers; with the switch off, the reverse. The fused router's
     counter and greedy_split's partials are there for every model."""
     config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
     T, S, K, E = 512, 16, 8, 40
@@ -119,17 +119,23 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert layout["router_counter"] == ((FUSED_ROUTER_MAX_TOKENS,), np.dtype(np.int32))
     for name in ("greedy_part_values", "greedy_part_ids", "greedy_part_flags"):
         assert layout[name][0] == (S, parts(config.vocab_size))
-    # other dtypes: no grouped MMA, and per-expert cuBLAS above 64 tokens, whose rounded rows need slack rows
+    assert not {"expert_x", "expert_gate_up", "expert_h"} & set(layout)
+    # other dtypes: no grouped MMA, and per-expert cuBLAS above 64 tokens: its rows in the weights' dtype (rounded
+    # row counts need slack rows), f32 gate rows only for the grouped kernels' steps (up to 64 tokens)
     other = layout_workspace(config, f32, T, S, 16, len(config.moe_layers))
     rows = T * K + moe.CUBLAS_ROW_SLACK
-    assert "mma_xs" not in other and other["moe_in"][0] == (rows, D) and other["moe_gate"][0] == (rows, F)
-    assert other["moe_out"][0] == other["moe_up"][0][:1] + (D,) == (rows, D)
+    assert "mma_xs" not in other and not {"moe_in", "moe_up"} & set(other)
+    assert other["expert_x"] == ((rows, D), f32) and other["expert_gate_up"] == ((rows, 2 * F), f32)
+    assert other["expert_h"] == ((rows, F), f32) and other["moe_out"][0] == (rows, D)
+    assert other["moe_gate"][0] == (moe.GROUPED_MAX_TOKENS * K, F)
     cached = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True)    # the expert cache
     assert "mma_xs" not in cached and cached["moe_in"][0] == (T * K, D) and cached["moe_gate"][0] == (T * K, F)
+    assert cached["moe_up"][0] == (T * K, F) and "expert_x" not in cached
+    assert cached["cast"][0][0] >= T * K * max(D, config.q_size, F)
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
-    assert "mma_xs" not in off and off["moe_in"][0] == (rows, D) and "all_experts_out" in off
-    assert off["cast"][0][0] >= rows * max(D, config.q_size, F)
+    assert "mma_xs" not in off and off["expert_gate_up"] == ((rows, 2 * F), bf16) and "all_experts_out" in off
+    assert off["expert_x"] == ((rows, D), bf16) and off["expert_h"] == ((rows, F), bf16)
 
 
 # --- routing=lut: the step's plan staged with its metadata ------------------------------------------------

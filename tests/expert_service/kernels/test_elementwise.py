@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, launch_clamp,
-                                                launch_sigmoid_gate_add, launch_silu_mul)
+                                                launch_sigmoid_gate_add, launch_silu_mul, launch_silu_mul_halves)
 from expert_service.cpu.layers.moe import silu
 
 from tests.helpers import (STORAGE_DTYPES, assert_close, awkward_floats, bf16_bits, from_storage, nan_device,
@@ -44,6 +44,22 @@ def _check_all(rng, rows, cols, threads):
         launch_cast(cuda.to_device(x), out, threads=threads)
         # values compared (NaN payloads differ between numpy and the GPU's cvt), NaN positions must match
         np.testing.assert_array_equal(from_storage(out.copy_to_host()), from_storage(to_storage(x, dtype)))
+
+
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("rows,F,threads", [(1, 5, 32), (3, 37, 32), (70, 9, 32), (2, 300, 64)])
+def test_silu_mul_halves_matches_reference(dtype, rows, F, threads):
+    """h = silu(gate) * up over rows holding [gate | up], in float32 from the stored values, rounded once to the
+    dtype (within one rounding step of the float32 reference); every element of h written."""
+    rng = np.random.default_rng(rows * 1000 + F)
+    gu, values = random_weight(rng, (rows, 2 * F), dtype, scale=4.0)
+    h = cuda.to_device(np.full((rows, F), 0xFFFF if dtype is np.uint16 else np.nan, dtype=dtype))
+    launch_silu_mul_halves(cuda.to_device(gu), h, threads=threads)
+    want = silu(values[:, :F]) * values[:, F:]
+    step = {np.float32: 1e-5, np.float16: 2.0 ** -10, np.uint16: 2.0 ** -7}[dtype]
+    got = from_storage(h.copy_to_host())
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= step * np.maximum(np.abs(want), 1e-3) + 1e-6)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
