@@ -3,7 +3,8 @@ expert_service.cpu.decoder.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid
 
 silu_mul:        h = silu(g) * u                         (g, u, h [R, F]; silu(x) = x / (1 + exp(-x)))
 silu_mul_halves: h[r] = silu(gu[r, :F]) * gu[r, F:]       (gu [R, 2F], h [R, F] in f32/f16/bf16: per-expert cuBLAS
-                 writes a token's gate and up projections as one row; computed in float32, rounded once)
+                 writes a token's gate and up projections as one row; computed in float32, rounded once; bf16
+                 rows with F % 4 == 0 go as 8-byte words of 4 values)
 sigmoid_gate_add: out[t, :] += shared[t, :] / (1 + exp(-gate_logit[t]))   (Qwen2-MoE shared expert)
 clamp:           x = clip(x, lo, hi) in place           (OLMoE clip_qkv)
 add_bias:        y[t, :] += bias[:]                      (bias [N] W)
@@ -26,7 +27,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import aligned_to, loader, packer4, storer, widener
+from expert_service.kernels.numeric import aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, storer, widener
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
@@ -91,6 +92,27 @@ def _build_silu_mul_halves(dtype):
     return silu_mul_halves_kernel, cached_jit(silu_mul_halves_kernel)
 
 
+def silu_mul_halves_bf16_kernel(gu4, h4, F4):
+    """silu_mul_halves on bfloat16 rows as 8-byte words of 4 values (F = 4 * F4): gu4 [R * 2 * F4] uint64,
+    h4 [R * F4] uint64. Grid (column blocks, R); one 8-byte load of gate and of up and one store per word (2-byte
+    accesses reached 1.4 TB/s on the H200)."""
+    r = cuda.blockIdx.y
+    gate, out = r * 2 * F4, r * F4
+    mask = np.uint64(0xFFFF)
+    for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F4, cuda.gridDim.x * cuda.blockDim.x):
+        g, u = gu4[gate + j], gu4[gate + F4 + j]
+        word = np.uint64(0)
+        for q in range(4):
+            shift = np.uint64(16 * q)
+            x = bf16_to_f32(np.uint16((g >> shift) & mask))
+            y = bf16_to_f32(np.uint16((u >> shift) & mask))
+            word |= np.uint64(f32_to_bf16(x / (np.float32(1.0) + math.exp(-x)) * y)) << shift
+        h4[out + j] = word
+
+
+_silu_mul_halves_bf16 = cached_jit(silu_mul_halves_bf16_kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def _build_cast(out_dtype):
     store = storer(out_dtype)
@@ -148,8 +170,15 @@ def launch_silu_mul_halves(gu, h, stream=0, threads=THREADS) -> None:
     assert gu.shape == (R, 2 * F) and gu.dtype == h.dtype and R <= 65535, (gu.shape, h.shape, gu.dtype, h.dtype)
     assert np.dtype(h.dtype) in (np.float32, np.float16, np.uint16), h.dtype
     flat_gu, flat_h = _flat(gu, h)
-    if h.size:
-        blocks = max(1, min(-(-F // threads), MAX_BLOCKS // max(1, min(R, MAX_BLOCKS))))
+    if not h.size:
+        return
+    words = np.dtype(h.dtype) == np.uint16 and F % 4 == 0 and aligned_to(8, flat_gu, flat_h)
+    columns = F // 4 if words else F
+    blocks = max(1, min(-(-columns // threads), MAX_BLOCKS // max(1, min(R, MAX_BLOCKS))))
+    if words:
+        _silu_mul_halves_bf16[(blocks, R), threads, stream](flat_gu.view(np.uint64), flat_h.view(np.uint64),
+                                                            np.int32(F // 4))
+    else:
         _build_silu_mul_halves(np.dtype(h.dtype))[1][(blocks, R), threads, stream](flat_gu, flat_h, np.int32(F))
 
 
@@ -204,4 +233,5 @@ def sm90_signatures():
         out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1], types.uint64[::1], types.uint64[::1])))
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_silu_mul_halves(np.dtype(dt))[0], (nb[::1], nb[::1], types.int32)))
+    out.append((silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32)))
     return out

@@ -9,6 +9,8 @@ depend on Y.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda, types
 
@@ -18,18 +20,28 @@ from expert_service.kernels.jit_cache import cached_jit
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
 
 
-@cached_jit
-def _moe_combine_kernel(y, position, weights, h):
-    """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
-    weights [T, K] f32 -> h [T, D] f32 updated in place: h[t] += sum_k weights[t, k] * y[position[t*K+k]]."""
-    t = cuda.blockIdx.x
-    top_k = weights.shape[1]
-    width = h.shape[1]
-    for d in range(cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, width, cuda.gridDim.y * cuda.blockDim.x):
-        acc = np.float32(0.0)
+@functools.lru_cache(maxsize=None)
+def _build(top_k: int):
+    def moe_combine_kernel(y, position, weights, h):
+        """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
+        weights [T, K] f32 -> h [T, D] f32 updated in place: h[t] += sum_k weights[t, k] * y[position[t*K+k]].
+        K = top_k is a compile-time constant: rows and weights in registers, the K loads of an element issue
+        together."""
+        t = cuda.blockIdx.x
+        width = h.shape[1]
+        rows = cuda.local.array(top_k, np.int32)
+        w = cuda.local.array(top_k, np.float32)
         for k in range(top_k):
-            acc += weights[t, k] * y[position[t * top_k + k], d]
-        h[t, d] += acc
+            rows[k] = position[t * top_k + k]
+            w[k] = weights[t, k]
+        for d in range(cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, width,
+                       cuda.gridDim.y * cuda.blockDim.x):
+            acc = np.float32(0.0)
+            for k in range(top_k):
+                acc += w[k] * y[rows[k], d]
+            h[t, d] += acc
+
+    return moe_combine_kernel, cached_jit(moe_combine_kernel)
 
 
 def launch_moe_combine(y, position, weights, h, stream=0) -> None:
@@ -44,10 +56,11 @@ def launch_moe_combine(y, position, weights, h, stream=0) -> None:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(expected[name])}, "
                              f"got {a.dtype} {list(a.shape)}")
     if n_tok:
-        _moe_combine_kernel[(n_tok, blocks_per_row(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
+        kernel = _build(int(top_k))[1]
+        kernel[(n_tok, blocks_per_row(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
 
 
 def sm90_signatures():
     """(python function, numba signature) of every kernel variant, for the sm_90 compile check."""
     f2 = types.float32[:, ::1]
-    return [(_moe_combine_kernel.py_func, (f2, types.int32[::1], f2, f2))]
+    return [(_build(k)[0], (f2, types.int32[::1], f2, f2)) for k in (2, 8)]      # mixtral's and qwen3's top-k

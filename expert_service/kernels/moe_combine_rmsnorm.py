@@ -28,31 +28,45 @@ from expert_service.kernels.rmsnorm import THREADS     # the same partition as r
 
 
 @functools.lru_cache(maxsize=None)
-def _build(weight_dtype, dense: bool):
+def _build(weight_dtype, dense: bool, top_k: int):
     widen = widener(weight_dtype)
 
     @cuda.jit(device=True, inline=True)
-    def grouped_term(y, index, weights, t, k, d):
-        return weights[t, k] * y[index[t * weights.shape[1] + k], d]
+    def grouped_row(index, t, k):
+        return index[t * top_k + k]
 
     @cuda.jit(device=True, inline=True)
-    def dense_term(y, index, weights, t, k, d):
-        return weights[t, k] * y[index[t, k], t, d]
+    def dense_row(index, t, k):
+        return index[t, k]
 
-    term = dense_term if dense else grouped_term
+    @cuda.jit(device=True, inline=True)
+    def grouped_value(y, row, t, d):
+        return y[row, d]
+
+    @cuda.jit(device=True, inline=True)
+    def dense_value(y, row, t, d):
+        return y[row, t, d]
+
+    row_of, value = (dense_row, dense_value) if dense else (grouped_row, grouped_value)
 
     def moe_combine_rmsnorm_kernel(y, index, weights, h, norm_weight, eps, out):
         """y: [T*K, D] float32 (grouped) or [E, T, D] float32 (dense). index: position [T*K] int32 (grouped) or
         ids [T, K] int32 (dense). weights: [T, K] float32. h: [T, D] float32 residual, updated in place.
-        norm_weight: [D] W. eps: float32. out: [T, D] float32 = rmsnorm(updated h). Grid (T,), block (THREADS,)."""
+        norm_weight: [D] W. eps: float32. out: [T, D] float32 = rmsnorm(updated h). Grid (T,), block (THREADS,).
+        K = top_k is a compile-time constant: the token's rows and weights sit in registers and the K loads of
+        an element issue together (a runtime K kept them one dependent round trip each)."""
         t = cuda.blockIdx.x
         width = h.shape[1]
-        top_k = weights.shape[1]
+        rows = cuda.local.array(top_k, np.int32)
+        w = cuda.local.array(top_k, np.float32)
+        for k in range(top_k):
+            rows[k] = row_of(index, t, k)
+            w[k] = weights[t, k]
         ss = np.float32(0.0)
         for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
             acc = np.float32(0.0)
             for k in range(top_k):
-                acc += term(y, index, weights, t, k, d)
+                acc += w[k] * value(y, rows[k], t, d)
             v = h[t, d] + acc
             h[t, d] = v
             ss += v * v
@@ -84,7 +98,7 @@ def launch_moe_combine_rmsnorm(y, index, weights, h, norm_weight, eps, out, dens
         assert a.flags["C_CONTIGUOUS"], "moe_combine_rmsnorm needs contiguous arrays"
     if num_tokens == 0:
         return
-    kernel = _build(np.dtype(norm_weight.dtype), bool(dense))[1]
+    kernel = _build(np.dtype(norm_weight.dtype), bool(dense), int(top_k))[1]
     kernel[num_tokens, threads, stream](y, index, weights, h, norm_weight, np.float32(eps), out)
 
 
@@ -93,6 +107,8 @@ def sm90_signatures():
     f2, f3 = types.float32[:, ::1], types.float32[:, :, ::1]
     out = []
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        out.append((_build(np.dtype(dt), False)[0], (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
-        out.append((_build(np.dtype(dt), True)[0], (f3, types.int32[:, ::1], f2, f2, nb[::1], types.float32, f2)))
+        for k in (2, 8):      # mixtral's and qwen3's top-k
+            out.append((_build(np.dtype(dt), False, k)[0], (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
+            out.append((_build(np.dtype(dt), True, k)[0],
+                        (f3, types.int32[:, ::1], f2, f2, nb[::1], types.float32, f2)))
     return out

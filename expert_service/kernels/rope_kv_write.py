@@ -33,7 +33,9 @@ THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 23
 
 
 @functools.lru_cache(maxsize=None)
-def _build(pool_dtype):
+def _build(pool_dtype, half: int):
+    """half = Hd / 2 is a compile-time constant: the pair index's division and remainder by it become shifts
+    (by a runtime value they were 64-bit division calls, most of the kernel's time)."""
     store = storer(pool_dtype)
 
     def rope_kv_write_kernel(q, k, v, positions, inv_freq, scale, slot_mapping, k_pool, v_pool):
@@ -44,7 +46,6 @@ def _build(pool_dtype):
         t = cuda.blockIdx.x
         first = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
         stride = cuda.gridDim.y * cuda.blockDim.x
-        half = inv_freq.shape[0]
         head_dim = 2 * half
         num_q = q.shape[1] * half
         total = num_q + k.shape[1] * half
@@ -94,7 +95,7 @@ def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_po
     if num_tokens == 0:
         return
     row = k.shape[1] * head_dim
-    kernel = _build(np.dtype(k_pool.dtype))[1]
+    kernel = _build(np.dtype(k_pool.dtype), head_dim // 2)[1]
     grid = (num_tokens, blocks_per_row(num_tokens, (q.shape[1] + k.shape[1]) * head_dim // 2, threads))
     kernel[grid, threads, stream](q, k, v.reshape(num_tokens, row), positions, inv_freq, np.float32(scale),
                                   slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))
@@ -105,6 +106,7 @@ def sm90_signatures():
     f3, f2, i1 = types.float32[:, :, ::1], types.float32[:, ::1], types.int32[::1]
     out = []
     for dtype, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        out.append((_build(np.dtype(dtype))[0], (f3, f3, f2, i1, types.float32[::1], types.float32, i1, nb[::1],
-                                                 nb[::1])))
+        for half in (32, 64):       # head sizes 64 and 128
+            out.append((_build(np.dtype(dtype), half)[0], (f3, f3, f2, i1, types.float32[::1], types.float32, i1,
+                                                           nb[::1], nb[::1])))
     return out

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from expert_service.kernels import elementwise
 from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, launch_clamp,
                                                 launch_sigmoid_gate_add, launch_silu_mul, launch_silu_mul_halves)
 from expert_service.cpu.layers.moe import silu
@@ -47,7 +48,7 @@ def _check_all(rng, rows, cols, threads):
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("rows,F,threads", [(1, 5, 32), (3, 37, 32), (70, 9, 32), (2, 300, 64)])
+@pytest.mark.parametrize("rows,F,threads", [(1, 5, 32), (3, 37, 32), (70, 9, 32), (2, 300, 64), (5, 64, 32)])
 def test_silu_mul_halves_matches_reference(dtype, rows, F, threads):
     """h = silu(gate) * up over rows holding [gate | up], in float32 from the stored values, rounded once to the
     dtype (within one rounding step of the float32 reference); every element of h written."""
@@ -60,6 +61,11 @@ def test_silu_mul_halves_matches_reference(dtype, rows, F, threads):
     got = from_storage(h.copy_to_host())
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= step * np.maximum(np.abs(want), 1e-3) + 1e-6)
+    if dtype is np.uint16 and F % 4 == 0:     # the 8-byte word path: the same bits as the element path
+        one = cuda.to_device(np.full((rows, F), 0xFFFF, np.uint16))
+        elementwise._build_silu_mul_halves(np.dtype(np.uint16))[1][(1, rows), threads](
+            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F))
+        np.testing.assert_array_equal(h.copy_to_host(), one.copy_to_host())
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
