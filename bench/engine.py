@@ -3,7 +3,8 @@
 For each reference shape (mixtral-shape: Mixtral-8x7B dimensions with 4 layers; qwen3moe-shape: Qwen3-30B-A3B
 dimensions with 8 layers) it builds a random bf16 model on the GPU with transformers, writes the same weights
 as a Colibri model directory (to --workdir, /dev/shm by default), and measures on both: prefill tok/s (b=1 x 512,
-b=16 x 128), decode ms/step (b=1, 16, 64) and peak device memory (HF: torch's peak over all of that work, and
+b=16 x 128; best of 5 after warm-up -- for Colibri an eager and a captured step, so the timed ones replay the
+bucket's graphs), decode ms/step (b=1, 16, 64) and peak device memory (HF: torch's peak over all of that work, and
 up to b=1; Colibri: device memory in use after building the engine or after the work, whichever is more, with a
 KV pool sized for the work); for Colibri also the decode HBM-roofline fraction (bytes the step must read --
 dense weights, the experts its tokens routed to, the KV it attends over -- / 4.3 TB/s / measured time). Writes
@@ -88,7 +89,7 @@ def bench_hf(model, vocab: int) -> dict:
     with torch.no_grad():
         for b, n in PREFILL:
             ids = torch.tensor(rng.integers(0, vocab, (b, n)), device="cuda")
-            out["prefill_tok_s"][f"{b}x{n}"] = b * n / cuda_time(lambda: model(ids))
+            out["prefill_tok_s"][f"{b}x{n}"] = b * n / cuda_time(lambda: model(ids), repeats=5)
         for b in DECODE_BATCHES:
             ids = torch.tensor(rng.integers(0, vocab, (b, DECODE_CONTEXT)), device="cuda")
             gen = dict(do_sample=False, pad_token_id=0)
@@ -131,8 +132,9 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
             engine.step(chunks)
             engine.clear()
         best = float("inf")
-        prefill()
-        for _ in range(3):
+        for _ in range(2):      # eager, then captured: the timed steps replay the bucket's graph
+            prefill()
+        for _ in range(5):
             start = time.perf_counter()
             prefill()
             sync()

@@ -35,9 +35,9 @@ from the thresholds defined beside it.
   wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
 
 GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): a decode step
-stays on the device (`ON_DEVICE`: one graph, no host step). Prefill buckets are captured when `capturable` says so:
-on the device, or in pieces around CUBLAS_PER_EXPERT's host break. ALL_EXPERTS_MAX_TOKENS also sizes the all-experts workspace buffers
-(E x tokens x F, `workspace.layout_workspace`).
+stays on the device (`ON_DEVICE`: one graph, no host step). Prefill buckets are captured when `capturable` says
+so: on the device, or in pieces around CUBLAS_PER_EXPERT's host break. ALL_EXPERTS_MAX_TOKENS also sizes the
+all-experts workspace buffers (E x tokens x F, `workspace.layout_workspace`).
 
 With the expert cache (not every expert fits the device; `CachedExperts` in cuda/moe_cached.py): the routing
 is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts
