@@ -78,9 +78,11 @@ class Graph:
 
     def __exit__(self, exc_type, exc, tb):
         graph = check(drv.cuStreamEndCapture(self._handle))
-        if exc_type is None:
-            self.exec = check(drv.cuGraphInstantiate(graph, 0))
-        check(drv.cuGraphDestroy(graph))
+        try:
+            if exc_type is None:
+                self.exec = check(drv.cuGraphInstantiate(graph, 0))
+        finally:
+            check(drv.cuGraphDestroy(graph))
         return False
 
     def replay(self) -> None:
@@ -132,8 +134,9 @@ class HostBreaks:
         self._pieces.resumes.append(resume)
         graph.replay()
         resume()
-        self._graph = Graph(self.stream)
-        self._graph.__enter__()
+        following = Graph(self.stream)
+        following.__enter__()           # only a capture that began is ended on failure
+        self._graph = following
 
     def capture(self, issue) -> Pieces:
         """issue() captured in pieces; every piece but the last has already run (the caller replays the last)."""

@@ -25,10 +25,11 @@ from the thresholds defined beside it.
 - CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in grouped
   order straight into the weights' dtype, the expert offsets copied to the host, then a host break
   (`host_break`): the host waits for the offsets and issues, per active expert, two `cublasGemmEx` calls on raw
-  addresses (gate|up as one [2F, D] matrix into the weights' dtype, down into f32) around one `silu_mul_halves`
-  for all experts -> `moe_combine`. Tensor cores pay at these sizes. A captured pass splits at the break
-  (driver.HostBreaks): graph up to the readback, the host's GEMMs, the next graph -- so these steps replay
-  graphs too, leaving per MoE layer one sync, two cuBLAS calls per active expert and one Numba launch.
+  addresses (gate|up as one [2F, D] matrix, into bf16 for bf16 weights and f32 otherwise -- fp16 would
+  overflow; down into f32) around one `silu_mul_halves` for all experts -> `moe_combine`. Tensor cores pay at
+  these sizes. A captured pass splits at the break (driver.HostBreaks): graph up to the readback, the host's
+  GEMMs, the next graph -- so these steps replay graphs too, leaving per MoE layer one sync, two cuBLAS calls
+  per active expert and one Numba launch.
 - CACHED_GROUPED (expert cache, T <= GROUPED_MAX_TOKENS): the grouped kernels, in waves, against the
   layer's expert slots through a `slot_of` map.
 - CACHED_CUBLAS (expert cache, T > GROUPED_MAX_TOKENS): the tokens gathered once, then per expert of each
@@ -316,8 +317,8 @@ class DeviceMoe:
 
     def _expert_gemms(self, n: int, experts) -> None:
         """The host part of CUBLAS_PER_EXPERT, once the step's expert offsets are on their way to the host: per
-        active expert gate|up [rows, 2F] = x @ [gate; up]^T in the weights' dtype (one GEMM: the two matrices
-        are adjacent in the expert's block), SwiGLU over every expert's rows at once, then down [rows, D] f32."""
+        active expert gate|up [rows, 2F] = x @ [gate; up]^T (one GEMM: the two matrices are adjacent in the
+        expert's block), SwiGLU over every expert's rows at once into the weights' dtype, then down [rows, D] f32."""
         cfg, ws, blas = self.config, self.ws, self.linear.cublas
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         self.stream.synchronize()
@@ -326,12 +327,15 @@ class DeviceMoe:
         lo = offsets[active].astype(np.int64)
         # Rounded row counts (cublas_rows): an expert's extra rows are the next experts' rows, recomputed by
         # their own GEMMs issued after it on this stream, or rows past the step's (the buffers' slack; never read).
-        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), ws.moe_out.shape[0] - lo)
+        room = min(b.shape[0] for b in (ws.expert_x, ws.expert_gate_up, ws.expert_h, ws.moe_out)) - lo
+        rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), room)
         dtype, item = self.weights.dtype, experts.dtype.itemsize
+        gu = ws.expert_gate_up         # bf16 for bf16 weights (f32's range), else f32: fp16 would overflow
         gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
         blas.linear_each(gate, device_address(ws.expert_x) + lo * D * item,
-                         device_address(ws.expert_gate_up) + lo * 2 * F * item, rows, 2 * F, D, dtype, out_dtype=dtype)
-        elementwise.launch_silu_mul_halves(ws.expert_gate_up[:n], ws.expert_h[:n], stream=self.stream)
+                         device_address(gu) + lo * 2 * F * gu.dtype.itemsize, rows, 2 * F, D, dtype,
+                         out_dtype=gu.dtype)
+        elementwise.launch_silu_mul_halves(gu[:n], ws.expert_h[:n], stream=self.stream)
         blas.linear_each(gate + 2 * F * D * item, device_address(ws.expert_h) + lo * F * item,
                          device_address(ws.moe_out) + lo * D * 4, rows, D, F, dtype)
 
@@ -347,7 +351,7 @@ class DeviceMoe:
         one = np.ones(1, np.int64)
         for m in counts.tolist():           # as _expert_gemms: gate|up, then down
             blas.linear_each(w * one, device_address(ws.expert_x) * one, device_address(ws.expert_gate_up) * one,
-                             m * one, 2 * F, D, dtype, out_dtype=dtype)
+                             m * one, 2 * F, D, dtype, out_dtype=ws.expert_gate_up.dtype)
             blas.linear_each(w * one, device_address(ws.expert_h) * one, device_address(ws.moe_out) * one,
                              m * one, D, F, dtype)
         self.stream.synchronize()

@@ -61,8 +61,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     # f32 gate (grouped kernels, GEMV, the expert cache), inputs and up (the expert cache) per assignment
     cache_rows = T * K if strategies & {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS} else 0
     grouped_rows = min(T, GROUPED_MAX_TOKENS) * K if MoeStrategy.GROUPED in strategies else 0
-    # per-expert cuBLAS: inputs, gate|up and SwiGLU rows in the weights' dtype; it rounds each expert's rows up
-    # (moe.cublas_rows), past the step's last one by up to CUBLAS_ROW_SLACK
+    # per-expert cuBLAS: inputs and SwiGLU rows in the weights' dtype, gate|up too for bf16; it rounds each
+    # expert's rows up (moe.cublas_rows), past the step's last one by up to CUBLAS_ROW_SLACK
     per_expert_rows = T * K + CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0
     # the all-experts strategy of decode steps (cuda/moe.py)
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
@@ -96,7 +96,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     if per_expert_rows:
         wd = np.dtype(weight_dtype)
         layout["expert_x"] = ((per_expert_rows, D), wd)
-        layout["expert_gate_up"] = ((per_expert_rows, 2 * F), wd)
+        # cuBLAS writes gate|up in bf16 (float32's range) for bf16 weights; fp16 could overflow, so float32
+        layout["expert_gate_up"] = ((per_expert_rows, 2 * F), wd if wd == np.uint16 else f32)
         layout["expert_h"] = ((per_expert_rows, F), wd)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)

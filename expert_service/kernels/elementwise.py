@@ -2,9 +2,9 @@
 expert_service.cpu.decoder.CpuDecoder: bias add, clip_qkv, shared-expert sigmoid gate).
 
 silu_mul:        h = silu(g) * u                         (g, u, h [R, F]; silu(x) = x / (1 + exp(-x)))
-silu_mul_halves: h[r] = silu(gu[r, :F]) * gu[r, F:]       (gu [R, 2F], h [R, F] in f32/f16/bf16: per-expert cuBLAS
-                 writes a token's gate and up projections as one row; computed in float32, rounded once; bf16
-                 rows with F % 4 == 0 go as 8-byte words of 4 values)
+silu_mul_halves: h[r] = silu(gu[r, :F]) * gu[r, F:]   (gu [R, 2F] f32 or h's dtype, h [R, F] f32/f16/bf16:
+                 per-expert cuBLAS writes a token's gate and up projections as one row; computed in float32,
+                 rounded once; bf16 rows with F % 4 == 0 go as 8-byte words of 4 values)
 sigmoid_gate_add: out[t, :] += shared[t, :] / (1 + exp(-gate_logit[t]))   (Qwen2-MoE shared expert)
 clamp:           x = clip(x, lo, hi) in place           (OLMoE clip_qkv)
 add_bias:        y[t, :] += bias[:]                      (bias [N] W)
@@ -33,6 +33,7 @@ from expert_service.kernels.jit_cache import cached_jit
 THREADS = 256
 MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
 CAST_WORDS = 4      # words of 4 elements a cast thread converts at once (8 loads of 8 bytes in flight)
+MAX_GRID_ROWS = 65535   # a grid's y extent: silu_mul_halves' blocks stride over more rows than this
 
 
 def silu_mul_kernel(g, u, h):
@@ -77,37 +78,39 @@ def _build_bias(weight_dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _build_silu_mul_halves(dtype):
-    load, store = loader(dtype), storer(dtype)
+def _build_silu_mul_halves(gu_dtype, h_dtype):
+    load, store = loader(gu_dtype), storer(h_dtype)
 
-    def silu_mul_halves_kernel(gu, h, F):
-        """gu: [R * 2F] flat view of dtype ([R, 2F]: each row's gate, then up projections); h: [R * F] flat of
-        dtype. Grid (column blocks, R): block row r = blockIdx.y, its threads stride over the F columns."""
-        r = cuda.blockIdx.y
-        gate, out = r * 2 * F, r * F
-        for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F, cuda.gridDim.x * cuda.blockDim.x):
-            x = load(gu, gate + j)
-            store(h, out + j, x / (np.float32(1.0) + math.exp(-x)) * load(gu, gate + F + j))
+    def silu_mul_halves_kernel(gu, h, F, R):
+        """gu: [R * 2F] flat view of gu_dtype ([R, 2F]: each row's gate, then up projections); h: [R * F] flat of
+        h_dtype. Grid (column blocks, row blocks): blocks stride over rows by gridDim.y (the grid's y extent is
+        capped at 65535), their threads over the F columns."""
+        for r in range(cuda.blockIdx.y, R, cuda.gridDim.y):
+            gate, out = r * 2 * F, r * F
+            for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F,
+                           cuda.gridDim.x * cuda.blockDim.x):
+                x = load(gu, gate + j)
+                store(h, out + j, x / (np.float32(1.0) + math.exp(-x)) * load(gu, gate + F + j))
 
     return silu_mul_halves_kernel, cached_jit(silu_mul_halves_kernel)
 
 
-def silu_mul_halves_bf16_kernel(gu4, h4, F4):
+def silu_mul_halves_bf16_kernel(gu4, h4, F4, R):
     """silu_mul_halves on bfloat16 rows as 8-byte words of 4 values (F = 4 * F4): gu4 [R * 2 * F4] uint64,
-    h4 [R * F4] uint64. Grid (column blocks, R); one 8-byte load of gate and of up and one store per word (2-byte
-    accesses reached 1.4 TB/s on the H200)."""
-    r = cuda.blockIdx.y
-    gate, out = r * 2 * F4, r * F4
+    h4 [R * F4] uint64. Grid as the element kernel's; one 8-byte load of gate and of up and one store per word
+    (2-byte accesses reached 1.4 TB/s on the H200)."""
     mask = np.uint64(0xFFFF)
-    for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F4, cuda.gridDim.x * cuda.blockDim.x):
-        g, u = gu4[gate + j], gu4[gate + F4 + j]
-        word = np.uint64(0)
-        for q in range(4):
-            shift = np.uint64(16 * q)
-            x = bf16_to_f32(np.uint16((g >> shift) & mask))
-            y = bf16_to_f32(np.uint16((u >> shift) & mask))
-            word |= np.uint64(f32_to_bf16(x / (np.float32(1.0) + math.exp(-x)) * y)) << shift
-        h4[out + j] = word
+    for r in range(cuda.blockIdx.y, R, cuda.gridDim.y):
+        gate, out = r * 2 * F4, r * F4
+        for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F4, cuda.gridDim.x * cuda.blockDim.x):
+            g, u = gu4[gate + j], gu4[gate + F4 + j]
+            word = np.uint64(0)
+            for q in range(4):
+                shift = np.uint64(16 * q)
+                x = bf16_to_f32(np.uint16((g >> shift) & mask))
+                y = bf16_to_f32(np.uint16((u >> shift) & mask))
+                word |= np.uint64(f32_to_bf16(x / (np.float32(1.0) + math.exp(-x)) * y)) << shift
+            h4[out + j] = word
 
 
 _silu_mul_halves_bf16 = cached_jit(silu_mul_halves_bf16_kernel)
@@ -164,22 +167,27 @@ def launch_silu_mul(g, u, h, stream=0, threads=THREADS) -> None:
 
 
 def launch_silu_mul_halves(gu, h, stream=0, threads=THREADS) -> None:
-    """gu: [R, 2F] (a row's gate then up projections), h: [R, F]; both C-contiguous float32, float16 or uint16
-    (bfloat16 bits), the same dtype. h = silu(gu[:, :F]) * gu[:, F:] in float32, rounded to the dtype once."""
+    """gu: [R, 2F] (a row's gate then up projections), h: [R, F]; both C-contiguous, h float32, float16 or uint16
+    (bfloat16 bits), gu of h's dtype or float32. h = silu(gu[:, :F]) * gu[:, F:] in float32, rounded to h's dtype
+    once."""
     R, F = h.shape
-    assert gu.shape == (R, 2 * F) and gu.dtype == h.dtype and R <= 65535, (gu.shape, h.shape, gu.dtype, h.dtype)
+    assert gu.shape == (R, 2 * F) and np.dtype(gu.dtype) in (np.dtype(h.dtype), np.dtype(np.float32)), (
+        gu.shape, h.shape, gu.dtype, h.dtype)
     assert np.dtype(h.dtype) in (np.float32, np.float16, np.uint16), h.dtype
     flat_gu, flat_h = _flat(gu, h)
     if not h.size:
         return
-    words = np.dtype(h.dtype) == np.uint16 and F % 4 == 0 and aligned_to(8, flat_gu, flat_h)
+    words = gu.dtype == h.dtype == np.uint16 and F % 4 == 0 and aligned_to(8, flat_gu, flat_h)
     columns = F // 4 if words else F
-    blocks = max(1, min(-(-columns // threads), MAX_BLOCKS // max(1, min(R, MAX_BLOCKS))))
+    row_blocks = min(R, MAX_GRID_ROWS)
+    blocks = max(1, min(-(-columns // threads), MAX_BLOCKS // min(row_blocks, MAX_BLOCKS)))
+    grid = (blocks, row_blocks)
     if words:
-        _silu_mul_halves_bf16[(blocks, R), threads, stream](flat_gu.view(np.uint64), flat_h.view(np.uint64),
-                                                            np.int32(F // 4))
+        _silu_mul_halves_bf16[grid, threads, stream](flat_gu.view(np.uint64), flat_h.view(np.uint64),
+                                                     np.int32(F // 4), np.int32(R))
     else:
-        _build_silu_mul_halves(np.dtype(h.dtype))[1][(blocks, R), threads, stream](flat_gu, flat_h, np.int32(F))
+        kernel = _build_silu_mul_halves(np.dtype(gu.dtype), np.dtype(h.dtype))[1]
+        kernel[grid, threads, stream](flat_gu, flat_h, np.int32(F), np.int32(R))
 
 
 def launch_sigmoid_gate_add(out, shared, gate_logit, stream=0, threads=THREADS) -> None:
@@ -232,6 +240,8 @@ def sm90_signatures():
     for dt, nb in ((np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1], types.uint64[::1], types.uint64[::1])))
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        out.append((_build_silu_mul_halves(np.dtype(dt))[0], (nb[::1], nb[::1], types.int32)))
-    out.append((silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32)))
+        for gu_dt, gu_nb in ((dt, nb), (np.float32, types.float32)):
+            out.append((_build_silu_mul_halves(np.dtype(gu_dt), np.dtype(dt))[0],
+                        (gu_nb[::1], nb[::1], types.int32, types.int32)))
+    out.append((silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32, types.int32)))
     return out

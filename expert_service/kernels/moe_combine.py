@@ -63,4 +63,4 @@ def launch_moe_combine(y, position, weights, h, stream=0) -> None:
 def sm90_signatures():
     """(python function, numba signature) of every kernel variant, for the sm_90 compile check."""
     f2 = types.float32[:, ::1]
-    return [(_build(k)[0], (f2, types.int32[::1], f2, f2)) for k in (2, 8)]      # mixtral's and qwen3's top-k
+    return [(_build(k)[0], (f2, types.int32[::1], f2, f2)) for k in (2, 4, 8)]   # mixtral's, qwen2-moe's, qwen3's top-k

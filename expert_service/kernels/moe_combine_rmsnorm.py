@@ -107,7 +107,7 @@ def sm90_signatures():
     f2, f3 = types.float32[:, ::1], types.float32[:, :, ::1]
     out = []
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        for k in (2, 8):      # mixtral's and qwen3's top-k
+        for k in (2, 4, 8):      # mixtral's, qwen2-moe's and qwen3's top-k
             out.append((_build(np.dtype(dt), False, k)[0], (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
             out.append((_build(np.dtype(dt), True, k)[0],
                         (f3, types.int32[:, ::1], f2, f2, nb[::1], types.float32, f2)))

@@ -136,3 +136,62 @@ def test_a_capture_failing_after_a_break_closes_its_pieces_and_runs_eagerly(monk
     cache.run(16, issue)
     cache.run(16, issue)
     assert 16 in cache
+
+
+def test_host_work_failing_during_capture_leaves_nothing_captured(monkeypatch, caplog):
+    """resume() raising while a pass is captured (a cuBLAS error, say): the piece that ran is closed, no capture
+    is left open, the pass then runs eagerly (and fails or not on its own), and a later capture may start."""
+    monkeypatch.setattr(driver, "Graph", RecordingGraph)
+    RecordingGraph.log = log = []
+    breaks = HostBreaks(stream="s")
+    cache = GraphCache(stream="s", breaks=breaks)
+    failing = {"on": False}
+
+    def resume():
+        log.append("host")
+        if failing["on"]:
+            failing["on"] = False
+            raise RuntimeError("cublasGemmEx failed with cuBLAS status 13")
+
+    def issue():
+        log.append("launch a")
+        breaks(resume)
+        log.append("launch b")
+    cache.run(4, issue)
+    failing["on"] = True
+    del log[:]
+    with caplog.at_level("WARNING", logger="colibri.worker.cuda"):
+        cache.run(4, issue)
+    assert log == ["begin capture", "launch a", "end capture", "replay", "host", "close",
+                   "launch a", "host", "launch b"]
+    assert "cuBLAS status 13" in caplog.text and 4 not in cache
+    assert breaks._pieces is None and breaks._graph is None
+
+
+def test_a_piece_that_cannot_begin_capture_reports_its_own_error(monkeypatch, caplog):
+    """The next piece's BeginCapture failing: that graph never began, so it is not ended (which would raise a
+    second, misleading error); the warning names the first one and the pieces already captured are closed."""
+    class RefusingGraph(RecordingGraph):
+        made = 0
+
+        def __enter__(self):
+            RefusingGraph.made += 1
+            if RefusingGraph.made == 2:
+                raise RuntimeError("CUDA driver error CUDA_ERROR_ILLEGAL_STATE")
+            return super().__enter__()
+    monkeypatch.setattr(driver, "Graph", RefusingGraph)
+    RecordingGraph.log = log = []
+    breaks = HostBreaks(stream="s")
+    cache = GraphCache(stream="s", breaks=breaks)
+
+    def issue():
+        log.append("launch a")
+        breaks(lambda: log.append("host"))
+        log.append("launch b")
+    cache.run(2, issue)
+    del log[:]
+    with caplog.at_level("WARNING", logger="colibri.worker.cuda"):
+        cache.run(2, issue)
+    assert log == ["begin capture", "launch a", "end capture", "replay", "host", "close",
+                   "launch a", "host", "launch b"]
+    assert "CUDA_ERROR_ILLEGAL_STATE" in caplog.text and 2 not in cache and breaks._pieces is None

@@ -136,3 +136,61 @@ def test_rounded_expert_windows_leave_every_row_to_its_own_expert(seed):
         owner[start:start + m] = e
     n = int(offsets[-1])
     assert (owner[:n] == np.repeat(np.arange(8), counts)).all()
+
+
+class FakeDeviceArray:
+    """Shape, dtype and a made-up device address: what _expert_gemms reads of workspace buffers (no GPU)."""
+
+    def __init__(self, shape, dtype, address):
+        self.shape, self.dtype, self.address = shape, np.dtype(dtype), address
+        self.__cuda_array_interface__ = {"data": (address, False)}
+
+    def __getitem__(self, rows):
+        return FakeDeviceArray((len(range(*rows.indices(self.shape[0]))),) + self.shape[1:], self.dtype, self.address)
+
+
+@pytest.mark.parametrize("weights_dtype,gate_up_dtype", [(np.uint16, np.uint16), (np.float16, np.float32),
+                                                          (np.float32, np.float32)])
+def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monkeypatch, weights_dtype,
+                                                                            gate_up_dtype):
+    """The host step of per-expert cuBLAS, with a recording cuBLAS: after the stream sync, per active expert (in
+    expert order) gate|up [rows, 2F] from its block's start into the layout's gate|up dtype (bf16 for bf16
+    weights, f32 otherwise), SwiGLU over the step's n rows, then down [rows, D] f32 from the block's down matrix;
+    rows rounded up (cublas_rows) within the smallest buffer; empty experts skipped."""
+    from types import SimpleNamespace
+    import expert_service.cuda.moe as moe_module
+    config = config_from_hf({**tiny_hf_config("mixtral"), "hidden_size": 16, "num_local_experts": 4,
+                             "intermediate_size": 8})
+    D, F, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    layout = layout_workspace(config, np.dtype(weights_dtype), 128, 2, 4, len(config.moe_layers))
+    assert layout["expert_gate_up"][1] == np.dtype(gate_up_dtype)
+    address = iter(range(1 << 20, 1 << 40, 1 << 30))
+    ws = SimpleNamespace(**{name: FakeDeviceArray(shape, dtype, next(address)) for name, (shape, dtype) in
+                            layout.items() if name.startswith("expert_") or name == "moe_out"})
+    counts = np.array([70, 0, 3, 183])                  # n = 256 assignments (T = 128, K = 2); expert 1 empty
+    ws.host = {"offsets": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)}
+    calls = []
+    blas = SimpleNamespace(linear_each=lambda w, x, y, rows, n, k, dtype, out_dtype=np.float32: calls.append(
+        ("gemm", w.tolist(), x.tolist(), y.tolist(), rows.tolist(), n, k, np.dtype(dtype), np.dtype(out_dtype))))
+    monkeypatch.setattr(moe_module.elementwise, "launch_silu_mul_halves",
+                        lambda gu, h, stream: calls.append(("swiglu", gu.shape, h.shape, gu.dtype, h.dtype)))
+    experts = FakeDeviceArray((E, 3 * F * D + 8), weights_dtype, 7 << 40)
+    moe = SimpleNamespace(config=config, ws=ws, linear=SimpleNamespace(cublas=blas),
+                          weights=SimpleNamespace(dtype=np.dtype(weights_dtype)),
+                          stream=SimpleNamespace(synchronize=lambda: calls.append(("sync",))))
+    DeviceMoe._expert_gemms(moe, 256, experts)
+    item, gu_item = np.dtype(weights_dtype).itemsize, np.dtype(gate_up_dtype).itemsize
+    block = experts.shape[1] * item
+    lo, active = [0, 70, 73], [0, 2, 3]
+    room = min(b.shape[0] for b in (ws.expert_x, ws.expert_gate_up, ws.expert_h, ws.moe_out))
+    rows = cublas_rows(np.array([70, 3, 183]), room - np.array(lo)).tolist()
+    starts = [experts.address + e * block for e in active]
+    assert calls[0] == ("sync",)
+    assert calls[1] == ("gemm", starts, [ws.expert_x.address + r * D * item for r in lo],
+                        [ws.expert_gate_up.address + r * 2 * F * gu_item for r in lo], rows, 2 * F, D,
+                        np.dtype(weights_dtype), np.dtype(gate_up_dtype))
+    assert calls[2] == ("swiglu", (256, 2 * F), (256, F), np.dtype(gate_up_dtype), np.dtype(weights_dtype))
+    assert calls[3] == ("gemm", [s + 2 * F * D * item for s in starts],
+                        [ws.expert_h.address + r * F * item for r in lo], [ws.moe_out.address + r * D * 4 for r in lo],
+                        rows, D, F, np.dtype(weights_dtype), np.dtype(np.float32))
+    assert len(calls) == 4 and rows[-1] >= 183 and 73 + rows[-1] <= room

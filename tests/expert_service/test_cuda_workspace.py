@@ -136,6 +136,9 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
     assert "mma_xs" not in off and off["expert_gate_up"] == ((rows, 2 * F), bf16) and "all_experts_out" in off
     assert off["expert_x"] == ((rows, D), bf16) and off["expert_h"] == ((rows, F), bf16)
+    f16 = np.dtype(np.float16)          # fp16 gate|up could overflow: cuBLAS writes them in float32
+    half = layout_workspace(config, f16, T, S, 16, len(config.moe_layers))
+    assert half["expert_gate_up"] == ((rows, 2 * F), f32) and half["expert_h"] == ((rows, F), f16)
 
 
 # --- routing=lut: the step's plan staged with its metadata ------------------------------------------------

@@ -48,12 +48,14 @@ def _check_all(rng, rows, cols, threads):
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("f32_input", [False, True])
 @pytest.mark.parametrize("rows,F,threads", [(1, 5, 32), (3, 37, 32), (70, 9, 32), (2, 300, 64), (5, 64, 32)])
-def test_silu_mul_halves_matches_reference(dtype, rows, F, threads):
-    """h = silu(gate) * up over rows holding [gate | up], in float32 from the stored values, rounded once to the
-    dtype (within one rounding step of the float32 reference); every element of h written."""
+def test_silu_mul_halves_matches_reference(dtype, f32_input, rows, F, threads):
+    """h = silu(gate) * up over rows holding [gate | up] (in h's dtype, or float32 as per-expert cuBLAS writes
+    them for fp16 / fp32 weights), in float32 from the stored values, rounded once to h's dtype (within one
+    rounding step of the float32 reference); every element of h written."""
     rng = np.random.default_rng(rows * 1000 + F)
-    gu, values = random_weight(rng, (rows, 2 * F), dtype, scale=4.0)
+    gu, values = random_weight(rng, (rows, 2 * F), np.float32 if f32_input else dtype, scale=4.0)
     h = cuda.to_device(np.full((rows, F), 0xFFFF if dtype is np.uint16 else np.nan, dtype=dtype))
     launch_silu_mul_halves(cuda.to_device(gu), h, threads=threads)
     want = silu(values[:, :F]) * values[:, F:]
@@ -61,11 +63,25 @@ def test_silu_mul_halves_matches_reference(dtype, rows, F, threads):
     got = from_storage(h.copy_to_host())
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= step * np.maximum(np.abs(want), 1e-3) + 1e-6)
-    if dtype is np.uint16 and F % 4 == 0:     # the 8-byte word path: the same bits as the element path
+    if dtype is np.uint16 and not f32_input and F % 4 == 0:   # the 8-byte word path: the element path's bits
         one = cuda.to_device(np.full((rows, F), 0xFFFF, np.uint16))
-        elementwise._build_silu_mul_halves(np.dtype(np.uint16))[1][(1, rows), threads](
-            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F))
+        elementwise._build_silu_mul_halves(np.dtype(np.uint16), np.dtype(np.uint16))[1][(1, rows), threads](
+            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F), np.int32(rows))
         np.testing.assert_array_equal(h.copy_to_host(), one.copy_to_host())
+
+
+@pytest.mark.parametrize("dtype,F", [(np.uint16, 8), (np.uint16, 6), (np.float32, 5)])
+def test_silu_mul_halves_strides_over_rows_past_the_grid(monkeypatch, dtype, F):
+    """More rows than a grid's y extent (65535 on the GPU; 3 here): blocks stride over the rest, every row
+    written (a step of 8192 tokens x top-8 has 65536 assignment rows)."""
+    monkeypatch.setattr(elementwise, "MAX_GRID_ROWS", 3)
+    rng = np.random.default_rng(F)
+    gu, values = random_weight(rng, (10, 2 * F), dtype, scale=4.0)
+    h = cuda.to_device(np.full((10, F), 0xFFFF if dtype is np.uint16 else np.nan, dtype=dtype))
+    launch_silu_mul_halves(cuda.to_device(gu), h, threads=32)
+    got = from_storage(h.copy_to_host())
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, silu(values[:, :F]) * values[:, F:], rtol=2.0 ** -7, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
