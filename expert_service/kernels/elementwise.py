@@ -27,7 +27,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, storer, widener
+from expert_service.kernels.numeric import (aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, silu, storer,
+                                            widener)
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256
@@ -40,7 +41,7 @@ def silu_mul_kernel(g, u, h):
     """g, u, h: [n] float32 flat views; h = silu(g) * u (h may alias g or u)."""
     for i in range(cuda.grid(1), h.shape[0], cuda.gridsize(1)):
         x = g[i]
-        h[i] = x / (np.float32(1.0) + math.exp(-x)) * u[i]
+        h[i] = silu(x) * u[i]
 
 
 def sigmoid_gate_add_kernel(out, shared, gate_logit):
@@ -90,7 +91,7 @@ def _build_silu_mul_halves(gu_dtype, h_dtype):
             for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F,
                            cuda.gridDim.x * cuda.blockDim.x):
                 x = load(gu, gate + j)
-                store(h, out + j, x / (np.float32(1.0) + math.exp(-x)) * load(gu, gate + F + j))
+                store(h, out + j, silu(x) * load(gu, gate + F + j))
 
     return silu_mul_halves_kernel, cached_jit(silu_mul_halves_kernel)
 
@@ -109,7 +110,7 @@ def silu_mul_halves_bf16_kernel(gu4, h4, F4, R):
                 shift = np.uint64(16 * q)
                 x = bf16_to_f32(np.uint16((g >> shift) & mask))
                 y = bf16_to_f32(np.uint16((u >> shift) & mask))
-                word |= np.uint64(f32_to_bf16(x / (np.float32(1.0) + math.exp(-x)) * y)) << shift
+                word |= np.uint64(f32_to_bf16(silu(x) * y)) << shift
             h4[out + j] = word
 
 

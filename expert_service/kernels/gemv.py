@@ -27,14 +27,13 @@ tiles, not this.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, u32_as_f32, warp_sum, widener
+from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 from expert_service.kernels.jit_cache import cached_jit
 
@@ -234,7 +233,7 @@ def _build(dtype, wide: bool, rows: int, gated: bool):
                     if gated:
                         b += red[gt * split + q, rows + r]
                 if gated:
-                    out[slot, row] = a / (np.float32(1.0) + math.exp(-a)) * b
+                    out[slot, row] = silu(a) * b
                 else:
                     if has_bias != 0:
                         a += widen(bias[row])

@@ -28,13 +28,12 @@ active-expert grid (grid.x = min(E, T*K) slots mapped to active experts) instead
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader
+from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader, silu
 from expert_service.kernels.jit_cache import cached_jit
 
 # The simulator runs one Python thread per CUDA thread: it gets small tiles that still exercise every loop
@@ -52,11 +51,6 @@ _RED_LANES = WARP + 1              # padded: lane v reading value v walks distin
 WIDE = 4                        # bf16 values per 8-byte word
 
 _DTYPES = (np.uint16, np.float16, np.float32)
-
-
-@cuda.jit(device=True, inline=True)
-def _silu(v):
-    return v / (np.float32(1.0) + math.exp(-v))
 
 
 @cuda.jit(device=True, inline=True)
@@ -190,7 +184,7 @@ def _kernel(dtype, wide: bool, gated: bool):
                         if gated:
                             u += red[warp, _PAIRS + v, j]
                     if t < ntok and f0 + r < n_rows:
-                        out[p0 + t, f0 + r] = _silu(g) * u if gated else g
+                        out[p0 + t, f0 + r] = silu(g) * u if gated else g
     return kernel
 
 

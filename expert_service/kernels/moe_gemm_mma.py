@@ -35,7 +35,6 @@ CI; the kernels are otherwise identical.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -43,7 +42,7 @@ from numba import cuda, types
 
 from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.kernels.mma import block_mma as mma, block_pack as pack
-from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16
+from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16, silu
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.jit_cache import cached_jit
 
@@ -115,11 +114,6 @@ def choose_config(n_assignments: int, n_experts: int) -> Config:
 
 
 @cuda.jit(device=True, inline=True)
-def _silu(v):
-    return v / (np.float32(1.0) + math.exp(-v))
-
-
-@cuda.jit(device=True, inline=True)
 def _u64(lo, hi):
     return np.uint64(lo) | (np.uint64(hi) << np.uint64(32))
 
@@ -168,8 +162,8 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
                             f = n0 + (wn * NH + j) * 8 + 2 * t
                             if f < n_out:        # n_out even: the pair lies inside the row
                                 out[(m * n_out + f) >> 1] = pack(
-                                    _silu(acc[i, j, 2 * hv]) * acc[i, j + NH, 2 * hv],
-                                    _silu(acc[i, j, 2 * hv + 1]) * acc[i, j + NH, 2 * hv + 1])
+                                    silu(acc[i, j, 2 * hv]) * acc[i, j + NH, 2 * hv],
+                                    silu(acc[i, j, 2 * hv + 1]) * acc[i, j + NH, 2 * hv + 1])
         else:
             @cuda.jit(device=True, inline=True)
             def epi(acc, out, sorted_ids, route_w, m0, n0, n_out, top_k, wn, g, t):
@@ -181,7 +175,7 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
                             for e in range(2):
                                 if f + e < n_out:
                                     out[m * n_out + f + e] = f32_to_bf16(
-                                        _silu(acc[i, j, 2 * hv + e]) * acc[i, j + NH, 2 * hv + e])
+                                        silu(acc[i, j, 2 * hv + e]) * acc[i, j + NH, 2 * hv + e])
         return epi
     atomic = mode == _MODE_ATOMIC
 

@@ -182,6 +182,12 @@ def widener(dtype):
     return _widen_bf16 if np.dtype(dtype) == np.uint16 else _widen_float
 
 
+@cuda.jit(device=True, inline=True)
+def silu(v):
+    """v * sigmoid(v) in float32, as x / (1 + exp(-x)): the SwiGLU activation of every kernel that applies it."""
+    return v / (np.float32(1.0) + math.exp(-v))
+
+
 @cuda.jit(device=True, inline=True)      # inline: compile_ptx of a caller then needs no device
 def block_sum(value):
     """Sum over all threads of the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
