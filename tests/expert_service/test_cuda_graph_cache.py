@@ -29,6 +29,14 @@ class RecordingGraph:
         self.log.append("close")
 
 
+def recording_cache(monkeypatch, graph=RecordingGraph):
+    """(log, breaks, cache): a GraphCache and its HostBreaks capturing into `graph` stand-ins that write to log."""
+    monkeypatch.setattr(driver, "Graph", graph)
+    RecordingGraph.log = log = []
+    breaks = HostBreaks(stream="s")
+    return log, breaks, GraphCache(stream="s", breaks=breaks)
+
+
 def test_eager_then_captured_then_replayed_per_key(monkeypatch):
     monkeypatch.setattr(driver, "Graph", RecordingGraph)
     RecordingGraph.log = log = []
@@ -82,10 +90,7 @@ def test_a_failed_capture_runs_that_shape_eagerly_from_then_on(monkeypatch, capl
 def test_a_pass_with_host_breaks_is_captured_and_replayed_in_pieces(monkeypatch):
     """Each break ends the piece captured so far, runs it, then its host work eagerly; capture goes on in a new
     piece. Replays run the pieces in order with the host work between them; eagerly the host work runs inline."""
-    monkeypatch.setattr(driver, "Graph", RecordingGraph)
-    RecordingGraph.log = log = []
-    breaks = HostBreaks(stream="s")
-    cache = GraphCache(stream="s", breaks=breaks)
+    log, breaks, cache = recording_cache(monkeypatch)
 
     def issue():
         log.append("launch a")
@@ -112,10 +117,7 @@ def test_a_pass_with_host_breaks_is_captured_and_replayed_in_pieces(monkeypatch)
 def test_a_capture_failing_after_a_break_closes_its_pieces_and_runs_eagerly(monkeypatch, caplog):
     """A launch refused in a later piece: the pieces already captured are closed (nothing kept), the whole pass
     runs eagerly (it writes the same values again), and the key stays eager."""
-    monkeypatch.setattr(driver, "Graph", RecordingGraph)
-    RecordingGraph.log = log = []
-    breaks = HostBreaks(stream="s")
-    cache = GraphCache(stream="s", breaks=breaks)
+    log, breaks, cache = recording_cache(monkeypatch)
     calls = {"n": 0}
 
     def issue():
@@ -141,10 +143,7 @@ def test_a_capture_failing_after_a_break_closes_its_pieces_and_runs_eagerly(monk
 def test_host_work_failing_during_capture_leaves_nothing_captured(monkeypatch, caplog):
     """resume() raising while a pass is captured (a cuBLAS error, say): the piece that ran is closed, no capture
     is left open, the pass then runs eagerly (and fails or not on its own), and a later capture may start."""
-    monkeypatch.setattr(driver, "Graph", RecordingGraph)
-    RecordingGraph.log = log = []
-    breaks = HostBreaks(stream="s")
-    cache = GraphCache(stream="s", breaks=breaks)
+    log, breaks, cache = recording_cache(monkeypatch)
     failing = {"on": False}
 
     def resume():
@@ -179,10 +178,7 @@ def test_a_piece_that_cannot_begin_capture_reports_its_own_error(monkeypatch, ca
             if RefusingGraph.made == 2:
                 raise RuntimeError("CUDA driver error CUDA_ERROR_ILLEGAL_STATE")
             return super().__enter__()
-    monkeypatch.setattr(driver, "Graph", RefusingGraph)
-    RecordingGraph.log = log = []
-    breaks = HostBreaks(stream="s")
-    cache = GraphCache(stream="s", breaks=breaks)
+    log, breaks, cache = recording_cache(monkeypatch, RefusingGraph)
 
     def issue():
         log.append("launch a")
