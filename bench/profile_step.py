@@ -3,17 +3,21 @@ reference shapes (bench/engine.py SHAPES), recorded with CUPTI through torch.pro
 the process, Numba's and cuBLAS's, including those replayed from CUDA graphs), for several variants of the
 decoder in the same run:
 
-- fused:   every switch as shipped (rope_kv_write, moe_combine_rmsnorm, and the paths before them);
-- unfused: decoder.USE_FUSED_ROPE_KV and decoder.USE_FUSED_COMBINE_NORM off (rope + kv_write, combine + rmsnorm);
+- fused:   every switch as shipped (rope_kv_write, qk_norm_rope_kv_write, moe_combine_rmsnorm, and the paths
+           before them);
+- unfused: decoder.USE_FUSED_ROPE_KV, USE_FUSED_QK_NORM and USE_FUSED_COMBINE_NORM off (rope + kv_write, the q/k
+           norms as rmsnorm launches, combine + rmsnorm);
+- unfused_qk_norm: fused, with the per-head q/k norms as two rmsnorm launches before rope_kv_write
+           (decoder.USE_FUSED_QK_NORM off);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (router_planned);
 - untiled_attention: fused, with decode attention on attention_decode (decoder.USE_TILED_DECODE_ATTENTION off);
 - baseline: unfused and also moe.USE_FUSED_ROUTER, decoder.USE_GREEDY_SPLIT and USE_TILED_DECODE_ATTENTION off.
 
-fused / unfused / baseline / untiled_attention share one engine and the same sequences (switches are read as a
-pass is issued; decode graphs are dropped and re-captured between variants, so each variant's graphs are their
-own); lut needs its own engine. Writes profile_step.json (per shape, variant and scenario: wall, device busy,
-every kernel's time and launches per step; and per scenario the fused-vs-unfused differences) and prints the top
-kernels.
+fused / unfused / unfused_qk_norm / baseline / untiled_attention share one engine and the same sequences
+(switches are read as a pass is issued; decode graphs are dropped and re-captured between variants, so each
+variant's graphs are their own); lut needs its own engine. Writes profile_step.json (per shape, variant and
+scenario: wall, device busy, every kernel's time and launches per step; and per scenario the fused-vs-unfused
+differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
 pool reused across tensors, fresh values for the routers so routing stays uniform).
 
@@ -43,11 +47,13 @@ SCENARIOS = {"prefill_1x512": ("prefill", 1, 512), "prefill_16x128": ("prefill",
 # module attribute -> value of each variant (unlisted switches keep their shipped values)
 VARIANTS = {
     "fused": {},
-    "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False},
+    "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
+                "decoder.USE_FUSED_QK_NORM": False},
+    "unfused_qk_norm": {"decoder.USE_FUSED_QK_NORM": False},
     "lut": {},
     "untiled_attention": {"decoder.USE_TILED_DECODE_ATTENTION": False},
     "baseline": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
-                 "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False,
+                 "decoder.USE_FUSED_QK_NORM": False, "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False,
                  "decoder.USE_TILED_DECODE_ATTENTION": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}

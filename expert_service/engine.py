@@ -6,6 +6,8 @@ keyed by the router's request id, until told to free it.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -122,6 +124,28 @@ class SequenceState:
     last_token: int | None = None        # the latest sampled token, fed by the next decode
     prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
     block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
+    pending: tuple[int, int] | None = None  # (step serial, logits row): a launched step not yet collected
+                                            # samples its next token there
+
+
+@dataclass
+class InFlightStep:
+    """A step launched on the decoder (Engine.launch) and not yet collected."""
+    serial: int
+    work: list[tuple[int, np.ndarray, bool]]   # (sequence, its tokens this step, samples a token)
+    states: list[SequenceState]                # the work's sequences at launch (one freed meanwhile is skipped)
+    first_decode: int                          # work[first_decode:] are decodes
+    unknown: list[SeqOutput]                   # decodes of sequences the engine does not hold
+    scored: set[int]                           # sequences whose prompt chunk is scored (prompt_logprobs)
+    planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
+    trace: StepTrace
+    started: float                             # perf_counter at launch
+    launched: object | None                    # the decoder's handle (None: nothing ran)
+    overlappable: bool                         # the next step may launch before this one is collected
+
+    @property
+    def sequences(self) -> frozenset[int]:
+        return frozenset(rid for rid, _, _ in self.work)
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -180,6 +204,8 @@ class Engine:
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
         self.sequences: dict[int, SequenceState] = {}
         self.penalty_slots = PenaltySlots(config.max_batch_size)   # the backends hold as many state slots
+        self._in_flight: collections.deque[InFlightStep] = collections.deque()   # launched, not collected
+        self._serials = itertools.count()
 
     def warmup(self) -> None:
         """Backend start-up work that must not happen while serving (CUDA: compile kernels, capture graphs)."""
@@ -212,9 +238,31 @@ class Engine:
         """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
         `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
         is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
+        return self.collect(self.launch(prefill, decode_ids, routing_plan))
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether `launch` may run now: nothing is in flight, or one step whose every sampling row is the
+        device's argmax (its successor's decodes read their tokens there, nothing else of it is needed)."""
+        flight = self._in_flight
+        return not flight or (len(flight) == 1 and flight[0].overlappable)
+
+    def ready(self, step: InFlightStep) -> bool:
+        """Whether `collect(step)` would return without waiting for the device."""
+        return step.launched is None or self.decoder.ready(step.launched)
+
+    def launch(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+               routing_plan: RoutingPlan | None = None) -> InFlightStep:
+        """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
+        flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
+        sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once."""
+        if not self.can_launch:
+            raise RuntimeError("a step is in flight that must be collected before another is launched")
+        ahead = self._in_flight[0].serial if self._in_flight else None
         work: list[tuple[int, np.ndarray, bool]] = []
         created: list[int] = []      # a refused step starts nothing: these are dropped again
         unknown = []     # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
+        fed: dict[int, int] = {}     # work index -> the row of the step in flight whose argmax is its token
         try:
             for chunk in prefill:
                 if self.sequences.get(chunk.request_id) is None:
@@ -228,12 +276,17 @@ class Engine:
             first_decode = len(work)
             for rid in decode_ids:
                 seq = self.sequences.get(rid)
+                if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
+                    fed[len(work)] = seq.pending[1]
+                    work.append((rid, np.zeros(1, dtype=np.int64), True))
+                    continue
                 if seq is None or seq.last_token is None:
                     unknown.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
                     continue
                 work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
             if not work:
-                return StepResult(unknown, 0.0, 0.0, StepTrace(), None, HostLogits(np.zeros((0, 0), np.float32)))
+                return InFlightStep(-1, [], [], 0, unknown, set(), None, StepTrace(), time.perf_counter(), None,
+                                    True)
             token_ids = self._check_step(work)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
@@ -247,18 +300,45 @@ class Engine:
             self.release(created)
             raise
         batch = replace(self._build_batch(work, token_ids, all_logits=False, scored=scored), penalties=penalties)
+        if fed:
+            rows = np.full(len(token_ids), -1, np.int32)
+            rows[batch.seq_starts[list(fed)]] = list(fed.values())
+            batch = replace(batch, fed_rows=rows)
         if planned_ids:
             batch = replace(batch, expert_hints=planned_ids,
                             routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
-        trace = StepTrace()
-        t0 = time.perf_counter()
-        logits = self.decoder.forward(batch, trace)
+        states = [self.sequences[rid] for rid, _, _ in work]
+        started = time.perf_counter()
+        launched = self.decoder.launch(batch, traced=True)
+        serial, row = next(self._serials), 0
+        for (rid, tokens, wants_token), seq in zip(work, states):
+            seq.num_cached += len(tokens)
+            if wants_token:
+                seq.pending, row = (serial, row), row + 1
+        overlappable = self.decoder.supports_overlap and penalties is None and not scored and all(
+            seq.sampler.plain_greedy and not seq.sampler.params.logprobs
+            for (_, _, wants_token), seq in zip(work, states) if wants_token)
+        step = InFlightStep(serial, work, states, first_decode, unknown, scored, planned_ids, StepTrace(), started,
+                            launched, overlappable)
+        self._in_flight.append(step)
+        return step
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Waits for a launched step and samples it: its StepResult. Steps are collected in launch order."""
+        if step.launched is None:        # nothing ran: every decode named an unknown sequence
+            return StepResult(step.unknown, 0.0, 0.0, step.trace, None, HostLogits(np.zeros((0, 0), np.float32)))
+        if not self._in_flight or self._in_flight[0] is not step:
+            raise RuntimeError("steps are collected in the order they were launched")
+        self._in_flight.popleft()
+        logits = self.decoder.finish(step.launched, step.trace)
         t1 = time.perf_counter()
-        recall = routing_plan_recall(planned_ids, trace.expert_ids) \
+        planned_ids = step.planned_ids
+        recall = routing_plan_recall(planned_ids, step.trace.expert_ids) \
             if planned_ids and self.config.routing is RoutingMode.EXACT else None
-        outputs = self._sample(work, logits, scored) + unknown
+        outputs = self._sample(step, logits) + step.unknown
         t2 = time.perf_counter()
-        return StepResult(outputs, (t1 - t0) * 1e3, (t2 - t1) * 1e3, trace, recall, logits, trace.expert_cache)
+        return StepResult(outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits,
+                          step.trace.expert_cache)
 
     def _scored_prompts(self, chunks: list[tuple[int, np.ndarray, bool]]) -> set[int]:
         """The sequences whose prompt chunk this step scores (prompt_logprobs): every position of the chunk
@@ -289,16 +369,21 @@ class Engine:
                 builder.row(rid, self.sequences[rid].sampler.params.penalties)
         return builder.build()
 
-    def _sample(self, work, logits: Logits, scored: set[int]) -> list[SeqOutput]:
+    def _sample(self, step: InFlightStep, logits: Logits) -> list[SeqOutput]:
         """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
-        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows)."""
-        tokens_out, row, sequences = [], 0, self.sequences
+        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows). A sequence freed while
+        the step was in flight gets UNKNOWN_SEQUENCE: its row is skipped."""
+        tokens_out, row, sequences, work, scored = [], 0, self.sequences, step.work, step.scored
         scores = StepScores(self.model_config.vocab_size)
-        for index, (rid, tokens, wants_token) in enumerate(work):
-            seq = sequences[rid]
-            seq.num_cached += len(tokens)
-            if not wants_token:
+        gone = set()
+        for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states)):
+            if seq.pending is not None and seq.pending[0] == step.serial:
+                seq.pending = None
+            if sequences.get(rid) is not seq:
+                gone.add(index)
+            if not wants_token or index in gone:
                 tokens_out.append(None)
+                row += wants_token
                 continue
             if seq.sampler.plain_greedy:
                 token, finite = logits.greedy(row)
@@ -309,23 +394,26 @@ class Engine:
                 scores.sampled(index, row, sampled, seq.sampler.params.top_logprobs)
             tokens_out.append(sampled)
             row += 1
-        for index, (rid, tokens, wants_token) in enumerate(work if scored else ()):
+        for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states) if scored else ()):
             if rid in scored:
-                seq, n = sequences[rid], len(tokens) - 1     # the chunk's last position scores what follows
+                n = len(tokens) - 1     # the chunk's last position scores what follows
                 scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens,
                               seq.sampler.params.prompt_logprobs)
                 seq.prompt_row = None if wants_token else logits[row + n].copy()
                 row += n + (not wants_token)
         sampled_scores, prompt_scores = scores.run(logits) if scores else ({}, {})
         outputs = []
-        for index, ((rid, _, wants_token), token) in enumerate(zip(work, tokens_out)):
+        for index, ((rid, _, wants_token), token, seq) in enumerate(zip(work, tokens_out, step.states)):
+            if index in gone:
+                outputs.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
+                continue
             if wants_token and token is None:
                 outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
                 self.release([rid])
                 continue
             top = sampled_scores.get(index) if sampled_scores else None
             if token is not None:
-                sequences[rid].last_token = token
+                seq.last_token = token
             outputs.append(SeqOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
                                      if top is not None and top.top_ids.shape[1] else None,
                                      prompt=prompt_scores.get(index) if prompt_scores else None))

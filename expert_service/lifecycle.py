@@ -79,6 +79,15 @@ class ModelThread(concurrent.futures.Executor):
             finally:
                 self._running_since = None
 
+    def has_waiting(self) -> bool:
+        """Whether jobs are queued behind the one running (a long job may step aside for them)."""
+        return not self._jobs.empty()
+
+    def progress(self) -> None:
+        """The running job finished a unit of work (a step): busy_for counts from now."""
+        if self._running_since is not None:
+            self._running_since = time.monotonic()
+
     def busy_for(self) -> float:
         """Seconds the current job has been running (0 when idle)."""
         since = self._running_since

@@ -27,7 +27,7 @@ from expert_service.engine import Engine, PrefillInput, StepResult
 from expert_service.lifecycle import WORKER_SERVICE, ModelThread, WorkerHealth
 from expert_service.routing_plan import warmup_routing_plan
 from expert_service.sampling import SamplingParams
-from expert_service.step_stream import (MAX_FREE_IDS, UNARY, StepLimits, StepOutcome, StreamSession,
+from expert_service.step_stream import (MAX_FREE_IDS, UNARY, StepLimits, StepOutcome, StepPump, StreamSession,
                                         StreamStep)
 
 log = logging.getLogger("colibri.worker")
@@ -235,6 +235,7 @@ class WorkerServicer:
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
         await self._require(context, new_work=True)
         session = StreamSession(self.engine, self.sequence_owners, self.is_draining)
+        pump = StepPump(session, self.executor)
         queued: asyncio.Queue = asyncio.Queue()
         tracer = get_tracer(self.tracer_provider)
 
@@ -245,7 +246,7 @@ class WorkerServicer:
                         queued.put_nowait(("abort", request.message, None))
                         return
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
-                    queued.put_nowait(("step", span, self._submit(session, request)))
+                    queued.put_nowait(("step", span, self._submit(pump, request)))
             except Exception as e:     # the call went away under us (cancelled, reset): the loop below ends
                 log.debug("step stream closed while reading: %s", type(e).__name__)
             finally:
@@ -268,7 +269,7 @@ class WorkerServicer:
             # After every step it queued; the gauge shows the blocks the stream held coming back.
             self.executor.submit(session.close).add_done_callback(lambda _: self.update_gauges())
 
-    def _submit(self, session: StreamSession, request: pb.StepStreamRequest):
+    def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread, or its refusal when the request is malformed."""
         try:
             step = StreamStep.from_pb(request, self.limits)
@@ -277,7 +278,7 @@ class WorkerServicer:
         except Exception as e:          # a check missed something: still this step's problem alone
             log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
             return StepOutcome(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0)
-        return asyncio.wrap_future(self.executor.submit(session.run, step))
+        return asyncio.wrap_future(pump.submit(step))
 
     async def _await_step(self, future, context) -> StepOutcome:
         try:

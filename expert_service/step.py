@@ -34,6 +34,9 @@ class ForwardBatch:
                                                          # what the expert cache prefetches from
     penalties: PenaltyBatch | None = None   # penalty state updates and the penalised sampling rows (the first
                                             # rows of logits_rows); None: no penalised sequence in the step
+    fed_rows: np.ndarray | None = None      # [T] int32: the logits row of the step launched just before whose
+                                            # argmax is this token (a decode whose input is still on the
+                                            # device), or -1 (token_ids holds it); None: all -1
 
 
 @dataclass
@@ -89,9 +92,21 @@ class Decoder(Protocol):
     """A compute backend: weights, the KV pool and the forward pass. Constructed as
     ``Decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan)``."""
     backend: Backend
+    supports_overlap: bool    # a step may be launched before the one ahead of it is finished (its greedy rows
+                              # feed the later step's decodes: batch.fed_rows)
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
         """Runs the step, writing its K/V into the pool; logits of ``batch.logits_rows``."""
+
+    def launch(self, batch: ForwardBatch, traced: bool = False):
+        """Starts the step (``forward`` = ``finish(launch(batch))``); returns a handle for ready/finish. traced:
+        finish will be given a StepTrace to fill."""
+
+    def ready(self, launched) -> bool:
+        """Whether ``finish`` would return without waiting."""
+
+    def finish(self, launched, trace: StepTrace | None = None) -> Logits:
+        """Waits for a launched step; its logits. Steps are finished in launch order."""
 
     def memory_plan(self) -> list[tuple[str, int]]:
         """(what, bytes) of everything allocated at start-up."""

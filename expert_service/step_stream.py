@@ -14,7 +14,10 @@ alone (DRAINING); the sequences already held keep stepping.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,12 +26,13 @@ import numpy as np
 from common.errors import CapacityError, InvalidRequestError
 from common.pb import worker_pb2
 from common.routing_plan import RoutingPlan
-from expert_service.engine import Engine, PrefillInput, SeqOutput, StepResult
+from expert_service.engine import UNKNOWN_SEQUENCE, Engine, InFlightStep, PrefillInput, SeqOutput, StepResult
 
 FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
 DRAINING = "DRAINING"
 UNARY = 0                       # the owner of sequences started by the unary Prefill call
 MAX_FREE_IDS = 1 << 16
+POLL_S = 5e-5      # a pump waiting on the device looks this often for the router's next step
 _session_ids = itertools.count(UNARY + 1)
 
 
@@ -108,6 +112,16 @@ class StepOutcome:
     capacity: bool = False    # refused for want of KV blocks (RESOURCE_EXHAUSTED), not as malformed
 
 
+@dataclass
+class LaunchedStep:
+    """A stream step the engine launched, waiting to be collected."""
+    step_id: int
+    in_flight: InFlightStep
+    refused: list[SeqOutput]       # its sequences refused before launch (foreign, draining)
+    started: float
+    kind: str
+
+
 class StreamSession:
     """One router stream's sequences and its steps on the model thread (every method below runs there)."""
 
@@ -117,33 +131,53 @@ class StreamSession:
         self.id = next(_session_ids) if session_id is None else session_id
         self.owners = owners          # sequence id -> session id, shared by every session of the worker
         self.draining = draining      # () -> bool: new sequences are refused while it is true
+        self._late_frees: list[int] = []   # freed by a step while an earlier one holding them was in flight
 
     def run(self, step: StreamStep) -> StepOutcome:
+        launched = self.launch(step)
+        return launched if isinstance(launched, StepOutcome) else self.collect(launched)
+
+    def launch(self, step: StreamStep, held: frozenset[int] = frozenset()) -> StepOutcome | LaunchedStep:
+        """Frees, ownership checks, then the engine's launch: a LaunchedStep to `collect`, or at once the
+        outcome of a step that launched nothing (frees only, refused). held: sequences of a step still in
+        flight; frees of those are only recorded (they stop being ours, a decode of them is UNKNOWN_SEQUENCE)
+        until `release_late` runs after that step's collection, so it still samples them."""
         started = time.perf_counter()
-        self._free(int(r) for r in step.free_ids)
+        late = {int(r) for r in step.free_ids if int(r) in held and self.owners.get(int(r)) == self.id}
+        self._free(int(r) for r in step.free_ids if int(r) not in late)
+        for r in late:
+            del self.owners[r]
+        self._late_frees += late
         if step.is_empty:
             return StepOutcome(step.step_id, None, "", time.perf_counter() - started, "free")
+        assert not (late & {c.request_id for c in step.chunks}), "a chunk of a sequence freed late"
         refused = [SeqOutput(r, error=FOREIGN_SEQUENCE) for r in self._foreign(step)]
+        refused += [SeqOutput(int(r), error=UNKNOWN_SEQUENCE) for r in step.decode_ids if int(r) in late]
         chunks = [c for c in step.chunks if self.owners.get(c.request_id, self.id) == self.id]
         if self.draining():
             held = self.engine.sequences
             refused += [SeqOutput(c.request_id, error=DRAINING) for c in chunks if c.request_id not in held]
             chunks = [c for c in chunks if c.request_id in held]
-        decodes = [int(r) for r in step.decode_ids if self.owners.get(int(r), self.id) == self.id]
+        decodes = [int(r) for r in step.decode_ids
+                   if self.owners.get(int(r), self.id) == self.id and int(r) not in late]
         for chunk in chunks:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            result = self.engine.step(chunks, decodes, step.routing_plan)
+            in_flight = self.engine.launch(chunks, decodes, step.routing_plan)
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             return StepOutcome(step.step_id, None, str(e), time.perf_counter() - started, kind,
                                isinstance(e, CapacityError))
+        return LaunchedStep(step.step_id, in_flight, refused, started, kind)
+
+    def collect(self, launched: LaunchedStep) -> StepOutcome:
+        result = self.engine.collect(launched.in_flight)
         for out in result.outputs:     # a failed sequence the engine still holds (a decode sent mid-prefill)
             if out.error and out.request_id not in self.engine.sequences:   # stays ours to free
                 self.owners.pop(out.request_id, None)
-        result.outputs += refused
-        return StepOutcome(step.step_id, result, "", time.perf_counter() - started, kind)
+        result.outputs += launched.refused
+        return StepOutcome(launched.step_id, result, "", time.perf_counter() - launched.started, launched.kind)
 
     def close(self) -> None:
         """The stream ended: free every sequence it started."""
@@ -152,6 +186,11 @@ class StreamSession:
     def _foreign(self, step: StreamStep) -> list[int]:
         ids = [c.request_id for c in step.chunks] + [int(r) for r in step.decode_ids]
         return [r for r in ids if self.owners.get(r, self.id) != self.id]
+
+    def release_late(self) -> None:
+        """Frees what `launch` recorded for a step in flight (call once that step is collected)."""
+        late, self._late_frees = self._late_frees, []
+        self.engine.release(late)
 
     def _free(self, request_ids) -> None:
         mine = [r for r in request_ids if self.owners.get(r) == self.id]
@@ -164,3 +203,104 @@ class StreamSession:
         for chunk in chunks:
             if chunk.request_id not in self.engine.sequences:
                 self.owners.pop(chunk.request_id, None)
+
+
+class StepPump:
+    """Runs one stream's steps on the model thread in arrival order, launching step t+1 before collecting step t
+    whenever the engine allows it (every sampling row of t is the device's argmax): the device runs t+1 while
+    the host samples t, answers it and reads the router's next step, instead of idling between steps.
+
+    `submit` may be called from any thread. The steps run in one model-thread job (`_drain`) that lasts while
+    steps keep coming; it ends when nothing is in flight and nothing waits, and it steps aside (collects, then
+    queues itself again) when other model-thread work is waiting. Outcomes go to each step's future."""
+
+    def __init__(self, session: StreamSession, executor):
+        self.session, self.executor = session, executor
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._draining = False
+
+    def submit(self, step: StreamStep) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((step, done))
+        with self._lock:
+            if not self._draining:
+                self._draining = True
+                self.executor.submit(self._drain)
+        return done
+
+    def _others_waiting(self) -> bool:
+        waiting = getattr(self.executor, "has_waiting", None)
+        return bool(waiting and waiting())
+
+    def _next(self, pending: tuple[LaunchedStep, concurrent.futures.Future] | None):
+        """The next step to run, or None: nothing waits and nothing is in flight, the step in flight finished
+        before another arrived, or other model-thread work is waiting."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            if pending is None:
+                return None
+        engine = self.session.engine
+        while True:
+            try:
+                return self._inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if engine.ready(pending[0].in_flight) or self._others_waiting():
+                    return None
+
+    def _collect(self, pending: tuple[LaunchedStep, concurrent.futures.Future]) -> None:
+        launched, done = pending
+        outcome = self.session.collect(launched)
+        self.session.release_late()
+        done.set_result(outcome)
+        progress = getattr(self.executor, "progress", None)
+        if progress is not None:       # the watchdog times each step, not the whole drain
+            progress()
+
+    def _drain(self) -> None:
+        engine = self.session.engine
+        pending = None          # (LaunchedStep, its future): launched, not collected
+        current = None
+        try:
+            while True:
+                current = self._next(pending)
+                if current is None:
+                    if pending is not None:
+                        self._collect(pending)
+                        pending = None
+                    with self._lock:
+                        if self._inbox.empty():
+                            self._draining = False
+                            return
+                        if self._others_waiting():     # behind them; _draining stays set
+                            self.executor.submit(self._drain)
+                            return
+                    continue
+                step, done = current
+                held = pending[0].in_flight.sequences if pending is not None else frozenset()
+                # a step that frees a sequence of the one in flight and starts prompts may need its KV blocks
+                if pending is not None and (not engine.can_launch or step.chunks and held & set(
+                        step.free_ids.tolist())):
+                    self._collect(pending)
+                    pending, held = None, frozenset()
+                launched = self.session.launch(step, held)
+                if isinstance(launched, StepOutcome):     # launched nothing: frees only, or refused
+                    done.set_result(launched)
+                    continue
+                if pending is not None:
+                    self._collect(pending)
+                pending, current = (launched, done), None
+        except BaseException as e:      # a worker fault: every step of this stream waiting here gets it
+            for failed in (pending, current):
+                if failed is not None and not failed[1].done():
+                    failed[1].set_exception(e)
+            with self._lock:
+                self._draining = False
+                while True:
+                    try:
+                        _, done = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    done.set_exception(e)
+            raise

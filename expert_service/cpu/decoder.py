@@ -4,6 +4,8 @@ sliding windows, routing normalisation). It is also the reference the CUDA backe
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from common.model_config import ModelConfig, QKNorm
@@ -66,6 +68,7 @@ class CpuDecoder:
         self.penalties = HostPenalties(config.max_batch_size, self.config.vocab_size)
         moe = self.config.moe_layers
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
+        self._launched: HostLogits | None = None    # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:
         model = self.w.model
@@ -82,6 +85,30 @@ class CpuDecoder:
     def close(self) -> None:
         if self.cache is not None:
             self.copy_engine.close()
+
+    supports_overlap = True      # the same contract as the cuda backend's, so the engine runs one code path
+
+    def launch(self, batch: ForwardBatch, traced: bool = False) -> tuple[HostLogits, StepTrace | None]:
+        """Runs the step at once (nothing runs ahead on the host). Rows with batch.fed_rows take the argmax of
+        the step launched before, as the cuda backend reads it on the device."""
+        if batch.fed_rows is not None:
+            fed = batch.fed_rows >= 0
+            token_ids = batch.token_ids.copy()
+            token_ids[fed] = [int(np.argmax(self._launched.processed(int(r)))) for r in batch.fed_rows[fed]]
+            batch = replace(batch, token_ids=token_ids)
+        trace = StepTrace() if traced else None
+        self._launched = self.forward(batch, trace)
+        return self._launched, trace
+
+    def ready(self, launched) -> bool:
+        return True
+
+    def finish(self, launched: tuple[HostLogits, StepTrace | None], trace: StepTrace | None = None) -> HostLogits:
+        logits, observed = launched
+        if trace is not None and observed is not None:
+            trace.expert_ids.update(observed.expert_ids)
+            trace.expert_cache = observed.expert_cache
+        return logits
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> HostLogits:
         """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as drv
@@ -32,13 +33,13 @@ from common.model_format import ModelDir
 from expert_service.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
-from expert_service.cuda.driver import GraphCache, HostBreaks, check, device_address, non_blocking_stream
+from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe, MoeStrategy, capturable, reachable_strategies, warmup_tokens
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import allocate_workspace, layout_workspace, stage_routed_ids
+from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest
@@ -47,16 +48,20 @@ from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.kv_write import launch_kv_write
+from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_write
+from expert_service.kernels.qk_norm_rope_kv_write import supports as supports_fused_qk_norm
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.rope_kv_write import launch_rope_kv_write
 from expert_service.experts import SlotPlan
-from expert_service.step import ForwardBatch, HostLogits, StepTrace
+from expert_service.step import ForwardBatch, HostLogits, Logits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
 USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
+# per-head q/k norms (Qwen3-MoE) in the same launch: qk_norm_rope_kv_write (False: two rmsnorm launches first)
+USE_FUSED_QK_NORM = True
 # decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128; 1.2-4.2x faster than
 # attention_decode on the H200, bench/attention_decode.py); False: attention_decode everywhere
 USE_TILED_DECODE_ATTENTION = True
@@ -83,6 +88,20 @@ def padding_seq_starts(n: int, T: int, count: int, one_each: bool) -> np.ndarray
         assert T - n == count, (n, T, count)
         return n + np.arange(1, count + 1)
     return np.full(count, T)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedForward:
+    """A step issued on the stream: its results are on their way to host copy `twin` of the readbacks."""
+    twin: int
+    rows: int                  # logits rows
+    penalized: int             # the first rows, penalised on the device
+    padded: int                # the bucket it was padded to
+    topk_ids: int              # MoE top-k ids read back (0: not traced)
+    done: Event | None         # recorded after the readback
+    host_logits: HostLogits | None = None   # every-position logits, already on the host (a synchronous step)
+    tokens: int = 0            # its real tokens
+    staged: int = 0            # the decoder's staged-step count after staging it (DeviceLogits' check)
 
 
 class CudaDecoder:
@@ -120,6 +139,8 @@ class CudaDecoder:
         self.graphs = GraphCache(self.stream, self.host_breaks)            # decode steps, by batch-size bucket
         self.prefill_graphs = GraphCache(self.stream, self.host_breaks)    # the layers of other steps, by token bucket
         self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
+        self._twin = 0               # the host copy of metadata and results the latest launched step uses
+        self._done = [Event() for _ in range(HOST_TWINS)]   # each copy's step: its readback has landed
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
@@ -197,10 +218,24 @@ class CudaDecoder:
         return plan
 
     # --- step ---------------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> DeviceLogits:
+    @property
+    def supports_overlap(self) -> bool:
+        """A step may be launched before the one ahead of it is collected (that one's argmax rows feed its
+        decodes on the device): not with the expert cache, whose steps synchronise with the host."""
+        return self.cached is None
+
+    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
+        return self.finish(self.launch(batch, traced=trace is not None), trace)
+
+    def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
+        """Issues the step on the stream without waiting for it; `finish` waits and hands over its logits. The
+        step before may still be running: this one stages into the other host copy of the metadata and results,
+        and its rows with batch.fed_rows take their input token from that step's argmax on the device."""
         T, S, R = len(batch.token_ids), len(batch.context_lens), len(batch.logits_rows)
+        self._twin = (self._twin + 1) % HOST_TWINS
+        self.ws.select_twin(self._twin)
         if R > self.max_seqs and T <= self.max_tokens and S <= self.max_seqs:
-            return self._forward_all_rows(batch, T, S, R)
+            return LaunchedForward(self._twin, R, 0, T, 0, None, self._forward_all_rows(batch, T, S, R), tokens=T)
         if T > self.max_tokens or S > self.max_seqs or R > self.max_seqs:
             raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
                              f"({self.max_tokens} / {self.max_seqs})")
@@ -223,19 +258,34 @@ class CudaDecoder:
             self._run(T, S, R, decode=decode_only)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
-        host, results = self.ws.host, self.ws.results
-        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if trace is not None else 0
+        results = self.ws.results
+        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
         results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
-        self.stream.synchronize()
+        done = self._done[self._twin]
+        done.record(self._stream_handle)
+        return LaunchedForward(self._twin, R, penalized, padded, n_ids, done, tokens=T, staged=self.staged_steps)
+
+    def ready(self, step: LaunchedForward) -> bool:
+        """Whether a launched step's work and readback are done (finish would not wait)."""
+        return step.done is None or step.done.ready()
+
+    def finish(self, step: LaunchedForward, trace: StepTrace | None = None) -> Logits:
+        """Waits for a launched step; its logits (the argmax already read back) and, with a trace, the MoE
+        layers' expert ids of its real tokens."""
+        if step.host_logits is not None:
+            return step.host_logits
+        step.done.wait()
         if self.cached is not None:
             stats = self.cached.end_step()
             if trace is not None:
                 trace.expert_cache = stats
-        if trace is not None and n_ids:
-            ids = host["topk_ids"].reshape(-1)[:n_ids].reshape(len(self.moe_layers), padded, -1)
+        host = self.ws.results.twin_views[step.twin]
+        if trace is not None and step.topk_ids:
+            ids = host["topk_ids"].reshape(-1)[:step.topk_ids].reshape(len(self.moe_layers), step.padded, -1)
+            T = step.tokens
             for index, layer in enumerate(self.moe_layers):
                 trace.expert_ids[layer] = ids[index, :T].copy()
-        return DeviceLogits(self, R, penalized)
+        return DeviceLogits(self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged)
 
     @functools.cached_property
     def prefill_buckets(self) -> list[int]:        # max_tokens is fixed: listed once, read by every step
@@ -316,6 +366,11 @@ class CudaDecoder:
         n, s = len(batch.token_ids), len(batch.context_lens)
         h["token_ids"][:n] = batch.token_ids
         h["token_ids"][n:T] = 0
+        if batch.fed_rows is None:
+            h["feed_rows"][:T] = -1
+        else:
+            h["feed_rows"][:n] = batch.fed_rows
+            h["feed_rows"][n:T] = -1
         h["positions"][:n] = batch.positions
         h["positions"][n:T] = 0
         h["slot_mapping"][:n] = batch.slot_mapping
@@ -353,7 +408,9 @@ class CudaDecoder:
         """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual."""
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h, x = ws.hidden[:T], ws.normed[:T]
-        launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st)
+        # decodes of a step launched before the one ahead was collected read their token from its argmax
+        launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st, feed=ws.feed_rows[:T],
+                         fed=ws.greedy_ids)
         normed = False          # x already holds this layer's input norm (the previous MoE combine wrote it)
         for i in range(cfg.num_hidden_layers):
             if self.cached is not None:
@@ -394,6 +451,29 @@ class CudaDecoder:
         for name, out in (("q", q), ("k", k), ("v", v)):
             self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
+        if self._fused_qk_norm:     # per-head q/k norms, RoPE and the KV write in one launch
+            launch_qk_norm_rope_kv_write(q3, k3, v3, w.layer(i, "q_norm"), w.layer(i, "k_norm"), cfg.rms_norm_eps,
+                                         ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
+                                         self.k_pool[i], self.v_pool[i], stream=st)
+        else:
+            self._qk_norm_rope_kv_write(i, q, k, v, T)
+        attn3 = ws.attn[:T].reshape(T, H, Hd)
+        window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
+        if decode:
+            attend = launch_attention_decode_fastest if USE_TILED_DECODE_ATTENTION else launch_attention_decode
+            attend(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
+                   ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
+        else:
+            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
+                                             ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
+                                             scale, attn3, stream=st)
+        self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    def _qk_norm_rope_kv_write(self, i: int, q, k, v, T: int) -> None:
+        """The q/k norms (if any), the clamp (if any), RoPE on q and k and the KV write, launch by launch."""
+        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
+        H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if cfg.qk_norm is QKNorm.FULL:
             rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
             rmsnorm.launch_rmsnorm(k, w.layer(i, "k_norm"), cfg.rms_norm_eps, k, stream=st)
@@ -412,17 +492,12 @@ class CudaDecoder:
         else:
             launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
             launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
-        attn3 = ws.attn[:T].reshape(T, H, Hd)
-        window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
-        if decode:
-            attend = launch_attention_decode_fastest if USE_TILED_DECODE_ATTENTION else launch_attention_decode
-            attend(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
-                   ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
-        else:
-            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
-                                             ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
-                                             scale, attn3, stream=st)
-        self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    @property
+    def _fused_qk_norm(self) -> bool:
+        cfg = self.config
+        return (USE_FUSED_QK_NORM and USE_FUSED_ROPE_KV and cfg.qk_norm is QKNorm.PER_HEAD and cfg.clip_qkv is None
+                and supports_fused_qk_norm(cfg.head_dim))
 
     def drop_graphs(self) -> None:
         """Forgets the captured graphs: the next step of each bucket runs eagerly, then is captured again (with the
@@ -433,6 +508,8 @@ class CudaDecoder:
 
     def close(self) -> None:
         self.drop_graphs()
+        for event in self._done:
+            event.close()
         self.cublas.close()
         if self.cached is not None:
             self.cached.close()

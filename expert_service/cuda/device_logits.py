@@ -10,12 +10,16 @@ class DeviceLogits:
     The rows live in the workspace the decoder's next step overwrites: fetch them before then (a later fetch
     raises rather than return another step's rows); the argmax stays valid."""
 
-    def __init__(self, decoder, rows: int, penalized: int = 0):
-        self.decoder, self.rows, self.step = decoder, rows, decoder.staged_steps
+    def __init__(self, decoder, rows: int, penalized: int = 0, ids: np.ndarray | None = None,
+                 nonfinite: np.ndarray | None = None, step: int | None = None):
+        """ids, nonfinite: the step's argmax readbacks (default: the workspace's current host copy); step: the
+        decoder's staged-step count when it staged this one (default: now)."""
+        self.decoder, self.rows = decoder, rows
+        self.step = decoder.staged_steps if step is None else step
         self.penalized = penalized       # the first rows, penalised in decoder.penalties (argmax of those)
         self._penalized_host = None
-        self.ids = decoder.ws.host["greedy_ids"][:rows].copy()
-        self.nonfinite = decoder.ws.host["nonfinite"][:rows].copy()
+        self.ids = (decoder.ws.host["greedy_ids"] if ids is None else ids)[:rows].copy()
+        self.nonfinite = (decoder.ws.host["nonfinite"] if nonfinite is None else nonfinite)[:rows].copy()
         self._host = None
 
     def greedy(self, row: int) -> tuple[int, bool]:

@@ -43,6 +43,33 @@ def non_blocking_stream():
     return handle, cuda.external_stream(int(handle))
 
 
+class Event:
+    """A CUDA event (no timing): recorded after a step's work on its stream, then polled (`ready`) or waited
+    for (`wait`: the calling thread spins in the driver, which releases the GIL)."""
+
+    def __init__(self):
+        self.handle = check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+
+    def record(self, stream_handle) -> None:
+        check(drv.cuEventRecord(self.handle, stream_handle))
+
+    def ready(self) -> bool:
+        err = drv.cuEventQuery(self.handle)
+        err = err[0] if isinstance(err, tuple) else err
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check(err)
+        return True
+
+    def wait(self) -> None:
+        check(drv.cuEventSynchronize(self.handle))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            check(drv.cuEventDestroy(self.handle))
+            self.handle = None
+
+
 def pin_readonly(array: np.ndarray) -> bool:
     """Page-locks the host range of a read-only array (an mmap) so copies from it run at PCIe speed.
     Returns False when the driver refuses (limits, unsupported), so the caller can fall back."""

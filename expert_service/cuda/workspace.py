@@ -32,6 +32,12 @@ class Workspace:
     metadata: "PackedBuffer | None" = None
     results: "PackedBuffer | None" = None
 
+    def select_twin(self, twin: int) -> None:
+        """The host copy of the step metadata and results the next step stages into and reads back to."""
+        for buffer in (self.metadata, self.results):
+            buffer.select(twin)
+            self.host.update(buffer.host_views)
+
     def __getattr__(self, name):
         try:
             return self.__dict__["arrays"][name]
@@ -85,6 +91,9 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         "greedy_part_ids": ((S, greedy_parts(config.vocab_size)), i32),
         "greedy_part_flags": ((S, greedy_parts(config.vocab_size)), i32),
         "token_ids": ((T,), i32), "positions": ((T,), i32), "slot_mapping": ((T,), i32),
+        # per token: the row of greedy_ids (the step before's argmax, still on the device) that is its input
+        # token, or -1 (token_ids holds it): a step launched before the one ahead of it was collected
+        "feed_rows": ((T,), i32),
         # one sequence slot more than a step holds: a captured prefill pads its tokens with a sequence of its own
         "seq_starts": ((S + 2,), i32), "context_lens": ((S + 1,), i32), "logits_rows": ((S,), i32),
         "block_tables": ((S + 1, max_blocks_per_seq), i32),
@@ -124,7 +133,8 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
 
 # Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
 # a step uploads a prefix of the packed buffer).
-METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "block_tables")
+METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "feed_rows",
+            "block_tables")
 # With routing=lut the step's routing plan follows (same packed buffer: a lut step uploads the prefix through its
 # plan, the whole block_tables array riding along, or two copies when that array's unused rows are long).
 PLAN_METADATA = ("routed_ids",)
@@ -132,6 +142,9 @@ PLAN_METADATA = ("routed_ids",)
 RESULTS = ("greedy_ids", "nonfinite", "topk_ids")
 # Other buffers with pinned host twins, so their copies are asynchronous.
 READBACK = ("logits", "offsets")
+# Host copies of METADATA and RESULTS: a step may be launched while the one before it runs, so each takes the
+# other copy (the one two steps back was collected: its upload and readback are done).
+HOST_TWINS = 2
 
 
 def packed_layout(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
@@ -145,18 +158,23 @@ def packed_layout(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], i
 
 
 class PackedBuffer:
-    """int32 arrays packed into one device buffer with a pinned host twin at the same offsets: the host fills
-    its views, then one driver copy of a prefix moves them (each Numba copy costs tens of µs of host time)."""
+    """int32 arrays packed into one device buffer with pinned host twins at the same offsets: the host fills
+    its views, then one driver copy of a prefix moves them (each Numba copy costs tens of µs of host time).
+    `select(i)` makes host twin i the one views, uploads and downloads use."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], stream):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], stream, twins: int = HOST_TWINS):
         self.offsets, total = packed_layout(shapes)
         self.device = cuda.device_array(max(total, 1), np.int32, stream=stream)
-        self.host = cuda.pinned_array(max(total, 1), np.int32)
         self.device_views = {n: self.device[o:o + int(np.prod(s))].reshape(s)
                              for (n, s), o in zip(shapes.items(), self.offsets.values())}
-        self.host_views = {n: self.host[o:o + int(np.prod(s))].reshape(s)
-                           for (n, s), o in zip(shapes.items(), self.offsets.values())}
+        self.twins = [cuda.pinned_array(max(total, 1), np.int32) for _ in range(twins)]
+        self.twin_views = [{n: host[o:o + int(np.prod(s))].reshape(s)
+                            for (n, s), o in zip(shapes.items(), self.offsets.values())} for host in self.twins]
         self._device_ptr = device_address(self.device)
+        self.select(0)
+
+    def select(self, twin: int) -> None:
+        self.host, self.host_views = self.twins[twin], self.twin_views[twin]
         self._host_ptr = self.host.ctypes.data
 
     def end_of(self, name: str, elements: int) -> int:

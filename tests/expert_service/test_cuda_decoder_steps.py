@@ -3,6 +3,7 @@ passes it issues and which graphs warm-up leaves captured. The device work (`_la
 graph capture) is replaced by recorders; staging writes the real pinned-buffer layout into numpy arrays."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +15,7 @@ from common.models import config_from_hf
 from expert_service.config import EngineConfig
 from expert_service.cuda.decoder import CudaDecoder, prefill_buckets
 from expert_service.cuda.driver import GraphCache
-from expert_service.cuda.workspace import METADATA, RESULTS, layout_workspace, packed_layout
+from expert_service.cuda.workspace import HOST_TWINS, METADATA, RESULTS, Workspace, layout_workspace, packed_layout
 from expert_service.step import ForwardBatch
 from expert_service.tiny_model import tiny_hf_config
 
@@ -41,14 +42,19 @@ class FakeGraph:
 
 
 class HostBuffer:
-    """PackedBuffer's host side: views at the packed offsets; uploads are recorded, not copied."""
+    """PackedBuffer's host side: twins of views at the packed offsets; uploads are recorded, not copied."""
 
     def __init__(self, shapes):
         self.offsets, total = packed_layout(shapes)
-        self.host = np.full(total, -99, np.int32)
-        self.views = {n: self.host[o:o + int(np.prod(s))].reshape(s)
-                      for (n, s), o in zip(shapes.items(), self.offsets.values())}
+        self.twins = [np.full(total, -99, np.int32) for _ in range(HOST_TWINS)]
+        self.twin_views = [{n: host[o:o + int(np.prod(s))].reshape(s)
+                            for (n, s), o in zip(shapes.items(), self.offsets.values())} for host in self.twins]
         self.uploads = []
+        self.select(0)
+
+    def select(self, twin):
+        self.host, self.views = self.twins[twin], self.twin_views[twin]
+        self.host_views = self.views
 
     def end_of(self, name, elements):
         return self.offsets[name] + elements
@@ -94,7 +100,10 @@ def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False) ->
     d.ws = SimpleNamespace(metadata=metadata, results=results, host={**metadata.views, **results.views,
                                                                        "logits": np.zeros_like(logits)},
                            logits_rows=DeviceRows(None), logits=DeviceRows(logits))
+    d.ws.select_twin = lambda twin: Workspace.select_twin(d.ws, twin)
     d.stream, d._stream_handle, d.staged_steps = SimpleNamespace(synchronize=lambda: None), None, 0
+    d._twin, d._done = 0, [SimpleNamespace(record=lambda handle: None, wait=lambda: None, ready=lambda: True)
+                           for _ in range(HOST_TWINS)]
     d.penalties = SimpleNamespace(warmup=lambda logits: None)
     d.moe = SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T)))
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
@@ -151,6 +160,29 @@ def test_decode_steps_pad_to_their_batch_bucket_with_or_without_graphs(monkeypat
         np.testing.assert_array_equal(d.ws.host["seq_starts"][:5], [0, 1, 2, 3, 4])
         np.testing.assert_array_equal(d.ws.host["context_lens"][:4], [5, 10, 3, 0])
         assert (4 in d.graphs._seen) == graphs
+
+
+def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_copy(monkeypatch):
+    """Launch t, launch t+1 (fed from t's argmax rows), then finish t: t+1 staged into the other host copy, so t's
+    staged metadata and its readback (argmax, flags) are intact when t is finished; fed rows are staged, -1 for
+    tokens on the host and for padding."""
+    d = host_decoder(monkeypatch)
+    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    first = d.launch(prompt([1, 1, 1], cached=[4, 9, 2]), traced=True)
+    first_ids = d.ws.results.twin_views[first.twin]
+    first_ids["greedy_ids"][:3], first_ids["nonfinite"][:3] = [7, 8, 9], [0, 1, 0]    # what t's readback brings
+    second = d.launch(replace(prompt([1, 1], cached=[5, 3]), fed_rows=np.array([2, -1], np.int32)))
+    assert first.twin != second.twin
+    t, t1 = d.ws.metadata.twin_views[first.twin], d.ws.metadata.twin_views[second.twin]
+    np.testing.assert_array_equal(t["context_lens"][:4], [5, 10, 3, 0])
+    np.testing.assert_array_equal(t["feed_rows"][:4], -1)
+    np.testing.assert_array_equal(t1["context_lens"][:2], [6, 4])
+    np.testing.assert_array_equal(t1["feed_rows"][:2], [2, -1])
+    logits = d.finish(first)
+    assert [logits.greedy(r) for r in range(3)] == [(7, True), (8, False), (9, True)]
+    with pytest.raises(RuntimeError, match="overwrote"):
+        logits[0]                      # t's rows on the device belong to t+1 now
+    d.finish(second)
 
 
 def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):

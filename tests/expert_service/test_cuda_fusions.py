@@ -1,6 +1,6 @@
 """The cuda backend's fused decoder paths and routing=lut (GPU only).
 
-- Fusions (`rope_kv_write`, `moe_combine_rmsnorm`): with the switches on, each launches where expected (counted
+- Fusions (`rope_kv_write`, `qk_norm_rope_kv_write`, `moe_combine_rmsnorm`): with the switches on, each launches where expected (counted
   on eager steps) and every logit equals the unfused path's bit for bit, eager and graph-replayed, on every
   family (fp32 tiny models: GEMV, grouped, all-experts and per-expert cuBLAS MoE strategies) and on bf16 models
   with 40+ experts (GROUPED_MMA).
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.gpu
 CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
 PROMPT_LENS = (1, 13, 70)     # ragged, 84 tokens in one step: above 64, the cuBLAS / per-expert MoE paths
 DECODES = 4                   # steps of 3 sequences: graph bucket 4 with one padding slot
-MANY = {"qwen3_moe": dict(num_experts=40, num_experts_per_tok=8)}     # bf16, GROUPED_MMA at every T >= 2
+# bf16, GROUPED_MMA at every T >= 2; head_dim 64: the per-head q/k norms fused into qk_norm_rope_kv_write
+MANY = {"qwen3_moe": dict(num_experts=40, num_experts_per_tok=8, head_dim=64)}
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 1e-2
 
 
@@ -98,10 +99,14 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     eager, graphs = open_engine(path, cuda_graphs=False), open_engine(path)
     mc = eager.model_config
     rope_kv = Spy(monkeypatch, decoder, "launch_rope_kv_write")
+    qk_norm_rope_kv = Spy(monkeypatch, decoder, "launch_qk_norm_rope_kv_write")
     combine_norm = Spy(monkeypatch, moe, "launch_moe_combine_rmsnorm")
     fused = run_steps(eager)
     passes = DECODES + 1
-    assert rope_kv.calls == passes * mc.num_hidden_layers, name
+    fused_qk = name == "qwen3_moe-many-bf16"      # per-head norms at a head size the fused kernel takes
+    assert eager.decoder._fused_qk_norm == fused_qk, name
+    assert (qk_norm_rope_kv.calls, rope_kv.calls) == ((passes * mc.num_hidden_layers, 0) if fused_qk else
+                                                      (0, passes * mc.num_hidden_layers)), name
     # the combine of every MoE layer but the last computes the next layer's input norm (not with a shared expert)
     fusable = 0 if mc.shared_expert_intermediate_size else sum(
         1 for i in mc.moe_layers if i + 1 < mc.num_hidden_layers)
@@ -112,9 +117,10 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
 
     monkeypatch.setattr(decoder, "USE_FUSED_ROPE_KV", False)
     monkeypatch.setattr(decoder, "USE_FUSED_COMBINE_NORM", False)
-    rope_kv.calls = combine_norm.calls = 0
+    monkeypatch.setattr(decoder, "USE_FUSED_QK_NORM", False)
+    rope_kv.calls = combine_norm.calls = qk_norm_rope_kv.calls = 0
     unfused = run_steps(eager)
-    assert rope_kv.calls == combine_norm.calls == 0, name
+    assert rope_kv.calls == combine_norm.calls == qk_norm_rope_kv.calls == 0, name
     assert_bitwise(fused, unfused, f"{name}: fused vs unfused")
     graphs.decoder.drop_graphs()           # re-captured with the switches off: the same bits again
     assert_bitwise(run_steps(graphs), unfused, f"{name}: re-captured graphs, fusions off")

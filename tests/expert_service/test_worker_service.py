@@ -217,7 +217,7 @@ def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch)
 
     def broken_step(self, *args, **kwargs):
         raise RuntimeError("injected device fault")
-    monkeypatch.setattr(Engine, "step", broken_step)
+    monkeypatch.setattr(Engine, "launch", broken_step)
     with grpc.insecure_channel(w.address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as e:

@@ -22,6 +22,28 @@ def _check_embedding(rng, num_tokens, vocab, dim, dtype, threads):
     np.testing.assert_array_equal(out.copy_to_host(), table_f[ids])       # a gather is exact
 
 
+def _check_embedding_fed(rng, num_tokens, vocab, dim, dtype, threads):
+    """Tokens fed from another step's argmax where feed >= 0 (ids there are stale and ignored); a fed id out of
+    [0, vocab) reads row 0."""
+    table, table_f = random_weight(rng, (vocab, dim), dtype)
+    ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
+    fed = rng.integers(0, vocab, 7).astype(np.int32)
+    fed[[2, 5]] = [-1, vocab]                           # what a non-finite row's argmax could leave
+    feed = np.where(rng.random(num_tokens) < 0.5, rng.integers(0, len(fed), num_tokens), -1).astype(np.int32)
+    feed[:2] = [2, 5][:num_tokens]
+    out = nan_device((num_tokens, dim))
+    launch_embedding(cuda.to_device(ids), cuda.to_device(table), out, threads=threads, feed=cuda.to_device(feed),
+                     fed=cuda.to_device(fed))
+    expected = np.where(feed >= 0, fed[np.maximum(feed, 0)], ids)
+    expected = np.where((expected >= 0) & (expected < vocab), expected, 0)
+    np.testing.assert_array_equal(out.copy_to_host(), table_f[expected])
+
+
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+def test_embedding_fed_from_another_steps_argmax(dtype):
+    _check_embedding_fed(np.random.default_rng(), 9, 13, 40, dtype, threads=32)
+
+
 def _check_rmsnorm(rng, shape, dtype, threads):
     x = rng.standard_normal(shape, dtype=np.float32) * np.float32(3.0)
     w, wf = random_weight(rng, (shape[-1],), dtype)
@@ -73,6 +95,7 @@ def test_embedding_rmsnorm_gpu(dtype, num_tokens):
     rng = np.random.default_rng(num_tokens)
     for dim in (4096, 2048, 1001):
         _check_embedding(rng, num_tokens, 5000, dim, dtype, threads=128)
+        _check_embedding_fed(rng, num_tokens, 5000, dim, dtype, threads=128)
         _check_rmsnorm(rng, (num_tokens, dim), dtype, threads=256)
         _check_add_rmsnorm(rng, num_tokens, dim, dtype, threads=256)
     _check_rmsnorm(rng, (num_tokens, 32, 128), dtype, threads=256)
