@@ -5,10 +5,15 @@
   block of 128 threads per row with a block reduction (`threads=128`, the previous default);
 - rope_kv_write [T tokens] and moe_combine [T tokens x 8 experts x 2048]: rows spread over blocks
   (`numeric.blocks_per_row`) vs one block per token (SPREAD_TARGET_BLOCKS = 1);
+- qk_norm_rope_kv_write [T tokens]: the per-head q/k norms, RoPE and the KV write in one launch vs rmsnorm on q,
+  rmsnorm on k, then rope_kv_write (bf16 norm weights and pools);
+- qkv_gemv (T = 1 only): one GEMV over the stacked q|k|v rows [5120 x 2048] bf16 vs three GEMVs (q, k, v), over
+  QKV_COPIES copies of the weights in turn so each launch reads cold weights from HBM, as a step does;
 - prefill sizes only (T >= 512): moe_gather_bf16 [T*8 rows x 2048] (words of 4 bf16 vs the one-element kernel,
   which odd widths still take) and the bf16 cast of [T, 6144] (words of 4, uncapped grid vs one element a
   thread over at most elementwise.MAX_BLOCKS blocks: `cast_reference_launch` below).
-Both shapes of each kernel give the same bits (tested in tests/expert_service/kernels); only time differs.
+Both shapes of each kernel give the same bits (tested in tests/expert_service/kernels; the qkv GEMV within
+float32 rounding, tested in tests/expert_service/test_cuda_fusions.py); only time differs.
 GPU time per launch: `--repeats` launches captured in one CUDA graph and replayed between two events
 (bench/kernels.py `graph_timed`). One line per case with both times and the ratio previous / current (> 1:
 current faster); JSON to --out.
@@ -33,6 +38,7 @@ D, H, HKV, HD, K = 2048, 32, 4, 128, 8
 TOKENS = (1, 16, 64, 512, 2048)
 PREFILL_TOKENS = 512          # the gather and the cast run at this many tokens and more
 CAST_COLS, GATHER_BLOCK_M = 6144, 64
+QKV_COPIES = 8                # 8 x 21 MB of q|k|v weights: more than the H200's 50 MB L2
 
 
 @cuda.jit
@@ -49,12 +55,39 @@ def cast_reference_launch(x, out, stream) -> None:
     _cast_reference_kernel[blocks, 256, stream](x.reshape(-1), out.reshape(-1))
 
 
+def f32_to_bf16_array(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def qkv_gemv_case(rng, dev, state):
+    """A one-token step's q, k, v projections (qwen3 shape, bf16): launch(i, stream) over weight copy i."""
+    from expert_service.kernels.gemv import launch_gemv
+    sizes = (H * HD, HKV * HD, HKV * HD)
+    stacked = [dev(f32_to_bf16_array(rng.standard_normal((sum(sizes), D), dtype=np.float32) * 0.02))
+               for _ in range(QKV_COPIES)]
+    parts = [(w[:sizes[0]], w[sizes[0]:sizes[0] + sizes[1]], w[sizes[0] + sizes[1]:]) for w in stacked]
+    x = dev(rng.standard_normal((1, D), dtype=np.float32))
+    out = cuda.device_array((1, sum(sizes)), np.float32)
+    views = [cuda.device_array((1, n), np.float32) for n in sizes]
+
+    def launch(i, st):
+        if state["previous"]:
+            for weight, y in zip(parts[i % QKV_COPIES], views):
+                launch_gemv(x, weight, y, stream=st)
+        else:
+            launch_gemv(x, stacked[i % QKV_COPIES], out, stream=st)
+    return launch
+
+
 def cases(T: int, rng) -> dict:
     """name -> (launch(i, stream), set_previous(bool)) for a step of T tokens."""
     import expert_service.kernels.numeric as numeric
     from expert_service.kernels import moe_align
     from expert_service.kernels.elementwise import launch_cast
     from expert_service.kernels.moe_combine import launch_moe_combine
+    from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_write
     from expert_service.kernels.rmsnorm import launch_rmsnorm
     from expert_service.kernels.rope_kv_write import launch_rope_kv_write
     dev = lambda a: cuda.to_device(np.ascontiguousarray(a))    # noqa: E731
@@ -78,13 +111,26 @@ def cases(T: int, rng) -> dict:
 
     def flag(previous: bool) -> None:
         state.update(previous=previous)
+    qk_w = [dev(f32_to_bf16_array(rng.standard_normal(HD, dtype=np.float32))) for _ in range(2)]
+
+    def qk_norm_rope_kv(i, st):
+        if state["previous"]:
+            launch_rmsnorm(q.reshape(T * H, HD), qk_w[0], 1e-6, q.reshape(T * H, HD), stream=st)
+            launch_rmsnorm(k.reshape(T * HKV, HD), qk_w[1], 1e-6, k.reshape(T * HKV, HD), stream=st)
+            launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool, stream=st)
+        else:
+            launch_qk_norm_rope_kv_write(q, k, v, qk_w[0], qk_w[1], 1e-6, positions, inv_freq, 1.0, slots, k_pool,
+                                         v_pool, stream=st)
     out = {
         "rmsnorm_heads": (lambda i, st: launch_rmsnorm(heads, norm_w, 1e-6, heads, stream=st,
                                                        threads=128 if state["previous"] else None), flag),
+        "qk_norm_rope_kv_write": (qk_norm_rope_kv, flag),
         "rope_kv_write": (lambda i, st: launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool,
                                                              stream=st), spread),
         "moe_combine": (lambda i, st: launch_moe_combine(y, position, weights, h, stream=st), spread),
     }
+    if T == 1:
+        out["qkv_gemv"] = (qkv_gemv_case(rng, dev, state), flag)
     if T < PREFILL_TOKENS:
         return out
     rows = T * K                                       # every row an assignment (no padding rows)

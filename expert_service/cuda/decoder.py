@@ -62,6 +62,7 @@ USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one
 USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
 # per-head q/k norms (Qwen3-MoE) in the same launch: qk_norm_rope_kv_write (False: two rmsnorm launches first)
 USE_FUSED_QK_NORM = True
+USE_FUSED_QKV = True       # one-token steps: one GEMV over the stacked q|k|v weight rows (False: three GEMVs)
 # decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128; 1.2-4.2x faster than
 # attention_decode on the H200, bench/attention_decode.py); False: attention_decode everywhere
 USE_TILED_DECODE_ATTENTION = True
@@ -446,10 +447,16 @@ class CudaDecoder:
 
     def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]
-        xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
-        for name, out in (("q", q), ("k", k), ("v", v)):
-            self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
+        q, k, v = self.qkv_views(T)
+        qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
+        if USE_FUSED_QKV and T == 1 and T <= GEMV_MAX_TOKENS and qkv is not None and (
+                qkv_bias is not None or w.layer(i, "q_bias") is None):
+            # one GEMV over the q|k|v rows: the k and v ones alone are too small to keep HBM busy
+            self.linear.linear(x, qkv, ws.qkv[:qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
+        else:
+            xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
+            for name, out in (("q", q), ("k", k), ("v", v)):
+                self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
         if self._fused_qk_norm:     # per-head q/k norms, RoPE and the KV write in one launch
@@ -469,6 +476,13 @@ class CudaDecoder:
                                              ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
                                              scale, attn3, stream=st)
         self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    def qkv_views(self, T: int):
+        """q [T, q_size], k and v [T, kv_size] of a step: consecutive ranges of workspace.qkv, so at T = 1 they
+        are the row [q | k | v] one GEMV over the stacked weight rows writes."""
+        nq, nkv, flat = self.config.q_size, self.config.kv_size, self.ws.qkv
+        return (flat[:T * nq].reshape(T, nq), flat[T * nq:T * (nq + nkv)].reshape(T, nkv),
+                flat[T * (nq + nkv):T * (nq + 2 * nkv)].reshape(T, nkv))
 
     def _qk_norm_rope_kv_write(self, i: int, q, k, v, T: int) -> None:
         """The q/k norms (if any), the clamp (if any), RoPE on q and k and the KV write, launch by launch."""

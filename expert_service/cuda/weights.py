@@ -69,6 +69,20 @@ def _unpin_all(pinned: list[np.ndarray]) -> None:
     pinned.clear()
 
 
+def stacked_range(entries) -> tuple[int, int, str, tuple[int, ...]] | None:
+    """(offset, bytes, dtype, shape) of dense tensors stored back to back as one tensor of their rows stacked, or
+    None where one is missing, lives elsewhere, differs in dtype or row shape, or the format padded between them
+    (its 64-byte alignment)."""
+    if not entries or any(e is None or e.file != DENSE_FILE for e in entries):
+        return None
+    first, last = entries[0], entries[-1]
+    if any(e.dtype != first.dtype or tuple(e.shape[1:]) != tuple(first.shape[1:]) for e in entries) or any(
+            a.offset + a.nbytes != b.offset for a, b in zip(entries, entries[1:])):
+        return None
+    return (first.offset, last.offset + last.nbytes - first.offset, first.dtype,
+            (sum(e.shape[0] for e in entries),) + tuple(first.shape[1:]))
+
+
 class DeviceWeights:
     """Typed device views of every tensor; experts as one [E, stride_elems] array per MoE layer."""
 
@@ -85,6 +99,12 @@ class DeviceWeights:
             if entry.file == DENSE_FILE:
                 raw = self.dense_buffer[entry.offset:entry.offset + entry.nbytes]
                 self.views[name] = raw.view(dtypes.STORAGE[entry.dtype]).reshape(entry.shape)
+        for i in range(self.config.num_hidden_layers):     # one matrix where the format stored them back to back
+            for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("qkv_bias", ("q_bias", "k_bias",
+                                                                                          "v_bias"))):
+                view = self._back_to_back(model, [f"layers.{i}.{p}" for p in parts])
+                if view is not None:
+                    self.views[f"layers.{i}.{fused}"] = view
         self.experts: dict[int, object] = {}
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
@@ -98,6 +118,13 @@ class DeviceWeights:
                 self.experts[layer] = buffer.view(self.dtype).reshape(
                     self.config.num_experts, model.expert_stride // self.dtype.itemsize)
         stream.synchronize()
+
+    def _back_to_back(self, model: ModelDir, names: list[str]):
+        stacked = stacked_range([model.entries.get(n) for n in names])
+        if stacked is None:
+            return None
+        offset, nbytes, dtype, shape = stacked
+        return self.dense_buffer[offset:offset + nbytes].view(dtypes.STORAGE[dtype]).reshape(shape)
 
     def get(self, name: str):
         return self.views[name]

@@ -126,6 +126,39 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     assert_bitwise(run_steps(graphs), unfused, f"{name}: re-captured graphs, fusions off")
 
 
+def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypatch):
+    """Where the format stored q, k, v back to back (and their biases, if any), a one-token step runs one GEMV
+    for the three projections: two launches a layer fewer, the same tokens, logits within float32 rounding of the
+    three GEMVs' (a longer matrix may split its rows' sums differently)."""
+    import expert_service.cuda.decoder as decoder
+    import expert_service.cuda.linear as linear
+    name, path = model
+    engine = open_engine(path, cuda_graphs=False)
+    w, layers = engine.decoder.weights, engine.model_config.num_hidden_layers
+    stacked = w.layer(0, "qkv_proj") is not None and (w.layer(0, "q_bias") is None or
+                                                      w.layer(0, "qkv_bias") is not None)
+    gemv = Spy(monkeypatch, linear, "launch_gemv")
+
+    def decode(steps=3):
+        engine.step([PrefillInput(1, np.array(random_prompt(7, 5)), SamplingParams(), True)])
+        tokens, rows = [], []
+        for _ in range(steps):
+            result = engine.step(decode_ids=[1])
+            tokens.append(result.outputs[0].token_id)
+            rows.append(result.logits[0].copy())
+        engine.clear()
+        return tokens, np.stack(rows)
+    fused = decode()
+    fused_calls, gemv.calls = gemv.calls, 0
+    monkeypatch.setattr(decoder, "USE_FUSED_QKV", False)
+    split = decode()
+    assert gemv.calls - fused_calls == (2 * 3 * layers if stacked else 0), name
+    assert stacked or name.startswith("qwen2_moe"), f"{name}: q, k, v not stacked"
+    assert fused[0] == split[0], name
+    assert rel_error(fused[1], split[1]) <= (BF16_TOLERANCE if "bf16" in name else FP32_TOLERANCE), name
+    engine.close()
+
+
 # --- routing=lut -------------------------------------------------------------------------------------------
 def test_lut_matches_the_cpu_lut_path(model, monkeypatch):
     import expert_service.cuda.decoder as decoder

@@ -40,3 +40,26 @@ def test_refused_ranges_are_not_unpinned(monkeypatch):
     assert not uploader.pin(np.arange(32, dtype=np.uint8))
     uploader.release()
     assert unpinned == []
+
+
+def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
+    """The format writes q, k, v projections consecutively: one [q_size + 2 kv_size, D] view serves a one-token
+    step's single GEMV. Biases whose sizes break the 64-byte alignment are padded apart: no stacked view."""
+    from common.model_format import plan_layout
+    from common.models import config_from_hf
+    from expert_service.tiny_model import tiny_hf_config
+    for family, dtype in (("qwen3_moe", "bfloat16"), ("qwen2_moe", "float32"), ("mixtral", "float16")):
+        config = config_from_hf(tiny_hf_config(family))
+        entries, _ = plan_layout(config, dtype)
+        parts = [entries[f"layers.1.{p}_proj"] for p in "qkv"]
+        offset, nbytes, got_dtype, shape = weights.stacked_range(parts)
+        assert (offset, nbytes, got_dtype) == (parts[0].offset, sum(p.nbytes for p in parts), dtype)
+        assert shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
+    config = config_from_hf(tiny_hf_config("qwen2_moe"))
+    entries, _ = plan_layout(config, "bfloat16")
+    biases = [entries[f"layers.0.{p}_bias"] for p in "qkv"]
+    padded = any(a.offset + a.nbytes != b.offset for a, b in zip(biases, biases[1:]))
+    assert (weights.stacked_range(biases) is None) == padded
+    assert weights.stacked_range([entries["layers.0.q_proj"], entries["layers.0.o_proj"]]) is None   # rows differ
+    assert weights.stacked_range([entries["layers.0.k_proj"], entries["layers.0.q_proj"]]) is None   # out of order
+    assert weights.stacked_range([entries["layers.0.q_proj"], None]) is None
