@@ -247,6 +247,19 @@ class Engine:
         flight = self._in_flight
         return not flight or (len(flight) == 1 and flight[0].overlappable)
 
+    def blocks_host(self, num_tokens: int) -> bool:
+        """Whether launching a step of this many tokens waits for the device inside the pass."""
+        return self.decoder.blocks_host(num_tokens)
+
+    def abandon_in_flight(self) -> None:
+        """Forgets the launched, uncollected steps after a fault (the worker stops after one): their sequences'
+        next tokens are unknown, and a later launch does not wait for them."""
+        for step in self._in_flight:
+            for seq in step.states:
+                if seq.pending is not None and seq.pending[0] == step.serial:
+                    seq.pending = None
+        self._in_flight.clear()
+
     def ready(self, step: InFlightStep) -> bool:
         """Whether `collect(step)` would return without waiting for the device."""
         return step.launched is None or self.decoder.ready(step.launched)
@@ -307,6 +320,7 @@ class Engine:
         if planned_ids:
             batch = replace(batch, expert_hints=planned_ids,
                             routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
+        assert not any(work[j][0] in self.penalty_slots.slots for j in fed), "a penalised decode fed on the device"
         states = [self.sequences[rid] for rid, _, _ in work]
         started = time.perf_counter()
         launched = self.decoder.launch(batch, traced=True)

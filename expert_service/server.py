@@ -235,7 +235,8 @@ class WorkerServicer:
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
         await self._require(context, new_work=True)
         session = StreamSession(self.engine, self.sequence_owners, self.is_draining)
-        pump = StepPump(session, self.executor)
+        loop = asyncio.get_running_loop()      # a fault on the model thread reaches the fatal path on the loop
+        pump = StepPump(session, self.executor, on_fault=lambda e: loop.call_soon_threadsafe(self._fatal, e))
         queued: asyncio.Queue = asyncio.Queue()
         tracer = get_tracer(self.tracer_provider)
 
@@ -267,7 +268,7 @@ class WorkerServicer:
             receiver.cancel()
             self.open_streams -= 1
             # After every step it queued; the gauge shows the blocks the stream held coming back.
-            self.executor.submit(session.close).add_done_callback(lambda _: self.update_gauges())
+            pump.close().add_done_callback(lambda _: self.update_gauges())
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread, or its refusal when the request is malformed."""

@@ -105,6 +105,9 @@ class Decoder(Protocol):
     def ready(self, launched) -> bool:
         """Whether ``finish`` would return without waiting."""
 
+    def blocks_host(self, num_tokens: int) -> bool:
+        """Whether launching a step of this many tokens waits for the device inside the pass."""
+
     def finish(self, launched, trace: StepTrace | None = None) -> Logits:
         """Waits for a launched step; its logits. Steps are finished in launch order."""
 

@@ -207,20 +207,31 @@ class StreamSession:
 
 class StepPump:
     """Runs one stream's steps on the model thread in arrival order, launching step t+1 before collecting step t
-    whenever the engine allows it (every sampling row of t is the device's argmax): the device runs t+1 while
-    the host samples t, answers it and reads the router's next step, instead of idling between steps.
+    whenever the engine allows it (every sampling row of t is the device's argmax, and launching t+1 does not
+    wait for the device): the device runs t+1 while the host samples t, answers it and reads the router's next
+    step, instead of idling between steps.
 
-    `submit` may be called from any thread. The steps run in one model-thread job (`_drain`) that lasts while
-    steps keep coming; it ends when nothing is in flight and nothing waits, and it steps aside (collects, then
-    queues itself again) when other model-thread work is waiting. Outcomes go to each step's future."""
+    `submit` and `close` may be called from any thread. The steps run in one model-thread job (`_drain`) that
+    lasts while steps keep coming; it ends when nothing is in flight and nothing waits, and after any step it
+    steps aside (collects, then queues itself again) when other model-thread work waits, so heartbeats, unary
+    calls and other streams are never starved. `close` goes through the same queue, after the stream's steps.
+    Outcomes go to each step's future; a fault fails every future of the stream and is handed to `on_fault`
+    (the worker's fatal path, which also covers a stream nobody awaits any more)."""
 
-    def __init__(self, session: StreamSession, executor):
-        self.session, self.executor = session, executor
+    def __init__(self, session: StreamSession, executor, on_fault=lambda error: None):
+        self.session, self.executor, self.on_fault = session, executor, on_fault
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._draining = False
 
     def submit(self, step: StreamStep) -> concurrent.futures.Future:
+        return self._put(step)
+
+    def close(self) -> concurrent.futures.Future:
+        """Frees every sequence the stream started, once the steps queued before have run."""
+        return self._put(None)
+
+    def _put(self, step: StreamStep | None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put((step, done))
         with self._lock:
@@ -232,6 +243,11 @@ class StepPump:
     def _others_waiting(self) -> bool:
         waiting = getattr(self.executor, "has_waiting", None)
         return bool(waiting and waiting())
+
+    def _progress(self) -> None:
+        progress = getattr(self.executor, "progress", None)
+        if progress is not None:       # the watchdog times each step, not the whole drain
+            progress()
 
     def _next(self, pending: tuple[LaunchedStep, concurrent.futures.Future] | None):
         """The next step to run, or None: nothing waits and nothing is in flight, the step in flight finished
@@ -254,12 +270,34 @@ class StepPump:
         outcome = self.session.collect(launched)
         self.session.release_late()
         done.set_result(outcome)
-        progress = getattr(self.executor, "progress", None)
-        if progress is not None:       # the watchdog times each step, not the whole drain
-            progress()
+        self._progress()
+
+    def _must_collect_first(self, step: StreamStep, pending) -> bool:
+        """Whether the step in flight is collected before `step` launches: the engine cannot run them both, the
+        step frees sequences of the one in flight and starts prompts (which may need those KV blocks), or its
+        launch would wait for the device (the one in flight would be answered only after it)."""
+        engine = self.session.engine
+        if not engine.can_launch:
+            return True
+        tokens = sum(len(c.token_ids) for c in step.chunks) + len(step.decode_ids)
+        held = pending[0].in_flight.sequences
+        return bool(step.chunks and held & set(step.free_ids.tolist())) or engine.blocks_host(tokens)
+
+    def _step_aside(self, pending) -> bool:
+        """Collects what is in flight and ends this job when other model-thread work waits; it is queued again
+        behind that work if steps are left. Returns whether it stepped aside."""
+        if not self._others_waiting():
+            return False
+        if pending is not None:
+            self._collect(pending)
+        with self._lock:
+            if self._inbox.empty():
+                self._draining = False
+            else:
+                self.executor.submit(self._drain)
+        return True
 
     def _drain(self) -> None:
-        engine = self.session.engine
         pending = None          # (LaunchedStep, its future): launched, not collected
         current = None
         try:
@@ -273,25 +311,36 @@ class StepPump:
                         if self._inbox.empty():
                             self._draining = False
                             return
-                        if self._others_waiting():     # behind them; _draining stays set
-                            self.executor.submit(self._drain)
-                            return
+                    if self._step_aside(None):
+                        return
                     continue
                 step, done = current
-                held = pending[0].in_flight.sequences if pending is not None else frozenset()
-                # a step that frees a sequence of the one in flight and starts prompts may need its KV blocks
-                if pending is not None and (not engine.can_launch or step.chunks and held & set(
-                        step.free_ids.tolist())):
-                    self._collect(pending)
-                    pending, held = None, frozenset()
-                launched = self.session.launch(step, held)
-                if isinstance(launched, StepOutcome):     # launched nothing: frees only, or refused
-                    done.set_result(launched)
+                if step is None or pending is not None and self._must_collect_first(step, pending):
+                    if pending is not None:
+                        self._collect(pending)
+                        pending = None
+                if step is None:                          # the stream ended
+                    self.session.close()
+                    done.set_result(None)
+                    current = None
                     continue
-                if pending is not None:
-                    self._collect(pending)
-                pending, current = (launched, done), None
+                launched = self.session.launch(step, pending[0].in_flight.sequences if pending else frozenset())
+                if isinstance(launched, StepOutcome):     # launched nothing (frees only, or refused)
+                    if pending is not None:               # its late frees take effect now, not a step later
+                        self._collect(pending)
+                        pending = None
+                    done.set_result(launched)
+                    self._progress()
+                else:
+                    if pending is not None:
+                        self._collect(pending)
+                    pending = (launched, done)
+                current = None
+                if self._step_aside(pending):
+                    return
         except BaseException as e:      # a worker fault: every step of this stream waiting here gets it
+            self.session.engine.abandon_in_flight()
+            self.session.release_late()
             for failed in (pending, current):
                 if failed is not None and not failed[1].done():
                     failed[1].set_exception(e)
@@ -303,4 +352,5 @@ class StepPump:
                     except queue.Empty:
                         break
                     done.set_exception(e)
+            self.on_fault(e)
             raise

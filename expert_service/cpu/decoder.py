@@ -86,7 +86,13 @@ class CpuDecoder:
         if self.cache is not None:
             self.copy_engine.close()
 
-    supports_overlap = True      # the same contract as the cuda backend's, so the engine runs one code path
+    # launch runs the step at once: a step launched behind another would only delay the other's answer. The
+    # contract is the cuda backend's all the same (fed rows included); tests switch this on to run the engine's
+    # overlap logic on the host.
+    supports_overlap = False
+
+    def blocks_host(self, num_tokens: int) -> bool:
+        return False
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> tuple[HostLogits, StepTrace | None]:
         """Runs the step at once (nothing runs ahead on the host). Rows with batch.fed_rows take the argmax of

@@ -35,7 +35,8 @@ from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import DeviceMoe, MoeStrategy, capturable, reachable_strategies, warmup_tokens
+from expert_service.cuda.moe import (ON_DEVICE, DeviceMoe, MoeStrategy, capturable, choose_strategy,
+                                    reachable_strategies, warmup_tokens)
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.weights import DeviceWeights
@@ -142,6 +143,7 @@ class CudaDecoder:
         self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
         self._twin = 0               # the host copy of metadata and results the latest launched step uses
         self._done = [Event() for _ in range(HOST_TWINS)]   # each copy's step: its readback has landed
+        self._unfinished: set[int] = set()                   # copies whose step is launched, not finished
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
@@ -228,12 +230,24 @@ class CudaDecoder:
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
         return self.finish(self.launch(batch, traced=trace is not None), trace)
 
+    def blocks_host(self, num_tokens: int) -> bool:
+        """Whether launching a step of this many tokens waits for the device inside the pass (the host steps of
+        per-expert cuBLAS, the expert cache's): a step ahead of it would then be answered only after it."""
+        cfg = self.config
+        T = self._prefill_bucket(num_tokens) or num_tokens
+        return choose_strategy(T, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None,
+                               self.weights.dtype == np.uint16) not in ON_DEVICE if cfg.moe_layers else False
+
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
         """Issues the step on the stream without waiting for it; `finish` waits and hands over its logits. The
         step before may still be running: this one stages into the other host copy of the metadata and results,
         and its rows with batch.fed_rows take their input token from that step's argmax on the device."""
         T, S, R = len(batch.token_ids), len(batch.context_lens), len(batch.logits_rows)
-        self._twin = (self._twin + 1) % HOST_TWINS
+        twin = (self._twin + 1) % HOST_TWINS
+        if twin in self._unfinished:
+            raise RuntimeError(f"{HOST_TWINS} steps are launched and not finished: finish the oldest first")
+        self._twin = twin
+        self._unfinished.add(twin)
         self.ws.select_twin(self._twin)
         if R > self.max_seqs and T <= self.max_tokens and S <= self.max_seqs:
             return LaunchedForward(self._twin, R, 0, T, 0, None, self._forward_all_rows(batch, T, S, R), tokens=T)
@@ -273,6 +287,7 @@ class CudaDecoder:
     def finish(self, step: LaunchedForward, trace: StepTrace | None = None) -> Logits:
         """Waits for a launched step; its logits (the argmax already read back) and, with a trace, the MoE
         layers' expert ids of its real tokens."""
+        self._unfinished.discard(step.twin)
         if step.host_logits is not None:
             return step.host_logits
         step.done.wait()

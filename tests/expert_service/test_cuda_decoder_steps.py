@@ -104,6 +104,7 @@ def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False) ->
     d.stream, d._stream_handle, d.staged_steps = SimpleNamespace(synchronize=lambda: None), None, 0
     d._twin, d._done = 0, [SimpleNamespace(record=lambda handle: None, wait=lambda: None, ready=lambda: True)
                            for _ in range(HOST_TWINS)]
+    d._unfinished = set()
     d.penalties = SimpleNamespace(warmup=lambda logits: None)
     d.moe = SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T)))
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
@@ -178,6 +179,8 @@ def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_
     np.testing.assert_array_equal(t["feed_rows"][:4], -1)
     np.testing.assert_array_equal(t1["context_lens"][:2], [6, 4])
     np.testing.assert_array_equal(t1["feed_rows"][:2], [2, -1])
+    with pytest.raises(RuntimeError, match="finish the oldest"):
+        d.launch(prompt([1], cached=[3]))       # a third step would restage the first one's host copy
     logits = d.finish(first)
     assert [logits.greedy(r) for r in range(3)] == [(7, True), (8, False), (9, True)]
     with pytest.raises(RuntimeError, match="overwrote"):

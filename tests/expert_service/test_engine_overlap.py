@@ -4,6 +4,9 @@ step runs comes back as UNKNOWN_SEQUENCE without disturbing the others. On the c
 (gpu) on the cuda backend, where the input tokens are read from the device's argmax."""
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,7 @@ from expert_service.step_stream import StepPump, StreamSession, StreamStep
 from expert_service.tiny_model import make_tiny
 
 GREEDY = SamplingParams()
+EMPTY = np.zeros(0, "<u8")
 
 
 def _prompt(seed: int, n: int) -> np.ndarray:
@@ -73,7 +77,33 @@ def _engines(request, tmp_path_factory):
         model = request.getfixturevalue("tiny_model")
     config = EngineConfig(backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128,
                           max_batch_size=8)
-    return Engine(ModelDir.open(model), config), Engine(ModelDir.open(model), config)
+    engines = Engine(ModelDir.open(model), config), Engine(ModelDir.open(model), config)
+    if backend == "cpu":     # off in production (its launch runs the step at once); on here to run the logic
+        engines[0].decoder.supports_overlap = True
+    return engines
+
+
+class Gate:
+    """Holds the model thread (a job waiting on an event) until `open`, so that steps submitted meanwhile are all
+    queued when the pump starts: which step is in flight when another launches is then deterministic."""
+
+    def __init__(self, thread):
+        self.event = threading.Event()
+        thread.submit(self.event.wait)
+
+    def open(self):
+        self.event.set()
+
+
+def _recording_launches(engine, monkeypatch) -> list[int]:
+    """Steps in flight when each launch starts."""
+    depths, launch = [], engine.launch
+
+    def recording_launch(*args):
+        depths.append(len(engine._in_flight))
+        return launch(*args)
+    monkeypatch.setattr(engine, "launch", recording_launch)
+    return depths
 
 
 @pytest.fixture(scope="module", params=[("cpu", "tiny"),
@@ -124,7 +154,7 @@ def test_steps_that_need_their_rows_on_the_host_are_collected_first(engines):
     engine.clear()
 
 
-def test_the_pump_overlaps_a_streams_steps_and_answers_in_order(engines):
+def test_the_pump_overlaps_a_streams_steps_and_answers_in_order(engines, monkeypatch):
     """Steps submitted ahead (as a pipelining router sends them) run back to back on the model thread, each
     launched before the one ahead of it is collected; the outcomes are the sequential run's."""
     engine, reference = engines
@@ -133,85 +163,182 @@ def test_the_pump_overlaps_a_streams_steps_and_answers_in_order(engines):
     want = [_outputs(reference.step(first))] + [_outputs(reference.step(decode_ids=list(prompts)))
                                                 for _ in range(8)]
     reference.clear()
-    depths = []
-    launch = engine.launch
-
-    def recording_launch(*args):
-        depths.append(len(engine._in_flight))
-        return launch(*args)
-    engine.launch = recording_launch
+    depths = _recording_launches(engine, monkeypatch)
     thread = ModelThread("test-model")
     try:
         pump = StepPump(StreamSession(engine, {}), thread)
+        gate = Gate(thread)
         ids = np.fromiter(prompts, "<u8")
-        futures = [pump.submit(StreamStep(1, np.zeros(0, "<u8"), first, np.zeros(0, "<u8"), None))]
-        futures += [pump.submit(StreamStep(2 + i, np.zeros(0, "<u8"), [], ids, None)) for i in range(8)]
+        futures = [pump.submit(StreamStep(1, EMPTY, first, EMPTY, None))]
+        futures += [pump.submit(StreamStep(2 + i, EMPTY, [], ids, None)) for i in range(8)]
+        gate.open()
         outcomes = [f.result(timeout=120) for f in futures]
     finally:
-        del engine.launch
         thread.shutdown()
     assert [o.step_id for o in outcomes] == list(range(1, 10))
     assert [_outputs(o.result) for o in outcomes] == want
-    assert max(depths) == 1
+    assert depths == [0] + [1] * 8, "each step after the first launched behind the one before"
     engine.clear()
 
 
-def test_a_fault_reaches_every_waiting_step_and_the_pump_recovers(engines, monkeypatch):
+def test_the_pump_steps_aside_for_other_model_thread_work(engines):
+    """A stream that keeps the model thread busy still lets other jobs (heartbeats, unary calls, other streams)
+    run between its steps, with nothing of it in flight while they do."""
     engine = engines[0]
     thread = ModelThread("test-model")
     try:
         pump = StepPump(StreamSession(engine, {}), thread)
-        prompt = StreamStep(1, np.zeros(0, "<u8"), [PrefillInput(30, _prompt(30, 4), GREEDY, True)],
-                            np.zeros(0, "<u8"), None)
-        decode = StreamStep(2, np.zeros(0, "<u8"), [], np.array([30], "<u8"), None)
+        gate = Gate(thread)
+        futures = [pump.submit(StreamStep(1, EMPTY, [PrefillInput(50, _prompt(50, 4), GREEDY, True)], EMPTY,
+                                          None))]
+        futures += [pump.submit(StreamStep(2 + i, EMPTY, [], np.array([50], "<u8"), None)) for i in range(6)]
+        seen = []
+        other = thread.submit(lambda: seen.append((sum(f.done() for f in futures), len(engine._in_flight))))
+        gate.open()
+        other.result(timeout=60)
+        assert [f.result(timeout=60).step_id for f in futures] == list(range(1, 8))
+    finally:
+        thread.shutdown()
+    done_before, in_flight = seen[0]
+    assert done_before < len(futures) and in_flight == 0
+    engine.clear()
+
+
+def test_close_runs_after_the_streams_queued_steps(engines):
+    """The stream's close goes through its pump: steps queued before it run first, then everything the stream
+    started is freed (nothing is left holding KV blocks)."""
+    engine = engines[0]
+    thread = ModelThread("test-model")
+    try:
+        pump = StepPump(StreamSession(engine, {}), thread)
+        gate = Gate(thread)
+        futures = [pump.submit(StreamStep(1, EMPTY, [PrefillInput(60 + i, _prompt(60 + i, 5), GREEDY, True)
+                                                     for i in range(2)], EMPTY, None)),
+                   pump.submit(StreamStep(2, EMPTY, [], np.array([60, 61], "<u8"), None)),
+                   pump.submit(StreamStep(3, EMPTY, [PrefillInput(62, _prompt(62, 3), GREEDY, True)],
+                                          np.array([60, 61], "<u8"), None))]
+        closed = pump.close()
+        gate.open()
+        closed.result(timeout=60)
+        assert all(f.done() for f in futures)
+    finally:
+        thread.shutdown()
+    assert not engine.sequences and engine.allocator.num_used_blocks == 0 and not engine._in_flight
+
+
+def test_a_fault_reaches_every_waiting_step_and_the_fatal_path(engines, monkeypatch):
+    """A fault while steps are in flight: every waiting step of the stream gets it, `on_fault` (the worker's
+    fatal path) gets it even when nobody awaits, and the engine is left with nothing in flight."""
+    engine = engines[0]
+    thread = ModelThread("test-model")
+    faults = []
+    try:
+        pump = StepPump(StreamSession(engine, {}), thread, on_fault=faults.append)
+        prompt = StreamStep(1, EMPTY, [PrefillInput(30, _prompt(30, 4), GREEDY, True)], EMPTY, None)
+        decode = StreamStep(2, EMPTY, [], np.array([30], "<u8"), None)
         assert pump.submit(prompt).result(timeout=60).result.outputs[0].token_id is not None
 
         def broken(step):
             raise RuntimeError("device lost")
         monkeypatch.setattr(engine, "collect", broken)
+        gate = Gate(thread)
         futures = [pump.submit(decode) for _ in range(3)]
+        gate.open()
         for future in futures:
             with pytest.raises(RuntimeError, match="device lost"):
                 future.result(timeout=60)
         monkeypatch.undo()
-        engine._in_flight.clear()       # what the fault left behind: a worker restarts after one
-        assert pump.submit(decode).result(timeout=60).result.outputs[0].error in ("", UNKNOWN_SEQUENCE)
+        assert [str(f) for f in faults] == ["device lost"] and not engine._in_flight
+        assert engine.can_launch
     finally:
         thread.shutdown()
-        engine._in_flight.clear()
         engine.clear()
 
 
-def test_a_free_of_a_sequence_in_flight_waits_for_that_steps_collection(engines):
+def _pump_run(engine, steps, monkeypatch):
+    """The steps through a StepPump, all queued before it starts: (outputs or step_error per step, launch depths)."""
+    depths = _recording_launches(engine, monkeypatch)
+    thread = ModelThread("test-model")
+    try:
+        pump = StepPump(StreamSession(engine, {}), thread)
+        gate = Gate(thread)
+        futures = [pump.submit(s) for s in steps]
+        gate.open()
+        outcomes = [f.result(timeout=60) for f in futures]
+    finally:
+        thread.shutdown()
+    monkeypatch.undo()
+    return [_outputs(o.result) if o.result is not None else o.refused for o in outcomes], depths
+
+
+def _session_run(engine, steps):
+    session = StreamSession(engine, {})
+    outcomes = [session.run(s) for s in steps]
+    return [_outputs(o.result) if o.result is not None else o.refused for o in outcomes]
+
+
+def test_a_free_of_a_sequence_in_flight_waits_for_that_steps_collection(engines, monkeypatch):
     """The router frees a sequence in step t+1 while step t, which holds it, may still run: step t still samples
     it (the free takes effect after t is collected), and t+1's decode of it is UNKNOWN_SEQUENCE -- what
     sequential steps give."""
     engine = engines[0]
-    empty = np.zeros(0, "<u8")
-    steps = [StreamStep(1, empty, [PrefillInput(40, _prompt(40, 5), GREEDY, True),
-                                   PrefillInput(41, _prompt(41, 6), GREEDY, True)], empty, None),
-             StreamStep(2, empty, [], np.array([40, 41], "<u8"), None),
+    steps = [StreamStep(1, EMPTY, [PrefillInput(40, _prompt(40, 5), GREEDY, True),
+                                   PrefillInput(41, _prompt(41, 6), GREEDY, True)], EMPTY, None),
+             StreamStep(2, EMPTY, [], np.array([40, 41], "<u8"), None),
              StreamStep(3, np.array([41], "<u8"), [], np.array([40, 41], "<u8"), None),
-             StreamStep(4, empty, [], np.array([40], "<u8"), None)]
-    sequential = StreamSession(engine, {})
-    want = [_outputs(sequential.run(s).result) for s in steps]
+             StreamStep(4, EMPTY, [], np.array([40], "<u8"), None)]
+    want = _session_run(engine, steps)
     engine.clear()
-    depths = []
-    launch = engine.launch
-
-    def recording_launch(*args):
-        depths.append(len(engine._in_flight))
-        return launch(*args)
-    engine.launch = recording_launch
-    thread = ModelThread("test-model")
-    try:
-        pump = StepPump(StreamSession(engine, {}), thread)
-        got = [_outputs(f.result(timeout=60).result) for f in [pump.submit(s) for s in steps]]
-    finally:
-        del engine.launch
-        thread.shutdown()
-    assert depths[2] == 1, "step 3 was not launched while step 2 ran"
+    got, depths = _pump_run(engine, steps, monkeypatch)
+    assert depths == [0, 1, 1, 1], "step 3 was not launched while step 2 ran"
     assert got == want
     assert dict((r, e) for r, _, e in got[2])[41] == UNKNOWN_SEQUENCE and all(not e for _, _, e in got[1])
     engine.clear()
     assert engine.allocator.num_used_blocks == 0
+
+
+def test_a_frees_only_step_behind_one_in_flight_frees_before_the_next_step(engines, monkeypatch):
+    """Step 3 only frees a sequence step 2 still holds: the free takes effect before step 4, which reuses its id
+    for a new prompt and needs its KV blocks (a pool of 8 blocks), as with sequential steps."""
+    engine = Engine(engines[0].model, replace(engines[0].config, kv_cache_tokens=32))
+    engine.decoder.supports_overlap = engines[0].decoder.supports_overlap
+    steps = [StreamStep(1, EMPTY, [PrefillInput(70, _prompt(70, 20), GREEDY, True)], EMPTY, None),
+             StreamStep(2, EMPTY, [], np.array([70], "<u8"), None),
+             StreamStep(3, np.array([70], "<u8"), [], EMPTY, None),
+             StreamStep(4, EMPTY, [PrefillInput(70, _prompt(71, 24), GREEDY, True)], EMPTY, None),
+             StreamStep(5, EMPTY, [], np.array([70], "<u8"), None)]
+    want = _session_run(engine, steps)
+    engine.clear()
+    got, _ = _pump_run(engine, steps, monkeypatch)
+    assert got == want and got[2] == ""                   # frees only: no result, not refused
+    assert all(not e for g in got[:2] + got[3:] for _, _, e in g)
+    engine.clear()
+    assert engine.allocator.num_used_blocks == 0
+    engine.close()
+
+
+def test_a_refused_step_behind_one_in_flight_leaves_it_intact(engines, monkeypatch):
+    """A step refused as a whole (an out-of-vocabulary token) while another is in flight: the one in flight is
+    answered, the refusal is that step's alone, and the next steps go on as with sequential steps."""
+    engine = engines[0]
+    vocab = engine.model_config.vocab_size
+    steps = [StreamStep(1, EMPTY, [PrefillInput(80, _prompt(80, 5), GREEDY, True)], EMPTY, None),
+             StreamStep(2, EMPTY, [], np.array([80], "<u8"), None),
+             StreamStep(3, EMPTY, [PrefillInput(81, np.array([vocab]), GREEDY, True)], np.array([80], "<u8"),
+                        None),
+             StreamStep(4, EMPTY, [], np.array([80], "<u8"), None)]
+    want = _session_run(engine, steps)
+    engine.clear()
+    got, _ = _pump_run(engine, steps, monkeypatch)
+    assert got == want and "token_ids" in got[2]
+    engine.clear()
+
+
+def test_the_host_backend_does_not_overlap_in_production(tiny_model):
+    """The cpu decoder runs a step at launch: a step launched behind another would only delay the other's
+    answer, so its engine collects before it launches the next."""
+    engine = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=256))
+    step = engine.launch([PrefillInput(90, _prompt(90, 4), GREEDY, True)])
+    assert not engine.can_launch
+    engine.collect(step)
+    engine.close()
