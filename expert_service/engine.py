@@ -259,6 +259,7 @@ class Engine:
                 if seq.pending is not None and seq.pending[0] == step.serial:
                     seq.pending = None
         self._in_flight.clear()
+        self.decoder.abandon()
 
     def ready(self, step: InFlightStep) -> bool:
         """Whether `collect(step)` would return without waiting for the device."""

@@ -108,6 +108,9 @@ class Decoder(Protocol):
     def blocks_host(self, num_tokens: int) -> bool:
         """Whether launching a step of this many tokens waits for the device inside the pass."""
 
+    def abandon(self) -> None:
+        """Forgets launched steps that will never be finished (after a fault)."""
+
     def finish(self, launched, trace: StepTrace | None = None) -> Logits:
         """Waits for a launched step; its logits. Steps are finished in launch order."""
 

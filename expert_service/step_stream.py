@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from common.pb import worker_pb2
 from common.routing_plan import RoutingPlan
 from expert_service.engine import UNKNOWN_SEQUENCE, Engine, InFlightStep, PrefillInput, SeqOutput, StepResult
 
+log = logging.getLogger("colibri.worker")
 FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
 DRAINING = "DRAINING"
 UNARY = 0                       # the owner of sequences started by the unary Prefill call
@@ -339,8 +341,11 @@ class StepPump:
                 if self._step_aside(pending):
                     return
         except BaseException as e:      # a worker fault: every step of this stream waiting here gets it
-            self.session.engine.abandon_in_flight()
-            self.session.release_late()
+            try:
+                self.session.engine.abandon_in_flight()
+                self.session.release_late()
+            except Exception as cleanup:    # a broken device fails here too: the fault below is what matters
+                log.warning("cleaning up after a worker fault failed: %s: %s", type(cleanup).__name__, cleanup)
             for failed in (pending, current):
                 if failed is not None and not failed[1].done():
                     failed[1].set_exception(e)

@@ -109,6 +109,9 @@ class CpuDecoder:
     def ready(self, launched) -> bool:
         return True
 
+    def abandon(self) -> None:
+        """Nothing runs ahead here."""
+
     def finish(self, launched: tuple[HostLogits, StepTrace | None], trace: StepTrace | None = None) -> HostLogits:
         logits, observed = launched
         if trace is not None and observed is not None:

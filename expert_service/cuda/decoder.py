@@ -280,6 +280,12 @@ class CudaDecoder:
         done.record(self._stream_handle)
         return LaunchedForward(self._twin, R, penalized, padded, n_ids, done, tokens=T, staged=self.staged_steps)
 
+    def abandon(self) -> None:
+        """Forgets launched, unfinished steps after a fault (their readbacks are never read): the host copies
+        are free again once what was issued has run, which this waits for."""
+        self._unfinished.clear()
+        self.stream.synchronize()
+
     def ready(self, step: LaunchedForward) -> bool:
         """Whether a launched step's work and readback are done (finish would not wait)."""
         return step.done is None or step.done.ready()

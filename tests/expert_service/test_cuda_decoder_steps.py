@@ -186,6 +186,10 @@ def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_
     with pytest.raises(RuntimeError, match="overwrote"):
         logits[0]                      # t's rows on the device belong to t+1 now
     d.finish(second)
+    d.launch(prompt([1], cached=[3]))
+    d.launch(prompt([1], cached=[4]))
+    d.abandon()                        # a fault: neither is finished, both host copies are free again
+    d.finish(d.launch(prompt([1], cached=[5])))
 
 
 def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):
