@@ -44,9 +44,9 @@ def check(rng, n_tok, n_exp, top_k, D, dtype, normalize):
     (1, 8, 2, 64, np.uint16, True),        # wide bf16 path, rows split over warps (E small)
     (2, 3, 2, 48, np.uint16, True),        # one block per token
     (1, 4, 2, 520, np.uint16, True),       # two warps per row
-    (3, 60, 4, 40, np.uint16, True),       # E not a multiple of 32
+    (2, 60, 4, 40, np.uint16, True),       # E not a multiple of 32 (the simulator's cost grows with T x E)
     (2, 7, 1, 37, np.uint16, False),       # odd D: element loads
-    (2, 128, 8, 32, np.float16, True),
+    (1, 128, 8, 32, np.float16, True),
     (1, 5, 3, 24, np.float32, False),
     (1, 256, 8, 16, np.uint16, True),
 ])
