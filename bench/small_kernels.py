@@ -32,6 +32,7 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import graph_timed  # noqa: E402
+from common.dtypes import float32_to_bf16  # noqa: E402
 from expert_service.kernels.numeric import f32_to_bf16  # noqa: E402
 
 D, H, HKV, HD, K = 2048, 32, 4, 128, 8
@@ -55,17 +56,11 @@ def cast_reference_launch(x, out, stream) -> None:
     _cast_reference_kernel[blocks, 256, stream](x.reshape(-1), out.reshape(-1))
 
 
-def f32_to_bf16_array(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), rounded to nearest even."""
-    bits = x.astype(np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def qkv_gemv_case(rng, dev, state):
     """A one-token step's q, k, v projections (qwen3 shape, bf16): launch(i, stream) over weight copy i."""
     from expert_service.kernels.gemv import launch_gemv
     sizes = (H * HD, HKV * HD, HKV * HD)
-    stacked = [dev(f32_to_bf16_array(rng.standard_normal((sum(sizes), D), dtype=np.float32) * 0.02))
+    stacked = [dev(float32_to_bf16(rng.standard_normal((sum(sizes), D), dtype=np.float32) * 0.02))
                for _ in range(QKV_COPIES)]
     parts = [(w[:sizes[0]], w[sizes[0]:sizes[0] + sizes[1]], w[sizes[0] + sizes[1]:]) for w in stacked]
     x = dev(rng.standard_normal((1, D), dtype=np.float32))
@@ -111,7 +106,7 @@ def cases(T: int, rng) -> dict:
 
     def flag(previous: bool) -> None:
         state.update(previous=previous)
-    qk_w = [dev(f32_to_bf16_array(rng.standard_normal(HD, dtype=np.float32))) for _ in range(2)]
+    qk_w = [dev(float32_to_bf16(rng.standard_normal(HD, dtype=np.float32))) for _ in range(2)]
 
     def qk_norm_rope_kv(i, st):
         if state["previous"]:

@@ -134,7 +134,6 @@ class InFlightStep:
     serial: int
     work: list[tuple[int, np.ndarray, bool]]   # (sequence, its tokens this step, samples a token)
     states: list[SequenceState]                # the work's sequences at launch (one freed meanwhile is skipped)
-    first_decode: int                          # work[first_decode:] are decodes
     unknown: list[SeqOutput]                   # decodes of sequences the engine does not hold
     scored: set[int]                           # sequences whose prompt chunk is scored (prompt_logprobs)
     planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
@@ -299,8 +298,7 @@ class Engine:
                     continue
                 work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
             if not work:
-                return InFlightStep(-1, [], [], 0, unknown, set(), None, StepTrace(), time.perf_counter(), None,
-                                    True)
+                return InFlightStep(-1, [], [], unknown, set(), None, StepTrace(), time.perf_counter(), None, True)
             token_ids = self._check_step(work)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
@@ -333,8 +331,8 @@ class Engine:
         overlappable = self.decoder.supports_overlap and penalties is None and not scored and all(
             seq.sampler.plain_greedy and not seq.sampler.params.logprobs
             for (_, _, wants_token), seq in zip(work, states) if wants_token)
-        step = InFlightStep(serial, work, states, first_decode, unknown, scored, planned_ids, StepTrace(), started,
-                            launched, overlappable)
+        step = InFlightStep(serial, work, states, unknown, scored, planned_ids, StepTrace(), started, launched,
+                            overlappable)
         self._in_flight.append(step)
         return step
 

@@ -100,7 +100,7 @@ class CpuDecoder:
         if batch.fed_rows is not None:
             fed = batch.fed_rows >= 0
             token_ids = batch.token_ids.copy()
-            token_ids[fed] = [int(np.argmax(self._launched.processed(int(r)))) for r in batch.fed_rows[fed]]
+            token_ids[fed] = [self._launched.greedy(int(r))[0] for r in batch.fed_rows[fed]]
             batch = replace(batch, token_ids=token_ids)
         trace = StepTrace() if traced else None
         self._launched = self.forward(batch, trace)
