@@ -39,6 +39,22 @@ def ragged_step(rng, cached, new, block_size, pad):
     return np.array(positions, np.int32), np.array(slots, np.int32), num_blocks
 
 
+def assert_pool_writes(got_kp, got_vp, k_pool, v_pool, keys, v, slots, dtype):
+    """The pools after a kernel wrote each real token's (slot >= 0) expected keys [T, Hkv, Hd] (float32, before
+    narrowing) and values v at its slot: other slots untouched, values an exact narrowing copy, keys within one
+    16-bit ulp where cos/sin differ."""
+    real = slots >= 0
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    write_kv(want_k, want_v, to_storage(keys[real], dtype), to_storage(v[real], dtype), slots[real])
+    written = np.zeros(k_pool.shape[0] * k_pool.shape[1], bool)
+    written[slots[real]] = True
+    written = written.reshape(k_pool.shape[:2])
+    np.testing.assert_array_equal(got_kp[~written], k_pool[~written])       # other slots untouched
+    np.testing.assert_array_equal(got_vp, want_v)                          # values: an exact narrowing copy
+    tol = 1e-2 if np.dtype(dtype) != np.float32 else 1e-5                  # one 16-bit ulp where cos/sin differ
+    assert_close(from_storage(got_kp[written]), from_storage(want_k[written]), tol)
+
+
 def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, scale, threads):
     positions, slots, num_blocks = ragged_step(rng, cached, new, block_size, pad)
     T = len(positions)
@@ -55,19 +71,9 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
     launch_rope_kv_write(d_q, d_k, d_v, d_pos, d_freq, scale, d_slots, d_kp, d_vp, threads=threads)
     got_q, got_kp, got_vp = d_q.copy_to_host(), d_kp.copy_to_host(), d_vp.copy_to_host()
 
-    real = slots >= 0
     assert_close(got_q, _rotate(q, positions, inv_freq, scale), 1e-5)      # every q row, padding included
     np.testing.assert_array_equal(d_k.copy_to_host(), k)                   # k itself is left as it was
-    want_k, want_v = k_pool.copy(), v_pool.copy()
-    write_kv(want_k, want_v, to_storage(_rotate(k, positions, inv_freq, scale)[real], dtype),
-             to_storage(v[real], dtype), slots[real])
-    written = np.zeros(num_blocks * block_size, bool)
-    written[slots[real]] = True
-    written = written.reshape(num_blocks, block_size)
-    np.testing.assert_array_equal(got_kp[~written], k_pool[~written])       # other slots untouched
-    np.testing.assert_array_equal(got_vp, want_v)                          # values: an exact narrowing copy
-    tol = 1e-2 if np.dtype(dtype) != np.float32 else 1e-5                  # one 16-bit ulp where cos/sin differ
-    assert_close(from_storage(got_kp[written]), from_storage(want_k[written]), tol)
+    assert_pool_writes(got_kp, got_vp, k_pool, v_pool, _rotate(k, positions, inv_freq, scale), v, slots, dtype)
 
     # the unfused kernels on the same inputs give the same bits (rope's arithmetic, kv_write's narrowing)
     u_q, u_k, u_kp, u_vp = cuda.to_device(q), cuda.to_device(k), cuda.to_device(k_pool), cuda.to_device(v_pool)
