@@ -207,4 +207,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("colibri-serve")
     if not os.path.isdir(args.model):
         raise ConfigError(f"--model: directory {args.model} not found")
-    return Supervisor(args).run()
+    code = Supervisor(args).run()
+    # The exit status is decided. Python puts back the default handlers while it shuts down, so a signal that
+    # arrives then (the operator's, sent late to every process) would turn a clean exit into death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return code

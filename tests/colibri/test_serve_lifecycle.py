@@ -209,3 +209,18 @@ def test_a_child_slow_to_exit_is_waited_for_and_a_second_signal_kills(tmp_path, 
     started = time.monotonic()
     assert supervisor.run() == 128 + signal.SIGINT
     assert time.monotonic() - started < 10
+
+
+def test_a_signal_after_the_exit_status_is_decided_cannot_change_it(tmp_path, monkeypatch, restore_signals):
+    """Python restores the default handlers while it shuts down; a SIGTERM sent late to every process could
+    land then and kill serve (-15) after it had decided on 0. Once `run` returns, both signals are ignored."""
+    class Decided:
+        def __init__(self, args):
+            pass
+
+        def run(self) -> int:
+            return 0
+    monkeypatch.setattr(serve_module, "Supervisor", Decided)
+    monkeypatch.setattr(serve_module, "configure_logging", lambda *_: None)
+    assert serve_module.run(argparse.Namespace(model=str(tmp_path))) == 0
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
