@@ -135,6 +135,7 @@ class InFlightStep:
     work: list[tuple[int, np.ndarray, bool]]   # (sequence, its tokens this step, samples a token)
     states: list[SequenceState]                # the work's sequences at launch (one freed meanwhile is skipped)
     unknown: list[SeqOutput]                   # decodes of sequences the engine does not hold
+    decode_ids: tuple[int, ...]                # as asked for: the order of UNKNOWN_SEQUENCE answers
     scored: set[int]                           # sequences whose prompt chunk is scored (prompt_logprobs)
     planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
     trace: StepTrace
@@ -145,6 +146,11 @@ class InFlightStep:
     @property
     def sequences(self) -> frozenset[int]:
         return frozenset(rid for rid, _, _ in self.work)
+
+    @property
+    def sampling(self) -> frozenset[int]:
+        """The sequences this step samples a token for (one may be released when the step is collected)."""
+        return frozenset(rid for rid, _, wants_token in self.work if wants_token)
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -265,10 +271,12 @@ class Engine:
         return step.launched is None or self.decoder.ready(step.launched)
 
     def launch(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
-               routing_plan: RoutingPlan | None = None) -> InFlightStep:
+               routing_plan: RoutingPlan | None = None, freed: frozenset[int] = frozenset()) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
-        sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once."""
+        sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once.
+        freed: sequences this step's caller has freed but releases only once the step in flight is collected
+        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released."""
         if not self.can_launch:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
@@ -288,7 +296,7 @@ class Engine:
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
             first_decode = len(work)
             for rid in decode_ids:
-                seq = self.sequences.get(rid)
+                seq = None if rid in freed else self.sequences.get(rid)
                 if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
                     fed[len(work)] = seq.pending[1]
                     work.append((rid, np.zeros(1, dtype=np.int64), True))
@@ -298,7 +306,8 @@ class Engine:
                     continue
                 work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
             if not work:
-                return InFlightStep(-1, [], [], unknown, set(), None, StepTrace(), time.perf_counter(), None, True)
+                return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None,
+                                    True)
             token_ids = self._check_step(work)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
@@ -331,8 +340,8 @@ class Engine:
         overlappable = self.decoder.supports_overlap and penalties is None and not scored and all(
             seq.sampler.plain_greedy and not seq.sampler.params.logprobs
             for (_, _, wants_token), seq in zip(work, states) if wants_token)
-        step = InFlightStep(serial, work, states, unknown, scored, planned_ids, StepTrace(), started, launched,
-                            overlappable)
+        step = InFlightStep(serial, work, states, unknown, tuple(decode_ids), scored, planned_ids, StepTrace(),
+                            started, launched, overlappable)
         self._in_flight.append(step)
         return step
 
@@ -348,7 +357,13 @@ class Engine:
         planned_ids = step.planned_ids
         recall = routing_plan_recall(planned_ids, step.trace.expert_ids) \
             if planned_ids and self.config.routing is RoutingMode.EXACT else None
-        outputs = self._sample(step, logits) + step.unknown
+        outputs, gone = self._sample(step, logits)
+        unknown = step.unknown
+        if gone:   # released since launch (non-finite logits in the step before): answered as if unknown at launch
+            ids = {*gone, *(out.request_id for out in unknown)}
+            unknown = [SeqOutput(rid, error=UNKNOWN_SEQUENCE)
+                       for rid in [*step.decode_ids, *(r for r in gone if r not in step.decode_ids)] if rid in ids]
+        outputs += unknown
         t2 = time.perf_counter()
         return StepResult(outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits,
                           step.trace.expert_cache)
@@ -382,10 +397,10 @@ class Engine:
                 builder.row(rid, self.sequences[rid].sampler.params.penalties)
         return builder.build()
 
-    def _sample(self, step: InFlightStep, logits: Logits) -> list[SeqOutput]:
+    def _sample(self, step: InFlightStep, logits: Logits) -> tuple[list[SeqOutput], list[int]]:
         """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
-        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows). A sequence freed while
-        the step was in flight gets UNKNOWN_SEQUENCE: its row is skipped."""
+        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows); and the sequences
+        released while the step was in flight (their rows are skipped, they get no output here)."""
         tokens_out, row, sequences, work, scored = [], 0, self.sequences, step.work, step.scored
         scores = StepScores(self.model_config.vocab_size)
         gone = set()
@@ -418,7 +433,6 @@ class Engine:
         outputs = []
         for index, ((rid, _, wants_token), token, seq) in enumerate(zip(work, tokens_out, step.states)):
             if index in gone:
-                outputs.append(SeqOutput(rid, error=UNKNOWN_SEQUENCE))
                 continue
             if wants_token and token is None:
                 outputs.append(SeqOutput(rid, error=NON_FINITE_LOGITS))
@@ -430,7 +444,7 @@ class Engine:
             outputs.append(SeqOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
                                      if top is not None and top.top_ids.shape[1] else None,
                                      prompt=prompt_scores.get(index) if prompt_scores else None))
-        return outputs
+        return outputs, [rid for index, (rid, _, _) in enumerate(work) if index in gone]
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
         """Validates the step (the vocabulary check vectorised: decode steps are many one-token chunks),

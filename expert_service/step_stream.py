@@ -154,19 +154,17 @@ class StreamSession:
             return StepOutcome(step.step_id, None, "", time.perf_counter() - started, "free")
         assert not (late & {c.request_id for c in step.chunks}), "a chunk of a sequence freed late"
         refused = [SeqOutput(r, error=FOREIGN_SEQUENCE) for r in self._foreign(step)]
-        refused += [SeqOutput(int(r), error=UNKNOWN_SEQUENCE) for r in step.decode_ids if int(r) in late]
         chunks = [c for c in step.chunks if self.owners.get(c.request_id, self.id) == self.id]
         if self.draining():
             held = self.engine.sequences
             refused += [SeqOutput(c.request_id, error=DRAINING) for c in chunks if c.request_id not in held]
             chunks = [c for c in chunks if c.request_id in held]
-        decodes = [int(r) for r in step.decode_ids
-                   if self.owners.get(int(r), self.id) == self.id and int(r) not in late]
+        decodes = [int(r) for r in step.decode_ids if self.owners.get(int(r), self.id) == self.id]
         for chunk in chunks:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            in_flight = self.engine.launch(chunks, decodes, step.routing_plan)
+            in_flight = self.engine.launch(chunks, decodes, step.routing_plan, frozenset(late))
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             return StepOutcome(step.step_id, None, str(e), time.perf_counter() - started, kind,
@@ -195,7 +193,7 @@ class StreamSession:
         self.engine.release(late)
 
     def _free(self, request_ids) -> None:
-        mine = [r for r in request_ids if self.owners.get(r) == self.id]
+        mine = [r for r in dict.fromkeys(request_ids) if self.owners.get(r) == self.id]   # named twice: freed once
         for r in mine:
             del self.owners[r]
         self.engine.release(mine)
@@ -275,15 +273,19 @@ class StepPump:
         self._progress()
 
     def _must_collect_first(self, step: StreamStep, pending) -> bool:
-        """Whether the step in flight is collected before `step` launches: the engine cannot run them both, the
-        step frees sequences of the one in flight and starts prompts (which may need those KV blocks), or its
-        launch would wait for the device (the one in flight would be answered only after it)."""
+        """Whether the step in flight is collected before `step` launches: the engine cannot run them both;
+        `step` frees sequences of the one in flight and starts prompts (which may reuse those ids); it sends a
+        chunk for a sequence the one in flight samples (what the engine makes of it depends on whether that
+        sampling released the sequence, as non-finite logits do); or its launch would wait for the device (the
+        one in flight would be answered only after it)."""
         engine = self.session.engine
         if not engine.can_launch:
             return True
+        in_flight = pending[0].in_flight
+        chunk_ids = {c.request_id for c in step.chunks}
         tokens = sum(len(c.token_ids) for c in step.chunks) + len(step.decode_ids)
-        held = pending[0].in_flight.sequences
-        return bool(step.chunks and held & set(step.free_ids.tolist())) or engine.blocks_host(tokens)
+        return (bool(chunk_ids & (in_flight.sampling | (in_flight.sequences & set(step.free_ids.tolist()))))
+                or engine.blocks_host(tokens))
 
     def _step_aside(self, pending) -> bool:
         """Collects what is in flight and ends this job when other model-thread work waits; it is queued again
@@ -327,6 +329,13 @@ class StepPump:
                     current = None
                     continue
                 launched = self.session.launch(step, pending[0].in_flight.sequences if pending else frozenset())
+                if isinstance(launched, StepOutcome) and launched.refused and pending is not None:
+                    # judged again as it would be one step at a time: what the step in flight releases on
+                    # collection (late frees, a sequence with non-finite logits) gives back KV blocks and batch
+                    # rows, and a decode of a released sequence is no longer part of the batch
+                    self._collect(pending)
+                    pending = None
+                    launched = self.session.launch(step)
                 if isinstance(launched, StepOutcome):     # launched nothing (frees only, or refused)
                     if pending is not None:               # its late frees take effect now, not a step later
                         self._collect(pending)
