@@ -110,6 +110,11 @@ class ModelThread(concurrent.futures.Executor):
         if wait:
             self._thread.join()
 
+    def join(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the thread to end (after shutdown); whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
 
 class WorkerHealth:
     """The health statuses of one worker process, shared by its RPC server and its health-only server."""

@@ -38,6 +38,8 @@ from expert_service.lifecycle import WorkerHealth, quiet_cancelled_streams
 from expert_service.server import SERVICE_NAME, WorkerServicer, add_to_server
 from expert_service.step_stream import UNARY
 
+ENGINE_CLOSE_WAIT_S = 5.0     # an idle model thread ends at once; one stuck in a step is not waited for
+
 log = logging.getLogger("colibri.worker")
 
 
@@ -249,17 +251,33 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         return exit_code[0]
     finally:
         health.update(draining=True)
-        for s in servers:
-            await s.stop(0.5 if exit_code[0] == 0 else 0)
+        for s in servers:    # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
+            await s.stop(0.5)
         for task in tasks:
             task.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
         servicer.executor.shutdown()
+        await _close_engine(servicer)
         if owns_provider:
             tracer_provider.shutdown()
         log.info("worker stopped", extra={"exit_code": exit_code[0]})
+
+
+async def _close_engine(servicer: WorkerServicer) -> None:
+    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread has ended;
+    a model thread still running (a step past the watchdog) keeps them until the process exits."""
+    engine, thread = servicer.engine, servicer.executor
+    if engine is None:
+        return
+    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, ENGINE_CLOSE_WAIT_S):
+        log.warning("the model thread is still running; the engine is left to the process's exit")
+        return
+    try:
+        engine.close()
+    except Exception as e:    # stopping anyway: the process's exit releases what this could not
+        log.warning("closing the engine failed: %s: %s", type(e).__name__, e)
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:

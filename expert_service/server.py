@@ -27,8 +27,8 @@ from expert_service.engine import Engine, PrefillInput, StepResult
 from expert_service.lifecycle import WORKER_SERVICE, ModelThread, WorkerHealth
 from expert_service.routing_plan import warmup_routing_plan
 from expert_service.sampling import SamplingParams
-from expert_service.step_stream import (MAX_FREE_IDS, UNARY, StepLimits, StepOutcome, StepPump, StreamSession,
-                                        StreamStep)
+from expert_service.step_stream import (MAX_FREE_IDS, MAX_STEPS_AHEAD, UNARY, StepLimits, StepOutcome, StepPump,
+                                        StreamSession, StreamStep)
 
 log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
@@ -148,6 +148,8 @@ class WorkerServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"worker fault: {type(e).__name__}: {e}")
 
     def _fatal(self, error: BaseException) -> None:
+        if self.health.failed:      # one fault reaches here from every call that waited on it: logged once
+            return
         log.error("worker fault, exiting", exc_info=error)
         self.health.update(failed=True)
         self.on_fatal(error)
@@ -238,6 +240,7 @@ class WorkerServicer:
         loop = asyncio.get_running_loop()      # a fault on the model thread reaches the fatal path on the loop
         pump = StepPump(session, self.executor, on_fault=lambda e: loop.call_soon_threadsafe(self._fatal, e))
         queued: asyncio.Queue = asyncio.Queue()
+        unanswered = asyncio.Semaphore(MAX_STEPS_AHEAD)
         tracer = get_tracer(self.tracer_provider)
 
         async def receive():
@@ -248,6 +251,7 @@ class WorkerServicer:
                         return
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
                     queued.put_nowait(("step", span, self._submit(pump, request)))
+                    await unanswered.acquire()    # reads no further (gRPC flow control holds the client)
             except Exception as e:     # the call went away under us (cancelled, reset): the loop below ends
                 log.debug("step stream closed while reading: %s", type(e).__name__)
             finally:
@@ -264,6 +268,7 @@ class WorkerServicer:
                 span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)
                 span.end()
                 yield self._stream_response(outcome)
+                unanswered.release()
         finally:
             receiver.cancel()
             self.open_streams -= 1
@@ -279,7 +284,10 @@ class WorkerServicer:
         except Exception as e:          # a check missed something: still this step's problem alone
             log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
             return StepOutcome(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0)
-        return asyncio.wrap_future(pump.submit(step))
+        future = asyncio.wrap_future(pump.submit(step))
+        # a fault fails every queued step at once; those behind the one awaited are never awaited
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
 
     async def _await_step(self, future, context) -> StepOutcome:
         try:

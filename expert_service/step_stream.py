@@ -34,6 +34,7 @@ FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
 DRAINING = "DRAINING"
 UNARY = 0                       # the owner of sequences started by the unary Prefill call
 MAX_FREE_IDS = 1 << 16
+MAX_STEPS_AHEAD = 8     # a stream's steps received and not yet answered (the router keeps at most 4 in flight)
 POLL_S = 5e-5      # a pump waiting on the device looks this often for the router's next step
 _session_ids = itertools.count(UNARY + 1)
 

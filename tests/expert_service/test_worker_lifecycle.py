@@ -2,6 +2,7 @@
 ones are refused), bind failures that name the role and address, gauges that follow every free."""
 from __future__ import annotations
 
+import gc
 import queue
 import signal
 import socket
@@ -16,6 +17,9 @@ import pytest
 
 from common.pb import worker_pb2 as pb
 from expert_service.lifecycle import ModelThread, WorkerHealth
+from expert_service.server import WorkerServicer
+from expert_service.step_stream import MAX_STEPS_AHEAD, StepPump
+from tests.expert_service.worker_fuzz import LogWatcher
 from tests.expert_service.worker_process import (SERVING, free_port, health_status, start_worker, stub, wait_for,
                                                  worker_env)
 from tests.helpers import BackgroundWorker
@@ -176,3 +180,85 @@ def test_gauges_follow_every_free(tiny_model):
         channel.close()
     finally:
         worker.stop()
+
+
+def _decode_steps(first: int, count: int, request_id: int = 1) -> list[pb.StepStreamRequest]:
+    return [pb.StepStreamRequest(step_id=i, decode_request_ids=np.array([request_id], "<u8").tobytes())
+            for i in range(first, first + count)]
+
+
+def _prompt_step(request_id: int = 1) -> pb.StepStreamRequest:
+    return pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(request_id=request_id, token_ids=[5, 6, 7],
+                                                                   sampling=GREEDY, is_last=True)])
+
+
+@pytest.mark.parametrize("run", range(4))      # the answer raced the servers' stop: a few runs, fresh workers
+def test_a_fault_fails_its_stream_with_internal_and_is_logged_once(tiny_model, run):
+    """A device fault in the fourth launch of a pipelined stream (steps launched behind others): the stream
+    ends INTERNAL (a fault, not UNAVAILABLE, which the router would retry into the same fault), the fault is
+    logged once however many calls waited on it, the steps queued behind it leave no unretrieved error, and
+    the worker exits 1."""
+    worker = BackgroundWorker(tiny_model).start()
+    decoder = worker.engine.decoder
+    decoder.supports_overlap = True
+    launch, launches = decoder.launch, []
+
+    def failing_launch(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 4:
+            raise RuntimeError("device lost")
+        return launch(*args, **kwargs)
+    decoder.launch = failing_launch
+    s, channel = stub(worker.address)
+    with LogWatcher() as watcher:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(s.StepStream(iter([_prompt_step()] + _decode_steps(2, 10)), timeout=30))
+        assert worker.stop() == 1
+        channel.close()
+        gc.collect()             # an unretrieved future's error is logged when it is collected
+        findings = watcher.take()
+    assert failed.value.code() == grpc.StatusCode.INTERNAL, failed.value.details()
+    assert len(findings) == 1 and "worker fault, exiting" in findings[0], findings
+
+
+def test_a_stream_reads_no_further_than_max_steps_ahead_of_its_answers(tiny_model, monkeypatch):
+    """A client that sends steps and does not read the answers: the worker stops reading the stream once
+    MAX_STEPS_AHEAD steps wait for their answers (gRPC flow control then holds the client), so it never holds
+    more than that many results, each with its logits on the cpu backend."""
+    counts, submit, respond = {"submitted": 0, "answered": 0, "most": 0}, StepPump.submit, \
+        WorkerServicer._stream_response
+
+    def counting_submit(self, step):
+        counts["submitted"] += 1
+        counts["most"] = max(counts["most"], counts["submitted"] - counts["answered"])
+        return submit(self, step)
+
+    def counting_response(self, outcome):
+        counts["answered"] += 1
+        return respond(self, outcome)
+    monkeypatch.setattr(StepPump, "submit", counting_submit)
+    monkeypatch.setattr(WorkerServicer, "_stream_response", counting_response)
+    worker = BackgroundWorker(tiny_model).start()
+    try:
+        s, channel = stub(worker.address)
+        call = s.StepStream(iter([_prompt_step()] + _decode_steps(2, 150)), timeout=60)
+        first = next(call)
+        time.sleep(1.0)                                  # the client reads nothing meanwhile
+        answers = [first, *call]
+        assert [a.step_id for a in answers] == list(range(1, 152)) and not any(a.errors for a in answers)
+        assert counts["submitted"] == 151 and counts["most"] <= MAX_STEPS_AHEAD + 1, counts
+        channel.close()
+    finally:
+        worker.stop()
+
+
+def test_the_worker_gives_its_engine_back_when_it_stops(tiny_model):
+    """The engine's copy threads (expert cache), device memory and pinned ranges are released on stop."""
+    before = set(threading.enumerate())
+    worker = BackgroundWorker(tiny_model, expert_cache_slots=2).start()
+    assert any(t.name.startswith("colibri-expert-copy") for t in set(threading.enumerate()) - before)
+    assert worker.stop() == 0
+    deadline = time.monotonic() + 5
+    while left := [t.name for t in set(threading.enumerate()) - before if t.name.startswith("colibri-expert")]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.05)
