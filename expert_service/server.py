@@ -12,6 +12,7 @@ past ``step_timeout_s`` the same way. While the worker drains, new streams and n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -257,7 +258,7 @@ class WorkerServicer:
             finally:
                 queued.put_nowait(None)
         self.open_streams += 1
-        receiver = asyncio.create_task(receive())
+        receiver, closing = asyncio.create_task(receive()), None
         try:
             while (item := await queued.get()) is not None:
                 tag, span, work = item
@@ -269,11 +270,14 @@ class WorkerServicer:
                 span.end()
                 yield self._stream_response(outcome)
                 unanswered.release()
+            closing = pump.close()    # the end reaches the caller once the stream's sequences are freed
+            with contextlib.suppress(Exception):    # a fault fails it too, and has taken the fatal path already
+                await asyncio.wrap_future(closing)
         finally:
             receiver.cancel()
             self.open_streams -= 1
             # After every step it queued; the gauge shows the blocks the stream held coming back.
-            pump.close().add_done_callback(lambda _: self.update_gauges())
+            (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread, or its refusal when the request is malformed."""

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -16,6 +17,7 @@ from expert_service.config import EngineConfig
 from expert_service.engine import Engine, PrefillInput, SeqOutput, StepResult
 from expert_service.experts import CacheStats, SlotPlan
 from expert_service.step import StepTrace
+from expert_service.step_stream import StepPump
 
 
 @pytest.fixture
@@ -137,6 +139,21 @@ def test_step_stream_runs_steps_sent_ahead_and_equals_unary_steps(stub):
     assert [r.step_id for r in responses] == [1, 2, 3, 4, 5]
     assert [_outputs(r)[0][1] for r in responses] == unary
     assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0     # the stream's end freed seq 7
+
+
+def test_a_streams_end_reaches_the_caller_after_its_sequences_are_freed(stub, monkeypatch):
+    """The model thread is slow to finish the stream's last step (its answer is out, the job not yet done) when
+    the stream ends and the caller's next call is queued: that call still finds the stream's sequence freed."""
+    collect = StepPump._collect
+
+    def slow_collect(self, pending):
+        collect(self, pending)
+        time.sleep(0.3)
+    monkeypatch.setattr(StepPump, "_collect", slow_collect)
+    chunk = pb.PrefillChunk(request_id=8, token_ids=[5, 6, 7], sampling=pb.SamplingParams(top_p=1.0), is_last=True)
+    responses = list(stub.StepStream(iter([_stream_step(1, chunks=[chunk]), _stream_step(2, decodes=[8])])))
+    assert [r.step_id for r in responses] == [1, 2] and not any(r.errors for r in responses)
+    assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0
 
 
 def test_penalised_scored_sequences_stream_ahead_like_unary_steps(stub):
