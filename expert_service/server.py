@@ -272,7 +272,7 @@ class WorkerServicer:
                 unanswered.release()
             closing = pump.close()    # the end reaches the caller once the stream's sequences are freed
             with contextlib.suppress(Exception):    # a fault fails it too, and has taken the fatal path already
-                await asyncio.wrap_future(closing)
+                await asyncio.shield(asyncio.wrap_future(closing))
         finally:
             receiver.cancel()
             self.open_streams -= 1

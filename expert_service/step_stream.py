@@ -234,6 +234,7 @@ class StepPump:
 
     def _put(self, step: StreamStep | None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_running_or_notify_cancel()   # a waiter that goes away cannot cancel it: the pump settles each one
         self._inbox.put((step, done))
         with self._lock:
             if not self._draining:

@@ -18,7 +18,7 @@ import pytest
 from common.pb import worker_pb2 as pb
 from expert_service.lifecycle import ModelThread, WorkerHealth
 from expert_service.server import WorkerServicer
-from expert_service.step_stream import MAX_STEPS_AHEAD, StepPump
+from expert_service.step_stream import MAX_STEPS_AHEAD, StepPump, StreamSession
 from tests.expert_service.worker_fuzz import LogWatcher
 from tests.expert_service.worker_process import (SERVING, free_port, health_status, start_worker, stub, wait_for,
                                                  worker_env)
@@ -262,3 +262,30 @@ def test_the_worker_gives_its_engine_back_when_it_stops(tiny_model):
     while left := [t.name for t in set(threading.enumerate()) - before if t.name.startswith("colibri-expert")]:
         assert time.monotonic() < deadline, left
         time.sleep(0.05)
+
+
+def test_a_caller_going_away_while_its_streams_close_runs_is_no_fault(tiny_model, monkeypatch):
+    """The caller cancels the call after its last answer, while the worker frees the stream's sequences (slowed
+    here): the close still runs and settles, the worker stays up and logs no error."""
+    close = StreamSession.close
+
+    def slow_close(self):
+        time.sleep(0.5)
+        close(self)
+    monkeypatch.setattr(StreamSession, "close", slow_close)
+    worker = BackgroundWorker(tiny_model).start()
+    try:
+        s, channel = stub(worker.address)
+        with LogWatcher() as watcher:
+            call = s.StepStream(iter([_prompt_step()] + _decode_steps(2, 2)), timeout=30)
+            assert [next(call).step_id for _ in range(3)] == [1, 2, 3]
+            time.sleep(0.2)                  # the requests ended: the worker is in the stream's close
+            call.cancel()
+            time.sleep(0.6)
+            gc.collect()
+            assert not watcher.take()
+        assert not worker.servicer.health.failed and worker.engine.allocator.num_used_blocks == 0
+        assert s.ClearCache(pb.ClearCacheRequest(), timeout=10).freed_sequences == 0
+        channel.close()
+    finally:
+        assert worker.stop() == 0
