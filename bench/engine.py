@@ -62,7 +62,7 @@ def build_hf(family: str, params: dict):
 def write_colibri(model, out: Path) -> Path:
     """The HF model's own weights, saved by transformers (legacy per-expert names) and run through
     `colibri convert`, so both engines hold the same bf16 weights."""
-    from expert_service.convert import convert
+    from expert_service.tools.convert import convert
     hf_dir = out.parent / (out.name + "-hf")
     model.save_pretrained(hf_dir)
     try:
@@ -116,19 +116,19 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
     """Decode steps as the worker serves a router's step stream: a StepPump on a model thread, two steps in
     flight from the sender (the router's pipeline_depth), so the worker launches step t+1 before it collects
     step t. Returns (seconds per step over DECODE_STEPS steps, median bytes a step must read)."""
-    from expert_service.step_stream import StepPump, StreamSession, StreamStep
+    from expert_service.serving.step_stream import StepPump, StreamSession, StepRequest
     pump = StepPump(StreamSession(engine, {}), thread)
     empty, decodes = np.zeros(0, "<u8"), np.asarray(ids, "<u8")
     cached = sum(engine.sequences[i].num_cached for i in ids)      # step j's context: cached + (j + 1) * len(ids)
-    sent = collections.deque(pump.submit(StreamStep(i, empty, [], decodes, None)) for i in range(2))
+    sent = collections.deque(pump.submit(StepRequest(i, empty, [], decodes, None)) for i in range(2))
     for i in range(2, 6):                      # warm: the pump reaches its steady state
         sent.popleft().result()
-        sent.append(pump.submit(StreamStep(i, empty, [], decodes, None)))
+        sent.append(pump.submit(StepRequest(i, empty, [], decodes, None)))
     moved = []
     start = time.perf_counter()
     for i in range(DECODE_STEPS):
         result = sent.popleft().result().result
-        sent.append(pump.submit(StreamStep(6 + i, empty, [], decodes, None)))
+        sent.append(pump.submit(StepRequest(6 + i, empty, [], decodes, None)))
         moved.append(step_bytes(result, cached + (5 + i) * len(ids)))
     seconds = (time.perf_counter() - start) / DECODE_STEPS
     for future in sent:
@@ -138,17 +138,18 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
 
 def bench_colibri(model_dir: Path, vocab: int) -> dict:
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine, PrefillInput
-    from expert_service.lifecycle import ModelThread
-    from expert_service.sampling import SamplingParams
+    from expert_service.engine.config import EngineConfig
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.backends import build_engine
+    from expert_service.serving.lifecycle import ModelThread
+    from expert_service.engine.sampling import SamplingParams
     rng = np.random.default_rng(0)
     before = device_used_bytes()
     model = ModelDir.open(model_dir, verify=False)
     # sized for the work below, as HF's cache is: the largest batch's prompts and decode steps (timed one at a
     # time, then pipelined, each after a few warm-up steps), whole blocks
     kv_tokens = max(DECODE_BATCHES) * -(-(DECODE_CONTEXT + 2 * DECODE_STEPS + 12) // KV_BLOCK) * KV_BLOCK
-    engine = Engine(model, EngineConfig(backend="cuda", kv_block_size=KV_BLOCK, kv_cache_tokens=kv_tokens,
+    engine = build_engine(model, EngineConfig(backend="cuda", kv_block_size=KV_BLOCK, kv_cache_tokens=kv_tokens,
                                         max_batch_tokens=2048, max_batch_size=max(DECODE_BATCHES)))
     out = {"prefill_tok_s": {}, "decode_ms": {}, "roofline_fraction": {}, "bytes_per_step": {},
            "decode_ms_sequential": {}, "roofline_fraction_sequential": {},

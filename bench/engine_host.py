@@ -41,15 +41,16 @@ class GreedyRows:
 def measure(contexts: list[int], steps: int, warmup: int) -> dict:
     sys.path.insert(0, str(REPO))
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine, PrefillInput
-    from expert_service.sampling import SamplingParams
-    from expert_service.tiny_model import make_tiny
+    from expert_service.engine.config import EngineConfig
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.backends import build_engine
+    from expert_service.engine.sampling import SamplingParams
+    from expert_service.tools.tiny_model import make_tiny
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelDir.open(make_tiny(Path(tmp) / "m", family="mixtral", seed=1))
         results = {}
         for context in contexts:
-            engine = Engine(model, EngineConfig(backend="cpu", kv_block_size=16, max_batch_size=64,
+            engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=16, max_batch_size=64,
                                                 kv_cache_tokens=64 * (context + steps + warmup + 16),
                                                 max_batch_tokens=max(512, context)))
             real = engine.decoder.forward

@@ -148,7 +148,7 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
 
     from expert_service.kernels import gemv
     from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-    from expert_service.experts import group_by_expert
+    from expert_service.experts.grouping import group_by_expert
     linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     seed = iter(range(1, 1 << 30, 7919))
 

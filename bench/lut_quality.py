@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_format import ModelDir  # noqa: E402
 from common.models import FAMILIES  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
-from expert_service.tiny_model import make_tiny  # noqa: E402
-from expert_service.config import EngineConfig  # noqa: E402
-from expert_service.engine import Engine, PrefillInput  # noqa: E402
-from expert_service.routing_gen import generate  # noqa: E402
-from expert_service.sampling import SamplingParams  # noqa: E402
+from expert_service.tools.tiny_model import make_tiny  # noqa: E402
+from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
+from expert_service.backends import build_engine
+from expert_service.tools.routing_gen import generate  # noqa: E402
+from expert_service.engine.sampling import SamplingParams  # noqa: E402
 
 
 def run(engine: Engine, prompt: list[int], steps: int, table: RoutingTable | None):
@@ -56,8 +57,8 @@ def main() -> int:
         for family in sorted(FAMILIES):
             model_dir = make_tiny(Path(tmp) / family, family=family, seed=11)
             model = ModelDir.open(model_dir)
-            exact = Engine(model, EngineConfig(backend="cpu", routing="exact"))
-            lut = Engine(model, EngineConfig(backend="cpu", routing="lut"))
+            exact = build_engine(model, EngineConfig(backend="cpu", routing="exact"))
+            lut = build_engine(model, EngineConfig(backend="cpu", routing="lut"))
             corpus = rng.integers(3, model.config.vocab_size, args.corpus_tokens)
             table_array, report = generate(model, exact, corpus, model.config.num_experts_per_tok, 0.1, 256)
             path = write_routing_table(Path(tmp) / f"{family}.bin", table_array, model.config.num_experts)

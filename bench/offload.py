@@ -31,7 +31,7 @@ Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
 
-`--shapes tiny --backend cpu`: expert_service.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
+`--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 
 A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
 
@@ -65,16 +65,18 @@ from bench.offload_report import plot_offload, print_offload  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
-from expert_service.config import EngineConfig  # noqa: E402
-from expert_service.engine import Engine, PrefillInput, cuda_available  # noqa: E402
-from expert_service.experts import CacheStats  # noqa: E402
-from expert_service.experts import plan_slots  # noqa: E402
-from expert_service.routing_gen import generate  # noqa: E402
-from expert_service.sampling import SamplingParams  # noqa: E402
+from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.backends import cuda_available
+from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
+from expert_service.backends import build_engine
+from expert_service.experts.cache import CacheStats  # noqa: E402
+from expert_service.experts.slots import plan_slots  # noqa: E402
+from expert_service.tools.routing_gen import generate  # noqa: E402
+from expert_service.engine.sampling import SamplingParams  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
-TINY = "tiny"                    # test-only shape: expert_service.tiny_model's Mixtral (cpu backend, no HF)
+TINY = "tiny"                    # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu backend, no HF)
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
 PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
 DECODE_BATCHES = (1, 16)
@@ -102,7 +104,7 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
 
 
 def make_engine(model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none") -> Engine:
-    return Engine(model, EngineConfig(backend=backend, kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=2048,
+    return build_engine(model, EngineConfig(backend=backend, kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=2048,
                                       max_batch_size=16, expert_cache_slots=slots,
                                       prefetch=prefetch.replace("+", ",")))
 
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 def _build_shape(name: str, workdir: Path):
     """A reference shape's random bf16 model: (its Colibri model directory, the HF model on the host or None)."""
     if name == TINY:
-        from expert_service.tiny_model import make_tiny
+        from expert_service.tools.tiny_model import make_tiny
         return make_tiny(workdir / "model", family="mixtral"), None
     import torch
     base = build_hf(*SHAPES[name])

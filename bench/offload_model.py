@@ -20,7 +20,7 @@ import numpy as np
 from common.errors import ConfigError
 from common.model_format import MANIFEST, ModelDir
 from common.routing_table import RoutingTable
-from expert_service.routing_gen import load_corpus, report_path_for
+from expert_service.tools.routing_gen import load_corpus, report_path_for
 
 # What offload.json keeps of router-gen's report (the rest is paths and sizes already recorded).
 REPORT_KEYS = ("top_k", "num_experts", "corpus", "train_tokens", "heldout_tokens", "heldout_unseen_share",

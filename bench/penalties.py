@@ -29,8 +29,8 @@ PENALTIES = dict(repetition=1.1, presence=0.5, frequency=0.5)
 
 def scenarios():
     """name -> (sampling of sequence i of a batch of n)."""
-    from expert_service.penalties import PenaltyParams
-    from expert_service.sampling import SamplingParams
+    from expert_service.engine.penalties import PenaltyParams
+    from expert_service.engine.sampling import SamplingParams
     penalised = SamplingParams(penalties=PenaltyParams(**PENALTIES))
     return {
         "plain": lambda i, n: SamplingParams(),
@@ -42,7 +42,7 @@ def scenarios():
 
 def decode_ms(engine, batch: int, sampling, rng) -> float:
     """Median ms of a decode step of `batch` sequences with CONTEXT tokens of prompt each."""
-    from expert_service.engine import PrefillInput
+    from expert_service.engine.engine import PrefillInput
     ids = list(range(batch))
     for start in range(0, batch, max(1, engine.config.max_batch_tokens // CONTEXT)):
         chunk = ids[start:start + max(1, engine.config.max_batch_tokens // CONTEXT)]
@@ -57,8 +57,8 @@ def decode_ms(engine, batch: int, sampling, rng) -> float:
 
 
 def prefill_ms(engine, tokens: int, prompt_logprobs: int | None, rng) -> float:
-    from expert_service.engine import PrefillInput
-    from expert_service.sampling import SamplingParams
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -71,17 +71,17 @@ def prefill_ms(engine, tokens: int, prompt_logprobs: int | None, rng) -> float:
 
 def run(shape: str, backend: str, workdir: Path) -> dict:
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
     if shape == "tiny":
-        from expert_service.tiny_model import make_tiny
+        from expert_service.tools.tiny_model import make_tiny
         model_dir = make_tiny(workdir / "tiny", family="qwen3_moe", seed=0)
     else:
         from bench.engine import SHAPES
         from bench.profile_step import write_random_model
         family, params = SHAPES[shape]
         model_dir = write_random_model(family, params, workdir / shape)
-    engine = Engine(ModelDir.open(model_dir), EngineConfig(backend=backend, max_batch_size=max(BATCHES),
+    engine = build_engine(ModelDir.open(model_dir), EngineConfig(backend=backend, max_batch_size=max(BATCHES),
                                                            max_batch_tokens=2048, kv_cache_tokens=65536))
     engine.warmup()
     rng = np.random.default_rng(0)

@@ -99,7 +99,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
     from common.dtypes import float32_to_bf16
     from common.model_format import ModelWriter
     from common.models import tensor_specs
-    from expert_service.tiny_model import tiny_hf_config
+    from expert_service.tools.tiny_model import tiny_hf_config
     rng = np.random.default_rng(seed)
     hf = {**tiny_hf_config(family), **params, "rope_theta": 1e6, "dtype": "bfloat16"}
     writer = ModelWriter(out, hf, "bfloat16")
@@ -187,8 +187,8 @@ class Scenarios:
         return random_plan(self.layers, num_tokens, self.E, self.K, self.rng) if self.lut else None
 
     def _sequences(self, b: int, n: int) -> list[int]:
-        from expert_service.engine import PrefillInput
-        from expert_service.sampling import SamplingParams
+        from expert_service.engine.engine import PrefillInput
+        from expert_service.engine.sampling import SamplingParams
         if b not in self.decoding:
             for other in list(self.decoding):        # one batch in the KV pool at a time
                 self.engine.release(self.decoding.pop(other))
@@ -201,8 +201,8 @@ class Scenarios:
         return self.decoding[b]
 
     def run(self, scenario: str) -> dict:
-        from expert_service.engine import PrefillInput
-        from expert_service.sampling import SamplingParams
+        from expert_service.engine.engine import PrefillInput
+        from expert_service.engine.sampling import SamplingParams
         kind, b, n = SCENARIOS[scenario]
         engine = self.engine
         if kind == "prefill":
@@ -228,8 +228,8 @@ class Scenarios:
 
 def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str], top: int, on_result) -> dict:
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
     family, params = SHAPES[name]
     started = time.perf_counter()
     model_dir = write_random_model(family, params, workdir / name)
@@ -240,7 +240,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
             group = [v for v in variants if (v == "lut") == lut]
             if not group:
                 continue
-            engine = Engine(ModelDir.open(model_dir, verify=False), EngineConfig(
+            engine = build_engine(ModelDir.open(model_dir, verify=False), EngineConfig(
                 backend="cuda", kv_block_size=16, kv_cache_tokens=64 * 512, max_batch_tokens=2048,
                 max_batch_size=64, routing="lut" if lut else "exact"))
             runner = Scenarios(engine, params["vocab_size"], lut)

@@ -3,7 +3,7 @@
 Models: `--backend cpu` the tiny model (`colibri make-tiny`); `--backend cuda` mixtral-shape and qwen3moe-shape
 (random bf16, built and converted by bench/engine.py's build_hf / write_colibri). For each:
 
-1. Engine alone: `expert_service.engine.Engine` in this process with the worker's settings. The prefill of
+1. Engine alone: `expert_service.engine.engine.Engine` in this process with the worker's settings. The prefill of
    one P-token prompt (median); per batch size B in --clients, B prompts prefilled (max_batch_tokens per
    step, as the router does) then G-1 decode steps of all B: the b=B step p50 and tok/s = B / step.
 2. Served: the two processes `colibri serve --worker-port` runs (`colibri worker`, `colibri router`: TCP
@@ -85,7 +85,7 @@ def prepare_models(args, workdir: Path):
         yield Path(args.model).name, Path(args.model)
         return
     if args.backend == "cpu":
-        from expert_service.tiny_model import make_tiny
+        from expert_service.tools.tiny_model import make_tiny
         yield "tiny", make_tiny(workdir / "models" / "tiny", family="mixtral", seed=0, progress=False)
         return
     import torch
@@ -115,9 +115,9 @@ def settings(args) -> dict:
 # --- the engine alone ------------------------------------------------------------------------------------
 def make_engine(model_dir: Path, cfg: dict):
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
-    engine = Engine(ModelDir.open(model_dir, verify=False), EngineConfig(
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
+    engine = build_engine(ModelDir.open(model_dir, verify=False), EngineConfig(
         backend=cfg["backend"], kv_block_size=cfg["kv_block_size"], kv_cache_tokens=cfg["kv_cache_tokens"],
         max_batch_tokens=cfg["max_batch_tokens"], max_batch_size=cfg["max_batch_size"]))
     engine.warmup()         # what the worker does before it serves (cuda: compile kernels, capture graphs)
@@ -126,8 +126,8 @@ def make_engine(model_dir: Path, cfg: dict):
 
 def prefill_steps(prompts: dict[int, np.ndarray], token_budget: int, max_seqs: int) -> list[list]:
     """The prompts, in order, as steps of <= token_budget tokens and <= max_seqs sequences (long ones split)."""
-    from expert_service.engine import PrefillInput
-    from expert_service.sampling import SamplingParams
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
     steps, current, used = [], [], 0
     for rid, ids in prompts.items():
         pos = 0

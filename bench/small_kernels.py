@@ -13,7 +13,7 @@
   which odd widths still take) and the bf16 cast of [T, 6144] (words of 4, uncapped grid vs one element a
   thread over at most elementwise.MAX_BLOCKS blocks: `cast_reference_launch` below).
 Both shapes of each kernel give the same bits (tested in tests/expert_service/kernels; the qkv GEMV within
-float32 rounding, tested in tests/expert_service/test_cuda_fusions.py); only time differs.
+float32 rounding, tested in tests/expert_service/cuda/test_fusions.py); only time differs.
 GPU time per launch: `--repeats` launches captured in one CUDA graph and replayed between two events
 (bench/kernels.py `graph_timed`). One line per case with both times and the ratio previous / current (> 1:
 current faster); JSON to --out.

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.serve import Process, free_port, wait_serving, worker_command  # noqa: E402
 from expert_service.kernels.jit_cache import CACHE_ENV  # noqa: E402
-from expert_service.lifecycle import READINESS  # noqa: E402
+from expert_service.serving.lifecycle import READINESS  # noqa: E402
 
 CACHE_STATES = ("none", "cold", "warm")
 WARMUP_LINE = re.compile(r"warm-up (\d+) ms")
@@ -41,7 +41,7 @@ def prepare_models(names: list[str], workdir: Path):
     """(name, model directory) pairs, each built just before it is measured: "tiny" or a bench/engine.py shape."""
     for name in names:
         if name == "tiny":
-            from expert_service.tiny_model import make_tiny
+            from expert_service.tools.tiny_model import make_tiny
             yield name, make_tiny(workdir / name, family="mixtral", seed=0, progress=False)
         else:
             from bench.engine import SHAPES, build_hf, write_colibri

@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.errors import ColibriError, ConfigError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable  # noqa: E402
-from expert_service.config import EngineConfig  # noqa: E402
-from expert_service.engine import Engine  # noqa: E402
-from expert_service.routing_gen import (build_table, load_corpus, recall_sums, split_sequences,  # noqa: E402
+from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.engine.engine import Engine  # noqa: E402
+from expert_service.backends import build_engine
+from expert_service.tools.routing_gen import (build_table, load_corpus, recall_sums, split_sequences,  # noqa: E402
                                         trace_routing)
 
 BATCH_TOKENS = 4096              # what router-gen packs into one step
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as e:
         parser.error(str(e))
     batch_tokens = max(args.sequence_length, BATCH_TOKENS)
-    engine = Engine(model, EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens,
+    engine = build_engine(model, EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens,
                                         kv_cache_tokens=batch_tokens + 64 * 16))
     result = {"model": str(model.path), "table": str(args.table or model.path / "routing_table.bin"),
               "text": str(args.text), "train_text": args.train_text, "backend": args.backend,

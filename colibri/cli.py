@@ -12,14 +12,14 @@ import sys
 from common.errors import ColibriError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("expert_service.cli.convert_cmd", "convert a Hugging Face safetensors checkpoint to a model dir"),
-    "verify": ("expert_service.cli.verify_cmd", "re-check every tensor checksum of a model directory"),
-    "make-tiny": ("expert_service.cli.make_tiny_cmd", "write and convert the small embedded default model"),
-    "logits": ("expert_service.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
-    "complete": ("expert_service.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
-    "router-gen": ("expert_service.cli.router_gen_cmd", "build the static token -> experts routing table "
+    "convert": ("expert_service.tools.cli.convert_cmd", "convert a Hugging Face safetensors checkpoint to a model dir"),
+    "verify": ("expert_service.tools.cli.verify_cmd", "re-check every tensor checksum of a model directory"),
+    "make-tiny": ("expert_service.tools.cli.make_tiny_cmd", "write and convert the small embedded default model"),
+    "logits": ("expert_service.tools.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
+    "complete": ("expert_service.tools.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
+    "router-gen": ("expert_service.tools.cli.router_gen_cmd", "build the static token -> experts routing table "
                                                         "and report its recall"),
-    "worker": ("expert_service.main", "run the expert worker gRPC service (owns the model and GPU)"),
+    "worker": ("expert_service.serving.main", "run the expert worker gRPC service (owns the model and GPU)"),
     "router": ("router_service.main", "run the router gRPC service (public API, batching)"),
     "serve": ("colibri.serve", "run worker and router as two processes, for local use"),
     "generate": ("router_service.generate_cmd", "client: stream a completion from a running router"),

@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 from common.config import add_flags, flag_name  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
-from expert_service.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
+from expert_service.engine.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
 from router_service.config import RouterConfig  # noqa: E402
 
 log = logging.getLogger("colibri.serve")

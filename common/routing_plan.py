@@ -1,7 +1,7 @@
 """The routing plan: for every MoE layer, which of a step's tokens each expert gets, in CSR form.
 
 The router builds it from the static routing table (`RoutingTable.routing_plan`) and sends it with the step;
-the worker reads it back (`RoutingPlan.from_pb`) and uses it as the routing (`--routing lut`) or as a
+the worker reads it back and uses it as the routing (`--routing lut`) or as a
 prediction to prefetch experts and measure recall (`--routing exact`). Token indices count the step's tokens
 in the worker's order: prompt chunks first, then one token per decoding sequence.
 """
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.errors import InvalidRequestError
-from common.pb import worker_pb2
-from common.tensors import from_pb, to_pb
 
 
 @dataclass(frozen=True)
@@ -50,26 +48,6 @@ class RoutingPlan:
         return {layer: csr_to_ids(offsets, tokens, num_experts, num_tokens, top_k)
                 for layer, offsets, tokens in self.csr()}
 
-    def to_pb(self) -> worker_pb2.RoutingPlan:
-        return worker_pb2.RoutingPlan(layers=list(self.layers), offsets=to_pb(self.offsets),
-                                      token_indices=to_pb(self.token_indices))
-
-    @classmethod
-    def from_pb(cls, message: worker_pb2.RoutingPlan, moe_layers: Sequence[int]) -> RoutingPlan | None:
-        """The plan a message carries (None when it names no layer); its shapes are checked here, its CSR
-        contents by `expert_ids`."""
-        layers = [int(layer) for layer in message.layers]
-        if not layers:
-            return None
-        if layers != list(moe_layers):
-            raise InvalidRequestError("routing_plan.layers", f"must be the MoE layers {list(moe_layers)}, "
-                                                             f"got {layers}")
-        offsets = from_pb(message.offsets, "routing_plan.offsets", "int32")
-        tokens = from_pb(message.token_indices, "routing_plan.token_indices", "int32")
-        if offsets.ndim != 2 or tokens.ndim != 2 or offsets.shape[0] != len(layers) or tokens.shape[0] != len(layers):
-            raise InvalidRequestError("routing_plan", f"offsets {list(offsets.shape)} and token_indices "
-                                                      f"{list(tokens.shape)} need one row per layer ({len(layers)})")
-        return cls(tuple(layers), offsets, tokens)
 
 
 def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int,

@@ -1,9 +1,9 @@
 """The router's batching loop: one asyncio task (schedule -> worker step -> update) and the requests it serves.
 
-The loop is the three lines of `_step`; everything else feeds it. Requests enter through `submit` (admission:
-draining, worker readiness, bounded concurrency), receive `Delta`s on their own asyncio queue, and leave via
-a finish reason, an error, or `cancel` (which frees their KV blocks at once and wakes the loop so the worker's
-FilterBatch happens before the next step). When the worker fails, every request in flight ends (INTERNAL for
+`_step` keeps up to `pipeline_depth` scheduled steps on the worker's step stream and applies the oldest answer;
+everything else feeds it. Requests enter through `submit` (admission: draining, worker readiness, bounded
+concurrency), receive `Delta`s on their own asyncio queue, and leave via a finish reason, an error, or `cancel`
+(which frees their KV blocks at once and wakes the loop, so the next step carries the worker's free). When the worker fails, every request in flight ends (INTERNAL for
 the batch the worker failed, UNAVAILABLE otherwise) and the loop reconnects: Info, Health, ClearCache.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
-from router_service.scheduler import (FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits,
-                                      StepOutput)
+from router_service.scheduler import (FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits)
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
+from router_service import wire
 from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -183,7 +183,7 @@ class BatchingLoop:
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         self.scheduler.add(ScheduledRequest(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
                                             frozenset(req.stop_token_ids),
-                                            sampling=req.to_sampling_pb(self.limits.eos_token_ids),
+                                            sampling=wire.sampling_params(req, self.limits.eos_token_ids),
                                             queue_deadline=min(deadline, now + self.config.queue_timeout_s),
                                             scores_prompt=req.prompt_logprobs is not None, penalized=req.penalized))
         self._requests[seq_id] = state
@@ -203,7 +203,7 @@ class BatchingLoop:
         if state is None:
             return
         if self.scheduler is not None:
-            self.scheduler.finish(seq_id, reason)  # blocks back now; FilterBatch before the next step
+            self.scheduler.finish(seq_id, reason)  # blocks back now; the next step frees it on the worker
         state.is_done = True
         if error is not None:
             state.queue.put_nowait(error)
@@ -288,7 +288,7 @@ class BatchingLoop:
             s.span_context for s in states), attributes={COLIBRI_STEP_KIND: step.kind, COLIBRI_BATCH_SIZE: len(
                 step.num_scheduled_tokens), COLIBRI_BATCH_TOKENS: step.num_tokens})
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
-        request = step.to_stream_pb(next(self._step_ids), routing_plan)
+        request = wire.step_request(step, next(self._step_ids), routing_plan)
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
         self._in_flight.append(_InFlight(step, request.step_id, started, span))
         await self._stream.send(request)
@@ -308,7 +308,7 @@ class BatchingLoop:
                 if seq_id in self._requests:
                     self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
             return
-        outputs = self.scheduler.update(step, StepOutput.from_stream_pb(response))
+        outputs = self.scheduler.update(step, wire.request_outputs(response))
         worker_ms = response.timings.total_ms
         # A pipelined step waits on the worker behind the one ahead of it: its round trip starts when both it
         # was sent and the previous result was back, so the transport metric stays transport, not queueing.

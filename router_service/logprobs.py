@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.pb import worker_pb2
 
 Top = list[tuple[int, float]]       # (token id, log-probability), most likely first
 
@@ -22,16 +21,6 @@ class Scored:
     logprobs: np.ndarray        # [n] float32
     top_ids: np.ndarray         # [n, k] int32 (-1: none)
     top_logprobs: np.ndarray    # [n, k] float32
-
-    @classmethod
-    def from_pb(cls, message: worker_pb2.TokenLogprobs) -> Scored:
-        logprobs = np.frombuffer(message.logprobs, "<f4")
-        n, k = len(logprobs), message.top_k
-        top_ids, top_logprobs = np.frombuffer(message.top_ids, "<i4"), np.frombuffer(message.top_logprobs, "<f4")
-        if top_ids.size != n * k or top_logprobs.size != n * k:
-            raise ValueError(f"scored positions: {n} log-probabilities with top_k {k}, but {top_ids.size} ids and "
-                             f"{top_logprobs.size} top log-probabilities")
-        return cls(logprobs, top_ids.reshape(n, k), top_logprobs.reshape(n, k))
 
     @classmethod
     def concat(cls, parts: list[Scored]) -> Scored:
@@ -61,12 +50,6 @@ def prompt_logprobs(prompt_ids, scored: Scored) -> list[PromptLogprob]:
         raise ValueError(f"prompt scores: {len(scored)} positions for {len(prompt_ids)} prompt tokens")
     return [PromptLogprob(int(t), None if math.isnan(lp) else float(lp), top)
             for t, lp, top in zip(prompt_ids, scored.logprobs.tolist(), scored.tops())]
-
-
-def scored_by_request(messages) -> dict[int, tuple[Scored | None, Scored | None]]:
-    """request id -> (sampled token's top tokens, prompt chunk's scores) of a step's SequenceLogprobs."""
-    return {m.request_id: (Scored.from_pb(m.sampled) if m.HasField("sampled") else None,
-                           Scored.from_pb(m.prompt) if m.HasField("prompt") else None) for m in messages}
 
 
 class TokenTexts:

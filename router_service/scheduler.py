@@ -1,5 +1,5 @@
-"""Continuous-batching scheduler: pure Python, no grpc, no asyncio; the batching loop drives it. Its step and
-output types convert themselves to and from the worker's protobuf messages (`to_pb`, `from_pb`).
+"""Continuous-batching scheduler: pure Python, no grpc, no protobuf, no asyncio; the batching loop drives it
+and `router_service.wire` converts its steps and outputs to and from the worker's messages.
 
 Design note. There is one token-accounting model and no prefill/decode "phases": every request has
 ``num_tokens`` (prompt + generated) and ``num_computed_tokens`` (tokens whose KV the worker holds), and a
@@ -16,8 +16,7 @@ limits ride on the same rule, both max_batch_size: requests with penalties on th
 that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host).
 
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
-it, the next scheduled step carries a FilterBatch so the worker frees its KV before (or instead of) running
-it. A request cancelled while waiting is dropped from the queue and never reaches the worker.
+it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
 from __future__ import annotations
 
@@ -26,13 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 
-from common.pb import worker_pb2
-from router_service.logprobs import Scored, scored_by_request
+from router_service.logprobs import Scored
 
 if TYPE_CHECKING:
-    from common.routing_plan import RoutingPlan
+    pass
 
 
 class Status(enum.Enum):
@@ -60,8 +57,9 @@ class ScheduledRequest:
     # Token ids that end the request (EOS unless ignore_eos, plus stop_token_ids), by reason.
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
-    # Opaque to the scheduler: carried into the first prefill chunk.
-    sampling: worker_pb2.SamplingParams | None = None
+    # Opaque to the scheduler: the worker's sampling settings as the wire built them, carried into the first
+    # prompt chunk.
+    sampling: object = None
     # time.monotonic() after which a still-waiting request is dropped.
     queue_deadline: float = float("inf")
     output_ids: list[int] = field(default_factory=list)
@@ -104,18 +102,13 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A slice of a prompt for one step (maps onto worker PrefillChunk)."""
+    """A slice of a prompt for one step."""
     request_id: int
     token_ids: tuple[int, ...]
     is_first: bool  # the worker learns the sequence (and its sampling) from this chunk
     is_last: bool  # the prompt ends here: the worker samples the first generated token
-    sampling: worker_pb2.SamplingParams | None = None  # the request's, on its first chunk
+    sampling: object = None  # the request's, on its first chunk
 
-    def to_pb(self) -> worker_pb2.PrefillChunk:
-        chunk = worker_pb2.PrefillChunk(request_id=self.request_id, token_ids=self.token_ids, is_last=self.is_last)
-        if self.is_first and self.sampling is not None:
-            chunk.sampling.CopyFrom(self.sampling)
-        return chunk
 
 
 @dataclass(frozen=True)
@@ -128,9 +121,8 @@ class ScheduledStep:
     # The input token of each decode, in decode_ids order: the token the request sampled last (the worker
     # feeds its own copy; routing lookups read this one).
     decode_token_ids: tuple[int, ...]
-    # Requests the worker must free before the step (FilterBatch keeps keep_ids) ...
+    # Requests the worker must free before the step ...
     free_ids: frozenset[int]
-    keep_ids: tuple[int, ...]
     # ... and waiting requests dropped because their queue deadline passed (never sent to the worker).
     expired_ids: tuple[int, ...] = ()
 
@@ -147,31 +139,10 @@ class ScheduledStep:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-    def to_pb(self, routing_plan: RoutingPlan | None = None) -> worker_pb2.PrefillRequest | worker_pb2.DecodeRequest:
-        """The worker request that runs this step: a PrefillRequest (decodes riding along) when it has prompt
-        chunks, else a DecodeRequest; the routing plan travels inside it."""
-        if self.prefill_chunks:
-            request = worker_pb2.PrefillRequest(chunks=[c.to_pb() for c in self.prefill_chunks],
-                                                decode_request_ids=self.decode_ids)
-        else:
-            request = worker_pb2.DecodeRequest(request_ids=self.decode_ids)
-        if routing_plan is not None:
-            request.routing_plan.CopyFrom(routing_plan.to_pb())
-        return request
-
-    def to_stream_pb(self, step_id: int, routing_plan: RoutingPlan | None = None) -> worker_pb2.StepStreamRequest:
-        """The step on the step stream: frees first, then chunks, then decodes (ids packed as uint64)."""
-        request = worker_pb2.StepStreamRequest(
-            step_id=step_id, free_request_ids=np.fromiter(self.free_ids, "<u8", len(self.free_ids)).tobytes(),
-            chunks=[c.to_pb() for c in self.prefill_chunks],
-            decode_request_ids=np.asarray(self.decode_ids, "<u8").tobytes())
-        if routing_plan is not None:
-            request.routing_plan.CopyFrom(routing_plan.to_pb())
-        return request
 
 
 @dataclass(frozen=True)
-class StepOutput:
+class RequestOutput:
     """What one request produced in a step."""
     request_id: int
     token_id: int | None  # None for a prompt chunk that did not end the prompt
@@ -181,27 +152,6 @@ class StepOutput:
     top: Scored | None = None      # top_logprobs: the sampled position's most likely tokens
     prompt: Scored | None = None   # prompt_logprobs: the step's chunk; on a first token, the whole prompt
 
-    @classmethod
-    def from_pb(cls, generation: worker_pb2.Generation) -> StepOutput:
-        top, prompt = scored_by_request([generation.scored]).get(generation.request_id, (None, None)) \
-            if generation.HasField("scored") else (None, None)
-        return cls(generation.request_id, generation.token_id if generation.has_token else None,
-                   generation.logprob, error=generation.error, top=top, prompt=prompt)
-
-    @classmethod
-    def from_stream_pb(cls, response: worker_pb2.StepStreamResponse) -> list[StepOutput]:
-        """The outputs of one step-stream result (packed arrays: request ids, token ids with -1 for none)."""
-        ids = np.frombuffer(response.request_ids, "<u8").tolist()
-        tokens = np.frombuffer(response.token_ids, "<i4").tolist()
-        logprobs = np.frombuffer(response.logprobs, "<f4").tolist() if response.logprobs else [0.0] * len(ids)
-        if len(tokens) != len(ids) or len(logprobs) != len(ids):
-            raise ValueError(f"step {response.step_id}: {len(ids)} request ids, {len(tokens)} tokens, "
-                             f"{len(logprobs)} logprobs")
-        errors = {e.request_id: e.code for e in response.errors}
-        scored = scored_by_request(response.scored)
-        return [cls(rid, None if token < 0 else token, logprob, error=errors.get(rid, ""),
-                    top=scored.get(rid, (None, None))[0], prompt=scored.get(rid, (None, None))[1])
-                for rid, token, logprob in zip(ids, tokens, logprobs)]
 
 
 @dataclass(frozen=True)
@@ -322,8 +272,7 @@ class Scheduler:
             budget -= self._add_chunk(req, budget, scheduled, chunks)
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
-        keep = tuple(s.request_id for s in self.running if s.is_on_worker)
-        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, keep,
+        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids,
                              tuple(expired))
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
@@ -341,11 +290,11 @@ class Scheduler:
         req.is_on_worker = True
         return n
 
-    def update(self, step: ScheduledStep, generations: list[StepOutput]) -> list[StepOutput]:
+    def update(self, step: ScheduledStep, generations: list[RequestOutput]) -> list[RequestOutput]:
         """Applies a step's results; returns one output per request still known, with finish reasons.
 
-        Requests that left while the step ran (cancelled) are skipped; their ids are already queued for
-        FilterBatch by `finish`.
+        Requests that left while the step ran (cancelled) are skipped; `finish` already queued their ids among
+        the next step's frees.
         """
         by_id = {g.request_id: g for g in generations}
         outputs = []
@@ -360,14 +309,14 @@ class Scheduler:
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
                 self.finish(request_id, FinishReason.ERROR)
-                outputs.append(StepOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
+                outputs.append(RequestOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
             if gen.prompt is not None:
                 req.prompt_scores.append(gen.prompt)
             if gen.token_id is None:
                 if expects_token:  # the prompt ended but the worker sampled nothing
                     self.finish(request_id, FinishReason.ERROR)
-                    outputs.append(StepOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT",
+                    outputs.append(RequestOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT",
                                               finish_reason=FinishReason.ERROR))
                 continue
             req.output_ids.append(gen.token_id)
@@ -376,7 +325,7 @@ class Scheduler:
                 self.finish(request_id, reason)
             prompt = Scored.concat(req.prompt_scores) if req.prompt_scores else None
             req.prompt_scores = []
-            outputs.append(StepOutput(request_id, gen.token_id, gen.logprob, reason, top=gen.top, prompt=prompt))
+            outputs.append(RequestOutput(request_id, gen.token_id, gen.logprob, reason, top=gen.top, prompt=prompt))
         return outputs
 
     @staticmethod

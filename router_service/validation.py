@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.pb import router_pb2, worker_pb2
+from common.pb import router_pb2
 from router_service.config import RouterConfig
 from router_service.generation_defaults import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationDefaults
 from router_service.protocol import is_metadata_safe
@@ -63,20 +63,6 @@ class ValidatedRequest:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def to_sampling_pb(self, eos_token_ids) -> worker_pb2.SamplingParams:
-        """The worker's sampling settings; it suppresses the stop ids (EOS unless ignored, then stop_token_ids)
-        before min_new_tokens."""
-        stop_ids = list(dict.fromkeys([*([] if self.ignore_eos else eos_token_ids), *self.stop_token_ids]))
-        params = worker_pb2.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            stop_token_ids=stop_ids, min_new_tokens=self.min_new_tokens, logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty)
-        if self.prompt_logprobs is not None:
-            params.prompt_logprobs = self.prompt_logprobs
-        if self.repetition_penalty != 1.0:
-            params.repetition_penalty = self.repetition_penalty
-        return params
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:

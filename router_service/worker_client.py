@@ -1,4 +1,5 @@
-"""Async client of colibri.worker.v1.WorkerService (the step converts itself: `ScheduledStep.to_pb`).
+"""Async client of colibri.worker.v1.WorkerService: the control calls and the step stream (`router_service.wire`
+builds its messages).
 
 No automatic retries: steps are stateful and not idempotent (a retried Prefill would run a chunk twice), so
 a failed call fails the batch and the batching loop decides what to do. Every call has a deadline, and the
@@ -13,9 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from common.pb import worker_pb2, worker_pb2_grpc
-from common.routing_plan import RoutingPlan
 from common.tracing import inject_metadata
-from router_service.scheduler import ScheduledStep
 
 
 class WorkerClient:
@@ -62,31 +61,10 @@ class WorkerClient:
                                     timeout or self.step_timeout_s * 5)
         return response.warmup_ms
 
-    async def prefill(self, request: worker_pb2.PrefillRequest,
-                      timeout: float | None = None) -> worker_pb2.PrefillResponse:
-        return await self._call(self._stub.Prefill, request, timeout or self.step_timeout_s)
-
-    async def decode(self, request: worker_pb2.DecodeRequest,
-                     timeout: float | None = None) -> worker_pb2.DecodeResponse:
-        return await self._call(self._stub.Decode, request, timeout or self.step_timeout_s)
-
-    async def filter_batch(self, keep_request_ids, timeout: float | None = None) -> worker_pb2.FilterBatchResponse:
-        request = worker_pb2.FilterBatchRequest(keep_request_ids=list(keep_request_ids))
-        return await self._call(self._stub.FilterBatch, request, timeout or self.control_timeout_s)
-
     async def clear_cache(self, timeout: float | None = None) -> int:
         response = await self._call(self._stub.ClearCache, worker_pb2.ClearCacheRequest(),
                                     timeout or self.control_timeout_s)
         return response.freed_sequences
-
-    async def step(self, step: ScheduledStep, timeout: float | None = None,
-                   routing_plan: RoutingPlan | None = None
-                   ) -> worker_pb2.PrefillResponse | worker_pb2.DecodeResponse:
-        """Runs `step` as one Prefill (chunks + decodes riding along) or one Decode RPC."""
-        request = step.to_pb(routing_plan)
-        if step.prefill_chunks:
-            return await self.prefill(request, timeout)
-        return await self.decode(request, timeout)
 
     def open_step_stream(self) -> StepStream:
         """A new step stream (the serving path); the worker frees its sequences when it ends."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from expert_service.tiny_model import make_tiny
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, has_gpu
 
 
@@ -42,6 +42,6 @@ def worker(tiny_model):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The router's Tokenizer over the tiny model's byte-level tokenizer (tests.helpers.byte_ids)."""
-    from expert_service.tiny_model import byte_tokenizer
+    from expert_service.tools.tiny_model import byte_tokenizer
     from router_service.tokenizer import Tokenizer
     return Tokenizer(byte_tokenizer())

@@ -7,7 +7,7 @@ tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_servic
 - Comparisons: ``assert_close`` for kernel outputs, ``rel_error`` for a figure to check or report.
 - Kernel inputs: ``nan_device``, ``random_cache`` (paged KV), ``expert_buffer`` and ``random_ids`` (MoE),
   ``awkward_floats`` (16-bit rounding edge cases) with ``bf16_bits`` (the kernels' bfloat16 rounding).
-- Text: ``byte_ids``; the one byte-level tokenizer is the tiny model's (``expert_service.tiny_model``).
+- Text: ``byte_ids``; the one byte-level tokenizer is the tiny model's (``expert_service.tools.tiny_model``).
 - Engines and services: ``run_session`` / ``exact_plans`` (expert cache), ``make_token_routed_model``,
   ``BackgroundWorker`` (an in-process worker) and ``running_router`` (an in-process router).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from common.dtypes import bf16_to_float32, float32_to_bf16
-from expert_service.tiny_model import NUM_SPECIAL
+from expert_service.tools.tiny_model import NUM_SPECIAL
 
 STORAGE_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 bits
 
@@ -30,7 +30,7 @@ STORAGE_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 
 # --- GPU ------------------------------------------------------------------------------------------------
 def has_gpu() -> bool:
     """A usable NVIDIA GPU (never in Numba's CUDA simulator)."""
-    from expert_service.engine import cuda_available
+    from expert_service.backends import cuda_available
     return cuda_available()
 
 
@@ -169,8 +169,8 @@ def random_prompt(seed: int, n: int, vocab: int = 259) -> list[int]:
 def bf16_tiny(root: Path, family: str, seed: int, **overrides) -> Path:
     """The tiny model of `family` with HF config overrides (e.g. num_experts=40), converted to bf16."""
     from safetensors.numpy import save_file
-    from expert_service.convert import convert
-    from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+    from expert_service.tools.convert import convert
+    from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
     hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
     hf = {**tiny_hf_config(family), **overrides}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -190,10 +190,11 @@ SESSION_PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 2
 def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **overrides):
     """Prompts in one step, then 4 decodes, on a fresh engine (the expert-cache tests of both backends run the
     same steps at any cache size): (logits of every step, tokens, per-step cache stats, traces, engine)."""
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine, PrefillInput
-    from expert_service.sampling import SamplingParams
-    engine = Engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
+    from expert_service.engine.config import EngineConfig
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.backends import build_engine
+    from expert_service.engine.sampling import SamplingParams
+    engine = build_engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
     greedy = SamplingParams()
     steps = [dict(prefill=[PrefillInput(i, p, greedy, True) for i, p in enumerate(prompts)])]
     steps += [dict(decode_ids=list(range(len(prompts))))] * 4
@@ -226,8 +227,8 @@ def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16)
     from safetensors.numpy import load_file, save_file
 
     from common.models import config_from_hf, tensor_specs
-    from expert_service.convert import convert
-    from expert_service.tiny_model import write_tiny_checkpoint
+    from expert_service.tools.convert import convert
+    from expert_service.tools.tiny_model import write_tiny_checkpoint
 
     hf_dir = write_tiny_checkpoint(Path(tmp_path) / "token_routed_hf", "mixtral", seed)
     config = config_from_hf(json.loads((hf_dir / "config.json").read_text()))
@@ -243,13 +244,13 @@ def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16)
 
 
 class BackgroundWorker:
-    """Runs `expert_service.main.serve` on its own event loop in a thread; `.address` once ready."""
+    """Runs `expert_service.serving.main.serve` on its own event loop in a thread; `.address` once ready."""
 
     def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None,
                  **engine_overrides):
         from common.tracing import make_tracer_provider
-        from expert_service.config import EngineConfig
-        from expert_service.main import WorkerConfig
+        from expert_service.engine.config import EngineConfig
+        from expert_service.serving.main import WorkerConfig
         self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8)
         self.engine_config = EngineConfig(**{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096,
                                              **engine_overrides})
@@ -265,7 +266,7 @@ class BackgroundWorker:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        from expert_service.main import serve
+        from expert_service.serving.main import serve
         asyncio.set_event_loop(self.loop)
 
         def on_ready(port: int, servicer):
@@ -323,3 +324,11 @@ async def running_router(worker_address: str, wait_ready: bool = True, **overrid
             yield router, router_pb2_grpc.GenerationServiceStub(channel)
     finally:
         await router.stop(grace=0.1)
+
+
+async def worker_kv_blocks_used(client) -> int:
+    """KV blocks the worker holds, read through its FilterBatch RPC with nothing to keep from the unary calls
+    (the router itself only uses the step stream, whose sequences FilterBatch leaves alone)."""
+    from common.pb import worker_pb2
+    response = await client._call(client._stub.FilterBatch, worker_pb2.FilterBatchRequest(), client.control_timeout_s)
+    return response.kv_blocks_used

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import transformers
 
-from expert_service.convert import convert
+from expert_service.tools.convert import convert
 
 CONFIG_CLASSES = {
     "mixtral": transformers.MixtralConfig,

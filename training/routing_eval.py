@@ -25,10 +25,11 @@ import numpy as np
 
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine, PrefillInput
-from expert_service.experts import CacheStats
-from expert_service.sampling import SamplingParams
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import Engine, PrefillInput
+from expert_service.backends import build_engine
+from expert_service.experts.cache import CacheStats
+from expert_service.engine.sampling import SamplingParams
 from training.corpus import DATA_DIR
 
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan,lookahead")
@@ -78,8 +79,8 @@ def greedy(engine: Engine, prompt: np.ndarray, new_tokens: int, table: RoutingTa
 
 
 def lut_quality(model: ModelDir, table: RoutingTable, heldout: np.ndarray, config: EvalConfig) -> dict:
-    exact = Engine(model, EngineConfig(backend="cpu", routing="exact"))
-    lut = Engine(model, EngineConfig(backend="cpu", routing="lut"))
+    exact = build_engine(model, EngineConfig(backend="cpu", routing="exact"))
+    lut = build_engine(model, EngineConfig(backend="cpu", routing="lut"))
     nll = {"exact": [], "lut": []}
     agree = []
     for window in spaced_slices(heldout, config.windows, config.window_tokens):
@@ -107,7 +108,7 @@ def lut_quality(model: ModelDir, table: RoutingTable, heldout: np.ndarray, confi
 
 def cache_run(model: ModelDir, table: RoutingTable, heldout: np.ndarray, slots: int, prefetch: str,
               config: EvalConfig) -> dict:
-    engine = Engine(model, EngineConfig(backend="cpu", expert_cache_slots=slots, prefetch=prefetch))
+    engine = build_engine(model, EngineConfig(backend="cpu", expert_cache_slots=slots, prefetch=prefetch))
     prefill, decode, decode_steps = CacheStats(), CacheStats(), 0
     try:
         for rid, window in enumerate(spaced_slices(heldout, config.cache_sequences, config.cache_prompt_tokens)):

@@ -1,10 +1,10 @@
 """Penalty state and application on the cpu backend: the slots' words in one host array, a step's updates
-and its penalised rows vectorised over the batch (semantics and state layout: expert_service/penalties.py)."""
+and its penalised rows vectorised over the batch (semantics and state layout: expert_service/engine/penalties.py)."""
 from __future__ import annotations
 
 import numpy as np
 
-from expert_service.penalties import PenaltyBatch, apply_penalties, update_state
+from expert_service.engine.penalties import PenaltyBatch, apply_penalties, update_state
 
 
 class HostPenalties:

@@ -30,7 +30,7 @@ from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from expert_service.config import Backend, EngineConfig, RoutingMode
+from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
@@ -53,8 +53,8 @@ from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_
 from expert_service.kernels.qk_norm_rope_kv_write import supports as supports_fused_qk_norm
 from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.rope_kv_write import launch_rope_kv_write
-from expert_service.experts import SlotPlan
-from expert_service.step import ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.experts.slots import SlotPlan
+from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -110,6 +110,7 @@ class CudaDecoder:
     backend = Backend.CUDA
 
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
+        self.slot_plan = slot_plan
         self.config: ModelConfig = model.config
         self.engine_config = config
         self._stream_handle, self.stream = non_blocking_stream()

@@ -91,9 +91,9 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import choose_config
-from expert_service.kernels.router_fused import launch_router_fused
-from expert_service.kernels.router_planned import launch_router_planned
-from expert_service.kernels.router_topk import launch_router_topk
+from expert_service.kernels.gate_fused import launch_gate_fused
+from expert_service.kernels.gate_planned import launch_gate_planned
+from expert_service.kernels.gate_topk import launch_gate_topk
 
 ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
@@ -225,12 +225,12 @@ class DeviceMoe:
         combine = self._combiner(x, next_norm if fuse_norm else None)
         if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
-            launch_router_planned(x, router, planned, ids, weights, stream=st)
+            launch_gate_planned(x, router, planned, ids, weights, stream=st)
         elif fused_router(T):
-            launch_router_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
+            launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
             self.linear.linear(x, router, logits)
-            launch_router_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+            launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
         experts = self.weights.experts.get(i)
         if strategy is MoeStrategy.GROUPED_MMA:
             run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size,

@@ -1,5 +1,5 @@
 """The expert cache's side of the MoE block on the cuda backend (`CachedExperts`): device slots per MoE layer,
-their replacement and prefetch (expert_service.experts.ExpertCache), and the CACHED_GROUPED / CACHED_CUBLAS
+their replacement and prefetch (expert_service.experts.cache.ExpertCache), and the CACHED_GROUPED / CACHED_CUBLAS
 strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident: the routed experts
 run in waves over the slots, the grouped kernels or per-expert cuBLAS reading each expert's slot."""
 from __future__ import annotations
@@ -8,17 +8,19 @@ import numpy as np
 from numba import cuda
 
 from common.model_config import ModelConfig
-from expert_service.config import PrefetchSource
+from expert_service.engine.config import PrefetchSource
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe import MoeStrategy
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.experts import CacheStats, ExpertCache, SlotPlan, experts_by_count
+from expert_service.experts.cache import CacheStats, ExpertCache
+from expert_service.experts.grouping import experts_by_count
+from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.router_topk import launch_router_topk
+from expert_service.kernels.gate_topk import launch_gate_topk
 
 
 class CachedExperts:
@@ -80,7 +82,7 @@ class CachedExperts:
         ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
         if ahead is not None:
             self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
-            launch_router_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
+            launch_gate_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
                                stream=st)
             self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
         large = strategy is MoeStrategy.CACHED_CUBLAS    # the per-expert GEMMs need the row ranges on the host

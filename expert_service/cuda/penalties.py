@@ -1,4 +1,4 @@
-"""Penalties on the cuda backend (semantics and state layout: expert_service/penalties.py).
+"""Penalties on the cuda backend (semantics and state layout: expert_service/engine/penalties.py).
 
 Allocated once with the rest of the memory plan: the slots' state words [max_batch_size, V] uint16 (two bytes
 per token: 19 MiB for 64 slots of a 152k vocabulary, half of an int32 count), the penalised logits
@@ -18,7 +18,7 @@ from numba import cuda
 from expert_service.kernels.apply_penalties import launch_apply_penalties
 from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.penalty_update import launch_penalty_update
-from expert_service.penalties import PenaltyBatch
+from expert_service.engine.penalties import PenaltyBatch
 
 
 class DevicePenalties:

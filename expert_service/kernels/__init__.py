@@ -1,6 +1,6 @@
 """Numba CUDA kernels of the cuda backend: one op per module, each with its launcher and a docstring
 giving every argument's shape. The numpy reference of each op is the CPU backend (expert_service/layers,
-expert_service/moe_grouping.py, expert_service/sampling.py); tests compare the two.
+expert_service/moe_grouping.py, expert_service/engine/sampling.py); tests compare the two.
 
 Conventions
 - Shape legend: T tokens of the step, S sequences, D hidden, N/K output/input features of a linear,

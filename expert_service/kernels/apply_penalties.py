@@ -1,7 +1,7 @@
 """Repetition, frequency and presence penalties on logits rows, out of place (semantics and state layout:
-expert_service/penalties.py): out[r] = logits[r] penalised under state words[row_slots[r]] and row r's
+expert_service/engine/penalties.py): out[r] = logits[r] penalised under state words[row_slots[r]] and row r's
 parameters, or a copy of logits[r] where row_slots[r] < 0. Numpy reference:
-``expert_service.penalties.apply_penalties``.
+``expert_service.engine.penalties.apply_penalties``.
 
 Grid (column blocks, R): each thread walks its row with a stride of the row's threads, so loads and stores
 are coalesced; a word of 0 (token never seen) leaves the logit as it is. The raw logits stay untouched:

@@ -1,5 +1,5 @@
 """Counting sort of the step's (token, slot) assignments by expert, on the device; reference:
-``expert_service.experts.group_by_expert``.
+``expert_service.experts.grouping.group_by_expert``.
 
 One block does the whole sort in a single launch, so nothing needs zeroing beforehand and no value goes back
 to the host (CUDA-graph capturable): histogram with shared-memory atomics, exclusive scan of the E counts, then
@@ -32,7 +32,7 @@ def _expert_grouping_kernel(ids, counts, offsets, order, position):
     """ids [T, K] int32 in [0, E) -> counts [E], offsets [E+1], order [T*K], position [T*K] (all int32).
 
     order[p] = flat assignment index t*K+k at grouped position p; position[t*K+k] = p (inverse permutation).
-    Ids outside [0, E) are dropped (launch_router_topk never produces them); they would leave holes in order.
+    Ids outside [0, E) are dropped (launch_gate_topk never produces them); they would leave holes in order.
     """
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x

@@ -1,5 +1,5 @@
 """Weighted combine of the grouped expert outputs, fused with the residual add; reference:
-``expert_service.experts.combine`` followed by ``h + ...``.
+``expert_service.experts.grouping.combine`` followed by ``h + ...``.
 
 Grid (T, Y): the Y blocks of a token stride together over D (Y = 1 for large steps; small steps spread a
 token's row over up to one element per thread, `numeric.blocks_per_row`: with one block a decode token's 2048 elements x

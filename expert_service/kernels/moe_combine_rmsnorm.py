@@ -1,6 +1,6 @@
 """The MoE layer's combine and residual add fused with the next layer's input RMSNorm: one launch where the
 decoder ran `moe_combine` (or `moe_combine_dense`) and then `rmsnorm` (numpy reference:
-``expert_service.experts.combine`` + ``h + ...``, then ``expert_service.cpu.layers.norm.rms_norm``).
+``expert_service.experts.grouping.combine`` + ``h + ...``, then ``expert_service.cpu.layers.norm.rms_norm``).
 
     h[t, d] += sum_k weights[t, k] * y[row(t, k), d]      row: position[t*K + k] of y [T*K, D] (grouped layout)
                                                            or y[ids[t, k], t] of y [E, T, D] (dense layout)

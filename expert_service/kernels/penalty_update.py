@@ -1,6 +1,6 @@
-"""Penalty state updates (layout and semantics: expert_service/penalties.py): for each entry u,
+"""Penalty state updates (layout and semantics: expert_service/engine/penalties.py): for each entry u,
 words[slots[u], tokens[u]] gets bit 0 set (output[u] == 0: a prompt token) or counts one more output
-occurrence (+2, saturating at 0xFFFE). Numpy reference: ``expert_service.penalties.update_state``.
+occurrence (+2, saturating at 0xFFFE). Numpy reference: ``expert_service.engine.penalties.update_state``.
 
 One thread per entry. A prompt chunk may mark one token many times: those threads all write the same value.
 A slot counts at most one output token per step, never in a step that marks its prompt (a sequence either

@@ -6,9 +6,9 @@ import pytest
 
 from bench import offload
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine
-from expert_service.routing_gen import load_corpus, run_router_gen
+from expert_service.engine.config import EngineConfig
+from expert_service.backends import build_engine
+from expert_service.tools.routing_gen import load_corpus, run_router_gen
 from training.corpus import DATA_DIR
 
 HELDOUT_TEXT = (DATA_DIR / "heldout.txt").read_text(encoding="utf-8")
@@ -28,7 +28,7 @@ def model_with_table(tiny_model, tmp_path_factory):
     corpus_path = text_file(work / "corpus.txt", 100_000, 6_000)
     corpus = load_corpus(corpus_path, "text", model)
     table = work / "table.bin"
-    run_router_gen(model, lambda: Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
+    run_router_gen(model, lambda: build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
                    str(corpus_path), table, model.config.num_experts_per_tok, 0.1, 256)
     return model, table, text_file(work / "prompts.txt", 20_000, 3_000)
 

@@ -22,7 +22,7 @@ def test_expert_reference_rows_line_up():
     bench's diff compares row by row (simulator, bf16, tiny shapes)."""
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
     from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-    from expert_service.experts import group_by_expert
+    from expert_service.experts.grouping import group_by_expert
     rng = np.random.default_rng(1)
     E, K, F, D = 4, 2, 8, 40
     ids = kernels.expert_sets(rng, E, K, 1)[0]

@@ -13,7 +13,7 @@ from bench import offload
 from bench.offload_model import TokenSource, load_table, text_source
 from common.errors import ConfigError
 from common.routing_table import RoutingTableError
-from expert_service.routing_gen import load_corpus
+from expert_service.tools.routing_gen import load_corpus
 from tests.bench.conftest import HELDOUT_TEXT
 
 

@@ -75,9 +75,9 @@ def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, l
     """The scenario flow (prefill chunks, decode sequences kept across variants, random plans under lut) on the
     cpu engine, with the profiler replaced by a counter of the steps it would record."""
     from common.model_format import ModelDir
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
-    engine = Engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=4096,
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
+    engine = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=4096,
                                                            max_batch_tokens=256, routing="lut" if lut else "exact"))
     dropped, steps = [], []
     engine.decoder.drop_graphs = lambda: dropped.append(1)

@@ -10,10 +10,11 @@ import pytest
 from bench import table_recall
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine, PrefillInput
-from expert_service.routing_gen import load_corpus, run_router_gen
-from expert_service.sampling import SamplingParams
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import Engine, PrefillInput
+from expert_service.backends import build_engine
+from expert_service.tools.routing_gen import load_corpus, run_router_gen
+from expert_service.engine.sampling import SamplingParams
 from tests.bench.conftest import HELDOUT_TEXT
 from tests.helpers import make_token_routed_model
 SEQUENCE_LENGTH = 64
@@ -31,13 +32,13 @@ def texts(tmp_path, seed: int):
 def build_table(model_dir, corpus_path, out):
     model = ModelDir.open(model_dir, verify=False)
     corpus = load_corpus(corpus_path, "text", model)
-    run_router_gen(model, lambda: Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
+    run_router_gen(model, lambda: build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
                    str(corpus_path), out, model.config.num_experts_per_tok, 0.0, SEQUENCE_LENGTH)
     return out
 
 
 def engine_of(model: ModelDir) -> Engine:
-    return Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096))
+    return build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096))
 
 
 def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):

@@ -43,9 +43,9 @@ def free_port() -> int:
 
 
 def offline_greedy(model, prompt, n):
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
-    return Engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
+    return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
 def request(ids, n):

@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from colibri import serve as serve_module
-from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from tests.colibri.test_serve import child_pids, free_port, request, wait_serving
 

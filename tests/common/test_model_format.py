@@ -1,6 +1,6 @@
 """The model directory format: round trip for every family, the layout rules, and the writer's checks.
 
-Checkpoints come from make-tiny's generator here; tests/expert_service/test_convert.py covers checkpoints
+Checkpoints come from make-tiny's generator here; tests/expert_service/tools/test_convert.py covers checkpoints
 saved by transformers. The reader's one-line errors are exercised through the CLI in test_cli_offline.py.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from common.errors import ModelFormatError
 from common.model_format import (DENSE_ALIGN, DENSE_FILE, EXPERT_ALIGN, MANIFEST, ModelDir, ModelWriter,
                                  expert_file, plan_layout, read_manifest_config)
 from common.models import FAMILIES, config_from_hf, tensor_specs
-from expert_service.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
-from expert_service.convert import convert
+from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+from expert_service.tools.convert import convert
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -10,7 +10,7 @@ import pytest
 from common.errors import InvalidRequestError, ModelFormatError
 from common.models import config_from_hf
 from common.routing_table import HEADER_SIZE, RoutingTable, RoutingTableError, write_routing_table
-from expert_service.tiny_model import tiny_hf_config
+from expert_service.tools.tiny_model import tiny_hf_config
 
 CONFIG = config_from_hf(tiny_hf_config("mixtral"))          # 2 MoE layers, 259 tokens, 4 experts, top-2
 L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts

@@ -25,7 +25,7 @@ import pytest
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from tests.deploy.k8s import all_containers, container, find_tool, pod_spec, volume
-from tests.expert_service.worker_process import SERVING, free_port, health_status
+from tests.expert_service.serving.worker_process import SERVING, free_port, health_status
 
 pytestmark = pytest.mark.slow
 PROBE_PERIOD_SCALE = 0.2      # the kubelet's periods, shortened for CI; thresholds and timeouts as declared

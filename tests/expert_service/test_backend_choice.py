@@ -7,38 +7,39 @@ import pytest
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
-from expert_service import engine as engine_module
-from expert_service.config import Backend, EngineConfig
-from expert_service.engine import Engine, resolve_backend
-from expert_service.tiny_model import make_tiny
+from expert_service import backends as backends
+from expert_service.engine.config import Backend, EngineConfig
+from expert_service.backends import resolve_backend
+from expert_service.backends import build_engine
+from expert_service.tools.tiny_model import make_tiny
 
 
 @pytest.mark.parametrize("usable, why, want", [(True, "NVIDIA H200 found", Backend.CUDA),
                                                (False, "numba-cuda is not installed (the cuda extra)", Backend.CPU)])
 def test_auto_follows_the_gpu_and_says_why(monkeypatch, usable, why, want):
-    monkeypatch.setattr(engine_module, "cuda_status", lambda: (usable, why))
+    monkeypatch.setattr(backends, "cuda_status", lambda: (usable, why))
     assert resolve_backend(Backend.AUTO) == (want, f"auto: {why}")
 
 
 def test_an_explicit_backend_is_taken_as_asked(monkeypatch):
-    monkeypatch.setattr(engine_module, "cuda_status", lambda: pytest.fail("an explicit backend probes nothing"))
+    monkeypatch.setattr(backends, "cuda_status", lambda: pytest.fail("an explicit backend probes nothing"))
     assert resolve_backend(Backend.CPU) == (Backend.CPU, "--backend cpu")
     assert resolve_backend(Backend.CUDA) == (Backend.CUDA, "--backend cuda")
 
 
 def test_the_engine_logs_its_backend_and_the_reason(tmp_path, monkeypatch, caplog):
     model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, progress=False))
-    monkeypatch.setattr(engine_module, "cuda_status", lambda: (False, "no usable NVIDIA GPU or driver was found"))
+    monkeypatch.setattr(backends, "cuda_status", lambda: (False, "no usable NVIDIA GPU or driver was found"))
     with caplog.at_level(logging.INFO, logger="colibri.worker"):
-        Engine(model, EngineConfig(backend="auto", kv_cache_tokens=256))
+        build_engine(model, EngineConfig(backend="auto", kv_cache_tokens=256))
     assert "backend cpu (auto: no usable NVIDIA GPU or driver was found)" in caplog.messages
 
 
 def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch):
     model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, progress=False))
-    monkeypatch.setattr(engine_module, "cuda_status", lambda: (False, "NUMBA_ENABLE_CUDASIM=1 is set"))
+    monkeypatch.setattr(backends, "cuda_status", lambda: (False, "NUMBA_ENABLE_CUDASIM=1 is set"))
     with pytest.raises(ConfigError) as err:
-        Engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
+        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
     assert str(err.value) == ("backend: cuda was asked for but NUMBA_ENABLE_CUDASIM=1 is set "
                               "(use --backend cpu or auto)")
 
@@ -52,4 +53,4 @@ def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, nam
     monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))
-    assert engine_module.cuda_status() == (True, "NVIDIA H200 found")
+    assert backends.cuda_status() == (True, "NVIDIA H200 found")

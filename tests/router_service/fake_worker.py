@@ -18,7 +18,7 @@ from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
-from expert_service.tiny_model import EOS_ID as EOS, NUM_SPECIAL, VOCAB_SIZE
+from expert_service.tools.tiny_model import EOS_ID as EOS, NUM_SPECIAL, VOCAB_SIZE
 from router_service.config import RouterConfig
 from router_service.main import start_router
 

@@ -11,7 +11,7 @@ from grpc_status import rpc_status
 
 from common.errors import ConfigError, InvalidRequestError
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import BOS_ID, SPECIAL_TOKENS, byte_tokenizer
+from expert_service.tools.tiny_model import BOS_ID, SPECIAL_TOKENS, byte_tokenizer
 from router_service.chat import ChatTemplate
 from router_service.tokenizer import Tokenizer
 from tests.helpers import running_router

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import VOCAB_SIZE
+from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.router_service.fake_worker import harness
 
 SERVICE = "/colibri.router.v1.GenerationService/"

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import EOS_ID
+from expert_service.tools.tiny_model import EOS_ID
 from tests.helpers import running_router
 
 pytestmark = pytest.mark.slow

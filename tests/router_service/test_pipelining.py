@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import VOCAB_SIZE
+from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 from tests.helpers import running_router
 

@@ -15,7 +15,7 @@ from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import worker_pb2 as wpb
 from common.pb import worker_pb2_grpc
-from expert_service.tiny_model import make_tiny
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, make_token_routed_model, running_router
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,9 @@ def build_table(model, tmp_path, seed=0):
 
 
 def exact_greedy(model, prompt, n):
-    from expert_service.config import EngineConfig
-    from expert_service.engine import Engine
-    return Engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
+    from expert_service.engine.config import EngineConfig
+    from expert_service.backends import build_engine
+    return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
 def run_requests(worker, model, table, prompts, n):

@@ -2,10 +2,8 @@
 import numpy as np
 import pytest
 
-from common.pb import worker_pb2 as pb
-from common.routing_plan import RoutingPlan
 from router_service.scheduler import (FinishReason, ScheduledRequest, Scheduler, SchedulerLimits, Status,
-                                      StepOutput)
+                                      RequestOutput)
 
 
 def make(max_batch_size=8, max_batch_tokens=16, block=4, blocks=64):
@@ -18,8 +16,8 @@ def req(rid, n_prompt=4, max_new=4, **kw):
 
 def tokens_for(step, token=7):
     """What a worker would answer: a token for every last chunk and every decode."""
-    out = [StepOutput(c.request_id, token if c.is_last else None) for c in step.prefill_chunks]
-    return out + [StepOutput(i, token) for i in step.decode_ids]
+    out = [RequestOutput(c.request_id, token if c.is_last else None) for c in step.prefill_chunks]
+    return out + [RequestOutput(i, token) for i in step.decode_ids]
 
 
 def test_single_request_prefill_then_decode_until_length():
@@ -29,7 +27,7 @@ def test_single_request_prefill_then_decode_until_length():
     assert step.kind == "prefill" and step.num_scheduled_tokens == {1: 5}
     assert step.prefill_chunks[0].is_first and step.prefill_chunks[0].is_last
     outs = s.update(step, tokens_for(step))
-    assert outs == [StepOutput(1, 7, None, None)]
+    assert outs == [RequestOutput(1, 7, None, None)]
     step = s.schedule()
     assert step.kind == "decode" and step.decode_ids == (1,)
     s.update(step, tokens_for(step))
@@ -38,7 +36,7 @@ def test_single_request_prefill_then_decode_until_length():
     assert outs[0].finish_reason is FinishReason.LENGTH
     assert s.num_used_blocks == 0 and 1 not in s.requests
     step = s.schedule()  # the worker is told to free it, nothing runs
-    assert step.is_empty and step.free_ids == {1} and step.keep_ids == ()
+    assert step.is_empty and step.free_ids == {1}
 
 
 def test_token_budget_chunks_long_prompt():
@@ -78,10 +76,10 @@ def test_step_carries_each_decode_input_token():
     s.add(req(2, n_prompt=2, max_new=10))
     step = s.schedule()
     assert step.decode_token_ids == ()
-    s.update(step, [StepOutput(1, 40), StepOutput(2, 41)])
+    s.update(step, [RequestOutput(1, 40), RequestOutput(2, 41)])
     step = s.schedule()
     assert step.decode_ids == (1, 2) and step.decode_token_ids == (40, 41)
-    s.update(step, [StepOutput(1, 50), StepOutput(2, 51)])
+    s.update(step, [RequestOutput(1, 50), RequestOutput(2, 51)])
     assert s.schedule().decode_token_ids == (50, 51)
 
 
@@ -135,7 +133,7 @@ def test_cancel_during_step_output_is_dropped_and_freed():
     outs = s.update(step, tokens_for(step))
     assert [o.request_id for o in outs] == [2]
     step = s.schedule()
-    assert step.free_ids == {1} and step.keep_ids == (2,) and step.decode_ids == (2,)
+    assert step.free_ids == {1} and step.decode_ids == (2,)
 
 
 def test_stop_tokens_eos_and_errors():
@@ -144,7 +142,7 @@ def test_stop_tokens_eos_and_errors():
     s.add(req(2, stop_token_ids=frozenset({7})))
     s.add(req(3))
     step = s.schedule()
-    outs = s.update(step, [StepOutput(1, 7), StepOutput(2, 7), StepOutput(3, None, error="NON_FINITE_LOGITS")])
+    outs = s.update(step, [RequestOutput(1, 7), RequestOutput(2, 7), RequestOutput(3, None, error="NON_FINITE_LOGITS")])
     assert [o.finish_reason for o in outs] == [FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.ERROR]
     assert outs[2].error == "NON_FINITE_LOGITS" and not s.requests and s.num_used_blocks == 0
 
@@ -181,32 +179,6 @@ def test_allocations_equal_frees_after_cancel_storm():
     for rid in list(s.requests):
         s.finish(rid, FinishReason.CANCELLED)
     assert s.num_free_blocks == 40
-
-
-def test_step_to_pb_and_output_from_pb():
-    """A step converts itself into the worker's request: sampling rides on a request's first chunk only,
-    decodes ride along, the routing plan travels inside; a Generation converts back into a StepOutput."""
-    s = make(max_batch_tokens=6)
-    s.add(req(1, n_prompt=3, sampling=pb.SamplingParams(seed=11)))
-    s.add(req(2, n_prompt=5, sampling=pb.SamplingParams(seed=12)))
-    step = s.schedule()                                   # 1: whole prompt, 2: first 3 tokens
-    request = step.to_pb()
-    assert isinstance(request, pb.PrefillRequest) and not request.HasField("routing_plan")
-    assert [(c.request_id, list(c.token_ids), c.is_last, c.sampling.seed) for c in request.chunks] == \
-        [(1, [1, 2, 3], True, 11), (2, [1, 2, 3], False, 12)]
-    s.update(step, [StepOutput.from_pb(pb.Generation(request_id=1, has_token=True, token_id=9, logprob=-0.5)),
-                    StepOutput.from_pb(pb.Generation(request_id=2))])
-    assert s.requests[1].output_ids == [9]
-    step = s.schedule()                                   # 1 decodes, 2's last chunk carries no sampling
-    plan = RoutingPlan((0,), np.array([[0, 3]], np.int32), np.array([[0, 1, 2]], np.int32))
-    request = step.to_pb(plan)
-    assert list(request.decode_request_ids) == [1] and not request.chunks[0].HasField("sampling")
-    assert RoutingPlan.from_pb(request.routing_plan, [0]).expert_ids(1, 3)[0].tolist() == [[0], [0], [0]]
-    s.update(step, tokens_for(step))
-    request = s.schedule().to_pb()
-    assert isinstance(request, pb.DecodeRequest) and list(request.request_ids) == [1, 2]
-    assert StepOutput.from_pb(pb.Generation(request_id=3, error="NON_FINITE_LOGITS")) == \
-        StepOutput(3, None, 0.0, error="NON_FINITE_LOGITS")
 
 
 def test_prompt_scoring_requests_take_at_most_max_batch_size_prompt_tokens_a_step():
@@ -250,9 +222,9 @@ def test_prompt_scores_gather_by_chunk_and_come_with_the_first_token():
     s = make(max_batch_tokens=3)
     s.add(req(1, n_prompt=5, scores_prompt=True))
     first = s.schedule()
-    assert s.update(first, [StepOutput(1, None, prompt=scored([np.nan, -1.0, -2.0]))]) == []
+    assert s.update(first, [RequestOutput(1, None, prompt=scored([np.nan, -1.0, -2.0]))]) == []
     second = s.schedule()
-    out = s.update(second, [StepOutput(1, 9, -0.5, prompt=scored([-3.0, -4.0]), top=scored([-0.5]))])
+    out = s.update(second, [RequestOutput(1, 9, -0.5, prompt=scored([-3.0, -4.0]), top=scored([-0.5]))])
     assert out[0].token_id == 9 and out[0].top.logprobs.tolist() == [-0.5]
     assert np.isnan(out[0].prompt.logprobs[0]) and out[0].prompt.logprobs[1:].tolist() == [-1, -2, -3, -4]
     step = s.schedule()

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import NUM_SPECIAL, VOCAB_SIZE
+from expert_service.tools.tiny_model import NUM_SPECIAL, VOCAB_SIZE
 from tests.helpers import byte_ids
 from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 

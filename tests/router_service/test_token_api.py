@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from common.pb import router_pb2 as rpb
-from expert_service.tiny_model import BOS_ID, EOS_ID, SPECIAL_TOKENS, byte_tokenizer
+from expert_service.tools.tiny_model import BOS_ID, EOS_ID, SPECIAL_TOKENS, byte_tokenizer
 from router_service.async_client import AsyncColibriClient
 from tests.helpers import byte_ids, running_router
 

@@ -2,7 +2,7 @@
 tokenizer (the tiny model's) has one token per UTF-8 byte, so a multi-byte character always spans tokens."""
 import pytest
 
-from expert_service.tiny_model import BOS_ID, EOS_ID
+from expert_service.tools.tiny_model import BOS_ID, EOS_ID
 from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
 from tests.helpers import byte_ids
 

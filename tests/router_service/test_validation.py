@@ -89,13 +89,3 @@ def test_valid_edges_pass(tokenizer):
                              min_new_tokens=62, stop_sequences=["12345678", "b"], stop_token_ids=[0, 1, 257],
                              request_id="r" * 16), CONFIG, LIMITS, tokenizer)
     assert v.max_new_tokens == 62 and v.stop_token_ids == (0, 1, 257) and v.request_id == "r" * 16
-
-
-def test_to_sampling_pb_stop_ids_are_eos_then_stop_tokens():
-    v = validate_request(req(temperature=0.5, top_k=3, stop_token_ids=[7, 2], min_new_tokens=2, seed=5),
-                         CONFIG, LIMITS, None)
-    p = v.to_sampling_pb(eos_token_ids=[2, 0])
-    assert list(p.stop_token_ids) == [2, 0, 7] and p.min_new_tokens == 2 and p.seed == 5 and p.top_k == 3
-    assert p.temperature == pytest.approx(0.5)
-    ignoring = validate_request(req(stop_token_ids=[7], ignore_eos=True), CONFIG, LIMITS, None)
-    assert list(ignoring.to_sampling_pb(eos_token_ids=[2]).stop_token_ids) == [7]

@@ -13,14 +13,14 @@ from router_service import generate_cmd, main
 from router_service.client import ColibriClient, build_request, retry_delay
 from router_service.config import RouterConfig
 from router_service.observability import router_metrics
-from expert_service.tiny_model import VOCAB_SIZE
+from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.helpers import byte_ids
 from tests.router_service.fake_worker import harness, ids_request
 
 PURITY_SCRIPT = """
 import sys
 import router_service.main, router_service.client, router_service.generate_cmd
-from router_service.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, StepOutput
+from router_service.scheduler import ScheduledRequest, Scheduler, SchedulerLimits, RequestOutput
 from router_service.tokenizer import StopSequenceMatcher
 from router_service.validation import ModelLimits, validate_request
 from router_service.config import RouterConfig
@@ -28,7 +28,7 @@ from common.pb import router_pb2
 s = Scheduler(SchedulerLimits(4, 16, 4, 16))
 s.add(ScheduledRequest(1, [1, 2, 3], 2))
 step = s.schedule()
-s.update(step, [StepOutput(1, 5)])
+s.update(step, [RequestOutput(1, 5)])
 validate_request(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1])), RouterConfig(),
                  ModelLimits(10, 100, 100))
 StopSequenceMatcher(["x"]).push("abc")

@@ -9,13 +9,13 @@ DEFAULT_MODEL_HF = Path(__file__).resolve().parents[2] / "training" / "default-m
 @pytest.fixture(scope="session")
 def default_model_bf16(tmp_path_factory) -> Path:
     """What `colibri convert training/default-model-hf DIR --dtype bfloat16` writes."""
-    from expert_service.convert import convert
+    from expert_service.tools.convert import convert
     return convert(DEFAULT_MODEL_HF, tmp_path_factory.mktemp("default-bf16"), dtype="bfloat16", progress=False)
 
 
 @pytest.fixture(scope="session")
 def default_model_fp32(tmp_path_factory) -> Path:
-    from expert_service.convert import convert
+    from expert_service.tools.convert import convert
     return convert(DEFAULT_MODEL_HF, tmp_path_factory.mktemp("default-fp32"), dtype="float32", progress=False)
 
 

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine
+from expert_service.engine.config import EngineConfig
+from expert_service.backends import build_engine
 from tests.training.conftest import DEFAULT_MODEL_HF
 
-TOLERANCE = 1e-4                 # the parity tolerance of every family (tests/expert_service/test_parity_hf.py)
+TOLERANCE = 1e-4                 # the parity tolerance of every family (tests/expert_service/engine/test_parity_hf.py)
 SIZE_LIMIT = 16 * 1024 * 1024    # the converted bfloat16 model must stay small enough to ship
 
 
@@ -28,7 +28,7 @@ def test_logits_and_greedy_tokens_equal_transformers_in_fp32(default_model_fp32,
     from tests.hf_reference import hf_greedy, hf_logits
     hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_HF, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
-    engine = Engine(ModelDir.open(default_model_fp32), EngineConfig(backend="cpu", kv_block_size=16,
+    engine = build_engine(ModelDir.open(default_model_fp32), EngineConfig(backend="cpu", kv_block_size=16,
                                                                     kv_cache_tokens=2048))
     for start, length in ((0, 1), (0, 40), (1000, 200)):
         ids = heldout_ids[start:start + length]
@@ -43,7 +43,7 @@ def test_greedy_continuation_is_english(default_model_bf16):
     """Not byte soup: printable words, most of them alphabetic, many of them the commonest English words."""
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(default_model_bf16 / "tokenizer.json"))
-    engine = Engine(ModelDir.open(default_model_bf16), EngineConfig(backend="cpu"))
+    engine = build_engine(ModelDir.open(default_model_bf16), EngineConfig(backend="cpu"))
     tokens, _, _ = engine.generate(tokenizer.encode("The king of Babylon").ids, max_new_tokens=24)
     text = tokenizer.decode(tokens)
     words = [w.strip(",.;:!?\"'") for w in text.split()]

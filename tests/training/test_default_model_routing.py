@@ -6,9 +6,9 @@ next 3k (`colibri router-gen` over the whole training corpus: docs/default-model
 import numpy as np
 
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine
-from expert_service.routing_gen import generate
+from expert_service.engine.config import EngineConfig
+from expert_service.backends import build_engine
+from expert_service.tools.routing_gen import generate
 
 CORPUS_TOKENS = 12288
 HOLDOUT = 0.25
@@ -23,7 +23,7 @@ MIN_GAIN_OVER_FALLBACK = 0.35
 def test_router_gen_recall_is_far_above_chance(default_model_bf16, heldout_ids):
     model = ModelDir.open(default_model_bf16)
     config = model.config
-    engine = Engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096, kv_cache_tokens=8192))
+    engine = build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096, kv_cache_tokens=8192))
     corpus = np.asarray(heldout_ids[:CORPUS_TOKENS], dtype=np.int64)
     _, report = generate(model, engine, corpus, config.num_experts_per_tok, HOLDOUT, SEQUENCE_LENGTH)
     chance = config.num_experts_per_tok / config.num_experts

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from expert_service.experts import ExpertGroups, combine, group_by_expert
+from expert_service.experts.grouping import ExpertGroups, combine, group_by_expert
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -40,8 +40,8 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import (CONFIGS, choose_config, launch_moe_gemm_down,
                                                  launch_moe_gemm_gate_up)
-from expert_service.kernels.router_fused import launch_router_fused
-from expert_service.kernels.router_topk import launch_router_topk
+from expert_service.kernels.gate_fused import launch_gate_fused
+from expert_service.kernels.gate_topk import launch_gate_topk
 
 SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2), "qwen3moe": dict(D=2048, F=768, E=128, K=8)}
 _, STREAM = non_blocking_stream()
@@ -362,10 +362,10 @@ def bench_router(blas):
                 else:
                     elementwise.launch_cast(x, xc, stream=STREAM)
                     blas.linear(xc, wr, logits)
-                launch_router_topk(logits, ids, ws, True, stream=STREAM)
+                launch_gate_topk(logits, ids, ws, True, stream=STREAM)
 
             def fused():
-                launch_router_fused(x, wr, ids2, ws2, True, logits2, counter, stream=STREAM)
+                launch_gate_fused(x, wr, ids2, ws2, True, logits2, counter, stream=STREAM)
             row = {"shape": name, "T": T, "current_graph_us": 1e3 * graph_ms(current, 50),
                    "fused_graph_us": 1e3 * graph_ms(fused, 50)}
             current()

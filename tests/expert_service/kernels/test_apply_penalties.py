@@ -1,4 +1,4 @@
-"""apply_penalties vs the numpy reference (expert_service.penalties.apply_penalties), in the simulator and on a
+"""apply_penalties vs the numpy reference (expert_service.engine.penalties.apply_penalties), in the simulator and on a
 GPU: every element written, rows without a slot copied, NaN / inf passed through, overflow clamped."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.apply_penalties import launch_apply_penalties
-from expert_service.penalties import FLOAT32_MAX, apply_penalties
+from expert_service.engine.penalties import FLOAT32_MAX, apply_penalties
 from tests.helpers import nan_device
 
 

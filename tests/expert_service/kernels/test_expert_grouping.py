@@ -1,11 +1,11 @@
-"""expert_grouping kernel vs expert_service.experts.group_by_expert. Order within an expert comes from
+"""expert_grouping kernel vs expert_service.experts.grouping.group_by_expert. Order within an expert comes from
 atomics, so each expert's assignments are compared as sets, plus the exact inverse relation with position."""
 import numpy as np
 import pytest
 from numba import cuda
 
 from expert_service.kernels.expert_grouping import launch_expert_grouping
-from expert_service.experts import group_by_expert
+from expert_service.experts.grouping import group_by_expert
 from tests.helpers import random_ids
 
 

@@ -121,9 +121,9 @@ def test_cache_keys_are_the_same_in_every_process():
 WARM_UP = """
 import json, sys, time
 from common.model_format import ModelDir
-from expert_service.config import EngineConfig
-from expert_service.engine import Engine
-engine = Engine(ModelDir.open(sys.argv[1]), EngineConfig(backend="cuda", kv_block_size=8, kv_cache_tokens=1024,
+from expert_service.engine.config import EngineConfig
+from expert_service.backends import build_engine
+engine = build_engine(ModelDir.open(sys.argv[1]), EngineConfig(backend="cuda", kv_block_size=8, kv_cache_tokens=1024,
                                                          max_batch_tokens=128, max_batch_size=4))
 started = time.monotonic()
 engine.warmup()
@@ -136,7 +136,7 @@ print(json.dumps({"warmup_s": time.monotonic() - started, "ids": list(map(int, i
 def test_a_second_process_loads_every_kernel_from_the_cache(tmp_path):
     """Two processes warm up the same model with one cache folder: the first writes it, the second adds and
     rewrites nothing (every kernel it launched was found) and generates the same tokens."""
-    from expert_service.tiny_model import make_tiny
+    from expert_service.tools.tiny_model import make_tiny
     model = make_tiny(tmp_path / "m", family="qwen3_moe", seed=4, progress=False)
     env = dict(os.environ, **{jit_cache.CACHE_ENV: str(tmp_path / "cache")})
 

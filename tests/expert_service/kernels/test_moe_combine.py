@@ -1,5 +1,5 @@
-"""moe_combine vs expert_service.experts.combine (+ residual), and the whole device MoE pipeline
-launch_router_topk -> launch_expert_grouping -> launch_moe_gate_up -> launch_moe_down -> launch_moe_combine vs layers.moe.sparse_moe."""
+"""moe_combine vs expert_service.experts.grouping.combine (+ residual), and the whole device MoE pipeline
+launch_gate_topk -> launch_expert_grouping -> launch_moe_gate_up -> launch_moe_down -> launch_moe_combine vs layers.moe.sparse_moe."""
 import numpy as np
 import pytest
 from numba import cuda
@@ -7,9 +7,9 @@ from numba import cuda
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.router_topk import launch_router_topk
+from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.cpu.layers.moe import sparse_moe
-from expert_service.experts import combine, group_by_expert
+from expert_service.experts.grouping import combine, group_by_expert
 from tests.helpers import expert_buffer, random_ids
 
 
@@ -57,7 +57,7 @@ def run_pipeline(x, router, top_k, normalize, W, F, D):
     y = cuda.to_device(np.full((n, D), np.nan, np.float32))
     out = cuda.to_device(np.zeros((n_tok, D), np.float32))     # residual stream (zero: compare the MoE output)
     dx, dW = cuda.to_device(x), cuda.to_device(W)
-    launch_router_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
+    launch_gate_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
     launch_expert_grouping(ids, counts, offsets, order, position)
     launch_moe_gate_up(dx, order, offsets, dW, F, D, h)
     launch_moe_down(h, order, offsets, dW, F, D, y)

@@ -7,7 +7,7 @@ import pytest
 from numba import cuda
 
 from expert_service.cpu.layers.norm import rms_norm
-from expert_service.experts import combine, group_by_expert
+from expert_service.experts.grouping import combine, group_by_expert
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm

@@ -1,4 +1,4 @@
-"""penalty_update vs the numpy reference (expert_service.penalties.update_state), in the simulator and on a GPU."""
+"""penalty_update vs the numpy reference (expert_service.engine.penalties.update_state), in the simulator and on a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from expert_service.kernels.penalty_update import launch_penalty_update
-from expert_service.penalties import SATURATED, PenaltyBatch, update_state
+from expert_service.engine.penalties import SATURATED, PenaltyBatch, update_state
 
 
 def _batch(slots, tokens, output, resets=()) -> PenaltyBatch:

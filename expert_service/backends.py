@@ -1,0 +1,66 @@
+"""Which compute backend runs the engine, and building the two together. Each backend is imported only when
+chosen, so the cpu backend never loads numba.cuda."""
+from __future__ import annotations
+
+import logging
+
+from common.errors import ConfigError
+from common.model_format import ModelDir
+from expert_service.engine.config import Backend, EngineConfig
+from expert_service.engine.engine import Engine
+from expert_service.engine.step import Decoder
+from expert_service.experts.slots import SlotPlan, plan_slots
+
+log = logging.getLogger("colibri.worker")
+
+
+def cuda_status() -> tuple[bool, str]:
+    """Whether a usable NVIDIA GPU and driver are present (never in the simulator), and why, in a few words."""
+    try:
+        from numba import cuda
+        from numba.cuda import config
+    except Exception:        # no numba-cuda, broken install: the CPU backend still works
+        return False, "numba-cuda is not installed (the cuda extra)"
+    if config.ENABLE_CUDASIM:
+        return False, "NUMBA_ENABLE_CUDASIM=1 is set"
+    try:
+        if not cuda.is_available():
+            return False, "no usable NVIDIA GPU or driver was found"
+        name = cuda.get_current_device().name    # str in numba-cuda 0.30, bytes in older releases
+        return True, f"{name.decode(errors='replace') if isinstance(name, bytes) else name} found"
+    except Exception as exc:  # a driver that fails to initialise
+        return False, f"the CUDA driver failed to start ({type(exc).__name__})"
+
+
+def cuda_available() -> bool:
+    """A usable NVIDIA GPU and driver (never true in the simulator)."""
+    return cuda_status()[0]
+
+
+def resolve_backend(requested: Backend) -> tuple[Backend, str]:
+    """The backend to run and why: `auto` is cuda when a usable GPU is present, else cpu."""
+    if requested is not Backend.AUTO:
+        return requested, f"--backend {requested.value}"
+    usable, why = cuda_status()
+    return (Backend.CUDA if usable else Backend.CPU), f"auto: {why}"
+
+
+def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> Decoder:
+    """The chosen backend's decoder."""
+    backend, why = resolve_backend(config.backend)
+    log.info("backend %s (%s)", backend.value, why, extra={"backend": backend.value, "reason": why})
+    if backend is Backend.CUDA:
+        usable, status = cuda_status()
+        if not usable:
+            raise ConfigError(f"backend: cuda was asked for but {status} (use --backend cpu or auto)")
+        from expert_service.cuda.decoder import CudaDecoder
+        return CudaDecoder(model, config, slot_plan)
+    from expert_service.cpu.decoder import CpuDecoder
+    return CpuDecoder(model, config, slot_plan)
+
+
+
+def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:
+    """An engine over the backend `config.backend` resolves to, with the expert slots its budget allows."""
+    slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+    return Engine(model, config, make_decoder(model, config, slot_plan))

@@ -1,0 +1,451 @@
+"""The worker's engine: sequences, the paged KV cache, one forward pass per step, and sampling.
+
+It holds no request policy: the router decides which tokens run in a step (prompt chunks and decodes
+mixed) and when a sequence ends; the engine keeps each sequence's KV blocks and sampler between steps,
+keyed by the router's request id, until told to free it.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from common.errors import CapacityError, InvalidRequestError, NonFiniteLogitsError
+from common.model_format import ModelDir
+from common.routing_plan import RoutingPlan
+from expert_service.engine.config import EngineConfig, RoutingMode
+from expert_service.experts.cache import CacheStats
+from expert_service.engine.kv_cache import BlockAllocator
+from expert_service.engine.logprobs import StepScores, TokenLogprobs
+from expert_service.engine.penalties import PenaltySlots
+from expert_service.experts.routing_plan import routing_plan_recall
+from expert_service.engine.sampling import Sampler, SamplingParams
+from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
+
+log = logging.getLogger("colibri.worker")
+
+NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
+UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInput:
+    request_id: int
+    token_ids: np.ndarray                # prompt tokens of this chunk
+    sampling: SamplingParams | None      # set on a sequence's first chunk
+    is_last: bool                        # the chunk ends the prompt: sample the first new token
+
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    request_id: int
+    token_id: int | None = None          # None: a non-final prompt chunk, or an error
+    logprob: float = 0.0
+    error: str = ""
+    top: TokenLogprobs | None = None     # top_logprobs: the sampled position's most likely tokens
+    prompt: TokenLogprobs | None = None  # prompt_logprobs: this step's prompt chunk scored
+
+
+
+@dataclass
+class StepResult:
+    outputs: list[SequenceOutput]
+    forward_ms: float
+    sample_ms: float
+    trace: StepTrace
+    routing_plan_recall: float | None    # routing=exact with a routing plan: share of the exact routing predicted
+    logits: Logits                       # rows [sampling sequences] of [V], in output order
+    expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
+
+
+
+@dataclass
+class SequenceState:
+    """What the worker keeps of one sequence between steps (its KV blocks live in the allocator)."""
+    sampler: Sampler
+    num_cached: int = 0                  # tokens whose K/V are in the cache
+    last_token: int | None = None        # the latest sampled token, fed by the next decode
+    prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
+    block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
+    pending: tuple[int, int] | None = None  # (step serial, logits row): a launched step not yet collected
+                                            # samples its next token there
+
+
+@dataclass
+class InFlightStep:
+    """A step launched on the decoder (Engine.launch) and not yet collected."""
+    serial: int
+    work: list[tuple[int, np.ndarray, bool]]   # (sequence, its tokens this step, samples a token)
+    states: list[SequenceState]                # the work's sequences at launch (one freed meanwhile is skipped)
+    unknown: list[SequenceOutput]                   # decodes of sequences the engine does not hold
+    decode_ids: tuple[int, ...]                # as asked for: the order of UNKNOWN_SEQUENCE answers
+    scored: set[int]                           # sequences whose prompt chunk is scored (prompt_logprobs)
+    planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
+    trace: StepTrace
+    started: float                             # perf_counter at launch
+    launched: object | None                    # the decoder's handle (None: nothing ran)
+    overlappable: bool                         # the next step may launch before this one is collected
+
+    @property
+    def sequences(self) -> frozenset[int]:
+        return frozenset(rid for rid, _, _ in self.work)
+
+    @property
+    def sampling(self) -> frozenset[int]:
+        """The sequences this step samples a token for (one may be released when the step is collected)."""
+        return frozenset(rid for rid, _, wants_token in self.work if wants_token)
+
+
+class Engine:
+    """Sequences, their KV blocks and samplers over a compute backend built for the same model and config
+    (``expert_service.backends.build_engine`` builds both)."""
+
+    def __init__(self, model: ModelDir, config: EngineConfig, decoder: Decoder):
+        self.model = model
+        self.config = config
+        self.model_config = model.config
+        self.decoder = decoder
+        self.slot_plan = decoder.slot_plan
+        self.backend = self.decoder.backend
+        self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
+        self.sequences: dict[int, SequenceState] = {}
+        self.penalty_slots = PenaltySlots(config.max_batch_size)   # the backends hold as many state slots
+        self._in_flight: collections.deque[InFlightStep] = collections.deque()   # launched, not collected
+        self._serials = itertools.count()
+
+    def warmup(self) -> None:
+        """Backend start-up work that must not happen while serving (CUDA: compile kernels, capture graphs)."""
+        self.decoder.warmup()
+
+    def close(self) -> None:
+        """Releases the backend (device memory, pinned ranges, copy threads); the engine is unusable after."""
+        self.decoder.close()
+
+    # --- sequence lifecycle -------------------------------------------------------------------------
+    def release(self, request_ids) -> list[int]:
+        freed = []
+        for rid in request_ids:
+            if self.sequences.pop(rid, None) is not None:
+                freed.append(rid)
+            self.allocator.free(rid)
+            self.penalty_slots.release(rid)
+        return freed
+
+    def keep_only(self, keep_ids) -> list[int]:
+        keep = set(keep_ids)
+        return self.release([rid for rid in list(self.sequences) if rid not in keep])
+
+    def clear(self) -> int:
+        return len(self.release(list(self.sequences)))
+
+    # --- steps --------------------------------------------------------------------------------------
+    def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+             routing_plan: RoutingPlan | None = None) -> StepResult:
+        """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
+        `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
+        is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
+        return self.collect(self.launch(prefill, decode_ids, routing_plan))
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether `launch` may run now: nothing is in flight, or one step whose every sampling row is the
+        device's argmax (its successor's decodes read their tokens there, nothing else of it is needed)."""
+        flight = self._in_flight
+        return not flight or (len(flight) == 1 and flight[0].overlappable)
+
+    def blocks_host(self, num_tokens: int) -> bool:
+        """Whether launching a step of this many tokens waits for the device inside the pass."""
+        return self.decoder.blocks_host(num_tokens)
+
+    def abandon_in_flight(self) -> None:
+        """Forgets the launched, uncollected steps after a fault (the worker stops after one): their sequences'
+        next tokens are unknown, and a later launch does not wait for them."""
+        for step in self._in_flight:
+            for seq in step.states:
+                if seq.pending is not None and seq.pending[0] == step.serial:
+                    seq.pending = None
+        self._in_flight.clear()
+        self.decoder.abandon()
+
+    def ready(self, step: InFlightStep) -> bool:
+        """Whether `collect(step)` would return without waiting for the device."""
+        return step.launched is None or self.decoder.ready(step.launched)
+
+    def launch(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+               routing_plan: RoutingPlan | None = None, freed: frozenset[int] = frozenset()) -> InFlightStep:
+        """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
+        flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
+        sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once.
+        freed: sequences this step's caller has freed but releases only once the step in flight is collected
+        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released."""
+        if not self.can_launch:
+            raise RuntimeError("a step is in flight that must be collected before another is launched")
+        ahead = self._in_flight[0].serial if self._in_flight else None
+        work: list[tuple[int, np.ndarray, bool]] = []
+        created: list[int] = []      # a refused step starts nothing: these are dropped again
+        unknown = []     # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
+        fed: dict[int, int] = {}     # work index -> the row of the step in flight whose argmax is its token
+        try:
+            for chunk in prefill:
+                if self.sequences.get(chunk.request_id) is None:
+                    if chunk.sampling is None:
+                        raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
+                                                              f"chunk must carry sampling parameters")
+                    chunk.sampling.check_vocabulary(self.model_config.vocab_size)
+                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
+                    created.append(chunk.request_id)
+                work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+            first_decode = len(work)
+            for rid in decode_ids:
+                seq = None if rid in freed else self.sequences.get(rid)
+                if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
+                    fed[len(work)] = seq.pending[1]
+                    work.append((rid, np.zeros(1, dtype=np.int64), True))
+                    continue
+                if seq is None or seq.last_token is None:
+                    unknown.append(SequenceOutput(rid, error=UNKNOWN_SEQUENCE))
+                    continue
+                work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+            if not work:
+                return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None,
+                                    True)
+            token_ids = self._check_step(work)
+            scored = self._scored_prompts(work[:first_decode])
+            penalties = self._penalties(work, first_decode, created)
+            mc = self.model_config
+            planned_ids = routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok) \
+                if routing_plan is not None else None
+            if self.config.routing is RoutingMode.LUT and not planned_ids:
+                raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
+                                                          "(start the router with --routing-table)")
+        except (InvalidRequestError, CapacityError):
+            self.release(created)
+            raise
+        batch = replace(self._build_batch(work, token_ids, all_logits=False, scored=scored), penalties=penalties)
+        if fed:
+            rows = np.full(len(token_ids), -1, np.int32)
+            rows[batch.seq_starts[list(fed)]] = list(fed.values())
+            batch = replace(batch, fed_rows=rows)
+        if planned_ids:
+            batch = replace(batch, expert_hints=planned_ids,
+                            routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
+        assert not any(work[j][0] in self.penalty_slots.slots for j in fed), "a penalised decode fed on the device"
+        states = [self.sequences[rid] for rid, _, _ in work]
+        started = time.perf_counter()
+        launched = self.decoder.launch(batch, traced=True)
+        serial, row = next(self._serials), 0
+        for (rid, tokens, wants_token), seq in zip(work, states):
+            seq.num_cached += len(tokens)
+            if wants_token:
+                seq.pending, row = (serial, row), row + 1
+        overlappable = self.decoder.supports_overlap and penalties is None and not scored and all(
+            seq.sampler.plain_greedy and not seq.sampler.params.logprobs
+            for (_, _, wants_token), seq in zip(work, states) if wants_token)
+        step = InFlightStep(serial, work, states, unknown, tuple(decode_ids), scored, planned_ids, StepTrace(),
+                            started, launched, overlappable)
+        self._in_flight.append(step)
+        return step
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Waits for a launched step and samples it: its StepResult. Steps are collected in launch order."""
+        if step.launched is None:        # nothing ran: every decode named an unknown sequence
+            return StepResult(step.unknown, 0.0, 0.0, step.trace, None, HostLogits(np.zeros((0, 0), np.float32)))
+        if not self._in_flight or self._in_flight[0] is not step:
+            raise RuntimeError("steps are collected in the order they were launched")
+        self._in_flight.popleft()
+        logits = self.decoder.finish(step.launched, step.trace)
+        t1 = time.perf_counter()
+        planned_ids = step.planned_ids
+        recall = routing_plan_recall(planned_ids, step.trace.expert_ids) \
+            if planned_ids and self.config.routing is RoutingMode.EXACT else None
+        outputs, gone = self._sample(step, logits)
+        unknown = step.unknown
+        if gone:   # released since launch (non-finite logits in the step before): answered as if unknown at launch
+            ids = {*gone, *(out.request_id for out in unknown)}
+            unknown = [SequenceOutput(rid, error=UNKNOWN_SEQUENCE)
+                       for rid in [*step.decode_ids, *(r for r in gone if r not in step.decode_ids)] if rid in ids]
+        outputs += unknown
+        t2 = time.perf_counter()
+        return StepResult(outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits,
+                          step.trace.expert_cache)
+
+    def _scored_prompts(self, chunks: list[tuple[int, np.ndarray, bool]]) -> set[int]:
+        """The sequences whose prompt chunk this step scores (prompt_logprobs): every position of the chunk
+        becomes a logits row, at most max_batch_size of them per step (they are copied to the host)."""
+        scored = {rid for rid, _, _ in chunks if self.sequences[rid].sampler.params.prompt_logprobs is not None}
+        rows = sum(len(tokens) for rid, tokens, _ in chunks if rid in scored)
+        if rows > self.config.max_batch_size:
+            raise InvalidRequestError("prompt_logprobs", f"{rows} prompt tokens to score in one step, at most "
+                                                         f"max_batch_size ({self.config.max_batch_size})")
+        return scored
+
+    def _penalties(self, work, first_decode: int, created: list[int]):
+        """The step's PenaltyBatch (None when no penalised sequence takes part): new penalised sequences take a
+        state slot; prompt chunks mark their tokens; a decode counts its input token, the one it sampled last."""
+        builder = self.penalty_slots.builder()
+        for rid in created:
+            if self.sequences[rid].sampler.params.penalties.active:
+                builder.reset(self.penalty_slots.acquire(rid))
+        if not self.penalty_slots.slots:
+            return None
+        for index, (rid, tokens, wants_token) in enumerate(work):
+            if index < first_decode:
+                builder.prompt(rid, tokens)
+            else:
+                builder.output(rid, int(tokens[0]))
+        for rid, _, wants_token in work:
+            if wants_token:
+                builder.row(rid, self.sequences[rid].sampler.params.penalties)
+        return builder.build()
+
+    def _sample(self, step: InFlightStep, logits: Logits) -> tuple[list[SequenceOutput], list[int]]:
+        """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
+        sampled tokens' and scored prompt chunks' (their rows follow the sampling rows); and the sequences
+        released while the step was in flight (their rows are skipped, they get no output here)."""
+        tokens_out, row, sequences, work, scored = [], 0, self.sequences, step.work, step.scored
+        scores = StepScores(self.model_config.vocab_size)
+        gone = set()
+        for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states)):
+            if seq.pending is not None and seq.pending[0] == step.serial:
+                seq.pending = None
+            if sequences.get(rid) is not seq:
+                gone.add(index)
+            if not wants_token or index in gone:
+                tokens_out.append(None)
+                row += wants_token
+                continue
+            if seq.sampler.plain_greedy:
+                token, finite = logits.greedy(row)
+                sampled = seq.sampler.take_greedy(token) if finite else None
+            else:
+                sampled = seq.sampler.sample(logits[row], logits.processed(row))
+            if sampled is not None and seq.sampler.params.logprobs:
+                scores.sampled(index, row, sampled, seq.sampler.params.top_logprobs)
+            tokens_out.append(sampled)
+            row += 1
+        for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states) if scored else ()):
+            if rid in scored:
+                n = len(tokens) - 1     # the chunk's last position scores what follows
+                scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens,
+                              seq.sampler.params.prompt_logprobs)
+                seq.prompt_row = None if wants_token else logits[row + n].copy()
+                row += n + (not wants_token)
+        sampled_scores, prompt_scores = scores.run(logits) if scores else ({}, {})
+        outputs = []
+        for index, ((rid, _, wants_token), token, seq) in enumerate(zip(work, tokens_out, step.states)):
+            if index in gone:
+                continue
+            if wants_token and token is None:
+                outputs.append(SequenceOutput(rid, error=NON_FINITE_LOGITS))
+                self.release([rid])
+                continue
+            top = sampled_scores.get(index) if sampled_scores else None
+            if token is not None:
+                seq.last_token = token
+            outputs.append(SequenceOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
+                                     if top is not None and top.top_ids.shape[1] else None,
+                                     prompt=prompt_scores.get(index) if prompt_scores else None))
+        return outputs, [rid for index, (rid, _, _) in enumerate(work) if index in gone]
+
+    def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
+        """Validates the step (the vocabulary check vectorised: decode steps are many one-token chunks),
+        then grows each sequence's block table; returns the step's token ids, concatenated."""
+        vocab, limit = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        total = sum(len(t) for _, t, _ in work)
+        if total > self.config.max_batch_tokens:
+            raise InvalidRequestError("step", f"{total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
+        if len(work) > self.config.max_batch_size:
+            raise InvalidRequestError("step", f"{len(work)} sequences exceed max_batch_size "
+                                              f"{self.config.max_batch_size}")
+        seen = set()
+        for rid, tokens, _ in work:
+            if rid in seen:
+                raise InvalidRequestError("request_id", f"sequence {rid} appears twice in one step")
+            seen.add(rid)
+            if tokens.size == 0:
+                raise InvalidRequestError("token_ids", f"sequence {rid}: empty chunk")
+            if self.sequences[rid].num_cached + len(tokens) > limit:
+                raise InvalidRequestError("token_ids", f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
+                                                       f" tokens exceed max_position_embeddings {limit}")
+        token_ids = np.concatenate([t for _, t, _ in work])
+        if token_ids.min() < 0 or token_ids.max() >= vocab:
+            rid = next(r for r, t, _ in work if t.min() < 0 or t.max() >= vocab)
+            raise InvalidRequestError("token_ids", f"sequence {rid}: ids must be in [0, {vocab})")
+        tables, block_size = self.allocator.tables, self.config.kv_block_size
+        for rid, tokens, _ in work:
+            needed = self.sequences[rid].num_cached + len(tokens)
+            table = tables.get(rid)
+            if table is None or len(table) * block_size < needed:    # most decodes fit the last block
+                self.allocator.ensure_capacity(rid, needed)
+        return token_ids
+
+    def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
+                     all_logits: bool, scored: set[int] = frozenset()) -> ForwardBatch:
+        """token_ids: the work's tokens concatenated (as _check_step returns them). Logits rows: each sampling
+        sequence's last position, in work order, then the positions of the `scored` prompt chunks (all but a
+        sampling chunk's last, which is its sampling row)."""
+        block_size = self.config.kv_block_size
+        positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
+        tables, context_lens, logits_rows, seq_starts, scored_rows = [], [], [], [0], []
+        sequences, allocated = self.sequences, self.allocator.tables
+        for rid, tokens, wants_token in work:
+            seq = sequences[rid]
+            begin, start, n = seq_starts[-1], seq.num_cached, len(tokens)
+            table = allocated[rid]
+            if n == 1:      # decode: plain ints (numpy calls cost more than they save on one element)
+                positions[begin] = start
+                slots[begin] = table[start // block_size] * block_size + start % block_size
+            else:
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions[begin:begin + n] = pos
+                slots[begin:begin + n] = np.asarray(table, np.int64)[pos // block_size] * block_size \
+                    + pos % block_size
+            if seq.block_array is None or len(seq.block_array) != len(table):
+                seq.block_array = np.asarray(table, dtype=np.int64)
+            tables.append(seq.block_array)
+            context_lens.append(start + n)
+            seq_starts.append(begin + n)
+            if all_logits:
+                logits_rows.extend(range(begin, begin + n))
+            elif wants_token:
+                logits_rows.append(begin + n - 1)
+            if rid in scored:
+                scored_rows.extend(range(begin, begin + n - wants_token))
+        return ForwardBatch(token_ids, positions, np.asarray(seq_starts, np.int64), np.asarray(context_lens, np.int64),
+                            tables, slots, np.asarray(logits_rows + scored_rows, dtype=np.int64))
+
+    # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
+    def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
+        """Float32 logits [n, V] at every prompt position, in one prefill; frees the sequence after."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        self.sequences[request_id] = SequenceState(Sampler(SamplingParams()))
+        try:
+            work = [(request_id, tokens, True)]
+            token_ids = self._check_step(work)
+            return np.stack(list(self.decoder.forward(self._build_batch(work, token_ids, all_logits=True))))
+        finally:
+            self.release([request_id])
+
+    def generate(self, token_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_token_ids=(), request_id: int = -1) -> tuple[list[int], list[float], str]:
+        """Prefill then decode one sequence; returns (new ids, logprobs, stop reason: length|stop)."""
+        tokens, logprobs = [], []
+        out = self.step([PrefillInput(request_id, np.asarray(token_ids), sampling, True)]).outputs[0]
+        try:
+            while True:
+                if out.error:
+                    raise NonFiniteLogitsError(f"the model produced non-finite logits ({out.error})")
+                tokens.append(out.token_id)
+                logprobs.append(out.logprob)
+                if out.token_id in stop_token_ids:
+                    return tokens, logprobs, "stop"
+                if len(tokens) >= max_new_tokens:
+                    return tokens, logprobs, "length"
+                out = self.step(decode_ids=[request_id]).outputs[0]
+        finally:
+            self.release([request_id])

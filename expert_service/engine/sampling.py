@@ -1,0 +1,113 @@
+"""Token sampling on the worker, vLLM semantics: the penalties (expert_service/engine/penalties.py, applied by the
+backend), then temperature 0 = greedy; otherwise logits / temperature, then top-k (0 = off), then top-p
+(1 = off), then one draw from the sequence's own seeded generator, so the same seed gives the same tokens
+whatever else shares the batch. Log-probabilities are of the raw logits (expert_service/engine/logprobs.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from expert_service.engine.logprobs import MAX_TOP_LOGPROBS
+from expert_service.engine.penalties import PenaltyParams
+
+MAX_STOP_TOKEN_IDS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()   # suppressed until min_new_tokens tokens were generated
+    min_new_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0                 # with logprobs: the most likely tokens of each sampled position
+    prompt_logprobs: int | None = None    # score the prompt with this many top tokens per position; None = off
+    penalties: PenaltyParams = PenaltyParams()
+
+    def __post_init__(self):
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1) or not np.isfinite(self.top_p):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"{len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+        for name, value in (("top_logprobs", self.top_logprobs), ("prompt_logprobs", self.prompt_logprobs or 0)):
+            if not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every id this sequence names must be a row of the logits."""
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab_size}), got "
+                                                        f"{max(self.stop_token_ids)}")
+
+
+
+class Sampler:
+    """Per-sequence sampling state: the parameters and a generator seeded once."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self.num_generated = 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the (penalised) logits is the token: no stop-token suppression, no temperature.
+        Log-probabilities are scored apart from the choice."""
+        p = self.params
+        return p.temperature == 0 and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
+
+    def take_greedy(self, token: int) -> int:
+        """Records a token chosen by the backend's argmax (only when `plain_greedy`)."""
+        self.num_generated += 1
+        return token
+
+    def sample(self, logits: np.ndarray, processed: np.ndarray | None = None) -> int | None:
+        """The next token from `processed` (the row after the step's penalties; the raw `logits` [V] float32 when
+        None); None if the raw logits are non-finite."""
+        if not np.all(np.isfinite(logits)):
+            return None
+        p = self.params
+        logits = (logits if processed is None else processed).astype(np.float32, copy=True)
+        if self.num_generated < p.min_new_tokens and p.stop_token_ids:
+            logits[list(p.stop_token_ids)] = -np.inf
+        if p.temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            # Shifted to <= 0 before dividing, in float64: a tiny temperature sends every other token to -inf
+            # (never inf - inf = NaN), so it degrades to greedy instead of to the last id.
+            scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
+            token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p)))
+        self.num_generated += 1
+        return token
+
+    def _draw(self, logits: np.ndarray) -> int:
+        probs = np.exp(logits - logits.max()).astype(np.float64)
+        probs /= probs.sum()
+        cdf = np.cumsum(probs)
+        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Masks (to -inf) every token outside the top-k and outside the top-p nucleus."""
+    out = logits.copy()
+    if 0 < top_k < out.size:
+        keep = np.argpartition(-out, top_k - 1)[:top_k]   # exactly k survive, even with ties
+        mask = np.ones(out.size, dtype=bool)
+        mask[keep] = False
+        out[mask] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-out, kind="stable")
+        probs = np.exp(out[order] - out[order[0]])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs            # mass strictly ahead of each token
+        out[order[before >= top_p]] = -np.inf        # the top token (before = 0) always stays
+    return out

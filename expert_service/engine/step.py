@@ -1,0 +1,123 @@
+"""The step contract between the worker's engine and a compute backend.
+
+The engine turns the router's step (prompt chunks and decodes) into a ``ForwardBatch``; a ``Decoder`` runs it
+and returns ``Logits``: the rows the sampler reads, wherever they live. Greedy sequences need only the argmax
+(and a finiteness check), which the cuda backend computes on the device; full rows cross to the host only
+when a sequence samples or asks for logprobs. A ``StepTrace`` collects what the pass observed (exact routing,
+expert-cache counts). Both backends are built the same way: ``Decoder(model, config, slot_plan)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from expert_service.engine.config import Backend
+from expert_service.experts.cache import CacheStats
+from expert_service.engine.penalties import PenaltyBatch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """One step's tokens: sequence s owns rows seq_starts[s]:seq_starts[s+1] of every [T, ...] array."""
+    token_ids: np.ndarray          # [T] int64
+    positions: np.ndarray          # [T] int64, position of each token in its sequence
+    seq_starts: np.ndarray         # [S + 1] int64
+    context_lens: np.ndarray       # [S] tokens of each sequence in the cache after this step
+    block_tables: list[np.ndarray]  # S x [blocks] int64
+    slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
+    logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
+    routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
+    expert_hints: dict[int, np.ndarray] | None = None    # the router's plan (either routing): layer -> [T, k],
+                                                         # what the expert cache prefetches from
+    penalties: PenaltyBatch | None = None   # penalty state updates and the penalised sampling rows (the first
+                                            # rows of logits_rows); None: no penalised sequence in the step
+    fed_rows: np.ndarray | None = None      # [T] int32: the logits row of the step launched just before whose
+                                            # argmax is this token (a decode whose input is still on the
+                                            # device), or -1 (token_ids holds it); None: all -1
+
+
+@dataclass
+class StepTrace:
+    """What a forward pass observed, for routing-plan recall and expert statistics."""
+    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
+    expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
+
+
+class Logits(Protocol):
+    """A step's logits rows [R, V] in output order, on the host or the device. Read the rows before the
+    decoder's next step: the cuda backend's live in a workspace that step overwrites (``greedy`` stays valid)."""
+
+    def greedy(self, row: int) -> tuple[int, bool]:
+        """(argmax, every value finite) of one row, after the step's penalties."""
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        """One row as float32 [V] on the host: the model's raw logits."""
+
+    def processed(self, row: int) -> np.ndarray:
+        """One row after the step's penalties (the raw row where none apply), float32 [V] on the host."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[np.ndarray]: ...
+
+
+class HostLogits:
+    """Logits already on the host: [rows, V] float32, and the penalised copy of the first rows (None: none)."""
+
+    def __init__(self, logits: np.ndarray, penalized: np.ndarray | None = None):
+        self.array, self.penalized = logits, penalized
+
+    def greedy(self, row: int) -> tuple[int, bool]:
+        """(argmax, all finite) of one row, after the step's penalties."""
+        values = self.processed(row)
+        return int(np.argmax(values)), bool(np.all(np.isfinite(values)))
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return self.array[row]
+
+    def processed(self, row: int) -> np.ndarray:
+        return self.penalized[row] if self.penalized is not None and row < len(self.penalized) else self.array[row]
+
+    def __len__(self) -> int:
+        return self.array.shape[0]
+
+    def __iter__(self):
+        return iter(self.array)
+
+
+class Decoder(Protocol):
+    """A compute backend: weights, the KV pool and the forward pass. Constructed as
+    ``Decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan)``."""
+    backend: Backend
+    supports_overlap: bool    # a step may be launched before the one ahead of it is finished (its greedy rows
+                              # feed the later step's decodes: batch.fed_rows)
+
+    def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
+        """Runs the step, writing its K/V into the pool; logits of ``batch.logits_rows``."""
+
+    def launch(self, batch: ForwardBatch, traced: bool = False):
+        """Starts the step (``forward`` = ``finish(launch(batch))``); returns a handle for ready/finish. traced:
+        finish will be given a StepTrace to fill."""
+
+    def ready(self, launched) -> bool:
+        """Whether ``finish`` would return without waiting."""
+
+    def blocks_host(self, num_tokens: int) -> bool:
+        """Whether launching a step of this many tokens waits for the device inside the pass."""
+
+    def abandon(self) -> None:
+        """Forgets launched steps that will never be finished (after a fault)."""
+
+    def finish(self, launched, trace: StepTrace | None = None) -> Logits:
+        """Waits for a launched step; its logits. Steps are finished in launch order."""
+
+    def memory_plan(self) -> list[tuple[str, int]]:
+        """(what, bytes) of everything allocated at start-up."""
+
+    def warmup(self) -> None:
+        """Start-up work that must not happen while serving (compiling kernels, capturing graphs)."""
+
+    def close(self) -> None:
+        """Releases the backend's resources (device memory, pinned host ranges, threads)."""

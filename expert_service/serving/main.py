@@ -1,0 +1,302 @@
+"""`colibri worker --model DIR`: the expert worker process (owns the model, the KV cache and the GPU).
+
+Start-up: bind every endpoint first (a taken port fails in seconds, not after a model load), answer health
+at once (liveness SERVING, readiness NOT_SERVING), load and verify the model, warm up, then readiness
+SERVING. SIGTERM/SIGINT: readiness NOT_SERVING, new streams and new sequences refused, the sequences held
+by the router's streams keep stepping until they are done or `drain_timeout_s` passes, then exit 0 (a second
+signal skips the rest of the drain). A worker fault exits 1. docs/security.md says who may call it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import add_flags, flag_values, load_config_file, resolve, setting
+from common.errors import ConfigError
+from common.logging_setup import configure_logging
+from common.metrics import WorkerMetrics, new_registry, start_metrics_server
+from common.model_format import ModelDir
+from common.pb import worker_pb2
+from common.tracing import ServerTracingInterceptor, configure_tracing
+from expert_service.serving.auth import TOKEN_ENV, AuthInterceptor, TokenSet
+from expert_service.engine.config import EngineConfig
+from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
+from expert_service.engine.engine import Engine
+from expert_service.backends import build_engine
+from expert_service.serving.lifecycle import WorkerHealth, quiet_cancelled_streams
+from expert_service.serving.servicer import WorkerServicer, add_to_server
+from expert_service.serving.step_stream import UNARY
+
+ENGINE_CLOSE_WAIT_S = 5.0     # an idle model thread ends at once; one stuck in a step is not waited for
+
+log = logging.getLogger("colibri.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    host: str = setting("127.0.0.1", "address to bind the worker's gRPC port (loopback: only the router "
+                        "sidecar should reach it)", env=("COLIBRI_WORKER_HOST",))
+    port: int = setting(50052, "worker gRPC port (0 = pick a free one); unused with --socket",
+                        env=("COLIBRI_WORKER_PORT",))
+    socket: str = setting("", "serve the RPCs on this Unix socket instead of TCP (absolute path; created with "
+                          "mode 0600 in an existing directory; a stale socket file is replaced)",
+                          env=("COLIBRI_WORKER_SOCKET",))
+    health_port: int = setting(0, "plaintext TCP port answering only grpc.health.v1 (for kubelet probes when "
+                               "the RPCs are on a Unix socket); 0 = off", env=("COLIBRI_WORKER_HEALTH_PORT",))
+    health_host: str = setting("0.0.0.0", "address of the health-only port (probes reach the pod IP)",
+                               env=("COLIBRI_WORKER_HEALTH_HOST",))
+    metrics_port: int = setting(9091, "worker Prometheus /metrics port; 0 = off",
+                                env=("COLIBRI_WORKER_METRICS_PORT",))
+    metrics_host: str = setting("127.0.0.1", "address of the /metrics port (0.0.0.0 to let Prometheus scrape "
+                                "it from outside the host or pod)", env=("COLIBRI_WORKER_METRICS_HOST",))
+    auth_token_file: str = setting("", f"file of accepted bearer tokens, one per line, re-read when it "
+                                   f"changes (or one token in env {TOKEN_ENV}); callers send "
+                                   f"`authorization: Bearer TOKEN`", env=("COLIBRI_WORKER_TOKEN_FILE",))
+    allow_unauthenticated: bool = setting(False, "serve a non-loopback TCP address without a token (refused "
+                                          "otherwise)", env=("COLIBRI_WORKER_ALLOW_UNAUTHENTICATED",))
+    drain_timeout_s: float = setting(30.0, "on SIGTERM/SIGINT, seconds the sequences held get to finish "
+                                     "(new ones are refused)", env=("COLIBRI_WORKER_DRAIN_TIMEOUT",))
+    model_name: str = setting("", "served model name (default: the model directory's name)",
+                              env=("COLIBRI_MODEL_NAME", "MODEL_ID"))
+    step_timeout_s: float = setting(300.0, "watchdog: a step running longer is a worker fault (liveness fails "
+                                    "too)", env=("COLIBRI_STEP_TIMEOUT_S",))
+    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message either way",
+                                     env=("COLIBRI_MAX_MESSAGE_BYTES",))
+    warmup_tokens: int = setting(64, "prompt tokens of the start-up warm-up step", env=("COLIBRI_WARMUP_TOKENS",))
+    parent_pid: int = setting(0, "exit when this process is gone (set by `colibri serve`)", flag="parent-pid")
+    log_level: str = setting("INFO", "log level", env=("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
+
+    def __post_init__(self):
+        for name in ("port", "metrics_port", "health_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
+        if not self.step_timeout_s > 0:
+            raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if not 1024 <= self.max_message_bytes < 2**31:
+            raise ConfigError(f"max_message_bytes: must be in [1024, 2^31), got {self.max_message_bytes}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="Colibri model directory")
+    parser.add_argument("--config", metavar="FILE", help="JSON/YAML file with `worker:` and `engine:` sections")
+    add_flags(parser, WorkerConfig)
+    add_flags(parser, EngineConfig)
+
+
+def check_exposure(config: WorkerConfig, tokens: TokenSet) -> None:
+    """Refuses an unauthenticated worker that other hosts can reach."""
+    if config.socket or tokens or is_loopback(config.host):
+        if not config.socket and not tokens:
+            log.warning("the worker on %s:%d has no token: every local process can call it (give "
+                        "--auth-token-file or %s, or use --socket)", config.host, config.port, TOKEN_ENV)
+        return
+    if not config.allow_unauthenticated:
+        raise ConfigError(f"host: refusing to serve {config.host}:{config.port} (not loopback) without a token; "
+                          f"give --auth-token-file or {TOKEN_ENV}, use --socket, or pass --allow-unauthenticated "
+                          f"true")
+    log.warning("the worker serves %s:%d without a token (--allow-unauthenticated)", config.host, config.port)
+
+
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` on a thread of its own that never holds up the process's exit (a model load)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+    threading.Thread(target=run, name="colibri-load", daemon=True).start()
+    return asyncio.wrap_future(future)
+
+
+async def _unless_stopped(work: asyncio.Future, stop: asyncio.Event):
+    """The result of `work`, or None when `stop` comes first (the work is then left to the daemon thread)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if work.done():
+        return work.result()
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())     # nobody waits for it any more
+    return None
+
+
+async def _drain(servicer: WorkerServicer, timeout: float, hurry: asyncio.Event) -> None:
+    """Waits while the router's streams still hold sequences (they keep stepping), up to `timeout`."""
+    servicer.health.update(draining=True)
+
+    def held() -> int:
+        return sum(owner != UNARY for owner in list(servicer.sequence_owners.values()))
+    if not held():
+        return
+    log.info("draining: %d sequences held, up to %.0f s", held(), timeout)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while held() and servicer.open_streams and not hurry.is_set():
+        if loop.time() >= deadline:
+            log.warning("drain timeout: %d sequences still held end with the worker", held())
+            return
+        try:
+            await asyncio.wait_for(hurry.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+    log.info("drained")
+
+
+async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfig, *,
+                stop: asyncio.Event | None = None, on_ready: Callable[[int, WorkerServicer], None] | None = None,
+                tracer_provider=None) -> int:
+    """Serves until SIGTERM/SIGINT or `stop` (drain, then 0) or a worker fault (1). `on_ready(port,
+    servicer)` runs once the worker is warm and SERVING (port 0 on a Unix socket); `tracer_provider` defaults
+    to the process's (OTLP export only when configured)."""
+    loop = asyncio.get_running_loop()
+    stop, hurry, exit_code = stop or asyncio.Event(), asyncio.Event(), [0]
+
+    def on_signal() -> None:
+        if stop.is_set():
+            hurry.set()
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError):   # not the main thread (tests)
+            pass
+    model = ModelDir.open(model_dir, verify=False)     # the structure, before anything binds; bytes below
+    tokens = TokenSet.from_settings(config.auth_token_file)
+    check_exposure(config, tokens)
+    name = config.model_name or Path(model_dir).resolve().name
+    registry = new_registry()
+    metrics = WorkerMetrics(registry, name)
+    owns_provider = tracer_provider is None
+    tracer_provider = tracer_provider or configure_tracing("colibri-worker")
+
+    def on_fatal(error: BaseException) -> None:
+        exit_code[0] = 1
+        hurry.set()
+        stop.set()
+
+    quiet_cancelled_streams()
+    health = WorkerHealth(config.step_timeout_s)
+    servicer = WorkerServicer(health, on_fatal, config.step_timeout_s, metrics, tracer_provider)
+    options = [("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.max_receive_message_length", config.max_message_bytes), *SERVER_OPTIONS]
+    interceptors = [AuthInterceptor(tokens)] if tokens else []
+    server = grpc.aio.server(interceptors=[*interceptors, ServerTracingInterceptor(tracer_provider)], options=options)
+    add_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name, reflection.SERVICE_NAME,
+         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    servers, tasks, metrics_server, port = [server], [], None, 0
+    try:
+        if config.socket:
+            where = f"unix:{bind_socket(server, 'worker gRPC', config.socket)}"
+        else:
+            port = bind_tcp(server, "worker gRPC", config.host, config.port)
+            where = f"{config.host}:{port}"
+        if config.health_port:
+            health_server = grpc.aio.server(options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
+            bind_tcp(health_server, "worker health", config.health_host, config.health_port)
+            servers.append(health_server)
+        if config.metrics_port:
+            metrics_server, _, metrics_port = start_metrics_server(registry, config.metrics_port, config.metrics_host,
+                                                                   role="worker metrics")
+            log.info("metrics on %s:%d/metrics", config.metrics_host, metrics_port)
+        for s in servers:
+            await s.start()
+        tasks.append(asyncio.create_task(health.watch(servicer.update_gauges)))
+        if config.parent_pid:
+            tasks.append(asyncio.create_task(_watch_parent(config.parent_pid, stop)))
+        log.info("worker listening on %s%s; loading %s", where, f", health on {config.health_host}:"
+                 f"{config.health_port}" if config.health_port else "", model_dir)
+
+        def load() -> Engine:
+            if engine_config.verify_checksums:
+                model.verify(progress=True)
+            return build_engine(model, engine_config)
+        engine = await _unless_stopped(_in_daemon_thread(load), stop)
+        if engine is None:
+            return exit_code[0]
+        servicer.attach(engine, name)
+        metrics.set_memory_plan(dict(servicer.memory_plan()))
+        for item, num_bytes in servicer.memory_plan():
+            log.info("memory plan: %s %.1f MiB", item, num_bytes / 2**20, extra={"item": item, "bytes": num_bytes})
+        warm_ms = await _unless_stopped(loop.run_in_executor(servicer.executor, servicer.warmup,
+                                                             config.warmup_tokens), stop)
+        if warm_ms is None:
+            return exit_code[0]
+        servicer.mark_ready()
+        log.info("worker serving %s on %s (backend %s, %d KV blocks of %d tokens, warm-up %.0f ms)", name,
+                 where, engine.backend, engine.allocator.num_blocks, engine_config.kv_block_size, warm_ms,
+                 extra={"port": port})
+        if on_ready is not None:
+            on_ready(port, servicer)
+        await stop.wait()
+        if exit_code[0] == 0:
+            await _drain(servicer, config.drain_timeout_s, hurry)
+        return exit_code[0]
+    finally:
+        health.update(draining=True)
+        for s in servers:    # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
+            await s.stop(0.5)
+        for task in tasks:
+            task.cancel()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        servicer.executor.shutdown()
+        await _close_engine(servicer)
+        if owns_provider:
+            tracer_provider.shutdown()
+        log.info("worker stopped", extra={"exit_code": exit_code[0]})
+
+
+async def _close_engine(servicer: WorkerServicer) -> None:
+    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread has ended;
+    a model thread still running (a step past the watchdog) keeps them until the process exits."""
+    engine, thread = servicer.engine, servicer.executor
+    if engine is None:
+        return
+    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, ENGINE_CLOSE_WAIT_S):
+        log.warning("the model thread is still running; the engine is left to the process's exit")
+        return
+    try:
+        engine.close()
+    except Exception as e:    # stopping anyway: the process's exit releases what this could not
+        log.warning("closing the engine failed: %s: %s", type(e).__name__, e)
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    """Exit with the process that started us (`colibri serve`), so no orphan keeps the GPU."""
+    while not stop.is_set():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("parent process %d is gone; stopping", pid)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    file_values = load_config_file(args.config, "worker")
+    config = resolve(WorkerConfig, file_values=file_values, flags=flag_values(args, WorkerConfig))
+    engine_config = resolve(EngineConfig, file_values=load_config_file(args.config, "engine"),
+                            flags=flag_values(args, EngineConfig))
+    configure_logging("colibri-worker", config.log_level)
+    return asyncio.run(serve(args.model, config, engine_config))

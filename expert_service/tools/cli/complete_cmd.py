@@ -1,0 +1,39 @@
+"""`colibri complete --model DIR --tokens 1,2,3 --max-new-tokens N`: one offline completion as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from expert_service.tools.cli.offline import add_model_arguments, open_engine
+from expert_service.engine.sampling import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default: 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS")
+    parser.add_argument("--logprobs", action="store_true", help="include each token's log-probability")
+
+
+def run(args: argparse.Namespace) -> int:
+    engine, ids = open_engine(args)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+                              logprobs=args.logprobs)
+    stop = () if args.ignore_eos else engine.model_config.eos_token_ids
+    tokens, logprobs, reason = engine.generate(ids, max(args.max_new_tokens, 1), sampling, stop_token_ids=stop)
+    result = {"token_ids": tokens, "stop_reason": reason, "prompt_tokens": len(ids),
+              "generated_tokens": len(tokens), "seed": seed}
+    tokenizer = engine.model.tokenizer_path()
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
+        result["text"] = Tokenizer.from_file(str(tokenizer)).decode(tokens, skip_special_tokens=False)
+    if args.logprobs:
+        result["logprobs"] = logprobs
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,38 @@
+"""Arguments and set-up shared by the offline subcommands (`logits`, `complete`): no services involved."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from common.config import add_flags, flag_values, resolve
+from common.errors import InvalidRequestError
+from common.model_format import ModelDir
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import Engine
+from expert_service.backends import build_engine
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="Colibri model directory")
+    parser.add_argument("--tokens", required=True, metavar="IDS", help="prompt token ids, comma-separated")
+    add_flags(parser, EngineConfig)
+
+
+def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise InvalidRequestError("--tokens", f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise InvalidRequestError("--tokens", "the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError("--tokens", f"token id {bad[0]} is outside [0, {vocab_size})")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def open_engine(args: argparse.Namespace) -> tuple[Engine, np.ndarray]:
+    config = resolve(EngineConfig, flags=flag_values(args, EngineConfig))
+    model = ModelDir.open(args.model, verify=config.verify_checksums)
+    return build_engine(model, config), parse_token_ids(args.tokens, model.config.vocab_size)

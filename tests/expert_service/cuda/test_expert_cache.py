@@ -1,0 +1,111 @@
+"""The expert cache on the cuda backend (GPU only): device slots filled on a copy stream, waves, prefetch.
+
+On the GPU the cached path runs every step size through the same expert kernels (grouped kernels up to 64
+tokens, per-expert cuBLAS above), so its outputs are bitwise equal at every number of slots; the resident
+path picks other kernels by step size (all-experts GEMMs, a different reduction order), so against it the
+check is the fp32 tolerance and identical greedy tokens.
+"""
+import numpy as np
+import pytest
+
+from common.model_format import ModelDir
+from expert_service.tools.tiny_model import make_tiny
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.backends import build_engine
+from expert_service.experts.cache import CacheStats
+from expert_service.engine.sampling import SamplingParams
+from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
+
+pytestmark = pytest.mark.gpu
+
+LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)      # a 121-token step: the per-expert cuBLAS path
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
+def family_model(request, tmp_path_factory):
+    return ModelDir.open(make_tiny(tmp_path_factory.mktemp(request.param) / "m", family=request.param, seed=1))
+
+
+def _check_accounting(stats, traces, block):
+    for s, trace in zip(stats, traces):
+        assert s.hits + s.misses == sum(len(np.unique(ids)) for ids in trace.expert_ids.values())
+        assert s.bytes_copied == (s.misses + s.prefetches_issued) * block
+        assert s.stall_seconds >= 0.0
+
+
+@pytest.mark.parametrize("prompts", [SESSION_PROMPTS, LONG_PROMPTS], ids=["short", "long"])
+def test_every_cache_size_bitwise_equal_and_close_to_resident(family_model, prompts):
+    ref_logits, ref_tokens, ref_stats, traces, _ = run_session(family_model, backend="cuda", prompts=prompts)
+    assert all(s is None for s in ref_stats)
+    cpu_tokens = run_session(family_model, backend="cpu", prompts=prompts)[1]
+    assert ref_tokens == cpu_tokens
+    first = None
+    for slots in (1, 2, 3):
+        logits, tokens, stats, _, engine = run_session(family_model, backend="cuda", prompts=prompts,
+                                                       expert_cache_slots=slots, prefetch="none")
+        assert engine.decoder.cached is not None and not engine.decoder.graphs
+        assert tokens == ref_tokens
+        for a, b in zip(logits, ref_logits):
+            assert rel_error(a, b) <= 1e-4
+        if first is None:
+            first = logits
+        assert all(np.array_equal(a, b) for a, b in zip(logits, first)), f"{slots} slots differ from 1 slot"
+        _check_accounting(stats, traces, engine.slot_plan.expert_block_bytes)
+        assert sum(stats, CacheStats()).prefetches_issued == 0
+        engine.decoder.close()
+
+
+@pytest.mark.parametrize("prefetch", ["plan", "lookahead", "plan,lookahead"])
+def test_prefetch_changes_only_counters(family_model, prefetch):
+    base = run_session(family_model, backend="cuda", expert_cache_slots=1, prefetch="none")
+    plans = exact_plans(base[3], family_model.config.num_experts)
+    for slots in (1, 2):
+        ref = base if slots == 1 else run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")
+        logits, tokens, stats, traces, engine = run_session(family_model, plans, backend="cuda",
+                                                            expert_cache_slots=slots, prefetch=prefetch)
+        assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
+        _check_accounting(stats, traces, engine.slot_plan.expert_block_bytes)
+        total = sum(stats, CacheStats())
+        assert total.prefetches_used <= total.prefetches_issued
+        if "plan" in prefetch:
+            assert total.prefetches_used > 0
+        engine.decoder.close()
+
+
+def test_adversarial_plans_cannot_corrupt_weights(family_model):
+    """Plans that name the wrong experts for every layer prefetch into slots the waves are about to use:
+    the copy stream waits for the compute stream's last use of a slot, so the outputs stay exact."""
+    ref = run_session(family_model, backend="cuda", expert_cache_slots=1, prefetch="none")
+    E = family_model.config.num_experts
+    wrong = [{layer: (ids + 1) % E for layer, ids in trace.expert_ids.items()} for trace in ref[3]]
+    plans = exact_plans([type(t)(expert_ids=w) for t, w in zip(ref[3], wrong)], E)
+    for slots in (1, 2):
+        logits, tokens, *_ = run_session(family_model, plans, backend="cuda", expert_cache_slots=slots,
+                                         prefetch="plan,lookahead")
+        assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
+
+
+def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
+    from cuda.bindings import driver as drv
+    from numba.cuda.cudadrv import driver
+    engine = build_engine(family_model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2,
+                                               prefetch="plan,lookahead"))
+    plan = dict(engine.decoder.memory_plan())
+    assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0
+
+    def steps(first_id):
+        ids = [first_id + j for j in range(len(LONG_PROMPTS))]
+        engine.step([PrefillInput(r, p, SamplingParams(), True) for r, p in zip(ids, LONG_PROMPTS)])
+        for _ in range(3):
+            engine.step(decode_ids=ids)
+        engine.clear()
+    steps(0)                                  # compiles every kernel the cached path launches
+    free_before = drv.cuMemGetInfo()[1]
+    calls = []
+    original = driver.Context.memalloc
+    monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    steps(10)
+    assert calls == [], f"{len(calls)} device allocations during cached steps"
+    assert drv.cuMemGetInfo()[1] == free_before
+    engine.decoder.close()

@@ -1,0 +1,65 @@
+"""HostUploader's page-locking lifetime (CPU: the driver calls are replaced by recorders)."""
+import gc
+
+import numpy as np
+
+import expert_service.cuda.weights as weights
+
+
+def recorders(monkeypatch):
+    pinned, unpinned = [], []
+    monkeypatch.setattr(weights, "pin_readonly", lambda host: pinned.append(host.ctypes.data) or True)
+    monkeypatch.setattr(weights, "unpin", lambda host: unpinned.append(host.ctypes.data))
+    return pinned, unpinned
+
+
+def test_release_unpins_every_pinned_range_once(monkeypatch):
+    pinned, unpinned = recorders(monkeypatch)
+    uploader = weights.HostUploader(stream=None)
+    hosts = [np.random.default_rng(i).integers(0, 255, 64, dtype=np.uint8) for i in range(3)]
+    assert all(uploader.pin(h) for h in hosts)
+    uploader.release()
+    uploader.release()
+    assert sorted(unpinned) == sorted(pinned) and len(unpinned) == 3
+
+
+def test_an_uploader_dropped_without_release_still_unpins(monkeypatch):
+    """A registration that outlives its mmap makes the driver refuse later allocations at those addresses."""
+    pinned, unpinned = recorders(monkeypatch)
+    uploader = weights.HostUploader(stream=None)
+    uploader.pin(np.arange(32, dtype=np.uint8))
+    del uploader
+    gc.collect()
+    assert unpinned == pinned and len(pinned) == 1
+
+
+def test_refused_ranges_are_not_unpinned(monkeypatch):
+    pinned, unpinned = recorders(monkeypatch)
+    monkeypatch.setattr(weights, "pin_readonly", lambda host: False)
+    uploader = weights.HostUploader(stream=None)
+    assert not uploader.pin(np.arange(32, dtype=np.uint8))
+    uploader.release()
+    assert unpinned == []
+
+
+def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
+    """The format writes q, k, v projections consecutively: one [q_size + 2 kv_size, D] view serves a one-token
+    step's single GEMV. Biases whose sizes break the 64-byte alignment are padded apart: no stacked view."""
+    from common.model_format import plan_layout
+    from common.models import config_from_hf
+    from expert_service.tools.tiny_model import tiny_hf_config
+    for family, dtype in (("qwen3_moe", "bfloat16"), ("qwen2_moe", "float32"), ("mixtral", "float16")):
+        config = config_from_hf(tiny_hf_config(family))
+        entries, _ = plan_layout(config, dtype)
+        parts = [entries[f"layers.1.{p}_proj"] for p in "qkv"]
+        offset, nbytes, got_dtype, shape = weights.stacked_range(parts)
+        assert (offset, nbytes, got_dtype) == (parts[0].offset, sum(p.nbytes for p in parts), dtype)
+        assert shape == (config.q_size + 2 * config.kv_size, config.hidden_size)
+    config = config_from_hf(tiny_hf_config("qwen2_moe"))
+    entries, _ = plan_layout(config, "bfloat16")
+    biases = [entries[f"layers.0.{p}_bias"] for p in "qkv"]
+    padded = any(a.offset + a.nbytes != b.offset for a, b in zip(biases, biases[1:]))
+    assert (weights.stacked_range(biases) is None) == padded
+    assert weights.stacked_range([entries["layers.0.q_proj"], entries["layers.0.o_proj"]]) is None   # rows differ
+    assert weights.stacked_range([entries["layers.0.k_proj"], entries["layers.0.q_proj"]]) is None   # out of order
+    assert weights.stacked_range([entries["layers.0.q_proj"], None]) is None

@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequestError
+from common.pb import worker_pb2 as pb
+from common.routing_plan import RoutingPlan, csr_to_ids
+from common.tensors import from_pb, to_pb
+from expert_service.cpu.layers.moe import route, route_planned
+from expert_service.experts.routing_plan import routing_plan_recall, warmup_routing_plan
+from expert_service.serving import wire
+from router_service import wire as router_wire
+
+
+def csr(ids: np.ndarray, num_experts: int):
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.zeros(num_experts + 1, np.int32)
+    np.cumsum(np.bincount(flat, minlength=num_experts), out=offsets[1:])
+    return offsets, (order // ids.shape[1]).astype(np.int32)
+
+
+def test_csr_round_trip():
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.sort(rng.choice(7, 3, replace=False)) for _ in range(11)])
+    np.testing.assert_array_equal(csr_to_ids(*csr(ids, 7), 7, 11), ids)
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda o, t: (o[:-1], t), "offsets"),
+    (lambda o, t: (o, np.where(t == 0, 50, t).astype(np.int32)), "token_indices"),
+    (lambda o, t: (o, np.concatenate([t[:-1], t[:1]]).astype(np.int32)), "token_indices"),
+])
+def test_malformed_plans_name_the_field(mutate, field):
+    ids = np.array([[0, 1], [1, 2], [0, 2]])
+    offsets, tokens = mutate(*csr(ids, 3))
+    with pytest.raises(InvalidRequestError) as e:
+        csr_to_ids(offsets, tokens, 3, 3)
+    assert field in e.value.field
+
+
+def test_routing_plan_from_pb_and_recall():
+    exact = {0: np.array([[0, 1], [2, 3]]), 1: np.array([[1, 2], [0, 3]])}
+    predicted = {0: np.array([[0, 1], [2, 0]]), 1: np.array([[3, 0], [0, 3]])}
+    packed = [csr(v, 4) for v in predicted.values()]
+    message = pb.RoutingPlan(layers=list(predicted), offsets=to_pb(np.stack([o for o, _ in packed])),
+                             token_indices=to_pb(np.stack([t for _, t in packed])))
+    decoded = wire.routing_plan(message, [0, 1]).expert_ids(4, 2)
+    for layer in predicted:
+        np.testing.assert_array_equal(np.sort(decoded[layer], axis=1), np.sort(predicted[layer], axis=1))
+    assert routing_plan_recall(decoded, exact) == pytest.approx(5 / 8)
+    with pytest.raises(InvalidRequestError, match="MoE layers"):
+        wire.routing_plan(pb.RoutingPlan(layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)),
+                                           token_indices=to_pb(np.zeros((1, 0), np.int32))), [0, 1])
+    assert wire.routing_plan(pb.RoutingPlan(), [0, 1]) is None        # no layers: no plan
+
+
+def test_routing_plan_pb_round_trip_and_expert_ids():
+    """The router's side (from expert ids, its wire) and the worker's (its wire, expert_ids) agree."""
+    rng = np.random.default_rng(3)
+    ids = np.stack([[rng.choice(6, 2, replace=False) for _ in range(9)] for _ in range(3)])   # [L, T, k]
+    plan = RoutingPlan.from_expert_ids([1, 3, 4], ids.astype(np.uint16), 6)
+    for l, (layer, offsets, tokens) in enumerate(plan.csr()):
+        ref_offsets, ref_tokens = csr(ids[l], 6)
+        np.testing.assert_array_equal(offsets, ref_offsets)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+    back = wire.routing_plan(pb.RoutingPlan.FromString(router_wire.routing_plan(plan).SerializeToString()), [1, 3, 4])
+    assert back.layers == (1, 3, 4)
+    decoded = back.expert_ids(6, 9)
+    for l, layer in enumerate(back.layers):
+        np.testing.assert_array_equal(decoded[layer], np.sort(ids[l], axis=1))
+
+
+def test_warmup_routing_plan_sends_every_token_to_the_first_experts():
+    plan = warmup_routing_plan([0, 2], num_experts=5, top_k=2, num_tokens=3)
+    for ids in plan.expert_ids(5, 3).values():
+        np.testing.assert_array_equal(ids, [[0, 1]] * 3)
+
+
+def test_tensor_wire_checks():
+    t = to_pb(np.arange(6, dtype=np.int32).reshape(2, 3))
+    np.testing.assert_array_equal(from_pb(t, "x", "int32"), np.arange(6).reshape(2, 3))
+    with pytest.raises(InvalidRequestError, match="bytes do not fit"):
+        from_pb(pb.Tensor(data=b"\0" * 5, dtype="int32", shape=[2]), "x")
+    with pytest.raises(InvalidRequestError, match="dtype must be int32"):
+        from_pb(pb.Tensor(data=b"\0" * 8, dtype="int64", shape=[1]), "x", "int32")
+
+
+def test_planned_weights_equal_exact_renormalised_topk_on_the_same_experts():
+    """With the planned experts equal to the exact top-k, LUT weights = the renormalised top-k weights
+    (Mixtral's routing), which is why a token-determined model gives identical outputs under both."""
+    logits = np.random.default_rng(1).standard_normal((9, 6)).astype(np.float32)
+    ids, weights = route(logits, 2, normalize=True)
+    np.testing.assert_allclose(route_planned(logits, ids), weights, rtol=1e-6)

@@ -1,0 +1,222 @@
+"""`colibri make-tiny` and `colibri verify` through the real CLI: determinism, the tokenizer, and every way a
+model directory can be broken, each a one-line error naming the file or tensor with a non-zero exit."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from colibri.cli import main
+from common.errors import ChecksumError, ModelFormatError
+from common.model_format import MANIFEST, ModelDir
+from common.models import FAMILIES
+from expert_service.tools.tiny_model import BOS_ID, EOS_ID, VOCAB_SIZE, make_tiny
+
+TEXTS = ["Hello, world!", "héllo wörld ß ø", "日本語のテキスト", "emoji 🦜🔥👩‍👩‍👧 and\ttabs\n\nnewlines  ",
+         "<s> looks special but is text", "\x00\x7f control \u200b zero-width", ""]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def broken(tiny, tmp_path) -> Path:
+    """A private copy of the tiny model for a test to damage."""
+    return Path(shutil.copytree(tiny, tmp_path / "model", ignore=shutil.ignore_patterns("hf")))
+
+
+def edit_manifest(model_dir: Path, edit) -> None:
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    edit(manifest)
+    (model_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def assert_one_line_error(capsys, model_dir: Path, exit_code: int, *names: str) -> str:
+    rc, out, err = run_cli(capsys, "verify", str(model_dir), "--no-progress")
+    assert rc == exit_code, err
+    assert err.startswith("colibri verify: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    for name in names:
+        assert name in err, (name, err)
+    return err
+
+
+# --- make-tiny ---------------------------------------------------------------------------------------------
+
+def test_make_tiny_cli_then_verify(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "m"), "--no-progress")
+    assert rc == 0 and "mixtral" in out and f"vocab {VOCAB_SIZE}" in out
+    rc, out, err = run_cli(capsys, "verify", str(tmp_path / "m"), "--no-progress")
+    model = ModelDir.open(tmp_path / "m", verify=False)
+    assert rc == 0 and out == f"ok: {len(model.entries)} tensors, {model.total_bytes:,} bytes verified\n"
+
+
+def test_make_tiny_default_model_shape(tiny):
+    model = ModelDir.open(tiny)
+    c = model.config
+    assert (c.family, c.vocab_size, c.hidden_size, c.num_hidden_layers) == ("mixtral", VOCAB_SIZE, 64, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.num_experts, c.num_experts_per_tok) == (4, 2, 4, 2)
+    assert (c.moe_intermediate_size, c.max_position_embeddings) == (96, 2048)
+    assert c.bos_token_id == BOS_ID and c.eos_token_ids == (EOS_ID,)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_make_tiny_is_deterministic(tmp_path, family):
+    a = make_tiny(tmp_path / "a", family, seed=5)
+    b = make_tiny(tmp_path / "b", family, seed=5)
+    c = make_tiny(tmp_path / "c", family, seed=6)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for file in files:
+        assert (a / file).read_bytes() == (b / file).read_bytes(), file
+    crcs = {n: t["crc32"] for n, t in json.loads((a / MANIFEST).read_text())["tensors"].items()}
+    other = {n: t["crc32"] for n, t in json.loads((c / MANIFEST).read_text())["tensors"].items()}
+    assert crcs.keys() == other.keys() and all(crcs[n] != other[n] for n in crcs)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_round_trips_any_text(tiny, text):
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    ids = tokenizer.encode(text).ids
+    assert all(0 <= i < VOCAB_SIZE for i in ids)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    if text.isascii() and "<s>" not in text:
+        assert ids == [3 + b for b in text.encode()]   # one token per byte
+
+
+def test_tokenizer_specials(tiny):
+    tokenizer = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE
+    assert tokenizer.token_to_id("<s>") == BOS_ID and tokenizer.token_to_id("</s>") == EOS_ID
+    assert tokenizer.decode([BOS_ID, 3 + ord("a"), EOS_ID]) == "a"
+
+
+# --- verify: every broken directory is a one-line error --------------------------------------------------------
+
+def test_flipped_byte_names_file_and_tensor(broken, capsys):
+    entry = json.loads((broken / MANIFEST).read_text())["tensors"]["layers.1.experts.2.up_proj"]
+    with open(broken / entry["file"], "r+b") as f:
+        f.seek(entry["offset"] + 17)
+        byte = f.read(1)
+        f.seek(entry["offset"] + 17)
+        f.write(bytes([byte[0] ^ 0x10]))
+    err = assert_one_line_error(capsys, broken, ChecksumError.exit_code, "experts-L001.bin",
+                                "layers.1.experts.2.up_proj", "checksum mismatch")
+    assert "crc32" in err
+    # Loading verifies too, unless told to skip.
+    with pytest.raises(ChecksumError):
+        ModelDir.open(broken)
+    ModelDir.open(broken, verify=False)
+
+
+def test_truncated_file(broken, capsys):
+    size = (broken / "dense.bin").stat().st_size
+    os.truncate(broken / "dense.bin", size - 100)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "dense.bin", "truncated")
+
+
+def test_offset_past_end_of_file(broken, capsys):
+    def edit(m):
+        m["tensors"]["layers.0.q_proj"]["offset"] = 10**9
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "layers.0.q_proj", "dense.bin",
+                          "offset past the end")
+
+
+def test_nbytes_not_matching_dtype_and_shape(broken, capsys):
+    def edit(m):   # fp32 data declared bf16: the byte count is twice what bf16 x shape needs
+        m["tensors"]["embed_tokens"]["dtype"] = "bfloat16"
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "embed_tokens", "bfloat16",
+                          "do not fit")
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../model/dense.bin", "sub/../../dense.bin", "dense.bin\0"])
+def test_path_escaping_the_directory(broken, capsys, path):
+    def edit(m):
+        m["tensors"]["final_norm"]["file"] = path
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "final_norm", repr(path),
+                          "must be relative")
+
+
+def test_symlink_leaving_the_directory(broken, tmp_path, capsys):
+    outside = tmp_path / "outside.bin"
+    shutil.copyfile(broken / "dense.bin", outside)
+    (broken / "link.bin").symlink_to(outside)
+    def edit(m):
+        m["tensors"]["final_norm"]["file"] = "link.bin"
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "final_norm", "link.bin",
+                          "outside the model directory")
+
+
+def test_missing_tensor(broken, capsys):
+    edit_manifest(broken, lambda m: m["tensors"].pop("layers.1.experts.3.down_proj"))
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "layers.1.experts.3.down_proj", "missing")
+
+
+def test_missing_data_file(broken, capsys):
+    (broken / "experts-L000.bin").unlink()
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "experts-L000.bin", "not found")
+
+
+def test_unknown_model_type_lists_supported(broken, capsys):
+    def edit(m):
+        m["config"]["model_type"] = "llama"
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "'llama'",
+                          "supported: mixtral, olmoe, qwen2_moe, qwen3_moe")
+
+
+@pytest.mark.parametrize("text", ['{"format": "colibri", ', "[1, 2, 3]", '"just a string"', "\xff\xfe"])
+def test_malformed_manifest(broken, capsys, text):
+    (broken / MANIFEST).write_text(text, encoding="latin-1")
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, MANIFEST)
+
+
+@pytest.mark.parametrize("key, value", [("tensors", []), ("tensors", {"embed_tokens": 5}), ("config", []),
+                                        ("format_version", 2), ("dtype", "int4"), ("dtype", []),
+                                        ("expert_stride", "x")])
+def test_malformed_manifest_fields(broken, capsys, key, value):
+    def edit(m):
+        m[key] = value
+    edit_manifest(broken, edit)
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code)
+
+
+def test_not_a_model_directory(tmp_path, capsys):
+    assert_one_line_error(capsys, tmp_path, ModelFormatError.exit_code, MANIFEST, "colibri convert")
+
+
+def test_os_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "a_file" / "model"), "--no-progress")
+    assert rc == 1 and err.count("\n") == 1 and "a_file" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_logits_write_failure_is_an_error_naming_the_file(tiny_model, capsys):
+    assert main(["logits", "--model", str(tiny_model), "--tokens", "1,2,3", "--out", "/dev/full"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "colibri logits: error: /dev/full: No space left on device", err
+    assert not os.path.exists("/dev/full.npy")
+
+
+def test_logits_writes_exactly_the_named_file(tiny_model, tmp_path):
+    out = tmp_path / "logits.bin"
+    assert main(["logits", "--model", str(tiny_model), "--tokens", "1,2,3", "--out", str(out)]) == 0
+    assert out.is_file() and not (tmp_path / "logits.bin.npy").exists()

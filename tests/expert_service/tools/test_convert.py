@@ -1,0 +1,224 @@
+"""The converter: checkpoints from transformers' save_pretrained (fp32, bf16) and from make-tiny's generator,
+sharded checkpoints, --dtype conversions and the checkpoints it must refuse."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from colibri.cli import main
+from common.errors import ModelFormatError
+from common.model_format import ModelDir
+from common.models import FAMILIES, tensor_specs
+from expert_service.tools.tiny_model import tiny_hf_config, write_tiny_checkpoint
+from expert_service.tools.convert import convert
+
+# Sizes that are not multiples of 32 and expert counts that are not powers of two.
+ODD_SIZES = dict(vocab_size=101, hidden_size=40, intermediate_size=56, num_attention_heads=4,
+                 num_key_value_heads=1, max_position_embeddings=256)
+ODD_EXPERTS = {"mixtral": dict(num_local_experts=3, num_experts_per_tok=1),
+               "qwen2_moe": dict(num_experts=5, moe_intermediate_size=24, shared_expert_intermediate_size=36,
+                                 num_experts_per_tok=3),
+               "qwen3_moe": dict(num_experts=3, moe_intermediate_size=24, head_dim=12, num_experts_per_tok=2),
+               "olmoe": dict(num_experts=6, num_experts_per_tok=4, clip_qkv=4.0)}
+
+
+def save_transformers(path: Path, family: str, dtype=torch.float32, **overrides) -> Path:
+    """A tiny randomly initialised transformers model of `family`, saved with save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = {**tiny_hf_config(family), **overrides}
+    for key in ("model_type", "architectures", "dtype"):
+        hf.pop(key)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **hf), dtype=dtype)
+    with torch.no_grad():   # transformers initialises norms to exactly 1; make every tensor distinctive
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def source_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """HF name -> storage array (bfloat16 as uint16 words) read with the safetensors library."""
+    out = {}
+    for shard in hf_dir.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    return out
+
+
+def assert_bitwise_equal(model: ModelDir, source: dict[str, np.ndarray]) -> None:
+    specs = tensor_specs(model.config)
+    assert set(model.entries) == {s.name for s in specs}
+    for spec in specs:
+        got, want = model.tensor(spec.name), source[spec.hf_name]
+        assert got.dtype == want.dtype and got.shape == want.shape, spec.name
+        assert got.tobytes() == want.tobytes(), spec.name
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()   # drop what the test's setup printed (transformers' progress bars)
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("sizes", ["tiny", "odd"])
+def test_transformers_checkpoint_round_trip(tmp_path, family, sizes):
+    overrides = {**ODD_SIZES, **ODD_EXPERTS[family]} if sizes == "odd" else {}
+    hf_dir = save_transformers(tmp_path / "hf", family, **overrides)
+    model = ModelDir.open(convert(hf_dir, tmp_path / "model", progress=False))
+    assert model.dtype == "float32"
+    assert_bitwise_equal(model, source_tensors(hf_dir))
+
+
+def test_bf16_checkpoint_stays_raw_bf16(tmp_path):
+    hf_dir = save_transformers(tmp_path / "hf", "qwen3_moe", dtype=torch.bfloat16)
+    model = ModelDir.open(convert(hf_dir, tmp_path / "model", progress=False))
+    assert model.dtype == "bfloat16"
+    assert all(e.dtype == "bfloat16" for e in model.entries.values())
+    assert_bitwise_equal(model, source_tensors(hf_dir))
+
+
+def split_into_shards(src: Path, dst: Path, with_index: bool = True) -> Path:
+    """The single-file checkpoint at `src` as two shards (+ model.safetensors.index.json) in `dst`."""
+    dst.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, dst / name)
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, dst / file, metadata={"format": "pt"})
+    if with_index:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": {k: file for file, keys in halves.items() for k in keys}}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_sharded_checkpoint_converts_to_identical_files(tmp_path, with_index):
+    single = write_tiny_checkpoint(tmp_path / "single", "qwen2_moe", seed=3)
+    sharded = split_into_shards(single, tmp_path / "sharded", with_index)
+    a = convert(single, tmp_path / "a", progress=False)
+    b = convert(sharded, tmp_path / "b", progress=False)
+    for file in ["dense.bin", "experts-L000.bin", "tokenizer.json"]:
+        assert (a / file).read_bytes() == (b / file).read_bytes(), file
+    assert json.loads((a / "colibri.json").read_text()) == json.loads((b / "colibri.json").read_text())
+
+
+def test_index_naming_a_missing_shard_is_refused(tmp_path):
+    sharded = split_into_shards(write_tiny_checkpoint(tmp_path / "single"), tmp_path / "sharded")
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="missing shard model-00002-of-00002.safetensors"):
+        convert(sharded, tmp_path / "out", progress=False)
+
+
+def test_truncated_shard_is_refused_naming_the_file(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    shard = hf_dir / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(ModelFormatError, match=r"model\.safetensors: not a valid safetensors file"):
+        convert(hf_dir, tmp_path / "out", progress=False)
+
+
+def test_dtype_conversions(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "mixtral", seed=1)
+    source = load_file(hf_dir / "model.safetensors")
+    bf16 = ModelDir.open(convert(hf_dir, tmp_path / "bf16", dtype="bfloat16", progress=False))
+    fp16 = ModelDir.open(convert(hf_dir, tmp_path / "fp16", dtype="float16", progress=False))
+    for spec in tensor_specs(bf16.config):
+        want_bf16 = source[spec.hf_name].astype(ml_dtypes.bfloat16).view(np.uint16)
+        assert np.array_equal(bf16.tensor(spec.name), want_bf16), spec.name
+        assert np.array_equal(fp16.tensor(spec.name), source[spec.hf_name].astype(np.float16)), spec.name
+    # Widening is exact: bf16 -> fp32 gives back the bf16 values.
+    (tmp_path / "hf_bf16").mkdir()
+    shutil.copyfile(hf_dir / "config.json", tmp_path / "hf_bf16" / "config.json")
+    save_file({s.hf_name: np.asarray(bf16.tensor(s.name)) for s in tensor_specs(bf16.config)},
+              tmp_path / "hf_bf16" / "model.safetensors")   # numpy has no bf16: fix the header below
+    retag_as_bf16(tmp_path / "hf_bf16" / "model.safetensors")
+    fp32 = ModelDir.open(convert(tmp_path / "hf_bf16", tmp_path / "fp32", dtype="float32", progress=False))
+    name = "layers.0.experts.1.up_proj"
+    assert np.array_equal(fp32.tensor(name), bf16.tensor_f32(name))
+
+
+def retag_as_bf16(path: Path) -> None:
+    """Rewrites the dtype of every U16 tensor in a safetensors header to BF16 (numpy cannot write bf16)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].decode().rstrip().replace('"U16"', '"BF16"').encode()
+    header = header.ljust(-(-len(header) // 8) * 8)   # keep the data 8-byte aligned, as safetensors does
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n:])
+
+
+def test_bf16_to_fp16_overflow_is_refused_naming_the_tensor(tmp_path, capsys):
+    hf_dir = save_transformers(tmp_path / "hf", "olmoe", dtype=torch.bfloat16)
+    tensors = source_tensors(hf_dir)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 3] = np.array([1.0e5], dtype=ml_dtypes.bfloat16).view(np.uint16)[0]
+    save_file(tensors, hf_dir / "model.safetensors")
+    retag_as_bf16(hf_dir / "model.safetensors")
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "float16",
+                           "--no-progress")
+    assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err
+    assert name in err and "overflow" in err and "65504" in err
+    # Keeping bf16 (or bf16 -> fp32) is fine.
+    assert run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "ok"), "--no-progress")[0] == 0
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("mixtral")))
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, hf_dir / "pytorch_model.bin")
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err
+    assert "pytorch_model.bin" in err and "never loaded" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config_text, expected", [
+    (None, "config.json: not found"),
+    ("{not json", "config.json: not valid JSON"),
+    (json.dumps({**tiny_hf_config("mixtral"), "model_type": "llama"}),
+     "model_type 'llama' is not supported (supported: mixtral, olmoe, qwen2_moe, qwen3_moe)"),
+])
+def test_bad_config_json_is_one_line(tmp_path, capsys, config_text, expected):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    if config_text is None:
+        (hf_dir / "config.json").unlink()
+    else:
+        (hf_dir / "config.json").write_text(config_text)
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert rc != 0 and err.count("\n") == 1 and expected in err and "Traceback" not in err
+
+
+def test_missing_checkpoint_tensor_is_named(tmp_path, capsys):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, hf_dir / "model.safetensors")
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert rc == 3 and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in err
+
+
+def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "bfloat16")
+    assert rc == 0 and out.count("\n") == 1
+    assert "qwen3_moe" in out and "45 tensors" in out and "bfloat16" in out
+    model = ModelDir.open(tmp_path / "out")
+    assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
