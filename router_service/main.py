@@ -3,9 +3,10 @@
 Serves GenerationService, grpc.health.v1 and server reflection, over TLS when configured (router_service/
 security.py), optionally with health alone on a plaintext `--health-port` for kubelet probes, and with
 `--http-port` the OpenAI-compatible HTTP API on the same event loop (router_service/http_api.py). Health services:
-"" and `colibri.liveness` answer SERVING while the process and its event loop run (the answer comes from the
-loop, so a wedged loop fails the probe); `colibri.readiness` and the GenerationService name are SERVING while
-the worker is connected and ready and we are not draining. SIGTERM: readiness NOT_SERVING at once, new requests
+`colibri.liveness` answers SERVING while the process and its event loop run (the answer comes from the loop, so
+a wedged loop fails the probe); "", `colibri.readiness` and the GenerationService name are SERVING while the
+worker is connected and ready and we are not draining ("" is what load balancers and meshes check by default:
+it must mean "this server will serve a request now"). SIGTERM: readiness NOT_SERVING at once, new requests
 UNAVAILABLE, in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ from router_service.worker_client import WorkerClient
 
 log = logging.getLogger("colibri.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-LIVENESS = ("", "colibri.liveness")
-READINESS = ("colibri.readiness", SERVICE_NAME)
+LIVENESS = ("colibri.liveness",)
+READINESS = ("", "colibri.readiness", SERVICE_NAME)
 
 
 class _HealthHooks(BatchingLoopHooks):
