@@ -15,6 +15,9 @@ from common.metrics import RouterMetrics, new_registry, start_metrics_server
 class BatchingLoopHooks:
     """No-op observability hooks; `request` is the batching loop's RequestState."""
 
+    def on_attached(self, batching_loop) -> None:
+        """The loop starts; hooks may keep it to read its live state (gauges read at scrape time)."""
+
     def on_worker_state(self, ready: bool) -> None: ...
 
     def on_admitted(self, request) -> None: ...
@@ -38,6 +41,15 @@ class MetricsHooks(BatchingLoopHooks):
     def __init__(self, metrics: RouterMetrics):
         self.m = metrics
 
+    def on_attached(self, batching_loop) -> None:
+        # Read at scrape time, not set at steps: a value set at the last step stayed (queue_size 1 when idle,
+        # the last batch while the worker was down), and queue_size feeds the autoscaler.
+        def scheduled(count: str):
+            return lambda: getattr(batching_loop.scheduler, count) if batching_loop.scheduler is not None else 0
+        self.m.queue_size.set_function(lambda: batching_loop.num_active)
+        self.m.num_requests_running.set_function(scheduled("num_running"))
+        self.m.num_requests_waiting.set_function(scheduled("num_waiting"))
+
     def on_admitted(self, request) -> None:
         self.m.prompt_tokens.inc(len(request.req.prompt_ids))
 
@@ -54,18 +66,12 @@ class MetricsHooks(BatchingLoopHooks):
     def on_step(self, kind, num_seqs, num_tokens, router_seconds, worker_seconds, num_running, num_waiting,
                 num_active) -> None:
         self.m.observe_step(kind, router_seconds, worker_seconds, num_seqs, num_tokens)
-        self._gauges(num_running, num_waiting, num_active)
 
     def on_request_done(self, request, outcome: str, now: float) -> None:
         self.m.observe_finished(outcome, now - request.arrived_at)
 
     def on_rejected(self, outcome: str) -> None:
         self.m.requests.labels(outcome=outcome).inc()
-
-    def _gauges(self, running: int, waiting: int, active: int) -> None:
-        self.m.num_requests_running.set(running)
-        self.m.num_requests_waiting.set(waiting)
-        self.m.queue_size.set(active)
 
 
 class ChainedHooks(BatchingLoopHooks):
