@@ -194,7 +194,10 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     options = [("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.max_receive_message_length", config.max_message_bytes), *SERVER_OPTIONS]
     interceptors = [AuthInterceptor(tokens)] if tokens else []
-    server = grpc.aio.server(interceptors=[*interceptors, ServerTracingInterceptor(tracer_provider)], options=options)
+    # The router polls Health about once a second outside any request: each poll would be a root span.
+    tracing = ServerTracingInterceptor(tracer_provider, exclude_prefixes=(
+        "/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health"))
+    server = grpc.aio.server(interceptors=[*interceptors, tracing], options=options)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(

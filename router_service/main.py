@@ -33,7 +33,7 @@ from router_service.config import RouterConfig
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
 from router_service.frontend import Frontend
-from router_service.observability import BatchingLoopHooks, ChainedHooks, router_metrics
+from router_service.observability import BatchingLoopHooks, ChainedHooks, QueueSpanHooks, router_metrics
 from router_service.protocol import DecodeGuardInterceptor
 from router_service.security import BearerAuthInterceptor, TokenSet, server_credentials, worker_token_source
 from router_service.servicer import GenerationServicer
@@ -143,7 +143,8 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     health_servicer = health.aio.HealthServicer()
     batching_loop = BatchingLoop(config, worker, tokenizer, planner=_routing_planner(config))
     router = Router(server, 0, batching_loop, health_servicer, worker)
-    batching_loop.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
+    batching_loop.hooks = ChainedHooks(_HealthHooks(router), QueueSpanHooks(),
+                                       *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
     servicer = GenerationServicer(batching_loop, frontend=frontend)

@@ -7,9 +7,13 @@ taken in this one process (vLLM's rule: never compare monotonic clocks across pr
 """
 from __future__ import annotations
 
+import time
+
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from common.metrics import RouterMetrics, new_registry, start_metrics_server
+from common.tracing import get_tracer
 
 
 class BatchingLoopHooks:
@@ -72,6 +76,32 @@ class MetricsHooks(BatchingLoopHooks):
 
     def on_rejected(self, outcome: str) -> None:
         self.m.requests.labels(outcome=outcome).inc()
+
+
+class QueueSpanHooks(BatchingLoopHooks):
+    """The request span's `queue` child: arrival to the first step that carries the request, or to its end when
+    none did (a queue timeout, a cancel). Made once its end is known, from the loop's monotonic stamps."""
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None):
+        self._tracer = get_tracer(tracer_provider)
+
+    def on_scheduled(self, request, now: float) -> None:
+        self._record(request, now)
+
+    def on_request_done(self, request, outcome: str, now: float) -> None:
+        if request.scheduled_at is None:
+            self._record(request, now)
+
+    def _record(self, request, now: float) -> None:
+        parent = request.span_context
+        if parent is None or not parent.is_valid:     # no request span to hang it on
+            return
+        # Span times are wall-clock ns; the loop's stamps are monotonic: shift them by the clocks' offset.
+        end_ns = time.time_ns() - int((time.monotonic() - now) * 1e9)
+        start_ns = end_ns - int((now - request.arrived_at) * 1e9)
+        span = self._tracer.start_span("queue", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+                                       kind=trace.SpanKind.INTERNAL, start_time=start_ns)
+        span.end(end_time=end_ns)
 
 
 class ChainedHooks(BatchingLoopHooks):
