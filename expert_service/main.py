@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,7 +230,9 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
 
         def load() -> Engine:
             if engine_config.verify_checksums:
-                model.verify(progress=True)
+                # A bar only for a person at a terminal: one that fails to write (a full disk, a closed pipe)
+                # leaves tqdm's lock held and its finalizer then hangs the process's exit.
+                model.verify(progress=sys.stderr.isatty())
             return Engine(model, engine_config)
         engine = await _unless_stopped(_in_daemon_thread(load), stop)
         if engine is None:
