@@ -143,10 +143,10 @@ class Supervisor:
         log.info("serving %s: router pid %d, worker pid %d on %s", self.args.model, router.pid, worker.pid,
                  self.worker_address)
         port = self.args.port or 50051
-        print(f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
-              f"  colibri generate --target localhost:{port} \"Hello\" --max-new-tokens 16\n"
-              f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{port} "
-              f"colibri.router.v1.GenerationService/Generate", flush=True)
+        _print_hint(f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
+                    f"  colibri generate --target localhost:{port} \"Hello\" --max-new-tokens 16\n"
+                    f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{port} "
+                    f"colibri.router.v1.GenerationService/Generate")
         while True:
             self._sleep(0.2)
             if self.stopping:     # checked before the children: one that exits on the same signal is no failure
@@ -196,6 +196,19 @@ class Supervisor:
                 process.wait()
                 return
             time.sleep(0.05)
+
+
+def _print_hint(text: str) -> None:
+    """The start-up hint, for a person: a stdout that cannot take it (a full disk, a closed pipe) must not stop
+    serve, which would leave its children behind."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        log.warning("the start-up hint could not be written to stdout: %s", e.strerror or e)
+        # The unwritten bytes stay buffered and would fail again at exit (status 120): stdout goes nowhere now.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _exit_status(code: int) -> int:

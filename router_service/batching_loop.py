@@ -136,6 +136,7 @@ class BatchingLoop:
 
     # ---- lifecycle ----
     async def start(self) -> None:
+        self.hooks.on_attached(self)
         self._task = asyncio.create_task(self._run(), name="colibri-batching-loop")
 
     async def stop(self) -> None:

@@ -3,9 +3,10 @@
 Serves GenerationService, grpc.health.v1 and server reflection, over TLS when configured (router_service/
 security.py), optionally with health alone on a plaintext `--health-port` for kubelet probes, and with
 `--http-port` the OpenAI-compatible HTTP API on the same event loop (router_service/http_api.py). Health services:
-"" and `colibri.liveness` answer SERVING while the process and its event loop run (the answer comes from the
-loop, so a wedged loop fails the probe); `colibri.readiness` and the GenerationService name are SERVING while
-the worker is connected and ready and we are not draining. SIGTERM: readiness NOT_SERVING at once, new requests
+`colibri.liveness` answers SERVING while the process and its event loop run (the answer comes from the loop, so
+a wedged loop fails the probe); "", `colibri.readiness` and the GenerationService name are SERVING while the
+worker is connected and ready and we are not draining ("" is what load balancers and meshes check by default:
+it must mean "this server will serve a request now"). SIGTERM: readiness NOT_SERVING at once, new requests
 UNAVAILABLE, in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from router_service.config import RouterConfig
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
 from router_service.frontend import Frontend
-from router_service.observability import BatchingLoopHooks, ChainedHooks, router_metrics
+from router_service.observability import BatchingLoopHooks, ChainedHooks, QueueSpanHooks, router_metrics
 from router_service.protocol import DecodeGuardInterceptor
 from router_service.security import BearerAuthInterceptor, TokenSet, server_credentials, worker_token_source
 from router_service.servicer import GenerationServicer
@@ -41,8 +42,8 @@ from router_service.worker_client import WorkerClient
 
 log = logging.getLogger("colibri.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-LIVENESS = ("", "colibri.liveness")
-READINESS = ("colibri.readiness", SERVICE_NAME)
+LIVENESS = ("colibri.liveness",)
+READINESS = ("", "colibri.readiness", SERVICE_NAME)
 
 
 class _HealthHooks(BatchingLoopHooks):
@@ -142,7 +143,8 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     health_servicer = health.aio.HealthServicer()
     batching_loop = BatchingLoop(config, worker, tokenizer, planner=_routing_planner(config))
     router = Router(server, 0, batching_loop, health_servicer, worker)
-    batching_loop.hooks = ChainedHooks(_HealthHooks(router), *([hooks] if hooks is not None else []))
+    batching_loop.hooks = ChainedHooks(_HealthHooks(router), QueueSpanHooks(),
+                                       *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
     servicer = GenerationServicer(batching_loop, frontend=frontend)

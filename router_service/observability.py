@@ -7,13 +7,20 @@ taken in this one process (vLLM's rule: never compare monotonic clocks across pr
 """
 from __future__ import annotations
 
+import time
+
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
 from common.metrics import RouterMetrics, new_registry, start_metrics_server
+from common.tracing import get_tracer
 
 
 class BatchingLoopHooks:
     """No-op observability hooks; `request` is the batching loop's RequestState."""
+
+    def on_attached(self, batching_loop) -> None:
+        """The loop starts; hooks may keep it to read its live state (gauges read at scrape time)."""
 
     def on_worker_state(self, ready: bool) -> None: ...
 
@@ -38,6 +45,15 @@ class MetricsHooks(BatchingLoopHooks):
     def __init__(self, metrics: RouterMetrics):
         self.m = metrics
 
+    def on_attached(self, batching_loop) -> None:
+        # Read at scrape time, not set at steps: a value set at the last step stayed (queue_size 1 when idle,
+        # the last batch while the worker was down), and queue_size feeds the autoscaler.
+        def scheduled(count: str):
+            return lambda: getattr(batching_loop.scheduler, count) if batching_loop.scheduler is not None else 0
+        self.m.queue_size.set_function(lambda: batching_loop.num_active)
+        self.m.num_requests_running.set_function(scheduled("num_running"))
+        self.m.num_requests_waiting.set_function(scheduled("num_waiting"))
+
     def on_admitted(self, request) -> None:
         self.m.prompt_tokens.inc(len(request.req.prompt_ids))
 
@@ -54,7 +70,6 @@ class MetricsHooks(BatchingLoopHooks):
     def on_step(self, kind, num_seqs, num_tokens, router_seconds, worker_seconds, num_running, num_waiting,
                 num_active) -> None:
         self.m.observe_step(kind, router_seconds, worker_seconds, num_seqs, num_tokens)
-        self._gauges(num_running, num_waiting, num_active)
 
     def on_request_done(self, request, outcome: str, now: float) -> None:
         self.m.observe_finished(outcome, now - request.arrived_at)
@@ -62,10 +77,31 @@ class MetricsHooks(BatchingLoopHooks):
     def on_rejected(self, outcome: str) -> None:
         self.m.requests.labels(outcome=outcome).inc()
 
-    def _gauges(self, running: int, waiting: int, active: int) -> None:
-        self.m.num_requests_running.set(running)
-        self.m.num_requests_waiting.set(waiting)
-        self.m.queue_size.set(active)
+
+class QueueSpanHooks(BatchingLoopHooks):
+    """The request span's `queue` child: arrival to the first step that carries the request, or to its end when
+    none did (a queue timeout, a cancel). Made once its end is known, from the loop's monotonic stamps."""
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None):
+        self._tracer = get_tracer(tracer_provider)
+
+    def on_scheduled(self, request, now: float) -> None:
+        self._record(request, now)
+
+    def on_request_done(self, request, outcome: str, now: float) -> None:
+        if request.scheduled_at is None:
+            self._record(request, now)
+
+    def _record(self, request, now: float) -> None:
+        parent = request.span_context
+        if parent is None or not parent.is_valid:     # no request span to hang it on
+            return
+        # Span times are wall-clock ns; the loop's stamps are monotonic: shift them by the clocks' offset.
+        end_ns = time.time_ns() - int((time.monotonic() - now) * 1e9)
+        start_ns = end_ns - int((now - request.arrived_at) * 1e9)
+        span = self._tracer.start_span("queue", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+                                       kind=trace.SpanKind.INTERNAL, start_time=start_ns)
+        span.end(end_time=end_ns)
 
 
 class ChainedHooks(BatchingLoopHooks):

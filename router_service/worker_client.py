@@ -78,7 +78,14 @@ class StepStream:
         self._call, self.step_timeout_s = call, step_timeout_s
 
     async def send(self, request: worker_pb2.StepStreamRequest) -> None:
-        await self._call.write(request)
+        """Sends a step; a stream the worker has already ended is a lost worker, with the call's status."""
+        try:
+            await self._call.write(request)
+        except asyncio.InvalidStateError:   # grpc's answer to a write after the call finished, whatever its status
+            code, details = await self._call.code(), await self._call.details()
+            if code == grpc.StatusCode.OK:
+                code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"
+            raise _rpc_error(code, details) from None
 
     async def receive(self) -> worker_pb2.StepStreamResponse:
         """The next result; a worker that ends the stream or misses the step deadline is a lost worker."""

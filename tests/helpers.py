@@ -10,6 +10,8 @@ tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_servic
 - Text: ``byte_ids``; the one byte-level tokenizer is the tiny model's (``expert_service.tools.tiny_model``).
 - Engines and services: ``run_session`` / ``exact_plans`` (expert cache), ``make_token_routed_model``,
   ``BackgroundWorker`` (an in-process worker) and ``running_router`` (an in-process router).
+- Ports: ``free_port`` for a server that must be told its port up front (a child process, a port that 0 turns
+  off); a server that can bind port 0 itself should, and report the port it got.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
+from ephemeral_port_reserve import reserve
 
 from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.tools.tiny_model import NUM_SPECIAL
@@ -183,6 +187,14 @@ def byte_ids(text: str) -> list[int]:
     return [NUM_SPECIAL + b for b in text.encode()]
 
 
+# --- ports -----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A loopback port kept from other takers until a server binds it: it is left in TIME_WAIT, so the kernel
+    hands it to no bind(0) or outgoing connection, while a server binding it with SO_REUSEADDR (gRPC, aiohttp,
+    prometheus_client all do) gets it. A port merely closed could be taken by anyone before the server binds."""
+    return reserve("127.0.0.1")
+
+
 # --- engines and services --------------------------------------------------------------------------------
 SESSION_PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 200]))
 
@@ -303,23 +315,28 @@ class BackgroundWorker:
         return self.exit_code
 
 
+ROUTER_READY_TIMEOUT_S = 120.0     # connecting includes the worker's warm-up when asked for: seconds on a busy box
+
+
 @contextlib.asynccontextmanager
 async def running_router(worker_address: str, wait_ready: bool = True, **overrides):
     """Yields (router, GenerationService stub): an in-process router against `worker_address`, bound to a free
-    loopback port, stopped after."""
+    loopback port, stopped after. No warm-up step unless a test passes warmup=True: the worker warmed up at
+    its own start, and a second one only delays the test."""
     import grpc
 
     from common.pb import router_pb2_grpc
     from router_service.config import RouterConfig
     from router_service.main import start_router
-    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05, **overrides})
+    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
+                             "warmup": False, **overrides})
     router = await start_router(config, worker_address)
     try:
-        for _ in range(500 if wait_ready else 0):
-            if router.batching_loop.is_worker_ready:
-                break
+        deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+        while wait_ready and not router.batching_loop.is_worker_ready and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert router.batching_loop.is_worker_ready or not wait_ready, "the router never connected to the worker"
+        assert router.batching_loop.is_worker_ready or not wait_ready, \
+            f"the router never connected to the worker at {worker_address} in {ROUTER_READY_TIMEOUT_S:.0f} s"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             yield router, router_pb2_grpc.GenerationServiceStub(channel)
     finally:

@@ -4,10 +4,10 @@ All model work runs on one daemon thread (`ModelThread`), in submission order, s
 health, Info and new calls during long steps, and a wedged device call can never keep the process from
 exiting. `WorkerHealth` publishes the standard grpc.health.v1 statuses from what it observes:
 
-- `""` and `colibri.liveness`: the process is up and the model thread is not wedged (no job has run past the
+- `colibri.liveness`: the process is up and the model thread is not wedged (no job has run past the
   watchdog, and a heartbeat sent to the thread comes back within it). SERVING while the model loads.
-- `colibri.readiness` and `colibri.worker.v1.WorkerService`: the model is verified and warmed up, the worker
-  is not draining and it is live.
+- `""`, `colibri.readiness` and `colibri.worker.v1.WorkerService`: the model is verified and warmed up, the
+  worker is not draining and it is live (`""` is what balancers check by default: "will serve a call now").
 
 After a worker fault every service is NOT_SERVING.
 """
@@ -144,7 +144,7 @@ class WorkerHealth:
 
     def _publish(self) -> None:
         live, ready = self.is_live(), self.is_ready()
-        for service, up in (("", live), (LIVENESS, live), (READINESS, ready), (WORKER_SERVICE, ready)):
+        for service, up in ((LIVENESS, live), ("", ready), (READINESS, ready), (WORKER_SERVICE, ready)):
             status = _SERVING if up else _NOT_SERVING
             if self._published.get(service) != status:
                 self._published[service] = status

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_t
 from expert_service.engine.engine import Engine
 from expert_service.backends import build_engine
 from expert_service.serving.lifecycle import WorkerHealth, quiet_cancelled_streams
-from expert_service.serving.servicer import WorkerServicer, add_to_server
+from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
 from expert_service.serving.step_stream import UNARY
 
 ENGINE_CLOSE_WAIT_S = 5.0     # an idle model thread ends at once; one stuck in a step is not waited for
@@ -195,7 +196,10 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     options = [("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.max_receive_message_length", config.max_message_bytes), *SERVER_OPTIONS]
     interceptors = [AuthInterceptor(tokens)] if tokens else []
-    server = grpc.aio.server(interceptors=[*interceptors, ServerTracingInterceptor(tracer_provider)], options=options)
+    # The router polls Health about once a second outside any request: each poll would be a root span.
+    tracing = ServerTracingInterceptor(tracer_provider, exclude_prefixes=(
+        "/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health"))
+    server = grpc.aio.server(interceptors=[*interceptors, tracing], options=options)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
@@ -227,7 +231,9 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
 
         def load() -> Engine:
             if engine_config.verify_checksums:
-                model.verify(progress=True)
+                # A bar only for a person at a terminal: one that fails to write (a full disk, a closed pipe)
+                # leaves tqdm's lock held and its finalizer then hangs the process's exit.
+                model.verify(progress=sys.stderr.isatty())
             return build_engine(model, engine_config)
         engine = await _unless_stopped(_in_daemon_thread(load), stop)
         if engine is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
-from tests.helpers import BackgroundWorker, running_router
+from tests.helpers import BackgroundWorker, free_port, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +33,6 @@ SECTION_9_METRICS = {
                "colibri_expert_cache_copied_bytes_total", "colibri_expert_cache_stall_seconds_total",
                "colibri_routing_plan_recall", "colibri_expert_load_imbalance"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def offline_greedy(model, prompt, n):

@@ -150,6 +150,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             queued.put_nowait(None)
         busy = [0]
         receiver = asyncio.create_task(receive())
+        try:
+            async for response in self._step_responses(queued, busy, context):
+                yield response
+        finally:
+            # However the stream ends (an injected abort, the router cancelling), the reader goes with it and
+            # its error is retrieved: nothing is left for the loop to report at close.
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+
+    async def _step_responses(self, queued: asyncio.Queue, busy: list[int], context):
         while (request := await queued.get()) is not None:
             busy[0] = 1
             await self._step(context, "StepStream")
@@ -189,7 +199,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 logprobs=np.asarray(logprobs, "<f4").tobytes(), errors=errors,
                 kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1))
             busy[0] = 0
-        receiver.cancel()
 
 
 async def start_fake_worker(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:

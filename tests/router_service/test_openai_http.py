@@ -13,18 +13,12 @@ import pytest
 
 from common.pb import router_pb2 as rpb
 from router_service.openai_api import ApiError, parse_request
-from tests.helpers import running_router, worker_kv_blocks_used
+from tests.helpers import free_port, running_router, worker_kv_blocks_used
 
 pytestmark = pytest.mark.slow
 TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}" \
            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 GREEDY = dict(max_new_tokens=8, ignore_eos=True, logprobs=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

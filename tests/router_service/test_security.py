@@ -16,6 +16,7 @@ from common.pb import worker_pb2_grpc
 from router_service import generate_cmd, security
 from router_service.config import RouterConfig
 from router_service.main import start_router
+from tests.helpers import free_port
 from tests.router_service.certs import issue, make_ca
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
@@ -30,12 +31,6 @@ def recheck_at_once(monkeypatch):
 def write(path, data):
     path.write_bytes(data if isinstance(data, bytes) else data.encode())
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def model_info(port, credentials=None, metadata=None):
@@ -160,9 +155,8 @@ def test_plaintext_health_port_beside_tls(tmp_path):
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.health_port}")
             health = health_pb2_grpc.HealthStub(channel)
             check = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name))  # noqa: E731
-            for name in ("", "colibri.liveness"):
-                assert (await check(name)).status == SERVING
-            for name in ("colibri.readiness", "colibri.router.v1.GenerationService"):
+            assert (await check("colibri.liveness")).status == SERVING
+            for name in ("", "colibri.readiness", "colibri.router.v1.GenerationService"):
                 assert (await check(name)).status == health_pb2.HealthCheckResponse.NOT_SERVING
             fake.ready = True
             await wait_for(lambda: router.batching_loop.is_worker_ready)

@@ -194,8 +194,11 @@ def test_health_follows_worker_and_drain():
         async with harness(fake, wait_ready=False) as (router, _, stub, channel):
             health = health_pb2_grpc.HealthStub(channel)
             check = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness")) # noqa: E731
-            live = lambda: health.Check(health_pb2.HealthCheckRequest(service="")) # noqa: E731
+            live = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.liveness")) # noqa: E731
+            # "": what load balancers and meshes check by default; it must mean "will serve a request now".
+            overall = lambda: health.Check(health_pb2.HealthCheckRequest(service="")) # noqa: E731
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await overall()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await live()).status == health_pb2.HealthCheckResponse.SERVING  # liveness: the process runs
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1]))
@@ -204,11 +207,13 @@ def test_health_follows_worker_and_drain():
             await wait_for(lambda: router.batching_loop.is_worker_ready)
             await asyncio.sleep(0.05)
             assert (await check()).status == health_pb2.HealthCheckResponse.SERVING
+            assert (await overall()).status == health_pb2.HealthCheckResponse.SERVING
             in_flight = stub.Generate(ids_request([1], max_new_tokens=20))
             await wait_for(lambda: router.batching_loop.num_active == 1)
             drain = asyncio.create_task(router.drain(timeout=5))
             await wait_for(lambda: router.batching_loop.is_draining)
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await overall()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await live()).status == health_pb2.HealthCheckResponse.SERVING  # draining is not dead
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1]))

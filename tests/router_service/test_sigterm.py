@@ -1,20 +1,14 @@
 """`colibri router` as a process: health SERVING once the worker is ready; SIGTERM drains and exits 0."""
 import asyncio
 import signal
-import socket
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import router_pb2_grpc
+from tests.helpers import free_port
 from tests.router_service.fake_worker import FakeWorker, ids_request, start_fake_worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_serving(health, timeout=30.0):

@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2 as pb_health
 
 from common.pb import worker_pb2 as pb
 from expert_service.serving.lifecycle import ModelThread, WorkerHealth
@@ -46,6 +47,20 @@ def test_liveness_follows_the_model_thread_readiness_the_warm_model():
     health.update(failed=True)
     assert not health.is_live()
     health.model_thread.shutdown()
+
+
+def test_the_overall_health_name_means_ready_to_serve():
+    """"" is what balancers, meshes and grpc_health_probe check by default: SERVING only when a call would be
+    served now; liveness keeps its own name."""
+    health = WorkerHealth(watchdog_s=10.0)
+
+    def status(service: str) -> int:
+        return health.servicer.Check(pb_health.HealthCheckRequest(service=service), None).status
+    assert (status(""), status("colibri.liveness")) == (NOT_SERVING, SERVING)      # loading
+    health.update(ready=True)
+    assert (status(""), status("colibri.liveness")) == (SERVING, SERVING)
+    health.update(draining=True)
+    assert (status(""), status("colibri.liveness")) == (NOT_SERVING, SERVING)
 
 
 class Stream:
@@ -84,7 +99,7 @@ def test_sigterm_drains_held_sequences_and_refuses_new_ones(tiny_model, tmp_path
         while health_status(probe, "colibri.readiness") != NOT_SERVING:
             assert time.monotonic() < deadline, "readiness still SERVING while draining"
             time.sleep(0.05)
-        assert health_status(probe, "colibri.liveness") == SERVING and health_status(probe, "") == SERVING
+        assert health_status(probe, "colibri.liveness") == SERVING and health_status(probe, "") == NOT_SERVING
         with pytest.raises(grpc.RpcError) as e:                 # a new stream: refused
             next(worker.StepStream(iter([pb.StepStreamRequest(step_id=1)]), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

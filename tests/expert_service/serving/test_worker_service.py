@@ -1,5 +1,6 @@
 """The expert worker over real gRPC on loopback: steps, freeing, health, reflection, errors."""
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -207,14 +208,22 @@ def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
 def test_step_stream_cannot_touch_another_streams_sequences(stub):
     s = pb.SamplingParams(temperature=0, top_p=1.0)
     mine = pb.PrefillChunk(request_id=42, token_ids=[1, 2], sampling=s, is_last=True)
-    first = stub.StepStream(iter([_stream_step(1, chunks=[mine])] + [_stream_step(i, decodes=[42])
-                                                                     for i in range(2, 40)]))
-    next(first)                      # stream 1 holds sequence 42 and keeps stepping it
+    # The owner's steps come from a queue, so it holds sequence 42 for as long as the intruder needs (a fixed
+    # list of steps could run out, and the stream's end free 42, before the intruder's first step arrived).
+    owner_steps: queue.Queue = queue.Queue()
+    owner = stub.StepStream(iter(owner_steps.get, None))
+    owner_steps.put(_stream_step(1, chunks=[mine]))
+    answers = [next(owner)]
     intruder = list(stub.StepStream(iter([_stream_step(1, decodes=[42]), _stream_step(2, frees=[42]),
                                           _stream_step(3, chunks=[mine])])))
     assert _outputs(intruder[0]) == [(42, -1, "FOREIGN_SEQUENCE")]
     assert _outputs(intruder[2]) == [(42, -1, "FOREIGN_SEQUENCE")]
-    assert all(not err for r in first for _, _, err in _outputs(r))     # the owner never noticed
+    owner_steps.put(_stream_step(2, decodes=[42]))      # 42 is still the owner's and still steps
+    answers.append(next(owner))
+    owner_steps.put(None)
+    answers += list(owner)
+    assert all(not err for r in answers for _, _, err in _outputs(r))    # the owner never noticed
+    assert [rid for rid, token, _ in _outputs(answers[1]) if token >= 0] == [42]
 
 
 def test_standard_health_and_reflection(worker):

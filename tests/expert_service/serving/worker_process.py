@@ -3,7 +3,6 @@ way the kubelet does, call it with a token."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import worker_pb2_grpc
+from tests.helpers import free_port  # noqa: F401 (re-exported: the worker process tests take it from here)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
