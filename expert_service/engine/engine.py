@@ -10,6 +10,7 @@ import collections
 import itertools
 import logging
 import time
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -144,7 +145,7 @@ class Engine:
         return len(self.release(list(self.sequences)))
 
     # --- steps --------------------------------------------------------------------------------------
-    def step(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+    def step(self, prefill: Sequence[PrefillInput] = (), decode_ids: Sequence[int] = (),
              routing_plan: RoutingPlan | None = None) -> StepResult:
         """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
         `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
@@ -176,7 +177,7 @@ class Engine:
         """Whether `collect(step)` would return without waiting for the device."""
         return step.launched is None or self.decoder.ready(step.launched)
 
-    def launch(self, prefill: list[PrefillInput] = (), decode_ids: list[int] = (),
+    def launch(self, prefill: Sequence[PrefillInput] = (), decode_ids: Sequence[int] = (),
                routing_plan: RoutingPlan | None = None, freed: frozenset[int] = frozenset()) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
@@ -307,7 +308,8 @@ class Engine:
         """A token for every sequence that wants one (rows in work order), then the step's log-probabilities:
         sampled tokens' and scored prompt chunks' (their rows follow the sampling rows); and the sequences
         released while the step was in flight (their rows are skipped, they get no output here)."""
-        tokens_out, row, sequences, work, scored = [], 0, self.sequences, step.work, step.scored
+        tokens_out: list[int | None] = []
+        row, sequences, work, scored = 0, self.sequences, step.work, step.scored
         scores = StepScores(self.model_config.vocab_size)
         gone = set()
         for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states)):
@@ -329,10 +331,10 @@ class Engine:
             tokens_out.append(sampled)
             row += 1
         for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states) if scored else ()):
-            if rid in scored:
+            top_k = seq.sampler.params.prompt_logprobs
+            if rid in scored and top_k is not None:
                 n = len(tokens) - 1     # the chunk's last position scores what follows
-                scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens,
-                              seq.sampler.params.prompt_logprobs)
+                scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens, top_k)
                 seq.prompt_row = None if wants_token else logits[row + n].copy()
                 row += n + (not wants_token)
         sampled_scores, prompt_scores = scores.run(logits) if scores else ({}, {})
@@ -385,13 +387,17 @@ class Engine:
         return token_ids
 
     def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
-                     all_logits: bool, scored: set[int] = frozenset()) -> ForwardBatch:
+                     all_logits: bool, scored: Set[int] = frozenset()) -> ForwardBatch:
         """token_ids: the work's tokens concatenated (as _check_step returns them). Logits rows: each sampling
         sequence's last position, in work order, then the positions of the `scored` prompt chunks (all but a
         sampling chunk's last, which is its sampling row)."""
         block_size = self.config.kv_block_size
         positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
-        tables, context_lens, logits_rows, seq_starts, scored_rows = [], [], [], [0], []
+        tables: list[np.ndarray] = []
+        context_lens: list[int] = []
+        logits_rows: list[int] = []
+        scored_rows: list[int] = []
+        seq_starts = [0]
         sequences, allocated = self.sequences, self.allocator.tables
         for rid, tokens, wants_token in work:
             seq = sequences[rid]
@@ -434,11 +440,12 @@ class Engine:
     def generate(self, token_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_token_ids=(), request_id: int = -1) -> tuple[list[int], list[float], str]:
         """Prefill then decode one sequence; returns (new ids, logprobs, stop reason: length|stop)."""
-        tokens, logprobs = [], []
+        tokens: list[int] = []
+        logprobs: list[float] = []
         out = self.step([PrefillInput(request_id, np.asarray(token_ids), sampling, True)]).outputs[0]
         try:
             while True:
-                if out.error:
+                if out.error or out.token_id is None:
                     raise NonFiniteLogitsError(f"the model produced non-finite logits ({out.error})")
                 tokens.append(out.token_id)
                 logprobs.append(out.logprob)

@@ -14,6 +14,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from expert_service.engine.config import Backend
+from expert_service.experts.slots import SlotPlan
 from expert_service.experts.cache import CacheStats
 from expert_service.engine.penalties import PenaltyBatch
 
@@ -91,6 +92,7 @@ class Decoder(Protocol):
     """A compute backend: weights, the KV pool and the forward pass. Constructed as
     ``Decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan)``."""
     backend: Backend
+    slot_plan: SlotPlan       # how its experts are held (all resident, or a cache of slots)
     supports_overlap: bool    # a step may be launched before the one ahead of it is finished (its greedy rows
                               # feed the later step's decodes: batch.fed_rows)
 

@@ -30,10 +30,15 @@ from typing import Iterable, Iterator, Protocol
 EMPTY = -1
 
 
+class CopyHandle(Protocol):
+    def result(self) -> object:
+        """Blocks until the copy landed."""
+
+
 class CopyEngine(Protocol):
     """Moves expert weights into slots. Copies must complete in issue order (one copy stream)."""
 
-    def copy(self, layer: int, expert: int, slot: int):
+    def copy(self, layer: int, expert: int, slot: int) -> CopyHandle:
         """Starts copying `expert` of `layer` into `slot`; returns a handle with `.result()` (blocks until done)."""
 
 
@@ -83,11 +88,12 @@ class CacheStats:
 
 
 class _Counters:
-    __slots__ = [f.name for f in fields(CacheStats)]
+    """CacheStats being counted (one step's, or the whole run's)."""
+    __slots__ = ("hits", "misses", "bytes_copied", "prefetches_issued", "prefetches_used", "stall_seconds")
 
     def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+        self.hits = self.misses = self.bytes_copied = self.prefetches_issued = self.prefetches_used = 0
+        self.stall_seconds = 0.0
 
     def freeze(self) -> CacheStats:
         return CacheStats(*(getattr(self, name) for name in self.__slots__))
@@ -98,7 +104,7 @@ class _Layer:
 
     def __init__(self, num_slots: int):
         self.expert = [EMPTY] * num_slots               # expert held (or being copied) by each slot
-        self.pending: list[object | None] = [None] * num_slots   # handle of the latest copy, until waited on
+        self.pending: list[CopyHandle | None] = [None] * num_slots   # handle of the latest copy, until waited on
         self.prefetched = [False] * num_slots           # filled by a prefetch not yet hit
         self.in_use: set[int] = set()                   # slots the running step computes with
         self.protected: set[int] = set()                # slots acquired or prefetched during this step
