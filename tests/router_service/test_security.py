@@ -13,6 +13,7 @@ from common.config import resolve
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from common.pb import worker_pb2_grpc
+from common import auth
 from router_service import generate_cmd, security
 from router_service.config import RouterConfig
 from router_service.main import start_router
@@ -24,7 +25,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(autouse=True)
 def recheck_at_once(monkeypatch):
-    monkeypatch.setattr(security, "RECHECK_S", 0.0)
+    monkeypatch.setattr(auth, "RECHECK_S", 0.0)
 
 
 def write(path, data):
