@@ -50,8 +50,8 @@ def tolerant(deserializer):
 def guarded(handler, reject=refuse_invalid_argument):
     """`handler` with a decoder that never raises; `reject(context, malformed)` ends a call whose request (or
     one of whose streamed requests) did not parse."""
-    kwargs = dict(request_deserializer=tolerant(handler.request_deserializer),
-                  response_serializer=handler.response_serializer)
+    kwargs = {"request_deserializer": tolerant(handler.request_deserializer),
+              "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 

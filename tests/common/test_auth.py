@@ -56,7 +56,7 @@ def probe_handlers(parser: CountingParser) -> dict:
 async def call(channel, shape: str, payloads: list[bytes], metadata=None) -> list[bytes]:
     """Calls `shape` with `payloads` (the first alone for unary requests); the answers, or raises AioRpcError."""
     path = f"/{SERVICE}/{shape}"
-    identity = dict(request_serializer=None, response_deserializer=None)
+    identity = {"request_serializer": None, "response_deserializer": None}
     if shape == "Unary":
         return [await channel.unary_unary(path, **identity)(payloads[0], metadata=metadata, timeout=10)]
     if shape == "ServerStream":
