@@ -148,6 +148,14 @@ def test_token_file_several_tokens_reloaded(tmp_path):
     asyncio.run(main())
 
 
+def test_token_file_over_64_kib_is_refused_at_start(tmp_path):
+    """A token file is read up to 64 KiB (a wrong path, say a model file, is not read whole into memory)."""
+    from common.errors import ConfigError
+    config = RouterConfig(auth_token_file=write(tmp_path / "tokens", "t" * (64 * 1024 + 1)))
+    with pytest.raises(ConfigError, match=r"^auth_token_file: .*tokens is larger than 65536 bytes$"):
+        security.public_tokens(config)
+
+
 def test_plaintext_health_port_beside_tls(tmp_path):
     ca = make_ca()
     server = issue(ca, "localhost", server=True)
