@@ -105,9 +105,10 @@ def token_lines(path: str):
 class TokenSet:
     """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication."""
 
-    def __init__(self, token_file: str = "", token: str = "", what: str = "auth_token_file"):
+    def __init__(self, token_file: str = "", token: str = ""):
         self._fixed = (token.strip().encode(),) if token.strip() else ()
-        self._file = WatchedFiles([token_file], token_lines(token_file), what, MAX_TOKEN_FILE_BYTES) \
+        self._file = WatchedFiles([token_file], token_lines(token_file), "auth_token_file",
+                                   MAX_TOKEN_FILE_BYTES) \
             if token_file else None
 
     @property
