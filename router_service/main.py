@@ -34,8 +34,8 @@ from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
 from router_service.frontend import Frontend
 from router_service.observability import BatchingLoopHooks, ChainedHooks, QueueSpanHooks, router_metrics
-from router_service.protocol import DecodeGuardInterceptor
-from router_service.security import BearerAuthInterceptor, TokenSet, server_credentials, worker_token_source
+from router_service.protocol import decode_guard
+from router_service.security import public_interceptors, public_tokens, server_credentials, worker_token_source
 from router_service.servicer import GenerationServicer
 from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
@@ -127,11 +127,9 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         tokenizer = Tokenizer.from_model_dir(config.model)
     worker = WorkerClient(config.worker, max_message_bytes=config.worker_max_message_bytes,
                           step_timeout_s=config.worker_step_timeout_s, token=worker_token_source(config))
-    tokens = TokenSet(config.auth_token, config.auth_token_file)
+    tokens = public_tokens(config)
     tls = server_credentials(config)
-    # Auth first: an unauthenticated caller learns nothing, not even whether its bytes decoded.
-    interceptors = ([BearerAuthInterceptor(tokens)] if tokens.enabled else []) + [DecodeGuardInterceptor()]
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    server = grpc.aio.server(interceptors=public_interceptors(tokens), options=[
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -159,7 +157,7 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     address = f"{config.host}:{config.port}"
     router.port = _bind(server, "router gRPC", address, tls.credentials if tls is not None else None)
     if config.health_port:
-        router.health_server = grpc.aio.server(interceptors=[DecodeGuardInterceptor()])
+        router.health_server = grpc.aio.server(interceptors=[decode_guard()])
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
         router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
         await router.health_server.start()

@@ -1,143 +1,37 @@
 """What the public port trusts: TLS (optionally mutual) with certificates re-read when their files change, and
-bearer tokens from the environment or from a file re-read when it changes. Also the token the router sends to
-the worker. docs/security.md describes the model.
-
-Files are watched by `os.stat` of the resolved path (inode, size, mtime): Kubernetes updates a mounted Secret by
-swapping a `..data` symlink, which changes the inode of every file at once. A file that vanished or does not
-parse keeps the previous value, with one warning per change.
+bearer tokens (common/auth.py, shared with the worker) answered in the router's error contract. Also the token
+the router sends to the worker. docs/security.md describes the model.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import ssl
-import threading
-import time
-from pathlib import Path
 
 import grpc
 
-from common.errors import ConfigError
+from common.auth import BearerAuthInterceptor, Refusal, TokenSet, WatchedFiles, token_lines
 from router_service import errors
+from router_service.protocol import decode_guard
 
 log = logging.getLogger("colibri.router.security")
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-RECHECK_S = 1.0  # files are stat'ed at most this often
 
 
-def _stamp(path: str) -> tuple | None:
-    try:
-        st = os.stat(path)  # follows symlinks: a `..data` swap changes the inode
-    except OSError:
-        return None
-    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns
-
-
-class WatchedFiles:
-    """Reads a set of files through `parse` (bytes per file -> value) and again whenever one of them changed."""
-
-    def __init__(self, paths: list[str], parse, what: str):
-        self.paths, self._parse, self.what = paths, parse, what
-        self._lock = threading.Lock()  # the TLS fetcher runs on gRPC's threads
-        self._stamps = [_stamp(p) for p in paths]
-        self._checked = time.monotonic()
-        missing = [p for p, s in zip(paths, self._stamps) if s is None]
-        if missing:
-            raise ConfigError(f"{what}: cannot read {missing[0]}")
-        try:
-            self.value = parse([Path(p).read_bytes() for p in paths])
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{what}: {e}") from None
-        self.version = 0
-
-    def current(self):
-        """The value, re-read first if a file changed (checked at most every RECHECK_S seconds)."""
-        now = time.monotonic()
-        if now - self._checked < RECHECK_S:
-            return self.value
-        with self._lock:
-            self._checked = now
-            stamps = [_stamp(p) for p in self.paths]
-            if stamps == self._stamps:
-                return self.value
-            self._stamps = stamps
-            try:
-                if None in stamps:
-                    raise ValueError(f"{self.paths[stamps.index(None)]} is missing")
-                value = self._parse([Path(p).read_bytes() for p in self.paths])
-            except (OSError, ValueError) as e:
-                log.warning("%s: keeping the previous value: %s", self.what, e)
-                return self.value
-            self.value, self.version = value, self.version + 1
-            log.info("%s: reloaded %s", self.what, ", ".join(self.paths))
-            return self.value
-
-
-def _tokens(contents: list[bytes]) -> tuple[bytes, ...]:
-    lines = contents[0].decode("utf-8", "replace").splitlines()
-    tokens = tuple(t.encode() for t in (line.strip() for line in lines) if t and not t.startswith("#"))
-    if not tokens:
-        raise ValueError("no token in the file (one per line)")
-    return tokens
-
-
-class TokenSet:
-    """Accepted bearer tokens: a fixed one (environment/config) and those of a watched file."""
-
-    def __init__(self, token: str = "", token_file: str = ""):
-        self._fixed = (token.encode(),) if token else ()
-        self._file = WatchedFiles([token_file], _tokens, "auth_token_file") if token_file else None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._fixed or self._file)
-
-    def accepts(self, authorization: str | bytes) -> bool:
-        """`authorization` metadata (`Bearer TOKEN`) against every token, in constant time per token."""
-        given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
-        scheme, _, token = given.partition(b" ")
-        ok = scheme.lower() == b"bearer"
-        match = False
-        for expected in self._fixed + (self._file.current() if self._file else ()):
-            match |= hmac.compare_digest(token, expected)
-        return ok and match
-
-
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer TOKEN` on every RPC except grpc.health.v1 (probes carry no token)."""
-
-    def __init__(self, tokens: TokenSet):
-        self._tokens = tokens
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
-            return handler
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if self._tokens.accepts(given):
-            return handler
-        return _deny(handler)
-
-
-def _deny(handler):
+def _refusal() -> Refusal:
     status = errors.to_status(errors.Unauthenticated("missing or wrong bearer token (authorization metadata)"))
+    return Refusal(status.code, status.details, status.trailing_metadata)
 
-    async def unary(request, context):
-        await context.abort(status.code, status.details, status.trailing_metadata)
 
-    async def streaming(request, context):
-        await context.abort(status.code, status.details, status.trailing_metadata)
-        yield  # makes this an async generator, as streaming handlers are
+def public_tokens(config) -> TokenSet:
+    """The tokens the public ports (gRPC and HTTP) accept: `auth_token_file`'s and `auth_token`."""
+    return TokenSet(config.auth_token_file, config.auth_token)
 
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+
+def public_interceptors(tokens: TokenSet) -> list[grpc.aio.ServerInterceptor]:
+    """The public port's interceptors. Auth first: an unauthenticated caller's bytes are never parsed, so it
+    learns nothing, not even whether they decoded."""
+    auth = [BearerAuthInterceptor(tokens, _refusal())] if tokens.enabled else []
+    return [*auth, decode_guard()]
 
 
 # ---- TLS ----
@@ -200,6 +94,7 @@ def worker_token_source(config):
     """A callable giving the current token for router -> worker calls ("" = none): the file's first token
     (re-read when it changes) or COLIBRI_WORKER_TOKEN."""
     if config.worker_token_file:
-        watched = WatchedFiles([config.worker_token_file], _tokens, "worker_token_file")
+        path = config.worker_token_file
+        watched = WatchedFiles([path], token_lines(path), "worker_token_file")
         return lambda: watched.current()[0].decode()
     return lambda: config.worker_token

@@ -24,14 +24,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV, HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, \
+    TokenSet
 from common.config import add_flags, flag_values, load_config_file, resolve, setting
 from common.errors import ConfigError
+from common.grpc_guard import MalformedRequestGuard
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
 from common.pb import worker_pb2
 from common.tracing import ServerTracingInterceptor, configure_tracing
-from expert_service.serving.auth import TOKEN_ENV, AuthInterceptor, TokenSet
 from expert_service.engine.config import EngineConfig
 from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
 from expert_service.engine.engine import Engine
@@ -96,6 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="JSON/YAML file with `worker:` and `engine:` sections")
     add_flags(parser, WorkerConfig)
     add_flags(parser, EngineConfig)
+
+
+def worker_interceptors(tokens: TokenSet, tracer_provider=None) -> list[grpc.aio.ServerInterceptor]:
+    """Auth first (an unauthenticated caller's bytes are never parsed; health and reflection are exempt: probes
+    carry no token), then the guard against bytes that do not parse, then tracing."""
+    refusal = Refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token")
+    auth = [BearerAuthInterceptor(tokens, refusal, (HEALTH_PREFIX, REFLECTION_PREFIX))] if tokens else []
+    # The router polls Health about once a second outside any request: each poll would be a root span.
+    tracing = ServerTracingInterceptor(tracer_provider, exclude_prefixes=(
+        "/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health"))
+    return [*auth, MalformedRequestGuard(), tracing]
 
 
 def check_exposure(config: WorkerConfig, tokens: TokenSet) -> None:
@@ -177,7 +190,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         except (NotImplementedError, RuntimeError):   # not the main thread (tests)
             pass
     model = ModelDir.open(model_dir, verify=False)     # the structure, before anything binds; bytes below
-    tokens = TokenSet.from_settings(config.auth_token_file)
+    tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
     check_exposure(config, tokens)
     name = config.model_name or Path(model_dir).resolve().name
     registry = new_registry()
@@ -195,11 +208,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     servicer = WorkerServicer(health, on_fatal, config.step_timeout_s, metrics, tracer_provider)
     options = [("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.max_receive_message_length", config.max_message_bytes), *SERVER_OPTIONS]
-    interceptors = [AuthInterceptor(tokens)] if tokens else []
-    # The router polls Health about once a second outside any request: each poll would be a root span.
-    tracing = ServerTracingInterceptor(tracer_provider, exclude_prefixes=(
-        "/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health"))
-    server = grpc.aio.server(interceptors=[*interceptors, tracing], options=options)
+    server = grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
@@ -213,7 +222,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
             port = bind_tcp(server, "worker gRPC", config.host, config.port)
             where = f"{config.host}:{port}"
         if config.health_port:
-            health_server = grpc.aio.server(options=SERVER_OPTIONS)
+            health_server = grpc.aio.server(interceptors=[MalformedRequestGuard()], options=SERVER_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
             bind_tcp(health_server, "worker health", config.health_host, config.health_port)
             servers.append(health_server)

@@ -44,38 +44,13 @@ METHODS = {"Info": (pb.InfoRequest, pb.InfoResponse, False), "Warmup": (pb.Warmu
            "StepStream": (pb.StepStreamRequest, pb.StepStreamResponse, True)}
 
 
-class Malformed:
-    """What the deserializer hands over instead of a message it could not parse."""
-
-    def __init__(self, cls, error: Exception):
-        self.message = f"request: not a {cls.DESCRIPTOR.full_name} ({type(error).__name__})"
-
-
-def _tolerant(cls):
-    def deserialize(data: bytes):
-        try:
-            return cls.FromString(data)
-        except Exception as e:        # DecodeError, and whatever else the parser raises on hostile bytes
-            return Malformed(cls, e)
-    return deserialize
-
-
-def _refusing_malformed(behaviour):
-    async def unary(request, context):
-        if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return await behaviour(request, context)
-    return unary
-
-
 def add_to_server(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
-    """Registers the service with deserializers that never raise (see Malformed)."""
+    """Registers the service. The server's MalformedRequestGuard (common/grpc_guard.py) makes its deserializers
+    never raise: bytes that are not the method's message are INVALID_ARGUMENT, and end a step stream."""
     handlers = {}
     for name, (request, response, streaming) in METHODS.items():
-        behaviour = getattr(servicer, name)
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(behaviour if streaming else _refusing_malformed(behaviour),
-                              request_deserializer=_tolerant(request),
+        handlers[name] = make(getattr(servicer, name), request_deserializer=request.FromString,
                               response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -248,11 +223,8 @@ class WorkerServicer:
         async def receive():
             try:
                 async for request in request_iterator:
-                    if isinstance(request, Malformed):    # the stream's framing cannot be trusted after this
-                        queued.put_nowait(("abort", request.message, None))
-                        return
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
-                    queued.put_nowait(("step", span, self._submit(pump, request)))
+                    queued.put_nowait((span, self._submit(pump, request)))
                     await unanswered.acquire()    # reads no further (gRPC flow control holds the client)
             except Exception as e:     # the call went away under us (cancelled, reset): the loop below ends
                 log.debug("step stream closed while reading: %s", type(e).__name__)
@@ -262,9 +234,7 @@ class WorkerServicer:
         receiver, closing = asyncio.create_task(receive()), None
         try:
             while (item := await queued.get()) is not None:
-                tag, span, work = item
-                if tag == "abort":
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, span)
+                span, work = item
                 outcome = work if isinstance(work, StepAnswer) else await self._await_step(work, context)
                 span.update_name(f"worker {outcome.kind}")
                 span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)

@@ -13,6 +13,7 @@ from common.config import resolve
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from common.pb import worker_pb2_grpc
+from common import auth
 from router_service import generate_cmd, security
 from router_service.config import RouterConfig
 from router_service.main import start_router
@@ -25,7 +26,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(autouse=True)
 def recheck_at_once(monkeypatch):
-    monkeypatch.setattr(security, "RECHECK_S", 0.0)
+    monkeypatch.setattr(auth, "RECHECK_S", 0.0)
 
 
 def write(path, data):
@@ -140,6 +141,14 @@ def test_token_file_several_tokens_reloaded(tmp_path):
             write(tokens, "")  # an emptied file keeps the previous tokens (a half-written file locks nobody out)
             assert (await model_info(router.port, metadata=bearer("gamma"))).vocab_size > 0
     asyncio.run(main())
+
+
+def test_token_file_over_64_kib_is_refused_at_start(tmp_path):
+    """A token file is read up to 64 KiB (a wrong path, say a model file, is not read whole into memory)."""
+    from common.errors import ConfigError
+    config = RouterConfig(auth_token_file=write(tmp_path / "tokens", "t" * (64 * 1024 + 1)))
+    with pytest.raises(ConfigError, match=r"^auth_token_file: .*tokens is larger than 65536 bytes$"):
+        security.public_tokens(config)
 
 
 def test_plaintext_health_port_beside_tls(tmp_path):

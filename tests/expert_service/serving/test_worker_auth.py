@@ -14,7 +14,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.pb import worker_pb2 as pb
-from expert_service.serving.auth import TokenSet
+from common.auth import TokenSet
 from tests.expert_service.serving.worker_process import (free_port, start_worker, stub, wait_for, worker_env)
 from tests.helpers import BackgroundWorker
 
@@ -29,14 +29,16 @@ def token_file(tmp_path):
 
 
 def test_token_file_rotation_and_env(token_file, monkeypatch):
-    tokens = TokenSet(str(token_file), env_token=" env-token ")
-    assert tokens.accepts(b"first-token") and tokens.accepts(b"second-token") and tokens.accepts(b"env-token")
-    assert not tokens.accepts(b"") and not tokens.accepts(b"first") and not tokens.accepts(b"# the router")
-    monkeypatch.setattr("expert_service.serving.auth.RELOAD_CHECK_S", 0.0)
+    tokens = TokenSet(str(token_file), token=" env-token ")
+    assert tokens.accepts(b"Bearer first-token") and tokens.accepts(b"Bearer second-token")
+    assert tokens.accepts(b"Bearer env-token")
+    assert not tokens.accepts(b"Bearer ") and not tokens.accepts(b"Bearer first")
+    assert not tokens.accepts(b"Bearer # the router") and not tokens.accepts(b"first-token")
+    monkeypatch.setattr("common.auth.RECHECK_S", 0.0)
     token_file.write_text("third-token\n")
-    assert tokens.accepts(b"third-token") and not tokens.accepts(b"first-token")
+    assert tokens.accepts(b"Bearer third-token") and not tokens.accepts(b"Bearer first-token")
     token_file.write_text("")                       # mid-rotation: an empty file keeps what was accepted
-    assert tokens.accepts(b"third-token")
+    assert tokens.accepts(b"Bearer third-token")
     assert not TokenSet() and not TokenSet("", "  ")
 
 
@@ -75,6 +77,14 @@ def test_calls_need_the_token_health_and_reflection_do_not(tiny_model, token_fil
                                                                              sampling=GREEDY, is_last=True)])]
             assert len(list(good.StepStream(iter(steps), timeout=10))) == 1
             good_channel.close()
+        # With the token the bytes are parsed: a malformed step ends the stream after the steps before it.
+        raw = channel.stream_stream("/colibri.worker.v1.WorkerService/StepStream")
+        frames = [pb.StepStreamRequest(step_id=2).SerializeToString(), b"\xff\xff\xff"]
+        answers = []
+        with pytest.raises(grpc.RpcError) as e:
+            answers.extend(raw(iter(frames), timeout=10, metadata=(("authorization", "Bearer first-token"),)))
+        assert len(answers) == 1 and e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("request: not a colibri.worker.v1.StepStreamRequest"), e.value.details()
         channel.close()
         wrong_channel.close()
     finally:

@@ -1,0 +1,175 @@
+"""Who may call a gRPC port: bearer tokens, shared by the router's public port and the worker's port.
+
+Callers send `authorization: Bearer TOKEN`. The accepted tokens come from a file (one per line, blank lines and
+`#` comments skipped, so a rotation can accept the old and the new one) re-read when it changes, and/or one
+fixed token (from the environment or the config). Each presented token is compared with every accepted one in
+constant time. `BearerAuthInterceptor` refuses a call without an accepted token before its body is parsed:
+an unauthenticated caller's bytes never reach a protobuf parser. docs/security.md describes the whole model.
+
+Files are watched by `os.stat` of the resolved path (inode, device, size, mtime): Kubernetes updates a mounted
+Secret by swapping a `..data` symlink, which changes the inode of every file at once. A file that vanished or
+does not parse keeps the previous value, with one warning per change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import os
+import threading
+import time
+
+import grpc
+
+from common.errors import ConfigError
+
+log = logging.getLogger("colibri.auth")
+WORKER_TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection."
+RECHECK_S = 1.0  # watched files are stat'ed at most this often
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+
+
+def _stamp(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)  # follows symlinks: a `..data` swap changes the inode
+    except OSError:
+        return None
+    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns
+
+
+def _read(path: str, max_bytes: int | None) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(-1 if max_bytes is None else max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ValueError(f"{path} is larger than {max_bytes} bytes")
+    return data
+
+
+class WatchedFiles:
+    """Reads a set of files through `parse` (bytes per file -> value) and again whenever one of them changed."""
+
+    def __init__(self, paths: list[str], parse, what: str, max_bytes: int | None = None):
+        self.paths, self._parse, self.what, self._max_bytes = paths, parse, what, max_bytes
+        self._lock = threading.Lock()  # the TLS fetcher runs on gRPC's threads
+        self._stamps = [_stamp(p) for p in paths]
+        self._checked = time.monotonic()
+        try:
+            contents = []
+            for path in paths:
+                try:
+                    contents.append(_read(path, max_bytes))
+                except OSError as e:
+                    raise ConfigError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+            self.value = parse(contents)
+        except ValueError as e:
+            raise ConfigError(f"{what}: {e}") from None
+        self.version = 0
+
+    def current(self):
+        """The value, re-read first if a file changed (checked at most every RECHECK_S seconds)."""
+        now = time.monotonic()
+        if now - self._checked < RECHECK_S:
+            return self.value
+        with self._lock:
+            self._checked = now
+            stamps = [_stamp(p) for p in self.paths]
+            if stamps == self._stamps:
+                return self.value
+            self._stamps = stamps
+            try:
+                if None in stamps:
+                    raise ValueError(f"{self.paths[stamps.index(None)]} is missing")
+                value = self._parse([_read(p, self._max_bytes) for p in self.paths])
+            except (OSError, ValueError) as e:  # mid-rotation or removed: keep what was accepted so far
+                log.warning("%s: keeping the previous value: %s", self.what, e)
+                return self.value
+            self.value, self.version = value, self.version + 1
+            log.info("%s: reloaded %s", self.what, ", ".join(self.paths))
+            return self.value
+
+
+def token_lines(path: str):
+    """A WatchedFiles parser: the tokens of the file at `path`, one per line (blank lines and `#` comments
+    skipped); ValueError when it holds none."""
+    def parse(contents: list[bytes]) -> tuple[bytes, ...]:
+        lines = (line.strip() for line in contents[0].splitlines())
+        tokens = tuple(line for line in lines if line and not line.startswith(b"#"))
+        if not tokens:
+            raise ValueError(f"{path} holds no token (one per line)")
+        return tokens
+    return parse
+
+
+class TokenSet:
+    """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication."""
+
+    def __init__(self, token_file: str = "", token: str = ""):
+        self._fixed = (token.strip().encode(),) if token.strip() else ()
+        self._file = WatchedFiles([token_file], token_lines(token_file), "auth_token_file",
+                                   MAX_TOKEN_FILE_BYTES) \
+            if token_file else None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._fixed or self._file)
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+    def accepts(self, authorization: str | bytes) -> bool:
+        """`authorization` metadata or header (`Bearer TOKEN`) against every token, in constant time per token."""
+        given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
+        scheme, _, token = given.partition(b" ")
+        match = False
+        for expected in self._fixed + (self._file.current() if self._file else ()):
+            match |= hmac.compare_digest(token.strip(), expected)  # no early exit: the time says nothing
+        return scheme.lower() == b"bearer" and match
+
+
+def authorization(metadata) -> str | bytes:
+    """The first `authorization` value of a call's metadata ("" when there is none)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """The status an unauthenticated call ends with (a service may map it through its own error contract)."""
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple = ()
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without an accepted token with `refusal`, before its body is parsed; methods under
+    `exempt` (health: probes carry no token) pass. Install it first, so that no other interceptor sees the call."""
+
+    def __init__(self, tokens: TokenSet, refusal: Refusal, exempt: tuple[str, ...] = (HEALTH_PREFIX,)):
+        self.tokens, self.refusal, self.exempt = tokens, refusal, exempt
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self.exempt):
+            return handler
+        if self.tokens.accepts(authorization(handler_call_details.invocation_metadata)):
+            return handler
+        return _refusing(handler, self.refusal)
+
+
+def _refusing(handler, refusal: Refusal):
+    """A handler of `handler`'s shape that ends the call with `refusal`. It has no request deserializer: gRPC
+    hands it the raw bytes, which it never looks at, so an unauthenticated caller's bytes are never parsed."""
+    async def refuse(request_or_iterator, context):
+        await context.abort(refusal.code, refusal.details, refusal.trailing_metadata)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)

@@ -1,0 +1,126 @@
+"""The shared auth rule on both services' interceptor chains: an unauthenticated caller's bytes are never
+parsed (a deserializer that counts its calls stays at zero) on every RPC shape; with the token they are. And
+the shared guard: bytes that do not parse are INVALID_ARGUMENT, and end a request stream after what came
+before it was answered."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.auth import TokenSet
+from expert_service.serving.main import worker_interceptors
+from router_service.security import public_interceptors
+
+SERVICE = "test.Probe"
+TOKEN = "probe-token"
+SHAPES = ("Unary", "ServerStream", "ClientStream", "BidiStream")
+
+
+class CountingParser:
+    """A request deserializer whose every call is observable; it refuses bytes starting with b"bad"."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, data: bytes) -> bytes:
+        self.calls += 1
+        if data.startswith(b"bad"):
+            raise ValueError("not a probe message")
+        return data
+
+
+def probe_handlers(parser: CountingParser) -> dict:
+    """One method of each shape; each answers the request bytes it was given (joined, for request streams)."""
+    async def unary(request, context):
+        return request
+
+    async def server_stream(request, context):
+        yield request
+
+    async def client_stream(requests, context):
+        return b"".join([r async for r in requests])
+
+    async def bidi(requests, context):
+        async for request in requests:
+            yield request
+
+    kinds = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
+             grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler)
+    behaviours = (unary, server_stream, client_stream, bidi)
+    return {name: make(behaviour, request_deserializer=parser, response_serializer=bytes)
+            for name, make, behaviour in zip(SHAPES, kinds, behaviours)}
+
+
+def call(channel: grpc.Channel, shape: str, payloads: list[bytes], metadata=None) -> list[bytes]:
+    """Calls `shape` with `payloads` (the first alone for unary requests); the answers, or raises RpcError.
+    A blocking channel: the asyncio client can report INTERNAL ("Failed execute_batch") instead of the server's
+    status when one of its writes races the server ending a request stream early, which is what a refusal does."""
+    path, kwargs = f"/{SERVICE}/{shape}", {"metadata": metadata, "timeout": 10}
+    if shape == "Unary":
+        return [channel.unary_unary(path)(payloads[0], **kwargs)]
+    if shape == "ServerStream":
+        return list(channel.unary_stream(path)(payloads[0], **kwargs))
+    if shape == "ClientStream":
+        return [channel.stream_unary(path)(iter(payloads), **kwargs)]
+    return list(channel.stream_stream(path)(iter(payloads), **kwargs))
+
+
+def serve(interceptors, parser: CountingParser, check):
+    """Serves the probe methods behind `interceptors` on a grpc.aio server; runs `check(channel)` on a thread."""
+    async def main():
+        server = grpc.aio.server(interceptors=interceptors)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, probe_handlers(parser)),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await asyncio.to_thread(check, channel)
+        finally:
+            await server.stop(0)
+    asyncio.run(main())
+
+
+CHAINS = {"router": lambda tokens: public_interceptors(tokens), "worker": lambda tokens: worker_interceptors(tokens)}
+
+
+@pytest.mark.parametrize("service", sorted(CHAINS))
+def test_unauthenticated_bytes_are_never_parsed(service):
+    parser = CountingParser()
+    hostile = [b"\xff" * 4096, b"bad" + b"\x0a\xff" * 1000]
+
+    def check(channel):
+        for shape in SHAPES:
+            for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(channel, shape, hostile, metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, shape, err.value)
+        assert parser.calls == 0, f"{service}: an unauthenticated caller's bytes reached the deserializer"
+        # The same chain with the token parses: the counter would have seen the calls above.
+        for shape in SHAPES:
+            answers = call(channel, shape, [b"hello"], (("authorization", f"Bearer {TOKEN}"),))
+            assert answers == [b"hello"], (service, shape)
+        assert parser.calls == len(SHAPES)
+    serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)
+
+
+@pytest.mark.parametrize("service", sorted(CHAINS))
+def test_malformed_request_is_invalid_argument_and_ends_a_stream(service):
+    parser = CountingParser()
+    token = (("authorization", f"Bearer {TOKEN}"),)
+
+    def check(channel):
+        for shape in SHAPES:
+            with pytest.raises(grpc.RpcError) as err:
+                call(channel, shape, [b"bad bytes"], token)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (service, shape, err.value)
+            assert err.value.details().startswith("request: not a "), err.value.details()
+        # On a stream, the messages before the malformed one are answered, then the stream ends at it.
+        stream = channel.stream_stream(f"/{SERVICE}/BidiStream")(iter([b"one", b"two", b"bad", b"three"]),
+                                                                metadata=token, timeout=10)
+        answers = []
+        with pytest.raises(grpc.RpcError) as err:
+            answers.extend(stream)
+        assert answers == [b"one", b"two"] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)
