@@ -32,11 +32,11 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def http_harness(tmp_path, fake=None, **overrides):
+async def http_harness(tmp_path, fake=None, template_source: str = TEMPLATE, **overrides):
     """Yields (router, fake worker, base URL, metrics hooks): the router with a chat template, bearer token
     `sesame` and the real metrics hooks, its HTTP port on loopback."""
     template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
+    template.write_text(template_source)
     hooks, _ = router_metrics("fake", -1)
     settings = dict(http_port=free_port(), chat_template=str(template), auth_token="sesame", max_new_tokens=64,
                     default_max_new_tokens=8)
