@@ -94,7 +94,7 @@ class RouterConfig:
     chat_template_timeout_s: float = setting(2.0, "seconds one chat-template render may take; it runs in a child "
                                              "process, killed past this (the request fails as invalid)",
                                              ("COLIBRI_CHAT_TEMPLATE_TIMEOUT",))
-    chat_template_processes: int = setting(2, "child processes rendering chat templates (about 25 MB each, started on "
+    chat_template_processes: int = setting(2, "child processes rendering chat templates (about 40 MB each, started on "
                                            "the first chat); more chats at once wait for one",
                                            ("COLIBRI_CHAT_TEMPLATE_PROCESSES",))
     http_header_timeout_s: float = setting(60.0, "seconds an HTTP connection gets to send a request's line and "
