@@ -42,6 +42,8 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)",
                        code="request_too_large") from None
+    except web.RequestPayloadError as e:   # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -79,6 +81,13 @@ def json_problem(value) -> tuple[str, str] | None:
             if isinstance(child, (str, dict, list)):
                 stack.append((child, where, depth + 1))
     return None
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    """aiohttp's message for a client's error without its status prefix and the excerpt it quotes."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in re.sub(r"^\d{3}, message:", "", text.strip()).splitlines() if line.strip()]
+    return (lines or [""])[0][:limit]
 
 
 def _has_surrogate(text: str) -> bool:
@@ -140,9 +149,9 @@ class ProtocolLog(logging.LoggerAdapter):
 
     def log(self, level, msg, *args, exc_info=None, **kwargs):
         error = exc_info if isinstance(exc_info, BaseException) else None
-        if level >= logging.ERROR and isinstance(error, HttpProcessingError):
-            first_line = (error.message or "").strip().splitlines()[:1] or [""]
-            self._malformed.warning("malformed HTTP request answered %d: %s", error.code, first_line[0][:160])
+        if level >= logging.ERROR and isinstance(error, (HttpProcessingError, web.RequestPayloadError)):
+            # (a body aiohttp cannot decode surfaces again when it reads the rest of it, after the answer)
+            self._malformed.warning("malformed HTTP request: %s", _first_line(error))
         elif level >= logging.ERROR and isinstance(error, ConnectionError):
             self.logger.debug("HTTP client gone mid-answer: %s", error)
         else:

@@ -199,7 +199,8 @@ def bodies(draw):
 
 
 HEADER_VALUE = st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b) | st.sampled_from(
-    [b"", b"ok-1", b"\xff\xfe", b"\xc3\xa9", b"\xed\xa0\x80", b"x" * 300, b"a b", b"\x00"])
+    [b"", b"ok-1", b"\xff\xfe", b"\xc3\xa9", b"\xed\xa0\x80", b"x" * 300, b"a b", b"\x00", b"gzip", b"deflate",
+     b"br", b"Bearer sesame", b"application/json; charset=latin-1"])
 
 
 @settings(FUZZ, max_examples=150)
@@ -219,8 +220,10 @@ def test_any_header(server, name, value, path):
     method = b"GET" if path in (b"/v1/models", b"/health", b"/v1/models/fake", b"/v1/nowhere") else b"POST"
     auth = name != b"Authorization"
     raw = server.exchange(request(method, path, body, name + b": " + value + b"\r\n", auth=auth))
-    # Bytes HTTP forbids in a header value (controls) are aiohttp's own plain-text 400.
-    well_formed = not any(c < 0x20 and c != 0x09 or c == 0x7f for c in value)
+    # Bytes HTTP forbids in a header value (controls), and a body in an encoding this Python cannot decode
+    # (brotli, zstd without their packages), are aiohttp's own plain-text 400.
+    well_formed = not any(c < 0x20 and c != 0x09 or c == 0x7f for c in value) and not (
+        name == b"Content-Encoding" and value.strip().lower() in (b"br", b"zstd"))
     check(server, f"header {name!r}: {value!r} on {path!r}", raw, well_formed)
 
 
