@@ -9,6 +9,8 @@ a limited `dict`, a `namespace` refusing `_`-prefixed names, `tojson` without HT
 tokens (`bos_token`, `eos_token`, ...) as variables. The rendered text already holds the template's BOS, so
 it is tokenized without adding special tokens. A template error is an InvalidRequestError naming the first
 message whose conversation prefix fails to render (`messages[2]: Conversation roles must alternate ...`).
+The router renders in child processes within a time budget (router_service.chat_render): the sandbox bounds
+what a template can reach, not how long it runs.
 """
 from __future__ import annotations
 
@@ -180,7 +182,8 @@ class ChatTemplate:
 
     def _blame(self, chat, add_generation_prompt, variables, error: Exception) -> InvalidRequestError:
         """The error naming the first message whose conversation prefix fails (the whole list if none does)."""
-        message = f"chat template: {getattr(error, 'message', None) or error}"
+        # An exception without text (MemoryError in a renderer past its memory cap) still says what failed.
+        message = f"chat template: {getattr(error, 'message', None) or str(error) or 'the render failed'}"
         if len(chat) <= MAX_BISECT_MESSAGES:
             for i in range(len(chat) - 1):
                 try:

@@ -91,6 +91,21 @@ class RouterConfig:
                              ("COLIBRI_HTTP_PORT",))
     chat_template: str = setting("", "Jinja2 chat template file used instead of the model's (tokenizer_config.json "
                                  "chat_template)", ("COLIBRI_CHAT_TEMPLATE",))
+    chat_template_timeout_s: float = setting(2.0, "seconds one chat-template render may take; it runs in a child "
+                                             "process, killed past this (the request fails as invalid)",
+                                             ("COLIBRI_CHAT_TEMPLATE_TIMEOUT",))
+    chat_template_processes: int = setting(2, "child processes rendering chat templates (about 40 MB each, started on "
+                                           "the first chat); more chats at once wait for one",
+                                           ("COLIBRI_CHAT_TEMPLATE_PROCESSES",))
+    http_header_timeout_s: float = setting(60.0, "seconds an HTTP connection gets to send a request's line and "
+                                           "headers, counted from its opening or its previous answer (an idle "
+                                           "keep-alive connection is closed after it too)",
+                                           ("COLIBRI_HTTP_HEADER_TIMEOUT",))
+    http_body_timeout_s: float = setting(60.0, "seconds an HTTP request gets to send its whole body once its headers "
+                                         "are in; a slower one gets 408", ("COLIBRI_HTTP_BODY_TIMEOUT",))
+    http_write_timeout_s: float = setting(30.0, "seconds one write of an HTTP answer (a whole answer, one streamed "
+                                          "event) may wait for the client to read; past it the client is "
+                                          "disconnected and its request cancelled", ("COLIBRI_HTTP_WRITE_TIMEOUT",))
     max_prompt_bytes: int = setting(0, "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
                                     "tokenizing; 0 = 32 bytes per token of the context the worker reports, at "
                                     "most max_message_bytes", ("COLIBRI_MAX_PROMPT_BYTES",))
@@ -105,7 +120,7 @@ class RouterConfig:
     def __post_init__(self):
         positive = ("max_concurrent_requests", "max_batch_size", "max_batch_tokens", "default_max_new_tokens",
                     "max_new_tokens", "max_stop_sequence_length", "max_request_id_length", "max_message_bytes",
-                    "worker_max_message_bytes")
+                    "worker_max_message_bytes", "chat_template_processes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
@@ -115,7 +130,8 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"router: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "request_timeout_s", "drain_timeout_s", "worker_step_timeout_s",
-                     "worker_retry_s", "retry_after_s"):
+                     "worker_retry_s", "retry_after_s", "chat_template_timeout_s", "http_header_timeout_s",
+                     "http_body_timeout_s", "http_write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("port", "metrics_port", "health_port", "http_port"):

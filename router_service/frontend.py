@@ -8,8 +8,6 @@ on the current span and hands to `BatchingLoop.submit`; answers are read from th
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -20,13 +18,12 @@ from common.pb import router_pb2
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate, message_dicts
+from router_service.chat_render import TemplateRenderer
 from router_service.logprobs import PromptLogprob, Top
 from router_service.scheduler import FinishReason
-from router_service.tokenizer import INLINE_MAX_CHARS
 from router_service.validation import PromptRequest, check_text_size, prompt_byte_limit, validate_request_async
 
 OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
-INLINE_MAX_MESSAGES = 64  # larger conversations render on a thread
 
 STOP_REASONS = {
     FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
@@ -61,6 +58,8 @@ class Frontend:
         self.batching_loop = batching_loop
         self.config = batching_loop.config
         self.chat_template = chat_template
+        self.chat_renderer = (TemplateRenderer(chat_template, self.config.chat_template_timeout_s,
+                                               self.config.chat_template_processes) if chat_template else None)
         self._model_name = model_name
 
     @property
@@ -91,8 +90,9 @@ class Frontend:
         return self.batching_loop.submit(req, deadline, span.get_span_context())
 
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
-        """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts). A large one renders on
-        a thread, so the event loop keeps serving while the template runs."""
+        """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child
+        process within chat_template_timeout_s (router_service.chat_render): the event loop keeps serving, and a
+        runaway template is stopped."""
         if self.chat_template is None:
             raise InvalidRequestError(field, "this model has no chat template (tokenizer_config.json); start the "
                                              "router with --chat-template FILE, or send a text prompt")
@@ -104,17 +104,13 @@ class Frontend:
         if len(messages) > room:
             raise InvalidRequestError(field, f"at most {room} messages fit the context, got {len(messages)}")
         dicts = message_dicts(messages, field)
-        content = sum(len(m.get("content", "")) for m in dicts)
         check_text_size(field, "".join(m.get("content", "") for m in dicts),
                         prompt_byte_limit(self.config, self.batching_loop.limits))
         add = options.add_generation_prompt
-        render = functools.partial(self.chat_template.render, dicts,
-                                   add_generation_prompt=not options.continue_final_message if add is None else add,
-                                   continue_final_message=options.continue_final_message,
-                                   template_kwargs=options.template_kwargs)
         try:
-            large = len(dicts) > INLINE_MAX_MESSAGES or content > INLINE_MAX_CHARS
-            return await asyncio.to_thread(render) if large else render()
+            return await self.chat_renderer.render(
+                dicts, add_generation_prompt=not options.continue_final_message if add is None else add,
+                continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs)
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
                 raise InvalidRequestError(field + e.field[len("messages"):], detail(e)) from None

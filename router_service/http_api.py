@@ -8,9 +8,12 @@ the same validation, admission, deadlines, metrics and spans (the caller's `trac
 Bearer tokens are checked as on the gRPC port (router_service.security), and the port serves TLS with the
 gRPC port's certificate files when they are configured. A client that disconnects cancels its request: the
 handler task is cancelled (aiohttp's handler_cancellation), which frees the request's KV blocks within a step.
+Connections are bounded in time (headers, body, each write) and bodies checked before parsing them further
+(router_service.http_guard); every error answer has OpenAI's shape, and only the router's own faults are 500s.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -18,9 +21,12 @@ import time
 
 from aiohttp import web
 
+from common import metrics
 from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
+from router_service import errors, http_guard
+from router_service.http_guard import abort, bounded
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.logprobs import TokenTexts
 from router_service.openai_api import (HTTP_STATUS, ApiError, add_prompt_logprobs, api_error, choice, envelope,
@@ -28,13 +34,24 @@ from router_service.openai_api import (HTTP_STATUS, ApiError, add_prompt_logprob
 from router_service.protocol import is_metadata_safe
 
 log = logging.getLogger("colibri.router.http")
-OUTCOMES = {status: code.name.lower() for code, status in HTTP_STATUS.items()}
+STATUS_OUTCOMES = {status: code.name.lower() for code, status in HTTP_STATUS.items()}
 UNAUTHENTICATED = "missing or wrong bearer token (Authorization: Bearer ...)"
+INTERNAL = "internal error; the router's log has the details"
 
 
 def authorized(tokens, authorization: str) -> bool:
-    """The router's bearer-token check (the one the gRPC interceptor uses); no tokens configured = open."""
-    return tokens is None or not tokens.enabled or tokens.accepts(authorization)
+    """The router's bearer-token check (the one the gRPC interceptor uses); no tokens configured = open. aiohttp
+    decodes header bytes that are not UTF-8 as surrogate escapes: encoding them back compares the bytes sent."""
+    return tokens is None or not tokens.enabled or tokens.accepts(authorization.encode("utf-8", "surrogateescape"))
+
+
+def rejection_outcome(status: int) -> str:
+    """The requests metric's outcome for an HTTP rejection: its gRPC status where the metric has it, else
+    invalid_argument for a client error (404 model_not_found, 408, 413) and internal for a server one."""
+    outcome = STATUS_OUTCOMES.get(status)
+    if outcome in metrics.OUTCOMES:
+        return outcome
+    return "invalid_argument" if status < 500 else "internal"
 
 
 def error_response(error: ApiError, request_id: str = "") -> web.Response:
@@ -43,7 +60,10 @@ def error_response(error: ApiError, request_id: str = "") -> web.Response:
         headers["X-Request-Id"] = request_id
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    answer = web.json_response(error.body(), status=error.status, headers=headers)
+    if error.status in (408, 413):   # the rest of the body is not read: the connection cannot carry another request
+        answer.force_close()
+    return answer
 
 
 class HttpFront:
@@ -57,6 +77,15 @@ class HttpFront:
         self._runner: web.AppRunner | None = None
         self._texts: TokenTexts | None = None
 
+    def _request_id(self, request: web.Request) -> str:
+        """The caller's X-Request-Id: printable ASCII, as the gRPC front's request_id (it is echoed in headers)."""
+        request_id = request.headers.get("X-Request-Id", "")
+        limit = self.config.max_request_id_length
+        if not is_metadata_safe(request_id) or len(request_id) > limit:
+            raise ApiError(400, f"X-Request-Id header: must be printable ASCII (0x20-0x7e), at most {limit} "
+                                f"characters")
+        return request_id
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[self._middleware])
         app.router.add_get("/health", self.health)
@@ -67,8 +96,12 @@ class HttpFront:
         return app
 
     async def start(self, host: str, port: int) -> int:
-        # handler_cancellation: a client that disconnects cancels its handler, hence its request.
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that disconnects cancels its handler, hence its request. aiohttp's
+        # keep-alive timer runs from a connection's opening (or previous answer) until a request's headers are
+        # complete: it is the header timeout, and the idle timeout too.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                                     keepalive_timeout=self.config.http_header_timeout_s,
+                                     logger=http_guard.ProtocolLog(logging.getLogger("colibri.router.http.protocol")))
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
         try:
@@ -84,11 +117,20 @@ class HttpFront:
             await self._runner.cleanup()
             self._runner = None
 
-    # ---- middleware: auth and OpenAI-shaped errors for what never reached a handler ----
+    # ---- middleware: auth, OpenAI-shaped errors for what never reached a handler, answers sent in bounded time ----
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
-            return error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
+            answer = error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
+        else:
+            answer = await self._answer(request, handler)
+        await http_guard.send(request, answer, self.config.http_write_timeout_s)
+        if answer.status == 408 and request.transport is not None:
+            # A client stalled mid-body: it has its answer; aiohttp would wait up to 10 s more for the rest.
+            request.transport.close()
+        return answer
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -97,6 +139,11 @@ class HttpFront:
             message = f"{request.method} {request.path}: {e.reason}"
             return error_response(ApiError(e.status, message, "invalid_request_error" if e.status < 500
                                            else "server_error"))
+        except ConnectionError:     # the client went away: nothing to answer (aiohttp finds the connection closed)
+            return web.Response(status=499)
+        except Exception:           # a fault of the router's own: logged here, the client learns nothing of it
+            log.exception("unexpected error answering %s %s", request.method, request.path)
+            return error_response(ApiError(500, INTERNAL, "server_error", code="internal"))
 
     # ---- routes ----
     async def health(self, request: web.Request) -> web.Response:
@@ -140,14 +187,17 @@ class HttpFront:
         return self._texts
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        request_id = request.headers.get("X-Request-Id", "")
+        request_id = ""
         operation = OPERATION_CHAT if kind == "chat" else semconv.OPERATION_TEXT_COMPLETION
         frontend = self.frontend
         with start_server_span(request_span_name(frontend.model_name, operation), request.headers.items()) as span:
             handle, parsed = None, None
             try:
+                request_id = self._request_id(request)
+                body = await http_guard.read_json(request, self.config.max_message_bytes,
+                                                  self.config.http_body_timeout_s)
                 limits = frontend.batching_loop.limits
-                parsed = parse_request(await _json_body(request), kind, frontend.model_name,
+                parsed = parse_request(body, kind, frontend.model_name,
                                        frontend.batching_loop.generation_defaults,
                                        limits.vocab_size if limits is not None else 0)
                 if kind == "chat":
@@ -167,9 +217,10 @@ class HttpFront:
             except Exception as e:
                 error = api_error(e, kind, handle.request_id if handle else request_id,
                                   parsed.max_tokens_name if parsed else "max_tokens")
-                span.set_attribute(semconv.ERROR_TYPE, getattr(e, "reason", None) or error.code or error.type)
+                reason = e.reason if isinstance(e, errors.RouterError) else None
+                span.set_attribute(semconv.ERROR_TYPE, reason or error.code or error.type)
                 if handle is None:
-                    frontend.batching_loop.hooks.on_rejected(OUTCOMES.get(error.status, "invalid_argument"))
+                    frontend.batching_loop.hooks.on_rejected(rejection_outcome(error.status))
                 echo = handle.request_id if handle else request_id
                 safe = is_metadata_safe(echo) and len(echo) <= self.config.max_request_id_length
                 return error_response(error, echo if safe else "")
@@ -180,57 +231,52 @@ class HttpFront:
     async def _stream(self, request: web.Request, parsed, handle) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": handle.request_id})
-        await resp.prepare(request)
+        timeout_s = self.config.http_write_timeout_s
+
+        async def event(payload: dict) -> None:
+            data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+            await bounded(request, resp.write(b"data: " + data + b"\n\n"), timeout_s)
+
         kind, model, created = parsed.kind, self.frontend.model_name, int(time.time())
         texts = self.texts()
         generated, first, offset = 0, kind == "chat", 0
         try:
-            async for delta in handle:
-                generated += len(delta.token_ids)
-                if not (delta.text or first or delta.finish_reason is not None
-                        or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)):
-                    continue
-                lp = None
-                if parsed.logprobs:
-                    lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
-                # offsets count token texts, as the unary answer's do (held-back text would shift them)
-                offset += sum(len(texts(i)) for i in delta.token_ids)
-                chunk = envelope(kind, handle.request_id, model, created,
-                                 [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)], True)
-                if parsed.prompt_logprobs:
-                    add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+            await bounded(request, resp.prepare(request), timeout_s)
+            try:
+                async for delta in handle:
+                    generated += len(delta.token_ids)
+                    if not (delta.text or first or delta.finish_reason is not None
+                            or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)):
+                        continue
+                    lp = None
+                    if parsed.logprobs:
+                        lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+                    # offsets count token texts, as the unary answer's do (held-back text would shift them)
+                    offset += sum(len(texts(i)) for i in delta.token_ids)
+                    chunk = envelope(kind, handle.request_id, model, created,
+                                     [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)],
+                                     True)
+                    if parsed.prompt_logprobs:
+                        add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+                    if parsed.include_usage:
+                        chunk["usage"] = None
+                    first = False
+                    if delta.finish_reason is not None:
+                        set_usage(handle, generated, delta.finish_reason)
+                    await event(chunk)
                 if parsed.include_usage:
-                    chunk["usage"] = None
-                first = False
-                if delta.finish_reason is not None:
-                    set_usage(handle, generated, delta.finish_reason)
-                await _event(resp, chunk)
-            if parsed.include_usage:
-                chunk = envelope(kind, handle.request_id, model, created, [], True)
-                chunk["usage"] = usage(handle.num_prompt_tokens, generated)
-                await _event(resp, chunk)
-        except ConnectionError:  # the client went away: the caller's `finally` cancels the request
-            return resp
-        except Exception as e:  # the status line is sent: the error travels as an event
-            await _event(resp, api_error(e, kind, handle.request_id, parsed.max_tokens_name).body())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+                    chunk = envelope(kind, handle.request_id, model, created, [], True)
+                    chunk["usage"] = usage(handle.num_prompt_tokens, generated)
+                    await event(chunk)
+            except ConnectionError:
+                raise
+            except Exception as e:  # the status line is sent: the error travels as an event
+                await event(api_error(e, kind, handle.request_id, parsed.max_tokens_name).body())
+            await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
+            await bounded(request, resp.write_eof(), timeout_s)
+        except ConnectionError:  # the client went away or stopped reading (aborted): the caller cancels the request
+            abort(request)
         return resp
-
-
-async def _event(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def _json_body(request: web.Request):
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(413, f"the body is larger than {e.max_size} bytes (max_message_bytes)") from None
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
 
 
 def ssl_context(config) -> ssl.SSLContext | None:

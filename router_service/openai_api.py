@@ -71,7 +71,8 @@ def api_error(exc: BaseException, kind: str = "completion", request_id: str = ""
         return ApiError(400, message, "invalid_request_error", param, code)
     status = errors.to_status(exc, request_id)  # the gRPC front's mapping and message (INTERNAL is logged there)
     http = HTTP_STATUS.get(status.code, 500)
-    reason = getattr(exc, "reason", "INTERNAL").lower()
+    # Only the router's own errors carry a reason for clients (UnicodeError's `reason` is its internal text).
+    reason = exc.reason.lower() if isinstance(exc, errors.RouterError) else "internal"
     headers = {}
     if isinstance(exc, errors.Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))

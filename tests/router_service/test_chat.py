@@ -253,3 +253,109 @@ def test_chat_without_a_template_is_invalid_argument(worker, tiny_model):
                 await stub.Chat(chat_request([("user", "x")]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
     asyncio.run(run())
+
+
+# ---- untrusted templates: each render in a child process, within chat_template_timeout_s ----
+SLOW = "{% for i in range(99999) %}{% for j in range(60) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+RUNAWAY = "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}{% endfor %}" \
+          "{% endfor %}{% endfor %}"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_a_slow_template_fails_within_its_budget_and_the_router_keeps_serving(tmp_path, caplog):
+    """A small chat whose template loops for seconds (it rendered on the event loop, stalling /health and every
+    stream): 400 within the budget, /health answering throughout, the next chat served by a fresh renderer."""
+    import time
+
+    import aiohttp
+
+    from tests.router_service.test_http_errors import AUTH, http_harness, problems
+
+    async def body():
+        async with http_harness(tmp_path, template_source=SLOW, chat_template_timeout_s=0.3) as \
+                (router, fake, base, hooks):
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                        "max_tokens": 1}) as r:
+                    assert r.status == 400   # the first chat also starts the renderer (outside the budget)
+
+                async def chat():
+                    started = time.monotonic()
+                    async with s.post(base + "/v1/chat/completions", json={"messages": HI, "max_tokens": 1}) as r:
+                        return r.status, await r.json(), time.monotonic() - started
+
+                call = asyncio.ensure_future(chat())
+                slowest = 0.0
+                while not call.done():
+                    started = time.monotonic()
+                    async with s.get(base + "/health") as r:
+                        assert r.status == 200
+                    slowest = max(slowest, time.monotonic() - started)
+                    await asyncio.sleep(0.02)
+                status, answer, took = call.result()
+                assert status == 400 and answer["error"]["param"] == "messages", answer
+                assert "chat_template_timeout_s" in answer["error"]["message"] and took < 2.0, (answer, took)
+                assert slowest < 0.25, f"/health took {slowest:.2f} s while the template rendered"
+            assert not problems(caplog)
+            assert router.http.frontend.chat_renderer is not None
+            assert len(router.http.frontend.chat_renderer._children) <= 2
+    asyncio.run(body())
+
+
+def test_a_runaway_render_is_killed_and_its_renderer_replaced(tmp_path):
+    from router_service.chat_render import TemplateRenderer
+
+    async def body():
+        renderer = TemplateRenderer(ChatTemplate(RUNAWAY + "{{ messages[0].content }}"), 0.3, 1)
+        try:
+            await renderer.render([{"role": "user", "content": "warm"}])   # starts the child: not budgeted
+        except InvalidRequestError:
+            pass
+        try:
+            for _ in range(2):
+                with pytest.raises(InvalidRequestError, match="did not finish rendering within 0.3 s"):
+                    await asyncio.wait_for(renderer.render(HI), 30)
+        finally:
+            renderer.close()
+        fine = TemplateRenderer(ChatTemplate(QWEN2_MOE), 1.0, 1)
+        try:
+            assert await fine.render(HI) == ChatTemplate(QWEN2_MOE).render(HI)
+            with pytest.raises(InvalidRequestError, match="chat_template_kwargs"):
+                await fine.render(HI, template_kwargs={"messages": 1})
+        finally:
+            fine.close()
+    asyncio.run(body())
+
+
+def test_renders_of_departed_callers_keep_their_slot(tmp_path):
+    """Callers that give up (a client disconnecting) do not free their renderer for the next caller while it
+    still renders: never more children than `processes`, and the survivors still get their answer."""
+    from router_service.chat_render import TemplateRenderer
+
+    async def body():
+        renderer = TemplateRenderer(ChatTemplate(SLOW), 5.0, 2)
+        try:
+            calls = [asyncio.ensure_future(renderer.render(HI)) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            for call in calls[:6]:
+                call.cancel()
+            for _ in range(40):
+                assert len(renderer._children) <= 2
+                await asyncio.sleep(0.05)
+            assert [await asyncio.wait_for(c, 60) for c in calls[6:]] == ["hi", "hi"]
+        finally:
+            renderer.close()
+    asyncio.run(body())
+
+
+def test_a_memory_bomb_fails_in_its_renderer_alone():
+    from router_service.chat_render import TemplateRenderer
+
+    async def body():
+        renderer = TemplateRenderer(ChatTemplate("{{ 'a' * (messages|length * 2 ** 33) }}"), 10.0, 1)
+        try:
+            with pytest.raises(InvalidRequestError, match="chat template: the render failed"):
+                await renderer.render(HI)
+        finally:
+            renderer.close()
+    asyncio.run(body())

@@ -1,0 +1,158 @@
+"""What keeps the HTTP front's connections bounded and its log quiet when clients are hostile
+(router_service/http_api.py applies it).
+
+- Bodies (`read_json`): read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
+  parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
+  valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
+  naming where.
+- Writes (`send`, `bounded`): one write of an answer may wait `http_write_timeout_s` for the client to read; a
+  client that stops reading is disconnected (its buffered bytes dropped) and its request cancelled.
+- Log (`ProtocolLog`): aiohttp logs a malformed request (a header line over 8 KiB, more than 128 headers, bytes
+  that are not HTTP) at ERROR with a traceback, once per request: anyone could flood the log. Those become one
+  rate-limited WARNING line; a fault of the router's own keeps its ERROR and traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import struct
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from router_service.openai_api import ApiError
+from router_service.rate_limited_log import RateLimitedLog
+
+MAX_JSON_DEPTH = 64   # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
+# A lone surrogate can only come from a \uD800-\uDFFF escape: raw UTF-8 surrogate bytes fail to decode.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
+    """The request's body as checked JSON; raises ApiError (408, 413, 400)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)",
+                       code="request_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)",
+                       code="request_too_large") from None
+    except web.RequestPayloadError as e:   # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    # Cheap tests on the raw bytes first: a large prompt of token ids is walked only when it could fail.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(raw):
+        problem = json_problem(value)
+        if problem is not None:
+            path, what = problem
+            raise ApiError(400, f"{path or 'the body'}: {what}", param=path.partition("[")[0].partition(".")[0]
+                           or None)
+    return value
+
+
+def json_problem(value) -> tuple[str, str] | None:
+    """(path, what) of the first place in a parsed JSON value nested past MAX_JSON_DEPTH or holding a lone
+    surrogate (in a string or a key); None when there is none. Iterative: a deep value cannot exhaust the stack."""
+    stack = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return path, "holds a lone UTF-16 surrogate (\\ud800-\\udfff escapes must form pairs)"
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
+        for key, child in (item.items() if isinstance(item, dict) else enumerate(item)):
+            where = (f"{path}.{key}" if path else str(key)) if isinstance(item, dict) else f"{path}[{key}]"
+            if isinstance(key, str) and _has_surrogate(key):
+                return path or "the body", "holds a key with a lone UTF-16 surrogate"
+            if isinstance(child, (str, dict, list)):
+                stack.append((child, where, depth + 1))
+    return None
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    """aiohttp's message for a client's error without its status prefix and the excerpt it quotes."""
+    text = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in re.sub(r"^\d{3}, message:", "", text.strip()).splitlines() if line.strip()]
+    return (lines or [""])[0][:limit]
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def abort(request: web.Request) -> None:
+    """Closes the connection at once, dropping what is buffered for the client: close() would wait to send it, and
+    the kernel would keep sending its own buffer to a client that may never read; a zero linger resets instead."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
+
+
+async def bounded(request: web.Request, sending, timeout_s: float):
+    """Awaits one step of sending an answer (prepare, a write, write_eof); raises ConnectionResetError, the
+    connection aborted, when the client does not take it within `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await sending
+    except TimeoutError:
+        abort(request)
+        raise ConnectionResetError("the client stopped reading its answer") from None
+
+
+async def send(request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:
+    """Sends a whole (not yet prepared) answer; a client that does not read it within `timeout_s` is disconnected.
+    aiohttp's own sending afterwards finds it sent (or the connection gone, which it takes quietly)."""
+    if response.prepared:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        abort(request)
+    except ConnectionError:
+        pass    # the client went away: aiohttp sees the closed connection
+
+
+class ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's server logger: a client's malformed request is a rate-limited WARNING line naming the problem, a
+    client gone mid-answer is DEBUG; everything else (the router's own faults) is logged as aiohttp asks."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+        super().__init__(logger, {})
+        self._malformed = RateLimitedLog(logger, interval_s)
+
+    def log(self, level, msg, *args, exc_info=None, **kwargs):
+        error = exc_info if isinstance(exc_info, BaseException) else None
+        if level >= logging.ERROR and isinstance(error, (HttpProcessingError, web.RequestPayloadError)):
+            # (a body aiohttp cannot decode surfaces again when it reads the rest of it, after the answer)
+            self._malformed.warning("malformed HTTP request: %s", _first_line(error))
+        elif level >= logging.ERROR and isinstance(error, ConnectionError):
+            self.logger.debug("HTTP client gone mid-answer: %s", error)
+        else:
+            super().log(level, msg, *args, exc_info=exc_info, **kwargs)
