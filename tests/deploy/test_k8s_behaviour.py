@@ -15,6 +15,7 @@ from tests.deploy.k8s import SERVER_RENDERINGS, container, flag, pod_spec
 # it. None: nobody but the kubelet, whose probes come from the node (not filtered by policies on common CNIs).
 PORTS = {
     "grpc": ("router", "port", CLIENT),
+    "http": ("router", "http-port", CLIENT),
     "metrics-router": ("router", "metrics-port", PROMETHEUS),
     "metrics-worker": ("worker", "metrics-port", PROMETHEUS),
     "health-router": ("router", "health-port", None),
@@ -46,7 +47,7 @@ def test_every_declared_port_is_one_the_process_listens_on(server_rendering):
             assert flag(c["args"], port_flag) == str(p["containerPort"]), \
                 f"{name}: {owner} --{port_flag} is not containerPort {p['name']} ({p['containerPort']})"
     declared = {p["name"] for c in (container(spec, "router"), container(spec, "worker")) for p in c.get("ports", [])}
-    assert {"grpc", "metrics-router", "metrics-worker", "health-worker"} <= declared, name
+    assert {"grpc", "http", "metrics-router", "metrics-worker", "health-worker"} <= declared, name
 
 
 def test_deployment_and_job_selectors_pick_their_own_pods(server_rendering, renderings):
@@ -116,7 +117,7 @@ def test_egress_beyond_dns(server_rendering, renderings):
     assert connection_allowed(policies, server, OTLP_COLLECTOR, "otlp-grpc"), f"{name}: traces cannot leave"
     assert not connection_allowed(policies, server, HUB, "https"), f"{name}: the servers need no Internet"
     assert connection_allowed(policies, convert, HUB, "https"), "the convert Job cannot download from the Hub"
-    assert not any(connection_allowed(policies, CLIENT, convert, p) for p in (50051, 9090)), \
+    assert not any(connection_allowed(policies, CLIENT, convert, p) for p in (50051, 8000, 9090)), \
         "nothing may connect to the convert Job"
 
 
@@ -155,4 +156,6 @@ def test_podmonitor_scrapes_every_metrics_port_of_the_server_pods(renderings):
         scraped = {e["port"] for e in spec["podMetricsEndpoints"]}
         metrics_ports = {p.name for p in server.ports if PORTS[p.name][2] is PROMETHEUS}
         assert scraped == metrics_ports, f"{name}: scrapes {sorted(scraped)}, the pod serves {sorted(metrics_ports)}"
+        # The job label the alerts and the dashboard select on comes from a label every server pod has.
+        assert spec["jobLabel"] in server.labels, f"{name}: jobLabel {spec['jobLabel']} is not a pod label"
 
