@@ -159,3 +159,22 @@ def test_podmonitor_scrapes_every_metrics_port_of_the_server_pods(renderings):
         # The job label the alerts and the dashboard select on comes from a label every server pod has.
         assert spec["jobLabel"] in server.labels, f"{name}: jobLabel {spec['jobLabel']} is not a pod label"
 
+
+
+def test_model_volume_attaches_to_every_pod_that_mounts_it_at_once(server_rendering, renderings):
+    """The servers (up to the HPA's maximum, plus a rollout's surge pod) and the convert Job, which writes,
+    mount one claim and may land on different nodes: a ReadWriteOnce volume attaches to one node only, and
+    the next pod waits on Multi-Attach forever."""
+    name, r = server_rendering
+    deployment = r.one("Deployment", "colibri")
+    hpas = r.of_kind("HorizontalPodAutoscaler")
+    replicas = hpas[0]["spec"]["maxReplicas"] if hpas else deployment["spec"]["replicas"]
+    surge = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    job_spec = pod_spec(renderings["convert"].one("Job", "colibri-convert"))
+    claims = {v["persistentVolumeClaim"]["claimName"] for spec in (pod_spec(deployment), job_spec)
+              for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"colibri-models"}, f"{name}: the Job and the servers must share the model claim: {claims}"
+    job_writes = any(m["name"] == "models" and not m.get("readOnly") for m in job_spec["containers"][0]["volumeMounts"])
+    assert job_writes, f"{name}: the convert Job writes the model"
+    modes = r.one("PersistentVolumeClaim", "colibri-models")["spec"]["accessModes"]
+    assert modes == ["ReadWriteMany"], f"{name}: {replicas + surge} servers and a writing Job on one {modes} volume"
