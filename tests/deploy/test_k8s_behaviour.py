@@ -69,7 +69,8 @@ def test_services_send_to_the_server_pods_only(server_rendering, renderings):
         assert not service_selects(svc, convert), f"{where} sends traffic to the convert Job"
         for sp in svc["spec"]["ports"]:
             port = target_port(sp, server)
-            assert port is not None, f"{where} port {sp['name']}: targetPort {sp.get('targetPort')} is no container port"
+            assert port is not None, \
+                f"{where} port {sp['name']}: targetPort {sp.get('targetPort')} is no container port"
             assert PORTS[port.name][2] is not None, f"{where} exposes the kubelet's {port.name} port"
 
 
@@ -126,7 +127,8 @@ def test_each_policy_isolates_exactly_its_pods(server_rendering, renderings):
     server, convert, policies = _cluster(renderings, name)
     by_name = {p["metadata"]["name"]: p["spec"]["podSelector"] for p in policies}
     assert selects(by_name["colibri"], server.labels) and not selects(by_name["colibri"], convert.labels), name
-    assert selects(by_name["colibri-convert"], convert.labels) and not selects(by_name["colibri-convert"], server.labels)
+    convert_policy = by_name["colibri-convert"]
+    assert selects(convert_policy, convert.labels) and not selects(convert_policy, server.labels), name
 
 
 def test_pdb_counts_the_server_pods_only(server_rendering, renderings):

@@ -76,7 +76,8 @@ def test_lock_pins_every_declared_dependency(variant):
             assert name in pins, f"requirements-{variant}.lock misses {req} ({env['platform_machine']}): " \
                                  "run deploy/docker/lock.sh"
             assert req.specifier.contains(pins[name], prereleases=True), \
-                f"requirements-{variant}.lock pins {name}=={pins[name]}, pyproject asks {req}: run deploy/docker/lock.sh"
+                f"requirements-{variant}.lock pins {name}=={pins[name]}, pyproject asks {req}: " \
+                "run deploy/docker/lock.sh"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

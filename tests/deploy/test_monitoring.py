@@ -76,7 +76,8 @@ def _panels(dashboard: dict) -> list[dict]:
 
 def _dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and every variable query (the selector inside label_values)."""
-    queries = [(f"panel {p['title']!r} {t['refId']}", t["expr"]) for p in _panels(dashboard) for t in p.get("targets", [])]
+    queries = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
+               for p in _panels(dashboard) for t in p.get("targets", [])]
     for v in dashboard["templating"]["list"]:
         if v["type"] == "query":
             m = re.fullmatch(r"label_values\((.+), *(\w+)\)", v["query"]["query"])
