@@ -33,7 +33,8 @@ RENDERINGS: dict[str, tuple[str, tuple[str, ...]]] = {
 SERVER_RENDERINGS = [name for name in RENDERINGS if name != "convert"]
 
 # Kinds defined by CRDs: no official schema; each is named here on purpose so that no other kind is skipped.
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("cert-manager.io/v1", "Certificate")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("cert-manager.io/v1", "Certificate")}
 # Kubernetes versions the manifests are validated against: 1.29 is the first with native sidecars on by
 # default (beta), 1.33 the first with them GA.
 K8S_VERSIONS = ("1.29", "1.33")

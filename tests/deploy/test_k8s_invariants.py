@@ -224,7 +224,7 @@ def test_backend_per_overlay(renderings):
             assert "nvidia.com/gpu" not in r.yaml_text, name
 
 
-def test_service_exposes_the_router_over_h2c_and_both_metrics_ports(renderings):
+def test_service_exposes_grpc_over_h2c_http_and_both_metrics_ports(renderings):
     for name, r, spec in servers(renderings):
         router, worker = container(spec, "router"), container(spec, "worker")
         tls = bool(flag(router["args"], "tls-cert-file"))
@@ -234,6 +234,10 @@ def test_service_exposes_the_router_over_h2c_and_both_metrics_ports(renderings):
             assert grpc["targetPort"] == "grpc" and _port_names(router)["grpc"] == int(flag(router["args"], "port"))
             assert grpc.get("appProtocol") == (None if tls else "kubernetes.io/h2c"), name
         ports = {p["name"]: p for p in r.one("Service", "colibri")["spec"]["ports"]}
+        # The HTTP front shares the gRPC port's TLS settings: proxies must speak what it speaks.
+        assert ports["http"]["targetPort"] == "http", name
+        assert _port_names(router)["http"] == int(flag(router["args"], "http-port")), name
+        assert ports["http"]["appProtocol"] == ("https" if tls else "http"), name
         assert _port_names(router)["metrics-router"] == int(flag(router["args"], "metrics-port")) == 9090
         assert _port_names(worker)["metrics-worker"] == int(flag(worker["args"], "metrics-port")) == 9091
         for container_ in (router, worker):
@@ -272,8 +276,8 @@ def test_network_policy_ports_match_the_containers(renderings):
         policy = r.one("NetworkPolicy", "colibri")["spec"]
         allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
         router, worker = container(spec, "router"), container(spec, "worker")
-        assert allowed == {int(flag(router["args"], "port")), int(flag(router["args"], "metrics-port")),
-                           int(flag(worker["args"], "metrics-port"))}, name
+        assert allowed == {int(flag(router["args"], "port")), int(flag(router["args"], "http-port")),
+                           int(flag(router["args"], "metrics-port")), int(flag(worker["args"], "metrics-port"))}, name
         assert set(policy["policyTypes"]) == {"Ingress", "Egress"}, name
 
 

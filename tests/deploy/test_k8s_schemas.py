@@ -42,7 +42,7 @@ def test_renderings_hold_the_expected_objects(renderings):
         assert {o["kind"] for o in renderings[name].objects} == server_kinds, name
     assert {o["kind"] for o in renderings["convert"].objects} == {"Job", "ConfigMap", "NetworkPolicy"}
     assert {o["kind"] for o in renderings["production"].objects} == server_kinds | {
-        "PodMonitor", "HorizontalPodAutoscaler", "Certificate"}
+        "PodMonitor", "PrometheusRule", "HorizontalPodAutoscaler", "Certificate"}
     for r in renderings.values():
         assert {o["metadata"].get("namespace") for o in r.objects} == {"colibri"}, r.name
 

@@ -7,6 +7,7 @@ ports and services. Streams run through the router; then every container gets SI
 streams complete and both processes exit 0 within terminationGracePeriodSeconds."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -126,6 +128,19 @@ def _stub(pod: Pod):
     return router_pb2_grpc.GenerationServiceStub(channel), channel
 
 
+def _check_http_api(pod: Pod) -> None:
+    """The declared `http` port serves the OpenAI-compatible API, behind the same tokens as gRPC."""
+    declared = {p["name"]: p["containerPort"] for p in container(pod.spec, "router")["ports"]}
+    base = f"http://127.0.0.1:{pod.ports[declared['http']]}"
+    assert urllib.request.urlopen(f"{base}/health", timeout=10).status == 200
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{base}/v1/models", timeout=10)
+    assert e.value.code == 401
+    request = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_TOKEN}"})
+    models = json.loads(urllib.request.urlopen(request, timeout=10).read())
+    assert len(models["data"]) == 1, models
+
+
 def test_pod_starts_serves_and_stops_as_written(pod):
     init = [c["name"] for c in pod.spec["initContainers"]]
     assert init == ["prepare", "worker"] and [c["name"] for c in pod.spec["containers"]] == ["router"]
@@ -140,6 +155,7 @@ def test_pod_starts_serves_and_stops_as_written(pod):
     for port in (9090, 9091):                         # both processes can be scraped
         text = urllib.request.urlopen(f"http://127.0.0.1:{pod.ports[port]}/metrics", timeout=10).read().decode()
         assert "colibri_" in text
+    _check_http_api(pod)
 
     stub, channel = _stub(pod)
     metadata = (("authorization", f"Bearer {API_TOKEN}"),)
