@@ -69,6 +69,7 @@ class Router:
     health_port: int = 0
     http: object | None = None  # router_service.http_api.HttpFront when --http-port is set
     http_port: int = 0
+    frontend: Frontend | None = None   # its chat-template render processes end with the router
 
     def set_serving(self, serving: bool) -> None:
         if self.draining:
@@ -98,6 +99,8 @@ class Router:
             await self.health_server.stop(0)
         if self.http is not None:
             await self.http.stop()
+        if self.frontend is not None and self.frontend.chat_renderer is not None:
+            self.frontend.chat_renderer.close()
         await self.worker.close()
 
 
@@ -145,6 +148,7 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
                                        *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
+    router.frontend = frontend
     servicer = GenerationServicer(batching_loop, frontend=frontend)
     router_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
