@@ -59,12 +59,11 @@ then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the ste
 
 The combine (every strategy's last op) can also compute the next layer's input RMSNorm into x when the decoder
 passes that norm's weight (`moe_combine_rmsnorm`, bitwise the same as combine + rmsnorm; not with a shared
-expert, which reads x after the combine): one launch less per MoE layer (decoder.USE_FUSED_COMBINE_NORM).
+expert, which reads x after the combine): one launch less per MoE layer (CudaOptions.fused_combine_norm).
 
 Switches, to turn a new path off at once: GROUPED_MMA_MIN_EXPERTS = 1 << 30 (no layer takes GROUPED_MMA; the
 workspace layout follows: the per-assignment and all-experts buffers come back, the grouped-MMA ones go);
-USE_FUSED_ROUTER = False (DeviceLinear + router_topk at every T); the decoder's USE_GREEDY_SPLIT (the head's
-argmax).
+the CudaOptions (cuda/options.py).
 
 The shared expert (Qwen2-MoE) runs after the routed experts on every token: SwiGLU, down projection, its
 sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
@@ -80,6 +79,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
+from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
@@ -115,8 +115,7 @@ FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # per-assignment buffers hold CUBLAS_ROW_SLACK rows more than a step's, so the last expert's rounded rows fit.
 CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
 CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
-# The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
-USE_FUSED_ROUTER = True
+# The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
 FUSED_ROUTER_MAX_TOKENS = 64
 
 
@@ -172,30 +171,31 @@ def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
     return np.minimum(-(-rows // quantum) * quantum, room)
 
 
-def fused_router(T: int) -> bool:
-    """Whether a step of T tokens routes with router_fused (else DeviceLinear + router_topk)."""
-    return USE_FUSED_ROUTER and T <= FUSED_ROUTER_MAX_TOKENS
+def fused_router(T: int, options: CudaOptions) -> bool:
+    """Whether a step of T tokens routes with gate_fused (else DeviceLinear + gate_topk)."""
+    return options.fused_router and T <= FUSED_ROUTER_MAX_TOKENS
 
 
-def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool) -> tuple[int, ...]:
+def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
     first = {}
     for T in range(1, max_tokens + 1):
         strategy = choose_strategy(T, K, E, False, bf16)
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
-        first.setdefault((strategy, tile, fused_router(T)), T)
+        first.setdefault((strategy, tile, fused_router(T, options)), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
 
 class DeviceMoe:
-    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident). `planned`:
-    routing=lut, each step's expert ids come from its routing plan (workspace.routed_ids), not the top-k."""
+    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident). `options`:
+    the router it takes (CudaModel.use_options replaces them). `planned`: routing=lut, each step's expert ids come
+    from its routing plan (workspace.routed_ids), not the top-k."""
 
     def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 cached: CachedExperts | None, planned: bool = False, host_break=None):
+                 cached: CachedExperts | None, options: CudaOptions, planned: bool = False, host_break=None):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
-        self.cached, self.planned = cached, planned
+        self.cached, self.options, self.planned = cached, options, planned
         # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.moe_layers = config.moe_layers
@@ -226,7 +226,7 @@ class DeviceMoe:
         if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
-        elif fused_router(T):
+        elif fused_router(T, self.options):
             launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
             self.linear.linear(x, router, logits)
