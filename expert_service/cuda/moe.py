@@ -1,72 +1,12 @@
-"""The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert.
+"""The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert (`DeviceMoe`).
 
-How the routed experts run depends on the step's T tokens, the K of E experts each token is routed to, the
-weights' dtype and whether every expert is resident on the device. `choose_strategy` decides, in one place,
-from the thresholds defined beside it.
-
-- GROUPED_MMA (bf16 weights, every expert resident, GROUPED_MMA_MIN_EXPERTS <= E <= 256, T >= 2; it takes
-  precedence over the three strategies below for such layers): `moe_align` (tokens sorted by expert and padded
-  to the tile on the device) -> bf16 gather -> grouped gate|up and down GEMMs on tensor cores (one launch per
-  matrix for all experts, SwiGLU fused) -> `moe_combine` (store epilogue: bitwise reproducible). No host
-  round trip at any T, graph-capturable; cuda/moe_grouped_mma.py. On the H200 4-12x faster than per-expert
-  cuBLAS for qwen3-like layers (E=128, F=768) at T=512/2048 and faster than ALL_EXPERTS at T=16/64, but
-  slower than cuBLAS on mixtral-like layers (E=8, F=14336), hence the expert-count threshold.
-- GEMV (T <= GEMV_MAX_TOKENS and T*K < E): one token's K experts streamed by the gemv expert kernels
-  (`launch_expert_gate_up` / `launch_expert_down`, grid = row blocks x its K experts) -> `moe_combine`.
-  Memory-bound: each of the K experts read once at close to HBM bandwidth; the expert ids are read on the
-  device, so decode graphs capture it.
-- ALL_EXPERTS (T*K >= E and T <= ALL_EXPERTS_MAX_TOKENS): a decode step reaching most experts runs every
-  expert on every token as three strided-batched cuBLAS GEMMs (gate, up, down), then `moe_combine_dense`
-  keeps each token's routed experts. The step reads (nearly) every expert anyway; tensor cores, no host
-  round trip, graph-capturable.
-- GROUPED (otherwise, T <= GROUPED_MAX_TOKENS; few assignments: T*K < E): `expert_grouping` (a counting
-  sort on the device) -> `moe_gate_up` / `moe_down` (grid = experts x row tiles, empty experts exit, each
-  active expert read once) -> `moe_combine`. No host round trip, graph-capturable.
-- CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in grouped
-  order straight into the weights' dtype, the expert offsets copied to the host, then a host break
-  (`host_break`): the host waits for the offsets and issues, per active expert, two `cublasGemmEx` calls on raw
-  addresses (gate|up as one [2F, D] matrix, into bf16 for bf16 weights and f32 otherwise -- fp16 would
-  overflow; down into f32) around one `silu_mul_halves` for all experts -> `moe_combine`. Tensor cores pay at
-  these sizes. A captured pass splits at the break (driver.HostBreaks): graph up to the readback, the host's
-  GEMMs, the next graph -- so these steps replay graphs too, leaving per MoE layer one sync, two cuBLAS calls
-  per active expert and one Numba launch.
-- CACHED_GROUPED (expert cache, T <= GROUPED_MAX_TOKENS): the grouped kernels, in waves, against the
-  layer's expert slots through a `slot_of` map.
-- CACHED_CUBLAS (expert cache, T > GROUPED_MAX_TOKENS): the tokens gathered once, then per expert of each
-  wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
-
-GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): a decode step
-stays on the device (`ON_DEVICE`: one graph, no host step). Prefill buckets are captured when `capturable` says
-so: on the device, or in pieces around CUBLAS_PER_EXPERT's host break. ALL_EXPERTS_MAX_TOKENS also sizes the
-all-experts workspace buffers (E x tokens x F, `workspace.layout_workspace`).
-
-With the expert cache (not every expert fits the device; `CachedExperts` in cuda/moe_cached.py): the routing
-is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts
-(batch-level union), misses are copied on the copy stream (expert_slots.DeviceSlots), and the experts run in
-waves of at most `slots` experts against the layer's slot buffer. Per MoE layer: router -> top-k -> grouping (as the
-resident path) -> [lookahead: the next MoE layer's router on this layer's input] -> one readback + sync ->
-lookahead prefetch into the next layer's slots -> waves -> one weighted combine. Every assignment's output
-row is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are
-bitwise the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host
-decides per layer which slots to use).
-
-Routing: up to FUSED_ROUTER_MAX_TOKENS tokens (decode, small prefills) `router_fused` computes the router
-GEMV, softmax, top-k and normalisation in one launch (a zeroed int32 counter per token in the workspace, which
-the kernel leaves zeroed, so graph replays work); larger steps run the router through `DeviceLinear` (cuBLAS)
-then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the step's trace). With routing=lut
-(`planned`) the ids are the step's routing plan, staged with its metadata (workspace.routed_ids), and
-`router_planned` computes their weights (softmax over just those experts' gate logits) and copies them there.
-
-The combine (every strategy's last op) can also compute the next layer's input RMSNorm into x when the decoder
-passes that norm's weight (`moe_combine_rmsnorm`, bitwise the same as combine + rmsnorm; not with a shared
-expert, which reads x after the combine): one launch less per MoE layer (CudaOptions.fused_combine_norm).
-
-Switches, to turn a new path off at once: GROUPED_MMA_MIN_EXPERTS = 1 << 30 (no layer takes GROUPED_MMA; the
-workspace layout follows: the per-assignment and all-experts buffers come back, the grouped-MMA ones go);
-the CudaOptions (cuda/options.py).
-
-The shared expert (Qwen2-MoE) runs after the routed experts on every token: SwiGLU, down projection, its
-sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
+How a layer runs its routed experts (`MoeStrategy`) depends on the step's T tokens, the K of E experts each
+token is routed to, the weights' dtype and whether every expert is resident on the device; `choose_strategy`
+decides, in one place, from the thresholds defined beside it. `capturable` and `ON_DEVICE` say which
+strategies a CUDA graph captures (whole, or in pieces around a host break); `warmup_tokens` lists the step
+sizes whose warm-up loads every kernel. The fused router and the combine that also writes the next layer's
+input norm are CudaOptions (cuda/options.py). What each strategy launches, and the H200 measurements behind
+the thresholds, are in docs/kernels.md, section "MoE strategy choice".
 """
 from __future__ import annotations
 
@@ -130,8 +70,8 @@ class MoeStrategy(Enum):
 
 
 def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) -> MoeStrategy:
-    """How a step of T tokens, each routed to K of E experts, runs its experts (module docstring); bf16: the
-    weights are bfloat16."""
+    """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
+    choice"); bf16: the weights are bfloat16."""
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     n = T * K
