@@ -3,19 +3,19 @@ reference shapes (bench/engine.py SHAPES), recorded with CUPTI through torch.pro
 the process, Numba's and cuBLAS's, including those replayed from CUDA graphs), for several variants of the
 decoder in the same run:
 
-- fused:   every switch as shipped (rope_kv_write, qk_norm_rope_kv_write, moe_combine_rmsnorm, and the paths
-           before them);
-- unfused: decoder.USE_FUSED_ROPE_KV, USE_FUSED_QK_NORM and USE_FUSED_COMBINE_NORM off (rope + kv_write, the q/k
-           norms as rmsnorm launches, combine + rmsnorm);
+- fused:   every CudaOptions field as shipped (rope_kv_write, qk_norm_rope_kv_write, moe_combine_rmsnorm, and
+           the paths before them);
+- unfused: fused_rope_kv, fused_qk_norm and fused_combine_norm off (rope + kv_write, the q/k norms as rmsnorm
+           launches, combine + rmsnorm);
 - unfused_qk_norm: fused, with the per-head q/k norms as two rmsnorm launches before rope_kv_write
-           (decoder.USE_FUSED_QK_NORM off);
-- lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (router_planned);
-- untiled_attention: fused, with decode attention on attention_decode (decoder.USE_TILED_DECODE_ATTENTION off);
-- baseline: unfused and also moe.USE_FUSED_ROUTER, decoder.USE_GREEDY_SPLIT and USE_TILED_DECODE_ATTENTION off.
+           (fused_qk_norm off);
+- lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (gate_planned);
+- untiled_attention: fused, with decode attention on attention_decode (tiled_decode_attention off);
+- baseline: unfused and also fused_router, greedy_split and tiled_decode_attention off.
 
 fused / unfused / unfused_qk_norm / baseline / untiled_attention share one engine and the same sequences
-(switches are read as a pass is issued; decode graphs are dropped and re-captured between variants, so each
-variant's graphs are their own); lut needs its own engine. Writes profile_step.json (per shape, variant and
+(CudaDecoder.set_options between variants drops the captured graphs, so each variant's graphs are its own);
+lut needs its own engine. Writes profile_step.json (per shape, variant and
 scenario: wall, device busy, every kernel's time and launches per step; and per scenario the fused-vs-unfused
 differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import re
 import shutil
@@ -44,17 +43,16 @@ from bench.engine import SHAPES  # noqa: E402
 
 SCENARIOS = {"prefill_1x512": ("prefill", 1, 512), "prefill_16x128": ("prefill", 16, 128),
              "decode_1": ("decode", 1, 128), "decode_16": ("decode", 16, 128), "decode_64": ("decode", 64, 128)}
-# module attribute -> value of each variant (unlisted switches keep their shipped values)
+# CudaOptions field -> value of each variant (unlisted fields keep their shipped values). Results recorded before
+# the options existed name them by the module switches they replaced (decoder.USE_FUSED_ROPE_KV: fused_rope_kv).
 VARIANTS = {
     "fused": {},
-    "unfused": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
-                "decoder.USE_FUSED_QK_NORM": False},
-    "unfused_qk_norm": {"decoder.USE_FUSED_QK_NORM": False},
+    "unfused": {"fused_rope_kv": False, "fused_combine_norm": False, "fused_qk_norm": False},
+    "unfused_qk_norm": {"fused_qk_norm": False},
     "lut": {},
-    "untiled_attention": {"decoder.USE_TILED_DECODE_ATTENTION": False},
-    "baseline": {"decoder.USE_FUSED_ROPE_KV": False, "decoder.USE_FUSED_COMBINE_NORM": False,
-                 "decoder.USE_FUSED_QK_NORM": False, "moe.USE_FUSED_ROUTER": False, "decoder.USE_GREEDY_SPLIT": False,
-                 "decoder.USE_TILED_DECODE_ATTENTION": False},
+    "untiled_attention": {"tiled_decode_attention": False},
+    "baseline": {"fused_rope_kv": False, "fused_combine_norm": False, "fused_qk_norm": False, "fused_router": False,
+                 "greedy_split": False, "tiled_decode_attention": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
 POOL_ELEMENTS = 1 << 26     # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
@@ -74,23 +72,10 @@ def short_name(name: str) -> str:
     return parts[-1] if parts else name[:60]
 
 
-@contextlib.contextmanager
-def switches(settings: dict[str, object]):
-    """Sets the decoder / MoE module switches named 'decoder.X' / 'moe.X' for the block, then restores them."""
-    import expert_service.cuda.decoder as decoder
-    import expert_service.cuda.moe as moe
-    modules = {"decoder": decoder, "moe": moe}
-    saved = {}
-    try:
-        for key, value in settings.items():
-            module, attr = key.split(".")
-            saved[key] = getattr(modules[module], attr)
-            setattr(modules[module], attr, value)
-        yield
-    finally:
-        for key, value in saved.items():
-            module, attr = key.split(".")
-            setattr(modules[module], attr, value)
+def variant_options(variant: str):
+    """The CudaOptions a variant runs with."""
+    from expert_service.cuda.options import CudaOptions
+    return CudaOptions(**VARIANTS[variant])
 
 
 def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> Path:
@@ -213,6 +198,7 @@ class Scenarios:
             def fn():
                 engine.step(chunks, routing_plan=plan)
                 engine.release([c.request_id for c in chunks])
+            fn()            # eager; profile's own first call captures the bucket's graph, the profiled ones replay
         else:
             ids = self._sequences(b, n)
             plan = self._plan(b)
@@ -247,8 +233,8 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
             try:
                 for scenario in scenarios:            # variants inner: same sequences, adjacent in time
                     for variant in group:
-                        with switches(VARIANTS[variant]):
-                            entry = runner.run(scenario)
+                        engine.decoder.set_options(variant_options(variant))
+                        entry = runner.run(scenario)
                         results.setdefault(variant, {})[scenario] = entry
                         _print(name, variant, scenario, entry, top)
                         on_result(results)

@@ -1,4 +1,6 @@
-"""The MoE decoder on the cuda backend: the same step as expert_service/cpu/decoder.py, as Numba kernels.
+"""The step runner of the cuda backend (the same steps as expert_service/cpu/decoder.py): it stages each step,
+pads it to a bucket, replays or captures its CUDA graph and hands back its logits; the forward pass's kernel
+launches are cuda/model.py's, which alternative kernels they take cuda/options.py's.
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
@@ -7,16 +9,10 @@ powers of two) and replay a graph of the layers captured per bucket (`moe.captur
 cache). Where a MoE block needs the host mid-pass (per-expert cuBLAS GEMMs sized by the step's expert offsets)
 the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
 padding tokens form one extra sequence that writes no KV and attends to nothing, and the LM head runs eagerly
-on the real rows while the graph executes. Everything else runs eagerly. The decoder
-holds embedding, attention, the dense MLP, the LM head, step staging and the graphs; linear layers go through
-cuda/linear.py (weight-streaming GEMV for one token, cuBLAS for more) and each sparse layer's MoE block through
-cuda/moe.py (its strategies by step size, and the expert cache). The head's argmax is `greedy_split` (two
-passes, many blocks per row) unless USE_GREEDY_SPLIT is switched off (then the one-block-per-row `greedy`).
-RoPE and the KV write are one launch (`rope_kv_write`) unless USE_FUSED_ROPE_KV is off; a MoE layer's combine
-also computes the next layer's input RMSNorm (`moe_combine_rmsnorm`) unless USE_FUSED_COMBINE_NORM is off.
-Switches are read while a pass is issued: a captured graph keeps the path it was captured with (drop_graphs()
-re-captures). With routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids)
-and the MoE layers route from it (cuda/moe.py).
+on the real rows while the graph executes. Everything else runs eagerly. Two steps may be in flight: each
+stages into its own host copy of the metadata and results (double buffers, workspace.HOST_TWINS). With
+routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids) and the MoE
+layers route from it (cuda/moe.py).
 """
 from __future__ import annotations
 
@@ -28,68 +24,27 @@ import numpy as np
 from cuda.bindings import driver as drv
 from numba import cuda
 
-from common.model_config import ModelConfig, QKNorm
+from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
-from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
-from expert_service.cuda.moe import (ON_DEVICE, DeviceMoe, MoeStrategy, capturable, choose_strategy,
-                                    reachable_strategies, warmup_tokens)
+from expert_service.cuda.linear import DeviceLinear
+from expert_service.cuda.model import CudaModel
+from expert_service.cuda.moe import (ON_DEVICE, MoeStrategy, capturable, choose_strategy, reachable_strategies,
+                                    warmup_tokens)
 from expert_service.cuda.moe_cached import CachedExperts
+from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.penalties import DevicePenalties
+from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace, stage_routed_ids
-from expert_service.kernels import elementwise, greedy, rmsnorm
-from expert_service.kernels.attention_decode import launch_attention_decode
-from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest
-from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
-from expert_service.kernels.embedding import launch_embedding
-from expert_service.kernels.gather import launch_gather_rows
-from expert_service.kernels.greedy_split import launch_greedy_split
-from expert_service.kernels.kv_write import launch_kv_write
-from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_write
-from expert_service.kernels.qk_norm_rope_kv_write import supports as supports_fused_qk_norm
-from expert_service.kernels.rope import launch_rope
-from expert_service.kernels.rope_kv_write import launch_rope_kv_write
+from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
 from expert_service.experts.slots import SlotPlan
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-USE_PREFILL_GRAPHS = True  # non-decode steps replay a graph per token bucket where capturable (False: eager)
-USE_GREEDY_SPLIT = True    # the head's argmax: greedy_split (False: greedy, one block per row)
-USE_FUSED_ROPE_KV = True   # rope_kv_write (False: rope, then kv_write)
-# per-head q/k norms (Qwen3-MoE) in the same launch: qk_norm_rope_kv_write (False: two rmsnorm launches first)
-USE_FUSED_QK_NORM = True
-USE_FUSED_QKV = True       # one-token steps: one GEMV over the stacked q|k|v weight rows (False: three GEMVs)
-# decode attention: attention_decode_tiled where it applies (bf16 pools, Hd 64/128; 1.2-4.2x faster than
-# attention_decode on the H200, bench/attention_decode.py); False: attention_decode everywhere
-USE_TILED_DECODE_ATTENTION = True
-USE_FUSED_COMBINE_NORM = True   # moe_combine_rmsnorm writes the next layer's input norm (False: rmsnorm at its
-# start); cuda/moe.py decides by step size and strategy where it pays (FUSED_COMBINE_NORM_MIN_TOKENS)
-# routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
-# (64 KiB: a few microseconds of PCIe either way; not tuned on the GPU)
-PLAN_COPY_GAP = 16384
-
-
-def prefill_buckets(max_tokens: int) -> list[int]:
-    """Token counts non-decode steps are padded to: powers of two and 1.5x powers of two below max_tokens (at most
-    a third of a padded step is padding), then max_tokens."""
-    sizes = {b for k in range(max_tokens.bit_length()) for b in (1 << k, 3 << k >> 1) if b < max_tokens}
-    return sorted(sizes | {max_tokens})
-
-
-def padding_seq_starts(n: int, T: int, count: int, one_each: bool) -> np.ndarray:
-    """Ends of `count` padding sequences after n real tokens of a step padded to T. one_each (a decode bucket: as
-    many padding tokens as sequences): one token each, as attention_decode reads them. Otherwise (a token bucket):
-    the first holds every padding token and the others are empty, so the padding costs the prefill attention one
-    run of tiles, not one per sequence slot."""
-    if one_each:
-        assert T - n == count, (n, T, count)
-        return n + np.arange(1, count + 1)
-    return np.full(count, T)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +62,7 @@ class LaunchedForward:
 
 
 class CudaDecoder:
+    """The engine's Decoder on the GPU: runs each step's CudaModel pass, padded, through its graph."""
     backend = Backend.CUDA
 
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
@@ -136,8 +92,6 @@ class CudaDecoder:
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws,
                                          self.stream)
-        inv_freq, self.rope_scale = cfg.rope.inverse_frequencies(cfg.head_dim)
-        self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=self.stream)
         self.host_breaks = HostBreaks(self.stream)       # where a captured pass hands over to the host
         self.graphs = GraphCache(self.stream, self.host_breaks)            # decode steps, by batch-size bucket
         self.prefill_graphs = GraphCache(self.stream, self.host_breaks)    # the layers of other steps, by token bucket
@@ -151,8 +105,9 @@ class CudaDecoder:
         self.cached = CachedExperts(cfg, self.weights, self.ws, self.linear, self.stream, self.max_tokens, slot_plan,
                                     config.prefetch_sources, config.expert_cache_policy) \
             if cached else None  # None: every expert resident, no cache logic runs
-        self.moe = DeviceMoe(cfg, self.weights, self.ws, self.linear, self.stream, self.cached,
-                             planned=self.planned_routing, host_break=self.host_breaks)
+        self.model = CudaModel(cfg, self.weights, self.ws, self.linear, self.stream, self.k_pool, self.v_pool,
+                               self.cached, config.cuda_options, planned=self.planned_routing,
+                               host_break=self.host_breaks)
         self.stream.synchronize()
 
     def warmup(self) -> None:
@@ -168,7 +123,8 @@ class CudaDecoder:
         cfg = self.config
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)    # one sequence's most tokens
         bf16 = self.weights.dtype == np.uint16
-        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16)
+        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16,
+                              options=self.options)
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs] \
             if self.engine_config.cuda_graphs else []
@@ -176,7 +132,7 @@ class CudaDecoder:
             self._warmup_step(T, span, logits=True)
         if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(self.max_tokens, cfg.num_experts_per_tok,
                                                                  cfg.num_experts, False, bf16):
-            self.moe.warm_cublas_shapes(self.max_tokens)
+            self.model.moe.warm_cublas_shapes(self.max_tokens)
         for T in buckets:       # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warmup_step(T, span, logits=False)
@@ -266,7 +222,7 @@ class CudaDecoder:
         elif tokens is not None:
             self._prefill_layers(batch, tokens, R)
             if R:         # a prompt chunk that is not its prompt's last samples nothing
-                self._head(tokens, R)
+                self.model.head(tokens, R)
         else:
             self._stage(batch, T, S, R)
             if self.cached is not None:
@@ -321,7 +277,7 @@ class CudaDecoder:
 
     def _prefill_bucket(self, T: int) -> int | None:
         """The token bucket a non-decode step of T tokens is padded to (and replays), or None (unpadded, eager)."""
-        if not USE_PREFILL_GRAPHS or self.cached is not None:
+        if not self.options.prefill_graphs or self.cached is not None:
             return None
         tokens = next(b for b in self.prefill_buckets if b >= T)
         return tokens if self._prefill_capturable(tokens) else None
@@ -345,7 +301,7 @@ class CudaDecoder:
         padding token, the other slots empty; its first `rows` logits rows -- and runs its layers (the bucket's
         graph)."""
         self._stage(batch, tokens, self.seq_slots, rows, table_rows=len(batch.context_lens) + 1, token_bucket=True)
-        self._replay(self.prefill_graphs, tokens, lambda: self._layers(tokens, self.seq_slots, decode=False))
+        self._replay(self.prefill_graphs, tokens, lambda: self.model.layers(tokens, self.seq_slots, decode=False))
 
     def _forward_all_rows(self, batch: ForwardBatch, T: int, S: int, R: int) -> HostLogits:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
@@ -369,7 +325,7 @@ class CudaDecoder:
             n = len(chunk)
             self.ws.host["logits_rows"][:n] = chunk
             self.ws.logits_rows[:n].copy_to_device(self.ws.host["logits_rows"][:n], stream=self.stream)
-            self._head(T, n)
+            self.model.head(T, n)
             if start == 0 and batch.penalties is not None:    # the sampling rows come first
                 rows_penalized = self.penalties.apply(batch.penalties, self.ws.logits)
                 penalized = self.penalties.download(rows_penalized) if rows_penalized else None
@@ -380,164 +336,31 @@ class CudaDecoder:
 
     def _stage(self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None,
                token_bucket: bool = False) -> None:
-        """Step metadata into pinned staging (padded to T tokens / S sequences), then to the device. Padding
-        sequences (`padding_seq_starts`) take one padding token each, or with token_bucket the first takes them all
-        and the rest are empty; they attend to nothing and write no KV. table_rows: the block_tables rows to upload
-        (default S; rows past them are never read)."""
+        """The step's metadata to the device, padded to T tokens / S sequences (staging.stage_step)."""
         self.staged_steps += 1
-        h = self.ws.host
-        n, s = len(batch.token_ids), len(batch.context_lens)
-        h["token_ids"][:n] = batch.token_ids
-        h["token_ids"][n:T] = 0
-        if batch.fed_rows is None:
-            h["feed_rows"][:T] = -1
-        else:
-            h["feed_rows"][:n] = batch.fed_rows
-            h["feed_rows"][n:T] = -1
-        h["positions"][:n] = batch.positions
-        h["positions"][n:T] = 0
-        h["slot_mapping"][:n] = batch.slot_mapping
-        h["slot_mapping"][n:T] = -1                   # padding writes no KV
-        h["seq_starts"][:s + 1] = batch.seq_starts
-        h["seq_starts"][s + 1:S + 1] = padding_seq_starts(n, T, S - s, one_each=not token_bucket)
-        h["context_lens"][:s] = batch.context_lens
-        h["context_lens"][s:S] = 0                    # padding attends to nothing
-        r = min(len(batch.logits_rows), R)
-        h["logits_rows"][:r] = batch.logits_rows[:r]
-        h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
-        for i, table in enumerate(batch.block_tables):
-            h["block_tables"][i, :len(table)] = table
-        meta = self.ws.metadata
-        tables_end = meta.end_of("block_tables", min(S, table_rows or S) * self.max_blocks_per_seq)
-        if self.planned_routing:      # the plan, behind the whole block_tables array: one copy unless that is long
-            n_ids = stage_routed_ids(h["routed_ids"], batch.routed_experts, self.moe_layers, n, T,
-                                     self.config.num_experts_per_tok)
-            start = meta.offsets["routed_ids"]
-            if start - tables_end > PLAN_COPY_GAP:
-                meta.upload(tables_end, self._stream_handle)
-                meta.upload(n_ids, self._stream_handle, start=start)
-            else:
-                meta.upload(start + n_ids, self._stream_handle)
-            return
-        meta.upload(tables_end, self._stream_handle)
+        plan = (self.moe_layers, self.config.num_experts_per_tok) if self.planned_routing else None
+        stage_step(self.ws, batch, T, S, R, self.max_blocks_per_seq, self._stream_handle, plan=plan,
+                   table_rows=table_rows, token_bucket=token_bucket)
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:
-        self._layers(T, S, decode)
+        self.model.layers(T, S, decode)
         if R:
-            self._head(T, R)
-
-    def _layers(self, T: int, S: int, decode: bool) -> None:
-        """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual."""
-        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        h, x = ws.hidden[:T], ws.normed[:T]
-        # decodes of a step launched before the one ahead was collected read their token from its argmax
-        launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st, feed=ws.feed_rows[:T],
-                         fed=ws.greedy_ids)
-        normed = False          # x already holds this layer's input norm (the previous MoE combine wrote it)
-        for i in range(cfg.num_hidden_layers):
-            if self.cached is not None:
-                self.cached.prefetch_plan(self.cached.next_moe[i])
-            if not normed:
-                rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
-            self._attention(i, x, h, T, S, decode)
-            rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
-            normed = False
-            if cfg.sparse_layers[i]:
-                last = i + 1 == cfg.num_hidden_layers
-                next_norm = None if last or not USE_FUSED_COMBINE_NORM else w.layer(i + 1, "input_norm")
-                normed = self.moe.forward(i, x, h, T, next_norm=next_norm)
-            else:
-                g = ws.dense_gate[:T]
-                self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
-                self.linear.linear(g, w.layer(i, "down_proj"), h, accumulate=True)
-
-    def _head(self, T: int, R: int) -> None:
-        """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax (and
-        non-finite flags)."""
-        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        h = ws.hidden[:T]
-        last = ws.last_hidden[:R]
-        launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
-        rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
-        self.linear.linear(last, w.lm_head, ws.logits[:R])
-        if USE_GREEDY_SPLIT:
-            launch_greedy_split(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], ws.greedy_part_values[:R],
-                                ws.greedy_part_ids[:R], ws.greedy_part_flags[:R], stream=st)
-        else:
-            greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
-
-    def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
-        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        q, k, v = self.qkv_views(T)
-        qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
-        if USE_FUSED_QKV and T == 1 and T <= GEMV_MAX_TOKENS and qkv is not None and (
-                qkv_bias is not None or w.layer(i, "q_bias") is None):
-            # one GEMV over the q|k|v rows: the k and v ones alone are too small to keep HBM busy
-            self.linear.linear(x, qkv, ws.qkv[:qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
-        else:
-            xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
-            for name, out in (("q", q), ("k", k), ("v", v)):
-                self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
-        H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
-        if self._fused_qk_norm:     # per-head q/k norms, RoPE and the KV write in one launch
-            launch_qk_norm_rope_kv_write(q3, k3, v3, w.layer(i, "q_norm"), w.layer(i, "k_norm"), cfg.rms_norm_eps,
-                                         ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
-                                         self.k_pool[i], self.v_pool[i], stream=st)
-        else:
-            self._qk_norm_rope_kv_write(i, q, k, v, T)
-        attn3 = ws.attn[:T].reshape(T, H, Hd)
-        window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
-        if decode:
-            attend = launch_attention_decode_fastest if USE_TILED_DECODE_ATTENTION else launch_attention_decode
-            attend(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
-                   ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
-        else:
-            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
-                                             ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
-                                             scale, attn3, stream=st)
-        self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
-
-    def qkv_views(self, T: int):
-        """q [T, q_size], k and v [T, kv_size] of a step: consecutive ranges of workspace.qkv, so at T = 1 they
-        are the row [q | k | v] one GEMV over the stacked weight rows writes."""
-        nq, nkv, flat = self.config.q_size, self.config.kv_size, self.ws.qkv
-        return (flat[:T * nq].reshape(T, nq), flat[T * nq:T * (nq + nkv)].reshape(T, nkv),
-                flat[T * (nq + nkv):T * (nq + 2 * nkv)].reshape(T, nkv))
-
-    def _qk_norm_rope_kv_write(self, i: int, q, k, v, T: int) -> None:
-        """The q/k norms (if any), the clamp (if any), RoPE on q and k and the KV write, launch by launch."""
-        cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
-        H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if cfg.qk_norm is QKNorm.FULL:
-            rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
-            rmsnorm.launch_rmsnorm(k, w.layer(i, "k_norm"), cfg.rms_norm_eps, k, stream=st)
-        elif cfg.qk_norm is QKNorm.PER_HEAD:
-            rmsnorm.launch_rmsnorm(q.reshape(T * H, Hd), w.layer(i, "q_norm"), cfg.rms_norm_eps,
-                                   q.reshape(T * H, Hd), stream=st)
-            rmsnorm.launch_rmsnorm(k.reshape(T * Hkv, Hd), w.layer(i, "k_norm"), cfg.rms_norm_eps,
-                                   k.reshape(T * Hkv, Hd), stream=st)
-        if cfg.clip_qkv is not None:
-            for t in (q, k, v):
-                elementwise.launch_clamp(t, cfg.clip_qkv, stream=st)
-        q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
-        if USE_FUSED_ROPE_KV:     # the rotated keys go straight to the pool (k itself stays unrotated)
-            launch_rope_kv_write(q3, k3, v3, ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
-                                 self.k_pool[i], self.v_pool[i], stream=st)
-        else:
-            launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
-            launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
+            self.model.head(T, R)
 
     @property
-    def _fused_qk_norm(self) -> bool:
-        cfg = self.config
-        return (USE_FUSED_QK_NORM and USE_FUSED_ROPE_KV and cfg.qk_norm is QKNorm.PER_HEAD and cfg.clip_qkv is None
-                and supports_fused_qk_norm(cfg.head_dim))
+    def options(self) -> CudaOptions:
+        """The kernel paths the forward pass takes (EngineConfig.cuda_options until set_options)."""
+        return self.model.options
+
+    def set_options(self, options: CudaOptions) -> None:
+        """Takes other kernel paths from the next step on (benchmarks and tests compare paths on one engine, with
+        the same sequences, this way); the graphs captured with the old ones are dropped."""
+        self.drop_graphs()
+        self.model.use_options(options)
 
     def drop_graphs(self) -> None:
-        """Forgets the captured graphs: the next step of each bucket runs eagerly, then is captured again (with the
-        switches as they are then; benchmarks compare paths in one process this way)."""
+        """Forgets the captured graphs: the next step of each bucket runs eagerly, then is captured again."""
         self.stream.synchronize()
         self.graphs.clear()
         self.prefill_graphs.clear()

@@ -1,73 +1,12 @@
-"""The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert.
+"""The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert (`DeviceMoe`).
 
-How the routed experts run depends on the step's T tokens, the K of E experts each token is routed to, the
-weights' dtype and whether every expert is resident on the device. `choose_strategy` decides, in one place,
-from the thresholds defined beside it.
-
-- GROUPED_MMA (bf16 weights, every expert resident, GROUPED_MMA_MIN_EXPERTS <= E <= 256, T >= 2; it takes
-  precedence over the three strategies below for such layers): `moe_align` (tokens sorted by expert and padded
-  to the tile on the device) -> bf16 gather -> grouped gate|up and down GEMMs on tensor cores (one launch per
-  matrix for all experts, SwiGLU fused) -> `moe_combine` (store epilogue: bitwise reproducible). No host
-  round trip at any T, graph-capturable; cuda/moe_grouped_mma.py. On the H200 4-12x faster than per-expert
-  cuBLAS for qwen3-like layers (E=128, F=768) at T=512/2048 and faster than ALL_EXPERTS at T=16/64, but
-  slower than cuBLAS on mixtral-like layers (E=8, F=14336), hence the expert-count threshold.
-- GEMV (T <= GEMV_MAX_TOKENS and T*K < E): one token's K experts streamed by the gemv expert kernels
-  (`launch_expert_gate_up` / `launch_expert_down`, grid = row blocks x its K experts) -> `moe_combine`.
-  Memory-bound: each of the K experts read once at close to HBM bandwidth; the expert ids are read on the
-  device, so decode graphs capture it.
-- ALL_EXPERTS (T*K >= E and T <= ALL_EXPERTS_MAX_TOKENS): a decode step reaching most experts runs every
-  expert on every token as three strided-batched cuBLAS GEMMs (gate, up, down), then `moe_combine_dense`
-  keeps each token's routed experts. The step reads (nearly) every expert anyway; tensor cores, no host
-  round trip, graph-capturable.
-- GROUPED (otherwise, T <= GROUPED_MAX_TOKENS; few assignments: T*K < E): `expert_grouping` (a counting
-  sort on the device) -> `moe_gate_up` / `moe_down` (grid = experts x row tiles, empty experts exit, each
-  active expert read once) -> `moe_combine`. No host round trip, graph-capturable.
-- CUBLAS_PER_EXPERT (T > GROUPED_MAX_TOKENS): large (prefill) steps. Grouping, the tokens gathered in grouped
-  order straight into the weights' dtype, the expert offsets copied to the host, then a host break
-  (`host_break`): the host waits for the offsets and issues, per active expert, two `cublasGemmEx` calls on raw
-  addresses (gate|up as one [2F, D] matrix, into bf16 for bf16 weights and f32 otherwise -- fp16 would
-  overflow; down into f32) around one `silu_mul_halves` for all experts -> `moe_combine`. Tensor cores pay at
-  these sizes. A captured pass splits at the break (driver.HostBreaks): graph up to the readback, the host's
-  GEMMs, the next graph -- so these steps replay graphs too, leaving per MoE layer one sync, two cuBLAS calls
-  per active expert and one Numba launch.
-- CACHED_GROUPED (expert cache, T <= GROUPED_MAX_TOKENS): the grouped kernels, in waves, against the
-  layer's expert slots through a `slot_of` map.
-- CACHED_CUBLAS (expert cache, T > GROUPED_MAX_TOKENS): the tokens gathered once, then per expert of each
-  wave the cuBLAS SwiGLU and down GEMMs (`DeviceLinear`, forced to cuBLAS) on its slot.
-
-GROUPED_MAX_TOKENS must be at least the largest decode graph bucket (`decoder.GRAPH_BUCKETS`): a decode step
-stays on the device (`ON_DEVICE`: one graph, no host step). Prefill buckets are captured when `capturable` says
-so: on the device, or in pieces around CUBLAS_PER_EXPERT's host break. ALL_EXPERTS_MAX_TOKENS also sizes the
-all-experts workspace buffers (E x tokens x F, `workspace.layout_workspace`).
-
-With the expert cache (not every expert fits the device; `CachedExperts` in cuda/moe_cached.py): the routing
-is read back to the host (one sync per MoE layer), the ExpertCache picks slots for the step's distinct experts
-(batch-level union), misses are copied on the copy stream (expert_slots.DeviceSlots), and the experts run in
-waves of at most `slots` experts against the layer's slot buffer. Per MoE layer: router -> top-k -> grouping (as the
-resident path) -> [lookahead: the next MoE layer's router on this layer's input] -> one readback + sync ->
-lookahead prefetch into the next layer's slots -> waves -> one weighted combine. Every assignment's output
-row is computed by the same kernel whatever the wave split, and the combine runs once, so outputs are
-bitwise the same at any number of slots. Decode steps with the cache run eagerly (no CUDA graph: the host
-decides per layer which slots to use).
-
-Routing: up to FUSED_ROUTER_MAX_TOKENS tokens (decode, small prefills) `router_fused` computes the router
-GEMV, softmax, top-k and normalisation in one launch (a zeroed int32 counter per token in the workspace, which
-the kernel leaves zeroed, so graph replays work); larger steps run the router through `DeviceLinear` (cuBLAS)
-then `router_topk`. Either writes the top-k ids into workspace.topk_ids (the step's trace). With routing=lut
-(`planned`) the ids are the step's routing plan, staged with its metadata (workspace.routed_ids), and
-`router_planned` computes their weights (softmax over just those experts' gate logits) and copies them there.
-
-The combine (every strategy's last op) can also compute the next layer's input RMSNorm into x when the decoder
-passes that norm's weight (`moe_combine_rmsnorm`, bitwise the same as combine + rmsnorm; not with a shared
-expert, which reads x after the combine): one launch less per MoE layer (decoder.USE_FUSED_COMBINE_NORM).
-
-Switches, to turn a new path off at once: GROUPED_MMA_MIN_EXPERTS = 1 << 30 (no layer takes GROUPED_MMA; the
-workspace layout follows: the per-assignment and all-experts buffers come back, the grouped-MMA ones go);
-USE_FUSED_ROUTER = False (DeviceLinear + router_topk at every T); the decoder's USE_GREEDY_SPLIT (the head's
-argmax).
-
-The shared expert (Qwen2-MoE) runs after the routed experts on every token: SwiGLU, down projection, its
-sigmoid gate, added into the residual (`elementwise.sigmoid_gate_add`).
+How a layer runs its routed experts (`MoeStrategy`) depends on the step's T tokens, the K of E experts each
+token is routed to, the weights' dtype and whether every expert is resident on the device; `choose_strategy`
+decides, in one place, from the thresholds defined beside it. `capturable` and `ON_DEVICE` say which
+strategies a CUDA graph captures (whole, or in pieces around a host break); `warmup_tokens` lists the step
+sizes whose warm-up loads every kernel. The fused router and the combine that also writes the next layer's
+input norm are CudaOptions (cuda/options.py). What each strategy launches, and the H200 measurements behind
+the thresholds, are in docs/kernels.md, section "MoE strategy choice".
 """
 from __future__ import annotations
 
@@ -80,6 +19,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
+from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
@@ -115,8 +55,7 @@ FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # per-assignment buffers hold CUBLAS_ROW_SLACK rows more than a step's, so the last expert's rounded rows fit.
 CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
 CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
-# The fused router (router_fused) up to this many tokens; above, cuBLAS + router_topk. False: never fused.
-USE_FUSED_ROUTER = True
+# The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
 FUSED_ROUTER_MAX_TOKENS = 64
 
 
@@ -131,8 +70,8 @@ class MoeStrategy(Enum):
 
 
 def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) -> MoeStrategy:
-    """How a step of T tokens, each routed to K of E experts, runs its experts (module docstring); bf16: the
-    weights are bfloat16."""
+    """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
+    choice"); bf16: the weights are bfloat16."""
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     n = T * K
@@ -172,30 +111,31 @@ def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
     return np.minimum(-(-rows // quantum) * quantum, room)
 
 
-def fused_router(T: int) -> bool:
-    """Whether a step of T tokens routes with router_fused (else DeviceLinear + router_topk)."""
-    return USE_FUSED_ROUTER and T <= FUSED_ROUTER_MAX_TOKENS
+def fused_router(T: int, options: CudaOptions) -> bool:
+    """Whether a step of T tokens routes with gate_fused (else DeviceLinear + gate_topk)."""
+    return options.fused_router and T <= FUSED_ROUTER_MAX_TOKENS
 
 
-def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool) -> tuple[int, ...]:
+def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
     first = {}
     for T in range(1, max_tokens + 1):
         strategy = choose_strategy(T, K, E, False, bf16)
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
-        first.setdefault((strategy, tile, fused_router(T)), T)
+        first.setdefault((strategy, tile, fused_router(T, options)), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
 
 class DeviceMoe:
-    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident). `planned`:
-    routing=lut, each step's expert ids come from its routing plan (workspace.routed_ids), not the top-k."""
+    """The MoE block of every sparse layer. `cached`: the expert cache (None: every expert resident). `options`:
+    the router it takes (CudaModel.use_options replaces them). `planned`: routing=lut, each step's expert ids come
+    from its routing plan (workspace.routed_ids), not the top-k."""
 
     def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 cached: CachedExperts | None, planned: bool = False, host_break=None):
+                 cached: CachedExperts | None, options: CudaOptions, planned: bool = False, host_break=None):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
-        self.cached, self.planned = cached, planned
+        self.cached, self.options, self.planned = cached, options, planned
         # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.moe_layers = config.moe_layers
@@ -226,7 +166,7 @@ class DeviceMoe:
         if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
-        elif fused_router(T):
+        elif fused_router(T, self.options):
             launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
             self.linear.linear(x, router, logits)

@@ -74,7 +74,7 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
     layout = {
         "hidden": ((T, D), f32), "normed": ((T, D), f32),
-        # a step's q [T, q_size], k and v [T, kv_size] back to back (decoder.qkv_views): at one token the three
+        # a step's q [T, q_size], k and v [T, kv_size] back to back (model.qkv_views): at one token the three
         # are one row, written by one GEMV over the layer's q|k|v weight rows
         "qkv": ((T * (config.q_size + 2 * config.kv_size),), f32),
         "attn": ((T, config.q_size), f32),

@@ -1,11 +1,13 @@
 """Worker-side configuration (see common/config.py for how sources are layered)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
 from common.config import setting
 from common.errors import ConfigError
+from expert_service.cuda.options import CudaOptions
 from expert_service.experts.cache import POLICIES
 
 
@@ -59,8 +61,15 @@ class EngineConfig:
     prefetch: str = setting("plan,lookahead", "expert prefetch sources when the expert cache runs: none, plan (the "
                             "router's routing plan), lookahead (layer L+1's gate on layer L's input) or both, "
                             "comma-separated", env=("COLIBRI_PREFETCH",))
+    # the cuda backend's alternative kernel paths (no flag: for benchmarks and tests; a config file may give
+    # a mapping of CudaOptions fields)
+    cuda_options: CudaOptions = field(default_factory=CudaOptions)
 
     def __post_init__(self):
+        if isinstance(self.cuda_options, Mapping):
+            object.__setattr__(self, "cuda_options", _cuda_options(self.cuda_options))
+        elif not isinstance(self.cuda_options, CudaOptions):
+            raise ConfigError(f"cuda_options: must be a mapping of CudaOptions fields, got {self.cuda_options!r}")
         for name, kind in (("backend", Backend), ("routing", RoutingMode)):    # plain strings from code
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))
@@ -89,3 +98,14 @@ class EngineConfig:
     @property
     def resolved_num_kv_blocks(self) -> int:
         return self.num_kv_blocks or -(-self.kv_cache_tokens // self.kv_block_size)
+
+
+def _cuda_options(values: Mapping) -> CudaOptions:
+    """CudaOptions from a config file's mapping: every key a field, every value a boolean."""
+    known = {f.name for f in fields(CudaOptions)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"cuda_options: unknown option {key!r} (known: {', '.join(sorted(known))})")
+        if not isinstance(value, bool):
+            raise ConfigError(f"cuda_options.{key}: must be true or false, got {value!r}")
+    return CudaOptions(**values)

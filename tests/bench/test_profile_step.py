@@ -1,11 +1,14 @@
 """bench/profile_step.py's host-side parts (the profile itself needs a GPU and torch): kernel names, the random
-model and routing plans it runs, the switch settings of its variants, the fused-vs-unfused comparison."""
+model and routing plans it runs, the CudaOptions of its variants, the fused-vs-unfused comparison."""
 from __future__ import annotations
+
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from bench import profile_step
+from expert_service.cuda.options import CudaOptions
 
 
 def test_short_name_demangles_numba_kernels():
@@ -45,16 +48,13 @@ def test_random_plan_routes_every_token_to_distinct_experts():
     assert counts.min() > 0                          # uniform: every expert gets tokens at this size
 
 
-def test_switches_set_and_restore_module_constants():
-    import expert_service.cuda.decoder as decoder
-    import expert_service.cuda.moe as moe
-    before = (decoder.USE_FUSED_ROPE_KV, decoder.USE_FUSED_COMBINE_NORM, moe.USE_FUSED_ROUTER,
-              decoder.USE_GREEDY_SPLIT)
-    with profile_step.switches(profile_step.VARIANTS["baseline"]):
-        assert not (decoder.USE_FUSED_ROPE_KV or decoder.USE_FUSED_COMBINE_NORM or moe.USE_FUSED_ROUTER
-                    or decoder.USE_GREEDY_SPLIT)
-    assert (decoder.USE_FUSED_ROPE_KV, decoder.USE_FUSED_COMBINE_NORM, moe.USE_FUSED_ROUTER,
-            decoder.USE_GREEDY_SPLIT) == before
+def test_variants_map_onto_cuda_options():
+    for variant in profile_step.VARIANTS:            # every name a CudaOptions field: no typo runs the fused path
+        options = profile_step.variant_options(variant)
+        assert {k for k, v in asdict(options).items() if not v} == set(profile_step.VARIANTS[variant]), variant
+    assert profile_step.variant_options("fused") == profile_step.variant_options("lut") == CudaOptions()
+    assert profile_step.variant_options("unfused") == CudaOptions(fused_rope_kv=False, fused_combine_norm=False,
+                                                                  fused_qk_norm=False)
 
 
 def test_compare_lists_the_kernels_that_changed():
@@ -96,6 +96,7 @@ def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, l
         assert runner.run(scenario)["device_busy_us"] == 1.0
     assert len(dropped) == 2 and sorted(engine.sequences) == runner.decoding[3]
     assert all((plan is not None) == lut for plan in steps)
-    # prefill: 4 passes; decode: one prefill of the 3 sequences, then 2 + 11 steps per variant
-    assert len(steps) == 4 + 1 + 2 * 13
+    # prefill: 5 passes (eager, capture, 3 profiled); decode: one prefill of the 3 sequences, then 2 + 11 steps
+    # per variant
+    assert len(steps) == 5 + 1 + 2 * 13
     assert all(engine.sequences[i].num_cached == 8 + 2 * 13 for i in runner.decoding[3])

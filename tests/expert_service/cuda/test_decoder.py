@@ -262,10 +262,10 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
     assert drv.cuMemGetInfo()[1] == free_before, f"{name}: device memory changed during steps"
 
 
-def test_tiled_decode_attention_matches_attention_decode(tmp_path, monkeypatch):
-    """decoder.USE_TILED_DECODE_ATTENTION: the same tokens and logits (fp32 attention either way, summed in
+def test_tiled_decode_attention_matches_attention_decode(tmp_path):
+    """CudaOptions.tiled_decode_attention: the same tokens and logits (fp32 attention either way, summed in
     another order) on a bf16 model with Hd = 64 and a GQA group of 8, contexts crossing several 32-key tiles."""
-    import expert_service.cuda.decoder as decoder
+    from expert_service.cuda.options import CudaOptions
     from expert_service.kernels.attention_decode_tiled import supports
     model = bf16_tiny(tmp_path, "qwen3_moe", 9, head_dim=64, num_attention_heads=8, num_key_value_heads=1)
     engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
@@ -274,8 +274,7 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path, monkeypatch):
     rids = list(range(len(prompts)))
     runs = []
     for tiled in (False, True):
-        monkeypatch.setattr(decoder, "USE_TILED_DECODE_ATTENTION", tiled)
-        engine.decoder.drop_graphs()          # decode graphs captured with the other kernel
+        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled))   # drops the other kernel's graphs
         engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
         steps = []
         for _ in range(4):

@@ -1,8 +1,8 @@
-"""How the cuda decoder pads non-decode steps to token buckets (pure functions of cuda/decoder.py; no GPU)."""
+"""How the cuda decoder pads non-decode steps to token buckets (pure functions of cuda/staging.py; no GPU)."""
 import numpy as np
 import pytest
 
-from expert_service.cuda.decoder import padding_seq_starts, prefill_buckets
+from expert_service.cuda.staging import padding_seq_starts, prefill_buckets
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 64, 100, 512, 2048, 8192])

@@ -1,5 +1,5 @@
 """The cuda decoder's host side without a GPU: which bucket a step takes, what it stages (padding included), which
-passes it issues and which graphs warm-up leaves captured. The device work (`_layers`, `_run`'s layers, `_head`,
+passes it issues and which graphs warm-up leaves captured. The device work (the model's `layers` and `head`, `_run`,
 graph capture) is replaced by recorders; staging writes the real pinned-buffer layout into numpy arrays."""
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import expert_service.cuda.decoder as decoder_module
 import expert_service.cuda.driver as driver
 from common.models import config_from_hf
 from expert_service.engine.config import EngineConfig
-from expert_service.cuda.decoder import CudaDecoder, prefill_buckets
+from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.driver import GraphCache
+from expert_service.cuda.options import CudaOptions
+from expert_service.cuda.staging import prefill_buckets
 from expert_service.cuda.workspace import HOST_TWINS, METADATA, RESULTS, Workspace, layout_workspace, packed_layout
 from expert_service.engine.step import ForwardBatch
 from expert_service.tools.tiny_model import tiny_hf_config
@@ -82,7 +83,8 @@ class DeviceRows:
         host[:] = self.rows[:len(host)]
 
 
-def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False) -> CudaDecoder:
+def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False,
+                 options: CudaOptions | None = None) -> CudaDecoder:
     monkeypatch.setattr(driver, "Graph", FakeGraph)
     FakeGraph.captured = []
     cfg = config_from_hf(tiny_hf_config(family))
@@ -106,11 +108,12 @@ def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False) ->
                            for _ in range(HOST_TWINS)]
     d._unfinished = set()
     d.penalties = SimpleNamespace(warmup=lambda logits: None)
-    d.moe = SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T)))
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
     d.issued = []
-    d._layers = lambda T, S, decode: d.issued.append(("layers", T, S, decode))
-    d._head = lambda T, R: d.issued.append(("head", T, R))
+    d.model = SimpleNamespace(options=options or CudaOptions(),
+                              layers=lambda T, S, decode: d.issued.append(("layers", T, S, decode)),
+                              head=lambda T, R: d.issued.append(("head", T, R)),
+                              moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))))
     return d
 
 
@@ -240,10 +243,22 @@ def test_the_all_rows_path_pads_and_chunks_its_head(monkeypatch):
     assert np.asarray(out.rows if hasattr(out, "rows") else out[0]).shape[-1] == d.config.vocab_size
 
 
-@pytest.mark.parametrize("switch", [False])
-def test_prefill_graphs_off_means_unpadded_eager_steps(monkeypatch, switch):
-    monkeypatch.setattr(decoder_module, "USE_PREFILL_GRAPHS", switch)
-    d = host_decoder(monkeypatch)
+def test_prefill_graphs_off_means_unpadded_eager_steps(monkeypatch):
+    d = host_decoder(monkeypatch, options=CudaOptions(prefill_graphs=False))
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d.forward(prompt([33]))
+    assert d.issued == [("run", 33, 1, 1, False)]
+
+
+def test_set_options_drops_the_graphs_and_hands_the_options_to_the_model(monkeypatch):
+    """A graph keeps the path it was captured with: new options must not replay the old options' graphs."""
+    d = host_decoder(monkeypatch)
+    d.model.use_options = lambda options: setattr(d.model, "options", options)
+    d.forward(prompt([33]))
+    assert 48 in d.prefill_graphs._seen
+    d.set_options(CudaOptions(prefill_graphs=False))
+    assert not d.prefill_graphs._seen and d.options == CudaOptions(prefill_graphs=False)
+    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d.issued.clear()
     d.forward(prompt([33]))
     assert d.issued == [("run", 33, 1, 1, False)]

@@ -1,9 +1,9 @@
 """The cuda backend's fused decoder paths and routing=lut (GPU only).
 
-- Fusions (`rope_kv_write`, `qk_norm_rope_kv_write`, `moe_combine_rmsnorm`): with the switches on, each launches where expected (counted
-  on eager steps) and every logit equals the unfused path's bit for bit, eager and graph-replayed, on every
-  family (fp32 tiny models: GEMV, grouped, all-experts and per-expert cuBLAS MoE strategies) and on bf16 models
-  with 40+ experts (GROUPED_MMA).
+- Fusions (`rope_kv_write`, `qk_norm_rope_kv_write`, `moe_combine_rmsnorm`): with the options on, each launches
+  where expected (counted on eager steps) and every logit equals the unfused path's bit for bit, eager and
+  graph-replayed, on every family (fp32 tiny models: GEMV, grouped, all-experts and per-expert cuBLAS MoE
+  strategies) and on bf16 models with 40+ experts (GROUPED_MMA).
 - routing=lut: the same steps as the cpu backend's lut path, fed the same random plans: logits within the
   fp32 tolerance (bf16: 1e-2), the same greedy tokens, the plan's experts in the trace, graph replay == eager,
   nothing allocated after warm-up; with the exact routing as its plan, lut equals exact routing (mixtral); and
@@ -20,6 +20,7 @@ from common.routing_plan import RoutingPlan
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
 from expert_service.backends import build_engine
+from expert_service.cuda.options import CudaOptions
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import bf16_tiny, exact_plans, random_prompt, rel_error, run_session
@@ -66,7 +67,7 @@ def assert_bitwise(a, b, what):
 
 
 class Spy:
-    """Counts the calls of a launcher as the decoder / MoE module sees it (eager passes: a replayed graph makes
+    """Counts the calls of a launcher as the model / MoE module sees it (eager passes: a replayed graph makes
     no Python calls)."""
 
     def __init__(self, monkeypatch, module, name):
@@ -93,19 +94,19 @@ def open_engine(path, **overrides):
 
 # --- fusions -----------------------------------------------------------------------------------------------
 def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatch):
-    import expert_service.cuda.decoder as decoder
+    import expert_service.cuda.model as cuda_model
     import expert_service.cuda.moe as moe
     name, path = model
     monkeypatch.setattr(moe, "FUSED_COMBINE_NORM_MIN_TOKENS", 1)    # fuse at every step size (default: large)
     eager, graphs = open_engine(path, cuda_graphs=False), open_engine(path)
     mc = eager.model_config
-    rope_kv = Spy(monkeypatch, decoder, "launch_rope_kv_write")
-    qk_norm_rope_kv = Spy(monkeypatch, decoder, "launch_qk_norm_rope_kv_write")
+    rope_kv = Spy(monkeypatch, cuda_model, "launch_rope_kv_write")
+    qk_norm_rope_kv = Spy(monkeypatch, cuda_model, "launch_qk_norm_rope_kv_write")
     combine_norm = Spy(monkeypatch, moe, "launch_moe_combine_rmsnorm")
     fused = run_steps(eager)
     passes = DECODES + 1
     fused_qk = name == "qwen3_moe-many-bf16"      # per-head norms at a head size the fused kernel takes
-    assert eager.decoder._fused_qk_norm == fused_qk, name
+    assert eager.decoder.model.fused_qk_norm == fused_qk, name
     assert (qk_norm_rope_kv.calls, rope_kv.calls) == ((passes * mc.num_hidden_layers, 0) if fused_qk else
                                                       (0, passes * mc.num_hidden_layers)), name
     # the combine of every MoE layer but the last computes the next layer's input norm (not with a shared expert)
@@ -116,14 +117,13 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     assert 4 in graphs.decoder.graphs, f"{name}: decode steps did not replay a graph"
     assert_bitwise(replayed, fused, f"{name}: graph replay vs eager, fusions on")
 
-    monkeypatch.setattr(decoder, "USE_FUSED_ROPE_KV", False)
-    monkeypatch.setattr(decoder, "USE_FUSED_COMBINE_NORM", False)
-    monkeypatch.setattr(decoder, "USE_FUSED_QK_NORM", False)
+    unfused_options = CudaOptions(fused_rope_kv=False, fused_combine_norm=False, fused_qk_norm=False)
+    eager.decoder.set_options(unfused_options)
     rope_kv.calls = combine_norm.calls = qk_norm_rope_kv.calls = 0
     unfused = run_steps(eager)
     assert rope_kv.calls == combine_norm.calls == qk_norm_rope_kv.calls == 0, name
     assert_bitwise(fused, unfused, f"{name}: fused vs unfused")
-    graphs.decoder.drop_graphs()           # re-captured with the switches off: the same bits again
+    graphs.decoder.set_options(unfused_options)    # graphs dropped, re-captured with the fusions off: same bits
     assert_bitwise(run_steps(graphs), unfused, f"{name}: re-captured graphs, fusions off")
 
 
@@ -131,7 +131,6 @@ def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypa
     """Where the format stored q, k, v back to back (and their biases, if any), a one-token step runs one GEMV
     for the three projections: two launches a layer fewer, the same tokens, logits within float32 rounding of the
     three GEMVs' (a longer matrix may split its rows' sums differently)."""
-    import expert_service.cuda.decoder as decoder
     import expert_service.cuda.linear as linear
     name, path = model
     engine = open_engine(path, cuda_graphs=False)
@@ -151,7 +150,7 @@ def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypa
         return tokens, np.stack(rows)
     fused = decode()
     fused_calls, gemv.calls = gemv.calls, 0
-    monkeypatch.setattr(decoder, "USE_FUSED_QKV", False)
+    engine.decoder.set_options(CudaOptions(fused_qkv=False))
     split = decode()
     assert gemv.calls - fused_calls == (2 * 3 * layers if stacked else 0), name
     assert stacked or name.startswith("qwen2_moe"), f"{name}: q, k, v not stacked"
@@ -162,13 +161,13 @@ def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypa
 
 # --- routing=lut -------------------------------------------------------------------------------------------
 def test_lut_matches_the_cpu_lut_path(model, monkeypatch):
-    import expert_service.cuda.decoder as decoder
+    from expert_service.cuda import staging
     name, path = model
     gpu, eager = open_engine(path, routing="lut"), open_engine(path, routing="lut", cuda_graphs=False)
     cpu = build_engine(ModelDir.open(path), EngineConfig(**{**CFG, "backend": "cpu", "routing": "lut"}))
     plans = random_plans(gpu, seed=len(name))
     runs = [run_steps(gpu, plans)]
-    monkeypatch.setattr(decoder, "PLAN_COPY_GAP", 0)     # the eager engine stages its plans in a second copy
+    monkeypatch.setattr(staging, "PLAN_COPY_GAP", 0)     # the eager engine stages its plans in a second copy
     runs += [run_steps(eager, plans), run_steps(cpu, plans)]
     assert_bitwise(runs[0], runs[1], f"{name}: lut graph replay (one copy) vs eager (two copies)")
     bf16 = name.endswith("bf16")

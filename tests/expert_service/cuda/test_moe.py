@@ -13,6 +13,7 @@ from expert_service.cpu.layers.moe import sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy, cublas_rows
+from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.workspace import Workspace, layout_workspace, stage_routed_ids
 from expert_service.kernels.rmsnorm import launch_rmsnorm
 from expert_service.tools.tiny_model import tiny_hf_config
@@ -66,7 +67,7 @@ def setup(family: str):
     ws = Workspace({name: cuda.device_array(shape, dtype) for name, (shape, dtype) in layout.items()
                     if name != "cublas_workspace"})
     weights = Weights(config, rng)
-    moe = DeviceMoe(config, weights, ws, DeviceLinear(0, None, ws, np.float32), 0, None, planned=True)
+    moe = DeviceMoe(config, weights, ws, DeviceLinear(0, None, ws, np.float32), 0, None, CudaOptions(), planned=True)
     return config, rng, ws, weights, moe
 
 

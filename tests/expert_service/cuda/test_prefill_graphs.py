@@ -9,8 +9,8 @@ import pytest
 from common.model_format import ModelDir
 from common.models import FAMILIES
 from expert_service.engine.config import EngineConfig
-from expert_service.cuda import decoder as decoder_module
-from expert_service.cuda.decoder import prefill_buckets
+from expert_service.cuda.options import CudaOptions
+from expert_service.cuda.staging import prefill_buckets
 from expert_service.engine.engine import PrefillInput
 from expert_service.backends import build_engine
 from expert_service.engine.sampling import SamplingParams
@@ -144,7 +144,7 @@ def test_padding_writes_no_kv(engines):
 BF16_ROWS_TOLERANCE = 5e-2
 
 
-def test_full_batch_with_a_prompt_chunk(engines, monkeypatch):
+def test_full_batch_with_a_prompt_chunk(engines):
     """15 decoding sequences and a 7-token prompt chunk: 16 sequences (max_batch_size) and 22 tokens, padded to
     24 with the padding in the spare 17th sequence slot; graph and eager engines agree bit for bit, close to the
     same step unpadded (prefill graphs off) and to the CPU."""
@@ -158,8 +158,12 @@ def test_full_batch_with_a_prompt_chunk(engines, monkeypatch):
         engine.clear()
         return [o.token_id for o in step.outputs], np.stack(list(step.logits))
     outs = {engine: run(engine) for engine in (gpu, eager, cpu)}
-    monkeypatch.setattr(decoder_module, "USE_PREFILL_GRAPHS", False)
-    unpadded = run(eager)
+    shipped = eager.decoder.options
+    eager.decoder.set_options(CudaOptions(prefill_graphs=False))
+    try:
+        unpadded = run(eager)
+    finally:            # the engines serve the module's other tests
+        eager.decoder.set_options(shipped)
     assert 24 in gpu.decoder.prefill_graphs, name
     assert outs[gpu][0] == outs[eager][0] and np.array_equal(outs[gpu][1], outs[eager][1]), name
     # The padding changes nothing the sequences see: 0 difference on the H200 for every model, but the padded

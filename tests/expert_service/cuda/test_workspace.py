@@ -5,6 +5,7 @@ import pytest
 from common.models import config_from_hf
 from expert_service.tools.tiny_model import tiny_hf_config
 from expert_service.cuda import moe
+from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, GROUPED_MAX_TOKENS,
                                      GROUPED_MMA_MIN_EXPERTS, WARMUP_TOKENS, MoeStrategy, choose_strategy,
                                      fused_router, warmup_tokens)
@@ -77,24 +78,26 @@ def test_grouped_mma_strategy_thresholds(monkeypatch):
     assert choose_strategy(512, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
 
 
-def test_fused_router_threshold(monkeypatch):
+def test_fused_router_threshold():
     assert FUSED_ROUTER_MAX_TOKENS == 64
-    assert fused_router(1) and fused_router(64) and not fused_router(65)
-    monkeypatch.setattr(moe, "USE_FUSED_ROUTER", False)
-    assert not fused_router(1)
+    shipped = CudaOptions()
+    assert fused_router(1, shipped) and fused_router(64, shipped) and not fused_router(65, shipped)
+    assert not fused_router(1, CudaOptions(fused_router=False))
 
 
-def test_warmup_reaches_every_strategy_tile_config_and_router():
+@pytest.mark.parametrize("options", [CudaOptions(), CudaOptions(fused_router=False)])
+def test_warmup_reaches_every_strategy_tile_config_and_router(options):
     """Every (strategy, grouped-MMA tile config, router) a step of up to T tokens takes is taken by one of the
     warm-up prefills, so no kernel module loads while serving."""
     def kind(T, K, E, bf16):
         strategy = choose_strategy(T, K, E, cached=False, bf16=bf16)
-        return strategy, choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None, fused_router(T)
+        tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
+        return strategy, tile, fused_router(T, options)
     for K, E, bf16, T in ((8, 128, True, 2048), (4, 40, True, 512), (2, 8, True, 512), (8, 128, False, 512)):
-        sizes = warmup_tokens(T, K, E, bf16)
+        sizes = warmup_tokens(T, K, E, bf16, options)
         assert set(WARMUP_TOKENS) <= set(sizes)
         assert {kind(t, K, E, bf16) for t in sizes if t <= T} == {kind(t, K, E, bf16) for t in range(1, T + 1)}
-    assert {kind(t, 8, 128, True)[0] for t in warmup_tokens(2048, 8, 128, True)} == {
+    assert {kind(t, 8, 128, True)[0] for t in warmup_tokens(2048, 8, 128, True, options)} == {
         MoeStrategy.GEMV, MoeStrategy.GROUPED_MMA}
 
 
