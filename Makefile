@@ -85,9 +85,15 @@ run: install $(DEFAULT_MODEL)/colibri.json
 test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov $(BUF_STAMP)
 	$(BIN)/python -m pytest -q
 
-# GPU-only tests (run on a machine with an NVIDIA GPU).
+# GPU-only tests (run on a machine with an NVIDIA GPU), in two passes: GPU_WORKERS pytest-xdist processes share
+# the GPU (`make test-gpu GPU_WORKERS=4`), then the `serial` tests run alone: they read the device's free memory,
+# which the other processes' allocations would move. Both passes run; the target fails if either did.
+GPU_WORKERS ?= 8
 test-gpu: install $(BIN)/.installed-test
-	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -m gpu
+	status=0; \
+	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -n $(GPU_WORKERS) -m 'gpu and not serial' || status=1; \
+	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -m 'gpu and serial' || status=1; \
+	exit $$status
 
 # No Python file past 600 lines: split it by responsibility instead (CI runs this before `make test`).
 lint-size:

@@ -1,5 +1,6 @@
-"""Fixtures (the embedded tiny model, an in-process expert worker on loopback, the byte-level tokenizer) and
-the skip of `@pytest.mark.gpu` tests where no GPU is visible. Functions shared by tests are in tests/helpers.py."""
+"""Fixtures (the embedded tiny model, an in-process expert worker on loopback, the byte-level tokenizer), the skip
+of `@pytest.mark.gpu` tests where no GPU is visible, and the `serial` mark of tests reading device memory.
+Functions shared by tests are in tests/helpers.py."""
 from __future__ import annotations
 
 import os
@@ -9,12 +10,31 @@ import os
 if os.environ.get("COLIBRI_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import inspect
 from pathlib import Path
 
 import pytest
 
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, has_gpu
+
+
+# Calls that read the whole device's free memory: another process's allocations move it, so a test making them
+# cannot share the GPU with other test processes (`make test-gpu` runs these `serial` tests in a pass of their own).
+DEVICE_MEMORY_READS = ("cuMemGetInfo", "get_memory_info", "mem_get_info")
+
+
+def pytest_itemcollected(item):
+    """A test whose body reads the device's free memory is marked `serial` (before `-m` selects on it)."""
+    function = getattr(item, "function", None)
+    if function is None or item.get_closest_marker("serial"):
+        return
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return
+    if any(call in source for call in DEVICE_MEMORY_READS):
+        item.add_marker(pytest.mark.serial)
 
 
 @pytest.hookimpl(trylast=True)     # after `-m` deselection: a CPU-only run never probes for a GPU

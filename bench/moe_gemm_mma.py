@@ -1,6 +1,5 @@
-"""H200 benchmark of the grouped MoE GEMM, fused router and two-pass argmax kernels (not a test: run on the GPU
-machine, `python -m
-tests.expert_service.kernels.bench_moe_gemm_mma OUT.json`).
+"""H200 benchmark of the grouped MoE GEMM, fused gate and two-pass argmax kernels (GPU):
+`python bench/moe_gemm_mma.py [--tests] OUT.json`; --tests runs those kernels' GPU tests first, in this process.
 
 MoE layer (ids / routing weights given, random bf16 weights in the model-file layout, random uniform top-k):
 - grouped tensor-core path: moe_align -> moe_gather_bf16 -> moe_gemm_gate_up -> moe_gemm_down (atomic combine,
@@ -21,10 +20,14 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
 from numba import cuda
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
 from expert_service.cuda.driver import Graph, device_address, non_blocking_stream
@@ -47,8 +50,8 @@ SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2), "qwen3moe": dict(D=2048, F
 _, STREAM = non_blocking_stream()
 RESULTS: dict = {"cases": [], "errors": []}
 OUT_PATH = next((a for a in sys.argv[1:] if not a.startswith("--")), "/tmp/moe_gemm_bench.json")
-TEST_FILES = [f"tests/expert_service/kernels/test_{n}.py" for n in ("moe_gemm_mma", "moe_align", "router_fused",
-                                                                     "greedy_split")]
+TEST_FILES = [str(REPO / f"tests/expert_service/kernels/test_{n}.py")
+              for n in ("moe_gemm_mma", "moe_align", "gate_fused", "greedy_split")]
 
 
 def save():
