@@ -13,7 +13,6 @@ Connections are bounded in time (headers, body, each write) and bodies checked b
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import ssl

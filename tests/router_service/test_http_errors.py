@@ -14,7 +14,7 @@ import socket
 import aiohttp
 import pytest
 
-from expert_service.tiny_model import byte_tokenizer
+from expert_service.tools.tiny_model import byte_tokenizer
 from router_service import http_api
 from router_service.observability import router_metrics
 from router_service.openai_api import api_error
