@@ -6,6 +6,12 @@ and the subroutine calls (64-bit integer division, slow-path float division). Re
 catches the code-generation problems that made a decode-attention rewrite 2-4x slower (docs/kernels.md).
 
     python bench/kernel_resources.py --out out/kernel_resources.json [--modules attention_decode,attention_decode_tiled]
+        [--resources-of attention_decode] [--shard 0/2]
+
+--resources-of links (and reports) only those modules' kernels, the others are compiled to PTX only; --shard I/N
+takes every N-th signature from the I-th on, so N processes share the compiles (they are single-threaded). A
+failed import or compile is listed under "failed" in the JSON (exit status 1) and the other signatures still run:
+the test suite's sm_90 compile check (tests/expert_service/kernels/test_compile_sm90.py) is this tool.
 """
 from __future__ import annotations
 
@@ -76,40 +82,91 @@ def sass_mix(cubin: bytes, nvdisasm: str) -> dict:
 
 
 def kernel_modules(names: list[str] | None):
+    """(name, module or the import's exception) of each kernel module with sm90_signatures (default: all)."""
     import expert_service.kernels as pkg
     for info in pkgutil.iter_modules(pkg.__path__):
         if names and info.name not in names:
             continue
-        module = importlib.import_module(f"expert_service.kernels.{info.name}")
+        try:
+            module = importlib.import_module(f"expert_service.kernels.{info.name}")
+        except Exception as e:      # one broken module must not hide the others' results
+            yield info.name, e
+            continue
         if hasattr(module, "sm90_signatures"):
             yield info.name, module
+
+
+def signatures(names: list[str] | None, failed: list[str]):
+    """(module name, index, python function, signature) of every listed signature; import failures go to failed."""
+    for name, module in kernel_modules(names):
+        try:
+            if isinstance(module, Exception):
+                raise module
+            listed = module.sm90_signatures()
+        except Exception as e:
+            failed.append(f"{name} (import / sm90_signatures): {type(e).__name__}: {e}")
+            continue
+        for index, (fn, sig) in enumerate(listed):
+            yield name, index, fn, sig
+
+
+def resources(names: list[str] | None, resources_of: set[str] | None, shard: tuple[int, int] = (0, 1),
+              nvdisasm: str | None = None) -> tuple[list[dict], list[str]]:
+    """(a row per compiled signature, failures): PTX for sm_90 by Numba, and for the modules in resources_of (None:
+    all) the cubin's resources by nvJitLink and, with nvdisasm, its SASS mix."""
+    from numba import cuda
+    rows, failed = [], []
+    for position, (name, index, fn, sig) in enumerate(signatures(names, failed)):
+        if position % shard[1] != shard[0]:
+            continue
+        label = f"{name}.{fn.__name__}{tuple(str(a) for a in sig)}"
+        try:
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+        except Exception as e:
+            failed.append(f"{label}: {type(e).__name__}: {e}")
+            continue
+        row = {"module": name, "kernel": fn.__name__, "signature": index}
+        if resources_of is None or name in resources_of:
+            report, cubin = link_report(ptx)
+            row.update(report)
+            if nvdisasm:
+                row.update(sass_mix(cubin, nvdisasm))
+        rows.append(row)
+        print_row(row)
+    return rows, failed
+
+
+def print_row(row: dict) -> None:
+    mix = (f"  instr {row['instructions']:5d} FFMA {row['FFMA']:4d} SEL {row['SEL']:4d} LDL {row['LDL']:3d} "
+           f"calls {row['calls']}") if "instructions" in row else ""
+    print(f"{row['module']:22s} {row['kernel'][:30]:30s} #{row['signature']}  regs {row.get('registers', '?'):>3}  "
+          f"spill {row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}", flush=True)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N with 0 <= I < N")
+    return int(index), int(count)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="kernel_resources.json")
     parser.add_argument("--modules", help="comma-separated kernel modules (default: all with sm90_signatures)")
+    parser.add_argument("--resources-of", help="comma-separated modules to link and report (default: all compiled)")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N: every N-th signature from the I-th")
     args = parser.parse_args(argv)
-    from numba import cuda
     names = args.modules.split(",") if args.modules else None
+    resources_of = set(args.resources_of.split(",")) if args.resources_of else None
     nvdisasm = nvdisasm_path()
     if nvdisasm is None:
         print("nvdisasm not found (pip install nvidia-cuda-nvdisasm): registers and memory only", file=sys.stderr)
-    rows = []
-    for name, module in kernel_modules(names):
-        for index, (fn, sig) in enumerate(module.sm90_signatures()):
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
-            row, cubin = link_report(ptx)
-            row = {"module": name, "kernel": fn.__name__, "signature": index, **row}
-            if nvdisasm:
-                row.update(sass_mix(cubin, nvdisasm))
-            rows.append(row)
-            mix = (f"  instr {row['instructions']:5d} FFMA {row['FFMA']:4d} SEL {row['SEL']:4d} LDL {row['LDL']:3d} "
-                   f"calls {row['calls']}") if nvdisasm else ""
-            print(f"{name:22s} {fn.__name__[:30]:30s} #{index}  regs {row.get('registers', '?'):>3}  spill "
-                  f"{row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}", flush=True)
-    Path(args.out).write_text(json.dumps({"arch": "sm_90", "kernels": rows}, indent=1))
-    return 0
+    rows, failed = resources(names, resources_of, args.shard, nvdisasm)
+    for line in failed:
+        print("FAILED", line, flush=True)
+    Path(args.out).write_text(json.dumps({"arch": "sm_90", "kernels": rows, "failed": failed}, indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

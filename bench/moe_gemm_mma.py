@@ -12,7 +12,7 @@ MoE layer (ids / routing weights given, random bf16 weights in the model-file la
   the reference the outputs are compared with.
 - small steps (T = 16, 64): the grouped path at small M tiles vs the all-experts strided-batched cuBLAS path
   and the moe_ffn grouped kernels (graph replay each).
-Decode kernels: router_fused vs gemv/cuBLAS + router_topk; greedy_split vs greedy (graph replay).
+Decode kernels: gate_fused vs gemv/cuBLAS + gate_topk; greedy_split vs greedy (graph replay).
 """
 from __future__ import annotations
 
