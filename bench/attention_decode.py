@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     only = set(args.only)
     from numba import cuda
+
     from expert_service.kernels import attention_decode, attention_decode_tiled
     kernels = {"new": (attention_decode.launch_attention_decode, attention_decode.decode_splits),
                "tiled": (attention_decode_tiled.launch_attention_decode_tiled, attention_decode.decode_splits)}

@@ -116,7 +116,7 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
     """Decode steps as the worker serves a router's step stream: a StepPump on a model thread, two steps in
     flight from the sender (the router's pipeline_depth), so the worker launches step t+1 before it collects
     step t. Returns (seconds per step over DECODE_STEPS steps, median bytes a step must read)."""
-    from expert_service.serving.step_stream import StepPump, StreamSession, StepRequest
+    from expert_service.serving.step_stream import StepPump, StepRequest, StreamSession
     pump = StepPump(StreamSession(engine, {}), thread)
     empty, decodes = np.zeros(0, "<u8"), np.asarray(ids, "<u8")
     cached = sum(engine.sequences[i].num_cached for i in ids)      # step j's context: cached + (j + 1) * len(ids)
@@ -138,11 +138,11 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
 
 def bench_colibri(model_dir: Path, vocab: int) -> dict:
     from common.model_format import ModelDir
+    from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.engine import PrefillInput
-    from expert_service.backends import build_engine
-    from expert_service.serving.lifecycle import ModelThread
     from expert_service.engine.sampling import SamplingParams
+    from expert_service.serving.lifecycle import ModelThread
     rng = np.random.default_rng(0)
     before = device_used_bytes()
     model = ModelDir.open(model_dir, verify=False)

@@ -41,9 +41,9 @@ class GreedyRows:
 def measure(contexts: list[int], steps: int, warmup: int) -> dict:
     sys.path.insert(0, str(REPO))
     from common.model_format import ModelDir
+    from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.engine import PrefillInput
-    from expert_service.backends import build_engine
     from expert_service.engine.sampling import SamplingParams
     from expert_service.tools.tiny_model import make_tiny
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,8 +24,9 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -44,8 +45,8 @@ class Case(NamedTuple):
     nbytes: int                             # weight bytes one launch reads
     gemv: Callable                          # gemv(i, stream, shape=None): launch on weight copy / expert set i
     y: Any                                  # gemv's output (device)
-    torch_ref: Optional[Callable] = None    # dense: torch_ref(i) -> bf16 tensor
-    moe_ref: Optional[Callable] = None      # experts: moe_ref(i, stream) writes moe_y
+    torch_ref: Callable | None = None    # dense: torch_ref(i) -> bf16 tensor
+    moe_ref: Callable | None = None      # experts: moe_ref(i, stream) writes moe_y
     moe_y: Any = None
 
 
@@ -146,9 +147,9 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
     """Case per decode matrix of shape dict s; weights filled on st (synchronize before torch reads them)."""
     import torch
 
+    from expert_service.experts.grouping import group_by_expert
     from expert_service.kernels import gemv
     from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-    from expert_service.experts.grouping import group_by_expert
     linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     seed = iter(range(1, 1 << 30, 7919))
 

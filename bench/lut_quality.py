@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_format import ModelDir  # noqa: E402
 from common.models import FAMILIES  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
-from expert_service.tools.tiny_model import make_tiny  # noqa: E402
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
-from expert_service.backends import build_engine
-from expert_service.tools.routing_gen import generate  # noqa: E402
 from expert_service.engine.sampling import SamplingParams  # noqa: E402
+from expert_service.tools.routing_gen import generate  # noqa: E402
+from expert_service.tools.tiny_model import make_tiny  # noqa: E402
 
 
 def run(engine: Engine, prompt: list[int], steps: int, table: RoutingTable | None):

@@ -47,7 +47,9 @@ def variants(module):
 def cublas_host(out_path):
     """Host µs per cublasGemmEx (mixtral expert gate shape) for fixed, ragged and rounded row counts."""
     import time
+
     from numba import cuda
+
     from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
     from expert_service.cuda.driver import device_address, non_blocking_stream
     from expert_service.cuda.moe import cublas_rows
@@ -93,6 +95,7 @@ def main():
 
     import torch
     from numba import cuda
+
     from expert_service.cuda.driver import non_blocking_stream
     from expert_service.kernels import moe_gemm_mma as current
     from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles

@@ -33,6 +33,8 @@ from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
 from expert_service.cuda.driver import Graph, device_address, non_blocking_stream
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.gate_fused import launch_gate_fused
+from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import launch_gemv
 from expert_service.kernels.greedy import launch_greedy
@@ -41,10 +43,7 @@ from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.moe_gemm_mma import (CONFIGS, choose_config, launch_moe_gemm_down,
-                                                 launch_moe_gemm_gate_up)
-from expert_service.kernels.gate_fused import launch_gate_fused
-from expert_service.kernels.gate_topk import launch_gate_topk
+from expert_service.kernels.moe_gemm_mma import CONFIGS, choose_config, launch_moe_gemm_down, launch_moe_gemm_gate_up
 
 SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2), "qwen3moe": dict(D=2048, F=768, E=128, K=8)}
 _, STREAM = non_blocking_stream()
@@ -211,7 +210,7 @@ class CublasPath:
         return c
 
     def run(self, ids, x, w, h):
-        L, n = self.layer, self.order.shape[0]
+        L = self.layer
         F, D, K = L.F, L.D, L.K
         launch_expert_grouping(ids, self.counts, self.offsets, self.order, self.position, stream=STREAM)
         launch_gather_rows(x, self.order, self.moe_in, divisor=K, stream=STREAM)

@@ -65,14 +65,13 @@ from bench.offload_report import plot_offload, print_offload  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
+from expert_service.backends import build_engine, cuda_available
 from expert_service.engine.config import EngineConfig  # noqa: E402
-from expert_service.backends import cuda_available
 from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
-from expert_service.backends import build_engine
+from expert_service.engine.sampling import SamplingParams  # noqa: E402
 from expert_service.experts.cache import CacheStats  # noqa: E402
 from expert_service.experts.slots import plan_slots  # noqa: E402
 from expert_service.tools.routing_gen import generate  # noqa: E402
-from expert_service.engine.sampling import SamplingParams  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
@@ -245,10 +244,10 @@ def offload_map(model, budget: int) -> dict[str, object]:
     moe = [next(name for name, child in layer.named_children() if hasattr(child, "experts")) for layer in layers]
     left = budget - (nbytes(model) - sum(nbytes(getattr(layer, name)) for layer, name in zip(layers, moe)))
     device_map: dict[str, object] = {}
-    for name, child in model.named_children():
+    for name, _child in model.named_children():
         if name != "model":
             device_map[name] = 0
-    for name, child in model.model.named_children():
+    for name, _child in model.model.named_children():
         if name != "layers":
             device_map[f"model.{name}"] = 0
     for i, (layer, block) in enumerate(zip(layers, moe)):

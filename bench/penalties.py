@@ -71,8 +71,8 @@ def prefill_ms(engine, tokens: int, prompt_logprobs: int | None, rng) -> float:
 
 def run(shape: str, backend: str, workdir: Path) -> dict:
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     if shape == "tiny":
         from expert_service.tools.tiny_model import make_tiny
         model_dir = make_tiny(workdir / "tiny", family="qwen3_moe", seed=0)

@@ -74,7 +74,7 @@ def short_name(name: str) -> str:
 
 def variant_options(variant: str):
     """The CudaOptions a variant runs with."""
-    from expert_service.cuda.options import CudaOptions
+    from expert_service.engine.cuda_options import CudaOptions
     return CudaOptions(**VARIANTS[variant])
 
 
@@ -88,7 +88,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
     rng = np.random.default_rng(seed)
     hf = {**tiny_hf_config(family), **params, "rope_theta": 1e6, "dtype": "bfloat16"}
     writer = ModelWriter(out, hf, "bfloat16")
-    pool = float32_to_bf16((rng.standard_normal(POOL_ELEMENTS, dtype=np.float32) * np.float32(0.02)))
+    pool = float32_to_bf16(rng.standard_normal(POOL_ELEMENTS, dtype=np.float32) * np.float32(0.02))
     for spec in tensor_specs(writer.config):
         size = int(np.prod(spec.shape))
         leaf = spec.name.rsplit(".", 1)[-1]
@@ -214,8 +214,8 @@ class Scenarios:
 
 def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str], top: int, on_result) -> dict:
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     family, params = SHAPES[name]
     started = time.perf_counter()
     model_dir = write_random_model(family, params, workdir / name)

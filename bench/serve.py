@@ -30,8 +30,8 @@ import math
 import os
 import platform
 import re
-import shutil
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +89,7 @@ def prepare_models(args, workdir: Path):
         yield "tiny", make_tiny(workdir / "models" / "tiny", family="mixtral", seed=0, progress=False)
         return
     import torch
+
     from bench.engine import SHAPES, build_hf, write_colibri
     for name in args.shapes.split(","):
         family, params = SHAPES[name]
@@ -115,8 +116,8 @@ def settings(args) -> dict:
 # --- the engine alone ------------------------------------------------------------------------------------
 def make_engine(model_dir: Path, cfg: dict):
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     engine = build_engine(ModelDir.open(model_dir, verify=False), EngineConfig(
         backend=cfg["backend"], kv_block_size=cfg["kv_block_size"], kv_cache_tokens=cfg["kv_cache_tokens"],
         max_batch_tokens=cfg["max_batch_tokens"], max_batch_size=cfg["max_batch_size"]))

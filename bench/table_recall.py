@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.errors import ColibriError, ConfigError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable  # noqa: E402
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine  # noqa: E402
-from expert_service.backends import build_engine
-from expert_service.tools.routing_gen import (build_table, load_corpus, recall_sums, split_sequences,  # noqa: E402
-                                        trace_routing)
+from expert_service.tools.routing_gen import build_table, load_corpus, recall_sums, split_sequences, trace_routing  # noqa: E402
 
 BATCH_TOKENS = 4096              # what router-gen packs into one step
 

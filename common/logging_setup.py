@@ -35,7 +35,7 @@ _OWN_KEYS = frozenset({"timestamp", "level", "message", "logger", "service", "re
 
 
 def _timestamp(created: float) -> str:
-    ts = _dt.datetime.fromtimestamp(created, tz=_dt.timezone.utc)
+    ts = _dt.datetime.fromtimestamp(created, tz=_dt.UTC)
     return ts.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

@@ -40,7 +40,7 @@ class RopeConfig:
     SUPPORTED = ("default", "linear", "llama3", "yarn")
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "RopeConfig":
+    def from_hf(cls, hf: dict) -> RopeConfig:
         # transformers 5 writes `rope_parameters`; hub checkpoints carry `rope_theta` + `rope_scaling`.
         params = dict(hf.get("rope_parameters") or {})
         if "rope_theta" not in params:

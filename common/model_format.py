@@ -173,7 +173,7 @@ class ModelDir:
         self._maps: dict[str, np.memmap] = {}
 
     @classmethod
-    def open(cls, path: str | os.PathLike, verify: bool = True, progress: bool = False) -> "ModelDir":
+    def open(cls, path: str | os.PathLike, verify: bool = True, progress: bool = False) -> ModelDir:
         root = Path(path)
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():

@@ -75,7 +75,7 @@ class RoutingTable:
         self.vocab_size = int(table.shape[1])
 
     @classmethod
-    def load(cls, path: str | os.PathLike, config: ModelConfig) -> "RoutingTable":
+    def load(cls, path: str | os.PathLike, config: ModelConfig) -> RoutingTable:
         path = Path(path)
         if not path.is_file():
             raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")

@@ -26,7 +26,7 @@ class AsyncColibriClient:
     def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "", token_file: str = "",
                  tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = "", max_message_bytes: int = 16 << 20):
-        from router_service.client import connection     # the same token and TLS handling
+        from router_service.client import connection  # the same token and TLS handling
         self.timeout = timeout
         self._metadata, options, credentials = connection(token, token_file, tls, tls_ca, tls_cert, tls_key,
                                                           tls_server_name, max_message_bytes)
@@ -36,7 +36,7 @@ class AsyncColibriClient:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
 
-    async def __aenter__(self) -> "AsyncColibriClient":
+    async def __aenter__(self) -> AsyncColibriClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

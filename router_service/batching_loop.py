@@ -19,17 +19,23 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from common.tracing import (COLIBRI_BATCH_SIZE, COLIBRI_BATCH_TOKENS, COLIBRI_STEP_KIND, get_tracer,
-                            inject_metadata, links_from_contexts)
+from common.tracing import (
+    COLIBRI_BATCH_SIZE,
+    COLIBRI_BATCH_TOKENS,
+    COLIBRI_STEP_KIND,
+    get_tracer,
+    inject_metadata,
+    links_from_contexts,
+)
+from router_service import wire
 from router_service.config import RouterConfig
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
-from router_service.scheduler import (FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits)
+from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
-from router_service import wire
 from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -76,7 +82,7 @@ class RequestState:
 class RequestHandle:
     """What submit returns: iterate it for Deltas; errors surface as RouterError."""
 
-    def __init__(self, batching_loop: "BatchingLoop", state: RequestState):
+    def __init__(self, batching_loop: BatchingLoop, state: RequestState):
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.num_prompt_tokens = len(state.req.prompt_ids)
@@ -157,7 +163,7 @@ class BatchingLoop:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     @property
@@ -324,10 +330,10 @@ class BatchingLoop:
     async def _idle_wait(self) -> None:
         try:
             await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if not self._requests and not await self.worker.health(timeout=IDLE_POLL_S):
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), "worker reports not ready")
+                                           grpc.aio.Metadata(), "worker reports not ready") from None
 
     def _deliver(self, out) -> None:
         state = self._requests.get(out.request_id)

@@ -106,7 +106,7 @@ class ChatTemplate:
             raise ConfigError(f"chat template {origin or ''}: line {e.lineno}: {e.message}") from None
 
     @classmethod
-    def load(cls, model_dir: str | Path | None, override_file: str | Path | None = None) -> "ChatTemplate | None":
+    def load(cls, model_dir: str | Path | None, override_file: str | Path | None = None) -> ChatTemplate | None:
         """The template of `override_file` or else of `model_dir`; None when neither has one. The special tokens
         always come from the model directory (tokenizer_config.json, then special_tokens_map.json)."""
         config = {}

@@ -129,7 +129,7 @@ class ColibriClient:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
 
-    def __enter__(self) -> "ColibriClient":
+    def __enter__(self) -> ColibriClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,11 +25,22 @@ from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
 from router_service import errors, http_guard
-from router_service.http_guard import abort, bounded
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
+from router_service.http_guard import abort, bounded
 from router_service.logprobs import TokenTexts
-from router_service.openai_api import (HTTP_STATUS, ApiError, add_prompt_logprobs, api_error, choice, envelope,
-                                       generate_request, logprobs_field, parse_request, response, usage)
+from router_service.openai_api import (
+    HTTP_STATUS,
+    ApiError,
+    add_prompt_logprobs,
+    api_error,
+    choice,
+    envelope,
+    generate_request,
+    logprobs_field,
+    parse_request,
+    response,
+    usage,
+)
 from router_service.protocol import is_metadata_safe
 
 log = logging.getLogger("colibri.router.http")

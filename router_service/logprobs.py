@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 Top = list[tuple[int, float]]       # (token id, log-probability), most likely first
 
 

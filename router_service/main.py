@@ -27,11 +27,11 @@ from opentelemetry import trace
 from common.config import add_flags, flag_values, load_config_file, resolve
 from common.errors import AddressInUseError, ConfigError
 from common.logging_setup import configure_logging
-from common.tracing import configure_tracing
 from common.pb import router_pb2, router_pb2_grpc
-from router_service.config import RouterConfig
+from common.tracing import configure_tracing
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
+from router_service.config import RouterConfig
 from router_service.frontend import Frontend
 from router_service.observability import BatchingLoopHooks, ChainedHooks, QueueSpanHooks, router_metrics
 from router_service.protocol import decode_guard
@@ -49,7 +49,7 @@ READINESS = ("", "colibri.readiness", SERVICE_NAME)
 class _HealthHooks(BatchingLoopHooks):
     """Mirrors the worker's readiness into grpc.health."""
 
-    def __init__(self, router: "Router"):
+    def __init__(self, router: Router):
         self._router = router
 
     def on_worker_state(self, ready: bool) -> None:

@@ -21,7 +21,7 @@ from common.pb import router_pb2
 from router_service import errors
 from router_service.frontend import ChatOptions, Completion, detail
 from router_service.generation_defaults import GenerationDefaults
-from router_service.logprobs import PromptLogprob, Top, TokenTexts
+from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.scheduler import FinishReason
 
 MAX_UINT32 = (1 << 32) - 1

@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-
 from router_service.logprobs import Scored
 
 if TYPE_CHECKING:

@@ -18,15 +18,15 @@ from pathlib import Path
 from google.protobuf import json_format, struct_pb2
 from opentelemetry import trace
 
+from common import tracing as semconv
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
-from common import tracing as semconv
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop, RequestHandle
 from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
-from router_service.logprobs import PromptLogprob, Top, TokenTexts
+from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
 from router_service.validation import PromptRequest, check_ids, check_text_size, prompt_byte_limit
 

@@ -43,7 +43,7 @@ class Tokenizer:
         self.path = path
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer  # imported here: only text-serving routers need it
         p = Path(path)
         if not p.is_file():
@@ -54,7 +54,7 @@ class Tokenizer:
             raise ConfigError(f"tokenizer: {p} is not a valid tokenizer.json: {e}") from None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | os.PathLike) -> "Tokenizer | None":
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> Tokenizer | None:
         """The directory's tokenizer.json, or None when the model has none (token-id prompts only)."""
         p = Path(model_dir) / "tokenizer.json"
         if not Path(model_dir).is_dir():
@@ -100,7 +100,7 @@ class Tokenizer:
         return await asyncio.get_running_loop().run_in_executor(
             _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
 
-    def detokenizer(self, prompt_ids) -> "IncrementalDetokenizer":
+    def detokenizer(self, prompt_ids) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)
 
 

@@ -91,7 +91,7 @@ class StepStream:
         """The next result; a worker that ends the stream or misses the step deadline is a lost worker."""
         try:
             response = await asyncio.wait_for(self._call.read(), self.step_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.close()
             raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"no step result within worker_step_timeout_s={self.step_timeout_s:g}") from None

@@ -18,7 +18,6 @@ import pytest
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, has_gpu
 
-
 # Calls that read the whole device's free memory: another process's allocations move it, so a test making them
 # cannot share the GPU with other test processes (`make test-gpu` runs these `serial` tests in a pass of their own).
 DEVICE_MEMORY_READS = ("cuMemGetInfo", "get_memory_info", "mem_get_info")

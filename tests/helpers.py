@@ -104,6 +104,7 @@ def check_decode_attention(launch, rng, context_lens, num_heads, num_kv_heads, h
     per sequence at its last position, split in `splits` parts, against the CPU paged_attention; sequences with
     context 0 (idle batch slots) must come out as zeros. Outputs and partials start as NaN."""
     from numba import cuda
+
     from expert_service.cpu.layers.attention import paged_attention
     num_seqs = len(context_lens)
     need = sum(-(-c // block_size) for c in context_lens)
@@ -173,6 +174,7 @@ def random_prompt(seed: int, n: int, vocab: int = 259) -> list[int]:
 def bf16_tiny(root: Path, family: str, seed: int, **overrides) -> Path:
     """The tiny model of `family` with HF config overrides (e.g. num_experts=40), converted to bf16."""
     from safetensors.numpy import save_file
+
     from expert_service.tools.convert import convert
     from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
     hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
@@ -202,9 +204,9 @@ SESSION_PROMPTS = (np.arange(5, 29) % 250 + 3, np.array([7, 100, 42, 9, 9, 13, 2
 def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **overrides):
     """Prompts in one step, then 4 decodes, on a fresh engine (the expert-cache tests of both backends run the
     same steps at any cache size): (logits of every step, tokens, per-step cache stats, traces, engine)."""
+    from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.engine import PrefillInput
-    from expert_service.backends import build_engine
     from expert_service.engine.sampling import SamplingParams
     engine = build_engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
     greedy = SamplingParams()
@@ -294,7 +296,7 @@ class BackgroundWorker:
         finally:
             self._ready.set()
 
-    def start(self) -> "BackgroundWorker":
+    def start(self) -> BackgroundWorker:
         self._thread.start()
         assert self._ready.wait(120), "worker did not start in time"
         assert self.port, f"worker failed to start (exit code {self.exit_code})"

@@ -66,7 +66,7 @@ def make_hf_model(family: str, overrides: dict, seed: int):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     with torch.no_grad():   # RMSNorm weights start at 1; perturb them so a wrong norm cannot hide
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model

@@ -25,11 +25,11 @@ import numpy as np
 
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, PrefillInput
-from expert_service.backends import build_engine
-from expert_service.experts.cache import CacheStats
 from expert_service.engine.sampling import SamplingParams
+from expert_service.experts.cache import CacheStats
 from training.corpus import DATA_DIR
 
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan,lookahead")

@@ -101,7 +101,7 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     D, V = config.hidden_size, config.vocab_size
     specs = [TensorSpec("embed_tokens", names["embed_tokens"], (V, D))]
     for i in range(config.num_hidden_layers):
-        def add(key: str, shape: tuple[int, ...], expert: int | None = None, **fmt):
+        def add(key: str, shape: tuple[int, ...], expert: int | None = None, i: int = i, **fmt):
             hf = names[key].format(i=i, j=expert, **fmt)
             canonical = f"layers.{i}.experts.{expert}.{key[7:]}" if expert is not None else f"layers.{i}.{key}"
             specs.append(TensorSpec(canonical, hf, shape, i, expert))

@@ -1,6 +1,7 @@
 """Mixtral: Llama attention (no biases), softmax top-k routing always renormalised, every layer MoE."""
 from common.model_config import ModelConfig, QKNorm
-from common.models.hf_keys import MIXTRAL_NAMES as HF_NAMES, require, shared_fields
+from common.models.hf_keys import MIXTRAL_NAMES as HF_NAMES
+from common.models.hf_keys import require, shared_fields
 
 __all__ = ["HF_NAMES", "config_from_hf"]
 

@@ -1,6 +1,7 @@
 """OLMoE: RMSNorm over the full q and k projections, optional `clip_qkv`, `norm_topk_prob`, every layer MoE."""
 from common.model_config import ModelConfig, QKNorm
-from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES, require, shared_fields
+from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
+from common.models.hf_keys import require, shared_fields
 
 __all__ = ["HF_NAMES", "config_from_hf"]
 

@@ -1,8 +1,8 @@
 """Qwen2-MoE: q/k/v biases, a shared expert behind a sigmoid gate, optional dense layers
 (`mlp_only_layers`, `decoder_sparse_step`), `norm_topk_prob` (off in the released checkpoints)."""
 from common.model_config import ModelConfig, QKNorm
-from common.models.hf_keys import (QWEN_STYLE_NAMES as HF_NAMES, qwen_sliding_windows, qwen_sparse_layers,
-                                   require, shared_fields)
+from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
+from common.models.hf_keys import qwen_sliding_windows, qwen_sparse_layers, require, shared_fields
 
 __all__ = ["HF_NAMES", "config_from_hf"]
 

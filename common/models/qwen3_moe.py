@@ -1,7 +1,7 @@
 """Qwen3-MoE: explicit `head_dim`, RMSNorm on each q/k head before RoPE, `norm_topk_prob`, no shared expert."""
 from common.model_config import ModelConfig, QKNorm
-from common.models.hf_keys import (QWEN_STYLE_NAMES as HF_NAMES, qwen_sliding_windows, qwen_sparse_layers,
-                                   require, shared_fields)
+from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
+from common.models.hf_keys import qwen_sliding_windows, qwen_sparse_layers, require, shared_fields
 
 __all__ = ["HF_NAMES", "config_from_hf"]
 

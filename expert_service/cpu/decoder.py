@@ -10,18 +10,18 @@ import numpy as np
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from expert_service.engine.config import Backend, EngineConfig, PrefetchSource
-from expert_service.experts.host_copy import HostCopyEngine
 from expert_service.cpu.layers.attention import paged_attention, write_kv
 from expert_service.cpu.layers.moe import route, sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cpu.layers.rope import Rotary, apply_rotary
 from expert_service.cpu.penalties import HostPenalties
-from expert_service.experts.cache import ExpertCache
-from expert_service.experts.grouping import experts_by_count
-from expert_service.experts.slots import SlotPlan
+from expert_service.engine.config import Backend, EngineConfig, PrefetchSource
 from expert_service.engine.kv_cache import KVPool
 from expert_service.engine.step import ForwardBatch, HostLogits, StepTrace
+from expert_service.experts.cache import ExpertCache
+from expert_service.experts.grouping import experts_by_count
+from expert_service.experts.host_copy import HostCopyEngine
+from expert_service.experts.slots import SlotPlan
 
 
 class CpuWeights:

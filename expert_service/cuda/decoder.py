@@ -1,6 +1,6 @@
 """The step runner of the cuda backend (the same steps as expert_service/cpu/decoder.py): it stages each step,
 pads it to a bucket, replays or captures its CUDA graph and hands back its logits; the forward pass's kernel
-launches are cuda/model.py's, which alternative kernels they take cuda/options.py's.
+launches are cuda/model.py's, which alternative kernels they take engine/cuda_options.py's.
 
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
@@ -26,22 +26,28 @@ from numba import cuda
 
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
-from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.model import CudaModel
-from expert_service.cuda.moe import (ON_DEVICE, MoeStrategy, capturable, choose_strategy, reachable_strategies,
-                                    warmup_tokens)
+from expert_service.cuda.moe import (
+    ON_DEVICE,
+    MoeStrategy,
+    capturable,
+    choose_strategy,
+    reachable_strategies,
+    warmup_tokens,
+)
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
-from expert_service.experts.slots import SlotPlan
+from expert_service.engine.config import Backend, EngineConfig, RoutingMode
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.experts.slots import SlotPlan
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -144,7 +150,7 @@ class CudaDecoder:
         for bucket in (b for b in GRAPH_BUCKETS if b <= min(self.max_seqs, self.max_tokens)):
             for _ in range(2):
                 self._stage(self._padding(), bucket, bucket, bucket)
-                self.graphs.run(bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
+                self.graphs.run(bucket, lambda b=bucket: self._run(b, b, b, decode=True))
                 self.stream.synchronize()
 
     def _warmup_step(self, T: int, span: int, logits: bool) -> None:

@@ -98,7 +98,7 @@ class Graph:
         self._handle = stream_handle(stream)
         self.exec = None
 
-    def __enter__(self) -> "Graph":
+    def __enter__(self) -> Graph:
         check(drv.cuStreamBeginCapture(self._handle,
                                        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
         return self

@@ -34,7 +34,7 @@ class CopyHandle:
 
     __slots__ = ("slots", "event")
 
-    def __init__(self, slots: "DeviceSlots", event):
+    def __init__(self, slots: DeviceSlots, event):
         self.slots, self.event = slots, event
 
     def result(self) -> None:

@@ -3,7 +3,7 @@ per layer the input norm, attention (q/k/v, q/k norms, RoPE and the KV write, de
 the post-attention norm and the MoE block (cuda/moe.py) or dense MLP, then the head (final norm, LM head,
 argmax on the device). It reads a step the runner (cuda/decoder.py) staged into the workspace and knows
 nothing of buckets, graphs or host copies. Which of the alternative kernels each launch takes is `options`
-(cuda/options.py), read while a pass is issued: a captured graph keeps the path it was captured with."""
+(engine/cuda_options.py), read while a pass is issued: a captured graph keeps the path it was captured with."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +13,8 @@ from common.model_config import ModelConfig, QKNorm
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.weights import DeviceWeights
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest

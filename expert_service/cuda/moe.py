@@ -5,13 +5,14 @@ token is routed to, the weights' dtype and whether every expert is resident on t
 decides, in one place, from the thresholds defined beside it. `capturable` and `ON_DEVICE` say which
 strategies a CUDA graph captures (whole, or in pieces around a host break); `warmup_tokens` lists the step
 sizes whose warm-up loads every kernel. The fused router and the combine that also writes the next layer's
-input norm are CudaOptions (cuda/options.py). What each strategy launches, and the H200 measurements behind
+input norm are CudaOptions (engine/cuda_options.py). What each strategy launches, and the H200 measurements behind
 the thresholds, are in docs/kernels.md, section "MoE strategy choice".
 """
 from __future__ import annotations
 
 import functools
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,21 +20,25 @@ from common.model_config import ModelConfig
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
-from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.weights import DeviceWeights
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
 from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.gate_fused import launch_gate_fused
+from expert_service.kernels.gate_planned import launch_gate_planned
+from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
-from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS, MAX_E as ALIGN_MAX_E
+from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS
+from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import choose_config
-from expert_service.kernels.gate_fused import launch_gate_fused
-from expert_service.kernels.gate_planned import launch_gate_planned
-from expert_service.kernels.gate_topk import launch_gate_topk
+
+if TYPE_CHECKING:     # moe_cached builds on this module's strategies
+    from expert_service.cuda.moe_cached import CachedExperts
 
 ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)

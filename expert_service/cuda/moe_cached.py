@@ -8,19 +8,19 @@ import numpy as np
 from numba import cuda
 
 from common.model_config import ModelConfig
-from expert_service.engine.config import PrefetchSource
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe import MoeStrategy
 from expert_service.cuda.weights import DeviceWeights
+from expert_service.engine.config import PrefetchSource
 from expert_service.experts.cache import CacheStats, ExpertCache
 from expert_service.experts.grouping import experts_by_count
 from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.gate_topk import launch_gate_topk
 
 
 class CachedExperts:

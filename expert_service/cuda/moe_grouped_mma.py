@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from expert_service.kernels.moe_align import (launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles)
+from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
-from expert_service.kernels.moe_gemm_mma import (COMBINE_STORE, choose_config, launch_moe_gemm_down,
-                                                 launch_moe_gemm_gate_up)
+from expert_service.kernels.moe_gemm_mma import (
+    COMBINE_STORE,
+    choose_config,
+    launch_moe_gemm_down,
+    launch_moe_gemm_gate_up,
+)
 
 
 def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from expert_service.engine.penalties import PenaltyBatch
 from expert_service.kernels.apply_penalties import launch_apply_penalties
 from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.penalty_update import launch_penalty_update
-from expert_service.engine.penalties import PenaltyBatch
 
 
 class DevicePenalties:

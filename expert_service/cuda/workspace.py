@@ -18,8 +18,14 @@ from numba import cuda
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.driver import check, device_address
-from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, CUBLAS_ROW_SLACK, FUSED_ROUTER_MAX_TOKENS,
-                                     GROUPED_MAX_TOKENS, MoeStrategy, reachable_strategies)
+from expert_service.cuda.moe import (
+    ALL_EXPERTS_MAX_TOKENS,
+    CUBLAS_ROW_SLACK,
+    FUSED_ROUTER_MAX_TOKENS,
+    GROUPED_MAX_TOKENS,
+    MoeStrategy,
+    reachable_strategies,
+)
 from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
@@ -29,8 +35,8 @@ from expert_service.kernels.greedy_split import parts as greedy_parts
 class Workspace:
     arrays: dict[str, object] = field(default_factory=dict)
     host: dict[str, np.ndarray] = field(default_factory=dict)    # pinned host views (metadata, readbacks)
-    metadata: "PackedBuffer | None" = None
-    results: "PackedBuffer | None" = None
+    metadata: PackedBuffer | None = None
+    results: PackedBuffer | None = None
 
     def select_twin(self, twin: int) -> None:
         """The host copy of the step metadata and results the next step stages into and reads back to."""

@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from common.config import setting
 from common.errors import ConfigError
-from expert_service.cuda.options import CudaOptions
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import POLICIES
 
 

@@ -19,13 +19,13 @@ from common.errors import CapacityError, InvalidRequestError, NonFiniteLogitsErr
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
 from expert_service.engine.config import EngineConfig, RoutingMode
-from expert_service.experts.cache import CacheStats
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
-from expert_service.experts.routing_plan import routing_plan_recall
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.experts.cache import CacheStats
+from expert_service.experts.routing_plan import routing_plan_recall
 
 log = logging.getLogger("colibri.worker")
 
@@ -240,7 +240,7 @@ class Engine:
         started = time.perf_counter()
         launched = self.decoder.launch(batch, traced=True)
         serial, row = next(self._serials), 0
-        for (rid, tokens, wants_token), seq in zip(work, states):
+        for (_, tokens, wants_token), seq in zip(work, states):
             seq.num_cached += len(tokens)
             if wants_token:
                 seq.pending, row = (serial, row), row + 1
@@ -294,7 +294,7 @@ class Engine:
                 builder.reset(self.penalty_slots.acquire(rid))
         if not self.penalty_slots.slots:
             return None
-        for index, (rid, tokens, wants_token) in enumerate(work):
+        for index, (rid, tokens, _) in enumerate(work):
             if index < first_decode:
                 builder.prompt(rid, tokens)
             else:
@@ -312,7 +312,7 @@ class Engine:
         row, sequences, work, scored = 0, self.sequences, step.work, step.scored
         scores = StepScores(self.model_config.vocab_size)
         gone = set()
-        for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states)):
+        for index, ((rid, _, wants_token), seq) in enumerate(zip(work, step.states)):
             if seq.pending is not None and seq.pending[0] == step.serial:
                 seq.pending = None
             if sequences.get(rid) is not seq:

@@ -63,7 +63,7 @@ class KVPool:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32) -> "KVPool":
+                 dtype=np.float32) -> KVPool:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(np.zeros(shape, dtype), np.zeros(shape, dtype))
 

@@ -8,15 +8,16 @@ expert-cache counts). Both backends are built the same way: ``Decoder(model, con
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from expert_service.engine.config import Backend
-from expert_service.experts.slots import SlotPlan
-from expert_service.experts.cache import CacheStats
 from expert_service.engine.penalties import PenaltyBatch
+from expert_service.experts.cache import CacheStats
+from expert_service.experts.slots import SlotPlan
 
 
 @dataclass(frozen=True, slots=True)

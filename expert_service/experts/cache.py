@@ -23,9 +23,9 @@ on copies.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Iterable, Iterator, Protocol
-
+from typing import Protocol
 
 EMPTY = -1
 
@@ -77,7 +77,7 @@ class CacheStats:
     prefetches_used: int = 0       # prefetched experts that a later `acquire` hit
     stall_seconds: float = 0.0     # time compute waited on copies
 
-    def __add__(self, other: "CacheStats") -> "CacheStats":
+    def __add__(self, other: CacheStats) -> CacheStats:
         return CacheStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property

@@ -12,6 +12,7 @@ import numpy as np
 from common import dtypes
 from common.model_format import ModelDir
 
+
 class HostCopyEngine:
     """Float32 slot buffers [layer][slot] = (gate [F, D], up [F, D], down [D, F]) and a one-thread copier."""
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from common.model_format import ModelDir
 
-
 # --- slot plan ---------------------------------------------------------------------------------
 GIB = 2 ** 30
 

@@ -23,8 +23,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import WARP, loader, warp_sum
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import WARP, loader, warp_sum
 
 NWARPS = 4
 THREADS = NWARPS * WARP
@@ -59,7 +59,7 @@ def part_range(context_len, q_pos, window, split, num_splits):
     return k_lo, min(k_lo + part, hi)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(kv_dtype, head_dim: int, gt: int):
     load = loader(kv_dtype)
     dpl = -(-head_dim // WARP)       # dims per lane

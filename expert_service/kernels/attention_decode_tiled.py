@@ -24,8 +24,14 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import (NEG_INF, _reduce, check_arguments, group_tile,
-                                                     launch_attention_decode, part_range)
+from expert_service.kernels.attention_decode import (
+    NEG_INF,
+    _reduce,
+    check_arguments,
+    group_tile,
+    launch_attention_decode,
+    part_range,
+)
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_max, warp_sum
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
@@ -52,7 +58,7 @@ def _dot8(sq, o, x0, x1, x2, x3, x4, x5, x6, x7):
             sq[o + _u(4)] * x4 + sq[o + _u(5)] * x5 + sq[o + _u(6)] * x6 + sq[o + _u(7)] * x7)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(head_dim: int, gt: int):
     chunks = head_dim // 8                 # 16-byte chunks per key row
     row_u64 = head_dim // 4

@@ -25,8 +25,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import loader
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import loader
 
 THREADS = 128
 SMEM_BUDGET = 44 * 1024                   # static shared memory is capped at 48 KB
@@ -42,7 +42,7 @@ def tile_sizes(head_dim: int) -> tuple[int, int]:
     raise ValueError(f"head_dim {head_dim} too large for attention_prefill")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(kv_dtype, head_dim: int):
     load = loader(kv_dtype)
     bq, bk = tile_sizes(head_dim)

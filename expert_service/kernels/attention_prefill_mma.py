@@ -31,10 +31,12 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_prefill import launch_attention_prefill, check_arguments
-from expert_service.kernels.mma import exp2_approx, mma_bf16_m16n8k16 as mma, pack_bf16x2 as pack
-from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
+from expert_service.kernels.attention_prefill import check_arguments, launch_attention_prefill
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.mma import exp2_approx
+from expert_service.kernels.mma import mma_bf16_m16n8k16 as mma
+from expert_service.kernels.mma import pack_bf16x2 as pack
+from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -100,7 +102,7 @@ def _quad_sum(x):
     return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(head_dim: int):
     bk = key_tile(head_dim)
     hw = head_dim // 4                         # uint64 words per K/V row

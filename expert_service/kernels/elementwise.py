@@ -27,9 +27,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import (aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, silu, storer,
-                                            widener)
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, silu, storer, widener
 
 THREADS = 256
 MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
@@ -63,7 +62,7 @@ def clamp_kernel(x, lo, hi):
             x[i] = hi
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_bias(weight_dtype):
     widen = widener(weight_dtype)
 
@@ -78,7 +77,7 @@ def _build_bias(weight_dtype):
     return add_bias_kernel, cached_jit(add_bias_kernel)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_silu_mul_halves(gu_dtype, h_dtype):
     load, store = loader(gu_dtype), storer(h_dtype)
 
@@ -117,7 +116,7 @@ def silu_mul_halves_bf16_kernel(gu4, h4, F4, R):
 _silu_mul_halves_bf16 = cached_jit(silu_mul_halves_bf16_kernel)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_cast(out_dtype):
     store = storer(out_dtype)
     pack4 = packer4(out_dtype)

@@ -16,13 +16,13 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import widener
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import widener
 
 THREADS = 128   # 4 warps; D=4096 -> 32 elements per thread
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(weight_dtype):
     widen = widener(weight_dtype)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR
 
 MAX_E = 256
 MAX_ASSIGNMENTS = 65536

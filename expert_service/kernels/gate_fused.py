@@ -24,9 +24,9 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
+from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
-from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -53,7 +53,7 @@ def blocks_per_token(n_exp: int, split: int) -> int:
     return -(-n_exp // (WARPS // split))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(dtype, wide: bool):
     widen = widener(dtype)
 

@@ -26,7 +26,7 @@ from expert_service.kernels.numeric import WARP, warp_sum, widener
 MAX_K = 32    # one warp per planned expert, a block of at most 1024 threads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(weight_dtype):
     widen = widener(weight_dtype)
 

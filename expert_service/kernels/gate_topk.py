@@ -13,8 +13,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import WARP, warp_max, warp_sum
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import WARP, warp_max, warp_sum
 
 MAX_E = 256                 # experts per token row a lane set can hold
 PER_LANE = MAX_E // WARP    # logits held by each lane (registers: indices are compile-time after unrolling)

@@ -19,7 +19,7 @@ THREADS = 128
 DST_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(dst_dtype):
     store = storer(dst_dtype)
 

@@ -33,9 +33,9 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
+from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
-from expert_service.kernels.jit_cache import cached_jit
 
 # The simulator runs one Python thread per CUDA thread: fewer loads per lane so tiny K still reaches the
 # unrolled main loop (the code path is the same).
@@ -137,7 +137,7 @@ def _chunk_ops(dtype, wide: bool):
     return fetch, load_x, dot, np.uint32, 4, per
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(dtype, wide: bool, rows: int, gated: bool):
     """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated."""
     fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide)

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 from numba import cuda, types
+
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256      # power of two (tree reduction); at most MAX_THREADS

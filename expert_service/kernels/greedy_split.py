@@ -16,8 +16,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR
 
 THREADS = 32 if SIMULATOR else 256       # power of two (tree reductions)
 ITEMS = 2 if SIMULATOR else 8

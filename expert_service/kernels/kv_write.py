@@ -12,13 +12,13 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import storer
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import storer
 
 THREADS = 128   # 4 warps; a token's row is Hkv*Hd values (1024 for Hkv=8, Hd=128): 8 per thread
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(pool_dtype):
     store = storer(pool_dtype)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, aligned_to, f32_to_bf16, packer4
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR, aligned_to, f32_to_bf16, packer4
 
 MAX_E = 256
 _STARTS = MAX_E + 1                     # shared array sizes must be plain constants

@@ -14,13 +14,13 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, blocks_per_row
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR, blocks_per_row
 
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(top_k: int):
     def moe_combine_kernel(y, position, weights, h):
         """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, types
+
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 256

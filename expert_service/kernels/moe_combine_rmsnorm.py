@@ -24,10 +24,10 @@ from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import block_sum, widener
-from expert_service.kernels.rmsnorm import THREADS     # the same partition as rmsnorm: bitwise-equal norms
+from expert_service.kernels.rmsnorm import THREADS  # the same partition as rmsnorm: bitwise-equal norms
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(weight_dtype, dense: bool, top_k: int):
     widen = widener(weight_dtype)
 

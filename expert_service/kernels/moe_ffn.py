@@ -33,8 +33,8 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader, silu
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader, silu
 
 # The simulator runs one Python thread per CUDA thread: it gets small tiles that still exercise every loop
 # (several row tiles, token tiles and input chunks on tiny shapes). The code path is identical.
@@ -96,7 +96,7 @@ def _make_dot(get, per_word, ntok, gated):
     return dot
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(dtype, wide: bool, gated: bool):
     """Kernel for weight storage `dtype`; wide = bf16 read as uint64 words; gated = gate_up (else down)."""
     get = _getter(dtype, wide)

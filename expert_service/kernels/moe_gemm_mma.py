@@ -41,10 +41,11 @@ import numpy as np
 from numba import cuda, types
 
 from common.dtypes import bf16_to_float32, float32_to_bf16
-from expert_service.kernels.mma import block_mma as mma, block_pack as pack
+from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.mma import block_mma as mma
+from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16, silu
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
-from expert_service.kernels.jit_cache import cached_jit
 
 
 class Config(NamedTuple):
@@ -246,12 +247,12 @@ def _stage_filler(copy, threads: int, a_iters: int, b_iters: int, a_chunks: int,
     return fill
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
     """Kernel for one block shape, epilogue mode (SwiGLU -> bf16 h; store fp32 rows; atomic weighted combine),
     load width and whether the input dim is a multiple of BK (aligned only: no tail checks). Returns (python
     function, jitted kernel)."""
-    WM, WN, MT, NT, BK, S, GM = cfg.wm, cfg.wn, cfg.mt, cfg.nt, cfg.bk, cfg.stages, cfg.group_m
+    _, WN, MT, NT, BK, S, GM = cfg.wm, cfg.wn, cfg.mt, cfg.nt, cfg.bk, cfg.stages, cfg.group_m
     THREADS, BM, BN = cfg.threads, cfg.block_m, cfg.block_n
     gated = mode == _MODE_SWIGLU
     if gated and NT % 2:

@@ -142,7 +142,7 @@ else:
 
     cp_async_commit = _statement("cp.async.commit_group;", "Close this thread's group of cp.async copies.")
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def cp_async_wait_fn(pending: int):
         """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
         return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__)

@@ -33,7 +33,7 @@ WARPS = 2 if SIMULATOR else 4     # heads a block (qwen3: 32 + 2 * 4 = 40 heads 
 MAX_HEAD_DIM = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(pool_dtype, weight_dtype, per_lane: int):
     """per_lane = Hd / 32 elements a lane (compile-time: the row stays in registers, the loops unroll)."""
     store, widen = storer(pool_dtype), widener(weight_dtype)

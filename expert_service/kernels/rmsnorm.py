@@ -22,8 +22,8 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.numeric import SIMULATOR, WARP, block_sum, warp_sum, widener
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import SIMULATOR, WARP, block_sum, warp_sum, widener
 
 THREADS = 256   # block-per-row kernel: 8 warps; N=4096 -> 16 elements per thread
 CHUNKS = THREADS // WARP      # the warp kernel's partial sums: one per warp of a THREADS-thread block
@@ -35,7 +35,7 @@ ROWS_PER_BLOCK = 2 if SIMULATOR else 8   # the simulator runs a Python thread pe
 WARP_KERNEL_MIN_ROWS = 0 if SIMULATOR else 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(weight_dtype):
     widen = widener(weight_dtype)
 
@@ -69,7 +69,7 @@ def _build(weight_dtype):
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_short(weight_dtype, per_lane: int):
     """The warp-per-row kernel for rows of (per_lane - 1) * WARP < N <= per_lane * WARP elements: per_lane is a
     compile-time constant so the row's loops unroll and it stays in registers."""

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 from numba import cuda, types
+
 from expert_service.kernels.jit_cache import cached_jit
 
 THREADS = 128   # 4 warps; 40 heads * 64 pairs = 2560 pairs per token -> 20 per thread

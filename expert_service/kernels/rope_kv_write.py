@@ -32,7 +32,7 @@ from expert_service.kernels.rope import rotate, rotation
 THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 2304 pairs + 512 values per token
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(pool_dtype, half: int):
     """half = Hd / 2 is a compile-time constant: the pair index's division and remainder by it become shifts
     (by a runtime value they were 64-bit division calls, most of the kernel's time)."""

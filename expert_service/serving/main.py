@@ -16,16 +16,16 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV, HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, \
-    TokenSet
+from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
+from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
 from common.config import add_flags, flag_values, load_config_file, resolve, setting
 from common.errors import ConfigError
 from common.grpc_guard import MalformedRequestGuard
@@ -34,10 +34,10 @@ from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
 from common.pb import worker_pb2
 from common.tracing import ServerTracingInterceptor, configure_tracing
-from expert_service.engine.config import EngineConfig
-from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
-from expert_service.engine.engine import Engine
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import Engine
+from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
 from expert_service.serving.lifecycle import WorkerHealth, quiet_cancelled_streams
 from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
 from expert_service.serving.step_stream import UNARY
@@ -166,7 +166,7 @@ async def _drain(servicer: WorkerServicer, timeout: float, hurry: asyncio.Event)
             return
         try:
             await asyncio.wait_for(hurry.wait(), 0.05)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     log.info("drained")
 

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -25,12 +25,19 @@ from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
 from common.tracing import COLIBRI_STEP_KIND, extract_context, get_tracer
 from expert_service.engine.engine import Engine, PrefillInput, StepResult
+from expert_service.engine.sampling import SamplingParams
+from expert_service.experts.routing_plan import warmup_routing_plan
 from expert_service.serving import wire
 from expert_service.serving.lifecycle import WORKER_SERVICE, ModelThread, WorkerHealth
-from expert_service.experts.routing_plan import warmup_routing_plan
-from expert_service.engine.sampling import SamplingParams
-from expert_service.serving.step_stream import (MAX_FREE_IDS, MAX_STEPS_AHEAD, UNARY, StepLimits, StepAnswer, StepPump,
-                                        StreamSession)
+from expert_service.serving.step_stream import (
+    MAX_FREE_IDS,
+    MAX_STEPS_AHEAD,
+    UNARY,
+    StepAnswer,
+    StepLimits,
+    StepPump,
+    StreamSession,
+)
 
 log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
@@ -117,7 +124,7 @@ class WorkerServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ColibriError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._fatal(TimeoutError(f"watchdog: a model call ran past {self.step_timeout_s:.0f} s"))
             await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
         except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast
@@ -267,7 +274,7 @@ class WorkerServicer:
     async def _await_step(self, future, context) -> StepAnswer:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.step_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._fatal(TimeoutError(f"watchdog: a step ran past {self.step_timeout_s:.0f} s"))
             await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
         except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast

@@ -27,9 +27,9 @@ from common import dtypes
 from common.errors import ConfigError, InvalidRequestError, ModelFormatError
 from common.model_format import ModelDir
 from common.routing_table import write_routing_table
-from expert_service.engine.engine import Engine, PrefillInput
 from expert_service.cpu.layers.moe import route
 from expert_service.cpu.layers.norm import rms_norm
+from expert_service.engine.engine import Engine, PrefillInput
 from expert_service.engine.sampling import SamplingParams
 
 CORPUS_FORMATS = ("auto", "text", "ids")

@@ -6,8 +6,8 @@ import pytest
 
 from bench import offload
 from common.model_format import ModelDir
-from expert_service.engine.config import EngineConfig
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
 from expert_service.tools.routing_gen import load_corpus, run_router_gen
 from training.corpus import DATA_DIR
 

@@ -28,6 +28,7 @@ def test_sass_mix_counts_opcodes_and_call_targets(monkeypatch, tmp_path):
 def test_failed_compile_is_listed_and_the_other_signatures_still_run(monkeypatch):
     """Every gather signature through resources() with Numba's compile replaced: one raises, the rest yield rows."""
     from numba import cuda
+
     from expert_service.kernels import gather
     listed = gather.sm90_signatures()
     assert len(listed) >= 2

@@ -20,9 +20,9 @@ def test_expert_sets_are_c_contiguous_sorted_distinct():
 def test_expert_reference_rows_line_up():
     """gemv's expert outputs (slot order) equal moe_ffn's (grouped order) for expert_sets' ids, so the
     bench's diff compares row by row (simulator, bf16, tiny shapes)."""
+    from expert_service.experts.grouping import group_by_expert
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
     from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-    from expert_service.experts.grouping import group_by_expert
     rng = np.random.default_rng(1)
     E, K, F, D = 4, 2, 8, 40
     ids = kernels.expert_sets(rng, E, K, 1)[0]

@@ -21,7 +21,7 @@ def test_offload_tiny_cpu(tmp_path):
     assert list(entry["runs"]["1.0"]) == ["resident"] and list(entry["runs"]["0.5"]) == ["none", "plan"]
     assert entry["runs"]["0.5"]["none"]["slots_per_layer"] == entry["num_experts"] // 2
 
-    for fraction, modes in entry["runs"].items():
+    for _fraction, modes in entry["runs"].items():
         for mode, run in modes.items():
             phases = [run["prefill"], *(run["decode"][b] for b in ("1", "16"))]
             for phase in phases:

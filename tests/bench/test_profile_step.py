@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench import profile_step
-from expert_service.cuda.options import CudaOptions
+from expert_service.engine.cuda_options import CudaOptions
 
 
 def test_short_name_demangles_numba_kernels():
@@ -75,8 +75,8 @@ def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, l
     """The scenario flow (prefill chunks, decode sequences kept across variants, random plans under lut) on the
     cpu engine, with the profiler replaced by a counter of the steps it would record."""
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     engine = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=4096,
                                                            max_batch_tokens=256, routing="lut" if lut else "exact"))
     dropped, steps = [], []

@@ -10,13 +10,14 @@ import pytest
 from bench import table_recall
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, PrefillInput
-from expert_service.backends import build_engine
-from expert_service.tools.routing_gen import load_corpus, run_router_gen
 from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.routing_gen import load_corpus, run_router_gen
 from tests.bench.conftest import HELDOUT_TEXT
 from tests.helpers import make_token_routed_model
+
 SEQUENCE_LENGTH = 64
 
 

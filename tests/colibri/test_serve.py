@@ -36,8 +36,8 @@ SECTION_9_METRICS = {
 
 
 def offline_greedy(model, prompt, n):
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
@@ -140,10 +140,9 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     from opentelemetry import trace
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.util._once import Once
 
     from common.tracing import make_tracer_provider
-
-    from opentelemetry.util._once import Once
     exporter = InMemorySpanExporter()
     provider = make_tracer_provider("test", SimpleSpanProcessor(exporter))
     # The router uses the global provider, which OpenTelemetry lets a process set once; reset it the way

@@ -3,8 +3,18 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.metrics import (GENAI_TPOT_BUCKETS, OUTCOMES, REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
-                            RouterMetrics, WorkerMetrics, load_imbalance, new_registry, start_metrics_server)
+from common.metrics import (
+    GENAI_TPOT_BUCKETS,
+    OUTCOMES,
+    REQUEST_DURATION_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    RouterMetrics,
+    WorkerMetrics,
+    load_imbalance,
+    new_registry,
+    start_metrics_server,
+)
 
 # Every metric of docs/observability.md, with its Prometheus type, and the process it lives in.
 ROUTER = {

@@ -8,9 +8,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from common import tracing
-from common.tracing import (ServerTracingInterceptor, configure_tracing, extract_context, get_tracer,
-                            inject_metadata, links_from_contexts, make_tracer_provider, otlp_span_processor,
-                            start_server_span)
+from common.tracing import (
+    ServerTracingInterceptor,
+    configure_tracing,
+    extract_context,
+    get_tracer,
+    inject_metadata,
+    links_from_contexts,
+    make_tracer_provider,
+    otlp_span_processor,
+    start_server_span,
+)
 
 SERVICE = "test.Worker"
 

@@ -7,8 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.cluster import (CLIENT, HUB, KUBE_DNS, OTLP_COLLECTOR, PROMETHEUS, connection_allowed, selects,
-                                  service_selects, target_port, workload_pods)
+from tests.deploy.cluster import (
+    CLIENT,
+    HUB,
+    KUBE_DNS,
+    OTLP_COLLECTOR,
+    PROMETHEUS,
+    connection_allowed,
+    selects,
+    service_selects,
+    target_port,
+    workload_pods,
+)
 from tests.deploy.k8s import SERVER_RENDERINGS, container, flag, pod_spec
 
 # Each port a server container declares, the flag that makes the process listen on it, and who must reach

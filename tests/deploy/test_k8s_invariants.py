@@ -9,8 +9,18 @@ import subprocess
 import pytest
 import yaml
 
-from tests.deploy.k8s import (DEPLOY, REPO, SERVER_RENDERINGS, all_containers, container, find_tool, flag,
-                              mount_of, pod_spec, volume)
+from tests.deploy.k8s import (
+    DEPLOY,
+    REPO,
+    SERVER_RENDERINGS,
+    all_containers,
+    container,
+    find_tool,
+    flag,
+    mount_of,
+    pod_spec,
+    volume,
+)
 
 LIVENESS, READINESS = "colibri.liveness", "colibri.readiness"
 UID = 10001
@@ -26,7 +36,7 @@ def servers(renderings):
 
 def pods(renderings):
     """Every pod template: the server Deployment of each rendering and the convert Job."""
-    for name, r, spec in servers(renderings):
+    for name, _r, spec in servers(renderings):
         yield name, spec
     yield "convert", pod_spec(renderings["convert"].one("Job", "colibri-convert"))
 

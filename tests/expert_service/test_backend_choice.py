@@ -8,9 +8,8 @@ import pytest
 from common.errors import ConfigError
 from common.model_format import ModelDir
 from expert_service import backends as backends
+from expert_service.backends import build_engine, resolve_backend
 from expert_service.engine.config import Backend, EngineConfig
-from expert_service.backends import resolve_backend
-from expert_service.backends import build_engine
 from expert_service.tools.tiny_model import make_tiny
 
 
@@ -48,6 +47,7 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
 def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, name):
     """numba-cuda 0.30 gives the device name as str, older releases as bytes: either is named, neither fails."""
     from types import SimpleNamespace
+
     from numba import cuda
     from numba.cuda import config
     monkeypatch.setattr(config, "ENABLE_CUDASIM", False)

@@ -30,7 +30,7 @@ def _pem(cert, key) -> Pair:
 
 def make_ca(cn: str = "colibri test CA") -> Pair:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
@@ -47,7 +47,7 @@ def issue(ca: Pair, cn: str, *, server: bool) -> Pair:
     """A leaf certificate for `cn` (server: DNS name `cn` and 127.0.0.1; client: client auth)."""
     import ipaddress
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca._cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

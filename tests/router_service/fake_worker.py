@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 
 from common.pb import router_pb2 as rpb
-from common.pb import router_pb2_grpc
+from common.pb import router_pb2_grpc, worker_pb2_grpc
 from common.pb import worker_pb2 as pb
-from common.pb import worker_pb2_grpc
-from expert_service.tools.tiny_model import EOS_ID as EOS, NUM_SPECIAL, VOCAB_SIZE
+from expert_service.tools.tiny_model import EOS_ID as EOS
+from expert_service.tools.tiny_model import NUM_SPECIAL, VOCAB_SIZE
 from router_service.config import RouterConfig
 from router_service.main import start_router
 

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 def offline_greedy(tiny_model, prompt, n):
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     tokens, _, _ = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu")).generate(prompt, n)
     return tokens
 

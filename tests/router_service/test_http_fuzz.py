@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.router_service.test_http_errors import TEMPLATE, free_port
 from tests.router_service.fake_worker import harness
+from tests.router_service.test_http_errors import TEMPLATE, free_port
 
 FUZZ = settings(derandomize=True, deadline=None, database=None, print_blob=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,

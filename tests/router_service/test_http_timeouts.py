@@ -22,7 +22,7 @@ async def closed_by_server(reader: asyncio.StreamReader, deadline: float) -> boo
         while (left := deadline - loop.time()) > 0:
             if not await asyncio.wait_for(reader.read(65536), left):
                 return True
-    except (ConnectionError, asyncio.TimeoutError):
+    except (TimeoutError, ConnectionError):
         return loop.time() < deadline
     return False
 

@@ -10,8 +10,8 @@ import pytest
 
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import VOCAB_SIZE
-from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 from tests.helpers import running_router
+from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 
 
 @pytest.mark.parametrize("depth", [1, 2])

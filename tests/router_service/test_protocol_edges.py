@@ -100,7 +100,7 @@ def test_cancelled_streams_log_no_errors(caplog):
 
     async def main():
         async with harness(FakeWorker(step_delay=0.005)) as (router, fake, stub, _):
-            for i in range(20):
+            for _ in range(20):
                 call = stub.GenerateStream(ids_request([5], max_new_tokens=200, ignore_eos=True))
                 await call.read()
                 await call.read()

@@ -31,8 +31,8 @@ def build_table(model, tmp_path, seed=0):
 
 
 def exact_greedy(model, prompt, n):
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 

@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from router_service.scheduler import (FinishReason, ScheduledRequest, Scheduler, SchedulerLimits, Status,
-                                      RequestOutput)
+from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits, Status
 
 
 def make(max_batch_size=8, max_batch_tokens=16, block=4, blocks=64):
@@ -172,7 +171,7 @@ def test_allocations_equal_frees_after_cancel_storm():
             s.finish(victim, FinishReason.CANCELLED)
         step = s.schedule()
         assert step.num_tokens <= 10 and len(step.num_scheduled_tokens) <= 4
-        for o in s.update(step, tokens_for(step, token=rng.randint(0, 9))):
+        for _ in s.update(step, tokens_for(step, token=rng.randint(0, 9))):
             pass
         live = set(s.requests)
         assert s.num_used_blocks == sum(x.num_blocks for x in s.requests.values())

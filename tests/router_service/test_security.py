@@ -9,11 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import auth
 from common.config import resolve
 from common.pb import router_pb2 as rpb
-from common.pb import router_pb2_grpc
-from common.pb import worker_pb2_grpc
-from common import auth
+from common.pb import router_pb2_grpc, worker_pb2_grpc
 from router_service import generate_cmd, security
 from router_service.config import RouterConfig
 from router_service.main import start_router

@@ -45,7 +45,8 @@ def test_prompt_ending_inside_a_character(tokenizer):
 def test_leading_space_depends_on_the_prompt():
     """SentencePiece-style (Metaspace) tokens: a word's leading space shows only after a preceding token, so
     the stream starts from the prompt's last tokens."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
     hf = HFTokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
     hf.pre_tokenizer, hf.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     tok = Tokenizer(hf)

@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import generate_latest
 
 from common.pb import router_pb2 as rpb
+from expert_service.tools.tiny_model import VOCAB_SIZE
 from router_service import generate_cmd, main
 from router_service.client import ColibriClient, build_request, retry_delay
 from router_service.config import RouterConfig
 from router_service.observability import router_metrics
-from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.helpers import byte_ids
 from tests.router_service.fake_worker import harness, ids_request
 

@@ -23,6 +23,7 @@ def default_model_fp32(tmp_path_factory) -> Path:
 def heldout_ids():
     """The held-out books, tokenised as a prompt is (with <s>)."""
     from tokenizers import Tokenizer
+
     from training.corpus import DATA_DIR
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_HF / "tokenizer.json"))
     return tokenizer.encode((DATA_DIR / "heldout.txt").read_text(encoding="utf-8")).ids

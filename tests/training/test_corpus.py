@@ -1,6 +1,13 @@
 """The corpus extraction undoes the SWORD module's markup artefacts (training/corpus.py)."""
-from training.corpus import Chapter, clean_verse, group_chapters, parse_verses, read_chapters, split_heldout, \
-    write_chapters
+from training.corpus import (
+    Chapter,
+    clean_verse,
+    group_chapters,
+    parse_verses,
+    read_chapters,
+    split_heldout,
+    write_chapters,
+)
 
 # The shapes diatheke -f OSIS prints: a repeated heading before each key, words as <w> elements, a missing
 # verse filled with a psalm title, the glossary after the last verse.

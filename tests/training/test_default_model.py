@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.engine.config import EngineConfig
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
 from tests.training.conftest import DEFAULT_MODEL_HF
 
 TOLERANCE = 1e-4                 # the parity tolerance of every family (tests/expert_service/engine/test_parity_hf.py)

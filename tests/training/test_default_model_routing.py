@@ -6,8 +6,8 @@ next 3k (`colibri router-gen` over the whole training corpus: docs/default-model
 import numpy as np
 
 from common.model_format import ModelDir
-from expert_service.engine.config import EngineConfig
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
 from expert_service.tools.routing_gen import generate
 
 CORPUS_TOKENS = 12288

@@ -40,8 +40,8 @@ def test_tiny_training_lowers_the_loss_and_writes_a_checkpoint(small_corpus, tmp
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer("In the beginning").input_ids[0] == tokenizer.bos_token_id == 1
 
-    from expert_service.tools.convert import convert
     from common.model_format import ModelDir
+    from expert_service.tools.convert import convert
     converted = ModelDir.open(convert(tmp_path, tmp_path / "colibri", dtype="bfloat16", progress=False))
     assert converted.config.num_experts == PRESETS["tiny"].num_experts
 

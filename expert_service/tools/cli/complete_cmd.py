@@ -5,8 +5,8 @@ import argparse
 import json
 import random
 
-from expert_service.tools.cli.offline import add_model_arguments, open_engine
 from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.cli.offline import add_model_arguments, open_engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 from common.config import add_flags, flag_values, resolve
 from common.errors import InvalidRequestError
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
-from expert_service.backends import build_engine
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
-from expert_service.backends import build_engine
 from expert_service.tools.routing_gen import CORPUS_FORMATS, load_corpus, report_path_for, run_router_gen
 
 

@@ -4,11 +4,11 @@ import pytest
 
 from common.model_format import ModelDir
 from common.models import FAMILIES
-from expert_service.tools.tiny_model import make_tiny
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
-from expert_service.backends import build_engine
 from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import bf16_tiny, random_prompt, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -265,7 +265,7 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
 def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     """CudaOptions.tiled_decode_attention: the same tokens and logits (fp32 attention either way, summed in
     another order) on a bf16 model with Hd = 64 and a GQA group of 8, contexts crossing several 32-key tiles."""
-    from expert_service.cuda.options import CudaOptions
+    from expert_service.engine.cuda_options import CudaOptions
     from expert_service.kernels.attention_decode_tiled import supports
     model = bf16_tiny(tmp_path, "qwen3_moe", 9, head_dim=64, num_attention_heads=8, num_key_value_heads=1)
     engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))

@@ -11,12 +11,12 @@ import pytest
 
 import expert_service.cuda.driver as driver
 from common.models import config_from_hf
-from expert_service.engine.config import EngineConfig
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.driver import GraphCache
-from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.staging import prefill_buckets
 from expert_service.cuda.workspace import HOST_TWINS, METADATA, RESULTS, Workspace, layout_workspace, packed_layout
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch
 from expert_service.tools.tiny_model import tiny_hf_config
 
@@ -158,7 +158,7 @@ def test_a_chunk_without_logits_rows_runs_no_head_and_a_full_batch_uses_the_spar
 def test_decode_steps_pad_to_their_batch_bucket_with_or_without_graphs(monkeypatch):
     for graphs in (True, False):
         d = host_decoder(monkeypatch, cuda_graphs=graphs)
-        d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+        d._run = lambda T, S, R, decode, d=d: d.issued.append(("run", T, S, R, decode))
         d.forward(prompt([1, 1, 1], cached=[4, 9, 2]))
         assert d.issued == [("run", 4, 4, 4, True)]
         np.testing.assert_array_equal(d.ws.host["seq_starts"][:5], [0, 1, 2, 3, 4])

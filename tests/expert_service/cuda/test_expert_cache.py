@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.tools.tiny_model import make_tiny
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
-from expert_service.backends import build_engine
-from expert_service.experts.cache import CacheStats
 from expert_service.engine.sampling import SamplingParams
+from expert_service.experts.cache import CacheStats
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
 pytestmark = pytest.mark.gpu

@@ -17,10 +17,10 @@ import pytest
 from common.model_format import ModelDir
 from common.models import FAMILIES
 from common.routing_plan import RoutingPlan
-from expert_service.engine.config import EngineConfig
-from expert_service.engine.engine import PrefillInput
 from expert_service.backends import build_engine
-from expert_service.cuda.options import CudaOptions
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
+from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import bf16_tiny, exact_plans, random_prompt, rel_error, run_session
@@ -186,6 +186,7 @@ def test_lut_matches_the_cpu_lut_path(model, monkeypatch):
 def test_lut_refuses_a_step_without_a_plan_and_allocates_nothing_after_warmup(model, monkeypatch):
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
+
     from common.errors import InvalidRequestError
     name, path = model
     gpu = open_engine(path, routing="lut")

@@ -13,8 +13,8 @@ from expert_service.cpu.layers.moe import sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy, cublas_rows
-from expert_service.cuda.options import CudaOptions
 from expert_service.cuda.workspace import Workspace, layout_workspace, stage_routed_ids
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels.rmsnorm import launch_rmsnorm
 from expert_service.tools.tiny_model import tiny_hf_config
 from tests.expert_service.kernels.conftest import fast_simulator_threads  # noqa: F401 (autouse: simulator pacing)
@@ -159,6 +159,7 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
     weights, f32 otherwise), SwiGLU over the step's n rows, then down [rows, D] f32 from the block's down matrix;
     rows rounded up (cublas_rows) within the smallest buffer; empty experts skipped."""
     from types import SimpleNamespace
+
     import expert_service.cuda.moe as moe_module
     config = config_from_hf({**tiny_hf_config("mixtral"), "hidden_size": 16, "num_local_experts": 4,
                              "intermediate_size": 8})

@@ -4,8 +4,8 @@ import pytest
 
 from common.config import resolve
 from common.errors import ConfigError
-from expert_service.cuda.options import CudaOptions
 from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
 
 
 def test_every_option_defaults_to_the_shipped_path():

@@ -11,8 +11,8 @@ from numba import cuda
 
 from expert_service.cpu.penalties import HostPenalties
 from expert_service.cuda.penalties import DevicePenalties
-from expert_service.kernels.greedy_split import parts
 from expert_service.engine.penalties import PenaltyParams, PenaltySlots
+from expert_service.kernels.greedy_split import parts
 
 
 def _workspace(rows: int, vocab: int):
@@ -109,8 +109,8 @@ ENGINE = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_b
 def engines(tmp_path_factory):
     """cpu, cuda (graphs) and cuda (eager) engines of one tiny model."""
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     from expert_service.tools.tiny_model import make_tiny
     model = make_tiny(tmp_path_factory.mktemp("penalties") / "m", family="qwen3_moe", seed=5)
     return [build_engine(ModelDir.open(model), EngineConfig(backend=backend, cuda_graphs=graphs, **ENGINE))

@@ -6,16 +6,16 @@ model (GROUPED_MMA at every size: one graph per bucket). Every bucket is capture
 import numpy as np
 import pytest
 
+from common.dtypes import bf16_to_float32
 from common.model_format import ModelDir
 from common.models import FAMILIES
-from expert_service.engine.config import EngineConfig
-from expert_service.cuda.options import CudaOptions
-from expert_service.cuda.staging import prefill_buckets
-from expert_service.engine.engine import PrefillInput
 from expert_service.backends import build_engine
+from expert_service.cuda.staging import prefill_buckets
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
+from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.tiny_model import make_tiny
-from common.dtypes import bf16_to_float32
 from tests.helpers import bf16_tiny, random_prompt, rel_error
 
 pytestmark = pytest.mark.gpu

@@ -3,17 +3,31 @@ import numpy as np
 import pytest
 
 from common.models import config_from_hf
-from expert_service.tools.tiny_model import tiny_hf_config
 from expert_service.cuda import moe
-from expert_service.cuda.options import CudaOptions
-from expert_service.cuda.moe import (ALL_EXPERTS_MAX_TOKENS, FUSED_ROUTER_MAX_TOKENS, GROUPED_MAX_TOKENS,
-                                     GROUPED_MMA_MIN_EXPERTS, WARMUP_TOKENS, MoeStrategy, choose_strategy,
-                                     fused_router, warmup_tokens)
-from expert_service.cuda.workspace import (METADATA, PLAN_METADATA, RESULTS, layout_workspace, packed_layout,
-                                          stage_routed_ids)
+from expert_service.cuda.moe import (
+    ALL_EXPERTS_MAX_TOKENS,
+    FUSED_ROUTER_MAX_TOKENS,
+    GROUPED_MAX_TOKENS,
+    GROUPED_MMA_MIN_EXPERTS,
+    WARMUP_TOKENS,
+    MoeStrategy,
+    choose_strategy,
+    fused_router,
+    warmup_tokens,
+)
+from expert_service.cuda.workspace import (
+    METADATA,
+    PLAN_METADATA,
+    RESULTS,
+    layout_workspace,
+    packed_layout,
+    stage_routed_ids,
+)
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels.greedy_split import parts
 from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, MAX_E, max_rows, max_tiles
 from expert_service.kernels.moe_gemm_mma import choose_config
+from expert_service.tools.tiny_model import tiny_hf_config
 
 
 def test_packed_layout_is_ordered_aligned_and_disjoint():

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import Backend, EngineConfig
 from expert_service.engine.engine import UNKNOWN_SEQUENCE, PrefillInput
-from expert_service.backends import build_engine
-from expert_service.serving.lifecycle import ModelThread
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
-from expert_service.serving.step_stream import StepPump, StreamSession, StepRequest
+from expert_service.serving.lifecycle import ModelThread
+from expert_service.serving.step_stream import StepPump, StepRequest, StreamSession
 from expert_service.tools.tiny_model import make_tiny
 
 GREEDY = SamplingParams()

@@ -11,9 +11,9 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
-from expert_service.backends import build_engine
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
 from tests.hf_reference import CASES, hf_logits, make_hf_model, save_and_convert

@@ -29,7 +29,7 @@ def test_cancel_storm_returns_every_block():
     rng = __import__("numpy").random.default_rng(0)
     alloc = BlockAllocator(num_blocks=64, block_size=2)
     refused = 0
-    for i in range(500):
+    for _ in range(500):
         if rng.random() < 0.6:
             seq = int(rng.integers(0, 20))
             current = len(alloc.tables.get(seq, [])) * 2

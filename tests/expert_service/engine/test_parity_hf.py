@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
-from expert_service.backends import build_engine
 from expert_service.engine.sampling import SamplingParams
 from tests.helpers import rel_error
 from tests.hf_reference import CASES, hf_greedy, hf_logits, make_hf_model, save_and_convert

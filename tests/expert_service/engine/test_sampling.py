@@ -115,8 +115,8 @@ def test_wire_reads_logprobs_and_penalties_unset_as_off():
 def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_model, monkeypatch):
     from common.errors import NonFiniteLogitsError
     from common.model_format import ModelDir
-    from expert_service.engine.config import EngineConfig
     from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
     from expert_service.engine.step import HostLogits
     engine = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu"))
     original = engine.decoder.forward

@@ -5,13 +5,13 @@ import pytest
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
-from expert_service.tools.tiny_model import make_tiny
-from expert_service.engine.config import EngineConfig
-from expert_service.tools.convert import convert
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
 from expert_service.experts.cache import CacheStats, ExpertCache
 from expert_service.experts.host_copy import HostCopyEngine
 from expert_service.experts.slots import GIB, plan_slots
+from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, exact_plans, run_session
 
 NBYTES = 1000
@@ -238,6 +238,7 @@ def test_config_checks(family_model):
 # --- through the worker ---------------------------------------------------------------------------------
 def test_worker_reports_cache_stats_and_metrics(tiny_model):
     import grpc
+
     from common.pb import worker_pb2 as pb
     from common.pb import worker_pb2_grpc
 

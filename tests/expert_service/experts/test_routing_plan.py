@@ -59,7 +59,7 @@ def test_routing_plan_pb_round_trip_and_expert_ids():
     rng = np.random.default_rng(3)
     ids = np.stack([[rng.choice(6, 2, replace=False) for _ in range(9)] for _ in range(3)])   # [L, T, k]
     plan = RoutingPlan.from_expert_ids([1, 3, 4], ids.astype(np.uint16), 6)
-    for l, (layer, offsets, tokens) in enumerate(plan.csr()):
+    for l, (_layer, offsets, tokens) in enumerate(plan.csr()):
         ref_offsets, ref_tokens = csr(ids[l], 6)
         np.testing.assert_array_equal(offsets, ref_offsets)
         np.testing.assert_array_equal(tokens, ref_tokens)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.apply_penalties import launch_apply_penalties
 from expert_service.engine.penalties import FLOAT32_MAX, apply_penalties
+from expert_service.kernels.apply_penalties import launch_apply_penalties
 from tests.helpers import nan_device
 
 

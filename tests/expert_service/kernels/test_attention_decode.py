@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expert_service.kernels.attention_decode import launch_attention_decode, decode_splits
-
+from expert_service.kernels.attention_decode import decode_splits, launch_attention_decode
 from tests.helpers import STORAGE_DTYPES, check_decode_attention
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expert_service.kernels.attention_decode_tiled import (launch_attention_decode_fastest,
-                                                           launch_attention_decode_tiled, supports)
-
+from expert_service.kernels.attention_decode_tiled import (
+    launch_attention_decode_fastest,
+    launch_attention_decode_tiled,
+    supports,
+)
 from tests.helpers import check_decode_attention
 
 

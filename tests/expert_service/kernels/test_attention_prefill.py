@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.attention_prefill import launch_attention_prefill
 from expert_service.cpu.layers.attention import paged_attention
-
+from expert_service.kernels.attention_prefill import launch_attention_prefill
 from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache
 
 

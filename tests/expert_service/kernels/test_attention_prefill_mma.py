@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from expert_service.cpu.layers.attention import paged_attention
 from expert_service.kernels import attention_prefill_mma as mma_module
 from expert_service.kernels.attention_prefill import launch_attention_prefill
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest, supports
-from expert_service.cpu.layers.attention import paged_attention
-
 from tests.helpers import assert_close, from_storage, random_cache
 
 RTOL = 1e-2

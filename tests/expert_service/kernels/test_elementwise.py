@@ -5,13 +5,26 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels import elementwise
-from expert_service.kernels.elementwise import (launch_add_bias, launch_cast, launch_clamp,
-                                                launch_sigmoid_gate_add, launch_silu_mul, launch_silu_mul_halves)
 from expert_service.cpu.layers.moe import silu
-
-from tests.helpers import (STORAGE_DTYPES, assert_close, awkward_floats, bf16_bits, from_storage, nan_device,
-                           random_weight, to_storage)
+from expert_service.kernels import elementwise
+from expert_service.kernels.elementwise import (
+    launch_add_bias,
+    launch_cast,
+    launch_clamp,
+    launch_sigmoid_gate_add,
+    launch_silu_mul,
+    launch_silu_mul_halves,
+)
+from tests.helpers import (
+    STORAGE_DTYPES,
+    assert_close,
+    awkward_floats,
+    bf16_bits,
+    from_storage,
+    nan_device,
+    random_weight,
+    to_storage,
+)
 
 
 def _check_all(rng, rows, cols, threads):

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from expert_service.cpu.layers.norm import rms_norm
 from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.rmsnorm import launch_add_rmsnorm, launch_rmsnorm
-from expert_service.cpu.layers.norm import rms_norm
-
 from tests.helpers import STORAGE_DTYPES, assert_close, nan_device, random_weight
 
 EPS = 1e-6

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.experts.grouping import group_by_expert
+from expert_service.kernels.expert_grouping import launch_expert_grouping
 from tests.helpers import random_ids
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.cpu.layers.moe import route
+from expert_service.kernels.gate_topk import launch_gate_topk
 
 
 def run(logits, top_k, normalize):

@@ -7,10 +7,15 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.gemv import (LaunchShape, launch_expert_down, launch_expert_gate_up, launch_gemv,
-                                         launch_gemv_swiglu, launch_shape_for)
 from expert_service.cpu.layers.moe import silu
-
+from expert_service.kernels.gemv import (
+    LaunchShape,
+    launch_expert_down,
+    launch_expert_gate_up,
+    launch_gemv,
+    launch_gemv_swiglu,
+    launch_shape_for,
+)
 from tests.helpers import STORAGE_DTYPES, assert_close, expert_buffer, nan_device, random_weight
 
 # (rows, split, groups): default shape, then K split over warps with several row groups per block

@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.kv_write import launch_kv_write
 from expert_service.cpu.layers.attention import write_kv
-
+from expert_service.kernels.kv_write import launch_kv_write
 from tests.helpers import STORAGE_DTYPES, to_storage
 
 

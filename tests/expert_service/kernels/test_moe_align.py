@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.moe_align import (launch_moe_align, launch_moe_gather_bf16, max_tiles,
-                                              moe_align_reference)
+from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles, moe_align_reference
 from tests.helpers import awkward_floats, bf16_bits, from_storage, random_ids, to_storage
 
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.expert_grouping import launch_expert_grouping
-from expert_service.kernels.moe_combine import launch_moe_combine
-from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.cpu.layers.moe import sparse_moe
 from expert_service.experts.grouping import combine, group_by_expert
+from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.gate_topk import launch_gate_topk
+from expert_service.kernels.moe_combine import launch_moe_combine
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from tests.helpers import expert_buffer, random_ids
 
 

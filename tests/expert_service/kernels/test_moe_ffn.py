@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.cpu.layers.moe import silu
 from expert_service.experts.grouping import group_by_expert
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from tests.helpers import STORAGE_DTYPES, expert_buffer, random_ids
 
 

@@ -14,8 +14,14 @@ from numba import cuda
 
 from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
-from expert_service.kernels.moe_gemm_mma import (CONFIGS, SIM_CONFIG, SIM_CONFIG_2, launch_moe_gemm_down,
-                                                 launch_moe_gemm_gate_up, moe_reference)
+from expert_service.kernels.moe_gemm_mma import (
+    CONFIGS,
+    SIM_CONFIG,
+    SIM_CONFIG_2,
+    launch_moe_gemm_down,
+    launch_moe_gemm_gate_up,
+    moe_reference,
+)
 from expert_service.kernels.numeric import SIMULATOR
 from tests.helpers import expert_buffer, random_ids
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.kernels.penalty_update import launch_penalty_update
 from expert_service.engine.penalties import SATURATED, PenaltyBatch, update_state
+from expert_service.kernels.penalty_update import launch_penalty_update
 
 
 def _batch(slots, tokens, output, resets=()) -> PenaltyBatch:

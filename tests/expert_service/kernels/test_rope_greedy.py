@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from expert_service.cpu.layers.rope import apply_rotary
 from expert_service.kernels.greedy import launch_greedy
 from expert_service.kernels.rope import launch_rope
-from expert_service.cpu.layers.rope import apply_rotary
-
 from tests.helpers import assert_close, nan_device
 
 

@@ -9,8 +9,8 @@ from numba import cuda
 from expert_service.cpu.layers.attention import write_kv
 from expert_service.cpu.layers.rope import apply_rotary
 from expert_service.kernels.kv_write import launch_kv_write
-from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.numeric import blocks_per_row
+from expert_service.kernels.rope import launch_rope
 from expert_service.kernels.rope_kv_write import launch_rope_kv_write
 from tests.helpers import STORAGE_DTYPES, assert_close, from_storage, random_cache, to_storage
 

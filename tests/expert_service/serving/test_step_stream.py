@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import UNKNOWN_SEQUENCE, PrefillInput
-from expert_service.backends import build_engine
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
-from expert_service.serving.step_stream import FOREIGN_SEQUENCE, StreamSession, StepRequest
+from expert_service.serving.step_stream import FOREIGN_SEQUENCE, StepRequest, StreamSession
 
 PENALISED = SamplingParams(penalties=PenaltyParams(repetition=1.3, frequency=0.5))
 

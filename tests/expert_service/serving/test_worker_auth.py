@@ -12,10 +12,10 @@ import sys
 import grpc
 import pytest
 
+from common.auth import TokenSet
 from common.errors import ConfigError
 from common.pb import worker_pb2 as pb
-from common.auth import TokenSet
-from tests.expert_service.serving.worker_process import (free_port, start_worker, stub, wait_for, worker_env)
+from tests.expert_service.serving.worker_process import free_port, start_worker, stub, wait_for, worker_env
 from tests.helpers import BackgroundWorker
 
 GREEDY = pb.SamplingParams(top_p=1.0)

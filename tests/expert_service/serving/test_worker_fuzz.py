@@ -17,8 +17,16 @@ from hypothesis import strategies as st
 
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
-from tests.expert_service.serving.worker_fuzz import (SERVICE, UNARY_METHODS, LogWatcher, foreign_bytes, kv_problem,
-                                              rpc_error_problem, stream_steps, unary_calls)
+from tests.expert_service.serving.worker_fuzz import (
+    SERVICE,
+    UNARY_METHODS,
+    LogWatcher,
+    foreign_bytes,
+    kv_problem,
+    rpc_error_problem,
+    stream_steps,
+    unary_calls,
+)
 from tests.helpers import BackgroundWorker
 
 FUZZ = settings(max_examples=120, derandomize=True, database=None, deadline=None,

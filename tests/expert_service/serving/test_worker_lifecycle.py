@@ -21,8 +21,15 @@ from expert_service.serving.lifecycle import ModelThread, WorkerHealth
 from expert_service.serving.servicer import WorkerServicer
 from expert_service.serving.step_stream import MAX_STEPS_AHEAD, StepPump, StreamSession
 from tests.expert_service.serving.worker_fuzz import LogWatcher
-from tests.expert_service.serving.worker_process import (SERVING, free_port, health_status, start_worker, stub, wait_for,
-                                                 worker_env)
+from tests.expert_service.serving.worker_process import (
+    SERVING,
+    free_port,
+    health_status,
+    start_worker,
+    stub,
+    wait_for,
+    worker_env,
+)
 from tests.helpers import BackgroundWorker
 
 GREEDY = pb.SamplingParams(top_p=1.0)

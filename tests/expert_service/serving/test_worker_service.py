@@ -14,14 +14,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
+from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, SequenceOutput, StepResult
-from expert_service.backends import build_engine
+from expert_service.engine.step import StepTrace
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
-from expert_service.engine.step import StepTrace
-from expert_service.serving.step_stream import StepPump
 from expert_service.serving import wire
+from expert_service.serving.step_stream import StepPump
 
 
 @pytest.fixture

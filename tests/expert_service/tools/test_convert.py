@@ -17,8 +17,8 @@ from colibri.cli import main
 from common.errors import ModelFormatError
 from common.model_format import ModelDir
 from common.models import FAMILIES, tensor_specs
-from expert_service.tools.tiny_model import tiny_hf_config, write_tiny_checkpoint
 from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import tiny_hf_config, write_tiny_checkpoint
 
 # Sizes that are not multiples of 32 and expert counts that are not powers of two.
 ODD_SIZES = dict(vocab_size=101, hidden_size=40, intermediate_size=56, num_attention_heads=4,

@@ -10,11 +10,11 @@ import pytest
 from colibri.cli import main
 from common.model_format import ModelDir
 from common.routing_table import RoutingTable
-from expert_service.tools.tiny_model import make_tiny
-from expert_service.tools import routing_gen
-from expert_service.engine.config import EngineConfig
 from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.tools import routing_gen
 from expert_service.tools.routing_gen import RoutingCounts, build_table, fallback_ranking, split_sequences
+from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import make_token_routed_model
 
 
