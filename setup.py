@@ -9,6 +9,7 @@ another, and every _pb2_grpc.py) are then pointed at common.pb.colibri, where th
 The packages they land in have committed __init__.py files: setuptools lists packages before build_py runs, so a
 folder that only the generation creates would be left out of the wheel (generate_stubs adds a missing one, to be
 committed with a new proto package)."""
+
 import re
 from pathlib import Path
 
@@ -22,26 +23,37 @@ def generate_stubs(root: Path = ROOT) -> list[Path]:
     """Compiles every root/protos/**/*.proto into root/common/pb; returns the generated files."""
     import grpc_tools
     from grpc_tools import protoc
+
     protos, out = root / "protos", root / "common" / "pb"
     files = sorted(str(p.relative_to(protos)) for p in protos.rglob("*.proto"))
     # The well-known types (google/protobuf/struct.proto) ship inside grpc_tools: `python -m grpc_tools.protoc`
     # adds that include itself, protoc.main does not.
     well_known = Path(grpc_tools.__file__).resolve().parent / "_proto"
-    args = ["grpc_tools.protoc", f"-I{protos}", f"-I{well_known}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *(str(protos / f) for f in files)]
+    args = [
+        "grpc_tools.protoc",
+        f"-I{protos}",
+        f"-I{well_known}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *(str(protos / f) for f in files),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {files}")
-    roots = "|".join(sorted({Path(f).parts[0] for f in files}))         # colibri
+    roots = "|".join(sorted({Path(f).parts[0] for f in files}))  # colibri
     generated_import = re.compile(rf"^(from|import) ({roots})\.", re.MULTILINE)
     generated = []
     for file in files:
         stem = out / Path(file).with_suffix("")
-        for path in (stem.with_name(stem.name + "_pb2.py"), stem.with_name(stem.name + "_pb2.pyi"),
-                     stem.with_name(stem.name + "_pb2_grpc.py")):
+        for path in (
+            stem.with_name(stem.name + "_pb2.py"),
+            stem.with_name(stem.name + "_pb2.pyi"),
+            stem.with_name(stem.name + "_pb2_grpc.py"),
+        ):
             path.write_text(generated_import.sub(r"\1 common.pb.\2.", path.read_text()))
             generated.append(path)
         package = stem.parent
-        while package != out:                                  # colibri/router/v1, colibri/router, colibri
+        while package != out:  # colibri/router/v1, colibri/router, colibri
             if not (package / "__init__.py").exists():
                 (package / "__init__.py").write_text("")
             package = package.parent
@@ -54,5 +66,5 @@ class BuildWithStubs(build_py):
         super().run()
 
 
-if __name__ == "__main__":   # setuptools runs this file as __main__; `make proto` imports it for generate_stubs
+if __name__ == "__main__":  # setuptools runs this file as __main__; `make proto` imports it for generate_stubs
     setup(cmdclass={"build_py": BuildWithStubs})

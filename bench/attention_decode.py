@@ -15,6 +15,7 @@ Each case also checks the kernels against each other (float32, same inputs) and 
 `--only` runs the named cases alone, e.g. under Nsight Compute:
     ncu -k regex:attention_decode --launch-count 2 python bench/attention_decode.py --only qwen3moe-shape:64:1024
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ HEAD_DIM, BLOCK, MODEL_CONTEXT, REPEATS = 128, 16, 4096, 50
 def build_case(rng, b: int, ctx: int, H: int, Hkv: int):
     """Host arrays: q [b, H, Hd] f32, pools [NB, BLOCK, Hkv, Hd] bf16 bits, tables, lens, positions."""
     from tests.helpers import random_cache
+
     blocks = b * -(-ctx // BLOCK) + 1
     k_pool, v_pool, tables, _ = random_cache(rng, [ctx] * b, blocks, BLOCK, Hkv, HEAD_DIM, np.uint16)
     q = rng.standard_normal((b, H, HEAD_DIM), dtype=np.float32)
@@ -47,13 +49,15 @@ def run_kernel(launcher, splits, dev, b: int, H: int, Hkv: int, stream):
     """(seconds per launch, output, P) of a decode-attention launcher on the device arrays `dev`, with the
     split count splits(b, H, Hkv, MODEL_CONTEXT)."""
     from numba import cuda
+
     q, k, v, tables, lens, pos = dev
     P = splits(b, H, Hkv, MODEL_CONTEXT)
     out = cuda.device_array((b, H, HEAD_DIM), np.float32, stream=stream)
     parts = [cuda.device_array((b, H, P, n), np.float32, stream=stream) for n in (HEAD_DIM, 2)] if P > 1 else [None] * 2
 
     def launch(i, st):
-        launcher(q, k, v, tables, lens, pos, 0, HEAD_DIM ** -0.5, out, *parts, stream=st)
+        launcher(q, k, v, tables, lens, pos, 0, HEAD_DIM**-0.5, out, *parts, stream=st)
+
     seconds = graph_timed(launch, stream, REPEATS)
     return seconds, out.copy_to_host(), P
 
@@ -61,19 +65,22 @@ def run_kernel(launcher, splits, dev, b: int, H: int, Hkv: int, stream):
 def sdpa(host, b: int, H: int, Hkv: int):
     """(seconds per call, output [b, H, Hd] float32) of torch SDPA over the gathered contiguous bf16 cache."""
     import torch
+
     q, k_pool, v_pool, tables, lens, _ = host
     ctx = int(lens[0])
 
     def contiguous(pool):
-        bits = pool[tables[:, :-(-ctx // BLOCK)]].reshape(b, -1, Hkv, HEAD_DIM)[:, :ctx]
+        bits = pool[tables[:, : -(-ctx // BLOCK)]].reshape(b, -1, Hkv, HEAD_DIM)[:, :ctx]
         t = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
         return t.transpose(1, 2).contiguous().cuda()
+
     k, v = contiguous(k_pool), contiguous(v_pool)
     qt = torch.from_numpy(q).cuda().to(torch.bfloat16).unsqueeze(2)
     result = {}
 
     def call(i):
         result["out"] = torch.nn.functional.scaled_dot_product_attention(qt, k, v, enable_gqa=True)
+
     seconds = torch_timed(call, REPEATS, graph=True)
     return seconds, result["out"].squeeze(2).float().cpu().numpy()
 
@@ -91,15 +98,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_decode.json")
     parser.add_argument("--previous", help="an earlier attention_decode.py to time in the same run")
-    parser.add_argument("--only", action="append", default=[], type=_case, metavar="SHAPE:B:CTX",
-                        help="run only these cases (repeatable)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        type=_case,
+        metavar="SHAPE:B:CTX",
+        help="run only these cases (repeatable)",
+    )
     args = parser.parse_args(argv)
     only = set(args.only)
     from numba import cuda
 
     from expert_service.kernels import attention_decode, attention_decode_tiled
-    kernels = {"new": (attention_decode.launch_attention_decode, attention_decode.decode_splits),
-               "tiled": (attention_decode_tiled.launch_attention_decode_tiled, attention_decode.decode_splits)}
+
+    kernels = {
+        "new": (attention_decode.launch_attention_decode, attention_decode.decode_splits),
+        "tiled": (attention_decode_tiled.launch_attention_decode_tiled, attention_decode.decode_splits),
+    }
     if args.previous:
         previous = load_module(args.previous)
         kernels["previous"] = (previous.launch_attention_decode, previous.decode_splits)
@@ -112,8 +128,7 @@ def main(argv=None) -> int:
                 continue
             host = build_case(rng, b, ctx, H, Hkv)
             dev = [cuda.to_device(a, stream=stream) for a in host]
-            row = {"shape": shape, "batch": b, "context": ctx,
-                   "kv_bytes": 2 * b * ctx * Hkv * HEAD_DIM * 2}
+            row = {"shape": shape, "batch": b, "context": ctx, "kv_bytes": 2 * b * ctx * Hkv * HEAD_DIM * 2}
             outs = {}
             for name, (launcher, splits) in kernels.items():
                 seconds, outs[name], P = run_kernel(launcher, splits, dev, b, H, Hkv, stream)
@@ -133,10 +148,13 @@ def main(argv=None) -> int:
             prev = ""
             if "previous" in outs:
                 prev = f"previous {row['previous_us']:7.1f} us ({row['speedup_vs_previous']:.2f}x)  "
-            print(f"{shape:15s} b={b:3d} ctx={ctx:5d} P={row['new_splits']:3d}  new {row['new_us']:7.1f} us  "
-                  f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  {prev}"
-                  f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  "
-                  f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}", flush=True)
+            print(
+                f"{shape:15s} b={b:3d} ctx={ctx:5d} P={row['new_splits']:3d}  new {row['new_us']:7.1f} us  "
+                f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  {prev}"
+                f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  "
+                f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}",
+                flush=True,
+            )
             Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))
     return 0
 

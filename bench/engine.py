@@ -14,6 +14,7 @@ sender, so step t+1 runs on the device while step t is sampled and answered) and
 
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,37 @@ from bench.plotting import pyplot  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 SHAPES = {
-    "mixtral-shape": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
-                                      num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)),
-    "qwen3moe-shape": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                         moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=32,
-                                         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                         norm_topk_prob=True, max_position_embeddings=4096)),
+    "mixtral-shape": (
+        "mixtral",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "qwen3moe-shape": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+        ),
+    ),
 }
 PREFILL = ((1, 512), (16, 128))
 DECODE_BATCHES = (1, 16, 64)
@@ -50,9 +75,11 @@ KV_BLOCK = 16
 def build_hf(family: str, params: dict):
     import torch
     import transformers
+
     classes = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}
-    config = classes[family](**params, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                             tie_word_embeddings=False)
+    config = classes[family](
+        **params, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -63,6 +90,7 @@ def write_colibri(model, out: Path) -> Path:
     """The HF model's own weights, saved by transformers (legacy per-expert names) and run through
     `colibri convert`, so both engines hold the same bf16 weights."""
     from expert_service.tools.convert import convert
+
     hf_dir = out.parent / (out.name + "-hf")
     model.save_pretrained(hf_dir)
     try:
@@ -73,6 +101,7 @@ def write_colibri(model, out: Path) -> Path:
 
 def cuda_time(fn, repeats: int = 3) -> float:
     import torch
+
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -86,6 +115,7 @@ def cuda_time(fn, repeats: int = 3) -> float:
 
 def bench_hf(model, vocab: int) -> dict:
     import torch
+
     rng = np.random.default_rng(0)
     out = {"prefill_tok_s": {}, "decode_ms": {}}
     torch.cuda.reset_peak_memory_stats()
@@ -97,17 +127,19 @@ def bench_hf(model, vocab: int) -> dict:
             ids = torch.tensor(rng.integers(0, vocab, (b, DECODE_CONTEXT)), device="cuda")
             gen = dict(do_sample=False, pad_token_id=0)
             t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 2)
-            tn = cuda_time(lambda: model.generate(ids, max_new_tokens=DECODE_STEPS + 1,
-                                                  min_new_tokens=DECODE_STEPS + 1, **gen), 2)
+            tn = cuda_time(
+                lambda: model.generate(ids, max_new_tokens=DECODE_STEPS + 1, min_new_tokens=DECODE_STEPS + 1, **gen), 2
+            )
             out["decode_ms"][str(b)] = (tn - t1) / DECODE_STEPS * 1e3
             if b == 1:
                 out["peak_memory_gib_b1"] = torch.cuda.max_memory_allocated() / 2**30
-    out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30     # over all of the work above
+    out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30  # over all of the work above
     return out
 
 
 def device_used_bytes() -> int:
     from cuda.bindings import driver as drv
+
     err, free, total = drv.cuMemGetInfo()
     return total - free
 
@@ -117,11 +149,12 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
     flight from the sender (the router's pipeline_depth), so the worker launches step t+1 before it collects
     step t. Returns (seconds per step over DECODE_STEPS steps, median bytes a step must read)."""
     from expert_service.serving.step_stream import StepPump, StepRequest, StreamSession
+
     pump = StepPump(StreamSession(engine, {}), thread)
     empty, decodes = np.zeros(0, "<u8"), np.asarray(ids, "<u8")
-    cached = sum(engine.sequences[i].num_cached for i in ids)      # step j's context: cached + (j + 1) * len(ids)
+    cached = sum(engine.sequences[i].num_cached for i in ids)  # step j's context: cached + (j + 1) * len(ids)
     sent = collections.deque(pump.submit(StepRequest(i, empty, [], decodes, None)) for i in range(2))
-    for i in range(2, 6):                      # warm: the pump reaches its steady state
+    for i in range(2, 6):  # warm: the pump reaches its steady state
         sent.popleft().result()
         sent.append(pump.submit(StepRequest(i, empty, [], decodes, None)))
     moved = []
@@ -143,18 +176,33 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
     from expert_service.serving.lifecycle import ModelThread
+
     rng = np.random.default_rng(0)
     before = device_used_bytes()
     model = ModelDir.open(model_dir, verify=False)
     # sized for the work below, as HF's cache is: the largest batch's prompts and decode steps (timed one at a
     # time, then pipelined, each after a few warm-up steps), whole blocks
     kv_tokens = max(DECODE_BATCHES) * -(-(DECODE_CONTEXT + 2 * DECODE_STEPS + 12) // KV_BLOCK) * KV_BLOCK
-    engine = build_engine(model, EngineConfig(backend="cuda", kv_block_size=KV_BLOCK, kv_cache_tokens=kv_tokens,
-                                        max_batch_tokens=2048, max_batch_size=max(DECODE_BATCHES)))
-    out = {"prefill_tok_s": {}, "decode_ms": {}, "roofline_fraction": {}, "bytes_per_step": {},
-           "decode_ms_sequential": {}, "roofline_fraction_sequential": {},
-           "memory_plan": dict(engine.decoder.memory_plan()),
-           "device_memory_gib": (device_used_bytes() - before) / 2**30}
+    engine = build_engine(
+        model,
+        EngineConfig(
+            backend="cuda",
+            kv_block_size=KV_BLOCK,
+            kv_cache_tokens=kv_tokens,
+            max_batch_tokens=2048,
+            max_batch_size=max(DECODE_BATCHES),
+        ),
+    )
+    out = {
+        "prefill_tok_s": {},
+        "decode_ms": {},
+        "roofline_fraction": {},
+        "bytes_per_step": {},
+        "decode_ms_sequential": {},
+        "roofline_fraction_sequential": {},
+        "memory_plan": dict(engine.decoder.memory_plan()),
+        "device_memory_gib": (device_used_bytes() - before) / 2**30,
+    }
     sync = engine.decoder.stream.synchronize
     for b, n in PREFILL:
         chunks = [PrefillInput(1000 + i, rng.integers(0, vocab, n), SamplingParams(), True) for i in range(b)]
@@ -162,8 +210,9 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
         def prefill():
             engine.step(chunks)
             engine.clear()
+
         best = float("inf")
-        for _ in range(2):      # eager, then captured: the timed steps replay the bucket's graph
+        for _ in range(2):  # eager, then captured: the timed steps replay the bucket's graph
             prefill()
         for _ in range(5):
             start = time.perf_counter()
@@ -172,7 +221,7 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
             best = min(best, time.perf_counter() - start)
         out["prefill_tok_s"][f"{b}x{n}"] = b * n / best
     cfg = model.config
-    dense = engine.decoder.weights.dense_bytes - cfg.vocab_size * cfg.hidden_size * 2   # the embedding is gathered
+    dense = engine.decoder.weights.dense_bytes - cfg.vocab_size * cfg.hidden_size * 2  # the embedding is gathered
     expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
 
@@ -181,16 +230,21 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
         over (`context`: its sequences' tokens in the cache after the step)."""
         experts = sum(len(np.unique(e)) for e in result.trace.expert_ids.values())
         return dense + experts * expert_bytes + context * kv_per_token
+
     thread = ModelThread("bench-model")
     for b in DECODE_BATCHES:
         ids = list(range(b))
-        for start in range(0, b, 16):           # prompts in chunks of 16 x 128 tokens (the step budget)
-            engine.step([PrefillInput(i, rng.integers(0, vocab, DECODE_CONTEXT), SamplingParams(), True)
-                         for i in ids[start:start + 16]])
-        for _ in range(3):                      # eager, capture, replay
+        for start in range(0, b, 16):  # prompts in chunks of 16 x 128 tokens (the step budget)
+            engine.step(
+                [
+                    PrefillInput(i, rng.integers(0, vocab, DECODE_CONTEXT), SamplingParams(), True)
+                    for i in ids[start : start + 16]
+                ]
+            )
+        for _ in range(3):  # eager, capture, replay
             engine.step(decode_ids=ids)
         times, moved = [], []
-        for _ in range(DECODE_STEPS):           # one step at a time: each waits for the one before
+        for _ in range(DECODE_STEPS):  # one step at a time: each waits for the one before
             start = time.perf_counter()
             result = engine.step(decode_ids=ids)
             times.append(time.perf_counter() - start)
@@ -219,6 +273,7 @@ def main() -> int:
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     import torch
+
     results = {"hbm_bytes_per_s": HBM_BYTES_PER_S, "device": torch.cuda.get_device_name(), "shapes": {}}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

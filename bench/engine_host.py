@@ -9,6 +9,7 @@ machine: the figures depend on the host CPU.
 
     python bench/engine_host.py --out out/engine_host.json [--contexts 128,1536]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,21 +47,29 @@ def measure(contexts: list[int], steps: int, warmup: int) -> dict:
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
     from expert_service.tools.tiny_model import make_tiny
+
     with tempfile.TemporaryDirectory() as tmp:
         model = ModelDir.open(make_tiny(Path(tmp) / "m", family="mixtral", seed=1))
         results = {}
         for context in contexts:
-            engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=16, max_batch_size=64,
-                                                kv_cache_tokens=64 * (context + steps + warmup + 16),
-                                                max_batch_tokens=max(512, context)))
+            engine = build_engine(
+                model,
+                EngineConfig(
+                    backend="cpu",
+                    kv_block_size=16,
+                    max_batch_size=64,
+                    kv_cache_tokens=64 * (context + steps + warmup + 16),
+                    max_batch_tokens=max(512, context),
+                ),
+            )
             real = engine.decoder.forward
             rng = np.random.default_rng(0)
             for b in BATCHES:
                 ids = list(range(b))
-                for rid in ids:          # each prompt alone: the step budget holds one context-long chunk
+                for rid in ids:  # each prompt alone: the step budget holds one context-long chunk
                     engine.step([PrefillInput(rid, rng.integers(3, 200, context), SamplingParams(), True)])
                 greedy = rng.integers(3, 200, b)
-                engine.decoder.forward = lambda batch, trace=None: GreedyRows(greedy[:len(batch.logits_rows)])
+                engine.decoder.forward = lambda batch, trace=None: GreedyRows(greedy[: len(batch.logits_rows)])
                 times = []
                 for n in range(warmup + steps):
                     start = time.perf_counter()
@@ -86,8 +95,17 @@ def main(argv=None) -> int:
         print(f"{key:18s} {value:8.1f} us")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"unit": "us per decode step (host, stub decoder)", "cpu": platform.processor() or
-                               platform.machine(), "steps": args.steps, "results": results}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "unit": "us per decode step (host, stub decoder)",
+                "cpu": platform.processor() or platform.machine(),
+                "steps": args.steps,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

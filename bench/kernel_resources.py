@@ -13,6 +13,7 @@ takes every N-th signature from the I-th on, so N processes share the compiles (
 failed import or compile is listed under "failed" in the JSON (exit status 1) and the other signatures still run:
 the test suite's sm_90 compile check (tests/expert_service/kernels/test_compile_sm90.py) is this tool.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def nvdisasm_path() -> str | None:
     if found:
         return found
     import importlib.util
+
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations if spec else []):
+    for root in spec.submodule_search_locations if spec else []:
         for candidate in Path(root).glob("cu*/bin/nvdisasm"):
             return str(candidate)
     return None
@@ -48,6 +50,7 @@ def nvdisasm_path() -> str | None:
 def link_report(ptx: str) -> tuple[dict, bytes]:
     """(resources from nvJitLink's log, cubin) of one kernel's PTX for sm_90."""
     from cuda.bindings import nvjitlink
+
     handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
     try:
         data = ptx.encode()
@@ -77,19 +80,23 @@ def sass_mix(cubin: bytes, nvdisasm: str) -> dict:
         f.flush()
         sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", sass))
-    return {"instructions": sum(ops.values()), **{op: ops.get(op, 0) for op in SASS_OPS},
-            "calls": dict(collections.Counter(re.findall(r"CALL\.\S+ `\((\w+)\)", sass)))}
+    return {
+        "instructions": sum(ops.values()),
+        **{op: ops.get(op, 0) for op in SASS_OPS},
+        "calls": dict(collections.Counter(re.findall(r"CALL\.\S+ `\((\w+)\)", sass))),
+    }
 
 
 def kernel_modules(names: list[str] | None):
     """(name, module or the import's exception) of each kernel module with sm90_signatures (default: all)."""
     import expert_service.kernels as pkg
+
     for info in pkgutil.iter_modules(pkg.__path__):
         if names and info.name not in names:
             continue
         try:
             module = importlib.import_module(f"expert_service.kernels.{info.name}")
-        except Exception as e:      # one broken module must not hide the others' results
+        except Exception as e:  # one broken module must not hide the others' results
             yield info.name, e
             continue
         if hasattr(module, "sm90_signatures"):
@@ -110,11 +117,13 @@ def signatures(names: list[str] | None, failed: list[str]):
             yield name, index, fn, sig
 
 
-def resources(names: list[str] | None, resources_of: set[str] | None, shard: tuple[int, int] = (0, 1),
-              nvdisasm: str | None = None) -> tuple[list[dict], list[str]]:
+def resources(
+    names: list[str] | None, resources_of: set[str] | None, shard: tuple[int, int] = (0, 1), nvdisasm: str | None = None
+) -> tuple[list[dict], list[str]]:
     """(a row per compiled signature, failures): PTX for sm_90 by Numba, and for the modules in resources_of (None:
     all) the cubin's resources by nvJitLink and, with nvdisasm, its SASS mix."""
     from numba import cuda
+
     rows, failed = [], []
     for position, (name, index, fn, sig) in enumerate(signatures(names, failed)):
         if position % shard[1] != shard[0]:
@@ -137,10 +146,19 @@ def resources(names: list[str] | None, resources_of: set[str] | None, shard: tup
 
 
 def print_row(row: dict) -> None:
-    mix = (f"  instr {row['instructions']:5d} FFMA {row['FFMA']:4d} SEL {row['SEL']:4d} LDL {row['LDL']:3d} "
-           f"calls {row['calls']}") if "instructions" in row else ""
-    print(f"{row['module']:22s} {row['kernel'][:30]:30s} #{row['signature']}  regs {row.get('registers', '?'):>3}  "
-          f"spill {row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}", flush=True)
+    mix = (
+        (
+            f"  instr {row['instructions']:5d} FFMA {row['FFMA']:4d} SEL {row['SEL']:4d} LDL {row['LDL']:3d} "
+            f"calls {row['calls']}"
+        )
+        if "instructions" in row
+        else ""
+    )
+    print(
+        f"{row['module']:22s} {row['kernel'][:30]:30s} #{row['signature']}  regs {row.get('registers', '?'):>3}  "
+        f"spill {row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}",
+        flush=True,
+    )
 
 
 def parse_shard(text: str) -> tuple[int, int]:

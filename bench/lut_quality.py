@@ -8,6 +8,7 @@ the rest of a random model's continuation elsewhere, so this falls fast). Writes
 
     python bench/lut_quality.py --out out/lut_quality.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,13 @@ from expert_service.tools.tiny_model import make_tiny  # noqa: E402
 
 def run(engine: Engine, prompt: list[int], steps: int, table: RoutingTable | None):
     """Greedy continuation and prefill logits, with the table's routing plan on every step when given."""
+
     def routing_plan(tokens):
         return table.routing_plan(np.asarray(tokens)) if table is not None else None
-    first = engine.step([PrefillInput(0, np.asarray(prompt), SamplingParams(), True)],
-                        routing_plan=routing_plan(prompt))
+
+    first = engine.step(
+        [PrefillInput(0, np.asarray(prompt), SamplingParams(), True)], routing_plan=routing_plan(prompt)
+    )
     tokens, logits = [first.outputs[0].token_id], np.asarray(first.logits[0])
     for _ in range(steps - 1):
         tokens.append(engine.step(decode_ids=[0], routing_plan=routing_plan([tokens[-1]])).outputs[0].token_id)
@@ -71,11 +75,14 @@ def main() -> int:
                 divergence.append(float(np.abs(lut_logits - exact_logits).max() / np.abs(exact_logits).max()))
                 agreement.append(float(np.mean(np.asarray(exact_tokens) == np.asarray(lut_tokens))))
                 first.append(exact_tokens[0] == lut_tokens[0])
-            results[family] = {"heldout_recall": report["recall"], "recall_per_layer": report["recall_per_layer"],
-                               "prefill_logit_rel_divergence_median": float(np.median(divergence)),
-                               "prefill_logit_rel_divergence_max": float(np.max(divergence)),
-                               "first_token_agreement": float(np.mean(first)),
-                               "greedy_token_agreement": float(np.mean(agreement))}
+            results[family] = {
+                "heldout_recall": report["recall"],
+                "recall_per_layer": report["recall_per_layer"],
+                "prefill_logit_rel_divergence_median": float(np.median(divergence)),
+                "prefill_logit_rel_divergence_max": float(np.max(divergence)),
+                "first_token_agreement": float(np.mean(first)),
+                "greedy_token_agreement": float(np.mean(agreement)),
+            }
             print(family, json.dumps(results[family]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -16,6 +16,7 @@ Prints, per case: µs and TFLOP/s of each config, the best, and ratios best / pr
 is the same every call, new every call (ragged, as per-expert row counts are), or rounded up
 (cuda/moe.py `cublas_rows`): cuBLAS chooses a kernel per unseen shape on the host.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,18 @@ def variants(module):
     """Named configs to time: the module's CONFIGS plus shapes around them (more warps, other stage counts)."""
     C = module.Config
     out = dict(module.CONFIGS)
-    if "stages" in C._fields:      # neighbours of the named configs (H200 figures: docs/kernels.md)
-        out.update({
-            "m64s4": C(2, 2, 2, 8, bk=32, stages=4), "m64w8": C(2, 4, 2, 4, bk=32, stages=3),
-            "m128s4": C(2, 4, 4, 4, bk=32, stages=4), "m128w4": C(2, 2, 4, 8, bk=32, stages=4),
-            "m64n256": C(2, 4, 2, 8, bk=32, stages=3), "m16s4": C(1, 4, 1, 4, bk=64, stages=4),
-            "m32s4": C(1, 4, 2, 4, bk=64, stages=4)})
+    if "stages" in C._fields:  # neighbours of the named configs (H200 figures: docs/kernels.md)
+        out.update(
+            {
+                "m64s4": C(2, 2, 2, 8, bk=32, stages=4),
+                "m64w8": C(2, 4, 2, 4, bk=32, stages=3),
+                "m128s4": C(2, 4, 4, 4, bk=32, stages=4),
+                "m128w4": C(2, 2, 4, 8, bk=32, stages=4),
+                "m64n256": C(2, 4, 2, 8, bk=32, stages=3),
+                "m16s4": C(1, 4, 1, 4, bk=64, stages=4),
+                "m32s4": C(1, 4, 2, 4, bk=64, stages=4),
+            }
+        )
     return out
 
 
@@ -53,6 +60,7 @@ def cublas_host(out_path):
     from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
     from expert_service.cuda.driver import device_address, non_blocking_stream
     from expert_service.cuda.moe import cublas_rows
+
     _, stream = non_blocking_stream()
     blas = Cublas(stream, cuda.device_array(WORKSPACE_BYTES, np.uint8))
     D, F, E = SHAPES["mixtral"]["D"], SHAPES["mixtral"]["F"], SHAPES["mixtral"]["E"]
@@ -60,18 +68,29 @@ def cublas_host(out_path):
     x, y = cuda.device_array((4096, D), np.uint16), cuda.device_array((4096, F), np.float32)
     w_addr = device_address(W) + np.arange(E, dtype=np.int64) * 3 * F * D * 2
     rng = np.random.default_rng(0)
-    kinds = {"same": lambda: np.full(E, 128), "ragged": lambda: rng.integers(90, 170, E),
-             "rounded": lambda: cublas_rows(rng.integers(90, 170, E), np.full(E, 4096))}
-    blas.linear_each(w_addr, np.full(E, device_address(x)), np.full(E, device_address(y)), np.full(E, 64), F, D,
-                     np.uint16)     # cuBLAS's own first-call set-up, outside the timings
+    kinds = {
+        "same": lambda: np.full(E, 128),
+        "ragged": lambda: rng.integers(90, 170, E),
+        "rounded": lambda: cublas_rows(rng.integers(90, 170, E), np.full(E, 4096)),
+    }
+    blas.linear_each(
+        w_addr, np.full(E, device_address(x)), np.full(E, device_address(y)), np.full(E, 64), F, D, np.uint16
+    )  # cuBLAS's own first-call set-up, outside the timings
     stream.synchronize()
     result = {}
     for kind, rows in kinds.items():
         for _ in range(3):
             start = time.perf_counter()
             for _ in range(3):
-                blas.linear_each(w_addr, np.full(E, device_address(x)), np.full(E, device_address(y)),
-                                 rows().astype(np.int64), F, D, np.uint16)
+                blas.linear_each(
+                    w_addr,
+                    np.full(E, device_address(x)),
+                    np.full(E, device_address(y)),
+                    rows().astype(np.int64),
+                    F,
+                    D,
+                    np.uint16,
+                )
             host = time.perf_counter() - start
             stream.synchronize()
             result.setdefault(kind, []).append(host / (3 * E) * 1e6)
@@ -109,7 +128,7 @@ def main():
     def graph_us(launch):
         return graph_timed(lambda i, q: launch(q), stream, args.reps) * 1e6
 
-    def torch_us(fn):       # eager launches between two events, as transformers runs them
+    def torch_us(fn):  # eager launches between two events, as transformers runs them
         return torch_timed(lambda i: fn(), args.reps, graph=False) * 1e6
 
     results = {"device": torch.cuda.get_device_name(), "cases": []}
@@ -119,7 +138,7 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         tw = torch.zeros(E, stride, dtype=torch.bfloat16, device="cuda")
         for e in range(E):
-            tw[e, :3 * F * D].normal_(0, D ** -0.5, generator=gen)
+            tw[e, : 3 * F * D].normal_(0, D**-0.5, generator=gen)
         W = cuda.as_cuda_array(tw.view(torch.int16)).view(np.uint16)
         for T in map(int, args.tokens.split(",")):
             n = T * K
@@ -133,17 +152,28 @@ def main():
             for e in torch.unique(flat).tolist():
                 rows = torch.nonzero(flat == e).squeeze(1)
                 blk = tw[e]
-                gate, up, down = (blk[:F * D].view(F, D), blk[F * D:2 * F * D].view(F, D),
-                                  blk[2 * F * D:3 * F * D].view(D, F))
+                gate, up, down = (
+                    blk[: F * D].view(F, D),
+                    blk[F * D : 2 * F * D].view(F, D),
+                    blk[2 * F * D : 3 * F * D].view(D, F),
+                )
                 xe = xb[rows // K]
                 y_ref[rows] = ((torch.nn.functional.silu(xe @ gate.T) * (xe @ up.T)) @ down.T).float()
             dense_a = torch.randn(n, D, device="cuda").to(torch.bfloat16)
             dense_h = torch.randn(n, F, device="cuda").to(torch.bfloat16)
-            gu_w, dn_w = tw[0, :2 * F * D].view(2 * F, D), tw[0, 2 * F * D:3 * F * D].view(D, F)
+            gu_w, dn_w = tw[0, : 2 * F * D].view(2 * F, D), tw[0, 2 * F * D : 3 * F * D].view(D, F)
             flops_gu, flops_dn = 2.0 * n * D * 2 * F, 2.0 * n * F * D
-            case = {"shape": shape, "T": T, "assignments": n, "experts_used": int(torch.unique(flat).numel()),
-                    "cublas_dense_us": {"gate_up": torch_us(lambda: dense_a @ gu_w.T),
-                                        "down": torch_us(lambda: dense_h @ dn_w.T)}, "variants": {}}
+            case = {
+                "shape": shape,
+                "T": T,
+                "assignments": n,
+                "experts_used": int(torch.unique(flat).numel()),
+                "cublas_dense_us": {
+                    "gate_up": torch_us(lambda: dense_a @ gu_w.T),
+                    "down": torch_us(lambda: dense_h @ dn_w.T),
+                },
+                "variants": {},
+            }
             for mod_name, mod in modules.items():
                 for cfg_name, cfg in variants(mod).items():
                     if wanted and cfg_name not in wanted:
@@ -160,23 +190,36 @@ def main():
                         y = cuda.device_array((n, D), np.float32)
                         launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, position, stream=stream)
                         launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-                        gu = graph_us(lambda q: mod.launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F, D, h,
-                                                                            config=cfg, stream=q))
-                        dn = graph_us(lambda q: mod.launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F,
-                                                                         D, y, combine="store", config=cfg,
-                                                                         stream=q))
+                        gu = graph_us(
+                            lambda q: mod.launch_moe_gemm_gate_up(
+                                xs, tile_expert, num_tiles, W, F, D, h, config=cfg, stream=q
+                            )
+                        )
+                        dn = graph_us(
+                            lambda q: mod.launch_moe_gemm_down(
+                                h, tile_expert, num_tiles, sorted_ids, W, F, D, y, combine="store", config=cfg, stream=q
+                            )
+                        )
                         stream.synchronize()
                         got = torch.as_tensor(y, device="cuda")
                         err = float((got - y_ref).abs().max() / y_ref.abs().max())
-                        case["variants"][key] = {"gate_up_us": gu, "down_us": dn, "total_us": gu + dn,
-                                                 "tflops": (flops_gu + flops_dn) / (gu + dn) / 1e6,
-                                                 "rel_err": err, "config": list(cfg),
-                                                 "shared_kb": getattr(cfg, "shared_bytes", 0) / 1024}
+                        case["variants"][key] = {
+                            "gate_up_us": gu,
+                            "down_us": dn,
+                            "total_us": gu + dn,
+                            "tflops": (flops_gu + flops_dn) / (gu + dn) / 1e6,
+                            "rel_err": err,
+                            "config": list(cfg),
+                            "shared_kb": getattr(cfg, "shared_bytes", 0) / 1024,
+                        }
                     except Exception as exc:  # noqa: BLE001 -- a config that fails to build is reported, not fatal
                         case["variants"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             ok = {k: v for k, v in case["variants"].items() if "total_us" in v and v["rel_err"] < 2e-2}
-            best = {m: min((v["total_us"], k) for k, v in ok.items() if k.startswith(m + ":"))
-                    for m in modules if any(k.startswith(m + ":") for k in ok)}
+            best = {
+                m: min((v["total_us"], k) for k, v in ok.items() if k.startswith(m + ":"))
+                for m in modules
+                if any(k.startswith(m + ":") for k in ok)
+            }
             dense = case["cublas_dense_us"]["gate_up"] + case["cublas_dense_us"]["down"]
             case["best"] = {m: {"config": k, "total_us": t} for m, (t, k) in best.items()}
             if "current" in best:
@@ -184,16 +227,23 @@ def main():
             if "current" in best and "previous" in best:
                 case["speedup_vs_previous"] = best["previous"][0] / best["current"][0]
             results["cases"].append(case)
-            print(f"\n{shape} T={T} (n={n}, experts {case['experts_used']}): cuBLAS dense {dense:.1f} us "
-                  f"({(flops_gu + flops_dn) / dense / 1e6:.0f} TFLOP/s)")
+            print(
+                f"\n{shape} T={T} (n={n}, experts {case['experts_used']}): cuBLAS dense {dense:.1f} us "
+                f"({(flops_gu + flops_dn) / dense / 1e6:.0f} TFLOP/s)"
+            )
             for k, v in case["variants"].items():
                 if "error" in v:
                     print(f"  {k:24s} ERROR {v['error']}")
                 else:
-                    print(f"  {k:24s} {v['gate_up_us']:9.1f} + {v['down_us']:9.1f} us  {v['tflops']:6.1f} TFLOP/s"
-                          f"  err {v['rel_err']:.1e}")
-            print("  best:", {m: f"{b['config']} {b['total_us']:.1f} us" for m, b in case["best"].items()},
-                  {k: round(case[k], 2) for k in ("speedup_vs_previous", "best_vs_cublas_dense") if k in case})
+                    print(
+                        f"  {k:24s} {v['gate_up_us']:9.1f} + {v['down_us']:9.1f} us  {v['tflops']:6.1f} TFLOP/s"
+                        f"  err {v['rel_err']:.1e}"
+                    )
+            print(
+                "  best:",
+                {m: f"{b['config']} {b['total_us']:.1f} us" for m, b in case["best"].items()},
+                {k: round(case[k], 2) for k in ("speedup_vs_previous", "best_vs_cublas_dense") if k in case},
+            )
             Path(args.out).write_text(json.dumps(results, indent=1))
         del tw
 

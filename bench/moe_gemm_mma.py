@@ -14,6 +14,7 @@ MoE layer (ids / routing weights given, random bf16 weights in the model-file la
   and the moe_ffn grouped kernels (graph replay each).
 Decode kernels: gate_fused vs gemv/cuBLAS + gate_topk; greedy_split vs greedy (graph replay).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,10 @@ SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2), "qwen3moe": dict(D=2048, F
 _, STREAM = non_blocking_stream()
 RESULTS: dict = {"cases": [], "errors": []}
 OUT_PATH = next((a for a in sys.argv[1:] if not a.startswith("--")), "/tmp/moe_gemm_bench.json")
-TEST_FILES = [str(REPO / f"tests/expert_service/kernels/test_{n}.py")
-              for n in ("moe_gemm_mma", "moe_align", "gate_fused", "greedy_split")]
+TEST_FILES = [
+    str(REPO / f"tests/expert_service/kernels/test_{n}.py")
+    for n in ("moe_gemm_mma", "moe_align", "gate_fused", "greedy_split")
+]
 
 
 def save():
@@ -102,14 +105,14 @@ class Layer:
         self.tw.zero_()
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for e in range(E):
-            self.tw[e, :3 * F * D].normal_(0, D ** -0.5, generator=gen)
+            self.tw[e, : 3 * F * D].normal_(0, D**-0.5, generator=gen)
         self.W = raw.view(np.uint16)
         torch.cuda.synchronize()
 
     def mats(self, e):
         F, D = self.F, self.D
         blk = self.tw[e]
-        return blk[:F * D].view(F, D), blk[F * D:2 * F * D].view(F, D), blk[2 * F * D:3 * F * D].view(D, F)
+        return blk[: F * D].view(F, D), blk[F * D : 2 * F * D].view(F, D), blk[2 * F * D : 3 * F * D].view(D, F)
 
 
 def routing(T, E, K, seed):
@@ -155,27 +158,60 @@ class Grouped:
         self.identity = cuda.to_device(np.arange(n, dtype=np.int32))
 
     def align(self, ids):
-        launch_moe_align(ids, self.layer.E, self.cfg.block_m, self.sorted_ids, self.tile_expert, self.num_tiles,
-                         self.position, stream=STREAM)
+        launch_moe_align(
+            ids,
+            self.layer.E,
+            self.cfg.block_m,
+            self.sorted_ids,
+            self.tile_expert,
+            self.num_tiles,
+            self.position,
+            stream=STREAM,
+        )
 
     def gather(self, x):
-        launch_moe_gather_bf16(x, self.sorted_ids, self.num_tiles, self.layer.K, self.cfg.block_m, self.xs,
-                               stream=STREAM)
+        launch_moe_gather_bf16(
+            x, self.sorted_ids, self.num_tiles, self.layer.K, self.cfg.block_m, self.xs, stream=STREAM
+        )
 
     def gate_up(self):
         L = self.layer
-        launch_moe_gemm_gate_up(self.xs, self.tile_expert, self.num_tiles, L.W, L.F, L.D, self.h, config=self.cfg,
-                                stream=STREAM)
+        launch_moe_gemm_gate_up(
+            self.xs, self.tile_expert, self.num_tiles, L.W, L.F, L.D, self.h, config=self.cfg, stream=STREAM
+        )
 
     def down_atomic(self, w, out):
         L = self.layer
-        launch_moe_gemm_down(self.h, self.tile_expert, self.num_tiles, self.sorted_ids, L.W, L.F, L.D, out,
-                             route_weights=w, combine="atomic", config=self.cfg, stream=STREAM)
+        launch_moe_gemm_down(
+            self.h,
+            self.tile_expert,
+            self.num_tiles,
+            self.sorted_ids,
+            L.W,
+            L.F,
+            L.D,
+            out,
+            route_weights=w,
+            combine="atomic",
+            config=self.cfg,
+            stream=STREAM,
+        )
 
     def down_store(self, w, out):
         L = self.layer
-        launch_moe_gemm_down(self.h, self.tile_expert, self.num_tiles, self.sorted_ids, L.W, L.F, L.D, self.y,
-                             combine="store", config=self.cfg, stream=STREAM)
+        launch_moe_gemm_down(
+            self.h,
+            self.tile_expert,
+            self.num_tiles,
+            self.sorted_ids,
+            L.W,
+            L.F,
+            L.D,
+            self.y,
+            combine="store",
+            config=self.cfg,
+            stream=STREAM,
+        )
         launch_moe_combine(self.y, self.identity, w, out, stream=STREAM)
 
     def run(self, ids, x, w, out, combine="atomic"):
@@ -205,7 +241,7 @@ class CublasPath:
 
     def _as_bf16(self, a):
         rows, cols = a.shape
-        c = self.cast[:rows * cols].reshape(rows, cols)
+        c = self.cast[: rows * cols].reshape(rows, cols)
         elementwise.launch_cast(a, c, stream=STREAM)
         return c
 
@@ -226,8 +262,7 @@ class CublasPath:
         self.blas.linear_each(gate + F * D * item, xc, device_address(self.up) + lo * F * 4, rows, F, D, np.uint16)
         elementwise.launch_silu_mul(self.gate, self.up, self.gate, stream=STREAM)
         hc = device_address(self._as_bf16(self.gate)) + lo * F * item
-        self.blas.linear_each(gate + 2 * F * D * item, hc, device_address(self.out) + lo * D * 4, rows, D, F,
-                              np.uint16)
+        self.blas.linear_each(gate + 2 * F * D * item, hc, device_address(self.out) + lo * D * 4, rows, D, F, np.uint16)
         launch_moe_combine(self.out, self.position, w, h, stream=STREAM)
 
 
@@ -245,8 +280,7 @@ def bench_moe(name, T, blas, configs, small=False):
     res_t = torch.randn(T, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T + 2))
     ids, w, x = cuda.as_cuda_array(ids_t), cuda.as_cuda_array(w_t), cuda.as_cuda_array(x_t)
     torch.cuda.synchronize()
-    case = {"shape": name, "T": T, **s, "n_assignments": T * K,
-            "active_experts": int(torch.unique(ids_t).numel())}
+    case = {"shape": name, "T": T, **s, "n_assignments": T * K, "active_experts": int(torch.unique(ids_t).numel())}
     ref = torch_moe(layer, x_t, ids_t, w_t, res_t)
     torch.cuda.synchronize()
     if not small:
@@ -275,8 +309,9 @@ def bench_moe(name, T, blas, configs, small=False):
             entry["graph_ms_down_store"] = graph_ms(lambda: g.down_store(w, out))
             entry["eager_wall_ms_atomic"] = eager_ms(lambda: g.run(ids, x, w, out, "atomic"))
             flops = 2 * T * K * 3 * s["F"] * D
-            entry["tflops_gate_up_plus_down"] = flops / ((entry["graph_ms_gate_up"] + entry["graph_ms_down_atomic"])
-                                                         * 1e-3) / 1e12
+            entry["tflops_gate_up_plus_down"] = (
+                flops / ((entry["graph_ms_gate_up"] + entry["graph_ms_down_atomic"]) * 1e-3) / 1e12
+            )
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {e}"
             RESULTS["errors"].append(traceback.format_exc())
@@ -324,6 +359,7 @@ def small_step_paths(layer, T, ids, x, w, out, blas):
         elementwise.launch_cast(gate.reshape(E * T, F), hc, stream=STREAM)
         blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
         launch_moe_combine_dense(y.reshape(E, T, D), ids, w, out, stream=STREAM)
+
     r["all_experts_cublas_graph_ms"] = graph_ms(all_experts)
     n = T * K
     counts, offsets = cuda.device_array(E, np.int32), cuda.device_array(E + 1, np.int32)
@@ -335,6 +371,7 @@ def small_step_paths(layer, T, ids, x, w, out, blas):
         launch_moe_gate_up(x, order, offsets, L.W, F, D, h32, stream=STREAM)
         launch_moe_down(h32, order, offsets, L.W, F, D, y32, stream=STREAM)
         launch_moe_combine(y32, position, w, out, stream=STREAM)
+
     r["moe_ffn_grouped_graph_ms"] = graph_ms(moe_ffn)
     return r
 
@@ -344,7 +381,7 @@ def bench_router(blas):
     for name, s in SHAPES.items():
         D, E, K = s["D"], s["E"], s["K"]
         wr = cuda.device_array((E, D), np.int16)
-        torch_view(wr).view(torch.bfloat16).normal_(0, D ** -0.5)
+        torch_view(wr).view(torch.bfloat16).normal_(0, D**-0.5)
         wr = wr.view(np.uint16)
         for T in (1, 16, 64):
             x = cuda.as_cuda_array(torch.randn(T, D, device="cuda"))
@@ -368,8 +405,13 @@ def bench_router(blas):
 
             def fused():
                 launch_gate_fused(x, wr, ids2, ws2, True, logits2, counter, stream=STREAM)
-            row = {"shape": name, "T": T, "current_graph_us": 1e3 * graph_ms(current, 50),
-                   "fused_graph_us": 1e3 * graph_ms(fused, 50)}
+
+            row = {
+                "shape": name,
+                "T": T,
+                "current_graph_us": 1e3 * graph_ms(current, 50),
+                "fused_graph_us": 1e3 * graph_ms(fused, 50),
+            }
             current()
             fused()
             STREAM.synchronize()
@@ -393,10 +435,13 @@ def bench_greedy():
             p = parts(V)
             pv, pi, pf = (cuda.device_array((S, p), dt) for dt in (np.float32, np.int32, np.int32))
             torch.cuda.synchronize()
-            row = {"V": V, "S": S,
-                   "greedy_graph_us": 1e3 * graph_ms(lambda: launch_greedy(logits, ids, flags, stream=STREAM), 50),
-                   "split_graph_us": 1e3 * graph_ms(lambda: launch_greedy_split(logits, ids2, flags2, pv, pi, pf,
-                                                                               stream=STREAM), 50)}
+            row = {
+                "V": V,
+                "S": S,
+                "greedy_graph_us": 1e3 * graph_ms(lambda: launch_greedy(logits, ids, flags, stream=STREAM), 50),
+                "split_graph_us": 1e3
+                * graph_ms(lambda: launch_greedy_split(logits, ids2, flags2, pv, pi, pf, stream=STREAM), 50),
+            }
             STREAM.synchronize()
             row["ids_equal"] = bool((ids.copy_to_host() == ids2.copy_to_host()).all())
             rows.append(row)
@@ -410,10 +455,12 @@ BIG_CONFIGS = {"mixtral": ["m64", "m128"], "qwen3moe": ["m32", "m64"]}
 
 
 def main():
-    if "--tests" in sys.argv:          # GPU tests first, in this process: the bench reuses their compiled kernels
+    if "--tests" in sys.argv:  # GPU tests first, in this process: the bench reuses their compiled kernels
         import pytest
-        RESULTS["pytest_exit"] = int(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu", "-rf",
-                                                  "--timeout=300", *TEST_FILES]))
+
+        RESULTS["pytest_exit"] = int(
+            pytest.main(["-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu", "-rf", "--timeout=300", *TEST_FILES])
+        )
         save()
     RESULTS["device"] = torch.cuda.get_device_name()
     workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)

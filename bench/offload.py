@@ -42,6 +42,7 @@ DIR is a converted Colibri model directory; prompts are slices of the --prompts 
 and from the table's corpus), the plan prefetch uses the `colibri router-gen` table, and HF loads the
 checkpoint DIR was converted from. `--prompts` also works with `--shapes tiny` (its byte tokenizer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,13 @@ from expert_service.tools.routing_gen import generate  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
-TINY = "tiny"                    # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu backend, no HF)
+TINY = "tiny"  # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu backend, no HF)
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
 PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
 DECODE_BATCHES = (1, 16)
 DECODE_CONTEXT = 128
 DECODE_STEPS, WARMUP_STEPS = 16, 3
-HF_OFFLOAD_DECODE_STEPS = 4      # an offloaded HF step copies most layers: seconds each
+HF_OFFLOAD_DECODE_STEPS = 4  # an offloaded HF step copies most layers: seconds each
 TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
 
 
@@ -90,11 +91,12 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
     if not cuda_available():
         return None
     from numba import cuda
+
     host = cuda.pinned_array(nbytes, dtype=np.uint8)
     device = cuda.device_array(nbytes, dtype=np.uint8)
     stream = cuda.stream()
     best = float("inf")
-    for _ in range(repeats + 1):                # the first copy warms up
+    for _ in range(repeats + 1):  # the first copy warms up
         start = time.perf_counter()
         device.copy_to_device(host, stream=stream)
         stream.synchronize()
@@ -103,9 +105,18 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
 
 
 def make_engine(model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none") -> Engine:
-    return build_engine(model, EngineConfig(backend=backend, kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=2048,
-                                      max_batch_size=16, expert_cache_slots=slots,
-                                      prefetch=prefetch.replace("+", ",")))
+    return build_engine(
+        model,
+        EngineConfig(
+            backend=backend,
+            kv_block_size=16,
+            kv_cache_tokens=8192,
+            max_batch_tokens=2048,
+            max_batch_size=16,
+            expert_cache_slots=slots,
+            prefetch=prefetch.replace("+", ","),
+        ),
+    )
 
 
 def close(engine: Engine) -> None:
@@ -119,16 +130,24 @@ def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[Ro
     """Traces exact routing of random token ids through `engine` (fully resident) into a table at `path`."""
     cfg = model.config
     corpus = np.random.default_rng(1).integers(0, cfg.vocab_size, TABLE_SEQUENCES * TABLE_SEQUENCE_LENGTH)
-    table, report = generate(model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT,
-                             TABLE_SEQUENCE_LENGTH)
+    table, report = generate(model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT, TABLE_SEQUENCE_LENGTH)
     write_routing_table(path, table, cfg.num_experts)
-    keys = ("top_k", "num_experts", "train_tokens", "heldout_tokens", "heldout_unseen_share", "recall",
-            "fallback_recall")
+    keys = (
+        "top_k",
+        "num_experts",
+        "train_tokens",
+        "heldout_tokens",
+        "heldout_unseen_share",
+        "recall",
+        "fallback_recall",
+    )
     summary = {k: report[k] for k in keys}
     summary["chance_recall"] = cfg.num_experts_per_tok / cfg.num_experts
-    summary["note"] = (f"{TABLE_SEQUENCES} x {TABLE_SEQUENCE_LENGTH} random token ids through random weights: "
-                       f"this recall says nothing about a trained model's table on real traffic, so neither do "
-                       f"the plan-prefetch runs; token ids the corpus missed use the embedding fallback")
+    summary["note"] = (
+        f"{TABLE_SEQUENCES} x {TABLE_SEQUENCE_LENGTH} random token ids through random weights: "
+        f"this recall says nothing about a trained model's table on real traffic, so neither do "
+        f"the plan-prefetch runs; token ids the corpus missed use the embedding fallback"
+    )
     return RoutingTable.load(path, cfg), summary
 
 
@@ -146,15 +165,27 @@ def summarize(runs: list, tokens_per_step: int, bytes_per_s: float, pick=np.medi
     step_s = float(pick(times))
     bound_s = stats.bytes_copied / len(runs) / bytes_per_s
     recalls = [r.routing_plan_recall for _, r in runs if r.routing_plan_recall is not None]
-    return {"tok_s": tokens_per_step / step_s, "ms_per_step": step_s * 1e3, "steps": len(runs), **asdict(stats),
-            "hit_rate": stats.hit_rate, "bytes_copied_per_token": stats.bytes_copied / (tokens_per_step * len(runs)),
-            "stall_fraction": stats.stall_seconds / sum(times), "pcie_bound_ms": bound_s * 1e3,
-            "x_pcie_bound": step_s / bound_s if bound_s else None,
-            "plan_recall": float(np.mean(recalls)) if recalls else None}
+    return {
+        "tok_s": tokens_per_step / step_s,
+        "ms_per_step": step_s * 1e3,
+        "steps": len(runs),
+        **asdict(stats),
+        "hit_rate": stats.hit_rate,
+        "bytes_copied_per_token": stats.bytes_copied / (tokens_per_step * len(runs)),
+        "stall_fraction": stats.stall_seconds / sum(times),
+        "pcie_bound_ms": bound_s * 1e3,
+        "x_pcie_bound": step_s / bound_s if bound_s else None,
+        "plan_recall": float(np.mean(recalls)) if recalls else None,
+    }
 
 
-def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float, tokens: TokenSource,
-                  decode_steps: int = DECODE_STEPS) -> dict:
+def bench_colibri(
+    engine: Engine,
+    table: RoutingTable | None,
+    bytes_per_s: float,
+    tokens: TokenSource,
+    decode_steps: int = DECODE_STEPS,
+) -> dict:
     """Prefill b=1 x 512, then decode at each batch size; the step's routing plan goes along when prefetching
     from the plan (looked up outside the timed region: the router does it before sending the step). Prompts
     come from `tokens`, the same ones for every engine."""
@@ -167,7 +198,7 @@ def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float
 
     def step(prefill=(), decode_ids=()):
         routing_plan = None
-        if use_plan:            # the worker's token order: prompt chunks, then one token per decoding sequence
+        if use_plan:  # the worker's token order: prompt chunks, then one token per decoding sequence
             last = np.array([engine.sequences[rid].last_token for rid in decode_ids], dtype=np.int64)
             routing_plan = table.routing_plan(np.concatenate([c.token_ids for c in prefill] + [last]))
         start = time.perf_counter()
@@ -176,15 +207,18 @@ def bench_colibri(engine: Engine, table: RoutingTable | None, bytes_per_s: float
         return time.perf_counter() - start, result
 
     runs = []
-    for i in range(1 + PREFILL_REPEATS):        # the first one warms up
+    for i in range(1 + PREFILL_REPEATS):  # the first one warms up
         runs.append(step([chunk(1000 + i, PREFILL_TOKENS)]))
         engine.clear()
-    out = {"memory_plan": dict(engine.decoder.memory_plan()),
-           "prefill": summarize(runs[1:], PREFILL_TOKENS, bytes_per_s, pick=min), "decode": {}}
+    out = {
+        "memory_plan": dict(engine.decoder.memory_plan()),
+        "prefill": summarize(runs[1:], PREFILL_TOKENS, bytes_per_s, pick=min),
+        "decode": {},
+    }
     for b in DECODE_BATCHES:
         ids = list(range(b))
-        step([chunk(rid, DECODE_CONTEXT) for rid in ids])     # b x 128 <= max_batch_tokens: one step
-        for _ in range(WARMUP_STEPS):                          # cuda: eager, capture, replay
+        step([chunk(rid, DECODE_CONTEXT) for rid in ids])  # b x 128 <= max_batch_tokens: one step
+        for _ in range(WARMUP_STEPS):  # cuda: eager, capture, replay
             step(decode_ids=ids)
         runs = [step(decode_ids=ids) for _ in range(decode_steps)]
         engine.clear()
@@ -199,21 +233,32 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
     plan = plan_slots(model, 0, 0)
     block, layers, experts = plan.expert_block_bytes, plan.num_moe_layers, plan.num_experts
     expert_bytes = block * experts * layers
-    entry = {"num_experts": experts, "num_moe_layers": layers, "top_k": cfg.num_experts_per_tok,
-             "expert_block_bytes": block, "expert_bytes": expert_bytes,
-             "non_expert_bytes": model.total_bytes - expert_bytes, "prompts": tokens.describe(),
-             "routing_table": None, "runs": {}}
+    entry = {
+        "num_experts": experts,
+        "num_moe_layers": layers,
+        "top_k": cfg.num_experts_per_tok,
+        "expert_block_bytes": block,
+        "expert_bytes": expert_bytes,
+        "non_expert_bytes": model.total_bytes - expert_bytes,
+        "prompts": tokens.describe(),
+        "routing_table": None,
+        "runs": {},
+    }
     slots = {fraction: max(1, round(fraction * experts)) for fraction in args.fractions}
     table, resident = None, None
-    engine = make_engine(model, args.backend)    # every expert resident; closed before any cached engine
-    try:                                         # is built (each pins the model's host pages)
+    engine = make_engine(model, args.backend)  # every expert resident; closed before any cached engine
+    try:  # is built (each pins the model's host pages)
         if args.table is not None:
             table, entry["routing_table"] = load_table(model, args.table)
         elif any("plan" in m for m in args.prefetch_modes):
             table, entry["routing_table"] = build_routing_table(model, engine, workdir / "routing_table.bin")
         if any(n >= experts for n in slots.values()):
-            resident = {"slots_per_layer": experts, "slot_bytes": expert_bytes, "prefetch": "n/a",
-                        **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps)}
+            resident = {
+                "slots_per_layer": experts,
+                "slot_bytes": expert_bytes,
+                "prefetch": "n/a",
+                **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps),
+            }
     finally:
         close(engine)
     for fraction, n in slots.items():
@@ -224,13 +269,20 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
         for mode in args.prefetch_modes:
             cached = make_engine(model, args.backend, n, mode)
             try:
-                runs[mode] = {"slots_per_layer": n, "slot_bytes": n * layers * block, "prefetch": mode,
-                              **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps)}
+                runs[mode] = {
+                    "slots_per_layer": n,
+                    "slot_bytes": n * layers * block,
+                    "prefetch": mode,
+                    **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
+                }
             finally:
                 close(cached)
             decode = runs[mode]["decode"]
-            print(f"{fraction:>6} {mode:<15} decode {decode['1']['tok_s']:.1f} tok/s (b=1), "
-                  f"{decode['16']['tok_s']:.1f} tok/s (b=16)", flush=True)
+            print(
+                f"{fraction:>6} {mode:<15} decode {decode['1']['tok_s']:.1f} tok/s (b=1), "
+                f"{decode['16']['tok_s']:.1f} tok/s (b=16)",
+                flush=True,
+            )
     return entry
 
 
@@ -238,8 +290,10 @@ def offload_map(model, budget: int) -> dict[str, object]:
     """The most favourable placement HF can be given at `budget` device bytes: everything but the MoE blocks
     on GPU 0, then whole MoE blocks (a layer's experts + router) on the GPU while they fit, the rest on the CPU
     (streamed to the GPU at every forward by accelerate's hooks)."""
+
     def nbytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
+
     layers = model.model.layers
     moe = [next(name for name, child in layer.named_children() if hasattr(child, "experts")) for layer in layers]
     left = budget - (nbytes(model) - sum(nbytes(getattr(layer, name)) for layer, name in zip(layers, moe)))
@@ -264,8 +318,9 @@ def bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
     accelerate with `offload_map`; prefill and decode timed as bench/engine.py's bench_hf does."""
     try:
         return _bench_hf(base, budget, tokens)
-    except Exception as e:                       # a broken reference must not lose Colibri's runs
+    except Exception as e:  # a broken reference must not lose Colibri's runs
         import torch
+
         gc.collect()
         torch.cuda.empty_cache()
         return {"budget_bytes": budget, "error": f"{type(e).__name__}: {e}"}
@@ -273,12 +328,14 @@ def bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
 
 def _bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
     import torch
+
     model = copy.deepcopy(base)
     out = {"budget_bytes": budget, "offloaded_modules": [], "decode_ms": {}}
     if budget is None:
         model.to("cuda")
     else:
         from accelerate import dispatch_model
+
         device_map = offload_map(model, budget)
         dispatch_model(model, device_map, main_device=0)
         out["offloaded_modules"] = sorted(name for name, device in device_map.items() if device == "cpu")
@@ -294,11 +351,12 @@ def _bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
         for b in DECODE_BATCHES:
             ids = torch.tensor(np.stack([take(DECODE_CONTEXT) for _ in range(b)]), device="cuda")
             t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), repeats)
-            tn = cuda_time(lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen),
-                           repeats)
+            tn = cuda_time(
+                lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen), repeats
+            )
             out["decode_ms"][str(b)] = (tn - t1) / steps * 1e3
     out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    model = None                                # free the device copy before the next budget
+    model = None  # free the device copy before the next budget
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -329,10 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--model", help="a converted Colibri model directory to run instead of --shapes")
-    parser.add_argument("--prompts", help="text to take prompts from (tokenised with the model's tokenizer.json); "
-                        "default: uniform random token ids")
-    parser.add_argument("--table", help="routing table for the plan prefetch (with --model; default: "
-                        "MODEL/routing_table.bin); without --model one is traced from random ids")
+    parser.add_argument(
+        "--prompts",
+        help="text to take prompts from (tokenised with the model's tokenizer.json); default: uniform random token ids",
+    )
+    parser.add_argument(
+        "--table",
+        help="routing table for the plan prefetch (with --model; default: "
+        "MODEL/routing_table.bin); without --model one is traced from random ids",
+    )
     parser.add_argument("--hf-model", help="the Hugging Face checkpoint --model was converted from (the reference)")
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     parser.add_argument("--prefetch-modes", default=",".join(PREFETCH_MODES))
@@ -355,10 +418,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the HF reference needs accelerate (pip install 'accelerate>=1.15'); or pass --skip-hf")
     measured = measure_pcie()
     bytes_per_s = measured or NOMINAL_PCIE_BYTES_PER_S
-    results = {"backend": args.backend, "device": _device_name(), "pcie_bytes_per_s": bytes_per_s,
-               "pcie_measured": measured is not None, "shapes": {},
-               "note": "bytes copied count demand and prefetch copies; the PCIe bound is bytes copied per step / "
-                       "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)")}
+    results = {
+        "backend": args.backend,
+        "device": _device_name(),
+        "pcie_bytes_per_s": bytes_per_s,
+        "pcie_measured": measured is not None,
+        "shapes": {},
+        "note": "bytes copied count demand and prefetch copies; the PCIe bound is bytes copied per step / "
+        "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)"),
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [Path(args.model).name] if model_input else args.shapes.split(",")
@@ -374,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = bench_shape(model, args, bytes_per_s, workdir, tokens)
         entry["hf"] = None
         results["shapes"][name] = entry
-        (out_dir / "offload.json").write_text(json.dumps(results, indent=1))     # Colibri's runs, before HF
+        (out_dir / "offload.json").write_text(json.dumps(results, indent=1))  # Colibri's runs, before HF
         if not args.skip_hf and (base is not None or model_input):
             entry["hf"] = _bench_hf_budgets(entry, base if base is not None else Path(args.hf_model), tokens)
         add_ratios(entry)
@@ -392,11 +460,13 @@ def _build_shape(name: str, workdir: Path):
     """A reference shape's random bf16 model: (its Colibri model directory, the HF model on the host or None)."""
     if name == TINY:
         from expert_service.tools.tiny_model import make_tiny
+
         return make_tiny(workdir / "model", family="mixtral"), None
     import torch
+
     base = build_hf(*SHAPES[name])
     model_dir = write_colibri(base, workdir / "model")
-    base.to("cpu")              # HF waits on the host while Colibri has the GPU
+    base.to("cpu")  # HF waits on the host while Colibri has the GPU
     torch.cuda.empty_cache()
     return model_dir, base
 
@@ -416,17 +486,20 @@ def _check_model_args(parser, args) -> tuple[ModelDir, TokenSource] | None:
             parser.error("--prompts needs a model with a tokenizer: --model DIR (or --shapes tiny)")
         return None
     if not args.skip_hf and args.hf_model is None:
-        parser.error("--model: the HF reference needs --hf-model HF_DIR (the checkpoint --model was converted "
-                     "from); or pass --skip-hf")
+        parser.error(
+            "--model: the HF reference needs --hf-model HF_DIR (the checkpoint --model was converted "
+            "from); or pass --skip-hf"
+        )
     if not args.skip_hf and not (Path(args.hf_model) / "config.json").is_file():
-        parser.error(f"--hf-model: {args.hf_model} has no config.json (expected the checkpoint --model was "
-                     f"converted from)")
+        parser.error(
+            f"--hf-model: {args.hf_model} has no config.json (expected the checkpoint --model was converted from)"
+        )
     model = open_model(args.model)
     default_table = model.path / "routing_table.bin"
     if args.table is None and (default_table.is_file() or any("plan" in m for m in args.prefetch_modes)):
         args.table = str(default_table)
     if args.table is not None:
-        load_table(model, args.table)            # a missing or mismatched table fails now, not after an hour
+        load_table(model, args.table)  # a missing or mismatched table fails now, not after an hour
     return model, _token_source(model, args.prompts)
 
 
@@ -435,7 +508,7 @@ def _bench_hf_budgets(entry: dict, reference, tokens: TokenSource) -> dict:
     device budget, all of it on the GPU when every expert fits."""
     try:
         base = load_hf(reference) if isinstance(reference, Path) else reference
-    except Exception as e:                       # a broken reference must not lose Colibri's runs
+    except Exception as e:  # a broken reference must not lose Colibri's runs
         return {fraction: {"budget_bytes": None, "error": f"{type(e).__name__}: {e}"} for fraction in entry["runs"]}
     out = {}
     for fraction, runs in entry["runs"].items():
@@ -449,6 +522,7 @@ def _device_name() -> str:
     if not cuda_available():
         return "cpu"
     from numba import cuda
+
     name = cuda.get_current_device().name
     return name.decode() if isinstance(name, bytes) else str(name)
 

@@ -10,6 +10,7 @@ is meant for. `--table` (default DIR/routing_table.bin) is the table the plan pr
 `.report.json`, when present, is recorded beside the runs. `--hf-model` is the checkpoint that DIR was
 converted from, for the transformers + accelerate reference at the same device budget.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,19 @@ from common.routing_table import RoutingTable
 from expert_service.tools.routing_gen import load_corpus, report_path_for
 
 # What offload.json keeps of router-gen's report (the rest is paths and sizes already recorded).
-REPORT_KEYS = ("top_k", "num_experts", "corpus", "train_tokens", "heldout_tokens", "heldout_unseen_share",
-               "recall_per_layer", "recall", "fallback_recall_per_layer", "fallback_recall", "note")
+REPORT_KEYS = (
+    "top_k",
+    "num_experts",
+    "corpus",
+    "train_tokens",
+    "heldout_tokens",
+    "heldout_unseen_share",
+    "recall_per_layer",
+    "recall",
+    "fallback_recall_per_layer",
+    "fallback_recall",
+    "note",
+)
 
 
 class TokenSource:
@@ -44,7 +56,8 @@ class TokenSource:
             if n > self.stream.size:
                 raise ConfigError(f"--prompts: {self.path} holds {self.stream.size} tokens, a prompt needs {n}")
             start = int(rng.integers(0, self.stream.size - n + 1))
-            return self.stream[start:start + n].copy()
+            return self.stream[start : start + n].copy()
+
         return take
 
     def describe(self) -> dict:
@@ -58,7 +71,7 @@ def text_source(model: ModelDir, path: str | Path, longest_prompt: int) -> Token
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--prompts: {path} not found")
-    stream = load_corpus(path, "text", model)        # ConfigError / ModelFormatError name the file
+    stream = load_corpus(path, "text", model)  # ConfigError / ModelFormatError name the file
     if stream.size < longest_prompt:
         raise ConfigError(f"--prompts: {path} holds {stream.size} tokens, the longest prompt needs {longest_prompt}")
     return TokenSource(model.config.vocab_size, stream, path)
@@ -67,8 +80,9 @@ def text_source(model: ModelDir, path: str | Path, longest_prompt: int) -> Token
 def open_model(path: str | Path) -> ModelDir:
     path = Path(path)
     if not (path / MANIFEST).is_file():
-        raise ConfigError(f"--model: {path} is not a Colibri model directory (no {MANIFEST}; `colibri convert` "
-                          f"writes one)")
+        raise ConfigError(
+            f"--model: {path} is not a Colibri model directory (no {MANIFEST}; `colibri convert` writes one)"
+        )
     return ModelDir.open(path, verify=False)
 
 
@@ -76,12 +90,19 @@ def load_table(model: ModelDir, path: str | Path) -> tuple[RoutingTable, dict]:
     """The router-gen table at `path`, checked against the model, and what its report says about it."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--table: {path} not found (build it with `colibri router-gen {model.path} --corpus "
-                          f"FILE`, or leave plan out of --prefetch-modes)")
-    table = RoutingTable.load(path, model.config)     # RoutingTableError: one line naming the header field
+        raise ConfigError(
+            f"--table: {path} not found (build it with `colibri router-gen {model.path} --corpus "
+            f"FILE`, or leave plan out of --prefetch-modes)"
+        )
+    table = RoutingTable.load(path, model.config)  # RoutingTableError: one line naming the header field
     cfg = model.config
-    summary = {"table": str(path), "source": "colibri router-gen", "top_k": table.top_k,
-               "num_experts": cfg.num_experts, "chance_recall": cfg.num_experts_per_tok / cfg.num_experts}
+    summary = {
+        "table": str(path),
+        "source": "colibri router-gen",
+        "top_k": table.top_k,
+        "num_experts": cfg.num_experts,
+        "chance_recall": cfg.num_experts_per_tok / cfg.num_experts,
+    }
     report_path = report_path_for(path)
     if report_path.is_file():
         report = json.loads(report_path.read_text())
@@ -93,8 +114,10 @@ def load_hf(hf_dir: str | Path):
     """The checkpoint in bfloat16 on the host (the reference waits there while Colibri has the GPU)."""
     import torch
     import transformers
+
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"--hf-model: {hf_dir} has no config.json (expected the checkpoint --model was "
-                          f"converted from)")
+        raise ConfigError(
+            f"--hf-model: {hf_dir} has no config.json (expected the checkpoint --model was converted from)"
+        )
     return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()

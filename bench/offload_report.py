@@ -7,6 +7,7 @@ training_log.json (training/train.py) and routing_table.bin.report.json (colibri
 printed when its file is there. Prefetch modes are named as in the docs: plan = the table, plan+lookahead =
 both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot  # noqa: E402
 
-MODE_NAMES = {"resident": "all resident", "none": "none", "plan": "table", "lookahead": "lookahead",
-              "plan+lookahead": "both"}
+MODE_NAMES = {
+    "resident": "all resident",
+    "none": "none",
+    "plan": "table",
+    "lookahead": "lookahead",
+    "plan+lookahead": "both",
+}
 
 
 def _fmt(v, spec: str = ".2f") -> str:
@@ -28,18 +34,24 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def print_offload(name: str, entry: dict) -> None:
     """The console summary bench/offload.py prints after each model."""
-    print(f"\n{name}: {entry['num_experts']} experts x {entry['num_moe_layers']} MoE layers, "
-          f"{entry['expert_bytes'] / 2**30:.2f} GiB of experts")
-    print(f"{'budget':>7} {'prefetch':<15}{'b1 tok/s':>10}{'b16 tok/s':>11}{'prefill':>10}{'hit b16':>9}"
-          f"{'MB/tok b16':>11}{'stall b16':>10}{'xPCIe b1/b16':>14}{'xHF b1/b16':>13}{'xnone b1/b16':>14}")
+    print(
+        f"\n{name}: {entry['num_experts']} experts x {entry['num_moe_layers']} MoE layers, "
+        f"{entry['expert_bytes'] / 2**30:.2f} GiB of experts"
+    )
+    print(
+        f"{'budget':>7} {'prefetch':<15}{'b1 tok/s':>10}{'b16 tok/s':>11}{'prefill':>10}{'hit b16':>9}"
+        f"{'MB/tok b16':>11}{'stall b16':>10}{'xPCIe b1/b16':>14}{'xHF b1/b16':>13}{'xnone b1/b16':>14}"
+    )
     for fraction, modes in entry["runs"].items():
         for mode, run in modes.items():
             d1, d16, r = run["decode"]["1"], run["decode"]["16"], entry["ratios"][fraction][mode]
-            print(f"{float(fraction):>7.3f} {mode:<15}{d1['tok_s']:>10.1f}{d16['tok_s']:>11.1f}"
-                  f"{run['prefill']['tok_s']:>10.0f}{d16['hit_rate']:>9.2f}{d16['bytes_copied_per_token'] / 1e6:>11.3g}"
-                  f"{d16['stall_fraction']:>10.2f}{_fmt(d1['x_pcie_bound']) + '/' + _fmt(d16['x_pcie_bound']):>14}"
-                  f"{_fmt(r.get('decode_b1_x_hf')) + '/' + _fmt(r.get('decode_b16_x_hf')):>13}"
-                  f"{_fmt(r.get('decode_b1_x_none')) + '/' + _fmt(r.get('decode_b16_x_none')):>14}")
+            print(
+                f"{float(fraction):>7.3f} {mode:<15}{d1['tok_s']:>10.1f}{d16['tok_s']:>11.1f}"
+                f"{run['prefill']['tok_s']:>10.0f}{d16['hit_rate']:>9.2f}{d16['bytes_copied_per_token'] / 1e6:>11.3g}"
+                f"{d16['stall_fraction']:>10.2f}{_fmt(d1['x_pcie_bound']) + '/' + _fmt(d16['x_pcie_bound']):>14}"
+                f"{_fmt(r.get('decode_b1_x_hf')) + '/' + _fmt(r.get('decode_b16_x_hf')):>13}"
+                f"{_fmt(r.get('decode_b1_x_none')) + '/' + _fmt(r.get('decode_b16_x_none')):>14}"
+            )
     print("targets at 0.25: xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
 
 
@@ -49,8 +61,9 @@ def plot_offload(results: dict, path: Path) -> None:
     if plt is None:
         return
     shapes = results["shapes"]
-    batches = sorted({b for e in shapes.values() for m in e["runs"].values() for r in m.values() for b in r["decode"]},
-                     key=int)
+    batches = sorted(
+        {b for e in shapes.values() for m in e["runs"].values() for r in m.values() for b in r["decode"]}, key=int
+    )
     fig, axes = plt.subplots(len(batches), len(shapes), figsize=(6 * len(shapes), 4 * len(batches)), squeeze=False)
     for col, (name, entry) in enumerate(shapes.items()):
         resident = {f: m["resident"] for f, m in entry["runs"].items() if "resident" in m}
@@ -58,16 +71,25 @@ def plot_offload(results: dict, path: Path) -> None:
         for row, b in enumerate(batches):
             ax = axes[row][col]
             for mode in modes:
-                points = sorted((float(f), m[mode]["decode"][b]["tok_s"])
-                                for f, m in entry["runs"].items() if mode in m)
+                points = sorted(
+                    (float(f), m[mode]["decode"][b]["tok_s"]) for f, m in entry["runs"].items() if mode in m
+                )
                 points += [(float(f), r["decode"][b]["tok_s"]) for f, r in resident.items()]
                 ax.plot(*zip(*sorted(points)), marker="o", label=f"colibri, prefetch {MODE_NAMES.get(mode, mode)}")
-            hf = sorted((float(f), int(b) * 1e3 / h["decode_ms"][b]) for f, h in (entry.get("hf") or {}).items()
-                        if "error" not in h)
+            hf = sorted(
+                (float(f), int(b) * 1e3 / h["decode_ms"][b])
+                for f, h in (entry.get("hf") or {}).items()
+                if "error" not in h
+            )
             if hf:
                 ax.plot(*zip(*hf), "k--", marker="x", label="transformers + accelerate offload")
-            ax.set(xscale="log", yscale="log", xlabel="expert cache / expert bytes", ylabel="decode tok/s",
-                   title=f"{name}, b={b}")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="expert cache / expert bytes",
+                ylabel="decode tok/s",
+                title=f"{name}, b={b}",
+            )
             ax.set_xticks([float(f) for f in entry["runs"]], [f"{float(f):g}" for f in entry["runs"]])
             ax.minorticks_off()
             ax.legend(fontsize=7)
@@ -85,47 +107,116 @@ def offload_markdown(results: dict) -> str:
     out = []
     for name, e in results["shapes"].items():
         bw = results["pcie_bytes_per_s"] / 1e9
-        out.append(f"**{name}**: {e['num_experts']} experts x {e['num_moe_layers']} MoE layers, top-{e['top_k']}, "
-                   f"{e['expert_bytes'] / 1e6:,.0f} MB of experts ({e['expert_block_bytes'] / 1e6:.2f} MB a block); "
-                   f"host->device {bw:.1f} GB/s{' (measured)' if results['pcie_measured'] else ' (nominal)'}; "
-                   f"prompts: {_describe_prompts(e.get('prompts'))}.\n")
+        out.append(
+            f"**{name}**: {e['num_experts']} experts x {e['num_moe_layers']} MoE layers, top-{e['top_k']}, "
+            f"{e['expert_bytes'] / 1e6:,.0f} MB of experts ({e['expert_block_bytes'] / 1e6:.2f} MB a block); "
+            f"host->device {bw:.1f} GB/s{' (measured)' if results['pcie_measured'] else ' (nominal)'}; "
+            f"prompts: {_describe_prompts(e.get('prompts'))}.\n"
+        )
         counts, speed = [], []
         for fraction, modes in e["runs"].items():
             budget = f"{float(fraction):.0%} ({next(iter(modes.values()))['slots_per_layer']} slots)"
             for mode, run in modes.items():
                 d1, d16, r = run["decode"]["1"], run["decode"]["16"], e["ratios"][fraction][mode]
-                counts.append([budget, MODE_NAMES.get(mode, mode), _fmt(d1["hit_rate"], ".3f"),
-                               _fmt(d16["hit_rate"], ".3f"), f"{d1['bytes_copied_per_token'] / 1e6:.2f}",
-                               f"{d16['bytes_copied_per_token'] / 1e6:.2f}",
-                               f"{d1['prefetches_issued']} / {d1['prefetches_used']}",
-                               f"{d16['prefetches_issued']} / {d16['prefetches_used']}",
-                               _fmt(d1["plan_recall"], ".3f"), _fmt(d16["plan_recall"], ".3f")])
-                speed.append([budget, MODE_NAMES.get(mode, mode), f"{d1['tok_s']:.1f}", _fmt(d1["x_pcie_bound"]),
-                              _fmt(r.get("decode_b1_x_hf"), ".1f"), _fmt(r.get("decode_b1_x_none")),
-                              f"{d16['tok_s']:.1f}", _fmt(d16["x_pcie_bound"]), _fmt(r.get("decode_b16_x_hf"), ".1f"),
-                              _fmt(r.get("decode_b16_x_none")), f"{d16['stall_fraction']:.2f}",
-                              f"{run['prefill']['tok_s']:.0f}", _fmt(r.get("prefill_x_hf"), ".1f")])
+                counts.append(
+                    [
+                        budget,
+                        MODE_NAMES.get(mode, mode),
+                        _fmt(d1["hit_rate"], ".3f"),
+                        _fmt(d16["hit_rate"], ".3f"),
+                        f"{d1['bytes_copied_per_token'] / 1e6:.2f}",
+                        f"{d16['bytes_copied_per_token'] / 1e6:.2f}",
+                        f"{d1['prefetches_issued']} / {d1['prefetches_used']}",
+                        f"{d16['prefetches_issued']} / {d16['prefetches_used']}",
+                        _fmt(d1["plan_recall"], ".3f"),
+                        _fmt(d16["plan_recall"], ".3f"),
+                    ]
+                )
+                speed.append(
+                    [
+                        budget,
+                        MODE_NAMES.get(mode, mode),
+                        f"{d1['tok_s']:.1f}",
+                        _fmt(d1["x_pcie_bound"]),
+                        _fmt(r.get("decode_b1_x_hf"), ".1f"),
+                        _fmt(r.get("decode_b1_x_none")),
+                        f"{d16['tok_s']:.1f}",
+                        _fmt(d16["x_pcie_bound"]),
+                        _fmt(r.get("decode_b16_x_hf"), ".1f"),
+                        _fmt(r.get("decode_b16_x_none")),
+                        f"{d16['stall_fraction']:.2f}",
+                        f"{run['prefill']['tok_s']:.0f}",
+                        _fmt(r.get("prefill_x_hf"), ".1f"),
+                    ]
+                )
         steps = next(iter(next(iter(e["runs"].values())).values()))["decode"]["1"]["steps"]
         out.append(f"Expert-cache counts over the {steps} timed decode steps at each batch size (b=1 | b=16):\n")
-        out.append(_table(["expert budget", "prefetch", "hit rate b=1", "hit rate b=16", "MB copied / token b=1",
-                           "MB copied / token b=16", "prefetches issued / used b=1", "issued / used b=16",
-                           "plan recall b=1", "plan recall b=16"], counts))
+        out.append(
+            _table(
+                [
+                    "expert budget",
+                    "prefetch",
+                    "hit rate b=1",
+                    "hit rate b=16",
+                    "MB copied / token b=1",
+                    "MB copied / token b=16",
+                    "prefetches issued / used b=1",
+                    "issued / used b=16",
+                    "plan recall b=1",
+                    "plan recall b=16",
+                ],
+                counts,
+            )
+        )
         out.append("\nSpeed (decode: median step; prefill 1 x 512, best of 3):\n")
-        out.append(_table(["expert budget", "prefetch", "decode b=1 tok/s", "× PCIe bound", "× HF", "× none",
-                           "decode b=16 tok/s", "× PCIe bound", "× HF", "× none", "stall share b=16",
-                           "prefill tok/s", "× HF"], speed))
+        out.append(
+            _table(
+                [
+                    "expert budget",
+                    "prefetch",
+                    "decode b=1 tok/s",
+                    "× PCIe bound",
+                    "× HF",
+                    "× none",
+                    "decode b=16 tok/s",
+                    "× PCIe bound",
+                    "× HF",
+                    "× none",
+                    "stall share b=16",
+                    "prefill tok/s",
+                    "× HF",
+                ],
+                speed,
+            )
+        )
         if e.get("hf"):
             rows = []
             for fraction, h in e["hf"].items():
                 if "error" in h:
                     rows.append([f"{float(fraction):.0%}", "error: " + h["error"][:80], "", "", ""])
                     continue
-                rows.append([f"{float(fraction):.0%}", ", ".join(h["offloaded_modules"]) or "none",
-                             f"{1e3 / h['decode_ms']['1']:.1f}", f"{16e3 / h['decode_ms']['16']:.1f}",
-                             f"{h['prefill_tok_s']:.0f}"])
+                rows.append(
+                    [
+                        f"{float(fraction):.0%}",
+                        ", ".join(h["offloaded_modules"]) or "none",
+                        f"{1e3 / h['decode_ms']['1']:.1f}",
+                        f"{16e3 / h['decode_ms']['16']:.1f}",
+                        f"{h['prefill_tok_s']:.0f}",
+                    ]
+                )
             out.append("\ntransformers + accelerate at the same device budget:\n")
-            out.append(_table(["expert budget", "MoE blocks on the host", "decode b=1 tok/s", "decode b=16 tok/s",
-                               "prefill tok/s"], rows))
+            out.append(
+                _table(
+                    [
+                        "expert budget",
+                        "MoE blocks on the host",
+                        "decode b=1 tok/s",
+                        "decode b=16 tok/s",
+                        "prefill tok/s",
+                    ],
+                    rows,
+                )
+            )
         out.append("")
     return "\n".join(out)
 
@@ -138,35 +229,61 @@ def _describe_prompts(p: dict | None) -> str:
 
 def recall_markdown(recall: dict) -> str:
     layers = recall["moe_layers"]
-    rows = [["table from the training split", *(f"{r:.3f}" for r in recall["recall_per_layer"]),
-             f"**{recall['recall']:.3f}**"],
-            ["embedding fallback alone", *(f"{r:.3f}" for r in recall["fallback_recall_per_layer"]),
-             f"{recall['fallback_recall']:.3f}"],
-            [f"chance (k/E = {recall['top_k']}/{recall['num_experts']})",
-             *[f"{recall['chance_recall']:.3f}"] * (len(layers) + 1)]]
+    rows = [
+        [
+            "table from the training split",
+            *(f"{r:.3f}" for r in recall["recall_per_layer"]),
+            f"**{recall['recall']:.3f}**",
+        ],
+        [
+            "embedding fallback alone",
+            *(f"{r:.3f}" for r in recall["fallback_recall_per_layer"]),
+            f"{recall['fallback_recall']:.3f}",
+        ],
+        [
+            f"chance (k/E = {recall['top_k']}/{recall['num_experts']})",
+            *[f"{recall['chance_recall']:.3f}"] * (len(layers) + 1),
+        ],
+    ]
     unseen = recall.get("heldout_unseen_share")
-    note = (f"Top-{recall['top_k']} recall on {recall['tokens']:,} held-out tokens ({Path(recall['text']).name}, "
-            f"{recall['sequences']} sequences of {recall['sequence_length']})"
-            + ("" if unseen is None else f"; {100 * unseen:.1f} % of them never seen in the training split") + ":\n")
+    note = (
+        f"Top-{recall['top_k']} recall on {recall['tokens']:,} held-out tokens ({Path(recall['text']).name}, "
+        f"{recall['sequences']} sequences of {recall['sequence_length']})"
+        + ("" if unseen is None else f"; {100 * unseen:.1f} % of them never seen in the training split")
+        + ":\n"
+    )
     return note + "\n" + _table(["layer", *map(str, layers), "overall"], rows)
 
 
 def training_markdown(log: dict) -> str:
     p, f = log["model"]["parameters"], log["final"]
-    rows = [["parameters", f"{p['total'] / 1e6:.1f} M total, {p['active_per_token'] / 1e6:.1f} M active per token"],
-            ["training", f"{log['steps']} steps (asked {log['steps_requested']}) x {log['model']['batch_size']} x "
-                         f"{log['model']['sequence_length']:,} tokens ({log['tokens_seen'] / 1e6:.1f} M tokens), "
-                         f"{log['wall_s']} s on one {log['device']}"],
-            ["best step", str(log["best_step"])],
-            ["held-out perplexity", f"{f['heldout_perplexity']:.1f} (cross-entropy {f['heldout_ce']:.3f} nats, "
-                                    f"{f['heldout_bits_per_character']:.3f} bits per character)"],
-            ["validation perplexity", f"{f['validation_perplexity']:.1f}"]]
+    rows = [
+        ["parameters", f"{p['total'] / 1e6:.1f} M total, {p['active_per_token'] / 1e6:.1f} M active per token"],
+        [
+            "training",
+            f"{log['steps']} steps (asked {log['steps_requested']}) x {log['model']['batch_size']} x "
+            f"{log['model']['sequence_length']:,} tokens ({log['tokens_seen'] / 1e6:.1f} M tokens), "
+            f"{log['wall_s']} s on one {log['device']}",
+        ],
+        ["best step", str(log["best_step"])],
+        [
+            "held-out perplexity",
+            f"{f['heldout_perplexity']:.1f} (cross-entropy {f['heldout_ce']:.3f} nats, "
+            f"{f['heldout_bits_per_character']:.3f} bits per character)",
+        ],
+        ["validation perplexity", f"{f['validation_perplexity']:.1f}"],
+    ]
     loads = log.get("expert_load_heldout") or []
     if loads:
         worst = max(loads, key=lambda r: r["max_over_ideal"])
-        rows.append(["expert load (held out)", f"max share / ideal {min(r['max_over_ideal'] for r in loads):.2f}-"
-                                               f"{worst['max_over_ideal']:.2f} over layers, normalised entropy "
-                                               f"{min(r['normalized_entropy'] for r in loads):.3f} at worst"])
+        rows.append(
+            [
+                "expert load (held out)",
+                f"max share / ideal {min(r['max_over_ideal'] for r in loads):.2f}-"
+                f"{worst['max_over_ideal']:.2f} over layers, normalised entropy "
+                f"{min(r['normalized_entropy'] for r in loads):.3f} at worst",
+            ]
+        )
     return _table(["", ""], rows)
 
 
@@ -176,13 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.results.is_dir():
         parser.error(f"{args.results}: not a folder")
-    found = {name: next(iter(sorted(args.results.rglob(name))), None)
-             for name in ("training_log.json", "recall.json", "offload.json")}
+    found = {
+        name: next(iter(sorted(args.results.rglob(name))), None)
+        for name in ("training_log.json", "recall.json", "offload.json")
+    }
     if not any(found.values()):
         parser.error(f"{args.results}: none of {', '.join(found)} found")
-    sections = [("Training (docs/default-model.md)", "training_log.json", training_markdown),
-                ("Held-out recall (docs/routing.md, docs/default-model.md)", "recall.json", recall_markdown),
-                ("Offload (docs/expert-cache.md)", "offload.json", offload_markdown)]
+    sections = [
+        ("Training (docs/default-model.md)", "training_log.json", training_markdown),
+        ("Held-out recall (docs/routing.md, docs/default-model.md)", "recall.json", recall_markdown),
+        ("Offload (docs/expert-cache.md)", "offload.json", offload_markdown),
+    ]
     for title, name, render in sections:
         if found[name] is not None:
             print(f"## {title}\n\n<!-- {found[name]} -->\n\n{render(json.loads(found[name].read_text()))}\n")

@@ -8,6 +8,7 @@ qwen3moe-shape has a 152k vocabulary). `--shape tiny --backend cpu` runs the sam
 
     python bench/penalties.py --out out/ [--shape qwen3moe-shape] [--backend cuda]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def scenarios():
     """name -> (sampling of sequence i of a batch of n)."""
     from expert_service.engine.penalties import PenaltyParams
     from expert_service.engine.sampling import SamplingParams
+
     penalised = SamplingParams(penalties=PenaltyParams(**PENALTIES))
     return {
         "plain": lambda i, n: SamplingParams(),
@@ -43,9 +45,10 @@ def scenarios():
 def decode_ms(engine, batch: int, sampling, rng) -> float:
     """Median ms of a decode step of `batch` sequences with CONTEXT tokens of prompt each."""
     from expert_service.engine.engine import PrefillInput
+
     ids = list(range(batch))
     for start in range(0, batch, max(1, engine.config.max_batch_tokens // CONTEXT)):
-        chunk = ids[start:start + max(1, engine.config.max_batch_tokens // CONTEXT)]
+        chunk = ids[start : start + max(1, engine.config.max_batch_tokens // CONTEXT)]
         engine.step([PrefillInput(i, rng.integers(3, 250, CONTEXT), sampling(i, batch), True) for i in chunk])
     times = []
     for _ in range(STEPS):
@@ -53,17 +56,19 @@ def decode_ms(engine, batch: int, sampling, rng) -> float:
         engine.step(decode_ids=ids)
         times.append(time.perf_counter() - t0)
     engine.clear()
-    return float(np.median(times[STEPS // 4:]) * 1e3)
+    return float(np.median(times[STEPS // 4 :]) * 1e3)
 
 
 def prefill_ms(engine, tokens: int, prompt_logprobs: int | None, rng) -> float:
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
+
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        engine.step([PrefillInput(0, rng.integers(3, 250, tokens), SamplingParams(prompt_logprobs=prompt_logprobs),
-                                  True)])
+        engine.step(
+            [PrefillInput(0, rng.integers(3, 250, tokens), SamplingParams(prompt_logprobs=prompt_logprobs), True)]
+        )
         times.append(time.perf_counter() - t0)
         engine.clear()
     return float(np.median(times[1:]) * 1e3)
@@ -73,26 +78,39 @@ def run(shape: str, backend: str, workdir: Path) -> dict:
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+
     if shape == "tiny":
         from expert_service.tools.tiny_model import make_tiny
+
         model_dir = make_tiny(workdir / "tiny", family="qwen3_moe", seed=0)
     else:
         from bench.engine import SHAPES
         from bench.profile_step import write_random_model
+
         family, params = SHAPES[shape]
         model_dir = write_random_model(family, params, workdir / shape)
-    engine = build_engine(ModelDir.open(model_dir), EngineConfig(backend=backend, max_batch_size=max(BATCHES),
-                                                           max_batch_tokens=2048, kv_cache_tokens=65536))
+    engine = build_engine(
+        ModelDir.open(model_dir),
+        EngineConfig(backend=backend, max_batch_size=max(BATCHES), max_batch_tokens=2048, kv_cache_tokens=65536),
+    )
     engine.warmup()
     rng = np.random.default_rng(0)
-    result = {"shape": shape, "backend": backend, "vocab_size": engine.model_config.vocab_size,
-              "memory_plan": dict(engine.decoder.memory_plan()), "decode_ms": {}}
+    result = {
+        "shape": shape,
+        "backend": backend,
+        "vocab_size": engine.model_config.vocab_size,
+        "memory_plan": dict(engine.decoder.memory_plan()),
+        "decode_ms": {},
+    }
     for name, sampling in scenarios().items():
         result["decode_ms"][name] = {str(b): decode_ms(engine, b, sampling, rng) for b in BATCHES}
         print(name, result["decode_ms"][name], flush=True)
-    scored = max(BATCHES)          # the most prompt tokens one step scores (max_batch_size)
-    result["prefill_ms"] = {"tokens": scored, "plain": prefill_ms(engine, scored, None, rng),
-                            "prompt_logprobs_5": prefill_ms(engine, scored, 5, rng)}
+    scored = max(BATCHES)  # the most prompt tokens one step scores (max_batch_size)
+    result["prefill_ms"] = {
+        "tokens": scored,
+        "plain": prefill_ms(engine, scored, None, rng),
+        "prompt_logprobs_5": prefill_ms(engine, scored, 5, rng),
+    }
     print("prefill", result["prefill_ms"], flush=True)
     engine.close()
     return result

@@ -1,4 +1,5 @@
 """matplotlib for the benches' PNGs, headless; None when it is not installed (the JSON is the result)."""
+
 from __future__ import annotations
 
 import sys
@@ -11,6 +12,7 @@ def pyplot():
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -26,19 +28,43 @@ def plot_serve(results: dict, path) -> None:
     for row, (name, entry) in zip(axes, models.items()):
         e = entry["engine"]["batches"]
         ns = [int(n) for n in e]
-        panels = [("inter-token latency p50 (ms)", lambda s: s["itl_ms"]["p50"],
-                   [e[str(n)]["decode_step_ms"]["p50"] for n in ns], "engine decode step"),
-                  ("throughput (tok/s)", lambda s: s["throughput_tok_s"], [e[str(n)]["tok_s"] for n in ns],
-                   "engine B / step"),
-                  ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"], [e[str(n)]["prefill_all_ms"] for n in ns],
-                   "engine prefill of N prompts")]
+        panels = [
+            (
+                "inter-token latency p50 (ms)",
+                lambda s: s["itl_ms"]["p50"],
+                [e[str(n)]["decode_step_ms"]["p50"] for n in ns],
+                "engine decode step",
+            ),
+            (
+                "throughput (tok/s)",
+                lambda s: s["throughput_tok_s"],
+                [e[str(n)]["tok_s"] for n in ns],
+                "engine B / step",
+            ),
+            (
+                "TTFT p50 (ms)",
+                lambda s: s["ttft_ms"]["p50"],
+                [e[str(n)]["prefill_all_ms"] for n in ns],
+                "engine prefill of N prompts",
+            ),
+        ]
         for ax, (label, pick, engine_values, engine_label) in zip(row, panels):
             ax.plot(ns, engine_values, "k--o", label=engine_label)
             for depth, by_n in entry["served"].items():
-                ax.plot([int(n) for n in by_n], [pick(s) for s in by_n.values()], "-o",
-                        label=f"served, pipeline depth {depth}")
-            ax.set(xscale="log", xticks=ns, xticklabels=[str(n) for n in ns], xlabel="concurrent clients (= batch)",
-                   ylabel=label, title=f"{name}: {label.split(' (')[0]}")
+                ax.plot(
+                    [int(n) for n in by_n],
+                    [pick(s) for s in by_n.values()],
+                    "-o",
+                    label=f"served, pipeline depth {depth}",
+                )
+            ax.set(
+                xscale="log",
+                xticks=ns,
+                xticklabels=[str(n) for n in ns],
+                xlabel="concurrent clients (= batch)",
+                ylabel=label,
+                title=f"{name}: {label.split(' (')[0]}",
+            )
             ax.minorticks_off()
             ax.legend(fontsize=8)
     fig.suptitle(f"served vs engine alone -- {results['device']} ({results['machine']})")

@@ -24,6 +24,7 @@ pool reused across tensors, fresh values for the routers so routing stays unifor
     python bench/profile_step.py --out out/ [--shapes mixtral-shape] [--variants fused,unfused,lut]
                                  [--scenarios prefill_1x512,decode_1,decode_16,decode_64] [--top 12]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES  # noqa: E402
 
-SCENARIOS = {"prefill_1x512": ("prefill", 1, 512), "prefill_16x128": ("prefill", 16, 128),
-             "decode_1": ("decode", 1, 128), "decode_16": ("decode", 16, 128), "decode_64": ("decode", 64, 128)}
+SCENARIOS = {
+    "prefill_1x512": ("prefill", 1, 512),
+    "prefill_16x128": ("prefill", 16, 128),
+    "decode_1": ("decode", 1, 128),
+    "decode_16": ("decode", 16, 128),
+    "decode_64": ("decode", 64, 128),
+}
 # CudaOptions field -> value of each variant (unlisted fields keep their shipped values). Results recorded before
 # the options existed name them by the module switches they replaced (decoder.USE_FUSED_ROPE_KV: fused_rope_kv).
 VARIANTS = {
@@ -51,11 +57,17 @@ VARIANTS = {
     "unfused_qk_norm": {"fused_qk_norm": False},
     "lut": {},
     "untiled_attention": {"tiled_decode_attention": False},
-    "baseline": {"fused_rope_kv": False, "fused_combine_norm": False, "fused_qk_norm": False, "fused_router": False,
-                 "greedy_split": False, "tiled_decode_attention": False},
+    "baseline": {
+        "fused_rope_kv": False,
+        "fused_combine_norm": False,
+        "fused_qk_norm": False,
+        "fused_router": False,
+        "greedy_split": False,
+        "tiled_decode_attention": False,
+    },
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
-POOL_ELEMENTS = 1 << 26     # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
+POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
 
 
 def short_name(name: str) -> str:
@@ -67,7 +79,7 @@ def short_name(name: str) -> str:
     while i < len(name) and name[i].isdigit():
         digits = re.match(r"\d+", name[i:]).group()
         i += len(digits)
-        parts.append(name[i:i + int(digits)])
+        parts.append(name[i : i + int(digits)])
         i += int(digits)
     return parts[-1] if parts else name[:60]
 
@@ -75,6 +87,7 @@ def short_name(name: str) -> str:
 def variant_options(variant: str):
     """The CudaOptions a variant runs with."""
     from expert_service.engine.cuda_options import CudaOptions
+
     return CudaOptions(**VARIANTS[variant])
 
 
@@ -85,6 +98,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
     from common.model_format import ModelWriter
     from common.models import tensor_specs
     from expert_service.tools.tiny_model import tiny_hf_config
+
     rng = np.random.default_rng(seed)
     hf = {**tiny_hf_config(family), **params, "rope_theta": 1e6, "dtype": "bfloat16"}
     writer = ModelWriter(out, hf, "bfloat16")
@@ -93,16 +107,16 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
         size = int(np.prod(spec.shape))
         leaf = spec.name.rsplit(".", 1)[-1]
         if leaf.endswith("norm"):
-            values = np.full(size, 0x3F80, np.uint16)           # bf16 1.0
+            values = np.full(size, 0x3F80, np.uint16)  # bf16 1.0
         elif leaf == "router":
             values = float32_to_bf16(rng.standard_normal(size, dtype=np.float32) * np.float32(0.02))
-        elif size <= pool.size:                                  # a view: no copy, no generator
+        elif size <= pool.size:  # a view: no copy, no generator
             start = int(rng.integers(0, pool.size - size + 1))
-            values = pool[start:start + size]
-        else:                                                    # the pool tiled (slice copies: memcpy speed)
+            values = pool[start : start + size]
+        else:  # the pool tiled (slice copies: memcpy speed)
             values = np.empty(size, np.uint16)
             for at in range(0, size, pool.size):
-                values[at:at + pool.size] = pool[:size - at]
+                values[at : at + pool.size] = pool[: size - at]
         writer.write(spec.name, values.reshape(spec.shape))
     return writer.finish()
 
@@ -110,6 +124,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
 def random_plan(layers, num_tokens: int, num_experts: int, top_k: int, rng):
     """A routing plan sending each token to top_k distinct uniform random experts at every MoE layer."""
     from common.routing_plan import RoutingPlan
+
     keys = rng.random((len(layers), num_tokens, num_experts))
     ids = np.argpartition(keys, top_k - 1, axis=2)[:, :, :top_k].astype(np.uint16)
     return RoutingPlan.from_expert_ids(layers, ids, num_experts)
@@ -118,6 +133,7 @@ def random_plan(layers, num_tokens: int, num_experts: int, top_k: int, rng):
 def profile(fn, repeats: int) -> tuple[dict, float]:
     import torch
     from torch.profiler import ProfilerActivity
+
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -138,8 +154,11 @@ def profile(fn, repeats: int) -> tuple[dict, float]:
 def summarise(totals: dict, wall_us: float) -> dict:
     busy = sum(t for t, _ in totals.values())
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    return {"wall_us": wall_us, "device_busy_us": busy,
-            "kernels": {k: {"us": t, "launches": c} for k, (t, c) in ranked}}
+    return {
+        "wall_us": wall_us,
+        "device_busy_us": busy,
+        "kernels": {k: {"us": t, "launches": c} for k, (t, c) in ranked},
+    }
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -153,8 +172,11 @@ def compare(a: dict, b: dict) -> dict:
         if abs(x["launches"] - y["launches"]) > 1e-9 or abs(x["us"] - y["us"]) > 0.5:
             rows.append((name, x["us"] - y["us"], x["launches"] - y["launches"]))
     rows.sort(key=lambda r: -abs(r[1]))
-    return {"device_busy_us": a["device_busy_us"] - b["device_busy_us"], "wall_us": a["wall_us"] - b["wall_us"],
-            "kernels": {n: {"us": d, "launches": c} for n, d, c in rows}}
+    return {
+        "device_busy_us": a["device_busy_us"] - b["device_busy_us"],
+        "wall_us": a["wall_us"] - b["wall_us"],
+        "kernels": {n: {"us": d, "launches": c} for n, d, c in rows},
+    }
 
 
 class Scenarios:
@@ -174,13 +196,16 @@ class Scenarios:
     def _sequences(self, b: int, n: int) -> list[int]:
         from expert_service.engine.engine import PrefillInput
         from expert_service.engine.sampling import SamplingParams
+
         if b not in self.decoding:
-            for other in list(self.decoding):        # one batch in the KV pool at a time
+            for other in list(self.decoding):  # one batch in the KV pool at a time
                 self.engine.release(self.decoding.pop(other))
             ids = list(range(10_000 * b, 10_000 * b + b))
-            for start in range(0, b, 16):              # prompts in chunks of 16 x n tokens (the step budget)
-                chunk = [PrefillInput(i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
-                         for i in ids[start:start + 16]]
+            for start in range(0, b, 16):  # prompts in chunks of 16 x n tokens (the step budget)
+                chunk = [
+                    PrefillInput(i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
+                    for i in ids[start : start + 16]
+                ]
                 self.engine.step(chunk, routing_plan=self._plan(len(chunk) * n))
             self.decoding[b] = ids
         return self.decoding[b]
@@ -188,26 +213,30 @@ class Scenarios:
     def run(self, scenario: str) -> dict:
         from expert_service.engine.engine import PrefillInput
         from expert_service.engine.sampling import SamplingParams
+
         kind, b, n = SCENARIOS[scenario]
         engine = self.engine
         if kind == "prefill":
-            chunks = [PrefillInput(1000 + i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
-                      for i in range(b)]
+            chunks = [
+                PrefillInput(1000 + i, self.rng.integers(0, self.vocab, n), SamplingParams(), True) for i in range(b)
+            ]
             plan = self._plan(b * n)
 
             def fn():
                 engine.step(chunks, routing_plan=plan)
                 engine.release([c.request_id for c in chunks])
-            fn()            # eager; profile's own first call captures the bucket's graph, the profiled ones replay
+
+            fn()  # eager; profile's own first call captures the bucket's graph, the profiled ones replay
         else:
             ids = self._sequences(b, n)
             plan = self._plan(b)
-            engine.decoder.drop_graphs()               # this variant's own graphs: eager, capture, replay
+            engine.decoder.drop_graphs()  # this variant's own graphs: eager, capture, replay
             for _ in range(2):
                 engine.step(decode_ids=ids, routing_plan=plan)
 
             def fn():
                 engine.step(decode_ids=ids, routing_plan=plan)
+
         totals, wall_us = profile(fn, PROFILED_STEPS[kind])
         return summarise(totals, wall_us)
 
@@ -216,6 +245,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+
     family, params = SHAPES[name]
     started = time.perf_counter()
     model_dir = write_random_model(family, params, workdir / name)
@@ -226,12 +256,20 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
             group = [v for v in variants if (v == "lut") == lut]
             if not group:
                 continue
-            engine = build_engine(ModelDir.open(model_dir, verify=False), EngineConfig(
-                backend="cuda", kv_block_size=16, kv_cache_tokens=64 * 512, max_batch_tokens=2048,
-                max_batch_size=64, routing="lut" if lut else "exact"))
+            engine = build_engine(
+                ModelDir.open(model_dir, verify=False),
+                EngineConfig(
+                    backend="cuda",
+                    kv_block_size=16,
+                    kv_cache_tokens=64 * 512,
+                    max_batch_tokens=2048,
+                    max_batch_size=64,
+                    routing="lut" if lut else "exact",
+                ),
+            )
             runner = Scenarios(engine, params["vocab_size"], lut)
             try:
-                for scenario in scenarios:            # variants inner: same sequences, adjacent in time
+                for scenario in scenarios:  # variants inner: same sequences, adjacent in time
                     for variant in group:
                         engine.decoder.set_options(variant_options(variant))
                         entry = runner.run(scenario)
@@ -243,12 +281,20 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     if "fused" in results and "unfused" in results:
-        results["fused_minus_unfused"] = {s: compare(results["fused"][s], results["unfused"][s])
-                                          for s in scenarios if s in results["fused"] and s in results["unfused"]}
+        results["fused_minus_unfused"] = {
+            s: compare(results["fused"][s], results["unfused"][s])
+            for s in scenarios
+            if s in results["fused"] and s in results["unfused"]
+        }
         for s, diff in results["fused_minus_unfused"].items():
-            changed = ", ".join(f"{k} {v['us']:+.1f} us ({v['launches']:+.0f})" for k, v in list(diff["kernels"].items())[:6])
-            print(f"{name} {s} fused - unfused: busy {diff['device_busy_us']:+.1f} us, wall {diff['wall_us']:+.1f} us; "
-                  f"{changed}", flush=True)
+            changed = ", ".join(
+                f"{k} {v['us']:+.1f} us ({v['launches']:+.0f})" for k, v in list(diff["kernels"].items())[:6]
+            )
+            print(
+                f"{name} {s} fused - unfused: busy {diff['device_busy_us']:+.1f} us, wall {diff['wall_us']:+.1f} us; "
+                f"{changed}",
+                flush=True,
+            )
     return results
 
 
@@ -275,19 +321,26 @@ def main() -> int:
         if unknown:
             parser.error(f"--{what}s: unknown {what} {unknown[0]!r} (known: {', '.join(known)})")
     import torch
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(), "variants": {v: VARIANTS[v] for v in variants},
-               "profiled_steps": PROFILED_STEPS, "shapes": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "variants": {v: VARIANTS[v] for v in variants},
+        "profiled_steps": PROFILED_STEPS,
+        "shapes": {},
+    }
 
     def save(shape_results, name=None):
         if name is not None:
             results["shapes"][name] = shape_results
         (out_dir / "profile_step.json").write_text(json.dumps(results, indent=1))
+
     for name in args.shapes.split(","):
         results["shapes"][name] = {}
-        shape = run_shape(name, Path(args.workdir), variants, scenarios, args.top,
-                          lambda partial, name=name: save(partial, name))
+        shape = run_shape(
+            name, Path(args.workdir), variants, scenarios, args.top, lambda partial, name=name: save(partial, name)
+        )
         save(shape, name)
     return 0
 

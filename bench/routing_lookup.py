@@ -7,6 +7,7 @@ protobuf encoding, what the router does per step -- for decode steps of 1/16/64 
 
     python bench/routing_lookup.py --out out/routing_lookup.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,14 @@ def main() -> int:
     rng = np.random.default_rng(0)
     table = rng.integers(0, args.experts, (args.layers, args.vocab, args.top_k), dtype=np.uint16)
     planner = RoutingPlanner(RoutingTable(table, args.experts, list(range(args.layers))))
-    results = {"table_bytes": table.nbytes, "layers": args.layers, "vocab": args.vocab, "experts": args.experts,
-               "top_k": args.top_k, "steps": {}}
+    results = {
+        "table_bytes": table.nbytes,
+        "layers": args.layers,
+        "vocab": args.vocab,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "steps": {},
+    }
     for kind, tokens in (("decode", 1), ("decode", 16), ("decode", 64), ("prefill", 512), ("prefill", 2048)):
         if kind == "decode":
             ids = {i: int(rng.integers(0, args.vocab)) for i in range(tokens)}
@@ -50,11 +57,17 @@ def main() -> int:
             start = time.perf_counter()
             message = planner.routing_plan(step).to_pb()
             times.append(time.perf_counter() - start)
-        results["steps"][f"{kind}_{tokens}"] = {"tokens": tokens, "median_us": float(np.median(times) * 1e6),
-                                                "p99_us": float(np.percentile(times, 99) * 1e6),
-                                                "message_bytes": message.ByteSize()}
-        print(f"{kind:8s} {tokens:5d} tokens: {np.median(times) * 1e6:8.0f} us median, "
-              f"{message.ByteSize() / 1024:8.1f} KiB on the wire", flush=True)
+        results["steps"][f"{kind}_{tokens}"] = {
+            "tokens": tokens,
+            "median_us": float(np.median(times) * 1e6),
+            "p99_us": float(np.percentile(times, 99) * 1e6),
+            "message_bytes": message.ByteSize(),
+        }
+        print(
+            f"{kind:8s} {tokens:5d} tokens: {np.median(times) * 1e6:8.0f} us median, "
+            f"{message.ByteSize() / 1024:8.1f} KiB on the wire",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -19,14 +19,13 @@ Models: `--backend cpu` the tiny model (`colibri make-tiny`); `--backend cuda` m
 Writes <out>/<name>.json (machine, device, config, every number) and .png; prints the ratio table:
     python bench/serve.py --backend cpu | --backend cuda --out out/serve
 """
+
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -38,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -47,35 +45,28 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.plotting import plot_serve  # noqa: E402
+from bench.serve_clients import log, measure_served, percentile  # noqa: E402
 from common.pb import router_pb2 as rpb  # noqa: E402
-from common.pb import router_pb2_grpc  # noqa: E402
 
 # per backend: P, G and the measured rounds per client count
-DEFAULTS = {"cpu": dict(prompt_tokens=32, new_tokens=16, rounds=2),
-            "cuda": dict(prompt_tokens=128, new_tokens=64, rounds=3)}
+DEFAULTS = {
+    "cpu": dict(prompt_tokens=32, new_tokens=16, rounds=2),
+    "cuda": dict(prompt_tokens=128, new_tokens=64, rounds=3),
+}
 CLIENTS = (1, 4, 16, 64)
-DEPTHS = (2, 1)            # the router's --pipeline-depth: the default first, then no pipelining
+DEPTHS = (2, 1)  # the router's --pipeline-depth: the default first, then no pipelining
 KV_BLOCK = 16
-MAX_BATCH_TOKENS = 2048    # the router's default step token budget; the worker gets the same
+MAX_BATCH_TOKENS = 2048  # the router's default step token budget; the worker gets the same
 PREFILL_REPEATS = 5
-MIN_REQUESTS = 8           # per client count: at least this many requests (more rounds for small N), for TTFT
-BARRIER_TIMEOUT_S = 300.0
 MODEL_FIELDS = ("family", "num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok", "vocab_size")
-METRICS = ("batch_size", "batch_tokens", "step_duration_seconds", "step_transport_overhead_seconds")  # router's
-STALL_FACTOR = 5.0         # a gap longer than this many ITL p50s counts as a stall
-TARGETS = {"itl_p50_1client_x_engine_b1_step": ("<=", 1.15), "throughput_16clients_x_engine_b16": (">=", 0.90),
-           "throughput_64clients_x_engine_b64": (">=", 0.90), "ttft_p50_1client_minus_engine_prefill_ms": ("<=", 2.0)}
-ROUTER_READY = rpb.DESCRIPTOR.services_by_name["GenerationService"].full_name    # health names: ready to serve
+TARGETS = {
+    "itl_p50_1client_x_engine_b1_step": ("<=", 1.15),
+    "throughput_16clients_x_engine_b16": (">=", 0.90),
+    "throughput_64clients_x_engine_b64": (">=", 0.90),
+    "ttft_p50_1client_minus_engine_prefill_ms": ("<=", 2.0),
+}
+ROUTER_READY = rpb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # health names: ready to serve
 WORKER_READY = "colibri.worker.v1.WorkerService"
-T0 = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f} s] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values, q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else math.nan
 
 
 # --- the models ------------------------------------------------------------------------------------------
@@ -86,11 +77,13 @@ def prepare_models(args, workdir: Path):
         return
     if args.backend == "cpu":
         from expert_service.tools.tiny_model import make_tiny
+
         yield "tiny", make_tiny(workdir / "models" / "tiny", family="mixtral", seed=0, progress=False)
         return
     import torch
 
     from bench.engine import SHAPES, build_hf, write_colibri
+
     for name in args.shapes.split(","):
         family, params = SHAPES[name]
         started = time.monotonic()
@@ -108,9 +101,14 @@ def settings(args) -> dict:
     """The worker's (and the in-process engine's) settings: room for max(--clients) requests of P+G tokens."""
     per_request = -(-(args.prompt_tokens + args.new_tokens) // KV_BLOCK) * KV_BLOCK
     most = max(args.clients)
-    return dict(backend=args.backend, kv_block_size=KV_BLOCK, max_batch_tokens=MAX_BATCH_TOKENS,
-                max_batch_size=max(64, most), kv_cache_tokens=2 * most * per_request + MAX_BATCH_TOKENS,
-                max_concurrent_requests=max(128, 2 * most))
+    return dict(
+        backend=args.backend,
+        kv_block_size=KV_BLOCK,
+        max_batch_tokens=MAX_BATCH_TOKENS,
+        max_batch_size=max(64, most),
+        kv_cache_tokens=2 * most * per_request + MAX_BATCH_TOKENS,
+        max_concurrent_requests=max(128, 2 * most),
+    )
 
 
 # --- the engine alone ------------------------------------------------------------------------------------
@@ -118,10 +116,18 @@ def make_engine(model_dir: Path, cfg: dict):
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
-    engine = build_engine(ModelDir.open(model_dir, verify=False), EngineConfig(
-        backend=cfg["backend"], kv_block_size=cfg["kv_block_size"], kv_cache_tokens=cfg["kv_cache_tokens"],
-        max_batch_tokens=cfg["max_batch_tokens"], max_batch_size=cfg["max_batch_size"]))
-    engine.warmup()         # what the worker does before it serves (cuda: compile kernels, capture graphs)
+
+    engine = build_engine(
+        ModelDir.open(model_dir, verify=False),
+        EngineConfig(
+            backend=cfg["backend"],
+            kv_block_size=cfg["kv_block_size"],
+            kv_cache_tokens=cfg["kv_cache_tokens"],
+            max_batch_tokens=cfg["max_batch_tokens"],
+            max_batch_size=cfg["max_batch_size"],
+        ),
+    )
+    engine.warmup()  # what the worker does before it serves (cuda: compile kernels, capture graphs)
     return engine
 
 
@@ -129,6 +135,7 @@ def prefill_steps(prompts: dict[int, np.ndarray], token_budget: int, max_seqs: i
     """The prompts, in order, as steps of <= token_budget tokens and <= max_seqs sequences (long ones split)."""
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
+
     steps, current, used = [], [], 0
     for rid, ids in prompts.items():
         pos = 0
@@ -137,8 +144,9 @@ def prefill_steps(prompts: dict[int, np.ndarray], token_budget: int, max_seqs: i
                 steps.append(current)
                 current, used = [], 0
             take = min(token_budget - used, len(ids) - pos)
-            current.append(PrefillInput(rid, ids[pos:pos + take], SamplingParams() if pos == 0 else None,
-                                        pos + take == len(ids)))
+            current.append(
+                PrefillInput(rid, ids[pos : pos + take], SamplingParams() if pos == 0 else None, pos + take == len(ids))
+            )
             pos, used = pos + take, used + take
     if current:
         steps.append(current)
@@ -160,7 +168,7 @@ def measure_engine(engine, prompts: list[np.ndarray], batch_sizes: list[int], ne
 
     one = prefill_steps({0: prompts[0]}, cfg.max_batch_tokens, cfg.max_batch_size)
     single = []
-    for _ in range(PREFILL_REPEATS + 1):      # the first one is a warm-up
+    for _ in range(PREFILL_REPEATS + 1):  # the first one is a warm-up
         single.append(timed(lambda: [engine.step(s) for s in one]))
         engine.clear()
     prefill, decode, generation, num_steps = ({b: [] for b in batch_sizes} for _ in range(4))
@@ -175,19 +183,27 @@ def measure_engine(engine, prompts: list[np.ndarray], batch_sizes: list[int], ne
             decode[b] += d
             generation[b].append(p + sum(d))
             num_steps[b] = len(steps)
-    out = {"prefill_ms": float(np.median(single[1:])) * 1e3, "prefill_ms_all": [t * 1e3 for t in single[1:]],
-           "passes": passes, "batches": {}}
+    out = {
+        "prefill_ms": float(np.median(single[1:])) * 1e3,
+        "prefill_ms_all": [t * 1e3 for t in single[1:]],
+        "passes": passes,
+        "batches": {},
+    }
     for b in batch_sizes:
         step = float(np.median(decode[b]))
         out["batches"][str(b)] = {
-            "prefill_all_ms": float(np.median(prefill[b])) * 1e3, "prefill_steps": num_steps[b],
-            "decode_step_ms": {"p50": step * 1e3, "p90": percentile(decode[b], 90) * 1e3,
-                               "min": min(decode[b]) * 1e3},
-            "decode_steps": len(decode[b]), "tok_s": b / step,
+            "prefill_all_ms": float(np.median(prefill[b])) * 1e3,
+            "prefill_steps": num_steps[b],
+            "decode_step_ms": {"p50": step * 1e3, "p90": percentile(decode[b], 90) * 1e3, "min": min(decode[b]) * 1e3},
+            "decode_steps": len(decode[b]),
+            "tok_s": b / step,
             "generation_ms": float(np.median(generation[b])) * 1e3,
-            "generation_tok_s": b * new_tokens / float(np.median(generation[b]))}
-        log(f"  engine b={b}: decode step p50 {step * 1e3:.2f} ms, {b / step:,.0f} tok/s; "
-            f"prefill of {b} prompts {out['batches'][str(b)]['prefill_all_ms']:.1f} ms")
+            "generation_tok_s": b * new_tokens / float(np.median(generation[b])),
+        }
+        log(
+            f"  engine b={b}: decode step p50 {step * 1e3:.2f} ms, {b / step:,.0f} tok/s; "
+            f"prefill of {b} prompts {out['batches'][str(b)]['prefill_all_ms']:.1f} ms"
+        )
     return out
 
 
@@ -200,17 +216,53 @@ def free_port() -> int:
 
 def worker_command(model_dir: Path, cfg: dict, port: int) -> list[str]:
     """`colibri worker` as `colibri serve --worker-port PORT` starts it (public flags only)."""
-    return [sys.executable, "-m", "colibri.cli", "worker", "--model", str(model_dir), "--port", str(port),
-            "--metrics-port", "0", "--parent-pid", str(os.getpid()), "--verify-checksums", "false",
-            "--backend", cfg["backend"], "--kv-block-size", str(cfg["kv_block_size"]), "--kv-cache-tokens",
-            str(cfg["kv_cache_tokens"]), *batch_flags(cfg)]
+    return [
+        sys.executable,
+        "-m",
+        "colibri.cli",
+        "worker",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--parent-pid",
+        str(os.getpid()),
+        "--verify-checksums",
+        "false",
+        "--backend",
+        cfg["backend"],
+        "--kv-block-size",
+        str(cfg["kv_block_size"]),
+        "--kv-cache-tokens",
+        str(cfg["kv_cache_tokens"]),
+        *batch_flags(cfg),
+    ]
 
 
 def router_command(model_dir: Path, cfg: dict, worker_port: int, port: int, metrics_port: int, depth: int):
-    return [sys.executable, "-m", "colibri.cli", "router", "--worker", f"127.0.0.1:{worker_port}", "--model",
-            str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-            "--max-concurrent-requests", str(cfg["max_concurrent_requests"]), "--pipeline-depth", str(depth),
-            *batch_flags(cfg)]
+    return [
+        sys.executable,
+        "-m",
+        "colibri.cli",
+        "router",
+        "--worker",
+        f"127.0.0.1:{worker_port}",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--max-concurrent-requests",
+        str(cfg["max_concurrent_requests"]),
+        "--pipeline-depth",
+        str(depth),
+        *batch_flags(cfg),
+    ]
 
 
 def batch_flags(cfg: dict) -> list[str]:
@@ -222,8 +274,12 @@ class Process:
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, token: str):
         self.name, self.log_path = name, log_path
-        env = dict(os.environ, PYTHONUNBUFFERED="1", COLIBRI_WORKER_TOKEN=token,    # as `colibri serve` does
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            COLIBRI_WORKER_TOKEN=token,  # as `colibri serve` does
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        )
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
 
@@ -247,189 +303,20 @@ class Process:
 def wait_serving(target: str, process: Process, timeout: float, service: str) -> float:
     """Waits for `target`'s gRPC health check of `service` to say SERVING; returns the seconds waited."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     started = time.monotonic()
     with grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - started < timeout:
             process.check()
             with contextlib.suppress(grpc.RpcError):
-                if health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return time.monotonic() - started
             time.sleep(0.2)
     raise RuntimeError(f"the {process.name} at {target} is not SERVING after {timeout:.0f} s:\n{process.tail()}")
-
-
-def scrape(metrics_port: int) -> dict[str, float]:
-    """The router's step metrics, summed over label sets: {name_sum|name_count: value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return {f"{name}_{part}": sum(float(v) for v in re.findall(rf"^colibri_{name}_{part}(?:{{[^}}]*}})? (\S+)$",
-                                                                 text, re.M))
-            for name in METRICS for part in ("sum", "count")}
-
-
-def router_steps(before: dict, after: dict) -> dict:
-    """The router's steps between two scrapes: how many, their mean batch and (router-measured) time."""
-    d = {k: after[k] - before[k] for k in after}
-    mean = {name: d[f"{name}_sum"] / d[f"{name}_count"] if d[f"{name}_count"] else None for name in METRICS}
-    return {"steps": int(d["step_duration_seconds_count"]), "mean_batch_size": mean["batch_size"],
-            "mean_batch_tokens": mean["batch_tokens"], "mean_step_ms": (mean["step_duration_seconds"] or 0) * 1e3,
-            "mean_transport_overhead_ms": (mean["step_transport_overhead_seconds"] or 0) * 1e3}
-
-
-# --- the clients -----------------------------------------------------------------------------------------
-async def client(stub, prompt: list[int], new_tokens: int) -> dict:
-    request = rpb.GenerateStreamRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.SamplingParameters(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True))
-    start, times, counts, error = time.perf_counter(), [], [], ""
-    try:
-        async for message in stub.GenerateStream(request, timeout=600):
-            if message.token_ids:
-                times.append(time.perf_counter())
-                counts.append(len(message.token_ids))
-    except grpc.aio.AioRpcError as e:
-        error = f"{e.code().name}: {e.details()}"
-    return {"start": start, "times": times, "counts": counts, "error": error}
-
-
-async def run_round(stubs, prompts, new_tokens: int) -> dict:
-    started, cpu = time.perf_counter(), time.process_time()
-    clients = await asyncio.gather(*(client(s, p, new_tokens) for s, p in zip(stubs, prompts)))
-    return {"started": started, "clients": clients, "cpu_s": time.process_time() - cpu,
-            "wall_s": time.perf_counter() - started}
-
-
-async def client_rounds(target: str, prompts: list[list[int]], new_tokens: int, total_rounds: int,
-                        before_round) -> list[dict]:
-    """One process's clients (a channel each), every round; `before_round(r)` blocks until round r may start."""
-    channels = [grpc.aio.insecure_channel(target) for _ in prompts]
-    stubs = [router_pb2_grpc.GenerationServiceStub(c) for c in channels]
-    try:
-        rounds = []
-        for r in range(total_rounds):
-            before_round(r)
-            rounds.append(await run_round(stubs, prompts, new_tokens))
-        return rounds
-    finally:
-        for c in channels:
-            await c.close()
-
-
-def client_process(target: str, prompts: list[list[int]], new_tokens: int, total_rounds: int, barrier, conn):
-    """A client process (spawned): its share of the clients; every round starts on the barrier."""
-    def before_round(_):
-        barrier.wait(BARRIER_TIMEOUT_S)      # A: every process finished the round before
-        barrier.wait(BARRIER_TIMEOUT_S)      # B: go (the parent scraped the metrics in between)
-    conn.send(asyncio.run(client_rounds(target, prompts, new_tokens, total_rounds, before_round)))
-    conn.close()
-
-
-def run_clients(target: str, metrics_port: int, prompts: list[list[int]], new_tokens: int, rounds: int,
-                procs: int) -> tuple[list[dict], dict, dict]:
-    """len(prompts) concurrent clients in `procs` processes (1: this one), a warm-up round then `rounds`: the
-    measured rounds (every process's clients merged) and the router's metrics before and after them."""
-    total, scraped = rounds + 1, {}
-    if procs <= 1:
-        def before_round(r):
-            if r == 1:
-                scraped["before"] = scrape(metrics_port)
-        per_process = [asyncio.run(client_rounds(target, prompts, new_tokens, total, before_round))]
-    else:
-        import multiprocessing
-        ctx = multiprocessing.get_context("spawn")     # grpc does not survive fork
-        barrier = ctx.Barrier(procs + 1)
-        children = []
-        for i in range(procs):
-            receive, send = ctx.Pipe(duplex=False)
-            child = ctx.Process(target=client_process, daemon=True,
-                                args=(target, prompts[i::procs], new_tokens, total, barrier, send))
-            child.start()
-            send.close()        # the child's end: recv() fails once the child is gone, instead of waiting
-            children.append((child, receive))
-        try:
-            for r in range(total):
-                barrier.wait(BARRIER_TIMEOUT_S)
-                if r == 1:
-                    scraped["before"] = scrape(metrics_port)
-                barrier.wait(BARRIER_TIMEOUT_S)
-            per_process = [receive.recv() for _, receive in children]
-        except Exception as e:
-            raise RuntimeError(f"a client process failed (exit codes {[c.exitcode for c, _ in children]})") from e
-        finally:
-            for child, _ in children:
-                child.join(10)
-                child.kill()        # a no-op once it has exited
-    after = scrape(metrics_port)
-    merged = []
-    for r in range(1, total):
-        parts = [p[r] for p in per_process]
-        merged.append({"started": min(p["started"] for p in parts),
-                       "clients": [c for p in parts for c in p["clients"]],
-                       "client_cpu_share": max(p["cpu_s"] / p["wall_s"] for p in parts)})
-    return merged, scraped["before"], after
-
-
-def measure_served(target: str, metrics_port: int, prompts: list[list[int]], args) -> dict:
-    out = {}
-    for n in args.clients:
-        procs, count = min(n, args.client_procs), max(args.rounds, -(-MIN_REQUESTS // n))
-        rounds, before, after = run_clients(target, metrics_port, prompts[:n], args.new_tokens, count, procs)
-        s = out[str(n)] = summarize(rounds, n, args.new_tokens)
-        if s["errors"]:
-            log(f"  WARNING: {s['errors']} of {s['requests']} requests failed: {s['error_samples']}")
-        s.update(client_processes=procs, client_cpu_share_max=max(r["client_cpu_share"] for r in rounds),
-                 router=router_steps(before, after))
-        itl, batch = s["itl_ms"], s["router"]["mean_batch_size"] or 0
-        log(f"  {n} clients: ITL p50 {itl['p50']:.2f} ms (mean {itl['mean']:.2f}), TTFT p50 {s['ttft_ms']['p50']:.1f} "
-            f"ms, {s['throughput_tok_s']:,.0f} tok/s ({s['throughput_window']}), {batch:.1f} seqs/step, "
-            f"{s['stalls']['count']} stalls, clients {s['client_cpu_share_max']:.0%} CPU")
-    return out
-
-
-def summarize(rounds: list[dict], n: int, new_tokens: int) -> dict:
-    clients = [c for r in rounds for c in r["clients"]]
-    errors = [c["error"] for c in clients if c["error"]]
-    ok = [c for c in clients if c["times"]]
-    ttft = [(c["times"][0] - c["start"]) * 1e3 for c in ok]
-    gaps = np.concatenate([np.diff(c["times"]) for c in ok] or [np.zeros(0)]) * 1e3
-    per_client_itl = [float(np.median(np.diff(c["times"]))) * 1e3 for c in ok if len(c["times"]) > 1]
-    itl_p50 = percentile(gaps, 50)
-    steady_tokens = steady_seconds = whole_tokens = whole_seconds = 0.0
-    first_spread, last_spread = [], []
-    for r in rounds:
-        got = [c for c in r["clients"] if c["times"]]
-        if not got:
-            continue
-        firsts, lasts = [c["times"][0] for c in got], [c["times"][-1] for c in got]
-        first_spread.append((max(firsts) - min(firsts)) * 1e3)
-        last_spread.append((max(lasts) - min(lasts)) * 1e3)
-        begin, end = max(firsts), min(lasts)
-        if end > begin:
-            steady_tokens += sum(k for c in got for t, k in zip(c["times"], c["counts"]) if begin < t <= end)
-            steady_seconds += end - begin
-        whole_tokens += sum(sum(c["counts"]) for c in got)
-        whole_seconds += max(lasts) - r["started"]
-    steady = steady_seconds > 0 and steady_tokens >= n
-    stalls = gaps[gaps > STALL_FACTOR * itl_p50] if len(gaps) else gaps
-    return {
-        "clients": n, "rounds": len(rounds), "requests": len(clients), "errors": len(errors),
-        "error_samples": sorted(set(errors))[:3],
-        "incomplete_requests": sum(1 for c in clients if sum(c["counts"]) != new_tokens),
-        "tokens": int(sum(sum(c["counts"]) for c in clients)),
-        "tokens_per_message": float(np.mean([k for c in ok for k in c["counts"]])) if ok else math.nan,
-        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "max": max(ttft, default=math.nan)},
-        "itl_ms": {"p50": itl_p50, "mean": float(gaps.mean()) if len(gaps) else math.nan,
-                   "p90": percentile(gaps, 90), "p99": percentile(gaps, 99),
-                   "max": float(gaps.max()) if len(gaps) else math.nan, "gaps": int(len(gaps))},
-        "per_client_itl_p50_ms": {"min": min(per_client_itl, default=0), "max": max(per_client_itl, default=0)},
-        "stalls": {"threshold_ms": STALL_FACTOR * itl_p50, "count": int(len(stalls)),
-                   "seconds": float(stalls.sum()) / 1e3},
-        "first_token_spread_ms_max": max(first_spread, default=0), "finish_spread_ms_max": max(last_spread, default=0),
-        "throughput_tok_s": steady_tokens / steady_seconds if steady else whole_tokens / max(whole_seconds, 1e-9),
-        "throughput_window": "steady" if steady else "whole",
-        "steady_seconds": steady_seconds, "steady_tokens": int(steady_tokens),
-        "whole_round_tok_s": whole_tokens / whole_seconds if whole_seconds else math.nan,
-    }
 
 
 def serve_model(model_dir: Path, cfg: dict, prompts: list[np.ndarray], args, logs: Path) -> tuple[dict, dict]:
@@ -443,19 +330,24 @@ def serve_model(model_dir: Path, cfg: dict, prompts: list[np.ndarray], args, log
         log(f"  engine ready in {time.monotonic() - started:.0f} s")
         waited = wait_serving(f"127.0.0.1:{worker_port}", worker, args.start_timeout, WORKER_READY)
         log(f"  worker SERVING after {time.monotonic() - started:.0f} s (waited {waited:.0f} s more)")
-        engine_out = measure_engine(engine, prompts, args.clients, args.new_tokens, args.rounds)   # worker idle
+        engine_out = measure_engine(engine, prompts, args.clients, args.new_tokens, args.rounds)  # worker idle
         engine.close()
         engine = None
         gc.collect()
         for depth in args.depths:
             port, metrics_port = free_port(), free_port()
-            router = Process(f"router (depth {depth})", router_command(model_dir, cfg, worker_port, port,
-                             metrics_port, depth), logs / f"router-depth{depth}.log", token)
+            router = Process(
+                f"router (depth {depth})",
+                router_command(model_dir, cfg, worker_port, port, metrics_port, depth),
+                logs / f"router-depth{depth}.log",
+                token,
+            )
             try:
-                wait_serving(f"127.0.0.1:{port}", router, 120, ROUTER_READY)   # the worker connected
+                wait_serving(f"127.0.0.1:{port}", router, 120, ROUTER_READY)  # the worker connected
                 log(f"  router --pipeline-depth {depth} SERVING")
-                served[str(depth)] = measure_served(f"127.0.0.1:{port}", metrics_port,
-                                                    [p.tolist() for p in prompts], args)
+                served[str(depth)] = measure_served(
+                    f"127.0.0.1:{port}", metrics_port, [p.tolist() for p in prompts], args
+                )
                 router.check()
             finally:
                 router.stop()
@@ -474,10 +366,12 @@ def ratios(engine: dict, served: dict) -> dict:
         rows = {}
         for n, s in by_n.items():
             e = engine["batches"][n]
-            rows[n] = {"itl_p50_x_engine_step": s["itl_ms"]["p50"] / e["decode_step_ms"]["p50"],
-                       "throughput_x_engine": s["throughput_tok_s"] / e["tok_s"],
-                       "ttft_p50_x_engine_prefill": s["ttft_ms"]["p50"] / e["prefill_all_ms"],
-                       "ttft_p50_minus_engine_prefill_ms": s["ttft_ms"]["p50"] - e["prefill_all_ms"]}
+            rows[n] = {
+                "itl_p50_x_engine_step": s["itl_ms"]["p50"] / e["decode_step_ms"]["p50"],
+                "throughput_x_engine": s["throughput_tok_s"] / e["tok_s"],
+                "ttft_p50_x_engine_prefill": s["ttft_ms"]["p50"] / e["prefill_all_ms"],
+                "ttft_p50_minus_engine_prefill_ms": s["ttft_ms"]["p50"] - e["prefill_all_ms"],
+            }
         headline = {}
         if "1" in by_n:
             headline["itl_p50_1client_x_engine_b1_step"] = rows["1"]["itl_p50_x_engine_step"]
@@ -487,27 +381,35 @@ def ratios(engine: dict, served: dict) -> dict:
                 headline[f"throughput_{n}clients_x_engine_b{n}"] = rows[n]["throughput_x_engine"]
         out[depth] = {"headline": headline, "by_clients": rows}
     if "1" in served and "2" in served:
-        out["pipelining"] = {n: {"itl_p50_depth1_over_depth2": served["1"][n]["itl_ms"]["p50"] / s["itl_ms"]["p50"],
-                                 "throughput_depth2_over_depth1": s["throughput_tok_s"] /
-                                 max(served["1"][n]["throughput_tok_s"], 1e-12)}
-                             for n, s in served["2"].items() if n in served["1"]}
+        out["pipelining"] = {
+            n: {
+                "itl_p50_depth1_over_depth2": served["1"][n]["itl_ms"]["p50"] / s["itl_ms"]["p50"],
+                "throughput_depth2_over_depth1": s["throughput_tok_s"] / max(served["1"][n]["throughput_tok_s"], 1e-12),
+            }
+            for n, s in served["2"].items()
+            if n in served["1"]
+        }
     return out
 
 
 def print_table(name: str, entry: dict) -> None:
     e, cfg = entry["engine"], entry["config"]
     print(f"\n{name}: P={cfg['prompt_tokens']} G={cfg['new_tokens']}, engine prefill of one {e['prefill_ms']:.2f} ms")
-    print(f"{'depth':>5} {'N':>3} | {'ITL p50':>8} {'mean':>7} {'engine':>8} {'x':>6} | {'tok/s':>9} {'engine':>9} "
-          f"{'x':>6} | {'TTFT p50':>9} {'prefill':>9} {'-':>8} | {'stalls':>6} {'seqs/step':>9}")
+    print(
+        f"{'depth':>5} {'N':>3} | {'ITL p50':>8} {'mean':>7} {'engine':>8} {'x':>6} | {'tok/s':>9} {'engine':>9} "
+        f"{'x':>6} | {'TTFT p50':>9} {'prefill':>9} {'-':>8} | {'stalls':>6} {'seqs/step':>9}"
+    )
     for depth, by_n in entry["served"].items():
         for n, s in by_n.items():
             b, r = e["batches"][n], entry["ratios"][depth]["by_clients"][n]
-            print(f"{depth:>5} {n:>3} | {s['itl_ms']['p50']:8.2f} {s['itl_ms']['mean']:7.2f} "
-                  f"{b['decode_step_ms']['p50']:8.2f} {r['itl_p50_x_engine_step']:6.2f} | "
-                  f"{s['throughput_tok_s']:9,.0f} {b['tok_s']:9,.0f} "
-                  f"{r['throughput_x_engine']:6.2f} | {s['ttft_ms']['p50']:9.2f} {b['prefill_all_ms']:9.2f} "
-                  f"{r['ttft_p50_minus_engine_prefill_ms']:8.2f} | {s['stalls']['count']:6d} "
-                  f"{s['router']['mean_batch_size'] or 0:9.1f}")
+            print(
+                f"{depth:>5} {n:>3} | {s['itl_ms']['p50']:8.2f} {s['itl_ms']['mean']:7.2f} "
+                f"{b['decode_step_ms']['p50']:8.2f} {r['itl_p50_x_engine_step']:6.2f} | "
+                f"{s['throughput_tok_s']:9,.0f} {b['tok_s']:9,.0f} "
+                f"{r['throughput_x_engine']:6.2f} | {s['ttft_ms']['p50']:9.2f} {b['prefill_all_ms']:9.2f} "
+                f"{r['ttft_p50_minus_engine_prefill_ms']:8.2f} | {s['stalls']['count']:6d} "
+                f"{s['router']['mean_batch_size'] or 0:9.1f}"
+            )
     for depth in entry["served"]:
         for key, value in entry["ratios"][depth]["headline"].items():
             op, target = TARGETS[key]
@@ -515,8 +417,9 @@ def print_table(name: str, entry: dict) -> None:
 
 
 def device_name(backend: str) -> str:
-    if backend == "cuda":       # torch, as bench/engine.py (the shapes are built with it)
+    if backend == "cuda":  # torch, as bench/engine.py (the shapes are built with it)
         import torch
+
         return torch.cuda.get_device_name()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -537,8 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="measured rounds per N after a warm-up (default: cpu 2, cuda 3)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"), help="directory for the JSON and PNG")
     parser.add_argument("--name", help="file stem (default: cpu-serve-tiny, or <gpu>-serve, e.g. h200-serve)")
-    parser.add_argument("--client-procs", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
-                        help="client processes, so reading the streams is no bottleneck (default: cpus / 4, <= 4)")
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="client processes, so reading the streams is no bottleneck (default: cpus / 4, <= 4)",
+    )
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds the worker may take to start")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.backend].items():
@@ -550,27 +457,48 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --new-tokens >= 2 (an inter-token gap), --prompt-tokens >= 1, --rounds >= 1")
     cfg = settings(args)
     device = device_name(args.backend)
-    name = args.name or ("cpu-serve-" + (Path(args.model).name if args.model else "tiny") if args.backend == "cpu"
-                         else re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-") + "-serve")
+    name = args.name or (
+        "cpu-serve-" + (Path(args.model).name if args.model else "tiny")
+        if args.backend == "cpu"
+        else re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-") + "-serve"
+    )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    workdir = Path(tempfile.mkdtemp(prefix="colibri-serve-bench-", dir=shm))     # models, service logs
+    workdir = Path(tempfile.mkdtemp(prefix="colibri-serve-bench-", dir=shm))  # models, service logs
     results = {
-        "benchmark": "serve", "machine": platform.node(), "device": device, "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "load_average_start": list(os.getloadavg()), "git": subprocess.run(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-        if shutil.which("git") else "",
-        "config": {"backend": args.backend, "clients": args.clients, "pipeline_depths": args.depths,
-                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
-                   "warmup_rounds": 1, "engine_prefill_repeats": PREFILL_REPEATS, **cfg,
-                   "thread_env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
-                   "client_processes": args.client_procs, "served_by": "colibri worker + router, one worker"},
-        "models": {}}
+        "benchmark": "serve",
+        "machine": platform.node(),
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average_start": list(os.getloadavg()),
+        "git": subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
+        ).stdout.strip()
+        if shutil.which("git")
+        else "",
+        "config": {
+            "backend": args.backend,
+            "clients": args.clients,
+            "pipeline_depths": args.depths,
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "warmup_rounds": 1,
+            "engine_prefill_repeats": PREFILL_REPEATS,
+            **cfg,
+            "thread_env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
+            "client_processes": args.client_procs,
+            "served_by": "colibri worker + router, one worker",
+        },
+        "models": {},
+    }
     path = out_dir / f"{name}.json"
     try:
         for model_name, model_dir in prepare_models(args, workdir):
             from common.model_format import ModelDir
+
             mc = ModelDir.open(model_dir, verify=False).config
             rng = np.random.default_rng(0)
             prompts = [rng.integers(3, mc.vocab_size, args.prompt_tokens) for _ in range(max(args.clients))]
@@ -578,9 +506,13 @@ def main(argv: list[str] | None = None) -> int:
             logs.mkdir(parents=True, exist_ok=True)
             log(f"{model_name}: engine alone and served (logs in {logs})")
             engine, served = serve_model(model_dir, cfg, prompts, args, logs)
-            entry = {"model": {k: getattr(mc, k) for k in MODEL_FIELDS}, "engine": engine, "served": served,
-                     "config": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
-                     "ratios": ratios(engine, served)}
+            entry = {
+                "model": {k: getattr(mc, k) for k in MODEL_FIELDS},
+                "engine": engine,
+                "served": served,
+                "config": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+                "ratios": ratios(engine, served),
+            }
             results["models"][model_name] = entry
             results["load_average_end"] = list(os.getloadavg())
             path.write_text(json.dumps(results, indent=1))

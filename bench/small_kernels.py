@@ -20,6 +20,7 @@ current faster); JSON to --out.
 
     python bench/small_kernels.py --out out/small_kernels.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,9 @@ from expert_service.kernels.numeric import f32_to_bf16  # noqa: E402
 
 D, H, HKV, HD, K = 2048, 32, 4, 128, 8
 TOKENS = (1, 16, 64, 512, 2048)
-PREFILL_TOKENS = 512          # the gather and the cast run at this many tokens and more
+PREFILL_TOKENS = 512  # the gather and the cast run at this many tokens and more
 CAST_COLS, GATHER_BLOCK_M = 6144, 64
-QKV_COPIES = 8                # 8 x 21 MB of q|k|v weights: more than the H200's 50 MB L2
+QKV_COPIES = 8  # 8 x 21 MB of q|k|v weights: more than the H200's 50 MB L2
 
 
 @cuda.jit
@@ -52,6 +53,7 @@ def _cast_reference_kernel(x, out):
 def cast_reference_launch(x, out, stream) -> None:
     """The previous launch_cast to bfloat16: 256 threads, grid capped at elementwise.MAX_BLOCKS."""
     from expert_service.kernels.elementwise import MAX_BLOCKS
+
     blocks = min(MAX_BLOCKS, -(-x.size // 256))
     _cast_reference_kernel[blocks, 256, stream](x.reshape(-1), out.reshape(-1))
 
@@ -59,10 +61,12 @@ def cast_reference_launch(x, out, stream) -> None:
 def qkv_gemv_case(rng, dev, state):
     """A one-token step's q, k, v projections (qwen3 shape, bf16): launch(i, stream) over weight copy i."""
     from expert_service.kernels.gemv import launch_gemv
+
     sizes = (H * HD, HKV * HD, HKV * HD)
-    stacked = [dev(float32_to_bf16(rng.standard_normal((sum(sizes), D), dtype=np.float32) * 0.02))
-               for _ in range(QKV_COPIES)]
-    parts = [(w[:sizes[0]], w[sizes[0]:sizes[0] + sizes[1]], w[sizes[0] + sizes[1]:]) for w in stacked]
+    stacked = [
+        dev(float32_to_bf16(rng.standard_normal((sum(sizes), D), dtype=np.float32) * 0.02)) for _ in range(QKV_COPIES)
+    ]
+    parts = [(w[: sizes[0]], w[sizes[0] : sizes[0] + sizes[1]], w[sizes[0] + sizes[1] :]) for w in stacked]
     x = dev(rng.standard_normal((1, D), dtype=np.float32))
     out = cuda.device_array((1, sum(sizes)), np.float32)
     views = [cuda.device_array((1, n), np.float32) for n in sizes]
@@ -73,6 +77,7 @@ def qkv_gemv_case(rng, dev, state):
                 launch_gemv(x, weight, y, stream=st)
         else:
             launch_gemv(x, stacked[i % QKV_COPIES], out, stream=st)
+
     return launch
 
 
@@ -85,7 +90,8 @@ def cases(T: int, rng) -> dict:
     from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_write
     from expert_service.kernels.rmsnorm import launch_rmsnorm
     from expert_service.kernels.rope_kv_write import launch_rope_kv_write
-    dev = lambda a: cuda.to_device(np.ascontiguousarray(a))    # noqa: E731
+
+    dev = lambda a: cuda.to_device(np.ascontiguousarray(a))  # noqa: E731
     heads = dev(rng.standard_normal((T * H, HD), dtype=np.float32))
     norm_w = dev(rng.standard_normal(HD, dtype=np.float32))
     q = dev(rng.standard_normal((T, H, HD), dtype=np.float32))
@@ -99,13 +105,14 @@ def cases(T: int, rng) -> dict:
     weights = dev(rng.random((T, K), dtype=np.float32))
     h = dev(rng.standard_normal((T, D), dtype=np.float32))
     state = {"previous": False}
-    spread_default = numeric.SPREAD_TARGET_BLOCKS      # every case ends with set_previous(False): restored
+    spread_default = numeric.SPREAD_TARGET_BLOCKS  # every case ends with set_previous(False): restored
 
     def spread(previous: bool) -> None:
         numeric.SPREAD_TARGET_BLOCKS = 1 if previous else spread_default
 
     def flag(previous: bool) -> None:
         state.update(previous=previous)
+
     qk_w = [dev(float32_to_bf16(rng.standard_normal(HD, dtype=np.float32))) for _ in range(2)]
 
     def qk_norm_rope_kv(i, st):
@@ -114,21 +121,29 @@ def cases(T: int, rng) -> dict:
             launch_rmsnorm(k.reshape(T * HKV, HD), qk_w[1], 1e-6, k.reshape(T * HKV, HD), stream=st)
             launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool, stream=st)
         else:
-            launch_qk_norm_rope_kv_write(q, k, v, qk_w[0], qk_w[1], 1e-6, positions, inv_freq, 1.0, slots, k_pool,
-                                         v_pool, stream=st)
+            launch_qk_norm_rope_kv_write(
+                q, k, v, qk_w[0], qk_w[1], 1e-6, positions, inv_freq, 1.0, slots, k_pool, v_pool, stream=st
+            )
+
     out = {
-        "rmsnorm_heads": (lambda i, st: launch_rmsnorm(heads, norm_w, 1e-6, heads, stream=st,
-                                                       threads=128 if state["previous"] else None), flag),
+        "rmsnorm_heads": (
+            lambda i, st: launch_rmsnorm(
+                heads, norm_w, 1e-6, heads, stream=st, threads=128 if state["previous"] else None
+            ),
+            flag,
+        ),
         "qk_norm_rope_kv_write": (qk_norm_rope_kv, flag),
-        "rope_kv_write": (lambda i, st: launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool,
-                                                             stream=st), spread),
+        "rope_kv_write": (
+            lambda i, st: launch_rope_kv_write(q, k, v, positions, inv_freq, 1.0, slots, k_pool, v_pool, stream=st),
+            spread,
+        ),
         "moe_combine": (lambda i, st: launch_moe_combine(y, position, weights, h, stream=st), spread),
     }
     if T == 1:
         out["qkv_gemv"] = (qkv_gemv_case(rng, dev, state), flag)
     if T < PREFILL_TOKENS:
         return out
-    rows = T * K                                       # every row an assignment (no padding rows)
+    rows = T * K  # every row an assignment (no padding rows)
     sorted_ids = dev(rng.permutation(rows).astype(np.int32))
     num_tiles = dev(np.array([rows // GATHER_BLOCK_M], np.int32))
     xs = cuda.device_array((rows, D), np.uint16)
@@ -147,6 +162,7 @@ def cases(T: int, rng) -> dict:
             cast_reference_launch(wide, wide_bf16, st)
         else:
             launch_cast(wide, wide_bf16, stream=st)
+
     out.update(gather_bf16=(gather, flag), cast_bf16=(cast, flag))
     return out
 
@@ -166,11 +182,19 @@ def main(argv=None) -> int:
                 set_previous(previous)
                 times[label] = graph_timed(launch, stream, args.repeats) * 1e6
             set_previous(False)
-            row = {"kernel": name, "tokens": T, "previous_us": times["previous"], "current_us": times["current"],
-                   "previous_over_current": times["previous"] / times["current"]}
+            row = {
+                "kernel": name,
+                "tokens": T,
+                "previous_us": times["previous"],
+                "current_us": times["current"],
+                "previous_over_current": times["previous"] / times["current"],
+            }
             results["cases"].append(row)
-            print(f"{name:14s} T={T:5d}  previous {times['previous']:8.2f} us  current {times['current']:8.2f} us  "
-                  f"x{row['previous_over_current']:.2f}", flush=True)
+            print(
+                f"{name:14s} T={T:5d}  previous {times['previous']:8.2f} us  current {times['current']:8.2f} us  "
+                f"x{row['previous_over_current']:.2f}",
+                flush=True,
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))

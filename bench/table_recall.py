@@ -11,6 +11,7 @@ fallback alone (router-gen without a corpus) is scored on the same tokens, and c
 With --train-text, the share of held-out tokens whose id never occurs in the training text (those the table
 fills from the fallback) is reported too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,17 @@ from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine  # noqa: E402
 from expert_service.tools.routing_gen import build_table, load_corpus, recall_sums, split_sequences, trace_routing  # noqa: E402
 
-BATCH_TOKENS = 4096              # what router-gen packs into one step
+BATCH_TOKENS = 4096  # what router-gen packs into one step
 
 
-def heldout_recall(model: ModelDir, engine: Engine, table: RoutingTable, ids: np.ndarray, sequence_length: int,
-                   seen: np.ndarray | None = None) -> dict:
+def heldout_recall(
+    model: ModelDir,
+    engine: Engine,
+    table: RoutingTable,
+    ids: np.ndarray,
+    sequence_length: int,
+    seen: np.ndarray | None = None,
+) -> dict:
     """Recall of `table` and of the fallback-only table on token ids `ids` [N], per MoE layer and overall.
     seen: bool [V], the token ids of the training text (for the unseen share), or None."""
     config = model.config
@@ -50,14 +57,21 @@ def heldout_recall(model: ModelDir, engine: Engine, table: RoutingTable, ids: np
         if seen is not None:
             unseen += int((~seen[token_ids]).sum())
     per_layer, fallback_per_layer = sums / ids.size, fallback_sums / ids.size
-    return {"tokens": int(ids.size), "sequence_length": sequence_length, "sequences": len(sequences),
-            "top_k": table.top_k, "model_top_k": config.num_experts_per_tok, "num_experts": config.num_experts,
-            "moe_layers": list(config.moe_layers),
-            "recall_per_layer": [float(r) for r in per_layer], "recall": float(per_layer.mean()),
-            "fallback_recall_per_layer": [float(r) for r in fallback_per_layer],
-            "fallback_recall": float(fallback_per_layer.mean()),
-            "chance_recall": table.top_k / config.num_experts,
-            "heldout_unseen_share": unseen / ids.size if seen is not None else None}
+    return {
+        "tokens": int(ids.size),
+        "sequence_length": sequence_length,
+        "sequences": len(sequences),
+        "top_k": table.top_k,
+        "model_top_k": config.num_experts_per_tok,
+        "num_experts": config.num_experts,
+        "moe_layers": list(config.moe_layers),
+        "recall_per_layer": [float(r) for r in per_layer],
+        "recall": float(per_layer.mean()),
+        "fallback_recall_per_layer": [float(r) for r in fallback_per_layer],
+        "fallback_recall": float(fallback_per_layer.mean()),
+        "chance_recall": table.top_k / config.num_experts,
+        "heldout_unseen_share": unseen / ids.size if seen is not None else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", help="routing table (default: MODEL/routing_table.bin)")
     parser.add_argument("--text", required=True, help="held-out text: never in the table's corpus")
     parser.add_argument("--train-text", help="the text the table was built from (for the unseen-token share)")
-    parser.add_argument("--sequence-length", type=int, default=256, help="tokens per traced sequence (router-gen's "
-                        "default: 256)")
+    parser.add_argument(
+        "--sequence-length", type=int, default=256, help="tokens per traced sequence (router-gen's default: 256)"
+    )
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", help="JSON file to write")
     args = parser.parse_args(argv)
@@ -76,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         model = ModelDir.open(args.model, verify=False)
         table = RoutingTable.load(args.table or model.path / "routing_table.bin", model.config)
         if not 1 <= args.sequence_length <= model.config.max_position_embeddings:
-            raise ConfigError(f"--sequence-length: must be in [1, {model.config.max_position_embeddings}], "
-                              f"got {args.sequence_length}")
+            raise ConfigError(
+                f"--sequence-length: must be in [1, {model.config.max_position_embeddings}], got {args.sequence_length}"
+            )
         ids = load_corpus(args.text, "text", model)
         seen = None
         if args.train_text:
@@ -86,19 +102,29 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as e:
         parser.error(str(e))
     batch_tokens = max(args.sequence_length, BATCH_TOKENS)
-    engine = build_engine(model, EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens,
-                                        kv_cache_tokens=batch_tokens + 64 * 16))
-    result = {"model": str(model.path), "table": str(args.table or model.path / "routing_table.bin"),
-              "text": str(args.text), "train_text": args.train_text, "backend": args.backend,
-              **heldout_recall(model, engine, table, ids, args.sequence_length, seen)}
+    engine = build_engine(
+        model, EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens, kv_cache_tokens=batch_tokens + 64 * 16)
+    )
+    result = {
+        "model": str(model.path),
+        "table": str(args.table or model.path / "routing_table.bin"),
+        "text": str(args.text),
+        "train_text": args.train_text,
+        "backend": args.backend,
+        **heldout_recall(model, engine, table, ids, args.sequence_length, seen),
+    }
     result["wall_s"] = round(time.time() - started, 1)
-    print(f"top-{result['top_k']} recall on {result['tokens']} held-out tokens ({args.text}), chance "
-          f"{result['chance_recall']:.3f}" + ("" if seen is None else
-                                              f", {100 * result['heldout_unseen_share']:.1f}% unseen in training"))
+    print(
+        f"top-{result['top_k']} recall on {result['tokens']} held-out tokens ({args.text}), chance "
+        f"{result['chance_recall']:.3f}"
+        + ("" if seen is None else f", {100 * result['heldout_unseen_share']:.1f}% unseen in training")
+    )
     for layer, r, f in zip(result["moe_layers"], result["recall_per_layer"], result["fallback_recall_per_layer"]):
         print(f"  layer {layer:3d}: {r:.4f}   (fallback {f:.4f})")
-    print(f"  overall  : {result['recall']:.4f}   (fallback {result['fallback_recall']:.4f})  "
-          f"{result['wall_s']} s", flush=True)
+    print(
+        f"  overall  : {result['recall']:.4f}   (fallback {result['fallback_recall']:.4f})  {result['wall_s']} s",
+        flush=True,
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -3,6 +3,7 @@
 loads numba. Expected failures (``ColibriError``, and ``OSError``: the disk, permissions, ports) print one
 line and exit with the error's code (docs/cli.md lists them); anything else keeps its traceback: a bug.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("expert_service.tools.cli.make_tiny_cmd", "write and convert the small embedded default model"),
     "logits": ("expert_service.tools.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
     "complete": ("expert_service.tools.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
-    "router-gen": ("expert_service.tools.cli.router_gen_cmd", "build the static token -> experts routing table "
-                                                        "and report its recall"),
+    "router-gen": (
+        "expert_service.tools.cli.router_gen_cmd",
+        "build the static token -> experts routing table and report its recall",
+    ),
     "worker": ("expert_service.serving.main", "run the expert worker gRPC service (owns the model and GPU)"),
     "router": ("router_service.main", "run the router gRPC service (public API, batching)"),
     "serve": ("colibri.serve", "run worker and router as two processes, for local use"),
@@ -28,8 +31,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="colibri", description="Colibri: an inference server for Mixture-of-Experts LLMs.",
-        epilog="Run `colibri SUBCOMMAND --help` for each subcommand's options. Exit codes: docs/cli.md.")
+        prog="colibri",
+        description="Colibri: an inference server for Mixture-of-Experts LLMs.",
+        epilog="Run `colibri SUBCOMMAND --help` for each subcommand's options. Exit codes: docs/cli.md.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -53,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as e:
         print(f"colibri {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except OSError as e:   # disk full, permissions, a port in use: the operator's to fix, not a bug
-        print(f"colibri {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
-              file=sys.stderr)
+    except OSError as e:  # disk full, permissions, a port in use: the operator's to fix, not a bug
+        print(
+            f"colibri {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 130

@@ -13,6 +13,7 @@ It plays the part Kubernetes plays in production:
   a terminal's Ctrl-C reaches serve alone and the stop runs in that order; were they signalled too, they
   drain on their own and serve still exits 0. They get SIGTERM if serve dies (Linux PR_SET_PDEATHSIG).
 """
+
 from __future__ import annotations
 
 import signal
@@ -48,18 +49,25 @@ TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 MAX_FAILED_STARTS = 5
 HEALTHY_AFTER_S = 60.0
-NOT_RESTARTED = (2, 3, 4, 7)      # ConfigError, ModelFormatError, ChecksumError, AddressInUseError
-STOP_MARGIN_S = 15.0              # beyond a child's drain timeout before it is killed
+NOT_RESTARTED = (2, 3, 4, 7)  # ConfigError, ModelFormatError, ChecksumError, AddressInUseError
+STOP_MARGIN_S = 15.0  # beyond a child's drain timeout before it is killed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="Colibri model directory")
     parser.add_argument("--config", metavar="FILE", help="JSON/YAML config file passed to both processes")
-    parser.add_argument("--worker-port", type=int, default=0,
-                        help="serve the worker on this loopback TCP port instead of a private Unix socket "
-                             "(default: the socket)")
-    parser.add_argument("--worker-metrics-port", type=int, default=9091,
-                        help="the worker's Prometheus /metrics port on 127.0.0.1; 0 = off (default: 9091)")
+    parser.add_argument(
+        "--worker-port",
+        type=int,
+        default=0,
+        help="serve the worker on this loopback TCP port instead of a private Unix socket (default: the socket)",
+    )
+    parser.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=9091,
+        help="the worker's Prometheus /metrics port on 127.0.0.1; 0 = off (default: 9091)",
+    )
     # The router caps its batch limits to the worker's (Info), so those two flags go to the worker only.
     add_flags(parser, RouterConfig, skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
     add_flags(parser, EngineConfig)
@@ -79,16 +87,16 @@ def _die_with_parent_hook():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl      # resolved before fork: nothing to load after
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: nothing to load after
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(1, signal.SIGTERM)                 # PR_SET_PDEATHSIG
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.private_dir = Path(tempfile.mkdtemp(prefix="colibri-serve-"))    # mode 0700
+        self.private_dir = Path(tempfile.mkdtemp(prefix="colibri-serve-"))  # mode 0700
         common = ["--config", args.config] if args.config else []
         base = [sys.executable, "-m", "colibri.cli"]
         if args.worker_port:
@@ -97,11 +105,27 @@ class Supervisor:
             sock = self.private_dir / "worker.sock"
             listen, address = ["--socket", str(sock)], f"unix://{sock}"
         self.worker_address = address
-        self.worker_cmd = base + ["worker", "--model", args.model, *listen, "--metrics-port",
-                                  str(args.worker_metrics_port), "--parent-pid", str(os.getpid()), *common,
-                                  *_flags_for(EngineConfig, args)]
-        self.router_cmd = base + ["router", "--worker", address, "--model", args.model, *common,
-                                  *_flags_for(RouterConfig, args)]
+        self.worker_cmd = base + [
+            "worker",
+            "--model",
+            args.model,
+            *listen,
+            "--metrics-port",
+            str(args.worker_metrics_port),
+            "--parent-pid",
+            str(os.getpid()),
+            *common,
+            *_flags_for(EngineConfig, args),
+        ]
+        self.router_cmd = base + [
+            "router",
+            "--worker",
+            address,
+            "--model",
+            args.model,
+            *common,
+            *_flags_for(RouterConfig, args),
+        ]
         # One secret per run, for both children, in their environment only.
         self.env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}
         self.router_stop_s = (args.drain_timeout_s or 30.0) + STOP_MARGIN_S
@@ -140,27 +164,37 @@ class Supervisor:
     def _supervise(self) -> int:
         worker, router = self._spawn(self.worker_cmd), self._spawn(self.router_cmd)
         started, failed_starts = time.monotonic(), 0
-        log.info("serving %s: router pid %d, worker pid %d on %s", self.args.model, router.pid, worker.pid,
-                 self.worker_address)
+        log.info(
+            "serving %s: router pid %d, worker pid %d on %s",
+            self.args.model,
+            router.pid,
+            worker.pid,
+            self.worker_address,
+        )
         port = self.args.port or 50051
-        _print_hint(f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
-                    f"  colibri generate --target localhost:{port} \"Hello\" --max-new-tokens 16\n"
-                    f"  grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' localhost:{port} "
-                    f"colibri.router.v1.GenerationService/Generate")
+        _print_hint(
+            f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
+            f'  colibri generate --target localhost:{port} "Hello" --max-new-tokens 16\n'
+            f'  grpcurl -plaintext -d \'{{"text": "Hello"}}\' localhost:{port} '
+            f"colibri.router.v1.GenerationService/Generate"
+        )
         while True:
             self._sleep(0.2)
-            if self.stopping:     # checked before the children: one that exits on the same signal is no failure
+            if self.stopping:  # checked before the children: one that exits on the same signal is no failure
                 return self._shut_down(router, worker)
             if (code := router.poll()) is not None:
-                log.log(logging.INFO if code == 0 else logging.ERROR, "router exited with code %d; stopping the "
-                        "worker", code)
+                log.log(
+                    logging.INFO if code == 0 else logging.ERROR,
+                    "router exited with code %d; stopping the worker",
+                    code,
+                )
                 self._stop(worker, self.worker_stop_s)
                 return _exit_status(code)
             code = worker.poll()
             if code is None:
                 continue
             up_s = time.monotonic() - started
-            if code == 0 or code in NOT_RESTARTED:   # stopped on its own signal, or a restart cannot help
+            if code == 0 or code in NOT_RESTARTED:  # stopped on its own signal, or a restart cannot help
                 log.log(logging.INFO if code == 0 else logging.ERROR, "worker exited with code %d; stopping", code)
                 self._stop(router, self.router_stop_s)
                 return code
@@ -170,8 +204,14 @@ class Supervisor:
                 self._stop(router, self.router_stop_s)
                 return 1
             delay = RESTART_BACKOFF_S[min(failed_starts - 1, len(RESTART_BACKOFF_S) - 1)]
-            log.warning("worker exited with code %d after %.0f s (fault %d of %d in a row); restarting in %.0f s",
-                        code, up_s, failed_starts, MAX_FAILED_STARTS, delay)
+            log.warning(
+                "worker exited with code %d after %.0f s (fault %d of %d in a row); restarting in %.0f s",
+                code,
+                up_s,
+                failed_starts,
+                MAX_FAILED_STARTS,
+                delay,
+            )
             self._sleep(delay)
             if not self.stopping:
                 worker, started = self._spawn(self.worker_cmd), time.monotonic()

@@ -10,6 +10,7 @@ Files are watched by `os.stat` of the resolved path (inode, device, size, mtime)
 Secret by swapping a `..data` symlink, which changes the inode of every file at once. A file that vanished or
 does not parse keeps the previous value, with one warning per change.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,12 +94,14 @@ class WatchedFiles:
 def token_lines(path: str):
     """A WatchedFiles parser: the tokens of the file at `path`, one per line (blank lines and `#` comments
     skipped); ValueError when it holds none."""
+
     def parse(contents: list[bytes]) -> tuple[bytes, ...]:
         lines = (line.strip() for line in contents[0].splitlines())
         tokens = tuple(line for line in lines if line and not line.startswith(b"#"))
         if not tokens:
             raise ValueError(f"{path} holds no token (one per line)")
         return tokens
+
     return parse
 
 
@@ -107,9 +110,11 @@ class TokenSet:
 
     def __init__(self, token_file: str = "", token: str = ""):
         self._fixed = (token.strip().encode(),) if token.strip() else ()
-        self._file = WatchedFiles([token_file], token_lines(token_file), "auth_token_file",
-                                   MAX_TOKEN_FILE_BYTES) \
-            if token_file else None
+        self._file = (
+            WatchedFiles([token_file], token_lines(token_file), "auth_token_file", MAX_TOKEN_FILE_BYTES)
+            if token_file
+            else None
+        )
 
     @property
     def enabled(self) -> bool:
@@ -139,6 +144,7 @@ def authorization(metadata) -> str | bytes:
 @dataclasses.dataclass(frozen=True)
 class Refusal:
     """The status an unauthenticated call ends with (a service may map it through its own error contract)."""
+
     code: grpc.StatusCode
     details: str
     trailing_metadata: tuple = ()
@@ -163,6 +169,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 def _refusing(handler, refusal: Refusal):
     """A handler of `handler`'s shape that ends the call with `refusal`. It has no request deserializer: gRPC
     hands it the raw bytes, which it never looks at, so an unauthenticated caller's bytes are never parsed."""
+
     async def refuse(request_or_iterator, context):
         await context.abort(refusal.code, refusal.details, refusal.trailing_metadata)
 

@@ -5,6 +5,7 @@ docs/configuration.md) and its help text; ``add_flags`` turns the fields into ar
 has one definition. Values are validated by each dataclass's ``__post_init__``; every error is one line
 naming the setting, the source and the expected value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             try:
                 return base(str(value).strip().lower())
             except ValueError:
-                raise ConfigError(f"{where}: must be one of {', '.join(m.value for m in base)}, got {value!r}") from None
+                raise ConfigError(
+                    f"{where}: must be one of {', '.join(m.value for m in base)}, got {value!r}"
+                ) from None
         if base in (int, float, str):
             return base(value)
         if typing.get_origin(base) is tuple or base is tuple:
@@ -82,8 +85,12 @@ _SERVICE_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)(_[A-Z0-9_]+)?$|_PORT_\d+_
 def _is_service_link(var: str, value: str) -> bool:
     if not (_SERVICE_LINK_VALUE.match(value.strip()) or _SERVICE_LINK_NAME.search(var)):
         return False
-    log.warning("environment %s=%r looks like a Kubernetes service link (a Service's address, not a Colibri "
-                "setting): ignored; set enableServiceLinks: false in the pod spec to silence this", var, value)
+    log.warning(
+        "environment %s=%r looks like a Kubernetes service link (a Service's address, not a Colibri "
+        "setting): ignored; set enableServiceLinks: false in the pod spec to silence this",
+        var,
+        value,
+    )
     return True
 
 
@@ -97,15 +104,22 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     try:
         data = yaml.safe_load(p.read_text()) if p.suffix in (".yaml", ".yml") else json.loads(p.read_text())
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--config: {p} is not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "
-                          f"{str(e).splitlines()[0]}") from None
+        raise ConfigError(
+            f"--config: {p} is not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {p} must hold a mapping")
     return dict(data.get(section, data)) if isinstance(data.get(section, data), dict) else {}
 
 
-def resolve(cls: type[T], *, file_values: Mapping[str, Any] | None = None,
-            env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> T:
+def resolve(
+    cls: type[T],
+    *,
+    file_values: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> T:
     """Builds `cls` from its defaults, then the file, then the environment, then flags (None = not given)."""
     env = os.environ if env is None else env
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -113,8 +127,9 @@ def resolve(cls: type[T], *, file_values: Mapping[str, Any] | None = None,
     values: dict[str, Any] = {}
     for key, value in (file_values or {}).items():
         if key not in fields:
-            raise ConfigError(f"config file: unknown setting {key!r} for {cls.__name__} "
-                              f"(known: {', '.join(sorted(fields))})")
+            raise ConfigError(
+                f"config file: unknown setting {key!r} for {cls.__name__} (known: {', '.join(sorted(fields))})"
+            )
         values[key] = _coerce(value, hints[key], f"config file: {key}")
     for name, f in fields.items():
         for var in f.metadata.get("env", ()):
@@ -142,11 +157,16 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         env = f.metadata.get("env") or ()
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata['help']} (default: {default}" + (f"; env: {', '.join(env)})" if env else ")")
-        kind = str if base is bool or typing.get_origin(base) is tuple or isinstance(base, type) and issubclass(
-            base, enum.Enum) else base
+        kind = (
+            str
+            if base is bool
+            or typing.get_origin(base) is tuple
+            or isinstance(base, type)
+            and issubclass(base, enum.Enum)
+            else base
+        )
         metavar = "BOOL" if base is bool else None
-        group.add_argument(f"--{flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar,
-                           help=help_text)
+        group.add_argument(f"--{flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar, help=help_text)
 
 
 def flag_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -4,6 +4,7 @@ bfloat16 is stored and handled as raw ``uint16`` words (the top half of a float3
 read; ``ml_dtypes.bfloat16`` converts them: widening is exact, narrowing rounds to nearest even (as the kernels
 do) and keeps a NaN a NaN.
 """
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -18,8 +19,17 @@ STORAGE = {
     "bfloat16": np.dtype(np.uint16),
 }
 SAFETENSORS_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-ALIASES = {"fp32": "float32", "f32": "float32", "float32": "float32", "fp16": "float16", "f16": "float16",
-           "half": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
 FP16_MAX = 65504.0
 
 
@@ -40,7 +50,7 @@ def bf16_to_float32(words: np.ndarray) -> np.ndarray:
 
 def float32_to_bf16(values: np.ndarray) -> np.ndarray:
     """Round to nearest even; a NaN stays a NaN (bit rounding could carry it into inf)."""
-    with np.errstate(invalid="ignore"):     # a NaN input is not an error here: it converts to a NaN
+    with np.errstate(invalid="ignore"):  # a NaN input is not an error here: it converts to a NaN
         return np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
@@ -62,6 +72,8 @@ def convert(raw: np.ndarray, src: str, dst: str, tensor_name: str) -> np.ndarray
     finite = values[np.isfinite(values)]
     peak = float(np.abs(finite).max()) if finite.size else 0.0
     if peak > FP16_MAX:
-        raise ModelFormatError(f"tensor {tensor_name}: converting {src} to float16 would overflow "
-                               f"(|value| up to {peak:.6g} > {FP16_MAX:g}); use --dtype bfloat16 or float32")
+        raise ModelFormatError(
+            f"tensor {tensor_name}: converting {src} to float16 would overflow "
+            f"(|value| up to {peak:.6g} > {FP16_MAX:g}); use --dtype bfloat16 or float32"
+        )
     return values.astype(np.float16)

@@ -8,6 +8,7 @@ cannot be trusted after it): the handler sees the stream end and answers what ca
 ends INVALID_ARGUMENT. Install it after the auth interceptor (common/auth.py): an unauthenticated caller's
 bytes are not parsed at all.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,6 +18,7 @@ import grpc
 
 class Malformed:
     """What a guarded decoder hands over instead of a message it could not parse."""
+
     __slots__ = ("description",)
 
     def __init__(self, type_name: str):
@@ -44,14 +46,17 @@ def tolerant(deserializer):
             return deserializer(data)
         except Exception:  # DecodeError, and whatever else a decoder raises on hostile bytes
             return Malformed(name)
+
     return deserialize
 
 
 def guarded(handler, reject=refuse_invalid_argument):
     """`handler` with a decoder that never raises; `reject(context, malformed)` ends a call whose request (or
     one of whose streamed requests) did not parse."""
-    kwargs = {"request_deserializer": tolerant(handler.request_deserializer),
-              "response_serializer": handler.response_serializer}
+    kwargs = {
+        "request_deserializer": tolerant(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
@@ -60,6 +65,7 @@ def guarded(handler, reject=refuse_invalid_argument):
                 await reject(context, request)
             result = inner(request, context)
             return await result if inspect.isawaitable(result) else result
+
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
 
     if handler.unary_stream is not None:
@@ -71,6 +77,7 @@ def guarded(handler, reject=refuse_invalid_argument):
             if isinstance(request, Malformed):
                 await reject(context, request)
             await _relay(inner_stream(request, context), context)
+
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
 
     if handler.stream_unary is not None:
@@ -83,6 +90,7 @@ def guarded(handler, reject=refuse_invalid_argument):
             if seen:
                 await reject(context, seen[0])
             return response
+
         return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
 
     inner_ss = handler.stream_stream
@@ -92,6 +100,7 @@ def guarded(handler, reject=refuse_invalid_argument):
         await _relay(inner_ss(_until_malformed(requests, seen), context), context)
         if seen:
             await reject(context, seen[0])
+
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
 
 

@@ -10,6 +10,7 @@ formatted traceback, when an exception is attached) and any event fields passed 
 Privacy: callers must never log prompt or completion text, token ids of a prompt, or anything derived
 from them. Log lengths and counts instead. This module does not (and cannot) filter message text.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -30,8 +31,21 @@ LOG_FORMATS = ("json", "text")
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is an event field.
 _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 # Keys the formatter owns; an `extra=` field with one of these names is renamed rather than lost.
-_OWN_KEYS = frozenset({"timestamp", "level", "message", "logger", "service", "request_id",
-                       "trace_id", "span_id", "trace_flags", "exc_info", "stack_info"})
+_OWN_KEYS = frozenset(
+    {
+        "timestamp",
+        "level",
+        "message",
+        "logger",
+        "service",
+        "request_id",
+        "trace_id",
+        "span_id",
+        "trace_flags",
+        "exc_info",
+        "stack_info",
+    }
+)
 
 
 def _timestamp(created: float) -> str:
@@ -42,9 +56,12 @@ def _timestamp(created: float) -> str:
 def _trace_fields() -> dict[str, str]:
     ctx = trace.get_current_span().get_span_context()
     if not ctx.is_valid:
-        return {}   # omitted, never "0" (OTel logging trace-context spec)
-    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x"),
-            "trace_flags": format(ctx.trace_flags, "02x")}
+        return {}  # omitted, never "0" (OTel logging trace-context spec)
+    return {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "trace_flags": format(ctx.trace_flags, "02x"),
+    }
 
 
 def _event_fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -129,8 +146,14 @@ def _parse_level(level: str | int) -> int:
     return value
 
 
-def configure_logging(service: str, level: str | int = "INFO", fmt: str | None = None, *,
-                      stream: IO[str] | None = None, env: Mapping[str, str] | None = None) -> logging.Handler:
+def configure_logging(
+    service: str,
+    level: str | int = "INFO",
+    fmt: str | None = None,
+    *,
+    stream: IO[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> logging.Handler:
     """Routes every logger through one handler on the root logger and returns that handler.
 
     `fmt` is "json" or "text"; None reads LOG_FORMAT (default json: what containers and log shippers

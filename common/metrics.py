@@ -8,6 +8,7 @@ Attributes without extra labels are already bound to ``model_name`` (``m.queue_s
 one (outcome, kind, layer, item) are ``_Family`` objects: ``m.requests.labels(outcome="ok").inc()``.
 docs/observability.md lists every metric with its meaning.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,8 +26,7 @@ PREFIX = "colibri_"
 # ExplicitBucketBoundaries of gen_ai.server.{time_to_first_token, time_per_output_token, request.duration}.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96,
-                            81.92)
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 # A small-batch decode step on an H200 takes a few ms, all below the semconv's first 10 ms boundary; these
 # three extra boundaries resolve it while keeping every semconv boundary (series stay comparable).
 TPOT_BUCKETS = (0.001, 0.0025, 0.005) + GENAI_TPOT_BUCKETS
@@ -39,8 +39,7 @@ RECALL_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 STALL_BUCKETS = (0.0, 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 # Request outcomes = the terminal gRPC status of the request's stream (docs/api.md, status codes), lower-cased.
-OUTCOMES = ("ok", "invalid_argument", "resource_exhausted", "unavailable", "deadline_exceeded", "cancelled",
-            "internal")
+OUTCOMES = ("ok", "invalid_argument", "resource_exhausted", "unavailable", "deadline_exceeded", "cancelled", "internal")
 STEP_KINDS = ("prefill", "decode")
 
 
@@ -97,35 +96,55 @@ class RouterMetrics:
         b = _Builder(registry, model_name)
         self.requests = b.family(
             b.counter("requests", "Finished requests by terminal status", ("outcome",)),
-            allowed={"outcome": OUTCOMES}, precreate=[{"outcome": o} for o in OUTCOMES])
+            allowed={"outcome": OUTCOMES},
+            precreate=[{"outcome": o} for o in OUTCOMES],
+        )
         self.queue_size = b.gauge(
-            "queue_size", "Admitted requests not yet finished (waiting + running); capped by max_concurrent_requests")
+            "queue_size", "Admitted requests not yet finished (waiting + running); capped by max_concurrent_requests"
+        )
         self.num_requests_running = b.gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = b.gauge(
-            "num_requests_waiting", "Admitted requests waiting for their first prefill step (or preempted)")
+            "num_requests_waiting", "Admitted requests waiting for their first prefill step (or preempted)"
+        )
         self.time_to_first_token = b.histogram(
-            "time_to_first_token_seconds", "Arrival to first generated token", TTFT_BUCKETS)
+            "time_to_first_token_seconds", "Arrival to first generated token", TTFT_BUCKETS
+        )
         self.time_per_output_token = b.histogram(
-            "time_per_output_token_seconds", "Time between consecutive output tokens of a request", TPOT_BUCKETS)
+            "time_per_output_token_seconds", "Time between consecutive output tokens of a request", TPOT_BUCKETS
+        )
         self.request_duration = b.histogram(
-            "request_duration_seconds", "Arrival to terminal status", REQUEST_DURATION_BUCKETS)
+            "request_duration_seconds", "Arrival to terminal status", REQUEST_DURATION_BUCKETS
+        )
         self.request_queue_duration = b.histogram(
-            "request_queue_duration_seconds", "Arrival to first scheduled step", REQUEST_DURATION_BUCKETS)
+            "request_queue_duration_seconds", "Arrival to first scheduled step", REQUEST_DURATION_BUCKETS
+        )
         self.prompt_tokens = b.counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = b.counter("generation_tokens", "Generated tokens")
         self.batch_size = b.histogram("batch_size", "Sequences per worker step", BATCH_SIZE_BUCKETS)
         self.batch_tokens = b.histogram("batch_tokens", "Tokens per worker step", BATCH_TOKENS_BUCKETS)
         kinds = {"kind": STEP_KINDS}
         self.step_duration = b.family(
-            b.histogram("step_duration_seconds", "Worker step as measured by the router (call round trip)",
-                        STEP_BUCKETS, ("kind",)), allowed=kinds)
+            b.histogram(
+                "step_duration_seconds",
+                "Worker step as measured by the router (call round trip)",
+                STEP_BUCKETS,
+                ("kind",),
+            ),
+            allowed=kinds,
+        )
         self.step_transport_overhead = b.family(
-            b.histogram("step_transport_overhead_seconds",
-                        "Router-measured step time minus the worker-reported step time (gRPC + serialisation)",
-                        TRANSPORT_BUCKETS, ("kind",)), allowed=kinds)
+            b.histogram(
+                "step_transport_overhead_seconds",
+                "Router-measured step time minus the worker-reported step time (gRPC + serialisation)",
+                TRANSPORT_BUCKETS,
+                ("kind",),
+            ),
+            allowed=kinds,
+        )
 
-    def observe_step(self, kind: str, router_seconds: float, worker_seconds: float | None,
-                     num_seqs: int, num_tokens: int) -> None:
+    def observe_step(
+        self, kind: str, router_seconds: float, worker_seconds: float | None, num_seqs: int, num_tokens: int
+    ) -> None:
         """One worker call: its duration, overhead (when the worker reported its own time) and batch shape."""
         self.step_duration.labels(kind=kind).observe(router_seconds)
         if worker_seconds is not None:
@@ -147,35 +166,59 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str):
         b = _Builder(registry, model_name)
         self.worker_step_duration = b.family(
-            b.histogram("worker_step_duration_seconds", "Step time on the worker, request in to response out",
-                        STEP_BUCKETS, ("kind",)), allowed={"kind": STEP_KINDS})
+            b.histogram(
+                "worker_step_duration_seconds",
+                "Step time on the worker, request in to response out",
+                STEP_BUCKETS,
+                ("kind",),
+            ),
+            allowed={"kind": STEP_KINDS},
+        )
         self.kv_cache_usage_ratio = b.gauge("kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool")
         self.kv_blocks_used = b.gauge("kv_blocks_used", "KV blocks in use")
         self.expert_cache_hits = b.counter("expert_cache_hits", "Expert uses served by a resident expert slot")
         self.expert_cache_misses = b.counter(
-            "expert_cache_misses", "Expert uses that needed a host-to-device copy first")
+            "expert_cache_misses", "Expert uses that needed a host-to-device copy first"
+        )
         self.expert_cache_copied_bytes = b.counter(
-            "expert_cache_copied_bytes", "Bytes of expert weights copied host to device")
+            "expert_cache_copied_bytes", "Bytes of expert weights copied host to device"
+        )
         self.expert_cache_stall_seconds = b.counter(
-            "expert_cache_stall_seconds", "Compute time lost waiting for expert copies (not hidden by overlap)")
+            "expert_cache_stall_seconds", "Compute time lost waiting for expert copies (not hidden by overlap)"
+        )
         self.expert_cache_prefetches_issued = b.counter(
-            "expert_cache_prefetches_issued", "Expert copies issued by prefetch (routing plan and lookahead)")
+            "expert_cache_prefetches_issued", "Expert copies issued by prefetch (routing plan and lookahead)"
+        )
         self.expert_cache_prefetches_used = b.counter(
-            "expert_cache_prefetches_used", "Prefetched experts that a step then used (hit)")
+            "expert_cache_prefetches_used", "Prefetched experts that a step then used (hit)"
+        )
         self.expert_cache_step_stall = b.histogram(
-            "expert_cache_step_stall_seconds", "Expert-copy stall per step", STALL_BUCKETS)
+            "expert_cache_step_stall_seconds", "Expert-copy stall per step", STALL_BUCKETS
+        )
         self.routing_plan_recall = b.gauge(
-            "routing_plan_recall", "Share of the exact routing the router's plan predicted, last step")
+            "routing_plan_recall", "Share of the exact routing the router's plan predicted, last step"
+        )
         self.routing_plan_recall_per_step = b.histogram(
-            "routing_plan_recall_per_step", "Routing plan recall, per step", RECALL_BUCKETS)
+            "routing_plan_recall_per_step", "Routing plan recall, per step", RECALL_BUCKETS
+        )
         self.expert_load_imbalance = b.family(
-            b.gauge("expert_load_imbalance", "Max expert load / mean expert load in the last step (1 = even)",
-                    ("layer",)))
+            b.gauge(
+                "expert_load_imbalance", "Max expert load / mean expert load in the last step (1 = even)", ("layer",)
+            )
+        )
         self.memory_plan_bytes = b.family(
-            b.gauge("worker_memory_plan_bytes", "Start-up device memory plan, bytes per item", ("item",)))
+            b.gauge("worker_memory_plan_bytes", "Start-up device memory plan, bytes per item", ("item",))
+        )
 
-    def observe_expert_cache(self, hits: int, misses: int, copied_bytes: int, stall_seconds: float,
-                             prefetches_issued: int = 0, prefetches_used: int = 0) -> None:
+    def observe_expert_cache(
+        self,
+        hits: int,
+        misses: int,
+        copied_bytes: int,
+        stall_seconds: float,
+        prefetches_issued: int = 0,
+        prefetches_used: int = 0,
+    ) -> None:
         """One step's expert-cache counts (all uses are hits, the rest zeros, when all experts are resident)."""
         self.expert_cache_prefetches_issued.inc(prefetches_issued)
         self.expert_cache_prefetches_used.inc(prefetches_used)
@@ -211,8 +254,9 @@ def load_imbalance(counts: Sequence[int]) -> float:
     return max(counts) * len(counts) / total
 
 
-def start_metrics_server(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
-                         role: str = "metrics") -> tuple[WSGIServer, threading.Thread, int]:
+def start_metrics_server(
+    registry: CollectorRegistry, port: int, host: str = "0.0.0.0", role: str = "metrics"
+) -> tuple[WSGIServer, threading.Thread, int]:
     """Serves the registry as Prometheus text on http://host:port/metrics from a daemon thread.
 
     Port 0 binds a free port; the third value is the port actually bound. Stop with

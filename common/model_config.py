@@ -4,6 +4,7 @@ Each family module in ``common.models`` reads its family's HF keys and returns a
 variants between families (biases, q/k norms, shared expert, dense layers, routing normalisation) are
 plain fields here, so the decoder in ``expert_service`` is one piece of code driven by this record.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,28 +15,28 @@ import numpy as np
 
 from common.errors import ConfigError
 
-MAX_VOCAB = 1 << 24        # token ids travel as uint32; embeddings this size are already ~100 GB
-MAX_CONTEXT = 1 << 24      # positions per sequence: beyond any KV pool a GPU holds
+MAX_VOCAB = 1 << 24  # token ids travel as uint32; embeddings this size are already ~100 GB
+MAX_CONTEXT = 1 << 24  # positions per sequence: beyond any KV pool a GPU holds
 
 
 class QKNorm(str, Enum):
     NONE = "none"
-    PER_HEAD = "per_head"   # Qwen3-MoE: RMSNorm over head_dim, weight [head_dim]
-    FULL = "full"           # OLMoE: RMSNorm over the whole projection, weight [heads * head_dim]
+    PER_HEAD = "per_head"  # Qwen3-MoE: RMSNorm over head_dim, weight [head_dim]
+    FULL = "full"  # OLMoE: RMSNorm over the whole projection, weight [heads * head_dim]
 
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"          # default | linear | llama3 | yarn
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
-    low_freq_factor: float = 1.0         # llama3
-    high_freq_factor: float = 4.0        # llama3
-    original_max_position_embeddings: int = 0   # llama3 / yarn
-    beta_fast: float = 32.0              # yarn
-    beta_slow: float = 1.0               # yarn
-    attention_factor: float | None = None   # yarn: scales cos/sin; None = derived from factor
-    truncate: bool = True                # yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3 / yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: scales cos/sin; None = derived from factor
+    truncate: bool = True  # yarn
 
     SUPPORTED = ("default", "linear", "llama3", "yarn")
 
@@ -49,19 +50,28 @@ class RopeConfig:
         params.update({k: v for k, v in scaling.items() if v is not None})
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in cls.SUPPORTED:
-            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported "
-                              f"(supported: {', '.join(cls.SUPPORTED)})")
+            raise ConfigError(
+                f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})"
+            )
+
         def get(key, default):
             value = params.get(key)
             return default if value is None else value
+
         return cls(
-            theta=float(params["rope_theta"]), rope_type=rope_type, factor=float(get("factor", 1.0)),
+            theta=float(params["rope_theta"]),
+            rope_type=rope_type,
+            factor=float(get("factor", 1.0)),
             low_freq_factor=float(get("low_freq_factor", 1.0)),
             high_freq_factor=float(get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(get("original_max_position_embeddings",
-                                                     hf.get("max_position_embeddings", 0))),
-            beta_fast=float(get("beta_fast", 32.0)), beta_slow=float(get("beta_slow", 1.0)),
-            attention_factor=params.get("attention_factor"), truncate=bool(get("truncate", True)))
+            original_max_position_embeddings=int(
+                get("original_max_position_embeddings", hf.get("max_position_embeddings", 0))
+            ),
+            beta_fast=float(get("beta_fast", 32.0)),
+            beta_slow=float(get("beta_slow", 1.0)),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(get("truncate", True)),
+        )
 
     def inverse_frequencies(self, head_dim: int) -> tuple[np.ndarray, float]:
         """Returns (inv_freq [head_dim/2] float32, cos/sin scale), following transformers' rope utils."""
@@ -89,11 +99,14 @@ class RopeConfig:
     def _yarn(self, pos_freqs: np.ndarray, dim: int) -> tuple[np.ndarray, float]:
         def mscale(scale: float) -> float:
             return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+
         attention_factor = self.attention_factor if self.attention_factor is not None else mscale(self.factor)
 
         def correction_dim(rotations: float) -> float:
-            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
-                    ) / (2 * math.log(self.theta))
+            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
             low, high = math.floor(low), math.ceil(high)
@@ -111,6 +124,7 @@ class RopeConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Sizes and variants of one MoE decoder. Field names follow HF where HF has one name for it."""
+
     family: str
     vocab_size: int
     hidden_size: int
@@ -122,48 +136,64 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    qkv_bias: bool                      # biases on q/k/v projections
-    o_bias: bool                        # bias on the output projection
+    qkv_bias: bool  # biases on q/k/v projections
+    o_bias: bool  # bias on the output projection
     qk_norm: QKNorm
-    clip_qkv: float | None              # OLMoE: clamp q, k, v to [-clip, clip] after the projections
+    clip_qkv: float | None  # OLMoE: clamp q, k, v to [-clip, clip] after the projections
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
-    norm_topk_prob: bool                # renormalise the top-k routing weights to sum to 1
-    intermediate_size: int              # FFN size of dense (non-MoE) layers
-    sparse_layers: tuple[bool, ...]     # per layer: MoE (True) or dense MLP (False)
-    shared_expert_intermediate_size: int    # 0 = no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    intermediate_size: int  # FFN size of dense (non-MoE) layers
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
+    shared_expert_intermediate_size: int  # 0 = no shared expert (Qwen2-MoE has one, with a sigmoid gate)
     sliding_windows: tuple[int | None, ...]  # per layer: attend to the last N positions, None = full
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "max_position_embeddings",
+        )
         for name in positive:
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a "
-                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok must be in [1, num_experts="
-                              f"{self.num_experts}], got {self.num_experts_per_tok}")
+            raise ConfigError(
+                f"config.json: num_experts_per_tok must be in [1, num_experts="
+                f"{self.num_experts}], got {self.num_experts_per_tok}"
+            )
         if len(self.sparse_layers) != self.num_hidden_layers or len(self.sliding_windows) != self.num_hidden_layers:
             raise ConfigError("config.json: per-layer settings do not match num_hidden_layers")
         if self.num_experts > 65535:
             raise ConfigError(f"config.json: num_experts {self.num_experts} exceeds 65535")
         if self.head_dim % 2:
-            raise ConfigError(f"config.json: head_dim must be even (rotary embeddings pair its halves), got "
-                              f"{self.head_dim}")
+            raise ConfigError(
+                f"config.json: head_dim must be even (rotary embeddings pair its halves), got {self.head_dim}"
+            )
         if not (math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1):
             raise ConfigError(f"config.json: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
         for window in self.sliding_windows:
             if window is not None and not 0 < window <= MAX_CONTEXT:
                 raise ConfigError(f"config.json: sliding_window must be in [1, {MAX_CONTEXT}], got {window}")
-        for name, ids in (("eos_token_id", self.eos_token_ids),
-                          ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,))):
+        for name, ids in (
+            ("eos_token_id", self.eos_token_ids),
+            ("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+        ):
             bad = [i for i in ids if not 0 <= i < self.vocab_size]
             if bad:
                 raise ConfigError(f"config.json: {name} {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -171,8 +201,9 @@ class ModelConfig:
             raise ConfigError(f"config.json: clip_qkv must be a finite number > 0, got {self.clip_qkv}")
         rope = self.rope
         if not all(math.isfinite(v) and v > 0 for v in (rope.theta, rope.factor)):
-            raise ConfigError(f"config.json: rope theta and factor must be finite and > 0, got {rope.theta}, "
-                              f"{rope.factor}")
+            raise ConfigError(
+                f"config.json: rope theta and factor must be finite and > 0, got {rope.theta}, {rope.factor}"
+            )
 
     @property
     def q_size(self) -> int:

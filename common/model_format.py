@@ -27,6 +27,7 @@ The reader never trusts the manifest: it rejects paths that are absolute, contai
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing tensors, and (unless told to skip) any crc32 mismatch; each is a one-line ``ModelFormatError``.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,9 +53,9 @@ MANIFEST = "colibri.json"
 DENSE_FILE = "dense.bin"
 DENSE_ALIGN = 64
 EXPERT_ALIGN = 4096
-MAX_DIM = 1 << 31             # one tensor dimension
-MAX_FILE_BYTES = 1 << 48      # offsets and sizes: far past any disk, far below int64 overflow
-MAX_JSON_DEPTH = 64           # a manifest is 4 levels deep
+MAX_DIM = 1 << 31  # one tensor dimension
+MAX_FILE_BYTES = 1 << 48  # offsets and sizes: far past any disk, far below int64 overflow
+MAX_JSON_DEPTH = 64  # a manifest is 4 levels deep
 _JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKETS = re.compile(r"[\[\]{}]")
 
@@ -78,15 +79,21 @@ class TensorEntry:
     crc32: int
 
     def to_json(self) -> dict:
-        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                "shape": list(self.shape), "crc32": self.crc32}
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "crc32": self.crc32,
+        }
 
 
 def plan_layout(config: ModelConfig, dtype: str) -> tuple[dict[str, TensorEntry], int]:
     """Where every tensor goes (crc32 left 0), and the expert stride: a pure function of config and dtype."""
     size = dtypes.itemsize(dtype)
     specs = tensor_specs(config)
-    expert_nbytes = 3 * config.moe_intermediate_size * config.hidden_size * size   # gate + up + down
+    expert_nbytes = 3 * config.moe_intermediate_size * config.hidden_size * size  # gate + up + down
     stride = _align(expert_nbytes, EXPERT_ALIGN)
     entries, dense_offset, inside_expert = {}, 0, 0
     for spec in specs:
@@ -98,8 +105,7 @@ def plan_layout(config: ModelConfig, dtype: str) -> tuple[dict[str, TensorEntry]
         else:
             inside_expert = 0 if spec.name.endswith("gate_proj") else inside_expert
             offset = spec.expert * stride + inside_expert
-            entries[spec.name] = TensorEntry(spec.name, expert_file(spec.layer), offset, nbytes, dtype,
-                                             spec.shape, 0)
+            entries[spec.name] = TensorEntry(spec.name, expert_file(spec.layer), offset, nbytes, dtype, spec.shape, 0)
             inside_expert += nbytes
     return entries, stride
 
@@ -131,14 +137,16 @@ class ModelWriter:
             raise ModelFormatError(f"tensor {name}: not part of a {self.config.family} model of this config")
         data = np.ascontiguousarray(array)
         if data.dtype != dtypes.STORAGE[self.dtype] or tuple(data.shape) != entry.shape:
-            raise ModelFormatError(f"tensor {name}: expected {self.dtype} {list(entry.shape)}, "
-                                   f"got {data.dtype} {list(data.shape)}")
+            raise ModelFormatError(
+                f"tensor {name}: expected {self.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
+            )
         view = memoryview(data).cast("B")
         written = os.pwrite(self._files[entry.file], view, entry.offset)
         if written != entry.nbytes:
             raise ModelFormatError(f"{entry.file}: short write for tensor {name} ({written} of {entry.nbytes} bytes)")
-        self.written[name] = TensorEntry(name, entry.file, entry.offset, entry.nbytes, entry.dtype, entry.shape,
-                                         zlib.crc32(view))
+        self.written[name] = TensorEntry(
+            name, entry.file, entry.offset, entry.nbytes, entry.dtype, entry.shape, zlib.crc32(view)
+        )
 
     def finish(self) -> Path:
         missing = [n for n in self.layout if n not in self.written]
@@ -148,8 +156,12 @@ class ModelWriter:
             os.fsync(fd)
             os.close(fd)
         manifest = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "family": self.config.family,
-            "dtype": self.dtype, "config": self.hf_config, "expert_stride": self.expert_stride,
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "family": self.config.family,
+            "dtype": self.dtype,
+            "config": self.hf_config,
+            "expert_stride": self.expert_stride,
             "tensors": {n: self.written[n].to_json() for n in self.layout},
             "tokenizer_files": self.tokenizer_files,
         }
@@ -177,8 +189,9 @@ class ModelDir:
         root = Path(path)
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():
-            raise ModelFormatError(f"{manifest_path}: not found (is {root} a Colibri model directory? "
-                                   f"make one with `colibri convert`)")
+            raise ModelFormatError(
+                f"{manifest_path}: not found (is {root} a Colibri model directory? make one with `colibri convert`)"
+            )
         manifest = load_json(manifest_path, ModelFormatError)
         if not isinstance(manifest, dict):
             raise ModelFormatError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
@@ -186,13 +199,15 @@ class ModelDir:
             if key not in manifest:
                 raise ModelFormatError(f"{manifest_path}: missing key {key!r}")
         if manifest["format"] != FORMAT_NAME or manifest["format_version"] != FORMAT_VERSION:
-            raise ModelFormatError(f"{manifest_path}: format {manifest['format']!r} version "
-                                   f"{manifest['format_version']!r}, expected {FORMAT_NAME!r} version {FORMAT_VERSION}")
+            raise ModelFormatError(
+                f"{manifest_path}: format {manifest['format']!r} version "
+                f"{manifest['format_version']!r}, expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
+            )
         try:
             model = cls(root, manifest)
         except ConfigError as e:
             raise ModelFormatError(f"{manifest_path}: {e}") from None
-        except (TypeError, ValueError, AttributeError, OverflowError) as e:   # "config": [], "expert_stride": "x"
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:  # "config": [], "expert_stride": "x"
             raise ModelFormatError(f"{manifest_path}: malformed manifest ({e})") from None
         if not isinstance(manifest["tensors"], dict):
             raise ModelFormatError(f"{manifest_path}: 'tensors' must be an object of name -> entry")
@@ -205,11 +220,12 @@ class ModelDir:
         p = Path(name)
         if p.is_absolute() or ".." in p.parts or not name or "\0" in name:
             raise ModelFormatError(f"tensor {tensor}: file path {name!r} must be relative to the model directory")
-        full = (self.path / p)
+        full = self.path / p
         root = self.path.resolve()
         if not full.resolve().is_relative_to(root):
-            raise ModelFormatError(f"tensor {tensor}: file {name!r} resolves outside the model directory "
-                                   f"(symlink to {full.resolve()})")
+            raise ModelFormatError(
+                f"tensor {tensor}: file {name!r} resolves outside the model directory (symlink to {full.resolve()})"
+            )
         return full
 
     def _check_entries(self) -> None:
@@ -222,8 +238,10 @@ class ModelDir:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
             expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
-                raise ModelFormatError(f"tensor {name}: {entry.nbytes} bytes do not fit {entry.dtype} "
-                                       f"{list(entry.shape)} (expected {expected} bytes)")
+                raise ModelFormatError(
+                    f"tensor {name}: {entry.nbytes} bytes do not fit {entry.dtype} "
+                    f"{list(entry.shape)} (expected {expected} bytes)"
+                )
             path = self._safe_path(entry.file, name)
             if entry.file not in file_sizes:
                 if not path.is_file():
@@ -231,17 +249,21 @@ class ModelDir:
                 file_sizes[entry.file] = path.stat().st_size
             if entry.offset < 0 or entry.offset + entry.nbytes > file_sizes[entry.file]:
                 what = "offset past the end of" if entry.offset >= file_sizes[entry.file] else "range past the end of"
-                raise ModelFormatError(f"tensor {name}: {what} {entry.file} (bytes {entry.offset}..."
-                                       f"{entry.offset + entry.nbytes} of a {file_sizes[entry.file]}-byte file; "
-                                       f"truncated?)")
+                raise ModelFormatError(
+                    f"tensor {name}: {what} {entry.file} (bytes {entry.offset}..."
+                    f"{entry.offset + entry.nbytes} of a {file_sizes[entry.file]}-byte file; "
+                    f"truncated?)"
+                )
             self.entries[name] = entry
         for spec in tensor_specs(self.config):
             entry = self.entries.get(spec.name)
             if entry is None:
                 raise ModelFormatError(f"tensor {spec.name}: missing from {MANIFEST}")
             if entry.shape != spec.shape:
-                raise ModelFormatError(f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
-                                       f"config.json implies {list(spec.shape)}")
+                raise ModelFormatError(
+                    f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
+                    f"config.json implies {list(spec.shape)}"
+                )
         for layer in self.config.moe_layers:
             for expert in range(self.config.num_experts):
                 self._check_expert_layout(layer, expert)
@@ -250,10 +272,16 @@ class ModelDir:
         """An expert must be one aligned contiguous range (gate, up, down back to back): it is copied as one."""
         prefix = f"layers.{layer}.experts.{expert}."
         gate, up, down = (self.entries[prefix + p] for p in ("gate_proj", "up_proj", "down_proj"))
-        if gate.offset % EXPERT_ALIGN or not (gate.file == up.file == down.file) \
-                or up.offset != gate.offset + gate.nbytes or down.offset != up.offset + up.nbytes:
-            raise ModelFormatError(f"tensor {prefix}gate_proj: expert {expert} of layer {layer} is not one "
-                                   f"{EXPERT_ALIGN}-byte-aligned block of gate, up, down back to back")
+        if (
+            gate.offset % EXPERT_ALIGN
+            or not (gate.file == up.file == down.file)
+            or up.offset != gate.offset + gate.nbytes
+            or down.offset != up.offset + up.nbytes
+        ):
+            raise ModelFormatError(
+                f"tensor {prefix}gate_proj: expert {expert} of layer {layer} is not one "
+                f"{EXPERT_ALIGN}-byte-aligned block of gate, up, down back to back"
+            )
 
     def _map(self, file: str) -> np.memmap:
         if file not in self._maps:
@@ -262,7 +290,7 @@ class ModelDir:
 
     def raw_bytes(self, name: str) -> np.ndarray:
         e = self.entries[name]
-        return self._map(e.file)[e.offset:e.offset + e.nbytes]
+        return self._map(e.file)[e.offset : e.offset + e.nbytes]
 
     def tensor(self, name: str) -> np.ndarray:
         """Storage view (bfloat16 as uint16), read-only, zero-copy."""
@@ -289,14 +317,18 @@ class ModelDir:
 
         def check(entry: TensorEntry) -> int:
             if zlib.crc32(self.raw_bytes(entry.name)) != entry.crc32:
-                raise ChecksumError(f"{entry.file}: checksum mismatch in tensor {entry.name} "
-                                    f"(crc32 {zlib.crc32(self.raw_bytes(entry.name)):08x}, "
-                                    f"manifest says {entry.crc32:08x})")
+                raise ChecksumError(
+                    f"{entry.file}: checksum mismatch in tensor {entry.name} "
+                    f"(crc32 {zlib.crc32(self.raw_bytes(entry.name)):08x}, "
+                    f"manifest says {entry.crc32:08x})"
+                )
             return entry.nbytes
+
         entries = sorted(self.entries.values(), key=lambda e: (e.file, e.offset))
-        with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool, \
-                tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc="verify",
-                     disable=not progress) as bar:
+        with (
+            ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool,
+            tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar,
+        ):
             for nbytes in pool.map(check, entries):
                 bar.update(nbytes)
 
@@ -308,6 +340,7 @@ class ModelDir:
 def load_json(path: Path, error: type[Exception]) -> object:
     """A JSON file as Python values, refusing what would later overflow or recurse: NaN/Infinity, numbers
     that do not fit a double (1e999), nesting deeper than a manifest ever needs."""
+
     def reject_constant(name: str):
         raise error(f"{path}: {name} is not a valid JSON number here")
 
@@ -316,6 +349,7 @@ def load_json(path: Path, error: type[Exception]) -> object:
         if not math.isfinite(value):
             raise error(f"{path}: number {text} is out of range")
         return value
+
     try:
         text = path.read_text()
     except UnicodeDecodeError as e:
@@ -336,23 +370,36 @@ def load_json(path: Path, error: type[Exception]) -> object:
 
 def _entry(name: str, raw: object) -> TensorEntry:
     """One manifest tensor entry, every field of the type and range the loader relies on."""
+
     def integer(key: str, hi: int) -> int:
         value = raw[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
             raise ModelFormatError(f"tensor {name}: {key} must be an integer in [0, {hi}], got {value!r}")
         return value
+
     if not isinstance(raw, dict):
         raise ModelFormatError(f"tensor {name}: manifest entry must be an object")
     try:
         shape = raw["shape"]
-        if not isinstance(shape, list) or len(shape) > 8 or any(
-                isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_DIM for d in shape):
-            raise ModelFormatError(f"tensor {name}: shape must be a list of at most 8 sizes in [0, {MAX_DIM}), "
-                                   f"got {shape!r}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_DIM for d in shape)
+        ):
+            raise ModelFormatError(
+                f"tensor {name}: shape must be a list of at most 8 sizes in [0, {MAX_DIM}), got {shape!r}"
+            )
         if not isinstance(raw["file"], str) or not isinstance(raw["dtype"], str):
             raise ModelFormatError(f"tensor {name}: file and dtype must be strings")
-        return TensorEntry(name, raw["file"], integer("offset", MAX_FILE_BYTES), integer("nbytes", MAX_FILE_BYTES),
-                           raw["dtype"], tuple(shape), integer("crc32", 0xFFFFFFFF))
+        return TensorEntry(
+            name,
+            raw["file"],
+            integer("offset", MAX_FILE_BYTES),
+            integer("nbytes", MAX_FILE_BYTES),
+            raw["dtype"],
+            tuple(shape),
+            integer("crc32", 0xFFFFFFFF),
+        )
     except KeyError as e:
         raise ModelFormatError(f"tensor {name}: manifest entry lacks {e}") from None
 

@@ -5,6 +5,7 @@ the worker reads it back and uses it as the routing (`--routing lut`) or as a
 prediction to prefetch experts and measure recall (`--routing exact`). Token indices count the step's tokens
 in the worker's order: prompt chunks first, then one token per decoding sequence.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -19,9 +20,10 @@ from common.errors import InvalidRequestError
 class RoutingPlan:
     """Row l is MoE layer layers[l]; the tokens of expert e there are
     token_indices[l, offsets[l, e]:offsets[l, e+1]], ascending (none when the two offsets are equal)."""
+
     layers: tuple[int, ...]
-    offsets: np.ndarray          # int32 [L, E+1]
-    token_indices: np.ndarray    # int32 [L, T*k]
+    offsets: np.ndarray  # int32 [L, E+1]
+    token_indices: np.ndarray  # int32 [L, T*k]
 
     @classmethod
     def from_expert_ids(cls, layers: Sequence[int], expert_ids: np.ndarray, num_experts: int) -> RoutingPlan:
@@ -31,7 +33,7 @@ class RoutingPlan:
         flat = expert_ids.reshape(L, n)
         # A stable sort of uint16 keys (the routing table's) is numpy's radix sort: O(n) per layer, and it
         # leaves each expert's tokens ascending (the flattening is token-major).
-        order = np.argsort(flat, axis=1, kind="stable")                     # [L, n]
+        order = np.argsort(flat, axis=1, kind="stable")  # [L, n]
         keys = flat.astype(np.int32) + (np.arange(L, dtype=np.int32) * num_experts)[:, None]
         counts = np.bincount(keys.ravel(), minlength=L * num_experts).reshape(L, num_experts)
         offsets = np.zeros((L, num_experts + 1), dtype=np.int32)
@@ -45,23 +47,31 @@ class RoutingPlan:
     def expert_ids(self, num_experts: int, num_tokens: int, top_k: int | None = None) -> dict[int, np.ndarray]:
         """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` and the model's `top_k`
         (see `csr_to_ids`)."""
-        return {layer: csr_to_ids(offsets, tokens, num_experts, num_tokens, top_k)
-                for layer, offsets, tokens in self.csr()}
+        return {
+            layer: csr_to_ids(offsets, tokens, num_experts, num_tokens, top_k) for layer, offsets, tokens in self.csr()
+        }
 
 
-
-def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int,
-               top_k: int | None = None) -> np.ndarray:
+def csr_to_ids(
+    offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int, top_k: int | None = None
+) -> np.ndarray:
     """CSR (tokens of expert e = token_indices[offsets[e]:offsets[e+1]]) -> expert ids [T, k], each token's
     experts in ascending expert order. With `top_k`, every token needs exactly that many distinct experts."""
-    if offsets.shape != (num_experts + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
-            or offsets[-1] != token_indices.size:
-        raise InvalidRequestError("routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 "
-                                                          f"to {token_indices.size}")
-    if token_indices.size % max(num_tokens, 1) or (token_indices.size and (token_indices.min() < 0
-                                                                          or token_indices.max() >= num_tokens)):
-        raise InvalidRequestError("routing_plan.token_indices",
-                                  f"must index the step's {num_tokens} tokens, the same number of times each")
+    if (
+        offsets.shape != (num_experts + 1,)
+        or offsets[0] != 0
+        or np.any(np.diff(offsets) < 0)
+        or offsets[-1] != token_indices.size
+    ):
+        raise InvalidRequestError(
+            "routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 to {token_indices.size}"
+        )
+    if token_indices.size % max(num_tokens, 1) or (
+        token_indices.size and (token_indices.min() < 0 or token_indices.max() >= num_tokens)
+    ):
+        raise InvalidRequestError(
+            "routing_plan.token_indices", f"must index the step's {num_tokens} tokens, the same number of times each"
+        )
     per_token = np.bincount(token_indices, minlength=num_tokens)
     k = token_indices.size // max(num_tokens, 1)
     if np.any(per_token != k) or (top_k is not None and num_tokens and k != top_k):
@@ -69,6 +79,6 @@ def csr_to_ids(offsets: np.ndarray, token_indices: np.ndarray, num_experts: int,
     experts = np.repeat(np.arange(num_experts, dtype=np.int64), np.diff(offsets))
     order = np.argsort(token_indices, kind="stable")
     ids = experts[order].reshape(num_tokens, k)
-    if k > 1 and np.any(ids[:, 1:] == ids[:, :-1]):     # ascending per token: a repeat sits next to itself
+    if k > 1 and np.any(ids[:, 1:] == ids[:, :-1]):  # ascending per token: a repeat sits next to itself
         raise InvalidRequestError("routing_plan.token_indices", "a token is routed to the same expert twice")
     return ids

@@ -21,6 +21,7 @@ found value (``RoutingTableError``, a ``ModelFormatError``, exit code 3).
 
 Pure numpy (the router imports it and must never load numba).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,8 @@ from common.routing_plan import RoutingPlan
 
 MAGIC = b"CLRT"
 VERSION = 1
-_HEADER = struct.Struct("<4s6I")        # magic, version, num_layers, vocab_size, top_k, num_experts, crc32
-HEADER_SIZE = _HEADER.size              # 28
+_HEADER = struct.Struct("<4s6I")  # magic, version, num_layers, vocab_size, top_k, num_experts, crc32
+HEADER_SIZE = _HEADER.size  # 28
 ENTRY_DTYPE = np.dtype("<u2")
 
 
@@ -68,10 +69,10 @@ class RoutingTable:
     """A loaded, validated table: token id -> predicted experts at every MoE layer of one model."""
 
     def __init__(self, table: np.ndarray, num_experts: int, moe_layers: list[int]):
-        self.table = table                      # [L, V, k] uint16
+        self.table = table  # [L, V, k] uint16
         self.top_k = int(table.shape[2])
         self.num_experts = int(num_experts)
-        self.moe_layers = list(moe_layers)      # table layer l is model layer moe_layers[l]
+        self.moe_layers = list(moe_layers)  # table layer l is model layer moe_layers[l]
         self.vocab_size = int(table.shape[1])
 
     @classmethod
@@ -102,8 +103,11 @@ class RoutingTable:
             raise fail("top_k", top_k, f"1..{num_experts} (num_experts)")
         body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
         if len(data) - HEADER_SIZE != body_size:
-            raise fail("body size", f"{len(data) - HEADER_SIZE} bytes",
-                       f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
+            raise fail(
+                "body size",
+                f"{len(data) - HEADER_SIZE} bytes",
+                f"{body_size} bytes (num_layers x vocab_size x top_k x 2)",
+            )
         body = memoryview(data)[HEADER_SIZE:]
         if zlib.crc32(body) != crc:
             raise fail("crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
@@ -117,7 +121,7 @@ class RoutingTable:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
             raise InvalidRequestError("token_ids", f"token id {int(bad)} is outside [0, {self.vocab_size})")
-        return np.take(self.table, ids, axis=1)          # contiguous [L, T, k] (plain indexing is not)
+        return np.take(self.table, ids, axis=1)  # contiguous [L, T, k] (plain indexing is not)
 
     def routing_plan(self, token_ids: np.ndarray) -> RoutingPlan:
         """The routing plan of a step whose tokens are `token_ids`: per MoE layer, expert -> indices into
@@ -130,12 +134,18 @@ def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[i
     bad = np.argwhere(table >= num_experts)
     if bad.size:
         l, t, j = (int(v) for v in bad[0])
-        raise fail(f"entry [layer {l} (model layer {moe_layers[l]}), token {t}, slot {j}]",
-                   int(table[l, t, j]), f"< num_experts={num_experts}")
+        raise fail(
+            f"entry [layer {l} (model layer {moe_layers[l]}), token {t}, slot {j}]",
+            int(table[l, t, j]),
+            f"< num_experts={num_experts}",
+        )
     if table.shape[2] > 1:
         ordered = np.sort(table, axis=2)
         dup = np.argwhere((ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2))
         if dup.size:
             l, t = (int(v) for v in dup[0])
-            raise fail(f"experts of [layer {l} (model layer {moe_layers[l]}), token {t}]",
-                       table[l, t].tolist(), "distinct expert ids")
+            raise fail(
+                f"experts of [layer {l} (model layer {moe_layers[l]}), token {t}]",
+                table[l, t].tolist(),
+                "distinct expert ids",
+            )

@@ -1,4 +1,5 @@
 """numpy arrays <-> `colibri.worker.v1.Tensor` (raw little-endian bytes + dtype + shape), checked on read."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,11 @@ def to_pb(array: np.ndarray) -> worker_pb2.Tensor:
     data = np.ascontiguousarray(array)
     if data.dtype.name not in WIRE_DTYPES:
         raise ValueError(f"tensor dtype {data.dtype} cannot travel (supported: {', '.join(WIRE_DTYPES)})")
-    return worker_pb2.Tensor(data=data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes(),
-                             dtype=data.dtype.name, shape=list(data.shape))
+    return worker_pb2.Tensor(
+        data=data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes(),
+        dtype=data.dtype.name,
+        shape=list(data.shape),
+    )
 
 
 def from_pb(tensor: worker_pb2.Tensor, field: str, dtype: str | None = None) -> np.ndarray:
@@ -30,6 +34,6 @@ def from_pb(tensor: worker_pb2.Tensor, field: str, dtype: str | None = None) -> 
     if any(d < 0 for d in shape):
         raise InvalidRequestError(field, f"negative dimension in shape {list(shape)}")
     itemsize = np.dtype(tensor.dtype).itemsize
-    if len(tensor.data) != math.prod(shape) * itemsize:     # Python ints: a product cannot wrap around
+    if len(tensor.data) != math.prod(shape) * itemsize:  # Python ints: a product cannot wrap around
         raise InvalidRequestError(field, f"{len(tensor.data)} bytes do not fit {tensor.dtype} {list(shape)}")
     return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(shape)

@@ -17,6 +17,7 @@ Without OTEL_EXPORTER_OTLP_ENDPOINT spans are still created (so logs get trace i
 the router's trace) but nothing is exported. With it, spans go to OTLP/gRPC through a BatchSpanProcessor;
 the exporter reads the rest of its settings (OTEL_EXPORTER_OTLP_HEADERS, _INSECURE, _CERTIFICATE, ...).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,9 +68,16 @@ COLIBRI_BATCH_TOKENS = "colibri.batch.tokens"
 COLIBRI_STEP_KIND = "colibri.step.kind"
 
 # Server spans are errors only for these codes (RPC semconv); a client's bad input is not our error.
-_SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
-                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+_SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 def request_span_name(model: str, operation: str = OPERATION_TEXT_COMPLETION) -> str:
@@ -85,11 +93,13 @@ def otlp_span_processor(env: Mapping[str, str] | None = None) -> SpanProcessor |
         return None
     # Imported here: the exporter pulls in its own gRPC/protobuf stack, not needed when not exporting.
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
     return BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))
 
 
-def make_tracer_provider(service_name: str, *processors: SpanProcessor,
-                         env: Mapping[str, str] | None = None) -> TracerProvider:
+def make_tracer_provider(
+    service_name: str, *processors: SpanProcessor, env: Mapping[str, str] | None = None
+) -> TracerProvider:
     """An SDK provider with service.name (OTEL_SERVICE_NAME wins over `service_name`) and `processors`."""
     env = os.environ if env is None else env
     resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
@@ -99,8 +109,9 @@ def make_tracer_provider(service_name: str, *processors: SpanProcessor,
     return provider
 
 
-def configure_tracing(service_name: str, *, env: Mapping[str, str] | None = None,
-                      set_global: bool = True) -> TracerProvider:
+def configure_tracing(
+    service_name: str, *, env: Mapping[str, str] | None = None, set_global: bool = True
+) -> TracerProvider:
     """The process's provider: OTLP export when configured, nothing exported otherwise; set as global.
 
     Call once at start-up; call ``provider.shutdown()`` at exit so the batch processor flushes.
@@ -138,8 +149,9 @@ def extract_context(metadata: Iterable[Any] | None) -> otel_context.Context:
     return propagate.extract(carrier)
 
 
-def links_from_contexts(items: Iterable[Span | SpanContext | otel_context.Context | None],
-                        attributes: Mapping[str, Any] | None = None) -> list[Link]:
+def links_from_contexts(
+    items: Iterable[Span | SpanContext | otel_context.Context | None], attributes: Mapping[str, Any] | None = None
+) -> list[Link]:
     """Span links (e.g. a batch step span → each member request span); invalid or missing ones skipped."""
     links = []
     for item in items:
@@ -157,18 +169,24 @@ def links_from_contexts(items: Iterable[Span | SpanContext | otel_context.Contex
 
 
 @contextlib.contextmanager
-def start_server_span(name: str, context_metadata: Iterable[Any] | None,
-                      attributes: Mapping[str, Any] | None = None, *, links: Iterable[Link] = (),
-                      kind: SpanKind = SpanKind.SERVER,
-                      tracer_provider: trace.TracerProvider | None = None) -> Iterator[Span]:
+def start_server_span(
+    name: str,
+    context_metadata: Iterable[Any] | None,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    links: Iterable[Link] = (),
+    kind: SpanKind = SpanKind.SERVER,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> Iterator[Span]:
     """A current span whose parent is the caller's span carried in `context_metadata`.
 
     Worker handlers use it as ``with start_server_span("decode", context.invocation_metadata()):``.
     Exceptions are recorded and set the span status to ERROR, then re-raised.
     """
     tracer = get_tracer(tracer_provider)
-    with tracer.start_as_current_span(name, context=extract_context(context_metadata), kind=kind,
-                                      attributes=dict(attributes or {}), links=list(links)) as span:
+    with tracer.start_as_current_span(
+        name, context=extract_context(context_metadata), kind=kind, attributes=dict(attributes or {}), links=list(links)
+    ) as span:
         yield span
 
 
@@ -201,9 +219,13 @@ def _rpc_span(name: str, method: str, metadata, context, provider) -> Iterator[S
     tracer = get_tracer(provider)
     # Exceptions are recorded but do not set ERROR by themselves: an aborted INVALID_ARGUMENT call raises
     # too, and it is not our fault (RPC semconv); _end_rpc_span decides from the status code.
-    with tracer.start_as_current_span(name, context=extract_context(metadata), kind=SpanKind.SERVER,
-                                      attributes=_rpc_attributes(method),
-                                      set_status_on_exception=False) as span:
+    with tracer.start_as_current_span(
+        name,
+        context=extract_context(metadata),
+        kind=SpanKind.SERVER,
+        attributes=_rpc_attributes(method),
+        set_status_on_exception=False,
+    ) as span:
         try:
             yield span
         except BaseException as e:
@@ -220,8 +242,11 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
     neither service has any.
     """
 
-    def __init__(self, tracer_provider: trace.TracerProvider | None = None,
-                 exclude_prefixes: tuple[str, ...] = ("/grpc.health.", "/grpc.reflection.")):
+    def __init__(
+        self,
+        tracer_provider: trace.TracerProvider | None = None,
+        exclude_prefixes: tuple[str, ...] = ("/grpc.health.", "/grpc.reflection."),
+    ):
         self._provider = tracer_provider
         self._exclude = exclude_prefixes
 
@@ -241,8 +266,10 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                     return await response if inspect.isawaitable(response) else response
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
 
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
@@ -257,6 +284,8 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
                         await result
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler

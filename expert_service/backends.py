@@ -1,5 +1,6 @@
 """Which compute backend runs the engine, and building the two together. Each backend is imported only when
 chosen, so the cpu backend never loads numba.cuda."""
+
 from __future__ import annotations
 
 import logging
@@ -19,14 +20,14 @@ def cuda_status() -> tuple[bool, str]:
     try:
         from numba import cuda
         from numba.cuda import config
-    except Exception:        # no numba-cuda, broken install: the CPU backend still works
+    except Exception:  # no numba-cuda, broken install: the CPU backend still works
         return False, "numba-cuda is not installed (the cuda extra)"
     if config.ENABLE_CUDASIM:
         return False, "NUMBA_ENABLE_CUDASIM=1 is set"
     try:
         if not cuda.is_available():
             return False, "no usable NVIDIA GPU or driver was found"
-        name = cuda.get_current_device().name    # str in numba-cuda 0.30, bytes in older releases
+        name = cuda.get_current_device().name  # str in numba-cuda 0.30, bytes in older releases
         return True, f"{name.decode(errors='replace') if isinstance(name, bytes) else name} found"
     except Exception as exc:  # a driver that fails to initialise
         return False, f"the CUDA driver failed to start ({type(exc).__name__})"
@@ -54,10 +55,11 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
         if not usable:
             raise ConfigError(f"backend: cuda was asked for but {status} (use --backend cpu or auto)")
         from expert_service.cuda.decoder import CudaDecoder
+
         return CudaDecoder(model, config, slot_plan)
     from expert_service.cpu.decoder import CpuDecoder
-    return CpuDecoder(model, config, slot_plan)
 
+    return CpuDecoder(model, config, slot_plan)
 
 
 def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:

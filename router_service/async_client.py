@@ -10,6 +10,7 @@ The same arguments as ColibriClient (timeout, token or token_file, tls / tls_ca 
 surface as grpc.aio.AioRpcError (a grpc.RpcError: `retry_delay` reads it too). Cancelling a task that iterates a
 stream cancels the call, which frees the request on the router.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
@@ -23,13 +24,26 @@ from router_service.client import build_chat_request, build_request
 class AsyncColibriClient:
     """Create it inside the event loop that uses it; `timeout` (seconds) is the deadline of each call."""
 
-    def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "", token_file: str = "",
-                 tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
-                 tls_server_name: str = "", max_message_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = 600.0,
+        token: str = "",
+        token_file: str = "",
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_server_name: str = "",
+        max_message_bytes: int = 16 << 20,
+    ):
         from router_service.client import connection  # the same token and TLS handling
+
         self.timeout = timeout
-        self._metadata, options, credentials = connection(token, token_file, tls, tls_ca, tls_cert, tls_key,
-                                                          tls_server_name, max_message_bytes)
+        self._metadata, options, credentials = connection(
+            token, token_file, tls, tls_ca, tls_cert, tls_key, tls_server_name, max_message_bytes
+        )
         if credentials is not None:
             self._channel = grpc.aio.secure_channel(target, credentials, options)
         else:
@@ -48,30 +62,47 @@ class AsyncColibriClient:
     def _call(self) -> dict:
         return {"timeout": self.timeout, "metadata": self._metadata}
 
-    async def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                       request_id: str = "", **parameters) -> router_pb2.GenerateResponse:
+    async def generate(
+        self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "", **parameters
+    ) -> router_pb2.GenerateResponse:
         return await self._stub.Generate(build_request(prompt, token_ids, request_id, **parameters), **self._call())
 
-    async def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                     request_id: str = "", **parameters) -> AsyncIterator[router_pb2.GenerateStreamResponse]:
-        call = self._stub.GenerateStream(build_request(prompt, token_ids, request_id, stream=True, **parameters),
-                                         **self._call())
+    async def stream(
+        self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "", **parameters
+    ) -> AsyncIterator[router_pb2.GenerateStreamResponse]:
+        call = self._stub.GenerateStream(
+            build_request(prompt, token_ids, request_id, stream=True, **parameters), **self._call()
+        )
         try:
             async for message in call:
                 yield message
         finally:
             call.cancel()  # a no-op once the stream ended; frees the request when the caller stops early
 
-    async def chat(self, messages, *, request_id: str = "", continue_final_message: bool = False,
-                   chat_template_kwargs: dict | None = None, **parameters) -> router_pb2.ChatResponse:
+    async def chat(
+        self,
+        messages,
+        *,
+        request_id: str = "",
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        **parameters,
+    ) -> router_pb2.ChatResponse:
         request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs, **parameters)
         return await self._stub.Chat(request, **self._call())
 
-    async def chat_stream(self, messages, *, request_id: str = "", continue_final_message: bool = False,
-                          chat_template_kwargs: dict | None = None, **parameters
-                          ) -> AsyncIterator[router_pb2.ChatStreamResponse]:
-        request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs,
-                                     stream=True, **parameters)
+    async def chat_stream(
+        self,
+        messages,
+        *,
+        request_id: str = "",
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        **parameters,
+    ) -> AsyncIterator[router_pb2.ChatStreamResponse]:
+        request = build_chat_request(
+            messages, request_id, continue_final_message, chat_template_kwargs, stream=True, **parameters
+        )
         call = self._stub.ChatStream(request, **self._call())
         try:
             async for message in call:

@@ -6,6 +6,7 @@ concurrency), receive `Delta`s on their own asyncio queue, and leave via a finis
 (which frees their KV blocks at once and wakes the loop, so the next step carries the worker's free). When the worker fails, every request in flight ends (INTERNAL for
 the batch the worker failed, UNAVAILABLE otherwise) and the loop reconnects: Info, Health, ClearCache.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,17 +46,19 @@ IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's h
 @dataclass(frozen=True)
 class Delta:
     """New output of one request since its previous Delta; the last one has finish_reason set."""
+
     token_ids: list[int]
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    top_logprobs: list[Top] = field(default_factory=list)      # with top_logprobs: one per token
-    prompt_logprobs: list[PromptLogprob] | None = None         # with prompt_logprobs: on the first Delta
+    top_logprobs: list[Top] = field(default_factory=list)  # with top_logprobs: one per token
+    prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: on the first Delta
 
 
 @dataclass(frozen=True)
 class _InFlight:
     """A step sent on the step stream whose result has not come back."""
+
     step: ScheduledStep
     step_id: int
     started: float
@@ -112,8 +115,14 @@ class RequestHandle:
 
 
 class BatchingLoop:
-    def __init__(self, config: RouterConfig, worker: WorkerClient, tokenizer: Tokenizer | None = None,
-                 hooks: BatchingLoopHooks | None = None, planner=None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        worker: WorkerClient,
+        tokenizer: Tokenizer | None = None,
+        hooks: BatchingLoopHooks | None = None,
+        planner=None,
+    ):
         self.config, self.worker, self.tokenizer = config, worker, tokenizer
         self.planner = planner  # RoutingPlanner when a static routing table is configured
         self.generation_defaults = GenerationDefaults.from_model_dir(config.model)
@@ -177,22 +186,39 @@ class BatchingLoop:
         if not self.is_worker_ready or self.scheduler is None:
             raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
         if len(self._requests) >= self.config.max_concurrent_requests:
-            raise Overloaded(f"model is overloaded: {self.config.max_concurrent_requests} requests in flight "
-                             f"(max_concurrent_requests)", self.config.retry_after_s)
+            raise Overloaded(
+                f"model is overloaded: {self.config.max_concurrent_requests} requests in flight "
+                f"(max_concurrent_requests)",
+                self.config.retry_after_s,
+            )
         now = time.monotonic()
         deadline = min(deadline or float("inf"), now + self.config.request_timeout_s)
         seq_id = next(self._ids)
-        state = RequestState(seq_id, req.request_id or f"cmpl-{uuid.uuid4().hex}", req, deadline,
-                             span_context=span_context, arrived_at=now)
+        state = RequestState(
+            seq_id,
+            req.request_id or f"cmpl-{uuid.uuid4().hex}",
+            req,
+            deadline,
+            span_context=span_context,
+            arrived_at=now,
+        )
         if self.tokenizer is not None:
             state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
             state.stops = StopSequenceMatcher(req.stop_sequences)
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
-        self.scheduler.add(ScheduledRequest(seq_id, list(req.prompt_ids), req.max_new_tokens, eos,
-                                            frozenset(req.stop_token_ids),
-                                            sampling=wire.sampling_params(req, self.limits.eos_token_ids),
-                                            queue_deadline=min(deadline, now + self.config.queue_timeout_s),
-                                            scores_prompt=req.prompt_logprobs is not None, penalized=req.penalized))
+        self.scheduler.add(
+            ScheduledRequest(
+                seq_id,
+                list(req.prompt_ids),
+                req.max_new_tokens,
+                eos,
+                frozenset(req.stop_token_ids),
+                sampling=wire.sampling_params(req, self.limits.eos_token_ids),
+                queue_deadline=min(deadline, now + self.config.queue_timeout_s),
+                scores_prompt=req.prompt_logprobs is not None,
+                penalized=req.penalized,
+            )
+        )
         self._requests[seq_id] = state
         self.hooks.on_admitted(state)
         self._idle.clear()
@@ -216,12 +242,20 @@ class BatchingLoop:
             state.queue.put_nowait(error)
         now = time.monotonic()
         # One line per request, with ids, sizes and timings only: prompts and outputs are never logged.
-        log.info("request %s", outcome, extra={
-            "request_id": state.request_id, "outcome": outcome, "finish_reason": reason.name.lower(),
-            "prompt_tokens": len(state.req.prompt_ids), "generated_tokens": state.num_generated,
-            "duration_s": round(now - state.arrived_at, 6),
-            "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
-            **({"error": str(error)} if error is not None else {})})
+        log.info(
+            "request %s",
+            outcome,
+            extra={
+                "request_id": state.request_id,
+                "outcome": outcome,
+                "finish_reason": reason.name.lower(),
+                "prompt_tokens": len(state.req.prompt_ids),
+                "generated_tokens": state.num_generated,
+                "duration_s": round(now - state.arrived_at, 6),
+                "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
+                **({"error": str(error)} if error is not None else {}),
+            },
+        )
         self.hooks.on_request_done(state, outcome, now)
         if not self._requests:
             self._idle.set()
@@ -265,7 +299,7 @@ class BatchingLoop:
         receiving, self._receiving = self._receiving, None
         try:
             response = receiving.result()
-        except grpc.aio.AioRpcError as e:   # the steps in flight are the batch the worker failed
+        except grpc.aio.AioRpcError as e:  # the steps in flight are the batch the worker failed
             self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
             return
         self._apply(self._in_flight.popleft(), response)
@@ -274,12 +308,17 @@ class BatchingLoop:
         while len(self._in_flight) < self._depth:
             step = self.scheduler.schedule(time.monotonic())
             for seq_id in step.expired_ids:
-                self.fail(seq_id, DeadlineExceeded(f"waited in the queue longer than queue_timeout_s="
-                                                   f"{self.config.queue_timeout_s}", reason="QUEUE_TIMEOUT"))
+                self.fail(
+                    seq_id,
+                    DeadlineExceeded(
+                        f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s}",
+                        reason="QUEUE_TIMEOUT",
+                    ),
+                )
             if step.is_empty and not step.free_ids:
                 return
             await self._send(step)
-            if step.is_empty:       # frees only: nothing else could be scheduled
+            if step.is_empty:  # frees only: nothing else could be scheduled
                 return
 
     async def _send(self, step: ScheduledStep) -> None:
@@ -291,9 +330,16 @@ class BatchingLoop:
                 self.hooks.on_scheduled(state, started)
         # One CLIENT span per step, linked to its members' request spans; its context travels in the step,
         # so the worker's step span is its child.
-        span = get_tracer().start_span(step.kind, kind=trace.SpanKind.CLIENT, links=links_from_contexts(
-            s.span_context for s in states), attributes={COLIBRI_STEP_KIND: step.kind, COLIBRI_BATCH_SIZE: len(
-                step.num_scheduled_tokens), COLIBRI_BATCH_TOKENS: step.num_tokens})
+        span = get_tracer().start_span(
+            step.kind,
+            kind=trace.SpanKind.CLIENT,
+            links=links_from_contexts(s.span_context for s in states),
+            attributes={
+                COLIBRI_STEP_KIND: step.kind,
+                COLIBRI_BATCH_SIZE: len(step.num_scheduled_tokens),
+                COLIBRI_BATCH_TOKENS: step.num_tokens,
+            },
+        )
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
         request = wire.step_request(step, next(self._step_ids), routing_plan)
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
@@ -303,13 +349,16 @@ class BatchingLoop:
     def _apply(self, sent: _InFlight, response) -> None:
         sent.span.end()
         if response.step_id != sent.step_id:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"step stream out of order: got step {response.step_id}, "
-                                       f"expected {sent.step_id}")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"step stream out of order: got step {response.step_id}, expected {sent.step_id}",
+            )
         step = sent.step
         if step.is_empty:
             return
-        if response.step_error:     # the worker refused the whole step: its requests fail, the rest go on
+        if response.step_error:  # the worker refused the whole step: its requests fail, the rest go on
             log.error("worker refused step %d: %s", sent.step_id, response.step_error)
             for seq_id in step.num_scheduled_tokens:
                 if seq_id in self._requests:
@@ -321,9 +370,16 @@ class BatchingLoop:
         # was sent and the previous result was back, so the transport metric stays transport, not queueing.
         now = time.monotonic()
         began, self._last_result_at = max(sent.started, self._last_result_at), now
-        self.hooks.on_step(step.kind, len(step.num_scheduled_tokens), step.num_tokens, now - began,
-                           worker_ms / 1000 if worker_ms > 0 else None, self.scheduler.num_running,
-                           self.scheduler.num_waiting, len(self._requests))
+        self.hooks.on_step(
+            step.kind,
+            len(step.num_scheduled_tokens),
+            step.num_tokens,
+            now - began,
+            worker_ms / 1000 if worker_ms > 0 else None,
+            self.scheduler.num_running,
+            self.scheduler.num_waiting,
+            len(self._requests),
+        )
         for out in outputs:
             self._deliver(out)
 
@@ -332,19 +388,19 @@ class BatchingLoop:
             await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
         except TimeoutError:
             if not self._requests and not await self.worker.health(timeout=IDLE_POLL_S):
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), "worker reports not ready") from None
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker reports not ready"
+                ) from None
 
     def _deliver(self, out) -> None:
         state = self._requests.get(out.request_id)
         if state is None:
             return
-        if out.error == "DRAINING":     # the worker is shutting down and took no new sequence: safe to retry
+        if out.error == "DRAINING":  # the worker is shutting down and took no new sequence: safe to retry
             self.fail(state.seq_id, Unavailable("the worker is shutting down; retry", reason="DRAINING"))
             return
         if out.error:
-            self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}",
-                                                     reason=out.error))
+            self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}", reason=out.error))
             return
         now = time.monotonic()
         self.hooks.on_token(state, now)
@@ -360,8 +416,11 @@ class BatchingLoop:
                 reason = FinishReason.STOP_SEQUENCE
         logprobs = [out.logprob] if state.req.logprobs and out.logprob is not None else []
         top = out.top.tops() if out.top is not None and state.req.top_logprobs else []
-        prompt = prompt_logprobs(state.req.prompt_ids, out.prompt) \
-            if out.prompt is not None and state.req.prompt_logprobs is not None else None
+        prompt = (
+            prompt_logprobs(state.req.prompt_ids, out.prompt)
+            if out.prompt is not None and state.req.prompt_logprobs is not None
+            else None
+        )
         state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason, top, prompt))
         if reason is not None:
             self._end(state.seq_id, None, "ok", reason)
@@ -383,8 +442,11 @@ class BatchingLoop:
 
     def _on_worker_failure(self, e: grpc.aio.AioRpcError, batch) -> None:
         log.error("worker call failed: %s %s", e.code().name, e.details())
-        batch_error = (GenerationFailed(f"the worker failed the step: {e.details()}")
-                       if e.code() == grpc.StatusCode.INTERNAL else None)
+        batch_error = (
+            GenerationFailed(f"the worker failed the step: {e.details()}")
+            if e.code() == grpc.StatusCode.INTERNAL
+            else None
+        )
         other = Unavailable(f"lost the worker ({e.code().name}); retry shortly", reason="WORKER_UNAVAILABLE")
         self._fail_all(lambda seq_id: batch_error if batch_error and seq_id in batch else other)
         if self.scheduler is not None:
@@ -410,8 +472,13 @@ class BatchingLoop:
             return
         self._stream = self.worker.open_step_stream()
         self.is_worker_ready = True
-        log.info("worker ready: %s %s, %d KV blocks of %d tokens", info.family, info.backend,
-                 info.num_kv_blocks, info.kv_block_size)
+        log.info(
+            "worker ready: %s %s, %d KV blocks of %d tokens",
+            info.family,
+            info.backend,
+            info.num_kv_blocks,
+            info.kv_block_size,
+        )
         self.hooks.on_worker_state(True)
 
     async def _warmup(self) -> None:
@@ -426,14 +493,21 @@ class BatchingLoop:
         limits = SchedulerLimits(
             max_batch_size=min(c.max_batch_size, info.max_batch_size or c.max_batch_size),
             max_batch_tokens=min(c.max_batch_tokens, info.max_batch_tokens or c.max_batch_tokens),
-            kv_block_size=info.kv_block_size, num_kv_blocks=info.num_kv_blocks)
+            kv_block_size=info.kv_block_size,
+            num_kv_blocks=info.num_kv_blocks,
+        )
         self.info = info
         self.scheduler = Scheduler(limits)
         defaults = self.generation_defaults
         eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
-        self.limits = ModelLimits(vocab_size=info.vocab_size, max_sequence_length=info.max_position_embeddings,
-                                  kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks, eos_token_ids=eos,
-                                  has_tokenizer=self.tokenizer is not None, generation=defaults)
+        self.limits = ModelLimits(
+            vocab_size=info.vocab_size,
+            max_sequence_length=info.max_position_embeddings,
+            kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks,
+            eos_token_ids=eos,
+            has_tokenizer=self.tokenizer is not None,
+            generation=defaults,
+        )
 
 
 class _NotReady(Exception):

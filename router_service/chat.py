@@ -12,6 +12,7 @@ message whose conversation prefix fails to render (`messages[2]: Conversation ro
 The router renders in child processes within a time budget (router_service.chat_render): the sandbox bounds
 what a template can reach, not how long it runs.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -73,8 +74,9 @@ def _environment():
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=TemplateNamespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(), namespace=TemplateNamespace
+    )
     return env
 
 
@@ -98,6 +100,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = ""):
         import jinja2
+
         self.source, self.origin = source, origin
         self.special_tokens = dict(special_tokens or {})
         try:
@@ -138,14 +141,22 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
             if source is None:
-                log.warning("tokenizer_config.json has chat templates %s but no \"default\": chat is off "
-                            "(choose one with --chat-template FILE)", sorted(str(n) for n in named))
+                log.warning(
+                    'tokenizer_config.json has chat templates %s but no "default": chat is off '
+                    "(choose one with --chat-template FILE)",
+                    sorted(str(n) for n in named),
+                )
         if not isinstance(source, str) or not source:
             return None
         return cls(source, special, str(Path(model_dir) / "tokenizer_config.json"))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-               template_kwargs: dict | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """The prompt text for `messages` (dicts with role and content). Raises InvalidRequestError."""
         if not messages:
             raise InvalidRequestError("messages", "must not be empty")
@@ -170,15 +181,24 @@ class ChatTemplate:
         if final is not None:
             tag = CONTINUE_TAG.strip()
             if tag not in text:
-                raise InvalidRequestError(f"messages[{len(chat) - 1}]", "the chat template drops the message to "
-                                                                       "continue (continue_final_message)")
+                raise InvalidRequestError(
+                    f"messages[{len(chat) - 1}]",
+                    "the chat template drops the message to continue (continue_final_message)",
+                )
             at = text.rindex(tag)
-            text = text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+            text = text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
         return text
 
     def _render(self, chat, add_generation_prompt, variables) -> str:
-        return self._template.render(**{**variables, "messages": chat, "tools": None, "documents": None,
-                                        "add_generation_prompt": add_generation_prompt})
+        return self._template.render(
+            **{
+                **variables,
+                "messages": chat,
+                "tools": None,
+                "documents": None,
+                "add_generation_prompt": add_generation_prompt,
+            }
+        )
 
     def _blame(self, chat, add_generation_prompt, variables, error: Exception) -> InvalidRequestError:
         """The error naming the first message whose conversation prefix fails (the whole list if none does)."""
@@ -187,7 +207,7 @@ class ChatTemplate:
         if len(chat) <= MAX_BISECT_MESSAGES:
             for i in range(len(chat) - 1):
                 try:
-                    self._render(chat[:i + 1], add_generation_prompt, variables)
+                    self._render(chat[: i + 1], add_generation_prompt, variables)
                 except Exception:
                     return InvalidRequestError(f"messages[{i}]", message)
             return InvalidRequestError(f"messages[{len(chat) - 1}]", message)
@@ -209,9 +229,9 @@ def message_dicts(messages, field: str = "messages") -> list[dict]:
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(f"{field}[{i}].content[{j}]", "only text parts "
-                                                                           "({\"type\": \"text\", \"text\": ...}) "
-                                                                           "are supported")
+                    raise InvalidRequestError(
+                        f"{field}[{i}].content[{j}]", 'only text parts ({"type": "text", "text": ...}) are supported'
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         elif content is not None and not isinstance(content, str):

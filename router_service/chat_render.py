@@ -12,6 +12,7 @@ Each child is driven by one daemon thread doing blocking pipe I/O, so nothing he
 nothing has to be closed for the process to exit; a child exits when its stdin closes. Frames are JSON (UTF-8,
 surrogates passed through) behind a 4-byte big-endian length.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,8 @@ from router_service.chat import ChatTemplate
 from router_service.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("colibri.router.chat")
-RENDER_MEMORY_BYTES = 2 << 30   # a child's address space: far above a real render, far below the pod's memory
-START_TIMEOUT_S = 60.0          # a child's interpreter start and template compile (a loaded box is slow)
+RENDER_MEMORY_BYTES = 2 << 30  # a child's address space: far above a real render, far below the pod's memory
+START_TIMEOUT_S = 60.0  # a child's interpreter start and template compile (a loaded box is slow)
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -85,9 +86,10 @@ class _Child:
         def settle():
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(result)
+
         try:
             self.loop.call_soon_threadsafe(settle)
-        except RuntimeError:   # the loop is closed: nobody waits for the answer any more
+        except RuntimeError:  # the loop is closed: nobody waits for the answer any more
             pass
 
     def _run(self, init: dict) -> None:
@@ -96,8 +98,12 @@ class _Child:
             with self._lock:
                 if self._killed:
                     raise OSError("stopped before it started")
-                self._proc = subprocess.Popen([sys.executable, "-m", "router_service.chat_render"],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "router_service.chat_render"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=env,
+                )
             _write_frame(self._proc.stdin, init)
             _read_frame(self._proc.stdout)
         except (OSError, EOFError, ValueError) as e:
@@ -131,25 +137,33 @@ class TemplateRenderer:
 
     def __init__(self, template: ChatTemplate, timeout_s: float, processes: int):
         self.template, self.timeout_s = template, timeout_s
-        self._init = {"source": template.source, "special_tokens": template.special_tokens,
-                      "origin": template.origin}
+        self._init = {"source": template.source, "special_tokens": template.special_tokens, "origin": template.origin}
         self._slots = asyncio.Semaphore(processes)
         self._idle: list[_Child] = []
         self._children: set[_Child] = set()
         self._slow = RateLimitedLog(log)
         weakref.finalize(self, _kill_all, self._children)
 
-    async def render(self, messages: list[dict], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    async def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """ChatTemplate.render, in a child. Raises InvalidRequestError (the template's errors, a render past the
         budget) or errors.Unavailable (a child that would not start)."""
-        request = {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                   "continue_final_message": continue_final_message, "template_kwargs": template_kwargs}
+        request = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "template_kwargs": template_kwargs,
+        }
         await self._slots.acquire()
         # The render owns its slot until its child is free again, even when the caller is cancelled: a child
         # still rendering for a departed caller is not handed to the next one, and no more than `processes` run.
         task = asyncio.ensure_future(self._render(request))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # retrieved when nobody awaits it
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when nobody awaits it
         return await asyncio.shield(task)
 
     async def _render(self, request: dict) -> str:
@@ -161,14 +175,20 @@ class TemplateRenderer:
                     reply = await answer
             except TimeoutError:
                 self._discard(child)
-                self._slow.warning("a chat template render took longer than %g s (chat_template_timeout_s): "
-                                   "its process was killed and the request refused", self.timeout_s)
-                raise InvalidRequestError("messages", f"the chat template did not finish rendering within "
-                                                      f"{self.timeout_s:g} s (chat_template_timeout_s)") from None
+                self._slow.warning(
+                    "a chat template render took longer than %g s (chat_template_timeout_s): "
+                    "its process was killed and the request refused",
+                    self.timeout_s,
+                )
+                raise InvalidRequestError(
+                    "messages",
+                    f"the chat template did not finish rendering within {self.timeout_s:g} s (chat_template_timeout_s)",
+                ) from None
             except RendererFailed:
                 self._discard(child)
-                raise InvalidRequestError("messages", "the chat template's renderer stopped during the render "
-                                                      "(out of memory?)") from None
+                raise InvalidRequestError(
+                    "messages", "the chat template's renderer stopped during the render (out of memory?)"
+                ) from None
             self._idle.append(child)
         finally:
             self._slots.release()
@@ -184,8 +204,12 @@ class TemplateRenderer:
                 await asyncio.shield(child.ready)
         except (TimeoutError, RendererFailed) as e:
             self._discard(child)
-            log.error("%s", e if isinstance(e, RendererFailed) else
-                      f"the chat template renderer did not start within {START_TIMEOUT_S:g} s")
+            log.error(
+                "%s",
+                e
+                if isinstance(e, RendererFailed)
+                else f"the chat template renderer did not start within {START_TIMEOUT_S:g} s",
+            )
             raise errors.Unavailable("the chat template renderer could not start; retry shortly") from None
         except BaseException:
             self._discard(child)
@@ -221,17 +245,18 @@ def _serve(stdin, stdout) -> None:
         try:
             reply = {"text": template.render(**request)}
         except InvalidRequestError as e:
-            reply = {"field": e.field, "error": str(e)[len(e.field) + 2:]}
-        except Exception:   # noqa: BLE001 -- whatever a hostile template makes fail; the request fails alone
+            reply = {"field": e.field, "error": str(e)[len(e.field) + 2 :]}
+        except Exception:  # noqa: BLE001 -- whatever a hostile template makes fail; the request fails alone
             reply = {"field": "messages", "error": "the chat template failed to render"}
         _write_frame(stdout, reply)
 
 
 def main() -> None:
     import resource
+
     try:
         resource.setrlimit(resource.RLIMIT_AS, (RENDER_MEMORY_BYTES, RENDER_MEMORY_BYTES))
-    except (ValueError, OSError):   # a lower hard limit is already in force
+    except (ValueError, OSError):  # a lower hard limit is already in force
         pass
     # Frames own the real stdout; anything else printing goes to stderr.
     stdout = os.fdopen(os.dup(1), "wb")

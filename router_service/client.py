@@ -12,6 +12,7 @@ Errors surface as grpc.RpcError; `retry_delay(error)` reads the RetryInfo of a R
 TLS: `tls_ca` (the CA that signed the router's certificate; `tls=True` alone trusts the system's CAs), plus
 `tls_cert`/`tls_key` where the router requires client certificates; `token` or `token_file` for bearer auth.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -26,9 +27,13 @@ from common.pb import router_pb2, router_pb2_grpc
 SAMPLING_FIELDS = {f.name for f in router_pb2.SamplingParameters.DESCRIPTOR.fields}
 
 
-def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, request_id: str = "",
-                  stream: bool = False, **parameters
-                  ) -> router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest:
+def build_request(
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    request_id: str = "",
+    stream: bool = False,
+    **parameters,
+) -> router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest:
     """A GenerateRequest (GenerateStreamRequest with `stream`) from a text prompt or token ids plus
     SamplingParameters fields as keywords."""
     if (prompt is None) == (token_ids is None):
@@ -57,16 +62,25 @@ def chat_messages(messages) -> list[router_pb2.ChatMessage]:
     return out
 
 
-def build_chat_request(messages, request_id: str = "", continue_final_message: bool = False,
-                       chat_template_kwargs: dict | None = None, stream: bool = False, **parameters):
+def build_chat_request(
+    messages,
+    request_id: str = "",
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+    stream: bool = False,
+    **parameters,
+):
     """A ChatRequest (ChatStreamRequest with `stream`) from messages plus SamplingParameters fields as keywords."""
     unknown = set(parameters) - SAMPLING_FIELDS
     if unknown:
         raise ValueError(f"unknown parameters {sorted(unknown)} (known: {sorted(SAMPLING_FIELDS)})")
     params = router_pb2.SamplingParameters(**{k: v for k, v in parameters.items() if v is not None})
     request = (router_pb2.ChatStreamRequest if stream else router_pb2.ChatRequest)(
-        messages=chat_messages(messages), parameters=params, request_id=request_id,
-        continue_final_message=continue_final_message)
+        messages=chat_messages(messages),
+        parameters=params,
+        request_id=request_id,
+        continue_final_message=continue_final_message,
+    )
     if chat_template_kwargs:
         request.chat_template_kwargs.update(chat_template_kwargs)
     return request
@@ -75,7 +89,7 @@ def build_chat_request(messages, request_id: str = "", continue_final_message: b
 def retry_delay(error: grpc.RpcError) -> float | None:
     """Seconds the server asked us to wait (RetryInfo), or None."""
     status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
-    for detail in (status.details if status else ()):
+    for detail in status.details if status else ():
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
@@ -96,17 +110,28 @@ def channel_credentials(tls_ca: str = "", tls_cert: str = "", tls_key: str = "")
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("tls_cert and tls_key go together")
     read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return grpc.ssl_channel_credentials(root_certificates=read(tls_ca), private_key=read(tls_key),
-                                        certificate_chain=read(tls_cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(tls_ca), private_key=read(tls_key), certificate_chain=read(tls_cert)
+    )
 
 
-def connection(token: str, token_file: str, tls: bool, tls_ca: str, tls_cert: str, tls_key: str,
-               tls_server_name: str, max_message_bytes: int):
+def connection(
+    token: str,
+    token_file: str,
+    tls: bool,
+    tls_ca: str,
+    tls_cert: str,
+    tls_key: str,
+    tls_server_name: str,
+    max_message_bytes: int,
+):
     """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments."""
     token = token or (read_token_file(token_file) if token_file else "")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    options = [("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.max_receive_message_length", max_message_bytes)]
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     secure = tls or tls_ca or tls_cert or tls_key
@@ -117,12 +142,24 @@ class ColibriClient:
     """Blocking client; `timeout` (seconds) is the deadline of each call, `token` (or the first line of
     `token_file`) a bearer token; TLS when `tls` or any of the tls_* files is given."""
 
-    def __init__(self, target: str, *, timeout: float | None = 600.0, token: str = "", token_file: str = "",
-                 tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
-                 tls_server_name: str = "", max_message_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = 600.0,
+        token: str = "",
+        token_file: str = "",
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_server_name: str = "",
+        max_message_bytes: int = 16 << 20,
+    ):
         self.timeout = timeout
-        self._metadata, options, credentials = connection(token, token_file, tls, tls_ca, tls_cert, tls_key,
-                                                          tls_server_name, max_message_bytes)
+        self._metadata, options, credentials = connection(
+            token, token_file, tls, tls_ca, tls_cert, tls_key, tls_server_name, max_message_bytes
+        )
         if credentials is not None:
             self._channel = grpc.secure_channel(target, credentials, options)
         else:
@@ -138,27 +175,43 @@ class ColibriClient:
     def close(self) -> None:
         self._channel.close()
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "",
-                 **parameters) -> router_pb2.GenerateResponse:
+    def generate(
+        self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "", **parameters
+    ) -> router_pb2.GenerateResponse:
         request = build_request(prompt, token_ids, request_id, **parameters)
         return self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
 
-    def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "",
-               **parameters) -> Iterator[router_pb2.GenerateStreamResponse]:
+    def stream(
+        self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None, request_id: str = "", **parameters
+    ) -> Iterator[router_pb2.GenerateStreamResponse]:
         request = build_request(prompt, token_ids, request_id, stream=True, **parameters)
         yield from self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
 
-    def chat(self, messages, *, request_id: str = "", continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, **parameters) -> router_pb2.ChatResponse:
+    def chat(
+        self,
+        messages,
+        *,
+        request_id: str = "",
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        **parameters,
+    ) -> router_pb2.ChatResponse:
         """The assistant's reply to `messages` (rendered with the model's chat template on the router)."""
         request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs, **parameters)
         return self._stub.Chat(request, timeout=self.timeout, metadata=self._metadata)
 
-    def chat_stream(self, messages, *, request_id: str = "", continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None, **parameters
-                    ) -> Iterator[router_pb2.ChatStreamResponse]:
-        request = build_chat_request(messages, request_id, continue_final_message, chat_template_kwargs,
-                                     stream=True, **parameters)
+    def chat_stream(
+        self,
+        messages,
+        *,
+        request_id: str = "",
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        **parameters,
+    ) -> Iterator[router_pb2.ChatStreamResponse]:
+        request = build_chat_request(
+            messages, request_id, continue_final_message, chat_template_kwargs, stream=True, **parameters
+        )
         yield from self._stub.ChatStream(request, timeout=self.timeout, metadata=self._metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -3,6 +3,7 @@
 Limits that depend on the model (vocabulary, context, KV capacity, the worker's own batch limits) come
 from the worker's Info at run time; the values here only cap them further.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,110 +18,206 @@ MiB = 1 << 20
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = setting("0.0.0.0", "address the public gRPC server binds to", ("COLIBRI_HOST",))
-    port: int = setting(50051, "public gRPC port (GenerationService, health, reflection); 0 = pick a free one",
-                        ("COLIBRI_PORT", "PORT"))
-    metrics_port: int = setting(9090, "HTTP port serving Prometheus /metrics; 0 = off",
-                                ("COLIBRI_METRICS_PORT", "METRICS_PORT"))
-    metrics_host: str = setting("127.0.0.1", "address of the /metrics port (0.0.0.0 to let Prometheus scrape it "
-                                "from outside the host or pod)", ("COLIBRI_METRICS_HOST",))
-    worker: str = setting("localhost:50052", "gRPC address of the expert worker (host:port or unix:PATH)",
-                          ("COLIBRI_WORKER", "WORKER_ADDRESS"))
-    model: str = setting("", "model directory; its tokenizer.json enables text prompts and text output",
-                         ("COLIBRI_MODEL", "MODEL_DIR"))
-    model_name: str = setting("", "served model name; empty = the worker's (the model directory name)",
-                              ("COLIBRI_MODEL_NAME", "SERVED_MODEL_NAME"))
+    port: int = setting(
+        50051, "public gRPC port (GenerationService, health, reflection); 0 = pick a free one", ("COLIBRI_PORT", "PORT")
+    )
+    metrics_port: int = setting(
+        9090, "HTTP port serving Prometheus /metrics; 0 = off", ("COLIBRI_METRICS_PORT", "METRICS_PORT")
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "address of the /metrics port (0.0.0.0 to let Prometheus scrape it from outside the host or pod)",
+        ("COLIBRI_METRICS_HOST",),
+    )
+    worker: str = setting(
+        "localhost:50052",
+        "gRPC address of the expert worker (host:port or unix:PATH)",
+        ("COLIBRI_WORKER", "WORKER_ADDRESS"),
+    )
+    model: str = setting(
+        "", "model directory; its tokenizer.json enables text prompts and text output", ("COLIBRI_MODEL", "MODEL_DIR")
+    )
+    model_name: str = setting(
+        "",
+        "served model name; empty = the worker's (the model directory name)",
+        ("COLIBRI_MODEL_NAME", "SERVED_MODEL_NAME"),
+    )
     max_concurrent_requests: int = setting(
-        128, "requests admitted at once (queued + running); more get RESOURCE_EXHAUSTED",
-        ("COLIBRI_MAX_CONCURRENT_REQUESTS", "MAX_CONCURRENT_REQUESTS"))
-    max_batch_size: int = setting(64, "sequences per step (capped by the worker's own limit)",
-                                  ("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE"))
-    max_batch_tokens: int = setting(2048, "token budget per step, prefill chunks + decodes (capped by the worker)",
-                                    ("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS", "MAX_BATCH_PREFILL_TOKENS"))
-    default_max_new_tokens: int = setting(256, "max_new_tokens when a request leaves it 0",
-                                          ("COLIBRI_DEFAULT_MAX_NEW_TOKENS",))
-    max_new_tokens: int = setting(4096, "largest max_new_tokens a request may ask for",
-                                  ("COLIBRI_MAX_NEW_TOKENS", "MAX_NEW_TOKENS"))
-    max_stop_sequences: int = setting(4, "stop sequences per request", ("COLIBRI_MAX_STOP_SEQUENCES",
-                                                                        "MAX_STOP_SEQUENCES"))
-    max_stop_sequence_length: int = setting(256, "characters per stop sequence",
-                                            ("COLIBRI_MAX_STOP_SEQUENCE_LENGTH",))
+        128,
+        "requests admitted at once (queued + running); more get RESOURCE_EXHAUSTED",
+        ("COLIBRI_MAX_CONCURRENT_REQUESTS", "MAX_CONCURRENT_REQUESTS"),
+    )
+    max_batch_size: int = setting(
+        64, "sequences per step (capped by the worker's own limit)", ("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE")
+    )
+    max_batch_tokens: int = setting(
+        2048,
+        "token budget per step, prefill chunks + decodes (capped by the worker)",
+        ("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
+    )
+    default_max_new_tokens: int = setting(
+        256, "max_new_tokens when a request leaves it 0", ("COLIBRI_DEFAULT_MAX_NEW_TOKENS",)
+    )
+    max_new_tokens: int = setting(
+        4096, "largest max_new_tokens a request may ask for", ("COLIBRI_MAX_NEW_TOKENS", "MAX_NEW_TOKENS")
+    )
+    max_stop_sequences: int = setting(
+        4, "stop sequences per request", ("COLIBRI_MAX_STOP_SEQUENCES", "MAX_STOP_SEQUENCES")
+    )
+    max_stop_sequence_length: int = setting(256, "characters per stop sequence", ("COLIBRI_MAX_STOP_SEQUENCE_LENGTH",))
     max_stop_token_ids: int = setting(64, "stop_token_ids per request", ("COLIBRI_MAX_STOP_TOKEN_IDS",))
-    max_request_id_length: int = setting(128, "characters of a caller-chosen request_id",
-                                         ("COLIBRI_MAX_REQUEST_ID_LENGTH",))
-    queue_timeout_s: float = setting(60.0, "seconds a request may wait for admission to the batch",
-                                     ("COLIBRI_QUEUE_TIMEOUT", "QUEUE_TIMEOUT"))
-    request_timeout_s: float = setting(600.0, "upper bound on one request's total time (a client deadline "
-                                       "shortens it)", ("COLIBRI_REQUEST_TIMEOUT", "REQUEST_TIMEOUT"))
-    drain_timeout_s: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish",
-                                     ("COLIBRI_DRAIN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"))
-    worker_step_timeout_s: float = setting(120.0, "deadline of one worker step RPC (a wedged worker fails the "
-                                           "batch after this)", ("COLIBRI_WORKER_STEP_TIMEOUT",))
-    worker_retry_s: float = setting(1.0, "seconds between attempts to reach an unavailable worker",
-                                    ("COLIBRI_WORKER_RETRY",))
-    max_message_bytes: int = setting(16 * MiB, "largest gRPC message on the public port",
-                                     ("COLIBRI_MAX_MESSAGE_BYTES", "PAYLOAD_LIMIT"))
-    worker_max_message_bytes: int = setting(256 * MiB, "largest gRPC message to/from the worker",
-                                            ("COLIBRI_WORKER_MAX_MESSAGE_BYTES",))
-    retry_after_s: float = setting(1.0, "back-off suggested in RetryInfo when the router is full",
-                                   ("COLIBRI_RETRY_AFTER",))
-    routing_table: str = setting("", "static routing table (`colibri router-gen`): every step carries its lookup "
-                                 "as a routing plan (the routing itself when the worker runs --routing lut; "
-                                 "a prefetch prediction whose recall is measured otherwise); needs --model",
-                                 ("COLIBRI_ROUTING_TABLE",))
-    auth_token: str = setting("", "bearer token required on the public API (health exempt); empty = off. Set it "
-                              "through the environment or the config file: on the command line it shows in `ps`",
-                              ("COLIBRI_AUTH_TOKEN", "API_KEY"))
-    auth_token_file: str = setting("", "file of bearer tokens accepted on the public API, one per line (blank lines "
-                                   "and # comments skipped), re-read when it changes; health exempt",
-                                   ("COLIBRI_AUTH_TOKEN_FILE",))
-    worker_token_file: str = setting("", "file holding the token the router sends to the worker "
-                                     "(`authorization: Bearer ...`), re-read when it changes; env "
-                                     "COLIBRI_WORKER_TOKEN gives the token itself",
-                                     ("COLIBRI_WORKER_TOKEN_FILE",))
+    max_request_id_length: int = setting(
+        128, "characters of a caller-chosen request_id", ("COLIBRI_MAX_REQUEST_ID_LENGTH",)
+    )
+    queue_timeout_s: float = setting(
+        60.0, "seconds a request may wait for admission to the batch", ("COLIBRI_QUEUE_TIMEOUT", "QUEUE_TIMEOUT")
+    )
+    request_timeout_s: float = setting(
+        600.0,
+        "upper bound on one request's total time (a client deadline shortens it)",
+        ("COLIBRI_REQUEST_TIMEOUT", "REQUEST_TIMEOUT"),
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM, seconds in-flight requests get to finish",
+        ("COLIBRI_DRAIN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"),
+    )
+    worker_step_timeout_s: float = setting(
+        120.0,
+        "deadline of one worker step RPC (a wedged worker fails the batch after this)",
+        ("COLIBRI_WORKER_STEP_TIMEOUT",),
+    )
+    worker_retry_s: float = setting(
+        1.0, "seconds between attempts to reach an unavailable worker", ("COLIBRI_WORKER_RETRY",)
+    )
+    max_message_bytes: int = setting(
+        16 * MiB, "largest gRPC message on the public port", ("COLIBRI_MAX_MESSAGE_BYTES", "PAYLOAD_LIMIT")
+    )
+    worker_max_message_bytes: int = setting(
+        256 * MiB, "largest gRPC message to/from the worker", ("COLIBRI_WORKER_MAX_MESSAGE_BYTES",)
+    )
+    retry_after_s: float = setting(
+        1.0, "back-off suggested in RetryInfo when the router is full", ("COLIBRI_RETRY_AFTER",)
+    )
+    routing_table: str = setting(
+        "",
+        "static routing table (`colibri router-gen`): every step carries its lookup "
+        "as a routing plan (the routing itself when the worker runs --routing lut; "
+        "a prefetch prediction whose recall is measured otherwise); needs --model",
+        ("COLIBRI_ROUTING_TABLE",),
+    )
+    auth_token: str = setting(
+        "",
+        "bearer token required on the public API (health exempt); empty = off. Set it "
+        "through the environment or the config file: on the command line it shows in `ps`",
+        ("COLIBRI_AUTH_TOKEN", "API_KEY"),
+    )
+    auth_token_file: str = setting(
+        "",
+        "file of bearer tokens accepted on the public API, one per line (blank lines "
+        "and # comments skipped), re-read when it changes; health exempt",
+        ("COLIBRI_AUTH_TOKEN_FILE",),
+    )
+    worker_token_file: str = setting(
+        "",
+        "file holding the token the router sends to the worker "
+        "(`authorization: Bearer ...`), re-read when it changes; env "
+        "COLIBRI_WORKER_TOKEN gives the token itself",
+        ("COLIBRI_WORKER_TOKEN_FILE",),
+    )
     # The token itself has no flag (argv is visible to every local user): environment or config file only.
     worker_token: str = dataclasses.field(default="", repr=False, metadata={"env": ("COLIBRI_WORKER_TOKEN",)})
-    tls_cert_file: str = setting("", "PEM certificate chain for TLS on the public port (with --tls-key-file); "
-                                 "re-read when the files change", ("COLIBRI_TLS_CERT_FILE",))
+    tls_cert_file: str = setting(
+        "",
+        "PEM certificate chain for TLS on the public port (with --tls-key-file); re-read when the files change",
+        ("COLIBRI_TLS_CERT_FILE",),
+    )
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file", ("COLIBRI_TLS_KEY_FILE",))
-    tls_client_ca_file: str = setting("", "PEM CA bundle: clients must present a certificate it signed (mutual "
-                                      "TLS); needs --tls-cert-file", ("COLIBRI_TLS_CLIENT_CA_FILE",))
-    health_port: int = setting(0, "plaintext port serving only grpc.health.v1 (kubelet gRPC probes speak neither "
-                               "TLS nor auth); 0 = off", ("COLIBRI_HEALTH_PORT",))
-    http_port: int = setting(0, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                             "/v1/models, /health), with the same auth and TLS as the gRPC port; 0 = off",
-                             ("COLIBRI_HTTP_PORT",))
-    chat_template: str = setting("", "Jinja2 chat template file used instead of the model's (tokenizer_config.json "
-                                 "chat_template)", ("COLIBRI_CHAT_TEMPLATE",))
-    chat_template_timeout_s: float = setting(2.0, "seconds one chat-template render may take; it runs in a child "
-                                             "process, killed past this (the request fails as invalid)",
-                                             ("COLIBRI_CHAT_TEMPLATE_TIMEOUT",))
-    chat_template_processes: int = setting(2, "child processes rendering chat templates (about 40 MB each, started on "
-                                           "the first chat); more chats at once wait for one",
-                                           ("COLIBRI_CHAT_TEMPLATE_PROCESSES",))
-    http_header_timeout_s: float = setting(60.0, "seconds an HTTP connection gets to send a request's line and "
-                                           "headers, counted from its opening or its previous answer (an idle "
-                                           "keep-alive connection is closed after it too)",
-                                           ("COLIBRI_HTTP_HEADER_TIMEOUT",))
-    http_body_timeout_s: float = setting(60.0, "seconds an HTTP request gets to send its whole body once its headers "
-                                         "are in; a slower one gets 408", ("COLIBRI_HTTP_BODY_TIMEOUT",))
-    http_write_timeout_s: float = setting(30.0, "seconds one write of an HTTP answer (a whole answer, one streamed "
-                                          "event) may wait for the client to read; past it the client is "
-                                          "disconnected and its request cancelled", ("COLIBRI_HTTP_WRITE_TIMEOUT",))
-    max_prompt_bytes: int = setting(0, "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
-                                    "tokenizing; 0 = 32 bytes per token of the context the worker reports, at "
-                                    "most max_message_bytes", ("COLIBRI_MAX_PROMPT_BYTES",))
-    pipeline_depth: int = setting(2, "worker steps in flight: 2 sends step t+1 while step t runs (a stop is then "
-                                  "seen one step late, costing one discarded token), 1 waits for each result; a "
-                                  "routing table forces 1 (its lookup needs each step's input tokens)",
-                                  ("COLIBRI_PIPELINE_DEPTH",))
-    warmup: bool = setting(True, "ask the worker for a warm-up step of max_batch_tokens when it connects "
-                           "(a worker without Warmup is fine)",
-                           ("COLIBRI_WARMUP",))
+    tls_client_ca_file: str = setting(
+        "",
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS); needs --tls-cert-file",
+        ("COLIBRI_TLS_CLIENT_CA_FILE",),
+    )
+    health_port: int = setting(
+        0,
+        "plaintext port serving only grpc.health.v1 (kubelet gRPC probes speak neither TLS nor auth); 0 = off",
+        ("COLIBRI_HEALTH_PORT",),
+    )
+    http_port: int = setting(
+        0,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health), with the same auth and TLS as the gRPC port; 0 = off",
+        ("COLIBRI_HTTP_PORT",),
+    )
+    chat_template: str = setting(
+        "",
+        "Jinja2 chat template file used instead of the model's (tokenizer_config.json chat_template)",
+        ("COLIBRI_CHAT_TEMPLATE",),
+    )
+    chat_template_timeout_s: float = setting(
+        2.0,
+        "seconds one chat-template render may take; it runs in a child "
+        "process, killed past this (the request fails as invalid)",
+        ("COLIBRI_CHAT_TEMPLATE_TIMEOUT",),
+    )
+    chat_template_processes: int = setting(
+        2,
+        "child processes rendering chat templates (about 40 MB each, started on "
+        "the first chat); more chats at once wait for one",
+        ("COLIBRI_CHAT_TEMPLATE_PROCESSES",),
+    )
+    http_header_timeout_s: float = setting(
+        60.0,
+        "seconds an HTTP connection gets to send a request's line and "
+        "headers, counted from its opening or its previous answer (an idle "
+        "keep-alive connection is closed after it too)",
+        ("COLIBRI_HTTP_HEADER_TIMEOUT",),
+    )
+    http_body_timeout_s: float = setting(
+        60.0,
+        "seconds an HTTP request gets to send its whole body once its headers are in; a slower one gets 408",
+        ("COLIBRI_HTTP_BODY_TIMEOUT",),
+    )
+    http_write_timeout_s: float = setting(
+        30.0,
+        "seconds one write of an HTTP answer (a whole answer, one streamed "
+        "event) may wait for the client to read; past it the client is "
+        "disconnected and its request cancelled",
+        ("COLIBRI_HTTP_WRITE_TIMEOUT",),
+    )
+    max_prompt_bytes: int = setting(
+        0,
+        "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
+        "tokenizing; 0 = 32 bytes per token of the context the worker reports, at "
+        "most max_message_bytes",
+        ("COLIBRI_MAX_PROMPT_BYTES",),
+    )
+    pipeline_depth: int = setting(
+        2,
+        "worker steps in flight: 2 sends step t+1 while step t runs (a stop is then "
+        "seen one step late, costing one discarded token), 1 waits for each result; a "
+        "routing table forces 1 (its lookup needs each step's input tokens)",
+        ("COLIBRI_PIPELINE_DEPTH",),
+    )
+    warmup: bool = setting(
+        True,
+        "ask the worker for a warm-up step of max_batch_tokens when it connects (a worker without Warmup is fine)",
+        ("COLIBRI_WARMUP",),
+    )
 
     def __post_init__(self):
-        positive = ("max_concurrent_requests", "max_batch_size", "max_batch_tokens", "default_max_new_tokens",
-                    "max_new_tokens", "max_stop_sequence_length", "max_request_id_length", "max_message_bytes",
-                    "worker_max_message_bytes", "chat_template_processes")
+        positive = (
+            "max_concurrent_requests",
+            "max_batch_size",
+            "max_batch_tokens",
+            "default_max_new_tokens",
+            "max_new_tokens",
+            "max_stop_sequence_length",
+            "max_request_id_length",
+            "max_message_bytes",
+            "worker_max_message_bytes",
+            "chat_template_processes",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
@@ -129,17 +226,28 @@ class RouterConfig:
         for name in ("max_stop_sequences", "max_stop_token_ids"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"router: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("queue_timeout_s", "request_timeout_s", "drain_timeout_s", "worker_step_timeout_s",
-                     "worker_retry_s", "retry_after_s", "chat_template_timeout_s", "http_header_timeout_s",
-                     "http_body_timeout_s", "http_write_timeout_s"):
+        for name in (
+            "queue_timeout_s",
+            "request_timeout_s",
+            "drain_timeout_s",
+            "worker_step_timeout_s",
+            "worker_retry_s",
+            "retry_after_s",
+            "chat_template_timeout_s",
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_write_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("port", "metrics_port", "health_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router: {name} must be in [0, 65535], got {getattr(self, name)}")
         if self.default_max_new_tokens > self.max_new_tokens:
-            raise ConfigError(f"router: default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
-                              f"max_new_tokens ({self.max_new_tokens})")
+            raise ConfigError(
+                f"router: default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
         if not self.worker:
             raise ConfigError("router: worker address is required (--worker HOST:PORT)")
         if self.max_prompt_bytes < 0:

@@ -3,6 +3,7 @@
 INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUSTED carries RetryInfo; every
 status carries google.rpc.ErrorInfo with an UPPER_SNAKE reason so clients can branch without parsing text.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,7 @@ DOMAIN = "colibri.router"
 
 class RouterError(Exception):
     """A request failed with a known gRPC status."""
+
     code = grpc.StatusCode.INTERNAL
     reason = "INTERNAL"
 

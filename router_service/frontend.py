@@ -6,6 +6,7 @@ which `Frontend.submit` admits (draining, worker readiness), validates (router_s
 on the current span and hands to `BatchingLoop.submit`; answers are read from the RequestHandle's Deltas, and
 `collect` gathers a unary answer. Rejections before the batching loop are counted with `count_rejection`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ STOP_REASONS = {
 @dataclass
 class Completion:
     """A whole answer, gathered from a request's Deltas."""
+
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
@@ -58,8 +60,11 @@ class Frontend:
         self.batching_loop = batching_loop
         self.config = batching_loop.config
         self.chat_template = chat_template
-        self.chat_renderer = (TemplateRenderer(chat_template, self.config.chat_template_timeout_s,
-                                               self.config.chat_template_processes) if chat_template else None)
+        self.chat_renderer = (
+            TemplateRenderer(chat_template, self.config.chat_template_timeout_s, self.config.chat_template_processes)
+            if chat_template
+            else None
+        )
         self._model_name = model_name
 
     @property
@@ -77,14 +82,25 @@ class Frontend:
         if self.batching_loop.limits is None:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
 
-    async def submit(self, request: PromptRequest, deadline: float | None, stream: bool, *,
-                     add_special_tokens: bool = True, operation: str = semconv.OPERATION_TEXT_COMPLETION
-                     ) -> RequestHandle:
+    async def submit(
+        self,
+        request: PromptRequest,
+        deadline: float | None,
+        stream: bool,
+        *,
+        add_special_tokens: bool = True,
+        operation: str = semconv.OPERATION_TEXT_COMPLETION,
+    ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
         self.check_ready()
-        req = await validate_request_async(request, self.config, self.batching_loop.limits,
-                                           self.batching_loop.tokenizer, add_special_tokens=add_special_tokens)
+        req = await validate_request_async(
+            request,
+            self.config,
+            self.batching_loop.limits,
+            self.batching_loop.tokenizer,
+            add_special_tokens=add_special_tokens,
+        )
         span = trace.get_current_span()
         set_request_attributes(span, self.model_name, req, stream, operation)
         return self.batching_loop.submit(req, deadline, span.get_span_context())
@@ -94,8 +110,11 @@ class Frontend:
         process within chat_template_timeout_s (router_service.chat_render): the event loop keeps serving, and a
         runaway template is stopped."""
         if self.chat_template is None:
-            raise InvalidRequestError(field, "this model has no chat template (tokenizer_config.json); start the "
-                                             "router with --chat-template FILE, or send a text prompt")
+            raise InvalidRequestError(
+                field,
+                "this model has no chat template (tokenizer_config.json); start the "
+                "router with --chat-template FILE, or send a text prompt",
+            )
         if self.batching_loop.tokenizer is None:
             raise InvalidRequestError(field, "chat needs the model's tokenizer (start the router with --model DIR)")
         # Bound what the template sees before rendering it (the rendered text is checked again): every message
@@ -104,21 +123,34 @@ class Frontend:
         if len(messages) > room:
             raise InvalidRequestError(field, f"at most {room} messages fit the context, got {len(messages)}")
         dicts = message_dicts(messages, field)
-        check_text_size(field, "".join(m.get("content", "") for m in dicts),
-                        prompt_byte_limit(self.config, self.batching_loop.limits))
+        check_text_size(
+            field,
+            "".join(m.get("content", "") for m in dicts),
+            prompt_byte_limit(self.config, self.batching_loop.limits),
+        )
         add = options.add_generation_prompt
         try:
             return await self.chat_renderer.render(
-                dicts, add_generation_prompt=not options.continue_final_message if add is None else add,
-                continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs)
+                dicts,
+                add_generation_prompt=not options.continue_final_message if add is None else add,
+                continue_final_message=options.continue_final_message,
+                template_kwargs=options.template_kwargs,
+            )
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
-                raise InvalidRequestError(field + e.field[len("messages"):], detail(e)) from None
+                raise InvalidRequestError(field + e.field[len("messages") :], detail(e)) from None
             raise
 
-    async def submit_chat(self, messages, parameters: router_pb2.SamplingParameters, request_id: str,
-                          deadline: float | None, stream: bool, options: ChatOptions = ChatOptions(),
-                          field: str = "messages") -> RequestHandle:
+    async def submit_chat(
+        self,
+        messages,
+        parameters: router_pb2.SamplingParameters,
+        request_id: str,
+        deadline: float | None,
+        stream: bool,
+        options: ChatOptions = ChatOptions(),
+        field: str = "messages",
+    ) -> RequestHandle:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
@@ -140,7 +172,7 @@ class Frontend:
 
 def detail(error: InvalidRequestError) -> str:
     """The message of an InvalidRequestError without its `field: ` prefix."""
-    return str(error)[len(error.field) + 2:]
+    return str(error)[len(error.field) + 2 :]
 
 
 async def collect(handle: RequestHandle) -> Completion:
@@ -157,19 +189,32 @@ async def collect(handle: RequestHandle) -> Completion:
     return out
 
 
-def set_request_attributes(span, model_name: str, req, stream: bool,
-                           operation: str = semconv.OPERATION_TEXT_COMPLETION) -> None:
+def set_request_attributes(
+    span, model_name: str, req, stream: bool, operation: str = semconv.OPERATION_TEXT_COMPLETION
+) -> None:
     # OTel GenAI semantic conventions (Development status as of semconv 1.37); prompts are never recorded.
-    span.set_attributes({
-        semconv.GEN_AI_OPERATION_NAME: operation,
-        semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER_COLIBRI, semconv.GEN_AI_REQUEST_MODEL: model_name,
-        semconv.GEN_AI_REQUEST_MAX_TOKENS: req.max_new_tokens, semconv.GEN_AI_REQUEST_TEMPERATURE: req.temperature,
-        semconv.GEN_AI_REQUEST_TOP_P: req.top_p, semconv.GEN_AI_REQUEST_TOP_K: req.top_k,
-        semconv.GEN_AI_REQUEST_SEED: req.seed, semconv.GEN_AI_REQUEST_STREAM: stream,
-        semconv.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_ids)})
+    span.set_attributes(
+        {
+            semconv.GEN_AI_OPERATION_NAME: operation,
+            semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER_COLIBRI,
+            semconv.GEN_AI_REQUEST_MODEL: model_name,
+            semconv.GEN_AI_REQUEST_MAX_TOKENS: req.max_new_tokens,
+            semconv.GEN_AI_REQUEST_TEMPERATURE: req.temperature,
+            semconv.GEN_AI_REQUEST_TOP_P: req.top_p,
+            semconv.GEN_AI_REQUEST_TOP_K: req.top_k,
+            semconv.GEN_AI_REQUEST_SEED: req.seed,
+            semconv.GEN_AI_REQUEST_STREAM: stream,
+            semconv.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_ids),
+        }
+    )
 
 
 def set_usage(handle: RequestHandle, generated: int, reason) -> None:
     span = trace.get_current_span()
-    span.set_attributes({semconv.GEN_AI_RESPONSE_ID: handle.request_id, semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
-                         semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"]})
+    span.set_attributes(
+        {
+            semconv.GEN_AI_RESPONSE_ID: handle.request_id,
+            semconv.GEN_AI_USAGE_OUTPUT_TOKENS: generated,
+            semconv.GEN_AI_RESPONSE_FINISH_REASONS: [reason.value if reason else "unknown"],
+        }
+    )

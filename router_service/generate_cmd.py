@@ -5,6 +5,7 @@ to stderr so stdout stays pipeable, and so do the tokens' log-probabilities with
 line per token, followed by `id:logprob` of the most likely tokens of its position with --top-logprobs N). `--chat` sends the prompt as one user message (ChatStream: the router applies the model's chat
 template), after an optional `--system` message. A failed call prints the one-line status and exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,17 +28,25 @@ def _token_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="text prompt (needs a router started with --model)")
-    parser.add_argument("--target", default=os.environ.get("COLIBRI_TARGET", "localhost:50051"),
-                        help="router address (default: localhost:50051; env COLIBRI_TARGET)")
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("COLIBRI_TARGET", "localhost:50051"),
+        help="router address (default: localhost:50051; env COLIBRI_TARGET)",
+    )
     parser.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the router's default")
     parser.add_argument("--min-new-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="0 = greedy; unset = the model's generation_config.json temperature, else greedy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy; unset = the model's generation_config.json temperature, else greedy",
+    )
     parser.add_argument("--top-k", type=int, default=0, help="0 = the model's default, else off")
     parser.add_argument("--top-p", type=float, default=0.0, help="in (0, 1]; 0 = the model's default, else off")
-    parser.add_argument("--repetition-penalty", type=float, default=None,
-                        help="> 0, 1 = off; unset = the model's default, else off")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None, help="> 0, 1 = off; unset = the model's default, else off"
+    )
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off")
     parser.add_argument("--seed", type=int, default=None)
@@ -45,31 +54,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--show-tokens", action="store_true", help="print generated token ids instead of text")
-    parser.add_argument("--raw", action="store_true",
-                        help="write control characters in the output as they are, even to a terminal (by default a "
-                             "terminal gets them escaped, e.g. \\x1b, so model output cannot drive it)")
-    parser.add_argument("--chat", action="store_true",
-                        help="send the prompt as a user message, through the model's chat template")
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="write control characters in the output as they are, even to a terminal (by default a "
+        "terminal gets them escaped, e.g. \\x1b, so model output cannot drive it)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message, through the model's chat template"
+    )
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
-    parser.add_argument("--logprobs", action="store_true",
-                        help="print each generated token's log-probability (to stderr, after the text)")
-    parser.add_argument("--top-logprobs", type=int, default=0,
-                        help="with --logprobs: also the N most likely tokens of each position (N <= 20)")
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="print each generated token's log-probability (to stderr, after the text)",
+    )
+    parser.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        help="with --logprobs: also the N most likely tokens of each position (N <= 20)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
-    parser.add_argument("--token", default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
-                        help="bearer token (env COLIBRI_AUTH_TOKEN; prefer the env or --token-file: argv shows in ps)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("COLIBRI_AUTH_TOKEN", ""),
+        help="bearer token (env COLIBRI_AUTH_TOKEN; prefer the env or --token-file: argv shows in ps)",
+    )
     parser.add_argument("--token-file", default="", help="file whose first line is the bearer token")
     parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     parser.add_argument("--tls-ca", default="", help="PEM CA that signed the router's certificate (implies --tls)")
     parser.add_argument("--tls-cert", default="", help="PEM client certificate, for a router that requires one")
     parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", default="",
-                        help="name to verify the router's certificate against (default: the target's host)")
+    parser.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name to verify the router's certificate against (default: the target's host)",
+    )
 
 
 # C0 controls but newline and tab, DEL, and C1 controls: escaped before model output reaches a terminal.
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), 0x0b, 0x0c, *range(0x0d, 0x20), 0x7f)}
-_CONTROL |= {c: f"\\u{c:04x}" for c in range(0x80, 0xa0)}
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0D, 0x20), 0x7F)}
+_CONTROL |= {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
 
 
 def terminal_safe(text: str) -> str:
@@ -84,9 +110,13 @@ MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
 def _check_integer_ranges(args: argparse.Namespace) -> None:
     """Each integer flag fits its unsigned proto field (protobuf would raise a bare ValueError); what the
     values mean (--top-logprobs <= 20, ...) the router checks."""
-    values = [("--max-new-tokens", args.max_new_tokens, MAX_UINT32), ("--min-new-tokens", args.min_new_tokens,
-              MAX_UINT32), ("--top-k", args.top_k, MAX_UINT32), ("--top-logprobs", args.top_logprobs, MAX_UINT32),
-              ("--seed", args.seed, MAX_UINT64)]
+    values = [
+        ("--max-new-tokens", args.max_new_tokens, MAX_UINT32),
+        ("--min-new-tokens", args.min_new_tokens, MAX_UINT32),
+        ("--top-k", args.top_k, MAX_UINT32),
+        ("--top-logprobs", args.top_logprobs, MAX_UINT32),
+        ("--seed", args.seed, MAX_UINT64),
+    ]
     values += [("--stop-token-id", v, MAX_UINT32) for v in args.stop_token_id]
     values += [(f"--tokens[{i}]", v, MAX_UINT32) for i, v in enumerate(args.tokens or [])]
     for flag, value, high in values:
@@ -100,17 +130,36 @@ def run(args: argparse.Namespace) -> int:
     _check_integer_ranges(args)
     if args.chat and args.prompt is None:
         raise ConfigError("generate: --chat needs a text prompt (the user message)")
-    params = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  stop_sequences=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
-                  logprobs=args.logprobs, top_logprobs=args.top_logprobs, repetition_penalty=args.repetition_penalty,
-                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    params = dict(
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_sequences=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
     final, logprobs, tops = None, [], []
     raw = args.raw or not sys.stdout.isatty()
     try:
-        client = ColibriClient(args.target, timeout=args.timeout, token=args.token, token_file=args.token_file,
-                               tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                               tls_server_name=args.tls_server_name)
+        client = ColibriClient(
+            args.target,
+            timeout=args.timeout,
+            token=args.token,
+            token_file=args.token_file,
+            tls=args.tls,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_server_name=args.tls_server_name,
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(f"generate: {e}") from None
     try:
@@ -138,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{token_id}\t{logprob:.4f}{top}", file=sys.stderr)
     if final is not None:
         reason = router_pb2.StopReason.Name(final.stop_reason)
-        print(f"[{final.request_id}] {reason}, {final.prompt_tokens} prompt + {final.generated_tokens} generated "
-              f"tokens", file=sys.stderr)
+        print(
+            f"[{final.request_id}] {reason}, {final.prompt_tokens} prompt + {final.generated_tokens} generated tokens",
+            file=sys.stderr,
+        )
     return 0

@@ -6,6 +6,7 @@ unset (an explicit value, 0 included, always wins). do_sample is not read: a tem
 whatever do_sample says, as in vLLM. A value out of range is left out with a warning naming the file and the
 key, so a bad file costs its defaults, not the service.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,7 @@ class GenerationDefaults:
             v = config.get(key)
             if v is None:
                 return None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v) \
-                    or (kind is int and v != int(v)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v) or (kind is int and v != int(v)):
                 log.warning("%s: %s = %r is out of range; that default is not applied", source, key, v)
                 return None
             return kind(v)
@@ -63,17 +63,23 @@ class GenerationDefaults:
         if len(valid_eos) != len(eos):
             log.warning("%s: eos_token_id %r holds values that are not token ids; those are ignored", source, eos)
         finite = math.isfinite
-        return cls(eos_token_ids=valid_eos,
-                   temperature=number("temperature",
-                                      lambda v: v == 0 or (finite(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE)),
-                   top_p=number("top_p", lambda v: finite(v) and 0 < v <= 1),
-                   top_k=number("top_k", lambda v: v >= 0 and v < 1 << 32, int),
-                   repetition_penalty=number("repetition_penalty", lambda v: finite(v) and v > 0))
+        return cls(
+            eos_token_ids=valid_eos,
+            temperature=number(
+                "temperature", lambda v: v == 0 or (finite(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE)
+            ),
+            top_p=number("top_p", lambda v: finite(v) and 0 < v <= 1),
+            top_k=number("top_k", lambda v: v >= 0 and v < 1 << 32, int),
+            repetition_penalty=number("repetition_penalty", lambda v: finite(v) and v > 0),
+        )
 
     def describe(self) -> str:
         """One line for the start-up log: what requests inherit."""
-        parts = [f"{k}={getattr(self, k)}" for k in ("temperature", "top_p", "top_k", "repetition_penalty")
-                 if getattr(self, k) is not None]
+        parts = [
+            f"{k}={getattr(self, k)}"
+            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if getattr(self, k) is not None
+        ]
         if self.eos_token_ids:
             parts.append(f"eos_token_ids={list(self.eos_token_ids)}")
         return ", ".join(parts) or "none"

@@ -11,6 +11,7 @@ handler task is cancelled (aiohttp's handler_cancellation), which frees the requ
 Connections are bounded in time (headers, body, each write) and bodies checked before parsing them further
 (router_service.http_guard); every error answer has OpenAI's shape, and only the router's own faults are 500s.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,7 +72,7 @@ def error_response(error: ApiError, request_id: str = "") -> web.Response:
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     answer = web.json_response(error.body(), status=error.status, headers=headers)
-    if error.status in (408, 413):   # the rest of the body is not read: the connection cannot carry another request
+    if error.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
         answer.force_close()
     return answer
 
@@ -92,8 +93,7 @@ class HttpFront:
         request_id = request.headers.get("X-Request-Id", "")
         limit = self.config.max_request_id_length
         if not is_metadata_safe(request_id) or len(request_id) > limit:
-            raise ApiError(400, f"X-Request-Id header: must be printable ASCII (0x20-0x7e), at most {limit} "
-                                f"characters")
+            raise ApiError(400, f"X-Request-Id header: must be printable ASCII (0x20-0x7e), at most {limit} characters")
         return request_id
 
     def app(self) -> web.Application:
@@ -109,9 +109,14 @@ class HttpFront:
         # handler_cancellation: a client that disconnects cancels its handler, hence its request. aiohttp's
         # keep-alive timer runs from a connection's opening (or previous answer) until a request's headers are
         # complete: it is the header timeout, and the idle timeout too.
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                                     keepalive_timeout=self.config.http_header_timeout_s,
-                                     logger=http_guard.ProtocolLog(logging.getLogger("colibri.router.http.protocol")))
+        self._runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.config.http_header_timeout_s,
+            logger=http_guard.ProtocolLog(logging.getLogger("colibri.router.http.protocol")),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
         try:
@@ -147,11 +152,12 @@ class HttpFront:
             if e.status < 400:
                 raise
             message = f"{request.method} {request.path}: {e.reason}"
-            return error_response(ApiError(e.status, message, "invalid_request_error" if e.status < 500
-                                           else "server_error"))
-        except ConnectionError:     # the client went away: nothing to answer (aiohttp finds the connection closed)
+            return error_response(
+                ApiError(e.status, message, "invalid_request_error" if e.status < 500 else "server_error")
+            )
+        except ConnectionError:  # the client went away: nothing to answer (aiohttp finds the connection closed)
             return web.Response(status=499)
-        except Exception:           # a fault of the router's own: logged here, the client learns nothing of it
+        except Exception:  # a fault of the router's own: logged here, the client learns nothing of it
             log.exception("unexpected error answering %s %s", request.method, request.path)
             return error_response(ApiError(500, INTERNAL, "server_error", code="internal"))
 
@@ -178,8 +184,9 @@ class HttpFront:
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != self.frontend.model_name:
-            return error_response(ApiError(404, f"The model `{name}` does not exist.", param="model",
-                                           code="model_not_found"))
+            return error_response(
+                ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            )
         return web.json_response(self._model_card())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -204,29 +211,40 @@ class HttpFront:
             handle, parsed = None, None
             try:
                 request_id = self._request_id(request)
-                body = await http_guard.read_json(request, self.config.max_message_bytes,
-                                                  self.config.http_body_timeout_s)
+                body = await http_guard.read_json(
+                    request, self.config.max_message_bytes, self.config.http_body_timeout_s
+                )
                 limits = frontend.batching_loop.limits
-                parsed = parse_request(body, kind, frontend.model_name,
-                                       frontend.batching_loop.generation_defaults,
-                                       limits.vocab_size if limits is not None else 0)
+                parsed = parse_request(
+                    body,
+                    kind,
+                    frontend.model_name,
+                    frontend.batching_loop.generation_defaults,
+                    limits.vocab_size if limits is not None else 0,
+                )
                 if kind == "chat":
-                    handle = await frontend.submit_chat(parsed.messages, parsed.parameters, request_id, None,
-                                                        parsed.stream, parsed.chat_options)
+                    handle = await frontend.submit_chat(
+                        parsed.messages, parsed.parameters, request_id, None, parsed.stream, parsed.chat_options
+                    )
                 else:
                     handle = await frontend.submit(generate_request(parsed, request_id), None, parsed.stream)
                 if parsed.stream:
                     return await self._stream(request, parsed, handle)
                 out = await collect(handle)
                 set_usage(handle, len(out.token_ids), out.finish_reason)
-                body = response(parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens,
-                                self.texts())
+                body = response(
+                    parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens, self.texts()
+                )
                 return web.json_response(body, headers={"X-Request-Id": handle.request_id})
             except ConnectionError:  # the client went away mid-answer: nothing to answer
                 raise
             except Exception as e:
-                error = api_error(e, kind, handle.request_id if handle else request_id,
-                                  parsed.max_tokens_name if parsed else "max_tokens")
+                error = api_error(
+                    e,
+                    kind,
+                    handle.request_id if handle else request_id,
+                    parsed.max_tokens_name if parsed else "max_tokens",
+                )
                 reason = e.reason if isinstance(e, errors.RouterError) else None
                 span.set_attribute(semconv.ERROR_TYPE, reason or error.code or error.type)
                 if handle is None:
@@ -239,8 +257,13 @@ class HttpFront:
                     handle.cancel()
 
     async def _stream(self, request: web.Request, parsed, handle) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": handle.request_id})
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": handle.request_id,
+            }
+        )
         timeout_s = self.config.http_write_timeout_s
 
         async def event(payload: dict) -> None:
@@ -255,17 +278,26 @@ class HttpFront:
             try:
                 async for delta in handle:
                     generated += len(delta.token_ids)
-                    if not (delta.text or first or delta.finish_reason is not None
-                            or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)):
+                    if not (
+                        delta.text
+                        or first
+                        or delta.finish_reason is not None
+                        or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)
+                    ):
                         continue
                     lp = None
                     if parsed.logprobs:
                         lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
                     # offsets count token texts, as the unary answer's do (held-back text would shift them)
                     offset += sum(len(texts(i)) for i in delta.token_ids)
-                    chunk = envelope(kind, handle.request_id, model, created,
-                                     [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)],
-                                     True)
+                    chunk = envelope(
+                        kind,
+                        handle.request_id,
+                        model,
+                        created,
+                        [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)],
+                        True,
+                    )
                     if parsed.prompt_logprobs:
                         add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
                     if parsed.include_usage:
@@ -295,8 +327,10 @@ def ssl_context(config) -> ssl.SSLContext | None:
     if not config.tls_cert_file:
         return None
     from router_service.security import WatchedFiles
-    paths = [config.tls_cert_file, config.tls_key_file] + ([config.tls_client_ca_file]
-                                                           if config.tls_client_ca_file else [])
+
+    paths = [config.tls_cert_file, config.tls_key_file] + (
+        [config.tls_client_ca_file] if config.tls_client_ca_file else []
+    )
 
     def build(_contents) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -11,6 +11,7 @@
   that are not HTTP) at ERROR with a traceback, once per request: anyone could flood the log. Those become one
   rate-limited WARNING line; a fault of the router's own keeps its ERROR and traceback.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from router_service.openai_api import ApiError
 from router_service.rate_limited_log import RateLimitedLog
 
-MAX_JSON_DEPTH = 64   # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
 # A lone surrogate can only come from a \uD800-\uDFFF escape: raw UTF-8 surrogate bytes fail to decode.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -37,12 +38,14 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
         async with asyncio.timeout(timeout_s):
             raw = await request.read()
     except TimeoutError:
-        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)",
-                       code="request_timeout") from None
+        raise ApiError(
+            408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)", code="request_timeout"
+        ) from None
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)",
-                       code="request_too_large") from None
-    except web.RequestPayloadError as e:   # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise ApiError(
+            413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large"
+        ) from None
+    except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
     try:
         value = json.loads(raw)
@@ -55,8 +58,7 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
         problem = json_problem(value)
         if problem is not None:
             path, what = problem
-            raise ApiError(400, f"{path or 'the body'}: {what}", param=path.partition("[")[0].partition(".")[0]
-                           or None)
+            raise ApiError(400, f"{path or 'the body'}: {what}", param=path.partition("[")[0].partition(".")[0] or None)
     return value
 
 
@@ -74,7 +76,7 @@ def json_problem(value) -> tuple[str, str] | None:
             continue
         if depth >= MAX_JSON_DEPTH:
             return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
-        for key, child in (item.items() if isinstance(item, dict) else enumerate(item)):
+        for key, child in item.items() if isinstance(item, dict) else enumerate(item):
             where = (f"{path}.{key}" if path else str(key)) if isinstance(item, dict) else f"{path}[{key}]"
             if isinstance(key, str) and _has_surrogate(key):
                 return path or "the body", "holds a key with a lone UTF-16 surrogate"
@@ -136,7 +138,7 @@ async def send(request: web.Request, response: web.StreamResponse, timeout_s: fl
     except TimeoutError:
         abort(request)
     except ConnectionError:
-        pass    # the client went away: aiohttp sees the closed connection
+        pass  # the client went away: aiohttp sees the closed connection
 
 
 class ProtocolLog(logging.LoggerAdapter):

@@ -4,6 +4,7 @@ A generated token comes with its log-probability and, with top_logprobs, the mos
 position; with prompt_logprobs every prompt token comes scored (the first with no log-probability: nothing
 predicts it), gathered chunk by chunk while the prompt is prefilled and delivered with the first token.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,35 +12,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Top = list[tuple[int, float]]       # (token id, log-probability), most likely first
+Top = list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass(frozen=True)
 class Scored:
     """n scored positions: the scored token's log-probability (NaN: none) and the k most likely tokens."""
-    logprobs: np.ndarray        # [n] float32
-    top_ids: np.ndarray         # [n, k] int32 (-1: none)
-    top_logprobs: np.ndarray    # [n, k] float32
+
+    logprobs: np.ndarray  # [n] float32
+    top_ids: np.ndarray  # [n, k] int32 (-1: none)
+    top_logprobs: np.ndarray  # [n, k] float32
 
     @classmethod
     def concat(cls, parts: list[Scored]) -> Scored:
-        return cls(*(np.concatenate([getattr(p, f) for p in parts])
-                     for f in ("logprobs", "top_ids", "top_logprobs")))
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("logprobs", "top_ids", "top_logprobs")))
 
     def __len__(self) -> int:
         return len(self.logprobs)
 
     def tops(self) -> list[Top]:
         """Each position's most likely tokens."""
-        return [[(int(i), float(v)) for i, v in zip(ids, values) if i >= 0]
-                for ids, values in zip(self.top_ids.tolist(), self.top_logprobs.tolist())]
+        return [
+            [(int(i), float(v)) for i, v in zip(ids, values) if i >= 0]
+            for ids, values in zip(self.top_ids.tolist(), self.top_logprobs.tolist())
+        ]
 
 
 @dataclass(frozen=True)
 class PromptLogprob:
     """One prompt token scored."""
+
     token_id: int
-    logprob: float | None       # None for the prompt's first token
+    logprob: float | None  # None for the prompt's first token
     top: Top
 
 
@@ -47,8 +51,10 @@ def prompt_logprobs(prompt_ids, scored: Scored) -> list[PromptLogprob]:
     """The prompt's tokens with their scores (one position per prompt token)."""
     if len(scored) != len(prompt_ids):
         raise ValueError(f"prompt scores: {len(scored)} positions for {len(prompt_ids)} prompt tokens")
-    return [PromptLogprob(int(t), None if math.isnan(lp) else float(lp), top)
-            for t, lp, top in zip(prompt_ids, scored.logprobs.tolist(), scored.tops())]
+    return [
+        PromptLogprob(int(t), None if math.isnan(lp) else float(lp), top)
+        for t, lp, top in zip(prompt_ids, scored.logprobs.tolist(), scored.tops())
+    ]
 
 
 class TokenTexts:
@@ -63,7 +69,10 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = (self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None
-                    else f"token_id:{token_id}")
+            text = (
+                self.tokenizer.decode([token_id], skip_special_tokens=False)
+                if self.tokenizer is not None
+                else f"token_id:{token_id}"
+            )
             self._cache[token_id] = text
         return text

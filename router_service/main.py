@@ -9,6 +9,7 @@ worker is connected and ready and we are not draining ("" is what load balancers
 it must mean "this server will serve a request now"). SIGTERM: readiness NOT_SERVING at once, new requests
 UNAVAILABLE, in-flight requests get `drain_timeout_s` to finish (the rest end UNAVAILABLE), then exit 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ class _HealthHooks(BatchingLoopHooks):
 @dataclass
 class Router:
     """A running router: its server, port, batching loop and health servicer."""
+
     server: grpc.aio.Server
     port: int
     batching_loop: BatchingLoop
@@ -69,7 +71,7 @@ class Router:
     health_port: int = 0
     http: object | None = None  # router_service.http_api.HttpFront when --http-port is set
     http_port: int = 0
-    frontend: Frontend | None = None   # its chat-template render processes end with the router
+    frontend: Frontend | None = None  # its chat-template render processes end with the router
 
     def set_serving(self, serving: bool) -> None:
         if self.draining:
@@ -86,10 +88,10 @@ class Router:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.batching_loop.start_draining()
         finished = await self.batching_loop.wait_idle(
-            self.batching_loop.config.drain_timeout_s if timeout is None else timeout)
+            self.batching_loop.config.drain_timeout_s if timeout is None else timeout
+        )
         if not finished:
-            log.warning("drain timeout: %d requests still in flight end UNAVAILABLE",
-                        self.batching_loop.num_active)
+            log.warning("drain timeout: %d requests still in flight end UNAVAILABLE", self.batching_loop.num_active)
         return finished
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -113,12 +115,17 @@ def _routing_planner(config: RouterConfig):
     from common.model_format import read_manifest_config
     from common.routing_table import RoutingTable
     from router_service.routing import RoutingPlanner
+
     model_config, _ = read_manifest_config(config.model)
     return RoutingPlanner(RoutingTable.load(config.routing_table, model_config))
 
 
-async def start_router(config: RouterConfig, worker_address: str | None = None,
-                       tokenizer: Tokenizer | None = None, hooks: BatchingLoopHooks | None = None) -> Router:
+async def start_router(
+    config: RouterConfig,
+    worker_address: str | None = None,
+    tokenizer: Tokenizer | None = None,
+    hooks: BatchingLoopHooks | None = None,
+) -> Router:
     """Builds and starts the router (the batching loop connects to the worker in the background).
 
     `worker_address` overrides config.worker; `tokenizer` overrides the one from config.model. With
@@ -128,24 +135,31 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         config = replace(config, worker=worker_address)
     if tokenizer is None and config.model:
         tokenizer = Tokenizer.from_model_dir(config.model)
-    worker = WorkerClient(config.worker, max_message_bytes=config.worker_max_message_bytes,
-                          step_timeout_s=config.worker_step_timeout_s, token=worker_token_source(config))
+    worker = WorkerClient(
+        config.worker,
+        max_message_bytes=config.worker_max_message_bytes,
+        step_timeout_s=config.worker_step_timeout_s,
+        token=worker_token_source(config),
+    )
     tokens = public_tokens(config)
     tls = server_credentials(config)
-    server = grpc.aio.server(interceptors=public_interceptors(tokens), options=[
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        # Long-lived client connections get re-balanced across replicas behind a Service.
-        ("grpc.max_connection_age_ms", 600_000),
-        ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
-    ], maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16)
+    server = grpc.aio.server(
+        interceptors=public_interceptors(tokens),
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            # Long-lived client connections get re-balanced across replicas behind a Service.
+            ("grpc.max_connection_age_ms", 600_000),
+            ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
+        ],
+        maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16,
+    )
     health_servicer = health.aio.HealthServicer()
     batching_loop = BatchingLoop(config, worker, tokenizer, planner=_routing_planner(config))
     router = Router(server, 0, batching_loop, health_servicer, worker)
-    batching_loop.hooks = ChainedHooks(_HealthHooks(router), QueueSpanHooks(),
-                                       *([hooks] if hooks is not None else []))
+    batching_loop.hooks = ChainedHooks(_HealthHooks(router), QueueSpanHooks(), *([hooks] if hooks is not None else []))
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
     router.frontend = frontend
@@ -153,7 +167,8 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
     router_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     for name in LIVENESS:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for name in READINESS:
@@ -167,15 +182,21 @@ async def start_router(config: RouterConfig, worker_address: str | None = None,
         await router.health_server.start()
     if config.http_port:  # the OpenAI-compatible front, on this event loop, through the same frontend
         from router_service.http_api import HttpFront, ssl_context
+
         router.http = HttpFront(frontend, tokens, ssl_context(config))
         router.http_port = await router.http.start(config.host, config.http_port)
         log.info("OpenAI-compatible HTTP API on %s:%d", config.host, router.http_port)
     await server.start()
     await batching_loop.start()
-    log.info("router listening on %s:%d (%s%s), worker %s", config.host, router.port,
-             "mutual TLS" if config.tls_client_ca_file else "TLS" if tls else "plaintext",
-             ", bearer tokens" if tokens.enabled else "", config.worker,
-             extra={"health_port": router.health_port} if config.health_port else None)
+    log.info(
+        "router listening on %s:%d (%s%s), worker %s",
+        config.host,
+        router.port,
+        "mutual TLS" if config.tls_client_ca_file else "TLS" if tls else "plaintext",
+        ", bearer tokens" if tokens.enabled else "",
+        config.worker,
+        extra={"health_port": router.health_port} if config.health_port else None,
+    )
     return router
 
 
@@ -209,8 +230,9 @@ def _setup_observability(config: RouterConfig) -> BatchingLoopHooks:
     configure_logging("router", os.environ.get("LOG_LEVEL", "INFO"))
     configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))
     model_name = config.model_name or (Path(config.model).name if config.model else "colibri")
-    hooks, port = router_metrics(model_name, config.metrics_port if config.metrics_port else -1,
-                                 host=config.metrics_host)
+    hooks, port = router_metrics(
+        model_name, config.metrics_port if config.metrics_port else -1, host=config.metrics_host
+    )
     if port >= 0:
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     return hooks
@@ -222,12 +244,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve(RouterConfig, file_values=load_config_file(args.config, "router"),
-                     flags=flag_values(args, RouterConfig))
+    config = resolve(
+        RouterConfig, file_values=load_config_file(args.config, "router"), flags=flag_values(args, RouterConfig)
+    )
     hooks = _setup_observability(config)
     if getattr(args, "auth_token", None):
-        log.warning("--auth-token on the command line is visible to every local user (ps, /proc): use "
-                    "--auth-token-file or COLIBRI_AUTH_TOKEN")
+        log.warning(
+            "--auth-token on the command line is visible to every local user (ps, /proc): use "
+            "--auth-token-file or COLIBRI_AUTH_TOKEN"
+        )
     try:
         return asyncio.run(serve(config, hooks))
     finally:

@@ -5,6 +5,7 @@ The batching loop knows nothing about Prometheus; it calls `BatchingLoopHooks` a
 (admission, first scheduling, every token, every step, the terminal status). All intervals use time.monotonic() stamps
 taken in this one process (vLLM's rule: never compare monotonic clocks across processes).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,17 @@ class BatchingLoopHooks:
 
     def on_token(self, request, now: float) -> None: ...
 
-    def on_step(self, kind: str, num_seqs: int, num_tokens: int, router_seconds: float,
-                worker_seconds: float | None, num_running: int, num_waiting: int, num_active: int) -> None: ...
+    def on_step(
+        self,
+        kind: str,
+        num_seqs: int,
+        num_tokens: int,
+        router_seconds: float,
+        worker_seconds: float | None,
+        num_running: int,
+        num_waiting: int,
+        num_active: int,
+    ) -> None: ...
 
     def on_request_done(self, request, outcome: str, now: float) -> None: ...
 
@@ -50,6 +60,7 @@ class MetricsHooks(BatchingLoopHooks):
         # the last batch while the worker was down), and queue_size feeds the autoscaler.
         def scheduled(count: str):
             return lambda: getattr(batching_loop.scheduler, count) if batching_loop.scheduler is not None else 0
+
         self.m.queue_size.set_function(lambda: batching_loop.num_active)
         self.m.num_requests_running.set_function(scheduled("num_running"))
         self.m.num_requests_waiting.set_function(scheduled("num_waiting"))
@@ -67,8 +78,9 @@ class MetricsHooks(BatchingLoopHooks):
         else:
             self.m.time_per_output_token.observe(now - request.last_token_at)
 
-    def on_step(self, kind, num_seqs, num_tokens, router_seconds, worker_seconds, num_running, num_waiting,
-                num_active) -> None:
+    def on_step(
+        self, kind, num_seqs, num_tokens, router_seconds, worker_seconds, num_running, num_waiting, num_active
+    ) -> None:
         self.m.observe_step(kind, router_seconds, worker_seconds, num_seqs, num_tokens)
 
     def on_request_done(self, request, outcome: str, now: float) -> None:
@@ -94,13 +106,17 @@ class QueueSpanHooks(BatchingLoopHooks):
 
     def _record(self, request, now: float) -> None:
         parent = request.span_context
-        if parent is None or not parent.is_valid:     # no request span to hang it on
+        if parent is None or not parent.is_valid:  # no request span to hang it on
             return
         # Span times are wall-clock ns; the loop's stamps are monotonic: shift them by the clocks' offset.
         end_ns = time.time_ns() - int((time.monotonic() - now) * 1e9)
         start_ns = end_ns - int((now - request.arrived_at) * 1e9)
-        span = self._tracer.start_span("queue", context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
-                                       kind=trace.SpanKind.INTERNAL, start_time=start_ns)
+        span = self._tracer.start_span(
+            "queue",
+            context=trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+            kind=trace.SpanKind.INTERNAL,
+            start_time=start_ns,
+        )
         span.end(end_time=end_ns)
 
 
@@ -117,8 +133,9 @@ class ChainedHooks(BatchingLoopHooks):
         return object.__getattribute__(self, name)
 
 
-def router_metrics(model_name: str, port: int, registry: CollectorRegistry | None = None,
-                   host: str = "127.0.0.1") -> tuple[MetricsHooks, int]:
+def router_metrics(
+    model_name: str, port: int, registry: CollectorRegistry | None = None, host: str = "127.0.0.1"
+) -> tuple[MetricsHooks, int]:
     """Metrics hooks on a fresh registry, served on http://host:port/metrics (port 0 = a free one, -1 = none)."""
     registry = registry or new_registry()
     hooks = MetricsHooks(RouterMetrics(registry, model_name))

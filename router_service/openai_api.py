@@ -8,6 +8,7 @@ do (n > 1, echo, suffix, logit_bias, tools, JSON response formats) are refused w
 silently ignored; fields that change nothing (user, metadata, ...) are ignored. A sampling field left out takes
 the model's generation_config.json default when it has one (OpenAI's default otherwise), as in vLLM.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,29 +28,61 @@ from router_service.scheduler import FinishReason
 MAX_UINT32 = (1 << 32) - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.INTERNAL: 500,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 # Router validation fields (after `parameters.`) -> OpenAI parameter names.
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_sequences": "stop",
-               "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-               "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-               "truncate_input_tokens": "truncate_prompt_tokens", "logprobs": "logprobs"}
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop",
-                  FinishReason.STOP_SEQUENCE: "stop"}
+PARAM_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "stop_sequences": "stop",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "truncate_input_tokens": "truncate_prompt_tokens",
+    "logprobs": "logprobs",
+}
+FINISH_REASONS = {
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+}
 # (field, the only values accepted): what the router cannot do yet.
-UNSUPPORTED = (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
-               ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])))
-MAX_LOGPROBS = 20   # top_logprobs (chat), logprobs (completions) and prompt_logprobs
-FLOAT32_TINIEST = 2.0 ** -149   # the smallest positive float32 (a subnormal)
+UNSUPPORTED = (
+    ("n", (None, 1)),
+    ("best_of", (None, 1)),
+    ("echo", (None, False)),
+    ("suffix", (None, "")),
+    ("logit_bias", (None, {})),
+    ("tools", (None, [])),
+    ("functions", (None, [])),
+)
+MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
+FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
 
 
 class ApiError(Exception):
     """An HTTP error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -58,8 +91,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def api_error(exc: BaseException, kind: str = "completion", request_id: str = "",
-              max_tokens_name: str = "max_tokens") -> ApiError:
+def api_error(
+    exc: BaseException, kind: str = "completion", request_id: str = "", max_tokens_name: str = "max_tokens"
+) -> ApiError:
     """The OpenAI error for anything a request raised (unexpected exceptions are logged, their text hidden)."""
     if isinstance(exc, ApiError):
         return exc
@@ -77,14 +111,13 @@ def api_error(exc: BaseException, kind: str = "completion", request_id: str = ""
     if isinstance(exc, errors.Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     kind_name = {401: "invalid_request_error", 429: "rate_limit_error"}.get(http, "server_error")
-    return ApiError(http, status.details, kind_name, None,
-                    "invalid_api_key" if http == 401 else reason, headers)
+    return ApiError(http, status.details, kind_name, None, "invalid_api_key" if http == 401 else reason, headers)
 
 
 def openai_param(field_name: str, kind: str, max_tokens_name: str = "max_tokens") -> str:
     """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays."""
     if field_name.startswith("parameters."):
-        rest = field_name[len("parameters."):]
+        rest = field_name[len("parameters.") :]
         base, bracket, index = rest.partition("[")
         name = PARAM_NAMES.get(base, base)
         name = max_tokens_name if name == "max_tokens" else name
@@ -133,31 +166,41 @@ def _float(body, name, default):
     value = _get(body, name, (int, float), default, "a number")
     try:
         value = float(value)
-    except OverflowError:   # JSON integers have any number of digits; float() refuses past ~1.8e308
-        raise ApiError(400, f"{name}: must be a number in float range, got an integer of {len(str(abs(value)))} "
-                            f"digits", param=name) from None
+    except OverflowError:  # JSON integers have any number of digits; float() refuses past ~1.8e308
+        raise ApiError(
+            400, f"{name}: must be a number in float range, got an integer of {len(str(abs(value)))} digits", param=name
+        ) from None
     # The fields are float32: a nonzero value below its range would become 0, which means "off" or "the model's
     # default" (top_p 1e-50 would sample the whole vocabulary); the smallest float32 keeps the sign and intent.
     return math.copysign(FLOAT32_TINIEST, value) if 0 < abs(value) < FLOAT32_TINIEST else value
 
 
-def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(),
-                  vocab_size: int = 0) -> ParsedRequest:
+def parse_request(
+    body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int = 0
+) -> ParsedRequest:
     """Checks the OpenAI fields and converts them; the router's own validation checks the values later. A field
     left out that the model has a default for (`defaults`) is left unset for the router to fill."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = body.get("model")
     if model is not None and model != model_name:
-        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{model_name}`).",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist (this server serves `{model_name}`).",
+            param="model",
+            code="model_not_found",
+        )
     for name, allowed in UNSUPPORTED:
         if name in body and body[name] not in allowed:
-            raise ApiError(400, f"{name}: not supported by this server (allowed: "
-                                f"{', '.join(repr(a) for a in allowed if a is not None)})", param=name)
+            raise ApiError(
+                400,
+                f"{name}: not supported by this server (allowed: "
+                f"{', '.join(repr(a) for a in allowed if a is not None)})",
+                param=name,
+            )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+        raise ApiError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     stream = _get(body, "stream", bool, False, "a boolean")
     options = _get(body, "stream_options", dict, None, "an object")
     if options is not None and not stream:
@@ -165,8 +208,12 @@ def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults
     include_usage = bool(options and _get(options, "include_usage", bool, False, "a boolean"))
 
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, max_tokens_name, COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else 0,
-                      low=1 if body.get(max_tokens_name) is not None else 0)
+    max_tokens = _int(
+        body,
+        max_tokens_name,
+        COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else 0,
+        low=1 if body.get(max_tokens_name) is not None else 0,
+    )
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
@@ -177,16 +224,21 @@ def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults
     top_k = _int(body, "top_k", None, low=-1)
     seed = _int(body, "seed", None, low=-(1 << 63), high=(1 << 64) - 1)
     params = router_pb2.SamplingParameters(
-        top_p=_float(body, "top_p", 0.0), max_new_tokens=max_tokens, min_new_tokens=_int(body, "min_tokens", 0),
-        stop_sequences=stop or [], stop_token_ids=stop_ids,
+        top_p=_float(body, "top_p", 0.0),
+        max_new_tokens=max_tokens,
+        min_new_tokens=_int(body, "min_tokens", 0),
+        stop_sequences=stop or [],
+        stop_token_ids=stop_ids,
         ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
         truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0),
-        presence_penalty=_float(body, "presence_penalty", 0.0), frequency_penalty=_float(body, "frequency_penalty", 0.0))
+        presence_penalty=_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0),
+    )
     if body.get("temperature") is not None or defaults.temperature is None:
-        params.temperature = _float(body, "temperature", 1.0)     # OpenAI's default
+        params.temperature = _float(body, "temperature", 1.0)  # OpenAI's default
     if top_k is not None and top_k > 0:
         params.top_k = top_k
-    elif top_k is not None and defaults.top_k and vocab_size:      # -1 / 0 turn a model default off
+    elif top_k is not None and defaults.top_k and vocab_size:  # -1 / 0 turn a model default off
         params.top_k = vocab_size
     if body.get("repetition_penalty") is not None:
         params.repetition_penalty = _float(body, "repetition_penalty", 1.0)
@@ -195,8 +247,14 @@ def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults
         params.prompt_logprobs = prompt_logprobs
     if seed is not None:
         params.seed = seed % (1 << 64)
-    parsed = ParsedRequest(kind, params, stream, include_usage, max_tokens_name=max_tokens_name,
-                           prompt_logprobs=prompt_logprobs is not None)
+    parsed = ParsedRequest(
+        kind,
+        params,
+        stream,
+        include_usage,
+        max_tokens_name=max_tokens_name,
+        prompt_logprobs=prompt_logprobs is not None,
+    )
     if kind == "completion":
         logprobs = _int(body, "logprobs", None, high=MAX_LOGPROBS)
         parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
@@ -215,8 +273,9 @@ def parse_request(body, kind: str, model_name: str, defaults: GenerationDefaults
         cont = _get(body, "continue_final_message", bool, False, "a boolean")
         add = _get(body, "add_generation_prompt", bool, not cont, "a boolean")
         kwargs = _get(body, "chat_template_kwargs", dict, None, "an object")
-        parsed.chat_options = ChatOptions(continue_final_message=cont, add_generation_prompt=add,
-                                          template_kwargs=kwargs)
+        parsed.chat_options = ChatOptions(
+            continue_final_message=cont, add_generation_prompt=add, template_kwargs=kwargs
+        )
     params.logprobs, params.top_logprobs = parsed.logprobs, parsed.top_logprobs
     return parsed
 
@@ -239,14 +298,18 @@ def _prompt(body) -> str | list[int]:
 def generate_request(parsed: ParsedRequest, request_id: str) -> router_pb2.GenerateRequest:
     if isinstance(parsed.prompt, str):
         return router_pb2.GenerateRequest(text=parsed.prompt, parameters=parsed.parameters, request_id=request_id)
-    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=parsed.prompt), parameters=parsed.parameters,
-                                      request_id=request_id)
+    return router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=parsed.prompt), parameters=parsed.parameters, request_id=request_id
+    )
 
 
 # ---- answers ----
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -259,16 +322,29 @@ def logprobs_field(kind: str, texts: TokenTexts, token_ids, logprobs, tops: list
     tokens = [texts(i) for i in token_ids]
     if kind == "chat":
         tops = tops or [[] for _ in tokens]
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": [{"token": texts(i), "logprob": v, "bytes": list(texts(i).encode())}
-                                              for i, v in top]}
-                            for t, lp, top in zip(tokens, logprobs, tops)]}
+        return {
+            "content": [
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [
+                        {"token": texts(i), "logprob": v, "bytes": list(texts(i).encode())} for i, v in top
+                    ],
+                }
+                for t, lp, top in zip(tokens, logprobs, tops)
+            ]
+        }
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{texts(i): v for i, v in top} for top in tops] if tops else None, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [{texts(i): v for i, v in top} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
 
 
 def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> list:
@@ -281,10 +357,12 @@ def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> li
             out.append(None)
             continue
         ranks = {i: r for r, (i, _) in enumerate(e.top, 1)}
-        scored = {str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id),
-                                    "decoded_token": texts(e.token_id)}}
-        scored.update({str(i): {"logprob": v, "rank": ranks[i], "decoded_token": texts(i)}
-                       for i, v in e.top if i != e.token_id})
+        scored = {
+            str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id), "decoded_token": texts(e.token_id)}
+        }
+        scored.update(
+            {str(i): {"logprob": v, "rank": ranks[i], "decoded_token": texts(i)} for i, v in e.top if i != e.token_id}
+        )
         out.append(scored)
     return out
 
@@ -295,15 +373,24 @@ def choice(kind: str, text: str, reason, logprobs, stream: bool, first: bool = F
     if stream:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(reason)}
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+    }
 
 
 def envelope(kind: str, request_id: str, model: str, created: int, choices: list, stream: bool) -> dict:
-    obj = ("text_completion" if kind == "completion" else
-           "chat.completion.chunk" if stream else "chat.completion")
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices,
-            "system_fingerprint": None}
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk" if stream else "chat.completion"
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
 
 
 def add_prompt_logprobs(body: dict, kind: str, texts: TokenTexts, entries: list[PromptLogprob] | None) -> None:
@@ -313,12 +400,18 @@ def add_prompt_logprobs(body: dict, kind: str, texts: TokenTexts, entries: list[
         target["prompt_logprobs"] = prompt_logprobs_field(texts, entries)
 
 
-def response(parsed: ParsedRequest, request_id: str, model: str, out: Completion, prompt_tokens: int,
-             texts: TokenTexts) -> dict:
-    lp = logprobs_field(parsed.kind, texts, out.token_ids, out.logprobs, out.top_logprobs) if parsed.logprobs \
-        else None
-    body = envelope(parsed.kind, request_id, model, int(time.time()),
-                    [choice(parsed.kind, out.text, out.finish_reason, lp, stream=False)], stream=False)
+def response(
+    parsed: ParsedRequest, request_id: str, model: str, out: Completion, prompt_tokens: int, texts: TokenTexts
+) -> dict:
+    lp = logprobs_field(parsed.kind, texts, out.token_ids, out.logprobs, out.top_logprobs) if parsed.logprobs else None
+    body = envelope(
+        parsed.kind,
+        request_id,
+        model,
+        int(time.time()),
+        [choice(parsed.kind, out.text, out.finish_reason, lp, stream=False)],
+        stream=False,
+    )
     if parsed.prompt_logprobs:
         add_prompt_logprobs(body, parsed.kind, texts, out.prompt_logprobs or [])
     body["usage"] = usage(prompt_tokens, len(out.token_ids))

@@ -4,6 +4,7 @@ Undecodable bytes are caught by the guard both services share (common/grpc_guard
 INVALID_ARGUMENT goes through the router's error contract (errors.py: BadRequest naming `request`). The guard
 sits inside the auth interceptor, so an unauthenticated caller gets UNAUTHENTICATED whatever it sent.
 """
+
 from __future__ import annotations
 
 from common.errors import InvalidRequestError

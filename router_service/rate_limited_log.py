@@ -1,5 +1,6 @@
 """Log lines that anyone on the network can cause (a malformed request, a chat template past its time budget)
 are written at most once per interval, each saying how many like it were left out since the previous one."""
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ CSR arrays (expert -> indices of the step's tokens) that travel with the step.
 Token order is the worker's: prompt chunks in step order, then one token per decoding request (the token it
 sampled last, which the worker feeds next). The planner reads only the scheduled step, which carries both.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -18,6 +18,7 @@ that many state slots), and prompt tokens scored per step (prompt_logprobs rows 
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
+
 from __future__ import annotations
 
 import enum
@@ -50,6 +51,7 @@ class FinishReason(enum.Enum):
 @dataclass
 class ScheduledRequest:
     """The scheduler's view of one request."""
+
     request_id: int
     prompt_ids: list[int]
     max_new_tokens: int
@@ -102,6 +104,7 @@ class ScheduledRequest:
 @dataclass(frozen=True)
 class Chunk:
     """A slice of a prompt for one step."""
+
     request_id: int
     token_ids: tuple[int, ...]
     is_first: bool  # the worker learns the sequence (and its sampling) from this chunk
@@ -109,10 +112,10 @@ class Chunk:
     sampling: object = None  # the request's, on its first chunk
 
 
-
 @dataclass(frozen=True)
 class ScheduledStep:
     """One step as the scheduler decided it: what to run, plus what the worker must free first."""
+
     # request_id -> tokens this step runs for it (chunk length, or 1 for a decode)
     num_scheduled_tokens: dict[int, int]
     prefill_chunks: tuple[Chunk, ...]
@@ -131,7 +134,7 @@ class ScheduledStep:
 
     @property
     def kind(self) -> str:
-        """"prefill" (prompt chunks, decodes riding along), "decode", or "free" (only frees to carry)."""
+        """ "prefill" (prompt chunks, decodes riding along), "decode", or "free" (only frees to carry)."""
         return "prefill" if self.prefill_chunks else "decode" if self.decode_ids else "free"
 
     @property
@@ -139,18 +142,17 @@ class ScheduledStep:
         return sum(self.num_scheduled_tokens.values())
 
 
-
 @dataclass(frozen=True)
 class RequestOutput:
     """What one request produced in a step."""
+
     request_id: int
     token_id: int | None  # None for a prompt chunk that did not end the prompt
     logprob: float | None = None
     finish_reason: FinishReason | None = None
     error: str = ""
-    top: Scored | None = None      # top_logprobs: the sampled position's most likely tokens
-    prompt: Scored | None = None   # prompt_logprobs: the step's chunk; on a first token, the whole prompt
-
+    top: Scored | None = None  # top_logprobs: the sampled position's most likely tokens
+    prompt: Scored | None = None  # prompt_logprobs: the step's chunk; on a first token, the whole prompt
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ class Scheduler:
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
         budget = self.limits.max_batch_tokens
-        self._scoring_budget = self.limits.max_batch_size      # prompt_logprobs tokens this step
+        self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
         decodes: list[int] = []
@@ -261,8 +263,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             req = self.waiting[0]
             needed = self._blocks_needed(req)
-            if needed > self.num_free_blocks or (req.scores_prompt and not self._scoring_budget) \
-                    or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size):
+            if (
+                needed > self.num_free_blocks
+                or (req.scores_prompt and not self._scoring_budget)
+                or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size)
+            ):
                 break
             self.waiting.popleft()
             self.num_free_blocks -= needed
@@ -271,8 +276,7 @@ class Scheduler:
             budget -= self._add_chunk(req, budget, scheduled, chunks)
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
-        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids,
-                             tuple(expired))
+        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, tuple(expired))
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
         start = req.num_scheduled_tokens
@@ -282,8 +286,15 @@ class Scheduler:
             self._scoring_budget -= n
         scheduled[req.request_id] = n
         is_last = start + n == req.num_prompt_tokens
-        chunks.append(Chunk(req.request_id, tuple(req.prompt_ids[start:start + n]), is_first=start == 0,
-                            is_last=is_last, sampling=req.sampling if start == 0 else None))
+        chunks.append(
+            Chunk(
+                req.request_id,
+                tuple(req.prompt_ids[start : start + n]),
+                is_first=start == 0,
+                is_last=is_last,
+                sampling=req.sampling if start == 0 else None,
+            )
+        )
         req.num_scheduled_tokens += n
         req.num_pending_outputs += is_last
         req.is_on_worker = True
@@ -315,8 +326,9 @@ class Scheduler:
             if gen.token_id is None:
                 if expects_token:  # the prompt ended but the worker sampled nothing
                     self.finish(request_id, FinishReason.ERROR)
-                    outputs.append(RequestOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT",
-                                              finish_reason=FinishReason.ERROR))
+                    outputs.append(
+                        RequestOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT", finish_reason=FinishReason.ERROR)
+                    )
                 continue
             req.output_ids.append(gen.token_id)
             reason = self._stop_reason(req, gen.token_id)

@@ -2,6 +2,7 @@
 bearer tokens (common/auth.py, shared with the worker) answered in the router's error contract. Also the token
 the router sends to the worker. docs/security.md describes the model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,7 +71,8 @@ class ReloadingServerCredentials:
         self._files = WatchedFiles(paths, _tls_material, "tls")
         self._served = self._files.version
         self.credentials = grpc.dynamic_ssl_server_credentials(
-            self._files.value, self.fetch, require_client_authentication=bool(client_ca_file))
+            self._files.value, self.fetch, require_client_authentication=bool(client_ca_file)
+        )
 
     def fetch(self):
         try:

@@ -9,6 +9,7 @@ be detached). Text is tokenized off the event loop once every cheap check has pa
 ChatStream render the messages with the chat template and then run exactly as Generate and GenerateStream do;
 the request path itself (admission, validation, submit) is router_service.frontend's, shared with the HTTP front.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -32,8 +33,13 @@ from router_service.validation import PromptRequest, check_ids, check_text_size,
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, batching_loop: BatchingLoop, model_name: str = "", chat_template: ChatTemplate | None = None,
-                 frontend: Frontend | None = None):
+    def __init__(
+        self,
+        batching_loop: BatchingLoop,
+        model_name: str = "",
+        chat_template: ChatTemplate | None = None,
+        frontend: Frontend | None = None,
+    ):
         self.batching_loop = batching_loop
         self.config = batching_loop.config
         self.frontend = frontend or Frontend(batching_loop, model_name, chat_template)
@@ -47,11 +53,15 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream)
-        kwargs = (json_format.MessageToDict(request.chat_template_kwargs)
-                  if request.HasField("chat_template_kwargs") else None)
+        kwargs = (
+            json_format.MessageToDict(request.chat_template_kwargs)
+            if request.HasField("chat_template_kwargs")
+            else None
+        )
         options = ChatOptions(continue_final_message=request.continue_final_message, template_kwargs=kwargs)
-        return await self.frontend.submit_chat(request.messages, request.parameters, request.request_id, deadline,
-                                               stream, options)
+        return await self.frontend.submit_chat(
+            request.messages, request.parameters, request.request_id, deadline, stream, options
+        )
 
     async def Generate(self, request, context):
         return await self._unary(request, context, router_pb2.GenerateResponse)
@@ -73,12 +83,17 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 out = await collect(handle)
                 set_usage(handle, len(out.token_ids), out.finish_reason)
                 return response_type(
-                    request_id=handle.request_id, token_ids=out.token_ids, text=out.text,
+                    request_id=handle.request_id,
+                    token_ids=out.token_ids,
+                    text=out.text,
                     stop_reason=STOP_REASONS.get(out.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED),
-                    prompt_tokens=handle.num_prompt_tokens, generated_tokens=len(out.token_ids),
-                    logprobs=out.logprobs, routing=self._routing(),
+                    prompt_tokens=handle.num_prompt_tokens,
+                    generated_tokens=len(out.token_ids),
+                    logprobs=out.logprobs,
+                    routing=self._routing(),
                     top_logprobs=[self._top_pb(top) for top in out.top_logprobs],
-                    prompt_logprobs=self._prompt_pb(out.prompt_logprobs))
+                    prompt_logprobs=self._prompt_pb(out.prompt_logprobs),
+                )
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -95,12 +110,15 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 async for delta in handle:
                     generated += len(delta.token_ids)
                     message = message_type(
-                        request_id=handle.request_id, token_ids=delta.token_ids, text=delta.text,
-                        logprobs=delta.logprobs, top_logprobs=[self._top_pb(top) for top in delta.top_logprobs],
-                        prompt_logprobs=self._prompt_pb(delta.prompt_logprobs))
+                        request_id=handle.request_id,
+                        token_ids=delta.token_ids,
+                        text=delta.text,
+                        logprobs=delta.logprobs,
+                        top_logprobs=[self._top_pb(top) for top in delta.top_logprobs],
+                        prompt_logprobs=self._prompt_pb(delta.prompt_logprobs),
+                    )
                     if delta.finish_reason is not None:
-                        message.stop_reason = STOP_REASONS.get(delta.finish_reason,
-                                                               router_pb2.STOP_REASON_UNSPECIFIED)
+                        message.stop_reason = STOP_REASONS.get(delta.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED)
                         message.prompt_tokens = handle.num_prompt_tokens
                         message.generated_tokens = generated
                         message.routing = self._routing()
@@ -123,8 +141,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 return router_pb2.TokenizeResponse(token_ids=ids)
             ids, pieces, offsets = await self.batching_loop.tokenizer.encode_details_async(request.text, add)
             return router_pb2.TokenizeResponse(
-                token_ids=ids, pieces=pieces if request.return_pieces else [],
-                offsets=[router_pb2.TokenOffset(start=a, end=b) for a, b in offsets] if request.return_offsets else [])
+                token_ids=ids,
+                pieces=pieces if request.return_pieces else [],
+                offsets=[router_pb2.TokenOffset(start=a, end=b) for a, b in offsets] if request.return_offsets else [],
+            )
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 
@@ -132,8 +152,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         try:
             tokenizer = self.batching_loop.tokenizer
             if tokenizer is None:
-                raise InvalidRequestError("token_ids",
-                                          "this model has no tokenizer (start the router with --model DIR)")
+                raise InvalidRequestError(
+                    "token_ids", "this model has no tokenizer (start the router with --model DIR)"
+                )
             limit = prompt_byte_limit(self.config, self.batching_loop.limits)
             if len(request.token_ids) > limit:
                 raise InvalidRequestError("token_ids", f"at most {limit} ids allowed, got {len(request.token_ids)}")
@@ -150,12 +171,20 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             await self._abort(context, errors.Unavailable("the worker has not connected yet"), request, None)
         hf = _hf_config(info.hf_config_json)
         return router_pb2.ModelInfoResponse(
-            model_name=self.model_name, family=info.family, dtype=info.dtype, vocab_size=limits.vocab_size,
+            model_name=self.model_name,
+            family=info.family,
+            dtype=info.dtype,
+            vocab_size=limits.vocab_size,
             max_sequence_length=min(limits.max_sequence_length, limits.kv_capacity_tokens),
-            eos_token_ids=limits.eos_token_ids, has_tokenizer=limits.has_tokenizer, backend=info.backend,
-            routing=info.routing, num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0), server_version=_version(),
-            generation_config=self._generation_config())
+            eos_token_ids=limits.eos_token_ids,
+            has_tokenizer=limits.has_tokenizer,
+            backend=info.backend,
+            routing=info.routing,
+            num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0),
+            server_version=_version(),
+            generation_config=self._generation_config(),
+        )
 
     def _generation_config(self) -> struct_pb2.Struct:
         """The model directory's generation_config.json (read once; empty when absent or not an object)."""
@@ -178,15 +207,19 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     def _top_pb(self, top: Top) -> router_pb2.TopLogprobs:
         texts = self._texts() if self.batching_loop.tokenizer is not None else None
-        return router_pb2.TopLogprobs(token_ids=[i for i, _ in top], logprobs=[v for _, v in top],
-                                      texts=[texts(i) for i, _ in top] if texts else [])
+        return router_pb2.TopLogprobs(
+            token_ids=[i for i, _ in top],
+            logprobs=[v for _, v in top],
+            texts=[texts(i) for i, _ in top] if texts else [],
+        )
 
     def _prompt_pb(self, entries: list[PromptLogprob] | None) -> list[router_pb2.PromptTokenLogprob]:
         texts = self._texts() if self.batching_loop.tokenizer is not None else None
         out = []
         for e in entries or ():
-            message = router_pb2.PromptTokenLogprob(token_id=e.token_id, text=texts(e.token_id) if texts else "",
-                                                    top_logprobs=self._top_pb(e.top))
+            message = router_pb2.PromptTokenLogprob(
+                token_id=e.token_id, text=texts(e.token_id) if texts else "", top_logprobs=self._top_pb(e.top)
+            )
             if e.logprob is not None:
                 message.logprob = e.logprob
             out.append(message)
@@ -215,6 +248,7 @@ def _version() -> str:
 
 def _hf_config(text: str) -> dict:
     import json
+
     try:
         value = json.loads(text) if text else {}
         return value if isinstance(value, dict) else {}

@@ -9,6 +9,7 @@ Streams must never emit broken or retracted text, which takes two hold-backs:
 - StopSequenceMatcher: text that might be the beginning of a stop sequence is held back until the next text
   proves it is not; when a stop sequence completes, the output ends right before it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,8 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="colibri-tokenize")
     return _executor
+
+
 # Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
 PREFIX_WINDOW = 5
 
@@ -45,6 +48,7 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer  # imported here: only text-serving routers need it
+
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"tokenizer: {p} not found")
@@ -74,8 +78,9 @@ class Tokenizer:
         8 MB text would stall every other request on the loop for seconds). Callers bound the text's size."""
         if len(text) <= INLINE_MAX_CHARS:
             return self.encode(text, add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(_pool(), self._encode_released, text,
-                                                                add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            _pool(), self._encode_released, text, add_special_tokens
+        )
 
     def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -89,7 +94,8 @@ class Tokenizer:
             enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
         else:
             enc = await asyncio.get_running_loop().run_in_executor(
-                _pool(), lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0])
+                _pool(), lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            )
         return list(enc.ids), list(enc.tokens), list(enc.offsets)
 
     async def decode_async(self, ids, skip_special_tokens: bool = True) -> str:
@@ -98,7 +104,8 @@ class Tokenizer:
         if len(ids) <= INLINE_MAX_CHARS:
             return self.decode(ids, skip_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+            _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        )
 
     def detokenizer(self, prompt_ids) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)
@@ -114,14 +121,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids=()):
         from tokenizers.decoders import DecodeStream  # imported here, like the tokenizer itself
+
         self._new_stream = lambda ids: DecodeStream(ids, skip_special_tokens=True)
         self._hf, self._decode = tokenizer._tok, tokenizer.decode
         context, tail = [int(i) for i in list(prompt_ids)[-PREFIX_WINDOW:]], []
         while context and self._decode(context).endswith(REPLACEMENT):
             tail.insert(0, context.pop())
         self._stream = self._new_stream(context)
-        self._emitted = context      # the last ids behind emitted text (flush decodes against them)
-        self._held: list[int] = []   # ids stepped since the last emitted text
+        self._emitted = context  # the last ids behind emitted text (flush decodes against them)
+        self._held: list[int] = []  # ids stepped since the last emitted text
         self._held_from_prompt = 0
         for token_id in tail:
             self._step(token_id)
@@ -137,7 +145,7 @@ class IncrementalDetokenizer:
             return ""
         prefix, text = self._decode(self._emitted), self._decode(self._emitted + self._held)
         self._held, self._held_from_prompt = [], 0
-        return text[len(prefix):] if text.startswith(prefix) else text
+        return text[len(prefix) :] if text.startswith(prefix) else text
 
     def _step(self, token_id: int) -> str:
         self._held.append(token_id)
@@ -174,7 +182,7 @@ class StopSequenceMatcher:
         self._pending += text
         hits = [i for i in (self._pending.find(s) for s in self.stop_sequences) if i >= 0]
         if hits:
-            emit, self._pending, self.stopped = self._pending[:min(hits)], "", True
+            emit, self._pending, self.stopped = self._pending[: min(hits)], "", True
             return emit, True
         cut = self._partial_match_start(self._pending)
         emit, self._pending = self._pending[:cut], self._pending[cut:]

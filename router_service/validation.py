@@ -4,6 +4,7 @@ worker.
 Each failure is an InvalidRequestError whose field is the proto path (`parameters.top_p`,
 `token_ids.ids[3]`) and whose message names the limit and the value given, as TGI's validation does.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,8 @@ from router_service.protocol import is_metadata_safe
 PromptRequest = router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest
 
 MAX_SEED = (1 << 64) - 1
-MAX_TOP_LOGPROBS = 20          # OpenAI's bound on top_logprobs; prompt_logprobs has the same
-MAX_PRESENCE_FREQUENCY = 2.0   # vLLM's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; prompt_logprobs has the same
+MAX_PRESENCE_FREQUENCY = 2.0  # vLLM's range for presence_penalty and frequency_penalty: [-2, 2]
 # With max_prompt_bytes 0, a text prompt may have this many UTF-8 bytes per token of context: far above any
 # real tokenizer's average, and still a bound on what one request can make the router tokenize.
 BYTES_PER_TOKEN = 32
@@ -30,17 +31,19 @@ BYTES_PER_TOKEN = 32
 @dataclass(frozen=True)
 class ModelLimits:
     """What the served model and the worker's memory allow (from the worker's Info)."""
+
     vocab_size: int
     max_sequence_length: int  # max_position_embeddings: prompt + generated tokens
     kv_capacity_tokens: int  # kv_block_size * num_kv_blocks: the most tokens one sequence can hold
-    eos_token_ids: tuple[int, ...] = ()   # the model's, with generation_config.json's
+    eos_token_ids: tuple[int, ...] = ()  # the model's, with generation_config.json's
     has_tokenizer: bool = False
-    generation: GenerationDefaults = GenerationDefaults()   # what requests that leave a field unset inherit
+    generation: GenerationDefaults = GenerationDefaults()  # what requests that leave a field unset inherit
 
 
 @dataclass(frozen=True)
 class ValidatedRequest:
     """A request that passed validation, with defaults applied; no client protobuf below this point."""
+
     request_id: str  # the caller's, or "" (the batching loop assigns one)
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -54,7 +57,7 @@ class ValidatedRequest:
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int = 0
-    prompt_logprobs: int | None = None    # None = the prompt is not scored
+    prompt_logprobs: int | None = None  # None = the prompt is not scored
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -62,7 +65,6 @@ class ValidatedRequest:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:
@@ -77,18 +79,18 @@ check_ids = _check_ids  # Detokenize checks its ids the same way
 def _truncated(ids, p: router_pb2.SamplingParameters):
     """The last truncate_input_tokens ids (all of them when it is 0 or larger)."""
     n = p.truncate_input_tokens
-    return ids[len(ids) - n:] if 0 < n < len(ids) else ids
+    return ids[len(ids) - n :] if 0 < n < len(ids) else ids
 
 
-def validate_request(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
-                     tokenizer=None) -> ValidatedRequest:
+def validate_request(req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer=None) -> ValidatedRequest:
     """Checks every field of `req`; raises InvalidRequestError naming the first bad one. Tokenizes inline."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
     return _complete(req, config, limits, tokenizer.encode(text) if text is not None else None)
 
 
-async def validate_request_async(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
-                                 tokenizer=None, add_special_tokens: bool = True) -> ValidatedRequest:
+async def validate_request_async(
+    req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer=None, add_special_tokens: bool = True
+) -> ValidatedRequest:
     """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread.
     `add_special_tokens=False` for text that already has them (a rendered chat template)."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
@@ -113,16 +115,18 @@ def check_text_size(field: str, text: str, limit: int) -> None:
         return
     size = len(text) if len(text) > limit else len(text.encode())
     if size > limit:
-        raise InvalidRequestError(field, f"must be at most {limit} bytes (max_prompt_bytes), got "
-                                         f"{'more than ' if size == len(text) else ''}{size}")
+        raise InvalidRequestError(
+            field,
+            f"must be at most {limit} bytes (max_prompt_bytes), got {'more than ' if size == len(text) else ''}{size}",
+        )
 
 
-def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
-                             tokenizer) -> str | None:
+def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer) -> str | None:
     """Every check that needs no tokens; returns the text to tokenize (None for a token-id prompt)."""
     if len(req.request_id) > config.max_request_id_length:
-        raise InvalidRequestError("request_id", f"must be at most {config.max_request_id_length} characters, "
-                                                f"got {len(req.request_id)}")
+        raise InvalidRequestError(
+            "request_id", f"must be at most {config.max_request_id_length} characters, got {len(req.request_id)}"
+        )
     if not is_metadata_safe(req.request_id):
         raise InvalidRequestError("request_id", "must be printable ASCII (0x20-0x7e): it is echoed in metadata")
     p = req.parameters
@@ -141,14 +145,16 @@ def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: M
     if not req.text:
         raise InvalidRequestError("text", "must not be empty")
     if tokenizer is None:
-        raise InvalidRequestError("text", "this model has no tokenizer; send token_ids "
-                                          "(or start the router with --model DIR)")
+        raise InvalidRequestError(
+            "text", "this model has no tokenizer; send token_ids (or start the router with --model DIR)"
+        )
     check_text_size("text", req.text, prompt_byte_limit(config, limits))
     return req.text
 
 
-def _complete(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
-              text_ids: list[int] | None) -> ValidatedRequest:
+def _complete(
+    req: PromptRequest, config: RouterConfig, limits: ModelLimits, text_ids: list[int] | None
+) -> ValidatedRequest:
     p = req.parameters
     if text_ids is not None:
         if not text_ids:
@@ -159,21 +165,32 @@ def _complete(req: PromptRequest, config: RouterConfig, limits: ModelLimits,
     prompt_ids = text_ids if text_ids is not None else _truncated(list(req.token_ids.ids), p)
     max_new_tokens = _max_new_tokens(p, config, limits, len(prompt_ids))
     if p.min_new_tokens > max_new_tokens:
-        raise InvalidRequestError("parameters.min_new_tokens",
-                                  f"must be <= max_new_tokens ({max_new_tokens}), got {p.min_new_tokens}")
+        raise InvalidRequestError(
+            "parameters.min_new_tokens", f"must be <= max_new_tokens ({max_new_tokens}), got {p.min_new_tokens}"
+        )
     seed = p.seed if p.HasField("seed") else secrets.randbelow(MAX_SEED + 1)
     d = limits.generation
     return ValidatedRequest(
-        request_id=req.request_id, prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens,
+        request_id=req.request_id,
+        prompt_ids=tuple(prompt_ids),
+        max_new_tokens=max_new_tokens,
         min_new_tokens=p.min_new_tokens,
         temperature=float(p.temperature) if p.HasField("temperature") else float(d.temperature or 0.0),
-        top_k=p.top_k or min(d.top_k or 0, limits.vocab_size), top_p=float(p.top_p or d.top_p or 1.0), seed=seed,
-        stop_sequences=tuple(p.stop_sequences), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+        top_k=p.top_k or min(d.top_k or 0, limits.vocab_size),
+        top_p=float(p.top_p or d.top_p or 1.0),
+        seed=seed,
+        stop_sequences=tuple(p.stop_sequences),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty")
+        repetition_penalty=float(p.repetition_penalty)
+        if p.HasField("repetition_penalty")
         else float(d.repetition_penalty or 1.0),
-        presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty))
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+    )
 
 
 def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> None:
@@ -181,51 +198,62 @@ def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> No
     # sampled the last id); use 0 for greedy.
     t = p.temperature  # a float32: 0.01 arrives as 0.0099999998, hence the float32-sized tolerance
     if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE * (1 - 1e-6) <= t <= MAX_TEMPERATURE):
-        raise InvalidRequestError("parameters.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-                                                            f"{MAX_TEMPERATURE:g}], got {t:g}")
+        raise InvalidRequestError(
+            "parameters.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t:g}"
+        )
     _check_logprobs_and_penalties(p)
     if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
         raise InvalidRequestError("parameters.top_p", f"must be in (0, 1] (0 = off), got {p.top_p:g}")
     if p.top_k > limits.vocab_size:
-        raise InvalidRequestError("parameters.top_k",
-                                  f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}")
+        raise InvalidRequestError(
+            "parameters.top_k", f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}"
+        )
 
 
 def _check_logprobs_and_penalties(p: router_pb2.SamplingParameters) -> None:
     if p.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequestError("parameters.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+        raise InvalidRequestError(
+            "parameters.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}"
+        )
     if p.top_logprobs and not p.logprobs:
         raise InvalidRequestError("parameters.top_logprobs", "needs logprobs = true")
     if p.HasField("prompt_logprobs") and p.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequestError("parameters.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (unset = off), "
-                                                                f"got {p.prompt_logprobs}")
+        raise InvalidRequestError(
+            "parameters.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] (unset = off), got {p.prompt_logprobs}"
+        )
     r = p.repetition_penalty
     if p.HasField("repetition_penalty") and not (math.isfinite(r) and r > 0):
         raise InvalidRequestError("parameters.repetition_penalty", f"must be a finite number > 0 (1 = off), got {r:g}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not (math.isfinite(value) and abs(value) <= MAX_PRESENCE_FREQUENCY):
-            raise InvalidRequestError(f"parameters.{name}", f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, "
-                                                            f"{MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}")
+            raise InvalidRequestError(
+                f"parameters.{name}",
+                f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}",
+            )
 
 
 def _check_stops(p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits) -> tuple[str, ...]:
     if len(p.stop_sequences) > config.max_stop_sequences:
-        raise InvalidRequestError("parameters.stop_sequences", f"at most {config.max_stop_sequences} allowed, "
-                                                               f"got {len(p.stop_sequences)}")
+        raise InvalidRequestError(
+            "parameters.stop_sequences", f"at most {config.max_stop_sequences} allowed, got {len(p.stop_sequences)}"
+        )
     for i, s in enumerate(p.stop_sequences):
         field = f"parameters.stop_sequences[{i}]"
         if not s:
             raise InvalidRequestError(field, "must not be empty")
         if len(s) > config.max_stop_sequence_length:
-            raise InvalidRequestError(field, f"must be at most {config.max_stop_sequence_length} characters, "
-                                             f"got {len(s)}")
+            raise InvalidRequestError(
+                field, f"must be at most {config.max_stop_sequence_length} characters, got {len(s)}"
+            )
     if p.stop_sequences and not limits.has_tokenizer:
-        raise InvalidRequestError("parameters.stop_sequences",
-                                  "need the model's tokenizer (start the router with --model DIR)")
+        raise InvalidRequestError(
+            "parameters.stop_sequences", "need the model's tokenizer (start the router with --model DIR)"
+        )
     if len(p.stop_token_ids) > config.max_stop_token_ids:
-        raise InvalidRequestError("parameters.stop_token_ids", f"at most {config.max_stop_token_ids} allowed, "
-                                                               f"got {len(p.stop_token_ids)}")
+        raise InvalidRequestError(
+            "parameters.stop_token_ids", f"at most {config.max_stop_token_ids} allowed, got {len(p.stop_token_ids)}"
+        )
     _check_ids("parameters.stop_token_ids", p.stop_token_ids, limits.vocab_size)
     return tuple(p.stop_sequences)
 
@@ -239,22 +267,27 @@ def _check_prompt_length(num_prompt: int, limits: ModelLimits) -> None:
     room = _room(limits)
     if num_prompt >= room:
         bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
-        raise InvalidRequestError("prompt", f"{num_prompt} tokens leave no room to generate: prompt + "
-                                            f"max_new_tokens must be <= {bound} ({room})")
+        raise InvalidRequestError(
+            "prompt",
+            f"{num_prompt} tokens leave no room to generate: prompt + max_new_tokens must be <= {bound} ({room})",
+        )
 
 
-def _max_new_tokens(p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits,
-                    num_prompt: int) -> int:
+def _max_new_tokens(
+    p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits, num_prompt: int
+) -> int:
     room = _room(limits)
     bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
     _check_prompt_length(num_prompt, limits)
     if p.max_new_tokens == 0:  # the default, shortened to fit rather than refused
         return min(config.default_max_new_tokens, room - num_prompt)
     if p.max_new_tokens > config.max_new_tokens:
-        raise InvalidRequestError("parameters.max_new_tokens",
-                                  f"must be <= {config.max_new_tokens}, got {p.max_new_tokens}")
+        raise InvalidRequestError(
+            "parameters.max_new_tokens", f"must be <= {config.max_new_tokens}, got {p.max_new_tokens}"
+        )
     if num_prompt + p.max_new_tokens > room:
-        raise InvalidRequestError("parameters.max_new_tokens",
-                                  f"prompt ({num_prompt} tokens) + max_new_tokens ({p.max_new_tokens}) "
-                                  f"must be <= {bound} ({room})")
+        raise InvalidRequestError(
+            "parameters.max_new_tokens",
+            f"prompt ({num_prompt} tokens) + max_new_tokens ({p.max_new_tokens}) must be <= {bound} ({room})",
+        )
     return p.max_new_tokens

@@ -4,6 +4,7 @@ answers back as plain outputs. Nothing else in the router builds or reads a work
 Id lists travel packed (uint64 little-endian bytes) and a step's answers come back as packed arrays, so a
 decode step converts no message per request.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,10 +23,17 @@ def sampling_params(request: ValidatedRequest, eos_token_ids) -> pb.SamplingPara
     before min_new_tokens."""
     stop_ids = list(dict.fromkeys([*([] if request.ignore_eos else eos_token_ids), *request.stop_token_ids]))
     params = pb.SamplingParams(
-        temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed,
-        stop_token_ids=stop_ids, min_new_tokens=request.min_new_tokens, logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty)
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop_token_ids=stop_ids,
+        min_new_tokens=request.min_new_tokens,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+    )
     if request.prompt_logprobs is not None:
         params.prompt_logprobs = request.prompt_logprobs
     if request.repetition_penalty != 1.0:
@@ -34,8 +42,9 @@ def sampling_params(request: ValidatedRequest, eos_token_ids) -> pb.SamplingPara
 
 
 def routing_plan(plan: RoutingPlan) -> pb.RoutingPlan:
-    return pb.RoutingPlan(layers=list(plan.layers), offsets=array_to_pb(plan.offsets),
-                          token_indices=array_to_pb(plan.token_indices))
+    return pb.RoutingPlan(
+        layers=list(plan.layers), offsets=array_to_pb(plan.offsets), token_indices=array_to_pb(plan.token_indices)
+    )
 
 
 def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
@@ -48,9 +57,11 @@ def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
 def step_request(step: ScheduledStep, step_id: int, plan: RoutingPlan | None = None) -> pb.StepStreamRequest:
     """The step on the step stream: frees first, then chunks, then decodes."""
     request = pb.StepStreamRequest(
-        step_id=step_id, free_request_ids=np.fromiter(step.free_ids, "<u8", len(step.free_ids)).tobytes(),
+        step_id=step_id,
+        free_request_ids=np.fromiter(step.free_ids, "<u8", len(step.free_ids)).tobytes(),
         chunks=[prefill_chunk(c) for c in step.prefill_chunks],
-        decode_request_ids=np.asarray(step.decode_ids, "<u8").tobytes())
+        decode_request_ids=np.asarray(step.decode_ids, "<u8").tobytes(),
+    )
     if plan is not None:
         request.routing_plan.CopyFrom(routing_plan(plan))
     return request
@@ -62,15 +73,22 @@ def scored(message: pb.TokenLogprobs) -> Scored:
     n, k = len(logprobs), message.top_k
     top_ids, top_logprobs = np.frombuffer(message.top_ids, "<i4"), np.frombuffer(message.top_logprobs, "<f4")
     if top_ids.size != n * k or top_logprobs.size != n * k:
-        raise ValueError(f"scored positions: {n} log-probabilities with top_k {k}, but {top_ids.size} ids and "
-                         f"{top_logprobs.size} top log-probabilities")
+        raise ValueError(
+            f"scored positions: {n} log-probabilities with top_k {k}, but {top_ids.size} ids and "
+            f"{top_logprobs.size} top log-probabilities"
+        )
     return Scored(logprobs, top_ids.reshape(n, k), top_logprobs.reshape(n, k))
 
 
 def scored_by_request(messages) -> dict[int, tuple[Scored | None, Scored | None]]:
     """request id -> (sampled token's top tokens, prompt chunk's scores) of a step's SequenceLogprobs."""
-    return {m.request_id: (scored(m.sampled) if m.HasField("sampled") else None,
-                           scored(m.prompt) if m.HasField("prompt") else None) for m in messages}
+    return {
+        m.request_id: (
+            scored(m.sampled) if m.HasField("sampled") else None,
+            scored(m.prompt) if m.HasField("prompt") else None,
+        )
+        for m in messages
+    }
 
 
 def request_outputs(response: pb.StepStreamResponse) -> list[RequestOutput]:
@@ -79,14 +97,25 @@ def request_outputs(response: pb.StepStreamResponse) -> list[RequestOutput]:
     tokens = np.frombuffer(response.token_ids, "<i4").tolist()
     logprobs = np.frombuffer(response.logprobs, "<f4").tolist() if response.logprobs else [0.0] * len(ids)
     if len(tokens) != len(ids) or len(logprobs) != len(ids):
-        raise ValueError(f"step {response.step_id}: {len(ids)} request ids, {len(tokens)} tokens, "
-                         f"{len(logprobs)} logprobs")
+        raise ValueError(
+            f"step {response.step_id}: {len(ids)} request ids, {len(tokens)} tokens, {len(logprobs)} logprobs"
+        )
     errors = {e.request_id: e.code for e in response.errors}
     scores = scored_by_request(response.scored) if response.scored else {}
-    if not errors and not scores:      # the common decode step: one plain output per request
-        return [RequestOutput(rid, None if token < 0 else token, logprob)
-                for rid, token, logprob in zip(ids, tokens, logprobs)]
+    if not errors and not scores:  # the common decode step: one plain output per request
+        return [
+            RequestOutput(rid, None if token < 0 else token, logprob)
+            for rid, token, logprob in zip(ids, tokens, logprobs)
+        ]
     none = (None, None)
-    return [RequestOutput(rid, None if token < 0 else token, logprob, error=errors.get(rid, ""),
-                          top=scores.get(rid, none)[0], prompt=scores.get(rid, none)[1])
-            for rid, token, logprob in zip(ids, tokens, logprobs)]
+    return [
+        RequestOutput(
+            rid,
+            None if token < 0 else token,
+            logprob,
+            error=errors.get(rid, ""),
+            top=scores.get(rid, none)[0],
+            prompt=scores.get(rid, none)[1],
+        )
+        for rid, token, logprob in zip(ids, tokens, logprobs)
+    ]

@@ -6,6 +6,7 @@ a failed call fails the batch and the batching loop decides what to do. Every ca
 W3C trace context of the current span travels in the metadata (no-op unless an OpenTelemetry SDK is set up),
 with `authorization: Bearer TOKEN` when the worker requires a token (router_service/security.py reads it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,15 @@ from common.tracing import inject_metadata
 class WorkerClient:
     """One channel to the worker; every method takes an optional timeout (seconds)."""
 
-    def __init__(self, address: str, *, max_message_bytes: int = 256 << 20, step_timeout_s: float = 120.0,
-                 control_timeout_s: float = 10.0, token: Callable[[], str] | str = ""):
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int = 256 << 20,
+        step_timeout_s: float = 120.0,
+        control_timeout_s: float = 10.0,
+        token: Callable[[], str] | str = "",
+    ):
         self.address = address
         self._token = token if callable(token) else (lambda: token)
         self.step_timeout_s = step_timeout_s
@@ -52,18 +60,21 @@ class WorkerClient:
         return await self._call(self._stub.Info, worker_pb2.InfoRequest(), timeout or self.control_timeout_s)
 
     async def health(self, timeout: float | None = None) -> bool:
-        response = await self._call(self._stub.Health, worker_pb2.HealthRequest(),
-                                    timeout or self.control_timeout_s)
+        response = await self._call(self._stub.Health, worker_pb2.HealthRequest(), timeout or self.control_timeout_s)
         return response.ready
 
     async def warmup(self, max_batch_tokens: int, timeout: float | None = None) -> float:
-        response = await self._call(self._stub.Warmup, worker_pb2.WarmupRequest(max_batch_tokens=max_batch_tokens),
-                                    timeout or self.step_timeout_s * 5)
+        response = await self._call(
+            self._stub.Warmup,
+            worker_pb2.WarmupRequest(max_batch_tokens=max_batch_tokens),
+            timeout or self.step_timeout_s * 5,
+        )
         return response.warmup_ms
 
     async def clear_cache(self, timeout: float | None = None) -> int:
-        response = await self._call(self._stub.ClearCache, worker_pb2.ClearCacheRequest(),
-                                    timeout or self.control_timeout_s)
+        response = await self._call(
+            self._stub.ClearCache, worker_pb2.ClearCacheRequest(), timeout or self.control_timeout_s
+        )
         return response.freed_sequences
 
     def open_step_stream(self) -> StepStream:
@@ -81,7 +92,7 @@ class StepStream:
         """Sends a step; a stream the worker has already ended is a lost worker, with the call's status."""
         try:
             await self._call.write(request)
-        except asyncio.InvalidStateError:   # grpc's answer to a write after the call finished, whatever its status
+        except asyncio.InvalidStateError:  # grpc's answer to a write after the call finished, whatever its status
             code, details = await self._call.code(), await self._call.details()
             if code == grpc.StatusCode.OK:
                 code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"
@@ -93,8 +104,10 @@ class StepStream:
             response = await asyncio.wait_for(self._call.read(), self.step_timeout_s)
         except TimeoutError:
             self.close()
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"no step result within worker_step_timeout_s={self.step_timeout_s:g}") from None
+            raise _rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no step result within worker_step_timeout_s={self.step_timeout_s:g}",
+            ) from None
         if response is grpc.aio.EOF:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream")
         return response

@@ -1,6 +1,7 @@
 """Fixtures (the embedded tiny model, an in-process expert worker on loopback, the byte-level tokenizer), the skip
 of `@pytest.mark.gpu` tests where no GPU is visible, and the `serial` mark of tests reading device memory.
 Functions shared by tests are in tests/helpers.py."""
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.serial)
 
 
-@pytest.hookimpl(trylast=True)     # after `-m` deselection: a CPU-only run never probes for a GPU
+@pytest.hookimpl(trylast=True)  # after `-m` deselection: a CPU-only run never probes for a GPU
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests are skipped where no GPU is visible."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
@@ -63,4 +64,5 @@ def tokenizer():
     """The router's Tokenizer over the tiny model's byte-level tokenizer (tests.helpers.byte_ids)."""
     from expert_service.tools.tiny_model import byte_tokenizer
     from router_service.tokenizer import Tokenizer
+
     return Tokenizer(byte_tokenizer())

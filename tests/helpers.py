@@ -13,6 +13,7 @@ tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_servic
 - Ports: ``free_port`` for a server that must be told its port up front (a child process, a port that 0 turns
   off); a server that can bind port 0 itself should, and report the port it got.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,13 +29,14 @@ from ephemeral_port_reserve import reserve
 from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.tools.tiny_model import NUM_SPECIAL
 
-STORAGE_DTYPES = [np.float32, np.float16, np.uint16]        # uint16 = bfloat16 bits
+STORAGE_DTYPES = [np.float32, np.float16, np.uint16]  # uint16 = bfloat16 bits
 
 
 # --- GPU ------------------------------------------------------------------------------------------------
 def has_gpu() -> bool:
     """A usable NVIDIA GPU (never in Numba's CUDA simulator)."""
     from expert_service.backends import cuda_available
+
     return cuda_available()
 
 
@@ -74,6 +76,7 @@ def rel_error(ours: np.ndarray, ref: np.ndarray) -> float:
 def nan_device(shape, dtype=np.float32):
     """Device output pre-filled with NaN (or -1 for ints), so unwritten elements fail the comparison."""
     from numba import cuda
+
     fill = np.nan if np.dtype(dtype).kind == "f" else -1
     return cuda.to_device(np.full(shape, fill, dtype=dtype))
 
@@ -86,43 +89,63 @@ def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, 
     k_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), dtype)
     v_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), dtype)
     need = [-(-int(c) // block_size) for c in context_lens]
-    max_blocks = max(max(need), 1) + 1                   # one spare column: padding must be ignored
+    max_blocks = max(max(need), 1) + 1  # one spare column: padding must be ignored
     ids = rng.permutation(num_blocks_total)
     assert sum(need) <= num_blocks_total
     tables = np.full((len(context_lens), max_blocks), num_blocks_total - 1, dtype=np.int32)
     lists, at = [], 0
     for s, n in enumerate(need):
-        tables[s, :n] = ids[at:at + n]
+        tables[s, :n] = ids[at : at + n]
         lists.append(tables[s, :n].astype(np.int64))
         at += n
     return k_pool, v_pool, tables, lists
 
 
-def check_decode_attention(launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype,
-                           splits, rtol=1e-5):
+def check_decode_attention(
+    launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5
+):
     """Runs a decode-attention launcher (launch_attention_decode's arguments) on a random paged cache, one query
     per sequence at its last position, split in `splits` parts, against the CPU paged_attention; sequences with
     context 0 (idle batch slots) must come out as zeros. Outputs and partials start as NaN."""
     from numba import cuda
 
     from expert_service.cpu.layers.attention import paged_attention
+
     num_seqs = len(context_lens)
     need = sum(-(-c // block_size) for c in context_lens)
-    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim,
-                                                 dtype)
+    k_pool, v_pool, tables, lists = random_cache(rng, context_lens, need + 3, block_size, num_kv_heads, head_dim, dtype)
     q = rng.standard_normal((num_seqs, num_heads, head_dim), dtype=np.float32)
     ctx = np.asarray(context_lens, dtype=np.int32)
     positions = ctx - 1
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     live = ctx > 0
     # The reference reads the same stored values, so only float32 arithmetic order differs.
     want = np.zeros_like(q)
-    want[live] = paged_attention(q[live], from_storage(k_pool), from_storage(v_pool), np.arange(live.sum() + 1),
-                                 ctx[live], [t for t, ok in zip(lists, live) if ok], positions[live], scale, window)
+    want[live] = paged_attention(
+        q[live],
+        from_storage(k_pool),
+        from_storage(v_pool),
+        np.arange(live.sum() + 1),
+        ctx[live],
+        [t for t, ok in zip(lists, live) if ok],
+        positions[live],
+        scale,
+        window,
+    )
     out = nan_device(q.shape)
     parts = [nan_device((num_seqs, num_heads, splits, n)) for n in (head_dim, 2)] if splits > 1 else [None, None]
-    launch(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(tables),
-           cuda.to_device(ctx), cuda.to_device(positions), window, scale, out, *parts)
+    launch(
+        cuda.to_device(q),
+        cuda.to_device(k_pool),
+        cuda.to_device(v_pool),
+        cuda.to_device(tables),
+        cuda.to_device(ctx),
+        cuda.to_device(positions),
+        window,
+        scale,
+        out,
+        *parts,
+    )
     assert_close(out.copy_to_host(), want, rtol)
 
 
@@ -134,8 +157,8 @@ def expert_buffer(rng, n_exp: int, F: int, D: int, dtype, scale: float = 0.3):
     words = to_storage((rng.standard_normal((n_exp, 3 * F * D)) * scale).astype(np.float32), store)
     exact = from_storage(words)
     W = np.full((n_exp, stride), 0x7FC1 if store == np.uint16 else np.nan, store)
-    W[:, :3 * F * D] = words
-    mats = [(e[:F * D].reshape(F, D), e[F * D:2 * F * D].reshape(F, D), e[2 * F * D:].reshape(D, F)) for e in exact]
+    W[:, : 3 * F * D] = words
+    mats = [(e[: F * D].reshape(F, D), e[F * D : 2 * F * D].reshape(F, D), e[2 * F * D :].reshape(D, F)) for e in exact]
     return W, mats
 
 
@@ -157,11 +180,28 @@ def awkward_floats(rng, shape) -> np.ndarray:
     even both ways, NaN, +-inf, float32 subnormals, the largest float32; float16 overflow to inf (65520) and
     just below it, the smallest normal and the largest subnormal, a subnormal tie to even."""
     x = rng.standard_normal(shape).astype(np.float32).reshape(-1)
-    special = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7FC00001, 0xFF800001, 0x7F800000, 0xFF800000,
-                        0x00000001, 0x80008000, 0x7F7FFFFF, 0x477FF000, 0xC77FEFFF, 0x38800000, 0x387FC000,
-                        0x33C00000], np.uint32).view(np.float32)
+    special = np.array(
+        [
+            0x3F808000,
+            0x3F818000,
+            0xBF808000,
+            0x7FC00001,
+            0xFF800001,
+            0x7F800000,
+            0xFF800000,
+            0x00000001,
+            0x80008000,
+            0x7F7FFFFF,
+            0x477FF000,
+            0xC77FEFFF,
+            0x38800000,
+            0x387FC000,
+            0x33C00000,
+        ],
+        np.uint32,
+    ).view(np.float32)
     where = rng.choice(x.size, min(x.size, special.size), replace=False)
-    x[where] = special[:where.size]
+    x[where] = special[: where.size]
     return x.reshape(shape)
 
 
@@ -177,6 +217,7 @@ def bf16_tiny(root: Path, family: str, seed: int, **overrides) -> Path:
 
     from expert_service.tools.convert import convert
     from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+
     hf_dir = write_tiny_checkpoint(root / "hf", family, seed)
     hf = {**tiny_hf_config(family), **overrides}
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -208,6 +249,7 @@ def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **ove
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
+
     engine = build_engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
     greedy = SamplingParams()
     steps = [dict(prefill=[PrefillInput(i, p, greedy, True) for i, p in enumerate(prompts)])]
@@ -225,8 +267,11 @@ def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **ove
 def exact_plans(traces, num_experts=4):
     """The exact routing of each traced step as routing plans (CSR per MoE layer)."""
     from common.routing_plan import RoutingPlan
-    return [RoutingPlan.from_expert_ids(list(trace.expert_ids), np.stack(list(trace.expert_ids.values())),
-                                        num_experts) for trace in traces]
+
+    return [
+        RoutingPlan.from_expert_ids(list(trace.expert_ids), np.stack(list(trace.expert_ids.values())), num_experts)
+        for trace in traces
+    ]
 
 
 def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16) -> Path:
@@ -249,9 +294,9 @@ def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16)
     weights = load_file(str(hf_dir / "model.safetensors"))
     for spec in tensor_specs(config):
         leaf = spec.name.rsplit(".", 1)[-1]
-        if leaf in ("o_proj", "down_proj"):            # [D, in]: rows are residual dims
+        if leaf in ("o_proj", "down_proj"):  # [D, in]: rows are residual dims
             weights[spec.hf_name][:token_dims] = 0.0
-        elif leaf == "router":                          # [E, D]: columns are residual dims
+        elif leaf == "router":  # [E, D]: columns are residual dims
             weights[spec.hf_name][:, token_dims:] = 0.0
     save_file(weights, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     return convert(hf_dir, Path(tmp_path) / "token_routed", progress=False)
@@ -260,14 +305,15 @@ def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16)
 class BackgroundWorker:
     """Runs `expert_service.serving.main.serve` on its own event loop in a thread; `.address` once ready."""
 
-    def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None,
-                 **engine_overrides):
+    def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None, **engine_overrides):
         from common.tracing import make_tracer_provider
         from expert_service.engine.config import EngineConfig
         from expert_service.serving.main import WorkerConfig
+
         self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8)
-        self.engine_config = EngineConfig(**{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096,
-                                             **engine_overrides})
+        self.engine_config = EngineConfig(
+            **{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096, **engine_overrides}
+        )
         self.model_dir = model_dir
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
@@ -281,6 +327,7 @@ class BackgroundWorker:
 
     def _run(self):
         from expert_service.serving.main import serve
+
         asyncio.set_event_loop(self.loop)
 
         def on_ready(port: int, servicer):
@@ -289,8 +336,15 @@ class BackgroundWorker:
 
         async def main():
             self._stop = asyncio.Event()
-            return await serve(str(self.model_dir), self.config, self.engine_config, stop=self._stop,
-                               on_ready=on_ready, tracer_provider=self.tracer_provider)
+            return await serve(
+                str(self.model_dir),
+                self.config,
+                self.engine_config,
+                stop=self._stop,
+                on_ready=on_ready,
+                tracer_provider=self.tracer_provider,
+            )
+
         try:
             self.exit_code = self.loop.run_until_complete(main())
         finally:
@@ -317,7 +371,7 @@ class BackgroundWorker:
         return self.exit_code
 
 
-ROUTER_READY_TIMEOUT_S = 120.0     # connecting includes the worker's warm-up when asked for: seconds on a busy box
+ROUTER_READY_TIMEOUT_S = 120.0  # connecting includes the worker's warm-up when asked for: seconds on a busy box
 
 
 @contextlib.asynccontextmanager
@@ -330,15 +384,18 @@ async def running_router(worker_address: str, wait_ready: bool = True, **overrid
     from common.pb import router_pb2_grpc
     from router_service.config import RouterConfig
     from router_service.main import start_router
-    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
-                             "warmup": False, **overrides})
+
+    config = RouterConfig(
+        **{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05, "warmup": False, **overrides}
+    )
     router = await start_router(config, worker_address)
     try:
         deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
         while wait_ready and not router.batching_loop.is_worker_ready and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert router.batching_loop.is_worker_ready or not wait_ready, \
+        assert router.batching_loop.is_worker_ready or not wait_ready, (
             f"the router never connected to the worker at {worker_address} in {ROUTER_READY_TIMEOUT_S:.0f} s"
+        )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             yield router, router_pb2_grpc.GenerationServiceStub(channel)
     finally:
@@ -349,5 +406,6 @@ async def worker_kv_blocks_used(client) -> int:
     """KV blocks the worker holds, read through its FilterBatch RPC with nothing to keep from the unary calls
     (the router itself only uses the step stream, whose sequences FilterBatch leaves alone)."""
     from common.pb import worker_pb2
+
     response = await client._call(client._stub.FilterBatch, worker_pb2.FilterBatchRequest(), client.control_timeout_s)
     return response.kv_blocks_used

@@ -1,5 +1,6 @@
 """The `serial` mark (tests/conftest.py): tests whose body reads the device's free memory get it, the others do
 not, so `make test-gpu` can run them alone after its parallel pass."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,9 @@ def counts_allocations(calls):
     assert calls == []
 
 
-@pytest.mark.parametrize("function, serial", [(reads_free_memory, True), (reads_numba_memory_info, True),
-                                              (counts_allocations, False)])
+@pytest.mark.parametrize(
+    "function, serial", [(reads_free_memory, True), (reads_numba_memory_info, True), (counts_allocations, False)]
+)
 def test_tests_reading_device_memory_are_marked_serial(function, serial):
     item = Item(function)
     pytest_itemcollected(item)

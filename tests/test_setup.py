@@ -1,5 +1,6 @@
 """setup.py's stub generation (`make proto` and every pip install): a proto that imports another proto of the
 tree compiles, and the generated modules import each other under common.pb."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,21 +37,27 @@ print("ok")
 def _setup_module():
     spec = importlib.util.spec_from_file_location("colibri_setup", REPO / "setup.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)      # not __main__: defines generate_stubs without running setup()
+    spec.loader.exec_module(module)  # not __main__: defines generate_stubs without running setup()
     return module
 
 
 def test_a_proto_importing_another_generates_modules_that_import_under_common_pb(tmp_path):
-    for path, text in (("protos/colibri/shared/v1/shared.proto", SHARED), ("protos/colibri/user/v1/user.proto", USER),
-                       ("common/__init__.py", ""), ("common/pb/__init__.py", "")):
+    for path, text in (
+        ("protos/colibri/shared/v1/shared.proto", SHARED),
+        ("protos/colibri/user/v1/user.proto", USER),
+        ("common/__init__.py", ""),
+        ("common/pb/__init__.py", ""),
+    ):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     generated = _setup_module().generate_stubs(tmp_path)
     assert len(generated) == 6
     grpc_module = (tmp_path / "common/pb/colibri/user/v1/user_pb2_grpc.py").read_text()
     assert "from common.pb.colibri.user.v1 import user_pb2" in grpc_module
-    assert "from common.pb.colibri.shared.v1 import shared_pb2" in \
-        (tmp_path / "common/pb/colibri/user/v1/user_pb2.py").read_text()
+    assert (
+        "from common.pb.colibri.shared.v1 import shared_pb2"
+        in (tmp_path / "common/pb/colibri/user/v1/user_pb2.py").read_text()
+    )
     for package in ("colibri", "colibri/shared", "colibri/shared/v1", "colibri/user", "colibri/user/v1"):
         assert (tmp_path / "common/pb" / package / "__init__.py").is_file(), package
     # A fresh interpreter in the tree: `common` resolves to tmp_path's, the default descriptor pool is empty.

@@ -12,6 +12,7 @@ The corpus file holds one chapter per paragraph: a heading line ("Genesis 1") an
 one line, paragraphs separated by a blank line. The held-out split is the trailing whole books that
 together hold at least `HELDOUT_FRACTION` of the characters (the end of the New Testament).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ SWORD_MODULE = "engWEB2015eb"
 FULL_RANGE = "Genesis 1:1-Revelation 22:21"
 HELDOUT_FRACTION = 0.05
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SOURCE_NOTE = ("World English Bible with Deuterocanon (SWORD module engWEB2015eb, Debian package "
-               "sword-text-web), public domain; extracted with diatheke and cleaned by training/corpus.py")
+SOURCE_NOTE = (
+    "World English Bible with Deuterocanon (SWORD module engWEB2015eb, Debian package "
+    "sword-text-web), public domain; extracted with diatheke and cleaned by training/corpus.py"
+)
 
 # "Genesis 1:1: ", "I Samuel 3:4: ", "Song of Solomon 2:1: ", "Esther (Greek) 1:1: ", "Revelation of John 22:21: "
 VERSE_KEY = re.compile(r"((?:I{1,3} |IV )?[A-Z][a-z]+(?: (?:of )?[A-Z][a-z]+)*(?: \(Greek\))?) (\d+):(\d+): ")
@@ -63,18 +66,19 @@ def read_osis(module: str = SWORD_MODULE, key_range: str = FULL_RANGE) -> str:
     """The module's text with its OSIS markup, as diatheke prints it."""
     if shutil.which("diatheke") is None:
         raise SystemExit("diatheke not found: apt-get install diatheke sword-text-web")
-    done = subprocess.run(["diatheke", "-b", module, "-f", "OSIS", "-k", key_range],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["diatheke", "-b", module, "-f", "OSIS", "-k", key_range], capture_output=True, text=True, check=True
+    )
     return done.stdout
 
 
 def clean_verse(raw: str) -> str:
     """One verse's OSIS text -> plain text with ASCII quotes and single spaces."""
-    text = raw.replace("</w><w>", "</w> <w>")           # adjacent words the source left unseparated
+    text = raw.replace("</w><w>", "</w> <w>")  # adjacent words the source left unseparated
     text = re.sub(r"<title[^>]*>.*?</title>", " ", text)
     text = re.sub(r"<(?:milestone|lg|l)\b[^>]*>", " ", text)  # line breaks of poetry
-    text = re.sub(r"<[^>]+>", "", text)                   # <w> and the rest wrap words: no space of their own
-    text = text.replace("[", " ").replace("]", "")        # brackets mark the Greek additions; not speech
+    text = re.sub(r"<[^>]+>", "", text)  # <w> and the rest wrap words: no space of their own
+    text = text.replace("[", " ").replace("]", "")  # brackets mark the Greek additions; not speech
     text = text.translate(ASCII_QUOTES)
     text = re.sub(r"([,;:!?])(?=[A-Za-z])", r"\1 ", text)  # "country,shunning": a space lost in the source
     text = re.sub(r"\.(?=[A-Z][a-z])", ". ", text)
@@ -88,9 +92,9 @@ def parse_verses(osis: str) -> list[Verse]:
     keys = list(VERSE_KEY.finditer(osis))
     verses = []
     for key, following in zip(keys, keys[1:] + [None]):
-        body = osis[key.end():following.start() if following else len(osis)]
+        body = osis[key.end() : following.start() if following else len(osis)]
         if following is not None and "\n" in body:
-            body = body[:body.rfind("\n")]
+            body = body[: body.rfind("\n")]
         body = body.split(GLOSSARY_START, 1)[0]
         text = clean_verse(body)
         if text and text != MISSING_VERSE_TITLE:
@@ -147,8 +151,12 @@ def read_chapters(path: str | Path) -> list[Chapter]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DATA_DIR / "corpus.txt", help="the whole corpus")
-    parser.add_argument("--heldout-out", type=Path, default=DATA_DIR / "heldout.txt",
-                        help="a copy of the held-out books alone (for router-gen and the tests)")
+    parser.add_argument(
+        "--heldout-out",
+        type=Path,
+        default=DATA_DIR / "heldout.txt",
+        help="a copy of the held-out books alone (for router-gen and the tests)",
+    )
     parser.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION)
     args = parser.parse_args(argv)
     chapters = group_chapters(parse_verses(read_osis()))
@@ -157,10 +165,13 @@ def main(argv=None) -> None:
     write_chapters(heldout, args.heldout_out)
     books = list(dict.fromkeys(c.book for c in chapters))
     held_books = list(dict.fromkeys(c.book for c in heldout))
-    print(f"{args.out}: {len(books)} books, {len(chapters)} chapters, "
-          f"{sum(len(c.text) for c in chapters):,} characters")
-    print(f"held out ({args.heldout_out}): {len(held_books)} books ({held_books[0]} .. {held_books[-1]}), "
-          f"{sum(len(c.text) for c in heldout):,} characters; train: {len(train)} chapters")
+    print(
+        f"{args.out}: {len(books)} books, {len(chapters)} chapters, {sum(len(c.text) for c in chapters):,} characters"
+    )
+    print(
+        f"held out ({args.heldout_out}): {len(held_books)} books ({held_books[0]} .. {held_books[-1]}), "
+        f"{sum(len(c.text) for c in heldout):,} characters; train: {len(train)} chapters"
+    )
 
 
 if __name__ == "__main__":

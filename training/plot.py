@@ -1,7 +1,8 @@
 """The training curve and the held-out expert load of a training log, as one PNG.
 
-    python -m training.plot training/default-model-hf/training_log.json docs/default-model-training.png
+python -m training.plot training/default-model-hf/training_log.json docs/default-model-training.png
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")     # headless: no display on the training machine
+matplotlib.use("Agg")  # headless: no display on the training machine
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -19,11 +20,21 @@ def plot_training(log: dict, path: str | Path) -> None:
     fig, (curve_ax, load_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     steps = [p["step"] for p in log["curve"]]
     curve_ax.plot(steps, [p["train_ce"] for p in log["curve"]], label="train cross-entropy", lw=1)
-    curve_ax.plot([e["step"] for e in log["evals"]], [e["validation_ce"] for e in log["evals"]], "o-",
-                  label="validation cross-entropy", ms=3)
+    curve_ax.plot(
+        [e["step"] for e in log["evals"]],
+        [e["validation_ce"] for e in log["evals"]],
+        "o-",
+        label="validation cross-entropy",
+        ms=3,
+    )
     final = log["final"]
-    curve_ax.axhline(final["heldout_ce"], color="k", ls="--", lw=0.8,
-                     label=f"held-out books {final['heldout_ce']:.2f} (perplexity {final['heldout_perplexity']:.1f})")
+    curve_ax.axhline(
+        final["heldout_ce"],
+        color="k",
+        ls="--",
+        lw=0.8,
+        label=f"held-out books {final['heldout_ce']:.2f} (perplexity {final['heldout_perplexity']:.1f})",
+    )
     curve_ax.axvline(log["best_step"], color="grey", ls=":", lw=0.8, label=f"checkpoint kept (step {log['best_step']})")
     aux = curve_ax.twinx()
     aux.plot(steps, [p["aux_loss"] for p in log["curve"]], color="tab:red", lw=0.6, alpha=0.6)
@@ -32,8 +43,10 @@ def plot_training(log: dict, path: str | Path) -> None:
     curve_ax.set_ylabel("nats per token")
     curve_ax.set_ylim(top=min(curve_ax.get_ylim()[1], log["curve"][0]["train_ce"] + 0.5))
     curve_ax.legend(loc="upper right", fontsize=8)
-    curve_ax.set_title(f"{log['preset']} preset: {log['model']['parameters']['total'] / 1e6:.1f} M parameters, "
-                       f"{log['tokens_seen'] / 1e6:.0f} M tokens seen")
+    curve_ax.set_title(
+        f"{log['preset']} preset: {log['model']['parameters']['total'] / 1e6:.1f} M parameters, "
+        f"{log['tokens_seen'] / 1e6:.0f} M tokens seen"
+    )
     shares = np.array([layer["share"] for layer in log["expert_load_heldout"]])
     image = load_ax.imshow(shares * shares.shape[1], cmap="coolwarm", vmin=0, vmax=2, aspect="auto")
     load_ax.set_yticks(range(shares.shape[0]))

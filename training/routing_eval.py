@@ -12,6 +12,7 @@ On held-out text (training/data/heldout.txt, books the model and the table never
   lookahead / both, exact routing, one sequence prefilled then decoded: hit rate, bytes copied per token,
   prefetches issued and used.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,20 @@ PREFETCH_MODES = ("none", "plan", "lookahead", "plan,lookahead")
 
 @dataclass(frozen=True)
 class EvalConfig:
-    windows: int = 16                # teacher-forced held-out windows
-    window_tokens: int = 256         # router-gen's default sequence length
-    prompts: int = 16                # greedy continuations
+    windows: int = 16  # teacher-forced held-out windows
+    window_tokens: int = 256  # router-gen's default sequence length
+    prompts: int = 16  # greedy continuations
     prompt_tokens: int = 32
     new_tokens: int = 32
     cache_fractions: tuple[float, ...] = (0.25, 0.5)
-    cache_sequences: int = 8         # prefilled, then decoded one token a step
+    cache_sequences: int = 8  # prefilled, then decoded one token a step
     cache_prompt_tokens: int = 128
     cache_decode_tokens: int = 32
 
 
 def spaced_slices(ids: np.ndarray, count: int, length: int) -> list[np.ndarray]:
     starts = np.linspace(0, len(ids) - length - 1, count).astype(int)
-    return [ids[s:s + length] for s in starts]
+    return [ids[s : s + length] for s in starts]
 
 
 def teacher_forced(engine: Engine, ids: np.ndarray, table: RoutingTable | None) -> tuple[np.ndarray, np.ndarray]:
@@ -58,8 +59,8 @@ def teacher_forced(engine: Engine, ids: np.ndarray, table: RoutingTable | None) 
     step can carry the table's plan (a step hands back only the logits of a chunk's last token)."""
     logprobs, argmax = np.empty(len(ids) - 1), np.empty(len(ids) - 1, dtype=np.int64)
     for i in range(len(ids) - 1):
-        chunk = PrefillInput(0, ids[i:i + 1], SamplingParams() if i == 0 else None, True)
-        plan = table.routing_plan(ids[i:i + 1]) if table is not None else None
+        chunk = PrefillInput(0, ids[i : i + 1], SamplingParams() if i == 0 else None, True)
+        plan = table.routing_plan(ids[i : i + 1]) if table is not None else None
         logits = np.asarray(engine.step([chunk], routing_plan=plan).logits[0], dtype=np.float64)
         top = logits.max()
         logprobs[i] = logits[ids[i + 1]] - top - math.log(np.exp(logits - top).sum())
@@ -91,29 +92,35 @@ def lut_quality(model: ModelDir, table: RoutingTable, heldout: np.ndarray, confi
         agree.append(np.mean(exact_top == lut_top))
     first, positions, prefix = [], [], []
     for window in spaced_slices(heldout, config.prompts, config.prompt_tokens + 1):
-        prompt = window[:config.prompt_tokens]
+        prompt = window[: config.prompt_tokens]
         a, b = (np.asarray(greedy(e, prompt, config.new_tokens, t)) for e, t in ((exact, None), (lut, table)))
         first.append(bool(a[0] == b[0]))
         positions.append(float(np.mean(a == b)))
         prefix.append(int(np.argmin(a == b)) if not np.all(a == b) else len(a))
     exact_nll, lut_nll = np.concatenate(nll["exact"]), np.concatenate(nll["lut"])
-    return {"tokens_scored": int(exact_nll.size),
-            "perplexity_exact": math.exp(exact_nll.mean()), "perplexity_lut": math.exp(lut_nll.mean()),
-            "teacher_forced_top1_agreement": float(np.mean(agree)),
-            "greedy_first_token_agreement": float(np.mean(first)),
-            "greedy_token_agreement_by_position": float(np.mean(positions)),
-            "greedy_identical_prefix_tokens_mean": float(np.mean(prefix)),
-            "greedy_new_tokens": config.new_tokens, "prompts": config.prompts}
+    return {
+        "tokens_scored": int(exact_nll.size),
+        "perplexity_exact": math.exp(exact_nll.mean()),
+        "perplexity_lut": math.exp(lut_nll.mean()),
+        "teacher_forced_top1_agreement": float(np.mean(agree)),
+        "greedy_first_token_agreement": float(np.mean(first)),
+        "greedy_token_agreement_by_position": float(np.mean(positions)),
+        "greedy_identical_prefix_tokens_mean": float(np.mean(prefix)),
+        "greedy_new_tokens": config.new_tokens,
+        "prompts": config.prompts,
+    }
 
 
-def cache_run(model: ModelDir, table: RoutingTable, heldout: np.ndarray, slots: int, prefetch: str,
-              config: EvalConfig) -> dict:
+def cache_run(
+    model: ModelDir, table: RoutingTable, heldout: np.ndarray, slots: int, prefetch: str, config: EvalConfig
+) -> dict:
     engine = build_engine(model, EngineConfig(backend="cpu", expert_cache_slots=slots, prefetch=prefetch))
     prefill, decode, decode_steps = CacheStats(), CacheStats(), 0
     try:
         for rid, window in enumerate(spaced_slices(heldout, config.cache_sequences, config.cache_prompt_tokens)):
-            step = engine.step([PrefillInput(rid, window, SamplingParams(), True)],
-                               routing_plan=table.routing_plan(window))
+            step = engine.step(
+                [PrefillInput(rid, window, SamplingParams(), True)], routing_plan=table.routing_plan(window)
+            )
             prefill += step.expert_cache
             for _ in range(config.cache_decode_tokens):
                 last = np.array([engine.sequences[rid].last_token])
@@ -124,16 +131,24 @@ def cache_run(model: ModelDir, table: RoutingTable, heldout: np.ndarray, slots: 
     finally:
         engine.close()
     block = (decode.bytes_copied or 1) / max(1, decode.misses + decode.prefetches_issued)
-    return {"slots_per_layer": slots, "prefetch": prefetch,
-            "decode": {**_cache_summary(decode, decode_steps), "expert_block_bytes": round(block)},
-            "prefill": _cache_summary(prefill, config.cache_sequences * config.cache_prompt_tokens)}
+    return {
+        "slots_per_layer": slots,
+        "prefetch": prefetch,
+        "decode": {**_cache_summary(decode, decode_steps), "expert_block_bytes": round(block)},
+        "prefill": _cache_summary(prefill, config.cache_sequences * config.cache_prompt_tokens),
+    }
 
 
 def _cache_summary(stats: CacheStats, tokens: int) -> dict:
     summary = {k: v for k, v in asdict(stats).items() if k != "stall_seconds"}
-    summary.update(hit_rate=round(stats.hit_rate, 4), bytes_copied_per_token=round(stats.bytes_copied / tokens),
-                   prefetch_use_rate=round(stats.prefetches_used / stats.prefetches_issued, 4)
-                   if stats.prefetches_issued else None, tokens=tokens)
+    summary.update(
+        hit_rate=round(stats.hit_rate, 4),
+        bytes_copied_per_token=round(stats.bytes_copied / tokens),
+        prefetch_use_rate=round(stats.prefetches_used / stats.prefetches_issued, 4)
+        if stats.prefetches_issued
+        else None,
+        tokens=tokens,
+    )
     return summary
 
 
@@ -150,12 +165,18 @@ def main(argv=None) -> int:
     table_path = args.table or args.model / "routing_table.bin"
     table = RoutingTable.load(table_path, model.config)
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     heldout = np.asarray(tokenizer.encode(args.text.read_text(encoding="utf-8")).ids, dtype=np.int64)
     report_path = Path(str(table_path) + ".report.json")
-    result = {"model": str(args.model), "table": str(table_path), "text": str(args.text),
-              "heldout_tokens": int(heldout.size), "config": asdict(config),
-              "router_gen_report": json.loads(report_path.read_text()) if report_path.is_file() else None}
+    result = {
+        "model": str(args.model),
+        "table": str(table_path),
+        "text": str(args.text),
+        "heldout_tokens": int(heldout.size),
+        "config": asdict(config),
+        "router_gen_report": json.loads(report_path.read_text()) if report_path.is_file() else None,
+    }
     started = time.time()
     result["lut_quality"] = lut_quality(model, table, heldout, config)
     print(json.dumps(result["lut_quality"], indent=1), f"({time.time() - started:.0f} s)", flush=True)
@@ -167,9 +188,12 @@ def main(argv=None) -> int:
                 run = cache_run(model, table, heldout, slots, mode, config)
                 result["expert_cache"].append({"fraction": fraction, **run})
                 d = run["decode"]
-                print(f"{fraction:.0%} ({slots} slots) prefetch {mode:15s} decode hit rate {d['hit_rate']:.3f} "
-                      f"bytes/token {d['bytes_copied_per_token']:,} prefetches {d['prefetches_issued']} "
-                      f"used {d['prefetches_used']}", flush=True)
+                print(
+                    f"{fraction:.0%} ({slots} slots) prefetch {mode:15s} decode hit rate {d['hit_rate']:.3f} "
+                    f"bytes/token {d['bytes_copied_per_token']:,} prefetches {d['prefetches_issued']} "
+                    f"used {d['prefetches_used']}",
+                    flush=True,
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

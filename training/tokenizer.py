@@ -4,6 +4,7 @@ Ids 0-2 are the specials in the Llama/Mixtral convention (<unk>, <s>, </s>; padd
 next 256 ids are the bytes, merges fill the rest. Encoding with special tokens prepends <s>, which is what
 Colibri's router does with a prompt, and every training document starts with <s> too.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     bos = SPECIAL_TOKENS[BOS_ID]
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                             special_tokens=[(bos, BOS_ID)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)]
+    )
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == [UNK_ID, BOS_ID, EOS_ID]
     return tokenizer
 
@@ -39,9 +46,17 @@ def save_hf_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     unk, bos, eos = SPECIAL_TOKENS
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "unk_token": unk,
-              "pad_token": unk, "add_bos_token": True, "add_eos_token": False,
-              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": unk,
+        "pad_token": unk,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -11,6 +11,7 @@ logits the model returns with output_router_logits (load_balancing_loss says why
 Writes into --out: config.json, generation_config.json, model.safetensors (bfloat16), tokenizer.json,
 tokenizer_config.json, training_log.json and training_curve.png (when matplotlib is installed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ from training.corpus import DATA_DIR, SOURCE_NOTE, Chapter, read_chapters, split
 from training.model import PRESETS, Preset, build_model, describe
 from training.tokenizer import encode_documents, save_hf_tokenizer, train_tokenizer
 
-VALIDATION_EVERY = 40            # every 40th training chapter is validation
-CALIBRATION_STEPS = (5, 25)      # steps timed to fit --time-budget-s (inside warm-up, so the schedule holds)
+VALIDATION_EVERY = 40  # every 40th training chapter is validation
+CALIBRATION_STEPS = (5, 25)  # steps timed to fit --time-budget-s (inside warm-up, so the schedule holds)
 SAMPLE_PROMPTS = ("In the beginning", "Jesus said to them,", "Yahweh is my shepherd", "The king of Babylon")
 
 
@@ -37,7 +38,7 @@ class RunConfig:
     corpus: Path = DATA_DIR / "corpus.txt"
     out: Path = Path("training/default-model-hf")
     device: str = "auto"
-    steps: int | None = None          # default: the preset's
+    steps: int | None = None  # default: the preset's
     seed: int = 0
     time_budget_s: float | None = None
     samples: bool = True
@@ -53,7 +54,7 @@ class Splits:
 
 def load_splits(corpus: Path) -> Splits:
     trainable, heldout = split_heldout(read_chapters(corpus))
-    validation = trainable[VALIDATION_EVERY // 2::VALIDATION_EVERY]
+    validation = trainable[VALIDATION_EVERY // 2 :: VALIDATION_EVERY]
     train = [c for i, c in enumerate(trainable) if i % VALIDATION_EVERY != VALIDATION_EVERY // 2]
     return Splits(train, validation, heldout)
 
@@ -88,8 +89,9 @@ def load_balancing_loss(router_logits, top_k: int):
     for logits in router_logits:
         probs = torch.softmax(logits.float(), dim=-1)
         chosen = torch.topk(probs, top_k, dim=-1).indices
-        share = torch.zeros_like(probs[0]).scatter_add_(0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1),
-                                                                                           dtype=probs.dtype))
+        share = torch.zeros_like(probs[0]).scatter_add_(
+            0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1), dtype=probs.dtype)
+        )
         share = share / chosen.numel()
         losses.append(probs.shape[-1] * (share * probs.mean(dim=0)).sum())
     return torch.stack(losses).mean()
@@ -102,10 +104,14 @@ def load_balance(counts: np.ndarray) -> list[dict]:
     for layer_counts in counts:
         share = layer_counts / max(1, layer_counts.sum())
         nonzero = share[share > 0]
-        rows.append({"share": [round(float(s), 4) for s in share],
-                     "max_over_ideal": round(float(share.max() * len(share)), 3),
-                     "cv": round(float(share.std() / share.mean()), 3),
-                     "normalized_entropy": round(float(-(nonzero * np.log(nonzero)).sum() / math.log(len(share))), 4)})
+        rows.append(
+            {
+                "share": [round(float(s), 4) for s in share],
+                "max_over_ideal": round(float(share.max() * len(share)), 3),
+                "cv": round(float(share.std() / share.mean()), 3),
+                "normalized_entropy": round(float(-(nonzero * np.log(nonzero)).sum() / math.log(len(share))), 4),
+            }
+        )
     return rows
 
 
@@ -119,23 +125,33 @@ def evaluate(model, stream: np.ndarray, sequence_length: int, device, batch_size
     total_loss, total_tokens, counts = 0.0, 0, None
     with torch.no_grad():
         for i in range(0, len(starts), batch_size):
-            windows = [stream[s:s + sequence_length] for s in starts[i:i + batch_size]]
+            windows = [stream[s : s + sequence_length] for s in starts[i : i + batch_size]]
             for window in _same_length_groups(windows):
                 ids = torch.as_tensor(np.stack(window), device=device)
                 out = model(input_ids=ids, output_router_logits=True)
                 logits = out.logits[:, :-1].float()
-                total_loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                    reduction="sum"))
+                total_loss += float(
+                    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+                )
                 total_tokens += ids[:, 1:].numel()
-                layer_counts = [torch.bincount(torch.topk(r, top_k, dim=-1).indices.reshape(-1),
-                                               minlength=r.shape[-1]).cpu().numpy() for r in out.router_logits]
+                layer_counts = [
+                    torch.bincount(torch.topk(r, top_k, dim=-1).indices.reshape(-1), minlength=r.shape[-1])
+                    .cpu()
+                    .numpy()
+                    for r in out.router_logits
+                ]
                 counts = np.stack(layer_counts) if counts is None else counts + np.stack(layer_counts)
     model.train()
     if total_tokens == 0:
         raise ValueError("evaluate: the split holds fewer than two tokens (corpus too small for its splits)")
     loss = total_loss / total_tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": total_tokens, "nats": total_loss,
-            "expert_counts": counts}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": total_tokens,
+        "nats": total_loss,
+        "expert_counts": counts,
+    }
 
 
 def _same_length_groups(windows):
@@ -155,8 +171,13 @@ def generate_samples(model, tokenizer, device, seed: int) -> list[dict]:
         greedy = model.generate(ids, max_new_tokens=48, do_sample=False)
         torch.manual_seed(seed)
         sampled = model.generate(ids, max_new_tokens=48, do_sample=True, temperature=0.8, top_k=50)
-        samples.append({"prompt": prompt, "greedy": tokenizer.decode(greedy[0, ids.shape[1]:].tolist()),
-                        "sampled_t0.8_k50": tokenizer.decode(sampled[0, ids.shape[1]:].tolist())})
+        samples.append(
+            {
+                "prompt": prompt,
+                "greedy": tokenizer.decode(greedy[0, ids.shape[1] :].tolist()),
+                "sampled_t0.8_k50": tokenizer.decode(sampled[0, ids.shape[1] :].tolist()),
+            }
+        )
     model.train()
     return samples
 
@@ -167,26 +188,36 @@ def train(config: RunConfig) -> dict:
 
     started = time.time()
     preset = PRESETS[config.preset]
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if config.device == "auto" else config.device)
-    torch.backends.cuda.matmul.allow_tf32 = True      # fp32 weights, TF32 matmuls: no autocast dtype traps
+    device = torch.device(
+        "cuda"
+        if config.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if config.device == "auto"
+        else config.device
+    )
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights, TF32 matmuls: no autocast dtype traps
     torch.backends.cudnn.allow_tf32 = True
     splits = load_splits(config.corpus)
     tokenizer = train_tokenizer((c.as_paragraph() for c in splits.train), preset.vocab_size)
     vocab_size = tokenizer.get_vocab_size()
     streams = {name: token_stream(tokenizer, getattr(splits, name)) for name in ("train", "validation", "heldout")}
     heldout_chars = sum(len(c.as_paragraph()) for c in splits.heldout)
-    print(f"tokenizer: {vocab_size} ids; tokens train {len(streams['train']):,} validation "
-          f"{len(streams['validation']):,} held out {len(streams['heldout']):,} ({time.time() - started:.0f} s)",
-          flush=True)
+    print(
+        f"tokenizer: {vocab_size} ids; tokens train {len(streams['train']):,} validation "
+        f"{len(streams['validation']):,} held out {len(streams['heldout']):,} ({time.time() - started:.0f} s)",
+        flush=True,
+    )
 
     model = build_model(preset, vocab_size, config.seed, config.experts_implementation).to(device)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=preset.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": preset.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=preset.learning_rate,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     rng = np.random.default_rng(config.seed)
     train_stream = torch.as_tensor(streams["train"], device=device)
     offsets = torch.arange(preset.sequence_length, device=device)
@@ -221,50 +252,82 @@ def train(config: RunConfig) -> dict:
                 print(f"time budget: {per_step * 1e3:.0f} ms a step, {total_steps} steps -> {fits}", flush=True)
                 total_steps = max(fits, step + 1)
         if step % 10 == 0 or step == total_steps:
-            curve.append({"step": step, "train_ce": window["ce"] / window["n"], "aux_loss": window["aux"] / window["n"],
-                          "lr": lr, "elapsed_s": round(time.time() - started, 1)})
+            curve.append(
+                {
+                    "step": step,
+                    "train_ce": window["ce"] / window["n"],
+                    "aux_loss": window["aux"] / window["n"],
+                    "lr": lr,
+                    "elapsed_s": round(time.time() - started, 1),
+                }
+            )
             window = {"ce": 0.0, "aux": 0.0, "n": 0}
         if step % preset.eval_every == 0 or step == total_steps:
-            result = evaluate(model, streams["validation"], preset.sequence_length, device, eval_batch,
-                              preset.experts_per_token)
+            result = evaluate(
+                model, streams["validation"], preset.sequence_length, device, eval_batch, preset.experts_per_token
+            )
             evals.append({"step": step, "validation_ce": result["loss"]})
-            print(f"step {step}/{total_steps} train ce {curve[-1]['train_ce']:.3f} aux {curve[-1]['aux_loss']:.3f} "
-                  f"validation ce {result['loss']:.3f} ({time.time() - started:.0f} s)", flush=True)
+            print(
+                f"step {step}/{total_steps} train ce {curve[-1]['train_ce']:.3f} aux {curve[-1]['aux_loss']:.3f} "
+                f"validation ce {result['loss']:.3f} ({time.time() - started:.0f} s)",
+                flush=True,
+            )
             if result["loss"] < best["loss"]:
-                best = {"loss": result["loss"], "step": step,
-                        "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}}
+                best = {
+                    "loss": result["loss"],
+                    "step": step,
+                    "state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+                }
 
     model.load_state_dict(best["state"])
-    model.to(torch.bfloat16).to(torch.float32)       # measure exactly the weights that are shipped (bf16)
+    model.to(torch.bfloat16).to(torch.float32)  # measure exactly the weights that are shipped (bf16)
     heldout = evaluate(model, streams["heldout"], preset.sequence_length, device, eval_batch, preset.experts_per_token)
-    validation = evaluate(model, streams["validation"], preset.sequence_length, device, eval_batch,
-                          preset.experts_per_token)
+    validation = evaluate(
+        model, streams["validation"], preset.sequence_length, device, eval_batch, preset.experts_per_token
+    )
     samples = generate_samples(model, tokenizer, device, config.seed) if config.samples else []
     save_checkpoint(model, tokenizer, preset, config.out)
     log = {
-        "preset": config.preset, "model": describe(preset), "vocab_size": vocab_size, "seed": config.seed,
-        "steps": total_steps, "steps_requested": config.steps or preset.steps,
+        "preset": config.preset,
+        "model": describe(preset),
+        "vocab_size": vocab_size,
+        "seed": config.seed,
+        "steps": total_steps,
+        "steps_requested": config.steps or preset.steps,
         "tokens_seen": total_steps * preset.batch_size * preset.sequence_length,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "corpus": {"source": SOURCE_NOTE, "file": _relative(config.corpus),
-                   "chapters": {k: len(getattr(splits, k)) for k in ("train", "validation", "heldout")},
-                   "tokens": {k: int(len(v)) for k, v in streams.items()},
-                   "heldout_books": list(dict.fromkeys(c.book for c in splits.heldout)),
-                   "heldout_characters": heldout_chars},
-        "curve": curve, "evals": evals, "best_step": best["step"],
-        "final": {"heldout_ce": heldout["loss"], "heldout_perplexity": heldout["perplexity"],
-                  "heldout_bits_per_character": heldout["nats"] / math.log(2) / heldout_chars,
-                  "validation_ce": validation["loss"], "validation_perplexity": validation["perplexity"],
-                  "weights": "bfloat16 (as shipped)"},
+        "corpus": {
+            "source": SOURCE_NOTE,
+            "file": _relative(config.corpus),
+            "chapters": {k: len(getattr(splits, k)) for k in ("train", "validation", "heldout")},
+            "tokens": {k: int(len(v)) for k, v in streams.items()},
+            "heldout_books": list(dict.fromkeys(c.book for c in splits.heldout)),
+            "heldout_characters": heldout_chars,
+        },
+        "curve": curve,
+        "evals": evals,
+        "best_step": best["step"],
+        "final": {
+            "heldout_ce": heldout["loss"],
+            "heldout_perplexity": heldout["perplexity"],
+            "heldout_bits_per_character": heldout["nats"] / math.log(2) / heldout_chars,
+            "validation_ce": validation["loss"],
+            "validation_perplexity": validation["perplexity"],
+            "weights": "bfloat16 (as shipped)",
+        },
         "expert_load_heldout": load_balance(heldout["expert_counts"]),
-        "samples": samples, "wall_s": round(time.time() - started, 1),
+        "samples": samples,
+        "wall_s": round(time.time() - started, 1),
     }
     config.out.mkdir(parents=True, exist_ok=True)
     (config.out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
     _plot(log, config.out / "training_curve.png")
-    print(f"held-out ce {heldout['loss']:.3f} (perplexity {heldout['perplexity']:.1f}), best step {best['step']}, "
-          f"{log['wall_s']} s -> {config.out}", flush=True)
+    print(
+        f"held-out ce {heldout['loss']:.3f} (perplexity {heldout['perplexity']:.1f}), best step {best['step']}, "
+        f"{log['wall_s']} s -> {config.out}",
+        flush=True,
+    )
     return log
 
 
@@ -279,7 +342,7 @@ def _relative(path: Path) -> str:
 def save_checkpoint(model, tokenizer, preset: Preset, out: Path) -> None:
     import torch
 
-    model.config.output_router_logits = False      # serving needs no router logits back
+    model.config.output_router_logits = False  # serving needs no router logits back
     model.to(torch.bfloat16).save_pretrained(out)
     model.to(torch.float32)
     model.config.output_router_logits = True
@@ -289,7 +352,7 @@ def save_checkpoint(model, tokenizer, preset: Preset, out: Path) -> None:
 def _plot(log: dict, path: Path) -> None:
     try:
         from training.plot import plot_training
-    except ImportError:      # matplotlib is optional (the bench extra)
+    except ImportError:  # matplotlib is optional (the bench extra)
         return
     plot_training(log, path)
 
@@ -302,15 +365,32 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:1, ...")
     parser.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget-s", type=float, help="fewer steps if the preset's would not fit (decided "
-                        "during warm-up and logged; rerun with --steps N to reproduce)")
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        help="fewer steps if the preset's would not fit (decided "
+        "during warm-up and logged; rerun with --steps N to reproduce)",
+    )
     parser.add_argument("--no-samples", action="store_true")
-    parser.add_argument("--experts-implementation", default="eager", help="transformers' experts kernel "
-                        "(eager, grouped_mm, batched_mm; default eager)")
+    parser.add_argument(
+        "--experts-implementation",
+        default="eager",
+        help="transformers' experts kernel (eager, grouped_mm, batched_mm; default eager)",
+    )
     args = parser.parse_args(argv)
-    train(RunConfig(preset=args.preset, corpus=args.corpus, out=args.out, device=args.device, steps=args.steps,
-                    seed=args.seed, time_budget_s=args.time_budget_s, samples=not args.no_samples,
-                    experts_implementation=args.experts_implementation))
+    train(
+        RunConfig(
+            preset=args.preset,
+            corpus=args.corpus,
+            out=args.out,
+            device=args.device,
+            steps=args.steps,
+            seed=args.seed,
+            time_budget_s=args.time_budget_s,
+            samples=not args.no_samples,
+            experts_implementation=args.experts_implementation,
+        )
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ Canonical names (what the manifest and the engine use):
 Matrices keep HF's [out, in] layout: row-major rows along the input dimension are what both numpy's
 ``x @ W.T`` and a GEMV kernel reading one output row per warp want.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,26 +27,40 @@ from common.model_config import MAX_CONTEXT, MAX_VOCAB, ModelConfig, QKNorm
 from common.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
-    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe,
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "olmoe": olmoe,
 }
 
 
 def family_module(model_type: str | None) -> ModuleType:
     if model_type not in FAMILIES:
-        raise ConfigError(f"config.json: model_type {model_type!r} is not supported "
-                          f"(supported: {', '.join(sorted(FAMILIES))})")
+        raise ConfigError(
+            f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILIES))})"
+        )
     return FAMILIES[model_type]
 
 
 # Bounds on every numeric config.json key a family reads, checked before any of them sizes a loop, an
 # array or a division: generous for real checkpoints, fatal for typos and hostile files.
 _INT_BOUNDS = {
-    "vocab_size": (1, MAX_VOCAB), "hidden_size": (1, 1 << 16), "num_hidden_layers": (1, 1024),
-    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 1024),
-    "intermediate_size": (0, 1 << 20), "moe_intermediate_size": (1, 1 << 20),
-    "shared_expert_intermediate_size": (0, 1 << 20), "num_experts": (1, 65535), "num_local_experts": (1, 65535),
-    "num_experts_per_tok": (1, 65535), "max_position_embeddings": (1, MAX_CONTEXT),
-    "decoder_sparse_step": (1, 1024), "sliding_window": (0, MAX_CONTEXT), "max_window_layers": (0, 1024),
+    "vocab_size": (1, MAX_VOCAB),
+    "hidden_size": (1, 1 << 16),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 1024),
+    "intermediate_size": (0, 1 << 20),
+    "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (0, 1 << 20),
+    "num_experts": (1, 65535),
+    "num_local_experts": (1, 65535),
+    "num_experts_per_tok": (1, 65535),
+    "max_position_embeddings": (1, MAX_CONTEXT),
+    "decoder_sparse_step": (1, 1024),
+    "sliding_window": (0, MAX_CONTEXT),
+    "max_window_layers": (0, 1024),
 }
 _FLOAT_BOUNDS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "clip_qkv": (0.0, 1e30)}
 
@@ -63,13 +78,18 @@ def _check_numbers(hf: dict) -> None:
         value = hf.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not lo < value <= hi:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not lo < value <= hi
+        ):
             raise ConfigError(f"config.json: {key} must be a finite number in ({lo}, {hi}], got {value!r}")
     for key in ("mlp_only_layers",):
         value = hf.get(key) or []
-        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1024
-                                              for v in value):
+        if not isinstance(value, list) or any(
+            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1024 for v in value
+        ):
             raise ConfigError(f"config.json: {key} must be a list of layer indices, got {value!r}")
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         value = hf.get(key)
@@ -88,8 +108,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    name: str                 # canonical name
-    hf_name: str              # name in the HF checkpoint
+    name: str  # canonical name
+    hf_name: str  # name in the HF checkpoint
     shape: tuple[int, ...]
     layer: int | None = None
     expert: int | None = None  # set for routed-expert matrices (stored in the expert files)
@@ -101,10 +121,12 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     D, V = config.hidden_size, config.vocab_size
     specs = [TensorSpec("embed_tokens", names["embed_tokens"], (V, D))]
     for i in range(config.num_hidden_layers):
+
         def add(key: str, shape: tuple[int, ...], expert: int | None = None, i: int = i, **fmt):
             hf = names[key].format(i=i, j=expert, **fmt)
             canonical = f"layers.{i}.experts.{expert}.{key[7:]}" if expert is not None else f"layers.{i}.{key}"
             specs.append(TensorSpec(canonical, hf, shape, i, expert))
+
         add("input_norm", (D,))
         add("post_attn_norm", (D,))
         add("q_proj", (config.q_size, D))

@@ -1,4 +1,5 @@
 """Reading the HF ``config.json`` keys the four families share; each family module adds its own."""
+
 from __future__ import annotations
 
 from common.errors import ConfigError
@@ -84,8 +85,9 @@ def qwen_sparse_layers(hf: dict, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style dense/MoE layer choice: `mlp_only_layers` and every `decoder_sparse_step`-th layer."""
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = set(hf.get("mlp_only_layers") or [])
-    return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
-                 for i in range(int(hf["num_hidden_layers"])))
+    return tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(int(hf["num_hidden_layers"]))
+    )
 
 
 def qwen_sliding_windows(hf: dict) -> tuple[int | None, ...]:
@@ -96,5 +98,6 @@ def qwen_sliding_windows(hf: dict) -> tuple[int | None, ...]:
         return (None,) * n
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 and i < int(hf.get("max_window_layers", n)) else "full_attention"
-        for i in range(n)]
+        for i in range(n)
+    ]
     return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)

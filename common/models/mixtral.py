@@ -1,4 +1,5 @@
 """Mixtral: Llama attention (no biases), softmax top-k routing always renormalised, every layer MoE."""
+
 from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import MIXTRAL_NAMES as HF_NAMES
 from common.models.hf_keys import require, shared_fields
@@ -12,9 +13,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     window = hf.get("sliding_window")
     ffn = int(require(hf, "intermediate_size"))
     return ModelConfig(
-        family="mixtral", **shared, qkv_bias=False, o_bias=False, qk_norm=QKNorm.NONE, clip_qkv=None,
+        family="mixtral",
+        **shared,
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm=QKNorm.NONE,
+        clip_qkv=None,
         num_experts=int(require(hf, "num_local_experts")),
         num_experts_per_tok=int(require(hf, "num_experts_per_tok")),
-        moe_intermediate_size=ffn, norm_topk_prob=True, intermediate_size=ffn,
-        sparse_layers=(True,) * n, shared_expert_intermediate_size=0,
-        sliding_windows=(int(window) if window else None,) * n)
+        moe_intermediate_size=ffn,
+        norm_topk_prob=True,
+        intermediate_size=ffn,
+        sparse_layers=(True,) * n,
+        shared_expert_intermediate_size=0,
+        sliding_windows=(int(window) if window else None,) * n,
+    )

@@ -1,4 +1,5 @@
 """OLMoE: RMSNorm over the full q and k projections, optional `clip_qkv`, `norm_topk_prob`, every layer MoE."""
+
 from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
 from common.models.hf_keys import require, shared_fields
@@ -12,9 +13,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     clip = hf.get("clip_qkv")
     ffn = int(require(hf, "intermediate_size"))
     return ModelConfig(
-        family="olmoe", **shared, qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.FULL,
-        clip_qkv=float(clip) if clip is not None else None, num_experts=int(require(hf, "num_experts")),
-        num_experts_per_tok=int(require(hf, "num_experts_per_tok")), moe_intermediate_size=ffn,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), intermediate_size=ffn,
-        sparse_layers=(True,) * shared["num_hidden_layers"], shared_expert_intermediate_size=0,
-        sliding_windows=(None,) * shared["num_hidden_layers"])
+        family="olmoe",
+        **shared,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=QKNorm.FULL,
+        clip_qkv=float(clip) if clip is not None else None,
+        num_experts=int(require(hf, "num_experts")),
+        num_experts_per_tok=int(require(hf, "num_experts_per_tok")),
+        moe_intermediate_size=ffn,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        intermediate_size=ffn,
+        sparse_layers=(True,) * shared["num_hidden_layers"],
+        shared_expert_intermediate_size=0,
+        sliding_windows=(None,) * shared["num_hidden_layers"],
+    )

@@ -1,4 +1,5 @@
 """Qwen3-MoE: explicit `head_dim`, RMSNorm on each q/k head before RoPE, `norm_topk_prob`, no shared expert."""
+
 from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
 from common.models.hf_keys import qwen_sliding_windows, qwen_sparse_layers, require, shared_fields
@@ -11,10 +12,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     num_experts = int(hf.get("num_experts") or require(hf, "num_local_experts"))
     bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
-        family="qwen3_moe", **shared_fields(hf), qkv_bias=bias, o_bias=bias, qk_norm=QKNorm.PER_HEAD,
-        clip_qkv=None, num_experts=num_experts, num_experts_per_tok=int(require(hf, "num_experts_per_tok")),
+        family="qwen3_moe",
+        **shared_fields(hf),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=QKNorm.PER_HEAD,
+        clip_qkv=None,
+        num_experts=num_experts,
+        num_experts_per_tok=int(require(hf, "num_experts_per_tok")),
         moe_intermediate_size=int(require(hf, "moe_intermediate_size")),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         intermediate_size=int(hf.get("intermediate_size") or 0),
-        sparse_layers=qwen_sparse_layers(hf, num_experts), shared_expert_intermediate_size=0,
-        sliding_windows=qwen_sliding_windows(hf))
+        sparse_layers=qwen_sparse_layers(hf, num_experts),
+        shared_expert_intermediate_size=0,
+        sliding_windows=qwen_sliding_windows(hf),
+    )

@@ -2,6 +2,7 @@
 differences are fields of ``ModelConfig`` (biases, q/k norms, clip_qkv, shared expert, dense layers,
 sliding windows, routing normalisation). It is also the reference the CUDA backend is tested against.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -53,31 +54,47 @@ class CpuWeights:
 
 class CpuDecoder:
     """The numpy backend: weights in host memory, KV pool as host arrays."""
+
     backend = Backend.CPU
 
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
         self.w = CpuWeights(model)
         self.config: ModelConfig = model.config
         self.rotary = Rotary(self.config.rope, self.config.head_dim)
-        self.kv = KVPool.allocate(self.config.num_hidden_layers, config.resolved_num_kv_blocks, config.kv_block_size,
-                                  self.config.num_key_value_heads, self.config.head_dim)
+        self.kv = KVPool.allocate(
+            self.config.num_hidden_layers,
+            config.resolved_num_kv_blocks,
+            config.kv_block_size,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        )
         self.slot_plan, self.prefetch = slot_plan, config.prefetch_sources
-        self.cache: ExpertCache | None = None       # None: every expert resident, no cache logic runs
+        self.cache: ExpertCache | None = None  # None: every expert resident, no cache logic runs
         if slot_plan.is_cached:
             self.copy_engine = HostCopyEngine(model, self.config.moe_layers, slot_plan.slots_per_layer)
-            self.cache = ExpertCache(self.config.moe_layers, slot_plan.num_experts, slot_plan.slots_per_layer,
-                                     slot_plan.expert_block_bytes, self.copy_engine, config.expert_cache_policy)
+            self.cache = ExpertCache(
+                self.config.moe_layers,
+                slot_plan.num_experts,
+                slot_plan.slots_per_layer,
+                slot_plan.expert_block_bytes,
+                self.copy_engine,
+                config.expert_cache_policy,
+            )
         self.penalties = HostPenalties(config.max_batch_size, self.config.vocab_size)
         moe = self.config.moe_layers
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
-        self._launched: HostLogits | None = None    # the latest launched step's logits (fed rows read them)
+        self._launched: HostLogits | None = None  # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:
         model = self.w.model
         experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
-        plan = [("dense_weights", model.total_bytes - experts), ("expert_weights", experts),
-                ("kv_cache", self.kv.nbytes), ("penalties", self.penalties.nbytes)]
-        if self.cache is not None:    # float32 buffers on this backend (the slot plan counts stored bytes)
+        plan = [
+            ("dense_weights", model.total_bytes - experts),
+            ("expert_weights", experts),
+            ("kv_cache", self.kv.nbytes),
+            ("penalties", self.penalties.nbytes),
+        ]
+        if self.cache is not None:  # float32 buffers on this backend (the slot plan counts stored bytes)
             plan.append(("expert_slots", self.copy_engine.nbytes))
         return plan
 
@@ -124,17 +141,18 @@ class CpuDecoder:
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> HostLogits:
         """Runs the step, writing its K/V into the pool; returns float32 logits [len(logits_rows), V]."""
         cfg, kv, cache = self.config, self.kv, self.cache
-        h = self.w.get("embed_tokens")[batch.token_ids]                    # [T, D]
+        h = self.w.get("embed_tokens")[batch.token_ids]  # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions)
         if cache is not None:
             cache.begin_step()
-            if cfg.moe_layers:      # the first MoE layer's plan: its copies overlap the attention before it
+            if cfg.moe_layers:  # the first MoE layer's plan: its copies overlap the attention before it
                 self._prefetch_plan(batch, cfg.moe_layers[0])
         for i in range(cfg.num_hidden_layers):
             if cache is not None:
                 self._prefetch_plan(batch, self._next_moe[i])
-            h = h + self._attention(i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps),
-                                    batch, kv, cos, sin)
+            h = h + self._attention(
+                i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps), batch, kv, cos, sin
+            )
             planned = batch.routed_experts.get(i) if batch.routed_experts else None
             x = rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps)
             if cache is not None:
@@ -151,7 +169,12 @@ class CpuDecoder:
 
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:
-        if layer is not None and PrefetchSource.PLAN in self.prefetch and batch.expert_hints and layer in batch.expert_hints:
+        if (
+            layer is not None
+            and PrefetchSource.PLAN in self.prefetch
+            and batch.expert_hints
+            and layer in batch.expert_hints
+        ):
             self.cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
 
     def _prefetch_lookahead(self, x: np.ndarray, layer: int | None) -> None:
@@ -165,6 +188,7 @@ class CpuDecoder:
         def stream(active):
             for e, slot in self.cache.stream(layer, active):
                 yield e, self.copy_engine.weights(layer, slot)
+
         return stream
 
     def _project(self, i: int, x: np.ndarray, name: str) -> np.ndarray:
@@ -172,8 +196,9 @@ class CpuDecoder:
         bias = self.w.layer(i, f"{name}_bias")
         return y + bias if bias is not None else y
 
-    def _attention(self, i: int, x: np.ndarray, batch: ForwardBatch, kv: KVPool,
-                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def _attention(
+        self, i: int, x: np.ndarray, batch: ForwardBatch, kv: KVPool, cos: np.ndarray, sin: np.ndarray
+    ) -> np.ndarray:
         cfg, T = self.config, x.shape[0]
         q, k, v = (self._project(i, x, n) for n in ("q", "k", "v"))
         if cfg.qk_norm is QKNorm.FULL:
@@ -189,8 +214,17 @@ class CpuDecoder:
             k = rms_norm(k, self.w.layer(i, "k_norm"), cfg.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
-        out = paged_attention(q, kv.k[i], kv.v[i], batch.seq_starts, batch.context_lens, batch.block_tables,
-                              batch.positions, cfg.head_dim ** -0.5, cfg.sliding_windows[i])
+        out = paged_attention(
+            q,
+            kv.k[i],
+            kv.v[i],
+            batch.seq_starts,
+            batch.context_lens,
+            batch.block_tables,
+            batch.positions,
+            cfg.head_dim**-0.5,
+            cfg.sliding_windows[i],
+        )
         return self._project(i, out.reshape(T, cfg.q_size), "o")
 
     def _mlp(self, i: int, x: np.ndarray, trace: StepTrace | None, planned: np.ndarray | None) -> np.ndarray:
@@ -198,13 +232,24 @@ class CpuDecoder:
         if not cfg.sparse_layers[i]:
             return swiglu_mlp(x, self.w.layer(i, "gate_proj"), self.w.layer(i, "up_proj"), self.w.layer(i, "down_proj"))
         stream = self._stream_experts(i) if self.cache is not None else None
-        out, expert_ids = sparse_moe(x, self.w.layer(i, "router"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                     lambda e: self.w.expert(i, e), planned, stream)
+        out, expert_ids = sparse_moe(
+            x,
+            self.w.layer(i, "router"),
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            lambda e: self.w.expert(i, e),
+            planned,
+            stream,
+        )
         if trace is not None:
             trace.expert_ids[i] = expert_ids
         if cfg.shared_expert_intermediate_size:
-            shared = swiglu_mlp(x, self.w.layer(i, "shared_gate_proj"), self.w.layer(i, "shared_up_proj"),
-                                self.w.layer(i, "shared_down_proj"))
-            gate = x @ self.w.layer(i, "shared_expert_gate").T                  # [T, 1]
+            shared = swiglu_mlp(
+                x,
+                self.w.layer(i, "shared_gate_proj"),
+                self.w.layer(i, "shared_up_proj"),
+                self.w.layer(i, "shared_down_proj"),
+            )
+            gate = x @ self.w.layer(i, "shared_expert_gate").T  # [T, 1]
             out = out + shared / (np.float32(1.0) + np.exp(-gate))
         return out

@@ -1,5 +1,6 @@
 """Penalty state and application on the cpu backend: the slots' words in one host array, a step's updates
 and its penalised rows vectorised over the batch (semantics and state layout: expert_service/engine/penalties.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,9 +24,14 @@ class HostPenalties:
         update_state(self.words, batch)
         if not batch.has_rows:
             return None
-        rows = logits[:batch.num_rows]
+        rows = logits[: batch.num_rows]
         out = rows.astype(np.float32, copy=True)
         mine = np.flatnonzero(batch.row_slots >= 0)
-        out[mine] = apply_penalties(rows[mine], self.words[batch.row_slots[mine]], batch.repetition[mine],
-                                    batch.presence[mine], batch.frequency[mine])
+        out[mine] = apply_penalties(
+            rows[mine],
+            self.words[batch.row_slots[mine]],
+            batch.repetition[mine],
+            batch.presence[mine],
+            batch.frequency[mine],
+        )
         return out

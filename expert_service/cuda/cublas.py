@@ -4,6 +4,7 @@ A dedicated handle with its own preallocated workspace keeps calls capturable in
 shared handle refuses capture). Row-major Y[M, N] = X[M, K] @ W[N, K]^T is the
 column-major product Y^T = W^T' * X^T, i.e. gemm(transa=T, transb=N, m=N, n=M, k=K).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,7 @@ DATA_TYPES = {np.dtype(np.float32): CUDA_R_32F, np.dtype(np.float16): CUDA_R_16F
 
 def _load_library() -> ctypes.CDLL:
     from cuda.pathfinder import load_nvidia_dynamic_lib
+
     return ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
 
 
@@ -36,10 +38,16 @@ class Cublas:
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
         from expert_service.cuda.driver import stream_handle
-        self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(int(stream_handle(stream)))),
-                    "cublasSetStream")
-        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(workspace.device_ctypes_pointer.value),
-                                                   ctypes.c_size_t(workspace.nbytes)), "cublasSetWorkspace")
+
+        self._check(
+            self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(int(stream_handle(stream)))), "cublasSetStream"
+        )
+        self._check(
+            self.lib.cublasSetWorkspace_v2(
+                self.handle, ctypes.c_void_p(workspace.device_ctypes_pointer.value), ctypes.c_size_t(workspace.nbytes)
+            ),
+            "cublasSetWorkspace",
+        )
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @staticmethod
@@ -53,20 +61,50 @@ class Cublas:
         N = w.shape[0]
         if w.shape[1] != K or y.shape != (M, N) or x.dtype != w.dtype or y.dtype != np.float32:
             raise ValueError(f"linear: x {x.shape} {x.dtype}, w {w.shape} {w.dtype}, y {y.shape} {y.dtype}")
-        self._gemm(device_address(w), device_address(x), device_address(y), M, N, K, DATA_TYPES[np.dtype(w.dtype)],
-                   self._one if accumulate else self._zero)
+        self._gemm(
+            device_address(w),
+            device_address(x),
+            device_address(y),
+            M,
+            N,
+            K,
+            DATA_TYPES[np.dtype(w.dtype)],
+            self._one if accumulate else self._zero,
+        )
 
-    def _gemm(self, w: int, x: int, y: int, m: int, n: int, k: int, data_type: int, beta,
-              out_type: int = CUDA_R_32F) -> None:
+    def _gemm(
+        self, w: int, x: int, y: int, m: int, n: int, k: int, data_type: int, beta, out_type: int = CUDA_R_32F
+    ) -> None:
         """Row-major Y [m, n] = X [m, k] @ W [n, k]^T (+ beta * Y) on raw device addresses; Y f32 (out_type:
         the weights' type too, rounded from the f32 accumulation)."""
-        self._check(self.lib.cublasGemmEx(
-            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), data_type, k,
-            ctypes.c_void_p(x), data_type, k, ctypes.byref(beta), ctypes.c_void_p(y), out_type, n,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+        self._check(
+            self.lib.cublasGemmEx(
+                self.handle,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                n,
+                m,
+                k,
+                ctypes.byref(self._one),
+                ctypes.c_void_p(w),
+                data_type,
+                k,
+                ctypes.c_void_p(x),
+                data_type,
+                k,
+                ctypes.byref(beta),
+                ctypes.c_void_p(y),
+                out_type,
+                n,
+                CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT,
+            ),
+            "cublasGemmEx",
+        )
 
-    def linear_batched(self, x, x_stride: int, w, w_offset: int, w_stride: int, n: int, k: int, y, y_stride: int,
-                       batch: int, rows: int) -> None:
+    def linear_batched(
+        self, x, x_stride: int, w, w_offset: int, w_stride: int, n: int, k: int, y, y_stride: int, batch: int, rows: int
+    ) -> None:
         """For b < batch: y_b [rows, n] f32 = x_b [rows, k] @ W_b[n, k]^T, one strided-batched call.
         x_b starts x_stride elements after x_{b-1} (0: the same input for every b); W_b is the [n, k] matrix
         starting w_offset + b * w_stride elements into `w` (experts of a layer: stride = the expert block);
@@ -75,15 +113,38 @@ class Cublas:
         if np.dtype(x.dtype) != np.dtype(w.dtype) or y.dtype != np.float32:
             raise ValueError(f"linear_batched: x {x.dtype}, w {w.dtype}, y {y.dtype}")
         item = np.dtype(w.dtype).itemsize
-        self._check(self.lib.cublasGemmStridedBatchedEx(
-            self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, ctypes.byref(self._one),
-            ctypes.c_void_p(w.device_ctypes_pointer.value + w_offset * item), dtype, k, ctypes.c_longlong(w_stride),
-            ctypes.c_void_p(x.device_ctypes_pointer.value), dtype, k, ctypes.c_longlong(x_stride),
-            ctypes.byref(self._zero), ctypes.c_void_p(y.device_ctypes_pointer.value), CUDA_R_32F, n,
-            ctypes.c_longlong(y_stride), batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+        self._check(
+            self.lib.cublasGemmStridedBatchedEx(
+                self.handle,
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                n,
+                rows,
+                k,
+                ctypes.byref(self._one),
+                ctypes.c_void_p(w.device_ctypes_pointer.value + w_offset * item),
+                dtype,
+                k,
+                ctypes.c_longlong(w_stride),
+                ctypes.c_void_p(x.device_ctypes_pointer.value),
+                dtype,
+                k,
+                ctypes.c_longlong(x_stride),
+                ctypes.byref(self._zero),
+                ctypes.c_void_p(y.device_ctypes_pointer.value),
+                CUDA_R_32F,
+                n,
+                ctypes.c_longlong(y_stride),
+                batch,
+                CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT,
+            ),
+            "cublasGemmStridedBatchedEx",
+        )
 
-    def linear_each(self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray, n: int, k: int,
-                    dtype, out_dtype=np.float32) -> None:
+    def linear_each(
+        self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray, n: int, k: int, dtype, out_dtype=np.float32
+    ) -> None:
         """For each g: Y_g [rows[g], n] = X_g [rows[g], k] @ W_g [n, k]^T, one cublasGemmEx each on raw
         device addresses (w, x, y: int64 host arrays): no device-array slicing, a few µs of host time per
         GEMM. X and W of `dtype`; Y of out_dtype (float32, or `dtype` itself). (cublasGemmGroupedBatchedEx

@@ -14,6 +14,7 @@ stages into its own host copy of the metadata and results (double buffers, works
 routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids) and the MoE
 layers route from it (cuda/moe.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,19 +57,21 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 @dataclass(frozen=True, slots=True)
 class LaunchedForward:
     """A step issued on the stream: its results are on their way to host copy `twin` of the readbacks."""
+
     twin: int
-    rows: int                  # logits rows
-    penalized: int             # the first rows, penalised on the device
-    padded: int                # the bucket it was padded to
-    topk_ids: int              # MoE top-k ids read back (0: not traced)
-    done: Event | None         # recorded after the readback
-    host_logits: HostLogits | None = None   # every-position logits, already on the host (a synchronous step)
-    tokens: int = 0            # its real tokens
-    staged: int = 0            # the decoder's staged-step count after staging it (DeviceLogits' check)
+    rows: int  # logits rows
+    penalized: int  # the first rows, penalised on the device
+    padded: int  # the bucket it was padded to
+    topk_ids: int  # MoE top-k ids read back (0: not traced)
+    done: Event | None  # recorded after the readback
+    host_logits: HostLogits | None = None  # every-position logits, already on the host (a synchronous step)
+    tokens: int = 0  # its real tokens
+    staged: int = 0  # the decoder's staged-step count after staging it (DeviceLogits' check)
 
 
 class CudaDecoder:
     """The engine's Decoder on the GPU: runs each step's CudaModel pass, padded, through its graph."""
+
     backend = Backend.CUDA
 
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
@@ -84,36 +87,66 @@ class CudaDecoder:
         pool_shape = (cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         self.v_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
-        for pool in (self.k_pool, self.v_pool):    # finite garbage: warm-up steps attend over unwritten blocks
+        for pool in (self.k_pool, self.v_pool):  # finite garbage: warm-up steps attend over unwritten blocks
             check(drv.cuMemsetD8Async(device_address(pool), 0, pool.nbytes, self._stream_handle))
         self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
-        self.seq_slots = self.max_seqs + 1     # the workspace's sequence slots: a step's, and a padding one
+        self.seq_slots = self.max_seqs + 1  # the workspace's sequence slots: a step's, and a padding one
         max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
-        self.planned_routing = config.routing is RoutingMode.LUT    # each step routes by its plan (routed_ids)
-        self.workspace_layout = layout_workspace(cfg, self.weights.dtype, self.max_tokens, self.max_seqs,
-                                                 self.max_blocks_per_seq, len(self.moe_layers), cached=cached,
-                                                 planned=self.planned_routing)
+        self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
+        self.workspace_layout = layout_workspace(
+            cfg,
+            self.weights.dtype,
+            self.max_tokens,
+            self.max_seqs,
+            self.max_blocks_per_seq,
+            len(self.moe_layers),
+            cached=cached,
+            planned=self.planned_routing,
+        )
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
-        self.penalties = DevicePenalties(self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws,
-                                         self.stream)
-        self.host_breaks = HostBreaks(self.stream)       # where a captured pass hands over to the host
-        self.graphs = GraphCache(self.stream, self.host_breaks)            # decode steps, by batch-size bucket
-        self.prefill_graphs = GraphCache(self.stream, self.host_breaks)    # the layers of other steps, by token bucket
-        self.staged_steps = 0        # every staged step overwrites ws.logits (DeviceLogits checks it)
-        self._twin = 0               # the host copy of metadata and results the latest launched step uses
-        self._done = [Event() for _ in range(HOST_TWINS)]   # each copy's step: its readback has landed
-        self._unfinished: set[int] = set()                   # copies whose step is launched, not finished
+        self.penalties = DevicePenalties(
+            self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
+        )
+        self.host_breaks = HostBreaks(self.stream)  # where a captured pass hands over to the host
+        self.graphs = GraphCache(self.stream, self.host_breaks)  # decode steps, by batch-size bucket
+        self.prefill_graphs = GraphCache(self.stream, self.host_breaks)  # the layers of other steps, by token bucket
+        self.staged_steps = 0  # every staged step overwrites ws.logits (DeviceLogits checks it)
+        self._twin = 0  # the host copy of metadata and results the latest launched step uses
+        self._done = [Event() for _ in range(HOST_TWINS)]  # each copy's step: its readback has landed
+        self._unfinished: set[int] = set()  # copies whose step is launched, not finished
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
-        self.cached = CachedExperts(cfg, self.weights, self.ws, self.linear, self.stream, self.max_tokens, slot_plan,
-                                    config.prefetch_sources, config.expert_cache_policy) \
-            if cached else None  # None: every expert resident, no cache logic runs
-        self.model = CudaModel(cfg, self.weights, self.ws, self.linear, self.stream, self.k_pool, self.v_pool,
-                               self.cached, config.cuda_options, planned=self.planned_routing,
-                               host_break=self.host_breaks)
+        self.cached = (
+            CachedExperts(
+                cfg,
+                self.weights,
+                self.ws,
+                self.linear,
+                self.stream,
+                self.max_tokens,
+                slot_plan,
+                config.prefetch_sources,
+                config.expert_cache_policy,
+            )
+            if cached
+            else None
+        )  # None: every expert resident, no cache logic runs
+        self.model = CudaModel(
+            cfg,
+            self.weights,
+            self.ws,
+            self.linear,
+            self.stream,
+            self.k_pool,
+            self.v_pool,
+            self.cached,
+            config.cuda_options,
+            planned=self.planned_routing,
+            host_break=self.host_breaks,
+        )
         self.stream.synchronize()
 
     def warmup(self) -> None:
@@ -127,22 +160,27 @@ class CudaDecoder:
         if self.cached is not None:
             return
         cfg = self.config
-        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)    # one sequence's most tokens
+        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)  # one sequence's most tokens
         bf16 = self.weights.dtype == np.uint16
-        sizes = warmup_tokens(self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16,
-                              options=self.options)
+        sizes = warmup_tokens(
+            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16, options=self.options
+        )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
-        buckets = [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs] \
-            if self.engine_config.cuda_graphs else []
+        buckets = (
+            [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs]
+            if self.engine_config.cuda_graphs
+            else []
+        )
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
-        if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(self.max_tokens, cfg.num_experts_per_tok,
-                                                                 cfg.num_experts, False, bf16):
+        if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(
+            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, False, bf16
+        ):
             self.model.moe.warm_cublas_shapes(self.max_tokens)
-        for T in buckets:       # without logits rows, so a one-token step takes its token bucket (not decode)
+        for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warmup_step(T, span, logits=False)
-        if not self.engine_config.cuda_graphs:   # eager decode: one padded sequence loads launch_attention_decode
+        if not self.engine_config.cuda_graphs:  # eager decode: one padded sequence loads launch_attention_decode
             self._stage(self._padding(), 1, 1, 1)
             self._run(1, 1, 1, decode=True)
             self.stream.synchronize()
@@ -158,27 +196,41 @@ class CudaDecoder:
         zeroed KV pool and write none; with `logits`, each sequence's last position is a logits row."""
         lens = np.diff(np.linspace(0, T, -(-T // span) + 1).astype(np.int64))
         ends = np.cumsum(lens)
-        batch = ForwardBatch(token_ids=np.zeros(T, np.int64),
-                             positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
-                             seq_starts=np.concatenate([[0], ends]), context_lens=lens,
-                             block_tables=[np.zeros(-(-n // self.block_size), np.int64) for n in lens],
-                             slot_mapping=np.full(T, -1, np.int64),
-                             logits_rows=ends - 1 if logits else np.zeros(0, np.int64))
+        batch = ForwardBatch(
+            token_ids=np.zeros(T, np.int64),
+            positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+            seq_starts=np.concatenate([[0], ends]),
+            context_lens=lens,
+            block_tables=[np.zeros(-(-n // self.block_size), np.int64) for n in lens],
+            slot_mapping=np.full(T, -1, np.int64),
+            logits_rows=ends - 1 if logits else np.zeros(0, np.int64),
+        )
         self.forward(batch)
-        self.stream.synchronize()      # the next _stage rewrites the pinned staging this upload reads
+        self.stream.synchronize()  # the next _stage rewrites the pinned staging this upload reads
 
     @staticmethod
     def _padding() -> ForwardBatch:
         """A step of no sequences: _stage pads it to any bucket (padding writes no KV, attends to nothing)."""
         empty = np.zeros(0, np.int64)
-        return ForwardBatch(token_ids=empty, positions=empty, seq_starts=np.zeros(1, np.int64), context_lens=empty,
-                            block_tables=[], slot_mapping=empty, logits_rows=empty)
+        return ForwardBatch(
+            token_ids=empty,
+            positions=empty,
+            seq_starts=np.zeros(1, np.int64),
+            context_lens=empty,
+            block_tables=[],
+            slot_mapping=empty,
+            logits_rows=empty,
+        )
 
     # --- memory -------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
-        plan = [("dense_weights", self.weights.dense_bytes), ("expert_weights", self.weights.expert_bytes),
-                ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes), ("activations_and_workspace", self.ws.nbytes),
-                ("penalties", self.penalties.nbytes)]
+        plan = [
+            ("dense_weights", self.weights.dense_bytes),
+            ("expert_weights", self.weights.expert_bytes),
+            ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes),
+            ("activations_and_workspace", self.ws.nbytes),
+            ("penalties", self.penalties.nbytes),
+        ]
         if self.cached is not None:
             plan.append(("expert_slots", self.cached.nbytes))
         return plan
@@ -198,8 +250,14 @@ class CudaDecoder:
         per-expert cuBLAS, the expert cache's): a step ahead of it would then be answered only after it."""
         cfg = self.config
         T = self._prefill_bucket(num_tokens) or num_tokens
-        return choose_strategy(T, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None,
-                               self.weights.dtype == np.uint16) not in ON_DEVICE if cfg.moe_layers else False
+        return (
+            choose_strategy(
+                T, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None, self.weights.dtype == np.uint16
+            )
+            not in ON_DEVICE
+            if cfg.moe_layers
+            else False
+        )
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
         """Issues the step on the stream without waiting for it; `finish` waits and hands over its logits. The
@@ -215,8 +273,9 @@ class CudaDecoder:
         if R > self.max_seqs and T <= self.max_tokens and S <= self.max_seqs:
             return LaunchedForward(self._twin, R, 0, T, 0, None, self._forward_all_rows(batch, T, S, R), tokens=T)
         if T > self.max_tokens or S > self.max_seqs or R > self.max_seqs:
-            raise ValueError(f"step of {T} tokens / {S} sequences exceeds the memory plan "
-                             f"({self.max_tokens} / {self.max_seqs})")
+            raise ValueError(
+                f"step of {T} tokens / {S} sequences exceeds the memory plan ({self.max_tokens} / {self.max_seqs})"
+            )
         decode_only = T == S and R == S
         # steps pad to their bucket with or without graphs, so eager steps compute what replays do
         bucket = self._decode_bucket(S) if decode_only else None
@@ -227,7 +286,7 @@ class CudaDecoder:
             self._replay(self.graphs, bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
         elif tokens is not None:
             self._prefill_layers(batch, tokens, R)
-            if R:         # a prompt chunk that is not its prompt's last samples nothing
+            if R:  # a prompt chunk that is not its prompt's last samples nothing
                 self.model.head(tokens, R)
         else:
             self._stage(batch, T, S, R)
@@ -266,20 +325,21 @@ class CudaDecoder:
                 trace.expert_cache = stats
         host = self.ws.results.twin_views[step.twin]
         if trace is not None and step.topk_ids:
-            ids = host["topk_ids"].reshape(-1)[:step.topk_ids].reshape(len(self.moe_layers), step.padded, -1)
+            ids = host["topk_ids"].reshape(-1)[: step.topk_ids].reshape(len(self.moe_layers), step.padded, -1)
             T = step.tokens
             for index, layer in enumerate(self.moe_layers):
                 trace.expert_ids[layer] = ids[index, :T].copy()
         return DeviceLogits(self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged)
 
     @functools.cached_property
-    def prefill_buckets(self) -> list[int]:        # max_tokens is fixed: listed once, read by every step
+    def prefill_buckets(self) -> list[int]:  # max_tokens is fixed: listed once, read by every step
         return prefill_buckets(self.max_tokens)
 
     def _prefill_capturable(self, tokens: int) -> bool:
         cfg = self.config
-        return capturable(tokens, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None,
-                          self.weights.dtype == np.uint16)
+        return capturable(
+            tokens, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None, self.weights.dtype == np.uint16
+        )
 
     def _prefill_bucket(self, T: int) -> int | None:
         """The token bucket a non-decode step of T tokens is padded to (and replays), or None (unpadded, eager)."""
@@ -313,7 +373,7 @@ class CudaDecoder:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
         tokens = self._prefill_bucket(T)
-        if tokens is not None:     # padded as a step with fewer rows would be: the same bits in its sampling rows
+        if tokens is not None:  # padded as a step with fewer rows would be: the same bits in its sampling rows
             self._prefill_layers(batch, tokens, 0)
             T = tokens
         else:
@@ -327,26 +387,37 @@ class CudaDecoder:
         rows = np.asarray(batch.logits_rows, dtype=np.int32)
         out, penalized = np.empty((R, self.config.vocab_size), dtype=np.float32), None
         for start in range(0, R, self.max_seqs):
-            chunk = rows[start:start + self.max_seqs]
+            chunk = rows[start : start + self.max_seqs]
             n = len(chunk)
             self.ws.host["logits_rows"][:n] = chunk
             self.ws.logits_rows[:n].copy_to_device(self.ws.host["logits_rows"][:n], stream=self.stream)
             self.model.head(T, n)
-            if start == 0 and batch.penalties is not None:    # the sampling rows come first
+            if start == 0 and batch.penalties is not None:  # the sampling rows come first
                 rows_penalized = self.penalties.apply(batch.penalties, self.ws.logits)
                 penalized = self.penalties.download(rows_penalized) if rows_penalized else None
             self.ws.logits[:n].copy_to_host(self.ws.host["logits"][:n], stream=self.stream)
             self.stream.synchronize()
-            out[start:start + n] = self.ws.host["logits"][:n]
+            out[start : start + n] = self.ws.host["logits"][:n]
         return HostLogits(out, penalized)
 
-    def _stage(self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None,
-               token_bucket: bool = False) -> None:
+    def _stage(
+        self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None, token_bucket: bool = False
+    ) -> None:
         """The step's metadata to the device, padded to T tokens / S sequences (staging.stage_step)."""
         self.staged_steps += 1
         plan = (self.moe_layers, self.config.num_experts_per_tok) if self.planned_routing else None
-        stage_step(self.ws, batch, T, S, R, self.max_blocks_per_seq, self._stream_handle, plan=plan,
-                   table_rows=table_rows, token_bucket=token_bucket)
+        stage_step(
+            self.ws,
+            batch,
+            T,
+            S,
+            R,
+            self.max_blocks_per_seq,
+            self._stream_handle,
+            plan=plan,
+            table_rows=table_rows,
+            token_bucket=token_bucket,
+        )
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool) -> None:

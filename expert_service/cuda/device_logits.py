@@ -1,5 +1,6 @@
 """A step's logits on the device (the cuda backend's `Logits`): argmax and finiteness already on the host, the
 rows fetched on demand."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,13 +11,20 @@ class DeviceLogits:
     The rows live in the workspace the decoder's next step overwrites: fetch them before then (a later fetch
     raises rather than return another step's rows); the argmax stays valid."""
 
-    def __init__(self, decoder, rows: int, penalized: int = 0, ids: np.ndarray | None = None,
-                 nonfinite: np.ndarray | None = None, step: int | None = None):
+    def __init__(
+        self,
+        decoder,
+        rows: int,
+        penalized: int = 0,
+        ids: np.ndarray | None = None,
+        nonfinite: np.ndarray | None = None,
+        step: int | None = None,
+    ):
         """ids, nonfinite: the step's argmax readbacks (default: the workspace's current host copy); step: the
         decoder's staged-step count when it staged this one (default: now)."""
         self.decoder, self.rows = decoder, rows
         self.step = decoder.staged_steps if step is None else step
-        self.penalized = penalized       # the first rows, penalised in decoder.penalties (argmax of those)
+        self.penalized = penalized  # the first rows, penalised in decoder.penalties (argmax of those)
         self._penalized_host = None
         self.ids = (decoder.ws.host["greedy_ids"] if ids is None else ids)[:rows].copy()
         self.nonfinite = (decoder.ws.host["nonfinite"] if nonfinite is None else nonfinite)[:rows].copy()
@@ -28,15 +36,17 @@ class DeviceLogits:
     def _check_current(self) -> None:
         d = self.decoder
         if d.staged_steps != self.step:
-            raise RuntimeError(f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
-                               f"on the device: read a step's rows before the next step")
+            raise RuntimeError(
+                f"logits of step {self.step} read after step {d.staged_steps} overwrote them "
+                f"on the device: read a step's rows before the next step"
+            )
 
     def _fetch(self) -> np.ndarray:
         if self._host is None:
             d = self.decoder
             self._check_current()
-            host = d.ws.host["logits"][:self.rows]
-            d.ws.logits[:self.rows].copy_to_host(host, stream=d.stream)
+            host = d.ws.host["logits"][: self.rows]
+            d.ws.logits[: self.rows].copy_to_host(host, stream=d.stream)
             d.stream.synchronize()
             self._host = host.copy()
         return self._host
@@ -48,7 +58,7 @@ class DeviceLogits:
         if row >= self.penalized:
             return self[row]
         if self._penalized_host is None:
-            self._check_current()        # the next step rewrites the penalised rows too
+            self._check_current()  # the next step rewrites the penalised rows too
             self._penalized_host = self.decoder.penalties.download(self.penalized)
         return self._penalized_host[row]
 

@@ -1,5 +1,6 @@
 """Thin helpers over the CUDA driver API (cuda.bindings) for what Numba does not expose: page-locking
 read-only mmaps, stream capture into graphs, and graph replay."""
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,8 @@ def stream_handle(stream) -> drv.CUstream:
 def non_blocking_stream():
     """(driver handle, Numba external stream) of a new stream that does not synchronise with stream 0."""
     from numba import cuda
-    cuda.current_context()       # the driver call needs Numba's (primary) context to be current
+
+    cuda.current_context()  # the driver call needs Numba's (primary) context to be current
     handle = check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
     return handle, cuda.external_stream(int(handle))
 
@@ -99,8 +101,7 @@ class Graph:
         self.exec = None
 
     def __enter__(self) -> Graph:
-        check(drv.cuStreamBeginCapture(self._handle,
-                                       drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        check(drv.cuStreamBeginCapture(self._handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -149,7 +150,7 @@ class HostBreaks:
     def __init__(self, stream):
         self.stream = stream
         self._pieces: Pieces | None = None
-        self._graph = None          # the piece being captured
+        self._graph = None  # the piece being captured
 
     def __call__(self, resume) -> None:
         if self._pieces is None:
@@ -162,7 +163,7 @@ class HostBreaks:
         graph.replay()
         resume()
         following = Graph(self.stream)
-        following.__enter__()           # only a capture that began is ended on failure
+        following.__enter__()  # only a capture that began is ended on failure
         self._graph = following
 
     def capture(self, issue) -> Pieces:
@@ -176,7 +177,7 @@ class HostBreaks:
             try:
                 issue()
             except BaseException as exc:
-                if self._graph is not None:     # None: a break failed between two pieces
+                if self._graph is not None:  # None: a break failed between two pieces
                     self._graph.__exit__(type(exc), exc, exc.__traceback__)
                 raise
             self._graph.__exit__(None, None, None)

@@ -11,6 +11,7 @@ Ordering, all on the device (the host never blocks on a copy):
 Host source: the experts files' mmaps page-locked read-only (DeviceWeights pins them); where the driver
 refuses, each layer's experts are copied once into pinned host memory (host RAM = the experts' bytes).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,24 +49,29 @@ class DeviceSlots:
         self._copy_handle, self.copy_stream = non_blocking_stream()
         self.block_bytes = weights.model.expert_stride
         elems = self.block_bytes // weights.dtype.itemsize
-        self.buffers = {layer: cuda.device_array((slots_per_layer, elems), dtype=weights.dtype, stream=compute_stream)
-                        for layer in moe_layers}
+        self.buffers = {
+            layer: cuda.device_array((slots_per_layer, elems), dtype=weights.dtype, stream=compute_stream)
+            for layer in moe_layers
+        }
         self.sources: dict[int, np.ndarray] = {}
         for layer in moe_layers:
             host = weights.expert_host[layer]
             if not weights.expert_pinned[layer]:
                 if not self.sources:
-                    log.warning("expert files could not be page-locked: holding a pinned host copy of the experts "
-                                "(%.2f GiB of host memory)", len(moe_layers) * host.nbytes / 2**30)
+                    log.warning(
+                        "expert files could not be page-locked: holding a pinned host copy of the experts "
+                        "(%.2f GiB of host memory)",
+                        len(moe_layers) * host.nbytes / 2**30,
+                    )
                 staged = cuda.pinned_array(host.nbytes, dtype=np.uint8)
                 staged[:] = host
                 host = staged
             self.sources[layer] = host
         keys = [(layer, slot) for layer in moe_layers for slot in range(slots_per_layer)]
-        self._copied = {key: _event() for key in keys}        # the latest copy into the slot completed
-        self._last_use = {key: _event() for key in keys}      # the compute stream's latest use of the slot
-        self._used = set()                                     # slots whose _last_use has been recorded
-        self._timers: list[tuple[object, object]] = []         # timing event pairs, reused step after step
+        self._copied = {key: _event() for key in keys}  # the latest copy into the slot completed
+        self._last_use = {key: _event() for key in keys}  # the compute stream's latest use of the slot
+        self._used = set()  # slots whose _last_use has been recorded
+        self._timers: list[tuple[object, object]] = []  # timing event pairs, reused step after step
         self._timed = 0
 
     @property
@@ -109,15 +115,16 @@ class DeviceSlots:
     def stall_seconds(self) -> float:
         """Total waiting time of this step's timed waits (call after the compute stream synchronised)."""
         total = 0.0
-        for start, end in self._timers[:self._timed]:
+        for start, end in self._timers[: self._timed]:
             total += check(drv.cuEventElapsedTime(start, end)) / 1e3
         self._timed = 0
         return total
 
     def close(self) -> None:
         check(drv.cuStreamSynchronize(self._copy_handle))
-        for event in list(self._copied.values()) + list(self._last_use.values()) + \
-                [e for pair in self._timers for e in pair]:
+        for event in (
+            list(self._copied.values()) + list(self._last_use.values()) + [e for pair in self._timers for e in pair]
+        ):
             drv.cuEventDestroy(event)
         self._timers.clear()
         drv.cuStreamDestroy(self._copy_handle)

@@ -7,6 +7,7 @@ it), after a cast of the activations to the weights' dtype (cuBLAS takes both op
 Used by the decoder (q/k/v/o, dense MLP, LM head) and the MoE layer (router, shared expert, per-expert
 GEMMs of the expert cache).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from expert_service.cuda.cublas import Cublas
 from expert_service.kernels import elementwise
 from expert_service.kernels.gemv import launch_gemv, launch_gemv_swiglu
 
-GEMV_MAX_TOKENS = 1     # rows up to which the GEMV kernels beat cuBLAS (one token: decode b=1)
+GEMV_MAX_TOKENS = 1  # rows up to which the GEMV kernels beat cuBLAS (one token: decode b=1)
 
 
 class DeviceLinear:
@@ -25,8 +26,7 @@ class DeviceLinear:
     def __init__(self, stream, cublas: Cublas, workspace, weights_dtype: np.dtype):
         self.stream, self.cublas, self.workspace, self.weights_dtype = stream, cublas, workspace, weights_dtype
 
-    def linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False,
-               xc=None) -> None:
+    def linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False, xc=None) -> None:
         """out [M, N] (+)= x [M, K] @ weight [N, K]^T (+ bias). xc: x already in the weights' dtype (one cast
         shared by several projections of the same input)."""
         if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
@@ -51,6 +51,6 @@ class DeviceLinear:
         if self.weights_dtype == np.float32:
             return x
         rows, cols = x.shape
-        xc = self.workspace.cast[:rows * cols].reshape(rows, cols)
+        xc = self.workspace.cast[: rows * cols].reshape(rows, cols)
         elementwise.launch_cast(x, xc, stream=self.stream)
         return xc

@@ -4,6 +4,7 @@ the post-attention norm and the MoE block (cuda/moe.py) or dense MLP, then the h
 argmax on the device). It reads a step the runner (cuda/decoder.py) staged into the workspace and knows
 nothing of buckets, graphs or host copies. Which of the alternative kernels each launch takes is `options`
 (engine/cuda_options.py), read while a pass is issued: a captured graph keeps the path it was captured with."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,14 +35,27 @@ class CudaModel:
     KV cache [layers, blocks, block size, KV heads, head size]; `cached`: the expert cache (None: every expert
     resident); `planned`: routing=lut; host_break: where a captured pass hands over to the host (the MoE's)."""
 
-    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 k_pool, v_pool, cached: CachedExperts | None, options: CudaOptions, planned: bool, host_break):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: DeviceWeights,
+        workspace,
+        linear: DeviceLinear,
+        stream,
+        k_pool,
+        v_pool,
+        cached: CachedExperts | None,
+        options: CudaOptions,
+        planned: bool,
+        host_break,
+    ):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
         self.k_pool, self.v_pool, self.cached, self.options = k_pool, v_pool, cached, options
         inv_freq, self.rope_scale = config.rope.inverse_frequencies(config.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=stream)
-        self.moe = DeviceMoe(config, weights, workspace, linear, stream, cached, options=options, planned=planned,
-                             host_break=host_break)
+        self.moe = DeviceMoe(
+            config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
+        )
 
     def use_options(self, options: CudaOptions) -> None:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
@@ -52,9 +66,10 @@ class CudaModel:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h, x = ws.hidden[:T], ws.normed[:T]
         # decodes of a step launched before the one ahead was collected read their token from its argmax
-        launch_embedding(ws.token_ids[:T], w.get("embed_tokens"), h, stream=st, feed=ws.feed_rows[:T],
-                         fed=ws.greedy_ids)
-        normed = False          # x already holds this layer's input norm (the previous MoE combine wrote it)
+        launch_embedding(
+            ws.token_ids[:T], w.get("embed_tokens"), h, stream=st, feed=ws.feed_rows[:T], fed=ws.greedy_ids
+        )
+        normed = False  # x already holds this layer's input norm (the previous MoE combine wrote it)
         for i in range(cfg.num_hidden_layers):
             if self.cached is not None:
                 self.cached.prefetch_plan(self.cached.next_moe[i])
@@ -82,8 +97,15 @@ class CudaModel:
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
         self.linear.linear(last, w.lm_head, ws.logits[:R])
         if self.options.greedy_split:
-            launch_greedy_split(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], ws.greedy_part_values[:R],
-                                ws.greedy_part_ids[:R], ws.greedy_part_flags[:R], stream=st)
+            launch_greedy_split(
+                ws.logits[:R],
+                ws.greedy_ids[:R],
+                ws.nonfinite[:R],
+                ws.greedy_part_values[:R],
+                ws.greedy_part_ids[:R],
+                ws.greedy_part_flags[:R],
+                stream=st,
+            )
         else:
             greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
 
@@ -91,41 +113,82 @@ class CudaModel:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = self.qkv_views(T)
         qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
-        if self.options.fused_qkv and T == 1 and T <= GEMV_MAX_TOKENS and qkv is not None and (
-                qkv_bias is not None or w.layer(i, "q_bias") is None):
+        if (
+            self.options.fused_qkv
+            and T == 1
+            and T <= GEMV_MAX_TOKENS
+            and qkv is not None
+            and (qkv_bias is not None or w.layer(i, "q_bias") is None)
+        ):
             # one GEMV over the q|k|v rows: the k and v ones alone are too small to keep HBM busy
-            self.linear.linear(x, qkv, ws.qkv[:qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
+            self.linear.linear(x, qkv, ws.qkv[: qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
         else:
             xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
             for name, out in (("q", q), ("k", k), ("v", v)):
                 self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
-        if self.fused_qk_norm:     # per-head q/k norms, RoPE and the KV write in one launch
-            launch_qk_norm_rope_kv_write(q3, k3, v3, w.layer(i, "q_norm"), w.layer(i, "k_norm"), cfg.rms_norm_eps,
-                                         ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
-                                         self.k_pool[i], self.v_pool[i], stream=st)
+        if self.fused_qk_norm:  # per-head q/k norms, RoPE and the KV write in one launch
+            launch_qk_norm_rope_kv_write(
+                q3,
+                k3,
+                v3,
+                w.layer(i, "q_norm"),
+                w.layer(i, "k_norm"),
+                cfg.rms_norm_eps,
+                ws.positions[:T],
+                self.inv_freq,
+                self.rope_scale,
+                ws.slot_mapping[:T],
+                self.k_pool[i],
+                self.v_pool[i],
+                stream=st,
+            )
         else:
             self._qk_norm_rope_kv_write(i, q, k, v, T)
         attn3 = ws.attn[:T].reshape(T, H, Hd)
-        window, scale = cfg.sliding_windows[i] or 0, Hd ** -0.5
+        window, scale = cfg.sliding_windows[i] or 0, Hd**-0.5
         if decode:
-            attend = launch_attention_decode_fastest if self.options.tiled_decode_attention \
-                else launch_attention_decode
-            attend(q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S],
-                   ws.positions[:S], window, scale, attn3, ws.split_out[:S], ws.split_ml[:S], stream=st)
+            attend = launch_attention_decode_fastest if self.options.tiled_decode_attention else launch_attention_decode
+            attend(
+                q3,
+                self.k_pool[i],
+                self.v_pool[i],
+                ws.block_tables[:S],
+                ws.context_lens[:S],
+                ws.positions[:S],
+                window,
+                scale,
+                attn3,
+                ws.split_out[:S],
+                ws.split_ml[:S],
+                stream=st,
+            )
         else:
-            launch_attention_prefill_fastest(q3, self.k_pool[i], self.v_pool[i], ws.seq_starts[:S + 1],
-                                             ws.positions[:T], ws.block_tables[:S], ws.context_lens[:S], window,
-                                             scale, attn3, stream=st)
+            launch_attention_prefill_fastest(
+                q3,
+                self.k_pool[i],
+                self.v_pool[i],
+                ws.seq_starts[: S + 1],
+                ws.positions[:T],
+                ws.block_tables[:S],
+                ws.context_lens[:S],
+                window,
+                scale,
+                attn3,
+                stream=st,
+            )
         self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 
     def qkv_views(self, T: int):
         """q [T, q_size], k and v [T, kv_size] of a step: consecutive ranges of workspace.qkv, so at T = 1 they
         are the row [q | k | v] one GEMV over the stacked weight rows writes."""
         nq, nkv, flat = self.config.q_size, self.config.kv_size, self.ws.qkv
-        return (flat[:T * nq].reshape(T, nq), flat[T * nq:T * (nq + nkv)].reshape(T, nkv),
-                flat[T * (nq + nkv):T * (nq + 2 * nkv)].reshape(T, nkv))
+        return (
+            flat[: T * nq].reshape(T, nq),
+            flat[T * nq : T * (nq + nkv)].reshape(T, nkv),
+            flat[T * (nq + nkv) : T * (nq + 2 * nkv)].reshape(T, nkv),
+        )
 
     def _qk_norm_rope_kv_write(self, i: int, q, k, v, T: int) -> None:
         """The q/k norms (if any), the clamp (if any), RoPE on q and k and the KV write, launch by launch."""
@@ -135,17 +198,29 @@ class CudaModel:
             rmsnorm.launch_rmsnorm(q, w.layer(i, "q_norm"), cfg.rms_norm_eps, q, stream=st)
             rmsnorm.launch_rmsnorm(k, w.layer(i, "k_norm"), cfg.rms_norm_eps, k, stream=st)
         elif cfg.qk_norm is QKNorm.PER_HEAD:
-            rmsnorm.launch_rmsnorm(q.reshape(T * H, Hd), w.layer(i, "q_norm"), cfg.rms_norm_eps,
-                                   q.reshape(T * H, Hd), stream=st)
-            rmsnorm.launch_rmsnorm(k.reshape(T * Hkv, Hd), w.layer(i, "k_norm"), cfg.rms_norm_eps,
-                                   k.reshape(T * Hkv, Hd), stream=st)
+            rmsnorm.launch_rmsnorm(
+                q.reshape(T * H, Hd), w.layer(i, "q_norm"), cfg.rms_norm_eps, q.reshape(T * H, Hd), stream=st
+            )
+            rmsnorm.launch_rmsnorm(
+                k.reshape(T * Hkv, Hd), w.layer(i, "k_norm"), cfg.rms_norm_eps, k.reshape(T * Hkv, Hd), stream=st
+            )
         if cfg.clip_qkv is not None:
             for t in (q, k, v):
                 elementwise.launch_clamp(t, cfg.clip_qkv, stream=st)
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
-        if self.options.fused_rope_kv:     # the rotated keys go straight to the pool (k itself stays unrotated)
-            launch_rope_kv_write(q3, k3, v3, ws.positions[:T], self.inv_freq, self.rope_scale, ws.slot_mapping[:T],
-                                 self.k_pool[i], self.v_pool[i], stream=st)
+        if self.options.fused_rope_kv:  # the rotated keys go straight to the pool (k itself stays unrotated)
+            launch_rope_kv_write(
+                q3,
+                k3,
+                v3,
+                ws.positions[:T],
+                self.inv_freq,
+                self.rope_scale,
+                ws.slot_mapping[:T],
+                self.k_pool[i],
+                self.v_pool[i],
+                stream=st,
+            )
         else:
             launch_rope(q3, k3, ws.positions[:T], self.inv_freq, self.rope_scale, stream=st)
             launch_kv_write(k3, v3, ws.slot_mapping[:T], self.k_pool[i], self.v_pool[i], stream=st)
@@ -154,5 +229,10 @@ class CudaModel:
     def fused_qk_norm(self) -> bool:
         """Whether the per-head q/k norms run inside qk_norm_rope_kv_write (its options on, a model it takes)."""
         cfg, options = self.config, self.options
-        return (options.fused_qk_norm and options.fused_rope_kv and cfg.qk_norm is QKNorm.PER_HEAD
-                and cfg.clip_qkv is None and supports_fused_qk_norm(cfg.head_dim))
+        return (
+            options.fused_qk_norm
+            and options.fused_rope_kv
+            and cfg.qk_norm is QKNorm.PER_HEAD
+            and cfg.clip_qkv is None
+            and supports_fused_qk_norm(cfg.head_dim)
+        )

@@ -8,6 +8,7 @@ sizes whose warm-up loads every kernel. The fused router and the combine that al
 input norm are CudaOptions (engine/cuda_options.py). What each strategy launches, and the H200 measurements behind
 the thresholds, are in docs/kernels.md, section "MoE strategy choice".
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,18 +38,18 @@ from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnor
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import choose_config
 
-if TYPE_CHECKING:     # moe_cached builds on this module's strategies
+if TYPE_CHECKING:  # moe_cached builds on this module's strategies
     from expert_service.cuda.moe_cached import CachedExperts
 
-ALL_EXPERTS_MAX_TOKENS = 64    # all experts on all tokens up to here (when T*K >= E); sizes its workspace
-GROUPED_MAX_TOKENS = 64        # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
+ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
+GROUPED_MAX_TOKENS = 64  # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
 # GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
 WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)
 # GROUPED_MMA for bf16 resident layers with at least this many experts (mixtral-like E = 8 stays on cuBLAS,
 # where the tensor-core kernel measured 2-3.5x slower); 1 << 30 switches the strategy off.
 GROUPED_MMA_MIN_EXPERTS = 32
-GROUPED_MMA_MIN_TOKENS = 2     # one token keeps the GEMV strategy (T*K < E here)
+GROUPED_MMA_MIN_TOKENS = 2  # one token keeps the GEMV strategy (T*K < E here)
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
 # token made a qwen3 decode combine ~20 µs. The all-experts combine (moe_combine_dense, one block a token either
@@ -80,8 +81,12 @@ def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) ->
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     n = T * K
-    if (bf16 and T >= GROUPED_MMA_MIN_TOKENS and GROUPED_MMA_MIN_EXPERTS <= E <= ALIGN_MAX_E
-            and n <= ALIGN_MAX_ASSIGNMENTS):
+    if (
+        bf16
+        and T >= GROUPED_MMA_MIN_TOKENS
+        and GROUPED_MMA_MIN_EXPERTS <= E <= ALIGN_MAX_E
+        and n <= ALIGN_MAX_ASSIGNMENTS
+    ):
         return MoeStrategy.GROUPED_MMA
     if T <= GEMV_MAX_TOKENS and n < E:
         return MoeStrategy.GEMV
@@ -137,8 +142,18 @@ class DeviceMoe:
     the router it takes (CudaModel.use_options replaces them). `planned`: routing=lut, each step's expert ids come
     from its routing plan (workspace.routed_ids), not the top-k."""
 
-    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 cached: CachedExperts | None, options: CudaOptions, planned: bool = False, host_break=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: DeviceWeights,
+        workspace,
+        linear: DeviceLinear,
+        stream,
+        cached: CachedExperts | None,
+        options: CudaOptions,
+        planned: bool = False,
+        host_break=None,
+    ):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
         self.cached, self.options, self.planned = cached, options, planned
         # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
@@ -147,7 +162,8 @@ class DeviceMoe:
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         # y rows in assignment order (the GEMV and GROUPED_MMA strategies' combine)
         workspace.identity_position.copy_to_device(
-            np.arange(workspace.identity_position.shape[0], dtype=np.int32), stream=stream)
+            np.arange(workspace.identity_position.shape[0], dtype=np.int32), stream=stream
+        )
         # router_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
@@ -162,14 +178,17 @@ class DeviceMoe:
         n = T * K
         logits, router = ws.router_logits[:T], self.weights.layer(i, "router")
         moe_index = self.moe_layers.index(i)
-        ids = ws.topk_ids.reshape(-1)[moe_index * n:(moe_index + 1) * n].reshape(T, K)
+        ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
         strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
-        fuse_norm = next_norm is not None and not cfg.shared_expert_intermediate_size and (
-            strategy is MoeStrategy.ALL_EXPERTS or T >= FUSED_COMBINE_NORM_MIN_TOKENS)
+        fuse_norm = (
+            next_norm is not None
+            and not cfg.shared_expert_intermediate_size
+            and (strategy is MoeStrategy.ALL_EXPERTS or T >= FUSED_COMBINE_NORM_MIN_TOKENS)
+        )
         combine = self._combiner(x, next_norm if fuse_norm else None)
-        if self.planned:      # routing=lut: the plan's ids (staged with the step), weights from their gate logits
-            planned = ws.routed_ids[moe_index * n:(moe_index + 1) * n].reshape(T, K)
+        if self.planned:  # routing=lut: the plan's ids (staged with the step), weights from their gate logits
+            planned = ws.routed_ids[moe_index * n : (moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
         elif fused_router(T, self.options):
             launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
@@ -178,8 +197,9 @@ class DeviceMoe:
             launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
         experts = self.weights.experts.get(i)
         if strategy is MoeStrategy.GROUPED_MMA:
-            run_grouped_mma(ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size,
-                            combine=combine)
+            run_grouped_mma(
+                ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size, combine=combine
+            )
         elif strategy is MoeStrategy.GEMV:
             self._gemv(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.ALL_EXPERTS:
@@ -207,6 +227,7 @@ class DeviceMoe:
                 launch_moe_combine_dense(y, index, weights, h, stream=st)
             else:
                 launch_moe_combine(y, index, weights, h, stream=st)
+
         return combine
 
     def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:
@@ -225,13 +246,13 @@ class DeviceMoe:
         E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         stride = experts.shape[1]
         flat = experts.reshape(-1)
-        gate, up = ws.all_experts_gate[:E * T * F], ws.all_experts_up[:E * T * F]
+        gate, up = ws.all_experts_gate[: E * T * F], ws.all_experts_up[: E * T * F]
         xc = self.linear.as_weight_dtype(x)
         blas.linear_batched(xc, 0, flat, 0, stride, F, D, gate, T * F, E, T)
         blas.linear_batched(xc, 0, flat, F * D, stride, F, D, up, T * F, E, T)
         elementwise.launch_silu_mul(gate, up, gate, stream=st)
         hc = self.linear.as_weight_dtype(gate.reshape(E * T, F))
-        y = ws.all_experts_out.reshape(-1)[:E * T * D]
+        y = ws.all_experts_out.reshape(-1)[: E * T * D]
         blas.linear_batched(hc, T * F, flat, 2 * F * D, stride, D, F, y, T * D, E, T)
         combine(y.reshape(E, T, D), ids, weights, h, dense=True)
 
@@ -275,14 +296,28 @@ class DeviceMoe:
         room = min(b.shape[0] for b in (ws.expert_x, ws.expert_gate_up, ws.expert_h, ws.moe_out)) - lo
         rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), room)
         dtype, item = self.weights.dtype, experts.dtype.itemsize
-        gu = ws.expert_gate_up         # bf16 for bf16 weights (f32's range), else f32: fp16 would overflow
+        gu = ws.expert_gate_up  # bf16 for bf16 weights (f32's range), else f32: fp16 would overflow
         gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
-        blas.linear_each(gate, device_address(ws.expert_x) + lo * D * item,
-                         device_address(gu) + lo * 2 * F * gu.dtype.itemsize, rows, 2 * F, D, dtype,
-                         out_dtype=gu.dtype)
+        blas.linear_each(
+            gate,
+            device_address(ws.expert_x) + lo * D * item,
+            device_address(gu) + lo * 2 * F * gu.dtype.itemsize,
+            rows,
+            2 * F,
+            D,
+            dtype,
+            out_dtype=gu.dtype,
+        )
         elementwise.launch_silu_mul_halves(gu[:n], ws.expert_h[:n], stream=self.stream)
-        blas.linear_each(gate + 2 * F * D * item, device_address(ws.expert_h) + lo * F * item,
-                         device_address(ws.moe_out) + lo * D * 4, rows, D, F, dtype)
+        blas.linear_each(
+            gate + 2 * F * D * item,
+            device_address(ws.expert_h) + lo * F * item,
+            device_address(ws.moe_out) + lo * D * 4,
+            rows,
+            D,
+            F,
+            dtype,
+        )
 
     def warm_cublas_shapes(self, max_tokens: int) -> None:
         """Runs the per-expert GEMM shapes of every rounded row count an expert can have in a step of up to
@@ -294,11 +329,20 @@ class DeviceMoe:
         experts = self.weights.experts.get(self.moe_layers[0])
         w, dtype = device_address(experts), self.weights.dtype
         one = np.ones(1, np.int64)
-        for m in counts.tolist():           # as _expert_gemms: gate|up, then down
-            blas.linear_each(w * one, device_address(ws.expert_x) * one, device_address(ws.expert_gate_up) * one,
-                             m * one, 2 * F, D, dtype, out_dtype=ws.expert_gate_up.dtype)
-            blas.linear_each(w * one, device_address(ws.expert_h) * one, device_address(ws.moe_out) * one,
-                             m * one, D, F, dtype)
+        for m in counts.tolist():  # as _expert_gemms: gate|up, then down
+            blas.linear_each(
+                w * one,
+                device_address(ws.expert_x) * one,
+                device_address(ws.expert_gate_up) * one,
+                m * one,
+                2 * F,
+                D,
+                dtype,
+                out_dtype=ws.expert_gate_up.dtype,
+            )
+            blas.linear_each(
+                w * one, device_address(ws.expert_h) * one, device_address(ws.moe_out) * one, m * one, D, F, dtype
+            )
         self.stream.synchronize()
 
     def _shared_expert(self, i: int, x, h, T: int) -> None:

@@ -2,6 +2,7 @@
 their replacement and prefetch (expert_service.experts.cache.ExpertCache), and the CACHED_GROUPED / CACHED_CUBLAS
 strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident: the routed experts
 run in waves over the slots, the grouped kernels or per-expert cuBLAS reading each expert's slot."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,18 @@ class CachedExperts:
     """The expert cache on the device: slots per MoE layer, their replacement and prefetch, and the CACHED_*
     strategies. The decoder drives the step boundaries (begin_step / prefetch_plan / end_step)."""
 
-    def __init__(self, config: ModelConfig, weights: DeviceWeights, workspace, linear: DeviceLinear, stream,
-                 max_tokens: int, slot_plan: SlotPlan, prefetch: frozenset[PrefetchSource], policy: str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: DeviceWeights,
+        workspace,
+        linear: DeviceLinear,
+        stream,
+        max_tokens: int,
+        slot_plan: SlotPlan,
+        prefetch: frozenset[PrefetchSource],
+        policy: str,
+    ):
         cfg = config
         self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
         self.prefetch = prefetch
@@ -43,9 +54,12 @@ class CachedExperts:
         self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
         self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
         self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
-        self.host = {"slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
-                     "ids": cuda.pinned_array(T * K, np.int32), "ahead_ids": cuda.pinned_array(T * K, np.int32),
-                     "offsets": cuda.pinned_array(E + 1, np.int32)}
+        self.host = {
+            "slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
+            "ids": cuda.pinned_array(T * K, np.int32),
+            "ahead_ids": cuda.pinned_array(T * K, np.int32),
+            "offsets": cuda.pinned_array(E + 1, np.int32),
+        }
         self._hints = None
 
     @property
@@ -57,7 +71,7 @@ class CachedExperts:
         self.cache.begin_step()
         self._hints = hints
         moe = self.config.moe_layers
-        if moe:           # the first MoE layer's plan: its copies overlap everything before it
+        if moe:  # the first MoE layer's plan: its copies overlap everything before it
             self.prefetch_plan(moe[0])
 
     def end_step(self) -> CacheStats:
@@ -82,10 +96,11 @@ class CachedExperts:
         ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
         if ahead is not None:
             self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
-            launch_gate_topk(self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob,
-                               stream=st)
+            launch_gate_topk(
+                self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
+            )
             self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
-        large = strategy is MoeStrategy.CACHED_CUBLAS    # the per-expert GEMMs need the row ranges on the host
+        large = strategy is MoeStrategy.CACHED_CUBLAS  # the per-expert GEMMs need the row ranges on the host
         ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
         if large:
             ws.offsets.copy_to_host(self.host["offsets"], stream=st)
@@ -118,8 +133,8 @@ class CachedExperts:
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
         ws = self.ws
-        gate, up = block[:F * D].reshape(F, D), block[F * D:2 * F * D].reshape(F, D)
-        down = block[2 * F * D:3 * F * D].reshape(D, F)
+        gate, up = block[: F * D].reshape(F, D), block[F * D : 2 * F * D].reshape(F, D)
+        down = block[2 * F * D : 3 * F * D].reshape(D, F)
         g = ws.moe_gate[lo:hi]
         self.linear.swiglu(ws.moe_in[lo:hi], gate, up, g, ws.moe_up[lo:hi], force_cublas=True)
         self.linear.linear(g, down, out[lo:hi], force_cublas=True)

@@ -16,6 +16,7 @@ epilogue measured 1-6% faster but sums in arrival order. Kernels and H200 figure
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,13 +34,18 @@ from expert_service.kernels.moe_gemm_mma import (
 def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype))."""
     rows = tiles = 1
-    for T in range(1, max_tokens + 1):        # the tile config (BM) changes with T*K / E: take the largest need
+    for T in range(1, max_tokens + 1):  # the tile config (BM) changes with T*K / E: take the largest need
         block_m = choose_config(T * K, E).block_m
         rows = max(rows, max_rows(T * K, E, block_m))
         tiles = max(tiles, max_tiles(T * K, E, block_m))
     i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
-    return {"mma_sorted_ids": ((rows,), i32), "mma_tile_expert": ((tiles,), i32), "mma_num_tiles": ((1,), i32),
-            "mma_xs": ((rows, D), u16), "mma_h": ((rows, F), u16)}
+    return {
+        "mma_sorted_ids": ((rows,), i32),
+        "mma_tile_expert": ((tiles,), i32),
+        "mma_num_tiles": ((1,), i32),
+        "mma_xs": ((rows, D), u16),
+        "mma_h": ((rows, F), u16),
+    }
 
 
 def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None) -> None:
@@ -58,8 +64,9 @@ def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, com
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
     launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
     launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
-    launch_moe_gemm_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE,
-                         config=cfg, stream=stream)
+    launch_moe_gemm_down(
+        hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE, config=cfg, stream=stream
+    )
     if combine is None:
         launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
     else:

@@ -10,6 +10,7 @@ read back. Steps without penalty work run none of it, so the decode graphs stay 
 runs each kernel once, so the first penalised request compiles nothing. Every kernel reads only these
 preallocated buffers, so the tail could be captured as well.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,36 +47,45 @@ class DevicePenalties:
         workspace's greedy_ids / nonfinite. Returns the number of penalised rows written (0: none)."""
         U, R = len(batch.update_slots), batch.num_rows if batch.has_rows else 0
         if U > self.max_updates or R > self.max_rows:
-            raise ValueError(f"penalties: {U} updates / {R} rows exceed the memory plan "
-                             f"({self.max_updates} / {self.max_rows})")
+            raise ValueError(
+                f"penalties: {U} updates / {R} rows exceed the memory plan ({self.max_updates} / {self.max_rows})"
+            )
         st = self.stream
         for slot in batch.reset_slots:
             self.words[int(slot)].copy_to_device(self.zero_row, stream=st)
         ints, floats = self.host_ints, self.host_floats
         for i, part in enumerate((batch.update_slots, batch.update_tokens, batch.update_output)):
-            ints[i * U:(i + 1) * U] = part
-        ints[3 * U:3 * U + R] = batch.row_slots[:R]
+            ints[i * U : (i + 1) * U] = part
+        ints[3 * U : 3 * U + R] = batch.row_slots[:R]
         for i, part in enumerate((batch.repetition, batch.presence, batch.frequency)):
-            floats[i * R:(i + 1) * R] = part[:R]
+            floats[i * R : (i + 1) * R] = part[:R]
         if U + R:
-            self.device_ints[:3 * U + R].copy_to_device(ints[:3 * U + R], stream=st)
+            self.device_ints[: 3 * U + R].copy_to_device(ints[: 3 * U + R], stream=st)
         d = self.device_ints
         if U:
-            launch_penalty_update(self.words, d[:U], d[U:2 * U], d[2 * U:3 * U], stream=st)
+            launch_penalty_update(self.words, d[:U], d[U : 2 * U], d[2 * U : 3 * U], stream=st)
         if not R:
             return 0
-        self.device_floats[:3 * R].copy_to_device(floats[:3 * R], stream=st)
+        self.device_floats[: 3 * R].copy_to_device(floats[: 3 * R], stream=st)
         f, ws, out = self.device_floats, self.ws, self.logits[:R]
-        launch_apply_penalties(logits[:R], d[3 * U:3 * U + R], f[:R], f[R:2 * R], f[2 * R:3 * R], self.words, out,
-                               stream=st)
-        launch_greedy_split(out, ws.greedy_ids[:R], ws.nonfinite[:R], ws.greedy_part_values[:R],
-                            ws.greedy_part_ids[:R], ws.greedy_part_flags[:R], stream=st)
+        launch_apply_penalties(
+            logits[:R], d[3 * U : 3 * U + R], f[:R], f[R : 2 * R], f[2 * R : 3 * R], self.words, out, stream=st
+        )
+        launch_greedy_split(
+            out,
+            ws.greedy_ids[:R],
+            ws.nonfinite[:R],
+            ws.greedy_part_values[:R],
+            ws.greedy_part_ids[:R],
+            ws.greedy_part_flags[:R],
+            stream=st,
+        )
         return R
 
     def warmup(self, logits) -> None:
         """Runs every penalty kernel once on throw-away work (slot 0 marked, penalised into row 0, then zeroed
         again), so the first penalised request compiles nothing; `logits` [>= 1, V] float32 is only read."""
-        slot0, ones = np.zeros(1, np.int32), np.ones(1, np.float32)     # slot 0, token 0, a prompt mark
+        slot0, ones = np.zeros(1, np.int32), np.ones(1, np.float32)  # slot 0, token 0, a prompt mark
         none_i, none_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
         self.apply(PenaltyBatch(none_i, slot0, slot0, slot0, slot0, ones, ones, ones), logits)
         self.apply(PenaltyBatch(slot0, none_i, none_i, none_i, none_i, none_f, none_f, none_f), logits)

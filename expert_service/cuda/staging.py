@@ -1,5 +1,6 @@
 """Staging a step for the cuda runner: the token buckets non-decode steps are padded to, where padding sequences
 end, and the step's metadata written into pinned host staging and uploaded as one prefix of it (workspace.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,9 +31,18 @@ def padding_seq_starts(n: int, T: int, count: int, one_each: bool) -> np.ndarray
     return np.full(count, T)
 
 
-def stage_step(ws, batch: ForwardBatch, T: int, S: int, R: int, max_blocks_per_seq: int, stream_handle,
-               plan: tuple[list[int], int] | None = None, table_rows: int | None = None,
-               token_bucket: bool = False) -> None:
+def stage_step(
+    ws,
+    batch: ForwardBatch,
+    T: int,
+    S: int,
+    R: int,
+    max_blocks_per_seq: int,
+    stream_handle,
+    plan: tuple[list[int], int] | None = None,
+    table_rows: int | None = None,
+    token_bucket: bool = False,
+) -> None:
     """Step metadata into ws's pinned staging (padded to T tokens / S sequences), then to the device. Padding
     sequences (`padding_seq_starts`) take one padding token each, or with token_bucket the first takes them all
     and the rest are empty; they attend to nothing and write no KV. table_rows: the block_tables rows to upload
@@ -50,19 +60,19 @@ def stage_step(ws, batch: ForwardBatch, T: int, S: int, R: int, max_blocks_per_s
     h["positions"][:n] = batch.positions
     h["positions"][n:T] = 0
     h["slot_mapping"][:n] = batch.slot_mapping
-    h["slot_mapping"][n:T] = -1                   # padding writes no KV
-    h["seq_starts"][:s + 1] = batch.seq_starts
-    h["seq_starts"][s + 1:S + 1] = padding_seq_starts(n, T, S - s, one_each=not token_bucket)
+    h["slot_mapping"][n:T] = -1  # padding writes no KV
+    h["seq_starts"][: s + 1] = batch.seq_starts
+    h["seq_starts"][s + 1 : S + 1] = padding_seq_starts(n, T, S - s, one_each=not token_bucket)
     h["context_lens"][:s] = batch.context_lens
-    h["context_lens"][s:S] = 0                    # padding attends to nothing
+    h["context_lens"][s:S] = 0  # padding attends to nothing
     r = min(len(batch.logits_rows), R)
     h["logits_rows"][:r] = batch.logits_rows[:r]
     h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
     for i, table in enumerate(batch.block_tables):
-        h["block_tables"][i, :len(table)] = table
+        h["block_tables"][i, : len(table)] = table
     meta = ws.metadata
     tables_end = meta.end_of("block_tables", min(S, table_rows or S) * max_blocks_per_seq)
-    if plan is not None:      # the plan, behind the whole block_tables array: one copy unless that is long
+    if plan is not None:  # the plan, behind the whole block_tables array: one copy unless that is long
         moe_layers, top_k = plan
         n_ids = stage_routed_ids(h["routed_ids"], batch.routed_experts, moe_layers, n, T, top_k)
         start = meta.offsets["routed_ids"]

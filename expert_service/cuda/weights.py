@@ -5,6 +5,7 @@ every expert out as one aligned block, so a layer is one copy and an expert one 
 typed zero-copy views into those buffers. Host ranges are page-locked with cuMemHostRegister(READ_ONLY)
 so copies run at PCIe speed; where the driver refuses, copies go through a pinned bounce buffer, said once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,11 @@ class HostUploader:
             self.pinned.append(host)
             return True
         if self.use_pinned_memory and not self._warned:
-            log.warning("page-locking the model mmaps failed; copying through a %d MiB pinned bounce buffer "
-                        "(slower host-to-device copies)", BOUNCE_BYTES >> 20)
+            log.warning(
+                "page-locking the model mmaps failed; copying through a %d MiB pinned bounce buffer "
+                "(slower host-to-device copies)",
+                BOUNCE_BYTES >> 20,
+            )
             self._warned = True
         return False
 
@@ -54,9 +58,9 @@ class HostUploader:
                 self._bounce = cuda.pinned_array(BOUNCE_BYTES, dtype=np.uint8)
             for start in range(0, host.nbytes, BOUNCE_BYTES):
                 n = min(BOUNCE_BYTES, host.nbytes - start)
-                self._bounce[:n] = host[start:start + n]
-                device[start:start + n].copy_to_device(self._bounce[:n], stream=self.stream)
-                self.stream.synchronize()    # the bounce buffer is reused by the next chunk
+                self._bounce[:n] = host[start : start + n]
+                device[start : start + n].copy_to_device(self._bounce[:n], stream=self.stream)
+                self.stream.synchronize()  # the bounce buffer is reused by the next chunk
         self.bytes_copied += host.nbytes
 
     def release(self) -> None:
@@ -77,10 +81,15 @@ def stacked_range(entries) -> tuple[int, int, str, tuple[int, ...]] | None:
         return None
     first, last = entries[0], entries[-1]
     if any(e.dtype != first.dtype or tuple(e.shape[1:]) != tuple(first.shape[1:]) for e in entries) or any(
-            a.offset + a.nbytes != b.offset for a, b in zip(entries, entries[1:])):
+        a.offset + a.nbytes != b.offset for a, b in zip(entries, entries[1:])
+    ):
         return None
-    return (first.offset, last.offset + last.nbytes - first.offset, first.dtype,
-            (sum(e.shape[0] for e in entries),) + tuple(first.shape[1:]))
+    return (
+        first.offset,
+        last.offset + last.nbytes - first.offset,
+        first.dtype,
+        (sum(e.shape[0] for e in entries),) + tuple(first.shape[1:]),
+    )
 
 
 class DeviceWeights:
@@ -97,11 +106,13 @@ class DeviceWeights:
         self.views: dict[str, object] = {}
         for name, entry in model.entries.items():
             if entry.file == DENSE_FILE:
-                raw = self.dense_buffer[entry.offset:entry.offset + entry.nbytes]
+                raw = self.dense_buffer[entry.offset : entry.offset + entry.nbytes]
                 self.views[name] = raw.view(dtypes.STORAGE[entry.dtype]).reshape(entry.shape)
-        for i in range(self.config.num_hidden_layers):     # one matrix where the format stored them back to back
-            for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("qkv_bias", ("q_bias", "k_bias",
-                                                                                          "v_bias"))):
+        for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
+            for fused, parts in (
+                ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
+            ):
                 view = self._back_to_back(model, [f"layers.{i}.{p}" for p in parts])
                 if view is not None:
                     self.views[f"layers.{i}.{fused}"] = view
@@ -109,14 +120,15 @@ class DeviceWeights:
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
         for layer in self.config.moe_layers:
-            host = model._map(expert_file(layer))[:self.config.num_experts * model.expert_stride]
+            host = model._map(expert_file(layer))[: self.config.num_experts * model.expert_stride]
             self.expert_host[layer] = host
             self.expert_pinned[layer] = self.uploader.pin(host)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])
                 self.experts[layer] = buffer.view(self.dtype).reshape(
-                    self.config.num_experts, model.expert_stride // self.dtype.itemsize)
+                    self.config.num_experts, model.expert_stride // self.dtype.itemsize
+                )
         stream.synchronize()
 
     def _back_to_back(self, model: ModelDir, names: list[str]):
@@ -124,7 +136,7 @@ class DeviceWeights:
         if stacked is None:
             return None
         offset, nbytes, dtype, shape = stacked
-        return self.dense_buffer[offset:offset + nbytes].view(dtypes.STORAGE[dtype]).reshape(shape)
+        return self.dense_buffer[offset : offset + nbytes].view(dtypes.STORAGE[dtype]).reshape(shape)
 
     def get(self, name: str):
         return self.views[name]

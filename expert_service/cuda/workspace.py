@@ -7,6 +7,7 @@ experts runs GROUPED_MMA at every T >= 2 and needs neither the per-assignment f3
 and the expert cache, nor per-expert cuBLAS's rows in the weights' dtype, nor the all-experts buffers, but its
 bf16 sorted rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from expert_service.kernels.greedy_split import parts as greedy_parts
 @dataclass
 class Workspace:
     arrays: dict[str, object] = field(default_factory=dict)
-    host: dict[str, np.ndarray] = field(default_factory=dict)    # pinned host views (metadata, readbacks)
+    host: dict[str, np.ndarray] = field(default_factory=dict)  # pinned host views (metadata, readbacks)
     metadata: PackedBuffer | None = None
     results: PackedBuffer | None = None
 
@@ -54,12 +55,20 @@ class Workspace:
     def nbytes(self) -> int:
         packed = set(METADATA + PLAN_METADATA + RESULTS)
         return sum(a.nbytes for n, a in self.arrays.items() if n not in packed) + sum(
-            b.nbytes for b in (self.metadata, self.results) if b is not None)
+            b.nbytes for b in (self.metadata, self.results) if b is not None
+        )
 
 
-def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: int, max_seqs: int,
-                     max_blocks_per_seq: int, num_layers_moe: int, cached: bool = False,
-                     planned: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def layout_workspace(
+    config: ModelConfig,
+    weight_dtype: np.dtype,
+    max_tokens: int,
+    max_seqs: int,
+    max_blocks_per_seq: int,
+    num_layers_moe: int,
+    cached: bool = False,
+    planned: bool = False,
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
@@ -79,31 +88,43 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
     # the all-experts strategy of decode steps (cuda/moe.py)
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
     layout = {
-        "hidden": ((T, D), f32), "normed": ((T, D), f32),
+        "hidden": ((T, D), f32),
+        "normed": ((T, D), f32),
         # a step's q [T, q_size], k and v [T, kv_size] back to back (model.qkv_views): at one token the three
         # are one row, written by one GEMV over the layer's q|k|v weight rows
         "qkv": ((T * (config.q_size + 2 * config.kv_size),), f32),
         "attn": ((T, config.q_size), f32),
-        "router_logits": ((T, E), f32), "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
+        "router_logits": ((T, E), f32),
+        "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
-        "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),   # router_fused's tickets (zeroed)
-        "identity_position": ((T * K,), i32),   # y rows in assignment order (gemv and grouped-MMA combine)
-        "counts": ((E,), i32), "offsets": ((E + 1,), i32), "order": ((T * K,), i32), "position": ((T * K,), i32),
-        "moe_gate": ((max(K, cache_rows, grouped_rows), F), f32), "moe_out": ((max(T * K, per_expert_rows), D), f32),
+        "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),  # router_fused's tickets (zeroed)
+        "identity_position": ((T * K,), i32),  # y rows in assignment order (gemv and grouped-MMA combine)
+        "counts": ((E,), i32),
+        "offsets": ((E + 1,), i32),
+        "order": ((T * K,), i32),
+        "position": ((T * K,), i32),
+        "moe_gate": ((max(K, cache_rows, grouped_rows), F), f32),
+        "moe_out": ((max(T * K, per_expert_rows), D), f32),
         "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
         "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
-        "last_hidden": ((S, D), f32), "logits": ((S, config.vocab_size), f32),
-        "greedy_ids": ((S,), i32), "nonfinite": ((S,), i32),
+        "last_hidden": ((S, D), f32),
+        "logits": ((S, config.vocab_size), f32),
+        "greedy_ids": ((S,), i32),
+        "nonfinite": ((S,), i32),
         # greedy_split's partials per pass-1 block of each logits row
         "greedy_part_values": ((S, greedy_parts(config.vocab_size)), f32),
         "greedy_part_ids": ((S, greedy_parts(config.vocab_size)), i32),
         "greedy_part_flags": ((S, greedy_parts(config.vocab_size)), i32),
-        "token_ids": ((T,), i32), "positions": ((T,), i32), "slot_mapping": ((T,), i32),
+        "token_ids": ((T,), i32),
+        "positions": ((T,), i32),
+        "slot_mapping": ((T,), i32),
         # per token: the row of greedy_ids (the step before's argmax, still on the device) that is its input
         # token, or -1 (token_ids holds it): a step launched before the one ahead of it was collected
         "feed_rows": ((T,), i32),
         # one sequence slot more than a step holds: a captured prefill pads its tokens with a sequence of its own
-        "seq_starts": ((S + 2,), i32), "context_lens": ((S + 1,), i32), "logits_rows": ((S,), i32),
+        "seq_starts": ((S + 2,), i32),
+        "context_lens": ((S + 1,), i32),
+        "logits_rows": ((S,), i32),
         "block_tables": ((S + 1, max_blocks_per_seq), i32),
         "cublas_workspace": ((WORKSPACE_BYTES,), np.dtype(np.uint8)),
     }
@@ -122,9 +143,9 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
         layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
     if MoeStrategy.GROUPED_MMA in strategies:
         layout.update(grouped_mma_layout(T, K, E, D, F))
-    if planned:           # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
+    if planned:  # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
         layout["routed_ids"] = ((max(num_layers_moe, 1) * T * K,), i32)
-    if weight_dtype != np.float32:     # cuBLAS takes activations in the weights' 16-bit type
+    if weight_dtype != np.float32:  # cuBLAS takes activations in the weights' 16-bit type
         # rows of the dense layers, router, shared expert and head; the expert cache's rows; all experts' h
         dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
         layout["cast"] = ((max(dense_rows, cache_rows * widest, E * all_experts_tokens * F),), weight_dtype)
@@ -141,8 +162,16 @@ def layout_workspace(config: ModelConfig, weight_dtype: np.dtype, max_tokens: in
 
 # Step metadata the host writes, uploaded with one copy: packed int32 in this order (block_tables last, so
 # a step uploads a prefix of the packed buffer).
-METADATA = ("token_ids", "positions", "slot_mapping", "seq_starts", "context_lens", "logits_rows", "feed_rows",
-            "block_tables")
+METADATA = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "seq_starts",
+    "context_lens",
+    "logits_rows",
+    "feed_rows",
+    "block_tables",
+)
 # With routing=lut the step's routing plan follows (same packed buffer: a lut step uploads the prefix through its
 # plan, the whole block_tables array riding along, or two copies when that array's unused rows are long).
 PLAN_METADATA = ("routed_ids",)
@@ -173,11 +202,15 @@ class PackedBuffer:
     def __init__(self, shapes: dict[str, tuple[int, ...]], stream, twins: int = HOST_TWINS):
         self.offsets, total = packed_layout(shapes)
         self.device = cuda.device_array(max(total, 1), np.int32, stream=stream)
-        self.device_views = {n: self.device[o:o + int(np.prod(s))].reshape(s)
-                             for (n, s), o in zip(shapes.items(), self.offsets.values())}
+        self.device_views = {
+            n: self.device[o : o + int(np.prod(s))].reshape(s)
+            for (n, s), o in zip(shapes.items(), self.offsets.values())
+        }
         self.twins = [cuda.pinned_array(max(total, 1), np.int32) for _ in range(twins)]
-        self.twin_views = [{n: host[o:o + int(np.prod(s))].reshape(s)
-                            for (n, s), o in zip(shapes.items(), self.offsets.values())} for host in self.twins]
+        self.twin_views = [
+            {n: host[o : o + int(np.prod(s))].reshape(s) for (n, s), o in zip(shapes.items(), self.offsets.values())}
+            for host in self.twins
+        ]
         self._device_ptr = device_address(self.device)
         self.select(0)
 
@@ -191,8 +224,9 @@ class PackedBuffer:
 
     def upload(self, elements: int, stream_handle, start: int = 0) -> None:
         """Copies `elements` int32s from element `start` of the host twin to the device (a prefix by default)."""
-        check(drv.cuMemcpyHtoDAsync(self._device_ptr + 4 * start, self._host_ptr + 4 * start, 4 * elements,
-                                    stream_handle))
+        check(
+            drv.cuMemcpyHtoDAsync(self._device_ptr + 4 * start, self._host_ptr + 4 * start, 4 * elements, stream_handle)
+        )
 
     def download(self, elements: int, stream_handle) -> None:
         check(drv.cuMemcpyDtoHAsync(self._host_ptr, self._device_ptr, 4 * elements, stream_handle))
@@ -211,6 +245,7 @@ def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stre
         ws.arrays.update(buffer.device_views)
         ws.host.update(buffer.host_views)
         return buffer
+
     ws.metadata = packed(METADATA + tuple(n for n in PLAN_METADATA if n in layout))
     ws.results = packed(RESULTS)
     for name, (shape, dtype) in layout.items():
@@ -222,8 +257,9 @@ def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stre
     return ws
 
 
-def stage_routed_ids(flat: np.ndarray, routed: dict[int, np.ndarray] | None, moe_layers, num_tokens: int,
-                     padded: int, top_k: int) -> int:
+def stage_routed_ids(
+    flat: np.ndarray, routed: dict[int, np.ndarray] | None, moe_layers, num_tokens: int, padded: int, top_k: int
+) -> int:
     """Writes a step's routing plan into the packed staging `flat` (the routed_ids view) as int32
     [MoE layers, padded, top_k], layer-major like workspace.topk_ids, so MoE layer m of a step of T tokens reads
     rows m*T*K:(m+1)*T*K. routed: {layer: expert ids [num_tokens, top_k]} (routing=lut), or None for steps the
@@ -239,7 +275,8 @@ def stage_routed_ids(flat: np.ndarray, routed: dict[int, np.ndarray] | None, moe
             if plan is None:
                 raise ValueError(f"routing plan: no expert ids for MoE layer {layer}")
             if plan.shape != (num_tokens, top_k):
-                raise ValueError(f"routing plan: layer {layer} has shape {list(plan.shape)}, "
-                                 f"expected [{num_tokens}, {top_k}]")
+                raise ValueError(
+                    f"routing plan: layer {layer} has shape {list(plan.shape)}, expected [{num_tokens}, {top_k}]"
+                )
             ids[m, :num_tokens] = plan
     return count

@@ -1,4 +1,5 @@
 """Worker-side configuration (see common/config.py for how sources are layered)."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -12,55 +13,83 @@ from expert_service.experts.cache import POLICIES
 
 
 class Backend(StrEnum):
-    AUTO = "auto"     # cuda when a usable GPU is present, else cpu
+    AUTO = "auto"  # cuda when a usable GPU is present, else cpu
     CPU = "cpu"
     CUDA = "cuda"
 
 
 class RoutingMode(StrEnum):
-    EXACT = "exact"   # the model's own gate (default)
-    LUT = "lut"       # the router's static token -> experts table: an approximation, labelled in outputs
+    EXACT = "exact"  # the model's own gate (default)
+    LUT = "lut"  # the router's static token -> experts table: an approximation, labelled in outputs
 
 
 class PrefetchSource(StrEnum):
-    PLAN = "plan"             # the router's routing plan for the step
-    LOOKAHEAD = "lookahead"   # layer L+1's gate applied to layer L's input
+    PLAN = "plan"  # the router's routing plan for the step
+    LOOKAHEAD = "lookahead"  # layer L+1's gate applied to layer L's input
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    backend: Backend = setting(Backend.AUTO, "compute backend: auto (cuda when a GPU is present), cuda or cpu",
-                           env=("COLIBRI_BACKEND",))
+    backend: Backend = setting(
+        Backend.AUTO, "compute backend: auto (cuda when a GPU is present), cuda or cpu", env=("COLIBRI_BACKEND",)
+    )
     kv_block_size: int = setting(16, "tokens per KV-cache block", env=("COLIBRI_KV_BLOCK_SIZE",))
-    num_kv_blocks: int = setting(0, "KV-cache blocks in the pool; 0 = derive from --kv-cache-tokens",
-                                 env=("COLIBRI_NUM_KV_BLOCKS",))
-    kv_cache_tokens: int = setting(65536, "KV-cache capacity in tokens when --num-kv-blocks is 0",
-                                   env=("COLIBRI_KV_CACHE_TOKENS",))
-    max_batch_tokens: int = setting(8192, "largest number of tokens in one step",
-                                    env=("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS"))
-    max_batch_size: int = setting(64, "largest number of sequences in one step",
-                                  env=("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE"))
-    cuda_graphs: bool = setting(True, "replay steps as CUDA graphs: decode steps one per batch-size bucket, other "
-                                "steps one per token bucket where their MoE blocks stay on the device (false: "
-                                "launch every kernel eagerly, for debugging; steps are padded the same way)",
-                                env=("COLIBRI_CUDA_GRAPHS",))
-    use_pinned_memory: bool = setting(True, "page-lock the model mmaps for fast host-to-device copies (false: "
-                                      "copy through a pinned bounce buffer, for comparison)",
-                                      env=("COLIBRI_USE_PINNED_MEMORY",))
-    routing: RoutingMode = setting(RoutingMode.EXACT, "expert routing: exact (the model's gate, default) or lut (the router's static "
-                           "table, an approximation: responses are labelled)", env=("COLIBRI_ROUTING",))
-    verify_checksums: bool = setting(True, "verify every tensor's crc32 when loading (false skips it)",
-                                     env=("COLIBRI_VERIFY_CHECKSUMS",))
-    expert_cache_gb: float = setting(0.0, "GiB of expert slots (stored bytes); 0 = every expert resident. Below "
-                                     "the experts' total, each MoE layer gets floor(budget / (MoE layers x expert "
-                                     "bytes)) slots (at least 1) caching the host copy", env=("COLIBRI_EXPERT_CACHE_GB",))
-    expert_cache_slots: int = setting(0, "expert slots per MoE layer (overrides --expert-cache-gb; 0 = from the "
-                                      "budget)", env=("COLIBRI_EXPERT_CACHE_SLOTS",))
-    expert_cache_policy: str = setting("lru", "expert cache replacement policy: lru",
-                                       env=("COLIBRI_EXPERT_CACHE_POLICY",))
-    prefetch: str = setting("plan,lookahead", "expert prefetch sources when the expert cache runs: none, plan (the "
-                            "router's routing plan), lookahead (layer L+1's gate on layer L's input) or both, "
-                            "comma-separated", env=("COLIBRI_PREFETCH",))
+    num_kv_blocks: int = setting(
+        0, "KV-cache blocks in the pool; 0 = derive from --kv-cache-tokens", env=("COLIBRI_NUM_KV_BLOCKS",)
+    )
+    kv_cache_tokens: int = setting(
+        65536, "KV-cache capacity in tokens when --num-kv-blocks is 0", env=("COLIBRI_KV_CACHE_TOKENS",)
+    )
+    max_batch_tokens: int = setting(
+        8192, "largest number of tokens in one step", env=("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS")
+    )
+    max_batch_size: int = setting(
+        64, "largest number of sequences in one step", env=("COLIBRI_MAX_BATCH_SIZE", "MAX_BATCH_SIZE")
+    )
+    cuda_graphs: bool = setting(
+        True,
+        "replay steps as CUDA graphs: decode steps one per batch-size bucket, other "
+        "steps one per token bucket where their MoE blocks stay on the device (false: "
+        "launch every kernel eagerly, for debugging; steps are padded the same way)",
+        env=("COLIBRI_CUDA_GRAPHS",),
+    )
+    use_pinned_memory: bool = setting(
+        True,
+        "page-lock the model mmaps for fast host-to-device copies (false: "
+        "copy through a pinned bounce buffer, for comparison)",
+        env=("COLIBRI_USE_PINNED_MEMORY",),
+    )
+    routing: RoutingMode = setting(
+        RoutingMode.EXACT,
+        "expert routing: exact (the model's gate, default) or lut (the router's static "
+        "table, an approximation: responses are labelled)",
+        env=("COLIBRI_ROUTING",),
+    )
+    verify_checksums: bool = setting(
+        True, "verify every tensor's crc32 when loading (false skips it)", env=("COLIBRI_VERIFY_CHECKSUMS",)
+    )
+    expert_cache_gb: float = setting(
+        0.0,
+        "GiB of expert slots (stored bytes); 0 = every expert resident. Below "
+        "the experts' total, each MoE layer gets floor(budget / (MoE layers x expert "
+        "bytes)) slots (at least 1) caching the host copy",
+        env=("COLIBRI_EXPERT_CACHE_GB",),
+    )
+    expert_cache_slots: int = setting(
+        0,
+        "expert slots per MoE layer (overrides --expert-cache-gb; 0 = from the budget)",
+        env=("COLIBRI_EXPERT_CACHE_SLOTS",),
+    )
+    expert_cache_policy: str = setting(
+        "lru", "expert cache replacement policy: lru", env=("COLIBRI_EXPERT_CACHE_POLICY",)
+    )
+    prefetch: str = setting(
+        "plan,lookahead",
+        "expert prefetch sources when the expert cache runs: none, plan (the "
+        "router's routing plan), lookahead (layer L+1's gate on layer L's input) or both, "
+        "comma-separated",
+        env=("COLIBRI_PREFETCH",),
+    )
     # the cuda backend's alternative kernel paths (no flag: for benchmarks and tests; a config file may give
     # a mapping of CudaOptions fields)
     cuda_options: CudaOptions = field(default_factory=CudaOptions)
@@ -70,7 +99,7 @@ class EngineConfig:
             object.__setattr__(self, "cuda_options", _cuda_options(self.cuda_options))
         elif not isinstance(self.cuda_options, CudaOptions):
             raise ConfigError(f"cuda_options: must be a mapping of CudaOptions fields, got {self.cuda_options!r}")
-        for name, kind in (("backend", Backend), ("routing", RoutingMode)):    # plain strings from code
+        for name, kind in (("backend", Backend), ("routing", RoutingMode)):  # plain strings from code
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))
             except ValueError:
@@ -81,11 +110,14 @@ class EngineConfig:
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
         if self.expert_cache_gb < 0 or self.expert_cache_slots < 0:
-            raise ConfigError(f"expert_cache_gb / expert_cache_slots: must be >= 0, got {self.expert_cache_gb} / "
-                              f"{self.expert_cache_slots}")
+            raise ConfigError(
+                f"expert_cache_gb / expert_cache_slots: must be >= 0, got {self.expert_cache_gb} / "
+                f"{self.expert_cache_slots}"
+            )
         if self.expert_cache_policy not in POLICIES:
-            raise ConfigError(f"expert_cache_policy: must be one of {', '.join(POLICIES)}, "
-                              f"got {self.expert_cache_policy!r}")
+            raise ConfigError(
+                f"expert_cache_policy: must be one of {', '.join(POLICIES)}, got {self.expert_cache_policy!r}"
+            )
         sources = [s.strip() for s in self.prefetch.split(",") if s.strip()]
         if sources != ["none"] and (not sources or any(s not in set(PrefetchSource) for s in sources)):
             raise ConfigError(f"prefetch: must be none, plan, lookahead or plan,lookahead, got {self.prefetch!r}")
@@ -93,7 +125,9 @@ class EngineConfig:
     @property
     def prefetch_sources(self) -> frozenset[PrefetchSource]:
         """The enabled prefetch sources (empty: none)."""
-        return frozenset(PrefetchSource(s.strip()) for s in self.prefetch.split(",") if s.strip() in set(PrefetchSource))
+        return frozenset(
+            PrefetchSource(s.strip()) for s in self.prefetch.split(",") if s.strip() in set(PrefetchSource)
+        )
 
     @property
     def resolved_num_kv_blocks(self) -> int:

@@ -3,6 +3,7 @@
 (a graph keeps the path it was captured with). Every default is the shipped path; turning one off restores the
 path it replaced, for comparisons (bench/profile_step.py) and to rule a new kernel out quickly. It imports
 nothing but dataclasses: EngineConfig holds it, and the cpu backend must not load numba."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

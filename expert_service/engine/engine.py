@@ -4,6 +4,7 @@ It holds no request policy: the router decides which tokens run in a step (promp
 mixed) and when a sequence ends; the engine keeps each sequence's KV blocks and sampler between steps,
 keyed by the router's request id, until told to free it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,21 +37,19 @@ UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 @dataclass(frozen=True, slots=True)
 class PrefillInput:
     request_id: int
-    token_ids: np.ndarray                # prompt tokens of this chunk
-    sampling: SamplingParams | None      # set on a sequence's first chunk
-    is_last: bool                        # the chunk ends the prompt: sample the first new token
-
+    token_ids: np.ndarray  # prompt tokens of this chunk
+    sampling: SamplingParams | None  # set on a sequence's first chunk
+    is_last: bool  # the chunk ends the prompt: sample the first new token
 
 
 @dataclass(frozen=True, slots=True)
 class SequenceOutput:
     request_id: int
-    token_id: int | None = None          # None: a non-final prompt chunk, or an error
+    token_id: int | None = None  # None: a non-final prompt chunk, or an error
     logprob: float = 0.0
     error: str = ""
-    top: TokenLogprobs | None = None     # top_logprobs: the sampled position's most likely tokens
+    top: TokenLogprobs | None = None  # top_logprobs: the sampled position's most likely tokens
     prompt: TokenLogprobs | None = None  # prompt_logprobs: this step's prompt chunk scored
-
 
 
 @dataclass
@@ -59,38 +58,39 @@ class StepResult:
     forward_ms: float
     sample_ms: float
     trace: StepTrace
-    routing_plan_recall: float | None    # routing=exact with a routing plan: share of the exact routing predicted
-    logits: Logits                       # rows [sampling sequences] of [V], in output order
-    expert_cache: CacheStats | None = None   # the step's expert-cache counts (None: all experts resident)
-
+    routing_plan_recall: float | None  # routing=exact with a routing plan: share of the exact routing predicted
+    logits: Logits  # rows [sampling sequences] of [V], in output order
+    expert_cache: CacheStats | None = None  # the step's expert-cache counts (None: all experts resident)
 
 
 @dataclass
 class SequenceState:
     """What the worker keeps of one sequence between steps (its KV blocks live in the allocator)."""
+
     sampler: Sampler
-    num_cached: int = 0                  # tokens whose K/V are in the cache
-    last_token: int | None = None        # the latest sampled token, fed by the next decode
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    last_token: int | None = None  # the latest sampled token, fed by the next decode
     prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
     block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
     pending: tuple[int, int] | None = None  # (step serial, logits row): a launched step not yet collected
-                                            # samples its next token there
+    # samples its next token there
 
 
 @dataclass
 class InFlightStep:
     """A step launched on the decoder (Engine.launch) and not yet collected."""
+
     serial: int
-    work: list[tuple[int, np.ndarray, bool]]   # (sequence, its tokens this step, samples a token)
-    states: list[SequenceState]                # the work's sequences at launch (one freed meanwhile is skipped)
-    unknown: list[SequenceOutput]                   # decodes of sequences the engine does not hold
-    decode_ids: tuple[int, ...]                # as asked for: the order of UNKNOWN_SEQUENCE answers
-    scored: set[int]                           # sequences whose prompt chunk is scored (prompt_logprobs)
+    work: list[tuple[int, np.ndarray, bool]]  # (sequence, its tokens this step, samples a token)
+    states: list[SequenceState]  # the work's sequences at launch (one freed meanwhile is skipped)
+    unknown: list[SequenceOutput]  # decodes of sequences the engine does not hold
+    decode_ids: tuple[int, ...]  # as asked for: the order of UNKNOWN_SEQUENCE answers
+    scored: set[int]  # sequences whose prompt chunk is scored (prompt_logprobs)
     planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
     trace: StepTrace
-    started: float                             # perf_counter at launch
-    launched: object | None                    # the decoder's handle (None: nothing ran)
-    overlappable: bool                         # the next step may launch before this one is collected
+    started: float  # perf_counter at launch
+    launched: object | None  # the decoder's handle (None: nothing ran)
+    overlappable: bool  # the next step may launch before this one is collected
 
     @property
     def sequences(self) -> frozenset[int]:
@@ -115,8 +115,8 @@ class Engine:
         self.backend = self.decoder.backend
         self.allocator = BlockAllocator(config.resolved_num_kv_blocks, config.kv_block_size)
         self.sequences: dict[int, SequenceState] = {}
-        self.penalty_slots = PenaltySlots(config.max_batch_size)   # the backends hold as many state slots
-        self._in_flight: collections.deque[InFlightStep] = collections.deque()   # launched, not collected
+        self.penalty_slots = PenaltySlots(config.max_batch_size)  # the backends hold as many state slots
+        self._in_flight: collections.deque[InFlightStep] = collections.deque()  # launched, not collected
         self._serials = itertools.count()
 
     def warmup(self) -> None:
@@ -145,8 +145,12 @@ class Engine:
         return len(self.release(list(self.sequences)))
 
     # --- steps --------------------------------------------------------------------------------------
-    def step(self, prefill: Sequence[PrefillInput] = (), decode_ids: Sequence[int] = (),
-             routing_plan: RoutingPlan | None = None) -> StepResult:
+    def step(
+        self,
+        prefill: Sequence[PrefillInput] = (),
+        decode_ids: Sequence[int] = (),
+        routing_plan: RoutingPlan | None = None,
+    ) -> StepResult:
         """Runs prompt chunks and decodes in one forward pass; samples where a sequence wants a token.
         `routing_plan` (per MoE layer, expert -> step token indices, tokens in prompt-chunk-then-decode order)
         is the routing when routing=lut, and a prediction whose recall is measured otherwise."""
@@ -177,8 +181,13 @@ class Engine:
         """Whether `collect(step)` would return without waiting for the device."""
         return step.launched is None or self.decoder.ready(step.launched)
 
-    def launch(self, prefill: Sequence[PrefillInput] = (), decode_ids: Sequence[int] = (),
-               routing_plan: RoutingPlan | None = None, freed: frozenset[int] = frozenset()) -> InFlightStep:
+    def launch(
+        self,
+        prefill: Sequence[PrefillInput] = (),
+        decode_ids: Sequence[int] = (),
+        routing_plan: RoutingPlan | None = None,
+        freed: frozenset[int] = frozenset(),
+    ) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
         sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once.
@@ -188,15 +197,17 @@ class Engine:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
         work: list[tuple[int, np.ndarray, bool]] = []
-        created: list[int] = []      # a refused step starts nothing: these are dropped again
-        unknown = []     # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
-        fed: dict[int, int] = {}     # work index -> the row of the step in flight whose argmax is its token
+        created: list[int] = []  # a refused step starts nothing: these are dropped again
+        unknown = []  # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
+        fed: dict[int, int] = {}  # work index -> the row of the step in flight whose argmax is its token
         try:
             for chunk in prefill:
                 if self.sequences.get(chunk.request_id) is None:
                     if chunk.sampling is None:
-                        raise InvalidRequestError("sampling", f"sequence {chunk.request_id} is new: its first "
-                                                              f"chunk must carry sampling parameters")
+                        raise InvalidRequestError(
+                            "sampling",
+                            f"sequence {chunk.request_id} is new: its first chunk must carry sampling parameters",
+                        )
                     chunk.sampling.check_vocabulary(self.model_config.vocab_size)
                     self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
                     created.append(chunk.request_id)
@@ -213,17 +224,21 @@ class Engine:
                     continue
                 work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
             if not work:
-                return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None,
-                                    True)
+                return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
             token_ids = self._check_step(work)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
             mc = self.model_config
-            planned_ids = routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok) \
-                if routing_plan is not None else None
+            planned_ids = (
+                routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok)
+                if routing_plan is not None
+                else None
+            )
             if self.config.routing is RoutingMode.LUT and not planned_ids:
-                raise InvalidRequestError("routing_plan", "routing=lut needs a routing plan with every step "
-                                                          "(start the router with --routing-table)")
+                raise InvalidRequestError(
+                    "routing_plan",
+                    "routing=lut needs a routing plan with every step (start the router with --routing-table)",
+                )
         except (InvalidRequestError, CapacityError):
             self.release(created)
             raise
@@ -233,8 +248,11 @@ class Engine:
             rows[batch.seq_starts[list(fed)]] = list(fed.values())
             batch = replace(batch, fed_rows=rows)
         if planned_ids:
-            batch = replace(batch, expert_hints=planned_ids,
-                            routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None)
+            batch = replace(
+                batch,
+                expert_hints=planned_ids,
+                routed_experts=planned_ids if self.config.routing is RoutingMode.LUT else None,
+            )
         assert not any(work[j][0] in self.penalty_slots.slots for j in fed), "a penalised decode fed on the device"
         states = [self.sequences[rid] for rid, _, _ in work]
         started = time.perf_counter()
@@ -244,17 +262,35 @@ class Engine:
             seq.num_cached += len(tokens)
             if wants_token:
                 seq.pending, row = (serial, row), row + 1
-        overlappable = self.decoder.supports_overlap and penalties is None and not scored and all(
-            seq.sampler.plain_greedy and not seq.sampler.params.logprobs
-            for (_, _, wants_token), seq in zip(work, states) if wants_token)
-        step = InFlightStep(serial, work, states, unknown, tuple(decode_ids), scored, planned_ids, StepTrace(),
-                            started, launched, overlappable)
+        overlappable = (
+            self.decoder.supports_overlap
+            and penalties is None
+            and not scored
+            and all(
+                seq.sampler.plain_greedy and not seq.sampler.params.logprobs
+                for (_, _, wants_token), seq in zip(work, states)
+                if wants_token
+            )
+        )
+        step = InFlightStep(
+            serial,
+            work,
+            states,
+            unknown,
+            tuple(decode_ids),
+            scored,
+            planned_ids,
+            StepTrace(),
+            started,
+            launched,
+            overlappable,
+        )
         self._in_flight.append(step)
         return step
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Waits for a launched step and samples it: its StepResult. Steps are collected in launch order."""
-        if step.launched is None:        # nothing ran: every decode named an unknown sequence
+        if step.launched is None:  # nothing ran: every decode named an unknown sequence
             return StepResult(step.unknown, 0.0, 0.0, step.trace, None, HostLogits(np.zeros((0, 0), np.float32)))
         if not self._in_flight or self._in_flight[0] is not step:
             raise RuntimeError("steps are collected in the order they were launched")
@@ -262,18 +298,25 @@ class Engine:
         logits = self.decoder.finish(step.launched, step.trace)
         t1 = time.perf_counter()
         planned_ids = step.planned_ids
-        recall = routing_plan_recall(planned_ids, step.trace.expert_ids) \
-            if planned_ids and self.config.routing is RoutingMode.EXACT else None
+        recall = (
+            routing_plan_recall(planned_ids, step.trace.expert_ids)
+            if planned_ids and self.config.routing is RoutingMode.EXACT
+            else None
+        )
         outputs, gone = self._sample(step, logits)
         unknown = step.unknown
-        if gone:   # released since launch (non-finite logits in the step before): answered as if unknown at launch
+        if gone:  # released since launch (non-finite logits in the step before): answered as if unknown at launch
             ids = {*gone, *(out.request_id for out in unknown)}
-            unknown = [SequenceOutput(rid, error=UNKNOWN_SEQUENCE)
-                       for rid in [*step.decode_ids, *(r for r in gone if r not in step.decode_ids)] if rid in ids]
+            unknown = [
+                SequenceOutput(rid, error=UNKNOWN_SEQUENCE)
+                for rid in [*step.decode_ids, *(r for r in gone if r not in step.decode_ids)]
+                if rid in ids
+            ]
         outputs += unknown
         t2 = time.perf_counter()
-        return StepResult(outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits,
-                          step.trace.expert_cache)
+        return StepResult(
+            outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits, step.trace.expert_cache
+        )
 
     def _scored_prompts(self, chunks: list[tuple[int, np.ndarray, bool]]) -> set[int]:
         """The sequences whose prompt chunk this step scores (prompt_logprobs): every position of the chunk
@@ -281,8 +324,10 @@ class Engine:
         scored = {rid for rid, _, _ in chunks if self.sequences[rid].sampler.params.prompt_logprobs is not None}
         rows = sum(len(tokens) for rid, tokens, _ in chunks if rid in scored)
         if rows > self.config.max_batch_size:
-            raise InvalidRequestError("prompt_logprobs", f"{rows} prompt tokens to score in one step, at most "
-                                                         f"max_batch_size ({self.config.max_batch_size})")
+            raise InvalidRequestError(
+                "prompt_logprobs",
+                f"{rows} prompt tokens to score in one step, at most max_batch_size ({self.config.max_batch_size})",
+            )
         return scored
 
     def _penalties(self, work, first_decode: int, created: list[int]):
@@ -333,7 +378,7 @@ class Engine:
         for index, ((rid, tokens, wants_token), seq) in enumerate(zip(work, step.states) if scored else ()):
             top_k = seq.sampler.params.prompt_logprobs
             if rid in scored and top_k is not None:
-                n = len(tokens) - 1     # the chunk's last position scores what follows
+                n = len(tokens) - 1  # the chunk's last position scores what follows
                 scores.prompt(index, np.arange(row, row + n), seq.prompt_row, tokens, top_k)
                 seq.prompt_row = None if wants_token else logits[row + n].copy()
                 row += n + (not wants_token)
@@ -349,9 +394,15 @@ class Engine:
             top = sampled_scores.get(index) if sampled_scores else None
             if token is not None:
                 seq.last_token = token
-            outputs.append(SequenceOutput(rid, token, float(top.logprobs[0]) if top is not None else 0.0, top=top
-                                     if top is not None and top.top_ids.shape[1] else None,
-                                     prompt=prompt_scores.get(index) if prompt_scores else None))
+            outputs.append(
+                SequenceOutput(
+                    rid,
+                    token,
+                    float(top.logprobs[0]) if top is not None else 0.0,
+                    top=top if top is not None and top.top_ids.shape[1] else None,
+                    prompt=prompt_scores.get(index) if prompt_scores else None,
+                )
+            )
         return outputs, [rid for index, (rid, _, _) in enumerate(work) if index in gone]
 
     def _check_step(self, work: list[tuple[int, np.ndarray, bool]]) -> np.ndarray:
@@ -362,8 +413,9 @@ class Engine:
         if total > self.config.max_batch_tokens:
             raise InvalidRequestError("step", f"{total} tokens exceed max_batch_tokens {self.config.max_batch_tokens}")
         if len(work) > self.config.max_batch_size:
-            raise InvalidRequestError("step", f"{len(work)} sequences exceed max_batch_size "
-                                              f"{self.config.max_batch_size}")
+            raise InvalidRequestError(
+                "step", f"{len(work)} sequences exceed max_batch_size {self.config.max_batch_size}"
+            )
         seen = set()
         for rid, tokens, _ in work:
             if rid in seen:
@@ -372,8 +424,11 @@ class Engine:
             if tokens.size == 0:
                 raise InvalidRequestError("token_ids", f"sequence {rid}: empty chunk")
             if self.sequences[rid].num_cached + len(tokens) > limit:
-                raise InvalidRequestError("token_ids", f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
-                                                       f" tokens exceed max_position_embeddings {limit}")
+                raise InvalidRequestError(
+                    "token_ids",
+                    f"sequence {rid}: {self.sequences[rid].num_cached + len(tokens)}"
+                    f" tokens exceed max_position_embeddings {limit}",
+                )
         token_ids = np.concatenate([t for _, t, _ in work])
         if token_ids.min() < 0 or token_ids.max() >= vocab:
             rid = next(r for r, t, _ in work if t.min() < 0 or t.max() >= vocab)
@@ -382,12 +437,17 @@ class Engine:
         for rid, tokens, _ in work:
             needed = self.sequences[rid].num_cached + len(tokens)
             table = tables.get(rid)
-            if table is None or len(table) * block_size < needed:    # most decodes fit the last block
+            if table is None or len(table) * block_size < needed:  # most decodes fit the last block
                 self.allocator.ensure_capacity(rid, needed)
         return token_ids
 
-    def _build_batch(self, work: list[tuple[int, np.ndarray, bool]], token_ids: np.ndarray,
-                     all_logits: bool, scored: Set[int] = frozenset()) -> ForwardBatch:
+    def _build_batch(
+        self,
+        work: list[tuple[int, np.ndarray, bool]],
+        token_ids: np.ndarray,
+        all_logits: bool,
+        scored: Set[int] = frozenset(),
+    ) -> ForwardBatch:
         """token_ids: the work's tokens concatenated (as _check_step returns them). Logits rows: each sampling
         sequence's last position, in work order, then the positions of the `scored` prompt chunks (all but a
         sampling chunk's last, which is its sampling row)."""
@@ -403,14 +463,15 @@ class Engine:
             seq = sequences[rid]
             begin, start, n = seq_starts[-1], seq.num_cached, len(tokens)
             table = allocated[rid]
-            if n == 1:      # decode: plain ints (numpy calls cost more than they save on one element)
+            if n == 1:  # decode: plain ints (numpy calls cost more than they save on one element)
                 positions[begin] = start
                 slots[begin] = table[start // block_size] * block_size + start % block_size
             else:
                 pos = np.arange(start, start + n, dtype=np.int64)
-                positions[begin:begin + n] = pos
-                slots[begin:begin + n] = np.asarray(table, np.int64)[pos // block_size] * block_size \
-                    + pos % block_size
+                positions[begin : begin + n] = pos
+                slots[begin : begin + n] = (
+                    np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size
+                )
             if seq.block_array is None or len(seq.block_array) != len(table):
                 seq.block_array = np.asarray(table, dtype=np.int64)
             tables.append(seq.block_array)
@@ -422,8 +483,15 @@ class Engine:
                 logits_rows.append(begin + n - 1)
             if rid in scored:
                 scored_rows.extend(range(begin, begin + n - wants_token))
-        return ForwardBatch(token_ids, positions, np.asarray(seq_starts, np.int64), np.asarray(context_lens, np.int64),
-                            tables, slots, np.asarray(logits_rows + scored_rows, dtype=np.int64))
+        return ForwardBatch(
+            token_ids,
+            positions,
+            np.asarray(seq_starts, np.int64),
+            np.asarray(context_lens, np.int64),
+            tables,
+            slots,
+            np.asarray(logits_rows + scored_rows, dtype=np.int64),
+        )
 
     # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
     def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
@@ -437,8 +505,14 @@ class Engine:
         finally:
             self.release([request_id])
 
-    def generate(self, token_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 stop_token_ids=(), request_id: int = -1) -> tuple[list[int], list[float], str]:
+    def generate(
+        self,
+        token_ids,
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop_token_ids=(),
+        request_id: int = -1,
+    ) -> tuple[list[int], list[float], str]:
         """Prefill then decode one sequence; returns (new ids, logprobs, stop reason: length|stop)."""
         tokens: list[int] = []
         logprobs: list[float] = []

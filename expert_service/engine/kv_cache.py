@@ -4,6 +4,7 @@ A sequence owns a block table (pool block ids in position order); token at posit
 ``table[p // block_size]`` at row ``p % block_size``. Admission is by free blocks: the allocator refuses
 (CapacityError) rather than growing, and freeing returns a sequence's blocks at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class BlockAllocator:
             raise CapacityError(f"KV cache: num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.tables: dict[int, list[int]] = {}
 
     @property
@@ -43,8 +44,10 @@ class BlockAllocator:
         if extra > len(self._free):
             if not table:
                 del self.tables[seq_id]
-            raise CapacityError(f"KV cache: sequence {seq_id} needs {extra} more blocks for {num_tokens} tokens, "
-                                f"{len(self._free)} of {self.num_blocks} free")
+            raise CapacityError(
+                f"KV cache: sequence {seq_id} needs {extra} more blocks for {num_tokens} tokens, "
+                f"{len(self._free)} of {self.num_blocks} free"
+            )
         for _ in range(max(extra, 0)):
             table.append(self._free.pop())
         return table
@@ -58,12 +61,14 @@ class BlockAllocator:
 @dataclass
 class KVPool:
     """K and V storage: [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."""
+
     k: np.ndarray
     v: np.ndarray
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=np.float32) -> KVPool:
+    def allocate(
+        cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=np.float32
+    ) -> KVPool:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(np.zeros(shape, dtype), np.zeros(shape, dtype))
 

@@ -6,21 +6,23 @@ suppression, temperature and top-k/top-p -- as vLLM reports them by default (its
 numbers say what the model thinks of the text, whatever the sampling settings. Vectorised over the rows of a
 step; top ids are ordered by log-probability, ties by the lower id.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-MAX_TOP_LOGPROBS = 20      # OpenAI's bound on top_logprobs
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """n positions: the chosen token's log-probability and the k most likely tokens of each."""
-    logprobs: np.ndarray       # [n] float32 (NaN: no distribution, the prompt's first token)
-    top_ids: np.ndarray        # [n, k] int32, most likely first
-    top_logprobs: np.ndarray   # [n, k] float32
+
+    logprobs: np.ndarray  # [n] float32 (NaN: no distribution, the prompt's first token)
+    top_ids: np.ndarray  # [n, k] int32, most likely first
+    top_logprobs: np.ndarray  # [n, k] float32
 
     def __len__(self) -> int:
         return len(self.logprobs)
@@ -31,8 +33,11 @@ class TokenLogprobs:
 
     @classmethod
     def concat(cls, parts: list[TokenLogprobs]) -> TokenLogprobs:
-        return cls(np.concatenate([p.logprobs for p in parts]), np.concatenate([p.top_ids for p in parts]),
-                   np.concatenate([p.top_logprobs for p in parts]))
+        return cls(
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.top_ids for p in parts]),
+            np.concatenate([p.top_logprobs for p in parts]),
+        )
 
 
 def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
@@ -51,11 +56,11 @@ def top_k_rows(logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
     part = np.argpartition(-logprobs, k - 1, axis=1)[:, :k] if k < vocab else np.tile(np.arange(vocab), (n, 1))
     values = np.take_along_axis(logprobs, part, axis=1)
-    if k < vocab:     # argpartition keeps arbitrary ids among values tied at the k-th place: keep the lowest
+    if k < vocab:  # argpartition keeps arbitrary ids among values tied at the k-th place: keep the lowest
         kth = values.min(axis=1, keepdims=True)
         for r in np.flatnonzero((logprobs == kth).sum(axis=1) > (values == kth).sum(axis=1)):
             above = np.flatnonzero(logprobs[r] > kth[r])
-            part[r] = np.concatenate([above, np.flatnonzero(logprobs[r] == kth[r])[:k - len(above)]])
+            part[r] = np.concatenate([above, np.flatnonzero(logprobs[r] == kth[r])[: k - len(above)]])
             values[r] = logprobs[r, part[r]]
     order = np.lexsort((part, -values), axis=1)
     ids = np.take_along_axis(part, order, axis=1)
@@ -78,8 +83,9 @@ def prompt_logprobs(rows: np.ndarray, previous_row: np.ndarray | None, tokens: n
     rows: [len(tokens) - 1, V] raw logits of the chunk's positions but its last."""
     if previous_row is None:
         kk = min(k, rows.shape[1])
-        first = TokenLogprobs(np.full(1, np.nan, np.float32), np.full((1, kk), -1, np.int32),
-                              np.full((1, kk), np.nan, np.float32))
+        first = TokenLogprobs(
+            np.full(1, np.nan, np.float32), np.full((1, kk), -1, np.int32), np.full((1, kk), np.nan, np.float32)
+        )
     else:
         first = token_logprobs(previous_row[None, :], tokens[:1], k)
     return TokenLogprobs.concat([first, token_logprobs(rows, tokens[1:], k)]) if len(tokens) > 1 else first
@@ -91,7 +97,7 @@ class StepScores:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self._sampled: list[tuple[object, int, int, int]] = []          # (key, row, token, k)
+        self._sampled: list[tuple[object, int, int, int]] = []  # (key, row, token, k)
         self._prompts: list[tuple[object, np.ndarray, np.ndarray | None, np.ndarray, int]] = []
 
     def __bool__(self) -> bool:
@@ -110,12 +116,16 @@ class StepScores:
         sampled = {}
         if self._sampled:
             k_max = max(k for _, _, _, k in self._sampled)
-            scored = token_logprobs(np.stack([logits[row] for _, row, _, _ in self._sampled]),
-                                    np.array([t for _, _, t, _ in self._sampled]), k_max)
+            scored = token_logprobs(
+                np.stack([logits[row] for _, row, _, _ in self._sampled]),
+                np.array([t for _, _, t, _ in self._sampled]),
+                k_max,
+            )
             for i, (key, _, _, k) in enumerate(self._sampled):
                 kk = min(k, scored.top_ids.shape[1])
-                sampled[key] = TokenLogprobs(scored.logprobs[i:i + 1], scored.top_ids[i:i + 1, :kk],
-                                             scored.top_logprobs[i:i + 1, :kk])
+                sampled[key] = TokenLogprobs(
+                    scored.logprobs[i : i + 1], scored.top_ids[i : i + 1, :kk], scored.top_logprobs[i : i + 1, :kk]
+                )
         prompts = {}
         for key, rows, previous_row, tokens, k in self._prompts:
             block = np.stack([logits[r] for r in rows]) if len(rows) else np.zeros((0, self.vocab_size), np.float32)

@@ -15,6 +15,7 @@ take 19 MiB. A step updates the state before it applies it: each prompt chunk ma
 decode counts its input token -- the token the sequence sampled in the step before, which the worker feeds
 itself (the router only sends a placeholder while that step is in flight).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,8 @@ from common.errors import CapacityError, InvalidRequestError
 
 MAX_PRESENCE_FREQUENCY = 2.0
 PROMPT_BIT = 1
-COUNT_ONE = 2                 # an output occurrence adds this to the word
-SATURATED = 0xFFFE            # a word at or above this no longer counts up
+COUNT_ONE = 2  # an output occurrence adds this to the word
+SATURATED = 0xFFFE  # a word at or above this no longer counts up
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -39,12 +40,15 @@ class PenaltyParams:
 
     def __post_init__(self):
         if not math.isfinite(self.repetition) or self.repetition <= 0:
-            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0 (1 = off), got "
-                                                            f"{self.repetition:g}")
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be a finite number > 0 (1 = off), got {self.repetition:g}"
+            )
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
             if not math.isfinite(value) or abs(value) > MAX_PRESENCE_FREQUENCY:
-                raise InvalidRequestError(name, f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, "
-                                                f"{MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}")
+                raise InvalidRequestError(
+                    name,
+                    f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}",
+                )
 
     @property
     def active(self) -> bool:
@@ -54,14 +58,15 @@ class PenaltyParams:
 @dataclass(frozen=True, slots=True)
 class PenaltyBatch:
     """One step's penalty work. Rows are the step's first logits rows (the sampling rows), in order."""
-    reset_slots: np.ndarray       # [n] int32: slots taken by a new sequence, zeroed before the updates
-    update_slots: np.ndarray      # [U] int32
-    update_tokens: np.ndarray     # [U] int32
-    update_output: np.ndarray     # [U] int32: 1 = an output token (count + 1), 0 = a prompt token (mark)
-    row_slots: np.ndarray         # [R] int32: each sampling row's slot, -1 = not penalised
-    repetition: np.ndarray        # [R] float32
-    presence: np.ndarray          # [R] float32
-    frequency: np.ndarray         # [R] float32
+
+    reset_slots: np.ndarray  # [n] int32: slots taken by a new sequence, zeroed before the updates
+    update_slots: np.ndarray  # [U] int32
+    update_tokens: np.ndarray  # [U] int32
+    update_output: np.ndarray  # [U] int32: 1 = an output token (count + 1), 0 = a prompt token (mark)
+    row_slots: np.ndarray  # [R] int32: each sampling row's slot, -1 = not penalised
+    repetition: np.ndarray  # [R] float32
+    presence: np.ndarray  # [R] float32
+    frequency: np.ndarray  # [R] float32
 
     @property
     def num_rows(self) -> int:
@@ -84,8 +89,10 @@ class PenaltySlots:
     def acquire(self, request_id: int) -> int:
         """A slot for a new penalised sequence (zeroed by the step that starts it)."""
         if not self._free:
-            raise CapacityError(f"penalties: all {self.num_slots} penalty slots are held (at most max_batch_size "
-                                f"sequences with repetition/presence/frequency penalties at once)")
+            raise CapacityError(
+                f"penalties: all {self.num_slots} penalty slots are held (at most max_batch_size "
+                f"sequences with repetition/presence/frequency penalties at once)"
+            )
         slot = self.slots[request_id] = self._free.pop()
         return slot
 
@@ -106,7 +113,7 @@ class PenaltyBatchBuilder:
         self.resets: list[int] = []
         self.prompt_slots: list[np.ndarray] = []
         self.prompt_tokens: list[np.ndarray] = []
-        self.output_slots: list[int] = []          # plain ints: a decode step adds one per sequence
+        self.output_slots: list[int] = []  # plain ints: a decode step adds one per sequence
         self.output_tokens: list[int] = []
         self.rows: list[tuple[int, PenaltyParams | None]] = []
 
@@ -148,7 +155,8 @@ class PenaltyBatchBuilder:
             row_slots=np.asarray([slot for slot, _ in self.rows], np.int32),
             repetition=np.asarray([p.repetition for p in params], np.float32),
             presence=np.asarray([p.presence for p in params], np.float32),
-            frequency=np.asarray([p.frequency for p in params], np.float32))
+            frequency=np.asarray([p.frequency for p in params], np.float32),
+        )
 
 
 def update_state(words: np.ndarray, batch: PenaltyBatch) -> None:
@@ -163,14 +171,15 @@ def update_state(words: np.ndarray, batch: PenaltyBatch) -> None:
     words[slots, tokens] = np.where(current < SATURATED, current + COUNT_ONE, current)
 
 
-def apply_penalties(logits: np.ndarray, words: np.ndarray, repetition: np.ndarray, presence: np.ndarray,
-                    frequency: np.ndarray) -> np.ndarray:
+def apply_penalties(
+    logits: np.ndarray, words: np.ndarray, repetition: np.ndarray, presence: np.ndarray, frequency: np.ndarray
+) -> np.ndarray:
     """Penalised copy of `logits` [R, V] float32, row r under state words [R, V] uint16 and its parameters
     [R] (the numpy reference of the apply_penalties kernel; float32 arithmetic, in the module's order)."""
     x = logits.astype(np.float32, copy=True)
     rep = repetition.astype(np.float32)[:, None]
     seen = words != 0
-    with np.errstate(over="ignore"):          # clamped below
+    with np.errstate(over="ignore"):  # clamped below
         x = np.where(seen, np.where(x < 0, x * rep, x / rep), x)
     counts = (words >> 1).astype(np.float32)
     x = x - frequency.astype(np.float32)[:, None] * counts

@@ -3,6 +3,7 @@ backend), then temperature 0 = greedy; otherwise logits / temperature, then top-
 (1 = off), then one draw from the sequence's own seeded generator, so the same seed gives the same tokens
 whatever else shares the batch. Log-probabilities are of the raw logits (expert_service/engine/logprobs.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +23,11 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()   # suppressed until min_new_tokens tokens were generated
+    stop_token_ids: tuple[int, ...] = ()  # suppressed until min_new_tokens tokens were generated
     min_new_tokens: int = 0
     logprobs: bool = False
-    top_logprobs: int = 0                 # with logprobs: the most likely tokens of each sampled position
-    prompt_logprobs: int | None = None    # score the prompt with this many top tokens per position; None = off
+    top_logprobs: int = 0  # with logprobs: the most likely tokens of each sampled position
+    prompt_logprobs: int | None = None  # score the prompt with this many top tokens per position; None = off
     penalties: PenaltyParams = PenaltyParams()
 
     def __post_init__(self):
@@ -45,9 +46,9 @@ class SamplingParams:
     def check_vocabulary(self, vocab_size: int) -> None:
         """Every id this sequence names must be a row of the logits."""
         if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
-            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab_size}), got "
-                                                        f"{max(self.stop_token_ids)}")
-
+            raise InvalidRequestError(
+                "stop_token_ids", f"ids must be in [0, {vocab_size}), got {max(self.stop_token_ids)}"
+            )
 
 
 class Sampler:
@@ -100,7 +101,7 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """Masks (to -inf) every token outside the top-k and outside the top-p nucleus."""
     out = logits.copy()
     if 0 < top_k < out.size:
-        keep = np.argpartition(-out, top_k - 1)[:top_k]   # exactly k survive, even with ties
+        keep = np.argpartition(-out, top_k - 1)[:top_k]  # exactly k survive, even with ties
         mask = np.ones(out.size, dtype=bool)
         mask[keep] = False
         out[mask] = -np.inf
@@ -108,6 +109,6 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
         order = np.argsort(-out, kind="stable")
         probs = np.exp(out[order] - out[order[0]])
         probs /= probs.sum()
-        before = np.cumsum(probs) - probs            # mass strictly ahead of each token
-        out[order[before >= top_p]] = -np.inf        # the top token (before = 0) always stays
+        before = np.cumsum(probs) - probs  # mass strictly ahead of each token
+        out[order[before >= top_p]] = -np.inf  # the top token (before = 0) always stays
     return out

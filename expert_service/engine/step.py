@@ -6,6 +6,7 @@ and returns ``Logits``: the rows the sampler reads, wherever they live. Greedy s
 when a sequence samples or asks for logprobs. A ``StepTrace`` collects what the pass observed (exact routing,
 expert-cache counts). Both backends are built the same way: ``Decoder(model, config, slot_plan)``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -23,28 +24,30 @@ from expert_service.experts.slots import SlotPlan
 @dataclass(frozen=True, slots=True)
 class ForwardBatch:
     """One step's tokens: sequence s owns rows seq_starts[s]:seq_starts[s+1] of every [T, ...] array."""
-    token_ids: np.ndarray          # [T] int64
-    positions: np.ndarray          # [T] int64, position of each token in its sequence
-    seq_starts: np.ndarray         # [S + 1] int64
-    context_lens: np.ndarray       # [S] tokens of each sequence in the cache after this step
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64, position of each token in its sequence
+    seq_starts: np.ndarray  # [S + 1] int64
+    context_lens: np.ndarray  # [S] tokens of each sequence in the cache after this step
     block_tables: list[np.ndarray]  # S x [blocks] int64
-    slot_mapping: np.ndarray       # [T] flat pool slot (block * block_size + row) of each token
-    logits_rows: np.ndarray        # rows whose logits are wanted (e.g. each sequence's last token)
-    routed_experts: dict[int, np.ndarray] | None = None   # routing=lut: layer -> planned expert ids [T, k]
-    expert_hints: dict[int, np.ndarray] | None = None    # the router's plan (either routing): layer -> [T, k],
-                                                         # what the expert cache prefetches from
-    penalties: PenaltyBatch | None = None   # penalty state updates and the penalised sampling rows (the first
-                                            # rows of logits_rows); None: no penalised sequence in the step
-    fed_rows: np.ndarray | None = None      # [T] int32: the logits row of the step launched just before whose
-                                            # argmax is this token (a decode whose input is still on the
-                                            # device), or -1 (token_ids holds it); None: all -1
+    slot_mapping: np.ndarray  # [T] flat pool slot (block * block_size + row) of each token
+    logits_rows: np.ndarray  # rows whose logits are wanted (e.g. each sequence's last token)
+    routed_experts: dict[int, np.ndarray] | None = None  # routing=lut: layer -> planned expert ids [T, k]
+    expert_hints: dict[int, np.ndarray] | None = None  # the router's plan (either routing): layer -> [T, k],
+    # what the expert cache prefetches from
+    penalties: PenaltyBatch | None = None  # penalty state updates and the penalised sampling rows (the first
+    # rows of logits_rows); None: no penalised sequence in the step
+    fed_rows: np.ndarray | None = None  # [T] int32: the logits row of the step launched just before whose
+    # argmax is this token (a decode whose input is still on the
+    # device), or -1 (token_ids holds it); None: all -1
 
 
 @dataclass
 class StepTrace:
     """What a forward pass observed, for routing-plan recall and expert statistics."""
-    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)   # layer -> [T, K]
-    expert_cache: CacheStats | None = None      # this step's expert-cache counts (None: all experts resident)
+
+    expert_ids: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [T, K]
+    expert_cache: CacheStats | None = None  # this step's expert-cache counts (None: all experts resident)
 
 
 class Logits(Protocol):
@@ -92,10 +95,11 @@ class HostLogits:
 class Decoder(Protocol):
     """A compute backend: weights, the KV pool and the forward pass. Constructed as
     ``Decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan)``."""
+
     backend: Backend
-    slot_plan: SlotPlan       # how its experts are held (all resident, or a cache of slots)
-    supports_overlap: bool    # a step may be launched before the one ahead of it is finished (its greedy rows
-                              # feed the later step's decodes: batch.fed_rows)
+    slot_plan: SlotPlan  # how its experts are held (all resident, or a cache of slots)
+    supports_overlap: bool  # a step may be launched before the one ahead of it is finished (its greedy rows
+    # feed the later step's decodes: batch.fed_rows)
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
         """Runs the step, writing its K/V into the pool; logits of ``batch.logits_rows``."""

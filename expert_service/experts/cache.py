@@ -20,6 +20,7 @@ demand and prefetch, in stored bytes: (misses + prefetches_issued) x expert bloc
 *used* when a later `acquire` hits the expert it brought in. ``stall_seconds`` is the time compute waited
 on copies.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,12 +71,12 @@ POLICIES = {"lru": LruPolicy}
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    hits: int = 0                  # needed experts found resident or pending in a slot
-    misses: int = 0                # needed experts that had to be copied when the step asked for them
-    bytes_copied: int = 0          # stored bytes of every copy issued (demand + prefetch)
-    prefetches_issued: int = 0     # copies issued by `prefetch`
-    prefetches_used: int = 0       # prefetched experts that a later `acquire` hit
-    stall_seconds: float = 0.0     # time compute waited on copies
+    hits: int = 0  # needed experts found resident or pending in a slot
+    misses: int = 0  # needed experts that had to be copied when the step asked for them
+    bytes_copied: int = 0  # stored bytes of every copy issued (demand + prefetch)
+    prefetches_issued: int = 0  # copies issued by `prefetch`
+    prefetches_used: int = 0  # prefetched experts that a later `acquire` hit
+    stall_seconds: float = 0.0  # time compute waited on copies
 
     def __add__(self, other: CacheStats) -> CacheStats:
         return CacheStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -86,9 +87,9 @@ class CacheStats:
         return self.hits / total if total else 1.0
 
 
-
 class _Counters:
     """CacheStats being counted (one step's, or the whole run's)."""
+
     __slots__ = ("hits", "misses", "bytes_copied", "prefetches_issued", "prefetches_used", "stall_seconds")
 
     def __init__(self) -> None:
@@ -103,17 +104,24 @@ class _Layer:
     """One MoE layer's slots."""
 
     def __init__(self, num_slots: int):
-        self.expert = [EMPTY] * num_slots               # expert held (or being copied) by each slot
-        self.pending: list[CopyHandle | None] = [None] * num_slots   # handle of the latest copy, until waited on
-        self.prefetched = [False] * num_slots           # filled by a prefetch not yet hit
-        self.in_use: set[int] = set()                   # slots the running step computes with
-        self.protected: set[int] = set()                # slots acquired or prefetched during this step
-        self.slot_of: dict[int, int] = {}               # expert -> slot
+        self.expert = [EMPTY] * num_slots  # expert held (or being copied) by each slot
+        self.pending: list[CopyHandle | None] = [None] * num_slots  # handle of the latest copy, until waited on
+        self.prefetched = [False] * num_slots  # filled by a prefetch not yet hit
+        self.in_use: set[int] = set()  # slots the running step computes with
+        self.protected: set[int] = set()  # slots acquired or prefetched during this step
+        self.slot_of: dict[int, int] = {}  # expert -> slot
 
 
 class ExpertCache:
-    def __init__(self, moe_layers: Iterable[int], num_experts: int, slots_per_layer: int, expert_nbytes: int,
-                 copy_engine: CopyEngine, policy: str | ReplacementPolicy = "lru"):
+    def __init__(
+        self,
+        moe_layers: Iterable[int],
+        num_experts: int,
+        slots_per_layer: int,
+        expert_nbytes: int,
+        copy_engine: CopyEngine,
+        policy: str | ReplacementPolicy = "lru",
+    ):
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
         self.num_experts = num_experts
@@ -150,10 +158,12 @@ class ExpertCache:
         misses = [e for e in experts if e not in state.slot_of]
         free = [s for s in range(self.slots_per_layer) if s not in state.in_use]
         if len(experts) - sum(state.slot_of.get(e) in state.in_use for e in experts) > len(free):
-            raise ValueError(f"layer {layer}: {len(experts)} experts do not fit {len(free)} free slots "
-                             f"(use stream() to run them in waves)")
+            raise ValueError(
+                f"layer {layer}: {len(experts)} experts do not fit {len(free)} free slots "
+                f"(use stream() to run them in waves)"
+            )
         slots: dict[int, int] = {}
-        for e in experts:                       # hits first: mark them in use before any victim is chosen
+        for e in experts:  # hits first: mark them in use before any victim is chosen
             if e in state.slot_of:
                 slot = slots[e] = state.slot_of[e]
                 self._step.hits += 1
@@ -196,10 +206,10 @@ class ExpertCache:
         and released when the next wave is asked for."""
         state = self.layers[layer]
         experts = list(dict.fromkeys(int(e) for e in experts))
-        experts.sort(key=lambda e: e not in state.slot_of)          # stable: residents first
+        experts.sort(key=lambda e: e not in state.slot_of)  # stable: residents first
         size = self.slots_per_layer
         for start in range(0, len(experts), size):
-            wave = self.acquire(layer, experts[start:start + size], wait=False)
+            wave = self.acquire(layer, experts[start : start + size], wait=False)
             for slot in wave.values():
                 self.wait(layer, slot)
             yield wave
@@ -217,7 +227,7 @@ class ExpertCache:
         never evicts the running step's weights nor an earlier prediction for it."""
         state, issued = self.layers[layer], 0
         for e in dict.fromkeys(int(e) for e in experts):
-            if e in state.slot_of:                       # already there: keep it for this step
+            if e in state.slot_of:  # already there: keep it for this step
                 slot = state.slot_of[e]
                 state.protected.add(slot)
                 self.policy.touch(layer, slot)

@@ -4,6 +4,7 @@ the same arrays become CSR routing plans and the CUDA kernels' work lists.
 
 Shapes: T tokens, K experts per token, E experts. ``expert_ids`` [T, K] int.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +14,8 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class ExpertGroups:
-    offsets: np.ndarray      # [E + 1] int64: assignments of expert e are order[offsets[e]:offsets[e+1]]
-    order: np.ndarray        # [T*K] int64: flat assignment indices (t * K + k), grouped by expert, stable
+    offsets: np.ndarray  # [E + 1] int64: assignments of expert e are order[offsets[e]:offsets[e+1]]
+    order: np.ndarray  # [T*K] int64: flat assignment indices (t * K + k), grouped by expert, stable
     top_k: int
 
     @property
@@ -29,7 +30,7 @@ class ExpertGroups:
         return np.flatnonzero(self.counts())
 
     def tokens_of(self, expert: int) -> np.ndarray:
-        return self.token_indices[self.offsets[expert]:self.offsets[expert + 1]]
+        return self.token_indices[self.offsets[expert] : self.offsets[expert + 1]]
 
 
 def group_by_expert(expert_ids: np.ndarray, num_experts: int) -> ExpertGroups:

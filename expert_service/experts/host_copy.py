@@ -3,6 +3,7 @@ model's mmap and widens it into the slot on a single background thread, which st
 stream: copies run in issue order and overlap with the numpy compute on the model thread (numpy releases
 the GIL). Copies are accounted as the stored block's bytes — what a host-to-device copy would move.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,8 +21,10 @@ class HostCopyEngine:
         self.model = model
         prefix = f"layers.{moe_layers[0]}.experts.0."
         self._shapes = tuple(model.entries[prefix + p].shape for p in ("gate_proj", "up_proj", "down_proj"))
-        self.slots = {layer: [tuple(np.zeros(s, dtype=np.float32) for s in self._shapes)
-                              for _ in range(slots_per_layer)] for layer in moe_layers}
+        self.slots = {
+            layer: [tuple(np.zeros(s, dtype=np.float32) for s in self._shapes) for _ in range(slots_per_layer)]
+            for layer in moe_layers
+        }
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-expert-copy")
 
     @property
@@ -38,13 +41,13 @@ class HostCopyEngine:
     def _copy(self, layer: int, expert: int, slot: int) -> None:
         file, offset, nbytes = self.model.expert_block(layer, expert)
         dtype = self.model.dtype
-        block = self.model._map(file)[offset:offset + nbytes].view(dtypes.STORAGE[dtype])
+        block = self.model._map(file)[offset : offset + nbytes].view(dtypes.STORAGE[dtype])
         start = 0
         for dst, shape in zip(self.slots[layer][slot], self._shapes):
             n = shape[0] * shape[1]
-            src = block[start:start + n].reshape(shape)
+            src = block[start : start + n].reshape(shape)
             start += n
-            if dtype == "bfloat16":      # widen in place: bf16 words are the top half of a float32
+            if dtype == "bfloat16":  # widen in place: bf16 words are the top half of a float32
                 bits = dst.view(np.uint32)
                 np.copyto(bits, src)
                 bits <<= 16

@@ -3,6 +3,7 @@ per-layer prediction of which experts each of the step's tokens goes to. With `r
 routing (combine weights = softmax of the gate logits of just the planned experts); with `routing=exact` it is
 a prediction whose recall is measured.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """How experts are held: all resident on the backend, or a fixed number of slots per MoE layer acting as a
 cache over the full host copy of the experts (`ExpertCache`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,23 +8,23 @@ from dataclasses import dataclass
 from common.model_format import ModelDir
 
 # --- slot plan ---------------------------------------------------------------------------------
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
 class SlotPlan:
     """How experts are held: all resident, or `slots_per_layer` slots per MoE layer acting as a cache."""
-    slots_per_layer: int           # == num_experts when every expert is resident
+
+    slots_per_layer: int  # == num_experts when every expert is resident
     num_experts: int
     num_moe_layers: int
-    expert_block_bytes: int        # stored bytes of one expert (gate, up, down back to back)
-    budget_bytes: int              # the --expert-cache-gb budget (0: none given)
+    expert_block_bytes: int  # stored bytes of one expert (gate, up, down back to back)
+    budget_bytes: int  # the --expert-cache-gb budget (0: none given)
 
     @property
     def is_cached(self) -> bool:
         """Fewer slots than experts: the expert cache runs."""
         return self.slots_per_layer < self.num_experts
-
 
 
 def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:

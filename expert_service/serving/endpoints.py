@@ -4,6 +4,7 @@ Every bind failure is one line naming the role and the address ("worker gRPC 127
 and exits with AddressInUseError's code, which `colibri serve` does not restart. gRPC's SO_REUSEPORT is
 turned off, so a second worker on the same port fails instead of silently sharing it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -74,14 +75,17 @@ def prepare_socket(path: str, role: str) -> Path:
         raise ConfigError(f"socket: directory {parent} does not exist")
     mode = parent.stat().st_mode
     if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        log.warning("the socket directory %s is writable by every user: another user could replace the "
-                    "socket; use a directory only this user can write", parent)
+        log.warning(
+            "the socket directory %s is writable by every user: another user could replace the "
+            "socket; use a directory only this user can write",
+            parent,
+        )
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise AddressInUseError(f"{role} unix:{p} cannot be bound: a file that is not a socket is there")
         if _socket_in_use(p):
             raise AddressInUseError(f"{role} unix:{p} is in use")
-        p.unlink()          # stale: nobody listens on it
+        p.unlink()  # stale: nobody listens on it
     return p
 
 

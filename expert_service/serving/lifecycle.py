@@ -11,6 +11,7 @@ exiting. `WorkerHealth` publishes the standard grpc.health.v1 statuses from what
 
 After a worker fault every service is NOT_SERVING.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,7 +73,7 @@ class ModelThread(concurrent.futures.Executor):
             self._running_since = time.monotonic()
             try:
                 result = fn(*args, **kwargs)
-            except BaseException as e:      # handed to whoever waits for the job
+            except BaseException as e:  # handed to whoever waits for the job
                 future.set_exception(e)
             else:
                 future.set_result(result)
@@ -123,9 +124,9 @@ class WorkerHealth:
         self.servicer = health.HealthServicer()
         self.watchdog_s = watchdog_s
         self.model_thread: ModelThread | None = None
-        self.ready = False        # model verified and warmed up
+        self.ready = False  # model verified and warmed up
         self.draining = False
-        self.failed = False       # a worker fault: the process is exiting
+        self.failed = False  # a worker fault: the process is exiting
         self._beat_sent: float | None = None
         self._published: dict[str, int] = {}
         self._publish()
@@ -135,7 +136,7 @@ class WorkerHealth:
             return False
         thread = self.model_thread
         if thread is None:
-            return True           # still loading the model
+            return True  # still loading the model
         late_beat = self._beat_sent is not None and time.monotonic() - self._beat_sent > self.watchdog_s
         return thread.is_alive() and thread.busy_for() <= self.watchdog_s and not late_beat
 

@@ -6,6 +6,7 @@ SERVING. SIGTERM/SIGINT: readiness NOT_SERVING, new streams and new sequences re
 by the router's streams keep stepping until they are done or `drain_timeout_s` passes, then exit 0 (a second
 signal skips the rest of the drain). A worker fault exits 1. docs/security.md says who may call it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,41 +43,68 @@ from expert_service.serving.lifecycle import WorkerHealth, quiet_cancelled_strea
 from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
 from expert_service.serving.step_stream import UNARY
 
-ENGINE_CLOSE_WAIT_S = 5.0     # an idle model thread ends at once; one stuck in a step is not waited for
+ENGINE_CLOSE_WAIT_S = 5.0  # an idle model thread ends at once; one stuck in a step is not waited for
 
 log = logging.getLogger("colibri.worker")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    host: str = setting("127.0.0.1", "address to bind the worker's gRPC port (loopback: only the router "
-                        "sidecar should reach it)", env=("COLIBRI_WORKER_HOST",))
-    port: int = setting(50052, "worker gRPC port (0 = pick a free one); unused with --socket",
-                        env=("COLIBRI_WORKER_PORT",))
-    socket: str = setting("", "serve the RPCs on this Unix socket instead of TCP (absolute path; created with "
-                          "mode 0600 in an existing directory; a stale socket file is replaced)",
-                          env=("COLIBRI_WORKER_SOCKET",))
-    health_port: int = setting(0, "plaintext TCP port answering only grpc.health.v1 (for kubelet probes when "
-                               "the RPCs are on a Unix socket); 0 = off", env=("COLIBRI_WORKER_HEALTH_PORT",))
-    health_host: str = setting("0.0.0.0", "address of the health-only port (probes reach the pod IP)",
-                               env=("COLIBRI_WORKER_HEALTH_HOST",))
-    metrics_port: int = setting(9091, "worker Prometheus /metrics port; 0 = off",
-                                env=("COLIBRI_WORKER_METRICS_PORT",))
-    metrics_host: str = setting("127.0.0.1", "address of the /metrics port (0.0.0.0 to let Prometheus scrape "
-                                "it from outside the host or pod)", env=("COLIBRI_WORKER_METRICS_HOST",))
-    auth_token_file: str = setting("", f"file of accepted bearer tokens, one per line, re-read when it "
-                                   f"changes (or one token in env {TOKEN_ENV}); callers send "
-                                   f"`authorization: Bearer TOKEN`", env=("COLIBRI_WORKER_TOKEN_FILE",))
-    allow_unauthenticated: bool = setting(False, "serve a non-loopback TCP address without a token (refused "
-                                          "otherwise)", env=("COLIBRI_WORKER_ALLOW_UNAUTHENTICATED",))
-    drain_timeout_s: float = setting(30.0, "on SIGTERM/SIGINT, seconds the sequences held get to finish "
-                                     "(new ones are refused)", env=("COLIBRI_WORKER_DRAIN_TIMEOUT",))
-    model_name: str = setting("", "served model name (default: the model directory's name)",
-                              env=("COLIBRI_MODEL_NAME", "MODEL_ID"))
-    step_timeout_s: float = setting(300.0, "watchdog: a step running longer is a worker fault (liveness fails "
-                                    "too)", env=("COLIBRI_STEP_TIMEOUT_S",))
-    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message either way",
-                                     env=("COLIBRI_MAX_MESSAGE_BYTES",))
+    host: str = setting(
+        "127.0.0.1",
+        "address to bind the worker's gRPC port (loopback: only the router sidecar should reach it)",
+        env=("COLIBRI_WORKER_HOST",),
+    )
+    port: int = setting(
+        50052, "worker gRPC port (0 = pick a free one); unused with --socket", env=("COLIBRI_WORKER_PORT",)
+    )
+    socket: str = setting(
+        "",
+        "serve the RPCs on this Unix socket instead of TCP (absolute path; created with "
+        "mode 0600 in an existing directory; a stale socket file is replaced)",
+        env=("COLIBRI_WORKER_SOCKET",),
+    )
+    health_port: int = setting(
+        0,
+        "plaintext TCP port answering only grpc.health.v1 (for kubelet probes when "
+        "the RPCs are on a Unix socket); 0 = off",
+        env=("COLIBRI_WORKER_HEALTH_PORT",),
+    )
+    health_host: str = setting(
+        "0.0.0.0", "address of the health-only port (probes reach the pod IP)", env=("COLIBRI_WORKER_HEALTH_HOST",)
+    )
+    metrics_port: int = setting(9091, "worker Prometheus /metrics port; 0 = off", env=("COLIBRI_WORKER_METRICS_PORT",))
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "address of the /metrics port (0.0.0.0 to let Prometheus scrape it from outside the host or pod)",
+        env=("COLIBRI_WORKER_METRICS_HOST",),
+    )
+    auth_token_file: str = setting(
+        "",
+        f"file of accepted bearer tokens, one per line, re-read when it "
+        f"changes (or one token in env {TOKEN_ENV}); callers send "
+        f"`authorization: Bearer TOKEN`",
+        env=("COLIBRI_WORKER_TOKEN_FILE",),
+    )
+    allow_unauthenticated: bool = setting(
+        False,
+        "serve a non-loopback TCP address without a token (refused otherwise)",
+        env=("COLIBRI_WORKER_ALLOW_UNAUTHENTICATED",),
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM/SIGINT, seconds the sequences held get to finish (new ones are refused)",
+        env=("COLIBRI_WORKER_DRAIN_TIMEOUT",),
+    )
+    model_name: str = setting(
+        "", "served model name (default: the model directory's name)", env=("COLIBRI_MODEL_NAME", "MODEL_ID")
+    )
+    step_timeout_s: float = setting(
+        300.0, "watchdog: a step running longer is a worker fault (liveness fails too)", env=("COLIBRI_STEP_TIMEOUT_S",)
+    )
+    max_message_bytes: int = setting(
+        64 * 1024 * 1024, "largest gRPC message either way", env=("COLIBRI_MAX_MESSAGE_BYTES",)
+    )
     warmup_tokens: int = setting(64, "prompt tokens of the start-up warm-up step", env=("COLIBRI_WARMUP_TOKENS",))
     parent_pid: int = setting(0, "exit when this process is gone (set by `colibri serve`)", flag="parent-pid")
     log_level: str = setting("INFO", "log level", env=("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
@@ -106,8 +134,9 @@ def worker_interceptors(tokens: TokenSet, tracer_provider=None) -> list[grpc.aio
     refusal = Refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong worker token")
     auth = [BearerAuthInterceptor(tokens, refusal, (HEALTH_PREFIX, REFLECTION_PREFIX))] if tokens else []
     # The router polls Health about once a second outside any request: each poll would be a root span.
-    tracing = ServerTracingInterceptor(tracer_provider, exclude_prefixes=(
-        "/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health"))
+    tracing = ServerTracingInterceptor(
+        tracer_provider, exclude_prefixes=("/grpc.health.", "/grpc.reflection.", f"/{SERVICE_NAME}/Health")
+    )
     return [*auth, MalformedRequestGuard(), tracing]
 
 
@@ -115,13 +144,20 @@ def check_exposure(config: WorkerConfig, tokens: TokenSet) -> None:
     """Refuses an unauthenticated worker that other hosts can reach."""
     if config.socket or tokens or is_loopback(config.host):
         if not config.socket and not tokens:
-            log.warning("the worker on %s:%d has no token: every local process can call it (give "
-                        "--auth-token-file or %s, or use --socket)", config.host, config.port, TOKEN_ENV)
+            log.warning(
+                "the worker on %s:%d has no token: every local process can call it (give "
+                "--auth-token-file or %s, or use --socket)",
+                config.host,
+                config.port,
+                TOKEN_ENV,
+            )
         return
     if not config.allow_unauthenticated:
-        raise ConfigError(f"host: refusing to serve {config.host}:{config.port} (not loopback) without a token; "
-                          f"give --auth-token-file or {TOKEN_ENV}, use --socket, or pass --allow-unauthenticated "
-                          f"true")
+        raise ConfigError(
+            f"host: refusing to serve {config.host}:{config.port} (not loopback) without a token; "
+            f"give --auth-token-file or {TOKEN_ENV}, use --socket, or pass --allow-unauthenticated "
+            f"true"
+        )
     log.warning("the worker serves %s:%d without a token (--allow-unauthenticated)", config.host, config.port)
 
 
@@ -134,6 +170,7 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
             future.set_result(fn(*args))
         except BaseException as e:
             future.set_exception(e)
+
     threading.Thread(target=run, name="colibri-load", daemon=True).start()
     return asyncio.wrap_future(future)
 
@@ -145,7 +182,7 @@ async def _unless_stopped(work: asyncio.Future, stop: asyncio.Event):
     stopper.cancel()
     if work.done():
         return work.result()
-    work.add_done_callback(lambda f: f.cancelled() or f.exception())     # nobody waits for it any more
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it any more
     return None
 
 
@@ -155,6 +192,7 @@ async def _drain(servicer: WorkerServicer, timeout: float, hurry: asyncio.Event)
 
     def held() -> int:
         return sum(owner != UNARY for owner in list(servicer.sequence_owners.values()))
+
     if not held():
         return
     log.info("draining: %d sequences held, up to %.0f s", held(), timeout)
@@ -171,9 +209,15 @@ async def _drain(servicer: WorkerServicer, timeout: float, hurry: asyncio.Event)
     log.info("drained")
 
 
-async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfig, *,
-                stop: asyncio.Event | None = None, on_ready: Callable[[int, WorkerServicer], None] | None = None,
-                tracer_provider=None) -> int:
+async def serve(
+    model_dir: str,
+    config: WorkerConfig,
+    engine_config: EngineConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[int, WorkerServicer], None] | None = None,
+    tracer_provider=None,
+) -> int:
     """Serves until SIGTERM/SIGINT or `stop` (drain, then 0) or a worker fault (1). `on_ready(port,
     servicer)` runs once the worker is warm and SERVING (port 0 on a Unix socket); `tracer_provider` defaults
     to the process's (OTLP export only when configured)."""
@@ -184,12 +228,13 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         if stop.is_set():
             hurry.set()
         stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, on_signal)
-        except (NotImplementedError, RuntimeError):   # not the main thread (tests)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    model = ModelDir.open(model_dir, verify=False)     # the structure, before anything binds; bytes below
+    model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
     tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
     check_exposure(config, tokens)
     name = config.model_name or Path(model_dir).resolve().name
@@ -206,14 +251,22 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
     quiet_cancelled_streams()
     health = WorkerHealth(config.step_timeout_s)
     servicer = WorkerServicer(health, on_fatal, config.step_timeout_s, metrics, tracer_provider)
-    options = [("grpc.max_send_message_length", config.max_message_bytes),
-               ("grpc.max_receive_message_length", config.max_message_bytes), *SERVER_OPTIONS]
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        *SERVER_OPTIONS,
+    ]
     server = grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
-        (worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name, reflection.SERVICE_NAME,
-         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+        (
+            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+            reflection.SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ),
+        server,
+    )
     servers, tasks, metrics_server, port = [server], [], None, 0
     try:
         if config.socket:
@@ -227,16 +280,21 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
             bind_tcp(health_server, "worker health", config.health_host, config.health_port)
             servers.append(health_server)
         if config.metrics_port:
-            metrics_server, _, metrics_port = start_metrics_server(registry, config.metrics_port, config.metrics_host,
-                                                                   role="worker metrics")
+            metrics_server, _, metrics_port = start_metrics_server(
+                registry, config.metrics_port, config.metrics_host, role="worker metrics"
+            )
             log.info("metrics on %s:%d/metrics", config.metrics_host, metrics_port)
         for s in servers:
             await s.start()
         tasks.append(asyncio.create_task(health.watch(servicer.update_gauges)))
         if config.parent_pid:
             tasks.append(asyncio.create_task(_watch_parent(config.parent_pid, stop)))
-        log.info("worker listening on %s%s; loading %s", where, f", health on {config.health_host}:"
-                 f"{config.health_port}" if config.health_port else "", model_dir)
+        log.info(
+            "worker listening on %s%s; loading %s",
+            where,
+            f", health on {config.health_host}:{config.health_port}" if config.health_port else "",
+            model_dir,
+        )
 
         def load() -> Engine:
             if engine_config.verify_checksums:
@@ -244,6 +302,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
                 # leaves tqdm's lock held and its finalizer then hangs the process's exit.
                 model.verify(progress=sys.stderr.isatty())
             return build_engine(model, engine_config)
+
         engine = await _unless_stopped(_in_daemon_thread(load), stop)
         if engine is None:
             return exit_code[0]
@@ -251,14 +310,22 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         metrics.set_memory_plan(dict(servicer.memory_plan()))
         for item, num_bytes in servicer.memory_plan():
             log.info("memory plan: %s %.1f MiB", item, num_bytes / 2**20, extra={"item": item, "bytes": num_bytes})
-        warm_ms = await _unless_stopped(loop.run_in_executor(servicer.executor, servicer.warmup,
-                                                             config.warmup_tokens), stop)
+        warm_ms = await _unless_stopped(
+            loop.run_in_executor(servicer.executor, servicer.warmup, config.warmup_tokens), stop
+        )
         if warm_ms is None:
             return exit_code[0]
         servicer.mark_ready()
-        log.info("worker serving %s on %s (backend %s, %d KV blocks of %d tokens, warm-up %.0f ms)", name,
-                 where, engine.backend, engine.allocator.num_blocks, engine_config.kv_block_size, warm_ms,
-                 extra={"port": port})
+        log.info(
+            "worker serving %s on %s (backend %s, %d KV blocks of %d tokens, warm-up %.0f ms)",
+            name,
+            where,
+            engine.backend,
+            engine.allocator.num_blocks,
+            engine_config.kv_block_size,
+            warm_ms,
+            extra={"port": port},
+        )
         if on_ready is not None:
             on_ready(port, servicer)
         await stop.wait()
@@ -267,7 +334,7 @@ async def serve(model_dir: str, config: WorkerConfig, engine_config: EngineConfi
         return exit_code[0]
     finally:
         health.update(draining=True)
-        for s in servers:    # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
+        for s in servers:  # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
             await s.stop(0.5)
         for task in tasks:
             task.cancel()
@@ -292,7 +359,7 @@ async def _close_engine(servicer: WorkerServicer) -> None:
         return
     try:
         engine.close()
-    except Exception as e:    # stopping anyway: the process's exit releases what this could not
+    except Exception as e:  # stopping anyway: the process's exit releases what this could not
         log.warning("closing the engine failed: %s: %s", type(e).__name__, e)
 
 
@@ -311,7 +378,8 @@ async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
 def run(args: argparse.Namespace) -> int:
     file_values = load_config_file(args.config, "worker")
     config = resolve(WorkerConfig, file_values=file_values, flags=flag_values(args, WorkerConfig))
-    engine_config = resolve(EngineConfig, file_values=load_config_file(args.config, "engine"),
-                            flags=flag_values(args, EngineConfig))
+    engine_config = resolve(
+        EngineConfig, file_values=load_config_file(args.config, "engine"), flags=flag_values(args, EngineConfig)
+    )
     configure_logging("colibri-worker", config.log_level)
     return asyncio.run(serve(args.model, config, engine_config))

@@ -9,6 +9,7 @@ process exits non-zero so Kubernetes (or `colibri serve`) restarts it. A watchdo
 past ``step_timeout_s`` the same way. While the worker drains, new streams and new sequences are refused
 (UNAVAILABLE, or DRAINING for a sequence on a stream) and the sequences it holds keep stepping.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,13 +43,16 @@ from expert_service.serving.step_stream import (
 log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
 # method: (request, response, streaming)
-METHODS = {"Info": (pb.InfoRequest, pb.InfoResponse, False), "Warmup": (pb.WarmupRequest, pb.WarmupResponse, False),
-           "Prefill": (pb.PrefillRequest, pb.PrefillResponse, False),
-           "Decode": (pb.DecodeRequest, pb.DecodeResponse, False),
-           "FilterBatch": (pb.FilterBatchRequest, pb.FilterBatchResponse, False),
-           "ClearCache": (pb.ClearCacheRequest, pb.ClearCacheResponse, False),
-           "Health": (pb.HealthRequest, pb.HealthResponse, False),
-           "StepStream": (pb.StepStreamRequest, pb.StepStreamResponse, True)}
+METHODS = {
+    "Info": (pb.InfoRequest, pb.InfoResponse, False),
+    "Warmup": (pb.WarmupRequest, pb.WarmupResponse, False),
+    "Prefill": (pb.PrefillRequest, pb.PrefillResponse, False),
+    "Decode": (pb.DecodeRequest, pb.DecodeResponse, False),
+    "FilterBatch": (pb.FilterBatchRequest, pb.FilterBatchResponse, False),
+    "ClearCache": (pb.ClearCacheRequest, pb.ClearCacheResponse, False),
+    "Health": (pb.HealthRequest, pb.HealthResponse, False),
+    "StepStream": (pb.StepStreamRequest, pb.StepStreamResponse, True),
+}
 
 
 def add_to_server(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
@@ -57,15 +61,24 @@ def add_to_server(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
     handlers = {}
     for name, (request, response, streaming) in METHODS.items():
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(getattr(servicer, name), request_deserializer=request.FromString,
-                              response_serializer=response.SerializeToString)
+        handlers[name] = make(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 class WorkerServicer:
-    def __init__(self, health: WorkerHealth, on_fatal: Callable[[BaseException], None],
-                 step_timeout_s: float = 300.0, metrics=None, tracer_provider=None):
-        self.engine: Engine | None = None      # set by attach() once the model is loaded
+    def __init__(
+        self,
+        health: WorkerHealth,
+        on_fatal: Callable[[BaseException], None],
+        step_timeout_s: float = 300.0,
+        metrics=None,
+        tracer_provider=None,
+    ):
+        self.engine: Engine | None = None  # set by attach() once the model is loaded
         self.model_name = ""
         self.health = health
         self.on_fatal = on_fatal
@@ -74,7 +87,7 @@ class WorkerServicer:
         self.tracer_provider = tracer_provider
         self.executor = ModelThread()
         health.model_thread = self.executor
-        self.sequence_owners: dict[int, int] = {}    # sequence id -> the session that started it
+        self.sequence_owners: dict[int, int] = {}  # sequence id -> the session that started it
         self.open_streams = 0
         self.limits: StepLimits | None = None
         self._unary: StreamSession | None = None
@@ -127,12 +140,12 @@ class WorkerServicer:
         except TimeoutError:
             self._fatal(TimeoutError(f"watchdog: a model call ran past {self.step_timeout_s:.0f} s"))
             await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
-        except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast
+        except Exception as e:  # a worker fault (bug, CUDA error, OOM): fail fast
             self._fatal(e)
             await context.abort(grpc.StatusCode.INTERNAL, f"worker fault: {type(e).__name__}: {e}")
 
     def _fatal(self, error: BaseException) -> None:
-        if self.health.failed:      # one fault reaches here from every call that waited on it: logged once
+        if self.health.failed:  # one fault reaches here from every call that waited on it: logged once
             return
         log.error("worker fault, exiting", exc_info=error)
         self.health.update(failed=True)
@@ -142,25 +155,43 @@ class WorkerServicer:
         await self._require(context)
         e, mc = self.engine, self.engine.model_config
         return pb.InfoResponse(
-            family=mc.family, dtype=e.model.dtype, hf_config_json=json.dumps(e.model.hf_config),
-            vocab_size=mc.vocab_size, max_position_embeddings=mc.max_position_embeddings,
-            eos_token_ids=list(mc.eos_token_ids), kv_block_size=e.config.kv_block_size,
-            num_kv_blocks=e.allocator.num_blocks, max_batch_tokens=e.config.max_batch_tokens,
-            max_batch_size=e.config.max_batch_size, backend=e.backend, routing=e.config.routing,
+            family=mc.family,
+            dtype=e.model.dtype,
+            hf_config_json=json.dumps(e.model.hf_config),
+            vocab_size=mc.vocab_size,
+            max_position_embeddings=mc.max_position_embeddings,
+            eos_token_ids=list(mc.eos_token_ids),
+            kv_block_size=e.config.kv_block_size,
+            num_kv_blocks=e.allocator.num_blocks,
+            max_batch_tokens=e.config.max_batch_tokens,
+            max_batch_size=e.config.max_batch_size,
+            backend=e.backend,
+            routing=e.config.routing,
             memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
             model_name=self.model_name,
-            expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources))
+            expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources),
+        )
 
     def warmup(self, num_tokens: int) -> float:
         """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
         started = time.perf_counter()
         cfg, mc = self.engine.config, self.engine.model_config
-        n = max(1, min(num_tokens, cfg.max_batch_tokens, mc.max_position_embeddings,
-                       self.engine.allocator.num_free_blocks * cfg.kv_block_size))
+        n = max(
+            1,
+            min(
+                num_tokens,
+                cfg.max_batch_tokens,
+                mc.max_position_embeddings,
+                self.engine.allocator.num_free_blocks * cfg.kv_block_size,
+            ),
+        )
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
         self.engine.warmup()
-        routing_plan = warmup_routing_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n) \
-            if self.engine.config.routing == "lut" else None
+        routing_plan = (
+            warmup_routing_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n)
+            if self.engine.config.routing == "lut"
+            else None
+        )
         try:
             self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=routing_plan)
         finally:
@@ -172,8 +203,9 @@ class WorkerServicer:
         ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
-    async def _unary_step(self, context, request, message: type[pb.PrefillResponse | pb.DecodeResponse]
-                          ) -> pb.PrefillResponse | pb.DecodeResponse:
+    async def _unary_step(
+        self, context, request, message: type[pb.PrefillResponse | pb.DecodeResponse]
+    ) -> pb.PrefillResponse | pb.DecodeResponse:
         await self._require(context)
         started = time.perf_counter()
         try:
@@ -186,8 +218,9 @@ class WorkerServicer:
         if outcome.result is None:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if outcome.capacity else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, outcome.refused)
-        response = wire.unary_response(outcome.result, message, self.engine.allocator.num_used_blocks,
-                                       (time.perf_counter() - started) * 1e3)
+        response = wire.unary_response(
+            outcome.result, message, self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3
+        )
         self._observe(outcome.kind, outcome.result, response.timings.total_ms / 1e3)
         return response
 
@@ -208,20 +241,30 @@ class WorkerServicer:
         self.update_gauges()
         stats = result.expert_cache
         if stats is not None:
-            m.observe_expert_cache(stats.hits, stats.misses, stats.bytes_copied, stats.stall_seconds,
-                                   stats.prefetches_issued, stats.prefetches_used)
-        else:   # all experts resident: every use is a hit that costs nothing
+            m.observe_expert_cache(
+                stats.hits,
+                stats.misses,
+                stats.bytes_copied,
+                stats.stall_seconds,
+                stats.prefetches_issued,
+                stats.prefetches_used,
+            )
+        else:  # all experts resident: every use is a hit that costs nothing
             m.observe_expert_cache(sum(len(np.unique(ids)) for ids in result.trace.expert_ids.values()), 0, 0, 0.0)
         if result.trace.expert_ids:
             num_experts = e.model_config.num_experts
-            m.set_load_imbalance([np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
-                                  for ids in result.trace.expert_ids.values()])
+            m.set_load_imbalance(
+                [
+                    np.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+                    for ids in result.trace.expert_ids.values()
+                ]
+            )
 
     async def StepStream(self, request_iterator, context):
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
         await self._require(context, new_work=True)
         session = StreamSession(self.engine, self.sequence_owners, self.is_draining)
-        loop = asyncio.get_running_loop()      # a fault on the model thread reaches the fatal path on the loop
+        loop = asyncio.get_running_loop()  # a fault on the model thread reaches the fatal path on the loop
         pump = StepPump(session, self.executor, on_fault=lambda e: loop.call_soon_threadsafe(self._fatal, e))
         queued: asyncio.Queue = asyncio.Queue()
         unanswered = asyncio.Semaphore(MAX_STEPS_AHEAD)
@@ -232,11 +275,12 @@ class WorkerServicer:
                 async for request in request_iterator:
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
                     queued.put_nowait((span, self._submit(pump, request)))
-                    await unanswered.acquire()    # reads no further (gRPC flow control holds the client)
-            except Exception as e:     # the call went away under us (cancelled, reset): the loop below ends
+                    await unanswered.acquire()  # reads no further (gRPC flow control holds the client)
+            except Exception as e:  # the call went away under us (cancelled, reset): the loop below ends
                 log.debug("step stream closed while reading: %s", type(e).__name__)
             finally:
                 queued.put_nowait(None)
+
         self.open_streams += 1
         receiver, closing = asyncio.create_task(receive()), None
         try:
@@ -248,8 +292,8 @@ class WorkerServicer:
                 span.end()
                 yield self._stream_response(outcome)
                 unanswered.release()
-            closing = pump.close()    # the end reaches the caller once the stream's sequences are freed
-            with contextlib.suppress(Exception):    # a fault fails it too, and has taken the fatal path already
+            closing = pump.close()  # the end reaches the caller once the stream's sequences are freed
+            with contextlib.suppress(Exception):  # a fault fails it too, and has taken the fatal path already
                 await asyncio.shield(asyncio.wrap_future(closing))
         finally:
             receiver.cancel()
@@ -261,9 +305,9 @@ class WorkerServicer:
         """The step queued on the model thread, or its refusal when the request is malformed."""
         try:
             step = wire.step_request(request, self.limits)
-        except ColibriError as e:       # malformed: refuse this step alone
+        except ColibriError as e:  # malformed: refuse this step alone
             return StepAnswer(request.step_id, None, str(e), 0.0)
-        except Exception as e:          # a check missed something: still this step's problem alone
+        except Exception as e:  # a check missed something: still this step's problem alone
             log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
             return StepAnswer(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0)
         future = asyncio.wrap_future(pump.submit(step))
@@ -277,14 +321,14 @@ class WorkerServicer:
         except TimeoutError:
             self._fatal(TimeoutError(f"watchdog: a step ran past {self.step_timeout_s:.0f} s"))
             await context.abort(grpc.StatusCode.INTERNAL, "worker step timed out; the worker is restarting")
-        except Exception as e:   # a worker fault (bug, CUDA error, OOM): fail fast
+        except Exception as e:  # a worker fault (bug, CUDA error, OOM): fail fast
             self._fatal(e)
             await context.abort(grpc.StatusCode.INTERNAL, "worker fault; the worker is restarting")
 
     def _stream_response(self, outcome: StepAnswer) -> pb.StepStreamResponse:
         result, used = outcome.result, self.engine.allocator.num_used_blocks
         if result is None:
-            self.update_gauges()         # a frees-only step
+            self.update_gauges()  # a frees-only step
             return wire.refused_response(outcome.step_id, outcome.refused, used, outcome.seconds * 1e3)
         self._observe(outcome.kind, result, outcome.seconds)
         return wire.stream_response(result, outcome.step_id, used, outcome.seconds * 1e3)
@@ -305,8 +349,10 @@ class WorkerServicer:
     async def FilterBatch(self, request, context):
         await self._require(context)
         if len(request.keep_request_ids) > MAX_FREE_IDS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"keep_request_ids: {len(request.keep_request_ids)} "
-                                                                  f"ids, at most {MAX_FREE_IDS}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"keep_request_ids: {len(request.keep_request_ids)} ids, at most {MAX_FREE_IDS}",
+            )
         freed = await self.run_on_model_thread(context, self._keep_only, list(request.keep_request_ids))
         self.update_gauges()
         return pb.FilterBatchResponse(freed_request_ids=freed, kv_blocks_used=self.engine.allocator.num_used_blocks)

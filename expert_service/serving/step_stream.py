@@ -12,6 +12,7 @@ Every step is checked against the worker's limits before anything is converted (
 free ids), and while the worker drains, a chunk that would start a new sequence is refused for that sequence
 alone (DRAINING); the sequences already held keep stepping.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -31,32 +32,33 @@ from expert_service.engine.engine import Engine, InFlightStep, PrefillInput, Seq
 log = logging.getLogger("colibri.worker")
 FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
 DRAINING = "DRAINING"
-UNARY = 0                       # the owner of sequences started by the unary Prefill call
+UNARY = 0  # the owner of sequences started by the unary Prefill call
 MAX_FREE_IDS = 1 << 16
-MAX_STEPS_AHEAD = 8     # a stream's steps received and not yet answered (the router keeps at most 4 in flight)
-POLL_S = 5e-5      # a pump waiting on the device looks this often for the router's next step
+MAX_STEPS_AHEAD = 8  # a stream's steps received and not yet answered (the router keeps at most 4 in flight)
+POLL_S = 5e-5  # a pump waiting on the device looks this often for the router's next step
 _session_ids = itertools.count(UNARY + 1)
 
 
 @dataclass(frozen=True, slots=True)
 class StepLimits:
     """What one step may carry (the engine's limits), checked before the step's arrays are built."""
+
     moe_layers: tuple[int, ...]
     max_batch_tokens: int
     max_batch_size: int
 
     @classmethod
     def of(cls, engine: Engine) -> StepLimits:
-        return cls(tuple(engine.model_config.moe_layers), engine.config.max_batch_tokens,
-                   engine.config.max_batch_size)
+        return cls(tuple(engine.model_config.moe_layers), engine.config.max_batch_tokens, engine.config.max_batch_size)
 
     def check(self, chunks, num_decodes: int, num_frees: int) -> None:
         tokens = sum(len(c.token_ids) for c in chunks) + num_decodes
         if tokens > self.max_batch_tokens:
             raise InvalidRequestError("step", f"{tokens} tokens exceed max_batch_tokens {self.max_batch_tokens}")
         if len(chunks) + num_decodes > self.max_batch_size:
-            raise InvalidRequestError("step", f"{len(chunks) + num_decodes} sequences exceed max_batch_size "
-                                              f"{self.max_batch_size}")
+            raise InvalidRequestError(
+                "step", f"{len(chunks) + num_decodes} sequences exceed max_batch_size {self.max_batch_size}"
+            )
         if num_frees > MAX_FREE_IDS:
             raise InvalidRequestError("free_request_ids", f"{num_frees} ids, at most {MAX_FREE_IDS} per step")
 
@@ -64,9 +66,9 @@ class StepLimits:
 @dataclass(frozen=True, slots=True)
 class StepRequest:
     step_id: int
-    free_ids: np.ndarray             # [n] uint64: sequences to free before the step
+    free_ids: np.ndarray  # [n] uint64: sequences to free before the step
     chunks: list[PrefillInput]
-    decode_ids: np.ndarray           # [m] uint64
+    decode_ids: np.ndarray  # [m] uint64
     routing_plan: RoutingPlan | None
 
     @property
@@ -77,20 +79,22 @@ class StepRequest:
 @dataclass
 class StepAnswer:
     """What the model thread hands back for one step: a result, or why the whole step was refused."""
+
     step_id: int
     result: StepResult | None
     refused: str
     seconds: float
-    kind: str = "decode"      # "prefill" when the step carried prompt chunks (the step-duration metric's label)
-    capacity: bool = False    # refused for want of KV blocks (RESOURCE_EXHAUSTED), not as malformed
+    kind: str = "decode"  # "prefill" when the step carried prompt chunks (the step-duration metric's label)
+    capacity: bool = False  # refused for want of KV blocks (RESOURCE_EXHAUSTED), not as malformed
 
 
 @dataclass
 class _Launched:
     """A stream step the engine launched, waiting to be collected."""
+
     step_id: int
     in_flight: InFlightStep
-    refused: list[SequenceOutput]       # its sequences refused before launch (foreign, draining)
+    refused: list[SequenceOutput]  # its sequences refused before launch (foreign, draining)
     started: float
     kind: str
 
@@ -98,13 +102,12 @@ class _Launched:
 class StreamSession:
     """One router stream's sequences and its steps on the model thread (every method below runs there)."""
 
-    def __init__(self, engine: Engine, owners: dict[int, int], draining=lambda: False,
-                 session_id: int | None = None):
+    def __init__(self, engine: Engine, owners: dict[int, int], draining=lambda: False, session_id: int | None = None):
         self.engine = engine
         self.id = next(_session_ids) if session_id is None else session_id
-        self.owners = owners          # sequence id -> session id, shared by every session of the worker
-        self.draining = draining      # () -> bool: new sequences are refused while it is true
-        self._late_frees: list[int] = []   # freed by a step while an earlier one holding them was in flight
+        self.owners = owners  # sequence id -> session id, shared by every session of the worker
+        self.draining = draining  # () -> bool: new sequences are refused while it is true
+        self._late_frees: list[int] = []  # freed by a step while an earlier one holding them was in flight
 
     def run(self, step: StepRequest) -> StepAnswer:
         launched = self.launch(step)
@@ -138,14 +141,15 @@ class StreamSession:
             in_flight = self.engine.launch(chunks, decodes, step.routing_plan, frozenset(late))
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
-            return StepAnswer(step.step_id, None, str(e), time.perf_counter() - started, kind,
-                               isinstance(e, CapacityError))
+            return StepAnswer(
+                step.step_id, None, str(e), time.perf_counter() - started, kind, isinstance(e, CapacityError)
+            )
         return _Launched(step.step_id, in_flight, refused, started, kind)
 
     def collect(self, launched: _Launched) -> StepAnswer:
         result = self.engine.collect(launched.in_flight)
-        for out in result.outputs:     # a failed sequence the engine still holds (a decode sent mid-prefill)
-            if out.error and out.request_id not in self.engine.sequences:   # stays ours to free
+        for out in result.outputs:  # a failed sequence the engine still holds (a decode sent mid-prefill)
+            if out.error and out.request_id not in self.engine.sequences:  # stays ours to free
                 self.owners.pop(out.request_id, None)
         result.outputs += launched.refused
         return StepAnswer(launched.step_id, result, "", time.perf_counter() - launched.started, launched.kind)
@@ -164,7 +168,7 @@ class StreamSession:
         self.engine.release(late)
 
     def _free(self, request_ids) -> None:
-        mine = [r for r in dict.fromkeys(request_ids) if self.owners.get(r) == self.id]   # named twice: freed once
+        mine = [r for r in dict.fromkeys(request_ids) if self.owners.get(r) == self.id]  # named twice: freed once
         for r in mine:
             del self.owners[r]
         self.engine.release(mine)
@@ -204,7 +208,7 @@ class StepPump:
 
     def _put(self, step: StepRequest | None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_running_or_notify_cancel()   # a waiter that goes away cannot cancel it: the pump settles each one
+        done.set_running_or_notify_cancel()  # a waiter that goes away cannot cancel it: the pump settles each one
         self._inbox.put((step, done))
         with self._lock:
             if not self._draining:
@@ -218,7 +222,7 @@ class StepPump:
 
     def _progress(self) -> None:
         progress = getattr(self.executor, "progress", None)
-        if progress is not None:       # the watchdog times each step, not the whole drain
+        if progress is not None:  # the watchdog times each step, not the whole drain
             progress()
 
     def _next(self, pending: tuple[_Launched, concurrent.futures.Future] | None):
@@ -256,8 +260,9 @@ class StepPump:
         in_flight = pending[0].in_flight
         chunk_ids = {c.request_id for c in step.chunks}
         tokens = sum(len(c.token_ids) for c in step.chunks) + len(step.decode_ids)
-        return (bool(chunk_ids & (in_flight.sampling | (in_flight.sequences & set(step.free_ids.tolist()))))
-                or engine.blocks_host(tokens))
+        return bool(
+            chunk_ids & (in_flight.sampling | (in_flight.sequences & set(step.free_ids.tolist())))
+        ) or engine.blocks_host(tokens)
 
     def _step_aside(self, pending) -> bool:
         """Collects what is in flight and ends this job when other model-thread work waits; it is queued again
@@ -274,7 +279,7 @@ class StepPump:
         return True
 
     def _drain(self) -> None:
-        pending = None          # (_Launched, its future): launched, not collected
+        pending = None  # (_Launched, its future): launched, not collected
         current = None
         try:
             while True:
@@ -295,7 +300,7 @@ class StepPump:
                     if pending is not None:
                         self._collect(pending)
                         pending = None
-                if step is None:                          # the stream ended
+                if step is None:  # the stream ended
                     self.session.close()
                     done.set_result(None)
                     current = None
@@ -308,8 +313,8 @@ class StepPump:
                     self._collect(pending)
                     pending = None
                     launched = self.session.launch(step)
-                if isinstance(launched, StepAnswer):     # launched nothing (frees only, or refused)
-                    if pending is not None:               # its late frees take effect now, not a step later
+                if isinstance(launched, StepAnswer):  # launched nothing (frees only, or refused)
+                    if pending is not None:  # its late frees take effect now, not a step later
                         self._collect(pending)
                         pending = None
                     done.set_result(launched)
@@ -321,11 +326,11 @@ class StepPump:
                 current = None
                 if self._step_aside(pending):
                     return
-        except BaseException as e:      # a worker fault: every step of this stream waiting here gets it
+        except BaseException as e:  # a worker fault: every step of this stream waiting here gets it
             try:
                 self.session.engine.abandon_in_flight()
                 self.session.release_late()
-            except Exception as cleanup:    # a broken device fails here too: the fault below is what matters
+            except Exception as cleanup:  # a broken device fails here too: the fault below is what matters
                 log.warning("cleaning up after a worker fault failed: %s: %s", type(cleanup).__name__, cleanup)
             for failed in (pending, current):
                 if failed is not None and not failed[1].done():

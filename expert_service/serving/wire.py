@@ -5,6 +5,7 @@ Requests are checked against the worker's limits before their arrays are built (
 conversion), and every id list travels packed (uint64 little-endian bytes), so a decode step converts no
 message per sequence.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -22,24 +23,36 @@ from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.serving.step_stream import StepLimits, StepRequest
 
-NO_TOKEN = -1      # token_ids of a stream answer: this sequence sampled nothing this step
+NO_TOKEN = -1  # token_ids of a stream answer: this sequence sampled nothing this step
 
 
 # --- requests -----------------------------------------------------------------------------------
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
     """The message's settings (top_p 0 reads as 1, off; an unset repetition penalty as 1), checked as any others."""
-    penalties = PenaltyParams(p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-                              p.presence_penalty, p.frequency_penalty)
-    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p or 1.0, seed=p.seed,
-                          stop_token_ids=tuple(p.stop_token_ids), min_new_tokens=p.min_new_tokens,
-                          logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-                          prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-                          penalties=penalties)
+    penalties = PenaltyParams(
+        p.repetition_penalty if p.HasField("repetition_penalty") else 1.0, p.presence_penalty, p.frequency_penalty
+    )
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p or 1.0,
+        seed=p.seed,
+        stop_token_ids=tuple(p.stop_token_ids),
+        min_new_tokens=p.min_new_tokens,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        penalties=penalties,
+    )
 
 
 def prefill_input(chunk: pb.PrefillChunk) -> PrefillInput:
-    return PrefillInput(chunk.request_id, np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
-                        sampling_params(chunk.sampling) if chunk.HasField("sampling") else None, chunk.is_last)
+    return PrefillInput(
+        chunk.request_id,
+        np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
+        sampling_params(chunk.sampling) if chunk.HasField("sampling") else None,
+        chunk.is_last,
+    )
 
 
 def routing_plan(message: pb.RoutingPlan, moe_layers: Sequence[int]) -> RoutingPlan | None:
@@ -53,8 +66,11 @@ def routing_plan(message: pb.RoutingPlan, moe_layers: Sequence[int]) -> RoutingP
     offsets = array_from_pb(message.offsets, "routing_plan.offsets", "int32")
     tokens = array_from_pb(message.token_indices, "routing_plan.token_indices", "int32")
     if offsets.ndim != 2 or tokens.ndim != 2 or offsets.shape[0] != len(layers) or tokens.shape[0] != len(layers):
-        raise InvalidRequestError("routing_plan", f"offsets {list(offsets.shape)} and token_indices "
-                                                  f"{list(tokens.shape)} need one row per layer ({len(layers)})")
+        raise InvalidRequestError(
+            "routing_plan",
+            f"offsets {list(offsets.shape)} and token_indices "
+            f"{list(tokens.shape)} need one row per layer ({len(layers)})",
+        )
     return RoutingPlan(tuple(layers), offsets, tokens)
 
 
@@ -73,8 +89,9 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
     frees = _packed_ids(request.free_request_ids, "free_request_ids")
     decodes = _packed_ids(request.decode_request_ids, "decode_request_ids")
     limits.check(request.chunks, len(decodes), len(frees))
-    return StepRequest(request.step_id, frees, [prefill_input(c) for c in request.chunks], decodes,
-                       _plan_of(request, limits))
+    return StepRequest(
+        request.step_id, frees, [prefill_input(c) for c in request.chunks], decodes, _plan_of(request, limits)
+    )
 
 
 def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: StepLimits) -> StepRequest:
@@ -84,24 +101,40 @@ def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: St
     else:
         chunks, decodes = (), request.request_ids
     limits.check(chunks, len(decodes), 0)
-    return StepRequest(0, np.zeros(0, "<u8"), [prefill_input(c) for c in chunks],
-                       np.fromiter(decodes, "<u8", len(decodes)), _plan_of(request, limits))
+    return StepRequest(
+        0,
+        np.zeros(0, "<u8"),
+        [prefill_input(c) for c in chunks],
+        np.fromiter(decodes, "<u8", len(decodes)),
+        _plan_of(request, limits),
+    )
 
 
 # --- answers ------------------------------------------------------------------------------------
 def cache_stats(stats: CacheStats) -> pb.ExpertCacheStats:
-    return pb.ExpertCacheStats(hits=stats.hits, misses=stats.misses, bytes_copied=stats.bytes_copied,
-                               prefetches_issued=stats.prefetches_issued, prefetches_used=stats.prefetches_used,
-                               stall_ms=stats.stall_seconds * 1e3)
+    return pb.ExpertCacheStats(
+        hits=stats.hits,
+        misses=stats.misses,
+        bytes_copied=stats.bytes_copied,
+        prefetches_issued=stats.prefetches_issued,
+        prefetches_used=stats.prefetches_used,
+        stall_ms=stats.stall_seconds * 1e3,
+    )
 
 
 def slot_plan(plan: SlotPlan, policy: str, prefetch_sources: Iterable[str]) -> pb.ExpertSlotPlan:
     """`Info.expert_slots`, with the cache's replacement policy and prefetch sources ("plan,lookahead"; "none"
     when there is none)."""
-    return pb.ExpertSlotPlan(slots_per_layer=plan.slots_per_layer, num_experts=plan.num_experts,
-                             num_moe_layers=plan.num_moe_layers, expert_block_bytes=plan.expert_block_bytes,
-                             budget_bytes=plan.budget_bytes, cached=plan.is_cached, policy=policy,
-                             prefetch=",".join(sorted(prefetch_sources, reverse=True)) or "none")
+    return pb.ExpertSlotPlan(
+        slots_per_layer=plan.slots_per_layer,
+        num_experts=plan.num_experts,
+        num_moe_layers=plan.num_moe_layers,
+        expert_block_bytes=plan.expert_block_bytes,
+        budget_bytes=plan.budget_bytes,
+        cached=plan.is_cached,
+        policy=policy,
+        prefetch=",".join(sorted(prefetch_sources, reverse=True)) or "none",
+    )
 
 
 def scored(output: SequenceOutput) -> pb.SequenceLogprobs | None:
@@ -111,9 +144,14 @@ def scored(output: SequenceOutput) -> pb.SequenceLogprobs | None:
     message = pb.SequenceLogprobs(request_id=output.request_id)
     for name, value in (("sampled", output.top), ("prompt", output.prompt)):
         if value is not None:
-            getattr(message, name).CopyFrom(pb.TokenLogprobs(
-                top_k=value.top_ids.shape[1], logprobs=value.logprobs.astype("<f4").tobytes(),
-                top_ids=value.top_ids.astype("<i4").tobytes(), top_logprobs=value.top_logprobs.astype("<f4").tobytes()))
+            getattr(message, name).CopyFrom(
+                pb.TokenLogprobs(
+                    top_k=value.top_ids.shape[1],
+                    logprobs=value.logprobs.astype("<f4").tobytes(),
+                    top_ids=value.top_ids.astype("<i4").tobytes(),
+                    top_logprobs=value.top_logprobs.astype("<f4").tobytes(),
+                )
+            )
     return message
 
 
@@ -124,16 +162,26 @@ def _step_extras(response, result: StepResult) -> None:
         response.expert_cache.CopyFrom(cache_stats(result.expert_cache))
 
 
-def unary_response(result: StepResult, message: type[pb.PrefillResponse | pb.DecodeResponse], kv_blocks_used: int,
-                   total_ms: float) -> pb.PrefillResponse | pb.DecodeResponse:
+def unary_response(
+    result: StepResult, message: type[pb.PrefillResponse | pb.DecodeResponse], kv_blocks_used: int, total_ms: float
+) -> pb.PrefillResponse | pb.DecodeResponse:
     """The step's answer as a unary Prefill or Decode `message` (the two have the same fields); `total_ms` is the
     worker's whole time on it."""
     response = message(
-        generations=[pb.Generation(request_id=o.request_id, has_token=o.token_id is not None, token_id=o.token_id or 0,
-                                   logprob=o.logprob, error=o.error, scored=scored(o))
-                     for o in result.outputs],
+        generations=[
+            pb.Generation(
+                request_id=o.request_id,
+                has_token=o.token_id is not None,
+                token_id=o.token_id or 0,
+                logprob=o.logprob,
+                error=o.error,
+                scored=scored(o),
+            )
+            for o in result.outputs
+        ],
         timings=pb.StepTimings(forward_ms=result.forward_ms, sample_ms=result.sample_ms, total_ms=total_ms),
-        kv_blocks_used=kv_blocks_used)
+        kv_blocks_used=kv_blocks_used,
+    )
     _step_extras(response, result)
     return response
 
@@ -144,11 +192,13 @@ def stream_response(result: StepResult, step_id: int, kv_blocks_used: int, total
     response = pb.StepStreamResponse(
         step_id=step_id,
         request_ids=np.fromiter((o.request_id for o in outputs), np.uint64, len(outputs)).tobytes(),
-        token_ids=np.fromiter((NO_TOKEN if o.token_id is None else o.token_id for o in outputs), np.int32,
-                              len(outputs)).tobytes(),
+        token_ids=np.fromiter(
+            (NO_TOKEN if o.token_id is None else o.token_id for o in outputs), np.int32, len(outputs)
+        ).tobytes(),
         errors=[pb.SequenceError(request_id=o.request_id, code=o.error) for o in outputs if o.error],
         timings=pb.StepTimings(forward_ms=result.forward_ms, sample_ms=result.sample_ms, total_ms=total_ms),
-        kv_blocks_used=kv_blocks_used)
+        kv_blocks_used=kv_blocks_used,
+    )
     if any(o.logprob for o in outputs):
         response.logprobs = np.fromiter((o.logprob for o in outputs), np.float32, len(outputs)).tobytes()
     response.scored.extend(message for message in map(scored, outputs) if message is not None)
@@ -158,5 +208,6 @@ def stream_response(result: StepResult, step_id: int, kv_blocks_used: int, total
 
 def refused_response(step_id: int, reason: str, kv_blocks_used: int, total_ms: float) -> pb.StepStreamResponse:
     """A stream step that ran nothing: refused whole (`reason`), or only frees ("")."""
-    return pb.StepStreamResponse(step_id=step_id, step_error=reason, kv_blocks_used=kv_blocks_used,
-                                 timings=pb.StepTimings(total_ms=total_ms))
+    return pb.StepStreamResponse(
+        step_id=step_id, step_error=reason, kv_blocks_used=kv_blocks_used, timings=pb.StepTimings(total_ms=total_ms)
+    )

@@ -4,6 +4,7 @@ Streams one tensor at a time from memory-mapped shards, so peak memory is bounde
 tensor (times ~3 while changing dtype: the source view, a float32 copy and the result), not by the model.
 Pickle checkpoints (.bin/.pt) are never loaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,16 @@ from common.errors import ModelFormatError
 from common.model_format import ModelWriter
 from common.models import config_from_hf, tensor_specs
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
 
 class SafetensorsShard:
@@ -35,11 +44,12 @@ class SafetensorsShard:
         self.path = path
         try:
             with safe_open(path, framework="numpy") as f:
-                self.tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
-                                for name in f.keys()}
+                self.tensors = {
+                    name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()
+                }
         except SafetensorError as e:
             raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
-        with open(path, "rb") as file:    # safe_open does not expose offsets: read them from the checked header
+        with open(path, "rb") as file:  # safe_open does not expose offsets: read them from the checked header
             (header_len,) = struct.unpack("<Q", file.read(8))
             header = json.loads(file.read(header_len))
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -50,10 +60,13 @@ class SafetensorsShard:
         safetensors_dtype, shape = self.tensors[name]
         dtype = dtypes.SAFETENSORS_NAMES.get(safetensors_dtype)
         if dtype is None:
-            raise ModelFormatError(f"{self.path}: tensor {name} has dtype {safetensors_dtype}, "
-                                   f"supported: {', '.join(dtypes.SAFETENSORS_NAMES)}")
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype),
-                            offset=self._begin[name])
+            raise ModelFormatError(
+                f"{self.path}: tensor {name} has dtype {safetensors_dtype}, "
+                f"supported: {', '.join(dtypes.SAFETENSORS_NAMES)}"
+            )
+        raw = np.frombuffer(
+            self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype), offset=self._begin[name]
+        )
         return raw.view(dtypes.STORAGE[dtype]).reshape(shape), dtype
 
     def close(self):
@@ -100,8 +113,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
     specs = tensor_specs(config)
     missing = [s.hf_name for s in specs if s.hf_name not in where]
     if missing:
-        raise ModelFormatError(f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
-                               f"({len(missing)} missing for a {config.family} model of this config)")
+        raise ModelFormatError(
+            f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
+            f"({len(missing)} missing for a {config.family} model of this config)"
+        )
     first_dtype = where[specs[0].hf_name].read(specs[0].hf_name)[1]
     target = dtypes.canonical_dtype(dtype) if dtype else first_dtype
     writer = ModelWriter(out_dir, hf_config, target)
@@ -110,11 +125,13 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
         for spec in specs:
             raw, src_dtype = where[spec.hf_name].read(spec.hf_name)
             if raw.shape != spec.shape:
-                raise ModelFormatError(f"{hf_dir}: tensor {spec.hf_name} has shape {list(raw.shape)}, "
-                                       f"config.json implies {list(spec.shape)}")
+                raise ModelFormatError(
+                    f"{hf_dir}: tensor {spec.hf_name} has shape {list(raw.shape)}, "
+                    f"config.json implies {list(spec.shape)}"
+                )
             writer.write(spec.name, dtypes.convert(raw, src_dtype, target, spec.hf_name))
             bar.update(raw.size)
-    del raw   # the last view into a shard's mmap must go before the mmap can close
+    del raw  # the last view into a shard's mmap must go before the mmap can close
     for shard in set(where.values()):
         shard.close()
     for name in TOKENIZER_FILES:

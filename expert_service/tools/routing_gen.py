@@ -14,6 +14,7 @@ into (key, count) pairs whenever the buffer passes 64 Mi keys, so the bound is m
 12 bytes * distinct pairs + 256 MiB). Held-out routing is kept as uint16: 2 * L * K bytes per held-out
 token. Building the table needs one dense [V, E] int64 count array per layer at a time.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ CORPUS_FORMATS = ("auto", "text", "ids")
 _COMPACT_KEYS = 64 * 1024 * 1024
 _VOCAB_BATCH = 4096
 _IDS_PATTERN = re.compile(rb"[\s,0-9]*")
-NO_CORPUS_NOTE = ("no corpus given: the table is the embedding fallback only (gate applied to each token's "
-                  "normalised embedding); recall not measured (pass --corpus to build from traffic and measure it)")
+NO_CORPUS_NOTE = (
+    "no corpus given: the table is the embedding fallback only (gate applied to each token's "
+    "normalised embedding); recall not measured (pass --corpus to build from traffic and measure it)"
+)
 
 
 # --- corpus -------------------------------------------------------------------------------------------
@@ -48,15 +51,16 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
         raise ConfigError(f"--corpus: {path} not found")
     data = path.read_bytes()
     if corpus_format == "auto":
-        corpus_format = "ids" if _IDS_PATTERN.fullmatch(data[:1 << 16]) and data.strip() else "text"
+        corpus_format = "ids" if _IDS_PATTERN.fullmatch(data[: 1 << 16]) and data.strip() else "text"
     ids = _parse_ids(data, path) if corpus_format == "ids" else _tokenize(data, path, model)
     if ids.size == 0:
         raise ConfigError(f"--corpus: {path} holds no tokens")
     vocab = model.config.vocab_size
     bad = np.flatnonzero((ids < 0) | (ids >= vocab))
     if bad.size:
-        raise InvalidRequestError("--corpus", f"{path}: token {bad[0]} is id {ids[bad[0]]}, expected < "
-                                              f"vocab_size={vocab}")
+        raise InvalidRequestError(
+            "--corpus", f"{path}: token {bad[0]} is id {ids[bad[0]]}, expected < vocab_size={vocab}"
+        )
     return ids
 
 
@@ -66,16 +70,20 @@ def _parse_ids(data: bytes, path: Path) -> np.ndarray:
         return np.array([int(w) for w in words], dtype=np.int64)
     except ValueError:
         bad = next(w for w in words if not w.lstrip(b"-").isdigit())
-        raise InvalidRequestError("--corpus", f"{path}: expected integers separated by whitespace or commas, "
-                                              f"found {bad[:40]!r}") from None
+        raise InvalidRequestError(
+            "--corpus", f"{path}: expected integers separated by whitespace or commas, found {bad[:40]!r}"
+        ) from None
 
 
 def _tokenize(data: bytes, path: Path, model: ModelDir) -> np.ndarray:
     tokenizer_path = model.tokenizer_path()
     if tokenizer_path is None:
-        raise ModelFormatError(f"{model.path / 'tokenizer.json'}: not found; a text corpus needs the model's "
-                               f"tokenizer (or pass token ids with --corpus-format ids)")
+        raise ModelFormatError(
+            f"{model.path / 'tokenizer.json'}: not found; a text corpus needs the model's "
+            f"tokenizer (or pass token ids with --corpus-format ids)"
+        )
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     try:
         text = data.decode("utf-8")
@@ -96,11 +104,11 @@ def _tokenize(data: bytes, path: Path, model: ModelDir) -> np.ndarray:
 def split_sequences(ids: np.ndarray, sequence_length: int, holdout: float) -> tuple[list, list]:
     """Cuts `ids` into sequences (the last may be shorter); the last `holdout` share (>= 1 if there are
     >= 2 sequences and holdout > 0) is held out. Returns (train, heldout) lists of int64 arrays."""
-    sequences = [ids[i:i + sequence_length] for i in range(0, ids.size, sequence_length)]
+    sequences = [ids[i : i + sequence_length] for i in range(0, ids.size, sequence_length)]
     num_held = 0
     if holdout > 0 and len(sequences) >= 2:
         num_held = min(len(sequences) - 1, max(1, round(holdout * len(sequences))))
-    return sequences[:len(sequences) - num_held], sequences[len(sequences) - num_held:]
+    return sequences[: len(sequences) - num_held], sequences[len(sequences) - num_held :]
 
 
 # --- exact routing --------------------------------------------------------------------------------------
@@ -115,8 +123,10 @@ def trace_routing(engine: Engine, sequences: list[np.ndarray], progress: bool = 
             while end < len(sequences) and end - start < max_seqs and tokens + len(sequences[end]) <= max_tokens:
                 tokens += len(sequences[end])
                 end += 1
-            batch = [PrefillInput(rid, seq, SamplingParams(), False)    # is_last False: no sampling needed
-                     for rid, seq in enumerate(sequences[start:end])]
+            batch = [
+                PrefillInput(rid, seq, SamplingParams(), False)  # is_last False: no sampling needed
+                for rid, seq in enumerate(sequences[start:end])
+            ]
             try:
                 result = engine.step(batch)
             finally:
@@ -132,11 +142,11 @@ class RoutingCounts:
 
     def __init__(self, vocab_size: int, num_experts: int, num_layers: int):
         self.vocab_size, self.num_experts, self.num_layers = vocab_size, num_experts, num_layers
-        self.key_dtype = np.int32 if vocab_size * num_experts < 2 ** 31 else np.int64
-        self.buffer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]   # per layer: raw keys
+        self.key_dtype = np.int32 if vocab_size * num_experts < 2**31 else np.int64
+        self.buffer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # per layer: raw keys
         self.merged = [(np.zeros(0, self.key_dtype), np.zeros(0, np.int64)) for _ in range(num_layers)]
         self.buffered = 0
-        self.seen = np.zeros(vocab_size, dtype=bool)          # [V]: token ids present in the training data
+        self.seen = np.zeros(vocab_size, dtype=bool)  # [V]: token ids present in the training data
 
     def add(self, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> None:
         """token_ids [T]; experts_per_layer: per MoE layer, chosen expert ids [T, K]."""
@@ -155,8 +165,10 @@ class RoutingCounts:
             new_keys, new_counts = np.unique(np.concatenate(self.buffer[layer]), return_counts=True)
             keys, inverse = np.unique(np.concatenate([self.merged[layer][0], new_keys]), return_inverse=True)
             weights = np.concatenate([self.merged[layer][1], new_counts])
-            self.merged[layer] = (keys, np.bincount(inverse.ravel(), weights=weights,
-                                                    minlength=keys.size).astype(np.int64))
+            self.merged[layer] = (
+                keys,
+                np.bincount(inverse.ravel(), weights=weights, minlength=keys.size).astype(np.int64),
+            )
             self.buffer[layer] = []
         return self.merged[layer]
 
@@ -173,7 +185,7 @@ def fallback_ranking(model: ModelDir, layer: int, token_start: int, token_end: i
     """Experts [b, E] of tokens token_start..token_end-1 at model layer `layer`, best first (ties: lower id),
     by the gate on the token's embedding normalised with the layer's post_attn_norm (which feeds the gate)."""
     config = model.config
-    rows = model.tensor("embed_tokens")[token_start:token_end]       # widen only these rows (a 152k vocab is GBs)
+    rows = model.tensor("embed_tokens")[token_start:token_end]  # widen only these rows (a 152k vocab is GBs)
     embed = dtypes.to_float32(rows, model.entries["embed_tokens"].dtype).astype(np.float32, copy=False)
     x = rms_norm(embed, model.tensor_f32(f"layers.{layer}.post_attn_norm"), config.rms_norm_eps)
     ranking, _ = route(x @ model.tensor_f32(f"layers.{layer}.router").T, config.num_experts, False)
@@ -190,7 +202,7 @@ def build_table(model: ModelDir, counts: RoutingCounts | None, top_k: int) -> np
         dense = counts.dense(l) if counts is not None else None
         for lo in range(0, V, _VOCAB_BATCH):
             hi = min(V, lo + _VOCAB_BATCH)
-            ranking = fallback_ranking(model, layer, lo, hi)                   # [b, E]
+            ranking = fallback_ranking(model, layer, lo, hi)  # [b, E]
             if dense is not None:
                 # Stable sort by count over the fallback order = lexicographic (count, fallback rank).
                 by_count = np.argsort(-np.take_along_axis(dense[lo:hi], ranking, axis=1), axis=1, kind="stable")
@@ -203,23 +215,44 @@ def recall_sums(table: np.ndarray, token_ids: np.ndarray, experts_per_layer: lis
     """Per MoE layer, the sum over tokens of |table(token) ∩ exact(token)| / |exact(token)|."""
     sums = np.zeros(len(experts_per_layer), dtype=np.float64)
     for l, exact in enumerate(experts_per_layer):
-        predicted = table[l, token_ids]                                          # [T, k]
-        hits = (exact[:, :, None] == predicted[:, None, :]).any(axis=2).sum(axis=1)   # [T]
+        predicted = table[l, token_ids]  # [T, k]
+        hits = (exact[:, :, None] == predicted[:, None, :]).any(axis=2).sum(axis=1)  # [T]
         sums[l] = hits.sum() / exact.shape[1]
     return sums
 
 
-def generate(model: ModelDir, engine: Engine | None, corpus: np.ndarray | None, top_k: int, holdout: float,
-             sequence_length: int, progress: bool = False) -> tuple[np.ndarray, dict]:
+def generate(
+    model: ModelDir,
+    engine: Engine | None,
+    corpus: np.ndarray | None,
+    top_k: int,
+    holdout: float,
+    sequence_length: int,
+    progress: bool = False,
+) -> tuple[np.ndarray, dict]:
     """Returns (table uint16 [L, V, top_k], report dict). `engine` is only needed with a corpus."""
     config = model.config
     moe_layers = config.moe_layers
-    report = {"top_k": top_k, "model_top_k": config.num_experts_per_tok, "num_experts": config.num_experts,
-              "vocab_size": config.vocab_size, "moe_layers": moe_layers, "has_corpus": corpus is not None,
-              "corpus_tokens": 0, "sequence_length": sequence_length, "train_sequences": 0,
-              "heldout_sequences": 0, "train_tokens": 0, "heldout_tokens": 0, "heldout_unseen_share": None,
-              "recall_per_layer": None, "recall": None,
-              "fallback_recall_per_layer": None, "fallback_recall": None, "note": NO_CORPUS_NOTE}
+    report = {
+        "top_k": top_k,
+        "model_top_k": config.num_experts_per_tok,
+        "num_experts": config.num_experts,
+        "vocab_size": config.vocab_size,
+        "moe_layers": moe_layers,
+        "has_corpus": corpus is not None,
+        "corpus_tokens": 0,
+        "sequence_length": sequence_length,
+        "train_sequences": 0,
+        "heldout_sequences": 0,
+        "train_tokens": 0,
+        "heldout_tokens": 0,
+        "heldout_unseen_share": None,
+        "recall_per_layer": None,
+        "recall": None,
+        "fallback_recall_per_layer": None,
+        "fallback_recall": None,
+        "note": NO_CORPUS_NOTE,
+    }
     if corpus is None:
         return build_table(model, None, top_k), report
     train, heldout = split_sequences(corpus, sequence_length, holdout)
@@ -227,9 +260,14 @@ def generate(model: ModelDir, engine: Engine | None, corpus: np.ndarray | None, 
     for token_ids, traced in trace_routing(engine, train, progress, "trace train"):
         counts.add(token_ids, [traced[layer] for layer in moe_layers])
     table = build_table(model, counts, top_k)
-    report.update(corpus_tokens=int(corpus.size), train_sequences=len(train), heldout_sequences=len(heldout),
-                  train_tokens=int(sum(s.size for s in train)), heldout_tokens=int(sum(s.size for s in heldout)),
-                  note="table from exact routing over the corpus; unseen token ids use the embedding fallback")
+    report.update(
+        corpus_tokens=int(corpus.size),
+        train_sequences=len(train),
+        heldout_sequences=len(heldout),
+        train_tokens=int(sum(s.size for s in train)),
+        heldout_tokens=int(sum(s.size for s in heldout)),
+        note="table from exact routing over the corpus; unseen token ids use the embedding fallback",
+    )
     if not heldout:
         report["note"] += "; nothing held out (corpus shorter than two sequences or --holdout 0): recall not measured"
         return table, report
@@ -242,10 +280,13 @@ def generate(model: ModelDir, engine: Engine | None, corpus: np.ndarray | None, 
         fallback_sums += recall_sums(fallback, token_ids, exact)
         unseen += int((~counts.seen[token_ids]).sum())
     per_layer, fallback_per_layer = sums / report["heldout_tokens"], fallback_sums / report["heldout_tokens"]
-    report.update(recall_per_layer=[float(r) for r in per_layer], recall=float(per_layer.mean()),
-                  fallback_recall_per_layer=[float(r) for r in fallback_per_layer],
-                  fallback_recall=float(fallback_per_layer.mean()),
-                  heldout_unseen_share=unseen / report["heldout_tokens"])
+    report.update(
+        recall_per_layer=[float(r) for r in per_layer],
+        recall=float(per_layer.mean()),
+        fallback_recall_per_layer=[float(r) for r in fallback_per_layer],
+        fallback_recall=float(fallback_per_layer.mean()),
+        heldout_unseen_share=unseen / report["heldout_tokens"],
+    )
     return table, report
 
 
@@ -253,8 +294,17 @@ def report_path_for(out: Path) -> Path:
     return out.with_name(out.name + ".report.json")
 
 
-def run_router_gen(model: ModelDir, engine_factory, corpus: np.ndarray | None, corpus_path: str | None,
-                   out: Path, top_k: int, holdout: float, sequence_length: int, progress: bool = False) -> dict:
+def run_router_gen(
+    model: ModelDir,
+    engine_factory,
+    corpus: np.ndarray | None,
+    corpus_path: str | None,
+    out: Path,
+    top_k: int,
+    holdout: float,
+    sequence_length: int,
+    progress: bool = False,
+) -> dict:
     """Builds and writes the table and `<out>.report.json`; returns the report."""
     engine = engine_factory() if corpus is not None else None
     table, report = generate(model, engine, corpus, top_k, holdout, sequence_length, progress)

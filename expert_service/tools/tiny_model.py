@@ -5,6 +5,7 @@ into ``out_dir/hf`` and converts it into ``out_dir``. Everything comes from nump
 library (runtime dependencies only); the tensor list comes from ``common.models.tensor_specs``, so the
 checkpoint always has exactly the tensors the converter expects. Same seed -> byte-identical files.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,25 +23,70 @@ NUM_SPECIAL = len(SPECIAL_TOKENS)
 VOCAB_SIZE = NUM_SPECIAL + 256
 
 _COMMON = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
-    tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=UNK_ID,
-    initializer_range=0.02, use_cache=True, dtype="float32",
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=UNK_ID,
+    initializer_range=0.02,
+    use_cache=True,
+    dtype="float32",
 )
 # Per family: the keys its HF config class reads; small, but each family's variants are switched on.
 _FAMILY_KEYS = {
-    "mixtral": dict(architectures=["MixtralForCausalLM"], intermediate_size=96, num_local_experts=4,
-                    num_experts_per_tok=2, sliding_window=None, router_aux_loss_coef=0.02),
-    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], intermediate_size=128, moe_intermediate_size=96,
-                      shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], qkv_bias=True,
-                      use_sliding_window=False, sliding_window=None),
-    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], head_dim=24, intermediate_size=128,
-                      moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                      decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
-                      use_sliding_window=False, sliding_window=None),
-    "olmoe": dict(architectures=["OlmoeForCausalLM"], intermediate_size=96, num_experts=4, num_experts_per_tok=2,
-                  norm_topk_prob=False, clip_qkv=None, attention_bias=False),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        router_aux_loss_coef=0.02,
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        qkv_bias=True,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=24,
+        intermediate_size=128,
+        moe_intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
+    "olmoe": dict(
+        architectures=["OlmoeForCausalLM"],
+        intermediate_size=96,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        attention_bias=False,
+    ),
 }
 
 
@@ -92,8 +138,9 @@ def byte_tokenizer():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer uses."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -118,9 +165,12 @@ def write_tiny_checkpoint(hf_dir: str | Path, family: str = "mixtral", seed: int
     save_file(tiny_weights(hf_config, seed), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     byte_tokenizer().save(str(hf_dir / "tokenizer.json"))
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[BOS_ID],
-        "eos_token": SPECIAL_TOKENS[EOS_ID], "unk_token": SPECIAL_TOKENS[UNK_ID],
-        "pad_token": SPECIAL_TOKENS[UNK_ID], "model_max_length": hf_config["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[UNK_ID],
+        "pad_token": SPECIAL_TOKENS[UNK_ID],
+        "model_max_length": hf_config["max_position_embeddings"],
     }
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return hf_dir

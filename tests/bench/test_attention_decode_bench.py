@@ -1,4 +1,5 @@
 """bench/attention_decode.py's host-side parts (the bench itself needs a GPU): case selection."""
+
 import argparse
 
 import pytest

@@ -1,6 +1,7 @@
 """bench/kernel_resources.py without compiling: the SASS parsing, and a failed compile reported without stopping the
 others. The tool end to end (every signature compiled for sm_90, nvJitLink's report of attention_decode) is the
 suite's sm_90 compile check, tests/expert_service/kernels/test_compile_sm90.py: compiling is slow, so once."""
+
 import argparse
 
 import pytest
@@ -17,8 +18,10 @@ def test_sass_mix_counts_opcodes_and_call_targets(monkeypatch, tmp_path):
         /*0040*/                   CALL.ABS.NOINC `(__cuda_sm20_div_s64) ;
         /*0050*/                   LDS.64 R10, [R10] ;
 """
+
     class Done:
         stdout = sass
+
     monkeypatch.setattr(kernel_resources.subprocess, "run", lambda *a, **k: Done())
     mix = kernel_resources.sass_mix(b"\x7fELF", "nvdisasm")
     assert mix["FFMA"] == 2 and mix["SEL"] == 1 and mix["LDS"] == 1 and mix["instructions"] == 6
@@ -30,6 +33,7 @@ def test_failed_compile_is_listed_and_the_other_signatures_still_run(monkeypatch
     from numba import cuda
 
     from expert_service.kernels import gather
+
     listed = gather.sm90_signatures()
     assert len(listed) >= 2
     broken = listed[0]
@@ -39,14 +43,18 @@ def test_failed_compile_is_listed_and_the_other_signatures_still_run(monkeypatch
         if sig == broken[1]:
             raise TypeError("no such overload")
         return "ptx", None
+
     monkeypatch.setattr(cuda, "compile_ptx", compile_ptx, raising=False)
     rows, failed = kernel_resources.resources(["gather"], resources_of=set())
     assert [r["signature"] for r in rows] == list(range(1, len(listed)))
-    assert len(failed) == 1 and failed[0].startswith(f"gather.{broken[0].__name__}(") and "no such overload" in failed[0]
+    assert (
+        len(failed) == 1 and failed[0].startswith(f"gather.{broken[0].__name__}(") and "no such overload" in failed[0]
+    )
 
 
 def test_shards_split_the_signatures_between_them(monkeypatch):
     from numba import cuda
+
     monkeypatch.setattr(cuda, "compile_ptx", lambda fn, sig, cc: ("ptx", None), raising=False)
     whole = kernel_resources.resources(["gather", "kv_write"], set())[0]
     parts = [kernel_resources.resources(["gather", "kv_write"], set(), (i, 3))[0] for i in range(3)]

@@ -1,4 +1,5 @@
 """bench/kernels.py's host-side parts (the bench itself needs a GPU): expert id sets, summaries, arguments."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,6 +24,7 @@ def test_expert_reference_rows_line_up():
     from expert_service.experts.grouping import group_by_expert
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
     from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+
     rng = np.random.default_rng(1)
     E, K, F, D = 4, 2, 8, 40
     ids = kernels.expert_sets(rng, E, K, 1)[0]
@@ -54,6 +56,6 @@ def test_summary_and_row():
 
 
 def test_arguments():
-    args = kernels.parse_args(["--gemv", "--sweep", "--out", "o.json"])     # old command line still parses
+    args = kernels.parse_args(["--gemv", "--sweep", "--out", "o.json"])  # old command line still parses
     assert args.sweep and args.out == "o.json" and args.repeats == 20
     assert kernels.parse_args([]).out == "out/kernels.json"

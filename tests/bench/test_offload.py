@@ -1,4 +1,5 @@
 """bench/offload.py end to end on the tiny model with the cpu backend: the JSON's cache accounting is consistent."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,8 +10,25 @@ from bench import offload
 
 def test_offload_tiny_cpu(tmp_path):
     out = tmp_path / "out"
-    assert offload.main(["--shapes", "tiny", "--backend", "cpu", "--fractions", "1,0.5", "--prefetch-modes",
-                         "none,plan", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    assert (
+        offload.main(
+            [
+                "--shapes",
+                "tiny",
+                "--backend",
+                "cpu",
+                "--fractions",
+                "1,0.5",
+                "--prefetch-modes",
+                "none,plan",
+                "--out",
+                str(out),
+                "--workdir",
+                str(tmp_path / "work"),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "offload.json").read_text())
     assert results["pcie_bytes_per_s"] > 0 and results["backend"] == "cpu"
     entry = results["shapes"]["tiny"]

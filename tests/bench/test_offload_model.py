@@ -1,6 +1,7 @@
 """bench/offload.py on a given model (--model, --prompts, --table, --decode-steps) with the cpu backend: prompts
 are slices of the text, the router-gen table and its report are what the plan prefetch and the JSON use, and
 bad arguments fail in one line before anything runs."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ def test_random_source_draws_ids_in_range_and_restarts_per_run():
     first, again = source.sampler(), source.sampler()
     a = [first(n) for n in (512, 128, 128)]
     assert all(x.dtype == np.int64 and 0 <= x.min() and x.max() < 97 for x in a)
-    assert all(np.array_equal(x, again(len(x))) for x in a)           # every run gets the same prompts
+    assert all(np.array_equal(x, again(len(x))) for x in a)  # every run gets the same prompts
     assert not np.array_equal(a[1], a[2])
     # the same stream as the random shapes always used: one generator seeded 0, ids drawn in order
     rng = np.random.default_rng(0)
@@ -39,7 +40,7 @@ def test_text_source_gives_contiguous_slices_of_the_text(model_with_table):
     starts = set()
     for n in (512, 128, 128, 128, 1):
         got = take(n)
-        matches = [s for s in range(stream.size - n + 1) if np.array_equal(stream[s:s + n], got)]
+        matches = [s for s in range(stream.size - n + 1) if np.array_equal(stream[s : s + n], got)]
         assert len(got) == n and matches, n
         starts.add(matches[0])
     assert len(starts) > 1
@@ -77,7 +78,7 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
     model, table_path, prompts = model_with_table
     out, prefilled = offload_run
     stream = load_corpus(prompts, "text", model)
-    windows = {stream[s:s + 128].tobytes() for s in range(stream.size - 127)}
+    windows = {stream[s : s + 128].tobytes() for s in range(stream.size - 127)}
     # per run: 1 + 3 prefills of 512, then 1 and 16 decode contexts of 128; each starts with a window of the text
     assert len(prefilled) == 2 * (4 + 1 + 16) and all(p[:128].tobytes() in windows for p in prefilled)
     results = json.loads((out / "offload.json").read_text())
@@ -94,21 +95,26 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
             assert (d["plan_recall"] is not None) == (mode == "plan")
             assert d["plan_recall"] is None or 0 <= d["plan_recall"] <= 1
     assert entry["runs"]["0.5"]["plan"]["decode"]["16"]["prefetches_issued"] > 0
-    assert (model.path / "colibri.json").is_file()     # the given model is never removed
+    assert (model.path / "colibri.json").is_file()  # the given model is never removed
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "M"], "--model: the HF reference needs --hf-model"),
-    (["--table", "t.bin", "--skip-hf"], "--table needs --model"),
-    (["--hf-model", "hf", "--skip-hf"], "--hf-model needs --model"),
-    (["--prompts", "p.txt", "--skip-hf"], "--prompts needs a model with a tokenizer"),
-    (["--model", "{model}", "--hf-model", "{tmp}"], "--hf-model: .* has no config.json"),
-    (["--model", "{tmp}/nowhere", "--skip-hf"], "--model: .*nowhere is not a Colibri model directory"),
-    (["--model", "{model}", "--skip-hf", "--table", "{tmp}/none.bin"], "--table: .*none.bin not found"),
-    (["--model", "{model}", "--skip-hf", "--prompts", "{tmp}/none.txt", "--prefetch-modes", "none"],
-     "--prompts: .*none.txt not found"),
-    (["--model", "{model}", "--skip-hf", "--decode-steps", "0"], "--decode-steps: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "M"], "--model: the HF reference needs --hf-model"),
+        (["--table", "t.bin", "--skip-hf"], "--table needs --model"),
+        (["--hf-model", "hf", "--skip-hf"], "--hf-model needs --model"),
+        (["--prompts", "p.txt", "--skip-hf"], "--prompts needs a model with a tokenizer"),
+        (["--model", "{model}", "--hf-model", "{tmp}"], "--hf-model: .* has no config.json"),
+        (["--model", "{tmp}/nowhere", "--skip-hf"], "--model: .*nowhere is not a Colibri model directory"),
+        (["--model", "{model}", "--skip-hf", "--table", "{tmp}/none.bin"], "--table: .*none.bin not found"),
+        (
+            ["--model", "{model}", "--skip-hf", "--prompts", "{tmp}/none.txt", "--prefetch-modes", "none"],
+            "--prompts: .*none.txt not found",
+        ),
+        (["--model", "{model}", "--skip-hf", "--decode-steps", "0"], "--decode-steps: must be >= 1"),
+    ],
+)
 def test_bad_arguments_fail_in_one_line(argv, message, tiny_model, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
@@ -120,8 +126,10 @@ def test_bad_arguments_fail_in_one_line(argv, message, tiny_model, tmp_path, cap
 
 
 def test_a_reference_that_cannot_load_is_an_error_per_budget_not_a_lost_run(tmp_path):
-    entry = {"runs": {"1.0": {"resident": {"slot_bytes": 10}}, "0.5": {"none": {"slot_bytes": 5}}},
-             "non_expert_bytes": 7}
+    entry = {
+        "runs": {"1.0": {"resident": {"slot_bytes": 10}}, "0.5": {"none": {"slot_bytes": 5}}},
+        "non_expert_bytes": 7,
+    }
     hf = offload._bench_hf_budgets(entry, tmp_path / "no-checkpoint", TokenSource(vocab_size=50))
     assert list(hf) == ["1.0", "0.5"]
     assert all(h["budget_bytes"] is None and "no-checkpoint has no config.json" in h["error"] for h in hf.values())

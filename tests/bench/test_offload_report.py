@@ -1,5 +1,6 @@
 """bench/offload_report.py: the markdown tables for the docs from a run's JSON files, and the PNG with a failed
 HF reference."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,20 @@ def results_dir(model_with_table, offload_run, tmp_path_factory):
     model, table, prompts = model_with_table
     folder = tmp_path_factory.mktemp("results")
     shutil.copy(offload_run[0] / "offload.json", folder / "offload.json")
-    assert table_recall.main([str(model.path), "--table", str(table), "--text", str(prompts),
-                              "--out", str(folder / "recall" / "recall.json")]) == 0
+    assert (
+        table_recall.main(
+            [
+                str(model.path),
+                "--table",
+                str(table),
+                "--text",
+                str(prompts),
+                "--out",
+                str(folder / "recall" / "recall.json"),
+            ]
+        )
+        == 0
+    )
     shutil.copy(TRAINING_LOG, folder / "training_log.json")
     return folder
 
@@ -31,11 +44,13 @@ def test_markdown_has_every_run_and_the_numbers_of_the_json(results_dir, capsys)
     assert offload_report.main([str(results_dir)]) == 0
     text = capsys.readouterr().out
     assert [t for t in re.findall(r"^## (.*)$", text, re.M)] == [
-        "Training (docs/default-model.md)", "Held-out recall (docs/routing.md, docs/default-model.md)",
-        "Offload (docs/expert-cache.md)"]
+        "Training (docs/default-model.md)",
+        "Held-out recall (docs/routing.md, docs/default-model.md)",
+        "Offload (docs/expert-cache.md)",
+    ]
 
     results = json.loads((results_dir / "offload.json").read_text())
-    (name, entry), = results["shapes"].items()
+    ((name, entry),) = results["shapes"].items()
     for mode, label in (("none", "none"), ("plan", "table")):
         run = entry["runs"]["0.5"][mode]
         d1, d16 = run["decode"]["1"], run["decode"]["16"]
@@ -45,7 +60,7 @@ def test_markdown_has_every_run_and_the_numbers_of_the_json(results_dir, capsys)
         assert issued in text
         speed = f"| 50% ({run['slots_per_layer']} slots) | {label} | {d1['tok_s']:.1f} |"
         assert speed in text, speed
-    assert "transformers + accelerate" not in text           # --skip-hf: no HF table
+    assert "transformers + accelerate" not in text  # --skip-hf: no HF table
 
     recall = json.loads((results_dir / "recall" / "recall.json").read_text())
     row = "| table from the training split | " + " | ".join(f"{r:.3f}" for r in recall["recall_per_layer"])

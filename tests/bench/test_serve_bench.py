@@ -2,6 +2,7 @@
 and router processes at both pipeline depths, streaming clients (in this process for 1 client, in two
 spawned processes for 2); the JSON has every field and its ratios are finite and positive. No timing
 assertions: the numbers depend on the machine."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +11,7 @@ import math
 
 import pytest
 
-from bench import serve
+from bench import serve, serve_clients
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +23,27 @@ def finite_positive(x) -> bool:
 
 
 def test_serve_bench_tiny_cpu(tmp_path):
-    assert serve.main(["--backend", "cpu", "--clients", ",".join(map(str, CLIENTS)), "--prompt-tokens",
-                       str(PROMPT), "--new-tokens", str(NEW), "--rounds", str(ROUNDS), "--client-procs", "2",
-                       "--out", str(tmp_path)]) == 0
+    assert (
+        serve.main(
+            [
+                "--backend",
+                "cpu",
+                "--clients",
+                ",".join(map(str, CLIENTS)),
+                "--prompt-tokens",
+                str(PROMPT),
+                "--new-tokens",
+                str(NEW),
+                "--rounds",
+                str(ROUNDS),
+                "--client-procs",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     results = json.loads((tmp_path / "cpu-serve-tiny.json").read_text())
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "cpu-serve-tiny.png").stat().st_size > 0
@@ -51,22 +70,29 @@ def test_serve_bench_tiny_cpu(tmp_path):
         assert list(by_n) == [str(n) for n in CLIENTS]
         for n, s in by_n.items():
             n = int(n)
-            rounds = max(ROUNDS, -(-serve.MIN_REQUESTS // n))     # small N: more rounds, for TTFT
+            rounds = max(ROUNDS, -(-serve_clients.MIN_REQUESTS // n))  # small N: more rounds, for TTFT
             assert s["clients"] == n and s["rounds"] == rounds and s["requests"] == n * rounds
-            assert s["client_processes"] == min(n, 2)      # 2 clients: two spawned client processes
+            assert s["client_processes"] == min(n, 2)  # 2 clients: two spawned client processes
             assert s["errors"] == 0 and s["incomplete_requests"] == 0, s["error_samples"]
             assert s["tokens"] == n * rounds * NEW and s["itl_ms"]["gaps"] == n * rounds * (NEW - 1)
             assert s["tokens_per_message"] == 1.0
             assert s["throughput_window"] in ("steady", "whole")
-            for value in (s["ttft_ms"]["p50"], s["itl_ms"]["p50"], s["itl_ms"]["mean"], s["throughput_tok_s"],
-                          s["whole_round_tok_s"]):
+            for value in (
+                s["ttft_ms"]["p50"],
+                s["itl_ms"]["p50"],
+                s["itl_ms"]["mean"],
+                s["throughput_tok_s"],
+                s["whole_round_tok_s"],
+            ):
                 assert finite_positive(value)
             assert s["stalls"]["count"] >= 0 and s["router"]["steps"] > 0
             assert finite_positive(s["router"]["mean_batch_size"])
 
         ratios = entry["ratios"][depth]
-        assert set(ratios["headline"]) == {"itl_p50_1client_x_engine_b1_step",
-                                           "ttft_p50_1client_minus_engine_prefill_ms"}
+        assert set(ratios["headline"]) == {
+            "itl_p50_1client_x_engine_b1_step",
+            "ttft_p50_1client_minus_engine_prefill_ms",
+        }
         assert finite_positive(ratios["headline"]["itl_p50_1client_x_engine_b1_step"])
         assert math.isfinite(ratios["headline"]["ttft_p50_1client_minus_engine_prefill_ms"])
         for n in CLIENTS:

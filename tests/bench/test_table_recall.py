@@ -1,5 +1,6 @@
 """bench/table_recall.py: a table's recall on a text it never saw, per MoE layer, with the fallback, chance and
 the unseen-token share; exactly 1.0 on a model whose routing is a function of the token id."""
+
 from __future__ import annotations
 
 import json
@@ -25,16 +26,24 @@ def texts(tmp_path, seed: int):
     """Two disjoint pieces of the held-out books at random offsets: the table's corpus and the text to score."""
     start = int(np.random.default_rng(seed).integers(0, len(HELDOUT_TEXT) - 8_000))
     train, held = tmp_path / "train.txt", tmp_path / "held.txt"
-    train.write_text(HELDOUT_TEXT[start:start + 4_000], encoding="utf-8")
-    held.write_text(HELDOUT_TEXT[start + 4_000:start + 5_000], encoding="utf-8")
+    train.write_text(HELDOUT_TEXT[start : start + 4_000], encoding="utf-8")
+    held.write_text(HELDOUT_TEXT[start + 4_000 : start + 5_000], encoding="utf-8")
     return train, held
 
 
 def build_table(model_dir, corpus_path, out):
     model = ModelDir.open(model_dir, verify=False)
     corpus = load_corpus(corpus_path, "text", model)
-    run_router_gen(model, lambda: build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)), corpus,
-                   str(corpus_path), out, model.config.num_experts_per_tok, 0.0, SEQUENCE_LENGTH)
+    run_router_gen(
+        model,
+        lambda: build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096)),
+        corpus,
+        str(corpus_path),
+        out,
+        model.config.num_experts_per_tok,
+        0.0,
+        SEQUENCE_LENGTH,
+    )
     return out
 
 
@@ -53,7 +62,7 @@ def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
     engine, k = engine_of(model), model.config.num_experts_per_tok
     hits = np.zeros(len(model.config.moe_layers))
     for rid, start in enumerate(range(0, ids.size, SEQUENCE_LENGTH)):
-        seq = ids[start:start + SEQUENCE_LENGTH]
+        seq = ids[start : start + SEQUENCE_LENGTH]
         trace = engine.step([PrefillInput(rid, seq, SamplingParams(), False)]).trace
         engine.release([rid])
         for l, layer in enumerate(model.config.moe_layers):
@@ -83,8 +92,24 @@ def test_main_writes_the_report_with_the_unseen_share(tiny_model, tmp_path, caps
     only_e = tmp_path / "e.txt"
     only_e.write_text("e" * 50)
     out = tmp_path / "recall.json"
-    assert table_recall.main([str(tiny_model), "--table", str(table), "--text", str(held), "--train-text",
-                              str(only_e), "--sequence-length", str(SEQUENCE_LENGTH), "--out", str(out)]) == 0
+    assert (
+        table_recall.main(
+            [
+                str(tiny_model),
+                "--table",
+                str(table),
+                "--text",
+                str(held),
+                "--train-text",
+                str(only_e),
+                "--sequence-length",
+                str(SEQUENCE_LENGTH),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     model = ModelDir.open(tiny_model, verify=False)
     ids = load_corpus(held, "text", model)

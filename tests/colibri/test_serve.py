@@ -1,5 +1,6 @@
 """Both services together: `colibri serve` as real processes, and in-process router + worker for
 traces and cancel storms."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,27 +24,43 @@ from tests.helpers import BackgroundWorker, free_port, running_router
 pytestmark = pytest.mark.slow
 
 SECTION_9_METRICS = {
-    "router": ["colibri_requests_total", "colibri_queue_size", "colibri_num_requests_running",
-               "colibri_num_requests_waiting", "colibri_time_to_first_token_seconds",
-               "colibri_time_per_output_token_seconds", "colibri_request_duration_seconds",
-               "colibri_prompt_tokens_total", "colibri_generation_tokens_total", "colibri_batch_size",
-               "colibri_step_duration_seconds"],
-    "worker": ["colibri_worker_step_duration_seconds", "colibri_kv_cache_usage_ratio",
-               "colibri_expert_cache_hits_total", "colibri_expert_cache_misses_total",
-               "colibri_expert_cache_copied_bytes_total", "colibri_expert_cache_stall_seconds_total",
-               "colibri_routing_plan_recall", "colibri_expert_load_imbalance"],
+    "router": [
+        "colibri_requests_total",
+        "colibri_queue_size",
+        "colibri_num_requests_running",
+        "colibri_num_requests_waiting",
+        "colibri_time_to_first_token_seconds",
+        "colibri_time_per_output_token_seconds",
+        "colibri_request_duration_seconds",
+        "colibri_prompt_tokens_total",
+        "colibri_generation_tokens_total",
+        "colibri_batch_size",
+        "colibri_step_duration_seconds",
+    ],
+    "worker": [
+        "colibri_worker_step_duration_seconds",
+        "colibri_kv_cache_usage_ratio",
+        "colibri_expert_cache_hits_total",
+        "colibri_expert_cache_misses_total",
+        "colibri_expert_cache_copied_bytes_total",
+        "colibri_expert_cache_stall_seconds_total",
+        "colibri_routing_plan_recall",
+        "colibri_expert_load_imbalance",
+    ],
 }
 
 
 def offline_greedy(model, prompt, n):
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+
     return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
 def request(ids, n):
-    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids),
-                               parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True))
+    return rpb.GenerateRequest(
+        token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True)
+    )
 
 
 def wait_serving(channel, timeout=90.0):
@@ -51,8 +68,10 @@ def wait_serving(channel, timeout=90.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"), timeout=2).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
+            if (
+                health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"), timeout=2).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ):
                 return
         except grpc.RpcError:
             pass
@@ -76,11 +95,33 @@ def worker_pid(serve_pid: int) -> int:
 def test_serve_processes_end_to_end(tiny_model):
     port, metrics, worker_metrics = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
-                              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
-                              "--worker-metrics-port", str(worker_metrics), "--backend", "cpu",
-                              "--max-batch-tokens", "16", "--worker-retry-s", "0.1"],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "serve",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics),
+            "--worker-metrics-port",
+            str(worker_metrics),
+            "--backend",
+            "cpu",
+            "--max-batch-tokens",
+            "16",
+            "--worker-retry-s",
+            "0.1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_serving(channel)
@@ -96,9 +137,14 @@ def test_serve_processes_end_to_end(tiny_model):
         lengths = [4 + i for i in range(8)]
         expected = [offline_greedy(tiny_model, p, n) for p, n in zip(prompts, lengths)]
         from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda pn: [t for m in stub.GenerateStream(request(*pn)) for t in m.token_ids],
-                                zip(prompts, lengths)))
+            got = list(
+                pool.map(
+                    lambda pn: [t for m in stub.GenerateStream(request(*pn)) for t in m.token_ids],
+                    zip(prompts, lengths),
+                )
+            )
         assert got == expected
 
         # Both /metrics endpoints carry the documented names (docs/observability.md) with the model_name label.
@@ -143,6 +189,7 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
     from opentelemetry.util._once import Once
 
     from common.tracing import make_tracer_provider
+
     exporter = InMemorySpanExporter()
     provider = make_tracer_provider("test", SimpleSpanProcessor(exporter))
     # The router uses the global provider, which OpenTelemetry lets a process set once; reset it the way
@@ -156,6 +203,7 @@ def test_trace_links_router_request_to_worker_step(tiny_model):
         async with running_router(worker.address) as (_, stub):
             reply = await stub.Generate(request([9, 8, 7], 3))
             assert len(reply.token_ids) == 3
+
     try:
         asyncio.run(body())
     finally:
@@ -176,24 +224,27 @@ def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
 
     async def body():
         async with running_router(worker.address, max_batch_tokens=32) as (router, stub):
+
             async def start_and_cancel(i):
                 call = stub.GenerateStream(request([3 + i % 200] * (1 + i % 17), 500))
                 if i % 2:
                     await call.read()
                 await asyncio.sleep(0.001 * (i % 5))
                 call.cancel()
+
             await asyncio.gather(*(start_and_cancel(i) for i in range(40)))
             for _ in range(500):
                 if router.batching_loop.num_active == 0:
                     break
                 await asyncio.sleep(0.02)
-            for _ in range(500):     # the frees ride the router's next steps: a loaded box takes a while
+            for _ in range(500):  # the frees ride the router's next steps: a loaded box takes a while
                 if worker.engine.allocator.num_used_blocks == 0 and not worker.engine.sequences:
                     break
                 await asyncio.sleep(0.02)
+
     try:
         asyncio.run(body())
-        allocator = worker.engine.allocator     # half the calls read a token first: blocks were allocated
+        allocator = worker.engine.allocator  # half the calls read a token first: blocks were allocated
         assert allocator.num_used_blocks == 0 and not allocator.tables
         assert not worker.engine.sequences
     finally:
@@ -201,17 +252,42 @@ def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["--expert-cache-slots", "1", "--prefetch", "lookahead"]],
-                         ids=["resident", "expert-cache-1-slot"])
+@pytest.mark.parametrize(
+    "extra", [[], ["--expert-cache-slots", "1", "--prefetch", "lookahead"]], ids=["resident", "expert-cache-1-slot"]
+)
 def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
     """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
     per layer): streamed greedy output equals the fp32 CPU engine's."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
-                              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                              "--worker-metrics-port", "0", "--backend", "cuda", "--max-batch-size", "16",
-                              "--max-batch-tokens", "256", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "serve",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--worker-metrics-port",
+            "0",
+            "--backend",
+            "cuda",
+            "--max-batch-size",
+            "16",
+            "--max-batch-tokens",
+            "256",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_serving(channel, timeout=240)
@@ -220,9 +296,11 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
         prompts = [[(5 * i + j) % 250 + 3 for j in range(2 + 7 * i)] for i in range(6)]
         expected = [offline_greedy(tiny_model, p, 12) for p in prompts]
         from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda p: [t for m in stub.GenerateStream(request(p, 12)) for t in m.token_ids],
-                                prompts))
+            got = list(
+                pool.map(lambda p: [t for m in stub.GenerateStream(request(p, 12)) for t in m.token_ids], prompts)
+            )
         assert got == expected
         channel.close()
     finally:

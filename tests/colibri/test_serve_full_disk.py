@@ -1,5 +1,6 @@
 """`colibri serve` with output it cannot write (a full disk, a closed pipe): it serves, and stops cleanly on
 SIGTERM. Its start-up hint on stdout used to kill it (exit 1) before anything was served."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ def unwritable(request):
     """(stdout, stderr) for serve."""
     if request.param == "stdout-closed-pipe":
         reader, writer = os.pipe()
-        os.close(reader)             # every write now fails with EPIPE
+        os.close(reader)  # every write now fails with EPIPE
         yield writer, subprocess.DEVNULL
         os.close(writer)
         return
@@ -33,10 +34,31 @@ def test_serve_serves_and_stops_with_output_unwritable(tiny_model, unwritable):
     stdout, stderr = unwritable
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    serve = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model),
-                              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-                              "--worker-metrics-port", "0", "--backend", "cpu", "--worker-retry-s", "0.1"],
-                             env=env, stdout=stdout, stderr=stderr)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "serve",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--worker-metrics-port",
+            "0",
+            "--backend",
+            "cpu",
+            "--worker-retry-s",
+            "0.1",
+        ],
+        env=env,
+        stdout=stdout,
+        stderr=stderr,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             wait_serving(channel, timeout=120)

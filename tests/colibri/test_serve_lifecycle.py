@@ -1,6 +1,7 @@
 """`colibri serve` stopping: SIGTERM or Ctrl-C to every process at once loses no stream and exits 0, whatever
 order the processes see it in (the supervisor late, during start-up, under CPU contention); a taken port is
 not restarted; a worker failing at start-up is given up after a few tries; the token never shows in argv."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,33 @@ TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
 def start_serve(model, *extra: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", TOKEN_ENV)}
-    process = subprocess.Popen([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model), "--host",
-                                "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--worker-metrics-port", "0",
-                                "--backend", "cpu", "--worker-retry-s", "0.1", *extra],
-                               env={**env, "LOG_FORMAT": "text"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--worker-metrics-port",
+            "0",
+            "--backend",
+            "cpu",
+            "--worker-retry-s",
+            "0.1",
+            *extra,
+        ],
+        env={**env, "LOG_FORMAT": "text"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return process, port
 
 
@@ -52,6 +75,7 @@ def stream_while_signalled(model, signum: int, serve_late_s: float = 0.0) -> Non
                 if n == 0:
                     started.wait(60)
             return tokens
+
         with ThreadPoolExecutor(4) as pool:
             results = [pool.submit(generate, i) for i in range(4)]
             started.wait(60)
@@ -87,7 +111,7 @@ def test_children_stopping_before_serve_sees_the_signal_is_still_exit_0(tiny_mod
 def test_sigterm_during_start_up_under_cpu_contention(tiny_model):
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        for delay in (0.0, 0.2, 1.0, 2.5):      # after serve has started its children (it is running then)
+        for delay in (0.0, 0.2, 1.0, 2.5):  # after serve has started its children (it is running then)
             process, _ = start_serve(tiny_model)
             while not child_pids(process.pid):
                 assert process.poll() is None, process.stderr.read()
@@ -97,7 +121,7 @@ def test_sigterm_during_start_up_under_cpu_contention(tiny_model):
             process.send_signal(signal.SIGTERM)
             code = process.wait(90)
             assert code == 0, f"after {delay} s: exit {code}: {process.stderr.read()[-2000:]}"
-            for pid in children:       # no orphan left behind
+            for pid in children:  # no orphan left behind
                 assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"child {pid} outlived serve"
     finally:
         for hog in hogs:
@@ -136,6 +160,7 @@ def test_token_travels_in_the_environment_never_in_argv(tiny_model):
 
 def test_a_taken_worker_port_is_not_restarted(tiny_model):
     import socket
+
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -153,9 +178,11 @@ def test_a_taken_worker_port_is_not_restarted(tiny_model):
 
 # --- the supervisor with stand-in children -------------------------------------------------------------------
 
+
 def _supervisor(tmp_path, worker: str, router: str) -> serve_module.Supervisor:
-    args = argparse.Namespace(model=str(tmp_path), config=None, worker_port=0, worker_metrics_port=0, port=0,
-                              drain_timeout_s=5.0)
+    args = argparse.Namespace(
+        model=str(tmp_path), config=None, worker_port=0, worker_metrics_port=0, port=0, drain_timeout_s=5.0
+    )
     supervisor = serve_module.Supervisor(args)
     supervisor.worker_cmd = [sys.executable, "-c", worker]
     supervisor.router_cmd = [sys.executable, "-c", router]
@@ -185,6 +212,7 @@ def sigterm_when(condition, timeout: float):
             time.sleep(0.05)
         if not done.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
+
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -208,10 +236,13 @@ def test_a_healthy_period_resets_the_failure_count(tmp_path, monkeypatch, restor
     monkeypatch.setattr(serve_module, "RESTART_BACKOFF_S", (0.05,))
     monkeypatch.setattr(serve_module, "HEALTHY_AFTER_S", 0.2)
     starts = tmp_path / "starts"
-    supervisor = _supervisor(tmp_path, f"import time; open({str(starts)!r}, 'a').write('x'); time.sleep(0.5); "
-                                       f"raise SystemExit(1)", SLEEPER)
+    supervisor = _supervisor(
+        tmp_path, f"import time; open({str(starts)!r}, 'a').write('x'); time.sleep(0.5); raise SystemExit(1)", SLEEPER
+    )
+
     def count() -> int:
         return len(starts.read_text()) if starts.exists() else 0
+
     # Stop once more runs than MAX_FAILED_STARTS have been seen (however slow the box), not after a fixed time.
     with sigterm_when(lambda: count() > serve_module.MAX_FAILED_STARTS, timeout=120.0):
         assert supervisor.run() == 0
@@ -219,13 +250,15 @@ def test_a_healthy_period_resets_the_failure_count(tmp_path, monkeypatch, restor
 
 
 def test_a_child_slow_to_exit_is_waited_for_and_a_second_signal_kills(tmp_path, restore_signals):
-    slow = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
-            "time.sleep(120)")
+    slow = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
+        "time.sleep(120)"
+    )
     supervisor = _supervisor(tmp_path, SLEEPER, slow)
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     started = time.monotonic()
     assert supervisor.run() == 0
-    assert time.monotonic() - started >= 2.4              # waited for the router's 1.5 s
+    assert time.monotonic() - started >= 2.4  # waited for the router's 1.5 s
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
     supervisor = _supervisor(tmp_path, SLEEPER, stubborn)
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
@@ -238,12 +271,14 @@ def test_a_child_slow_to_exit_is_waited_for_and_a_second_signal_kills(tmp_path, 
 def test_a_signal_after_the_exit_status_is_decided_cannot_change_it(tmp_path, monkeypatch, restore_signals):
     """Python restores the default handlers while it shuts down; a SIGTERM sent late to every process could
     land then and kill serve (-15) after it had decided on 0. Once `run` returns, both signals are ignored."""
+
     class Decided:
         def __init__(self, args):
             pass
 
         def run(self) -> int:
             return 0
+
     monkeypatch.setattr(serve_module, "Supervisor", Decided)
     monkeypatch.setattr(serve_module, "configure_logging", lambda *_: None)
     assert serve_module.run(argparse.Namespace(model=str(tmp_path))) == 0

@@ -2,6 +2,7 @@
 parsed (a deserializer that counts its calls stays at zero) on every RPC shape; with the token they are. And
 the shared guard: bytes that do not parse are INVALID_ARGUMENT, and end a request stream after what came
 before it was answered."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +34,7 @@ class CountingParser:
 
 def probe_handlers(parser: CountingParser) -> dict:
     """One method of each shape; each answers the request bytes it was given (joined, for request streams)."""
+
     async def unary(request, context):
         return request
 
@@ -46,11 +48,17 @@ def probe_handlers(parser: CountingParser) -> dict:
         async for request in requests:
             yield request
 
-    kinds = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
-             grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler)
+    kinds = (
+        grpc.unary_unary_rpc_method_handler,
+        grpc.unary_stream_rpc_method_handler,
+        grpc.stream_unary_rpc_method_handler,
+        grpc.stream_stream_rpc_method_handler,
+    )
     behaviours = (unary, server_stream, client_stream, bidi)
-    return {name: make(behaviour, request_deserializer=parser, response_serializer=bytes)
-            for name, make, behaviour in zip(SHAPES, kinds, behaviours)}
+    return {
+        name: make(behaviour, request_deserializer=parser, response_serializer=bytes)
+        for name, make, behaviour in zip(SHAPES, kinds, behaviours)
+    }
 
 
 def call(channel: grpc.Channel, shape: str, payloads: list[bytes], metadata=None) -> list[bytes]:
@@ -69,6 +77,7 @@ def call(channel: grpc.Channel, shape: str, payloads: list[bytes], metadata=None
 
 def serve(interceptors, parser: CountingParser, check):
     """Serves the probe methods behind `interceptors` on a grpc.aio server; runs `check(channel)` on a thread."""
+
     async def main():
         server = grpc.aio.server(interceptors=interceptors)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, probe_handlers(parser)),))
@@ -79,6 +88,7 @@ def serve(interceptors, parser: CountingParser, check):
                 await asyncio.to_thread(check, channel)
         finally:
             await server.stop(0)
+
     asyncio.run(main())
 
 
@@ -102,6 +112,7 @@ def test_unauthenticated_bytes_are_never_parsed(service):
             answers = call(channel, shape, [b"hello"], (("authorization", f"Bearer {TOKEN}"),))
             assert answers == [b"hello"], (service, shape)
         assert parser.calls == len(SHAPES)
+
     serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)
 
 
@@ -117,10 +128,12 @@ def test_malformed_request_is_invalid_argument_and_ends_a_stream(service):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (service, shape, err.value)
             assert err.value.details().startswith("request: not a "), err.value.details()
         # On a stream, the messages before the malformed one are answered, then the stream ends at it.
-        stream = channel.stream_stream(f"/{SERVICE}/BidiStream")(iter([b"one", b"two", b"bad", b"three"]),
-                                                                metadata=token, timeout=10)
+        stream = channel.stream_stream(f"/{SERVICE}/BidiStream")(
+            iter([b"one", b"two", b"bad", b"three"]), metadata=token, timeout=10
+        )
         answers = []
         with pytest.raises(grpc.RpcError) as err:
             answers.extend(stream)
         assert answers == [b"one", b"two"] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
     serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)

@@ -1,5 +1,6 @@
 """bfloat16 as raw uint16 words: the rounding, NaN and inf semantics the converter relies on; fp16 overflow
 refusal."""
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -23,8 +24,10 @@ def test_bf16_ties_round_to_even():
 
 
 def test_bf16_overflow_inf_and_subnormals():
-    values = np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max, np.inf, -np.inf,
-                       1e-40, -1e-45, 0.0, -0.0], dtype=np.float32)
+    values = np.array(
+        [np.finfo(np.float32).max, -np.finfo(np.float32).max, np.inf, -np.inf, 1e-40, -1e-45, 0.0, -0.0],
+        dtype=np.float32,
+    )
     assert np.array_equal(dtypes.float32_to_bf16(values), reference_bf16(values))
     assert dtypes.float32_to_bf16(values)[:4].tolist() == [0x7F80, 0xFF80, 0x7F80, 0xFF80]
 
@@ -35,7 +38,7 @@ def test_nan_stays_nan():
     words = dtypes.float32_to_bf16(bits.view(np.float32))
     back = dtypes.bf16_to_float32(words)
     assert np.isnan(back).all()
-    assert (words >> 15).tolist() == [0, 0, 0, 1, 1]   # the sign survives
+    assert (words >> 15).tolist() == [0, 0, 0, 1, 1]  # the sign survives
 
 
 def test_bf16_widening_is_exact_for_every_word():
@@ -45,7 +48,7 @@ def test_bf16_widening_is_exact_for_every_word():
     nan = np.isnan(theirs)
     assert np.array_equal(np.isnan(ours), nan)
     assert np.array_equal(ours[~nan].view(np.uint32), theirs[~nan].view(np.uint32))
-    assert np.array_equal(dtypes.float32_to_bf16(ours[~nan]), words[~nan])   # narrowing undoes widening
+    assert np.array_equal(dtypes.float32_to_bf16(ours[~nan]), words[~nan])  # narrowing undoes widening
 
 
 def test_convert_between_storage_dtypes():
@@ -74,7 +77,11 @@ def test_fp16_limit_and_non_finite_values_pass():
 
 
 def test_canonical_dtype():
-    assert [dtypes.canonical_dtype(n) for n in ("BF16", "fp16", "f32", "half")] == \
-        ["bfloat16", "float16", "float32", "float16"]
+    assert [dtypes.canonical_dtype(n) for n in ("BF16", "fp16", "f32", "half")] == [
+        "bfloat16",
+        "float16",
+        "float32",
+        "float16",
+    ]
     with pytest.raises(ModelFormatError, match="'int8' is not supported"):
         dtypes.canonical_dtype("int8")

@@ -88,4 +88,3 @@ def test_level_and_format_validation(stream):
         configure_logging("router", level="LOUD", stream=stream)
     with pytest.raises(ConfigError, match="LOG_FORMAT"):
         configure_logging("router", fmt="xml", stream=stream)
-

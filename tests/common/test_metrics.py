@@ -18,21 +18,36 @@ from common.metrics import (
 
 # Every metric of docs/observability.md, with its Prometheus type, and the process it lives in.
 ROUTER = {
-    "colibri_requests": "counter", "colibri_queue_size": "gauge", "colibri_num_requests_running": "gauge",
-    "colibri_num_requests_waiting": "gauge", "colibri_time_to_first_token_seconds": "histogram",
-    "colibri_time_per_output_token_seconds": "histogram", "colibri_request_duration_seconds": "histogram",
-    "colibri_request_queue_duration_seconds": "histogram", "colibri_prompt_tokens": "counter",
-    "colibri_generation_tokens": "counter", "colibri_batch_size": "histogram", "colibri_batch_tokens": "histogram",
-    "colibri_step_duration_seconds": "histogram", "colibri_step_transport_overhead_seconds": "histogram",
+    "colibri_requests": "counter",
+    "colibri_queue_size": "gauge",
+    "colibri_num_requests_running": "gauge",
+    "colibri_num_requests_waiting": "gauge",
+    "colibri_time_to_first_token_seconds": "histogram",
+    "colibri_time_per_output_token_seconds": "histogram",
+    "colibri_request_duration_seconds": "histogram",
+    "colibri_request_queue_duration_seconds": "histogram",
+    "colibri_prompt_tokens": "counter",
+    "colibri_generation_tokens": "counter",
+    "colibri_batch_size": "histogram",
+    "colibri_batch_tokens": "histogram",
+    "colibri_step_duration_seconds": "histogram",
+    "colibri_step_transport_overhead_seconds": "histogram",
 }
 WORKER = {
-    "colibri_worker_step_duration_seconds": "histogram", "colibri_kv_cache_usage_ratio": "gauge",
-    "colibri_kv_blocks_used": "gauge", "colibri_expert_cache_hits": "counter",
-    "colibri_expert_cache_misses": "counter", "colibri_expert_cache_copied_bytes": "counter",
-    "colibri_expert_cache_stall_seconds": "counter", "colibri_expert_cache_step_stall_seconds": "histogram",
-    "colibri_expert_cache_prefetches_issued": "counter", "colibri_expert_cache_prefetches_used": "counter",
-    "colibri_routing_plan_recall": "gauge", "colibri_routing_plan_recall_per_step": "histogram",
-    "colibri_expert_load_imbalance": "gauge", "colibri_worker_memory_plan_bytes": "gauge",
+    "colibri_worker_step_duration_seconds": "histogram",
+    "colibri_kv_cache_usage_ratio": "gauge",
+    "colibri_kv_blocks_used": "gauge",
+    "colibri_expert_cache_hits": "counter",
+    "colibri_expert_cache_misses": "counter",
+    "colibri_expert_cache_copied_bytes": "counter",
+    "colibri_expert_cache_stall_seconds": "counter",
+    "colibri_expert_cache_step_stall_seconds": "histogram",
+    "colibri_expert_cache_prefetches_issued": "counter",
+    "colibri_expert_cache_prefetches_used": "counter",
+    "colibri_routing_plan_recall": "gauge",
+    "colibri_routing_plan_recall_per_step": "histogram",
+    "colibri_expert_load_imbalance": "gauge",
+    "colibri_worker_memory_plan_bytes": "gauge",
 }
 
 
@@ -50,8 +65,13 @@ def scrape(registry) -> dict:
 
 
 def buckets(family, **labels) -> list[float]:
-    return [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")
-            and all(s.labels.get(k) == v for k, v in labels.items()) and s.labels["le"] != "+Inf"]
+    return [
+        float(s.labels["le"])
+        for s in family.samples
+        if s.name.endswith("_bucket")
+        and all(s.labels.get(k) == v for k, v in labels.items())
+        and s.labels["le"] != "+Inf"
+    ]
 
 
 def test_router_scrape_has_every_metric_with_model_name():
@@ -77,8 +97,9 @@ def test_router_scrape_has_every_metric_with_model_name():
     assert not set(WORKER) & set(families)  # each metric lives in one process only
     assert "process_resident_memory_bytes" in families
 
-    outcomes = {s.labels["outcome"]: s.value for s in families["colibri_requests"].samples
-                if s.name == "colibri_requests_total"}
+    outcomes = {
+        s.labels["outcome"]: s.value for s in families["colibri_requests"].samples if s.name == "colibri_requests_total"
+    }
     assert outcomes == {o: (1.0 if o == "ok" else 0.0) for o in OUTCOMES}  # all outcomes exist from the start
     overhead = families["colibri_step_transport_overhead_seconds"]
     sums = {s.labels["kind"]: s.value for s in overhead.samples if s.name.endswith("_sum")}
@@ -96,9 +117,8 @@ def test_genai_bucket_boundaries():
     assert buckets(families["colibri_request_duration_seconds"]) == list(REQUEST_DURATION_BUCKETS)
     tpot = buckets(families["colibri_time_per_output_token_seconds"])
     assert tpot == list(TPOT_BUCKETS) and set(GENAI_TPOT_BUCKETS) <= set(tpot)
-    assert TTFT_BUCKETS == (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                            10.0)
-    assert REQUEST_DURATION_BUCKETS == tuple(0.01 * 2 ** i for i in range(14))
+    assert TTFT_BUCKETS == (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+    assert REQUEST_DURATION_BUCKETS == tuple(0.01 * 2**i for i in range(14))
     assert GENAI_TPOT_BUCKETS == (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -107,8 +127,9 @@ def test_worker_scrape_has_every_metric_with_model_name():
     m = WorkerMetrics(registry, "tiny-mixtral")
     m.worker_step_duration.labels(kind="decode").observe(0.003)
     m.set_kv_usage(blocks_used=25, num_blocks=100)
-    m.observe_expert_cache(hits=10, misses=2, copied_bytes=4096, stall_seconds=0.001, prefetches_issued=3,
-                           prefetches_used=2)
+    m.observe_expert_cache(
+        hits=10, misses=2, copied_bytes=4096, stall_seconds=0.001, prefetches_issued=3, prefetches_used=2
+    )
     m.observe_recall(0.9)
     m.set_load_imbalance([[4, 0, 0, 0], [1, 1, 1, 1]])
     m.set_memory_plan({"dense_weights": 1 << 20, "kv_cache": 1 << 30})
@@ -124,7 +145,7 @@ def test_worker_scrape_has_every_metric_with_model_name():
     imbalance = {s.labels["layer"]: s.value for s in families["colibri_expert_load_imbalance"].samples}
     assert imbalance == {"0": 4.0, "1": 1.0}
     plan = {s.labels["item"]: s.value for s in families["colibri_worker_memory_plan_bytes"].samples}
-    assert plan == {"dense_weights": 2 ** 20, "kv_cache": 2 ** 30}
+    assert plan == {"dense_weights": 2**20, "kv_cache": 2**30}
     assert families["colibri_expert_cache_copied_bytes"].samples[0].value == 4096
     assert families["colibri_expert_cache_prefetches_used"].samples[0].value == 2
 

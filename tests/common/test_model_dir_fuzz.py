@@ -2,6 +2,7 @@
 absurd values, files truncated, flipped, replaced by links and FIFOs. Opening the directory must either
 succeed with a sane config or fail with one ColibriError line naming the file or field -- never another
 exception (ZeroDivisionError, MemoryError, OverflowError, RecursionError, ...), never a hang."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 from common.errors import ColibriError
 from common.model_format import MANIFEST, ModelDir
 
-ABSURD = [0, -1, 1, 2 ** 40, 2 ** 63, -(2 ** 63), 1e9, 0.5, True, None, "x", "", [], {}, [1, 2], {"a": 1}]
+ABSURD = [0, -1, 1, 2**40, 2**63, -(2**63), 1e9, 0.5, True, None, "x", "", [], {}, [1, 2], {"a": 1}]
 RAW_ABSURD = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999", "[" * 5000 + "]" * 5000]
 
 
@@ -135,6 +136,7 @@ def test_files_truncated_flipped_linked_and_fifo(tiny_model, tmp_path):
 def test_manifest_itself_broken(tiny_model, tmp_path):
     model = _copy(tiny_model, tmp_path / "m")
     for text in ["", "null", "[]", "{", "\xff\xfe", "{" * 100000, '{"format": "colibri"}']:
-        (model / MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe"
-                                       else b"\xff\xfe\x00")
+        (model / MANIFEST).write_bytes(
+            text.encode("utf-8", "surrogateescape") if text != "\xff\xfe" else b"\xff\xfe\x00"
+        )
         assert _open_outcome(model) != "ok"

@@ -3,6 +3,7 @@
 Checkpoints come from make-tiny's generator here; tests/expert_service/tools/test_convert.py covers checkpoints
 saved by transformers. The reader's one-line errors are exercised through the CLI in test_cli_offline.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def test_expert_blocks_are_contiguous_and_aligned(converted):
             assert gate.offset == offset and up.offset == gate.offset + gate.nbytes
             assert down.offset == up.offset + up.nbytes and down.offset + down.nbytes == offset + nbytes
             # One block = one copy: its bytes are exactly the three matrices back to back.
-            block = model._map(file)[offset:offset + nbytes]
+            block = model._map(file)[offset : offset + nbytes]
             parts = [model.raw_bytes(prefix + m) for m in ("gate_proj", "up_proj", "down_proj")]
             assert block.tobytes() == b"".join(p.tobytes() for p in parts)
 
@@ -77,12 +78,11 @@ def test_dense_tensors_live_in_dense_file_aligned(converted):
             continue
         assert entry.file == DENSE_FILE and entry.offset % DENSE_ALIGN == 0, name
     dense = sorted((e for e in model.entries.values() if e.file == DENSE_FILE), key=lambda e: e.offset)
-    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(dense, dense[1:]))   # no overlap
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(dense, dense[1:]))  # no overlap
 
 
 def test_qwen2_dense_layer_has_no_expert_file(tmp_path):
-    model = ModelDir.open(convert(write_tiny_checkpoint(tmp_path / "hf", "qwen2_moe"), tmp_path / "m",
-                                  progress=False))
+    model = ModelDir.open(convert(write_tiny_checkpoint(tmp_path / "hf", "qwen2_moe"), tmp_path / "m", progress=False))
     assert model.config.sparse_layers == (True, False)
     assert (tmp_path / "m" / expert_file(0)).is_file() and not (tmp_path / "m" / expert_file(1)).exists()
     assert "layers.1.gate_proj" in model.entries and "layers.0.shared_expert_gate" in model.entries
@@ -140,6 +140,7 @@ def test_reader_rejects_an_expert_that_is_not_one_contiguous_block(tmp_path):
     """A manifest edited so an expert's matrices are no longer back to back is refused on load, since the
     worker copies each expert as one byte range."""
     import shutil
+
     src = convert(write_tiny_checkpoint(tmp_path / "hf"), tmp_path / "model", progress=False)
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)

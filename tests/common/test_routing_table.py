@@ -1,4 +1,5 @@
 """The routing table file: round trip, every load error, lookup, and the CSR plan against a slow reference."""
+
 from __future__ import annotations
 
 import struct
@@ -12,7 +13,7 @@ from common.models import config_from_hf
 from common.routing_table import HEADER_SIZE, RoutingTable, RoutingTableError, write_routing_table
 from expert_service.tools.tiny_model import tiny_hf_config
 
-CONFIG = config_from_hf(tiny_hf_config("mixtral"))          # 2 MoE layers, 259 tokens, 4 experts, top-2
+CONFIG = config_from_hf(tiny_hf_config("mixtral"))  # 2 MoE layers, 259 tokens, 4 experts, top-2
 L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts
 
 
@@ -77,14 +78,17 @@ def test_missing_file(tmp_path):
     expect_error(tmp_path / "absent.bin", "not found", "router-gen")
 
 
-@pytest.mark.parametrize("index, field, value, expected", [
-    (0, "version", 7, "expected 1"),
-    (1, "num_layers", 5, f"expected {L}"),
-    (2, "vocab_size", 1000, f"expected {V}"),
-    (4, "num_experts", 8, f"expected {E}"),
-    (3, "top_k", 0, f"expected 1..{E}"),
-    (3, "top_k", 9, f"expected 1..{E}"),
-])
+@pytest.mark.parametrize(
+    "index, field, value, expected",
+    [
+        (0, "version", 7, "expected 1"),
+        (1, "num_layers", 5, f"expected {L}"),
+        (2, "vocab_size", 1000, f"expected {V}"),
+        (4, "num_experts", 8, f"expected {E}"),
+        (3, "top_k", 0, f"expected 1..{E}"),
+        (3, "top_k", 9, f"expected 1..{E}"),
+    ],
+)
 def test_header_field_mismatch(table_file, index, field, value, expected):
     patch_header(table_file, index, value)
     expect_error(table_file, f"{field} is {value}", expected)
@@ -114,8 +118,9 @@ def test_crc_mismatch(table_file):
 def write_raw(path, table: np.ndarray, num_experts: int) -> None:
     """Writes a table bypassing the writer's checks, with a correct crc."""
     body = table.astype("<u2").tobytes()
-    path.write_bytes(struct.pack("<4s6I", b"CLRT", 1, *table.shape[:2], table.shape[2], num_experts,
-                                 zlib.crc32(body)) + body)
+    path.write_bytes(
+        struct.pack("<4s6I", b"CLRT", 1, *table.shape[:2], table.shape[2], num_experts, zlib.crc32(body)) + body
+    )
 
 
 def test_entry_out_of_range(tmp_path):
@@ -182,13 +187,13 @@ def assert_plan_matches(table: RoutingTable, token_ids) -> list:
 def test_plan_matches_reference_on_random_ids(table_file, seed):
     rng = np.random.default_rng(seed)
     table = RoutingTable.load(table_file, CONFIG)
-    ids = rng.integers(0, 20, size=int(rng.integers(1, 60)))      # few distinct ids: many repeats
+    ids = rng.integers(0, 20, size=int(rng.integers(1, 60)))  # few distinct ids: many repeats
     assert_plan_matches(table, ids)
 
 
 def test_plan_with_experts_that_get_no_tokens(tmp_path):
     table = random_table(k=1)
-    table[:, :, 0] = 2                                           # every token -> expert 2 only
+    table[:, :, 0] = 2  # every token -> expert 2 only
     write_routing_table(tmp_path / "one.bin", table, E)
     lut = RoutingTable.load(tmp_path / "one.bin", CONFIG)
     plan = assert_plan_matches(lut, [9, 9, 4])
@@ -211,6 +216,6 @@ def test_plan_for_a_mixed_prefill_and_decode_batch(table_file):
     plan = assert_plan_matches(table, ids)
     for l, (offsets, indices) in enumerate(plan):
         for e in range(E):
-            for t in indices[offsets[e]:offsets[e + 1]]:
-                assert e in table.table[l, ids[t]]               # every listed token predicts that expert
-        assert np.bincount(indices, minlength=len(ids)).tolist() == [2] * len(ids)   # each token k times
+            for t in indices[offsets[e] : offsets[e + 1]]:
+                assert e in table.table[l, ids[t]]  # every listed token predicts that expert
+        assert np.bincount(indices, minlength=len(ids)).tolist() == [2] * len(ids)  # each token k times

@@ -57,16 +57,22 @@ def by_name(exporter) -> dict:
 
 def test_worker_span_is_child_of_router_step_span(exporter, router_provider, worker_provider):
     async def step(request, context):
-        with start_server_span("worker.decode", context.invocation_metadata(), {"colibri.batch.size": 2},
-                               tracer_provider=worker_provider):
+        with start_server_span(
+            "worker.decode", context.invocation_metadata(), {"colibri.batch.size": 2}, tracer_provider=worker_provider
+        ):
             return b"ok"
 
     async def router(channel):
         tracer = get_tracer(router_provider)
-        requests = [tracer.start_span(tracing.request_span_name("tiny"), kind=SpanKind.SERVER,
-                                      attributes={tracing.GEN_AI_REQUEST_MODEL: "tiny"}) for _ in range(2)]
-        with tracer.start_as_current_span("decode", kind=SpanKind.CLIENT,
-                                          links=links_from_contexts(requests)):
+        requests = [
+            tracer.start_span(
+                tracing.request_span_name("tiny"),
+                kind=SpanKind.SERVER,
+                attributes={tracing.GEN_AI_REQUEST_MODEL: "tiny"},
+            )
+            for _ in range(2)
+        ]
+        with tracer.start_as_current_span("decode", kind=SpanKind.CLIENT, links=links_from_contexts(requests)):
             reply = await channel.unary_unary(f"/{SERVICE}/Decode")(b"step", metadata=inject_metadata())
         for span in requests:
             span.end()
@@ -99,10 +105,12 @@ def test_interceptor_traces_unary_and_stream_rpcs(exporter, router_provider, wor
     async def broken(request, context):
         raise RuntimeError("CUDA error")
 
-    handlers = {"Prefill": grpc.unary_unary_rpc_method_handler(prefill),
-                "Stream": grpc.unary_stream_rpc_method_handler(stream),
-                "Bad": grpc.unary_unary_rpc_method_handler(bad),
-                "Broken": grpc.unary_unary_rpc_method_handler(broken)}
+    handlers = {
+        "Prefill": grpc.unary_unary_rpc_method_handler(prefill),
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        "Bad": grpc.unary_unary_rpc_method_handler(bad),
+        "Broken": grpc.unary_unary_rpc_method_handler(broken),
+    }
 
     async def client(channel):
         with get_tracer(router_provider).start_as_current_span("prefill", kind=SpanKind.CLIENT):
@@ -131,8 +139,11 @@ def test_interceptor_traces_unary_and_stream_rpcs(exporter, router_provider, wor
 
 def test_extract_without_metadata_starts_a_new_trace(exporter, worker_provider):
     assert not trace.get_current_span(extract_context(None)).get_span_context().is_valid
-    assert not trace.get_current_span(extract_context([("x-request-id", "1"), ("k-bin", b"\x00")])) \
-        .get_span_context().is_valid
+    assert (
+        not trace.get_current_span(extract_context([("x-request-id", "1"), ("k-bin", b"\x00")]))
+        .get_span_context()
+        .is_valid
+    )
     with start_server_span("worker.prefill", [], tracer_provider=worker_provider) as span:
         pass
     assert span.parent is None

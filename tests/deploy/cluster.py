@@ -7,6 +7,7 @@ The model cluster holds the pods a real one has around ours: kube-dns in kube-sy
 label CoreDNS keeps on kubeadm, EKS, GKE and AKS), Prometheus in the `monitoring` namespace, an API client in
 another namespace, an OTLP collector, and an address outside the cluster (the Hugging Face Hub).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,7 @@ class Port:
 @dataclass(frozen=True)
 class Pod:
     """A pod (or a destination outside the cluster, namespace None) with the labels policies select on."""
+
     name: str
     namespace: str | None
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -53,10 +55,19 @@ def workload_pods(rendering: Rendering) -> list[Pod]:
     """The pod each Deployment or Job of a rendering creates, with the container ports it declares."""
     pods = []
     for obj in rendering.of_kind("Deployment") + rendering.of_kind("Job"):
-        ports = tuple(Port(p.get("name"), p["containerPort"], p.get("protocol", "TCP"))
-                      for c in all_containers(pod_spec(obj)) for p in c.get("ports", []))
-        pods.append(Pod(f"{obj['kind']}/{obj['metadata']['name']}", obj["metadata"]["namespace"],
-                        obj["spec"]["template"]["metadata"].get("labels", {}), ports))
+        ports = tuple(
+            Port(p.get("name"), p["containerPort"], p.get("protocol", "TCP"))
+            for c in all_containers(pod_spec(obj))
+            for p in c.get("ports", [])
+        )
+        pods.append(
+            Pod(
+                f"{obj['kind']}/{obj['metadata']['name']}",
+                obj["metadata"]["namespace"],
+                obj["spec"]["template"]["metadata"].get("labels", {}),
+                ports,
+            )
+        )
     return pods
 
 
@@ -68,8 +79,12 @@ def selects(selector: Mapping | None, labels: Mapping[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions") or []:
         present, value = e["key"] in labels, labels.get(e["key"])
-        ok = {"In": present and value in e.get("values", []), "NotIn": not present or value not in e.get("values", []),
-              "Exists": present, "DoesNotExist": not present}[e["operator"]]
+        ok = {
+            "In": present and value in e.get("values", []),
+            "NotIn": not present or value not in e.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]
         if not ok:
             return False
     return True
@@ -78,8 +93,11 @@ def selects(selector: Mapping | None, labels: Mapping[str, str]) -> bool:
 def service_selects(service: dict, pod: Pod) -> bool:
     """A Service's selector is a plain map (no expressions) and only picks pods of its own namespace."""
     selector = service["spec"].get("selector")
-    return bool(selector) and pod.namespace == service["metadata"]["namespace"] and \
-        selects({"matchLabels": selector}, pod.labels)
+    return (
+        bool(selector)
+        and pod.namespace == service["metadata"]["namespace"]
+        and selects({"matchLabels": selector}, pod.labels)
+    )
 
 
 def target_port(service_port: dict, pod: Pod) -> Port | None:
@@ -95,7 +113,7 @@ def _policy_types(policy: dict) -> set[str]:
 
 
 def _peer_matches(peer: dict, policy_namespace: str, pod: Pod) -> bool:
-    if pod.namespace is None:              # outside the cluster: only ipBlock peers could name it
+    if pod.namespace is None:  # outside the cluster: only ipBlock peers could name it
         return False
     if "namespaceSelector" in peer:
         if not selects(peer["namespaceSelector"], pod.namespace_labels):
@@ -114,7 +132,7 @@ def _port_matches(rule_ports: list[dict] | None, destination: Pod, port: Port) -
         wanted = rp.get("port")
         if wanted is None:
             return True
-        if isinstance(wanted, str):        # a named port: the destination pod's port of that name
+        if isinstance(wanted, str):  # a named port: the destination pod's port of that name
             named = destination.port(wanted)
             if named and named.number == port.number:
                 return True
@@ -123,31 +141,37 @@ def _port_matches(rule_ports: list[dict] | None, destination: Pod, port: Port) -
     return False
 
 
-def _side_allows(policies: Iterable[dict], pod: Pod, direction: str, peer: Pod, destination: Pod,
-                 port: Port) -> bool:
+def _side_allows(policies: Iterable[dict], pod: Pod, direction: str, peer: Pod, destination: Pod, port: Port) -> bool:
     """Whether the policies that select `pod` for `direction` (Ingress or Egress) let the connection pass."""
     key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-    isolating = [p for p in policies if p["metadata"]["namespace"] == pod.namespace
-                 and direction in _policy_types(p) and selects(p["spec"]["podSelector"], pod.labels)]
+    isolating = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == pod.namespace
+        and direction in _policy_types(p)
+        and selects(p["spec"]["podSelector"], pod.labels)
+    ]
     if not isolating:
-        return True                        # a pod no policy selects is not isolated
+        return True  # a pod no policy selects is not isolated
     for policy in isolating:
         for rule in policy["spec"].get(key) or []:
             peers = rule.get(peers_key)
-            if (not peers or any(_peer_matches(p, policy["metadata"]["namespace"], peer) for p in peers)) and \
-                    _port_matches(rule.get("ports"), destination, port):
+            if (
+                not peers or any(_peer_matches(p, policy["metadata"]["namespace"], peer) for p in peers)
+            ) and _port_matches(rule.get("ports"), destination, port):
                 return True
     return False
 
 
-def connection_allowed(policies: list[dict], source: Pod, destination: Pod, port: int | str,
-                       protocol: str = "TCP") -> bool:
+def connection_allowed(
+    policies: list[dict], source: Pod, destination: Pod, port: int | str, protocol: str = "TCP"
+) -> bool:
     """Egress from `source` and ingress to `destination` on `port` (a number, or a port name of `destination`)."""
     if isinstance(port, str):
         resolved = destination.port(port)
         assert resolved is not None, f"{destination.name} has no port named {port}"
     else:
         resolved = Port(None, port, protocol)
-    return (_side_allows(policies, source, "Egress", destination, destination, resolved)
-            and (destination.namespace is None
-                 or _side_allows(policies, destination, "Ingress", source, destination, resolved)))
+    return _side_allows(policies, source, "Egress", destination, destination, resolved) and (
+        destination.namespace is None or _side_allows(policies, destination, "Ingress", source, destination, resolved)
+    )

@@ -3,6 +3,7 @@
 Nothing here needs a cluster or the network: `kubectl kustomize` (or a standalone `kustomize build`) renders
 locally, kubernetes-validate ships the schemas, checkov runs with --skip-download, hadolint is a static binary.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,11 @@ RENDERINGS: dict[str, tuple[str, tuple[str, ...]]] = {
 SERVER_RENDERINGS = [name for name in RENDERINGS if name != "convert"]
 
 # Kinds defined by CRDs: no official schema; each is named here on purpose so that no other kind is skipped.
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
-             ("cert-manager.io/v1", "Certificate")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Certificate"),
+}
 # Kubernetes versions the manifests are validated against: 1.29 is the first with native sidecars on by
 # default (beta), 1.33 the first with them GA.
 K8S_VERSIONS = ("1.29", "1.33")
@@ -88,9 +92,17 @@ def render(command: list[str], name: str, scratch: Path) -> Rendering:
         target = scratch / name.replace("+", "_")
         target.mkdir(parents=True)
         rel = lambda p: os.path.relpath(K8S / p, target)  # noqa: E731 (kustomize refuses absolute paths)
-        target.joinpath("kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "colibri",
-            "resources": [rel(directory)], "components": [rel(c) for c in components]}))
+        target.joinpath("kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "namespace": "colibri",
+                    "resources": [rel(directory)],
+                    "components": [rel(c) for c in components],
+                }
+            )
+        )
     proc = subprocess.run([*command, str(target)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"rendering {name} failed:\n{proc.stderr}"
     objects = [o for o in yaml.safe_load_all(proc.stdout) if o]
@@ -98,6 +110,7 @@ def render(command: list[str], name: str, scratch: Path) -> Rendering:
 
 
 # --- reading a rendered pod ----------------------------------------------------------------------------------
+
 
 def pod_spec(workload: dict) -> dict:
     return workload["spec"]["template"]["spec"]

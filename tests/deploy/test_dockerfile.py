@@ -1,5 +1,6 @@
 """deploy/Dockerfile: hadolint finds nothing unjustified, and the image keeps the properties the manifests
 rely on (non-root uid, entrypoint, writable kernel cache, no compilers, one install script shared with CI)."""
+
 from __future__ import annotations
 
 import re
@@ -48,8 +49,9 @@ def test_every_hadolint_ignore_is_explained():
     for i, line in enumerate(lines):
         if line.startswith("# hadolint ignore="):
             above = lines[i - 1] if i else ""
-            assert above.startswith("#") and "hadolint" not in above, \
+            assert above.startswith("#") and "hadolint" not in above, (
                 f"Dockerfile line {i + 1}: explain {line[2:]} in a comment above it"
+            )
 
 
 def test_base_images_are_pinned_by_tag():
@@ -58,8 +60,9 @@ def test_base_images_are_pinned_by_tag():
     for name, image in args.items():
         tag = image.split("@")[0].rpartition(":")[2]
         assert tag and tag != "latest" and "/" not in tag, f"{name}={image} is not pinned by tag"
-    assert re.match(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu", args["CUDA_IMAGE"]), \
+    assert re.match(r"nvidia/cuda:13\.\d+\.\d+-runtime-ubuntu", args["CUDA_IMAGE"]), (
         "the CUDA runtime base must match numba-cuda's CUDA 13 wheels (and provide libcublas)"
+    )
 
 
 def test_runtime_stage():
@@ -73,14 +76,15 @@ def test_runtime_stage():
     assert not re.search(r"^COPY (?!--from=)", text, re.M), "no source tree in the image"
     for line in stages["runtime"] + stages["base-gpu"] + stages["base-cpu"]:
         if line.startswith("RUN"):
-            assert not re.search(r"\b(gcc|g\+\+|clang|build-essential|cmake|make|\S+-dev)\b", line), \
+            assert not re.search(r"\b(gcc|g\+\+|clang|build-essential|cmake|make|\S+-dev)\b", line), (
                 f"a compiler or headers in the final image: {line}"
+            )
     assert "pip install" not in text, "the runtime stage installs nothing with pip"
 
 
 def test_builder_runs_the_install_script_that_ci_runs():
     builder = "\n".join(_stages()["builder"])
-    assert "RUN sh deploy/docker/install.sh \"${VARIANT}\" /opt/colibri /src" in builder
+    assert 'RUN sh deploy/docker/install.sh "${VARIANT}" /opt/colibri /src' in builder
     check = (DEPLOY / "install-check.sh").read_text()
     assert 'sh deploy/docker/install.sh "$variant"' in check
     script = (DEPLOY / "docker" / "install.sh").read_text()
@@ -94,15 +98,17 @@ def test_kernel_cache_lives_on_the_mounted_cache_volume(renderings):
     for name, path in env.items():
         assert any(path.startswith(v + "/") for v in volumes), f"{name}={path} is not under a VOLUME"
         mount = mount_of(worker, path)
-        assert mount and mount["mountPath"] != "/" and not mount.get("readOnly"), \
+        assert mount and mount["mountPath"] != "/" and not mount.get("readOnly"), (
             f"{name}={path}: the worker has no writable volume there"
+        )
     assert set(env) == {"COLIBRI_KERNEL_CACHE", "CUDA_CACHE_PATH"}
 
 
 def test_dockerignore_lets_every_package_in():
     """The build context is an allow-list: each package pyproject.toml installs must be in it."""
-    allowed = {line[1:].strip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].strip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
         package = pattern.rstrip("*").rstrip(".")
@@ -123,7 +129,9 @@ def test_install_script_is_posix_sh():
 def test_kubernetes_uid_matches_the_image(renderings):
     spec = pod_spec(renderings["gpu"].one("Deployment", "colibri"))
     user = re.search(r"^USER (\d+):(\d+)$", DOCKERFILE.read_text(), re.M)
-    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == \
-        (int(user.group(1)), int(user.group(2)))
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == (
+        int(user.group(1)),
+        int(user.group(2)),
+    )
     # The image's declared paths are the ones the manifests mount.
     assert "/models" in yaml.safe_dump(spec)

@@ -3,6 +3,7 @@ picks the pods it is meant for and no other, DNS resolves under the NetworkPolic
 process listens on for others (gRPC, HTTP, both metrics ports) is reachable through the Service and the
 policy by the clients it is for, while the health ports stay the kubelet's. Checked on every rendering, with
 the convert Job's pod beside the servers (both live in one namespace)."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,9 @@ def test_every_declared_port_is_one_the_process_listens_on(server_rendering):
             assert p["name"] in PORTS, f"{name}: {c['name']} port {p['name']}: say who reaches it in PORTS"
             owner, port_flag, _ = PORTS[p["name"]]
             assert c["name"] == owner, f"{name}: port {p['name']} is declared on {c['name']}, not {owner}"
-            assert flag(c["args"], port_flag) == str(p["containerPort"]), \
+            assert flag(c["args"], port_flag) == str(p["containerPort"]), (
                 f"{name}: {owner} --{port_flag} is not containerPort {p['name']} ({p['containerPort']})"
+            )
     declared = {p["name"] for c in (container(spec, "router"), container(spec, "worker")) for p in c.get("ports", [])}
     assert {"grpc", "http", "metrics-router", "metrics-worker", "health-worker"} <= declared, name
 
@@ -79,8 +81,9 @@ def test_services_send_to_the_server_pods_only(server_rendering, renderings):
         assert not service_selects(svc, convert), f"{where} sends traffic to the convert Job"
         for sp in svc["spec"]["ports"]:
             port = target_port(sp, server)
-            assert port is not None, \
+            assert port is not None, (
                 f"{where} port {sp['name']}: targetPort {sp.get('targetPort')} is no container port"
+            )
             assert PORTS[port.name][2] is not None, f"{where} exposes the kubelet's {port.name} port"
 
 
@@ -94,10 +97,12 @@ def test_every_exposed_port_is_reachable_through_service_and_policy(server_rende
             assert not any(target_port(sp, server) == port for s in r.of_kind("Service") for sp in s["spec"]["ports"])
             assert not connection_allowed(policies, CLIENT, server, port.name), f"{name}: {port.name} is open"
             continue
-        assert any(target_port(sp, server) == port for sp in service["spec"]["ports"]), \
+        assert any(target_port(sp, server) == port for sp in service["spec"]["ports"]), (
             f"{name}: Service colibri has no port for {port.name}"
-        assert connection_allowed(policies, who, server, port.name), \
+        )
+        assert connection_allowed(policies, who, server, port.name), (
             f"{name}: the NetworkPolicy blocks {who.name} ({who.namespace}) -> {port.name} ({port.number})"
+        )
     # Metrics are for the monitoring namespace only.
     for metrics in ("metrics-router", "metrics-worker"):
         assert not connection_allowed(policies, CLIENT, server, metrics), f"{name}: {metrics} open to clients"
@@ -117,8 +122,9 @@ def test_dns_resolves_under_the_policies(server_rendering, renderings):
     server, convert, policies = _cluster(renderings, name)
     for pod in (server, convert):
         for port in KUBE_DNS.ports:
-            assert connection_allowed(policies, pod, KUBE_DNS, port.number, port.protocol), \
+            assert connection_allowed(policies, pod, KUBE_DNS, port.number, port.protocol), (
                 f"{name}: {pod.name} cannot reach kube-dns on {port.number}/{port.protocol}"
+            )
         assert not connection_allowed(policies, pod, KUBE_DNS, 8080), f"{name}: {pod.name} reaches kube-dns:8080"
 
 
@@ -128,8 +134,9 @@ def test_egress_beyond_dns(server_rendering, renderings):
     assert connection_allowed(policies, server, OTLP_COLLECTOR, "otlp-grpc"), f"{name}: traces cannot leave"
     assert not connection_allowed(policies, server, HUB, "https"), f"{name}: the servers need no Internet"
     assert connection_allowed(policies, convert, HUB, "https"), "the convert Job cannot download from the Hub"
-    assert not any(connection_allowed(policies, CLIENT, convert, p) for p in (50051, 8000, 9090)), \
+    assert not any(connection_allowed(policies, CLIENT, convert, p) for p in (50051, 8000, 9090)), (
         "nothing may connect to the convert Job"
+    )
 
 
 def test_each_policy_isolates_exactly_its_pods(server_rendering, renderings):
@@ -172,7 +179,6 @@ def test_podmonitor_scrapes_every_metrics_port_of_the_server_pods(renderings):
         assert spec["jobLabel"] in server.labels, f"{name}: jobLabel {spec['jobLabel']} is not a pod label"
 
 
-
 def test_model_volume_attaches_to_every_pod_that_mounts_it_at_once(server_rendering, renderings):
     """The servers (up to the HPA's maximum, plus a rollout's surge pod) and the convert Job, which writes,
     mount one claim and may land on different nodes: a ReadWriteOnce volume attaches to one node only, and
@@ -183,8 +189,12 @@ def test_model_volume_attaches_to_every_pod_that_mounts_it_at_once(server_render
     replicas = hpas[0]["spec"]["maxReplicas"] if hpas else deployment["spec"]["replicas"]
     surge = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
     job_spec = pod_spec(renderings["convert"].one("Job", "colibri-convert"))
-    claims = {v["persistentVolumeClaim"]["claimName"] for spec in (pod_spec(deployment), job_spec)
-              for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for spec in (pod_spec(deployment), job_spec)
+        for v in spec["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert claims == {"colibri-models"}, f"{name}: the Job and the servers must share the model claim: {claims}"
     job_writes = any(m["name"] == "models" and not m.get("readOnly") for m in job_spec["containers"][0]["volumeMounts"])
     assert job_writes, f"{name}: the convert Job writes the model"

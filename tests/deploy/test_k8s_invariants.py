@@ -1,6 +1,7 @@
 """The properties the pod's lifecycle depends on, asserted on the rendered manifests (every overlay and
 component): sidecar order, probes and their named health services, drain vs grace period, the Unix socket,
 secrets as files, the read-only model, the security context, GPU resources and the scrape targets."""
+
 from __future__ import annotations
 
 import re
@@ -71,8 +72,9 @@ def test_grace_period_covers_prestop_and_both_drains(renderings):
         assert pre_stop[0] == "sleep", name
         # Kubernetes stops the router (preStop, then SIGTERM and its drain) and only then the worker sidecar.
         needed = int(pre_stop[1]) + router_drain + worker_drain
-        assert spec["terminationGracePeriodSeconds"] > needed, \
+        assert spec["terminationGracePeriodSeconds"] > needed, (
             f"{name}: grace {spec['terminationGracePeriodSeconds']} s <= preStop + drains ({needed} s)"
+        )
         assert "lifecycle" not in worker, f"{name}: the worker needs no preStop (it stops after the router)"
 
 
@@ -80,8 +82,7 @@ def test_probes_use_grpc_health_with_named_services(renderings):
     for name, _, spec in servers(renderings):
         for c in (container(spec, "worker"), container(spec, "router")):
             ports = _port_names(c)
-            for kind, service in (("startupProbe", None), ("readinessProbe", READINESS),
-                                  ("livenessProbe", LIVENESS)):
+            for kind, service in (("startupProbe", None), ("readinessProbe", READINESS), ("livenessProbe", LIVENESS)):
                 probe = c[kind]
                 where = f"{name}: {c['name']} {kind}"
                 assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, where
@@ -220,16 +221,23 @@ def test_gpu_overlay_gives_the_worker_one_gpu(renderings):
 
 
 def test_backend_per_overlay(renderings):
-    expected = {"gpu": "cuda", "production": "cuda", "cpu": "cpu", "cpu+monitoring": "cpu", "cpu+hpa": "cpu",
-                "cpu+tls+mtls": "cpu"}
+    expected = {
+        "gpu": "cuda",
+        "production": "cuda",
+        "cpu": "cpu",
+        "cpu+monitoring": "cpu",
+        "cpu+hpa": "cpu",
+        "cpu+tls+mtls": "cpu",
+    }
     for name, r, spec in servers(renderings):
         env_maps = {src["configMapRef"]["name"] for c in all_containers(spec) for src in c.get("envFrom", [])}
         assert len(env_maps) == 1, name
         env = r.one("ConfigMap", env_maps.pop())["data"]
         assert env["COLIBRI_BACKEND"] == expected[name], name
         assert all(k == "LOG_FORMAT" or k.startswith(("COLIBRI_", "OTEL_")) for k in env), name
-        assert not any(k in env for k in ("COLIBRI_PORT", "COLIBRI_MAX_MESSAGE_BYTES")), \
+        assert not any(k in env for k in ("COLIBRI_PORT", "COLIBRI_MAX_MESSAGE_BYTES")), (
             f"{name}: a setting that differs between router and worker in the shared env"
+        )
         if expected[name] == "cpu":
             assert "nvidia.com/gpu" not in r.yaml_text, name
 
@@ -286,8 +294,12 @@ def test_network_policy_ports_match_the_containers(renderings):
         policy = r.one("NetworkPolicy", "colibri")["spec"]
         allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
         router, worker = container(spec, "router"), container(spec, "worker")
-        assert allowed == {int(flag(router["args"], "port")), int(flag(router["args"], "http-port")),
-                           int(flag(router["args"], "metrics-port")), int(flag(worker["args"], "metrics-port"))}, name
+        assert allowed == {
+            int(flag(router["args"], "port")),
+            int(flag(router["args"], "http-port")),
+            int(flag(router["args"], "metrics-port")),
+            int(flag(worker["args"], "metrics-port")),
+        }, name
         assert set(policy["policyTypes"]) == {"Ingress", "Egress"}, name
 
 
@@ -333,8 +345,7 @@ def test_convert_job(renderings):
     for step in ("colibri convert", "colibri router-gen", "colibri verify"):
         assert step in script, step
     env_map = r.one("ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
-    servers_model = flag(container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "worker")["args"],
-                         "model")
+    servers_model = flag(container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "worker")["args"], "model")
     assert env_map["MODEL_DIR"] == servers_model, "the Job writes where the servers read"
     assert c["image"].endswith("-cpu"), "converting needs no GPU"
     assert mount_of(c, env_map["MODEL_DIR"]).get("readOnly") is not True

@@ -1,5 +1,6 @@
 """Every kustomization under deploy/k8s renders without warnings, and every object it renders validates
 against the official Kubernetes JSON schemas (strict: unknown fields are errors) of the versions we support."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import yaml
 from tests.deploy.k8s import CRD_KINDS, K8S, K8S_VERSIONS, RENDERINGS
 
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed (it ships the schemas; test extra)")
+    "kubernetes_validate", reason="kubernetes-validate is not installed (it ships the schemas; test extra)"
+)
 
 
 def test_every_kustomization_and_component_is_rendered():
@@ -21,7 +23,7 @@ def test_every_kustomization_and_component_is_rendered():
         rel = str(path.parent.relative_to(K8S))
         kind = yaml.safe_load(path.read_text()).get("kind", "Kustomization")
         if rel == "base":
-            continue                # not deployable alone (no image, no backend); every overlay renders it
+            continue  # not deployable alone (no image, no backend); every overlay renders it
         if kind == "Component":
             assert rel in rendered_components, f"component {rel} is not rendered by the tests"
         else:
@@ -36,13 +38,24 @@ def test_render_without_warnings(renderings):
 
 
 def test_renderings_hold_the_expected_objects(renderings):
-    server_kinds = {"Deployment", "Service", "ConfigMap", "ServiceAccount", "PersistentVolumeClaim",
-                    "PodDisruptionBudget", "NetworkPolicy"}
+    server_kinds = {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "ServiceAccount",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     for name in ("gpu", "cpu"):
         assert {o["kind"] for o in renderings[name].objects} == server_kinds, name
     assert {o["kind"] for o in renderings["convert"].objects} == {"Job", "ConfigMap", "NetworkPolicy"}
     assert {o["kind"] for o in renderings["production"].objects} == server_kinds | {
-        "PodMonitor", "PrometheusRule", "HorizontalPodAutoscaler", "Certificate"}
+        "PodMonitor",
+        "PrometheusRule",
+        "HorizontalPodAutoscaler",
+        "Certificate",
+    }
     for r in renderings.values():
         assert {o["metadata"].get("namespace") for o in r.objects} == {"colibri"}, r.name
 
@@ -68,8 +81,10 @@ def test_objects_validate_against_official_schemas(renderings, version):
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             path = "/".join(str(p) for p in e.absolute_path)
-            pytest.fail(f"{obj['kind']} {obj['metadata']['name']} is invalid for Kubernetes {version}: "
-                        f"{e.message} (at {path or 'the top level'})")
+            pytest.fail(
+                f"{obj['kind']} {obj['metadata']['name']} is invalid for Kubernetes {version}: "
+                f"{e.message} (at {path or 'the top level'})"
+            )
         checked += 1
     assert checked >= 10
     assert skipped == CRD_KINDS, "every CRD kind is rendered somewhere, and only those are skipped"
@@ -79,5 +94,6 @@ def test_crd_kinds_really_have_no_bundled_schema():
     """The explicit skips are needed: kubernetes-validate knows none of the CRD kinds."""
     for api_version, kind in sorted(CRD_KINDS):
         with pytest.raises(kubernetes_validate.SchemaNotFoundError):
-            kubernetes_validate.validate({"apiVersion": api_version, "kind": kind, "metadata": {"name": "x"}},
-                                         K8S_VERSIONS[-1], strict=True)
+            kubernetes_validate.validate(
+                {"apiVersion": api_version, "kind": kind, "metadata": {"name": "x"}}, K8S_VERSIONS[-1], strict=True
+            )

@@ -1,5 +1,6 @@
 """The shell scripts embedded in the manifests, run as written (paths mapped into a temp dir): the convert
 Job on the tiny model, and the server pod's `prepare` init container."""
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def test_convert_job_script(renderings, tmp_path):
     assert set(settings) == {"HF_DIR", "HF_REPO", "MODEL_DIR", "DTYPE", "CORPUS"}
 
     tiny = tmp_path / "tiny"
-    made = subprocess.run([bin_dir / "colibri", "make-tiny", str(tiny), "--no-progress"], capture_output=True,
-                          text=True, timeout=300)
+    made = subprocess.run(
+        [bin_dir / "colibri", "make-tiny", str(tiny), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
     assert made.returncode == 0, made.stderr
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The capital of France is Paris.\nExperts route tokens.\n" * 4)

@@ -2,6 +2,7 @@
 deploy/docker/lock.sh): every pin exact and hashed, every dependency pyproject.toml and
 deploy/docker/image-requirements.in declare pinned to a version they accept (a stale lock fails here before
 it fails an image build), and the commands the convert Job runs come from a declared package."""
+
 from __future__ import annotations
 
 import re
@@ -17,10 +18,20 @@ from tests.deploy.k8s import DEPLOY, REPO, pod_spec
 DOCKER = DEPLOY / "docker"
 VARIANTS = {"cpu": (), "gpu": ("cuda",)}
 # The image's platforms: Linux, CPython 3.12, x86_64 or arm64.
-ENVIRONMENTS = [{**default_environment(), "sys_platform": "linux", "platform_system": "Linux",
-                 "os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython",
-                 "python_version": "3.12", "python_full_version": "3.12.0", "platform_machine": machine}
-                for machine in ("x86_64", "aarch64")]
+ENVIRONMENTS = [
+    {
+        **default_environment(),
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "python_version": "3.12",
+        "python_full_version": "3.12.0",
+        "platform_machine": machine,
+    }
+    for machine in ("x86_64", "aarch64")
+]
 # Commands the convert Job's script runs -> the distribution that provides each.
 JOB_COMMANDS = {"colibri": "colibri", "hf": "huggingface-hub"}
 
@@ -73,11 +84,13 @@ def test_lock_pins_every_declared_dependency(variant):
             if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
                 continue
             name = canonicalize_name(req.name)
-            assert name in pins, f"requirements-{variant}.lock misses {req} ({env['platform_machine']}): " \
-                                 "run deploy/docker/lock.sh"
-            assert req.specifier.contains(pins[name], prereleases=True), \
-                f"requirements-{variant}.lock pins {name}=={pins[name]}, pyproject asks {req}: " \
+            assert name in pins, (
+                f"requirements-{variant}.lock misses {req} ({env['platform_machine']}): run deploy/docker/lock.sh"
+            )
+            assert req.specifier.contains(pins[name], prereleases=True), (
+                f"requirements-{variant}.lock pins {name}=={pins[name]}, pyproject asks {req}: "
                 "run deploy/docker/lock.sh"
+            )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -3,6 +3,7 @@ processes export. The exported series are derived from common/metrics.py (each p
 the services build it, every labelled family given a series), so a renamed metric or label fails here; the
 label values the queries select (job, container, endpoint, outcome, kind) are checked against the rendered
 PodMonitor and pod and against the code's allowed values."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ from tests.deploy.cluster import workload_pods
 from tests.deploy.k8s import find_tool
 
 promql_parser = pytest.importorskip(
-    "promql_parser", reason="promql-parser is not installed (it parses the PromQL of the alerts and the dashboard)")
+    "promql_parser", reason="promql-parser is not installed (it parses the PromQL of the alerts and the dashboard)"
+)
 
 MONITORED = ("cpu+monitoring", "production")
 # Labels Prometheus adds to every series of a PodMonitor target; `up` carries only these.
@@ -28,9 +30,15 @@ SCRAPE_SERIES = {"up": set()}
 GRAFANA_INTERVALS = ("$__rate_interval", "$__interval", "$__range")
 # Label values the code restricts (common/metrics.py raises on any other).
 ALLOWED_VALUES = {"outcome": set(OUTCOMES), "kind": set(STEP_KINDS)}
-REQUIRED_ALERTS = {"ColibriWorkerDown", "ColibriQueueGrowing", "ColibriTimeToFirstTokenHigh",
-                   "ColibriInterTokenLatencyHigh", "ColibriKVCacheNearlyFull", "ColibriExpertCacheStalling",
-                   "ColibriRestarting"}
+REQUIRED_ALERTS = {
+    "ColibriWorkerDown",
+    "ColibriQueueGrowing",
+    "ColibriTimeToFirstTokenHigh",
+    "ColibriInterTokenLatencyHigh",
+    "ColibriKVCacheNearlyFull",
+    "ColibriExpertCacheStalling",
+    "ColibriRestarting",
+}
 
 
 def exported_series() -> dict[str, set[str]]:
@@ -76,8 +84,9 @@ def _panels(dashboard: dict) -> list[dict]:
 
 def _dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and every variable query (the selector inside label_values)."""
-    queries = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
-               for p in _panels(dashboard) for t in p.get("targets", [])]
+    queries = [
+        (f"panel {p['title']!r} {t['refId']}", t["expr"]) for p in _panels(dashboard) for t in p.get("targets", [])
+    ]
     for v in dashboard["templating"]["list"]:
         if v["type"] == "query":
             m = re.fullmatch(r"label_values\((.+), *(\w+)\)", v["query"]["query"])
@@ -98,6 +107,7 @@ def _selectors(expr: str) -> list:
     def visit(node):
         if isinstance(node, promql_parser.VectorSelector):
             found.append(node)
+
     promql_parser.walk(promql_parser.parse(expr), visit)
     return found
 
@@ -133,15 +143,17 @@ def test_every_query_names_only_exported_series_and_labels(monitored):
         selectors = _selectors(expr)
         assert selectors, f"{where}: no metric in {expr!r}"
         for s in selectors:
-            assert s.name in EXPORTED or s.name in SCRAPE_SERIES, \
+            assert s.name in EXPORTED or s.name in SCRAPE_SERIES, (
                 f"{where}: {s.name} is exported by neither process (common/metrics.py): {expr!r}"
+            )
             labels = EXPORTED.get(s.name, SCRAPE_SERIES.get(s.name, set())) | TARGET_LABELS
             for m in s.matchers.matchers:
                 assert m.name in labels, f"{where}: {s.name} has no label {m.name!r} (it has {sorted(labels)})"
                 values = _alternatives(m)
                 if m.name in known_values and values and "$" not in m.value:
-                    assert values <= known_values[m.name], \
+                    assert values <= known_values[m.name], (
                         f"{where}: {m.name}={m.value!r}, but {s.name} only ever has {sorted(known_values[m.name])}"
+                    )
 
 
 def test_histogram_quantiles_read_buckets_by_le(monitored):

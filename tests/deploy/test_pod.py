@@ -5,6 +5,7 @@ played as written: init containers in order (the native sidecar must pass its st
 next container starts), then startup, readiness and liveness probes over gRPC health against the declared
 ports and services. Streams run through the router; then every container gets SIGTERM at once: the
 streams complete and both processes exit 0 within terminationGracePeriodSeconds."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ from tests.deploy.k8s import all_containers, container, find_tool, pod_spec, vol
 from tests.expert_service.serving.worker_process import SERVING, free_port, health_status
 
 pytestmark = pytest.mark.slow
-PROBE_PERIOD_SCALE = 0.2      # the kubelet's periods, shortened for CI; thresholds and timeouts as declared
+PROBE_PERIOD_SCALE = 0.2  # the kubelet's periods, shortened for CI; thresholds and timeouts as declared
 API_TOKEN = "pod-test-api-token"
 NOT_SERVING = 2
 
@@ -57,24 +58,30 @@ class Pod:
                     (d / key).write_text(text)
         shutil.copytree(model, self.dirs["models"] / "model")
         secret = volume(self.spec, "auth")["secret"]["secretName"]
-        assert secret == "colibri-auth"            # created by the operator (docs/deploy.md): made here
+        assert secret == "colibri-auth"  # created by the operator (docs/deploy.md): made here
         (self.dirs["auth"] / "tokens").write_text(API_TOKEN + "\n")
 
     def _rewrite(self, c: dict, text: str) -> str:
         """Mount paths -> their directories (subPath mounts -> the file), declared ports -> local ports."""
-        mounts = {m["mountPath"].rstrip("/"): str(self.dirs[m["name"]] / m.get("subPath", ""))
-                  for m in c.get("volumeMounts", [])}
+        mounts = {
+            m["mountPath"].rstrip("/"): str(self.dirs[m["name"]] / m.get("subPath", ""))
+            for m in c.get("volumeMounts", [])
+        }
         pattern = "|".join(re.escape(p) for p in sorted(mounts, key=len, reverse=True))
         text = re.sub(rf"(?<![\w.-])({pattern})(?=/|$|[\s'\"=:;])", lambda m: mounts[m.group(1)].rstrip("/"), text)
-        return re.sub(r"^(--[a-z-]*port)=(\d+)$", lambda m: f"{m.group(1)}={self.ports.get(int(m.group(2)), m.group(2))}",
-                      text)
+        return re.sub(
+            r"^(--[a-z-]*port)=(\d+)$", lambda m: f"{m.group(1)}={self.ports.get(int(m.group(2)), m.group(2))}", text
+        )
 
     def start(self, name: str) -> subprocess.Popen:
         c = container(self.spec, name)
-        command = c.get("command") or ["colibri"]           # the image's ENTRYPOINT
+        command = c.get("command") or ["colibri"]  # the image's ENTRYPOINT
         argv = [self._rewrite(c, a) for a in command + c.get("args", [])]
-        env = {"PATH": f"{Path(find_tool('colibri')).parent}{os.pathsep}{os.environ['PATH']}",
-               "HOME": str(self.root), "LANG": "C.UTF-8"}
+        env = {
+            "PATH": f"{Path(find_tool('colibri')).parent}{os.pathsep}{os.environ['PATH']}",
+            "HOME": str(self.root),
+            "LANG": "C.UTF-8",
+        }
         for source in c.get("envFrom", []):
             env.update(self.rendering.one("ConfigMap", source["configMapRef"]["name"])["data"])
         env.update({e["name"]: self._rewrite(c, e["value"]) for e in c.get("env", []) if "value" in e})
@@ -88,16 +95,22 @@ class Pod:
 
     def check(self, name: str, kind: str) -> int | None:
         probe = container(self.spec, name)[kind]["grpc"]
-        return health_status(f"127.0.0.1:{self.ports[probe['port']]}", probe["service"],
-                             container(self.spec, name)[kind]["timeoutSeconds"])
+        return health_status(
+            f"127.0.0.1:{self.ports[probe['port']]}",
+            probe["service"],
+            container(self.spec, name)[kind]["timeoutSeconds"],
+        )
 
     def run_probe(self, name: str, kind: str, within_s: float = 60.0) -> None:
         """Probes until it succeeds. A startup or liveness probe fails the container after the declared
         number of consecutive failures (the kubelet would restart it); a readiness failure only keeps the pod
         out of the Service, so that one is given `within_s`."""
         p = container(self.spec, name)[kind]
-        limit = p["failureThreshold"] if kind != "readinessProbe" else 1 + int(within_s / (p["periodSeconds"]
-                                                                                             * PROBE_PERIOD_SCALE))
+        limit = (
+            p["failureThreshold"]
+            if kind != "readinessProbe"
+            else 1 + int(within_s / (p["periodSeconds"] * PROBE_PERIOD_SCALE))
+        )
         for _ in range(limit):
             if self.check(name, kind) == SERVING:
                 return
@@ -146,13 +159,13 @@ def test_pod_starts_serves_and_stops_as_written(pod):
     assert init == ["prepare", "worker"] and [c["name"] for c in pod.spec["containers"]] == ["router"]
     assert pod.start("prepare").wait(60) == 0, pod.log("prepare")
     worker = pod.start("worker")
-    pod.run_probe("worker", "startupProbe")          # a native sidecar: the next container waits for this
+    pod.run_probe("worker", "startupProbe")  # a native sidecar: the next container waits for this
     router = pod.start("router")
     pod.run_probe("router", "startupProbe")
     for name in ("worker", "router"):
         pod.run_probe(name, "readinessProbe")
         pod.run_probe(name, "livenessProbe")
-    for port in (9090, 9091):                         # both processes can be scraped
+    for port in (9090, 9091):  # both processes can be scraped
         text = urllib.request.urlopen(f"http://127.0.0.1:{pod.ports[port]}/metrics", timeout=10).read().decode()
         assert "colibri_" in text
     _check_http_api(pod)
@@ -165,20 +178,22 @@ def test_pod_starts_serves_and_stops_as_written(pod):
     started = threading.Barrier(5)
 
     def generate(i: int) -> int:
-        request = rpb.GenerateRequest(text=f"In the beginning {i}", parameters=rpb.SamplingParameters(
-            max_new_tokens=120, ignore_eos=True))
+        request = rpb.GenerateRequest(
+            text=f"In the beginning {i}", parameters=rpb.SamplingParameters(max_new_tokens=120, ignore_eos=True)
+        )
         tokens = 0
         for n, message in enumerate(stub.GenerateStream(request, metadata=metadata, timeout=120)):
             tokens += len(message.token_ids)
             if n == 0:
                 started.wait(60)
         return tokens
+
     grace = pod.spec["terminationGracePeriodSeconds"]
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(generate, i) for i in range(4)]
         started.wait(60)
         stopped_at = time.monotonic()
-        for process in (worker, router):             # every container at once
+        for process in (worker, router):  # every container at once
             process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert pod.check("router", "readinessProbe") in (NOT_SERVING, None)
@@ -202,5 +217,7 @@ def test_pod_processes_keep_secrets_out_of_argv(pod):
     assert len(token) >= 32
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert token not in ps and API_TOKEN not in ps
-    assert sys.platform != "linux" or token.encode() not in Path(f"/proc/{pod.processes['worker'].pid}/environ"
-                                                                 ).read_bytes()
+    assert (
+        sys.platform != "linux"
+        or token.encode() not in Path(f"/proc/{pod.processes['worker'].pid}/environ").read_bytes()
+    )

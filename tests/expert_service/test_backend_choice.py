@@ -1,4 +1,5 @@
 """Which backend the worker runs, and the reason it says at start-up (no GPU needed)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,10 @@ from expert_service.engine.config import Backend, EngineConfig
 from expert_service.tools.tiny_model import make_tiny
 
 
-@pytest.mark.parametrize("usable, why, want", [(True, "NVIDIA H200 found", Backend.CUDA),
-                                               (False, "numba-cuda is not installed (the cuda extra)", Backend.CPU)])
+@pytest.mark.parametrize(
+    "usable, why, want",
+    [(True, "NVIDIA H200 found", Backend.CUDA), (False, "numba-cuda is not installed (the cuda extra)", Backend.CPU)],
+)
 def test_auto_follows_the_gpu_and_says_why(monkeypatch, usable, why, want):
     monkeypatch.setattr(backends, "cuda_status", lambda: (usable, why))
     assert resolve_backend(Backend.AUTO) == (want, f"auto: {why}")
@@ -39,8 +42,9 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
     monkeypatch.setattr(backends, "cuda_status", lambda: (False, "NUMBA_ENABLE_CUDASIM=1 is set"))
     with pytest.raises(ConfigError) as err:
         build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
-    assert str(err.value) == ("backend: cuda was asked for but NUMBA_ENABLE_CUDASIM=1 is set "
-                              "(use --backend cpu or auto)")
+    assert str(err.value) == (
+        "backend: cuda was asked for but NUMBA_ENABLE_CUDASIM=1 is set (use --backend cpu or auto)"
+    )
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])
@@ -50,6 +54,7 @@ def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, nam
 
     from numba import cuda
     from numba.cuda import config
+
     monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))

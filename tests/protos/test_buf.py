@@ -2,6 +2,7 @@
 (protos/api.binpb), and a copy with a real breaking change (or a lint violation) is caught.
 
 buf comes from `make test` / `make lint-proto` (pinned, npm, into .buf/); without it these tests skip."""
+
 from __future__ import annotations
 
 import json
@@ -68,29 +69,40 @@ def test_protos_pass_standard_lint():
 def test_protos_break_nothing_against_the_committed_baseline():
     assert BASELINE.is_file(), "protos/api.binpb is missing: run `make proto-baseline` and commit it"
     code, findings = buf("breaking", str(PROTOS), "--against", str(BASELINE))
-    assert code == 0, ("breaking changes against protos/api.binpb (if deliberate, run `make proto-baseline` and "
-                       "commit protos/api.binpb; docs/api.md, Changing the API):\n"
-                       + "\n".join(f"{f['path']}:{f['start_line']}: {f['type']}: {f['message']}" for f in findings))
+    assert code == 0, (
+        "breaking changes against protos/api.binpb (if deliberate, run `make proto-baseline` and "
+        "commit protos/api.binpb; docs/api.md, Changing the API):\n"
+        + "\n".join(f"{f['path']}:{f['start_line']}: {f['type']}: {f['message']}" for f in findings)
+    )
 
 
-@pytest.mark.parametrize("file,pattern,replacement,rule,name", [
-    (ROUTER, r"^ *(optional )?uint32 top_k = 2;\n", "", "FIELD_NO_DELETE", "top_k"),
-    (ROUTER, r"rpc Generate\(", "rpc Complete(", "RPC_NO_DELETE", "Generate"),
-    (WORKER, r"double warmup_ms = 1;", "float warmup_ms = 1;", "FIELD_SAME_TYPE", "warmup_ms"),
-    (WORKER, r"uint32 freed_sequences = 1;", "uint32 freed_sequences = 2;", "FIELD_NO_DELETE", "freed_sequences"),
-], ids=["deleted field", "renamed rpc", "changed field type", "renumbered field"])
+@pytest.mark.parametrize(
+    "file,pattern,replacement,rule,name",
+    [
+        (ROUTER, r"^ *(optional )?uint32 top_k = 2;\n", "", "FIELD_NO_DELETE", "top_k"),
+        (ROUTER, r"rpc Generate\(", "rpc Complete(", "RPC_NO_DELETE", "Generate"),
+        (WORKER, r"double warmup_ms = 1;", "float warmup_ms = 1;", "FIELD_SAME_TYPE", "warmup_ms"),
+        (WORKER, r"uint32 freed_sequences = 1;", "uint32 freed_sequences = 2;", "FIELD_NO_DELETE", "freed_sequences"),
+    ],
+    ids=["deleted field", "renamed rpc", "changed field type", "renumbered field"],
+)
 def test_a_breaking_change_is_reported(protos_copy, current_image, file, pattern, replacement, rule, name):
     edit(protos_copy, file, pattern, replacement)
     code, findings = buf("breaking", str(protos_copy), "--against", str(current_image))
     assert code != 0
-    assert any(f["type"] == rule and f'"{name}"' in f["message"] and f["path"].endswith(file) for f in findings), \
+    assert any(f["type"] == rule and f'"{name}"' in f["message"] and f["path"].endswith(file) for f in findings), (
         findings
+    )
 
 
 def test_an_added_field_is_not_breaking(protos_copy, current_image):
     """The check must let the API grow: a new field on a request message passes."""
-    edit(protos_copy, ROUTER, r"^message SamplingParameters \{\n",
-         "message SamplingParameters {\n  uint32 a_field_added_by_the_test = 999;\n")
+    edit(
+        protos_copy,
+        ROUTER,
+        r"^message SamplingParameters \{\n",
+        "message SamplingParameters {\n  uint32 a_field_added_by_the_test = 999;\n",
+    )
     assert buf("lint", str(protos_copy)) == (0, [])
     assert buf("breaking", str(protos_copy), "--against", str(current_image)) == (0, [])
 

@@ -6,6 +6,7 @@ id after its last one, skipping the special ids (so text walks through character
 id it produces EOS, unless EOS is a stop id still suppressed by min_new_tokens, in which case it produces 0.
 Every call is recorded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,16 @@ from router_service.main import start_router
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, vocab_size=VOCAB_SIZE, block_size=4, num_blocks=256, max_batch_tokens=64, max_batch_size=8,
-                 max_position_embeddings=4096, step_delay=0.0):
+    def __init__(
+        self,
+        vocab_size=VOCAB_SIZE,
+        block_size=4,
+        num_blocks=256,
+        max_batch_tokens=64,
+        max_batch_size=8,
+        max_position_embeddings=4096,
+        step_delay=0.0,
+    ):
         self.vocab_size, self.block_size, self.num_blocks = vocab_size, block_size, num_blocks
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_position_embeddings = max_position_embeddings
@@ -36,10 +45,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.seen_ids: set[int] = set()
         self.calls: list[str] = []
         self.filter_keeps: list[list[int]] = []
-        self.freed: list[int] = []   # ids freed through the step stream
-        self.extra_samples = 0       # tokens sampled for a sequence after its EOS / stop id
-        self.max_queued = 0          # most step-stream requests received and not yet answered
-        self.draining = False        # new sequences on the step stream get DRAINING, as a signalled worker answers
+        self.freed: list[int] = []  # ids freed through the step stream
+        self.extra_samples = 0  # tokens sampled for a sequence after its EOS / stop id
+        self.max_queued = 0  # most step-stream requests received and not yet answered
+        self.draining = False  # new sequences on the step stream get DRAINING, as a signalled worker answers
         self.sampling: dict[int, pb.SamplingParams] = {}
         self.step_started = asyncio.Event()
 
@@ -48,12 +57,21 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Info(self, request, context):
         self.calls.append("Info")
-        return pb.InfoResponse(family="mixtral", dtype="float32", hf_config_json='{"num_local_experts": 8, '
-                               '"num_experts_per_tok": 2}', vocab_size=self.vocab_size,
-                               max_position_embeddings=self.max_position_embeddings, eos_token_ids=[EOS],
-                               kv_block_size=self.block_size, num_kv_blocks=self.num_blocks,
-                               max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size,
-                               backend="cpu", routing="exact", model_name="fake")
+        return pb.InfoResponse(
+            family="mixtral",
+            dtype="float32",
+            hf_config_json='{"num_local_experts": 8, "num_experts_per_tok": 2}',
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            eos_token_ids=[EOS],
+            kv_block_size=self.block_size,
+            num_kv_blocks=self.num_blocks,
+            max_batch_tokens=self.max_batch_tokens,
+            max_batch_size=self.max_batch_size,
+            backend="cpu",
+            routing="exact",
+            model_name="fake",
+        )
 
     async def Health(self, request, context):
         return pb.HealthResponse(ready=self.ready)
@@ -119,14 +137,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             else:
                 out.append(pb.Generation(request_id=rid, has_token=False))
         out += await self._decode(request.decode_request_ids, context)
-        return pb.PrefillResponse(generations=out, kv_blocks_used=self.blocks_used(),
-                                  timings=pb.StepTimings(total_ms=0.1))
+        return pb.PrefillResponse(
+            generations=out, kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1)
+        )
 
     async def Decode(self, request, context):
         await self._step(context, "Decode")
         out = await self._decode(request.request_ids, context)
-        return pb.DecodeResponse(generations=out, kv_blocks_used=self.blocks_used(),
-                                 timings=pb.StepTimings(total_ms=0.1))
+        return pb.DecodeResponse(
+            generations=out, kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1)
+        )
 
     async def _decode(self, ids, context):
         out = []
@@ -138,7 +158,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             out.append(pb.Generation(request_id=rid, has_token=True, token_id=self._sample(rid), logprob=-0.25))
         return out
 
-
     async def StepStream(self, request_iterator, context):
         """The step stream: frees, then chunks, then decodes; unknown decodes fail alone (UNKNOWN_SEQUENCE)."""
         queued: asyncio.Queue = asyncio.Queue()
@@ -148,6 +167,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 queued.put_nowait(request)
                 self.max_queued = max(self.max_queued, queued.qsize() + busy[0])
             queued.put_nowait(None)
+
         busy = [0]
         receiver = asyncio.create_task(receive())
         try:
@@ -169,7 +189,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             ids, tokens, logprobs, errors = [], [], [], []
             for chunk in request.chunks:
                 rid = chunk.request_id
-                if rid not in self.seqs and self.draining:     # a draining worker starts nothing new
+                if rid not in self.seqs and self.draining:  # a draining worker starts nothing new
                     ids.append(rid)
                     tokens.append(-1)
                     logprobs.append(0.0)
@@ -194,10 +214,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 s["tokens"].append(s["last"])
                 tokens.append(self._sample(rid))
             yield pb.StepStreamResponse(
-                step_id=request.step_id, request_ids=np.asarray(ids, "<u8").tobytes(),
+                step_id=request.step_id,
+                request_ids=np.asarray(ids, "<u8").tobytes(),
                 token_ids=np.asarray(tokens, "<i4").tobytes(),
-                logprobs=np.asarray(logprobs, "<f4").tobytes(), errors=errors,
-                kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1))
+                logprobs=np.asarray(logprobs, "<f4").tobytes(),
+                errors=errors,
+                kv_blocks_used=self.blocks_used(),
+                timings=pb.StepTimings(total_ms=0.1),
+            )
             busy[0] = 0
 
 
@@ -214,8 +238,7 @@ async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **over
     """Yields (router, fake worker, GenerationService stub, channel): an in-process router on loopback."""
     fake = fake or FakeWorker()
     worker_server, address = await start_fake_worker(fake)
-    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05,
-                             **overrides})
+    config = RouterConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "worker_retry_s": 0.05, **overrides})
     router = await start_router(config, address, tokenizer=tokenizer, hooks=hooks)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
     stub = router_pb2_grpc.GenerationServiceStub(channel)
@@ -238,5 +261,6 @@ async def wait_for(predicate, timeout=5.0):
 
 
 def ids_request(ids, request_id="", **params):
-    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids), request_id=request_id,
-                               parameters=rpb.SamplingParameters(**params))
+    return rpb.GenerateRequest(
+        token_ids=rpb.TokenIds(ids=ids), request_id=request_id, parameters=rpb.SamplingParameters(**params)
+    )

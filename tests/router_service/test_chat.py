@@ -1,5 +1,6 @@
 """Chat templates render as transformers' apply_chat_template does, and the Chat / ChatStream RPCs answer as
 Generate does on the rendered prompt (tokenized without adding special tokens)."""
+
 import asyncio
 import json
 
@@ -24,12 +25,14 @@ MIXTRAL = (
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
 QWEN2_MOE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 QWEN3_MOE = """{%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
@@ -86,32 +89,49 @@ HELPERS = """{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role ==
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Write a haiku <b>&</b> \"quotes\" é ü 漢字"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "<think>sum</think>\n4"}, {"role": "user", "content": "and 3+3?"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": 'Write a haiku <b>&</b> "quotes" é ü 漢字'},
+    ],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>sum</think>\n4"},
+        {"role": "user", "content": "and 3+3?"},
+    ],
 ]
 
 
 def hf_tokenizer(template, post_bos=False):
     from transformers import PreTrainedTokenizerFast
+
     backend = byte_tokenizer()
     if post_bos:  # like Llama/Mixtral tokenizers: encode() prepends BOS
         from tokenizers.processors import TemplateProcessing
+
         backend.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=SPECIAL_TOKENS[0],
-                                   chat_template=template)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=SPECIAL_TOKENS[0], chat_template=template
+    )
 
 
 def model_dir(tmp_path, template, **extra):
-    config = {"bos_token": BOS, "eos_token": {"content": EOS, "special": True}, "unk_token": SPECIAL_TOKENS[0],
-              "chat_template": template, **extra}
+    config = {
+        "bos_token": BOS,
+        "eos_token": {"content": EOS, "special": True},
+        "unk_token": SPECIAL_TOKENS[0],
+        "chat_template": template,
+        **extra,
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return tmp_path
 
 
-@pytest.mark.parametrize("name,template", [("mixtral", MIXTRAL), ("qwen2_moe", QWEN2_MOE), ("qwen3_moe", QWEN3_MOE),
-                                           ("olmoe", OLMOE), ("helpers", HELPERS)])
+@pytest.mark.parametrize(
+    "name,template",
+    [("mixtral", MIXTRAL), ("qwen2_moe", QWEN2_MOE), ("qwen3_moe", QWEN3_MOE), ("olmoe", OLMOE), ("helpers", HELPERS)],
+)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_templates_render_like_transformers(tmp_path, name, template, add_generation_prompt):
     ours = ChatTemplate.load(model_dir(tmp_path, template))
@@ -150,8 +170,11 @@ def test_rendered_chat_tokenizes_without_a_second_bos(tmp_path):
 
 def test_errors_name_the_message(tmp_path):
     ours = ChatTemplate.load(model_dir(tmp_path, MIXTRAL))
-    bad = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-           {"role": "assistant", "content": "c"}]
+    bad = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "assistant", "content": "c"},
+    ]
     with pytest.raises(InvalidRequestError) as e:
         ours.render(bad)
     assert e.value.field == "messages[2]" and "Conversation roles must alternate" in str(e.value)
@@ -188,8 +211,11 @@ def test_where_templates_come_from(tmp_path):
 
 # ---- the RPCs against the real CPU worker ----
 def chat_request(messages, n=8, cls=rpb.ChatRequest, **kw):
-    return cls(messages=[rpb.ChatMessage(role=r, content=c) for r, c in messages],
-               parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True), **kw)
+    return cls(
+        messages=[rpb.ChatMessage(role=r, content=c) for r, c in messages],
+        parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True),
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -202,8 +228,11 @@ def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp
     assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
 
     async def body(router, stub):
-        want = await stub.Generate(rpb.GenerateRequest(
-            token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=8, ignore_eos=True)))
+        want = await stub.Generate(
+            rpb.GenerateRequest(
+                token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=8, ignore_eos=True)
+            )
+        )
         got = await stub.Chat(chat_request(messages))
         assert list(got.token_ids) == list(want.token_ids) and got.text == want.text
         assert got.prompt_tokens == len(ids) and got.stop_reason == rpb.STOP_REASON_LENGTH
@@ -223,15 +252,18 @@ def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp
         violations = error_details_pb2.BadRequest()
         detail.Unpack(violations)
         assert violations.field_violations[0].field == "messages[2]"
-        for bad, field in [(chat_request([]), "messages"),
-                           (chat_request([("", "x")]), "messages[0].role"),
-                           (chat_request([("user", "x" * 10_000)], n=8000), "messages"),
-                           (chat_request([("user", "x")], chat_template_kwargs=reserved), "chat_template_kwargs"),
-                           (chat_request([("user", "")] * 3000), "messages: at most 2048 messages")]:
+        for bad, field in [
+            (chat_request([]), "messages"),
+            (chat_request([("", "x")]), "messages[0].role"),
+            (chat_request([("user", "x" * 10_000)], n=8000), "messages"),
+            (chat_request([("user", "x")], chat_template_kwargs=reserved), "chat_template_kwargs"),
+            (chat_request([("user", "")] * 3000), "messages: at most 2048 messages"),
+        ]:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Chat(bad)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), \
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), (
                 e.value.details()
+            )
         long = [("user", "a"), ("assistant", "b")] * 50 + [("user", "c")]  # renders on a thread
         text = ChatTemplate.load(tiny_model, template).render([{"role": r, "content": c} for r, c in long])
         want_ids = Tokenizer.from_model_dir(tiny_model).encode(text, add_special_tokens=False)
@@ -242,6 +274,7 @@ def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp
     async def run():
         async with running_router(worker.address, model=str(tiny_model), chat_template=str(template)) as rs:
             await body(*rs)
+
     asyncio.run(run())
 
 
@@ -252,13 +285,16 @@ def test_chat_without_a_template_is_invalid_argument(worker, tiny_model):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Chat(chat_request([("user", "x")]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
+
     asyncio.run(run())
 
 
 # ---- untrusted templates: each render in a child process, within chat_template_timeout_s ----
 SLOW = "{% for i in range(99999) %}{% for j in range(60) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
-RUNAWAY = "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}{% endfor %}" \
-          "{% endfor %}{% endfor %}"
+RUNAWAY = (
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}{% endfor %}"
+    "{% endfor %}{% endfor %}"
+)
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -272,12 +308,18 @@ def test_a_slow_template_fails_within_its_budget_and_the_router_keeps_serving(tm
     from tests.router_service.test_http_errors import AUTH, http_harness, problems
 
     async def body():
-        async with http_harness(tmp_path, template_source=SLOW, chat_template_timeout_s=0.3) as \
-                (router, fake, base, hooks):
+        async with http_harness(tmp_path, template_source=SLOW, chat_template_timeout_s=0.3) as (
+            router,
+            fake,
+            base,
+            hooks,
+        ):
             async with aiohttp.ClientSession(headers=AUTH) as s:
-                async with s.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                                        "max_tokens": 1}) as r:
-                    assert r.status == 400   # the first chat also starts the renderer (outside the budget)
+                async with s.post(
+                    base + "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+                ) as r:
+                    assert r.status == 400  # the first chat also starts the renderer (outside the budget)
 
                 async def chat():
                     started = time.monotonic()
@@ -299,6 +341,7 @@ def test_a_slow_template_fails_within_its_budget_and_the_router_keeps_serving(tm
             assert not problems(caplog)
             assert router.http.frontend.chat_renderer is not None
             assert len(router.http.frontend.chat_renderer._children) <= 2
+
     asyncio.run(body())
 
 
@@ -308,7 +351,7 @@ def test_a_runaway_render_is_killed_and_its_renderer_replaced(tmp_path):
     async def body():
         renderer = TemplateRenderer(ChatTemplate(RUNAWAY + "{{ messages[0].content }}"), 0.3, 1)
         try:
-            await renderer.render([{"role": "user", "content": "warm"}])   # starts the child: not budgeted
+            await renderer.render([{"role": "user", "content": "warm"}])  # starts the child: not budgeted
         except InvalidRequestError:
             pass
         try:
@@ -324,6 +367,7 @@ def test_a_runaway_render_is_killed_and_its_renderer_replaced(tmp_path):
                 await fine.render(HI, template_kwargs={"messages": 1})
         finally:
             fine.close()
+
     asyncio.run(body())
 
 
@@ -345,6 +389,7 @@ def test_renders_of_departed_callers_keep_their_slot(tmp_path):
             assert [await asyncio.wait_for(c, 60) for c in calls[6:]] == ["hi", "hi"]
         finally:
             renderer.close()
+
     asyncio.run(body())
 
 
@@ -358,4 +403,5 @@ def test_a_memory_bomb_fails_in_its_renderer_alone():
                 await renderer.render(HI)
         finally:
             renderer.close()
+
     asyncio.run(body())

@@ -1,5 +1,6 @@
 """The Python clients (blocking and asyncio) and `colibri generate --chat --logprobs --top-logprobs` against a real
 router, with a repetition penalty riding along."""
+
 import argparse
 import asyncio
 
@@ -11,8 +12,10 @@ from router_service.client import ColibriClient
 from tests.helpers import byte_ids, running_router
 
 pytestmark = pytest.mark.slow
-TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}" \
-           "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 GREEDY = dict(max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2, repetition_penalty=1.3, temperature=0.0)
 
 
@@ -56,15 +59,33 @@ def test_sync_and_async_clients_agree(worker, tiny_model, tmp_path, capsys):
 
             parser = argparse.ArgumentParser()
             generate_cmd.add_arguments(parser)
-            args = parser.parse_args(["Hi", "--target", target, "--chat", "--system", "Be brief.", "--logprobs",
-                                      "--top-logprobs", "2", "--repetition-penalty", "1.3", "--max-new-tokens", "6",
-                                      "--ignore-eos"])
+            args = parser.parse_args(
+                [
+                    "Hi",
+                    "--target",
+                    target,
+                    "--chat",
+                    "--system",
+                    "Be brief.",
+                    "--logprobs",
+                    "--top-logprobs",
+                    "2",
+                    "--repetition-penalty",
+                    "1.3",
+                    "--max-new-tokens",
+                    "6",
+                    "--ignore-eos",
+                ]
+            )
             assert await asyncio.to_thread(generate_cmd.run, args) == 0
             return chat
+
     chat = asyncio.run(body())
     out, err = capsys.readouterr()
     assert out == chat.text + "\n"
     lines = [line.split("\t") for line in err.splitlines() if "\t" in line]
     assert [int(i) for i, *_ in lines] == list(chat.token_ids)
     assert [float(lp) for _, lp, *_ in lines] == pytest.approx(list(chat.logprobs), abs=1e-4)
-    assert [[int(t.split(":")[0]) for t in top] for _, _, *top in lines] == [list(t.token_ids) for t in chat.top_logprobs]
+    assert [[int(t.split(":")[0]) for t in top] for _, _, *top in lines] == [
+        list(t.token_ids) for t in chat.top_logprobs
+    ]

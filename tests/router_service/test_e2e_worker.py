@@ -1,4 +1,5 @@
 """The router against the real CPU worker on the tiny model: greedy output equals the offline engine."""
+
 import asyncio
 
 import pytest
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.slow
 def offline_greedy(tiny_model, prompt, n):
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+
     tokens, _, _ = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu")).generate(prompt, n)
     return tokens
 
@@ -23,8 +25,9 @@ async def with_router(worker, body, **overrides):
 
 
 def request(ids, n, **kw):
-    return rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=ids),
-                               parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True, **kw))
+    return rpb.GenerateRequest(
+        token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True, **kw)
+    )
 
 
 def test_greedy_and_concurrent_streams_equal_offline(worker, tiny_model):
@@ -38,6 +41,7 @@ def test_greedy_and_concurrent_streams_equal_offline(worker, tiny_model):
 
         async def stream(p, n):
             return [t async for m in stub.GenerateStream(request(p, n)) for t in m.token_ids]
+
         together = await asyncio.gather(*(stream(p, n) for p, n in zip(prompts, lengths)))
         assert together == expected
         # Everything finished: the router holds no block at once; the worker frees the last sequences when the
@@ -66,11 +70,12 @@ def test_cancel_mid_stream_returns_worker_kv(worker):
             if router.batching_loop.num_active == 0:
                 break
             await asyncio.sleep(0.01)
-        for _ in range(200):     # freed by the step that carries the cancel
+        for _ in range(200):  # freed by the step that carries the cancel
             if (used := await worker_kv_blocks_used(router.worker)) == 0:
                 break
             await asyncio.sleep(0.01)
         assert used == 0
+
     asyncio.run(with_router(worker, body))
 
 
@@ -79,8 +84,14 @@ def test_every_request_is_logged_with_its_id_and_never_its_prompt(worker, caplog
 
     async def body(router, stub):
         await stub.Generate(request([77, 78, 79], 3), metadata=())
-        return await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), request_id="req-42",
-                                                       parameters=rpb.SamplingParameters(max_new_tokens=2)))
+        return await stub.Generate(
+            rpb.GenerateRequest(
+                token_ids=rpb.TokenIds(ids=[5, 6]),
+                request_id="req-42",
+                parameters=rpb.SamplingParameters(max_new_tokens=2),
+            )
+        )
+
     with caplog.at_level(logging.INFO, logger="colibri.router.batching_loop"):
         reply = asyncio.run(with_router(worker, body))
     assert reply.request_id == "req-42"

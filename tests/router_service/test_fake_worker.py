@@ -1,5 +1,6 @@
 """The fake worker itself: a step stream it aborts leaves nothing behind (no pending reader task, no
 unretrieved error) for the event loop to report, or for a later test to trip over."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,11 @@ def test_an_aborted_step_stream_leaves_no_task_behind():
                     pass
         await asyncio.sleep(0)
         gc.collect()
+
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(main())
     finally:
         loop.close()
-    gc.collect()                      # a task still pending at close is reported when it is collected
+    gc.collect()  # a task still pending at close is reported when it is collected
     assert not reported, [c.get("message") for c in reported]

@@ -9,6 +9,7 @@ router still serves and its KV blocks are back to zero. Runs against the fake wo
 `COLIBRI_FUZZ_SURVEY=1` records violations instead of failing at the first one and prints the counts at the end
 (what the suite reported before the fixes it drove).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,13 @@ ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusC
 SURVEY = os.environ.get("COLIBRI_FUZZ_SURVEY") == "1"
 COUNTS: collections.Counter = collections.Counter()
 FINDINGS: list[tuple[str, list[str]]] = []
-FUZZ = settings(derandomize=True, deadline=None, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 CLASS_NAME = re.compile(r"\b[A-Z][a-z]+(Error|Exception)\b|<class ")
 
 
@@ -59,8 +64,9 @@ class Router:
 
     async def _main(self):
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        async with harness(tokenizer=self._tokenizer, max_new_tokens=48, default_max_new_tokens=8,
-                           max_concurrent_requests=4) as (router, fake, _, _):
+        async with harness(
+            tokenizer=self._tokenizer, max_new_tokens=48, default_max_new_tokens=8, max_concurrent_requests=4
+        ) as (router, fake, _, _):
             self.router, self.fake = router, fake
             self._ready.set()
             await self._stop.wait()
@@ -96,21 +102,28 @@ def server(tokenizer):
             router.records = records
             yield router
             # Afterwards: still serving, nothing held.
-            ok = router.raw(SERVICE + "Generate", rpb.GenerateRequest(
-                token_ids=rpb.TokenIds(ids=[5, 6]), parameters=rpb.SamplingParameters(max_new_tokens=3))
-                .SerializeToString())
+            ok = router.raw(
+                SERVICE + "Generate",
+                rpb.GenerateRequest(
+                    token_ids=rpb.TokenIds(ids=[5, 6]), parameters=rpb.SamplingParameters(max_new_tokens=3)
+                ).SerializeToString(),
+            )
             assert ok[0] == grpc.StatusCode.OK, ok
             loop = router.router.batching_loop
             deadline = time.monotonic() + 5
-            while (loop.num_active or loop.scheduler.num_used_blocks or router.fake.seqs) and \
-                    time.monotonic() < deadline:
+            while (
+                loop.num_active or loop.scheduler.num_used_blocks or router.fake.seqs
+            ) and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert loop.num_active == 0 and loop.scheduler.num_used_blocks == 0
             assert not router.fake.seqs, "the worker still holds sequences"
     finally:
         logging.getLogger().removeHandler(records)
-        kinds = collections.Counter(f"{what.split(' ')[0]}: {problem.split(' ')[0]} {problem.split(' ')[1]}"
-                                    for what, problems in FINDINGS for problem in problems)
+        kinds = collections.Counter(
+            f"{what.split(' ')[0]}: {problem.split(' ')[0]} {problem.split(' ')[1]}"
+            for what, problems in FINDINGS
+            for problem in problems
+        )
         print(f"\nfuzz cases: {dict(COUNTS)}; failing cases: {len(FINDINGS)}; by kind: {dict(kinds)}")
 
 
@@ -124,8 +137,10 @@ def _check(server, what: str, code, details: str) -> None:
     logged = [r for r in server.records.records if r.levelno >= logging.ERROR or r.exc_info]
     server.records.records.clear()
     if logged:
-        problems.append(f"logged {logged[0].levelname} {logged[0].name}: {logged[0].getMessage()[:120]}"
-                        + (" with a traceback" if logged[0].exc_info else ""))
+        problems.append(
+            f"logged {logged[0].levelname} {logged[0].name}: {logged[0].getMessage()[:120]}"
+            + (" with a traceback" if logged[0].exc_info else "")
+        )
     if problems:
         if not SURVEY:
             raise AssertionError(f"{what}: {'; '.join(problems)}")
@@ -134,8 +149,9 @@ def _check(server, what: str, code, details: str) -> None:
 
 # ---- strategies ----
 ANY_FLOAT = st.floats(width=32, allow_nan=True, allow_infinity=True) | st.sampled_from(
-    [0.0, 1e-45, 1e-38, 1e-3, 1e-2, 0.5, 1.0, 1.0000001, 2.0, 100.0, 1e38, -0.0])
-UINT32 = st.integers(0, 2 ** 32 - 1) | st.sampled_from([0, 1, VOCAB_SIZE - 1, VOCAB_SIZE, 2 ** 31, 2 ** 32 - 1])
+    [0.0, 1e-45, 1e-38, 1e-3, 1e-2, 0.5, 1.0, 1.0000001, 2.0, 100.0, 1e38, -0.0]
+)
+UINT32 = st.integers(0, 2**32 - 1) | st.sampled_from([0, 1, VOCAB_SIZE - 1, VOCAB_SIZE, 2**31, 2**32 - 1])
 SMALL = st.integers(0, 70)
 TEXT = st.text(max_size=40) | st.sampled_from(["", "a", "\x00", "\n", "é", "🙂", "\ud7ff", "a" * 300])
 REQUEST_ID = st.text(max_size=20) | st.sampled_from(["", "ok-1", "\x00", "\r\n", "é", "a b", "x" * 200])
@@ -144,12 +160,18 @@ REQUEST_ID = st.text(max_size=20) | st.sampled_from(["", "ok-1", "\x00", "\r\n",
 @st.composite
 def generate_requests(draw):
     params = rpb.SamplingParameters(
-        temperature=draw(ANY_FLOAT), top_k=draw(st.integers(0, 400) | UINT32), top_p=draw(ANY_FLOAT),
-        max_new_tokens=draw(SMALL | UINT32), min_new_tokens=draw(st.integers(0, 10) | UINT32),
-        stop_sequences=draw(st.lists(TEXT, max_size=6)), stop_token_ids=draw(st.lists(SMALL | UINT32, max_size=5)),
-        ignore_eos=draw(st.booleans()), logprobs=draw(st.booleans()))
+        temperature=draw(ANY_FLOAT),
+        top_k=draw(st.integers(0, 400) | UINT32),
+        top_p=draw(ANY_FLOAT),
+        max_new_tokens=draw(SMALL | UINT32),
+        min_new_tokens=draw(st.integers(0, 10) | UINT32),
+        stop_sequences=draw(st.lists(TEXT, max_size=6)),
+        stop_token_ids=draw(st.lists(SMALL | UINT32, max_size=5)),
+        ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.booleans()),
+    )
     if draw(st.booleans()):
-        params.seed = draw(st.integers(0, 2 ** 64 - 1))
+        params.seed = draw(st.integers(0, 2**64 - 1))
     request = rpb.GenerateRequest(parameters=params, request_id=draw(REQUEST_ID))
     kind = draw(st.sampled_from(["text", "ids", "none", "empty ids"]))
     if kind == "text":
@@ -161,23 +183,36 @@ def generate_requests(draw):
     return request
 
 
-OTHER_MESSAGES = [rpb.GenerateResponse(request_id="x", token_ids=[1, 2], text="t"), rpb.ModelInfoResponse(
-    model_name="m", vocab_size=7), rpb.TokenizeResponse(token_ids=[3]), health_pb2.HealthCheckRequest(service="s"),
-    rpb.TokenizeRequest(text="hello"), rpb.GenerateStreamResponse(stop_reason=2)]
+OTHER_MESSAGES = [
+    rpb.GenerateResponse(request_id="x", token_ids=[1, 2], text="t"),
+    rpb.ModelInfoResponse(model_name="m", vocab_size=7),
+    rpb.TokenizeResponse(token_ids=[3]),
+    health_pb2.HealthCheckRequest(service="s"),
+    rpb.TokenizeRequest(text="hello"),
+    rpb.GenerateStreamResponse(stop_reason=2),
+]
 
 
 @st.composite
 def mutated(draw):
     """A valid request's bytes, or another message's, truncated, bit-flipped or with garbage appended."""
-    base = draw(st.sampled_from(OTHER_MESSAGES + [rpb.GenerateRequest(
-        text="hi", parameters=rpb.SamplingParameters(max_new_tokens=4, stop_sequences=["x"]))])).SerializeToString()
+    base = draw(
+        st.sampled_from(
+            OTHER_MESSAGES
+            + [
+                rpb.GenerateRequest(
+                    text="hi", parameters=rpb.SamplingParameters(max_new_tokens=4, stop_sequences=["x"])
+                )
+            ]
+        )
+    ).SerializeToString()
     data = bytearray(base)
     for _ in range(draw(st.integers(0, 3))):
         if data and draw(st.booleans()):
             i = draw(st.integers(0, len(data) - 1))
             data[i] ^= 1 << draw(st.integers(0, 7))
     if draw(st.booleans()):
-        data = data[:draw(st.integers(0, len(data)))]
+        data = data[: draw(st.integers(0, len(data)))]
     data += draw(st.binary(max_size=8))
     return bytes(data)
 
@@ -186,8 +221,9 @@ def mutated(draw):
 @settings(FUZZ, max_examples=160)
 @given(request=generate_requests(), stream=st.booleans())
 def test_generate_any_field_values(server, request, stream):
-    code, details, _ = server.raw(SERVICE + ("GenerateStream" if stream else "Generate"),
-                                  request.SerializeToString(), stream)
+    code, details, _ = server.raw(
+        SERVICE + ("GenerateStream" if stream else "Generate"), request.SerializeToString(), stream
+    )
     _check(server, f"fields {'GenerateStream' if stream else 'Generate'} {request!r}"[:400], code, details)
 
 

@@ -1,5 +1,6 @@
 """The router's gauges tell the truth at every scrape: idle is 0, a lost worker empties the batch (the HPA
 scales on colibri_queue_size)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ def test_gauges_drop_to_zero_once_idle():
         async with harness(hooks=hooks) as (router, _, stub, _):
             assert gauges(registry) == (0, 0, 0)
             call = stub.GenerateStream(ids_request([1], max_new_tokens=50))
-            await call.read()                              # in flight: admitted and running
+            await call.read()  # in flight: admitted and running
             assert gauges(registry) == (1, 1, 0)
             while await call.read() != grpc.aio.EOF:
                 pass
@@ -33,6 +34,7 @@ def test_gauges_drop_to_zero_once_idle():
             assert gauges(registry) == (0, 0, 0)
             await stub.Generate(ids_request([1], max_new_tokens=3))
             assert gauges(registry) == (0, 0, 0)
+
     asyncio.run(main())
 
 
@@ -46,7 +48,7 @@ def test_gauges_drop_to_zero_while_the_worker_is_down():
                 await call.read()
             assert gauges(registry)[:2] == (3, 3)
             fake.ready = False
-            fake.fail_next = grpc.StatusCode.UNAVAILABLE   # the worker goes away mid-generation
+            fake.fail_next = grpc.StatusCode.UNAVAILABLE  # the worker goes away mid-generation
             for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     while await call.read() != grpc.aio.EOF:
@@ -54,4 +56,5 @@ def test_gauges_drop_to_zero_while_the_worker_is_down():
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert not router.batching_loop.is_worker_ready
             assert gauges(registry) == (0, 0, 0)
+
     asyncio.run(main())

@@ -1,5 +1,6 @@
 """`colibri generate`'s flags: an integer its proto field cannot hold is a one-line ConfigError naming the flag,
 raised before anything connects (the router checks the values' meaning: --top-logprobs over 20, ...)."""
+
 import argparse
 import random
 
@@ -27,8 +28,10 @@ def test_an_integer_flag_out_of_its_field_range_names_the_flag(flag):
 
 
 def test_seed_and_token_ids_out_of_range_name_the_flag():
-    for argv, message in [(["--tokens", "1,2", "--seed=-3"], "--seed must be in [0, 18446744073709551615], got -3"),
-                          (["--tokens", f"5,{1 << 32}"], f"--tokens[1] must be in [0, 4294967295], got {1 << 32}")]:
+    for argv, message in [
+        (["--tokens", "1,2", "--seed=-3"], "--seed must be in [0, 18446744073709551615], got -3"),
+        (["--tokens", f"5,{1 << 32}"], f"--tokens[1] must be in [0, 4294967295], got {1 << 32}"),
+    ]:
         with pytest.raises(ConfigError) as e:
             generate_cmd.run(parse(*argv))
         assert str(e.value) == f"generate: {message}"

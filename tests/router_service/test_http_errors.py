@@ -3,6 +3,7 @@ logged at ERROR, the requests metric counting them (against the fake worker, wit
 
 Also the helpers the other test_http_* files share: `http_harness` (router + fake worker + HTTP port + metrics)
 and `raw_exchange` (bytes on a socket, for what an HTTP client library would refuse to send)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,10 +39,19 @@ async def http_harness(tmp_path, fake=None, template_source: str = TEMPLATE, **o
     template = tmp_path / "chat.jinja"
     template.write_text(template_source)
     hooks, _ = router_metrics("fake", -1)
-    settings = dict(http_port=free_port(), chat_template=str(template), auth_token="sesame", max_new_tokens=64,
-                    default_max_new_tokens=8)
-    async with harness(fake, tokenizer=Tokenizer(byte_tokenizer()), hooks=hooks,
-                       **{**settings, **overrides}) as (router, fake, _, _):
+    settings = dict(
+        http_port=free_port(),
+        chat_template=str(template),
+        auth_token="sesame",
+        max_new_tokens=64,
+        default_max_new_tokens=8,
+    )
+    async with harness(fake, tokenizer=Tokenizer(byte_tokenizer()), hooks=hooks, **{**settings, **overrides}) as (
+        router,
+        fake,
+        _,
+        _,
+    ):
         yield router, fake, f"http://127.0.0.1:{router.http_port}", hooks
 
 
@@ -57,8 +67,14 @@ async def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
 
 
 def post_bytes(path: str, body: bytes, headers: bytes = b"") -> bytes:
-    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + headers +
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    return (
+        b"POST "
+        + path.encode()
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + headers
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        + body
+    )
 
 
 def status_and_body(raw: bytes) -> tuple[int, dict | None]:
@@ -72,8 +88,11 @@ def status_and_body(raw: bytes) -> tuple[int, dict | None]:
 
 def problems(caplog) -> list[str]:
     """Log records a client may not cause: ERROR or worse, or any traceback."""
-    return [f"{r.levelname} {r.name}: {r.getMessage()[:200]}" for r in caplog.records
-            if r.levelno >= logging.ERROR or r.exc_info]
+    return [
+        f"{r.levelname} {r.name}: {r.getMessage()[:200]}"
+        for r in caplog.records
+        if r.levelno >= logging.ERROR or r.exc_info
+    ]
 
 
 def rejected(hooks, outcome: str) -> float:
@@ -98,11 +117,21 @@ CLIENT_MISTAKES = [
     (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
     (COMPLETIONS, b'{"prompt": "ab", "stop": ["x", "\\udfff"]}', 400, "stop", None),
     (CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages", None),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}', 400, "messages",
-     None),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"\\ud800": 1}}', 400,
-     "chat_template_kwargs", None),
-    (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, None),     # past the parser's recursion limit
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+        400,
+        "messages",
+        None,
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"\\ud800": 1}}',
+        400,
+        "chat_template_kwargs",
+        None,
+    ),
+    (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # past the parser's recursion limit
     (COMPLETIONS, b'{"prompt": "x", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "user", None),
 ]
 
@@ -112,8 +141,9 @@ def test_client_mistakes_are_openai_4xx_errors_without_an_error_log(tmp_path, ca
         async with http_harness(tmp_path, max_message_bytes=1 << 20) as (router, fake, base, hooks):
             before = rejected(hooks, "invalid_argument")
             for path, raw, status, param, code in CLIENT_MISTAKES:
-                got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(
-                    path, raw, b"Authorization: Bearer sesame\r\n")))
+                got, answer = status_and_body(
+                    await raw_exchange(router.http_port, post_bytes(path, raw, b"Authorization: Bearer sesame\r\n"))
+                )
                 assert_openai_error(answer, status, got, param, code)
                 assert not problems(caplog), (raw[:80], problems(caplog))
             assert rejected(hooks, "invalid_argument") == before + len(CLIENT_MISTAKES)
@@ -121,6 +151,7 @@ def test_client_mistakes_are_openai_4xx_errors_without_an_error_log(tmp_path, ca
             async with aiohttp.ClientSession(headers=AUTH) as s:
                 async with s.post(base + COMPLETIONS, data=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}') as r:
                     assert r.status == 200, await r.text()
+
     asyncio.run(body())
 
 
@@ -133,19 +164,29 @@ def test_a_body_over_the_limit_is_413(tmp_path, caplog):
                     assert_openai_error(answer, 413, r.status, code="request_too_large")
                     assert "4096 bytes (max_message_bytes)" in answer["error"]["message"]
             assert not problems(caplog)
+
     asyncio.run(body())
 
 
 @pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
 def test_a_body_that_cannot_be_decoded_is_400(tmp_path, caplog, encoding):
     """Content-Encoding: gzip on a plain body: aiohttp's decoding error escaped the handler as a 500."""
+
     async def body():
         async with http_harness(tmp_path) as (router, fake, base, hooks):
-            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(
-                COMPLETIONS, b'{"prompt": "x", "max_tokens": 1}',
-                b"Authorization: Bearer sesame\r\nContent-Encoding: " + encoding + b"\r\n")))
+            got, answer = status_and_body(
+                await raw_exchange(
+                    router.http_port,
+                    post_bytes(
+                        COMPLETIONS,
+                        b'{"prompt": "x", "max_tokens": 1}',
+                        b"Authorization: Bearer sesame\r\nContent-Encoding: " + encoding + b"\r\n",
+                    ),
+                )
+            )
             assert_openai_error(answer, 400, got, code="unreadable_body")
             assert not problems(caplog)
+
     asyncio.run(body())
 
 
@@ -153,12 +194,20 @@ def test_a_body_that_cannot_be_decoded_is_400(tmp_path, caplog, encoding):
 def test_a_request_id_header_that_is_not_printable_ascii_is_400(tmp_path, caplog, value):
     async def body():
         async with http_harness(tmp_path) as (router, fake, base, hooks):
-            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(
-                COMPLETIONS, b'{"prompt": "x", "max_tokens": 1}', b"Authorization: Bearer sesame\r\nX-Request-Id: " +
-                value + b"\r\n")))
+            got, answer = status_and_body(
+                await raw_exchange(
+                    router.http_port,
+                    post_bytes(
+                        COMPLETIONS,
+                        b'{"prompt": "x", "max_tokens": 1}',
+                        b"Authorization: Bearer sesame\r\nX-Request-Id: " + value + b"\r\n",
+                    ),
+                )
+            )
             assert_openai_error(answer, 400, got)
             assert answer["error"]["message"].startswith("X-Request-Id header:")
             assert not problems(caplog)
+
     asyncio.run(body())
 
 
@@ -166,11 +215,14 @@ def test_a_request_id_header_that_is_not_printable_ascii_is_400(tmp_path, caplog
 def test_an_authorization_header_that_is_not_utf8_is_401(tmp_path, caplog, value):
     async def body():
         async with http_harness(tmp_path) as (router, fake, base, hooks):
-            raw = await raw_exchange(router.http_port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " +
-                                     value + b"\r\nConnection: close\r\n\r\n")
+            raw = await raw_exchange(
+                router.http_port,
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n",
+            )
             got, answer = status_and_body(raw)
             assert got == 401 and answer["error"]["code"] == "invalid_api_key", raw
             assert not problems(caplog)
+
     asyncio.run(body())
 
 
@@ -178,9 +230,11 @@ def test_malformed_http_is_400_and_one_rate_limited_warning(tmp_path, caplog):
     """A header line over 8 KiB, more than 128 headers, a bad header byte: aiohttp answers 400; the log gets one
     WARNING line for the lot (it logged an ERROR with a traceback for each)."""
     caplog.set_level(logging.INFO)
-    malformed = [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
-                 b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
-                 b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x7fb\r\n\r\n"]
+    malformed = [
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x7fb\r\n\r\n",
+    ]
 
     async def body():
         async with http_harness(tmp_path) as (router, fake, base, hooks):
@@ -189,19 +243,24 @@ def test_malformed_http_is_400_and_one_rate_limited_warning(tmp_path, caplog):
                     raw = await raw_exchange(router.http_port, data)
                     assert raw.startswith(b"HTTP/1.") and raw.split(b" ")[1] == b"400", raw[:200]
             assert not problems(caplog)
-            warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "malformed HTTP" in r.getMessage()]
+            warnings = [
+                r for r in caplog.records if r.levelno == logging.WARNING and "malformed HTTP" in r.getMessage()
+            ]
             assert len(warnings) == 1, [r.getMessage() for r in warnings]
             async with aiohttp.ClientSession() as s:
                 async with s.get(base + "/health") as r:
                     assert r.status == 200
+
     asyncio.run(body())
 
 
 def test_a_fault_of_the_router_is_an_openai_500_without_internals(tmp_path, caplog, monkeypatch):
     """An exception escaping a handler is the router's own fault: logged at ERROR with its traceback, answered
     500 in OpenAI's shape saying nothing of it."""
+
     async def broken(self, request):
         raise RuntimeError("secret internals")
+
     monkeypatch.setattr(http_api.HttpFront, "models", broken)
 
     async def body():
@@ -212,6 +271,7 @@ def test_a_fault_of_the_router_is_an_openai_500_without_internals(tmp_path, capl
                     assert r.status == 500 and answer["error"]["code"] == "internal", answer
                     assert "secret" not in json.dumps(answer) and answer["error"]["type"] == "server_error"
             assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
+
     asyncio.run(body())
 
 
@@ -224,7 +284,12 @@ def test_the_error_code_never_carries_an_exception_text():
 
 def test_rejection_outcomes_are_the_metrics_labels():
     from common.metrics import OUTCOMES
+
     for status in (400, 401, 404, 405, 408, 413, 429, 499, 500, 503, 504):
         assert http_api.rejection_outcome(status) in OUTCOMES
-    assert [http_api.rejection_outcome(s) for s in (404, 429, 503, 504)] == \
-        ["invalid_argument", "resource_exhausted", "unavailable", "deadline_exceeded"]
+    assert [http_api.rejection_outcome(s) for s in (404, 429, 503, 504)] == [
+        "invalid_argument",
+        "resource_exhausted",
+        "unavailable",
+        "deadline_exceeded",
+    ]

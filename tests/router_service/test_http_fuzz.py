@@ -8,6 +8,7 @@ Each case asserts: no 5xx; an error answer to a well-formed HTTP request is Open
 one-line message naming no Python class; nothing logged at ERROR and no traceback. After all cases the router
 still answers /health, holds no request and the worker no sequence. Derandomized; a minute or so.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,13 @@ from hypothesis import strategies as st
 from tests.router_service.fake_worker import harness
 from tests.router_service.test_http_errors import TEMPLATE, free_port
 
-FUZZ = settings(derandomize=True, deadline=None, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 ACCEPTABLE = {200, 400, 401, 404, 405, 408, 413, 429}
 CLASS_NAME = re.compile(r"\b[A-Z][a-z]+(Error|Exception)\b|<class |Traceback")
 TOKEN = b"sesame"
@@ -53,11 +58,20 @@ class Router:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         template = self._tmp / "chat.jinja"
         template.write_text(TEMPLATE)
-        async with harness(tokenizer=self._tokenizer, http_port=free_port(), chat_template=str(template),
-                           auth_token=TOKEN.decode(), max_new_tokens=48, default_max_new_tokens=8,
-                           max_concurrent_requests=4, max_message_bytes=64 * 1024, http_header_timeout_s=0.5,
-                           http_body_timeout_s=0.5, http_write_timeout_s=1.0,
-                           chat_template_timeout_s=2.0) as (router, fake, _, _):
+        async with harness(
+            tokenizer=self._tokenizer,
+            http_port=free_port(),
+            chat_template=str(template),
+            auth_token=TOKEN.decode(),
+            max_new_tokens=48,
+            default_max_new_tokens=8,
+            max_concurrent_requests=4,
+            max_message_bytes=64 * 1024,
+            http_header_timeout_s=0.5,
+            http_body_timeout_s=0.5,
+            http_write_timeout_s=1.0,
+            chat_template_timeout_s=2.0,
+        ) as (router, fake, _, _):
             self.router, self.fake = router, fake
             self._ready.set()
             await self._stop.wait()
@@ -83,7 +97,7 @@ class Router:
                     at = cut
                     if cut < len(data):
                         time.sleep(0.1)
-            except OSError:   # the server closed first (a timeout, an answer before the whole body)
+            except OSError:  # the server closed first (a timeout, an answer before the whole body)
                 pass
             out = b""
             try:
@@ -108,8 +122,9 @@ def server(tokenizer, tmp_path_factory):
             assert status_of(ok) == 200, ok[:300]
             loop = router.router.batching_loop
             deadline = time.monotonic() + 10
-            while (loop.num_active or loop.scheduler.num_used_blocks or router.fake.seqs) and \
-                    time.monotonic() < deadline:
+            while (
+                loop.num_active or loop.scheduler.num_used_blocks or router.fake.seqs
+            ) and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert loop.num_active == 0 and loop.scheduler.num_used_blocks == 0
             assert not router.fake.seqs, "the worker still holds sequences"
@@ -117,11 +132,19 @@ def server(tokenizer, tmp_path_factory):
         logging.getLogger().removeHandler(records)
 
 
-def request(method: bytes, path: bytes, body: bytes, headers: bytes = b"", auth: bool = True,
-            length: int | None = None) -> bytes:
-    return (method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" +
-            (b"Authorization: Bearer " + TOKEN + b"\r\n" if auth else b"") + headers +
-            b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length) + body)
+def request(
+    method: bytes, path: bytes, body: bytes, headers: bytes = b"", auth: bool = True, length: int | None = None
+) -> bytes:
+    return (
+        method
+        + b" "
+        + path
+        + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + (b"Authorization: Bearer " + TOKEN + b"\r\n" if auth else b"")
+        + headers
+        + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length)
+        + body
+    )
 
 
 def status_of(raw: bytes) -> int | None:
@@ -151,26 +174,59 @@ def check(server, what: str, raw: bytes, well_formed: bool = True, answered: boo
     logged = [r for r in server.records.records if r.levelno >= logging.ERROR or r.exc_info]
     server.records.records.clear()
     if logged:
-        problems.append(f"logged {logged[0].levelname} {logged[0].name}: {logged[0].getMessage()[:160]}"
-                        + (" with a traceback" if logged[0].exc_info else ""))
+        problems.append(
+            f"logged {logged[0].levelname} {logged[0].name}: {logged[0].getMessage()[:160]}"
+            + (" with a traceback" if logged[0].exc_info else "")
+        )
     assert not problems, f"{what[:300]}: {'; '.join(problems)}"
 
 
 # ---- strategies ----
-SURROGATES = ["\\ud800", "\\udfff", "\\ud83d", "a\\udc00b", "\\ud83d\\ude00"]   # the last one is a valid pair
+SURROGATES = ["\\ud800", "\\udfff", "\\ud83d", "a\\udc00b", "\\ud83d\\ude00"]  # the last one is a valid pair
 TEXT = st.text(max_size=30) | st.sampled_from(["", "\x00", "é", "🙂", "a" * 300, "\r\n"])
-NUMBER = st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False) | st.sampled_from([0, 1, -1, 0.5, 1e-300,
-                                                                                       10 ** 400])
-JSON = st.recursive(st.none() | st.booleans() | NUMBER | TEXT,
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "stop", "stream", "stream_options", "logprobs", "top_logprobs", "seed", "n", "echo", "stop_token_ids",
-          "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "prompt_logprobs", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
-          "response_format", "truncate_prompt_tokens", "user"]
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", ""]) | JSON},
-                                optional={"content": TEXT | JSON | st.lists(st.fixed_dictionaries(
-                                    {"type": st.just("text"), "text": TEXT}), max_size=2)})
+NUMBER = st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.sampled_from([0, 1, -1, 0.5, 1e-300, 10**400])
+JSON = st.recursive(
+    st.none() | st.booleans() | NUMBER | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "n",
+    "echo",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "prompt_logprobs",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_generation_prompt",
+    "response_format",
+    "truncate_prompt_tokens",
+    "user",
+]
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", ""]) | JSON},
+    optional={
+        "content": TEXT | JSON | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)
+    },
+)
 
 
 @st.composite
@@ -194,13 +250,27 @@ def bodies(draw):
         cut = draw(st.sampled_from(at)) if at else 0
         raw = raw[:cut] + draw(st.sampled_from(SURROGATES)).encode() + raw[cut:]
     if kind == "cut":
-        raw = raw[:draw(st.integers(0, len(raw)))]
+        raw = raw[: draw(st.integers(0, len(raw)))]
     return raw
 
 
 HEADER_VALUE = st.binary(max_size=40).filter(lambda b: b"\r" not in b and b"\n" not in b) | st.sampled_from(
-    [b"", b"ok-1", b"\xff\xfe", b"\xc3\xa9", b"\xed\xa0\x80", b"x" * 300, b"a b", b"\x00", b"gzip", b"deflate",
-     b"br", b"Bearer sesame", b"application/json; charset=latin-1"])
+    [
+        b"",
+        b"ok-1",
+        b"\xff\xfe",
+        b"\xc3\xa9",
+        b"\xed\xa0\x80",
+        b"x" * 300,
+        b"a b",
+        b"\x00",
+        b"gzip",
+        b"deflate",
+        b"br",
+        b"Bearer sesame",
+        b"application/json; charset=latin-1",
+    ]
+)
 
 
 @settings(FUZZ, max_examples=150)
@@ -211,10 +281,23 @@ def test_any_body(server, body, path):
 
 
 @settings(FUZZ, max_examples=120)
-@given(name=st.sampled_from([b"X-Request-Id", b"Authorization", b"traceparent", b"tracestate", b"Content-Type",
-                             b"Accept", b"Content-Encoding"]),
-       value=HEADER_VALUE, path=st.sampled_from([b"/v1/completions", b"/v1/chat/completions", b"/v1/models",
-                                                 b"/health", b"/v1/models/fake", b"/v1/nowhere"]))
+@given(
+    name=st.sampled_from(
+        [
+            b"X-Request-Id",
+            b"Authorization",
+            b"traceparent",
+            b"tracestate",
+            b"Content-Type",
+            b"Accept",
+            b"Content-Encoding",
+        ]
+    ),
+    value=HEADER_VALUE,
+    path=st.sampled_from(
+        [b"/v1/completions", b"/v1/chat/completions", b"/v1/models", b"/health", b"/v1/models/fake", b"/v1/nowhere"]
+    ),
+)
 def test_any_header(server, name, value, path):
     body = b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     method = b"GET" if path in (b"/v1/models", b"/health", b"/v1/models/fake", b"/v1/nowhere") else b"POST"
@@ -222,8 +305,9 @@ def test_any_header(server, name, value, path):
     raw = server.exchange(request(method, path, body, name + b": " + value + b"\r\n", auth=auth))
     # Bytes HTTP forbids in a header value (controls), and a body in an encoding this Python cannot decode
     # (brotli, zstd without their packages), are aiohttp's own plain-text 400.
-    well_formed = not any(c < 0x20 and c != 0x09 or c == 0x7f for c in value) and not (
-        name == b"Content-Encoding" and value.strip().lower() in (b"br", b"zstd"))
+    well_formed = not any(c < 0x20 and c != 0x09 or c == 0x7F for c in value) and not (
+        name == b"Content-Encoding" and value.strip().lower() in (b"br", b"zstd")
+    )
     check(server, f"header {name!r}: {value!r} on {path!r}", raw, well_formed)
 
 
@@ -233,8 +317,9 @@ def test_slow_clients(server, data):
     """Headers in pieces, a body shorter than its Content-Length, streams left unread or dropped: every
     connection ends (the server's timeouts), nothing leaks, nothing is logged at ERROR."""
     kind = data.draw(st.sampled_from(["pieces", "short body", "stalled headers", "unread stream", "dropped"]))
-    body = json.dumps({"prompt": "hello", "max_tokens": 40, "stream": kind in ("unread stream", "dropped"),
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"prompt": "hello", "max_tokens": 40, "stream": kind in ("unread stream", "dropped"), "ignore_eos": True}
+    ).encode()
     whole = request(b"POST", b"/v1/completions", body)
     if kind == "pieces":
         pauses = tuple(data.draw(st.lists(st.integers(1, len(whole) - 1), max_size=3)))
@@ -245,7 +330,7 @@ def test_slow_clients(server, data):
         check(server, f"body missing {missing} bytes", raw)
         assert status_of(raw) == 408, raw[:200]
     elif kind == "stalled headers":
-        raw = server.exchange(whole[:data.draw(st.integers(0, whole.index(b"\r\n\r\n")))])
+        raw = server.exchange(whole[: data.draw(st.integers(0, whole.index(b"\r\n\r\n")))])
         check(server, "stalled headers", raw, answered=False)
     else:
         raw = server.exchange(whole, read=kind == "unread stream", limit=data.draw(st.integers(0, 400)))

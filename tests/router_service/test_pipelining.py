@@ -1,6 +1,7 @@
 """The pipelined step stream: step t+1 is on the worker before step t's result is back. A stop found one step
 late costs at most one discarded token and nothing after a stop reaches the client; a cancel frees the
 worker's KV within two steps; greedy output is identical with the pipeline on and off."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,11 +29,13 @@ def test_no_token_after_a_stop_is_delivered(depth):
             assert list(stop_id.token_ids) == [41, 42, 43, 44]
             length = await stub.Generate(ids_request([50], max_new_tokens=3))
             assert list(length.token_ids) == [51, 52, 53]
-            streamed = [t async for m in stub.GenerateStream(ids_request([last - 3], max_new_tokens=50))
-                        for t in m.token_ids]
+            streamed = [
+                t async for m in stub.GenerateStream(ids_request([last - 3], max_new_tokens=50)) for t in m.token_ids
+            ]
             assert streamed == [last - 2, last - 1, last, EOS]
-            await wait_for(lambda: not fake.seqs)     # the discarded step has run and its sequence is freed
+            await wait_for(lambda: not fake.seqs)  # the discarded step has run and its sequence is freed
         return fake
+
     fake = asyncio.run(main())
     # With the pipeline on, the worker sampled one token past each EOS/stop-id stop (discarded); never more,
     # and never past a length stop (the router knows it in advance).
@@ -46,6 +49,7 @@ def test_pipeline_keeps_the_next_step_on_the_worker():
         async with harness(fake, pipeline_depth=2) as (_, _, stub, _):
             await stub.Generate(ids_request([1], max_new_tokens=20))
         return fake
+
     fake = asyncio.run(main())
     assert fake.max_queued >= 2, "the router never had two steps on the worker at once"
 
@@ -58,25 +62,32 @@ def test_cancel_between_pipelined_steps_frees_kv_within_two_steps():
             async for _ in call:
                 break
             call.cancel()
-            await wait_for(lambda: router.batching_loop.num_active == 0)     # the router saw the cancel
+            await wait_for(lambda: router.batching_loop.num_active == 0)  # the router saw the cancel
             steps_at_cancel = fake.calls.count("StepStream")
             await wait_for(lambda: not fake.seqs)
             assert fake.calls.count("StepStream") - steps_at_cancel <= 2
             assert router.batching_loop.scheduler.num_used_blocks == 0
+
     asyncio.run(main())
 
 
 def test_greedy_equal_with_pipeline_on_and_off(tiny_model):
     from tests.helpers import BackgroundWorker
+
     worker = BackgroundWorker(tiny_model).start()
 
     async def generate(depth):
         async with running_router(worker.address, pipeline_depth=depth) as (_, stub):
-            requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[3 + i, 40 + i, 7]),
-                                            parameters=rpb.SamplingParameters(max_new_tokens=12 + i))
-                        for i in range(6)]
+            requests = [
+                rpb.GenerateRequest(
+                    token_ids=rpb.TokenIds(ids=[3 + i, 40 + i, 7]),
+                    parameters=rpb.SamplingParameters(max_new_tokens=12 + i),
+                )
+                for i in range(6)
+            ]
             replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
             return [list(r.token_ids) for r in replies]
+
     try:
         off, on = asyncio.run(generate(1)), asyncio.run(generate(2))
     finally:
@@ -87,6 +98,7 @@ def test_greedy_equal_with_pipeline_on_and_off(tiny_model):
 def test_a_draining_worker_refusal_is_unavailable_to_the_client():
     """A worker that is shutting down refuses new sequences; the client gets UNAVAILABLE (retry elsewhere), not
     INTERNAL, and requests already running are unaffected."""
+
     async def main():
         fake = FakeWorker(step_delay=0.002)
         async with harness(fake) as (router, _, stub, _):
@@ -100,4 +112,5 @@ def test_a_draining_worker_refusal_is_unavailable_to_the_client():
             while (m := await running.read()) != grpc.aio.EOF:
                 rest += m.token_ids
             assert len(rest) == 29
+
     asyncio.run(main())

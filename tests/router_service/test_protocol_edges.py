@@ -1,6 +1,7 @@
 """Protocol edges of the public port: request ids that cannot go into metadata, undecodable bytes, INTERNAL answers
 without internals, temperatures the arithmetic cannot survive, cancelled streams logging nothing at ERROR, and
 request-sized work (huge prompts, huge Tokenize texts) never holding the event loop."""
+
 import asyncio
 import gc
 import logging
@@ -25,8 +26,11 @@ async def status_of(call):
 
 
 def errors_logged(caplog):
-    return [f"{r.name}: {r.getMessage()}" + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else "")
-            for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    return [
+        f"{r.name}: {r.getMessage()}" + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else "")
+        for r in caplog.records
+        if r.levelno >= logging.ERROR or r.exc_info
+    ]
 
 
 @pytest.mark.parametrize("request_id", ["é", "a\nb", "\x00", "tab\there", "\x7f", "🙂"])
@@ -41,6 +45,7 @@ def test_request_id_must_be_metadata_safe(request_id, caplog):
             assert (await status_of(stream.read())).code() == grpc.StatusCode.INVALID_ARGUMENT
             ok = await stub.Generate(ids_request([5], request_id="my id: 1/2", max_new_tokens=1))
             assert ok.request_id == "my id: 1/2"
+
     run(main())
     assert not errors_logged(caplog)
 
@@ -48,8 +53,12 @@ def test_request_id_must_be_metadata_safe(request_id, caplog):
 def test_undecodable_bytes_invalid_argument_without_traceback(caplog):
     async def main():
         async with harness() as (_, _, _, channel):
-            for method, stream in (("Generate", False), ("GenerateStream", True), ("Tokenize", False),
-                                   ("ModelInfo", False)):
+            for method, stream in (
+                ("Generate", False),
+                ("GenerateStream", True),
+                ("Tokenize", False),
+                ("ModelInfo", False),
+            ):
                 path = f"/colibri.router.v1.GenerationService/{method}"
                 call = channel.unary_stream(path)(b"\x0a\xff") if stream else channel.unary_unary(path)(b"\x0a\xff")
                 err = await status_of(call.read() if stream else call)
@@ -57,6 +66,7 @@ def test_undecodable_bytes_invalid_argument_without_traceback(caplog):
                 assert "\n" not in err.details() and "Error" not in err.details()
             err = await status_of(channel.unary_unary("/grpc.health.v1.Health/Check")(b"\xff"))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
     run(main())
     assert not errors_logged(caplog)
 
@@ -72,15 +82,20 @@ def test_internal_errors_say_nothing_of_the_worker(caplog):
             assert "req-7" in err.details() and "injected" not in err.details() and "worker" not in err.details()
             info = [d for d in rpc_status.from_call(err).details]
             assert info, "ErrorInfo expected"
+
     with caplog.at_level(logging.INFO):
         run(main())
-    logged = [r for r in caplog.records if "injected failure" in r.getMessage() or "injected failure" in str(
-        getattr(r, "error", ""))]
+    logged = [
+        r
+        for r in caplog.records
+        if "injected failure" in r.getMessage() or "injected failure" in str(getattr(r, "error", ""))
+    ]
     assert any(getattr(r, "request_id", "") == "req-7" for r in logged), "details must be logged with the id"
 
 
-@pytest.mark.parametrize("temperature,ok", [(1e-45, False), (1e-3, False), (1e-2, True), (100.0, True),
-                                            (101.0, False), (0.0, True)])
+@pytest.mark.parametrize(
+    "temperature,ok", [(1e-45, False), (1e-3, False), (1e-2, True), (100.0, True), (101.0, False), (0.0, True)]
+)
 def test_temperature_bounds(temperature, ok):
     async def main():
         async with harness() as (_, _, stub, _):
@@ -91,6 +106,7 @@ def test_temperature_bounds(temperature, ok):
                 err = await status_of(call)
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert err.details().startswith("parameters.temperature:")
+
     run(main())
 
 
@@ -108,6 +124,7 @@ def test_cancelled_streams_log_no_errors(caplog):
             await wait_for(lambda: router.batching_loop.num_active == 0 and not fake.seqs)
             gc.collect()
             await asyncio.sleep(0.1)
+
     run(main())
     assert not errors_logged(caplog)
 
@@ -124,6 +141,7 @@ def test_huge_prompt_rejected_before_tokenizing(tokenizer):
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("text:")
                 assert "max_prompt_bytes" in err.details()
                 assert time.monotonic() - started < 2.0
+
     run(main())
 
 
@@ -133,8 +151,9 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_streams(tokenizer):
     size = 3 << 19  # 1.5 MiB: seconds of tokenizing
 
     async def main():
-        async with harness(FakeWorker(step_delay=0.01, vocab_size=1 << 20, num_blocks=2048), tokenizer=tokenizer,
-                           max_prompt_bytes=size) as (_, _, stub, _):
+        async with harness(
+            FakeWorker(step_delay=0.01, vocab_size=1 << 20, num_blocks=2048), tokenizer=tokenizer, max_prompt_bytes=size
+        ) as (_, _, stub, _):
             stream = stub.GenerateStream(ids_request([5], max_new_tokens=4000, ignore_eos=True))
             await stream.read()
             stamps, info_latency = [], []
@@ -165,9 +184,13 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_streams(tokenizer):
             await asyncio.gather(*tasks, return_exceptions=True)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:")
             assert elapsed > 1.0, f"tokenizing took only {elapsed:.2f} s: the test proves nothing"
-            assert len(during) > 20 and max(during) < min(1.0, elapsed / 3), (len(during), max(during, default=0),
-                                                                               elapsed)
+            assert len(during) > 20 and max(during) < min(1.0, elapsed / 3), (
+                len(during),
+                max(during, default=0),
+                elapsed,
+            )
             assert max(info_latency) < min(1.0, elapsed / 3), (max(info_latency), elapsed)
+
     run(main())
 
 
@@ -175,7 +198,8 @@ def test_token_id_prompt_length_checked_before_its_ids():
     """A million out-of-vocabulary ids: refused on the length (the prompt field), not by walking every id."""
     from router_service.config import RouterConfig
     from router_service.validation import ModelLimits, validate_request
-    request = rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[2 ** 32 - 1] * 1_000_000))
+
+    request = rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[2**32 - 1] * 1_000_000))
     with pytest.raises(Exception) as err:
         validate_request(request, RouterConfig(), ModelLimits(258, 4096, 4096), None)
     assert err.value.field == "prompt" and "1000000 tokens" in str(err.value)

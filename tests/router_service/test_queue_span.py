@@ -1,5 +1,6 @@
 """The request span's `queue` child (docs/observability.md): arrival to the first step that carries the
 request, or to the request's end when no step ever did."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,20 +29,25 @@ def exporter():
 
 
 def children(exporter, name: str, parent) -> list:
-    return [s for s in exporter.get_finished_spans()
-            if s.name == name and s.parent is not None and s.parent.span_id == parent.context.span_id]
+    return [
+        s
+        for s in exporter.get_finished_spans()
+        if s.name == name and s.parent is not None and s.parent.span_id == parent.context.span_id
+    ]
 
 
 def test_queue_span_runs_from_arrival_to_the_first_step(exporter):
     async def main():
         async with harness() as (_, _, stub, _):
             await stub.Generate(ids_request([1], max_new_tokens=3))
+
     asyncio.run(main())
     request = next(s for s in exporter.get_finished_spans() if s.name.startswith("text_completion"))
     [queue] = children(exporter, "queue", request)
     assert queue.context.trace_id == request.context.trace_id and queue.kind == trace.SpanKind.INTERNAL
-    first_step = min((s for s in exporter.get_finished_spans() if s.name in ("prefill", "decode")),
-                     key=lambda s: s.start_time)
+    first_step = min(
+        (s for s in exporter.get_finished_spans() if s.name in ("prefill", "decode")), key=lambda s: s.start_time
+    )
     assert request.start_time <= queue.start_time <= queue.end_time <= first_step.start_time + 1_000_000
 
 
@@ -55,8 +61,12 @@ def test_queue_span_of_a_request_never_scheduled_ends_with_it(exporter):
                 await stub.Generate(ids_request([2], max_new_tokens=200))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             holder.cancel()
+
     asyncio.run(main())
-    request = next(s for s in exporter.get_finished_spans()
-                   if s.name.startswith("text_completion") and s.attributes.get("error.type") == "QUEUE_TIMEOUT")
+    request = next(
+        s
+        for s in exporter.get_finished_spans()
+        if s.name.startswith("text_completion") and s.attributes.get("error.type") == "QUEUE_TIMEOUT"
+    )
     [queue] = children(exporter, "queue", request)
     assert queue.end_time - queue.start_time >= 0.25e9 and queue.end_time <= request.end_time

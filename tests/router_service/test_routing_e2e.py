@@ -3,6 +3,7 @@
 A token-routed model (exact routing is a function of the token id) must give recall 1.0 and identical
 outputs under routing=lut; a random model under routing=lut is labelled in every response.
 """
+
 import asyncio
 import json
 
@@ -25,25 +26,51 @@ def build_table(model, tmp_path, seed=0):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(map(str, np.random.default_rng(seed).integers(3, 259, 3000))))
     table = tmp_path / "table.bin"
-    assert colibri(["router-gen", str(model), "--corpus", str(corpus), "--corpus-format", "ids",
-                    "--out", str(table), "--sequence-length", "100"]) == 0
+    assert (
+        colibri(
+            [
+                "router-gen",
+                str(model),
+                "--corpus",
+                str(corpus),
+                "--corpus-format",
+                "ids",
+                "--out",
+                str(table),
+                "--sequence-length",
+                "100",
+            ]
+        )
+        == 0
+    )
     return table, json.loads((tmp_path / "table.bin.report.json").read_text())
 
 
 def exact_greedy(model, prompt, n):
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+
     return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
 def run_requests(worker, model, table, prompts, n):
     async def body():
-        async with running_router(worker.address if worker else "127.0.0.1:1", wait_ready=worker is not None,
-                                  max_batch_tokens=24, model=str(model), routing_table=str(table)) as (router, stub):
-            requests = [rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(
-                max_new_tokens=n, ignore_eos=True)) for p in prompts]
+        async with running_router(
+            worker.address if worker else "127.0.0.1:1",
+            wait_ready=worker is not None,
+            max_batch_tokens=24,
+            model=str(model),
+            routing_table=str(table),
+        ) as (router, stub):
+            requests = [
+                rpb.GenerateRequest(
+                    token_ids=rpb.TokenIds(ids=p), parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True)
+                )
+                for p in prompts
+            ]
             replies = await asyncio.gather(*(stub.Generate(r) for r in requests))
             return replies
+
     return asyncio.run(body())
 
 
@@ -72,7 +99,7 @@ def test_lut_routing_equals_exact_on_a_token_routed_model(token_routed):
     finally:
         worker.stop()
     assert [list(r.token_ids) for r in replies] == expected
-    assert all(r.routing == "lut" for r in replies)   # lut routing runs only on the router's plans
+    assert all(r.routing == "lut" for r in replies)  # lut routing runs only on the router's plans
 
 
 def test_exact_worker_measures_plan_recall(token_routed):
@@ -90,15 +117,22 @@ def test_exact_worker_measures_plan_recall(token_routed):
 def test_lut_on_a_random_model_is_labelled(tmp_path):
     model = make_tiny(tmp_path / "random", family="mixtral", seed=5)
     table, report = build_table(model, tmp_path)
-    assert 0.0 <= report["recall"] < 1.0          # contextual routing: the table only approximates it
+    assert 0.0 <= report["recall"] < 1.0  # contextual routing: the table only approximates it
     worker = BackgroundWorker(model, routing="lut").start()
     try:
         replies = run_requests(worker, model, table, PROMPTS[:2], 8)
         with grpc.insecure_channel(worker.address) as channel:
             info = worker_pb2_grpc.WorkerServiceStub(channel).Info(wpb.InfoRequest())
-            with pytest.raises(grpc.RpcError) as e:   # lut without a plan is refused, naming the field
-                worker_pb2_grpc.WorkerServiceStub(channel).Prefill(wpb.PrefillRequest(chunks=[wpb.PrefillChunk(
-                    request_id=1, token_ids=[3, 4], is_last=True, sampling=wpb.SamplingParams(top_p=1.0))]))
+            with pytest.raises(grpc.RpcError) as e:  # lut without a plan is refused, naming the field
+                worker_pb2_grpc.WorkerServiceStub(channel).Prefill(
+                    wpb.PrefillRequest(
+                        chunks=[
+                            wpb.PrefillChunk(
+                                request_id=1, token_ids=[3, 4], is_last=True, sampling=wpb.SamplingParams(top_p=1.0)
+                            )
+                        ]
+                    )
+                )
     finally:
         worker.stop()
     assert info.routing == "lut" and all(r.routing == "lut" for r in replies)
@@ -107,7 +141,8 @@ def test_lut_on_a_random_model_is_labelled(tmp_path):
 
 def test_router_refuses_a_table_for_another_model(token_routed, tmp_path):
     _, table, _ = token_routed
-    other = make_tiny(tmp_path / "qwen2", family="qwen2_moe", seed=1)   # one MoE layer, not two
+    other = make_tiny(tmp_path / "qwen2", family="qwen2_moe", seed=1)  # one MoE layer, not two
     from common.errors import ModelFormatError
+
     with pytest.raises(ModelFormatError, match="num_layers is 2, expected 1"):
         run_requests(None, other, table, [], 1)

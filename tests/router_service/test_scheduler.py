@@ -1,4 +1,5 @@
 """Scheduler: token budget, chunked prefill, admission by KV blocks, join/leave between steps."""
+
 import numpy as np
 import pytest
 
@@ -158,6 +159,7 @@ def test_queue_deadline_expires_waiting_only():
 
 def test_allocations_equal_frees_after_cancel_storm():
     import random
+
     rng = random.Random(0)
     s = make(max_batch_size=4, max_batch_tokens=10, block=2, blocks=40)
     next_id, live = 1, set()
@@ -192,7 +194,7 @@ def test_prompt_scoring_requests_take_at_most_max_batch_size_prompt_tokens_a_ste
         step = s.schedule()
         steps.append({c.request_id: len(c.token_ids) for c in step.prefill_chunks})
         s.update(step, tokens_for(step))
-    assert steps[0] == {1: 4} and steps[1] == {1: 3, 2: 1, 3: 9}    # 2 waits for budget, 3 behind it
+    assert steps[0] == {1: 4} and steps[1] == {1: 3, 2: 1, 3: 9}  # 2 waits for budget, 3 behind it
     assert all(sum(n for rid, n in st.items() if rid in (1, 2)) <= 4 for st in steps)
     assert sum(st.get(1, 0) for st in steps) == 7 and sum(st.get(2, 0) for st in steps) == 7
 
@@ -204,7 +206,7 @@ def test_penalised_requests_on_the_worker_are_bounded_by_max_batch_size():
         s.add(req(rid, penalized=True, max_new=2))
     s.add(req(4))
     step = s.schedule()
-    assert set(step.num_scheduled_tokens) == {1, 2}   # 3 waits at the head: 4 is not let past it
+    assert set(step.num_scheduled_tokens) == {1, 2}  # 3 waits at the head: 4 is not let past it
     s.update(step, tokens_for(step))
     s.finish(1, FinishReason.CANCELLED)
     step = s.schedule()
@@ -216,8 +218,12 @@ def test_prompt_scores_gather_by_chunk_and_come_with_the_first_token():
 
     def scored(values):
         n = len(values)
-        return Scored(np.array(values, np.float32), np.arange(n * 2, dtype=np.int32).reshape(n, 2),
-                      np.full((n, 2), -1.0, np.float32))
+        return Scored(
+            np.array(values, np.float32),
+            np.arange(n * 2, dtype=np.int32).reshape(n, 2),
+            np.full((n, 2), -1.0, np.float32),
+        )
+
     s = make(max_batch_tokens=3)
     s.add(req(1, n_prompt=5, scores_prompt=True))
     first = s.schedule()

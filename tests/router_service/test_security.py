@@ -1,5 +1,6 @@
 """What the public port trusts: TLS and mutual TLS with certificates rotated in place, bearer tokens from a file
 that changes, the plaintext health-only port, the token sent to the worker, Kubernetes service-link variables."""
+
 import asyncio
 import logging
 import os
@@ -39,7 +40,8 @@ async def model_info(port, credentials=None, metadata=None):
     channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
     try:
         return await router_pb2_grpc.GenerationServiceStub(channel).ModelInfo(
-            rpb.ModelInfoRequest(), timeout=5, metadata=metadata)
+            rpb.ModelInfoRequest(), timeout=5, metadata=metadata
+        )
     except grpc.aio.AioRpcError as e:
         return e.code()
     finally:
@@ -47,16 +49,19 @@ async def model_info(port, credentials=None, metadata=None):
 
 
 def creds(ca=None, client=None):
-    return grpc.ssl_channel_credentials(root_certificates=ca.cert if ca else None,
-                                        private_key=client.key if client else None,
-                                        certificate_chain=client.cert if client else None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca.cert if ca else None,
+        private_key=client.key if client else None,
+        certificate_chain=client.cert if client else None,
+    )
 
 
 def test_tls_needs_the_right_ca(tmp_path):
     ca, other_ca = make_ca(), make_ca("other CA")
     server = issue(ca, "localhost", server=True)
-    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert), tls_key_file=write(tmp_path / "tls.key",
-                                                                                           server.key))
+    files = dict(
+        tls_cert_file=write(tmp_path / "tls.crt", server.cert), tls_key_file=write(tmp_path / "tls.key", server.key)
+    )
 
     async def main():
         async with harness(**files) as (router, _, _, _):
@@ -64,15 +69,18 @@ def test_tls_needs_the_right_ca(tmp_path):
             assert await model_info(router.port, creds(other_ca)) == grpc.StatusCode.UNAVAILABLE
             assert await model_info(router.port, creds()) == grpc.StatusCode.UNAVAILABLE  # system CAs
             assert await model_info(router.port) == grpc.StatusCode.UNAVAILABLE  # plaintext
+
     asyncio.run(main())
 
 
 def test_mtls_requires_a_client_certificate_from_the_ca(tmp_path):
     ca, other_ca = make_ca(), make_ca("other CA")
     server = issue(ca, "localhost", server=True)
-    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
-                 tls_key_file=write(tmp_path / "tls.key", server.key),
-                 tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert))
+    files = dict(
+        tls_cert_file=write(tmp_path / "tls.crt", server.cert),
+        tls_key_file=write(tmp_path / "tls.key", server.key),
+        tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert),
+    )
 
     async def main():
         async with harness(**files) as (router, _, _, _):
@@ -80,6 +88,7 @@ def test_mtls_requires_a_client_certificate_from_the_ca(tmp_path):
             assert await model_info(router.port, creds(ca)) == grpc.StatusCode.UNAVAILABLE
             stranger = issue(other_ca, "client", server=False)
             assert await model_info(router.port, creds(ca, stranger)) == grpc.StatusCode.UNAVAILABLE
+
     asyncio.run(main())
 
 
@@ -103,7 +112,11 @@ def test_certificate_rotation_without_restart(tmp_path):
 
     async def main():
         async with harness(tls_cert_file=str(tmp_path / "tls.crt"), tls_key_file=str(tmp_path / "tls.key")) as (
-                router, _, _, _):
+            router,
+            _,
+            _,
+            _,
+        ):
             assert (await model_info(router.port, creds(old_ca))).vocab_size > 0
             # Half a rotation (a new certificate with the old key) is not served: the old pair stays.
             k8s_secret(tmp_path, "v2", {"tls.crt": new.cert, "tls.key": old.key})
@@ -111,6 +124,7 @@ def test_certificate_rotation_without_restart(tmp_path):
             k8s_secret(tmp_path, "v3", {"tls.crt": new.cert, "tls.key": new.key})
             assert (await model_info(router.port, creds(new_ca))).vocab_size > 0
             assert await model_info(router.port, creds(old_ca)) == grpc.StatusCode.UNAVAILABLE
+
     asyncio.run(main())
 
 
@@ -127,8 +141,10 @@ def test_token_file_several_tokens_reloaded(tmp_path):
                 assert await model_info(router.port, metadata=metadata) == grpc.StatusCode.UNAUTHENTICATED
             # Undecodable bytes: an unauthenticated caller learns nothing; an authenticated one INVALID_ARGUMENT.
             raw = channel.unary_unary("/colibri.router.v1.GenerationService/Generate")
-            for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
-                                   (bearer("beta"), grpc.StatusCode.INVALID_ARGUMENT)):
+            for metadata, code in (
+                (None, grpc.StatusCode.UNAUTHENTICATED),
+                (bearer("beta"), grpc.StatusCode.INVALID_ARGUMENT),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await raw(b"\xff\xff\xff", metadata=metadata)
                 assert err.value.code() == code
@@ -139,12 +155,14 @@ def test_token_file_several_tokens_reloaded(tmp_path):
             assert await model_info(router.port, metadata=bearer("alpha")) == grpc.StatusCode.UNAUTHENTICATED
             write(tokens, "")  # an emptied file keeps the previous tokens (a half-written file locks nobody out)
             assert (await model_info(router.port, metadata=bearer("gamma"))).vocab_size > 0
+
     asyncio.run(main())
 
 
 def test_token_file_over_64_kib_is_refused_at_start(tmp_path):
     """A token file is read up to 64 KiB (a wrong path, say a model file, is not read whole into memory)."""
     from common.errors import ConfigError
+
     config = RouterConfig(auth_token_file=write(tmp_path / "tokens", "t" * (64 * 1024 + 1)))
     with pytest.raises(ConfigError, match=r"^auth_token_file: .*tokens is larger than 65536 bytes$"):
         security.public_tokens(config)
@@ -153,8 +171,9 @@ def test_token_file_over_64_kib_is_refused_at_start(tmp_path):
 def test_plaintext_health_port_beside_tls(tmp_path):
     ca = make_ca()
     server = issue(ca, "localhost", server=True)
-    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
-                 tls_key_file=write(tmp_path / "tls.key", server.key))
+    files = dict(
+        tls_cert_file=write(tmp_path / "tls.crt", server.cert), tls_key_file=write(tmp_path / "tls.key", server.key)
+    )
     fake = FakeWorker()
     fake.ready = False
 
@@ -174,6 +193,7 @@ def test_plaintext_health_port_beside_tls(tmp_path):
                 await router_pb2_grpc.GenerationServiceStub(channel).ModelInfo(rpb.ModelInfoRequest())
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
             await channel.close()
+
     asyncio.run(main())
 
 
@@ -191,20 +211,27 @@ def test_worker_token_sent_on_every_worker_call(tmp_path, monkeypatch):
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05,
-                              worker_token_file=write(tmp_path / "token", "s3cret\n"))
+        config = RouterConfig(
+            host="127.0.0.1",
+            port=0,
+            metrics_port=0,
+            worker_retry_s=0.05,
+            worker_token_file=write(tmp_path / "token", "s3cret\n"),
+        )
         router = await start_router(config, f"127.0.0.1:{port}")
         try:
             await wait_for(lambda: router.batching_loop.is_worker_ready)
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-            assert (await router_pb2_grpc.GenerationServiceStub(channel).Generate(
-                ids_request([5], max_new_tokens=2))).generated_tokens == 2
+            assert (
+                await router_pb2_grpc.GenerationServiceStub(channel).Generate(ids_request([5], max_new_tokens=2))
+            ).generated_tokens == 2
             await channel.close()
         finally:
             await router.stop(0.1)
             await server.stop(0)
         assert {m for m, _ in seen} >= {"Info", "Health", "ClearCache", "StepStream"}
         assert {token for _, token in seen} == {"Bearer s3cret"}
+
     asyncio.run(main())
 
     monkeypatch.setenv("COLIBRI_WORKER_TOKEN", "from-env")
@@ -213,10 +240,15 @@ def test_worker_token_sent_on_every_worker_call(tmp_path, monkeypatch):
 
 
 def test_service_link_variables_are_ignored_with_a_warning(caplog):
-    env = {"COLIBRI_PORT": "tcp://10.0.0.1:50051", "COLIBRI_SERVICE_HOST": "10.0.0.1",
-           "COLIBRI_SERVICE_PORT": "50051", "COLIBRI_PORT_50051_TCP": "tcp://10.0.0.1:50051",
-           "COLIBRI_PORT_50051_TCP_PORT": "50051", "COLIBRI_METRICS_PORT": "udp://10.0.0.2:9090",
-           "COLIBRI_MAX_BATCH_SIZE": "8"}
+    env = {
+        "COLIBRI_PORT": "tcp://10.0.0.1:50051",
+        "COLIBRI_SERVICE_HOST": "10.0.0.1",
+        "COLIBRI_SERVICE_PORT": "50051",
+        "COLIBRI_PORT_50051_TCP": "tcp://10.0.0.1:50051",
+        "COLIBRI_PORT_50051_TCP_PORT": "50051",
+        "COLIBRI_METRICS_PORT": "udp://10.0.0.2:9090",
+        "COLIBRI_MAX_BATCH_SIZE": "8",
+    }
     with caplog.at_level(logging.WARNING, "colibri.config"):
         config = resolve(RouterConfig, env=env)
     assert config.port == 50051 and config.metrics_port == 9090 and config.max_batch_size == 8
@@ -228,22 +260,42 @@ def test_service_link_variables_are_ignored_with_a_warning(caplog):
 def test_colibri_generate_over_mtls_with_a_token_file(tmp_path, capsys):
     ca = make_ca()
     server, client = issue(ca, "localhost", server=True), issue(ca, "client", server=False)
-    files = dict(tls_cert_file=write(tmp_path / "tls.crt", server.cert),
-                 tls_key_file=write(tmp_path / "tls.key", server.key),
-                 tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert))
+    files = dict(
+        tls_cert_file=write(tmp_path / "tls.crt", server.cert),
+        tls_key_file=write(tmp_path / "tls.key", server.key),
+        tls_client_ca_file=write(tmp_path / "ca.crt", ca.cert),
+    )
     token_file = write(tmp_path / "token", "t0k\n")
 
     async def main():
         async with harness(auth_token_file=token_file, **files) as (router, _, _, _):
             parser = generate_cmd.argparse.ArgumentParser()
             generate_cmd.add_arguments(parser)
-            args = parser.parse_args(["--target", f"127.0.0.1:{router.port}", "--tokens", "5,6", "--show-tokens",
-                                      "--max-new-tokens", "3", "--token-file", token_file, "--tls-ca", files[
-                                          "tls_client_ca_file"], "--tls-cert", write(tmp_path / "c.crt", client.cert),
-                                      "--tls-key", write(tmp_path / "c.key", client.key), "--token", ""])
+            args = parser.parse_args(
+                [
+                    "--target",
+                    f"127.0.0.1:{router.port}",
+                    "--tokens",
+                    "5,6",
+                    "--show-tokens",
+                    "--max-new-tokens",
+                    "3",
+                    "--token-file",
+                    token_file,
+                    "--tls-ca",
+                    files["tls_client_ca_file"],
+                    "--tls-cert",
+                    write(tmp_path / "c.crt", client.cert),
+                    "--tls-key",
+                    write(tmp_path / "c.key", client.key),
+                    "--token",
+                    "",
+                ]
+            )
             assert await asyncio.to_thread(generate_cmd.run, args) == 0
             args.tls_cert = args.tls_key = ""
             assert await asyncio.to_thread(generate_cmd.run, args) == 1  # no client certificate
+
     asyncio.run(main())
     assert "7 8 9" in capsys.readouterr().out
 
@@ -263,6 +315,7 @@ def test_port_in_use_names_the_role_and_address():
                 role = "router health" if "health_port" in overrides else "router gRPC"
                 assert str(err.value) == f"{role} 127.0.0.1:{port} is in use or cannot be bound"
                 assert err.value.exit_code == 7
+
     asyncio.run(main())
 
 
@@ -272,14 +325,30 @@ def test_metrics_port_in_use_names_the_router_and_binds_loopback_by_default(tmp_
     import subprocess
     import sys
     from pathlib import Path
+
     repo = Path(__file__).resolve().parents[2]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "colibri.cli", "router", "--worker", "127.0.0.1:1",
-                               "--port", "0", "--metrics-port", str(port)], capture_output=True, text=True,
-                              timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "colibri.cli",
+                "router",
+                "--worker",
+                "127.0.0.1:1",
+                "--port",
+                "0",
+                "--metrics-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
     assert done.returncode == 7, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == \
-        f"colibri router: error: router metrics 127.0.0.1:{port} is in use"
+    assert done.stderr.strip().splitlines()[-1] == f"colibri router: error: router metrics 127.0.0.1:{port} is in use"

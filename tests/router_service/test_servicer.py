@@ -1,4 +1,5 @@
 """The router over real gRPC on loopback, against the fake worker: streaming, cancel, overload, errors."""
+
 import asyncio
 
 import grpc
@@ -42,13 +43,14 @@ def test_generate_unary_token_ids():
             assert router.batching_loop.scheduler.num_used_blocks == 0
             r2 = await stub.Generate(ids_request([1], max_new_tokens=1))
             assert r2.request_id.startswith("cmpl-")
+
     run(main())
 
 
 def test_eos_min_new_tokens_and_ignore_eos():
     async def main():
         async with harness() as (_, fake, stub, _):
-            last = VOCAB_SIZE - 1      # the fake worker answers EOS after the vocabulary's last id
+            last = VOCAB_SIZE - 1  # the fake worker answers EOS after the vocabulary's last id
             r = await stub.Generate(ids_request([last - 1], max_new_tokens=10))
             assert list(r.token_ids) == [last, EOS] and r.stop_reason == rpb.STOP_REASON_EOS
             r = await stub.Generate(ids_request([last - 1], max_new_tokens=3, min_new_tokens=3))
@@ -57,14 +59,16 @@ def test_eos_min_new_tokens_and_ignore_eos():
             assert list(r.token_ids) == [last, EOS, NUM_SPECIAL] and r.stop_reason == rpb.STOP_REASON_LENGTH
             r = await stub.Generate(ids_request([5], max_new_tokens=9, stop_token_ids=[8]))
             assert list(r.token_ids) == [6, 7, 8] and r.stop_reason == rpb.STOP_REASON_STOP_TOKEN
+
     run(main())
 
 
 def test_stream_text_with_stop_sequence(tokenizer):
     async def main():
         async with harness(tokenizer=tokenizer) as (_, fake, stub, _):
-            request = rpb.GenerateRequest(text="ab", request_id="s1", parameters=rpb.SamplingParameters(
-                max_new_tokens=10, stop_sequences=["ef"]))
+            request = rpb.GenerateRequest(
+                text="ab", request_id="s1", parameters=rpb.SamplingParameters(max_new_tokens=10, stop_sequences=["ef"])
+            )
             messages = [m async for m in stub.GenerateStream(request)]
             assert all(m.request_id == "s1" for m in messages)
             assert "".join(m.text for m in messages) == "cd"
@@ -78,6 +82,7 @@ def test_stream_text_with_stop_sequence(tokenizer):
             info = await stub.ModelInfo(rpb.ModelInfoRequest())
             assert info.vocab_size == VOCAB_SIZE and info.has_tokenizer and info.num_experts == 8
             assert list(info.eos_token_ids) == [EOS] and info.max_sequence_length == 1024
+
     run(main())
 
 
@@ -94,6 +99,7 @@ def test_cancel_mid_stream_frees_worker_kv():
             call.cancel()
             await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
             assert fake.freed and router.batching_loop.scheduler.num_used_blocks == 0
+
     run(main())
 
 
@@ -104,6 +110,7 @@ def test_unary_client_cancel_frees_worker_kv():
             await wait_for(lambda: bool(fake.seqs))
             call.cancel()
             await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
+
     run(main())
 
 
@@ -120,13 +127,18 @@ def test_cancel_while_queued_never_reaches_worker():
             first.cancel()
             await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
             assert fake.seen_ids == {1}
+
     run(main())
 
 
 def test_overload_resource_exhausted_with_retry_info():
     async def main():
-        async with harness(FakeWorker(step_delay=0.01), max_concurrent_requests=2,
-                           retry_after_s=2.5) as (router, fake, stub, _):
+        async with harness(FakeWorker(step_delay=0.01), max_concurrent_requests=2, retry_after_s=2.5) as (
+            router,
+            fake,
+            stub,
+            _,
+        ):
             calls = [stub.GenerateStream(ids_request([1], max_new_tokens=500)) for _ in range(2)]
             for c in calls:
                 await c.read()
@@ -140,16 +152,20 @@ def test_overload_resource_exhausted_with_retry_info():
                 c.cancel()
             await wait_for(lambda: router.batching_loop.num_active == 0)
             assert (await stub.Generate(ids_request([1], max_new_tokens=2))).generated_tokens == 2
+
     run(main())
 
 
-@pytest.mark.parametrize("request_,field", [
-    (ids_request([1, 300]), "token_ids.ids[1]"),
-    (ids_request([1], stop_token_ids=[999]), "parameters.stop_token_ids[0]"),
-    (ids_request([1], temperature=float("nan")), "parameters.temperature"),
-    (ids_request([1], max_new_tokens=5000), "parameters.max_new_tokens"),
-    (rpb.GenerateRequest(text="hi"), "text"),
-])
+@pytest.mark.parametrize(
+    "request_,field",
+    [
+        (ids_request([1, 300]), "token_ids.ids[1]"),
+        (ids_request([1], stop_token_ids=[999]), "parameters.stop_token_ids[0]"),
+        (ids_request([1], temperature=float("nan")), "parameters.temperature"),
+        (ids_request([1], max_new_tokens=5000), "parameters.max_new_tokens"),
+        (rpb.GenerateRequest(text="hi"), "text"),
+    ],
+)
 def test_validation_errors_name_the_field(request_, field):
     async def main():
         async with harness() as (router, fake, stub, _):
@@ -165,11 +181,14 @@ def test_validation_errors_name_the_field(request_, field):
                 assert details(err.value)["BadRequest"].field_violations[0].field == field
             assert not fake.seen_ids and router.batching_loop.is_worker_ready
             assert (await stub.Generate(ids_request([1], max_new_tokens=1))).generated_tokens == 1
+
     run(main())
 
 
-@pytest.mark.parametrize("code,expected", [(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
-                                           (grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL)])
+@pytest.mark.parametrize(
+    "code,expected",
+    [(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE), (grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL)],
+)
 def test_worker_failure_fails_in_flight_then_recovers(code, expected):
     async def main():
         async with harness(FakeWorker(step_delay=0.01)) as (router, fake, stub, _):
@@ -184,6 +203,7 @@ def test_worker_failure_fails_in_flight_then_recovers(code, expected):
             await wait_for(lambda: router.batching_loop.is_worker_ready)
             assert fake.calls.count("ClearCache") == clears + 1  # reconnect cleared the worker
             assert (await stub.Generate(ids_request([1], max_new_tokens=3))).generated_tokens == 3
+
     run(main())
 
 
@@ -193,10 +213,10 @@ def test_health_follows_worker_and_drain():
         fake.ready = False
         async with harness(fake, wait_ready=False) as (router, _, stub, channel):
             health = health_pb2_grpc.HealthStub(channel)
-            check = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness")) # noqa: E731
-            live = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.liveness")) # noqa: E731
+            check = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.readiness"))  # noqa: E731
+            live = lambda: health.Check(health_pb2.HealthCheckRequest(service="colibri.liveness"))  # noqa: E731
             # "": what load balancers and meshes check by default; it must mean "will serve a request now".
-            overall = lambda: health.Check(health_pb2.HealthCheckRequest(service="")) # noqa: E731
+            overall = lambda: health.Check(health_pb2.HealthCheckRequest(service=""))  # noqa: E731
             assert (await check()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await overall()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await live()).status == health_pb2.HealthCheckResponse.SERVING  # liveness: the process runs
@@ -220,6 +240,7 @@ def test_health_follows_worker_and_drain():
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert (await in_flight).generated_tokens == 20
             assert await drain
+
     run(main())
 
 
@@ -230,6 +251,7 @@ def test_deadline_exceeded_frees_request():
                 await stub.Generate(ids_request([1], max_new_tokens=500), timeout=0.3)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await wait_for(lambda: not fake.seqs and router.batching_loop.num_active == 0)
+
     run(main())
 
 
@@ -242,10 +264,11 @@ def test_bearer_auth_health_exempt():
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in stub.GenerateStream(ids_request([1]), metadata=(("authorization", "Bearer x"),))]
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            ok = await stub.Generate(ids_request([1], max_new_tokens=1),
-                                     metadata=(("authorization", "Bearer s3cret"),))
+            ok = await stub.Generate(ids_request([1], max_new_tokens=1), metadata=(("authorization", "Bearer s3cret"),))
             assert ok.generated_tokens == 1
             health = health_pb2_grpc.HealthStub(channel)
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status == health_pb2.HealthCheckResponse.SERVING
+
     run(main())

@@ -1,4 +1,5 @@
 """`colibri router` as a process: health SERVING once the worker is ready; SIGTERM drains and exits 0."""
+
 import asyncio
 import signal
 import sys
@@ -29,9 +30,23 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         worker_server, address = await start_fake_worker(FakeWorker(step_delay=0.01))
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "colibri.cli", "router", "--worker", address, "--host", "127.0.0.1",
-            "--port", str(port), "--metrics-port", "0", "--drain-timeout-s", "10",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "router",
+            "--worker",
+            address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--drain-timeout-s",
+            "10",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         try:
             health = health_pb2_grpc.HealthStub(channel)
@@ -57,4 +72,5 @@ def test_sigterm_drains_in_flight_and_exits_zero():
                 await proc.wait()
             await channel.close()
             await worker_server.stop(0)
+
     asyncio.run(main())

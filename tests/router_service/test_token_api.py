@@ -1,5 +1,6 @@
 """Tokenize (special tokens, pieces, offsets), Detokenize, truncate_input_tokens and ModelInfo's version and
 generation_config, against a real router and CPU worker."""
+
 import asyncio
 import json
 import shutil
@@ -13,19 +14,27 @@ from router_service.async_client import AsyncColibriClient
 from tests.helpers import byte_ids, running_router
 
 pytestmark = pytest.mark.slow
-GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID], "temperature": 0.6, "top_p": 0.95,
-                     "do_sample": True, "_from_model_config": True}
+GENERATION_CONFIG = {
+    "bos_token_id": BOS_ID,
+    "eos_token_id": [EOS_ID],
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "do_sample": True,
+    "_from_model_config": True,
+}
 
 
 def router_model_dir(tiny_model, tmp_path):
     """The tiny model's router-side files, with a BOS-adding tokenizer and a generation_config.json."""
     from tokenizers.processors import TemplateProcessing
+
     out = tmp_path / "router-model"
     out.mkdir()
     shutil.copy(tiny_model / "tokenizer_config.json", out)
     tokenizer = byte_tokenizer()
-    tokenizer.post_processor = TemplateProcessing(single=f"{SPECIAL_TOKENS[BOS_ID]} $A",
-                                                  special_tokens=[(SPECIAL_TOKENS[BOS_ID], BOS_ID)])
+    tokenizer.post_processor = TemplateProcessing(
+        single=f"{SPECIAL_TOKENS[BOS_ID]} $A", special_tokens=[(SPECIAL_TOKENS[BOS_ID], BOS_ID)]
+    )
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return out
@@ -39,8 +48,9 @@ def test_tokenize_detokenize_truncation_and_model_info(worker, tiny_model, tmp_p
             text = "Hi é"
             reply = await stub.Tokenize(rpb.TokenizeRequest(text=text))
             assert list(reply.token_ids) == [BOS_ID] + byte_ids(text) and not reply.pieces and not reply.offsets
-            reply = await stub.Tokenize(rpb.TokenizeRequest(text=text, add_special_tokens=False, return_pieces=True,
-                                                            return_offsets=True))
+            reply = await stub.Tokenize(
+                rpb.TokenizeRequest(text=text, add_special_tokens=False, return_pieces=True, return_offsets=True)
+            )
             assert list(reply.token_ids) == byte_ids(text)
             assert list(reply.pieces) == ["H", "i", "Ġ", "Ã", "©"]  # byte-level: bytes shown as characters
             assert [(o.start, o.end) for o in reply.offsets] == [(0, 1), (1, 2), (2, 3), (3, 4), (3, 4)]
@@ -57,16 +67,26 @@ def test_tokenize_detokenize_truncation_and_model_info(worker, tiny_model, tmp_p
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids[1]")
 
             prompt = list(range(10, 40))
-            params = dict(max_new_tokens=4, ignore_eos=True, temperature=0.0)   # greedy, not the model's 0.6
-            want = await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt[-6:]),
-                                                           parameters=rpb.SamplingParameters(**params)))
-            got = await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=prompt), parameters=rpb.
-                                                          SamplingParameters(truncate_input_tokens=6, **params)))
+            params = dict(max_new_tokens=4, ignore_eos=True, temperature=0.0)  # greedy, not the model's 0.6
+            want = await stub.Generate(
+                rpb.GenerateRequest(
+                    token_ids=rpb.TokenIds(ids=prompt[-6:]), parameters=rpb.SamplingParameters(**params)
+                )
+            )
+            got = await stub.Generate(
+                rpb.GenerateRequest(
+                    token_ids=rpb.TokenIds(ids=prompt),
+                    parameters=rpb.SamplingParameters(truncate_input_tokens=6, **params),
+                )
+            )
             assert list(got.token_ids) == list(want.token_ids) and got.prompt_tokens == 6
             room = router.batching_loop.limits.max_sequence_length
             long_text = "y" * (room + 100)  # too long whole; fine once truncated
-            got = await stub.Generate(rpb.GenerateRequest(text=long_text, parameters=rpb.SamplingParameters(
-                truncate_input_tokens=16, **params)))
+            got = await stub.Generate(
+                rpb.GenerateRequest(
+                    text=long_text, parameters=rpb.SamplingParameters(truncate_input_tokens=16, **params)
+                )
+            )
             assert got.prompt_tokens == 16 and got.generated_tokens == 4
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(rpb.GenerateRequest(text=long_text, parameters=rpb.SamplingParameters(**params)))
@@ -81,4 +101,5 @@ def test_tokenize_detokenize_truncation_and_model_info(worker, tiny_model, tmp_p
             async with AsyncColibriClient(f"127.0.0.1:{router.port}") as client:
                 assert await client.tokenize(text, add_special_tokens=False) == byte_ids(text)
                 assert await client.detokenize(ids, skip_special_tokens=True) == text
+
     asyncio.run(body())

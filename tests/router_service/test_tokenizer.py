@@ -1,5 +1,6 @@
 """Incremental detokenisation across split UTF-8 characters, and stop-sequence hold-back. The byte-level
 tokenizer (the tiny model's) has one token per UTF-8 byte, so a multi-byte character always spans tokens."""
+
 import pytest
 
 from expert_service.tools.tiny_model import BOS_ID, EOS_ID
@@ -47,6 +48,7 @@ def test_leading_space_depends_on_the_prompt():
     the stream starts from the prompt's last tokens."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
+
     hf = HFTokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
     hf.pre_tokenizer, hf.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     tok = Tokenizer(hf)
@@ -59,9 +61,10 @@ def test_stream_restarts_when_the_library_reports_an_invalid_prefix(tokenizer):
     a, b, c = byte_ids("abc")
     assert detok.step(a) == "a"
 
-    class Broken:       # what DecodeStream raises when a decoder rewrote text it had already produced
+    class Broken:  # what DecodeStream raises when a decoder rewrote text it had already produced
         def step(self, hf, token_id):
             raise Exception("Invalid prefix encountered")
+
     detok._stream = Broken()
     assert detok.step(b) == "b" and detok.step(c) == "c"
 

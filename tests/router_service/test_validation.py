@@ -1,4 +1,5 @@
 """Every GenerateRequest field is validated: each case names the field, the limit and the value."""
+
 import math
 
 import pytest
@@ -9,10 +10,17 @@ from router_service.config import RouterConfig
 from router_service.validation import ModelLimits, validate_request
 from tests.helpers import byte_ids
 
-CONFIG = RouterConfig(max_new_tokens=100, default_max_new_tokens=20, max_stop_sequences=2,
-                      max_stop_sequence_length=8, max_request_id_length=16, max_stop_token_ids=3)
-LIMITS = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000, eos_token_ids=(256,),
-                     has_tokenizer=True)
+CONFIG = RouterConfig(
+    max_new_tokens=100,
+    default_max_new_tokens=20,
+    max_stop_sequences=2,
+    max_stop_sequence_length=8,
+    max_request_id_length=16,
+    max_stop_token_ids=3,
+)
+LIMITS = ModelLimits(
+    vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000, eos_token_ids=(256,), has_tokenizer=True
+)
 
 
 def req(ids=(1, 2, 3), text=None, request_id="", **params):
@@ -43,17 +51,32 @@ CASES = [
     ("top_k above vocab", req(top_k=259), {}, "parameters.top_k", ["258", "259"]),
     ("max_new_tokens above cap", req(max_new_tokens=101), {}, "parameters.max_new_tokens", ["100", "101"]),
     ("max_new_tokens 2^32-1", req(max_new_tokens=2**32 - 1), {}, "parameters.max_new_tokens", ["4294967295"]),
-    ("prompt + max_new over context", req(ids=[1] * 60, max_new_tokens=5), {}, "parameters.max_new_tokens",
-     ["max_sequence_length", "64", "60", "5"]),
-    ("prompt + max_new over KV", req(ids=[1] * 10, max_new_tokens=30),
-     {"limits": ModelLimits(258, 64, 32, (256,), True)}, "parameters.max_new_tokens", ["KV capacity", "32"]),
+    (
+        "prompt + max_new over context",
+        req(ids=[1] * 60, max_new_tokens=5),
+        {},
+        "parameters.max_new_tokens",
+        ["max_sequence_length", "64", "60", "5"],
+    ),
+    (
+        "prompt + max_new over KV",
+        req(ids=[1] * 10, max_new_tokens=30),
+        {"limits": ModelLimits(258, 64, 32, (256,), True)},
+        "parameters.max_new_tokens",
+        ["KV capacity", "32"],
+    ),
     ("prompt fills context", req(ids=[1] * 64), {}, "prompt", ["64", "no room"]),
     ("min > max", req(max_new_tokens=5, min_new_tokens=6), {}, "parameters.min_new_tokens", ["5", "6"]),
     ("too many stops", req(stop_sequences=["a", "b", "c"]), {}, "parameters.stop_sequences", ["2", "3"]),
     ("empty stop", req(stop_sequences=["a", ""]), {}, "parameters.stop_sequences[1]", ["empty"]),
     ("long stop", req(stop_sequences=["x" * 9]), {}, "parameters.stop_sequences[0]", ["8", "9"]),
-    ("stops without tokenizer", req(stop_sequences=["x"]), {"limits": ModelLimits(258, 64, 1000, (), False)},
-     "parameters.stop_sequences", ["tokenizer"]),
+    (
+        "stops without tokenizer",
+        req(stop_sequences=["x"]),
+        {"limits": ModelLimits(258, 64, 1000, (), False)},
+        "parameters.stop_sequences",
+        ["tokenizer"],
+    ),
     ("request_id too long", req(request_id="r" * 17), {}, "request_id", ["16", "17"]),
     ("request_id control chars", req(request_id="a\nb"), {}, "request_id", ["printable"]),
 ]
@@ -85,7 +108,20 @@ def test_default_max_new_tokens_shrinks_to_fit_context():
 
 
 def test_valid_edges_pass(tokenizer):
-    v = validate_request(req(ids=[0, 257], top_p=1.0, top_k=258, temperature=2.0, max_new_tokens=62,
-                             min_new_tokens=62, stop_sequences=["12345678", "b"], stop_token_ids=[0, 1, 257],
-                             request_id="r" * 16), CONFIG, LIMITS, tokenizer)
+    v = validate_request(
+        req(
+            ids=[0, 257],
+            top_p=1.0,
+            top_k=258,
+            temperature=2.0,
+            max_new_tokens=62,
+            min_new_tokens=62,
+            stop_sequences=["12345678", "b"],
+            stop_token_ids=[0, 1, 257],
+            request_id="r" * 16,
+        ),
+        CONFIG,
+        LIMITS,
+        tokenizer,
+    )
     assert v.max_new_tokens == 62 and v.stop_token_ids == (0, 1, 257) and v.request_id == "r" * 16

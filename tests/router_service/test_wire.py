@@ -1,4 +1,5 @@
 """The router's wire: scheduled steps out as step-stream messages, the worker's packed answers back as outputs."""
+
 import numpy as np
 import pytest
 
@@ -19,14 +20,16 @@ def test_step_request_carries_frees_chunks_decodes_and_plan_as_the_worker_reads_
     s = Scheduler(SchedulerLimits(8, 6, 4, 64))
     s.add(ScheduledRequest(1, [1, 2, 3], 4, sampling=pb.SamplingParams(seed=11)))
     s.add(ScheduledRequest(2, [1, 2, 3, 4, 5], 4, sampling=pb.SamplingParams(seed=12)))
-    step = s.schedule()                                   # 1: whole prompt, 2: first 3 tokens
+    step = s.schedule()  # 1: whole prompt, 2: first 3 tokens
     request = wire.step_request(step, 5)
     assert request.step_id == 5 and not request.HasField("routing_plan") and not request.free_request_ids
-    assert [(c.request_id, list(c.token_ids), c.is_last, c.sampling.seed) for c in request.chunks] == \
-        [(1, [1, 2, 3], True, 11), (2, [1, 2, 3], False, 12)]
+    assert [(c.request_id, list(c.token_ids), c.is_last, c.sampling.seed) for c in request.chunks] == [
+        (1, [1, 2, 3], True, 11),
+        (2, [1, 2, 3], False, 12),
+    ]
     s.update(step, [RequestOutput(1, 9, -0.5), RequestOutput(2, None)])
     s.finish(2, FinishReason.CANCELLED)
-    step = s.schedule()                                   # 1 decodes; 2 left, so the step frees it first
+    step = s.schedule()  # 1 decodes; 2 left, so the step frees it first
     plan = RoutingPlan((0,), np.array([[0, 1]], np.int32), np.array([[0]], np.int32))
     message = pb.StepStreamRequest.FromString(wire.step_request(step, 6, plan).SerializeToString())
     limits = StepLimits((0,), 16, 8)
@@ -43,22 +46,35 @@ def test_sampling_params_stop_ids_are_eos_then_stop_tokens():
         request = router_pb2.GenerateRequest(parameters=router_pb2.SamplingParameters(**params))
         request.token_ids.ids.extend([1, 2, 3])
         return validate_request(request, config, limits, None)
-    p = wire.sampling_params(validated(temperature=0.5, top_k=3, stop_token_ids=[7, 2], min_new_tokens=2, seed=5),
-                             eos_token_ids=[2, 0])
+
+    p = wire.sampling_params(
+        validated(temperature=0.5, top_k=3, stop_token_ids=[7, 2], min_new_tokens=2, seed=5), eos_token_ids=[2, 0]
+    )
     assert list(p.stop_token_ids) == [2, 0, 7] and p.min_new_tokens == 2 and p.seed == 5 and p.top_k == 3
     assert p.temperature == pytest.approx(0.5) and not p.HasField("prompt_logprobs")
-    assert list(wire.sampling_params(validated(stop_token_ids=[7], ignore_eos=True), eos_token_ids=[2]).stop_token_ids) \
-        == [7]
+    assert list(
+        wire.sampling_params(validated(stop_token_ids=[7], ignore_eos=True), eos_token_ids=[2]).stop_token_ids
+    ) == [7]
 
 
 def test_request_outputs_read_packed_answers_errors_and_scores():
-    scores = pb.SequenceLogprobs(request_id=4, sampled=pb.TokenLogprobs(
-        top_k=2, logprobs=np.array([-0.25], "<f4").tobytes(), top_ids=np.array([9, 3], "<i4").tobytes(),
-        top_logprobs=np.array([-0.25, -2.0], "<f4").tobytes()))
+    scores = pb.SequenceLogprobs(
+        request_id=4,
+        sampled=pb.TokenLogprobs(
+            top_k=2,
+            logprobs=np.array([-0.25], "<f4").tobytes(),
+            top_ids=np.array([9, 3], "<i4").tobytes(),
+            top_logprobs=np.array([-0.25, -2.0], "<f4").tobytes(),
+        ),
+    )
     response = pb.StepStreamResponse(
-        step_id=3, request_ids=np.array([4, 5, 6], "<u8").tobytes(), token_ids=np.array([9, -1, -1], "<i4").tobytes(),
-        logprobs=np.array([-0.25, 0, 0], "<f4").tobytes(), errors=[pb.SequenceError(request_id=6, code="NON_FINITE_LOGITS")],
-        scored=[scores])
+        step_id=3,
+        request_ids=np.array([4, 5, 6], "<u8").tobytes(),
+        token_ids=np.array([9, -1, -1], "<i4").tobytes(),
+        logprobs=np.array([-0.25, 0, 0], "<f4").tobytes(),
+        errors=[pb.SequenceError(request_id=6, code="NON_FINITE_LOGITS")],
+        scored=[scores],
+    )
     four, five, six = wire.request_outputs(response)
     assert (four.request_id, four.token_id, four.logprob) == (4, 9, -0.25)
     assert four.top.top_ids.tolist() == [[9, 3]] and four.prompt is None
@@ -68,14 +84,19 @@ def test_request_outputs_read_packed_answers_errors_and_scores():
 
 
 def test_request_outputs_refuse_arrays_of_different_lengths():
-    response = pb.StepStreamResponse(step_id=3, request_ids=np.array([4, 5], "<u8").tobytes(),
-                                     token_ids=np.array([9], "<i4").tobytes())
+    response = pb.StepStreamResponse(
+        step_id=3, request_ids=np.array([4, 5], "<u8").tobytes(), token_ids=np.array([9], "<i4").tobytes()
+    )
     with pytest.raises(ValueError, match="step 3: 2 request ids, 1 tokens"):
         wire.request_outputs(response)
 
 
 def test_scored_refuses_mismatched_top_arrays():
-    message = pb.TokenLogprobs(top_k=2, logprobs=np.zeros(2, "<f4").tobytes(), top_ids=np.zeros(3, "<i4").tobytes(),
-                               top_logprobs=np.zeros(4, "<f4").tobytes())
+    message = pb.TokenLogprobs(
+        top_k=2,
+        logprobs=np.zeros(2, "<f4").tobytes(),
+        top_ids=np.zeros(3, "<i4").tobytes(),
+        top_logprobs=np.zeros(4, "<f4").tobytes(),
+    )
     with pytest.raises(ValueError, match="2 log-probabilities with top_k 2, but 3 ids"):
         wire.scored(message)

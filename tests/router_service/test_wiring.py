@@ -1,4 +1,5 @@
 """Purity (no numba), CLI wiring, metrics hooks, the Python client and `colibri generate`."""
+
 import argparse
 import asyncio
 import subprocess
@@ -50,23 +51,29 @@ def test_cli_flags_env_and_defaults(monkeypatch):
     monkeypatch.setenv("COLIBRI_MAX_BATCH_TOKENS", "512")
     args = parser.parse_args(["--worker", "unix:/tmp/w.sock", "--port", "6000", "--max-batch-tokens", "256"])
     from common.config import flag_values, resolve
+
     config = resolve(RouterConfig, flags=flag_values(args, RouterConfig))
     assert config.worker == "unix:/tmp/w.sock" and config.port == 6000 and config.metrics_port == 9090
     assert config.max_concurrent_requests == 7 and config.max_batch_tokens == 256  # flag beats env
     from common.errors import ConfigError
+
     with pytest.raises(ConfigError, match="max_batch_size"):
         RouterConfig(max_batch_size=0)
 
 
 def test_metrics_hooks_count_requests_and_steps():
     async def run():
-        hooks, _ = router_metrics("m", port=-1, registry=(registry := __import__("common.metrics").metrics
-                                                          .new_registry(process_metrics=False)))
+        hooks, _ = router_metrics(
+            "m",
+            port=-1,
+            registry=(registry := __import__("common.metrics").metrics.new_registry(process_metrics=False)),
+        )
         async with harness(hooks=hooks, max_concurrent_requests=1) as (router, _, stub, _):
             await stub.Generate(ids_request([1], max_new_tokens=3))
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Generate(ids_request([999]))
         return generate_latest(registry).decode()
+
     text = asyncio.run(run())
     assert 'colibri_requests_total{model_name="m",outcome="ok"} 1.0' in text
     assert 'colibri_requests_total{model_name="m",outcome="invalid_argument"} 1.0' in text
@@ -86,16 +93,20 @@ def test_python_client_and_generate_command(tokenizer, capsys):
                     pieces = list(client.stream(token_ids=byte_ids("a"), max_new_tokens=2, stop_sequences=["c"]))
                     assert client.tokenize("a") == byte_ids("a") and client.model_info().vocab_size == VOCAB_SIZE
                     return r, pieces
+
             r, pieces = await asyncio.to_thread(blocking)
             assert r.text == "cde" and "".join(p.text for p in pieces) == "b"
             args = argparse.ArgumentParser()
             generate_cmd.add_arguments(args)
-            code = await asyncio.to_thread(generate_cmd.run, args.parse_args(
-                ["--target", target, "--max-new-tokens", "4", "xy"]))
+            code = await asyncio.to_thread(
+                generate_cmd.run, args.parse_args(["--target", target, "--max-new-tokens", "4", "xy"])
+            )
             assert code == 0
-            code = await asyncio.to_thread(generate_cmd.run, args.parse_args(
-                ["--target", target, "--tokens", "1,2,999"]))
+            code = await asyncio.to_thread(
+                generate_cmd.run, args.parse_args(["--target", target, "--tokens", "1,2,999"])
+            )
             assert code == 1
+
     asyncio.run(run())
     out = capsys.readouterr()
     assert "z{|}" in out.out and "STOP_REASON_LENGTH" in out.err and "INVALID_ARGUMENT" in out.err
@@ -119,13 +130,17 @@ def test_build_request_and_retry_delay_helpers():
 def test_generate_escapes_control_characters_on_a_terminal(tokenizer, capsys, monkeypatch, tty, raw):
     """The fake worker counts bytes up from the prompt: ESC and friends reach the terminal only as escapes
     (unless --raw), while a pipe gets the text as it is."""
+
     async def run():
         async with harness(tokenizer=tokenizer) as (router, _, _, _):
             args = argparse.ArgumentParser()
             generate_cmd.add_arguments(args)
-            argv = ["--target", f"127.0.0.1:{router.port}", "--max-new-tokens", "3", "\x19"] + (["--raw"] if raw else [])
+            argv = ["--target", f"127.0.0.1:{router.port}", "--max-new-tokens", "3", "\x19"] + (
+                ["--raw"] if raw else []
+            )
             monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
             assert await asyncio.to_thread(generate_cmd.run, args.parse_args(argv)) == 0
+
     asyncio.run(run())
     out = capsys.readouterr().out
     if tty and not raw:

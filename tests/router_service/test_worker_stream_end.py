@@ -1,5 +1,6 @@
 """The worker's step stream ending before the router's next write is a lost worker: the requests in flight
 end UNAVAILABLE (retry elsewhere), never INTERNAL."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,7 @@ def test_a_write_after_the_worker_ended_the_stream_is_unavailable(monkeypatch):
         response = await receive(self)
         await self._call.code()
         return response
+
     monkeypatch.setattr(StepStream, "receive", receive_once_the_call_is_over)
 
     async def main():
@@ -38,4 +40,5 @@ def test_a_write_after_the_worker_ended_the_stream_is_unavailable(monkeypatch):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Generate(ids_request([1], max_new_tokens=5))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+
     asyncio.run(main())

@@ -3,6 +3,7 @@
 Small enough for CI: the table is built from the first 9k tokens of the held-out books and scored on the
 next 3k (`colibri router-gen` over the whole training corpus: docs/default-model.md).
 """
+
 import numpy as np
 
 from common.model_format import ModelDir
@@ -27,8 +28,10 @@ def test_router_gen_recall_is_far_above_chance(default_model_bf16, heldout_ids):
     corpus = np.asarray(heldout_ids[:CORPUS_TOKENS], dtype=np.int64)
     _, report = generate(model, engine, corpus, config.num_experts_per_tok, HOLDOUT, SEQUENCE_LENGTH)
     chance = config.num_experts_per_tok / config.num_experts
-    summary = (f"recall per layer {np.round(report['recall_per_layer'], 3).tolist()}, overall {report['recall']:.3f}, "
-               f"fallback {report['fallback_recall']:.3f}, chance {chance}")
+    summary = (
+        f"recall per layer {np.round(report['recall_per_layer'], 3).tolist()}, overall {report['recall']:.3f}, "
+        f"fallback {report['fallback_recall']:.3f}, chance {chance}"
+    )
     assert min(report["recall_per_layer"]) >= MIN_LAYER_RECALL, summary
     assert report["recall"] >= MIN_RECALL, summary
     assert report["recall"] - report["fallback_recall"] >= MIN_GAIN_OVER_FALLBACK, summary

@@ -1,5 +1,6 @@
 """The training script end to end on the CPU with the tiny preset: the loss falls and the output is a Hugging
 Face checkpoint that transformers loads and Colibri converts."""
+
 import json
 from dataclasses import replace
 
@@ -12,8 +13,14 @@ from training.corpus import DATA_DIR, read_chapters, write_chapters  # noqa: E40
 from training.model import PRESETS, parameter_count  # noqa: E402
 from training.train import RunConfig, load_balancing_loss, train  # noqa: E402
 
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                    "tokenizer_config.json", "training_log.json")
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "training_log.json",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +49,13 @@ def test_tiny_training_lowers_the_loss_and_writes_a_checkpoint(small_corpus, tmp
 
     from common.model_format import ModelDir
     from expert_service.tools.convert import convert
+
     converted = ModelDir.open(convert(tmp_path, tmp_path / "colibri", dtype="bfloat16", progress=False))
     assert converted.config.num_experts == PRESETS["tiny"].num_experts
 
 
 def test_load_balancing_loss_is_one_when_balanced_and_sees_a_collapsed_layer():
-    balanced = torch.zeros(8, 4)                        # uniform probabilities; top-2 ties -> experts 0, 1
+    balanced = torch.zeros(8, 4)  # uniform probabilities; top-2 ties -> experts 0, 1
     assert float(load_balancing_loss((balanced,), 2)) == pytest.approx(1.0)
     collapsed = torch.tensor([[9.0, 9.0, 0.0, 0.0]] * 8)
     other_half = torch.tensor([[0.0, 0.0, 9.0, 9.0]] * 8)

@@ -1,4 +1,5 @@
 """Exact routing and the grouped expert FFN (each active expert once over all of its tokens)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,9 @@ def route_planned(router_logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return (chosen / chosen.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
-def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, expert_weights,
-                    stream_experts=None) -> np.ndarray:
+def grouped_experts(
+    x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, expert_weights, stream_experts=None
+) -> np.ndarray:
     """x [T, D]; expert_weights(e) -> (gate, up, down). Returns the weighted sum over each token's experts.
     `stream_experts(active ids)` -> iterator of (e, (gate, up, down)) replaces the lookup when experts pass
     through a cache in waves: each expert's rows are independent, so the order never changes the result."""
@@ -49,9 +51,15 @@ def grouped_experts(x: np.ndarray, groups: ExpertGroups, weights: np.ndarray, ex
     return combine(grouped, groups, weights)
 
 
-def sparse_moe(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool,
-               expert_weights, planned_ids: np.ndarray | None = None,
-               stream_experts=None) -> tuple[np.ndarray, np.ndarray]:
+def sparse_moe(
+    x: np.ndarray,
+    router: np.ndarray,
+    top_k: int,
+    normalize: bool,
+    expert_weights,
+    planned_ids: np.ndarray | None = None,
+    stream_experts=None,
+) -> tuple[np.ndarray, np.ndarray]:
     """x [T, D], router [E, D] -> (output [T, D], expert ids [T, K]); `planned_ids` [T, k] replaces the
     exact top-k (LUT routing); `stream_experts` as in `grouped_experts`."""
     logits = x @ router.T

@@ -1,4 +1,5 @@
 """Rotary position embedding, rotate-half (NeoX) layout as in all four families."""
+
 import numpy as np
 
 from common.model_config import RopeConfig
@@ -12,8 +13,9 @@ class Rotary:
         """positions [T] -> cos, sin [T, Hd] (frequencies repeated over both halves)."""
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)
-        return (np.cos(emb) * np.float32(self.scale)).astype(np.float32), \
-               (np.sin(emb) * np.float32(self.scale)).astype(np.float32)
+        return (np.cos(emb) * np.float32(self.scale)).astype(np.float32), (np.sin(emb) * np.float32(self.scale)).astype(
+            np.float32
+        )
 
 
 def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
 """`colibri complete --model DIR --tokens 1,2,3 --max-new-tokens N`: one offline completion as JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     engine, ids = open_engine(args)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
-                              logprobs=args.logprobs)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed, logprobs=args.logprobs
+    )
     stop = () if args.ignore_eos else engine.model_config.eos_token_ids
     tokens, logprobs, reason = engine.generate(ids, max(args.max_new_tokens, 1), sampling, stop_token_ids=stop)
-    result = {"token_ids": tokens, "stop_reason": reason, "prompt_tokens": len(ids),
-              "generated_tokens": len(tokens), "seed": seed}
+    result = {
+        "token_ids": tokens,
+        "stop_reason": reason,
+        "prompt_tokens": len(ids),
+        "generated_tokens": len(tokens),
+        "seed": seed,
+    }
     tokenizer = engine.model.tokenizer_path()
     if tokenizer is not None:
         from tokenizers import Tokenizer
+
         result["text"] = Tokenizer.from_file(str(tokenizer)).decode(tokens, skip_special_tokens=False)
     if args.logprobs:
         result["logprobs"] = logprobs

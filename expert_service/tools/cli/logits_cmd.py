@@ -1,4 +1,5 @@
 """`colibri logits --model DIR --tokens 1,2,3 --out FILE.npy`: float32 prefill logits [num_tokens, vocab]."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Arguments and set-up shared by the offline subcommands (`logits`, `complete`): no services involved."""
+
 from __future__ import annotations
 
 import argparse

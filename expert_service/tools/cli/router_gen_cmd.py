@@ -1,5 +1,6 @@
 """`colibri router-gen MODEL_DIR [--corpus FILE]`: build the static routing table (docs/routing.md) and report
 its top-k recall against exact routing on a held-out part of the corpus."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,21 +16,52 @@ from expert_service.tools.routing_gen import CORPUS_FORMATS, load_corpus, report
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR", help="Colibri model directory")
-    parser.add_argument("--corpus", metavar="FILE", help="traffic to learn from: text (tokenised with "
-                        "MODEL_DIR/tokenizer.json) or token ids; without it only the embedding fallback is used")
-    parser.add_argument("--corpus-format", choices=CORPUS_FORMATS, default="auto",
-                        help="text, ids (integers separated by whitespace or commas), or auto: ids when the "
-                             "file holds only digits, commas and whitespace (default: auto)")
-    parser.add_argument("--out", metavar="FILE", help="table file (default: MODEL_DIR/routing_table.bin); "
-                        "the report goes to FILE.report.json")
-    parser.add_argument("--top-k", type=int, metavar="K", help="experts per token in the table (default: the model's "
-                        "num_experts_per_tok)")
-    parser.add_argument("--holdout", type=float, default=0.1, metavar="FRACTION", help="share of the corpus's sequences held out "
-                        "to measure recall (default: 0.1; at least one sequence when there are two)")
-    parser.add_argument("--sequence-length", type=int, default=256, metavar="N", help="tokens per traced sequence; each "
-                        "is prefilled on its own, so this is the context routing sees (default: 256)")
-    parser.add_argument("--backend", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="engine backend for exact routing (default: cpu)")
+    parser.add_argument(
+        "--corpus",
+        metavar="FILE",
+        help="traffic to learn from: text (tokenised with "
+        "MODEL_DIR/tokenizer.json) or token ids; without it only the embedding fallback is used",
+    )
+    parser.add_argument(
+        "--corpus-format",
+        choices=CORPUS_FORMATS,
+        default="auto",
+        help="text, ids (integers separated by whitespace or commas), or auto: ids when the "
+        "file holds only digits, commas and whitespace (default: auto)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="table file (default: MODEL_DIR/routing_table.bin); the report goes to FILE.report.json",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="experts per token in the table (default: the model's num_experts_per_tok)",
+    )
+    parser.add_argument(
+        "--holdout",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="share of the corpus's sequences held out "
+        "to measure recall (default: 0.1; at least one sequence when there are two)",
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens per traced sequence; each "
+        "is prefilled on its own, so this is the context routing sees (default: 256)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="engine backend for exact routing (default: cpu)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -42,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.holdout < 1:
         raise ConfigError(f"--holdout: must be in [0, 1), got {args.holdout}")
     if not 1 <= args.sequence_length <= config.max_position_embeddings:
-        raise ConfigError(f"--sequence-length: must be in [1, max_position_embeddings="
-                          f"{config.max_position_embeddings}], got {args.sequence_length}")
+        raise ConfigError(
+            f"--sequence-length: must be in [1, max_position_embeddings="
+            f"{config.max_position_embeddings}], got {args.sequence_length}"
+        )
     if not config.moe_layers:
         raise ConfigError(f"{args.model}: the model has no MoE layers, so there is nothing to route")
     out = Path(args.out) if args.out else model.path / "routing_table.bin"
@@ -51,31 +85,48 @@ def run(args: argparse.Namespace) -> int:
     batch_tokens = max(args.sequence_length, 4096)
 
     def engine_factory() -> Engine:
-        return build_engine(model, EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens,
-                                          kv_cache_tokens=batch_tokens + 64 * 16))
+        return build_engine(
+            model,
+            EngineConfig(backend=args.backend, max_batch_tokens=batch_tokens, kv_cache_tokens=batch_tokens + 64 * 16),
+        )
 
-    report = run_router_gen(model, engine_factory, corpus, args.corpus, out, top_k, args.holdout,
-                            args.sequence_length, progress=not args.no_progress)
+    report = run_router_gen(
+        model,
+        engine_factory,
+        corpus,
+        args.corpus,
+        out,
+        top_k,
+        args.holdout,
+        args.sequence_length,
+        progress=not args.no_progress,
+    )
     print_report(report)
     return 0
 
 
 def print_report(report: dict) -> None:
     layers = report["moe_layers"]
-    print(f"wrote {report['table']}: {len(layers)} MoE layers x {report['vocab_size']} token ids x top-{report['top_k']} "
-          f"(of {report['num_experts']} experts)")
+    print(
+        f"wrote {report['table']}: {len(layers)} MoE layers x {report['vocab_size']} token ids x top-{report['top_k']} "
+        f"(of {report['num_experts']} experts)"
+    )
     if not report["has_corpus"]:
         print(f"note: {report['note']}")
     else:
-        print(f"corpus: {report['corpus_tokens']} tokens; train {report['train_tokens']} tokens "
-              f"({report['train_sequences']} sequences), held out {report['heldout_tokens']} tokens "
-              f"({report['heldout_sequences']} sequences)")
+        print(
+            f"corpus: {report['corpus_tokens']} tokens; train {report['train_tokens']} tokens "
+            f"({report['train_sequences']} sequences), held out {report['heldout_tokens']} tokens "
+            f"({report['heldout_sequences']} sequences)"
+        )
     if report["recall"] is None:
         if report["has_corpus"]:
             print(f"note: {report['note']}")
     else:
-        print(f"top-{report['top_k']} recall vs exact routing (model top-{report['model_top_k']}) on held-out "
-              f"tokens, {100 * report['heldout_unseen_share']:.1f}% of them never seen in training:")
+        print(
+            f"top-{report['top_k']} recall vs exact routing (model top-{report['model_top_k']}) on held-out "
+            f"tokens, {100 * report['heldout_unseen_share']:.1f}% of them never seen in training:"
+        )
         for layer, recall in zip(layers, report["recall_per_layer"]):
             print(f"  layer {layer:3d}: {recall:.4f}")
         print(f"  overall  : {report['recall']:.4f}   (embedding fallback alone: {report['fallback_recall']:.4f})")

@@ -1,4 +1,5 @@
 """`colibri verify MODEL_DIR`: every structural check of the loader, then every tensor's crc32."""
+
 from __future__ import annotations
 
 import argparse

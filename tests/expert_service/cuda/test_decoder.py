@@ -1,4 +1,5 @@
 """The cuda backend against the fp32 CPU reference on tiny models of every family (GPU only)."""
+
 import numpy as np
 import pytest
 
@@ -18,14 +19,17 @@ pytestmark = pytest.mark.gpu
 def pair(request, tmp_path_factory):
     model = make_tiny(tmp_path_factory.mktemp(request.param) / "m", family=request.param, seed=3)
     cfg = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
-    return (request.param, build_engine(ModelDir.open(model), EngineConfig(backend="cpu", **cfg)),
-            build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **cfg)), model)
-
+    return (
+        request.param,
+        build_engine(ModelDir.open(model), EngineConfig(backend="cpu", **cfg)),
+        build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **cfg)),
+        model,
+    )
 
 
 def test_prefill_logits_match_cpu_fp32(pair):
     name, cpu, gpu, _ = pair
-    for n in (1, 33, 100):       # 100 > 64 tokens takes the cuBLAS path
+    for n in (1, 33, 100):  # 100 > 64 tokens takes the cuBLAS path
         ids = random_prompt(n, n)
         err = rel_error(gpu.prompt_logits(ids), cpu.prompt_logits(ids))
         assert err <= 1e-4, f"{name}: prefill {n}: {err:.2e}"
@@ -54,14 +58,23 @@ def test_greedy_and_batched_decode_match_cpu(pair):
 
 def test_graph_replay_equals_eager(pair):
     name, _, gpu, model = pair
-    eager = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", cuda_graphs=False, kv_block_size=8,
-                                                      kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16))
+    eager = build_engine(
+        ModelDir.open(model),
+        EngineConfig(
+            backend="cuda",
+            cuda_graphs=False,
+            kv_block_size=8,
+            kv_cache_tokens=4096,
+            max_batch_tokens=512,
+            max_batch_size=16,
+        ),
+    )
     for engine in (gpu, eager):
         engine.step([PrefillInput(i, np.array(random_prompt(i, 3 + i)), SamplingParams(), True) for i in range(3)])
     results = []
     for engine in (gpu, eager):
         seq = []
-        for _ in range(5):                   # several replays of the 4-bucket graph (3 real + 1 padded)
+        for _ in range(5):  # several replays of the 4-bucket graph (3 real + 1 padded)
             step = engine.step(decode_ids=[0, 1, 2])
             seq.append((tuple(o.token_id for o in step.outputs), np.stack(list(step.logits))))
         engine.clear()
@@ -88,10 +101,12 @@ def test_step_logits_read_after_the_next_step_raise(pair):
 
 def test_no_device_allocations_during_steps(pair, monkeypatch):
     from numba.cuda.cudadrv import driver
+
     name, _, gpu, _ = pair
-    gpu.warmup()                        # what the worker does at start-up: compile, capture every bucket
+    gpu.warmup()  # what the worker does at start-up: compile, capture every bucket
     gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
     from cuda.bindings import driver as drv
+
     free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc
@@ -106,12 +121,15 @@ def test_no_device_allocations_during_steps(pair, monkeypatch):
 
 def test_bf16_weights_close_to_fp32_cpu(pair, tmp_path):
     from expert_service.tools.convert import convert
+
     name, cpu, _, model = pair
     bf16 = convert(model / "hf", tmp_path / "bf16", dtype="bfloat16", progress=False)
-    gpu16 = build_engine(ModelDir.open(bf16), EngineConfig(backend="cuda", kv_block_size=8, kv_cache_tokens=4096,
-                                                     max_batch_tokens=512, max_batch_size=16))
+    gpu16 = build_engine(
+        ModelDir.open(bf16),
+        EngineConfig(backend="cuda", kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16),
+    )
     cpu16 = build_engine(ModelDir.open(bf16), EngineConfig(backend="cpu", kv_block_size=8, kv_cache_tokens=4096))
-    for n in (40, 90):        # the fp32 CPU path on the same bf16 weights is the reference
+    for n in (40, 90):  # the fp32 CPU path on the same bf16 weights is the reference
         ids = random_prompt(7 + n, n)
         logits = gpu16.prompt_logits(ids)
         assert np.all(np.isfinite(logits))
@@ -123,18 +141,19 @@ def test_bf16_weights_close_to_fp32_cpu(pair, tmp_path):
 # MoE layers, F = 96 (16-byte loads); qwen2_moe: one MoE layer, a shared expert, F = 36 (element loads). With
 # K = 8 the prefills below reach each GPU tile config: 2 and 33 tokens 16-row tiles, 150 tokens 32, 300 tokens
 # 64 (choose_config); up to 64 tokens route with router_fused, above with cuBLAS + router_topk.
-MANY_EXPERTS = {"qwen3_moe": dict(num_experts=40, num_experts_per_tok=8),
-                "qwen2_moe": dict(num_experts=48, num_experts_per_tok=8, moe_intermediate_size=36)}
+MANY_EXPERTS = {
+    "qwen3_moe": dict(num_experts=40, num_experts_per_tok=8),
+    "qwen2_moe": dict(num_experts=48, num_experts_per_tok=8, moe_intermediate_size=36),
+}
 MANY_CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
-BF16_TOLERANCE = 1e-2          # as test_bf16_weights_close_to_fp32_cpu
-ROUTER_TIE = 0.05              # router logits within this of the CPU's K-th are a tie bf16 may break either way
-
+BF16_TOLERANCE = 1e-2  # as test_bf16_weights_close_to_fp32_cpu
+ROUTER_TIE = 0.05  # router logits within this of the CPU's K-th are a tie bf16 may break either way
 
 
 @pytest.fixture(scope="module", params=sorted(MANY_EXPERTS))
 def many(request, tmp_path_factory):
     model = bf16_tiny(tmp_path_factory.mktemp(request.param + "_many"), request.param, 5, **MANY_EXPERTS[request.param])
-    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**MANY_CFG, **kw}))   # noqa: E731
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
     return (request.param, open_(backend="cpu"), open_(backend="cuda"), open_(backend="cuda", cuda_graphs=False))
 
 
@@ -147,6 +166,7 @@ class ForcedRouting:
 
     def __init__(self, monkeypatch):
         import expert_service.cpu.layers.moe as cpu_moe
+
         self.queue, self.worst_tie = [], 0.0
         monkeypatch.setattr(cpu_moe, "route", self.route)
 
@@ -170,7 +190,7 @@ def last_step_expert_ids(engine, T):
     d = engine.decoder
     K = engine.model_config.num_experts_per_tok
     padded = d._prefill_bucket(T) or T
-    flat = d.ws.topk_ids.copy_to_host().reshape(-1)[:len(d.moe_layers) * padded * K]
+    flat = d.ws.topk_ids.copy_to_host().reshape(-1)[: len(d.moe_layers) * padded * K]
     return [layer[:T] for layer in flat.reshape(len(d.moe_layers), padded, K)]
 
 
@@ -185,6 +205,7 @@ def assert_greedy_close(tokens, cpu_rows, name):
 def test_many_experts_prefill_close_to_cpu(many, monkeypatch):
     from expert_service.cuda.moe import MoeStrategy, choose_strategy
     from expert_service.kernels.moe_gemm_mma import choose_config
+
     name, cpu, gpu, _ = many
     mc = gpu.model_config
     K, E = mc.num_experts_per_tok, mc.num_experts
@@ -220,7 +241,7 @@ def test_many_experts_batched_decode(many, monkeypatch):
         runs = {}
         for engine in (gpu, eager):
             runs[engine] = []
-            for n in range(5):      # each step's rows read before the next step overwrites the device logits
+            for n in range(5):  # each step's rows read before the next step overwrites the device logits
                 s = engine.step(prefill) if n == 0 else engine.step(decode_ids=rids)
                 runs[engine].append(([o.token_id for o in s.outputs], np.stack(list(s.logits)), s.trace))
             engine.clear()
@@ -246,6 +267,7 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
     each tile config and graph-replayed decode steps allocate nothing on the device."""
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
+
     name, _, gpu, _ = many
     gpu.warmup()
     gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
@@ -267,6 +289,7 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     another order) on a bf16 model with Hd = 64 and a GQA group of 8, contexts crossing several 32-key tiles."""
     from expert_service.engine.cuda_options import CudaOptions
     from expert_service.kernels.attention_decode_tiled import supports
+
     model = bf16_tiny(tmp_path, "qwen3_moe", 9, head_dim=64, num_attention_heads=8, num_key_value_heads=1)
     engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
     assert supports(engine.decoder.k_pool[0].dtype, 64, MANY_CFG["kv_block_size"])
@@ -274,7 +297,7 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     rids = list(range(len(prompts)))
     runs = []
     for tiled in (False, True):
-        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled))   # drops the other kernel's graphs
+        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled))  # drops the other kernel's graphs
         engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
         steps = []
         for _ in range(4):

@@ -1,4 +1,5 @@
 """How the cuda decoder pads non-decode steps to token buckets (pure functions of cuda/staging.py; no GPU)."""
+
 import numpy as np
 import pytest
 
@@ -12,7 +13,7 @@ def test_buckets_cover_every_size_with_at_most_a_third_padding(max_tokens):
     for T in range(1, max_tokens + 1):
         bucket = next(b for b in buckets if b >= T)
         assert bucket - T <= bucket / 3, (T, bucket)
-    assert len(buckets) <= 2 * max_tokens.bit_length()        # graphs to capture stay few
+    assert len(buckets) <= 2 * max_tokens.bit_length()  # graphs to capture stay few
 
 
 @pytest.mark.parametrize("n, T, count", [(5, 8, 3), (0, 4, 4), (7, 7, 0), (61, 64, 3)])
@@ -21,8 +22,10 @@ def test_decode_padding_gives_each_padding_sequence_one_token(n, T, count):
     np.testing.assert_array_equal(padding_seq_starts(n, T, count, one_each=True), n + np.arange(1, count + 1))
 
 
-@pytest.mark.parametrize("n, T, count", [(5, 100, 3), (5, 6, 3), (5, 5, 2), (0, 48, 1), (33, 48, 15), (3, 4, 65),
-                                         (512, 512, 65), (61, 64, 3)])
+@pytest.mark.parametrize(
+    "n, T, count",
+    [(5, 100, 3), (5, 6, 3), (5, 5, 2), (0, 48, 1), (33, 48, 15), (3, 4, 65), (512, 512, 65), (61, 64, 3)],
+)
 def test_token_padding_is_one_sequence_and_empty_slots(n, T, count):
     """A token bucket: the first padding sequence holds tokens n..T-1, every later slot is empty (ends at T), so
     the prefill attention sees one run of padding tiles, even when the counts happen to match a decode layout;

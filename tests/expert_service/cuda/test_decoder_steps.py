@@ -1,6 +1,7 @@
 """The cuda decoder's host side without a GPU: which bucket a step takes, what it stages (padding included), which
 passes it issues and which graphs warm-up leaves captured. The device work (the model's `layers` and `head`, `_run`,
 graph capture) is replaced by recorders; staging writes the real pinned-buffer layout into numpy arrays."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -48,8 +49,10 @@ class HostBuffer:
     def __init__(self, shapes):
         self.offsets, total = packed_layout(shapes)
         self.twins = [np.full(total, -99, np.int32) for _ in range(HOST_TWINS)]
-        self.twin_views = [{n: host[o:o + int(np.prod(s))].reshape(s)
-                            for (n, s), o in zip(shapes.items(), self.offsets.values())} for host in self.twins]
+        self.twin_views = [
+            {n: host[o : o + int(np.prod(s))].reshape(s) for (n, s), o in zip(shapes.items(), self.offsets.values())}
+            for host in self.twins
+        ]
         self.uploads = []
         self.select(0)
 
@@ -80,18 +83,25 @@ class DeviceRows:
         pass
 
     def copy_to_host(self, host, stream=None):
-        host[:] = self.rows[:len(host)]
+        host[:] = self.rows[: len(host)]
 
 
-def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False,
-                 options: CudaOptions | None = None) -> CudaDecoder:
+def host_decoder(
+    monkeypatch, family="mixtral", cuda_graphs=True, bf16=False, options: CudaOptions | None = None
+) -> CudaDecoder:
     monkeypatch.setattr(driver, "Graph", FakeGraph)
     FakeGraph.captured = []
     cfg = config_from_hf(tiny_hf_config(family))
     d = CudaDecoder.__new__(CudaDecoder)
     d.config, d.cached, d.planned_routing = cfg, None, False
-    d.engine_config = EngineConfig(backend="cuda", cuda_graphs=cuda_graphs, max_batch_tokens=MAX_TOKENS,
-                                   max_batch_size=MAX_SEQS, kv_block_size=BLOCK, kv_cache_tokens=4096)
+    d.engine_config = EngineConfig(
+        backend="cuda",
+        cuda_graphs=cuda_graphs,
+        max_batch_tokens=MAX_TOKENS,
+        max_batch_size=MAX_SEQS,
+        kv_block_size=BLOCK,
+        kv_cache_tokens=4096,
+    )
     d.max_tokens, d.max_seqs, d.seq_slots = MAX_TOKENS, MAX_SEQS, MAX_SEQS + 1
     d.block_size, d.max_blocks_per_seq, d.moe_layers = BLOCK, MAX_BLOCKS, cfg.moe_layers
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32))
@@ -99,21 +109,29 @@ def host_decoder(monkeypatch, family="mixtral", cuda_graphs=True, bf16=False,
     metadata = HostBuffer({n: layout[n][0] for n in METADATA})
     results = HostBuffer({n: layout[n][0] for n in RESULTS})
     logits = np.random.default_rng(0).standard_normal((MAX_SEQS, cfg.vocab_size)).astype(np.float32)
-    d.ws = SimpleNamespace(metadata=metadata, results=results, host={**metadata.views, **results.views,
-                                                                       "logits": np.zeros_like(logits)},
-                           logits_rows=DeviceRows(None), logits=DeviceRows(logits))
+    d.ws = SimpleNamespace(
+        metadata=metadata,
+        results=results,
+        host={**metadata.views, **results.views, "logits": np.zeros_like(logits)},
+        logits_rows=DeviceRows(None),
+        logits=DeviceRows(logits),
+    )
     d.ws.select_twin = lambda twin: Workspace.select_twin(d.ws, twin)
     d.stream, d._stream_handle, d.staged_steps = SimpleNamespace(synchronize=lambda: None), None, 0
-    d._twin, d._done = 0, [SimpleNamespace(record=lambda handle: None, wait=lambda: None, ready=lambda: True)
-                           for _ in range(HOST_TWINS)]
+    d._twin, d._done = (
+        0,
+        [SimpleNamespace(record=lambda handle: None, wait=lambda: None, ready=lambda: True) for _ in range(HOST_TWINS)],
+    )
     d._unfinished = set()
     d.penalties = SimpleNamespace(warmup=lambda logits: None)
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
     d.issued = []
-    d.model = SimpleNamespace(options=options or CudaOptions(),
-                              layers=lambda T, S, decode: d.issued.append(("layers", T, S, decode)),
-                              head=lambda T, R: d.issued.append(("head", T, R)),
-                              moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))))
+    d.model = SimpleNamespace(
+        options=options or CudaOptions(),
+        layers=lambda T, S, decode: d.issued.append(("layers", T, S, decode)),
+        head=lambda T, R: d.issued.append(("head", T, R)),
+        moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))),
+    )
     return d
 
 
@@ -122,12 +140,15 @@ def prompt(lengths, cached=(), logits=True) -> ForwardBatch:
     cached = list(cached) or [0] * len(lengths)
     ends = np.cumsum(lengths)
     T = int(ends[-1])
-    return ForwardBatch(token_ids=np.arange(3, 3 + T), positions=np.concatenate(
-                            [np.arange(c, c + n) for c, n in zip(cached, lengths)]),
-                        seq_starts=np.concatenate([[0], ends]), context_lens=np.array(cached) + lengths,
-                        block_tables=[np.arange(-(-(c + n) // BLOCK)) + 10 * i for i, (c, n) in
-                                      enumerate(zip(cached, lengths))],
-                        slot_mapping=np.arange(T) + 100, logits_rows=ends - 1 if logits else np.zeros(0, np.int64))
+    return ForwardBatch(
+        token_ids=np.arange(3, 3 + T),
+        positions=np.concatenate([np.arange(c, c + n) for c, n in zip(cached, lengths)]),
+        seq_starts=np.concatenate([[0], ends]),
+        context_lens=np.array(cached) + lengths,
+        block_tables=[np.arange(-(-(c + n) // BLOCK)) + 10 * i for i, (c, n) in enumerate(zip(cached, lengths))],
+        slot_mapping=np.arange(T) + 100,
+        logits_rows=ends - 1 if logits else np.zeros(0, np.int64),
+    )
 
 
 def test_a_prefill_pads_to_its_bucket_with_one_padding_sequence(monkeypatch):
@@ -137,8 +158,8 @@ def test_a_prefill_pads_to_its_bucket_with_one_padding_sequence(monkeypatch):
     assert d.issued == [("layers", 48, MAX_SEQS + 1, False), ("head", 48, 2)]
     np.testing.assert_array_equal(h["token_ids"][33:48], 0)
     np.testing.assert_array_equal(h["slot_mapping"][:48], np.r_[np.arange(33) + 100, np.full(15, -1)])
-    np.testing.assert_array_equal(h["seq_starts"][:MAX_SEQS + 2], np.r_[0, 20, 33, np.full(MAX_SEQS - 1, 48)])
-    np.testing.assert_array_equal(h["context_lens"][:MAX_SEQS + 1], np.r_[20, 13, np.zeros(MAX_SEQS - 1)])
+    np.testing.assert_array_equal(h["seq_starts"][: MAX_SEQS + 2], np.r_[0, 20, 33, np.full(MAX_SEQS - 1, 48)])
+    np.testing.assert_array_equal(h["context_lens"][: MAX_SEQS + 1], np.r_[20, 13, np.zeros(MAX_SEQS - 1)])
     np.testing.assert_array_equal(h["logits_rows"][:2], [19, 32])
     # the upload covers the real sequences' block tables and the padding sequence's row, nothing further
     assert d.ws.metadata.uploads[-1] == (0, d.ws.metadata.end_of("block_tables", 3 * MAX_BLOCKS))
@@ -149,9 +170,9 @@ def test_a_chunk_without_logits_rows_runs_no_head_and_a_full_batch_uses_the_spar
     d.forward(prompt([7], logits=False))
     assert d.issued == [("layers", 8, MAX_SEQS + 1, False)]
     d.issued.clear()
-    d.forward(prompt([1] * 15 + [7], cached=[5] * 15 + [0]))       # 16 sequences, 22 tokens -> 24
+    d.forward(prompt([1] * 15 + [7], cached=[5] * 15 + [0]))  # 16 sequences, 22 tokens -> 24
     assert d.issued == [("layers", 24, MAX_SEQS + 1, False), ("head", 24, 16)]
-    np.testing.assert_array_equal(d.ws.host["seq_starts"][MAX_SEQS:MAX_SEQS + 2], [22, 24])
+    np.testing.assert_array_equal(d.ws.host["seq_starts"][MAX_SEQS : MAX_SEQS + 2], [22, 24])
     assert d.ws.host["context_lens"][MAX_SEQS] == 0
 
 
@@ -174,7 +195,7 @@ def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
     first = d.launch(prompt([1, 1, 1], cached=[4, 9, 2]), traced=True)
     first_ids = d.ws.results.twin_views[first.twin]
-    first_ids["greedy_ids"][:3], first_ids["nonfinite"][:3] = [7, 8, 9], [0, 1, 0]    # what t's readback brings
+    first_ids["greedy_ids"][:3], first_ids["nonfinite"][:3] = [7, 8, 9], [0, 1, 0]  # what t's readback brings
     second = d.launch(replace(prompt([1, 1], cached=[5, 3]), fed_rows=np.array([2, -1], np.int32)))
     assert first.twin != second.twin
     t, t1 = d.ws.metadata.twin_views[first.twin], d.ws.metadata.twin_views[second.twin]
@@ -183,15 +204,15 @@ def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_
     np.testing.assert_array_equal(t1["context_lens"][:2], [6, 4])
     np.testing.assert_array_equal(t1["feed_rows"][:2], [2, -1])
     with pytest.raises(RuntimeError, match="finish the oldest"):
-        d.launch(prompt([1], cached=[3]))       # a third step would restage the first one's host copy
+        d.launch(prompt([1], cached=[3]))  # a third step would restage the first one's host copy
     logits = d.finish(first)
     assert [logits.greedy(r) for r in range(3)] == [(7, True), (8, False), (9, True)]
     with pytest.raises(RuntimeError, match="overwrote"):
-        logits[0]                      # t's rows on the device belong to t+1 now
+        logits[0]  # t's rows on the device belong to t+1 now
     d.finish(second)
     d.launch(prompt([1], cached=[3]))
     d.launch(prompt([1], cached=[4]))
-    d.abandon()                        # a fault: neither is finished, both host copies are free again
+    d.abandon()  # a fault: neither is finished, both host copies are free again
     d.finish(d.launch(prompt([1], cached=[5])))
 
 
@@ -217,18 +238,19 @@ def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     d = host_decoder(monkeypatch)
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
     d.warmup()
-    assert set(d.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))     # per-expert cuBLAS ones in pieces
+    assert set(d.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))  # per-expert cuBLAS ones in pieces
     assert set(d.graphs) == {1, 2, 4, 8, 16}
-    assert ("cublas shapes", MAX_TOKENS) in d.issued      # steps above 64 tokens run per-expert cuBLAS GEMMs
+    assert ("cublas shapes", MAX_TOKENS) in d.issued  # steps above 64 tokens run per-expert cuBLAS GEMMs
     many = host_decoder(monkeypatch, family="qwen3_moe", bf16=True)
     many.config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
     many._run = lambda T, S, R, decode: many.issued.append(("run", T, S, R, decode))
-    many.max_blocks_per_seq = 4            # 32-token sequences: buckets above 32 take several of them
+    many.max_blocks_per_seq = 4  # 32-token sequences: buckets above 32 take several of them
     many.warmup()
     assert set(many.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))
     assert ("layers", 512, MAX_SEQS + 1, False) in many.issued and not any(
-        step[0] == "run" and step[1] > 64 for step in many.issued)
-    assert not any(step[0] == "cublas shapes" for step in many.issued)    # grouped MMA at every size
+        step[0] == "run" and step[1] > 64 for step in many.issued
+    )
+    assert not any(step[0] == "cublas shapes" for step in many.issued)  # grouped MMA at every size
 
 
 def test_the_all_rows_path_pads_and_chunks_its_head(monkeypatch):
@@ -236,8 +258,15 @@ def test_the_all_rows_path_pads_and_chunks_its_head(monkeypatch):
     step would, and the head runs in chunks of max_batch_size rows over the padded hidden rows."""
     d = host_decoder(monkeypatch)
     batch = prompt([40])
-    batch = ForwardBatch(batch.token_ids, batch.positions, batch.seq_starts, batch.context_lens, batch.block_tables,
-                         batch.slot_mapping, np.arange(40))
+    batch = ForwardBatch(
+        batch.token_ids,
+        batch.positions,
+        batch.seq_starts,
+        batch.context_lens,
+        batch.block_tables,
+        batch.slot_mapping,
+        np.arange(40),
+    )
     out = d.forward(batch)
     assert d.issued == [("layers", 48, MAX_SEQS + 1, False), ("head", 48, 16), ("head", 48, 16), ("head", 48, 8)]
     assert np.asarray(out.rows if hasattr(out, "rows") else out[0]).shape[-1] == d.config.vocab_size

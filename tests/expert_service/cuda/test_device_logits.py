@@ -1,5 +1,6 @@
 """DeviceLogits (cuda/device_logits.py), in the CUDA simulator unless on a GPU: a step's rows are fetched lazily from a
 workspace the next step overwrites, so a fetch after that raises instead of returning the later step's rows."""
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,16 +14,20 @@ ROWS, VOCAB, MAX_SEQS = 3, 37, 5
 
 def step_results(rng):
     """One step's device logits [MAX_SEQS, VOCAB] and its host argmax / non-finite flags [MAX_SEQS]."""
-    return (rng.standard_normal((MAX_SEQS, VOCAB)).astype(np.float32),
-            rng.integers(0, VOCAB, MAX_SEQS).astype(np.int32), rng.integers(0, 2, MAX_SEQS).astype(np.int32))
+    return (
+        rng.standard_normal((MAX_SEQS, VOCAB)).astype(np.float32),
+        rng.integers(0, VOCAB, MAX_SEQS).astype(np.int32),
+        rng.integers(0, 2, MAX_SEQS).astype(np.int32),
+    )
 
 
 def fake_decoder(rng):
     """What DeviceLogits reads of a CudaDecoder, holding one staged step's results."""
     logits, ids, flags = step_results(rng)
     host = {"logits": np.full((MAX_SEQS, VOCAB), np.nan, np.float32), "greedy_ids": ids, "nonfinite": flags}
-    return SimpleNamespace(ws=SimpleNamespace(logits=cuda.to_device(logits), host=host), stream=cuda.stream(),
-                           staged_steps=1), logits
+    return SimpleNamespace(
+        ws=SimpleNamespace(logits=cuda.to_device(logits), host=host), stream=cuda.stream(), staged_steps=1
+    ), logits
 
 
 def next_step(decoder, rng):
@@ -66,9 +71,10 @@ def test_processed_rows_are_the_penalised_ones_then_the_raw_ones():
     penalised = rng.standard_normal((2, VOCAB)).astype(np.float32)
     decoder.penalties = SimpleNamespace(download=lambda n: penalised[:n].copy())
     read = DeviceLogits(decoder, ROWS, penalized=2)
-    np.testing.assert_array_equal(np.stack([read.processed(r) for r in range(ROWS)]),
-                                  np.concatenate([penalised, logits[2:ROWS]]))
-    np.testing.assert_array_equal(read[0], logits[0])                   # indexing stays the raw rows
+    np.testing.assert_array_equal(
+        np.stack([read.processed(r) for r in range(ROWS)]), np.concatenate([penalised, logits[2:ROWS]])
+    )
+    np.testing.assert_array_equal(read[0], logits[0])  # indexing stays the raw rows
     stale = DeviceLogits(decoder, ROWS, penalized=2)
     next_step(decoder, rng)
     with pytest.raises(RuntimeError, match="read after step"):

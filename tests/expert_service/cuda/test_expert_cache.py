@@ -5,6 +5,7 @@ tokens, per-expert cuBLAS above), so its outputs are bitwise equal at every numb
 path picks other kernels by step size (all-experts GEMMs, a different reduction order), so against it the
 check is the fp32 tolerance and identical greedy tokens.
 """
+
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
 pytestmark = pytest.mark.gpu
 
-LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)      # a 121-token step: the per-expert cuBLAS path
+LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)  # a 121-token step: the per-expert cuBLAS path
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
@@ -42,8 +43,9 @@ def test_every_cache_size_bitwise_equal_and_close_to_resident(family_model, prom
     assert ref_tokens == cpu_tokens
     first = None
     for slots in (1, 2, 3):
-        logits, tokens, stats, _, engine = run_session(family_model, backend="cuda", prompts=prompts,
-                                                       expert_cache_slots=slots, prefetch="none")
+        logits, tokens, stats, _, engine = run_session(
+            family_model, backend="cuda", prompts=prompts, expert_cache_slots=slots, prefetch="none"
+        )
         assert engine.decoder.cached is not None and not engine.decoder.graphs
         assert tokens == ref_tokens
         for a, b in zip(logits, ref_logits):
@@ -62,8 +64,9 @@ def test_prefetch_changes_only_counters(family_model, prefetch):
     plans = exact_plans(base[3], family_model.config.num_experts)
     for slots in (1, 2):
         ref = base if slots == 1 else run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")
-        logits, tokens, stats, traces, engine = run_session(family_model, plans, backend="cuda",
-                                                            expert_cache_slots=slots, prefetch=prefetch)
+        logits, tokens, stats, traces, engine = run_session(
+            family_model, plans, backend="cuda", expert_cache_slots=slots, prefetch=prefetch
+        )
         assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
         _check_accounting(stats, traces, engine.slot_plan.expert_block_bytes)
         total = sum(stats, CacheStats())
@@ -81,16 +84,19 @@ def test_adversarial_plans_cannot_corrupt_weights(family_model):
     wrong = [{layer: (ids + 1) % E for layer, ids in trace.expert_ids.items()} for trace in ref[3]]
     plans = exact_plans([type(t)(expert_ids=w) for t, w in zip(ref[3], wrong)], E)
     for slots in (1, 2):
-        logits, tokens, *_ = run_session(family_model, plans, backend="cuda", expert_cache_slots=slots,
-                                         prefetch="plan,lookahead")
+        logits, tokens, *_ = run_session(
+            family_model, plans, backend="cuda", expert_cache_slots=slots, prefetch="plan,lookahead"
+        )
         assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
 
 
 def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
-    engine = build_engine(family_model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2,
-                                               prefetch="plan,lookahead"))
+
+    engine = build_engine(
+        family_model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
+    )
     plan = dict(engine.decoder.memory_plan())
     assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0
 
@@ -100,7 +106,8 @@ def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
         for _ in range(3):
             engine.step(decode_ids=ids)
         engine.clear()
-    steps(0)                                  # compiles every kernel the cached path launches
+
+    steps(0)  # compiles every kernel the cached path launches
     free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc

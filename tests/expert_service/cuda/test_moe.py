@@ -2,6 +2,7 @@
 staged plan (workspace.stage_routed_ids's layout) and the combine fused with the next layer's input RMSNorm,
 on the strategies that need no cuBLAS (GEMV at one token, GROUPED below T*K = E), against numpy's
 `sparse_moe(..., planned_ids)` + `rms_norm`, and bit for bit against the unfused combine + rmsnorm."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,15 +28,23 @@ class Weights:
     """The parts of DeviceWeights the MoE block reads: layer tensors, each MoE layer's expert array, dtype."""
 
     def __init__(self, config, rng):
-        D, E, F, Fs = config.hidden_size, config.num_experts, config.moe_intermediate_size, \
-            config.shared_expert_intermediate_size
+        D, E, F, Fs = (
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+        )
         self.dtype = np.dtype(np.float32)
         self.host, self.mats, self.experts = {}, {}, {}
         for i in config.moe_layers:
             shapes = {"router": (E, D)}
             if Fs:
-                shapes.update(shared_gate_proj=(Fs, D), shared_up_proj=(Fs, D), shared_down_proj=(D, Fs),
-                              shared_expert_gate=(1, D))
+                shapes.update(
+                    shared_gate_proj=(Fs, D),
+                    shared_up_proj=(Fs, D),
+                    shared_down_proj=(D, Fs),
+                    shared_expert_gate=(1, D),
+                )
             for name, shape in shapes.items():
                 self.host[i, name] = rng.standard_normal(shape).astype(np.float32) * np.float32(shape[1] ** -0.5)
             buffer, self.mats[i] = expert_buffer(rng, E, F, D, np.float32)
@@ -48,9 +57,15 @@ class Weights:
 
 def reference(weights, config, layer, x, planned):
     """The cpu decoder's MoE block (cpu/decoder.py _mlp) with LUT routing: routed experts + the shared expert."""
-    w = lambda name: weights.host[layer, name]         # noqa: E731
-    out, ids = sparse_moe(x, w("router"), config.num_experts_per_tok, config.norm_topk_prob,
-                          lambda e: weights.mats[layer][e], planned_ids=planned.astype(np.int64))
+    w = lambda name: weights.host[layer, name]  # noqa: E731
+    out, ids = sparse_moe(
+        x,
+        w("router"),
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+        lambda e: weights.mats[layer][e],
+        planned_ids=planned.astype(np.int64),
+    )
     np.testing.assert_array_equal(ids, planned)
     if config.shared_expert_intermediate_size:
         shared = swiglu_mlp(x, w("shared_gate_proj"), w("shared_up_proj"), w("shared_down_proj"))
@@ -59,24 +74,30 @@ def reference(weights, config, layer, x, planned):
 
 
 def setup(family: str):
-    overrides = {"mixtral": {"num_local_experts": 8, "intermediate_size": 8},
-                 "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12}}
+    overrides = {
+        "mixtral": {"num_local_experts": 8, "intermediate_size": 8},
+        "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 12},
+    }
     config = config_from_hf({**tiny_hf_config(family), "hidden_size": 16, **overrides[family]})
     rng = np.random.default_rng(11)
     layout = layout_workspace(config, np.dtype(np.float32), MAX_TOKENS, 2, 4, len(config.moe_layers), planned=True)
-    ws = Workspace({name: cuda.device_array(shape, dtype) for name, (shape, dtype) in layout.items()
-                    if name != "cublas_workspace"})
+    ws = Workspace(
+        {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in layout.items() if name != "cublas_workspace"}
+    )
     weights = Weights(config, rng)
     moe = DeviceMoe(config, weights, ws, DeviceLinear(0, None, ws, np.float32), 0, None, CudaOptions(), planned=True)
     return config, rng, ws, weights, moe
 
 
 # one token: GEMV (the shared expert's linears too); 3 tokens: GROUPED (T*K < E); qwen2_moe: a shared expert
-@pytest.mark.parametrize("family,T,strategy", [("mixtral", 1, MoeStrategy.GEMV), ("mixtral", 3, MoeStrategy.GROUPED),
-                                               ("qwen2_moe", 1, MoeStrategy.GEMV)])
-@pytest.mark.parametrize("fuse_from", [1, None])     # 1: fuse at these sizes; None: the default (large steps only)
+@pytest.mark.parametrize(
+    "family,T,strategy",
+    [("mixtral", 1, MoeStrategy.GEMV), ("mixtral", 3, MoeStrategy.GROUPED), ("qwen2_moe", 1, MoeStrategy.GEMV)],
+)
+@pytest.mark.parametrize("fuse_from", [1, None])  # 1: fuse at these sizes; None: the default (large steps only)
 def test_planned_routing_and_fused_norm(family, T, strategy, fuse_from, monkeypatch):
     import expert_service.cuda.moe as moe_module
+
     if fuse_from:
         monkeypatch.setattr(moe_module, "FUSED_COMBINE_NORM_MIN_TOKENS", fuse_from)
     threshold = moe_module.FUSED_COMBINE_NORM_MIN_TOKENS
@@ -103,20 +124,20 @@ def test_planned_routing_and_fused_norm(family, T, strategy, fuse_from, monkeypa
         assert wrote is (next_norm is not None and not config.shared_expert_intermediate_size and T >= threshold)
         if not wrote:
             launch_rmsnorm(ws.hidden[:T], d_norm, config.rms_norm_eps, ws.normed[:T])
-        ids = ws.topk_ids.reshape(-1)[index * T * K:(index + 1) * T * K].copy_to_host().reshape(T, K)
+        ids = ws.topk_ids.reshape(-1)[index * T * K : (index + 1) * T * K].copy_to_host().reshape(T, K)
         runs.append((ws.hidden[:T].copy_to_host(), ws.normed[:T].copy_to_host(), ids))
     (h_fused, x_fused, ids), (h_plain, x_plain, _) = runs
-    np.testing.assert_array_equal(ids, plans[layer])             # the trace holds the plan's experts
+    np.testing.assert_array_equal(ids, plans[layer])  # the trace holds the plan's experts
     want_h = h + reference(weights, config, layer, x, plans[layer])
     np.testing.assert_allclose(h_fused, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
     np.testing.assert_allclose(x_fused, rms_norm(want_h, norm, config.rms_norm_eps), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(h_fused, h_plain)                # fused == combine, then rmsnorm: same bits
+    np.testing.assert_array_equal(h_fused, h_plain)  # fused == combine, then rmsnorm: same bits
     np.testing.assert_array_equal(x_fused, x_plain)
 
 
 def test_cublas_rows_round_up_and_stay_in_the_buffer():
     rows = np.array([1, 63, 64, 65, 1024, 1025, 5000])
-    assert cublas_rows(rows, np.full(7, 10 ** 6)).tolist() == [64, 64, 64, 128, 1024, 1280, 5120]
+    assert cublas_rows(rows, np.full(7, 10**6)).tolist() == [64, 64, 64, 128, 1024, 1280, 5120]
     assert cublas_rows(np.array([5, 100]), np.array([40, 90])).tolist() == [40, 90]
 
 
@@ -134,7 +155,7 @@ def test_rounded_expert_windows_leave_every_row_to_its_own_expert(seed):
     owner = np.full(cap, -1)
     for e, start, m in zip(active, lo, windows):
         assert start + m <= cap
-        owner[start:start + m] = e
+        owner[start : start + m] = e
     n = int(offsets[-1])
     assert (owner[:n] == np.repeat(np.arange(8), counts)).all()
 
@@ -150,10 +171,10 @@ class FakeDeviceArray:
         return FakeDeviceArray((len(range(*rows.indices(self.shape[0]))),) + self.shape[1:], self.dtype, self.address)
 
 
-@pytest.mark.parametrize("weights_dtype,gate_up_dtype", [(np.uint16, np.uint16), (np.float16, np.float32),
-                                                          (np.float32, np.float32)])
-def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monkeypatch, weights_dtype,
-                                                                            gate_up_dtype):
+@pytest.mark.parametrize(
+    "weights_dtype,gate_up_dtype", [(np.uint16, np.uint16), (np.float16, np.float32), (np.float32, np.float32)]
+)
+def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monkeypatch, weights_dtype, gate_up_dtype):
     """The host step of per-expert cuBLAS, with a recording cuBLAS: after the stream sync, per active expert (in
     expert order) gate|up [rows, 2F] from its block's start into the layout's gate|up dtype (bf16 for bf16
     weights, f32 otherwise), SwiGLU over the step's n rows, then down [rows, D] f32 from the block's down matrix;
@@ -161,25 +182,42 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
     from types import SimpleNamespace
 
     import expert_service.cuda.moe as moe_module
-    config = config_from_hf({**tiny_hf_config("mixtral"), "hidden_size": 16, "num_local_experts": 4,
-                             "intermediate_size": 8})
+
+    config = config_from_hf(
+        {**tiny_hf_config("mixtral"), "hidden_size": 16, "num_local_experts": 4, "intermediate_size": 8}
+    )
     D, F, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
     layout = layout_workspace(config, np.dtype(weights_dtype), 128, 2, 4, len(config.moe_layers))
     assert layout["expert_gate_up"][1] == np.dtype(gate_up_dtype)
     address = iter(range(1 << 20, 1 << 40, 1 << 30))
-    ws = SimpleNamespace(**{name: FakeDeviceArray(shape, dtype, next(address)) for name, (shape, dtype) in
-                            layout.items() if name.startswith("expert_") or name == "moe_out"})
-    counts = np.array([70, 0, 3, 183])                  # n = 256 assignments (T = 128, K = 2); expert 1 empty
+    ws = SimpleNamespace(
+        **{
+            name: FakeDeviceArray(shape, dtype, next(address))
+            for name, (shape, dtype) in layout.items()
+            if name.startswith("expert_") or name == "moe_out"
+        }
+    )
+    counts = np.array([70, 0, 3, 183])  # n = 256 assignments (T = 128, K = 2); expert 1 empty
     ws.host = {"offsets": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)}
     calls = []
-    blas = SimpleNamespace(linear_each=lambda w, x, y, rows, n, k, dtype, out_dtype=np.float32: calls.append(
-        ("gemm", w.tolist(), x.tolist(), y.tolist(), rows.tolist(), n, k, np.dtype(dtype), np.dtype(out_dtype))))
-    monkeypatch.setattr(moe_module.elementwise, "launch_silu_mul_halves",
-                        lambda gu, h, stream: calls.append(("swiglu", gu.shape, h.shape, gu.dtype, h.dtype)))
+    blas = SimpleNamespace(
+        linear_each=lambda w, x, y, rows, n, k, dtype, out_dtype=np.float32: calls.append(
+            ("gemm", w.tolist(), x.tolist(), y.tolist(), rows.tolist(), n, k, np.dtype(dtype), np.dtype(out_dtype))
+        )
+    )
+    monkeypatch.setattr(
+        moe_module.elementwise,
+        "launch_silu_mul_halves",
+        lambda gu, h, stream: calls.append(("swiglu", gu.shape, h.shape, gu.dtype, h.dtype)),
+    )
     experts = FakeDeviceArray((E, 3 * F * D + 8), weights_dtype, 7 << 40)
-    moe = SimpleNamespace(config=config, ws=ws, linear=SimpleNamespace(cublas=blas),
-                          weights=SimpleNamespace(dtype=np.dtype(weights_dtype)),
-                          stream=SimpleNamespace(synchronize=lambda: calls.append(("sync",))))
+    moe = SimpleNamespace(
+        config=config,
+        ws=ws,
+        linear=SimpleNamespace(cublas=blas),
+        weights=SimpleNamespace(dtype=np.dtype(weights_dtype)),
+        stream=SimpleNamespace(synchronize=lambda: calls.append(("sync",))),
+    )
     DeviceMoe._expert_gemms(moe, 256, experts)
     item, gu_item = np.dtype(weights_dtype).itemsize, np.dtype(gate_up_dtype).itemsize
     block = experts.shape[1] * item
@@ -188,11 +226,27 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
     rows = cublas_rows(np.array([70, 3, 183]), room - np.array(lo)).tolist()
     starts = [experts.address + e * block for e in active]
     assert calls[0] == ("sync",)
-    assert calls[1] == ("gemm", starts, [ws.expert_x.address + r * D * item for r in lo],
-                        [ws.expert_gate_up.address + r * 2 * F * gu_item for r in lo], rows, 2 * F, D,
-                        np.dtype(weights_dtype), np.dtype(gate_up_dtype))
+    assert calls[1] == (
+        "gemm",
+        starts,
+        [ws.expert_x.address + r * D * item for r in lo],
+        [ws.expert_gate_up.address + r * 2 * F * gu_item for r in lo],
+        rows,
+        2 * F,
+        D,
+        np.dtype(weights_dtype),
+        np.dtype(gate_up_dtype),
+    )
     assert calls[2] == ("swiglu", (256, 2 * F), (256, F), np.dtype(gate_up_dtype), np.dtype(weights_dtype))
-    assert calls[3] == ("gemm", [s + 2 * F * D * item for s in starts],
-                        [ws.expert_h.address + r * F * item for r in lo], [ws.moe_out.address + r * D * 4 for r in lo],
-                        rows, D, F, np.dtype(weights_dtype), np.dtype(np.float32))
+    assert calls[3] == (
+        "gemm",
+        [s + 2 * F * D * item for s in starts],
+        [ws.expert_h.address + r * F * item for r in lo],
+        [ws.moe_out.address + r * D * 4 for r in lo],
+        rows,
+        D,
+        F,
+        np.dtype(weights_dtype),
+        np.dtype(np.float32),
+    )
     assert len(calls) == 4 and rows[-1] >= 183 and 73 + rows[-1] <= room

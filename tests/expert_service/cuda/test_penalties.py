@@ -1,6 +1,7 @@
 """The cuda backend's DevicePenalties against the cpu backend's HostPenalties over several steps (resets,
 prompt marks, output counts, penalised and unpenalised rows): in Numba's simulator, and at a real vocabulary
 size on a GPU."""
+
 from __future__ import annotations
 
 import types
@@ -19,9 +20,12 @@ def _workspace(rows: int, vocab: int):
     """The workspace arrays DevicePenalties writes its argmax into, pre-filled so unwritten values show."""
     p = parts(vocab)
     return types.SimpleNamespace(
-        greedy_ids=cuda.to_device(np.full(rows, -1, np.int32)), nonfinite=cuda.to_device(np.full(rows, -1, np.int32)),
+        greedy_ids=cuda.to_device(np.full(rows, -1, np.int32)),
+        nonfinite=cuda.to_device(np.full(rows, -1, np.int32)),
         greedy_part_values=cuda.device_array((rows, p), np.float32),
-        greedy_part_ids=cuda.device_array((rows, p), np.int32), greedy_part_flags=cuda.device_array((rows, p), np.int32))
+        greedy_part_ids=cuda.device_array((rows, p), np.int32),
+        greedy_part_flags=cuda.device_array((rows, p), np.int32),
+    )
 
 
 def _compare(vocab: int, steps: int, seed=None):
@@ -31,15 +35,19 @@ def _compare(vocab: int, steps: int, seed=None):
     ws = _workspace(max_rows, vocab)
     device = DevicePenalties(num_slots, vocab, max_rows, 64, ws, stream)
     host, slots = HostPenalties(num_slots, vocab), PenaltySlots(num_slots)
-    params = {1: PenaltyParams(1.3, 0.4, 0.2), 2: PenaltyParams(), 3: PenaltyParams(0.8, -0.5, 1.1),
-              4: PenaltyParams(repetition=2.0)}
+    params = {
+        1: PenaltyParams(1.3, 0.4, 0.2),
+        2: PenaltyParams(),
+        3: PenaltyParams(0.8, -0.5, 1.1),
+        4: PenaltyParams(repetition=2.0),
+    }
     last = {}
     for step in range(steps):
         builder = slots.builder()
         if step == 0:
             for rid in (1, 3):
                 builder.reset(slots.acquire(rid))
-        if step == 2:          # sequence 1 leaves; 4 takes its slot, which must start from zero
+        if step == 2:  # sequence 1 leaves; 4 takes its slot, which must start from zero
             slots.release(1)
             builder.reset(slots.acquire(4))
             del last[1]
@@ -74,7 +82,7 @@ def test_a_step_of_updates_only_writes_no_rows():
     slots = PenaltySlots(2)
     builder = slots.builder()
     builder.reset(slots.acquire(7))
-    builder.prompt(7, np.array([3, 3, 29]))                # a prompt chunk that does not end its prompt
+    builder.prompt(7, np.array([3, 3, 29]))  # a prompt chunk that does not end its prompt
     batch = builder.build()
     assert device.apply(batch, cuda.to_device(np.zeros((0, 30), np.float32))) == 0
     words = device.words.copy_to_host()
@@ -85,6 +93,7 @@ def test_warmup_runs_every_penalty_kernel_and_leaves_no_state(monkeypatch):
     """Warm-up launches the update, apply and argmax kernels once (so serving compiles none of them) and
     leaves every slot as zero as it found it."""
     import expert_service.cuda.penalties as module
+
     launched = []
     for name in ("launch_penalty_update", "launch_apply_penalties", "launch_greedy_split"):
         original = getattr(module, name)
@@ -112,9 +121,12 @@ def engines(tmp_path_factory):
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.tools.tiny_model import make_tiny
+
     model = make_tiny(tmp_path_factory.mktemp("penalties") / "m", family="qwen3_moe", seed=5)
-    return [build_engine(ModelDir.open(model), EngineConfig(backend=backend, cuda_graphs=graphs, **ENGINE))
-            for backend, graphs in (("cpu", True), ("cuda", True), ("cuda", False))]
+    return [
+        build_engine(ModelDir.open(model), EngineConfig(backend=backend, cuda_graphs=graphs, **ENGINE))
+        for backend, graphs in (("cpu", True), ("cuda", True), ("cuda", False))
+    ]
 
 
 def _run_mixed(engine, steps: int = 6):
@@ -122,11 +134,16 @@ def _run_mixed(engine, steps: int = 6):
     then decoded: (tokens per step, processed rows per step, log-probabilities per step)."""
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
+
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 259, n) for n in (9, 14, 5)]
-    sampling = [SamplingParams(penalties=PenaltyParams(1.3, 0.4, 0.6)), SamplingParams(),
-                SamplingParams(logprobs=True, top_logprobs=4, prompt_logprobs=2,
-                               penalties=PenaltyParams(repetition=0.8, frequency=1.0))]
+    sampling = [
+        SamplingParams(penalties=PenaltyParams(1.3, 0.4, 0.6)),
+        SamplingParams(),
+        SamplingParams(
+            logprobs=True, top_logprobs=4, prompt_logprobs=2, penalties=PenaltyParams(repetition=0.8, frequency=1.0)
+        ),
+    ]
     result = engine.step([PrefillInput(i, p, s, True) for i, (p, s) in enumerate(zip(prompts, sampling))])
     tokens, rows, scores = [], [], []
     for _ in range(steps):
@@ -142,6 +159,7 @@ def _run_mixed(engine, steps: int = 6):
 @pytest.mark.gpu
 def test_cuda_penalties_and_logprobs_match_cpu(engines):
     from tests.helpers import rel_error
+
     cpu, gpu, _ = engines
     (ct, cr, cs), (gt, gr, gs) = _run_mixed(cpu), _run_mixed(gpu)
     assert gt == ct
@@ -167,9 +185,10 @@ def test_graph_replay_equals_eager_with_penalties(engines):
 def test_penalised_steps_allocate_nothing_on_the_device(engines, monkeypatch):
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
+
     _, gpu, _ = engines
     gpu.warmup()
-    _run_mixed(gpu, steps=2)                          # first use: kernels load
+    _run_mixed(gpu, steps=2)  # first use: kernels load
     free_before = drv.cuMemGetInfo()[1]
     calls = []
     original = driver.Context.memalloc
@@ -181,6 +200,7 @@ def test_penalised_steps_allocate_nothing_on_the_device(engines, monkeypatch):
 @pytest.mark.gpu
 def test_penalised_steps_compile_nothing_after_warmup(engines):
     from expert_service.kernels import apply_penalties, penalty_update
+
     _, gpu, _ = engines
     gpu.warmup()
     kernels = (penalty_update._penalty_update, apply_penalties._apply_penalties)
@@ -196,12 +216,19 @@ def test_penalties_on_the_all_rows_path_match_cpu(engines):
     rows still come from the device penalties."""
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
+
     cpu, gpu, _ = engines
     out = []
     for engine in (cpu, gpu):
         params = SamplingParams(logprobs=True, prompt_logprobs=1, penalties=PenaltyParams(1.5, 1.0, 1.0))
-        steps = [engine.step([PrefillInput(0, np.arange(3, 19), params, True),
-                              PrefillInput(1, np.arange(40, 55), SamplingParams(penalties=PenaltyParams(2.0)), True)])]
+        steps = [
+            engine.step(
+                [
+                    PrefillInput(0, np.arange(3, 19), params, True),
+                    PrefillInput(1, np.arange(40, 55), SamplingParams(penalties=PenaltyParams(2.0)), True),
+                ]
+            )
+        ]
         steps += [engine.step(decode_ids=[0, 1]) for _ in range(4)]
         out.append([[o.token_id for o in s.outputs] for s in steps])
         engine.clear()

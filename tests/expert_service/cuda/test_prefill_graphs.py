@@ -3,6 +3,7 @@
 Every family's fp32 tiny model and a bf16 few-expert one (mixtral-like): above 64 tokens per-expert cuBLAS reads
 its row counts on the host, so those buckets are captured in pieces around that host step; a bf16 many-expert
 model (GROUPED_MMA at every size: one graph per bucket). Every bucket is captured either way."""
+
 import numpy as np
 import pytest
 
@@ -20,21 +21,26 @@ from tests.helpers import bf16_tiny, random_prompt, rel_error
 
 pytestmark = pytest.mark.gpu
 CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
-MODELS = {**{family: None for family in sorted(FAMILIES)},
-          "qwen3_moe_many_bf16": ("qwen3_moe", dict(num_experts=40, num_experts_per_tok=8)),
-          "mixtral_bf16": ("mixtral", {})}
+MODELS = {
+    **{family: None for family in sorted(FAMILIES)},
+    "qwen3_moe_many_bf16": ("qwen3_moe", dict(num_experts=40, num_experts_per_tok=8)),
+    "mixtral_bf16": ("mixtral", {}),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def engines(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     spec = MODELS[request.param]
-    model = make_tiny(root / "m", family=request.param, seed=11) if spec is None else \
-        bf16_tiny(root, spec[0], 11, **spec[1])
-    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))    # noqa: E731
+    model = (
+        make_tiny(root / "m", family=request.param, seed=11)
+        if spec is None
+        else bf16_tiny(root, spec[0], 11, **spec[1])
+    )
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
     tolerance = 1e-4 if spec is None else 2e-2
     gpu = open_(backend="cuda")
-    gpu.warmup()                     # as the worker starts: every capturable bucket captured before serving
+    gpu.warmup()  # as the worker starts: every capturable bucket captured before serving
     eager = open_(backend="cuda", cuda_graphs=False)
     yield request.param, open_(backend="cpu"), gpu, eager, tolerance, open_
     gpu.decoder.close()
@@ -109,7 +115,7 @@ def test_mixed_steps_match_eager_and_cpu(engines):
         outs[engine] = (tokens, rows)
     for a, b in zip(outs[gpu][1], outs[eager][1]):
         assert np.array_equal(a, b), f"{name}: graph replay != eager"
-    if tolerance <= 1e-4:      # fp32: the same greedy tokens as the CPU
+    if tolerance <= 1e-4:  # fp32: the same greedy tokens as the CPU
         assert outs[gpu][0] == outs[cpu][0], name
     err = max(rel_error(a, b) for a, b in zip(outs[gpu][1][:2], outs[cpu][1][:2]))
     assert err <= tolerance, f"{name}: {err:.2e}"
@@ -126,11 +132,11 @@ def test_padding_writes_no_kv(engines):
     after = d.k_pool.copy_to_host(), d.v_pool.copy_to_host()
     cpu.step([PrefillInput(4, prompt, SamplingParams(), True)])
     tables, cpu_tables, bs = gpu.allocator.tables[4], cpu.allocator.tables[4], d.block_size
-    own = np.zeros(before[0].shape[1:3], bool)         # [blocks, block_size]
+    own = np.zeros(before[0].shape[1:3], bool)  # [blocks, block_size]
     for t in range(33):
         own[tables[t // bs], t % bs] = True
     for b, a, ref in zip(before, after, (cpu.decoder.kv.k, cpu.decoder.kv.v)):
-        changed = (b != a).any(axis=(0, 3, 4))          # over layers, heads, head dims
+        changed = (b != a).any(axis=(0, 3, 4))  # over layers, heads, head dims
         assert not (changed & ~own).any(), f"{name}: the padding wrote KV"
         got = np.stack([a[:, tables[t // bs], t % bs] for t in range(33)], axis=1)
         want = np.stack([ref[:, cpu_tables[t // bs], t % bs] for t in range(33)], axis=1)
@@ -151,18 +157,21 @@ def test_full_batch_with_a_prompt_chunk(engines):
     name, cpu, gpu, eager, tolerance, _ = engines
 
     def run(engine):
-        engine.step([PrefillInput(r, np.array(random_prompt(30 + r, 4 + r % 5)), SamplingParams(), True)
-                     for r in range(15)])
-        step = engine.step([PrefillInput(15, np.array(random_prompt(45, 7)), SamplingParams(), True)],
-                           decode_ids=list(range(15)))
+        engine.step(
+            [PrefillInput(r, np.array(random_prompt(30 + r, 4 + r % 5)), SamplingParams(), True) for r in range(15)]
+        )
+        step = engine.step(
+            [PrefillInput(15, np.array(random_prompt(45, 7)), SamplingParams(), True)], decode_ids=list(range(15))
+        )
         engine.clear()
         return [o.token_id for o in step.outputs], np.stack(list(step.logits))
+
     outs = {engine: run(engine) for engine in (gpu, eager, cpu)}
     shipped = eager.decoder.options
     eager.decoder.set_options(CudaOptions(prefill_graphs=False))
     try:
         unpadded = run(eager)
-    finally:            # the engines serve the module's other tests
+    finally:  # the engines serve the module's other tests
         eager.decoder.set_options(shipped)
     assert 24 in gpu.decoder.prefill_graphs, name
     assert outs[gpu][0] == outs[eager][0] and np.array_equal(outs[gpu][1], outs[eager][1]), name
@@ -182,9 +191,11 @@ def test_chunked_prompt_matches_the_whole_prompt(engines):
     prompt = np.array(random_prompt(21, 70))
     rows = {}
     for engine in (gpu, eager):
-        for _ in range(2):             # the second time the buckets replay their graphs
-            parts = [engine.step([PrefillInput(9, prompt[a:b], SamplingParams() if a == 0 else None, b == 70)])
-                     for a, b in ((0, 20), (20, 45), (45, 70))]
+        for _ in range(2):  # the second time the buckets replay their graphs
+            parts = [
+                engine.step([PrefillInput(9, prompt[a:b], SamplingParams() if a == 0 else None, b == 70)])
+                for a, b in ((0, 20), (20, 45), (45, 70))
+            ]
             assert [o.token_id for p in parts[:2] for o in p.outputs] == [None, None], name
             rows.setdefault(engine, []).append(parts[-1].logits[0].copy())
             engine.clear()

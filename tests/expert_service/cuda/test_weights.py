@@ -1,4 +1,5 @@
 """HostUploader's page-locking lifetime (CPU: the driver calls are replaced by recorders)."""
+
 import gc
 
 import numpy as np
@@ -48,6 +49,7 @@ def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
     from common.model_format import plan_layout
     from common.models import config_from_hf
     from expert_service.tools.tiny_model import tiny_hf_config
+
     for family, dtype in (("qwen3_moe", "bfloat16"), ("qwen2_moe", "float32"), ("mixtral", "float16")):
         config = config_from_hf(tiny_hf_config(family))
         entries, _ = plan_layout(config, dtype)
@@ -60,6 +62,6 @@ def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
     biases = [entries[f"layers.0.{p}_bias"] for p in "qkv"]
     padded = any(a.offset + a.nbytes != b.offset for a, b in zip(biases, biases[1:]))
     assert (weights.stacked_range(biases) is None) == padded
-    assert weights.stacked_range([entries["layers.0.q_proj"], entries["layers.0.o_proj"]]) is None   # rows differ
-    assert weights.stacked_range([entries["layers.0.k_proj"], entries["layers.0.q_proj"]]) is None   # out of order
+    assert weights.stacked_range([entries["layers.0.q_proj"], entries["layers.0.o_proj"]]) is None  # rows differ
+    assert weights.stacked_range([entries["layers.0.k_proj"], entries["layers.0.q_proj"]]) is None  # out of order
     assert weights.stacked_range([entries["layers.0.q_proj"], None]) is None

@@ -1,4 +1,5 @@
 """The cuda backend's pure host-side logic (no GPU needed): the workspace layout, the MoE strategy choice."""
+
 import numpy as np
 import pytest
 
@@ -35,8 +36,8 @@ def test_packed_layout_is_ordered_aligned_and_disjoint():
     shapes = {f"a{i}": tuple(int(n) for n in rng.integers(1, 40, size=rng.integers(1, 3))) for i in range(6)}
     offsets, total = packed_layout(shapes)
     spans = [(offsets[n], offsets[n] + int(np.prod(s))) for n, s in shapes.items()]
-    assert [o for o, _ in spans] == sorted(o for o, _ in spans)            # packed in the given order
-    assert all(o % 4 == 0 for o, _ in spans)                                # 16-byte aligned int32 views
+    assert [o for o, _ in spans] == sorted(o for o, _ in spans)  # packed in the given order
+    assert all(o % 4 == 0 for o, _ in spans)  # 16-byte aligned int32 views
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # disjoint
     assert spans[-1][1] <= total < spans[-1][1] + 4
 
@@ -56,7 +57,7 @@ def test_moe_strategy_by_step_size():
     -> per-expert cuBLAS; the expert cache -> its grouped or cuBLAS waves; the warm-up reaches each."""
     S = MoeStrategy
     assert choose_strategy(1, 2, 8, cached=False) is S.GEMV
-    assert choose_strategy(1, 8, 8, cached=False) is S.ALL_EXPERTS          # K = E: every expert anyway
+    assert choose_strategy(1, 8, 8, cached=False) is S.ALL_EXPERTS  # K = E: every expert anyway
     assert choose_strategy(2, 2, 8, cached=False) is S.GROUPED
     assert choose_strategy(4, 2, 8, cached=False) is S.ALL_EXPERTS
     assert choose_strategy(ALL_EXPERTS_MAX_TOKENS, 8, 128, cached=False) is S.ALL_EXPERTS
@@ -65,7 +66,11 @@ def test_moe_strategy_by_step_size():
     assert choose_strategy(1, 2, 8, cached=True) is S.CACHED_GROUPED
     assert choose_strategy(GROUPED_MAX_TOKENS + 1, 2, 8, cached=True) is S.CACHED_CUBLAS
     assert {choose_strategy(t, 2, 8, cached=False) for t in WARMUP_TOKENS} == {
-        S.GEMV, S.GROUPED, S.ALL_EXPERTS, S.CUBLAS_PER_EXPERT}
+        S.GEMV,
+        S.GROUPED,
+        S.ALL_EXPERTS,
+        S.CUBLAS_PER_EXPERT,
+    }
 
 
 def test_grouped_mma_strategy_thresholds(monkeypatch):
@@ -85,7 +90,7 @@ def test_grouped_mma_strategy_thresholds(monkeypatch):
     assert choose_strategy(1, 8, 128, cached=False, bf16=True) is S.GEMV
     assert choose_strategy(1, 2, E, cached=False, bf16=True) is S.GEMV
     assert choose_strategy(4, 8, MAX_E, cached=False, bf16=True) is S.GROUPED_MMA
-    assert choose_strategy(4, 8, MAX_E + 1, cached=False, bf16=True) is not S.GROUPED_MMA   # moe_align's limit
+    assert choose_strategy(4, 8, MAX_E + 1, cached=False, bf16=True) is not S.GROUPED_MMA  # moe_align's limit
     assert choose_strategy(MAX_ASSIGNMENTS // 8 + 1, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     assert choose_strategy(16, 8, 128, cached=False, bf16=True) is S.ALL_EXPERTS
@@ -103,16 +108,20 @@ def test_fused_router_threshold():
 def test_warmup_reaches_every_strategy_tile_config_and_router(options):
     """Every (strategy, grouped-MMA tile config, router) a step of up to T tokens takes is taken by one of the
     warm-up prefills, so no kernel module loads while serving."""
+
     def kind(T, K, E, bf16):
         strategy = choose_strategy(T, K, E, cached=False, bf16=bf16)
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
         return strategy, tile, fused_router(T, options)
+
     for K, E, bf16, T in ((8, 128, True, 2048), (4, 40, True, 512), (2, 8, True, 512), (8, 128, False, 512)):
         sizes = warmup_tokens(T, K, E, bf16, options)
         assert set(WARMUP_TOKENS) <= set(sizes)
         assert {kind(t, K, E, bf16) for t in sizes if t <= T} == {kind(t, K, E, bf16) for t in range(1, T + 1)}
     assert {kind(t, 8, 128, True)[0] for t in warmup_tokens(2048, 8, 128, True, options)} == {
-        MoeStrategy.GEMV, MoeStrategy.GROUPED_MMA}
+        MoeStrategy.GEMV,
+        MoeStrategy.GROUPED_MMA,
+    }
 
 
 def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
@@ -130,7 +139,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert layout["mma_xs"] == ((rows, D), bf16) and layout["mma_h"] == ((rows, F), bf16)
     assert layout["mma_num_tiles"][0] == (1,)
     assert not {"moe_in", "moe_up", "all_experts_gate", "all_experts_up", "all_experts_out"} & set(layout)
-    assert layout["moe_gate"][0] == (K, F) and layout["moe_out"][0] == (T * K, D)      # GEMV rows; y rows
+    assert layout["moe_gate"][0] == (K, F) and layout["moe_out"][0] == (T * K, D)  # GEMV rows; y rows
     assert layout["identity_position"][0] == (T * K,)
     assert layout["cast"][0][0] >= T * max(D, config.q_size)
     assert layout["router_counter"] == ((FUSED_ROUTER_MAX_TOKENS,), np.dtype(np.int32))
@@ -145,7 +154,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert other["expert_x"] == ((rows, D), f32) and other["expert_gate_up"] == ((rows, 2 * F), f32)
     assert other["expert_h"] == ((rows, F), f32) and other["moe_out"][0] == (rows, D)
     assert other["moe_gate"][0] == (moe.GROUPED_MAX_TOKENS * K, F)
-    cached = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True)    # the expert cache
+    cached = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True)  # the expert cache
     assert "mma_xs" not in cached and cached["moe_in"][0] == (T * K, D) and cached["moe_gate"][0] == (T * K, F)
     assert cached["moe_up"][0] == (T * K, F) and "expert_x" not in cached
     assert cached["cast"][0][0] >= T * K * max(D, config.q_size, F)
@@ -153,7 +162,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
     assert "mma_xs" not in off and off["expert_gate_up"] == ((rows, 2 * F), bf16) and "all_experts_out" in off
     assert off["expert_x"] == ((rows, D), bf16) and off["expert_h"] == ((rows, F), bf16)
-    f16 = np.dtype(np.float16)          # fp16 gate|up could overflow: cuBLAS writes them in float32
+    f16 = np.dtype(np.float16)  # fp16 gate|up could overflow: cuBLAS writes them in float32
     half = layout_workspace(config, f16, T, S, 16, len(config.moe_layers))
     assert half["expert_gate_up"] == ((rows, 2 * F), f32) and half["expert_h"] == ((rows, F), f16)
 
@@ -169,7 +178,7 @@ def test_lut_layout_packs_the_plan_after_block_tables():
     assert "routed_ids" not in exact and set(lut) - set(exact) == {"routed_ids"}
     assert lut["routed_ids"] == ((L * T * K,), np.dtype(np.int32)) and PLAN_METADATA == ("routed_ids",)
     offsets, _ = packed_layout({name: lut[name][0] for name in METADATA + PLAN_METADATA})
-    tables_end = offsets["block_tables"] + (S + 1) * 16        # a step's sequences and the padding one
+    tables_end = offsets["block_tables"] + (S + 1) * 16  # a step's sequences and the padding one
     assert offsets["routed_ids"] >= tables_end and offsets["routed_ids"] - tables_end < 4
 
 
@@ -185,7 +194,7 @@ def test_stage_routed_ids_lays_out_each_layer_as_the_moe_block_reads_it():
     assert (flat[count:] == -7).all()
     n_step = padded * K
     for m, layer in enumerate(layers):
-        ids = flat[m * n_step:(m + 1) * n_step].reshape(padded, K)
+        ids = flat[m * n_step : (m + 1) * n_step].reshape(padded, K)
         np.testing.assert_array_equal(ids[:n], routed[layer])
         np.testing.assert_array_equal(ids[n:], np.tile(np.arange(K), (padded - n, 1)))
 

@@ -2,6 +2,7 @@
 the ones sequential steps give, decodes take their input from the step in flight, and a sequence freed while its
 step runs comes back as UNKNOWN_SEQUENCE without disturbing the others. On the cpu engine of the tiny model, and
 (gpu) on the cuda backend, where the input tokens are read from the device's argmax."""
+
 from __future__ import annotations
 
 import threading
@@ -32,12 +33,14 @@ def _plan():
     """(frees, prefill chunks, decode ids) per step: sequences join mid-run (one prompt in two chunks), one is
     freed while a step holding it may still be in flight, decodes follow their sequence's first token."""
     a, b, c = _prompt(1, 7), _prompt(2, 12), _prompt(3, 9)
-    steps = [((), [PrefillInput(1, a, GREEDY, True), PrefillInput(2, b, GREEDY, True)], ()),
-             ((), [], (1, 2)),
-             ((), [PrefillInput(3, c[:5], GREEDY, False)], (1, 2)),
-             ((), [PrefillInput(3, c[5:], GREEDY, True)], (1, 2)),
-             ((), [], (1, 2, 3)),
-             ((2,), [], (1, 3))]
+    steps = [
+        ((), [PrefillInput(1, a, GREEDY, True), PrefillInput(2, b, GREEDY, True)], ()),
+        ((), [], (1, 2)),
+        ((), [PrefillInput(3, c[:5], GREEDY, False)], (1, 2)),
+        ((), [PrefillInput(3, c[5:], GREEDY, True)], (1, 2)),
+        ((), [], (1, 2, 3)),
+        ((2,), [], (1, 3)),
+    ]
     return steps + [((), [], (1, 3))] * 6
 
 
@@ -76,10 +79,11 @@ def _engines(request, tmp_path_factory):
         model = make_tiny(tmp_path_factory.mktemp(family) / "m", family=family, seed=5)
     else:
         model = request.getfixturevalue("tiny_model")
-    config = EngineConfig(backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128,
-                          max_batch_size=8)
+    config = EngineConfig(
+        backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128, max_batch_size=8
+    )
     engines = build_engine(ModelDir.open(model), config), build_engine(ModelDir.open(model), config)
-    if backend == "cpu":     # off in production (its launch runs the step at once); on here to run the logic
+    if backend == "cpu":  # off in production (its launch runs the step at once); on here to run the logic
         engines[0].decoder.supports_overlap = True
     return engines
 
@@ -103,14 +107,20 @@ def _recording_launches(engine, monkeypatch) -> list[int]:
     def recording_launch(*args):
         depths.append(len(engine._in_flight))
         return launch(*args)
+
     monkeypatch.setattr(engine, "launch", recording_launch)
     return depths
 
 
-@pytest.fixture(scope="module", params=[("cpu", "tiny"),
-                                        pytest.param(("cuda", "mixtral"), marks=pytest.mark.gpu),
-                                        pytest.param(("cuda", "qwen3_moe"), marks=pytest.mark.gpu)],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("cpu", "tiny"),
+        pytest.param(("cuda", "mixtral"), marks=pytest.mark.gpu),
+        pytest.param(("cuda", "qwen3_moe"), marks=pytest.mark.gpu),
+    ],
+    ids=lambda p: "-".join(p),
+)
 def engines(request, tmp_path_factory):
     first, second = _engines(request, tmp_path_factory)
     yield first, second
@@ -125,7 +135,7 @@ def test_overlapped_steps_give_the_sequential_tokens(engines):
     assert max(depths) == 1, "no step was launched while another was in flight"
     assert len(got) == len(want)
     for index, (g, w) in enumerate(zip(got, want)):
-        if index == 4:       # sequence 2 was freed (at step 5's launch) while step 4 ran: its output is dropped
+        if index == 4:  # sequence 2 was freed (at step 5's launch) while step 4 ran: its output is dropped
             assert dict((r, e) for r, _, e in g)[2] == UNKNOWN_SEQUENCE
             g, w = [o for o in g if o[0] != 2], [o for o in w if o[0] != 2]
         assert g == w, f"step {index}"
@@ -138,8 +148,11 @@ def test_steps_that_need_their_rows_on_the_host_are_collected_first(engines):
     """A sampled (temperature) row, logprobs or a penalty: the step's rows must reach the host before the next
     step overwrites them, so nothing launches behind it; collection keeps launch order."""
     engine = engines[0]
-    for sampling in (SamplingParams(temperature=0.8, seed=1), SamplingParams(logprobs=True),
-                     SamplingParams(penalties=PenaltyParams(repetition=1.3))):
+    for sampling in (
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(logprobs=True),
+        SamplingParams(penalties=PenaltyParams(repetition=1.3)),
+    ):
         step = engine.launch([PrefillInput(7, _prompt(7, 5), sampling, True)])
         assert not engine.can_launch
         with pytest.raises(RuntimeError, match="in flight"):
@@ -148,7 +161,7 @@ def test_steps_that_need_their_rows_on_the_host_are_collected_first(engines):
         engine.clear()
     first = engine.launch([PrefillInput(8, _prompt(8, 5), GREEDY, True)])
     second = engine.launch(decode_ids=[8])
-    assert not engine.can_launch        # two in flight: the first must be collected
+    assert not engine.can_launch  # two in flight: the first must be collected
     with pytest.raises(RuntimeError, match="order"):
         engine.collect(second)
     assert [o.error for o in engine.collect(first).outputs + engine.collect(second).outputs] == ["", ""]
@@ -161,8 +174,7 @@ def test_the_pump_overlaps_a_streams_steps_and_answers_in_order(engines, monkeyp
     engine, reference = engines
     prompts = {10 + i: _prompt(20 + i, 3 + 4 * i) for i in range(3)}
     first = [PrefillInput(r, p, GREEDY, True) for r, p in prompts.items()]
-    want = [_outputs(reference.step(first))] + [_outputs(reference.step(decode_ids=list(prompts)))
-                                                for _ in range(8)]
+    want = [_outputs(reference.step(first))] + [_outputs(reference.step(decode_ids=list(prompts))) for _ in range(8)]
     reference.clear()
     depths = _recording_launches(engine, monkeypatch)
     thread = ModelThread("test-model")
@@ -190,8 +202,7 @@ def test_the_pump_steps_aside_for_other_model_thread_work(engines):
     try:
         pump = StepPump(StreamSession(engine, {}), thread)
         gate = Gate(thread)
-        futures = [pump.submit(StepRequest(1, EMPTY, [PrefillInput(50, _prompt(50, 4), GREEDY, True)], EMPTY,
-                                          None))]
+        futures = [pump.submit(StepRequest(1, EMPTY, [PrefillInput(50, _prompt(50, 4), GREEDY, True)], EMPTY, None))]
         futures += [pump.submit(StepRequest(2 + i, EMPTY, [], np.array([50], "<u8"), None)) for i in range(6)]
         seen = []
         other = thread.submit(lambda: seen.append((sum(f.done() for f in futures), len(engine._in_flight))))
@@ -213,11 +224,17 @@ def test_close_runs_after_the_streams_queued_steps(engines):
     try:
         pump = StepPump(StreamSession(engine, {}), thread)
         gate = Gate(thread)
-        futures = [pump.submit(StepRequest(1, EMPTY, [PrefillInput(60 + i, _prompt(60 + i, 5), GREEDY, True)
-                                                     for i in range(2)], EMPTY, None)),
-                   pump.submit(StepRequest(2, EMPTY, [], np.array([60, 61], "<u8"), None)),
-                   pump.submit(StepRequest(3, EMPTY, [PrefillInput(62, _prompt(62, 3), GREEDY, True)],
-                                          np.array([60, 61], "<u8"), None))]
+        futures = [
+            pump.submit(
+                StepRequest(
+                    1, EMPTY, [PrefillInput(60 + i, _prompt(60 + i, 5), GREEDY, True) for i in range(2)], EMPTY, None
+                )
+            ),
+            pump.submit(StepRequest(2, EMPTY, [], np.array([60, 61], "<u8"), None)),
+            pump.submit(
+                StepRequest(3, EMPTY, [PrefillInput(62, _prompt(62, 3), GREEDY, True)], np.array([60, 61], "<u8"), None)
+            ),
+        ]
         closed = pump.close()
         gate.open()
         closed.result(timeout=60)
@@ -241,6 +258,7 @@ def test_a_fault_reaches_every_waiting_step_and_the_fatal_path(engines, monkeypa
 
         def broken(step):
             raise RuntimeError("device lost")
+
         monkeypatch.setattr(engine, "collect", broken)
         gate = Gate(thread)
         futures = [pump.submit(decode) for _ in range(3)]
@@ -285,11 +303,18 @@ def test_a_free_of_a_sequence_in_flight_waits_for_that_steps_collection(engines,
     it (the free takes effect after t is collected), and t+1's decode of it is UNKNOWN_SEQUENCE -- what
     sequential steps give."""
     engine = engines[0]
-    steps = [StepRequest(1, EMPTY, [PrefillInput(40, _prompt(40, 5), GREEDY, True),
-                                   PrefillInput(41, _prompt(41, 6), GREEDY, True)], EMPTY, None),
-             StepRequest(2, EMPTY, [], np.array([40, 41], "<u8"), None),
-             StepRequest(3, np.array([41], "<u8"), [], np.array([40, 41], "<u8"), None),
-             StepRequest(4, EMPTY, [], np.array([40], "<u8"), None)]
+    steps = [
+        StepRequest(
+            1,
+            EMPTY,
+            [PrefillInput(40, _prompt(40, 5), GREEDY, True), PrefillInput(41, _prompt(41, 6), GREEDY, True)],
+            EMPTY,
+            None,
+        ),
+        StepRequest(2, EMPTY, [], np.array([40, 41], "<u8"), None),
+        StepRequest(3, np.array([41], "<u8"), [], np.array([40, 41], "<u8"), None),
+        StepRequest(4, EMPTY, [], np.array([40], "<u8"), None),
+    ]
     want = _session_run(engine, steps)
     engine.clear()
     got, depths = _pump_run(engine, steps, monkeypatch)
@@ -306,15 +331,17 @@ def test_a_frees_only_step_behind_one_in_flight_frees_before_the_next_step(engin
     engine = build_engine(engines[0].model, replace(engines[0].config, kv_cache_tokens=32))
     if engine.backend is Backend.CPU:
         engine.decoder.supports_overlap = True
-    steps = [StepRequest(1, EMPTY, [PrefillInput(70, _prompt(70, 20), GREEDY, True)], EMPTY, None),
-             StepRequest(2, EMPTY, [], np.array([70], "<u8"), None),
-             StepRequest(3, np.array([70], "<u8"), [], EMPTY, None),
-             StepRequest(4, EMPTY, [PrefillInput(70, _prompt(71, 24), GREEDY, True)], EMPTY, None),
-             StepRequest(5, EMPTY, [], np.array([70], "<u8"), None)]
+    steps = [
+        StepRequest(1, EMPTY, [PrefillInput(70, _prompt(70, 20), GREEDY, True)], EMPTY, None),
+        StepRequest(2, EMPTY, [], np.array([70], "<u8"), None),
+        StepRequest(3, np.array([70], "<u8"), [], EMPTY, None),
+        StepRequest(4, EMPTY, [PrefillInput(70, _prompt(71, 24), GREEDY, True)], EMPTY, None),
+        StepRequest(5, EMPTY, [], np.array([70], "<u8"), None),
+    ]
     want = _session_run(engine, steps)
     engine.clear()
     got, _ = _pump_run(engine, steps, monkeypatch)
-    assert got == want and got[2] == ""                   # frees only: no result, not refused
+    assert got == want and got[2] == ""  # frees only: no result, not refused
     assert all(not e for g in got[:2] + got[3:] for _, _, e in g)
     engine.clear()
     assert engine.allocator.num_used_blocks == 0
@@ -326,11 +353,12 @@ def test_a_refused_step_behind_one_in_flight_leaves_it_intact(engines, monkeypat
     answered, the refusal is that step's alone, and the next steps go on as with sequential steps."""
     engine = engines[0]
     vocab = engine.model_config.vocab_size
-    steps = [StepRequest(1, EMPTY, [PrefillInput(80, _prompt(80, 5), GREEDY, True)], EMPTY, None),
-             StepRequest(2, EMPTY, [], np.array([80], "<u8"), None),
-             StepRequest(3, EMPTY, [PrefillInput(81, np.array([vocab]), GREEDY, True)], np.array([80], "<u8"),
-                        None),
-             StepRequest(4, EMPTY, [], np.array([80], "<u8"), None)]
+    steps = [
+        StepRequest(1, EMPTY, [PrefillInput(80, _prompt(80, 5), GREEDY, True)], EMPTY, None),
+        StepRequest(2, EMPTY, [], np.array([80], "<u8"), None),
+        StepRequest(3, EMPTY, [PrefillInput(81, np.array([vocab]), GREEDY, True)], np.array([80], "<u8"), None),
+        StepRequest(4, EMPTY, [], np.array([80], "<u8"), None),
+    ]
     want = _session_run(engine, steps)
     engine.clear()
     got, _ = _pump_run(engine, steps, monkeypatch)

@@ -3,6 +3,7 @@ greedy decoding with repetition_penalty equals transformers' generate (its Repet
 presence/frequency equal a numpy reference applied to transformers' logits, and top-n / prompt log-probabilities
 equal torch.log_softmax of transformers' logits -- with prompts split into chunks across steps and an
 unpenalised sequence sharing every step."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,9 @@ def case(request, tmp_path_factory):
     family, overrides = CASES[request.param]
     hf = make_hf_model(family, overrides, seed=7)
     model_dir = save_and_convert(hf, tmp_path_factory.mktemp(request.param))
-    engine = build_engine(ModelDir.open(model_dir), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=2048,
-                                                           max_batch_size=8))
+    engine = build_engine(
+        ModelDir.open(model_dir), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=2048, max_batch_size=8)
+    )
     return request.param, hf, engine
 
 
@@ -38,7 +40,7 @@ def run(engine, prompt, sampling, chunk=5, companion=None):
     scores, chunk by chunk."""
     companion = companion if companion is not None else [5, 9, 11]
     outputs, prompt_scores = [], []
-    steps = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)]
+    steps = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
     for i, part in enumerate(steps):
         prefill = [PrefillInput(1, np.array(part), sampling if i == 0 else None, i == len(steps) - 1)]
         if i == 0:
@@ -64,9 +66,15 @@ def test_repetition_penalty_greedy_equals_transformers_generate(case):
         prompt = prompt_of(int(penalty * 10))
         outputs, _ = run(engine, prompt, SamplingParams(penalties=PenaltyParams(repetition=penalty)))
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               min_new_tokens=NEW_TOKENS, repetition_penalty=penalty, pad_token_id=0)
-        assert [o.token_id for o in outputs] == want[0, len(prompt):].tolist(), (name, penalty)
+            want = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+                repetition_penalty=penalty,
+                pad_token_id=0,
+            )
+        assert [o.token_id for o in outputs] == want[0, len(prompt) :].tolist(), (name, penalty)
         unpenalised, _ = run(engine, prompt, SamplingParams())
         assert [o.token_id for o in unpenalised] != [o.token_id for o in outputs], "the penalty changed nothing"
 
@@ -93,18 +101,19 @@ def test_presence_and_frequency_greedy_equal_the_reference(case):
         ref = _reference_step(hf, ids, len(prompt), params)
         assert out.token_id == int(np.argmax(ref)), name
         ids.append(out.token_id)
-    assert len(set(ids[len(prompt):])) > 3, "frequency penalties should keep the output from looping"
+    assert len(set(ids[len(prompt) :])) > 3, "frequency penalties should keep the output from looping"
 
 
 def test_top_and_prompt_logprobs_equal_log_softmax(case):
     name, hf, engine = case
     prompt = prompt_of(4, 12)
-    sampling = SamplingParams(logprobs=True, top_logprobs=5, prompt_logprobs=3,
-                              penalties=PenaltyParams(repetition=1.3, frequency=0.5))
+    sampling = SamplingParams(
+        logprobs=True, top_logprobs=5, prompt_logprobs=3, penalties=PenaltyParams(repetition=1.3, frequency=0.5)
+    )
     outputs, prompt_scores = run(engine, prompt, sampling, chunk=5)
     ids = prompt + [o.token_id for o in outputs]
     ref = torch.log_softmax(torch.tensor(hf_logits(hf, ids), dtype=torch.float64), dim=-1).numpy()
-    for i, out in enumerate(outputs):       # raw distribution: penalties do not change the numbers
+    for i, out in enumerate(outputs):  # raw distribution: penalties do not change the numbers
         position = len(prompt) - 1 + i
         assert out.logprob == pytest.approx(ref[position, out.token_id], abs=2e-4), name
         top = np.argsort(-ref[position], kind="stable")[:5]
@@ -122,6 +131,7 @@ def test_top_and_prompt_logprobs_equal_log_softmax(case):
 def test_a_step_scoring_too_many_prompt_tokens_is_refused_and_starts_nothing(case):
     _, _, engine = case
     from common.errors import InvalidRequestError
+
     with pytest.raises(InvalidRequestError) as e:
         engine.step([PrefillInput(1, np.arange(9), SamplingParams(prompt_logprobs=1), True)])
     assert e.value.field == "prompt_logprobs" and not engine.sequences

@@ -11,11 +11,11 @@ def test_blocks_needed_rounds_up():
 def test_grow_free_and_accounting():
     alloc = BlockAllocator(num_blocks=6, block_size=4)
     assert alloc.ensure_capacity(1, 5) == [0, 1]
-    assert alloc.ensure_capacity(1, 8) == [0, 1]           # still fits
+    assert alloc.ensure_capacity(1, 8) == [0, 1]  # still fits
     assert alloc.ensure_capacity(2, 9) == [2, 3, 4]
     assert alloc.num_free_blocks == 1
     assert alloc.free(1) == 2 and alloc.num_free_blocks == 3 and alloc.num_used_blocks == 3
-    assert alloc.free(1) == 0 and alloc.ensure_capacity(3, 1) == [0]    # freed blocks are handed out again
+    assert alloc.free(1) == 0 and alloc.ensure_capacity(3, 1) == [0]  # freed blocks are handed out again
 
 
 def test_refuses_all_or_nothing():

@@ -1,5 +1,6 @@
 """Top-n log-probabilities on the host against torch's log_softmax and topk; prompt chunks stitched across
 chunk boundaries."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,7 +33,7 @@ def test_ties_order_by_id_and_k_is_capped_by_the_vocabulary():
 def test_ties_across_the_kth_place_keep_the_lowest_ids():
     """Values tied at the k-th largest: the ones kept are the lowest ids, as a stable full sort keeps them."""
     rng = np.random.default_rng()
-    logits = rng.integers(0, 4, (40, 97)).astype(np.float32)          # many ties in every row
+    logits = rng.integers(0, 4, (40, 97)).astype(np.float32)  # many ties in every row
     for k in (1, 3, 7, 20):
         ids, values = top_k_rows(logits, k)
         want = np.argsort(-logits, axis=1, kind="stable")[:, :k]
@@ -46,15 +47,15 @@ def test_prompt_chunks_stitch_to_the_whole_prompt():
     rng = np.random.default_rng()
     vocab, n = 61, 11
     tokens = rng.integers(0, vocab, n)
-    rows = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)   # row i predicts token i + 1
-    whole = prompt_logprobs(rows[:n - 1], None, tokens, 4)
+    rows = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)  # row i predicts token i + 1
+    whole = prompt_logprobs(rows[: n - 1], None, tokens, 4)
     parts, previous = [], None
     for start, end in ((0, 4), (4, 5), (5, 11)):
-        parts.append(prompt_logprobs(rows[start:end - 1], previous, tokens[start:end], 4))
+        parts.append(prompt_logprobs(rows[start : end - 1], previous, tokens[start:end], 4))
         previous = rows[end - 1]
     stitched = [np.concatenate([getattr(p, f) for p in parts]) for f in ("logprobs", "top_ids", "top_logprobs")]
     np.testing.assert_array_equal(stitched[1], whole.top_ids)
     np.testing.assert_allclose(stitched[0], whole.logprobs, rtol=1e-6)
     assert np.isnan(whole.logprobs[0]) and (whole.top_ids[0] == -1).all() and len(whole) == n
-    ref = torch.log_softmax(torch.tensor(rows[:n - 1], dtype=torch.float64), -1)[np.arange(n - 1), tokens[1:]]
+    ref = torch.log_softmax(torch.tensor(rows[: n - 1], dtype=torch.float64), -1)[np.arange(n - 1), tokens[1:]]
     np.testing.assert_allclose(whole.logprobs[1:], ref.numpy(), rtol=1e-5, atol=1e-5)

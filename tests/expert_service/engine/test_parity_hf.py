@@ -1,4 +1,5 @@
 """Each family against Hugging Face transformers on tiny random fp32 checkpoints."""
+
 import numpy as np
 import pytest
 
@@ -63,7 +64,7 @@ def test_chunked_prefill_and_decode_match_full_recompute(case):
         logits.append(step.logits[0])
         generated.append(step.outputs[0].token_id)
     engine.release([7])
-    ref = hf_logits(hf, ids + generated[:-1])[len(ids) - 1:]
+    ref = hf_logits(hf, ids + generated[:-1])[len(ids) - 1 :]
     check(name, np.stack(logits), ref, "chunked prefill + cached decode")
     assert engine.allocator.num_used_blocks == 0
 
@@ -83,7 +84,7 @@ def test_batch_of_different_lengths_equals_each_alone(case):
     engine.clear()
     assert together == alone, name
     for p, toks, rows in zip(prompts, together, batch_logits):
-        check(name, np.stack(rows), hf_logits(hf, p + toks[:-1])[len(p) - 1:], "batched decode")
+        check(name, np.stack(rows), hf_logits(hf, p + toks[:-1])[len(p) - 1 :], "batched decode")
 
 
 def test_report_worst_error():

@@ -1,6 +1,7 @@
 """Penalties on the host: parameters, slots, a step's PenaltyBatch, the state words and the numpy reference, against
 transformers' RepetitionPenaltyLogitsProcessor and an independent presence/frequency reference (OpenAI's
 formula over output-token counts), through the cpu backend's HostPenalties over several steps."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,13 +38,18 @@ def expected(logits, prompt, output, params: PenaltyParams) -> np.ndarray:
     return presence_frequency_reference(x, output, params.presence, params.frequency)
 
 
-@pytest.mark.parametrize("kwargs,field", [(dict(repetition=0.0), "repetition_penalty"),
-                                          (dict(repetition=-1.0), "repetition_penalty"),
-                                          (dict(repetition=float("inf")), "repetition_penalty"),
-                                          (dict(repetition=float("nan")), "repetition_penalty"),
-                                          (dict(presence=2.5), "presence_penalty"),
-                                          (dict(presence=float("nan")), "presence_penalty"),
-                                          (dict(frequency=-2.01), "frequency_penalty")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(repetition=0.0), "repetition_penalty"),
+        (dict(repetition=-1.0), "repetition_penalty"),
+        (dict(repetition=float("inf")), "repetition_penalty"),
+        (dict(repetition=float("nan")), "repetition_penalty"),
+        (dict(presence=2.5), "presence_penalty"),
+        (dict(presence=float("nan")), "presence_penalty"),
+        (dict(frequency=-2.01), "frequency_penalty"),
+    ],
+)
 def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:
         PenaltyParams(**kwargs)
@@ -64,8 +70,13 @@ def test_reference_equals_transformers_repetition_and_openai_presence_frequency(
         words = np.zeros(VOCAB, np.uint16)
         words[prompt] |= 1
         np.add.at(words, output, 2)
-        got = apply_penalties(logits[None], words[None], np.float32([params.repetition]),
-                              np.float32([params.presence]), np.float32([params.frequency]))[0]
+        got = apply_penalties(
+            logits[None],
+            words[None],
+            np.float32([params.repetition]),
+            np.float32([params.presence]),
+            np.float32([params.frequency]),
+        )[0]
         np.testing.assert_allclose(got, expected(logits, prompt, output, params), rtol=1e-5, atol=1e-5)
 
 
@@ -90,7 +101,7 @@ def _run_steps(rng, penalties_of, prompts, steps: int, chunk: int):
                 if rid in slots.slots:
                     builder.reset(slots.slots[rid])
             if pos[rid] < len(prompt):
-                part = prompt[pos[rid]:pos[rid] + chunk]
+                part = prompt[pos[rid] : pos[rid] + chunk]
                 builder.prompt(rid, part)
                 seen_prompt[rid] += list(part)
                 pos[rid] += len(part)
@@ -108,8 +119,9 @@ def _run_steps(rng, penalties_of, prompts, steps: int, chunk: int):
             want = expected(logits[r], seen_prompt[rid], outputs[rid], penalties_of[rid])
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             # the next token: often a repeat, so counts above one occur
-            outputs[rid].append(int(rng.choice(outputs[rid][-3:])) if outputs[rid] and rng.random() < 0.5
-                                else int(np.argmax(got)))
+            outputs[rid].append(
+                int(rng.choice(outputs[rid][-3:])) if outputs[rid] and rng.random() < 0.5 else int(np.argmax(got))
+            )
     return host, slots
 
 
@@ -126,7 +138,7 @@ def test_unpenalised_steps_build_nothing_and_slots_are_bounded():
     builder.prompt(1, np.arange(5))
     builder.output(2, 3)
     builder.row(1, PenaltyParams())
-    assert builder.build() is None                     # the common path: no penalty work at all
+    assert builder.build() is None  # the common path: no penalty work at all
     slots.acquire(1)
     slots.acquire(2)
     with pytest.raises(CapacityError):

@@ -34,7 +34,7 @@ def test_top_p_never_emits_outside_nucleus():
     probs = np.array([0.5, 0.3, 0.1, 0.06, 0.04])
     logits = np.log(probs).astype(np.float32)
     tokens = draw(SamplingParams(temperature=1.0, top_p=0.85, seed=5), logits, 3000)
-    assert set(tokens) == {0, 1, 2}         # 0.5 + 0.3 < 0.85, so token 2 completes the nucleus
+    assert set(tokens) == {0, 1, 2}  # 0.5 + 0.3 < 0.85, so token 2 completes the nucleus
     freq = np.bincount(tokens, minlength=5)[:3] / len(tokens)
     np.testing.assert_allclose(freq, probs[:3] / probs[:3].sum(), atol=0.03)
 
@@ -53,7 +53,7 @@ def test_same_seed_same_tokens_different_seed_differs():
 
 
 def test_min_new_tokens_suppresses_stop_ids():
-    logits = np.array([0.0, 10.0, 0.0], dtype=np.float32)      # token 1 (EOS) is overwhelmingly likely
+    logits = np.array([0.0, 10.0, 0.0], dtype=np.float32)  # token 1 (EOS) is overwhelmingly likely
     sampler = Sampler(SamplingParams(stop_token_ids=(1,), min_new_tokens=2))
     assert [sampler.sample(logits) for _ in range(3)] == [0, 0, 1]
 
@@ -65,20 +65,27 @@ def test_non_finite_logits_fail_instead_of_emitting_a_token():
 
 def test_the_token_comes_from_the_processed_row_and_finiteness_from_the_raw_one():
     raw = np.array([1.0, 2.0, 3.0], dtype=np.float32)
-    processed = np.array([1.0, 2.5, -3.0], dtype=np.float32)         # a penalty pushed token 2 down
+    processed = np.array([1.0, 2.5, -3.0], dtype=np.float32)  # a penalty pushed token 2 down
     assert Sampler(SamplingParams()).sample(raw, processed) == 1
     assert Sampler(SamplingParams()).sample(raw) == 2
     assert Sampler(SamplingParams()).sample(np.array([np.inf, 0, 0], np.float32), processed) is None
 
 
-@pytest.mark.parametrize("kwargs,field", [(dict(temperature=-1), "temperature"),
-                                          (dict(temperature=float("nan")), "temperature"),
-                                          (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                                          (dict(top_k=-2), "top_k"), (dict(top_logprobs=21), "top_logprobs"),
-                                          (dict(prompt_logprobs=21), "prompt_logprobs"),
-                                          (dict(penalties=PenaltyParams(0.5)), None)])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(penalties=PenaltyParams(0.5)), None),
+    ],
+)
 def test_invalid_parameters_name_the_field(kwargs, field):
-    if field is None:                   # valid: a control that the others fail for their field alone
+    if field is None:  # valid: a control that the others fail for their field alone
         SamplingParams(**kwargs)
         return
     with pytest.raises(InvalidRequestError) as e:
@@ -87,8 +94,9 @@ def test_invalid_parameters_name_the_field(kwargs, field):
 
 
 def test_wire_reads_top_p_zero_as_off_and_checks_the_rest():
-    params = wire.sampling_params(pb.SamplingParams(temperature=0.5, top_k=4, seed=9, stop_token_ids=[2, 3],
-                                                      min_new_tokens=1, logprobs=True))
+    params = wire.sampling_params(
+        pb.SamplingParams(temperature=0.5, top_k=4, seed=9, stop_token_ids=[2, 3], min_new_tokens=1, logprobs=True)
+    )
     assert params == SamplingParams(0.5, 4, 1.0, 9, (2, 3), 1, True)
     with pytest.raises(InvalidRequestError) as e:
         wire.sampling_params(pb.SamplingParams(top_p=1.5))
@@ -96,17 +104,26 @@ def test_wire_reads_top_p_zero_as_off_and_checks_the_rest():
 
 
 def test_wire_reads_logprobs_and_penalties_unset_as_off():
-    params = wire.sampling_params(pb.SamplingParams(logprobs=True, top_logprobs=5, prompt_logprobs=0,
-                                                      repetition_penalty=1.2, presence_penalty=-0.5,
-                                                      frequency_penalty=2.0))
+    params = wire.sampling_params(
+        pb.SamplingParams(
+            logprobs=True,
+            top_logprobs=5,
+            prompt_logprobs=0,
+            repetition_penalty=1.2,
+            presence_penalty=-0.5,
+            frequency_penalty=2.0,
+        )
+    )
     assert (params.top_logprobs, params.prompt_logprobs) == (5, 0)
     penalties = params.penalties
     assert (penalties.repetition, penalties.presence, penalties.frequency) == (pytest.approx(1.2), -0.5, 2.0)
     plain = wire.sampling_params(pb.SamplingParams())
     assert plain.prompt_logprobs is None and not plain.penalties.active
-    for message, field in ((pb.SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
-                           (pb.SamplingParams(frequency_penalty=3.0), "frequency_penalty"),
-                           (pb.SamplingParams(prompt_logprobs=30), "prompt_logprobs")):
+    for message, field in (
+        (pb.SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (pb.SamplingParams(frequency_penalty=3.0), "frequency_penalty"),
+        (pb.SamplingParams(prompt_logprobs=30), "prompt_logprobs"),
+    ):
         with pytest.raises(InvalidRequestError) as e:
             wire.sampling_params(message)
         assert e.value.field == field
@@ -118,10 +135,12 @@ def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_m
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.step import HostLogits
+
     engine = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu"))
     original = engine.decoder.forward
-    monkeypatch.setattr(engine.decoder, "forward", lambda *a, **k: HostLogits(
-        np.full_like(np.stack(list(original(*a, **k))), np.nan)))
+    monkeypatch.setattr(
+        engine.decoder, "forward", lambda *a, **k: HostLogits(np.full_like(np.stack(list(original(*a, **k))), np.nan))
+    )
     with pytest.raises(NonFiniteLogitsError, match="non-finite"):
         engine.generate([5, 6, 7], 4)
     assert engine.allocator.num_used_blocks == 0 and not engine.sequences

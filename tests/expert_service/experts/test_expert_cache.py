@@ -1,5 +1,6 @@
 """The expert cache: bookkeeping with a fake copy engine, then the CPU backend's budgeted path on tiny models
 (outputs bitwise equal to full residency at every cache size), then the stats through gRPC."""
+
 import numpy as np
 import pytest
 
@@ -28,14 +29,14 @@ class FakeCopies:
     def __init__(self):
         self.issued: list[tuple[int, int, int]] = []
         self.landed = 0
-        self.contents: dict[tuple[int, int], int] = {}    # (layer, slot) -> expert whose bytes are there
+        self.contents: dict[tuple[int, int], int] = {}  # (layer, slot) -> expert whose bytes are there
 
     def copy(self, layer, expert, slot):
         self.issued.append((layer, expert, slot))
         return _Handle(self, len(self.issued))
 
     def land(self, upto: int) -> None:
-        for layer, expert, slot in self.issued[self.landed:upto]:
+        for layer, expert, slot in self.issued[self.landed : upto]:
             self.contents[(layer, slot)] = expert
         self.landed = max(self.landed, upto)
 
@@ -74,8 +75,8 @@ def test_hits_misses_and_lru_order():
     cache.begin_step()
     assert run_layer(cache, copies, 0, [0]) == [0]
     run_layer(cache, copies, 0, [1])
-    run_layer(cache, copies, 0, [0])          # a hit: 0 becomes the most recently used
-    run_layer(cache, copies, 0, [2])          # evicts 1, the least recently used
+    run_layer(cache, copies, 0, [0])  # a hit: 0 becomes the most recently used
+    run_layer(cache, copies, 0, [2])  # evicts 1, the least recently used
     stats = cache.end_step()
     assert resident(cache, 0, 0) and resident(cache, 0, 2) and not resident(cache, 0, 1)
     assert stats == CacheStats(hits=1, misses=3, bytes_copied=3 * NBYTES, stall_seconds=stats.stall_seconds)
@@ -96,7 +97,7 @@ def test_waves_put_residents_first_and_account_each_expert_once():
     run_layer(cache, copies, 0, [3])
     cache.end_step()
     cache.begin_step()
-    used = run_layer(cache, copies, 0, [0, 1, 2, 3])      # 4 experts through 2 slots: two waves
+    used = run_layer(cache, copies, 0, [0, 1, 2, 3])  # 4 experts through 2 slots: two waves
     stats = cache.end_step()
     assert used[0] == 3 and sorted(used) == [0, 1, 2, 3]
     assert stats.hits + stats.misses == 4 and (stats.hits, stats.misses) == (1, 3)
@@ -114,7 +115,7 @@ def test_prefetch_never_evicts_experts_in_use():
     cache, copies = make_cache(slots=2)
     cache.begin_step()
     slots = cache.acquire(0, [0, 1])
-    assert cache.prefetch(0, [2, 3]) == 0 and len(copies.issued) == 2     # no room: nothing issued
+    assert cache.prefetch(0, [2, 3]) == 0 and len(copies.issued) == 2  # no room: nothing issued
     copies.land_all()
     assert {copies.contents[(0, s)] for s in slots.values()} == {0, 1}
     cache.release(0)
@@ -141,13 +142,13 @@ def test_prefetch_is_used_later_and_predictions_do_not_evict_each_other():
     cache, copies = make_cache(slots=2)
     cache.begin_step()
     assert cache.prefetch(1, [2]) == 1
-    assert cache.prefetch(1, [3, 0]) == 1          # the slot holding the first prediction stays
+    assert cache.prefetch(1, [3, 0]) == 1  # the slot holding the first prediction stays
     assert resident(cache, 1, 2) and resident(cache, 1, 3) and not resident(cache, 1, 0)
-    run_layer(cache, copies, 1, [2, 0])            # 2: a used prefetch; 0: a miss evicting the unused 3
+    run_layer(cache, copies, 1, [2, 0])  # 2: a used prefetch; 0: a miss evicting the unused 3
     stats = cache.end_step()
     assert (stats.prefetches_issued, stats.prefetches_used, stats.hits, stats.misses) == (2, 1, 1, 1)
     assert stats.bytes_copied == 3 * NBYTES
-    cache.begin_step()                             # a prefetch already resident issues nothing
+    cache.begin_step()  # a prefetch already resident issues nothing
     assert cache.prefetch(1, [2, 0]) == 0
     assert cache.end_step().prefetches_issued == 0
 
@@ -161,14 +162,14 @@ def family_model(request, tmp_path_factory):
 @pytest.mark.parametrize("slots", [1, 2, 3, 4])
 def test_every_cache_size_equals_full_residency_bitwise(family_model, slots):
     ref_logits, ref_tokens, ref_stats, traces, _ = run_session(family_model)
-    assert all(s is None for s in ref_stats)               # all resident: no cache logic ran
+    assert all(s is None for s in ref_stats)  # all resident: no cache logic ran
     logits, tokens, stats, _, engine = run_session(family_model, expert_cache_slots=slots, prefetch="none")
     assert tokens == ref_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits))
     if slots == 4:
         assert engine.decoder.cache is None and all(s is None for s in stats)
         return
-    for step_stats, trace in zip(stats, traces):        # accounting adds up, per step
+    for step_stats, trace in zip(stats, traces):  # accounting adds up, per step
         uses = sum(len(np.unique(ids)) for ids in trace.expert_ids.values())
         assert step_stats.hits + step_stats.misses == uses
         assert step_stats.bytes_copied == step_stats.misses * engine.slot_plan.expert_block_bytes
@@ -180,8 +181,7 @@ def test_prefetch_changes_only_counters(family_model, prefetch):
     ref_logits, ref_tokens, _, traces, _ = run_session(family_model)
     plans = exact_plans(traces)
     for slots in (1, 2):
-        logits, tokens, stats, _, engine = run_session(family_model, plans, expert_cache_slots=slots,
-                                                       prefetch=prefetch)
+        logits, tokens, stats, _, engine = run_session(family_model, plans, expert_cache_slots=slots, prefetch=prefetch)
         assert tokens == ref_tokens and all(np.array_equal(a, b) for a, b in zip(logits, ref_logits))
         block = engine.slot_plan.expert_block_bytes
         for s, trace in zip(stats, traces):
@@ -191,7 +191,7 @@ def test_prefetch_changes_only_counters(family_model, prefetch):
         assert total.prefetches_used <= total.prefetches_issued
         # lookahead predicts the next MoE layer: none after the last (tiny qwen2_moe has one MoE layer)
         assert total.prefetches_issued > 0 or (prefetch == "lookahead" and len(family_model.config.moe_layers) == 1)
-        if "plan" in prefetch:     # the plan is the exact routing: its predictions get used
+        if "plan" in prefetch:  # the plan is the exact routing: its predictions get used
             assert total.prefetches_used > 0
 
 
@@ -208,11 +208,11 @@ def test_slot_plan_from_budget_and_memory_plan(family_model):
     layers = len(family_model.config.moe_layers)
     assert plan_slots(family_model, 0, 0).slots_per_layer == 4 and not plan_slots(family_model, 0, 0).is_cached
     assert plan_slots(family_model, 2.5 * layers * block / GIB, 0).slots_per_layer == 2
-    assert plan_slots(family_model, 1e-9, 0).slots_per_layer == 1          # at least one slot
-    assert plan_slots(family_model, 1.0, 3).slots_per_layer == 3           # explicit slots win
+    assert plan_slots(family_model, 1e-9, 0).slots_per_layer == 1  # at least one slot
+    assert plan_slots(family_model, 1.0, 3).slots_per_layer == 3  # explicit slots win
     engine = build_engine(family_model, EngineConfig(backend="cpu", expert_cache_slots=1))
     plan = dict(engine.decoder.memory_plan())
-    assert family_model.dtype == "float32" and plan["expert_slots"] == layers * 1 * block   # float32 slots
+    assert family_model.dtype == "float32" and plan["expert_slots"] == layers * 1 * block  # float32 slots
 
 
 def test_host_copy_widens_bf16_blocks_exactly(tmp_path):
@@ -250,13 +250,17 @@ def test_worker_reports_cache_stats_and_metrics(tiny_model):
             assert info.expert_slots.cached and info.expert_slots.slots_per_layer == 1
             assert info.expert_slots.expert_block_bytes > 0 and info.expert_slots.prefetch == "plan,lookahead"
             assert any(m.name == "expert_slots" and m.bytes > 0 for m in info.memory_plan)
-            chunk = pb.PrefillChunk(request_id=1, token_ids=list(range(3, 20)), sampling=pb.SamplingParams(),
-                                    is_last=True)
+            chunk = pb.PrefillChunk(
+                request_id=1, token_ids=list(range(3, 20)), sampling=pb.SamplingParams(), is_last=True
+            )
             response = stub.Prefill(pb.PrefillRequest(chunks=[chunk]))
             assert response.HasField("expert_cache")
             stats = response.expert_cache
-            assert stats.misses > 0 and stats.bytes_copied == (stats.misses + stats.prefetches_issued) * \
-                info.expert_slots.expert_block_bytes
+            assert (
+                stats.misses > 0
+                and stats.bytes_copied
+                == (stats.misses + stats.prefetches_issued) * info.expert_slots.expert_block_bytes
+            )
             stub.Decode(pb.DecodeRequest(request_ids=[1]))
         metrics = worker.servicer.metrics
         misses = metrics.expert_cache_misses._value.get()

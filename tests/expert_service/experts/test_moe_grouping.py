@@ -7,8 +7,10 @@ from expert_service.experts.grouping import combine, group_by_expert, ungroup
 
 def slow_reference(expert_ids, num_experts):
     """Per expert, the (token, slot) assignments in token order."""
-    return {e: [(t, k) for t in range(expert_ids.shape[0]) for k in range(expert_ids.shape[1])
-                if expert_ids[t, k] == e] for e in range(num_experts)}
+    return {
+        e: [(t, k) for t in range(expert_ids.shape[0]) for k in range(expert_ids.shape[1]) if expert_ids[t, k] == e]
+        for e in range(num_experts)
+    }
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 1, 1), (33, 2, 8), (17, 3, 60), (5, 4, 7)])
@@ -19,10 +21,10 @@ def test_groups_match_slow_reference(tokens, top_k, experts):
     ref = slow_reference(ids, experts)
     assert groups.offsets[0] == 0 and groups.offsets[-1] == tokens * top_k
     for e in range(experts):
-        slots = groups.order[groups.offsets[e]:groups.offsets[e + 1]]
+        slots = groups.order[groups.offsets[e] : groups.offsets[e + 1]]
         assert [(s // top_k, s % top_k) for s in slots] == ref[e]
         assert groups.tokens_of(e).tolist() == [t for t, _ in ref[e]]
-    assert sorted(groups.order.tolist()) == list(range(tokens * top_k))   # a permutation
+    assert sorted(groups.order.tolist()) == list(range(tokens * top_k))  # a permutation
 
 
 def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
@@ -37,7 +39,7 @@ def test_round_trip_and_combine():
     rng = np.random.default_rng(0)
     ids = np.stack([rng.choice(6, size=2, replace=False) for _ in range(11)])
     groups = group_by_expert(ids, 6)
-    rows = rng.standard_normal((22, 5)).astype(np.float32)         # one row per assignment t*K+k
+    rows = rng.standard_normal((22, 5)).astype(np.float32)  # one row per assignment t*K+k
     assert np.array_equal(ungroup(rows[groups.order], groups), rows)
     weights = rng.random((11, 2)).astype(np.float32)
     expected = (rows.reshape(11, 2, 5) * weights[:, :, None]).sum(axis=1)
@@ -59,6 +61,8 @@ def test_grouped_experts_equals_per_token_loop():
     out = grouped_experts(x, group_by_expert(ids, E), weights, lambda e: experts[e])
     silu = lambda v: v / (1 + np.exp(-v))
     for t in range(T):
-        ref = sum(w * (silu(x[t] @ g.T) * (x[t] @ u.T)) @ d.T
-                  for w, (g, u, d) in ((weights[t, k], experts[ids[t, k]]) for k in range(K)))
+        ref = sum(
+            w * (silu(x[t] @ g.T) * (x[t] @ u.T)) @ d.T
+            for w, (g, u, d) in ((weights[t, k], experts[ids[t, k]]) for k in range(K))
+        )
         np.testing.assert_allclose(out[t], ref, rtol=1e-5, atol=1e-5)

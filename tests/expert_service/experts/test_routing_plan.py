@@ -25,11 +25,14 @@ def test_csr_round_trip():
     np.testing.assert_array_equal(csr_to_ids(*csr(ids, 7), 7, 11), ids)
 
 
-@pytest.mark.parametrize("mutate,field", [
-    (lambda o, t: (o[:-1], t), "offsets"),
-    (lambda o, t: (o, np.where(t == 0, 50, t).astype(np.int32)), "token_indices"),
-    (lambda o, t: (o, np.concatenate([t[:-1], t[:1]]).astype(np.int32)), "token_indices"),
-])
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda o, t: (o[:-1], t), "offsets"),
+        (lambda o, t: (o, np.where(t == 0, 50, t).astype(np.int32)), "token_indices"),
+        (lambda o, t: (o, np.concatenate([t[:-1], t[:1]]).astype(np.int32)), "token_indices"),
+    ],
+)
 def test_malformed_plans_name_the_field(mutate, field):
     ids = np.array([[0, 1], [1, 2], [0, 2]])
     offsets, tokens = mutate(*csr(ids, 3))
@@ -42,22 +45,29 @@ def test_routing_plan_from_pb_and_recall():
     exact = {0: np.array([[0, 1], [2, 3]]), 1: np.array([[1, 2], [0, 3]])}
     predicted = {0: np.array([[0, 1], [2, 0]]), 1: np.array([[3, 0], [0, 3]])}
     packed = [csr(v, 4) for v in predicted.values()]
-    message = pb.RoutingPlan(layers=list(predicted), offsets=to_pb(np.stack([o for o, _ in packed])),
-                             token_indices=to_pb(np.stack([t for _, t in packed])))
+    message = pb.RoutingPlan(
+        layers=list(predicted),
+        offsets=to_pb(np.stack([o for o, _ in packed])),
+        token_indices=to_pb(np.stack([t for _, t in packed])),
+    )
     decoded = wire.routing_plan(message, [0, 1]).expert_ids(4, 2)
     for layer in predicted:
         np.testing.assert_array_equal(np.sort(decoded[layer], axis=1), np.sort(predicted[layer], axis=1))
     assert routing_plan_recall(decoded, exact) == pytest.approx(5 / 8)
     with pytest.raises(InvalidRequestError, match="MoE layers"):
-        wire.routing_plan(pb.RoutingPlan(layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)),
-                                           token_indices=to_pb(np.zeros((1, 0), np.int32))), [0, 1])
-    assert wire.routing_plan(pb.RoutingPlan(), [0, 1]) is None        # no layers: no plan
+        wire.routing_plan(
+            pb.RoutingPlan(
+                layers=[5], offsets=to_pb(np.zeros((1, 5), np.int32)), token_indices=to_pb(np.zeros((1, 0), np.int32))
+            ),
+            [0, 1],
+        )
+    assert wire.routing_plan(pb.RoutingPlan(), [0, 1]) is None  # no layers: no plan
 
 
 def test_routing_plan_pb_round_trip_and_expert_ids():
     """The router's side (from expert ids, its wire) and the worker's (its wire, expert_ids) agree."""
     rng = np.random.default_rng(3)
-    ids = np.stack([[rng.choice(6, 2, replace=False) for _ in range(9)] for _ in range(3)])   # [L, T, k]
+    ids = np.stack([[rng.choice(6, 2, replace=False) for _ in range(9)] for _ in range(3)])  # [L, T, k]
     plan = RoutingPlan.from_expert_ids([1, 3, 4], ids.astype(np.uint16), 6)
     for l, (_layer, offsets, tokens) in enumerate(plan.csr()):
         ref_offsets, ref_tokens = csr(ids[l], 6)

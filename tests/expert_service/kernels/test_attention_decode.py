@@ -1,4 +1,5 @@
 """attention_decode kernel vs expert_service.cpu.layers.attention.paged_attention (one query per sequence)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,19 @@ from tests.helpers import STORAGE_DTYPES, check_decode_attention
 
 
 def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5):
-    check_decode_attention(launch_attention_decode, rng, context_lens, num_heads, num_kv_heads, head_dim,
-                           block_size, window, dtype, splits, rtol)
+    check_decode_attention(
+        launch_attention_decode,
+        rng,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        window,
+        dtype,
+        splits,
+        rtol,
+    )
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
@@ -30,17 +42,18 @@ def test_gqa_window_with_split():
 
 
 def test_decode_splits_policy():
-    assert decode_splits(128, 32, 8, 4096) == 1                 # 1024 blocks already fill the GPU
-    assert decode_splits(1, 32, 8, 256) == 1                    # too short to split
+    assert decode_splits(128, 32, 8, 4096) == 1  # 1024 blocks already fill the GPU
+    assert decode_splits(1, 32, 8, 256) == 1  # too short to split
     assert 1 < decode_splits(1, 32, 8, 32768) <= 128
-    assert decode_splits(1, 32, 8, 4096) == 4096 // 256         # capped by the minimum part length
+    assert decode_splits(1, 32, 8, 4096) == 4096 // 256  # capped by the minimum part length
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("num_seqs,num_kv_heads,max_ctx,window", [(1, 8, 4096, 0), (1, 4, 32768, 0),
-                                                                 (16, 8, 2048, 0), (64, 4, 1024, 0),
-                                                                 (8, 8, 3000, 1024)])
+@pytest.mark.parametrize(
+    "num_seqs,num_kv_heads,max_ctx,window",
+    [(1, 8, 4096, 0), (1, 4, 32768, 0), (16, 8, 2048, 0), (64, 4, 1024, 0), (8, 8, 3000, 1024)],
+)
 def test_decode_gpu(dtype, num_seqs, num_kv_heads, max_ctx, window):
     rng = np.random.default_rng(num_seqs)
     lens = [int(x) for x in rng.integers(1, max_ctx + 1, num_seqs)]

@@ -1,5 +1,6 @@
 """attention_decode_tiled vs expert_service.cpu.layers.attention.paged_attention (one query per sequence), and the
 fastest-kernel choice. Contexts span several 32-key tiles (cp.async double buffering) and partial last tiles."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +14,10 @@ from expert_service.kernels.attention_decode_tiled import (
 from tests.helpers import check_decode_attention
 
 
-def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, launch,
-           rtol=1e-5):
-    check_decode_attention(launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window,
-                           np.uint16, splits, rtol)
+def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, launch, rtol=1e-5):
+    check_decode_attention(
+        launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, np.uint16, splits, rtol
+    )
 
 
 def test_gqa_group_of_8_over_several_tiles():
@@ -46,8 +47,10 @@ def test_fastest_falls_back_where_the_tiled_kernel_does_not_apply():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_seqs,num_kv_heads,max_ctx,window,splits", [(1, 8, 4096, 0, 16), (16, 4, 2048, 0, 5),
-                                                                          (64, 4, 1024, 0, 2), (8, 8, 3000, 1024, 1)])
+@pytest.mark.parametrize(
+    "num_seqs,num_kv_heads,max_ctx,window,splits",
+    [(1, 8, 4096, 0, 16), (16, 4, 2048, 0, 5), (64, 4, 1024, 0, 2), (8, 8, 3000, 1024, 1)],
+)
 def test_decode_tiled_gpu(num_seqs, num_kv_heads, max_ctx, window, splits):
     rng = np.random.default_rng(num_seqs)
     lens = [int(x) for x in rng.integers(1, max_ctx + 1, num_seqs)]

@@ -4,6 +4,7 @@ fp32 launch_attention_prefill kernel; launch_attention_prefill_fastest falls bac
 Tolerance: RTOL = 1e-2 of max |reference|. The kernel rounds q * scale and the softmax weights P to bf16
 (relative step 2**-8, so up to 2e-3 per value) before the tensor-core products; errors measured in an emulation of
 the kernel were ~2e-3. The pools hold bf16 values exactly, so the fp32 kernel itself is within 1e-5."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,19 +32,31 @@ def _inputs(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_s
 
 
 def _run(launch, q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale):
-    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))    # every element must be written
-    launch(cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(seq_starts),
-           cuda.to_device(positions), cuda.to_device(tables), cuda.to_device(ctx), window, scale, out)
+    out = cuda.to_device(np.full(q.shape, np.nan, dtype=np.float32))  # every element must be written
+    launch(
+        cuda.to_device(q),
+        cuda.to_device(k_pool),
+        cuda.to_device(v_pool),
+        cuda.to_device(seq_starts),
+        cuda.to_device(positions),
+        cuda.to_device(tables),
+        cuda.to_device(ctx),
+        window,
+        scale,
+        out,
+    )
     return out.copy_to_host()
 
 
 def _check(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=0, block_size=16):
-    assert supports(np.uint16, head_dim)          # launch_attention_prefill_fastest takes the tensor-core path
+    assert supports(np.uint16, head_dim)  # launch_attention_prefill_fastest takes the tensor-core path
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
-        np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size)
-    scale = head_dim ** -0.5
-    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, scale,
-                           window)
+        np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size
+    )
+    scale = head_dim**-0.5
+    want = paged_attention(
+        q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, scale, window
+    )
     args = (q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, scale)
     got = _run(launch_attention_prefill_fastest, *args)
     assert_close(got, want, RTOL)
@@ -58,7 +71,7 @@ def test_one_long_sequence(head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4), (32, 4)])    # GQA 1, 4, 8
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 4), (32, 4)])  # GQA 1, 4, 8
 def test_awkward_lengths_gqa(head_dim, num_heads, num_kv_heads):
     _check(2, [1, 33, 100, 17], [0, 0, 0, 0], num_heads, num_kv_heads, head_dim)
 
@@ -107,7 +120,8 @@ def test_fast_falls_back_without_mma(monkeypatch):
 
     monkeypatch.setattr(mma_module, "launch_attention_prefill", spy)
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
-        np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4)
+        np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4
+    )
     want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
     got = _run(launch_attention_prefill_fastest, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
     assert len(calls) == 1

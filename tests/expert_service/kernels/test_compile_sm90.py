@@ -3,6 +3,7 @@ stay in bounds: bench/kernel_resources.py, outside the simulator, compiles every
 that the expert_service.kernels modules list in ``sm90_signatures()`` and links attention_decode's with
 nvJitLink. This is the suite's only sm_90 compile (compiling is its slowest work): the signatures are shared
 among one subprocess per CPU (up to 4), and one test checks both what compiles and what it costs."""
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,26 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     shards = max(1, min(4, os.cpu_count() or 1))
     outs = [tmp_path / f"shard{i}.json" for i in range(shards)]
-    procs = [subprocess.Popen([sys.executable, "bench/kernel_resources.py", "--resources-of", LINKED,
-                               "--shard", f"{i}/{shards}", "--out", str(out)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, out in enumerate(outs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "bench/kernel_resources.py",
+                "--resources-of",
+                LINKED,
+                "--shard",
+                f"{i}/{shards}",
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, out in enumerate(outs)
+    ]
     results = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
     reports = [json.loads(out.read_text()) if out.exists() else None for out in outs]
     failed = sorted({line for report in reports if report for line in report["failed"]})

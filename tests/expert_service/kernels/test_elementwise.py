@@ -1,4 +1,5 @@
 """Elementwise kernels (silu_mul, shared-expert sigmoid gate, clamp, bias add, 16-bit casts) vs numpy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -72,14 +73,15 @@ def test_silu_mul_halves_matches_reference(dtype, f32_input, rows, F, threads):
     h = cuda.to_device(np.full((rows, F), 0xFFFF if dtype is np.uint16 else np.nan, dtype=dtype))
     launch_silu_mul_halves(cuda.to_device(gu), h, threads=threads)
     want = silu(values[:, :F]) * values[:, F:]
-    step = {np.float32: 1e-5, np.float16: 2.0 ** -10, np.uint16: 2.0 ** -7}[dtype]
+    step = {np.float32: 1e-5, np.float16: 2.0**-10, np.uint16: 2.0**-7}[dtype]
     got = from_storage(h.copy_to_host())
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= step * np.maximum(np.abs(want), 1e-3) + 1e-6)
-    if dtype is np.uint16 and not f32_input and F % 4 == 0:   # the 8-byte word path: the element path's bits
+    if dtype is np.uint16 and not f32_input and F % 4 == 0:  # the 8-byte word path: the element path's bits
         one = cuda.to_device(np.full((rows, F), 0xFFFF, np.uint16))
         elementwise._build_silu_mul_halves(np.dtype(np.uint16), np.dtype(np.uint16))[1][(1, rows), threads](
-            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F), np.int32(rows))
+            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F), np.int32(rows)
+        )
         np.testing.assert_array_equal(h.copy_to_host(), one.copy_to_host())
 
 
@@ -94,7 +96,7 @@ def test_silu_mul_halves_strides_over_rows_past_the_grid(monkeypatch, dtype, F):
     launch_silu_mul_halves(cuda.to_device(gu), h, threads=32)
     got = from_storage(h.copy_to_host())
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, silu(values[:, :F]) * values[:, F:], rtol=2.0 ** -7, atol=1e-6)
+    np.testing.assert_allclose(got, silu(values[:, :F]) * values[:, F:], rtol=2.0**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 5), (3, 37)])
@@ -112,20 +114,23 @@ class _WordCount:
         def launch(*args):
             self.words.append(args[3].shape[0])
             self.kernel[config](*args)
+
         return launch
 
 
 # sizes around whole words (1, 3, 4, 5; 35 = 8 words + 3; 1032 = more words than one block's threads);
 # offset 1 starts x one float past an 8-byte boundary: the whole array takes the scalar path
 @pytest.mark.parametrize("dtype", [np.uint16, np.float16])
-@pytest.mark.parametrize("shape,offset", [((1,), 0), ((3,), 0), ((4,), 0), ((5,), 0), ((7, 5), 0), ((2, 516), 0),
-                                          ((1032,), 1), ((3, 37), 1)])
+@pytest.mark.parametrize(
+    "shape,offset", [((1,), 0), ((3,), 0), ((4,), 0), ((5,), 0), ((7, 5), 0), ((2, 516), 0), ((1032,), 1), ((3, 37), 1)]
+)
 def test_cast_words_and_tail(dtype, shape, offset, monkeypatch):
     import expert_service.kernels.elementwise as elementwise
+
     rng = np.random.default_rng(int(np.prod(shape)) + offset)
     x = awkward_floats(rng, shape)
     d_x = cuda.to_device(np.r_[np.full(offset, 1.5, np.float32), x.reshape(-1)])[offset:].reshape(shape)
-    sentinel = 0x7E01 if dtype is np.uint16 else 0x7C01                    # a NaN no rounding produces
+    sentinel = 0x7E01 if dtype is np.uint16 else 0x7C01  # a NaN no rounding produces
     out = cuda.to_device(np.full(shape, sentinel, np.uint16).view(dtype))
     words, build = [], elementwise._build_cast
     monkeypatch.setattr(elementwise, "_build_cast", lambda dt: (build(dt)[0], _WordCount(build(dt)[1], words)))
@@ -134,7 +139,7 @@ def test_cast_words_and_tail(dtype, shape, offset, monkeypatch):
     got = out.copy_to_host().view(np.uint16)
     if dtype is np.uint16:
         np.testing.assert_array_equal(got, bf16_bits(x))
-    else:           # the GPU's cvt gives its own NaN payload: NaN where numpy has one, numpy's bits elsewhere
+    else:  # the GPU's cvt gives its own NaN payload: NaN where numpy has one, numpy's bits elsewhere
         with np.errstate(over="ignore"):
             want = x.astype(np.float16).view(np.uint16)
         nan = np.isnan(x)

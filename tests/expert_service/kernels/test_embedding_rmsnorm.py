@@ -1,4 +1,5 @@
 """Embedding gather and RMSNorm / fused add+RMSNorm kernels vs numpy, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,7 @@ def _check_embedding(rng, num_tokens, vocab, dim, dtype, threads):
     ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
     out = nan_device((num_tokens, dim))
     launch_embedding(cuda.to_device(ids), cuda.to_device(table), out, threads=threads)
-    np.testing.assert_array_equal(out.copy_to_host(), table_f[ids])       # a gather is exact
+    np.testing.assert_array_equal(out.copy_to_host(), table_f[ids])  # a gather is exact
 
 
 def _check_embedding_fed(rng, num_tokens, vocab, dim, dtype, threads):
@@ -27,12 +28,18 @@ def _check_embedding_fed(rng, num_tokens, vocab, dim, dtype, threads):
     table, table_f = random_weight(rng, (vocab, dim), dtype)
     ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
     fed = rng.integers(0, vocab, 7).astype(np.int32)
-    fed[[2, 5]] = [-1, vocab]                           # what a non-finite row's argmax could leave
+    fed[[2, 5]] = [-1, vocab]  # what a non-finite row's argmax could leave
     feed = np.where(rng.random(num_tokens) < 0.5, rng.integers(0, len(fed), num_tokens), -1).astype(np.int32)
     feed[:2] = [2, 5][:num_tokens]
     out = nan_device((num_tokens, dim))
-    launch_embedding(cuda.to_device(ids), cuda.to_device(table), out, threads=threads, feed=cuda.to_device(feed),
-                     fed=cuda.to_device(fed))
+    launch_embedding(
+        cuda.to_device(ids),
+        cuda.to_device(table),
+        out,
+        threads=threads,
+        feed=cuda.to_device(feed),
+        fed=cuda.to_device(fed),
+    )
     expected = np.where(feed >= 0, fed[np.maximum(feed, 0)], ids)
     expected = np.where((expected >= 0) & (expected < vocab), expected, 0)
     np.testing.assert_array_equal(out.copy_to_host(), table_f[expected])
@@ -68,7 +75,7 @@ def test_embedding_matches_reference(dtype, num_tokens, dim):
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 45), (3, 70), (2, 3, 8)])       # (T, H, Hd): per-head q/k norm
+@pytest.mark.parametrize("shape", [(1, 45), (3, 70), (2, 3, 8)])  # (T, H, Hd): per-head q/k norm
 def test_rmsnorm_matches_reference(dtype, shape):
     _check_rmsnorm(np.random.default_rng(shape[-1]), shape, dtype, threads=32 if len(shape) == 3 else 64)
 
@@ -104,7 +111,8 @@ def test_embedding_rmsnorm_gpu(dtype, num_tokens):
 # storage dtype only changes its load, the same in both kernels, so the others run one shape of each kernel.
 SHORT_ROW_SHAPES = [(1, 1), (5, 31), (3, 33), (4, 128), (3, 200), (2, 257), (3, 1000), (2, 1024), (2, 1025)]
 SHORT_ROW_CASES = [(np.float32, rows, n) for rows, n in SHORT_ROW_SHAPES] + [
-    (dtype, rows, n) for dtype in STORAGE_DTYPES if dtype is not np.float32 for rows, n in ((5, 31), (2, 1025))]
+    (dtype, rows, n) for dtype in STORAGE_DTYPES if dtype is not np.float32 for rows, n in ((5, 31), (2, 1025))
+]
 
 
 @pytest.mark.parametrize("dtype,rows,n", SHORT_ROW_CASES)
@@ -113,13 +121,14 @@ def test_short_rows_take_a_warp_each_and_give_the_block_kernels_bits(dtype, rows
     warps idle, N not a multiple of 32), longer rows the block kernel: the numpy result within float32 rounding,
     every element written, and the same bits as the block kernel with THREADS threads."""
     import expert_service.kernels.rmsnorm as rmsnorm
+
     rng = np.random.default_rng(rows * 10000 + n)
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w, wf = random_weight(rng, (n,), dtype)
     auto, full = nan_device((rows, n)), nan_device((rows, n))
     rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, full, threads=rmsnorm.THREADS)
-    monkeypatch.setattr(rmsnorm, "WARP_KERNEL_MIN_ROWS", 0)     # on a GPU, so few rows take the block kernel
-    if n <= rmsnorm.WARP_ROW_MAX:       # the default must not fall back to the block kernel
+    monkeypatch.setattr(rmsnorm, "WARP_KERNEL_MIN_ROWS", 0)  # on a GPU, so few rows take the block kernel
+    if n <= rmsnorm.WARP_ROW_MAX:  # the default must not fall back to the block kernel
         monkeypatch.setattr(rmsnorm, "_build", None)
     rmsnorm.launch_rmsnorm(cuda.to_device(x), cuda.to_device(w), EPS, auto)
     got = auto.copy_to_host()
@@ -132,6 +141,7 @@ def test_few_short_rows_take_the_block_kernel_with_a_thread_per_element(rows, n,
     """Below WARP_KERNEL_MIN_ROWS rows (decode steps) the block kernel runs with ceil(N / 32) warps: the same bits
     as with THREADS threads."""
     import expert_service.kernels.rmsnorm as rmsnorm
+
     monkeypatch.setattr(rmsnorm, "WARP_KERNEL_MIN_ROWS", rows + 1)
     monkeypatch.setattr(rmsnorm, "_build_short", None)
     rng = np.random.default_rng(rows + n)

@@ -1,5 +1,6 @@
 """expert_grouping kernel vs expert_service.experts.grouping.group_by_expert. Order within an expert comes from
 atomics, so each expert's assignments are compared as sets, plus the exact inverse relation with position."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -18,9 +19,9 @@ def run_and_check(ids, n_exp):
     np.testing.assert_array_equal(offsets, ref.offsets)
     np.testing.assert_array_equal(counts, ref.counts())
     for e in range(n_exp):
-        want = ref.order[ref.offsets[e]:ref.offsets[e + 1]]
-        assert sorted(order[offsets[e]:offsets[e + 1]].tolist()) == want.tolist()
-    np.testing.assert_array_equal(position[order], np.arange(n))     # inverse permutation, every slot written
+        want = ref.order[ref.offsets[e] : ref.offsets[e + 1]]
+        assert sorted(order[offsets[e] : offsets[e + 1]].tolist()) == want.tolist()
+    np.testing.assert_array_equal(position[order], np.arange(n))  # inverse permutation, every slot written
     np.testing.assert_array_equal(order[position], np.arange(n))
 
 

@@ -3,6 +3,7 @@ vs numpy: the logits against
 x @ Wr^T (float64 products of the stored weight values), then ids / weights against
 expert_service.cpu.layers.moe.route on the kernel's own logits (so near-ties cannot flip on rounding), and
 against the two-launch path (router_topk) semantics for non-finite rows."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -35,21 +36,24 @@ def check(rng, n_tok, n_exp, top_k, D, dtype, normalize):
     ref_ids, ref_w = route(logits, top_k, normalize)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-7)
-    ids2, weights2, _ = run(x, w, top_k, normalize, repeat=2)              # relaunch on the same buffers
+    ids2, weights2, _ = run(x, w, top_k, normalize, repeat=2)  # relaunch on the same buffers
     np.testing.assert_array_equal(ids2, ids)
     np.testing.assert_array_equal(weights2, weights)
 
 
-@pytest.mark.parametrize("n_tok,n_exp,top_k,D,dtype,normalize", [
-    (1, 8, 2, 64, np.uint16, True),        # wide bf16 path, rows split over warps (E small)
-    (2, 3, 2, 48, np.uint16, True),        # one block per token
-    (1, 4, 2, 520, np.uint16, True),       # two warps per row
-    (2, 60, 4, 40, np.uint16, True),       # E not a multiple of 32 (the simulator's cost grows with T x E)
-    (2, 7, 1, 37, np.uint16, False),       # odd D: element loads
-    (1, 128, 8, 32, np.float16, True),
-    (1, 5, 3, 24, np.float32, False),
-    (1, 256, 8, 16, np.uint16, True),
-])
+@pytest.mark.parametrize(
+    "n_tok,n_exp,top_k,D,dtype,normalize",
+    [
+        (1, 8, 2, 64, np.uint16, True),  # wide bf16 path, rows split over warps (E small)
+        (2, 3, 2, 48, np.uint16, True),  # one block per token
+        (1, 4, 2, 520, np.uint16, True),  # two warps per row
+        (2, 60, 4, 40, np.uint16, True),  # E not a multiple of 32 (the simulator's cost grows with T x E)
+        (2, 7, 1, 37, np.uint16, False),  # odd D: element loads
+        (1, 128, 8, 32, np.float16, True),
+        (1, 5, 3, 24, np.float32, False),
+        (1, 256, 8, 16, np.uint16, True),
+    ],
+)
 def test_matches_reference(n_tok, n_exp, top_k, D, dtype, normalize):
     check(np.random.default_rng(n_exp * 10 + D), n_tok, n_exp, top_k, D, dtype, normalize)
 
@@ -64,9 +68,9 @@ def test_non_finite_rows_still_give_valid_ids(bad):
     assert ((ids >= 0) & (ids < 16)).all() and all(len(set(row)) == 4 for row in ids.tolist())
     assert np.isnan(weights[1]).all()
     for t in (0, 2):
-        ref_ids, ref_w = route(logits[t:t + 1], 4, True)
-        np.testing.assert_array_equal(ids[t:t + 1], ref_ids)
-        np.testing.assert_allclose(weights[t:t + 1], ref_w, rtol=1e-5, atol=1e-7)
+        ref_ids, ref_w = route(logits[t : t + 1], 4, True)
+        np.testing.assert_array_equal(ids[t : t + 1], ref_ids)
+        np.testing.assert_allclose(weights[t : t + 1], ref_w, rtol=1e-5, atol=1e-7)
 
 
 def test_ties_go_to_the_lower_index():
@@ -81,13 +85,18 @@ def test_ties_go_to_the_lower_index():
 
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
-        run(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32), 5, True)      # K > E
+        run(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32), 5, True)  # K > E
     with pytest.raises(ValueError):
-        run(np.ones((2, 8), np.float32), np.ones((300, 8), np.float32), 2, True)    # E > 256
-    with pytest.raises(ValueError):                                                 # counter too short
-        launch_gate_fused(*(cuda.to_device(np.ones(s, np.float32)) for s in ((3, 8), (4, 8))),
-                            cuda.to_device(np.zeros((3, 2), np.int32)), cuda.to_device(np.zeros((3, 2), np.float32)),
-                            True, cuda.to_device(np.zeros((3, 4), np.float32)), cuda.to_device(np.zeros(2, np.int32)))
+        run(np.ones((2, 8), np.float32), np.ones((300, 8), np.float32), 2, True)  # E > 256
+    with pytest.raises(ValueError):  # counter too short
+        launch_gate_fused(
+            *(cuda.to_device(np.ones(s, np.float32)) for s in ((3, 8), (4, 8))),
+            cuda.to_device(np.zeros((3, 2), np.int32)),
+            cuda.to_device(np.zeros((3, 2), np.float32)),
+            True,
+            cuda.to_device(np.zeros((3, 4), np.float32)),
+            cuda.to_device(np.zeros(2, np.int32)),
+        )
 
 
 @pytest.mark.gpu

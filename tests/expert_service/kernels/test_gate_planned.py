@@ -1,5 +1,6 @@
 """router_planned vs numpy (route_planned on x @ router.T): the plan's ids copied, softmax over just the planned
 experts' logits, NaN rows stay NaN; in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ def _run(x, router, planned):
 
 def _check(rng, T, K, E, D, dtype):
     x = rng.standard_normal((T, D), dtype=np.float32)
-    router, router_f = random_weight(rng, (E, D), dtype, scale=D ** -0.5)
+    router, router_f = random_weight(rng, (E, D), dtype, scale=D**-0.5)
     planned = random_ids(rng, T, K, E)
     ids, weights = _run(x, router, planned)
     np.testing.assert_array_equal(ids, planned)
@@ -28,8 +29,10 @@ def _check(rng, T, K, E, D, dtype):
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,K,E,D,dtype", [(1, 1, 3, 5, np.float32), (1, 2, 3, 5, np.float16), (7, 2, 5, 37, np.uint16),
-                                           (3, 8, 40, 64, np.uint16)])
+@pytest.mark.parametrize(
+    "T,K,E,D,dtype",
+    [(1, 1, 3, 5, np.float32), (1, 2, 3, 5, np.float16), (7, 2, 5, 37, np.uint16), (3, 8, 40, 64, np.uint16)],
+)
 def test_router_planned_matches_reference(T, K, E, D, dtype):
     _check(np.random.default_rng(T * 10 + K), T, K, E, D, dtype)
 
@@ -52,7 +55,7 @@ def test_router_planned_non_finite_rows_give_nan_weights():
     router = rng.standard_normal((6, 16), dtype=np.float32)
     planned = random_ids(rng, 3, 2, 6)
     ids, weights = _run(x, router, planned)
-    np.testing.assert_array_equal(ids, planned)                       # ids are valid whatever the logits
+    np.testing.assert_array_equal(ids, planned)  # ids are valid whatever the logits
     assert np.isfinite(weights[0]).all() and np.isnan(weights[1]).all()
     assert np.array_equal(np.isnan(weights[2]), np.isnan(route_planned(x[2:] @ router.T, planned[2:])[0]))
 
@@ -62,5 +65,5 @@ def test_router_planned_non_finite_rows_give_nan_weights():
 @pytest.mark.parametrize("T", [1, 64, 2048])
 def test_router_planned_gpu(dtype, T):
     rng = np.random.default_rng(T)
-    _check(rng, T, 8, 128, 2048, dtype)          # qwen3moe-shape router
-    _check(rng, T, 2, 8, 4096, dtype)            # mixtral-shape router
+    _check(rng, T, 8, 128, 2048, dtype)  # qwen3moe-shape router
+    _check(rng, T, 2, 8, 4096, dtype)  # mixtral-shape router

@@ -1,4 +1,5 @@
 """router_topk kernel vs expert_service.cpu.layers.moe.route (simulator; realistic sizes on a GPU)."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -15,8 +16,10 @@ def run(logits, top_k, normalize):
     return ids.copy_to_host(), weights.copy_to_host()
 
 
-@pytest.mark.parametrize("n_tok,n_exp,top_k,normalize", [
-    (1, 8, 2, True), (33, 60, 4, True), (3, 7, 1, False), (2, 256, 8, True), (4, 128, 3, False)])
+@pytest.mark.parametrize(
+    "n_tok,n_exp,top_k,normalize",
+    [(1, 8, 2, True), (33, 60, 4, True), (3, 7, 1, False), (2, 256, 8, True), (4, 128, 3, False)],
+)
 def test_matches_reference(n_tok, n_exp, top_k, normalize):
     rng = np.random.default_rng(n_tok * 1000 + n_exp)
     logits = (rng.standard_normal((n_tok, n_exp)) * 3).astype(np.float32)
@@ -42,17 +45,17 @@ def test_non_finite_rows_still_give_valid_ids(bad):
     ids, weights = run(logits, 4, True)
     assert ((ids >= 0) & (ids < 16)).all() and all(len(set(row)) == 4 for row in ids.tolist())
     assert np.isnan(weights[1]).all()
-    for t in (0, 2):          # finite rows are unaffected
-        ref_ids, ref_w = route(logits[t:t + 1], 4, True)
-        np.testing.assert_array_equal(ids[t:t + 1], ref_ids)
-        np.testing.assert_allclose(weights[t:t + 1], ref_w, rtol=1e-5, atol=1e-7)
+    for t in (0, 2):  # finite rows are unaffected
+        ref_ids, ref_w = route(logits[t : t + 1], 4, True)
+        np.testing.assert_array_equal(ids[t : t + 1], ref_ids)
+        np.testing.assert_allclose(weights[t : t + 1], ref_w, rtol=1e-5, atol=1e-7)
 
 
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
-        run(np.zeros((2, 4), np.float32) + 1, 5, True)     # K > E
+        run(np.zeros((2, 4), np.float32) + 1, 5, True)  # K > E
     with pytest.raises(ValueError):
-        run(np.ones((2, 300), np.float32), 2, True)        # E > 256
+        run(np.ones((2, 300), np.float32), 2, True)  # E > 256
 
 
 @pytest.mark.gpu

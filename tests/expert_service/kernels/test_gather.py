@@ -23,7 +23,7 @@ def test_gather_rows_into_16_bit_rounds_each_element(dtype):
     rng = np.random.default_rng(7)
     src = awkward_floats(rng, (6, 37))
     index = rng.integers(0, 12, size=11).astype(np.int32)
-    fill = np.nan if np.dtype(dtype) == np.float16 else 0xFFFF       # 0xFFFF: a NaN no rounding produces
+    fill = np.nan if np.dtype(dtype) == np.float16 else 0xFFFF  # 0xFFFF: a NaN no rounding produces
     dst = cuda.to_device(np.full((11, 37), fill, dtype))
     launch_gather_rows(cuda.to_device(src), cuda.to_device(index), dst, 2)
     want = src[index // 2]

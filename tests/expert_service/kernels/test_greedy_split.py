@@ -1,5 +1,6 @@
 """Two-pass greedy argmax vs numpy and vs the one-block greedy kernel (same ids and flags), with ties,
 NaN / inf rows and a vocabulary that is not a multiple of the slice size."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -13,8 +14,11 @@ def run_split(logits):
     rows, vocab = logits.shape
     p = parts(vocab)
     ids, flags = (cuda.to_device(np.full(rows, -7, np.int32)) for _ in range(2))
-    scratch = (cuda.to_device(np.full((rows, p), np.nan, np.float32)),
-               cuda.to_device(np.full((rows, p), -7, np.int32)), cuda.to_device(np.full((rows, p), -7, np.int32)))
+    scratch = (
+        cuda.to_device(np.full((rows, p), np.nan, np.float32)),
+        cuda.to_device(np.full((rows, p), -7, np.int32)),
+        cuda.to_device(np.full((rows, p), -7, np.int32)),
+    )
     launch_greedy_split(cuda.to_device(logits), ids, flags, *scratch)
     return ids.copy_to_host(), flags.copy_to_host()
 
@@ -28,7 +32,7 @@ def run_one_block(logits):
 
 def check(rng, rows, vocab):
     logits = rng.standard_normal((rows, vocab), dtype=np.float32)
-    logits[0, rng.integers(vocab, size=3)] = np.float32(7.5)           # tie: lowest index wins
+    logits[0, rng.integers(vocab, size=3)] = np.float32(7.5)  # tie: lowest index wins
     if rows > 1:
         logits[1, vocab - 1] = np.inf
     if rows > 2:
@@ -53,11 +57,13 @@ def test_matches_reference(rows, vocab):
 
 
 def test_rejects_small_scratch():
-    vocab = 3 * CHUNK                                       # 3 slices; scratch for 2
+    vocab = 3 * CHUNK  # 3 slices; scratch for 2
     with pytest.raises(ValueError):
-        launch_greedy_split(cuda.to_device(np.zeros((2, vocab), np.float32)), *(cuda.to_device(np.zeros(2, np.int32))
-                            for _ in range(2)), *(cuda.to_device(np.zeros((2, 2), dt)) for dt in
-                                                  (np.float32, np.int32, np.int32)))
+        launch_greedy_split(
+            cuda.to_device(np.zeros((2, vocab), np.float32)),
+            *(cuda.to_device(np.zeros(2, np.int32)) for _ in range(2)),
+            *(cuda.to_device(np.zeros((2, 2), dt)) for dt in (np.float32, np.int32, np.int32)),
+        )
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The on-disk kernel cache (COLIBRI_KERNEL_CACHE): every kernel goes through it, its folder follows the kernel
 sources, an unusable folder costs only the compile time; on the GPU a second process compiles nothing."""
+
 from __future__ import annotations
 
 import ast
@@ -45,7 +46,7 @@ def test_the_cache_folder_changes_with_any_kernel_source(tmp_path):
     shutil.copytree(KERNELS, copy, ignore=shutil.ignore_patterns("__pycache__"))
     before = jit_cache.source_digest(copy)
     assert before == jit_cache.source_digest(KERNELS)
-    helper = copy / "numeric.py"            # a module of device functions only: no kernel of its own
+    helper = copy / "numeric.py"  # a module of device functions only: no kernel of its own
     helper.write_text(helper.read_text() + "\n# edited\n")
     assert jit_cache.source_digest(copy) != before
 
@@ -55,11 +56,12 @@ def _cache_dir_in_a_fresh_process(env_value: str | None) -> tuple[dict, str]:
     env["NUMBA_ENABLE_CUDASIM"] = "0"
     if env_value is not None:
         env[jit_cache.CACHE_ENV] = env_value
-    code = ("import json; from numba.cuda.core import config; from expert_service.kernels import jit_cache as j; "
-            "print(json.dumps({'dir': str(j.CACHE_DIR) if j.CACHE_DIR else None, 'numba': config.CACHE_DIR, "
-            "'digest': j.source_digest()}))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import json; from numba.cuda.core import config; from expert_service.kernels import jit_cache as j; "
+        "print(json.dumps({'dir': str(j.CACHE_DIR) if j.CACHE_DIR else None, 'numba': config.CACHE_DIR, "
+        "'digest': j.source_digest()}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
@@ -107,12 +109,15 @@ print(json.dumps({k.__module__ + "." + k.__qualname__: hashlib.sha256(dumps(tupl
 def test_cache_keys_are_the_same_in_every_process():
     """A factory-built kernel's closure holds device functions (and they intrinsics) whose pickles carry a
     per-process id unless pinned: two processes must agree on every key, or a restarted worker recompiles."""
+
     def keys() -> dict:
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-        done = subprocess.run([sys.executable, "-c", CACHE_KEYS], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", CACHE_KEYS], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout.splitlines()[-1])
+
     first, second = keys(), keys()
     assert "expert_service.kernels.gemv._build.<locals>.gemv_kernel" in first and len(first) >= 15
     assert first == second, [k for k in first if first[k] != second.get(k)]
@@ -137,12 +142,14 @@ def test_a_second_process_loads_every_kernel_from_the_cache(tmp_path):
     """Two processes warm up the same model with one cache folder: the first writes it, the second adds and
     rewrites nothing (every kernel it launched was found) and generates the same tokens."""
     from expert_service.tools.tiny_model import make_tiny
+
     model = make_tiny(tmp_path / "m", family="qwen3_moe", seed=4, progress=False)
     env = dict(os.environ, **{jit_cache.CACHE_ENV: str(tmp_path / "cache")})
 
     def warm_up() -> dict:
-        done = subprocess.run([sys.executable, "-c", WARM_UP, str(model)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-c", WARM_UP, str(model)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
 

@@ -1,4 +1,5 @@
 """kv_write kernel vs expert_service.cpu.layers.attention.write_kv, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,13 +31,29 @@ def _check(rng, num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtyp
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim,pad", [(1, 1, 20, 0), (5, 2, 24, 2)])
 def test_kv_write_matches_reference(dtype, num_tokens, num_kv_heads, head_dim, pad):
-    _check(np.random.default_rng(num_tokens), num_tokens, num_blocks=4, block_size=4, num_kv_heads=num_kv_heads,
-           head_dim=head_dim, dtype=dtype, pad=pad)
+    _check(
+        np.random.default_rng(num_tokens),
+        num_tokens,
+        num_blocks=4,
+        block_size=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        pad=pad,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 33, 4096])
 def test_kv_write_gpu(dtype, num_tokens):
-    _check(np.random.default_rng(7), num_tokens, num_blocks=512, block_size=16, num_kv_heads=8, head_dim=128,
-           dtype=dtype, pad=1 if num_tokens > 1 else 0)
+    _check(
+        np.random.default_rng(7),
+        num_tokens,
+        num_blocks=512,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        pad=1 if num_tokens > 1 else 0,
+    )

@@ -1,5 +1,6 @@
 """moe_combine vs expert_service.experts.grouping.combine (+ residual), and the whole device MoE pipeline
 launch_gate_topk -> launch_expert_grouping -> launch_moe_gate_up -> launch_moe_down -> launch_moe_combine vs layers.moe.sparse_moe."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -31,6 +32,7 @@ def test_combine_spread_over_blocks_gives_the_same_bits(monkeypatch):
     """A decode token's row spread over several blocks sums each element as one block per token does."""
     import expert_service.kernels.moe_combine as module
     import expert_service.kernels.numeric as numeric
+
     rng = np.random.default_rng()
     n_tok, top_k, D = 2, 8, 200
     assert numeric.blocks_per_row(n_tok, D, module.THREADS) > 1
@@ -55,7 +57,7 @@ def run_pipeline(x, router, top_k, normalize, W, F, D):
     counts, offsets, order, position = (cuda.to_device(np.full(s, -1, np.int32)) for s in (n_exp, n_exp + 1, n, n))
     h = cuda.to_device(np.full((n, F), np.nan, np.float32))
     y = cuda.to_device(np.full((n, D), np.nan, np.float32))
-    out = cuda.to_device(np.zeros((n_tok, D), np.float32))     # residual stream (zero: compare the MoE output)
+    out = cuda.to_device(np.zeros((n_tok, D), np.float32))  # residual stream (zero: compare the MoE output)
     dx, dW = cuda.to_device(x), cuda.to_device(W)
     launch_gate_topk(cuda.to_device(x @ router.T), ids, weights, normalize)
     launch_expert_grouping(ids, counts, offsets, order, position)
@@ -65,8 +67,9 @@ def run_pipeline(x, router, top_k, normalize, W, F, D):
     return out.copy_to_host(), ids.copy_to_host()
 
 
-@pytest.mark.parametrize("dtype,n_tok,top_k,n_exp,normalize", [(np.uint16, 5, 2, 7, True),
-                                                                (np.float32, 3, 3, 4, False)])
+@pytest.mark.parametrize(
+    "dtype,n_tok,top_k,n_exp,normalize", [(np.uint16, 5, 2, 7, True), (np.float32, 3, 3, 4, False)]
+)
 def test_pipeline_matches_sparse_moe(dtype, n_tok, top_k, n_exp, normalize):
     rng = np.random.default_rng(11)
     F, D = 12, 20

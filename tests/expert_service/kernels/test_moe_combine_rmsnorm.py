@@ -1,5 +1,6 @@
 """moe_combine_rmsnorm vs numpy (experts.combine + residual, then rms_norm) and bit for bit vs the unfused pair
 moe_combine (or moe_combine_dense) + rmsnorm, grouped and dense layouts, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -49,21 +50,33 @@ def _check(rng, n_tok, top_k, n_exp, D, dtype, dense, threads):
     np.testing.assert_array_equal(got_out, out2.copy_to_host())
 
 
-@pytest.mark.parametrize("n_tok,top_k,n_exp,D,dtype,dense", [
-    (1, 1, 3, 5, np.float32, False), (1, 1, 3, 5, np.uint16, True),
-    (5, 2, 8, 37, np.float16, False), (5, 2, 8, 37, np.uint16, True),      # D not a multiple of the threads
-    (3, 4, 7, 70, np.uint16, False), (3, 4, 7, 70, np.float32, True),
-])
+@pytest.mark.parametrize(
+    "n_tok,top_k,n_exp,D,dtype,dense",
+    [
+        (1, 1, 3, 5, np.float32, False),
+        (1, 1, 3, 5, np.uint16, True),
+        (5, 2, 8, 37, np.float16, False),
+        (5, 2, 8, 37, np.uint16, True),  # D not a multiple of the threads
+        (3, 4, 7, 70, np.uint16, False),
+        (3, 4, 7, 70, np.float32, True),
+    ],
+)
 def test_moe_combine_rmsnorm_matches_reference(n_tok, top_k, n_exp, D, dtype, dense):
     _check(np.random.default_rng(n_tok * 100 + D), n_tok, top_k, n_exp, D, dtype, dense, threads=32)
 
 
 def test_moe_combine_rmsnorm_rejects_aliasing_shapes():
     y = cuda.to_device(np.ones((4, 8), np.float32))
-    with pytest.raises(AssertionError):      # position of the wrong length for T*K rows
-        launch_moe_combine_rmsnorm(y, cuda.to_device(np.arange(3, dtype=np.int32)),
-                                   cuda.to_device(np.ones((2, 2), np.float32)), cuda.to_device(np.ones((2, 8), np.float32)),
-                                   cuda.to_device(np.ones(8, np.float32)), EPS, nan_device((2, 8)))
+    with pytest.raises(AssertionError):  # position of the wrong length for T*K rows
+        launch_moe_combine_rmsnorm(
+            y,
+            cuda.to_device(np.arange(3, dtype=np.int32)),
+            cuda.to_device(np.ones((2, 2), np.float32)),
+            cuda.to_device(np.ones((2, 8), np.float32)),
+            cuda.to_device(np.ones(8, np.float32)),
+            EPS,
+            nan_device((2, 8)),
+        )
 
 
 @pytest.mark.gpu
@@ -73,6 +86,6 @@ def test_moe_combine_rmsnorm_rejects_aliasing_shapes():
 def test_moe_combine_rmsnorm_gpu(dtype, dense, n_tok):
     rng = np.random.default_rng(n_tok)
     n_exp, top_k, D = (8, 2, 4096) if dense else (128, 8, 2048)
-    if dense and n_tok > 64:          # the dense layout is the decode-size all-experts path
+    if dense and n_tok > 64:  # the dense layout is the decode-size all-experts path
         n_tok = 64
     _check(rng, n_tok, top_k, n_exp, D, dtype, dense, threads=256)

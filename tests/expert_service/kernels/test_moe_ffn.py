@@ -1,5 +1,6 @@
 """moe_gate_up + launch_moe_down vs swiglu_mlp per expert in grouped order, for every weight dtype (simulator on tiny
 shapes; Mixtral/Qwen3 sizes on a GPU). The reference uses the exact float32 values of the stored weights."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -24,7 +25,7 @@ def check(ids, n_exp, F, D, dtype, seed, rtol=1e-5):
     launch_moe_gate_up(cuda.to_device(x), order, offsets, dW, F, D, h)
     launch_moe_down(h, order, offsets, dW, F, D, y)
     h, y = h.copy_to_host(), y.copy_to_host()
-    assert np.isfinite(h).all() and np.isfinite(y).all()       # every element written, no padding read
+    assert np.isfinite(h).all() and np.isfinite(y).all()  # every element written, no padding read
     for e in groups.active_experts():
         lo, hi = groups.offsets[e], groups.offsets[e + 1]
         gate, up, down = mats[e]
@@ -55,9 +56,15 @@ def test_all_tokens_on_one_expert_many_token_tiles():
 def test_rejects_small_stride():
     W = cuda.to_device(np.zeros((2, 100), np.float32))
     with pytest.raises(ValueError):
-        launch_moe_gate_up(cuda.to_device(np.ones((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32)),
-                    cuda.to_device(np.array([0, 1, 1], np.int32)), W, 8, 8,
-                    cuda.to_device(np.zeros((1, 8), np.float32)))
+        launch_moe_gate_up(
+            cuda.to_device(np.ones((1, 8), np.float32)),
+            cuda.to_device(np.zeros(1, np.int32)),
+            cuda.to_device(np.array([0, 1, 1], np.int32)),
+            W,
+            8,
+            8,
+            cuda.to_device(np.zeros((1, 8), np.float32)),
+        )
 
 
 @pytest.mark.gpu
@@ -95,7 +102,7 @@ def test_slot_indirection_in_waves_equals_full_residency(dtype):
     for wave in (active[::2], active[1::2]):
         slots = np.zeros((3, W.shape[1]), W.dtype)
         slot_of = np.full(n_exp, -1, np.int32)
-        for slot, e in enumerate(reversed(wave)):          # slots in another order than experts
+        for slot, e in enumerate(reversed(wave)):  # slots in another order than experts
             slots[slot], slot_of[e] = W[e], slot
         d_slots, d_slot_of = cuda.to_device(slots), cuda.to_device(slot_of)
         launch_moe_gate_up(x, order, offsets, d_slots, F, D, h, slot_of=d_slot_of)

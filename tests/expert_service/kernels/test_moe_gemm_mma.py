@@ -8,6 +8,7 @@ tokens and an expert with all of them.
 Tolerances: h is bf16 of an fp32 sum vs bf16 of the float64 sum (one bf16 step where they round apart);
 y and the combined output are checked against float64 products of the kernel's own h (fp32 accumulation
 only), and end to end against the reference's h."""
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -39,8 +40,9 @@ def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual):
     n_exp, n = W.shape[0], ids.size
     bm = cfg.block_m
     tiles = max_tiles(n, n_exp, bm)
-    sorted_ids, tile_expert, num_tiles, position = (cuda.to_device(np.full(s, -7, np.int32))
-                                                    for s in (tiles * bm, tiles, 1, n))
+    sorted_ids, tile_expert, num_tiles, position = (
+        cuda.to_device(np.full(s, -7, np.int32)) for s in (tiles * bm, tiles, 1, n)
+    )
     launch_moe_align(cuda.to_device(ids), n_exp, bm, sorted_ids, tile_expert, num_tiles, position)
     xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
     launch_moe_gather_bf16(cuda.to_device(x), sorted_ids, num_tiles, top_k, bm, xs)
@@ -51,8 +53,9 @@ def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual):
     d_w = cuda.to_device(route_w)
     y = None
     if combine == "atomic":
-        launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, dW, F, D, out, route_weights=d_w,
-                             combine="atomic", config=cfg)
+        launch_moe_gemm_down(
+            h, tile_expert, num_tiles, sorted_ids, dW, F, D, out, route_weights=d_w, combine="atomic", config=cfg
+        )
     else:
         d_y = cuda.to_device(np.full((n, D), np.nan, np.float32))
         launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, dW, F, D, d_y, combine="store", config=cfg)
@@ -76,7 +79,7 @@ def check(ids, n_exp, F, D, cfg, combine, seed, route_w=None):
     ref_h, ref_y, ref_out = moe_reference(x, ids, route_w, mats, residual)
     assert np.isfinite(h_used).all(), "a used row of h was not written"
     assert (h_used[sorted_ids < 0] == 0).all(), "padding rows of h must be zeros"
-    np.testing.assert_allclose(h, ref_h, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref_h).max())
+    np.testing.assert_allclose(h, ref_h, rtol=2**-7, atol=2**-7 * np.abs(ref_h).max())
     # y / out from the kernel's own h: fp32 accumulation is all that differs
     y64 = np.zeros((ids.size, D))
     for e in np.unique(ids):
@@ -101,7 +104,7 @@ def test_sim_aligned_ragged(cfg, combine):
     rng = np.random.default_rng(1)
     ids = random_ids(rng, 7, 2, 5)
     ids[:, 0] = np.where(ids[:, 0] == 4, 0, ids[:, 0])
-    ids[:, 1] = np.where(ids[:, 1] == 4, 1, ids[:, 1])     # expert 4 gets no token
+    ids[:, 1] = np.where(ids[:, 1] == 4, 1, ids[:, 1])  # expert 4 gets no token
     check(ids, 5, 24, 40, cfg, combine, seed=2)
 
 
@@ -115,26 +118,39 @@ def test_sim_generic_odd_sizes(combine):
 
 @pytest.mark.skipif(not SIMULATOR, reason="simulator shapes")
 def test_sim_all_tokens_on_one_expert():
-    check(np.full((20, 1), 2, np.int32), 3, 16, 24, SIM_CONFIG_2, "atomic", seed=5,
-          route_w=np.ones((20, 1), np.float32))
+    check(
+        np.full((20, 1), 2, np.int32), 3, 16, 24, SIM_CONFIG_2, "atomic", seed=5, route_w=np.ones((20, 1), np.float32)
+    )
 
 
 def test_rejects_non_bf16_weights():
     cfg = SIM_CONFIG
     with pytest.raises(ValueError):
-        launch_moe_gemm_gate_up(cuda.to_device(np.zeros((16, 8), np.uint16)), cuda.to_device(np.zeros(1, np.int32)),
-                                cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.zeros((1, 200), np.float32)),
-                                8, 8, cuda.to_device(np.zeros((16, 8), np.uint16)), config=cfg)
+        launch_moe_gemm_gate_up(
+            cuda.to_device(np.zeros((16, 8), np.uint16)),
+            cuda.to_device(np.zeros(1, np.int32)),
+            cuda.to_device(np.zeros(1, np.int32)),
+            cuda.to_device(np.zeros((1, 200), np.float32)),
+            8,
+            8,
+            cuda.to_device(np.zeros((16, 8), np.uint16)),
+            config=cfg,
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("combine", ["atomic", "store"])
-@pytest.mark.parametrize("name,n_tok,top_k,n_exp,F,D", [
-    *[(name, 300, 2, 8, 384, 512) for name in CONFIGS],          # aligned (16-byte loads), k / n tails
-    *[(name, 200, 8, 128, 96, 256) for name in CONFIGS],         # 128 experts, ~12 rows each
-    ("m16", 37, 3, 6, 100, 72), ("m64", 37, 3, 6, 100, 72),      # F % 8 != 0: element loads
-    ("m16", 45, 2, 5, 61, 83), ("m64", 45, 2, 5, 61, 83),        # odd D and F
-])
+@pytest.mark.parametrize(
+    "name,n_tok,top_k,n_exp,F,D",
+    [
+        *[(name, 300, 2, 8, 384, 512) for name in CONFIGS],  # aligned (16-byte loads), k / n tails
+        *[(name, 200, 8, 128, 96, 256) for name in CONFIGS],  # 128 experts, ~12 rows each
+        ("m16", 37, 3, 6, 100, 72),
+        ("m64", 37, 3, 6, 100, 72),  # F % 8 != 0: element loads
+        ("m16", 45, 2, 5, 61, 83),
+        ("m64", 45, 2, 5, 61, 83),  # odd D and F
+    ],
+)
 def test_gpu_configs(name, combine, n_tok, top_k, n_exp, F, D):
     rng = np.random.default_rng(n_tok + F)
     check(random_ids(rng, n_tok, top_k, n_exp), n_exp, F, D, CONFIGS[name], combine, seed=n_tok)

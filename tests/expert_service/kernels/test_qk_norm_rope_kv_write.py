@@ -1,6 +1,7 @@
 """qk_norm_rope_kv_write vs numpy (per-head rms_norm, apply_rotary, write_kv) and bit for bit vs the kernels it
 replaces (rmsnorm on q and k, then rope_kv_write), on ragged steps over shuffled paged KV blocks with padding
 tokens, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,10 +37,11 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
     launch_qk_norm_rope_kv_write(d_q, d_k, d_v, d_qw, d_kw, EPS, d_pos, d_freq, scale, d_slots, d_kp, d_vp)
     got_q, got_kp, got_vp = d_q.copy_to_host(), d_kp.copy_to_host(), d_vp.copy_to_host()
 
-    assert_close(got_q, _rotate(rms_norm(q, q_wf, EPS), positions, inv_freq, scale), 1e-5)   # padding rows too
-    np.testing.assert_array_equal(d_k.copy_to_host(), k)                   # k itself is left as it was
-    assert_pool_writes(got_kp, got_vp, k_pool, v_pool, _rotate(rms_norm(k, k_wf, EPS), positions, inv_freq, scale),
-                       v, slots, dtype)
+    assert_close(got_q, _rotate(rms_norm(q, q_wf, EPS), positions, inv_freq, scale), 1e-5)  # padding rows too
+    np.testing.assert_array_equal(d_k.copy_to_host(), k)  # k itself is left as it was
+    assert_pool_writes(
+        got_kp, got_vp, k_pool, v_pool, _rotate(rms_norm(k, k_wf, EPS), positions, inv_freq, scale), v, slots, dtype
+    )
 
     # the kernels it replaces, on the same inputs: the same bits
     u_q, u_k, u_kp, u_vp = cuda.to_device(q), cuda.to_device(k), cuda.to_device(k_pool), cuda.to_device(v_pool)
@@ -56,14 +58,27 @@ def test_supported_head_sizes():
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("cached,new,pad,heads,kv_heads,head_dim,scale", [
-    ([0], [1], 0, 2, 1, 64, 1.0),                       # one token; 4 heads over 2 blocks (v heads included)
-    ([3, 0, 9], [1, 3, 2], 2, 3, 1, 64, 1.3),           # ragged: a decode, a first chunk, a later chunk; padding
-    ([6, 1], [1, 1], 1, 2, 1, 128, 1.0),                # a decode batch with a padded bucket slot, Hd 128
-])
+@pytest.mark.parametrize(
+    "cached,new,pad,heads,kv_heads,head_dim,scale",
+    [
+        ([0], [1], 0, 2, 1, 64, 1.0),  # one token; 4 heads over 2 blocks (v heads included)
+        ([3, 0, 9], [1, 3, 2], 2, 3, 1, 64, 1.3),  # ragged: a decode, a first chunk, a later chunk; padding
+        ([6, 1], [1, 1], 1, 2, 1, 128, 1.0),  # a decode batch with a padded bucket slot, Hd 128
+    ],
+)
 def test_qk_norm_rope_kv_write_matches_reference(dtype, cached, new, pad, heads, kv_heads, head_dim, scale):
-    _check(np.random.default_rng(sum(new) + head_dim), cached, new, pad, heads, kv_heads, head_dim, block_size=4,
-           dtype=dtype, scale=scale)
+    _check(
+        np.random.default_rng(sum(new) + head_dim),
+        cached,
+        new,
+        pad,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size=4,
+        dtype=dtype,
+        scale=scale,
+    )
 
 
 @pytest.mark.gpu
@@ -71,9 +86,9 @@ def test_qk_norm_rope_kv_write_matches_reference(dtype, cached, new, pad, heads,
 @pytest.mark.parametrize("shape", ["decode64", "prefill"])
 def test_qk_norm_rope_kv_write_gpu(dtype, shape):
     rng = np.random.default_rng(19)
-    if shape == "decode64":           # 64 decodes at ragged contexts, 3 padding slots of a graph bucket
+    if shape == "decode64":  # 64 decodes at ragged contexts, 3 padding slots of a graph bucket
         cached, new, pad = list(rng.integers(1, 1000, 61)), [1] * 61, 3
-    else:                             # chunked prefill of ragged sequences
+    else:  # chunked prefill of ragged sequences
         cached, new, pad = [0, 100, 7, 0], [512, 300, 1, 33], 0
     _check(rng, cached, new, pad, 32, 4, 128, 16, dtype, 1.0)
     _check(rng, cached[:4], new[:4], 0, 16, 2, 64, 16, dtype, 1.2)

@@ -1,4 +1,5 @@
 """RoPE and greedy argmax / non-finite flag kernels vs numpy, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,7 +33,7 @@ def _check_rope(rng, num_tokens, heads, kv_heads, head_dim, scale, max_pos, thre
 
 def _check_greedy(rng, rows, vocab, threads):
     logits = rng.standard_normal((rows, vocab), dtype=np.float32)
-    logits[0, rng.integers(vocab, size=3)] = np.float32(7.5)      # tie: lowest index wins
+    logits[0, rng.integers(vocab, size=3)] = np.float32(7.5)  # tie: lowest index wins
     if rows > 1:
         logits[1, vocab - 1] = np.inf
     if rows > 2:

@@ -1,5 +1,6 @@
 """rope_kv_write vs numpy (apply_rotary, then write_kv) and bit for bit vs the unfused rope + kv_write, on a
 step of ragged sequences over shuffled paged KV blocks with padding tokens, in the simulator and (gpu) on a GPU."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -49,9 +50,9 @@ def assert_pool_writes(got_kp, got_vp, k_pool, v_pool, keys, v, slots, dtype):
     written = np.zeros(k_pool.shape[0] * k_pool.shape[1], bool)
     written[slots[real]] = True
     written = written.reshape(k_pool.shape[:2])
-    np.testing.assert_array_equal(got_kp[~written], k_pool[~written])       # other slots untouched
-    np.testing.assert_array_equal(got_vp, want_v)                          # values: an exact narrowing copy
-    tol = 1e-2 if np.dtype(dtype) != np.float32 else 1e-5                  # one 16-bit ulp where cos/sin differ
+    np.testing.assert_array_equal(got_kp[~written], k_pool[~written])  # other slots untouched
+    np.testing.assert_array_equal(got_vp, want_v)  # values: an exact narrowing copy
+    tol = 1e-2 if np.dtype(dtype) != np.float32 else 1e-5  # one 16-bit ulp where cos/sin differ
     assert_close(from_storage(got_kp[written]), from_storage(want_k[written]), tol)
 
 
@@ -71,8 +72,8 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
     launch_rope_kv_write(d_q, d_k, d_v, d_pos, d_freq, scale, d_slots, d_kp, d_vp, threads=threads)
     got_q, got_kp, got_vp = d_q.copy_to_host(), d_kp.copy_to_host(), d_vp.copy_to_host()
 
-    assert_close(got_q, _rotate(q, positions, inv_freq, scale), 1e-5)      # every q row, padding included
-    np.testing.assert_array_equal(d_k.copy_to_host(), k)                   # k itself is left as it was
+    assert_close(got_q, _rotate(q, positions, inv_freq, scale), 1e-5)  # every q row, padding included
+    np.testing.assert_array_equal(d_k.copy_to_host(), k)  # k itself is left as it was
     assert_pool_writes(got_kp, got_vp, k_pool, v_pool, _rotate(k, positions, inv_freq, scale), v, slots, dtype)
 
     # the unfused kernels on the same inputs give the same bits (rope's arithmetic, kv_write's narrowing)
@@ -85,17 +86,31 @@ def _check(rng, cached, new, pad, heads, kv_heads, head_dim, block_size, dtype, 
 
 
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("cached,new,pad,heads,kv_heads,head_dim,scale", [
-    ([0], [1], 0, 2, 1, 8, 1.0),                        # one token of one sequence
-    ([3, 0, 9], [1, 5, 2], 2, 3, 1, 12, 1.3),           # ragged: a decode, a first chunk, a later chunk; padding
-    ([6, 1], [1, 1], 1, 4, 2, 8, 1.0),                  # a decode batch with a padded bucket slot
-    ([5], [1], 0, 8, 2, 16, 1.0),                       # one decode token spread over 3 blocks (80 pairs)
-    ([2, 9], [3, 1], 1, 8, 4, 16, 0.9),                 # 5 tokens, 3 blocks each
-])
+@pytest.mark.parametrize(
+    "cached,new,pad,heads,kv_heads,head_dim,scale",
+    [
+        ([0], [1], 0, 2, 1, 8, 1.0),  # one token of one sequence
+        ([3, 0, 9], [1, 5, 2], 2, 3, 1, 12, 1.3),  # ragged: a decode, a first chunk, a later chunk; padding
+        ([6, 1], [1, 1], 1, 4, 2, 8, 1.0),  # a decode batch with a padded bucket slot
+        ([5], [1], 0, 8, 2, 16, 1.0),  # one decode token spread over 3 blocks (80 pairs)
+        ([2, 9], [3, 1], 1, 8, 4, 16, 0.9),  # 5 tokens, 3 blocks each
+    ],
+)
 def test_rope_kv_write_matches_reference(dtype, cached, new, pad, heads, kv_heads, head_dim, scale):
     assert blocks_per_row(sum(new) + pad, (heads + kv_heads) * head_dim // 2, 32) == (3 if head_dim == 16 else 1)
-    _check(np.random.default_rng(sum(new) + head_dim), cached, new, pad, heads, kv_heads, head_dim, block_size=4,
-           dtype=dtype, scale=scale, threads=32)
+    _check(
+        np.random.default_rng(sum(new) + head_dim),
+        cached,
+        new,
+        pad,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size=4,
+        dtype=dtype,
+        scale=scale,
+        threads=32,
+    )
 
 
 @pytest.mark.gpu
@@ -103,9 +118,9 @@ def test_rope_kv_write_matches_reference(dtype, cached, new, pad, heads, kv_head
 @pytest.mark.parametrize("shape", ["decode64", "prefill"])
 def test_rope_kv_write_gpu(dtype, shape):
     rng = np.random.default_rng(17)
-    if shape == "decode64":           # 64 decodes at ragged contexts, 3 padding slots of a graph bucket
+    if shape == "decode64":  # 64 decodes at ragged contexts, 3 padding slots of a graph bucket
         cached, new, pad = list(rng.integers(1, 1000, 61)), [1] * 61, 3
-    else:                             # chunked prefill of ragged sequences
+    else:  # chunked prefill of ragged sequences
         cached, new, pad = [0, 100, 7, 0], [512, 300, 1, 33], 0
     _check(rng, cached, new, pad, 32, 8, 128, 16, dtype, 1.0, threads=128)
     _check(rng, cached[:4], new[:4], 0, 32, 4, 64, 16, dtype, 1.2, threads=128)

@@ -4,6 +4,7 @@ prompts in chunks, decodes, frees, sampled and scored sequences, unknown and dup
 step that frees them, chunks for sequences that already sample, KV pools too small for everyone, and rows whose
 logits are non-finite (the engine releases those sequences when the step is collected, after the next step has
 launched). The cpu engine of the tiny model, its overlap switched on."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,11 +26,12 @@ UNKNOWN_ID = 99
 
 
 def _engine(model, overlap: bool, kv_cache_tokens: int, nan_every: int = 0) -> Engine:
-    config = EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=kv_cache_tokens, max_batch_tokens=48,
-                          max_batch_size=6)
+    config = EngineConfig(
+        backend="cpu", kv_block_size=4, kv_cache_tokens=kv_cache_tokens, max_batch_tokens=48, max_batch_size=6
+    )
     engine = build_engine(ModelDir.open(model), config)
     engine.decoder.supports_overlap = overlap
-    if nan_every:        # the tiny model's logits are always finite: a row of a (token, position) hash is not
+    if nan_every:  # the tiny model's logits are always finite: a row of a (token, position) hash is not
         forward = engine.decoder.forward
 
         def forward_with_nans(batch, trace=None):
@@ -38,6 +40,7 @@ def _engine(model, overlap: bool, kv_cache_tokens: int, nan_every: int = 0) -> E
                 if (int(batch.token_ids[source]) * 7 + int(batch.positions[source])) % nan_every == 0:
                     logits.array[row, 3] = np.nan
             return logits
+
         engine.decoder.forward = forward_with_nans
     return engine
 
@@ -50,14 +53,24 @@ def _view(outcome):
     """Everything a step's answer carries, comparable with ==."""
     if outcome.result is None:
         return "refused", outcome.refused, outcome.capacity
-    return [(o.request_id, o.token_id, o.error, round(o.logprob, 5),
-             None if o.top is None else o.top.top_ids.tolist(),
-             None if o.prompt is None else o.prompt.top_ids.tolist()) for o in outcome.result.outputs]
+    return [
+        (
+            o.request_id,
+            o.token_id,
+            o.error,
+            round(o.logprob, 5),
+            None if o.top is None else o.top.top_ids.tolist(),
+            None if o.prompt is None else o.prompt.top_ids.tolist(),
+        )
+        for o in outcome.result.outputs
+    ]
 
 
 def _state(engine: Engine):
-    return (sorted((rid, s.num_cached, s.last_token) for rid, s in engine.sequences.items()),
-            engine.allocator.num_used_blocks)
+    return (
+        sorted((rid, s.num_cached, s.last_token) for rid, s in engine.sequences.items()),
+        engine.allocator.num_used_blocks,
+    )
 
 
 def _one_at_a_time(engine: Engine, steps) -> tuple[list, StreamSession]:
@@ -73,6 +86,7 @@ def _pumped(engine: Engine, steps) -> tuple[list, list[int]]:
     def recording_launch(*args):
         depths.append(len(engine._in_flight))
         return launch(*args)
+
     engine.launch = recording_launch
     thread, faults = ModelThread("test-model"), []
     try:
@@ -92,11 +106,13 @@ def _pumped(engine: Engine, steps) -> tuple[list, list[int]]:
 def _sampling(rng) -> SamplingParams:
     if rng.random() < 0.7:
         return GREEDY
-    return [SamplingParams(temperature=0.9, seed=int(rng.integers(0, 9))),
-            SamplingParams(logprobs=True, top_logprobs=int(rng.integers(0, 3))),
-            SamplingParams(penalties=PenaltyParams(repetition=1.3, frequency=0.2)),
-            SamplingParams(min_new_tokens=2, stop_token_ids=tuple(int(t) for t in rng.integers(0, 50, 5))),
-            SamplingParams(prompt_logprobs=int(rng.integers(0, 3)))][int(rng.integers(0, 5))]
+    return [
+        SamplingParams(temperature=0.9, seed=int(rng.integers(0, 9))),
+        SamplingParams(logprobs=True, top_logprobs=int(rng.integers(0, 3))),
+        SamplingParams(penalties=PenaltyParams(repetition=1.3, frequency=0.2)),
+        SamplingParams(min_new_tokens=2, stop_token_ids=tuple(int(t) for t in rng.integers(0, 50, 5))),
+        SamplingParams(prompt_logprobs=int(rng.integers(0, 3))),
+    ][int(rng.integers(0, 5))]
 
 
 def _random_steps(seed: int, vocab: int, count: int = 24) -> list[StepRequest]:
@@ -182,6 +198,7 @@ def _nan_at_position(engine: Engine, position: int) -> Engine:
             if batch.positions[source] == position:
                 logits.array[row, 3] = np.nan
         return logits
+
     engine.decoder.forward = forward_with_nan
     return engine
 
@@ -191,10 +208,12 @@ def test_a_sequence_released_for_non_finite_logits_is_gone_for_the_step_behind(t
     """Step 2 samples position 5 of sequence 1, whose logits are non-finite: NON_FINITE_LOGITS, and the engine
     releases 1 when it collects step 2 -- after step 3 was launched behind it. Step 3 gets the answer it would
     get one step at a time: a refusal, a new sequence 1, UNKNOWN_SEQUENCE twice, UNKNOWN_SEQUENCE in its place."""
-    last = {"chunk without sampling": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), None, True)]),
-            "same id again": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), GREEDY, True)]),
-            "decode twice": _step(3, decodes=[1, 1]),
-            "decode": _step(3, chunks=[PrefillInput(2, np.arange(1, 4), GREEDY, True)], decodes=[1])}[third]
+    last = {
+        "chunk without sampling": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), None, True)]),
+        "same id again": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), GREEDY, True)]),
+        "decode twice": _step(3, decodes=[1, 1]),
+        "decode": _step(3, chunks=[PrefillInput(2, np.arange(1, 4), GREEDY, True)], decodes=[1]),
+    }[third]
     steps = [_step(1, chunks=[PrefillInput(1, np.arange(10, 15), GREEDY, True)]), _step(2, decodes=[1]), last]
     want, _ = _one_at_a_time(_nan_at_position(_engine(tiny_model, False, 256), 5), steps)
     got, _ = _pumped(_nan_at_position(_engine(tiny_model, True, 256), 5), steps)
@@ -208,11 +227,18 @@ def test_a_decode_that_needs_the_blocks_of_a_sequence_freed_behind_the_step_in_f
     and decodes A, which needs a fifth block: B's. One step at a time it runs; the pump, refused for KV blocks
     at first, collects step 2 (B's blocks come back) and launches step 3 again."""
     rng = np.random.default_rng(0)
-    steps = [_step(1, chunks=[PrefillInput(1, rng.integers(1, 200, 15), GREEDY, True),
-                              PrefillInput(2, rng.integers(1, 200, 14), GREEDY, True)]),
-             _step(2, decodes=[1, 2]),
-             _step(3, frees=[2], decodes=[1]),
-             _step(4, decodes=[1])]
+    steps = [
+        _step(
+            1,
+            chunks=[
+                PrefillInput(1, rng.integers(1, 200, 15), GREEDY, True),
+                PrefillInput(2, rng.integers(1, 200, 14), GREEDY, True),
+            ],
+        ),
+        _step(2, decodes=[1, 2]),
+        _step(3, frees=[2], decodes=[1]),
+        _step(4, decodes=[1]),
+    ]
     want, _ = _one_at_a_time(_engine(tiny_model, False, 32), steps)
     got, depths = _pumped(_engine(tiny_model, True, 32), steps)
     assert got == want and all(not error for answer in want for _, _, error, *_ in answer)
@@ -220,9 +246,11 @@ def test_a_decode_that_needs_the_blocks_of_a_sequence_freed_behind_the_step_in_f
 
 
 def test_an_id_freed_twice_in_one_step_is_freed_once(tiny_model):
-    steps = [_step(1, chunks=[PrefillInput(1, np.arange(1, 6), GREEDY, True)]),
-             _step(2, chunks=[PrefillInput(2, np.arange(1, 6), GREEDY, True)], decodes=[1]),
-             _step(3, frees=[2, 2, 1, 1], decodes=[1, 2])]
+    steps = [
+        _step(1, chunks=[PrefillInput(1, np.arange(1, 6), GREEDY, True)]),
+        _step(2, chunks=[PrefillInput(2, np.arange(1, 6), GREEDY, True)], decodes=[1]),
+        _step(3, frees=[2, 2, 1, 1], decodes=[1, 2]),
+    ]
     want, _ = _one_at_a_time(_engine(tiny_model, False, 256), steps)
     got, _ = _pumped(_engine(tiny_model, True, 256), steps)
     assert got == want and [(o[0], o[2]) for o in want[2]] == [(1, UNKNOWN_SEQUENCE), (2, UNKNOWN_SEQUENCE)]

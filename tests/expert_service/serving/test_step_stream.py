@@ -1,5 +1,6 @@
 """StreamSession on the cpu engine of the tiny model: which sequences a session owns, and that everything a
 sequence holds (its KV blocks, its penalty state slot) comes back when it is freed or its stream ends."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,9 @@ PENALISED = SamplingParams(penalties=PenaltyParams(repetition=1.3, frequency=0.5
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=512,
-                                                          max_batch_size=4))
+    return build_engine(
+        ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=512, max_batch_size=4)
+    )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Who may call the worker: the bearer token (file or environment, rotation), the owner-only Unix socket, and
 the refusal to serve a reachable address without either."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ def test_token_file_rotation_and_env(token_file, monkeypatch):
     monkeypatch.setattr("common.auth.RECHECK_S", 0.0)
     token_file.write_text("third-token\n")
     assert tokens.accepts(b"Bearer third-token") and not tokens.accepts(b"Bearer first-token")
-    token_file.write_text("")                       # mid-rotation: an empty file keeps what was accepted
+    token_file.write_text("")  # mid-rotation: an empty file keeps what was accepted
     assert tokens.accepts(b"Bearer third-token")
     assert not TokenSet() and not TokenSet("", "  ")
 
@@ -58,9 +59,11 @@ def test_calls_need_the_token_health_and_reflection_do_not(tiny_model, token_fil
     try:
         anonymous, channel = stub(worker.address)
         wrong, wrong_channel = stub(worker.address, "not-the-token")
-        for call in (lambda s: s.Info(pb.InfoRequest(), timeout=10),
-                     lambda s: s.ClearCache(pb.ClearCacheRequest(), timeout=10),
-                     lambda s: list(s.StepStream(iter([pb.StepStreamRequest(step_id=1)]), timeout=10))):
+        for call in (
+            lambda s: s.Info(pb.InfoRequest(), timeout=10),
+            lambda s: s.ClearCache(pb.ClearCacheRequest(), timeout=10),
+            lambda s: list(s.StepStream(iter([pb.StepStreamRequest(step_id=1)]), timeout=10)),
+        ):
             for s in (anonymous, wrong):
                 with pytest.raises(grpc.RpcError) as e:
                     call(s)
@@ -69,12 +72,15 @@ def test_calls_need_the_token_health_and_reflection_do_not(tiny_model, token_fil
         with pytest.raises(grpc.RpcError) as e:
             channel.unary_unary("/colibri.worker.v1.WorkerService/Prefill")(b"\xff\xff\xff", timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        wait_for(worker.address, "colibri.readiness")          # health: no token needed
+        wait_for(worker.address, "colibri.readiness")  # health: no token needed
         for token in ("first-token", "second-token"):
             good, good_channel = stub(worker.address, token)
             assert good.Info(pb.InfoRequest(), timeout=10).vocab_size == 259
-            steps = [pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(request_id=5, token_ids=[5, 6],
-                                                                             sampling=GREEDY, is_last=True)])]
+            steps = [
+                pb.StepStreamRequest(
+                    step_id=1, chunks=[pb.PrefillChunk(request_id=5, token_ids=[5, 6], sampling=GREEDY, is_last=True)]
+                )
+            ]
             assert len(list(good.StepStream(iter(steps), timeout=10))) == 1
             good_channel.close()
         # With the token the bytes are parsed: a malformed step ends the stream after the steps before it.
@@ -94,7 +100,7 @@ def test_calls_need_the_token_health_and_reflection_do_not(tiny_model, token_fil
 def test_unix_socket_is_owner_only_and_a_stale_file_is_replaced(tiny_model, tmp_path):
     sock = tmp_path / "worker.sock"
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(sock))           # left behind by a killed worker: bound, nobody listening
+    stale.bind(str(sock))  # left behind by a killed worker: bound, nobody listening
     stale.close()
     process = start_worker(tiny_model, "--socket", str(sock))
     try:
@@ -104,9 +110,26 @@ def test_unix_socket_is_owner_only_and_a_stale_file_is_replaced(tiny_model, tmp_
         assert s.Info(pb.InfoRequest(), timeout=10).backend == "cpu"
         channel.close()
         # A second worker on the same socket: it is live, so the second one must not take it over.
-        second = subprocess.run([sys.executable, "-m", "colibri.cli", "worker", "--model", str(tiny_model),
-                                 "--backend", "cpu", "--socket", str(sock), "--metrics-port", "0"],
-                                env=worker_env(), capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "colibri.cli",
+                "worker",
+                "--model",
+                str(tiny_model),
+                "--backend",
+                "cpu",
+                "--socket",
+                str(sock),
+                "--metrics-port",
+                "0",
+            ],
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 7, second.stderr
         assert second.stderr.strip().splitlines()[-1] == f"colibri worker: error: worker gRPC unix:{sock} is in use"
         assert process.poll() is None
@@ -117,14 +140,33 @@ def test_unix_socket_is_owner_only_and_a_stale_file_is_replaced(tiny_model, tmp_
 
 def test_reachable_address_without_a_token_is_refused(tiny_model):
     port = free_port()
-    base = [sys.executable, "-m", "colibri.cli", "worker", "--model", str(tiny_model), "--backend", "cpu",
-            "--host", "0.0.0.0", "--port", str(port), "--metrics-port", "0"]
+    base = [
+        sys.executable,
+        "-m",
+        "colibri.cli",
+        "worker",
+        "--model",
+        str(tiny_model),
+        "--backend",
+        "cpu",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+    ]
     refused = subprocess.run(base, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "without a token" in refused.stderr, refused.stderr
     # With a token from the environment it serves; the token never appears in its command line.
-    process = subprocess.Popen(base + ["--warmup-tokens", "4"], env=worker_env(COLIBRI_WORKER_TOKEN="env-secret"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        base + ["--warmup-tokens", "4"],
+        env=worker_env(COLIBRI_WORKER_TOKEN="env-secret"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(f"127.0.0.1:{port}", "colibri.readiness", process=process)
         with open(f"/proc/{process.pid}/cmdline", "rb") as f:

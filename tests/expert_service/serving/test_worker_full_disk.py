@@ -1,6 +1,7 @@
 """A worker whose stderr cannot be written (a full disk, a log reader gone) still serves and still exits on
 SIGTERM: a failed log or progress write must not wedge it (health would stay down, and no supervisor restarts a
 process that never exits)."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ def unwritable_stderr(request):
             yield full
         return
     reader, writer = os.pipe()
-    os.close(reader)                 # every write now fails with EPIPE
+    os.close(reader)  # every write now fails with EPIPE
     yield writer
     os.close(writer)
 

@@ -3,6 +3,7 @@ messages (and raw bytes through a generic call), boundary requests, and a cancel
 StepStream. Each case asserts: a proper status for that call alone (OK, INVALID_ARGUMENT or
 RESOURCE_EXHAUSTED, one line), no ERROR or traceback in the logs, the worker still serving, and the KV pool
 whole again once nothing holds a sequence. Reproducible: hypothesis runs derandomized, without a database."""
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,9 @@ from tests.expert_service.serving.worker_fuzz import (
 )
 from tests.helpers import BackgroundWorker
 
-FUZZ = settings(max_examples=120, derandomize=True, database=None, deadline=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=120, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 GREEDY = pb.SamplingParams(top_p=1.0)
 
 
@@ -52,8 +54,12 @@ def still_serving(fuzzed, where: str) -> None:
     worker, stub, _, watcher = fuzzed
     assert worker.exit_code is None, f"{where}: the worker exited ({worker.exit_code})"
     assert stub.Health(pb.HealthRequest(), timeout=10).ready, f"{where}: not ready"
-    canary = stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=2**64 - 1, token_ids=[5, 6, 7],
-                                                                    sampling=GREEDY, is_last=True)]), timeout=10)
+    canary = stub.Prefill(
+        pb.PrefillRequest(
+            chunks=[pb.PrefillChunk(request_id=2**64 - 1, token_ids=[5, 6, 7], sampling=GREEDY, is_last=True)]
+        ),
+        timeout=10,
+    )
     assert canary.generations[0].has_token and not canary.generations[0].error, f"{where}: {canary}"
     stub.FilterBatch(pb.FilterBatchRequest(keep_request_ids=[]), timeout=10)
     found = watcher.take()
@@ -87,8 +93,9 @@ def test_raw_bytes_to_every_method(fuzzed, method, frames):
 
         def stream():
             responses.extend(call(iter(frames), timeout=30))
-            if len(responses) != len(frames):    # neither refused nor answered: dropped
+            if len(responses) != len(frames):  # neither refused nor answered: dropped
                 raise AssertionError(f"{len(frames)} frames, {len(responses)} answers, status OK")
+
         problem = call_problem(stream)
     else:
         call = channel.unary_unary(SERVICE + method)
@@ -117,40 +124,82 @@ def _chunk(request_id, tokens, sampling=GREEDY, is_last=True):
 
 
 def _plan(offsets_shape, indices_shape, data=b""):
-    return pb.RoutingPlan(layers=[0, 1], offsets=pb.Tensor(data=data, dtype="int32", shape=offsets_shape),
-                          token_indices=pb.Tensor(data=data, dtype="int32", shape=indices_shape))
+    return pb.RoutingPlan(
+        layers=[0, 1],
+        offsets=pb.Tensor(data=data, dtype="int32", shape=offsets_shape),
+        token_indices=pb.Tensor(data=data, dtype="int32", shape=indices_shape),
+    )
 
 
 BOUNDARY = {
     "empty decode": ("Decode", pb.DecodeRequest()),
     "empty prefill": ("Prefill", pb.PrefillRequest()),
-    "stop id = vocab": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5], pb.SamplingParams(
-        top_p=1.0, stop_token_ids=[259], min_new_tokens=3))])),
-    "stop id 2^32-1 sampled": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5], pb.SamplingParams(
-        temperature=0.7, top_p=0.9, stop_token_ids=[2**32 - 1], min_new_tokens=3))])),
+    "stop id = vocab": (
+        "Prefill",
+        pb.PrefillRequest(
+            chunks=[_chunk(1, [5], pb.SamplingParams(top_p=1.0, stop_token_ids=[259], min_new_tokens=3))]
+        ),
+    ),
+    "stop id 2^32-1 sampled": (
+        "Prefill",
+        pb.PrefillRequest(
+            chunks=[
+                _chunk(
+                    1, [5], pb.SamplingParams(temperature=0.7, top_p=0.9, stop_token_ids=[2**32 - 1], min_new_tokens=3)
+                )
+            ]
+        ),
+    ),
     "tokens past max_batch_tokens": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5] * 65)])),
     "2M tokens": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5] * 2_000_000)])),
     "too many sequences": ("Prefill", pb.PrefillRequest(chunks=[_chunk(i, [5]) for i in range(9)])),
     "duplicate chunk ids": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5]), _chunk(1, [6])])),
     "chunk and decode of one id": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5])], decode_request_ids=[1])),
-    "shape product overflows to zero": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5])], routing_plan=_plan(
-        [2**32, 2**32], [2**32, 2**32]))),
-    "shape product wraps": ("Decode", pb.DecodeRequest(request_ids=[1], routing_plan=_plan(
-        [2, 2**62 + 3], [2, 2**63 - 1]))),
-    "plan for another token count": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5, 6])], routing_plan=pb.RoutingPlan(
-        layers=[0, 1], offsets=pb.Tensor(data=np.array([[0, 1, 2, 2, 2]] * 2, "<i4").tobytes(), dtype="int32",
-                                         shape=[2, 5]),
-        token_indices=pb.Tensor(data=np.array([[0, 0]] * 2, "<i4").tobytes(), dtype="int32", shape=[2, 2])))),
-    "plan with k = 3": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5])], routing_plan=pb.RoutingPlan(
-        layers=[0, 1], offsets=pb.Tensor(data=np.array([[0, 1, 2, 3, 3]] * 2, "<i4").tobytes(), dtype="int32",
-                                         shape=[2, 5]),
-        token_indices=pb.Tensor(data=np.zeros((2, 3), "<i4").tobytes(), dtype="int32", shape=[2, 3])))),
-    "plan with one expert twice": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5])], routing_plan=pb.RoutingPlan(
-        layers=[0, 1], offsets=pb.Tensor(data=np.array([[0, 2, 2, 2, 2]] * 2, "<i4").tobytes(), dtype="int32",
-                                         shape=[2, 5]),
-        token_indices=pb.Tensor(data=np.zeros((2, 2), "<i4").tobytes(), dtype="int32", shape=[2, 2])))),
-    "nan temperature": ("Prefill", pb.PrefillRequest(chunks=[_chunk(1, [5], pb.SamplingParams(
-        temperature=float("nan")))])),
+    "shape product overflows to zero": (
+        "Prefill",
+        pb.PrefillRequest(chunks=[_chunk(1, [5])], routing_plan=_plan([2**32, 2**32], [2**32, 2**32])),
+    ),
+    "shape product wraps": (
+        "Decode",
+        pb.DecodeRequest(request_ids=[1], routing_plan=_plan([2, 2**62 + 3], [2, 2**63 - 1])),
+    ),
+    "plan for another token count": (
+        "Prefill",
+        pb.PrefillRequest(
+            chunks=[_chunk(1, [5, 6])],
+            routing_plan=pb.RoutingPlan(
+                layers=[0, 1],
+                offsets=pb.Tensor(data=np.array([[0, 1, 2, 2, 2]] * 2, "<i4").tobytes(), dtype="int32", shape=[2, 5]),
+                token_indices=pb.Tensor(data=np.array([[0, 0]] * 2, "<i4").tobytes(), dtype="int32", shape=[2, 2]),
+            ),
+        ),
+    ),
+    "plan with k = 3": (
+        "Prefill",
+        pb.PrefillRequest(
+            chunks=[_chunk(1, [5])],
+            routing_plan=pb.RoutingPlan(
+                layers=[0, 1],
+                offsets=pb.Tensor(data=np.array([[0, 1, 2, 3, 3]] * 2, "<i4").tobytes(), dtype="int32", shape=[2, 5]),
+                token_indices=pb.Tensor(data=np.zeros((2, 3), "<i4").tobytes(), dtype="int32", shape=[2, 3]),
+            ),
+        ),
+    ),
+    "plan with one expert twice": (
+        "Prefill",
+        pb.PrefillRequest(
+            chunks=[_chunk(1, [5])],
+            routing_plan=pb.RoutingPlan(
+                layers=[0, 1],
+                offsets=pb.Tensor(data=np.array([[0, 2, 2, 2, 2]] * 2, "<i4").tobytes(), dtype="int32", shape=[2, 5]),
+                token_indices=pb.Tensor(data=np.zeros((2, 2), "<i4").tobytes(), dtype="int32", shape=[2, 2]),
+            ),
+        ),
+    ),
+    "nan temperature": (
+        "Prefill",
+        pb.PrefillRequest(chunks=[_chunk(1, [5], pb.SamplingParams(temperature=float("nan")))]),
+    ),
     "warmup of 2^32-1 tokens": ("Warmup", pb.WarmupRequest(max_batch_tokens=2**32 - 1)),
     "filter keeping 100k ids": ("FilterBatch", pb.FilterBatchRequest(keep_request_ids=list(range(100_000)))),
 }
@@ -168,8 +217,9 @@ def test_tiny_temperature_samples_the_top_token(fuzzed):
     """1e-45 divides the logits into inf; the sampler must still pick the most likely token, as greedy does."""
     stub = fuzzed[1]
     greedy = stub.Prefill(pb.PrefillRequest(chunks=[_chunk(1, [5, 17, 42])])).generations[0].token_id
-    tiny = stub.Prefill(pb.PrefillRequest(chunks=[_chunk(2, [5, 17, 42], pb.SamplingParams(
-        temperature=1e-45, top_p=1.0, seed=3))])).generations[0]
+    tiny = stub.Prefill(
+        pb.PrefillRequest(chunks=[_chunk(2, [5, 17, 42], pb.SamplingParams(temperature=1e-45, top_p=1.0, seed=3))])
+    ).generations[0]
     assert tiny.token_id == greedy and not tiny.error
     still_serving(fuzzed, "tiny temperature")
 
@@ -191,6 +241,7 @@ def test_cancel_and_disconnect_storm_on_step_stream(fuzzed):
             for s in range(2, 40):
                 time.sleep(0.002)
                 yield pb.StepStreamRequest(step_id=s, decode_request_ids=np.array([1000 + i], "<u8").tobytes())
+
         call = stub.StepStream(steps())
         try:
             for _ in range(rng.randint(0, 4)):

@@ -1,5 +1,6 @@
 """The worker process's lifecycle: liveness vs readiness, the drain on SIGTERM (held sequences finish, new
 ones are refused), bind failures that name the role and address, gauges that follow every free."""
+
 from __future__ import annotations
 
 import gc
@@ -38,13 +39,13 @@ NOT_SERVING = 2
 
 def test_liveness_follows_the_model_thread_readiness_the_warm_model():
     health = WorkerHealth(watchdog_s=0.2)
-    assert health.is_live() and not health.is_ready()        # loading: alive, not ready
+    assert health.is_live() and not health.is_ready()  # loading: alive, not ready
     health.model_thread = ModelThread()
     health.update(ready=True)
     assert health.is_ready()
     release = threading.Event()
     health.model_thread.submit(release.wait)
-    time.sleep(0.4)                                           # a job past the watchdog: wedged
+    time.sleep(0.4)  # a job past the watchdog: wedged
     assert not health.is_live() and not health.is_ready()
     release.set()
     time.sleep(0.05)
@@ -57,13 +58,14 @@ def test_liveness_follows_the_model_thread_readiness_the_warm_model():
 
 
 def test_the_overall_health_name_means_ready_to_serve():
-    """"" is what balancers, meshes and grpc_health_probe check by default: SERVING only when a call would be
+    """ "" is what balancers, meshes and grpc_health_probe check by default: SERVING only when a call would be
     served now; liveness keeps its own name."""
     health = WorkerHealth(watchdog_s=10.0)
 
     def status(service: str) -> int:
         return health.servicer.Check(pb_health.HealthCheckRequest(service=service), None).status
-    assert (status(""), status("colibri.liveness")) == (NOT_SERVING, SERVING)      # loading
+
+    assert (status(""), status("colibri.liveness")) == (NOT_SERVING, SERVING)  # loading
     health.update(ready=True)
     assert (status(""), status("colibri.liveness")) == (SERVING, SERVING)
     health.update(draining=True)
@@ -91,15 +93,26 @@ def _errors(response) -> dict[int, str]:
 
 def test_sigterm_drains_held_sequences_and_refuses_new_ones(tiny_model, tmp_path):
     sock, health_port = tmp_path / "w.sock", free_port()
-    process = start_worker(tiny_model, "--socket", str(sock), "--health-port", str(health_port),
-                           "--drain-timeout-s", "60", env=worker_env(COLIBRI_WORKER_TOKEN="t0k3n"))
+    process = start_worker(
+        tiny_model,
+        "--socket",
+        str(sock),
+        "--health-port",
+        str(health_port),
+        "--drain-timeout-s",
+        "60",
+        env=worker_env(COLIBRI_WORKER_TOKEN="t0k3n"),
+    )
     probe = f"127.0.0.1:{health_port}"
     try:
         wait_for(probe, "colibri.readiness", process=process)
         worker, channel = stub(f"unix:{sock}", "t0k3n")
         held = Stream(worker)
-        first = held.step(pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(
-            request_id=1, token_ids=[5, 6, 7], sampling=GREEDY, is_last=True)]))
+        first = held.step(
+            pb.StepStreamRequest(
+                step_id=1, chunks=[pb.PrefillChunk(request_id=1, token_ids=[5, 6, 7], sampling=GREEDY, is_last=True)]
+            )
+        )
         assert not first.step_error and not first.errors
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -107,17 +120,22 @@ def test_sigterm_drains_held_sequences_and_refuses_new_ones(tiny_model, tmp_path
             assert time.monotonic() < deadline, "readiness still SERVING while draining"
             time.sleep(0.05)
         assert health_status(probe, "colibri.liveness") == SERVING and health_status(probe, "") == NOT_SERVING
-        with pytest.raises(grpc.RpcError) as e:                 # a new stream: refused
+        with pytest.raises(grpc.RpcError) as e:  # a new stream: refused
             next(worker.StepStream(iter([pb.StepStreamRequest(step_id=1)]), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert not worker.Health(pb.HealthRequest(), timeout=10).ready
         one = np.array([1], "<u8").tobytes()
-        mixed = held.step(pb.StepStreamRequest(step_id=2, decode_request_ids=one, chunks=[pb.PrefillChunk(
-            request_id=2, token_ids=[8], sampling=GREEDY, is_last=True)]))
-        assert _errors(mixed) == {2: "DRAINING"}                 # a new sequence: refused, the held one steps on
+        mixed = held.step(
+            pb.StepStreamRequest(
+                step_id=2,
+                decode_request_ids=one,
+                chunks=[pb.PrefillChunk(request_id=2, token_ids=[8], sampling=GREEDY, is_last=True)],
+            )
+        )
+        assert _errors(mixed) == {2: "DRAINING"}  # a new sequence: refused, the held one steps on
         for step_id in range(3, 30):
             assert not _errors(held.step(pb.StepStreamRequest(step_id=step_id, decode_request_ids=one)))
-        assert process.poll() is None                           # still serving the held sequence
+        assert process.poll() is None  # still serving the held sequence
         held.step(pb.StepStreamRequest(step_id=30, free_request_ids=one))
         held.close()
         channel.close()
@@ -135,9 +153,12 @@ def test_drain_timeout_and_a_second_signal_end_the_drain(tiny_model, tmp_path):
         try:
             wait_for(f"unix:{sock}", "colibri.readiness", process=process)
             worker, channel = stub(f"unix:{sock}")
-            held = Stream(worker)       # holds a sequence and never frees it
-            held.step(pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(
-                request_id=9, token_ids=[5], sampling=GREEDY, is_last=True)]))
+            held = Stream(worker)  # holds a sequence and never frees it
+            held.step(
+                pb.StepStreamRequest(
+                    step_id=1, chunks=[pb.PrefillChunk(request_id=9, token_ids=[5], sampling=GREEDY, is_last=True)]
+                )
+            )
             started = time.monotonic()
             for _ in range(signals):
                 process.send_signal(signal.SIGTERM)
@@ -162,13 +183,31 @@ def _occupied_port() -> socket.socket:
 def test_a_taken_port_names_the_role_and_address_and_exits_7(tiny_model, role):
     taken = _occupied_port()
     port = taken.getsockname()[1]
-    flags = {"gRPC": ["--port", str(port)],
-             "metrics": ["--port", "0", "--metrics-port", str(port)],
-             "health": ["--port", "0", "--health-port", str(port), "--health-host", "127.0.0.1"]}[role]
+    flags = {
+        "gRPC": ["--port", str(port)],
+        "metrics": ["--port", "0", "--metrics-port", str(port)],
+        "health": ["--port", "0", "--health-port", str(port), "--health-host", "127.0.0.1"],
+    }[role]
     try:
-        result = subprocess.run([sys.executable, "-m", "colibri.cli", "worker", "--model", str(tiny_model),
-                                 "--backend", "cpu", "--metrics-port", "0", *flags], env=worker_env(),
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "colibri.cli",
+                "worker",
+                "--model",
+                str(tiny_model),
+                "--backend",
+                "cpu",
+                "--metrics-port",
+                "0",
+                *flags,
+            ],
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         taken.close()
     assert result.returncode == 7, result.stderr
@@ -181,22 +220,32 @@ def test_gauges_follow_every_free(tiny_model):
     try:
         used = worker.servicer.metrics.kv_blocks_used
         s, channel = stub(worker.address)
-        s.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=list(range(5, 30)),
-                                                            sampling=GREEDY, is_last=True)]), timeout=10)
+        s.Prefill(
+            pb.PrefillRequest(
+                chunks=[pb.PrefillChunk(request_id=3, token_ids=list(range(5, 30)), sampling=GREEDY, is_last=True)]
+            ),
+            timeout=10,
+        )
         assert used._value.get() > 0
         s.FilterBatch(pb.FilterBatchRequest(), timeout=10)
-        assert used._value.get() == 0                     # at once, no step needed
+        assert used._value.get() == 0  # at once, no step needed
         held = Stream(s)
-        held.step(pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(request_id=4, token_ids=[5, 6],
-                                                                          sampling=GREEDY, is_last=True)]))
+        held.step(
+            pb.StepStreamRequest(
+                step_id=1, chunks=[pb.PrefillChunk(request_id=4, token_ids=[5, 6], sampling=GREEDY, is_last=True)]
+            )
+        )
         assert used._value.get() > 0
         held.step(pb.StepStreamRequest(step_id=2, free_request_ids=np.array([4], "<u8").tobytes()))
-        assert used._value.get() == 0                     # a frees-only step
-        held.step(pb.StepStreamRequest(step_id=3, chunks=[pb.PrefillChunk(request_id=5, token_ids=[5],
-                                                                          sampling=GREEDY, is_last=True)]))
+        assert used._value.get() == 0  # a frees-only step
+        held.step(
+            pb.StepStreamRequest(
+                step_id=3, chunks=[pb.PrefillChunk(request_id=5, token_ids=[5], sampling=GREEDY, is_last=True)]
+            )
+        )
         held.close()
         deadline = time.monotonic() + 5
-        while used._value.get() != 0:                     # the stream's end freed it
+        while used._value.get() != 0:  # the stream's end freed it
             assert time.monotonic() < deadline, used._value.get()
             time.sleep(0.05)
         channel.close()
@@ -205,16 +254,19 @@ def test_gauges_follow_every_free(tiny_model):
 
 
 def _decode_steps(first: int, count: int, request_id: int = 1) -> list[pb.StepStreamRequest]:
-    return [pb.StepStreamRequest(step_id=i, decode_request_ids=np.array([request_id], "<u8").tobytes())
-            for i in range(first, first + count)]
+    return [
+        pb.StepStreamRequest(step_id=i, decode_request_ids=np.array([request_id], "<u8").tobytes())
+        for i in range(first, first + count)
+    ]
 
 
 def _prompt_step(request_id: int = 1) -> pb.StepStreamRequest:
-    return pb.StepStreamRequest(step_id=1, chunks=[pb.PrefillChunk(request_id=request_id, token_ids=[5, 6, 7],
-                                                                   sampling=GREEDY, is_last=True)])
+    return pb.StepStreamRequest(
+        step_id=1, chunks=[pb.PrefillChunk(request_id=request_id, token_ids=[5, 6, 7], sampling=GREEDY, is_last=True)]
+    )
 
 
-@pytest.mark.parametrize("run", range(4))      # the answer raced the servers' stop: a few runs, fresh workers
+@pytest.mark.parametrize("run", range(4))  # the answer raced the servers' stop: a few runs, fresh workers
 def test_a_fault_fails_its_stream_with_internal_and_is_logged_once(tiny_model, run):
     """A device fault in the fourth launch of a pipelined stream (steps launched behind others): the stream
     ends INTERNAL (a fault, not UNAVAILABLE, which the router would retry into the same fault), the fault is
@@ -230,6 +282,7 @@ def test_a_fault_fails_its_stream_with_internal_and_is_logged_once(tiny_model, r
         if len(launches) == 4:
             raise RuntimeError("device lost")
         return launch(*args, **kwargs)
+
     decoder.launch = failing_launch
     s, channel = stub(worker.address)
     with LogWatcher() as watcher:
@@ -237,7 +290,7 @@ def test_a_fault_fails_its_stream_with_internal_and_is_logged_once(tiny_model, r
             list(s.StepStream(iter([_prompt_step()] + _decode_steps(2, 10)), timeout=30))
         assert worker.stop() == 1
         channel.close()
-        gc.collect()             # an unretrieved future's error is logged when it is collected
+        gc.collect()  # an unretrieved future's error is logged when it is collected
         findings = watcher.take()
     assert failed.value.code() == grpc.StatusCode.INTERNAL, failed.value.details()
     assert len(findings) == 1 and "worker fault, exiting" in findings[0], findings
@@ -247,8 +300,11 @@ def test_a_stream_reads_no_further_than_max_steps_ahead_of_its_answers(tiny_mode
     """A client that sends steps and does not read the answers: the worker stops reading the stream once
     MAX_STEPS_AHEAD steps wait for their answers (gRPC flow control then holds the client), so it never holds
     more than that many results, each with its logits on the cpu backend."""
-    counts, submit, respond = {"submitted": 0, "answered": 0, "most": 0}, StepPump.submit, \
-        WorkerServicer._stream_response
+    counts, submit, respond = (
+        {"submitted": 0, "answered": 0, "most": 0},
+        StepPump.submit,
+        WorkerServicer._stream_response,
+    )
 
     def counting_submit(self, step):
         counts["submitted"] += 1
@@ -258,6 +314,7 @@ def test_a_stream_reads_no_further_than_max_steps_ahead_of_its_answers(tiny_mode
     def counting_response(self, outcome):
         counts["answered"] += 1
         return respond(self, outcome)
+
     monkeypatch.setattr(StepPump, "submit", counting_submit)
     monkeypatch.setattr(WorkerServicer, "_stream_response", counting_response)
     worker = BackgroundWorker(tiny_model).start()
@@ -265,7 +322,7 @@ def test_a_stream_reads_no_further_than_max_steps_ahead_of_its_answers(tiny_mode
         s, channel = stub(worker.address)
         call = s.StepStream(iter([_prompt_step()] + _decode_steps(2, 150)), timeout=60)
         first = next(call)
-        time.sleep(1.0)                                  # the client reads nothing meanwhile
+        time.sleep(1.0)  # the client reads nothing meanwhile
         answers = [first, *call]
         assert [a.step_id for a in answers] == list(range(1, 152)) and not any(a.errors for a in answers)
         assert counts["submitted"] == 151 and counts["most"] <= MAX_STEPS_AHEAD + 1, counts
@@ -294,6 +351,7 @@ def test_a_caller_going_away_while_its_streams_close_runs_is_no_fault(tiny_model
     def slow_close(self):
         time.sleep(0.5)
         close(self)
+
     monkeypatch.setattr(StreamSession, "close", slow_close)
     worker = BackgroundWorker(tiny_model).start()
     try:
@@ -301,7 +359,7 @@ def test_a_caller_going_away_while_its_streams_close_runs_is_no_fault(tiny_model
         with LogWatcher() as watcher:
             call = s.StepStream(iter([_prompt_step()] + _decode_steps(2, 2)), timeout=30)
             assert [next(call).step_id for _ in range(3)] == [1, 2, 3]
-            time.sleep(0.2)                  # the requests ended: the worker is in the stream's close
+            time.sleep(0.2)  # the requests ended: the worker is in the stream's close
             call.cancel()
             time.sleep(0.6)
             gc.collect()

@@ -1,4 +1,5 @@
 """The expert worker over real gRPC on loopback: steps, freeing, health, reflection, errors."""
+
 import json
 import queue
 import subprocess
@@ -37,23 +38,34 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert info.kv_block_size == 4 and info.num_kv_blocks == 1024 and info.backend == "cpu"
     plan = {m.name: m.bytes for m in info.memory_plan}
     assert set(plan) == {"dense_weights", "expert_weights", "kv_cache", "penalties"}
-    assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2     # one uint16 word per slot and token
+    assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2  # one uint16 word per slot and token
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
 
 
 def test_messages_convert_through_the_types():
     """The servicer is a thin adapter: serving.wire converts messages to the engine's types and back."""
-    chunk = wire.prefill_input(pb.PrefillChunk(request_id=4, token_ids=[5, 6], is_last=True,
-                                                 sampling=pb.SamplingParams(seed=3)))
+    chunk = wire.prefill_input(
+        pb.PrefillChunk(request_id=4, token_ids=[5, 6], is_last=True, sampling=pb.SamplingParams(seed=3))
+    )
     assert chunk.request_id == 4 and chunk.token_ids.tolist() == [5, 6] and chunk.sampling.seed == 3
     assert wire.prefill_input(pb.PrefillChunk(request_id=4, token_ids=[5])).sampling is None
     stats = CacheStats(hits=3, misses=1, bytes_copied=64, prefetches_issued=2, prefetches_used=1, stall_seconds=0.25)
-    result = StepResult([SequenceOutput(4, 7, -0.5), SequenceOutput(5), SequenceOutput(6, error="NON_FINITE_LOGITS")], 1.5, 0.5,
-                        StepTrace(), 0.75, None, stats)
+    result = StepResult(
+        [SequenceOutput(4, 7, -0.5), SequenceOutput(5), SequenceOutput(6, error="NON_FINITE_LOGITS")],
+        1.5,
+        0.5,
+        StepTrace(),
+        0.75,
+        None,
+        stats,
+    )
     response = wire.unary_response(result, pb.PrefillResponse, kv_blocks_used=9, total_ms=3.0)
     assert isinstance(response, pb.PrefillResponse)
-    assert [(g.request_id, g.has_token, g.token_id, g.error) for g in response.generations] == \
-        [(4, True, 7, ""), (5, False, 0, ""), (6, False, 0, "NON_FINITE_LOGITS")]
+    assert [(g.request_id, g.has_token, g.token_id, g.error) for g in response.generations] == [
+        (4, True, 7, ""),
+        (5, False, 0, ""),
+        (6, False, 0, "NON_FINITE_LOGITS"),
+    ]
     assert response.timings.total_ms == 3.0 and response.kv_blocks_used == 9 and response.routing_plan_recall == 0.75
     assert response.expert_cache.hits == 3 and response.expert_cache.stall_ms == 250.0
     decode = wire.unary_response(StepResult([], 0, 0, StepTrace(), None, None), pb.DecodeResponse, 0, 0)
@@ -66,8 +78,11 @@ def test_greedy_steps_equal_offline_engine(stub, tiny_model):
     prompt = [5, 17, 42, 99, 3, 250, 7]
     expected, _, _ = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu")).generate(prompt, 8)
     sampling = pb.SamplingParams(temperature=0, top_p=1.0, seed=1)
-    first = stub.Prefill(pb.PrefillRequest(chunks=[
-        pb.PrefillChunk(request_id=11, token_ids=prompt[:4], sampling=sampling, is_last=False)]))
+    first = stub.Prefill(
+        pb.PrefillRequest(
+            chunks=[pb.PrefillChunk(request_id=11, token_ids=prompt[:4], sampling=sampling, is_last=False)]
+        )
+    )
     assert not first.generations[0].has_token and first.timings.total_ms > 0
     step = stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=11, token_ids=prompt[4:], is_last=True)]))
     tokens = [step.generations[0].token_id]
@@ -81,34 +96,75 @@ def test_greedy_steps_equal_offline_engine(stub, tiny_model):
 
 def test_prefill_with_decodes_riding_along(stub):
     s = pb.SamplingParams(temperature=0, top_p=1.0)
-    a = stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=1, token_ids=[1, 2, 3], sampling=s,
-                                                               is_last=True)]))
-    b = stub.Prefill(pb.PrefillRequest(
-        chunks=[pb.PrefillChunk(request_id=2, token_ids=[9, 8], sampling=s, is_last=True)], decode_request_ids=[1]))
+    a = stub.Prefill(
+        pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=1, token_ids=[1, 2, 3], sampling=s, is_last=True)])
+    )
+    b = stub.Prefill(
+        pb.PrefillRequest(
+            chunks=[pb.PrefillChunk(request_id=2, token_ids=[9, 8], sampling=s, is_last=True)], decode_request_ids=[1]
+        )
+    )
     assert [g.request_id for g in b.generations] == [2, 1] and all(g.has_token for g in b.generations)
     assert a.generations[0].has_token
     assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 2
 
 
-@pytest.mark.parametrize("request_,code,needle", [
-    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True)]),
-     grpc.StatusCode.INVALID_ARGUMENT, "sampling"),
-    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[100000], is_last=True,
-                                               sampling=pb.SamplingParams(top_p=1.0))]),
-     grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
-    (pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True,
-                                               sampling=pb.SamplingParams(temperature=-1, top_p=1.0))]),
-     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    *[(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=list(range(1, n + 1)), is_last=True,
-                                                 sampling=pb.SamplingParams(**fields))]),
-       grpc.StatusCode.INVALID_ARGUMENT, needle)
-      for n, fields, needle in [(1, dict(logprobs=True, top_logprobs=21), "top_logprobs: must be in [0, 20]"),
-                                (1, dict(prompt_logprobs=21), "prompt_logprobs: must be in [0, 20]"),
-                                (65, dict(prompt_logprobs=0), "prompt_logprobs: 65 prompt tokens to score"),
-                                (1, dict(repetition_penalty=0.0), "repetition_penalty: must be a finite number > 0"),
-                                (1, dict(presence_penalty=3.0), "presence_penalty: must be in [-2, 2]"),
-                                (1, dict(frequency_penalty=float("nan")), "frequency_penalty: must be in [-2, 2]")]],
-])
+@pytest.mark.parametrize(
+    "request_,code,needle",
+    [
+        (
+            pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], is_last=True)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling",
+        ),
+        (
+            pb.PrefillRequest(
+                chunks=[
+                    pb.PrefillChunk(
+                        request_id=3, token_ids=[100000], is_last=True, sampling=pb.SamplingParams(top_p=1.0)
+                    )
+                ]
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids",
+        ),
+        (
+            pb.PrefillRequest(
+                chunks=[
+                    pb.PrefillChunk(
+                        request_id=3, token_ids=[1], is_last=True, sampling=pb.SamplingParams(temperature=-1, top_p=1.0)
+                    )
+                ]
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature",
+        ),
+        *[
+            (
+                pb.PrefillRequest(
+                    chunks=[
+                        pb.PrefillChunk(
+                            request_id=3,
+                            token_ids=list(range(1, n + 1)),
+                            is_last=True,
+                            sampling=pb.SamplingParams(**fields),
+                        )
+                    ]
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                needle,
+            )
+            for n, fields, needle in [
+                (1, dict(logprobs=True, top_logprobs=21), "top_logprobs: must be in [0, 20]"),
+                (1, dict(prompt_logprobs=21), "prompt_logprobs: must be in [0, 20]"),
+                (65, dict(prompt_logprobs=0), "prompt_logprobs: 65 prompt tokens to score"),
+                (1, dict(repetition_penalty=0.0), "repetition_penalty: must be a finite number > 0"),
+                (1, dict(presence_penalty=3.0), "presence_penalty: must be in [-2, 2]"),
+                (1, dict(frequency_penalty=float("nan")), "frequency_penalty: must be in [-2, 2]"),
+            ]
+        ],
+    ],
+)
 def test_bad_steps_are_rejected_and_worker_stays_up(stub, request_, code, needle):
     with pytest.raises(grpc.RpcError) as e:
         stub.Prefill(request_)
@@ -119,15 +175,22 @@ def test_bad_steps_are_rejected_and_worker_stays_up(stub, request_, code, needle
 
 
 def _stream_step(step_id, chunks=(), decodes=(), frees=()):
-    return pb.StepStreamRequest(step_id=step_id, chunks=list(chunks),
-                                decode_request_ids=np.asarray(decodes, "<u8").tobytes(),
-                                free_request_ids=np.asarray(frees, "<u8").tobytes())
+    return pb.StepStreamRequest(
+        step_id=step_id,
+        chunks=list(chunks),
+        decode_request_ids=np.asarray(decodes, "<u8").tobytes(),
+        free_request_ids=np.asarray(frees, "<u8").tobytes(),
+    )
 
 
 def _outputs(response):
     errors = {e.request_id: e.code for e in response.errors}
-    return [(r, t, errors.get(r, "")) for r, t in zip(np.frombuffer(response.request_ids, "<u8").tolist(),
-                                                      np.frombuffer(response.token_ids, "<i4").tolist())]
+    return [
+        (r, t, errors.get(r, ""))
+        for r, t in zip(
+            np.frombuffer(response.request_ids, "<u8").tolist(), np.frombuffer(response.token_ids, "<i4").tolist()
+        )
+    ]
 
 
 def test_step_stream_runs_steps_sent_ahead_and_equals_unary_steps(stub):
@@ -142,7 +205,7 @@ def test_step_stream_runs_steps_sent_ahead_and_equals_unary_steps(stub):
     responses = list(stub.StepStream(iter(requests)))
     assert [r.step_id for r in responses] == [1, 2, 3, 4, 5]
     assert [_outputs(r)[0][1] for r in responses] == unary
-    assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0     # the stream's end freed seq 7
+    assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 0  # the stream's end freed seq 7
 
 
 def test_a_streams_end_reaches_the_caller_after_its_sequences_are_freed(stub, monkeypatch):
@@ -153,6 +216,7 @@ def test_a_streams_end_reaches_the_caller_after_its_sequences_are_freed(stub, mo
     def slow_collect(self, pending):
         collect(self, pending)
         time.sleep(0.3)
+
     monkeypatch.setattr(StepPump, "_collect", slow_collect)
     chunk = pb.PrefillChunk(request_id=8, token_ids=[5, 6, 7], sampling=pb.SamplingParams(top_p=1.0), is_last=True)
     responses = list(stub.StepStream(iter([_stream_step(1, chunks=[chunk]), _stream_step(2, decodes=[8])])))
@@ -163,26 +227,36 @@ def test_a_streams_end_reaches_the_caller_after_its_sequences_are_freed(stub, mo
 def test_penalised_scored_sequences_stream_ahead_like_unary_steps(stub):
     """Steps sent ahead count each sampled token on the worker (the router has not seen it yet): tokens, their
     log-probabilities and the scored payloads equal the unary path's."""
-    s = pb.SamplingParams(temperature=0, top_p=1.0, logprobs=True, top_logprobs=3, prompt_logprobs=2,
-                          repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)
+    s = pb.SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        logprobs=True,
+        top_logprobs=3,
+        prompt_logprobs=2,
+        repetition_penalty=1.5,
+        presence_penalty=1.0,
+        frequency_penalty=1.0,
+    )
     chunk = pb.PrefillChunk(request_id=9, token_ids=[5, 6, 5, 8, 5], sampling=s, is_last=True)
     unary = [stub.Prefill(pb.PrefillRequest(chunks=[chunk])).generations[0]]
     unary += [stub.Decode(pb.DecodeRequest(request_ids=[9])).generations[0] for _ in range(6)]
     stub.ClearCache(pb.ClearCacheRequest())
-    responses = list(stub.StepStream(iter([_stream_step(1, chunks=[chunk])] +
-                                          [_stream_step(i, decodes=[9]) for i in range(2, 8)])))
+    responses = list(
+        stub.StepStream(iter([_stream_step(1, chunks=[chunk])] + [_stream_step(i, decodes=[9]) for i in range(2, 8)]))
+    )
     assert [_outputs(r)[0][1] for r in responses] == [g.token_id for g in unary]
     assert [np.frombuffer(r.logprobs, "<f4")[0] for r in responses] == [np.float32(g.logprob) for g in unary]
     assert [r.scored[0] for r in responses] == [g.scored for g in unary]
     first = unary[0].scored
     assert first.HasField("prompt") and len(np.frombuffer(first.prompt.logprobs, "<f4")) == 5
     assert all(g.scored.sampled.top_k == 3 and not g.scored.HasField("prompt") for g in unary[1:])
-    plain = pb.PrefillChunk(request_id=9, token_ids=[5, 6, 5, 8, 5], sampling=pb.SamplingParams(top_p=1.0),
-                            is_last=True)
+    plain = pb.PrefillChunk(
+        request_id=9, token_ids=[5, 6, 5, 8, 5], sampling=pb.SamplingParams(top_p=1.0), is_last=True
+    )
     tokens = [stub.Prefill(pb.PrefillRequest(chunks=[plain])).generations[0].token_id]
     tokens += [stub.Decode(pb.DecodeRequest(request_ids=[9])).generations[0].token_id for _ in range(6)]
     stub.ClearCache(pb.ClearCacheRequest())
-    assert tokens != [g.token_id for g in unary]                          # the penalties changed the output
+    assert tokens != [g.token_id for g in unary]  # the penalties changed the output
 
 
 def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
@@ -190,10 +264,10 @@ def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
     good = pb.PrefillChunk(request_id=1, token_ids=[3, 4], sampling=s, is_last=True)
     requests = [
         _stream_step(1, chunks=[good]),
-        _stream_step(2, decodes=[1, 999]),                                   # 999 never started
-        pb.StepStreamRequest(step_id=3, decode_request_ids=b"\x01\x02\x03"),   # not whole uint64s
-        _stream_step(4, chunks=[pb.PrefillChunk(request_id=2, token_ids=[10 ** 6], sampling=s, is_last=True)]),
-        _stream_step(5, decodes=[1], frees=[1]),                             # freed first, then unknown
+        _stream_step(2, decodes=[1, 999]),  # 999 never started
+        pb.StepStreamRequest(step_id=3, decode_request_ids=b"\x01\x02\x03"),  # not whole uint64s
+        _stream_step(4, chunks=[pb.PrefillChunk(request_id=2, token_ids=[10**6], sampling=s, is_last=True)]),
+        _stream_step(5, decodes=[1], frees=[1]),  # freed first, then unknown
         _stream_step(6, chunks=[pb.PrefillChunk(request_id=3, token_ids=[1], sampling=s, is_last=True)]),
     ]
     r = list(stub.StepStream(iter(requests)))
@@ -214,15 +288,18 @@ def test_step_stream_cannot_touch_another_streams_sequences(stub):
     owner = stub.StepStream(iter(owner_steps.get, None))
     owner_steps.put(_stream_step(1, chunks=[mine]))
     answers = [next(owner)]
-    intruder = list(stub.StepStream(iter([_stream_step(1, decodes=[42]), _stream_step(2, frees=[42]),
-                                          _stream_step(3, chunks=[mine])])))
+    intruder = list(
+        stub.StepStream(
+            iter([_stream_step(1, decodes=[42]), _stream_step(2, frees=[42]), _stream_step(3, chunks=[mine])])
+        )
+    )
     assert _outputs(intruder[0]) == [(42, -1, "FOREIGN_SEQUENCE")]
     assert _outputs(intruder[2]) == [(42, -1, "FOREIGN_SEQUENCE")]
-    owner_steps.put(_stream_step(2, decodes=[42]))      # 42 is still the owner's and still steps
+    owner_steps.put(_stream_step(2, decodes=[42]))  # 42 is still the owner's and still steps
     answers.append(next(owner))
     owner_steps.put(None)
     answers += list(owner)
-    assert all(not err for r in answers for _, _, err in _outputs(r))    # the owner never noticed
+    assert all(not err for r in answers for _, _, err in _outputs(r))  # the owner never noticed
     assert [rid for rid, token, _ in _outputs(answers[1]) if token >= 0] == [42]
 
 
@@ -230,8 +307,10 @@ def test_standard_health_and_reflection(worker):
     with grpc.insecure_channel(worker.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "colibri.worker.v1.WorkerService"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=service)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in answer.list_services_response.service}
@@ -242,23 +321,36 @@ def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch)
     """An unexpected exception in a step (standing in for a CUDA error): the call gets INTERNAL, health
     turns NOT_SERVING and serve() returns exit code 1."""
     from tests.helpers import BackgroundWorker
+
     w = BackgroundWorker(tiny_model).start()
 
     def broken_step(self, *args, **kwargs):
         raise RuntimeError("injected device fault")
+
     monkeypatch.setattr(Engine, "launch", broken_step)
     with grpc.insecure_channel(w.address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as e:
-            stub.Prefill(pb.PrefillRequest(chunks=[pb.PrefillChunk(request_id=1, token_ids=[1, 2], is_last=True,
-                                                                   sampling=pb.SamplingParams(top_p=1.0))]))
+            stub.Prefill(
+                pb.PrefillRequest(
+                    chunks=[
+                        pb.PrefillChunk(
+                            request_id=1, token_ids=[1, 2], is_last=True, sampling=pb.SamplingParams(top_p=1.0)
+                        )
+                    ]
+                )
+            )
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
     w._thread.join(30)
     assert w.exit_code == 1
 
 
 def test_worker_cli_rejects_bad_model_dir_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "colibri.cli", "worker", "--model", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "worker", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 3
     assert result.stderr.strip().count("\n") == 0 and "colibri.json" in result.stderr

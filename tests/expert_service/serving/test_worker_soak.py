@@ -1,6 +1,7 @@
 """A bounded soak of `colibri worker` as a process: a few hundred steps over streams that end normally, are
 cancelled, or vanish with their channel; the process's RSS, threads and open fds stay flat, every KV block
 comes back, and nothing alarming is logged."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from tests.expert_service.serving.worker_process import start_worker, stub, wait
 
 pytestmark = pytest.mark.slow
 GREEDY = pb.SamplingParams(top_p=1.0)
-ROUNDS, WARM_ROUNDS = 36, 6      # 10 steps a round
+ROUNDS, WARM_ROUNDS = 36, 6  # 10 steps a round
 MAX_RSS_GROWTH_KB = 16 * 1024
 
 
@@ -31,12 +32,26 @@ def one_round(target: str, token: str, n: int, rng: random.Random) -> int:
     normally, is cancelled, or loses its channel. Returns the steps answered."""
     worker, channel = stub(target, token)
     ids = [n * 10 + i for i in range(4)]
-    packed = lambda rids: np.asarray(rids, "<u8").tobytes()     # noqa: E731
-    steps = [pb.StepStreamRequest(step_id=1, chunks=[
-        pb.PrefillChunk(request_id=r, token_ids=[3 + (r * 7 + j) % 250 for j in range(8)], sampling=GREEDY,
-                        is_last=True) for r in ids])]
-    steps += [pb.StepStreamRequest(step_id=s, decode_request_ids=packed(ids if s < 6 else ids[2:]),
-                                   free_request_ids=packed(ids[:2] if s == 6 else [])) for s in range(2, 10)]
+    packed = lambda rids: np.asarray(rids, "<u8").tobytes()  # noqa: E731
+    steps = [
+        pb.StepStreamRequest(
+            step_id=1,
+            chunks=[
+                pb.PrefillChunk(
+                    request_id=r, token_ids=[3 + (r * 7 + j) % 250 for j in range(8)], sampling=GREEDY, is_last=True
+                )
+                for r in ids
+            ],
+        )
+    ]
+    steps += [
+        pb.StepStreamRequest(
+            step_id=s,
+            decode_request_ids=packed(ids if s < 6 else ids[2:]),
+            free_request_ids=packed(ids[:2] if s == 6 else []),
+        )
+        for s in range(2, 10)
+    ]
     steps.append(pb.StepStreamRequest(step_id=10, free_request_ids=packed(ids[2:])))
     ending = rng.choice(["normal", "normal", "cancel", "close"])
     call, answered = worker.StepStream(iter(steps), timeout=60), 0

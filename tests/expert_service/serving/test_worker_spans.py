@@ -1,5 +1,6 @@
 """The worker's spans: its calls are traced, the router's health polls of it are not (about one a second,
 each a root span of its own: they would bury the real traces)."""
+
 from __future__ import annotations
 
 import grpc
@@ -16,8 +17,9 @@ SERVICE = "colibri.worker.v1.WorkerService"
 
 def test_health_polls_make_no_spans(tiny_model):
     exporter = InMemorySpanExporter()
-    worker = BackgroundWorker(tiny_model, tracer_provider=make_tracer_provider(
-        "test-worker", SimpleSpanProcessor(exporter))).start()
+    worker = BackgroundWorker(
+        tiny_model, tracer_provider=make_tracer_provider("test-worker", SimpleSpanProcessor(exporter))
+    ).start()
     try:
         with grpc.insecure_channel(worker.address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
@@ -27,5 +29,5 @@ def test_health_polls_make_no_spans(tiny_model):
     finally:
         worker.stop()
     names = [s.name for s in exporter.get_finished_spans()]
-    assert f"{SERVICE}/Info" in names                    # the interceptor is on
+    assert f"{SERVICE}/Info" in names  # the interceptor is on
     assert f"{SERVICE}/Health" not in names, names

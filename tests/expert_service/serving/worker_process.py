@@ -1,5 +1,6 @@
 """`colibri worker` as a real process, for the lifecycle, auth and soak tests: start it, probe its health the
 way the kubelet does, call it with a token."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,25 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 def start_worker(model, *args: str, env: dict[str, str] | None = None, stderr=subprocess.PIPE) -> subprocess.Popen:
     """`colibri worker` on the CPU backend with small KV and warm-up, plus `args`."""
-    cmd = [sys.executable, "-m", "colibri.cli", "worker", "--model", str(model), "--backend", "cpu",
-           "--kv-block-size", "4", "--kv-cache-tokens", "4096", "--warmup-tokens", "8", "--metrics-port", "0", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "colibri.cli",
+        "worker",
+        "--model",
+        str(model),
+        "--backend",
+        "cpu",
+        "--kv-block-size",
+        "4",
+        "--kv-cache-tokens",
+        "4096",
+        "--warmup-tokens",
+        "8",
+        "--metrics-port",
+        "0",
+        *args,
+    ]
     return subprocess.Popen(cmd, env=env or worker_env(), stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
@@ -32,15 +50,17 @@ def health_status(target: str, service: str = "", timeout: float = 2.0) -> int |
     """The status of `service` at `target` (None when nothing answers): a kubelet gRPC probe."""
     try:
         with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
             return reply.status
     except grpc.RpcError:
         return None
 
 
-def wait_for(target: str, service: str = "colibri.readiness", timeout: float = 120.0,
-             process: subprocess.Popen | None = None) -> None:
+def wait_for(
+    target: str, service: str = "colibri.readiness", timeout: float = 120.0, process: subprocess.Popen | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if health_status(target, service) == SERVING:

@@ -1,5 +1,6 @@
 """`colibri make-tiny` and `colibri verify` through the real CLI: determinism, the tokenizer, and every way a
 model directory can be broken, each a one-line error naming the file or tensor with a non-zero exit."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,15 @@ from common.model_format import MANIFEST, ModelDir
 from common.models import FAMILIES
 from expert_service.tools.tiny_model import BOS_ID, EOS_ID, VOCAB_SIZE, make_tiny
 
-TEXTS = ["Hello, world!", "héllo wörld ß ø", "日本語のテキスト", "emoji 🦜🔥👩‍👩‍👧 and\ttabs\n\nnewlines  ",
-         "<s> looks special but is text", "\x00\x7f control \u200b zero-width", ""]
+TEXTS = [
+    "Hello, world!",
+    "héllo wörld ß ø",
+    "日本語のテキスト",
+    "emoji 🦜🔥👩‍👩‍👧 and\ttabs\n\nnewlines  ",
+    "<s> looks special but is text",
+    "\x00\x7f control \u200b zero-width",
+    "",
+]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -55,6 +63,7 @@ def assert_one_line_error(capsys, model_dir: Path, exit_code: int, *names: str) 
 
 
 # --- make-tiny ---------------------------------------------------------------------------------------------
+
 
 def test_make_tiny_cli_then_verify(tmp_path, capsys):
     rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "m"), "--no-progress")
@@ -94,7 +103,7 @@ def test_tokenizer_round_trips_any_text(tiny, text):
     assert all(0 <= i < VOCAB_SIZE for i in ids)
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
     if text.isascii() and "<s>" not in text:
-        assert ids == [3 + b for b in text.encode()]   # one token per byte
+        assert ids == [3 + b for b in text.encode()]  # one token per byte
 
 
 def test_tokenizer_specials(tiny):
@@ -106,6 +115,7 @@ def test_tokenizer_specials(tiny):
 
 # --- verify: every broken directory is a one-line error --------------------------------------------------------
 
+
 def test_flipped_byte_names_file_and_tensor(broken, capsys):
     entry = json.loads((broken / MANIFEST).read_text())["tensors"]["layers.1.experts.2.up_proj"]
     with open(broken / entry["file"], "r+b") as f:
@@ -113,8 +123,9 @@ def test_flipped_byte_names_file_and_tensor(broken, capsys):
         byte = f.read(1)
         f.seek(entry["offset"] + 17)
         f.write(bytes([byte[0] ^ 0x10]))
-    err = assert_one_line_error(capsys, broken, ChecksumError.exit_code, "experts-L001.bin",
-                                "layers.1.experts.2.up_proj", "checksum mismatch")
+    err = assert_one_line_error(
+        capsys, broken, ChecksumError.exit_code, "experts-L001.bin", "layers.1.experts.2.up_proj", "checksum mismatch"
+    )
     assert "crc32" in err
     # Loading verifies too, unless told to skip.
     with pytest.raises(ChecksumError):
@@ -131,37 +142,42 @@ def test_truncated_file(broken, capsys):
 def test_offset_past_end_of_file(broken, capsys):
     def edit(m):
         m["tensors"]["layers.0.q_proj"]["offset"] = 10**9
+
     edit_manifest(broken, edit)
-    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "layers.0.q_proj", "dense.bin",
-                          "offset past the end")
+    assert_one_line_error(
+        capsys, broken, ModelFormatError.exit_code, "layers.0.q_proj", "dense.bin", "offset past the end"
+    )
 
 
 def test_nbytes_not_matching_dtype_and_shape(broken, capsys):
-    def edit(m):   # fp32 data declared bf16: the byte count is twice what bf16 x shape needs
+    def edit(m):  # fp32 data declared bf16: the byte count is twice what bf16 x shape needs
         m["tensors"]["embed_tokens"]["dtype"] = "bfloat16"
+
     edit_manifest(broken, edit)
-    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "embed_tokens", "bfloat16",
-                          "do not fit")
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "embed_tokens", "bfloat16", "do not fit")
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../model/dense.bin", "sub/../../dense.bin", "dense.bin\0"])
 def test_path_escaping_the_directory(broken, capsys, path):
     def edit(m):
         m["tensors"]["final_norm"]["file"] = path
+
     edit_manifest(broken, edit)
-    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "final_norm", repr(path),
-                          "must be relative")
+    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "final_norm", repr(path), "must be relative")
 
 
 def test_symlink_leaving_the_directory(broken, tmp_path, capsys):
     outside = tmp_path / "outside.bin"
     shutil.copyfile(broken / "dense.bin", outside)
     (broken / "link.bin").symlink_to(outside)
+
     def edit(m):
         m["tensors"]["final_norm"]["file"] = "link.bin"
+
     edit_manifest(broken, edit)
-    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "final_norm", "link.bin",
-                          "outside the model directory")
+    assert_one_line_error(
+        capsys, broken, ModelFormatError.exit_code, "final_norm", "link.bin", "outside the model directory"
+    )
 
 
 def test_missing_tensor(broken, capsys):
@@ -177,9 +193,11 @@ def test_missing_data_file(broken, capsys):
 def test_unknown_model_type_lists_supported(broken, capsys):
     def edit(m):
         m["config"]["model_type"] = "llama"
+
     edit_manifest(broken, edit)
-    assert_one_line_error(capsys, broken, ModelFormatError.exit_code, "'llama'",
-                          "supported: mixtral, olmoe, qwen2_moe, qwen3_moe")
+    assert_one_line_error(
+        capsys, broken, ModelFormatError.exit_code, "'llama'", "supported: mixtral, olmoe, qwen2_moe, qwen3_moe"
+    )
 
 
 @pytest.mark.parametrize("text", ['{"format": "colibri", ', "[1, 2, 3]", '"just a string"', "\xff\xfe"])
@@ -188,12 +206,22 @@ def test_malformed_manifest(broken, capsys, text):
     assert_one_line_error(capsys, broken, ModelFormatError.exit_code, MANIFEST)
 
 
-@pytest.mark.parametrize("key, value", [("tensors", []), ("tensors", {"embed_tokens": 5}), ("config", []),
-                                        ("format_version", 2), ("dtype", "int4"), ("dtype", []),
-                                        ("expert_stride", "x")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("tensors", []),
+        ("tensors", {"embed_tokens": 5}),
+        ("config", []),
+        ("format_version", 2),
+        ("dtype", "int4"),
+        ("dtype", []),
+        ("expert_stride", "x"),
+    ],
+)
 def test_malformed_manifest_fields(broken, capsys, key, value):
     def edit(m):
         m[key] = value
+
     edit_manifest(broken, edit)
     assert_one_line_error(capsys, broken, ModelFormatError.exit_code)
 

@@ -1,5 +1,6 @@
 """The converter: checkpoints from transformers' save_pretrained (fp32, bf16) and from make-tiny's generator,
 sharded checkpoints, --dtype conversions and the checkpoints it must refuse."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,22 @@ from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import tiny_hf_config, write_tiny_checkpoint
 
 # Sizes that are not multiples of 32 and expert counts that are not powers of two.
-ODD_SIZES = dict(vocab_size=101, hidden_size=40, intermediate_size=56, num_attention_heads=4,
-                 num_key_value_heads=1, max_position_embeddings=256)
-ODD_EXPERTS = {"mixtral": dict(num_local_experts=3, num_experts_per_tok=1),
-               "qwen2_moe": dict(num_experts=5, moe_intermediate_size=24, shared_expert_intermediate_size=36,
-                                 num_experts_per_tok=3),
-               "qwen3_moe": dict(num_experts=3, moe_intermediate_size=24, head_dim=12, num_experts_per_tok=2),
-               "olmoe": dict(num_experts=6, num_experts_per_tok=4, clip_qkv=4.0)}
+ODD_SIZES = dict(
+    vocab_size=101,
+    hidden_size=40,
+    intermediate_size=56,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+)
+ODD_EXPERTS = {
+    "mixtral": dict(num_local_experts=3, num_experts_per_tok=1),
+    "qwen2_moe": dict(
+        num_experts=5, moe_intermediate_size=24, shared_expert_intermediate_size=36, num_experts_per_tok=3
+    ),
+    "qwen3_moe": dict(num_experts=3, moe_intermediate_size=24, head_dim=12, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=4, clip_qkv=4.0),
+}
 
 
 def save_transformers(path: Path, family: str, dtype=torch.float32, **overrides) -> Path:
@@ -39,7 +49,7 @@ def save_transformers(path: Path, family: str, dtype=torch.float32, **overrides)
         hf.pop(key)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **hf), dtype=dtype)
-    with torch.no_grad():   # transformers initialises norms to exactly 1; make every tensor distinctive
+    with torch.no_grad():  # transformers initialises norms to exactly 1; make every tensor distinctive
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(path)
@@ -67,7 +77,7 @@ def assert_bitwise_equal(model: ModelDir, source: dict[str, np.ndarray]) -> None
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()   # drop what the test's setup printed (transformers' progress bars)
+    capsys.readouterr()  # drop what the test's setup printed (transformers' progress bars)
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
@@ -102,8 +112,10 @@ def split_into_shards(src: Path, dst: Path, with_index: bool = True) -> Path:
     for file, keys in halves.items():
         save_file({k: tensors[k] for k in keys}, dst / file, metadata={"format": "pt"})
     if with_index:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": {k: file for file, keys in halves.items() for k in keys}}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": {k: file for file, keys in halves.items() for k in keys},
+        }
         (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     return dst
 
@@ -146,8 +158,10 @@ def test_dtype_conversions(tmp_path):
     # Widening is exact: bf16 -> fp32 gives back the bf16 values.
     (tmp_path / "hf_bf16").mkdir()
     shutil.copyfile(hf_dir / "config.json", tmp_path / "hf_bf16" / "config.json")
-    save_file({s.hf_name: np.asarray(bf16.tensor(s.name)) for s in tensor_specs(bf16.config)},
-              tmp_path / "hf_bf16" / "model.safetensors")   # numpy has no bf16: fix the header below
+    save_file(
+        {s.hf_name: np.asarray(bf16.tensor(s.name)) for s in tensor_specs(bf16.config)},
+        tmp_path / "hf_bf16" / "model.safetensors",
+    )  # numpy has no bf16: fix the header below
     retag_as_bf16(tmp_path / "hf_bf16" / "model.safetensors")
     fp32 = ModelDir.open(convert(tmp_path / "hf_bf16", tmp_path / "fp32", dtype="float32", progress=False))
     name = "layers.0.experts.1.up_proj"
@@ -158,9 +172,9 @@ def retag_as_bf16(path: Path) -> None:
     """Rewrites the dtype of every U16 tensor in a safetensors header to BF16 (numpy cannot write bf16)."""
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].decode().rstrip().replace('"U16"', '"BF16"').encode()
-    header = header.ljust(-(-len(header) // 8) * 8)   # keep the data 8-byte aligned, as safetensors does
-    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n:])
+    header = data[8 : 8 + n].decode().rstrip().replace('"U16"', '"BF16"').encode()
+    header = header.ljust(-(-len(header) // 8) * 8)  # keep the data 8-byte aligned, as safetensors does
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
 
 
 def test_bf16_to_fp16_overflow_is_refused_naming_the_tensor(tmp_path, capsys):
@@ -171,8 +185,7 @@ def test_bf16_to_fp16_overflow_is_refused_naming_the_tensor(tmp_path, capsys):
     tensors[name][0, 3] = np.array([1.0e5], dtype=ml_dtypes.bfloat16).view(np.uint16)[0]
     save_file(tensors, hf_dir / "model.safetensors")
     retag_as_bf16(hf_dir / "model.safetensors")
-    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "float16",
-                           "--no-progress")
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "float16", "--no-progress")
     assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err
     assert name in err and "overflow" in err and "65504" in err
     # Keeping bf16 (or bf16 -> fp32) is fine.
@@ -189,12 +202,17 @@ def test_pickle_only_checkpoint_is_refused(tmp_path, capsys):
     assert "pytorch_model.bin" in err and "never loaded" in err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("config_text, expected", [
-    (None, "config.json: not found"),
-    ("{not json", "config.json: not valid JSON"),
-    (json.dumps({**tiny_hf_config("mixtral"), "model_type": "llama"}),
-     "model_type 'llama' is not supported (supported: mixtral, olmoe, qwen2_moe, qwen3_moe)"),
-])
+@pytest.mark.parametrize(
+    "config_text, expected",
+    [
+        (None, "config.json: not found"),
+        ("{not json", "config.json: not valid JSON"),
+        (
+            json.dumps({**tiny_hf_config("mixtral"), "model_type": "llama"}),
+            "model_type 'llama' is not supported (supported: mixtral, olmoe, qwen2_moe, qwen3_moe)",
+        ),
+    ],
+)
 def test_bad_config_json_is_one_line(tmp_path, capsys, config_text, expected):
     hf_dir = write_tiny_checkpoint(tmp_path / "hf")
     if config_text is None:

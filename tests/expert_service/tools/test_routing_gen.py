@@ -1,5 +1,6 @@
 """`colibri router-gen`: tables from traced routing, the fallback, the recall report, and a model whose routing
 is a function of the token id (recall must be exactly 1.0)."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from tests.helpers import make_token_routed_model
 
 def write_ids(path, count: int, seed: int = 0, low: int = 3, high: int = 259):
     ids = np.random.default_rng(seed).integers(low, high, count)
-    path.write_text(",".join(map(str, ids[: count // 2])) + "\n" + " ".join(map(str, ids[count // 2:])))
+    path.write_text(",".join(map(str, ids[: count // 2])) + "\n" + " ".join(map(str, ids[count // 2 :])))
     return path
 
 
@@ -40,15 +41,16 @@ def check_report(report: dict, num_layers: int) -> None:
 
 def test_ids_corpus(tiny_model, tmp_path, capsys):
     out = tmp_path / "lut.bin"
-    code, stdout, _ = router_gen(capsys, tiny_model, "--corpus", write_ids(tmp_path / "ids.txt", 3000),
-                                 "--out", out, "--sequence-length", 128)
+    code, stdout, _ = router_gen(
+        capsys, tiny_model, "--corpus", write_ids(tmp_path / "ids.txt", 3000), "--out", out, "--sequence-length", 128
+    )
     assert code == 0, stdout
     model = ModelDir.open(tiny_model, verify=False)
     table = RoutingTable.load(out, model.config)
     assert table.top_k == model.config.num_experts_per_tok
     report = json.loads((tmp_path / "lut.bin.report.json").read_text())
     check_report(report, len(model.config.moe_layers))
-    assert report["corpus_tokens"] == 3000 and report["heldout_sequences"] == 2       # 24 sequences x 0.1
+    assert report["corpus_tokens"] == 3000 and report["heldout_sequences"] == 2  # 24 sequences x 0.1
     assert "overall" in stdout and "layer   1" in stdout and "never seen in training" in stdout
 
 
@@ -59,10 +61,10 @@ def test_text_corpus_on_qwen3(tmp_path, capsys):
     code, stdout, _ = router_gen(capsys, model_dir, "--corpus", corpus, "--top-k", 3, "--sequence-length", 64)
     assert code == 0
     config = ModelDir.open(model_dir, verify=False).config
-    assert RoutingTable.load(model_dir / "routing_table.bin", config).top_k == 3     # default --out
+    assert RoutingTable.load(model_dir / "routing_table.bin", config).top_k == 3  # default --out
     report = json.loads((model_dir / "routing_table.bin.report.json").read_text())
     check_report(report, len(config.moe_layers))
-    assert report["corpus_tokens"] == len(corpus.read_bytes())        # byte tokenizer: one token per byte
+    assert report["corpus_tokens"] == len(corpus.read_bytes())  # byte tokenizer: one token per byte
 
 
 def test_without_corpus_is_fallback_only(tiny_model, tmp_path, capsys):
@@ -82,8 +84,7 @@ def test_token_routed_model_has_recall_one(tmp_path, capsys):
     model_dir = make_token_routed_model(tmp_path)
     # ids over the whole vocabulary, so some held-out ids are unseen and the fallback is exercised too.
     corpus = write_ids(tmp_path / "ids.txt", 1500, seed=3, low=0, high=259)
-    code, stdout, _ = router_gen(capsys, model_dir, "--corpus", corpus, "--sequence-length", 100,
-                                 "--holdout", 0.2)
+    code, stdout, _ = router_gen(capsys, model_dir, "--corpus", corpus, "--sequence-length", 100, "--holdout", 0.2)
     assert code == 0
     report = json.loads((model_dir / "routing_table.bin.report.json").read_text())
     assert report["recall_per_layer"] == [1.0, 1.0] and report["recall"] == 1.0
@@ -102,12 +103,15 @@ def test_token_routed_model_exact_routing_is_the_fallback(tmp_path):
             np.testing.assert_array_equal(np.sort(traced[layer], axis=1), np.sort(expected, axis=1))
 
 
-@pytest.mark.parametrize("argv, code, fragments", [
-    (["--corpus-format", "ids"], 2, ["--corpus", "259", "vocab_size=259"]),
-    (["--top-k", "5"], 2, ["--top-k", "num_experts=4", "got 5"]),
-    (["--holdout", "1.0"], 2, ["--holdout", "[0, 1)"]),
-    (["--sequence-length", "0"], 2, ["--sequence-length", "got 0"]),
-])
+@pytest.mark.parametrize(
+    "argv, code, fragments",
+    [
+        (["--corpus-format", "ids"], 2, ["--corpus", "259", "vocab_size=259"]),
+        (["--top-k", "5"], 2, ["--top-k", "num_experts=4", "got 5"]),
+        (["--holdout", "1.0"], 2, ["--holdout", "[0, 1)"]),
+        (["--sequence-length", "0"], 2, ["--sequence-length", "got 0"]),
+    ],
+)
 def test_one_line_errors(tiny_model, tmp_path, capsys, argv, code, fragments):
     corpus = tmp_path / "bad.txt"
     corpus.write_text("1 2 259 4")
@@ -127,20 +131,20 @@ def test_text_corpus_needs_the_tokenizer(tmp_path, capsys):
 
 def test_split_sequences():
     ids = np.arange(10)
-    train, held = split_sequences(ids, 3, 0.1)                  # 4 sequences, the last short
+    train, held = split_sequences(ids, 3, 0.1)  # 4 sequences, the last short
     assert [len(s) for s in train] == [3, 3, 3] and held[0].tolist() == [9]
-    assert len(split_sequences(ids, 10, 0.5)[1]) == 0           # one sequence: nothing to hold out
-    assert len(split_sequences(ids, 1, 0.99)[0]) == 1           # never holds out everything
+    assert len(split_sequences(ids, 10, 0.5)[1]) == 0  # one sequence: nothing to hold out
+    assert len(split_sequences(ids, 1, 0.99)[0]) == 1  # never holds out everything
     assert split_sequences(ids, 2, 0.0)[1] == []
 
 
-@pytest.mark.parametrize("compact_keys, num_adds", [(10, 7), (10 ** 9, 7), (10 ** 9, 1)])
+@pytest.mark.parametrize("compact_keys, num_adds", [(10, 7), (10**9, 7), (10**9, 1)])
 def test_counts_match_direct_counting(monkeypatch, compact_keys, num_adds):
-    monkeypatch.setattr(routing_gen, "_COMPACT_KEYS", compact_keys)   # 10: merge after almost every add
+    monkeypatch.setattr(routing_gen, "_COMPACT_KEYS", compact_keys)  # 10: merge after almost every add
     rng = np.random.default_rng(1)
     counts, direct = RoutingCounts(50, 4, 2), np.zeros((2, 50, 4), dtype=np.int64)
     for _ in range(num_adds):
-        tokens = rng.integers(0, 20, 30)                               # repeated ids inside one add
+        tokens = rng.integers(0, 20, 30)  # repeated ids inside one add
         experts = [np.argsort(rng.random((30, 4)), axis=1)[:, :2] for _ in range(2)]
         counts.add(tokens, experts)
         for l in range(2):
@@ -160,4 +164,4 @@ def test_table_ranks_by_count_then_fallback(tiny_model):
     table = build_table(model, counts, top_k=2)
     assert table[0, 5].tolist() == [worst, second]
     np.testing.assert_array_equal(table[1, 5], fallback_ranking(model, 1, 5, 6)[0, :2])
-    np.testing.assert_array_equal(table[0, 6], fallback_ranking(model, 0, 6, 7)[0, :2])   # unseen token
+    np.testing.assert_array_equal(table[0, 6], fallback_ranking(model, 0, 6, 7)[0, :2])  # unseen token
