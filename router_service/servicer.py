@@ -12,10 +12,13 @@ the request path itself (admission, validation, submit) is router_service.fronte
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import logging
 import time
 from pathlib import Path
 
+import grpc
 from google.protobuf import json_format, struct_pb2
 from opentelemetry import trace
 
@@ -30,6 +33,11 @@ from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, F
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
 from router_service.validation import PromptRequest, check_ids, check_text_size, prompt_byte_limit
+
+log = logging.getLogger("colibri.router")
+# The router ends a request this much before the client's gRPC deadline (at most a quarter of the time left), so
+# the client gets the router's DEADLINE_EXCEEDED (ErrorInfo, request id) rather than gRPC cutting the call first.
+DEADLINE_HEADROOM_S = 0.05
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
@@ -50,7 +58,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def _submit(self, request, context, stream: bool) -> RequestHandle:
         remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
+        deadline = (time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4)
+                    if remaining is not None else None)
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream)
         kwargs = (
@@ -124,6 +133,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.routing = self._routing()
                         set_usage(handle, generated, delta.finish_reason)
                     await context.write(message)
+            except grpc.aio.InternalError:  # only the context's own writes raise it
+                raise _call_ended(handle.request_id if handle is not None else "") from None
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -236,7 +247,18 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         if count:
             self.batching_loop.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
-        await context.abort(status.code, status.details, metadata)
+        try:
+            await context.abort(status.code, status.details, metadata)
+        except grpc.aio.InternalError:
+            raise _call_ended(request_id) from None
+
+
+def _call_ended(request_id: str) -> asyncio.CancelledError:
+    """gRPC fails a write or a status sent on a call it has just ended (its deadline passed, or the client left,
+    an instant before): that is the call's end, not a fault. A handler that ends as cancelled tells gRPC so;
+    the failed send itself would be logged at ERROR."""
+    log.debug("the call ended before its answer was sent", extra={"request_id": request_id})
+    return asyncio.CancelledError()
 
 
 def _version() -> str:
