@@ -19,7 +19,7 @@ BUF_STAMP := $(BUF_DIR)/.installed-$(BUF_VERSION)
 # The released API that `buf breaking` compares protos/ against; `make proto-baseline` refreshes it.
 API_BASELINE := protos/api.binpb
 
-.PHONY: run tiny test test-gpu proto install install-test lint-size lint-proto proto-baseline clean
+.PHONY: run tiny test test-gpu proto install install-test lint lint-size lint-proto proto-baseline clean
 
 # Runtime dependencies + the package (editable) in .venv.
 $(BIN)/.installed: pyproject.toml
@@ -94,6 +94,12 @@ test-gpu: install $(BIN)/.installed-test
 	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -n $(GPU_WORKERS) -m 'gpu and not serial' || status=1; \
 	COLIBRI_TEST_GPU=1 $(BIN)/python -m pytest -q -m 'gpu and serial' || status=1; \
 	exit $$status
+
+# Lint, format check and type check ([tool.ruff], [tool.mypy] in pyproject.toml; CI runs this before `make test`).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # No Python file past 600 lines: split it by responsibility instead (CI runs this before `make test`).
 lint-size:

@@ -13,7 +13,7 @@ import numpy as np
 from common.errors import ModelFormatError
 
 # name -> (numpy storage dtype, bytes per element)
-STORAGE = {
+STORAGE: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(np.uint16),

@@ -137,6 +137,10 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class _ColibriHandler(logging.StreamHandler):
+    _colibri = True  # marks the handler as ours so a second configure_logging call can replace it
+
+
 def _parse_level(level: str | int) -> int:
     if isinstance(level, int):
         return level
@@ -164,9 +168,8 @@ def configure_logging(
     fmt = (fmt or env.get("LOG_FORMAT") or "json").strip().lower()
     if fmt not in LOG_FORMATS:
         raise ConfigError(f"LOG_FORMAT: unknown format {fmt!r} (expected json or text)")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = _ColibriHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter(service))
-    handler._colibri = True  # marks the handler as ours so a second call can replace it
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_colibri", False)]:
         root.removeHandler(old)

@@ -103,6 +103,7 @@ def plan_layout(config: ModelConfig, dtype: str) -> tuple[dict[str, TensorEntry]
             entries[spec.name] = TensorEntry(spec.name, DENSE_FILE, dense_offset, nbytes, dtype, spec.shape, 0)
             dense_offset += nbytes
         else:
+            assert spec.layer is not None  # tensor_specs gives every expert matrix its layer
             inside_expert = 0 if spec.name.endswith("gate_proj") else inside_expert
             offset = spec.expert * stride + inside_expert
             entries[spec.name] = TensorEntry(spec.name, expert_file(spec.layer), offset, nbytes, dtype, spec.shape, 0)
@@ -140,7 +141,7 @@ class ModelWriter:
             raise ModelFormatError(
                 f"tensor {name}: expected {self.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
             )
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")
         written = os.pwrite(self._files[entry.file], view, entry.offset)
         if written != entry.nbytes:
             raise ModelFormatError(f"{entry.file}: short write for tensor {name} ({written} of {entry.nbytes} bytes)")
@@ -256,9 +257,9 @@ class ModelDir:
                 )
             self.entries[name] = entry
         for spec in tensor_specs(self.config):
-            entry = self.entries.get(spec.name)
-            if entry is None:
+            if spec.name not in self.entries:
                 raise ModelFormatError(f"tensor {spec.name}: missing from {MANIFEST}")
+            entry = self.entries[spec.name]
             if entry.shape != spec.shape:
                 raise ModelFormatError(
                     f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
@@ -316,10 +317,10 @@ class ModelDir:
         from tqdm import tqdm
 
         def check(entry: TensorEntry) -> int:
-            if zlib.crc32(self.raw_bytes(entry.name)) != entry.crc32:
+            if zlib.crc32(self.raw_bytes(entry.name).data) != entry.crc32:
                 raise ChecksumError(
                     f"{entry.file}: checksum mismatch in tensor {entry.name} "
-                    f"(crc32 {zlib.crc32(self.raw_bytes(entry.name)):08x}, "
+                    f"(crc32 {zlib.crc32(self.raw_bytes(entry.name).data):08x}, "
                     f"manifest says {entry.crc32:08x})"
                 )
             return entry.nbytes
@@ -371,14 +372,15 @@ def load_json(path: Path, error: type[Exception]) -> object:
 def _entry(name: str, raw: object) -> TensorEntry:
     """One manifest tensor entry, every field of the type and range the loader relies on."""
 
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"tensor {name}: manifest entry must be an object")
+
     def integer(key: str, hi: int) -> int:
         value = raw[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
             raise ModelFormatError(f"tensor {name}: {key} must be an integer in [0, {hi}], got {value!r}")
         return value
 
-    if not isinstance(raw, dict):
-        raise ModelFormatError(f"tensor {name}: manifest entry must be an object")
     try:
         shape = raw["shape"]
         if (

@@ -22,7 +22,7 @@ def cuda_status() -> tuple[bool, str]:
         from numba.cuda import config
     except Exception:  # no numba-cuda, broken install: the CPU backend still works
         return False, "numba-cuda is not installed (the cuda extra)"
-    if config.ENABLE_CUDASIM:
+    if config.ENABLE_CUDASIM:  # type: ignore[attr-defined]  # set from the environment at import: no stub has it
         return False, "NUMBA_ENABLE_CUDASIM=1 is set"
     try:
         if not cuda.is_available():

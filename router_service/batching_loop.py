@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from common.tracing import (
@@ -35,7 +36,7 @@ from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
-from router_service.tokenizer import StopSequenceMatcher, Tokenizer
+from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import StepStream, WorkerClient
 
@@ -72,9 +73,10 @@ class RequestState:
     req: ValidatedRequest
     deadline: float  # time.monotonic() by which the request must be done
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    detokenizer: object | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     stops: StopSequenceMatcher = field(default_factory=StopSequenceMatcher)
-    span_context: object | None = None  # the request span, linked from the batch spans that carry it
+    # the request span, linked from the batch spans that carry it
+    span_context: trace.Span | trace.SpanContext | otel_context.Context | None = None
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step that carried it
     last_token_at: float | None = None
@@ -179,11 +181,23 @@ class BatchingLoop:
     def num_active(self) -> int:
         return len(self._requests)
 
+    @property
+    def _ready_scheduler(self) -> Scheduler:
+        """The scheduler: steps run only once _configure made it (it stays for the next connection)."""
+        assert self.scheduler is not None, "no scheduler: the loop steps only once the worker's info came"
+        return self.scheduler
+
+    @property
+    def _open_stream(self) -> StepStream:
+        """The step stream: open while the worker is ready (_connect opens it, a worker failure closes it)."""
+        assert self._stream is not None, "no step stream: the loop steps only while the worker is ready"
+        return self._stream
+
     # ---- requests ----
     def submit(self, req: ValidatedRequest, deadline: float | None = None, span_context=None) -> RequestHandle:
         if self.is_draining:
             raise Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
-        if not self.is_worker_ready or self.scheduler is None:
+        if not self.is_worker_ready or self.scheduler is None or self.limits is None:
             raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
         if len(self._requests) >= self.config.max_concurrent_requests:
             raise Overloaded(
@@ -287,7 +301,7 @@ class BatchingLoop:
             await self._idle_wait()
             return
         if self._receiving is None:
-            self._receiving = asyncio.ensure_future(self._stream.receive())
+            self._receiving = asyncio.ensure_future(self._open_stream.receive())
         waiting = {self._receiving}
         if len(self._in_flight) < self._depth:
             waiting.add(asyncio.ensure_future(self._wake.wait()))
@@ -306,7 +320,7 @@ class BatchingLoop:
 
     async def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self._depth:
-            step = self.scheduler.schedule(time.monotonic())
+            step = self._ready_scheduler.schedule(time.monotonic())
             for seq_id in step.expired_ids:
                 self.fail(
                     seq_id,
@@ -344,7 +358,7 @@ class BatchingLoop:
         request = wire.step_request(step, next(self._step_ids), routing_plan)
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
         self._in_flight.append(_InFlight(step, request.step_id, started, span))
-        await self._stream.send(request)
+        await self._open_stream.send(request)
 
     def _apply(self, sent: _InFlight, response) -> None:
         sent.span.end()
@@ -364,7 +378,7 @@ class BatchingLoop:
                 if seq_id in self._requests:
                     self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
             return
-        outputs = self.scheduler.update(step, wire.request_outputs(response))
+        outputs = self._ready_scheduler.update(step, wire.request_outputs(response))
         worker_ms = response.timings.total_ms
         # A pipelined step waits on the worker behind the one ahead of it: its round trip starts when both it
         # was sent and the previous result was back, so the transport metric stays transport, not queueing.
@@ -376,8 +390,8 @@ class BatchingLoop:
             step.num_tokens,
             now - began,
             worker_ms / 1000 if worker_ms > 0 else None,
-            self.scheduler.num_running,
-            self.scheduler.num_waiting,
+            self._ready_scheduler.num_running,
+            self._ready_scheduler.num_waiting,
             len(self._requests),
         )
         for out in outputs:
@@ -483,7 +497,7 @@ class BatchingLoop:
 
     async def _warmup(self) -> None:
         try:
-            await self.worker.warmup(self.scheduler.limits.max_batch_tokens)
+            await self.worker.warmup(self._ready_scheduler.limits.max_batch_tokens)
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise

@@ -125,6 +125,8 @@ class _Child:
         self.kill()
         if self._proc is not None:
             for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is None:  # never: both are PIPEs
+                    continue
                 try:
                     pipe.close()
                 except OSError:

@@ -43,7 +43,7 @@ def build_request(
         raise ValueError(f"unknown parameters {sorted(unknown)} (known: {sorted(SAMPLING_FIELDS)})")
     params = router_pb2.SamplingParameters(**{k: v for k, v in parameters.items() if v is not None})
     message = router_pb2.GenerateStreamRequest if stream else router_pb2.GenerateRequest
-    if prompt is not None:
+    if token_ids is None:  # exactly one of the two is given (checked above)
         return message(text=prompt, parameters=params, request_id=request_id)
     return message(token_ids=router_pb2.TokenIds(ids=list(token_ids)), parameters=params, request_id=request_id)
 
@@ -128,7 +128,7 @@ def connection(
     """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments."""
     token = token or (read_token_file(token_file) if token_file else "")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]

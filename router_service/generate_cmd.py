@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
-    final, logprobs, tops = None, [], []
+    final, tops = None, []
+    logprobs: list[tuple[int, float]] = []
     raw = args.raw or not sys.stdout.isatty()
     try:
         client = ColibriClient(

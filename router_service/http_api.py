@@ -135,6 +135,7 @@ class HttpFront:
     # ---- middleware: auth, OpenAI-shaped errors for what never reached a handler, answers sent in bounded time ----
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
+        answer: web.StreamResponse
         if request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
             answer = error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
         else:

@@ -19,6 +19,7 @@ import os
 import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,9 @@ from router_service.security import public_interceptors, public_tokens, server_c
 from router_service.servicer import GenerationServicer
 from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
+
+if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp loads only then
+    from router_service.http_api import HttpFront
 
 log = logging.getLogger("colibri.router")
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -69,7 +73,7 @@ class Router:
     draining: bool = False
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
-    http: object | None = None  # router_service.http_api.HttpFront when --http-port is set
+    http: HttpFront | None = None  # when --http-port is set
     http_port: int = 0
     frontend: Frontend | None = None  # its chat-template render processes end with the router
 

@@ -58,7 +58,7 @@ FINISH_REASONS = {
     FinishReason.STOP_SEQUENCE: "stop",
 }
 # (field, the only values accepted): what the router cannot do yet.
-UNSUPPORTED = (
+UNSUPPORTED: tuple[tuple[str, tuple[object, ...]], ...] = (
     ("n", (None, 1)),
     ("best_of", (None, 1)),
     ("echo", (None, False)),
@@ -351,13 +351,13 @@ def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> li
     """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
     holding the prompt token and the most likely ones (rank: 1-based among those; null for a prompt token
     outside them)."""
-    out = []
+    out: list[dict[str, dict[str, object]] | None] = []
     for e in entries:
         if e.logprob is None:
             out.append(None)
             continue
         ranks = {i: r for r, (i, _) in enumerate(e.top, 1)}
-        scored = {
+        scored: dict[str, dict[str, object]] = {
             str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id), "decoded_token": texts(e.token_id)}
         }
         scored.update(

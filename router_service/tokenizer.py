@@ -124,7 +124,8 @@ class IncrementalDetokenizer:
 
         self._new_stream = lambda ids: DecodeStream(ids, skip_special_tokens=True)
         self._hf, self._decode = tokenizer._tok, tokenizer.decode
-        context, tail = [int(i) for i in list(prompt_ids)[-PREFIX_WINDOW:]], []
+        context = [int(i) for i in list(prompt_ids)[-PREFIX_WINDOW:]]
+        tail: list[int] = []
         while context and self._decode(context).endswith(REPLACEMENT):
             tail.insert(0, context.pop())
         self._stream = self._new_stream(context)

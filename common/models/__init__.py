@@ -74,7 +74,7 @@ def _check_numbers(hf: dict) -> None:
             raise ConfigError(f"config.json: {key} must be an integer, got {value!r}")
         if not lo <= value <= hi:
             raise ConfigError(f"config.json: {key} must be in [{lo}, {hi}], got {value}")
-    for key, (lo, hi) in _FLOAT_BOUNDS.items():
+    for key, (low, high) in _FLOAT_BOUNDS.items():
         value = hf.get(key)
         if value is None:
             continue
@@ -82,9 +82,9 @@ def _check_numbers(hf: dict) -> None:
             isinstance(value, bool)
             or not isinstance(value, (int, float))
             or not math.isfinite(value)
-            or not lo < value <= hi
+            or not low < value <= high
         ):
-            raise ConfigError(f"config.json: {key} must be a finite number in ({lo}, {hi}], got {value!r}")
+            raise ConfigError(f"config.json: {key} must be a finite number in ({low}, {high}], got {value!r}")
     for key in ("mlp_only_layers",):
         value = hf.get(key) or []
         if not isinstance(value, list) or any(

@@ -37,14 +37,20 @@ class CpuWeights:
     def get(self, name: str) -> np.ndarray:
         return self.dense[name]
 
-    def layer(self, i: int, name: str) -> np.ndarray | None:
+    def layer(self, i: int, name: str) -> np.ndarray:
+        """A tensor every layer of this config has (ModelDir checked the manifest holds them all)."""
+        return self.dense[f"layers.{i}.{name}"]
+
+    def optional(self, i: int, name: str) -> np.ndarray | None:
+        """A tensor only some configs have (biases): None where this one has none."""
         return self.dense.get(f"layers.{i}.{name}")
 
     def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         key = (layer, expert)
         if key not in self._experts:
             prefix = f"layers.{layer}.experts.{expert}."
-            self._experts[key] = tuple(self.model.tensor_f32(prefix + p) for p in ("gate_proj", "up_proj", "down_proj"))
+            gate, up, down = (self.model.tensor_f32(prefix + p) for p in ("gate_proj", "up_proj", "down_proj"))
+            self._experts[key] = (gate, up, down)
         return self._experts[key]
 
     @property
@@ -118,6 +124,7 @@ class CpuDecoder:
         the step launched before, as the cuda backend reads it on the device."""
         if batch.fed_rows is not None:
             fed = batch.fed_rows >= 0
+            assert self._launched is not None  # fed rows read a step launched before this one
             token_ids = batch.token_ids.copy()
             token_ids[fed] = [self._launched.greedy(int(r))[0] for r in batch.fed_rows[fed]]
             batch = replace(batch, token_ids=token_ids)
@@ -146,17 +153,17 @@ class CpuDecoder:
         if cache is not None:
             cache.begin_step()
             if cfg.moe_layers:  # the first MoE layer's plan: its copies overlap the attention before it
-                self._prefetch_plan(batch, cfg.moe_layers[0])
+                self._prefetch_plan(cache, batch, cfg.moe_layers[0])
         for i in range(cfg.num_hidden_layers):
             if cache is not None:
-                self._prefetch_plan(batch, self._next_moe[i])
+                self._prefetch_plan(cache, batch, self._next_moe[i])
             h = h + self._attention(
                 i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps), batch, kv, cos, sin
             )
             planned = batch.routed_experts.get(i) if batch.routed_experts else None
             x = rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps)
             if cache is not None:
-                self._prefetch_lookahead(x, self._next_moe[i])
+                self._prefetch_lookahead(cache, x, self._next_moe[i])
             h = h + self._mlp(i, x, trace, planned)
         if cache is not None:
             stats = cache.end_step()
@@ -168,21 +175,21 @@ class CpuDecoder:
         return HostLogits(logits, penalized)
 
     # --- expert cache -------------------------------------------------------------------------------
-    def _prefetch_plan(self, batch: ForwardBatch, layer: int | None) -> None:
+    def _prefetch_plan(self, cache: ExpertCache, batch: ForwardBatch, layer: int | None) -> None:
         if (
             layer is not None
             and PrefetchSource.PLAN in self.prefetch
             and batch.expert_hints
             and layer in batch.expert_hints
         ):
-            self.cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
+            cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
 
-    def _prefetch_lookahead(self, x: np.ndarray, layer: int | None) -> None:
+    def _prefetch_lookahead(self, cache: ExpertCache, x: np.ndarray, layer: int | None) -> None:
         """Layer `layer`'s gate applied to the current layer's router input predicts its experts (the input
         changes by one residual update in between, so the top-k mostly survives)."""
         if layer is not None and PrefetchSource.LOOKAHEAD in self.prefetch:
             ids, _ = route(x @ self.w.layer(layer, "router").T, self.config.num_experts_per_tok, False)
-            self.cache.prefetch(layer, experts_by_count(ids))
+            cache.prefetch(layer, experts_by_count(ids))
 
     def _stream_experts(self, layer: int):
         def stream(active):
@@ -193,7 +200,7 @@ class CpuDecoder:
 
     def _project(self, i: int, x: np.ndarray, name: str) -> np.ndarray:
         y = x @ self.w.layer(i, f"{name}_proj").T
-        bias = self.w.layer(i, f"{name}_bias")
+        bias = self.w.optional(i, f"{name}_bias")
         return y + bias if bias is not None else y
 
     def _attention(

@@ -296,6 +296,7 @@ class CudaDecoder:
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
         results = self.ws.results
+        assert results is not None  # allocate_workspace made it
         n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
         results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
         done = self._done[self._twin]
@@ -318,12 +319,15 @@ class CudaDecoder:
         self._unfinished.discard(step.twin)
         if step.host_logits is not None:
             return step.host_logits
+        assert step.done is not None  # only a synchronous step (host_logits, returned above) has no event
         step.done.wait()
         if self.cached is not None:
             stats = self.cached.end_step()
             if trace is not None:
                 trace.expert_cache = stats
-        host = self.ws.results.twin_views[step.twin]
+        results = self.ws.results
+        assert results is not None  # allocate_workspace made it
+        host = results.twin_views[step.twin]
         if trace is not None and step.topk_ids:
             ids = host["topk_ids"].reshape(-1)[: step.topk_ids].reshape(len(self.moe_layers), step.padded, -1)
             T = step.tokens

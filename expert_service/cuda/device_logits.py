@@ -25,10 +25,10 @@ class DeviceLogits:
         self.decoder, self.rows = decoder, rows
         self.step = decoder.staged_steps if step is None else step
         self.penalized = penalized  # the first rows, penalised in decoder.penalties (argmax of those)
-        self._penalized_host = None
+        self._penalized_host: np.ndarray | None = None
         self.ids = (decoder.ws.host["greedy_ids"] if ids is None else ids)[:rows].copy()
         self.nonfinite = (decoder.ws.host["nonfinite"] if nonfinite is None else nonfinite)[:rows].copy()
-        self._host = None
+        self._host: np.ndarray | None = None
 
     def greedy(self, row: int) -> tuple[int, bool]:
         return int(self.ids[row]), not bool(self.nonfinite[row])

@@ -70,7 +70,7 @@ class DeviceSlots:
         keys = [(layer, slot) for layer in moe_layers for slot in range(slots_per_layer)]
         self._copied = {key: _event() for key in keys}  # the latest copy into the slot completed
         self._last_use = {key: _event() for key in keys}  # the compute stream's latest use of the slot
-        self._used = set()  # slots whose _last_use has been recorded
+        self._used: set[tuple[int, int]] = set()  # slots whose _last_use has been recorded
         self._timers: list[tuple[object, object]] = []  # timing event pairs, reused step after step
         self._timed = 0
 

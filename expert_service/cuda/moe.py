@@ -36,7 +36,7 @@ from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.moe_gemm_mma import choose_config
+from expert_service.kernels.moe_gemm_mma import Config, choose_config
 
 if TYPE_CHECKING:  # moe_cached builds on this module's strategies
     from expert_service.cuda.moe_cached import CachedExperts
@@ -129,7 +129,7 @@ def fused_router(T: int, options: CudaOptions) -> bool:
 def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
-    first = {}
+    first: dict[tuple[MoeStrategy, Config | None, bool], int] = {}  # (strategy, tile, router) -> smallest T
     for T in range(1, max_tokens + 1):
         strategy = choose_strategy(T, K, E, False, bf16)
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
@@ -209,6 +209,7 @@ class DeviceMoe:
         elif strategy is MoeStrategy.CUBLAS_PER_EXPERT:
             self._cublas_per_expert(x, h, T, ids, weights, experts, combine)
         else:
+            assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
             self.cached.run(i, x, h, T, ids, weights, strategy, combine=combine)
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)

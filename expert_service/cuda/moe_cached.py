@@ -60,7 +60,7 @@ class CachedExperts:
             "ahead_ids": cuda.pinned_array(T * K, np.int32),
             "offsets": cuda.pinned_array(E + 1, np.int32),
         }
-        self._hints = None
+        self._hints: dict[int, np.ndarray] | None = None  # this step's expert hints (begin_step)
 
     @property
     def nbytes(self) -> int:

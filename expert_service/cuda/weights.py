@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import cuda
@@ -17,6 +18,9 @@ from numba import cuda
 from common import dtypes
 from common.model_format import DENSE_FILE, ModelDir, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
+
+if TYPE_CHECKING:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
 log = logging.getLogger("colibri.worker.cuda")
 BOUNCE_BYTES = 64 * 1024 * 1024
@@ -28,7 +32,7 @@ class HostUploader:
     def __init__(self, stream, use_pinned_memory: bool = True):
         self.stream = stream
         self.use_pinned_memory = use_pinned_memory
-        self._bounce = None
+        self._bounce: np.ndarray | None = None  # pinned, allocated by the first copy that needs it
         self._warned = False
         self.pinned: list[np.ndarray] = []
         self.bytes_copied = 0
@@ -116,7 +120,7 @@ class DeviceWeights:
                 view = self._back_to_back(model, [f"layers.{i}.{p}" for p in parts])
                 if view is not None:
                     self.views[f"layers.{i}.{fused}"] = view
-        self.experts: dict[int, object] = {}
+        self.experts: dict[int, DeviceNDArray] = {}
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
         for layer in self.config.moe_layers:

@@ -11,6 +11,7 @@ bf16 sorted rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cuda.bindings import driver as drv
@@ -31,16 +32,21 @@ from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
 
+if TYPE_CHECKING:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
 
 @dataclass
 class Workspace:
-    arrays: dict[str, object] = field(default_factory=dict)
+    arrays: dict[str, DeviceNDArray] = field(default_factory=dict)
     host: dict[str, np.ndarray] = field(default_factory=dict)  # pinned host views (metadata, readbacks)
     metadata: PackedBuffer | None = None
     results: PackedBuffer | None = None
 
     def select_twin(self, twin: int) -> None:
         """The host copy of the step metadata and results the next step stages into and reads back to."""
+        # allocate_workspace makes both; only the kernel tests' bare workspaces lack them, and stage no steps
+        assert self.metadata is not None and self.results is not None, "a workspace without packed buffers"
         for buffer in (self.metadata, self.results):
             buffer.select(twin)
             self.host.update(buffer.host_views)
@@ -87,7 +93,7 @@ def layout_workspace(
     per_expert_rows = T * K + CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0
     # the all-experts strategy of decode steps (cuda/moe.py)
     all_experts_tokens = min(ALL_EXPERTS_MAX_TOKENS, T) if MoeStrategy.ALL_EXPERTS in strategies else 0
-    layout = {
+    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
         "hidden": ((T, D), f32),
         "normed": ((T, D), f32),
         # a step's q [T, q_size], k and v [T, kv_size] back to back (model.qkv_views): at one token the three

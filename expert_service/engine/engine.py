@@ -367,8 +367,8 @@ class Engine:
                 row += wants_token
                 continue
             if seq.sampler.plain_greedy:
-                token, finite = logits.greedy(row)
-                sampled = seq.sampler.take_greedy(token) if finite else None
+                argmax, finite = logits.greedy(row)
+                sampled = seq.sampler.take_greedy(argmax) if finite else None
             else:
                 sampled = seq.sampler.sample(logits[row], logits.processed(row))
             if sampled is not None and seq.sampler.params.logprobs:

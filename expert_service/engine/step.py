@@ -98,8 +98,11 @@ class Decoder(Protocol):
 
     backend: Backend
     slot_plan: SlotPlan  # how its experts are held (all resident, or a cache of slots)
-    supports_overlap: bool  # a step may be launched before the one ahead of it is finished (its greedy rows
-    # feed the later step's decodes: batch.fed_rows)
+
+    @property
+    def supports_overlap(self) -> bool:
+        """A step may be launched before the one ahead of it is finished (its greedy rows feed the later
+        step's decodes: batch.fed_rows). Read-only here: the cuda backend derives it from its config."""
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
         """Runs the step, writing its K/V into the pool; logits of ``batch.logits_rows``."""

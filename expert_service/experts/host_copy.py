@@ -32,7 +32,7 @@ class HostCopyEngine:
         """Host bytes of the float32 slot buffers."""
         return sum(a.nbytes for layer in self.slots.values() for slot in layer for a in slot)
 
-    def weights(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def weights(self, layer: int, slot: int) -> tuple[np.ndarray, ...]:  # gate, up, down
         return self.slots[layer][slot]
 
     def copy(self, layer: int, expert: int, slot: int) -> Future:

@@ -93,7 +93,7 @@ def _chunk_ops(dtype, wide: bool):
             return raw[i, 0] * xv[u, 0]
         return fetch, load_x, dot, np.float32, 1, per
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the narrow branch returned its own above
     def fetch(w, off, raw, i):
         a, b, c, d = ld_stream_v4(w, off)
         raw[i, 0] = a
@@ -101,7 +101,7 @@ def _chunk_ops(dtype, wide: bool):
         raw[i, 2] = c
         raw[i, 3] = d
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the narrow branch returned its own above
     def load_x(x, off, xv, u):
         for q in range(per // 4):
             a, b, c, d = ld_v4(x, off + 4 * q)

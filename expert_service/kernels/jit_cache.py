@@ -25,7 +25,7 @@ import numba_cuda
 from numba import cuda
 from numba.cuda.core import config as cuda_config
 from numba.cuda.dispatcher import CUDADispatcher
-from numba.cuda.extending import _Intrinsic
+from numba.cuda.extending import _Intrinsic  # type: ignore[attr-defined]  # numba's own numba/cuda lacks it; numba-cuda has it
 from numba.cuda.serialize import dumps
 
 from expert_service.kernels.numeric import SIMULATOR

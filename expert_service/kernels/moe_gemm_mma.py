@@ -189,7 +189,7 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
         def put(out, idx, value, scale):
             out[idx] = value
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the swiglu branch returned its own epi above
     def epi(acc, out, sorted_ids, route_w, m0, n0, n_out, top_k, wn, g, t):
         # row m holds assignment sorted_ids[m] (-1: padding, dropped): y row asg (store) or residual row
         # asg // K scaled by its routing weight (atomic)

@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda import config
 
-SIMULATOR = bool(config.ENABLE_CUDASIM)
+SIMULATOR = bool(config.ENABLE_CUDASIM)  # type: ignore[attr-defined]  # set from the environment at import: no stub has it
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the grid has about this many (4 per SM)

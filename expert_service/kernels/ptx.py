@@ -58,7 +58,7 @@ if SIMULATOR:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
+    from numba.cuda import cgutils  # type: ignore[attr-defined]  # numba's own numba/cuda stub lacks what numba-cuda provides
     from numba.cuda.core.errors import NumbaTypeError
     from numba.cuda.extending import intrinsic
 
@@ -145,4 +145,4 @@ else:
     @functools.cache
     def cp_async_wait_fn(pending: int):
         """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
-        return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__)
+        return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__ or "")  # None only under -OO

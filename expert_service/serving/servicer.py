@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.pb import worker_pb2 as pb
@@ -43,7 +44,7 @@ from expert_service.serving.step_stream import (
 log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
 # method: (request, response, streaming)
-METHODS = {
+METHODS: dict[str, tuple[type[Message], type[Message], bool]] = {
     "Info": (pb.InfoRequest, pb.InfoResponse, False),
     "Warmup": (pb.WarmupRequest, pb.WarmupResponse, False),
     "Prefill": (pb.PrefillRequest, pb.PrefillResponse, False),
@@ -96,6 +97,23 @@ class WorkerServicer:
         self.engine, self.model_name, self.limits = engine, model_name, StepLimits.of(engine)
         self._unary = StreamSession(engine, self.sequence_owners, self.is_draining, UNARY)
 
+    # What attach() sets: every RPC past _require (which refuses them until the model is loaded) and every
+    # call on the model thread come after it.
+    @property
+    def attached_engine(self) -> Engine:
+        assert self.engine is not None, "no engine attached yet"
+        return self.engine
+
+    @property
+    def _step_limits(self) -> StepLimits:
+        assert self.limits is not None, "no engine attached yet"
+        return self.limits
+
+    @property
+    def _unary_session(self) -> StreamSession:
+        assert self._unary is not None, "no engine attached yet"
+        return self._unary
+
     @property
     def ready(self) -> bool:
         return self.health.is_ready()
@@ -111,7 +129,7 @@ class WorkerServicer:
         return bool(self.engine is not None and self.engine.sequences)
 
     def memory_plan(self) -> list[tuple[str, int]]:
-        return self.engine.decoder.memory_plan()
+        return self.attached_engine.decoder.memory_plan()
 
     def update_gauges(self) -> None:
         if self.metrics is not None and self.engine is not None:
@@ -175,27 +193,27 @@ class WorkerServicer:
     def warmup(self, num_tokens: int) -> float:
         """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
         started = time.perf_counter()
-        cfg, mc = self.engine.config, self.engine.model_config
+        cfg, mc = self.attached_engine.config, self.attached_engine.model_config
         n = max(
             1,
             min(
                 num_tokens,
                 cfg.max_batch_tokens,
                 mc.max_position_embeddings,
-                self.engine.allocator.num_free_blocks * cfg.kv_block_size,
+                self.attached_engine.allocator.num_free_blocks * cfg.kv_block_size,
             ),
         )
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
-        self.engine.warmup()
+        self.attached_engine.warmup()
         routing_plan = (
             warmup_routing_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n)
-            if self.engine.config.routing == "lut"
+            if self.attached_engine.config.routing == "lut"
             else None
         )
         try:
-            self.engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=routing_plan)
+            self.attached_engine.step([PrefillInput(-1, ids, SamplingParams(), True)], routing_plan=routing_plan)
         finally:
-            self.engine.release([-1])
+            self.attached_engine.release([-1])
         return (time.perf_counter() - started) * 1e3
 
     async def Warmup(self, request, context):
@@ -209,17 +227,20 @@ class WorkerServicer:
         await self._require(context)
         started = time.perf_counter()
         try:
-            step = wire.unary_step_request(request, self.limits)
+            step = wire.unary_step_request(request, self._step_limits)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.is_draining() and any(c.request_id not in self.engine.sequences for c in step.chunks):
+        if self.is_draining() and any(c.request_id not in self.attached_engine.sequences for c in step.chunks):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining: new sequences are refused")
-        outcome = await self.run_on_model_thread(context, self._unary.run, step)
+        outcome = await self.run_on_model_thread(context, self._unary_session.run, step)
         if outcome.result is None:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if outcome.capacity else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, outcome.refused)
         response = wire.unary_response(
-            outcome.result, message, self.engine.allocator.num_used_blocks, (time.perf_counter() - started) * 1e3
+            outcome.result,
+            message,
+            self.attached_engine.allocator.num_used_blocks,
+            (time.perf_counter() - started) * 1e3,
         )
         self._observe(outcome.kind, outcome.result, response.timings.total_ms / 1e3)
         return response
@@ -231,7 +252,7 @@ class WorkerServicer:
         return await self._unary_step(context, request, pb.DecodeResponse)
 
     def _observe(self, kind: str, result: StepResult, seconds: float) -> None:
-        m, e = self.metrics, self.engine
+        m, e = self.metrics, self.attached_engine
         if m is None:
             return
         if kind in ("prefill", "decode"):
@@ -263,7 +284,7 @@ class WorkerServicer:
     async def StepStream(self, request_iterator, context):
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
         await self._require(context, new_work=True)
-        session = StreamSession(self.engine, self.sequence_owners, self.is_draining)
+        session = StreamSession(self.attached_engine, self.sequence_owners, self.is_draining)
         loop = asyncio.get_running_loop()  # a fault on the model thread reaches the fatal path on the loop
         pump = StepPump(session, self.executor, on_fault=lambda e: loop.call_soon_threadsafe(self._fatal, e))
         queued: asyncio.Queue = asyncio.Queue()
@@ -304,7 +325,7 @@ class WorkerServicer:
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread, or its refusal when the request is malformed."""
         try:
-            step = wire.step_request(request, self.limits)
+            step = wire.step_request(request, self._step_limits)
         except ColibriError as e:  # malformed: refuse this step alone
             return StepAnswer(request.step_id, None, str(e), 0.0)
         except Exception as e:  # a check missed something: still this step's problem alone
@@ -324,9 +345,10 @@ class WorkerServicer:
         except Exception as e:  # a worker fault (bug, CUDA error, OOM): fail fast
             self._fatal(e)
             await context.abort(grpc.StatusCode.INTERNAL, "worker fault; the worker is restarting")
+        raise AssertionError("unreachable: context.abort raises grpc's AbortError")
 
     def _stream_response(self, outcome: StepAnswer) -> pb.StepStreamResponse:
-        result, used = outcome.result, self.engine.allocator.num_used_blocks
+        result, used = outcome.result, self.attached_engine.allocator.num_used_blocks
         if result is None:
             self.update_gauges()  # a frees-only step
             return wire.refused_response(outcome.step_id, outcome.refused, used, outcome.seconds * 1e3)
@@ -337,14 +359,14 @@ class WorkerServicer:
         """Frees the unary calls' sequences not kept (a live stream's sequences are its own to free)."""
         keep = set(keep_ids)
         owners = self.sequence_owners
-        gone = [r for r in list(self.engine.sequences) if r not in keep and owners.get(r, UNARY) == UNARY]
+        gone = [r for r in list(self.attached_engine.sequences) if r not in keep and owners.get(r, UNARY) == UNARY]
         for r in gone:
             owners.pop(r, None)
-        return self.engine.release(gone)
+        return self.attached_engine.release(gone)
 
     def _clear(self) -> int:
         self.sequence_owners.clear()
-        return self.engine.clear()
+        return self.attached_engine.clear()
 
     async def FilterBatch(self, request, context):
         await self._require(context)
@@ -355,7 +377,9 @@ class WorkerServicer:
             )
         freed = await self.run_on_model_thread(context, self._keep_only, list(request.keep_request_ids))
         self.update_gauges()
-        return pb.FilterBatchResponse(freed_request_ids=freed, kv_blocks_used=self.engine.allocator.num_used_blocks)
+        return pb.FilterBatchResponse(
+            freed_request_ids=freed, kv_blocks_used=self.attached_engine.allocator.num_used_blocks
+        )
 
     async def ClearCache(self, request, context):
         await self._require(context)

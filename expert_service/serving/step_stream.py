@@ -130,9 +130,9 @@ class StreamSession:
         refused = [SequenceOutput(r, error=FOREIGN_SEQUENCE) for r in self._foreign(step)]
         chunks = [c for c in step.chunks if self.owners.get(c.request_id, self.id) == self.id]
         if self.draining():
-            held = self.engine.sequences
-            refused += [SequenceOutput(c.request_id, error=DRAINING) for c in chunks if c.request_id not in held]
-            chunks = [c for c in chunks if c.request_id in held]
+            live = self.engine.sequences
+            refused += [SequenceOutput(c.request_id, error=DRAINING) for c in chunks if c.request_id not in live]
+            chunks = [c for c in chunks if c.request_id in live]
         decodes = [int(r) for r in step.decode_ids if self.owners.get(int(r), self.id) == self.id]
         for chunk in chunks:
             self.owners.setdefault(chunk.request_id, self.id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -90,7 +91,8 @@ def _tokenize(data: bytes, path: Path, model: ModelDir) -> np.ndarray:
     except UnicodeDecodeError as e:
         raise ConfigError(f"--corpus: {path} is not UTF-8 text ({e}); token ids need --corpus-format ids") from None
     # Encode ~1 MiB runs of whole lines in a batch, so a large corpus never becomes one giant encoding.
-    lines, chunks, size = text.splitlines(keepends=True), [], 0
+    lines, size = text.splitlines(keepends=True), 0
+    chunks: list[list[str]] = []
     for line in lines:
         if not chunks or size > (1 << 20):
             chunks.append([])
@@ -233,7 +235,7 @@ def generate(
     """Returns (table uint16 [L, V, top_k], report dict). `engine` is only needed with a corpus."""
     config = model.config
     moe_layers = config.moe_layers
-    report = {
+    report: dict[str, Any] = {  # the JSON report written next to the table
         "top_k": top_k,
         "model_top_k": config.num_experts_per_tok,
         "num_experts": config.num_experts,
@@ -255,6 +257,7 @@ def generate(
     }
     if corpus is None:
         return build_table(model, None, top_k), report
+    assert engine is not None, "a corpus needs an engine to trace its routing"
     train, heldout = split_sequences(corpus, sequence_length, holdout)
     counts = RoutingCounts(config.vocab_size, config.num_experts, len(moe_layers))
     for token_ids, traced in trace_routing(engine, train, progress, "trace train"):
