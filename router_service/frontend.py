@@ -22,7 +22,13 @@ from router_service.chat import ChatTemplate, message_dicts
 from router_service.chat_render import TemplateRenderer
 from router_service.logprobs import PromptLogprob, Top
 from router_service.scheduler import FinishReason
-from router_service.validation import PromptRequest, check_text_size, prompt_byte_limit, validate_request_async
+from router_service.validation import (
+    ModelLimits,
+    PromptRequest,
+    check_text_size,
+    prompt_byte_limit,
+    validate_request_async,
+)
 
 OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
 
@@ -76,11 +82,14 @@ class Frontend:
     def routing(self) -> str:
         return self.batching_loop.info.routing if self.batching_loop.info is not None else ""
 
-    def check_ready(self) -> None:
+    def check_ready(self) -> ModelLimits:
+        """The served model's limits, once the worker is connected and the router is not draining."""
         if self.batching_loop.is_draining:
             raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
-        if self.batching_loop.limits is None:
+        limits = self.batching_loop.limits
+        if limits is None:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+        return limits
 
     async def submit(
         self,
@@ -93,11 +102,11 @@ class Frontend:
     ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
-        self.check_ready()
+        limits = self.check_ready()
         req = await validate_request_async(
             request,
             self.config,
-            self.batching_loop.limits,
+            limits,
             self.batching_loop.tokenizer,
             add_special_tokens=add_special_tokens,
         )
@@ -109,7 +118,7 @@ class Frontend:
         """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child
         process within chat_template_timeout_s (router_service.chat_render): the event loop keeps serving, and a
         runaway template is stopped."""
-        if self.chat_template is None:
+        if self.chat_template is None or self.chat_renderer is None:
             raise InvalidRequestError(
                 field,
                 "this model has no chat template (tokenizer_config.json); start the "
@@ -119,14 +128,15 @@ class Frontend:
             raise InvalidRequestError(field, "chat needs the model's tokenizer (start the router with --model DIR)")
         # Bound what the template sees before rendering it (the rendered text is checked again): every message
         # takes at least one token of the context.
-        room = min(self.batching_loop.limits.max_sequence_length, self.batching_loop.limits.kv_capacity_tokens)
+        limits = self.check_ready()
+        room = min(limits.max_sequence_length, limits.kv_capacity_tokens)
         if len(messages) > room:
             raise InvalidRequestError(field, f"at most {room} messages fit the context, got {len(messages)}")
         dicts = message_dicts(messages, field)
         check_text_size(
             field,
             "".join(m.get("content", "") for m in dicts),
-            prompt_byte_limit(self.config, self.batching_loop.limits),
+            prompt_byte_limit(self.config, limits),
         )
         add = options.add_generation_prompt
         try:

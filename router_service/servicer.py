@@ -58,8 +58,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def _submit(self, request, context, stream: bool) -> RequestHandle:
         remaining = context.time_remaining()
-        deadline = (time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4)
-                    if remaining is not None else None)
+        deadline = (
+            time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4) if remaining is not None else None
+        )
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream)
         kwargs = (
@@ -95,7 +96,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     request_id=handle.request_id,
                     token_ids=out.token_ids,
                     text=out.text,
-                    stop_reason=STOP_REASONS.get(out.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED),
+                    stop_reason=STOP_REASONS.get(out.finish_reason, router_pb2.STOP_REASON_UNSPECIFIED)
+                    if out.finish_reason is not None
+                    else router_pb2.STOP_REASON_UNSPECIFIED,
                     prompt_tokens=handle.num_prompt_tokens,
                     generated_tokens=len(out.token_ids),
                     logprobs=out.logprobs,
@@ -212,9 +215,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     def _texts(self) -> TokenTexts:
         tokenizer = self.batching_loop.tokenizer
-        if getattr(self, "_token_texts", None) is None or self._token_texts.tokenizer is not tokenizer:
-            self._token_texts = TokenTexts(tokenizer)
-        return self._token_texts
+        texts: TokenTexts | None = getattr(self, "_token_texts", None)
+        if texts is None or texts.tokenizer is not tokenizer:
+            texts = self._token_texts = TokenTexts(tokenizer)
+        return texts
 
     def _top_pb(self, top: Top) -> router_pb2.TopLogprobs:
         texts = self._texts() if self.batching_loop.tokenizer is not None else None
