@@ -3,10 +3,10 @@ OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O he
 
 Accepted: OpenAI's fields with n = 1 (logprobs and top_logprobs, presence and frequency penalties included) and
 vLLM's usual extensions (top_k, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
-add_generation_prompt, continue_final_message, chat_template_kwargs). Fields asking for what the router does not
-do (n > 1, echo, suffix, logit_bias, tools, JSON response formats) are refused with 400 naming them rather than
-silently ignored; fields that change nothing (user, metadata, ...) are ignored. A sampling field left out takes
-the model's generation_config.json default when it has one (OpenAI's default otherwise), as in vLLM.
+add_generation_prompt, continue_final_message, chat_template_kwargs). Every other field is refused with 400 naming
+it, unless it asks for nothing or cannot change the output (router_service/openai_fields.py has the table). A
+sampling field left out takes the model's generation_config.json default when it has one (OpenAI's default
+otherwise), as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import grpc
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
-from router_service import errors
+from router_service import errors, openai_fields
 from router_service.frontend import ChatOptions, Completion, detail
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
@@ -57,16 +57,6 @@ FINISH_REASONS = {
     FinishReason.STOP_TOKEN: "stop",
     FinishReason.STOP_SEQUENCE: "stop",
 }
-# (field, the only values accepted): what the router cannot do yet.
-UNSUPPORTED: tuple[tuple[str, tuple[object, ...]], ...] = (
-    ("n", (None, 1)),
-    ("best_of", (None, 1)),
-    ("echo", (None, False)),
-    ("suffix", (None, "")),
-    ("logit_bias", (None, {})),
-    ("tools", (None, [])),
-    ("functions", (None, [])),
-)
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
 
@@ -190,17 +180,9 @@ def parse_request(
             param="model",
             code="model_not_found",
         )
-    for name, allowed in UNSUPPORTED:
-        if name in body and body[name] not in allowed:
-            raise ApiError(
-                400,
-                f"{name}: not supported by this server (allowed: "
-                f"{', '.join(repr(a) for a in allowed if a is not None)})",
-                param=name,
-            )
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
+    refused = openai_fields.refused_field(body, kind)
+    if refused is not None:
+        raise ApiError(400, refused[1], param=refused[0])
     stream = _get(body, "stream", bool, False, "a boolean")
     options = _get(body, "stream_options", dict, None, "an object")
     if options is not None and not stream:
