@@ -11,6 +11,9 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
+
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service.config import RouterConfig
@@ -121,8 +124,24 @@ def check_text_size(field: str, text: str, limit: int) -> None:
         )
 
 
+def check_known_fields(message, path: str = "") -> None:
+    """Protobuf keeps a field this router.proto lacks (a client built from a newer one) and the router would never
+    read it: a dropped decoding constraint, say, changes the output silently. Refused instead, naming where."""
+    numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
+    if numbers:
+        raise InvalidRequestError(
+            path or "request",
+            f"field number {', '.join(map(str, numbers))} is not in this server's router.proto (a client built "
+            "from a newer one?); refused rather than ignored",
+        )
+    for descriptor, value in message.ListFields():
+        if isinstance(value, Message):  # a set submessage (repeated ones are containers: none in these requests)
+            check_known_fields(value, f"{path}.{descriptor.name}" if path else descriptor.name)
+
+
 def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer) -> str | None:
     """Every check that needs no tokens; returns the text to tokenize (None for a token-id prompt)."""
+    check_known_fields(req)
     if len(req.request_id) > config.max_request_id_length:
         raise InvalidRequestError(
             "request_id", f"must be at most {config.max_request_id_length} characters, got {len(req.request_id)}"
