@@ -136,6 +136,7 @@ MESSAGE_REFUSED: dict[str, tuple[object, ...]] = {
     "function_call": (),
     "refusal": (),
     "audio": (),
+    "annotations": ([],),  # an answer's citations, echoed back with its message
 }
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -197,10 +197,19 @@ def test_nested_fields_are_checked_too():
         (user | {"tool_call_id": "c1"}, "messages[1].tool_call_id"),
         ({"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}, "messages[1].tool_calls"),
         (user | {"colour": "red"}, "messages[1].colour"),
+        ({"role": "assistant", "content": "y", "annotations": [{"type": "url_citation"}]}, "messages[1].annotations"),
     ]:
         error = refusal("chat", {"messages": [user, message]})
         assert error.param == param, error.body()
-    echoed = {"role": "assistant", "content": "y", "refusal": None, "tool_calls": [], "audio": None, "name": None}
+    echoed = {
+        "role": "assistant",
+        "content": "y",
+        "refusal": None,
+        "tool_calls": [],
+        "audio": None,
+        "name": None,
+        "annotations": [],
+    }
     assert parse("chat", messages=[user, echoed]).messages[1] is echoed  # the openai client's model_dump()
     for options, param in [
         ({"include_obfuscation": True}, "stream_options.include_obfuscation"),
