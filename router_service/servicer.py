@@ -32,7 +32,7 @@ from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
-from router_service.validation import PromptRequest, check_ids, check_text_size, prompt_byte_limit
+from router_service.validation import PromptRequest, check_ids, check_known_fields, check_text_size, prompt_byte_limit
 
 log = logging.getLogger("colibri.router")
 # The router ends a request this much before the client's gRPC deadline (at most a quarter of the time left), so
@@ -63,6 +63,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         )
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream)
+        check_known_fields(request)  # the chat's own fields and its messages' (its parameters are checked again)
         kwargs = (
             json_format.MessageToDict(request.chat_template_kwargs)
             if request.HasField("chat_template_kwargs")

@@ -135,8 +135,12 @@ def check_known_fields(message, path: str = "") -> None:
             "from a newer one?); refused rather than ignored",
         )
     for descriptor, value in message.ListFields():
-        if isinstance(value, Message):  # a set submessage (repeated ones are containers: none in these requests)
-            check_known_fields(value, f"{path}.{descriptor.name}" if path else descriptor.name)
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if isinstance(value, Message):
+            check_known_fields(value, name)
+        elif descriptor.message_type is not None and not descriptor.message_type.GetOptions().map_entry:
+            for i, item in enumerate(value):  # a repeated message field (a chat's messages)
+                check_known_fields(item, f"{name}[{i}]")
 
 
 def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer) -> str | None:

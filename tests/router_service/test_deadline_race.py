@@ -6,6 +6,7 @@ answers a step every TOKEN_INTERVAL_S while many Generate and GenerateStream cal
 or the client cancels) at instants spread across that interval. Nothing may be logged at ERROR, by gRPC or by
 the router, and a deadline reaches the client as the router's own DEADLINE_EXCEEDED (with its ErrorInfo).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -81,8 +82,9 @@ async def _one_call(stub, index: int) -> grpc.StatusCode:
 
 def test_calls_ending_as_tokens_arrive_log_nothing_at_error():
     async def main():
-        fake = FakeWorker(step_delay=TOKEN_INTERVAL_S, max_batch_size=CALLS, max_batch_tokens=4 * CALLS,
-                          num_blocks=4096)
+        fake = FakeWorker(
+            step_delay=TOKEN_INTERVAL_S, max_batch_size=CALLS, max_batch_tokens=4 * CALLS, num_blocks=4096
+        )
         async with harness(fake, max_batch_size=CALLS) as (router, fake, stub, channel):
             codes = []
             for _ in range(ROUNDS):
@@ -121,11 +123,14 @@ class _EndedCall:
         raise ExecuteBatchError('Failed "execute_batch": (SendStatusFromServerOperation,)')
 
 
-@pytest.mark.parametrize("method, time_remaining, attempts", [
-    ("GenerateStream", None, ["send_initial_metadata", "write"]),   # the client left as a token was written
-    ("Generate", 0.01, ["abort DEADLINE_EXCEEDED"]),                # the router's deadline, as gRPC's passed
-    ("GenerateStream", 0.01, ["send_initial_metadata", "abort DEADLINE_EXCEEDED"]),
-])
+@pytest.mark.parametrize(
+    "method, time_remaining, attempts",
+    [
+        ("GenerateStream", None, ["send_initial_metadata", "write"]),  # the client left as a token was written
+        ("Generate", 0.01, ["abort DEADLINE_EXCEEDED"]),  # the router's deadline, as gRPC's passed
+        ("GenerateStream", 0.01, ["send_initial_metadata", "abort DEADLINE_EXCEEDED"]),
+    ],
+)
 def test_a_send_on_an_ended_call_ends_the_handler_as_cancelled(method, time_remaining, attempts):
     async def main():
         async with harness(FakeWorker(step_delay=0.05)) as (router, fake, stub, channel):
@@ -138,8 +143,10 @@ def test_a_send_on_an_ended_call_ends_the_handler_as_cancelled(method, time_rema
     with _captured() as records:
         assert asyncio.run(main()) == attempts
     assert not records.errors(), records.errors()
-    assert any(r.getMessage() == "the call ended before its answer was sent" and r.levelno == logging.DEBUG
-               for r in records.records)
+    assert any(
+        r.getMessage() == "the call ended before its answer was sent" and r.levelno == logging.DEBUG
+        for r in records.records
+    )
 
 
 def test_the_routers_deadline_comes_before_grpcs():
@@ -151,6 +158,7 @@ def test_the_routers_deadline_comes_before_grpcs():
             async def submit(request, deadline, stream):
                 deadlines.append(deadline - time.monotonic())
                 raise asyncio.CancelledError
+
             servicer.frontend.submit = submit
             for remaining in (10.0, 0.1):
                 with pytest.raises(asyncio.CancelledError):
@@ -175,8 +183,9 @@ async def _deadline_status(stub, index: int):
 
 def test_the_client_gets_the_routers_deadline_exceeded():
     async def main():
-        async with harness(FakeWorker(step_delay=TOKEN_INTERVAL_S, max_batch_size=16, max_batch_tokens=1024),
-                           max_batch_size=16) as (router, fake, stub, channel):
+        async with harness(
+            FakeWorker(step_delay=TOKEN_INTERVAL_S, max_batch_size=16, max_batch_tokens=1024), max_batch_size=16
+        ) as (router, fake, stub, channel):
             return await asyncio.gather(*(_deadline_status(stub, i) for i in range(16)))
 
     for status in asyncio.run(main()):

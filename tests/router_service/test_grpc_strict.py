@@ -60,3 +60,26 @@ def test_chat_parameters_with_an_unknown_field_are_invalid_argument(worker, tiny
             assert (await stub.Chat(chat)).generated_tokens <= 2  # still serving
 
     asyncio.run(body())
+
+
+def test_a_chat_or_message_with_an_unknown_field_is_invalid_argument(worker, tiny_model, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model), chat_template=str(template)) as (_, stub):
+            message = router_pb2.ChatMessage(role="user", content="Hi")
+            chat = router_pb2.ChatRequest(
+                messages=[message], parameters=router_pb2.SamplingParameters(max_new_tokens=2)
+            )
+            odd_message = router_pb2.ChatRequest(
+                messages=[with_unknown(message)], parameters=router_pb2.SamplingParameters(max_new_tokens=2)
+            )
+            for request, where in ((with_unknown(chat), "request"), (odd_message, "messages")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Chat(request)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, where
+                assert "field number 17" in e.value.details() and where in e.value.details(), e.value.details()
+            assert (await stub.Chat(chat)).generated_tokens <= 2
+
+    asyncio.run(body())
