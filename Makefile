@@ -81,9 +81,10 @@ run: install $(DEFAULT_MODEL)/colibri.json
 	$(BIN)/colibri serve --model $(or $(MODEL),$(DEFAULT_MODEL)) $(ARGS)
 
 # Everything CI runs: unit, parity, kernel (simulator + sm_90 compile) and loopback end-to-end tests, and the
-# protos' buf checks (tests/protos, hence buf).
+# protos' buf checks (tests/protos, hence buf); over TEST_WORKERS pytest-xdist processes (one per core on CI's two).
+TEST_WORKERS ?= 2
 test: install $(BIN)/.installed-test $(CHECKOV_VENV)/bin/checkov $(BUF_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # GPU-only tests (run on a machine with an NVIDIA GPU), in two passes: GPU_WORKERS pytest-xdist processes share
 # the GPU (`make test-gpu GPU_WORKERS=4`), then the `serial` tests run alone: they read the device's free memory,
