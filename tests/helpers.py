@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -409,3 +411,17 @@ async def worker_kv_blocks_used(client) -> int:
 
     response = await client._call(client._stub.FilterBatch, worker_pb2.FilterBatchRequest(), client.control_timeout_s)
     return response.kv_blocks_used
+
+
+def serve_command(model, port, *flags: str, backend: str = "cpu", metrics_port=0, worker_metrics_port=0) -> list[str]:
+    """`colibri serve` on loopback for a test: the model, the public gRPC port, metrics ports (0: none), `flags`."""
+    return [
+        sys.executable, "-m", "colibri.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--metrics-port", str(metrics_port), "--worker-metrics-port", str(worker_metrics_port), "--backend", backend,
+        *flags,
+    ]  # fmt: skip
+
+
+def serve_env(*without: str) -> dict[str, str]:
+    """This process's environment for a served child: never the CUDA simulator, nor the variables named."""
+    return {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" and k not in without}

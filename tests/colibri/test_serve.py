@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -19,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
-from tests.helpers import BackgroundWorker, free_port, running_router
+from tests.helpers import BackgroundWorker, free_port, running_router, serve_command, serve_env
 
 pytestmark = pytest.mark.slow
 
@@ -94,30 +93,18 @@ def worker_pid(serve_pid: int) -> int:
 
 def test_serve_processes_end_to_end(tiny_model):
     port, metrics, worker_metrics = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = serve_env()
     serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri.cli",
-            "serve",
-            "--model",
+        serve_command(
             str(tiny_model),
-            "--host",
-            "127.0.0.1",
-            "--port",
             str(port),
-            "--metrics-port",
-            str(metrics),
-            "--worker-metrics-port",
-            str(worker_metrics),
-            "--backend",
-            "cpu",
             "--max-batch-tokens",
             "16",
             "--worker-retry-s",
             "0.1",
-        ],
+            metrics_port=metrics,
+            worker_metrics_port=worker_metrics,
+        ),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -259,31 +246,11 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
     """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
     per layer): streamed greedy output equals the fp32 CPU engine's."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = serve_env()
     serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri.cli",
-            "serve",
-            "--model",
-            str(tiny_model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-            "--worker-metrics-port",
-            "0",
-            "--backend",
-            "cuda",
-            "--max-batch-size",
-            "16",
-            "--max-batch-tokens",
-            "256",
-            *extra,
-        ],
+        serve_command(
+            str(tiny_model), str(port), "--max-batch-size", "16", "--max-batch-tokens", "256", *extra, backend="cuda"
+        ),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

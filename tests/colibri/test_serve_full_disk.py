@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 import grpc
 import pytest
 
 from tests.colibri.test_serve import wait_serving
-from tests.helpers import free_port
+from tests.helpers import free_port, serve_command, serve_env
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +32,9 @@ def unwritable(request):
 def test_serve_serves_and_stops_with_output_unwritable(tiny_model, unwritable):
     stdout, stderr = unwritable
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = serve_env()
     serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri.cli",
-            "serve",
-            "--model",
-            str(tiny_model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-            "--worker-metrics-port",
-            "0",
-            "--backend",
-            "cpu",
-            "--worker-retry-s",
-            "0.1",
-        ],
+        serve_command(str(tiny_model), str(port), "--worker-retry-s", "0.1"),
         env=env,
         stdout=stdout,
         stderr=stderr,

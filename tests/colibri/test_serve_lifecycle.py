@@ -20,6 +20,7 @@ import pytest
 from colibri import serve as serve_module
 from common.pb import router_pb2_grpc
 from tests.colibri.test_serve import child_pids, free_port, request, wait_serving
+from tests.helpers import serve_command, serve_env
 
 pytestmark = pytest.mark.slow
 TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
@@ -27,29 +28,9 @@ TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
 
 def start_serve(model, *extra: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", TOKEN_ENV)}
+    env = serve_env(TOKEN_ENV)
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-            "--worker-metrics-port",
-            "0",
-            "--backend",
-            "cpu",
-            "--worker-retry-s",
-            "0.1",
-            *extra,
-        ],
+        serve_command(str(model), str(port), "--worker-retry-s", "0.1", *extra),
         env={**env, "LOG_FORMAT": "text"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

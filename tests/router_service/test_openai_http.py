@@ -14,7 +14,7 @@ import pytest
 
 from common.pb import router_pb2 as rpb
 from router_service.openai_api import ApiError, parse_request
-from tests.helpers import free_port, running_router, worker_kv_blocks_used
+from tests.helpers import free_port, running_router, serve_command, serve_env, worker_kv_blocks_used
 
 pytestmark = pytest.mark.slow
 TEMPLATE = (
@@ -479,9 +479,7 @@ def test_a_taken_http_port_is_address_in_use():
 
 def test_colibri_serve_with_http_port(tiny_model, tmp_path):
     """The real processes: `colibri serve --http-port`, driven by the synchronous openai client."""
-    import os
     import subprocess
-    import sys
     import time
     import urllib.error
     import urllib.request
@@ -493,32 +491,18 @@ def test_colibri_serve_with_http_port(tiny_model, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     port, http = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = serve_env()
     serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "colibri.cli",
-            "serve",
-            "--model",
+        serve_command(
             str(tiny_model),
-            "--host",
-            "127.0.0.1",
-            "--port",
             str(port),
             "--http-port",
             str(http),
             "--chat-template",
             str(template),
-            "--metrics-port",
-            "0",
-            "--worker-metrics-port",
-            "0",
-            "--backend",
-            "cpu",
             "--worker-retry-s",
             "0.1",
-        ],
+        ),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
