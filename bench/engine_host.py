@@ -82,6 +82,18 @@ def measure(contexts: list[int], steps: int, warmup: int) -> dict:
         return results
 
 
+def write_results(out: Path, steps: int, results: dict) -> None:
+    """The JSON both host benchmarks write: microseconds per decode step, and the CPU they ran on."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "unit": "us per decode step (host, stub decoder)",
+        "cpu": platform.processor() or platform.machine(),
+        "steps": steps,
+        "results": results,
+    }
+    out.write_text(json.dumps(record, indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/engine_host.json")
@@ -93,19 +105,7 @@ def main(argv=None) -> int:
     results = measure(contexts, args.steps, args.warmup)
     for key, value in results.items():
         print(f"{key:18s} {value:8.1f} us")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "unit": "us per decode step (host, stub decoder)",
-                "cpu": platform.processor() or platform.machine(),
-                "steps": args.steps,
-                "results": results,
-            },
-            indent=1,
-        )
-    )
+    write_results(Path(args.out), args.steps, results)
     return 0
 
 

@@ -13,8 +13,6 @@ Run it in a checkout of each commit to compare (the figures depend on the host C
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.engine_host import GreedyRows  # noqa: E402
+from bench.engine_host import GreedyRows, write_results  # noqa: E402
 
 BATCHES = (1, 16, 64)
 CONTEXT = 32
@@ -105,19 +103,7 @@ def main(argv=None) -> int:
     print("us per decode step " + "".join(f"{b:>10s}" for b in results))
     for name in names:
         print(f"{name:18s} " + "".join(f"{results[b][name]:10.1f}" for b in results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "unit": "us per decode step (host, stub decoder)",
-                "cpu": platform.processor() or platform.machine(),
-                "steps": args.steps,
-                "results": results,
-            },
-            indent=1,
-        )
-    )
+    write_results(Path(args.out), args.steps, results)
     return 0
 
 
