@@ -425,3 +425,14 @@ def serve_command(model, port, *flags: str, backend: str = "cpu", metrics_port=0
 def serve_env(*without: str) -> dict[str, str]:
     """This process's environment for a served child: never the CUDA simulator, nor the variables named."""
     return {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" and k not in without}
+
+
+def cpu_engine(model, config, overlap: bool):
+    """An Engine on the cpu backend whose decoder takes part in overlapped steps as the cuda one does (`overlap`;
+    off in production, where its launch runs the step at once)."""
+    from expert_service.cpu.decoder import CpuDecoder
+    from expert_service.engine.engine import Engine
+    from expert_service.experts.slots import plan_slots
+
+    slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+    return Engine(model, config, CpuDecoder(model, config, slot_plan, overlap=overlap))

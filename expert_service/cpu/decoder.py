@@ -63,7 +63,11 @@ class CpuDecoder:
 
     backend = Backend.CPU
 
-    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
+    def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan, overlap: bool = False):
+        # launch runs the step at once: a step launched behind another would only delay the other's answer. The
+        # contract is the cuda backend's all the same (fed rows included); tests build a decoder with `overlap`
+        # to run the engine's overlap logic on the host.
+        self.supports_overlap = overlap
         self.w = CpuWeights(model)
         self.config: ModelConfig = model.config
         self.rotary = Rotary(self.config.rope, self.config.head_dim)
@@ -110,11 +114,6 @@ class CpuDecoder:
     def close(self) -> None:
         if self.cache is not None:
             self.copy_engine.close()
-
-    # launch runs the step at once: a step launched behind another would only delay the other's answer. The
-    # contract is the cuda backend's all the same (fed rows included); tests switch this on to run the engine's
-    # overlap logic on the host.
-    supports_overlap = False
 
     def blocks_host(self, num_tokens: int) -> bool:
         return False

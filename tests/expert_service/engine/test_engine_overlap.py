@@ -20,6 +20,7 @@ from expert_service.engine.sampling import SamplingParams
 from expert_service.serving.lifecycle import ModelThread
 from expert_service.serving.step_stream import StepPump, StepRequest, StreamSession
 from expert_service.tools.tiny_model import make_tiny
+from tests.helpers import cpu_engine
 
 GREEDY = SamplingParams()
 EMPTY = np.zeros(0, "<u8")
@@ -82,10 +83,9 @@ def _engines(request, tmp_path_factory):
     config = EngineConfig(
         backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128, max_batch_size=8
     )
-    engines = build_engine(ModelDir.open(model), config), build_engine(ModelDir.open(model), config)
-    if backend == "cpu":  # off in production (its launch runs the step at once); on here to run the logic
-        engines[0].decoder.supports_overlap = True
-    return engines
+    # the cpu decoder overlaps only when built to (its launch runs the step at once): here, to run the logic
+    first = cpu_engine(ModelDir.open(model), config, overlap=True) if backend == "cpu" else None
+    return first or build_engine(ModelDir.open(model), config), build_engine(ModelDir.open(model), config)
 
 
 class Gate:
@@ -328,9 +328,11 @@ def test_a_free_of_a_sequence_in_flight_waits_for_that_steps_collection(engines,
 def test_a_frees_only_step_behind_one_in_flight_frees_before_the_next_step(engines, monkeypatch):
     """Step 3 only frees a sequence step 2 still holds: the free takes effect before step 4, which reuses its id
     for a new prompt and needs its KV blocks (a pool of 8 blocks), as with sequential steps."""
-    engine = build_engine(engines[0].model, replace(engines[0].config, kv_cache_tokens=32))
-    if engine.backend is Backend.CPU:
-        engine.decoder.supports_overlap = True
+    config = replace(engines[0].config, kv_cache_tokens=32)
+    if engines[0].backend is Backend.CPU:
+        engine = cpu_engine(engines[0].model, config, overlap=True)
+    else:
+        engine = build_engine(engines[0].model, config)
     steps = [
         StepRequest(1, EMPTY, [PrefillInput(70, _prompt(70, 20), GREEDY, True)], EMPTY, None),
         StepRequest(2, EMPTY, [], np.array([70], "<u8"), None),

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import NON_FINITE_LOGITS, UNKNOWN_SEQUENCE, Engine, PrefillInput
 from expert_service.engine.penalties import PenaltyParams
@@ -19,6 +18,7 @@ from expert_service.engine.sampling import SamplingParams
 from expert_service.serving.lifecycle import ModelThread
 from expert_service.serving.step_stream import StepPump, StepRequest, StreamSession
 from tests.expert_service.engine.test_engine_overlap import Gate
+from tests.helpers import cpu_engine
 
 GREEDY = SamplingParams()
 IDS = range(1, 8)
@@ -29,8 +29,7 @@ def _engine(model, overlap: bool, kv_cache_tokens: int, nan_every: int = 0) -> E
     config = EngineConfig(
         backend="cpu", kv_block_size=4, kv_cache_tokens=kv_cache_tokens, max_batch_tokens=48, max_batch_size=6
     )
-    engine = build_engine(ModelDir.open(model), config)
-    engine.decoder.supports_overlap = overlap
+    engine = cpu_engine(ModelDir.open(model), config, overlap)
     if nan_every:  # the tiny model's logits are always finite: a row of a (token, position) hash is not
         forward = engine.decoder.forward
 
