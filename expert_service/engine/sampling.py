@@ -1,7 +1,8 @@
 """Token sampling on the worker, vLLM semantics: the penalties (expert_service/engine/penalties.py, applied by the
-backend), then temperature 0 = greedy; otherwise logits / temperature, then top-k (0 = off), then top-p
-(1 = off), then one draw from the sequence's own seeded generator, so the same seed gives the same tokens
-whatever else shares the batch. Log-probabilities are of the raw logits (expert_service/engine/logprobs.py).
+backend), then the logit bias, then stop-id suppression, then temperature 0 = greedy; otherwise logits /
+temperature, then top-k (0 = off), then top-p (1 = off), then min-p (0 = off), then one draw from the sequence's
+own seeded generator, so the same seed gives the same tokens whatever else shares the batch. Log-probabilities
+are of the raw logits (expert_service/engine/logprobs.py): no bias, no filter.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from expert_service.engine.logprobs import MAX_TOP_LOGPROBS
 from expert_service.engine.penalties import PenaltyParams
 
 MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,8 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: the most likely tokens of each sampled position
     prompt_logprobs: int | None = None  # score the prompt with this many top tokens per position; None = off
     penalties: PenaltyParams = PenaltyParams()
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
 
     def __post_init__(self):
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -42,6 +47,16 @@ class SamplingParams:
         for name, value in (("top_logprobs", self.top_logprobs), ("prompt_logprobs", self.prompt_logprobs or 0)):
             if not 0 <= value <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if not (0 <= self.min_p <= 1):  # NaN fails too
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError("logit_bias", f"{len(self.logit_bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias[{token_id}]",
+                    f"id must be >= 0 and bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+                )
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Every id this sequence names must be a row of the logits."""
@@ -49,6 +64,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 "stop_token_ids", f"ids must be in [0, {vocab_size}), got {max(self.stop_token_ids)}"
             )
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise InvalidRequestError(f"logit_bias[{token_id}]", f"token id must be in [0, {vocab_size})")
 
 
 class Sampler:
@@ -58,13 +76,22 @@ class Sampler:
         self.params = params
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
         self.num_generated = 0
+        # Built once: every step adds the same bias.
+        self._bias = (
+            np.array([i for i, _ in params.logit_bias], dtype=np.int64),
+            np.array([b for _, b in params.logit_bias], dtype=np.float32),
+        )
 
     @property
     def plain_greedy(self) -> bool:
-        """The argmax of the (penalised) logits is the token: no stop-token suppression, no temperature.
-        Log-probabilities are scored apart from the choice."""
+        """The argmax of the (penalised) logits is the token: no bias, no stop-token suppression, no temperature
+        (min-p keeps the top token, so greedy ignores it). Log-probabilities are scored apart from the choice."""
         p = self.params
-        return p.temperature == 0 and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
+        return (
+            p.temperature == 0
+            and not p.logit_bias
+            and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
+        )
 
     def take_greedy(self, token: int) -> int:
         """Records a token chosen by the backend's argmax (only when `plain_greedy`)."""
@@ -78,6 +105,9 @@ class Sampler:
             return None
         p = self.params
         logits = (logits if processed is None else processed).astype(np.float32, copy=True)
+        if p.logit_bias:
+            ids, biases = self._bias
+            logits[ids] += biases
         if self.num_generated < p.min_new_tokens and p.stop_token_ids:
             logits[list(p.stop_token_ids)] = -np.inf
         if p.temperature == 0:
@@ -86,7 +116,7 @@ class Sampler:
             # Shifted to <= 0 before dividing, in float64: a tiny temperature sends every other token to -inf
             # (never inf - inf = NaN), so it degrades to greedy instead of to the last id.
             scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
-            token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p)))
+            token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p, p.min_p)))
         self.num_generated += 1
         return token
 
@@ -97,8 +127,9 @@ class Sampler:
         return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 
-def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """Masks (to -inf) every token outside the top-k and outside the top-p nucleus."""
+def filter_logits(logits: np.ndarray, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Masks (to -inf) every token outside the top-k, outside the top-p nucleus, and below min_p times the top
+    token's probability."""
     out = logits.copy()
     if 0 < top_k < out.size:
         keep = np.argpartition(-out, top_k - 1)[:top_k]  # exactly k survive, even with ties
@@ -111,4 +142,7 @@ def filter_logits(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
         probs /= probs.sum()
         before = np.cumsum(probs) - probs  # mass strictly ahead of each token
         out[order[before >= top_p]] = -np.inf  # the top token (before = 0) always stays
+    if min_p > 0:
+        # p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p): no softmax needed; the top token stays.
+        out[out - out.max() < np.log(min_p)] = -np.inf
     return out

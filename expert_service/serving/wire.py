@@ -43,6 +43,8 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         top_logprobs=p.top_logprobs,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         penalties=penalties,
+        min_p=p.min_p,
+        logit_bias=tuple(sorted(p.logit_bias.items())),  # sorted: equal maps give equal params
     )
 
 
