@@ -26,6 +26,8 @@ PromptRequest = router_pb2.GenerateRequest | router_pb2.GenerateStreamRequest
 MAX_SEED = (1 << 64) - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; prompt_logprobs has the same
 MAX_PRESENCE_FREQUENCY = 2.0  # vLLM's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limits on logit_bias: 300 tokens, each bias in [-100, 100]
+MAX_LOGIT_BIAS = 100.0
 # With max_prompt_bytes 0, a text prompt may have this many UTF-8 bytes per token of context: far above any
 # real tokenizer's average, and still a bound on what one request can make the router tokenize.
 BYTES_PER_TOKEN = 32
@@ -64,6 +66,8 @@ class ValidatedRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     @property
     def penalized(self) -> bool:
@@ -213,6 +217,8 @@ def _complete(
         else float(d.repetition_penalty or 1.0),
         presence_penalty=float(p.presence_penalty),
         frequency_penalty=float(p.frequency_penalty),
+        min_p=float(p.min_p),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 
@@ -231,6 +237,22 @@ def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> No
         raise InvalidRequestError(
             "parameters.top_k", f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}"
         )
+    if not math.isfinite(p.min_p) or not 0 <= p.min_p <= 1:
+        raise InvalidRequestError("parameters.min_p", f"must be in [0, 1] (0 = off), got {p.min_p:g}")
+    _check_logit_bias(p, limits.vocab_size)
+
+
+def _check_logit_bias(p: router_pb2.SamplingParameters, vocab_size: int) -> None:
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            "parameters.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(p.logit_bias)}"
+        )
+    for token_id, bias in sorted(p.logit_bias.items()):  # sorted: the first bad id is the same on every call
+        field = f"parameters.logit_bias[{token_id}]"
+        if token_id >= vocab_size:
+            raise InvalidRequestError(field, f"token id must be in [0, {vocab_size})")
+        if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+            raise InvalidRequestError(field, f"bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias:g}")
 
 
 def _check_logprobs_and_penalties(p: router_pb2.SamplingParameters) -> None:

@@ -33,6 +33,8 @@ def sampling_params(request: ValidatedRequest, eos_token_ids) -> pb.SamplingPara
         top_logprobs=request.top_logprobs,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
+        min_p=request.min_p,
+        logit_bias=dict(request.logit_bias),
     )
     if request.prompt_logprobs is not None:
         params.prompt_logprobs = request.prompt_logprobs

@@ -49,6 +49,21 @@ CASES = [
     ("top_p negative", req(top_p=-0.1), {}, "parameters.top_p", ["(0, 1]"]),
     ("top_p nan", req(top_p=math.nan), {}, "parameters.top_p", ["nan"]),
     ("top_k above vocab", req(top_k=259), {}, "parameters.top_k", ["258", "259"]),
+    ("min_p above 1", req(min_p=1.5), {}, "parameters.min_p", ["[0, 1]", "1.5"]),
+    ("min_p negative", req(min_p=-0.1), {}, "parameters.min_p", ["[0, 1]"]),
+    ("min_p nan", req(min_p=math.nan), {}, "parameters.min_p", ["nan"]),
+    ("bias id = vocab", req(logit_bias={5: 1.0, 258: 1.0}), {}, "parameters.logit_bias[258]", ["[0, 258)"]),
+    ("bias above 100", req(logit_bias={123: 100.5}), {}, "parameters.logit_bias[123]", ["[-100, 100]", "100.5"]),
+    ("bias below -100", req(logit_bias={7: -101.0}), {}, "parameters.logit_bias[7]", ["-101"]),
+    ("bias nan", req(logit_bias={7: math.nan}), {}, "parameters.logit_bias[7]", ["nan"]),
+    ("bias inf", req(logit_bias={7: math.inf}), {}, "parameters.logit_bias[7]", ["inf"]),
+    (
+        "too many biases",
+        req(logit_bias={i: 1.0 for i in range(301)}, ids=[1]),
+        {"limits": ModelLimits(1000, 64, 1000, (), False)},
+        "parameters.logit_bias",
+        ["300", "301"],
+    ),
     ("max_new_tokens above cap", req(max_new_tokens=101), {}, "parameters.max_new_tokens", ["100", "101"]),
     ("max_new_tokens 2^32-1", req(max_new_tokens=2**32 - 1), {}, "parameters.max_new_tokens", ["4294967295"]),
     (
@@ -125,3 +140,10 @@ def test_valid_edges_pass(tokenizer):
         tokenizer,
     )
     assert v.max_new_tokens == 62 and v.stop_token_ids == (0, 1, 257) and v.request_id == "r" * 16
+
+
+def test_min_p_and_logit_bias_edges_pass():
+    bias = {i: -100.0 if i % 2 else 100.0 for i in range(258 - 300, 258) if i >= 0} | {0: 0.5}
+    v = validate_request(req(min_p=1.0, logit_bias=bias), CONFIG, LIMITS, None)
+    assert v.min_p == 1.0 and v.logit_bias == tuple(sorted(bias.items()))
+    assert validate_request(req(), CONFIG, LIMITS, None).logit_bias == ()

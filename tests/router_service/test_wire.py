@@ -57,6 +57,21 @@ def test_sampling_params_stop_ids_are_eos_then_stop_tokens():
     ) == [7]
 
 
+def test_min_p_and_logit_bias_travel_from_the_router_request_to_the_worker_params():
+    config = RouterConfig(max_new_tokens=100, default_max_new_tokens=20)
+    limits = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000)
+    request = router_pb2.GenerateRequest(
+        parameters=router_pb2.SamplingParameters(temperature=0.7, min_p=0.125, logit_bias={200: -100.0, 3: 2.5})
+    )
+    request.token_ids.ids.extend([1, 2, 3])
+    message = wire.sampling_params(validate_request(request, config, limits, None), eos_token_ids=[])
+    back = worker_wire.sampling_params(pb.SamplingParams.FromString(message.SerializeToString()))
+    assert back.min_p == 0.125 and back.logit_bias == ((3, 2.5), (200, -100.0))
+    assert worker_wire.sampling_params(wire.sampling_params(validate_request(
+        router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1])), config, limits, None
+    ), eos_token_ids=[])).logit_bias == ()
+
+
 def test_request_outputs_read_packed_answers_errors_and_scores():
     scores = pb.SequenceLogprobs(
         request_id=4,
