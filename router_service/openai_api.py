@@ -1,8 +1,8 @@
 """OpenAI's protocol, as data: request bodies -> the router's SamplingParameters, answers and stream chunks ->
 OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O here (router_service/http_api.py).
 
-Accepted: OpenAI's fields with n = 1 (logprobs and top_logprobs, presence and frequency penalties included) and
-vLLM's usual extensions (top_k, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
+Accepted: OpenAI's fields with n = 1 (logprobs and top_logprobs, presence and frequency penalties, logit_bias
+included) and vLLM's usual extensions (top_k, min_p, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
 add_generation_prompt, continue_final_message, chat_template_kwargs). Every other field is refused with 400 naming
 it, unless it asks for nothing or cannot change the output (router_service/openai_fields.py has the table). A
 sampling field left out takes the model's generation_config.json default when it has one (OpenAI's default
@@ -165,6 +165,20 @@ def _float(body, name, default):
     return math.copysign(FLOAT32_TINIEST, value) if 0 < abs(value) < FLOAT32_TINIEST else value
 
 
+def _logit_bias(body) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (the keys are strings, JSON's only kind); the router checks ids and ranges."""
+    raw = _get(body, "logit_bias", dict, {}, "an object of token id -> bias")
+    bias = {}
+    for key, value in raw.items():
+        param = f"logit_bias[{key}]"
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_UINT32):
+            raise ApiError(400, f"{param}: the key must be a token id (a non-negative integer)", param=param)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"{param}: the bias must be a number, got {type(value).__name__}", param=param)
+        bias[int(key)] = _float({param: value}, param, 0.0)
+    return bias
+
+
 def parse_request(
     body, kind: str, model_name: str, defaults: GenerationDefaults = GenerationDefaults(), vocab_size: int = 0
 ) -> ParsedRequest:
@@ -215,6 +229,8 @@ def parse_request(
         truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0),
         presence_penalty=_float(body, "presence_penalty", 0.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0),
+        min_p=_float(body, "min_p", 0.0),
+        logit_bias=_logit_bias(body),
     )
     if body.get("temperature") is not None or defaults.temperature is None:
         params.temperature = _float(body, "temperature", 1.0)  # OpenAI's default

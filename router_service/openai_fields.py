@@ -22,8 +22,10 @@ IMPLEMENTED_BOTH = frozenset(
         "stream_options",
         "presence_penalty",
         "frequency_penalty",
+        "logit_bias",
         "logprobs",
         "top_k",
+        "min_p",
         "min_tokens",
         "stop_token_ids",
         "ignore_eos",
@@ -66,9 +68,7 @@ IGNORED = {
 SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
-    "min_p": (0,),
     "use_beam_search": (False,),
     "length_penalty": (1,),  # beam search's
     "include_stop_str_in_output": (False,),

@@ -88,9 +88,7 @@ class Sampler:
         (min-p keeps the top token, so greedy ignores it). Log-probabilities are scored apart from the choice."""
         p = self.params
         return (
-            p.temperature == 0
-            and not p.logit_bias
-            and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
+            p.temperature == 0 and not p.logit_bias and not (self.num_generated < p.min_new_tokens and p.stop_token_ids)
         )
 
     def take_greedy(self, token: int) -> int:

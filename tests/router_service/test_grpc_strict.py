@@ -13,16 +13,16 @@ from router_service.validation import ModelLimits, validate_request
 from tests.helpers import running_router
 
 LIMITS = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000, has_tokenizer=True)
-UNKNOWN_17 = bytes([0x8A, 0x01, 2]) + b"{}"  # field 17 (tag varint 0x8A 0x01), length-delimited: a newer proto's
+UNKNOWN_40 = bytes([0xC2, 0x02, 2]) + b"{}"  # field 40 (tag varint 0xC2 0x02), length-delimited: a newer proto's
 
 
 def with_unknown(message, field_path: str = ""):
-    """A copy of `message` with field 17 appended to the submessage at `field_path` (or to itself)."""
+    """A copy of `message` with field 40 appended to the submessage at `field_path` (or to itself)."""
     message = type(message).FromString(message.SerializeToString())
     target = message
     for name in filter(None, field_path.split(".")):
         target = getattr(target, name)
-    extended = type(target).FromString(target.SerializeToString() + UNKNOWN_17)
+    extended = type(target).FromString(target.SerializeToString() + UNKNOWN_40)
     if target is message:
         return extended
     target.CopyFrom(extended)
@@ -40,7 +40,7 @@ def test_an_unknown_field_is_refused_naming_its_message(where, field):
     request = with_unknown(generate(top_k=3), where)
     with pytest.raises(InvalidRequestError) as e:
         validate_request(request, RouterConfig(), LIMITS)
-    assert e.value.field == field and "field number 17" in str(e.value), str(e.value)
+    assert e.value.field == field and "field number 40" in str(e.value), str(e.value)
     assert validate_request(generate(top_k=3), RouterConfig(), LIMITS).top_k == 3  # known fields only: served
 
 
@@ -56,7 +56,7 @@ def test_chat_parameters_with_an_unknown_field_are_invalid_argument(worker, tiny
             )
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Chat(with_unknown(chat, "parameters"))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "field number 17" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "field number 40" in e.value.details()
             assert (await stub.Chat(chat)).generated_tokens <= 2  # still serving
 
     asyncio.run(body())
@@ -79,7 +79,7 @@ def test_a_chat_or_message_with_an_unknown_field_is_invalid_argument(worker, tin
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Chat(request)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, where
-                assert "field number 17" in e.value.details() and where in e.value.details(), e.value.details()
+                assert "field number 40" in e.value.details() and where in e.value.details(), e.value.details()
             assert (await stub.Chat(chat)).generated_tokens <= 2
 
     asyncio.run(body())

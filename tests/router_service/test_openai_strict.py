@@ -11,6 +11,7 @@ import pytest
 
 from router_service import openai_fields
 from router_service.openai_api import ApiError, parse_request
+from tests.helpers import byte_ids
 from tests.router_service.test_openai_http import http_router
 
 BASE = {"completion": {"prompt": "x"}, "chat": {"messages": [{"role": "user", "content": "x"}]}}
@@ -39,6 +40,8 @@ IMPLEMENTED = [
     (BOTH, "repetition_penalty", 1.5, {}, lambda p: p.parameters.repetition_penalty == 1.5),
     (BOTH, "prompt_logprobs", 2, {}, lambda p: p.parameters.prompt_logprobs == 2 and p.prompt_logprobs),
     (BOTH, "truncate_prompt_tokens", 5, {}, lambda p: p.parameters.truncate_input_tokens == 5),
+    (BOTH, "min_p", 0.25, {}, lambda p: p.parameters.min_p == 0.25),
+    (BOTH, "logit_bias", {"5": 100, "7": -2.5}, {}, lambda p: dict(p.parameters.logit_bias) == {5: 100.0, 7: -2.5}),
     (("completion",), "prompt", "hello", {}, lambda p: p.prompt == "hello"),
     (("chat",), "messages", [{"role": "user", "content": "hi"}], {}, lambda p: p.messages[0]["content"] == "hi"),
     (("chat",), "add_generation_prompt", False, {}, lambda p: not p.chat_options.add_generation_prompt),
@@ -50,9 +53,7 @@ REFUSED = [
     (BOTH, "n", 2, 1),
     (("completion",), "best_of", 3, 1),
     (("chat",), "best_of", 3, 1),
-    (BOTH, "logit_bias", {"5": 100}, {}),
     (BOTH, "response_format", {"type": "json_object"}, {"type": "text"}),
-    (BOTH, "min_p", 0.1, 0.0),
     (BOTH, "use_beam_search", True, False),
     (BOTH, "length_penalty", 0.5, 1.0),
     (BOTH, "include_stop_str_in_output", True, False),
@@ -222,8 +223,24 @@ def test_nested_fields_are_checked_too():
 
 
 def test_the_first_offending_field_is_named():
-    error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "guided_regex": "a"})
-    assert error.param == "min_p"
+    error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "bad_words": ["a"], "guided_regex": "a"})
+    assert error.param == "bad_words"
+
+
+@pytest.mark.parametrize(
+    "bias, param, words",
+    [
+        ([5], "logit_bias", "an object"),
+        ({"-1": 1}, "logit_bias[-1]", "token id"),
+        ({"x": 1}, "logit_bias[x]", "token id"),
+        ({"5": "1"}, "logit_bias[5]", "a number"),
+        ({"5": True}, "logit_bias[5]", "a number"),
+        ({"5": 10**400}, "logit_bias[5]", "float range"),
+    ],
+)
+def test_a_malformed_logit_bias_is_a_400_naming_the_entry(bias, param, words):
+    error = refusal("chat", BASE["chat"] | {"logit_bias": bias})
+    assert error.param == param and words in error.message, error.body()
 
 
 @pytest.mark.slow
@@ -234,7 +251,7 @@ def test_the_openai_client_gets_a_400_naming_a_vllm_field_the_router_does_not_do
             for extra, param in [
                 ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, "guided_json"),
                 ({"guided_regex": "[0-9]+"}, "guided_regex"),
-                ({"min_p": 0.1}, "min_p"),
+                ({"bad_words": ["Hi"]}, "bad_words"),
             ]:
                 with pytest.raises(openai.BadRequestError) as e:
                     await client.chat.completions.create(
@@ -259,5 +276,31 @@ def test_the_openai_client_gets_a_400_naming_a_vllm_field_the_router_does_not_do
                 extra_body={"min_p": 0.0, "guided_json": None},
             )
             assert decorated.choices[0].message.content == plain.choices[0].message.content
+
+    asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_logit_bias_and_min_p_honoured(worker, tiny_model, tmp_path):
+    """A +100 bias forces its token at every greedy step; min_p 1 at temperature 1 keeps only the top token, so it
+    answers as greedy does; an id outside the vocabulary is a 400 naming the entry."""
+    forced = byte_ids("Z")[0]
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            common = dict(model="model", prompt="Hi", max_tokens=5, extra_body={"ignore_eos": True})
+            biased = await client.completions.create(**common, temperature=0, logit_bias={str(forced): 100})
+            assert biased.choices[0].text == "ZZZZZ"
+            greedy = await client.completions.create(**common, temperature=0)
+            assert greedy.choices[0].text != "ZZZZZ"
+            min_p = await client.completions.create(
+                **common | {"extra_body": {"ignore_eos": True, "min_p": 1.0}}, temperature=1.0, seed=4
+            )
+            assert min_p.choices[0].text == greedy.choices[0].text
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(
+                    model="model", messages=[{"role": "user", "content": "Hi"}], logit_bias={"100000": 5}
+                )
+            assert e.value.param == "logit_bias[100000]" and "token id" in e.value.message, e.value
 
     asyncio.run(body())

@@ -67,9 +67,17 @@ def test_min_p_and_logit_bias_travel_from_the_router_request_to_the_worker_param
     message = wire.sampling_params(validate_request(request, config, limits, None), eos_token_ids=[])
     back = worker_wire.sampling_params(pb.SamplingParams.FromString(message.SerializeToString()))
     assert back.min_p == 0.125 and back.logit_bias == ((3, 2.5), (200, -100.0))
-    assert worker_wire.sampling_params(wire.sampling_params(validate_request(
-        router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1])), config, limits, None
-    ), eos_token_ids=[])).logit_bias == ()
+    assert (
+        worker_wire.sampling_params(
+            wire.sampling_params(
+                validate_request(
+                    router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1])), config, limits, None
+                ),
+                eos_token_ids=[],
+            )
+        ).logit_bias
+        == ()
+    )
 
 
 def test_request_outputs_read_packed_answers_errors_and_scores():
