@@ -18,7 +18,7 @@ from common.routing_plan import RoutingPlan
 from common.tensors import from_pb as array_from_pb
 from expert_service.engine.engine import PrefillInput, SequenceOutput, StepResult
 from expert_service.engine.penalties import PenaltyParams
-from expert_service.engine.sampling import SamplingParams
+from expert_service.engine.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.serving.step_stream import StepLimits, StepRequest
@@ -29,6 +29,7 @@ NO_TOKEN = -1  # token_ids of a stream answer: this sequence sampled nothing thi
 # --- requests -----------------------------------------------------------------------------------
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
     """The message's settings (top_p 0 reads as 1, off; an unset repetition penalty as 1), checked as any others."""
+    _checked_bias(p)
     penalties = PenaltyParams(
         p.repetition_penalty if p.HasField("repetition_penalty") else 1.0, p.presence_penalty, p.frequency_penalty
     )
@@ -46,6 +47,12 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         min_p=p.min_p,
         logit_bias=tuple(sorted(p.logit_bias.items())),  # sorted: equal maps give equal params
     )
+
+
+def _checked_bias(p: pb.SamplingParams) -> None:
+    # a hostile map is refused before it is copied into a tuple (SamplingParams checks the same bound)
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("logit_bias", f"{len(p.logit_bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES}")
 
 
 def prefill_input(chunk: pb.PrefillChunk) -> PrefillInput:

@@ -123,3 +123,14 @@ def test_engine_log_probabilities_stay_those_of_the_raw_logits(engine):
     greedy, raw_logprobs, _ = engine.generate(PROMPT, 1, plain)
     _, biased_logprobs, _ = engine.generate(PROMPT, 1, SamplingParams(logprobs=True, logit_bias=((greedy[0], 50.0),)))
     assert biased_logprobs == pytest.approx(raw_logprobs)
+
+
+def test_the_worker_wire_refuses_an_oversized_bias_map_before_copying_it():
+    from common.pb import worker_pb2
+    from expert_service.engine.sampling import MAX_LOGIT_BIAS_ENTRIES
+    from expert_service.serving import wire
+
+    message = worker_pb2.SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)})
+    with pytest.raises(InvalidRequestError) as e:
+        wire.sampling_params(message)
+    assert e.value.field == "logit_bias"
