@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.model_config import ModelConfig
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
@@ -37,9 +37,6 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import Config, choose_config
-
-if TYPE_CHECKING:  # moe_cached builds on this module's strategies
-    from expert_service.cuda.moe_cached import CachedExperts
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 GROUPED_MAX_TOKENS = 64  # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
@@ -210,7 +207,7 @@ class DeviceMoe:
             self._cublas_per_expert(x, h, T, ids, weights, experts, combine)
         else:
             assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
-            self.cached.run(i, x, h, T, ids, weights, strategy, combine=combine)
+            self.cached.run(i, x, h, T, ids, weights, strategy is MoeStrategy.CACHED_CUBLAS, combine=combine)
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm

@@ -11,7 +11,6 @@ from numba import cuda
 from common.model_config import ModelConfig
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
-from expert_service.cuda.moe import MoeStrategy
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.config import PrefetchSource
 from expert_service.experts.cache import CacheStats, ExpertCache
@@ -85,8 +84,9 @@ class CachedExperts:
             self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
 
     # --- the routed experts of a MoE layer ----------------------------------------------------------
-    def run(self, i: int, x, h, T: int, ids, weights, strategy: MoeStrategy, combine=None) -> None:
+    def run(self, i: int, x, h, T: int, ids, weights, large: bool, combine=None) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
+        large: per-expert cuBLAS GEMMs (their row ranges come to the host), else the grouped kernels;
         combine: DeviceMoe's combine (None: launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
@@ -100,7 +100,6 @@ class CachedExperts:
                 self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
             )
             self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
-        large = strategy is MoeStrategy.CACHED_CUBLAS  # the per-expert GEMMs need the row ranges on the host
         ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
         if large:
             ws.offsets.copy_to_host(self.host["offsets"], stream=st)
