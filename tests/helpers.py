@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -436,3 +437,18 @@ def cpu_engine(model, config, overlap: bool):
 
     slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
     return Engine(model, config, CpuDecoder(model, config, slot_plan, overlap=overlap))
+
+
+class LogRecords(logging.Handler):
+    """Keeps every record at `level` or above that reaches the loggers it is added to."""
+
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def errors(self) -> list[str]:
+        """The ERROR (and worse) records, as `logger: message`."""
+        return [f"{r.name}: {r.getMessage()}" for r in self.records if r.levelno >= logging.ERROR]

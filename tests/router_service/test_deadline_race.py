@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 
 from expert_service.tools.tiny_model import NUM_SPECIAL
 from router_service.servicer import DEADLINE_HEADROOM_S, GenerationServicer
+from tests.helpers import LogRecords
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request
 
 TOKEN_INTERVAL_S = 0.02
@@ -29,22 +30,10 @@ CALLS = 96
 ROUNDS = 20
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def errors(self) -> list[str]:
-        return [f"{r.name}: {r.getMessage()}" for r in self.records if r.levelno >= logging.ERROR]
-
-
 @contextlib.contextmanager
 def _captured(names=("grpc", "colibri")):
     """Every record of gRPC's and the router's loggers, DEBUG included."""
-    handler, loggers = _Records(), [logging.getLogger(name) for name in names]
+    handler, loggers = LogRecords(logging.DEBUG), [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)

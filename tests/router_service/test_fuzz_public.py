@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import VOCAB_SIZE
+from tests.helpers import LogRecords
 from tests.router_service.fake_worker import harness
 
 SERVICE = "/colibri.router.v1.GenerationService/"
@@ -43,15 +44,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
 CLASS_NAME = re.compile(r"\b[A-Z][a-z]+(Error|Exception)\b|<class ")
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 class Router:
@@ -95,7 +87,7 @@ class Router:
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    records = _Records()
+    records = LogRecords()
     logging.getLogger().addHandler(records)
     try:
         with Router(tokenizer) as router:

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import LogRecords
 from tests.router_service.fake_worker import harness
 from tests.router_service.test_http_errors import TEMPLATE, free_port
 
@@ -36,15 +37,6 @@ FUZZ = settings(
 ACCEPTABLE = {200, 400, 401, 404, 405, 408, 413, 429}
 CLASS_NAME = re.compile(r"\b[A-Z][a-z]+(Error|Exception)\b|<class |Traceback")
 TOKEN = b"sesame"
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 class Router:
@@ -110,7 +102,7 @@ class Router:
 
 @pytest.fixture(scope="module")
 def server(tokenizer, tmp_path_factory):
-    records = _Records()
+    records = LogRecords()
     logging.getLogger().addHandler(records)
     try:
         with Router(tokenizer, tmp_path_factory.mktemp("http-fuzz")) as router:
