@@ -88,7 +88,7 @@ class CacheStats:
 
 
 class _Counters:
-    """CacheStats being counted (one step's, or the whole run's)."""
+    """CacheStats being counted (one step's, or the whole run's): the same fields, mutable."""
 
     __slots__ = ("hits", "misses", "bytes_copied", "prefetches_issued", "prefetches_used", "stall_seconds")
 
@@ -97,7 +97,8 @@ class _Counters:
         self.stall_seconds = 0.0
 
     def freeze(self) -> CacheStats:
-        return CacheStats(*(getattr(self, name) for name in self.__slots__))
+        # by name: the two field lists cannot pair up out of order (a test holds them equal)
+        return CacheStats(**{name: getattr(self, name) for name in self.__slots__})
 
 
 class _Layer:

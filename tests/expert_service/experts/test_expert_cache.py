@@ -268,3 +268,11 @@ def test_worker_reports_cache_stats_and_metrics(tiny_model):
         assert metrics.expert_cache_prefetches_issued._value.get() >= stats.prefetches_issued
     finally:
         worker.stop()
+
+
+def test_the_running_counters_count_every_cache_stats_field():
+    from dataclasses import fields
+
+    from expert_service.experts.cache import CacheStats, _Counters
+
+    assert _Counters.__slots__ == tuple(f.name for f in fields(CacheStats))
