@@ -56,6 +56,7 @@ FINISH_REASONS = {
     FinishReason.EOS: "stop",
     FinishReason.STOP_TOKEN: "stop",
     FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.CONSTRAINT: "stop",
 }
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
