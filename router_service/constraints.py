@@ -74,7 +74,10 @@ class Constraint:
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(f"{FIELD}.json_schema", "must be a JSON object (or true/false)")
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema),
+                    defaults=_JSON_OPTIONS,  # type: ignore[arg-type]  # a plain dict is what the library reads
+                )
             except (ValueError, TypeError) as e:
                 raise InvalidRequestError(f"{FIELD}.json_schema", _one_line(str(e))) from None
         if self.kind == "regex":
@@ -100,7 +103,9 @@ def from_pb(message: router_pb2.Constraint) -> Constraint | None:
 def to_pb(constraint: Constraint) -> router_pb2.Constraint:
     if constraint.kind == "choice":
         return router_pb2.Constraint(choice=router_pb2.ChoiceList(choices=list(constraint.spec)))
-    return router_pb2.Constraint(**{constraint.kind: str(constraint.spec)})
+    message = router_pb2.Constraint()
+    setattr(message, constraint.kind, str(constraint.spec))
+    return message
 
 
 def _one_line(message: str) -> str:

@@ -57,8 +57,8 @@ def check_masks(masks: np.ndarray, vocab_size: int, request_ids) -> None:
         )
     tail = vocab_size - 32 * (W - 1)  # valid bits of the last word
     over = masks[:, -1] >> np.uint32(tail) if tail < 32 else np.zeros(len(masks), np.uint32)
-    empty = ~masks.any(axis=1)
-    for rid, bad_tail, is_empty in zip(request_ids, over != 0, empty):
+    empty = [not row.any() for row in masks]
+    for rid, bad_tail, is_empty in zip(request_ids, (over != 0).tolist(), empty):
         if bad_tail or is_empty:
             why = "allows no token" if is_empty else f"allows ids past the vocabulary ({vocab_size})"
             raise InvalidRequestError("token_masks", f"sequence {rid}: the mask {why}")

@@ -22,7 +22,9 @@ def test_apply_token_mask_equals_the_reference(rows, vocab, num_penalized):
     masks[0, :] = 0
     masks[0, 0] = 1 << 5  # one allowed token
     out = nan_device((rows, vocab))
-    launch_apply_token_mask(cuda.to_device(logits), cuda.to_device(penalized), num_penalized, cuda.to_device(masks), out)
+    launch_apply_token_mask(
+        cuda.to_device(logits), cuda.to_device(penalized), num_penalized, cuda.to_device(masks), out
+    )
     got = out.copy_to_host()
     src = logits.copy()
     src[:num_penalized] = penalized[:num_penalized]
