@@ -18,9 +18,11 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from common.errors import InvalidRequestError
 from common.tracing import (
     COLIBRI_BATCH_SIZE,
     COLIBRI_BATCH_TOKENS,
@@ -31,6 +33,7 @@ from common.tracing import (
 )
 from router_service import wire
 from router_service.config import RouterConfig
+from router_service.constraints import ConstraintCompiler, GrammarError, GrammarMatcher
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
@@ -82,6 +85,8 @@ class RequestState:
     last_token_at: float | None = None
     num_generated: int = 0
     is_done: bool = False
+    matcher: GrammarMatcher | None = None  # constrained decoding: the grammar's state after the tokens so far
+    grammar_error: str = ""  # the matcher failed computing a mask: the request fails when that step answers
 
 
 class RequestHandle:
@@ -150,6 +155,7 @@ class BatchingLoop:
         self._last_result_at = 0.0
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
+        self._constraints: ConstraintCompiler | None = None  # built on the first constrained request
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -219,6 +225,8 @@ class BatchingLoop:
         if self.tokenizer is not None:
             state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
             state.stops = StopSequenceMatcher(req.stop_sequences)
+        if req.constraint is not None:
+            state.matcher = self._constraint_compiler().matcher(req.constraint, req.ignore_eos)
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         self.scheduler.add(
             ScheduledRequest(
@@ -231,6 +239,7 @@ class BatchingLoop:
                 queue_deadline=min(deadline, now + self.config.queue_timeout_s),
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
+                constrained=state.matcher is not None,
             )
         )
         self._requests[seq_id] = state
@@ -238,6 +247,36 @@ class BatchingLoop:
         self._idle.clear()
         self._wake.set()
         return RequestHandle(self, state)
+
+    def _constraint_compiler(self) -> ConstraintCompiler:
+        if self.tokenizer is None or self.info is None or self.limits is None:
+            raise InvalidRequestError("parameters.constraint", "constrained decoding needs the model's tokenizer")
+        if self._constraints is None:
+            self._constraints = ConstraintCompiler(
+                self.tokenizer.to_json(), self.info.vocab_size, self.limits.eos_token_ids
+            )
+        return self._constraints
+
+    def _masks(self, step: ScheduledStep) -> dict[int, bytes]:
+        """The grammar mask of each constrained request sampling in `step` (its prompt ends, or it decodes)."""
+        sampling = [c.request_id for c in step.prefill_chunks if c.is_last] + list(step.decode_ids)
+        masks = {}
+        for seq_id in sampling:
+            state = self._requests.get(seq_id)
+            if state is None or state.matcher is None:
+                continue
+            try:
+                masks[seq_id] = state.matcher.mask()
+            except GrammarError as e:  # the step still carries it: any token, and the answer fails the request
+                state.grammar_error = str(e)
+                masks[seq_id] = self._any_token_mask()
+        return masks
+
+    def _any_token_mask(self) -> bytes:
+        vocab = self.info.vocab_size if self.info is not None else 0
+        bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+        bits[:vocab] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
 
     def cancel(self, seq_id: int) -> None:
         self._end(seq_id, None, "cancelled", FinishReason.CANCELLED)
@@ -355,7 +394,7 @@ class BatchingLoop:
             },
         )
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
-        request = wire.step_request(step, next(self._step_ids), routing_plan)
+        request = wire.step_request(step, next(self._step_ids), routing_plan, self._masks(step))
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
         self._in_flight.append(_InFlight(step, request.step_id, started, span))
         await self._open_stream.send(request)
@@ -416,11 +455,23 @@ class BatchingLoop:
         if out.error:
             self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}", reason=out.error))
             return
+        reason = out.finish_reason
+        if state.matcher is not None:
+            try:
+                if state.grammar_error:
+                    raise GrammarError(state.grammar_error)
+                state.matcher.consume(out.token_id)
+            except GrammarError as e:
+                log.error("constraint failed for request %s: %s", state.request_id, e)
+                self.fail(state.seq_id, GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT"))
+                return
+            if reason is None and state.matcher.is_stopped:  # complete: the grammar allows nothing more
+                reason = FinishReason.CONSTRAINT
         now = time.monotonic()
         self.hooks.on_token(state, now)
         state.last_token_at = now
         state.num_generated += 1
-        reason, text = out.finish_reason, ""
+        text = ""
         if state.detokenizer is not None:
             text, stopped = state.stops.push(state.detokenizer.step(out.token_id))
             if not stopped and reason is not None:

@@ -37,6 +37,8 @@ STOP_REASONS = {
     FinishReason.EOS: router_pb2.STOP_REASON_EOS,
     FinishReason.STOP_TOKEN: router_pb2.STOP_REASON_STOP_TOKEN,
     FinishReason.STOP_SEQUENCE: router_pb2.STOP_REASON_STOP_SEQUENCE,
+    # a complete constrained output ends as EOS would there (the grammar allowed only EOS next)
+    FinishReason.CONSTRAINT: router_pb2.STOP_REASON_EOS,
 }
 
 

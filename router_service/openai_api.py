@@ -19,10 +19,11 @@ import grpc
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
-from router_service import errors, openai_fields
+from router_service import constraints, errors, openai_fields
 from router_service.frontend import ChatOptions, Completion, detail
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
+from router_service.openai_constraints import ConstraintFieldError, request_constraint
 from router_service.scheduler import FinishReason
 
 MAX_UINT32 = (1 << 32) - 1
@@ -56,6 +57,7 @@ FINISH_REASONS = {
     FinishReason.EOS: "stop",
     FinishReason.STOP_TOKEN: "stop",
     FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.CONSTRAINT: "stop",
 }
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
@@ -245,6 +247,12 @@ def parse_request(
         params.prompt_logprobs = prompt_logprobs
     if seed is not None:
         params.seed = seed % (1 << 64)
+    try:
+        constraint = request_constraint(body)
+    except ConstraintFieldError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    if constraint is not None:
+        params.constraint.CopyFrom(constraints.to_pb(constraint))
     parsed = ParsedRequest(
         kind,
         params,

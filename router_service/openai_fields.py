@@ -32,6 +32,13 @@ IMPLEMENTED_BOTH = frozenset(
         "repetition_penalty",
         "prompt_logprobs",
         "truncate_prompt_tokens",
+        # constrained decoding (router_service/openai_constraints.py): at most one of these per request
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
     }
 )
 IMPLEMENTED = {
@@ -45,6 +52,7 @@ IGNORED_BOTH = frozenset(
     {
         "user",  # an end-user id for the provider's abuse monitoring
         "cache_salt",  # salts a cross-request prefix cache; the router shares no KV blocks between requests
+        "guided_decoding_backend",  # which engine computes the masks: the output's language is the same (llguidance)
     }
 )
 IGNORED = {
@@ -68,7 +76,6 @@ IGNORED = {
 SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
     "length_penalty": (1,),  # beam search's
     "include_stop_str_in_output": (False,),
@@ -76,14 +83,8 @@ SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
     "spaces_between_special_tokens": (True,),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "structured_outputs": (),
     "logits_processors": ([],),
     "priority": (0,),  # as vLLM without its priority scheduler: the router serves in arrival order
     "request_id": (),

@@ -13,7 +13,8 @@ no swap or preemption, so reserving the worst case is what lets an admitted requ
 is a lower batch occupancy when max_new_tokens is generous. Admission stops at the first waiting request that
 does not fit (head-of-line, as TGI), so a large request is not overtaken forever by small ones. Two worker
 limits ride on the same rule, both max_batch_size: requests with penalties on the worker at once (it holds
-that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host).
+that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host). A constrained
+request (grammar masks) is sent a decode only once its previous token is back: its next mask depends on it.
 
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
@@ -43,6 +44,7 @@ class FinishReason(enum.Enum):
     EOS = "eos"
     STOP_TOKEN = "stop_token"
     STOP_SEQUENCE = "stop_sequence"
+    CONSTRAINT = "constraint"  # the constrained output is complete: nothing may follow it
     CANCELLED = "cancelled"
     EXPIRED = "expired"  # waited in the queue past its deadline
     ERROR = "error"
@@ -78,6 +80,9 @@ class ScheduledRequest:
     scores_prompt: bool = False
     # Repetition/presence/frequency penalties: the worker holds max_batch_size state slots for these.
     penalized: bool = False
+    # Constrained decoding: each decode's grammar mask needs the token before it, so at most one output may be
+    # pending (the request runs at pipeline depth 1 while the others keep theirs).
+    constrained: bool = False
     # prompt_logprobs chunk by chunk, delivered with the first token.
     prompt_scores: list[Scored] = field(default_factory=list)
 
@@ -98,7 +103,11 @@ class ScheduledRequest:
     def may_decode(self) -> bool:
         """Another decode can be sent: the prompt is out and the tokens in flight leave room below
         max_new_tokens (so a length stop never costs a wasted step)."""
-        return not self.is_prefilling and len(self.output_ids) + self.num_pending_outputs < self.max_new_tokens
+        return (
+            not self.is_prefilling
+            and len(self.output_ids) + self.num_pending_outputs < self.max_new_tokens
+            and not (self.constrained and self.num_pending_outputs)
+        )
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,10 @@ class Tokenizer:
             raise ConfigError(f"--model: {model_dir} is not a directory")
         return cls.from_file(p) if p.is_file() else None
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine builds its token table from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -16,7 +16,9 @@ from google.protobuf.message import Message
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
+from router_service import constraints
 from router_service.config import RouterConfig
+from router_service.constraints import Constraint
 from router_service.generation_defaults import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationDefaults
 from router_service.protocol import is_metadata_safe
 
@@ -68,6 +70,7 @@ class ValidatedRequest:
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    constraint: Constraint | None = None  # constrained decoding (compiled by the batching loop at submit)
 
     @property
     def penalized(self) -> bool:
@@ -196,6 +199,10 @@ def _complete(
             "parameters.min_new_tokens", f"must be <= max_new_tokens ({max_new_tokens}), got {p.min_new_tokens}"
         )
     seed = p.seed if p.HasField("seed") else secrets.randbelow(MAX_SEED + 1)
+    constraint = constraints.from_pb(p.constraint) if p.HasField("constraint") else None
+    if constraint is not None and p.min_new_tokens:
+        # the grammar alone decides where the output may end; suppressing EOS as well could leave no token
+        raise InvalidRequestError("parameters.min_new_tokens", "cannot be combined with a constraint")
     d = limits.generation
     return ValidatedRequest(
         request_id=req.request_id,
@@ -219,6 +226,7 @@ def _complete(
         frequency_penalty=float(p.frequency_penalty),
         min_p=float(p.min_p),
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        constraint=constraint,
     )
 
 

@@ -35,6 +35,7 @@ def sampling_params(request: ValidatedRequest, eos_token_ids) -> pb.SamplingPara
         frequency_penalty=request.frequency_penalty,
         min_p=request.min_p,
         logit_bias=dict(request.logit_bias),
+        constrained=request.constraint is not None,
     )
     if request.prompt_logprobs is not None:
         params.prompt_logprobs = request.prompt_logprobs
@@ -56,14 +57,20 @@ def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
     return message
 
 
-def step_request(step: ScheduledStep, step_id: int, plan: RoutingPlan | None = None) -> pb.StepStreamRequest:
-    """The step on the step stream: frees first, then chunks, then decodes."""
+def step_request(
+    step: ScheduledStep, step_id: int, plan: RoutingPlan | None = None, masks: dict[int, bytes] | None = None
+) -> pb.StepStreamRequest:
+    """The step on the step stream: frees first, then chunks, then decodes; `masks`: the grammar mask (packed
+    uint32 words) of each constrained request sampling in the step."""
     request = pb.StepStreamRequest(
         step_id=step_id,
         free_request_ids=np.fromiter(step.free_ids, "<u8", len(step.free_ids)).tobytes(),
         chunks=[prefill_chunk(c) for c in step.prefill_chunks],
         decode_request_ids=np.asarray(step.decode_ids, "<u8").tobytes(),
     )
+    if masks:
+        request.mask_request_ids = np.fromiter(masks, "<u8", len(masks)).tobytes()
+        request.token_masks = b"".join(masks.values())
     if plan is not None:
         request.routing_plan.CopyFrom(routing_plan(plan))
     return request

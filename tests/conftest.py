@@ -66,3 +66,13 @@ def tokenizer():
     from router_service.tokenizer import Tokenizer
 
     return Tokenizer(byte_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory) -> Path:
+    """The shipped default model (training/default-model-hf: a real BPE tokenizer of 4,096 ids), converted to
+    bfloat16 once per session."""
+    from expert_service.tools.convert import convert
+
+    hf = Path(__file__).resolve().parents[1] / "training" / "default-model-hf"
+    return convert(hf, tmp_path_factory.mktemp("default-model"), dtype="bfloat16", progress=False)

@@ -171,7 +171,7 @@ class CpuDecoder:
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
         logits = h @ self.w.lm_head.T
         penalized = self.penalties.apply(batch.penalties, logits) if batch.penalties is not None else None
-        return HostLogits(logits, penalized)
+        return HostLogits(logits, penalized, batch.token_masks)
 
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, cache: ExpertCache, batch: ForwardBatch, layer: int | None) -> None:

@@ -43,6 +43,7 @@ from expert_service.cuda.moe import (
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.staging import prefill_buckets, stage_step
+from expert_service.cuda.token_masks import DeviceMasks
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
 from expert_service.engine.config import Backend, EngineConfig, RoutingMode
@@ -67,6 +68,7 @@ class LaunchedForward:
     host_logits: HostLogits | None = None  # every-position logits, already on the host (a synchronous step)
     tokens: int = 0  # its real tokens
     staged: int = 0  # the decoder's staged-step count after staging it (DeviceLogits' check)
+    masks: np.ndarray | None = None  # the grammar masks of its first rows (masked on the device)
 
 
 class CudaDecoder:
@@ -109,6 +111,7 @@ class CudaDecoder:
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
         )
+        self.token_masks = DeviceMasks(self.max_seqs, cfg.vocab_size, self.ws, self.stream)
         self.host_breaks = HostBreaks(self.stream)  # where a captured pass hands over to the host
         self.graphs = GraphCache(self.stream, self.host_breaks)  # decode steps, by batch-size bucket
         self.prefill_graphs = GraphCache(self.stream, self.host_breaks)  # the layers of other steps, by token bucket
@@ -157,6 +160,7 @@ class CudaDecoder:
         loads and graph instantiation do). With the expert cache, steps run eagerly and the first ones load
         kernels."""
         self.penalties.warmup(self.ws.logits)
+        self.token_masks.warmup(self.ws.logits, self.penalties.logits)
         if self.cached is not None:
             return
         cfg = self.config
@@ -230,6 +234,7 @@ class CudaDecoder:
             ("kv_cache", self.k_pool.nbytes + self.v_pool.nbytes),
             ("activations_and_workspace", self.ws.nbytes),
             ("penalties", self.penalties.nbytes),
+            ("token masks", self.token_masks.nbytes),
         ]
         if self.cached is not None:
             plan.append(("expert_slots", self.cached.nbytes))
@@ -295,13 +300,19 @@ class CudaDecoder:
             self._run(T, S, R, decode=decode_only)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
+        # grammar masks last (they read the penalised rows): the argmax of the masked rows replaces theirs
+        masks = batch.token_masks
+        if masks is not None:
+            self.token_masks.apply(masks, self.ws.logits, self.penalties.logits, penalized)
         results = self.ws.results
         assert results is not None  # allocate_workspace made it
         n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
         results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
         done = self._done[self._twin]
         done.record(self._stream_handle)
-        return LaunchedForward(self._twin, R, penalized, padded, n_ids, done, tokens=T, staged=self.staged_steps)
+        return LaunchedForward(
+            self._twin, R, penalized, padded, n_ids, done, tokens=T, staged=self.staged_steps, masks=masks
+        )
 
     def abandon(self) -> None:
         """Forgets launched, unfinished steps after a fault (their readbacks are never read): the host copies
@@ -333,7 +344,9 @@ class CudaDecoder:
             T = step.tokens
             for index, layer in enumerate(self.moe_layers):
                 trace.expert_ids[layer] = ids[index, :T].copy()
-        return DeviceLogits(self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged)
+        return DeviceLogits(
+            self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged, step.masks
+        )
 
     @functools.cached_property
     def prefill_buckets(self) -> list[int]:  # max_tokens is fixed: listed once, read by every step
@@ -402,7 +415,7 @@ class CudaDecoder:
             self.ws.logits[:n].copy_to_host(self.ws.host["logits"][:n], stream=self.stream)
             self.stream.synchronize()
             out[start : start + n] = self.ws.host["logits"][:n]
-        return HostLogits(out, penalized)
+        return HostLogits(out, penalized, batch.token_masks)
 
     def _stage(
         self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None, token_bucket: bool = False

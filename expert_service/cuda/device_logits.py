@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from expert_service.engine.token_masks import masked_allowed
+
 
 class DeviceLogits:
     """Logits rows of a step on the device; argmax + finiteness already on the host, rows fetched lazily.
@@ -19,6 +21,7 @@ class DeviceLogits:
         ids: np.ndarray | None = None,
         nonfinite: np.ndarray | None = None,
         step: int | None = None,
+        masks: np.ndarray | None = None,
     ):
         """ids, nonfinite: the step's argmax readbacks (default: the workspace's current host copy); step: the
         decoder's staged-step count when it staged this one (default: now)."""
@@ -29,6 +32,8 @@ class DeviceLogits:
         self.ids = (decoder.ws.host["greedy_ids"] if ids is None else ids)[:rows].copy()
         self.nonfinite = (decoder.ws.host["nonfinite"] if nonfinite is None else nonfinite)[:rows].copy()
         self._host: np.ndarray | None = None
+        self.masks = masks  # [M, W] grammar masks of the first M rows, masked in decoder.token_masks
+        self._masked_host: np.ndarray | None = None
 
     def greedy(self, row: int) -> tuple[int, bool]:
         return int(self.ids[row]), not bool(self.nonfinite[row])
@@ -54,7 +59,15 @@ class DeviceLogits:
     def __getitem__(self, row: int) -> np.ndarray:
         return self._fetch()[row]
 
+    def allowed(self, row: int) -> np.ndarray | None:
+        return masked_allowed(self.masks, row, self.decoder.config.vocab_size)
+
     def processed(self, row: int) -> np.ndarray:
+        if self.masks is not None and row < len(self.masks):
+            if self._masked_host is None:
+                self._check_current()  # the next step rewrites the masked rows too
+                self._masked_host = self.decoder.token_masks.download(len(self.masks))
+            return self._masked_host[row]
         if row >= self.penalized:
             return self[row]
         if self._penalized_host is None:

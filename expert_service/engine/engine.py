@@ -11,7 +11,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,6 +25,7 @@ from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.engine.token_masks import step_masks
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.routing_plan import routing_plan_recall
 
@@ -187,12 +188,15 @@ class Engine:
         decode_ids: Sequence[int] = (),
         routing_plan: RoutingPlan | None = None,
         freed: frozenset[int] = frozenset(),
+        masks: Mapping[int, np.ndarray] | None = None,
     ) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
         sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once.
         freed: sequences this step's caller has freed but releases only once the step in flight is collected
-        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released."""
+        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released.
+        masks: request id -> grammar mask words [W] uint32 of each constrained sequence sampling in this step
+        (exactly those: one missing or one too many refuses the step)."""
         if not self.can_launch:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
@@ -225,6 +229,14 @@ class Engine:
                 work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
+            sampling = [rid for rid, _, wants_token in work if wants_token]
+            token_masks = step_masks(
+                sampling,
+                [self.sequences[rid].sampler.params.constrained for rid in sampling],
+                masks or {},
+                {out.request_id for out in unknown},
+                self.model_config.vocab_size,
+            )
             token_ids = self._check_step(work)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
@@ -242,7 +254,11 @@ class Engine:
         except (InvalidRequestError, CapacityError):
             self.release(created)
             raise
-        batch = replace(self._build_batch(work, token_ids, all_logits=False, scored=scored), penalties=penalties)
+        batch = replace(
+            self._build_batch(work, token_ids, all_logits=False, scored=scored),
+            penalties=penalties,
+            token_masks=token_masks,
+        )
         if fed:
             rows = np.full(len(token_ids), -1, np.int32)
             rows[batch.seq_starts[list(fed)]] = list(fed.values())

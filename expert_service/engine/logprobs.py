@@ -3,7 +3,9 @@ tokens and (when asked) prompt tokens.
 
 They are of the model's own distribution -- log_softmax of the raw logits, before penalties, stop-id
 suppression, temperature and top-k/top-p -- as vLLM reports them by default (its raw_logprobs mode): the
-numbers say what the model thinks of the text, whatever the sampling settings. Vectorised over the rows of a
+numbers say what the model thinks of the text, whatever the sampling settings. A constrained sequence's sampled
+tokens are the exception, as in vLLM: its grammar mask is applied first, so they are of the constrained
+distribution (the disallowed tokens at -inf, never among the top tokens). Vectorised over the rows of a
 step; top ids are ordered by log-probability, ties by the lower id.
 """
 
@@ -117,12 +119,13 @@ class StepScores:
         if self._sampled:
             k_max = max(k for _, _, _, k in self._sampled)
             scored = token_logprobs(
-                np.stack([logits[row] for _, row, _, _ in self._sampled]),
+                np.stack([_constrained(logits, row) for _, row, _, _ in self._sampled]),
                 np.array([t for _, _, t, _ in self._sampled]),
                 k_max,
             )
             for i, (key, _, _, k) in enumerate(self._sampled):
-                kk = min(k, scored.top_ids.shape[1])
+                # a grammar may allow fewer than k tokens: the disallowed (-inf) are not listed
+                kk = min(k, scored.top_ids.shape[1], int(np.isfinite(scored.top_logprobs[i]).sum()))
                 sampled[key] = TokenLogprobs(
                     scored.logprobs[i : i + 1], scored.top_ids[i : i + 1, :kk], scored.top_logprobs[i : i + 1, :kk]
                 )
@@ -131,3 +134,13 @@ class StepScores:
             block = np.stack([logits[r] for r in rows]) if len(rows) else np.zeros((0, self.vocab_size), np.float32)
             prompts[key] = prompt_logprobs(block, previous_row, tokens, k)
         return sampled, prompts
+
+
+def _constrained(logits, row: int) -> np.ndarray:
+    """The raw row, its grammar-disallowed tokens at -inf when it has a mask."""
+    allowed = logits.allowed(row)
+    if allowed is None:
+        return logits[row]
+    out = np.array(logits[row], np.float32, copy=True)
+    out[~allowed] = -np.inf
+    return out

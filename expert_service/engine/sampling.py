@@ -1,5 +1,6 @@
 """Token sampling on the worker, vLLM semantics: the penalties (expert_service/engine/penalties.py, applied by the
-backend), then the logit bias, then stop-id suppression, then temperature 0 = greedy; otherwise logits /
+backend), then a constrained sequence's grammar mask (engine/token_masks.py, applied by the backend), then the
+logit bias, then stop-id suppression, then temperature 0 = greedy; otherwise logits /
 temperature, then top-k (0 = off), then top-p (1 = off), then min-p (0 = off), then one draw from the sequence's
 own seeded generator, so the same seed gives the same tokens whatever else shares the batch. Log-probabilities
 are of the raw logits (expert_service/engine/logprobs.py): no bias, no filter.
@@ -34,6 +35,7 @@ class SamplingParams:
     penalties: PenaltyParams = PenaltyParams()
     min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's; 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    constrained: bool = False  # every sampling step carries a grammar mask for it (engine/token_masks.py)
 
     def __post_init__(self):
         if not np.isfinite(self.temperature) or self.temperature < 0:

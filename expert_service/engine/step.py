@@ -17,6 +17,7 @@ import numpy as np
 
 from expert_service.engine.config import Backend
 from expert_service.engine.penalties import PenaltyBatch
+from expert_service.engine.token_masks import apply_mask, masked_allowed
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 
@@ -40,6 +41,8 @@ class ForwardBatch:
     fed_rows: np.ndarray | None = None  # [T] int32: the logits row of the step launched just before whose
     # argmax is this token (a decode whose input is still on the
     # device), or -1 (token_ids holds it); None: all -1
+    token_masks: np.ndarray | None = None  # [R, W] uint32: grammar masks of the first R logits rows (the sampling
+    # rows; engine/token_masks.py), all ones for an unconstrained row; None: no constrained sequence in the step
 
 
 @dataclass
@@ -61,7 +64,12 @@ class Logits(Protocol):
         """One row as float32 [V] on the host: the model's raw logits."""
 
     def processed(self, row: int) -> np.ndarray:
-        """One row after the step's penalties (the raw row where none apply), float32 [V] on the host."""
+        """One row after the step's penalties and token mask (the raw row where none apply), float32 [V] on the
+        host."""
+
+    def allowed(self, row: int) -> np.ndarray | None:
+        """bool [V]: the tokens the row's grammar mask allows (None: unconstrained); log-probabilities of a
+        constrained row are of this distribution."""
 
     def __len__(self) -> int: ...
 
@@ -69,21 +77,33 @@ class Logits(Protocol):
 
 
 class HostLogits:
-    """Logits already on the host: [rows, V] float32, and the penalised copy of the first rows (None: none)."""
+    """Logits already on the host: [rows, V] float32, the penalised copy of the first rows (None: none) and the
+    token masks of the first rows (None: none; applied to the processed rows as they are read)."""
 
-    def __init__(self, logits: np.ndarray, penalized: np.ndarray | None = None):
-        self.array, self.penalized = logits, penalized
+    def __init__(self, logits: np.ndarray, penalized: np.ndarray | None = None, masks: np.ndarray | None = None):
+        self.array, self.penalized, self.masks = logits, penalized, masks
+        self._masked: dict[int, np.ndarray] = {}
 
     def greedy(self, row: int) -> tuple[int, bool]:
         """(argmax, all finite) of one row, after the step's penalties."""
-        values = self.processed(row)
-        return int(np.argmax(values)), bool(np.all(np.isfinite(values)))
+        return int(np.argmax(self.processed(row))), bool(np.all(np.isfinite(self._penalized(row))))
 
     def __getitem__(self, row: int) -> np.ndarray:
         return self.array[row]
 
-    def processed(self, row: int) -> np.ndarray:
+    def _penalized(self, row: int) -> np.ndarray:
         return self.penalized[row] if self.penalized is not None and row < len(self.penalized) else self.array[row]
+
+    def processed(self, row: int) -> np.ndarray:
+        values = self._penalized(row)
+        if self.masks is None or row >= len(self.masks):
+            return values
+        if row not in self._masked:
+            self._masked[row] = apply_mask(values, self.masks[row])
+        return self._masked[row]
+
+    def allowed(self, row: int) -> np.ndarray | None:
+        return masked_allowed(self.masks, row, self.array.shape[1])
 
     def __len__(self) -> int:
         return self.array.shape[0]

@@ -46,10 +46,17 @@ class StepLimits:
     moe_layers: tuple[int, ...]
     max_batch_tokens: int
     max_batch_size: int
+    vocab_size: int = 0  # the logits width: a token mask's bits
 
     @classmethod
     def of(cls, engine: Engine) -> StepLimits:
-        return cls(tuple(engine.model_config.moe_layers), engine.config.max_batch_tokens, engine.config.max_batch_size)
+        config = engine.config
+        return cls(
+            tuple(engine.model_config.moe_layers),
+            config.max_batch_tokens,
+            config.max_batch_size,
+            engine.model_config.vocab_size,
+        )
 
     def check(self, chunks, num_decodes: int, num_frees: int) -> None:
         tokens = sum(len(c.token_ids) for c in chunks) + num_decodes
@@ -70,6 +77,7 @@ class StepRequest:
     chunks: list[PrefillInput]
     decode_ids: np.ndarray  # [m] uint64
     routing_plan: RoutingPlan | None
+    masks: dict[int, np.ndarray] | None = None  # constrained sequences sampling here -> grammar mask words [W]
 
     @property
     def is_empty(self) -> bool:
@@ -138,7 +146,7 @@ class StreamSession:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            in_flight = self.engine.launch(chunks, decodes, step.routing_plan, frozenset(late))
+            in_flight = self.engine.launch(chunks, decodes, step.routing_plan, frozenset(late), step.masks)
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             return StepAnswer(

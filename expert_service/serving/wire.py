@@ -19,6 +19,7 @@ from common.tensors import from_pb as array_from_pb
 from expert_service.engine.engine import PrefillInput, SequenceOutput, StepResult
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from expert_service.engine.token_masks import mask_words
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.serving.step_stream import StepLimits, StepRequest
@@ -46,6 +47,7 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         penalties=penalties,
         min_p=p.min_p,
         logit_bias=tuple(sorted(p.logit_bias.items())),  # sorted: equal maps give equal params
+        constrained=p.constrained,
     )
 
 
@@ -93,13 +95,38 @@ def _plan_of(request, limits: StepLimits) -> RoutingPlan | None:
     return routing_plan(request.routing_plan, limits.moe_layers) if request.HasField("routing_plan") else None
 
 
+def token_masks(request: pb.StepStreamRequest, limits: StepLimits) -> dict[int, np.ndarray] | None:
+    """request id -> mask words of the step's constrained sequences (None: none); shapes checked here, contents
+    by the engine."""
+    ids = _packed_ids(request.mask_request_ids, "mask_request_ids")
+    if not len(ids) and not request.token_masks:
+        return None
+    if len(ids) > limits.max_batch_size:
+        raise InvalidRequestError("mask_request_ids", f"{len(ids)} ids, at most max_batch_size {limits.max_batch_size}")
+    words = mask_words(limits.vocab_size)
+    if len(request.token_masks) != len(ids) * words * 4:
+        raise InvalidRequestError(
+            "token_masks", f"{len(request.token_masks)} bytes for {len(ids)} masks of {words} uint32 words each"
+        )
+    masks = np.frombuffer(request.token_masks, "<u4").reshape(len(ids), words).astype(np.uint32)
+    by_id = {int(rid): masks[i] for i, rid in enumerate(ids)}
+    if len(by_id) != len(ids):
+        raise InvalidRequestError("mask_request_ids", "a sequence is named twice")
+    return by_id
+
+
 def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepRequest:
     """A step of the step stream: frees, then prompt chunks, then decodes."""
     frees = _packed_ids(request.free_request_ids, "free_request_ids")
     decodes = _packed_ids(request.decode_request_ids, "decode_request_ids")
     limits.check(request.chunks, len(decodes), len(frees))
     return StepRequest(
-        request.step_id, frees, [prefill_input(c) for c in request.chunks], decodes, _plan_of(request, limits)
+        request.step_id,
+        frees,
+        [prefill_input(c) for c in request.chunks],
+        decodes,
+        _plan_of(request, limits),
+        token_masks(request, limits),
     )
 
 
@@ -110,6 +137,8 @@ def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: St
     else:
         chunks, decodes = (), request.request_ids
     limits.check(chunks, len(decodes), 0)
+    if any(c.sampling.constrained for c in chunks):  # the unary calls carry no token masks
+        raise InvalidRequestError("sampling.constrained", "constrained sequences run on the step stream only")
     return StepRequest(
         0,
         np.zeros(0, "<u8"),

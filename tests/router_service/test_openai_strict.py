@@ -42,6 +42,12 @@ IMPLEMENTED = [
     (BOTH, "truncate_prompt_tokens", 5, {}, lambda p: p.parameters.truncate_input_tokens == 5),
     (BOTH, "min_p", 0.25, {}, lambda p: p.parameters.min_p == 0.25),
     (BOTH, "logit_bias", {"5": 100, "7": -2.5}, {}, lambda p: dict(p.parameters.logit_bias) == {5: 100.0, 7: -2.5}),
+    (BOTH, "response_format", {"type": "json_object"}, {}, lambda p: p.parameters.constraint.HasField("json_schema")),
+    (BOTH, "guided_json", {"type": "object"}, {}, lambda p: '"object"' in p.parameters.constraint.json_schema),
+    (BOTH, "guided_regex", "[a-z]+", {}, lambda p: p.parameters.constraint.regex == "[a-z]+"),
+    (BOTH, "guided_choice", ["yes", "no"], {}, lambda p: list(p.parameters.constraint.choice.choices) == ["yes", "no"]),
+    (BOTH, "guided_grammar", 'root ::= "a"', {}, lambda p: p.parameters.constraint.grammar == 'root ::= "a"'),
+    (BOTH, "structured_outputs", {"regex": "a"}, {}, lambda p: p.parameters.constraint.regex == "a"),
     (("completion",), "prompt", "hello", {}, lambda p: p.prompt == "hello"),
     (("chat",), "messages", [{"role": "user", "content": "hi"}], {}, lambda p: p.messages[0]["content"] == "hi"),
     (("chat",), "add_generation_prompt", False, {}, lambda p: not p.chat_options.add_generation_prompt),
@@ -53,7 +59,6 @@ REFUSED = [
     (BOTH, "n", 2, 1),
     (("completion",), "best_of", 3, 1),
     (("chat",), "best_of", 3, 1),
-    (BOTH, "response_format", {"type": "json_object"}, {"type": "text"}),
     (BOTH, "use_beam_search", True, False),
     (BOTH, "length_penalty", 0.5, 1.0),
     (BOTH, "include_stop_str_in_output", True, False),
@@ -61,14 +66,8 @@ REFUSED = [
     (BOTH, "spaces_between_special_tokens", False, True),
     (BOTH, "allowed_token_ids", [1, 2], None),
     (BOTH, "bad_words", ["no"], []),
-    (BOTH, "guided_json", {"type": "object"}, None),
-    (BOTH, "guided_regex", "[a-z]+", None),
-    (BOTH, "guided_choice", ["yes", "no"], None),
-    (BOTH, "guided_grammar", 'root ::= "a"', None),
-    (BOTH, "guided_decoding_backend", "xgrammar", None),
     (BOTH, "guided_whitespace_pattern", " ", None),
     (BOTH, "structural_tag", "{}", None),
-    (BOTH, "structured_outputs", {"regex": "a"}, None),
     (BOTH, "logits_processors", ["mod.fn"], []),
     (BOTH, "priority", 5, 0),
     (BOTH, "request_id", "abc", None),
@@ -99,6 +98,7 @@ REFUSED = [
 IGNORED = [
     (BOTH, "user", "u-1"),
     (BOTH, "cache_salt", "salt"),
+    (BOTH, "guided_decoding_backend", "xgrammar"),
     (("chat",), "safety_identifier", "s"),
     (("chat",), "metadata", {"k": "v"}),
     (("chat",), "store", True),
@@ -223,7 +223,7 @@ def test_nested_fields_are_checked_too():
 
 
 def test_the_first_offending_field_is_named():
-    error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "bad_words": ["a"], "guided_regex": "a"})
+    error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "bad_words": ["a"], "echo": True})
     assert error.param == "bad_words"
 
 
@@ -249,8 +249,8 @@ def test_the_openai_client_gets_a_400_naming_a_vllm_field_the_router_does_not_do
         async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
             messages = [{"role": "user", "content": "Hi"}]
             for extra, param in [
-                ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, "guided_json"),
-                ({"guided_regex": "[0-9]+"}, "guided_regex"),
+                ({"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern"),
+                ({"structural_tag": "{}"}, "structural_tag"),
                 ({"bad_words": ["Hi"]}, "bad_words"),
             ]:
                 with pytest.raises(openai.BadRequestError) as e:

@@ -1,0 +1,67 @@
+"""Grammar masks on the cuda backend (semantics: expert_service/engine/token_masks.py).
+
+Allocated once with the memory plan: a step's masks [max_rows, W] uint32 (device, and pinned staging), the
+masked rows [max_rows, V] float32 (out of place: the raw rows stay for prompt log-probabilities) and scratch
+non-finite flags. A step with a constrained sequence runs, after the forward pass (a replayed graph or eager) and
+the penalties: one copy of its masks into the preallocated buffer, apply_token_mask (penalised rows read from the
+penalties' buffer), and the argmax of the masked rows into the workspace's greedy ids, before they are read back.
+The non-finite flags stay those of the unmasked rows (a disallowed -inf is no fault). Steps without masks run
+none of it, so the captured graphs are untouched; warm-up runs both kernels once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from expert_service.kernels.apply_token_mask import launch_apply_token_mask
+from expert_service.kernels.greedy_split import launch_greedy_split
+
+
+class DeviceMasks:
+    def __init__(self, max_rows: int, vocab_size: int, ws, stream):
+        self.ws, self.stream, self.max_rows = ws, stream, max_rows
+        words = -(-vocab_size // 32)
+        self.masks = cuda.device_array((max_rows, words), np.uint32, stream=stream)
+        self.host_masks = cuda.pinned_array((max_rows, words), np.uint32)
+        self.logits = cuda.device_array((max_rows, vocab_size), np.float32, stream=stream)
+        self.host_logits = cuda.pinned_array((max_rows, vocab_size), np.float32)
+        self.flags = cuda.device_array(max_rows, np.int32, stream=stream)
+
+    @property
+    def nbytes(self) -> int:
+        return self.masks.nbytes + self.logits.nbytes + self.flags.nbytes
+
+    def apply(self, masks: np.ndarray, logits, penalized, num_penalized: int) -> int:
+        """Queues the masked copy of `logits[:R]` (its first num_penalized rows from `penalized`) and its argmax
+        into the workspace's greedy ids; R = len(masks). Returns R."""
+        rows = len(masks)
+        if rows > self.max_rows:
+            raise ValueError(f"token masks: {rows} rows exceed the memory plan ({self.max_rows})")
+        st, ws = self.stream, self.ws
+        self.host_masks[:rows] = masks
+        self.masks[:rows].copy_to_device(self.host_masks[:rows], stream=st)
+        out = self.logits[:rows]
+        launch_apply_token_mask(logits[:rows], penalized, num_penalized, self.masks[:rows], out, stream=st)
+        launch_greedy_split(
+            out,
+            ws.greedy_ids[:rows],
+            self.flags[:rows],
+            ws.greedy_part_values[:rows],
+            ws.greedy_part_ids[:rows],
+            ws.greedy_part_flags[:rows],
+            stream=st,
+        )
+        return rows
+
+    def warmup(self, logits, penalized) -> None:
+        """Compiles both kernels on throw-away work (row 0 of `logits` is only read)."""
+        self.apply(np.full((1, self.masks.shape[1]), 0xFFFFFFFF, np.uint32), logits, penalized, 0)
+        self.stream.synchronize()
+
+    def download(self, rows: int) -> np.ndarray:
+        """The masked rows [rows, V] on the host (waits for the stream)."""
+        host = self.host_logits[:rows]
+        self.logits[:rows].copy_to_host(host, stream=self.stream)
+        self.stream.synchronize()
+        return host.copy()

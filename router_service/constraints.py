@@ -1,0 +1,200 @@
+"""Constrained decoding on the router: what a request's output must match, compiled against the model's own
+tokenizer by llguidance, and one matcher per request that gives each step's token mask.
+
+The router owns the tokenizer, so masks are computed here and travel with the step to the worker, which sets the
+disallowed logits to -inf before sampling (docs/architecture.md). A constrained request needs its last token before
+its next mask, so it runs one step at a time while unconstrained requests keep the pipeline full.
+
+Fronts build a `Constraint` (kind + spec); `ConstraintCompiler.matcher` compiles it (an LRU of compiled grammars:
+the same schema sent again costs a copy) and raises InvalidRequestError naming `parameters.constraint` with
+llguidance's one-line reason when it cannot. Another feature (tool calls) builds its constraint with
+`Constraint.json_schema(schema)` or `Constraint("grammar", lark)` and submits it like any other.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2
+
+KINDS = ("json_schema", "regex", "choice", "grammar")
+MAX_SPEC_BYTES = 64 << 10  # a schema, regex or grammar; each choice too
+MAX_CHOICES = 1024
+CACHE_SIZE = 256  # compiled grammars kept (LRU)
+FIELD = "parameters.constraint"
+# JSON without free whitespace: a model that may emit whitespace between tokens can emit it forever.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match. kind: json_schema (spec: JSON Schema text), regex (the whole output), choice
+    (spec: the allowed outputs), grammar (Lark, or GBNF)."""
+
+    kind: str
+    spec: str | tuple[str, ...]
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidRequestError(FIELD, f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        parts = self.spec if isinstance(self.spec, tuple) else (self.spec,)
+        if (self.kind == "choice") != isinstance(self.spec, tuple):
+            raise InvalidRequestError(FIELD, "a choice constraint takes a list of strings, the others one string")
+        if self.kind == "choice" and not 1 <= len(parts) <= MAX_CHOICES:
+            raise InvalidRequestError(f"{FIELD}.choice", f"needs 1 to {MAX_CHOICES} choices, got {len(parts)}")
+        for part in parts:
+            if not isinstance(part, str) or len(part.encode()) > MAX_SPEC_BYTES:
+                raise InvalidRequestError(f"{FIELD}.{self.kind}", f"must be a string of at most {MAX_SPEC_BYTES} bytes")
+        if self.kind != "choice" and not self.spec:
+            raise InvalidRequestError(f"{FIELD}.{self.kind}", "must not be empty")
+        if self.kind == "choice" and not all(parts):
+            raise InvalidRequestError(f"{FIELD}.choice", "a choice must not be empty")
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        """From a schema as a dict (or JSON text); {"type": "object"} for any JSON object."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+    def grammar(self) -> str:
+        """llguidance's grammar definition (not yet checked: `ConstraintCompiler` validates it)."""
+        import llguidance  # only a router serving constrained requests loads it
+
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(str(self.spec))
+            except ValueError as e:
+                raise InvalidRequestError(f"{FIELD}.json_schema", f"is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError(f"{FIELD}.json_schema", "must be a JSON object (or true/false)")
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema),
+                    defaults=_JSON_OPTIONS,  # type: ignore[arg-type]  # a plain dict is what the library reads
+                )
+            except (ValueError, TypeError) as e:
+                raise InvalidRequestError(f"{FIELD}.json_schema", _one_line(str(e))) from None
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(str(self.spec))
+        if self.kind == "choice":
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.spec))
+        try:
+            return llguidance.grammar_from("grammar", str(self.spec))  # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise InvalidRequestError(f"{FIELD}.grammar", _one_line(str(e))) from None
+
+
+def from_pb(message: router_pb2.Constraint) -> Constraint | None:
+    """The request's constraint (None when the oneof is unset)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint("choice", tuple(message.choice.choices))
+    return Constraint(kind, getattr(message, kind))
+
+
+def to_pb(constraint: Constraint) -> router_pb2.Constraint:
+    if constraint.kind == "choice":
+        return router_pb2.Constraint(choice=router_pb2.ChoiceList(choices=list(constraint.spec)))
+    message = router_pb2.Constraint()
+    setattr(message, constraint.kind, str(constraint.spec))
+    return message
+
+
+def _one_line(message: str) -> str:
+    """llguidance's errors span lines (a caret under the grammar): the first line says what is wrong."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected by the grammar compiler"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {detail}".strip()[:300]
+
+
+class GrammarMatcher:
+    """One request's parser state: the mask of the next token, then the sampled token consumed."""
+
+    def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], allow_eos: bool):
+        self._matcher, self._words = matcher, words
+        self._eos = np.asarray(eos_ids, np.int64)
+        self._allow_eos = allow_eos
+
+    def mask(self) -> bytes:
+        """The next token's mask: `words` uint32 little-endian, EOS allowed only where the grammar accepts (and
+        never with ignore_eos)."""
+        words = np.frombuffer(self._matcher.compute_bitmask(), "<u4")[: self._words].copy()
+        if self._eos.size:
+            bits = np.uint32(1) << (self._eos % 32).astype(np.uint32)
+            if self._allow_eos and self._matcher.is_accepting():
+                np.bitwise_or.at(words, self._eos // 32, bits)
+            else:
+                np.bitwise_and.at(words, self._eos // 32, ~bits)
+        if self._matcher.is_error():
+            raise GrammarError(_one_line(self._matcher.get_error()))
+        if not words.any():
+            raise GrammarError("the grammar allows no next token")
+        return words.tobytes()
+
+    def consume(self, token_id: int) -> None:
+        if not self._matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} broke the grammar: {_one_line(self._matcher.get_error())}")
+
+    @property
+    def is_stopped(self) -> bool:
+        """The output is complete and nothing may follow it (the request ends here)."""
+        return self._matcher.is_stopped()
+
+
+class GrammarError(Exception):
+    """The matcher failed mid-request (a bug, or a grammar past llguidance's limits): the request fails."""
+
+
+class ConstraintCompiler:
+    """Constraints compiled against the model's tokenizer (tokenizer.json text) for a vocabulary of vocab_size
+    logits (the masks' width; may exceed the tokenizer's), EOS = eos_token_ids."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids, cache_size: int = CACHE_SIZE):
+        import llguidance
+
+        self._llg = llguidance
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos_token_ids) or None
+        )
+        self.words = -(-vocab_size // 32)
+        self._cache: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def matcher(self, constraint: Constraint, ignore_eos: bool = False) -> GrammarMatcher:
+        """A fresh matcher; raises InvalidRequestError (one line) for a constraint llguidance cannot compile."""
+        with self._lock:
+            template = self._cache.get(constraint)
+            if template is not None:
+                self._cache.move_to_end(constraint)
+                self.hits += 1
+        if template is None:
+            template = self._compile(constraint)
+            with self._lock:
+                self.misses += 1
+                self._cache[constraint] = template
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return GrammarMatcher(template.deep_copy(), self.words, self.eos_token_ids, not ignore_eos)
+
+    def _compile(self, constraint: Constraint):
+        grammar = constraint.grammar()
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(messages[0]))
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(matcher.get_error()))
+        return matcher
