@@ -11,8 +11,9 @@ Formats (router_service.tool_calls.FORMATS; docs/api.md shows each):
 A call is sent only once it is complete and valid (its closing tag, its array element or the whole reply parsed,
 its name one of the request's tools, its arguments a JSON object): a malformed call is never half-sent, and text
 that looks like a call but does not parse stays content. The streamed events, concatenated, are exactly the
-unary answer, since both come from this one parser. Whitespace-only content next to a call (the newlines between
-tags) is left out; with no call the content is the reply's text unchanged.
+unary answer, since both come from this one parser. Whitespace next to a call is layout, not content: the
+content is the text outside calls with the whitespace around each call left out (text on both sides of a call
+stays joined by the whitespace before it); with no call it is the reply's text unchanged.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class ToolCallParser:
                 self._content(out, HERMES_OPEN + body + HERMES_CLOSE)
 
     def _feed_mistral(self, out: list[Event]) -> None:
-        decoder = json.JSONDecoder()
+        # The buffer keeps the text after the marker until a call is taken from it, so that an array that
+        # yields no call goes out as content whole, marker included.
         while True:
             if not self._inside:
                 at = self._buffer.find(MISTRAL_MARKER)
@@ -213,27 +215,26 @@ class ToolCallParser:
             i = _skip_space(text, 0)
             if i == len(text):
                 return
-            if self._elements is None:
+            if self._elements is None:  # the array's first element, after its "["
                 if text[i] != "[":
-                    return  # not the array the marker promised: held, and content at finish
-                self._buffer, self._elements = text[i + 1 :], 0
-                continue
-            if self._elements > 0:
-                if text[i] == "]":
-                    self._buffer, self._inside = text[i + 1 :], False
-                    continue
-                if text[i] != ",":
-                    return
+                    return  # not the array the marker promised: content at finish
                 i = _skip_space(text, i + 1)
+            elif text[i] == "]":
+                self._buffer, self._inside = text[i + 1 :], False
+                continue
+            elif text[i] == ",":
+                i = _skip_space(text, i + 1)
+            else:
+                return
             try:
-                obj, end = decoder.raw_decode(text, i)
+                obj, end = json.JSONDecoder().raw_decode(text, i)
             except ValueError:
                 return  # incomplete, or malformed (then content at finish)
             call = _call(obj, self.names)
             if call is None or not self._may_call():
                 return
             self._emit_call(out, *call)
-            self._elements += 1
+            self._elements = (self._elements or 0) + 1
             self._buffer = text[end:]
 
     # ---- output ----
@@ -241,7 +242,7 @@ class ToolCallParser:
         return self.parallel or not self.calls
 
     def _emit_call(self, out: list[Event], name: str, arguments: str) -> None:
-        self._space, self._after_call = "", True  # whitespace around a call is layout, not content
+        self._after_call = True
         call = ToolCall(new_call_id(), name, arguments)
         index = len(self.calls)
         self.calls.append(call)
@@ -249,6 +250,8 @@ class ToolCallParser:
         out.append(ToolCallDelta(index, arguments=arguments))
 
     def _content(self, out: list[Event], text: str) -> None:
+        # Whitespace next to a call is layout: trailing whitespace is held until more content follows, and
+        # after a call the content resumes at its first non-space character, joined by the held whitespace.
         if self._after_call:
             text = text.lstrip()
             if not text:
@@ -258,7 +261,7 @@ class ToolCallParser:
         if not body:
             self._space += text
             return
-        self._append(out, self._space + body)
+        self._append(out, (self._space if self.content or not self.calls else "") + body)
         self._space = text[len(body) :]
 
     def _append(self, out: list[Event], text: str) -> None:

@@ -238,5 +238,5 @@ def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     assert rc == 0 and out.count("\n") == 1
     assert "qwen3_moe" in out and "45 tensors" in out and "bfloat16" in out
     model = ModelDir.open(tmp_path / "out")
-    assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
