@@ -63,7 +63,7 @@ def tool_call_constraint(
             raise InvalidRequestError(
                 "tool_choice", "the model's tokenizer has no [TOOL_CALLS] token, which its chat template uses"
             )
-        more = ' ("," body)*' if parallel else ""
+        more = ' ("," " "? body)*' if parallel else ""  # Mistral's templates write ", " between calls
         return LARK, "\n".join([f'start: <[{marker_token_id}]> "[" body{more} "]"', body])
     raise ValueError(f"unknown tool call format {fmt!r}")
 

@@ -104,7 +104,7 @@ def test_bf16_checkpoint_stays_raw_bf16(tmp_path):
 def split_into_shards(src: Path, dst: Path, with_index: bool = True) -> Path:
     """The single-file checkpoint at `src` as two shards (+ model.safetensors.index.json) in `dst`."""
     dst.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(src / name, dst / name)
     tensors = load_file(src / "model.safetensors")
     names = sorted(tensors)
