@@ -169,7 +169,7 @@ class RouterConfig:
     tool_call_format: str = setting(
         "auto",
         "how the model writes tool calls: hermes (<tool_call> tags, Qwen), mistral ([TOOL_CALLS] and a JSON "
-        "array), generic (the whole reply is {\"tool_calls\": [...]}), or auto: from the chat template's text",
+        'array), generic (the whole reply is {"tool_calls": [...]}), or auto: from the chat template\'s text',
         ("COLIBRI_TOOL_CALL_FORMAT",),
     )
     http_header_timeout_s: float = setting(

@@ -386,8 +386,7 @@ def choice(
     if tool_calls:  # OpenAI's content is null when the reply is only calls
         message["content"] = text or None
         message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in tool_calls
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls
         ]
     return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finished}
 

@@ -101,7 +101,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 handle, reply = await self._submit(request, context, stream=False)
                 out = await (collect_reply(handle, reply) if reply is not None else collect(handle))
                 set_usage(handle, len(out.token_ids), out.finish_reason)
-                extra = {"tool_calls": [_call_pb(c, i) for i, c in enumerate(out.tool_calls)]} if reply is not None else {}
+                extra = (
+                    {"tool_calls": [_call_pb(c, i) for i, c in enumerate(out.tool_calls)]} if reply is not None else {}
+                )
                 return response_type(
                     **extra,
                     request_id=handle.request_id,

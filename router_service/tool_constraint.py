@@ -75,5 +75,5 @@ def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
     (lark -> grammar) and set parameters.constraint from it."""
     raise InvalidRequestError(
         "tool_choice",
-        "forcing a tool call needs constrained decoding, which this server build lacks; use \"auto\"",
+        'forcing a tool call needs constrained decoding, which this server build lacks; use "auto"',
     )

@@ -11,8 +11,6 @@ import json
 import re
 from dataclasses import dataclass
 
-from google.protobuf import json_format
-
 from common.errors import InvalidRequestError
 
 MAX_TOOLS = 128  # OpenAI's own limit
@@ -157,8 +155,11 @@ def from_pb(request) -> ToolRequest | None:
         value: dict = {"name": tool.name}
         if tool.description:
             value["description"] = tool.description
-        if tool.HasField("parameters"):
-            value["parameters"] = _integral(json_format.MessageToDict(tool.parameters))
+        if tool.parameters_json:
+            try:
+                value["parameters"] = json.loads(tool.parameters_json)
+            except ValueError as e:
+                raise InvalidRequestError(f"tools[{i}].parameters_json", f"not JSON: {e}") from None
         if tool.strict:
             value["strict"] = True
         functions.append(_function(value, f"tools[{i}]"))
@@ -166,18 +167,6 @@ def from_pb(request) -> ToolRequest | None:
         raise InvalidRequestError("tool_choice.function_name", f"{choice!r} is reserved; rename the function")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return _check(functions, choice, parallel, "tools")
-
-
-def _integral(value):
-    """A Struct holds every number as a double: 3.0 goes back to 3, as the caller most likely wrote it (the
-    template prints the schema, and JSON Schema treats the two alike)."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    return value
 
 
 # ---- messages ----

@@ -17,7 +17,7 @@ NAMES = ["get_weather", "add"]
 
 
 def hermes(name, args, raw=None):
-    return f'<tool_call>\n{raw or json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+    return f"<tool_call>\n{raw or json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 def calls_of(result):
@@ -46,7 +46,12 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "add", "argu', '<tool_call>\n{"name": "add", "argu', []),  # cut short
     ("hermes", "a <tool_ca", "a <tool_ca", []),  # a partial tag at the end is text
     ("hermes", hermes("add", {"a": 1}) + "\nDone.", "Done.", [("add", {"a": 1})]),
-    ("hermes", "Look:\n" + hermes("add", {}) + "\n" + hermes("add", {}) + " \nDone. ", "Look:\nDone.", [("add", {})] * 2),
+    (
+        "hermes",
+        "Look:\n" + hermes("add", {}) + "\n" + hermes("add", {}) + " \nDone. ",
+        "Look:\nDone.",
+        [("add", {})] * 2,
+    ),
     ("hermes", "  \n" + hermes("add", {}) + "\n", "", [("add", {})]),
     (
         "mistral",

@@ -67,7 +67,9 @@ def test_generic_schema(choice, parallel, calls, accepted):
     assert validator.is_valid({"tool_calls": calls}) == accepted
     assert not validator.is_valid({"tool_calls": [PARIS], "note": "x"})
     if accepted:
-        assert [c.name for c in parse_tool_calls(call_text("generic", calls), "generic", ["get_weather", "add", "now"])[1]] == [c["name"] for c in calls]
+        assert [
+            c.name for c in parse_tool_calls(call_text("generic", calls), "generic", ["get_weather", "add", "now"])[1]
+        ] == [c["name"] for c in calls]
 
 
 @pytest.fixture(scope="module")
