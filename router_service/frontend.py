@@ -79,9 +79,8 @@ class Frontend:
         self._model_name = model_name
         # The format the template teaches its model, unless the operator names one.
         configured = self.config.tool_call_format
-        self.tool_format = (
-            configured if configured in FORMATS else detect_format(chat_template and chat_template.source)
-        )
+        source = chat_template.source if chat_template is not None else None
+        self.tool_format = configured if configured in FORMATS else detect_format(source)
 
     @property
     def model_name(self) -> str:

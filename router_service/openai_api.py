@@ -378,7 +378,7 @@ def choice(
     if kind == "completion":
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finished}
     if stream:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         if tool_calls:
             delta["tool_calls"] = [tool_call_delta(d) for d in tool_calls]
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finished}

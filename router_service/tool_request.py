@@ -134,16 +134,15 @@ def from_openai(body: dict) -> ToolRequest | None:
 
 def from_pb(request) -> ToolRequest | None:
     """The tools of a ChatRequest / ChatStreamRequest (fields tools, tool_choice, parallel_tool_calls)."""
-    choice_pb = request.tool_choice if request.HasField("tool_choice") else None
-    mode = choice_pb.WhichOneof("choice") if choice_pb is not None else None
-    choice = {None: "auto", "mode": None, "function_name": None}[mode]
+    mode = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    choice = "auto"
     if mode == "mode":
         modes = {0: "auto", 1: "none", 2: "auto", 3: "required"}
-        choice = modes.get(choice_pb.mode)
-        if choice is None:
-            raise InvalidRequestError("tool_choice.mode", f"unknown value {choice_pb.mode}")
+        if request.tool_choice.mode not in modes:
+            raise InvalidRequestError("tool_choice.mode", f"unknown value {request.tool_choice.mode}")
+        choice = modes[request.tool_choice.mode]
     elif mode == "function_name":
-        choice = choice_pb.function_name
+        choice = request.tool_choice.function_name
     if not request.tools:
         if choice not in ("none", "auto"):
             raise InvalidRequestError("tool_choice", "needs tools")
