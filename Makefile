@@ -67,7 +67,7 @@ proto-baseline: $(BUF_STAMP)
 install: $(BIN)/.installed $(PB)
 
 # The default model: a small Mixtral trained on the World English Bible (docs/default-model.md), converted.
-$(DEFAULT_MODEL)/colibri.json: $(DEFAULT_MODEL_HF)/model.safetensors $(DEFAULT_MODEL_HF)/config.json $(DEFAULT_MODEL_HF)/tokenizer.json | install
+$(DEFAULT_MODEL)/colibri.json: $(DEFAULT_MODEL_HF)/model.safetensors $(DEFAULT_MODEL_HF)/config.json $(DEFAULT_MODEL_HF)/tokenizer.json $(DEFAULT_MODEL_HF)/chat_template.jinja | install
 	$(BIN)/colibri convert $(DEFAULT_MODEL_HF) $(DEFAULT_MODEL) --dtype bfloat16
 
 # A deterministic random-weight test model with a byte-level tokenizer (`make tiny`).

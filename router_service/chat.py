@@ -156,8 +156,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text for `messages` (dicts with role and content). Raises InvalidRequestError."""
+        """The prompt text for `messages` (dicts with role and content, and a tool conversation's fields) and
+        `tools` (what transformers passes as `tools`: {"type": "function", "function": {...}} dicts).
+        Raises InvalidRequestError."""
         if not messages:
             raise InvalidRequestError("messages", "must not be empty")
         if continue_final_message and add_generation_prompt:
@@ -166,7 +169,7 @@ class ChatTemplate:
         reserved = sorted(RESERVED_VARIABLES & set(kwargs))
         if reserved:
             raise InvalidRequestError("chat_template_kwargs", f"must not set {', '.join(reserved)}")
-        variables = {**self.special_tokens, **kwargs}
+        variables = {**self.special_tokens, **kwargs, "tools": tools or None}
         chat = [dict(m) for m in messages]
         final = None
         if continue_final_message:
@@ -192,9 +195,9 @@ class ChatTemplate:
     def _render(self, chat, add_generation_prompt, variables) -> str:
         return self._template.render(
             **{
+                "tools": None,
                 **variables,
                 "messages": chat,
-                "tools": None,
                 "documents": None,
                 "add_generation_prompt": add_generation_prompt,
             }
@@ -216,7 +219,10 @@ class ChatTemplate:
 
 def message_dicts(messages, field: str = "messages") -> list[dict]:
     """Plain role/content dicts from ChatMessage protos or OpenAI message dicts (content a string, null, or a
-    list of parts whose text parts are joined); checks each has a role."""
+    list of parts whose text parts are joined), with their tool fields (router_service.tool_request); checks
+    each has a role."""
+    from router_service.tool_request import message_tool_fields
+
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict):
@@ -237,7 +243,10 @@ def message_dicts(messages, field: str = "messages") -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise InvalidRequestError(f"{field}[{i}].content", "must be a string, a list of text parts or null")
         message = {"role": role}
-        if content is not None:
+        tool_fields = message_tool_fields(m, f"{field}[{i}]")
+        # An assistant's calls without text: content stays out, as OpenAI's null (a proto's "" means unset).
+        if content is not None and not (content == "" and "tool_calls" in tool_fields):
             message["content"] = content
+        message.update(tool_fields)
         out.append(message)
     return out

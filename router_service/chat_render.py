@@ -152,6 +152,7 @@ class TemplateRenderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """ChatTemplate.render, in a child. Raises InvalidRequestError (the template's errors, a render past the
         budget) or errors.Unavailable (a child that would not start)."""
@@ -160,6 +161,7 @@ class TemplateRenderer:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
             "template_kwargs": template_kwargs,
+            "tools": tools,
         }
         await self._slots.acquire()
         # The render owns its slot until its child is free again, even when the caller is cancelled: a child

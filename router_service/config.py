@@ -166,6 +166,12 @@ class RouterConfig:
         "the first chat); more chats at once wait for one",
         ("COLIBRI_CHAT_TEMPLATE_PROCESSES",),
     )
+    tool_call_format: str = setting(
+        "auto",
+        "how the model writes tool calls: hermes (<tool_call> tags, Qwen), mistral ([TOOL_CALLS] and a JSON "
+        'array), generic (the whole reply is {"tool_calls": [...]}), or auto: from the chat template\'s text',
+        ("COLIBRI_TOOL_CALL_FORMAT",),
+    )
     http_header_timeout_s: float = setting(
         60.0,
         "seconds an HTTP connection gets to send a request's line and "
@@ -247,6 +253,10 @@ class RouterConfig:
             raise ConfigError(
                 f"router: default_max_new_tokens ({self.default_max_new_tokens}) must be <= "
                 f"max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.tool_call_format not in ("auto", "hermes", "mistral", "generic"):
+            raise ConfigError(
+                f"router: tool_call_format must be auto, hermes, mistral or generic, got {self.tool_call_format!r}"
             )
         if not self.worker:
             raise ConfigError("router: worker address is required (--worker HOST:PORT)")

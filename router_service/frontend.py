@@ -22,6 +22,9 @@ from router_service.chat import ChatTemplate, message_dicts
 from router_service.chat_render import TemplateRenderer
 from router_service.logprobs import PromptLogprob, Top
 from router_service.scheduler import FinishReason
+from router_service.tool_calls import FORMATS, MISTRAL_MARKER, detect_format
+from router_service.tool_constraint import attach_tool_constraint, tool_call_constraint
+from router_service.tool_request import ToolRequest, mistral_ids
 from router_service.validation import (
     ModelLimits,
     PromptRequest,
@@ -52,6 +55,7 @@ class Completion:
     finish_reason: FinishReason | None = None
     top_logprobs: list[Top] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] | None = None
+    tool_calls: list = field(default_factory=list)  # tool_calls.ToolCall: calls parsed from the reply
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class ChatOptions:
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None  # None = not continue_final_message
     template_kwargs: dict | None = None
+    tools: ToolRequest | None = None  # the chat's tools (None: it offers none)
 
 
 class Frontend:
@@ -74,6 +79,10 @@ class Frontend:
             else None
         )
         self._model_name = model_name
+        # The format the template teaches its model, unless the operator names one.
+        configured = self.config.tool_call_format
+        source = chat_template.source if chat_template is not None else None
+        self.tool_format = configured if configured in FORMATS else detect_format(source)
 
     @property
     def model_name(self) -> str:
@@ -141,12 +150,15 @@ class Frontend:
             prompt_byte_limit(self.config, limits),
         )
         add = options.add_generation_prompt
+        if self.tool_format == "mistral":
+            dicts = mistral_ids(dicts)
         try:
             return await self.chat_renderer.render(
                 dicts,
                 add_generation_prompt=not options.continue_final_message if add is None else add,
                 continue_final_message=options.continue_final_message,
                 template_kwargs=options.template_kwargs,
+                tools=options.tools.template_tools() if options.tools is not None else None,
             )
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
@@ -166,6 +178,8 @@ class Frontend:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
+        if options.tools is not None and options.tools.is_forced:
+            self.force_tool_call(parameters, options.tools)
         text = await self.render_chat(messages, options, field)
         if not text:
             raise InvalidRequestError(field, "the chat template rendered no text")
@@ -176,6 +190,14 @@ class Frontend:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, detail(e)) from None
             raise
+
+    def force_tool_call(self, parameters: router_pb2.SamplingParameters, tools: ToolRequest) -> None:
+        """Constrains the reply to calls in the template's format (tool_choice required or named)."""
+        tokenizer = self.batching_loop.tokenizer
+        marker = tokenizer.token_id(MISTRAL_MARKER) if tokenizer is not None else None
+        constraint = tool_call_constraint(list(tools.tools), tools.choice, tools.parallel, self.tool_format, marker)
+        if constraint is not None:
+            attach_tool_constraint(parameters, constraint)
 
     def count_rejection(self, error: Exception) -> None:
         """Counts a request that failed before reaching the batching loop (as the loop counts the others)."""

@@ -43,6 +43,8 @@ from router_service.openai_api import (
     usage,
 )
 from router_service.protocol import is_metadata_safe
+from router_service.tool_replies import ToolReply, collect_reply, split
+from router_service.tool_replies import finish_reason as tool_finish_reason
 
 log = logging.getLogger("colibri.router.http")
 STATUS_OUTCOMES = {status: code.name.lower() for code, status in HTTP_STATUS.items()}
@@ -229,9 +231,10 @@ class HttpFront:
                     )
                 else:
                     handle = await frontend.submit(generate_request(parsed, request_id), None, parsed.stream)
+                reply = ToolReply.for_request(frontend, parsed.chat_options.tools) if kind == "chat" else None
                 if parsed.stream:
-                    return await self._stream(request, parsed, handle)
-                out = await collect(handle)
+                    return await self._stream(request, parsed, handle, reply)
+                out = await (collect_reply(handle, reply) if reply is not None else collect(handle))
                 set_usage(handle, len(out.token_ids), out.finish_reason)
                 body = response(
                     parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens, self.texts()
@@ -257,7 +260,7 @@ class HttpFront:
                 if handle is not None:
                     handle.cancel()
 
-    async def _stream(self, request: web.Request, parsed, handle) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed, handle, reply: ToolReply | None) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -279,8 +282,10 @@ class HttpFront:
             try:
                 async for delta in handle:
                     generated += len(delta.token_ids)
+                    text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
                     if not (
-                        delta.text
+                        text
+                        or calls
                         or first
                         or delta.finish_reason is not None
                         or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)
@@ -291,22 +296,38 @@ class HttpFront:
                         lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
                     # offsets count token texts, as the unary answer's do (held-back text would shift them)
                     offset += sum(len(texts(i)) for i in delta.token_ids)
-                    chunk = envelope(
-                        kind,
-                        handle.request_id,
-                        model,
-                        created,
-                        [choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first)],
-                        True,
-                    )
-                    if parsed.prompt_logprobs:
-                        add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
-                    if parsed.include_usage:
-                        chunk["usage"] = None
-                    first = False
+                    # A call's pieces go one per chunk, as OpenAI streams them; the last chunk carries the rest.
+                    pieces = [[c] for c in calls[:-1]] + [calls[-1:]]
+                    for n, piece in enumerate(pieces):
+                        last = n == len(pieces) - 1
+                        finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
+                        chunk = envelope(
+                            kind,
+                            handle.request_id,
+                            model,
+                            created,
+                            [
+                                choice(
+                                    kind,
+                                    text if n == 0 else "",
+                                    delta.finish_reason if last else None,
+                                    lp if last else None,
+                                    stream=True,
+                                    first=first,
+                                    tool_calls=piece,
+                                    finish=finish if last else None,
+                                )
+                            ],
+                            True,
+                        )
+                        if parsed.prompt_logprobs and n == 0:
+                            add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+                        if parsed.include_usage:
+                            chunk["usage"] = None
+                        first = False
+                        await event(chunk)
                     if delta.finish_reason is not None:
                         set_usage(handle, generated, delta.finish_reason)
-                    await event(chunk)
                 if parsed.include_usage:
                     chunk = envelope(kind, handle.request_id, model, created, [], True)
                     chunk["usage"] = usage(handle.num_prompt_tokens, generated)

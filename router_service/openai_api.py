@@ -19,12 +19,13 @@ import grpc
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
-from router_service import constraints, errors, openai_fields
+from router_service import constraints, errors, openai_fields, tool_request
 from router_service.frontend import ChatOptions, Completion, detail
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_constraints import ConstraintFieldError, request_constraint
 from router_service.scheduler import FinishReason
+from router_service.tool_replies import finish_reason as tool_finish_reason
 
 MAX_UINT32 = (1 << 32) - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -280,7 +281,10 @@ def parse_request(
         add = _get(body, "add_generation_prompt", bool, not cont, "a boolean")
         kwargs = _get(body, "chat_template_kwargs", dict, None, "an object")
         parsed.chat_options = ChatOptions(
-            continue_final_message=cont, add_generation_prompt=add, template_kwargs=kwargs
+            continue_final_message=cont,
+            add_generation_prompt=add,
+            template_kwargs=kwargs,
+            tools=tool_request.from_openai(body),
         )
     params.logprobs, params.top_logprobs = parsed.logprobs, parsed.top_logprobs
     return parsed
@@ -373,18 +377,38 @@ def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> li
     return out
 
 
-def choice(kind: str, text: str, reason, logprobs, stream: bool, first: bool = False) -> dict:
+def choice(
+    kind: str, text: str, reason, logprobs, stream: bool, first: bool = False, tool_calls=(), finish=None
+) -> dict:
+    """A choice (or chunk choice). `tool_calls`: tool_calls.ToolCall (an answer) or ToolCallDelta (a chunk);
+    `finish`: the finish_reason when it is not `reason`'s (router_service.tool_replies.finish_reason)."""
+    finished = finish or finish_reason(reason)
     if kind == "completion":
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finished}
     if stream:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason(reason),
-    }
+        delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = [tool_call_delta(d) for d in tool_calls]
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finished}
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:  # OpenAI's content is null when the reply is only calls
+        message["content"] = text or None
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls
+        ]
+    return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finished}
+
+
+def tool_call_delta(piece) -> dict:
+    """A streamed piece of a call: the first carries id, type and name, the next only argument fragments."""
+    if piece.id:
+        return {
+            "index": piece.index,
+            "id": piece.id,
+            "type": "function",
+            "function": {"name": piece.name, "arguments": piece.arguments},
+        }
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
 
 
 def envelope(kind: str, request_id: str, model: str, created: int, choices: list, stream: bool) -> dict:
@@ -415,7 +439,17 @@ def response(
         request_id,
         model,
         int(time.time()),
-        [choice(parsed.kind, out.text, out.finish_reason, lp, stream=False)],
+        [
+            choice(
+                parsed.kind,
+                out.text,
+                out.finish_reason,
+                lp,
+                stream=False,
+                tool_calls=out.tool_calls,
+                finish=tool_finish_reason(out.finish_reason, out.tool_calls),
+            )
+        ],
         stream=False,
     )
     if parsed.prompt_logprobs:

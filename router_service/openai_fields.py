@@ -44,7 +44,16 @@ IMPLEMENTED_BOTH = frozenset(
 IMPLEMENTED = {
     "completion": IMPLEMENTED_BOTH | {"prompt"},
     "chat": IMPLEMENTED_BOTH
-    | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
+    | {
+        "messages",
+        "top_logprobs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 
 # Accepted and not read: none of them changes the tokens or the text of the answer.
@@ -67,7 +76,6 @@ IGNORED = {
         "prompt_cache_retention",
         "prompt_cache_options",
         "prediction",  # predicted outputs only speed decoding up; the text is the model's either way
-        "parallel_tool_calls",  # acts only with `tools`, which are refused
     },
 }
 
@@ -105,9 +113,7 @@ REFUSED: dict[str, dict[str, tuple[object, ...]]] = {
     | {
         "echo": (False,),
         "add_special_tokens": (False,),  # the template places them
-        "tools": ([],),
-        "tool_choice": ("none", "auto"),  # without tools both mean plain text
-        "functions": ([],),
+        "functions": ([],),  # OpenAI's deprecated form of tools (its answers carry function_call)
         "function_call": ("none", "auto"),
         "audio": (),
         "modalities": (["text"],),
@@ -121,20 +127,18 @@ REFUSED: dict[str, dict[str, tuple[object, ...]]] = {
         "include_reasoning": (True,),  # nothing is split out as reasoning: all of it is in the content
     },
 }
-HINTS = {"request_id": "; set the X-Request-Id header instead"}
+TOOLS_HINT = '; send tools=[{"type": "function", "function": {...}}] and tool_choice instead'
+HINTS = {"request_id": "; set the X-Request-Id header instead", "functions": TOOLS_HINT, "function_call": TOOLS_HINT}
 
 STREAM_OPTIONS_IMPLEMENTED = frozenset({"include_usage"})
 STREAM_OPTIONS_REFUSED: dict[str, tuple[object, ...]] = {
     "continuous_usage_stats": (False,),
     "include_obfuscation": (False,),
 }
-MESSAGE_IMPLEMENTED = frozenset({"role", "content"})
-# The chat template gets role and content only: a message's name or tool calls would be dropped from the prompt.
+# The chat template gets these (router_service.tool_request turns the tool fields into what templates expect).
+MESSAGE_IMPLEMENTED = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 MESSAGE_REFUSED: dict[str, tuple[object, ...]] = {
-    "name": (),
-    "tool_calls": ([],),
-    "tool_call_id": (),
-    "function_call": (),
+    "function_call": (),  # the deprecated form of tool_calls
     "refusal": (),
     "audio": (),
     "annotations": ([],),  # an answer's citations, echoed back with its message

@@ -32,6 +32,9 @@ from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
+from router_service.tool_calls import ToolCall, ToolCallDelta
+from router_service.tool_replies import ToolReply, collect_reply, split
+from router_service.tool_request import from_pb as tools_from_pb
 from router_service.validation import PromptRequest, check_ids, check_known_fields, check_text_size, prompt_byte_limit
 
 log = logging.getLogger("colibri.router")
@@ -56,23 +59,28 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     def model_name(self) -> str:
         return self.frontend.model_name
 
-    async def _submit(self, request, context, stream: bool) -> RequestHandle:
+    async def _submit(self, request, context, stream: bool) -> tuple[RequestHandle, ToolReply | None]:
+        """The request's handle, and for a chat offering tools the parser its reply goes through."""
         remaining = context.time_remaining()
         deadline = (
             time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4) if remaining is not None else None
         )
         if isinstance(request, PromptRequest):
-            return await self.frontend.submit(request, deadline, stream)
+            return await self.frontend.submit(request, deadline, stream), None
         check_known_fields(request)  # the chat's own fields and its messages' (its parameters are checked again)
         kwargs = (
             json_format.MessageToDict(request.chat_template_kwargs)
             if request.HasField("chat_template_kwargs")
             else None
         )
-        options = ChatOptions(continue_final_message=request.continue_final_message, template_kwargs=kwargs)
-        return await self.frontend.submit_chat(
+        tools = tools_from_pb(request)
+        options = ChatOptions(
+            continue_final_message=request.continue_final_message, template_kwargs=kwargs, tools=tools
+        )
+        handle = await self.frontend.submit_chat(
             request.messages, request.parameters, request.request_id, deadline, stream, options
         )
+        return handle, ToolReply.for_request(self.frontend, tools)
 
     async def Generate(self, request, context):
         return await self._unary(request, context, router_pb2.GenerateResponse)
@@ -90,10 +98,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
             handle = None
             try:
-                handle = await self._submit(request, context, stream=False)
-                out = await collect(handle)
+                handle, reply = await self._submit(request, context, stream=False)
+                out = await (collect_reply(handle, reply) if reply is not None else collect(handle))
                 set_usage(handle, len(out.token_ids), out.finish_reason)
+                extra = (
+                    {"tool_calls": [_call_pb(c, i) for i, c in enumerate(out.tool_calls)]} if reply is not None else {}
+                )
                 return response_type(
+                    **extra,
                     request_id=handle.request_id,
                     token_ids=out.token_ids,
                     text=out.text,
@@ -117,15 +129,18 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
             handle = None
             try:
-                handle = await self._submit(request, context, stream=True)
+                handle, reply = await self._submit(request, context, stream=True)
                 await context.send_initial_metadata((("x-request-id", handle.request_id),))
                 generated = 0
                 async for delta in handle:
                     generated += len(delta.token_ids)
+                    text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
+                    extra = {"tool_calls": [_call_pb(c) for c in calls]} if calls else {}
                     message = message_type(
+                        **extra,
                         request_id=handle.request_id,
                         token_ids=delta.token_ids,
-                        text=delta.text,
+                        text=text,
                         logprobs=delta.logprobs,
                         top_logprobs=[self._top_pb(top) for top in delta.top_logprobs],
                         prompt_logprobs=self._prompt_pb(delta.prompt_logprobs),
@@ -256,6 +271,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             await context.abort(status.code, status.details, metadata)
         except grpc.aio.InternalError:
             raise _call_ended(request_id) from None
+
+
+def _call_pb(call: ToolCall | ToolCallDelta, index: int = 0) -> router_pb2.ToolCall:
+    index = call.index if isinstance(call, ToolCallDelta) else index
+    return router_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments, index=index)
 
 
 def _call_ended(request_id: str) -> asyncio.CancelledError:

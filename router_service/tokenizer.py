@@ -73,6 +73,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a whole token (a special token's text included), None when the vocabulary lacks it."""
+        return self._tok.token_to_id(text)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

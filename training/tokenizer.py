@@ -11,6 +11,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from expert_service.tools.tiny_model import PLAIN_CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 PAD_ID = UNK_ID
@@ -40,7 +42,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def save_hf_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json, loadable with transformers' AutoTokenizer (4.x and 5.x both
+    """tokenizer.json + tokenizer_config.json + chat_template.jinja (the plain chat template, so chat and tool
+    calls work on the default model; transformers and the router both read it there), loadable with transformers' AutoTokenizer (4.x and 5.x both
     know the PreTrainedTokenizerFast class name, so the config is written by hand, not by save_pretrained)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +61,7 @@ def save_hf_tokenizer(tokenizer, out_dir: str | Path, model_max_length: int) -> 
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
 
 
 def encode_documents(tokenizer, documents: Iterable[str]) -> list[list[int]]:

@@ -21,6 +21,8 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 VOCAB_SIZE = NUM_SPECIAL + 256
+# The tiny model's and the default model's chat template (tool calls in the generic format).
+PLAIN_CHAT_TEMPLATE = Path(__file__).with_name("plain_chat_template.jinja")
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -173,6 +175,7 @@ def write_tiny_checkpoint(hf_dir: str | Path, family: str = "mixtral", seed: int
         "model_max_length": hf_config["max_position_embeddings"],
     }
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (hf_dir / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
     return hf_dir
 
 

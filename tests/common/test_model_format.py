@@ -130,7 +130,7 @@ def test_manifest_records_format_and_tokenizer(converted):
     _, hf_dir, model = converted
     manifest = json.loads((model.path / MANIFEST).read_text())
     assert manifest["format"] == "colibri" and manifest["format_version"] == 1
-    assert manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
     config, read_back = read_manifest_config(model.path)
     assert config == model.config and read_back == manifest
     assert model.tokenizer_path() == model.path / "tokenizer.json"

@@ -4,6 +4,8 @@ router against it (`harness`).
 It speaks the tiny model's byte-level vocabulary (tests.helpers.byte_ids): each sequence's next token is the
 id after its last one, skipping the special ids (so text walks through characters); past the vocabulary's last
 id it produces EOS, unless EOS is a stop id still suppressed by min_new_tokens, in which case it produces 0.
+With a `script` (token ids), every sequence generates the script instead, then EOS: a reply scripted this way
+drives the router's parsing and streaming of a model's output (tool calls) through the real router.
 Every call is recorded.
 """
 
@@ -34,11 +36,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         max_batch_size=8,
         max_position_embeddings=4096,
         step_delay=0.0,
+        script=None,
     ):
         self.vocab_size, self.block_size, self.num_blocks = vocab_size, block_size, num_blocks
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_position_embeddings = max_position_embeddings
         self.step_delay = step_delay
+        self.script = list(script) if script is not None else None
         self.ready = True
         self.fail_next: grpc.StatusCode | None = None  # the next step aborts with this code
         self.seqs: dict[int, dict] = {}
@@ -98,6 +102,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     def _sample(self, rid: int) -> int:
         s = self.seqs[rid]
         nxt = max(s["tokens"][-1] + 1, NUM_SPECIAL)
+        if self.script is not None:
+            nxt = self.script[s["generated"]] if s["generated"] < len(self.script) else EOS
         if nxt >= self.vocab_size:
             nxt = EOS
         params = s["sampling"]

@@ -3,6 +3,7 @@ Generate does on the rendered prompt (tokenized without adding special tokens)."
 
 import asyncio
 import json
+import shutil
 
 import grpc
 import pytest
@@ -279,9 +280,12 @@ def test_chat_rpcs_equal_generate_on_the_rendered_prompt(worker, tiny_model, tmp
 
 
 @pytest.mark.slow
-def test_chat_without_a_template_is_invalid_argument(worker, tiny_model):
+def test_chat_without_a_template_is_invalid_argument(worker, tiny_model, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tiny model's files, without its template
+        shutil.copy(tiny_model / name, tmp_path)
+
     async def run():
-        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+        async with running_router(worker.address, model=str(tmp_path)) as (router, stub):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Chat(chat_request([("user", "x")]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()

@@ -139,3 +139,51 @@ def test_constrained_requests_leave_an_unconstrained_neighbour_unchanged(default
                 jsonschema.validate(json.loads(out.text), SCHEMA)
 
     asyncio.run(with_router(default_worker, default_model, body))
+
+
+WEATHER_TOOLS = [
+    rpb.Tool(
+        name="get_weather",
+        parameters_json=json.dumps(
+            {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}},
+                "required": ["city"],
+                "additionalProperties": False,
+            }
+        ),
+    ),
+    rpb.Tool(name="now"),
+]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_tool_call_always_parses_on_the_default_model(default_worker, default_model, choice):
+    """tool_choice required / named is enforced by the constraint engine: the base model, which never chose to
+    call a tool, returns calls of the request's tools with arguments that validate, greedy and sampled."""
+
+    async def body(router, stub):
+        if choice == "required":
+            tool_choice = rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED)
+        else:
+            tool_choice = rpb.ToolChoice(function_name="get_weather")
+        for seed in (None, 1, 2):
+            sampling = {} if seed is None else {"temperature": 1.0, "seed": seed}
+            params = rpb.SamplingParameters(max_new_tokens=96, **sampling)
+            request = rpb.ChatRequest(
+                messages=[rpb.ChatMessage(role="user", content="Weather in Paris?")],
+                parameters=params,
+                tools=WEATHER_TOOLS,
+                tool_choice=tool_choice,
+                parallel_tool_calls=False,  # a base model repeats a call until max_new_tokens otherwise
+            )
+            out = await stub.Chat(request)
+            assert out.stop_reason == rpb.STOP_REASON_EOS, out.text
+            assert len(out.tool_calls) == 1, out.text
+            for call in out.tool_calls:
+                assert call.name in ("get_weather", "now") if choice == "required" else call.name == "get_weather"
+                arguments = json.loads(call.arguments)
+                if call.name == "get_weather":
+                    jsonschema.validate(arguments, json.loads(WEATHER_TOOLS[0].parameters_json))
+
+    asyncio.run(with_router(default_worker, default_model, body))

@@ -53,6 +53,27 @@ IMPLEMENTED = [
     (("chat",), "add_generation_prompt", False, {}, lambda p: not p.chat_options.add_generation_prompt),
     (("chat",), "continue_final_message", True, {}, lambda p: p.chat_options.continue_final_message),
     (("chat",), "chat_template_kwargs", {"a": 1}, {}, lambda p: p.chat_options.template_kwargs == {"a": 1}),
+    (
+        ("chat",),
+        "tools",
+        [{"type": "function", "function": {"name": "f"}}],
+        {},
+        lambda p: p.chat_options.tools.names == ["f"],
+    ),
+    (
+        ("chat",),
+        "tool_choice",
+        "none",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        lambda p: p.chat_options.tools.choice == "none",
+    ),
+    (
+        ("chat",),
+        "parallel_tool_calls",
+        False,
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        lambda p: not p.chat_options.tools.parallel,
+    ),
 ]
 # (field, a value asking for something the router does not do, a value asking for nothing or None)
 REFUSED = [
@@ -80,8 +101,6 @@ REFUSED = [
     (("completion",), "add_special_tokens", False, True),
     (("completion",), "prompt_embeds", "AAAA", None),
     (("chat",), "add_special_tokens", True, False),
-    (("chat",), "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    (("chat",), "tool_choice", "required", "none"),
     (("chat",), "functions", [{"name": "f"}], []),
     (("chat",), "function_call", {"name": "f"}, "auto"),
     (("chat",), "audio", {"voice": "alloy", "format": "wav"}, None),
@@ -107,7 +126,6 @@ IGNORED = [
     (("chat",), "prompt_cache_retention", "24h"),
     (("chat",), "prompt_cache_options", {"ttl": "1h"}),
     (("chat",), "prediction", {"type": "content", "content": "x"}),
-    (("chat",), "parallel_tool_calls", False),
 ]
 
 
@@ -194,9 +212,7 @@ def test_a_field_of_neither_schema_or_of_the_other_endpoint_is_refused(kind, nam
 def test_nested_fields_are_checked_too():
     user = {"role": "user", "content": "x"}
     for message, param in [
-        (user | {"name": "bob"}, "messages[1].name"),  # the template would never see it
-        (user | {"tool_call_id": "c1"}, "messages[1].tool_call_id"),
-        ({"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}, "messages[1].tool_calls"),
+        ({"role": "assistant", "content": "", "function_call": {"name": "f"}}, "messages[1].function_call"),
         (user | {"colour": "red"}, "messages[1].colour"),
         ({"role": "assistant", "content": "y", "annotations": [{"type": "url_citation"}]}, "messages[1].annotations"),
     ]:

@@ -19,6 +19,7 @@ CHECKPOINT_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "training_log.json",
 )
 

@@ -104,7 +104,7 @@ def test_bf16_checkpoint_stays_raw_bf16(tmp_path):
 def split_into_shards(src: Path, dst: Path, with_index: bool = True) -> Path:
     """The single-file checkpoint at `src` as two shards (+ model.safetensors.index.json) in `dst`."""
     dst.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(src / name, dst / name)
     tensors = load_file(src / "model.safetensors")
     names = sorted(tensors)
@@ -238,5 +238,5 @@ def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     assert rc == 0 and out.count("\n") == 1
     assert "qwen3_moe" in out and "45 tensors" in out and "bfloat16" in out
     model = ModelDir.open(tmp_path / "out")
-    assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()

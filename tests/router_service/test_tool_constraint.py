@@ -1,0 +1,129 @@
+"""The constraint a forced tool choice puts on the reply: the generic format's JSON schema (checked with
+jsonschema) and the hermes / mistral Lark grammars (checked with llguidance over a real tokenizer) accept
+exactly the calls allowed, and what they accept parses as those calls."""
+
+import json
+
+import jsonschema
+import llguidance
+import pytest
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2 as rpb
+from expert_service.tools.tiny_model import EOS_ID, byte_tokenizer
+from router_service.tool_calls import parse_tool_calls
+from router_service.tool_constraint import attach_tool_constraint, tool_call_constraint
+from tests.helpers import byte_ids
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather now",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}
+NOW = {"name": "now"}  # no parameters: any object
+TOOLS = [WEATHER, ADD, NOW]
+PARIS = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+ONE = {"name": "add", "arguments": {"a": 1.5}}
+
+
+def call_text(fmt, calls):
+    if fmt == "generic":
+        return json.dumps({"tool_calls": calls})
+    if fmt == "hermes":
+        return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    return "[TOOL_CALLS]" + json.dumps(calls)
+
+
+# (choice, parallel, calls, accepted)
+CASES = [
+    ("required", True, [PARIS], True),
+    ("required", True, [PARIS, ONE, {"name": "now", "arguments": {}}], True),
+    ("required", True, [{"name": "now", "arguments": {"x": [1]}}], False),  # no parameters: {} only
+    ("required", False, [PARIS, ONE], False),
+    ("required", True, [], False),
+    ("required", True, [{"name": "rm", "arguments": {}}], False),
+    ("required", True, [{"name": "get_weather", "arguments": {"city": 3}}], False),
+    ("required", True, [{"name": "get_weather", "arguments": {"days": 1}}], False),  # city required
+    ("required", True, [{"name": "get_weather", "arguments": {"city": "x", "wind": 1}}], False),
+    ("required", True, [{"name": "get_weather", "arguments": {"city": "x", "days": 0}}], False),
+    ("required", True, [{"name": "add"}], False),  # arguments required
+    ("required", True, [{"name": "add", "arguments": {"a": 1}, "extra": 1}], False),
+    ("add", True, [ONE], True),
+    ("add", True, [PARIS], False),
+    ("add", False, [ONE, ONE], False),
+    ("add", True, [ONE, ONE], True),
+]
+
+
+@pytest.mark.parametrize("choice,parallel,calls,accepted", CASES)
+def test_generic_schema(choice, parallel, calls, accepted):
+    kind, spec = tool_call_constraint(TOOLS, choice, parallel, "generic")
+    assert kind == "json_schema"
+    validator = jsonschema.Draft202012Validator(json.loads(spec))
+    assert validator.is_valid({"tool_calls": calls}) == accepted
+    assert not validator.is_valid({"tool_calls": [PARIS], "note": "x"})
+    if accepted:
+        assert [
+            c.name for c in parse_tool_calls(call_text("generic", calls), "generic", ["get_weather", "add", "now"])[1]
+        ] == [c["name"] for c in calls]
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer():
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["[TOOL_CALLS]"])
+    return tok, llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=EOS_ID)
+
+
+def accepts(ll_tok, grammar: str, ids: list[int]) -> bool:
+    matcher = llguidance.LLMatcher(ll_tok, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+@pytest.mark.parametrize("choice,parallel,calls,accepted", CASES)
+def test_grammars(ll_tokenizer, fmt, choice, parallel, calls, accepted):
+    tok, ll_tok = ll_tokenizer
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    kind, grammar = tool_call_constraint(TOOLS, choice, parallel, fmt, marker)
+    assert kind == "lark"
+    text = call_text(fmt, calls)
+    if fmt == "mistral":
+        ids = [marker] + ll_tok.tokenize_str(text[len("[TOOL_CALLS]") :])
+        # The marker's text spelled out in bytes is not the special token: refused.
+        assert not accepts(ll_tok, grammar, byte_ids(text))
+    else:
+        ids = ll_tok.tokenize_str(text)
+    assert accepts(ll_tok, grammar, ids) == accepted, text
+    if accepted:
+        assert len(parse_tool_calls(text, fmt, ["get_weather", "add", "now"])[1]) == len(calls)
+
+
+def test_hermes_grammar_refuses_text_before_the_call(ll_tokenizer):
+    _, ll_tok = ll_tokenizer
+    _, grammar = tool_call_constraint(TOOLS, "required", True, "hermes")
+    assert not accepts(ll_tok, grammar, ll_tok.tokenize_str("Sure! " + call_text("hermes", [PARIS])))
+
+
+def test_auto_and_none_force_nothing_and_the_hook_sets_the_request_constraint():
+    assert tool_call_constraint(TOOLS, "auto", True, "hermes") is None
+    assert tool_call_constraint(TOOLS, "none", True, "generic") is None
+    with pytest.raises(InvalidRequestError, match="tokenizer has no \\[TOOL_CALLS\\]") as e:
+        tool_call_constraint(TOOLS, "required", True, "mistral", None)
+    assert e.value.field == "tool_choice"
+    params = rpb.SamplingParameters()
+    attach_tool_constraint(params, ("lark", 'start: "x"'))
+    assert params.constraint.grammar == 'start: "x"'
+    with pytest.raises(InvalidRequestError) as e:  # a request that brought its own constraint
+        attach_tool_constraint(params, ("json_schema", "{}"))
+    assert e.value.field == "tool_choice"
+    params = rpb.SamplingParameters()
+    attach_tool_constraint(params, ("json_schema", "{}"))
+    assert params.constraint.json_schema == "{}"
