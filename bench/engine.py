@@ -86,15 +86,16 @@ def build_hf(family: str, params: dict):
     return model
 
 
-def write_colibri(model, out: Path) -> Path:
+def write_colibri(model, out: Path, expert_dtype: str | None = None) -> Path:
     """The HF model's own weights, saved by transformers (legacy per-expert names) and run through
-    `colibri convert`, so both engines hold the same bf16 weights."""
+    `colibri convert`, so both engines hold the same bf16 weights (the experts in `expert_dtype` when
+    given: int8, fp8, ... as `colibri convert --expert-dtype`)."""
     from expert_service.tools.convert import convert
 
     hf_dir = out.parent / (out.name + "-hf")
     model.save_pretrained(hf_dir)
     try:
-        return convert(hf_dir, out, progress=False)
+        return convert(hf_dir, out, progress=False, expert_dtype=expert_dtype)
     finally:
         shutil.rmtree(hf_dir, ignore_errors=True)
 
@@ -271,16 +272,24 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--expert-dtype", default=None, help="convert the experts to this dtype (int8, fp8, ...; default bf16)"
+    )
     args = parser.parse_args()
     import torch
 
-    results = {"hbm_bytes_per_s": HBM_BYTES_PER_S, "device": torch.cuda.get_device_name(), "shapes": {}}
+    results = {
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "device": torch.cuda.get_device_name(),
+        "expert_dtype": args.expert_dtype or "bfloat16",
+        "shapes": {},
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shapes.split(","):
         family, params = SHAPES[name]
         hf = build_hf(family, params)
-        model_dir = write_colibri(hf, Path(args.workdir) / name)
+        model_dir = write_colibri(hf, Path(args.workdir) / name, args.expert_dtype)
         entry = {"hf": None if args.skip_hf else bench_hf(hf, params["vocab_size"])}
         del hf
         gc.collect()

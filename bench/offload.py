@@ -403,7 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--expert-dtype",
+        default=None,
+        help="convert the --shapes models' experts to this dtype (int8, fp8, ...; default bf16); a --model "
+        "directory keeps the experts it was converted with",
+    )
     args = parser.parse_args(argv)
+    if args.expert_dtype is not None and args.model:
+        parser.error(
+            "--expert-dtype: converts the --shapes models; convert --model with colibri convert --expert-dtype"
+        )
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.prefetch_modes = args.prefetch_modes.split(",")
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
@@ -423,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": _device_name(),
         "pcie_bytes_per_s": bytes_per_s,
         "pcie_measured": measured is not None,
+        "expert_dtype": args.expert_dtype or "as converted",
         "shapes": {},
         "note": "bytes copied count demand and prefetch copies; the PCIe bound is bytes copied per step / "
         "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)"),
@@ -436,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         if model_input:
             model, tokens = model_input
         else:
-            model_dir, base = _build_shape(name, workdir)
+            model_dir, base = _build_shape(name, workdir, args.expert_dtype)
             model = ModelDir.open(model_dir, verify=False)
             tokens = _token_source(model, args.prompts)
         entry = bench_shape(model, args, bytes_per_s, workdir, tokens)
@@ -456,16 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _build_shape(name: str, workdir: Path):
-    """A reference shape's random bf16 model: (its Colibri model directory, the HF model on the host or None)."""
+def _build_shape(name: str, workdir: Path, expert_dtype: str | None = None):
+    """A reference shape's random bf16 model: (its Colibri model directory, the HF model on the host or None);
+    its experts converted to `expert_dtype` when given."""
     if name == TINY:
         from expert_service.tools.tiny_model import make_tiny
 
-        return make_tiny(workdir / "model", family="mixtral"), None
+        return make_tiny(workdir / "model", family="mixtral", expert_dtype=expert_dtype), None
     import torch
 
     base = build_hf(*SHAPES[name])
-    model_dir = write_colibri(base, workdir / "model")
+    model_dir = write_colibri(base, workdir / "model", expert_dtype)
     base.to("cpu")  # HF waits on the host while Colibri has the GPU
     torch.cuda.empty_cache()
     return model_dir, base

@@ -179,10 +179,13 @@ def write_tiny_checkpoint(hf_dir: str | Path, family: str = "mixtral", seed: int
     return hf_dir
 
 
-def make_tiny(out_dir: str | Path, family: str = "mixtral", seed: int = 0, progress: bool = False) -> Path:
-    """Writes the HF checkpoint into `out_dir/hf` and converts it into `out_dir`; returns `out_dir`."""
+def make_tiny(
+    out_dir: str | Path, family: str = "mixtral", seed: int = 0, progress: bool = False, expert_dtype: str | None = None
+) -> Path:
+    """Writes the HF checkpoint into `out_dir/hf` and converts it into `out_dir` (the experts in
+    `expert_dtype` when given); returns `out_dir`."""
     from expert_service.tools.convert import convert
 
     out_dir = Path(out_dir)
     hf_dir = write_tiny_checkpoint(out_dir / "hf", family, seed)
-    return convert(hf_dir, out_dir, progress=progress)
+    return convert(hf_dir, out_dir, progress=progress, expert_dtype=expert_dtype)

@@ -61,3 +61,17 @@ def test_offload_tiny_cpu(tmp_path):
     assert entry["runs"]["0.5"]["none"]["decode"]["16"]["hit_rate"] < 1
     assert "decode_b1_x_none" in entry["ratios"]["0.5"]["plan"]
     assert (out / "offload.png").is_file() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_offload_tiny_cpu_with_int8_experts(tmp_path):
+    """--expert-dtype converts the shape's experts; the blocks the cache copies are the int8 ones."""
+    out = tmp_path / "out"
+    argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none"]
+    argv += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--expert-dtype", "int8"]
+    assert offload.main(argv) == 0
+    results = json.loads((out / "offload.json").read_text())
+    entry = results["shapes"]["tiny"]
+    F, D = 96, 64  # the tiny mixtral's expert: three int8 matrices, then float32 scales [F], [F], [D], each
+    scales = 512 + 512 + 4 * D  # starting on a 256-byte boundary (384 bytes of [F] take 512 with padding)
+    assert results["expert_dtype"] == "int8" and entry["expert_block_bytes"] == 3 * F * D + scales
+    assert entry["runs"]["0.5"]["none"]["slots_per_layer"] == entry["num_experts"] // 2

@@ -47,6 +47,16 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
     )
 
 
+def test_cuda_refuses_8bit_experts_in_one_line_until_its_kernels_read_them(tmp_path, monkeypatch):
+    model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, expert_dtype="int8"))
+    monkeypatch.setattr(backends, "cuda_status", lambda: (True, "NVIDIA H200 found"))
+    with pytest.raises(ConfigError) as err:
+        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
+    assert str(err.value) == (
+        f"backend: cuda runs experts stored as float32 only; {model.path} has int8 experts (use --backend cpu)"
+    )
+
+
 @pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])
 def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, name):
     """numba-cuda 0.30 gives the device name as str, older releases as bytes: either is named, neither fails."""

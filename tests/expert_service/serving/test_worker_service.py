@@ -40,6 +40,7 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert set(plan) == {"dense_weights", "expert_weights", "kv_cache", "penalties"}
     assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2  # one uint16 word per slot and token
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
+    assert list(info.expert_dtypes) == [info.dtype] == ["float32"]  # no approximation: experts as the rest
 
 
 def test_messages_convert_through_the_types():
