@@ -2,7 +2,8 @@
 
 bfloat16 is stored and handled as raw ``uint16`` words (the top half of a float32), the form the CUDA kernels
 read; ``ml_dtypes.bfloat16`` converts them: widening is exact, narrowing rounds to nearest even (as the kernels
-do) and keeps a NaN a NaN.
+do) and keeps a NaN a NaN. The 8-bit expert dtypes (``int8``, ``float8_e4m3fn`` stored as raw ``uint8``
+bytes) only ever hold routed experts' matrices, with float32 scales beside them (``common/quant.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ STORAGE: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(np.uint16),
+    "int8": np.dtype(np.int8),
+    "float8_e4m3fn": np.dtype(np.uint8),
 }
+DENSE_DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
 SAFETENSORS_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 ALIASES = {
     "fp32": "float32",
@@ -30,6 +35,9 @@ ALIASES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
 }
+# What `--expert-dtype` and an expert dtype file accept: the dense names plus the 8-bit ones.
+EXPERT_ALIASES = {**ALIASES, "int8": "int8", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
+EXPERT_ALIASES["float8_e4m3fn"] = "float8_e4m3fn"
 FP16_MAX = 65504.0
 
 
@@ -38,6 +46,17 @@ def canonical_dtype(name: str) -> str:
         return ALIASES[name.lower()]
     except KeyError:
         raise ModelFormatError(f"dtype {name!r} is not supported (supported: float32, float16, bfloat16)") from None
+
+
+def canonical_expert_dtype(name: object, where: str = "--expert-dtype") -> str:
+    """An expert dtype name or alias -> its canonical name; one-line error naming `where` otherwise."""
+    canonical = EXPERT_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise ModelFormatError(
+            f"{where}: expert dtype {name!r} is not supported "
+            f"(supported: {', '.join(DENSE_DTYPES + QUANTIZED_DTYPES)}; aliases bf16, fp16, fp32, fp8)"
+        )
+    return canonical
 
 
 def itemsize(dtype: str) -> int:

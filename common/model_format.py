@@ -1,31 +1,43 @@
-"""The Colibri model directory, version 1: this docstring is the specification; writer and reader follow it.
+"""The Colibri model directory, version 2: this docstring is the specification; writer and reader follow it.
 
     MODEL_DIR/
       colibri.json          manifest (UTF-8 JSON, below)
       dense.bin             every non-expert tensor, each starting at a multiple of 64 bytes
-      experts-L{i:03d}.bin  routed experts of MoE layer i: expert j occupies bytes
-                            [j * expert_stride, j * expert_stride + expert_nbytes), expert_stride a multiple
-                            of 4096; inside the block gate_proj [F, D], up_proj [F, D], down_proj [D, F]
-                            lie back to back, so one expert is one contiguous range = one host-to-device copy
+      experts-L{i:03d}.bin  routed experts of MoE layer i: expert j occupies the block starting at byte
+                            j * expert_strides[i] (a multiple of 4096, the largest block of the layer); the
+                            block's layout is in ``common/expert_layout.py``: gate_proj [F, D], up_proj [F, D],
+                            down_proj [D, F] in the expert's dtype, then (8-bit experts) their float32 scales,
+                            each tensor 256-byte aligned, so one expert is one contiguous range = one copy
       tokenizer.json, ...   tokenizer files copied from the checkpoint (optional)
 
     colibri.json = {
-      "format": "colibri", "format_version": 1,
+      "format": "colibri", "format_version": 2,
       "family": "<HF model_type>",
-      "dtype": "float32" | "float16" | "bfloat16",     # storage dtype of every tensor
+      "dtype": "float32" | "float16" | "bfloat16",     # the dense dtype: every tensor but routed experts'
       "config": {...},                                  # the HF config.json, keys unchanged
-      "expert_stride": <bytes between experts in an experts file>,
+      "expert_stride": <the largest of expert_strides>, # what an expert cache sizes a slot by
+      "expert_strides": {"<MoE layer>": <bytes between experts of that layer>, ...},
       "tensors": {"<canonical name>": {"file": "<relative path>", "offset": <bytes>, "nbytes": <bytes>,
                                        "dtype": "<dtype>", "shape": [..], "crc32": <uint32 of the bytes>}},
       "tokenizer_files": ["tokenizer.json", ...]
     }
 
+Every tensor records its own dtype. Routed experts' matrices may be "int8" (per-output-channel scale) or
+"float8_e4m3fn" (per-channel or 128x128-block scale); their scale is the float32 tensor "<name>_scale"
+([out] or [ceil(out/128), ceil(in/128)], dequantised = q * scale, ``common/quant.py``). One expert has one
+dtype; experts of a layer may differ. Everything else stays in the dense dtype.
+
+Version 1 (still read): one "dtype" for every tensor, one "expert_stride", no scales, the three matrices of
+an expert back to back with no gaps.
+
 Canonical tensor names and shapes are listed in ``common.models``. Matrices are row-major [out, in].
-bfloat16 is stored as raw 16-bit words. All integers little-endian (the arrays' native order on x86/ARM).
+bfloat16 is stored as raw 16-bit words, float8_e4m3fn as raw bytes. All integers little-endian.
 
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
-missing tensors, and (unless told to skip) any crc32 mismatch; each is a one-line ``ModelFormatError``.
+missing or unknown tensors, 8-bit dtypes outside routed experts, scales missing or of the wrong shape,
+expert blocks off their planned offsets, and (unless told to skip) any crc32 mismatch, scales included;
+each is a one-line ``ModelFormatError``.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import math
 import os
 import re
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -42,30 +55,40 @@ from pathlib import Path
 
 import numpy as np
 
-from common import dtypes
+from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
+from common.expert_layout import (
+    EXPERT_ALIGN,
+    PROJECTIONS,
+    SCALE_SUFFIX,
+    ExpertFormat,
+    ExpertLayout,
+    align,
+    block_layout,
+    read_expert_layout,
+    scale_name,
+)
 from common.model_config import ModelConfig
 from common.models import config_from_hf, tensor_specs
 
 FORMAT_NAME = "colibri"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "colibri.json"
 DENSE_FILE = "dense.bin"
 DENSE_ALIGN = 64
-EXPERT_ALIGN = 4096
 MAX_DIM = 1 << 31  # one tensor dimension
 MAX_FILE_BYTES = 1 << 48  # offsets and sizes: far past any disk, far below int64 overflow
 MAX_JSON_DEPTH = 64  # a manifest is 4 levels deep
 _JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKETS = re.compile(r"[\[\]{}]")
+_EXPERT_MATRIX = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
+
+ExpertFormats = Callable[[int, int], ExpertFormat]  # (layer, expert) -> how that expert is stored
 
 
 def expert_file(layer: int) -> str:
     return f"experts-L{layer:03d}.bin"
-
-
-def _align(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,37 +112,58 @@ class TensorEntry:
         }
 
 
-def plan_layout(config: ModelConfig, dtype: str) -> tuple[dict[str, TensorEntry], int]:
-    """Where every tensor goes (crc32 left 0), and the expert stride: a pure function of config and dtype."""
-    size = dtypes.itemsize(dtype)
-    specs = tensor_specs(config)
-    expert_nbytes = 3 * config.moe_intermediate_size * config.hidden_size * size  # gate + up + down
-    stride = _align(expert_nbytes, EXPERT_ALIGN)
-    entries, dense_offset, inside_expert = {}, 0, 0
-    for spec in specs:
-        nbytes = int(np.prod(spec.shape)) * size
+def plan_layout(
+    config: ModelConfig, dtype: str, expert_formats: ExpertFormats | None = None
+) -> tuple[dict[str, TensorEntry], dict[int, int]]:
+    """Where every tensor goes (crc32 left 0) and each MoE layer's expert stride: a pure function of the
+    config, the dense dtype and each expert's format (default: the dense dtype)."""
+    formats = expert_formats or (lambda layer, expert: ExpertFormat(dtype))
+    F, D = config.moe_intermediate_size, config.hidden_size
+    blocks = {
+        (layer, j): (formats(layer, j), *block_layout(formats(layer, j), F, D))
+        for layer in config.moe_layers
+        for j in range(config.num_experts)
+    }
+    strides = {
+        layer: align(max(blocks[layer, j][4] for j in range(config.num_experts)), EXPERT_ALIGN)
+        for layer in config.moe_layers
+    }
+    entries, dense_offset = {}, 0
+    for spec in tensor_specs(config):
         if spec.expert is None:
-            dense_offset = _align(dense_offset, DENSE_ALIGN)
+            nbytes = math.prod(spec.shape) * dtypes.itemsize(dtype)
+            dense_offset = align(dense_offset, DENSE_ALIGN)
             entries[spec.name] = TensorEntry(spec.name, DENSE_FILE, dense_offset, nbytes, dtype, spec.shape, 0)
             dense_offset += nbytes
-        else:
-            assert spec.layer is not None  # tensor_specs gives every expert matrix its layer
-            inside_expert = 0 if spec.name.endswith("gate_proj") else inside_expert
-            offset = spec.expert * stride + inside_expert
-            entries[spec.name] = TensorEntry(spec.name, expert_file(spec.layer), offset, nbytes, dtype, spec.shape, 0)
-            inside_expert += nbytes
-    return entries, stride
+            continue
+        assert spec.layer is not None  # tensor_specs gives every expert matrix its layer
+        fmt, weight_offsets, scale_shapes, scale_offsets, _ = blocks[spec.layer, spec.expert]
+        index = PROJECTIONS.index(spec.name.rsplit(".", 1)[1])
+        base, file = spec.expert * strides[spec.layer], expert_file(spec.layer)
+        nbytes = math.prod(spec.shape) * dtypes.itemsize(fmt.dtype)
+        entries[spec.name] = TensorEntry(
+            spec.name, file, base + weight_offsets[index], nbytes, fmt.dtype, spec.shape, 0
+        )
+        if fmt.is_quantized:
+            name, shape = scale_name(spec.name), scale_shapes[index]
+            entries[name] = TensorEntry(
+                name, file, base + scale_offsets[index], 4 * math.prod(shape), "float32", shape, 0
+            )
+    return entries, strides
 
 
 class ModelWriter:
-    """Writes a model directory tensor by tensor, in any order; memory stays at one tensor."""
+    """Writes a model directory tensor by tensor, in any order; memory stays at one tensor.
+    `expert_formats(layer, expert)` picks each routed expert's storage (default: the dense dtype)."""
 
-    def __init__(self, out_dir: str | os.PathLike, hf_config: dict, dtype: str):
+    def __init__(
+        self, out_dir: str | os.PathLike, hf_config: dict, dtype: str, expert_formats: ExpertFormats | None = None
+    ):
         self.out_dir = Path(out_dir)
         self.hf_config = hf_config
         self.config = config_from_hf(hf_config)
         self.dtype = dtype
-        self.layout, self.expert_stride = plan_layout(self.config, dtype)
+        self.layout, self.expert_strides = plan_layout(self.config, dtype, expert_formats)
         self.written: dict[str, TensorEntry] = {}
         self.tokenizer_files: list[str] = []
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +173,7 @@ class ModelWriter:
             sizes[entry.file] = max(sizes.get(entry.file, 0), entry.offset + entry.nbytes)
         for name, size in sizes.items():
             fd = os.open(self.out_dir / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.ftruncate(fd, _align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
+            os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
             self._files[name] = fd
 
     def write(self, name: str, array: np.ndarray) -> None:
@@ -137,9 +181,9 @@ class ModelWriter:
         if entry is None:
             raise ModelFormatError(f"tensor {name}: not part of a {self.config.family} model of this config")
         data = np.ascontiguousarray(array)
-        if data.dtype != dtypes.STORAGE[self.dtype] or tuple(data.shape) != entry.shape:
+        if data.dtype != dtypes.STORAGE[entry.dtype] or tuple(data.shape) != entry.shape:
             raise ModelFormatError(
-                f"tensor {name}: expected {self.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
+                f"tensor {name}: expected {entry.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
             )
         view = data.data.cast("B")
         written = os.pwrite(self._files[entry.file], view, entry.offset)
@@ -162,7 +206,8 @@ class ModelWriter:
             "family": self.config.family,
             "dtype": self.dtype,
             "config": self.hf_config,
-            "expert_stride": self.expert_stride,
+            "expert_stride": max(self.expert_strides.values(), default=0),
+            "expert_strides": {str(layer): stride for layer, stride in self.expert_strides.items()},
             "tensors": {n: self.written[n].to_json() for n in self.layout},
             "tokenizer_files": self.tokenizer_files,
         }
@@ -178,11 +223,21 @@ class ModelDir:
     def __init__(self, path: str | os.PathLike, manifest: dict):
         self.path = Path(path)
         self.manifest = manifest
+        self.version: int = manifest["format_version"]
         self.hf_config: dict = manifest["config"]
         self.config: ModelConfig = config_from_hf(self.hf_config)
-        self.dtype: str = manifest["dtype"]
-        self.expert_stride: int = int(manifest["expert_stride"])
+        self.dtype: str = manifest["dtype"]  # the dense dtype (version 1: every tensor's)
+        self.expert_stride: int = _byte_count(manifest["expert_stride"], "expert_stride")  # the largest
+        strides = manifest.get("expert_strides") if self.version >= 2 else None
+        self.expert_strides: dict[int, int] = (
+            {layer: self.expert_stride for layer in self.config.moe_layers}
+            if strides is None
+            else {
+                layer: _byte_count(strides[str(layer)], f"expert_strides[{layer}]") for layer in self.config.moe_layers
+            }
+        )
         self.entries: dict[str, TensorEntry] = {}
+        self.expert_layouts: dict[tuple[int, int], ExpertLayout] = {}
         self._maps: dict[str, np.memmap] = {}
 
     @classmethod
@@ -199,15 +254,20 @@ class ModelDir:
         for key in ("format", "format_version", "dtype", "config", "tensors", "expert_stride"):
             if key not in manifest:
                 raise ModelFormatError(f"{manifest_path}: missing key {key!r}")
-        if manifest["format"] != FORMAT_NAME or manifest["format_version"] != FORMAT_VERSION:
+        version = manifest["format_version"]
+        if manifest["format"] != FORMAT_NAME or isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ModelFormatError(
-                f"{manifest_path}: format {manifest['format']!r} version "
-                f"{manifest['format_version']!r}, expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
+                f"{manifest_path}: format {manifest['format']!r} version {version!r}, expected "
+                f"{FORMAT_NAME!r} version {' or '.join(map(str, READABLE_VERSIONS))}"
             )
+        if version >= 2 and not isinstance(manifest.get("expert_strides"), dict):
+            raise ModelFormatError(f"{manifest_path}: missing key 'expert_strides' (an object: MoE layer -> bytes)")
         try:
             model = cls(root, manifest)
         except ConfigError as e:
             raise ModelFormatError(f"{manifest_path}: {e}") from None
+        except KeyError as e:
+            raise ModelFormatError(f"{manifest_path}: expert_strides lacks MoE layer {e}") from None
         except (TypeError, ValueError, AttributeError, OverflowError) as e:  # "config": [], "expert_stride": "x"
             raise ModelFormatError(f"{manifest_path}: malformed manifest ({e})") from None
         if not isinstance(manifest["tensors"], dict):
@@ -237,6 +297,8 @@ class ModelDir:
             entry = _entry(name, raw)
             if entry.dtype not in dtypes.STORAGE:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
+            if entry.dtype in dtypes.QUANTIZED_DTYPES and not _EXPERT_MATRIX.fullmatch(name):
+                raise ModelFormatError(f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices")
             expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
                 raise ModelFormatError(
@@ -256,7 +318,8 @@ class ModelDir:
                     f"truncated?)"
                 )
             self.entries[name] = entry
-        for spec in tensor_specs(self.config):
+        specs = tensor_specs(self.config)
+        for spec in specs:
             if spec.name not in self.entries:
                 raise ModelFormatError(f"tensor {spec.name}: missing from {MANIFEST}")
             entry = self.entries[spec.name]
@@ -265,24 +328,19 @@ class ModelDir:
                     f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
                     f"config.json implies {list(spec.shape)}"
                 )
+        known = {s.name for s in specs}
+        for name in self.entries:
+            if name not in known and not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in known):
+                raise ModelFormatError(f"tensor {name}: not part of a {self.config.family} model of this config")
         for layer in self.config.moe_layers:
             for expert in range(self.config.num_experts):
-                self._check_expert_layout(layer, expert)
-
-    def _check_expert_layout(self, layer: int, expert: int) -> None:
-        """An expert must be one aligned contiguous range (gate, up, down back to back): it is copied as one."""
-        prefix = f"layers.{layer}.experts.{expert}."
-        gate, up, down = (self.entries[prefix + p] for p in ("gate_proj", "up_proj", "down_proj"))
-        if (
-            gate.offset % EXPERT_ALIGN
-            or not (gate.file == up.file == down.file)
-            or up.offset != gate.offset + gate.nbytes
-            or down.offset != up.offset + up.nbytes
-        ):
-            raise ModelFormatError(
-                f"tensor {prefix}gate_proj: expert {expert} of layer {layer} is not one "
-                f"{EXPERT_ALIGN}-byte-aligned block of gate, up, down back to back"
-            )
+                self.expert_layouts[layer, expert] = read_expert_layout(self, layer, expert)
+        for name in self.entries:  # a scale whose matrix is not 8-bit belongs to no expert layout
+            if (
+                name.endswith(SCALE_SUFFIX)
+                and self.entries[name[: -len(SCALE_SUFFIX)]].dtype not in dtypes.QUANTIZED_DTYPES
+            ):
+                raise ModelFormatError(f"tensor {name}: a scale for {name[: -len(SCALE_SUFFIX)]}, which is not 8-bit")
 
     def _map(self, file: str) -> np.memmap:
         if file not in self._maps:
@@ -299,14 +357,34 @@ class ModelDir:
         return self.raw_bytes(name).view(dtypes.STORAGE[e.dtype]).reshape(e.shape)
 
     def tensor_f32(self, name: str) -> np.ndarray:
+        """float32 values; an 8-bit expert matrix comes back dequantised exactly (q * scale)."""
         e = self.entries[name]
+        if e.dtype in dtypes.QUANTIZED_DTYPES:
+            match = _EXPERT_MATRIX.fullmatch(name)
+            assert match is not None  # _check_entries allows 8-bit dtypes only there
+            layout = self.expert_layouts[int(match[1]), int(match[2])]
+            assert layout.scheme is not None
+            return quant.dequantize(self.tensor(name), self.tensor(scale_name(name)), e.dtype, layout.scheme)
         return np.ascontiguousarray(dtypes.to_float32(self.tensor(name), e.dtype), dtype=np.float32)
 
+    def expert_layout(self, layer: int, expert: int) -> ExpertLayout:
+        """Expert `expert` of MoE layer `layer`: dtype, scale scheme, block range and its tensors' offsets."""
+        return self.expert_layouts[layer, expert]
+
     def expert_block(self, layer: int, expert: int) -> tuple[str, int, int]:
-        """(file, offset, nbytes) of expert `expert` of `layer`: its gate, up and down matrices."""
-        first = self.entries[f"layers.{layer}.experts.{expert}.gate_proj"]
-        last = self.entries[f"layers.{layer}.experts.{expert}.down_proj"]
-        return first.file, first.offset, last.offset + last.nbytes - first.offset
+        """(file, offset, nbytes) of expert `expert` of `layer`: its matrices and scales, one range."""
+        layout = self.expert_layouts[layer, expert]
+        return layout.file, layout.offset, layout.nbytes
+
+    @cached_property
+    def max_expert_nbytes(self) -> int:
+        """The largest expert block: what one slot of an expert cache must hold."""
+        return max((layout.nbytes for layout in self.expert_layouts.values()), default=0)
+
+    @cached_property
+    def expert_formats(self) -> tuple[str, ...]:
+        """The distinct expert storage labels ("bfloat16", "int8", "float8_e4m3fn/block128"), sorted."""
+        return tuple(sorted({layout.format.label for layout in self.expert_layouts.values()}))
 
     @cached_property
     def total_bytes(self) -> int:
@@ -367,6 +445,12 @@ def load_json(path: Path, error: type[Exception]) -> object:
         return json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def _byte_count(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_FILE_BYTES:
+        raise ModelFormatError(f"{MANIFEST}: {key} must be an integer in [0, {MAX_FILE_BYTES}], got {value!r}")
+    return value
 
 
 def _entry(name: str, raw: object) -> TensorEntry:

@@ -18,7 +18,7 @@ class SlotPlan:
     slots_per_layer: int  # == num_experts when every expert is resident
     num_experts: int
     num_moe_layers: int
-    expert_block_bytes: int  # stored bytes of one expert (gate, up, down back to back)
+    expert_block_bytes: int  # stored bytes of the largest expert block (matrices and scales)
     budget_bytes: int  # the --expert-cache-gb budget (0: none given)
 
     @property
@@ -31,7 +31,7 @@ def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int)
     """Explicit slots win; else floor(budget / (MoE layers x expert block bytes)), at least 1; else all."""
     cfg = model.config
     layers, num_experts = cfg.moe_layers, cfg.num_experts
-    block = model.expert_block(layers[0], 0)[2] if layers else 0
+    block = model.max_expert_nbytes  # a slot holds any expert of the model
     budget = int(expert_cache_gb * GIB)
     if expert_cache_slots > 0:
         slots = expert_cache_slots

@@ -1,8 +1,10 @@
 """`colibri convert HF_DIR OUT_DIR`: a Hugging Face safetensors checkpoint -> a Colibri model directory.
 
 Streams one tensor at a time from memory-mapped shards, so peak memory is bounded by the largest single
-tensor (times ~3 while changing dtype: the source view, a float32 copy and the result), not by the model.
-Pickle checkpoints (.bin/.pt) are never loaded.
+tensor (a few float32 copies of it while changing dtype or quantizing), not by the model. Pickle
+checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
+(`expert_service/tools/expert_dtypes.py`); fine-grained fp8 checkpoints are read as `hf_fp8.py` describes,
+their experts' bytes kept as they are unless another expert dtype is asked for.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common import dtypes
+from common import dtypes, quant
 from common.errors import ModelFormatError
+from common.expert_layout import ExpertFormat, scale_name
 from common.model_format import ModelWriter
-from common.models import config_from_hf, tensor_specs
+from common.models import TensorSpec, config_from_hf, tensor_specs
+from expert_service.tools import hf_fp8
+from expert_service.tools.expert_dtypes import load_plan
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -33,6 +38,9 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
+# F8_E4M3 only with its block scales (hf_fp8.py); safetensors' numpy loader cannot read it, our mmap can.
+SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
+FP8_BLOCK = ExpertFormat("float8_e4m3fn", quant.BLOCK128)
 
 
 class SafetensorsShard:
@@ -58,11 +66,10 @@ class SafetensorsShard:
     def read(self, name: str) -> tuple[np.ndarray, str]:
         """(storage array view, dtype name) of one tensor."""
         safetensors_dtype, shape = self.tensors[name]
-        dtype = dtypes.SAFETENSORS_NAMES.get(safetensors_dtype)
+        dtype = SOURCE_DTYPES.get(safetensors_dtype)
         if dtype is None:
             raise ModelFormatError(
-                f"{self.path}: tensor {name} has dtype {safetensors_dtype}, "
-                f"supported: {', '.join(dtypes.SAFETENSORS_NAMES)}"
+                f"{self.path}: tensor {name} has dtype {safetensors_dtype}, supported: {', '.join(SOURCE_DTYPES)}"
             )
         raw = np.frombuffer(
             self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype), offset=self._begin[name]
@@ -99,7 +106,17 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
     return where
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
+def convert(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str | None = None,
+    progress: bool = True,
+    expert_dtype: str | None = None,
+    fp8_scale: str = quant.BLOCK128,
+    expert_dtype_file: str | Path | None = None,
+) -> Path:
+    """`dtype`: every tensor but routed experts' (default: the checkpoint's); `expert_dtype`, `fp8_scale`
+    and `expert_dtype_file`: the experts' (expert_dtypes.py; default: as the checkpoint stores them)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
@@ -109,6 +126,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from None
     config = config_from_hf(hf_config)
+    fp8 = hf_fp8.read_quantization_config(hf_config, config_path)
+    plan = load_plan(config, expert_dtype, fp8_scale, expert_dtype_file)
     where = open_checkpoint(hf_dir)
     specs = tensor_specs(config)
     missing = [s.hf_name for s in specs if s.hf_name not in where]
@@ -117,9 +136,17 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
             f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
             f"({len(missing)} missing for a {config.family} model of this config)"
         )
-    first_dtype = where[specs[0].hf_name].read(specs[0].hf_name)[1]
-    target = dtypes.canonical_dtype(dtype) if dtype else first_dtype
-    writer = ModelWriter(out_dir, hf_config, target)
+    scales = {s.hf_name: hf_fp8.check_fp8_tensor(fp8, where, s.hf_name, hf_dir) for s in specs}
+    first_dtype = SOURCE_DTYPES.get(where[specs[0].hf_name].tensors[specs[0].hf_name][0])
+    target = dtypes.canonical_dtype(dtype) if dtype else first_dtype if first_dtype in dtypes.DENSE_DTYPES else None
+    if target is None:  # an F8/I8 embedding: let read() name the dtype, or default fp8 checkpoints to bf16
+        target = "bfloat16" if first_dtype == "float8_e4m3fn" else where[specs[0].hf_name].read(specs[0].hf_name)[1]
+    formats = {
+        (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
+        for s in specs
+        if s.expert is not None and s.layer is not None and s.name.endswith("gate_proj")
+    }
+    writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert])
     total = sum(int(np.prod(s.shape)) for s in specs)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
         for spec in specs:
@@ -129,7 +156,13 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
                     f"{hf_dir}: tensor {spec.hf_name} has shape {list(raw.shape)}, "
                     f"config.json implies {list(spec.shape)}"
                 )
-            writer.write(spec.name, dtypes.convert(raw, src_dtype, target, spec.hf_name))
+            fmt = (
+                formats[spec.layer, spec.expert]
+                if spec.layer is not None and spec.expert is not None
+                else ExpertFormat(target)
+            )
+            scale = scales[spec.hf_name]
+            _write(writer, spec, raw, src_dtype, hf_fp8.read_scale(where, scale[0]) if scale else None, fmt)
             bar.update(raw.size)
     del raw  # the last view into a shard's mmap must go before the mmap can close
     for shard in set(where.values()):
@@ -139,3 +172,33 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None, p
             shutil.copyfile(hf_dir / name, out_dir / name)
             writer.tokenizer_files.append(name)
     return writer.finish()
+
+
+def _stored(specs: list[TensorSpec], scales: dict, spec: TensorSpec) -> ExpertFormat | None:
+    """FP8_BLOCK when the checkpoint stores all three matrices of this expert as block-scaled fp8."""
+    prefix = spec.name.removesuffix("gate_proj")
+    names = [s.hf_name for s in specs if s.name.startswith(prefix) and s.expert == spec.expert]
+    return FP8_BLOCK if all(scales[n] for n in names) else None
+
+
+def _write(
+    writer: ModelWriter, spec: TensorSpec, raw: np.ndarray, src: str, scale: np.ndarray | None, fmt: ExpertFormat
+) -> None:
+    """One checkpoint tensor in the storage `fmt` asks for: fp8 block bytes kept as they are when the
+    format is theirs, else widened (dequantised) to float32 and converted or quantized."""
+    if src == "float8_e4m3fn":
+        assert scale is not None  # check_fp8_tensor found it
+        if np.any((raw & 0x7F) == 0x7F):  # e4m3fn's NaN: the checkpoint is corrupt, never serve it
+            raise ModelFormatError(f"tensor {spec.hf_name}: fp8 weights hold NaN bytes (0x7f/0xff)")
+        if fmt == FP8_BLOCK:
+            writer.write(spec.name, raw)
+            writer.write(scale_name(spec.name), scale)
+            return
+        raw, src = quant.dequantize(raw, scale, src, quant.BLOCK128), "float32"
+    if fmt.is_quantized:
+        assert fmt.scheme is not None
+        q, q_scale = quant.quantize(dtypes.to_float32(raw, src), fmt.dtype, fmt.scheme, spec.hf_name)
+        writer.write(spec.name, q)
+        writer.write(scale_name(spec.name), q_scale)
+        return
+    writer.write(spec.name, dtypes.convert(raw, src, fmt.dtype, spec.hf_name))

@@ -1,4 +1,5 @@
-"""`colibri convert HF_DIR OUT_DIR [--dtype D]`: a Hugging Face safetensors checkpoint -> a model directory."""
+"""`colibri convert HF_DIR OUT_DIR [--dtype D] [--expert-dtype E]`: a Hugging Face safetensors checkpoint
+-> a model directory."""
 
 from __future__ import annotations
 
@@ -19,7 +20,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("float32", "float16", "bfloat16"),
         default=None,
-        help="storage dtype (default: the checkpoint's); overflowing conversions are refused",
+        help="storage dtype of every tensor but the routed experts' (default: the checkpoint's; bfloat16 for "
+        "an fp8 checkpoint); overflowing conversions are refused",
+    )
+    parser.add_argument(
+        "--expert-dtype",
+        metavar="DTYPE",
+        default=None,
+        help="storage of the routed experts: bfloat16, float16, float32, int8 (per-channel scales) or fp8 "
+        "(float8_e4m3fn, scales per --fp8-scale) (default: as --dtype; an fp8 checkpoint's experts keep "
+        "their fp8 bytes and block scales)",
+    )
+    parser.add_argument(
+        "--fp8-scale",
+        choices=("block128", "channel"),
+        default="block128",
+        help="fp8 experts' scales: one per 128x128 block (default, as published fp8 checkpoints) or one per "
+        "output channel",
+    )
+    parser.add_argument(
+        "--expert-dtype-file",
+        metavar="FILE",
+        default=None,
+        help="JSON or YAML choosing the dtype per layer / per expert, and optionally keeping the experts a "
+        "routing table marks hot in the dense dtype (docs/quantization.md)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -27,10 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from expert_service.tools.convert import convert
 
-    out = convert(args.hf_dir, args.out_dir, dtype=args.dtype, progress=not args.no_progress)
+    out = convert(
+        args.hf_dir,
+        args.out_dir,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+        expert_dtype=args.expert_dtype,
+        fp8_scale=args.fp8_scale,
+        expert_dtype_file=args.expert_dtype_file,
+    )
     model = ModelDir.open(out, verify=False)
     print(
         f"converted {args.hf_dir} -> {out}: {model.config.family}, {len(model.entries)} tensors, "
-        f"{model.total_bytes:,} bytes {model.dtype}"
+        f"{model.total_bytes:,} bytes {model.dtype}, experts {' + '.join(model.expert_formats) or 'none'}"
     )
     return 0

@@ -1,0 +1,101 @@
+"""8-bit expert weights: quantisation (the converter) and exact dequantisation (the cpu reference).
+
+Two dtypes and two scale schemes, the scale always a float32 *multiplier* (dequantised = q * scale):
+
+    int8           symmetric, per output channel: scale [out] = max|row| / 127, q = round(w / scale)
+    float8_e4m3fn  per output channel (scale [out] = max|row| / 448) or per 128x128 block
+                   (scale [ceil(out/128), ceil(in/128)] = max|block| / 448, tail blocks partial), q = the
+                   float32 -> e4m3 round-to-nearest-even of w / scale, saturated at +-448 (e4m3fn has no
+                   infinity: an overflowing cast would give NaN)
+
+fp8 bytes are stored raw (uint8); a 256-entry table decodes them, so the reference never depends on how a
+library casts. All-zero rows/blocks get scale 1 (their q is 0 either way); non-finite weights are refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from common.errors import ModelFormatError
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+BLOCK = 128
+CHANNEL, BLOCK128 = "channel", "block128"
+SCHEMES = (CHANNEL, BLOCK128)
+
+
+def _fp8_table() -> np.ndarray:
+    """e4m3fn byte -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal,
+    0x7F and 0xFF are NaN (there is no infinity)."""
+    table = np.empty(256, dtype=np.float32)
+    for byte in range(256):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+        if exponent == 0xF and mantissa == 0x7:
+            table[byte] = np.nan
+        elif exponent == 0:
+            table[byte] = sign * mantissa / 8.0 * 2.0**-6
+        else:
+            table[byte] = sign * (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7)
+    return table
+
+
+FP8_TO_FLOAT32 = _fp8_table()
+
+
+def scale_shape(scheme: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale tensor's shape for a matrix of `shape` [out, in]."""
+    out, inner = shape
+    if scheme == CHANNEL:
+        return (out,)
+    return (math.ceil(out / BLOCK), math.ceil(inner / BLOCK))
+
+
+def expand_scale(scale: np.ndarray, scheme: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Scale [out] or [ceil(out/128), ceil(in/128)] -> a float32 array broadcastable against [out, in]."""
+    if scheme == CHANNEL:
+        return np.asarray(scale, dtype=np.float32)[:, None]
+    out, inner = shape
+    return np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), BLOCK, axis=0), BLOCK, axis=1)[:out, :inner]
+
+
+def fp8_to_float32(raw: np.ndarray) -> np.ndarray:
+    return FP8_TO_FLOAT32[np.asarray(raw).view(np.uint8)]
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, dtype: str, scheme: str) -> np.ndarray:
+    """Storage array q [out, in] (int8, or fp8 as uint8) and its scale -> float32 q * scale."""
+    values = fp8_to_float32(q) if dtype == "float8_e4m3fn" else np.asarray(q, dtype=np.float32)
+    return values * expand_scale(scale, scheme, q.shape)
+
+
+def _amax(values: np.ndarray, scheme: str) -> np.ndarray:
+    if scheme == CHANNEL:
+        return np.abs(values).max(axis=1)
+    out, inner = values.shape
+    rows, cols = scale_shape(BLOCK128, values.shape)
+    padded = np.zeros((rows * BLOCK, cols * BLOCK), dtype=np.float32)  # zero tail: max|.| ignores it
+    np.abs(values, out=padded[:out, :inner])
+    return padded.reshape(rows, BLOCK, cols, BLOCK).max(axis=(1, 3))
+
+
+def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [out, in] -> (storage array [out, in], float32 scale). int8 takes only per-channel scales."""
+    values = np.asarray(values, dtype=np.float32)
+    if dtype == "int8" and scheme != CHANNEL:
+        raise ModelFormatError(f"tensor {name}: int8 experts take per-channel scales only, not {scheme}")
+    if not np.isfinite(values).all():
+        raise ModelFormatError(f"tensor {name}: non-finite weights cannot be quantized to {dtype}")
+    limit = INT8_MAX if dtype == "int8" else FP8_MAX
+    amax = _amax(values, scheme)
+    scale = np.where(amax > 0, amax / np.float32(limit), np.float32(1.0)).astype(np.float32)
+    scaled = values / expand_scale(scale, scheme, values.shape)
+    # amax / limit rounds, so w / scale may land a hair past the limit: clip (saturate), never overflow.
+    np.clip(scaled, -limit, limit, out=scaled)
+    if dtype == "int8":
+        return np.rint(scaled).astype(np.int8), scale
+    return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale

@@ -1,0 +1,155 @@
+"""Which storage each routed expert gets at conversion: `--expert-dtype`, `--fp8-scale` and an optional
+per-layer / per-expert file (JSON, or YAML when the name ends in .yaml/.yml; docs/quantization.md):
+
+    default: int8                 # every expert not named below (default: --expert-dtype)
+    fp8_scale: block128           # channel | block128, for fp8 experts (default: --fp8-scale)
+    layers: {0: bfloat16, 3: fp8} # every expert of a layer
+    experts: {"3.5": bfloat16}    # "layer.expert": one expert (wins over its layer)
+    keep_hot:                     # keep the experts a routing table predicts most often in the dense dtype
+      routing_table: routing_table.bin   # a `colibri router-gen` table of this model (relative: to this file)
+      per_layer: 4                       # that many experts per MoE layer
+
+Each rule names a dtype (bfloat16, float16, float32, int8, fp8 / float8_e4m3fn); later rules win: default,
+then layers, then experts, then keep_hot. Unknown keys, layers that are not MoE layers and experts out of
+range are refused, one line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common import dtypes, quant
+from common.errors import ConfigError, ModelFormatError
+from common.expert_layout import ExpertFormat
+from common.model_config import ModelConfig
+
+FILE_KEYS = ("default", "fp8_scale", "layers", "experts", "keep_hot")
+FP8_SCALES = {"channel": quant.CHANNEL, "block": quant.BLOCK128, "block128": quant.BLOCK128}
+
+
+def fp8_scheme(name: object, where: str) -> str:
+    if not isinstance(name, str) or name not in FP8_SCALES:
+        raise ConfigError(f"{where}: fp8 scale {name!r} is not supported (supported: channel, block128)")
+    return FP8_SCALES[name]
+
+
+def expert_format(dtype: str, scheme: str) -> ExpertFormat:
+    """The format of a canonical expert dtype: int8 per channel, fp8 with `scheme`, others unscaled."""
+    if dtype == "int8":
+        return ExpertFormat(dtype, quant.CHANNEL)
+    return ExpertFormat(dtype, scheme if dtype == "float8_e4m3fn" else None)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """(layer, expert) -> how it is stored: `hot` experts in the dense dtype, else `chosen`, else `default`,
+    else as the checkpoint stores it (an fp8 checkpoint's experts keep their bytes; others: dense dtype)."""
+
+    default: ExpertFormat | None
+    chosen: dict[tuple[int, int], ExpertFormat] = field(default_factory=dict)
+    hot: frozenset[tuple[int, int]] = frozenset()
+
+    def resolve(self, layer: int, expert: int, dense_dtype: str, stored: ExpertFormat | None) -> ExpertFormat:
+        if (layer, expert) in self.hot:
+            return ExpertFormat(dense_dtype)
+        fmt = self.chosen.get((layer, expert), self.default)
+        return fmt or stored or ExpertFormat(dense_dtype)
+
+
+def _index(key: object, limit: int, where: str, what: str) -> int:
+    text = str(key)
+    if not text.isdigit() or not 0 <= int(text) < limit:
+        raise ConfigError(f"{where}: {what} {key!r} is not in [0, {limit})")
+    return int(text)
+
+
+def load_plan(
+    config: ModelConfig, expert_dtype: str | None, fp8_scale: str, path: str | Path | None = None
+) -> ExpertPlan:
+    """The conversion's expert plan from the flags and, when given, the file at `path`."""
+    scheme = fp8_scheme(fp8_scale, "--fp8-scale")
+    default = expert_format(dtypes.canonical_expert_dtype(expert_dtype), scheme) if expert_dtype else None
+    if path is None:
+        return ExpertPlan(default)
+    path = Path(path)
+    spec = _read(path)
+    unknown = [k for k in spec if k not in FILE_KEYS]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: {', '.join(FILE_KEYS)})")
+    if "fp8_scale" in spec:
+        scheme = fp8_scheme(spec["fp8_scale"], f"{path}: fp8_scale")
+
+    def fmt(value: object, where: str) -> ExpertFormat:
+        try:
+            return expert_format(dtypes.canonical_expert_dtype(value, f"{path}: {where}"), scheme)
+        except ModelFormatError as e:
+            raise ConfigError(str(e)) from None
+
+    if "default" in spec:
+        default = fmt(spec["default"], "default")
+    elif default is not None:  # --expert-dtype fp8 with the file's fp8_scale
+        default = expert_format(default.dtype, scheme)
+    chosen: dict[tuple[int, int], ExpertFormat] = {}
+    moe_layers, num_experts = config.moe_layers, config.num_experts
+    for key, value in _mapping(spec.get("layers", {}), path, "layers").items():
+        layer = _index(key, config.num_hidden_layers, f"{path}: layers", "layer")
+        if layer not in moe_layers:
+            raise ConfigError(f"{path}: layers: layer {layer} has no routed experts (MoE layers: {moe_layers})")
+        chosen.update({(layer, j): fmt(value, f"layers.{key}") for j in range(num_experts)})
+    for key, value in _mapping(spec.get("experts", {}), path, "experts").items():
+        layer_text, _, expert_text = str(key).partition(".")
+        layer = _index(layer_text, config.num_hidden_layers, f"{path}: experts.{key}", "layer")
+        if layer not in moe_layers:
+            raise ConfigError(f"{path}: experts: layer {layer} has no routed experts (MoE layers: {moe_layers})")
+        chosen[layer, _index(expert_text, num_experts, f"{path}: experts.{key}", "expert")] = fmt(
+            value, f"experts.{key}"
+        )
+    hot = _keep_hot(spec["keep_hot"], config, path) if "keep_hot" in spec else frozenset()
+    return ExpertPlan(default, chosen, hot)
+
+
+def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[int, int]]:
+    """The `per_layer` experts each MoE layer's table rows name most often (over every token id; ties to
+    the lower id): the experts most tokens are predicted to use."""
+    from common.routing_table import RoutingTable
+
+    keep = _mapping(spec, path, "keep_hot")
+    unknown = [k for k in keep if k not in ("routing_table", "per_layer")]
+    if unknown or "routing_table" not in keep:
+        raise ConfigError(f"{path}: keep_hot takes routing_table (required) and per_layer, got {sorted(keep)}")
+    per_layer = keep.get("per_layer", 1)
+    if isinstance(per_layer, bool) or not isinstance(per_layer, int) or not 0 <= per_layer <= config.num_experts:
+        raise ConfigError(f"{path}: keep_hot.per_layer must be an integer in [0, {config.num_experts}]")
+    table_path = path.parent / str(keep["routing_table"])
+    table = RoutingTable.load(table_path, config)
+    hot: set[tuple[int, int]] = set()
+    for index, layer in enumerate(table.moe_layers):
+        counts = np.bincount(table.table[index].ravel(), minlength=config.num_experts)
+        hot.update((layer, int(expert)) for expert in np.argsort(-counts, kind="stable")[:per_layer])
+    return frozenset(hot)
+
+
+def _mapping(value: object, path: Path, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _read(path: Path) -> dict:
+    from common.model_format import load_json
+
+    if not path.is_file():
+        raise ConfigError(f"{path}: expert dtype file not found")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            spec = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    else:
+        spec = load_json(path, ConfigError)
+    return _mapping(spec, path, "the file")

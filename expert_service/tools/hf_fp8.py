@@ -1,0 +1,109 @@
+"""Pre-quantized Hugging Face checkpoints: fine-grained fp8 as DeepSeek-V3's and Qwen3's FP8 releases ship it.
+
+    config.json  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                         "activation_scheme": "dynamic", "modules_to_not_convert": [...]}
+    tensors      X.weight            F8_E4M3 [out, in]
+                 X.weight_scale_inv  F32 [ceil(out/128), ceil(in/128)], a multiplier per 128x128 block
+                                     (some exporters name it X.weight_scale)
+
+Any other `quant_method` (compressed-tensors, gptq, awq, bitsandbytes, ...) is refused in one line. Only
+weights are read: activations run in float32/bf16 here whatever `activation_scheme` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from common import quant
+from common.errors import ModelFormatError
+
+SUPPORTED = 'quant_method "fp8" with fmt "e4m3" and weight_block_size [128, 128], or no quantization_config'
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name ("...proj.weight_scale_inv")
+FP8 = "F8_E4M3"
+
+
+class Shard(Protocol):
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+
+    def read(self, name: str) -> tuple[np.ndarray, str]: ...
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What config.json says about an fp8 checkpoint: block-scaled weights except the listed modules."""
+
+    not_converted: tuple[str, ...]  # modules_to_not_convert / ignored_layers: stored unquantized
+
+    def is_not_converted(self, hf_name: str) -> bool:
+        module = hf_name.removesuffix(".weight")
+        return any(
+            m and (module == m or module.endswith("." + m) or module.startswith(m + ".")) for m in self.not_converted
+        )
+
+
+def read_quantization_config(hf_config: dict, config_path: Path) -> Fp8Checkpoint | None:
+    """None for an unquantized checkpoint; refuses every quantization it cannot read exactly."""
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    where = f"{config_path}: quantization_config"
+    if not isinstance(q, dict):
+        raise ModelFormatError(f"{where} must be an object (supported: {SUPPORTED})")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelFormatError(f"{where}: quant_method {method!r} is not supported (supported: {SUPPORTED})")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ModelFormatError(f"{where}: fmt {q.get('fmt')!r} is not supported (supported: {SUPPORTED})")
+    if q.get("weight_block_size") != [quant.BLOCK, quant.BLOCK]:
+        raise ModelFormatError(
+            f"{where}: weight_block_size {q.get('weight_block_size')!r} is not supported (supported: {SUPPORTED})"
+        )
+    skipped: list = []
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        value = q.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ModelFormatError(f"{where}: {key} must be a list of module names, got {value!r}")
+        skipped += value
+    return Fp8Checkpoint(tuple(skipped))
+
+
+def check_fp8_tensor(
+    fp8: Fp8Checkpoint | None, where: Mapping[str, Shard], hf_name: str, hf_dir: Path
+) -> tuple[str, tuple[int, ...]] | None:
+    """Checks one checkpoint tensor against the fp8 rules; returns (scale name, scale shape) when it is
+    stored fp8, None when it is not. Run over every tensor before anything is written."""
+    dtype, shape = where[hf_name].tensors[hf_name]
+    if dtype != FP8:
+        return None
+    if fp8 is None:
+        raise ModelFormatError(
+            f"{hf_dir}: tensor {hf_name} is {FP8} but config.json has no quantization_config (supported: {SUPPORTED})"
+        )
+    if fp8.is_not_converted(hf_name):
+        raise ModelFormatError(
+            f"{hf_dir}: tensor {hf_name} is {FP8} but config.json lists its module in modules_to_not_convert"
+        )
+    expected = quant.scale_shape(quant.BLOCK128, shape)
+    for suffix in SCALE_SUFFIXES:
+        name = hf_name + suffix
+        if name in where:
+            scale_dtype, scale_shape = where[name].tensors[name]
+            if scale_dtype != "F32" or tuple(scale_shape) != expected:
+                raise ModelFormatError(
+                    f"{hf_dir}: tensor {name} is {scale_dtype} {list(scale_shape)}, expected F32 {list(expected)} "
+                    f"(one scale per 128x128 block of {hf_name})"
+                )
+            return name, expected
+    raise ModelFormatError(f"{hf_dir}: tensor {hf_name} is {FP8} but has no {hf_name}_scale_inv (or _scale)")
+
+
+def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:
+    scale, _ = where[scale_name].read(scale_name)
+    if not np.isfinite(scale).all():
+        raise ModelFormatError(f"tensor {scale_name}: non-finite block scales")
+    return scale
