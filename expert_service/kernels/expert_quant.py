@@ -19,12 +19,14 @@ import ml_dtypes
 import numpy as np
 from numba import cuda
 
+from common import quant as common_quant
+
 from expert_service.kernels.numeric import u32_as_f32
 
 CODE_BF16, CODE_F16, CODE_INT8, CODE_FP8 = 0, 1, 2, 3
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 CODES = {"bfloat16": CODE_BF16, "float16": CODE_F16, "int8": CODE_INT8, "float8_e4m3fn": CODE_FP8}
-SCHEMES = {None: SCALE_NONE, "channel": SCALE_CHANNEL, "block": SCALE_BLOCK}
+SCHEMES = {None: SCALE_NONE, "channel": SCALE_CHANNEL, "block128": SCALE_BLOCK}  # common.quant's names
 META_WIDTH = 8
 SCALE_BLOCK_SIZE = 128
 TENSOR_ALIGN = 256
@@ -112,27 +114,16 @@ def expert_ffn(x: np.ndarray, block: np.ndarray, meta: np.ndarray, F: int, D: in
 
 
 def quantize(w: np.ndarray, code: int, scheme: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [rows, cols] -> (raw bytes, float32 scale) in `code` / `scheme` (symmetric absmax). For tests and
-    benches that need 8-bit blocks without a converted checkpoint."""
+    """float32 [rows, cols] -> (raw bytes, float32 scale) in `code` / `scheme` (common.quant's quantiser for 8-bit
+    codes). For tests and benches that need blocks without a converted checkpoint."""
     if code == CODE_BF16:
         return w.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(-1), np.zeros(0, np.float32)
     if code == CODE_F16:
         return w.astype(np.float16).view(np.uint8).reshape(-1), np.zeros(0, np.float32)
-    top = 127.0 if code == CODE_INT8 else 448.0
-    rows, cols = w.shape
-    if scheme == SCALE_CHANNEL:
-        s = np.maximum(np.abs(w).max(axis=1), 1e-12) / top
-        full = s[:, None]
-    else:
-        b = SCALE_BLOCK_SIZE
-        nr, nc = scale_shape(SCALE_BLOCK, rows, cols)
-        pad = np.zeros((nr * b, nc * b), np.float32)
-        pad[:rows, :cols] = np.abs(w)
-        s = np.maximum(pad.reshape(nr, b, nc, b).max(axis=(1, 3)), 1e-12) / top
-        full = np.repeat(np.repeat(s, b, 0), b, 1)[:rows, :cols]
-    q = w / full
-    raw = np.clip(np.rint(q), -127, 127).astype(np.int8) if code == CODE_INT8 else q.astype(ml_dtypes.float8_e4m3fn)
-    return raw.view(np.uint8).reshape(-1), s.astype(np.float32).reshape(-1)
+    name = {CODE_INT8: "int8", CODE_FP8: "float8_e4m3fn"}[code]
+    scheme_name = next(k for k, v in SCHEMES.items() if v == scheme)
+    raw, s = common_quant.quantize(w, name, scheme_name, "synthetic")
+    return raw.view(np.uint8).reshape(-1), s.reshape(-1)
 
 
 def pack_block(gate, up, down, code: int, scheme: int, stride: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,6 @@ KINDS = [
     (q.CODE_INT8, q.SCALE_CHANNEL),
     (q.CODE_FP8, q.SCALE_BLOCK),
     (q.CODE_BF16, q.SCALE_NONE),
-    (q.CODE_INT8, q.SCALE_BLOCK),
     (q.CODE_FP8, q.SCALE_CHANNEL),
     (q.CODE_F16, q.SCALE_NONE),
 ]
