@@ -108,7 +108,9 @@ def expert_meta(model: ModelDir, layer: int) -> np.ndarray:
                 f"int8, float8_e4m3fn, bfloat16 and float16 experts"
             )
         offsets = layout.weight_offsets + (layout.scale_offsets or (layout.nbytes,) * 3)
-        rows.append(expert_quant.meta_row(expert_quant.CODES[layout.dtype], expert_quant.SCHEMES[layout.scheme], offsets))
+        rows.append(
+            expert_quant.meta_row(expert_quant.CODES[layout.dtype], expert_quant.SCHEMES[layout.scheme], offsets)
+        )
     return np.stack(rows)
 
 

@@ -20,7 +20,6 @@ import numpy as np
 from numba import cuda
 
 from common import quant as common_quant
-
 from expert_service.kernels.numeric import u32_as_f32
 
 CODE_BF16, CODE_F16, CODE_INT8, CODE_FP8 = 0, 1, 2, 3
@@ -121,7 +120,7 @@ def quantize(w: np.ndarray, code: int, scheme: int) -> tuple[np.ndarray, np.ndar
     if code == CODE_F16:
         return w.astype(np.float16).view(np.uint8).reshape(-1), np.zeros(0, np.float32)
     name = {CODE_INT8: "int8", CODE_FP8: "float8_e4m3fn"}[code]
-    scheme_name = next(k for k, v in SCHEMES.items() if v == scheme)
+    scheme_name = next(k for k, v in SCHEMES.items() if v == scheme and k is not None)
     raw, s = common_quant.quantize(w, name, scheme_name, "synthetic")
     return raw.view(np.uint8).reshape(-1), s.reshape(-1)
 
