@@ -20,6 +20,7 @@ from numba.np import numpy_support
 from expert_service.kernels.expert_quant import (
     CODE_BF16,
     CODE_F16,
+    CODE_F32,
     META_WIDTH,
     SCALE_BLOCK,
     SCALE_BLOCK_SIZE,
@@ -74,7 +75,11 @@ def _kernel(dtype):
             n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
             factor = scales[(base + meta[e, 5 + m]) // 4 + (r // SCALE_BLOCK_SIZE) * n_cb + c // SCALE_BLOCK_SIZE]
         o = j * 3 * fd + i
-        if code == CODE_BF16 or code == CODE_F16:
+        if code == CODE_F32:
+            w0 = (base + meta[e, 2 + m] + local * 4) // 4
+            for q in range(VALUES):
+                store(out, o + q, u32_as_f32(words[w0 + q]))
+        elif code == CODE_BF16 or code == CODE_F16:
             w0 = (base + meta[e, 2 + m] + local * 2) // 4
             for q in range(2):
                 w = words[w0 + q]
@@ -107,7 +112,14 @@ def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, o
     flat = experts.reshape(experts.size)
     grid = (out.shape[0], -(-3 * F * D // (VALUES * THREADS)))
     _kernel(np.dtype(out.dtype).type)[1][grid, THREADS, stream](
-        flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets, first, F, D,
+        flat.view(np.uint32),
+        flat.view(np.float32),
+        meta,
+        experts.shape[1],
+        offsets,
+        first,
+        F,
+        D,
         out.reshape(out.size),
     )
 
@@ -118,8 +130,17 @@ def sm90_signatures():
     return [
         (
             _kernel(dt)[0],
-            (types.uint32[::1], types.float32[::1], types.int32[:, ::1], i64, types.int32[::1], i64, i64, i64,
-             numpy_support.from_dtype(np.dtype(dt))[::1]),
+            (
+                types.uint32[::1],
+                types.float32[::1],
+                types.int32[:, ::1],
+                i64,
+                types.int32[::1],
+                i64,
+                i64,
+                i64,
+                numpy_support.from_dtype(np.dtype(dt))[::1],
+            ),
         )
         for dt in _DTYPES
     ]

@@ -10,7 +10,7 @@ A layer's experts are one uint8 buffer [E, stride]; the kernels read it as uint3
 (scales) and find each expert's dtype and tensors in `meta` [E, META_WIDTH] int32, so one launch serves a layer
 whose experts mix dtypes:
   meta[e] = (code, scheme, gate, up, down, gate scale, up scale, down scale)   offsets in bytes inside the block
-Codes: CODE_BF16 / CODE_F16 (unquantized, scheme SCALE_NONE), CODE_INT8, CODE_FP8 (e4m3fn).
+Codes: CODE_BF16 / CODE_F16 / CODE_F32 (unquantized, scheme SCALE_NONE), CODE_INT8, CODE_FP8 (e4m3fn).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from numba import cuda
 from common import quant as common_quant
 from expert_service.kernels.numeric import u32_as_f32
 
-CODE_BF16, CODE_F16, CODE_INT8, CODE_FP8 = 0, 1, 2, 3
+CODE_BF16, CODE_F16, CODE_INT8, CODE_FP8, CODE_F32 = 0, 1, 2, 3, 4
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
-CODES = {"bfloat16": CODE_BF16, "float16": CODE_F16, "int8": CODE_INT8, "float8_e4m3fn": CODE_FP8}
+CODES = {"bfloat16": CODE_BF16, "float16": CODE_F16, "int8": CODE_INT8, "float8_e4m3fn": CODE_FP8, "float32": CODE_F32}
 SCHEMES = {None: SCALE_NONE, "channel": SCALE_CHANNEL, "block128": SCALE_BLOCK}  # common.quant's names
 META_WIDTH = 8
 SCALE_BLOCK_SIZE = 128
@@ -34,7 +34,7 @@ CHUNK_BYTES = 16
 
 
 def element_bytes(code: int) -> int:
-    return 2 if code in (CODE_BF16, CODE_F16) else 1
+    return 4 if code == CODE_F32 else (2 if code in (CODE_BF16, CODE_F16) else 1)
 
 
 def scale_shape(scheme: int, rows: int, cols: int) -> tuple[int, ...]:
@@ -77,6 +77,8 @@ def decode(raw: np.ndarray, code: int) -> np.ndarray:
         return raw.view(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
     if code == CODE_F16:
         return raw.view(np.float16).astype(np.float32)
+    if code == CODE_F32:
+        return raw.view(np.float32).copy()
     if code == CODE_INT8:
         return raw.view(np.int8).astype(np.float32)
     return raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -117,8 +119,10 @@ def quantize(w: np.ndarray, code: int, scheme: int) -> tuple[np.ndarray, np.ndar
     codes). For tests and benches that need blocks without a converted checkpoint."""
     if code == CODE_BF16:
         return w.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(-1), np.zeros(0, np.float32)
-    if code == CODE_F16:
-        return w.astype(np.float16).view(np.uint8).reshape(-1), np.zeros(0, np.float32)
+    if code in (CODE_F16, CODE_F32):
+        return w.astype(np.float16 if code == CODE_F16 else np.float32).view(np.uint8).reshape(-1), np.zeros(
+            0, np.float32
+        )
     name = {CODE_INT8: "int8", CODE_FP8: "float8_e4m3fn"}[code]
     scheme_name = next(k for k, v in SCHEMES.items() if v == scheme and k is not None)
     raw, s = common_quant.quantize(w, name, scheme_name, "synthetic")

@@ -10,7 +10,7 @@ Two launches per layer, two ways to find an expert's tokens (both graph-capturab
   down:    y[p, d] = h[p] . down[e, d]                           y [n, D] float32
 
 At decode every weight byte is used once, so the kernel is an HBM stream of 8-bit words: a warp owns ROWS output
-rows (gated: ROWS gate and ROWS up rows), each lane reads 16-byte chunks of its rows (16 int8/fp8 or 8 bf16/fp16
+rows (gated: ROWS gate and ROWS up rows), each lane reads 16-byte chunks of its rows (16 int8/fp8, 8 bf16/fp16 or 4 float32
 values) with the streaming load, widens them to float32 in registers (int8 and e4m3 by bit arithmetic, no
 table) and multiplies by up to TOK_TILE tokens' x values (L1-cached: every warp of the expert reads the same x).
 Scales: a per-channel scale multiplies the row's sum once; a 128x128 block scale multiplies each chunk (a chunk
@@ -28,6 +28,7 @@ from expert_service.kernels.expert_quant import (
     CHUNK_BYTES,
     CODE_BF16,
     CODE_F16,
+    CODE_F32,
     META_WIDTH,
     SCALE_BLOCK,
     SCALE_BLOCK_SIZE,
@@ -53,7 +54,12 @@ def _kernel(gated: bool):
     def decode_chunk(words, off, code, factor, wv, i):
         """The 16-byte chunk at word `off` into wv[i, :16 or :8] as float32 times `factor`."""
         a, b, c, d = ld_stream_v4(words, off)
-        if code == CODE_BF16 or code == CODE_F16:
+        if code == CODE_F32:
+            wv[i, 0] = u32_as_f32(a) * factor
+            wv[i, 1] = u32_as_f32(b) * factor
+            wv[i, 2] = u32_as_f32(c) * factor
+            wv[i, 3] = u32_as_f32(d) * factor
+        elif code == CODE_BF16 or code == CODE_F16:
             for q in range(4):
                 w = a if q == 0 else (b if q == 1 else (c if q == 2 else d))
                 if code == CODE_BF16:
@@ -76,7 +82,7 @@ def _kernel(gated: bool):
             """Adds this lane's chunks of the warp's nw rows times ntok tokens' x into acc [nw, TOK_TILE]."""
             wv = cuda.local.array((nw, 16), np.float32)
             s = cuda.local.array(nw, np.float32)
-            vals = 8 if code == CODE_BF16 or code == CODE_F16 else 16
+            vals = 4 if code == CODE_F32 else (8 if code == CODE_BF16 or code == CODE_F16 else 16)
             n_chunks = n_in // vals
             n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
             for c in range(lane, n_chunks, WARP):
@@ -130,7 +136,7 @@ def _kernel(gated: bool):
         rows_of = cuda.local.array(nw, np.int64)
         acc = cuda.local.array((nw, TOK_TILE), np.float32)
         xrow = cuda.local.array(TOK_TILE, np.int64)
-        nb = 2 if code == CODE_BF16 or code == CODE_F16 else 1
+        nb = 4 if code == CODE_F32 else (2 if code == CODE_BF16 or code == CODE_F16 else 1)
         row0 = (cuda.blockIdx.y * WARPS + warp) * ROWS
         for i in range(nw):
             m = (0 if i < ROWS else 1) if gated else 2  # gate, up, down
@@ -183,7 +189,9 @@ def _check(name, a, shape, dtype):
 
 def _check_layer(experts, meta, F: int, D: int) -> None:
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
-        raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}")
+        raise ValueError(
+            f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}"
+        )
     _check("experts", experts, experts.shape, np.uint8)
     _check("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:

@@ -16,10 +16,10 @@ def test_group_of_active_experts_matches_reference(dtype):
     rng = np.random.default_rng(3)
     kinds = KINDS + [KINDS[0]]
     W, meta, mats = mixed_layer(rng, kinds, F, D)
-    counts = np.array([2, 0, 1, 3, 0, 4], np.int32)  # experts 0, 2, 3, 5 active
+    counts = np.array([2, 1, 3, 0, 4, 1, 1], np.int32)  # experts 0, 1, 2, 4, 5, 6 active
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     active = np.flatnonzero(counts)
-    first, group = 1, 3  # experts 2, 3, 5
+    first, group = 1, 5  # experts 1, 2, 4, 5, 6: every kind but per-channel fp8 (expert 3 has no tokens)
     out = cuda.to_device(np.full((group + 1, 3 * F * D), 0xFFFF if dtype == np.uint16 else np.nan, dtype))
     launch_dequant_experts(cuda.to_device(W), cuda.to_device(meta), cuda.to_device(offsets), first, F, D, out[:group])
     got = out.copy_to_host()

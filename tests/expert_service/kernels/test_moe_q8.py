@@ -16,6 +16,7 @@ KINDS = [
     (q.CODE_BF16, q.SCALE_NONE),
     (q.CODE_FP8, q.SCALE_CHANNEL),
     (q.CODE_F16, q.SCALE_NONE),
+    (q.CODE_F32, q.SCALE_NONE),
 ]
 
 
@@ -100,7 +101,9 @@ def test_reference_dequantises_what_was_quantised():
         gate, up, down = (rng.standard_normal(s).astype(np.float32) for s in ((F, D), (F, D), (D, F)))
         block, meta = q.pack_block(gate, up, down, code, scheme)
         for want, got in zip((gate, up, down), q.dequantize(block, meta, F, D)):
-            step = {q.CODE_INT8: 1 / 127, q.CODE_FP8: 1 / 8, q.CODE_BF16: 1 / 128, q.CODE_F16: 1 / 1024}[code]
+            step = {q.CODE_INT8: 1 / 127, q.CODE_FP8: 1 / 8, q.CODE_BF16: 1 / 128, q.CODE_F16: 1 / 1024, q.CODE_F32: 0}[
+                code
+            ]
             assert np.abs(got - want).max() <= step * np.abs(want).max(), (code, scheme)
 
 
