@@ -1,0 +1,174 @@
+"""What 8-bit experts cost in quality: held-out perplexity, next-token agreement, logit error and greedy
+agreement of a model converted with int8 / fp8 experts, against the same checkpoint with bf16 experts.
+
+Every variant is converted from the same Hugging Face checkpoint with dense weights in bfloat16 (only the
+experts' storage differs) and run on the same held-out token stream, window by window:
+- perplexity: exp(mean next-token cross-entropy) over non-overlapping windows (as training/train.py's
+  `evaluate`); its change against bf16 in percent;
+- top-1 agreement: share of positions whose argmax equals bf16's (teacher-forced);
+- logit error: max |logits - bf16| / max |bf16| per window, worst and mean over windows;
+- greedy: continuations of `--new-tokens` from held-out prompts; share identical to bf16's, and the mean
+  share of positions that agree before the first difference.
+
+    python bench/quant_quality.py --out bench/results/cpu-quant-quality-default.json
+    python bench/quant_quality.py --hf-model DIR --heldout TEXT --backend cuda --out FILE.json  # any model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.model_format import ModelDir  # noqa: E402
+from expert_service.backends import build_engine  # noqa: E402
+from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.engine.engine import Engine  # noqa: E402
+from expert_service.tools.convert import convert  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# name -> (--expert-dtype, --fp8-scale)
+VARIANTS = {
+    "bfloat16": ("bfloat16", "block128"),
+    "int8": ("int8", "block128"),
+    "fp8-block128": ("fp8", "block128"),
+    "fp8-channel": ("fp8", "channel"),
+}
+
+
+def heldout_stream(model: ModelDir, heldout: Path) -> np.ndarray:
+    """The held-out text as the training run evaluates it: <s> chapter </s> per chapter."""
+    from tokenizers import Tokenizer
+
+    from training.corpus import read_chapters
+    from training.tokenizer import encode_documents
+
+    path = model.tokenizer_path()
+    if path is None:
+        raise SystemExit(f"{model.path}: no tokenizer.json to encode {heldout}")
+    docs = encode_documents(Tokenizer.from_file(str(path)), [c.as_paragraph() for c in read_chapters(heldout)])
+    return np.fromiter((t for d in docs for t in d), dtype=np.int64)
+
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per-position next-token loss in nats (float64 log-sum-exp)."""
+    z = logits.astype(np.float64)
+    peak = z.max(axis=1, keepdims=True)
+    lse = peak[:, 0] + np.log(np.exp(z - peak).sum(axis=1))
+    return lse - z[np.arange(len(targets)), targets]
+
+
+def greedy(engine: Engine, prompt: np.ndarray, new_tokens: int) -> list[int]:
+    return engine.generate(prompt.tolist(), max_new_tokens=new_tokens)[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-model", default=str(ROOT / "training/default-model-hf"), help="HF checkpoint dir")
+    parser.add_argument("--heldout", default=str(ROOT / "training/data/heldout.txt"), help="held-out text")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
+    parser.add_argument("--max-windows", type=int, default=0, help="0: every window of the held-out stream")
+    parser.add_argument("--prompts", type=int, default=32, help="greedy prompts (held-out slices)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default="out/quant_quality.json")
+    args = parser.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or "bfloat16" not in names:
+        raise SystemExit(f"--variants: {unknown or 'bfloat16 missing'} (choose from {', '.join(VARIANTS)}; bf16 first)")
+    names = ["bfloat16"] + [v for v in names if v != "bfloat16"]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        engines, sizes = {}, {}
+        for name in names:
+            expert_dtype, scale = VARIANTS[name]
+            out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, scale)
+            model = ModelDir.open(out)
+            sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
+            config = EngineConfig(backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window)
+            engines[name] = build_engine(model, config)
+        stream = heldout_stream(ModelDir.open(Path(tmp) / "bfloat16", verify=False), Path(args.heldout))
+        starts = list(range(0, len(stream) - 1, args.window))[: args.max_windows or None]
+        nats = {n: 0.0 for n in names}
+        agree = {n: 0 for n in names}
+        errors: dict[str, list[float]] = {n: [] for n in names}
+        tokens = 0
+        for i, start in enumerate(starts):
+            window = stream[start : start + args.window]
+            if len(window) < 2:
+                continue
+            ref = engines["bfloat16"].prompt_logits(window)
+            for name in names:
+                logits = ref if name == "bfloat16" else engines[name].prompt_logits(window)
+                nats[name] += float(cross_entropy(logits[:-1], window[1:]).sum())
+                agree[name] += int((logits[:-1].argmax(1) == ref[:-1].argmax(1)).sum())
+                errors[name].append(float(np.abs(logits - ref).max() / np.abs(ref).max()))
+            tokens += len(window) - 1
+            print(f"window {i + 1}/{len(starts)}: {tokens} tokens, {time.perf_counter() - started:.0f} s", flush=True)
+        rng = np.random.default_rng(0)
+        prompt_starts = rng.integers(0, len(stream) - args.prompt_tokens, size=args.prompts)
+        prompts = [stream[s : s + args.prompt_tokens] for s in prompt_starts]
+        ref_greedy = [greedy(engines["bfloat16"], p, args.new_tokens) for p in prompts]
+        results = {}
+        for name in names:
+            ours = ref_greedy if name == "bfloat16" else [greedy(engines[name], p, args.new_tokens) for p in prompts]
+            prefix = [
+                next((k for k, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) / len(r)
+                for o, r in zip(ours, ref_greedy)
+            ]
+            ppl = float(np.exp(nats[name] / tokens))
+            results[name] = {
+                "expert_dtype": VARIANTS[name][0],
+                "fp8_scale": VARIANTS[name][1] if VARIANTS[name][0] == "fp8" else None,
+                "expert_bytes": sizes[name],
+                "perplexity": ppl,
+                "cross_entropy": nats[name] / tokens,
+                "top1_agreement": agree[name] / tokens,
+                "logits_rel_error_max": max(errors[name]),
+                "logits_rel_error_mean": float(np.mean(errors[name])),
+                "greedy_identical": float(np.mean([o == r for o, r in zip(ours, ref_greedy)])),
+                "greedy_prefix_agreement": float(np.mean(prefix)),
+            }
+        base = results["bfloat16"]["perplexity"]
+        for name in names:
+            results[name]["perplexity_change_pct"] = 100.0 * (results[name]["perplexity"] / base - 1.0)
+            results[name]["expert_bytes_ratio"] = results[name]["expert_bytes"] / results["bfloat16"]["expert_bytes"]
+    report = {
+        "model": str(args.hf_model),
+        "heldout": str(args.heldout),
+        "backend": args.backend,
+        "tokens": tokens,
+        "windows": len(starts),
+        "window": args.window,
+        "prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "host": platform.node(),
+        "seconds": time.perf_counter() - started,
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{'variant':<14} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} {'bytes':>6}")
+    for name, r in results.items():
+        print(
+            f"{name:<14} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
+            f"{r['logits_rel_error_max']:11.2e} {r['greedy_identical']:11.3f} {r['expert_bytes_ratio']:6.3f}"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Model format version 2: per-tensor dtypes, 8-bit experts with their scales inside the expert's block,
+per-layer strides; version-1 directories still load; corruption of any of it is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from common import dtypes, quant
+from common.errors import ChecksumError, ModelFormatError
+from common.expert_layout import EXPERT_ALIGN, PROJECTIONS, TENSOR_ALIGN, align
+from common.model_format import MANIFEST, ModelDir, expert_file
+from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights
+
+# Odd sizes: no matrix or scale is a multiple of 256 bytes, so the in-block alignment shows.
+HF_CONFIG = {**tiny_hf_config("qwen3_moe"), "moe_intermediate_size": 19, "num_experts": 5}
+MIXED = {"default": "int8", "layers": {"1": "fp8"}, "experts": {"0.1": "bfloat16", "0.2": "fp8", "1.4": "float32"}}
+
+
+def checkpoint(root: Path) -> Path:
+    hf = root / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "config.json").write_text(json.dumps(HF_CONFIG))
+    save_file(tiny_weights(HF_CONFIG, seed=5), str(hf / "model.safetensors"))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> ModelDir:
+    root = tmp_path_factory.mktemp("mixed")
+    (root / "plan.json").write_text(json.dumps(MIXED))
+    out = convert(checkpoint(root), root / "model", "bfloat16", False, expert_dtype_file=root / "plan.json")
+    return ModelDir.open(out)
+
+
+def expected_format(layer: int, expert: int) -> tuple[str, str | None]:
+    special = {(0, 1): ("bfloat16", None), (0, 2): ("float8_e4m3fn", "block128"), (1, 4): ("float32", None)}
+    return special.get((layer, expert), ("float8_e4m3fn", "block128") if layer == 1 else ("int8", "channel"))
+
+
+def test_every_expert_has_the_format_asked_and_its_tensors_where_the_layout_says(mixed):
+    F, D = 19, 64
+    for layer in mixed.config.moe_layers:
+        blocks = []
+        for expert in range(5):
+            layout = mixed.expert_layout(layer, expert)
+            assert (layout.dtype, layout.scheme) == expected_format(layer, expert)
+            assert layout.file == expert_file(layer) and layout.offset == expert * layout.stride
+            assert layout.weight_shapes == ((F, D), (F, D), (D, F))
+            offsets = layout.weight_offsets + layout.scale_offsets
+            assert offsets[0] == 0 and all(o % TENSOR_ALIGN == 0 for o in offsets) and list(offsets) == sorted(offsets)
+            prefix = f"layers.{layer}.experts.{expert}."
+            names = [prefix + p for p in PROJECTIONS] + [prefix + p + "_scale" for p in PROJECTIONS if layout.scheme]
+            block = mixed._map(layout.file)[layout.offset : layout.offset + layout.nbytes]
+            for name, offset in zip(names, offsets):  # one copy of the block carries every tensor's bytes
+                entry = mixed.entries[name]
+                assert block[offset : offset + entry.nbytes].tobytes() == mixed.raw_bytes(name).tobytes()
+            assert offsets[-1] + mixed.entries[names[-1]].nbytes == layout.nbytes
+            if layout.scheme:
+                assert layout.scale_shapes == tuple(quant.scale_shape(layout.scheme, s) for s in layout.weight_shapes)
+            assert mixed.expert_block(layer, expert) == (layout.file, layout.offset, layout.nbytes)
+            blocks.append(layout.nbytes)
+        stride = mixed.expert_strides[layer]
+        assert stride == align(max(blocks), EXPERT_ALIGN)  # the largest block of the layer, page-aligned
+    assert mixed.expert_stride == max(mixed.expert_strides.values())
+    assert mixed.max_expert_nbytes == max(mixed.expert_block(*k)[2] for k in mixed.expert_layouts)
+    assert mixed.expert_formats == ("bfloat16", "float32", "float8_e4m3fn/block128", "int8")
+
+
+def test_dense_tensors_stay_in_the_dense_dtype_and_dequantised_experts_are_close(mixed, tmp_path):
+    source = tiny_weights(HF_CONFIG, seed=5)
+    hf_names = {f"layers.{i}.experts.{j}.{p}": f"model.layers.{i}.mlp.experts.{j}.{p}.weight" for i in (0, 1)
+                for j in range(5) for p in PROJECTIONS}  # fmt: skip
+    for name, entry in mixed.entries.items():
+        if name.endswith("_scale"):
+            assert entry.dtype == "float32"
+        elif name not in hf_names:
+            assert entry.dtype == "bfloat16", name
+    for name, hf_name in hf_names.items():
+        ours, ref = mixed.tensor_f32(name), source[hf_name]
+        dtype = mixed.entries[name].dtype
+        tolerance = {"int8": 1 / 254, "float8_e4m3fn": 1 / 16, "bfloat16": 1 / 256, "float32": 0}[dtype]
+        assert ours.dtype == np.float32 and np.all(np.abs(ours - ref) <= tolerance * np.abs(ref).max()), name
+
+
+def test_version_1_directories_still_load(tmp_path):
+    """A version-1 directory as its writer made it: one dtype, one stride, matrices back to back."""
+    out = convert(checkpoint(tmp_path), tmp_path / "v2", "bfloat16", False)
+    v2 = ModelDir.open(out)
+    v1_dir = tmp_path / "v1"
+    v1_dir.mkdir()
+    manifest = json.loads((out / MANIFEST).read_text())
+    (v1_dir / "dense.bin").write_bytes((out / "dense.bin").read_bytes())
+    expert_nbytes = 3 * 19 * 64 * 2
+    stride = align(expert_nbytes, EXPERT_ALIGN)
+    for layer in v2.config.moe_layers:
+        data = bytearray(v2.config.num_experts * stride)
+        for expert in range(v2.config.num_experts):
+            at = expert * stride
+            for p in PROJECTIONS:
+                name = f"layers.{layer}.experts.{expert}.{p}"
+                raw = v2.raw_bytes(name).tobytes()
+                data[at : at + len(raw)] = raw
+                manifest["tensors"][name]["offset"] = at
+                at += len(raw)
+        (v1_dir / expert_file(layer)).write_bytes(bytes(data))
+    manifest.update(format_version=1, expert_stride=stride)
+    del manifest["expert_strides"]
+    (v1_dir / MANIFEST).write_text(json.dumps(manifest))
+    assert 19 * 64 * 2 % TENSOR_ALIGN  # the version-2 layout of this model has gaps; version 1 has none
+    v1 = ModelDir.open(v1_dir)
+    assert v1.version == 1 and v1.expert_formats == ("bfloat16",) and v1.expert_strides == {0: stride, 1: stride}
+    for key, layout in v1.expert_layouts.items():
+        assert layout.weight_offsets == (0, 2432, 4864) and layout.nbytes == expert_nbytes and not layout.scale_offsets
+        for p in PROJECTIONS:
+            name = f"layers.{key[0]}.experts.{key[1]}.{p}"
+            assert np.array_equal(v1.tensor_f32(name), v2.tensor_f32(name))
+
+
+def edit(model: ModelDir, change) -> Path:
+    manifest = json.loads((model.path / MANIFEST).read_text())
+    change(manifest)
+    (model.path / MANIFEST).write_text(json.dumps(manifest))
+    return model.path
+
+
+@pytest.fixture
+def broken(tmp_path) -> ModelDir:
+    (tmp_path / "plan.json").write_text(json.dumps(MIXED))
+    return ModelDir.open(
+        convert(checkpoint(tmp_path), tmp_path / "m", "bfloat16", False, expert_dtype_file=tmp_path / "plan.json")
+    )
+
+
+def test_a_flipped_byte_in_a_scale_fails_its_checksum(broken):
+    entry = broken.entries["layers.1.experts.3.down_proj_scale"]
+    path = broken.path / entry.file
+    data = bytearray(path.read_bytes())
+    data[entry.offset + 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        ChecksumError, match=r"^experts-L001\.bin: checksum mismatch in tensor layers\.1\.experts\.3\.down_proj_scale "
+    ):
+        ModelDir.open(broken.path)
+
+
+def set_tensor(name, **fields):
+    def change(m):
+        m["tensors"][name].update(fields)
+
+    return change
+
+
+def drop(name):
+    return lambda m: m["tensors"].pop(name)
+
+
+G = "layers.0.experts.0.gate_proj"
+CORRUPTIONS = [
+    (drop(G + "_scale"), rf"^tensor {G}_scale: missing \(the scale of int8 tensor {G}\)$"),
+    (set_tensor(G + "_scale", shape=[4, 4], nbytes=64), rf"^tensor {G}_scale: float32 \[4, 4\], expected float32 \[19\]"),
+    (set_tensor(G + "_scale", dtype="float16", nbytes=38), rf"^tensor {G}_scale: float16 \[19\], expected float32"),
+    (set_tensor("layers.0.q_proj", dtype="int8", nbytes=6144), r"^tensor layers\.0\.q_proj: dtype int8 is only for routed"),
+    (set_tensor(G, dtype="float8_e4m3fn"), rf"^tensor layers\.0\.experts\.0\.up_proj: dtype int8 differs from {G}'s float8"),
+    (set_tensor(G, offset=256), rf"^tensor {G}: expert 0 of layer 0 is not one 4096-byte-aligned block"),
+    (set_tensor(G + "_scale", offset=4096 - 76), rf"^tensor {G}: expert 0 of layer 0 is not one"),
+    (lambda m: m["expert_strides"].update({"0": 4096 + 256}), r"is not one 4096-byte-aligned block"),
+    (lambda m: m["tensors"].update({"layers.0.experts.1.up_proj_scale": m["tensors"][G + "_scale"]}),
+     r"^tensor layers\.0\.experts\.1\.up_proj_scale: a scale for layers\.0\.experts\.1\.up_proj, which is not 8-bit"),
+    (lambda m: m["tensors"].update({"layers.0.extra": m["tensors"]["final_norm"]}), r"^tensor layers\.0\.extra: not part of"),
+    (lambda m: m["tensors"][G].update(dtype="int4"), rf"^tensor {G}: dtype 'int4' is not supported$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("change, message", CORRUPTIONS)
+def test_structural_corruption_is_one_line(broken, change, message):
+    with pytest.raises(ModelFormatError, match=message) as error:
+        ModelDir.open(edit(broken, change), verify=False)
+    assert "\n" not in str(error.value)
+
+
+def test_scale_nbytes_are_checked_against_dtype_and_shape(broken):
+    with pytest.raises(ModelFormatError, match=rf"^tensor {G}_scale: 80 bytes do not fit float32 \[19\]"):
+        ModelDir.open(edit(broken, set_tensor(G + "_scale", nbytes=80)), verify=False)
+
+
+def test_crc_of_every_scale_is_recorded(broken):
+    for name, entry in broken.entries.items():
+        if name.endswith("_scale"):
+            assert entry.crc32 == zlib.crc32(broken.raw_bytes(name).tobytes()) and entry.nbytes == 4 * math.prod(
+                entry.shape
+            )
+            assert dtypes.STORAGE[entry.dtype] == np.float32

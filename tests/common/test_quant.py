@@ -1,0 +1,85 @@
+"""8-bit quantisation and its exact dequantisation (common/quant.py)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from common import quant
+from common.errors import ModelFormatError
+
+
+def test_fp8_table_decodes_every_byte_as_ml_dtypes_does():
+    raw = np.arange(256, dtype=np.uint8)
+    theirs = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    ours = quant.fp8_to_float32(raw)
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan) and nan.sum() == 2 and nan[0x7F] and nan[0xFF]
+    assert np.array_equal(ours[~nan], theirs[~nan])
+    assert ours[0x38] == 1 and ours[0x7E] == 448 and ours[0xFE] == -448 and ours[1] == 2.0**-9
+
+
+@pytest.mark.parametrize(
+    "dtype, scheme", [("int8", quant.CHANNEL), ("float8_e4m3fn", quant.CHANNEL), ("float8_e4m3fn", quant.BLOCK128)]
+)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 300), (130, 129), (257, 64)])
+def test_round_trip_error_is_within_half_a_step(dtype, scheme, shape):
+    rng = np.random.default_rng(sum(shape))
+    values = (rng.standard_normal(shape) * rng.uniform(0.01, 10, size=(shape[0], 1))).astype(np.float32)
+    values[0, 0] = 50.0  # an outlier: per-block scales keep the rest of the matrix fine
+    q, scale = quant.quantize(values, dtype, scheme, "w")
+    assert q.shape == shape and scale.shape == quant.scale_shape(scheme, shape) and scale.dtype == np.float32
+    back = quant.dequantize(q, scale, dtype, scheme)
+    assert back.dtype == np.float32 and np.isfinite(back).all()
+    step = quant.expand_scale(scale, scheme, shape)  # one unit of q, per element
+    if dtype == "int8":
+        assert np.all(np.abs(back - values) <= 0.5 * step * (1 + 1e-6))
+        assert np.abs(q).max() == 127 and q.min() >= -127
+    else:  # e4m3: 3 mantissa bits -> relative half-step 2^-4 of the value; subnormals: 2^-10 of the scale
+        bound = np.maximum(np.abs(values) * 2.0**-4, step * 2.0**-10) * (1 + 1e-6)
+        assert np.all(np.abs(back - values) <= bound)
+        assert np.abs(quant.fp8_to_float32(q)).max() == 448
+
+
+def test_row_maxima_saturate_at_448_and_never_become_nan_bytes():
+    """amax / 448 rounds to float32, so w / scale can land a hair above 448, where e4m3fn's next pattern
+    is NaN: the quantizer clips. Many random maxima exercise both rounding directions."""
+    rng = np.random.default_rng(3)
+    values = rng.uniform(-1, 1, size=(4096, 3)).astype(np.float32)
+    values[:, 0] = rng.uniform(1, 1e6, size=4096).astype(np.float32) * rng.choice([-1, 1], size=4096)
+    for scheme in (quant.CHANNEL, quant.BLOCK128):
+        q, _ = quant.quantize(values, "float8_e4m3fn", scheme, "w")
+        assert not np.any((q & 0x7F) == 0x7F)
+    q, _ = quant.quantize(values, "float8_e4m3fn", quant.CHANNEL, "w")
+    assert np.array_equal(np.abs(quant.fp8_to_float32(q[:, 0])), np.full(4096, 448, np.float32))
+
+
+def test_zero_rows_and_blocks_get_unit_scales():
+    values = np.zeros((3, 200), dtype=np.float32)
+    values[1, 150] = 2.0
+    q, scale = quant.quantize(values, "int8", quant.CHANNEL, "w")
+    assert scale.tolist() == [1.0, pytest.approx(2 / 127), 1.0] and q[0].max() == q[2].max() == 0
+    q, scale = quant.quantize(values, "float8_e4m3fn", quant.BLOCK128, "w")
+    assert scale.tolist() == [[1.0, pytest.approx(2 / 448)]]
+    assert np.array_equal(quant.dequantize(q, scale, "float8_e4m3fn", quant.BLOCK128), values)
+
+
+def test_tail_blocks_take_the_scale_of_their_own_values():
+    values = np.ones((130, 131), dtype=np.float32)
+    values[128:, 128:] = 0.25  # the corner tail block alone
+    _, scale = quant.quantize(values, "float8_e4m3fn", quant.BLOCK128, "w")
+    assert scale.shape == (2, 2) and scale[1, 1] == np.float32(0.25 / 448) and scale[0, 0] == np.float32(1 / 448)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_refused_naming_the_tensor(bad):
+    values = np.ones((2, 2), dtype=np.float32)
+    values[1, 1] = bad
+    with pytest.raises(ModelFormatError, match=r"^tensor layers\.0\.experts\.1\.up_proj: non-finite"):
+        quant.quantize(values, "int8", quant.CHANNEL, "layers.0.experts.1.up_proj")
+
+
+def test_int8_takes_per_channel_scales_only():
+    with pytest.raises(ModelFormatError, match="per-channel"):
+        quant.quantize(np.ones((2, 2), np.float32), "int8", quant.BLOCK128, "w")

@@ -1,0 +1,268 @@
+"""`colibri convert` with 8-bit experts: each expert dtype, the per-layer/per-expert file, fine-grained fp8
+Hugging Face checkpoints (bytes kept), refused quantization configs, and the memory bound."""
+
+from __future__ import annotations
+
+import json
+import re
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from colibri.cli import main
+from common import dtypes, quant
+from common.errors import ConfigError, ModelFormatError
+from common.model_format import ModelDir
+from common.models import config_from_hf, tensor_specs
+from common.routing_table import write_routing_table
+from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint
+from tests.expert_service.tools.fp8_checkpoint import write_fp8_checkpoint
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def expert_names(model: ModelDir) -> list[str]:
+    return [s.name for s in tensor_specs(model.config) if s.expert is not None]
+
+
+@pytest.mark.parametrize(
+    "flags, label",
+    [
+        (["--expert-dtype", "int8"], "int8"),
+        (["--expert-dtype", "fp8"], "float8_e4m3fn/block128"),
+        (["--expert-dtype", "float8_e4m3fn", "--fp8-scale", "channel"], "float8_e4m3fn/channel"),
+        (["--expert-dtype", "bf16"], "bfloat16"),
+        (["--expert-dtype", "float16", "--dtype", "float32"], "float16"),
+    ],
+)
+def test_each_expert_dtype_through_the_cli(tmp_path, capsys, flags, label):
+    hf = write_tiny_checkpoint(tmp_path / "hf", "olmoe", seed=3)
+    rc, out, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", *flags)
+    assert rc == 0, err
+    model = ModelDir.open(tmp_path / "m")
+    assert model.expert_formats == (label,) and out.rstrip().endswith(f"experts {label}")
+    assert model.dtype == "float32"  # dense tensors keep the checkpoint's dtype: only experts change
+    source = tiny_weights(tiny_hf_config("olmoe"), seed=3)
+    specs = {s.name: s.hf_name for s in tensor_specs(model.config)}
+    for name, hf_name in specs.items():
+        ours = model.tensor_f32(name)
+        if name in expert_names(model):
+            tolerance = {"int8": 1 / 254, "bfloat16": 1 / 256, "float16": 1 / 2048}.get(label, 1 / 16)
+            assert np.all(np.abs(ours - source[hf_name]) <= tolerance * np.abs(source[hf_name]).max()), name
+        else:
+            assert np.array_equal(ours, source[hf_name]), name
+
+
+def test_expert_dtype_file_mixes_dtypes_and_keeps_hot_experts_dense(tmp_path):
+    hf_config = tiny_hf_config("mixtral")
+    hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral", seed=1)
+    config = config_from_hf(hf_config)
+    table = np.zeros((2, config.vocab_size, 2), dtype=np.uint16)  # layer 0 predicts 3 most, then 1
+    table[0, :, 0], table[0, :100, 1], table[0, 100:, 1] = 3, 1, 2
+    table[1, :, 0], table[1, :, 1] = 0, 2
+    write_routing_table(tmp_path / "lut.bin", table, config.num_experts)
+    (tmp_path / "plan.yaml").write_text(
+        "default: fp8\nfp8_scale: channel\nlayers: {1: int8}\nexperts: {'0.0': bfloat16, '1.3': fp8}\n"
+        "keep_hot: {routing_table: lut.bin, per_layer: 1}\n"
+    )
+    out = convert(hf, tmp_path / "m", "bfloat16", False, expert_dtype="int8", expert_dtype_file=tmp_path / "plan.yaml")
+    model = ModelDir.open(out)
+    got = {key: (layout.dtype, layout.scheme) for key, layout in model.expert_layouts.items()}
+    fp8, int8, bf16 = ("float8_e4m3fn", "channel"), ("int8", "channel"), ("bfloat16", None)
+    assert got == {
+        (0, 0): bf16,
+        (0, 1): fp8,
+        (0, 2): fp8,
+        (0, 3): bf16,
+        (1, 0): bf16,
+        (1, 1): int8,
+        (1, 2): int8,
+        (1, 3): fp8,
+    }
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"default": "int4"}', r"plan\.json: default: expert dtype 'int4' is not supported \(supported: float32, "),
+        ('{"layer": {}}', r"plan\.json: unknown key 'layer' \(keys: default, fp8_scale, layers, experts, keep_hot\)$"),
+        ('{"layers": {"2": "int8"}}', r"plan\.json: layers: layer '2' is not in \[0, 2\)$"),
+        ('{"experts": {"1.4": "int8"}}', r"plan\.json: experts\.1\.4: expert '4' is not in \[0, 4\)$"),
+        ('{"experts": {"x": "int8"}}', r"plan\.json: experts\.x: layer 'x' is not in \[0, 2\)$"),
+        ('{"fp8_scale": "tensor"}', r"plan\.json: fp8_scale: fp8 scale 'tensor' is not supported"),
+        ('{"keep_hot": {"per_layer": 1}}', r"plan\.json: keep_hot takes routing_table \(required\) and per_layer"),
+        ('{"keep_hot": {"routing_table": "none.bin"}}', r"none\.bin: routing table not found"),
+        ("[1, 2]", r"plan\.json: the file must be a mapping, got list$"),
+        ("{", r"plan\.json: not valid JSON"),
+    ],
+)
+def test_bad_expert_dtype_files_are_one_line(tmp_path, capsys, text, message):
+    hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    (tmp_path / "plan.json").write_text(text)
+    rc, out, err = run_cli(
+        capsys,
+        "convert",
+        str(hf),
+        str(tmp_path / "m"),
+        "--no-progress",
+        "--expert-dtype-file",
+        str(tmp_path / "plan.json"),
+    )
+    assert rc in (ConfigError.exit_code, ModelFormatError.exit_code) and err.count("\n") == 1, err
+    assert err.startswith("colibri convert: error: ") and "Traceback" not in err
+    assert re.search(message, err.rstrip()), err
+    assert not (tmp_path / "m" / "colibri.json").exists()
+
+
+def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys):
+    hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", "--expert-dtype", "int4")
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1
+    assert "--expert-dtype: expert dtype 'int4' is not supported (supported: float32, float16, bfloat16, int8" in err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("scale_suffix", ["_scale_inv", "_scale"])
+def test_fp8_checkpoint_keeps_expert_bytes_and_dequantises_dense_layers(tmp_path, family, scale_suffix):
+    hf_config = {**tiny_hf_config(family), "hidden_size": 160, "head_dim": 40}  # two 128-blocks along D
+    quantized = write_fp8_checkpoint(tmp_path / "hf", hf_config, scale_suffix=scale_suffix)
+    model = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m", progress=False))
+    assert model.dtype == "bfloat16" and model.expert_formats == ("float8_e4m3fn/block128",)
+    specs = tensor_specs(model.config)
+    for spec in specs:
+        if spec.hf_name not in quantized:
+            assert model.entries[spec.name].dtype == "bfloat16", spec.name
+            continue
+        q, scale = quantized[spec.hf_name]
+        if spec.expert is not None:  # bytes as they are, scale as it is
+            assert model.raw_bytes(spec.name).tobytes() == q.tobytes(), spec.name
+            assert np.array_equal(model.tensor(spec.name + "_scale"), scale)
+            assert np.array_equal(model.tensor_f32(spec.name), quant.dequantize(q, scale, "float8_e4m3fn", "block128"))
+        else:  # dense: dequantised, rounded once to bf16
+            expected = dtypes.float32_to_bf16(quant.dequantize(q, scale, "float8_e4m3fn", "block128"))
+            assert model.entries[spec.name].dtype == "bfloat16" and np.array_equal(model.tensor(spec.name), expected)
+    assert any(s.expert is None and s.hf_name in quantized for s in specs)
+
+
+@pytest.mark.parametrize(
+    "expert_dtype, label", [("int8", "int8"), ("bfloat16", "bfloat16"), ("fp8", "float8_e4m3fn/block128")]
+)
+def test_fp8_checkpoint_to_other_expert_dtypes(tmp_path, expert_dtype, label):
+    hf_config = tiny_hf_config("qwen3_moe")
+    quantized = write_fp8_checkpoint(tmp_path / "hf", hf_config)
+    model = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m", progress=False, expert_dtype=expert_dtype))
+    assert model.expert_formats == (label,)
+    for name in expert_names(model):
+        hf_name = next(s.hf_name for s in tensor_specs(model.config) if s.name == name)
+        ref = quant.dequantize(*quantized[hf_name], "float8_e4m3fn", "block128")
+        tolerance = {"int8": 1 / 254, "bfloat16": 1 / 256, "fp8": 0}[expert_dtype]
+        assert np.all(np.abs(model.tensor_f32(name) - ref) <= tolerance * np.abs(ref).max()), name
+
+
+def edit_config(hf: Path, change) -> None:
+    config = json.loads((hf / "config.json").read_text())
+    change(config)
+    (hf / "config.json").write_text(json.dumps(config))
+
+
+def quant_config(**fields):
+    return lambda c: c["quantization_config"].update(fields)
+
+
+SUPPORTED = 'supported: quant_method "fp8" with fmt "e4m3" and weight_block_size [128, 128], or no quantization_config'
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (quant_config(quant_method="compressed-tensors"), f"quant_method 'compressed-tensors' is not supported ({SUPPORTED})"),
+        (quant_config(quant_method="gptq"), "quant_method 'gptq' is not supported"),
+        (quant_config(quant_method="awq"), "quant_method 'awq' is not supported"),
+        (quant_config(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
+        (quant_config(fmt="e5m2"), "fmt 'e5m2' is not supported"),
+        (quant_config(weight_block_size=[64, 64]), "weight_block_size [64, 64] is not supported"),
+        (quant_config(weight_block_size=None), "weight_block_size None is not supported"),
+        (lambda c: c.update(quantization_config="fp8"), "quantization_config must be an object"),
+        (lambda c: c.pop("quantization_config"), "is F8_E4M3 but config.json has no quantization_config"),
+        (quant_config(modules_to_not_convert=["self_attn.q_proj"]), "q_proj.weight is F8_E4M3 but config.json lists its module in modules_to_not_convert"),
+        (quant_config(ignored_layers="lm_head"), "ignored_layers must be a list of module names"),
+    ],
+)  # fmt: skip
+def test_refused_quantization_configs_are_one_line(tmp_path, capsys, change, message):
+    write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    edit_config(tmp_path / "hf", change)
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress")
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err
+
+
+def rewrite(hf: Path, change) -> None:
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    tensors = load_torch(str(hf / "model.safetensors"))
+    change(tensors)
+    save_torch(tensors, str(hf / "model.safetensors"))
+
+
+EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+
+def nan_byte(t):
+    t[EXPERT] = t[EXPERT].clone()
+    t[EXPERT].view(dtype=__import__("torch").uint8)[3, 5] = 0x7F
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.pop(EXPERT + "_scale_inv"), f"tensor {EXPERT} is F8_E4M3 but has no {EXPERT}_scale_inv (or _scale)"),
+        (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].repeat(2, 1)}), f"{EXPERT}_scale_inv is F32 [2, 1], expected F32 [1, 1]"),
+        (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].double()}), f"{EXPERT}_scale_inv is F64 [1, 1], expected F32 [1, 1]"),
+        (lambda t: t[EXPERT + "_scale_inv"].fill_(float("nan")), f"tensor {EXPERT}_scale_inv: non-finite block scales"),
+        (nan_byte, f"tensor {EXPERT}: fp8 weights hold NaN bytes"),
+    ],
+)  # fmt: skip
+def test_broken_fp8_tensors_are_one_line(tmp_path, capsys, change, message):
+    write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    rewrite(tmp_path / "hf", change)
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress")
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err
+
+
+@pytest.mark.parametrize("expert_dtype, fp8_scale", [("int8", "channel"), ("fp8", "block128"), ("fp8", "channel")])
+def test_quantizing_peak_memory_is_a_few_bytes_per_element_of_the_largest_tensor(tmp_path, expert_dtype, fp8_scale):
+    """One expert matrix dominates (4 x 1024 x 520 floats); everything else is tiny. numpy reports its
+    allocations to tracemalloc, so the peak is what the converter holds at once, not the model."""
+    hf_config = {**tiny_hf_config("mixtral"), "hidden_size": 520, "intermediate_size": 1024, "num_attention_heads": 4}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_config))
+    rng = np.random.default_rng(0)
+    weights = {
+        s.hf_name: rng.standard_normal(s.shape, dtype=np.float32) for s in tensor_specs(config_from_hf(hf_config))
+    }
+    save_file(weights, str(hf / "model.safetensors"))
+    largest = max(w.size for w in weights.values())
+    model_bytes = sum(w.nbytes for w in weights.values())
+    tracemalloc.start()
+    try:
+        convert(hf, tmp_path / "m", progress=False, expert_dtype=expert_dtype, fp8_scale=fp8_scale)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    per_element = peak / largest
+    print(
+        f"{expert_dtype}/{fp8_scale}: peak {peak:,} bytes = {per_element:.1f} bytes per element of the largest tensor"
+    )
+    assert per_element <= 17 and peak < model_bytes / 2
