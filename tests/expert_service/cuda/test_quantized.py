@@ -26,7 +26,7 @@ FAMILIES = ("mixtral", "qwen3_moe")
 
 def quantized_model(root, family: str, variant: str):
     model = make_tiny(root / "f32", family=family, seed=11)
-    if variant == "mixed":  # the first MoE layer's experts fp8, the rest int8, expert 1 of the last MoE layer bf16, 2 float32
+    if variant == "mixed":  # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8
         first, last = ModelDir.open(model).config.moe_layers[0], ModelDir.open(model).config.moe_layers[-1]
         plan = root / "mixed.json"
         plan.write_text(
