@@ -12,13 +12,23 @@ decode is timed as the worker serves a step stream (`decode_ms`: a StepPump with
 sender, so step t+1 runs on the device while step t is sampled and answered) and one step at a time
 (`decode_ms_sequential`: Engine.step, each waiting for the one before). Writes JSON + PNG and prints ratios.
 
+`--expert-dtype bfloat16,int8,fp8` runs Colibri once per routed-expert dtype on the same weights (the HF save
+converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds `<dtype>_x_bfloat16` ratios;
+`colibri` holds the first dtype's figures, `colibri_by_expert_dtype` all of them, each with the HBM roofline of
+the bytes its steps read (8-bit experts: their bytes and scales). The full-depth shape `qwen3moe-full`
+(Qwen3-30B-A3B, all 48 layers: ~61 GB bf16, ~31 GB 8-bit) is written straight into the model format with random
+weights (bench/random_model.py; no transformers model, no HF comparison); its dtypes run one after another, each
+model deleted before the next is written (bf16 at full depth needs 61 GB free in --workdir).
+
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
+    python bench/engine.py --out out/ --shapes qwen3moe-full --expert-dtype int8,fp8
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import shutil
@@ -65,6 +75,7 @@ SHAPES = {
         ),
     ),
 }
+FULL_DEPTH = {"qwen3moe-full": ("qwen3moe-shape", 48)}  # written with random weights, no HF model
 PREFILL = ((1, 512), (16, 128))
 DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXT = 128
@@ -223,7 +234,7 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
         out["prefill_tok_s"][f"{b}x{n}"] = b * n / best
     cfg = model.config
     dense = engine.decoder.weights.dense_bytes - cfg.vocab_size * cfg.hidden_size * 2  # the embedding is gathered
-    expert_bytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    expert_bytes = model.max_expert_nbytes  # one routed expert's weights (and scales): one dtype per run here
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
 
     def step_bytes(result, context: int) -> int:
@@ -266,36 +277,97 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
     return out
 
 
+def save_hf(model, out: Path) -> Path:
+    """The HF model saved once (legacy per-expert names), converted per expert dtype by convert_expert_dtype."""
+    hf_dir = out.parent / (out.name + "-hf")
+    model.save_pretrained(hf_dir)
+    return hf_dir
+
+
+def convert_expert_dtype(hf_dir: Path, dtype: str) -> Path:
+    from expert_service.tools.convert import convert
+
+    out = hf_dir.parent / f"{hf_dir.name[: -len('-hf')]}-{dtype}"
+    return convert(hf_dir, out, progress=False, expert_dtype=None if dtype == "bfloat16" else dtype)
+
+
+def random_model(family: str, params: dict, out: Path, dtype: str) -> Path:
+    from bench.random_model import write_random_model
+    from expert_service.tools.tiny_model import tiny_hf_config
+
+    hf_config = {**tiny_hf_config(family), **params, "tie_word_embeddings": False}
+    start = time.perf_counter()
+    model = write_random_model(out.parent / f"{out.name}-{dtype}", hf_config, dtype)
+    print(f"wrote {model} in {time.perf_counter() - start:.0f} s", flush=True)
+    return model
+
+
+def expert_dtype_ratios(runs: dict) -> dict:
+    """Each 8-bit run against bfloat16: decode speedup per batch (bf16 ms / ms) and prefill tok/s ratio."""
+    ref = runs["bfloat16"]
+    out = {}
+    for dtype, run in runs.items():
+        if dtype == "bfloat16":
+            continue
+        out.update(
+            {f"decode_b{b}_{dtype}_x_bfloat16": ref["decode_ms"][b] / run["decode_ms"][b] for b in run["decode_ms"]}
+        )
+        out.update(
+            {
+                f"prefill_{k}_{dtype}_x_bfloat16": run["prefill_tok_s"][k] / ref["prefill_tok_s"][k]
+                for k in run["prefill_tok_s"]
+            }
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument(
-        "--expert-dtype", default=None, help="convert the experts to this dtype (int8, fp8, ...; default bf16)"
-    )
+    parser.add_argument("--expert-dtype", default="bfloat16", help="comma-separated: bfloat16, int8, fp8")
     args = parser.parse_args()
+    expert_dtypes = args.expert_dtype.split(",")
+    if not set(expert_dtypes) <= {"bfloat16", "int8", "fp8"}:
+        parser.error(f"--expert-dtype {args.expert_dtype}: each must be bfloat16, int8 or fp8")
     import torch
 
     results = {
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "device": torch.cuda.get_device_name(),
-        "expert_dtype": args.expert_dtype or "bfloat16",
+        "expert_dtypes": expert_dtypes,
         "shapes": {},
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shapes.split(","):
-        family, params = SHAPES[name]
-        hf = build_hf(family, params)
-        model_dir = write_colibri(hf, Path(args.workdir) / name, args.expert_dtype)
-        entry = {"hf": None if args.skip_hf else bench_hf(hf, params["vocab_size"])}
-        del hf
-        gc.collect()
-        torch.cuda.empty_cache()
-        entry["colibri"] = bench_colibri(model_dir, params["vocab_size"])
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if name not in SHAPES and name not in FULL_DEPTH:
+            parser.error(f"--shapes: unknown shape {name!r} (known: {', '.join([*SHAPES, *FULL_DEPTH])})")
+        entry = {"hf": None}
+        workdir = Path(args.workdir) / name
+        if name in FULL_DEPTH:
+            base, layers = FULL_DEPTH[name]
+            family, params = SHAPES[base][0], {**SHAPES[base][1], "num_hidden_layers": layers}
+            model_of = functools.partial(random_model, family, params, workdir)
+        else:
+            family, params = SHAPES[name]
+            hf = build_hf(family, params)
+            model_of = functools.partial(convert_expert_dtype, save_hf(hf, workdir))
+            entry["hf"] = None if args.skip_hf else bench_hf(hf, params["vocab_size"])
+            del hf
+            gc.collect()
+            torch.cuda.empty_cache()
+        runs = {}
+        for dtype in expert_dtypes:  # one model on disk at a time
+            model_dir = model_of(dtype)
+            runs[dtype] = bench_colibri(model_dir, params["vocab_size"])
+            shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.rmtree(workdir.parent / (workdir.name + "-hf"), ignore_errors=True)
+        entry["colibri"], entry["colibri_by_expert_dtype"] = runs[expert_dtypes[0]], runs
+        if "bfloat16" in runs:
+            entry["expert_dtype_ratios"] = expert_dtype_ratios(runs)
         if entry["hf"]:
             c, h = entry["colibri"], entry["hf"]
             entry["ratios"] = {

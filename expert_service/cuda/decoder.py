@@ -106,6 +106,7 @@ class CudaDecoder:
             len(self.moe_layers),
             cached=cached,
             planned=self.planned_routing,
+            quantized=self.weights.quantized,
         )
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
@@ -167,7 +168,12 @@ class CudaDecoder:
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)  # one sequence's most tokens
         bf16 = self.weights.dtype == np.uint16
         sizes = warmup_tokens(
-            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, bf16=bf16, options=self.options
+            self.max_tokens,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            bf16=bf16,
+            options=self.options,
+            quantized=self.weights.quantized,
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (
@@ -178,7 +184,7 @@ class CudaDecoder:
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
         if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(
-            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, False, bf16
+            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, False, bf16, self.weights.quantized
         ):
             self.model.moe.warm_cublas_shapes(self.max_tokens)
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
@@ -257,7 +263,12 @@ class CudaDecoder:
         T = self._prefill_bucket(num_tokens) or num_tokens
         return (
             choose_strategy(
-                T, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None, self.weights.dtype == np.uint16
+                T,
+                cfg.num_experts_per_tok,
+                cfg.num_experts,
+                self.cached is not None,
+                self.weights.dtype == np.uint16,
+                self.weights.quantized,
             )
             not in ON_DEVICE
             if cfg.moe_layers
@@ -355,7 +366,12 @@ class CudaDecoder:
     def _prefill_capturable(self, tokens: int) -> bool:
         cfg = self.config
         return capturable(
-            tokens, cfg.num_experts_per_tok, cfg.num_experts, self.cached is not None, self.weights.dtype == np.uint16
+            tokens,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            self.cached is not None,
+            self.weights.dtype == np.uint16,
+            self.weights.quantized,
         )
 
     def _prefill_bucket(self, T: int) -> int | None:

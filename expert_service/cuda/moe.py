@@ -24,6 +24,7 @@ from expert_service.cuda.moe_grouped_mma import run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
+from expert_service.kernels.dequant_experts import launch_dequant_experts
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gate_fused import launch_gate_fused
 from expert_service.kernels.gate_planned import launch_gate_planned
@@ -37,6 +38,7 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import Config, choose_config
+from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 GROUPED_MAX_TOKENS = 64  # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
@@ -58,6 +60,9 @@ FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # per-assignment buffers hold CUBLAS_ROW_SLACK rows more than a step's, so the last expert's rounded rows fit.
 CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
 CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
+# Per-expert cuBLAS on 8-bit layers dequantises this many bytes of active experts at a time into dense scratch
+# (at least one expert): 8-bit weights cost a dequantising pass, then the GEMMs run as on dense weights.
+DEQUANT_SCRATCH_BYTES = 256 << 20
 # The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
 FUSED_ROUTER_MAX_TOKENS = 64
 
@@ -70,13 +75,16 @@ class MoeStrategy(Enum):
     CUBLAS_PER_EXPERT = "cublas_per_expert"
     CACHED_GROUPED = "cached_grouped"
     CACHED_CUBLAS = "cached_cublas"
+    Q8 = "q8"  # 8-bit / mixed layers: moe_q8, by slot at one token, grouped above
 
 
-def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) -> MoeStrategy:
+def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False, quantized: bool = False) -> MoeStrategy:
     """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
-    choice"); bf16: the weights are bfloat16."""
+    choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized)."""
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
+    if quantized:
+        return MoeStrategy.CUBLAS_PER_EXPERT if T > GROUPED_MAX_TOKENS else MoeStrategy.Q8
     n = T * K
     if (
         bf16
@@ -95,20 +103,29 @@ def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False) ->
 
 
 # Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole.
-ON_DEVICE = frozenset({MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED})
+ON_DEVICE = frozenset(
+    {MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED, MoeStrategy.Q8}
+)
 # ... and those a graph captures in pieces around a host break (driver.HostBreaks). The expert cache's strategies
 # are neither: its host work (slot choice, copies on another stream) runs inside the layer.
 CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT}
 
 
-def capturable(T: int, K: int, E: int, cached: bool, bf16: bool) -> bool:
+def capturable(T: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False) -> bool:
     """Whether a step of T tokens can replay CUDA graphs: its MoE blocks on the device, or split at host breaks."""
-    return choose_strategy(T, K, E, cached, bf16) in CAPTURABLE
+    return choose_strategy(T, K, E, cached, bf16, quantized) in CAPTURABLE
 
 
-def reachable_strategies(max_tokens: int, K: int, E: int, cached: bool, bf16: bool) -> set[MoeStrategy]:
+def reachable_strategies(
+    max_tokens: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False
+) -> set[MoeStrategy]:
     """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers)."""
-    return {choose_strategy(T, K, E, cached, bf16) for T in range(1, max_tokens + 1)}
+    return {choose_strategy(T, K, E, cached, bf16, quantized) for T in range(1, max_tokens + 1)}
+
+
+def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
+    """Experts dequantised at a time for per-expert cuBLAS on 8-bit layers (the scratch's blocks)."""
+    return max(1, min(E, DEQUANT_SCRATCH_BYTES // (3 * F * D * itemsize)))
 
 
 def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -123,12 +140,14 @@ def fused_router(T: int, options: CudaOptions) -> bool:
     return options.fused_router and T <= FUSED_ROUTER_MAX_TOKENS
 
 
-def warmup_tokens(max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions) -> tuple[int, ...]:
+def warmup_tokens(
+    max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions, quantized: bool = False
+) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
     first: dict[tuple[MoeStrategy, Config | None, bool], int] = {}  # (strategy, tile, router) -> smallest T
     for T in range(1, max_tokens + 1):
-        strategy = choose_strategy(T, K, E, False, bf16)
+        strategy = choose_strategy(T, K, E, False, bf16, quantized)
         tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
         first.setdefault((strategy, tile, fused_router(T, options)), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
@@ -157,6 +176,7 @@ class DeviceMoe:
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
+        self.quantized = weights.quantized
         # y rows in assignment order (the GEMV and GROUPED_MMA strategies' combine)
         workspace.identity_position.copy_to_device(
             np.arange(workspace.identity_position.shape[0], dtype=np.int32), stream=stream
@@ -177,7 +197,7 @@ class DeviceMoe:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16)
+        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16, quantized=self.quantized)
         fuse_norm = (
             next_norm is not None
             and not cfg.shared_expert_intermediate_size
@@ -197,6 +217,8 @@ class DeviceMoe:
             run_grouped_mma(
                 ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size, combine=combine
             )
+        elif strategy is MoeStrategy.Q8:
+            self._q8(i, x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GEMV:
             self._gemv(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.ALL_EXPERTS:
@@ -204,7 +226,7 @@ class DeviceMoe:
         elif strategy is MoeStrategy.GROUPED:
             self._grouped(x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.CUBLAS_PER_EXPERT:
-            self._cublas_per_expert(x, h, T, ids, weights, experts, combine)
+            self._cublas_per_expert(x, h, T, ids, weights, experts, combine, self.weights.expert_meta.get(i))
         else:
             assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
             self.cached.run(i, x, h, T, ids, weights, strategy is MoeStrategy.CACHED_CUBLAS, combine=combine)
@@ -227,6 +249,23 @@ class DeviceMoe:
                 launch_moe_combine(y, index, weights, h, stream=st)
 
         return combine
+
+    def _q8(self, i: int, x, h, T: int, ids, weights, experts, combine) -> None:
+        """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k) or
+        grouped (rows in grouped order, combined through position)."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
+        meta, gate, out = self.weights.expert_meta[i], ws.moe_gate[:n], ws.moe_out[:n]
+        if T == 1:
+            launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st)
+            launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st)
+            combine(out, ws.identity_position[:n], weights, h)
+            return
+        order, position = ws.order[:n], ws.position[:n]
+        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st)
+        launch_q8_down(gate, experts, meta, F, D, out, offsets=ws.offsets, stream=st)
+        combine(out, position, weights, h)
 
     def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:
         """One token: its K experts streamed, their ids read on the device."""
@@ -265,7 +304,7 @@ class DeviceMoe:
         launch_moe_down(ws.moe_gate[:n], order, ws.offsets, experts, F, D, out, stream=st)
         combine(out, position, weights, h)
 
-    def _cublas_per_expert(self, x, h, T: int, ids, weights, experts, combine) -> None:
+    def _cublas_per_expert(self, x, h, T: int, ids, weights, experts, combine, meta=None) -> None:
         """Large steps: tokens gathered into grouped order in the weights' dtype, the expert offsets read back
         at a host break, per active expert two GEMMs on tensor cores around one SwiGLU for all experts
         (`_expert_gemms`), then the combine."""
@@ -276,14 +315,16 @@ class DeviceMoe:
         launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         launch_gather_rows(x, order, ws.expert_x[:n], divisor=K, stream=st)
         ws.offsets.copy_to_host(ws.host["offsets"], stream=st)
-        self.host_break(functools.partial(self._expert_gemms, n, experts))
+        self.host_break(functools.partial(self._expert_gemms, n, experts, meta))
         combine(ws.moe_out[:n], position, weights, h)
 
-    def _expert_gemms(self, n: int, experts) -> None:
+    def _expert_gemms(self, n: int, experts, meta=None) -> None:
         """The host part of CUBLAS_PER_EXPERT, once the step's expert offsets are on their way to the host: per
         active expert gate|up [rows, 2F] = x @ [gate; up]^T (one GEMM: the two matrices are adjacent in the
-        expert's block), SwiGLU over every expert's rows at once into the weights' dtype, then down [rows, D] f32."""
-        cfg, ws, blas = self.config, self.ws, self.linear.cublas
+        expert's block), SwiGLU over every expert's rows at once into the weights' dtype, then down [rows, D] f32.
+        8-bit layers (meta: the layer's expert_meta) run this per group of dequant_group active experts, each
+        group first widened into the dense scratch ws.dequant (dequant_experts)."""
+        cfg, ws = self.config, self.ws
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         self.stream.synchronize()
         offsets = ws.host["offsets"]
@@ -293,9 +334,29 @@ class DeviceMoe:
         # their own GEMMs issued after it on this stream, or rows past the step's (the buffers' slack; never read).
         room = min(b.shape[0] for b in (ws.expert_x, ws.expert_gate_up, ws.expert_h, ws.moe_out)) - lo
         rows = cublas_rows(np.diff(offsets)[active].astype(np.int64), room)
-        dtype, item = self.weights.dtype, experts.dtype.itemsize
+        item = np.dtype(self.weights.dtype).itemsize
+        if meta is None:
+            self._gemm_group(
+                device_address(experts) + active.astype(np.int64) * experts.shape[1] * item, lo, rows, 0, n
+            )
+            return
+        scratch = ws.dequant
+        group, block = scratch.shape[0], scratch.shape[1] * item
+        for first in range(0, active.size, group):
+            g = min(group, active.size - first)
+            launch_dequant_experts(experts, meta, ws.offsets, first, F, D, scratch[:g], stream=self.stream)
+            part = slice(first, first + g)
+            gate = device_address(scratch) + np.arange(g, dtype=np.int64) * block
+            self._gemm_group(gate, lo[part], rows[part], int(lo[first]), int(offsets[active[first + g - 1] + 1]))
+
+    def _gemm_group(self, gate, lo, rows, r0: int, r1: int) -> None:
+        """gate|up GEMMs of the experts whose gate matrices are at device addresses `gate` (their rows from `lo`,
+        `rows` of them), SwiGLU over rows [r0, r1), then their down GEMMs."""
+        cfg, ws, blas = self.config, self.ws, self.linear.cublas
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        dtype = self.weights.dtype
+        item = np.dtype(dtype).itemsize
         gu = ws.expert_gate_up  # bf16 for bf16 weights (f32's range), else f32: fp16 would overflow
-        gate = device_address(experts) + active.astype(np.int64) * experts.shape[1] * item
         blas.linear_each(
             gate,
             device_address(ws.expert_x) + lo * D * item,
@@ -306,7 +367,7 @@ class DeviceMoe:
             dtype,
             out_dtype=gu.dtype,
         )
-        elementwise.launch_silu_mul_halves(gu[:n], ws.expert_h[:n], stream=self.stream)
+        elementwise.launch_silu_mul_halves(gu[r0:r1], ws.expert_h[r0:r1], stream=self.stream)
         blas.linear_each(
             gate + 2 * F * D * item,
             device_address(ws.expert_h) + lo * F * item,
@@ -325,7 +386,8 @@ class DeviceMoe:
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         counts = np.unique(cublas_rows(np.arange(1, max_tokens + 1), np.full(max_tokens, ws.moe_out.shape[0])))
         experts = self.weights.experts.get(self.moe_layers[0])
-        w, dtype = device_address(experts), self.weights.dtype
+        # 8-bit layers' GEMMs read the dequant scratch (the raw blocks are smaller than a dense expert)
+        w, dtype = device_address(self.ws.dequant if self.quantized else experts), self.weights.dtype
         one = np.ones(1, np.int64)
         for m in counts.tolist():  # as _expert_gemms: gate|up, then down
             blas.linear_each(

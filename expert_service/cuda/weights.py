@@ -18,6 +18,7 @@ from numba import cuda
 from common import dtypes
 from common.model_format import DENSE_FILE, ModelDir, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
+from expert_service.kernels import expert_quant
 
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -96,8 +97,43 @@ def stacked_range(entries) -> tuple[int, int, str, tuple[int, ...]] | None:
     )
 
 
+def expert_meta(model: ModelDir, layer: int) -> np.ndarray:
+    """[E, META_WIDTH] int32: each expert's dtype code, scale scheme and six tensor offsets (expert_quant)."""
+    rows = []
+    for j in range(model.config.num_experts):
+        layout = model.expert_layout(layer, j)
+        if layout.dtype not in expert_quant.CODES:
+            raise ValueError(
+                f"{model.path}: expert {j} of layer {layer} is {layout.dtype}; the cuda kernels for 8-bit layers read "
+                f"int8, float8_e4m3fn, bfloat16 and float16 experts"
+            )
+        offsets = layout.weight_offsets + (layout.scale_offsets or (layout.nbytes,) * 3)
+        rows.append(
+            expert_quant.meta_row(expert_quant.CODES[layout.dtype], expert_quant.SCHEMES[layout.scheme], offsets)
+        )
+    return np.stack(rows)
+
+
+def _back_to_back_experts(model: ModelDir) -> bool:
+    """Whether every expert's gate, up and down lie back to back from its block's start (what the dense-dtype
+    kernels assume; a version-2 block pads a matrix whose size is not a multiple of 256 bytes)."""
+    F, D = model.config.moe_intermediate_size, model.config.hidden_size
+    size = F * D * model_itemsize(model)
+    return all(
+        model.expert_layout(layer, j).weight_offsets == (0, size, 2 * size)
+        for layer in model.config.moe_layers
+        for j in range(model.config.num_experts)
+    )
+
+
+def model_itemsize(model: ModelDir) -> int:
+    return np.dtype(dtypes.STORAGE[model.dtype]).itemsize
+
+
 class DeviceWeights:
-    """Typed device views of every tensor; experts as one [E, stride_elems] array per MoE layer."""
+    """Typed device views of every tensor; experts as one [E, stride_elems] array per MoE layer in the dense
+    dtype, or, when any expert of the model is 8-bit (`quantized`), as uint8 [E, stride bytes] per layer with
+    `expert_meta[layer]` [E, META_WIDTH] int32 on the device saying each expert's dtype and tensors."""
 
     def __init__(self, model: ModelDir, stream, use_pinned_memory: bool = True, load_experts: bool = True):
         self.model = model
@@ -123,16 +159,23 @@ class DeviceWeights:
         self.experts: dict[int, DeviceNDArray] = {}
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
+        self.expert_meta: dict[int, DeviceNDArray] = {}
+        # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
+        # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
+        self.quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
+        E = self.config.num_experts
         for layer in self.config.moe_layers:
-            host = model._map(expert_file(layer))[: self.config.num_experts * model.expert_stride]
+            stride = model.expert_strides[layer]
+            host = model._map(expert_file(layer))[: E * stride]
             self.expert_host[layer] = host
             self.expert_pinned[layer] = self.uploader.pin(host)
+            if self.quantized:
+                self.expert_meta[layer] = cuda.to_device(expert_meta(model, layer), stream=stream)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])
-                self.experts[layer] = buffer.view(self.dtype).reshape(
-                    self.config.num_experts, model.expert_stride // self.dtype.itemsize
-                )
+                unit = np.dtype(np.uint8) if self.quantized else self.dtype
+                self.experts[layer] = buffer.view(unit).reshape(E, stride // unit.itemsize)
         stream.synchronize()
 
     def _back_to_back(self, model: ModelDir, names: list[str]):

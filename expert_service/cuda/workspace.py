@@ -26,6 +26,7 @@ from expert_service.cuda.moe import (
     FUSED_ROUTER_MAX_TOKENS,
     GROUPED_MAX_TOKENS,
     MoeStrategy,
+    dequant_group,
     reachable_strategies,
 )
 from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
@@ -74,9 +75,11 @@ def layout_workspace(
     num_layers_moe: int,
     cached: bool = False,
     planned: bool = False,
+    quantized: bool = False,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
-    cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids)."""
+    cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
+    quantized: 8-bit or mixed experts (DeviceWeights.quantized)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -84,10 +87,10 @@ def layout_workspace(
     shared_ffn = config.shared_expert_intermediate_size
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
-    strategies = reachable_strategies(T, K, E, cached, np.dtype(weight_dtype) == np.uint16)
+    strategies = reachable_strategies(T, K, E, cached, np.dtype(weight_dtype) == np.uint16, quantized)
     # f32 gate (grouped kernels, GEMV, the expert cache), inputs and up (the expert cache) per assignment
     cache_rows = T * K if strategies & {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS} else 0
-    grouped_rows = min(T, GROUPED_MAX_TOKENS) * K if MoeStrategy.GROUPED in strategies else 0
+    grouped_rows = min(T, GROUPED_MAX_TOKENS) * K if strategies & {MoeStrategy.GROUPED, MoeStrategy.Q8} else 0
     # per-expert cuBLAS: inputs and SwiGLU rows in the weights' dtype, gate|up too for bf16; it rounds each
     # expert's rows up (moe.cublas_rows), past the step's last one by up to CUBLAS_ROW_SLACK
     per_expert_rows = T * K + CUBLAS_ROW_SLACK if MoeStrategy.CUBLAS_PER_EXPERT in strategies else 0
@@ -143,6 +146,8 @@ def layout_workspace(
         # cuBLAS writes gate|up in bf16 (float32's range) for bf16 weights; fp16 could overflow, so float32
         layout["expert_gate_up"] = ((per_expert_rows, 2 * F), wd if wd == np.uint16 else f32)
         layout["expert_h"] = ((per_expert_rows, F), wd)
+        if quantized:  # dense copies of a group of active 8-bit experts for their GEMMs
+            layout["dequant"] = ((dequant_group(E, F, D, wd.itemsize), 3 * F * D), wd)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)

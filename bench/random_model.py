@@ -1,0 +1,71 @@
+"""Random model directories written straight into the model format (no transformers copy), for benches at
+real depth: every tensor is a slice of a small pool of random words whose values are finite and small (bf16
+around +-0.01, int8 in [-127, 127] with 1e-4 per-channel scales, fp8 e4m3 in +-[1, 1.875] with 1e-2 scales),
+so a 31 GB 8-bit Qwen3-30B-A3B-shape model writes at memory speed.
+
+    write_random_model(out_dir, hf_config, expert_dtype="int8")  ->  out_dir
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common import quant
+from common.expert_layout import ExpertFormat
+from common.model_format import ModelWriter
+
+POOL_BYTES = 64 << 20
+
+
+def _pools(rng) -> dict[str, np.ndarray]:
+    """dtype -> a uint8 pool of random bytes of valid, small values of that dtype."""
+    raw = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
+    bf16 = (raw.view(np.uint16) & np.uint16(0x807F)) | np.uint16(0x3C00)  # sign, 7 mantissa bits, 2**-7
+    fp8 = (raw & np.uint8(0x87)) | np.uint8(0x38)  # sign, 3 mantissa bits, exponent 2**0 (never the NaN 0x7F)
+    int8 = raw.view(np.int8).copy()
+    int8[int8 == -128] = -127
+    return {
+        "bfloat16": bf16.view(np.uint8),
+        "float8_e4m3fn": fp8,
+        "int8": int8.view(np.uint8),
+    }
+
+
+def _tensor(pools, rng, dtype: str, shape: tuple[int, ...], scale_of: str | None) -> np.ndarray:
+    n = int(np.prod(shape))
+    if scale_of is not None:  # a float32 scale tensor
+        return np.full(shape, 1e-4 if scale_of == "int8" else 1e-2, np.float32)
+    pool = pools[dtype]
+    item = 2 if dtype == "bfloat16" else 1
+    nbytes = n * item
+    start = int(rng.integers(0, (pool.size - nbytes) // 16)) * 16 if nbytes < pool.size else 0
+    if nbytes <= pool.size:
+        raw = pool[start : start + nbytes]
+    else:
+        raw = np.resize(pool, nbytes)
+    if dtype == "bfloat16":
+        return raw.view(np.uint16).reshape(shape)
+    return raw.view(np.int8 if dtype == "int8" else np.uint8).reshape(shape)
+
+
+def write_random_model(out: Path, hf_config: dict, expert_dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """A bf16 model of `hf_config` whose routed experts are `expert_dtype` (bfloat16, int8, or fp8: e4m3 with
+    128x128 block scales)."""
+    rng = np.random.default_rng(seed)
+    fmt = {
+        "bfloat16": ExpertFormat("bfloat16"),
+        "int8": ExpertFormat("int8", quant.CHANNEL),
+        "fp8": ExpertFormat("float8_e4m3fn", quant.BLOCK128),
+    }[expert_dtype]
+    writer = ModelWriter(out, hf_config, "bfloat16", lambda layer, expert: fmt)
+    pools = _pools(rng)
+    norms = np.full(hf_config["hidden_size"], 0x3F80, np.uint16)  # 1.0: keep the residual stream's scale
+    for name, entry in writer.layout.items():
+        if entry.dtype == "bfloat16" and len(entry.shape) == 1 and "norm" in name:
+            writer.write(name, np.resize(norms, entry.shape))
+            continue
+        scale_of = fmt.dtype if name.endswith("_scale") else None
+        writer.write(name, _tensor(pools, rng, entry.dtype, tuple(entry.shape), scale_of))
+    return writer.finish()

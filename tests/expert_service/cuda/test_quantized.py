@@ -1,0 +1,117 @@
+"""The cuda backend on 8-bit experts against the cpu backend on the same converted model (GPU only): int8,
+fp8 with 128x128 block scales, fp8 per channel, and a mixed model (fp8, int8, bfloat16 and float32 experts in
+one layer); greedy tokens equal, logits within the bf16 tolerance, graphs and eager, no device allocations."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common.model_format import ModelDir
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import make_tiny
+from tests.helpers import random_prompt, rel_error
+
+pytestmark = pytest.mark.gpu
+
+CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
+TOLERANCE = 1e-2  # as test_bf16_weights_close_to_fp32_cpu
+VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed")
+FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def quantized_model(root, family: str, variant: str):
+    model = make_tiny(root / "f32", family=family, seed=11)
+    if variant == "mixed":  # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8
+        first, last = ModelDir.open(model).config.moe_layers[0], ModelDir.open(model).config.moe_layers[-1]
+        plan = root / "mixed.json"
+        plan.write_text(
+            json.dumps(
+                {
+                    "default": "int8",
+                    "fp8_scale": "block128",
+                    "layers": {str(first): "fp8"},
+                    "experts": {f"{last}.1": "bfloat16", f"{last}.2": "float32", f"{last}.3": "fp8"},
+                }
+            )
+        )
+        return convert(model / "hf", root / variant, progress=False, expert_dtype_file=plan)
+    dtype, _, scale = variant.partition("-")
+    return convert(model / "hf", root / variant, progress=False, expert_dtype=dtype, fp8_scale=scale or "block128")
+
+
+@pytest.fixture(scope="module", params=[(f, v) for f in FAMILIES for v in VARIANTS], ids=lambda p: "-".join(p))
+def engines(request, tmp_path_factory):
+    family, variant = request.param
+    model = quantized_model(tmp_path_factory.mktemp(f"{family}-{variant}"), family, variant)
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
+    return (
+        f"{family}/{variant}",
+        open_(backend="cpu"),
+        {"graphs": open_(backend="cuda"), "eager": open_(backend="cuda", cuda_graphs=False)},
+    )
+
+
+def test_greedy_tokens_match_cpu(engines):
+    name, cpu, gpus = engines
+    for i, n in enumerate((1, 5, 13, 70, 130)):  # 1: by slot; up to 64 grouped; above per-expert cuBLAS
+        prompt = random_prompt(30 + i, n)
+        want = cpu.generate(prompt, 10)[0]
+        for mode, gpu in gpus.items():
+            assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+
+
+def test_batched_decode_logits_close_to_cpu(engines):
+    name, cpu, gpus = engines
+    prompts = [random_prompt(50 + i, n) for i, n in enumerate((3, 9, 40, 80))]
+    outs = {}
+    for label, engine in [("cpu", cpu), *gpus.items()]:
+        first = engine.step([PrefillInput(200 + i, np.array(p), SamplingParams(), True) for i, p in enumerate(prompts)])
+        tokens, rows = [[o.token_id] for o in first.outputs], [[r] for r in first.logits]
+        for _ in range(5):  # 4 sequences: the grouped kernel at decode
+            step = engine.step(decode_ids=[200 + i for i in range(len(prompts))])
+            for i, o in enumerate(step.outputs):
+                tokens[i].append(o.token_id)
+                rows[i].append(step.logits[i])
+        engine.clear()
+        outs[label] = (tokens, rows)
+    for mode in gpus:
+        assert outs[mode][0] == outs["cpu"][0], f"{name} {mode}"
+        for a, b in zip(outs[mode][1], outs["cpu"][1]):
+            assert rel_error(np.stack(a), np.stack(b)) <= TOLERANCE, f"{name} {mode}"
+
+
+def test_prompt_logits_close_to_cpu(engines):
+    name, cpu, gpus = engines
+    for n in (1, 40, 90):
+        ids = random_prompt(70 + n, n)
+        want = cpu.prompt_logits(ids)
+        for mode, gpu in gpus.items():
+            got = gpu.prompt_logits(ids)
+            assert np.all(np.isfinite(got)) and rel_error(got, want) <= TOLERANCE, f"{name} {mode} n={n}"
+
+
+@pytest.mark.serial
+def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch):
+    from cuda.bindings import driver as drv
+    from numba.cuda.cudadrv import driver
+
+    gpu = build_engine(
+        ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed")), EngineConfig(backend="cuda", **CFG)
+    )
+    gpu.warmup()
+    gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
+    free_before = drv.cuMemGetInfo()[1]
+    calls = []
+    original = driver.Context.memalloc
+    monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    gpu.step([PrefillInput(6, np.array(random_prompt(6, 100)), SamplingParams(), True)], decode_ids=[5])
+    for _ in range(4):
+        gpu.step(decode_ids=[5, 6])
+    gpu.clear()
+    assert calls == [], f"{len(calls)} device allocations during steps"
+    assert drv.cuMemGetInfo()[1] == free_before, "device memory changed during steps"

@@ -1,0 +1,132 @@
+"""moe_q8 (8-bit and mixed-dtype experts, dequantised in registers) vs expert_quant's numpy reference: by slot
+(one token) and grouped, every dtype code and scale scheme in one layer (simulator on tiny shapes)."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.experts.grouping import group_by_expert
+from expert_service.kernels import expert_quant as q
+from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+
+# every (dtype, scheme) an expert can have: 8-bit with either scale, and the unquantized 16-bit dtypes
+KINDS = [
+    (q.CODE_INT8, q.SCALE_CHANNEL),
+    (q.CODE_FP8, q.SCALE_BLOCK),
+    (q.CODE_BF16, q.SCALE_NONE),
+    (q.CODE_FP8, q.SCALE_CHANNEL),
+    (q.CODE_F16, q.SCALE_NONE),
+    (q.CODE_F32, q.SCALE_NONE),
+]
+
+
+def mixed_layer(rng, kinds, F, D):
+    """uint8 [E, stride] blocks of random experts in `kinds` (the stride of the largest, 4096-aligned), meta
+    [E, 8], and each expert's dequantised (gate, up, down)."""
+    sizes = [q.block_offsets(c, s, F, D)[6] for c, s in kinds]
+    stride = -(-max(sizes) // 4096) * 4096
+    blocks, metas, mats = [], [], []
+    for code, scheme in kinds:
+        gate, up = (rng.standard_normal((F, D)).astype(np.float32) * 0.2 for _ in range(2))
+        down = rng.standard_normal((D, F)).astype(np.float32) * 0.2
+        block, meta = q.pack_block(gate, up, down, code, scheme, stride)
+        blocks.append(block)
+        metas.append(meta)
+        mats.append(q.dequantize(block, meta, F, D))
+    return np.stack(blocks), np.stack(metas), mats
+
+
+def reference(x_rows, mats, F):
+    gate, up, down = (m.astype(np.float64) for m in mats)
+    xd = x_rows.astype(np.float64)
+    g = xd @ gate.T
+    return g / (1.0 + np.exp(-g)) * (xd @ up.T), down
+
+
+def check_close(got, ref):
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("F,D", [(144, 48)])  # 144: two 128-row scale blocks, a partial one
+def test_by_slot_matches_reference(F, D):
+    rng = np.random.default_rng(F + D)
+    W, meta, mats = mixed_layer(rng, KINDS, F, D)
+    ids = np.array([[3, 1, 4, 3, 0, 5, 2]], np.int32)  # every kind, one expert twice
+    K = ids.shape[1]
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    dW, dmeta, dids = cuda.to_device(W), cuda.to_device(meta), cuda.to_device(ids)
+    h = cuda.to_device(np.full((K, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((K, D), np.nan, np.float32))
+    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, ids=dids)
+    launch_q8_down(h, dW, dmeta, F, D, y, ids=dids)
+    h, y = h.copy_to_host(), y.copy_to_host()
+    assert np.isfinite(h).all() and np.isfinite(y).all()  # every element written
+    for k, e in enumerate(ids[0]):
+        ref_h, down = reference(x, mats[e], F)
+        check_close(h[k : k + 1], ref_h)
+        check_close(y[k], h[k].astype(np.float64) @ down.T)
+
+
+def test_grouped_matches_reference():
+    F, D, T, K = 48, 64, 5, 3
+    rng = np.random.default_rng(7)
+    kinds = KINDS + [(q.CODE_INT8, q.SCALE_CHANNEL)]  # expert 6 gets no tokens below
+    W, meta, mats = mixed_layer(rng, kinds, F, D)
+    E = len(kinds)
+    ids = np.array([[0, 1, 2], [3, 4, 5], [0, 3, 1], [2, 0, 4], [5, 0, 3]], np.int32)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    groups = group_by_expert(ids, E)
+    order, offsets = groups.order.astype(np.int32), groups.offsets.astype(np.int32)
+    h = cuda.to_device(np.full((T * K, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((T * K, D), np.nan, np.float32))
+    dW, dmeta, doffsets = cuda.to_device(W), cuda.to_device(meta), cuda.to_device(offsets)
+    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, order=cuda.to_device(order), offsets=doffsets)
+    launch_q8_down(h, dW, dmeta, F, D, y, offsets=doffsets)
+    h, y = h.copy_to_host(), y.copy_to_host()
+    assert np.isfinite(h).all() and np.isfinite(y).all()
+    for e in range(E):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        ref_h, down = reference(x[order[lo:hi] // K], mats[e], F)
+        check_close(h[lo:hi], ref_h)
+        check_close(y[lo:hi], h[lo:hi].astype(np.float64) @ down.T)
+
+
+def test_reference_dequantises_what_was_quantised():
+    """The packer/decoder pair the kernels are checked against: q * scale within one quantisation step."""
+    rng = np.random.default_rng(1)
+    F, D = 144, 160
+    for code, scheme in KINDS:
+        gate, up, down = (rng.standard_normal(s).astype(np.float32) for s in ((F, D), (F, D), (D, F)))
+        block, meta = q.pack_block(gate, up, down, code, scheme)
+        for want, got in zip((gate, up, down), q.dequantize(block, meta, F, D)):
+            step = {q.CODE_INT8: 1 / 127, q.CODE_FP8: 1 / 8, q.CODE_BF16: 1 / 128, q.CODE_F16: 1 / 1024, q.CODE_F32: 0}[
+                code
+            ]
+            assert np.abs(got - want).max() <= step * np.abs(want).max(), (code, scheme)
+
+
+def test_bad_shapes_are_refused():
+    W = cuda.to_device(np.zeros((2, 4096), np.uint8))
+    meta = cuda.to_device(np.zeros((2, 8), np.int32))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        launch_q8_gate_up(
+            cuda.to_device(np.zeros((1, 40), np.float32)),
+            W,
+            meta,
+            24,
+            40,
+            cuda.to_device(np.zeros((1, 24), np.float32)),
+            ids=cuda.to_device(np.zeros((1, 1), np.int32)),
+        )
+    with pytest.raises(ValueError, match="meta"):
+        launch_q8_gate_up(
+            cuda.to_device(np.zeros((1, 32), np.float32)),
+            W,
+            cuda.to_device(np.zeros((3, 8), np.int32)),
+            16,
+            32,
+            cuda.to_device(np.zeros((1, 16), np.float32)),
+            ids=cuda.to_device(np.zeros((1, 1), np.int32)),
+        )
