@@ -47,13 +47,16 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
     )
 
 
-def test_cuda_refuses_8bit_experts_in_one_line_until_its_kernels_read_them(tmp_path, monkeypatch):
+def test_the_cuda_expert_cache_refuses_8bit_experts_in_one_line(tmp_path, monkeypatch):
+    """Resident 8-bit experts run on cuda; its expert cache's kernels read dense blocks only, so a cached 8-bit
+    model is refused before anything is allocated."""
     model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, expert_dtype="int8"))
     monkeypatch.setattr(backends, "cuda_status", lambda: (True, "NVIDIA H200 found"))
     with pytest.raises(ConfigError) as err:
-        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256))
+        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256, expert_cache_slots=1))
     assert str(err.value) == (
-        f"backend: cuda runs experts stored as float32 only; {model.path} has int8 experts (use --backend cpu)"
+        f"backend: the cuda expert cache runs experts stored as float32 only; {model.path} has int8 experts "
+        "(give --expert-cache-gb room for every expert, or use --backend cpu)"
     )
 
 

@@ -104,7 +104,7 @@ def host_decoder(
     )
     d.max_tokens, d.max_seqs, d.seq_slots = MAX_TOKENS, MAX_SEQS, MAX_SEQS + 1
     d.block_size, d.max_blocks_per_seq, d.moe_layers = BLOCK, MAX_BLOCKS, cfg.moe_layers
-    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32))
+    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32), quantized=False)
     layout = layout_workspace(cfg, d.weights.dtype, MAX_TOKENS, MAX_SEQS, MAX_BLOCKS, len(cfg.moe_layers))
     metadata = HostBuffer({n: layout[n][0] for n in METADATA})
     results = HostBuffer({n: layout[n][0] for n in RESULTS})
@@ -123,7 +123,8 @@ def host_decoder(
         [SimpleNamespace(record=lambda handle: None, wait=lambda: None, ready=lambda: True) for _ in range(HOST_TWINS)],
     )
     d._unfinished = set()
-    d.penalties = SimpleNamespace(warmup=lambda logits: None)
+    d.penalties = SimpleNamespace(warmup=lambda logits: None, logits=None)
+    d.token_masks = SimpleNamespace(warmup=lambda logits, penalized: None)
     d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
     d.issued = []
     d.model = SimpleNamespace(

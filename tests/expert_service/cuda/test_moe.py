@@ -34,7 +34,7 @@ class Weights:
             config.moe_intermediate_size,
             config.shared_expert_intermediate_size,
         )
-        self.dtype = np.dtype(np.float32)
+        self.dtype, self.quantized = np.dtype(np.float32), False
         self.host, self.mats, self.experts = {}, {}, {}
         for i in config.moe_layers:
             shapes = {"router": (E, D)}
@@ -217,7 +217,9 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
         linear=SimpleNamespace(cublas=blas),
         weights=SimpleNamespace(dtype=np.dtype(weights_dtype)),
         stream=SimpleNamespace(synchronize=lambda: calls.append(("sync",))),
+        quantized=False,
     )
+    moe._gemm_group = lambda *args: DeviceMoe._gemm_group(moe, *args)
     DeviceMoe._expert_gemms(moe, 256, experts)
     item, gu_item = np.dtype(weights_dtype).itemsize, np.dtype(gate_up_dtype).itemsize
     block = experts.shape[1] * item
