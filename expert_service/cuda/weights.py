@@ -40,8 +40,8 @@ class HostUploader:
         # outlives its mapping makes the driver refuse the next allocation or mmap placed at those addresses.
         self._release = weakref.finalize(self, _unpin_all, self.pinned)
 
-    def pin(self, host: np.ndarray) -> bool:
-        if self.use_pinned_memory and pin_readonly(host):
+    def pin(self, host: np.ndarray, mapped: bool = False) -> bool:
+        if self.use_pinned_memory and pin_readonly(host, mapped):
             self.pinned.append(host)
             return True
         if self.use_pinned_memory and not self._warned:
@@ -126,7 +126,8 @@ class DeviceWeights:
         for layer in self.config.moe_layers:
             host = model._map(expert_file(layer))[: self.config.num_experts * model.expert_stride]
             self.expert_host[layer] = host
-            self.expert_pinned[layer] = self.uploader.pin(host)
+            # the expert cache's fetch kernels read the experts straight from host memory: mapped
+            self.expert_pinned[layer] = self.uploader.pin(host, mapped=not load_experts)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])

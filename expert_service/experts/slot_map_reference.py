@@ -31,7 +31,9 @@ class SlotMapState:
         )
 
     def copy(self) -> SlotMapState:
-        return SlotMapState(*(a.copy() for a in (self.slot_of, self.expert_in, self.stamp, self.prefetched, self.stats)))
+        return SlotMapState(
+            *(a.copy() for a in (self.slot_of, self.expert_in, self.stamp, self.prefetched, self.stats))
+        )
 
 
 def _victim(state: SlotMapState, usable: np.ndarray) -> int:

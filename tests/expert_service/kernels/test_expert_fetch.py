@@ -8,8 +8,10 @@ from numba import cuda
 from expert_service.kernels.expert_fetch import launch_expert_fetch
 
 
-@pytest.mark.parametrize("E,S,block_bytes,pairs", [(4, 2, 64, [(3, 1)]), (6, 3, 208, [(5, 0), (0, 2), (2, 1)]),
-                                                   (3, 2, 16, [(1, 1), (2, 0)]), (5, 2, 4096, [(4, 0)])])
+@pytest.mark.parametrize(
+    "E,S,block_bytes,pairs",
+    [(4, 2, 64, [(3, 1)]), (6, 3, 208, [(5, 0), (0, 2), (2, 1)]), (3, 2, 16, [(1, 1), (2, 0)]), (5, 2, 4096, [(4, 0)])],
+)
 def test_copies_listed_blocks_only(E, S, block_bytes, pairs):
     rng = np.random.default_rng(block_bytes + E)
     words = block_bytes // 4
@@ -20,8 +22,14 @@ def test_copies_listed_blocks_only(E, S, block_bytes, pairs):
     expert = np.full(cap, 99, np.int32)
     slot = np.full(cap, 99, np.int32)
     expert[: len(pairs)], slot[: len(pairs)] = zip(*pairs) if pairs else ((), ())
-    launch_expert_fetch(src, dst, cuda.to_device(expert[:S]), cuda.to_device(slot[:S]),
-                        cuda.to_device(np.array([len(pairs)], np.int32)), block_bytes)
+    launch_expert_fetch(
+        src,
+        dst,
+        cuda.to_device(expert[:S]),
+        cuda.to_device(slot[:S]),
+        cuda.to_device(np.array([len(pairs)], np.int32)),
+        block_bytes,
+    )
     want = dst0.copy().reshape(S, words)
     for e, s in pairs:
         want[s] = src.reshape(E, words)[e]

@@ -34,18 +34,41 @@ class DeviceLayer:
 
     def demand(self, ids):
         st = self.state
-        launch_plan_demand(cuda.to_device(np.asarray(ids, np.int32).reshape(-1)), self.tick, st["slot_of"],
-                           st["expert_in"], st["stamp"], st["prefetched"], self.busy, self.mark, self.wave_map,
-                           self.fetch_expert, self.fetch_slot, self.fetch_count, self.stats)
+        launch_plan_demand(
+            cuda.to_device(np.asarray(ids, np.int32).reshape(-1)),
+            self.tick,
+            st["slot_of"],
+            st["expert_in"],
+            st["stamp"],
+            st["prefetched"],
+            self.busy,
+            self.mark,
+            self.wave_map,
+            self.fetch_expert,
+            self.fetch_slot,
+            self.fetch_count,
+            self.stats,
+        )
         counts = self.fetch_count.copy_to_host()
         fe, fs = self.fetch_expert.copy_to_host(), self.fetch_slot.copy_to_host()
         return self.wave_map.copy_to_host(), [list(zip(fe[w, :c], fs[w, :c])) for w, c in enumerate(counts)]
 
     def prefetch(self, a, b):
         st = self.state
-        launch_plan_prefetch(cuda.to_device(np.asarray(a, np.int32)), cuda.to_device(np.asarray(b, np.int32)),
-                             self.tick, st["slot_of"], st["expert_in"], st["stamp"], st["prefetched"], self.mark,
-                             self.pf_expert, self.pf_slot, self.pf_count, self.stats)
+        launch_plan_prefetch(
+            cuda.to_device(np.asarray(a, np.int32)),
+            cuda.to_device(np.asarray(b, np.int32)),
+            self.tick,
+            st["slot_of"],
+            st["expert_in"],
+            st["stamp"],
+            st["prefetched"],
+            self.mark,
+            self.pf_expert,
+            self.pf_slot,
+            self.pf_count,
+            self.stats,
+        )
         c = int(self.pf_count.copy_to_host()[0])
         return list(zip(self.pf_expert.copy_to_host()[:c], self.pf_slot.copy_to_host()[:c]))
 
@@ -72,15 +95,18 @@ def check_waves(contents, ids, wave_map, fetches, S):
         slots = wave_map[w][wave_map[w] >= 0]
         assert len(set(slots.tolist())) == len(slots) <= S
         for e in np.flatnonzero(wave_map[w] >= 0):
-            assert contents[wave_map[w, e]] == e, f"wave {w}: expert {e} reads a slot holding {contents[wave_map[w, e]]}"
+            assert contents[wave_map[w, e]] == e, (
+                f"wave {w}: expert {e} reads a slot holding {contents[wave_map[w, e]]}"
+            )
             computed.append(int(e))
     assert sorted(computed) == sorted(needed)
     used_waves = sum(bool((wave_map[w] >= 0).any()) for w in range(len(fetches)))
     assert used_waves == max(1, -(-len(needed) // S)) or not needed
 
 
-@pytest.mark.parametrize("E,S,T,K", [(4, 1, 1, 2), (8, 2, 4, 2), (8, 3, 16, 2), (16, 4, 3, 4), (16, 16, 2, 4),
-                                     (12, 5, 5, 3)])
+@pytest.mark.parametrize(
+    "E,S,T,K", [(4, 1, 1, 2), (8, 2, 4, 2), (8, 3, 16, 2), (16, 4, 3, 4), (16, 16, 2, 4), (12, 5, 5, 3)]
+)
 def test_demand_and_prefetch_match_reference_over_steps(E, S, T, K):
     rng = np.random.default_rng(E * 1000 + S * 10 + T)
     W = waves_needed(T * K, E, S)
