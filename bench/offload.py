@@ -60,7 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import SHAPES, build_hf, cuda_time, write_colibri  # noqa: E402
+from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
 from bench.offload_report import plot_offload, print_offload  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
@@ -190,6 +190,7 @@ def bench_colibri(
     from the plan (looked up outside the timed region: the router does it before sending the step). Prompts
     come from `tokens`, the same ones for every engine."""
     take = tokens.sampler()
+    thread = _model_thread(engine)
     use_plan = table is not None and "plan" in engine.config.prefetch_sources
     sync = getattr(getattr(engine.decoder, "stream", None), "synchronize", lambda: None)
 
@@ -221,9 +222,26 @@ def bench_colibri(
         for _ in range(WARMUP_STEPS):  # cuda: eager, capture, replay
             step(decode_ids=ids)
         runs = [step(decode_ids=ids) for _ in range(decode_steps)]
-        engine.clear()
         out["decode"][str(b)] = summarize(runs, b, bytes_per_s)
+        if thread is not None and not use_plan:  # as bench/engine.py serves: graphs, two steps in flight
+            seconds, _ = pipelined_decode(engine, ids, thread, lambda result, context: 0)
+            out["decode"][str(b)]["pipelined_tok_s"] = b / seconds
+        engine.clear()
     return out
+
+
+_THREADS: dict = {}
+
+
+def _model_thread(engine: Engine):
+    """The model thread pipelined decode runs on (cuda only; one per process)."""
+    if engine.decoder.backend.value != "cuda":
+        return None
+    if "thread" not in _THREADS:
+        from expert_service.serving.lifecycle import ModelThread
+
+        _THREADS["thread"] = ModelThread("bench-offload")
+    return _THREADS["thread"]
 
 
 def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens: TokenSource) -> dict:
@@ -245,22 +263,23 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
         "runs": {},
     }
     slots = {fraction: max(1, round(fraction * experts)) for fraction in args.fractions}
-    table, resident = None, None
+    table = None
     engine = make_engine(model, args.backend)  # every expert resident; closed before any cached engine
     try:  # is built (each pins the model's host pages)
         if args.table is not None:
             table, entry["routing_table"] = load_table(model, args.table)
         elif any("plan" in m for m in args.prefetch_modes):
             table, entry["routing_table"] = build_routing_table(model, engine, workdir / "routing_table.bin")
-        if any(n >= experts for n in slots.values()):
-            resident = {
-                "slots_per_layer": experts,
-                "slot_bytes": expert_bytes,
-                "prefetch": "n/a",
-                **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps),
-            }
+        # every cached run is compared with the resident engine, measured in the same run
+        resident = {
+            "slots_per_layer": experts,
+            "slot_bytes": expert_bytes,
+            "prefetch": "n/a",
+            **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps),
+        }
     finally:
         close(engine)
+    entry["resident"] = resident
     for fraction, n in slots.items():
         runs = entry["runs"][str(fraction)] = {}
         if n >= experts:
@@ -277,10 +296,15 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                 }
             finally:
                 close(cached)
-            decode = runs[mode]["decode"]
+            decode, base = runs[mode]["decode"], resident["decode"]
             print(
-                f"{fraction:>6} {mode:<15} decode {decode['1']['tok_s']:.1f} tok/s (b=1), "
-                f"{decode['16']['tok_s']:.1f} tok/s (b=16)",
+                f"{fraction:>6} {mode:<15} decode "
+                + ", ".join(
+                    f"b={b} {d['tok_s']:.1f} tok/s ({d['tok_s'] / base[b]['tok_s']:.2f}x resident, "
+                    f"{d['ms_per_step'] / max(base[b]['ms_per_step'], d['pcie_bound_ms']):.2f}x "
+                    f"max(resident, PCIe bound))"
+                    for b, d in decode.items()
+                ),
                 flush=True,
             )
     return entry
@@ -371,6 +395,14 @@ def add_ratios(entry: dict) -> None:
         hf = hf if hf and "error" not in hf else None
         for mode, run in modes.items():
             r = {}
+            resident = entry.get("resident")
+            for b, d in run["decode"].items() if resident and mode != "resident" else ():
+                base = resident["decode"][b]
+                r[f"decode_b{b}_x_resident"] = d["tok_s"] / base["tok_s"]
+                # the target: a cached step within 1.3x of max(resident step, PCIe bound of the bytes it missed)
+                r[f"decode_b{b}_x_target_bound"] = d["ms_per_step"] / max(base["ms_per_step"], d["pcie_bound_ms"])
+                if "pipelined_tok_s" in d and "pipelined_tok_s" in base:
+                    r[f"decode_b{b}_pipelined_x_resident"] = d["pipelined_tok_s"] / base["pipelined_tok_s"]
             if hf:
                 r["prefill_x_hf"] = run["prefill"]["tok_s"] / hf["prefill_tok_s"]
             for b, d in run["decode"].items():

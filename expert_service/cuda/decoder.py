@@ -5,9 +5,9 @@ launches are cuda/model.py's, which alternative kernels they take engine/cuda_op
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
 prefill chunks mixed with decodes) are padded to a token bucket (`prefill_buckets`: powers of two and 1.5x
-powers of two) and replay a graph of the layers captured per bucket (`moe.capturable`; not with the expert
-cache). Where a MoE block needs the host mid-pass (per-expert cuBLAS GEMMs sized by the step's expert offsets)
-the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
+powers of two) and replay a graph of the layers captured per bucket (`moe.capturable`; with the expert cache
+too: its slot map and copies are decided on the device). Where a MoE block needs the host mid-pass (per-expert
+cuBLAS GEMMs sized by the step's expert offsets, resident or cached) the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
 padding tokens form one extra sequence that writes no KV and attends to nothing, and the LM head runs eagerly
 on the real rows while the graph executes. Everything else runs eagerly. Two steps may be in flight: each
 stages into its own host copy of the metadata and results (double buffers, workspace.HOST_TWINS). With
@@ -134,6 +134,7 @@ class CudaDecoder:
                 slot_plan,
                 config.prefetch_sources,
                 config.expert_cache_policy,
+                host_break=self.host_breaks,
             )
             if cached
             else None
@@ -158,12 +159,14 @@ class CudaDecoder:
         of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped kernels, all
         experts, per-expert GEMMs, grouped MMA) -- and captures the graph of every capturable prefill token bucket
         and every decode batch-size bucket, so serving never compiles and allocates nothing on the device (module
-        loads and graph instantiation do). With the expert cache, steps run eagerly and the first ones load
-        kernels."""
+        loads and graph instantiation do). With the expert cache the same steps take the cached strategies."""
         self.penalties.warmup(self.ws.logits)
         self.token_masks.warmup(self.ws.logits, self.penalties.logits)
-        if self.cached is not None:
-            return
+        self._warmup_steps()
+        if self.cached is not None:  # the warm-up's cache counts are nobody's step
+            self.cached.settle_totals()
+
+    def _warmup_steps(self) -> None:
         cfg = self.config
         span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)  # one sequence's most tokens
         bf16 = self.weights.dtype == np.uint16
@@ -183,7 +186,7 @@ class CudaDecoder:
         )
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
-        if MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(
+        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(
             self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, False, bf16, self.weights.quantized
         ):
             self.model.moe.warm_cublas_shapes(self.max_tokens)
@@ -250,8 +253,8 @@ class CudaDecoder:
     @property
     def supports_overlap(self) -> bool:
         """A step may be launched before the one ahead of it is collected (that one's argmax rows feed its
-        decodes on the device): not with the expert cache, whose steps synchronise with the host."""
-        return self.cached is None
+        decodes on the device); the expert cache's steps decide on the device too."""
+        return True
 
     def forward(self, batch: ForwardBatch, trace: StepTrace | None = None) -> Logits:
         return self.finish(self.launch(batch, traced=trace is not None), trace)
@@ -297,6 +300,8 @@ class CudaDecoder:
         bucket = self._decode_bucket(S) if decode_only else None
         tokens = None if decode_only else self._prefill_bucket(T)
         padded = bucket or tokens or T
+        if self.cached is not None:
+            self.cached.stage_hints(batch.expert_hints, self._twin)
         if bucket is not None:
             self._stage(batch, bucket, bucket, bucket)
             self._replay(self.graphs, bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
@@ -306,8 +311,6 @@ class CudaDecoder:
                 self.model.head(tokens, R)
         else:
             self._stage(batch, T, S, R)
-            if self.cached is not None:
-                self.cached.begin_step(batch.expert_hints)
             self._run(T, S, R, decode=decode_only)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
@@ -315,6 +318,8 @@ class CudaDecoder:
         masks = batch.token_masks
         if masks is not None:
             self.token_masks.apply(masks, self.ws.logits, self.penalties.logits, penalized)
+        if self.cached is not None:
+            self.cached.download_stats(self._twin)
         results = self.ws.results
         assert results is not None  # allocate_workspace made it
         n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
@@ -344,7 +349,7 @@ class CudaDecoder:
         assert step.done is not None  # only a synchronous step (host_logits, returned above) has no event
         step.done.wait()
         if self.cached is not None:
-            stats = self.cached.end_step()
+            stats = self.cached.step_stats(step.twin)
             if trace is not None:
                 trace.expert_cache = stats
         results = self.ws.results
@@ -376,7 +381,7 @@ class CudaDecoder:
 
     def _prefill_bucket(self, T: int) -> int | None:
         """The token bucket a non-decode step of T tokens is padded to (and replays), or None (unpadded, eager)."""
-        if not self.options.prefill_graphs or self.cached is not None:
+        if not self.options.prefill_graphs:
             return None
         tokens = next(b for b in self.prefill_buckets if b >= T)
         return tokens if self._prefill_capturable(tokens) else None
@@ -384,7 +389,7 @@ class CudaDecoder:
     def _decode_bucket(self, S: int) -> int | None:
         """The batch bucket a decode step of S sequences is padded to (and replays), or None (unpadded, eager)."""
         bucket = next((b for b in GRAPH_BUCKETS if b >= S), None)
-        if self.cached is not None or bucket is None or bucket > min(self.max_seqs, self.max_tokens):
+        if bucket is None or bucket > min(self.max_seqs, self.max_tokens):
             return None
         return bucket
 
@@ -406,17 +411,18 @@ class CudaDecoder:
         """More logits rows than the plan holds (`colibri logits`: every prompt position): the layers run
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
         tokens = self._prefill_bucket(T)
+        if self.cached is not None:
+            self.cached.stage_hints(batch.expert_hints, self._twin)
         if tokens is not None:  # padded as a step with fewer rows would be: the same bits in its sampling rows
             self._prefill_layers(batch, tokens, 0)
             T = tokens
         else:
             self._stage(batch, T, S, 0)
-            if self.cached is not None:
-                self.cached.begin_step(batch.expert_hints)
             self._run(T, S, 0, decode=False)
-        if self.cached is not None:
+        if self.cached is not None:  # its counts are dropped, but the running totals move past it
+            self.cached.download_stats(self._twin)
             self.stream.synchronize()
-            self.cached.end_step()
+            self.cached.step_stats(self._twin)
         rows = np.asarray(batch.logits_rows, dtype=np.int32)
         out, penalized = np.empty((R, self.config.vocab_size), dtype=np.float32), None
         for start in range(0, R, self.max_seqs):

@@ -72,17 +72,25 @@ class Event:
             self.handle = None
 
 
-def pin_readonly(array: np.ndarray) -> bool:
-    """Page-locks the host range of a read-only array (an mmap) so copies from it run at PCIe speed.
-    Returns False when the driver refuses (limits, unsupported), so the caller can fall back."""
+def pin_readonly(array: np.ndarray, mapped: bool = False) -> bool:
+    """Page-locks the host range of a read-only array (an mmap) so copies from it run at PCIe speed; `mapped`:
+    also maps it into the device's address space (kernels read it: mapped_address). Returns False when the
+    driver refuses (limits, unsupported), so the caller can fall back."""
     if array.nbytes == 0:
         return True
+    flags = drv.CU_MEMHOSTREGISTER_READ_ONLY | (drv.CU_MEMHOSTREGISTER_DEVICEMAP if mapped else 0)
     try:
-        check(drv.cuMemHostRegister(array.ctypes.data, array.nbytes, drv.CU_MEMHOSTREGISTER_READ_ONLY))
+        check(drv.cuMemHostRegister(array.ctypes.data, array.nbytes, flags))
         return True
     except CudaDriverError as e:
         log.warning("could not page-lock %d bytes of model weights (%s)", array.nbytes, e)
         return False
+
+
+def mapped_address(array: np.ndarray) -> int:
+    """The device address of a host array registered with `pin_readonly(mapped=True)` (on the H200 the host
+    address itself; the driver says)."""
+    return int(check(drv.cuMemHostGetDevicePointer(array.ctypes.data, 0)))
 
 
 def unpin(array: np.ndarray) -> None:

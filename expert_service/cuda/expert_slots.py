@@ -1,15 +1,13 @@
-"""The expert cache's copy engine on the GPU: a fixed number of device expert slots per MoE layer, filled
-from the page-locked host copy of the experts on a dedicated copy stream.
+"""The expert cache's memory on the GPU, all of it on the device: a fixed number of slots per MoE layer, the
+slot map that says which expert each slot holds (kernels/expert_slot_map.py updates it from the step's own
+routing) and the host copy of the experts, read by the fetch kernel (kernels/expert_fetch.py) through its mapped
+device address. Nothing here waits for the host or asks it anything, so a cached step is captured and replayed
+as a CUDA graph like a resident one.
 
-Ordering, all on the device (the host never blocks on a copy):
-- a copy into a slot first waits for the compute stream's last use of that slot (an event recorded after
-  the kernels that read it), so a re-targeted slot is never overwritten under a running kernel;
-- the compute stream waits on the copy's completion event before the kernels that read the slot
-  (`CopyHandle.result`, called by ExpertCache.wait);
-- the time the compute stream spent waiting is measured with a pair of timing events around each wait
-  and read back after the step (the stall reported per step).
-Host source: the experts files' mmaps page-locked read-only (DeviceWeights pins them); where the driver
-refuses, each layer's experts are copied once into pinned host memory (host RAM = the experts' bytes).
+Host source: the experts files' mmaps, page-locked read-only and mapped (DeviceWeights pins them); where the
+driver refuses, each layer's experts are copied once into mapped pinned host memory (host RAM = their bytes).
+Counters: hits, misses and prefetches are counted on the device (`stats`, per layer) and read back with each
+step's results (`download_stats`); a step's counts are the difference (`step_stats`).
 """
 
 from __future__ import annotations
@@ -17,114 +15,192 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from cuda.bindings import driver as drv
 from numba import cuda
 
-from expert_service.cuda.driver import check, non_blocking_stream, stream_handle
+from expert_service.cuda.driver import mapped_address
+from expert_service.experts.cache import CacheStats
+from expert_service.experts.slot_map_reference import waves_needed
+from expert_service.kernels.expert_fetch import launch_expert_fetch
+from expert_service.kernels.expert_slot_map import (
+    HITS,
+    MISSES,
+    POLICY_LRU,
+    PREFETCHES_ISSUED,
+    PREFETCHES_USED,
+    launch_advance_tick,
+    launch_plan_demand,
+    launch_plan_prefetch,
+)
 
 log = logging.getLogger("colibri.worker.cuda")
+DEVICE_POLICIES = {"lru": POLICY_LRU}  # --expert-cache-policy -> the slot-map kernel's policy
+STATS_TWINS = 2  # a step may be launched before the one ahead of it is collected: one host copy each
 
 
-def _event(timing: bool = False):
-    flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-    return check(drv.cuEventCreate(flags))
-
-
-class CopyHandle:
-    """A copy in flight: `result()` makes the compute stream wait for it (no host blocking)."""
-
-    __slots__ = ("slots", "event")
-
-    def __init__(self, slots: DeviceSlots, event):
-        self.slots, self.event = slots, event
-
-    def result(self) -> None:
-        self.slots.wait_on(self.event)
+def _filled(shape, value, dtype, stream):
+    array = cuda.device_array(shape, dtype, stream=stream)
+    array.copy_to_device(np.full(shape, value, dtype), stream=stream)
+    return array
 
 
 class DeviceSlots:
-    def __init__(self, weights, moe_layers: list[int], slots_per_layer: int, compute_stream):
-        self.weights, self.slots_per_layer = weights, slots_per_layer
-        self.compute = stream_handle(compute_stream)
-        self._copy_handle, self.copy_stream = non_blocking_stream()
-        self.block_bytes = weights.model.expert_stride
+    """Slots [layer] = [S, stride] in the weights' dtype, the mapped host experts, the slot map's state."""
+
+    def __init__(self, weights, moe_layers: list[int], slots_per_layer: int, max_ids: int, policy: str, stream):
+        if policy not in DEVICE_POLICIES:
+            raise ValueError(f"expert_cache_policy {policy!r} has no device implementation ({sorted(DEVICE_POLICIES)})")
+        cfg = weights.config
+        self.moe_layers, self.policy = list(moe_layers), DEVICE_POLICIES[policy]
+        self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
+        L, E, S = len(self.moe_layers), cfg.num_experts, slots_per_layer
+        self.num_experts, self.slots_per_layer = E, S
+        self.block_bytes = weights.model.expert_stride  # whole blocks: any expert dtype copies unchanged
+        self.max_waves = waves_needed(max_ids, E, S)
         elems = self.block_bytes // weights.dtype.itemsize
-        self.buffers = {
-            layer: cuda.device_array((slots_per_layer, elems), dtype=weights.dtype, stream=compute_stream)
-            for layer in moe_layers
-        }
-        self.sources: dict[int, np.ndarray] = {}
-        for layer in moe_layers:
-            host = weights.expert_host[layer]
-            if not weights.expert_pinned[layer]:
-                if not self.sources:
-                    log.warning(
-                        "expert files could not be page-locked: holding a pinned host copy of the experts "
-                        "(%.2f GiB of host memory)",
-                        len(moe_layers) * host.nbytes / 2**30,
-                    )
-                staged = cuda.pinned_array(host.nbytes, dtype=np.uint8)
-                staged[:] = host
-                host = staged
-            self.sources[layer] = host
-        keys = [(layer, slot) for layer in moe_layers for slot in range(slots_per_layer)]
-        self._copied = {key: _event() for key in keys}  # the latest copy into the slot completed
-        self._last_use = {key: _event() for key in keys}  # the compute stream's latest use of the slot
-        self._used: set[tuple[int, int]] = set()  # slots whose _last_use has been recorded
-        self._timers: list[tuple[object, object]] = []  # timing event pairs, reused step after step
-        self._timed = 0
+        raw = [cuda.device_array(S * self.block_bytes, np.uint8, stream=stream) for _ in self.moe_layers]
+        self.words = [r.view(np.uint32) for r in raw]  # what the fetch kernel writes
+        self.buffers = [r.view(weights.dtype).reshape(S, elems) for r in raw]  # what the expert kernels read
+        self._staged: list[np.ndarray] = []  # mapped pinned copies (the fallback), kept alive
+        self.sources = [self._source(weights, layer) for layer in self.moe_layers]
+        i32, W = np.int32, self.max_waves
+        self.slot_of = _filled((L, E), -1, i32, stream)
+        self.expert_in = _filled((L, S), -1, i32, stream)
+        self.stamp = _filled((L, S), 0, i32, stream)
+        self.prefetched = _filled((L, S), 0, i32, stream)
+        self.busy = _filled((L, S), -1, i32, stream)
+        self.mark = _filled((L, E), 0, i32, stream)
+        self.pf_mark = _filled((L, E), 0, i32, stream)  # the prefetch's scratch: it runs on the side stream
+        self.stats = _filled((L, 4), 0, np.int64, stream)
+        self.tick = _filled((1,), 0, i32, stream)
+        self.wave_map = _filled((L, W, E), -1, i32, stream)
+        self.fetch_expert = _filled((L, W, S), 0, i32, stream)
+        self.fetch_slot = _filled((L, W, S), 0, i32, stream)
+        self.fetch_count = _filled((L, W), 0, i32, stream)
+        self.pf_expert = _filled((L, S), 0, i32, stream)
+        self.pf_slot = _filled((L, S), 0, i32, stream)
+        self.pf_count = _filled((L, 1), 0, i32, stream)
+        self.host_stats = cuda.pinned_array((STATS_TWINS, L, 4), np.int64)
+        self.host_stats[:] = 0
+        self._totals = np.zeros((L, 4), np.int64)
+
+    def _source(self, weights, layer: int):
+        """The layer's experts [E * words] uint32 as the device reads them: the mapped mmap, or a mapped copy."""
+        host = weights.expert_host[layer]
+        if weights.expert_pinned[layer]:
+            desc = {"shape": (host.nbytes // 4,), "typestr": "<u4", "data": (mapped_address(host), True), "version": 3}
+            return cuda.from_cuda_array_interface(desc, owner=host, sync=False)
+        if not self._staged:
+            log.warning(
+                "expert files could not be page-locked and mapped: holding a mapped pinned host copy of the "
+                "experts (%.2f GiB of host memory)",
+                len(self.moe_layers) * host.nbytes / 2**30,
+            )
+        staged = cuda.mapped_array(host.nbytes, dtype=np.uint8)
+        staged[:] = host
+        self._staged.append(staged)
+        return staged.view(np.uint32)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers.values())
+        state = (self.slot_of, self.expert_in, self.stamp, self.wave_map, self.fetch_expert, self.fetch_slot)
+        return sum(b.nbytes for b in self.buffers) + sum(a.nbytes for a in state)
 
     def weights_of(self, layer: int):
-        """The layer's slot buffer [slots, stride] (the expert kernels take it with a slot_of map)."""
-        return self.buffers[layer]
+        """The layer's slot buffer [slots, stride] (the expert kernels read it through a wave's slot map)."""
+        return self.buffers[self.index[layer]]
 
-    # --- the CopyEngine protocol ------------------------------------------------------------------
-    def copy(self, layer: int, expert: int, slot: int) -> CopyHandle:
-        key = (layer, slot)
-        if key in self._used:
-            check(drv.cuStreamWaitEvent(self._copy_handle, self._last_use[key], 0))
-        nbytes = self.block_bytes
-        src = self.sources[layer].ctypes.data + expert * nbytes
-        dst = self.buffers[layer].device_ctypes_pointer.value + slot * nbytes
-        check(drv.cuMemcpyHtoDAsync(dst, src, nbytes, self._copy_handle))
-        check(drv.cuEventRecord(self._copied[key], self._copy_handle))
-        return CopyHandle(self, self._copied[key])
+    def waves(self, num_ids: int) -> int:
+        """Waves a layer of num_ids routed ids is planned in (a captured step launches all of them)."""
+        return waves_needed(num_ids, self.num_experts, self.slots_per_layer)
 
-    # --- compute-side ordering ----------------------------------------------------------------------
-    def wait_on(self, event) -> None:
-        """The compute stream waits for a copy, between a pair of timing events (the stall it causes)."""
-        if self._timed == len(self._timers):
-            self._timers.append((_event(timing=True), _event(timing=True)))
-        start, end = self._timers[self._timed]
-        self._timed += 1
-        check(drv.cuEventRecord(start, self.compute))
-        check(drv.cuStreamWaitEvent(self.compute, event, 0))
-        check(drv.cuEventRecord(end, self.compute))
+    # --- launches (eager or captured alike) ----------------------------------------------------------
+    def advance(self, stream) -> None:
+        """A new step: the LRU clock ticks (predictions of this step protect the slots they stamp)."""
+        launch_advance_tick(self.tick, stream=stream)
 
-    def used(self, layer: int, slots) -> None:
-        """Records that the kernels launched so far read these slots (later copies into them wait for them)."""
-        for slot in slots:
-            key = (layer, slot)
-            check(drv.cuEventRecord(self._last_use[key], self.compute))
-            self._used.add(key)
+    def plan(self, layer: int, ids, waves: int, stream) -> None:
+        """The layer's waves for the step routed to ids [n] (the first `waves` rows of wave_map / fetch lists)."""
+        m = self.index[layer]
+        launch_plan_demand(
+            ids,
+            self.tick,
+            self.slot_of[m],
+            self.expert_in[m],
+            self.stamp[m],
+            self.prefetched[m],
+            self.busy[m],
+            self.mark[m],
+            self.wave_map[m, :waves],
+            self.fetch_expert[m, :waves],
+            self.fetch_slot[m, :waves],
+            self.fetch_count[m, :waves],
+            self.stats[m],
+            stream=stream,
+            policy=self.policy,
+        )
 
-    def stall_seconds(self) -> float:
-        """Total waiting time of this step's timed waits (call after the compute stream synchronised)."""
-        total = 0.0
-        for start, end in self._timers[: self._timed]:
-            total += check(drv.cuEventElapsedTime(start, end)) / 1e3
-        self._timed = 0
-        return total
+    def fetch(self, layer: int, wave: int, stream) -> None:
+        """The copies wave `wave` needs before its kernels read the slots."""
+        m = self.index[layer]
+        launch_expert_fetch(
+            self.sources[m],
+            self.words[m],
+            self.fetch_expert[m, wave],
+            self.fetch_slot[m, wave],
+            self.fetch_count[m, wave : wave + 1],
+            self.block_bytes,
+            stream=stream,
+        )
+
+    def wave_slots(self, layer: int, wave: int):
+        """slot_of [E] of the experts wave `wave` computes (-1: not in it), for the grouped kernels."""
+        return self.wave_map[self.index[layer], wave]
+
+    def prefetch(self, layer: int, predicted_a, predicted_b, stream) -> None:
+        """Predicted ids [na], [nb] of the layer (-1: none) into free, unprotected slots, copied at once."""
+        m = self.index[layer]
+        launch_plan_prefetch(
+            predicted_a,
+            predicted_b,
+            self.tick,
+            self.slot_of[m],
+            self.expert_in[m],
+            self.stamp[m],
+            self.prefetched[m],
+            self.pf_mark[m],
+            self.pf_expert[m],
+            self.pf_slot[m],
+            self.pf_count[m],
+            self.stats[m],
+            stream=stream,
+            policy=self.policy,
+        )
+        launch_expert_fetch(
+            self.sources[m],
+            self.words[m],
+            self.pf_expert[m],
+            self.pf_slot[m],
+            self.pf_count[m],
+            self.block_bytes,
+            stream=stream,
+        )
+
+    # --- counters ------------------------------------------------------------------------------------
+    def download_stats(self, twin: int, stream) -> None:
+        """The running counters to host copy `twin`, behind the step on the stream."""
+        self.stats.copy_to_host(self.host_stats[twin], stream=stream)
+
+    def step_stats(self, twin: int) -> CacheStats:
+        """The counts of the step whose counters landed in copy `twin` (steps are collected in launch order)."""
+        now = np.array(self.host_stats[twin])
+        delta, self._totals = (now - self._totals).sum(axis=0), now
+        return CacheStats(
+            hits=int(delta[HITS]),
+            misses=int(delta[MISSES]),
+            bytes_copied=int(delta[MISSES] + delta[PREFETCHES_ISSUED]) * self.block_bytes,
+            prefetches_issued=int(delta[PREFETCHES_ISSUED]),
+            prefetches_used=int(delta[PREFETCHES_USED]),
+        )
 
     def close(self) -> None:
-        check(drv.cuStreamSynchronize(self._copy_handle))
-        for event in (
-            list(self._copied.values()) + list(self._last_use.values()) + [e for pair in self._timers for e in pair]
-        ):
-            drv.cuEventDestroy(event)
-        self._timers.clear()
-        drv.cuStreamDestroy(self._copy_handle)
+        self._staged.clear()

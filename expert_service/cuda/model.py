@@ -70,9 +70,9 @@ class CudaModel:
             ws.token_ids[:T], w.get("embed_tokens"), h, stream=st, feed=ws.feed_rows[:T], fed=ws.greedy_ids
         )
         normed = False  # x already holds this layer's input norm (the previous MoE combine wrote it)
+        if self.cached is not None:
+            self.cached.start_pass(T, large=self.moe.cached_large(T))
         for i in range(cfg.num_hidden_layers):
-            if self.cached is not None:
-                self.cached.prefetch_plan(self.cached.next_moe[i])
             if not normed:
                 rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
             self._attention(i, x, h, T, S, decode)
@@ -86,6 +86,8 @@ class CudaModel:
                 g = ws.dense_gate[:T]
                 self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
                 self.linear.linear(g, w.layer(i, "down_proj"), h, accumulate=True)
+        if self.cached is not None:
+            self.cached.end_pass()
 
     def head(self, T: int, R: int) -> None:
         """Final norm and LM head on the hidden rows `logits_rows[:R]`, then the device-side argmax (and

@@ -102,13 +102,20 @@ def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False, qu
     return MoeStrategy.CUBLAS_PER_EXPERT
 
 
-# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole.
+# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole
+# (the expert cache's grouped strategy too: its slot map, copies and waves are decided on the device).
 ON_DEVICE = frozenset(
-    {MoeStrategy.GROUPED_MMA, MoeStrategy.GEMV, MoeStrategy.ALL_EXPERTS, MoeStrategy.GROUPED, MoeStrategy.Q8}
+    {
+        MoeStrategy.GROUPED_MMA,
+        MoeStrategy.GEMV,
+        MoeStrategy.ALL_EXPERTS,
+        MoeStrategy.GROUPED,
+        MoeStrategy.Q8,
+        MoeStrategy.CACHED_GROUPED,
+    }
 )
-# ... and those a graph captures in pieces around a host break (driver.HostBreaks). The expert cache's strategies
-# are neither: its host work (slot choice, copies on another stream) runs inside the layer.
-CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT}
+# ... and those a graph captures in pieces around a host break (driver.HostBreaks).
+CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT, MoeStrategy.CACHED_CUBLAS}
 
 
 def capturable(T: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False) -> bool:
@@ -233,6 +240,13 @@ class DeviceMoe:
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
+
+    def cached_large(self, T: int) -> bool:
+        """Whether a cached step of T tokens runs CACHED_CUBLAS (per-expert GEMMs at a host break)."""
+        cfg = self.config
+        return (
+            choose_strategy(T, cfg.num_experts_per_tok, cfg.num_experts, True, self.bf16) is MoeStrategy.CACHED_CUBLAS
+        )
 
     def _combiner(self, x, norm_weight):
         """combine(y, index, weights, h, dense=False): the layer's last op, h += the weighted expert outputs

@@ -1,20 +1,35 @@
-"""The expert cache's side of the MoE block on the cuda backend (`CachedExperts`): device slots per MoE layer,
-their replacement and prefetch (expert_service.experts.cache.ExpertCache), and the CACHED_GROUPED / CACHED_CUBLAS
-strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident: the routed experts
-run in waves over the slots, the grouped kernels or per-expert cuBLAS reading each expert's slot."""
+"""The expert cache's side of the MoE block on the cuda backend (`CachedExperts`): the CACHED_GROUPED / CACHED_CUBLAS
+strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident, and the prefetch.
+
+A layer, all on the device: router -> top-k -> grouping as on the resident path; the slot-map kernel turns the
+step's routed ids into waves of at most `slots` experts and the copies each needs (cuda/expert_slots.py); per
+wave the fetch kernel copies the misses from mapped host memory, then the grouped kernels read the wave's
+experts through its slot map (experts outside the wave skipped, their rows left for another wave). A captured
+step launches every wave a step of its size can need; waves with nothing to do return at once.
+
+Prefetch runs on a side stream forked from the compute stream after the layer's first wave of demand copies (so
+demand copies never queue behind speculative ones) and joined before the predicted layer's own plan: the
+routing plan's experts for the next MoE layer and, with lookahead, the next layer's router applied to this
+layer's input (its top-k on the device). The first MoE layer's plan is prefetched when the step starts.
+Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS) read the waves and expert offsets back at a host break and run
+two cuBLAS GEMMs per expert on its slot, as the resident per-expert path does; they take no prefetch.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from cuda.bindings import driver as drv
 from numba import cuda
 
 from common.model_config import ModelConfig
+from expert_service.cuda.driver import Event, check, non_blocking_stream, stream_handle
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.config import PrefetchSource
-from expert_service.experts.cache import CacheStats, ExpertCache
-from expert_service.experts.grouping import experts_by_count
+from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gate_topk import launch_gate_topk
@@ -22,10 +37,13 @@ from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 
+HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
+
 
 class CachedExperts:
-    """The expert cache on the device: slots per MoE layer, their replacement and prefetch, and the CACHED_*
-    strategies. The decoder drives the step boundaries (begin_step / prefetch_plan / end_step)."""
+    """The expert cache on the device: slots and slot map (DeviceSlots), the CACHED_* strategies and the
+    prefetch. The decoder stages each step's plan (`stage_hints`), the pass starts with `start_pass`, the
+    counters come back with `download_stats` / `step_stats`."""
 
     def __init__(
         self,
@@ -38,96 +56,151 @@ class CachedExperts:
         slot_plan: SlotPlan,
         prefetch: frozenset[PrefetchSource],
         policy: str,
+        host_break=None,
     ):
         cfg = config
         self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
         self.prefetch = prefetch
+        self.host_break = host_break if host_break is not None else (lambda resume: resume())
         moe = cfg.moe_layers
-        S, E, K, T = slot_plan.slots_per_layer, cfg.num_experts, cfg.num_experts_per_tok, max_tokens
-        self.slots = DeviceSlots(weights, moe, S, stream)
-        self.cache = ExpertCache(moe, E, S, slot_plan.expert_block_bytes, self.slots, policy)
+        self.moe_layers = moe
+        E, K, T = cfg.num_experts, cfg.num_experts_per_tok, max_tokens
+        self.slots = DeviceSlots(weights, moe, slot_plan.slots_per_layer, T * K, policy, stream)
         self.next_moe = {i: next((j for j in moe if j > i), None) for i in range(cfg.num_hidden_layers)}
-        self.max_waves = -(-E // S)
         st = stream
-        self.slot_of = cuda.device_array((self.max_waves, E), np.int32, stream=st)
+        self._main = stream_handle(stream)
+        self._side_handle, self.side = non_blocking_stream()
+        self._fork = Event()
+        self._joined = {layer: Event() for layer in moe}  # the layer's prefetch copies are done
+        self._pending: set[int] = set()  # layers with a prefetch not yet joined (while issuing a pass)
         self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
         self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
         self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
-        self.host = {
-            "slot_of": cuda.pinned_array((self.max_waves, E), np.int32),
-            "ids": cuda.pinned_array(T * K, np.int32),
-            "ahead_ids": cuda.pinned_array(T * K, np.int32),
-            "offsets": cuda.pinned_array(E + 1, np.int32),
-        }
-        self._hints: dict[int, np.ndarray] | None = None  # this step's expert hints (begin_step)
+        self.no_ids = cuda.to_device(np.full(1, -1, np.int32), stream=st)
+        L = max(len(moe), 1)
+        self.hint_ids = cuda.to_device(np.full((L, T * K), -1, np.int32), stream=st)
+        self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
+        self._hints_clear = True  # hint_ids holds no plan (all -1)
+        W = self.slots.max_waves
+        self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
+        self.host_offsets = cuda.pinned_array(E + 1, np.int32)
 
     @property
     def nbytes(self) -> int:
-        return self.slots.nbytes + self.slot_of.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes
+        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + self.hint_ids.nbytes
 
     # --- step boundaries ----------------------------------------------------------------------------
-    def begin_step(self, hints: dict[int, np.ndarray] | None) -> None:
-        self.cache.begin_step()
-        self._hints = hints
-        moe = self.config.moe_layers
-        if moe:  # the first MoE layer's plan: its copies overlap everything before it
-            self.prefetch_plan(moe[0])
+    def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
+        """The step's routing plan (layer -> [T, k] ids) to the device before its pass (outside any graph), on
+        the compute stream; with plan prefetch off, or no plan, the device keeps (or gets) none."""
+        if PrefetchSource.PLAN not in self.prefetch or (not hints and self._hints_clear):
+            return
+        host = self.host_hints[twin]
+        host[:] = -1
+        width = host.shape[1]
+        for m, layer in enumerate(self.moe_layers):
+            ids = np.asarray(hints.get(layer, ()) if hints else (), np.int32).reshape(-1)[:width]
+            host[m, : ids.size] = ids
+        self.hint_ids.copy_to_device(host, stream=self.stream)
+        self._hints_clear = not hints
 
-    def end_step(self) -> CacheStats:
-        """After the step's final synchronisation: the measured stall joins the step's counts."""
-        self.cache.add_stall(self.slots.stall_seconds())
-        self._hints = None
-        return self.cache.end_step()
+    def start_pass(self, T: int, large: bool) -> None:
+        """Issued at the start of a pass of T tokens: the clock ticks, and the first MoE layer's plan is
+        prefetched (large: a CACHED_CUBLAS step, which takes no prefetch)."""
+        self.slots.advance(self.stream)
+        if self.moe_layers and not large and PrefetchSource.PLAN in self.prefetch:
+            first = self.moe_layers[0]
+            self._prefetch(first, self._hints(first, T), self.no_ids)
 
-    def prefetch_plan(self, layer: int | None) -> None:
-        if layer is not None and PrefetchSource.PLAN in self.prefetch and self._hints and layer in self._hints:
-            self.cache.prefetch(layer, experts_by_count(self._hints[layer]))
+    def download_stats(self, twin: int) -> None:
+        self.slots.download_stats(twin, self.stream)
+
+    def step_stats(self, twin: int) -> CacheStats:
+        """The step's counts, once its readback landed (stall is not measured: the host never waits on copies)."""
+        return self.slots.step_stats(twin)
+
+    def settle_totals(self) -> None:
+        """Steps run outside launch/finish (warm-up) count towards no step: the running totals move past them."""
+        self.download_stats(0)
+        self.stream.synchronize()
+        self.step_stats(0)
 
     # --- the routed experts of a MoE layer ----------------------------------------------------------
+    def _hints(self, layer: int, T: int):
+        return self.hint_ids[self.moe_layers.index(layer), : T * self.config.num_experts_per_tok]
+
     def run(self, i: int, x, h, T: int, ids, weights, large: bool, combine=None) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
-        large: per-expert cuBLAS GEMMs (their row ranges come to the host), else the grouped kernels;
-        combine: DeviceMoe's combine (None: launch_moe_combine)."""
+        large: per-expert cuBLAS GEMMs at a host break, else the grouped kernels in waves; combine: DeviceMoe's
+        (None: launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
         launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        ahead = self.next_moe[i] if PrefetchSource.LOOKAHEAD in self.prefetch else None
-        if ahead is not None:
+        ahead = self.next_moe[i]
+        lookahead = ahead is not None and PrefetchSource.LOOKAHEAD in self.prefetch and not large
+        if lookahead and ahead is not None:  # the next layer's router on this layer's input
             self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
             launch_gate_topk(
                 self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
             )
-            self.ahead_ids[:T].reshape(n).copy_to_host(self.host["ahead_ids"][:n], stream=st)
-        ids.reshape(n).copy_to_host(self.host["ids"][:n], stream=st)
-        if large:
-            ws.offsets.copy_to_host(self.host["offsets"], stream=st)
-        st.synchronize()
-        if ahead is not None:
-            self.cache.prefetch(ahead, experts_by_count(self.host["ahead_ids"][:n]))
+        self._join(i)
+        waves = self.slots.waves(n)
+        self.slots.plan(i, ids.reshape(n), waves, st)
+        buffer = self.slots.weights_of(i)
         if large:
             launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
-        buffer = self.slots.weights_of(i)
-        offsets = self.host["offsets"]
-        for w, wave in enumerate(self.cache.waves(i, experts_by_count(self.host["ids"][:n]))):
-            if large:
-                for e, slot in wave.items():
-                    self._expert_gemms(buffer[slot], int(offsets[e]), int(offsets[e + 1]), F, D, out)
-            else:
-                row = self.host["slot_of"][w]
-                row[:] = -1
-                for e, slot in wave.items():
-                    row[e] = slot
-                slot_of = self.slot_of[w]
-                slot_of.copy_to_device(row, stream=st)
+            self.slots.wave_map[self.slots.index[i], :waves].copy_to_host(self.host_waves[:waves], stream=st)
+            ws.offsets.copy_to_host(self.host_offsets, stream=st)
+            self.host_break(functools.partial(self._cublas_waves, i, n, waves, buffer))
+        else:
+            for w in range(waves):
+                self.slots.fetch(i, w, st)
+                if w == 0 and ahead is not None:
+                    plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
+                    if lookahead or PrefetchSource.PLAN in self.prefetch:
+                        self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids)
+                slot_of = self.slots.wave_slots(i, w)
                 launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
                 launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
-            self.slots.used(i, wave.values())
         if combine is None:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
             combine(out, position, weights, h)
+
+    def _prefetch(self, layer: int, predicted_a, predicted_b) -> None:
+        """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream."""
+        self._fork.record(self._main)
+        check(drv.cuStreamWaitEvent(self._side_handle, self._fork.handle, 0))
+        self.slots.prefetch(layer, predicted_a, predicted_b, self.side)
+        self._joined[layer].record(self._side_handle)
+        self._pending.add(layer)
+
+    def _join(self, layer: int) -> None:
+        """The compute stream waits for the layer's prefetch copies (not for later layers' ones)."""
+        if layer in self._pending:
+            check(drv.cuStreamWaitEvent(self._main, self._joined[layer].handle, 0))
+            self._pending.discard(layer)
+
+    def end_pass(self) -> None:
+        """Every fork is joined before a pass ends (a capture must end with the side stream joined)."""
+        for layer in list(self._pending):
+            self._join(layer)
+
+    def _cublas_waves(self, i: int, n: int, waves: int, buffer) -> None:
+        """The host part of CACHED_CUBLAS once the waves and offsets are on their way: per wave its copies, then
+        per expert of the wave two GEMMs on its slot over its gathered rows."""
+        cfg = self.config
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        self.stream.synchronize()
+        offsets, wave_map = self.host_offsets, self.host_waves
+        for w in range(waves):
+            self.slots.fetch(i, w, self.stream)
+            for e in np.flatnonzero(wave_map[w] >= 0).tolist():
+                lo, hi = int(offsets[e]), int(offsets[e + 1])
+                if hi > lo:
+                    self._expert_gemms(buffer[int(wave_map[w, e])], lo, hi, F, D, self.ws.moe_out[:n])
 
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""
@@ -139,4 +212,8 @@ class CachedExperts:
         self.linear.linear(g, down, out[lo:hi], force_cublas=True)
 
     def close(self) -> None:
+        check(drv.cuStreamSynchronize(self._side_handle))
+        for event in [self._fork, *self._joined.values()]:
+            event.close()
+        check(drv.cuStreamDestroy(self._side_handle))
         self.slots.close()

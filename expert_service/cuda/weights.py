@@ -41,8 +41,8 @@ class HostUploader:
         # outlives its mapping makes the driver refuse the next allocation or mmap placed at those addresses.
         self._release = weakref.finalize(self, _unpin_all, self.pinned)
 
-    def pin(self, host: np.ndarray) -> bool:
-        if self.use_pinned_memory and pin_readonly(host):
+    def pin(self, host: np.ndarray, mapped: bool = False) -> bool:
+        if self.use_pinned_memory and pin_readonly(host, mapped):
             self.pinned.append(host)
             return True
         if self.use_pinned_memory and not self._warned:
@@ -168,7 +168,8 @@ class DeviceWeights:
             stride = model.expert_strides[layer]
             host = model._map(expert_file(layer))[: E * stride]
             self.expert_host[layer] = host
-            self.expert_pinned[layer] = self.uploader.pin(host)
+            # the expert cache's fetch kernels read the experts straight from host memory: mapped
+            self.expert_pinned[layer] = self.uploader.pin(host, mapped=not load_experts)
             if self.quantized:
                 self.expert_meta[layer] = cuda.to_device(expert_meta(model, layer), stream=stream)
             if load_experts:

@@ -225,14 +225,35 @@ def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):
     assert d.issued == [("layers", 128, MAX_SEQS + 1, False), ("head", 128, 1)] and 128 in d.prefill_graphs._seen
 
 
-def test_steps_with_the_expert_cache_run_unpadded(monkeypatch):
-    """The expert cache's host work (slot choice, copies) runs inside each layer: its prefills run eagerly at
-    their own size and sequence count, no graph."""
+def cached_stub(d):
+    """An expert cache that records what the decoder asks of it."""
+    return SimpleNamespace(
+        stage_hints=lambda hints, twin: d.issued.append(("hints", hints is not None, twin)),
+        download_stats=lambda twin: d.issued.append(("stats", twin)),
+        step_stats=lambda twin: d.issued.append(("collect", twin)),
+        settle_totals=lambda: d.issued.append("settle"),
+    )
+
+
+def test_steps_with_the_expert_cache_pad_and_replay_like_resident_ones(monkeypatch):
+    """The expert cache decides on the device: its prefills pad to their token bucket and replay graphs, its
+    decodes take the batch buckets; each step stages its plan first and its counters come back behind it."""
     d = host_decoder(monkeypatch)
-    d.cached = SimpleNamespace(begin_step=lambda hints: d.issued.append("begin"), end_step=lambda: None)
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d.cached = cached_stub(d)
     d.forward(prompt([100]))
-    assert d.issued == ["begin", ("run", 100, 1, 1, False)] and not d.prefill_graphs._seen
+    assert d.issued == [
+        ("hints", False, 1),
+        ("layers", 128, MAX_SEQS + 1, False),
+        ("head", 128, 1),
+        ("stats", 1),
+        ("collect", 1),
+    ]
+    assert 128 in d.prefill_graphs._seen and d.supports_overlap
+    d.issued.clear()
+    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d.forward(prompt([1, 1, 1], cached=[4, 9, 2]))
+    assert d.issued == [("hints", False, 0), ("run", 4, 4, 4, True), ("stats", 0), ("collect", 0)]
+    assert 4 in d.graphs._seen
 
 
 def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):

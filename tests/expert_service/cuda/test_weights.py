@@ -9,7 +9,7 @@ import expert_service.cuda.weights as weights
 
 def recorders(monkeypatch):
     pinned, unpinned = [], []
-    monkeypatch.setattr(weights, "pin_readonly", lambda host: pinned.append(host.ctypes.data) or True)
+    monkeypatch.setattr(weights, "pin_readonly", lambda host, mapped=False: pinned.append(host.ctypes.data) or True)
     monkeypatch.setattr(weights, "unpin", lambda host: unpinned.append(host.ctypes.data))
     return pinned, unpinned
 
@@ -36,7 +36,7 @@ def test_an_uploader_dropped_without_release_still_unpins(monkeypatch):
 
 def test_refused_ranges_are_not_unpinned(monkeypatch):
     pinned, unpinned = recorders(monkeypatch)
-    monkeypatch.setattr(weights, "pin_readonly", lambda host: False)
+    monkeypatch.setattr(weights, "pin_readonly", lambda host, mapped=False: False)
     uploader = weights.HostUploader(stream=None)
     assert not uploader.pin(np.arange(32, dtype=np.uint8))
     uploader.release()

@@ -1,0 +1,114 @@
+"""The device slot map's decisions in numpy: the reference of expert_service/kernels/expert_slot_map.py (its
+docstring describes the state and the rules). Pure and slow; the kernel tests compare every array after every
+call, and the invariants (no slot used twice in a wave, every needed expert in exactly one wave, never an
+expert the running wave reads evicted) are checked against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SlotMapState:
+    """One MoE layer's slot map (the kernel's arrays, same names)."""
+
+    slot_of: np.ndarray  # [E] int32
+    expert_in: np.ndarray  # [S] int32
+    stamp: np.ndarray  # [S] int32
+    prefetched: np.ndarray  # [S] int32
+    stats: np.ndarray  # [4] int64: hits, misses, prefetches issued, prefetches used
+
+    @classmethod
+    def empty(cls, num_experts: int, num_slots: int) -> SlotMapState:
+        return cls(
+            np.full(num_experts, -1, np.int32),
+            np.full(num_slots, -1, np.int32),
+            np.zeros(num_slots, np.int32),
+            np.zeros(num_slots, np.int32),
+            np.zeros(4, np.int64),
+        )
+
+    def copy(self) -> SlotMapState:
+        return SlotMapState(
+            *(a.copy() for a in (self.slot_of, self.expert_in, self.stamp, self.prefetched, self.stats))
+        )
+
+
+def _victim(state: SlotMapState, usable: np.ndarray) -> int:
+    slots = np.flatnonzero(usable)
+    if not len(slots):
+        return -1
+    empty = slots[state.expert_in[slots] < 0]
+    if len(empty):
+        return int(empty[0])
+    return int(slots[np.argmin(state.stamp[slots])])  # argmin: the first of equal stamps
+
+
+def _fill(state: SlotMapState, slot: int, expert: int, tick: int) -> None:
+    old = state.expert_in[slot]
+    if old >= 0:
+        state.slot_of[old] = -1
+    state.expert_in[slot], state.slot_of[expert] = expert, slot
+    state.stamp[slot], state.prefetched[slot] = tick, 0
+
+
+def plan_demand(state: SlotMapState, ids: np.ndarray, tick: int, num_waves: int) -> tuple[np.ndarray, list]:
+    """Updates `state` for a step routed to `ids`; (wave_map [W, E], per wave the list of (expert, slot) copies)."""
+    E, S = len(state.slot_of), len(state.expert_in)
+    needed = sorted({int(e) for e in np.asarray(ids).reshape(-1) if 0 <= e < E})
+    wave_map = np.full((num_waves, E), -1, np.int32)
+    fetches: list[list[tuple[int, int]]] = [[] for _ in range(num_waves)]
+    busy = np.full(S, -1, np.int32)
+    hits = [e for e in needed if state.slot_of[e] >= 0]
+    for e in hits:
+        s = state.slot_of[e]
+        wave_map[0, e], busy[s], state.stamp[s] = s, 0, tick
+        state.stats[0] += 1
+        if state.prefetched[s]:
+            state.prefetched[s] = 0
+            state.stats[3] += 1
+    wave, in_wave = 0, len(hits)
+    for e in (e for e in needed if e not in hits):
+        if in_wave == S:
+            wave, in_wave = wave + 1, 0
+        if wave >= num_waves:
+            break
+        s = _victim(state, busy != wave)
+        _fill(state, s, e, tick)
+        busy[s], wave_map[wave, e] = wave, s
+        fetches[wave].append((e, s))
+        state.stats[1] += 1
+        in_wave += 1
+    return wave_map, fetches
+
+
+def plan_prefetch(state: SlotMapState, predicted_a: np.ndarray, predicted_b: np.ndarray, tick: int) -> list:
+    """Updates `state` for predicted ids (-1 ignored); the list of (expert, slot) copies it issues."""
+    E = len(state.slot_of)
+    votes = np.zeros(E, np.int64)
+    for ids in (predicted_a, predicted_b):
+        ids = np.asarray(ids).reshape(-1)
+        np.add.at(votes, ids[(ids >= 0) & (ids < E)], 1)
+    copies = []
+    for e in np.argsort(-votes, kind="stable"):
+        if votes[e] == 0:
+            break
+        s = state.slot_of[e]
+        if s >= 0:
+            state.stamp[s] = tick
+            continue
+        s = _victim(state, state.stamp != tick)
+        if s < 0:
+            break
+        _fill(state, s, int(e), tick)
+        state.prefetched[s] = 1
+        copies.append((int(e), s))
+        state.stats[2] += 1
+    return copies
+
+
+def waves_needed(num_ids: int, num_experts: int, num_slots: int) -> int:
+    """Waves a layer of `num_ids` routed ids can need: the union is at most min(num_ids, E) experts."""
+    return max(1, -(-min(num_ids, num_experts) // num_slots))
