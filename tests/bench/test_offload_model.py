@@ -79,8 +79,9 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
     out, prefilled = offload_run
     stream = load_corpus(prompts, "text", model)
     windows = {stream[s : s + 128].tobytes() for s in range(stream.size - 127)}
-    # per run: 1 + 3 prefills of 512, then 1 and 16 decode contexts of 128; each starts with a window of the text
-    assert len(prefilled) == 2 * (4 + 1 + 16) and all(p[:128].tobytes() in windows for p in prefilled)
+    # per run (the resident reference, then none and plan): 1 + 3 prefills of 512, then 1 and 16 decode contexts
+    # of 128; each starts with a window of the text
+    assert len(prefilled) == 3 * (4 + 1 + 16) and all(p[:128].tobytes() in windows for p in prefilled)
     results = json.loads((out / "offload.json").read_text())
     entry = results["shapes"][model.path.name]
     assert entry["prompts"] == {"kind": "text slices", "file": str(prompts), "tokens": int(stream.size), "seed": 0}
