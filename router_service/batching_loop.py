@@ -35,6 +35,7 @@ from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
+from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
 from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
@@ -79,6 +80,7 @@ class RequestState:
     span_context: trace.Span | trace.SpanContext | otel_context.Context | None = None
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step that carried it
+    num_cached_tokens: int = 0  # prompt tokens it started on from the prefix cache
     last_token_at: float | None = None
     num_generated: int = 0
     is_done: bool = False
@@ -91,6 +93,11 @@ class RequestHandle:
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.num_prompt_tokens = len(state.req.prompt_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (known once the request was first scheduled)."""
+        return self._state.num_cached_tokens
 
     def __aiter__(self):
         return self
@@ -231,6 +238,7 @@ class BatchingLoop:
                 queue_deadline=min(deadline, now + self.config.queue_timeout_s),
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
+                cache_salt=req.cache_salt,
             )
         )
         self._requests[seq_id] = state
@@ -329,7 +337,7 @@ class BatchingLoop:
                         reason="QUEUE_TIMEOUT",
                     ),
                 )
-            if step.is_empty and not step.free_ids:
+            if step.is_empty and not step.free_ids and not step.evict_block_ids:
                 return
             await self._send(step)
             if step.is_empty:  # frees only: nothing else could be scheduled
@@ -341,6 +349,8 @@ class BatchingLoop:
         for state in states:
             if state.scheduled_at is None:
                 state.scheduled_at = started
+                scheduled = self._ready_scheduler.requests.get(state.seq_id)
+                state.num_cached_tokens = scheduled.num_cached_tokens if scheduled is not None else 0
                 self.hooks.on_scheduled(state, started)
         # One CLIENT span per step, linked to its members' request spans; its context travels in the step,
         # so the worker's step span is its child.
@@ -374,6 +384,7 @@ class BatchingLoop:
             return
         if response.step_error:  # the worker refused the whole step: its requests fail, the rest go on
             log.error("worker refused step %d: %s", sent.step_id, response.step_error)
+            self._ready_scheduler.refused(step)
             for seq_id in step.num_scheduled_tokens:
                 if seq_id in self._requests:
                     self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
@@ -511,7 +522,7 @@ class BatchingLoop:
             num_kv_blocks=info.num_kv_blocks,
         )
         self.info = info
-        self.scheduler = Scheduler(limits)
+        self.scheduler = Scheduler(limits, self._prefix_cache(info))
         defaults = self.generation_defaults
         eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
         self.limits = ModelLimits(
@@ -522,6 +533,18 @@ class BatchingLoop:
             has_tokenizer=self.tokenizer is not None,
             generation=defaults,
         )
+
+    def _prefix_cache(self, info) -> PrefixCache | None:
+        """A fresh index for this worker connection (a restarted worker holds no cached block), or None when
+        caching is off or the worker cannot follow it. Hashes cover what changes a block's KV: the model."""
+        if not self.config.prefix_caching or not info.prefix_caching:
+            return None
+        identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
+        return PrefixCache(info.kv_block_size, identity.encode())
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.scheduler is not None and self.scheduler.prefix_cache is not None
 
 
 class _NotReady(Exception):

@@ -23,6 +23,7 @@ from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
+from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.cache import CacheStats
@@ -32,6 +33,7 @@ log = logging.getLogger("colibri.worker")
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
+UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,10 @@ class PrefillInput:
     token_ids: np.ndarray  # prompt tokens of this chunk
     sampling: SamplingParams | None  # set on a sequence's first chunk
     is_last: bool  # the chunk ends the prompt: sample the first new token
+    # Prefix caching (the router's block ids, owned by the caller's stream): on a first chunk, the cached blocks
+    # the sequence starts with; then one id per block this chunk completes (0: not cached), registered after it.
+    prefix_block_ids: tuple[int, ...] = ()
+    cache_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +148,10 @@ class Engine:
         return self.release([rid for rid in list(self.sequences) if rid not in keep])
 
     def clear(self) -> int:
-        return len(self.release(list(self.sequences)))
+        freed = len(self.release(list(self.sequences)))
+        for owner in {key[0] for key in self.allocator.cached}:
+            self.allocator.evict_owner(owner)
+        return freed
 
     # --- steps --------------------------------------------------------------------------------------
     def step(
@@ -187,12 +196,14 @@ class Engine:
         decode_ids: Sequence[int] = (),
         routing_plan: RoutingPlan | None = None,
         freed: frozenset[int] = frozenset(),
+        owner: int = 0,
     ) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
         sequences advance at launch (cached tokens, KV blocks), so the next step can be built at once.
         freed: sequences this step's caller has freed but releases only once the step in flight is collected
-        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released."""
+        (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released.
+        owner: whose prefix-cache block ids the chunks name (the caller's stream)."""
         if not self.can_launch:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
@@ -209,8 +220,18 @@ class Engine:
                             f"sequence {chunk.request_id} is new: its first chunk must carry sampling parameters",
                         )
                     chunk.sampling.check_vocabulary(self.model_config.vocab_size)
-                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
+                    try:
+                        num_cached = attach_prefix(self.allocator, chunk, owner)
+                    except KeyError as missing:  # the router's view is stale: this sequence alone fails
+                        log.warning("sequence %d: prefix block %d is not cached", chunk.request_id, missing.args[0])
+                        unknown.append(SequenceOutput(chunk.request_id, error=UNKNOWN_PREFIX_BLOCK))
+                        continue
+                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling), num_cached=num_cached)
                     created.append(chunk.request_id)
+                elif chunk.prefix_block_ids:
+                    raise InvalidRequestError(
+                        "prefix_block_ids", f"sequence {chunk.request_id}: only a first chunk may name cached blocks"
+                    )
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
             first_decode = len(work)
             for rid in decode_ids:
@@ -226,6 +247,7 @@ class Engine:
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
             token_ids = self._check_step(work)
+            registrations = cache_registrations(self.allocator, self.sequences, prefill, owner)
             scored = self._scored_prompts(work[:first_decode])
             penalties = self._penalties(work, first_decode, created)
             mc = self.model_config
@@ -242,6 +264,8 @@ class Engine:
         except (InvalidRequestError, CapacityError):
             self.release(created)
             raise
+        for rid, index, key in registrations:  # the step writes these blocks' KV before any later step reads them
+            self.allocator.register(rid, index, key)
         batch = replace(self._build_batch(work, token_ids, all_logits=False, scored=scored), penalties=penalties)
         if fed:
             rows = np.full(len(token_ids), -1, np.int32)

@@ -188,6 +188,7 @@ class WorkerServicer:
             memory_plan=[pb.MemoryItem(name=n, bytes=b) for n, b in self.memory_plan()],
             model_name=self.model_name,
             expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources),
+            prefix_caching=True,
         )
 
     def warmup(self, num_tokens: int) -> float:
