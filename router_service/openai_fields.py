@@ -32,10 +32,12 @@ IMPLEMENTED_BOTH = frozenset(
         "repetition_penalty",
         "prompt_logprobs",
         "truncate_prompt_tokens",
+        "n",
+        "cache_salt",
     }
 )
 IMPLEMENTED = {
-    "completion": IMPLEMENTED_BOTH | {"prompt"},
+    "completion": IMPLEMENTED_BOTH | {"prompt", "best_of"},
     "chat": IMPLEMENTED_BOTH
     | {"messages", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"},
 }
@@ -44,7 +46,6 @@ IMPLEMENTED = {
 IGNORED_BOTH = frozenset(
     {
         "user",  # an end-user id for the provider's abuse monitoring
-        "cache_salt",  # salts a cross-request prefix cache; the router shares no KV blocks between requests
     }
 )
 IGNORED = {
@@ -66,8 +67,6 @@ IGNORED = {
 # The values that ask for nothing (the fields' defaults): accepted, so clients that send defaults keep working;
 # null is always accepted. Any other value is a 400 naming the field.
 SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
     "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
     "length_penalty": (1,),  # beam search's
@@ -102,6 +101,7 @@ REFUSED: dict[str, dict[str, tuple[object, ...]]] = {
     },
     "chat": SAMPLING_REFUSED
     | {
+        "best_of": (1,),  # completions only, as in OpenAI's API
         "echo": (False,),
         "add_special_tokens": (False,),  # the template places them
         "tools": ([],),

@@ -47,11 +47,12 @@ IMPLEMENTED = [
     (("chat",), "add_generation_prompt", False, {}, lambda p: not p.chat_options.add_generation_prompt),
     (("chat",), "continue_final_message", True, {}, lambda p: p.chat_options.continue_final_message),
     (("chat",), "chat_template_kwargs", {"a": 1}, {}, lambda p: p.chat_options.template_kwargs == {"a": 1}),
+    (BOTH, "n", 3, {}, lambda p: p.n == 3),
+    (BOTH, "cache_salt", "tenant", {}, lambda p: p.cache_salt == "tenant"),
+    (("completion",), "best_of", 3, {"n": 2}, lambda p: p.best_of == 3 and p.n == 2),
 ]
 # (field, a value asking for something the router does not do, a value asking for nothing or None)
 REFUSED = [
-    (BOTH, "n", 2, 1),
-    (("completion",), "best_of", 3, 1),
     (("chat",), "best_of", 3, 1),
     (BOTH, "response_format", {"type": "json_object"}, {"type": "text"}),
     (BOTH, "use_beam_search", True, False),
@@ -98,7 +99,6 @@ REFUSED = [
 ]
 IGNORED = [
     (BOTH, "user", "u-1"),
-    (BOTH, "cache_salt", "salt"),
     (("chat",), "safety_identifier", "s"),
     (("chat",), "metadata", {"k": "v"}),
     (("chat",), "store", True),
