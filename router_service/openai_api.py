@@ -259,7 +259,7 @@ def parse_request(
         prompt_logprobs=prompt_logprobs is not None,
     )
     parsed.cache_salt = _get(body, "cache_salt", str, "", "a string")
-    parsed.n = _int(body, "n", 1, low=1, high=MAX_CHOICES)
+    parsed.n = parsed.best_of = _int(body, "n", 1, low=1, high=MAX_CHOICES)
     if kind == "completion":
         logprobs = _int(body, "logprobs", None, high=MAX_LOGPROBS)
         parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
