@@ -155,6 +155,7 @@ class BatchingLoop:
         self._receiving: asyncio.Future | None = None
         self._step_ids = itertools.count(1)
         self._last_result_at = 0.0
+        self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
 
@@ -337,6 +338,7 @@ class BatchingLoop:
                         reason="QUEUE_TIMEOUT",
                     ),
                 )
+            self._report_prefix_cache()
             if step.is_empty and not step.free_ids and not step.evict_block_ids:
                 return
             await self._send(step)
@@ -541,6 +543,16 @@ class BatchingLoop:
             return None
         identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
         return PrefixCache(info.kv_block_size, identity.encode())
+
+    def _report_prefix_cache(self) -> None:
+        cache = self._ready_scheduler.prefix_cache
+        if cache is None:
+            return
+        counts = (cache.num_query_tokens, cache.num_hit_tokens, cache.num_evicted)
+        seen = self._cache_reported.get(id(cache), (0, 0, 0))  # a new connection's index counts from zero
+        if counts != seen:
+            self._cache_reported = {id(cache): counts}
+            self.hooks.on_prefix_cache(*(now - before for now, before in zip(counts, seen)))
 
     @property
     def prefix_caching(self) -> bool:

@@ -8,8 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from common.metrics import RouterMetrics, new_registry
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
+from router_service.observability import ChainedHooks, MetricsHooks
 from tests.helpers import BackgroundWorker, running_router, worker_kv_blocks_used
 
 pytestmark = pytest.mark.slow
@@ -108,6 +110,10 @@ def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
 
     async def body():
         async with running_router(small_pool_worker.address, max_batch_tokens=8) as (router, stub):
+            registry = new_registry(process_metrics=False)
+            metrics = MetricsHooks(RouterMetrics(registry, "tiny"))
+            metrics.on_attached(router.batching_loop)
+            router.batching_loop.hooks = ChainedHooks(router.batching_loop.hooks, metrics)
             same = await asyncio.gather(*(stub.Generate(_request(prompt, 3)) for _ in range(5)))
             hits = sorted(a.cached_prompt_tokens for a in same)
             # one computes the prompt; the others wait for its blocks and start on all seven
@@ -124,5 +130,14 @@ def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
             logged = await stub.Generate(_request(prompt, 3, prompt_logprobs=1))
             assert logged.cached_prompt_tokens == 0 and len(logged.prompt_logprobs) == len(prompt)
             await _drained(router)
+
+            def value(name):
+                return registry.get_sample_value(name, {"model_name": "tiny"})
+
+            # the prompt_logprobs request does not look the cache up; the seven others do
+            assert value("colibri_prefix_cache_queries_total") == 7 * len(prompt)
+            assert value("colibri_prefix_cache_hits_total") == 5 * 28
+            assert value("colibri_prefix_cache_blocks") == 7 + 7  # the prompt's blocks under two salts
+            assert value("colibri_prefix_cache_evictions_total") == 0
 
     asyncio.run(body())
