@@ -110,7 +110,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
             for handle, out in zip(row, row_outs):
                 set_usage(handle, len(out.token_ids), out.finish_reason)
         generated = sum(len(out.token_ids) for row_outs in outs for out in row_outs)
-        texts, kind, choices = server.texts(), parsed.kind, []
+        texts, kind, choices = server.texts(), parsed.kind, list[dict]()
         for row_outs in outs:
             for out in _best(row_outs, parsed.n) if parsed.best_of > parsed.n else row_outs:
                 lp = (

@@ -75,9 +75,10 @@ def test_shared_prefix_traffic_equals_uncached_and_offline(small_pool_worker, ti
     traffic = _traffic(seed=11)
 
     async def run(prefix_caching: bool):
-        async with running_router(
-            small_pool_worker.address, prefix_caching=prefix_caching, max_batch_tokens=8
-        ) as (router, stub):
+        async with running_router(small_pool_worker.address, prefix_caching=prefix_caching, max_batch_tokens=8) as (
+            router,
+            stub,
+        ):
             results = await _run_traffic(stub, traffic, wave=6)
             await _drained(router)
             assert router.batching_loop.scheduler.num_used_blocks == 0
