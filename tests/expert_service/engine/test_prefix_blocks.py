@@ -15,9 +15,12 @@ from expert_service.engine.sampling import SamplingParams
 BLOCK = 4
 
 
-@pytest.fixture
-def engine(tiny_model):
-    return build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu", kv_block_size=BLOCK))
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request, tiny_model):
+    config = EngineConfig(backend=request.param, kv_block_size=BLOCK, kv_cache_tokens=256, max_batch_tokens=64)
+    built = build_engine(ModelDir.open(tiny_model), config)
+    yield built
+    built.close()
 
 
 def _last_logits(engine, chunk: PrefillInput) -> np.ndarray:
@@ -32,11 +35,12 @@ def test_a_sequence_on_cached_blocks_equals_a_full_prefill(engine):
     engine.step([PrefillInput(1, prompt[:6], SamplingParams(), False, cache_block_ids=(11,))])
     engine.step([PrefillInput(1, prompt[6:], None, True, cache_block_ids=(12, 13))])
     shared = [engine.allocator.cached[(0, i)] for i in (11, 12, 13)]
-    before = engine.decoder.kv.k[:, shared].copy() if hasattr(engine.decoder, "kv") else None
+    before = engine.decoder.kv.k[:, shared].copy() if engine.backend == "cpu" else None  # cuda: on the device
     tail = np.concatenate([prompt[12:], [7, 8, 9]])
     reused = _last_logits(engine, PrefillInput(2, tail, SamplingParams(), True, prefix_block_ids=(11, 12, 13)))
     full = _last_logits(engine, PrefillInput(3, np.concatenate([prompt[:12], tail]), SamplingParams(), True))
-    np.testing.assert_allclose(reused, full, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3  # cuda: kernels tile a 3-token and a 15-token pass apart
+    np.testing.assert_allclose(reused, full, rtol=tolerance, atol=tolerance)
     assert engine.allocator.tables[2][:3] == shared and not set(engine.allocator.tables[2][3:]) & set(shared)
     if before is not None:
         np.testing.assert_array_equal(engine.decoder.kv.k[:, shared], before)
