@@ -142,3 +142,40 @@ def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
             assert value("colibri_prefix_cache_evictions_total") == 0
 
     asyncio.run(body())
+
+
+def test_a_restarted_worker_starts_with_an_empty_cache(tiny_model):
+    from tests.helpers import free_port
+
+    prompt, port = list(range(60, 90)), free_port()
+
+    async def ready(router):
+        for _ in range(500):
+            if router.batching_loop.is_worker_ready:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the router did not reconnect")
+
+    async def body():
+        first = BackgroundWorker(tiny_model, port=port, kv_block_size=BLOCK).start()
+        async with running_router(f"127.0.0.1:{port}") as (router, stub):
+            cold = await stub.Generate(_request(prompt, 3))
+            warm = await stub.Generate(_request(prompt, 3))
+            assert (cold.cached_prompt_tokens, warm.cached_prompt_tokens) == (0, 28)
+            await asyncio.to_thread(first.stop)
+            for _ in range(500):  # the router notices the stream end (or its health poll fails)
+                if not router.batching_loop.is_worker_ready:
+                    break
+                await asyncio.sleep(0.02)
+            second = BackgroundWorker(tiny_model, port=port, kv_block_size=BLOCK).start()
+            try:
+                await ready(router)
+                # the old index went with the old connection: nothing offered that the new worker lacks
+                again = await stub.Generate(_request(prompt, 3))
+                assert again.cached_prompt_tokens == 0 and list(again.token_ids) == list(cold.token_ids)
+                np.testing.assert_allclose(again.logprobs, cold.logprobs, rtol=1e-4, atol=1e-5)
+                assert (await stub.Generate(_request(prompt, 3))).cached_prompt_tokens == 28
+            finally:
+                await asyncio.to_thread(second.stop)
+
+    asyncio.run(body())
