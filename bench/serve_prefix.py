@@ -10,7 +10,8 @@ prefix repeats):
 3. multiturn: C conversations (8) of T turns (4) replayed concurrently; turn t's prompt is turn t-1's prompt, its
    answer and a new U-token user turn, so each turn's prefix is the conversation so far.
 Throughput: tokens generated in a round / (its last token - its start); TTFT: request start to first token.
-Each setting is measured twice, in the order on, off, off, on; the numbers are medians over rounds and passes.
+After a discarded warm-up pass, each setting is measured twice, in the order on, off, off, on; the numbers are medians over the rounds of both
+passes (on a loaded machine a round can take several times the others).
 
 Writes <out>/<name>.json and prints the on/off ratios:
     python bench/serve.py --workload prefix --backend cpu | --backend cuda --out out/serve
@@ -49,7 +50,7 @@ from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 
 DEFAULTS = {  # system tokens S, user turn U, new tokens G, clients N, rounds
-    "cpu": dict(system_tokens=256, user_tokens=16, new_tokens=8, clients=16, rounds=2),
+    "cpu": dict(system_tokens=256, user_tokens=16, new_tokens=8, clients=16, rounds=4),
     "cuda": dict(system_tokens=2048, user_tokens=64, new_tokens=64, clients=16, rounds=3),
 }
 CONVERSATIONS, TURNS = 8, 4
@@ -88,7 +89,7 @@ def _summary(results: list[dict], started: float, prompt_tokens: int) -> dict:
     }
 
 
-async def _workloads(target: str, args, vocab: int, seed: int) -> dict:
+async def _workloads(target: str, args, vocab: int, seed: int) -> dict[str, list]:
     rng = np.random.default_rng(seed)
 
     def fresh(n: int) -> list[int]:
@@ -126,11 +127,11 @@ async def _workloads(target: str, args, vocab: int, seed: int) -> dict:
     finally:
         for c in channels:
             await c.close()
-    return {name: _median(rounds) for name, rounds in out.items()}
+    return out
 
 
 def _median(rounds: list[dict]) -> dict:
-    return {k: float(np.median([r[k] for r in rounds])) for k in rounds[0] if k != "rounds"} | {"rounds": rounds}
+    return {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]} | {"rounds": rounds}
 
 
 def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
@@ -150,24 +151,28 @@ def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
     try:
         wait_serving(f"127.0.0.1:{worker_port}", worker, args.start_timeout, WORKER_READY)
         passes: dict[str, list] = {"on": [], "off": []}
-        for caching in ("true", "false", "false", "true"):  # ABBA: a drift in the machine's load cancels out
+        # a discarded pass first (the worker's first minutes run slower: lazy compiles, allocator growth), then
+        # ABBA: a drift in the machine's load cancels out
+        for index, caching in enumerate(("false", "true", "false", "false", "true")):
             port = free_port()
             cmd = router_command(model_dir, cfg, worker_port, port, free_port(), 2) + ["--prefix-caching", caching]
             router = Process(f"router (prefix caching {caching})", cmd, logs / f"router-{caching}.log", token)
             try:
                 wait_serving(f"127.0.0.1:{port}", router, 120, ROUTER_READY)
                 log(f"  prefix caching {caching}: measuring")
-                passes["on" if caching == "true" else "off"].append(
-                    asyncio.run(_workloads(f"127.0.0.1:{port}", args, vocab, seed=1))  # the same prompts each time
-                )
+                measured = asyncio.run(
+                    _workloads(f"127.0.0.1:{port}", args, vocab, seed=1)
+                )  # the same prompts each time
+                if index:
+                    passes["on" if caching == "true" else "off"].append(measured)
                 router.check()
             finally:
                 router.stop()
         worker.check()
     finally:
         worker.stop()
-    for key, runs in passes.items():
-        out[key] = {name: _median([run[name] for run in runs]) for name in runs[0]}
+    for key, runs in passes.items():  # every measured round of both passes: one slow round moves no median
+        out[key] = {name: _median([r for run in runs for r in run[name]]) for name in runs[0]}
     out["config"] = cfg
     return out
 
