@@ -15,6 +15,12 @@ does not fit (head-of-line, as TGI), so a large request is not overtaken forever
 limits ride on the same rule, both max_batch_size: requests with penalties on the worker at once (it holds
 that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host).
 
+With prefix caching (router_service/prefix_cache.py) a request is admitted on the blocks of its prompt already
+cached: it reserves only the rest, starts its prefill after them (its first chunk names them), and chunks
+register the full blocks they complete; a request whose next block a running one is computing waits for it
+(skipped, keeping its place). Cached blocks no request holds are evicted, least recently used first, only when
+an admission needs their room; the step carries the evictions.
+
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
