@@ -1,6 +1,7 @@
 """Prefix caching through the real services on loopback (CPU worker, tiny model): random shared-prefix traffic
 gives the same tokens with the cache on as with it off and as the offline engine, under eviction pressure (a
-small KV pool), chunked prefill, pipelining, and concurrent requests racing for one prefix."""
+small KV pool), chunked prefill, pipelining, and concurrent requests racing for one prefix; with every expert
+resident and with the expert cache running (2 slots per layer)."""
 
 import asyncio
 import random
@@ -20,9 +21,9 @@ BLOCK = 4
 NUM_BLOCKS = 48  # 192 tokens: the traffic below needs evictions to keep going
 
 
-@pytest.fixture(scope="module")
-def small_pool_worker(tiny_model):
-    w = BackgroundWorker(tiny_model, kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS).start()
+@pytest.fixture(scope="module", params=[{}, {"expert_cache_slots": 2}], ids=["resident", "expert-cache"])
+def small_pool_worker(request, tiny_model):
+    w = BackgroundWorker(tiny_model, kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS, **request.param).start()
     yield w
     w.stop()
 
