@@ -38,6 +38,8 @@ class PrefixState:
 
     hashes: list[bytes]  # its prompt's full blocks, chained
     may_hit: bool  # looks the cache up (False with prompt_logprobs or penalties: their prompt must run)
+    # computes blocks for others to wait on (False with prompt_logprobs: its prompt runs a few rows a step)
+    may_claim: bool = True
     hit_ids: list[int] = field(default_factory=list)  # the cached blocks it starts on
     held_ids: list[int] = field(default_factory=list)  # cached blocks it holds a reference on
     claimed: set[int] = field(default_factory=set)  # block indices it computes for the cache
@@ -129,7 +131,7 @@ class PrefixCache:
         if state.may_hit:
             self.num_query_tokens += num_prompt_tokens
             self.num_hit_tokens += k * self.block_size
-        for index in range(k, len(state.hashes)):
+        for index in range(k, len(state.hashes) if state.may_claim else k):
             h = state.hashes[index]
             if h not in self.blocks and h not in self._claims:
                 self._claims[h] = state

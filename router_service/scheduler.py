@@ -205,6 +205,7 @@ class Scheduler:
             req.prefix = PrefixState(
                 self.prefix_cache.hashes(req.prompt_ids, req.cache_salt),
                 may_hit=not req.scores_prompt and not req.penalized,
+                may_claim=not req.scores_prompt,
             )
         req.status = Status.WAITING
         self.waiting.append(req)

@@ -178,3 +178,14 @@ def test_worker_refuses_a_stale_prefix_and_over_admission():
     assert pool.num_free_blocks == 4 and pool.num_used_blocks == 0
     with pytest.raises(CapacityError):
         pool.ensure_capacity(3, 17)
+
+
+def test_a_scored_prompt_neither_hits_nor_holds_others_up():
+    s = make(max_batch_tokens=8)
+    prompt = list(range(1, 14))
+    s.add(ScheduledRequest(1, prompt, 2, scores_prompt=True))  # prompt_logprobs: at most 6 rows a step
+    s.add(ScheduledRequest(2, prompt, 2))
+    step = s.schedule()
+    # 1 caches nothing, so 2 does not wait for it: both start at once, each computing the prompt
+    assert step.num_scheduled_tokens == {1: 6, 2: 2}
+    assert [c.cache_block_ids for c in step.prefill_chunks] == [(0,), ()]
