@@ -37,7 +37,7 @@ class PrefixState:
     """One request's part in the cache (ScheduledRequest.prefix)."""
 
     hashes: list[bytes]  # its prompt's full blocks, chained
-    may_hit: bool  # looks the cache up (False with prompt_logprobs or penalties: their prompt must run)
+    may_hit: bool  # looks the cache up (False with prompt_logprobs: every prompt position must be scored)
     # computes blocks for others to wait on (False with prompt_logprobs: its prompt runs a few rows a step)
     may_claim: bool = True
     hit_ids: list[int] = field(default_factory=list)  # the cached blocks it starts on

@@ -119,6 +119,7 @@ class Chunk:
     sampling: object = None  # the request's, on its first chunk
     prefix_block_ids: tuple[int, ...] = ()  # on its first chunk: the cached blocks it starts on
     cache_block_ids: tuple[int, ...] = ()  # one per block the chunk completes: the id to cache it under (0: none)
+    prefix_token_ids: tuple[int, ...] = ()  # penalised, on its first chunk: the tokens its cached blocks hold
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             req.prefix = PrefixState(
                 self.prefix_cache.hashes(req.prompt_ids, req.cache_salt),
-                may_hit=not req.scores_prompt and not req.penalized,
+                may_hit=not req.scores_prompt,
                 may_claim=not req.scores_prompt,
             )
         req.status = Status.WAITING
@@ -334,6 +335,7 @@ class Scheduler:
                 is_last=is_last,
                 sampling=req.sampling if is_first else None,
                 prefix_block_ids=tuple(prefix.hit_ids) if is_first and prefix else (),
+                prefix_token_ids=tuple(req.prompt_ids[:start]) if is_first and prefix and req.penalized else (),
                 cache_block_ids=(
                     self.prefix_cache.chunk_block_ids(prefix, start, n) if self.prefix_cache and prefix else ()
                 ),

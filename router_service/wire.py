@@ -57,6 +57,8 @@ def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
         message.prefix_block_ids.extend(chunk.prefix_block_ids)
     if chunk.cache_block_ids:
         message.cache_block_ids.extend(chunk.cache_block_ids)
+    if chunk.prefix_token_ids:
+        message.prefix_token_ids.extend(chunk.prefix_token_ids)
     return message
 
 

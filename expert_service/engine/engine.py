@@ -23,7 +23,7 @@ from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
-from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations
+from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.cache import CacheStats
@@ -46,6 +46,7 @@ class PrefillInput:
     # the sequence starts with; then one id per block this chunk completes (0: not cached), registered after it.
     prefix_block_ids: tuple[int, ...] = ()
     cache_block_ids: tuple[int, ...] = ()
+    prefix_token_ids: tuple[int, ...] = ()  # a penalised sequence's cached prefix tokens (the penalty counts them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +250,8 @@ class Engine:
             token_ids = self._check_step(work)
             registrations = cache_registrations(self.allocator, self.sequences, prefill, owner)
             scored = self._scored_prompts(work[:first_decode])
-            penalties = self._penalties(work, first_decode, created)
+            prefix_tokens = prefix_penalty_tokens(prefill, created, self.model_config.vocab_size, self.allocator)
+            penalties = self._penalties(work, first_decode, created, prefix_tokens)
             mc = self.model_config
             planned_ids = (
                 routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok)
@@ -354,7 +356,7 @@ class Engine:
             )
         return scored
 
-    def _penalties(self, work, first_decode: int, created: list[int]):
+    def _penalties(self, work, first_decode: int, created: list[int], prefix_tokens: dict[int, np.ndarray]):
         """The step's PenaltyBatch (None when no penalised sequence takes part): new penalised sequences take a
         state slot; prompt chunks mark their tokens; a decode counts its input token, the one it sampled last."""
         builder = self.penalty_slots.builder()
@@ -363,6 +365,8 @@ class Engine:
                 builder.reset(self.penalty_slots.acquire(rid))
         if not self.penalty_slots.slots:
             return None
+        for rid, tokens in prefix_tokens.items():  # the cached prefix's tokens count as the prompt's others do
+            builder.prompt(rid, tokens)
         for index, (rid, tokens, _) in enumerate(work):
             if index < first_decode:
                 builder.prompt(rid, tokens)

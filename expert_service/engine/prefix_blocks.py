@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from common.errors import InvalidRequestError
 from expert_service.engine.kv_cache import BlockAllocator
 
@@ -57,4 +59,32 @@ def cache_registrations(
                     "cache_block_ids", f"sequence {chunk.request_id}: block id {block_id} is taken"
                 )
             out.append((chunk.request_id, index, key))
+    return out
+
+
+def prefix_penalty_tokens(
+    prefill: Sequence[PrefillInput], created: list[int], vocab_size: int, allocator: BlockAllocator
+) -> dict[int, np.ndarray]:
+    """The cached prefix tokens of the new sequences a repetition penalty counts; refuses a penalised sequence on
+    cached blocks without them (its penalty would silently miss them), or tokens that do not fill its blocks."""
+    out: dict[int, np.ndarray] = {}
+    new = set(created)
+    for chunk in prefill:
+        if chunk.request_id not in new or not chunk.prefix_block_ids or chunk.sampling is None:
+            continue
+        if not chunk.sampling.penalties.active:
+            continue
+        expected = len(chunk.prefix_block_ids) * allocator.block_size
+        tokens = np.asarray(chunk.prefix_token_ids, np.int64)
+        if len(tokens) != expected:
+            raise InvalidRequestError(
+                "prefix_token_ids",
+                f"sequence {chunk.request_id}: a penalised sequence on {len(chunk.prefix_block_ids)} cached blocks "
+                f"needs their {expected} tokens, got {len(tokens)}",
+            )
+        if tokens.min() < 0 or tokens.max() >= vocab_size:
+            raise InvalidRequestError(
+                "prefix_token_ids", f"sequence {chunk.request_id}: ids must be in [0, {vocab_size})"
+            )
+        out[chunk.request_id] = tokens
     return out

@@ -64,7 +64,11 @@ class StepLimits:
         if num_evictions > MAX_FREE_IDS:
             raise InvalidRequestError("evict_block_ids", f"{num_evictions} ids, at most {MAX_FREE_IDS} per step")
         for chunk in chunks:  # the engine checks the exact counts; this bounds what a hostile step makes it copy
-            if len(chunk.prefix_block_ids) > MAX_FREE_IDS or len(chunk.cache_block_ids) > len(chunk.token_ids) + 1:
+            if (
+                len(chunk.prefix_block_ids) > MAX_FREE_IDS
+                or len(chunk.cache_block_ids) > len(chunk.token_ids) + 1
+                or len(chunk.prefix_token_ids) > self.max_batch_tokens * MAX_FREE_IDS
+            ):
                 raise InvalidRequestError(
                     "prefix_block_ids", f"sequence {chunk.request_id}: too many prefix or cache block ids"
                 )

@@ -63,6 +63,7 @@ def prefill_input(chunk: pb.PrefillChunk) -> PrefillInput:
         chunk.is_last,
         tuple(chunk.prefix_block_ids),
         tuple(chunk.cache_block_ids),
+        tuple(chunk.prefix_token_ids),
     )
 
 

@@ -189,3 +189,17 @@ def test_a_scored_prompt_neither_hits_nor_holds_others_up():
     # 1 caches nothing, so 2 does not wait for it: both start at once, each computing the prompt
     assert step.num_scheduled_tokens == {1: 6, 2: 2}
     assert [c.cache_block_ids for c in step.prefill_chunks] == [(0,), ()]
+
+
+def test_a_penalised_request_hits_and_sends_its_prefix_tokens():
+    s, worker, rng = make(), WorkerModel(32), random.Random(0)
+    prompt = list(range(1, 15))
+    s.add(ScheduledRequest(1, prompt, 2))
+    step = s.schedule()
+    s.update(step, worker.run(step, rng))
+    s.add(ScheduledRequest(2, prompt, 2, penalized=True))
+    s.add(ScheduledRequest(3, prompt, 2))
+    step = s.schedule()
+    chunks = {c.request_id: c for c in step.prefill_chunks}
+    assert chunks[2].prefix_block_ids == chunks[3].prefix_block_ids == (1, 2, 3)
+    assert chunks[2].prefix_token_ids == tuple(prompt[:12]) and chunks[3].prefix_token_ids == ()

@@ -18,7 +18,7 @@ from tests.helpers import BackgroundWorker, running_router, worker_kv_blocks_use
 pytestmark = pytest.mark.slow
 
 BLOCK = 4
-NUM_BLOCKS = 48  # 192 tokens: the traffic below needs evictions to keep going
+NUM_BLOCKS = 36  # 144 tokens: the traffic below needs evictions to keep going
 
 
 @pytest.fixture(scope="module", params=[{}, {"expert_cache_slots": 2}], ids=["resident", "expert-cache"])
@@ -96,6 +96,8 @@ def test_shared_prefix_traffic_equals_uncached_and_offline(small_pool_worker, ti
     assert sum(hits for _, hits, _ in cached) > 0
     assert all(hits % BLOCK == 0 and hits < len(p) for (_, hits, _), (p, _, _) in zip(cached, traffic))
     assert cache.num_evicted > 0, "the pool was meant to be too small to keep every prefix"
+    penalised = [hits for (_, hits, _), (_, _, extra) in zip(cached, traffic) if "repetition_penalty" in extra]
+    assert any(penalised), "a penalised request started on cached blocks (the penalty counted their tokens)"
     assert cache.num_hit_tokens == sum(hits for _, hits, _ in cached)
 
     from expert_service.backends import build_engine

@@ -10,6 +10,7 @@ from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import UNKNOWN_PREFIX_BLOCK, PrefillInput
+from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
 
 BLOCK = 4
@@ -66,3 +67,27 @@ def test_bad_instructions_fail_the_step_or_the_sequence(engine):
         engine.launch([PrefillInput(4, prompt[:3], SamplingParams(), True, prefix_block_ids=(5,))], owner=7)
     )
     assert other_owner.outputs[0].error == UNKNOWN_PREFIX_BLOCK  # another stream's ids are not ours
+
+
+def test_a_penalised_sequence_counts_its_cached_prefix(engine):
+    prompt = np.random.default_rng(1).integers(3, 250, 13)
+    engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(21, 22, 23))])
+    penalised = SamplingParams(penalties=PenaltyParams(repetition=1.8))
+    with pytest.raises(InvalidRequestError, match="prefix_token_ids"):  # without the tokens: refused, not wrong
+        engine.step([PrefillInput(2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23))])
+    with pytest.raises(InvalidRequestError, match="prefix_token_ids"):
+        engine.step(
+            [PrefillInput(2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23), prefix_token_ids=(3,))]
+        )
+    reused = engine.step(
+        [
+            PrefillInput(
+                2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23), prefix_token_ids=tuple(prompt[:12])
+            )
+        ]
+    )
+    full = engine.step([PrefillInput(3, prompt, penalised, True)])
+    assert reused.outputs[0].token_id == full.outputs[0].token_id
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3
+    np.testing.assert_allclose(reused.logits.processed(0), full.logits.processed(0), rtol=tolerance, atol=tolerance)
+    assert not np.allclose(full.logits.processed(0), full.logits[0])  # the penalty acted on the prompt's tokens
