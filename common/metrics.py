@@ -120,6 +120,15 @@ class RouterMetrics:
         )
         self.prompt_tokens = b.counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = b.counter("generation_tokens", "Generated tokens")
+        # Prefix cache, in tokens as vLLM counts them: hit rate = rate(hits) / rate(queries).
+        self.prefix_cache_queries = b.counter(
+            "prefix_cache_queries", "Prompt tokens of requests that looked the prefix cache up (tokens)"
+        )
+        self.prefix_cache_hits = b.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens)")
+        self.prefix_cache_evictions = b.counter(
+            "prefix_cache_evictions", "Cached KV blocks evicted to make room for new requests"
+        )
+        self.prefix_cache_blocks = b.gauge("prefix_cache_blocks", "KV blocks held by the prefix cache")
         self.batch_size = b.histogram("batch_size", "Sequences per worker step", BATCH_SIZE_BUCKETS)
         self.batch_tokens = b.histogram("batch_tokens", "Tokens per worker step", BATCH_TOKENS_BUCKETS)
         kinds = {"kind": STEP_KINDS}

@@ -38,6 +38,7 @@ from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
 from router_service.observability import BatchingLoopHooks
+from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
 from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
@@ -82,6 +83,7 @@ class RequestState:
     span_context: trace.Span | trace.SpanContext | otel_context.Context | None = None
     arrived_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # first step that carried it
+    num_cached_tokens: int = 0  # prompt tokens it started on from the prefix cache
     last_token_at: float | None = None
     num_generated: int = 0
     is_done: bool = False
@@ -96,6 +98,11 @@ class RequestHandle:
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.num_prompt_tokens = len(state.req.prompt_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (known once the request was first scheduled)."""
+        return self._state.num_cached_tokens
 
     def __aiter__(self):
         return self
@@ -153,6 +160,7 @@ class BatchingLoop:
         self._receiving: asyncio.Future | None = None
         self._step_ids = itertools.count(1)
         self._last_result_at = 0.0
+        self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
         self._constraints: ConstraintCompiler | None = None  # built on the first constrained request
@@ -240,6 +248,7 @@ class BatchingLoop:
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
                 constrained=state.matcher is not None,
+                cache_salt=req.cache_salt,
             )
         )
         self._requests[seq_id] = state
@@ -368,7 +377,8 @@ class BatchingLoop:
                         reason="QUEUE_TIMEOUT",
                     ),
                 )
-            if step.is_empty and not step.free_ids:
+            self._report_prefix_cache()
+            if step.is_empty and not step.free_ids and not step.evict_block_ids:
                 return
             await self._send(step)
             if step.is_empty:  # frees only: nothing else could be scheduled
@@ -380,6 +390,8 @@ class BatchingLoop:
         for state in states:
             if state.scheduled_at is None:
                 state.scheduled_at = started
+                scheduled = self._ready_scheduler.requests.get(state.seq_id)
+                state.num_cached_tokens = scheduled.num_cached_tokens if scheduled is not None else 0
                 self.hooks.on_scheduled(state, started)
         # One CLIENT span per step, linked to its members' request spans; its context travels in the step,
         # so the worker's step span is its child.
@@ -413,6 +425,7 @@ class BatchingLoop:
             return
         if response.step_error:  # the worker refused the whole step: its requests fail, the rest go on
             log.error("worker refused step %d: %s", sent.step_id, response.step_error)
+            self._ready_scheduler.refused(step)
             for seq_id in step.num_scheduled_tokens:
                 if seq_id in self._requests:
                     self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
@@ -562,7 +575,7 @@ class BatchingLoop:
             num_kv_blocks=info.num_kv_blocks,
         )
         self.info = info
-        self.scheduler = Scheduler(limits)
+        self.scheduler = Scheduler(limits, self._prefix_cache(info))
         defaults = self.generation_defaults
         eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
         self.limits = ModelLimits(
@@ -573,6 +586,28 @@ class BatchingLoop:
             has_tokenizer=self.tokenizer is not None,
             generation=defaults,
         )
+
+    def _prefix_cache(self, info) -> PrefixCache | None:
+        """A fresh index for this worker connection (a restarted worker holds no cached block), or None when
+        caching is off or the worker cannot follow it. Hashes cover what changes a block's KV: the model."""
+        if not self.config.prefix_caching or not info.prefix_caching:
+            return None
+        identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
+        return PrefixCache(info.kv_block_size, identity.encode())
+
+    def _report_prefix_cache(self) -> None:
+        cache = self._ready_scheduler.prefix_cache
+        if cache is None:
+            return
+        counts = (cache.num_query_tokens, cache.num_hit_tokens, cache.num_evicted)
+        seen = self._cache_reported.get(id(cache), (0, 0, 0))  # a new connection's index counts from zero
+        if counts != seen:
+            self._cache_reported = {id(cache): counts}
+            self.hooks.on_prefix_cache(*(now - before for now, before in zip(counts, seen)))
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.scheduler is not None and self.scheduler.prefix_cache is not None
 
 
 class _NotReady(Exception):

@@ -205,6 +205,12 @@ class RouterConfig:
         "routing table forces 1 (its lookup needs each step's input tokens)",
         ("COLIBRI_PIPELINE_DEPTH",),
     )
+    prefix_caching: bool = setting(
+        True,
+        "automatic prefix caching: full KV blocks of prompts are cached by a hash of their tokens and reused by "
+        "later requests with the same prefix (and cache_salt); false computes every prompt in full",
+        ("COLIBRI_PREFIX_CACHING", "PREFIX_CACHING"),
+    )
     warmup: bool = setting(
         True,
         "ask the worker for a warm-up step of max_batch_tokens when it connects (a worker without Warmup is fine)",

@@ -174,6 +174,7 @@ class Frontend:
         stream: bool,
         options: ChatOptions = ChatOptions(),
         field: str = "messages",
+        cache_salt: str = "",
     ) -> RequestHandle:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
@@ -183,7 +184,9 @@ class Frontend:
         text = await self.render_chat(messages, options, field)
         if not text:
             raise InvalidRequestError(field, "the chat template rendered no text")
-        request = router_pb2.GenerateRequest(text=text, parameters=parameters, request_id=request_id)
+        request = router_pb2.GenerateRequest(
+            text=text, parameters=parameters, request_id=request_id, cache_salt=cache_salt
+        )
         try:
             return await self.submit(request, deadline, stream, add_special_tokens=False, operation=OPERATION_CHAT)
         except InvalidRequestError as e:

@@ -25,7 +25,7 @@ from common import metrics
 from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
-from router_service import errors, http_guard
+from router_service import errors, http_guard, openai_choices
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_guard import abort, bounded
 from router_service.logprobs import TokenTexts
@@ -225,9 +225,17 @@ class HttpFront:
                     frontend.batching_loop.generation_defaults,
                     limits.vocab_size if limits is not None else 0,
                 )
+                if parsed.n > 1 or len(parsed.prompts) > 1:
+                    return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
                     handle = await frontend.submit_chat(
-                        parsed.messages, parsed.parameters, request_id, None, parsed.stream, parsed.chat_options
+                        parsed.messages,
+                        parsed.parameters,
+                        request_id,
+                        None,
+                        parsed.stream,
+                        parsed.chat_options,
+                        cache_salt=parsed.cache_salt,
                     )
                 else:
                     handle = await frontend.submit(generate_request(parsed, request_id), None, parsed.stream)
@@ -237,7 +245,13 @@ class HttpFront:
                 out = await (collect_reply(handle, reply) if reply is not None else collect(handle))
                 set_usage(handle, len(out.token_ids), out.finish_reason)
                 body = response(
-                    parsed, handle.request_id, frontend.model_name, out, handle.num_prompt_tokens, self.texts()
+                    parsed,
+                    handle.request_id,
+                    frontend.model_name,
+                    out,
+                    handle.num_prompt_tokens,
+                    self.texts(),
+                    handle.num_cached_tokens,
                 )
                 return web.json_response(body, headers={"X-Request-Id": handle.request_id})
             except ConnectionError:  # the client went away mid-answer: nothing to answer
@@ -330,7 +344,7 @@ class HttpFront:
                         set_usage(handle, generated, delta.finish_reason)
                 if parsed.include_usage:
                     chunk = envelope(kind, handle.request_id, model, created, [], True)
-                    chunk["usage"] = usage(handle.num_prompt_tokens, generated)
+                    chunk["usage"] = usage(handle.num_prompt_tokens, generated, handle.num_cached_tokens)
                     await event(chunk)
             except ConnectionError:
                 raise

@@ -45,6 +45,9 @@ class BatchingLoopHooks:
 
     def on_request_done(self, request, outcome: str, now: float) -> None: ...
 
+    def on_prefix_cache(self, query_tokens: int, hit_tokens: int, evicted_blocks: int) -> None:
+        """Prefix-cache lookups and evictions since the last call."""
+
     def on_rejected(self, outcome: str) -> None:
         """A request refused before admission (validation, overload, draining): outcome = status, lower-case."""
 
@@ -64,6 +67,9 @@ class MetricsHooks(BatchingLoopHooks):
         self.m.queue_size.set_function(lambda: batching_loop.num_active)
         self.m.num_requests_running.set_function(scheduled("num_running"))
         self.m.num_requests_waiting.set_function(scheduled("num_waiting"))
+        self.m.prefix_cache_blocks.set_function(
+            lambda: batching_loop.scheduler.prefix_cache.num_cached_blocks if batching_loop.prefix_caching else 0
+        )
 
     def on_admitted(self, request) -> None:
         self.m.prompt_tokens.inc(len(request.req.prompt_ids))
@@ -85,6 +91,11 @@ class MetricsHooks(BatchingLoopHooks):
 
     def on_request_done(self, request, outcome: str, now: float) -> None:
         self.m.observe_finished(outcome, now - request.arrived_at)
+
+    def on_prefix_cache(self, query_tokens: int, hit_tokens: int, evicted_blocks: int) -> None:
+        self.m.prefix_cache_queries.inc(query_tokens)
+        self.m.prefix_cache_hits.inc(hit_tokens)
+        self.m.prefix_cache_evictions.inc(evicted_blocks)
 
     def on_rejected(self, outcome: str) -> None:
         self.m.requests.labels(outcome=outcome).inc()

@@ -1,8 +1,8 @@
 """OpenAI's protocol, as data: request bodies -> the router's SamplingParameters, answers and stream chunks ->
 OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O here (router_service/http_api.py).
 
-Accepted: OpenAI's fields with n = 1 (logprobs and top_logprobs, presence and frequency penalties, logit_bias
-included) and vLLM's usual extensions (top_k, min_p, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
+Accepted: OpenAI's fields (n, completions' best_of and prompt lists, logprobs and top_logprobs, presence and
+frequency penalties, logit_bias included; router_service/openai_choices.py serves more than one choice) and vLLM's usual extensions (top_k, min_p, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
 add_generation_prompt, continue_final_message, chat_template_kwargs). Every other field is refused with 400 naming
 it, unless it asks for nothing or cannot change the output (router_service/openai_fields.py has the table). A
 sampling field left out takes the model's generation_config.json default when it has one (OpenAI's default
@@ -61,6 +61,7 @@ FINISH_REASONS = {
     FinishReason.CONSTRAINT: "stop",
 }
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
+MAX_CHOICES = 128  # samples one HTTP request may ask for: best_of (or n) times the prompts
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
 
 
@@ -131,7 +132,11 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
-    prompt: str | list[int] | None = None  # completion
+    prompt: str | list[int] | None = None  # completion: the first (usually only) prompt
+    prompts: list = field(default_factory=list)  # completion: every prompt of a prompt list
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # samples per prompt, the n most likely returned (completions, not streamed)
+    cache_salt: str = ""
     messages: list = field(default_factory=list)  # chat
     chat_options: ChatOptions = ChatOptions()
     max_tokens_name: str = "max_tokens"
@@ -262,10 +267,26 @@ def parse_request(
         max_tokens_name=max_tokens_name,
         prompt_logprobs=prompt_logprobs is not None,
     )
+    parsed.cache_salt = _get(body, "cache_salt", str, "", "a string")
+    parsed.n = parsed.best_of = _int(body, "n", 1, low=1, high=MAX_CHOICES)
     if kind == "completion":
         logprobs = _int(body, "logprobs", None, high=MAX_LOGPROBS)
         parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
-        parsed.prompt = _prompt(body)
+        parsed.prompts = _prompts(body)
+        parsed.prompt = parsed.prompts[0]
+        parsed.best_of = _int(body, "best_of", parsed.n, low=1, high=MAX_CHOICES)
+        if parsed.best_of < parsed.n:
+            raise ApiError(400, f"best_of: must be >= n ({parsed.n}), got {parsed.best_of}", param="best_of")
+        if parsed.best_of > parsed.n and stream:
+            raise ApiError(
+                400, "best_of: cannot be streamed (the best samples are known only at the end)", param="best_of"
+            )
+        if parsed.best_of * len(parsed.prompts) > MAX_CHOICES:
+            raise ApiError(
+                400,
+                f"best_of: {parsed.best_of} samples of {len(parsed.prompts)} prompts exceed {MAX_CHOICES}",
+                param="best_of" if parsed.best_of > parsed.n else "n",
+            )
     else:
         parsed.logprobs = _get(body, "logprobs", bool, False, "a boolean")
         parsed.top_logprobs = _int(body, "top_logprobs", 0, high=MAX_LOGPROBS)
@@ -290,35 +311,49 @@ def parse_request(
     return parsed
 
 
-def _prompt(body) -> str | list[int]:
+def _prompts(body) -> list[str | list[int]]:
+    """The prompts: a string, a list of token ids, or a list of either (a batch)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts, got {len(prompt)}", param="prompt")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def _one_prompt(prompt, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         if not all(0 <= i <= MAX_UINT32 for i in prompt):
-            raise ApiError(400, "prompt: token ids must be non-negative", param="prompt")
+            raise ApiError(400, f"{name}: token ids must be non-negative", param="prompt")
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "prompt: one prompt per request (send a batch as separate requests)", param="prompt")
-    raise ApiError(400, "prompt: required, a string or a list of token ids", param="prompt")
+    raise ApiError(400, f"{name}: required, a string or a list of token ids", param="prompt")
 
 
-def generate_request(parsed: ParsedRequest, request_id: str) -> router_pb2.GenerateRequest:
-    if isinstance(parsed.prompt, str):
-        return router_pb2.GenerateRequest(text=parsed.prompt, parameters=parsed.parameters, request_id=request_id)
-    return router_pb2.GenerateRequest(
-        token_ids=router_pb2.TokenIds(ids=parsed.prompt), parameters=parsed.parameters, request_id=request_id
+def generate_request(
+    parsed: ParsedRequest, request_id: str, prompt=None, parameters: router_pb2.SamplingParameters | None = None
+) -> router_pb2.GenerateRequest:
+    """The router request of one prompt (the first unless given) with the parsed parameters (unless given)."""
+    prompt = parsed.prompt if prompt is None else prompt
+    request = router_pb2.GenerateRequest(
+        parameters=parameters or parsed.parameters, request_id=request_id, cache_salt=parsed.cache_salt
     )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
 
 
 # ---- answers ----
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -378,25 +413,33 @@ def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> li
 
 
 def choice(
-    kind: str, text: str, reason, logprobs, stream: bool, first: bool = False, tool_calls=(), finish=None
+    kind: str,
+    text: str,
+    reason,
+    logprobs,
+    stream: bool,
+    first: bool = False,
+    tool_calls=(),
+    finish=None,
+    index: int = 0,
 ) -> dict:
-    """A choice (or chunk choice). `tool_calls`: tool_calls.ToolCall (an answer) or ToolCallDelta (a chunk);
-    `finish`: the finish_reason when it is not `reason`'s (router_service.tool_replies.finish_reason)."""
+    """A choice (or chunk choice) at `index`. `tool_calls`: tool_calls.ToolCall (an answer) or ToolCallDelta (a
+    chunk); `finish`: the finish_reason when it is not `reason`'s (router_service.tool_replies.finish_reason)."""
     finished = finish or finish_reason(reason)
     if kind == "completion":
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finished}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finished}
     if stream:
         delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         if tool_calls:
             delta["tool_calls"] = [tool_call_delta(d) for d in tool_calls]
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finished}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finished}
     message: dict = {"role": "assistant", "content": text}
     if tool_calls:  # OpenAI's content is null when the reply is only calls
         message["content"] = text or None
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls
         ]
-    return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finished}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finished}
 
 
 def tool_call_delta(piece) -> dict:
@@ -431,7 +474,13 @@ def add_prompt_logprobs(body: dict, kind: str, texts: TokenTexts, entries: list[
 
 
 def response(
-    parsed: ParsedRequest, request_id: str, model: str, out: Completion, prompt_tokens: int, texts: TokenTexts
+    parsed: ParsedRequest,
+    request_id: str,
+    model: str,
+    out: Completion,
+    prompt_tokens: int,
+    texts: TokenTexts,
+    cached_tokens: int = 0,
 ) -> dict:
     lp = logprobs_field(parsed.kind, texts, out.token_ids, out.logprobs, out.top_logprobs) if parsed.logprobs else None
     body = envelope(
@@ -454,5 +503,5 @@ def response(
     )
     if parsed.prompt_logprobs:
         add_prompt_logprobs(body, parsed.kind, texts, out.prompt_logprobs or [])
-    body["usage"] = usage(prompt_tokens, len(out.token_ids))
+    body["usage"] = usage(prompt_tokens, len(out.token_ids), cached_tokens)
     return body

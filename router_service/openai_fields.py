@@ -39,10 +39,12 @@ IMPLEMENTED_BOTH = frozenset(
         "guided_choice",
         "guided_grammar",
         "structured_outputs",
+        "n",
+        "cache_salt",
     }
 )
 IMPLEMENTED = {
-    "completion": IMPLEMENTED_BOTH | {"prompt"},
+    "completion": IMPLEMENTED_BOTH | {"prompt", "best_of"},
     "chat": IMPLEMENTED_BOTH
     | {
         "messages",
@@ -60,7 +62,6 @@ IMPLEMENTED = {
 IGNORED_BOTH = frozenset(
     {
         "user",  # an end-user id for the provider's abuse monitoring
-        "cache_salt",  # salts a cross-request prefix cache; the router shares no KV blocks between requests
         "guided_decoding_backend",  # which engine computes the masks: the output's language is the same (llguidance)
     }
 )
@@ -82,8 +83,6 @@ IGNORED = {
 # The values that ask for nothing (the fields' defaults): accepted, so clients that send defaults keep working;
 # null is always accepted. Any other value is a 400 naming the field.
 SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),  # beam search's
     "include_stop_str_in_output": (False,),
@@ -111,6 +110,7 @@ REFUSED: dict[str, dict[str, tuple[object, ...]]] = {
     },
     "chat": SAMPLING_REFUSED
     | {
+        "best_of": (1,),  # completions only, as in OpenAI's API
         "echo": (False,),
         "add_special_tokens": (False,),  # the template places them
         "functions": ([],),  # OpenAI's deprecated form of tools (its answers carry function_call)

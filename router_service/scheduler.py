@@ -16,6 +16,12 @@ limits ride on the same rule, both max_batch_size: requests with penalties on th
 that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host). A constrained
 request (grammar masks) is sent a decode only once its previous token is back: its next mask depends on it.
 
+With prefix caching (router_service/prefix_cache.py) a request is admitted on the blocks of its prompt already
+cached: it reserves only the rest, starts its prefill after them (its first chunk names them), and chunks
+register the full blocks they complete; a request whose next block a running one is computing waits for it
+(skipped, keeping its place). Cached blocks no request holds are evicted, least recently used first, only when
+an admission needs their room; the step carries the evictions.
+
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
@@ -25,12 +31,9 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from router_service.logprobs import Scored
-
-if TYPE_CHECKING:
-    pass
+from router_service.prefix_cache import PrefixCache, PrefixState
 
 
 class Status(enum.Enum):
@@ -85,6 +88,10 @@ class ScheduledRequest:
     constrained: bool = False
     # prompt_logprobs chunk by chunk, delivered with the first token.
     prompt_scores: list[Scored] = field(default_factory=list)
+    # Prefix caching: requests share cached blocks only under equal salts; `prefix` is set when caching is on.
+    cache_salt: str = ""
+    prefix: PrefixState | None = None
+    num_cached_tokens: int = 0  # prompt tokens it started on from the cache
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,6 +126,9 @@ class Chunk:
     is_first: bool  # the worker learns the sequence (and its sampling) from this chunk
     is_last: bool  # the prompt ends here: the worker samples the first generated token
     sampling: object = None  # the request's, on its first chunk
+    prefix_block_ids: tuple[int, ...] = ()  # on its first chunk: the cached blocks it starts on
+    cache_block_ids: tuple[int, ...] = ()  # one per block the chunk completes: the id to cache it under (0: none)
+    prefix_token_ids: tuple[int, ...] = ()  # penalised, on its first chunk: the tokens its cached blocks hold
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,8 @@ class ScheduledStep:
     free_ids: frozenset[int]
     # ... and waiting requests dropped because their queue deadline passed (never sent to the worker).
     expired_ids: tuple[int, ...] = ()
+    # Cached prefix blocks the worker drops before the step (after the frees).
+    evict_block_ids: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -181,8 +193,9 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits):
+    def __init__(self, limits: SchedulerLimits, prefix_cache: PrefixCache | None = None):
         self.limits = limits
+        self.prefix_cache = prefix_cache
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []  # admission order
         self.requests: dict[int, ScheduledRequest] = {}
@@ -198,6 +211,12 @@ class Scheduler:
             raise ValueError("scheduler: a request needs a prompt and max_new_tokens >= 1")
         if self._blocks_needed(req) > self.limits.num_kv_blocks:
             raise ValueError(f"scheduler: request {req.request_id} needs more KV blocks than exist")
+        if self.prefix_cache is not None:
+            req.prefix = PrefixState(
+                self.prefix_cache.hashes(req.prompt_ids, req.cache_salt),
+                may_hit=not req.scores_prompt,
+                may_claim=not req.scores_prompt,
+            )
         req.status = Status.WAITING
         self.waiting.append(req)
         self.requests[req.request_id] = req
@@ -211,7 +230,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        self.num_free_blocks += req.num_blocks
+        in_transit = self.prefix_cache.release(req.prefix) if self.prefix_cache and req.prefix else 0
+        self.num_free_blocks += req.num_blocks - in_transit  # blocks in transit return when their step settles
         req.num_blocks = 0
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
         if req.is_on_worker:
@@ -226,6 +246,8 @@ class Scheduler:
         self.requests.clear()
         self._pending_free.clear()
         self.num_free_blocks = self.limits.num_kv_blocks
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache(self.prefix_cache.block_size, self.prefix_cache.namespace)
         return ids
 
     @property
@@ -238,7 +260,9 @@ class Scheduler:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.limits.num_kv_blocks - self.num_free_blocks
+        """Blocks requests hold or reserve (cached blocks no request holds are free to evict, not used)."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache is not None else 0
+        return self.limits.num_kv_blocks - self.num_free_blocks - evictable
 
     def _blocks_needed(self, req: ScheduledRequest) -> int:
         return self.limits.blocks_for(req.num_prompt_tokens + req.max_new_tokens)
@@ -269,23 +293,39 @@ class Scheduler:
                 req.num_scheduled_tokens += 1
                 req.num_pending_outputs += 1
                 budget -= 1
+        cache, deferred = self.prefix_cache, []
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             req = self.waiting[0]
-            needed = self._blocks_needed(req)
+            hits = cache.lookup(req.prefix, req.num_prompt_tokens) if cache and req.prefix else 0
+            if hits is None:  # a running request is computing its next block: it starts on that block instead
+                deferred.append(self.waiting.popleft())
+                continue
+            needed = self._blocks_needed(req) - hits
+            shortfall = max(needed - self.num_free_blocks, 0)
             if (
-                needed > self.num_free_blocks
+                shortfall > (cache.evictable_beyond(req.prefix, hits) if cache and req.prefix else 0)
                 or (req.scores_prompt and not self._scoring_budget)
                 or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size)
             ):
                 break
             self.waiting.popleft()
+            if cache and req.prefix:
+                cache.admit(req.prefix, hits, req.num_prompt_tokens, shortfall)
+                self.num_free_blocks += shortfall
+                req.num_cached_tokens = req.num_computed_tokens = req.num_scheduled_tokens = (
+                    hits * self.limits.kv_block_size
+                )
             self.num_free_blocks -= needed
             req.num_blocks, req.status = needed, Status.RUNNING
             self.running.append(req)
             budget -= self._add_chunk(req, budget, scheduled, chunks)
+        self.waiting.extendleft(reversed(deferred))
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
-        return ScheduledStep(scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, tuple(expired))
+        evictions = cache.take_evictions() if cache else ()
+        return ScheduledStep(
+            scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, tuple(expired), evictions
+        )
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
         start = req.num_scheduled_tokens
@@ -295,13 +335,19 @@ class Scheduler:
             self._scoring_budget -= n
         scheduled[req.request_id] = n
         is_last = start + n == req.num_prompt_tokens
+        is_first, prefix = not req.is_on_worker, req.prefix
         chunks.append(
             Chunk(
                 req.request_id,
                 tuple(req.prompt_ids[start : start + n]),
-                is_first=start == 0,
+                is_first=is_first,
                 is_last=is_last,
-                sampling=req.sampling if start == 0 else None,
+                sampling=req.sampling if is_first else None,
+                prefix_block_ids=tuple(prefix.hit_ids) if is_first and prefix else (),
+                prefix_token_ids=tuple(req.prompt_ids[:start]) if is_first and prefix and req.penalized else (),
+                cache_block_ids=(
+                    self.prefix_cache.chunk_block_ids(prefix, start, n) if self.prefix_cache and prefix else ()
+                ),
             )
         )
         req.num_scheduled_tokens += n
@@ -316,6 +362,7 @@ class Scheduler:
         the next step's frees.
         """
         by_id = {g.request_id: g for g in generations}
+        self._settle(step, by_id)
         outputs = []
         for request_id, n in step.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
@@ -347,6 +394,25 @@ class Scheduler:
             req.prompt_scores = []
             outputs.append(RequestOutput(request_id, gen.token_id, gen.logprob, reason, top=gen.top, prompt=prompt))
         return outputs
+
+    def refused(self, step: ScheduledStep) -> None:
+        """The worker refused the step as a whole: nothing it carried was cached."""
+        self._settle(step, {})
+
+    def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput]) -> None:
+        """Blocks the step's chunks registered count as cached when their sequence ran unharmed."""
+        if self.prefix_cache is None:
+            return
+        for chunk in step.prefill_chunks:
+            if not any(chunk.cache_block_ids):
+                continue
+            gen = by_id.get(chunk.request_id)
+            ok = gen is not None and not gen.error
+            moved, returned = self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
+            req = self.requests.get(chunk.request_id)
+            if req is not None:
+                req.num_blocks -= moved
+            self.num_free_blocks += returned
 
     @staticmethod
     def _stop_reason(req: ScheduledRequest, token_id: int) -> FinishReason | None:

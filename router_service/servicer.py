@@ -78,7 +78,13 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             continue_final_message=request.continue_final_message, template_kwargs=kwargs, tools=tools
         )
         handle = await self.frontend.submit_chat(
-            request.messages, request.parameters, request.request_id, deadline, stream, options
+            request.messages,
+            request.parameters,
+            request.request_id,
+            deadline,
+            stream,
+            options,
+            cache_salt=request.cache_salt,
         )
         return handle, ToolReply.for_request(self.frontend, tools)
 
@@ -118,6 +124,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     routing=self._routing(),
                     top_logprobs=[self._top_pb(top) for top in out.top_logprobs],
                     prompt_logprobs=self._prompt_pb(out.prompt_logprobs),
+                    cached_prompt_tokens=handle.num_cached_tokens,
                 )
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
@@ -150,6 +157,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.prompt_tokens = handle.num_prompt_tokens
                         message.generated_tokens = generated
                         message.routing = self._routing()
+                        message.cached_prompt_tokens = handle.num_cached_tokens
                         set_usage(handle, generated, delta.finish_reason)
                     await context.write(message)
             except grpc.aio.InternalError:  # only the context's own writes raise it
@@ -214,6 +222,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0),
             server_version=_version(),
             generation_config=self._generation_config(),
+            prefix_caching=self.batching_loop.prefix_caching,
         )
 
     def _generation_config(self) -> struct_pb2.Struct:

@@ -30,6 +30,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; prompt_logprobs has the
 MAX_PRESENCE_FREQUENCY = 2.0  # vLLM's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limits on logit_bias: 300 tokens, each bias in [-100, 100]
 MAX_LOGIT_BIAS = 100.0
+MAX_CACHE_SALT_BYTES = 256
 # With max_prompt_bytes 0, a text prompt may have this many UTF-8 bytes per token of context: far above any
 # real tokenizer's average, and still a bound on what one request can make the router tokenize.
 BYTES_PER_TOKEN = 32
@@ -71,6 +72,7 @@ class ValidatedRequest:
     min_p: float = 0.0  # 0 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     constraint: Constraint | None = None  # constrained decoding (compiled by the batching loop at submit)
+    cache_salt: str = ""  # prefix caching: only requests with equal salts share cached blocks
 
     @property
     def penalized(self) -> bool:
@@ -159,6 +161,10 @@ def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: M
         )
     if not is_metadata_safe(req.request_id):
         raise InvalidRequestError("request_id", "must be printable ASCII (0x20-0x7e): it is echoed in metadata")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(
+            "cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes, got {len(req.cache_salt.encode())}"
+        )
     p = req.parameters
     _check_sampling(p, limits)
     _check_stops(p, config, limits)
@@ -227,6 +233,7 @@ def _complete(
         min_p=float(p.min_p),
         logit_bias=tuple(sorted(p.logit_bias.items())),
         constraint=constraint,
+        cache_salt=req.cache_salt,
     )
 
 

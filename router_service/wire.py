@@ -54,6 +54,12 @@ def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
     message = pb.PrefillChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last)
     if chunk.is_first and chunk.sampling is not None:
         message.sampling.CopyFrom(chunk.sampling)
+    if chunk.prefix_block_ids:
+        message.prefix_block_ids.extend(chunk.prefix_block_ids)
+    if chunk.cache_block_ids:
+        message.cache_block_ids.extend(chunk.cache_block_ids)
+    if chunk.prefix_token_ids:
+        message.prefix_token_ids.extend(chunk.prefix_token_ids)
     return message
 
 
@@ -67,6 +73,7 @@ def step_request(
         free_request_ids=np.fromiter(step.free_ids, "<u8", len(step.free_ids)).tobytes(),
         chunks=[prefill_chunk(c) for c in step.prefill_chunks],
         decode_request_ids=np.asarray(step.decode_ids, "<u8").tobytes(),
+        evict_block_ids=np.asarray(step.evict_block_ids, "<u8").tobytes(),
     )
     if masks:
         request.mask_request_ids = np.fromiter(masks, "<u8", len(masks)).tobytes()

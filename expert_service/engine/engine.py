@@ -23,6 +23,7 @@ from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
+from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.engine.token_masks import step_masks
@@ -33,6 +34,7 @@ log = logging.getLogger("colibri.worker")
 
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
+UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,11 @@ class PrefillInput:
     token_ids: np.ndarray  # prompt tokens of this chunk
     sampling: SamplingParams | None  # set on a sequence's first chunk
     is_last: bool  # the chunk ends the prompt: sample the first new token
+    # Prefix caching (the router's block ids, owned by the caller's stream): on a first chunk, the cached blocks
+    # the sequence starts with; then one id per block this chunk completes (0: not cached), registered after it.
+    prefix_block_ids: tuple[int, ...] = ()
+    cache_block_ids: tuple[int, ...] = ()
+    prefix_token_ids: tuple[int, ...] = ()  # a penalised sequence's cached prefix tokens (the penalty counts them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +150,10 @@ class Engine:
         return self.release([rid for rid in list(self.sequences) if rid not in keep])
 
     def clear(self) -> int:
-        return len(self.release(list(self.sequences)))
+        freed = len(self.release(list(self.sequences)))
+        for owner in {key[0] for key in self.allocator.cached}:
+            self.allocator.evict_owner(owner)
+        return freed
 
     # --- steps --------------------------------------------------------------------------------------
     def step(
@@ -189,6 +199,7 @@ class Engine:
         routing_plan: RoutingPlan | None = None,
         freed: frozenset[int] = frozenset(),
         masks: Mapping[int, np.ndarray] | None = None,
+        owner: int = 0,
     ) -> InFlightStep:
         """Validates and starts a step (see `step`); `collect` finishes it. While the step before is still in
         flight (`can_launch`), a decode whose last token that step samples takes it on the device. A step's
@@ -196,7 +207,8 @@ class Engine:
         freed: sequences this step's caller has freed but releases only once the step in flight is collected
         (it still samples them); a decode of one is UNKNOWN_SEQUENCE, in its place, as if already released.
         masks: request id -> grammar mask words [W] uint32 of each constrained sequence sampling in this step
-        (exactly those: one missing or one too many refuses the step)."""
+        (exactly those: one missing or one too many refuses the step).
+        owner: whose prefix-cache block ids the chunks name (the caller's stream)."""
         if not self.can_launch:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
@@ -213,8 +225,18 @@ class Engine:
                             f"sequence {chunk.request_id} is new: its first chunk must carry sampling parameters",
                         )
                     chunk.sampling.check_vocabulary(self.model_config.vocab_size)
-                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling))
+                    try:
+                        num_cached = attach_prefix(self.allocator, chunk, owner)
+                    except KeyError as missing:  # the router's view is stale: this sequence alone fails
+                        log.warning("sequence %d: prefix block %d is not cached", chunk.request_id, missing.args[0])
+                        unknown.append(SequenceOutput(chunk.request_id, error=UNKNOWN_PREFIX_BLOCK))
+                        continue
+                    self.sequences[chunk.request_id] = SequenceState(Sampler(chunk.sampling), num_cached=num_cached)
                     created.append(chunk.request_id)
+                elif chunk.prefix_block_ids:
+                    raise InvalidRequestError(
+                        "prefix_block_ids", f"sequence {chunk.request_id}: only a first chunk may name cached blocks"
+                    )
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
             first_decode = len(work)
             for rid in decode_ids:
@@ -238,8 +260,10 @@ class Engine:
                 self.model_config.vocab_size,
             )
             token_ids = self._check_step(work)
+            registrations = cache_registrations(self.allocator, self.sequences, prefill, owner)
             scored = self._scored_prompts(work[:first_decode])
-            penalties = self._penalties(work, first_decode, created)
+            prefix_tokens = prefix_penalty_tokens(prefill, created, self.model_config.vocab_size, self.allocator)
+            penalties = self._penalties(work, first_decode, created, prefix_tokens)
             mc = self.model_config
             planned_ids = (
                 routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok)
@@ -254,6 +278,8 @@ class Engine:
         except (InvalidRequestError, CapacityError):
             self.release(created)
             raise
+        for rid, index, key in registrations:  # the step writes these blocks' KV before any later step reads them
+            self.allocator.register(rid, index, key)
         batch = replace(
             self._build_batch(work, token_ids, all_logits=False, scored=scored),
             penalties=penalties,
@@ -346,7 +372,7 @@ class Engine:
             )
         return scored
 
-    def _penalties(self, work, first_decode: int, created: list[int]):
+    def _penalties(self, work, first_decode: int, created: list[int], prefix_tokens: dict[int, np.ndarray]):
         """The step's PenaltyBatch (None when no penalised sequence takes part): new penalised sequences take a
         state slot; prompt chunks mark their tokens; a decode counts its input token, the one it sampled last."""
         builder = self.penalty_slots.builder()
@@ -355,6 +381,8 @@ class Engine:
                 builder.reset(self.penalty_slots.acquire(rid))
         if not self.penalty_slots.slots:
             return None
+        for rid, tokens in prefix_tokens.items():  # the cached prefix's tokens count as the prompt's others do
+            builder.prompt(rid, tokens)
         for index, (rid, tokens, _) in enumerate(work):
             if index < first_decode:
                 builder.prompt(rid, tokens)

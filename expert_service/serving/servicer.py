@@ -189,6 +189,7 @@ class WorkerServicer:
             model_name=self.model_name,
             expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources),
             expert_dtypes=list(e.model.expert_formats),
+            prefix_caching=True,
         )
 
     def warmup(self, num_tokens: int) -> float:

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class StepLimits:
             engine.model_config.vocab_size,
         )
 
-    def check(self, chunks, num_decodes: int, num_frees: int) -> None:
+    def check(self, chunks, num_decodes: int, num_frees: int, num_evictions: int = 0) -> None:
         tokens = sum(len(c.token_ids) for c in chunks) + num_decodes
         if tokens > self.max_batch_tokens:
             raise InvalidRequestError("step", f"{tokens} tokens exceed max_batch_tokens {self.max_batch_tokens}")
@@ -68,6 +68,17 @@ class StepLimits:
             )
         if num_frees > MAX_FREE_IDS:
             raise InvalidRequestError("free_request_ids", f"{num_frees} ids, at most {MAX_FREE_IDS} per step")
+        if num_evictions > MAX_FREE_IDS:
+            raise InvalidRequestError("evict_block_ids", f"{num_evictions} ids, at most {MAX_FREE_IDS} per step")
+        for chunk in chunks:  # the engine checks the exact counts; this bounds what a hostile step makes it copy
+            if (
+                len(chunk.prefix_block_ids) > MAX_FREE_IDS
+                or len(chunk.cache_block_ids) > len(chunk.token_ids) + 1
+                or len(chunk.prefix_token_ids) > self.max_batch_tokens * MAX_FREE_IDS
+            ):
+                raise InvalidRequestError(
+                    "prefix_block_ids", f"sequence {chunk.request_id}: too many prefix or cache block ids"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,8 @@ class StepRequest:
     decode_ids: np.ndarray  # [m] uint64
     routing_plan: RoutingPlan | None
     masks: dict[int, np.ndarray] | None = None  # constrained sequences sampling here -> grammar mask words [W]
+    evict_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))  # [k] uint64: cached prefix
+    # blocks to drop, after the frees
 
     @property
     def is_empty(self) -> bool:
@@ -132,6 +145,8 @@ class StreamSession:
         for r in late:
             del self.owners[r]
         self._late_frees += late
+        for block_id in step.evict_ids.tolist():  # one held by a late-freed sequence returns with it
+            self.engine.allocator.evict((self.id, block_id))
         if step.is_empty:
             return StepAnswer(step.step_id, None, "", time.perf_counter() - started, "free")
         assert not (late & {c.request_id for c in step.chunks}), "a chunk of a sequence freed late"
@@ -146,7 +161,9 @@ class StreamSession:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            in_flight = self.engine.launch(chunks, decodes, step.routing_plan, frozenset(late), step.masks)
+            in_flight = self.engine.launch(
+                chunks, decodes, step.routing_plan, frozenset(late), step.masks, owner=self.id
+            )
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             return StepAnswer(
@@ -163,8 +180,9 @@ class StreamSession:
         return StepAnswer(launched.step_id, result, "", time.perf_counter() - launched.started, launched.kind)
 
     def close(self) -> None:
-        """The stream ended: free every sequence it started."""
+        """The stream ended: free every sequence it started and drop the blocks it cached."""
         self._free([r for r, owner in self.owners.items() if owner == self.id])
+        self.engine.allocator.evict_owner(self.id)
 
     def _foreign(self, step: StepRequest) -> list[int]:
         ids = [c.request_id for c in step.chunks] + [int(r) for r in step.decode_ids]

@@ -63,6 +63,9 @@ def prefill_input(chunk: pb.PrefillChunk) -> PrefillInput:
         np.fromiter(chunk.token_ids, dtype=np.int64, count=len(chunk.token_ids)),
         sampling_params(chunk.sampling) if chunk.HasField("sampling") else None,
         chunk.is_last,
+        tuple(chunk.prefix_block_ids),
+        tuple(chunk.cache_block_ids),
+        tuple(chunk.prefix_token_ids),
     )
 
 
@@ -119,14 +122,16 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
     """A step of the step stream: frees, then prompt chunks, then decodes."""
     frees = _packed_ids(request.free_request_ids, "free_request_ids")
     decodes = _packed_ids(request.decode_request_ids, "decode_request_ids")
-    limits.check(request.chunks, len(decodes), len(frees))
+    evictions = _packed_ids(request.evict_block_ids, "evict_block_ids")
+    limits.check(request.chunks, len(decodes), len(frees), len(evictions))
     return StepRequest(
         request.step_id,
         frees,
         [prefill_input(c) for c in request.chunks],
         decodes,
         _plan_of(request, limits),
-        token_masks(request, limits),
+        evict_ids=evictions,
+        masks=token_masks(request, limits),
     )
 
 

@@ -32,6 +32,10 @@ ROUTER = {
     "colibri_batch_tokens": "histogram",
     "colibri_step_duration_seconds": "histogram",
     "colibri_step_transport_overhead_seconds": "histogram",
+    "colibri_prefix_cache_queries": "counter",
+    "colibri_prefix_cache_hits": "counter",
+    "colibri_prefix_cache_evictions": "counter",
+    "colibri_prefix_cache_blocks": "gauge",
 }
 WORKER = {
     "colibri_worker_step_duration_seconds": "histogram",

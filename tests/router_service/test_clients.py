@@ -37,7 +37,11 @@ def test_sync_and_async_clients_agree(worker, tiny_model, tmp_path, capsys):
             generated, chat, streamed = await asyncio.to_thread(sync_calls, target)
             assert [t for m in streamed for t in m.token_ids] == list(chat.token_ids)
             assert "".join(m.text for m in streamed) == chat.text and len(chat.logprobs) == 6
-            assert [t for m in streamed for t in m.top_logprobs] == list(chat.top_logprobs)
+            # the stream starts on the chat's cached prompt blocks: the same tokens, log-probabilities to rounding
+            tops = [t for m in streamed for t in m.top_logprobs]
+            assert [list(t.token_ids) for t in tops] == [list(t.token_ids) for t in chat.top_logprobs]
+            for mine, theirs in zip(tops, chat.top_logprobs):
+                assert list(mine.logprobs) == pytest.approx(list(theirs.logprobs), rel=1e-5, abs=1e-6)
             assert len(chat.top_logprobs) == 6 and all(len(t.token_ids) == 2 for t in chat.top_logprobs)
             async with AsyncColibriClient(target) as client:
                 assert (await client.generate("Hello", **GREEDY)).text == generated.text

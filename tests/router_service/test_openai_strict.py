@@ -74,11 +74,12 @@ IMPLEMENTED = [
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
         lambda p: not p.chat_options.tools.parallel,
     ),
+    (BOTH, "n", 3, {}, lambda p: p.n == 3),
+    (BOTH, "cache_salt", "tenant", {}, lambda p: p.cache_salt == "tenant"),
+    (("completion",), "best_of", 3, {"n": 2}, lambda p: p.best_of == 3 and p.n == 2),
 ]
 # (field, a value asking for something the router does not do, a value asking for nothing or None)
 REFUSED = [
-    (BOTH, "n", 2, 1),
-    (("completion",), "best_of", 3, 1),
     (("chat",), "best_of", 3, 1),
     (BOTH, "use_beam_search", True, False),
     (BOTH, "length_penalty", 0.5, 1.0),
@@ -116,7 +117,6 @@ REFUSED = [
 ]
 IGNORED = [
     (BOTH, "user", "u-1"),
-    (BOTH, "cache_salt", "salt"),
     (BOTH, "guided_decoding_backend", "xgrammar"),
     (("chat",), "safety_identifier", "s"),
     (("chat",), "metadata", {"k": "v"}),

@@ -146,3 +146,41 @@ def test_router_refuses_a_table_for_another_model(token_routed, tmp_path):
 
     with pytest.raises(ModelFormatError, match="num_layers is 2, expected 1"):
         run_requests(None, other, table, [], 1)
+
+
+def test_lut_routing_with_cached_prefixes_equals_uncached(tmp_path):
+    """The plan covers the step's tokens, a cached prefix's excluded: outputs equal an uncached run's."""
+    model = make_tiny(tmp_path / "random", family="mixtral", seed=5)
+    table, _ = build_table(model, tmp_path)
+    system = list(range(30, 50))
+    prompts = [system + [7, 8], system + [9], system + [10, 11, 12], system + [7, 8]]
+
+    async def run(prefix_caching: bool):
+        async with running_router(
+            worker.address,
+            max_batch_tokens=24,
+            model=str(model),
+            routing_table=str(table),
+            prefix_caching=prefix_caching,
+        ) as (router, stub):
+            replies = []
+            for p in prompts:  # one at a time: each finds the ones before it cached
+                replies.append(
+                    await stub.Generate(
+                        rpb.GenerateRequest(
+                            token_ids=rpb.TokenIds(ids=p),
+                            parameters=rpb.SamplingParameters(max_new_tokens=6, ignore_eos=True, logprobs=True),
+                        )
+                    )
+                )
+            return replies
+
+    worker = BackgroundWorker(model, routing="lut").start()
+    try:
+        cached, plain = asyncio.run(run(True)), asyncio.run(run(False))
+    finally:
+        worker.stop()
+    assert [r.cached_prompt_tokens for r in cached[1:]] == [20, 20, 20] and cached[0].cached_prompt_tokens == 0
+    assert [list(r.token_ids) for r in cached] == [list(r.token_ids) for r in plain]
+    for a, b in zip(cached, plain):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-5)

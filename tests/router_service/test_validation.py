@@ -32,6 +32,15 @@ def req(ids=(1, 2, 3), text=None, request_id="", **params):
     return r
 
 
+def test_cache_salt_is_bounded_and_carried():
+    r = req()
+    r.cache_salt = "é" * 128  # 256 bytes
+    assert validate_request(r, CONFIG, LIMITS).cache_salt == r.cache_salt
+    r.cache_salt += "x"
+    with pytest.raises(InvalidRequestError, match="cache_salt: must be at most 256 bytes, got 257"):
+        validate_request(r, CONFIG, LIMITS)
+
+
 CASES = [
     # (name, request, limits override, field, words the message must contain)
     ("prompt missing", req(ids=None), {}, "prompt", ["text or token_ids"]),

@@ -1,0 +1,90 @@
+"""The engine's side of prefix caching: a new sequence starting on cached blocks, and the blocks a chunk
+completes registered under the router's ids (kv_cache.BlockAllocator keeps the index and reference counts)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from expert_service.engine.kv_cache import BlockAllocator
+
+if TYPE_CHECKING:
+    from expert_service.engine.engine import PrefillInput
+
+
+class _Cached(Protocol):
+    num_cached: int
+
+
+def attach_prefix(allocator: BlockAllocator, chunk: PrefillInput, owner: int) -> int:
+    """Starts a new sequence's block table on the chunk's cached prefix blocks; returns the tokens they hold.
+    Raises KeyError with the first block id that is not cached (nothing attached then)."""
+    keys = [(owner, block_id) for block_id in chunk.prefix_block_ids]
+    try:
+        allocator.check_attach(keys)
+    except KeyError as missing:
+        raise KeyError(missing.args[0][1]) from None
+    if keys:
+        allocator.attach(chunk.request_id, keys)
+    return len(keys) * allocator.block_size
+
+
+def cache_registrations(
+    allocator: BlockAllocator, sequences: Mapping[int, _Cached], prefill: Sequence[PrefillInput], owner: int
+) -> list[tuple[int, int, tuple[int, int]]]:
+    """(sequence, block index, key) for every block a chunk completes and names an id for (id 0: not cached),
+    checked before the step runs: one id per completed block, no id already taken. The sequences' cached
+    lengths are those before the step."""
+    block_size = allocator.block_size
+    out: list[tuple[int, int, tuple[int, int]]] = []
+    for chunk in prefill:
+        if not chunk.cache_block_ids or chunk.request_id not in sequences:
+            continue
+        start = sequences[chunk.request_id].num_cached
+        first, end = start // block_size, (start + len(chunk.token_ids)) // block_size
+        if len(chunk.cache_block_ids) != end - first:
+            raise InvalidRequestError(
+                "cache_block_ids",
+                f"sequence {chunk.request_id}: {len(chunk.cache_block_ids)} ids for {end - first} completed blocks",
+            )
+        for index, block_id in enumerate(chunk.cache_block_ids, first):
+            if not block_id:
+                continue
+            key = (owner, block_id)
+            if key in allocator.cached or any(key == k for _, _, k in out):
+                raise InvalidRequestError(
+                    "cache_block_ids", f"sequence {chunk.request_id}: block id {block_id} is taken"
+                )
+            out.append((chunk.request_id, index, key))
+    return out
+
+
+def prefix_penalty_tokens(
+    prefill: Sequence[PrefillInput], created: list[int], vocab_size: int, allocator: BlockAllocator
+) -> dict[int, np.ndarray]:
+    """The cached prefix tokens of the new sequences a repetition penalty counts; refuses a penalised sequence on
+    cached blocks without them (its penalty would silently miss them), or tokens that do not fill its blocks."""
+    out: dict[int, np.ndarray] = {}
+    new = set(created)
+    for chunk in prefill:
+        if chunk.request_id not in new or not chunk.prefix_block_ids or chunk.sampling is None:
+            continue
+        if not chunk.sampling.penalties.active:
+            continue
+        expected = len(chunk.prefix_block_ids) * allocator.block_size
+        tokens = np.asarray(chunk.prefix_token_ids, np.int64)
+        if len(tokens) != expected:
+            raise InvalidRequestError(
+                "prefix_token_ids",
+                f"sequence {chunk.request_id}: a penalised sequence on {len(chunk.prefix_block_ids)} cached blocks "
+                f"needs their {expected} tokens, got {len(tokens)}",
+            )
+        if tokens.min() < 0 or tokens.max() >= vocab_size:
+            raise InvalidRequestError(
+                "prefix_token_ids", f"sequence {chunk.request_id}: ids must be in [0, {vocab_size})"
+            )
+        out[chunk.request_id] = tokens
+    return out

@@ -1,0 +1,202 @@
+"""More than one choice on the OpenAI front: `n` samples of a prompt, completions' `best_of`, and prompt lists.
+
+Each sample is a router request of its own, so everything else (validation, stops, logprobs, cancellation) is the
+single-choice path. The samples of one prompt share its KV blocks through the prefix cache: the first computes
+the prompt and the others, finding its blocks claimed, wait for them and prefill only the prompt's last partial
+block (router_service/prefix_cache.py). With a seed, sample j of a prompt samples with the seed advanced by j
+strides (sample 0 keeps it, so n = 1 answers as before), so siblings differ yet every run repeats.
+
+Choices are prompt-major (index = prompt index * n + sample index), as OpenAI orders them. Usage counts each
+prompt once (OpenAI's rule) and every generated token, best_of's discarded samples included;
+`prompt_tokens_details.cached_tokens` counts, per prompt, the cached tokens of the sample that found the fewest
+(the prompt's cost as computed once). best_of ranks its samples by cumulative log-probability (logprobs are
+computed for the ranking and returned only when asked for) and cannot be streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from common.pb import router_pb2
+from router_service.frontend import Completion, collect, set_usage
+from router_service.http_guard import abort, bounded
+from router_service.openai_api import (
+    ParsedRequest,
+    add_prompt_logprobs,
+    api_error,
+    choice,
+    envelope,
+    generate_request,
+    logprobs_field,
+    prompt_logprobs_field,
+    usage,
+)
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so the n seeds of one request are distinct modulo 2^64
+
+
+def sample_parameters(params: router_pb2.SamplingParameters, sample: int) -> router_pb2.SamplingParameters:
+    """Sample `sample`'s parameters: the seed, when given, advanced by `sample` strides."""
+    if sample == 0 or not params.HasField("seed"):
+        return params
+    out = router_pb2.SamplingParameters()
+    out.CopyFrom(params)
+    out.seed = (params.seed + sample * SEED_STRIDE) % (1 << 64)
+    return out
+
+
+async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[list]:
+    """handles[prompt][sample], best_of per prompt (n when best_of is not asked); cancels them all on failure."""
+    frontend, handles = server.frontend, []
+    params = parsed.parameters
+    if parsed.best_of > parsed.n and not params.logprobs:  # the ranking needs them; the answer leaves them out
+        params = router_pb2.SamplingParameters()
+        params.CopyFrom(parsed.parameters)
+        params.logprobs = True
+    prompts = parsed.prompts if parsed.kind == "completion" else [None]
+    try:
+        for prompt in prompts:
+            row: list = []
+            handles.append(row)
+            for sample in range(parsed.best_of):
+                p = sample_parameters(params, sample)
+                if parsed.kind == "chat":
+                    handle = await frontend.submit_chat(
+                        parsed.messages, p, request_id, None, parsed.stream, parsed.chat_options,
+                        cache_salt=parsed.cache_salt,
+                    )  # fmt: skip
+                else:
+                    handle = await frontend.submit(generate_request(parsed, request_id, prompt, p), None, parsed.stream)
+                row.append(handle)
+    except BaseException:
+        _cancel(handles)
+        raise
+    return handles
+
+
+def _cancel(handles) -> None:
+    for row in handles:
+        for handle in row:
+            handle.cancel()
+
+
+def _usage(handles, generated: int) -> dict:
+    return usage(
+        sum(row[0].num_prompt_tokens for row in handles),
+        generated,
+        sum(min(h.num_cached_tokens for h in row) for row in handles),
+    )
+
+
+def _best(outs: list[Completion], n: int) -> list[Completion]:
+    """The n samples of highest cumulative log-probability, best first (ties: the earlier sample)."""
+    order = sorted(range(len(outs)), key=lambda i: (-sum(outs[i].logprobs), i))
+    return [outs[i] for i in order[:n]]
+
+
+async def serve(server, request: web.Request, parsed: ParsedRequest, request_id: str) -> web.StreamResponse:
+    """Answers a request of several choices (the caller maps what this raises to OpenAI's errors)."""
+    handles = await _submit_all(server, parsed, request_id)
+    try:
+        echo = handles[0][0].request_id
+        if parsed.stream:
+            return await _stream(server, request, parsed, handles, echo)
+        outs = [await asyncio.gather(*(collect(h) for h in row)) for row in handles]
+        for row, row_outs in zip(handles, outs):
+            for handle, out in zip(row, row_outs):
+                set_usage(handle, len(out.token_ids), out.finish_reason)
+        generated = sum(len(out.token_ids) for row_outs in outs for out in row_outs)
+        texts, kind, choices = server.texts(), parsed.kind, list[dict]()
+        for row_outs in outs:
+            for out in _best(row_outs, parsed.n) if parsed.best_of > parsed.n else row_outs:
+                lp = (
+                    logprobs_field(kind, texts, out.token_ids, out.logprobs, out.top_logprobs)
+                    if parsed.logprobs
+                    else None
+                )
+                c = choice(kind, out.text, out.finish_reason, lp, stream=False, index=len(choices))
+                if parsed.prompt_logprobs and kind == "completion":
+                    c["prompt_logprobs"] = prompt_logprobs_field(texts, out.prompt_logprobs or [])
+                choices.append(c)
+        body = envelope(kind, echo, server.frontend.model_name, int(time.time()), choices, stream=False)
+        if parsed.prompt_logprobs and kind == "chat":
+            body["prompt_logprobs"] = prompt_logprobs_field(texts, outs[0][0].prompt_logprobs or [])
+        body["usage"] = _usage(handles, generated)
+        return web.json_response(body, headers={"X-Request-Id": echo})
+    finally:
+        _cancel(handles)
+
+
+async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, echo: str) -> web.StreamResponse:
+    """Every choice's deltas as they come, each chunk naming its choice's index."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": echo}
+    )
+    timeout_s = server.config.http_write_timeout_s
+
+    async def event(payload: dict) -> None:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        await bounded(request, resp.write(b"data: " + data + b"\n\n"), timeout_s)
+
+    flat = [h for row in handles for h in row]
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle) -> None:
+        try:
+            async for delta in handle:
+                queue.put_nowait((index, delta, None))
+        except Exception as e:  # surfaces in the loop below as the stream's error event
+            queue.put_nowait((index, None, e))
+            return
+        queue.put_nowait((index, None, None))
+
+    kind, model, created, texts = parsed.kind, server.frontend.model_name, int(time.time()), server.texts()
+    first, offsets, generated = [kind == "chat"] * len(flat), [0] * len(flat), [0] * len(flat)
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(flat)]
+    try:
+        await bounded(request, resp.prepare(request), timeout_s)
+        try:
+            for _ in range(len(flat)):
+                while True:
+                    index, delta, error = await queue.get()
+                    if error is not None:
+                        raise error
+                    if delta is None:
+                        break
+                    generated[index] += len(delta.token_ids)
+                    lp = None
+                    if parsed.logprobs:
+                        lp = logprobs_field(
+                            kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[index]
+                        )
+                    offsets[index] += sum(len(texts(i)) for i in delta.token_ids)
+                    c = choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first[index], index=index)
+                    chunk = envelope(kind, echo, model, created, [c], True)
+                    if parsed.prompt_logprobs and delta.prompt_logprobs is not None:
+                        add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+                    if parsed.include_usage:
+                        chunk["usage"] = None
+                    first[index] = False
+                    if delta.finish_reason is not None:
+                        set_usage(flat[index], generated[index], delta.finish_reason)
+                    await event(chunk)
+            if parsed.include_usage:
+                chunk = envelope(kind, echo, model, created, [], True)
+                chunk["usage"] = _usage(handles, sum(generated))
+                await event(chunk)
+        except ConnectionError:
+            raise
+        except Exception as e:  # the status line is sent: the error travels as an event
+            await event(api_error(e, kind, echo, parsed.max_tokens_name).body())
+        await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
+        await bounded(request, resp.write_eof(), timeout_s)
+    except ConnectionError:  # the client went away or stopped reading: the caller cancels the requests
+        abort(request)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return resp

@@ -1,0 +1,93 @@
+"""The engine following prefix-cache instructions (cpu, tiny model): a sequence started on another's registered
+blocks computes the logits a full prefill computes, its shared blocks are never written, and malformed or stale
+instructions fail the step or the sequence alone."""
+
+import numpy as np
+import pytest
+
+from common.errors import InvalidRequestError
+from common.model_format import ModelDir
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import UNKNOWN_PREFIX_BLOCK, PrefillInput
+from expert_service.engine.penalties import PenaltyParams
+from expert_service.engine.sampling import SamplingParams
+
+BLOCK = 4
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request, tiny_model):
+    config = EngineConfig(backend=request.param, kv_block_size=BLOCK, kv_cache_tokens=256, max_batch_tokens=64)
+    built = build_engine(ModelDir.open(tiny_model), config)
+    yield built
+    built.close()
+
+
+def _last_logits(engine, chunk: PrefillInput) -> np.ndarray:
+    result = engine.step([chunk])
+    assert not result.outputs[0].error, result.outputs[0]
+    return np.array(result.logits[0])
+
+
+def test_a_sequence_on_cached_blocks_equals_a_full_prefill(engine):
+    prompt = np.random.default_rng(0).integers(3, 250, 14)
+    # sequence 1 computes the prompt in two chunks, registering the three blocks it completes
+    engine.step([PrefillInput(1, prompt[:6], SamplingParams(), False, cache_block_ids=(11,))])
+    engine.step([PrefillInput(1, prompt[6:], None, True, cache_block_ids=(12, 13))])
+    shared = [engine.allocator.cached[(0, i)] for i in (11, 12, 13)]
+    before = engine.decoder.kv.k[:, shared].copy() if engine.backend == "cpu" else None  # cuda: on the device
+    tail = np.concatenate([prompt[12:], [7, 8, 9]])
+    reused = _last_logits(engine, PrefillInput(2, tail, SamplingParams(), True, prefix_block_ids=(11, 12, 13)))
+    full = _last_logits(engine, PrefillInput(3, np.concatenate([prompt[:12], tail]), SamplingParams(), True))
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3  # cuda: kernels tile a 3-token and a 15-token pass apart
+    np.testing.assert_allclose(reused, full, rtol=tolerance, atol=tolerance)
+    assert engine.allocator.tables[2][:3] == shared and not set(engine.allocator.tables[2][3:]) & set(shared)
+    if before is not None:
+        np.testing.assert_array_equal(engine.decoder.kv.k[:, shared], before)
+    engine.release([1, 2, 3])
+    assert engine.allocator.num_used_blocks == 0 and engine.allocator.num_cached_blocks == 3
+    engine.clear()
+    assert engine.allocator.num_cached_blocks == 0 and engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_bad_instructions_fail_the_step_or_the_sequence(engine):
+    prompt = np.arange(3, 13)
+    with pytest.raises(InvalidRequestError, match="cache_block_ids"):  # two completed blocks, one id
+        engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(5,))])
+    assert 1 not in engine.sequences and engine.allocator.num_used_blocks == 0
+    engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(5, 6))])
+    with pytest.raises(InvalidRequestError, match="taken"):
+        engine.step([PrefillInput(2, prompt, SamplingParams(), True, cache_block_ids=(5, 0))])
+    with pytest.raises(InvalidRequestError, match="first chunk"):
+        engine.step([PrefillInput(1, prompt[:2], None, False, prefix_block_ids=(5,))])
+    stale = engine.step([PrefillInput(3, prompt[:3], SamplingParams(), True, prefix_block_ids=(5, 99))])
+    assert stale.outputs[0].error == UNKNOWN_PREFIX_BLOCK and 3 not in engine.sequences
+    other_owner = engine.collect(
+        engine.launch([PrefillInput(4, prompt[:3], SamplingParams(), True, prefix_block_ids=(5,))], owner=7)
+    )
+    assert other_owner.outputs[0].error == UNKNOWN_PREFIX_BLOCK  # another stream's ids are not ours
+
+
+def test_a_penalised_sequence_counts_its_cached_prefix(engine):
+    prompt = np.random.default_rng(1).integers(3, 250, 13)
+    engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(21, 22, 23))])
+    penalised = SamplingParams(penalties=PenaltyParams(repetition=1.8))
+    with pytest.raises(InvalidRequestError, match="prefix_token_ids"):  # without the tokens: refused, not wrong
+        engine.step([PrefillInput(2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23))])
+    with pytest.raises(InvalidRequestError, match="prefix_token_ids"):
+        engine.step(
+            [PrefillInput(2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23), prefix_token_ids=(3,))]
+        )
+    reused = engine.step(
+        [
+            PrefillInput(
+                2, prompt[12:], penalised, True, prefix_block_ids=(21, 22, 23), prefix_token_ids=tuple(prompt[:12])
+            )
+        ]
+    )
+    full = engine.step([PrefillInput(3, prompt, penalised, True)])
+    assert reused.outputs[0].token_id == full.outputs[0].token_id
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3
+    np.testing.assert_allclose(reused.logits.processed(0), full.logits.processed(0), rtol=tolerance, atol=tolerance)
+    assert not np.allclose(full.logits.processed(0), full.logits[0])  # the penalty acted on the prompt's tokens

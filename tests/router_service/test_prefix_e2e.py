@@ -1,0 +1,184 @@
+"""Prefix caching through the real services on loopback (CPU worker, tiny model): random shared-prefix traffic
+gives the same tokens with the cache on as with it off and as the offline engine, under eviction pressure (a
+small KV pool), chunked prefill, pipelining, and concurrent requests racing for one prefix; with every expert
+resident and with the expert cache running (2 slots per layer)."""
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from common.metrics import RouterMetrics, new_registry
+from common.model_format import ModelDir
+from common.pb import router_pb2 as rpb
+from router_service.observability import ChainedHooks, MetricsHooks
+from tests.helpers import BackgroundWorker, running_router, worker_kv_blocks_used
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 4
+NUM_BLOCKS = 36  # 144 tokens: the traffic below needs evictions to keep going
+
+
+@pytest.fixture(scope="module", params=[{}, {"expert_cache_slots": 2}], ids=["resident", "expert-cache"])
+def small_pool_worker(request, tiny_model):
+    w = BackgroundWorker(tiny_model, kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS, **request.param).start()
+    yield w
+    w.stop()
+
+
+def _traffic(seed: int) -> list[tuple[list[int], int, dict]]:
+    """Waves of requests: three system prompts of awkward lengths, random tails, some prompts repeated whole."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 250) for _ in range(n)] for n in (9, 16, 23)]
+    out = []
+    for _ in range(36):
+        system = rng.choice(systems)
+        tail = [rng.randrange(3, 250) for _ in range(rng.choice([0, 1, 3, 4, 6]))]
+        extra: dict = {}
+        roll = rng.random()
+        if roll < 0.1:
+            extra = {"repetition_penalty": 1.3}
+        elif roll < 0.2:
+            extra = {"temperature": 0.8, "seed": rng.randrange(1 << 30)}
+        out.append((system + tail or [7], rng.randrange(2, 7), extra))
+    return out
+
+
+def _request(prompt, n, salt="", **extra):
+    return rpb.GenerateRequest(
+        token_ids=rpb.TokenIds(ids=prompt),
+        # logprobs: a tiny random model's greedy tokens hardly depend on context, its log-probabilities do
+        parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True, logprobs=True, **extra),
+        cache_salt=salt,
+    )
+
+
+async def _run_traffic(stub, traffic, wave: int):
+    results = []
+    for start in range(0, len(traffic), wave):  # each wave at once: its requests race for the same prefixes
+        batch = traffic[start : start + wave]
+        answers = await asyncio.gather(*(stub.Generate(_request(p, n, **extra)) for p, n, extra in batch))
+        results += [(list(a.token_ids), a.cached_prompt_tokens, list(a.logprobs)) for a in answers]
+    return results
+
+
+async def _drained(router) -> None:
+    for _ in range(300):
+        if router.batching_loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("blocks still held after the traffic ended")
+
+
+def test_shared_prefix_traffic_equals_uncached_and_offline(small_pool_worker, tiny_model):
+    traffic = _traffic(seed=11)
+
+    async def run(prefix_caching: bool):
+        async with running_router(small_pool_worker.address, prefix_caching=prefix_caching, max_batch_tokens=8) as (
+            router,
+            stub,
+        ):
+            results = await _run_traffic(stub, traffic, wave=6)
+            await _drained(router)
+            assert router.batching_loop.scheduler.num_used_blocks == 0
+            cache = router.batching_loop.scheduler.prefix_cache
+            return results, cache
+
+    cached, cache = asyncio.run(run(True))
+    plain, no_cache = asyncio.run(run(False))
+    assert no_cache is None
+    assert [tokens for tokens, _, _ in cached] == [tokens for tokens, _, _ in plain]
+    for (_, _, with_cache), (_, _, without) in zip(cached, plain):
+        np.testing.assert_allclose(with_cache, without, rtol=1e-4, atol=1e-5)
+    assert all(hits == 0 for _, hits, _ in plain)
+    assert sum(hits for _, hits, _ in cached) > 0
+    assert all(hits % BLOCK == 0 and hits < len(p) for (_, hits, _), (p, _, _) in zip(cached, traffic))
+    assert cache.num_evicted > 0, "the pool was meant to be too small to keep every prefix"
+    penalised = [hits for (_, hits, _), (_, _, extra) in zip(cached, traffic) if "repetition_penalty" in extra]
+    assert any(penalised), "a penalised request started on cached blocks (the penalty counted their tokens)"
+    assert cache.num_hit_tokens == sum(hits for _, hits, _ in cached)
+
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+
+    engine = build_engine(ModelDir.open(tiny_model), EngineConfig(backend="cpu"))
+    for (prompt, n, extra), (tokens, _, _) in zip(traffic, cached):
+        if not extra:
+            assert tokens == engine.generate(prompt, n)[0]
+
+
+def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
+    prompt = list(range(20, 50))  # 30 tokens: 7 full blocks usable, the last token always computed
+
+    async def body():
+        async with running_router(small_pool_worker.address, max_batch_tokens=8) as (router, stub):
+            registry = new_registry(process_metrics=False)
+            metrics = MetricsHooks(RouterMetrics(registry, "tiny"))
+            metrics.on_attached(router.batching_loop)
+            router.batching_loop.hooks = ChainedHooks(router.batching_loop.hooks, metrics)
+            same = await asyncio.gather(*(stub.Generate(_request(prompt, 3)) for _ in range(5)))
+            hits = sorted(a.cached_prompt_tokens for a in same)
+            # one computes the prompt; the others wait for its blocks and start on all seven
+            assert hits == [0, 28, 28, 28, 28]
+            assert len({tuple(a.token_ids) for a in same}) == 1
+            for a in same:
+                np.testing.assert_allclose(a.logprobs, same[0].logprobs, rtol=1e-4, atol=1e-5)
+            salted = await stub.Generate(_request(prompt, 3, salt="tenant-b"))
+            assert salted.cached_prompt_tokens == 0
+            assert list(salted.token_ids) == list(same[0].token_ids)
+            np.testing.assert_allclose(salted.logprobs, same[0].logprobs, rtol=1e-4, atol=1e-5)
+            again = await stub.Generate(_request(prompt, 3, salt="tenant-b"))
+            assert again.cached_prompt_tokens == 28
+            logged = await stub.Generate(_request(prompt, 3, prompt_logprobs=1))
+            assert logged.cached_prompt_tokens == 0 and len(logged.prompt_logprobs) == len(prompt)
+            await _drained(router)
+
+            def value(name):
+                return registry.get_sample_value(name, {"model_name": "tiny"})
+
+            # the prompt_logprobs request does not look the cache up; the seven others do
+            assert value("colibri_prefix_cache_queries_total") == 7 * len(prompt)
+            assert value("colibri_prefix_cache_hits_total") == 5 * 28
+            assert value("colibri_prefix_cache_blocks") == 7 + 7  # the prompt's blocks under two salts
+            assert value("colibri_prefix_cache_evictions_total") == 0
+
+    asyncio.run(body())
+
+
+def test_a_restarted_worker_starts_with_an_empty_cache(tiny_model):
+    from tests.helpers import free_port
+
+    prompt, port = list(range(60, 90)), free_port()
+
+    async def ready(router):
+        for _ in range(500):
+            if router.batching_loop.is_worker_ready:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the router did not reconnect")
+
+    async def body():
+        first = BackgroundWorker(tiny_model, port=port, kv_block_size=BLOCK).start()
+        async with running_router(f"127.0.0.1:{port}") as (router, stub):
+            cold = await stub.Generate(_request(prompt, 3))
+            warm = await stub.Generate(_request(prompt, 3))
+            assert (cold.cached_prompt_tokens, warm.cached_prompt_tokens) == (0, 28)
+            await asyncio.to_thread(first.stop)
+            for _ in range(500):  # the router notices the stream end (or its health poll fails)
+                if not router.batching_loop.is_worker_ready:
+                    break
+                await asyncio.sleep(0.02)
+            second = BackgroundWorker(tiny_model, port=port, kv_block_size=BLOCK).start()
+            try:
+                await ready(router)
+                # the old index went with the old connection: nothing offered that the new worker lacks
+                again = await stub.Generate(_request(prompt, 3))
+                assert again.cached_prompt_tokens == 0 and list(again.token_ids) == list(cold.token_ids)
+                np.testing.assert_allclose(again.logprobs, cold.logprobs, rtol=1e-4, atol=1e-5)
+                assert (await stub.Generate(_request(prompt, 3))).cached_prompt_tokens == 28
+            finally:
+                await asyncio.to_thread(second.stop)
+
+    asyncio.run(body())
