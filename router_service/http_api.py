@@ -188,7 +188,12 @@ class HttpFront:
         name = request.match_info["model"]
         if name != self.frontend.model_name:
             return error_response(
-                ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+                ApiError(
+                    404,
+                    f"The model `{name if len(name) <= 64 else name[:64] + '...'}` does not exist.",
+                    param="model",
+                    code="model_not_found",
+                )
             )
         return web.json_response(self._model_card())
 

@@ -195,10 +195,13 @@ def parse_request(
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model: must be a string", param="model")
     if model is not None and model != model_name:
+        shown = model if len(model) <= 64 else model[:64] + "..."  # a hostile name is not echoed whole
         raise ApiError(
             404,
-            f"The model `{model}` does not exist (this server serves `{model_name}`).",
+            f"The model `{shown}` does not exist (this server serves `{model_name}`).",
             param="model",
             code="model_not_found",
         )

@@ -104,9 +104,9 @@ def _recording_launches(engine, monkeypatch) -> list[int]:
     """Steps in flight when each launch starts."""
     depths, launch = [], engine.launch
 
-    def recording_launch(*args):
+    def recording_launch(*args, **kwargs):
         depths.append(len(engine._in_flight))
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     monkeypatch.setattr(engine, "launch", recording_launch)
     return depths

@@ -82,9 +82,9 @@ def _pumped(engine: Engine, steps) -> tuple[list, list[int]]:
     closed after them. Returns the answers and the steps in flight at each launch."""
     depths, launch = [], engine.launch
 
-    def recording_launch(*args):
+    def recording_launch(*args, **kwargs):
         depths.append(len(engine._in_flight))
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     engine.launch = recording_launch
     thread, faults = ModelThread("test-model"), []
