@@ -171,6 +171,8 @@ class ModelWriter:
         sizes: dict[str, int] = {}
         for entry in self.layout.values():
             sizes[entry.file] = max(sizes.get(entry.file, 0), entry.offset + entry.nbytes)
+        for layer, stride in self.expert_strides.items():  # whole strides, so a copy of any expert's slot stays
+            sizes[expert_file(layer)] = self.config.num_experts * stride  # inside the file (the last one's too)
         for name, size in sizes.items():
             fd = os.open(self.out_dir / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
@@ -318,6 +320,13 @@ class ModelDir:
                     f"truncated?)"
                 )
             self.entries[name] = entry
+        for layer, stride in self.expert_strides.items():
+            size, need = file_sizes.get(expert_file(layer), 0), self.config.num_experts * stride
+            if size < need:  # a slot copy moves whole strides
+                raise ModelFormatError(
+                    f"{expert_file(layer)}: {size} bytes, less than its {self.config.num_experts} experts of "
+                    f"{stride} bytes (truncated?)"
+                )
         specs = tensor_specs(self.config)
         for spec in specs:
             if spec.name not in self.entries:

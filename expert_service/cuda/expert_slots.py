@@ -95,10 +95,10 @@ class DeviceSlots:
                 "experts (%.2f GiB of host memory)",
                 len(self.moe_layers) * host.nbytes / 2**30,
             )
-        staged = cuda.mapped_array(host.nbytes, dtype=np.uint8)
-        staged[:] = host
+        staged = cuda.mapped_array(host.nbytes // 4, dtype=np.uint32)  # numba's mapped arrays cannot change dtype
+        np.asarray(staged).view(np.uint8)[:] = host
         self._staged.append(staged)
-        return staged.view(np.uint32)
+        return staged
 
     @property
     def nbytes(self) -> int:

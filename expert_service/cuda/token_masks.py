@@ -42,7 +42,9 @@ class DeviceMasks:
         self.host_masks[:rows] = masks
         self.masks[:rows].copy_to_device(self.host_masks[:rows], stream=st)
         out = self.logits[:rows]
-        launch_apply_token_mask(logits[:rows], penalized, num_penalized, self.masks[:rows], out, stream=st)
+        # the masks end at the last constrained row; penalised rows past it keep the penalties' own argmax
+        used = min(num_penalized, rows)
+        launch_apply_token_mask(logits[:rows], penalized, used, self.masks[:rows], out, stream=st)
         launch_greedy_split(
             out,
             ws.greedy_ids[:rows],
