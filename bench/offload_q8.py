@@ -4,10 +4,10 @@ The same random shape (bench/engine.py SHAPES, written straight into the model f
 is written twice, once with bf16 experts and once with `--expert-dtype` (int8 or fp8) experts. The bf16 model
 gets `--fraction` of its expert bytes as slots (slots per layer = round(fraction x experts)); the 8-bit model
 gets the slots those same bytes hold, rounded to the nearest whole slot (an int8 block is half a bf16 one plus
-its scales, so 25 % of the bf16 bytes hold 50 % of the int8 experts, 0.07 % over on mixtral-shape). Both run with the cuda backend
-and no prefetch through bench/offload.py's measurement (prefill b=1 x 512, decode b=1 and b=16 at context 128);
-the ratios say how much faster the 8-bit cache runs: decode_b1_x_bf16 = 8-bit tok/s / bf16 tok/s (target on
-mixtral-shape at 25 %: >= 1.8).
+its scales, so 25 % of the bf16 bytes hold 50 % of the int8 experts, 0.07 % over on mixtral-shape). Both run
+with the cuda backend and no prefetch through bench/offload.py's measurement (prefill b=1 x 512, decode b=1 and
+b=16 at context 128); the ratios say how much faster the 8-bit cache runs: decode_b1_x_bf16 = 8-bit tok/s / bf16
+tok/s (target on mixtral-shape at 25 %: >= 1.8).
 
     python bench/offload_q8.py --out out/ [--shape mixtral-shape] [--expert-dtype int8] [--fraction 0.25]
 

@@ -6,6 +6,8 @@ Two launches per layer, two ways to find an expert's tokens (both graph-capturab
   by slot (decode, one token): grid.x = K slots, slot k runs expert ids[k] on the token (row 0 of x); out row k.
   grouped: grid.x = E, expert e runs the grouped positions p in [offsets[e], offsets[e+1]) (expert_grouping), the
            input row of p being order[p] // K (gate/up) or p (down); out row p. Experts without tokens return.
+  through slots (the expert cache, either way): slot_of [E] int32 names the block of the slot buffer [S, stride]
+           that holds expert e (its meta row is still meta[e]); experts with slot_of[e] < 0 return at once.
   gate_up: h[p, f] = silu(x . gate[e, f]) * (x . up[e, f])       h [n, F] float32
   down:    y[p, d] = h[p] . down[e, d]                           y [n, D] float32
 
