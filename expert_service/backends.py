@@ -54,12 +54,6 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
         usable, status = cuda_status()
         if not usable:
             raise ConfigError(f"backend: cuda was asked for but {status} (use --backend cpu or auto)")
-        if slot_plan.is_cached and model.expert_formats != (model.dtype,):  # the cache copies dense blocks only
-            raise ConfigError(
-                f"backend: the cuda expert cache runs experts stored as {model.dtype} only; {model.path} has "
-                f"{', '.join(model.expert_formats)} experts (give --expert-cache-gb room for every expert, "
-                f"or use --backend cpu)"
-            )
         from expert_service.cuda.decoder import CudaDecoder
 
         return CudaDecoder(model, config, slot_plan)

@@ -44,7 +44,9 @@ def _filled(shape, value, dtype, stream):
 
 
 class DeviceSlots:
-    """Slots [layer] = [S, stride] in the weights' dtype, the mapped host experts, the slot map's state."""
+    """Slots [layer] = [S, stride] (the layer's expert stride: a mixed model's layers differ) in the weights'
+    dtype, or uint8 bytes for 8-bit / mixed experts (DeviceWeights.quantized: the kernels find each expert's
+    dtype and tensors in its meta row, indexed by expert id); the mapped host experts; the slot map's state."""
 
     def __init__(self, weights, moe_layers: list[int], slots_per_layer: int, max_ids: int, policy: str, stream):
         if policy not in DEVICE_POLICIES:
@@ -54,12 +56,14 @@ class DeviceSlots:
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         L, E, S = len(self.moe_layers), cfg.num_experts, slots_per_layer
         self.num_experts, self.slots_per_layer = E, S
-        self.block_bytes = weights.model.expert_stride  # whole blocks: any expert dtype copies unchanged
+        # whole blocks at the layer's stride, as the experts file holds them: any expert dtype copies unchanged
+        self.block_bytes = [weights.model.expert_strides[layer] for layer in self.moe_layers]
         self.max_waves = waves_needed(max_ids, E, S)
-        elems = self.block_bytes // weights.dtype.itemsize
-        raw = [cuda.device_array(S * self.block_bytes, np.uint8, stream=stream) for _ in self.moe_layers]
+        unit = np.dtype(np.uint8) if weights.quantized else np.dtype(weights.dtype)
+        raw = [cuda.device_array(S * b, np.uint8, stream=stream) for b in self.block_bytes]
         self.words = [r.view(np.uint32) for r in raw]  # what the fetch kernel writes
-        self.buffers = [r.view(weights.dtype).reshape(S, elems) for r in raw]  # what the expert kernels read
+        # what the expert kernels read: [S, stride] elements of the dense dtype, or bytes
+        self.buffers = [r.view(unit).reshape(S, b // unit.itemsize) for r, b in zip(raw, self.block_bytes)]
         self._staged: list[np.ndarray] = []  # mapped pinned copies (the fallback), kept alive
         self.sources = [self._source(weights, layer) for layer in self.moe_layers]
         i32, W = np.int32, self.max_waves
@@ -148,7 +152,7 @@ class DeviceSlots:
             self.fetch_expert[m, wave],
             self.fetch_slot[m, wave],
             self.fetch_count[m, wave : wave + 1],
-            self.block_bytes,
+            self.block_bytes[m],
             stream=stream,
         )
 
@@ -181,7 +185,7 @@ class DeviceSlots:
             self.pf_expert[m],
             self.pf_slot[m],
             self.pf_count[m],
-            self.block_bytes,
+            self.block_bytes[m],
             stream=stream,
         )
 
@@ -193,11 +197,13 @@ class DeviceSlots:
     def step_stats(self, twin: int) -> CacheStats:
         """The counts of the step whose counters landed in copy `twin` (steps are collected in launch order)."""
         now = np.array(self.host_stats[twin])
-        delta, self._totals = (now - self._totals).sum(axis=0), now
+        per_layer, self._totals = now - self._totals, now
+        copies = per_layer[:, MISSES] + per_layer[:, PREFETCHES_ISSUED]
+        delta = per_layer.sum(axis=0)
         return CacheStats(
             hits=int(delta[HITS]),
             misses=int(delta[MISSES]),
-            bytes_copied=int(delta[MISSES] + delta[PREFETCHES_ISSUED]) * self.block_bytes,
+            bytes_copied=int(copies @ np.array(self.block_bytes, np.int64)),  # each copy moves its layer's stride
             prefetches_issued=int(delta[PREFETCHES_ISSUED]),
             prefetches_used=int(delta[PREFETCHES_USED]),
         )

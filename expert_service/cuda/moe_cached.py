@@ -13,6 +13,11 @@ routing plan's experts for the next MoE layer and, with lookahead, the next laye
 layer's input (its top-k on the device). The first MoE layer's plan is prefetched when the step starts.
 Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS) read the waves and expert offsets back at a host break and run
 two cuBLAS GEMMs per expert on its slot, as the resident per-expert path does; they take no prefetch.
+
+8-bit and mixed-dtype experts (DeviceWeights.quantized): slots hold the blocks' bytes as stored (weights and
+float32 scales), and each expert's dtype, scale scheme and tensor offsets stay in the layer's meta table indexed by
+expert id (an expert's block layout is the same in any slot): the grouped steps run moe_q8 through the wave's
+slot map, and CACHED_CUBLAS dequantises each expert from its slot into a dense scratch before its GEMMs.
 """
 
 from __future__ import annotations
@@ -31,13 +36,22 @@ from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.config import PrefetchSource
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
+from expert_service.kernels.dequant_experts import launch_dequant_experts
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
+
+
+def grouped_max_tokens() -> int:
+    """cuda/moe.py's threshold above which a cached step runs CACHED_CUBLAS (that module imports this one)."""
+    from expert_service.cuda.moe import GROUPED_MAX_TOKENS
+
+    return GROUPED_MAX_TOKENS
 
 
 class CachedExperts:
@@ -84,10 +98,17 @@ class CachedExperts:
         W = self.slots.max_waves
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
         self.host_offsets = cuda.pinned_array(E + 1, np.int32)
+        self.quantized = weights.quantized
+        self.dense = self.one_expert = None  # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs
+        if self.quantized and T > grouped_max_tokens():
+            F, D = cfg.moe_intermediate_size, cfg.hidden_size
+            self.dense = cuda.device_array((1, 3 * F * D), weights.dtype, stream=st)
+            self.one_expert = cuda.to_device(np.array([0, 1], np.int32), stream=st)  # dequant's offsets for one
 
     @property
     def nbytes(self) -> int:
-        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + self.hint_ids.nbytes
+        dense = self.dense.nbytes if self.dense is not None else 0
+        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + self.hint_ids.nbytes + dense
 
     # --- step boundaries ----------------------------------------------------------------------------
     def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
@@ -162,6 +183,13 @@ class CachedExperts:
                     if lookahead or PrefetchSource.PLAN in self.prefetch:
                         self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids)
                 slot_of = self.slots.wave_slots(i, w)
+                if self.quantized:
+                    meta, gate = self.weights.expert_meta[i], ws.moe_gate[:n]
+                    launch_q8_gate_up(
+                        x, buffer, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st, slot_of=slot_of
+                    )
+                    launch_q8_down(gate, buffer, meta, F, D, out, offsets=ws.offsets, stream=st, slot_of=slot_of)
+                    continue
                 launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
                 launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
         if combine is None:
@@ -198,9 +226,17 @@ class CachedExperts:
         for w in range(waves):
             self.slots.fetch(i, w, self.stream)
             for e in np.flatnonzero(wave_map[w] >= 0).tolist():
-                lo, hi = int(offsets[e]), int(offsets[e + 1])
-                if hi > lo:
-                    self._expert_gemms(buffer[int(wave_map[w, e])], lo, hi, F, D, self.ws.moe_out[:n])
+                lo, hi, slot = int(offsets[e]), int(offsets[e + 1]), int(wave_map[w, e])
+                if hi <= lo:
+                    continue
+                block = buffer[slot]
+                if self.dense is not None:  # 8-bit: widened into the scratch, read by the GEMMs after it (one stream)
+                    meta = self.weights.expert_meta[i][e : e + 1]
+                    launch_dequant_experts(
+                        buffer[slot : slot + 1], meta, self.one_expert, 0, F, D, self.dense, stream=self.stream
+                    )
+                    block = self.dense[0]
+                self._expert_gemms(block, lo, hi, F, D, self.ws.moe_out[:n])
 
     def _expert_gemms(self, block, lo: int, hi: int, F: int, D: int, out) -> None:
         """One expert (its weight block [stride]) on the gathered rows moe_in[lo:hi] -> out[lo:hi], cuBLAS."""

@@ -6,6 +6,8 @@ Two launches per layer, two ways to find an expert's tokens (both graph-capturab
   by slot (decode, one token): grid.x = K slots, slot k runs expert ids[k] on the token (row 0 of x); out row k.
   grouped: grid.x = E, expert e runs the grouped positions p in [offsets[e], offsets[e+1]) (expert_grouping), the
            input row of p being order[p] // K (gate/up) or p (down); out row p. Experts without tokens return.
+  through slots (the expert cache, either way): slot_of [E] int32 names the block of the slot buffer [S, stride]
+           that holds expert e (its meta row is still meta[e]); experts with slot_of[e] < 0 return at once.
   gate_up: h[p, f] = silu(x . gate[e, f]) * (x . up[e, f])       h [n, F] float32
   down:    y[p, d] = h[p] . down[e, d]                           y [n, D] float32
 
@@ -108,12 +110,16 @@ def _kernel(gated: bool):
 
     pass_one, pass_tile = make_pass(1), make_pass(TOK_TILE)
 
-    def kernel(src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+    def kernel(
+        src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out
+    ):
         """src: x [T, D] (gate_up) or h [n, F] (down) float32; order [n] int32 and offsets [E+1] int32 (grouped;
         unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
         words: the layer's expert buffer [E, stride] as flat uint32; scales: the same bytes as flat float32;
         meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows and input values of the
-        matrix (F, D for gate_up; D, F for down). out [n, n_rows] float32. Grid (slots or E, row blocks),
+        matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
+        block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
+        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row blocks),
         WARPS * 32 threads."""
         s_id = cuda.blockIdx.x
         if by_slot != 0:
@@ -124,13 +130,16 @@ def _kernel(gated: bool):
             e = s_id
             start = offsets[e]
             end = offsets[e + 1]
-        if start >= end:
+        block = e
+        if use_slots != 0:
+            block = slot_of[e]
+        if start >= end or block < 0:
             return  # the whole block leaves before any barrier
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         code = meta[e, 0]
         scheme = meta[e, 1]
-        base = e * stride
+        base = block * stride
         roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
         soff = cuda.local.array(nw, np.int64)  # float offset of each row's scale tensor
         rows_of = cuda.local.array(nw, np.int64)
@@ -187,18 +196,21 @@ def _check(name, a, shape, dtype):
         )
 
 
-def _check_layer(experts, meta, F: int, D: int) -> None:
+def _check_layer(experts, meta, F: int, D: int, slot_of=None) -> None:
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(
             f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}"
         )
     _check("experts", experts, experts.shape, np.uint8)
-    _check("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
+    E = experts.shape[0] if slot_of is None else slot_of.shape[0]  # with slots, experts holds [S, stride]
+    _check("meta", meta, (E, META_WIDTH), np.int32)
+    if slot_of is not None:
+        _check("slot_of", slot_of, (E,), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {MIN_DIM} for 8-bit experts")
 
 
-def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream) -> None:
+def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of=None) -> None:
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     flat = experts.reshape(experts.size)
@@ -217,15 +229,22 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         n_rows,
         n_in,
         top_k,
+        slot_of if slot_of is not None else dummy,
+        int(slot_of is not None),
         out,
     )
 
 
-def launch_q8_gate_up(x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0) -> None:
+def launch_q8_gate_up(
+    x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None
+) -> None:
     """x [T, D] float32; experts uint8 [E, stride] (the layer's blocks); meta [E, META_WIDTH] int32 (device);
     h [n, F] float32. By slot: ids [1, K] int32 (T == 1, n == K). Grouped: order [n] int32 and offsets [E+1]
-    int32 from expert_grouping (n == T*K)."""
-    _check_layer(experts, meta, F, D)
+    int32 from expert_grouping (n == T*K). slot_of [E] int32 (device; the expert cache): experts is then the
+    slot buffer uint8 [S, stride], expert e reads slot slot_of[e] with its meta row meta[e], and experts with
+    slot_of[e] < 0 are skipped (their rows of h untouched: another wave computes them)."""
+    _check_layer(experts, meta, F, D, slot_of)
+    E = meta.shape[0]
     T = x.shape[0]
     _check("x", x, (T, D), np.float32)
     if ids is not None:
@@ -236,30 +255,46 @@ def launch_q8_gate_up(x, experts, meta, F: int, D: int, h, ids=None, order=None,
     else:
         n = order.shape[0]
         _check("order", order, (n,), np.int32)
-        _check("offsets", offsets, (experts.shape[0] + 1,), np.int32)
+        _check("offsets", offsets, (E + 1,), np.int32)
         if n % T:
             raise ValueError(f"order length {n} is not a multiple of T={T}")
         top_k = n // T
     _check("h", h, (n, F), np.float32)
-    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream)
+    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of)
 
 
-def launch_q8_down(h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0) -> None:
+def launch_q8_down(h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
-    the router. ids (by slot) or offsets (grouped) as in launch_q8_gate_up."""
-    _check_layer(experts, meta, F, D)
+    the router. ids (by slot) or offsets (grouped), and slot_of, as in launch_q8_gate_up."""
+    _check_layer(experts, meta, F, D, slot_of)
     n = h.shape[0]
     _check("h", h, (n, F), np.float32)
     _check("y", y, (n, D), np.float32)
     if ids is not None:
         _check("ids", ids, (1, n), np.int32)
     else:
-        _check("offsets", offsets, (experts.shape[0] + 1,), np.int32)
-    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream)
+        _check("offsets", offsets, (meta.shape[0] + 1,), np.int32)
+    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of)
 
 
 def sm90_signatures():
     """(python function, numba signature) of both kernels, for the sm_90 compile check."""
     f2, i1, i64 = types.float32[:, ::1], types.int32[::1], types.int64
-    sig = (f2, i1, i1, i1, i64, types.uint32[::1], types.float32[::1], types.int32[:, ::1], i64, i64, i64, i64, f2)
+    sig = (
+        f2,
+        i1,
+        i1,
+        i1,
+        i64,
+        types.uint32[::1],
+        types.float32[::1],
+        types.int32[:, ::1],
+        i64,
+        i64,
+        i64,
+        i64,
+        i1,
+        i64,
+        f2,
+    )
     return [(_kernel(gated)[0], sig) for gated in (True, False)]

@@ -47,17 +47,32 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_reason(tmp_path, monkeypatch)
     )
 
 
-def test_the_cuda_expert_cache_refuses_8bit_experts_in_one_line(tmp_path, monkeypatch):
-    """Resident 8-bit experts run on cuda; its expert cache's kernels read dense blocks only, so a cached 8-bit
-    model is refused before anything is allocated."""
-    model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, expert_dtype="int8"))
+@pytest.mark.parametrize("expert_dtype", ["int8", "fp8"])
+def test_the_cuda_expert_cache_takes_8bit_experts(tmp_path, monkeypatch, expert_dtype):
+    """A cached 8-bit model goes to the cuda decoder with its slot plan (the slots hold blocks as stored; the
+    decoder itself is stubbed here: no GPU)."""
+    import sys
+    from types import ModuleType
+
+    model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=1, expert_dtype=expert_dtype))
     monkeypatch.setattr(backends, "cuda_status", lambda: (True, "NVIDIA H200 found"))
-    with pytest.raises(ConfigError) as err:
+    built = []
+
+    class Reached(Exception):
+        pass
+
+    def decoder(*args):
+        built.append(args)
+        raise Reached
+
+    stub = ModuleType("expert_service.cuda.decoder")
+    stub.CudaDecoder = decoder  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "expert_service.cuda.decoder", stub)
+    with pytest.raises(Reached):
         build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256, expert_cache_slots=1))
-    assert str(err.value) == (
-        f"backend: the cuda expert cache runs experts stored as float32 only; {model.path} has int8 experts "
-        "(give --expert-cache-gb room for every expert, or use --backend cpu)"
-    )
+    ((got_model, _, slot_plan),) = built
+    assert got_model is model and slot_plan.is_cached and slot_plan.slots_per_layer == 1
+    assert slot_plan.expert_block_bytes == model.max_expert_nbytes
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])

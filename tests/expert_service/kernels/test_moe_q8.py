@@ -93,6 +93,66 @@ def test_grouped_matches_reference():
         check_close(y[lo:hi], h[lo:hi].astype(np.float64) @ down.T)
 
 
+def test_slots_in_waves_match_reference():
+    """The expert cache's launches: the layer's experts in a slot buffer of S < E blocks, each wave's slot_of
+    naming the experts it computes (-1: another wave's). Rows of skipped experts stay untouched; after both
+    waves every row is written and equals the reference; meta stays indexed by expert id."""
+    F, D, T, K = 48, 64, 5, 3
+    rng = np.random.default_rng(11)
+    W, meta, mats = mixed_layer(rng, KINDS, F, D)
+    E, S = len(KINDS), 4
+    ids = np.array([[0, 1, 2], [3, 4, 5], [0, 3, 1], [2, 0, 4], [5, 0, 3]], np.int32)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    groups = group_by_expert(ids, E)
+    order, offsets = groups.order.astype(np.int32), groups.offsets.astype(np.int32)
+    waves = [{5: 2, 1: 0, 3: 3}, {0: 1, 2: 3, 4: 0}]  # expert -> slot; slots reused by the second wave
+    h = cuda.to_device(np.full((T * K, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((T * K, D), np.nan, np.float32))
+    dmeta, dx, dorder, doffsets = (cuda.to_device(a) for a in (meta, x, order, offsets))
+    computed: set[int] = set()
+    for wave in waves:
+        slots = rng.integers(0, 256, (S, W.shape[1]), dtype=np.uint8)  # stale bytes in every slot
+        slot_of = np.full(E, -1, np.int32)
+        for e, s in wave.items():
+            slots[s], slot_of[e] = W[e], s
+        dslots, dslot_of = cuda.to_device(slots), cuda.to_device(slot_of)
+        launch_q8_gate_up(dx, dslots, dmeta, F, D, h, order=dorder, offsets=doffsets, slot_of=dslot_of)
+        launch_q8_down(h, dslots, dmeta, F, D, y, offsets=doffsets, slot_of=dslot_of)
+        computed |= set(wave)
+        hh, yy = h.copy_to_host(), y.copy_to_host()
+        for e in range(E):
+            lo, hi = offsets[e], offsets[e + 1]
+            if e not in computed:
+                assert np.isnan(hh[lo:hi]).all() and np.isnan(yy[lo:hi]).all(), f"expert {e} written early"
+                continue
+            ref_h, down = reference(x[order[lo:hi] // K], mats[e], F)
+            check_close(hh[lo:hi], ref_h)
+            check_close(yy[lo:hi], hh[lo:hi].astype(np.float64) @ down.T)
+    assert np.isfinite(hh).all() and np.isfinite(yy).all()
+
+
+def test_by_slot_through_slots_matches_reference():
+    F, D = 32, 48
+    rng = np.random.default_rng(5)
+    W, meta, mats = mixed_layer(rng, KINDS[:4], F, D)
+    ids = np.array([[2, 0]], np.int32)
+    slots = rng.integers(0, 256, (3, W.shape[1]), dtype=np.uint8)
+    slots[1], slots[2] = W[0], W[2]
+    slot_of = np.array([1, -1, 2, -1], np.int32)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    h = cuda.to_device(np.full((2, F), np.nan, np.float32))
+    y = cuda.to_device(np.full((2, D), np.nan, np.float32))
+    dslots, dmeta, dids, dslot_of = (cuda.to_device(a) for a in (slots, meta, ids, slot_of))
+    launch_q8_gate_up(cuda.to_device(x), dslots, dmeta, F, D, h, ids=dids, slot_of=dslot_of)
+    launch_q8_down(h, dslots, dmeta, F, D, y, ids=dids, slot_of=dslot_of)
+    h, y = h.copy_to_host(), y.copy_to_host()
+    assert np.isfinite(h).all() and np.isfinite(y).all()
+    for k, e in enumerate(ids[0]):
+        ref_h, down = reference(x, mats[e], F)
+        check_close(h[k : k + 1], ref_h)
+        check_close(y[k], h[k].astype(np.float64) @ down.T)
+
+
 def test_reference_dequantises_what_was_quantised():
     """The packer/decoder pair the kernels are checked against: q * scale within one quantisation step."""
     rng = np.random.default_rng(1)
@@ -129,4 +189,15 @@ def test_bad_shapes_are_refused():
             32,
             cuda.to_device(np.zeros((1, 16), np.float32)),
             ids=cuda.to_device(np.zeros((1, 1), np.int32)),
+        )
+    with pytest.raises(ValueError, match="slot_of"):  # a slot map of the wrong dtype
+        launch_q8_down(
+            cuda.to_device(np.zeros((1, 16), np.float32)),
+            W,
+            meta,
+            16,
+            32,
+            cuda.to_device(np.zeros((1, 32), np.float32)),
+            offsets=cuda.to_device(np.zeros(3, np.int32)),
+            slot_of=cuda.to_device(np.zeros(2, np.int64)),
         )

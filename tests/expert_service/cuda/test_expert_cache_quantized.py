@@ -1,0 +1,132 @@
+"""The cuda expert cache on 8-bit and mixed-dtype experts (GPU only): int8, fp8 with 128x128 block scales, and a
+mixed model (fp8, int8, bfloat16 and float32 experts; its layers have different strides).
+
+Slots hold the blocks' bytes as stored and the kernels find each expert's dtype through its meta row, so the
+cached path runs the same kernel per row whatever the number of slots: bitwise equal at 1, 2 and 3 slots, graphs
+bitwise equal to eager passes. Against the resident engine on the same model (moe_q8 by slot or grouped, and
+dequantised groups for cuBLAS above 64 tokens) the check is the fp32 tolerance, against the cpu backend the
+8-bit one (test_quantized.py), with the same greedy tokens everywhere.
+"""
+
+import numpy as np
+import pytest
+
+from common.model_format import ModelDir
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
+from expert_service.experts.cache import CacheStats
+from tests.expert_service.cuda.test_expert_cache import LONG_PROMPTS
+from tests.expert_service.cuda.test_quantized import TOLERANCE, quantized_model
+from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
+
+pytestmark = pytest.mark.gpu
+
+CASES = [("mixtral", "int8"), ("mixtral", "fp8-block128"), ("qwen3_moe", "mixed")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(p))
+def model(request, tmp_path_factory):
+    family, variant = request.param
+    return ModelDir.open(quantized_model(tmp_path_factory.mktemp(f"{family}-{variant}"), family, variant))
+
+
+def _check_accounting(model, stats, traces):
+    """Each copy moves its layer's stride; padding tokens route too (at most K more experts per layer)."""
+    K = model.config.num_experts_per_tok
+    strides = [model.expert_strides[layer] for layer in model.config.moe_layers]
+    for s, trace in zip(stats, traces):
+        real = sum(len(np.unique(ids)) for ids in trace.expert_ids.values())
+        assert real <= s.hits + s.misses <= real + K * len(trace.expert_ids)
+        copies = s.misses + s.prefetches_issued
+        assert min(strides) * copies <= s.bytes_copied <= max(strides) * copies
+        if len(set(strides)) == 1:
+            assert s.bytes_copied == copies * strides[0]
+
+
+@pytest.mark.parametrize("prompts", [SESSION_PROMPTS, LONG_PROMPTS], ids=["short", "long"])
+def test_every_cache_size_bitwise_equal_and_matches_resident_and_cpu(model, prompts):
+    ref_logits, ref_tokens, ref_stats, traces, resident = run_session(model, backend="cuda", prompts=prompts)
+    assert all(s is None for s in ref_stats) and resident.decoder.weights.quantized
+    resident.decoder.close()
+    cpu_logits, cpu_tokens = run_session(model, backend="cpu", prompts=prompts)[:2]
+    assert ref_tokens == cpu_tokens
+    first = None
+    for slots in (1, 2, 3):
+        logits, tokens, stats, _, engine = run_session(
+            model, backend="cuda", prompts=prompts, expert_cache_slots=slots, prefetch="none"
+        )
+        assert engine.decoder.cached is not None and 4 in engine.decoder.graphs
+        assert tokens == ref_tokens == cpu_tokens, f"{slots} slots"
+        for a, b, c in zip(logits, ref_logits, cpu_logits):
+            assert np.all(np.isfinite(a)) and rel_error(a, b) <= 1e-4 and rel_error(a, c) <= TOLERANCE
+        first = logits if first is None else first
+        assert all(np.array_equal(a, b) for a, b in zip(logits, first)), f"{slots} slots differ from 1 slot"
+        _check_accounting(model, stats, traces)
+        if slots == 1:  # one slot: every replayed decode step misses, and serves its misses mid-step
+            assert all(s.misses > 0 for s in stats[2:])
+        engine.decoder.close()
+
+
+def test_graph_replay_equals_eager_pass(model):
+    for prompts in (SESSION_PROMPTS, LONG_PROMPTS):
+        runs = []
+        for graphs in (True, False):
+            logits, tokens, stats, _, engine = run_session(
+                model, backend="cuda", prompts=prompts, expert_cache_slots=2, cuda_graphs=graphs
+            )
+            assert bool(engine.decoder.graphs) == graphs
+            runs.append((logits, tokens, [(s.hits, s.misses, s.prefetches_issued) for s in stats]))
+            engine.decoder.close()
+        (a, ta, sa), (b, tb, sb) = runs
+        assert ta == tb and sa == sb and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_prefetch_changes_only_counters(model):
+    """Right plans and wrong ones (every id shifted) with lookahead: the copies land in slots the waves read,
+    the outputs stay bitwise those of no prefetch."""
+    base = run_session(model, backend="cuda", expert_cache_slots=1, prefetch="none")
+    E = model.config.num_experts
+    right = exact_plans(base[3], E)
+    wrong = exact_plans([type(t)(expert_ids={k: (v + 1) % E for k, v in t.expert_ids.items()}) for t in base[3]], E)
+    for plans in (right, wrong):
+        logits, tokens, stats, traces, engine = run_session(
+            model, plans, backend="cuda", expert_cache_slots=1, prefetch="plan,lookahead"
+        )
+        assert tokens == base[1] and all(np.array_equal(a, b) for a, b in zip(logits, base[0]))
+        _check_accounting(model, stats, traces)
+        total = sum(stats, CacheStats())
+        assert 0 < total.prefetches_issued and total.prefetches_used <= total.prefetches_issued
+        engine.decoder.close()
+
+
+@pytest.mark.serial
+def test_no_device_allocations_during_cached_quantized_steps(tmp_path, monkeypatch):
+    from cuda.bindings import driver as drv
+    from numba.cuda.cudadrv import driver
+
+    model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed"))
+    engine = build_engine(
+        model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
+    )
+    plan = dict(engine.decoder.memory_plan())
+    assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0
+
+    def steps(first_id):
+        ids = [first_id + j for j in range(len(LONG_PROMPTS))]
+        engine.step([PrefillInput(r, p, SamplingParams(), True) for r, p in zip(ids, LONG_PROMPTS)])
+        for _ in range(3):
+            engine.step(decode_ids=ids)
+        engine.clear()
+
+    engine.decoder.warmup()
+    steps(0)
+    free_before = drv.cuMemGetInfo()[1]
+    calls = []
+    original = driver.Context.memalloc
+    monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    steps(10)
+    assert calls == [], f"{len(calls)} device allocations during cached steps"
+    assert drv.cuMemGetInfo()[1] == free_before
+    engine.decoder.close()
