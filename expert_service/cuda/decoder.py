@@ -111,7 +111,7 @@ class CudaDecoder:
             q8_mma=self._q8_mma(config.cuda_options),
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
-        self.workspace_strategies = self._strategies(config.cuda_options)
+        self.workspace_strategies = self._strategies(config.cuda_options, cached)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -181,7 +181,7 @@ class CudaDecoder:
             bf16=bf16,
             options=self.options,
             quantized=self.weights.quantized,
-            q8_mma=self.model.moe.q8_mma,
+            q8_mma=self._q8_mma(self.options),
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (
@@ -191,7 +191,7 @@ class CudaDecoder:
         )
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
-        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self._strategies(self.options):
+        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self._strategies(self.options, False):
             self.model.moe.warm_cublas_shapes(self.max_tokens)
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
@@ -275,7 +275,7 @@ class CudaDecoder:
                 self.cached is not None,
                 self.weights.dtype == np.uint16,
                 self.weights.quantized,
-                self.model.moe.q8_mma,
+                self._q8_mma(self.options),
             )
             not in ON_DEVICE
             if cfg.moe_layers
@@ -381,20 +381,20 @@ class CudaDecoder:
             self.cached is not None,
             self.weights.dtype == np.uint16,
             self.weights.quantized,
-            self.model.moe.q8_mma,
+            self._q8_mma(self.options),
         )
 
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
 
-    def _strategies(self, options: CudaOptions) -> set[MoeStrategy]:
-        """The MoE strategies steps of up to max_tokens take under `options`."""
+    def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
+        """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
         cfg = self.config
         return reachable_strategies(
             self.max_tokens,
             cfg.num_experts_per_tok,
             cfg.num_experts,
-            self.slot_plan.is_cached,
+            cached,
             self.weights.dtype == np.uint16,
             self.weights.quantized,
             self._q8_mma(options),
@@ -495,7 +495,7 @@ class CudaDecoder:
         the same sequences, this way); the graphs captured with the old ones are dropped. Options under which some
         step would take a MoE strategy whose buffers the workspace lacks (it was laid out for the engine's
         configured options) are refused: build the engine with them instead."""
-        missing = self._strategies(options) - self.workspace_strategies
+        missing = self._strategies(options, self.cached is not None) - self.workspace_strategies
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(f"cuda_options: these options reach MoE strategies the workspace was not laid out for "
