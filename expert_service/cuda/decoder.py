@@ -498,8 +498,10 @@ class CudaDecoder:
         missing = self._strategies(options, self.cached is not None) - self.workspace_strategies
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
-            raise ValueError(f"cuda_options: these options reach MoE strategies the workspace was not laid out for "
-                             f"({names}); give them to the engine's config instead")
+            raise ValueError(
+                f"cuda_options: these options reach MoE strategies the workspace was not laid out for "
+                f"({names}); give them to the engine's config instead"
+            )
         self.drop_graphs()
         self.model.use_options(options)
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.moe import (
     GROUPED_MAX_TOKENS,
@@ -21,7 +22,6 @@ from expert_service.cuda.moe import (
 from expert_service.cuda.workspace import layout_workspace
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
-from common.models import config_from_hf
 from expert_service.tools.tiny_model import tiny_hf_config
 
 Q8, MMA, CUBLAS = MoeStrategy.Q8, MoeStrategy.Q8_MMA, MoeStrategy.CUBLAS_PER_EXPERT

@@ -72,8 +72,12 @@ def run(x, ids, route_w, W, meta, F, D, cfg, residual):
     launch_moe_combine(y, cuda.to_device(np.arange(n, dtype=np.int32)), cuda.to_device(route_w), out)
     h_all = (h.copy_to_host().astype(np.uint32) << 16).view(np.float32)
     used = int(num_tiles.copy_to_host()[0]) * bm
-    return h_all[position.copy_to_host()], h_all[:used], sorted_ids.copy_to_host()[:used], y.copy_to_host(), (
-        out.copy_to_host()
+    return (
+        h_all[position.copy_to_host()],
+        h_all[:used],
+        sorted_ids.copy_to_host()[:used],
+        y.copy_to_host(),
+        (out.copy_to_host()),
     )
 
 
