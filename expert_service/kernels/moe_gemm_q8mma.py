@@ -319,7 +319,7 @@ def _check(name, a, shape, dtype):
         )
 
 
-def _check_common(experts, meta, tile_expert, num_tiles, F: int, D: int, cfg: Config) -> int:
+def _check_common(experts, meta, tile_expert, num_tiles, F: int, D: int) -> int:
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} "
                          f"{list(experts.shape)}")
@@ -337,17 +337,10 @@ def _run(cfg: Config, mode: int, grid: int, a, experts, meta, tile_expert, num_t
          n_tiles_n, out, stream) -> None:
     flat = experts.reshape(experts.size)
     kernel = _build(cfg, mode, k_dim % cfg.bk == 0)[1]
-    _launch(kernel, grid, _Shared(cfg), stream, (
+    _launch(kernel, grid, cfg, stream, (
         a.reshape(a.size).view(np.uint32), flat.view(np.uint32), flat.view(np.float32), meta, tile_expert,
         num_tiles, sorted_ids, np.int64(experts.shape[1]), np.int64(n_out), np.int64(k_dim), np.int64(n_tiles_n),
-        out))
-
-
-class _Shared:
-    """A Config whose shared_bytes is the 8-bit kernel's (B rows of BK bytes) for moe_gemm_mma._launch."""
-
-    def __init__(self, cfg: Config):
-        self.cfg, self.threads, self.shared_bytes = cfg, cfg.threads, shared_bytes(cfg)
+        out), shared_bytes=shared_bytes(cfg))
 
 
 def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: int, h, config: Config | None = None,
@@ -357,7 +350,7 @@ def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: i
     meta [E, META_WIDTH] int32 (every expert int8 or fp8) -> h [rows, F] uint16 (bf16 of silu(xs gate^T) *
     (xs up^T)) in every used row (padding rows: zeros)."""
     cfg = config or choose_config(xs.shape[0], tile_expert.shape[0])
-    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D, cfg)
+    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D)
     rows = tiles * cfg.block_m
     _check("xs", xs, (rows, D), np.uint16)
     _check("h", h, (rows, F), np.uint16)
@@ -374,7 +367,7 @@ def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: i
     experts / meta as for gate_up -> out [T*K, D] f32 = h @ down^T in assignment order (every routed row
     written; not yet weighted: launch_moe_combine adds them up)."""
     cfg = config or choose_config(h.shape[0], tile_expert.shape[0])
-    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D, cfg)
+    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D)
     rows = tiles * cfg.block_m
     _check("h", h, (rows, F), np.uint16)
     _check("sorted_ids", sorted_ids, (rows,), np.int32)
