@@ -18,7 +18,8 @@ converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds
 the bytes its steps read (8-bit experts: their bytes and scales). The full-depth shape `qwen3moe-full`
 (Qwen3-30B-A3B, all 48 layers: ~61 GB bf16, ~31 GB 8-bit) is written straight into the model format with random
 weights (bench/random_model.py; no transformers model, no HF comparison); its dtypes run one after another, each
-model deleted before the next is written (bf16 at full depth needs 61 GB free in --workdir).
+model deleted before the next is written (bf16 at full depth needs 61 GB free in --workdir). Each run records the
+MoE strategy its step sizes took (`moe_strategy`); bench/q8_mma.py sweeps the 8-bit strategies' thresholds.
 
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
     python bench/engine.py --out out/ --shapes qwen3moe-full --expert-dtype int8,fp8
@@ -270,6 +271,10 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
         out["bytes_per_step"][str(b)] = served_moved
         out["roofline_fraction"][str(b)] = served_moved / HBM_BYTES_PER_S / served
     thread.shutdown()
+    # which MoE strategy each timed step size took (Q8_MMA, Q8, GROUPED_MMA, per-expert cuBLAS, ...)
+    from bench.q8_mma import strategies
+
+    out["moe_strategy"] = strategies(engine, sorted({*DECODE_BATCHES, *(b * n for b, n in PREFILL)}))
     # peak: the plan is allocated up front, but kernel modules, cuBLAS and graphs load as the work runs
     out["device_memory_gib_after_work"] = (device_used_bytes() - before) / 2**30
     out["device_memory_gib"] = max(out["device_memory_gib"], out["device_memory_gib_after_work"])

@@ -37,6 +37,7 @@ from expert_service.cuda.moe import (
     MoeStrategy,
     capturable,
     choose_strategy,
+    q8_mma_tokens,
     reachable_strategies,
     warmup_tokens,
 )
@@ -107,7 +108,10 @@ class CudaDecoder:
             cached=cached,
             planned=self.planned_routing,
             quantized=self.weights.quantized,
+            q8_mma=self._q8_mma(config.cuda_options),
         )
+        # what the workspace was laid out for: set_options refuses options that reach another strategy
+        self.workspace_strategies = self._strategies(config.cuda_options, cached)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -177,6 +181,7 @@ class CudaDecoder:
             bf16=bf16,
             options=self.options,
             quantized=self.weights.quantized,
+            q8_mma=self._q8_mma(self.options),
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (
@@ -186,9 +191,7 @@ class CudaDecoder:
         )
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warmup_step(T, span, logits=True)
-        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in reachable_strategies(
-            self.max_tokens, cfg.num_experts_per_tok, cfg.num_experts, False, bf16, self.weights.quantized
-        ):
+        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self._strategies(self.options, False):
             self.model.moe.warm_cublas_shapes(self.max_tokens)
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
@@ -272,6 +275,7 @@ class CudaDecoder:
                 self.cached is not None,
                 self.weights.dtype == np.uint16,
                 self.weights.quantized,
+                self._q8_mma(self.options),
             )
             not in ON_DEVICE
             if cfg.moe_layers
@@ -377,6 +381,23 @@ class CudaDecoder:
             self.cached is not None,
             self.weights.dtype == np.uint16,
             self.weights.quantized,
+            self._q8_mma(self.options),
+        )
+
+    def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
+        return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
+
+    def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
+        """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
+        cfg = self.config
+        return reachable_strategies(
+            self.max_tokens,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            cached,
+            self.weights.dtype == np.uint16,
+            self.weights.quantized,
+            self._q8_mma(options),
         )
 
     def _prefill_bucket(self, T: int) -> int | None:
@@ -471,7 +492,16 @@ class CudaDecoder:
 
     def set_options(self, options: CudaOptions) -> None:
         """Takes other kernel paths from the next step on (benchmarks and tests compare paths on one engine, with
-        the same sequences, this way); the graphs captured with the old ones are dropped."""
+        the same sequences, this way); the graphs captured with the old ones are dropped. Options under which some
+        step would take a MoE strategy whose buffers the workspace lacks (it was laid out for the engine's
+        configured options) are refused: build the engine with them instead."""
+        missing = self._strategies(options, self.cached is not None) - self.workspace_strategies
+        if missing:
+            names = ", ".join(sorted(m.value for m in missing))
+            raise ValueError(
+                f"cuda_options: these options reach MoE strategies the workspace was not laid out for "
+                f"({names}); give them to the engine's config instead"
+            )
         self.drop_graphs()
         self.model.use_options(options)
 

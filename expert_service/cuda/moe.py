@@ -38,6 +38,8 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import Config, choose_config
+from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
+from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
@@ -76,16 +78,39 @@ class MoeStrategy(Enum):
     CACHED_GROUPED = "cached_grouped"
     CACHED_CUBLAS = "cached_cublas"
     Q8 = "q8"  # 8-bit / mixed layers: moe_q8, by slot at one token, grouped above
+    Q8_MMA = "q8_mma"  # every expert 8-bit: grouped tensor-core GEMM on the 8-bit tiles (moe_gemm_q8mma)
 
 
-def choose_strategy(T: int, K: int, E: int, cached: bool, bf16: bool = False, quantized: bool = False) -> MoeStrategy:
+def q8_mma_tokens(config: ModelConfig, all_8bit: bool, bf16: bool, options: CudaOptions) -> tuple[int, int] | None:
+    """The step sizes (lo, hi) that run Q8_MMA on this model with these options, or None where the kernel does
+    not apply: an expert that is not int8 / fp8 (a bf16 / fp16 / fp32 expert in a mixed layer: moe_q8 reads
+    those), dense weights other than bf16 (the kernel's activations are bf16), D or F not a multiple of 16."""
+    D, F, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    if not (all_8bit and bf16 and D % Q8_MMA_MIN_DIM == 0 and F % Q8_MMA_MIN_DIM == 0 and E <= ALIGN_MAX_E):
+        return None
+    many = E >= GROUPED_MMA_MIN_EXPERTS
+    return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
+
+
+def choose_strategy(
+    T: int,
+    K: int,
+    E: int,
+    cached: bool,
+    bf16: bool = False,
+    quantized: bool = False,
+    q8_mma: tuple[int, int] | None = None,
+) -> MoeStrategy:
     """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
-    choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized)."""
+    choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized);
+    q8_mma: the step sizes that take Q8_MMA on such a model (q8_mma_tokens), None: none."""
+    n = T * K
     if cached:
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     if quantized:
+        if q8_mma is not None and q8_mma[0] <= T <= q8_mma[1] and n <= ALIGN_MAX_ASSIGNMENTS:
+            return MoeStrategy.Q8_MMA
         return MoeStrategy.CUBLAS_PER_EXPERT if T > GROUPED_MAX_TOKENS else MoeStrategy.Q8
-    n = T * K
     if (
         bf16
         and T >= GROUPED_MMA_MIN_TOKENS
@@ -111,6 +136,7 @@ ON_DEVICE = frozenset(
         MoeStrategy.ALL_EXPERTS,
         MoeStrategy.GROUPED,
         MoeStrategy.Q8,
+        MoeStrategy.Q8_MMA,
         MoeStrategy.CACHED_GROUPED,
     }
 )
@@ -118,16 +144,24 @@ ON_DEVICE = frozenset(
 CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT, MoeStrategy.CACHED_CUBLAS}
 
 
-def capturable(T: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False) -> bool:
+def capturable(
+    T: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False, q8_mma: tuple[int, int] | None = None
+) -> bool:
     """Whether a step of T tokens can replay CUDA graphs: its MoE blocks on the device, or split at host breaks."""
-    return choose_strategy(T, K, E, cached, bf16, quantized) in CAPTURABLE
+    return choose_strategy(T, K, E, cached, bf16, quantized, q8_mma) in CAPTURABLE
 
 
 def reachable_strategies(
-    max_tokens: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False
+    max_tokens: int,
+    K: int,
+    E: int,
+    cached: bool,
+    bf16: bool,
+    quantized: bool = False,
+    q8_mma: tuple[int, int] | None = None,
 ) -> set[MoeStrategy]:
     """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers)."""
-    return {choose_strategy(T, K, E, cached, bf16, quantized) for T in range(1, max_tokens + 1)}
+    return {choose_strategy(T, K, E, cached, bf16, quantized, q8_mma) for T in range(1, max_tokens + 1)}
 
 
 def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
@@ -148,14 +182,24 @@ def fused_router(T: int, options: CudaOptions) -> bool:
 
 
 def warmup_tokens(
-    max_tokens: int, K: int, E: int, bf16: bool, options: CudaOptions, quantized: bool = False
+    max_tokens: int,
+    K: int,
+    E: int,
+    bf16: bool,
+    options: CudaOptions,
+    quantized: bool = False,
+    q8_mma: tuple[int, int] | None = None,
 ) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
-    WARMUP_TOKENS and the smallest T of each (strategy, GROUPED_MMA tile config, router) combination."""
+    WARMUP_TOKENS and the smallest T of each (strategy, grouped-MMA tile config, router) combination."""
     first: dict[tuple[MoeStrategy, Config | None, bool], int] = {}  # (strategy, tile, router) -> smallest T
     for T in range(1, max_tokens + 1):
-        strategy = choose_strategy(T, K, E, False, bf16, quantized)
-        tile = choose_config(T * K, E) if strategy is MoeStrategy.GROUPED_MMA else None
+        strategy = choose_strategy(T, K, E, False, bf16, quantized, q8_mma)
+        tile = None
+        if strategy is MoeStrategy.GROUPED_MMA:
+            tile = choose_config(T * K, E)
+        elif strategy is MoeStrategy.Q8_MMA:
+            tile = choose_q8_config(T * K, E)
         first.setdefault((strategy, tile, fused_router(T, options)), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
@@ -204,7 +248,7 @@ class DeviceMoe:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        strategy = choose_strategy(T, K, E, cached=self.cached is not None, bf16=self.bf16, quantized=self.quantized)
+        strategy = choose_strategy(T, K, E, self.cached is not None, self.bf16, self.quantized, self.q8_mma)
         fuse_norm = (
             next_norm is not None
             and not cfg.shared_expert_intermediate_size
@@ -224,6 +268,10 @@ class DeviceMoe:
             run_grouped_mma(
                 ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size, combine=combine
             )
+        elif strategy is MoeStrategy.Q8_MMA:
+            meta = self.weights.expert_meta[i]
+            F, D = cfg.moe_intermediate_size, cfg.hidden_size
+            run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta)
         elif strategy is MoeStrategy.Q8:
             self._q8(i, x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GEMV:
@@ -240,6 +288,11 @@ class DeviceMoe:
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
+
+    @property
+    def q8_mma(self) -> tuple[int, int] | None:
+        """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
+        return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options)
 
     def cached_large(self, T: int) -> bool:
         """Whether a cached step of T tokens runs CACHED_CUBLAS (per-expert GEMMs at a host break)."""

@@ -13,6 +13,9 @@ Per MoE layer, with cfg = choose_config(T*K, E), BM = cfg.block_m, tiles = max_t
 The store epilogue plus the existing combine is bitwise reproducible (graph == eager, run to run); the atomic
 epilogue measured 1-6% faster but sums in arrival order. Kernels and H200 figures: docs/kernels.md.
 
+Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
+kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
+
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
 """
@@ -29,13 +32,15 @@ from expert_service.kernels.moe_gemm_mma import (
     launch_moe_gemm_down,
     launch_moe_gemm_gate_up,
 )
+from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
 
 
 def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype))."""
     rows = tiles = 1
     for T in range(1, max_tokens + 1):  # the tile config (BM) changes with T*K / E: take the largest need
-        block_m = choose_config(T * K, E).block_m
+        block_m = max(choose_config(T * K, E).block_m, choose_q8_config(T * K, E).block_m)
         rows = max(rows, max_rows(T * K, E, block_m))
         tiles = max(tiles, max_tiles(T * K, E, block_m))
     i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
@@ -48,14 +53,15 @@ def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[
     }
 
 
-def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None) -> None:
+def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None) -> None:
     """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
-    device), experts [E, stride] bf16 (uint16) -> h += the routed experts' weighted outputs. combine(y, position,
-    weights, h): the MoE block's combine (None: launch_moe_combine)."""
+    device), experts [E, stride] bf16 (uint16), or with meta [E, META_WIDTH] (8-bit layers) the layer's uint8
+    blocks -> h += the routed experts' weighted outputs. combine(y, position, weights, h): the MoE block's
+    combine (None: launch_moe_combine)."""
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    cfg = choose_config(n, E)
+    cfg = choose_config(n, E) if meta is None else choose_q8_config(n, E)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm
@@ -63,10 +69,14 @@ def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, com
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
     launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-    launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
-    launch_moe_gemm_down(
-        hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE, config=cfg, stream=stream
-    )
+    if meta is None:
+        launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
+        launch_moe_gemm_down(
+            hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE, config=cfg, stream=stream
+        )
+    else:
+        launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F, D, hb, config=cfg, stream=stream)
+        launch_q8mma_down(hb, tile_expert, num_tiles, sorted_ids, experts, meta, F, D, out, config=cfg, stream=stream)
     if combine is None:
         launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
     else:

@@ -114,6 +114,9 @@ def expert_meta(model: ModelDir, layer: int) -> np.ndarray:
     return np.stack(rows)
 
 
+EIGHT_BIT_CODES = (expert_quant.CODE_INT8, expert_quant.CODE_FP8)
+
+
 def _back_to_back_experts(model: ModelDir) -> bool:
     """Whether every expert's gate, up and down lie back to back from its block's start (what the dense-dtype
     kernels assume; a version-2 block pads a matrix whose size is not a multiple of 256 bytes)."""
@@ -163,6 +166,8 @@ class DeviceWeights:
         # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
         # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
         self.quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
+        # every expert of every layer int8 / fp8: the grouped tensor-core kernel for 8-bit tiles applies (moe.Q8_MMA)
+        self.all_8bit = self.quantized
         E = self.config.num_experts
         for layer in self.config.moe_layers:
             stride = model.expert_strides[layer]
@@ -171,7 +176,9 @@ class DeviceWeights:
             # the expert cache's fetch kernels read the experts straight from host memory: mapped
             self.expert_pinned[layer] = self.uploader.pin(host, mapped=not load_experts)
             if self.quantized:
-                self.expert_meta[layer] = cuda.to_device(expert_meta(model, layer), stream=stream)
+                meta = expert_meta(model, layer)
+                self.all_8bit &= bool(np.isin(meta[:, 0], EIGHT_BIT_CODES).all())
+                self.expert_meta[layer] = cuda.to_device(meta, stream=stream)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])

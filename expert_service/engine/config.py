@@ -135,11 +135,15 @@ class EngineConfig:
 
 
 def _cuda_options(values: Mapping) -> CudaOptions:
-    """CudaOptions from a config file's mapping: every key a field, every value a boolean."""
-    known = {f.name for f in fields(CudaOptions)}
+    """CudaOptions from a config file's mapping: every key a field, every value of the field's type (a boolean
+    switch, or a positive integer threshold)."""
+    types = {f.name: f.type for f in fields(CudaOptions)}
     for key, value in values.items():
-        if key not in known:
-            raise ConfigError(f"cuda_options: unknown option {key!r} (known: {', '.join(sorted(known))})")
-        if not isinstance(value, bool):
+        if key not in types:
+            raise ConfigError(f"cuda_options: unknown option {key!r} (known: {', '.join(sorted(types))})")
+        if types[key] in (bool, "bool") and not isinstance(value, bool):
             raise ConfigError(f"cuda_options.{key}: must be true or false, got {value!r}")
-    return CudaOptions(**values)
+    try:
+        return CudaOptions(**values)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -2,7 +2,9 @@
 (EngineConfig.cuda_options) and swapped only through CudaDecoder.set_options, which drops the captured graphs
 (a graph keeps the path it was captured with). Every default is the shipped path; turning one off restores the
 path it replaced, for comparisons (bench/profile_step.py) and to rule a new kernel out quickly. It imports
-nothing but dataclasses: EngineConfig holds it, and the cpu backend must not load numba."""
+nothing but dataclasses: EngineConfig holds it, and the cpu backend must not load numba. The integer fields are
+the step-size thresholds of kernels whose crossover is measured on the GPU (bench/engine.py --q8-mma-sweep
+sweeps them without code changes)."""
 
 from __future__ import annotations
 
@@ -31,3 +33,17 @@ class CudaOptions:
     # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
+    # 8-bit expert layers (every expert int8 / fp8, bf16 dense weights): steps of q8_mma_min_tokens up to
+    # q8_mma_max_tokens tokens run the grouped tensor-core kernel (moe_gemm_q8mma); smaller ones moe_q8, larger
+    # ones dequantise + per-expert cuBLAS. Layers with fewer than moe.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like:
+    # few, large experts, where cuBLAS wins big steps) stop at q8_mma_max_tokens_few_experts instead.
+    # q8_mma_min_tokens above every step size turns the kernel off.
+    q8_mma_min_tokens: int = 2
+    q8_mma_max_tokens: int = 1 << 20
+    q8_mma_max_tokens_few_experts: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")

@@ -414,10 +414,11 @@ _STATIC_SHARED_MAX = 48 * 1024
 _raised_shared: set[tuple[int, int]] = set()     # (kernel, device) pairs allowed their dynamic shared memory
 
 
-def _launch(kernel, grid: int, cfg: Config, stream, args) -> None:
-    """kernel[grid, cfg.threads, stream, cfg.shared_bytes](*args); a kernel that needs more than 48 KB of dynamic
-    shared memory must first be allowed it (cuKernelSetAttribute on the compiled function: Numba has no API)."""
-    nbytes = cfg.shared_bytes
+def _launch(kernel, grid: int, cfg: Config, stream, args, shared_bytes: int | None = None) -> None:
+    """kernel[grid, cfg.threads, stream, shared_bytes (default cfg.shared_bytes)](*args); a kernel that needs more
+    than 48 KB of dynamic shared memory must first be allowed it (cuKernelSetAttribute on the compiled function:
+    Numba has no API)."""
+    nbytes = cfg.shared_bytes if shared_bytes is None else shared_bytes
     # Once per kernel and device: each kernel has one overload (the launchers pass C-contiguous 1-d arrays of
     # fixed dtypes), so typing the arguments on every launch would only cost host time.
     key = (id(kernel), cuda.get_current_device().id) if nbytes > _STATIC_SHARED_MAX and not SIMULATOR else None

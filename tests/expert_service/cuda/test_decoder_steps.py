@@ -104,7 +104,7 @@ def host_decoder(
     )
     d.max_tokens, d.max_seqs, d.seq_slots = MAX_TOKENS, MAX_SEQS, MAX_SEQS + 1
     d.block_size, d.max_blocks_per_seq, d.moe_layers = BLOCK, MAX_BLOCKS, cfg.moe_layers
-    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32), quantized=False)
+    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32), quantized=False, all_8bit=False)
     layout = layout_workspace(cfg, d.weights.dtype, MAX_TOKENS, MAX_SEQS, MAX_BLOCKS, len(cfg.moe_layers))
     metadata = HostBuffer({n: layout[n][0] for n in METADATA})
     results = HostBuffer({n: layout[n][0] for n in RESULTS})
@@ -133,6 +133,7 @@ def host_decoder(
         head=lambda T, R: d.issued.append(("head", T, R)),
         moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))),
     )
+    d.workspace_strategies = d._strategies(d.model.options, d.cached is not None)
     return d
 
 

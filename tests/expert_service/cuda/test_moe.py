@@ -34,7 +34,7 @@ class Weights:
             config.moe_intermediate_size,
             config.shared_expert_intermediate_size,
         )
-        self.dtype, self.quantized = np.dtype(np.float32), False
+        self.dtype, self.quantized, self.all_8bit = np.dtype(np.float32), False, False
         self.host, self.mats, self.experts = {}, {}, {}
         for i in config.moe_layers:
             shapes = {"router": (E, D)}

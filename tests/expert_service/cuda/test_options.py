@@ -1,6 +1,8 @@
 """CudaOptions reach the decoder through EngineConfig: the shipped paths by default, a config file's mapping
 checked field by field (no GPU)."""
 
+from dataclasses import fields
+
 import pytest
 
 from common.config import resolve
@@ -11,7 +13,17 @@ from expert_service.engine.cuda_options import CudaOptions
 
 def test_every_option_defaults_to_the_shipped_path():
     assert EngineConfig().cuda_options == CudaOptions()
-    assert all(getattr(CudaOptions(), name) is True for name in CudaOptions.__dataclass_fields__)
+    switches = [f.name for f in fields(CudaOptions) if f.type in (bool, "bool")]
+    assert switches and all(getattr(CudaOptions(), name) is True for name in switches)
+
+
+def test_thresholds_come_from_a_config_file_and_are_checked():
+    config = resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_min_tokens": 17}}, env={})
+    assert config.cuda_options == CudaOptions(q8_mma_min_tokens=17)
+    for bad in (0, -3, True, "8", 2.5):
+        with pytest.raises(ConfigError) as error:
+            resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": bad}}, env={})
+        assert str(error.value) == f"cuda_options.q8_mma_max_tokens: must be a positive integer, got {bad!r}"
 
 
 def test_a_config_file_mapping_becomes_options():

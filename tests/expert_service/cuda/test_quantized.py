@@ -1,6 +1,8 @@
 """The cuda backend on 8-bit experts against the cpu backend on the same converted model (GPU only): int8,
 fp8 with 128x128 block scales, fp8 per channel, and a mixed model (fp8, int8, bfloat16 and float32 experts in
-one layer); greedy tokens equal, logits within the bf16 tolerance, graphs and eager, no device allocations."""
+one layer), and a model mixing only 8-bit experts (int8, fp8 with both scales: the grouped tensor-core kernel,
+Q8_MMA, runs its steps of 2-64 tokens); greedy tokens equal, logits within the bf16 tolerance, graphs and eager,
+no device allocations; Q8_MMA against moe_q8 / per-expert cuBLAS on the same model."""
 
 import json
 
@@ -10,6 +12,7 @@ import pytest
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.convert import convert
@@ -20,22 +23,26 @@ pytestmark = pytest.mark.gpu
 
 CFG = dict(kv_block_size=8, kv_cache_tokens=4096, max_batch_tokens=512, max_batch_size=16)
 TOLERANCE = 1e-2  # as test_bf16_weights_close_to_fp32_cpu
-VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed")
+VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed", "mixed-8bit")
 FAMILIES = ("mixtral", "qwen3_moe")
 
 
 def quantized_model(root, family: str, variant: str):
     model = make_tiny(root / "f32", family=family, seed=11)
-    if variant == "mixed":  # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8
+    if variant.startswith("mixed"):
+        # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8 ("mixed") or
+        # expert 1 fp8 with per-channel scales, 3 fp8 block128 ("mixed-8bit": every expert 8-bit)
         first, last = ModelDir.open(model).config.moe_layers[0], ModelDir.open(model).config.moe_layers[-1]
         plan = root / "mixed.json"
+        others = {f"{last}.1": "bfloat16", f"{last}.2": "float32"} if variant == "mixed" else {}
+        scale = "block128" if variant == "mixed" else "channel"
         plan.write_text(
             json.dumps(
                 {
                     "default": "int8",
-                    "fp8_scale": "block128",
+                    "fp8_scale": scale,
                     "layers": {str(first): "fp8"},
-                    "experts": {f"{last}.1": "bfloat16", f"{last}.2": "float32", f"{last}.3": "fp8"},
+                    "experts": {**others, f"{last}.3": "fp8"},
                 }
             )
         )
@@ -115,3 +122,25 @@ def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch):
     gpu.clear()
     assert calls == [], f"{len(calls)} device allocations during steps"
     assert drv.cuMemGetInfo()[1] == free_before, "device memory changed during steps"
+
+
+Q8_MMA_OFF = CudaOptions(q8_mma_min_tokens=1 << 20)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", ["int8", "fp8-block128", "mixed-8bit"])
+def test_q8_mma_matches_the_simt_and_cublas_paths(tmp_path, family, variant):
+    model = quantized_model(tmp_path, family, variant)
+    engines = {
+        name: build_engine(ModelDir.open(model), EngineConfig(backend="cuda", cuda_options=options, **CFG))
+        for name, options in (("q8_mma", CudaOptions()), ("off", Q8_MMA_OFF))
+    }
+    moe = engines["q8_mma"].decoder.model.moe
+    assert moe.q8_mma == (2, 64), "the tiny models' layers should take Q8_MMA from 2 tokens"
+    for n in (2, 5, 33, 64):
+        ids = random_prompt(90 + n, n)
+        got, want = (engines[k].prompt_logits(ids) for k in ("q8_mma", "off"))
+        assert np.isfinite(got).all() and rel_error(got, want) <= TOLERANCE, f"{family}/{variant} n={n}"
+    prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40))]
+    for p in prompts:
+        assert engines["q8_mma"].generate(p, 8)[0] == engines["off"].generate(p, 8)[0], f"{family}/{variant}"
