@@ -44,7 +44,7 @@ def _kernel(dtype):
         int32; stride: bytes per expert; offsets [E+1] int32 (the step's grouping); first: index of the group's
         first active expert; out [G, 3*F*D] dense dtype (gate, up, down back to back). Grid (G, value blocks),
         THREADS threads; slots past the last active expert are left untouched."""
-        j = cuda.blockIdx.x
+        j = cuda.blockIdx.y  # the expert (the grid's x holds the many chunks: y and z stop at 65535)
         E = offsets.shape[0] - 1
         e = -1
         seen = 0
@@ -56,7 +56,7 @@ def _kernel(dtype):
                 seen += 1
         if e < 0:
             return
-        i = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
+        i = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
         fd = F * D
         if i >= 3 * fd:
             return
@@ -110,7 +110,7 @@ def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, o
     if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
         raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
     flat = experts.reshape(experts.size)
-    grid = (out.shape[0], -(-3 * F * D // (VALUES * THREADS)))
+    grid = (-(-3 * F * D // (VALUES * THREADS)), out.shape[0])
     _kernel(np.dtype(out.dtype).type)[1][grid, THREADS, stream](
         flat.view(np.uint32),
         flat.view(np.float32),

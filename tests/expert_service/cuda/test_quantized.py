@@ -27,7 +27,8 @@ VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed", "mixed-8bit")
 FAMILIES = ("mixtral", "qwen3_moe")
 
 
-def quantized_model(root, family: str, variant: str):
+def quantized_model(root, family: str, variant: str, dense: str | None = None):
+    """The tiny model with 8-bit experts; `dense`: the other tensors' dtype (None: the checkpoint's float32)."""
     model = make_tiny(root / "f32", family=family, seed=11)
     if variant.startswith("mixed"):
         # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8 ("mixed") or
@@ -46,9 +47,11 @@ def quantized_model(root, family: str, variant: str):
                 }
             )
         )
-        return convert(model / "hf", root / variant, progress=False, expert_dtype_file=plan)
+        return convert(model / "hf", root / variant, dense, progress=False, expert_dtype_file=plan)
     dtype, _, scale = variant.partition("-")
-    return convert(model / "hf", root / variant, progress=False, expert_dtype=dtype, fp8_scale=scale or "block128")
+    return convert(
+        model / "hf", root / variant, dense, progress=False, expert_dtype=dtype, fp8_scale=scale or "block128"
+    )
 
 
 @pytest.fixture(scope="module", params=[(f, v) for f in FAMILIES for v in VARIANTS], ids=lambda p: "-".join(p))
@@ -130,7 +133,7 @@ Q8_MMA_OFF = CudaOptions(q8_mma_min_tokens=1 << 20)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("variant", ["int8", "fp8-block128", "mixed-8bit"])
 def test_q8_mma_matches_the_simt_and_cublas_paths(tmp_path, family, variant):
-    model = quantized_model(tmp_path, family, variant)
+    model = quantized_model(tmp_path, family, variant, dense="bfloat16")  # the tensor-core kernel reads bf16 x
     engines = {
         name: build_engine(ModelDir.open(model), EngineConfig(backend="cuda", cuda_options=options, **CFG))
         for name, options in (("q8_mma", CudaOptions()), ("off", Q8_MMA_OFF))
