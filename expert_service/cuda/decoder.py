@@ -5,7 +5,7 @@ launches are cuda/model.py's, which alternative kernels they take engine/cuda_op
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
 prefill chunks mixed with decodes) are padded to a token bucket (`prefill_buckets`: powers of two and 1.5x
-powers of two) and replay a graph of the layers captured per bucket (`moe.capturable`; with the expert cache
+powers of two) and replay a graph of the layers captured per bucket (`moe.CAPTURABLE`; with the expert cache
 too: its slot map and copies are decided on the device). Where a MoE block needs the host mid-pass (per-expert
 cuBLAS GEMMs sized by the step's expert offsets, resident or cached) the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
 padding tokens form one extra sequence that writes no KV and attends to nothing, and the LM head runs eagerly
@@ -33,9 +33,9 @@ from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, dev
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.model import CudaModel
 from expert_service.cuda.moe import (
+    CAPTURABLE,
     ON_DEVICE,
     MoeStrategy,
-    capturable,
     choose_strategy,
     q8_mma_tokens,
     reachable_strategies,
@@ -265,21 +265,20 @@ class CudaDecoder:
     def blocks_host(self, num_tokens: int) -> bool:
         """Whether launching a step of this many tokens waits for the device inside the pass (the host steps of
         per-expert cuBLAS, the expert cache's): a step ahead of it would then be answered only after it."""
-        cfg = self.config
         T = self._prefill_bucket(num_tokens) or num_tokens
-        return (
-            choose_strategy(
-                T,
-                cfg.num_experts_per_tok,
-                cfg.num_experts,
-                self.cached is not None,
-                self.weights.dtype == np.uint16,
-                self.weights.quantized,
-                self._q8_mma(self.options),
-            )
-            not in ON_DEVICE
-            if cfg.moe_layers
-            else False
+        return self._strategy(T) not in ON_DEVICE if self.config.moe_layers else False
+
+    def _strategy(self, T: int) -> MoeStrategy:
+        """The MoE strategy a step of T tokens takes on this model (cuda/moe.py choose_strategy)."""
+        cfg = self.config
+        return choose_strategy(
+            T,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            self.cached is not None,
+            self.weights.dtype == np.uint16,
+            self.weights.quantized,
+            self._q8_mma(self.options),
         )
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
@@ -373,16 +372,7 @@ class CudaDecoder:
         return prefill_buckets(self.max_tokens)
 
     def _prefill_capturable(self, tokens: int) -> bool:
-        cfg = self.config
-        return capturable(
-            tokens,
-            cfg.num_experts_per_tok,
-            cfg.num_experts,
-            self.cached is not None,
-            self.weights.dtype == np.uint16,
-            self.weights.quantized,
-            self._q8_mma(self.options),
-        )
+        return self._strategy(tokens) in CAPTURABLE
 
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
