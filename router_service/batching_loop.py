@@ -15,11 +15,9 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
-import numpy as np
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from common.errors import InvalidRequestError
@@ -33,31 +31,20 @@ from common.tracing import (
 )
 from router_service import wire
 from router_service.config import RouterConfig
-from router_service.constraints import ConstraintCompiler, GrammarError, GrammarMatcher
+from router_service.constraints import ConstraintCompiler, GrammarError, step_masks
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
-from router_service.logprobs import PromptLogprob, Top, prompt_logprobs
+from router_service.logprobs import prompt_logprobs
 from router_service.observability import BatchingLoopHooks
 from router_service.prefix_cache import PrefixCache
+from router_service.request_state import Delta, RequestHandle, RequestState
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
-from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
+from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New output of one request since its previous Delta; the last one has finish_reason set."""
-
-    token_ids: list[int]
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    top_logprobs: list[Top] = field(default_factory=list)  # with top_logprobs: one per token
-    prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: on the first Delta
 
 
 @dataclass(frozen=True)
@@ -68,64 +55,6 @@ class _InFlight:
     step_id: int
     started: float
     span: trace.Span
-
-
-@dataclass
-class RequestState:
-    seq_id: int  # the worker's request id
-    request_id: str  # the public one, echoed to the caller
-    req: ValidatedRequest
-    deadline: float  # time.monotonic() by which the request must be done
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    detokenizer: IncrementalDetokenizer | None = None
-    stops: StopSequenceMatcher = field(default_factory=StopSequenceMatcher)
-    # the request span, linked from the batch spans that carry it
-    span_context: trace.Span | trace.SpanContext | otel_context.Context | None = None
-    arrived_at: float = field(default_factory=time.monotonic)
-    scheduled_at: float | None = None  # first step that carried it
-    num_cached_tokens: int = 0  # prompt tokens it started on from the prefix cache
-    last_token_at: float | None = None
-    num_generated: int = 0
-    is_done: bool = False
-    matcher: GrammarMatcher | None = None  # constrained decoding: the grammar's state after the tokens so far
-    grammar_error: str = ""  # the matcher failed computing a mask: the request fails when that step answers
-
-
-class RequestHandle:
-    """What submit returns: iterate it for Deltas; errors surface as RouterError."""
-
-    def __init__(self, batching_loop: BatchingLoop, state: RequestState):
-        self._batching_loop, self._state = batching_loop, state
-        self.request_id = state.request_id
-        self.num_prompt_tokens = len(state.req.prompt_ids)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache (known once the request was first scheduled)."""
-        return self._state.num_cached_tokens
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Delta:
-        state = self._state
-        if state.is_done and state.queue.empty():
-            raise StopAsyncIteration
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
-            # queue yields an item, and a cancelled (disconnected) request would then run to its end.
-            async with asyncio.timeout(max(state.deadline - time.monotonic(), 0.0)):
-                item = await state.queue.get()
-        except TimeoutError:
-            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
-            item = state.queue.get_nowait()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        """Ends the request now (client gone); a no-op once it finished."""
-        self._batching_loop.cancel(self._state.seq_id)
 
 
 class BatchingLoop:
@@ -266,27 +195,6 @@ class BatchingLoop:
             )
         return self._constraints
 
-    def _masks(self, step: ScheduledStep) -> dict[int, bytes]:
-        """The grammar mask of each constrained request sampling in `step` (its prompt ends, or it decodes)."""
-        sampling = [c.request_id for c in step.prefill_chunks if c.is_last] + list(step.decode_ids)
-        masks = {}
-        for seq_id in sampling:
-            state = self._requests.get(seq_id)
-            if state is None or state.matcher is None:
-                continue
-            try:
-                masks[seq_id] = state.matcher.mask()
-            except GrammarError as e:  # the step still carries it: any token, and the answer fails the request
-                state.grammar_error = str(e)
-                masks[seq_id] = self._any_token_mask()
-        return masks
-
-    def _any_token_mask(self) -> bytes:
-        vocab = self.info.vocab_size if self.info is not None else 0
-        bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
-        bits[:vocab] = 1
-        return np.packbits(bits, bitorder="little").tobytes()
-
     def cancel(self, seq_id: int) -> None:
         self._end(seq_id, None, "cancelled", FinishReason.CANCELLED)
 
@@ -406,7 +314,12 @@ class BatchingLoop:
             },
         )
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
-        request = wire.step_request(step, next(self._step_ids), routing_plan, self._masks(step))
+        request = wire.step_request(
+            step,
+            next(self._step_ids),
+            routing_plan,
+            step_masks(step, self._requests, self.info.vocab_size if self.info else 0),
+        )
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
         self._in_flight.append(_InFlight(step, request.step_id, started, span))
         await self._open_stream.send(request)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,3 +199,28 @@ class ConstraintCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(matcher.get_error()))
         return matcher
+
+
+def any_token_mask(vocab_size: int) -> bytes:
+    """A mask allowing every token: packed little-endian bits, ceil(vocab_size / 32) words."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, np.uint8)
+    bits[:vocab_size] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def step_masks(step, requests: Mapping[int, Any], vocab_size: int) -> dict[int, bytes]:
+    """The grammar mask of each constrained request sampling in `step` (a ScheduledStep: its prompt ends, or it
+    decodes); `requests`: id -> the batching loop's request state (its `matcher`, None when unconstrained). A
+    matcher that fails still gets a mask (any token) and records `grammar_error`: the answer fails the request."""
+    sampling = [c.request_id for c in step.prefill_chunks if c.is_last] + list(step.decode_ids)
+    masks = {}
+    for seq_id in sampling:
+        state = requests.get(seq_id)
+        if state is None or state.matcher is None:
+            continue
+        try:
+            masks[seq_id] = state.matcher.mask()
+        except GrammarError as e:
+            state.grammar_error = str(e)
+            masks[seq_id] = any_token_mask(vocab_size)
+    return masks

@@ -17,10 +17,11 @@ from common import tracing as semconv
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import errors
-from router_service.batching_loop import BatchingLoop, RequestHandle
+from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate, message_dicts
 from router_service.chat_render import TemplateRenderer
 from router_service.logprobs import PromptLogprob, Top
+from router_service.request_state import RequestHandle
 from router_service.scheduler import FinishReason
 from router_service.tool_calls import FORMATS, MISTRAL_MARKER, detect_format
 from router_service.tool_constraint import attach_tool_constraint, tool_call_constraint

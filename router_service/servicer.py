@@ -27,11 +27,12 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import request_span_name, start_server_span
 from router_service import errors
-from router_service.batching_loop import BatchingLoop, RequestHandle
+from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
+from router_service.request_state import RequestHandle
 from router_service.tool_calls import ToolCall, ToolCallDelta
 from router_service.tool_replies import ToolReply, collect_reply, split
 from router_service.tool_request import from_pb as tools_from_pb

@@ -1,0 +1,92 @@
+"""What the batching loop keeps per request (`RequestState`), what it hands the caller (`RequestHandle`: an async
+iterator of `Delta`s), and the `Delta` itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from router_service.constraints import GrammarMatcher
+from router_service.errors import DeadlineExceeded
+from router_service.logprobs import PromptLogprob, Top
+from router_service.scheduler import FinishReason
+from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher
+from router_service.validation import ValidatedRequest
+
+if TYPE_CHECKING:
+    from router_service.batching_loop import BatchingLoop
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request since its previous Delta; the last one has finish_reason set."""
+
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    top_logprobs: list[Top] = field(default_factory=list)  # with top_logprobs: one per token
+    prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: on the first Delta
+
+
+@dataclass
+class RequestState:
+    seq_id: int  # the worker's request id
+    request_id: str  # the public one, echoed to the caller
+    req: ValidatedRequest
+    deadline: float  # time.monotonic() by which the request must be done
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    detokenizer: IncrementalDetokenizer | None = None
+    stops: StopSequenceMatcher = field(default_factory=StopSequenceMatcher)
+    # the request span, linked from the batch spans that carry it
+    span_context: trace.Span | trace.SpanContext | otel_context.Context | None = None
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first step that carried it
+    num_cached_tokens: int = 0  # prompt tokens it started on from the prefix cache
+    last_token_at: float | None = None
+    num_generated: int = 0
+    is_done: bool = False
+    matcher: GrammarMatcher | None = None  # constrained decoding: the grammar's state after the tokens so far
+    grammar_error: str = ""  # the matcher failed computing a mask: the request fails when that step answers
+
+
+class RequestHandle:
+    """What submit returns: iterate it for Deltas; errors surface as RouterError."""
+
+    def __init__(self, batching_loop: BatchingLoop, state: RequestState):
+        self._batching_loop, self._state = batching_loop, state
+        self.request_id = state.request_id
+        self.num_prompt_tokens = len(state.req.prompt_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (known once the request was first scheduled)."""
+        return self._state.num_cached_tokens
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        state = self._state
+        if state.is_done and state.queue.empty():
+            raise StopAsyncIteration
+        try:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
+            # queue yields an item, and a cancelled (disconnected) request would then run to its end.
+            async with asyncio.timeout(max(state.deadline - time.monotonic(), 0.0)):
+                item = await state.queue.get()
+        except TimeoutError:
+            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
+            item = state.queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Ends the request now (client gone); a no-op once it finished."""
+        self._batching_loop.cancel(self._state.seq_id)
