@@ -140,7 +140,8 @@ def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
     (response_format, guided_*) is refused: the reply cannot match both."""
     if parameters.HasField("constraint"):
         raise InvalidRequestError(
-            "tool_choice", "a forced tool call cannot be combined with response_format or guided_*"
+            "tool_choice",
+            "a forced tool call (or strict tools under auto) cannot be combined with response_format or guided_*",
         )
     kind, spec = constraint
     parameters.constraint.CopyFrom(
