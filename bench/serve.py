@@ -19,7 +19,8 @@ Models: `--backend cpu` the tiny model (`colibri make-tiny`); `--backend cuda` m
 Writes <out>/<name>.json (machine, device, config, every number) and .png; prints the ratio table:
     python bench/serve.py --backend cpu | --backend cuda --out out/serve
 `--workload prefix` runs bench/serve_prefix.py instead: shared-prefix, unshared and multi-turn traffic with
-prefix caching on against off.
+prefix caching on against off. `--workload constrained` runs bench/serve_constrained.py: JSON-schema-constrained
+clients against the same clients unconstrained.
 """
 
 from __future__ import annotations
@@ -432,13 +433,18 @@ def device_name(backend: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--workload" in argv:  # --workload prefix: bench/serve_prefix.py (caching on against off)
+    if "--workload" in argv:  # prefix: bench/serve_prefix.py; constrained: bench/serve_constrained.py
         at = argv.index("--workload")
-        if argv[at + 1 : at + 2] != ["prefix"]:
-            raise SystemExit("--workload: only 'prefix' (leave it out for the served-vs-engine benchmark)")
-        from bench.serve_prefix import main as prefix_main
-
-        return prefix_main(argv[:at] + argv[at + 2 :])
+        workload = argv[at + 1] if at + 1 < len(argv) else ""
+        if workload == "prefix":
+            from bench.serve_prefix import main as workload_main
+        elif workload == "constrained":
+            from bench.serve_constrained import main as workload_main
+        else:
+            raise SystemExit(
+                "--workload: only 'prefix' or 'constrained' (leave it out for the served-vs-engine benchmark)"
+            )
+        return workload_main(argv[:at] + argv[at + 2 :])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--shapes", default="mixtral-shape,qwen3moe-shape", help="cuda: bench/engine.py's shapes")

@@ -180,7 +180,7 @@ class Frontend:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
-        if options.tools is not None and options.tools.is_forced:
+        if options.tools is not None and options.tools.is_constrained:
             self.force_tool_call(parameters, options.tools)
         text = await self.render_chat(messages, options, field)
         if not text:
@@ -196,10 +196,13 @@ class Frontend:
             raise
 
     def force_tool_call(self, parameters: router_pb2.SamplingParameters, tools: ToolRequest) -> None:
-        """Constrains the reply to calls in the template's format (tool_choice required or named)."""
+        """Constrains the reply to calls in the template's format (tool_choice required or named), or with "auto"
+        and a strict tool to text or calls that match."""
         tokenizer = self.batching_loop.tokenizer
         marker = tokenizer.token_id(MISTRAL_MARKER) if tokenizer is not None else None
-        constraint = tool_call_constraint(list(tools.tools), tools.choice, tools.parallel, self.tool_format, marker)
+        constraint = tool_call_constraint(
+            list(tools.tools), tools.choice, tools.parallel, self.tool_format, marker, tools.strict, tools.strict_field
+        )
         if constraint is not None:
             attach_tool_constraint(parameters, constraint)
 

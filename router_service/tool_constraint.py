@@ -1,9 +1,14 @@
 """What `tool_choice: required` or a named function forces the reply to be, in the served template's format
 (router_service.tool_calls): a JSON schema (generic) or a Lark grammar for llguidance (hermes, mistral, whose
-calls sit between tags or after a marker token). `auto` and `none` force nothing.
+calls sit between tags or after a marker token). `none`, and `auto` without a strict tool, force nothing.
 
 Each call must be {"name": <an allowed tool>, "arguments": <that tool's parameters schema>}; `parallel` allows
 more than one. The reply then always parses as calls (tool_calls.ToolCallParser), whatever the model prefers.
+
+`auto` with a strict tool: the reply is free text, or text then calls, where a strict tool's arguments match its
+schema (any other tool's: any object). Text is whatever does not contain the call marker, so it can never start
+a call that escapes the grammar. The generic format cannot be constrained so: its call is a reply that is one
+JSON object, and text may be JSON too, so that case is refused.
 """
 
 from __future__ import annotations
@@ -16,17 +21,24 @@ from router_service import constraints
 JSON_SCHEMA, LARK = "json_schema", "lark"  # constraint kinds (the constraint engine's json_schema / grammar)
 
 
-def call_schema(tools: list[dict], choice: str) -> dict:
-    """The schema of one call: to the named tool, or to any of `tools` when `choice` is "required"."""
-    allowed = [t for t in tools if choice == "required" or t["name"] == choice]
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def call_schema(tools: list[dict], choice: str, strict: frozenset[str] | None = None) -> dict:
+    """The schema of one call: to the named tool, or to any of `tools` when `choice` is "required" or "auto".
+    With `strict` (auto), only those tools' arguments are held to their schema; the others' are any object."""
+    allowed = [t for t in tools if choice in ("required", "auto") or t["name"] == choice]
+
+    def arguments(t: dict) -> dict:
+        if strict is not None and t["name"] not in strict:
+            return {"type": "object"}
+        # a tool without parameters takes {} (OpenAI's reading), not any object
+        return t.get("parameters") or NO_PARAMETERS
+
     variants = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": t["name"]},
-                # a tool without parameters takes {} (OpenAI's reading), not any object
-                "arguments": t.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False},
-            },
+            "properties": {"name": {"const": t["name"]}, "arguments": arguments(t)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -36,13 +48,22 @@ def call_schema(tools: list[dict], choice: str) -> dict:
 
 
 def tool_call_constraint(
-    tools: list[dict], choice: str, parallel: bool, fmt: str, marker_token_id: int | None = None
+    tools: list[dict],
+    choice: str,
+    parallel: bool,
+    fmt: str,
+    marker_token_id: int | None = None,
+    strict: frozenset[str] = frozenset(),
+    strict_field: str = "tools",
 ) -> tuple[str, str] | None:
-    """(kind, spec) the reply must match for `choice` ("required" or a tool's name), None for "auto"/"none".
-    `tools`: OpenAI function dicts ({"name", "parameters", ...}); `marker_token_id`: the id of Mistral's
-    [TOOL_CALLS] special token (a grammar can only name a special token by id: its text is not its bytes)."""
-    if choice in ("auto", "none"):
+    """(kind, spec) the reply must match for `choice` ("required", a tool's name, or "auto" with `strict` tool
+    names), None for "none" and for "auto" without strict tools. `tools`: OpenAI function dicts ({"name",
+    "parameters", ...}); `marker_token_id`: the id of Mistral's [TOOL_CALLS] special token (a grammar can only
+    name a special token by id: its text is not its bytes); `strict_field`: where a refused strict flag was."""
+    if choice == "none" or (choice == "auto" and not strict):
         return None
+    if choice == "auto":
+        return _text_or_calls(tools, strict, parallel, fmt, marker_token_id, strict_field)
     call = call_schema(tools, choice)
     if fmt == "generic":
         calls = {"type": "array", "items": call, "minItems": 1}
@@ -61,12 +82,55 @@ def tool_call_constraint(
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return LARK, "\n".join([start, one, body])
     if fmt == "mistral":
-        if marker_token_id is None:
-            raise InvalidRequestError(
-                "tool_choice", "the model's tokenizer has no [TOOL_CALLS] token, which its chat template uses"
-            )
         more = ' ("," " "? body)*' if parallel else ""  # Mistral's templates write ", " between calls
-        return LARK, "\n".join([f'start: <[{marker_token_id}]> "[" body{more} "]"', body])
+        return LARK, "\n".join([f'start: {_marker(marker_token_id)} "[" body{more} "]"', body])
+    raise ValueError(f"unknown tool call format {fmt!r}")
+
+
+def _marker(marker_token_id: int | None) -> str:
+    if marker_token_id is None:
+        raise InvalidRequestError(
+            "tool_choice", "the model's tokenizer has no [TOOL_CALLS] token, which its chat template uses"
+        )
+    return f"<[{marker_token_id}]>"
+
+
+def _text_or_calls(
+    tools: list[dict], strict: frozenset[str], parallel: bool, fmt: str, marker_token_id: int | None, field: str
+) -> tuple[str, str]:
+    """tool_choice "auto" with strict tools: free text (none, or any not holding the call marker), or such text
+    then calls that match."""
+    if fmt == "generic":
+        raise InvalidRequestError(
+            field,
+            'true with tool_choice "auto" needs a hermes or mistral chat template: in the generic format a call '
+            "is a reply that is one JSON object, which text can be too; force the call or drop strict",
+        )
+    body = f"body: %json {json.dumps(call_schema(tools, 'auto', strict))}"
+    if fmt == "hermes":
+        # `open` is lazy: it ends at the first "<tool_call>\n", so the text before a call never holds the tag,
+        # and TEXT (greedy) may hold anything but the tag: a reply without a call.
+        more = ' ("\\n" call)*' if parallel else ""
+        return LARK, "\n".join(
+            [
+                f'start: TEXT? | open body "\\n</tool_call>"{more}',
+                'call: "<tool_call>\\n" body "\\n</tool_call>"',
+                "open[lazy]: /(.|\\n)*<tool_call>\\n/",
+                "TEXT: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",
+                body,
+            ]
+        )
+    if fmt == "mistral":
+        # The marker is a special token, named by id; text must not spell it out in bytes either, since the
+        # parser reads the decoded text, where the two look alike.
+        more = ' ("," " "? body)*' if parallel else ""
+        return LARK, "\n".join(
+            [
+                f'start: TEXT? | TEXT? {_marker(marker_token_id)} "[" body{more} "]"',
+                "TEXT: /(.|\\n)+/ & ~/(.|\\n)*\\[TOOL_CALLS\\](.|\\n)*/",
+                body,
+            ]
+        )
     raise ValueError(f"unknown tool call format {fmt!r}")
 
 
@@ -76,7 +140,8 @@ def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
     (response_format, guided_*) is refused: the reply cannot match both."""
     if parameters.HasField("constraint"):
         raise InvalidRequestError(
-            "tool_choice", "a forced tool call cannot be combined with response_format or guided_*"
+            "tool_choice",
+            "a forced tool call (or strict tools under auto) cannot be combined with response_format or guided_*",
         )
     kind, spec = constraint
     parameters.constraint.CopyFrom(

@@ -27,6 +27,8 @@ class ToolRequest:
     tools: tuple[dict, ...]  # function dicts: {"name", "description"?, "parameters"?}, as the caller sent them
     choice: str = "auto"  # "none", "auto", "required", or the name of the one function to call
     parallel: bool = True  # more than one call per reply
+    strict: frozenset[str] = frozenset()  # tools whose calls must match their parameters schema (strict: true)
+    strict_field: str = ""  # where the first strict flag was written, for errors ("tools[1].function.strict")
 
     @property
     def names(self) -> list[str]:
@@ -35,6 +37,11 @@ class ToolRequest:
     @property
     def is_forced(self) -> bool:
         return self.choice not in ("none", "auto")
+
+    @property
+    def is_constrained(self) -> bool:
+        """The reply is constrained: a forced call, or "auto" with a strict tool (text, or calls that match)."""
+        return self.is_forced or (self.choice == "auto" and bool(self.strict))
 
     def template_tools(self) -> list[dict] | None:
         """The `tools` variable of the chat template; None (no tools) with tool_choice "none"."""
@@ -71,7 +78,7 @@ def _function(value, where: str) -> dict:
     return out
 
 
-def _check(functions: list[dict], choice: str, parallel: bool, field: str) -> ToolRequest:
+def _check(functions: list[dict], choice: str, parallel: bool, field: str, strict_key: str) -> ToolRequest:
     names = [f["name"] for f in functions]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -80,17 +87,16 @@ def _check(functions: list[dict], choice: str, parallel: bool, field: str) -> To
         raise InvalidRequestError("tool_choice", f"names function {choice!r}, which is not among the tools")
     if choice == "required" and not functions:
         raise InvalidRequestError("tool_choice", '"required" needs tools')
-    if choice == "auto":
-        for i, f in enumerate(functions):
-            if f.get("strict"):
-                # Only a forced call is constrained; a free choice is not, so strict could not be kept.
-                raise InvalidRequestError(
-                    f"{field}[{i}].function.strict",
-                    'true is enforced only with tool_choice "required" or this function named',
-                )
+    strict = [i for i, f in enumerate(functions) if f.get("strict")]
     # The template sees what the model needs; strict is the API's flag.
     tools = tuple({k: v for k, v in f.items() if k != "strict"} for f in functions)
-    return ToolRequest(tools, choice, parallel)
+    return ToolRequest(
+        tools,
+        choice,
+        parallel,
+        frozenset(names[i] for i in strict),
+        f"{field}[{strict[0]}].{strict_key}" if strict else "",
+    )
 
 
 def from_openai(body: dict) -> ToolRequest | None:
@@ -129,7 +135,7 @@ def from_openai(body: dict) -> ToolRequest | None:
             raise InvalidRequestError("tool_choice.function.name", f"{choice!r} is reserved; rename the function")
     elif choice not in MODES:
         raise InvalidRequestError("tool_choice", '"none", "auto", "required" or {"type": "function", ...}')
-    return _check(functions, choice, True if parallel is None else parallel, "tools")
+    return _check(functions, choice, True if parallel is None else parallel, "tools", "function.strict")
 
 
 def from_pb(request) -> ToolRequest | None:
@@ -165,7 +171,7 @@ def from_pb(request) -> ToolRequest | None:
     if mode == "function_name" and choice in MODES:
         raise InvalidRequestError("tool_choice.function_name", f"{choice!r} is reserved; rename the function")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-    return _check(functions, choice, parallel, "tools")
+    return _check(functions, choice, parallel, "tools", "strict")
 
 
 # ---- messages ----

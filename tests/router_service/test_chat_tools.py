@@ -141,10 +141,7 @@ def test_grpc_messages_render_like_openai_ones():
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-            "tools[0].function.strict",
-        ),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
     ],
 )
 def test_bad_tools_name_the_field(body, field):
@@ -159,6 +156,11 @@ def test_strict_is_accepted_where_it_is_enforced():
     assert from_openai({"tools": strict, "tool_choice": "none"}).template_tools() is None
     named = from_openai({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}})
     assert named.choice == "now" and named.is_forced
+    # "auto" with a strict tool constrains the reply (text, or calls that match) without forcing a call
+    auto = from_openai({"tools": [{"type": "function", "function": {"name": "g"}}] + strict})
+    assert auto.choice == "auto" and not auto.is_forced and auto.is_constrained
+    assert auto.strict == {"f"} and auto.strict_field == "tools[1].function.strict"
+    assert not from_openai({"tools": TOOLS}).is_constrained
 
 
 @pytest.mark.parametrize(

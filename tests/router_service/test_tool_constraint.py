@@ -127,3 +127,85 @@ def test_auto_and_none_force_nothing_and_the_hook_sets_the_request_constraint():
     params = rpb.SamplingParameters()
     attach_tool_constraint(params, ("json_schema", "{}"))
     assert params.constraint.json_schema == "{}"
+
+
+# tool_choice "auto" with strict tools: text, or text then calls whose strict arguments match
+STRICT = frozenset({"get_weather"})
+
+
+def auto_grammar(fmt, ll_tokenizer, parallel=True):
+    tok, _ = ll_tokenizer
+    kind, grammar = tool_call_constraint(TOOLS, "auto", parallel, fmt, tok.token_to_id("[TOOL_CALLS]"), STRICT)
+    assert kind == "lark"
+    return grammar
+
+
+def reply_ids(ll_tokenizer, fmt, text, calls):
+    tok, ll_tok = ll_tokenizer
+    if not calls:
+        return ll_tok.tokenize_str(text)
+    if fmt == "mistral":
+        return ll_tok.tokenize_str(text) + [tok.token_to_id("[TOOL_CALLS]")] + ll_tok.tokenize_str(json.dumps(calls))
+    return ll_tok.tokenize_str(text + call_text(fmt, calls))
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+@pytest.mark.parametrize(
+    "text,calls,accepted",
+    [
+        ("", [], True),
+        ("It is sunny in Paris.", [], True),
+        ("Line one\nline two <tool_ and [1, 2]", [], True),
+        ('{"city": "Paris"}', [], True),  # JSON as text is text here
+        ("", [PARIS], True),
+        ("Let me check. ", [PARIS], True),
+        ("", [PARIS, ONE, {"name": "now", "arguments": {"anything": [1]}}], True),  # add, now: not strict
+        ("", [{"name": "get_weather", "arguments": {"city": 3}}], False),  # strict: breaks its schema
+        ("", [{"name": "get_weather", "arguments": {"city": "x", "wind": 1}}], False),
+        ("", [{"name": "get_weather", "arguments": {"days": 2}}], False),
+        ("", [{"name": "rm", "arguments": {}}], False),  # not a tool
+        ("", [{"name": "add", "arguments": []}], False),  # arguments: an object
+    ],
+)
+def test_auto_with_strict_tools_takes_text_or_calls_that_match(ll_tokenizer, fmt, text, calls, accepted):
+    _, ll_tok = ll_tokenizer
+    grammar = auto_grammar(fmt, ll_tokenizer)
+    assert accepts(ll_tok, grammar, reply_ids(ll_tokenizer, fmt, text, calls)) == accepted, (text, calls)
+    if accepted:
+        reply = text + (call_text(fmt, calls) if calls else "")
+        content, parsed = parse_tool_calls(reply, fmt, ["get_weather", "add", "now"])
+        assert [(c.name, json.loads(c.arguments)) for c in parsed] == [(c["name"], c["arguments"]) for c in calls]
+
+
+def test_auto_hermes_text_cannot_hold_a_call_that_escapes_the_grammar(ll_tokenizer):
+    _, ll_tok = ll_tokenizer
+    grammar = auto_grammar("hermes", ll_tokenizer)
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>'
+    for reply in ("Sure " + bad, "x <tool_call>\n" + call_text("hermes", [PARIS]), "a <tool_call> b", bad + " after"):
+        assert not accepts(ll_tok, grammar, ll_tok.tokenize_str(reply)), reply
+    # without parallel calls, one call only
+    one = auto_grammar("hermes", ll_tokenizer, parallel=False)
+    assert accepts(ll_tok, one, ll_tok.tokenize_str(call_text("hermes", [PARIS])))
+    assert not accepts(ll_tok, one, ll_tok.tokenize_str(call_text("hermes", [PARIS, ONE])))
+
+
+def test_auto_mistral_text_never_spells_the_marker(ll_tokenizer):
+    # The parser reads text, where the marker spelled out in bytes looks like the token: text must not hold it,
+    # or a call breaking the schema could pass as text and then parse.
+    _, ll_tok = ll_tokenizer
+    grammar = auto_grammar("mistral", ll_tokenizer)
+    spelled = "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": {"city": 3}}])
+    assert parse_tool_calls(spelled, "mistral", ["get_weather"])[1]  # what the parser would make of it
+    for reply in (spelled, "ok " + spelled, "[TOOL_CALLS]"):
+        assert not accepts(ll_tok, grammar, byte_ids(reply)), reply
+    assert accepts(ll_tok, grammar, byte_ids("[TOOL_CALL] is not the marker"))
+
+
+def test_auto_with_strict_tools_is_refused_in_the_generic_format_naming_the_flag():
+    with pytest.raises(InvalidRequestError) as e:
+        tool_call_constraint(TOOLS, "auto", True, "generic", None, STRICT, "tools[0].function.strict")
+    assert e.value.field == "tools[0].function.strict" and "hermes or mistral" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert tool_call_constraint(TOOLS, "auto", True, "generic") is None  # no strict tool: nothing forced
+    with pytest.raises(InvalidRequestError, match="TOOL_CALLS"):
+        tool_call_constraint(TOOLS, "auto", True, "mistral", None, STRICT)
