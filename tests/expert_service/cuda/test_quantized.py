@@ -130,6 +130,32 @@ def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch):
 Q8_MMA_OFF = CudaOptions(q8_mma_min_tokens=1 << 20)
 
 
+def prefill_routing(engine, token_ids) -> dict[int, np.ndarray]:
+    """The experts a prefill of token_ids sends each token to: {layer: sorted expert ids [n, K]} (the step's
+    trace; prompt_logits pads the prompt to the same bucket, so its layers see the same routing)."""
+    result = engine.step([PrefillInput(300, np.asarray(token_ids), SamplingParams(), True)])
+    engine.clear()
+    return {layer: np.sort(ids, axis=-1) for layer, ids in result.trace.expert_ids.items()}
+
+
+def comparable_rows(routes, other, num_layers: int) -> np.ndarray:
+    """Prompt positions whose logits two engines must agree on although a near-tie in a router sent a token to
+    different experts (Q8_MMA's bf16 roundings move router logits by ~5e-3; on the cpu backend the tiny mixtral
+    has a 64-token prompt with a layer-2 top-2 gap of 9e-3, and that one token's other expert moves the logits
+    by 0.12): a token routed differently in the last layer spoils only its own row, in an earlier layer every
+    row from it on (the later layers attend to it)."""
+    layers = sorted(routes)
+    assert layers and layers == sorted(other), "both engines trace every MoE layer"
+    assert (routes[layers[0]] == other[layers[0]]).all(), "the first MoE layer sees identical inputs"
+    n = routes[layers[0]].shape[0]
+    keep = np.ones(n, bool)
+    for layer in layers:
+        differ = np.flatnonzero((routes[layer] != other[layer]).any(axis=-1))
+        for p in differ:
+            keep[p if layer == num_layers - 1 else slice(p, None)] = False
+    return keep
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("variant", ["int8", "fp8-block128", "mixed-8bit"])
 def test_q8_mma_matches_the_simt_and_cublas_paths(tmp_path, family, variant):
@@ -140,10 +166,14 @@ def test_q8_mma_matches_the_simt_and_cublas_paths(tmp_path, family, variant):
     }
     moe = engines["q8_mma"].decoder.model.moe
     assert moe.q8_mma == (2, 64), "the tiny models' layers should take Q8_MMA from 2 tokens"
+    num_layers = ModelDir.open(model).config.num_hidden_layers
     for n in (2, 5, 33, 64):
         ids = random_prompt(90 + n, n)
         got, want = (engines[k].prompt_logits(ids) for k in ("q8_mma", "off"))
-        assert np.isfinite(got).all() and rel_error(got, want) <= TOLERANCE, f"{family}/{variant} n={n}"
+        keep = comparable_rows(*(prefill_routing(engines[k], ids) for k in ("q8_mma", "off")), num_layers)
+        assert keep.sum() >= n - 2, f"{family}/{variant} n={n}: {n - keep.sum()} rows routed apart (near-ties are rare)"
+        assert np.isfinite(got).all(), f"{family}/{variant} n={n}"
+        assert rel_error(got[keep], want[keep]) <= TOLERANCE, f"{family}/{variant} n={n}"
     prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40))]
     for p in prompts:
         assert engines["q8_mma"].generate(p, 8)[0] == engines["off"].generate(p, 8)[0], f"{family}/{variant}"

@@ -36,14 +36,22 @@ KINDS = [
 ]
 
 
-def q8_layer(rng, kinds, F, D):
+def block_gains(rows, cols):
+    """[rows, cols] factors, distinct per 128x128 block (1, 5, 25, .. along a row of blocks, x 3 down a column):
+    a kernel reading a neighbouring block's scale is off by 3x or more, far outside any rounding tolerance."""
+    return 3.0 ** (np.arange(rows) // 128)[:, None] * 5.0 ** (np.arange(cols) // 128)[None, :]
+
+
+def q8_layer(rng, kinds, F, D, gains=False):
     """uint8 [E, stride] blocks of random experts (4096-aligned stride, padding bytes 0xFF: fp8 NaN, so a stray
-    read shows), meta [E, 8]."""
+    read shows), meta [E, 8]; gains: each matrix times block_gains (block scales far apart)."""
     stride = -(-max(q.block_offsets(c, s, F, D)[6] for c, s in kinds) // 4096) * 4096
     blocks, metas = [], []
     for code, scheme in kinds:
         gate, up = (rng.standard_normal((F, D)).astype(np.float32) / np.sqrt(D) for _ in range(2))
         down = rng.standard_normal((D, F)).astype(np.float32) / np.sqrt(F)
+        if gains:
+            gate, up, down = (m * block_gains(*m.shape).astype(np.float32) for m in (gate, up, down))
         block, meta = q.pack_block(gate, up, down, code, scheme)
         padded = np.full(stride, 0xFF, np.uint8)
         padded[: block.size] = block
@@ -81,10 +89,10 @@ def run(x, ids, route_w, W, meta, F, D, cfg, residual):
     )
 
 
-def check(ids, kinds, F, D, cfg, seed):
+def check(ids, kinds, F, D, cfg, seed, gains=False):
     rng = np.random.default_rng(seed)
     n_tok, top_k = ids.shape
-    W, meta = q8_layer(rng, kinds, F, D)
+    W, meta = q8_layer(rng, kinds, F, D, gains)
     x = rng.standard_normal((n_tok, D)).astype(np.float32)
     route_w = rng.random((n_tok, top_k)).astype(np.float32) + 0.1
     residual = rng.standard_normal((n_tok, D)).astype(np.float32)
@@ -136,6 +144,17 @@ def test_sim_two_warps_along_m_bk64():
     # BM = 32 over two warps, BK = 64 (another swizzle of both tiles), F = 48: gate|up n tail
     ids = np.array([[0, 2], [2, 1], [2, 0], [2, 3], [1, 2], [2, 0], [3, 2], [0, 1], [2, 1]], np.int32)
     check(ids, KINDS[:4], 48, 64, SIM_CONFIG_2, seed=3)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator shapes")
+def test_sim_block_scales_across_bk64_steps():
+    # BK = 64 (as the m64 / m128 configs): two main-loop steps per 128-wide scale block, then a partial block
+    # ending mid-step (gate|up: D = 208 = 128 + 64 + 16; down: F = 144 = 128 + 16); output rows cross a
+    # scale-block row too (F = 144 gate/up rows, D = 208 down rows). Each 128x128 block has its own gain, so
+    # a step, n-tile or tail reading another block's scale is off by 3x or more.
+    ids = np.array([[0, 1], [1, 2], [2, 0], [1, 0], [2, 1], [0, 2], [1, 2]], np.int32)
+    kinds = [(q.CODE_FP8, q.SCALE_BLOCK), (q.CODE_FP8, q.SCALE_BLOCK), (q.CODE_INT8, q.SCALE_CHANNEL)]
+    check(ids, kinds, 144, 208, SIM_CONFIG_2, seed=4, gains=True)
 
 
 def test_rejects_bad_shapes():
