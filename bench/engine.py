@@ -272,8 +272,6 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
         out["roofline_fraction"][str(b)] = served_moved / HBM_BYTES_PER_S / served
     thread.shutdown()
     # which MoE strategy each timed step size took (Q8_MMA, Q8, GROUPED_MMA, per-expert cuBLAS, ...)
-    from bench.q8_mma import strategies
-
     out["moe_strategy"] = strategies(engine, sorted({*DECODE_BATCHES, *(b * n for b, n in PREFILL)}))
     # peak: the plan is allocated up front, but kernel modules, cuBLAS and graphs load as the work runs
     out["device_memory_gib_after_work"] = (device_used_bytes() - before) / 2**30
@@ -324,6 +322,15 @@ def expert_dtype_ratios(runs: dict) -> dict:
             }
         )
     return out
+
+
+def strategies(engine, sizes) -> dict[str, str]:
+    """The MoE strategy a step of each size takes on this engine, under its current options."""
+    from expert_service.cuda.moe import choose_strategy
+
+    moe, cfg = engine.decoder.model.moe, engine.decoder.config
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    return {str(T): choose_strategy(T, K, E, False, moe.bf16, moe.quantized, moe.q8_mma).value for T in sizes}
 
 
 def main() -> int:

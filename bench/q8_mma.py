@@ -46,16 +46,8 @@ VARIANTS = {
 LAYOUT = {"q8_mma_max_tokens": 64, "q8_mma_max_tokens_few_experts": 64}
 
 
-def strategies(engine, sizes) -> dict[str, str]:
-    """The MoE strategy a step of each size takes on this engine, under its current options."""
-    from expert_service.cuda.moe import choose_strategy
-
-    moe, cfg = engine.decoder.model.moe, engine.decoder.config
-    K, E = cfg.num_experts_per_tok, cfg.num_experts
-    return {str(T): choose_strategy(T, K, E, False, moe.bf16, moe.quantized, moe.q8_mma).value for T in sizes}
-
-
 def measure(engine, vocab: int, steps: int) -> dict:
+    from bench.engine import strategies
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
 

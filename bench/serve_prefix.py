@@ -33,7 +33,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.serve import (
+from bench.serve_clients import log, percentile
+from bench.serve_services import (
     REPO,
     ROUTER_READY,
     WORKER_READY,
@@ -45,7 +46,6 @@ from bench.serve import (
     wait_serving,
     worker_command,
 )
-from bench.serve_clients import log, percentile
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.serve import Process, free_port, wait_serving, worker_command  # noqa: E402
+from bench.serve_services import Process, free_port, wait_serving, worker_command  # noqa: E402
 from expert_service.kernels.jit_cache import CACHE_ENV  # noqa: E402
 from expert_service.serving.lifecycle import READINESS  # noqa: E402
 

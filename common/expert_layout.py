@@ -13,14 +13,26 @@ so none of them recomputes it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from common import dtypes, quant
 from common.errors import ModelFormatError
 
-if TYPE_CHECKING:
-    from common.model_format import ModelDir
+
+class ManifestView(Protocol):
+    """What read_expert_layout reads of a model directory (common.model_format.ModelDir)."""
+
+    @property
+    def entries(self) -> Mapping[str, Any]: ...
+
+    @property
+    def expert_strides(self) -> Mapping[int, int]: ...
+
+    @property
+    def version(self) -> int: ...
+
 
 EXPERT_ALIGN = 4096  # block start and stride: page-aligned, one copy per expert
 TENSOR_ALIGN = 256  # each tensor inside a version-2 block
@@ -108,7 +120,7 @@ def block_layout(
     return tuple(weight_offsets), tuple(scale_shapes), tuple(scale_offsets), end
 
 
-def read_expert_layout(model: ModelDir, layer: int, expert: int) -> ExpertLayout:
+def read_expert_layout(model: ManifestView, layer: int, expert: int) -> ExpertLayout:
     """The checked layout of one expert from the manifest's entries: one dtype for its three matrices, a
     float32 scale of a known scheme beside each 8-bit one, and every tensor where its version puts it."""
     prefix = f"layers.{layer}.experts.{expert}."

@@ -6,20 +6,25 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from router_service.constraints import GrammarMatcher
-from router_service.errors import DeadlineExceeded
+from router_service.errors import DeadlineExceeded, RouterError
 from router_service.logprobs import PromptLogprob, Top
 from router_service.scheduler import FinishReason
 from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from router_service.validation import ValidatedRequest
 
-if TYPE_CHECKING:
-    from router_service.batching_loop import BatchingLoop
+
+class _Loop(Protocol):
+    """What a handle asks of the batching loop that owns its request."""
+
+    def fail(self, seq_id: int, error: RouterError) -> None: ...
+
+    def cancel(self, seq_id: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class RequestState:
 class RequestHandle:
     """What submit returns: iterate it for Deltas; errors surface as RouterError."""
 
-    def __init__(self, batching_loop: BatchingLoop, state: RequestState):
+    def __init__(self, batching_loop: _Loop, state: RequestState):
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.num_prompt_tokens = len(state.req.prompt_ids)

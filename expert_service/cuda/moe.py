@@ -36,14 +36,13 @@ from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
-from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import Config, choose_config
 from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
-GROUPED_MAX_TOKENS = 64  # grouped kernels up to here; above, cuBLAS GEMMs per expert (a host break)
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
 # GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
 WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)

@@ -41,17 +41,10 @@ from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.moe_combine import launch_moe_combine
-from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
-
-
-def grouped_max_tokens() -> int:
-    """cuda/moe.py's threshold above which a cached step runs CACHED_CUBLAS (that module imports this one)."""
-    from expert_service.cuda.moe import GROUPED_MAX_TOKENS
-
-    return GROUPED_MAX_TOKENS
 
 
 class CachedExperts:
@@ -100,7 +93,7 @@ class CachedExperts:
         self.host_offsets = cuda.pinned_array(E + 1, np.int32)
         self.quantized = weights.quantized
         self.dense = self.one_expert = None  # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs
-        if self.quantized and T > grouped_max_tokens():
+        if self.quantized and T > GROUPED_MAX_TOKENS:
             F, D = cfg.moe_intermediate_size, cfg.hidden_size
             self.dense = cuda.device_array((1, 3 * F * D), weights.dtype, stream=st)
             self.one_expert = cuda.to_device(np.array([0, 1], np.int32), stream=st)  # dequant's offsets for one

@@ -25,7 +25,7 @@ from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
 from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
 from expert_service.engine.sampling import Sampler, SamplingParams
-from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, PrefillInput, StepTrace
 from expert_service.engine.token_masks import step_masks
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.routing_plan import routing_plan_recall
@@ -35,19 +35,6 @@ log = logging.getLogger("colibri.worker")
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillInput:
-    request_id: int
-    token_ids: np.ndarray  # prompt tokens of this chunk
-    sampling: SamplingParams | None  # set on a sequence's first chunk
-    is_last: bool  # the chunk ends the prompt: sample the first new token
-    # Prefix caching (the router's block ids, owned by the caller's stream): on a first chunk, the cached blocks
-    # the sequence starts with; then one id per block this chunk completes (0: not cached), registered after it.
-    prefix_block_ids: tuple[int, ...] = ()
-    cache_block_ids: tuple[int, ...] = ()
-    prefix_token_ids: tuple[int, ...] = ()  # a penalised sequence's cached prefix tokens (the penalty counts them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,15 +4,13 @@ completes registered under the router's ids (kv_cache.BlockAllocator keeps the i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from common.errors import InvalidRequestError
 from expert_service.engine.kv_cache import BlockAllocator
-
-if TYPE_CHECKING:
-    from expert_service.engine.engine import PrefillInput
+from expert_service.engine.step import PrefillInput
 
 
 class _Cached(Protocol):

@@ -17,9 +17,23 @@ import numpy as np
 
 from expert_service.engine.config import Backend
 from expert_service.engine.penalties import PenaltyBatch
+from expert_service.engine.sampling import SamplingParams
 from expert_service.engine.token_masks import apply_mask, masked_allowed
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInput:
+    request_id: int
+    token_ids: np.ndarray  # prompt tokens of this chunk
+    sampling: SamplingParams | None  # set on a sequence's first chunk
+    is_last: bool  # the chunk ends the prompt: sample the first new token
+    # Prefix caching (the router's block ids, owned by the caller's stream): on a first chunk, the cached blocks
+    # the sequence starts with; then one id per block this chunk completes (0: not cached), registered after it.
+    prefix_block_ids: tuple[int, ...] = ()
+    cache_block_ids: tuple[int, ...] = ()
+    prefix_token_ids: tuple[int, ...] = ()  # a penalised sequence's cached prefix tokens (the penalty counts them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ from numba.np import numpy_support
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, bf16_to_f32, loader, silu
 
+GROUPED_MAX_TOKENS = 64  # steps up to here run the grouped kernels; above, cuBLAS GEMMs per expert (a host break)
+
 # The simulator runs one Python thread per CUDA thread: it gets small tiles that still exercise every loop
 # (several row tiles, token tiles and input chunks on tiny shapes). The code path is identical.
 WARPS = 1 if SIMULATOR else 8
