@@ -401,10 +401,14 @@ class BatchingLoop:
                 if state.grammar_error:
                     raise GrammarError(state.grammar_error)
                 state.matcher.consume(out.token_id)
-            except GrammarError as e:  # the grammar outgrew llguidance's limits (LIMITS) mid-output: the client's
-                log.warning("constraint failed for request %s: %s", state.request_id, e)
-                at = f"after {state.num_generated} tokens"
-                self.fail(state.seq_id, InvalidRequestError("parameters.constraint", f"failed {at}: {e}"))
+            except GrammarError as e:
+                if e.outside_mask:
+                    log.error("constraint failed for request %s: %s", state.request_id, e)
+                    self.fail(state.seq_id, GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT"))
+                else:  # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
+                    log.warning("constraint failed for request %s: %s", state.request_id, e)
+                    at = f"after {state.num_generated} tokens"
+                    self.fail(state.seq_id, InvalidRequestError("parameters.constraint", f"failed {at}: {e}"))
                 return
             if reason is None and state.matcher.is_stopped:  # complete: the grammar allows nothing more
                 reason = FinishReason.CONSTRAINT

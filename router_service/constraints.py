@@ -138,6 +138,7 @@ class GrammarMatcher:
         self._matcher, self._words = matcher, words
         self._eos = np.asarray(eos_ids, np.int64)
         self._allow_eos = allow_eos
+        self._last: np.ndarray | None = None  # the last mask given out
 
     def mask(self) -> bytes:
         """The next token's mask: `words` uint32 little-endian, EOS allowed only where the grammar accepts (and
@@ -153,9 +154,15 @@ class GrammarMatcher:
             raise GrammarError(_one_line(self._matcher.get_error()))
         if not words.any():
             raise GrammarError("the grammar allows no next token")
+        self._last = words
         return words.tobytes()
 
     def consume(self, token_id: int) -> None:
+        """Raises GrammarError: `outside_mask` when the token was not allowed (the sampler's fault, not the
+        grammar's), else the grammar outgrew the parser's limits."""
+        last = self._last
+        if last is not None and not (0 <= token_id < 32 * last.size and last[token_id // 32] >> (token_id % 32) & 1):
+            raise GrammarError(f"token {token_id} was not allowed by the mask", outside_mask=True)
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} broke the grammar: {_one_line(self._matcher.get_error())}")
 
@@ -166,7 +173,12 @@ class GrammarMatcher:
 
 
 class GrammarError(Exception):
-    """The matcher failed mid-request (a bug, or a grammar past llguidance's limits): the request fails."""
+    """The matcher failed mid-request: a grammar past llguidance's limits (the client's), or a sampled token the
+    mask did not allow (`outside_mask`: a bug): the request fails."""
+
+    def __init__(self, message: str, outside_mask: bool = False):
+        super().__init__(message)
+        self.outside_mask = outside_mask
 
 
 class ConstraintCompiler:

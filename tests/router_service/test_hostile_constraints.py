@@ -10,8 +10,8 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2 as rpb
-from router_service.constraints import Constraint, ConstraintCompiler
-from tests.helpers import running_router, worker_kv_blocks_used
+from router_service.constraints import Constraint, ConstraintCompiler, GrammarError
+from tests.helpers import byte_ids, running_router, worker_kv_blocks_used
 
 # Empty and over-fuelled lexers: costly to build, each within the spec's byte limit.
 HEAVY_REGEX = "(a{1000}){1000}"
@@ -103,5 +103,34 @@ def test_a_self_referencing_schema_is_invalid_argument_and_frees_everything(work
                 assert e.value.details().startswith("parameters.constraint.json_schema")
             assert router.batching_loop.num_active == 0
             assert await worker_kv_blocks_used(router.worker) == 0
+
+    asyncio.run(body())
+
+
+def test_a_token_outside_the_mask_is_told_apart_from_a_grammar_past_its_limits(compiler):
+    """The first is the sampler's bug (an internal error), the second the client's grammar (INVALID_ARGUMENT)."""
+    (a,), (b,) = byte_ids("a"), byte_ids("b")
+    matcher = compiler.matcher(Constraint("regex", "a+"))
+    matcher.mask()
+    with pytest.raises(GrammarError) as e:
+        matcher.consume(b)
+    assert e.value.outside_mask
+    endless = compiler.matcher(Constraint("grammar", 'start: "a" start'))  # no finite output: Earley items pile up
+    endless.mask()
+    with pytest.raises(GrammarError) as e:
+        endless.consume(a)
+    assert not e.value.outside_mask and "broke the grammar" in str(e.value)
+
+
+def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_model):
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+            params = rpb.SamplingParameters(max_new_tokens=6, constraint=rpb.Constraint(grammar='start: "a" start'))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(rpb.GenerateRequest(text="x", parameters=params))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert e.value.details().startswith("parameters.constraint: failed after 0 tokens")
+            assert "\n" not in e.value.details()
+            assert router.batching_loop.num_active == 0
 
     asyncio.run(body())
