@@ -34,7 +34,7 @@ FIELD = "parameters.constraint"
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # llguidance's work bounds, below its defaults: a hostile regex or schema otherwise builds a lexer for a second or
 # more (`(a{1000}){1000}`: 1.1 s for its first mask). ~50k fuel/ms to build, ~14k/ms per step, 1-2 kB per state.
-LIMITS = {
+LIMITS: dict[str, Any] = {
     "initial_lexer_fuel": 200_000,
     "step_lexer_fuel": 50_000,
     "max_lexer_states": 20_000,
