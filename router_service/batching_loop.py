@@ -31,7 +31,7 @@ from common.tracing import (
 )
 from router_service import wire
 from router_service.config import RouterConfig
-from router_service.constraints import ConstraintCompiler, GrammarError, step_masks
+from router_service.constraints import ConstraintCompiler, GrammarError, GrammarMatcher, step_masks
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import prompt_logprobs
@@ -137,7 +137,11 @@ class BatchingLoop:
         return self._stream
 
     # ---- requests ----
-    def submit(self, req: ValidatedRequest, deadline: float | None = None, span_context=None) -> RequestHandle:
+    def submit(
+        self, req: ValidatedRequest, deadline: float | None = None, span_context=None, matcher=None
+    ) -> RequestHandle:
+        """`matcher`: req.constraint's, compiled by the caller off the event loop (`compile_constraint`); else
+        compiled here."""
         if self.is_draining:
             raise Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
         if not self.is_worker_ready or self.scheduler is None or self.limits is None:
@@ -163,7 +167,7 @@ class BatchingLoop:
             state.detokenizer = self.tokenizer.detokenizer(req.prompt_ids)
             state.stops = StopSequenceMatcher(req.stop_sequences)
         if req.constraint is not None:
-            state.matcher = self._constraint_compiler().matcher(req.constraint, req.ignore_eos)
+            state.matcher = matcher or self._constraint_compiler().matcher(req.constraint, req.ignore_eos)
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
         self.scheduler.add(
             ScheduledRequest(
@@ -186,6 +190,13 @@ class BatchingLoop:
         self._wake.set()
         return RequestHandle(self, state)
 
+    async def compile_constraint(self, req: ValidatedRequest) -> GrammarMatcher | None:
+        """req's grammar matcher, compiled on a thread: a new grammar's lexer may take a fraction of a second."""
+        if req.constraint is None:
+            return None
+        compiler = self._constraint_compiler()
+        return await asyncio.get_running_loop().run_in_executor(None, compiler.matcher, req.constraint, req.ignore_eos)
+
     def _constraint_compiler(self) -> ConstraintCompiler:
         if self.tokenizer is None or self.info is None or self.limits is None:
             raise InvalidRequestError("parameters.constraint", "constrained decoding needs the model's tokenizer")
@@ -198,10 +209,13 @@ class BatchingLoop:
     def cancel(self, seq_id: int) -> None:
         self._end(seq_id, None, "cancelled", FinishReason.CANCELLED)
 
-    def fail(self, seq_id: int, error: RouterError) -> None:
-        self._end(seq_id, error, error.code.name.lower(), FinishReason.ERROR)
+    def fail(self, seq_id: int, error: RouterError | InvalidRequestError) -> None:
+        outcome = error.code.name.lower() if isinstance(error, RouterError) else "invalid_argument"
+        self._end(seq_id, error, outcome, FinishReason.ERROR)
 
-    def _end(self, seq_id: int, error: RouterError | None, outcome: str, reason: FinishReason) -> None:
+    def _end(
+        self, seq_id: int, error: RouterError | InvalidRequestError | None, outcome: str, reason: FinishReason
+    ) -> None:
         state = self._requests.pop(seq_id, None)
         if state is None:
             return
@@ -388,8 +402,13 @@ class BatchingLoop:
                     raise GrammarError(state.grammar_error)
                 state.matcher.consume(out.token_id)
             except GrammarError as e:
-                log.error("constraint failed for request %s: %s", state.request_id, e)
-                self.fail(state.seq_id, GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT"))
+                if e.outside_mask:
+                    log.error("constraint failed for request %s: %s", state.request_id, e)
+                    self.fail(state.seq_id, GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT"))
+                else:  # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
+                    log.warning("constraint failed for request %s: %s", state.request_id, e)
+                    at = f"after {state.num_generated} tokens"
+                    self.fail(state.seq_id, InvalidRequestError("parameters.constraint", f"failed {at}: {e}"))
                 return
             if reason is None and state.matcher.is_stopped:  # complete: the grammar allows nothing more
                 reason = FinishReason.CONSTRAINT

@@ -32,6 +32,15 @@ CACHE_SIZE = 256  # compiled grammars kept (LRU)
 FIELD = "parameters.constraint"
 # JSON without free whitespace: a model that may emit whitespace between tokens can emit it forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# llguidance's work bounds, below its defaults: a hostile regex or schema otherwise builds a lexer for a second or
+# more (`(a{1000}){1000}`: 1.1 s for its first mask). ~50k fuel/ms to build, ~14k/ms per step, 1-2 kB per state.
+LIMITS: dict[str, Any] = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 50_000,
+    "max_lexer_states": 20_000,
+    "max_grammar_size": 200_000,
+    "verbose_errors": False,  # errors are one line for the client; they would otherwise quote the grammar
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,8 @@ class Constraint:
                 schema = json.loads(str(self.spec))
             except ValueError as e:
                 raise InvalidRequestError(f"{FIELD}.json_schema", f"is not valid JSON: {e}") from None
+            except RecursionError:  # 64 KiB of `[` is valid-looking JSON deeper than Python's parser goes
+                raise InvalidRequestError(f"{FIELD}.json_schema", "is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(f"{FIELD}.json_schema", "must be a JSON object (or true/false)")
             try:
@@ -81,6 +92,8 @@ class Constraint:
                 )
             except (ValueError, TypeError) as e:
                 raise InvalidRequestError(f"{FIELD}.json_schema", _one_line(str(e))) from None
+            except RecursionError:
+                raise InvalidRequestError(f"{FIELD}.json_schema", "is nested too deeply") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(str(self.spec))
         if self.kind == "choice":
@@ -125,6 +138,7 @@ class GrammarMatcher:
         self._matcher, self._words = matcher, words
         self._eos = np.asarray(eos_ids, np.int64)
         self._allow_eos = allow_eos
+        self._last: np.ndarray | None = None  # the last mask given out
 
     def mask(self) -> bytes:
         """The next token's mask: `words` uint32 little-endian, EOS allowed only where the grammar accepts (and
@@ -140,9 +154,15 @@ class GrammarMatcher:
             raise GrammarError(_one_line(self._matcher.get_error()))
         if not words.any():
             raise GrammarError("the grammar allows no next token")
+        self._last = words
         return words.tobytes()
 
     def consume(self, token_id: int) -> None:
+        """Raises GrammarError: `outside_mask` when the token was not allowed (the sampler's fault, not the
+        grammar's), else the grammar outgrew the parser's limits."""
+        last = self._last
+        if last is not None and not (0 <= token_id < 32 * last.size and last[token_id // 32] >> (token_id % 32) & 1):
+            raise GrammarError(f"token {token_id} was not allowed by the mask", outside_mask=True)
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} broke the grammar: {_one_line(self._matcher.get_error())}")
 
@@ -153,7 +173,12 @@ class GrammarMatcher:
 
 
 class GrammarError(Exception):
-    """The matcher failed mid-request (a bug, or a grammar past llguidance's limits): the request fails."""
+    """The matcher failed mid-request: a grammar past llguidance's limits (the client's), or a sampled token the
+    mask did not allow (`outside_mask`: a bug): the request fails."""
+
+    def __init__(self, message: str, outside_mask: bool = False):
+        super().__init__(message)
+        self.outside_mask = outside_mask
 
 
 class ConstraintCompiler:
@@ -175,7 +200,9 @@ class ConstraintCompiler:
         self.hits = self.misses = 0
 
     def matcher(self, constraint: Constraint, ignore_eos: bool = False) -> GrammarMatcher:
-        """A fresh matcher; raises InvalidRequestError (one line) for a constraint llguidance cannot compile."""
+        """A fresh matcher; raises InvalidRequestError (one line) for a constraint llguidance cannot compile.
+        A new constraint's lexer is built here (up to a fraction of a second within LIMITS): call it off the event
+        loop (`Frontend.submit` does; llguidance releases the GIL)."""
         with self._lock:
             template = self._cache.get(constraint)
             if template is not None:
@@ -191,13 +218,20 @@ class ConstraintCompiler:
         return GrammarMatcher(template.deep_copy(), self.words, self.eos_token_ids, not ignore_eos)
 
     def _compile(self, constraint: Constraint):
+        field = f"{FIELD}.{constraint.kind}"
         grammar = constraint.grammar()
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        limits = self._llg.LLParserLimits(**LIMITS)
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=limits)
         if is_error:
-            raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(messages[0]))
-        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            raise InvalidRequestError(field, _one_line(messages[0]))
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
+        # The first mask builds the lexer (the costly part, kept by every copy) and fails for a grammar that can
+        # match nothing (a schema that is only a $ref to itself): both belong to the compile, not to a step.
         if matcher.is_error():
-            raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(matcher.get_error()))
+            raise InvalidRequestError(field, _one_line(matcher.get_error()))
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise InvalidRequestError(field, f"no output can start: {_one_line(matcher.get_error())}")
         return matcher
 
 

@@ -124,7 +124,8 @@ class Frontend:
         )
         span = trace.get_current_span()
         set_request_attributes(span, self.model_name, req, stream, operation)
-        return self.batching_loop.submit(req, deadline, span.get_span_context())
+        matcher = await self.batching_loop.compile_constraint(req)
+        return self.batching_loop.submit(req, deadline, span.get_span_context(), matcher)
 
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
         """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child

@@ -230,7 +230,7 @@ class HttpFront:
                     frontend.batching_loop.generation_defaults,
                     limits.vocab_size if limits is not None else 0,
                 )
-                if parsed.n > 1 or len(parsed.prompts) > 1:
+                if parsed.best_of > 1 or len(parsed.prompts) > 1:  # best_of >= n
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
                     handle = await frontend.submit_chat(

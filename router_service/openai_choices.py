@@ -21,6 +21,7 @@ import time
 
 from aiohttp import web
 
+from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service.frontend import Completion, collect, set_usage
 from router_service.http_guard import abort, bounded
@@ -58,6 +59,7 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
         params.CopyFrom(parsed.parameters)
         params.logprobs = True
     prompts = parsed.prompts if parsed.kind == "completion" else [None]
+    _check_fits(server, parsed, len(prompts))
     try:
         for prompt in prompts:
             row: list = []
@@ -76,6 +78,25 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
         _cancel(handles)
         raise
     return handles
+
+
+def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:
+    """Admission reserves each sample's prompt + max_tokens blocks and is first come, first served: choices whose
+    outputs alone exceed the KV capacity could never run together, so the request would hold the queue's head
+    (every later request waiting behind it) for as long as its samples take one after another. Refused instead."""
+    samples = num_prompts * parsed.best_of
+    if samples == 1:
+        return  # a single choice is checked against the capacity with its prompt, as any request
+    capacity = server.frontend.check_ready().kv_capacity_tokens
+    max_tokens = parsed.parameters.max_new_tokens or server.config.default_max_new_tokens
+    if samples * max_tokens > capacity:
+        param = "best_of" if parsed.best_of > parsed.n else "n"
+        what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
+        raise InvalidRequestError(
+            param,
+            f"{what} x {parsed.max_tokens_name} {max_tokens} = {samples * max_tokens} tokens exceed the KV capacity "
+            f"({capacity} tokens): the choices could never run together; ask for fewer",
+        )
 
 
 def _cancel(handles) -> None:

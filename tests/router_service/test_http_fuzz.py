@@ -212,6 +212,16 @@ FIELDS = [
     "response_format",
     "truncate_prompt_tokens",
     "user",
+    "best_of",
+    "cache_salt",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
 ]
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", ""]) | JSON},

@@ -1,0 +1,136 @@
+"""Hostile constraints: schemas nested past Python's recursion limit, $refs that loop or point at themselves,
+and regexes whose lexer is costly to build are refused or bounded up front (INVALID_ARGUMENT naming the field, in
+one line), never a failure mid-request, an internal error, or a stall of the router's event loop."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2 as rpb
+from router_service.constraints import Constraint, ConstraintCompiler, GrammarError
+from tests.helpers import byte_ids, running_router, worker_kv_blocks_used
+
+# Empty and over-fuelled lexers: costly to build, each within the spec's byte limit.
+HEAVY_REGEX = "(a{1000}){1000}"
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_model):
+    return ConstraintCompiler((tiny_model / "tokenizer.json").read_text(), 259, [2])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"not":' * 5000 + "{}" + "}" * 5000,  # valid JSON, nested past the recursion limit
+        "[" * 30000,  # not even JSON, and just as deep
+    ],
+    ids=["deep-object", "deep-brackets"],
+)
+def test_a_schema_nested_past_the_recursion_limit_is_refused(compiler, spec):
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.matcher(Constraint("json_schema", spec))
+    assert e.value.field == "parameters.constraint.json_schema" and "\n" not in str(e.value)
+    assert "nested" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"anyOf": [{"$ref": "#"}]},
+    ],
+    ids=["self", "loop", "anyof-self"],
+)
+def test_a_ref_loop_that_matches_nothing_is_refused_at_submit(compiler, schema):
+    """Such a schema compiles, but its first mask fails: refused as the request's error, not mid-generation."""
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.matcher(Constraint.json_schema(schema))
+    assert e.value.field == "parameters.constraint.json_schema" and "\n" not in str(e.value)
+
+
+def test_a_recursive_schema_that_can_end_still_compiles(compiler):
+    linked = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}
+    matcher = compiler.matcher(Constraint.json_schema(linked))
+    assert matcher.mask()
+
+
+def test_a_costly_regex_is_compiled_off_the_event_loop(worker, tiny_model):
+    """The first mask of a huge lexer takes about a second to build: paid on a thread at submit (the
+    copies each request gets are then quick), so other requests' tokens keep flowing."""
+
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+            gaps: list[float] = []
+            done = asyncio.Event()
+
+            async def ticker():
+                last = time.perf_counter()
+                while not done.is_set():
+                    await asyncio.sleep(0.005)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            tick = asyncio.create_task(ticker())
+            params = rpb.SamplingParameters(max_new_tokens=3, constraint=rpb.Constraint(regex=HEAVY_REGEX))
+            try:  # built within the limits, or refused for passing them: never an internal error
+                answer = await stub.Generate(rpb.GenerateRequest(text="x", parameters=params))
+                assert answer.text == "aaa"
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+                assert e.details().startswith("parameters.constraint") and "\n" not in e.details()
+            done.set()
+            await tick
+            assert max(gaps) < 0.3, f"the event loop stalled {max(gaps):.2f} s"
+            assert router.batching_loop.num_active == 0
+
+    asyncio.run(body())
+
+
+def test_a_self_referencing_schema_is_invalid_argument_and_frees_everything(worker, tiny_model):
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+            for spec in ('{"$ref": "#"}', '{"not":' * 5000 + "{}" + "}" * 5000):
+                params = rpb.SamplingParameters(max_new_tokens=4, constraint=rpb.Constraint(json_schema=spec))
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(rpb.GenerateRequest(text="x", parameters=params))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert e.value.details().startswith("parameters.constraint.json_schema")
+            assert router.batching_loop.num_active == 0
+            assert await worker_kv_blocks_used(router.worker) == 0
+
+    asyncio.run(body())
+
+
+def test_a_token_outside_the_mask_is_told_apart_from_a_grammar_past_its_limits(compiler):
+    """The first is the sampler's bug (an internal error), the second the client's grammar (INVALID_ARGUMENT)."""
+    (a,), (b,) = byte_ids("a"), byte_ids("b")
+    matcher = compiler.matcher(Constraint("regex", "a+"))
+    matcher.mask()
+    with pytest.raises(GrammarError) as e:
+        matcher.consume(b)
+    assert e.value.outside_mask
+    endless = compiler.matcher(Constraint("grammar", 'start: "a" start'))  # no finite output: Earley items pile up
+    endless.mask()
+    with pytest.raises(GrammarError) as e:
+        endless.consume(a)
+    assert not e.value.outside_mask and "broke the grammar" in str(e.value)
+
+
+def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_model):
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
+            params = rpb.SamplingParameters(max_new_tokens=6, constraint=rpb.Constraint(grammar='start: "a" start'))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(rpb.GenerateRequest(text="x", parameters=params))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert e.value.details().startswith("parameters.constraint: failed after 0 tokens")
+            assert "\n" not in e.value.details()
+            assert router.batching_loop.num_active == 0
+
+    asyncio.run(body())
