@@ -155,5 +155,6 @@ def test_the_openai_client_parse_helper_gets_a_valid_pydantic_object(default_wor
             with pytest.raises(openai.BadRequestError) as e:
                 await client.completions.create(model=router.frontend.model_name, prompt="x", extra_body=both)
             assert e.value.param == "guided_choice"
+            await client.close()  # left to the garbage collector, its close runs on a later test's event loop
 
     asyncio.run(body())

@@ -220,6 +220,7 @@ def test_langchain_bind_tools(tmp_path):
         async with scripted(tmp_path, GENERIC) as (client, _):
             llm = ChatOpenAI(base_url=str(client.base_url), api_key="x", model="fake", max_retries=0)
             message = await llm.bind_tools([get_weather, now]).ainvoke("Weather in Paris?")
+            await llm.root_async_client.close()  # else its close runs, on garbage collection, on a later test's loop
             assert [(c["name"], c["args"]) for c in message.tool_calls] == WANT_CALLS
             assert all(c["id"].startswith("call_") for c in message.tool_calls)
 
