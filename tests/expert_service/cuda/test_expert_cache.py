@@ -115,13 +115,14 @@ def test_adversarial_plans_cannot_corrupt_weights(family_model):
         assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
 
 
-@pytest.mark.serial
-def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
+def check_no_allocations_during_cached_steps(model, monkeypatch):
+    """Warms an engine with a 2-slot cache and plan + lookahead prefetch up, then runs prompts and decodes with
+    `memalloc` watched: no device allocation and no change in free device memory. Returns the engine."""
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
 
     engine = build_engine(
-        family_model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
+        model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
     )
     plan = dict(engine.decoder.memory_plan())
     assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0
@@ -141,6 +142,12 @@ def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
     monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
     steps(10)
     assert calls == [], f"{len(calls)} device allocations during cached steps"
-    assert 4 in engine.decoder.graphs
     assert drv.cuMemGetInfo()[1] == free_before
+    return engine
+
+
+@pytest.mark.serial
+def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
+    engine = check_no_allocations_during_cached_steps(family_model, monkeypatch)
+    assert 4 in engine.decoder.graphs
     engine.decoder.close()

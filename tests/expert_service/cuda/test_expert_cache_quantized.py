@@ -12,13 +12,9 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.backends import build_engine
 from expert_service.cuda.decoder import GRAPH_BUCKETS
-from expert_service.engine.config import EngineConfig
-from expert_service.engine.engine import PrefillInput
-from expert_service.engine.sampling import SamplingParams
 from expert_service.experts.cache import CacheStats
-from tests.expert_service.cuda.test_expert_cache import LONG_PROMPTS
+from tests.expert_service.cuda.test_expert_cache import LONG_PROMPTS, check_no_allocations_during_cached_steps
 from tests.expert_service.cuda.test_quantized import TOLERANCE, quantized_model
 from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
@@ -105,30 +101,5 @@ def test_prefetch_changes_only_counters(model):
 
 @pytest.mark.serial
 def test_no_device_allocations_during_cached_quantized_steps(tmp_path, monkeypatch):
-    from cuda.bindings import driver as drv
-    from numba.cuda.cudadrv import driver
-
     model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed"))
-    engine = build_engine(
-        model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
-    )
-    plan = dict(engine.decoder.memory_plan())
-    assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0
-
-    def steps(first_id):
-        ids = [first_id + j for j in range(len(LONG_PROMPTS))]
-        engine.step([PrefillInput(r, p, SamplingParams(), True) for r, p in zip(ids, LONG_PROMPTS)])
-        for _ in range(3):
-            engine.step(decode_ids=ids)
-        engine.clear()
-
-    engine.decoder.warmup()
-    steps(0)
-    free_before = drv.cuMemGetInfo()[1]
-    calls = []
-    original = driver.Context.memalloc
-    monkeypatch.setattr(driver.Context, "memalloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
-    steps(10)
-    assert calls == [], f"{len(calls)} device allocations during cached steps"
-    assert drv.cuMemGetInfo()[1] == free_before
-    engine.decoder.close()
+    check_no_allocations_during_cached_steps(model, monkeypatch).decoder.close()
