@@ -137,6 +137,7 @@ class GrammarMatcher:
     def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], allow_eos: bool):
         self._matcher, self._words = matcher, words
         self._eos = np.asarray(eos_ids, np.int64)
+        self._eos_set = frozenset(eos_ids)
         self._allow_eos = allow_eos
         self._last: np.ndarray | None = None  # the last mask given out
 
@@ -163,6 +164,8 @@ class GrammarMatcher:
         last = self._last
         if last is not None and not (0 <= token_id < 32 * last.size and last[token_id // 32] >> (token_id % 32) & 1):
             raise GrammarError(f"token {token_id} was not allowed by the mask", outside_mask=True)
+        if token_id in self._eos_set:  # llguidance knows one EOS id (the first); any EOS ends the output alike
+            token_id = int(self._eos[0])
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} broke the grammar: {_one_line(self._matcher.get_error())}")
 
@@ -190,9 +193,10 @@ class ConstraintCompiler:
 
         self._llg = llguidance
         self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos_token_ids) or None
-        )
+        # One EOS id for llguidance (releases before 1.9 take no list); GrammarMatcher.fill sets or clears every
+        # EOS id's bit itself.
+        first_eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=first_eos)
         self.words = -(-vocab_size // 32)
         self._cache: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
         self._cache_size = cache_size
