@@ -266,7 +266,7 @@ class HttpFront:
                     e,
                     kind,
                     handle.request_id if handle else request_id,
-                    parsed.max_tokens_name if parsed else "max_tokens",
+                    parsed,
                 )
                 reason = e.reason if isinstance(e, errors.RouterError) else None
                 span.set_attribute(semconv.ERROR_TYPE, reason or error.code or error.type)
@@ -354,7 +354,7 @@ class HttpFront:
             except ConnectionError:
                 raise
             except Exception as e:  # the status line is sent: the error travels as an event
-                await event(api_error(e, kind, handle.request_id, parsed.max_tokens_name).body())
+                await event(api_error(e, kind, handle.request_id, parsed).body())
             await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
             await bounded(request, resp.write_eof(), timeout_s)
         except ConnectionError:  # the client went away or stopped reading (aborted): the caller cancels the request

@@ -86,13 +86,14 @@ class ApiError(Exception):
 
 
 def api_error(
-    exc: BaseException, kind: str = "completion", request_id: str = "", max_tokens_name: str = "max_tokens"
+    exc: BaseException, kind: str = "completion", request_id: str = "", parsed: ParsedRequest | None = None
 ) -> ApiError:
-    """The OpenAI error for anything a request raised (unexpected exceptions are logged, their text hidden)."""
+    """The OpenAI error for anything a request raised (unexpected exceptions are logged, their text hidden);
+    `parsed` names the request's own fields (max_tokens or max_completion_tokens, where a constraint came from)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        param = openai_param(exc.field, kind, max_tokens_name)
+        param = openai_param(exc.field, kind, parsed)
         message = f"{param}: {detail(exc)}" if param else str(exc)
         too_long = "max_sequence_length (" in message or "KV capacity (" in message
         code = "context_length_exceeded" if too_long else None
@@ -108,13 +109,16 @@ def api_error(
     return ApiError(http, status.details, kind_name, None, "invalid_api_key" if http == 401 else reason, headers)
 
 
-def openai_param(field_name: str, kind: str, max_tokens_name: str = "max_tokens") -> str:
-    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays."""
+def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None) -> str:
+    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays; `parameters.constraint...` -> the
+    field the constraint came from (`response_format.json_schema.schema`, `guided_regex`, `tools`, ...)."""
     if field_name.startswith("parameters."):
         rest = field_name[len("parameters.") :]
         base, bracket, index = rest.partition("[")
+        if base.split(".")[0] == "constraint" and parsed is not None:
+            return parsed.constraint_name
         name = PARAM_NAMES.get(base, base)
-        name = max_tokens_name if name == "max_tokens" else name
+        name = parsed.max_tokens_name if parsed is not None and name == "max_tokens" else name
         name = "logprobs" if name == "top_logprobs" and kind == "completion" else name
         return name + (bracket + index if bracket else "")
     if field_name.startswith(("text", "token_ids", "prompt")):
@@ -140,6 +144,7 @@ class ParsedRequest:
     messages: list = field(default_factory=list)  # chat
     chat_options: ChatOptions = ChatOptions()
     max_tokens_name: str = "max_tokens"
+    constraint_name: str = "constraint"  # the request field a constraint came from (its 400s name it)
 
 
 def _get(body: dict, name: str, types, default=None, what: str = ""):
@@ -257,11 +262,11 @@ def parse_request(
     if seed is not None:
         params.seed = seed % (1 << 64)
     try:
-        constraint = request_constraint(body)
+        requested = request_constraint(body)
     except ConstraintFieldError as e:
         raise ApiError(400, str(e), param=e.param) from None
-    if constraint is not None:
-        params.constraint.CopyFrom(constraints.to_pb(constraint))
+    if requested is not None:
+        params.constraint.CopyFrom(constraints.to_pb(requested[1]))
     parsed = ParsedRequest(
         kind,
         params,
@@ -269,6 +274,8 @@ def parse_request(
         include_usage,
         max_tokens_name=max_tokens_name,
         prompt_logprobs=prompt_logprobs is not None,
+        # a tool grammar built by the router: its compile errors are the tools' ones
+        constraint_name=requested[0] if requested else "tools",
     )
     parsed.cache_salt = _get(body, "cache_salt", str, "", "a string")
     parsed.n = parsed.best_of = _int(body, "n", 1, low=1, high=MAX_CHOICES)

@@ -212,7 +212,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
         except ConnectionError:
             raise
         except Exception as e:  # the status line is sent: the error travels as an event
-            await event(api_error(e, kind, echo, parsed.max_tokens_name).body())
+            await event(api_error(e, kind, echo, parsed).body())
         await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
         await bounded(request, resp.write_eof(), timeout_s)
     except ConnectionError:  # the client went away or stopped reading: the caller cancels the requests

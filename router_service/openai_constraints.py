@@ -23,24 +23,34 @@ class ConstraintFieldError(ValueError):
         self.param = param
 
 
-def request_constraint(body: dict) -> Constraint | None:
-    """The one constraint `body` asks for (None: plain text)."""
+def request_constraint(body: dict) -> tuple[str, Constraint] | None:
+    """The one constraint `body` asks for and the request field that holds it (the `param` of a 400 when the
+    grammar engine refuses it later); None: plain text."""
     found: list[tuple[str, Constraint]] = []
     response_format = body.get("response_format")
     if response_format is not None:
         constraint = _response_format(response_format)
         if constraint is not None:
-            found.append(("response_format", constraint))
+            found.append((_response_format_param(response_format), constraint))
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
             found.append((name, _of_kind(name, kind, body[name])))
     structured = body.get("structured_outputs")
     if structured is not None:
-        found.append(("structured_outputs", _structured(structured)))
+        found.append((_structured_param(structured), _structured(structured)))
     if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise ConstraintFieldError(found[1][0], f"one constraint per request, got {names}")
-    return found[0][1] if found else None
+        names = ", ".join(name.split(".")[0] for name, _ in found)
+        raise ConstraintFieldError(found[1][0].split(".")[0], f"one constraint per request, got {names}")
+    return found[0] if found else None
+
+
+def _response_format_param(value: dict) -> str:
+    return "response_format.json_schema.schema" if value.get("type") == "json_schema" else "response_format"
+
+
+def _structured_param(value: dict) -> str:
+    given = [k for k in STRUCTURED_KEYS if value.get(k) not in (None, False)]
+    return f"structured_outputs.{given[0]}"
 
 
 def _checked(param: str, make) -> Constraint:

@@ -320,3 +320,27 @@ def test_the_openai_client_gets_logit_bias_and_min_p_honoured(worker, tiny_model
             assert e.value.param == "logit_bias[100000]" and "token id" in e.value.message, e.value
 
     asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_a_constraint_the_grammar_engine_refuses_is_a_400_naming_the_clients_field(worker, tiny_model, tmp_path):
+    """The refusal comes from compiling the grammar, after the body was read: it names the field the client
+    wrote, not the gRPC one the router translated it into."""
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            messages = [{"role": "user", "content": "Hi"}]
+            schema_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+            for kwargs, param in [
+                ({"response_format": schema_format}, "response_format.json_schema.schema"),
+                ({"extra_body": {"guided_json": {"type": "foo"}}}, "guided_json"),
+                ({"extra_body": {"guided_regex": "(a"}}, "guided_regex"),
+                ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs.regex"),
+            ]:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(model="model", messages=messages, max_tokens=4, **kwargs)
+                message = e.value.body["message"]
+                assert e.value.param == param and message.startswith(param + ": "), e.value
+                assert "\n" not in message
+
+    asyncio.run(body())
