@@ -224,6 +224,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             server_version=_version(),
             generation_config=self._generation_config(),
             prefix_caching=self.batching_loop.prefix_caching,
+            expert_dtypes=list(info.expert_dtypes),
         )
 
     def _generation_config(self) -> struct_pb2.Struct:

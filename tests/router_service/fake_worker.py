@@ -75,6 +75,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             backend="cpu",
             routing="exact",
             model_name="fake",
+            expert_dtypes=["float8_e4m3fn/block128", "int8"],  # a mixed 8-bit model: the router passes them on
         )
 
     async def Health(self, request, context):
