@@ -182,22 +182,24 @@ class PrefixCache:
             block = self._by_id.get(block_id)
             if ok or block is None:  # fine, or evicted meanwhile (an unreferenced block, then id unused)
                 continue
-            if self.blocks.get(block.hash) is block:
-                del self.blocks[block.hash]
-                self._lru.pop(block.hash, None)
+            self._detach(block)
             if block.refs == 0:
                 self._drop(block)
                 returned += 1
         return returned
 
-    def release(self, state: PrefixState) -> int:
+    def release(self, state: PrefixState, failed: bool = False) -> int:
         """The request left: its references drop (deepest block first, so a prefix outlives its tails), its
-        claims go back. Returns the blocks to give back to the free pool now (detached ones it held last)."""
+        claims go back. failed: its sequence failed on the worker, so the blocks it registers in steps still in
+        flight will not be written: they are detached now. Returns the blocks to give back to the free pool
+        now (detached ones it held last)."""
         returned = 0
         for block_id in reversed(state.held_ids):
             block = self._by_id.get(block_id)
             if block is None:
                 continue
+            if failed and block_id in self._unsettled and block_id not in state.hit_ids:
+                self._detach(block)
             block.refs -= 1
             if block.refs:
                 continue
@@ -217,6 +219,12 @@ class PrefixCache:
     def take_evictions(self) -> tuple[int, ...]:
         out, self.pending_evictions = tuple(self.pending_evictions), []
         return out
+
+    def _detach(self, block: _Block) -> None:
+        """Takes a block out of the index (no new hits); it stays counted until no request holds it."""
+        if self.blocks.get(block.hash) is block:
+            del self.blocks[block.hash]
+            self._lru.pop(block.hash, None)
 
     def _drop(self, block: _Block) -> None:
         """Forgets a block no request holds; the next step evicts its id on the worker."""

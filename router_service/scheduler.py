@@ -232,7 +232,8 @@ class Scheduler:
         elif req.status is Status.RUNNING:
             self.running.remove(req)
         # plus detached cached blocks (failed registrations) it held last
-        returned = self.prefix_cache.release(req.prefix) if self.prefix_cache and req.prefix else 0
+        failed = reason is FinishReason.ERROR
+        returned = self.prefix_cache.release(req.prefix, failed) if self.prefix_cache and req.prefix else 0
         self.num_free_blocks += req.num_blocks + returned
         req.num_blocks = 0
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
@@ -274,6 +275,8 @@ class Scheduler:
         expired = [s.request_id for s in self.waiting if s.queue_deadline <= now]
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
+        if self.prefix_cache is not None:
+            self.prefix_cache.begin_step()  # before any chunk: blocks this step writes are ready from the next
         budget = self.limits.max_batch_tokens
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
@@ -296,8 +299,6 @@ class Scheduler:
                 req.num_pending_outputs += 1
                 budget -= 1
         cache, deferred = self.prefix_cache, []
-        if cache is not None:
-            cache.begin_step()
         while self.waiting and budget > 0 and len(scheduled) < self.limits.max_batch_size:
             req = self.waiting[0]
             hits = cache.lookup(req.prefix, req.num_prompt_tokens) if cache and req.prefix else 0
