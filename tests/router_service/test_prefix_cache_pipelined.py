@@ -10,7 +10,7 @@ import random
 import pytest
 
 from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest
-from tests.router_service.test_prefix_cache import BLOCK, WorkerModel, _answers, _check, make
+from tests.router_service.test_prefix_cache import WorkerModel, _answers, _check, make
 
 
 class PipelinedWorker(WorkerModel):
