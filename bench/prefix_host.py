@@ -149,13 +149,17 @@ def traffic(caching: bool, shared: bool, args) -> dict:
             start = time.perf_counter()
             while len(in_flight) < 2:
                 step = scheduler.schedule()
+                if step.is_empty and not step.free_ids and not step.evict_block_ids:
+                    break
+                in_flight.append(step)  # frees and evictions go out even with nothing to run, as the loop does
                 if step.is_empty:
                     break
-                in_flight.append(step)
             router_s += time.perf_counter() - start
+            if not in_flight:
+                break
             step = in_flight.popleft()
             worker.run(step)
-            steps += 1
+            steps += not step.is_empty
             outputs = []
             for chunk in step.prefill_chunks:
                 computed += len(chunk.token_ids)
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args(argv)
     costs = host_costs(args.system_tokens + args.user_tokens, args.max_batch_tokens, args.reps)

@@ -52,7 +52,7 @@ class PrefixState:
     claimed: set[int] = field(default_factory=set)  # block indices it will compute for the cache
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     block_id: int
     hash: bytes
