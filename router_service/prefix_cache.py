@@ -193,12 +193,12 @@ class PrefixCache:
         claims go back. failed: its sequence failed on the worker, so the blocks it registers in steps still in
         flight will not be written: they are detached now. Returns the blocks to give back to the free pool
         now (detached ones it held last)."""
-        returned = 0
+        returned, hits = 0, set(state.hit_ids) if failed else set()
         for block_id in reversed(state.held_ids):
             block = self._by_id.get(block_id)
             if block is None:
                 continue
-            if failed and block_id in self._unsettled and block_id not in state.hit_ids:
+            if failed and block_id in self._unsettled and block_id not in hits:  # its own, not yet written
                 self._detach(block)
             block.refs -= 1
             if block.refs:

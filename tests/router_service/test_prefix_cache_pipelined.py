@@ -32,7 +32,10 @@ class PipelinedWorker(WorkerModel):
     def run(self, step, rng, error_rate=0.0) -> list[RequestOutput]:
         def runnable(rid, chunk=None) -> bool:
             if chunk is not None and chunk.is_first:
-                return not self.refused_ids.intersection(chunk.prefix_block_ids)
+                missing = {b for b in chunk.prefix_block_ids if (0, b) not in self.pool.cached}
+                # the router offers only registered blocks, or ones a refused step was to register
+                assert missing <= self.refused_ids, f"sequence {rid} starts on unregistered blocks {missing}"
+                return not missing
             return rid in self.cached
 
         chunks = [c for c in step.prefill_chunks if runnable(c.request_id, c)]
@@ -180,3 +183,26 @@ def test_a_refused_registration_fails_only_the_requests_already_on_it():
     worker.run(step, rng)
     _check(s, worker)
     assert s.num_used_blocks == s.limits.blocks_for(3 + 3)  # 3 alone holds blocks
+
+
+def test_a_failed_request_does_not_offer_the_blocks_its_later_steps_were_to_write():
+    s, worker, rng = make(blocks=64, max_batch_tokens=2), PipelinedWorker(64), random.Random(0)
+    system = list(range(1, 9))  # 2 blocks
+    s.add(ScheduledRequest(1, system + [50], 1))
+    while s.requests:  # cached: 1's system prompt blocks
+        step = s.schedule()
+        s.update(step, worker.run(step, rng))
+    s.add(ScheduledRequest(2, system + [60, 61, 62, 63, 64, 65], 2))
+    first = s.schedule()  # tokens 8-9: completes no block
+    second = s.schedule()  # tokens 10-11 complete block 2: registered by a step behind a doomed one
+    assert not any(first.prefill_chunks[0].cache_block_ids) and any(second.prefill_chunks[0].cache_block_ids)
+    worker.refuse(first)
+    s.refused(first)
+    s.finish(2, FinishReason.ERROR)
+    s.add(ScheduledRequest(3, system + [60, 61, 62, 63, 70], 2))
+    third = s.schedule()
+    s.update(second, worker.run(second, rng))  # the worker never knew 2: block 2 is not registered
+    chunk = next(c for c in third.prefill_chunks if c.request_id == 3)
+    assert len(chunk.prefix_block_ids) == 2  # computes block 2 itself instead of starting on it
+    s.update(third, worker.run(third, rng))
+    _check(s, worker)
