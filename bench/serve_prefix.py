@@ -26,10 +26,12 @@ import asyncio
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -91,7 +93,14 @@ def _summary(results: list[dict], started: float, prompt_tokens: int) -> dict:
     }
 
 
-async def _workloads(target: str, args, vocab: int, seed: int) -> dict[str, list]:
+def _prefill_steps(metrics_port: int) -> float:
+    """Steps with prompt chunks the router has sent so far (its step-duration histogram's count)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    pattern = r'^colibri_step_duration_seconds_count\{[^}]*kind="prefill"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+async def _workloads(target: str, args, vocab: int, seed: int, metrics_port: int) -> dict[str, list]:
     rng = np.random.default_rng(seed)
 
     def fresh(n: int) -> list[int]:
@@ -108,10 +117,11 @@ async def _workloads(target: str, args, vocab: int, seed: int) -> dict[str, list
                     (system if name == "shared" else fresh(args.system_tokens)) + fresh(args.user_tokens)
                     for _ in range(args.clients)
                 ]
-                started = time.perf_counter()
+                steps, started = _prefill_steps(metrics_port), time.perf_counter()
                 results = await asyncio.gather(*(_request(s, p, args.new_tokens) for s, p in zip(stubs, prompts)))
-                if r:
-                    out[name].append(_summary(results, started, sum(map(len, prompts))))
+                if r:  # prefill steps: with a shared system prompt, ideally its own step and one for every turn
+                    summary = _summary(results, started, sum(map(len, prompts)))
+                    out[name].append(summary | {"prefill_steps": _prefill_steps(metrics_port) - steps})
 
             async def conversation(stub) -> list[dict]:
                 prompt, turns = fresh(args.system_tokens // 2) + fresh(args.user_tokens), []
@@ -156,14 +166,14 @@ def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
         # a discarded pass first (the worker's first minutes run slower: lazy compiles, allocator growth), then
         # ABBA: a drift in the machine's load cancels out
         for index, caching in enumerate(("false", "true", "false", "false", "true")):
-            port = free_port()
-            cmd = router_command(model_dir, cfg, worker_port, port, free_port(), 2) + ["--prefix-caching", caching]
+            port, metrics_port = free_port(), free_port()
+            cmd = router_command(model_dir, cfg, worker_port, port, metrics_port, 2) + ["--prefix-caching", caching]
             router = Process(f"router (prefix caching {caching})", cmd, logs / f"router-{caching}.log", token)
             try:
                 wait_serving(f"127.0.0.1:{port}", router, 120, ROUTER_READY)
                 log(f"  prefix caching {caching}: measuring")
                 measured = asyncio.run(
-                    _workloads(f"127.0.0.1:{port}", args, vocab, seed=1)
+                    _workloads(f"127.0.0.1:{port}", args, vocab, seed=1, metrics_port=metrics_port)
                 )  # the same prompts each time
                 if index:
                     passes["on" if caching == "true" else "off"].append(measured)
@@ -241,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"tok/s {on['throughput_tok_s']:8.1f} / {off['throughput_tok_s']:8.1f}, "
                     f"cached share {on['cached_prompt_share']:.2f} (on / off)"
                 )
+            steps = (entry["on"]["shared"]["prefill_steps"], entry["off"]["shared"]["prefill_steps"])
+            print(f"  shared: prefill steps a round {steps[0]:.0f} / {steps[1]:.0f} (on / off)")
             print(
                 f"  shared: a cached share of at most {entry['shared_cached_share_bound']:.3f} (see shared_share_bound)"
             )
