@@ -231,7 +231,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        # plus detached cached blocks (failed registrations) it held last
+        # failed: blocks its steps in flight were to register will not be written. returned: detached cached
+        # blocks (failed registrations) it held last.
         failed = reason is FinishReason.ERROR
         returned = self.prefix_cache.release(req.prefix, failed) if self.prefix_cache and req.prefix else 0
         self.num_free_blocks += req.num_blocks + returned
