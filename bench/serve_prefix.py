@@ -10,6 +10,8 @@ prefix repeats):
 3. multiturn: C conversations (8) of T turns (4) replayed concurrently; turn t's prompt is turn t-1's prompt, its
    answer and a new U-token user turn, so each turn's prefix is the conversation so far.
 Throughput: tokens generated in a round / (its last token - its start); TTFT: request start to first token.
+Cached share: prompt tokens served from the cache / prompt tokens; in the shared workload at most
+(N-1)/N x S/(S+U) (0.909 on cuda, 0.882 on cpu), since the first request of a round computes its new system prompt.
 After a discarded warm-up pass, each setting is measured twice, in the order on, off, off, on; the numbers are medians over the rounds of both
 passes (on a loaded machine a round can take several times the others).
 
@@ -24,10 +26,12 @@ import asyncio
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -89,7 +93,14 @@ def _summary(results: list[dict], started: float, prompt_tokens: int) -> dict:
     }
 
 
-async def _workloads(target: str, args, vocab: int, seed: int) -> dict[str, list]:
+def _prefill_steps(metrics_port: int) -> float:
+    """Steps with prompt chunks the router has sent so far (its step-duration histogram's count)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    pattern = r'^colibri_step_duration_seconds_count\{[^}]*kind="prefill"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+async def _workloads(target: str, args, vocab: int, seed: int, metrics_port: int) -> dict[str, list]:
     rng = np.random.default_rng(seed)
 
     def fresh(n: int) -> list[int]:
@@ -106,10 +117,11 @@ async def _workloads(target: str, args, vocab: int, seed: int) -> dict[str, list
                     (system if name == "shared" else fresh(args.system_tokens)) + fresh(args.user_tokens)
                     for _ in range(args.clients)
                 ]
-                started = time.perf_counter()
+                steps, started = _prefill_steps(metrics_port), time.perf_counter()
                 results = await asyncio.gather(*(_request(s, p, args.new_tokens) for s, p in zip(stubs, prompts)))
-                if r:
-                    out[name].append(_summary(results, started, sum(map(len, prompts))))
+                if r:  # prefill steps: with a shared system prompt, ideally its own step and one for every turn
+                    summary = _summary(results, started, sum(map(len, prompts)))
+                    out[name].append(summary | {"prefill_steps": _prefill_steps(metrics_port) - steps})
 
             async def conversation(stub) -> list[dict]:
                 prompt, turns = fresh(args.system_tokens // 2) + fresh(args.user_tokens), []
@@ -154,14 +166,14 @@ def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
         # a discarded pass first (the worker's first minutes run slower: lazy compiles, allocator growth), then
         # ABBA: a drift in the machine's load cancels out
         for index, caching in enumerate(("false", "true", "false", "false", "true")):
-            port = free_port()
-            cmd = router_command(model_dir, cfg, worker_port, port, free_port(), 2) + ["--prefix-caching", caching]
+            port, metrics_port = free_port(), free_port()
+            cmd = router_command(model_dir, cfg, worker_port, port, metrics_port, 2) + ["--prefix-caching", caching]
             router = Process(f"router (prefix caching {caching})", cmd, logs / f"router-{caching}.log", token)
             try:
                 wait_serving(f"127.0.0.1:{port}", router, 120, ROUTER_READY)
                 log(f"  prefix caching {caching}: measuring")
                 measured = asyncio.run(
-                    _workloads(f"127.0.0.1:{port}", args, vocab, seed=1)
+                    _workloads(f"127.0.0.1:{port}", args, vocab, seed=1, metrics_port=metrics_port)
                 )  # the same prompts each time
                 if index:
                     passes["on" if caching == "true" else "off"].append(measured)
@@ -175,6 +187,13 @@ def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
         out[key] = {name: _median([r for run in runs for r in run[name]]) for name in runs[0]}
     out["config"] = cfg
     return out
+
+
+def shared_share_bound(args) -> float:
+    """The most of the shared workload's prompt tokens the cache can serve: each round's system prompt is new,
+    so one request per round computes it and the others start on its full blocks (not on their own turns)."""
+    shared = args.system_tokens // KV_BLOCK * KV_BLOCK
+    return (args.clients - 1) * shared / (args.clients * (args.system_tokens + args.user_tokens))
 
 
 def ratios(entry: dict) -> dict:
@@ -218,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{model_name}: prefix caching on and off (logs in {logs})")
             entry = measure(model_dir, args, logs, vocab)
             entry["ratios"] = ratios(entry)
+            entry["shared_cached_share_bound"] = shared_share_bound(args)
             results["models"][model_name] = entry
             path.write_text(json.dumps(results, indent=1))
             print(f"\n{model_name} ({device})")
@@ -231,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"tok/s {on['throughput_tok_s']:8.1f} / {off['throughput_tok_s']:8.1f}, "
                     f"cached share {on['cached_prompt_share']:.2f} (on / off)"
                 )
+            steps = (entry["on"]["shared"]["prefill_steps"], entry["off"]["shared"]["prefill_steps"])
+            print(f"  shared: prefill steps a round {steps[0]:.0f} / {steps[1]:.0f} (on / off)")
+            print(
+                f"  shared: a cached share of at most {entry['shared_cached_share_bound']:.3f} (see shared_share_bound)"
+            )
     except BaseException:
         log(f"failed: the service logs are in {workdir}")
         raise

@@ -45,6 +45,10 @@ from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
+# A burst of arrivals (clients sharing a system prompt) joins one pipelined step: while a step runs on the worker,
+# the next is scheduled once submits pause this long, or this long after the burst began (see _await_arrivals).
+ARRIVAL_QUIET_S = 0.001
+ARRIVAL_WINDOW_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class BatchingLoop:
         self._receiving: asyncio.Future | None = None
         self._step_ids = itertools.count(1)
         self._last_result_at = 0.0
+        self._last_submit_at = self._burst_started_at = 0.0
         self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
@@ -185,6 +190,9 @@ class BatchingLoop:
             )
         )
         self._requests[seq_id] = state
+        if now - self._last_submit_at > ARRIVAL_QUIET_S:
+            self._burst_started_at = now
+        self._last_submit_at = now
         self.hooks.on_admitted(state)
         self._idle.clear()
         self._wake.set()
@@ -288,8 +296,27 @@ class BatchingLoop:
             return
         self._apply(self._in_flight.popleft(), response)
 
+    async def _await_arrivals(self) -> None:
+        """While a step runs on the worker and requests are arriving, wait for the burst to pause (at most
+        ARRIVAL_WINDOW_S after it began, and never past the running step's answer) before scheduling the next
+        step. Requests arriving after a step is scheduled wait for the one after it: without this, 16 clients
+        arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
+        step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter."""
+        if self._receiving is None:
+            self._receiving = asyncio.ensure_future(self._open_stream.receive())
+        while not self._receiving.done():
+            now = time.monotonic()
+            quiet_at = self._last_submit_at + ARRIVAL_QUIET_S
+            if now >= quiet_at or now >= self._burst_started_at + ARRIVAL_WINDOW_S:
+                return
+            await asyncio.wait(
+                {self._receiving}, timeout=min(quiet_at, self._burst_started_at + ARRIVAL_WINDOW_S) - now
+            )
+
     async def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self._depth:
+            if self._in_flight:
+                await self._await_arrivals()
             step = self._ready_scheduler.schedule(time.monotonic())
             for seq_id in step.expired_ids:
                 self.fail(

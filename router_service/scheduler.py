@@ -18,9 +18,10 @@ request (grammar masks) is sent a decode only once its previous token is back: i
 
 With prefix caching (router_service/prefix_cache.py) a request is admitted on the blocks of its prompt already
 cached: it reserves only the rest, starts its prefill after them (its first chunk names them), and chunks
-register the full blocks they complete; a request whose next block a running one is computing waits for it
-(skipped, keeping its place). Cached blocks no request holds are evicted, least recently used first, only when
-an admission needs their room; the step carries the evictions.
+register the full blocks they complete, which later steps may start other requests on at once (the worker runs
+steps in order); a request whose next block a running one is computing waits for it (skipped, keeping its
+place) and starts on it in the step after the one writing it. Cached blocks no request holds are evicted,
+least recently used first, only when an admission needs their room; the step carries the evictions.
 
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
@@ -230,8 +231,11 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        in_transit = self.prefix_cache.release(req.prefix) if self.prefix_cache and req.prefix else 0
-        self.num_free_blocks += req.num_blocks - in_transit  # blocks in transit return when their step settles
+        # failed: blocks its steps in flight were to register will not be written. returned: detached cached
+        # blocks (failed registrations) it held last.
+        failed = reason is FinishReason.ERROR
+        returned = self.prefix_cache.release(req.prefix, failed) if self.prefix_cache and req.prefix else 0
+        self.num_free_blocks += req.num_blocks + returned
         req.num_blocks = 0
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
         if req.is_on_worker:
@@ -272,6 +276,8 @@ class Scheduler:
         expired = [s.request_id for s in self.waiting if s.queue_deadline <= now]
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
+        if self.prefix_cache is not None:
+            self.prefix_cache.begin_step()  # before any chunk: blocks this step writes are ready from the next
         budget = self.limits.max_batch_tokens
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
@@ -336,6 +342,8 @@ class Scheduler:
         scheduled[req.request_id] = n
         is_last = start + n == req.num_prompt_tokens
         is_first, prefix = not req.is_on_worker, req.prefix
+        cache_ids = self.prefix_cache.chunk_block_ids(prefix, start, n) if self.prefix_cache and prefix else ()
+        req.num_blocks -= sum(1 for block_id in cache_ids if block_id)  # moved from its reservation to the index
         chunks.append(
             Chunk(
                 req.request_id,
@@ -345,9 +353,7 @@ class Scheduler:
                 sampling=req.sampling if is_first else None,
                 prefix_block_ids=tuple(prefix.hit_ids) if is_first and prefix else (),
                 prefix_token_ids=tuple(req.prompt_ids[:start]) if is_first and prefix and req.penalized else (),
-                cache_block_ids=(
-                    self.prefix_cache.chunk_block_ids(prefix, start, n) if self.prefix_cache and prefix else ()
-                ),
+                cache_block_ids=cache_ids,
             )
         )
         req.num_scheduled_tokens += n
@@ -400,7 +406,7 @@ class Scheduler:
         self._settle(step, {})
 
     def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput]) -> None:
-        """Blocks the step's chunks registered count as cached when their sequence ran unharmed."""
+        """Blocks the step's chunks registered stay cached when their sequence ran unharmed."""
         if self.prefix_cache is None:
             return
         for chunk in step.prefill_chunks:
@@ -408,11 +414,7 @@ class Scheduler:
                 continue
             gen = by_id.get(chunk.request_id)
             ok = gen is not None and not gen.error
-            moved, returned = self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
-            req = self.requests.get(chunk.request_id)
-            if req is not None:
-                req.num_blocks -= moved
-            self.num_free_blocks += returned
+            self.num_free_blocks += self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
 
     @staticmethod
     def _stop_reason(req: ScheduledRequest, token_id: int) -> FinishReason | None:

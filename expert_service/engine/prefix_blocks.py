@@ -38,6 +38,7 @@ def cache_registrations(
     lengths are those before the step."""
     block_size = allocator.block_size
     out: list[tuple[int, int, tuple[int, int]]] = []
+    taken: set[tuple[int, int]] = set()  # this step's keys: a set, a 2,048-token chunk completes 128 blocks
     for chunk in prefill:
         if not chunk.cache_block_ids or chunk.request_id not in sequences:
             continue
@@ -52,10 +53,11 @@ def cache_registrations(
             if not block_id:
                 continue
             key = (owner, block_id)
-            if key in allocator.cached or any(key == k for _, _, k in out):
+            if key in allocator.cached or key in taken:
                 raise InvalidRequestError(
                     "cache_block_ids", f"sequence {chunk.request_id}: block id {block_id} is taken"
                 )
+            taken.add(key)
             out.append((chunk.request_id, index, key))
     return out
 

@@ -114,3 +114,36 @@ def test_a_draining_worker_refusal_is_unavailable_to_the_client():
             assert len(rest) == 29
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
+    """Requests arriving while a step runs on the worker wait for the burst to pause, then all join the next step
+    (without the wait, the next step is scheduled at once and the burst spills into the one after)."""
+    from router_service import batching_loop
+
+    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.05 if coalesce else 0.0)
+    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 0.5)
+
+    async def main():
+        fake = FakeWorker(step_delay=1.0)  # the first step runs long enough for the whole burst to arrive
+        async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
+            loop, new_per_step = router.batching_loop, []
+            send = loop._send
+
+            async def recording_send(step):
+                new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
+                await send(step)
+
+            loop._send = recording_send
+            calls = [asyncio.ensure_future(stub.Generate(ids_request([7, 8, 9], max_new_tokens=2)))]
+            await wait_for(lambda: new_per_step)
+            for i in range(5):  # 10 ms apart: inside the quiet period, far inside the first step
+                await asyncio.sleep(0.01)
+                calls.append(asyncio.ensure_future(stub.Generate(ids_request([10 + i, 11], max_new_tokens=2))))
+            await asyncio.gather(*calls)
+        return new_per_step
+
+    new_per_step = asyncio.run(main())
+    # step 2 (the first one's decode) is scheduled while step 1 runs: with the burst, or before it
+    assert new_per_step[:2] == ([1, 5] if coalesce else [1, 0])

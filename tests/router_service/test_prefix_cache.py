@@ -59,9 +59,8 @@ class WorkerModel:
 
 def _check(s: Scheduler, worker: WorkerModel) -> None:
     cache = s.prefix_cache
-    in_transit = sum(1 for r in cache._registering.values() if r.owner is None)
     reserved = sum(r.num_blocks for r in s.running)
-    total = s.num_free_blocks + reserved + cache.num_cached_blocks + in_transit
+    total = s.num_free_blocks + reserved + cache.num_cached_blocks
     assert total == s.limits.num_kv_blocks
     assert s.num_free_blocks >= 0
     # every block the router offers is on the worker (the worker may hold more: registrations in flight)
