@@ -184,6 +184,7 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
     sh_busy = cuda.shared.array(MAX_SLOTS, np.int32)  # the wave using the slot, -1: none
     counts = cuda.shared.array(3, np.int32)  # hits, prefetches used, misses
     now = tick[0]
+    first = ids[tid] if tid < ids.shape[0] else -1  # loaded with the state: a dependent global round trip fewer
     _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_mark, sh_expert, sh_stamp, sh_pref)
     for s in range(tid, n_slots, nthreads):
         sh_busy[s] = -1
@@ -195,10 +196,12 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
     if tid < 3:
         counts[tid] = 0
     cuda.syncthreads()
-    for i in range(tid, ids.shape[0], nthreads):
+    if first >= 0 and first < n_exp:
+        sh_mark[first] = 1  # duplicates store the same value
+    for i in range(tid + nthreads, ids.shape[0], nthreads):
         e = ids[i]
         if e >= 0 and e < n_exp:
-            sh_mark[e] = 1  # duplicates store the same value
+            sh_mark[e] = 1
     cuda.syncthreads()
     for e in range(tid, n_exp, nthreads):  # hits, all in wave 0
         if sh_mark[e] == 0:

@@ -3,6 +3,11 @@ steps of random routing and predictions; plus the invariants checked directly on
 needed expert is computed in exactly one wave from a slot that holds it at that time (no copy of the running
 wave, or a later one, ever overwrites it), a wave's slots are distinct, and no more waves than the union needs."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -172,7 +177,8 @@ def test_largest_layer_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "E,S,T,K", [(128, 32, 1, 8), (128, 32, 16, 8), (128, 96, 64, 8), (256, 64, 4, 8), (60, 45, 8, 6), (1024, 300, 64, 8)]
+    "E,S,T,K",
+    [(128, 32, 1, 8), (128, 32, 16, 8), (128, 96, 64, 8), (256, 64, 4, 8), (60, 45, 8, 6), (1024, 300, 64, 8)],
 )
 def test_block_of_many_warps_matches_reference_on_gpu(E, S, T, K):
     """The GPU's block is 256 threads (8 warps; the simulator's is one): same decisions over many steps."""
@@ -281,3 +287,24 @@ def test_launchers_refuse_layers_over_the_shared_arrays(E, S):
         dev.demand([0])
     with pytest.raises(ValueError, match="slots per layer"):
         dev.prefetch([0], [1])
+
+
+PTX_PROBE = """
+from numba import cuda
+from expert_service.kernels import expert_slot_map as m
+for fn, sig in m.sm90_signatures():
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    print(fn.__name__, "local" if ("ld.local" in ptx or "st.local" in ptx) else "no-local")
+"""
+
+
+def test_sm90_plans_use_no_local_memory():
+    """The plans' state lives in shared memory and registers: a per-thread array spilled to local memory would
+    bring back a global-latency load per access (compiled for sm_90 outside the simulator, no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", PTX_PROBE], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(done.stdout.split()) == sorted(
+        ["_advance_tick_kernel", "no-local", "_plan_demand_kernel", "no-local", "_plan_prefetch_kernel", "no-local"]
+    )
