@@ -185,6 +185,7 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
     counts = cuda.shared.array(3, np.int32)  # hits, prefetches used, misses
     now = tick[0]
     first = ids[tid] if tid < ids.shape[0] else -1  # loaded with the state: a dependent global round trip fewer
+    totals = stats[tid] if tid < 4 else 0  # likewise the running counts (thread i adds to stats[i] at the end)
     _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_mark, sh_expert, sh_stamp, sh_pref)
     for s in range(tid, n_slots, nthreads):
         sh_busy[s] = -1
@@ -219,7 +220,7 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
             sh_pref[s] = 0
             cuda.atomic.add(counts, 1, 1)
     cuda.syncthreads()
-    missed = 0
+    missed = 0  # warp 0's lanes all count (thread MISSES reports it)
     if tid < WARP and counts[2] > 0:  # warp 0: the misses in expert order
         in_wave = counts[0]
         w = 0
@@ -251,10 +252,12 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
                 in_wave += 1
     cuda.syncthreads()
     _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref)
-    if tid == 0:
-        stats[HITS] += counts[0]
-        stats[MISSES] += missed
-        stats[PREFETCHES_USED] += counts[1]
+    if tid == HITS:
+        stats[HITS] = totals + counts[0]
+    elif tid == MISSES:
+        stats[MISSES] = totals + missed
+    elif tid == PREFETCHES_USED:
+        stats[PREFETCHES_USED] = totals + counts[1]
 
 
 @cached_jit
@@ -275,6 +278,7 @@ def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefe
     sh_pref = cuda.shared.array(MAX_SLOTS, np.int32)
     n_voted = cuda.shared.array(1, np.int32)
     now = tick[0]
+    issued = stats[PREFETCHES_ISSUED] if tid == 0 else 0  # loaded with the state, added to at the end
     _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, votes, sh_expert, sh_stamp, sh_pref)
     if tid == 0:
         n_voted[0] = 0
@@ -320,7 +324,7 @@ def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefe
     _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref)
     if tid == 0:
         pf_count[0] = count
-        stats[PREFETCHES_ISSUED] += count
+        stats[PREFETCHES_ISSUED] = issued + count
 
 
 def _check(name, a, dtype, ndim):
