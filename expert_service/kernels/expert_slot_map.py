@@ -27,8 +27,8 @@ one takes an empty slot, else the least recently used slot not protected this st
 the copies, pf_expert[:c], pf_slot[:c], c = pf_count[0].
 
 Cost: each plan is one block of THREADS threads, run once per MoE layer per step, so its latency is on the step's
-critical path. A single thread doing this on global memory paid a dependent global load (hundreds of cycles) per
-expert and per slot visited: tens of microseconds a layer on the H200. Here the block loads the layer's state
+critical path. A single thread doing this on global memory waited out a dependent global load (hundreds of
+cycles) per expert and per slot visited, hundreds to thousands a layer. Here the block loads the layer's state
 into shared memory in parallel, clears the outputs with coalesced stores, marks the ids and takes the hits in
 parallel (distinct residents sit in distinct slots: no conflicts; counts by shared atomics), and writes the state
 back in parallel. Only the order-dependent part is sequential, run by warp 0 on shared memory: the misses in
