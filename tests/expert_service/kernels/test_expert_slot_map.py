@@ -308,3 +308,25 @@ def test_sm90_plans_use_no_local_memory():
     assert sorted(done.stdout.split()) == sorted(
         ["_advance_tick_kernel", "no-local", "_plan_demand_kernel", "no-local", "_plan_prefetch_kernel", "no-local"]
     )
+
+
+def test_empty_and_out_of_range_inputs_write_every_output():
+    """No routed id (or only ids outside [0, E)) and no prediction: every wave row cleared, counts zero, state
+    unchanged; then a step over the same garbage-initialised outputs plans normally."""
+    E, S = 40, 33
+    dev, ref = DeviceLayer(E, S, 2), SlotMapState.empty(E, S)
+    launch_advance_tick(dev.tick)
+    assert dev.prefetch(np.zeros(0, np.int32), [-1, E, 99]) == []
+    assert int(dev.pf_count.copy_to_host()[0]) == 0
+    wave_map, fetches = dev.demand([-1, E, -5])
+    assert (wave_map == -1).all() and fetches == [[], []]
+    assert_same(dev.host_state(), ref)
+    wave_map, fetches = dev.demand(np.zeros(0, np.int32))
+    assert (wave_map == -1).all() and fetches == [[], []]
+    launch_advance_tick(dev.tick)
+    ids = np.arange(E, dtype=np.int32)[::-1].copy()
+    wave_map, fetches = dev.demand(ids)
+    ref_map, ref_fetches = plan_demand(ref, ids, 2, 2)
+    np.testing.assert_array_equal(wave_map, ref_map)
+    assert [len(f) for f in fetches] == [33, 7]
+    assert_same(dev.host_state(), ref)
