@@ -27,6 +27,7 @@ from expert_service.kernels.expert_slot_map import (
     POLICY_LRU,
     PREFETCHES_ISSUED,
     PREFETCHES_USED,
+    check_layer_size,
     launch_advance_tick,
     launch_plan_demand,
     launch_plan_prefetch,
@@ -55,6 +56,7 @@ class DeviceSlots:
         self.moe_layers, self.policy = list(moe_layers), DEVICE_POLICIES[policy]
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         L, E, S = len(self.moe_layers), cfg.num_experts, slots_per_layer
+        check_layer_size(E, S)  # at start-up, not at the first step's plan
         self.num_experts, self.slots_per_layer = E, S
         # whole blocks at the layer's stride, as the experts file holds them: any expert dtype copies unchanged
         self.block_bytes = [weights.model.expert_strides[layer] for layer in self.moe_layers]

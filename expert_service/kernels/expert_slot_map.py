@@ -2,15 +2,14 @@
 from the step's own routing, so a cached step needs no readback, no host decision and no synchronisation (and
 replays as a CUDA graph). Reference: ``expert_service.experts.slot_map_reference`` (same decisions, in numpy).
 
-One thread does the integer logic (a few hundred to a few thousand steps: microseconds, against the
-milliseconds of the copies it decides); grid = block = 1. Per layer, all int32 unless said:
+Per layer, all int32 unless said:
   slot_of [E]       slot holding expert e, -1: not resident
   expert_in [S]     expert held by slot s, -1: empty
   stamp [S]         the step (tick) that last used or predicted the slot: the LRU order, and `stamp == tick` marks
                     the slots a prediction of this step protects
   prefetched [S]    1: filled by a prefetch not yet hit
-  busy [S]          scratch: the wave that uses the slot this step (-1: none)
-  mark [E]          scratch: needed experts (demand) / votes (prefetch)
+  busy [S], mark [E] scratch of the launchers' interface, no longer read or written (the kernels keep theirs in
+                    shared memory)
   stats [4] int64   running counts: hits, misses, prefetches issued, prefetches used
   tick [1]          the step counter (launch_advance_tick bumps it once per step, before any plan)
 
@@ -26,6 +25,20 @@ launch_plan_prefetch: predicted ids (two lists, -1 ignored; e.g. the routing pla
 voted per expert, most votes first (ties: lower id). A resident prediction is protected (stamp = tick); a missing
 one takes an empty slot, else the least recently used slot not protected this step, until none is left. Output:
 the copies, pf_expert[:c], pf_slot[:c], c = pf_count[0].
+
+Cost: each plan is one block of THREADS threads, run once per MoE layer per step, so its latency is on the step's
+critical path. A single thread doing this on global memory waited out a dependent global load (hundreds of
+cycles) per expert and per slot visited, hundreds to thousands a layer. Here the block loads the layer's state
+into shared memory in parallel, clears the outputs with coalesced stores, marks the ids and takes the hits in
+parallel (distinct residents sit in distinct slots: no conflicts; counts by shared atomics), and writes the state
+back in parallel. Only the order-dependent part is sequential, run by warp 0 on shared memory: the misses in
+expert order (a ballot per 32 experts visits only the missing ones) and the predictions in rank order (each
+voted expert's rank, votes desc then id asc, computed in parallel over the voted ones). Lane l owns slots
+s = l mod 32: a victim search is one pass of each lane over its slots and a shuffle argmin over the key
+(empty first, oldest stamp, lower slot), and the owner lane applies the fill, so only slot_of crosses lanes
+(a warp barrier per prediction). Shared arrays have compile-time sizes: layers over MAX_EXPERTS experts or
+MAX_SLOTS slots are refused by the launchers (and by DeviceSlots at start-up) with a one-line error.
+Under the simulator the block is one warp and the warp primitives are shared-memory twins.
 """
 from __future__ import annotations
 
@@ -33,28 +46,86 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, WARP
 
 HITS, MISSES, PREFETCHES_ISSUED, PREFETCHES_USED = range(4)
 POLICY_LRU = 0  # the only device policy so far; the argument keeps the hook for frequency-aware ones
+MAX_EXPERTS = 1024  # per layer: the shared-memory arrays' sizes (24-28 KiB a block)
+MAX_SLOTS = 1024  # a slot fits the victim key's low _SLOT_BITS bits
+# The simulator runs a Python thread per CUDA thread, and its warp twins below need the block to be one warp.
+THREADS = WARP if SIMULATOR else 256
+_SLOT_BITS = 10
+_NOT_EMPTY = np.int64(1) << 42  # above every (stamp + 2**31) << _SLOT_BITS | slot
+_UNUSABLE = np.int64(1) << 62
+_STAMP_BIAS = np.int64(1) << 31  # int32 stamps as non-negative keys, order kept
+
+if SIMULATOR:
+    # The block is one warp (THREADS == WARP): a block barrier is a warp barrier, and lanes exchange through
+    # shared scratch.
+    @cuda.jit(device=True)
+    def _warp_sync():
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def _ballot(flag):
+        scratch = cuda.shared.array(WARP, np.int32)
+        scratch[cuda.threadIdx.x] = 1 if flag else 0
+        cuda.syncthreads()
+        mask = 0
+        for j in range(WARP):
+            if scratch[j] != 0:
+                mask |= 1 << j
+        cuda.syncthreads()
+        return mask
+
+    @cuda.jit(device=True)
+    def _warp_min(key):
+        scratch = cuda.shared.array(WARP, np.int64)
+        scratch[cuda.threadIdx.x] = key
+        cuda.syncthreads()
+        best = scratch[0]
+        for j in range(1, WARP):
+            best = min(best, scratch[j])
+        cuda.syncthreads()
+        return best
+else:
+    @cuda.jit(device=True, inline=True)
+    def _warp_sync():
+        cuda.syncwarp(FULL_MASK)
+
+    @cuda.jit(device=True, inline=True)
+    def _ballot(flag):
+        return np.int64(cuda.ballot_sync(FULL_MASK, flag)) & 0xFFFFFFFF
+
+    @cuda.jit(device=True, inline=True)
+    def _warp_min(key):
+        """Minimum over the 32 lanes of the calling warp; every lane gets it (all lanes must call)."""
+        offset = 16
+        while offset > 0:
+            key = min(key, cuda.shfl_xor_sync(FULL_MASK, key, offset))
+            offset //= 2
+        return key
 
 
 @cuda.jit(device=True, inline=True)
-def _victim(expert_in, stamp, busy, wave, tick, protect_tick):
-    """An empty usable slot, else the usable slot with the oldest stamp (ties: lower slot); -1 if none.
-    Usable: busy != wave (demand; wave < 0: ignored) and stamp != protect_tick (prefetch; < 0: ignored)."""
-    best = -1
-    best_stamp = 0
-    for s in range(expert_in.shape[0]):
+def _victim(lane, n_slots, expert_in, stamp, busy, wave, now, protect):
+    """Warp-collective: an empty usable slot (lowest first), else the usable slot with the oldest stamp (ties: lower
+    slot); -1 if none. Usable: busy != wave (wave >= 0, demand) and stamp != now (protect, prefetch). Each lane
+    reads only the slots it owns (s = lane mod 32)."""
+    best = _UNUSABLE
+    for s in range(lane, n_slots, WARP):
         if wave >= 0 and busy[s] == wave:
             continue
-        if protect_tick >= 0 and stamp[s] == protect_tick:
+        if protect and stamp[s] == now:
             continue
-        if expert_in[s] < 0:
-            return s
-        if best < 0 or stamp[s] < best_stamp:
-            best = s
-            best_stamp = stamp[s]
-    return best
+        key = np.int64(s)
+        if expert_in[s] >= 0:
+            key = _NOT_EMPTY | ((np.int64(stamp[s]) + _STAMP_BIAS) << _SLOT_BITS) | s
+        best = min(best, key)
+    best = _warp_min(best)
+    if best == _UNUSABLE:
+        return -1
+    return np.int32(best & ((1 << _SLOT_BITS) - 1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -68,6 +139,27 @@ def _fill(slot_of, expert_in, stamp, prefetched, s, e, tick):
     prefetched[s] = 0
 
 
+@cuda.jit(device=True, inline=True)
+def _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_mark, sh_expert, sh_stamp, sh_pref):
+    for e in range(tid, slot_of.shape[0], nthreads):
+        sh_slot[e] = slot_of[e]
+        sh_mark[e] = 0
+    for s in range(tid, expert_in.shape[0], nthreads):
+        sh_expert[s] = expert_in[s]
+        sh_stamp[s] = stamp[s]
+        sh_pref[s] = prefetched[s]
+
+
+@cuda.jit(device=True, inline=True)
+def _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref):
+    for e in range(tid, slot_of.shape[0], nthreads):
+        slot_of[e] = sh_slot[e]
+    for s in range(tid, expert_in.shape[0], nthreads):
+        expert_in[s] = sh_expert[s]
+        stamp[s] = sh_stamp[s]
+        prefetched[s] = sh_pref[s]
+
+
 @cached_jit
 def _advance_tick_kernel(tick):
     if cuda.grid(1) == 0:
@@ -75,110 +167,177 @@ def _advance_tick_kernel(tick):
 
 
 @cached_jit
-def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, busy, mark, wave_map, fetch_expert,
-                        fetch_slot, fetch_count, stats, policy):
+def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert, fetch_slot,
+                        fetch_count, stats, policy):
     """Module docstring: ids [n] int32; wave_map [W, E]; fetch_expert / fetch_slot [W, S]; fetch_count [W]."""
-    if cuda.grid(1) != 0:
-        return
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    lane = tid % WARP
     n_exp = slot_of.shape[0]
     n_slots = expert_in.shape[0]
     n_waves = wave_map.shape[0]
+    sh_slot = cuda.shared.array(MAX_EXPERTS, np.int32)
+    sh_mark = cuda.shared.array(MAX_EXPERTS, np.int32)  # 1: needed, 2: a hit (a later wave may evict it)
+    sh_expert = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_stamp = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_pref = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_busy = cuda.shared.array(MAX_SLOTS, np.int32)  # the wave using the slot, -1: none
+    counts = cuda.shared.array(3, np.int32)  # hits, prefetches used, misses
     now = tick[0]
-    for e in range(n_exp):
-        mark[e] = 0
-    for i in range(ids.shape[0]):
+    first = ids[tid] if tid < ids.shape[0] else -1  # loaded with the state: a dependent global round trip fewer
+    totals = stats[tid] if tid < 4 else 0  # likewise the running counts (thread i adds to stats[i] at the end)
+    _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_mark, sh_expert, sh_stamp, sh_pref)
+    for s in range(tid, n_slots, nthreads):
+        sh_busy[s] = -1
+    for w in range(n_waves):
+        for e in range(tid, n_exp, nthreads):
+            wave_map[w, e] = -1
+    for w in range(tid, n_waves, nthreads):
+        fetch_count[w] = 0
+    if tid < 3:
+        counts[tid] = 0
+    cuda.syncthreads()
+    if first >= 0 and first < n_exp:
+        sh_mark[first] = 1  # duplicates store the same value
+    for i in range(tid + nthreads, ids.shape[0], nthreads):
         e = ids[i]
         if e >= 0 and e < n_exp:
-            mark[e] = 1
-    for s in range(n_slots):
-        busy[s] = -1
-    for w in range(n_waves):
-        fetch_count[w] = 0
-        for e in range(n_exp):
-            wave_map[w, e] = -1
-    in_wave = 0
-    for e in range(n_exp):  # hits: all in wave 0
-        s = slot_of[e]
-        if mark[e] != 0 and s >= 0:
-            mark[e] = 2  # a hit: a later wave may evict it, it must not come back as a miss
-            wave_map[0, e] = s
-            busy[s] = 0
-            stamp[s] = now
-            stats[0] += 1
-            if prefetched[s] != 0:
-                prefetched[s] = 0
-                stats[3] += 1
-            in_wave += 1
-    w = 0
-    for e in range(n_exp):  # misses, in expert order
-        if mark[e] != 1:
+            sh_mark[e] = 1
+    cuda.syncthreads()
+    for e in range(tid, n_exp, nthreads):  # hits, all in wave 0
+        if sh_mark[e] == 0:
             continue
-        if in_wave == n_slots:
-            w += 1
-            in_wave = 0
-        if w >= n_waves:
-            break  # the launcher sizes W so the union always fits
-        s = _victim(expert_in, stamp, busy, w, now, -1)
-        _fill(slot_of, expert_in, stamp, prefetched, s, e, now)
-        busy[s] = w
-        wave_map[w, e] = s
-        c = fetch_count[w]
-        fetch_expert[w, c] = e
-        fetch_slot[w, c] = s
-        fetch_count[w] = c + 1
-        stats[1] += 1
-        in_wave += 1
+        s = sh_slot[e]
+        if s < 0:
+            cuda.atomic.add(counts, 2, 1)
+            continue
+        sh_mark[e] = 2
+        wave_map[0, e] = s
+        sh_busy[s] = 0
+        sh_stamp[s] = now
+        cuda.atomic.add(counts, 0, 1)
+        if sh_pref[s] != 0:
+            sh_pref[s] = 0
+            cuda.atomic.add(counts, 1, 1)
+    cuda.syncthreads()
+    missed = 0  # warp 0's lanes all count (thread MISSES reports it)
+    if tid < WARP and counts[2] > 0:  # warp 0: the misses in expert order
+        in_wave = counts[0]
+        w = 0
+        c = 0
+        for base in range(0, n_exp, WARP):
+            e = base + lane
+            mask = _ballot(e < n_exp and sh_mark[e] == 1)
+            while mask != 0 and w < n_waves:
+                low = mask & -mask
+                mask ^= low
+                e = base + cuda.popc(low - 1)
+                if in_wave == n_slots:
+                    w += 1
+                    in_wave = 0
+                    c = 0
+                    if w == n_waves:
+                        break  # the launcher sizes W so the union always fits
+                s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_busy, w, now, False)
+                if s % WARP == lane:  # the slot's owner applies the fill: slot state never crosses lanes
+                    _fill(sh_slot, sh_expert, sh_stamp, sh_pref, s, e, now)
+                    sh_busy[s] = w
+                if lane == 0:
+                    wave_map[w, e] = s
+                    fetch_expert[w, c] = e
+                    fetch_slot[w, c] = s
+                    fetch_count[w] = c + 1
+                c += 1
+                missed += 1
+                in_wave += 1
+    cuda.syncthreads()
+    _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref)
+    if tid == HITS:
+        stats[HITS] = totals + counts[0]
+    elif tid == MISSES:
+        stats[MISSES] = totals + missed
+    elif tid == PREFETCHES_USED:
+        stats[PREFETCHES_USED] = totals + counts[1]
 
 
 @cached_jit
-def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, mark, pf_expert, pf_slot,
-                          pf_count, stats, policy):
+def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, pf_expert, pf_slot, pf_count,
+                          stats, policy):
     """Module docstring: pred_a [na], pred_b [nb] int32 predicted ids (-1: none); pf_expert / pf_slot [S]; pf_count [1]."""
-    if cuda.grid(1) != 0:
-        return
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    lane = tid % WARP
     n_exp = slot_of.shape[0]
+    n_slots = expert_in.shape[0]
+    sh_slot = cuda.shared.array(MAX_EXPERTS, np.int32)
+    votes = cuda.shared.array(MAX_EXPERTS, np.int32)
+    voted = cuda.shared.array(MAX_EXPERTS, np.int32)  # the voted experts, in arrival order
+    ranked = cuda.shared.array(MAX_EXPERTS, np.int32)  # the voted experts, most votes first (ties: lower id)
+    sh_expert = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_stamp = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_pref = cuda.shared.array(MAX_SLOTS, np.int32)
+    n_voted = cuda.shared.array(1, np.int32)
     now = tick[0]
-    for e in range(n_exp):
-        mark[e] = 0
-    for i in range(pred_a.shape[0]):
-        e = pred_a[i]
-        if e >= 0 and e < n_exp:
-            mark[e] += 1
-    for i in range(pred_b.shape[0]):
-        e = pred_b[i]
-        if e >= 0 and e < n_exp:
-            mark[e] += 1
+    issued = stats[PREFETCHES_ISSUED] if tid == 0 else 0  # loaded with the state, added to at the end
+    _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, votes, sh_expert, sh_stamp, sh_pref)
+    if tid == 0:
+        n_voted[0] = 0
+    cuda.syncthreads()
+    for i in range(tid, pred_a.shape[0] + pred_b.shape[0], nthreads):
+        e = pred_a[i] if i < pred_a.shape[0] else pred_b[i - pred_a.shape[0]]
+        if e >= 0 and e < n_exp and cuda.atomic.add(votes, e, 1) == 0:
+            voted[cuda.atomic.add(n_voted, 0, 1)] = e
+    cuda.syncthreads()
+    n = n_voted[0]
+    for k in range(tid, n, nthreads):  # rank: the voted experts ahead of e (keys distinct: ranks are a permutation)
+        e = voted[k]
+        v = votes[e]
+        rank = 0
+        for j in range(n):
+            f = voted[j]
+            u = votes[f]
+            if u > v or (u == v and f < e):
+                rank += 1
+        ranked[rank] = e
+    cuda.syncthreads()
     count = 0
-    while True:
-        best = -1
-        votes = 0
-        for e in range(n_exp):
-            if mark[e] > votes:
-                best = e
-                votes = mark[e]
-        if best < 0:
-            break
-        mark[best] = 0
-        s = slot_of[best]
-        if s >= 0:
-            stamp[s] = now  # resident: protected for this step
-            continue
-        s = _victim(expert_in, stamp, expert_in, -1, now, now)  # busy unused (wave -1)
-        if s < 0:
-            break
-        _fill(slot_of, expert_in, stamp, prefetched, s, best, now)
-        prefetched[s] = 1
-        pf_expert[count] = best
-        pf_slot[count] = s
-        count += 1
-        stats[2] += 1
-    pf_count[0] = count
+    if tid < WARP:  # warp 0: the predictions in rank order
+        for r in range(n):
+            _warp_sync()  # the previous fill's slot_of writes, by its slot's owner, before any lane reads slot_of
+            e = ranked[r]
+            s = sh_slot[e]
+            if s >= 0:
+                if s % WARP == lane:
+                    sh_stamp[s] = now  # resident: protected for this step
+                continue
+            s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_stamp, -1, now, True)
+            if s < 0:
+                break
+            if s % WARP == lane:
+                _fill(sh_slot, sh_expert, sh_stamp, sh_pref, s, e, now)
+                sh_pref[s] = 1
+            if lane == 0:
+                pf_expert[count] = e
+                pf_slot[count] = s
+            count += 1
+    cuda.syncthreads()
+    _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref)
+    if tid == 0:
+        pf_count[0] = count
+        stats[PREFETCHES_ISSUED] = issued + count
 
 
 def _check(name, a, dtype, ndim):
     if a.dtype != dtype or a.ndim != ndim or not a.flags["C_CONTIGUOUS"]:
         raise ValueError(f"{name} must be C-contiguous {np.dtype(dtype).name} with {ndim} dims, got {a.dtype} "
                          f"{list(a.shape)}")
+
+
+def check_layer_size(num_experts: int, num_slots: int) -> None:
+    """Refuses a layer the kernels' shared-memory arrays cannot hold (one line naming the limits)."""
+    if not 1 <= num_experts <= MAX_EXPERTS or not 1 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"the device slot map holds 1..{MAX_EXPERTS} experts and 1..{MAX_SLOTS} slots per layer, "
+                         f"got {num_experts} experts and {num_slots} slots")
 
 
 def _check_state(E, S, **arrays):
@@ -201,6 +360,7 @@ def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, m
     """ids [n] int32 the step's routed experts of one layer; the layer's state; wave_map [W, E], fetch_expert /
     fetch_slot [W, S], fetch_count [W] int32 (W >= ceil(min(n, E) / S): every wave the union can need)."""
     E, S = slot_of.shape[0], expert_in.shape[0]
+    check_layer_size(E, S)
     _check_state(E, S, tick=tick, slot_of=slot_of, expert_in=expert_in, stamp=stamp, prefetched=prefetched,
                  busy=busy, mark=mark, stats=stats)
     _check("ids", ids, np.int32, 1)
@@ -212,20 +372,21 @@ def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, m
             raise ValueError(f"{name} must be {list(shape)}, got {list(a.shape)}")
     if W * S < min(ids.shape[0], E):
         raise ValueError(f"{W} waves of {S} slots cannot hold the union of {ids.shape[0]} routed ids")
-    _plan_demand_kernel[1, 1, stream](ids, tick, slot_of, expert_in, stamp, prefetched, busy, mark, wave_map,
-                                      fetch_expert, fetch_slot, fetch_count, stats, policy)
+    _plan_demand_kernel[1, THREADS, stream](ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert,
+                                            fetch_slot, fetch_count, stats, policy)
 
 
 def launch_plan_prefetch(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, mark, pf_expert, pf_slot,
                          pf_count, stats, stream=0, policy: int = POLICY_LRU) -> None:
     """pred_a [na], pred_b [nb] int32 predicted expert ids of one layer (-1: none); its state; the copies out."""
     E, S = slot_of.shape[0], expert_in.shape[0]
+    check_layer_size(E, S)
     _check_state(E, S, tick=tick, slot_of=slot_of, expert_in=expert_in, stamp=stamp, prefetched=prefetched,
                  mark=mark, stats=stats, pf_expert=pf_expert, pf_slot=pf_slot, pf_count=pf_count)
     _check("pred_a", pred_a, np.int32, 1)
     _check("pred_b", pred_b, np.int32, 1)
-    _plan_prefetch_kernel[1, 1, stream](pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, mark, pf_expert,
-                                        pf_slot, pf_count, stats, policy)
+    _plan_prefetch_kernel[1, THREADS, stream](pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, pf_expert,
+                                              pf_slot, pf_count, stats, policy)
 
 
 def sm90_signatures():
@@ -233,6 +394,6 @@ def sm90_signatures():
     i1, i2, l1, i64 = types.int32[::1], types.int32[:, ::1], types.int64[::1], types.int64
     return [
         (_advance_tick_kernel.py_func, (i1,)),
-        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i64)),
-        (_plan_prefetch_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, l1, i64)),
+        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i64)),
+        (_plan_prefetch_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, l1, i64)),
     ]

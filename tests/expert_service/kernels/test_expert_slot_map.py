@@ -3,12 +3,23 @@ steps of random routing and predictions; plus the invariants checked directly on
 needed expert is computed in exactly one wave from a slot that holds it at that time (no copy of the running
 wave, or a later one, ever overwrites it), a wave's slots are distinct, and no more waves than the union needs."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
 
 from expert_service.experts.slot_map_reference import SlotMapState, plan_demand, plan_prefetch, waves_needed
-from expert_service.kernels.expert_slot_map import launch_advance_tick, launch_plan_demand, launch_plan_prefetch
+from expert_service.kernels.expert_slot_map import (
+    MAX_EXPERTS,
+    MAX_SLOTS,
+    launch_advance_tick,
+    launch_plan_demand,
+    launch_plan_prefetch,
+)
 
 GARBAGE = -7  # scratch and outputs start as garbage: the kernels must write what they report
 
@@ -27,6 +38,10 @@ class DeviceLayer:
         self.fetch_count = cuda.to_device(np.full(W, GARBAGE, np.int32))
         self.pf_expert, self.pf_slot = (cuda.to_device(np.full(S, GARBAGE, np.int32)) for _ in "ab")
         self.pf_count = cuda.to_device(np.full(1, GARBAGE, np.int32))
+
+    def assert_scratch_untouched(self):
+        """busy and mark stay in the launchers' interface but the kernels keep their scratch in shared memory."""
+        assert (self.busy.copy_to_host() == GARBAGE).all() and (self.mark.copy_to_host() == GARBAGE).all()
 
     def host_state(self) -> SlotMapState:
         s = {n: a.copy_to_host() for n, a in self.state.items()}
@@ -104,20 +119,19 @@ def check_waves(contents, ids, wave_map, fetches, S):
     assert used_waves == max(1, -(-len(needed) // S)) or not needed
 
 
-@pytest.mark.parametrize(
-    "E,S,T,K", [(4, 1, 1, 2), (8, 2, 4, 2), (8, 3, 16, 2), (16, 4, 3, 4), (16, 16, 2, 4), (12, 5, 5, 3)]
-)
-def test_demand_and_prefetch_match_reference_over_steps(E, S, T, K):
-    rng = np.random.default_rng(E * 1000 + S * 10 + T)
+def run_steps(E: int, S: int, T: int, K: int, steps: int = 24, seed: int | None = None) -> None:
+    """`steps` steps of random routing of T tokens x K (and predictions on two steps in three) on device and
+    reference: every array equal after every call, and the copies replayed against the waves."""
+    rng = np.random.default_rng(E * 1000 + S * 10 + T if seed is None else seed)
     W = waves_needed(T * K, E, S)
     dev, ref = DeviceLayer(E, S, W), SlotMapState.empty(E, S)
     contents = np.full(S, -1)  # what the slots hold, from the copies issued
     tick = 0
-    for step in range(24):
+    for step in range(steps):
         launch_advance_tick(dev.tick)
         tick += 1
         assert int(dev.tick.copy_to_host()[0]) == tick
-        if step % 3:  # predictions: from a skewed distribution, some -1 entries
+        if step % 3:  # predictions: from a skewed distribution (ties in votes), some -1 entries
             a = rng.choice(E, size=T * K, p=np.arange(1, E + 1) / (E * (E + 1) / 2)).astype(np.int32)
             a[rng.random(a.size) < 0.2] = -1
             b = rng.integers(-1, E, size=max(1, T * K // 2)).astype(np.int32)
@@ -129,11 +143,46 @@ def test_demand_and_prefetch_match_reference_over_steps(E, S, T, K):
         ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int32)
         wave_map, fetches = dev.demand(ids)
         ref_map, ref_fetches = plan_demand(ref, ids, tick, W)
-        np.testing.assert_array_equal(wave_map, ref_map)
+        np.testing.assert_array_equal(wave_map, ref_map)  # every row, the unused waves' too
         assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
         assert_same(dev.host_state(), ref)
         check_waves(contents, ids, wave_map, fetches, S)
         np.testing.assert_array_equal(contents, dev.host_state().expert_in)
+    dev.assert_scratch_untouched()
+
+
+@pytest.mark.parametrize(
+    "E,S,T,K", [(4, 1, 1, 2), (8, 2, 4, 2), (8, 3, 16, 2), (16, 4, 3, 4), (16, 16, 2, 4), (12, 5, 5, 3)]
+)
+def test_demand_and_prefetch_match_reference_over_steps(E, S, T, K):
+    run_steps(E, S, T, K)
+
+
+@pytest.mark.parametrize(
+    "E,S,T,K,steps",
+    [
+        (45, 40, 6, 8, 12),  # E not a multiple of the block, S over a warp: lanes own two slots, two waves
+        (70, 33, 12, 4, 10),  # 48 ids over 33 slots: misses spill into wave 1 with a ballot per 32 experts
+        (100, 7, 4, 8, 8),  # five waves of 7 slots: each wave evicts the slots of the waves before it
+    ],
+)
+def test_more_slots_than_a_warp_and_many_waves_match_reference(E, S, T, K, steps):
+    run_steps(E, S, T, K, steps)
+
+
+def test_largest_layer_matches_reference():
+    """The shared arrays' limit: 1024 experts (32 ballots of 32) with predictions and misses."""
+    run_steps(MAX_EXPERTS, 40, 8, 8, steps=4, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "E,S,T,K",
+    [(128, 32, 1, 8), (128, 32, 16, 8), (128, 96, 64, 8), (256, 64, 4, 8), (60, 45, 8, 6), (1024, 300, 64, 8)],
+)
+def test_block_of_many_warps_matches_reference_on_gpu(E, S, T, K):
+    """The GPU's block is 256 threads (8 warps; the simulator's is one): same decisions over many steps."""
+    run_steps(E, S, T, K, steps=60)
 
 
 def test_prefetch_never_evicts_a_protected_or_just_hit_slot():
@@ -170,3 +219,114 @@ def test_out_of_range_ids_are_ignored_and_launcher_refuses_too_few_waves():
     assert fetches == [[(2, 0)], [], []] and (wave_map[1:] < 0).all()
     with pytest.raises(ValueError, match="waves"):
         dev.demand([0, 1, 2, 3])
+
+
+def test_stamp_ties_take_the_lower_slot_and_never_the_running_wave():
+    """Slots filled or hit in one step share a stamp: the LRU choice among them is the lowest slot not used by the
+    miss's own wave; wave 1 evicts wave 0's experts (wave 0 is done), wave 0 never evicts its own hit."""
+    E, S = 16, 3
+    dev, ref = DeviceLayer(E, S, waves_needed(8, E, S)), SlotMapState.empty(E, S)
+    for tick, ids in enumerate(([4, 9, 2], [9, 5, 11, 12, 13]), start=1):
+        launch_advance_tick(dev.tick)
+        wave_map, fetches = dev.demand(ids)
+        ref_map, ref_fetches = plan_demand(ref, ids, tick, dev.W)
+        np.testing.assert_array_equal(wave_map, ref_map)
+        assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
+        assert_same(dev.host_state(), ref)
+    # step 1: 2, 4, 9 into slots 0, 1, 2 (stamp 1). Step 2: 9 hits (slot 2, wave 0, stamp 2); 5 and 11 take slots 0
+    # and 1 (stamp 1, lower first, never 9's); wave 1: every stamp is 2, so 12 and 13 take the lowest slots 0, 1
+    assert fetches == [[(5, 0), (11, 1)], [(12, 0), (13, 1)], []]
+    assert wave_map[0, 9] == 2 and wave_map[1, 12] == 0 and (wave_map[2] == -1).all()
+    assert dev.host_state().stats.tolist() == [1, 7, 0, 0]
+
+
+def test_prefetch_ranks_votes_then_ids_and_refetches_what_it_evicted():
+    """Votes desc, ties by the lower id; a resident prediction is protected; a resident of lower rank evicted by a
+    missing one of higher rank comes back as a miss into another slot (slot_of crosses lanes)."""
+    E, S = 40, 34
+    dev, ref = DeviceLayer(E, S, 1), SlotMapState.empty(E, S)
+    launch_advance_tick(dev.tick)
+    ids = np.arange(S, dtype=np.int32)  # experts 0..33 in slots 0..33, stamp 1
+    dev.demand(ids)
+    plan_demand(ref, ids, 1, 1)
+    launch_advance_tick(dev.tick)
+    a = np.array([39, 39, 36, 1, 35, -1, 37], np.int32)  # 39: 2 votes; 1, 35, 36, 37, 38: one each
+    b = np.array([38, 33, 36], np.int32)  # 36: 2 votes; 33: one
+    copies = dev.prefetch(a, b)
+    assert copies == plan_prefetch(ref, a, b, 2)
+    # 36 and 39 (2 votes, lower id first) take slots 0 and 1 (evicting 0 and 1); 1 (one vote) is missing now and
+    # takes slot 2; 33 resident: protected; then 35, 37, 38 take slots 3, 4, 5
+    assert copies == [(36, 0), (39, 1), (1, 2), (35, 3), (37, 4), (38, 5)]
+    assert_same(dev.host_state(), ref)
+    assert dev.host_state().stamp[33] == 2
+    dev.assert_scratch_untouched()
+
+
+def test_full_pressure_every_slot_every_wave():
+    """Every expert needed with 36 slots (over a warp): waves of 36, 36, 28, every slot of a full wave used."""
+    E, S = 100, 36
+    dev, ref = DeviceLayer(E, S, waves_needed(E, E, S)), SlotMapState.empty(E, S)
+    contents = np.full(S, -1)
+    rng = np.random.default_rng(7)
+    for tick in range(1, 4):
+        launch_advance_tick(dev.tick)
+        ids = rng.permutation(E).astype(np.int32)
+        wave_map, fetches = dev.demand(ids)
+        ref_map, ref_fetches = plan_demand(ref, ids, tick, dev.W)
+        np.testing.assert_array_equal(wave_map, ref_map)
+        assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
+        assert [(wave_map[w] >= 0).sum() for w in range(dev.W)] == [36, 36, 28]
+        check_waves(contents, ids, wave_map, fetches, S)
+        assert_same(dev.host_state(), ref)
+
+
+@pytest.mark.parametrize("E,S", [(MAX_EXPERTS + 1, 4), (8, MAX_SLOTS + 1)])
+def test_launchers_refuse_layers_over_the_shared_arrays(E, S):
+    dev = DeviceLayer(E, S, 1)
+    with pytest.raises(ValueError, match=f"{MAX_EXPERTS} experts and 1..{MAX_SLOTS} slots per layer, got {E}"):
+        dev.demand([0])
+    with pytest.raises(ValueError, match="slots per layer"):
+        dev.prefetch([0], [1])
+
+
+PTX_PROBE = """
+from numba import cuda
+from expert_service.kernels import expert_slot_map as m
+for fn, sig in m.sm90_signatures():
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+    print(fn.__name__, "local" if ("ld.local" in ptx or "st.local" in ptx) else "no-local")
+"""
+
+
+def test_sm90_plans_use_no_local_memory():
+    """The plans' state lives in shared memory and registers: a per-thread array spilled to local memory would
+    bring back a global-latency load per access (compiled for sm_90 outside the simulator, no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", PTX_PROBE], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(done.stdout.split()) == sorted(
+        ["_advance_tick_kernel", "no-local", "_plan_demand_kernel", "no-local", "_plan_prefetch_kernel", "no-local"]
+    )
+
+
+def test_empty_and_out_of_range_inputs_write_every_output():
+    """No routed id (or only ids outside [0, E)) and no prediction: every wave row cleared, counts zero, state
+    unchanged; then a step over the same garbage-initialised outputs plans normally."""
+    E, S = 40, 33
+    dev, ref = DeviceLayer(E, S, 2), SlotMapState.empty(E, S)
+    launch_advance_tick(dev.tick)
+    assert dev.prefetch(np.zeros(0, np.int32), [-1, E, 99]) == []
+    assert int(dev.pf_count.copy_to_host()[0]) == 0
+    wave_map, fetches = dev.demand([-1, E, -5])
+    assert (wave_map == -1).all() and fetches == [[], []]
+    assert_same(dev.host_state(), ref)
+    wave_map, fetches = dev.demand(np.zeros(0, np.int32))
+    assert (wave_map == -1).all() and fetches == [[], []]
+    launch_advance_tick(dev.tick)
+    ids = np.arange(E, dtype=np.int32)[::-1].copy()
+    wave_map, fetches = dev.demand(ids)
+    ref_map, ref_fetches = plan_demand(ref, ids, 2, 2)
+    np.testing.assert_array_equal(wave_map, ref_map)
+    assert [len(f) for f in fetches] == [33, 7]
+    assert_same(dev.host_state(), ref)
