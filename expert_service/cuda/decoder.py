@@ -36,6 +36,7 @@ from expert_service.cuda.moe import (
     CAPTURABLE,
     ON_DEVICE,
     MoeStrategy,
+    cached_gemv_slots,
     choose_strategy,
     q8_mma_tokens,
     reachable_strategies,
@@ -279,6 +280,7 @@ class CudaDecoder:
             self.weights.dtype == np.uint16,
             self.weights.quantized,
             self._q8_mma(self.options),
+            cached_gemv_slots(self.cached, self.options),
         )
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:

@@ -75,6 +75,7 @@ class MoeStrategy(Enum):
     GROUPED = "grouped"
     CUBLAS_PER_EXPERT = "cublas_per_expert"
     CACHED_GROUPED = "cached_grouped"
+    CACHED_GEMV = "cached_gemv"  # one token, its K experts in one wave: GEMV (moe_q8 by slot) on the slot buffer
     CACHED_CUBLAS = "cached_cublas"
     Q8 = "q8"  # 8-bit / mixed layers: moe_q8, by slot at one token, grouped above
     Q8_MMA = "q8_mma"  # every expert 8-bit: grouped tensor-core GEMM on the 8-bit tiles (moe_gemm_q8mma)
@@ -99,12 +100,16 @@ def choose_strategy(
     bf16: bool = False,
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
+    cache_slots: int = 0,
 ) -> MoeStrategy:
     """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
     choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized);
-    q8_mma: the step sizes that take Q8_MMA on such a model (q8_mma_tokens), None: none."""
+    q8_mma: the step sizes that take Q8_MMA on such a model (q8_mma_tokens), None: none; cache_slots: the
+    cache's slots per layer where its one-token GEMV may run (cached_gemv_slots), 0: never."""
     n = T * K
     if cached:
+        if T <= GEMV_MAX_TOKENS and 0 < n <= cache_slots:  # the step's experts always fit wave 0
+            return MoeStrategy.CACHED_GEMV
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     if quantized:
         if q8_mma is not None and q8_mma[0] <= T <= q8_mma[1] and n <= ALIGN_MAX_ASSIGNMENTS:
@@ -137,6 +142,7 @@ ON_DEVICE = frozenset(
         MoeStrategy.Q8,
         MoeStrategy.Q8_MMA,
         MoeStrategy.CACHED_GROUPED,
+        MoeStrategy.CACHED_GEMV,
     }
 )
 # ... and those a graph captures in pieces around a host break (driver.HostBreaks).
@@ -159,8 +165,15 @@ def reachable_strategies(
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
 ) -> set[MoeStrategy]:
-    """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers)."""
+    """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers). The
+    cache's one-token GEMV is left to CACHED_GROUPED here: it reads a subset of that layout's buffers, so the
+    layout holds for either setting of CudaOptions.cached_gemv (set_options may switch it)."""
     return {choose_strategy(T, K, E, cached, bf16, quantized, q8_mma) for T in range(1, max_tokens + 1)}
+
+
+def cached_gemv_slots(cached: CachedExperts | None, options: CudaOptions) -> int:
+    """choose_strategy's cache_slots: the slots per layer with the cache's one-token GEMV on, else 0."""
+    return cached.slots.slots_per_layer if cached is not None and options.cached_gemv else 0
 
 
 def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
@@ -247,7 +260,9 @@ class DeviceMoe:
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        strategy = choose_strategy(T, K, E, self.cached is not None, self.bf16, self.quantized, self.q8_mma)
+        strategy = choose_strategy(
+            T, K, E, self.cached is not None, self.bf16, self.quantized, self.q8_mma, self.cache_slots
+        )
         fuse_norm = (
             next_norm is not None
             and not cfg.shared_expert_intermediate_size
@@ -283,7 +298,8 @@ class DeviceMoe:
             self._cublas_per_expert(x, h, T, ids, weights, experts, combine, self.weights.expert_meta.get(i))
         else:
             assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
-            self.cached.run(i, x, h, T, ids, weights, strategy is MoeStrategy.CACHED_CUBLAS, combine=combine)
+            large, gemv = strategy is MoeStrategy.CACHED_CUBLAS, strategy is MoeStrategy.CACHED_GEMV
+            self.cached.run(i, x, h, T, ids, weights, large, combine=combine, gemv=gemv)
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
@@ -292,6 +308,11 @@ class DeviceMoe:
     def q8_mma(self) -> tuple[int, int] | None:
         """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options)
+
+    @property
+    def cache_slots(self) -> int:
+        """choose_strategy's cache_slots under the current options (cached_gemv_slots)."""
+        return cached_gemv_slots(self.cached, self.options)
 
     def cached_large(self, T: int) -> bool:
         """Whether a cached step of T tokens runs CACHED_CUBLAS (per-expert GEMMs at a host break)."""

@@ -1,11 +1,15 @@
-"""The expert cache's side of the MoE block on the cuda backend (`CachedExperts`): the CACHED_GROUPED / CACHED_CUBLAS
-strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident, and the prefetch.
+"""The expert cache's side of the MoE block on the cuda backend (`CachedExperts`): the CACHED_GEMV / CACHED_GROUPED /
+CACHED_CUBLAS strategies that cuda/moe.py's DeviceMoe hands a layer to when not every expert is resident, and the prefetch.
 
 A layer, all on the device: router -> top-k -> grouping as on the resident path; the slot-map kernel turns the
 step's routed ids into waves of at most `slots` experts and the copies each needs (cuda/expert_slots.py); per
 wave the fetch kernel copies the misses from mapped host memory, then the grouped kernels read the wave's
 experts through its slot map (experts outside the wave skipped, their rows left for another wave). A captured
 step launches every wave a step of its size can need; waves with nothing to do return at once.
+CACHED_GEMV (CudaOptions.cached_gemv): a one-token step whose K experts fit the slots is always one wave, so it
+skips the grouping and runs the resident one-token kernels on the slot buffer (`_gemv`): the GEMV expert kernels
+on the slots wave 0's map gives its ids, or moe_q8 by slot on 8-bit layers. The grouped kernels' grid of E
+experts, mostly returning at once, is what a decode step paid for there.
 
 Prefetch runs on a side stream forked from the compute stream after the layer's first wave of demand copies (so
 demand copies never queue behind speculative ones) and joined before the predicted layer's own plan: the
@@ -38,8 +42,10 @@ from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.dequant_experts import launch_dequant_experts
 from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.expert_slot_ids import launch_expert_slot_ids
 from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
+from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
@@ -84,6 +90,7 @@ class CachedExperts:
         self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
         self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
         self.no_ids = cuda.to_device(np.full(1, -1, np.int32), stream=st)
+        self.slot_ids = cuda.to_device(np.full((1, K), -1, np.int32), stream=st)  # CACHED_GEMV's experts' slots
         L = max(len(moe), 1)
         self.hint_ids = cuda.to_device(np.full((L, T * K), -1, np.int32), stream=st)
         self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
@@ -101,7 +108,8 @@ class CachedExperts:
     @property
     def nbytes(self) -> int:
         dense = self.dense.nbytes if self.dense is not None else 0
-        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + self.hint_ids.nbytes + dense
+        small = self.hint_ids.nbytes + self.slot_ids.nbytes
+        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + small + dense
 
     # --- step boundaries ----------------------------------------------------------------------------
     def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
@@ -143,15 +151,17 @@ class CachedExperts:
     def _hints(self, layer: int, T: int):
         return self.hint_ids[self.moe_layers.index(layer), : T * self.config.num_experts_per_tok]
 
-    def run(self, i: int, x, h, T: int, ids, weights, large: bool, combine=None) -> None:
+    def run(self, i: int, x, h, T: int, ids, weights, large: bool, combine=None, gemv: bool = False) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
-        large: per-expert cuBLAS GEMMs at a host break, else the grouped kernels in waves; combine: DeviceMoe's
-        (None: launch_moe_combine)."""
+        large: per-expert cuBLAS GEMMs at a host break; gemv: CACHED_GEMV (one token whose K experts fit the
+        slots: one wave, `_gemv`); else the grouped kernels in waves; combine: DeviceMoe's (None:
+        launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
-        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
+        if not gemv:  # the GEMV kernels take the ids as routed: no grouping
+            launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         ahead = self.next_moe[i]
         lookahead = ahead is not None and PrefetchSource.LOOKAHEAD in self.prefetch and not large
         if lookahead and ahead is not None:  # the next layer's router on this layer's input
@@ -168,13 +178,17 @@ class CachedExperts:
             self.slots.wave_map[self.slots.index[i], :waves].copy_to_host(self.host_waves[:waves], stream=st)
             ws.offsets.copy_to_host(self.host_offsets, stream=st)
             self.host_break(functools.partial(self._cublas_waves, i, n, waves, buffer))
+        elif gemv:
+            assert waves == 1, "CACHED_GEMV needs the step's experts in one wave"  # choose_strategy: T*K <= slots
+            self._first_wave(i, T, ahead, lookahead)
+            self._gemv(i, x, ids, buffer, out)
+            position = ws.identity_position[:n]  # out rows in the token's top-k order
         else:
             for w in range(waves):
-                self.slots.fetch(i, w, st)
-                if w == 0 and ahead is not None:
-                    plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
-                    if lookahead or PrefetchSource.PLAN in self.prefetch:
-                        self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids)
+                if w == 0:
+                    self._first_wave(i, T, ahead, lookahead)
+                else:
+                    self.slots.fetch(i, w, st)
                 slot_of = self.slots.wave_slots(i, w)
                 if self.quantized:
                     meta, gate = self.weights.expert_meta[i], ws.moe_gate[:n]
@@ -189,6 +203,33 @@ class CachedExperts:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
             combine(out, position, weights, h)
+
+    def _first_wave(self, i: int, T: int, ahead: int | None, lookahead: bool) -> None:
+        """Wave 0's copies, then the next MoE layer's prefetch forks (behind the demand copies, never ahead)."""
+        self.slots.fetch(i, 0, self.stream)
+        if ahead is not None:
+            n = T * self.config.num_experts_per_tok
+            plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
+            if lookahead or PrefetchSource.PLAN in self.prefetch:
+                self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids)
+
+    def _gemv(self, i: int, x, ids, buffer, out) -> None:
+        """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
+        expert read from the slot wave 0's map gives it. The map, not slot_of: it is this step's plan output, the
+        same contract the grouped kernels read (equal to slot_of here, the whole union being in wave 0). Dense:
+        slot ids [1, K] (expert_slot_ids), then the GEMV expert kernels with them as ids; 8-bit / mixed: moe_q8
+        by slot, which reads ids[k]'s meta row and its slot through the map itself."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        wave0, gate = self.slots.wave_slots(i, 0), ws.moe_gate[:K]
+        if self.quantized:
+            meta = self.weights.expert_meta[i]
+            launch_q8_gate_up(x, buffer, meta, F, D, gate, ids=ids, stream=st, slot_of=wave0)
+            launch_q8_down(gate, buffer, meta, F, D, out, ids=ids, stream=st, slot_of=wave0)
+            return
+        launch_expert_slot_ids(ids.reshape(K), wave0, self.slot_ids.reshape(K), stream=st)
+        launch_expert_gate_up(x, self.slot_ids, buffer, F, D, gate, stream=st)
+        launch_expert_down(gate, self.slot_ids, buffer, F, D, out, stream=st)
 
     def _prefetch(self, layer: int, predicted_a, predicted_b) -> None:
         """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream."""

@@ -33,6 +33,10 @@ class CudaOptions:
     # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
+    # expert-cache steps of one token whose K experts fit a layer's slots (so one wave) run the resident GEMV
+    # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through
+    # the wave's slot map, as larger cached steps)
+    cached_gemv: bool = True
     # 8-bit expert layers (every expert int8 / fp8, bf16 dense weights): steps of q8_mma_min_tokens up to
     # q8_mma_max_tokens tokens run the grouped tensor-core kernel (moe_gemm_q8mma); smaller ones moe_q8, larger
     # ones dequantise + per-expert cuBLAS. Layers with fewer than moe.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like:

@@ -27,14 +27,15 @@ def test_thresholds_come_from_a_config_file_and_are_checked():
 
 
 def test_a_config_file_mapping_becomes_options():
-    config = resolve(EngineConfig, file_values={"cuda_options": {"greedy_split": False, "fused_router": False}}, env={})
-    assert config.cuda_options == CudaOptions(greedy_split=False, fused_router=False)
+    values = {"greedy_split": False, "fused_router": False, "cached_gemv": False}
+    config = resolve(EngineConfig, file_values={"cuda_options": values}, env={})
+    assert config.cuda_options == CudaOptions(greedy_split=False, fused_router=False, cached_gemv=False)
 
 
 @pytest.mark.parametrize(
     "value,message",
     [
-        ({"greedy": False}, "cuda_options: unknown option 'greedy' (known: fused_combine_norm,"),
+        ({"greedy": False}, "cuda_options: unknown option 'greedy' (known: cached_gemv, fused_combine_norm,"),
         ({"greedy_split": "no"}, "cuda_options.greedy_split: must be true or false, got 'no'"),
         ("fast", "cuda_options: must be a mapping of CudaOptions fields, got 'fast'"),
     ],

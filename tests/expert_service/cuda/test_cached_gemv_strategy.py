@@ -1,0 +1,81 @@
+"""Where CACHED_GEMV (the expert cache's one-token step on the GEMV kernels through the slots) is chosen (no GPU):
+one token whose K experts fit a layer's slots, with CudaOptions.cached_gemv on; the same choice in the decoder and
+in the MoE block; the workspace layout does not depend on the option, so set_options may switch it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from common.models import config_from_hf
+from expert_service.cuda.decoder import CudaDecoder
+from expert_service.cuda.linear import GEMV_MAX_TOKENS
+from expert_service.cuda.moe import (
+    CAPTURABLE,
+    GROUPED_MAX_TOKENS,
+    ON_DEVICE,
+    MoeStrategy,
+    cached_gemv_slots,
+    choose_strategy,
+    reachable_strategies,
+)
+from expert_service.engine.cuda_options import CudaOptions
+from expert_service.tools.tiny_model import tiny_hf_config
+
+GEMV, GROUPED, CUBLAS = MoeStrategy.CACHED_GEMV, MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS
+
+
+def cache(slots: int):
+    return SimpleNamespace(slots=SimpleNamespace(slots_per_layer=slots))
+
+
+@pytest.mark.parametrize("quantized,bf16", [(False, False), (False, True), (True, True)])
+def test_one_token_fitting_the_slots_takes_gemv(quantized, bf16):
+    K, E = 8, 128
+    for slots in (K, K + 1, E):
+        assert choose_strategy(1, K, E, True, bf16, quantized, cache_slots=slots) is GEMV
+    for slots in (0, 1, K - 1):  # one slot short of K: the experts may need two waves
+        assert choose_strategy(1, K, E, True, bf16, quantized, cache_slots=slots) is GROUPED
+    for T in (GEMV_MAX_TOKENS + 1, 2, GROUPED_MAX_TOKENS):  # more tokens: the grouped waves at any slot count
+        assert choose_strategy(T, K, E, True, bf16, quantized, cache_slots=E) is GROUPED
+    assert choose_strategy(GROUPED_MAX_TOKENS + 1, K, E, True, bf16, quantized, cache_slots=E) is CUBLAS
+    # the resident path ignores the cache's slots
+    assert choose_strategy(1, K, E, False, bf16, quantized, cache_slots=E) is not GEMV
+
+
+def test_graph_capture_stays_whole():
+    assert GEMV in ON_DEVICE and GEMV in CAPTURABLE
+
+
+def test_the_option_and_the_slot_count_decide():
+    assert CudaOptions().cached_gemv is True
+    assert cached_gemv_slots(cache(24), CudaOptions()) == 24
+    assert cached_gemv_slots(cache(24), CudaOptions(cached_gemv=False)) == 0
+    assert cached_gemv_slots(None, CudaOptions()) == 0
+
+
+def decoder(options: CudaOptions, slots: int, max_tokens: int = 4):
+    cfg = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 16, "num_experts_per_tok": 4})
+    d = CudaDecoder.__new__(CudaDecoder)
+    d.config, d.cached, d.max_tokens = cfg, cache(slots), max_tokens
+    d.weights = SimpleNamespace(dtype=np.dtype(np.float32), quantized=False, all_8bit=False)
+    d.model = SimpleNamespace(options=options)
+    return d
+
+
+def test_decoder_strategy_follows_the_option_and_slots():
+    assert decoder(CudaOptions(), slots=4)._strategy(1) is GEMV
+    assert decoder(CudaOptions(), slots=3)._strategy(1) is GROUPED
+    assert decoder(CudaOptions(cached_gemv=False), slots=4)._strategy(1) is GROUPED
+    assert decoder(CudaOptions(), slots=4)._strategy(2) is GROUPED
+
+
+def test_set_options_switches_cached_gemv_either_way():
+    """The layout is CACHED_GROUPED's whatever the option: a decoder laid out with it on accepts it off, and back
+    (max_tokens 1: a decoder whose every step could take the GEMV)."""
+    for first in (True, False):
+        d = decoder(CudaOptions(cached_gemv=first), slots=16, max_tokens=1)
+        d.workspace_strategies = d._strategies(d.options, True)
+        assert d.workspace_strategies == {GROUPED}
+        assert d._strategies(CudaOptions(cached_gemv=not first), True) <= d.workspace_strategies
+    assert reachable_strategies(1, 4, 16, True, False) == {GROUPED}
