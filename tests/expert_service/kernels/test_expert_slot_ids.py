@@ -68,3 +68,66 @@ def test_several_blocks_and_empty():
 def test_bad_arguments_are_refused(ids, wave_map, out, match):
     with pytest.raises(ValueError, match=match):
         launch_expert_slot_ids(cuda.to_device(ids), cuda.to_device(wave_map), cuda.to_device(out))
+
+
+def test_gemv_through_planned_slots_equals_gemv_on_resident_experts():
+    """The cached one-token step's chain (plan, wave-0 copies, slot ids, the GEMV expert kernels on the slot
+    buffer) against the GEMV expert kernels on all E experts: bitwise, step after step with LRU churn (K == S)."""
+    from expert_service.kernels.expert_fetch import launch_expert_fetch
+    from expert_service.kernels.expert_slot_map import launch_advance_tick, launch_plan_demand
+    from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
+
+    rng = np.random.default_rng(11)
+    E, K, F, D = 6, 2, 8, 16
+    S, stride = K, 3 * F * D
+    experts = rng.standard_normal((E, stride)).astype(np.float32)
+    d_experts = cuda.to_device(experts)
+    slots = cuda.to_device(rng.standard_normal((S, stride)).astype(np.float32))  # garbage until fetched
+    i32 = np.int32
+    state = [cuda.to_device(np.full(E, -1, i32)), cuda.to_device(np.full(S, -1, i32))]  # slot_of, expert_in
+    stamp, prefetched = cuda.to_device(np.zeros(S, i32)), cuda.to_device(np.zeros(S, i32))
+    busy, mark = cuda.to_device(np.zeros(S, i32)), cuda.to_device(np.zeros(E, i32))
+    wave_map = cuda.to_device(np.full((1, E), GARBAGE, i32))
+    fetch_expert, fetch_slot = cuda.to_device(np.zeros((1, S), i32)), cuda.to_device(np.zeros((1, S), i32))
+    fetch_count, stats = cuda.to_device(np.zeros(1, i32)), cuda.to_device(np.zeros(4, np.int64))
+    tick = cuda.to_device(np.zeros(1, i32))
+    slot_ids = cuda.to_device(np.full((1, K), GARBAGE, i32))
+    misses = 0
+    for _ in range(3):
+        ids = cuda.to_device(rng.choice(E, size=(1, K), replace=False).astype(i32))
+        x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+        launch_advance_tick(tick)
+        launch_plan_demand(
+            ids.reshape(K),
+            tick,
+            *state,
+            stamp,
+            prefetched,
+            busy,
+            mark,
+            wave_map,
+            fetch_expert,
+            fetch_slot,
+            fetch_count,
+            stats,
+        )
+        misses += int(fetch_count.copy_to_host()[0])
+        launch_expert_fetch(
+            d_experts.reshape(E * stride).view(np.uint32),
+            slots.reshape(S * stride).view(np.uint32),
+            fetch_expert[0],
+            fetch_slot[0],
+            fetch_count,
+            stride * 4,
+        )
+        launch_expert_slot_ids(ids.reshape(K), wave_map[0], slot_ids.reshape(K))
+        outs = []
+        for table, weights in ((slot_ids, slots), (ids, d_experts)):
+            h = cuda.to_device(np.full((K, F), np.nan, np.float32))
+            y = cuda.to_device(np.full((K, D), np.nan, np.float32))
+            launch_expert_gate_up(x, table, weights, F, D, h)
+            launch_expert_down(h, table, weights, F, D, y)
+            outs.append((h.copy_to_host(), y.copy_to_host()))
+        (h_c, y_c), (h_r, y_r) = outs
+        assert np.isfinite(y_r).all() and np.array_equal(h_c, h_r) and np.array_equal(y_c, y_r)
+    assert misses > K  # the slots turned over after the cold start
