@@ -30,6 +30,10 @@ Needs `accelerate` (not a project dependency).
 
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
+        [--cached-gemv on,off]
+
+`--cached-gemv on,off` runs every cached (fraction, mode) with and without the cache's one-token GEMV
+(CudaOptions.cached_gemv; docs/expert-cache.md) and prints their step times side by side with the ratio.
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 
@@ -62,12 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
-from bench.offload_report import plot_offload, print_offload  # noqa: E402
+from bench.offload_report import plot_offload, print_cached_gemv, print_offload, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
 from expert_service.backends import build_engine, cuda_available
 from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
 from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
 from expert_service.engine.sampling import SamplingParams  # noqa: E402
 from expert_service.experts.cache import CacheStats  # noqa: E402
@@ -104,7 +109,9 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
     return nbytes / best
 
 
-def make_engine(model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none") -> Engine:
+def make_engine(
+    model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none", options: CudaOptions = CudaOptions()
+) -> Engine:
     return build_engine(
         model,
         EngineConfig(
@@ -115,6 +122,7 @@ def make_engine(model: ModelDir, backend: str, slots: int = 0, prefetch: str = "
             max_batch_size=16,
             expert_cache_slots=slots,
             prefetch=prefetch.replace("+", ","),
+            cuda_options=options,
         ),
     )
 
@@ -286,27 +294,22 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             runs["resident"] = resident
             continue
         for mode in args.prefetch_modes:
-            cached = make_engine(model, args.backend, n, mode)
-            try:
-                runs[mode] = {
-                    "slots_per_layer": n,
-                    "slot_bytes": n * layers * block,
-                    "prefetch": mode,
-                    **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
-                }
-            finally:
-                close(cached)
-            decode, base = runs[mode]["decode"], resident["decode"]
-            print(
-                f"{fraction:>6} {mode:<15} decode "
-                + ", ".join(
-                    f"b={b} {d['tok_s']:.1f} tok/s ({d['tok_s'] / base[b]['tok_s']:.2f}x resident, "
-                    f"{d['ms_per_step'] / max(base[b]['ms_per_step'], d['pcie_bound_ms']):.2f}x "
-                    f"max(resident, PCIe bound))"
-                    for b, d in decode.items()
-                ),
-                flush=True,
-            )
+            for gemv in args.cached_gemv:  # the run without the cache's one-token GEMV keyed apart
+                key = mode if gemv else f"{mode}/no-cached-gemv"
+                cached = make_engine(model, args.backend, n, mode, CudaOptions(cached_gemv=gemv))
+                try:
+                    runs[key] = {
+                        "slots_per_layer": n,
+                        "slot_bytes": n * layers * block,
+                        "prefetch": mode,
+                        "cached_gemv": gemv,
+                        **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
+                    }
+                finally:
+                    close(cached)
+                print_run(fraction, key, runs[key]["decode"], resident["decode"])
+            if len(args.cached_gemv) == 2:
+                print_cached_gemv(fraction, mode, runs[mode]["decode"], runs[f"{mode}/no-cached-gemv"]["decode"])
     return entry
 
 
@@ -436,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
+        "--cached-gemv",
+        default="on",
+        help="CudaOptions.cached_gemv of the cached runs: on, off or on,off (both, printed side by side with "
+        "their ratio; the off runs are keyed MODE/no-cached-gemv)",
+    )
+    parser.add_argument(
         "--expert-dtype",
         default=None,
         help="convert the --shapes models' experts to this dtype (int8, fp8, ...; default bf16); a --model "
@@ -450,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     args.prefetch_modes = args.prefetch_modes.split(",")
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
         parser.error(f"--prefetch-modes: {bad} not in {', '.join(PREFETCH_MODES)}")
+    settings = {"on": True, "off": False}
+    args.cached_gemv = [settings.get(v, v) for v in dict.fromkeys(args.cached_gemv.split(","))]
+    if bad := [v for v in args.cached_gemv if not isinstance(v, bool)]:
+        parser.error(f"--cached-gemv: {bad} not in on, off")
     if args.decode_steps < 1:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:

@@ -32,6 +32,25 @@ def _fmt(v, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
+def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
+    """One cached run's decode line, against the resident engine's `base` decode of the same run."""
+    line = ", ".join(
+        f"b={b} {d['tok_s']:.1f} tok/s ({d['tok_s'] / base[b]['tok_s']:.2f}x resident, "
+        f"{d['ms_per_step'] / max(base[b]['ms_per_step'], d['pcie_bound_ms']):.2f}x max(resident, PCIe bound))"
+        for b, d in decode.items()
+    )
+    print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
+
+
+def print_cached_gemv(fraction: float, mode: str, on: dict, off: dict) -> None:
+    """The same cached run with CudaOptions.cached_gemv on and off: step times side by side, off / on."""
+    line = ", ".join(
+        f"b={b} {on[b]['ms_per_step']:.3f}/{off[b]['ms_per_step']:.3f} ({off[b]['ms_per_step'] / on[b]['ms_per_step']:.2f}x)"
+        for b in on
+    )
+    print(f"{fraction:>6} {mode:<15} ms per step, cached_gemv on/off (off / on): {line}", flush=True)
+
+
 def print_offload(name: str, entry: dict) -> None:
     """The console summary bench/offload.py prints after each model."""
     print(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from bench import offload
 
 
@@ -75,3 +77,22 @@ def test_offload_tiny_cpu_with_int8_experts(tmp_path):
     scales = 512 + 512 + 4 * D  # starting on a 256-byte boundary (384 bytes of [F] take 512 with padding)
     assert results["expert_dtype"] == "int8" and entry["expert_block_bytes"] == 3 * F * D + scales
     assert entry["runs"]["0.5"]["none"]["slots_per_layer"] == entry["num_experts"] // 2
+
+
+def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
+    """--cached-gemv on,off: each cached run twice, keyed apart, printed together with their ratio."""
+    out = tmp_path / "out"
+    argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none"]
+    argv += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--cached-gemv", "on,off"]
+    assert offload.main(argv) == 0
+    runs = json.loads((out / "offload.json").read_text())["shapes"]["tiny"]["runs"]["0.5"]
+    assert list(runs) == ["none", "none/no-cached-gemv"]
+    assert runs["none"]["cached_gemv"] is True and runs["none/no-cached-gemv"]["cached_gemv"] is False
+    assert "ms per step, cached_gemv on/off (off / on): b=1 " in capsys.readouterr().out
+
+
+def test_offload_refuses_an_unknown_cached_gemv_setting(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        offload.main(["--shapes", "tiny", "--backend", "cpu", "--cached-gemv", "on,maybe"])
+    assert exit_.value.code == 2
+    assert "--cached-gemv: ['maybe'] not in on, off" in capsys.readouterr().err
