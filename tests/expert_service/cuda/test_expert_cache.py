@@ -1,8 +1,10 @@
 """The expert cache on the cuda backend (GPU only): the slot map, copies and waves decided on the device, cached
 steps replayed as CUDA graphs, prefetch on a side stream.
 
-The cached path runs every step size through the same expert kernels (grouped kernels up to 64 tokens, per-expert
-cuBLAS above), so its outputs are bitwise equal at every number of slots, and a replayed graph launches what the
+The cached path runs every step of two or more tokens through the same expert kernels (grouped kernels up to 64
+tokens, per-expert cuBLAS above), and these sessions' steps all have two or more (two or three prompts), so their
+outputs are bitwise equal at every number of slots (one-token steps, whose strategy depends on the slot count, are
+test_expert_cache_gemv.py's), and a replayed graph launches what the
 eager pass launched, so graphs and eager passes are bitwise equal too; the resident path picks other kernels by
 step size (all-experts GEMMs, a different reduction order), so against it, and against the cpu backend, the check
 is the fp32 tolerance and identical greedy tokens.
