@@ -1,0 +1,154 @@
+"""Pacing of Numba's CUDA simulator for the tests (numba-cuda 0.30): what a kernel computes is unchanged, only how
+the simulator's Python threads wait for each other.
+
+The simulator runs every CUDA thread of a block as a Python thread. Its BlockManager finds a `syncthreads` barrier
+complete by busy-polling every thread's flag, so it holds the GIL against the very threads it waits for, and a
+blocked thread sleeps on an Event until the poller notices. Here the barrier is a counter under a condition
+variable: the last thread to arrive releases the others at once, a thread that ends counts as departed (as the
+poller treated it), and an exception in one thread aborts the rest as before.
+
+Also closes a race in FakeCUDAShared.array (below), which the faster switching makes likely.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+
+class _Aborted(RuntimeError):
+    """Raised in a thread waiting at a barrier when another thread of its block failed."""
+
+
+class _Barrier:
+    """`syncthreads` over a block's live threads: released when every thread still running has arrived."""
+
+    def __init__(self, live: int):
+        self.cond = threading.Condition()
+        self.live = live
+        self.arrived = 0
+        self.generation = 0
+        self.aborted = False
+
+    def _release(self) -> None:
+        self.arrived = 0
+        self.generation += 1
+        self.cond.notify_all()
+
+    def wait(self) -> None:
+        with self.cond:
+            if self.aborted:
+                raise _Aborted("abort flag set on syncthreads call")
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.live:
+                self._release()
+            while generation == self.generation and not self.aborted:
+                self.cond.wait()
+            if self.aborted:
+                raise _Aborted("abort flag set on syncthreads clear")
+
+    def depart(self, failed: bool) -> None:
+        with self.cond:
+            self.live -= 1
+            if failed:
+                self.aborted = True
+                self.cond.notify_all()
+            elif self.live and self.arrived == self.live:
+                self._release()
+            if not self.live:
+                self.cond.notify_all()
+
+
+def _run_block(self, grid_point, *args) -> None:
+    """BlockManager.run: start the block's threads, wait until all have ended (or one failed), re-raise the first
+    failure with its traceback."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    barrier = _Barrier(int(np.prod(self._block_dim)))
+    threads = []
+
+    def target():
+        self._f(*args)
+
+    for block_point in np.ndindex(*self._block_dim):
+        thread = BlockThread(target, self, grid_point, block_point, self._debug)
+        thread._barrier = barrier
+        threads.append(thread)
+    for thread in threads:
+        thread.start()
+    with barrier.cond:
+        while barrier.live and not barrier.aborted:
+            barrier.cond.wait()
+    failed = [t for t in threads if t.exception and not isinstance(t.exception[0], _Aborted)]
+    failed = failed or [t for t in threads if t.exception]
+    if failed:
+        raise failed[0].exception[0].with_traceback(failed[0].exception[1])
+
+
+def _thread_run(self) -> None:
+    try:
+        _original_thread_run(self)
+    finally:
+        self._barrier.depart(self.exception is not None)
+
+
+def _syncthreads(self) -> None:
+    self._barrier.wait()
+
+
+_original_thread_run = None
+
+
+def _locked_shared_array(lock: threading.Lock):
+    """numba-cuda 0.30's FakeCUDAShared.array creates a block's shared array lazily on first use without a lock:
+    two threads can both miss and one writes into an orphaned copy (seen as a wrong top-k). Same lookup (keyed by
+    the caller's file and line), under a lock."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    original = FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)
+        from numba.core import types
+        from numba.np import numpy_support
+
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    return FakeCUDAShared, original, array
+
+
+@contextmanager
+def paced_simulator() -> Iterator[None]:
+    """The event-driven barrier and the locked shared arrays while the block runs; a no-op off the simulator."""
+    global _original_thread_run
+    from numba.cuda import config
+
+    if not config.ENABLE_CUDASIM:
+        yield
+        return
+    from numba.cuda.simulator.kernel import BlockManager, BlockThread
+
+    shared_cls, shared_original, shared_patched = _locked_shared_array(threading.Lock())
+    saved = BlockManager.run, BlockThread.run, BlockThread.syncthreads
+    _original_thread_run = BlockThread.run
+    BlockManager.run, BlockThread.run, BlockThread.syncthreads = _run_block, _thread_run, _syncthreads
+    shared_cls.array = shared_patched
+    try:
+        yield
+    finally:
+        BlockManager.run, BlockThread.run, BlockThread.syncthreads = saved
+        shared_cls.array = shared_original
