@@ -40,12 +40,14 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselection: a CPU-only run never probes for a GPU
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests are skipped where no GPU is visible."""
+    """`@pytest.mark.gpu` tests are skipped where no GPU is visible, and `@pytest.mark.slow` tests run first: the
+    xdist workers take tests in this order, so a long test never starts last and keeps one worker busy alone."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with COLIBRI_TEST_GPU=1 pytest -m gpu)")
         for item in gpu_items:
             item.add_marker(skip)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files keep their order
 
 
 @pytest.fixture(autouse=True, scope="session")
