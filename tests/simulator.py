@@ -7,14 +7,13 @@ blocked thread sleeps on an Event until the poller notices. Here the barrier is 
 variable: the last thread to arrive releases the others at once, a thread that ends counts as departed (as the
 poller treated it), and an exception in one thread aborts the rest as before.
 
-Also closes a race in FakeCUDAShared.array (below), which the faster switching makes likely.
+Also closes a race in FakeCUDAShared.array and makes its lookup cheap (below).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -108,7 +107,8 @@ _original_thread_run = None
 def _locked_shared_array(lock: threading.Lock):
     """numba-cuda 0.30's FakeCUDAShared.array creates a block's shared array lazily on first use without a lock:
     two threads can both miss and one writes into an orphaned copy (seen as a wrong top-k). Same lookup (keyed by
-    the caller's file and line), under a lock."""
+    the caller's file and line), under a lock. The stock lookup extracts the whole stack (a stat of every frame's
+    file through linecache) on every call: most of a simulated kernel's time where it calls warp_sum in a loop."""
     from numba.cuda.simulator.kernelapi import FakeCUDAShared
 
     original = FakeCUDAShared.array
@@ -121,7 +121,8 @@ def _locked_shared_array(lock: threading.Lock):
 
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
-        caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+        frame = sys._getframe(1)  # the caller: what the stock traceback.extract_stack found, without linecache
+        caller = (frame.f_code.co_filename, frame.f_lineno)
         with lock:
             res = self._allocations.get(caller)
             if res is None:
