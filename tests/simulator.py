@@ -104,6 +104,52 @@ def _syncthreads(self) -> None:
 _original_thread_run = None
 
 
+# Module globals swapped to the launch's fake cuda module: id(globals) -> (globals, the names' real values).
+_launch_swaps: dict[int, tuple[dict, dict]] = {}
+_swap_lock = threading.Lock()
+
+
+@contextmanager
+def _swapped_for_the_launch(fn, fake_cuda_module) -> Iterator[None]:
+    """swapped_cuda_module for calls inside a launch: a module's `cuda` names point at the launch's fake module
+    from its first call until the launch ends (_launch), where the stock one scans the module's globals and
+    swaps them back around every device-function call of every thread."""
+    from numba.cuda.simulator import kernel
+
+    if fake_cuda_module is not kernel._kernel_context:
+        with _stock_swap(fn, fake_cuda_module):
+            yield
+        return
+    globs = fn.__globals__
+    if id(globs) not in _launch_swaps:
+        from numba import cuda
+
+        with _swap_lock:
+            if id(globs) not in _launch_swaps:
+                real = {k: v for k, v in globs.items() if v is cuda}
+                globs.update(dict.fromkeys(real, fake_cuda_module))
+                _launch_swaps[id(globs)] = (globs, real)
+    yield
+
+
+def _launch(self, *args):
+    """FakeCUDAKernel.__call__ that puts back, once the launch is over, what its device calls swapped."""
+    from numba.cuda.simulator import kernel
+
+    if self._device or kernel._kernel_context:
+        return _stock_call(self, *args)
+    try:
+        return _stock_call(self, *args)
+    finally:
+        with _swap_lock:
+            for globs, real in _launch_swaps.values():
+                globs.update(real)
+            _launch_swaps.clear()
+
+
+_stock_swap = _stock_call = None
+
+
 def _locked_shared_array(lock: threading.Lock):
     """numba-cuda 0.30's FakeCUDAShared.array creates a block's shared array lazily on first use without a lock:
     two threads can both miss and one writes into an orphaned copy (seen as a wrong top-k). Same lookup (keyed by
@@ -135,21 +181,28 @@ def _locked_shared_array(lock: threading.Lock):
 @contextmanager
 def paced_simulator() -> Iterator[None]:
     """The event-driven barrier and the locked shared arrays while the block runs; a no-op off the simulator."""
-    global _original_thread_run
+    global _original_thread_run, _stock_swap, _stock_call
     from numba.cuda import config
 
     if not config.ENABLE_CUDASIM:
         yield
         return
-    from numba.cuda.simulator.kernel import BlockManager, BlockThread
+    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator.kernel import BlockManager, BlockThread, FakeCUDAKernel
 
     shared_cls, shared_original, shared_patched = _locked_shared_array(threading.Lock())
-    saved = BlockManager.run, BlockThread.run, BlockThread.syncthreads
-    _original_thread_run = BlockThread.run
+    saved = BlockManager.run, BlockThread.run, BlockThread.syncthreads, FakeCUDAKernel.__call__
+    _original_thread_run, _stock_call, _stock_swap = (
+        BlockThread.run,
+        FakeCUDAKernel.__call__,
+        kernel.swapped_cuda_module,
+    )
     BlockManager.run, BlockThread.run, BlockThread.syncthreads = _run_block, _thread_run, _syncthreads
+    FakeCUDAKernel.__call__, kernel.swapped_cuda_module = _launch, _swapped_for_the_launch
     shared_cls.array = shared_patched
     try:
         yield
     finally:
-        BlockManager.run, BlockThread.run, BlockThread.syncthreads = saved
+        BlockManager.run, BlockThread.run, BlockThread.syncthreads, FakeCUDAKernel.__call__ = saved
+        kernel.swapped_cuda_module = _stock_swap
         shared_cls.array = shared_original

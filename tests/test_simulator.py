@@ -1,8 +1,11 @@
 """The simulator pacing (tests/simulator.py) keeps the simulator's semantics: a barrier waits for every live thread
 of the block (threads that returned early no longer count), shared memory written before it is seen after it,
-blocks run one after another, and a failing thread's own error reaches the caller, not the abort of the others."""
+blocks run one after another, a failing thread's own error reaches the caller, not the abort of the others, and
+device functions see the launch's thread indices while the module's `cuda` is the real one again after it."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -34,9 +37,14 @@ def _reverse_sums(x, out, early):
     out[b, t] = shared[early - 1 - t] + total[0]
 
 
+@cuda.jit(device=True)
+def _thread_index():
+    return cuda.threadIdx.x
+
+
 @cuda.jit
 def _fails_in_one_thread(out):
-    t = cuda.threadIdx.x
+    t = _thread_index()
     cuda.syncthreads()
     if t == 5:
         raise ValueError("thread five")
@@ -58,6 +66,7 @@ def test_barriers_wait_for_every_live_thread(early):
 def test_a_failing_thread_raises_its_own_error():
     with pytest.raises(ValueError, match="thread five"):
         _fails_in_one_thread[1, 32](np.zeros(32, np.int32))
+    assert globals()["cuda"] is sys.modules["numba.cuda"]
     out = np.full(5, -1, np.int32)  # the next launch runs normally
     _fails_in_one_thread[1, 5](out)
-    assert (out == np.arange(5)).all()
+    assert (out == np.arange(5)).all() and globals()["cuda"] is sys.modules["numba.cuda"]
