@@ -1,6 +1,6 @@
-"""Fixtures (the embedded tiny model, an in-process expert worker on loopback, the byte-level tokenizer), the skip
-of `@pytest.mark.gpu` tests where no GPU is visible, and the `serial` mark of tests reading device memory.
-Functions shared by tests are in tests/helpers.py."""
+"""Fixtures (the CUDA simulator's pacing, the embedded tiny model, an in-process expert worker on loopback, the
+byte-level tokenizer), the skip of `@pytest.mark.gpu` tests where no GPU is visible, and the `serial` mark of tests
+reading device memory. Functions shared by tests are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import BackgroundWorker, has_gpu
+from tests.simulator import paced_simulator
 
 # Calls that read the whole device's free memory: another process's allocations move it, so a test making them
 # cannot share the GPU with other test processes (`make test-gpu` runs these `serial` tests in a pass of their own).
@@ -39,12 +40,21 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselection: a CPU-only run never probes for a GPU
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests are skipped where no GPU is visible."""
+    """`@pytest.mark.gpu` tests are skipped where no GPU is visible, and `@pytest.mark.slow` tests run first: the
+    xdist workers take tests in this order, so a long test never starts last and keeps one worker busy alone."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with COLIBRI_TEST_GPU=1 pytest -m gpu)")
         for item in gpu_items:
             item.add_marker(skip)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files keep their order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def simulator_pacing():
+    """Simulated kernels wait at barriers on a condition variable instead of a busy poll (tests/simulator.py)."""
+    with paced_simulator():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Functions shared by the tests, imported one way: ``from tests.helpers import ...``. Fixtures live in
-tests/conftest.py (and the kernel tests' simulator pacing in tests/expert_service/kernels/conftest.py).
+tests/conftest.py (the CUDA simulator's pacing: tests/simulator.py).
 
 - GPU: a GPU-only test is marked ``@pytest.mark.gpu``; tests/conftest.py skips it where ``has_gpu()`` is false.
 - Storage dtypes: ``STORAGE_DTYPES`` (weights and KV pools: float32, float16, bfloat16 as uint16 words),

@@ -1,11 +1,11 @@
 """The `serial` mark (tests/conftest.py): tests whose body reads the device's free memory get it, the others do
-not, so `make test-gpu` can run them alone after its parallel pass."""
+not, so `make test-gpu` can run them alone after its parallel pass. And `slow` tests are put first (for xdist)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import pytest_itemcollected
+from tests.conftest import pytest_collection_modifyitems, pytest_itemcollected
 
 
 class Item:
@@ -48,3 +48,10 @@ def test_a_test_marked_serial_is_marked_once_and_a_doctest_is_left_alone():
     pytest_itemcollected(item)
     assert len(item.markers) == 1
     pytest_itemcollected(Item(None))
+
+
+def test_slow_tests_are_put_first_and_the_others_keep_their_order():
+    items = [Item(None), Item(None, pytest.mark.slow.mark), Item(None), Item(None, pytest.mark.slow.mark)]
+    before = list(items)
+    pytest_collection_modifyitems(None, items)
+    assert items == [before[1], before[3], before[0], before[2]]

@@ -90,18 +90,22 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """mma.sync m16n8k16 bf16 -> f32 over the block's warps (every thread of the block must call it together:
-        the emulation exchanges fragments through shared memory between two block barriers)."""
+        the emulation exchanges fragments through shared memory between two block barriers). Lane 0 of each warp
+        multiplies the warp's fragments once for its 32 lanes (each lane's own product was 32 times the work)."""
         regs = cuda.shared.array((_MAX_SIM_THREADS, 6), np.uint32)
+        products = cuda.shared.array((_MAX_SIM_THREADS // WARP, 16, 8), np.float64)
         tid = cuda.threadIdx.x
         for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
             regs[tid, i] = v
         cuda.syncthreads()
-        warp = regs[tid - tid % WARP:tid - tid % WARP + WARP]
-        a = _unpack(warp[_A_LANE, _A_REG], _A_SHIFT).astype(np.float64)
-        b = _unpack(warp[_B_LANE, _B_REG], _B_SHIFT).astype(np.float64)
+        if tid % WARP == 0:
+            warp = regs[tid:tid + WARP]
+            a = _unpack(warp[_A_LANE, _A_REG], _A_SHIFT).astype(np.float64)
+            b = _unpack(warp[_B_LANE, _B_REG], _B_SHIFT).astype(np.float64)
+            products[tid // WARP] = a @ b
+        cuda.syncthreads()  # regs are free again, and the products written, once every thread is past this
+        d = products[tid // WARP]
         g, t = (tid % WARP) // 4, tid % 4
-        d = a @ b
-        cuda.syncthreads()
         return (np.float32(c0 + d[g, 2 * t]), np.float32(c1 + d[g, 2 * t + 1]),
                 np.float32(c2 + d[g + 8, 2 * t]), np.float32(c3 + d[g + 8, 2 * t + 1]))
 

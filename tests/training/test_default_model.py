@@ -22,6 +22,7 @@ def test_converted_model_verifies_and_stays_small(default_model_bf16):
     assert (default_model_bf16 / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # about 20 s: both models
 def test_logits_and_greedy_tokens_equal_transformers_in_fp32(default_model_fp32, heldout_ids):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -5,6 +5,7 @@ next 3k (`colibri router-gen` over the whole training corpus: docs/default-model
 """
 
 import numpy as np
+import pytest
 
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
@@ -21,6 +22,7 @@ MIN_RECALL = 0.7
 MIN_GAIN_OVER_FALLBACK = 0.35
 
 
+@pytest.mark.slow  # about 20 s of router-gen
 def test_router_gen_recall_is_far_above_chance(default_model_bf16, heldout_ids):
     model = ModelDir.open(default_model_bf16)
     config = model.config

@@ -33,6 +33,7 @@ def small_corpus(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # about 30 s of training
 def test_tiny_training_lowers_the_loss_and_writes_a_checkpoint(small_corpus, tmp_path):
     log = train(RunConfig(preset="tiny", corpus=small_corpus, out=tmp_path, device="cpu", steps=30, samples=False))
     curve = log["curve"]

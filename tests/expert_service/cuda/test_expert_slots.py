@@ -6,6 +6,7 @@ output row equals the numpy reference of its expert, and each copy is counted at
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from expert_service.cuda.expert_slots import DeviceSlots
@@ -31,6 +32,7 @@ def _weights(rng):
     return weights, layers
 
 
+@pytest.mark.slow  # tens of seconds in the simulator
 def test_quantized_slots_compute_every_expert_from_its_own_bytes():
     rng = np.random.default_rng(21)
     weights, layers = _weights(rng)

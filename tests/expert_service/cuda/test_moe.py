@@ -18,7 +18,6 @@ from expert_service.cuda.workspace import Workspace, layout_workspace, stage_rou
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels.rmsnorm import launch_rmsnorm
 from expert_service.tools.tiny_model import tiny_hf_config
-from tests.expert_service.kernels.conftest import fast_simulator_threads  # noqa: F401 (autouse: simulator pacing)
 from tests.helpers import expert_buffer, random_ids
 
 MAX_TOKENS = 4

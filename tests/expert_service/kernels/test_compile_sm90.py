@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 LINKED = "attention_decode"
 
 
+@pytest.mark.slow  # about two minutes of compiles: started first
 def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     shards = max(1, min(4, os.cpu_count() or 1))

@@ -146,6 +146,7 @@ def test_sim_two_warps_along_m_bk64():
     check(ids, KINDS[:4], 48, 64, SIM_CONFIG_2, seed=3)
 
 
+@pytest.mark.slow  # about half a minute in the simulator: started first
 @pytest.mark.skipif(not SIMULATOR, reason="simulator shapes")
 def test_sim_block_scales_across_bk64_steps():
     # BK = 64 (as the m64 / m128 configs): two main-loop steps per 128-wide scale block, then a partial block
