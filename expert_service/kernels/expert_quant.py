@@ -71,6 +71,12 @@ def meta_row(code: int, scheme: int, offsets) -> np.ndarray:
     return np.array([code, scheme, *offsets[:6]], dtype=np.int32)
 
 
+def layer_kinds(meta: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The distinct (code, scheme) pairs of a layer's host meta [E, META_WIDTH], sorted: what moe_q8 compiles its
+    kernel for (one specialised path each)."""
+    return tuple(sorted({(int(c), int(s)) for c, s in np.asarray(meta)[:, :2]}))
+
+
 # ---- numpy reference ----
 def decode(raw: np.ndarray, code: int) -> np.ndarray:
     """Raw bytes of one tensor -> float32 values (not yet scaled)."""

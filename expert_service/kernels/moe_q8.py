@@ -138,9 +138,10 @@ def _quad_decoder(code: int):
 
 
 @functools.cache
-def _kernel(code: int, scheme: int, gated: bool, tokens: int):
-    """(python kernel, jitted kernel) for weights of dtype `code` with scale `scheme`, gate/up (gated) or down,
-    `tokens` per pass."""
+def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
+    """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
+    gate/up (gated) or down, `tokens` per pass (the kernel's arguments, plus the expert e, its block and its
+    positions [start, end))."""
     rows = rows_per_warp(gated)
     nw = 2 * rows if gated else rows  # weight rows one warp streams
     quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
@@ -190,32 +191,8 @@ def _kernel(code: int, scheme: int, gated: bool, tokens: int):
                 for t in range(tokens):
                     acc[i, t] += factor[i * unroll + u] * part[i, t]
 
-    def kernel(
-        src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out
-    ):
-        """src: x [T, D] (gate_up) or h [n, F] (down) as flat float32; order [n] int32 and offsets [E+1] int32
-        (grouped; unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
-        words: the layer's expert buffer [E, stride] as flat uint32; scales: the same bytes as flat float32;
-        meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows and input values of the
-        matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
-        block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
-        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Experts whose dtype is not
-        this kernel's (dtype and scale scheme) are left to the launch of their own variant. Grid (slots or E, row blocks), WARPS * 32
-        threads."""
-        s_id = cuda.blockIdx.x
-        if by_slot != 0:
-            e = ids[s_id]
-            start = s_id
-            end = s_id + 1
-        else:
-            e = s_id
-            start = offsets[e]
-            end = offsets[e + 1]
-        block = e
-        if use_slots != 0:
-            block = slot_of[e]
-        if start >= end or block < 0 or meta[e, 0] != code or meta[e, 1] != scheme:
-            return  # the whole block leaves before any barrier
+    @cuda.jit(device=True, inline=True)
+    def body(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         base = block * stride
@@ -272,7 +249,66 @@ def _kernel(code: int, scheme: int, gated: bool, tokens: int):
                             else:
                                 out[p0 + t, row] = a
 
-    return kernel, cached_jit(kernel, launch_bounds=launch_bounds(scheme, tokens))
+    return body
+
+
+@cuda.jit(device=True, inline=True)
+def _absent(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+    return
+
+
+@functools.cache
+def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int):
+    """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
+    (gated) or down, `tokens` per pass."""
+    # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
+    # (a branch on values uniform over the block; registers are the largest body's)
+    bodies = [_expert_body(*k, gated, tokens) if k in kinds else _absent for k in ALL_KINDS]
+    body0, body1, body2, body3, body4, body5, body6 = bodies
+    (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
+
+    def kernel(
+        src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out
+    ):
+        """src: x [T, D] (gate_up) or h [n, F] (down) as flat float32; order [n] int32 and offsets [E+1] int32
+        (grouped; unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
+        words: the layer's expert buffer [E, stride] as flat uint32; scales: the same bytes as flat float32;
+        meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows and input values of the
+        matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
+        block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
+        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row
+        blocks), WARPS * 32 threads."""
+        s_id = cuda.blockIdx.x
+        if by_slot != 0:
+            e = ids[s_id]
+            start = s_id
+            end = s_id + 1
+        else:
+            e = s_id
+            start = offsets[e]
+            end = offsets[e + 1]
+        block = e
+        if use_slots != 0:
+            block = slot_of[e]
+        if start >= end or block < 0:
+            return  # the whole block leaves before any barrier
+        code, scheme = meta[e, 0], meta[e, 1]
+        if code == c0 and scheme == s0:
+            body0(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c1 and scheme == s1:
+            body1(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c2 and scheme == s2:
+            body2(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c3 and scheme == s3:
+            body3(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c4 and scheme == s4:
+            body4(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c5 and scheme == s5:
+            body5(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c6 and scheme == s6:
+            body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+
+    return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens))
 
 
 def _check(name, a, shape, dtype):
@@ -280,11 +316,6 @@ def _check(name, a, shape, dtype):
         raise ValueError(
             f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} {list(a.shape)}"
         )
-
-
-def layer_kinds(meta) -> tuple[tuple[int, int], ...]:
-    """The (code, scheme) pairs of a layer's host meta [E, META_WIDTH]: the variants its launches need."""
-    return tuple(sorted({(int(c), int(s)) for c, s in np.asarray(meta)[:, :2]}))
 
 
 def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
@@ -331,8 +362,7 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         int(slot_of is not None),
         out,
     )
-    for code, scheme in kinds:
-        _kernel(code, scheme, gated, 1 if by_slot else TOK_TILE)[1][grid, WARPS * WARP, stream](*args)
+    _kernel(kinds, gated, 1 if by_slot else TOK_TILE)[1][grid, WARPS * WARP, stream](*args)
 
 
 def launch_q8_gate_up(
@@ -382,18 +412,26 @@ def launch_q8_down(
     _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds)
 
 
-# The variants the sm_90 compile check builds (each compile takes seconds): every decode one (one token, each
-# encoding, gate/up and down), the grouped 8-bit ones of the two common checkpoint encodings, and a grouped
-# gate/up and down of the unquantized template.
+# The kernels the sm_90 compile check builds (each path compiles in seconds): every 8-bit encoding alone at
+# decode (gate/up and down), the grouped ones of the two common checkpoint encodings, and two mixed layers that
+# between them hold every unquantized path (those only occur in mixed layers; all seven bodies in one kernel
+# compile in ~45 s, too slow for the suite).
+EIGHT_BIT_KINDS = ALL_KINDS[:4]
 SM90_VARIANTS = tuple(
-    [(c, s, g, 1) for c, s in ALL_KINDS for g in (True, False)]
-    + [(c, s, g, TOK_TILE) for c, s in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)) for g in (True, False)]
-    + [(CODE_BF16, SCALE_NONE, True, TOK_TILE), (CODE_F32, SCALE_NONE, False, TOK_TILE)]
+    [((k,), g, 1) for k in EIGHT_BIT_KINDS for g in (True, False)]
+    + [((k,), g, TOK_TILE) for k in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)) for g in (True, False)]
+    + [(((CODE_INT8, SCALE_CHANNEL), (CODE_F16, SCALE_NONE)), True, 1)]
+    + [(((CODE_FP8, SCALE_BLOCK), (CODE_BF16, SCALE_NONE), (CODE_F32, SCALE_NONE)), False, TOK_TILE)]
 )
 
 
+def kernel_bounds(kinds, tokens: int) -> tuple[int, int]:
+    """Launch bounds of a layer's kernel: the smallest blocks per SM any of its paths needs."""
+    return min((launch_bounds(scheme, tokens) for _, scheme in kinds), key=lambda b: b[1])
+
+
 def sm90_signature():
-    """The numba signature every variant takes."""
+    """The numba signature every kernel takes."""
     f1, f2, i1, i64 = types.float32[::1], types.float32[:, ::1], types.int32[::1], types.int64
     return (f1, i1, i1, i1, i64, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, i64, i1, i64, f2)
 
@@ -401,5 +439,6 @@ def sm90_signature():
 def sm90_signatures():
     """(python function, numba signature, compile options) of the kernels for the sm_90 compile check."""
     return [
-        (_kernel(*v)[0], sm90_signature(), {"launch_bounds": launch_bounds(v[1], v[3])}) for v in SM90_VARIANTS
+        (_kernel(kinds, gated, tokens)[0], sm90_signature(), {"launch_bounds": kernel_bounds(kinds, tokens)})
+        for kinds, gated, tokens in SM90_VARIANTS
     ]
