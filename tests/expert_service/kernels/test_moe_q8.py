@@ -9,7 +9,7 @@ from numba import cuda
 from expert_service.experts.grouping import group_by_expert
 from expert_service.kernels import expert_quant as q
 from expert_service.kernels.expert_quant import layer_kinds
-from expert_service.kernels.moe_q8 import ALL_KINDS, launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.moe_q8 import ALL_KINDS, UNROLL, launch_q8_down, launch_q8_gate_up
 
 # every (dtype, scheme) an expert can have: 8-bit with either scale, and the unquantized 16-bit dtypes
 KINDS = [
@@ -159,13 +159,15 @@ def test_by_slot_through_slots_matches_reference():
 
 
 def test_long_rows_stream_whole_steps_and_a_tail():
-    """Rows long enough for the unrolled main loop plus a partial last step: 528 inputs = 33 8-bit chunks over
-    five 128-wide scale blocks, gate/up (D = 528) and down (F = 528) on layers with few output rows (the
-    simulator's cost is in the rows), by slot, int8 and block-scaled e4m3 in one layer."""
+    """Rows long enough for the unrolled main loop plus a partial last step: n = one step of chunks (32 lanes x
+    UNROLL, 16 values each) plus one chunk (simulator 528, GPU 1040, over several 128-wide scale blocks), gate/up
+    (D = n) and down (F = n) on layers with few output rows (the simulator's cost is in the rows), by slot, int8
+    and block-scaled e4m3 in one layer."""
     rng = np.random.default_rng(3)
     kinds = [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_BLOCK)]
     ids = np.array([[1, 0]], np.int32)
-    for F, D in ((16, 528), (528, 16)):
+    n = 16 * (32 * UNROLL + 1)
+    for F, D in ((16, n), (n, 16)):
         W, meta, mats = mixed_layer(rng, kinds, F, D)
         q8 = dict(ids=cuda.to_device(ids), kinds=layer_kinds(meta))
         dW, dmeta = cuda.to_device(W), cuda.to_device(meta)
