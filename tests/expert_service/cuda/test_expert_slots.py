@@ -10,8 +10,8 @@ from numba import cuda
 
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.experts.grouping import group_by_expert
-from expert_service.kernels.expert_slot_map import MISSES, PREFETCHES_ISSUED
 from expert_service.kernels.expert_quant import layer_kinds
+from expert_service.kernels.expert_slot_map import MISSES, PREFETCHES_ISSUED
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 from tests.expert_service.kernels.test_moe_q8 import KINDS, check_close, mixed_layer, reference
 

@@ -196,7 +196,16 @@ def test_experts_of_unlisted_kinds_are_not_computed():
     ids = cuda.to_device(np.array([[0, 1]], np.int32))
     x = rng.standard_normal((1, D)).astype(np.float32)
     h = cuda.to_device(np.full((2, F), np.nan, np.float32))
-    launch_q8_gate_up(cuda.to_device(x), cuda.to_device(W), cuda.to_device(meta), F, D, h, ids=ids, kinds=[(q.CODE_INT8, q.SCALE_CHANNEL)])
+    launch_q8_gate_up(
+        cuda.to_device(x),
+        cuda.to_device(W),
+        cuda.to_device(meta),
+        F,
+        D,
+        h,
+        ids=ids,
+        kinds=[(q.CODE_INT8, q.SCALE_CHANNEL)],
+    )
     h = h.copy_to_host()
     check_close(h[:1], reference(x, mats[0], F)[0])
     assert np.isnan(h[1]).all()
