@@ -72,8 +72,8 @@ ALL_KINDS = (
     (CODE_F32, SCALE_NONE),
 )
 # blocks per SM each variant is compiled for (ptxas caps registers at 65536 / (threads * blocks)): 4 blocks of 4
-# warps keep 16 warps x 4 KB of loads in flight per SM at decode, as gemv (block scales: 3, their factors spill
-# at 4); token tiles need more registers.
+# warps keep 16 warps x 4 KB of loads in flight per SM at decode, as gemv (kernel_bounds: fewer where 128
+# registers would spill); token tiles need more registers.
 DECODE_BLOCKS_PER_SM, TILE_BLOCKS_PER_SM = 4, 2
 WORDS = CHUNK_BYTES // 4  # 32-bit words per 16-byte chunk
 BLOCK_SHIFT = SCALE_BLOCK_SIZE.bit_length() - 1  # log2 of the 128-value scale block
@@ -84,10 +84,6 @@ def rows_per_warp(gated: bool) -> int:
     return ROWS_GATED if gated else ROWS_DOWN
 
 
-def launch_bounds(scheme: int, tokens: int) -> tuple[int, int]:
-    if tokens > 1:
-        return WARPS * WARP, TILE_BLOCKS_PER_SM
-    return WARPS * WARP, DECODE_BLOCKS_PER_SM - (scheme == SCALE_BLOCK)
 
 
 def _quad_decoder(code: int):
@@ -426,8 +422,13 @@ SM90_VARIANTS = tuple(
 
 
 def kernel_bounds(kinds, tokens: int) -> tuple[int, int]:
-    """Launch bounds of a layer's kernel: the smallest blocks per SM any of its paths needs."""
-    return min((launch_bounds(scheme, tokens) for _, scheme in kinds), key=lambda b: b[1])
+    """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
+    without block scales; block-scale factors, or several bodies in one kernel (their live ranges meet at the
+    dispatch), spill there and get 3 blocks' worth; token tiles 2."""
+    if tokens > 1:
+        return WARPS * WARP, TILE_BLOCKS_PER_SM
+    alone = len(kinds) == 1 and kinds[0][1] != SCALE_BLOCK
+    return WARPS * WARP, DECODE_BLOCKS_PER_SM if alone else DECODE_BLOCKS_PER_SM - 1
 
 
 def sm90_signature():
