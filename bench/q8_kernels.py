@@ -3,7 +3,7 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
 
   decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
               launch_expert_gate_up/down on the same experts in bf16;
-  decode b=16: moe_q8 grouped (16 tokens, K each), new vs old;
+  decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
   dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old.
 
 Per kernel: median microseconds of --iters timed repetitions (after a warm-up), the bytes it must move (decode:
@@ -15,7 +15,7 @@ layer is 1.4 GB), fp8 bytes with the NaN codes replaced.
 
     python bench/q8_kernels.py --out out/q8_kernels.json [--shapes mixtral-shape,qwen3moe-shape] [--dtypes int8,fp8]
 
-`--shapes tiny` runs in seconds under NUMBA_ENABLE_CUDASIM=1 (tests/bench check the script end to end there).
+`--shapes tiny --tokens 2 --iters 1` runs in about a minute under NUMBA_ENABLE_CUDASIM=1 (a smoke run of the script).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ SHAPES = {  # D, F, E, K
     "qwen3moe-shape": (2048, 768, 128, 8),
     "tiny": (64, 48, 4, 2),
 }
-GROUPED_TOKENS = 16
 
 
 def random_layer(rng, code: int, scheme: int, E: int, F: int, D: int):
@@ -80,7 +79,7 @@ def max_rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def bench_shape(shape: str, dtypes: list[str], iters: int) -> dict:
+def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
     from numba import cuda
 
     from bench import q8_before as old
@@ -115,7 +114,6 @@ def bench_shape(shape: str, dtypes: list[str], iters: int) -> dict:
     )
     out["bf16_gemv_b1"] = row("bf16 gemv, b=1", b16, K * 3 * F * D * 2)
 
-    T = GROUPED_TOKENS
     tids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     groups = group_by_expert(tids, E)
     order, offsets = cuda.to_device(groups.order.astype(np.int32)), cuda.to_device(groups.offsets.astype(np.int32))
@@ -194,11 +192,15 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="mixtral-shape,qwen3moe-shape")
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
     args = parser.parse_args(argv)
     shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
     if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
         parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
-    result = {"hbm_bytes_per_s": HBM_BYTES_PER_S, "shapes": {s: bench_shape(s, dtypes, args.iters) for s in shapes}}
+    result = {
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens) for s in shapes},
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
