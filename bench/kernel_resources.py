@@ -104,7 +104,9 @@ def kernel_modules(names: list[str] | None):
 
 
 def signatures(names: list[str] | None, failed: list[str]):
-    """(module name, index, python function, signature) of every listed signature; import failures go to failed."""
+    """(module name, index, python function, signature, compile options) of every listed signature (a module lists
+    (function, signature) or (function, signature, options for compile_ptx, e.g. launch_bounds)); import
+    failures go to failed."""
     for name, module in kernel_modules(names):
         try:
             if isinstance(module, Exception):
@@ -113,8 +115,8 @@ def signatures(names: list[str] | None, failed: list[str]):
         except Exception as e:
             failed.append(f"{name} (import / sm90_signatures): {type(e).__name__}: {e}")
             continue
-        for index, (fn, sig) in enumerate(listed):
-            yield name, index, fn, sig
+        for index, (fn, sig, *options) in enumerate(listed):
+            yield name, index, fn, sig, options[0] if options else {}
 
 
 def resources(
@@ -125,16 +127,23 @@ def resources(
     from numba import cuda
 
     rows, failed = [], []
-    for position, (name, index, fn, sig) in enumerate(signatures(names, failed)):
+    for position, (name, index, fn, sig, options) in enumerate(signatures(names, failed)):
         if position % shard[1] != shard[0]:
             continue
         label = f"{name}.{fn.__name__}{tuple(str(a) for a in sig)}"
         try:
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0), **options)
         except Exception as e:
             failed.append(f"{label}: {type(e).__name__}: {e}")
             continue
-        row = {"module": name, "kernel": fn.__name__, "signature": index}
+        # local-memory traffic in the PTX: per-thread arrays that stayed on the stack (dynamic indices)
+        row = {
+            "module": name,
+            "kernel": fn.__name__,
+            "signature": index,
+            "ptx_ld_local": len(re.findall(r"\bld\.local", ptx)),
+            "ptx_st_local": len(re.findall(r"\bst\.local", ptx)),
+        }
         if resources_of is None or name in resources_of:
             report, cubin = link_report(ptx)
             row.update(report)
@@ -156,7 +165,8 @@ def print_row(row: dict) -> None:
     )
     print(
         f"{row['module']:22s} {row['kernel'][:30]:30s} #{row['signature']}  regs {row.get('registers', '?'):>3}  "
-        f"spill {row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}{mix}",
+        f"spill {row.get('spill_store_bytes', '?'):>4}  smem {row.get('shared_bytes', '?'):>6}  "
+        f"ptx ld/st.local {row['ptx_ld_local']}/{row['ptx_st_local']}{mix}",
         flush=True,
     )
 

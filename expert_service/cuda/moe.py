@@ -342,16 +342,17 @@ class DeviceMoe:
         grouped (rows in grouped order, combined through position)."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
-        meta, gate, out = self.weights.expert_meta[i], ws.moe_gate[:n], ws.moe_out[:n]
+        meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
+        gate, out = ws.moe_gate[:n], ws.moe_out[:n]
         if T == 1:
-            launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st)
-            launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st)
+            launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds)
+            launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds)
             combine(out, ws.identity_position[:n], weights, h)
             return
         order, position = ws.order[:n], ws.position[:n]
         launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st)
-        launch_q8_down(gate, experts, meta, F, D, out, offsets=ws.offsets, stream=st)
+        launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st, kinds=kinds)
+        launch_q8_down(gate, experts, meta, F, D, out, offsets=ws.offsets, stream=st, kinds=kinds)
         combine(out, position, weights, h)
 
     def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:

@@ -191,11 +191,10 @@ class CachedExperts:
                     self.slots.fetch(i, w, st)
                 slot_of = self.slots.wave_slots(i, w)
                 if self.quantized:
-                    meta, gate = self.weights.expert_meta[i], ws.moe_gate[:n]
-                    launch_q8_gate_up(
-                        x, buffer, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st, slot_of=slot_of
-                    )
-                    launch_q8_down(gate, buffer, meta, F, D, out, offsets=ws.offsets, stream=st, slot_of=slot_of)
+                    meta, kinds, gate = self.weights.expert_meta[i], self.weights.expert_kinds[i], ws.moe_gate[:n]
+                    q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds)
+                    launch_q8_gate_up(x, buffer, meta, F, D, gate, order=order, **q8)
+                    launch_q8_down(gate, buffer, meta, F, D, out, **q8)
                     continue
                 launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
                 launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)

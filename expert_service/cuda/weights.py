@@ -163,6 +163,8 @@ class DeviceWeights:
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
         self.expert_meta: dict[int, DeviceNDArray] = {}
+        # each layer's (dtype code, scale scheme) pairs, known at load: moe_q8 compiles one path per pair
+        self.expert_kinds: dict[int, tuple[tuple[int, int], ...]] = {}
         # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
         # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
         self.quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
@@ -179,6 +181,7 @@ class DeviceWeights:
                 meta = expert_meta(model, layer)
                 self.all_8bit &= bool(np.isin(meta[:, 0], EIGHT_BIT_CODES).all())
                 self.expert_meta[layer] = cuda.to_device(meta, stream=stream)
+                self.expert_kinds[layer] = expert_quant.layer_kinds(meta)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])

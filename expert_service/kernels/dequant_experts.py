@@ -4,9 +4,12 @@ expert (in expert order; active: offsets[e+1] > offsets[e]) as the dense dtype, 
 Reference: ``expert_quant.dequantize``.
 
 The active experts are found on the device from the step's grouping offsets, so the host only says which group
-(`first`), never which experts: no upload between groups. Each thread widens one 32-bit word of 8-bit weights
-(4 values) or two of 16-bit ones; the dense write is 2x (bf16) the 8-bit read, and the GEMMs then read it once
-more, which at prefill sizes is small beside their arithmetic.
+(`first`), never which experts: no upload between groups (one thread of each block finds its expert). A block
+covers part of one weight row (grid: chunk blocks x 2F + D rows x G, so no division by runtime sizes), each
+thread one 16-value chunk: a 16-byte streaming load of 8-bit weights (two / four for 16-bit / f32 experts),
+widened in registers as moe_q8 does, written as four 8-byte words of bf16 / f16 (float32 scratch: 16 stores).
+The dense write is 2x (bf16) the 8-bit read, and the GEMMs then read it once more: at prefill sizes this pass is
+the 8-bit path's whole overhead over bf16, so it must run at the HBM roofline (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -21,50 +24,98 @@ from expert_service.kernels.expert_quant import (
     CODE_BF16,
     CODE_F16,
     CODE_F32,
+    CODE_FP8,
+    CODE_INT8,
     META_WIDTH,
     SCALE_BLOCK,
     SCALE_BLOCK_SIZE,
     SCALE_CHANNEL,
-    byte_at,
+    fp8x4,
+    int8x4,
 )
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import SIMULATOR, f16_to_f32, storer, u32_as_f32
+from expert_service.kernels.numeric import SIMULATOR, f16_to_f32, packer4, storer, u32_as_f32
+from expert_service.kernels.ptx import ld_stream_v4
 
-THREADS = 32 if SIMULATOR else 256
-VALUES = 4  # values per thread (one 8-bit word); F and D are multiples of 16, so a row holds whole groups
+THREADS = 8 if SIMULATOR else 128  # the simulator pays per thread; short test rows need few
+VALUES = 16  # values per thread: one 16-byte chunk of an 8-bit row (F and D are multiples of 16)
 _DTYPES = (np.uint16, np.float16, np.float32)  # the scratch's dense dtype (uint16 = bfloat16 bits)
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def _bits(x):
+        return np.uint64(np.array([x], np.float32).view(np.uint32)[0])
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _bits(x):
+        return np.uint64(np.uint32(libdevice.float_as_int(x)))
+
+
+@cuda.jit(device=True, inline=True)
+def _words_to_values(words, w0, code, v):
+    """The 16 values starting at word w0 (one chunk of an 8-bit row, two of a 16-bit one, four of f32) into v."""
+    if code == CODE_INT8 or code == CODE_FP8:
+        a = ld_stream_v4(words, w0)
+        for q in range(4):
+            if code == CODE_INT8:
+                v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3] = int8x4(a[q])
+            else:
+                v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3] = fp8x4(a[q])
+    elif code == CODE_F32:
+        for h in range(4):
+            a = ld_stream_v4(words, w0 + 4 * h)
+            for q in range(4):
+                v[4 * h + q] = u32_as_f32(a[q])
+    else:
+        for h in range(2):
+            a = ld_stream_v4(words, w0 + 4 * h)
+            for q in range(4):
+                w = a[q]
+                if code == CODE_BF16:
+                    v[8 * h + 2 * q] = u32_as_f32(w << np.uint32(16))
+                    v[8 * h + 2 * q + 1] = u32_as_f32(w & np.uint32(0xFFFF0000))
+                else:
+                    v[8 * h + 2 * q] = f16_to_f32(w & np.uint32(0xFFFF))
+                    v[8 * h + 2 * q + 1] = f16_to_f32(w >> np.uint32(16))
 
 
 @functools.cache
 def _kernel(dtype):
     store = storer(dtype)
+    narrow = np.dtype(dtype).itemsize == 2
+    pack4 = packer4(dtype if narrow else np.uint16)
 
-    def kernel(words, scales, meta, stride, offsets, first, F, D, out):
+    def kernel(words, scales, meta, stride, offsets, first, F, D, out, out64):
         """words / scales: the layer's expert buffer [E, stride] as flat uint32 / float32; meta [E, META_WIDTH]
         int32; stride: bytes per expert; offsets [E+1] int32 (the step's grouping); first: index of the group's
-        first active expert; out [G, 3*F*D] dense dtype (gate, up, down back to back). Grid (G, value blocks),
-        THREADS threads; slots past the last active expert are left untouched."""
-        j = cuda.blockIdx.y  # the expert (the grid's x holds the many chunks: y and z stop at 65535)
-        E = offsets.shape[0] - 1
-        e = -1
-        seen = 0
-        for k in range(E):  # the (first + j)-th expert with tokens
-            if offsets[k + 1] > offsets[k]:
-                if seen == first + j:
-                    e = k
-                    break
-                seen += 1
-        if e < 0:
-            return
-        i = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
-        fd = F * D
-        if i >= 3 * fd:
-            return
-        m = i // fd
+        first active expert; out [G, 3*F*D] dense dtype (gate, up, down back to back), flat, and out64 the same
+        bytes as uint64 (16-bit scratch: four values per store). Grid (chunk blocks of a row, 2F + D weight rows,
+        G), THREADS threads, each widening one 16-value chunk; slots past the last active expert are untouched."""
+        pick = cuda.shared.array(1, np.int32)
+        j = cuda.blockIdx.z
+        if cuda.threadIdx.x == 0:  # the (first + j)-th expert with tokens, found once per block
+            E = offsets.shape[0] - 1
+            pick[0] = -1
+            seen = 0
+            for k in range(E):
+                if offsets[k + 1] > offsets[k]:
+                    if seen == first + j:
+                        pick[0] = k
+                        break
+                    seen += 1
+        cuda.syncthreads()
+        e = pick[0]
+        row = cuda.blockIdx.y
+        m = 0 if row < F else (1 if row < 2 * F else 2)  # gate, up, down: no division by runtime sizes
+        r = row - m * F
         n_in = D if m < 2 else F
-        local = i - m * fd
-        r = local // n_in
-        c = local - r * n_in
+        c = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
+        if e < 0 or c >= n_in:
+            return
         code = meta[e, 0]
         scheme = meta[e, 1]
         base = e * stride
@@ -74,27 +125,18 @@ def _kernel(dtype):
         elif scheme == SCALE_BLOCK:
             n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
             factor = scales[(base + meta[e, 5 + m]) // 4 + (r // SCALE_BLOCK_SIZE) * n_cb + c // SCALE_BLOCK_SIZE]
-        o = j * 3 * fd + i
-        if code == CODE_F32:
-            w0 = (base + meta[e, 2 + m] + local * 4) // 4
-            for q in range(VALUES):
-                store(out, o + q, u32_as_f32(words[w0 + q]))
-        elif code == CODE_BF16 or code == CODE_F16:
-            w0 = (base + meta[e, 2 + m] + local * 2) // 4
-            for q in range(2):
-                w = words[w0 + q]
-                if code == CODE_BF16:
-                    lo = u32_as_f32(w << np.uint32(16))
-                    hi = u32_as_f32(w & np.uint32(0xFFFF0000))
-                else:
-                    lo = f16_to_f32(w & np.uint32(0xFFFF))
-                    hi = f16_to_f32(w >> np.uint32(16))
-                store(out, o + 2 * q, lo)
-                store(out, o + 2 * q + 1, hi)
+        nb = 4 if code == CODE_F32 else (2 if code == CODE_BF16 or code == CODE_F16 else 1)
+        v = cuda.local.array(VALUES, np.float32)
+        _words_to_values(words, (base + meta[e, 2 + m] + (r * n_in + c) * nb) // 4, code, v)
+        o = j * 3 * F * D + m * F * D + r * n_in + c  # a multiple of 16
+        if narrow:
+            for q in range(VALUES // 4):
+                lo = _bits(v[4 * q] * factor) | (_bits(v[4 * q + 1] * factor) << np.uint64(32))
+                hi = _bits(v[4 * q + 2] * factor) | (_bits(v[4 * q + 3] * factor) << np.uint64(32))
+                out64[o // 4 + q] = pack4(lo, hi)
         else:
-            w = words[(base + meta[e, 2 + m] + local) // 4]
-            for b in range(VALUES):
-                store(out, o + b, byte_at(w, b, code) * factor)
+            for k in range(VALUES):
+                store(out, o + k, v[k] * factor)
 
     return kernel, cached_jit(kernel)
 
@@ -109,8 +151,11 @@ def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, o
         raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
     if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
         raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
+    if out.shape[0] > 65535 or 2 * F + D > 65535:
+        raise ValueError(f"a group of {out.shape[0]} experts with {2 * F + D} weight rows exceeds the grid's 65535")
     flat = experts.reshape(experts.size)
-    grid = (-(-3 * F * D // (VALUES * THREADS)), out.shape[0])
+    flat_out = out.reshape(out.size)
+    grid = (-(-max(F, D) // (VALUES * THREADS)), 2 * F + D, out.shape[0])
     _kernel(np.dtype(out.dtype).type)[1][grid, THREADS, stream](
         flat.view(np.uint32),
         flat.view(np.float32),
@@ -120,7 +165,8 @@ def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, o
         first,
         F,
         D,
-        out.reshape(out.size),
+        flat_out,
+        flat_out.view(np.uint64) if np.dtype(out.dtype).itemsize == 2 else flat.view(np.uint64)[:1],
     )
 
 
@@ -140,6 +186,7 @@ def sm90_signatures():
                 i64,
                 i64,
                 numpy_support.from_dtype(np.dtype(dt))[::1],
+                types.uint64[::1],
             ),
         )
         for dt in _DTYPES

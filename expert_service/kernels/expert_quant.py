@@ -21,6 +21,7 @@ from numba import cuda
 
 from common import quant as common_quant
 from expert_service.kernels.numeric import u32_as_f32
+from expert_service.kernels.ptx import prmt_fn
 
 CODE_BF16, CODE_F16, CODE_INT8, CODE_FP8, CODE_F32 = 0, 1, 2, 3, 4
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
@@ -68,6 +69,12 @@ def meta_row(code: int, scheme: int, offsets) -> np.ndarray:
     if any(int(o) % TENSOR_ALIGN for o in offsets[:6]):
         raise ValueError(f"expert tensor offsets {list(offsets[:6])} are not multiples of {TENSOR_ALIGN}")
     return np.array([code, scheme, *offsets[:6]], dtype=np.int32)
+
+
+def layer_kinds(meta: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The distinct (code, scheme) pairs of a layer's host meta [E, META_WIDTH], sorted: what moe_q8 compiles its
+    kernel for (one specialised path each)."""
+    return tuple(sorted({(int(c), int(s)) for c, s in np.asarray(meta)[:, :2]}))
 
 
 # ---- numpy reference ----
@@ -164,3 +171,47 @@ def fp8_at(w, j):
 @cuda.jit(device=True, inline=True)
 def byte_at(w, j, code):
     return int8_at(w, j) if code == CODE_INT8 else fp8_at(w, j)
+
+
+# ---- the same decoders for a whole word, in as few integer instructions as the streaming kernels can afford ----
+# prmt selectors: byte j of a into byte 0 and the constant word's top byte (0x4B) into byte 3 (int8); byte j of a
+# into byte 3, zeros elsewhere (e4m3).
+_int8_0, _int8_1, _int8_2, _int8_3 = (prmt_fn(j | 0x7540) for j in range(4))
+_fp8_0, _fp8_1, _fp8_2 = (prmt_fn((j << 12) | 0x444) for j in range(3))
+_INT8_FLOAT, _SIGN_FLIP = np.uint32(0x4B000000), np.uint32(0x80808080)
+_FP8_FIELDS = np.uint32(0x87F00000)  # the sign and the 7 exponent/mantissa bits once shifted into a float32
+
+
+@cuda.jit(device=True, inline=True)
+def int8x4(w):
+    """The 4 bytes of w (byte 0 first) as signed int8 values in float32, as int8_at: one prmt per value puts
+    the sign-flipped byte under a 2**23 exponent, one subtraction removes the offset."""
+    f = w ^ _SIGN_FLIP
+    z = _INT8_FLOAT
+    off = np.float32(8388736.0)
+    return (
+        u32_as_f32(_int8_0(f, z)) - off,
+        u32_as_f32(_int8_1(f, z)) - off,
+        u32_as_f32(_int8_2(f, z)) - off,
+        u32_as_f32(_int8_3(f, z)) - off,
+    )
+
+
+@cuda.jit(device=True, inline=True)
+def _fp8_top(t):
+    """A word whose top byte is an e4m3 value -> that value in float32 (fp8_at): the arithmetic shift moves the 7
+    low bits under the float32 exponent field and repeats the sign, the mask keeps one copy of it."""
+    bits = np.uint32(np.int32(t) >> np.int32(4)) & _FP8_FIELDS
+    return u32_as_f32(bits) * FP8_RESCALE
+
+
+@cuda.jit(device=True, inline=True)
+def fp8x4(w):
+    """The 4 bytes of w (byte 0 first) as e4m3fn values in float32, exactly as fp8_at."""
+    z = np.uint32(0)
+    return (
+        _fp8_top(_fp8_0(w, z)),
+        _fp8_top(_fp8_1(w, z)),
+        _fp8_top(_fp8_2(w, z)),
+        _fp8_top(w),
+    )

@@ -112,9 +112,12 @@ def pin_closure_ids(kernel) -> None:
     _function_digest(kernel, {})
 
 
-def cached_jit(kernel):
-    """``cuda.jit`` for a kernel (not a device function), cached on disk when COLIBRI_KERNEL_CACHE is set."""
+def cached_jit(kernel, launch_bounds=None):
+    """``cuda.jit`` for a kernel (not a device function), cached on disk when COLIBRI_KERNEL_CACHE is set.
+    launch_bounds: (threads per block, blocks per SM) the kernel is compiled for (ptxas caps its registers to fit);
+    the simulator has no registers and ignores it."""
+    options = {"launch_bounds": launch_bounds} if launch_bounds is not None and not SIMULATOR else {}
     if CACHE_DIR is None:
-        return cuda.jit(kernel)
+        return cuda.jit(kernel, **options)
     pin_closure_ids(kernel)
-    return cuda.jit(kernel, cache=True)
+    return cuda.jit(kernel, cache=True, **options)

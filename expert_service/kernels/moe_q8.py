@@ -1,8 +1,8 @@
 """Routed experts on 8-bit (or mixed-dtype) weights, dequantised in registers: the SwiGLU gate/up and the down
-projection for a layer whose experts are int8 / fp8 e4m3 with float32 scales, bf16 or fp16, one dtype per
+projection for a layer whose experts are int8 / fp8 e4m3 with float32 scales, bf16, fp16 or fp32, one dtype per
 expert (expert_quant: the block layout, `meta` and the numpy reference `expert_quant.expert_ffn`).
 
-Two launches per layer, two ways to find an expert's tokens (both graph-capturable, no host reads):
+Two launches per layer and dtype present, two ways to find an expert's tokens (graph-capturable, no host reads):
   by slot (decode, one token): grid.x = K slots, slot k runs expert ids[k] on the token (row 0 of x); out row k.
   grouped: grid.x = E, expert e runs the grouped positions p in [offsets[e], offsets[e+1]) (expert_grouping), the
            input row of p being order[p] // K (gate/up) or p (down); out row p. Experts without tokens return.
@@ -11,12 +11,21 @@ Two launches per layer, two ways to find an expert's tokens (both graph-capturab
   gate_up: h[p, f] = silu(x . gate[e, f]) * (x . up[e, f])       h [n, F] float32
   down:    y[p, d] = h[p] . down[e, d]                           y [n, D] float32
 
-At decode every weight byte is used once, so the kernel is an HBM stream of 8-bit words: a warp owns ROWS output
-rows (gated: ROWS gate and ROWS up rows), each lane reads 16-byte chunks of its rows (16 int8/fp8, 8 bf16/fp16 or 4 float32
-values) with the streaming load, widens them to float32 in registers (int8 and e4m3 by bit arithmetic, no
-table) and multiplies by up to TOK_TILE tokens' x values (L1-cached: every warp of the expert reads the same x).
-Scales: a per-channel scale multiplies the row's sum once; a 128x128 block scale multiplies each chunk (a chunk
-never straddles a block). Sums are float32, reduced over the warp with shuffles.
+Each kernel is compiled for one weight encoding (int8, e4m3, bf16, f16, f32: `_kernel(code, gated, tokens)`) and
+returns at once for experts of another (meta[e, 0] is read on the device), so a layer launches one variant per
+dtype it holds (all 8-bit: one) and a mixed layer stays one graph-capturable sequence. With the dtype a
+compile-time constant, every per-thread array has constant indices once Numba's loops over constant ranges are
+unrolled: the loop runs from registers, no local memory (the sm_90 compile check asserts no ld.local/st.local).
+
+At decode every weight byte is used once, so the kernel is an HBM stream, built like gemv's (73 % of the H200's
+HBM roofline on bf16): a warp owns ROWS output rows (gated: ROWS gate and ROWS up rows), each lane issues UNROLL
+16-byte streaming loads per row (UNROLL x 4 rows x 16 B = 128 B in flight per lane, as gemv) before its first
+FMA, then widens each word in registers (int8: one prmt and one subtraction per value; e4m3: prmt, shift, mask
+and the 2**120 rescale; expert_quant.int8x4 / fp8x4) and multiplies by `tokens` tokens' x values (L1-cached
+16-byte loads, one per 4 values and token, shared by the warp's rows). Decode launches tokens = 1 (no FMA spent
+on absent tokens); grouped launches take TOK_TILE tokens per pass (a partial tile repeats its last token, never
+written). Scales: a per-channel scale multiplies the row's sum once; a 128x128 block scale multiplies each
+chunk's partial sum (a 16-byte chunk never straddles a block). Sums are float32, reduced with warp shuffles.
 """
 
 from __future__ import annotations
@@ -31,96 +40,240 @@ from expert_service.kernels.expert_quant import (
     CODE_BF16,
     CODE_F16,
     CODE_F32,
+    CODE_FP8,
+    CODE_INT8,
     META_WIDTH,
     SCALE_BLOCK,
     SCALE_BLOCK_SIZE,
     SCALE_CHANNEL,
-    byte_at,
+    SCALE_NONE,
+    element_bytes,
+    fp8x4,
+    int8x4,
 )
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum
-from expert_service.kernels.ptx import ld_stream_v4
+from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
-WARPS = 1 if SIMULATOR else 4  # warps per block, each owning ROWS rows
-ROWS = 2  # output rows per warp (x reuse across rows)
-TOK_TILE = 2 if SIMULATOR else 4  # tokens per pass over an expert's rows (more tokens: more passes)
-ROWS_PER_BLOCK = WARPS * ROWS
+WARPS = 1 if SIMULATOR else 4  # warps per block
+ROWS_GATED = 2  # gate rows (and as many up rows) per warp: 4 weight rows streamed
+ROWS_DOWN = 2 if SIMULATOR else 4  # down rows per warp: 4 weight rows streamed
+UNROLL = 1 if SIMULATOR else 2  # 16-byte chunks per row in flight per lane (one-token launches)
+TOK_TILE = 2 if SIMULATOR else 4  # tokens per pass over an expert's rows in grouped launches
 MIN_DIM = 16  # D and F are multiples of this: whole 16-byte chunks of 8-bit rows
+# (dtype code, scale scheme) of every expert encoding: one compiled variant each
+ALL_KINDS = (
+    (CODE_INT8, SCALE_CHANNEL),
+    (CODE_INT8, SCALE_BLOCK),
+    (CODE_FP8, SCALE_CHANNEL),
+    (CODE_FP8, SCALE_BLOCK),
+    (CODE_BF16, SCALE_NONE),
+    (CODE_F16, SCALE_NONE),
+    (CODE_F32, SCALE_NONE),
+)
+# blocks per SM each variant is compiled for (ptxas caps registers at 65536 / (threads * blocks)): 4 blocks of 4
+# warps keep 16 warps x 4 KB of loads in flight per SM at decode, as gemv (kernel_bounds: fewer where 128
+# registers would spill); token tiles need more registers.
+DECODE_BLOCKS_PER_SM, TILE_BLOCKS_PER_SM = 4, 2
+WORDS = CHUNK_BYTES // 4  # 32-bit words per 16-byte chunk
+BLOCK_SHIFT = SCALE_BLOCK_SIZE.bit_length() - 1  # log2 of the 128-value scale block
+assert 1 << BLOCK_SHIFT == SCALE_BLOCK_SIZE
+
+
+def rows_per_warp(gated: bool) -> int:
+    return ROWS_GATED if gated else ROWS_DOWN
+
+
+
+
+def _quad_decoder(code: int):
+    """Device fn (raw, i, q) -> the 4 float32 values of quad q (values 4q..4q+3) of chunk raw[i, :4]."""
+    if code == CODE_INT8:
+
+        @cuda.jit(device=True, inline=True)
+        def quad(raw, i, q):
+            return int8x4(raw[i, q])
+
+    elif code == CODE_FP8:
+
+        @cuda.jit(device=True, inline=True)
+        def quad(raw, i, q):
+            return fp8x4(raw[i, q])
+
+    elif code == CODE_F32:
+
+        @cuda.jit(device=True, inline=True)
+        def quad(raw, i, q):
+            return u32_as_f32(raw[i, 0]), u32_as_f32(raw[i, 1]), u32_as_f32(raw[i, 2]), u32_as_f32(raw[i, 3])
+
+    elif code == CODE_BF16:
+
+        @cuda.jit(device=True, inline=True)
+        def quad(raw, i, q):
+            a, b, top = raw[i, 2 * q], raw[i, 2 * q + 1], np.uint32(0xFFFF0000)
+            return (
+                u32_as_f32(a << np.uint32(16)),
+                u32_as_f32(a & top),
+                u32_as_f32(b << np.uint32(16)),
+                u32_as_f32(b & top),
+            )
+
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def quad(raw, i, q):
+            a, b, low = raw[i, 2 * q], raw[i, 2 * q + 1], np.uint32(0xFFFF)
+            return (
+                f16_to_f32(a & low),
+                f16_to_f32(a >> np.uint32(16)),
+                f16_to_f32(b & low),
+                f16_to_f32(b >> np.uint32(16)),
+            )
+
+    return quad
 
 
 @functools.cache
-def _kernel(gated: bool):
-    nw = 2 * ROWS if gated else ROWS  # weight rows one warp streams
+def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
+    """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
+    gate/up (gated) or down, `tokens` per pass (the kernel's arguments, plus the expert e, its block and its
+    positions [start, end))."""
+    rows = rows_per_warp(gated)
+    nw = 2 * rows if gated else rows  # weight rows one warp streams
+    quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
+    vals = 4 * quads  # values per chunk
+    nb = element_bytes(code)
+    unroll = UNROLL if tokens == 1 else 1  # a token tile reuses each load `tokens` times: registers go to x and sums
+    n_raw = nw * unroll
+    quad = _quad_decoder(code)
 
     @cuda.jit(device=True, inline=True)
-    def decode_chunk(words, off, code, factor, wv, i):
-        """The 16-byte chunk at word `off` into wv[i, :16 or :8] as float32 times `factor`."""
-        a, b, c, d = ld_stream_v4(words, off)
-        if code == CODE_F32:
-            wv[i, 0] = u32_as_f32(a) * factor
-            wv[i, 1] = u32_as_f32(b) * factor
-            wv[i, 2] = u32_as_f32(c) * factor
-            wv[i, 3] = u32_as_f32(d) * factor
-        elif code == CODE_BF16 or code == CODE_F16:
-            for q in range(4):
-                w = a if q == 0 else (b if q == 1 else (c if q == 2 else d))
-                if code == CODE_BF16:
-                    lo = u32_as_f32(w << np.uint32(16))
-                    hi = u32_as_f32(w & np.uint32(0xFFFF0000))
-                else:
-                    lo = f16_to_f32(w & np.uint32(0xFFFF))
-                    hi = f16_to_f32(w >> np.uint32(16))
-                wv[i, 2 * q] = lo * factor
-                wv[i, 2 * q + 1] = hi * factor
-        else:
-            for q in range(4):
-                w = a if q == 0 else (b if q == 1 else (c if q == 2 else d))
-                for j in range(4):
-                    wv[i, 4 * q + j] = byte_at(w, j, code) * factor
-
-    def make_pass(ntok):
-        @cuda.jit(device=True, inline=True)
-        def tile_pass(src, xrow, words, scales, roff, soff, rows_of, code, scheme, n_in, lane, acc):
-            """Adds this lane's chunks of the warp's nw rows times ntok tokens' x into acc [nw, TOK_TILE]."""
-            wv = cuda.local.array((nw, 16), np.float32)
-            s = cuda.local.array(nw, np.float32)
-            vals = 4 if code == CODE_F32 else (8 if code == CODE_BF16 or code == CODE_F16 else 16)
-            n_chunks = n_in // vals
-            n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
-            for c in range(lane, n_chunks, WARP):
-                i0 = c * vals
-                for i in range(nw):
-                    factor = np.float32(1.0)
+    def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):
+        """Chunks c0 + 32u (u < unroll) of the warp's nw rows times `tokens` x rows into acc [nw, tokens]. Every
+        weight load (and block scale) is issued before the first FMA; checked (constant at each call site):
+        chunks at or past `end` count as zeros, only in the last partial step."""
+        for u in range(unroll):
+            c = c0 + u * WARP
+            for i in range(nw):
+                k = i * unroll + u
+                if not checked or c < end:
+                    raw[k, 0], raw[k, 1], raw[k, 2], raw[k, 3] = ld_stream_v4(words, roff[i] + c * WORDS)
+                    f = np.float32(1.0)
                     if scheme == SCALE_BLOCK:
-                        factor = scales[soff[i] + (rows_of[i] // SCALE_BLOCK_SIZE) * n_cb + i0 // SCALE_BLOCK_SIZE]
-                    decode_chunk(words, roff[i] + c * (CHUNK_BYTES // 4), code, factor, wv, i)
-                for t in range(ntok):
-                    r = xrow[t]
-                    for i in range(nw):
-                        s[i] = np.float32(0.0)
-                    for v in range(16):
-                        if v < vals:
-                            xv = src[r, i0 + v]
-                            for i in range(nw):
-                                s[i] += wv[i, v] * xv
-                    for i in range(nw):
-                        acc[i, t] += s[i]
+                        f = scales[sidx[i] + ((c * vals) >> BLOCK_SHIFT)]  # c >= 0: a shift, not floor division
+                    factor[k] = f
+                else:
+                    for j in range(WORDS):
+                        raw[k, j] = np.uint32(0)
+                    factor[k] = np.float32(0.0)
+        for u in range(unroll):
+            c = c0 + u * WARP
+            ok = not checked or c < end
+            for i in range(nw):
+                for t in range(tokens):
+                    part[i, t] = np.float32(0.0)
+            for q in range(quads):
+                for t in range(tokens):
+                    if ok:
+                        xq[t, 0], xq[t, 1], xq[t, 2], xq[t, 3] = ld_v4(src, xrow[t] * n_in + c * vals + 4 * q)
+                    else:
+                        for j in range(4):
+                            xq[t, j] = np.float32(0.0)
+                for i in range(nw):
+                    w0, w1, w2, w3 = quad(raw, i * unroll + u, q)
+                    for t in range(tokens):
+                        part[i, t] += w0 * xq[t, 0] + w1 * xq[t, 1] + w2 * xq[t, 2] + w3 * xq[t, 3]
+            for i in range(nw):
+                for t in range(tokens):
+                    acc[i, t] += factor[i * unroll + u] * part[i, t]
 
-        return tile_pass
+    @cuda.jit(device=True, inline=True)
+    def body(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        base = block * stride
+        roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
+        sidx = cuda.local.array(nw, np.int64)  # float index of its channel scale, or of its first block scale
+        raw = cuda.local.array((n_raw, WORDS), np.uint32)
+        factor = cuda.local.array(n_raw, np.float32)
+        xq = cuda.local.array((tokens, 4), np.float32)
+        part = cuda.local.array((nw, tokens), np.float32)
+        acc = cuda.local.array((nw, tokens), np.float32)
+        xrow = cuda.local.array(tokens, np.int64)
+        n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
+        row0 = (cuda.blockIdx.y * WARPS + warp) * rows
+        for i in range(nw):
+            m = (0 if i < rows else 1) if gated else 2  # gate, up, down
+            row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
+            roff[i] = (base + meta[e, 2 + m] + row * n_in * nb) // 4
+            s0 = (base + meta[e, 5 + m]) // 4
+            sidx[i] = s0 + row if scheme == SCALE_CHANNEL else s0 + (row // SCALE_BLOCK_SIZE) * n_cb
+        n_chunks = n_in // vals
+        step = WARP * unroll
+        full = n_chunks // step * step
+        for p0 in range(start, end, tokens):
+            ntok = min(tokens, end - p0)
+            for t in range(tokens):
+                p = p0 + min(t, ntok - 1)
+                if by_slot != 0:
+                    xrow[t] = 0 if gated else p
+                else:
+                    xrow[t] = order[p] // top_k if gated else p
+                for i in range(nw):
+                    acc[i, t] = np.float32(0.0)
+            for c0 in range(lane, full, step):
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, n_chunks, False, raw, factor, xq, part, acc)
+            if full < n_chunks:
+                last = full + lane
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, last, n_chunks, True, raw, factor, xq, part, acc)
+            for i in range(nw):
+                for t in range(tokens):
+                    acc[i, t] = warp_sum(acc[i, t])
+            if lane == 0:
+                for r in range(rows):
+                    row = row0 + r
+                    for t in range(tokens):
+                        if t < ntok and row < n_rows:
+                            a = acc[r, t]
+                            if scheme == SCALE_CHANNEL:
+                                a *= scales[sidx[r]]
+                            if gated:
+                                b = acc[rows + r, t]
+                                if scheme == SCALE_CHANNEL:
+                                    b *= scales[sidx[rows + r]]
+                                out[p0 + t, row] = silu(a) * b
+                            else:
+                                out[p0 + t, row] = a
 
-    pass_one, pass_tile = make_pass(1), make_pass(TOK_TILE)
+    return body
+
+
+@cuda.jit(device=True, inline=True)
+def _absent(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+    return
+
+
+@functools.cache
+def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int):
+    """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
+    (gated) or down, `tokens` per pass."""
+    # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
+    # (a branch on values uniform over the block; registers are the largest body's)
+    bodies = [_expert_body(*k, gated, tokens) if k in kinds else _absent for k in ALL_KINDS]
+    body0, body1, body2, body3, body4, body5, body6 = bodies
+    (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
     def kernel(
         src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out
     ):
-        """src: x [T, D] (gate_up) or h [n, F] (down) float32; order [n] int32 and offsets [E+1] int32 (grouped;
-        unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
+        """src: x [T, D] (gate_up) or h [n, F] (down) as flat float32; order [n] int32 and offsets [E+1] int32
+        (grouped; unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
         words: the layer's expert buffer [E, stride] as flat uint32; scales: the same bytes as flat float32;
         meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows and input values of the
         matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
         block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
-        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row blocks),
-        WARPS * 32 threads."""
+        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row
+        blocks), WARPS * 32 threads."""
         s_id = cuda.blockIdx.x
         if by_slot != 0:
             e = ids[s_id]
@@ -135,58 +288,23 @@ def _kernel(gated: bool):
             block = slot_of[e]
         if start >= end or block < 0:
             return  # the whole block leaves before any barrier
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        code = meta[e, 0]
-        scheme = meta[e, 1]
-        base = block * stride
-        roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
-        soff = cuda.local.array(nw, np.int64)  # float offset of each row's scale tensor
-        rows_of = cuda.local.array(nw, np.int64)
-        acc = cuda.local.array((nw, TOK_TILE), np.float32)
-        xrow = cuda.local.array(TOK_TILE, np.int64)
-        nb = 4 if code == CODE_F32 else (2 if code == CODE_BF16 or code == CODE_F16 else 1)
-        row0 = (cuda.blockIdx.y * WARPS + warp) * ROWS
-        for i in range(nw):
-            m = (0 if i < ROWS else 1) if gated else 2  # gate, up, down
-            row = min(row0 + i % ROWS, n_rows - 1)  # rows past the end re-read the last row, never written
-            rows_of[i] = row
-            roff[i] = (base + meta[e, 2 + m] + row * n_in * nb) // 4
-            soff[i] = (base + meta[e, 5 + m]) // 4
-        for p0 in range(start, end, TOK_TILE):
-            ntok = min(TOK_TILE, end - p0)
-            for t in range(TOK_TILE):
-                p = p0 + min(t, ntok - 1)
-                if by_slot != 0:
-                    xrow[t] = 0 if gated else p
-                else:
-                    xrow[t] = order[p] // top_k if gated else p
-                for i in range(nw):
-                    acc[i, t] = np.float32(0.0)
-            if ntok == 1:
-                pass_one(src, xrow, words, scales, roff, soff, rows_of, code, scheme, n_in, lane, acc)
-            else:
-                pass_tile(src, xrow, words, scales, roff, soff, rows_of, code, scheme, n_in, lane, acc)
-            for t in range(TOK_TILE):
-                for i in range(nw):
-                    acc[i, t] = warp_sum(acc[i, t])
-            if lane == 0:
-                for r in range(ROWS):
-                    row = row0 + r
-                    for t in range(TOK_TILE):
-                        if t < ntok and row < n_rows:
-                            a = acc[r, t]
-                            if scheme == SCALE_CHANNEL:
-                                a *= scales[soff[r] + row]
-                            if gated:
-                                b = acc[ROWS + r, t]
-                                if scheme == SCALE_CHANNEL:
-                                    b *= scales[soff[ROWS + r] + row]
-                                out[p0 + t, row] = silu(a) * b
-                            else:
-                                out[p0 + t, row] = a
+        code, scheme = meta[e, 0], meta[e, 1]
+        if code == c0 and scheme == s0:
+            body0(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c1 and scheme == s1:
+            body1(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c2 and scheme == s2:
+            body2(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c3 and scheme == s3:
+            body3(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c4 and scheme == s4:
+            body4(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c5 and scheme == s5:
+            body5(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+        elif code == c6 and scheme == s6:
+            body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
 
-    return kernel, cached_jit(kernel)
+    return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens))
 
 
 def _check(name, a, shape, dtype):
@@ -196,7 +314,8 @@ def _check(name, a, shape, dtype):
         )
 
 
-def _check_layer(experts, meta, F: int, D: int, slot_of=None) -> None:
+def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
+    """Checks the layer's arrays; returns the (code, scheme) variants to launch (default every one)."""
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(
             f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}"
@@ -208,16 +327,22 @@ def _check_layer(experts, meta, F: int, D: int, slot_of=None) -> None:
         _check("slot_of", slot_of, (E,), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {MIN_DIM} for 8-bit experts")
+    if kinds is None:
+        return ALL_KINDS
+    wanted = tuple(sorted({(int(c), int(s)) for c, s in kinds}))
+    if not wanted or any(k not in ALL_KINDS for k in wanted):
+        raise ValueError(f"kinds {list(kinds)}: expected a non-empty subset of the (code, scheme) pairs {ALL_KINDS}")
+    return wanted
 
 
-def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of=None) -> None:
+def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds):
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     flat = experts.reshape(experts.size)
     dummy = meta.reshape(meta.size)[:1]
-    grid = (slots, -(-n_rows // ROWS_PER_BLOCK))
-    _kernel(gated)[1][grid, WARPS * WARP, stream](
-        src,
+    grid = (slots, -(-n_rows // (WARPS * rows_per_warp(gated))))
+    args = (
+        src.reshape(src.size),
         order if order is not None else dummy,
         offsets if offsets is not None else dummy,
         ids.reshape(ids.size) if by_slot else dummy,
@@ -233,17 +358,21 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         int(slot_of is not None),
         out,
     )
+    _kernel(kinds, gated, 1 if by_slot else TOK_TILE)[1][grid, WARPS * WARP, stream](*args)
 
 
 def launch_q8_gate_up(
-    x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None
+    x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None, kinds=None
 ) -> None:
     """x [T, D] float32; experts uint8 [E, stride] (the layer's blocks); meta [E, META_WIDTH] int32 (device);
     h [n, F] float32. By slot: ids [1, K] int32 (T == 1, n == K). Grouped: order [n] int32 and offsets [E+1]
     int32 from expert_grouping (n == T*K). slot_of [E] int32 (device; the expert cache): experts is then the
     slot buffer uint8 [S, stride], expert e reads slot slot_of[e] with its meta row meta[e], and experts with
-    slot_of[e] < 0 are skipped (their rows of h untouched: another wave computes them)."""
-    _check_layer(experts, meta, F, D, slot_of)
+    slot_of[e] < 0 are skipped (their rows of h untouched: another wave computes them). kinds: the (code, scheme)
+    pairs of the layer's experts (layer_kinds of the host meta, known when the model loads; one launch each);
+    default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
+    listed is not computed."""
+    kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
     _check("x", x, (T, D), np.float32)
@@ -260,13 +389,15 @@ def launch_q8_gate_up(
             raise ValueError(f"order length {n} is not a multiple of T={T}")
         top_k = n // T
     _check("h", h, (n, F), np.float32)
-    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of)
+    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds)
 
 
-def launch_q8_down(h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None) -> None:
+def launch_q8_down(
+    h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None, kinds=None
+) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
-    the router. ids (by slot) or offsets (grouped), and slot_of, as in launch_q8_gate_up."""
-    _check_layer(experts, meta, F, D, slot_of)
+    the router. ids (by slot) or offsets (grouped), slot_of and kinds, as in launch_q8_gate_up."""
+    kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     n = h.shape[0]
     _check("h", h, (n, F), np.float32)
     _check("y", y, (n, D), np.float32)
@@ -274,27 +405,41 @@ def launch_q8_down(h, experts, meta, F: int, D: int, y, ids=None, offsets=None, 
         _check("ids", ids, (1, n), np.int32)
     else:
         _check("offsets", offsets, (meta.shape[0] + 1,), np.int32)
-    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of)
+    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds)
+
+
+# The kernels the sm_90 compile check builds (each path compiles in seconds): every 8-bit encoding alone at
+# decode (gate/up and down), the grouped ones of the two common checkpoint encodings, and two mixed layers that
+# between them hold every unquantized path (those only occur in mixed layers; all seven bodies in one kernel
+# compile in ~45 s, too slow for the suite).
+EIGHT_BIT_KINDS = ALL_KINDS[:4]
+SM90_VARIANTS = tuple(
+    [((k,), g, 1) for k in EIGHT_BIT_KINDS for g in (True, False)]
+    + [((k,), g, TOK_TILE) for k in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)) for g in (True, False)]
+    + [(((CODE_INT8, SCALE_CHANNEL), (CODE_F16, SCALE_NONE)), True, 1)]
+    + [(((CODE_FP8, SCALE_BLOCK), (CODE_BF16, SCALE_NONE), (CODE_F32, SCALE_NONE)), False, TOK_TILE)]
+)
+
+
+def kernel_bounds(kinds, tokens: int) -> tuple[int, int]:
+    """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
+    without block scales; block-scale factors, or several bodies in one kernel (their live ranges meet at the
+    dispatch), spill there and get 3 blocks' worth; token tiles 2."""
+    if tokens > 1:
+        return WARPS * WARP, TILE_BLOCKS_PER_SM
+    alone = len(kinds) == 1 and kinds[0][1] != SCALE_BLOCK
+    return WARPS * WARP, DECODE_BLOCKS_PER_SM if alone else DECODE_BLOCKS_PER_SM - 1
+
+
+def sm90_signature():
+    """The numba signature every kernel takes."""
+    f1, f2, i1, i64 = types.float32[::1], types.float32[:, ::1], types.int32[::1], types.int64
+    return (f1, i1, i1, i1, i64, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, i64, i1, i64, f2)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of both kernels, for the sm_90 compile check."""
-    f2, i1, i64 = types.float32[:, ::1], types.int32[::1], types.int64
-    sig = (
-        f2,
-        i1,
-        i1,
-        i1,
-        i64,
-        types.uint32[::1],
-        types.float32[::1],
-        types.int32[:, ::1],
-        i64,
-        i64,
-        i64,
-        i64,
-        i1,
-        i64,
-        f2,
-    )
-    return [(_kernel(gated)[0], sig) for gated in (True, False)]
+    """(python function, numba signature, compile options) of the kernels for the sm_90 compile check."""
+    return [
+        (_kernel(kinds, gated, tokens)[0], sm90_signature(), {"launch_bounds": kernel_bounds(kinds, tokens)})
+        for kinds, gated, tokens in SM90_VARIANTS
+    ]

@@ -12,6 +12,9 @@ Both return the four 32-bit elements a[i], a[i+1], a[i+2], a[i+3] of a 1-d C-con
 array as a 4-tuple of that dtype. The caller guarantees a[i] is 16-byte aligned and that nothing writes the
 array during the kernel (`.nc` goes through the read-only path). No bounds check.
 
+- ``prmt_fn(selector)``: the device function ``prmt(a, b) -> uint32`` emitting ``prmt.b32 d, a, b, selector``
+  (selector a compile-time constant): byte k of d is byte (selector >> 4k) & 7 of the 8 bytes b:a (0-3 from a,
+  4-7 from b). One instruction places a byte anywhere in a word, which the 8-bit decoders need per value.
 - ``cp_async16(dst, di, src, si, valid)``: ``cp.async.cg.shared.global`` of 16 bytes: src[si .. si+3] (1-d
   uint32 array in global memory, si a multiple of 4) to dst[di], dst[di+1] (1-d uint64 array in shared memory, di
   even), without passing through registers; zeros instead when valid is false (src-size 0: nothing is read).
@@ -55,6 +58,19 @@ if SIMULATOR:
 
     def cp_async_wait_fn(pending: int):
         return cp_async_commit      # the copies are synchronous here: nothing to wait for
+
+    @functools.cache
+    def prmt_fn(selector: int):
+        shifts = [np.uint64(8 * ((selector >> (4 * k)) & 7)) for k in range(4)]
+
+        @cuda.jit(device=True)
+        def prmt(a, b):
+            both = np.uint64(a) | (np.uint64(b) << np.uint64(32))
+            out = np.uint64(0)
+            for k in range(4):
+                out |= ((both >> shifts[k]) & np.uint64(0xFF)) << np.uint64(8 * k)
+            return np.uint32(out)
+        return prmt
 else:
     from llvmlite import ir
     from numba import types
@@ -146,3 +162,26 @@ else:
     def cp_async_wait_fn(pending: int):
         """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
         return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__ or "")  # None only under -OO
+
+
+    @functools.cache
+    def prmt_fn(selector: int):
+        """Device function `prmt(a, b) -> uint32`: `prmt.b32` with this constant selector (module docstring)."""
+        if not 0 <= selector <= 0x7777 or any((selector >> (4 * k)) & 8 for k in range(4)):
+            raise ValueError(f"prmt selector {selector:#x}: four nibbles 0-7 (sign-replicating modes not supported)")
+
+        @intrinsic
+        def prmt(typingctx, a, b):
+            if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+                raise NumbaTypeError(f"prmt needs two integer words, got {a}, {b}")
+            sig = types.uint32(a, b)
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                # Numba widens uint32 arithmetic to 64 bits: the low 32 bits are the word
+                words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+                fnty = ir.FunctionType(i32, [i32, i32])
+                asm = ir.InlineAsm(fnty, f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r")
+                return builder.call(asm, words)
+            return sig, codegen
+        return prmt

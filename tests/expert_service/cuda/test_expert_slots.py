@@ -11,6 +11,7 @@ from numba import cuda
 
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.experts.grouping import group_by_expert
+from expert_service.kernels.expert_quant import layer_kinds
 from expert_service.kernels.expert_slot_map import MISSES, PREFETCHES_ISSUED
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 from tests.expert_service.kernels.test_moe_q8 import KINDS, check_close, mixed_layer, reference
@@ -56,14 +57,12 @@ def test_quantized_slots_compute_every_expert_from_its_own_bytes():
             y = cuda.to_device(np.full((T * K, D), np.nan, np.float32))
             waves = slots.waves(T * K)
             slots.plan(layer, cuda.to_device(ids.reshape(-1)), waves, 0)
-            buffer, meta = slots.weights_of(layer), metas[layer]
+            buffer, meta, kinds = slots.weights_of(layer), metas[layer], layer_kinds(layers[layer][1])
             for w in range(waves):
                 slots.fetch(layer, w, 0)
-                slot_of = slots.wave_slots(layer, w)
-                launch_q8_gate_up(
-                    cuda.to_device(x), buffer, meta, F, D, h, order=dorder, offsets=doffsets, slot_of=slot_of
-                )
-                launch_q8_down(h, buffer, meta, F, D, y, offsets=doffsets, slot_of=slot_of)
+                q8 = dict(offsets=doffsets, slot_of=slots.wave_slots(layer, w), kinds=kinds)
+                launch_q8_gate_up(cuda.to_device(x), buffer, meta, F, D, h, order=dorder, **q8)
+                launch_q8_down(h, buffer, meta, F, D, y, **q8)
             h, y = h.copy_to_host(), y.copy_to_host()
             assert np.isfinite(h).all() and np.isfinite(y).all(), f"step {step} layer {layer}: a row was never written"
             mats = layers[layer][2]

@@ -1,7 +1,8 @@
-"""Every kernel variant compiles to sm_90 PTX (no GPU needed), and the decode-attention kernels' sm_90 resources
-stay in bounds: bench/kernel_resources.py, outside the simulator, compiles every (python function, signature)
-that the expert_service.kernels modules list in ``sm90_signatures()`` and links attention_decode's with
-nvJitLink. This is the suite's only sm_90 compile (compiling is its slowest work): the signatures are shared
+"""Every kernel variant compiles to sm_90 PTX (no GPU needed), and the decode-attention and 8-bit expert kernels'
+sm_90 resources stay in bounds: bench/kernel_resources.py, outside the simulator, compiles every (python function,
+signature) that the expert_service.kernels modules list in ``sm90_signatures()`` and links attention_decode's and
+moe_q8's with nvJitLink. moe_q8 streams weights from registers: local memory in its PTX (a per-thread array
+indexed at run time) or spills would put its inner loop on the stack, so both must stay at zero. This is the suite's only sm_90 compile (compiling is its slowest work): the signatures are shared
 among one subprocess per CPU (up to 4), and one test checks both what compiles and what it costs."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 LINKED = "attention_decode"
+STREAMED = "moe_q8"
 
 
 @pytest.mark.slow  # about two minutes of compiles: started first
@@ -29,7 +31,7 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
                 sys.executable,
                 "bench/kernel_resources.py",
                 "--resources-of",
-                LINKED,
+                f"{LINKED},{STREAMED}",
                 "--shard",
                 f"{i}/{shards}",
                 "--out",
@@ -56,4 +58,9 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
     assert {r["kernel"] for r in linked} == {"attention_decode_kernel", "attention_decode_reduce_kernel"}
     for r in linked:
         assert 8 <= r["registers"] <= 255 and r["spill_store_bytes"] == 0 and r["local_bytes"] == 0, r
-    assert not any("registers" in r for r in rows if r["module"] != LINKED)
+    streamed = [r for r in rows if r["module"] == STREAMED]
+    assert len(streamed) >= 8
+    for r in streamed:
+        assert r["ptx_ld_local"] == 0 and r["ptx_st_local"] == 0, r
+        assert 32 <= r["registers"] <= 255 and r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, r
+    assert not any("registers" in r for r in rows if r["module"] not in (LINKED, STREAMED))

@@ -1,5 +1,6 @@
 """moe_q8 (8-bit and mixed-dtype experts, dequantised in registers) vs expert_quant's numpy reference: by slot
-(one token) and grouped, every dtype code and scale scheme in one layer (simulator on tiny shapes)."""
+(one token) and grouped, every dtype code and scale scheme in one layer, the kernel compiled for the layer's
+(code, scheme) pairs (simulator on tiny shapes)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,8 @@ from numba import cuda
 
 from expert_service.experts.grouping import group_by_expert
 from expert_service.kernels import expert_quant as q
-from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.expert_quant import layer_kinds
+from expert_service.kernels.moe_q8 import ALL_KINDS, UNROLL, launch_q8_down, launch_q8_gate_up
 
 # every (dtype, scheme) an expert can have: 8-bit with either scale, and the unquantized 16-bit dtypes
 KINDS = [
@@ -57,8 +59,8 @@ def test_by_slot_matches_reference(F, D):
     dW, dmeta, dids = cuda.to_device(W), cuda.to_device(meta), cuda.to_device(ids)
     h = cuda.to_device(np.full((K, F), np.nan, np.float32))
     y = cuda.to_device(np.full((K, D), np.nan, np.float32))
-    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, ids=dids)
-    launch_q8_down(h, dW, dmeta, F, D, y, ids=dids)
+    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, ids=dids, kinds=layer_kinds(meta))
+    launch_q8_down(h, dW, dmeta, F, D, y, ids=dids, kinds=layer_kinds(meta))
     h, y = h.copy_to_host(), y.copy_to_host()
     assert np.isfinite(h).all() and np.isfinite(y).all()  # every element written
     for k, e in enumerate(ids[0]):
@@ -80,8 +82,9 @@ def test_grouped_matches_reference():
     h = cuda.to_device(np.full((T * K, F), np.nan, np.float32))
     y = cuda.to_device(np.full((T * K, D), np.nan, np.float32))
     dW, dmeta, doffsets = cuda.to_device(W), cuda.to_device(meta), cuda.to_device(offsets)
-    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, order=cuda.to_device(order), offsets=doffsets)
-    launch_q8_down(h, dW, dmeta, F, D, y, offsets=doffsets)
+    kinds = layer_kinds(meta)
+    launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, order=cuda.to_device(order), offsets=doffsets, kinds=kinds)
+    launch_q8_down(h, dW, dmeta, F, D, y, offsets=doffsets, kinds=kinds)
     h, y = h.copy_to_host(), y.copy_to_host()
     assert np.isfinite(h).all() and np.isfinite(y).all()
     for e in range(E):
@@ -116,8 +119,9 @@ def test_slots_in_waves_match_reference():
         for e, s in wave.items():
             slots[s], slot_of[e] = W[e], s
         dslots, dslot_of = cuda.to_device(slots), cuda.to_device(slot_of)
-        launch_q8_gate_up(dx, dslots, dmeta, F, D, h, order=dorder, offsets=doffsets, slot_of=dslot_of)
-        launch_q8_down(h, dslots, dmeta, F, D, y, offsets=doffsets, slot_of=dslot_of)
+        q8 = dict(offsets=doffsets, slot_of=dslot_of, kinds=layer_kinds(meta))
+        launch_q8_gate_up(dx, dslots, dmeta, F, D, h, order=dorder, **q8)
+        launch_q8_down(h, dslots, dmeta, F, D, y, **q8)
         computed |= set(wave)
         hh, yy = h.copy_to_host(), y.copy_to_host()
         for e in range(E):
@@ -143,14 +147,68 @@ def test_by_slot_through_slots_matches_reference():
     h = cuda.to_device(np.full((2, F), np.nan, np.float32))
     y = cuda.to_device(np.full((2, D), np.nan, np.float32))
     dslots, dmeta, dids, dslot_of = (cuda.to_device(a) for a in (slots, meta, ids, slot_of))
-    launch_q8_gate_up(cuda.to_device(x), dslots, dmeta, F, D, h, ids=dids, slot_of=dslot_of)
-    launch_q8_down(h, dslots, dmeta, F, D, y, ids=dids, slot_of=dslot_of)
+    q8 = dict(ids=dids, slot_of=dslot_of, kinds=layer_kinds(meta))
+    launch_q8_gate_up(cuda.to_device(x), dslots, dmeta, F, D, h, **q8)
+    launch_q8_down(h, dslots, dmeta, F, D, y, **q8)
     h, y = h.copy_to_host(), y.copy_to_host()
     assert np.isfinite(h).all() and np.isfinite(y).all()
     for k, e in enumerate(ids[0]):
         ref_h, down = reference(x, mats[e], F)
         check_close(h[k : k + 1], ref_h)
         check_close(y[k], h[k].astype(np.float64) @ down.T)
+
+
+def test_long_rows_stream_whole_steps_and_a_tail():
+    """Rows long enough for the unrolled main loop plus a partial last step: n = one step of chunks (32 lanes x
+    UNROLL, 16 values each) plus one chunk (simulator 528, GPU 1040, over several 128-wide scale blocks), gate/up
+    (D = n) and down (F = n) on layers with few output rows (the simulator's cost is in the rows), by slot, int8
+    and block-scaled e4m3 in one layer."""
+    rng = np.random.default_rng(3)
+    kinds = [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_BLOCK)]
+    ids = np.array([[1, 0]], np.int32)
+    n = 16 * (32 * UNROLL + 1)
+    for F, D in ((16, n), (n, 16)):
+        W, meta, mats = mixed_layer(rng, kinds, F, D)
+        q8 = dict(ids=cuda.to_device(ids), kinds=layer_kinds(meta))
+        dW, dmeta = cuda.to_device(W), cuda.to_device(meta)
+        if F == 16:
+            x = rng.standard_normal((1, D)).astype(np.float32)
+            h = cuda.to_device(np.full((2, F), np.nan, np.float32))
+            launch_q8_gate_up(cuda.to_device(x), dW, dmeta, F, D, h, **q8)
+            got, refs = h.copy_to_host(), [reference(x, mats[e], F)[0][0] for e in ids[0]]
+        else:
+            hx = rng.standard_normal((2, F)).astype(np.float32)
+            y = cuda.to_device(np.full((2, D), np.nan, np.float32))
+            launch_q8_down(cuda.to_device(hx), dW, dmeta, F, D, y, **q8)
+            got = y.copy_to_host()
+            refs = [hx[k].astype(np.float64) @ mats[e][2].astype(np.float64).T for k, e in enumerate(ids[0])]
+        assert np.isfinite(got).all()
+        for k in range(2):
+            check_close(got[k], refs[k])
+
+
+def test_experts_of_unlisted_kinds_are_not_computed():
+    """kinds names the paths compiled in: an expert of another (code, scheme) leaves its rows untouched (a caller
+    passing the wrong kinds sees NaN, never another encoding's arithmetic)."""
+    F, D = 32, 32
+    rng = np.random.default_rng(9)
+    W, meta, mats = mixed_layer(rng, [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_CHANNEL)], F, D)
+    ids = cuda.to_device(np.array([[0, 1]], np.int32))
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    h = cuda.to_device(np.full((2, F), np.nan, np.float32))
+    launch_q8_gate_up(
+        cuda.to_device(x),
+        cuda.to_device(W),
+        cuda.to_device(meta),
+        F,
+        D,
+        h,
+        ids=ids,
+        kinds=[(q.CODE_INT8, q.SCALE_CHANNEL)],
+    )
+    h = h.copy_to_host()
+    check_close(h[:1], reference(x, mats[0], F)[0])
+    assert np.isnan(h[1]).all()
 
 
 def test_reference_dequantises_what_was_quantised():
@@ -190,6 +248,20 @@ def test_bad_shapes_are_refused():
             cuda.to_device(np.zeros((1, 16), np.float32)),
             ids=cuda.to_device(np.zeros((1, 1), np.int32)),
         )
+    with pytest.raises(ValueError, match="kinds"):  # a (code, scheme) pair no expert can have
+        launch_q8_down(
+            cuda.to_device(np.zeros((1, 16), np.float32)),
+            W,
+            meta,
+            16,
+            32,
+            cuda.to_device(np.zeros((1, 32), np.float32)),
+            ids=cuda.to_device(np.zeros((1, 1), np.int32)),
+            kinds=[(q.CODE_BF16, q.SCALE_CHANNEL)],
+        )
+    two = np.array([[q.CODE_INT8, q.SCALE_CHANNEL] + [0] * 6, [q.CODE_BF16, q.SCALE_NONE] + [0] * 6] * 2, np.int32)
+    assert layer_kinds(two) == ((q.CODE_BF16, q.SCALE_NONE), (q.CODE_INT8, q.SCALE_CHANNEL))
+    assert set(layer_kinds(two)) < set(ALL_KINDS)
     with pytest.raises(ValueError, match="slot_of"):  # a slot map of the wrong dtype
         launch_q8_down(
             cuda.to_device(np.zeros((1, 16), np.float32)),

@@ -1,0 +1,210 @@
+"""The 8-bit expert kernels alone, before and after the register-only rewrite, against bf16's decode GEMV, on one
+MoE layer of random experts at a reference shape, in one run on one GPU:
+
+  decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
+              launch_expert_gate_up/down on the same experts in bf16;
+  decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
+  dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old.
+
+Per kernel: median microseconds of --iters timed repetitions (after a warm-up), the bytes it must move (decode:
+the routed experts' weights and scales, once; dequant: 8-bit read + bf16 written), GB/s and the fraction of
+bench/engine.py's HBM_BYTES_PER_S, and the ratios new/old and bf16/new. Outputs of old and new are compared (max
+relative difference; they differ only by float32 summation order). int8 experts take per-channel scales, fp8
+128x128 block scales (the checkpoints' usual forms). Weights are random bytes (no quantiser pass: a mixtral-shape
+layer is 1.4 GB), fp8 bytes with the NaN codes replaced.
+
+    python bench/q8_kernels.py --out out/q8_kernels.json [--shapes mixtral-shape,qwen3moe-shape] [--dtypes int8,fp8]
+
+`--shapes tiny --tokens 2 --iters 1` runs in about a minute under NUMBA_ENABLE_CUDASIM=1 (a smoke run of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 4.3e12  # as bench/engine.py
+SHAPES = {  # D, F, E, K
+    "mixtral-shape": (4096, 14336, 8, 2),
+    "qwen3moe-shape": (2048, 768, 128, 8),
+    "tiny": (64, 48, 4, 2),
+}
+
+
+def random_layer(rng, code: int, scheme: int, E: int, F: int, D: int):
+    """uint8 [E, stride] of random expert blocks (weights random bytes, scales in [0.5, 1.5) / 64) and meta."""
+    from expert_service.kernels import expert_quant as q
+
+    offs = q.block_offsets(code, scheme, F, D)
+    stride = -(-offs[6] // 4096) * 4096
+    blocks = rng.integers(0, 256, (E, stride), dtype=np.uint8)
+    if code == q.CODE_FP8:
+        blocks[(blocks & 0x7F) == 0x7F] &= 0xF7  # no NaN codes
+    for k, (rows, cols) in enumerate(((F, D), (F, D), (D, F))):
+        n = int(np.prod(q.scale_shape(scheme, rows, cols)))
+        scales = (rng.random((E, n), dtype=np.float32) + 0.5) / 64
+        blocks[:, offs[3 + k] : offs[3 + k] + 4 * n] = scales.view(np.uint8)
+    meta = np.stack([q.meta_row(code, scheme, offs)] * E)
+    return blocks, meta, offs
+
+
+def timed(fn, iters: int, sync) -> float:
+    """Median microseconds of fn() over iters repetitions, each synchronised."""
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+def row(name: str, us: float, nbytes: int) -> dict:
+    gbs = nbytes / (us * 1e-6) / 1e9
+    print(f"  {name:34s} {us:10.1f} us  {nbytes / 1e6:9.1f} MB  {gbs:8.1f} GB/s  {gbs * 1e9 / HBM_BYTES_PER_S:6.1%}")
+    return {"us": us, "bytes": nbytes, "gb_s": gbs, "roofline_fraction": gbs * 1e9 / HBM_BYTES_PER_S}
+
+
+def max_rel(a, b) -> float:
+    a, b = a.copy_to_host(), b.copy_to_host()
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
+    from numba import cuda
+
+    from bench import q8_before as old
+    from expert_service.experts.grouping import group_by_expert
+    from expert_service.kernels import expert_quant as q
+    from expert_service.kernels.dequant_experts import launch_dequant_experts
+    from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
+    from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+
+    D, F, E, K = SHAPES[shape]
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    sync = stream.synchronize
+    out: dict = {}
+    ids = np.sort(rng.choice(E, K, replace=False)).astype(np.int32).reshape(1, K)
+    dids = cuda.to_device(ids)
+    x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    h, h_old = (cuda.device_array((K, F), np.float32) for _ in range(2))
+    y, y_old = (cuda.device_array((K, D), np.float32) for _ in range(2))
+
+    bf16 = rng.integers(0, 1 << 16, (E, 3 * F * D), dtype=np.uint16) & np.uint16(0x80FF) | np.uint16(0x3C00)
+    dbf16 = cuda.to_device(bf16)
+    del bf16
+    print(f"{shape}: D={D} F={F} E={E} K={K}")
+    b16 = timed(
+        lambda: (
+            launch_expert_gate_up(x, dids, dbf16, F, D, h, stream=stream),
+            launch_expert_down(h, dids, dbf16, F, D, y, stream=stream),
+        ),
+        iters,
+        sync,
+    )
+    out["bf16_gemv_b1"] = row("bf16 gemv, b=1", b16, K * 3 * F * D * 2)
+
+    tids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    groups = group_by_expert(tids, E)
+    order, offsets = cuda.to_device(groups.order.astype(np.int32)), cuda.to_device(groups.offsets.astype(np.int32))
+    xt = cuda.to_device(rng.standard_normal((T, D)).astype(np.float32))
+    ht, ht_old = (cuda.device_array((T * K, F), np.float32) for _ in range(2))
+    yt, yt_old = (cuda.device_array((T * K, D), np.float32) for _ in range(2))
+    active_t = int(np.count_nonzero(np.diff(groups.offsets)))
+
+    for name in dtypes:
+        code, scheme = (q.CODE_INT8, q.SCALE_CHANNEL) if name == "int8" else (q.CODE_FP8, q.SCALE_BLOCK)
+        blocks, meta, offs = random_layer(rng, code, scheme, E, F, D)
+        W, dmeta, kinds = cuda.to_device(blocks), cuda.to_device(meta), q.layer_kinds(meta)
+        per_expert = offs[6]  # weights and scales, as stored
+        del blocks
+        res: dict = {}
+
+        def new_b1():
+            launch_q8_gate_up(x, W, dmeta, F, D, h, ids=dids, stream=stream, kinds=kinds)
+            launch_q8_down(h, W, dmeta, F, D, y, ids=dids, stream=stream, kinds=kinds)
+
+        def old_b1():
+            old.launch_q8(x, None, None, dids, W, dmeta, F, D, K, True, h_old, stream)
+            old.launch_q8(h_old, None, None, dids, W, dmeta, D, F, 1, False, y_old, stream)
+
+        def new_grouped():
+            launch_q8_gate_up(xt, W, dmeta, F, D, ht, order=order, offsets=offsets, stream=stream, kinds=kinds)
+            launch_q8_down(ht, W, dmeta, F, D, yt, offsets=offsets, stream=stream, kinds=kinds)
+
+        def old_grouped():
+            old.launch_q8(xt, order, offsets, None, W, dmeta, F, D, K, True, ht_old, stream)
+            old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
+
+        res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, sync), K * per_expert)
+        res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, sync), K * per_expert)
+        res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
+        tb = active_t * per_expert
+        res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, sync), tb)
+        res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, sync), tb)
+        res[f"b{T}_max_rel_diff"] = max(max_rel(ht, ht_old), max_rel(yt, yt_old))
+
+        group = max(1, min(E, (256 << 20) // (3 * F * D * 2)))  # as cuda/moe.dequant_group for bf16
+        scratch, scratch_old = (cuda.device_array((group, 3 * F * D), np.uint16) for _ in range(2))
+        every = cuda.to_device(np.arange(E + 1, dtype=np.int32))  # every expert active
+        moved = group * 3 * F * D * 3  # 8-bit read, bf16 written
+        res["dequant_new"] = row(
+            f"{name} dequant new, {group} experts",
+            timed(lambda: launch_dequant_experts(W, dmeta, every, 0, F, D, scratch, stream=stream), iters, sync),
+            moved,
+        )
+        res["dequant_old"] = row(
+            f"{name} dequant old, {group} experts",
+            timed(
+                lambda: old.launch_dequant_experts(W, dmeta, every, 0, F, D, scratch_old, stream=stream), iters, sync
+            ),
+            moved,
+        )
+        res["dequant_equal"] = bool(np.array_equal(scratch.copy_to_host(), scratch_old.copy_to_host()))
+        res["ratios"] = {
+            "b1_new_over_old": res["old_b1"]["us"] / res["new_b1"]["us"],
+            "b1_bf16_gemv_over_new": b16 / res["new_b1"]["us"],
+            f"b{T}_new_over_old": res[f"old_b{T}"]["us"] / res[f"new_b{T}"]["us"],
+            "dequant_new_over_old": res["dequant_old"]["us"] / res["dequant_new"]["us"],
+        }
+        print(f"  {name}: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
+        print(
+            f"  {name}: max rel diff old/new b=1 {res['b1_max_rel_diff']:.1e}, b={T} {res[f'b{T}_max_rel_diff']:.1e}, "
+            f"dequant bitwise equal {res['dequant_equal']}"
+        )
+        out[name] = res
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/q8_kernels.json")
+    parser.add_argument("--shapes", default="mixtral-shape,qwen3moe-shape")
+    parser.add_argument("--dtypes", default="int8,fp8")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
+    args = parser.parse_args(argv)
+    shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
+    if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
+        parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
+    result = {
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens) for s in shapes},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
