@@ -222,9 +222,10 @@ class CachedExperts:
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         wave0, gate = self.slots.wave_slots(i, 0), ws.moe_gate[:K]
         if self.quantized:
-            meta = self.weights.expert_meta[i]
-            launch_q8_gate_up(x, buffer, meta, F, D, gate, ids=ids, stream=st, slot_of=wave0)
-            launch_q8_down(gate, buffer, meta, F, D, out, ids=ids, stream=st, slot_of=wave0)
+            meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
+            q8 = dict(ids=ids, stream=st, slot_of=wave0, kinds=kinds)
+            launch_q8_gate_up(x, buffer, meta, F, D, gate, **q8)
+            launch_q8_down(gate, buffer, meta, F, D, out, **q8)
             return
         launch_expert_slot_ids(ids.reshape(K), wave0, self.slot_ids.reshape(K), stream=st)
         launch_expert_gate_up(x, self.slot_ids, buffer, F, D, gate, stream=st)
