@@ -37,7 +37,8 @@ def request_constraint(body: dict) -> tuple[str, Constraint] | None:
             found.append((name, _of_kind(name, kind, body[name])))
     structured = body.get("structured_outputs")
     if structured is not None:
-        found.append((_structured_param(structured), _structured(structured)))
+        constraint = _structured(structured)  # validates first: the field name needs exactly one key set
+        found.append((_structured_param(structured), constraint))
     if len(found) > 1:
         names = ", ".join(name.split(".")[0] for name, _ in found)
         raise ConstraintFieldError(found[1][0].split(".")[0], f"one constraint per request, got {names}")

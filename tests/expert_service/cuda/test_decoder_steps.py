@@ -233,6 +233,7 @@ def cached_stub(d):
         download_stats=lambda twin: d.issued.append(("stats", twin)),
         step_stats=lambda twin: d.issued.append(("collect", twin)),
         settle_totals=lambda: d.issued.append("settle"),
+        slots=SimpleNamespace(slots_per_layer=2),  # one-token steps fit (the tiny model's top-2): CACHED_GEMV
     )
 
 
