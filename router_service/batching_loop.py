@@ -317,6 +317,11 @@ class BatchingLoop:
         while len(self._in_flight) < self._depth:
             if self._in_flight:
                 await self._await_arrivals()
+                # The worker failed the stream meanwhile: apply that first. A send on the ended stream would report
+                # a lost worker (UNAVAILABLE to all) instead of the failed step's error to its requests.
+                receiving = self._receiving
+                if receiving is not None and receiving.done() and (receiving.cancelled() or receiving.exception()):
+                    return
             step = self._ready_scheduler.schedule(time.monotonic())
             for seq_id in step.expired_ids:
                 self.fail(

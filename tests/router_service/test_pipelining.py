@@ -147,3 +147,32 @@ def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
     new_per_step = asyncio.run(main())
     # step 2 (the first one's decode) is scheduled while step 1 runs: with the burst, or before it
     assert new_per_step[:2] == ([1, 5] if coalesce else [1, 0])
+
+
+def test_a_step_failed_during_the_arrival_wait_fails_its_batch_not_the_next_send(monkeypatch, caplog):
+    """The worker fails the step in flight (INTERNAL) while the loop waits for a burst to pause: that answer is
+    applied before anything else is sent, so the step's requests get the worker's failure (INTERNAL, not a
+    retryable UNAVAILABLE from the send that would otherwise follow) and the failed receive is not left unread."""
+    import gc
+    import logging
+
+    from router_service import batching_loop
+
+    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.5)  # far longer than the step: the answer ends the wait
+    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 2.0)
+
+    async def main():
+        fake = FakeWorker(step_delay=0.05)
+        async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
+            fake.fail_next = grpc.StatusCode.INTERNAL  # the first step aborts the stream
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(ids_request([5], max_new_tokens=20))
+            gc.collect()  # an unread failed future would be reported now
+            await asyncio.sleep(0)
+            return err.value.code()
+
+    with caplog.at_level(logging.ERROR):
+        code = asyncio.run(main())
+    assert code == grpc.StatusCode.INTERNAL
+    unread = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unread, unread[0].getMessage()

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest
-from tests.router_service.test_prefix_cache import WorkerModel, _answers, _check, make
+from tests.router_service.test_prefix_cache import BLOCK, WorkerModel, _answers, _check, make
 
 
 class PipelinedWorker(WorkerModel):
@@ -206,3 +206,71 @@ def test_a_failed_request_does_not_offer_the_blocks_its_later_steps_were_to_writ
     assert len(chunk.prefix_block_ids) == 2  # computes block 2 itself instead of starting on it
     s.update(third, worker.run(third, rng))
     _check(s, worker)
+
+
+class EngineLikeWorker(PipelinedWorker):
+    """The worker as the engine answers a step behind a refused one: it refuses a later chunk of a sequence it never
+    started, or one naming a number of cache ids other than the blocks it completes from the worker's own offset
+    (when the counts agree the chunk runs there, registering nothing)."""
+
+    def refuses(self, step) -> bool:
+        for c in step.prefill_chunks:
+            start = self.cached.get(c.request_id)
+            if c.is_first or (start is not None and not c.cache_block_ids):
+                continue
+            if start is None or len(c.cache_block_ids) != (start + len(c.token_ids)) // BLOCK - start // BLOCK:
+                return True
+        return False
+
+    def run(self, step, rng, error_rate=0.0) -> list[RequestOutput]:
+        chunks = []
+        for c in step.prefill_chunks:
+            start = self.cached.get(c.request_id)
+            if not c.is_first and start is not None and not c.cache_block_ids:
+                completed = (start + len(c.token_ids)) // BLOCK - start // BLOCK
+                c = dataclasses.replace(c, cache_block_ids=(0,) * completed)
+            chunks.append(c)
+        return super().run(dataclasses.replace(step, prefill_chunks=tuple(chunks)), rng, error_rate)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_refusals_behind_refusals_and_router_side_failures_leave_nothing_behind(seed):
+    """Refused steps, the steps behind them the worker refuses too, and requests failed or cancelled by the router
+    while their registering steps are in flight: the pools agree and return to their start."""
+    rng = random.Random(seed)
+    s, worker = make(), EngineLikeWorker(32)
+    systems = [[rng.randrange(100) for _ in range(n)] for n in (7, 12, 17, 25)]
+    ids, in_flight = iter(range(1, 10**6)), collections.deque()
+
+    def refuse(step):
+        worker.refuse(step)
+        s.refused(step)
+        for rid in step.num_scheduled_tokens:
+            s.finish(rid, FinishReason.ERROR)
+
+    for _ in range(300):
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            prompt = rng.choice(systems) + [rng.randrange(100) for _ in range(rng.randrange(0, 6))]
+            s.add(ScheduledRequest(next(ids), prompt, rng.randrange(1, 6), cache_salt=rng.choice(["", "", "x"])))
+        if s.requests and rng.random() < 0.2:
+            s.finish(rng.choice(list(s.requests)), rng.choice([FinishReason.CANCELLED, FinishReason.ERROR]))
+        in_flight.append(s.schedule())
+        if len(in_flight) < 2:
+            continue
+        step = in_flight.popleft()
+        if not step.is_empty and (rng.random() < 0.05 or worker.refuses(step)):
+            refuse(step)
+        else:
+            s.update(step, worker.run(step, rng, 0.05))
+        _check_ready(s, worker)
+    while in_flight:
+        step = in_flight.popleft()
+        refuse(step) if worker.refuses(step) else s.update(step, worker.run(step, rng))
+        if s.requests or step.free_ids:
+            in_flight.append(s.schedule())
+    worker.run(s.schedule(), rng)
+    cache = s.prefix_cache
+    assert worker.pool.num_used_blocks == 0 and s.num_used_blocks == 0
+    assert {b.block_id for b in cache.blocks.values()} == {k[1] for k in worker.pool.cached}
+    assert worker.pool.num_free_blocks == s.num_free_blocks == 32 - cache.num_cached_blocks == 32 - len(cache.blocks)
+    assert all(b.refs == 0 for b in cache.blocks.values()) and not cache._claims and not cache._unsettled
