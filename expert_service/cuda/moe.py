@@ -108,7 +108,7 @@ def choose_strategy(
     cache's slots per layer where its one-token GEMV may run (cached_gemv_slots), 0: never."""
     n = T * K
     if cached:
-        if T <= GEMV_MAX_TOKENS and 0 < n <= cache_slots:  # the step's experts always fit wave 0
+        if T == 1 and n <= cache_slots:  # one token (CachedExperts._gemv's shapes), its experts always in wave 0
             return MoeStrategy.CACHED_GEMV
         return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
     if quantized:
