@@ -193,7 +193,7 @@ class ConstraintCompiler:
 
         self._llg = llguidance
         self.eos_token_ids = tuple(eos_token_ids)
-        # One EOS id for llguidance (releases before 1.9 take no list); GrammarMatcher.fill sets or clears every
+        # One EOS id for llguidance (releases before 1.9 take no list); GrammarMatcher.mask sets or clears every
         # EOS id's bit itself.
         first_eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=first_eos)

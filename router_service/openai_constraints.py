@@ -29,29 +29,19 @@ def request_constraint(body: dict) -> tuple[str, Constraint] | None:
     found: list[tuple[str, Constraint]] = []
     response_format = body.get("response_format")
     if response_format is not None:
-        constraint = _response_format(response_format)
-        if constraint is not None:
-            found.append((_response_format_param(response_format), constraint))
+        requested = _response_format(response_format)
+        if requested is not None:
+            found.append(requested)
     for name, kind in GUIDED.items():
         if body.get(name) is not None:
             found.append((name, _of_kind(name, kind, body[name])))
     structured = body.get("structured_outputs")
     if structured is not None:
-        constraint = _structured(structured)  # validates first: the field name needs exactly one key set
-        found.append((_structured_param(structured), constraint))
+        found.append(_structured(structured))
     if len(found) > 1:
         names = ", ".join(name.split(".")[0] for name, _ in found)
         raise ConstraintFieldError(found[1][0].split(".")[0], f"one constraint per request, got {names}")
     return found[0] if found else None
-
-
-def _response_format_param(value: dict) -> str:
-    return "response_format.json_schema.schema" if value.get("type") == "json_schema" else "response_format"
-
-
-def _structured_param(value: dict) -> str:
-    given = [k for k in STRUCTURED_KEYS if value.get(k) not in (None, False)]
-    return f"structured_outputs.{given[0]}"
 
 
 def _checked(param: str, make) -> Constraint:
@@ -75,7 +65,8 @@ def _of_kind(param: str, kind: str, value) -> Constraint:
     return _checked(param, lambda: Constraint(kind, value))
 
 
-def _response_format(value) -> Constraint | None:
+def _response_format(value) -> tuple[str, Constraint] | None:
+    """The field holding the constraint and the constraint (None: type text)."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise ConstraintFieldError("response_format", 'must be an object with a "type"')
     kind = value["type"]
@@ -85,7 +76,7 @@ def _response_format(value) -> Constraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint.json_schema(ANY_OBJECT)
+        return "response_format", Constraint.json_schema(ANY_OBJECT)
     if kind != "json_schema":
         raise ConstraintFieldError(
             "response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'
@@ -104,10 +95,12 @@ def _response_format(value) -> Constraint | None:
     schema = spec.get("schema", {})  # OpenAI: no schema = any JSON value
     if not isinstance(schema, dict):
         raise ConstraintFieldError("response_format.json_schema.schema", "must be a JSON Schema object")
-    return _checked("response_format.json_schema.schema", lambda: Constraint.json_schema(schema))
+    param = "response_format.json_schema.schema"
+    return param, _checked(param, lambda: Constraint.json_schema(schema))
 
 
-def _structured(value) -> Constraint:
+def _structured(value) -> tuple[str, Constraint]:
+    """The field holding the constraint (structured_outputs.<key>) and the constraint."""
     if not isinstance(value, dict):
         raise ConstraintFieldError("structured_outputs", "must be an object")
     unknown = sorted(set(value) - set(STRUCTURED_KEYS))
@@ -117,8 +110,9 @@ def _structured(value) -> Constraint:
     if len(given) != 1:
         raise ConstraintFieldError("structured_outputs", f"set exactly one of {', '.join(STRUCTURED_KEYS)}")
     key = given[0]
+    param = f"structured_outputs.{key}"
     if key == "json_object":
         if value[key] is not True:
-            raise ConstraintFieldError("structured_outputs.json_object", "must be true")
-        return Constraint.json_schema(ANY_OBJECT)
-    return _of_kind(f"structured_outputs.{key}", key, value[key])
+            raise ConstraintFieldError(param, "must be true")
+        return param, Constraint.json_schema(ANY_OBJECT)
+    return param, _of_kind(param, key, value[key])
