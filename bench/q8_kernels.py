@@ -6,7 +6,8 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
   decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
   dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old.
 
-Per kernel: median microseconds of --iters timed repetitions (after a warm-up), the bytes it must move (decode:
+Per kernel: GPU microseconds per launch (--iters launches captured in one CUDA graph, replayed between two
+events; b=1 launches cycle through disjoint expert sets so L2 does not serve them), the bytes it must move (decode:
 the routed experts' weights and scales, once; dequant: 8-bit read + bf16 written), GB/s and the fraction of
 bench/engine.py's HBM_BYTES_PER_S, and the ratios new/old and bf16/new. Outputs of old and new are compared (max
 relative difference; they differ only by float32 summation order). int8 experts take per-channel scales, fp8
@@ -55,17 +56,20 @@ def random_layer(rng, code: int, scheme: int, E: int, F: int, D: int):
     return blocks, meta, offs
 
 
-def timed(fn, iters: int, sync) -> float:
-    """Median microseconds of fn() over iters repetitions, each synchronised."""
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
+def timed(fn, iters: int, stream) -> float:
+    """Microseconds of GPU time per fn(i): `iters` calls captured in one CUDA graph and replayed between two
+    events (bench/kernels.py graph_timed), so Numba's per-launch host cost (tens of microseconds, as large as a
+    small layer's kernels) is not counted."""
+    from numba import config
+
+    from bench.kernels import graph_timed
+
+    if config.ENABLE_CUDASIM:  # the simulator has no graphs: a smoke run times nothing meaningful anyway
         t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return float(np.median(times))
+        for i in range(iters):
+            fn(i)
+        return (time.perf_counter() - t0) / iters * 1e6
+    return graph_timed(lambda i, _stream: fn(i), stream, iters) * 1e6
 
 
 def row(name: str, us: float, nbytes: int) -> dict:
@@ -92,10 +96,11 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
     D, F, E, K = SHAPES[shape]
     rng = np.random.default_rng(0)
     stream = cuda.stream()
-    sync = stream.synchronize
     out: dict = {}
-    ids = np.sort(rng.choice(E, K, replace=False)).astype(np.int32).reshape(1, K)
-    dids = cuda.to_device(ids)
+    # b=1 launches cycle through disjoint expert sets, so a small layer's experts (qwen3: 8 x 4.7 MB in 8 bits)
+    # are not served from the 50 MB L2 by the launch before
+    perm = rng.permutation(E)
+    sets = [cuda.to_device(np.sort(perm[j : j + K]).astype(np.int32).reshape(1, K)) for j in range(0, E - K + 1, K)]
     x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
     h, h_old = (cuda.device_array((K, F), np.float32) for _ in range(2))
     y, y_old = (cuda.device_array((K, D), np.float32) for _ in range(2))
@@ -105,12 +110,12 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
     del bf16
     print(f"{shape}: D={D} F={F} E={E} K={K}")
     b16 = timed(
-        lambda: (
-            launch_expert_gate_up(x, dids, dbf16, F, D, h, stream=stream),
-            launch_expert_down(h, dids, dbf16, F, D, y, stream=stream),
+        lambda i: (
+            launch_expert_gate_up(x, sets[i % len(sets)], dbf16, F, D, h, stream=stream),
+            launch_expert_down(h, sets[i % len(sets)], dbf16, F, D, y, stream=stream),
         ),
         iters,
-        sync,
+        stream,
     )
     out["bf16_gemv_b1"] = row("bf16 gemv, b=1", b16, K * 3 * F * D * 2)
 
@@ -130,28 +135,28 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
         del blocks
         res: dict = {}
 
-        def new_b1():
-            launch_q8_gate_up(x, W, dmeta, F, D, h, ids=dids, stream=stream, kinds=kinds)
-            launch_q8_down(h, W, dmeta, F, D, y, ids=dids, stream=stream, kinds=kinds)
+        def new_b1(i):
+            launch_q8_gate_up(x, W, dmeta, F, D, h, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
+            launch_q8_down(h, W, dmeta, F, D, y, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
 
-        def old_b1():
-            old.launch_q8(x, None, None, dids, W, dmeta, F, D, K, True, h_old, stream)
-            old.launch_q8(h_old, None, None, dids, W, dmeta, D, F, 1, False, y_old, stream)
+        def old_b1(i):
+            old.launch_q8(x, None, None, sets[i % len(sets)], W, dmeta, F, D, K, True, h_old, stream)
+            old.launch_q8(h_old, None, None, sets[i % len(sets)], W, dmeta, D, F, 1, False, y_old, stream)
 
-        def new_grouped():
+        def new_grouped(_i):
             launch_q8_gate_up(xt, W, dmeta, F, D, ht, order=order, offsets=offsets, stream=stream, kinds=kinds)
             launch_q8_down(ht, W, dmeta, F, D, yt, offsets=offsets, stream=stream, kinds=kinds)
 
-        def old_grouped():
+        def old_grouped(_i):
             old.launch_q8(xt, order, offsets, None, W, dmeta, F, D, K, True, ht_old, stream)
             old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
 
-        res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, sync), K * per_expert)
-        res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, sync), K * per_expert)
+        res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert)
+        res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, stream), K * per_expert)
         res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
         tb = active_t * per_expert
-        res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, sync), tb)
-        res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, sync), tb)
+        res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, stream), tb)
+        res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, stream), tb)
         res[f"b{T}_max_rel_diff"] = max(max_rel(ht, ht_old), max_rel(yt, yt_old))
 
         group = max(1, min(E, (256 << 20) // (3 * F * D * 2)))  # as cuda/moe.dequant_group for bf16
@@ -160,13 +165,15 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
         moved = group * 3 * F * D * 3  # 8-bit read, bf16 written
         res["dequant_new"] = row(
             f"{name} dequant new, {group} experts",
-            timed(lambda: launch_dequant_experts(W, dmeta, every, 0, F, D, scratch, stream=stream), iters, sync),
+            timed(lambda _i: launch_dequant_experts(W, dmeta, every, 0, F, D, scratch, stream=stream), iters, stream),
             moved,
         )
         res["dequant_old"] = row(
             f"{name} dequant old, {group} experts",
             timed(
-                lambda: old.launch_dequant_experts(W, dmeta, every, 0, F, D, scratch_old, stream=stream), iters, sync
+                lambda _i: old.launch_dequant_experts(W, dmeta, every, 0, F, D, scratch_old, stream=stream),
+                iters,
+                stream,
             ),
             moved,
         )
