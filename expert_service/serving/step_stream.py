@@ -336,7 +336,7 @@ class StepPump:
                     done.set_result(None)
                     current = None
                     continue
-                held = pending[0].in_flight.sequences if pending else frozenset()
+                held: frozenset[int] = pending[0].in_flight.sequences if pending else frozenset()
                 launched = self.session.launch(step, held, final=pending is None)
                 if isinstance(launched, StepAnswer) and launched.refused and pending is not None:
                     # judged again as it would be one step at a time: what the step in flight releases on
