@@ -168,8 +168,8 @@ def test_random_refusals_fail_only_their_sequences_behind_them(tiny_model, seed)
         assert got == alone.generate(prompt, len(got))[0], rid
     cached = {block_id for owner, block_id in engine.allocator.cached if owner == session.id}
     assert cached == {b for step in steps[:lost] for c in step.chunks for b in c.cache_block_ids}
-    pumped, _ = _pumped(_engine(tiny_model, True, 256), steps)
-    assert pumped == answers
+    pumped, depths = _pumped(_engine(tiny_model, True, 256), steps)
+    assert pumped == answers and max(depths) == 1  # some step did launch behind another
     session.close()
     assert not engine.sequences and not engine.allocator.cached and engine.allocator.num_used_blocks == 0
 
@@ -242,3 +242,38 @@ def test_a_chunk_refused_behind_the_step_in_flight_and_launched_again_loses_noth
     got, depths = _pumped(_engine(tiny_model, True, 32), steps)
     assert got == want and all(not error for answer in want for _, _, error, *_ in answer)
     assert depths == [0, 1, 1, 0, 1], "step 3: launched behind step 2, refused, launched again alone"
+
+
+@pytest.mark.gpu
+def test_random_refusals_on_the_cuda_engine(tmp_path):
+    """The random scenarios on the cuda backend, whose steps overlap on the device (a decode behind the step in
+    flight reads its token from that step's argmax): the pump answers as one step at a time, 1 fails alone in
+    every step behind the refused one, and 3 and 4 get the tokens they get alone."""
+    from common.model_format import ModelDir
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.tools.tiny_model import make_tiny
+
+    model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=5))
+    config = EngineConfig(
+        backend="cuda", kv_block_size=BLOCK, kv_cache_tokens=256, max_batch_tokens=48, max_batch_size=6
+    )
+    sequential, overlapped, alone = (build_engine(model, config) for _ in range(3))
+    try:
+        for seed in range(8):
+            steps, lost, errors, goods = _scenario(np.random.default_rng(seed), model.config.vocab_size)
+            answers, session = _one_at_a_time(sequential, steps)
+            assert answers[lost][0] == "refused", seed
+            for answer, error in zip(answers[lost + 1 :], errors + [None] * 3):
+                assert _errors(answer) == {**({1: error} if error else {}), 3: "", 4: ""}, (seed, answer)
+            for rid, prompt in goods.items():
+                got = _tokens(answers, rid)
+                assert got == alone.generate(prompt, len(got))[0], (seed, rid)
+            pumped, depths = _pumped(overlapped, steps)
+            assert pumped == answers and max(depths) == 1, seed
+            session.close()
+            for engine in (sequential, overlapped):
+                assert not engine.sequences and engine.allocator.num_used_blocks == 0, seed
+    finally:
+        for engine in (sequential, overlapped, alone):
+            engine.close()
