@@ -254,14 +254,14 @@ def test_random_refusals_on_the_cuda_engine(tmp_path):
     from expert_service.engine.config import EngineConfig
     from expert_service.tools.tiny_model import make_tiny
 
-    model = ModelDir.open(make_tiny(tmp_path / "m", family="mixtral", seed=5))
+    model = make_tiny(tmp_path / "m", family="mixtral", seed=5)
     config = EngineConfig(
         backend="cuda", kv_block_size=BLOCK, kv_cache_tokens=256, max_batch_tokens=48, max_batch_size=6
     )
-    sequential, overlapped, alone = (build_engine(model, config) for _ in range(3))
+    sequential, overlapped, alone = (build_engine(ModelDir.open(model), config) for _ in range(3))
     try:
         for seed in range(8):
-            steps, lost, errors, goods = _scenario(np.random.default_rng(seed), model.config.vocab_size)
+            steps, lost, errors, goods = _scenario(np.random.default_rng(seed), sequential.model_config.vocab_size)
             answers, session = _one_at_a_time(sequential, steps)
             assert answers[lost][0] == "refused", seed
             for answer, error in zip(answers[lost + 1 :], errors + [None] * 3):
