@@ -130,6 +130,9 @@ class Chunk:
     prefix_block_ids: tuple[int, ...] = ()  # on its first chunk: the cached blocks it starts on
     cache_block_ids: tuple[int, ...] = ()  # one per block the chunk completes: the id to cache it under (0: none)
     prefix_token_ids: tuple[int, ...] = ()  # penalised, on its first chunk: the tokens its cached blocks hold
+    # The request's tokens before this chunk (its cached prefix included): the worker fails a chunk alone when an
+    # earlier one never ran (refused with a step sent before this one's), instead of refusing its step.
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,7 @@ class Scheduler:
                 prefix_block_ids=tuple(prefix.hit_ids) if is_first and prefix else (),
                 prefix_token_ids=tuple(req.prompt_ids[:start]) if is_first and prefix and req.penalized else (),
                 cache_block_ids=cache_ids,
+                start=start,
             )
         )
         req.num_scheduled_tokens += n

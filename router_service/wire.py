@@ -51,7 +51,9 @@ def routing_plan(plan: RoutingPlan) -> pb.RoutingPlan:
 
 
 def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
-    message = pb.PrefillChunk(request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last)
+    message = pb.PrefillChunk(
+        request_id=chunk.request_id, token_ids=chunk.token_ids, is_last=chunk.is_last, start_position=chunk.start
+    )
     if chunk.is_first and chunk.sampling is not None:
         message.sampling.CopyFrom(chunk.sampling)
     if chunk.prefix_block_ids:

@@ -19,6 +19,7 @@ import numpy as np
 from common.errors import CapacityError, InvalidRequestError, NonFiniteLogitsError
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
+from expert_service.engine.chunk_positions import check_first_position, follows_missed_chunk, mark_missed
 from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
@@ -35,6 +36,7 @@ log = logging.getLogger("colibri.worker")
 NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
+EARLIER_CHUNK_REFUSED = "EARLIER_CHUNK_REFUSED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,8 @@ class SequenceState:
     block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
     pending: tuple[int, int] | None = None  # (step serial, logits row): a launched step not yet collected
     # samples its next token there
+    missed_chunk: bool = False  # a chunk of it was refused with its step and none ran since: the router's later
+    # chunks start past num_cached, and fail alone
 
 
 @dataclass
@@ -175,6 +179,11 @@ class Engine:
         self._in_flight.clear()
         self.decoder.abandon()
 
+    def refused(self, prefill: Sequence[PrefillInput]) -> None:
+        """The step carrying these chunks was refused as a whole and is not launched again: the sequences held
+        among them lost a chunk, and their next chunks may be on the way already (chunk_positions)."""
+        mark_missed(self.sequences, prefill)
+
     def ready(self, step: InFlightStep) -> bool:
         """Whether `collect(step)` would return without waiting for the device."""
         return step.launched is None or self.decoder.ready(step.launched)
@@ -201,17 +210,23 @@ class Engine:
         ahead = self._in_flight[0].serial if self._in_flight else None
         work: list[tuple[int, np.ndarray, bool]] = []
         created: list[int] = []  # a refused step starts nothing: these are dropped again
+        running: list[PrefillInput] = []  # the chunks that run (the others fail alone)
         unknown = []  # freed (a late stop, a cancel, an error) or never started: that sequence alone fails
         fed: dict[int, int] = {}  # work index -> the row of the step in flight whose argmax is its token
         try:
             for chunk in prefill:
-                if self.sequences.get(chunk.request_id) is None:
+                seq = self.sequences.get(chunk.request_id)
+                if seq is None:
                     if chunk.sampling is None:
+                        if chunk.start_position:  # its first chunk never ran: refused with its step, or failed
+                            unknown.append(SequenceOutput(chunk.request_id, error=UNKNOWN_SEQUENCE))
+                            continue
                         raise InvalidRequestError(
                             "sampling",
                             f"sequence {chunk.request_id} is new: its first chunk must carry sampling parameters",
                         )
                     chunk.sampling.check_vocabulary(self.model_config.vocab_size)
+                    check_first_position(chunk, self.config.kv_block_size)
                     try:
                         num_cached = attach_prefix(self.allocator, chunk, owner)
                     except KeyError as missing:  # the router's view is stale: this sequence alone fails
@@ -224,7 +239,13 @@ class Engine:
                     raise InvalidRequestError(
                         "prefix_block_ids", f"sequence {chunk.request_id}: only a first chunk may name cached blocks"
                     )
+                elif follows_missed_chunk(seq, chunk):
+                    unknown.append(SequenceOutput(chunk.request_id, error=EARLIER_CHUNK_REFUSED))
+                    continue
+                else:
+                    seq.missed_chunk = False  # whole again (a refusal below marks it anew)
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
+                running.append(chunk)
             first_decode = len(work)
             for rid in decode_ids:
                 seq = None if rid in freed else self.sequences.get(rid)
@@ -247,9 +268,9 @@ class Engine:
                 self.model_config.vocab_size,
             )
             token_ids = self._check_step(work)
-            registrations = cache_registrations(self.allocator, self.sequences, prefill, owner)
+            registrations = cache_registrations(self.allocator, self.sequences, running, owner)
             scored = self._scored_prompts(work[:first_decode])
-            prefix_tokens = prefix_penalty_tokens(prefill, created, self.model_config.vocab_size, self.allocator)
+            prefix_tokens = prefix_penalty_tokens(running, created, self.model_config.vocab_size, self.allocator)
             penalties = self._penalties(work, first_decode, created, prefix_tokens)
             mc = self.model_config
             planned_ids = (
@@ -335,10 +356,11 @@ class Engine:
         outputs, gone = self._sample(step, logits)
         unknown = step.unknown
         if gone:  # released since launch (non-finite logits in the step before): answered as if unknown at launch
-            ids = {*gone, *(out.request_id for out in unknown)}
-            unknown = [
+            decodes = set(step.decode_ids)  # the chunks' failures come first, as they did at launch
+            ids = {*gone, *(out.request_id for out in unknown if out.request_id in decodes)}
+            unknown = [out for out in unknown if out.request_id not in decodes] + [
                 SequenceOutput(rid, error=UNKNOWN_SEQUENCE)
-                for rid in [*step.decode_ids, *(r for r in gone if r not in step.decode_ids)]
+                for rid in [*step.decode_ids, *(r for r in gone if r not in decodes)]
                 if rid in ids
             ]
         outputs += unknown

@@ -34,6 +34,9 @@ class PrefillInput:
     prefix_block_ids: tuple[int, ...] = ()
     cache_block_ids: tuple[int, ...] = ()
     prefix_token_ids: tuple[int, ...] = ()  # a penalised sequence's cached prefix tokens (the penalty counts them)
+    # The sequence's tokens before this chunk, as the router counts them (0 on a later chunk: not given, unchecked).
+    # Past the engine's count, an earlier chunk never ran (refused with its step): this one then fails alone.
+    start_position: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,11 +134,14 @@ class StreamSession:
         launched = self.launch(step)
         return launched if isinstance(launched, StepAnswer) else self.collect(launched)
 
-    def launch(self, step: StepRequest, held: frozenset[int] = frozenset()) -> StepAnswer | _Launched:
+    def launch(
+        self, step: StepRequest, held: frozenset[int] = frozenset(), final: bool = True
+    ) -> StepAnswer | _Launched:
         """Frees, ownership checks, then the engine's launch: a _Launched to `collect`, or at once the
         outcome of a step that launched nothing (frees only, refused). held: sequences of a step still in
         flight; frees of those are only recorded (they stop being ours, a decode of them is UNKNOWN_SEQUENCE)
-        until `release_late` runs after that step's collection, so it still samples them."""
+        until `release_late` runs after that step's collection, so it still samples them. final: a refusal is
+        the step's answer (False: it is launched again, so its sequences have lost no chunk yet)."""
         started = time.perf_counter()
         late = {int(r) for r in step.free_ids if int(r) in held and self.owners.get(int(r)) == self.id}
         self._free(int(r) for r in step.free_ids if int(r) not in late)
@@ -166,6 +169,8 @@ class StreamSession:
             )
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
+            if final:
+                self.engine.refused(chunks)
             return StepAnswer(
                 step.step_id, None, str(e), time.perf_counter() - started, kind, isinstance(e, CapacityError)
             )
@@ -331,7 +336,8 @@ class StepPump:
                     done.set_result(None)
                     current = None
                     continue
-                launched = self.session.launch(step, pending[0].in_flight.sequences if pending else frozenset())
+                held: frozenset[int] = pending[0].in_flight.sequences if pending else frozenset()
+                launched = self.session.launch(step, held, final=pending is None)
                 if isinstance(launched, StepAnswer) and launched.refused and pending is not None:
                     # judged again as it would be one step at a time: what the step in flight releases on
                     # collection (late frees, a sequence with non-finite logits) gives back KV blocks and batch

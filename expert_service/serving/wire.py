@@ -66,6 +66,7 @@ def prefill_input(chunk: pb.PrefillChunk) -> PrefillInput:
         tuple(chunk.prefix_block_ids),
         tuple(chunk.cache_block_ids),
         tuple(chunk.prefix_token_ids),
+        chunk.start_position,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 
 from common.pb import router_pb2 as rpb
@@ -176,3 +177,64 @@ def test_a_step_failed_during_the_arrival_wait_fails_its_batch_not_the_next_send
     assert code == grpc.StatusCode.INTERNAL
     unread = [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert not unread, unread[0].getMessage()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_refused_step_fails_only_its_request_not_the_step_sent_behind_it(tiny_model, monkeypatch, seed):
+    """Through both services on the cpu backend, two steps in flight, 16-token steps: the first step carries the
+    first chunk of request B alone, and the wire makes a token of it leave the vocabulary, so the worker refuses
+    that step. The step sent behind it, before its answer, carries B's last chunk with three other prompts: B's
+    chunk fails alone there, and the others finish with the greedy tokens they get alone."""
+    from router_service import wire
+    from tests.helpers import BackgroundWorker
+    from tests.router_service.test_e2e_worker import offline_greedy
+
+    rng = np.random.default_rng(seed)
+    bad = [int(t) for t in rng.integers(3, 250, 20)]  # 16 tokens in step 1, the last 4 in step 2
+    goods = [[int(t) for t in rng.integers(3, 250, 4)] for _ in range(3)]  # 12 tokens: they fill step 2
+    lengths = [int(n) for n in rng.integers(3, 9, 3)]
+    chunk_message, sent, refusals = wire.prefill_chunk, [], []
+
+    def corrupting(chunk):
+        message = chunk_message(chunk)
+        sent.append((chunk.request_id, chunk.start, len(chunk.token_ids)))
+        if chunk.is_first and list(chunk.token_ids) == bad[:16]:
+            message.token_ids[0] = VOCAB_SIZE
+        return message
+
+    monkeypatch.setattr(wire, "prefill_chunk", corrupting)
+    worker = BackgroundWorker(tiny_model).start()
+
+    async def main():
+        async with running_router(worker.address, pipeline_depth=2, max_batch_tokens=16) as (router, stub):
+            loop, gate = router.batching_loop, asyncio.Event()
+            fill, apply = loop._fill_pipeline, loop._apply
+
+            async def gated_fill():  # nothing is scheduled until every request waits, B first
+                await gate.wait()
+                await fill()
+
+            def recording_apply(in_flight, response):
+                refusals.append(response.step_error)
+                apply(in_flight, response)
+
+            loop._fill_pipeline, loop._apply = gated_fill, recording_apply
+            b = asyncio.ensure_future(stub.Generate(ids_request(bad, max_new_tokens=4, ignore_eos=True)))
+            await wait_for(lambda: loop.scheduler.num_waiting == 1)
+            calls = [stub.Generate(ids_request(p, max_new_tokens=n, ignore_eos=True)) for p, n in zip(goods, lengths)]
+            together = [asyncio.ensure_future(call) for call in calls]
+            await wait_for(lambda: loop.scheduler.num_waiting == 4)
+            gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await b
+            assert err.value.code() == grpc.StatusCode.INTERNAL  # the details stay in the router's log
+            return [list(r.token_ids) for r in await asyncio.gather(*together)]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        worker.stop()
+    assert got == [offline_greedy(tiny_model, p, n) for p, n in zip(goods, lengths)]
+    b_id = sent[0][0]
+    assert sent[:4] == [(b_id, 0, 16), (b_id, 16, 4), (b_id + 1, 0, 4), (b_id + 2, 0, 4)], sent
+    assert refusals[0] and not any(refusals[1:]), refusals  # only B's step was refused

@@ -209,34 +209,40 @@ def test_a_failed_request_does_not_offer_the_blocks_its_later_steps_were_to_writ
 
 
 class EngineLikeWorker(PipelinedWorker):
-    """The worker as the engine answers a step behind a refused one: it refuses a later chunk of a sequence it never
-    started, or one naming a number of cache ids other than the blocks it completes from the worker's own offset
-    (when the counts agree the chunk runs there, registering nothing)."""
+    """The worker as the engine answers a step behind a refused one: a later chunk of a sequence it never started,
+    or one starting past its own count (an earlier chunk was refused with its step), fails alone and registers
+    nothing; the rest of the step runs. Any other start the router sends must be the worker's count."""
 
-    def refuses(self, step) -> bool:
-        for c in step.prefill_chunks:
-            start = self.cached.get(c.request_id)
-            if c.is_first or (start is not None and not c.cache_block_ids):
-                continue
-            if start is None or len(c.cache_block_ids) != (start + len(c.token_ids)) // BLOCK - start // BLOCK:
-                return True
-        return False
+    def __init__(self, blocks):
+        super().__init__(blocks)
+        self.lost: set[int] = set()  # sequences with a chunk in a refused step
+        self.failed_alone = 0
+
+    def refuse(self, step) -> None:
+        super().refuse(step)
+        self.lost |= {c.request_id for c in step.prefill_chunks}
 
     def run(self, step, rng, error_rate=0.0) -> list[RequestOutput]:
-        chunks = []
+        chunks, out = [], []
         for c in step.prefill_chunks:
-            start = self.cached.get(c.request_id)
-            if not c.is_first and start is not None and not c.cache_block_ids:
-                completed = (start + len(c.token_ids)) // BLOCK - start // BLOCK
-                c = dataclasses.replace(c, cache_block_ids=(0,) * completed)
-            chunks.append(c)
-        return super().run(dataclasses.replace(step, prefill_chunks=tuple(chunks)), rng, error_rate)
+            held = self.cached.get(c.request_id)
+            if c.is_first or held == c.start:
+                assert c.start == (held or 0) + len(c.prefix_block_ids) * BLOCK * c.is_first
+                chunks.append(c)
+                continue
+            # never started (its first chunk refused, or failed alone), or held short of a refused chunk
+            assert held is None or c.request_id in self.lost, f"{c.request_id}: starts at {c.start}, holds {held}"
+            out.append(RequestOutput(c.request_id, None, error="UNKNOWN_SEQUENCE" if held is None else "EARLIER"))
+            self.failed_alone += 1
+        ran = super().run(dataclasses.replace(step, prefill_chunks=tuple(chunks)), rng, error_rate)
+        return ran + out
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_refusals_behind_refusals_and_router_side_failures_leave_nothing_behind(seed):
-    """Refused steps, the steps behind them the worker refuses too, and requests failed or cancelled by the router
-    while their registering steps are in flight: the pools agree and return to their start."""
+def test_chunks_behind_refusals_fail_alone_and_router_side_failures_leave_nothing_behind(seed):
+    """Refused steps, the later chunks of their sequences in the steps behind them (which fail alone, the rest of
+    those steps running), and requests failed or cancelled by the router while their registering steps are in
+    flight: the pools agree and return to their start."""
     rng = random.Random(seed)
     s, worker = make(), EngineLikeWorker(32)
     systems = [[rng.randrange(100) for _ in range(n)] for n in (7, 12, 17, 25)]
@@ -258,18 +264,19 @@ def test_refusals_behind_refusals_and_router_side_failures_leave_nothing_behind(
         if len(in_flight) < 2:
             continue
         step = in_flight.popleft()
-        if not step.is_empty and (rng.random() < 0.05 or worker.refuses(step)):
+        if not step.is_empty and rng.random() < 0.05:
             refuse(step)
         else:
             s.update(step, worker.run(step, rng, 0.05))
         _check_ready(s, worker)
     while in_flight:
         step = in_flight.popleft()
-        refuse(step) if worker.refuses(step) else s.update(step, worker.run(step, rng))
+        s.update(step, worker.run(step, rng))
         if s.requests or step.free_ids:
             in_flight.append(s.schedule())
     worker.run(s.schedule(), rng)
     cache = s.prefix_cache
+    assert worker.failed_alone
     assert worker.pool.num_used_blocks == 0 and s.num_used_blocks == 0
     assert {b.block_id for b in cache.blocks.values()} == {k[1] for k in worker.pool.cached}
     assert worker.pool.num_free_blocks == s.num_free_blocks == 32 - cache.num_cached_blocks == 32 - len(cache.blocks)

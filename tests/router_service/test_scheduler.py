@@ -234,3 +234,37 @@ def test_prompt_scores_gather_by_chunk_and_come_with_the_first_token():
     assert np.isnan(out[0].prompt.logprobs[0]) and out[0].prompt.logprobs[1:].tolist() == [-1, -2, -3, -4]
     step = s.schedule()
     assert s.update(step, tokens_for(step))[0].prompt is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_chunk_starts_where_the_requests_tokens_sent_before_it_end(seed):
+    """Pipelined (two steps out), with prefix caching, random prompts, budgets and refused steps: every chunk's
+    start is the request's tokens sent before it, its cached prefix included, so the worker can tell a chunk
+    behind a lost one."""
+    from router_service.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(seed)
+    s = Scheduler(SchedulerLimits(6, int(rng.integers(3, 20)), 4, 256), PrefixCache(4, b"model"))
+    system = [int(t) for t in rng.integers(1, 100, 9)]
+    sent: dict[int, int] = {}
+    in_flight = []
+    for rid in range(1, 40):
+        if rng.random() < 0.6:
+            s.add(ScheduledRequest(rid, system + [int(t) for t in rng.integers(1, 100, rng.integers(1, 12))], 3))
+        step = s.schedule()
+        for chunk in step.prefill_chunks:
+            if chunk.is_first:
+                assert chunk.start == len(chunk.prefix_block_ids) * 4
+            else:
+                assert chunk.start == sent[chunk.request_id]
+            sent[chunk.request_id] = chunk.start + len(chunk.token_ids)
+        in_flight.append(step)
+        if len(in_flight) == 2:
+            done = in_flight.pop(0)
+            if not done.is_empty and rng.random() < 0.15:
+                s.refused(done)
+                for request_id in done.num_scheduled_tokens:
+                    s.finish(request_id, FinishReason.ERROR)
+            else:
+                s.update(done, tokens_for(done))
+    assert s.prefix_cache.num_hit_tokens > 0 and any(start for start in sent.values())

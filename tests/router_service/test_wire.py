@@ -28,13 +28,17 @@ def test_step_request_carries_frees_chunks_decodes_and_plan_as_the_worker_reads_
         (2, [1, 2, 3], False, 12),
     ]
     s.update(step, [RequestOutput(1, 9, -0.5), RequestOutput(2, None)])
+    step = s.schedule()  # 1 decodes, 2's last 2 tokens start at 3: the worker reads where each chunk starts
+    back = worker_wire.step_request(wire.step_request(step, 6), StepLimits((0,), 16, 8))
+    assert [(c.request_id, c.start_position, c.sampling) for c in back.chunks] == [(2, 3, None)]
+    s.update(step, [RequestOutput(1, 9, -0.5), RequestOutput(2, 4, -0.5)])
     s.finish(2, FinishReason.CANCELLED)
     step = s.schedule()  # 1 decodes; 2 left, so the step frees it first
     plan = RoutingPlan((0,), np.array([[0, 1]], np.int32), np.array([[0]], np.int32))
-    message = pb.StepStreamRequest.FromString(wire.step_request(step, 6, plan).SerializeToString())
+    message = pb.StepStreamRequest.FromString(wire.step_request(step, 7, plan).SerializeToString())
     limits = StepLimits((0,), 16, 8)
     back = worker_wire.step_request(message, limits)
-    assert back.step_id == 6 and back.free_ids.tolist() == [2] and back.decode_ids.tolist() == [1] and not back.chunks
+    assert back.step_id == 7 and back.free_ids.tolist() == [2] and back.decode_ids.tolist() == [1] and not back.chunks
     assert back.routing_plan.expert_ids(1, 1)[0].tolist() == [[0]]
 
 

@@ -7,6 +7,8 @@ launched). The cpu engine of the tiny model, its overlap switched on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -57,7 +59,7 @@ def _view(outcome):
             o.request_id,
             o.token_id,
             o.error,
-            round(o.logprob, 5),
+            "nan" if np.isnan(o.logprob) else round(o.logprob, 5),  # a row with a NaN logit scores NaN
             None if o.top is None else o.top.top_ids.tolist(),
             None if o.prompt is None else o.prompt.top_ids.tolist(),
         )
@@ -117,15 +119,19 @@ def _sampling(rng) -> SamplingParams:
 def _random_steps(seed: int, vocab: int, count: int = 24) -> list[StepRequest]:
     """A client that mostly behaves (prompts, some in two chunks, then decodes; frees) and sometimes does not:
     unknown ids, out-of-vocabulary tokens, a new sequence without sampling parameters, a decode of what the
-    step frees, duplicate decodes, a chunk for a sequence that already samples, an id reused by its free's step."""
+    step frees, duplicate decodes, a chunk for a sequence that already samples, an id reused by its free's step.
+    Chunks say where they start as the client counts (so refusals leave later chunks past the engine's count)."""
     rng = np.random.default_rng(seed)
     sampling_ids, partial, steps = set(), set(), []
+    sent: dict[int, int] = {}  # sequence -> its tokens sent so far
     for step_id in range(1, count + 1):
         frees, chunks, decodes, used = [], [], [], set()
         if rng.random() < 0.25 and (sampling_ids or partial):
             pool = sorted(sampling_ids | partial)
             frees = [int(r) for r in rng.choice(pool, size=min(len(pool), int(rng.integers(1, 3))), replace=False)]
             frees += [UNKNOWN_ID] * (rng.random() < 0.1) + frees[:1] * (rng.random() < 0.1)
+            for rid in frees:
+                sent.pop(rid, None)
             sampling_ids -= set(frees)
             partial -= set(frees)
         for _ in range(int(rng.integers(1, 3)) if rng.random() < 0.45 else 0):
@@ -153,10 +159,15 @@ def _random_steps(seed: int, vocab: int, count: int = 24) -> list[StepRequest]:
         if rng.random() < 0.1 and frees and frees[0] not in used:
             used.add(frees[0])
             chunks.append(PrefillInput(frees[0], rng.integers(1, 200, 5), _sampling(rng), True))
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             (sampling_ids if chunk.is_last else partial).add(chunk.request_id)
             if chunk.is_last:
                 partial.discard(chunk.request_id)
+            start = 0 if chunk.sampling is not None else sent.get(chunk.request_id, 0)
+            chunks[i] = replace(chunk, start_position=start)
+            sent[chunk.request_id] = start + len(chunk.token_ids)
+        for rid in decodes:
+            sent[rid] = sent.get(rid, 0) + 1
         steps.append(_step(step_id, frees, chunks, [int(r) for r in rng.permutation(decodes)]))
     return steps
 
@@ -202,16 +213,22 @@ def _nan_at_position(engine: Engine, position: int) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("third", ["chunk without sampling", "same id again", "decode twice", "decode"])
+@pytest.mark.parametrize(
+    "third", ["chunk without sampling", "same id again", "decode twice", "decode", "decode, chunk never started"]
+)
 def test_a_sequence_released_for_non_finite_logits_is_gone_for_the_step_behind(tiny_model, third):
     """Step 2 samples position 5 of sequence 1, whose logits are non-finite: NON_FINITE_LOGITS, and the engine
     releases 1 when it collects step 2 -- after step 3 was launched behind it. Step 3 gets the answer it would
-    get one step at a time: a refusal, a new sequence 1, UNKNOWN_SEQUENCE twice, UNKNOWN_SEQUENCE in its place."""
+    get one step at a time: a refusal, a new sequence 1, UNKNOWN_SEQUENCE twice, UNKNOWN_SEQUENCE in its place
+    (after the failure of a chunk whose sequence never started)."""
     last = {
         "chunk without sampling": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), None, True)]),
         "same id again": _step(3, chunks=[PrefillInput(1, np.arange(1, 4), GREEDY, True)]),
         "decode twice": _step(3, decodes=[1, 1]),
         "decode": _step(3, chunks=[PrefillInput(2, np.arange(1, 4), GREEDY, True)], decodes=[1]),
+        "decode, chunk never started": _step(
+            3, chunks=[PrefillInput(5, np.arange(1, 4), None, True, start_position=4)], decodes=[1]
+        ),
     }[third]
     steps = [_step(1, chunks=[PrefillInput(1, np.arange(10, 15), GREEDY, True)]), _step(2, decodes=[1]), last]
     want, _ = _one_at_a_time(_nan_at_position(_engine(tiny_model, False, 256), 5), steps)
@@ -219,6 +236,8 @@ def test_a_sequence_released_for_non_finite_logits_is_gone_for_the_step_behind(t
     assert got == want and want[1][0][2] == NON_FINITE_LOGITS
     if third == "decode":
         assert [o[0] for o in got[2]] == [2, 1] and got[2][1][2] == UNKNOWN_SEQUENCE
+    if third == "decode, chunk never started":
+        assert [(o[0], o[2]) for o in got[2]] == [(5, UNKNOWN_SEQUENCE), (1, UNKNOWN_SEQUENCE)]
 
 
 def test_a_decode_that_needs_the_blocks_of_a_sequence_freed_behind_the_step_in_flight(tiny_model):
