@@ -379,7 +379,7 @@ class BatchingLoop:
             },
         )
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
-        late_ids = late_mask_ids(step, self._requests)
+        late_ids = late_mask_ids(step, self._requests) if self._constraints is not None else ()
         vocab = self.info.vocab_size if self.info else 0
         request = wire.step_request(
             step, next(self._step_ids), routing_plan, step_masks(step, self._requests, vocab, late_ids), late_masks

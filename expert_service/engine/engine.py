@@ -265,13 +265,14 @@ class Engine:
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
             sampling = [rid for rid, _, wants_token in work if wants_token]
+            constrained = [self.sequences[rid].sampler.params.constrained for rid in sampling]
             token_masks, late = step_masks(
                 sampling,
-                [self.sequences[rid].sampler.params.constrained for rid in sampling],
+                constrained,
                 masks or {},
                 {out.request_id for out in unknown},
                 self.model_config.vocab_size,
-                self._deferrable(work[first_decode:]),
+                self._deferrable(work[first_decode:]) if any(constrained) else frozenset(),
             )
             token_ids = self._check_step(work)
             registrations = cache_registrations(self.allocator, self.sequences, prefill, owner)
