@@ -355,7 +355,7 @@ class BatchingLoop:
         by that message and needs none."""
         if not self._in_flight or not self._in_flight[-1].late_ids:
             return None
-        return masks_of(self._in_flight[-1].late_ids, self._requests, self.info.vocab_size if self.info else 0)
+        return masks_of(self._in_flight[-1].late_ids, self._requests, self.info.vocab_size if self.info else 0) or None
 
     async def _send(self, step: ScheduledStep, late_masks: dict[int, bytes] | None = None) -> None:
         started = time.monotonic()
