@@ -103,9 +103,9 @@ def token_masks(
 ) -> dict[int, np.ndarray] | None:
     """request id -> mask words of a message's packed masks (None: none); shapes checked here, contents by the
     engine. names: the message's fields (the on-time pair, or the late one)."""
-    ids = _packed_ids(ids_bytes, names[0])
-    if not len(ids) and not masks_bytes:
+    if not ids_bytes and not masks_bytes:  # most steps: nothing constrained
         return None
+    ids = _packed_ids(ids_bytes, names[0])
     if len(ids) > limits.max_batch_size:
         raise InvalidRequestError(names[0], f"{len(ids)} ids, at most max_batch_size {limits.max_batch_size}")
     words = mask_words(limits.vocab_size)
