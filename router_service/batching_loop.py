@@ -326,7 +326,8 @@ class BatchingLoop:
     async def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self._depth:
             if self._in_flight:
-                await self._await_arrivals()
+                if not self._in_flight[-1].late_ids:  # a step waiting for late masks would stall until this send
+                    await self._await_arrivals()
                 # The worker failed the stream meanwhile: apply that first. A send on the ended stream would report
                 # a lost worker (UNAVAILABLE to all) instead of the failed step's error to its requests.
                 receiving = self._receiving
