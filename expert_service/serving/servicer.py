@@ -309,7 +309,7 @@ class WorkerServicer:
         try:
             while (item := await queued.get()) is not None:
                 span, work = item
-                outcome = work if isinstance(work, StepAnswer) else await self._await_step(work, context)
+                outcome = await self._await_step(work, context)
                 span.update_name(f"worker {outcome.kind}")
                 span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)
                 span.end()
@@ -325,7 +325,8 @@ class WorkerServicer:
             (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
-        """The step queued on the model thread, or its refusal when the request is malformed."""
+        """The step queued on the model thread; a malformed request is refused there too, in order (a step
+        waiting for late masks the request carried learns that they will not come)."""
         try:
             submitted = pump.submit(wire.step_request(request, self._step_limits))
         except ColibriError as e:  # malformed: refuse this step alone (in order: late masks it held never come)
