@@ -31,7 +31,15 @@ from common.tracing import (
 )
 from router_service import wire
 from router_service.config import RouterConfig
-from router_service.constraints import ConstraintCompiler, GrammarError, GrammarMatcher, step_masks
+from router_service.constraints import (
+    ConstraintCompiler,
+    GrammarError,
+    GrammarMatcher,
+    late_mask_ids,
+    masks_of,
+    may_mask_late,
+    step_masks,
+)
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.logprobs import prompt_logprobs
@@ -59,6 +67,7 @@ class _InFlight:
     step_id: int
     started: float
     span: trace.Span
+    late_ids: tuple[int, ...] = ()  # constrained decodes whose masks go with the next message
 
 
 class BatchingLoop:
@@ -186,6 +195,7 @@ class BatchingLoop:
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
                 constrained=state.matcher is not None,
+                late_masks=state.matcher is not None and self._depth == 2 and may_mask_late(req),
                 cache_salt=req.cache_salt,
             )
         )
@@ -316,7 +326,8 @@ class BatchingLoop:
     async def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self._depth:
             if self._in_flight:
-                await self._await_arrivals()
+                if not self._in_flight[-1].late_ids:  # a step waiting for late masks would stall until this send
+                    await self._await_arrivals()
                 # The worker failed the stream meanwhile: apply that first. A send on the ended stream would report
                 # a lost worker (UNAVAILABLE to all) instead of the failed step's error to its requests.
                 receiving = self._receiving
@@ -332,13 +343,22 @@ class BatchingLoop:
                     ),
                 )
             self._report_prefix_cache()
-            if step.is_empty and not step.free_ids and not step.evict_block_ids:
+            late = self._late_masks()
+            if step.is_empty and not step.free_ids and not step.evict_block_ids and late is None:
                 return
-            await self._send(step)
+            await self._send(step, late)
             if step.is_empty:  # frees only: nothing else could be scheduled
                 return
 
-    async def _send(self, step: ScheduledStep) -> None:
+    def _late_masks(self) -> dict[int, bytes] | None:
+        """The masks the step sent last still waits for (None: none), now that the tokens before them are back:
+        they go with the next message, whatever it carries. A request gone since (a late stop, a cancel) is freed
+        by that message and needs none."""
+        if not self._in_flight or not self._in_flight[-1].late_ids:
+            return None
+        return masks_of(self._in_flight[-1].late_ids, self._requests, self.info.vocab_size if self.info else 0) or None
+
+    async def _send(self, step: ScheduledStep, late_masks: dict[int, bytes] | None = None) -> None:
         started = time.monotonic()
         states = [s for s in map(self._requests.get, step.num_scheduled_tokens) if s is not None]
         for state in states:
@@ -360,14 +380,13 @@ class BatchingLoop:
             },
         )
         routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
+        late_ids = late_mask_ids(step, self._requests) if self._constraints is not None else ()
+        vocab = self.info.vocab_size if self.info else 0
         request = wire.step_request(
-            step,
-            next(self._step_ids),
-            routing_plan,
-            step_masks(step, self._requests, self.info.vocab_size if self.info else 0),
+            step, next(self._step_ids), routing_plan, step_masks(step, self._requests, vocab, late_ids), late_masks
         )
         request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
-        self._in_flight.append(_InFlight(step, request.step_id, started, span))
+        self._in_flight.append(_InFlight(step, request.step_id, started, span, late_ids))
         await self._open_stream.send(request)
 
     def _apply(self, sent: _InFlight, response) -> None:

@@ -246,13 +246,42 @@ def any_token_mask(vocab_size: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def step_masks(step, requests: Mapping[int, Any], vocab_size: int) -> dict[int, bytes]:
+def may_mask_late(req) -> bool:
+    """Whether a constrained request's masks may come late (a ValidatedRequest): the worker takes the device's
+    argmax as its token (greedy, no logprobs, no penalties, no logit bias, nothing suppressed before
+    min_new_tokens), as a late mask needs."""
+    return (
+        req.temperature == 0
+        and not req.logprobs
+        and not req.penalized
+        and not req.logit_bias
+        and not req.min_new_tokens
+    )
+
+
+def late_mask_ids(step, requests: Mapping[int, Any]) -> tuple[int, ...]:
+    """The constrained decodes of `step` (a ScheduledStep) whose input token is still pending: their masks go
+    with the next message, once that token is back."""
+    return tuple(
+        seq_id
+        for seq_id, token in zip(step.decode_ids, step.decode_token_ids)
+        if token < 0 and (state := requests.get(seq_id)) is not None and state.matcher is not None
+    )
+
+
+def step_masks(step, requests: Mapping[int, Any], vocab_size: int, skip=frozenset()) -> dict[int, bytes]:
     """The grammar mask of each constrained request sampling in `step` (a ScheduledStep: its prompt ends, or it
-    decodes); `requests`: id -> the batching loop's request state (its `matcher`, None when unconstrained). A
-    matcher that fails still gets a mask (any token) and records `grammar_error`: the answer fails the request."""
+    decodes) but those in `skip` (late); `requests`: id -> the batching loop's request state (its `matcher`, None
+    when unconstrained). A matcher that fails still gets a mask (any token) and records `grammar_error`: the
+    answer fails the request."""
     sampling = [c.request_id for c in step.prefill_chunks if c.is_last] + list(step.decode_ids)
+    return masks_of([s for s in sampling if s not in skip], requests, vocab_size)
+
+
+def masks_of(seq_ids, requests: Mapping[int, Any], vocab_size: int) -> dict[int, bytes]:
+    """The current grammar mask of each of `seq_ids` that is a live constrained request."""
     masks = {}
-    for seq_id in sampling:
+    for seq_id in seq_ids:
         state = requests.get(seq_id)
         if state is None or state.matcher is None:
             continue

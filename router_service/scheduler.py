@@ -14,7 +14,9 @@ is a lower batch occupancy when max_new_tokens is generous. Admission stops at t
 does not fit (head-of-line, as TGI), so a large request is not overtaken forever by small ones. Two worker
 limits ride on the same rule, both max_batch_size: requests with penalties on the worker at once (it holds
 that many state slots), and prompt tokens scored per step (prompt_logprobs rows copied to the host). A constrained
-request (grammar masks) is sent a decode only once its previous token is back: its next mask depends on it.
+request (grammar masks) is sent a decode only once its previous token is back (its next mask depends on it), unless
+its masks may come late (`late_masks`: plain greedy at pipeline depth 2): then its decode goes out with one token
+pending, as an unconstrained one does, and its mask follows in the next message.
 
 With prefix caching (router_service/prefix_cache.py) a request is admitted on the blocks of its prompt already
 cached: it reserves only the rest, starts its prefill after them (its first chunk names them), and chunks
@@ -84,9 +86,12 @@ class ScheduledRequest:
     scores_prompt: bool = False
     # Repetition/presence/frequency penalties: the worker holds max_batch_size state slots for these.
     penalized: bool = False
-    # Constrained decoding: each decode's grammar mask needs the token before it, so at most one output may be
-    # pending (the request runs at pipeline depth 1 while the others keep theirs).
+    # Constrained decoding: each decode's grammar mask needs the token before it, so no output may be pending
+    # (the request runs at pipeline depth 1 while the others keep theirs) ...
     constrained: bool = False
+    # ... unless its masks may come late: a plain greedy decode is sent with one output pending, its mask in the
+    # next message (the worker applies it before that message's step, which is fed the masked argmax).
+    late_masks: bool = False
     # prompt_logprobs chunk by chunk, delivered with the first token.
     prompt_scores: list[Scored] = field(default_factory=list)
     # Prefix caching: requests share cached blocks only under equal salts; `prefix` is set when caching is on.
@@ -114,7 +119,7 @@ class ScheduledRequest:
         return (
             not self.is_prefilling
             and len(self.output_ids) + self.num_pending_outputs < self.max_new_tokens
-            and not (self.constrained and self.num_pending_outputs)
+            and not (self.constrained and self.num_pending_outputs > self.late_masks)
         )
 
 

@@ -66,10 +66,15 @@ def prefill_chunk(chunk: Chunk) -> pb.PrefillChunk:
 
 
 def step_request(
-    step: ScheduledStep, step_id: int, plan: RoutingPlan | None = None, masks: dict[int, bytes] | None = None
+    step: ScheduledStep,
+    step_id: int,
+    plan: RoutingPlan | None = None,
+    masks: dict[int, bytes] | None = None,
+    late_masks: dict[int, bytes] | None = None,
 ) -> pb.StepStreamRequest:
     """The step on the step stream: frees first, then chunks, then decodes; `masks`: the grammar mask (packed
-    uint32 words) of each constrained request sampling in the step."""
+    uint32 words) of each constrained request sampling in the step whose last token is known; `late_masks`: those
+    of the step sent before this one whose input token was still pending then."""
     request = pb.StepStreamRequest(
         step_id=step_id,
         free_request_ids=np.fromiter(step.free_ids, "<u8", len(step.free_ids)).tobytes(),
@@ -80,6 +85,9 @@ def step_request(
     if masks:
         request.mask_request_ids = np.fromiter(masks, "<u8", len(masks)).tobytes()
         request.token_masks = b"".join(masks.values())
+    if late_masks:
+        request.late_mask_request_ids = np.fromiter(late_masks, "<u8", len(late_masks)).tobytes()
+        request.late_token_masks = b"".join(late_masks.values())
     if plan is not None:
         request.routing_plan.CopyFrom(routing_plan(plan))
     return request

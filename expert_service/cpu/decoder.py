@@ -131,6 +131,16 @@ class CpuDecoder:
         self._launched = self.forward(batch, trace)
         return self._launched, trace
 
+    def complete(
+        self, launched: tuple[HostLogits, StepTrace | None], masks: np.ndarray
+    ) -> tuple[HostLogits, StepTrace | None]:
+        """Late masks: the host rows are masked as they are read, and a step launched next is fed from them."""
+        logits, trace = launched
+        masked = HostLogits(logits.array, logits.penalized, masks)
+        if self._launched is logits:
+            self._launched = masked
+        return masked, trace
+
     def ready(self, launched) -> bool:
         return True
 
@@ -171,7 +181,7 @@ class CpuDecoder:
         h = rms_norm(h[batch.logits_rows], self.w.get("final_norm"), cfg.rms_norm_eps)
         logits = h @ self.w.lm_head.T
         penalized = self.penalties.apply(batch.penalties, logits) if batch.penalties is not None else None
-        return HostLogits(logits, penalized, batch.token_masks)
+        return HostLogits(logits, penalized, None if batch.masks_late else batch.token_masks)
 
     # --- expert cache -------------------------------------------------------------------------------
     def _prefetch_plan(self, cache: ExpertCache, batch: ForwardBatch, layer: int | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from cuda.bindings import driver as drv
@@ -66,7 +66,7 @@ class LaunchedForward:
     penalized: int  # the first rows, penalised on the device
     padded: int  # the bucket it was padded to
     topk_ids: int  # MoE top-k ids read back (0: not traced)
-    done: Event | None  # recorded after the readback
+    done: Event | None  # recorded after the readback (None: synchronous, or waiting for late masks)
     host_logits: HostLogits | None = None  # every-position logits, already on the host (a synchronous step)
     tokens: int = 0  # its real tokens
     staged: int = 0  # the decoder's staged-step count after staging it (DeviceLogits' check)
@@ -295,7 +295,8 @@ class CudaDecoder:
         self._unfinished.add(twin)
         self.ws.select_twin(self._twin)
         if R > self.max_seqs and T <= self.max_tokens and S <= self.max_seqs:
-            return LaunchedForward(self._twin, R, 0, T, 0, None, self._forward_all_rows(batch, T, S, R), tokens=T)
+            host = self._forward_all_rows(batch, T, S, R)
+            return LaunchedForward(self._twin, R, 0, T, 0, None, host, tokens=T, staged=self.staged_steps)
         if T > self.max_tokens or S > self.max_seqs or R > self.max_seqs:
             raise ValueError(
                 f"step of {T} tokens / {S} sequences exceeds the memory plan ({self.max_tokens} / {self.max_seqs})"
@@ -319,21 +320,33 @@ class CudaDecoder:
             self._run(T, S, R, decode=decode_only)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
-        # grammar masks last (they read the penalised rows): the argmax of the masked rows replaces theirs
-        masks = batch.token_masks
+        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
+        step = LaunchedForward(self._twin, R, penalized, padded, n_ids, None, tokens=T, staged=self.staged_steps)
+        return step if batch.masks_late else self._read_back(step, batch.token_masks)
+
+    def complete(self, step: LaunchedForward, masks: np.ndarray) -> LaunchedForward:
+        """Late masks of the step launched last: its masked argmax and readback are queued now, still before the
+        next step's graph, which reads those ids as its fed tokens."""
+        if step.done is not None or step.twin != self._twin or step.staged != self.staged_steps:
+            raise RuntimeError("late masks complete the latest launched step, before another is staged")
+        if step.host_logits is not None:  # a synchronous step: its rows are on the host, masked as they are read
+            h = step.host_logits
+            return replace(step, host_logits=HostLogits(h.array, h.penalized, masks))
+        return self._read_back(step, masks)
+
+    def _read_back(self, step: LaunchedForward, masks: np.ndarray | None) -> LaunchedForward:
+        """The step's tail: grammar masks last (they read the penalised rows; the argmax of the masked rows
+        replaces theirs), then the readback of its results and the event finish waits on."""
         if masks is not None:
-            self.token_masks.apply(masks, self.ws.logits, self.penalties.logits, penalized)
+            self.token_masks.apply(masks, self.ws.logits, self.penalties.logits, step.penalized, step.twin)
         if self.cached is not None:
-            self.cached.download_stats(self._twin)
+            self.cached.download_stats(step.twin)
         results = self.ws.results
         assert results is not None  # allocate_workspace made it
-        n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
-        results.download(results.end_of("topk_ids", n_ids), self._stream_handle)
-        done = self._done[self._twin]
+        results.download(results.end_of("topk_ids", step.topk_ids), self._stream_handle)
+        done = self._done[step.twin]
         done.record(self._stream_handle)
-        return LaunchedForward(
-            self._twin, R, penalized, padded, n_ids, done, tokens=T, staged=self.staged_steps, masks=masks
-        )
+        return replace(step, done=done, masks=masks)
 
     def abandon(self) -> None:
         """Forgets launched, unfinished steps after a fault (their readbacks are never read): the host copies
@@ -450,7 +463,7 @@ class CudaDecoder:
             self.ws.logits[:n].copy_to_host(self.ws.host["logits"][:n], stream=self.stream)
             self.stream.synchronize()
             out[start : start + n] = self.ws.host["logits"][:n]
-        return HostLogits(out, penalized, batch.token_masks)
+        return HostLogits(out, penalized, None if batch.masks_late else batch.token_masks)
 
     def _stage(
         self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None, token_bucket: bool = False

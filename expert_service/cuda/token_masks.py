@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from expert_service.cuda.workspace import HOST_TWINS
 from expert_service.kernels.apply_token_mask import launch_apply_token_mask
 from expert_service.kernels.greedy_split import launch_greedy_split
 
@@ -23,7 +24,8 @@ class DeviceMasks:
         self.ws, self.stream, self.max_rows = ws, stream, max_rows
         words = -(-vocab_size // 32)
         self.masks = cuda.device_array((max_rows, words), np.uint32, stream=stream)
-        self.host_masks = cuda.pinned_array((max_rows, words), np.uint32)
+        # one pinned staging per host twin: a step's upload may still be queued when the next step stages its own
+        self.host_masks = [cuda.pinned_array((max_rows, words), np.uint32) for _ in range(HOST_TWINS)]
         self.logits = cuda.device_array((max_rows, vocab_size), np.float32, stream=stream)
         self.host_logits = cuda.pinned_array((max_rows, vocab_size), np.float32)
         self.flags = cuda.device_array(max_rows, np.int32, stream=stream)
@@ -32,15 +34,16 @@ class DeviceMasks:
     def nbytes(self) -> int:
         return self.masks.nbytes + self.logits.nbytes + self.flags.nbytes
 
-    def apply(self, masks: np.ndarray, logits, penalized, num_penalized: int) -> int:
+    def apply(self, masks: np.ndarray, logits, penalized, num_penalized: int, twin: int = 0) -> int:
         """Queues the masked copy of `logits[:R]` (its first num_penalized rows from `penalized`) and its argmax
-        into the workspace's greedy ids; R = len(masks). Returns R."""
+        into the workspace's greedy ids; R = len(masks); `twin`: the step's host copy. Returns R."""
         rows = len(masks)
         if rows > self.max_rows:
             raise ValueError(f"token masks: {rows} rows exceed the memory plan ({self.max_rows})")
         st, ws = self.stream, self.ws
-        self.host_masks[:rows] = masks
-        self.masks[:rows].copy_to_device(self.host_masks[:rows], stream=st)
+        host = self.host_masks[twin]
+        host[:rows] = masks
+        self.masks[:rows].copy_to_device(host[:rows], stream=st)
         out = self.logits[:rows]
         # the masks end at the last constrained row; penalised rows past it keep the penalties' own argmax
         used = min(num_penalized, rows)

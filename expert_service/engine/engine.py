@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -21,13 +21,14 @@ from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
 from expert_service.engine.chunk_positions import check_first_position, follows_missed_chunk, mark_missed
 from expert_service.engine.config import EngineConfig, RoutingMode
+from expert_service.engine.forward_batch import build_batch
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores, TokenLogprobs
 from expert_service.engine.penalties import PenaltySlots
 from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
 from expert_service.engine.sampling import Sampler, SamplingParams
-from expert_service.engine.step import Decoder, ForwardBatch, HostLogits, Logits, PrefillInput, StepTrace
-from expert_service.engine.token_masks import step_masks
+from expert_service.engine.step import Decoder, HostLogits, Logits, PrefillInput, StepTrace
+from expert_service.engine.token_masks import ALL_ALLOWED, step_masks, with_late_masks
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.routing_plan import routing_plan_recall
 
@@ -37,6 +38,7 @@ NON_FINITE_LOGITS = "NON_FINITE_LOGITS"
 UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 EARLIER_CHUNK_REFUSED = "EARLIER_CHUNK_REFUSED"
+MISSING_TOKEN_MASK = "MISSING_TOKEN_MASK"  # a late mask never came (engine.fail_late_masks): the sequence is freed
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,10 @@ class InFlightStep:
     started: float  # perf_counter at launch
     launched: object | None  # the decoder's handle (None: nothing ran)
     overlappable: bool  # the next step may launch before this one is collected
+    late: dict[int, int] = field(default_factory=dict)  # greedy constrained rows whose masks come later:
+    # sequence -> logits row; while any wait, the step cannot be collected nor another launched
+    token_masks: np.ndarray | None = None  # the masks given at launch (late rows all ones)
+    failed: frozenset[int] = frozenset()  # late rows whose masks never came: answered MISSING_TOKEN_MASK
 
     @property
     def sequences(self) -> frozenset[int]:
@@ -163,7 +169,7 @@ class Engine:
         """Whether `launch` may run now: nothing is in flight, or one step whose every sampling row is the
         device's argmax (its successor's decodes read their tokens there, nothing else of it is needed)."""
         flight = self._in_flight
-        return not flight or (len(flight) == 1 and flight[0].overlappable)
+        return not flight or (len(flight) == 1 and flight[0].overlappable and not flight[0].late)
 
     def blocks_host(self, num_tokens: int) -> bool:
         """Whether launching a step of this many tokens waits for the device inside the pass."""
@@ -185,8 +191,28 @@ class Engine:
         mark_missed(self.sequences, prefill)
 
     def ready(self, step: InFlightStep) -> bool:
-        """Whether `collect(step)` would return without waiting for the device."""
-        return step.launched is None or self.decoder.ready(step.launched)
+        """Whether `collect(step)` would return without waiting for the device (never while late masks wait)."""
+        return step.launched is None or (not step.late and self.decoder.ready(step.launched))
+
+    def apply_late_masks(self, step: InFlightStep, masks: Mapping[int, np.ndarray], freed: Set[int]) -> None:
+        """Gives a launched step the masks of its late rows (request id -> words [W] uint32) and queues their
+        application and the masked argmax, which a step launched next reads as its decodes' input. Every late row
+        needs one but those of `freed` sequences (freed meanwhile: a late stop), and those released since launch;
+        nothing changes when the masks are refused."""
+        excused = {rid for rid in step.late if rid in freed or self.sequences.get(rid) is None}
+        assert step.token_masks is not None  # a step with late rows has masks
+        full = with_late_masks(step.token_masks, step.late, masks, excused, self.model_config.vocab_size)
+        step.launched, step.late = self.decoder.complete(step.launched, full), {}
+
+    def fail_late_masks(self, step: InFlightStep) -> None:
+        """The late masks will not come (the stream ended, the next message was refused, or they were too late):
+        the step completes unconstrained and its late rows are answered MISSING_TOKEN_MASK (their sequences are
+        freed: the router's grammar never saw their token)."""
+        assert step.token_masks is not None  # a step with late rows has masks
+        full = step.token_masks.copy()
+        full[list(step.late.values())] = ALL_ALLOWED
+        step.failed = frozenset(step.late)
+        step.launched, step.late = self.decoder.complete(step.launched, full), {}
 
     def launch(
         self,
@@ -260,12 +286,14 @@ class Engine:
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
             sampling = [rid for rid, _, wants_token in work if wants_token]
-            token_masks = step_masks(
+            constrained = [self.sequences[rid].sampler.params.constrained for rid in sampling]
+            token_masks, late = step_masks(
                 sampling,
-                [self.sequences[rid].sampler.params.constrained for rid in sampling],
+                constrained,
                 masks or {},
                 {out.request_id for out in unknown},
                 self.model_config.vocab_size,
+                self._deferrable(work[first_decode:]) if any(constrained) else frozenset(),
             )
             token_ids = self._check_step(work)
             registrations = cache_registrations(self.allocator, self.sequences, running, owner)
@@ -289,9 +317,12 @@ class Engine:
         for rid, index, key in registrations:  # the step writes these blocks' KV before any later step reads them
             self.allocator.register(rid, index, key)
         batch = replace(
-            self._build_batch(work, token_ids, all_logits=False, scored=scored),
+            build_batch(
+                work, token_ids, self.sequences, self.allocator.tables, self.config.kv_block_size, scored=scored
+            ),
             penalties=penalties,
             token_masks=token_masks,
+            masks_late=bool(late),
         )
         if fed:
             rows = np.full(len(token_ids), -1, np.int32)
@@ -334,6 +365,8 @@ class Engine:
             started,
             launched,
             overlappable,
+            late,
+            token_masks,
         )
         self._in_flight.append(step)
         return step
@@ -344,6 +377,8 @@ class Engine:
             return StepResult(step.unknown, 0.0, 0.0, step.trace, None, HostLogits(np.zeros((0, 0), np.float32)))
         if not self._in_flight or self._in_flight[0] is not step:
             raise RuntimeError("steps are collected in the order they were launched")
+        if step.late:
+            raise RuntimeError("a step is collected before its late masks were applied (or failed)")
         self._in_flight.popleft()
         logits = self.decoder.finish(step.launched, step.trace)
         t1 = time.perf_counter()
@@ -354,6 +389,12 @@ class Engine:
             else None
         )
         outputs, gone = self._sample(step, logits)
+        if step.failed:
+            outputs = [
+                SequenceOutput(o.request_id, error=MISSING_TOKEN_MASK) if o.request_id in step.failed else o
+                for o in outputs
+            ]
+            self.release(step.failed)
         unknown = step.unknown
         if gone:  # released since launch (non-finite logits in the step before): answered as if unknown at launch
             decodes = set(step.decode_ids)  # the chunks' failures come first, as they did at launch
@@ -368,6 +409,18 @@ class Engine:
         return StepResult(
             outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits, step.trace.expert_cache
         )
+
+    def _deferrable(self, decodes: list[tuple[int, np.ndarray, bool]]) -> set[int]:
+        """Decodes whose mask may come late: plain greedy constrained ones, fed the device's masked argmax."""
+        slots = self.penalty_slots.slots
+        return {
+            rid
+            for rid, _, _ in decodes
+            if (s := self.sequences[rid].sampler).params.constrained
+            and s.plain_greedy
+            and not s.params.logprobs
+            and rid not in slots
+        }
 
     def _scored_prompts(self, chunks: list[tuple[int, np.ndarray, bool]]) -> set[int]:
         """The sequences whose prompt chunk this step scores (prompt_logprobs): every position of the chunk
@@ -494,58 +547,6 @@ class Engine:
                 self.allocator.ensure_capacity(rid, needed)
         return token_ids
 
-    def _build_batch(
-        self,
-        work: list[tuple[int, np.ndarray, bool]],
-        token_ids: np.ndarray,
-        all_logits: bool,
-        scored: Set[int] = frozenset(),
-    ) -> ForwardBatch:
-        """token_ids: the work's tokens concatenated (as _check_step returns them). Logits rows: each sampling
-        sequence's last position, in work order, then the positions of the `scored` prompt chunks (all but a
-        sampling chunk's last, which is its sampling row)."""
-        block_size = self.config.kv_block_size
-        positions, slots = np.empty(len(token_ids), np.int64), np.empty(len(token_ids), np.int64)
-        tables: list[np.ndarray] = []
-        context_lens: list[int] = []
-        logits_rows: list[int] = []
-        scored_rows: list[int] = []
-        seq_starts = [0]
-        sequences, allocated = self.sequences, self.allocator.tables
-        for rid, tokens, wants_token in work:
-            seq = sequences[rid]
-            begin, start, n = seq_starts[-1], seq.num_cached, len(tokens)
-            table = allocated[rid]
-            if n == 1:  # decode: plain ints (numpy calls cost more than they save on one element)
-                positions[begin] = start
-                slots[begin] = table[start // block_size] * block_size + start % block_size
-            else:
-                pos = np.arange(start, start + n, dtype=np.int64)
-                positions[begin : begin + n] = pos
-                slots[begin : begin + n] = (
-                    np.asarray(table, np.int64)[pos // block_size] * block_size + pos % block_size
-                )
-            if seq.block_array is None or len(seq.block_array) != len(table):
-                seq.block_array = np.asarray(table, dtype=np.int64)
-            tables.append(seq.block_array)
-            context_lens.append(start + n)
-            seq_starts.append(begin + n)
-            if all_logits:
-                logits_rows.extend(range(begin, begin + n))
-            elif wants_token:
-                logits_rows.append(begin + n - 1)
-            if rid in scored:
-                scored_rows.extend(range(begin, begin + n - wants_token))
-        return ForwardBatch(
-            token_ids,
-            positions,
-            np.asarray(seq_starts, np.int64),
-            np.asarray(context_lens, np.int64),
-            tables,
-            slots,
-            np.asarray(logits_rows + scored_rows, dtype=np.int64),
-        )
-
     # --- offline helpers (CLI `logits` / `complete`, parity tests) -----------------------------------
     def prompt_logits(self, token_ids, request_id: int = -1) -> np.ndarray:
         """Float32 logits [n, V] at every prompt position, in one prefill; frees the sequence after."""
@@ -554,7 +555,20 @@ class Engine:
         try:
             work = [(request_id, tokens, True)]
             token_ids = self._check_step(work)
-            return np.stack(list(self.decoder.forward(self._build_batch(work, token_ids, all_logits=True))))
+            return np.stack(
+                list(
+                    self.decoder.forward(
+                        build_batch(
+                            work,
+                            token_ids,
+                            self.sequences,
+                            self.allocator.tables,
+                            self.config.kv_block_size,
+                            all_logits=True,
+                        )
+                    )
+                )
+            )
         finally:
             self.release([request_id])
 

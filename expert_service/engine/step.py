@@ -60,6 +60,8 @@ class ForwardBatch:
     # device), or -1 (token_ids holds it); None: all -1
     token_masks: np.ndarray | None = None  # [R, W] uint32: grammar masks of the first R logits rows (the sampling
     # rows; engine/token_masks.py), all ones for an unconstrained row; None: no constrained sequence in the step
+    masks_late: bool = False  # some rows' masks come after launch (Decoder.complete): the masks, the masked
+    # argmax and the readback wait for them
 
 
 @dataclass
@@ -147,6 +149,11 @@ class Decoder(Protocol):
     def launch(self, batch: ForwardBatch, traced: bool = False):
         """Starts the step (``forward`` = ``finish(launch(batch))``); returns a handle for ready/finish. traced:
         finish will be given a StepTrace to fill."""
+
+    def complete(self, launched, masks: np.ndarray):
+        """A step launched with ``batch.masks_late``: queues its full masks [R, W] (the masked argmax replaces
+        the greedy ids before a later step reads them) and its readback; returns the handle to finish. Called
+        before the next launch."""
 
     def ready(self, launched) -> bool:
         """Whether ``finish`` would return without waiting."""

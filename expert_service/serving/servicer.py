@@ -309,7 +309,7 @@ class WorkerServicer:
         try:
             while (item := await queued.get()) is not None:
                 span, work = item
-                outcome = work if isinstance(work, StepAnswer) else await self._await_step(work, context)
+                outcome = await self._await_step(work, context)
                 span.update_name(f"worker {outcome.kind}")
                 span.set_attribute(COLIBRI_STEP_KIND, outcome.kind)
                 span.end()
@@ -325,15 +325,16 @@ class WorkerServicer:
             (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
-        """The step queued on the model thread, or its refusal when the request is malformed."""
+        """The step queued on the model thread; a malformed request is refused there too, in order (a step
+        waiting for late masks the request carried learns that they will not come)."""
         try:
-            step = wire.step_request(request, self._step_limits)
-        except ColibriError as e:  # malformed: refuse this step alone
-            return StepAnswer(request.step_id, None, str(e), 0.0)
+            submitted = pump.submit(wire.step_request(request, self._step_limits))
+        except ColibriError as e:  # malformed: refuse this step alone (in order: late masks it held never come)
+            submitted = pump.refuse(StepAnswer(request.step_id, None, str(e), 0.0))
         except Exception as e:  # a check missed something: still this step's problem alone
             log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
-            return StepAnswer(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0)
-        future = asyncio.wrap_future(pump.submit(step))
+            submitted = pump.refuse(StepAnswer(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0))
+        future = asyncio.wrap_future(submitted)
         # a fault fails every queued step at once; those behind the one awaited are never awaited
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return future

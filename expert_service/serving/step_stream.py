@@ -36,6 +36,9 @@ UNARY = 0  # the owner of sequences started by the unary Prefill call
 MAX_FREE_IDS = 1 << 16
 MAX_STEPS_AHEAD = 8  # a stream's steps received and not yet answered (the router keeps at most 4 in flight)
 POLL_S = 5e-5  # a pump waiting on the device looks this often for the router's next step
+# A step waiting for late masks holds the model thread until the router's next message brings them (one round
+# trip); past this the router is taken to have lost them and the step's late rows fail (MISSING_TOKEN_MASK).
+LATE_MASKS_TIMEOUT_S = 5.0
 _session_ids = itertools.count(UNARY + 1)
 
 
@@ -91,6 +94,8 @@ class StepRequest:
     masks: dict[int, np.ndarray] | None = None  # constrained sequences sampling here -> grammar mask words [W]
     evict_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))  # [k] uint64: cached prefix
     # blocks to drop, after the frees
+    late_masks: dict[int, np.ndarray] | None = None  # late masks of the step sent before this one: sequence ->
+    # words [W], applied to that step before this one launches
 
     @property
     def is_empty(self) -> bool:
@@ -177,6 +182,9 @@ class StreamSession:
         return _Launched(step.step_id, in_flight, refused, started, kind)
 
     def collect(self, launched: _Launched) -> StepAnswer:
+        if launched.in_flight.late:  # their masks will not come (see StepPump): those rows fail, the rest stand
+            log.warning("step %d: no late masks came for %d rows", launched.step_id, len(launched.in_flight.late))
+            self.engine.fail_late_masks(launched.in_flight)
         result = self.engine.collect(launched.in_flight)
         for out in result.outputs:  # a failed sequence the engine still holds (a decode sent mid-prefill)
             if out.error and out.request_id not in self.engine.sequences:  # stays ours to free
@@ -217,6 +225,12 @@ class StepPump:
     wait for the device): the device runs t+1 while the host samples t, answers it and reads the router's next
     step, instead of idling between steps.
 
+    Late masks: a step with greedy constrained rows whose masks come with the next message cannot be collected
+    until that message arrives; the pump applies them first, then launches the message's own step, then collects
+    the earlier one. It waits for them rather than step aside (LATE_MASKS_TIMEOUT_S at most); when they cannot
+    come (the stream ends, the message carrying them is refused) those rows fail and the late masks of the next
+    message are ignored.
+
     `submit` and `close` may be called from any thread. The steps run in one model-thread job (`_drain`) that
     lasts while steps keep coming; it ends when nothing is in flight and nothing waits, and after any step it
     steps aside (collects, then queues itself again) when other model-thread work waits, so heartbeats, unary
@@ -229,6 +243,12 @@ class StepPump:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._draining = False
+        self._ignore_late = False  # the message before did not run (refused) or its late masks were given up on
+
+    def refuse(self, answer: StepAnswer) -> concurrent.futures.Future:
+        """A message refused before it became a step (malformed) answers in order, after the steps before it: the
+        late masks it carried never come, which the step waiting for them learns here."""
+        return self._put(answer)
 
     def submit(self, step: StepRequest) -> concurrent.futures.Future:
         return self._put(step)
@@ -237,7 +257,7 @@ class StepPump:
         """Frees every sequence the stream started, once the steps queued before have run."""
         return self._put(None)
 
-    def _put(self, step: StepRequest | None) -> concurrent.futures.Future:
+    def _put(self, step: StepRequest | StepAnswer | None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # a waiter that goes away cannot cancel it: the pump settles each one
         self._inbox.put((step, done))
@@ -265,6 +285,11 @@ class StepPump:
             if pending is None:
                 return None
         engine = self.session.engine
+        if pending[0].in_flight.late:  # only the next message can finish it
+            try:
+                return self._inbox.get(timeout=LATE_MASKS_TIMEOUT_S)
+            except queue.Empty:
+                return None
         while True:
             try:
                 return self._inbox.get(timeout=POLL_S)
@@ -274,6 +299,7 @@ class StepPump:
 
     def _collect(self, pending: tuple[_Launched, concurrent.futures.Future]) -> None:
         launched, done = pending
+        self._ignore_late |= bool(launched.in_flight.late)  # given up on: masks still on their way are stale
         outcome = self.session.collect(launched)
         self.session.release_late()
         done.set_result(outcome)
@@ -298,7 +324,7 @@ class StepPump:
     def _step_aside(self, pending) -> bool:
         """Collects what is in flight and ends this job when other model-thread work waits; it is queued again
         behind that work if steps are left. Returns whether it stepped aside."""
-        if not self._others_waiting():
+        if not self._others_waiting() or (pending is not None and pending[0].in_flight.late):
             return False
         if pending is not None:
             self._collect(pending)
@@ -308,6 +334,25 @@ class StepPump:
             else:
                 self.executor.submit(self._drain)
         return True
+
+    def _apply_late(self, step: StepRequest, pending) -> str:
+        """Applies the message's late masks to the step in flight that waits for them; a refusal when they are
+        wrong, or when masks come and no step waits (unless the one they were for did not run)."""
+        masks, ignore, self._ignore_late = step.late_masks or {}, self._ignore_late, False
+        in_flight = pending[0].in_flight if pending is not None else None
+        if in_flight is not None and in_flight.late:
+            try:
+                self.session.engine.apply_late_masks(in_flight, masks, set(step.free_ids.tolist()))
+            except InvalidRequestError as e:
+                return str(e)
+        elif masks and not ignore:
+            return "late_token_masks: no step in flight waits for late masks"
+        return ""
+
+    def _answer(self, done: concurrent.futures.Future, answer: StepAnswer) -> None:
+        self._ignore_late |= bool(answer.refused)  # late masks for a step that did not run have nothing to do
+        done.set_result(answer)
+        self._progress()
 
     def _drain(self) -> None:
         pending = None  # (_Launched, its future): launched, not collected
@@ -327,6 +372,17 @@ class StepPump:
                         return
                     continue
                 step, done = current
+                refused = step if isinstance(step, StepAnswer) else None
+                if isinstance(step, StepRequest) and (why := self._apply_late(step, pending)):
+                    refused = StepAnswer(step.step_id, None, why, 0.0)
+                if refused is not None:
+                    if pending is not None and pending[0].in_flight.late:
+                        self._collect(pending)
+                        pending = None
+                    self._answer(done, refused)
+                    current = None
+                    continue
+                assert not isinstance(step, StepAnswer)
                 if step is None or pending is not None and self._must_collect_first(step, pending):
                     if pending is not None:
                         self._collect(pending)
@@ -349,8 +405,7 @@ class StepPump:
                     if pending is not None:  # its late frees take effect now, not a step later
                         self._collect(pending)
                         pending = None
-                    done.set_result(launched)
-                    self._progress()
+                    self._answer(done, launched)
                 else:
                     if pending is not None:
                         self._collect(pending)

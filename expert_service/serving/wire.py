@@ -99,24 +99,29 @@ def _plan_of(request, limits: StepLimits) -> RoutingPlan | None:
     return routing_plan(request.routing_plan, limits.moe_layers) if request.HasField("routing_plan") else None
 
 
-def token_masks(request: pb.StepStreamRequest, limits: StepLimits) -> dict[int, np.ndarray] | None:
-    """request id -> mask words of the step's constrained sequences (None: none); shapes checked here, contents
-    by the engine."""
-    ids = _packed_ids(request.mask_request_ids, "mask_request_ids")
-    if not len(ids) and not request.token_masks:
+def token_masks(
+    ids_bytes: bytes, masks_bytes: bytes, limits: StepLimits, names=("mask_request_ids", "token_masks")
+) -> dict[int, np.ndarray] | None:
+    """request id -> mask words of a message's packed masks (None: none); shapes checked here, contents by the
+    engine. names: the message's fields (the on-time pair, or the late one)."""
+    if not ids_bytes and not masks_bytes:  # most steps: nothing constrained
         return None
+    ids = _packed_ids(ids_bytes, names[0])
     if len(ids) > limits.max_batch_size:
-        raise InvalidRequestError("mask_request_ids", f"{len(ids)} ids, at most max_batch_size {limits.max_batch_size}")
+        raise InvalidRequestError(names[0], f"{len(ids)} ids, at most max_batch_size {limits.max_batch_size}")
     words = mask_words(limits.vocab_size)
-    if len(request.token_masks) != len(ids) * words * 4:
+    if len(masks_bytes) != len(ids) * words * 4:
         raise InvalidRequestError(
-            "token_masks", f"{len(request.token_masks)} bytes for {len(ids)} masks of {words} uint32 words each"
+            names[1], f"{len(masks_bytes)} bytes for {len(ids)} masks of {words} uint32 words each"
         )
-    masks = np.frombuffer(request.token_masks, "<u4").reshape(len(ids), words).astype(np.uint32)
+    masks = np.frombuffer(masks_bytes, "<u4").reshape(len(ids), words).astype(np.uint32)
     by_id = {int(rid): masks[i] for i, rid in enumerate(ids)}
     if len(by_id) != len(ids):
-        raise InvalidRequestError("mask_request_ids", "a sequence is named twice")
+        raise InvalidRequestError(names[0], "a sequence is named twice")
     return by_id
+
+
+LATE_MASK_FIELDS = ("late_mask_request_ids", "late_token_masks")
 
 
 def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepRequest:
@@ -132,7 +137,8 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
         decodes,
         _plan_of(request, limits),
         evict_ids=evictions,
-        masks=token_masks(request, limits),
+        masks=token_masks(request.mask_request_ids, request.token_masks, limits),
+        late_masks=token_masks(request.late_mask_request_ids, request.late_token_masks, limits, LATE_MASK_FIELDS),
     )
 
 

@@ -132,9 +132,9 @@ def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
             loop, new_per_step = router.batching_loop, []
             send = loop._send
 
-            async def recording_send(step):
+            async def recording_send(step, *late):
                 new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
-                await send(step)
+                await send(step, *late)
 
             loop._send = recording_send
             calls = [asyncio.ensure_future(stub.Generate(ids_request([7, 8, 9], max_new_tokens=2)))]

@@ -268,3 +268,29 @@ def test_each_chunk_starts_where_the_requests_tokens_sent_before_it_end(seed):
             else:
                 s.update(done, tokens_for(done))
     assert s.prefix_cache.num_hit_tokens > 0 and any(start for start in sent.values())
+
+
+@pytest.mark.parametrize("late_masks", [False, True])
+def test_a_constrained_request_decodes_with_one_token_pending_only_when_its_masks_may_come_late(late_masks):
+    """Pipelined as the batching loop runs it at depth 2: a step is scheduled while the one before is in flight.
+    Without late masks a constrained request decodes every other step; with them every step, with one pending
+    token (-1, its input still being sampled), never two."""
+    rng = np.random.default_rng(int(late_masks))
+    s = make()
+    s.add(req(1, n_prompt=int(rng.integers(2, 9)), max_new=12, constrained=True, late_masks=late_masks))
+    s.add(req(2, n_prompt=int(rng.integers(2, 9)), max_new=12))
+    in_flight = [s.schedule()]
+    decoded = []
+    while s.requests:
+        step = s.schedule()
+        if 1 in s.requests:
+            assert s.requests[1].num_pending_outputs <= 1 + late_masks
+        decoded.append(1 in step.decode_ids)
+        if 1 in step.decode_ids:
+            pending = step.decode_token_ids[step.decode_ids.index(1)] == -1
+            assert pending == late_masks or not in_flight[-1].num_scheduled_tokens.get(1)
+        in_flight.append(step)
+        done = in_flight.pop(0)
+        s.update(done, tokens_for(done, int(rng.integers(10, 20))))
+    runs = decoded[: decoded.index(False)] if False in decoded else decoded
+    assert (len(runs) > 3) == late_masks  # every step in a row, or alternating

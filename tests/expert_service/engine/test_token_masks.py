@@ -60,12 +60,12 @@ def test_the_wire_reads_packed_masks_and_refuses_a_wrong_size():
     request = pb.StepStreamRequest(
         mask_request_ids=np.array([4, 9], "<u8").tobytes(), token_masks=masks.astype("<u4").tobytes()
     )
-    got = wire.token_masks(request, limits)
+    got = wire.token_masks(request.mask_request_ids, request.token_masks, limits)
     assert sorted(got) == [4, 9] and (got[9] == masks[1]).all()
     request.token_masks = request.token_masks[:-1]
     with pytest.raises(InvalidRequestError, match="token_masks"):
-        wire.token_masks(request, limits)
-    assert wire.token_masks(pb.StepStreamRequest(), limits) is None
+        wire.token_masks(request.mask_request_ids, request.token_masks, limits)
+    assert wire.token_masks(b"", b"", limits) is None
     assert wire.sampling_params(pb.SamplingParams(constrained=True)).constrained
 
 

@@ -280,6 +280,40 @@ def test_step_stream_failures_stay_with_their_sequence_or_step(stub):
     assert stub.Health(pb.HealthRequest()).ready
 
 
+def test_late_masks_over_the_stream_and_a_malformed_message_that_held_them(stub):
+    """A greedy constrained decode sent without its mask takes the next message's late mask; a late-only message
+    is answered like a frees-only one; a message refused while parsing fails the row that waited for its late
+    masks alone, in order, and the late masks after it are ignored."""
+    vocab = stub.Info(pb.InfoRequest()).vocab_size
+    rng = np.random.default_rng()
+    allowed = [rng.choice(vocab, 3, replace=False) for _ in range(4)]
+
+    def mask(i):
+        bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+        bits[allowed[i]] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    def late(step, words):
+        ids = np.asarray([1], "<u8").tobytes()
+        return pb.StepStreamRequest(step_id=step, late_mask_request_ids=ids, late_token_masks=words)
+
+    s = pb.SamplingParams(constrained=True)
+    first = _stream_step(1, chunks=[pb.PrefillChunk(request_id=1, token_ids=[3, 4], sampling=s, is_last=True)])
+    first.mask_request_ids, first.token_masks = np.asarray([1], "<u8").tobytes(), mask(0)
+    requests = [first, _stream_step(2, decodes=[1]), late(3, mask(1)), _stream_step(4, decodes=[1])]
+    requests += [
+        late(5, mask(3)[:-1]),
+        late(6, mask(3)),
+        _stream_step(7, frees=[1]),
+    ]
+    r = list(stub.StepStream(iter(requests)))
+    assert [_outputs(r[i])[0][1] in allowed[i] for i in range(2)] == [True, True]
+    assert r[2].step_id == 3 and not r[2].request_ids and not r[2].step_error  # late masks alone: no step
+    assert _outputs(r[3]) == [(1, -1, "MISSING_TOKEN_MASK")]
+    assert r[4].step_error.startswith("late_token_masks: ") and not r[5].step_error
+    assert stub.Health(pb.HealthRequest()).ready
+
+
 def test_step_stream_cannot_touch_another_streams_sequences(stub):
     s = pb.SamplingParams(temperature=0, top_p=1.0)
     mine = pb.PrefillChunk(request_id=42, token_ids=[1, 2], sampling=s, is_last=True)
