@@ -63,7 +63,7 @@ DEFAULTS = {
     "cuda": dict(prompt_tokens=128, new_tokens=64, rounds=3),
 }
 CLIENTS = (1, 4, 16, 64)
-DEPTHS = (2, 1)  # the router's --pipeline-depth: the default first, then no pipelining
+DEPTHS = (3, 2, 1)  # the router's --pipeline-depth: the default first, then one step ahead, then none
 KV_BLOCK = 16
 MAX_BATCH_TOKENS = 2048  # the router's default step token budget; the worker gets the same
 PREFILL_REPEATS = 5

@@ -106,6 +106,7 @@ class BatchingLoop:
         self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
+        self._num_constrained = 0  # requests with a grammar: while any runs, at most two steps are in flight
         self._constraints: ConstraintCompiler | None = None  # built on the first constrained request
 
     # ---- lifecycle ----
@@ -195,11 +196,12 @@ class BatchingLoop:
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
                 constrained=state.matcher is not None,
-                late_masks=state.matcher is not None and self._depth == 2 and may_mask_late(req),
+                late_masks=state.matcher is not None and self._depth >= 2 and may_mask_late(req),
                 cache_salt=req.cache_salt,
             )
         )
         self._requests[seq_id] = state
+        self._num_constrained += state.matcher is not None
         if now - self._last_submit_at > ARRIVAL_QUIET_S:
             self._burst_started_at = now
         self._last_submit_at = now
@@ -237,6 +239,7 @@ class BatchingLoop:
         state = self._requests.pop(seq_id, None)
         if state is None:
             return
+        self._num_constrained -= state.matcher is not None
         if self.scheduler is not None:
             self.scheduler.finish(seq_id, reason)  # blocks back now; the next step frees it on the worker
         state.is_done = True
@@ -280,6 +283,13 @@ class BatchingLoop:
                 self._fail_all(lambda _: GenerationFailed("internal router error"))
                 await asyncio.sleep(self.config.worker_retry_s)
 
+    @property
+    def _pipeline_limit(self) -> int:
+        """Steps kept on the worker: `pipeline_depth`, but at most two while a constrained request runs. Its grammar
+        mask for step t needs the token of step t-1 and rides the message of step t+1, which at three in flight
+        would leave before that token is back (the worker would wait for the mask with every other row)."""
+        return min(self._depth, 2) if self._num_constrained else self._depth
+
     async def _step(self) -> None:
         """Keep up to `pipeline_depth` steps on the worker, then apply the oldest result; while the pipeline
         has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
@@ -291,7 +301,7 @@ class BatchingLoop:
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._open_stream.receive())
         waiting = {self._receiving}
-        if len(self._in_flight) < self._depth:
+        if len(self._in_flight) < self._pipeline_limit:
             waiting.add(asyncio.ensure_future(self._wake.wait()))
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         for future in waiting - {self._receiving}:
@@ -324,7 +334,7 @@ class BatchingLoop:
             )
 
     async def _fill_pipeline(self) -> None:
-        while len(self._in_flight) < self._depth:
+        while len(self._in_flight) < self._pipeline_limit:
             if self._in_flight:
                 if not self._in_flight[-1].late_ids:  # a step waiting for late masks would stall until this send
                     await self._await_arrivals()

@@ -199,10 +199,13 @@ class RouterConfig:
         ("COLIBRI_MAX_PROMPT_BYTES",),
     )
     pipeline_depth: int = setting(
-        2,
-        "worker steps in flight: 2 sends step t+1 while step t runs (a stop is then "
-        "seen one step late, costing one discarded token), 1 waits for each result; a "
-        "routing table forces 1 (its lookup needs each step's input tokens)",
+        3,
+        "worker steps in flight: 3 keeps two steps queued behind the running one, so a "
+        "result's round trip through both services hides behind two device steps (a stop "
+        "is then seen two steps late, costing up to two discarded tokens); 2 hides it "
+        "behind one; 1 waits for each result. While a constrained request runs at most 2 "
+        "are in flight (its grammar masks follow one step behind); a routing table forces "
+        "1 (its lookup needs each step's input tokens)",
         ("COLIBRI_PIPELINE_DEPTH",),
     )
     prefix_caching: bool = setting(

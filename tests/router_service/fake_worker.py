@@ -114,7 +114,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         s["last"] = nxt
         if s.get("stopped"):
             self.extra_samples += 1
-        s["stopped"] = nxt == EOS or nxt in params.stop_token_ids
+        s["stopped"] = s.get("stopped") or nxt == EOS or nxt in params.stop_token_ids
         return nxt
 
     async def _step(self, context, name):

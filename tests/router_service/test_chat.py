@@ -294,7 +294,7 @@ def test_chat_without_a_template_is_invalid_argument(worker, tiny_model, tmp_pat
 
 
 # ---- untrusted templates: each render in a child process, within chat_template_timeout_s ----
-SLOW = "{% for i in range(99999) %}{% for j in range(60) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+SLOW = "{% for i in range(99999) %}{% for j in range(999) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
 RUNAWAY = (
     "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}{% endfor %}"
     "{% endfor %}{% endfor %}"

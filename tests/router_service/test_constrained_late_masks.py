@@ -1,7 +1,8 @@
 """Late masks end to end (the router's batching loop and the cpu worker over gRPC, the default model): greedy
-constrained requests give the same tokens at pipeline depth 1 and at depth 2, where their masks ride the message
-after their step, among unconstrained and sampled constrained neighbours and streams cancelled mid-way; every
-output is in its constraint's language, and both sides hold nothing after."""
+constrained requests give the same tokens at pipeline depth 1, at depth 2, where their masks ride the message
+after their step, and at depth 3, which keeps at most two steps in flight while a constrained request runs, among
+unconstrained and sampled constrained neighbours and streams cancelled mid-way; every output is in its
+constraint's language, and both sides hold nothing after."""
 
 import asyncio
 import json
@@ -64,18 +65,23 @@ async def run(stub, req: dict):
 
 
 def serve(worker, model, requests, depth: int, monkeypatch) -> tuple[list, int, object]:
-    """Every request at once through a router of this pipeline depth: outputs, messages carrying late masks."""
-    sent_late = []
+    """Every request at once through a router of this pipeline depth: outputs, messages carrying late masks.
+    Checks at every send that no more than two steps are in flight while a constrained request runs."""
+    sent_late, loops = [], []
 
     def counting(*args, **kwargs):
         request = STEP_REQUEST(*args, **kwargs)
         sent_late.append(bool(request.late_token_masks))
+        loop = loops[0]
+        if any(state.matcher is not None for state in loop._requests.values()):
+            assert len(loop._in_flight) < 2, "a third step in flight while a constrained request runs"
         return request
 
     monkeypatch.setattr(wire, "step_request", counting)
 
     async def body():
         async with running_router(worker.address, model=str(model), pipeline_depth=depth) as (router, stub):
+            loops.append(router.batching_loop)
             outs = await asyncio.gather(*(run(stub, r) for r in requests))
             for _ in range(200):  # the cancels' frees go out with the next step
                 if not router.batching_loop.scheduler.requests:
@@ -104,12 +110,15 @@ def check_language(req: dict, tokens: list[int], reason, tokenizer, text: str) -
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_greedy_constrained_tokens_are_the_same_at_depth_1_and_2(default_worker, default_model, monkeypatch, seed):
+def test_greedy_constrained_tokens_are_the_same_at_depth_1_2_and_3(default_worker, default_model, monkeypatch, seed):
     requests = traffic(seed)
     one, late_one, (tokenizer, after_one) = serve(default_worker, default_model, requests, 1, monkeypatch)
     two, late_two, (_, after_two) = serve(default_worker, default_model, requests, 2, monkeypatch)
-    assert late_one == 0 and late_two > 0  # depth 2 took the late path
-    assert after_one == after_two
-    for req, (tokens_1, reason_1, _), (tokens_2, reason_2, text) in zip(requests, one, two):
-        assert tokens_1 == tokens_2 and reason_1 == reason_2, req
+    three, late_three, (_, after_three) = serve(default_worker, default_model, requests, 3, monkeypatch)
+    assert late_one == 0 and late_two > 0 and late_three > 0  # depths 2 and 3 took the late path
+    assert after_one == after_two == after_three
+    for req, (tokens_1, reason_1, _), (tokens_2, reason_2, text), (tokens_3, reason_3, _) in zip(
+        requests, one, two, three
+    ):
+        assert tokens_1 == tokens_2 == tokens_3 and reason_1 == reason_2 == reason_3, req
         check_language(req, tokens_2, reason_2, tokenizer, text)

@@ -16,7 +16,7 @@ from tests.helpers import running_router
 from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_no_token_after_a_stop_is_delivered(depth):
     async def main():
         fake = FakeWorker(step_delay=0.002)
@@ -38,21 +38,22 @@ def test_no_token_after_a_stop_is_delivered(depth):
         return fake
 
     fake = asyncio.run(main())
-    # With the pipeline on, the worker sampled one token past each EOS/stop-id stop (discarded); never more,
-    # and never past a length stop (the router knows it in advance).
+    # With the pipeline on, the worker sampled depth - 1 tokens past each EOS/stop-id stop (discarded); never
+    # more, and never past a length stop (the router knows it in advance).
     decodes_after_stop = fake.extra_samples
-    assert decodes_after_stop == (0 if depth == 1 else 3), decodes_after_stop
+    assert decodes_after_stop == 3 * (depth - 1), decodes_after_stop
 
 
-def test_pipeline_keeps_the_next_step_on_the_worker():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_pipeline_keeps_the_next_steps_on_the_worker(depth):
     async def main():
         fake = FakeWorker(step_delay=0.005)
-        async with harness(fake, pipeline_depth=2) as (_, _, stub, _):
+        async with harness(fake, pipeline_depth=depth) as (_, _, stub, _):
             await stub.Generate(ids_request([1], max_new_tokens=20))
         return fake
 
     fake = asyncio.run(main())
-    assert fake.max_queued >= 2, "the router never had two steps on the worker at once"
+    assert fake.max_queued == depth, f"the router had {fake.max_queued} steps on the worker at once, not {depth}"
 
 
 def test_cancel_between_pipelined_steps_frees_kv_within_two_steps():

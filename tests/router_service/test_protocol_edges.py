@@ -194,7 +194,8 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_streams(tokenizer):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:")
-            assert elapsed > 1.0, f"tokenizing took only {elapsed:.2f} s: the test proves nothing"
+            # tokenizing on the event loop would stall the stream for about `elapsed`: the bound below is a third
+            assert elapsed > 0.5, f"tokenizing took only {elapsed:.2f} s: the test proves nothing"
             assert len(during) > 20 and max(during) < min(1.0, elapsed / 3), (
                 len(during),
                 max(during, default=0),
