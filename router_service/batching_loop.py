@@ -33,16 +33,15 @@ from router_service import wire
 from router_service.config import RouterConfig
 from router_service.constraints import (
     ConstraintCompiler,
-    GrammarError,
     GrammarMatcher,
     late_mask_ids,
     masks_of,
     may_mask_late,
     step_masks,
 )
+from router_service.delivery import output_delta
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
-from router_service.logprobs import prompt_logprobs
 from router_service.observability import BatchingLoopHooks
 from router_service.prefix_cache import PrefixCache
 from router_service.request_state import Delta, RequestHandle, RequestState
@@ -450,51 +449,13 @@ class BatchingLoop:
         state = self._requests.get(out.request_id)
         if state is None:
             return
-        if out.error == "DRAINING":  # the worker is shutting down and took no new sequence: safe to retry
-            self.fail(state.seq_id, Unavailable("the worker is shutting down; retry", reason="DRAINING"))
+        delta = output_delta(state, out, self.hooks.on_token)
+        if not isinstance(delta, Delta):
+            self.fail(state.seq_id, delta)
             return
-        if out.error:
-            self.fail(state.seq_id, GenerationFailed(f"generation failed on the worker: {out.error}", reason=out.error))
-            return
-        reason = out.finish_reason
-        if state.matcher is not None:
-            try:
-                if state.grammar_error:
-                    raise GrammarError(state.grammar_error)
-                state.matcher.consume(out.token_id)
-            except GrammarError as e:
-                if e.outside_mask:
-                    log.error("constraint failed for request %s: %s", state.request_id, e)
-                    self.fail(state.seq_id, GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT"))
-                else:  # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
-                    log.warning("constraint failed for request %s: %s", state.request_id, e)
-                    at = f"after {state.num_generated} tokens"
-                    self.fail(state.seq_id, InvalidRequestError("parameters.constraint", f"failed {at}: {e}"))
-                return
-            if reason is None and state.matcher.is_stopped:  # complete: the grammar allows nothing more
-                reason = FinishReason.CONSTRAINT
-        now = time.monotonic()
-        self.hooks.on_token(state, now)
-        state.last_token_at = now
-        state.num_generated += 1
-        text = ""
-        if state.detokenizer is not None:
-            text, stopped = state.stops.push(state.detokenizer.step(out.token_id))
-            if not stopped and reason is not None:
-                tail, stopped = state.stops.push(state.detokenizer.flush())
-                text += tail + state.stops.flush()
-            if stopped:
-                reason = FinishReason.STOP_SEQUENCE
-        logprobs = [out.logprob] if state.req.logprobs and out.logprob is not None else []
-        top = out.top.tops() if out.top is not None and state.req.top_logprobs else []
-        prompt = (
-            prompt_logprobs(state.req.prompt_ids, out.prompt)
-            if out.prompt is not None and state.req.prompt_logprobs is not None
-            else None
-        )
-        state.queue.put_nowait(Delta([out.token_id], text, logprobs, reason, top, prompt))
-        if reason is not None:
-            self._end(state.seq_id, None, "ok", reason)
+        state.queue.put_nowait(delta)
+        if delta.finish_reason is not None:
+            self._end(state.seq_id, None, "ok", delta.finish_reason)
 
     def _close_stream(self) -> None:
         for sent in self._in_flight:

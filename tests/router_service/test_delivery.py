@@ -1,0 +1,86 @@
+"""One worker output into its request's Delta or error: worker errors, grammar failures and completion, the metrics
+hook seeing the request before its counters move, log-probabilities only when asked."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+from common.pb import router_pb2 as rpb
+from router_service.config import RouterConfig
+from router_service.constraints import GrammarError
+from router_service.delivery import output_delta
+from router_service.errors import GenerationFailed, Unavailable
+from router_service.request_state import Delta, RequestState
+from router_service.scheduler import FinishReason, RequestOutput
+from router_service.validation import ModelLimits, validate_request
+
+LIMITS = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000)
+
+
+def state(logprobs: bool = False, matcher=None) -> RequestState:
+    params = rpb.SamplingParameters(max_new_tokens=8, logprobs=logprobs)
+    req = validate_request(
+        rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), parameters=params), RouterConfig(), LIMITS
+    )
+    return RequestState(1, "r1", req, deadline=1e12, matcher=matcher)
+
+
+class Matcher:
+    """A grammar that accepts `allowed` and is complete after `length` tokens."""
+
+    def __init__(self, allowed, length: int, outside_mask: bool = True):
+        self.allowed, self.length, self.outside_mask, self.consumed = set(allowed), length, outside_mask, []
+
+    def consume(self, token: int) -> None:
+        if token not in self.allowed:
+            raise GrammarError(f"token {token} refused", outside_mask=self.outside_mask)
+        self.consumed.append(token)
+
+    @property
+    def is_stopped(self) -> bool:
+        return len(self.consumed) >= self.length
+
+
+def test_worker_errors_end_the_request():
+    seen = []
+    draining = output_delta(state(), RequestOutput(1, None, error="DRAINING"), lambda *a: seen.append(a))
+    failed = output_delta(state(), RequestOutput(1, None, error="NON_FINITE_LOGITS"), lambda *a: seen.append(a))
+    assert isinstance(draining, Unavailable) and draining.reason == "DRAINING"
+    assert isinstance(failed, GenerationFailed) and "NON_FINITE_LOGITS" in str(failed)
+    assert not seen  # no token was produced
+
+
+def test_tokens_count_after_the_hook_and_logprobs_only_when_asked():
+    rng = np.random.default_rng()
+    for logprobs in (False, True):
+        s, seen = state(logprobs), []
+        hook = seen.append
+        tokens = rng.integers(0, 258, 5).tolist()
+        for n, token in enumerate(tokens):
+            lp = float(rng.standard_normal())
+            delta = output_delta(
+                s, RequestOutput(1, token, lp), lambda st, now, hook=hook: hook((st.num_generated, now))
+            )
+            assert isinstance(delta, Delta) and delta.token_ids == [token] and delta.finish_reason is None
+            assert delta.logprobs == ([lp] if logprobs else [])
+            assert seen[-1][0] == n and s.num_generated == n + 1 and s.last_token_at == seen[-1][1]
+
+
+def test_the_grammar_consumes_each_token_and_ends_the_request_when_complete():
+    matcher = Matcher(allowed=range(10, 20), length=3)
+    s = state(matcher=matcher)
+    deltas = [output_delta(s, RequestOutput(1, t), lambda *a: None) for t in (11, 12, 13)]
+    assert matcher.consumed == [11, 12, 13]
+    assert [d.finish_reason for d in deltas] == [None, None, FinishReason.CONSTRAINT]
+
+
+def test_a_token_the_grammar_refuses_fails_the_request():
+    outside = output_delta(state(matcher=Matcher([1], 3)), RequestOutput(1, 7), lambda *a: None)
+    limits = output_delta(state(matcher=Matcher([1], 3, outside_mask=False)), RequestOutput(1, 7), lambda *a: None)
+    s = state(matcher=Matcher([7], 3))
+    s.grammar_error = "mask failed"
+    earlier = output_delta(s, RequestOutput(1, 7), lambda *a: None)
+    assert isinstance(outside, GenerationFailed) and outside.reason == "CONSTRAINT"
+    assert isinstance(limits, InvalidRequestError) and limits.field == "parameters.constraint"
+    assert isinstance(earlier, InvalidRequestError) and "mask failed" in str(earlier)
