@@ -50,7 +50,7 @@ def test_serve_bench_tiny_cpu(tmp_path):
 
     assert results["benchmark"] == "serve" and results["machine"] and results["device"].startswith("cpu")
     config = results["config"]
-    assert config["backend"] == "cpu" and config["clients"] == list(CLIENTS) and config["pipeline_depths"] == [2, 1]
+    assert config["backend"] == "cpu" and config["clients"] == list(CLIENTS) and config["pipeline_depths"] == [3, 2, 1]
     assert (config["prompt_tokens"], config["new_tokens"], config["rounds"]) == (PROMPT, NEW, ROUNDS)
     assert config["max_batch_size"] >= 64 and config["max_concurrent_requests"] >= 64
     assert config["kv_cache_tokens"] >= max(CLIENTS) * (PROMPT + NEW)
@@ -65,7 +65,7 @@ def test_serve_bench_tiny_cpu(tmp_path):
         for value in (b["decode_step_ms"]["p50"], b["tok_s"], b["prefill_all_ms"], b["generation_tok_s"]):
             assert finite_positive(value)
 
-    assert list(entry["served"]) == ["2", "1"]
+    assert list(entry["served"]) == ["3", "2", "1"]
     for depth, by_n in entry["served"].items():
         assert list(by_n) == [str(n) for n in CLIENTS]
         for n, s in by_n.items():
