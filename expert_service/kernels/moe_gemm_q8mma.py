@@ -13,7 +13,7 @@ permutation, epilogues):
   half the bytes of bf16) into their own swizzled shared rows. The 128-byte row pieces of BK = 128 are what the
   memory-bound small tiles stream.
 - Fragments: with lane t's k slots holding k = 16 ks + 4t .. 4t+3, a lane's B pair is one 32-bit shared word
-  (4 weight bytes), widened exactly to float32 (`expert_quant.int8_at` / `fp8_at`, the dtype code read from
+  (4 weight bytes), widened exactly to float32 (`expert_quant.int8x4` / `fp8x4`, the dtype code read from
   meta once per tile: a tile belongs to one expert) and packed into two bf16x2 registers. int8 and e4m3 values
   are exact in bf16, so with per-channel scales the product is exact q and the scale multiplies each fp32 sum
   after the K loop (the epilogue). With 128x128 block scales (the scale changes every 128 inputs) the widened
@@ -43,8 +43,8 @@ from expert_service.kernels.expert_quant import (
     SCALE_CHANNEL,
     decode,
     dequantize,
-    fp8_at,
-    int8_at,
+    fp8x4,
+    int8x4,
 )
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_mma as mma
@@ -110,10 +110,11 @@ def _group_xor(words_per_row: int, word_bytes: int):
 @cuda.jit(device=True, inline=True)
 def _widen4(w, is_int8, factor, block_scaled):
     """4 weight bytes (k order) -> two bf16x2 words: exact values, times `factor` and rounded when block_scaled."""
+    # whole-word decoders (a prmt per value; moe_q8's): fewer integer ops in the mma loop than per-byte shifts
     if is_int8:
-        v0, v1, v2, v3 = int8_at(w, 0), int8_at(w, 1), int8_at(w, 2), int8_at(w, 3)
+        v0, v1, v2, v3 = int8x4(w)
     else:
-        v0, v1, v2, v3 = fp8_at(w, 0), fp8_at(w, 1), fp8_at(w, 2), fp8_at(w, 3)
+        v0, v1, v2, v3 = fp8x4(w)
     if block_scaled:
         v0, v1, v2, v3 = v0 * factor, v1 * factor, v2 * factor, v3 * factor
     return pack(v0, v1), pack(v2, v3)
