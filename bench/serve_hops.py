@@ -2,7 +2,8 @@
 any arguments after `--` passed on) with bench/hops/sitecustomize.py stamping the entry (`>`) and exit (`<`) of the
 functions each hop starts or ends with, in the router and the worker it starts, then prints the median time of each
 transition between consecutive stamps (all processes merged on the one monotonic clock) and the worker's
-launch-to-launch period. What the stamps are:
+launch-to-launch period (--timeline: every stamp, the launches labelled p<prompt tokens>d<decodes>). What the stamps
+are:
 
   W_parse   the worker reads a step message (wire.step_request)      R_apply  the router applies an answer
   W_launch  the model thread launches a step (StreamSession.launch)  R_send   the router builds and sends a step
@@ -34,13 +35,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def read_stamps(folder: Path) -> list[tuple[int, str]]:
-    events = []
+def read_stamps(folder: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str, str]]]:
+    """(monotonic ns, stamp) sorted, and the same with each stamp's label and its process id (the timeline)."""
+    timeline = []
     for path in folder.glob("hops.*"):
         for line in path.read_text().splitlines():
-            name, t = line.split()
-            events.append((int(t), name))
-    return sorted(events)
+            name, t, *label = line.split()
+            timeline.append((int(t), name, " ".join([path.suffix[1:], *label])))
+    timeline.sort()
+    return [(t, name) for t, name, _ in timeline], timeline
 
 
 def summarize(events: list[tuple[int, str]], min_count: int) -> dict:
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/hops.json")
     parser.add_argument("--bench", default=str(REPO / "bench" / "serve.py"), help="the benchmark script to run")
     parser.add_argument("--min-count", type=int, default=20)
+    parser.add_argument("--timeline", help="also write every stamp (ns, name, 'pid label') to this JSON file")
     args = parser.parse_args(ours)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, COLIBRI_HOPS=str(Path(tmp) / "hops"))
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             print(f"{args.bench} exited with {code}", file=sys.stderr)
             return code
-        events = read_stamps(Path(tmp))
+        events, timeline = read_stamps(Path(tmp))
     if not events:
         print("no stamps were written: did the services start from this checkout?", file=sys.stderr)
         return 1
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker launch-to-launch period: p50 {period['p50_us']:.1f} us over {period['count']} steps")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.timeline:
+        Path(args.timeline).write_text(json.dumps(timeline))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Hop stamps for bench/serve_hops.py: imported at start-up by every Python process whose PYTHONPATH starts with this
 folder (the bench puts it there for the router and worker it starts). With COLIBRI_HOPS=<prefix> set, it wraps a
-few functions of both services as their modules load and appends `name monotonic_ns` lines to <prefix>.<pid>:
+few functions of both services as their modules load and appends `name monotonic_ns [label]` lines to <prefix>.<pid>:
 entry (`>`) and exit (`<`) of each. Nothing in the services knows about it; without the variable it does nothing."""
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ TARGETS = {
     ],
     "router_service.worker_client": [("StepStream.send", "R_write")],
 }
+# stamp name -> what its entry stamp also records (the launch: prompt tokens and decodes of the step)
+LABELS = {
+    "W_launch": lambda session, step, *a, **k: f"p{sum(len(c.token_ids) for c in step.chunks)}d{len(step.decode_ids)}",
+}
 _lines: list[str] = []
 
 
@@ -41,18 +45,20 @@ def _flush() -> None:
         _lines.clear()
 
 
-def _stamp(name: str) -> None:
-    _lines.append(f"{name} {time.monotonic_ns()}\n")
+def _stamp(name: str, label: str = "") -> None:
+    _lines.append(f"{name} {time.monotonic_ns()} {label}\n")
     if len(_lines) >= 512:
         _flush()
 
 
 def _wrap(fn, name: str):
+    label = LABELS.get(name, lambda *a, **k: "")
+
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def wrapped_async(*args, **kwargs):
-            _stamp(name + ">")
+            _stamp(name + ">", label(*args, **kwargs))
             try:
                 return await fn(*args, **kwargs)
             finally:
@@ -62,7 +68,7 @@ def _wrap(fn, name: str):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        _stamp(name + ">")
+        _stamp(name + ">", label(*args, **kwargs))
         try:
             return fn(*args, **kwargs)
         finally:

@@ -32,9 +32,13 @@ def test_summarize_without_launches():
 def test_serve_hops_tiny_cpu(tmp_path):
     out = tmp_path / "hops.json"
     bench_args = ["--backend", "cpu", "--clients", "1", "--depths", "1", "--prompt-tokens", "8", "--new-tokens", "4"]
-    assert serve_hops.main(["--out", str(out), "--min-count", "3", "--", *bench_args, "--rounds", "1"]) == 0
+    timeline = tmp_path / "timeline.json"
+    ours = ["--out", str(out), "--min-count", "3", "--timeline", str(timeline)]
+    assert serve_hops.main([*ours, "--", *bench_args, "--rounds", "1"]) == 0
     result = json.loads(out.read_text())
     assert result["command"][:2] == ["--backend", "cpu"]
     assert "W_answer< -> R_apply>" in result["transitions"]
     assert all(row["p50_us"] > 0 and row["count"] >= 3 for row in result["transitions"].values())
     assert result["worker_launch_period"]["count"] >= 3
+    launches = [label.split()[1] for _, name, label in json.loads(timeline.read_text()) if name == "W_launch>"]
+    assert "p8d0" in launches and "p0d1" in launches  # the 8-token prompts' prefills, one-sequence decodes
