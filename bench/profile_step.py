@@ -45,6 +45,7 @@ from bench.engine import SHAPES  # noqa: E402
 SCENARIOS = {
     "prefill_1x512": ("prefill", 1, 512),
     "prefill_16x128": ("prefill", 16, 128),
+    "prefill_1x2048": ("prefill", 1, 2048),  # a long prompt alone (a shared prefix computed once)
     "decode_1": ("decode", 1, 128),
     "decode_16": ("decode", 16, 128),
     "decode_64": ("decode", 64, 128),
