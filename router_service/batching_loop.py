@@ -48,6 +48,7 @@ from router_service.request_state import Delta, RequestHandle, RequestState
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
+from router_service.worker_backlog import WorkerBacklog
 from router_service.worker_client import StepStream, WorkerClient
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -56,6 +57,10 @@ IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's h
 # the next is scheduled once submits pause this long, or this long after the burst began (see _await_arrivals).
 ARRIVAL_QUIET_S = 0.001
 ARRIVAL_WINDOW_S = 0.005
+# Behind a long prefill the wait may last until the worker's prompt work is estimated to end, less SEND_MARGIN_S
+# (the next step's build, transit and launch), and the burst counts as paused only after ARRIVAL_QUIET_LONG_S.
+ARRIVAL_QUIET_LONG_S = 0.003
+SEND_MARGIN_S = 0.003
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class BatchingLoop:
         self._step_ids = itertools.count(1)
         self._last_result_at = 0.0
         self._last_submit_at = self._burst_started_at = 0.0
+        self._backlog = WorkerBacklog()
         self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
@@ -313,24 +319,32 @@ class BatchingLoop:
         except grpc.aio.AioRpcError as e:  # the steps in flight are the batch the worker failed
             self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
             return
-        self._apply(self._in_flight.popleft(), response)
+        sent = self._in_flight.popleft()
+        self._backlog.answered(sent.started, sent.step.num_prompt_tokens, time.monotonic())
+        self._apply(sent, response)
 
     async def _await_arrivals(self) -> None:
         """While a step runs on the worker and requests are arriving, wait for the burst to pause (at most
         ARRIVAL_WINDOW_S after it began, and never past the running step's answer) before scheduling the next
         step. Requests arriving after a step is scheduled wait for the one after it: without this, 16 clients
         arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
-        step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter."""
+        step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter.
+        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait stretches to what that
+        work leaves (less SEND_MARGIN_S), and a pause must last ARRIVAL_QUIET_LONG_S: clients of one burst can
+        arrive more than ARRIVAL_QUIET_S apart."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._open_stream.receive())
+        prompts = ((sent.started, sent.step.num_prompt_tokens) for sent in self._in_flight)
+        hold_until = self._backlog.busy_until(prompts) - SEND_MARGIN_S
+        window_end = self._burst_started_at + ARRIVAL_WINDOW_S
+        quiet_s = ARRIVAL_QUIET_LONG_S if hold_until > window_end else ARRIVAL_QUIET_S
+        window_end = max(window_end, hold_until)
         while not self._receiving.done():
             now = time.monotonic()
-            quiet_at = self._last_submit_at + ARRIVAL_QUIET_S
-            if now >= quiet_at or now >= self._burst_started_at + ARRIVAL_WINDOW_S:
+            quiet_at = self._last_submit_at + quiet_s
+            if now >= quiet_at or now >= window_end:
                 return
-            await asyncio.wait(
-                {self._receiving}, timeout=min(quiet_at, self._burst_started_at + ARRIVAL_WINDOW_S) - now
-            )
+            await asyncio.wait({self._receiving}, timeout=min(quiet_at, window_end) - now)
 
     async def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self._pipeline_limit:

@@ -171,6 +171,10 @@ class ScheduledStep:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens - len(self.decode_ids)
+
 
 @dataclass(frozen=True)
 class RequestOutput:

@@ -24,6 +24,8 @@ TARGETS = {
     ],
     "expert_service.serving.servicer": [("WorkerServicer._stream_response", "W_answer")],
     "expert_service.engine.engine": [("Engine.apply_late_masks", "W_late_masks")],
+    "expert_service.cuda.token_masks": [("DeviceMasks.apply", "W_device_masks")],
+    "expert_service.cuda.decoder": [("CudaDecoder._read_back", "W_read_back")],
     "router_service.batching_loop": [
         ("BatchingLoop._apply", "R_apply"),
         ("BatchingLoop._send", "R_send"),

@@ -1,0 +1,72 @@
+"""The worker backlog estimate (pure), and the batching loop holding the next step behind a long prefill while a
+burst whose clients arrive further apart than the short quiet period is still coming in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router_service.worker_backlog import BacklogConfig, WorkerBacklog
+from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
+
+
+def test_pace_is_learned_from_prompt_heavy_steps_only():
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=100, weight=0.5))
+    assert backlog.busy_until([(1.0, 500)]) == 0.0  # nothing learned yet
+    backlog.answered(sent_at=10.0, prompt_tokens=50, now=10.2)  # too small to teach
+    assert backlog.seconds_per_prompt_token is None
+    backlog.answered(sent_at=10.1, prompt_tokens=200, now=10.6)  # started after the answer before it (10.2)
+    assert backlog.seconds_per_prompt_token == pytest.approx(0.4 / 200)
+    backlog.answered(sent_at=10.7, prompt_tokens=100, now=11.3)  # idle worker: from its send
+    assert backlog.seconds_per_prompt_token == pytest.approx(0.5 * 0.002 + 0.5 * 0.006)
+
+
+def test_busy_until_starts_from_the_later_of_send_and_last_answer():
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=1))
+    backlog.answered(sent_at=0.0, prompt_tokens=1000, now=1.0)  # 1 ms a token
+    assert backlog.busy_until([]) == 0.0
+    assert backlog.busy_until([(0.5, 100)]) == pytest.approx(1.1)  # queued behind the answered step
+    assert backlog.busy_until([(2.0, 100), (2.01, 300)]) == pytest.approx(2.4)  # decodes (0 prompt) add nothing
+    assert backlog.busy_until([(2.0, 0)]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_a_spread_burst_joins_the_step_behind_a_long_prefill(monkeypatch, learned):
+    """Clients 30 ms apart (far past the short quiet period) arrive while a 320-token prefill runs for 0.5 s. With
+    the pace learned from an earlier long prefill, the loop holds the next step until the burst pauses for the
+    long quiet period, and all five join it; without a pace it schedules at once, as before."""
+    from router_service import batching_loop
+
+    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.001)
+    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 0.005)
+    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_LONG_S", 0.1)
+    monkeypatch.setattr(batching_loop, "SEND_MARGIN_S", 0.05)
+
+    async def main():
+        fake = FakeWorker(step_delay=0.5, max_batch_tokens=512)
+        async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
+            loop, new_per_step = router.batching_loop, []
+            if learned:  # one 320-token prompt, one step: the pace (~1.6 ms a token, the transit included)
+                await stub.Generate(ids_request([3 + i % 250 for i in range(320)], max_new_tokens=1))
+                assert loop._backlog.seconds_per_prompt_token is not None
+                await wait_for(lambda: not loop._in_flight)  # the step carrying its free has run too
+            send = loop._send
+
+            async def recording_send(step, *late):
+                new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
+                await send(step, *late)
+
+            loop._send = recording_send
+            calls = [
+                asyncio.ensure_future(stub.Generate(ids_request([5 + i % 250 for i in range(320)], max_new_tokens=2)))
+            ]
+            await wait_for(lambda: new_per_step)
+            for i in range(5):
+                await asyncio.sleep(0.03)
+                calls.append(asyncio.ensure_future(stub.Generate(ids_request([10 + i, 11], max_new_tokens=2))))
+            await asyncio.gather(*calls)
+        return new_per_step
+
+    new_per_step = asyncio.run(main())
+    assert new_per_step[:2] == ([1, 5] if learned else [1, 0])
