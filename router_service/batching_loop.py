@@ -39,7 +39,7 @@ from router_service.constraints import (
     may_mask_late,
     step_masks,
 )
-from router_service.delivery import output_delta
+from router_service.delivery import output_delta, split_for_late_masks
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
@@ -108,6 +108,9 @@ class BatchingLoop:
         self._last_result_at = 0.0
         self._last_submit_at = self._burst_started_at = 0.0
         self._backlog = WorkerBacklog()
+        # Outputs of the last answer delivered after the next send: (output, its grammar already advanced). While
+        # late masks are due, only the grammars of their requests are on the path from an answer to that send.
+        self._deferred: list[tuple[object, bool]] = []
         self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
@@ -299,7 +302,10 @@ class BatchingLoop:
         """Keep up to `pipeline_depth` steps on the worker, then apply the oldest result; while the pipeline
         has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
         self._wake.clear()
-        await self._fill_pipeline()
+        try:
+            await self._fill_pipeline()
+        finally:
+            self._deliver_deferred()
         if not self._in_flight:
             await self._idle_wait()
             return
@@ -447,8 +453,19 @@ class BatchingLoop:
             self._ready_scheduler.num_waiting,
             len(self._requests),
         )
-        for out in outputs:
-            self._deliver(out)
+        late_masks_due = bool(self._in_flight and self._in_flight[-1].late_ids)
+        now, later, failed = split_for_late_masks(outputs, self._requests, late_masks_due)
+        for seq_id, error in failed:
+            self.fail(seq_id, error)
+        for out, grammar_advanced in now:
+            self._deliver(out, grammar_advanced)
+        self._deferred += later
+
+    def _deliver_deferred(self) -> None:
+        """The outputs `_apply` held back so the next message (with the late masks) left first, in order."""
+        deferred, self._deferred = self._deferred, []
+        for out, grammar_advanced in deferred:
+            self._deliver(out, grammar_advanced)
 
     async def _idle_wait(self) -> None:
         try:
@@ -459,11 +476,11 @@ class BatchingLoop:
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker reports not ready"
                 ) from None
 
-    def _deliver(self, out) -> None:
+    def _deliver(self, out, grammar_advanced: bool = False) -> None:
         state = self._requests.get(out.request_id)
         if state is None:
             return
-        delta = output_delta(state, out, self.hooks.on_token)
+        delta = output_delta(state, out, self.hooks.on_token, grammar_advanced)
         if not isinstance(delta, Delta):
             self.fail(state.seq_id, delta)
             return

@@ -14,9 +14,7 @@ llguidance's one-line reason when it cannot. Another feature (tool calls) builds
 from __future__ import annotations
 
 import collections
-import functools
 import json
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +29,6 @@ KINDS = ("json_schema", "regex", "choice", "grammar")
 MAX_SPEC_BYTES = 64 << 10  # a schema, regex or grammar; each choice too
 MAX_CHOICES = 1024
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
-MASK_THREADS = 8  # llguidance threads computing a step's masks together (masks_of)
-MIN_PARALLEL_MASKS = 2  # fewer masks are computed on the calling thread
 FIELD = "parameters.constraint"
 # JSON without free whitespace: a model that may emit whitespace between tokens can emit it forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -138,10 +134,8 @@ def _one_line(message: str) -> str:
 class GrammarMatcher:
     """One request's parser state: the mask of the next token, then the sampled token consumed."""
 
-    def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], allow_eos: bool, executor=None):
+    def __init__(self, matcher, words: int, eos_ids: tuple[int, ...], allow_eos: bool):
         self._matcher, self._words = matcher, words
-        self.executor = executor  # an llguidance.LLExecutor computing many requests' masks at once (masks_of)
-        self.words = words
         self._eos = np.asarray(eos_ids, np.int64)
         self._eos_set = frozenset(eos_ids)
         self._allow_eos = allow_eos
@@ -150,11 +144,7 @@ class GrammarMatcher:
     def mask(self) -> bytes:
         """The next token's mask: `words` uint32 little-endian, EOS allowed only where the grammar accepts (and
         never with ignore_eos)."""
-        return self.finish_mask(np.frombuffer(self._matcher.compute_bitmask(), "<u4")[: self._words].copy())
-
-    def finish_mask(self, words: np.ndarray) -> bytes:
-        """`mask` from the parser's own bits (words [W] uint32, owned: changed in place): computed here, or for
-        many matchers at once by their executor."""
+        words = np.frombuffer(self._matcher.compute_bitmask(), "<u4")[: self._words].copy()
         if self._eos.size:
             bits = np.uint32(1) << (self._eos % 32).astype(np.uint32)
             if self._allow_eos and self._matcher.is_accepting():
@@ -178,11 +168,6 @@ class GrammarMatcher:
             token_id = int(self._eos[0])
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} broke the grammar: {_one_line(self._matcher.get_error())}")
-
-    @property
-    def parser(self):
-        """The llguidance.LLMatcher (for its executor)."""
-        return self._matcher
 
     @property
     def is_stopped(self) -> bool:
@@ -217,7 +202,6 @@ class ConstraintCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self.executor = llguidance.LLExecutor(num_threads=min(MASK_THREADS, os.cpu_count() or 1))
 
     def matcher(self, constraint: Constraint, ignore_eos: bool = False) -> GrammarMatcher:
         """A fresh matcher; raises InvalidRequestError (one line) for a constraint llguidance cannot compile.
@@ -235,7 +219,7 @@ class ConstraintCompiler:
                 self._cache[constraint] = template
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        return GrammarMatcher(template.deep_copy(), self.words, self.eos_token_ids, not ignore_eos, self.executor)
+        return GrammarMatcher(template.deep_copy(), self.words, self.eos_token_ids, not ignore_eos)
 
     def _compile(self, constraint: Constraint):
         field = f"{FIELD}.{constraint.kind}"
@@ -295,29 +279,14 @@ def step_masks(step, requests: Mapping[int, Any], vocab_size: int, skip=frozense
 
 
 def masks_of(seq_ids, requests: Mapping[int, Any], vocab_size: int) -> dict[int, bytes]:
-    """The current grammar mask of each of `seq_ids` that is a live constrained request. Several at once are
-    computed in parallel by their matchers' executor (llguidance's threads, without the GIL): on the step's
-    critical path when masks come late, 16 masks one after another take ~0.7 ms of an H200 host's time."""
-    live = [(i, s) for i, s in ((i, requests.get(i)) for i in seq_ids) if s is not None and s.matcher is not None]
-    executor = live[0][1].matcher.executor if live else None
-    if (
-        executor is not None
-        and len(live) >= MIN_PARALLEL_MASKS
-        and all(s.matcher.executor is executor for _, s in live)
-    ):
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        bits = np.zeros((len(live), live[0][1].matcher.words), np.int32)
-        fill_next_token_bitmask_par(executor, [(s.matcher.parser, row) for row, (_, s) in enumerate(live)], bits)
-        rows = [
-            functools.partial(s.matcher.finish_mask, bits[row].view("<u4").copy()) for row, (_, s) in enumerate(live)
-        ]
-    else:
-        rows = [s.matcher.mask for _, s in live]
+    """The current grammar mask of each of `seq_ids` that is a live constrained request."""
     masks = {}
-    for (seq_id, state), row in zip(live, rows):
+    for seq_id in seq_ids:
+        state = requests.get(seq_id)
+        if state is None or state.matcher is None:
+            continue
         try:
-            masks[seq_id] = row()
+            masks[seq_id] = state.matcher.mask()
         except GrammarError as e:
             state.grammar_error = str(e)
             masks[seq_id] = any_token_mask(vocab_size)

@@ -17,27 +17,41 @@ from router_service.scheduler import FinishReason
 log = logging.getLogger("colibri.router.batching_loop")
 
 
-def output_delta(state: RequestState, out, on_token) -> Delta | RouterError | InvalidRequestError:
+def advance_grammar(state: RequestState, out) -> GenerationFailed | InvalidRequestError | None:
+    """Consumes `out`'s token (a wire RequestOutput without an error) in `state`'s grammar, if it has one; the
+    error the request ends with, or None. The batching loop does this ahead of the rest of the delivery for
+    requests whose next grammar mask it must send at once."""
+    if state.matcher is None:
+        return None
+    try:
+        if state.grammar_error:
+            raise GrammarError(state.grammar_error)
+        state.matcher.consume(out.token_id)
+    except GrammarError as e:
+        if e.outside_mask:
+            log.error("constraint failed for request %s: %s", state.request_id, e)
+            return GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT")
+        # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
+        log.warning("constraint failed for request %s: %s", state.request_id, e)
+        return InvalidRequestError("parameters.constraint", f"failed after {state.num_generated} tokens: {e}")
+    return None
+
+
+def output_delta(
+    state: RequestState, out, on_token, grammar_advanced: bool = False
+) -> Delta | RouterError | InvalidRequestError:
     """The Delta of `out` (a wire RequestOutput) for `state`'s client, or the error its request ends with.
-    Advances the request's grammar, detokenizer, stop matcher and token counters; `on_token(state, now)` (the
-    metrics hook) sees the request before its token counts."""
+    Advances the request's grammar (unless `grammar_advanced`: advance_grammar ran), detokenizer, stop matcher
+    and token counters; `on_token(state, now)` (the metrics hook) sees the request before its token counts."""
     if out.error == "DRAINING":  # the worker is shutting down and took no new sequence: safe to retry
         return Unavailable("the worker is shutting down; retry", reason="DRAINING")
     if out.error:
         return GenerationFailed(f"generation failed on the worker: {out.error}", reason=out.error)
     reason = out.finish_reason
     if state.matcher is not None:
-        try:
-            if state.grammar_error:
-                raise GrammarError(state.grammar_error)
-            state.matcher.consume(out.token_id)
-        except GrammarError as e:
-            if e.outside_mask:
-                log.error("constraint failed for request %s: %s", state.request_id, e)
-                return GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT")
-            # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
-            log.warning("constraint failed for request %s: %s", state.request_id, e)
-            return InvalidRequestError("parameters.constraint", f"failed after {state.num_generated} tokens: {e}")
+        error = None if grammar_advanced else advance_grammar(state, out)
+        if error is not None:
+            return error
         if reason is None and state.matcher.is_stopped:  # complete: the grammar allows nothing more
             reason = FinishReason.CONSTRAINT
     now = time.monotonic()
@@ -60,3 +74,25 @@ def output_delta(state: RequestState, out, on_token) -> Delta | RouterError | In
         else None
     )
     return Delta([out.token_id], text, logprobs, reason, top, prompt)
+
+
+def split_for_late_masks(outputs, requests, late_masks_due: bool):
+    """A step's outputs (wire RequestOutputs) as (deliver now, deliver after the next send: each (output, its
+    grammar advanced)), and (sequence, error) of the requests failing now. With late masks due, the next message
+    carries grammar masks computed from these tokens: every constrained request takes its token into its grammar
+    now, and the rest of the delivery (detokenizing, stops, the client's queue) waits for that send. One that
+    ends here is delivered now, so the next message frees it instead. Without late masks everything is now."""
+    now, later, failed = [], [], []
+    for out in outputs:
+        state = requests.get(out.request_id)
+        if not late_masks_due or state is None:
+            now.append((out, False))
+        elif state.matcher is None or out.error:
+            later.append((out, False))
+        elif (error := advance_grammar(state, out)) is not None:
+            failed.append((state.seq_id, error))
+        elif out.finish_reason is not None or state.matcher.is_stopped:
+            now.append((out, True))
+        else:
+            later.append((out, True))
+    return now, later, failed

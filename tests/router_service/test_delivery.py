@@ -9,7 +9,7 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2 as rpb
 from router_service.config import RouterConfig
 from router_service.constraints import GrammarError
-from router_service.delivery import output_delta
+from router_service.delivery import output_delta, split_for_late_masks
 from router_service.errors import GenerationFailed, Unavailable
 from router_service.request_state import Delta, RequestState
 from router_service.scheduler import FinishReason, RequestOutput
@@ -18,12 +18,12 @@ from router_service.validation import ModelLimits, validate_request
 LIMITS = ModelLimits(vocab_size=258, max_sequence_length=64, kv_capacity_tokens=1000)
 
 
-def state(logprobs: bool = False, matcher=None) -> RequestState:
+def state(logprobs: bool = False, matcher=None, seq_id: int = 1) -> RequestState:
     params = rpb.SamplingParameters(max_new_tokens=8, logprobs=logprobs)
     req = validate_request(
         rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), parameters=params), RouterConfig(), LIMITS
     )
-    return RequestState(1, "r1", req, deadline=1e12, matcher=matcher)
+    return RequestState(seq_id, f"r{seq_id}", req, deadline=1e12, matcher=matcher)
 
 
 class Matcher:
@@ -84,3 +84,32 @@ def test_a_token_the_grammar_refuses_fails_the_request():
     assert isinstance(outside, GenerationFailed) and outside.reason == "CONSTRAINT"
     assert isinstance(limits, InvalidRequestError) and limits.field == "parameters.constraint"
     assert isinstance(earlier, InvalidRequestError) and "mask failed" in str(earlier)
+
+
+def test_with_late_masks_due_every_grammar_advances_now_and_the_rest_waits_for_the_send():
+    """Constrained requests take their token into the grammar at once (the next message's masks are computed from
+    it); their Delta waits, as every unconstrained one does, unless the request ends here (then it is delivered
+    now and freed by that message) or fails. Without late masks due nothing is held back or advanced early."""
+    going, ending, refusing = Matcher({7}, 5), Matcher({8}, 1), Matcher({1}, 5)
+    requests = {i: state(matcher=m, seq_id=i) for i, m in [(1, going), (2, ending), (3, refusing), (4, None)]}
+    requests[5] = state(matcher=Matcher({9}, 5), seq_id=5)
+    outputs = [
+        RequestOutput(1, 7),
+        RequestOutput(2, 8),
+        RequestOutput(3, 9),
+        RequestOutput(4, 10),
+        RequestOutput(5, None, error="NON_FINITE_LOGITS"),
+        RequestOutput(6, 11),  # a request gone meanwhile
+    ]
+    now, later, failed = split_for_late_masks(outputs, requests, late_masks_due=True)
+    assert [(o.request_id, advanced) for o, advanced in now] == [(2, True), (6, False)]
+    assert [(o.request_id, advanced) for o, advanced in later] == [(1, True), (4, False), (5, False)]
+    assert [(seq_id, type(e)) for seq_id, e in failed] == [(3, GenerationFailed)]
+    assert going.consumed == [7] and ending.consumed == [8] and not requests[5].matcher.consumed
+    delta = output_delta(requests[1], outputs[0], lambda *a: None, grammar_advanced=True)
+    assert isinstance(delta, Delta) and going.consumed == [7]  # not consumed twice
+
+    again = {i: state(matcher=Matcher({7}, 5), seq_id=i) for i in (1,)}
+    now, later, failed = split_for_late_masks([RequestOutput(1, 7)], again, late_masks_due=False)
+    assert [(o.request_id, a) for o, a in now] == [(1, False)] and not later and not failed
+    assert again[1].matcher.consumed == []
