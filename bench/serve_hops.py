@@ -9,6 +9,8 @@ are:
   W_launch  the model thread launches a step (StreamSession.launch)  R_send   the router builds and sends a step
   W_collect the model thread collects a step                         R_write  its gRPC write (StepStream.send)
   W_answer  the worker's event loop answers a step                   R_masks  grammar masks computed (masks_of)
+                                                                     R_submit a request through the front (Frontend.submit)
+                                                                     R_admit  its admission (BatchingLoop.submit)
   W_late_masks  late grammar masks applied (Engine.apply_late_masks), within it (cuda) W_device_masks (their
                 upload, mask and argmax launches: DeviceMasks.apply) and W_read_back (CudaDecoder._read_back)
 

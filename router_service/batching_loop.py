@@ -57,10 +57,6 @@ IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's h
 # the next is scheduled once submits pause this long, or this long after the burst began (see _await_arrivals).
 ARRIVAL_QUIET_S = 0.001
 ARRIVAL_WINDOW_S = 0.005
-# Behind a long prefill the wait may last until the worker's prompt work is estimated to end, less SEND_MARGIN_S
-# (the next step's build, transit and launch), and the burst counts as paused only after ARRIVAL_QUIET_LONG_S.
-ARRIVAL_QUIET_LONG_S = 0.003
-SEND_MARGIN_S = 0.003
 
 
 @dataclass(frozen=True)
@@ -326,7 +322,8 @@ class BatchingLoop:
             self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
             return
         sent = self._in_flight.popleft()
-        self._backlog.answered(sent.started, sent.step.num_prompt_tokens, time.monotonic())
+        worker_s = response.timings.total_ms / 1e3 if not response.step_error else 0.0
+        self._backlog.answered(sent.started, sent.step.num_prompt_tokens, time.monotonic(), worker_s)
         self._apply(sent, response)
 
     async def _await_arrivals(self) -> None:
@@ -336,15 +333,13 @@ class BatchingLoop:
         arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
         step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter.
         Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait stretches to what that
-        work leaves (less SEND_MARGIN_S), and a pause must last ARRIVAL_QUIET_LONG_S: clients of one burst can
-        arrive more than ARRIVAL_QUIET_S apart."""
+        work leaves (router_service/worker_backlog.py)."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._open_stream.receive())
         prompts = ((sent.started, sent.step.num_prompt_tokens) for sent in self._in_flight)
-        hold_until = self._backlog.busy_until(prompts) - SEND_MARGIN_S
-        window_end = self._burst_started_at + ARRIVAL_WINDOW_S
-        quiet_s = ARRIVAL_QUIET_LONG_S if hold_until > window_end else ARRIVAL_QUIET_S
-        window_end = max(window_end, hold_until)
+        window_end, quiet_s = self._backlog.arrival_wait(
+            prompts, self._burst_started_at + ARRIVAL_WINDOW_S, ARRIVAL_QUIET_S
+        )
         while not self._receiving.done():
             now = time.monotonic()
             quiet_at = self._last_submit_at + quiet_s

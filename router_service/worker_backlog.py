@@ -1,12 +1,18 @@
-"""How long the prompt work already sent to the worker will keep it busy, estimated from the pace at which its
-prompt-heavy steps have been answered. The batching loop uses it to hold the next step while a long prefill
-runs: requests still arriving then join that step instead of the one after it, at no cost in device time as long
-as the step reaches the worker before the running work ends."""
+"""How long the prompt work already sent to the worker will keep it busy, estimated from the time its prompt-heavy
+steps took (as the worker reports it). The batching loop uses it to hold the next step while a long prefill runs:
+requests still arriving then join that step instead of the one after it, at no cost in device time as long as
+the step reaches the worker before the running work ends."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+# Behind a long prefill the arrival wait may last until the worker's prompt work is estimated to end, less
+# SEND_MARGIN_S (the next step's build, transit and launch), and a burst counts as paused only after
+# ARRIVAL_QUIET_LONG_S: clients of one burst can arrive further apart than the batching loop's short quiet period.
+ARRIVAL_QUIET_LONG_S = 0.003
+SEND_MARGIN_S = 0.003
 
 
 @dataclass(frozen=True)
@@ -22,14 +28,14 @@ class WorkerBacklog:
         self.seconds_per_prompt_token: float | None = None  # None until a prompt-heavy step was answered
         self._last_answer_at = 0.0
 
-    def answered(self, sent_at: float, prompt_tokens: int, now: float) -> None:
-        """A step sent at `sent_at` carrying `prompt_tokens` was answered at `now`. It started on the worker at
-        the earliest when it was sent and when the step before it was answered (the worker runs them in order);
-        what the pace includes beyond device time (one transit each way) errs on the side of waiting less."""
+    def answered(self, sent_at: float, prompt_tokens: int, now: float, worker_seconds: float = 0.0) -> None:
+        """A step sent at `sent_at` carrying `prompt_tokens` was answered at `now`; `worker_seconds`: the time the
+        worker reports for it (0: not reported). Without the worker's time, the step started at the earliest
+        when it was sent and when the step before it was answered (the worker runs them in order); that time also
+        holds transit and host work, so the pace comes out longer than the worker's and the wait shorter."""
         if prompt_tokens >= self.config.min_prompt_tokens:
-            pace = (now - max(sent_at, self._last_answer_at)) / prompt_tokens
-            old = self.seconds_per_prompt_token
-            w = self.config.weight
+            seconds = worker_seconds if worker_seconds > 0 else now - max(sent_at, self._last_answer_at)
+            pace, old, w = seconds / prompt_tokens, self.seconds_per_prompt_token, self.config.weight
             self.seconds_per_prompt_token = pace if old is None else (1 - w) * old + w * pace
         self._last_answer_at = now
 
@@ -42,3 +48,9 @@ class WorkerBacklog:
             return 0.0
         began = max(steps[0][0], self._last_answer_at)
         return began + sum(tokens for _, tokens in steps) * self.seconds_per_prompt_token
+
+    def arrival_wait(self, in_flight: Iterable[tuple[float, int]], window_end: float, quiet_s: float):
+        """(until when, after how long a pause) the batching loop waits for arrivals before its next step, given
+        its own short window and quiet period: longer ones while the steps in flight hold a long prefill."""
+        hold_until = self.busy_until(in_flight) - SEND_MARGIN_S
+        return (hold_until, ARRIVAL_QUIET_LONG_S) if hold_until > window_end else (window_end, quiet_s)

@@ -30,7 +30,9 @@ TARGETS = {
         ("BatchingLoop._apply", "R_apply"),
         ("BatchingLoop._send", "R_send"),
         ("masks_of", "R_masks"),
+        ("BatchingLoop.submit", "R_admit"),
     ],
+    "router_service.frontend": [("Frontend.submit", "R_submit")],
     "router_service.worker_client": [("StepStream.send", "R_write")],
 }
 # stamp name -> what its entry stamp also records (the launch: prompt tokens and decodes of the step)

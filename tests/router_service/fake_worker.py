@@ -145,14 +145,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 out.append(pb.Generation(request_id=rid, has_token=False))
         out += await self._decode(request.decode_request_ids, context)
         return pb.PrefillResponse(
-            generations=out, kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1)
+            generations=out,
+            kv_blocks_used=self.blocks_used(),
+            timings=pb.StepTimings(total_ms=max(self.step_delay * 1e3, 0.1)),
         )
 
     async def Decode(self, request, context):
         await self._step(context, "Decode")
         out = await self._decode(request.request_ids, context)
         return pb.DecodeResponse(
-            generations=out, kv_blocks_used=self.blocks_used(), timings=pb.StepTimings(total_ms=0.1)
+            generations=out,
+            kv_blocks_used=self.blocks_used(),
+            timings=pb.StepTimings(total_ms=max(self.step_delay * 1e3, 0.1)),
         )
 
     async def _decode(self, ids, context):
@@ -227,7 +231,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 logprobs=np.asarray(logprobs, "<f4").tobytes(),
                 errors=errors,
                 kv_blocks_used=self.blocks_used(),
-                timings=pb.StepTimings(total_ms=0.1),
+                timings=pb.StepTimings(total_ms=max(self.step_delay * 1e3, 0.1)),
             )
             busy[0] = 0
 

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from router_service import worker_backlog
 from router_service.worker_backlog import BacklogConfig, WorkerBacklog
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
@@ -20,6 +21,18 @@ def test_pace_is_learned_from_prompt_heavy_steps_only():
     assert backlog.seconds_per_prompt_token == pytest.approx(0.4 / 200)
     backlog.answered(sent_at=10.7, prompt_tokens=100, now=11.3)  # idle worker: from its send
     assert backlog.seconds_per_prompt_token == pytest.approx(0.5 * 0.002 + 0.5 * 0.006)
+    backlog.answered(sent_at=11.4, prompt_tokens=100, now=12.0, worker_seconds=0.2)  # the worker's own time
+    assert backlog.seconds_per_prompt_token == pytest.approx(0.5 * 0.004 + 0.5 * 0.002)
+
+
+def test_the_wait_stretches_only_behind_a_long_prefill():
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=1))
+    assert backlog.arrival_wait([(0.0, 4000)], 0.005, 0.001) == (0.005, 0.001)  # nothing learned: as given
+    backlog.answered(sent_at=0.0, prompt_tokens=1000, now=1.0, worker_seconds=0.01)  # 10 us a token
+    until, quiet = backlog.arrival_wait([(2.0, 2000)], 2.005, 0.001)
+    assert until == pytest.approx(2.0 + 0.02 - worker_backlog.SEND_MARGIN_S)
+    assert quiet == worker_backlog.ARRIVAL_QUIET_LONG_S
+    assert backlog.arrival_wait([(2.0, 500)], 2.005, 0.001) == (2.005, 0.001)  # 5 ms of work: no longer than usual
 
 
 def test_busy_until_starts_from_the_later_of_send_and_last_answer():
@@ -40,14 +53,14 @@ def test_a_spread_burst_joins_the_step_behind_a_long_prefill(monkeypatch, learne
 
     monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.001)
     monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 0.005)
-    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_LONG_S", 0.1)
-    monkeypatch.setattr(batching_loop, "SEND_MARGIN_S", 0.05)
+    monkeypatch.setattr(worker_backlog, "ARRIVAL_QUIET_LONG_S", 0.1)
+    monkeypatch.setattr(worker_backlog, "SEND_MARGIN_S", 0.05)
 
     async def main():
         fake = FakeWorker(step_delay=0.5, max_batch_tokens=512)
         async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
             loop, new_per_step = router.batching_loop, []
-            if learned:  # one 320-token prompt, one step: the pace (~1.6 ms a token, the transit included)
+            if learned:  # one 320-token prompt, one step of 0.5 s as the fake worker reports it: ~1.6 ms a token
                 await stub.Generate(ids_request([3 + i % 250 for i in range(320)], max_new_tokens=1))
                 assert loop._backlog.seconds_per_prompt_token is not None
                 await wait_for(lambda: not loop._in_flight)  # the step carrying its free has run too
