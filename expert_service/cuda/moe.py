@@ -49,6 +49,7 @@ WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, G
 # GROUPED_MMA for bf16 resident layers with at least this many experts (mixtral-like E = 8 stays on cuBLAS,
 # where the tensor-core kernel measured 2-3.5x slower); 1 << 30 switches the strategy off.
 GROUPED_MMA_MIN_EXPERTS = 32
+GROUPED_MMA_SPARSE_STEPS = True  # layers of fewer experts take it for steps of T*K < E (choose_strategy)
 GROUPED_MMA_MIN_TOKENS = 2  # one token keeps the GEMV strategy (T*K < E here)
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
@@ -115,10 +116,14 @@ def choose_strategy(
         if q8_mma is not None and q8_mma[0] <= T <= q8_mma[1] and n <= ALIGN_MAX_ASSIGNMENTS:
             return MoeStrategy.Q8_MMA
         return MoeStrategy.CUBLAS_PER_EXPERT if T > GROUPED_MAX_TOKENS else MoeStrategy.Q8
+    # Few large experts (mixtral-like) take it only while a step routes to fewer assignments than experts (decode
+    # b=2 or 3 at K=2): it reads the routed experts alone, where ALL_EXPERTS reads all and GROUPED (moe_ffn) ran a
+    # mixtral b=2 decode step at 1.9x b=4's time on the H200.
     if (
         bf16
         and T >= GROUPED_MMA_MIN_TOKENS
-        and GROUPED_MMA_MIN_EXPERTS <= E <= ALIGN_MAX_E
+        and (E >= GROUPED_MMA_MIN_EXPERTS or (GROUPED_MMA_SPARSE_STEPS and n < E))
+        and E <= ALIGN_MAX_E
         and n <= ALIGN_MAX_ASSIGNMENTS
     ):
         return MoeStrategy.GROUPED_MMA

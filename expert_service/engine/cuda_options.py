@@ -44,7 +44,7 @@ class CudaOptions:
     # q8_mma_min_tokens above every step size turns the kernel off.
     q8_mma_min_tokens: int = 2
     q8_mma_max_tokens: int = 1 << 20
-    q8_mma_max_tokens_few_experts: int = 64
+    q8_mma_max_tokens_few_experts: int = 512
 
     def __post_init__(self) -> None:
         for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts"):

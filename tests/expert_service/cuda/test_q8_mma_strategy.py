@@ -11,7 +11,6 @@ import pytest
 from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.moe import (
-    GROUPED_MAX_TOKENS,
     GROUPED_MMA_MIN_EXPERTS,
     MoeStrategy,
     choose_strategy,
@@ -58,8 +57,11 @@ def test_defaults_cover_decode_and_prefill_of_many_experts():
     assert reachable_strategies(4096, 8, 128, False, True, True, tokens) == {Q8, MMA}
     cfg8 = config(8)
     few = q8_mma_tokens(cfg8, True, True, CudaOptions())
-    assert reachable_strategies(512, 2, 8, False, True, True, few) == {Q8, MMA, CUBLAS}
-    assert choose_strategy(GROUPED_MAX_TOKENS, 2, 8, False, True, True, few) is MMA
+    # few large experts: Q8_MMA up to 512-token steps (it beat dequantise + cuBLAS there on the H200), cuBLAS past
+    assert reachable_strategies(512, 2, 8, False, True, True, few) == {Q8, MMA}
+    assert reachable_strategies(2048, 2, 8, False, True, True, few) == {Q8, MMA, CUBLAS}
+    assert choose_strategy(512, 2, 8, False, True, True, few) is MMA
+    assert choose_strategy(513, 2, 8, False, True, True, few) is CUBLAS
     # warm-up takes the first step of each q8 tile config
     sizes = warmup_tokens(4096, 8, 128, True, CudaOptions(), True, tokens)
     first: dict = {}

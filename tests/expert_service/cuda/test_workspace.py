@@ -75,8 +75,8 @@ def test_moe_strategy_by_step_size():
 
 def test_grouped_mma_strategy_thresholds(monkeypatch):
     """bf16 resident layers with GROUPED_MMA_MIN_EXPERTS..256 experts take GROUPED_MMA at every T >= 2 (one
-    token keeps GEMV); fewer experts, other dtypes and the expert cache keep their strategies; the switch
-    turns it off."""
+    token keeps GEMV); fewer experts only while T*K < E (mixtral's decode of 2 or 3); other dtypes and the
+    expert cache keep their strategies; the switch turns it off."""
     S = MoeStrategy
     E = GROUPED_MMA_MIN_EXPERTS
     assert E == 32
@@ -84,14 +84,20 @@ def test_grouped_mma_strategy_thresholds(monkeypatch):
         assert choose_strategy(T, 8, 128, cached=False, bf16=True) is S.GROUPED_MMA
         assert choose_strategy(T, 2, E, cached=False, bf16=True) is S.GROUPED_MMA
         assert choose_strategy(T, 8, 128, cached=False) is choose_strategy(T, 8, 128, cached=False, bf16=False)
-        assert choose_strategy(T, 2, E - 1, cached=False, bf16=True) is choose_strategy(T, 2, E - 1, cached=False)
-        assert choose_strategy(T, 2, 8, cached=False, bf16=True) is choose_strategy(T, 2, 8, cached=False)
+        few = S.GROUPED_MMA if T * 2 < E - 1 else choose_strategy(T, 2, E - 1, cached=False)
+        assert choose_strategy(T, 2, E - 1, cached=False, bf16=True) is few
+        few = S.GROUPED_MMA if T * 2 < 8 else choose_strategy(T, 2, 8, cached=False)
+        assert choose_strategy(T, 2, 8, cached=False, bf16=True) is few
         assert choose_strategy(T, 8, 128, cached=True, bf16=True) in (S.CACHED_GROUPED, S.CACHED_CUBLAS)
     assert choose_strategy(1, 8, 128, cached=False, bf16=True) is S.GEMV
     assert choose_strategy(1, 2, E, cached=False, bf16=True) is S.GEMV
     assert choose_strategy(4, 8, MAX_E, cached=False, bf16=True) is S.GROUPED_MMA
     assert choose_strategy(4, 8, MAX_E + 1, cached=False, bf16=True) is not S.GROUPED_MMA  # moe_align's limit
     assert choose_strategy(MAX_ASSIGNMENTS // 8 + 1, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
+    assert [choose_strategy(T, 2, 8, cached=False, bf16=True) for T in (2, 3, 4)] == [S.GROUPED_MMA] * 2 + [
+        S.ALL_EXPERTS
+    ]
+    assert choose_strategy(3, 2, 8, cached=False, bf16=False) is S.GROUPED  # fp32 / fp16 weights: no mma
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     assert choose_strategy(16, 8, 128, cached=False, bf16=True) is S.ALL_EXPERTS
     assert choose_strategy(512, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
@@ -159,6 +165,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert cached["moe_up"][0] == (T * K, F) and "expert_x" not in cached
     assert cached["cast"][0][0] >= T * K * max(D, config.q_size, F)
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
+    monkeypatch.setattr(moe, "GROUPED_MMA_SPARSE_STEPS", False)
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
     assert "mma_xs" not in off and off["expert_gate_up"] == ((rows, 2 * F), bf16) and "all_experts_out" in off
     assert off["expert_x"] == ((rows, D), bf16) and off["expert_h"] == ((rows, F), bf16)
