@@ -275,3 +275,22 @@ def ids_request(ids, request_id="", **params):
     return rpb.GenerateRequest(
         token_ids=rpb.TokenIds(ids=ids), request_id=request_id, parameters=rpb.SamplingParameters(**params)
     )
+
+
+async def burst_behind(stub, loop, first_ids, gap_s: float, n: int = 5) -> list[int]:
+    """Sends a request of `first_ids`, then, once the batching `loop` has sent its first step, `n` two-token
+    requests `gap_s` apart; returns how many prompts each step the loop sent started (its first chunks)."""
+    new_per_step, send = [], loop._send
+
+    async def recording_send(step, *late):
+        new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
+        await send(step, *late)
+
+    loop._send = recording_send
+    calls = [asyncio.ensure_future(stub.Generate(ids_request(first_ids, max_new_tokens=2)))]
+    await wait_for(lambda: new_per_step)
+    for i in range(n):
+        await asyncio.sleep(gap_s)
+        calls.append(asyncio.ensure_future(stub.Generate(ids_request([10 + i, 11], max_new_tokens=2))))
+    await asyncio.gather(*calls)
+    return new_per_step

@@ -13,7 +13,7 @@ import pytest
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.helpers import running_router
-from tests.router_service.fake_worker import EOS, FakeWorker, harness, ids_request, wait_for
+from tests.router_service.fake_worker import EOS, FakeWorker, burst_behind, harness, ids_request, wait_for
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -130,21 +130,8 @@ def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
     async def main():
         fake = FakeWorker(step_delay=1.0)  # the first step runs long enough for the whole burst to arrive
         async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
-            loop, new_per_step = router.batching_loop, []
-            send = loop._send
-
-            async def recording_send(step, *late):
-                new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
-                await send(step, *late)
-
-            loop._send = recording_send
-            calls = [asyncio.ensure_future(stub.Generate(ids_request([7, 8, 9], max_new_tokens=2)))]
-            await wait_for(lambda: new_per_step)
-            for i in range(5):  # 10 ms apart: inside the quiet period, far inside the first step
-                await asyncio.sleep(0.01)
-                calls.append(asyncio.ensure_future(stub.Generate(ids_request([10 + i, 11], max_new_tokens=2))))
-            await asyncio.gather(*calls)
-        return new_per_step
+            # 10 ms apart: inside the quiet period, far inside the first step
+            return await burst_behind(stub, router.batching_loop, [7, 8, 9], gap_s=0.01)
 
     new_per_step = asyncio.run(main())
     # step 2 (the first one's decode) is scheduled while step 1 runs: with the burst, or before it

@@ -9,7 +9,7 @@ import pytest
 
 from router_service import worker_backlog
 from router_service.worker_backlog import BacklogConfig, WorkerBacklog
-from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
+from tests.router_service.fake_worker import FakeWorker, burst_behind, harness, ids_request, wait_for
 
 
 def test_pace_is_learned_from_prompt_heavy_steps_only():
@@ -59,27 +59,12 @@ def test_a_spread_burst_joins_the_step_behind_a_long_prefill(monkeypatch, learne
     async def main():
         fake = FakeWorker(step_delay=0.5, max_batch_tokens=512)
         async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
-            loop, new_per_step = router.batching_loop, []
+            loop = router.batching_loop
             if learned:  # one 320-token prompt, one step of 0.5 s as the fake worker reports it: ~1.6 ms a token
                 await stub.Generate(ids_request([3 + i % 250 for i in range(320)], max_new_tokens=1))
                 assert loop._backlog.seconds_per_prompt_token is not None
                 await wait_for(lambda: not loop._in_flight)  # the step carrying its free has run too
-            send = loop._send
-
-            async def recording_send(step, *late):
-                new_per_step.append(sum(chunk.is_first for chunk in step.prefill_chunks))
-                await send(step, *late)
-
-            loop._send = recording_send
-            calls = [
-                asyncio.ensure_future(stub.Generate(ids_request([5 + i % 250 for i in range(320)], max_new_tokens=2)))
-            ]
-            await wait_for(lambda: new_per_step)
-            for i in range(5):
-                await asyncio.sleep(0.03)
-                calls.append(asyncio.ensure_future(stub.Generate(ids_request([10 + i, 11], max_new_tokens=2))))
-            await asyncio.gather(*calls)
-        return new_per_step
+            return await burst_behind(stub, loop, [5 + i % 250 for i in range(320)], gap_s=0.03)
 
     new_per_step = asyncio.run(main())
     assert new_per_step[:2] == ([1, 5] if learned else [1, 0])
