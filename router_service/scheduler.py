@@ -35,6 +35,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.kv_blocks import blocks_needed
 from router_service.logprobs import Scored
 from router_service.prefix_cache import PrefixCache, PrefixState
 
@@ -202,7 +203,7 @@ class SchedulerLimits:
                 raise ValueError(f"scheduler: {name} must be >= 1, got {getattr(self, name)}")
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv_block_size)
+        return blocks_needed(num_tokens, self.kv_block_size)
 
 
 class Scheduler:

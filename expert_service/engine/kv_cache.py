@@ -18,10 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.errors import CapacityError
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+from common.kv_blocks import blocks_needed
 
 
 class BlockAllocator:

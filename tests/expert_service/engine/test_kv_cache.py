@@ -1,7 +1,8 @@
 import pytest
 
 from common.errors import CapacityError
-from expert_service.engine.kv_cache import BlockAllocator, blocks_needed
+from common.kv_blocks import blocks_needed
+from expert_service.engine.kv_cache import BlockAllocator
 
 
 def test_blocks_needed_rounds_up():
