@@ -249,7 +249,7 @@ class DeviceMoe:
         workspace.identity_position.copy_to_device(
             np.arange(workspace.identity_position.shape[0], dtype=np.int32), stream=stream
         )
-        # router_fused's tickets: zero before its first launch, and every launch leaves them zero
+        # gate_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
     def forward(self, i: int, x, h, T: int, next_norm=None) -> bool:

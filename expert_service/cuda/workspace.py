@@ -108,7 +108,7 @@ def layout_workspace(
         "router_logits": ((T, E), f32),
         "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
-        "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),  # router_fused's tickets (zeroed)
+        "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),  # gate_fused's tickets (zeroed)
         "identity_position": ((T * K,), i32),  # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32),
         "offsets": ((E + 1,), i32),

@@ -1,6 +1,6 @@
 """Router in one launch for decode: logits = x @ Wr^T (gate GEMV over the E router rows), softmax, top-k and the
-optional renormalisation; the same results as `gemv` + `router_topk` (reference:
-``expert_service.cpu.layers.moe.route(x @ Wr.T, K, normalize)``), including router_topk's handling of
+optional renormalisation; the same results as `gemv` + `gate_topk` (reference:
+``expert_service.cpu.layers.moe.route(x @ Wr.T, K, normalize)``), including gate_topk's handling of
 non-finite rows (valid distinct ids 0..K-1 with NaN weights, so expert kernels never index out of range).
 
 Grid T x G blocks of THREADS threads (one launch; graph-capturable):
@@ -92,7 +92,7 @@ def _build(dtype, wide: bool):
                 acc += widen(w[base + c]) * x[xbase + c]
             return acc
 
-    def router_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits):
+    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits):
         """x [T * D] f32 (rows flattened), dim: D; w: router rows [E * D] flattened (uint32 view when wide,
         else the storage dtype); n_exp: E; split: warps per row; ids [T, K] int32, weights [T, K] f32;
         normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E] f32
@@ -180,7 +180,7 @@ def _build(dtype, wide: bool):
             for k in range(top_k):                # thread 0 reads back only its own writes
                 weights[t, k] = weights[t, k] / chosen
 
-    return router_fused_kernel, cached_jit(router_fused_kernel)
+    return gate_fused_kernel, cached_jit(gate_fused_kernel)
 
 
 def _wide(weight, D):
@@ -195,7 +195,7 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
     if not 1 <= n_exp <= MAX_E or not 1 <= top_k <= min(MAX_K, n_exp):
-        raise ValueError(f"router_fused supports E <= {MAX_E} and 1 <= K <= min({MAX_K}, E), got E={n_exp} K={top_k}")
+        raise ValueError(f"gate_fused supports E <= {MAX_E} and 1 <= K <= min({MAX_K}, E), got E={n_exp} K={top_k}")
     if weight.shape != (n_exp, D) or np.dtype(weight.dtype) not in [np.dtype(d) for d in _DTYPES]:
         raise ValueError(f"weight must be [E, {D}] uint16/float16/float32, got {weight.dtype} {weight.shape}")
     if ids.shape != (n_tok, top_k) or weights.shape != (n_tok, top_k) or logits.shape != (n_tok, n_exp):

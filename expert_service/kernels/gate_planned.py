@@ -30,7 +30,7 @@ MAX_K = 32    # one warp per planned expert, a block of at most 1024 threads
 def _build(weight_dtype):
     widen = widener(weight_dtype)
 
-    def router_planned_kernel(x, router, planned, ids, weights):
+    def gate_planned_kernel(x, router, planned, ids, weights):
         """x: [T, D] float32. router: [E, D] W. planned: [T, K] int32 (each < E, distinct per token).
         ids: [T, K] int32 (a copy of planned). weights: [T, K] float32. Grid (T,), block (32 * K,)."""
         t = cuda.blockIdx.x
@@ -58,7 +58,7 @@ def _build(weight_dtype):
             weights[t, k] = math.exp(logits[k] - m) / s
             ids[t, k] = planned[t, k]
 
-    return router_planned_kernel, cached_jit(router_planned_kernel)
+    return gate_planned_kernel, cached_jit(gate_planned_kernel)
 
 
 def launch_gate_planned(x, router, planned, ids, weights, stream=0) -> None:
@@ -73,7 +73,7 @@ def launch_gate_planned(x, router, planned, ids, weights, stream=0) -> None:
     assert x.dtype == weights.dtype == np.float32 and planned.dtype == ids.dtype == np.int32
     assert router.dtype in (np.float32, np.float16, np.uint16), router.dtype
     for a in (x, router, planned, ids, weights):
-        assert a.flags["C_CONTIGUOUS"], "router_planned needs contiguous arrays"
+        assert a.flags["C_CONTIGUOUS"], "gate_planned needs contiguous arrays"
     if num_tokens == 0:
         return
     _build(np.dtype(router.dtype))[1][num_tokens, WARP * top_k, stream](x, router, planned, ids, weights)

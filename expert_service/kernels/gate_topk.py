@@ -23,7 +23,7 @@ _RETIRED = np.float32(-2.0)   # below every probability and below the -1 of padd
 
 
 @cached_jit
-def _router_topk_kernel(logits, ids, weights, normalize):
+def _gate_topk_kernel(logits, ids, weights, normalize):
     """logits [T, E] f32 -> ids [T, K] int32 (descending probability), weights [T, K] f32; normalize: int32 0/1."""
     t = cuda.blockIdx.x
     lane = cuda.threadIdx.x
@@ -93,17 +93,17 @@ def launch_gate_topk(logits, ids, weights, normalize: bool, stream=0) -> None:
     n_tok, n_exp = logits.shape
     top_k = ids.shape[1]
     if not 1 <= n_exp <= MAX_E or not 1 <= top_k <= min(MAX_K, n_exp):
-        raise ValueError(f"router_topk supports E <= {MAX_E} and 1 <= K <= min({MAX_K}, E), got E={n_exp} K={top_k}")
+        raise ValueError(f"gate_topk supports E <= {MAX_E} and 1 <= K <= min({MAX_K}, E), got E={n_exp} K={top_k}")
     if ids.shape != (n_tok, top_k) or weights.shape != (n_tok, top_k):
         raise ValueError(f"ids/weights must be [{n_tok}, {top_k}], got {ids.shape} and {weights.shape}")
     for name, a, dt in (("logits", logits, np.float32), ("ids", ids, np.int32), ("weights", weights, np.float32)):
         if a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
     if n_tok:
-        _router_topk_kernel[n_tok, WARP, stream](logits, ids, weights, np.int32(1 if normalize else 0))
+        _gate_topk_kernel[n_tok, WARP, stream](logits, ids, weights, np.int32(1 if normalize else 0))
 
 
 def sm90_signatures():
     """(python function, numba signature) of every kernel variant, for the sm_90 compile check."""
-    return [(_router_topk_kernel.py_func,
+    return [(_gate_topk_kernel.py_func,
              (types.float32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int32))]

@@ -136,11 +136,11 @@ def test_bf16_weights_close_to_fp32_cpu(pair, tmp_path):
         assert rel_error(logits, cpu16.prompt_logits(ids)) <= 1e-2, name
 
 
-# --- many experts: GROUPED_MMA (the grouped tensor-core MoE GEMM), router_fused, greedy_split ---------------
+# --- many experts: GROUPED_MMA (the grouped tensor-core MoE GEMM), gate_fused, greedy_split ---------------
 # E >= GROUPED_MMA_MIN_EXPERTS bf16 experts: every MoE step of >= 2 tokens takes GROUPED_MMA. qwen3_moe: two
 # MoE layers, F = 96 (16-byte loads); qwen2_moe: one MoE layer, a shared expert, F = 36 (element loads). With
 # K = 8 the prefills below reach each GPU tile config: 2 and 33 tokens 16-row tiles, 150 tokens 32, 300 tokens
-# 64 (choose_config); up to 64 tokens route with router_fused, above with cuBLAS + router_topk.
+# 64 (choose_config); up to 64 tokens route with gate_fused, above with cuBLAS + gate_topk.
 MANY_EXPERTS = {
     "qwen3_moe": dict(num_experts=40, num_experts_per_tok=8),
     "qwen2_moe": dict(num_experts=48, num_experts_per_tok=8, moe_intermediate_size=36),

@@ -1,8 +1,8 @@
-"""router_fused (router GEMV + softmax + top-k + renormalisation in one launch, last block of each token selects)
+"""gate_fused (router GEMV + softmax + top-k + renormalisation in one launch, last block of each token selects)
 vs numpy: the logits against
 x @ Wr^T (float64 products of the stored weight values), then ids / weights against
 expert_service.cpu.layers.moe.route on the kernel's own logits (so near-ties cannot flip on rounding), and
-against the two-launch path (router_topk) semantics for non-finite rows."""
+against the two-launch path (gate_topk) semantics for non-finite rows."""
 
 import numpy as np
 import pytest

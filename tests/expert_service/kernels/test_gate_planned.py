@@ -1,4 +1,4 @@
-"""router_planned vs numpy (route_planned on x @ router.T): the plan's ids copied, softmax over just the planned
+"""gate_planned vs numpy (route_planned on x @ router.T): the plan's ids copied, softmax over just the planned
 experts' logits, NaN rows stay NaN; in the simulator and (gpu) on a GPU."""
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def _check(rng, T, K, E, D, dtype):
     "T,K,E,D,dtype",
     [(1, 1, 3, 5, np.float32), (1, 2, 3, 5, np.float16), (7, 2, 5, 37, np.uint16), (3, 8, 40, 64, np.uint16)],
 )
-def test_router_planned_matches_reference(T, K, E, D, dtype):
+def test_gate_planned_matches_reference(T, K, E, D, dtype):
     _check(np.random.default_rng(T * 10 + K), T, K, E, D, dtype)
 
 
-def test_router_planned_equals_exact_weights_on_the_exact_experts():
+def test_gate_planned_equals_exact_weights_on_the_exact_experts():
     """Planned = the exact top-k: the weights are the renormalised top-k weights (Mixtral's routing)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((6, 24), dtype=np.float32)
@@ -47,7 +47,7 @@ def test_router_planned_equals_exact_weights_on_the_exact_experts():
     assert_close(weights, exact_weights, 1e-5)
 
 
-def test_router_planned_non_finite_rows_give_nan_weights():
+def test_gate_planned_non_finite_rows_give_nan_weights():
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, 16), dtype=np.float32)
     x[1, 4] = np.nan
@@ -63,7 +63,7 @@ def test_router_planned_non_finite_rows_give_nan_weights():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("T", [1, 64, 2048])
-def test_router_planned_gpu(dtype, T):
+def test_gate_planned_gpu(dtype, T):
     rng = np.random.default_rng(T)
     _check(rng, T, 8, 128, 2048, dtype)  # qwen3moe-shape router
     _check(rng, T, 2, 8, 4096, dtype)  # mixtral-shape router

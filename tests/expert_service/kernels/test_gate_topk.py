@@ -1,4 +1,4 @@
-"""router_topk kernel vs expert_service.cpu.layers.moe.route (simulator; realistic sizes on a GPU)."""
+"""gate_topk kernel vs expert_service.cpu.layers.moe.route (simulator; realistic sizes on a GPU)."""
 
 import numpy as np
 import pytest
