@@ -5,6 +5,8 @@ the step reaches the worker before the running work ends."""
 
 from __future__ import annotations
 
+import collections
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,24 +21,28 @@ SEND_MARGIN_S = 0.003
 class BacklogConfig:
     # steps with fewer prompt tokens do not teach the pace (their time is mostly fixed costs and decodes)
     min_prompt_tokens: int = 256
-    weight: float = 0.25  # of the newest observation in the running estimate
+    # the pace is the median of the last `window` such steps: a slow one (a first launch compiling or capturing a
+    # graph, a step queued behind another) moves it little
+    window: int = 8
 
 
 class WorkerBacklog:
     def __init__(self, config: BacklogConfig = BacklogConfig()):
         self.config = config
         self.seconds_per_prompt_token: float | None = None  # None until a prompt-heavy step was answered
+        self._paces: collections.deque[float] = collections.deque(maxlen=config.window)
         self._last_answer_at = 0.0
 
     def answered(self, sent_at: float, prompt_tokens: int, now: float, worker_seconds: float = 0.0) -> None:
         """A step sent at `sent_at` carrying `prompt_tokens` was answered at `now`; `worker_seconds`: the time the
         worker reports for it (0: not reported). Without the worker's time, the step started at the earliest
         when it was sent and when the step before it was answered (the worker runs them in order); that time also
-        holds transit and host work, so the pace comes out longer than the worker's and the wait shorter."""
+        holds transit and host work, so the pace comes out longer than the worker's (the wait then ends later,
+        at the latest when the running step is answered)."""
         if prompt_tokens >= self.config.min_prompt_tokens:
             seconds = worker_seconds if worker_seconds > 0 else now - max(sent_at, self._last_answer_at)
-            pace, old, w = seconds / prompt_tokens, self.seconds_per_prompt_token, self.config.weight
-            self.seconds_per_prompt_token = pace if old is None else (1 - w) * old + w * pace
+            self._paces.append(seconds / prompt_tokens)
+            self.seconds_per_prompt_token = statistics.median(self._paces)
         self._last_answer_at = now
 
     def busy_until(self, in_flight: Iterable[tuple[float, int]]) -> float:

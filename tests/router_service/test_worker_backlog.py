@@ -13,16 +13,27 @@ from tests.router_service.fake_worker import FakeWorker, burst_behind, harness, 
 
 
 def test_pace_is_learned_from_prompt_heavy_steps_only():
-    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=100, weight=0.5))
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=100, window=3))
     assert backlog.busy_until([(1.0, 500)]) == 0.0  # nothing learned yet
     backlog.answered(sent_at=10.0, prompt_tokens=50, now=10.2)  # too small to teach
     assert backlog.seconds_per_prompt_token is None
     backlog.answered(sent_at=10.1, prompt_tokens=200, now=10.6)  # started after the answer before it (10.2)
     assert backlog.seconds_per_prompt_token == pytest.approx(0.4 / 200)
     backlog.answered(sent_at=10.7, prompt_tokens=100, now=11.3)  # idle worker: from its send
-    assert backlog.seconds_per_prompt_token == pytest.approx(0.5 * 0.002 + 0.5 * 0.006)
-    backlog.answered(sent_at=11.4, prompt_tokens=100, now=12.0, worker_seconds=0.2)  # the worker's own time
-    assert backlog.seconds_per_prompt_token == pytest.approx(0.5 * 0.004 + 0.5 * 0.002)
+    assert backlog.seconds_per_prompt_token == pytest.approx((0.002 + 0.006) / 2)
+    backlog.answered(sent_at=11.4, prompt_tokens=100, now=12.0, worker_seconds=0.3)  # the worker's own time
+    assert backlog.seconds_per_prompt_token == pytest.approx(0.003)  # the median of 0.002, 0.006, 0.003
+
+
+def test_one_slow_step_barely_moves_the_pace():
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=1))
+    for i in range(5):
+        backlog.answered(sent_at=i, prompt_tokens=1000, now=i + 0.5, worker_seconds=0.01)
+    backlog.answered(sent_at=9, prompt_tokens=1000, now=20, worker_seconds=10.0)  # a first launch capturing graphs
+    assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)
+    for i in range(8):  # the window forgets it
+        backlog.answered(sent_at=30 + i, prompt_tokens=1000, now=30.5 + i, worker_seconds=0.02)
+    assert backlog.seconds_per_prompt_token == pytest.approx(2e-5)
 
 
 def test_the_wait_stretches_only_behind_a_long_prefill():
