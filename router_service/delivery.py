@@ -80,15 +80,19 @@ def split_for_late_masks(outputs, requests, late_masks_due: bool):
     """A step's outputs (wire RequestOutputs) as (deliver now, deliver after the next send: each (output, its
     grammar advanced)), and (sequence, error) of the requests failing now. With late masks due, the next message
     carries grammar masks computed from these tokens: every constrained request takes its token into its grammar
-    now, and the rest of the delivery (detokenizing, stops, the client's queue) waits for that send. One that
-    ends here is delivered now, so the next message frees it instead. Without late masks everything is now."""
-    now, later, failed = [], [], []
+    now, and the rest of the delivery (detokenizing, stops, the client's queue) waits for that send. Outputs that
+    end their request (a worker error, a finish, a completed grammar) are delivered now, so the next message
+    frees the request instead of asking its mask: the worker released a failed sequence already and refuses a
+    whole message with a late mask for it. Without late masks everything is now."""
+    now: list[tuple[object, bool]] = []
+    later: list[tuple[object, bool]] = []
+    failed: list[tuple[int, RouterError | InvalidRequestError]] = []
     for out in outputs:
         state = requests.get(out.request_id)
-        if not late_masks_due or state is None:
+        if not late_masks_due or state is None or out.error:
             now.append((out, False))
-        elif state.matcher is None or out.error:
-            later.append((out, False))
+        elif state.matcher is None:
+            (now if out.finish_reason is not None else later).append((out, False))
         elif (error := advance_grammar(state, out)) is not None:
             failed.append((state.seq_id, error))
         elif out.finish_reason is not None or state.matcher.is_stopped:

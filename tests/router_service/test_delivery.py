@@ -88,11 +88,13 @@ def test_a_token_the_grammar_refuses_fails_the_request():
 
 def test_with_late_masks_due_every_grammar_advances_now_and_the_rest_waits_for_the_send():
     """Constrained requests take their token into the grammar at once (the next message's masks are computed from
-    it); their Delta waits, as every unconstrained one does, unless the request ends here (then it is delivered
-    now and freed by that message) or fails. Without late masks due nothing is held back or advanced early."""
+    it); their Delta waits, as an unconstrained one's does, unless the request ends here (a finish, a completed
+    grammar, a worker error: delivered now, so that message frees it and asks no mask for it) or its grammar
+    fails. Without late masks due nothing is held back or advanced early."""
     going, ending, refusing = Matcher({7}, 5), Matcher({8}, 1), Matcher({1}, 5)
     requests = {i: state(matcher=m, seq_id=i) for i, m in [(1, going), (2, ending), (3, refusing), (4, None)]}
     requests[5] = state(matcher=Matcher({9}, 5), seq_id=5)
+    requests[7] = state(seq_id=7)
     outputs = [
         RequestOutput(1, 7),
         RequestOutput(2, 8),
@@ -100,10 +102,11 @@ def test_with_late_masks_due_every_grammar_advances_now_and_the_rest_waits_for_t
         RequestOutput(4, 10),
         RequestOutput(5, None, error="NON_FINITE_LOGITS"),
         RequestOutput(6, 11),  # a request gone meanwhile
+        RequestOutput(7, 12, finish_reason=FinishReason.LENGTH),  # unconstrained, ends here
     ]
     now, later, failed = split_for_late_masks(outputs, requests, late_masks_due=True)
-    assert [(o.request_id, advanced) for o, advanced in now] == [(2, True), (6, False)]
-    assert [(o.request_id, advanced) for o, advanced in later] == [(1, True), (4, False), (5, False)]
+    assert [(o.request_id, advanced) for o, advanced in now] == [(2, True), (5, False), (6, False), (7, False)]
+    assert [(o.request_id, advanced) for o, advanced in later] == [(1, True), (4, False)]
     assert [(seq_id, type(e)) for seq_id, e in failed] == [(3, GenerationFailed)]
     assert going.consumed == [7] and ending.consumed == [8] and not requests[5].matcher.consumed
     delta = output_delta(requests[1], outputs[0], lambda *a: None, grammar_advanced=True)
