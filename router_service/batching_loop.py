@@ -351,6 +351,7 @@ class BatchingLoop:
         while len(self._in_flight) < self._pipeline_limit:
             if self._in_flight:
                 if not self._in_flight[-1].late_ids:  # a step waiting for late masks would stall until this send
+                    self._deliver_deferred()  # no masks due: what was held for them goes before the wait
                     await self._await_arrivals()
                 # The worker failed the stream meanwhile: apply that first. A send on the ended stream would report
                 # a lost worker (UNAVAILABLE to all) instead of the failed step's error to its requests.

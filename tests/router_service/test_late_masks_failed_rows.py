@@ -10,6 +10,7 @@ import pytest
 
 from common.pb import router_pb2 as rpb
 from expert_service.serving import step_stream
+from expert_service.tools.tiny_model import EOS_ID as EOS
 from tests.helpers import BackgroundWorker, running_router
 from tests.router_service.manual_worker import b, decode_ids, free_ids, late_ids, start_loop, submit
 
@@ -73,3 +74,39 @@ def test_a_missed_late_mask_fails_only_its_own_request(worker, tiny_model, monke
     # the constrained request may fail (its mask came too late); its unconstrained neighbour must not
     assert not isinstance(c, Exception), f"the unconstrained neighbour failed: {c.code()} {c.details()}"
     assert len(c.token_ids) == 30
+
+
+def test_held_back_outputs_do_not_wait_through_an_arrival_wait(tokenizer):
+    """The last constrained request ends (EOS) in the answered step while the step in flight waited for its late
+    mask: its neighbour's output was held back for the next send, and with no constrained request left the loop
+    fills the pipeline to depth 3, waiting for arrivals before the third step. The neighbour's output is delivered
+    before that wait, not after it."""
+
+    async def main():
+        loop, w = await start_loop(tokenizer, pipeline_depth=3)
+        held_at_wait = []
+        wait = loop._await_arrivals
+
+        async def recording_wait():
+            held_at_wait.append(len(loop._deferred))
+            await wait()
+
+        loop._await_arrivals = recording_wait
+        submit(loop, [b("x")], max_new_tokens=10, temperature=0, constraint=rpb.Constraint(regex="ab?"))
+        submit(loop, [b("y")], max_new_tokens=10, temperature=0, ignore_eos=True)
+        first = await w.next_sent(0)
+        second = await w.next_sent(1)
+        w.answer(first, {1: b("a"), 2: b("z")})
+        third = await w.next_sent(2)  # step 2's late mask for request 1 (b or EOS), both decode again
+        assert late_ids(third) == [1] and decode_ids(third) == [1, 2]
+        w.answer(second, {1: EOS, 2: b("z")})  # request 1 ends; request 2's output is held for the next send
+        fourth = await w.next_sent(3)
+        fifth = await w.next_sent(4)  # depth 3 again: a third step behind, after an arrival wait
+        await asyncio.sleep(0.01)
+        await loop.stop()
+        return fourth, fifth, held_at_wait
+
+    fourth, fifth, held_at_wait = asyncio.run(main())
+    assert 1 in free_ids(fourth) and not late_ids(fourth)
+    assert decode_ids(fifth) == [2]
+    assert held_at_wait and not any(held_at_wait), held_at_wait
