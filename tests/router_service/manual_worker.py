@@ -25,23 +25,15 @@ class ManualStream:
     def __init__(self, worker):
         self.worker = worker
         self.answers: asyncio.Queue = asyncio.Queue()
-        self.closed = False
 
     async def send(self, request):
         self.worker.sent.append(request)
-        self.worker.sent_event.set()
-        hook = self.worker.on_send
-        if hook is not None:
-            await hook(request)
 
     async def receive(self):
-        item = await self.answers.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await self.answers.get()
 
     def close(self):
-        self.closed = True
+        pass
 
 
 class ManualWorker:
@@ -51,8 +43,6 @@ class ManualWorker:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.sent: list = []
-        self.sent_event = asyncio.Event()
-        self.on_send = None
         self.stream: ManualStream | None = None
 
     async def info(self, timeout=None):
@@ -138,7 +128,7 @@ async def start_loop(tokenizer, worker=None, **overrides):
     return loop, worker
 
 
-def submit(loop, prompt, tokenizer=None, **params):
+def submit(loop, prompt, **params):
     constraint = params.pop("constraint", None)
     p = rpb.SamplingParameters(**params)
     if constraint is not None:
