@@ -11,6 +11,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
@@ -80,7 +81,14 @@ class ValidatedRequest:
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:
-    for i, token_id in enumerate(ids):
+    # One numpy pass over integer ids (a repeated proto field converts without a copy loop): a Python loop took
+    # ~0.1 ms for a 2,000-token prompt, on the event loop, for every request of a burst.
+    values = np.asarray(ids)
+    if values.dtype.kind not in "iu":  # empty, or a list holding something else: the exact element-wise check
+        values = ids
+    elif values.size == 0 or (values.min() >= 0 and values.max() < vocab_size):
+        return
+    for i, token_id in enumerate(values):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(f"{field}[{i}]", f"token id must be in [0, {vocab_size}), got {token_id}")
 

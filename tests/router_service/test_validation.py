@@ -1,7 +1,9 @@
 """Every GenerateRequest field is validated: each case names the field, the limit and the value."""
 
 import math
+import re
 
+import numpy as np
 import pytest
 
 from common.errors import InvalidRequestError
@@ -156,3 +158,16 @@ def test_min_p_and_logit_bias_edges_pass():
     v = validate_request(req(min_p=1.0, logit_bias=bias), CONFIG, LIMITS, None)
     assert v.min_p == 1.0 and v.logit_bias == tuple(sorted(bias.items()))
     assert validate_request(req(), CONFIG, LIMITS, None).logit_bias == ()
+
+
+@pytest.mark.parametrize("bad", [0, 17, 47])
+@pytest.mark.parametrize("value", [LIMITS.vocab_size, 2**32 - 1])
+def test_out_of_range_id_is_named_at_its_index_in_a_long_prompt(bad, value):
+    """The id check runs as one vectorised pass; the first bad id of a prompt is still the one named, at its index
+    (just above the vocabulary, and the field's uint32 top), and the same prompt with valid ids passes whole."""
+    ids = np.random.default_rng(bad).integers(0, LIMITS.vocab_size, 48).tolist()
+    assert validate_request(req(ids=ids, max_new_tokens=1), CONFIG, LIMITS).prompt_ids == tuple(ids)
+    wrong = list(ids)
+    wrong[bad] = wrong[-1] = value  # a later bad id too: the first is reported
+    with pytest.raises(InvalidRequestError, match=re.escape(f"token_ids.ids[{bad}]: ") + f".*got {value}$"):
+        validate_request(req(ids=wrong, max_new_tokens=1), CONFIG, LIMITS)
