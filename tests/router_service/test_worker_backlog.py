@@ -20,18 +20,23 @@ def test_pace_is_learned_from_prompt_heavy_steps_only():
     backlog.answered(sent_at=10.1, prompt_tokens=200, now=10.6)  # started after the answer before it (10.2)
     assert backlog.seconds_per_prompt_token == pytest.approx(0.4 / 200)
     backlog.answered(sent_at=10.7, prompt_tokens=100, now=11.3)  # idle worker: from its send
-    assert backlog.seconds_per_prompt_token == pytest.approx((0.002 + 0.006) / 2)
-    backlog.answered(sent_at=11.4, prompt_tokens=100, now=12.0, worker_seconds=0.3)  # the worker's own time
-    assert backlog.seconds_per_prompt_token == pytest.approx(0.003)  # the median of 0.002, 0.006, 0.003
+    assert backlog.seconds_per_prompt_token == pytest.approx(0.002)  # the fastest of 0.002, 0.006
+    backlog.answered(sent_at=11.4, prompt_tokens=100, now=12.0, worker_seconds=0.0015)  # the worker's own time
+    assert backlog.seconds_per_prompt_token == pytest.approx(1.5e-5)
+    for sent in (12.1, 12.2, 12.3):  # the window (3) forgets it
+        backlog.answered(sent_at=sent, prompt_tokens=100, now=sent + 0.05, worker_seconds=0.004)
+    assert backlog.seconds_per_prompt_token == pytest.approx(4e-5)
 
 
-def test_one_slow_step_barely_moves_the_pace():
+def test_slow_steps_do_not_move_the_pace():
     backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=1))
     for i in range(5):
         backlog.answered(sent_at=i, prompt_tokens=1000, now=i + 0.5, worker_seconds=0.01)
     backlog.answered(sent_at=9, prompt_tokens=1000, now=20, worker_seconds=10.0)  # a first launch capturing graphs
     assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)
-    for i in range(8):  # the window forgets it
+    backlog.answered(sent_at=21, prompt_tokens=1000, now=22, worker_seconds=0.015)  # a chunk over a long prefix
+    assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)  # plain chunks set the pace
+    for i in range(8):  # the window forgets them
         backlog.answered(sent_at=30 + i, prompt_tokens=1000, now=30.5 + i, worker_seconds=0.02)
     assert backlog.seconds_per_prompt_token == pytest.approx(2e-5)
 
