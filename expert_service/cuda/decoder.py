@@ -520,6 +520,7 @@ class CudaDecoder:
         self.drop_graphs()
         for event in self._done:
             event.close()
+        self.model.moe.close()
         self.cublas.close()
         if self.cached is not None:
             self.cached.close()

@@ -17,6 +17,7 @@ from enum import Enum
 import numpy as np
 
 from common.model_config import ModelConfig
+from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
@@ -62,8 +63,8 @@ FUSED_COMBINE_NORM_MIN_TOKENS = 256
 # per-assignment buffers hold CUBLAS_ROW_SLACK rows more than a step's, so the last expert's rounded rows fit.
 CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE, CUBLAS_LARGE_ROWS = 64, 256, 1024
 CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
-# Per-expert cuBLAS on 8-bit layers dequantises this many bytes of active experts at a time into dense scratch
-# (at least one expert): 8-bit weights cost a dequantising pass, then the GEMMs run as on dense weights.
+# Per-expert cuBLAS on 8-bit layers dequantises active experts into dense scratch of this many bytes, in two halves
+# of a group each (at least one expert): one half is widened while the other's GEMMs run (cuda/dequant_pipeline.py).
 DEQUANT_SCRATCH_BYTES = 256 << 20
 # The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
 FUSED_ROUTER_MAX_TOKENS = 64
@@ -182,8 +183,8 @@ def cached_gemv_slots(cached: CachedExperts | None, options: CudaOptions) -> int
 
 
 def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
-    """Experts dequantised at a time for per-expert cuBLAS on 8-bit layers (the scratch's blocks)."""
-    return max(1, min(E, DEQUANT_SCRATCH_BYTES // (3 * F * D * itemsize)))
+    """Experts dequantised at a time for per-expert cuBLAS on 8-bit layers (the scratch holds HALVES such groups)."""
+    return max(1, min(E, DEQUANT_SCRATCH_BYTES // HALVES // (3 * F * D * itemsize)))
 
 
 def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
@@ -242,6 +243,7 @@ class DeviceMoe:
         self.cached, self.options, self.planned = cached, options, planned
         # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
+        self.dequant_pipeline: DequantPipeline | None = None  # made at the first 8-bit CUBLAS_PER_EXPERT step
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         self.quantized = weights.quantized
@@ -416,7 +418,8 @@ class DeviceMoe:
         active expert gate|up [rows, 2F] = x @ [gate; up]^T (one GEMM: the two matrices are adjacent in the
         expert's block), SwiGLU over every expert's rows at once into the weights' dtype, then down [rows, D] f32.
         8-bit layers (meta: the layer's expert_meta) run this per group of dequant_group active experts, each
-        group first widened into the dense scratch ws.dequant (dequant_experts)."""
+        group first widened into a half of the dense scratch ws.dequant (dequant_experts), the next group's
+        widening overlapping this group's GEMMs (DequantPipeline; CudaOptions.overlap_dequant)."""
         cfg, ws = self.config, self.ws
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         self.stream.synchronize()
@@ -434,13 +437,25 @@ class DeviceMoe:
             )
             return
         scratch = ws.dequant
-        group, block = scratch.shape[0], scratch.shape[1] * item
-        for first in range(0, active.size, group):
+        group, block = scratch.shape[0] // HALVES, scratch.shape[1] * item
+        firsts = range(0, active.size, group)
+
+        def widen(index: int, half: int, stream) -> None:
+            first = firsts[index]
             g = min(group, active.size - first)
-            launch_dequant_experts(experts, meta, ws.offsets, first, F, D, scratch[:g], stream=self.stream)
+            launch_dequant_experts(experts, meta, ws.offsets, first, F, D, scratch[half * group :][:g], stream=stream)
+
+        def gemms(index: int, half: int) -> None:
+            first = firsts[index]
+            g = min(group, active.size - first)
             part = slice(first, first + g)
-            gate = device_address(scratch) + np.arange(g, dtype=np.int64) * block
+            gate = device_address(scratch) + (half * group + np.arange(g, dtype=np.int64)) * block
             self._gemm_group(gate, lo[part], rows[part], int(lo[first]), int(offsets[active[first + g - 1] + 1]))
+
+        if self.dequant_pipeline is None:
+            self.dequant_pipeline = DequantPipeline(self.stream)
+        run = self.dequant_pipeline.run if self.options.overlap_dequant else self.dequant_pipeline.run_in_order
+        run(len(firsts), widen, gemms)
 
     def _gemm_group(self, gate, lo, rows, r0: int, r1: int) -> None:
         """gate|up GEMMs of the experts whose gate matrices are at device addresses `gate` (their rows from `lo`,
@@ -505,3 +520,8 @@ class DeviceMoe:
         lin.linear(g, w.layer(i, "shared_down_proj"), ws.shared_out[:T])
         lin.linear(x, w.layer(i, "shared_expert_gate"), ws.shared_logit[:T])
         elementwise.launch_sigmoid_gate_add(h, ws.shared_out[:T], ws.shared_logit[:T], stream=self.stream)
+
+    def close(self) -> None:
+        if self.dequant_pipeline is not None:
+            self.dequant_pipeline.close()
+            self.dequant_pipeline = None

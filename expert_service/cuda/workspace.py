@@ -19,6 +19,7 @@ from numba import cuda
 
 from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
+from expert_service.cuda.dequant_pipeline import HALVES
 from expert_service.cuda.driver import check, device_address
 from expert_service.cuda.moe import (
     ALL_EXPERTS_MAX_TOKENS,
@@ -149,7 +150,7 @@ def layout_workspace(
         layout["expert_gate_up"] = ((per_expert_rows, 2 * F), wd if wd == np.uint16 else f32)
         layout["expert_h"] = ((per_expert_rows, F), wd)
         if quantized:  # dense copies of a group of active 8-bit experts for their GEMMs
-            layout["dequant"] = ((dequant_group(E, F, D, wd.itemsize), 3 * F * D), wd)
+            layout["dequant"] = ((HALVES * dequant_group(E, F, D, wd.itemsize), 3 * F * D), wd)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)

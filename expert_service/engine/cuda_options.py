@@ -37,6 +37,9 @@ class CudaOptions:
     # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through
     # the wave's slot map, as larger cached steps)
     cached_gemv: bool = True
+    # 8-bit layers' per-expert cuBLAS steps widen the next group of experts on a side stream while this group's
+    # GEMMs run (cuda/dequant_pipeline.py) (False: widening and GEMMs in turn on the compute stream)
+    overlap_dequant: bool = True
     # 8-bit expert layers (every expert int8 / fp8, bf16 dense weights): steps of q8_mma_min_tokens up to
     # q8_mma_max_tokens tokens run the grouped tensor-core kernel (moe_gemm_q8mma); smaller ones moe_q8, larger
     # ones dequantise + per-expert cuBLAS. Layers with fewer than moe.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like:

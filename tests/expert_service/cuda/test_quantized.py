@@ -178,3 +178,33 @@ def test_q8_mma_matches_the_simt_and_cublas_paths(tmp_path, family, variant):
     prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40))]
     for p in prompts:
         assert engines["q8_mma"].generate(p, 8)[0] == engines["off"].generate(p, 8)[0], f"{family}/{variant}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_overlapped_dequant_equals_the_in_order_pass(tmp_path, monkeypatch, family):
+    """Per-expert cuBLAS on 8-bit experts (Q8_MMA off: every step over 64 tokens) with scratch halves of one
+    expert, so a step runs many groups: the next group widened on the side stream while this one's GEMMs run
+    gives the same bits as widening and GEMMs in turn, and as one group of every expert (each expert's GEMMs
+    read the same dense values whichever half holds them)."""
+    from expert_service.cuda import moe
+
+    model = quantized_model(tmp_path, family, "int8", dense="bfloat16")
+    cfg = ModelDir.open(model).config
+    build = lambda options: build_engine(  # noqa: E731
+        ModelDir.open(model), EngineConfig(backend="cuda", cuda_options=options, **CFG)
+    )
+    whole = build(Q8_MMA_OFF)
+    assert whole.decoder.ws.dequant.shape[0] == 2 * cfg.num_experts  # the tiny experts: all in one group
+    one_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # bf16 scratch
+    monkeypatch.setattr(moe, "DEQUANT_SCRATCH_BYTES", 2 * one_expert)
+    overlapped = build(Q8_MMA_OFF)
+    in_order = build(CudaOptions(q8_mma_min_tokens=1 << 20, overlap_dequant=False))
+    assert overlapped.decoder.ws.dequant.shape[0] == 2  # two halves of one expert
+    for n in (100, 300, 512):
+        ids = random_prompt(700 + n, n)
+        want = whole.prompt_logits(ids)
+        assert np.isfinite(want).all()
+        for name, engine in (("overlapped", overlapped), ("in order", in_order)):
+            assert np.array_equal(engine.prompt_logits(ids), want), f"{family} {name} n={n}"
+    for engine in (whole, overlapped, in_order):
+        engine.decoder.close()
