@@ -54,8 +54,8 @@ class DequantPipeline:
             gemms(group, group % HALVES)
 
     @staticmethod
-    def _wait(stream_handle_, event: Event) -> None:
-        check(drv.cuStreamWaitEvent(stream_handle_, event.handle, 0))
+    def _wait(stream, event: Event) -> None:
+        check(drv.cuStreamWaitEvent(stream, event.handle, 0))
 
     def close(self) -> None:
         check(drv.cuStreamSynchronize(self._side_handle))

@@ -438,16 +438,14 @@ class DeviceMoe:
             return
         scratch = ws.dequant
         group, block = scratch.shape[0] // HALVES, scratch.shape[1] * item
-        firsts = range(0, active.size, group)
+        spans = [(first, min(group, active.size - first)) for first in range(0, active.size, group)]
 
         def widen(index: int, half: int, stream) -> None:
-            first = firsts[index]
-            g = min(group, active.size - first)
+            first, g = spans[index]
             launch_dequant_experts(experts, meta, ws.offsets, first, F, D, scratch[half * group :][:g], stream=stream)
 
         def gemms(index: int, half: int) -> None:
-            first = firsts[index]
-            g = min(group, active.size - first)
+            first, g = spans[index]
             part = slice(first, first + g)
             gate = device_address(scratch) + (half * group + np.arange(g, dtype=np.int64)) * block
             self._gemm_group(gate, lo[part], rows[part], int(lo[first]), int(offsets[active[first + g - 1] + 1]))
@@ -455,7 +453,7 @@ class DeviceMoe:
         if self.dequant_pipeline is None:
             self.dequant_pipeline = DequantPipeline(self.stream)
         run = self.dequant_pipeline.run if self.options.overlap_dequant else self.dequant_pipeline.run_in_order
-        run(len(firsts), widen, gemms)
+        run(len(spans), widen, gemms)
 
     def _gemm_group(self, gate, lo, rows, r0: int, r1: int) -> None:
         """gate|up GEMMs of the experts whose gate matrices are at device addresses `gate` (their rows from `lo`,
