@@ -30,10 +30,12 @@ Needs `accelerate` (not a project dependency).
 
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--cached-gemv on,off]
+        [--cached-gemv on,off] [--pipelined-waves on,off]
 
 `--cached-gemv on,off` runs every cached (fraction, mode) with and without the cache's one-token GEMV
-(CudaOptions.cached_gemv; docs/expert-cache.md) and prints their step times side by side with the ratio.
+(CudaOptions.cached_gemv; docs/expert-cache.md) and prints their step times side by side with the ratio;
+`--pipelined-waves on,off` likewise with and without pipelined waves (CudaOptions.pipelined_waves: copies one
+wave ahead on a copy stream).
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 
@@ -53,6 +55,7 @@ import argparse
 import copy
 import gc
 import importlib.util
+import itertools
 import json
 import shutil
 import sys
@@ -66,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
-from bench.offload_report import plot_offload, print_cached_gemv, print_offload, print_run  # noqa: E402
+from bench.offload_report import plot_offload, print_offload, print_option, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
@@ -294,23 +297,32 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             runs["resident"] = resident
             continue
         for mode in args.prefetch_modes:
-            for gemv in args.cached_gemv:  # the run without the cache's one-token GEMV keyed apart
-                key = mode if gemv else f"{mode}/no-cached-gemv"
-                cached = make_engine(model, args.backend, n, mode, CudaOptions(cached_gemv=gemv))
+            for gemv, pipelined in itertools.product(args.cached_gemv, args.pipelined_waves):
+                key = option_key(mode, gemv, pipelined)  # runs with an option off keyed apart
+                options = CudaOptions(cached_gemv=gemv, pipelined_waves=pipelined)
+                cached = make_engine(model, args.backend, n, mode, options)
                 try:
                     runs[key] = {
                         "slots_per_layer": n,
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
                         "cached_gemv": gemv,
+                        "pipelined_waves": pipelined,
                         **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
                     }
                 finally:
                     close(cached)
                 print_run(fraction, key, runs[key]["decode"], resident["decode"])
-            if len(args.cached_gemv) == 2:
-                print_cached_gemv(fraction, mode, runs[mode]["decode"], runs[f"{mode}/no-cached-gemv"]["decode"])
+            for option in ("cached_gemv", "pipelined_waves"):
+                if len(getattr(args, option)) == 2:
+                    off = option_key(mode, option != "cached_gemv", option != "pipelined_waves")
+                    print_option(fraction, mode, option, runs[mode]["decode"], runs[off]["decode"])
     return entry
+
+
+def option_key(mode: str, cached_gemv: bool, pipelined_waves: bool) -> str:
+    """A cached run's key: the prefetch mode, with each CudaOptions field the run turned off."""
+    return mode + ("" if cached_gemv else "/no-cached-gemv") + ("" if pipelined_waves else "/no-pipelined-waves")
 
 
 def offload_map(model, budget: int) -> dict[str, object]:
@@ -445,6 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         "their ratio; the off runs are keyed MODE/no-cached-gemv)",
     )
     parser.add_argument(
+        "--pipelined-waves",
+        default="on",
+        help="CudaOptions.pipelined_waves of the cached runs: on, off or on,off (the off runs keyed "
+        "MODE/no-pipelined-waves)",
+    )
+    parser.add_argument(
         "--expert-dtype",
         default=None,
         help="convert the --shapes models' experts to this dtype (int8, fp8, ...; default bf16); a --model "
@@ -460,9 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
         parser.error(f"--prefetch-modes: {bad} not in {', '.join(PREFETCH_MODES)}")
     settings = {"on": True, "off": False}
-    args.cached_gemv = [settings.get(v, v) for v in dict.fromkeys(args.cached_gemv.split(","))]
-    if bad := [v for v in args.cached_gemv if not isinstance(v, bool)]:
-        parser.error(f"--cached-gemv: {bad} not in on, off")
+    for option in ("cached_gemv", "pipelined_waves"):
+        values = [settings.get(v, v) for v in dict.fromkeys(getattr(args, option).split(","))]
+        if bad := [v for v in values if not isinstance(v, bool)]:
+            parser.error(f"--{option.replace('_', '-')}: {bad} not in on, off")
+        setattr(args, option, sorted(values, reverse=True))  # on first: the prefetch mode's own key
     if args.decode_steps < 1:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:

@@ -42,13 +42,13 @@ def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
     print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
 
 
-def print_cached_gemv(fraction: float, mode: str, on: dict, off: dict) -> None:
-    """The same cached run with CudaOptions.cached_gemv on and off: step times side by side, off / on."""
+def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:
+    """The same cached run with a CudaOptions field on and off: step times side by side, off / on."""
     line = ", ".join(
         f"b={b} {on[b]['ms_per_step']:.3f}/{off[b]['ms_per_step']:.3f} ({off[b]['ms_per_step'] / on[b]['ms_per_step']:.2f}x)"
         for b in on
     )
-    print(f"{fraction:>6} {mode:<15} ms per step, cached_gemv on/off (off / on): {line}", flush=True)
+    print(f"{fraction:>6} {mode:<15} ms per step, {option} on/off (off / on): {line}", flush=True)
 
 
 def print_offload(name: str, entry: dict) -> None:

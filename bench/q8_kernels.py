@@ -4,8 +4,7 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
   decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
               launch_expert_gate_up/down on the same experts in bf16;
   decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
-  dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old,
-           and the same kernel on the single grid it had before its two launches (one_grid).
+  dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old.
 
 Per kernel: GPU microseconds per launch (--iters launches captured in one CUDA graph, replayed between two
 events; b=1 launches cycle through disjoint expert sets so L2 does not serve them), the bytes it must move (decode:
@@ -82,19 +81,6 @@ def row(name: str, us: float, nbytes: int) -> dict:
 def max_rel(a, b) -> float:
     a, b = a.copy_to_host(), b.copy_to_host()
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
-def one_grid_dequant(W, meta, offsets, F: int, D: int, out, stream) -> None:
-    """dequant_experts of a whole group in one launch whose grid is sized for the longest rows, as it ran before
-    the two launches (same kernel: the blocks past a row's chunks return)."""
-    from expert_service.kernels import dequant_experts as dq
-
-    flat, flat_out = W.reshape(W.size), out.reshape(out.size)
-    grid = (-(-max(F, D) // (dq.VALUES * dq.THREADS)), 2 * F + D, out.shape[0])
-    dq._kernel(np.uint16)[1][grid, dq.THREADS, stream](
-        flat.view(np.uint32), flat.view(np.float32), meta, W.shape[1], offsets, 0, F, D, 0, flat_out,
-        flat_out.view(np.uint64),
-    )  # fmt: skip
 
 
 def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
@@ -193,18 +179,11 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
             moved,
         )
         res["dequant_equal"] = bool(np.array_equal(scratch.copy_to_host(), scratch_old.copy_to_host()))
-        res["dequant_one_grid"] = row(  # the same kernel on the single grid it had before the two launches
-            f"{name} dequant one grid, {group} experts",
-            timed(lambda _i: one_grid_dequant(W, dmeta, every, F, D, scratch_old, stream), iters, stream),
-            moved,
-        )
-        res["dequant_one_grid_equal"] = bool(np.array_equal(scratch.copy_to_host(), scratch_old.copy_to_host()))
         res["ratios"] = {
             "b1_new_over_old": res["old_b1"]["us"] / res["new_b1"]["us"],
             "b1_bf16_gemv_over_new": b16 / res["new_b1"]["us"],
             f"b{T}_new_over_old": res[f"old_b{T}"]["us"] / res[f"new_b{T}"]["us"],
             "dequant_new_over_old": res["dequant_old"]["us"] / res["dequant_new"]["us"],
-            "dequant_new_over_one_grid": res["dequant_one_grid"]["us"] / res["dequant_new"]["us"],
         }
         print(f"  {name}: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
         print(

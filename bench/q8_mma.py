@@ -10,7 +10,9 @@ the same engine: same sequences, graphs re-captured):
   replay, median of --steps), and prefills of 1 x 16, 1 x 64, 1 x 128, 1 x 512 and 16 x 128 tokens (best of 3,
   graph replay).
 Variants of the 8-bit engines: `q8_mma` (the shipped thresholds), `simt` (Q8_MMA off: moe_q8 up to 64 tokens,
-dequantise + cuBLAS above), `mma_all` (Q8_MMA at every step of 2+ tokens, both expert counts). The strategy each
+dequantise + cuBLAS above), `mma_all` (Q8_MMA at every step of 2+ tokens, both expert counts), `in_order` (the
+shipped thresholds, each group widened and its GEMMs run in turn on one stream: CudaOptions.overlap_dequant off;
+`--variants` picks some). The strategy each
 step size takes is recorded. Prints each 8-bit variant's ratio to bf16 (decode: bf16 ms / ms, prefill: tok/s /
 bf16 tok/s; > 1 is faster) and the thresholds the measurements suggest: the smallest decode batch from which
 Q8_MMA beats moe_q8 (q8_mma_min_tokens) and, per expert count, the largest prefill where it beats dequantise +
@@ -41,6 +43,7 @@ VARIANTS = {
     "q8_mma": {},
     "simt": {"q8_mma_min_tokens": BIG},
     "mma_all": {"q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG},
+    "in_order": {"overlap_dequant": False},  # per-expert cuBLAS steps widen and run their GEMMs in turn
 }
 # the engine's own options: every strategy a variant takes is reachable, so its workspace holds their buffers
 LAYOUT = {"q8_mma_max_tokens": 64, "q8_mma_max_tokens_few_experts": 64}
@@ -88,7 +91,7 @@ def measure(engine, vocab: int, steps: int) -> dict:
     return out
 
 
-def run_dtype(model_dir: Path, dtype: str, vocab: int, steps: int) -> dict:
+def run_dtype(model_dir: Path, dtype: str, vocab: int, steps: int, variants: list[str]) -> dict:
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
@@ -109,8 +112,8 @@ def run_dtype(model_dir: Path, dtype: str, vocab: int, steps: int) -> dict:
     )
     engine.warmup()
     runs = {}
-    for name, fields in VARIANTS.items() if dtype != "bfloat16" else [("bf16", {})]:
-        engine.decoder.set_options(CudaOptions(**fields))
+    for name in variants if dtype != "bfloat16" else ["bf16"]:
+        engine.decoder.set_options(CudaOptions(**VARIANTS.get(name, {})))
         runs[name] = measure(engine, vocab, steps)
         print(dtype, name, json.dumps(runs[name]), flush=True)
     engine.decoder.close()
@@ -149,7 +152,11 @@ def main() -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--workdir", default="/dev/shm/colibri-q8mma")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="the 8-bit engines' variants to time")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if bad := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: {bad} not in {', '.join(VARIANTS)}")
     results: dict = {"shapes": {}}
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
@@ -159,12 +166,13 @@ def main() -> int:
         entry: dict = {"runs": {}, "x_bfloat16": {}, "suggested": {}}
         for dtype in ["bfloat16", *args.dtypes.split(",")]:
             model_dir = random_model(family, params, Path(args.workdir) / shape, dtype)
-            entry["runs"][dtype] = run_dtype(model_dir, dtype, params["vocab_size"], args.steps)
+            entry["runs"][dtype] = run_dtype(model_dir, dtype, params["vocab_size"], args.steps, variants)
             shutil.rmtree(model_dir, ignore_errors=True)
             if dtype != "bfloat16":
                 bf16 = entry["runs"]["bfloat16"]["bf16"]
                 entry["x_bfloat16"][dtype] = {v: ratios(bf16, r) for v, r in entry["runs"][dtype].items()}
-                entry["suggested"][dtype] = suggest(entry["runs"][dtype])
+                if {"mma_all", "simt"} <= set(variants):
+                    entry["suggested"][dtype] = suggest(entry["runs"][dtype])
         results["shapes"][shape] = entry
         print(json.dumps({shape: {"x_bfloat16": entry["x_bfloat16"], "suggested": entry["suggested"]}}, indent=1))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

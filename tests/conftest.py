@@ -11,6 +11,7 @@ import os
 if os.environ.get("COLIBRI_TEST_GPU") != "1":
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import faulthandler
 import inspect
 from pathlib import Path
 
@@ -48,6 +49,16 @@ def pytest_collection_modifyitems(config, items):
         for item in gpu_items:
             item.add_marker(skip)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files keep their order
+
+
+# An xdist worker on the GPU still running this long after its last test dumps every thread's stack to stderr and
+# exits: a shutdown held by a thread join or a driver call must not hold `make test-gpu` until a job's time limit.
+WORKER_EXIT_GRACE_S = 60
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("COLIBRI_TEST_GPU") == "1":
+        faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

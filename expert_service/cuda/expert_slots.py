@@ -60,7 +60,8 @@ class DeviceSlots:
         self.num_experts, self.slots_per_layer = E, S
         # whole blocks at the layer's stride, as the experts file holds them: any expert dtype copies unchanged
         self.block_bytes = [weights.model.expert_strides[layer] for layer in self.moe_layers]
-        self.max_waves = waves_needed(max_ids, E, S)
+        self.can_pipeline = S >= 2  # pipelined waves hold S // 2 experts each (slot_map_reference.wave_capacity)
+        self.max_waves = waves_needed(max_ids, E, S, self.can_pipeline)
         unit = np.dtype(np.uint8) if weights.quantized else np.dtype(weights.dtype)
         raw = [cuda.device_array(S * b, np.uint8, stream=stream) for b in self.block_bytes]
         self.words = [r.view(np.uint32) for r in raw]  # what the fetch kernel writes
@@ -115,17 +116,18 @@ class DeviceSlots:
         """The layer's slot buffer [slots, stride] (the expert kernels read it through a wave's slot map)."""
         return self.buffers[self.index[layer]]
 
-    def waves(self, num_ids: int) -> int:
+    def waves(self, num_ids: int, pipelined: bool = False) -> int:
         """Waves a layer of num_ids routed ids is planned in (a captured step launches all of them)."""
-        return waves_needed(num_ids, self.num_experts, self.slots_per_layer)
+        return waves_needed(num_ids, self.num_experts, self.slots_per_layer, pipelined)
 
     # --- launches (eager or captured alike) ----------------------------------------------------------
     def advance(self, stream) -> None:
         """A new step: the LRU clock ticks (predictions of this step protect the slots they stamp)."""
         launch_advance_tick(self.tick, stream=stream)
 
-    def plan(self, layer: int, ids, waves: int, stream) -> None:
-        """The layer's waves for the step routed to ids [n] (the first `waves` rows of wave_map / fetch lists)."""
+    def plan(self, layer: int, ids, waves: int, stream, pipelined: bool = False) -> None:
+        """The layer's waves for the step routed to ids [n] (the first `waves` rows of wave_map / fetch lists);
+        pipelined: waves of half the slots, whose copies leave the previous wave's slots alone."""
         m = self.index[layer]
         launch_plan_demand(
             ids,
@@ -143,6 +145,7 @@ class DeviceSlots:
             self.stats[m],
             stream=stream,
             policy=self.policy,
+            pipelined=pipelined,
         )
 
     def fetch(self, layer: int, wave: int, stream) -> None:

@@ -6,6 +6,9 @@ step's routed ids into waves of at most `slots` experts and the copies each need
 wave the fetch kernel copies the misses from mapped host memory, then the grouped kernels read the wave's
 experts through its slot map (experts outside the wave skipped, their rows left for another wave). A captured
 step launches every wave a step of its size can need; waves with nothing to do return at once.
+Pipelined waves (CudaOptions.pipelined_waves, two slots a layer at least): waves of half the slots, whose copies
+run on a copy stream one wave ahead (wave w + 1's copies while wave w computes; the plan keeps them out of wave
+w's slots), so a batch whose union exceeds the slots streams its misses with the kernels hidden behind them.
 CACHED_GEMV (CudaOptions.cached_gemv): a one-token step whose K experts fit the slots is always one wave, so it
 skips the grouping and runs the resident one-token kernels on the slot buffer (`_gemv`): the GEMV expert kernels
 on the slots wave 0's map gives its ids, or moe_q8 by slot on 8-bit layers. The grouped kernels' grid of E
@@ -83,7 +86,12 @@ class CachedExperts:
         st = stream
         self._main = stream_handle(stream)
         self._side_handle, self.side = non_blocking_stream()
+        self._copy_handle, self.copy = non_blocking_stream()  # pipelined waves' demand copies
         self._fork = Event()
+        self._planned = Event()  # the layer's plan is done: its copies may start
+        W = self.slots.max_waves
+        self._fetched = [Event() for _ in range(W)]  # pipelined wave w's copies are done
+        self._computed = [Event() for _ in range(W)]  # pipelined wave w's kernels are done
         self._joined = {layer: Event() for layer in moe}  # the layer's prefetch copies are done
         self._pending: set[int] = set()  # layers with a prefetch not yet joined (while issuing a pass)
         self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
@@ -95,7 +103,6 @@ class CachedExperts:
         self.hint_ids = cuda.to_device(np.full((L, T * K), -1, np.int32), stream=st)
         self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
         self._hints_clear = True  # hint_ids holds no plan (all -1)
-        W = self.slots.max_waves
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
         self.host_offsets = cuda.pinned_array(E + 1, np.int32)
         self.quantized = weights.quantized
@@ -151,13 +158,15 @@ class CachedExperts:
     def _hints(self, layer: int, T: int):
         return self.hint_ids[self.moe_layers.index(layer), : T * self.config.num_experts_per_tok]
 
-    def run(self, i: int, x, h, T: int, ids, weights, large: bool, combine=None, gemv: bool = False) -> None:
+    def run(
+        self, i: int, x, h, T: int, ids, weights, large: bool, combine=None, gemv: bool = False, pipelined=False
+    ) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
         large: per-expert cuBLAS GEMMs at a host break; gemv: CACHED_GEMV (one token whose K experts fit the
-        slots: one wave, `_gemv`); else the grouped kernels in waves; combine: DeviceMoe's (None:
-        launch_moe_combine)."""
+        slots: one wave, `_gemv`); else the grouped kernels in waves, pipelined (CudaOptions.pipelined_waves,
+        two slots a layer at least) or in turn; combine: DeviceMoe's (None: launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
-        K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        K = cfg.num_experts_per_tok
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
         if not gemv:  # the GEMV kernels take the ids as routed: no grouping
@@ -170,8 +179,9 @@ class CachedExperts:
                 self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
             )
         self._join(i)
-        waves = self.slots.waves(n)
-        self.slots.plan(i, ids.reshape(n), waves, st)
+        pipelined = pipelined and self.slots.can_pipeline and not (large or gemv)
+        waves = self.slots.waves(n, pipelined)
+        self.slots.plan(i, ids.reshape(n), waves, st, pipelined)
         buffer = self.slots.weights_of(i)
         if large:
             launch_gather_rows(x, order, ws.moe_in[:n], divisor=K, stream=st)
@@ -183,34 +193,70 @@ class CachedExperts:
             self._first_wave(i, T, ahead, lookahead)
             self._gemv(i, x, ids, buffer, out)
             position = ws.identity_position[:n]  # out rows in the token's top-k order
+        elif pipelined:
+            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead)
         else:
             for w in range(waves):
                 if w == 0:
                     self._first_wave(i, T, ahead, lookahead)
                 else:
                     self.slots.fetch(i, w, st)
-                slot_of = self.slots.wave_slots(i, w)
-                if self.quantized:
-                    meta, kinds, gate = self.weights.expert_meta[i], self.weights.expert_kinds[i], ws.moe_gate[:n]
-                    q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds)
-                    launch_q8_gate_up(x, buffer, meta, F, D, gate, order=order, **q8)
-                    launch_q8_down(gate, buffer, meta, F, D, out, **q8)
-                    continue
-                launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, ws.moe_gate[:n], stream=st, slot_of=slot_of)
-                launch_moe_down(ws.moe_gate[:n], order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
+                self._wave(i, w, T, x, buffer)
         if combine is None:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
             combine(out, position, weights, h)
 
+    def _wave(self, i: int, w: int, T: int, x, buffer) -> None:
+        """The grouped kernels of wave w on the compute stream: the wave's experts read through its slot map into
+        moe_out (rows of experts outside the wave untouched)."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
+        order, out, gate = ws.order[:n], ws.moe_out[:n], ws.moe_gate[:n]
+        slot_of = self.slots.wave_slots(i, w)
+        if self.quantized:
+            meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
+            q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds)
+            launch_q8_gate_up(x, buffer, meta, F, D, gate, order=order, **q8)
+            launch_q8_down(gate, buffer, meta, F, D, out, **q8)
+            return
+        launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, gate, stream=st, slot_of=slot_of)
+        launch_moe_down(gate, order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
+
+    def _pipelined_waves(self, i: int, T: int, x, buffer, waves: int, ahead: int | None, lookahead: bool) -> None:
+        """The waves with their copies on the copy stream, one wave ahead: wave w + 1's copies (into slots no wave
+        from w on reads: the plan's pipelined rule) run while wave w computes, once wave w - 1's kernels, the last
+        to read the slots they fill, are done. The compute stream waits for each wave's copies; the last wave's
+        wait joins the copy stream back (a capture must end joined)."""
+        copy, main = self._copy_handle, self._main
+        self._planned.record(main)
+        check(drv.cuStreamWaitEvent(copy, self._planned.handle, 0))
+        self.slots.fetch(i, 0, self.copy)
+        self._fetched[0].record(copy)
+        self._prefetch_ahead(i, T, ahead, lookahead, after=self._fetched[0])
+        for w in range(waves):
+            if w + 1 < waves:
+                if w:
+                    check(drv.cuStreamWaitEvent(copy, self._computed[w - 1].handle, 0))
+                self.slots.fetch(i, w + 1, self.copy)
+                self._fetched[w + 1].record(copy)
+            check(drv.cuStreamWaitEvent(main, self._fetched[w].handle, 0))
+            self._wave(i, w, T, x, buffer)
+            self._computed[w].record(main)
+
     def _first_wave(self, i: int, T: int, ahead: int | None, lookahead: bool) -> None:
         """Wave 0's copies, then the next MoE layer's prefetch forks (behind the demand copies, never ahead)."""
         self.slots.fetch(i, 0, self.stream)
-        if ahead is not None:
-            n = T * self.config.num_experts_per_tok
-            plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
-            if lookahead or PrefetchSource.PLAN in self.prefetch:
-                self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids)
+        self._prefetch_ahead(i, T, ahead, lookahead)
+
+    def _prefetch_ahead(self, i: int, T: int, ahead: int | None, lookahead: bool, after: Event | None = None) -> None:
+        """The next MoE layer's prefetch (plan and/or lookahead), forked after what the compute stream has issued
+        (and after `after`: wave 0's copies on the copy stream)."""
+        if ahead is None or not (lookahead or PrefetchSource.PLAN in self.prefetch):
+            return
+        n = T * self.config.num_experts_per_tok
+        plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
+        self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids, after)
 
     def _gemv(self, i: int, x, ids, buffer, out) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
@@ -231,10 +277,13 @@ class CachedExperts:
         launch_expert_gate_up(x, self.slot_ids, buffer, F, D, gate, stream=st)
         launch_expert_down(gate, self.slot_ids, buffer, F, D, out, stream=st)
 
-    def _prefetch(self, layer: int, predicted_a, predicted_b) -> None:
-        """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream."""
+    def _prefetch(self, layer: int, predicted_a, predicted_b, after: Event | None = None) -> None:
+        """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream (and
+        after the event `after`)."""
         self._fork.record(self._main)
         check(drv.cuStreamWaitEvent(self._side_handle, self._fork.handle, 0))
+        if after is not None:
+            check(drv.cuStreamWaitEvent(self._side_handle, after.handle, 0))
         self.slots.prefetch(layer, predicted_a, predicted_b, self.side)
         self._joined[layer].record(self._side_handle)
         self._pending.add(layer)
@@ -282,8 +331,10 @@ class CachedExperts:
         self.linear.linear(g, down, out[lo:hi], force_cublas=True)
 
     def close(self) -> None:
-        check(drv.cuStreamSynchronize(self._side_handle))
-        for event in [self._fork, *self._joined.values()]:
+        for handle in (self._side_handle, self._copy_handle):
+            check(drv.cuStreamSynchronize(handle))
+        for event in [self._fork, self._planned, *self._fetched, *self._computed, *self._joined.values()]:
             event.close()
-        check(drv.cuStreamDestroy(self._side_handle))
+        for handle in (self._side_handle, self._copy_handle):
+            check(drv.cuStreamDestroy(handle))
         self.slots.close()

@@ -37,6 +37,10 @@ class CudaOptions:
     # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through
     # the wave's slot map, as larger cached steps)
     cached_gemv: bool = True
+    # expert-cache steps in grouped waves (2..moe_ffn.GROUPED_MAX_TOKENS tokens, two slots a layer at least): waves
+    # of half the slots, wave w + 1's copies on a copy stream while wave w computes (False: waves of every slot,
+    # copies and kernels in turn on the compute stream)
+    pipelined_waves: bool = True
     # 8-bit layers' per-expert cuBLAS steps widen the next group of experts on a side stream while this group's
     # GEMMs run (cuda/dequant_pipeline.py) (False: widening and GEMMs in turn on the compute stream)
     overlap_dequant: bool = True

@@ -54,28 +54,44 @@ def _fill(state: SlotMapState, slot: int, expert: int, tick: int) -> None:
     state.stamp[slot], state.prefetched[slot] = tick, 0
 
 
-def plan_demand(state: SlotMapState, ids: np.ndarray, tick: int, num_waves: int) -> tuple[np.ndarray, list]:
-    """Updates `state` for a step routed to `ids`; (wave_map [W, E], per wave the list of (expert, slot) copies)."""
+def wave_capacity(num_slots: int, pipelined: bool) -> int:
+    """Experts a wave holds: every slot, or half of them when waves are pipelined (wave w+1's copies run while
+    wave w computes, so they may not overwrite the slots of wave w either; needs two slots at least)."""
+    if not pipelined:
+        return num_slots
+    if num_slots < 2:
+        raise ValueError(f"pipelined waves need 2 slots per layer at least, got {num_slots}")
+    return num_slots // 2
+
+
+def plan_demand(
+    state: SlotMapState, ids: np.ndarray, tick: int, num_waves: int, pipelined: bool = False
+) -> tuple[np.ndarray, list]:
+    """Updates `state` for a step routed to `ids`; (wave_map [W, E], per wave the list of (expert, slot) copies).
+    Waves of wave_capacity experts: the hits first (in expert order), then the misses; a miss of wave w never
+    evicts a slot of wave w (nor, pipelined, of wave w - 1)."""
     E, S = len(state.slot_of), len(state.expert_in)
+    C = wave_capacity(S, pipelined)
+    guard = 1 if pipelined else 0
     needed = sorted({int(e) for e in np.asarray(ids).reshape(-1) if 0 <= e < E})
     wave_map = np.full((num_waves, E), -1, np.int32)
     fetches: list[list[tuple[int, int]]] = [[] for _ in range(num_waves)]
     busy = np.full(S, -1, np.int32)
     hits = [e for e in needed if state.slot_of[e] >= 0]
-    for e in hits:
-        s = state.slot_of[e]
-        wave_map[0, e], busy[s], state.stamp[s] = s, 0, tick
+    for rank, e in enumerate(hits):
+        s, w = state.slot_of[e], rank // C
+        wave_map[w, e], busy[s], state.stamp[s] = s, w, tick
         state.stats[0] += 1
         if state.prefetched[s]:
             state.prefetched[s] = 0
             state.stats[3] += 1
-    wave, in_wave = 0, len(hits)
+    wave, in_wave = divmod(len(hits), C)
     for e in (e for e in needed if e not in hits):
-        if in_wave == S:
+        if in_wave == C:
             wave, in_wave = wave + 1, 0
         if wave >= num_waves:
             break
-        s = _victim(state, busy != wave)
+        s = _victim(state, (busy < 0) | (busy < wave - guard))  # free, or used by a wave done with it
         _fill(state, s, e, tick)
         busy[s], wave_map[wave, e] = wave, s
         fetches[wave].append((e, s))
@@ -109,6 +125,6 @@ def plan_prefetch(state: SlotMapState, predicted_a: np.ndarray, predicted_b: np.
     return copies
 
 
-def waves_needed(num_ids: int, num_experts: int, num_slots: int) -> int:
+def waves_needed(num_ids: int, num_experts: int, num_slots: int, pipelined: bool = False) -> int:
     """Waves a layer of `num_ids` routed ids can need: the union is at most min(num_ids, E) experts."""
-    return max(1, -(-min(num_ids, num_experts) // num_slots))
+    return max(1, -(-min(num_ids, num_experts) // wave_capacity(num_slots, pipelined)))

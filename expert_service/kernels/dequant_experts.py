@@ -5,9 +5,9 @@ Reference: ``expert_quant.dequantize``.
 
 The active experts are found on the device from the step's grouping offsets, so the host only says which group
 (`first`), never which experts: no upload between groups (one thread of each block finds its expert). A block
-covers part of one weight row (grid: chunk blocks x rows x G, no division by runtime sizes; one launch for the
-2F gate and up rows, one for the D down rows, each with the blocks its row length needs), each
-thread one 16-value chunk: a 16-byte streaming load of 8-bit weights (two / four for 16-bit / f32 experts),
+covers part of one weight row (grid: the row blocks of all 3 matrices x G, one launch: each gate and up row gets
+the blocks its D values need, each down row those of its F, so no block idles, and the host pays one launch a
+group: these steps wait on the host's launches as much as on the device), each thread one 16-value chunk: a 16-byte streaming load of 8-bit weights (two / four for 16-bit / f32 experts),
 widened in registers as moe_q8 does, written as four 8-byte words of bf16 / f16 (float32 scratch: 16 stores).
 The dense write is 2x (bf16) the 8-bit read, and the GEMMs then read it once more: at prefill sizes this pass is
 the 8-bit path's whole overhead over bf16, so it must run at the HBM roofline (docs/kernels.md).
@@ -90,15 +90,15 @@ def _kernel(dtype):
     narrow = np.dtype(dtype).itemsize == 2
     pack4 = packer4(dtype if narrow else np.uint16)
 
-    def kernel(words, scales, meta, stride, offsets, first, F, D, row0, out, out64):
+    def kernel(words, scales, meta, stride, offsets, first, F, D, gu_chunks, down_chunks, out, out64):
         """words / scales: the layer's expert buffer [E, stride] as flat uint32 / float32; meta [E, META_WIDTH]
         int32; stride: bytes per expert; offsets [E+1] int32 (the step's grouping); first: index of the group's
         first active expert; out [G, 3*F*D] dense dtype (gate, up, down back to back), flat, and out64 the same
-        bytes as uint64 (16-bit scratch: four values per store); row0: the launch's first weight row (0: gate and
-        up, 2F: down). Grid (chunk blocks of a row, the launch's rows, G), THREADS threads, each widening one
-        16-value chunk; slots past the last active expert are untouched."""
+        bytes as uint64 (16-bit scratch: four values per store); gu_chunks / down_chunks: blocks per gate or up row
+        (D values) / per down row (F values). Grid (2F * gu_chunks + D * down_chunks, G), THREADS threads, each
+        widening one 16-value chunk; slots past the last active expert are untouched."""
         pick = cuda.shared.array(1, np.int32)
-        j = cuda.blockIdx.z
+        j = cuda.blockIdx.y
         if cuda.threadIdx.x == 0:  # the (first + j)-th expert with tokens, found once per block
             E = offsets.shape[0] - 1
             pick[0] = -1
@@ -111,11 +111,19 @@ def _kernel(dtype):
                     seen += 1
         cuda.syncthreads()
         e = pick[0]
-        row = row0 + cuda.blockIdx.y
-        m = 0 if row < F else (1 if row < 2 * F else 2)  # gate, up, down: no division by runtime sizes
+        b = cuda.blockIdx.x
+        gu_blocks = 2 * F * gu_chunks
+        if b < gu_blocks:  # one division a block: which row and which part of it
+            row = b // gu_chunks
+            chunk = b - row * gu_chunks
+        else:
+            down_row = (b - gu_blocks) // down_chunks
+            row = 2 * F + down_row
+            chunk = b - gu_blocks - down_row * down_chunks
+        m = 0 if row < F else (1 if row < 2 * F else 2)  # gate, up, down
         r = row - m * F
         n_in = D if m < 2 else F
-        c = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
+        c = (chunk * cuda.blockDim.x + cuda.threadIdx.x) * VALUES
         if e < 0 or c >= n_in:
             return
         code = meta[e, 0]
@@ -153,20 +161,20 @@ def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, o
         raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
     if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
         raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
-    if out.shape[0] > 65535 or max(2 * F, D) > 65535:
-        raise ValueError(f"a group of {out.shape[0]} experts with {2 * F} + {D} weight rows exceeds the grid's 65535")
+    if out.shape[0] > 65535:
+        raise ValueError(f"a group of {out.shape[0]} experts exceeds the grid's 65535")
     flat = experts.reshape(experts.size)
     flat_out = out.reshape(out.size)
     out64 = flat_out.view(np.uint64) if np.dtype(out.dtype).itemsize == 2 else flat.view(np.uint64)[:1]
     kernel = _kernel(np.dtype(out.dtype).type)[1]
-    # Two launches, each with the chunk blocks its rows need: one grid sized for the longer rows left most blocks
-    # of the other matrices' rows with nothing to do (mixtral-shape: 5 of 7 on every gate and up row).
-    for row0, rows, n_in in ((0, 2 * F, D), (2 * F, D, F)):
-        grid = (-(-n_in // (VALUES * THREADS)), rows, out.shape[0])
-        kernel[grid, THREADS, stream](
-            flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets, first, F, D, row0,
-            flat_out, out64,
-        )  # fmt: skip
+    # Each row gets the blocks its length needs: a grid sized for the longest rows left most blocks of the other
+    # matrices' rows with nothing to do (mixtral-shape: 5 of 7 on every gate and up row).
+    gu_chunks, down_chunks = -(-D // (VALUES * THREADS)), -(-F // (VALUES * THREADS))
+    grid = (2 * F * gu_chunks + D * down_chunks, out.shape[0])
+    kernel[grid, THREADS, stream](
+        flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets, first, F, D, gu_chunks,
+        down_chunks, flat_out, out64,
+    )  # fmt: skip
 
 
 def sm90_signatures():
@@ -181,6 +189,7 @@ def sm90_signatures():
                 types.int32[:, ::1],
                 i64,
                 types.int32[::1],
+                i64,
                 i64,
                 i64,
                 i64,

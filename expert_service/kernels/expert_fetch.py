@@ -6,7 +6,9 @@ A kernel reading mapped host memory is a copy the device drives: it needs no hos
 it with a fixed grid whatever the list holds (an empty list returns at once). Reading host memory over PCIe
 reaches the link's rate only with 16-byte coalesced loads from enough CTAs (>= 33 on the H200), so every thread
 issues UNROLL 16-byte loads (consecutive threads, consecutive 16 bytes) before it stores them, and the grid is
-CTAS blocks whatever the size. Blocks are whole `expert_block_bytes` ranges (a multiple of 16 bytes), so any
+CTAS blocks whatever the size: 66, one per two SMs, so the grouped kernels of the wave before run beside it
+(pipelined waves; H200, mixtral-shape b=16 at 2 slots: 264 CTAs left them no room, 221 ms a step, 66 CTAs
+181 ms, the copies themselves no slower). Blocks are whole `expert_block_bytes` ranges (a multiple of 16 bytes), so any
 expert dtype (bf16, int8 with its scales, ...) copies unchanged.
 
   src [E * words] uint32   the layer's experts as the model stores them (mapped host memory; words = block / 4)
@@ -23,7 +25,7 @@ from expert_service.kernels.numeric import SIMULATOR
 from expert_service.kernels.ptx import ld_stream_v4
 
 THREADS = 32 if SIMULATOR else 256
-CTAS = 2 if SIMULATOR else 264  # two per H200 SM: past the 33+ that saturate PCIe, and HBM-side stores stay wide
+CTAS = 2 if SIMULATOR else 66  # past the 33+ that saturate PCIe; the rest of the SMs compute beside the copy
 UNROLL = 2 if SIMULATOR else 4  # 16-byte loads in flight per thread
 
 

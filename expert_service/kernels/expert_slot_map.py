@@ -13,11 +13,13 @@ Per layer, all int32 unless said:
   stats [4] int64   running counts: hits, misses, prefetches issued, prefetches used
   tick [1]          the step counter (launch_advance_tick bumps it once per step, before any plan)
 
-launch_plan_demand: the union of the step's routed ids [n] is split into waves of at most S experts: every
-needed resident expert in wave 0 (they sit in distinct slots), then the misses in expert order, filling wave 0's
-remaining slots and then whole waves. A miss of wave w takes an empty slot, else the least recently used slot
-not used by wave w: an expert the running step still reads is never evicted (earlier waves are done by the time
-wave w's copies run, on the same stream). Output per wave w: wave_map[w, e] = the slot expert e reads in wave w
+launch_plan_demand: the union of the step's routed ids [n] is split into waves of at most C experts (C = S, or
+S // 2 with `pipelined`): the needed resident experts first (hit k, in expert order, in wave k // C; they sit in
+distinct slots), then the misses in expert order, filling the hits' last wave and then whole waves. A miss of
+wave w takes an empty slot, else the least recently used slot not used by wave w (pipelined: nor by wave w - 1):
+an expert the running step still reads is never evicted. Without pipelining, earlier waves are done by the time
+wave w's copies run on the same stream; pipelined, wave w's copies may run while wave w - 1 computes (another
+stream), so they leave its slots alone. Output per wave w: wave_map[w, e] = the slot expert e reads in wave w
 (-1: not in the wave; the grouped kernels skip it), and the copies the wave needs first: fetch_expert[w, :c],
 fetch_slot[w, :c], c = fetch_count[w] (expert_fetch.py runs them).
 
@@ -108,13 +110,13 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _victim(lane, n_slots, expert_in, stamp, busy, wave, now, protect):
+def _victim(lane, n_slots, expert_in, stamp, busy, wave, guard, now, protect):
     """Warp-collective: an empty usable slot (lowest first), else the usable slot with the oldest stamp (ties: lower
-    slot); -1 if none. Usable: busy != wave (wave >= 0, demand) and stamp != now (protect, prefetch). Each lane
-    reads only the slots it owns (s = lane mod 32)."""
+    slot); -1 if none. Usable: not busy in waves wave - guard .. wave (wave >= 0, demand) and stamp != now
+    (protect, prefetch). Each lane reads only the slots it owns (s = lane mod 32)."""
     best = _UNUSABLE
     for s in range(lane, n_slots, WARP):
-        if wave >= 0 and busy[s] == wave:
+        if wave >= 0 and busy[s] >= 0 and busy[s] >= wave - guard:
             continue
         if protect and stamp[s] == now:
             continue
@@ -168,8 +170,9 @@ def _advance_tick_kernel(tick):
 
 @cached_jit
 def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert, fetch_slot,
-                        fetch_count, stats, policy):
-    """Module docstring: ids [n] int32; wave_map [W, E]; fetch_expert / fetch_slot [W, S]; fetch_count [W]."""
+                        fetch_count, stats, policy, capacity, guard):
+    """Module docstring: ids [n] int32; wave_map [W, E]; fetch_expert / fetch_slot [W, S]; fetch_count [W];
+    capacity: experts a wave holds; guard: earlier waves whose slots a wave's copies leave alone (0 or 1)."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     lane = tid % WARP
@@ -204,7 +207,7 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
         if e >= 0 and e < n_exp:
             sh_mark[e] = 1
     cuda.syncthreads()
-    for e in range(tid, n_exp, nthreads):  # hits, all in wave 0
+    for e in range(tid, n_exp, nthreads):  # hits (their waves below, in expert order)
         if sh_mark[e] == 0:
             continue
         s = sh_slot[e]
@@ -212,8 +215,6 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
             cuda.atomic.add(counts, 2, 1)
             continue
         sh_mark[e] = 2
-        wave_map[0, e] = s
-        sh_busy[s] = 0
         sh_stamp[s] = now
         cuda.atomic.add(counts, 0, 1)
         if sh_pref[s] != 0:
@@ -221,9 +222,21 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
             cuda.atomic.add(counts, 1, 1)
     cuda.syncthreads()
     missed = 0  # warp 0's lanes all count (thread MISSES reports it)
+    if tid < WARP:  # warp 0: hit k of the step (in expert order) computes in wave k // capacity
+        rank = 0
+        for base in range(0, n_exp, WARP):
+            e = base + lane
+            hit = e < n_exp and sh_mark[e] == 2
+            mask = _ballot(hit)
+            if hit:
+                w = (rank + cuda.popc(mask & ((np.int64(1) << lane) - 1))) // capacity
+                wave_map[w, e] = sh_slot[e]
+                sh_busy[sh_slot[e]] = w
+            rank += cuda.popc(mask)
+        _warp_sync()  # sh_busy written by the hit's lane, read below by the slot's owner
     if tid < WARP and counts[2] > 0:  # warp 0: the misses in expert order
-        in_wave = counts[0]
-        w = 0
+        in_wave = counts[0] % capacity
+        w = counts[0] // capacity
         c = 0
         for base in range(0, n_exp, WARP):
             e = base + lane
@@ -232,13 +245,13 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
                 low = mask & -mask
                 mask ^= low
                 e = base + cuda.popc(low - 1)
-                if in_wave == n_slots:
+                if in_wave == capacity:
                     w += 1
                     in_wave = 0
                     c = 0
                     if w == n_waves:
                         break  # the launcher sizes W so the union always fits
-                s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_busy, w, now, False)
+                s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_busy, w, guard, now, False)
                 if s % WARP == lane:  # the slot's owner applies the fill: slot state never crosses lanes
                     _fill(sh_slot, sh_expert, sh_stamp, sh_pref, s, e, now)
                     sh_busy[s] = w
@@ -310,7 +323,7 @@ def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefe
                 if s % WARP == lane:
                     sh_stamp[s] = now  # resident: protected for this step
                 continue
-            s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_stamp, -1, now, True)
+            s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_stamp, -1, 0, now, True)
             if s < 0:
                 break
             if s % WARP == lane:
@@ -356,11 +369,16 @@ def launch_advance_tick(tick, stream=0) -> None:
 
 
 def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, mark, wave_map, fetch_expert,
-                       fetch_slot, fetch_count, stats, stream=0, policy: int = POLICY_LRU) -> None:
+                       fetch_slot, fetch_count, stats, stream=0, policy: int = POLICY_LRU,
+                       pipelined: bool = False) -> None:
     """ids [n] int32 the step's routed experts of one layer; the layer's state; wave_map [W, E], fetch_expert /
-    fetch_slot [W, S], fetch_count [W] int32 (W >= ceil(min(n, E) / S): every wave the union can need)."""
+    fetch_slot [W, S], fetch_count [W] int32 (W >= ceil(min(n, E) / C): every wave the union can need, C the
+    wave capacity: S, or S // 2 pipelined)."""
     E, S = slot_of.shape[0], expert_in.shape[0]
     check_layer_size(E, S)
+    if pipelined and S < 2:
+        raise ValueError(f"pipelined waves need 2 slots per layer at least, got {S}")
+    C = S // 2 if pipelined else S
     _check_state(E, S, tick=tick, slot_of=slot_of, expert_in=expert_in, stamp=stamp, prefetched=prefetched,
                  busy=busy, mark=mark, stats=stats)
     _check("ids", ids, np.int32, 1)
@@ -370,10 +388,11 @@ def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, m
         _check(name, a, np.int32, len(shape))
         if a.shape != shape:
             raise ValueError(f"{name} must be {list(shape)}, got {list(a.shape)}")
-    if W * S < min(ids.shape[0], E):
-        raise ValueError(f"{W} waves of {S} slots cannot hold the union of {ids.shape[0]} routed ids")
+    if W * C < min(ids.shape[0], E):
+        raise ValueError(f"{W} waves of {C} experts cannot hold the union of {ids.shape[0]} routed ids")
     _plan_demand_kernel[1, THREADS, stream](ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert,
-                                            fetch_slot, fetch_count, stats, policy)
+                                            fetch_slot, fetch_count, stats, policy, np.int64(C),
+                                            np.int64(1 if pipelined else 0))
 
 
 def launch_plan_prefetch(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, mark, pf_expert, pf_slot,
@@ -394,6 +413,6 @@ def sm90_signatures():
     i1, i2, l1, i64 = types.int32[::1], types.int32[:, ::1], types.int64[::1], types.int64
     return [
         (_advance_tick_kernel.py_func, (i1,)),
-        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i64)),
+        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i64, i64, i64)),
         (_plan_prefetch_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, l1, i64)),
     ]

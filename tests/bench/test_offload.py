@@ -91,8 +91,32 @@ def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
     assert "ms per step, cached_gemv on/off (off / on): b=1 " in capsys.readouterr().out
 
 
+def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):
+    """--cached-gemv on,off --pipelined-waves off,on: four runs, each keyed by the options it turned off, and
+    both side-by-side lines printed."""
+    out = tmp_path / "out"
+    argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none"]
+    argv += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--cached-gemv", "on,off"]
+    assert offload.main(argv + ["--pipelined-waves", "off,on"]) == 0
+    runs = json.loads((out / "offload.json").read_text())["shapes"]["tiny"]["runs"]["0.5"]
+    keys = ["none", "none/no-pipelined-waves", "none/no-cached-gemv", "none/no-cached-gemv/no-pipelined-waves"]
+    assert list(runs) == keys
+    assert [(r["cached_gemv"], r["pipelined_waves"]) for r in runs.values()] == [
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    ]
+    printed = capsys.readouterr().out
+    assert "ms per step, cached_gemv on/off (off / on): b=1 " in printed
+    assert "ms per step, pipelined_waves on/off (off / on): b=1 " in printed
+
+
 def test_offload_refuses_an_unknown_cached_gemv_setting(capsys):
     with pytest.raises(SystemExit) as exit_:
         offload.main(["--shapes", "tiny", "--backend", "cpu", "--cached-gemv", "on,maybe"])
     assert exit_.value.code == 2
     assert "--cached-gemv: ['maybe'] not in on, off" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        offload.main(["--shapes", "tiny", "--backend", "cpu", "--pipelined-waves", "yes"])
+    assert "--pipelined-waves: ['yes'] not in on, off" in capsys.readouterr().err

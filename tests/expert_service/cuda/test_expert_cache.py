@@ -117,6 +117,37 @@ def test_adversarial_plans_cannot_corrupt_weights(family_model):
         assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
 
 
+@pytest.mark.parametrize("prefetch", ["none", "plan,lookahead"])
+def test_pipelined_waves_equal_waves_in_turn(family_model, prefetch):
+    """Waves of half the slots whose copies run on the copy stream one wave ahead (the default) against waves of
+    every slot in turn on the compute stream, and against one slot: bitwise equal, graphs and eager, with misses
+    served mid-step (the grouped steps, two or three prompts, take the waves; the long prompts' per-expert path
+    and the one-token path do not pipeline)."""
+    from expert_service.engine.cuda_options import CudaOptions
+
+    ref = run_session(family_model, backend="cuda", expert_cache_slots=1, prefetch="none")
+    plans = exact_plans(ref[3], family_model.config.num_experts) if "plan" in prefetch else None
+    for slots in (2, 3):
+        for pipelined in (True, False):
+            for graphs in (True, False):
+                options = CudaOptions(pipelined_waves=pipelined)
+                logits, tokens, stats, _, engine = run_session(
+                    family_model,
+                    plans,
+                    backend="cuda",
+                    expert_cache_slots=slots,
+                    prefetch=prefetch,
+                    cuda_options=options,
+                    cuda_graphs=graphs,
+                )
+                assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0])), (
+                    f"{slots} slots, pipelined={pipelined}, graphs={graphs}"
+                )
+                total = sum(stats, CacheStats())  # copies mid-step: demand misses, or prefetches the plan made
+                assert total.misses + total.prefetches_issued > len(family_model.config.moe_layers)
+                engine.decoder.close()
+
+
 def check_no_allocations_during_cached_steps(model, monkeypatch):
     """Warms an engine with a 2-slot cache and plan + lookahead prefetch up, then runs prompts and decodes with
     `memalloc` watched: no device allocation and no change in free device memory. Returns the engine."""

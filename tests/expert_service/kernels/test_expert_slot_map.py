@@ -47,7 +47,7 @@ class DeviceLayer:
         s = {n: a.copy_to_host() for n, a in self.state.items()}
         return SlotMapState(s["slot_of"], s["expert_in"], s["stamp"], s["prefetched"], self.stats.copy_to_host())
 
-    def demand(self, ids):
+    def demand(self, ids, pipelined: bool = False):
         st = self.state
         launch_plan_demand(
             cuda.to_device(np.asarray(ids, np.int32).reshape(-1)),
@@ -63,6 +63,7 @@ class DeviceLayer:
             self.fetch_slot,
             self.fetch_count,
             self.stats,
+            pipelined=pipelined,
         )
         counts = self.fetch_count.copy_to_host()
         fe, fs = self.fetch_expert.copy_to_host(), self.fetch_slot.copy_to_host()
@@ -99,16 +100,20 @@ def assert_same(dev: SlotMapState, ref: SlotMapState):
     assert (dev.slot_of >= 0).sum() == len(held)
 
 
-def check_waves(contents, ids, wave_map, fetches, S):
+def check_waves(contents, ids, wave_map, fetches, S, pipelined: bool = False):
     """Replays the copies wave by wave on `contents` (slot -> expert): every needed expert computed exactly once,
-    from a slot holding it when its wave runs; waves' slots distinct; as few waves as the union allows."""
+    from a slot holding it when its wave runs; waves' slots distinct; as few waves as the union allows; pipelined:
+    waves of S // 2 at most, and no copy of wave w lands in a slot wave w - 1 reads (they may run together)."""
     needed = set(np.asarray(ids).reshape(-1).tolist())
     computed = []
+    C = S // 2 if pipelined else S
     for w, copies in enumerate(fetches):
+        if pipelined and w:
+            assert not {s for _, s in copies} & set(wave_map[w - 1][wave_map[w - 1] >= 0].tolist())
         for e, s in copies:
             contents[s] = e
         slots = wave_map[w][wave_map[w] >= 0]
-        assert len(set(slots.tolist())) == len(slots) <= S
+        assert len(set(slots.tolist())) == len(slots) <= C
         for e in np.flatnonzero(wave_map[w] >= 0):
             assert contents[wave_map[w, e]] == e, (
                 f"wave {w}: expert {e} reads a slot holding {contents[wave_map[w, e]]}"
@@ -116,14 +121,16 @@ def check_waves(contents, ids, wave_map, fetches, S):
             computed.append(int(e))
     assert sorted(computed) == sorted(needed)
     used_waves = sum(bool((wave_map[w] >= 0).any()) for w in range(len(fetches)))
-    assert used_waves == max(1, -(-len(needed) // S)) or not needed
+    assert used_waves == max(1, -(-len(needed) // C)) or not needed
 
 
-def run_steps(E: int, S: int, T: int, K: int, steps: int = 24, seed: int | None = None) -> None:
+def run_steps(
+    E: int, S: int, T: int, K: int, steps: int = 24, seed: int | None = None, pipelined: bool = False
+) -> None:
     """`steps` steps of random routing of T tokens x K (and predictions on two steps in three) on device and
     reference: every array equal after every call, and the copies replayed against the waves."""
     rng = np.random.default_rng(E * 1000 + S * 10 + T if seed is None else seed)
-    W = waves_needed(T * K, E, S)
+    W = waves_needed(T * K, E, S, pipelined)
     dev, ref = DeviceLayer(E, S, W), SlotMapState.empty(E, S)
     contents = np.full(S, -1)  # what the slots hold, from the copies issued
     tick = 0
@@ -141,12 +148,12 @@ def run_steps(E: int, S: int, T: int, K: int, steps: int = 24, seed: int | None 
                 contents[s] = e
             assert_same(dev.host_state(), ref)
         ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int32)
-        wave_map, fetches = dev.demand(ids)
-        ref_map, ref_fetches = plan_demand(ref, ids, tick, W)
+        wave_map, fetches = dev.demand(ids, pipelined)
+        ref_map, ref_fetches = plan_demand(ref, ids, tick, W, pipelined)
         np.testing.assert_array_equal(wave_map, ref_map)  # every row, the unused waves' too
         assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
         assert_same(dev.host_state(), ref)
-        check_waves(contents, ids, wave_map, fetches, S)
+        check_waves(contents, ids, wave_map, fetches, S, pipelined)
         np.testing.assert_array_equal(contents, dev.host_state().expert_in)
     dev.assert_scratch_untouched()
 
@@ -168,6 +175,39 @@ def test_demand_and_prefetch_match_reference_over_steps(E, S, T, K):
 )
 def test_more_slots_than_a_warp_and_many_waves_match_reference(E, S, T, K, steps):
     run_steps(E, S, T, K, steps)
+
+
+@pytest.mark.parametrize(
+    "E,S,T,K,steps",
+    [
+        (8, 2, 16, 2, 24),  # mixtral at 25 %: waves of one expert, hits spread over the first waves
+        (8, 3, 4, 2, 24),  # an odd slot count: waves of one, one slot spare
+        (16, 4, 3, 4, 24),
+        (70, 40, 12, 4, 10),  # 20 a wave, over a warp of slots: lanes own two
+        (128, 32, 16, 8, 12),  # qwen3 at 25 %, b=16: hits over several waves, then misses
+    ],
+)
+def test_pipelined_waves_match_reference(E, S, T, K, steps):
+    run_steps(E, S, T, K, steps, pipelined=True)
+
+
+def test_pipelined_waves_leave_the_previous_wave_alone():
+    """Mixtral at 25 %, every expert needed: waves of one; two hits take waves 0 and 1 and no copy; wave 2's copy
+    takes wave 0's slot (its compute is done by then), never wave 1's, which may still be computing."""
+    E, S = 8, 2
+    dev, ref = DeviceLayer(E, S, waves_needed(16, E, S, True)), SlotMapState.empty(E, S)
+    for tick, ids in enumerate(([6, 2], np.arange(16) % E), start=1):
+        launch_advance_tick(dev.tick)
+        wave_map, fetches = dev.demand(ids, pipelined=True)
+        ref_map, ref_fetches = plan_demand(ref, ids, tick, dev.W, pipelined=True)
+        np.testing.assert_array_equal(wave_map, ref_map)
+        assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
+    assert dev.W == 8
+    assert wave_map[0, 2] == 0 and wave_map[1, 6] == 1  # step 1: 2 in slot 0 (wave 0), 6 in slot 1 (wave 1)
+    assert fetches[:2] == [[], []] and [len(f) for f in fetches] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert [f[0][1] for f in fetches[2:]] == [0, 1, 0, 1, 0, 1]  # alternating: never the slot of the wave before
+    with pytest.raises(ValueError, match="2 slots"):
+        DeviceLayer(4, 1, 4).demand([0], pipelined=True)
 
 
 def test_largest_layer_matches_reference():
