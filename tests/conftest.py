@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
 # An xdist worker on the GPU still running this long after its last test dumps every thread's stack to stderr and
 # exits: a shutdown held by a thread join or a driver call must not hold `make test-gpu` until a job's time limit.
-WORKER_EXIT_GRACE_S = 60
+WORKER_EXIT_GRACE_S = 30
 
 
 def pytest_unconfigure(config):
