@@ -27,18 +27,14 @@ forward). accelerate's own infer_auto_device_map keeps a whole decoder layer of 
 fewer weights than the budget. Prefill and decode are timed as bench/engine.py's bench_hf does, with fewer
 decode steps when offloaded (each takes ~a second); a failing reference is recorded as an error.
 Needs `accelerate` (not a project dependency).
-
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
         [--cached-gemv on,off] [--pipelined-waves on,off]
 
-`--cached-gemv on,off` runs every cached (fraction, mode) with and without the cache's one-token GEMV
-(CudaOptions.cached_gemv; docs/expert-cache.md) and prints their step times side by side with the ratio;
-`--pipelined-waves on,off` likewise with and without pipelined waves (CudaOptions.pipelined_waves: copies one
-wave ahead on a copy stream).
+`--cached-gemv on,off` / `--pipelined-waves on,off` run every cached (fraction, mode) with and without that
+CudaOptions field (docs/expert-cache.md) and print the step times side by side with their ratio.
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
-
 A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
 
     python bench/offload.py --model DIR --prompts heldout.txt [--table DIR/routing_table.bin]
@@ -69,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
-from bench.offload_report import plot_offload, print_offload, print_option, print_run  # noqa: E402
+from bench.offload_report import option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
@@ -318,11 +314,6 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                     off = option_key(mode, option != "cached_gemv", option != "pipelined_waves")
                     print_option(fraction, mode, option, runs[mode]["decode"], runs[off]["decode"])
     return entry
-
-
-def option_key(mode: str, cached_gemv: bool, pipelined_waves: bool) -> str:
-    """A cached run's key: the prefetch mode, with each CudaOptions field the run turned off."""
-    return mode + ("" if cached_gemv else "/no-cached-gemv") + ("" if pipelined_waves else "/no-pipelined-waves")
 
 
 def offload_map(model, budget: int) -> dict[str, object]:

@@ -42,6 +42,11 @@ def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
     print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
 
 
+def option_key(mode: str, cached_gemv: bool, pipelined_waves: bool) -> str:
+    """A cached run's key: the prefetch mode, with each CudaOptions field the run turned off."""
+    return mode + ("" if cached_gemv else "/no-cached-gemv") + ("" if pipelined_waves else "/no-pipelined-waves")
+
+
 def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:
     """The same cached run with a CudaOptions field on and off: step times side by side, off / on."""
     line = ", ".join(
