@@ -11,7 +11,10 @@ decoder in the same run:
            (fused_qk_norm off);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (gate_planned);
 - untiled_attention: fused, with decode attention on attention_decode (tiled_decode_attention off);
-- baseline: unfused and also fused_router, greedy_split and tiled_decode_attention off.
+- baseline: unfused and also fused_router, greedy_split and tiled_decode_attention off;
+- in_turn_waves: fused, expert-cache waves of every slot, copies and kernels in turn (pipelined_waves off);
+- in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
+           (overlap_dequant off).
 
 fused / unfused / unfused_qk_norm / baseline / untiled_attention share one engine and the same sequences
 (CudaDecoder.set_options between variants drops the captured graphs, so each variant's graphs are its own);
@@ -19,10 +22,18 @@ lut needs its own engine. Writes profile_step.json (per shape, variant and
 scenario: wall, device busy, every kernel's time and launches per step; and per scenario the fused-vs-unfused
 differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
-pool reused across tensors, fresh values for the routers so routing stays uniform).
+pool reused across tensors, fresh values for the routers so routing stays uniform); `--expert-dtype int8|fp8`
+writes the experts in that dtype instead (bench/random_model.py). `--cache-slots N` runs the engines with the
+expert cache at N slots per MoE layer (`--prefetch` none by default). `--host-profile` also records where the
+host's time goes in each scenario: Python's cProfile over the same steps, the top functions by own time and the
+calls a step (large steps wait on the host's launches: wall well above device busy).
 
     python bench/profile_step.py --out out/ [--shapes mixtral-shape] [--variants fused,unfused,lut]
                                  [--scenarios prefill_1x512,decode_1,decode_16,decode_64] [--top 12]
+    python bench/profile_step.py --shapes mixtral-shape --variants fused,in_turn_waves --scenarios decode_16
+                                 --cache-slots 2
+    python bench/profile_step.py --shapes mixtral-shape --expert-dtype int8 --variants fused,in_order_dequant
+                                 --scenarios prefill_16x128 --host-profile
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ VARIANTS = {
         "greedy_split": False,
         "tiled_decode_attention": False,
     },
+    "in_turn_waves": {"pipelined_waves": False},
+    "in_order_dequant": {"overlap_dequant": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
 POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
@@ -131,6 +144,26 @@ def random_plan(layers, num_tokens: int, num_experts: int, top_k: int, rng):
     return RoutingPlan.from_expert_ids(layers, ids, num_experts)
 
 
+def host_profile(fn, repeats: int, top: int, sync) -> dict:
+    """cProfile over `repeats` calls of fn, each followed by sync(): Python calls a step and the top functions by
+    own time (us a step)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        fn()
+        sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "calls_per_step": sum(v[1] for v in stats.values()) / repeats,
+        "top_own_time": {f"{Path(f).name}:{line}({name})": v[2] / repeats * 1e6 for (f, line, name), v in ranked},
+    }
+
+
 def profile(fn, repeats: int) -> tuple[dict, float]:
     import torch
     from torch.profiler import ProfilerActivity
@@ -184,8 +217,8 @@ class Scenarios:
     """Runs one shape's scenarios on an engine; decode sequences are prefilled once per batch size and shared
     by the variants that use this engine (their contexts grow by the steps each variant runs)."""
 
-    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0):
-        self.engine, self.vocab, self.lut = engine, vocab, lut
+    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0, host_top: int = 0):
+        self.engine, self.vocab, self.lut, self.host_top = engine, vocab, lut, host_top
         self.rng = np.random.default_rng(seed)
         mc = engine.model_config
         self.layers, self.E, self.K = mc.moe_layers, mc.num_experts, mc.num_experts_per_tok
@@ -239,17 +272,26 @@ class Scenarios:
                 engine.step(decode_ids=ids, routing_plan=plan)
 
         totals, wall_us = profile(fn, PROFILED_STEPS[kind])
-        return summarise(totals, wall_us)
+        entry = summarise(totals, wall_us)
+        if self.host_top:
+            import torch
+
+            entry["host"] = host_profile(fn, PROFILED_STEPS[kind], self.host_top, torch.cuda.synchronize)
+        return entry
 
 
-def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str], top: int, on_result) -> dict:
+def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str], top: int, on_result, args) -> dict:
+    from bench.engine import random_model
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
 
     family, params = SHAPES[name]
     started = time.perf_counter()
-    model_dir = write_random_model(family, params, workdir / name)
+    if args.expert_dtype == "bfloat16":
+        model_dir = write_random_model(family, params, workdir / name)
+    else:
+        model_dir = random_model(family, params, workdir / name, args.expert_dtype)
     print(f"{name}: model written in {time.perf_counter() - started:.1f} s", flush=True)
     results: dict[str, dict] = {}
     try:
@@ -266,9 +308,11 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
                     max_batch_tokens=2048,
                     max_batch_size=64,
                     routing="lut" if lut else "exact",
+                    expert_cache_slots=args.cache_slots,
+                    prefetch=args.prefetch if args.cache_slots else "none",
                 ),
             )
-            runner = Scenarios(engine, params["vocab_size"], lut)
+            runner = Scenarios(engine, params["vocab_size"], lut, host_top=top if args.host_profile else 0)
             try:
                 for scenario in scenarios:  # variants inner: same sequences, adjacent in time
                     for variant in group:
@@ -304,6 +348,10 @@ def _print(shape: str, variant: str, scenario: str, entry: dict, top: int) -> No
     print(f"\n{shape} {variant} {scenario}: wall {wall:.0f} us, device busy {busy:.0f} us ({busy / wall:.0%})")
     for k, v in list(entry["kernels"].items())[:top]:
         print(f"  {v['us']:9.1f} us  {v['launches']:6.1f}x  {k}")
+    if "host" in entry:
+        print(f"  host: {entry['host']['calls_per_step']:.0f} Python calls a step; own time a step:")
+        for k, us in entry["host"]["top_own_time"].items():
+            print(f"  {us:9.1f} us  {k}")
     sys.stdout.flush()
 
 
@@ -315,7 +363,13 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {', '.join(SCENARIOS)}")
     parser.add_argument("--workdir", default="/dev/shm/colibri-profile")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "int8", "fp8"))
+    parser.add_argument("--cache-slots", type=int, default=0, help="expert cache slots per MoE layer (0: resident)")
+    parser.add_argument("--prefetch", default="none", help="the expert cache's prefetch (with --cache-slots)")
+    parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of each scenario")
     args = parser.parse_args()
+    if args.cache_slots < 0:
+        parser.error(f"--cache-slots: must be >= 0, got {args.cache_slots}")
     variants, scenarios = args.variants.split(","), args.scenarios.split(",")
     for value, known, what in ((variants, VARIANTS, "variant"), (scenarios, SCENARIOS, "scenario")):
         unknown = [v for v in value if v not in known]
@@ -329,6 +383,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "variants": {v: VARIANTS[v] for v in variants},
         "profiled_steps": PROFILED_STEPS,
+        "expert_dtype": args.expert_dtype,
+        "cache_slots": args.cache_slots,
         "shapes": {},
     }
 
@@ -340,7 +396,13 @@ def main() -> int:
     for name in args.shapes.split(","):
         results["shapes"][name] = {}
         shape = run_shape(
-            name, Path(args.workdir), variants, scenarios, args.top, lambda partial, name=name: save(partial, name)
+            name,
+            Path(args.workdir),
+            variants,
+            scenarios,
+            args.top,
+            lambda partial, name=name: save(partial, name),
+            args,
         )
         save(shape, name)
     return 0

@@ -142,3 +142,28 @@ def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, l
     # per variant
     assert len(steps) == 5 + 1 + 2 * 13
     assert all(engine.sequences[i].num_cached == 8 + 2 * 13 for i in runner.decoding[3])
+
+
+def test_host_profile_counts_calls_a_step_and_ranks_own_time():
+    """Three steps of a function that calls a slow helper once and a fast one 50 times: 52 calls a step (the step
+    function itself included), the slow helper first by own time."""
+    import time
+
+    def slow():
+        time.sleep(0.002)
+
+    def fast():
+        return None
+
+    def step():
+        slow()
+        for _ in range(50):
+            fast()
+
+    synced = []
+    host = profile_step.host_profile(step, 3, 2, lambda: synced.append(1))
+    assert synced == [1, 1, 1]
+    assert 52 <= host["calls_per_step"] <= 57  # the step, its 51 calls, the sync lambda, list.append, cProfile's own
+    first = next(iter(host["top_own_time"]))
+    assert "sleep" in first or "slow" in first
+    assert next(iter(host["top_own_time"].values())) >= 1500  # us a step
