@@ -31,8 +31,8 @@ Needs `accelerate` (not a project dependency).
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
         [--cached-gemv on,off] [--pipelined-waves on,off]
 
-`--cached-gemv on,off` / `--pipelined-waves on,off` run every cached (fraction, mode) with and without that
-CudaOptions field (docs/expert-cache.md) and print the step times side by side with their ratio.
+`--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` run every cached (fraction, mode) with
+and without that CudaOptions field (docs/expert-cache.md) and print the step times side by side with their ratio.
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
-from bench.offload_report import option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
+from bench.offload_report import OPTIONS, option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
@@ -293,26 +293,25 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             runs["resident"] = resident
             continue
         for mode in args.prefetch_modes:
-            for gemv, pipelined in itertools.product(args.cached_gemv, args.pipelined_waves):
-                key = option_key(mode, gemv, pipelined)  # runs with an option off keyed apart
-                options = CudaOptions(cached_gemv=gemv, pipelined_waves=pipelined)
-                cached = make_engine(model, args.backend, n, mode, options)
+            for values in itertools.product(*(getattr(args, option) for option in OPTIONS)):
+                settings = dict(zip(OPTIONS, values))
+                key = option_key(mode, settings)  # runs off the default options keyed apart
+                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings))
                 try:
                     runs[key] = {
                         "slots_per_layer": n,
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
-                        "cached_gemv": gemv,
-                        "pipelined_waves": pipelined,
+                        **settings,
                         **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
                     }
                 finally:
                     close(cached)
                 print_run(fraction, key, runs[key]["decode"], resident["decode"])
-            for option in ("cached_gemv", "pipelined_waves"):
-                if len(getattr(args, option)) == 2:
-                    off = option_key(mode, option != "cached_gemv", option != "pipelined_waves")
-                    print_option(fraction, mode, option, runs[mode]["decode"], runs[off]["decode"])
+            base = {option: getattr(args, option)[0] for option in OPTIONS}
+            for option in (option for option in OPTIONS if len(getattr(args, option)) == 2):
+                on, off = (runs[option_key(mode, {**base, option: value})]["decode"] for value in (True, False))
+                print_option(fraction, mode, option, on, off)
     return entry
 
 
@@ -441,18 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument(
-        "--cached-gemv",
-        default="on",
-        help="CudaOptions.cached_gemv of the cached runs: on, off or on,off (both, printed side by side with "
-        "their ratio; the off runs are keyed MODE/no-cached-gemv)",
-    )
-    parser.add_argument(
-        "--pipelined-waves",
-        default="on",
-        help="CudaOptions.pipelined_waves of the cached runs: on, off or on,off (the off runs keyed "
-        "MODE/no-pipelined-waves)",
-    )
+    for option in OPTIONS:  # each run keyed by the options it changes (option_key)
+        default = "on" if getattr(CudaOptions(), option) else "off"
+        help_text = f"CudaOptions.{option} of the cached runs: on, off or on,off (both, side by side)"
+        parser.add_argument("--" + option.replace("_", "-"), default=default, help=help_text)
     parser.add_argument(
         "--expert-dtype",
         default=None,
@@ -469,11 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:
         parser.error(f"--prefetch-modes: {bad} not in {', '.join(PREFETCH_MODES)}")
     settings = {"on": True, "off": False}
-    for option in ("cached_gemv", "pipelined_waves"):
+    for option in OPTIONS:
         values = [settings.get(v, v) for v in dict.fromkeys(getattr(args, option).split(","))]
         if bad := [v for v in values if not isinstance(v, bool)]:
             parser.error(f"--{option.replace('_', '-')}: {bad} not in on, off")
-        setattr(args, option, sorted(values, reverse=True))  # on first: the prefetch mode's own key
+        default = getattr(CudaOptions(), option)
+        setattr(args, option, sorted(values, key=lambda v, d=default: v != d))  # the default first: MODE's key
     if args.decode_steps < 1:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:

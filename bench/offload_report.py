@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot  # noqa: E402
+from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
 
 MODE_NAMES = {
     "resident": "all resident",
@@ -42,9 +43,15 @@ def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
     print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
 
 
-def option_key(mode: str, cached_gemv: bool, pipelined_waves: bool) -> str:
-    """A cached run's key: the prefetch mode, with each CudaOptions field the run turned off."""
-    return mode + ("" if cached_gemv else "/no-cached-gemv") + ("" if pipelined_waves else "/no-pipelined-waves")
+OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma")  # the CudaOptions fields bench/offload.py can vary
+
+
+def option_key(mode: str, settings: dict[str, bool]) -> str:
+    """A cached run's key: the prefetch mode, then each CudaOptions field the run sets off its default
+    ("/no-cached-gemv" for a field on by default, "/cached-mma" for one off by default)."""
+    defaults = CudaOptions()
+    changed = (name for name in OPTIONS if settings.get(name, getattr(defaults, name)) != getattr(defaults, name))
+    return mode + "".join(f"/{'no-' if getattr(defaults, n) else ''}{n.replace('_', '-')}" for n in changed)
 
 
 def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:

@@ -110,6 +110,7 @@ class CudaDecoder:
             planned=self.planned_routing,
             quantized=self.weights.quantized,
             q8_mma=self._q8_mma(config.cuda_options),
+            cached_mma=config.cuda_options.cached_mma,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
@@ -501,6 +502,9 @@ class CudaDecoder:
         step would take a MoE strategy whose buffers the workspace lacks (it was laid out for the engine's
         configured options) are refused: build the engine with them instead."""
         missing = self._strategies(options, self.cached is not None) - self.workspace_strategies
+        cached = self.cached
+        if options.cached_mma and cached is not None and cached.mma_supported and not cached.mma_possible:
+            missing.add(MoeStrategy.CACHED_GROUPED)  # on the tensor-core kernel: rows it was not laid out with
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

@@ -306,8 +306,8 @@ class DeviceMoe:
         else:
             assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
             large, gemv = strategy is MoeStrategy.CACHED_CUBLAS, strategy is MoeStrategy.CACHED_GEMV
-            pipelined = self.options.pipelined_waves
-            self.cached.run(i, x, h, T, ids, weights, large, combine=combine, gemv=gemv, pipelined=pipelined)
+            options = self.options
+            self.cached.run(i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma)
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm

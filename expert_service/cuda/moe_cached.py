@@ -39,6 +39,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.driver import Event, check, non_blocking_stream, stream_handle
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.config import PrefetchSource
 from expert_service.experts.cache import CacheStats
@@ -49,9 +50,18 @@ from expert_service.kernels.expert_slot_ids import launch_expert_slot_ids
 from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
+from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS
+from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_gemm_mma import (
+    COMBINE_STORE,
+    choose_config,
+    launch_moe_gemm_down,
+    launch_moe_gemm_gate_up,
+)
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.tile_slots import launch_tile_slots
 
 HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
 
@@ -106,6 +116,10 @@ class CachedExperts:
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
         self.host_offsets = cuda.pinned_array(E + 1, np.int32)
         self.quantized = weights.quantized
+        # the tensor-core waves (CudaOptions.cached_mma): bf16 layers, and their rows in the workspace (laid out
+        # with the option on)
+        self.mma_supported = cached_mma_possible(weights.dtype, weights.quantized, E)
+        self.mma_possible = self.mma_supported and "mma_tile_slot" in workspace.arrays
         self.dense = self.one_expert = None  # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs
         if self.quantized and T > GROUPED_MAX_TOKENS:
             F, D = cfg.moe_intermediate_size, cfg.hidden_size
@@ -159,17 +173,33 @@ class CachedExperts:
         return self.hint_ids[self.moe_layers.index(layer), : T * self.config.num_experts_per_tok]
 
     def run(
-        self, i: int, x, h, T: int, ids, weights, large: bool, combine=None, gemv: bool = False, pipelined=False
+        self,
+        i: int,
+        x,
+        h,
+        T: int,
+        ids,
+        weights,
+        large: bool,
+        combine=None,
+        gemv: bool = False,
+        pipelined: bool = False,
+        mma: bool = False,
     ) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
         large: per-expert cuBLAS GEMMs at a host break; gemv: CACHED_GEMV (one token whose K experts fit the
         slots: one wave, `_gemv`); else the grouped kernels in waves, pipelined (CudaOptions.pipelined_waves,
-        two slots a layer at least) or in turn; combine: DeviceMoe's (None: launch_moe_combine)."""
+        two slots a layer at least) or in turn, each wave on moe_ffn or, mma (CudaOptions.cached_mma, bf16 layers),
+        on the tensor-core grouped kernel; combine: DeviceMoe's (None: launch_moe_combine)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K = cfg.num_experts_per_tok
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
-        if not gemv:  # the GEMV kernels take the ids as routed: no grouping
+        mma = mma and self.mma_possible and not (large or gemv) and n <= ALIGN_MAX_ASSIGNMENTS
+        if mma:  # sorted into tiles once; each wave computes its experts' tiles (y rows in assignment order)
+            self._align(x, ids, n)
+            position = ws.identity_position[:n]
+        elif not gemv:  # the GEMV kernels take the ids as routed: no grouping
             launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         ahead = self.next_moe[i]
         lookahead = ahead is not None and PrefetchSource.LOOKAHEAD in self.prefetch and not large
@@ -194,26 +224,55 @@ class CachedExperts:
             self._gemv(i, x, ids, buffer, out)
             position = ws.identity_position[:n]  # out rows in the token's top-k order
         elif pipelined:
-            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead)
+            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, mma)
         else:
             for w in range(waves):
                 if w == 0:
                     self._first_wave(i, T, ahead, lookahead)
                 else:
                     self.slots.fetch(i, w, st)
-                self._wave(i, w, T, x, buffer)
+                self._wave(i, w, T, x, buffer, mma)
         if combine is None:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
             combine(out, position, weights, h)
 
-    def _wave(self, i: int, w: int, T: int, x, buffer) -> None:
+    def _align(self, x, ids, n: int) -> None:
+        """The tensor-core waves' shared part: the step's assignments sorted into tiles by expert (moe_align) and
+        their rows gathered in bf16, once per layer."""
+        ws, st, E = self.ws, self.stream, self.config.num_experts
+        bm = choose_config(n, E).block_m
+        tiles = max_tiles(n, E, bm)
+        sorted_ids, tile_expert = ws.mma_sorted_ids[: tiles * bm], ws.mma_tile_expert[:tiles]
+        launch_moe_align(ids, E, bm, sorted_ids, tile_expert, ws.mma_num_tiles, ws.position[:n], stream=st)
+        launch_moe_gather_bf16(x, sorted_ids, ws.mma_num_tiles, ids.shape[1], bm, ws.mma_xs[: tiles * bm], stream=st)
+
+    def _mma_wave(self, slot_of, n: int, buffer) -> None:
+        """Wave's tiles on the tensor-core grouped kernel: their slots (tile_slots: -1 for other waves' tiles,
+        which the kernels skip), then gate|up and down from the slot buffer, y stored in assignment order."""
+        cfg, ws, st = self.config, self.ws, self.stream
+        F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+        config = choose_config(n, E)
+        tiles = max_tiles(n, E, config.block_m)
+        rows = tiles * config.block_m
+        tile_slot, num_tiles, h = ws.mma_tile_slot[:tiles], ws.mma_num_tiles, ws.mma_h[:rows]
+        launch_tile_slots(ws.mma_tile_expert[:tiles], num_tiles, slot_of, tile_slot, stream=st)
+        launch_moe_gemm_gate_up(ws.mma_xs[:rows], tile_slot, num_tiles, buffer, F, D, h, config=config, stream=st)
+        sorted_ids, out = ws.mma_sorted_ids[:rows], ws.moe_out[:n]
+        launch_moe_gemm_down(
+            h, tile_slot, num_tiles, sorted_ids, buffer, F, D, out, combine=COMBINE_STORE, config=config, stream=st
+        )
+
+    def _wave(self, i: int, w: int, T: int, x, buffer, mma: bool = False) -> None:
         """The grouped kernels of wave w on the compute stream: the wave's experts read through its slot map into
-        moe_out (rows of experts outside the wave untouched)."""
+        moe_out (rows of experts outside the wave untouched); mma: on the tensor-core kernel (`_mma_wave`)."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
         order, out, gate = ws.order[:n], ws.moe_out[:n], ws.moe_gate[:n]
         slot_of = self.slots.wave_slots(i, w)
+        if mma:
+            self._mma_wave(slot_of, n, buffer)
+            return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
             q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds)
@@ -223,7 +282,9 @@ class CachedExperts:
         launch_moe_gate_up(x, order, ws.offsets, buffer, F, D, gate, stream=st, slot_of=slot_of)
         launch_moe_down(gate, order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
 
-    def _pipelined_waves(self, i: int, T: int, x, buffer, waves: int, ahead: int | None, lookahead: bool) -> None:
+    def _pipelined_waves(
+        self, i: int, T: int, x, buffer, waves: int, ahead: int | None, lookahead: bool, mma: bool = False
+    ) -> None:
         """The waves with their copies on the copy stream, one wave ahead: wave w + 1's copies (into slots no wave
         from w on reads: the plan's pipelined rule) run while wave w computes, once wave w - 1's kernels, the last
         to read the slots they fill, are done. The compute stream waits for each wave's copies; the last wave's
@@ -241,7 +302,7 @@ class CachedExperts:
                 self.slots.fetch(i, w + 1, self.copy)
                 self._fetched[w + 1].record(copy)
             check(drv.cuStreamWaitEvent(main, self._fetched[w].handle, 0))
-            self._wave(i, w, T, x, buffer)
+            self._wave(i, w, T, x, buffer, mma)
             self._computed[w].record(main)
 
     def _first_wave(self, i: int, T: int, ahead: int | None, lookahead: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_gemm_mma import (
@@ -51,6 +52,12 @@ def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[
         "mma_xs": ((rows, D), u16),
         "mma_h": ((rows, F), u16),
     }
+
+
+def cached_mma_possible(weight_dtype, quantized: bool, num_experts: int) -> bool:
+    """Whether the expert cache's grouped waves can run on the tensor-core kernel (CudaOptions.cached_mma): bf16
+    experts (the kernel reads bf16 weights; 8-bit slots keep moe_q8) and moe_align's expert limit."""
+    return np.dtype(weight_dtype) == np.uint16 and not quantized and num_experts <= ALIGN_MAX_E
 
 
 def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None) -> None:

@@ -30,7 +30,7 @@ from expert_service.cuda.moe import (
     dequant_group,
     reachable_strategies,
 )
-from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
 
@@ -78,11 +78,12 @@ def layout_workspace(
     planned: bool = False,
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
+    cached_mma: bool = False,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
     quantized: 8-bit or mixed experts (DeviceWeights.quantized); q8_mma: the step sizes taking Q8_MMA
-    (moe.q8_mma_tokens)."""
+    (moe.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -157,6 +158,9 @@ def layout_workspace(
         layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
     if strategies & {MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA}:  # the same sorted bf16 rows
         layout.update(grouped_mma_layout(T, K, E, D, F))
+    elif cached and cached_mma and cached_mma_possible(weight_dtype, quantized, E):  # cache waves on tensor cores
+        grouped = grouped_mma_layout(min(T, GROUPED_MAX_TOKENS), K, E, D, F)
+        layout.update(grouped, mma_tile_slot=grouped["mma_tile_expert"])
     if planned:  # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
         layout["routed_ids"] = ((max(num_layers_moe, 1) * T * K,), i32)
     if weight_dtype != np.float32:  # cuBLAS takes activations in the weights' 16-bit type

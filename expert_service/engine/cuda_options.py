@@ -1,7 +1,8 @@
 """Which of the cuda backend's alternative kernel paths a decoder takes: one frozen value, given to the decoder
 (EngineConfig.cuda_options) and swapped only through CudaDecoder.set_options, which drops the captured graphs
 (a graph keeps the path it was captured with). Every default is the shipped path; turning one off restores the
-path it replaced, for comparisons (bench/profile_step.py) and to rule a new kernel out quickly. It imports
+path it replaced, for comparisons (bench/profile_step.py) and to rule a new kernel out quickly. The EXPERIMENTAL
+switches are the exception: new paths, off until measured. It imports
 nothing but dataclasses: EngineConfig holds it, and the cpu backend must not load numba. The integer fields are
 the step-size thresholds of kernels whose crossover is measured on the GPU (bench/engine.py --q8-mma-sweep
 sweeps them without code changes)."""
@@ -9,6 +10,10 @@ sweeps them without code changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
+# Every other switch defaults to the shipped path.
+EXPERIMENTAL = frozenset({"cached_mma"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,10 @@ class CudaOptions:
     # of half the slots, wave w + 1's copies on a copy stream while wave w computes (False: waves of every slot,
     # copies and kernels in turn on the compute stream)
     pipelined_waves: bool = True
+    # expert-cache grouped steps on bf16 layers (up to moe_align's limits) run each wave on the tensor-core grouped
+    # kernel (moe_gemm_mma through a tile -> slot map, tile_slots.py) instead of moe_ffn's CUDA-core kernels; off
+    # until its H200 figures are in (docs/expert-cache.md)
+    cached_mma: bool = False
     # 8-bit layers' per-expert cuBLAS steps widen the next group of experts on a side stream while this group's
     # GEMMs run (cuda/dequant_pipeline.py) (False: widening and GEMMs in turn on the compute stream)
     overlap_dequant: bool = True

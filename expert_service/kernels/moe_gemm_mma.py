@@ -14,7 +14,8 @@ Reference: `moe_reference` (numpy, the same bf16 roundings of x and h).
 
 Kernel design (one block = BM padded rows of one expert x BN weight rows; 32 * WM * WN threads):
 - Grid: 1-D, max_tiles(T*K, E, BM) x N tiles, sized from the upper bound on the host; a block whose M tile is
-  >= num_tiles[0] (device) exits at once. Blocks are numbered in groups of GROUP_M M tiles (Triton's grouped
+  >= num_tiles[0] (device), or whose tile_expert entry is negative (a tile the expert cache leaves for another
+  wave: W is then the slot buffer and the entries are slots, tile_slots.py), exits at once. Blocks are numbered in groups of GROUP_M M tiles (Triton's grouped
   order): consecutive blocks share an expert's weight tiles and a few A tiles, so both stay in L2.
 - gate|up: the block's BN weight rows are BN/2 gate rows and the same BN/2 up rows (F columns f0 .. f0+BN/2),
   and each warp holds matching gate and up accumulators, so SwiGLU is the epilogue; h is written as bf16.
@@ -294,6 +295,8 @@ def _build(cfg: Config, mode: int, aligned: bool, exact_k: bool = False):
         if m_tile >= num_tiles[0]:
             return
         expert = tile_expert[m_tile]
+        if expert < 0:                          # not this launch's (the expert cache's waves: tile_slots.py)
+            return
         wbase = np.int64(expert) * stride
         row0 = np.int64(m_tile) * BM            # first padded row of the tile
         n0 = n_tile * (HALF_N if gated else BN)   # first output column (gated: F column)

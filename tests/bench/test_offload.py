@@ -79,13 +79,17 @@ def test_offload_tiny_cpu_with_int8_experts(tmp_path):
     assert entry["runs"]["0.5"]["none"]["slots_per_layer"] == entry["num_experts"] // 2
 
 
-def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
-    """--cached-gemv on,off: each cached run twice, keyed apart, printed together with their ratio."""
+def _tiny_option_runs(tmp_path, *options) -> dict:
+    """bench/offload.py on the tiny model at 50 %, prefetch none, with the given option flags: the runs by key."""
     out = tmp_path / "out"
     argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none"]
-    argv += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--cached-gemv", "on,off"]
-    assert offload.main(argv) == 0
-    runs = json.loads((out / "offload.json").read_text())["shapes"]["tiny"]["runs"]["0.5"]
+    assert offload.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work"), *options]) == 0
+    return json.loads((out / "offload.json").read_text())["shapes"]["tiny"]["runs"]["0.5"]
+
+
+def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
+    """--cached-gemv on,off: each cached run twice, keyed apart, printed together with their ratio."""
+    runs = _tiny_option_runs(tmp_path, "--cached-gemv", "on,off")
     assert list(runs) == ["none", "none/no-cached-gemv"]
     assert runs["none"]["cached_gemv"] is True and runs["none/no-cached-gemv"]["cached_gemv"] is False
     assert "ms per step, cached_gemv on/off (off / on): b=1 " in capsys.readouterr().out
@@ -94,11 +98,7 @@ def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
 def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):
     """--cached-gemv on,off --pipelined-waves off,on: four runs, each keyed by the options it turned off, and
     both side-by-side lines printed."""
-    out = tmp_path / "out"
-    argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none"]
-    argv += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--cached-gemv", "on,off"]
-    assert offload.main(argv + ["--pipelined-waves", "off,on"]) == 0
-    runs = json.loads((out / "offload.json").read_text())["shapes"]["tiny"]["runs"]["0.5"]
+    runs = _tiny_option_runs(tmp_path, "--cached-gemv", "on,off", "--pipelined-waves", "off,on")
     keys = ["none", "none/no-pipelined-waves", "none/no-cached-gemv", "none/no-cached-gemv/no-pipelined-waves"]
     assert list(runs) == keys
     assert [(r["cached_gemv"], r["pipelined_waves"]) for r in runs.values()] == [
@@ -110,6 +110,14 @@ def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ms per step, cached_gemv on/off (off / on): b=1 " in printed
     assert "ms per step, pipelined_waves on/off (off / on): b=1 " in printed
+
+
+def test_an_option_off_by_default_is_keyed_when_turned_on(tmp_path, capsys):
+    """--cached-mma on,off: the default (off) run keeps the mode's key, the other is MODE/cached-mma."""
+    runs = _tiny_option_runs(tmp_path, "--cached-mma", "on,off")
+    assert list(runs) == ["none", "none/cached-mma"]
+    assert runs["none"]["cached_mma"] is False and runs["none/cached-mma"]["cached_mma"] is True
+    assert "ms per step, cached_mma on/off (off / on): b=1 " in capsys.readouterr().out
 
 
 def test_offload_refuses_an_unknown_cached_gemv_setting(capsys):

@@ -148,6 +148,37 @@ def test_pipelined_waves_equal_waves_in_turn(family_model, prefetch):
                 engine.decoder.close()
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "in_turn"])
+def test_tensor_core_waves(family_model, pipelined):
+    """CudaOptions.cached_mma: the grouped waves on the tensor-core kernel through tile -> slot maps. Bitwise the
+    same at 1, 2 and 3 slots and with graphs or eager (each tile computed by the same kernel whatever the waves),
+    and against moe_ffn's waves the cached-vs-resident tolerance with the same greedy tokens."""
+    from expert_service.engine.cuda_options import CudaOptions
+
+    ref = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")
+    first = None
+    for slots, graphs in ((1, True), (2, True), (3, True), (2, False)):
+        options = CudaOptions(cached_mma=True, pipelined_waves=pipelined)
+        logits, tokens, _, _, engine = run_session(
+            family_model, backend="cuda", expert_cache_slots=slots, cuda_options=options, cuda_graphs=graphs
+        )
+        assert engine.decoder.cached.mma_possible
+        assert tokens == ref[1] and all(rel_error(a, b) <= 1e-4 for a, b in zip(logits, ref[0]))
+        first = logits if first is None else first
+        assert all(np.array_equal(a, b) for a, b in zip(logits, first)), f"{slots} slots, graphs={graphs}"
+        engine.decoder.close()
+
+
+def test_tensor_core_waves_need_their_workspace(family_model):
+    """Turning cached_mma on for an engine laid out without it is refused in one line, naming the strategy."""
+    from expert_service.engine.cuda_options import CudaOptions
+
+    engine = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
+    with pytest.raises(ValueError, match="cached_grouped"):
+        engine.decoder.set_options(CudaOptions(cached_mma=True))
+    engine.decoder.close()
+
+
 def check_no_allocations_during_cached_steps(model, monkeypatch):
     """Warms an engine with a 2-slot cache and plan + lookahead prefetch up, then runs prompts and decodes with
     `memalloc` watched: no device allocation and no change in free device memory. Returns the engine."""

@@ -8,13 +8,15 @@ import pytest
 from common.config import resolve
 from common.errors import ConfigError
 from expert_service.engine.config import EngineConfig
-from expert_service.engine.cuda_options import CudaOptions
+from expert_service.engine.cuda_options import EXPERIMENTAL, CudaOptions
 
 
 def test_every_option_defaults_to_the_shipped_path():
     assert EngineConfig().cuda_options == CudaOptions()
     switches = [f.name for f in fields(CudaOptions) if f.type in (bool, "bool")]
-    assert switches and all(getattr(CudaOptions(), name) is True for name in switches)
+    shipped = [name for name in switches if name not in EXPERIMENTAL]
+    assert shipped and all(getattr(CudaOptions(), name) is True for name in shipped)
+    assert EXPERIMENTAL <= set(switches) and all(getattr(CudaOptions(), name) is False for name in EXPERIMENTAL)
 
 
 def test_thresholds_come_from_a_config_file_and_are_checked():
@@ -35,7 +37,10 @@ def test_a_config_file_mapping_becomes_options():
 @pytest.mark.parametrize(
     "value,message",
     [
-        ({"greedy": False}, "cuda_options: unknown option 'greedy' (known: cached_gemv, fused_combine_norm,"),
+        (
+            {"greedy": False},
+            "cuda_options: unknown option 'greedy' (known: cached_gemv, cached_mma, fused_combine_norm,",
+        ),
         ({"greedy_split": "no"}, "cuda_options.greedy_split: must be true or false, got 'no'"),
         ("fast", "cuda_options: must be a mapping of CudaOptions fields, got 'fast'"),
     ],

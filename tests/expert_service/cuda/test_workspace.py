@@ -16,6 +16,7 @@ from expert_service.cuda.moe import (
     fused_router,
     warmup_tokens,
 )
+from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.cuda.workspace import (
     METADATA,
     PLAN_METADATA,
@@ -164,6 +165,15 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert "mma_xs" not in cached and cached["moe_in"][0] == (T * K, D) and cached["moe_gate"][0] == (T * K, F)
     assert cached["moe_up"][0] == (T * K, F) and "expert_x" not in cached
     assert cached["cast"][0][0] >= T * K * max(D, config.q_size, F)
+    # with the cache's tensor-core waves (CudaOptions.cached_mma): the sorted rows of steps up to the grouped limit
+    # and a tile -> slot map as long as the tile list; none for an 8-bit model or float32 weights
+    tensor = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True, cached_mma=True)
+    small = grouped_mma_layout(min(T, moe.GROUPED_MAX_TOKENS), K, config.num_experts, D, F)
+    assert all(tensor[name] == small[name] for name in small) and tensor["mma_tile_slot"] == small["mma_tile_expert"]
+    for no in (dict(weight_dtype=bf16, quantized=True), dict(weight_dtype=f32)):
+        dtype = no.pop("weight_dtype")
+        plain = layout_workspace(config, dtype, T, S, 16, len(config.moe_layers), cached=True, cached_mma=True, **no)
+        assert "mma_tile_slot" not in plain and "mma_xs" not in plain
     monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     monkeypatch.setattr(moe, "GROUPED_MMA_SPARSE_STEPS", False)
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))

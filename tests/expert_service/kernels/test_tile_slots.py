@@ -1,0 +1,93 @@
+"""tile_slots vs numpy (every element written, garbage past the used tiles cleared), and the expert cache's waves
+on the tensor-core grouped kernels: the step's tiles split over waves of a few slots, each wave's experts copied
+into a slot buffer at random slots and run through their tile -> slot map, give bitwise the h and y of one pass
+over all experts (each tile is computed by the same kernel from the same values, only in another launch)."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
+from expert_service.kernels.moe_gemm_mma import SIM_CONFIG, SIM_CONFIG_2, launch_moe_gemm_down, launch_moe_gemm_gate_up
+from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.tile_slots import launch_tile_slots
+from tests.helpers import expert_buffer, random_ids
+
+GARBAGE = -7
+NAN16 = 0x7FC1
+
+
+def reference(tile_expert, num_tiles, wave_map):
+    t = np.arange(tile_expert.size)
+    return np.where(t < num_tiles, wave_map[np.clip(tile_expert, 0, wave_map.size - 1)], -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("tiles,used,E", [(1, 1, 3), (37, 20, 8), (70, 70, 128), (5, 0, 4)])
+def test_matches_numpy(tiles, used, E):
+    rng = np.random.default_rng(tiles * 100 + used)
+    tile_expert = np.full(tiles, 10_000, np.int32)  # past the used tiles: out of range, must not be read
+    tile_expert[:used] = np.sort(rng.integers(0, E, used))
+    wave_map = np.where(rng.random(E) < 0.5, rng.permutation(E), -1).astype(np.int32)
+    out = cuda.to_device(np.full(tiles, GARBAGE, np.int32))
+    launch_tile_slots(
+        cuda.to_device(tile_expert), cuda.to_device(np.array([used], np.int32)), cuda.to_device(wave_map), out
+    )
+    np.testing.assert_array_equal(out.copy_to_host(), reference(tile_expert, used, wave_map))
+
+
+def test_refuses_wrong_buffers():
+    i = cuda.to_device(np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match="tile_slot"):
+        launch_tile_slots(i, cuda.to_device(np.zeros(1, np.int32)), i, cuda.to_device(np.zeros(3, np.int32)))
+    with pytest.raises(ValueError, match="num_tiles"):
+        launch_tile_slots(i, i, i, i)
+
+
+def _pass(xs, tile_expert, num_tiles, sorted_ids, W, F, D, h, y, cfg):
+    launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F, D, h, config=cfg)
+    launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F, D, y, combine="store", config=cfg)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator shapes (the GPU's cached-engine tests cover real configs)")
+@pytest.mark.parametrize("cfg,slots", [(SIM_CONFIG, 1), (SIM_CONFIG_2, 2), (SIM_CONFIG, 3)], ids=["1", "2", "3"])
+def test_waves_through_slots_equal_one_pass(cfg, slots):
+    rng = np.random.default_rng(slots)
+    n_tok, K, E, F, D = 9, 2, 6, 24, 40
+    ids = random_ids(rng, n_tok, K, E)
+    W, _ = expert_buffer(rng, E, F, D, np.uint16, scale=1.0 / np.sqrt(D))
+    x = cuda.to_device(rng.standard_normal((n_tok, D)).astype(np.float32))
+    bm, n = cfg.block_m, ids.size
+    tiles = max_tiles(n, E, bm)
+    sorted_ids, tile_expert, num_tiles, position = (
+        cuda.to_device(np.full(s, GARBAGE, np.int32)) for s in (tiles * bm, tiles, 1, n)
+    )
+    launch_moe_align(cuda.to_device(ids), E, bm, sorted_ids, tile_expert, num_tiles, position)
+    xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
+    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs)
+    buffers = [
+        (
+            cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16)),
+            cuda.to_device(np.full((n, D), np.nan, np.float32)),
+        )
+        for _ in "ab"
+    ]
+    (h_ref, y_ref), (h, y) = buffers
+    _pass(xs, tile_expert, num_tiles, sorted_ids, cuda.to_device(W), F, D, h_ref, y_ref, cfg)
+
+    needed = rng.permutation(np.unique(ids))
+    slot_buffer = cuda.to_device(np.full((slots, W.shape[1]), NAN16, np.uint16))
+    tile_slot = cuda.to_device(np.full(tiles, GARBAGE, np.int32))
+    for first in range(0, needed.size, slots):
+        wave = needed[first : first + slots]
+        wave_map = np.full(E, -1, np.int32)
+        host = np.full((slots, W.shape[1]), NAN16, np.uint16)
+        for e, s in zip(wave, rng.permutation(slots)):
+            wave_map[e], host[s] = s, W[e]
+        slot_buffer.copy_to_device(host)
+        launch_tile_slots(tile_expert, num_tiles, cuda.to_device(wave_map), tile_slot)
+        _pass(xs, tile_slot, num_tiles, sorted_ids, slot_buffer, F, D, h, y, cfg)
+    used = int(num_tiles.copy_to_host()[0]) * bm
+    np.testing.assert_array_equal(h.copy_to_host()[:used], h_ref.copy_to_host()[:used])
+    y_host = y.copy_to_host()
+    assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
+    np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
