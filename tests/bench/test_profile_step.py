@@ -67,7 +67,10 @@ def test_random_plan_routes_every_token_to_distinct_experts():
 def test_variants_map_onto_cuda_options():
     for variant in profile_step.VARIANTS:  # every name a CudaOptions field: no typo runs the fused path
         options = profile_step.variant_options(variant)
-        assert {k for k, v in asdict(options).items() if not v} == set(profile_step.VARIANTS[variant]), variant
+        shipped = asdict(CudaOptions())
+        assert {k for k, v in asdict(options).items() if v != shipped[k]} == set(profile_step.VARIANTS[variant]), (
+            variant
+        )
     assert profile_step.variant_options("fused") == profile_step.variant_options("lut") == CudaOptions()
     assert profile_step.variant_options("unfused") == CudaOptions(
         fused_rope_kv=False, fused_combine_norm=False, fused_qk_norm=False

@@ -21,7 +21,7 @@ from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.experts.cache import CacheStats
 from expert_service.tools.tiny_model import make_tiny
-from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
+from tests.helpers import SESSION_PROMPTS, bf16_tiny, exact_plans, rel_error, run_session
 
 pytestmark = pytest.mark.gpu
 
@@ -148,34 +148,46 @@ def test_pipelined_waves_equal_waves_in_turn(family_model, prefetch):
                 engine.decoder.close()
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def bf16_model(request, tmp_path_factory):
+    """The tensor-core kernel reads bf16 weights: the tiny models converted to bf16."""
+    return ModelDir.open(bf16_tiny(tmp_path_factory.mktemp(request.param + "_bf16"), request.param, 1))
+
+
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "in_turn"])
-def test_tensor_core_waves(family_model, pipelined):
+def test_tensor_core_waves(bf16_model, pipelined):
     """CudaOptions.cached_mma: the grouped waves on the tensor-core kernel through tile -> slot maps. Bitwise the
-    same at 1, 2 and 3 slots and with graphs or eager (each tile computed by the same kernel whatever the waves),
-    and against moe_ffn's waves the cached-vs-resident tolerance with the same greedy tokens."""
+    same at 1, 2 and 3 slots and with graphs or eager (each tile computed by the same kernel whatever the waves);
+    against moe_ffn's waves (fp32 activations) the prompt step's logits within the bf16 tolerance the resident
+    engine is held to (its x and h rows are rounded to bf16)."""
     from expert_service.engine.cuda_options import CudaOptions
 
-    ref = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")
+    ref = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none")
     first = None
     for slots, graphs in ((1, True), (2, True), (3, True), (2, False)):
         options = CudaOptions(cached_mma=True, pipelined_waves=pipelined)
-        logits, tokens, _, _, engine = run_session(
-            family_model, backend="cuda", expert_cache_slots=slots, cuda_options=options, cuda_graphs=graphs
+        logits, _, _, _, engine = run_session(
+            bf16_model, backend="cuda", expert_cache_slots=slots, cuda_options=options, cuda_graphs=graphs
         )
         assert engine.decoder.cached.mma_possible
-        assert tokens == ref[1] and all(rel_error(a, b) <= 1e-4 for a, b in zip(logits, ref[0]))
+        assert rel_error(logits[0], ref[0][0]) <= 1e-2
         first = logits if first is None else first
         assert all(np.array_equal(a, b) for a, b in zip(logits, first)), f"{slots} slots, graphs={graphs}"
         engine.decoder.close()
 
 
-def test_tensor_core_waves_need_their_workspace(family_model):
-    """Turning cached_mma on for an engine laid out without it is refused in one line, naming the strategy."""
+def test_tensor_core_waves_need_their_workspace(bf16_model, family_model):
+    """Turning cached_mma on for a bf16 engine laid out without it is refused in one line, naming the strategy;
+    for a float32 model (the kernel does not apply) it changes nothing and is accepted."""
     from expert_service.engine.cuda_options import CudaOptions
 
-    engine = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
+    engine = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
     with pytest.raises(ValueError, match="cached_grouped"):
         engine.decoder.set_options(CudaOptions(cached_mma=True))
+    engine.decoder.close()
+    engine = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
+    engine.decoder.set_options(CudaOptions(cached_mma=True))
+    assert not engine.decoder.cached.mma_possible
     engine.decoder.close()
 
 
