@@ -56,6 +56,7 @@ from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import (
     COMBINE_STORE,
+    Config,
     choose_config,
     launch_moe_gemm_down,
     launch_moe_gemm_gate_up,
@@ -195,10 +196,10 @@ class CachedExperts:
         K = cfg.num_experts_per_tok
         n = T * K
         order, position, out = ws.order[:n], ws.position[:n], ws.moe_out[:n]
-        mma = mma and self.mma_possible and not (large or gemv) and n <= ALIGN_MAX_ASSIGNMENTS
-        if mma:  # sorted into tiles once; each wave computes its experts' tiles (y rows in assignment order)
-            self._align(x, ids, n)
-            position = ws.identity_position[:n]
+        tiling = None  # the tensor-core waves' (tile config, tiles), decided once for the layer's waves
+        if mma and self.mma_possible and not (large or gemv) and n <= ALIGN_MAX_ASSIGNMENTS:
+            tiling = self._align(x, ids, n)  # sorted into tiles once; each wave computes its experts' tiles
+            position = ws.identity_position[:n]  # y rows in assignment order
         elif not gemv:  # the GEMV kernels take the ids as routed: no grouping
             launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         ahead = self.next_moe[i]
@@ -224,36 +225,37 @@ class CachedExperts:
             self._gemv(i, x, ids, buffer, out)
             position = ws.identity_position[:n]  # out rows in the token's top-k order
         elif pipelined:
-            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, mma)
+            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, tiling)
         else:
             for w in range(waves):
                 if w == 0:
                     self._first_wave(i, T, ahead, lookahead)
                 else:
                     self.slots.fetch(i, w, st)
-                self._wave(i, w, T, x, buffer, mma)
+                self._wave(i, w, T, x, buffer, tiling)
         if combine is None:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
             combine(out, position, weights, h)
 
-    def _align(self, x, ids, n: int) -> None:
+    def _align(self, x, ids, n: int) -> tuple[Config, int]:
         """The tensor-core waves' shared part: the step's assignments sorted into tiles by expert (moe_align) and
-        their rows gathered in bf16, once per layer."""
+        their rows gathered in bf16, once per layer. Returns the tile config and tile count every wave uses."""
         ws, st, E = self.ws, self.stream, self.config.num_experts
-        bm = choose_config(n, E).block_m
+        config = choose_config(n, E)
+        bm = config.block_m
         tiles = max_tiles(n, E, bm)
         sorted_ids, tile_expert = ws.mma_sorted_ids[: tiles * bm], ws.mma_tile_expert[:tiles]
         launch_moe_align(ids, E, bm, sorted_ids, tile_expert, ws.mma_num_tiles, ws.position[:n], stream=st)
         launch_moe_gather_bf16(x, sorted_ids, ws.mma_num_tiles, ids.shape[1], bm, ws.mma_xs[: tiles * bm], stream=st)
+        return config, tiles
 
-    def _mma_wave(self, slot_of, n: int, buffer) -> None:
+    def _mma_wave(self, slot_of, n: int, buffer, tiling: tuple[Config, int]) -> None:
         """Wave's tiles on the tensor-core grouped kernel: their slots (tile_slots: -1 for other waves' tiles,
         which the kernels skip), then gate|up and down from the slot buffer, y stored in assignment order."""
         cfg, ws, st = self.config, self.ws, self.stream
-        F, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-        config = choose_config(n, E)
-        tiles = max_tiles(n, E, config.block_m)
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        config, tiles = tiling
         rows = tiles * config.block_m
         tile_slot, num_tiles, h = ws.mma_tile_slot[:tiles], ws.mma_num_tiles, ws.mma_h[:rows]
         launch_tile_slots(ws.mma_tile_expert[:tiles], num_tiles, slot_of, tile_slot, stream=st)
@@ -263,15 +265,16 @@ class CachedExperts:
             h, tile_slot, num_tiles, sorted_ids, buffer, F, D, out, combine=COMBINE_STORE, config=config, stream=st
         )
 
-    def _wave(self, i: int, w: int, T: int, x, buffer, mma: bool = False) -> None:
+    def _wave(self, i: int, w: int, T: int, x, buffer, tiling: tuple[Config, int] | None = None) -> None:
         """The grouped kernels of wave w on the compute stream: the wave's experts read through its slot map into
-        moe_out (rows of experts outside the wave untouched); mma: on the tensor-core kernel (`_mma_wave`)."""
+        moe_out (rows of experts outside the wave untouched); tiling (from `_align`): on the tensor-core kernel
+        (`_mma_wave`)."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
         order, out, gate = ws.order[:n], ws.moe_out[:n], ws.moe_gate[:n]
         slot_of = self.slots.wave_slots(i, w)
-        if mma:
-            self._mma_wave(slot_of, n, buffer)
+        if tiling is not None:
+            self._mma_wave(slot_of, n, buffer, tiling)
             return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
@@ -283,7 +286,15 @@ class CachedExperts:
         launch_moe_down(gate, order, ws.offsets, buffer, F, D, out, stream=st, slot_of=slot_of)
 
     def _pipelined_waves(
-        self, i: int, T: int, x, buffer, waves: int, ahead: int | None, lookahead: bool, mma: bool = False
+        self,
+        i: int,
+        T: int,
+        x,
+        buffer,
+        waves: int,
+        ahead: int | None,
+        lookahead: bool,
+        tiling: tuple[Config, int] | None = None,
     ) -> None:
         """The waves with their copies on the copy stream, one wave ahead: wave w + 1's copies (into slots no wave
         from w on reads: the plan's pipelined rule) run while wave w computes, once wave w - 1's kernels, the last
@@ -302,7 +313,7 @@ class CachedExperts:
                 self.slots.fetch(i, w + 1, self.copy)
                 self._fetched[w + 1].record(copy)
             check(drv.cuStreamWaitEvent(main, self._fetched[w].handle, 0))
-            self._wave(i, w, T, x, buffer, mma)
+            self._wave(i, w, T, x, buffer, tiling)
             self._computed[w].record(main)
 
     def _first_wave(self, i: int, T: int, ahead: int | None, lookahead: bool) -> None:
