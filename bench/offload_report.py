@@ -46,21 +46,21 @@ def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
 OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma")  # the CudaOptions fields bench/offload.py can vary
 
 
-def option_key(mode: str, settings: dict[str, bool]) -> str:
+def option_key(mode: str, settings: dict[str, bool], defaults: CudaOptions = CudaOptions()) -> str:
     """A cached run's key: the prefetch mode, then each CudaOptions field the run sets off its default
-    ("/no-cached-gemv" for a field on by default, "/cached-mma" for one off by default)."""
-    defaults = CudaOptions()
+    ("/no-cached-gemv" for a field on by default, "/cached-gemv" for one off by default)."""
     changed = (name for name in OPTIONS if settings.get(name, getattr(defaults, name)) != getattr(defaults, name))
     return mode + "".join(f"/{'no-' if getattr(defaults, n) else ''}{n.replace('_', '-')}" for n in changed)
 
 
 def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:
-    """The same cached run with a CudaOptions field on and off: step times side by side, off / on."""
+    """The same cached run with a CudaOptions field on and off: step times side by side (on / off) and how many
+    times faster the run with it on is (off / on)."""
     line = ", ".join(
-        f"b={b} {on[b]['ms_per_step']:.3f}/{off[b]['ms_per_step']:.3f} ({off[b]['ms_per_step'] / on[b]['ms_per_step']:.2f}x)"
+        f"b={b} {on[b]['ms_per_step']:.3f}/{off[b]['ms_per_step']:.3f} (on {off[b]['ms_per_step'] / on[b]['ms_per_step']:.2f}x faster)"
         for b in on
     )
-    print(f"{fraction:>6} {mode:<15} ms per step, {option} on/off (off / on): {line}", flush=True)
+    print(f"{fraction:>6} {mode:<15} ms per step with {option} on/off: {line}", flush=True)
 
 
 def print_offload(name: str, entry: dict) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL = frozenset({"cached_mma"})
+EXPERIMENTAL: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +47,9 @@ class CudaOptions:
     # copies and kernels in turn on the compute stream)
     pipelined_waves: bool = True
     # expert-cache grouped steps on bf16 layers (up to moe_align's limits) run each wave on the tensor-core grouped
-    # kernel (moe_gemm_mma through a tile -> slot map, tile_slots.py) instead of moe_ffn's CUDA-core kernels; off
-    # until its H200 figures are in (docs/expert-cache.md)
-    cached_mma: bool = False
+    # kernel (moe_gemm_mma through a tile -> slot map, tile_slots.py) instead of moe_ffn's CUDA-core kernels (False:
+    # moe_ffn through the wave's slot map; H200 figures in docs/expert-cache.md)
+    cached_mma: bool = True
     # 8-bit layers' per-expert cuBLAS steps widen the next group of experts on a side stream while this group's
     # GEMMs run (cuda/dequant_pipeline.py) (False: widening and GEMMs in turn on the compute stream)
     overlap_dequant: bool = True

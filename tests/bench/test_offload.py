@@ -8,6 +8,8 @@ import json
 import pytest
 
 from bench import offload
+from bench.offload_report import option_key
+from expert_service.engine.cuda_options import CudaOptions
 
 
 def test_offload_tiny_cpu(tmp_path):
@@ -92,7 +94,7 @@ def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
     runs = _tiny_option_runs(tmp_path, "--cached-gemv", "on,off")
     assert list(runs) == ["none", "none/no-cached-gemv"]
     assert runs["none"]["cached_gemv"] is True and runs["none/no-cached-gemv"]["cached_gemv"] is False
-    assert "ms per step, cached_gemv on/off (off / on): b=1 " in capsys.readouterr().out
+    assert "ms per step with cached_gemv on/off: b=1 " in capsys.readouterr().out
 
 
 def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):
@@ -108,16 +110,23 @@ def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):
         (False, False),
     ]
     printed = capsys.readouterr().out
-    assert "ms per step, cached_gemv on/off (off / on): b=1 " in printed
-    assert "ms per step, pipelined_waves on/off (off / on): b=1 " in printed
+    assert "ms per step with cached_gemv on/off: b=1 " in printed
+    assert "ms per step with pipelined_waves on/off: b=1 " in printed
 
 
-def test_an_option_off_by_default_is_keyed_when_turned_on(tmp_path, capsys):
-    """--cached-mma on,off: the default (off) run keeps the mode's key, the other is MODE/cached-mma."""
+def test_cached_mma_runs_are_keyed_apart(tmp_path, capsys):
+    """--cached-mma on,off: the default (on) run keeps the mode's key, the other is MODE/no-cached-mma."""
     runs = _tiny_option_runs(tmp_path, "--cached-mma", "on,off")
-    assert list(runs) == ["none", "none/cached-mma"]
-    assert runs["none"]["cached_mma"] is False and runs["none/cached-mma"]["cached_mma"] is True
-    assert "ms per step, cached_mma on/off (off / on): b=1 " in capsys.readouterr().out
+    assert list(runs) == ["none", "none/no-cached-mma"]
+    assert runs["none"]["cached_mma"] is True and runs["none/no-cached-mma"]["cached_mma"] is False
+    assert "ms per step with cached_mma on/off: b=1 " in capsys.readouterr().out
+
+
+def test_an_option_off_by_default_is_keyed_when_turned_on():
+    """A field off by default is named bare when a run turns it on, and a field at its default not at all."""
+    defaults = CudaOptions(cached_mma=False)
+    assert option_key("plan", {"cached_mma": True, "cached_gemv": True}, defaults) == "plan/cached-mma"
+    assert option_key("plan", {"cached_mma": False, "cached_gemv": False}, defaults) == "plan/no-cached-gemv"
 
 
 def test_offload_refuses_an_unknown_cached_gemv_setting(capsys):
