@@ -332,8 +332,8 @@ class BatchingLoop:
         step. Requests arriving after a step is scheduled wait for the one after it: without this, 16 clients
         arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
         step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter.
-        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait stretches to what that
-        work leaves (router_service/worker_backlog.py)."""
+        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait lasts until shortly before
+        that work ends, whatever pauses the arrivals make (router_service/worker_backlog.py)."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._open_stream.receive())
         prompts = ((sent.started, sent.step.num_prompt_tokens) for sent in self._in_flight)

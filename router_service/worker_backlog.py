@@ -6,13 +6,14 @@ the step reaches the worker before the running work ends."""
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Behind a long prefill the arrival wait may last until the worker's prompt work is estimated to end, less
-# SEND_MARGIN_S (the next step's build, transit and launch), and a burst counts as paused only after
-# ARRIVAL_QUIET_LONG_S: clients of one burst can arrive further apart than the batching loop's short quiet period.
-ARRIVAL_QUIET_LONG_S = 0.003
+# Behind a long prefill the arrival wait lasts until the worker's prompt work is estimated to end, less
+# SEND_MARGIN_S (the next step's build, transit and launch), whatever pauses the arrivals make meanwhile: the
+# device is busy until then, so ending the wait early gains nothing, and a client of the burst arriving after a
+# pause (the first of a round often comes milliseconds before the others) would start a step later.
 SEND_MARGIN_S = 0.003
 
 
@@ -58,6 +59,7 @@ class WorkerBacklog:
 
     def arrival_wait(self, in_flight: Iterable[tuple[float, int]], window_end: float, quiet_s: float):
         """(until when, after how long a pause) the batching loop waits for arrivals before its next step, given
-        its own short window and quiet period: longer ones while the steps in flight hold a long prefill."""
+        its own short window and quiet period: while the steps in flight hold a long prefill, until shortly
+        before it ends, and no pause ends the wait (an infinite quiet period)."""
         hold_until = self.busy_until(in_flight) - SEND_MARGIN_S
-        return (hold_until, ARRIVAL_QUIET_LONG_S) if hold_until > window_end else (window_end, quiet_s)
+        return (hold_until, math.inf) if hold_until > window_end else (window_end, quiet_s)
