@@ -162,7 +162,8 @@ def test_tensor_core_waves(bf16_model, pipelined):
     engine is held to (its x and h rows are rounded to bf16)."""
     from expert_service.engine.cuda_options import CudaOptions
 
-    ref = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none")
+    on_moe_ffn = CudaOptions(cached_mma=False)
+    ref = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none", cuda_options=on_moe_ffn)
     first = None
     for slots, graphs in ((1, True), (2, True), (3, True), (2, False)):
         options = CudaOptions(cached_mma=True, pipelined_waves=pipelined)
@@ -177,16 +178,17 @@ def test_tensor_core_waves(bf16_model, pipelined):
 
 
 def test_tensor_core_waves_need_their_workspace(bf16_model, family_model):
-    """Turning cached_mma on for a bf16 engine laid out without it is refused in one line, naming the strategy;
-    for a float32 model (the kernel does not apply) it changes nothing and is accepted."""
+    """Turning cached_mma on (the default) for a bf16 engine whose config laid it out without it is refused in one
+    line, naming the strategy; for a float32 model (the kernel does not apply) it changes nothing and is accepted."""
     from expert_service.engine.cuda_options import CudaOptions
 
-    engine = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
+    without = CudaOptions(cached_mma=False)
+    engine = run_session(bf16_model, backend="cuda", expert_cache_slots=2, prefetch="none", cuda_options=without)[4]
     with pytest.raises(ValueError, match="cached_grouped"):
-        engine.decoder.set_options(CudaOptions(cached_mma=True))
+        engine.decoder.set_options(CudaOptions())
     engine.decoder.close()
-    engine = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none")[4]
-    engine.decoder.set_options(CudaOptions(cached_mma=True))
+    engine = run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch="none", cuda_options=without)[4]
+    engine.decoder.set_options(CudaOptions())
     assert not engine.decoder.cached.mma_possible
     engine.decoder.close()
 
