@@ -26,13 +26,17 @@ class BacklogConfig:
     # (on the H200 a 1,024-token step over 2,048 cached tokens a sequence took 1.5x a plain chunk's time a token;
     # a median over both made the hold outlast a plain chunk by up to a third of its time, the device idle)
     window: int = 8
+    # ... among the steps of the same size class (prompt tokens within a power of two: 256-511, 512-1023, ...),
+    # each class remembering its own last `window`: a step's fixed costs weigh more on fewer tokens (on the CPU a
+    # 272-token prompt took twice a 2,047-token chunk's time a token, and the 2,047-token pace ended the hold behind
+    # it 14 ms early, before the burst was in). A class with no step yet takes the fastest pace of all.
 
 
 class WorkerBacklog:
     def __init__(self, config: BacklogConfig = BacklogConfig()):
         self.config = config
-        self.seconds_per_prompt_token: float | None = None  # None until a prompt-heavy step was answered
-        self._paces: collections.deque[float] = collections.deque(maxlen=config.window)
+        self.seconds_per_prompt_token: float | None = None  # the fastest pace; None until a prompt-heavy step
+        self._paces: dict[int, collections.deque[float]] = {}  # size class -> seconds a token, newest last
         self._last_answer_at = 0.0
 
     def answered(self, sent_at: float, prompt_tokens: int, now: float, worker_seconds: float = 0.0) -> None:
@@ -43,9 +47,16 @@ class WorkerBacklog:
         at the latest when the running step is answered)."""
         if prompt_tokens >= self.config.min_prompt_tokens:
             seconds = worker_seconds if worker_seconds > 0 else now - max(sent_at, self._last_answer_at)
-            self._paces.append(seconds / prompt_tokens)
-            self.seconds_per_prompt_token = min(self._paces)
+            window = collections.deque(maxlen=self.config.window)
+            self._paces.setdefault(prompt_tokens.bit_length(), window).append(seconds / prompt_tokens)
+            self.seconds_per_prompt_token = min(min(paces) for paces in self._paces.values())
         self._last_answer_at = now
+
+    def pace(self, prompt_tokens: int) -> float | None:
+        """Seconds a prompt token for a step of `prompt_tokens`: the fastest remembered step of its size class, or
+        of all of them when the class has none (None: nothing learned)."""
+        paces = self._paces.get(prompt_tokens.bit_length())
+        return min(paces) if paces else self.seconds_per_prompt_token
 
     def busy_until(self, in_flight: Iterable[tuple[float, int]]) -> float:
         """When the worker should run out of the prompt work of the steps in flight, (sent_at, prompt_tokens)
@@ -55,7 +66,7 @@ class WorkerBacklog:
         if not steps or self.seconds_per_prompt_token is None:
             return 0.0
         began = max(steps[0][0], self._last_answer_at)
-        return began + sum(tokens for _, tokens in steps) * self.seconds_per_prompt_token
+        return began + sum(tokens * (self.pace(tokens) or 0.0) for _, tokens in steps if tokens)
 
     def arrival_wait(self, in_flight: Iterable[tuple[float, int]], window_end: float, quiet_s: float):
         """(until when, after how long a pause) the batching loop waits for arrivals before its next step, given

@@ -37,9 +37,26 @@ def test_slow_steps_do_not_move_the_pace():
     assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)
     backlog.answered(sent_at=21, prompt_tokens=1000, now=22, worker_seconds=0.015)  # a chunk over a long prefix
     assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)  # plain chunks set the pace
-    for i in range(8):  # the window forgets them
+    for i in range(backlog.config.window):  # the window (of their size class) forgets them
         backlog.answered(sent_at=30 + i, prompt_tokens=1000, now=30.5 + i, worker_seconds=0.02)
     assert backlog.seconds_per_prompt_token == pytest.approx(2e-5)
+
+
+def test_a_step_is_estimated_at_the_pace_of_steps_of_its_size():
+    """Fixed costs weigh more on small steps: a 300-token step is estimated at the pace of the steps of its size
+    class (256-511 tokens), not of the long chunks, which are faster a token, however many chunks ran since; a
+    class never seen takes the fastest pace of all."""
+    backlog = WorkerBacklog(BacklogConfig(min_prompt_tokens=256, window=3))
+    backlog.answered(sent_at=1.0, prompt_tokens=300, now=2.0, worker_seconds=0.009)  # 30 us a token
+    backlog.answered(sent_at=2.0, prompt_tokens=280, now=3.0, worker_seconds=0.0112)  # 40 us a token
+    for i in range(5):  # more long chunks than the window holds
+        backlog.answered(sent_at=4.0 + i, prompt_tokens=2000, now=4.5 + i, worker_seconds=0.020)  # 10 us a token
+    assert backlog.seconds_per_prompt_token == pytest.approx(1e-5)
+    assert backlog.pace(300) == pytest.approx(3e-5)  # the fastest of the 300 and 280-token steps
+    assert backlog.pace(1500) == pytest.approx(1e-5)  # 1,024-2,047
+    assert backlog.pace(40_000) == pytest.approx(1e-5)  # no step of its size: the fastest of all
+    until = backlog.busy_until([(9.5, 2000), (9.6, 300), (9.7, 0)])  # chunk, small step, decodes
+    assert until == pytest.approx(9.5 + 0.020 + 0.009)
 
 
 def test_the_wait_stretches_only_behind_a_long_prefill():
