@@ -13,6 +13,7 @@ decoder in the same run:
 - untiled_attention: fused, with decode attention on attention_decode (tiled_decode_attention off);
 - baseline: unfused and also fused_router, greedy_split and tiled_decode_attention off;
 - in_turn_waves: fused, expert-cache waves of every slot, copies and kernels in turn (pipelined_waves off);
+- moe_ffn_waves: fused, bf16 expert-cache waves on moe_ffn's CUDA-core kernels (cached_mma off);
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
 
@@ -78,6 +79,7 @@ VARIANTS = {
         "tiled_decode_attention": False,
     },
     "in_turn_waves": {"pipelined_waves": False},
+    "moe_ffn_waves": {"cached_mma": False},
     "in_order_dequant": {"overlap_dequant": False},
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}

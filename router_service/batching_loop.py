@@ -322,8 +322,10 @@ class BatchingLoop:
             self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
             return
         sent = self._in_flight.popleft()
-        worker_s = response.timings.total_ms / 1e3 if not response.step_error else 0.0
-        self._backlog.answered(sent.started, sent.step.num_prompt_tokens, time.monotonic(), worker_s)
+        # a refused step ran no prompt work: it teaches no pace (its quick answer would plant a near-zero one)
+        prompt_tokens = 0 if response.step_error else sent.step.num_prompt_tokens
+        worker_s = response.timings.total_ms / 1e3
+        self._backlog.answered(sent.started, prompt_tokens, time.monotonic(), worker_s)
         self._apply(sent, response)
 
     async def _await_arrivals(self) -> None:
@@ -332,8 +334,8 @@ class BatchingLoop:
         step. Requests arriving after a step is scheduled wait for the one after it: without this, 16 clients
         arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
         step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter.
-        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait lasts until shortly before
-        that work ends, whatever pauses the arrivals make (router_service/worker_backlog.py)."""
+        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait stretches to what that
+        work leaves, with a longer quiet period (router_service/worker_backlog.py)."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._open_stream.receive())
         prompts = ((sent.started, sent.step.num_prompt_tokens) for sent in self._in_flight)
@@ -557,6 +559,7 @@ class BatchingLoop:
         )
         self.info = info
         self.scheduler = Scheduler(limits, self._prefix_cache(info))
+        self._backlog = WorkerBacklog()  # another worker (or the same one restarted) has its own pace
         defaults = self.generation_defaults
         eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
         self.limits = ModelLimits(

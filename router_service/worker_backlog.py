@@ -6,14 +6,16 @@ the step reaches the worker before the running work ends."""
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Behind a long prefill the arrival wait lasts until the worker's prompt work is estimated to end, less
-# SEND_MARGIN_S (the next step's build, transit and launch), whatever pauses the arrivals make meanwhile: the
-# device is busy until then, so ending the wait early gains nothing, and a client of the burst arriving after a
-# pause (the first of a round often comes milliseconds before the others) would start a step later.
+# Behind a long prefill the arrival wait may last until the worker's prompt work is estimated to end, less
+# SEND_MARGIN_S (the next step's build, transit and launch), and a burst counts as paused only after
+# ARRIVAL_QUIET_LONG_S: the first client of a burst can arrive milliseconds before the others (3-7 ms on the
+# CPU timelines, where a 3 ms pause sent the first prompt's decode alone and the others' turns a step later).
+# The pause still ends the wait when nothing arrives: the estimate starts from the router's receipt of the step
+# before, later than the worker started the running one, so holding on it alone would idle the device.
+ARRIVAL_QUIET_LONG_S = 0.010
 SEND_MARGIN_S = 0.003
 
 
@@ -29,7 +31,8 @@ class BacklogConfig:
     # ... among the steps of the same size class (prompt tokens within a power of two: 256-511, 512-1023, ...),
     # each class remembering its own last `window`: a step's fixed costs weigh more on fewer tokens (on the CPU a
     # 272-token prompt took twice a 2,047-token chunk's time a token, and the 2,047-token pace ended the hold behind
-    # it 14 ms early, before the burst was in). A class with no step yet takes the fastest pace of all.
+    # it 14 ms early, before the burst was in). A class with no step yet takes the nearest larger class's pace
+    # (faster a token: the estimate errs early), or with none larger the nearest smaller one's.
 
 
 class WorkerBacklog:
@@ -47,21 +50,23 @@ class WorkerBacklog:
         at the latest when the running step is answered)."""
         if prompt_tokens >= self.config.min_prompt_tokens:
             seconds = worker_seconds if worker_seconds > 0 else now - max(sent_at, self._last_answer_at)
-            window = collections.deque(maxlen=self.config.window)
-            self._paces.setdefault(prompt_tokens.bit_length(), window).append(seconds / prompt_tokens)
+            size_class = prompt_tokens.bit_length()
+            if size_class not in self._paces:
+                self._paces[size_class] = collections.deque(maxlen=self.config.window)
+            self._paces[size_class].append(seconds / prompt_tokens)
             self.seconds_per_prompt_token = min(min(paces) for paces in self._paces.values())
         self._last_answer_at = now
 
     def pace(self, prompt_tokens: int) -> float | None:
-        """Seconds a prompt token for a step of `prompt_tokens`: the fastest remembered step of its size class, or
-        of all of them when the class has none (None: nothing learned)."""
-        paces = self._paces.get(prompt_tokens.bit_length())
-        return min(paces) if paces else self.seconds_per_prompt_token
+        """Seconds a prompt token for a step of `prompt_tokens`: the fastest remembered step of its size class,
+        else of the nearest larger class, else of the nearest smaller one (None: nothing learned)."""
+        size_class = prompt_tokens.bit_length()
+        nearest = sorted(self._paces, key=lambda c: (c < size_class, abs(c - size_class)))
+        return min(self._paces[nearest[0]]) if nearest else None
 
     def busy_until(self, in_flight: Iterable[tuple[float, int]]) -> float:
         """When the worker should run out of the prompt work of the steps in flight, (sent_at, prompt_tokens)
-        each, oldest first, on the monotonic clock; 0 when unknown or none. Decodes are not counted: the
-        estimate errs towards an earlier time, which only shortens the wait it is used for."""
+        each, oldest first, on the monotonic clock; 0 when unknown or none. Decodes are not counted."""
         steps = list(in_flight)
         if not steps or self.seconds_per_prompt_token is None:
             return 0.0
@@ -71,6 +76,6 @@ class WorkerBacklog:
     def arrival_wait(self, in_flight: Iterable[tuple[float, int]], window_end: float, quiet_s: float):
         """(until when, after how long a pause) the batching loop waits for arrivals before its next step, given
         its own short window and quiet period: while the steps in flight hold a long prefill, until shortly
-        before it ends, and no pause ends the wait (an infinite quiet period)."""
+        before it ends or the arrivals pause for ARRIVAL_QUIET_LONG_S."""
         hold_until = self.busy_until(in_flight) - SEND_MARGIN_S
-        return (hold_until, math.inf) if hold_until > window_end else (window_end, quiet_s)
+        return (hold_until, ARRIVAL_QUIET_LONG_S) if hold_until > window_end else (window_end, quiet_s)

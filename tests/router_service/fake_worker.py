@@ -194,46 +194,50 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         while (request := await queued.get()) is not None:
             busy[0] = 1
             await self._step(context, "StepStream")
-            for rid in np.frombuffer(request.free_request_ids, "<u8").tolist():
-                self.freed.append(rid)
-                self.seqs.pop(rid, None)
-            ids, tokens, logprobs, errors = [], [], [], []
-            for chunk in request.chunks:
-                rid = chunk.request_id
-                if rid not in self.seqs and self.draining:  # a draining worker starts nothing new
-                    ids.append(rid)
-                    tokens.append(-1)
-                    logprobs.append(0.0)
-                    errors.append(pb.SequenceError(request_id=rid, code="DRAINING"))
-                    continue
-                if rid not in self.seqs:
-                    self.seqs[rid] = {"tokens": [], "sampling": chunk.sampling, "generated": 0}
-                    self.sampling[rid] = chunk.sampling
-                    self.seen_ids.add(rid)
-                self.seqs[rid]["tokens"] += list(chunk.token_ids)
-                ids.append(rid)
-                tokens.append(self._sample(rid) if chunk.is_last else -1)
-                logprobs.append(-0.5)
-            for rid in np.frombuffer(request.decode_request_ids, "<u8").tolist():
-                ids.append(rid)
-                logprobs.append(-0.25)
-                if rid not in self.seqs:
-                    tokens.append(-1)
-                    errors.append(pb.SequenceError(request_id=rid, code="UNKNOWN_SEQUENCE"))
-                    continue
-                s = self.seqs[rid]
-                s["tokens"].append(s["last"])
-                tokens.append(self._sample(rid))
-            yield pb.StepStreamResponse(
-                step_id=request.step_id,
-                request_ids=np.asarray(ids, "<u8").tobytes(),
-                token_ids=np.asarray(tokens, "<i4").tobytes(),
-                logprobs=np.asarray(logprobs, "<f4").tobytes(),
-                errors=errors,
-                kv_blocks_used=self.blocks_used(),
-                timings=pb.StepTimings(total_ms=max(self.step_delay * 1e3, 0.1)),
-            )
+            yield self.answer(request)
             busy[0] = 0
+
+    def answer(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
+        """One step message's effects (frees, then chunks, then decodes) and its answer."""
+        for rid in np.frombuffer(request.free_request_ids, "<u8").tolist():
+            self.freed.append(rid)
+            self.seqs.pop(rid, None)
+        ids, tokens, logprobs, errors = [], [], [], []
+        for chunk in request.chunks:
+            rid = chunk.request_id
+            if rid not in self.seqs and self.draining:  # a draining worker starts nothing new
+                ids.append(rid)
+                tokens.append(-1)
+                logprobs.append(0.0)
+                errors.append(pb.SequenceError(request_id=rid, code="DRAINING"))
+                continue
+            if rid not in self.seqs:
+                self.seqs[rid] = {"tokens": [], "sampling": chunk.sampling, "generated": 0}
+                self.sampling[rid] = chunk.sampling
+                self.seen_ids.add(rid)
+            self.seqs[rid]["tokens"] += list(chunk.token_ids)
+            ids.append(rid)
+            tokens.append(self._sample(rid) if chunk.is_last else -1)
+            logprobs.append(-0.5)
+        for rid in np.frombuffer(request.decode_request_ids, "<u8").tolist():
+            ids.append(rid)
+            logprobs.append(-0.25)
+            if rid not in self.seqs:
+                tokens.append(-1)
+                errors.append(pb.SequenceError(request_id=rid, code="UNKNOWN_SEQUENCE"))
+                continue
+            s = self.seqs[rid]
+            s["tokens"].append(s["last"])
+            tokens.append(self._sample(rid))
+        return pb.StepStreamResponse(
+            step_id=request.step_id,
+            request_ids=np.asarray(ids, "<u8").tobytes(),
+            token_ids=np.asarray(tokens, "<i4").tobytes(),
+            logprobs=np.asarray(logprobs, "<f4").tobytes(),
+            errors=errors,
+            kv_blocks_used=self.blocks_used(),
+            timings=pb.StepTimings(total_ms=max(self.step_delay * 1e3, 0.1)),
+        )
 
 
 async def start_fake_worker(worker: FakeWorker) -> tuple[grpc.aio.Server, str]:

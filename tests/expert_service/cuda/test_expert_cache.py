@@ -229,3 +229,12 @@ def test_no_device_allocations_during_cached_steps(family_model, monkeypatch):
     engine = check_no_allocations_during_cached_steps(family_model, monkeypatch)
     assert 4 in engine.decoder.graphs
     engine.decoder.close()
+
+
+@pytest.mark.serial
+def test_no_device_allocations_during_cached_tensor_core_waves(bf16_model, monkeypatch):
+    """The default options on a bf16 model take the tensor-core waves (cached_mma), and they allocate nothing
+    during steps either (their tile rows are in the workspace)."""
+    engine = check_no_allocations_during_cached_steps(bf16_model, monkeypatch)
+    assert engine.decoder.options.cached_mma and engine.decoder.cached.mma_possible
+    engine.decoder.close()
