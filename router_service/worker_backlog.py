@@ -38,9 +38,13 @@ class BacklogConfig:
 class WorkerBacklog:
     def __init__(self, config: BacklogConfig = BacklogConfig()):
         self.config = config
-        self.seconds_per_prompt_token: float | None = None  # the fastest pace; None until a prompt-heavy step
         self._paces: dict[int, collections.deque[float]] = {}  # size class -> seconds a token, newest last
         self._last_answer_at = 0.0
+
+    @property
+    def seconds_per_prompt_token(self) -> float | None:
+        """The fastest pace of any size class; None until a prompt-heavy step was answered."""
+        return min(min(paces) for paces in self._paces.values()) if self._paces else None
 
     def answered(self, sent_at: float, prompt_tokens: int, now: float, worker_seconds: float = 0.0) -> None:
         """A step sent at `sent_at` carrying `prompt_tokens` was answered at `now`; `worker_seconds`: the time the
@@ -54,7 +58,6 @@ class WorkerBacklog:
             if size_class not in self._paces:
                 self._paces[size_class] = collections.deque(maxlen=self.config.window)
             self._paces[size_class].append(seconds / prompt_tokens)
-            self.seconds_per_prompt_token = min(min(paces) for paces in self._paces.values())
         self._last_answer_at = now
 
     def pace(self, prompt_tokens: int) -> float | None:
@@ -68,7 +71,7 @@ class WorkerBacklog:
         """When the worker should run out of the prompt work of the steps in flight, (sent_at, prompt_tokens)
         each, oldest first, on the monotonic clock; 0 when unknown or none. Decodes are not counted."""
         steps = list(in_flight)
-        if not steps or self.seconds_per_prompt_token is None:
+        if not steps or not self._paces:
             return 0.0
         began = max(steps[0][0], self._last_answer_at)
         return began + sum(tokens * (self.pace(tokens) or 0.0) for _, tokens in steps if tokens)
