@@ -13,6 +13,8 @@ are:
                                                                      R_admit  its admission (BatchingLoop.submit)
   W_late_masks  late grammar masks applied (Engine.apply_late_masks), within it (cuda) W_device_masks (their
                 upload, mask and argmax launches: DeviceMasks.apply) and W_read_back (CudaDecoder._read_back)
+  GC2       a garbage collection of the oldest generation, in any of the processes (the bench's clients too):
+            the process stops while it scans every tracked object
 
 Read it as a chain: e.g. `W_answer< -> R_apply>` is the answer's trip from the worker's event loop through gRPC
 into the router's batching loop. With several steps in flight the chain interleaves; transitions seen fewer than

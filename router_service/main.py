@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
 from common.errors import AddressInUseError, ConfigError
+from common.heap import freeze_startup_heap
 from common.logging_setup import configure_logging
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import configure_tracing
@@ -218,6 +219,7 @@ def _bind(server: grpc.aio.Server, role: str, address: str, credentials=None) ->
 
 async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:
     router = await start_router(config, hooks=hooks)
+    freeze_startup_heap("router")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -112,6 +112,15 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _gc_stamp(phase: str, info: dict) -> None:
+    """Garbage collections of the oldest generation, which stop the process for as long as they scan (`GC2`)."""
+    if info.get("generation") == 2:
+        _stamp("GC2>" if phase == "start" else "GC2<", str(info.get("collected", "")) if phase == "stop" else "")
+
+
 if PREFIX:
+    import gc
+
     sys.meta_path.insert(0, _Finder())
+    gc.callbacks.append(_gc_stamp)
     atexit.register(_flush)

@@ -30,6 +30,7 @@ from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
 from common.config import add_flags, flag_values, load_config_file, resolve, setting
 from common.errors import ConfigError
 from common.grpc_guard import MalformedRequestGuard
+from common.heap import freeze_startup_heap
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
@@ -382,4 +383,6 @@ def run(args: argparse.Namespace) -> int:
         EngineConfig, file_values=load_config_file(args.config, "engine"), flags=flag_values(args, EngineConfig)
     )
     configure_logging("colibri-worker", config.log_level)
-    return asyncio.run(serve(args.model, config, engine_config))
+    return asyncio.run(
+        serve(args.model, config, engine_config, on_ready=lambda port, servicer: freeze_startup_heap("worker"))
+    )
