@@ -14,10 +14,13 @@ skips the grouping and runs the resident one-token kernels on the slot buffer (`
 on the slots wave 0's map gives its ids, or moe_q8 by slot on 8-bit layers. The grouped kernels' grid of E
 experts, mostly returning at once, is what a decode step paid for there.
 
-Prefetch runs on a side stream forked from the compute stream after the layer's first wave of demand copies (so
-demand copies never queue behind speculative ones) and joined before the predicted layer's own plan: the
-routing plan's experts for the next MoE layer and, with lookahead, the next layer's router applied to this
-layer's input (its top-k on the device). The first MoE layer's plan is prefetched when the step starts.
+Prefetch never shares a stream with demand copies (so demand copies never queue behind speculative ones), and
+each layer's prefetch is joined before that layer's own plan. The routing plan names every layer's experts before
+the step runs, so its copies are all issued when the step starts, layer after layer on a plan stream: a layer's
+predicted experts arrive while the layers before it compute, not only behind the layer before. Lookahead, the next
+layer's router applied to this layer's input (its top-k on the device), is known one layer ahead only: it runs on a
+side stream forked after the layer's first wave of demand copies, behind that next layer's plan copies (both
+update the next layer's slot map), and fills the slots the plan left unprotected.
 Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS) read the waves and expert offsets back at a host break and run
 two cuBLAS GEMMs per expert on its slot, as the resident per-expert path does; they take no prefetch.
 
@@ -96,15 +99,18 @@ class CachedExperts:
         self.next_moe = {i: next((j for j in moe if j > i), None) for i in range(cfg.num_hidden_layers)}
         st = stream
         self._main = stream_handle(stream)
-        self._side_handle, self.side = non_blocking_stream()
+        self._side_handle, self.side = non_blocking_stream()  # lookahead prefetch
+        self._plan_handle, self.plan_stream = non_blocking_stream()  # the routing plan's prefetch, issued at the start
         self._copy_handle, self.copy = non_blocking_stream()  # pipelined waves' demand copies
         self._fork = Event()
         self._planned = Event()  # the layer's plan is done: its copies may start
         W = self.slots.max_waves
         self._fetched = [Event() for _ in range(W)]  # pipelined wave w's copies are done
         self._computed = [Event() for _ in range(W)]  # pipelined wave w's kernels are done
-        self._joined = {layer: Event() for layer in moe}  # the layer's prefetch copies are done
-        self._pending: set[int] = set()  # layers with a prefetch not yet joined (while issuing a pass)
+        self._joined = {layer: Event() for layer in moe}  # the layer's lookahead copies are done
+        self._plan_joined = {layer: Event() for layer in moe}  # the layer's plan copies are done
+        self._pending: set[int] = set()  # layers with a lookahead prefetch not yet joined (while issuing a pass)
+        self._plan_pending: set[int] = set()  # ... with a plan prefetch not yet joined
         self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
         self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
         self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
@@ -149,12 +155,17 @@ class CachedExperts:
         self._hints_clear = not hints
 
     def start_pass(self, T: int, large: bool) -> None:
-        """Issued at the start of a pass of T tokens: the clock ticks, and the first MoE layer's plan is
-        prefetched (large: a CACHED_CUBLAS step, which takes no prefetch)."""
+        """Issued at the start of a pass of T tokens: the clock ticks, and every MoE layer's plan is prefetched,
+        in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch)."""
         self.slots.advance(self.stream)
-        if self.moe_layers and not large and PrefetchSource.PLAN in self.prefetch:
-            first = self.moe_layers[0]
-            self._prefetch(first, self._hints(first, T), self.no_ids)
+        if not self.moe_layers or large or PrefetchSource.PLAN not in self.prefetch:
+            return
+        self._fork.record(self._main)  # after the tick, and after the step before finished with every slot
+        check(drv.cuStreamWaitEvent(self._plan_handle, self._fork.handle, 0))
+        for layer in self.moe_layers:
+            self.slots.prefetch(layer, self._hints(layer, T), self.no_ids, self.plan_stream)
+            self._plan_joined[layer].record(self._plan_handle)
+            self._plan_pending.add(layer)
 
     def download_stats(self, twin: int) -> None:
         self.slots.download_stats(twin, self.stream)
@@ -322,13 +333,12 @@ class CachedExperts:
         self._prefetch_ahead(i, T, ahead, lookahead)
 
     def _prefetch_ahead(self, i: int, T: int, ahead: int | None, lookahead: bool, after: Event | None = None) -> None:
-        """The next MoE layer's prefetch (plan and/or lookahead), forked after what the compute stream has issued
-        (and after `after`: wave 0's copies on the copy stream)."""
-        if ahead is None or not (lookahead or PrefetchSource.PLAN in self.prefetch):
+        """The next MoE layer's lookahead prefetch, forked after what the compute stream has issued (and after
+        `after`: wave 0's copies on the copy stream)."""
+        if ahead is None or not lookahead:
             return
         n = T * self.config.num_experts_per_tok
-        plan = self._hints(ahead, T) if PrefetchSource.PLAN in self.prefetch else self.no_ids
-        self._prefetch(ahead, plan, self.ahead_ids[:T].reshape(n) if lookahead else self.no_ids, after)
+        self._prefetch(ahead, self.ahead_ids[:T].reshape(n), self.no_ids, after)
 
     def _gemv(self, i: int, x, ids, buffer, out) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
@@ -350,10 +360,12 @@ class CachedExperts:
         launch_expert_down(gate, self.slot_ids, buffer, F, D, out, stream=st)
 
     def _prefetch(self, layer: int, predicted_a, predicted_b, after: Event | None = None) -> None:
-        """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream (and
-        after the event `after`)."""
+        """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream, after
+        the layer's plan copies (they update the same slot map), and after the event `after`."""
         self._fork.record(self._main)
         check(drv.cuStreamWaitEvent(self._side_handle, self._fork.handle, 0))
+        if layer in self._plan_pending:
+            check(drv.cuStreamWaitEvent(self._side_handle, self._plan_joined[layer].handle, 0))
         if after is not None:
             check(drv.cuStreamWaitEvent(self._side_handle, after.handle, 0))
         self.slots.prefetch(layer, predicted_a, predicted_b, self.side)
@@ -362,13 +374,14 @@ class CachedExperts:
 
     def _join(self, layer: int) -> None:
         """The compute stream waits for the layer's prefetch copies (not for later layers' ones)."""
-        if layer in self._pending:
-            check(drv.cuStreamWaitEvent(self._main, self._joined[layer].handle, 0))
-            self._pending.discard(layer)
+        for pending, done in ((self._plan_pending, self._plan_joined), (self._pending, self._joined)):
+            if layer in pending:
+                check(drv.cuStreamWaitEvent(self._main, done[layer].handle, 0))
+                pending.discard(layer)
 
     def end_pass(self) -> None:
-        """Every fork is joined before a pass ends (a capture must end with the side stream joined)."""
-        for layer in list(self._pending):
+        """Every fork is joined before a pass ends (a capture must end with the side streams joined)."""
+        for layer in list(self._plan_pending | self._pending):
             self._join(layer)
 
     def _cublas_waves(self, i: int, n: int, waves: int, buffer) -> None:
@@ -403,10 +416,12 @@ class CachedExperts:
         self.linear.linear(g, down, out[lo:hi], force_cublas=True)
 
     def close(self) -> None:
-        for handle in (self._side_handle, self._copy_handle):
+        handles = (self._side_handle, self._plan_handle, self._copy_handle)
+        for handle in handles:
             check(drv.cuStreamSynchronize(handle))
-        for event in [self._fork, self._planned, *self._fetched, *self._computed, *self._joined.values()]:
+        joined = [*self._joined.values(), *self._plan_joined.values()]
+        for event in [self._fork, self._planned, *self._fetched, *self._computed, *joined]:
             event.close()
-        for handle in (self._side_handle, self._copy_handle):
+        for handle in handles:
             check(drv.cuStreamDestroy(handle))
         self.slots.close()
