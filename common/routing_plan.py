@@ -46,10 +46,9 @@ class RoutingPlan:
 
     def expert_ids(self, num_experts: int, num_tokens: int, top_k: int | None = None) -> dict[int, np.ndarray]:
         """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` and the model's `top_k`
-        (see `csr_to_ids`)."""
-        return {
-            layer: csr_to_ids(offsets, tokens, num_experts, num_tokens, top_k) for layer, offsets, tokens in self.csr()
-        }
+        (see `csr_to_ids`; every layer at once: this runs on the worker's host for every planned step)."""
+        ids = layers_csr_to_ids(self.offsets, self.token_indices, num_experts, num_tokens, top_k)
+        return dict(zip(self.layers, ids))
 
 
 def csr_to_ids(
@@ -57,28 +56,35 @@ def csr_to_ids(
 ) -> np.ndarray:
     """CSR (tokens of expert e = token_indices[offsets[e]:offsets[e+1]]) -> expert ids [T, k], each token's
     experts in ascending expert order. With `top_k`, every token needs exactly that many distinct experts."""
+    return layers_csr_to_ids(offsets[None], token_indices[None], num_experts, num_tokens, top_k)[0]
+
+
+def layers_csr_to_ids(
+    offsets: np.ndarray, token_indices: np.ndarray, num_experts: int, num_tokens: int, top_k: int | None = None
+) -> np.ndarray:
+    """`csr_to_ids` of L layers at once: offsets [L, E+1], token_indices [L, n] -> expert ids [L, T, k]."""
+    L, n = token_indices.shape
+    if L == 0:
+        return np.zeros((0, num_tokens, n // max(num_tokens, 1)), np.int64)
     if (
-        offsets.shape != (num_experts + 1,)
-        or offsets[0] != 0
-        or np.any(np.diff(offsets) < 0)
-        or offsets[-1] != token_indices.size
+        offsets.shape != (L, num_experts + 1)
+        or np.any(offsets[:, 0] != 0)
+        or np.any(np.diff(offsets, axis=1) < 0)
+        or np.any(offsets[:, -1] != n)
     ):
-        raise InvalidRequestError(
-            "routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 to {token_indices.size}"
-        )
-    if token_indices.size % max(num_tokens, 1) or (
-        token_indices.size and (token_indices.min() < 0 or token_indices.max() >= num_tokens)
-    ):
+        raise InvalidRequestError("routing_plan.offsets", f"must be [{num_experts + 1}] non-decreasing from 0 to {n}")
+    if n % max(num_tokens, 1) or (n and (token_indices.min() < 0 or token_indices.max() >= num_tokens)):
         raise InvalidRequestError(
             "routing_plan.token_indices", f"must index the step's {num_tokens} tokens, the same number of times each"
         )
-    per_token = np.bincount(token_indices, minlength=num_tokens)
-    k = token_indices.size // max(num_tokens, 1)
+    k = n // max(num_tokens, 1)
+    keys = token_indices.astype(np.int64) + (np.arange(L, dtype=np.int64) * num_tokens)[:, None]
+    per_token = np.bincount(keys.ravel(), minlength=L * num_tokens)
     if np.any(per_token != k) or (top_k is not None and num_tokens and k != top_k):
         raise InvalidRequestError("routing_plan.token_indices", f"every token needs {top_k or k} experts")
-    experts = np.repeat(np.arange(num_experts, dtype=np.int64), np.diff(offsets))
-    order = np.argsort(token_indices, kind="stable")
-    ids = experts[order].reshape(num_tokens, k)
-    if k > 1 and np.any(ids[:, 1:] == ids[:, :-1]):  # ascending per token: a repeat sits next to itself
+    experts = np.repeat(np.tile(np.arange(num_experts, dtype=np.int64), L), np.diff(offsets, axis=1).ravel())
+    order = np.argsort(token_indices, axis=1, kind="stable")
+    ids = np.take_along_axis(experts.reshape(L, n), order, axis=1).reshape(L, num_tokens, k)
+    if k > 1 and np.any(ids[:, :, 1:] == ids[:, :, :-1]):  # ascending per token: a repeat sits next to itself
         raise InvalidRequestError("routing_plan.token_indices", "a token is routed to the same expert twice")
     return ids

@@ -41,6 +41,25 @@ def test_malformed_plans_name_the_field(mutate, field):
     assert field in e.value.field
 
 
+def test_every_layer_at_once_equals_each_layer_alone():
+    """RoutingPlan.expert_ids converts all layers in one pass; each layer equals csr_to_ids of its own CSR, and a
+    malformed layer among good ones is refused with the field named."""
+    rng = np.random.default_rng()
+    L, T, k, E = 5, 9, 3, 11
+    ids = np.stack([np.stack([np.sort(rng.choice(E, k, replace=False)) for _ in range(T)]) for _ in range(L)])
+    plan = RoutingPlan.from_expert_ids(list(range(2, 2 + L)), ids.astype(np.uint16), E)
+    got = plan.expert_ids(E, T, k)
+    assert list(got) == list(range(2, 2 + L))
+    for layer, offsets, tokens in plan.csr():
+        np.testing.assert_array_equal(got[layer], csr_to_ids(offsets, tokens, E, T, k))
+        np.testing.assert_array_equal(got[layer], ids[layer - 2])
+    tokens = plan.token_indices.copy()
+    tokens[3, 0] = T  # one layer names a token the step does not have
+    with pytest.raises(InvalidRequestError) as e:
+        RoutingPlan(plan.layers, plan.offsets, tokens).expert_ids(E, T, k)
+    assert "token_indices" in e.value.field
+
+
 def test_routing_plan_from_pb_and_recall():
     exact = {0: np.array([[0, 1], [2, 3]]), 1: np.array([[1, 2], [0, 3]])}
     predicted = {0: np.array([[0, 1], [2, 0]]), 1: np.array([[3, 0], [0, 3]])}
