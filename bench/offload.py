@@ -29,10 +29,11 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--cached-gemv on,off] [--pipelined-waves on,off]
+        [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
-`--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` run every cached (fraction, mode) with
-and without that CudaOptions field (docs/expert-cache.md) and print the step times side by side with their ratio.
+`--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
+cached (fraction, mode) with and without that CudaOptions field (docs/expert-cache.md) and print the step times
+(decode at each batch size, and the prefill step) side by side with their ratio.
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
@@ -310,7 +311,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                 print_run(fraction, key, runs[key]["decode"], resident["decode"])
             base = {option: getattr(args, option)[0] for option in OPTIONS}
             for option in (option for option in OPTIONS if len(getattr(args, option)) == 2):
-                on, off = (runs[option_key(mode, {**base, option: value})]["decode"] for value in (True, False))
+                on, off = (runs[option_key(mode, {**base, option: value})] for value in (True, False))
                 print_option(fraction, mode, option, on, off)
     return entry
 

@@ -43,7 +43,8 @@ def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
     print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
 
 
-OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma")  # the CudaOptions fields bench/offload.py can vary
+# the CudaOptions fields bench/offload.py can vary
+OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma", "cached_mma_large")
 
 
 def option_key(mode: str, settings: dict[str, bool], defaults: CudaOptions = CudaOptions()) -> str:
@@ -54,11 +55,13 @@ def option_key(mode: str, settings: dict[str, bool], defaults: CudaOptions = Cud
 
 
 def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:
-    """The same cached run with a CudaOptions field on and off: step times side by side (on / off) and how many
-    times faster the run with it on is (off / on)."""
+    """The same cached run (bench_colibri's result) with a CudaOptions field on and off: step times side by side
+    (on / off) and how many times faster the run with it on is (off / on), decode at each batch size and prefill."""
+    steps = [(f"b={b}", on["decode"][b], off["decode"][b]) for b in on["decode"]]
+    steps.append(("prefill", on["prefill"], off["prefill"]))
     line = ", ".join(
-        f"b={b} {on[b]['ms_per_step']:.3f}/{off[b]['ms_per_step']:.3f} (on {off[b]['ms_per_step'] / on[b]['ms_per_step']:.2f}x faster)"
-        for b in on
+        f"{name} {a['ms_per_step']:.3f}/{b['ms_per_step']:.3f} (on {b['ms_per_step'] / a['ms_per_step']:.2f}x faster)"
+        for name, a, b in steps
     )
     print(f"{fraction:>6} {mode:<15} ms per step with {option} on/off: {line}", flush=True)
 

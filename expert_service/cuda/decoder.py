@@ -37,6 +37,7 @@ from expert_service.cuda.moe import (
     ON_DEVICE,
     MoeStrategy,
     cached_gemv_slots,
+    cached_grouped_tokens,
     choose_strategy,
     q8_mma_tokens,
     reachable_strategies,
@@ -52,6 +53,7 @@ from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.slots import SlotPlan
+from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
 
 log = logging.getLogger("colibri.worker.cuda")
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -111,9 +113,13 @@ class CudaDecoder:
             quantized=self.weights.quantized,
             q8_mma=self._q8_mma(config.cuda_options),
             cached_mma=config.cuda_options.cached_mma,
+            cached_grouped=self._cached_grouped(config.cuda_options),
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
+        if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
+            self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
+        self.workspace_cached_grouped = self._cached_grouped(config.cuda_options)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -282,6 +288,7 @@ class CudaDecoder:
             self.weights.quantized,
             self._q8_mma(self.options),
             cached_gemv_slots(self.cached, self.options),
+            self._cached_grouped(self.options),
         )
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
@@ -393,6 +400,9 @@ class CudaDecoder:
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
 
+    def _cached_grouped(self, options: CudaOptions) -> int:
+        return cached_grouped_tokens(self.config, self.weights.dtype, self.weights.quantized, options)
+
     def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
         """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
         cfg = self.config
@@ -404,6 +414,7 @@ class CudaDecoder:
             self.weights.dtype == np.uint16,
             self.weights.quantized,
             self._q8_mma(options),
+            self._cached_grouped(options) if cached else GROUPED_MAX_TOKENS,
         )
 
     def _prefill_bucket(self, T: int) -> int | None:
@@ -505,6 +516,8 @@ class CudaDecoder:
         cached = self.cached
         if options.cached_mma and cached is not None and cached.mma_supported and not cached.mma_possible:
             missing.add(MoeStrategy.CACHED_GROUPED)  # on the tensor-core kernel: rows it was not laid out with
+        if cached is not None and self._cached_grouped(options) > self.workspace_cached_grouped:
+            missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

@@ -21,7 +21,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import run_grouped_mma
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
@@ -103,16 +103,18 @@ def choose_strategy(
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
     cache_slots: int = 0,
+    cached_grouped: int = GROUPED_MAX_TOKENS,
 ) -> MoeStrategy:
     """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
     choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized);
     q8_mma: the step sizes that take Q8_MMA on such a model (q8_mma_tokens), None: none; cache_slots: the
-    cache's slots per layer where its one-token GEMV may run (cached_gemv_slots), 0: never."""
+    cache's slots per layer where its one-token GEMV may run (cached_gemv_slots), 0: never; cached_grouped: the
+    largest cached step that runs the grouped waves (cached_grouped_tokens), larger ones per-expert cuBLAS."""
     n = T * K
     if cached:
         if T == 1 and n <= cache_slots:  # one token (CachedExperts._gemv's shapes), its experts always in wave 0
             return MoeStrategy.CACHED_GEMV
-        return MoeStrategy.CACHED_CUBLAS if T > GROUPED_MAX_TOKENS else MoeStrategy.CACHED_GROUPED
+        return MoeStrategy.CACHED_CUBLAS if T > cached_grouped else MoeStrategy.CACHED_GROUPED
     if quantized:
         if q8_mma is not None and q8_mma[0] <= T <= q8_mma[1] and n <= ALIGN_MAX_ASSIGNMENTS:
             return MoeStrategy.Q8_MMA
@@ -170,16 +172,30 @@ def reachable_strategies(
     bf16: bool,
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
+    cached_grouped: int = GROUPED_MAX_TOKENS,
 ) -> set[MoeStrategy]:
     """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers). The
     cache's one-token GEMV is left to CACHED_GROUPED here: it reads a subset of that layout's buffers, so the
     layout holds for either setting of CudaOptions.cached_gemv (set_options may switch it)."""
-    return {choose_strategy(T, K, E, cached, bf16, quantized, q8_mma) for T in range(1, max_tokens + 1)}
+    return {
+        choose_strategy(T, K, E, cached, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
+        for T in range(1, max_tokens + 1)
+    }
 
 
 def cached_gemv_slots(cached: CachedExperts | None, options: CudaOptions) -> int:
     """choose_strategy's cache_slots: the slots per layer with the cache's one-token GEMV on, else 0."""
     return cached.slots.slots_per_layer if cached is not None and options.cached_gemv else 0
+
+
+def cached_grouped_tokens(config: ModelConfig, weight_dtype, quantized: bool, options: CudaOptions) -> int:
+    """choose_strategy's cached_grouped: every step moe_align can sort (its assignment limit) with
+    CudaOptions.cached_mma and cached_mma_large on layers whose waves run on the tensor-core kernel
+    (cached_mma_possible), else GROUPED_MAX_TOKENS (moe_ffn's grouped kernels; CACHED_CUBLAS above)."""
+    E, K = config.num_experts, config.num_experts_per_tok
+    if options.cached_mma and options.cached_mma_large and cached_mma_possible(weight_dtype, quantized, E):
+        return ALIGN_MAX_ASSIGNMENTS // K
+    return GROUPED_MAX_TOKENS
 
 
 def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
@@ -268,7 +284,15 @@ class DeviceMoe:
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
         strategy = choose_strategy(
-            T, K, E, self.cached is not None, self.bf16, self.quantized, self.q8_mma, self.cache_slots
+            T,
+            K,
+            E,
+            self.cached is not None,
+            self.bf16,
+            self.quantized,
+            self.q8_mma,
+            self.cache_slots,
+            self.cached_grouped,
         )
         fuse_norm = (
             next_norm is not None
@@ -322,12 +346,18 @@ class DeviceMoe:
         """choose_strategy's cache_slots under the current options (cached_gemv_slots)."""
         return cached_gemv_slots(self.cached, self.options)
 
+    @property
+    def cached_grouped(self) -> int:
+        """choose_strategy's cached_grouped under the current options (cached_grouped_tokens)."""
+        return cached_grouped_tokens(self.config, self.weights.dtype, self.quantized, self.options)
+
     def cached_large(self, T: int) -> bool:
         """Whether a cached step of T tokens runs CACHED_CUBLAS (per-expert GEMMs at a host break)."""
         cfg = self.config
-        return (
-            choose_strategy(T, cfg.num_experts_per_tok, cfg.num_experts, True, self.bf16) is MoeStrategy.CACHED_CUBLAS
+        strategy = choose_strategy(
+            T, cfg.num_experts_per_tok, cfg.num_experts, True, self.bf16, cached_grouped=self.cached_grouped
         )
+        return strategy is MoeStrategy.CACHED_CUBLAS
 
     def _combiner(self, x, norm_weight):
         """combine(y, index, weights, h, dense=False): the layer's last op, h += the weighted expert outputs

@@ -79,11 +79,13 @@ def layout_workspace(
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
     cached_mma: bool = False,
+    cached_grouped: int = GROUPED_MAX_TOKENS,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
     quantized: 8-bit or mixed experts (DeviceWeights.quantized); q8_mma: the step sizes taking Q8_MMA
-    (moe.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma)."""
+    (moe.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma);
+    cached_grouped: the largest cached step in grouped waves (moe.cached_grouped_tokens)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -91,7 +93,9 @@ def layout_workspace(
     shared_ffn = config.shared_expert_intermediate_size
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
-    strategies = reachable_strategies(T, K, E, cached, np.dtype(weight_dtype) == np.uint16, quantized, q8_mma)
+    strategies = reachable_strategies(
+        T, K, E, cached, np.dtype(weight_dtype) == np.uint16, quantized, q8_mma, cached_grouped=cached_grouped
+    )
     # f32 gate (grouped kernels, GEMV, the expert cache), inputs and up (the expert cache) per assignment
     cache_rows = T * K if strategies & {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS} else 0
     grouped_rows = min(T, GROUPED_MAX_TOKENS) * K if strategies & {MoeStrategy.GROUPED, MoeStrategy.Q8} else 0
@@ -159,7 +163,7 @@ def layout_workspace(
     if strategies & {MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA}:  # the same sorted bf16 rows
         layout.update(grouped_mma_layout(T, K, E, D, F))
     elif cached and cached_mma and cached_mma_possible(weight_dtype, quantized, E):  # cache waves on tensor cores
-        grouped = grouped_mma_layout(min(T, GROUPED_MAX_TOKENS), K, E, D, F)
+        grouped = grouped_mma_layout(min(T, cached_grouped), K, E, D, F)
         layout.update(grouped, mma_tile_slot=grouped["mma_tile_expert"])
     if planned:  # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)
         layout["routed_ids"] = ((max(num_layers_moe, 1) * T * K,), i32)

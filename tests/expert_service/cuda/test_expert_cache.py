@@ -177,6 +177,43 @@ def test_tensor_core_waves(bf16_model, pipelined):
         engine.decoder.close()
 
 
+# three prompts of 150 tokens in all: one step above moe_ffn.GROUPED_MAX_TOKENS (64), where cached steps read the
+# waves back for per-expert cuBLAS unless CudaOptions.cached_mma_large runs them in tensor-core waves
+LONG_PROMPTS = (np.arange(60) % 250 + 3, (np.arange(50) * 7) % 250 + 3, (np.arange(40) * 11) % 250 + 3)
+
+
+@pytest.mark.parametrize("prefetch", ["none", "lookahead"])
+def test_large_cached_steps_in_tensor_core_waves(bf16_model, prefetch):
+    """CudaOptions.cached_mma_large: the 150-token prompt step runs its experts in grouped waves on the tensor-core
+    kernel, captured whole (no host break: it does not block the host), instead of per-expert cuBLAS at a host
+    break per layer. Its logits within the bf16 tolerance of the cuBLAS path's; bitwise the same at 1 and 2 slots
+    and with graphs or eagerly (each tile computed by the same kernel whatever the waves)."""
+    from expert_service.cuda.moe import MoeStrategy
+    from expert_service.engine.cuda_options import CudaOptions
+
+    T = sum(len(p) for p in LONG_PROMPTS)
+    ref = run_session(bf16_model, backend="cuda", prompts=LONG_PROMPTS, expert_cache_slots=2, prefetch=prefetch)
+    assert ref[4].decoder._strategy(T) is MoeStrategy.CACHED_CUBLAS
+    ref[4].decoder.close()
+    first = None
+    for slots, graphs in ((2, True), (1, True), (2, False)):
+        logits, _, stats, _, engine = run_session(
+            bf16_model,
+            backend="cuda",
+            prompts=LONG_PROMPTS,
+            expert_cache_slots=slots,
+            prefetch=prefetch,
+            cuda_options=CudaOptions(cached_mma_large=True),
+            cuda_graphs=graphs,
+        )
+        assert engine.decoder._strategy(T) is MoeStrategy.CACHED_GROUPED and not engine.decoder.blocks_host(T)
+        assert stats[0].misses > 0  # the prompt step's experts were fetched mid-step
+        assert rel_error(logits[0], ref[0][0]) <= 1e-2
+        first = logits if first is None else first
+        assert all(np.array_equal(a, b) for a, b in zip(logits, first)), f"{slots} slots, graphs={graphs}"
+        engine.decoder.close()
+
+
 def test_tensor_core_waves_need_their_workspace(bf16_model, family_model):
     """Turning cached_mma on (the default) for a bf16 engine whose config laid it out without it is refused in one
     line, naming the strategy; for a float32 model (the kernel does not apply) it changes nothing and is accepted."""

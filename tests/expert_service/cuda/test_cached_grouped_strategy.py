@@ -1,0 +1,106 @@
+"""How large an expert-cache step runs in grouped waves (no GPU): up to moe_ffn.GROUPED_MAX_TOKENS by default, every
+step moe_align can sort with CudaOptions.cached_mma_large on bf16 layers whose waves take the tensor-core kernel
+(larger steps otherwise read the waves back at a host break for per-expert cuBLAS, CACHED_CUBLAS); the sorted rows
+are laid out for that size, and set_options refuses the option on a decoder laid out without it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from common.models import config_from_hf
+from expert_service.cuda.decoder import CudaDecoder
+from expert_service.cuda.moe import (
+    ON_DEVICE,
+    MoeStrategy,
+    cached_grouped_tokens,
+    choose_strategy,
+    reachable_strategies,
+)
+from expert_service.cuda.workspace import layout_workspace
+from expert_service.engine.cuda_options import EXPERIMENTAL, CudaOptions
+from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, max_rows
+from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
+from expert_service.kernels.moe_gemm_mma import choose_config
+from expert_service.tools.tiny_model import tiny_hf_config
+
+GROUPED, CUBLAS = MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS
+BF16, F32 = np.dtype(np.uint16), np.dtype(np.float32)
+LARGE = CudaOptions(cached_mma_large=True)
+
+
+def config(E: int = 16, K: int = 4):
+    return config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": E, "num_experts_per_tok": K})
+
+
+def test_experimental_and_off_by_default():
+    assert "cached_mma_large" in EXPERIMENTAL and CudaOptions().cached_mma_large is False
+
+
+@pytest.mark.parametrize(
+    "options,dtype,quantized,expected",
+    [
+        (CudaOptions(), BF16, False, GROUPED_MAX_TOKENS),
+        (LARGE, BF16, False, MAX_ASSIGNMENTS // 4),
+        (CudaOptions(cached_mma=False, cached_mma_large=True), BF16, False, GROUPED_MAX_TOKENS),  # moe_ffn's waves
+        (LARGE, F32, False, GROUPED_MAX_TOKENS),  # the tensor-core kernel reads bf16 weights
+        (LARGE, BF16, True, GROUPED_MAX_TOKENS),  # 8-bit slots keep moe_q8
+    ],
+)
+def test_the_largest_grouped_step(options, dtype, quantized, expected):
+    assert cached_grouped_tokens(config(), dtype, quantized, options) == expected
+
+
+def test_every_step_size_takes_the_waves_with_the_option():
+    K, E = 4, 16
+    big = cached_grouped_tokens(config(E, K), BF16, False, LARGE)
+    for T in (2, GROUPED_MAX_TOKENS, GROUPED_MAX_TOKENS + 1, 512, 2048):
+        expected = GROUPED if T <= GROUPED_MAX_TOKENS else CUBLAS
+        assert choose_strategy(T, K, E, True, True) is expected
+        assert choose_strategy(T, K, E, True, True, cached_grouped=big) is GROUPED
+    assert GROUPED in ON_DEVICE and CUBLAS not in ON_DEVICE  # captured whole: no host break left in the step
+    assert reachable_strategies(2048, K, E, True, True, cached_grouped=big) == {GROUPED}
+    assert choose_strategy(GROUPED_MAX_TOKENS + 1, K, E, False, True, cached_grouped=big) is not GROUPED  # resident
+
+
+def test_the_sorted_rows_are_laid_out_for_the_largest_step():
+    cfg, T = config(), 512
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    layouts = {
+        name: layout_workspace(cfg, BF16, T, 8, 64, len(cfg.moe_layers), cached=True, cached_mma=True, cached_grouped=g)
+        for name, g in (("default", GROUPED_MAX_TOKENS), ("large", cached_grouped_tokens(cfg, BF16, False, LARGE)))
+    }
+    rows = layouts["large"]["mma_sorted_ids"][0][0]
+    assert rows >= max_rows(T * K, E, choose_config(T * K, E).block_m)
+    assert layouts["default"]["mma_sorted_ids"][0][0] < rows
+    assert layouts["large"]["mma_xs"][0] == (rows, cfg.hidden_size) and layouts["large"]["mma_h"][0][0] == rows
+
+
+def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256):
+    d = CudaDecoder.__new__(CudaDecoder)
+    d.config, d.max_tokens = config(), max_tokens
+    d.cached = SimpleNamespace(slots=SimpleNamespace(slots_per_layer=4), mma_supported=True, mma_possible=True)
+    d.weights = SimpleNamespace(dtype=BF16, quantized=False, all_8bit=False)
+    d.model = SimpleNamespace(options=options, use_options=lambda o: setattr(d.model, "options", o))
+    d.workspace_strategies = d._strategies(laid_out, True) | {GROUPED, CUBLAS}  # as CudaDecoder.__init__ lays out
+    d.workspace_cached_grouped = d._cached_grouped(laid_out)
+    d.drop_graphs = lambda: None
+    return d
+
+
+def test_decoder_steps_follow_the_option():
+    assert decoder(CudaOptions(), CudaOptions())._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
+    assert decoder(LARGE, LARGE)._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
+    assert not decoder(LARGE, LARGE).blocks_host(200) and decoder(CudaOptions(), CudaOptions()).blocks_host(200)
+
+
+def test_set_options_refuses_the_option_without_its_rows_and_takes_it_back_off():
+    d = decoder(CudaOptions(), CudaOptions())
+    with pytest.raises(ValueError) as error:
+        d.set_options(LARGE)
+    assert "cached_grouped" in str(error.value) and "\n" not in str(error.value)
+    d = decoder(LARGE, LARGE)
+    d.set_options(CudaOptions())  # off: large steps take per-expert cuBLAS on the same rows
+    assert d.options == CudaOptions() and d._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
+    d.set_options(LARGE)  # and back on: laid out with it
+    assert d.options == LARGE and d._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
