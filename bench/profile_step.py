@@ -25,7 +25,9 @@ differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
 pool reused across tensors, fresh values for the routers so routing stays uniform); `--expert-dtype int8|fp8`
 writes the experts in that dtype instead (bench/random_model.py). `--cache-slots N` runs the engines with the
-expert cache at N slots per MoE layer (`--prefetch` none by default). `--host-profile` also records where the
+expert cache at N slots per MoE layer (`--prefetch` none by default; with plan, every step carries a uniform random
+routing plan, as lut's, so the plan prefetch runs: at chance on random routing, but at its full cost a step).
+`--host-profile` also records where the
 host's time goes in each scenario: Python's cProfile over the same steps, the top functions by own time and the
 calls a step (large steps wait on the host's launches: wall well above device busy).
 
@@ -219,15 +221,16 @@ class Scenarios:
     """Runs one shape's scenarios on an engine; decode sequences are prefilled once per batch size and shared
     by the variants that use this engine (their contexts grow by the steps each variant runs)."""
 
-    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0, host_top: int = 0):
-        self.engine, self.vocab, self.lut, self.host_top = engine, vocab, lut, host_top
+    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0, host_top: int = 0, planned: bool = False):
+        """lut: a routing=lut engine; planned: steps carry a routing plan anyway (the cache's plan prefetch)."""
+        self.engine, self.vocab, self.planned, self.host_top = engine, vocab, lut or planned, host_top
         self.rng = np.random.default_rng(seed)
         mc = engine.model_config
         self.layers, self.E, self.K = mc.moe_layers, mc.num_experts, mc.num_experts_per_tok
         self.decoding: dict[int, list[int]] = {}
 
     def _plan(self, num_tokens: int):
-        return random_plan(self.layers, num_tokens, self.E, self.K, self.rng) if self.lut else None
+        return random_plan(self.layers, num_tokens, self.E, self.K, self.rng) if self.planned else None
 
     def _sequences(self, b: int, n: int) -> list[int]:
         from expert_service.engine.engine import PrefillInput
@@ -314,7 +317,10 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
                     prefetch=args.prefetch if args.cache_slots else "none",
                 ),
             )
-            runner = Scenarios(engine, params["vocab_size"], lut, host_top=top if args.host_profile else 0)
+            planned = bool(args.cache_slots) and "plan" in args.prefetch
+            runner = Scenarios(
+                engine, params["vocab_size"], lut, host_top=top if args.host_profile else 0, planned=planned
+            )
             try:
                 for scenario in scenarios:  # variants inner: same sequences, adjacent in time
                     for variant in group:

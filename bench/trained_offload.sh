@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The static routing table and the expert cache on LEARNED routing at scale, in one GPU run (about 6 min on an H200).
 #   train the `large` preset (321 M parameters, 32 experts, top-2) -> convert to bf16 -> colibri router-gen on
-#   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> bench/offload.py
+#   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> int8 / fp8 experts'
+#   quality against bf16 on the held-out books (bench/quant_quality.py) -> bench/offload.py
 #   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, with the PCIe
 #   bound and transformers + accelerate at the same budget.
 # Every stage has a hard timeout inside one 555 s deadline; results are packed after each stage, so a stage
@@ -29,8 +30,10 @@ HELDOUT=training/data/heldout.txt
 if [ -n "$OFFLOAD_DRY_RUN" ]; then
   # a shared 2-core CPU: stage limits x 3, and router-gen on the first 60 chapters only
   PRESET=dry DEVICE=cpu BACKEND=cpu STEPS=2 BUDGET=60 DECODE_STEPS=2 DEADLINE=${DEADLINE_DRY:-2000} SLOW=3 CHAPTERS=60
+  QUALITY_LIMITS="--max-windows 2 --prompts 2 --new-tokens 4"
 else
   PRESET=large DEVICE=cuda BACKEND=cuda STEPS=${STEPS:-400} BUDGET=${BUDGET:-165} DECODE_STEPS=32 SLOW=1 CHAPTERS=
+  QUALITY_LIMITS=
 fi
 
 note() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$R/summary.txt"; }
@@ -141,7 +144,13 @@ else
   MODES=none,lookahead
 fi
 
-# 6. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
+# 6. what 8-bit experts cost this model in quality (docs/quantization.md): held-out perplexity, top-1 agreement,
+#    logit error and greedy agreement with int8 and fp8 experts against bf16 (reserve: offload 150)
+stage quality 120 150 py_engine bench/quant_quality.py --hf-model "$W/hf" --heldout "$HELDOUT" --backend "$BACKEND" \
+  --out "$R/quality.json" $QUALITY_LIMITS
+sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
+
+# 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
 stage offload 400 5 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
   --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
   --out "$R/offload" --workdir "$W/offload-work"
