@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import re
 import shutil
@@ -229,8 +230,14 @@ class Scenarios:
         self.layers, self.E, self.K = mc.moe_layers, mc.num_experts, mc.num_experts_per_tok
         self.decoding: dict[int, list[int]] = {}
 
-    def _plan(self, num_tokens: int):
-        return random_plan(self.layers, num_tokens, self.E, self.K, self.rng) if self.planned else None
+    def _plans(self, num_tokens: int, distinct: int = 16):
+        """Endless routing plans for steps of num_tokens (None without planning): `distinct` random ones in turn, so
+        the plan prefetch keeps copying (one plan repeated would find its experts resident after its first step)."""
+        if not self.planned:
+            return itertools.repeat(None)
+        return itertools.cycle(
+            [random_plan(self.layers, num_tokens, self.E, self.K, self.rng) for _ in range(distinct)]
+        )
 
     def _sequences(self, b: int, n: int) -> list[int]:
         from expert_service.engine.engine import PrefillInput
@@ -245,7 +252,7 @@ class Scenarios:
                     PrefillInput(i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
                     for i in ids[start : start + 16]
                 ]
-                self.engine.step(chunk, routing_plan=self._plan(len(chunk) * n))
+                self.engine.step(chunk, routing_plan=next(self._plans(len(chunk) * n, 1)))
             self.decoding[b] = ids
         return self.decoding[b]
 
@@ -259,22 +266,22 @@ class Scenarios:
             chunks = [
                 PrefillInput(1000 + i, self.rng.integers(0, self.vocab, n), SamplingParams(), True) for i in range(b)
             ]
-            plan = self._plan(b * n)
+            plans = self._plans(b * n)
 
             def fn():
-                engine.step(chunks, routing_plan=plan)
+                engine.step(chunks, routing_plan=next(plans))
                 engine.release([c.request_id for c in chunks])
 
             fn()  # eager; profile's own first call captures the bucket's graph, the profiled ones replay
         else:
             ids = self._sequences(b, n)
-            plan = self._plan(b)
+            plans = self._plans(b)
             engine.decoder.drop_graphs()  # this variant's own graphs: eager, capture, replay
             for _ in range(2):
-                engine.step(decode_ids=ids, routing_plan=plan)
+                engine.step(decode_ids=ids, routing_plan=next(plans))
 
             def fn():
-                engine.step(decode_ids=ids, routing_plan=plan)
+                engine.step(decode_ids=ids, routing_plan=next(plans))
 
         totals, wall_us = profile(fn, PROFILED_STEPS[kind])
         entry = summarise(totals, wall_us)

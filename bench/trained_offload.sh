@@ -100,8 +100,8 @@ elif ! "$PY" -c 'import accelerate' 2>/dev/null; then
 fi
 [ -n "$SKIP_HF" ] && note "HF reference skipped (dry run or no accelerate)"
 
-# 1. train (reserve: convert 20 + router-gen 60 + recall 30 + offload 120)
-stage train 240 230 train --preset "$PRESET" --device "$DEVICE" --steps "$STEPS" --time-budget-s "$BUDGET" \
+# 1. train (reserve: convert 20 + router-gen 60 + recall 30 + quality 100 + offload 120)
+stage train 240 330 train --preset "$PRESET" --device "$DEVICE" --steps "$STEPS" --time-budget-s "$BUDGET" \
   --out "$W/hf" || { note "training failed: nothing to measure"; exit 1; }
 cp "$W/hf/training_log.json" "$R/training_log.json"
 "$PY" -c 'import json, sys; log = json.load(open(sys.argv[1])); final = log["final"]

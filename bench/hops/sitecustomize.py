@@ -43,10 +43,11 @@ _lines: list[str] = []
 
 
 def _flush() -> None:
-    if _lines:
+    n = len(_lines)  # a collection's stamp can arrive while these are written: it stays for the next flush
+    if n:
         with open(f"{PREFIX}.{os.getpid()}", "a") as f:
-            f.write("".join(_lines))
-        _lines.clear()
+            f.write("".join(_lines[:n]))
+        del _lines[:n]
 
 
 def _stamp(name: str, label: str = "") -> None:

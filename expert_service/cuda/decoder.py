@@ -190,6 +190,7 @@ class CudaDecoder:
             options=self.options,
             quantized=self.weights.quantized,
             q8_mma=self._q8_mma(self.options),
+            cached_grouped=self._cached_grouped(self.options) if self.cached is not None else 0,
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (
@@ -516,7 +517,8 @@ class CudaDecoder:
         cached = self.cached
         if options.cached_mma and cached is not None and cached.mma_supported and not cached.mma_possible:
             missing.add(MoeStrategy.CACHED_GROUPED)  # on the tensor-core kernel: rows it was not laid out with
-        if cached is not None and self._cached_grouped(options) > self.workspace_cached_grouped:
+        grouped = min(self._cached_grouped(options), self.max_tokens)  # the rows of steps an engine can take
+        if cached is not None and grouped > min(self.workspace_cached_grouped, self.max_tokens):
             missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
         if missing:
             names = ", ".join(sorted(m.value for m in missing))

@@ -112,7 +112,9 @@ class CachedExperts:
         self._pending: set[int] = set()  # layers with a lookahead prefetch not yet joined (while issuing a pass)
         self._plan_pending: set[int] = set()  # ... with a plan prefetch not yet joined
         self.ahead_logits = cuda.device_array((T, E), np.float32, stream=st)
-        self.ahead_ids = cuda.device_array((T, K), np.int32, stream=st)
+        # two buffers, by the predicted layer's MoE index: layer L+1's lookahead copy may still wait for L+1's plan
+        # copies on the side stream while the compute stream writes layer L+2's ids (it joins L+1's copies only after)
+        self.ahead_ids = cuda.device_array((2, T, K), np.int32, stream=st)
         self.ahead_weights = cuda.device_array((T, K), np.float32, stream=st)
         self.no_ids = cuda.to_device(np.full(1, -1, np.int32), stream=st)
         self.slot_ids = cuda.to_device(np.full((1, K), -1, np.int32), stream=st)  # CACHED_GEMV's experts' slots
@@ -137,7 +139,14 @@ class CachedExperts:
     def nbytes(self) -> int:
         dense = self.dense.nbytes if self.dense is not None else 0
         small = self.hint_ids.nbytes + self.slot_ids.nbytes
-        return self.slots.nbytes + self.ahead_logits.nbytes + 2 * self.ahead_ids.nbytes + small + dense
+        return (
+            self.slots.nbytes
+            + self.ahead_logits.nbytes
+            + self.ahead_ids.nbytes
+            + self.ahead_weights.nbytes
+            + small
+            + dense
+        )
 
     # --- step boundaries ----------------------------------------------------------------------------
     def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
@@ -157,6 +166,10 @@ class CachedExperts:
     def start_pass(self, T: int, large: bool) -> None:
         """Issued at the start of a pass of T tokens: the clock ticks, and every MoE layer's plan is prefetched,
         in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch)."""
+        # a pass that raised can leave layers pending: their events belong to it (maybe to a failed capture), and
+        # this pass's own forks on those streams come after that work anyway (each stream runs in order)
+        self._pending.clear()
+        self._plan_pending.clear()
         self.slots.advance(self.stream)
         if not self.moe_layers or large or PrefetchSource.PLAN not in self.prefetch:
             return
@@ -218,7 +231,7 @@ class CachedExperts:
         if lookahead and ahead is not None:  # the next layer's router on this layer's input
             self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
             launch_gate_topk(
-                self.ahead_logits[:T], self.ahead_ids[:T], self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
+                self.ahead_logits[:T], self._ahead_ids(ahead, T), self.ahead_weights[:T], cfg.norm_topk_prob, stream=st
             )
         self._join(i)
         pipelined = pipelined and self.slots.can_pipeline and not (large or gemv)
@@ -338,7 +351,11 @@ class CachedExperts:
         if ahead is None or not lookahead:
             return
         n = T * self.config.num_experts_per_tok
-        self._prefetch(ahead, self.ahead_ids[:T].reshape(n), self.no_ids, after)
+        self._prefetch(ahead, self._ahead_ids(ahead, T).reshape(n), self.no_ids, after)
+
+    def _ahead_ids(self, layer: int, T: int):
+        """The lookahead's top-k ids [T, K] predicted for MoE layer `layer` (its buffer alternates by MoE index)."""
+        return self.ahead_ids[self.moe_layers.index(layer) % 2, :T]
 
     def _gemv(self, i: int, x, ids, buffer, out) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each

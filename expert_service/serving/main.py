@@ -218,10 +218,13 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[int, WorkerServicer], None] | None = None,
     tracer_provider=None,
+    freeze_heap: bool = False,
 ) -> int:
     """Serves until SIGTERM/SIGINT or `stop` (drain, then 0) or a worker fault (1). `on_ready(port,
     servicer)` runs once the worker is warm and SERVING (port 0 on a Unix socket); `tracer_provider` defaults
-    to the process's (OTLP export only when configured)."""
+    to the process's (OTLP export only when configured); `freeze_heap`: the process is the worker's own (`colibri
+    worker`), so what start-up left alive is frozen out of garbage collection before it turns SERVING
+    (common/heap.py)."""
     loop = asyncio.get_running_loop()
     stop, hurry, exit_code = stop or asyncio.Event(), asyncio.Event(), [0]
 
@@ -316,6 +319,8 @@ async def serve(
         )
         if warm_ms is None:
             return exit_code[0]
+        if freeze_heap:  # before the first step can arrive: the collection holds the interpreter while it runs
+            freeze_startup_heap("worker")
         servicer.mark_ready()
         log.info(
             "worker serving %s on %s (backend %s, %d KV blocks of %d tokens, warm-up %.0f ms)",
@@ -383,6 +388,4 @@ def run(args: argparse.Namespace) -> int:
         EngineConfig, file_values=load_config_file(args.config, "engine"), flags=flag_values(args, EngineConfig)
     )
     configure_logging("colibri-worker", config.log_level)
-    return asyncio.run(
-        serve(args.model, config, engine_config, on_ready=lambda port, servicer: freeze_startup_heap("worker"))
-    )
+    return asyncio.run(serve(args.model, config, engine_config, freeze_heap=True))

@@ -104,3 +104,25 @@ def test_set_options_refuses_the_option_without_its_rows_and_takes_it_back_off()
     assert d.options == CudaOptions() and d._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
     d.set_options(LARGE)  # and back on: laid out with it
     assert d.options == LARGE and d._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
+
+
+def test_warmup_loads_every_tile_config_the_large_waves_take():
+    """With the option, a cached step's tensor-core waves take the tile config of its size (choose_config): the
+    warm-up runs the smallest step of each, so serving without graphs compiles nothing either."""
+    from expert_service.cuda.moe import warmup_tokens
+
+    K, E, T = 2, 8, 2048  # mixtral-like: few experts, so large steps reach the widest tiles
+    big = cached_grouped_tokens(config(E, K), BF16, False, LARGE)
+    sizes = warmup_tokens(T, K, E, True, LARGE, cached_grouped=big)
+    needed = {choose_config(t * K, E) for t in range(2, T + 1)}
+    assert {choose_config(t * K, E) for t in sizes if t >= 2} >= needed
+    if len(needed) > 1:  # (the CUDA simulator has one tile config for every size)
+        without = warmup_tokens(T, K, E, True, LARGE)  # the resident walk alone misses some of them
+        assert {choose_config(t * K, E) for t in without if t >= 2} < needed
+
+
+def test_an_engine_of_small_steps_takes_the_option_without_new_rows():
+    """Steps of at most GROUPED_MAX_TOKENS already run in waves: its rows fit either way, so set_options accepts it."""
+    d = decoder(CudaOptions(), CudaOptions(), max_tokens=GROUPED_MAX_TOKENS)
+    d.set_options(LARGE)
+    assert d.options == LARGE
