@@ -10,6 +10,7 @@ from common.model_format import ModelDir
 from expert_service.engine.config import Backend, EngineConfig
 from expert_service.engine.engine import Engine
 from expert_service.engine.step import Decoder
+from expert_service.experts.cache import DEVICE_POLICIES
 from expert_service.experts.slots import SlotPlan, plan_slots
 
 log = logging.getLogger("colibri.worker")
@@ -54,6 +55,11 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
         usable, status = cuda_status()
         if not usable:
             raise ConfigError(f"backend: cuda was asked for but {status} (use --backend cpu or auto)")
+        if slot_plan.is_cached and config.expert_cache_policy not in DEVICE_POLICIES:
+            raise ConfigError(
+                f"expert_cache_policy: {config.expert_cache_policy!r} runs on the cpu backend only; the cuda "
+                f"backend's cache implements {', '.join(DEVICE_POLICIES)}"
+            )
         from expert_service.cuda.decoder import CudaDecoder
 
         return CudaDecoder(model, config, slot_plan)

@@ -3,6 +3,7 @@
     colibri convert training/default-model-hf /tmp/dm --dtype bfloat16
     colibri router-gen /tmp/dm --corpus training/data/corpus.txt --holdout 0.05     # table from the training books
     python -m training.routing_eval /tmp/dm --out bench/results/cpu-default-model-routing.json
+    python -m training.routing_eval /tmp/dm --skip-lut --policies lru,lfu --out FILE   # replacement policies
 
 On held-out text (training/data/heldout.txt, books the model and the table never saw), cpu backend:
 - lut quality: perplexity with exact routing and with routing=lut (teacher-forced, every position), how often
@@ -30,7 +31,7 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, PrefillInput
 from expert_service.engine.sampling import SamplingParams
-from expert_service.experts.cache import CacheStats
+from expert_service.experts.cache import POLICIES, CacheStats
 from training.corpus import DATA_DIR
 
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan,lookahead")
@@ -112,9 +113,17 @@ def lut_quality(model: ModelDir, table: RoutingTable, heldout: np.ndarray, confi
 
 
 def cache_run(
-    model: ModelDir, table: RoutingTable, heldout: np.ndarray, slots: int, prefetch: str, config: EvalConfig
+    model: ModelDir,
+    table: RoutingTable,
+    heldout: np.ndarray,
+    slots: int,
+    prefetch: str,
+    config: EvalConfig,
+    policy: str = "lru",
 ) -> dict:
-    engine = build_engine(model, EngineConfig(backend="cpu", expert_cache_slots=slots, prefetch=prefetch))
+    engine = build_engine(
+        model, EngineConfig(backend="cpu", expert_cache_slots=slots, prefetch=prefetch, expert_cache_policy=policy)
+    )
     prefill, decode, decode_steps = CacheStats(), CacheStats(), 0
     try:
         for rid, window in enumerate(spaced_slices(heldout, config.cache_sequences, config.cache_prompt_tokens)):
@@ -134,6 +143,7 @@ def cache_run(
     return {
         "slots_per_layer": slots,
         "prefetch": prefetch,
+        "policy": policy,
         "decode": {**_cache_summary(decode, decode_steps), "expert_block_bytes": round(block)},
         "prefill": _cache_summary(prefill, config.cache_sequences * config.cache_prompt_tokens),
     }
@@ -159,7 +169,12 @@ def main(argv=None) -> int:
     parser.add_argument("--text", type=Path, default=DATA_DIR / "heldout.txt", help="held-out text")
     parser.add_argument("--out", type=Path, default=Path("bench/results/cpu-default-model-routing.json"))
     parser.add_argument("--skip-cache", action="store_true")
+    parser.add_argument("--skip-lut", action="store_true", help="only the expert cache's counts")
+    parser.add_argument("--policies", default="lru", help="expert cache replacement policies, comma-separated")
     args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if bad := [p for p in policies if p not in POLICIES]:
+        parser.error(f"--policies: {bad} not in {', '.join(POLICIES)}")
     config = EvalConfig()
     model = ModelDir.open(args.model)
     table_path = args.table or args.model / "routing_table.bin"
@@ -178,22 +193,24 @@ def main(argv=None) -> int:
         "router_gen_report": json.loads(report_path.read_text()) if report_path.is_file() else None,
     }
     started = time.time()
-    result["lut_quality"] = lut_quality(model, table, heldout, config)
-    print(json.dumps(result["lut_quality"], indent=1), f"({time.time() - started:.0f} s)", flush=True)
+    if not args.skip_lut:
+        result["lut_quality"] = lut_quality(model, table, heldout, config)
+        print(json.dumps(result["lut_quality"], indent=1), f"({time.time() - started:.0f} s)", flush=True)
     if not args.skip_cache:
         result["expert_cache"] = []
         for fraction in config.cache_fractions:
             slots = max(1, round(fraction * model.config.num_experts))
             for mode in PREFETCH_MODES:
-                run = cache_run(model, table, heldout, slots, mode, config)
-                result["expert_cache"].append({"fraction": fraction, **run})
-                d = run["decode"]
-                print(
-                    f"{fraction:.0%} ({slots} slots) prefetch {mode:15s} decode hit rate {d['hit_rate']:.3f} "
-                    f"bytes/token {d['bytes_copied_per_token']:,} prefetches {d['prefetches_issued']} "
-                    f"used {d['prefetches_used']}",
-                    flush=True,
-                )
+                for policy in policies:
+                    run = cache_run(model, table, heldout, slots, mode, config, policy)
+                    result["expert_cache"].append({"fraction": fraction, **run})
+                    d = run["decode"]
+                    print(
+                        f"{fraction:.0%} ({slots} slots) {policy} prefetch {mode:15s} decode hit rate "
+                        f"{d['hit_rate']:.3f} bytes/token {d['bytes_copied_per_token']:,} prefetches "
+                        f"{d['prefetches_issued']} used {d['prefetches_used']}",
+                        flush=True,
+                    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

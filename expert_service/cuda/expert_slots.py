@@ -34,7 +34,7 @@ from expert_service.kernels.expert_slot_map import (
 )
 
 log = logging.getLogger("colibri.worker.cuda")
-DEVICE_POLICIES = {"lru": POLICY_LRU}  # --expert-cache-policy -> the slot-map kernel's policy
+DEVICE_POLICIES = {"lru": POLICY_LRU}  # --expert-cache-policy -> the slot-map kernel's policy (experts.cache's)
 STATS_TWINS = 2  # a step may be launched before the one ahead of it is collected: one host copy each
 
 

@@ -81,7 +81,9 @@ class EngineConfig:
         env=("COLIBRI_EXPERT_CACHE_SLOTS",),
     )
     expert_cache_policy: str = setting(
-        "lru", "expert cache replacement policy: lru", env=("COLIBRI_EXPERT_CACHE_POLICY",)
+        "lru",
+        "expert cache replacement policy: lru, or lfu (least frequently used, with aging; cpu backend only so far)",
+        env=("COLIBRI_EXPERT_CACHE_POLICY",),
     )
     prefetch: str = setting(
         "plan,lookahead",

@@ -44,7 +44,10 @@ class CopyEngine(Protocol):
 
 
 class ReplacementPolicy(Protocol):
-    """Chooses victims among a layer's evictable slots; told about every use and every fill."""
+    """Chooses victims among a layer's evictable slots; told about every fill (which expert a slot now holds) and
+    every use."""
+
+    def filled(self, layer: int, slot: int, expert: int) -> None: ...
 
     def touch(self, layer: int, slot: int) -> None: ...
 
@@ -58,6 +61,9 @@ class LruPolicy:
         self._tick = 0
         self._last: dict[tuple[int, int], int] = {}
 
+    def filled(self, layer: int, slot: int, expert: int) -> None:
+        pass
+
     def touch(self, layer: int, slot: int) -> None:
         self._tick += 1
         self._last[(layer, slot)] = self._tick
@@ -66,7 +72,43 @@ class LruPolicy:
         return min(candidates, key=lambda s: self._last.get((layer, s), 0))
 
 
-POLICIES = {"lru": LruPolicy}
+class LfuPolicy(LruPolicy):
+    """Least frequently used, with aging: each (layer, expert) counts its uses, resident or not, and a layer's
+    counts halve every `half_life` uses of that layer, so an expert that was hot long ago gives way; the victim is
+    the candidate whose expert counts least, the least recently used among equals. Learned routing favours some
+    experts for long stretches, which LRU forgets at the first few misses of others (docs/expert-cache.md)."""
+
+    def __init__(self, half_life: int = 64) -> None:
+        super().__init__()
+        self.half_life = half_life
+        self._expert: dict[tuple[int, int], int] = {}  # (layer, slot) -> the expert it holds
+        self._count: dict[int, dict[int, float]] = {}  # layer -> expert -> aged use count
+        self._uses: dict[int, int] = {}  # layer -> uses so far
+
+    def filled(self, layer: int, slot: int, expert: int) -> None:
+        self._expert[(layer, slot)] = expert
+
+    def touch(self, layer: int, slot: int) -> None:
+        super().touch(layer, slot)
+        counts = self._count.setdefault(layer, {})
+        uses = self._uses[layer] = self._uses.get(layer, 0) + 1
+        if uses % self.half_life == 0:
+            for expert in counts:
+                counts[expert] *= 0.5
+        expert = self._expert[(layer, slot)]
+        counts[expert] = counts.get(expert, 0.0) + 1.0
+
+    def victim(self, layer: int, candidates: list[int]) -> int:
+        counts = self._count.get(layer, {})
+        return min(
+            candidates,
+            key=lambda s: (counts.get(self._expert.get((layer, s), -1), 0.0), self._last.get((layer, s), 0)),
+        )
+
+
+POLICIES = {"lru": LruPolicy, "lfu": LfuPolicy}
+# what the cuda backend's slot-map kernel implements (cuda/expert_slots.py maps each to its kernel's argument)
+DEVICE_POLICIES = ("lru",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +298,7 @@ class ExpertCache:
         if old != EMPTY:
             del state.slot_of[old]
         state.expert[slot], state.slot_of[expert] = expert, slot
+        self.policy.filled(layer, slot, expert)
         state.prefetched[slot] = False
         state.pending[slot] = self.copy_engine.copy(layer, expert, slot)
         self._step.bytes_copied += self.expert_nbytes

@@ -83,6 +83,41 @@ def test_hits_misses_and_lru_order():
     assert cache.total == stats
 
 
+def test_lfu_keeps_the_expert_used_most_and_forgets_with_age():
+    """lfu: a recent one-off does not evict the expert used most; halving every `half_life` uses lets a long-idle
+    favourite go to one used more since."""
+    copies = FakeCopies()
+    cache = ExpertCache((0,), 4, 2, NBYTES, copies, policy="lfu")
+    cache.begin_step()
+    for e in (0, 0, 0, 1):  # 0 used three times, then 1 (the most recent)
+        run_layer(cache, copies, 0, [e])
+    run_layer(cache, copies, 0, [2])  # lru would evict 0; lfu evicts 1 (used once)
+    assert resident(cache, 0, 0) and resident(cache, 0, 2) and not resident(cache, 0, 1)
+    lru, lru_copies = make_cache(slots=2, experts=4, layers=(0,))
+    lru.begin_step()
+    for e in (0, 0, 0, 1, 2):
+        run_layer(lru, lru_copies, 0, [e])
+    assert not resident(lru, 0, 0)  # the same uses under lru
+    policy = cache.policy
+    for _ in range(policy.half_life * 4):  # 2 used many times since: 0's three uses age to nothing
+        run_layer(cache, copies, 0, [2])
+    run_layer(cache, copies, 0, [3])
+    assert resident(cache, 0, 2) and resident(cache, 0, 3) and not resident(cache, 0, 0)
+
+
+def test_lfu_is_refused_on_the_cuda_backend_in_one_line(family_model, monkeypatch):
+    """The cuda backend's slot map implements lru only: a cached cuda engine with lfu is refused at build."""
+    import expert_service.backends as backends
+    from expert_service.experts.slots import SlotPlan
+
+    monkeypatch.setattr(backends, "cuda_status", lambda: (True, "a GPU for the test"))
+    config = EngineConfig(backend="cuda", expert_cache_slots=1, expert_cache_policy="lfu")
+    with pytest.raises(ConfigError) as error:
+        backends.make_decoder(family_model, config, SlotPlan(1, 4, 2, 1024, 0))
+    assert str(error.value).startswith("expert_cache_policy: 'lfu' runs on the cpu backend only")
+    assert "\n" not in str(error.value)
+
+
 def test_batch_union_loads_each_expert_once():
     cache, copies = make_cache(slots=4)
     cache.begin_step()
