@@ -101,6 +101,7 @@ class CudaDecoder:
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
+        cached_grouped = self._cached_grouped(config.cuda_options)  # what the workspace is laid out for
         self.workspace_layout = layout_workspace(
             cfg,
             self.weights.dtype,
@@ -113,13 +114,13 @@ class CudaDecoder:
             quantized=self.weights.quantized,
             q8_mma=self._q8_mma(config.cuda_options),
             cached_mma=config.cuda_options.cached_mma,
-            cached_grouped=self._cached_grouped(config.cuda_options),
+            cached_grouped=cached_grouped,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
         if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
             self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
-        self.workspace_cached_grouped = self._cached_grouped(config.cuda_options)
+        self.workspace_cached_grouped = cached_grouped
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -191,6 +192,7 @@ class CudaDecoder:
             quantized=self.weights.quantized,
             q8_mma=self._q8_mma(self.options),
             cached_grouped=self._cached_grouped(self.options) if self.cached is not None else 0,
+            cached_mma=self.cached is not None and self.cached.mma_possible and self.options.cached_mma,
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (

@@ -34,7 +34,8 @@ from expert_service.kernels.expert_slot_map import (
 )
 
 log = logging.getLogger("colibri.worker.cuda")
-DEVICE_POLICIES = {"lru": POLICY_LRU}  # --expert-cache-policy -> the slot-map kernel's policy (experts.cache's)
+# each of experts.cache.DEVICE_POLICIES (the names the backend builder accepts) -> the slot-map kernel's argument
+POLICY_ARGUMENTS = {"lru": POLICY_LRU}
 STATS_TWINS = 2  # a step may be launched before the one ahead of it is collected: one host copy each
 
 
@@ -50,10 +51,12 @@ class DeviceSlots:
     dtype and tensors in its meta row, indexed by expert id); the mapped host experts; the slot map's state."""
 
     def __init__(self, weights, moe_layers: list[int], slots_per_layer: int, max_ids: int, policy: str, stream):
-        if policy not in DEVICE_POLICIES:
-            raise ValueError(f"expert_cache_policy {policy!r} has no device implementation ({sorted(DEVICE_POLICIES)})")
+        if policy not in POLICY_ARGUMENTS:
+            raise ValueError(
+                f"expert_cache_policy {policy!r} has no device implementation ({sorted(POLICY_ARGUMENTS)})"
+            )
         cfg = weights.config
-        self.moe_layers, self.policy = list(moe_layers), DEVICE_POLICIES[policy]
+        self.moe_layers, self.policy = list(moe_layers), POLICY_ARGUMENTS[policy]
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         L, E, S = len(self.moe_layers), cfg.num_experts, slots_per_layer
         check_layer_size(E, S)  # at start-up, not at the first step's plan

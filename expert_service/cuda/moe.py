@@ -224,13 +224,14 @@ def warmup_tokens(
     quantized: bool = False,
     q8_mma: tuple[int, int] | None = None,
     cached_grouped: int = 0,
+    cached_mma: bool = False,
 ) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, grouped-MMA tile config, router) combination; with
     cached_grouped (an expert-cache engine's choose_strategy bound, cached_grouped_tokens), the same for its
-    cached steps, whose tensor-core waves take the tile config of their size too."""
+    cached steps, whose waves take the tile config of their size too when they run on the tensor-core kernel
+    (cached_mma: CachedExperts.mma_possible with CudaOptions.cached_mma)."""
     first: dict[tuple[MoeStrategy, Config | None, bool], int] = {}  # (strategy, tile, router) -> smallest T
-    waves_on_mma = options.cached_mma and bf16 and not quantized and E <= ALIGN_MAX_E  # cached_mma_possible
     for T in range(1, max_tokens + 1):
         router = fused_router(T, options)
         strategy = choose_strategy(T, K, E, False, bf16, quantized, q8_mma)
@@ -242,7 +243,7 @@ def warmup_tokens(
         first.setdefault((strategy, tile, router), T)
         if cached_grouped:
             strategy = choose_strategy(T, K, E, True, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
-            grouped = strategy is MoeStrategy.CACHED_GROUPED and waves_on_mma
+            grouped = strategy is MoeStrategy.CACHED_GROUPED and cached_mma
             first.setdefault((strategy, choose_config(T * K, E) if grouped else None, router), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 

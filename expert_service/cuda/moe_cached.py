@@ -21,8 +21,9 @@ predicted experts arrive while the layers before it compute, not only behind the
 layer's router applied to this layer's input (its top-k on the device), is known one layer ahead only: it runs on a
 side stream forked after the layer's first wave of demand copies, behind that next layer's plan copies (both
 update the next layer's slot map), and fills the slots the plan left unprotected.
-Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS) read the waves and expert offsets back at a host break and run
-two cuBLAS GEMMs per expert on its slot, as the resident per-expert path does; they take no prefetch.
+Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS; with CudaOptions.cached_mma_large on bf16 layers they take the
+grouped waves too) read the waves and expert offsets back at a host break and run two cuBLAS GEMMs per expert on
+its slot, as the resident per-expert path does; they take no prefetch.
 
 8-bit and mixed-dtype experts (DeviceWeights.quantized): slots hold the blocks' bytes as stored (weights and
 float32 scales), and each expert's dtype, scale scheme and tensor offsets stay in the layer's meta table indexed by
@@ -103,7 +104,6 @@ class CachedExperts:
         self._plan_handle, self.plan_stream = non_blocking_stream()  # the routing plan's prefetch, issued at the start
         self._copy_handle, self.copy = non_blocking_stream()  # pipelined waves' demand copies
         self._fork = Event()
-        self._planned = Event()  # the layer's plan is done: its copies may start
         W = self.slots.max_waves
         self._fetched = [Event() for _ in range(W)]  # pipelined wave w's copies are done
         self._computed = [Event() for _ in range(W)]  # pipelined wave w's kernels are done
@@ -173,8 +173,7 @@ class CachedExperts:
         self.slots.advance(self.stream)
         if not self.moe_layers or large or PrefetchSource.PLAN not in self.prefetch:
             return
-        self._fork.record(self._main)  # after the tick, and after the step before finished with every slot
-        check(drv.cuStreamWaitEvent(self._plan_handle, self._fork.handle, 0))
+        self._fork_onto(self._plan_handle)  # after the tick, and after the step before finished with every slot
         for layer in self.moe_layers:
             self.slots.prefetch(layer, self._hints(layer, T), self.no_ids, self.plan_stream)
             self._plan_joined[layer].record(self._plan_handle)
@@ -325,8 +324,7 @@ class CachedExperts:
         to read the slots they fill, are done. The compute stream waits for each wave's copies; the last wave's
         wait joins the copy stream back (a capture must end joined)."""
         copy, main = self._copy_handle, self._main
-        self._planned.record(main)
-        check(drv.cuStreamWaitEvent(copy, self._planned.handle, 0))
+        self._fork_onto(copy)  # the layer's plan is done: its copies may start
         self.slots.fetch(i, 0, self.copy)
         self._fetched[0].record(copy)
         self._prefetch_ahead(i, T, ahead, lookahead, after=self._fetched[0])
@@ -379,8 +377,7 @@ class CachedExperts:
     def _prefetch(self, layer: int, predicted_a, predicted_b, after: Event | None = None) -> None:
         """The prefetch of `layer` on the side stream, after everything issued so far on the compute stream, after
         the layer's plan copies (they update the same slot map), and after the event `after`."""
-        self._fork.record(self._main)
-        check(drv.cuStreamWaitEvent(self._side_handle, self._fork.handle, 0))
+        self._fork_onto(self._side_handle)
         if layer in self._plan_pending:
             check(drv.cuStreamWaitEvent(self._side_handle, self._plan_joined[layer].handle, 0))
         if after is not None:
@@ -388,6 +385,11 @@ class CachedExperts:
         self.slots.prefetch(layer, predicted_a, predicted_b, self.side)
         self._joined[layer].record(self._side_handle)
         self._pending.add(layer)
+
+    def _fork_onto(self, handle) -> None:
+        """The stream `handle` waits for everything issued so far on the compute stream."""
+        self._fork.record(self._main)
+        check(drv.cuStreamWaitEvent(handle, self._fork.handle, 0))
 
     def _join(self, layer: int) -> None:
         """The compute stream waits for the layer's prefetch copies (not for later layers' ones)."""
@@ -437,7 +439,7 @@ class CachedExperts:
         for handle in handles:
             check(drv.cuStreamSynchronize(handle))
         joined = [*self._joined.values(), *self._plan_joined.values()]
-        for event in [self._fork, self._planned, *self._fetched, *self._computed, *joined]:
+        for event in [self._fork, *self._fetched, *self._computed, *joined]:
             event.close()
         for handle in handles:
             check(drv.cuStreamDestroy(handle))

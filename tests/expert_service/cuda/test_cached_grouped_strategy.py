@@ -113,7 +113,7 @@ def test_warmup_loads_every_tile_config_the_large_waves_take():
 
     K, E, T = 2, 8, 2048  # mixtral-like: few experts, so large steps reach the widest tiles
     big = cached_grouped_tokens(config(E, K), BF16, False, LARGE)
-    sizes = warmup_tokens(T, K, E, True, LARGE, cached_grouped=big)
+    sizes = warmup_tokens(T, K, E, True, LARGE, cached_grouped=big, cached_mma=True)
     needed = {choose_config(t * K, E) for t in range(2, T + 1)}
     assert {choose_config(t * K, E) for t in sizes if t >= 2} >= needed
     if len(needed) > 1:  # (the CUDA simulator has one tile config for every size)

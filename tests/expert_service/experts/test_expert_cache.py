@@ -118,6 +118,14 @@ def test_lfu_is_refused_on_the_cuda_backend_in_one_line(family_model, monkeypatc
     assert "\n" not in str(error.value)
 
 
+def test_the_device_policy_names_are_the_slot_maps():
+    """The names the backend builder lets through for the cuda backend are exactly those the slot-map kernel maps."""
+    from expert_service.cuda.expert_slots import POLICY_ARGUMENTS
+    from expert_service.experts.cache import DEVICE_POLICIES, POLICIES
+
+    assert set(DEVICE_POLICIES) == set(POLICY_ARGUMENTS) and set(DEVICE_POLICIES) <= set(POLICIES)
+
+
 def test_batch_union_loads_each_expert_once():
     cache, copies = make_cache(slots=4)
     cache.begin_step()
