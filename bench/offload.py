@@ -29,11 +29,14 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
+        [--plan-source device|router] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
 `--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
 cached (fraction, mode) with and without that CudaOptions field (docs/expert-cache.md) and print the step times
-(decode at each batch size, and the prefill step) side by side with their ratio.
+(decode at each batch size, and the prefill step) side by side with their ratio. `--timeline` records one more
+decode step of every run kernel by kernel (bench/kernel_timeline.py: each stream's busy time, where the stream that
+ends the step waited and on what) into the JSON, beside the step's figures.
 
 `--shapes tiny --backend cpu`: expert_service.tools.tiny_model's Mixtral, no HF (tests/bench/test_offload.py; counts only).
 A trained model instead of the random shapes (bench/offload_model.py says why each input matters):
@@ -65,6 +68,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
+from bench.kernel_timeline import step_timeline  # noqa: E402
 from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
 from bench.offload_report import OPTIONS, option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
@@ -110,7 +114,12 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
 
 
 def make_engine(
-    model: ModelDir, backend: str, slots: int = 0, prefetch: str = "none", options: CudaOptions = CudaOptions()
+    model: ModelDir,
+    backend: str,
+    slots: int = 0,
+    prefetch: str = "none",
+    options: CudaOptions = CudaOptions(),
+    plan_table: str = "router",
 ) -> Engine:
     return build_engine(
         model,
@@ -123,6 +132,7 @@ def make_engine(
             expert_cache_slots=slots,
             prefetch=prefetch.replace("+", ","),
             cuda_options=options,
+            plan_table=plan_table,
         ),
     )
 
@@ -193,10 +203,12 @@ def bench_colibri(
     bytes_per_s: float,
     tokens: TokenSource,
     decode_steps: int = DECODE_STEPS,
+    timeline: bool = False,
 ) -> dict:
     """Prefill b=1 x 512, then decode at each batch size; the step's routing plan goes along when prefetching
     from the plan (looked up outside the timed region: the router does it before sending the step). Prompts
-    come from `tokens`, the same ones for every engine."""
+    come from `tokens`, the same ones for every engine. timeline (cuda): one more decode step per batch size
+    recorded kernel by kernel (bench/kernel_timeline.py), to see which stream a step waited on."""
     take = tokens.sampler()
     thread = _model_thread(engine)
     use_plan = table is not None and "plan" in engine.config.prefetch_sources
@@ -231,6 +243,8 @@ def bench_colibri(
             step(decode_ids=ids)
         runs = [step(decode_ids=ids) for _ in range(decode_steps)]
         out["decode"][str(b)] = summarize(runs, b, bytes_per_s)
+        if timeline and thread is not None:
+            out["decode"][str(b)]["timeline"] = step_timeline(lambda: step(decode_ids=ids))
         if thread is not None and not use_plan:  # as bench/engine.py serves: graphs, two steps in flight
             seconds, _ = pipelined_decode(engine, ids, thread, lambda result, context: 0)
             out["decode"][str(b)]["pipelined_tok_s"] = b / seconds
@@ -271,19 +285,20 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
         "runs": {},
     }
     slots = {fraction: max(1, round(fraction * experts)) for fraction in args.fractions}
-    table = None
+    table, table_path = None, args.table
     engine = make_engine(model, args.backend)  # every expert resident; closed before any cached engine
     try:  # is built (each pins the model's host pages)
         if args.table is not None:
             table, entry["routing_table"] = load_table(model, args.table)
         elif any("plan" in m for m in args.prefetch_modes):
-            table, entry["routing_table"] = build_routing_table(model, engine, workdir / "routing_table.bin")
+            table_path = workdir / "routing_table.bin"
+            table, entry["routing_table"] = build_routing_table(model, engine, table_path)
         # every cached run is compared with the resident engine, measured in the same run
         resident = {
             "slots_per_layer": experts,
             "slot_bytes": expert_bytes,
             "prefetch": "n/a",
-            **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps),
+            **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps, args.timeline),
         }
     finally:
         close(engine)
@@ -297,14 +312,21 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             for values in itertools.product(*(getattr(args, option) for option in OPTIONS)):
                 settings = dict(zip(OPTIONS, values))
                 key = option_key(mode, settings)  # runs off the default options keyed apart
-                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings))
+                # the plan from the table on the device (no plan sent with the steps, which then run two in flight
+                # as served), or the router's plan sent with every step (cpu backend; --plan-source router)
+                on_device = "plan" in mode and table_path is not None and args.plan_source == "device"
+                plan_table = str(table_path) if on_device else "router"
+                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table)
                 try:
                     runs[key] = {
                         "slots_per_layer": n,
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
+                        "plan_source": ("device" if on_device else "router") if "plan" in mode else None,
                         **settings,
-                        **bench_colibri(cached, table, bytes_per_s, tokens, args.decode_steps),
+                        **bench_colibri(
+                            cached, None if on_device else table, bytes_per_s, tokens, args.decode_steps, args.timeline
+                        ),
                     }
                 finally:
                     close(cached)
@@ -441,6 +463,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--plan-source",
+        choices=("device", "router"),
+        default=None,
+        help="where the plan prefetch's plan comes from: the table looked up on the device from each step's own "
+        "tokens (cuda default; steps then also run two in flight) or the router's plan sent with each step "
+        "(the cpu backend's only source)",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="cuda: record one more decode step per batch size kernel by kernel (streams, waits) into the JSON",
+    )
     for option in OPTIONS:  # each run keyed by the options it changes (option_key)
         default = "on" if getattr(CudaOptions(), option) else "off"
         help_text = f"CudaOptions.{option} of the cached runs: on, off or on,off (both, side by side)"
@@ -456,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--expert-dtype: converts the --shapes models; convert --model with colibri convert --expert-dtype"
         )
+    if args.plan_source is None:
+        args.plan_source = "device" if args.backend == "cuda" else "router"
+    elif args.plan_source == "device" and args.backend != "cuda":
+        parser.error("--plan-source device: the table on the device needs --backend cuda")
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.prefetch_modes = args.prefetch_modes.split(",")
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:

@@ -42,10 +42,8 @@ calls a step (large steps wait on the host's launches: wall well above device bu
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import json
-import re
 import shutil
 import sys
 import time
@@ -56,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES  # noqa: E402
+from bench.kernel_timeline import kernel_totals  # noqa: E402
 
 SCENARIOS = {
     "prefill_1x512": ("prefill", 1, 512),
@@ -87,20 +86,6 @@ VARIANTS = {
 }
 PROFILED_STEPS = {"prefill": 3, "decode": 10}
 POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
-
-
-def short_name(name: str) -> str:
-    """Numba's Itanium-mangled kernel names (_ZN<len><module>...<len><function>B...) -> the function name;
-    other names (cuBLAS) cut to 60 characters."""
-    if not name.startswith("_ZN"):
-        return name[:60]
-    parts, i = [], 3
-    while i < len(name) and name[i].isdigit():
-        digits = re.match(r"\d+", name[i:]).group()
-        i += len(digits)
-        parts.append(name[i : i + int(digits)])
-        i += int(digits)
-    return parts[-1] if parts else name[:60]
 
 
 def variant_options(variant: str):
@@ -167,27 +152,6 @@ def host_profile(fn, repeats: int, top: int, sync) -> dict:
         "calls_per_step": sum(v[1] for v in stats.values()) / repeats,
         "top_own_time": {f"{Path(f).name}:{line}({name})": v[2] / repeats * 1e6 for (f, line, name), v in ranked},
     }
-
-
-def profile(fn, repeats: int) -> tuple[dict, float]:
-    import torch
-    from torch.profiler import ProfilerActivity
-
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / repeats
-    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[short_name(event.name)]
-            entry[0] += event.device_time_total / repeats
-            entry[1] += 1 / repeats
-    return dict(totals), wall * 1e6
 
 
 def summarise(totals: dict, wall_us: float) -> dict:
@@ -283,7 +247,7 @@ class Scenarios:
             def fn():
                 engine.step(decode_ids=ids, routing_plan=next(plans))
 
-        totals, wall_us = profile(fn, PROFILED_STEPS[kind])
+        totals, wall_us = kernel_totals(fn, PROFILED_STEPS[kind])
         entry = summarise(totals, wall_us)
         if self.host_top:
             import torch

@@ -36,6 +36,7 @@ from common.model_config import ModelConfig
 from common.routing_plan import RoutingPlan
 
 MAGIC = b"CLRT"
+TABLE_FILE = "routing_table.bin"  # a model directory's own table (`colibri router-gen`'s default output)
 VERSION = 1
 _HEADER = struct.Struct("<4s6I")  # magic, version, num_layers, vocab_size, top_k, num_experts, crc32
 HEADER_SIZE = _HEADER.size  # 28

@@ -49,9 +49,10 @@ from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.token_masks import DeviceMasks
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
-from expert_service.engine.config import Backend, EngineConfig, RoutingMode
+from expert_service.engine.config import Backend, EngineConfig, PrefetchSource, RoutingMode
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
+from expert_service.experts.routing_plan import device_plan_table
 from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
 
@@ -148,6 +149,7 @@ class CudaDecoder:
                 config.prefetch_sources,
                 config.expert_cache_policy,
                 host_break=self.host_breaks,
+                plan_table=self._plan_table(model, config),
             )
             if cached
             else None
@@ -392,6 +394,15 @@ class CudaDecoder:
         return DeviceLogits(
             self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged, step.masks
         )
+
+    @staticmethod
+    def _plan_table(model: ModelDir, config: EngineConfig) -> np.ndarray | None:
+        """The expert cache's plan prefetch table for the device ([L, V, k] uint16), or None: the router's plans."""
+        table = device_plan_table(model, config)
+        if PrefetchSource.PLAN in config.prefetch_sources:
+            source = f"{table.top_k} experts a token from the table on the device" if table else "the router's plans"
+            log.info("plan prefetch: %s", source)
+        return table.table if table is not None else None
 
     @functools.cached_property
     def prefill_buckets(self) -> list[int]:  # max_tokens is fixed: listed once, read by every step

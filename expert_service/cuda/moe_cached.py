@@ -66,6 +66,7 @@ from expert_service.kernels.moe_gemm_mma import (
     launch_moe_gemm_gate_up,
 )
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.table_hints import launch_table_hints
 from expert_service.kernels.tile_slots import launch_tile_slots
 
 HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
@@ -88,6 +89,7 @@ class CachedExperts:
         prefetch: frozenset[PrefetchSource],
         policy: str,
         host_break=None,
+        plan_table: np.ndarray | None = None,
     ):
         cfg = config
         self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
@@ -120,6 +122,11 @@ class CachedExperts:
         self.slot_ids = cuda.to_device(np.full((1, K), -1, np.int32), stream=st)  # CACHED_GEMV's experts' slots
         L = max(len(moe), 1)
         self.hint_ids = cuda.to_device(np.full((L, T * K), -1, np.int32), stream=st)
+        # the plan prefetch's table on the device ([L, V, <= K] uint16): each pass looks its own tokens up
+        # (start_pass), so no plan comes from the host; None: the router's plans, staged by stage_hints
+        self.plan_table = None
+        if plan_table is not None and PrefetchSource.PLAN in prefetch:
+            self.plan_table = cuda.to_device(np.ascontiguousarray(plan_table[:, :, :K], dtype=np.uint16), stream=st)
         self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
         self._hints_clear = True  # hint_ids holds no plan (all -1)
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
@@ -139,6 +146,7 @@ class CachedExperts:
     def nbytes(self) -> int:
         dense = self.dense.nbytes if self.dense is not None else 0
         small = self.hint_ids.nbytes + self.slot_ids.nbytes
+        small += self.plan_table.nbytes if self.plan_table is not None else 0
         return (
             self.slots.nbytes
             + self.ahead_logits.nbytes
@@ -151,8 +159,9 @@ class CachedExperts:
     # --- step boundaries ----------------------------------------------------------------------------
     def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
         """The step's routing plan (layer -> [T, k] ids) to the device before its pass (outside any graph), on
-        the compute stream; with plan prefetch off, or no plan, the device keeps (or gets) none."""
-        if PrefetchSource.PLAN not in self.prefetch or (not hints and self._hints_clear):
+        the compute stream; with plan prefetch off, or no plan, the device keeps (or gets) none. With the table
+        on the device the pass looks its plan up itself (start_pass) and the router's is not needed."""
+        if self.plan_table is not None or PrefetchSource.PLAN not in self.prefetch or (not hints and self._hints_clear):
             return
         host = self.host_hints[twin]
         host[:] = -1
@@ -165,7 +174,8 @@ class CachedExperts:
 
     def start_pass(self, T: int, large: bool) -> None:
         """Issued at the start of a pass of T tokens: the clock ticks, and every MoE layer's plan is prefetched,
-        in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch)."""
+        in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch). With the table
+        on the device the plan is first looked up from the pass's own input tokens (fed decodes included)."""
         # a pass that raised can leave layers pending: their events belong to it (maybe to a failed capture), and
         # this pass's own forks on those streams come after that work anyway (each stream runs in order)
         self._pending.clear()
@@ -173,6 +183,18 @@ class CachedExperts:
         self.slots.advance(self.stream)
         if not self.moe_layers or large or PrefetchSource.PLAN not in self.prefetch:
             return
+        if self.plan_table is not None:
+            ws = self.ws
+            launch_table_hints(
+                ws.token_ids[:T],
+                ws.feed_rows[:T],
+                ws.greedy_ids,
+                ws.slot_mapping[:T],
+                self.plan_table,
+                self.hint_ids,
+                self.config.num_experts_per_tok,
+                stream=self.stream,
+            )
         self._fork_onto(self._plan_handle)  # after the tick, and after the step before finished with every slot
         for layer in self.moe_layers:
             self.slots.prefetch(layer, self._hints(layer, T), self.no_ids, self.plan_stream)

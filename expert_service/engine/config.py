@@ -88,9 +88,18 @@ class EngineConfig:
     prefetch: str = setting(
         "plan,lookahead",
         "expert prefetch sources when the expert cache runs: none, plan (the "
-        "router's routing plan), lookahead (layer L+1's gate on layer L's input) or both, "
+        "routing table's prediction for the step's tokens: see --plan-table), lookahead (layer L+1's gate on "
+        "layer L's input) or both, "
         "comma-separated",
         env=("COLIBRI_PREFETCH",),
+    )
+    plan_table: str = setting(
+        "",
+        "routing table the cuda expert cache's plan prefetch looks each step's own tokens up in, on the device "
+        "(no plan from the router needed; right for steps launched before the one ahead is collected): a "
+        "file; empty = the model directory's routing_table.bin when it has one, else the router's plans; "
+        "'router' = always the router's plans",
+        env=("COLIBRI_PLAN_TABLE",),
     )
     # the cuda backend's alternative kernel paths (no flag: for benchmarks and tests; a config file may give
     # a mapping of CudaOptions fields)

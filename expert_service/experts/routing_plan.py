@@ -6,9 +6,17 @@ a prediction whose recall is measured.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from common.errors import ConfigError
+from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
+from common.routing_table import TABLE_FILE, RoutingTable
+from expert_service.engine.config import EngineConfig, PrefetchSource
+
+ROUTER_PLANS = "router"  # EngineConfig.plan_table: the router's plans, never a table on the device
 
 
 def routing_plan_recall(planned: dict[int, np.ndarray], exact: dict[int, np.ndarray]) -> float | None:
@@ -29,3 +37,16 @@ def warmup_routing_plan(moe_layers: list[int], num_experts: int, top_k: int, num
     routing=lut)."""
     expert_ids = np.broadcast_to(np.arange(top_k, dtype=np.int32), (len(moe_layers), num_tokens, top_k))
     return RoutingPlan.from_expert_ids(moe_layers, expert_ids, num_experts)
+
+
+def device_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | None:
+    """The routing table the cuda expert cache's plan prefetch looks each step's tokens up in on the device
+    (EngineConfig.plan_table), or None: the prefetch reads the router's plans (or plan prefetch is off)."""
+    if config.plan_table == ROUTER_PLANS or PrefetchSource.PLAN not in config.prefetch_sources:
+        return None
+    path = Path(config.plan_table) if config.plan_table else model.path / TABLE_FILE
+    if not path.is_file():
+        if not config.plan_table:
+            return None
+        raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
+    return RoutingTable.load(path, model.config)

@@ -1,4 +1,4 @@
-"""bench/profile_step.py's host-side parts (the profile itself needs a GPU and torch): kernel names, the random
+"""bench/profile_step.py's host-side parts (the profile itself needs a GPU and torch): the random
 model and routing plans it runs, the CudaOptions of its variants, the fused-vs-unfused comparison."""
 
 from __future__ import annotations
@@ -10,17 +10,6 @@ import pytest
 
 from bench import profile_step
 from expert_service.engine.cuda_options import CudaOptions
-
-
-def test_short_name_demangles_numba_kernels():
-    mangled = (
-        "_ZN6cudapy14expert_service7kernels13rope_kv_write20rope_kv_write_kernelB2v1E5ArrayIfLi3E1C7mutable7alignedE"
-    )
-    assert profile_step.short_name(mangled) == "rope_kv_write_kernel"
-    assert (
-        profile_step.short_name("sm90_xmma_gemm_bf16bf16_bf16f32" + "x" * 80)
-        == ("sm90_xmma_gemm_bf16bf16_bf16f32" + "x" * 80)[:60]
-    )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -133,7 +122,7 @@ def test_scenarios_run_their_steps_on_the_cpu_backend(tiny_model, monkeypatch, l
             fn()
         return {"k": [1.0, 1.0]}, 10.0
 
-    monkeypatch.setattr(profile_step, "profile", fake_profile)
+    monkeypatch.setattr(profile_step, "kernel_totals", fake_profile)
     monkeypatch.setitem(profile_step.SCENARIOS, "prefill_2x16", ("prefill", 2, 16))
     monkeypatch.setitem(profile_step.SCENARIOS, "decode_3", ("decode", 3, 8))
     runner = profile_step.Scenarios(engine, 259, lut)

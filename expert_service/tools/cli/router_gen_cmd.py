@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
+from common.routing_table import TABLE_FILE
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not config.moe_layers:
         raise ConfigError(f"{args.model}: the model has no MoE layers, so there is nothing to route")
-    out = Path(args.out) if args.out else model.path / "routing_table.bin"
+    out = Path(args.out) if args.out else model.path / TABLE_FILE
     corpus = load_corpus(args.corpus, args.corpus_format, model) if args.corpus else None
     batch_tokens = max(args.sequence_length, 4096)
 

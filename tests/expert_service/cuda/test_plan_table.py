@@ -1,0 +1,84 @@
+"""The plan prefetch looked up on the device (GPU only): a model whose routing depends only on the token id, with
+its exact routing table in the model directory, so every plan predicts exactly what the step routes to. The
+cached engine gets no plan from the host; each pass looks its own input tokens up (kernels/table_hints.py),
+including decodes fed from the step before's argmax while that step was still in flight (launched before the
+step ahead was collected: the case a router's plan, made from the last token it knows, gets wrong)."""
+
+import numpy as np
+import pytest
+
+from common.model_format import ModelDir
+from common.routing_table import TABLE_FILE, write_routing_table
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
+from expert_service.experts.cache import CacheStats
+from tests.helpers import make_token_routed_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = np.array([5, 17, 42, 99, 3, 250, 7, 31, 64], np.int64)
+DECODES = 6
+
+
+@pytest.fixture(scope="module")
+def token_routed(tmp_path_factory):
+    """The model directory with its exact table as routing_table.bin (every token id traced once)."""
+    model = ModelDir.open(make_token_routed_model(tmp_path_factory.mktemp("token_routed")))
+    cfg = model.config
+    engine = build_engine(model, EngineConfig(backend="cuda", kv_block_size=4, max_batch_tokens=cfg.vocab_size))
+    vocab = np.arange(cfg.vocab_size, dtype=np.int64)
+    trace = engine.step([PrefillInput(0, vocab, SamplingParams(), True)]).trace
+    engine.decoder.close()
+    table = np.stack([np.sort(trace.expert_ids[layer], axis=1) for layer in cfg.moe_layers]).astype(np.uint16)
+    write_routing_table(model.path / TABLE_FILE, table, cfg.num_experts)
+    return model
+
+
+def decode_in_flight(engine) -> tuple[list[int], list[CacheStats]]:
+    """The prompt, then DECODES steps launched two at a time (each fed the one before's argmax on the device)."""
+    first = engine.step([PrefillInput(1, PROMPT, SamplingParams(), True)])
+    tokens, stats = [first.outputs[0].token_id], []
+    flight = [engine.launch(decode_ids=[1])]
+    for n in range(DECODES):
+        if n + 1 < DECODES:
+            flight.append(engine.launch(decode_ids=[1]))
+        result = engine.collect(flight.pop(0))
+        tokens.append(result.outputs[0].token_id)
+        stats.append(result.expert_cache)
+    return tokens, stats
+
+
+def test_device_plan_predicts_every_expert_of_fed_decodes(token_routed):
+    cfg = token_routed.config
+    K = cfg.num_experts_per_tok
+    resident = build_engine(token_routed, EngineConfig(backend="cuda", kv_block_size=4))
+    expected, _ = decode_in_flight(resident)
+    resident.decoder.close()
+    cached = build_engine(
+        token_routed, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=K, prefetch="plan")
+    )
+    assert cached.decoder.cached.plan_table is not None  # found in the model directory
+    tokens, stats = decode_in_flight(cached)
+    assert tokens == expected
+    total = sum(stats, CacheStats())
+    assert total.misses == 0, stats  # every expert was prefetched before its layer ran
+    assert total.prefetches_issued > 0 and total.prefetches_used == total.prefetches_issued
+    cached.decoder.close()
+
+
+def test_router_plans_when_asked_for(token_routed):
+    cfg = token_routed.config
+    config = EngineConfig(
+        backend="cuda",
+        kv_block_size=4,
+        expert_cache_slots=cfg.num_experts_per_tok,
+        prefetch="plan",
+        plan_table="router",
+    )
+    engine = build_engine(token_routed, config)
+    assert engine.decoder.cached.plan_table is None
+    tokens, stats = decode_in_flight(engine)  # no plan sent: the plan prefetch copies nothing
+    assert sum(stats, CacheStats()).prefetches_issued == 0 and len(tokens) == DECODES + 1
+    engine.decoder.close()
