@@ -27,20 +27,21 @@ from expert_service.tools.tiny_model import tiny_hf_config
 GROUPED, CUBLAS = MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS
 BF16, F32 = np.dtype(np.uint16), np.dtype(np.float32)
 LARGE = CudaOptions(cached_mma_large=True)
+SMALL = CudaOptions(cached_mma_large=False)  # large cached steps on per-expert cuBLAS (CACHED_CUBLAS)
 
 
 def config(E: int = 16, K: int = 4):
     return config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": E, "num_experts_per_tok": K})
 
 
-def test_experimental_and_off_by_default():
-    assert "cached_mma_large" in EXPERIMENTAL and CudaOptions().cached_mma_large is False
+def test_shipped_on_by_default():
+    assert "cached_mma_large" not in EXPERIMENTAL and CudaOptions().cached_mma_large is True
 
 
 @pytest.mark.parametrize(
     "options,dtype,quantized,expected",
     [
-        (CudaOptions(), BF16, False, GROUPED_MAX_TOKENS),
+        (SMALL, BF16, False, GROUPED_MAX_TOKENS),
         (LARGE, BF16, False, MAX_ASSIGNMENTS // 4),
         (CudaOptions(cached_mma=False, cached_mma_large=True), BF16, False, GROUPED_MAX_TOKENS),  # moe_ffn's waves
         (LARGE, F32, False, GROUPED_MAX_TOKENS),  # the tensor-core kernel reads bf16 weights
@@ -89,19 +90,19 @@ def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256):
 
 
 def test_decoder_steps_follow_the_option():
-    assert decoder(CudaOptions(), CudaOptions())._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
+    assert decoder(SMALL, SMALL)._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
     assert decoder(LARGE, LARGE)._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
-    assert not decoder(LARGE, LARGE).blocks_host(200) and decoder(CudaOptions(), CudaOptions()).blocks_host(200)
+    assert not decoder(LARGE, LARGE).blocks_host(200) and decoder(SMALL, SMALL).blocks_host(200)
 
 
 def test_set_options_refuses_the_option_without_its_rows_and_takes_it_back_off():
-    d = decoder(CudaOptions(), CudaOptions())
+    d = decoder(SMALL, SMALL)
     with pytest.raises(ValueError) as error:
         d.set_options(LARGE)
     assert "cached_grouped" in str(error.value) and "\n" not in str(error.value)
     d = decoder(LARGE, LARGE)
-    d.set_options(CudaOptions())  # off: large steps take per-expert cuBLAS on the same rows
-    assert d.options == CudaOptions() and d._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
+    d.set_options(SMALL)  # off: large steps take per-expert cuBLAS on the same rows
+    assert d.options == SMALL and d._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
     d.set_options(LARGE)  # and back on: laid out with it
     assert d.options == LARGE and d._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
 
@@ -123,6 +124,6 @@ def test_warmup_loads_every_tile_config_the_large_waves_take():
 
 def test_an_engine_of_small_steps_takes_the_option_without_new_rows():
     """Steps of at most GROUPED_MAX_TOKENS already run in waves: its rows fit either way, so set_options accepts it."""
-    d = decoder(CudaOptions(), CudaOptions(), max_tokens=GROUPED_MAX_TOKENS)
+    d = decoder(SMALL, SMALL, max_tokens=GROUPED_MAX_TOKENS)
     d.set_options(LARGE)
     assert d.options == LARGE

@@ -25,7 +25,7 @@ from tests.helpers import SESSION_PROMPTS, bf16_tiny, exact_plans, rel_error, ru
 
 pytestmark = pytest.mark.gpu
 
-LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)  # a 121-token step: the per-expert cuBLAS path
+LONG_PROMPTS = SESSION_PROMPTS + (np.arange(90) * 7 % 250 + 3,)  # a 121-token step: per-expert cuBLAS (fp32)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
@@ -184,7 +184,7 @@ LONG_PROMPTS = (np.arange(60) % 250 + 3, (np.arange(50) * 7) % 250 + 3, (np.aran
 
 @pytest.mark.parametrize("prefetch", ["none", "lookahead"])
 def test_large_cached_steps_in_tensor_core_waves(bf16_model, prefetch):
-    """CudaOptions.cached_mma_large: the 150-token prompt step runs its experts in grouped waves on the tensor-core
+    """CudaOptions.cached_mma_large (the default): the 150-token prompt step runs its experts in grouped waves on the tensor-core
     kernel, captured whole (no host break: it does not block the host), instead of per-expert cuBLAS at a host
     break per layer. Its logits within the bf16 tolerance of the cuBLAS path's; bitwise the same at 1 and 2 slots
     and with graphs or eagerly (each tile computed by the same kernel whatever the waves)."""
@@ -192,7 +192,14 @@ def test_large_cached_steps_in_tensor_core_waves(bf16_model, prefetch):
     from expert_service.engine.cuda_options import CudaOptions
 
     T = sum(len(p) for p in LONG_PROMPTS)
-    ref = run_session(bf16_model, backend="cuda", prompts=LONG_PROMPTS, expert_cache_slots=2, prefetch=prefetch)
+    ref = run_session(
+        bf16_model,
+        backend="cuda",
+        prompts=LONG_PROMPTS,
+        expert_cache_slots=2,
+        prefetch=prefetch,
+        cuda_options=CudaOptions(cached_mma_large=False),
+    )
     assert ref[4].decoder._strategy(T) is MoeStrategy.CACHED_CUBLAS
     ref[4].decoder.close()
     first = None
