@@ -29,7 +29,7 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--plan-source device|router] [--timeline]
+        [--plan-source worker|router] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
 `--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
@@ -312,20 +312,20 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             for values in itertools.product(*(getattr(args, option) for option in OPTIONS)):
                 settings = dict(zip(OPTIONS, values))
                 key = option_key(mode, settings)  # runs off the default options keyed apart
-                # the plan from the table on the device (no plan sent with the steps, which then run two in flight
-                # as served), or the router's plan sent with every step (cpu backend; --plan-source router)
-                on_device = "plan" in mode and table_path is not None and args.plan_source == "device"
-                plan_table = str(table_path) if on_device else "router"
+                # the worker's own lookup of the table (no plan sent with the steps, which then run two in flight
+                # as served), or the router's plan sent with every step (--plan-source router)
+                own = "plan" in mode and table_path is not None and args.plan_source == "worker"
+                plan_table = str(table_path) if own else "router"
                 cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table)
                 try:
                     runs[key] = {
                         "slots_per_layer": n,
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
-                        "plan_source": ("device" if on_device else "router") if "plan" in mode else None,
+                        "plan_source": ("worker" if own else "router") if "plan" in mode else None,
                         **settings,
                         **bench_colibri(
-                            cached, None if on_device else table, bytes_per_s, tokens, args.decode_steps, args.timeline
+                            cached, None if own else table, bytes_per_s, tokens, args.decode_steps, args.timeline
                         ),
                     }
                 finally:
@@ -465,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
         "--plan-source",
-        choices=("device", "router"),
-        default=None,
-        help="where the plan prefetch's plan comes from: the table looked up on the device from each step's own "
-        "tokens (cuda default; steps then also run two in flight) or the router's plan sent with each step "
-        "(the cpu backend's only source)",
+        choices=("worker", "router"),
+        default="worker",
+        help="where the plan prefetch's plan comes from: the worker's own lookup of each step's tokens in the table "
+        "(on the device on cuda; steps then also run two in flight, as served) or the router's plan sent with "
+        "each step",
     )
     parser.add_argument(
         "--timeline",
@@ -491,10 +491,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--expert-dtype: converts the --shapes models; convert --model with colibri convert --expert-dtype"
         )
-    if args.plan_source is None:
-        args.plan_source = "device" if args.backend == "cuda" else "router"
-    elif args.plan_source == "device" and args.backend != "cuda":
-        parser.error("--plan-source device: the table on the device needs --backend cuda")
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.prefetch_modes = args.prefetch_modes.split(",")
     if bad := [m for m in args.prefetch_modes if m not in PREFETCH_MODES]:

@@ -22,6 +22,7 @@ from expert_service.engine.step import ForwardBatch, HostLogits, StepTrace
 from expert_service.experts.cache import ExpertCache
 from expert_service.experts.grouping import experts_by_count
 from expert_service.experts.host_copy import HostCopyEngine
+from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
 
 
@@ -93,6 +94,10 @@ class CpuDecoder:
         self.penalties = HostPenalties(config.max_batch_size, self.config.vocab_size)
         moe = self.config.moe_layers
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
+        # the plan prefetch's own table ([L, V, k]): each step looks its tokens up, as the cuda backend does on the
+        # device; None: the router's plans (batch.expert_hints)
+        table = worker_plan_table(model, config) if self.cache is not None else None
+        self.plan_table = table.table if table is not None else None
         self._launched: HostLogits | None = None  # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:
@@ -159,13 +164,14 @@ class CpuDecoder:
         cfg, kv, cache = self.config, self.kv, self.cache
         h = self.w.get("embed_tokens")[batch.token_ids]  # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions)
+        hints = self._plan_hints(batch) if cache is not None else None
         if cache is not None:
             cache.begin_step()
             if cfg.moe_layers:  # the first MoE layer's plan: its copies overlap the attention before it
-                self._prefetch_plan(cache, batch, cfg.moe_layers[0])
+                self._prefetch_plan(cache, hints, cfg.moe_layers[0])
         for i in range(cfg.num_hidden_layers):
             if cache is not None:
-                self._prefetch_plan(cache, batch, self._next_moe[i])
+                self._prefetch_plan(cache, hints, self._next_moe[i])
             h = h + self._attention(
                 i, rms_norm(h, self.w.layer(i, "input_norm"), cfg.rms_norm_eps), batch, kv, cos, sin
             )
@@ -184,14 +190,15 @@ class CpuDecoder:
         return HostLogits(logits, penalized, None if batch.masks_late else batch.token_masks)
 
     # --- expert cache -------------------------------------------------------------------------------
-    def _prefetch_plan(self, cache: ExpertCache, batch: ForwardBatch, layer: int | None) -> None:
-        if (
-            layer is not None
-            and PrefetchSource.PLAN in self.prefetch
-            and batch.expert_hints
-            and layer in batch.expert_hints
-        ):
-            cache.prefetch(layer, experts_by_count(batch.expert_hints[layer]))
+    def _plan_hints(self, batch: ForwardBatch) -> dict[int, np.ndarray] | None:
+        """The step's plan, layer -> predicted ids [T, k]: its own tokens looked up in the table, or the router's."""
+        if self.plan_table is None:
+            return batch.expert_hints
+        return dict(zip(self.config.moe_layers, np.take(self.plan_table, batch.token_ids, axis=1)))
+
+    def _prefetch_plan(self, cache: ExpertCache, hints: dict[int, np.ndarray] | None, layer: int | None) -> None:
+        if layer is not None and PrefetchSource.PLAN in self.prefetch and hints and layer in hints:
+            cache.prefetch(layer, experts_by_count(hints[layer]))
 
     def _prefetch_lookahead(self, cache: ExpertCache, x: np.ndarray, layer: int | None) -> None:
         """Layer `layer`'s gate applied to the current layer's router input predicts its experts (the input

@@ -52,7 +52,7 @@ from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout
 from expert_service.engine.config import Backend, EngineConfig, PrefetchSource, RoutingMode
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
-from expert_service.experts.routing_plan import device_plan_table
+from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
 
@@ -398,7 +398,7 @@ class CudaDecoder:
     @staticmethod
     def _plan_table(model: ModelDir, config: EngineConfig) -> np.ndarray | None:
         """The expert cache's plan prefetch table for the device ([L, V, k] uint16), or None: the router's plans."""
-        table = device_plan_table(model, config)
+        table = worker_plan_table(model, config)
         if PrefetchSource.PLAN in config.prefetch_sources:
             source = f"{table.top_k} experts a token from the table on the device" if table else "the router's plans"
             log.info("plan prefetch: %s", source)

@@ -121,12 +121,14 @@ class CachedExperts:
         self.no_ids = cuda.to_device(np.full(1, -1, np.int32), stream=st)
         self.slot_ids = cuda.to_device(np.full((1, K), -1, np.int32), stream=st)  # CACHED_GEMV's experts' slots
         L = max(len(moe), 1)
-        self.hint_ids = cuda.to_device(np.full((L, T * K), -1, np.int32), stream=st)
-        # the plan prefetch's table on the device ([L, V, <= K] uint16): each pass looks its own tokens up
-        # (start_pass), so no plan comes from the host; None: the router's plans, staged by stage_hints
+        # the plan prefetch's table on the device ([L, V, k] uint16): each pass looks its own tokens up
+        # (start_pass), so no plan comes from the host; None: the router's plans, staged by stage_hints. A table
+        # may predict more experts a token than the model routes to (more prefetched bytes for more recall).
         self.plan_table = None
         if plan_table is not None and PrefetchSource.PLAN in prefetch:
-            self.plan_table = cuda.to_device(np.ascontiguousarray(plan_table[:, :, :K], dtype=np.uint16), stream=st)
+            self.plan_table = cuda.to_device(np.ascontiguousarray(plan_table, dtype=np.uint16), stream=st)
+        self.hint_width = max(K, plan_table.shape[2]) if self.plan_table is not None else K  # ids a token
+        self.hint_ids = cuda.to_device(np.full((L, T * self.hint_width), -1, np.int32), stream=st)
         self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
         self._hints_clear = True  # hint_ids holds no plan (all -1)
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
@@ -192,7 +194,7 @@ class CachedExperts:
                 ws.slot_mapping[:T],
                 self.plan_table,
                 self.hint_ids,
-                self.config.num_experts_per_tok,
+                self.hint_width,
                 stream=self.stream,
             )
         self._fork_onto(self._plan_handle)  # after the tick, and after the step before finished with every slot
@@ -216,7 +218,7 @@ class CachedExperts:
 
     # --- the routed experts of a MoE layer ----------------------------------------------------------
     def _hints(self, layer: int, T: int):
-        return self.hint_ids[self.moe_layers.index(layer), : T * self.config.num_experts_per_tok]
+        return self.hint_ids[self.moe_layers.index(layer), : T * self.hint_width]
 
     def run(
         self,

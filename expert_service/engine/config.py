@@ -95,8 +95,8 @@ class EngineConfig:
     )
     plan_table: str = setting(
         "",
-        "routing table the cuda expert cache's plan prefetch looks each step's own tokens up in, on the device "
-        "(no plan from the router needed; right for steps launched before the one ahead is collected): a "
+        "routing table the expert cache's plan prefetch looks each step's own tokens up in (on the device on "
+        "cuda: no plan from the router needed, and right for steps launched before the one ahead is collected): a "
         "file; empty = the model directory's routing_table.bin when it has one, else the router's plans; "
         "'router' = always the router's plans",
         env=("COLIBRI_PLAN_TABLE",),

@@ -39,9 +39,9 @@ def warmup_routing_plan(moe_layers: list[int], num_experts: int, top_k: int, num
     return RoutingPlan.from_expert_ids(moe_layers, expert_ids, num_experts)
 
 
-def device_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | None:
-    """The routing table the cuda expert cache's plan prefetch looks each step's tokens up in on the device
-    (EngineConfig.plan_table), or None: the prefetch reads the router's plans (or plan prefetch is off)."""
+def worker_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | None:
+    """The routing table the expert cache's plan prefetch looks each step's own tokens up in (on the device on
+    the cuda backend; EngineConfig.plan_table), or None: the prefetch reads the router's plans (or is off)."""
     if config.plan_table == ROUTER_PLANS or PrefetchSource.PLAN not in config.prefetch_sources:
         return None
     path = Path(config.plan_table) if config.plan_table else model.path / TABLE_FILE

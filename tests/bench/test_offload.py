@@ -12,7 +12,10 @@ from bench.offload_report import option_key
 from expert_service.engine.cuda_options import CudaOptions
 
 
-def test_offload_tiny_cpu(tmp_path):
+@pytest.mark.parametrize("plan_source", ["worker", "router"])
+def test_offload_tiny_cpu(tmp_path, plan_source):
+    """The worker looks the plan up itself (no plan sent, no recall measured) or the router sends it with each
+    step (its recall measured)."""
     out = tmp_path / "out"
     assert (
         offload.main(
@@ -25,6 +28,8 @@ def test_offload_tiny_cpu(tmp_path):
                 "1,0.5",
                 "--prefetch-modes",
                 "none,plan",
+                "--plan-source",
+                plan_source,
                 "--out",
                 str(out),
                 "--workdir",
@@ -60,7 +65,9 @@ def test_offload_tiny_cpu(tmp_path):
                     assert phase["x_pcie_bound"] is None
                 else:
                     assert phase["misses"] > 0 and phase["x_pcie_bound"] > 0
-                assert (phase["plan_recall"] is not None) == (mode == "plan")
+                assert (phase["plan_recall"] is not None) == (mode == "plan" and plan_source == "router")
+                if mode == "plan":
+                    assert run["plan_source"] == plan_source and phase["prefetches_issued"] > 0
     # b=16 x top-2 needs every expert of the tiny model and only half of them fit: misses every step
     assert entry["runs"]["0.5"]["none"]["decode"]["16"]["hit_rate"] < 1
     assert "decode_b1_x_none" in entry["ratios"]["0.5"]["plan"]

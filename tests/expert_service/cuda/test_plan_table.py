@@ -82,3 +82,27 @@ def test_router_plans_when_asked_for(token_routed):
     tokens, stats = decode_in_flight(engine)  # no plan sent: the plan prefetch copies nothing
     assert sum(stats, CacheStats()).prefetches_issued == 0 and len(tokens) == DECODES + 1
     engine.decoder.close()
+
+
+def test_a_table_predicting_more_experts_than_the_model_routes_to(token_routed, tmp_path):
+    """A table of k = K + 1 (a router-gen --top-k above the model's): the hints hold k ids a token, so every
+    routed expert is still predicted, plus one more."""
+    from common.routing_table import RoutingTable
+
+    cfg = token_routed.config
+    K, E = cfg.num_experts_per_tok, cfg.num_experts
+    exact = RoutingTable.load(token_routed.path / TABLE_FILE, cfg).table
+    rng = np.random.default_rng(7)
+    extra = np.array([[rng.choice(np.setdiff1d(np.arange(E), row)) for row in layer] for layer in exact], np.uint16)
+    wider = write_routing_table(tmp_path / "wider.bin", np.concatenate([exact, extra[:, :, None]], axis=2), E)
+    config = EngineConfig(
+        backend="cuda", kv_block_size=4, expert_cache_slots=K + 1, prefetch="plan", plan_table=str(wider)
+    )
+    engine = build_engine(token_routed, config)
+    assert engine.decoder.cached.hint_width == K + 1
+    tokens, stats = decode_in_flight(engine)
+    resident = build_engine(token_routed, EngineConfig(backend="cuda", kv_block_size=4))
+    assert tokens == decode_in_flight(resident)[0]
+    assert sum(stats, CacheStats()).misses == 0
+    engine.decoder.close()
+    resident.decoder.close()

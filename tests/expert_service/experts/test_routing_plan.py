@@ -122,14 +122,14 @@ def test_planned_weights_equal_exact_renormalised_topk_on_the_same_experts():
     np.testing.assert_allclose(route_planned(logits, ids), weights, rtol=1e-6)
 
 
-def test_device_plan_table_resolution(tmp_path):
+def test_worker_plan_table_resolution(tmp_path):
     """EngineConfig.plan_table: the model directory's table by default, a file named, or the router's plans; a
     named file that is missing or does not fit the model is refused in one line."""
     from common.errors import ConfigError, ModelFormatError
     from common.model_format import ModelDir
     from common.routing_table import TABLE_FILE, write_routing_table
     from expert_service.engine.config import EngineConfig
-    from expert_service.experts.routing_plan import device_plan_table
+    from expert_service.experts.routing_plan import worker_plan_table
     from expert_service.tools.tiny_model import make_tiny
 
     model = ModelDir.open(make_tiny(tmp_path / "m", seed=3), verify=False)
@@ -137,16 +137,16 @@ def test_device_plan_table_resolution(tmp_path):
     L, V, E, K = len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts, cfg.num_experts_per_tok
     rng = np.random.default_rng(5)
     table = np.stack([[rng.choice(E, K, replace=False) for _ in range(V)] for _ in range(L)]).astype(np.uint16)
-    assert device_plan_table(model, EngineConfig(prefetch="plan")) is None  # no table in the directory yet
+    assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None  # no table in the directory yet
     write_routing_table(model.path / TABLE_FILE, table, E)
-    found = device_plan_table(model, EngineConfig(prefetch="plan,lookahead"))
+    found = worker_plan_table(model, EngineConfig(prefetch="plan,lookahead"))
     assert found is not None and np.array_equal(found.table, table)
-    assert device_plan_table(model, EngineConfig(prefetch="lookahead")) is None  # no plan prefetch: no table
-    assert device_plan_table(model, EngineConfig(prefetch="plan", plan_table="router")) is None
+    assert worker_plan_table(model, EngineConfig(prefetch="lookahead")) is None  # no plan prefetch: no table
+    assert worker_plan_table(model, EngineConfig(prefetch="plan", plan_table="router")) is None
     other = write_routing_table(tmp_path / "other.bin", table[:, :, :1], E)
-    assert device_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(other))).top_k == 1
+    assert worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(other))).top_k == 1
     with pytest.raises(ConfigError, match=r"^plan_table: .*missing.bin is not a file"):
-        device_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(tmp_path / "missing.bin")))
+        worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(tmp_path / "missing.bin")))
     wrong = write_routing_table(tmp_path / "wrong.bin", table[:, : V - 1], E)
     with pytest.raises(ModelFormatError, match="vocab_size"):
-        device_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(wrong)))
+        worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(wrong)))

@@ -1,6 +1,6 @@
 """table_hints vs numpy: random tables and steps with fed decodes and padding tokens; every entry of the written
-rows checked (the hints start as garbage), the entries past T*K untouched, tables predicting fewer experts than
-the step routes to, and the launcher's refusals."""
+rows checked (the hints start as garbage), the entries past T*W untouched, tables predicting fewer experts a
+token than the hints hold, and the launcher's refusals."""
 
 import numpy as np
 import pytest
@@ -67,7 +67,7 @@ def test_the_launcher_refuses_what_the_kernel_cannot_read():
     hints = np.zeros((2, 6), np.int32)
     with pytest.raises(ValueError, match="hints must be int32"):
         launch_table_hints(i, i, i, i, table, hints[:, :5], 2)
-    with pytest.raises(ValueError, match="predicts 2 experts a token, the step has 1"):
+    with pytest.raises(ValueError, match="predicts 2 experts a token, the hints hold 1"):
         launch_table_hints(i, i, i, i, table, hints, 1)
     with pytest.raises(ValueError, match="table must be"):
         launch_table_hints(i, i, i, i, table.astype(np.int32), hints, 2)
