@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -123,9 +124,24 @@ def configure_tracing(
     return provider
 
 
+# Colibri's tracer per provider. Spans start per request and per step, and the SDK's get_tracer, though it hands
+# back the same Tracer for the same scope, first re-registers a warnings filter and builds two scope objects
+# (~20 us). Weak keys: a tracer does not refer to its provider, so a provider dropped takes its tracer along
+# (one made with shutdown_on_exit=False: by default the SDK's exit hook keeps every provider alive anyway).
+_tracers: weakref.WeakKeyDictionary[trace.TracerProvider, trace.Tracer] = weakref.WeakKeyDictionary()
+
+
 def get_tracer(tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
-    """Colibri's tracer from `tracer_provider`, or from the global provider when None."""
-    return trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+    """Colibri's tracer from `tracer_provider`, or from the global provider when None (the one set now: a
+    tracer got before the global provider was set is the API's proxy, which follows it anyway)."""
+    provider = trace.get_tracer_provider() if tracer_provider is None else tracer_provider
+    try:
+        return _tracers[provider]
+    except KeyError:
+        tracer = _tracers[provider] = trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=provider)
+        return tracer
+    except TypeError:  # a provider that cannot be weakly referenced or hashed: asked every time, as before
+        return trace.get_tracer(INSTRUMENTATION_NAME, tracer_provider=provider)
 
 
 def inject_metadata(context: otel_context.Context | None = None) -> list[tuple[str, str]]:

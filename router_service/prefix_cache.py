@@ -27,6 +27,10 @@ computed (its logits sample the first new token) and a shared block is never wri
 Requests racing for one prefix: a request whose next uncached block is claimed by a running request, or was
 scheduled in the step being built, waits for it instead of computing it again, so n samples of one prompt, or
 clients sharing a system prompt, prefill it once; they start on it in the step after the one that writes it.
+
+Hashing runs on the router's event loop for every request (~0.12 ms for a 2,112-token prompt), so the cache
+remembers the last prompts it hashed (_RecentPrompts) and a prompt that starts like one of them hashes only the
+blocks past the whole blocks they share: a shared system prompt is hashed once, not once per client.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ import hashlib
 import itertools
 import sys
 from dataclasses import dataclass, field
+
+# _RecentPrompts' bounds: the prompts it keeps, and the bytes they hold (4 a token, ~80 a block's hash and its object).
+RECENT_PROMPTS = 64
+RECENT_PROMPT_BYTES = 16 << 20
+_HASH_BYTES = 80
 
 
 @dataclass
@@ -50,6 +59,68 @@ class PrefixState:
     hit_ids: list[int] = field(default_factory=list)  # the cached blocks it starts on
     held_ids: list[int] = field(default_factory=list)  # cached blocks it holds a reference on
     claimed: set[int] = field(default_factory=set)  # block indices it will compute for the cache
+
+
+@dataclass(frozen=True, slots=True)
+class _HashedPrompt:
+    data: bytes  # its token ids as uint32 little-endian
+    hashes: tuple[bytes, ...]  # the chained hashes of its full blocks
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.data) + _HASH_BYTES * len(self.hashes)
+
+
+class _RecentPrompts:
+    """The prompts hashed last, by (salt, first block), least recently used first, bounded in prompts and bytes.
+
+    A block's chained hash depends only on the namespace (one per PrefixCache), the salt and the bytes up to the
+    block's end, so the hashes of the whole blocks a new prompt shares with a remembered one of the same salt are
+    exactly its own: reused, they are the hashes computed from scratch. Keyed by the salt, a prompt never reuses
+    another salt's hashes. It lives in its PrefixCache, so a new index (a worker reconnect) starts without it.
+    """
+
+    def __init__(self, max_prompts: int = RECENT_PROMPTS, max_bytes: int = RECENT_PROMPT_BYTES):
+        self.max_prompts, self.max_bytes = max_prompts, max_bytes
+        self.num_bytes = 0
+        self._prompts: collections.OrderedDict[tuple[str, bytes], _HashedPrompt] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def shared_hashes(self, salt: str, data: bytes, width: int) -> tuple[bytes, ...]:
+        """The hashes of the whole blocks `data` shares from its start with the remembered prompt that begins
+        with the same block under the same salt; empty when none does."""
+        seen = self._prompts.get((salt, data[:width]))
+        return seen.hashes[: _shared_blocks(seen.data, data, width)] if seen is not None else ()
+
+    def remember(self, salt: str, data: bytes, hashes: tuple[bytes, ...], width: int) -> None:
+        """Keeps `data` (at least one full block) as the latest prompt beginning with its first block, then
+        forgets the least recently hashed prompts beyond the bounds (the latest one always stays)."""
+        key, entry = (salt, data[:width]), _HashedPrompt(data, hashes)
+        old = self._prompts.pop(key, None)
+        if old is not None:
+            self.num_bytes -= old.num_bytes
+        self._prompts[key] = entry
+        self.num_bytes += entry.num_bytes
+        while len(self._prompts) > 1 and (len(self._prompts) > self.max_prompts or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self._prompts.popitem(last=False)[1].num_bytes
+
+
+def _shared_blocks(old: bytes, new: bytes, width: int) -> int:
+    """How many whole blocks of `width` bytes `new` shares with `old` from the start. A binary search over
+    prefix comparisons (memcmp on a view of `new`, no copies): most prompts share all but their last blocks."""
+    view = memoryview(new)
+    lo, hi = 0, min(len(old), len(new)) // width
+    if old.startswith(view[: hi * width]):
+        return hi
+    while hi - lo > 1:  # the first lo blocks are shared, the first hi are not
+        mid = (lo + hi) // 2
+        if old.startswith(view[: mid * width]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(slots=True)
@@ -71,6 +142,7 @@ class PrefixCache:
         self._claims: dict[bytes, PrefixState] = {}  # hash -> the request that will compute it
         self._ids = itertools.count(1)
         self._step = 0  # the step being scheduled (begin_step)
+        self._recent = _RecentPrompts()  # the prompts hashed last, whose hashes a prompt starting alike reuses
         self.pending_evictions: list[int] = []  # ids the next step tells the worker to drop
         # Counters for metrics, in tokens and blocks.
         self.num_query_tokens = 0
@@ -79,17 +151,25 @@ class PrefixCache:
 
     # ---- hashing ----
     def hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
-        """The chained hashes of the full blocks of `token_ids` (ids < 2**32, as uint32 little-endian)."""
-        parent = hashlib.sha256(self.namespace + b"salt\0" + salt.encode()).digest() if salt else self.namespace
+        """The chained hashes of the full blocks of `token_ids` (ids < 2**32, as uint32 little-endian). The
+        whole blocks it shares with a recent prompt of the same salt reuse that prompt's hashes."""
         words = array.array("I", token_ids)  # twice as fast as numpy from a list; "I" is 4 bytes where we run
         if sys.byteorder == "big":
             words.byteswap()
         data, width, sha256 = words.tobytes(), 4 * self.block_size, hashlib.sha256
-        out = []
-        for start in range(0, len(data) - width + 1, width):
+        if len(data) < width:
+            return []
+        out = list(self._recent.shared_hashes(salt, data, width))
+        parent = out[-1] if out else self._root(salt)
+        for start in range(len(out) * width, len(data) - width + 1, width):
             parent = sha256(parent + data[start : start + width]).digest()
             out.append(parent)
+        self._recent.remember(salt, data, tuple(out), width)
         return out
+
+    def _root(self, salt: str) -> bytes:
+        """The parent of a prompt's first block: the model's identity, and the salt when there is one."""
+        return hashlib.sha256(self.namespace + b"salt\0" + salt.encode()).digest() if salt else self.namespace
 
     # ---- what the scheduler reads ----
     @property

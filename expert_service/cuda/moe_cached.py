@@ -127,7 +127,7 @@ class CachedExperts:
         self.plan_table = None
         if plan_table is not None and PrefetchSource.PLAN in prefetch:
             self.plan_table = cuda.to_device(np.ascontiguousarray(plan_table, dtype=np.uint16), stream=st)
-        self.hint_width = max(K, plan_table.shape[2]) if self.plan_table is not None else K  # ids a token
+        self.hint_width = max(K, self.plan_table.shape[2]) if self.plan_table is not None else K  # ids a token
         self.hint_ids = cuda.to_device(np.full((L, T * self.hint_width), -1, np.int32), stream=st)
         self.host_hints = cuda.pinned_array((HINT_TWINS, L, T * K), np.int32)
         self._hints_clear = True  # hint_ids holds no plan (all -1)
