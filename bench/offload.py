@@ -52,7 +52,6 @@ checkpoint DIR was converted from. `--prompts` also works with `--shapes tiny` (
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import importlib.util
 import itertools
@@ -67,9 +66,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import SHAPES, build_hf, cuda_time, pipelined_decode, write_colibri  # noqa: E402
+from bench.engine import SHAPES, build_hf, pipelined_decode, write_colibri  # noqa: E402
 from bench.kernel_timeline import step_timeline  # noqa: E402
-from bench.offload_model import TokenSource, load_hf, load_table, open_model, text_source  # noqa: E402
+from bench.offload_hf import (  # noqa: E402
+    DECODE_BATCHES,
+    DECODE_CONTEXT,
+    DECODE_STEPS,
+    PREFILL_TOKENS,
+    bench_hf_budgets,
+)
+from bench.offload_model import TokenSource, load_table, open_model, text_source  # noqa: E402
 from bench.offload_report import OPTIONS, option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
@@ -87,11 +93,7 @@ FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
 TINY = "tiny"  # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu backend, no HF)
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
-PREFILL_TOKENS, PREFILL_REPEATS = 512, 3
-DECODE_BATCHES = (1, 16)
-DECODE_CONTEXT = 128
-DECODE_STEPS, WARMUP_STEPS = 16, 3
-HF_OFFLOAD_DECODE_STEPS = 4  # an offloaded HF step copies most layers: seconds each
+PREFILL_REPEATS, WARMUP_STEPS = 3, 3
 TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
 
 
@@ -338,82 +340,6 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
     return entry
 
 
-def offload_map(model, budget: int) -> dict[str, object]:
-    """The most favourable placement HF can be given at `budget` device bytes: everything but the MoE blocks
-    on GPU 0, then whole MoE blocks (a layer's experts + router) on the GPU while they fit, the rest on the CPU
-    (streamed to the GPU at every forward by accelerate's hooks)."""
-
-    def nbytes(module) -> int:
-        return sum(p.numel() * p.element_size() for p in module.parameters())
-
-    layers = model.model.layers
-    moe = [next(name for name, child in layer.named_children() if hasattr(child, "experts")) for layer in layers]
-    left = budget - (nbytes(model) - sum(nbytes(getattr(layer, name)) for layer, name in zip(layers, moe)))
-    device_map: dict[str, object] = {}
-    for name, _child in model.named_children():
-        if name != "model":
-            device_map[name] = 0
-    for name, _child in model.model.named_children():
-        if name != "layers":
-            device_map[f"model.{name}"] = 0
-    for i, (layer, block) in enumerate(zip(layers, moe)):
-        for name, child in layer.named_children():
-            size = nbytes(child)
-            on_gpu = name != block or size <= left
-            left -= size if name == block and on_gpu else 0
-            device_map[f"model.layers.{i}.{name}"] = 0 if on_gpu else "cpu"
-    return device_map
-
-
-def bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
-    """The HF model (held on the CPU) copied and placed: all on GPU 0 (budget None), else dispatched by
-    accelerate with `offload_map`; prefill and decode timed as bench/engine.py's bench_hf does."""
-    try:
-        return _bench_hf(base, budget, tokens)
-    except Exception as e:  # a broken reference must not lose Colibri's runs
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        return {"budget_bytes": budget, "error": f"{type(e).__name__}: {e}"}
-
-
-def _bench_hf(base, budget: int | None, tokens: TokenSource) -> dict:
-    import torch
-
-    model = copy.deepcopy(base)
-    out = {"budget_bytes": budget, "offloaded_modules": [], "decode_ms": {}}
-    if budget is None:
-        model.to("cuda")
-    else:
-        from accelerate import dispatch_model
-
-        device_map = offload_map(model, budget)
-        dispatch_model(model, device_map, main_device=0)
-        out["offloaded_modules"] = sorted(name for name, device in device_map.items() if device == "cpu")
-    torch.cuda.synchronize()
-    out["device_weight_bytes"] = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    steps, repeats = (DECODE_STEPS, 2) if budget is None else (HF_OFFLOAD_DECODE_STEPS, 1)
-    take = tokens.sampler()
-    with torch.no_grad():
-        ids = torch.tensor(take(PREFILL_TOKENS)[None], device="cuda")
-        out["prefill_tok_s"] = PREFILL_TOKENS / cuda_time(lambda: model(ids), repeats)
-        gen = dict(do_sample=False, pad_token_id=0)
-        for b in DECODE_BATCHES:
-            ids = torch.tensor(np.stack([take(DECODE_CONTEXT) for _ in range(b)]), device="cuda")
-            t1 = cuda_time(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), repeats)
-            tn = cuda_time(
-                lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen), repeats
-            )
-            out["decode_ms"][str(b)] = (tn - t1) / steps * 1e3
-    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    model = None  # free the device copy before the next budget
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
-
-
 def add_ratios(entry: dict) -> None:
     """Per fraction and mode: x_hf (speed-up over HF), x_none (over no prefetch; < 1 = prefetch loses) and
     x_pcie_bound (measured / bound; target <= 1.5 at 25%)."""
@@ -539,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         results["shapes"][name] = entry
         (out_dir / "offload.json").write_text(json.dumps(results, indent=1))  # Colibri's runs, before HF
         if not args.skip_hf and (base is not None or model_input):
-            entry["hf"] = _bench_hf_budgets(entry, base if base is not None else Path(args.hf_model), tokens)
+            entry["hf"] = bench_hf_budgets(entry, base if base is not None else Path(args.hf_model), tokens)
         add_ratios(entry)
         del base, model
         gc.collect()
@@ -597,21 +523,6 @@ def _check_model_args(parser, args) -> tuple[ModelDir, TokenSource] | None:
     if args.table is not None:
         load_table(model, args.table)  # a missing or mismatched table fails now, not after an hour
     return model, _token_source(model, args.prompts)
-
-
-def _bench_hf_budgets(entry: dict, reference, tokens: TokenSource) -> dict:
-    """The HF reference (the model on the host, or the checkpoint folder to load it from) at each fraction's
-    device budget, all of it on the GPU when every expert fits."""
-    try:
-        base = load_hf(reference) if isinstance(reference, Path) else reference
-    except Exception as e:  # a broken reference must not lose Colibri's runs
-        return {fraction: {"budget_bytes": None, "error": f"{type(e).__name__}: {e}"} for fraction in entry["runs"]}
-    out = {}
-    for fraction, runs in entry["runs"].items():
-        slot_bytes = next(iter(runs.values()))["slot_bytes"]
-        budget = None if "resident" in runs else entry["non_expert_bytes"] + slot_bytes
-        out[fraction] = bench_hf(base, budget, tokens)
-    return out
 
 
 def _device_name() -> str:
