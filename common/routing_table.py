@@ -81,7 +81,10 @@ class RoutingTable:
         path = Path(path)
         if not path.is_file():
             raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
-        data = path.read_bytes()
+        with path.open("rb") as f:  # the header first: a wrong file (a model's experts, say) is not read whole
+            data = f.read(HEADER_SIZE)
+            if len(data) == HEADER_SIZE and data[:4] == MAGIC:
+                data += f.read()
 
         def fail(field: str, found, expected) -> RoutingTableError:
             return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")

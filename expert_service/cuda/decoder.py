@@ -49,7 +49,7 @@ from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.token_masks import DeviceMasks
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
-from expert_service.engine.config import Backend, EngineConfig, PrefetchSource, RoutingMode
+from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.routing_plan import worker_plan_table
@@ -399,9 +399,6 @@ class CudaDecoder:
     def _plan_table(model: ModelDir, config: EngineConfig) -> np.ndarray | None:
         """The expert cache's plan prefetch table for the device ([L, V, k] uint16), or None: the router's plans."""
         table = worker_plan_table(model, config)
-        if PrefetchSource.PLAN in config.prefetch_sources:
-            source = f"{table.top_k} experts a token from the table on the device" if table else "the router's plans"
-            log.info("plan prefetch: %s", source)
         return table.table if table is not None else None
 
     @functools.cached_property

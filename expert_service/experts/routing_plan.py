@@ -6,16 +6,18 @@ a prediction whose recall is measured.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ModelFormatError
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
 from common.routing_table import TABLE_FILE, RoutingTable
-from expert_service.engine.config import EngineConfig, PrefetchSource
+from expert_service.engine.config import EngineConfig, PrefetchSource, RoutingMode
 
+log = logging.getLogger("colibri.worker")
 ROUTER_PLANS = "router"  # EngineConfig.plan_table: the router's plans, never a table on the device
 
 
@@ -41,12 +43,40 @@ def warmup_routing_plan(moe_layers: list[int], num_experts: int, top_k: int, num
 
 def worker_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | None:
     """The routing table the expert cache's plan prefetch looks each step's own tokens up in (on the device on
-    the cuda backend; EngineConfig.plan_table), or None: the prefetch reads the router's plans (or is off)."""
-    if config.plan_table == ROUTER_PLANS or PrefetchSource.PLAN not in config.prefetch_sources:
+    the cuda backend; EngineConfig.plan_table), or None: the prefetch reads the router's plans (or is off).
+    Under routing=lut the router's plan is the routing itself, so its plans are what the prefetch reads. The
+    model directory's own table is taken when it fits the model, else passed over with a warning; a file named
+    in plan_table must fit (one-line error otherwise). Logs which source the prefetch reads."""
+    if PrefetchSource.PLAN not in config.prefetch_sources:
         return None
-    path = Path(config.plan_table) if config.plan_table else model.path / TABLE_FILE
+    table, why = _plan_table(model, config)
+    if table is None:
+        log.info("plan prefetch: the router's plans (%s)", why)
+    else:
+        log.info(
+            "plan prefetch: %s (%d experts a token), looked up by the worker; the router's plans are not read",
+            why,
+            table.top_k,
+        )
+    return table
+
+
+def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | None, str]:
+    """worker_plan_table's choice and where it comes from."""
+    if config.routing is RoutingMode.LUT:
+        return None, "routing=lut: the plan is the routing"
+    if config.plan_table == ROUTER_PLANS:
+        return None, f"plan_table={ROUTER_PLANS}"
+    if config.plan_table:
+        path = Path(config.plan_table)
+        if not path.is_file():
+            raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
+        return RoutingTable.load(path, model.config), str(path)
+    path = model.path / TABLE_FILE
     if not path.is_file():
-        if not config.plan_table:
-            return None
-        raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
-    return RoutingTable.load(path, model.config)
+        return None, f"no {TABLE_FILE} in the model directory"
+    try:
+        return RoutingTable.load(path, model.config), str(path)
+    except ModelFormatError as e:
+        log.warning("plan prefetch: %s; passed over (--plan-table names another table)", e)
+        return None, f"the model directory's {TABLE_FILE} does not fit the model"

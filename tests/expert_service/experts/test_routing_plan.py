@@ -122,9 +122,10 @@ def test_planned_weights_equal_exact_renormalised_topk_on_the_same_experts():
     np.testing.assert_allclose(route_planned(logits, ids), weights, rtol=1e-6)
 
 
-def test_worker_plan_table_resolution(tmp_path):
+def test_worker_plan_table_resolution(tmp_path, caplog):
     """EngineConfig.plan_table: the model directory's table by default, a file named, or the router's plans; a
-    named file that is missing or does not fit the model is refused in one line."""
+    named file that is missing or does not fit the model is refused in one line; a file that is no table at all is
+    refused after reading its header only."""
     from common.errors import ConfigError, ModelFormatError
     from common.model_format import ModelDir
     from common.routing_table import TABLE_FILE, write_routing_table
@@ -150,3 +151,14 @@ def test_worker_plan_table_resolution(tmp_path):
     wrong = write_routing_table(tmp_path / "wrong.bin", table[:, : V - 1], E)
     with pytest.raises(ModelFormatError, match="vocab_size"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(wrong)))
+    huge = tmp_path / "experts.bin"
+    huge.write_bytes(b"\0" * (1 << 20))
+    with pytest.raises(ModelFormatError, match="magic"):
+        worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(huge)))
+    # routing=lut: the router's plan is the routing, so it is also what the prefetch reads
+    assert worker_plan_table(model, EngineConfig(prefetch="plan", routing="lut")) is None
+    # a stale table in the model directory (another vocabulary) is passed over with a warning, not fatal
+    write_routing_table(model.path / TABLE_FILE, table[:, : V - 1], E)
+    with caplog.at_level("WARNING", logger="colibri.worker"):
+        assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None
+    assert any("vocab_size" in r.getMessage() and "passed over" in r.getMessage() for r in caplog.records)
