@@ -29,7 +29,7 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--plan-source worker|router] [--timeline]
+        [--plan-source worker|router] [--policy lru|lfu] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
 `--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
@@ -85,7 +85,7 @@ from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
 from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
 from expert_service.engine.sampling import SamplingParams  # noqa: E402
-from expert_service.experts.cache import CacheStats  # noqa: E402
+from expert_service.experts.cache import POLICIES, CacheStats  # noqa: E402
 from expert_service.experts.slots import plan_slots  # noqa: E402
 from expert_service.tools.routing_gen import generate  # noqa: E402
 
@@ -122,6 +122,7 @@ def make_engine(
     prefetch: str = "none",
     options: CudaOptions = CudaOptions(),
     plan_table: str = "router",
+    policy: str = "lru",
 ) -> Engine:
     return build_engine(
         model,
@@ -135,6 +136,7 @@ def make_engine(
             prefetch=prefetch.replace("+", ","),
             cuda_options=options,
             plan_table=plan_table,
+            expert_cache_policy=policy,
         ),
     )
 
@@ -318,13 +320,14 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                 # as served), or the router's plan sent with every step (--plan-source router)
                 own = "plan" in mode and table_path is not None and args.plan_source == "worker"
                 plan_table = str(table_path) if own else "router"
-                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table)
+                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table, args.policy)
                 try:
                     runs[key] = {
                         "slots_per_layer": n,
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
                         "plan_source": ("worker" if own else "router") if "plan" in mode else None,
+                        "policy": args.policy,
                         **settings,
                         **bench_colibri(
                             cached, None if own else table, bytes_per_s, tokens, args.decode_steps, args.timeline
@@ -389,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--policy", choices=POLICIES, default="lru", help="the expert cache's replacement policy")
     parser.add_argument(
         "--plan-source",
         choices=("worker", "router"),

@@ -171,6 +171,7 @@ def layer(E: int, S: int, W: int) -> dict:
     shapes = {"tick": (1, 0), "slot_of": (E, -1), "expert_in": (S, -1), "stamp": (S, 0), "prefetched": (S, 0)}
     shapes |= {"busy": (S, -1), "mark": (E, 0), "wave_map": ((W, E), -1), "fetch_expert": ((W, S), 0)}
     shapes |= {"fetch_slot": ((W, S), 0), "fetch_count": (W, 0), "pf_expert": (S, 0), "pf_slot": (S, 0)}
+    shapes |= {"freq": (E + 1, 0)}  # the current kernels' policy counts (lru: untouched)
     state = {
         k: cuda.to_device(np.full(shape, v, np.int32)) for k, (shape, v) in (shapes | {"pf_count": (1, 0)}).items()
     }
@@ -202,11 +203,11 @@ def launcher(state: dict, seq: list, kind: str, previous: bool):
             if previous:
                 _prev_prefetch[1, 1, stream](*ids, *prefetch)
             else:
-                current.launch_plan_prefetch(*ids, *prefetch, stream=stream)
+                current.launch_plan_prefetch(*ids, *prefetch, state["freq"], stream=stream)
         elif previous:
             _prev_demand[1, 1, stream](*ids, *demand)
         else:
-            current.launch_plan_demand(*ids, *demand, stream=stream)
+            current.launch_plan_demand(*ids, *demand, state["freq"], stream=stream)
 
     return launch
 

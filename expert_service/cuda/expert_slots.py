@@ -24,6 +24,7 @@ from expert_service.kernels.expert_fetch import launch_expert_fetch
 from expert_service.kernels.expert_slot_map import (
     HITS,
     MISSES,
+    POLICY_LFU,
     POLICY_LRU,
     PREFETCHES_ISSUED,
     PREFETCHES_USED,
@@ -35,7 +36,7 @@ from expert_service.kernels.expert_slot_map import (
 
 log = logging.getLogger("colibri.worker.cuda")
 # each of experts.cache.DEVICE_POLICIES (the names the backend builder accepts) -> the slot-map kernel's argument
-POLICY_ARGUMENTS = {"lru": POLICY_LRU}
+POLICY_ARGUMENTS = {"lru": POLICY_LRU, "lfu": POLICY_LFU}
 STATS_TWINS = 2  # a step may be launched before the one ahead of it is collected: one host copy each
 
 
@@ -81,6 +82,7 @@ class DeviceSlots:
         self.mark = _filled((L, E), 0, i32, stream)
         self.pf_mark = _filled((L, E), 0, i32, stream)  # the prefetch's scratch: it runs on the side stream
         self.stats = _filled((L, 4), 0, np.int64, stream)
+        self.freq = _filled((L, E + 1), 0, i32, stream)  # lfu's counts (slot_map_reference)
         self.tick = _filled((1,), 0, i32, stream)
         self.wave_map = _filled((L, W, E), -1, i32, stream)
         self.fetch_expert = _filled((L, W, S), 0, i32, stream)
@@ -112,7 +114,7 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        state = (self.slot_of, self.expert_in, self.stamp, self.wave_map, self.fetch_expert, self.fetch_slot)
+        state = (self.slot_of, self.expert_in, self.stamp, self.freq, self.wave_map, self.fetch_expert, self.fetch_slot)
         return sum(b.nbytes for b in self.buffers) + sum(a.nbytes for a in state)
 
     def weights_of(self, layer: int):
@@ -146,6 +148,7 @@ class DeviceSlots:
             self.fetch_slot[m, :waves],
             self.fetch_count[m, :waves],
             self.stats[m],
+            self.freq[m],
             stream=stream,
             policy=self.policy,
             pipelined=pipelined,
@@ -184,6 +187,7 @@ class DeviceSlots:
             self.pf_slot[m],
             self.pf_count[m],
             self.stats[m],
+            self.freq[m],
             stream=stream,
             policy=self.policy,
         )

@@ -82,7 +82,7 @@ class EngineConfig:
     )
     expert_cache_policy: str = setting(
         "lru",
-        "expert cache replacement policy: lru, or lfu (least frequently used, with aging; cpu backend only so far)",
+        "expert cache replacement policy: lru, or lfu (least frequently used, with aging)",
         env=("COLIBRI_EXPERT_CACHE_POLICY",),
     )
     prefetch: str = setting(

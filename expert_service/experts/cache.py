@@ -108,7 +108,7 @@ class LfuPolicy(LruPolicy):
 
 POLICIES = {"lru": LruPolicy, "lfu": LfuPolicy}
 # what the cuda backend's slot-map kernel implements (cuda/expert_slots.py maps each to its kernel's argument)
-DEVICE_POLICIES = ("lru",)
+DEVICE_POLICIES = ("lru", "lfu")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ Per layer, all int32 unless said:
   busy [S], mark [E] scratch of the launchers' interface, no longer read or written (the kernels keep theirs in
                     shared memory)
   stats [4] int64   running counts: hits, misses, prefetches issued, prefetches used
+  freq [E + 1]      the policy's use counts (LFU: each expert's aged count, then the layer's uses mod the half
+                    life; the rule is slot_map_reference's; LRU leaves it untouched)
   tick [1]          the step counter (launch_advance_tick bumps it once per step, before any plan)
 
 launch_plan_demand: the union of the step's routed ids [n] is split into waves of at most C experts (C = S, or
@@ -19,13 +21,15 @@ distinct slots), then the misses in expert order, filling the hits' last wave an
 wave w takes an empty slot, else the least recently used slot not used by wave w (pipelined: nor by wave w - 1):
 an expert the running step still reads is never evicted. Without pipelining, earlier waves are done by the time
 wave w's copies run on the same stream; pipelined, wave w's copies may run while wave w - 1 computes (another
-stream), so they leave its slots alone. Output per wave w: wave_map[w, e] = the slot expert e reads in wave w
+stream), so they leave its slots alone. With `policy` LFU the step's distinct experts are counted first, and the
+victim is the usable slot whose expert counts least (then the LRU order). Output per wave w: wave_map[w, e] = the slot expert e reads in wave w
 (-1: not in the wave; the grouped kernels skip it), and the copies the wave needs first: fetch_expert[w, :c],
 fetch_slot[w, :c], c = fetch_count[w] (expert_fetch.py runs them).
 
 launch_plan_prefetch: predicted ids (two lists, -1 ignored; e.g. the routing plan and the one-layer lookahead)
 voted per expert, most votes first (ties: lower id). A resident prediction is protected (stamp = tick); a missing
-one takes an empty slot, else the least recently used slot not protected this step, until none is left. Output:
+one takes an empty slot, else the least recently used (LFU: least counted) slot not protected this step, until
+none is left. Output:
 the copies, pf_expert[:c], pf_slot[:c], c = pf_count[0].
 
 Cost: each plan is one block of THREADS threads, run once per MoE layer per step, so its latency is on the step's
@@ -47,17 +51,19 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
+from expert_service.experts.slot_map_reference import LFU_HALF_LIFE, LFU_MAX, LFU_UNIT, POLICY_LFU, POLICY_LRU
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, WARP
 
 HITS, MISSES, PREFETCHES_ISSUED, PREFETCHES_USED = range(4)
-POLICY_LRU = 0  # the only device policy so far; the argument keeps the hook for frequency-aware ones
-MAX_EXPERTS = 1024  # per layer: the shared-memory arrays' sizes (24-28 KiB a block)
+POLICIES = (POLICY_LRU, POLICY_LFU)
+MAX_EXPERTS = 1024  # per layer: the shared-memory arrays' sizes (28-32 KiB a block)
 MAX_SLOTS = 1024  # a slot fits the victim key's low _SLOT_BITS bits
 # The simulator runs a Python thread per CUDA thread, and its warp twins below need the block to be one warp.
 THREADS = WARP if SIMULATOR else 256
 _SLOT_BITS = 10
-_NOT_EMPTY = np.int64(1) << 42  # above every (stamp + 2**31) << _SLOT_BITS | slot
+_COUNT_SHIFT = 42  # the victim key: [not empty][LFU count, 19 bits][stamp + 2**31, 32 bits][slot, 10 bits]
+_NOT_EMPTY = np.int64(1) << 61  # above every count << _COUNT_SHIFT | (stamp + 2**31) << _SLOT_BITS | slot
 _UNUSABLE = np.int64(1) << 62
 _STAMP_BIAS = np.int64(1) << 31  # int32 stamps as non-negative keys, order kept
 
@@ -110,10 +116,11 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _victim(lane, n_slots, expert_in, stamp, busy, wave, guard, now, protect):
-    """Warp-collective: an empty usable slot (lowest first), else the usable slot with the oldest stamp (ties: lower
-    slot); -1 if none. Usable: not busy in waves wave - guard .. wave (wave >= 0, demand) and stamp != now
-    (protect, prefetch). Each lane reads only the slots it owns (s = lane mod 32)."""
+def _victim(lane, n_slots, expert_in, stamp, busy, wave, guard, now, protect, count):
+    """Warp-collective: an empty usable slot (lowest first), else the usable slot whose expert has the lowest count
+    (all zero under LRU), then the oldest stamp (ties: lower slot); -1 if none. Usable: not busy in waves
+    wave - guard .. wave (wave >= 0, demand) and stamp != now (protect, prefetch). Each lane reads only the slots
+    it owns (s = lane mod 32)."""
     best = _UNUSABLE
     for s in range(lane, n_slots, WARP):
         if wave >= 0 and busy[s] >= 0 and busy[s] >= wave - guard:
@@ -121,8 +128,10 @@ def _victim(lane, n_slots, expert_in, stamp, busy, wave, guard, now, protect):
         if protect and stamp[s] == now:
             continue
         key = np.int64(s)
-        if expert_in[s] >= 0:
-            key = _NOT_EMPTY | ((np.int64(stamp[s]) + _STAMP_BIAS) << _SLOT_BITS) | s
+        e = expert_in[s]
+        if e >= 0:
+            key = (_NOT_EMPTY | (np.int64(count[e]) << _COUNT_SHIFT)
+                   | ((np.int64(stamp[s]) + _STAMP_BIAS) << _SLOT_BITS) | s)
         best = min(best, key)
     best = _warp_min(best)
     if best == _UNUSABLE:
@@ -162,6 +171,12 @@ def _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_exp
         prefetched[s] = sh_pref[s]
 
 
+@cuda.jit(device=True, inline=True)
+def _load_counts(tid, nthreads, freq, sh_count, n_exp, lfu):
+    for e in range(tid, n_exp, nthreads):
+        sh_count[e] = freq[e] if lfu else 0
+
+
 @cached_jit
 def _advance_tick_kernel(tick):
     if cuda.grid(1) == 0:
@@ -170,9 +185,10 @@ def _advance_tick_kernel(tick):
 
 @cached_jit
 def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert, fetch_slot,
-                        fetch_count, stats, policy, capacity, guard):
+                        fetch_count, stats, freq, policy, capacity, guard):
     """Module docstring: ids [n] int32; wave_map [W, E]; fetch_expert / fetch_slot [W, S]; fetch_count [W];
-    capacity: experts a wave holds; guard: earlier waves whose slots a wave's copies leave alone (0 or 1)."""
+    freq [E + 1]; capacity: experts a wave holds; guard: earlier waves whose slots a wave's copies leave alone (0
+    or 1)."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     lane = tid % WARP
@@ -185,11 +201,15 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
     sh_stamp = cuda.shared.array(MAX_SLOTS, np.int32)
     sh_pref = cuda.shared.array(MAX_SLOTS, np.int32)
     sh_busy = cuda.shared.array(MAX_SLOTS, np.int32)  # the wave using the slot, -1: none
+    sh_count = cuda.shared.array(MAX_EXPERTS, np.int32)  # LFU's counts (zero under LRU: the LRU order alone)
     counts = cuda.shared.array(3, np.int32)  # hits, prefetches used, misses
     now = tick[0]
+    lfu = policy == POLICY_LFU
     first = ids[tid] if tid < ids.shape[0] else -1  # loaded with the state: a dependent global round trip fewer
     totals = stats[tid] if tid < 4 else 0  # likewise the running counts (thread i adds to stats[i] at the end)
+    uses = freq[n_exp] if lfu else 0
     _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_mark, sh_expert, sh_stamp, sh_pref)
+    _load_counts(tid, nthreads, freq, sh_count, n_exp, lfu)
     for s in range(tid, n_slots, nthreads):
         sh_busy[s] = -1
     for w in range(n_waves):
@@ -221,6 +241,14 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
             sh_pref[s] = 0
             cuda.atomic.add(counts, 1, 1)
     cuda.syncthreads()
+    if lfu:  # the step's distinct experts (hits + misses) counted, after the halvings their uses bring
+        halvings = min((uses + counts[0] + counts[2]) // LFU_HALF_LIFE, 31)
+        for e in range(tid, n_exp, nthreads):
+            c = sh_count[e] >> halvings
+            if sh_mark[e] != 0:
+                c = min(c + LFU_UNIT, LFU_MAX)
+            sh_count[e] = c
+        cuda.syncthreads()
     missed = 0  # warp 0's lanes all count (thread MISSES reports it)
     if tid < WARP:  # warp 0: hit k of the step (in expert order) computes in wave k // capacity
         rank = 0
@@ -251,7 +279,7 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
                     c = 0
                     if w == n_waves:
                         break  # the launcher sizes W so the union always fits
-                s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_busy, w, guard, now, False)
+                s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_busy, w, guard, now, False, sh_count)
                 if s % WARP == lane:  # the slot's owner applies the fill: slot state never crosses lanes
                     _fill(sh_slot, sh_expert, sh_stamp, sh_pref, s, e, now)
                     sh_busy[s] = w
@@ -265,6 +293,11 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
                 in_wave += 1
     cuda.syncthreads()
     _store(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, sh_expert, sh_stamp, sh_pref)
+    if lfu:
+        for e in range(tid, n_exp, nthreads):
+            freq[e] = sh_count[e]
+        if tid == 0:
+            freq[n_exp] = (uses + counts[0] + counts[2]) % LFU_HALF_LIFE
     if tid == HITS:
         stats[HITS] = totals + counts[0]
     elif tid == MISSES:
@@ -275,8 +308,9 @@ def _plan_demand_kernel(ids, tick, slot_of, expert_in, stamp, prefetched, wave_m
 
 @cached_jit
 def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, pf_expert, pf_slot, pf_count,
-                          stats, policy):
-    """Module docstring: pred_a [na], pred_b [nb] int32 predicted ids (-1: none); pf_expert / pf_slot [S]; pf_count [1]."""
+                          stats, freq, policy):
+    """Module docstring: pred_a [na], pred_b [nb] int32 predicted ids (-1: none); pf_expert / pf_slot [S]; pf_count
+    [1]; freq [E + 1] (read only: predictions count no use)."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     lane = tid % WARP
@@ -289,10 +323,12 @@ def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefe
     sh_expert = cuda.shared.array(MAX_SLOTS, np.int32)
     sh_stamp = cuda.shared.array(MAX_SLOTS, np.int32)
     sh_pref = cuda.shared.array(MAX_SLOTS, np.int32)
+    sh_count = cuda.shared.array(MAX_EXPERTS, np.int32)
     n_voted = cuda.shared.array(1, np.int32)
     now = tick[0]
     issued = stats[PREFETCHES_ISSUED] if tid == 0 else 0  # loaded with the state, added to at the end
     _load(tid, nthreads, slot_of, expert_in, stamp, prefetched, sh_slot, votes, sh_expert, sh_stamp, sh_pref)
+    _load_counts(tid, nthreads, freq, sh_count, n_exp, policy == POLICY_LFU)
     if tid == 0:
         n_voted[0] = 0
     cuda.syncthreads()
@@ -323,7 +359,7 @@ def _plan_prefetch_kernel(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefe
                 if s % WARP == lane:
                     sh_stamp[s] = now  # resident: protected for this step
                 continue
-            s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_stamp, -1, 0, now, True)
+            s = _victim(lane, n_slots, sh_expert, sh_stamp, sh_stamp, -1, 0, now, True, sh_count)
             if s < 0:
                 break
             if s % WARP == lane:
@@ -355,7 +391,7 @@ def check_layer_size(num_experts: int, num_slots: int) -> None:
 
 def _check_state(E, S, **arrays):
     sizes = {"slot_of": E, "mark": E, "expert_in": S, "stamp": S, "prefetched": S, "busy": S, "tick": 1,
-             "stats": 4, "pf_count": 1, "pf_expert": S, "pf_slot": S}
+             "stats": 4, "pf_count": 1, "pf_expert": S, "pf_slot": S, "freq": E + 1}
     for name, a in arrays.items():
         _check(name, a, np.int64 if name == "stats" else np.int32, 1)
         if a.shape[0] != sizes[name]:
@@ -368,19 +404,25 @@ def launch_advance_tick(tick, stream=0) -> None:
     _advance_tick_kernel[1, 1, stream](tick)
 
 
+def _check_policy(policy: int) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES} (POLICY_LRU, POLICY_LFU), got {policy}")
+
+
 def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, mark, wave_map, fetch_expert,
-                       fetch_slot, fetch_count, stats, stream=0, policy: int = POLICY_LRU,
+                       fetch_slot, fetch_count, stats, freq, stream=0, policy: int = POLICY_LRU,
                        pipelined: bool = False) -> None:
-    """ids [n] int32 the step's routed experts of one layer; the layer's state; wave_map [W, E], fetch_expert /
-    fetch_slot [W, S], fetch_count [W] int32 (W >= ceil(min(n, E) / C): every wave the union can need, C the
-    wave capacity: S, or S // 2 pipelined)."""
+    """ids [n] int32 the step's routed experts of one layer; the layer's state (freq [E + 1]); wave_map [W, E],
+    fetch_expert / fetch_slot [W, S], fetch_count [W] int32 (W >= ceil(min(n, E) / C): every wave the union can
+    need, C the wave capacity: S, or S // 2 pipelined)."""
     E, S = slot_of.shape[0], expert_in.shape[0]
     check_layer_size(E, S)
+    _check_policy(policy)
     if pipelined and S < 2:
         raise ValueError(f"pipelined waves need 2 slots per layer at least, got {S}")
     C = S // 2 if pipelined else S
     _check_state(E, S, tick=tick, slot_of=slot_of, expert_in=expert_in, stamp=stamp, prefetched=prefetched,
-                 busy=busy, mark=mark, stats=stats)
+                 busy=busy, mark=mark, stats=stats, freq=freq)
     _check("ids", ids, np.int32, 1)
     W = wave_map.shape[0]
     for name, a, shape in (("wave_map", wave_map, (W, E)), ("fetch_expert", fetch_expert, (W, S)),
@@ -391,21 +433,23 @@ def launch_plan_demand(ids, tick, slot_of, expert_in, stamp, prefetched, busy, m
     if W * C < min(ids.shape[0], E):
         raise ValueError(f"{W} waves of {C} experts cannot hold the union of {ids.shape[0]} routed ids")
     _plan_demand_kernel[1, THREADS, stream](ids, tick, slot_of, expert_in, stamp, prefetched, wave_map, fetch_expert,
-                                            fetch_slot, fetch_count, stats, policy, np.int64(C),
+                                            fetch_slot, fetch_count, stats, freq, np.int64(policy), np.int64(C),
                                             np.int64(1 if pipelined else 0))
 
 
 def launch_plan_prefetch(pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, mark, pf_expert, pf_slot,
-                         pf_count, stats, stream=0, policy: int = POLICY_LRU) -> None:
-    """pred_a [na], pred_b [nb] int32 predicted expert ids of one layer (-1: none); its state; the copies out."""
+                         pf_count, stats, freq, stream=0, policy: int = POLICY_LRU) -> None:
+    """pred_a [na], pred_b [nb] int32 predicted expert ids of one layer (-1: none); its state (freq [E + 1]); the
+    copies out."""
     E, S = slot_of.shape[0], expert_in.shape[0]
     check_layer_size(E, S)
+    _check_policy(policy)
     _check_state(E, S, tick=tick, slot_of=slot_of, expert_in=expert_in, stamp=stamp, prefetched=prefetched,
-                 mark=mark, stats=stats, pf_expert=pf_expert, pf_slot=pf_slot, pf_count=pf_count)
+                 mark=mark, stats=stats, pf_expert=pf_expert, pf_slot=pf_slot, pf_count=pf_count, freq=freq)
     _check("pred_a", pred_a, np.int32, 1)
     _check("pred_b", pred_b, np.int32, 1)
     _plan_prefetch_kernel[1, THREADS, stream](pred_a, pred_b, tick, slot_of, expert_in, stamp, prefetched, pf_expert,
-                                              pf_slot, pf_count, stats, policy)
+                                              pf_slot, pf_count, stats, freq, np.int64(policy))
 
 
 def sm90_signatures():
@@ -413,6 +457,6 @@ def sm90_signatures():
     i1, i2, l1, i64 = types.int32[::1], types.int32[:, ::1], types.int64[::1], types.int64
     return [
         (_advance_tick_kernel.py_func, (i1,)),
-        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i64, i64, i64)),
-        (_plan_prefetch_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, l1, i64)),
+        (_plan_demand_kernel.py_func, (i1, i1, i1, i1, i1, i1, i2, i2, i2, i1, l1, i1, i64, i64, i64)),
+        (_plan_prefetch_kernel.py_func, (i1, i1, i1, i1, i1, i1, i1, i1, i1, i1, l1, i1, i64)),
     ]

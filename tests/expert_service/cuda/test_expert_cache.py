@@ -103,6 +103,23 @@ def test_prefetch_changes_only_counters(family_model, prefetch):
         engine.decoder.close()
 
 
+@pytest.mark.parametrize("prefetch", ["none", "plan,lookahead"])
+def test_lfu_changes_only_which_slots(family_model, prefetch):
+    """The frequency-aware policy on the device: other victims, the same outputs bit for bit (a slot holds the
+    expert's bytes wherever it sits), counts that add up."""
+    lru = run_session(family_model, backend="cuda", expert_cache_slots=1, prefetch=prefetch)
+    plans = exact_plans(lru[3], family_model.config.num_experts)
+    for slots in (1, 2):
+        ref = lru if slots == 1 else run_session(family_model, backend="cuda", expert_cache_slots=2, prefetch=prefetch)
+        logits, tokens, stats, traces, engine = run_session(
+            family_model, plans, backend="cuda", expert_cache_slots=slots, prefetch=prefetch, expert_cache_policy="lfu"
+        )
+        assert tokens == ref[1] and all(np.array_equal(a, b) for a, b in zip(logits, ref[0]))
+        _check_accounting(stats, traces, engine.slot_plan.expert_block_bytes, family_model.config.num_experts_per_tok)
+        assert int(engine.decoder.cached.slots.freq.copy_to_host()[:, :-1].sum()) > 0  # lfu counted the uses
+        engine.decoder.close()
+
+
 def test_adversarial_plans_cannot_corrupt_weights(family_model):
     """Plans that name the wrong experts for every layer prefetch into slots the waves are about to use:
     the copy stream waits for the compute stream's last use of a slot, so the outputs stay exact."""

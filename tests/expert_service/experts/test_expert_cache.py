@@ -105,12 +105,14 @@ def test_lfu_keeps_the_expert_used_most_and_forgets_with_age():
     assert resident(cache, 0, 2) and resident(cache, 0, 3) and not resident(cache, 0, 0)
 
 
-def test_lfu_is_refused_on_the_cuda_backend_in_one_line(family_model, monkeypatch):
-    """The cuda backend's slot map implements lru only: a cached cuda engine with lfu is refused at build."""
+def test_a_policy_without_a_device_implementation_is_refused_on_the_cuda_backend_in_one_line(family_model, monkeypatch):
+    """A cached cuda engine with a policy the slot-map kernel does not implement is refused at build (every policy
+    has one today: the test narrows the list to check the guard)."""
     import expert_service.backends as backends
     from expert_service.experts.slots import SlotPlan
 
     monkeypatch.setattr(backends, "cuda_status", lambda: (True, "a GPU for the test"))
+    monkeypatch.setattr(backends, "DEVICE_POLICIES", ("lru",))
     config = EngineConfig(backend="cuda", expert_cache_slots=1, expert_cache_policy="lfu")
     with pytest.raises(ConfigError) as error:
         backends.make_decoder(family_model, config, SlotPlan(1, 4, 2, 1024, 0))

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.experts.slot_map_reference import SlotMapState, plan_demand, plan_prefetch, waves_needed
+from expert_service.experts.slot_map_reference import (
+    LFU_HALF_LIFE,
+    LFU_UNIT,
+    POLICY_LFU,
+    POLICY_LRU,
+    SlotMapState,
+    plan_demand,
+    plan_prefetch,
+    waves_needed,
+)
 from expert_service.kernels.expert_slot_map import (
     MAX_EXPERTS,
     MAX_SLOTS,
@@ -25,10 +34,11 @@ GARBAGE = -7  # scratch and outputs start as garbage: the kernels must write wha
 
 
 class DeviceLayer:
-    def __init__(self, E: int, S: int, W: int):
-        self.E, self.S, self.W = E, S, W
+    def __init__(self, E: int, S: int, W: int, policy: int = POLICY_LRU):
+        self.E, self.S, self.W, self.policy = E, S, W, policy
         ref = SlotMapState.empty(E, S)
-        self.state = {n: cuda.to_device(getattr(ref, n)) for n in ("slot_of", "expert_in", "stamp", "prefetched")}
+        names = ("slot_of", "expert_in", "stamp", "prefetched", "freq")
+        self.state = {n: cuda.to_device(getattr(ref, n)) for n in names}
         self.stats = cuda.to_device(np.zeros(4, np.int64))
         self.tick = cuda.to_device(np.zeros(1, np.int32))
         self.busy = cuda.to_device(np.full(S, GARBAGE, np.int32))
@@ -45,7 +55,8 @@ class DeviceLayer:
 
     def host_state(self) -> SlotMapState:
         s = {n: a.copy_to_host() for n, a in self.state.items()}
-        return SlotMapState(s["slot_of"], s["expert_in"], s["stamp"], s["prefetched"], self.stats.copy_to_host())
+        stats = self.stats.copy_to_host()
+        return SlotMapState(s["slot_of"], s["expert_in"], s["stamp"], s["prefetched"], stats, s["freq"])
 
     def demand(self, ids, pipelined: bool = False):
         st = self.state
@@ -63,6 +74,8 @@ class DeviceLayer:
             self.fetch_slot,
             self.fetch_count,
             self.stats,
+            st["freq"],
+            policy=self.policy,
             pipelined=pipelined,
         )
         counts = self.fetch_count.copy_to_host()
@@ -84,13 +97,15 @@ class DeviceLayer:
             self.pf_slot,
             self.pf_count,
             self.stats,
+            st["freq"],
+            policy=self.policy,
         )
         c = int(self.pf_count.copy_to_host()[0])
         return list(zip(self.pf_expert.copy_to_host()[:c], self.pf_slot.copy_to_host()[:c]))
 
 
 def assert_same(dev: SlotMapState, ref: SlotMapState):
-    for name in ("slot_of", "expert_in", "stamp", "prefetched", "stats"):
+    for name in ("slot_of", "expert_in", "stamp", "prefetched", "stats", "freq"):
         np.testing.assert_array_equal(getattr(dev, name), getattr(ref, name), err_msg=name)
     held = dev.expert_in[dev.expert_in >= 0]
     assert len(set(held.tolist())) == len(held)  # an expert sits in one slot at most
@@ -125,13 +140,23 @@ def check_waves(contents, ids, wave_map, fetches, S, pipelined: bool = False):
 
 
 def run_steps(
-    E: int, S: int, T: int, K: int, steps: int = 24, seed: int | None = None, pipelined: bool = False
+    E: int,
+    S: int,
+    T: int,
+    K: int,
+    steps: int = 24,
+    seed: int | None = None,
+    pipelined: bool = False,
+    policy: int = POLICY_LRU,
 ) -> None:
     """`steps` steps of random routing of T tokens x K (and predictions on two steps in three) on device and
-    reference: every array equal after every call, and the copies replayed against the waves."""
+    reference: every array equal after every call, and the copies replayed against the waves. Under LFU the
+    routing is skewed (some experts far more used, as learned routing is), so the counts decide victims."""
     rng = np.random.default_rng(E * 1000 + S * 10 + T if seed is None else seed)
     W = waves_needed(T * K, E, S, pipelined)
-    dev, ref = DeviceLayer(E, S, W), SlotMapState.empty(E, S)
+    dev, ref = DeviceLayer(E, S, W, policy), SlotMapState.empty(E, S)
+    weights = np.arange(E, 0, -1.0) ** 2 if policy == POLICY_LFU else np.ones(E)
+    weights = rng.permutation(weights / weights.sum())
     contents = np.full(S, -1)  # what the slots hold, from the copies issued
     tick = 0
     for step in range(steps):
@@ -143,13 +168,13 @@ def run_steps(
             a[rng.random(a.size) < 0.2] = -1
             b = rng.integers(-1, E, size=max(1, T * K // 2)).astype(np.int32)
             copies = dev.prefetch(a, b)
-            assert copies == plan_prefetch(ref, a, b, tick)
+            assert copies == plan_prefetch(ref, a, b, tick, policy)
             for e, s in copies:
                 contents[s] = e
             assert_same(dev.host_state(), ref)
-        ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int32)
+        ids = np.stack([rng.choice(E, size=K, replace=False, p=weights) for _ in range(T)]).astype(np.int32)
         wave_map, fetches = dev.demand(ids, pipelined)
-        ref_map, ref_fetches = plan_demand(ref, ids, tick, W, pipelined)
+        ref_map, ref_fetches = plan_demand(ref, ids, tick, W, pipelined, policy)
         np.testing.assert_array_equal(wave_map, ref_map)  # every row, the unused waves' too
         assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
         assert_same(dev.host_state(), ref)
@@ -208,6 +233,64 @@ def test_pipelined_waves_leave_the_previous_wave_alone():
     assert [f[0][1] for f in fetches[2:]] == [0, 1, 0, 1, 0, 1]  # alternating: never the slot of the wave before
     with pytest.raises(ValueError, match="2 slots"):
         DeviceLayer(4, 1, 4).demand([0], pipelined=True)
+
+
+@pytest.mark.parametrize(
+    "E,S,T,K,steps,pipelined",
+    [
+        (8, 2, 1, 2, 80, False),  # mixtral at 25 %, b=1: uses pass the half life (64) a few times
+        (32, 8, 1, 2, 90, True),  # the trained 32-expert model at 25 %
+        (45, 40, 6, 8, 12, False),  # over a warp of slots: lanes own two, two waves
+        (128, 32, 16, 8, 8, True),  # qwen3 at 25 %, b=16: 128 uses a step, two halvings a step
+    ],
+)
+def test_lfu_matches_reference(E, S, T, K, steps, pipelined):
+    run_steps(E, S, T, K, steps, pipelined=pipelined, policy=POLICY_LFU)
+
+
+def test_lfu_keeps_the_expert_used_most_where_lru_evicts_it():
+    """Two slots; expert 0 used on five steps, then 1, 2, 3 once each: lru evicts 0 at the miss of 2 (the least
+    recently used), lfu evicts 1 there and 2 at the miss of 3 (used once each) and keeps 0; a prediction of 4
+    then evicts by the same rule; the counts are the reference's."""
+    E, S = 6, 2
+    outcome = {}
+    for policy in (POLICY_LRU, POLICY_LFU):
+        dev, ref = DeviceLayer(E, S, 1, policy), SlotMapState.empty(E, S)
+        steps = [[0]] * 5 + [[1], [2], [3]]
+        for tick, ids in enumerate(steps, start=1):
+            launch_advance_tick(dev.tick)
+            wave_map, fetches = dev.demand(ids)
+            ref_map, ref_fetches = plan_demand(ref, ids, tick, 1, policy=policy)
+            np.testing.assert_array_equal(wave_map, ref_map)
+            assert [[(int(e), int(s)) for e, s in f] for f in fetches] == ref_fetches
+            assert_same(dev.host_state(), ref)
+        launch_advance_tick(dev.tick)
+        copies = dev.prefetch([4], np.zeros(0, np.int32))
+        assert copies == plan_prefetch(ref, [4], np.zeros(0, np.int32), len(steps) + 1, policy)
+        assert_same(dev.host_state(), ref)
+        outcome[policy] = sorted(dev.host_state().expert_in.tolist())
+        if policy == POLICY_LFU:
+            freq = dev.host_state().freq
+            assert freq[0] == 5 * LFU_UNIT and freq[1] == freq[2] == freq[3] == LFU_UNIT and freq[E] == len(steps)
+    assert outcome[POLICY_LRU] == [3, 4]  # 0 went at the miss of 2
+    assert outcome[POLICY_LFU] == [0, 4]  # 0 stayed: 3 made way for the prediction
+
+
+def test_lfu_counts_halve_each_half_life_of_uses():
+    """A step's distinct experts are its uses; passing a multiple of LFU_HALF_LIFE halves every count first."""
+    E, S = 4, 4
+    dev, ref = DeviceLayer(E, S, 1, POLICY_LFU), SlotMapState.empty(E, S)
+    for tick in range(1, LFU_HALF_LIFE + 2):  # two experts a step: the 32nd step reaches 64 uses
+        launch_advance_tick(dev.tick)
+        ids = [0, 1] if tick <= LFU_HALF_LIFE // 2 else [2, 3]
+        dev.demand(ids)
+        plan_demand(ref, ids, tick, 1, policy=POLICY_LFU)
+        assert_same(dev.host_state(), ref)
+    freq = dev.host_state().freq
+    # 32 steps of 0, 1 (the 32nd halves first: 31 units halved, plus one), then 2, 3 from step 33 on, with a second
+    # halving at step 64
+    assert freq[E] == (2 * (LFU_HALF_LIFE + 1)) % LFU_HALF_LIFE
+    assert freq[0] == freq[1] and freq[2] == freq[3] and freq[2] > freq[0] > 0
 
 
 def test_largest_layer_matches_reference():
