@@ -4,7 +4,8 @@
 #   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> int8 / fp8 experts'
 #   quality against bf16 on the held-out books (bench/quant_quality.py) -> bench/offload.py
 #   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, with the PCIe
-#   bound and transformers + accelerate at the same budget, and one decode step of each run kernel by kernel.
+#   bound and transformers + accelerate at the same budget, and one decode step of each run kernel by kernel ->
+#   the same at 50 / 25 % with the lfu replacement policy (no HF).
 # Every stage has a hard timeout inside one 555 s deadline; results are packed after each stage, so a stage
 # that fails or runs out of time still leaves what came before. $OUT gets 3 files: results.tar.gz (the folder
 # below), summary.txt (stage times, return codes, the printed tables) and offload.json.
@@ -151,9 +152,15 @@ stage quality 120 150 py_engine bench/quant_quality.py --hf-model "$W/hf" --held
 sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
 
 # 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
-stage offload 400 5 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
+stage offload 400 60 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
   --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
   --out "$R/offload" --workdir "$W/offload-work" --timeline
 sed -n '/experts x/,$p' "$R/offload.log" | tee -a "$R/summary.txt"
+
+# 8. the frequency-aware replacement (lfu) against the runs above (lru), where the cache is short: no HF
+stage offload_lfu 120 5 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --skip-hf --policy lfu \
+  --fractions 0.5,0.25 --prefetch-modes none,plan --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
+  --out "$R/offload_lfu" --workdir "$W/offload-work"
+sed -n '/experts x/,$p' "$R/offload_lfu.log" | tee -a "$R/summary.txt"
 note "done"
 pack
