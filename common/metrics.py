@@ -205,7 +205,9 @@ class WorkerMetrics:
             "expert_cache_step_stall_seconds", "Expert-copy stall per step", STALL_BUCKETS
         )
         self.routing_plan_recall = b.gauge(
-            "routing_plan_recall", "Share of the exact routing the router's plan predicted, last step"
+            "routing_plan_recall",
+            "Share of the exact routing the expert cache's plan predicted (the worker's own table lookup, else the "
+            "router's plan), last step",
         )
         self.routing_plan_recall_per_step = b.histogram(
             "routing_plan_recall_per_step", "Routing plan recall, per step", RECALL_BUCKETS

@@ -96,8 +96,8 @@ class CpuDecoder:
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(self.config.num_hidden_layers)}
         # the plan prefetch's own table ([L, V, k]): each step looks its tokens up, as the cuda backend does on the
         # device; None: the router's plans (batch.expert_hints)
-        table = worker_plan_table(model, config) if self.cache is not None else None
-        self.plan_table = table.table if table is not None else None
+        self.plan_lookup = worker_plan_table(model, config) if self.cache is not None else None
+        self.plan_table = self.plan_lookup.table if self.plan_lookup is not None else None
         self._launched: HostLogits | None = None  # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:

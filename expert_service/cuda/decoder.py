@@ -137,6 +137,8 @@ class CudaDecoder:
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
+        # the expert cache's plan prefetch table (the worker's own lookup), or None: the router's plans
+        self.plan_lookup = worker_plan_table(model, config) if cached else None
         self.cached = (
             CachedExperts(
                 cfg,
@@ -149,7 +151,7 @@ class CudaDecoder:
                 config.prefetch_sources,
                 config.expert_cache_policy,
                 host_break=self.host_breaks,
-                plan_table=self._plan_table(model, config),
+                plan_table=self.plan_lookup.table if self.plan_lookup is not None else None,
             )
             if cached
             else None
@@ -394,12 +396,6 @@ class CudaDecoder:
         return DeviceLogits(
             self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged, step.masks
         )
-
-    @staticmethod
-    def _plan_table(model: ModelDir, config: EngineConfig) -> np.ndarray | None:
-        """The expert cache's plan prefetch table for the device ([L, V, k] uint16), or None: the router's plans."""
-        table = worker_plan_table(model, config)
-        return table.table if table is not None else None
 
     @functools.cached_property
     def prefill_buckets(self) -> list[int]:  # max_tokens is fixed: listed once, read by every step

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -23,14 +23,14 @@ from expert_service.engine.chunk_positions import check_first_position, follows_
 from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.forward_batch import build_batch
 from expert_service.engine.kv_cache import BlockAllocator
-from expert_service.engine.logprobs import StepScores, TokenLogprobs
+from expert_service.engine.logprobs import StepScores
 from expert_service.engine.penalties import PenaltySlots
 from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
+from expert_service.engine.records import InFlightStep, SequenceOutput, SequenceState, StepResult
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, HostLogits, Logits, PrefillInput, StepTrace
 from expert_service.engine.token_masks import ALL_ALLOWED, step_masks, with_late_masks
-from expert_service.experts.cache import CacheStats
-from expert_service.experts.routing_plan import routing_plan_recall
+from expert_service.experts.routing_plan import routing_plan_recall, table_recall
 
 log = logging.getLogger("colibri.worker")
 
@@ -39,72 +39,6 @@ UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 EARLIER_CHUNK_REFUSED = "EARLIER_CHUNK_REFUSED"
 MISSING_TOKEN_MASK = "MISSING_TOKEN_MASK"  # a late mask never came (engine.fail_late_masks): the sequence is freed
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceOutput:
-    request_id: int
-    token_id: int | None = None  # None: a non-final prompt chunk, or an error
-    logprob: float = 0.0
-    error: str = ""
-    top: TokenLogprobs | None = None  # top_logprobs: the sampled position's most likely tokens
-    prompt: TokenLogprobs | None = None  # prompt_logprobs: this step's prompt chunk scored
-
-
-@dataclass
-class StepResult:
-    outputs: list[SequenceOutput]
-    forward_ms: float
-    sample_ms: float
-    trace: StepTrace
-    routing_plan_recall: float | None  # routing=exact with a routing plan: share of the exact routing predicted
-    logits: Logits  # rows [sampling sequences] of [V], in output order
-    expert_cache: CacheStats | None = None  # the step's expert-cache counts (None: all experts resident)
-
-
-@dataclass
-class SequenceState:
-    """What the worker keeps of one sequence between steps (its KV blocks live in the allocator)."""
-
-    sampler: Sampler
-    num_cached: int = 0  # tokens whose K/V are in the cache
-    last_token: int | None = None  # the latest sampled token, fed by the next decode
-    prompt_row: np.ndarray | None = None  # prompt_logprobs: raw logits of the last chunk's last position
-    block_array: np.ndarray | None = None  # its block table as int64, rebuilt when the table grows (append-only)
-    pending: tuple[int, int] | None = None  # (step serial, logits row): a launched step not yet collected
-    # samples its next token there
-    missed_chunk: bool = False  # a chunk of it was refused with its step and none ran since: the router's later
-    # chunks start past num_cached, and fail alone
-
-
-@dataclass
-class InFlightStep:
-    """A step launched on the decoder (Engine.launch) and not yet collected."""
-
-    serial: int
-    work: list[tuple[int, np.ndarray, bool]]  # (sequence, its tokens this step, samples a token)
-    states: list[SequenceState]  # the work's sequences at launch (one freed meanwhile is skipped)
-    unknown: list[SequenceOutput]  # decodes of sequences the engine does not hold
-    decode_ids: tuple[int, ...]  # as asked for: the order of UNKNOWN_SEQUENCE answers
-    scored: set[int]  # sequences whose prompt chunk is scored (prompt_logprobs)
-    planned_ids: dict[int, np.ndarray] | None  # the router's routing plan as expert ids
-    trace: StepTrace
-    started: float  # perf_counter at launch
-    launched: object | None  # the decoder's handle (None: nothing ran)
-    overlappable: bool  # the next step may launch before this one is collected
-    late: dict[int, int] = field(default_factory=dict)  # greedy constrained rows whose masks come later:
-    # sequence -> logits row; while any wait, the step cannot be collected nor another launched
-    token_masks: np.ndarray | None = None  # the masks given at launch (late rows all ones)
-    failed: frozenset[int] = frozenset()  # late rows whose masks never came: answered MISSING_TOKEN_MASK
-
-    @property
-    def sequences(self) -> frozenset[int]:
-        return frozenset(rid for rid, _, _ in self.work)
-
-    @property
-    def sampling(self) -> frozenset[int]:
-        """The sequences this step samples a token for (one may be released when the step is collected)."""
-        return frozenset(rid for rid, _, wants_token in self.work if wants_token)
 
 
 class Engine:
@@ -367,6 +301,7 @@ class Engine:
             overlappable,
             late,
             token_masks,
+            fed=frozenset(fed),
         )
         self._in_flight.append(step)
         return step
@@ -382,12 +317,7 @@ class Engine:
         self._in_flight.popleft()
         logits = self.decoder.finish(step.launched, step.trace)
         t1 = time.perf_counter()
-        planned_ids = step.planned_ids
-        recall = (
-            routing_plan_recall(planned_ids, step.trace.expert_ids)
-            if planned_ids and self.config.routing is RoutingMode.EXACT
-            else None
-        )
+        recall = self._plan_recall(step)
         outputs, gone = self._sample(step, logits)
         if step.failed:
             outputs = [
@@ -409,6 +339,16 @@ class Engine:
         return StepResult(
             outputs, (t1 - step.started) * 1e3, (t2 - t1) * 1e3, step.trace, recall, logits, step.trace.expert_cache
         )
+
+    def _plan_recall(self, step: InFlightStep) -> float | None:
+        """routing=exact: the share of the step's exact routing its plan predicted: the decoder's own table lookup
+        when its prefetch reads one, else the router's plan when one came."""
+        exact, table = step.trace.expert_ids, self.decoder.plan_lookup
+        if self.config.routing is not RoutingMode.EXACT or not exact:
+            return None
+        if table is not None:
+            return table_recall(table, step.input_tokens(), exact)
+        return routing_plan_recall(step.planned_ids, exact) if step.planned_ids else None
 
     def _deferrable(self, decodes: list[tuple[int, np.ndarray, bool]]) -> set[int]:
         """Decodes whose mask may come late: plain greedy constrained ones, fed the device's masked argmax."""

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from common.routing_table import RoutingTable
 from expert_service.engine.config import Backend
 from expert_service.engine.penalties import PenaltyBatch
 from expert_service.engine.sampling import SamplingParams
@@ -137,6 +138,9 @@ class Decoder(Protocol):
 
     backend: Backend
     slot_plan: SlotPlan  # how its experts are held (all resident, or a cache of slots)
+    # the routing table its expert cache's plan prefetch looks each step's tokens up in (None: the router's plans,
+    # or no cache): the engine measures that prediction's recall against the exact routing
+    plan_lookup: RoutingTable | None
 
     @property
     def supports_overlap(self) -> bool:

@@ -34,6 +34,16 @@ def routing_plan_recall(planned: dict[int, np.ndarray], exact: dict[int, np.ndar
     return hits / total if total else None
 
 
+def table_recall(table: RoutingTable, token_ids: np.ndarray, exact: dict[int, np.ndarray]) -> float | None:
+    """`routing_plan_recall` of the table's own prediction for a step's input tokens [T] (the worker's plan
+    lookup), every MoE layer of `exact` ({layer: ids [T, K]}) at once."""
+    if not exact or not len(token_ids):
+        return None
+    predicted = table.lookup(token_ids)[[table.moe_layers.index(layer) for layer in exact]]  # [L, T, k]
+    ids = np.stack(list(exact.values()))  # [L, T, K]
+    return int((ids[:, :, :, None] == predicted[:, :, None, :]).any(axis=-1).sum()) / ids.size
+
+
 def warmup_routing_plan(moe_layers: list[int], num_experts: int, top_k: int, num_tokens: int) -> RoutingPlan:
     """A routing plan sending every token to experts 0..top_k-1 (the worker's own warm-up step under
     routing=lut)."""

@@ -1,0 +1,73 @@
+"""The recall of the expert cache's plan, measured by the engine on the cpu backend: with the worker's own table
+lookup it is the table's prediction for each step's input tokens, decodes fed from the step before included; with
+a model whose routing depends only on the token id and its exact table, that is 1.0 on every step; a table that
+names other experts scores 0; the router's plan is scored when the worker has no table; routing=lut has none."""
+
+import numpy as np
+import pytest
+
+from common.model_format import ModelDir
+from common.routing_plan import RoutingPlan
+from common.routing_table import TABLE_FILE, RoutingTable, write_routing_table
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
+from tests.helpers import cpu_engine, make_token_routed_model
+
+PROMPTS = (np.array([5, 17, 42, 99, 3], np.int64), np.array([250, 7, 31], np.int64))
+
+
+@pytest.fixture(scope="module")
+def token_routed(tmp_path_factory):
+    """The model and its exact table (every token id traced once on a resident engine)."""
+    model = ModelDir.open(make_token_routed_model(tmp_path_factory.mktemp("token_routed")))
+    cfg = model.config
+    engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, max_batch_tokens=cfg.vocab_size))
+    vocab = np.arange(cfg.vocab_size, dtype=np.int64)
+    trace = engine.step([PrefillInput(0, vocab, SamplingParams(), True)]).trace
+    table = np.stack([np.sort(trace.expert_ids[layer], axis=1) for layer in cfg.moe_layers]).astype(np.uint16)
+    return model, table
+
+
+def recalls(engine, plan=None) -> list:
+    """The prompts in one step, then 4 decode steps launched two at a time (each fed the one before's token)."""
+    first = engine.step([PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)])
+    out = [first.routing_plan_recall]
+    ids = list(range(len(PROMPTS)))
+    flight = [engine.launch(decode_ids=ids, routing_plan=plan)]
+    for n in range(4):
+        if n < 3:
+            flight.append(engine.launch(decode_ids=ids, routing_plan=plan))
+        out.append(engine.collect(flight.pop(0)).routing_plan_recall)
+    return out
+
+
+def test_the_workers_own_table_is_scored_on_each_steps_input_tokens(token_routed, tmp_path):
+    model, table = token_routed
+    E = model.config.num_experts
+    write_routing_table(tmp_path / "exact.bin", table, E)
+    write_routing_table(tmp_path / "wrong.bin", np.sort((table + 1) % E, axis=2), E)  # never the routed ones...
+    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan")
+    exact = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "exact.bin")), overlap=True)
+    assert exact.decoder.plan_lookup is not None
+    assert recalls(exact) == [1.0] * 5  # the fed decodes' own tokens, not a placeholder, were looked up
+    wrong = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "wrong.bin")), overlap=True)
+    assert all(0.0 <= r < 1.0 for r in recalls(wrong))
+
+
+def test_the_routers_plan_is_scored_without_a_table_and_lut_has_no_recall(token_routed):
+    model, table = token_routed
+    cfg = model.config
+    engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan"))
+    assert engine.decoder.plan_lookup is None  # no table in the model directory
+    lookup = RoutingTable(table, cfg.num_experts, cfg.moe_layers)
+    plan = lookup.routing_plan(np.concatenate(PROMPTS))
+    first = engine.step([PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)], routing_plan=plan)
+    assert first.routing_plan_recall == 1.0
+    lut = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, routing="lut"))
+    result = lut.step(
+        [PrefillInput(0, PROMPTS[0], SamplingParams(), True)], routing_plan=lookup.routing_plan(PROMPTS[0])
+    )
+    assert result.routing_plan_recall is None
+    assert isinstance(plan, RoutingPlan) and TABLE_FILE == "routing_table.bin"
