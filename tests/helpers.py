@@ -428,6 +428,24 @@ def serve_env(*without: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM" and k not in without}
 
 
+def exact_token_table(model, backend: str = "cpu"):
+    """A token-routed model's exact routing table [L, V, K] uint16 (make_token_routed_model: routing depends on the
+    token id alone, so tracing every id once in one prompt gives it), traced on a resident engine of `backend`."""
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
+
+    cfg = model.config
+    engine = build_engine(model, EngineConfig(backend=backend, kv_block_size=4, max_batch_tokens=cfg.vocab_size))
+    try:
+        vocab = np.arange(cfg.vocab_size, dtype=np.int64)
+        trace = engine.step([PrefillInput(0, vocab, SamplingParams(), True)]).trace
+    finally:
+        engine.decoder.close()
+    return np.stack([np.sort(trace.expert_ids[layer], axis=1) for layer in cfg.moe_layers]).astype(np.uint16)
+
+
 def cpu_engine(model, config, overlap: bool):
     """An Engine on the cpu backend whose decoder takes part in overlapped steps as the cuda one does (`overlap`;
     off in production, where its launch runs the step at once)."""

@@ -14,7 +14,7 @@ from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.experts.cache import CacheStats
-from tests.helpers import make_token_routed_model
+from tests.helpers import exact_token_table, make_token_routed_model
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +27,7 @@ def token_routed(tmp_path_factory):
     """The model directory with its exact table as routing_table.bin (every token id traced once)."""
     model = ModelDir.open(make_token_routed_model(tmp_path_factory.mktemp("token_routed")))
     cfg = model.config
-    engine = build_engine(model, EngineConfig(backend="cuda", kv_block_size=4, max_batch_tokens=cfg.vocab_size))
-    vocab = np.arange(cfg.vocab_size, dtype=np.int64)
-    trace = engine.step([PrefillInput(0, vocab, SamplingParams(), True)]).trace
-    engine.decoder.close()
-    table = np.stack([np.sort(trace.expert_ids[layer], axis=1) for layer in cfg.moe_layers]).astype(np.uint16)
+    table = exact_token_table(model, backend="cuda")
     write_routing_table(model.path / TABLE_FILE, table, cfg.num_experts)
     return model
 

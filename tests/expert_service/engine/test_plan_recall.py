@@ -13,7 +13,7 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
-from tests.helpers import cpu_engine, make_token_routed_model
+from tests.helpers import cpu_engine, exact_token_table, make_token_routed_model
 
 PROMPTS = (np.array([5, 17, 42, 99, 3], np.int64), np.array([250, 7, 31], np.int64))
 
@@ -22,11 +22,7 @@ PROMPTS = (np.array([5, 17, 42, 99, 3], np.int64), np.array([250, 7, 31], np.int
 def token_routed(tmp_path_factory):
     """The model and its exact table (every token id traced once on a resident engine)."""
     model = ModelDir.open(make_token_routed_model(tmp_path_factory.mktemp("token_routed")))
-    cfg = model.config
-    engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, max_batch_tokens=cfg.vocab_size))
-    vocab = np.arange(cfg.vocab_size, dtype=np.int64)
-    trace = engine.step([PrefillInput(0, vocab, SamplingParams(), True)]).trace
-    table = np.stack([np.sort(trace.expert_ids[layer], axis=1) for layer in cfg.moe_layers]).astype(np.uint16)
+    table = exact_token_table(model)
     return model, table
 
 
