@@ -91,6 +91,7 @@ def test_gemv_through_planned_slots_equals_gemv_on_resident_experts():
     fetch_expert, fetch_slot = cuda.to_device(np.zeros((1, S), i32)), cuda.to_device(np.zeros((1, S), i32))
     fetch_count, stats = cuda.to_device(np.zeros(1, i32)), cuda.to_device(np.zeros(4, np.int64))
     tick = cuda.to_device(np.zeros(1, i32))
+    freq = cuda.to_device(np.zeros(E + 1, i32))  # the policy's counts (lru: untouched)
     slot_ids = cuda.to_device(np.full((1, K), GARBAGE, i32))
     misses = 0
     for _ in range(3):
@@ -110,6 +111,7 @@ def test_gemv_through_planned_slots_equals_gemv_on_resident_experts():
             fetch_slot,
             fetch_count,
             stats,
+            freq,
         )
         misses += int(fetch_count.copy_to_host()[0])
         launch_expert_fetch(
