@@ -16,7 +16,9 @@ experts, mostly returning at once, is what a decode step paid for there.
 
 Prefetch never shares a stream with demand copies (so demand copies never queue behind speculative ones), and
 each layer's prefetch is joined before that layer's own plan. The routing plan names every layer's experts before
-the step runs, so its copies are all issued when the step starts, layer after layer on a plan stream: a layer's
+the step runs (looked up on the device from the pass's own input tokens when the worker has the table,
+kernels/table_hints.py; else the router's, staged by stage_hints), so its copies are all issued when the step
+starts, layer after layer on a plan stream: a layer's
 predicted experts arrive while the layers before it compute, not only behind the layer before. Lookahead, the next
 layer's router applied to this layer's input (its top-k on the device), is known one layer ahead only: it runs on a
 side stream forked after the layer's first wave of demand copies, behind that next layer's plan copies (both
