@@ -39,6 +39,8 @@ UNKNOWN_SEQUENCE = "UNKNOWN_SEQUENCE"
 UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 EARLIER_CHUNK_REFUSED = "EARLIER_CHUNK_REFUSED"
 MISSING_TOKEN_MASK = "MISSING_TOKEN_MASK"  # a late mask never came (engine.fail_late_masks): the sequence is freed
+# the worker's own plan lookup is scored on one step in this many: 50-500 us of host time a step otherwise
+OWN_PLAN_RECALL_EVERY = 8
 
 
 class Engine:
@@ -342,12 +344,12 @@ class Engine:
 
     def _plan_recall(self, step: InFlightStep) -> float | None:
         """routing=exact: the share of the step's exact routing its plan predicted: the decoder's own table lookup
-        when its prefetch reads one, else the router's plan when one came."""
+        when its prefetch reads one (on one step in OWN_PLAN_RECALL_EVERY), else the router's plan when one came."""
         exact, table = step.trace.expert_ids, self.decoder.plan_lookup
         if self.config.routing is not RoutingMode.EXACT or not exact:
             return None
         if table is not None:
-            return table_recall(table, step.input_tokens(), exact)
+            return table_recall(table, step.input_tokens(), exact) if step.serial % OWN_PLAN_RECALL_EVERY == 0 else None
         return routing_plan_recall(step.planned_ids, exact) if step.planned_ids else None
 
     def _deferrable(self, decodes: list[tuple[int, np.ndarray, bool]]) -> set[int]:

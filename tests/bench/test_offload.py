@@ -65,7 +65,10 @@ def test_offload_tiny_cpu(tmp_path, plan_source):
                     assert phase["x_pcie_bound"] is None
                 else:
                     assert phase["misses"] > 0 and phase["x_pcie_bound"] > 0
-                assert (phase["plan_recall"] is not None) == (mode == "plan")  # the worker scores its own lookup
+                if mode != "plan":
+                    assert phase["plan_recall"] is None
+                elif plan_source == "router":  # every step's plan scored (the worker's lookup: one step in 8)
+                    assert 0 <= phase["plan_recall"] <= 1
                 if mode == "plan":
                     assert run["plan_source"] == plan_source and phase["prefetches_issued"] > 0
     # b=16 x top-2 needs every expert of the tiny model and only half of them fit: misses every step

@@ -93,9 +93,10 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
         for b in ("1", "16"):
             d = run["decode"][b]
             assert d["steps"] == 3 and d["bytes_copied"] == (d["misses"] + d["prefetches_issued"]) * block
-            # the worker looks the table up itself (no plan sent) and scores that lookup
-            assert (d["plan_recall"] is not None) == (mode == "plan")
-            assert d["plan_recall"] is None or 0 <= d["plan_recall"] <= 1
+            # the worker looks the table up itself (no plan sent) and scores that lookup on one step in 8
+            assert (
+                d["plan_recall"] is None if mode != "plan" else d["plan_recall"] is None or 0 <= d["plan_recall"] <= 1
+            )
         assert run["plan_source"] == ("worker" if mode == "plan" else None)
     assert entry["runs"]["0.5"]["plan"]["decode"]["16"]["prefetches_issued"] > 0
     assert (model.path / "colibri.json").is_file()  # the given model is never removed

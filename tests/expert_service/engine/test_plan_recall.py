@@ -39,7 +39,9 @@ def recalls(engine, plan=None) -> list:
     return out
 
 
-def test_the_workers_own_table_is_scored_on_each_steps_input_tokens(token_routed, tmp_path):
+def test_the_workers_own_table_is_scored_on_each_steps_input_tokens(token_routed, tmp_path, monkeypatch):
+    import expert_service.engine.engine as engine_module
+
     model, table = token_routed
     E = model.config.num_experts
     write_routing_table(tmp_path / "exact.bin", table, E)
@@ -47,6 +49,10 @@ def test_the_workers_own_table_is_scored_on_each_steps_input_tokens(token_routed
     config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan")
     exact = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "exact.bin")), overlap=True)
     assert exact.decoder.plan_lookup is not None
+    sampled = recalls(exact)  # scored on one step in OWN_PLAN_RECALL_EVERY: the first (serial 0) here
+    assert sampled[0] == 1.0 and sampled[1:] == [None] * 4
+    monkeypatch.setattr(engine_module, "OWN_PLAN_RECALL_EVERY", 1)
+    exact = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "exact.bin")), overlap=True)
     assert recalls(exact) == [1.0] * 5  # the fed decodes' own tokens, not a placeholder, were looked up
     wrong = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "wrong.bin")), overlap=True)
     assert all(0.0 <= r < 1.0 for r in recalls(wrong))
