@@ -97,7 +97,6 @@ class CpuDecoder:
         # the plan prefetch's own table ([L, V, k]): each step looks its tokens up, as the cuda backend does on the
         # device; None: the router's plans (batch.expert_hints)
         self.plan_lookup = worker_plan_table(model, config) if self.cache is not None else None
-        self.plan_table = self.plan_lookup.table if self.plan_lookup is not None else None
         self._launched: HostLogits | None = None  # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:
@@ -192,9 +191,9 @@ class CpuDecoder:
     # --- expert cache -------------------------------------------------------------------------------
     def _plan_hints(self, batch: ForwardBatch) -> dict[int, np.ndarray] | None:
         """The step's plan, layer -> predicted ids [T, k]: its own tokens looked up in the table, or the router's."""
-        if self.plan_table is None:
+        if self.plan_lookup is None:
             return batch.expert_hints
-        return dict(zip(self.config.moe_layers, np.take(self.plan_table, batch.token_ids, axis=1)))
+        return dict(zip(self.config.moe_layers, self.plan_lookup.lookup(batch.token_ids)))
 
     def _prefetch_plan(self, cache: ExpertCache, hints: dict[int, np.ndarray] | None, layer: int | None) -> None:
         if layer is not None and PrefetchSource.PLAN in self.prefetch and hints and layer in hints:

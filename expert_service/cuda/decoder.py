@@ -87,6 +87,9 @@ class CudaDecoder:
         self.engine_config = config
         self._stream_handle, self.stream = non_blocking_stream()
         cached = slot_plan.is_cached
+        # the expert cache's plan prefetch table (the worker's own lookup), or None: the router's plans; read before
+        # the weights upload, so a table that does not fit fails at once
+        self.plan_lookup = worker_plan_table(model, config) if cached else None
         self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory, load_experts=not cached)
         cfg = self.config
         self.kv_dtype = self.weights.dtype
@@ -137,8 +140,6 @@ class CudaDecoder:
         # the cuBLAS handle is created before any graph capture (cublasCreate cannot run inside one)
         self.cublas = Cublas(self.stream, self.ws.cublas_workspace)
         self.linear = DeviceLinear(self.stream, self.cublas, self.ws, self.weights.dtype)
-        # the expert cache's plan prefetch table (the worker's own lookup), or None: the router's plans
-        self.plan_lookup = worker_plan_table(model, config) if cached else None
         self.cached = (
             CachedExperts(
                 cfg,

@@ -220,7 +220,7 @@ class CachedExperts:
 
     # --- the routed experts of a MoE layer ----------------------------------------------------------
     def _hints(self, layer: int, T: int):
-        return self.hint_ids[self.moe_layers.index(layer), : T * self.hint_width]
+        return self.hint_ids[self.slots.index[layer], : T * self.hint_width]
 
     def run(
         self,
@@ -379,7 +379,7 @@ class CachedExperts:
 
     def _ahead_ids(self, layer: int, T: int):
         """The lookahead's top-k ids [T, K] predicted for MoE layer `layer` (its buffer alternates by MoE index)."""
-        return self.ahead_ids[self.moe_layers.index(layer) % 2, :T]
+        return self.ahead_ids[self.slots.index[layer] % 2, :T]
 
     def _gemv(self, i: int, x, ids, buffer, out) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
