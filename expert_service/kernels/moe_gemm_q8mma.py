@@ -51,7 +51,7 @@ from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, Config, _epilogue, _launch, bf16_round
 from expert_service.kernels.numeric import SIMULATOR, WARP
-from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, lds32
 
 # Named shapes (bench/moe_gemm.py --q8 times them): m16 / m32 stream weights (128-byte 8-bit row pieces a stage),
 # m64 / m128 reuse each weight tile over more rows.
@@ -65,8 +65,8 @@ SIM_CONFIG = Config(1, 2, 1, 2, bk=32, stages=2, group_m=2)
 SIM_CONFIG_2 = Config(2, 1, 1, 4, bk=64, stages=3, group_m=1)
 MIN_DIM = 16
 _WORD = np.dtype(np.uint64)
+_WORD32 = np.dtype(np.uint32)
 _SMEM_ALIGN = None if SIMULATOR else 16
-_LO32 = np.uint64(0xFFFFFFFF)
 
 
 def shared_bytes(cfg: Config) -> int:
@@ -107,17 +107,22 @@ def _group_xor(words_per_row: int, word_bytes: int):
     return xor
 
 
-@cuda.jit(device=True, inline=True)
-def _widen4(w, is_int8, factor, block_scaled):
-    """4 weight bytes (k order) -> two bf16x2 words: exact values, times `factor` and rounded when block_scaled."""
-    # whole-word decoders (a prmt per value; moe_q8's): fewer integer ops in the mma loop than per-byte shifts
-    if is_int8:
-        v0, v1, v2, v3 = int8x4(w)
-    else:
-        v0, v1, v2, v3 = fp8x4(w)
-    if block_scaled:
-        v0, v1, v2, v3 = v0 * factor, v1 * factor, v2 * factor, v3 * factor
-    return pack(v0, v1), pack(v2, v3)
+@functools.cache
+def _widener(int8: bool, block_scaled: bool):
+    """widen(w, factor): 4 weight bytes (k order) -> two bf16x2 words, exact values (times `factor` and rounded
+    when block_scaled). One body per encoding, so the main loop carries no per-value branch or predicated
+    multiply."""
+    decode4 = int8x4 if int8 else fp8x4
+
+    @cuda.jit(device=True, inline=True)
+    def widen(w, factor):
+        # whole-word decoders (a prmt per value; moe_q8's): fewer integer ops in the mma loop than per-byte shifts
+        v0, v1, v2, v3 = decode4(w)
+        if block_scaled:
+            v0, v1, v2, v3 = v0 * factor, v1 * factor, v2 * factor, v3 * factor
+        return pack(v0, v1), pack(v2, v3)
+
+    return widen
 
 
 @functools.cache
@@ -145,14 +150,69 @@ def _build(cfg: Config, mode: int, exact_k: bool):
 
     @cuda.jit(device=True, inline=True)
     def fill(smem, a_stage, b_stage, k0, a, words, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_ok):
+        # a_start / b_start are 32-bit word indices at step 0 (an absent B row's is 0): one add a copy, and with
+        # no K tail no select (index 0 + the step's offset stays in the array)
         for it in range(A_ITERS):
             if A_ITERS * THREADS == A_CHUNKS or tid + it * THREADS < A_CHUNKS:
                 ok = exact_k or k0 + a_col[it] < k_dim
-                cp_async16(smem, a_stage + a_word[it], a, ((a_start[it] + k0) >> 1) if ok else 0, ok)
+                src = a_start[it] + (k0 >> 1)
+                cp_async16(smem, a_stage + a_word[it], a, src if exact_k or ok else 0, ok)
         for it in range(B_ITERS):
             if B_ITERS * THREADS == B_CHUNKS or tid + it * THREADS < B_CHUNKS:
                 ok = b_ok[it] != 0 and (exact_k or k0 + b_col[it] < k_dim)
-                cp_async16(smem, b_stage + b_word[it], words, ((b_start[it] + k0) >> 2) if ok else 0, ok)
+                src = b_start[it] + (k0 >> 2)
+                cp_async16(smem, b_stage + b_word[it], words, src if exact_k or ok else 0, ok)
+
+    def main_loop(int8: bool, block_scaled: bool):
+        widen = _widener(int8, block_scaled)
+
+        @cuda.jit(device=True, inline=True)
+        def run(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col, b_start,
+                b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb):
+            """The K loop of one tile: S-stage cp.async pipeline, A fragments as four 32-bit shared loads (the mma
+            reads them from four consecutive registers, which 64-bit loads of row pairs cannot give without
+            moves), B as one 32-bit word of 4 weight bytes a lane, widened once per n-tile for every m-tile."""
+            cur = np.uint32(0)
+            fs = np.uint32(S - 1)
+            for step in range(n_steps):
+                wait_stage()
+                cuda.syncthreads()
+                nxt = step + S - 1
+                if nxt < n_steps:
+                    fill(smem, fs * np.uint32(A_WORDS), np.uint32(B_SHARED) + fs * np.uint32(B_WORDS), nxt * BK, a,
+                         words, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_ok)
+                cp_async_commit()
+                if block_scaled:
+                    kb = (step * BK) // SCALE_BLOCK_SIZE
+                    for j in range(NT):
+                        if s_row[j] >= 0:
+                            factor[j] = scales[s_row[j] + kb]
+                a_base = np.uint32(2) * cur * np.uint32(A_WORDS) + a_lane
+                b_base = np.uint32(2) * (np.uint32(B_SHARED) + cur * np.uint32(B_WORDS)) + b_lane
+                for ks in range(KS):
+                    kw = ((np.uint32(ks) << np.uint32(2)) ^ fa) << np.uint32(1)
+                    for i in range(MT):
+                        lo = a_base + kw + np.uint32(2 * i * 16 * WPR_A)
+                        hi = a_base + kw + np.uint32(2 * (i * 16 + 8) * WPR_A)
+                        af[i, 0] = lds32(smem32, lo)
+                        af[i, 1] = lds32(smem32, hi)
+                        af[i, 2] = lds32(smem32, lo + np.uint32(1))
+                        af[i, 3] = lds32(smem32, hi + np.uint32(1))
+                    kb_word = ((np.uint32(ks) << np.uint32(1)) ^ fb) << np.uint32(1)
+                    for j in range(NT):
+                        n_row = (j // NH) * HALF_N + (j % NH) * 8 if gated else j * 8
+                        b0, b1 = widen(smem32[b_base + kb_word + np.uint32(2 * n_row * WPR_B)], factor[j])
+                        for i in range(MT):
+                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma(
+                                af[i, 0], af[i, 1], af[i, 2], af[i, 3], b0, b1,
+                                acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+                cur = np.uint32(0) if cur == S - 1 else cur + np.uint32(1)
+                fs = np.uint32(0) if fs == S - 1 else fs + np.uint32(1)
+
+        return run
+
+    loop_int8_channel, loop_int8_block = main_loop(True, False), main_loop(True, True)
+    loop_fp8_channel, loop_fp8_block = main_loop(False, False), main_loop(False, True)
 
     def q8mma_kernel(a, words, scales, meta, tile_expert, num_tiles, sorted_ids, stride, n_out, k_dim, n_tiles_n,
                      out):
@@ -186,6 +246,7 @@ def _build(cfg: Config, mode: int, exact_k: bool):
         t = lane % 4
 
         smem = cuda.shared.array(0, _WORD, alignment=_SMEM_ALIGN)
+        smem32 = cuda.shared.array(0, _WORD32, alignment=_SMEM_ALIGN)  # the same dynamic memory, 32-bit words
         acc = cuda.local.array((MT, NT, 4), np.float32)
         af = cuda.local.array((MT, 4), np.uint32)
         for i in range(MT):
@@ -193,17 +254,17 @@ def _build(cfg: Config, mode: int, exact_k: bool):
                 for v in range(4):
                     acc[i, j, v] = np.float32(0.0)
 
-        a_start = cuda.local.array(A_ITERS, np.int64)  # bf16 element of the chunk at step 0
+        a_start = cuda.local.array(A_ITERS, np.int64)  # uint32 word (bf16 pair) of the chunk at step 0
         a_word = cuda.local.array(A_ITERS, np.uint32)
         a_col = cuda.local.array(A_ITERS, np.int32)
-        b_start = cuda.local.array(B_ITERS, np.int64)  # byte of the chunk at step 0
+        b_start = cuda.local.array(B_ITERS, np.int64)  # uint32 word of the chunk at step 0 (0: no row)
         b_word = cuda.local.array(B_ITERS, np.uint32)
         b_col = cuda.local.array(B_ITERS, np.int32)
         b_ok = cuda.local.array(B_ITERS, np.int32)
         for it in range(A_ITERS):
             q = tid + it * THREADS
             r, c = q // CPR_A, q % CPR_A
-            a_start[it] = (row0 + r) * k_dim + c * 8
+            a_start[it] = ((row0 + r) * k_dim + c * 8) >> 1
             a_word[it] = r * WPR_A + ((c >> 1) ^ xor_a(r)) * 4 + (c & 1) * 2
             a_col[it] = c * 8
         for it in range(B_ITERS):
@@ -215,10 +276,12 @@ def _build(cfg: Config, mode: int, exact_k: bool):
             else:
                 col = n0 + r
                 mat = 0
-            b_start[it] = base + meta[expert, GATE_OFF + mat] + np.int64(col) * k_dim + c * 16
+            b_ok[it] = 1 if (col < n_out and q < B_CHUNKS) else 0
+            b_start[it] = 0
+            if b_ok[it]:
+                b_start[it] = (base + meta[expert, GATE_OFF + mat] + np.int64(col) * k_dim + c * 16) >> 2
             b_word[it] = r * WPR_B + (c ^ xor_b(r)) * 2
             b_col[it] = c * 16
-            b_ok[it] = 1 if (col < n_out and q < B_CHUNKS) else 0
 
         # Per n-tile: its weight rows (one 128-row scale block), the float index of its block-scale row.
         n_cb = (k_dim + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
@@ -239,9 +302,9 @@ def _build(cfg: Config, mode: int, exact_k: bool):
 
         fa = np.uint32(xor_a(g) << 2)
         fb = np.uint32(xor_b(g) << 1)
-        a_lane = np.uint32((wm * MT * 16 + g) * WPR_A + t)
-        b_lane = np.uint32(((wn * NH if gated else wn * NT) * 8 + g) * WPR_B + (t >> 1))
-        b_shift = np.uint64(32 * (t & 1))
+        # 32-bit indices (smem32 aliases smem): a lane's A pair words and its own half of a B word
+        a_lane = np.uint32(2 * ((wm * MT * 16 + g) * WPR_A + t))
+        b_lane = np.uint32(2 * (((wn * NH if gated else wn * NT) * 8 + g) * WPR_B + (t >> 1)) + (t & 1))
 
         n_steps = (k_dim + BK - 1) // BK
         for s in range(S - 1):
@@ -250,43 +313,19 @@ def _build(cfg: Config, mode: int, exact_k: bool):
                      a_start, a_word, a_col, b_start, b_word, b_col, b_ok)
             cp_async_commit()
 
-        cur = np.uint32(0)
-        fs = np.uint32(S - 1)
-        for step in range(n_steps):
-            wait_stage()
-            cuda.syncthreads()
-            nxt = step + S - 1
-            if nxt < n_steps:
-                fill(smem, fs * np.uint32(A_WORDS), np.uint32(B_SHARED) + fs * np.uint32(B_WORDS), nxt * BK, a,
-                     words, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_ok)
-            cp_async_commit()
-            if block_scaled:
-                kb = (step * BK) // SCALE_BLOCK_SIZE
-                for j in range(NT):
-                    if s_row[j] >= 0:
-                        factor[j] = scales[s_row[j] + kb]
-            a_base = cur * np.uint32(A_WORDS) + a_lane
-            b_base = np.uint32(B_SHARED) + cur * np.uint32(B_WORDS) + b_lane
-            for ks in range(KS):
-                kw = (np.uint32(ks) << np.uint32(2)) ^ fa
-                for i in range(MT):
-                    lo_row = smem[a_base + kw + np.uint32(i * 16 * WPR_A)]
-                    hi_row = smem[a_base + kw + np.uint32((i * 16 + 8) * WPR_A)]
-                    af[i, 0] = np.uint32(lo_row & _LO32)
-                    af[i, 2] = np.uint32(lo_row >> np.uint64(32))
-                    af[i, 1] = np.uint32(hi_row & _LO32)
-                    af[i, 3] = np.uint32(hi_row >> np.uint64(32))
-                kb_word = (np.uint32(ks) << np.uint32(1)) ^ fb
-                for j in range(NT):
-                    n_row = (j // NH) * HALF_N + (j % NH) * 8 if gated else j * 8
-                    bw = smem[b_base + kb_word + np.uint32(n_row * WPR_B)]
-                    b0, b1 = _widen4(np.uint32((bw >> b_shift) & _LO32), is_int8, factor[j], block_scaled)
-                    for i in range(MT):
-                        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma(
-                            af[i, 0], af[i, 1], af[i, 2], af[i, 3], b0, b1,
-                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
-            cur = np.uint32(0) if cur == S - 1 else cur + np.uint32(1)
-            fs = np.uint32(0) if fs == S - 1 else fs + np.uint32(1)
+        # one main loop per encoding (a tile is one expert's): no per-value branches or predicated multiplies
+        if is_int8 and block_scaled:
+            loop_int8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col,
+                            b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+        elif is_int8:
+            loop_int8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word,
+                              a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+        elif block_scaled:
+            loop_fp8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col,
+                           b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+        else:
+            loop_fp8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word,
+                             a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
 
         # per-channel scales multiply the fp32 sums; an expert that is not 8-bit gives NaN rows
         channel = meta[expert, 1] == SCALE_CHANNEL

@@ -22,6 +22,9 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   constant: ``cp_async_wait_fn(n)`` returns the device function) waits until at most n of this thread's groups
   are in flight. A block barrier after the wait makes every thread's copies visible (Ampere's multi-stage GEMM
   pipeline).
+- ``lds32(smem, i)``: ``ld.volatile.shared.b32`` of smem[i] (1-d uint32 shared array). Adjacent 32-bit loads are
+  otherwise fused into one 64-bit load, whose register pair may not be where an mma wants its fragment: four
+  separate loads can land in the mma's four consecutive registers directly, where a fused pair needs moves.
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
 reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
@@ -55,6 +58,10 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_commit():
         pass
+
+    @cuda.jit(device=True)
+    def lds32(a, i):
+        return a[i]
 
     def cp_async_wait_fn(pending: int):
         return cp_async_commit      # the copies are synchronous here: nothing to wait for
@@ -140,6 +147,26 @@ else:
             asm = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
             builder.call(ir.InlineAsm(fnty, asm, "r,l,r,~{memory}", side_effect=True), [dst_addr, src_ptr, size])
             return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def lds32(typingctx, smem, i):
+        """One 32-bit shared load that neither LLVM nor ptxas fuses with its neighbour (module docstring)."""
+        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype == types.uint32
+                and isinstance(i, types.Integer)):
+            raise NumbaTypeError(f"lds32 needs a 1-d uint32 shared array and an index, got {smem}, {i}")
+        sig = types.uint32(smem, i)
+
+        def codegen(context, builder, sig, args):
+            smem_t, i_t = sig.args
+            ary = context.make_array(smem_t)(context, builder, value=args[0])
+            shared = builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3))
+            index = context.cast(builder, args[1], i_t, types.intp)
+            i32 = ir.IntType(32)
+            addr = builder.ptrtoint(builder.gep(shared, [index], inbounds=True), i32)
+            fnty = ir.FunctionType(i32, [i32])
+            asm = ir.InlineAsm(fnty, "ld.volatile.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
+            return builder.call(asm, [addr])
         return sig, codegen
 
     def _statement(asm: str, doc: str):
