@@ -60,6 +60,8 @@ SCENARIOS = {
     "prefill_1x512": ("prefill", 1, 512),
     "prefill_16x128": ("prefill", 16, 128),
     "prefill_1x2048": ("prefill", 1, 2048),  # a long prompt alone (a shared prefix computed once)
+    # 16 prompts' last 64 tokens over 2,048 earlier ones each (the turns after a shared prefix's step)
+    "prefill_16x64_after_2048": ("prefill_after", 16, 64),
     "decode_1": ("decode", 1, 128),
     "decode_16": ("decode", 16, 128),
     "decode_64": ("decode", 64, 128),
@@ -84,7 +86,8 @@ VARIANTS = {
     "moe_ffn_waves": {"cached_mma": False},
     "in_order_dequant": {"overlap_dequant": False},
 }
-PROFILED_STEPS = {"prefill": 3, "decode": 10}
+PROFILED_STEPS = {"prefill": 3, "prefill_after": 3, "decode": 10}
+CONTEXT_BEFORE = 2048  # prefill_after: tokens each sequence holds before the profiled chunks
 POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
 
 
@@ -237,6 +240,18 @@ class Scenarios:
                 engine.release([c.request_id for c in chunks])
 
             fn()  # eager; profile's own first call captures the bucket's graph, the profiled ones replay
+        elif kind == "prefill_after":
+            ids = list(range(2000, 2000 + b))
+            for i in ids:  # each sequence's earlier tokens, one step apiece
+                head = PrefillInput(i, self.rng.integers(0, self.vocab, CONTEXT_BEFORE), SamplingParams(), False)
+                engine.step([head], routing_plan=next(self._plans(CONTEXT_BEFORE, 1)))
+            plans = self._plans(b * n)
+
+            def fn():  # every call adds n more prompt tokens a sequence (not the last chunk: nothing sampled)
+                chunks = [PrefillInput(i, self.rng.integers(0, self.vocab, n), None, False) for i in ids]
+                engine.step(chunks, routing_plan=next(plans))
+
+            fn()
         else:
             ids = self._sequences(b, n)
             plans = self._plans(b)
@@ -253,6 +268,8 @@ class Scenarios:
             import torch
 
             entry["host"] = host_profile(fn, PROFILED_STEPS[kind], self.host_top, torch.cuda.synchronize)
+        if kind == "prefill_after":
+            engine.release(ids)
         return entry
 
 
