@@ -297,7 +297,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
                 EngineConfig(
                     backend="cuda",
                     kv_block_size=16,
-                    kv_cache_tokens=64 * 512,
+                    kv_cache_tokens=96 * 512,  # prefill_16x64_after_2048 holds 16 x ~2,400 tokens
                     max_batch_tokens=2048,
                     max_batch_size=64,
                     routing="lut" if lut else "exact",
