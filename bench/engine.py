@@ -18,7 +18,9 @@ converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds
 the bytes its steps read (8-bit experts: their bytes and scales). The full-depth shape `qwen3moe-full`
 (Qwen3-30B-A3B, all 48 layers: ~61 GB bf16, ~31 GB 8-bit) is written straight into the model format with random
 weights (bench/random_model.py; no transformers model, no HF comparison); its dtypes run one after another, each
-model deleted before the next is written (bf16 at full depth needs 61 GB free in --workdir). Each run records the
+model deleted before the next is written (bf16 at full depth needs 61 GB free in --workdir). `--skip-hf` writes
+every shape that way (seconds a model, where converting transformers' weights to 8 bits takes minutes), and the
+JSON is rewritten after each dtype's run, so a run cut short keeps what it measured. Each run records the
 MoE strategy its step sizes took (`moe_strategy`); bench/q8_mma.py sweeps the 8-bit strategies' thresholds.
 
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
@@ -363,6 +365,9 @@ def main() -> int:
             base, layers = FULL_DEPTH[name]
             family, params = SHAPES[base][0], {**SHAPES[base][1], "num_hidden_layers": layers}
             model_of = functools.partial(random_model, family, params, workdir)
+        elif args.skip_hf:  # no transformers model to compare with: random weights written straight, per dtype
+            family, params = SHAPES[name]
+            model_of = functools.partial(random_model, family, params, workdir)
         else:
             family, params = SHAPES[name]
             hf = build_hf(family, params)
@@ -376,6 +381,8 @@ def main() -> int:
             model_dir = model_of(dtype)
             runs[dtype] = bench_colibri(model_dir, params["vocab_size"])
             shutil.rmtree(model_dir, ignore_errors=True)
+            results["shapes"][name] = {**entry, "colibri_by_expert_dtype": runs}  # what is done, if cut short
+            (out_dir / "engine.json").write_text(json.dumps(results, indent=1))
         shutil.rmtree(workdir.parent / (workdir.name + "-hf"), ignore_errors=True)
         entry["colibri"], entry["colibri_by_expert_dtype"] = runs[expert_dtypes[0]], runs
         if "bfloat16" in runs:
