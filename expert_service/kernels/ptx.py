@@ -117,6 +117,15 @@ else:
     ld_stream_v4 = _ld_v4_intrinsic("nc.L1::no_allocate")
     ld_v4 = _ld_v4_intrinsic("nc")
 
+    def _shared_address(context, builder, array_t, array_v, index_t, index_v):
+        """The 32-bit shared-window address of array[index] (a 1-d shared array). Numba hands the shared array over
+        as a generic pointer cast from the shared variable; casting it back lets LLVM fold the pair, so the address
+        is the variable plus the element offset, truncated to 32 bits (no cvta per access)."""
+        ary = context.make_array(array_t)(context, builder, value=array_v)
+        shared = builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3))
+        index = context.cast(builder, index_v, index_t, types.intp)
+        return builder.ptrtoint(builder.gep(shared, [index], inbounds=True), ir.IntType(32))
+
     @intrinsic
     def cp_async16(typingctx, dst, di, src, si, valid):
         """16-byte cp.async (module docstring): dst 1-d uint64 shared array, src 1-d uint32 global array."""
@@ -131,13 +140,7 @@ else:
             dst_t, di_t, src_t, si_t, valid_t = sig.args
             dst_a, di_v, src_a, si_v, valid_v = args
             i32 = ir.IntType(32)
-            # Destination: a 32-bit shared-window address. Numba hands the shared array over as a generic pointer
-            # cast from the shared variable; casting it back lets LLVM fold the pair, so the address is the
-            # variable plus 8 di, truncated to 32 bits (no cvta per copy).
-            dst_ary = context.make_array(dst_t)(context, builder, value=dst_a)
-            shared = builder.addrspacecast(dst_ary.data, ir.PointerType(dst_ary.data.type.pointee, 3))
-            di = context.cast(builder, di_v, di_t, types.intp)
-            dst_addr = builder.ptrtoint(builder.gep(shared, [di], inbounds=True), i32)
+            dst_addr = _shared_address(context, builder, dst_t, dst_a, di_t, di_v)
             src_ary = context.make_array(src_t)(context, builder, value=src_a)
             si = context.cast(builder, si_v, si_t, types.intp)
             src_ptr = cgutils.get_item_pointer(context, builder, src_t, src_ary, [si], wraparound=False)
@@ -159,11 +162,8 @@ else:
 
         def codegen(context, builder, sig, args):
             smem_t, i_t = sig.args
-            ary = context.make_array(smem_t)(context, builder, value=args[0])
-            shared = builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3))
-            index = context.cast(builder, args[1], i_t, types.intp)
+            addr = _shared_address(context, builder, smem_t, args[0], i_t, args[1])
             i32 = ir.IntType(32)
-            addr = builder.ptrtoint(builder.gep(shared, [index], inbounds=True), i32)
             fnty = ir.FunctionType(i32, [i32])
             asm = ir.InlineAsm(fnty, "ld.volatile.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
             return builder.call(asm, [addr])
