@@ -154,8 +154,12 @@ def bench_hf(model, vocab: int) -> dict:
 
 def device_used_bytes() -> int:
     from cuda.bindings import driver as drv
+    from numba import cuda
 
+    cuda.current_context()  # cuMemGetInfo needs a current context; torch's device queries do not make one
     err, free, total = drv.cuMemGetInfo()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemGetInfo: {err}")
     return total - free
 
 

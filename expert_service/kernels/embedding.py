@@ -6,8 +6,10 @@ was collected takes its decodes' input tokens straight from that step's argmax o
 [0, V) (the argmax of a row that was not finite) reads row 0: the step ahead reports that sequence as failed and
 its output of this step is dropped, but the read stays in bounds.
 
-One block per token, threads striding over D: each token's table row is one contiguous run, so the reads
-of W and the writes of out are coalesced; the op is pure bandwidth (T*D elements).
+Grid (T, Y): the Y blocks of a token stride together over D (`numeric.blocks_per_row`: Y = 1 for large steps,
+up to one element a thread for a decode token, whose row was otherwise one block's chain of 32 dependent
+round trips, ~7 us on the H200). Each token's table row is one contiguous run, so the reads of W and the
+writes of out are coalesced; the op is pure bandwidth (T*D elements).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import widener
+from expert_service.kernels.numeric import blocks_per_row, widener
 
 THREADS = 128   # 4 warps; D=4096 -> 32 elements per thread
 
@@ -28,15 +30,16 @@ def _build(weight_dtype):
 
     def embedding_kernel(ids, table, out):
         """ids: [T] int32 token ids (0 <= id < V). table: [V, D] W. out: [T, D] float32.
-        Grid (T,), block (THREADS,)."""
+        Grid (T, Y), block (THREADS,): the Y blocks of a token stride together over D."""
         t = cuda.blockIdx.x
         row = ids[t]
-        for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        first, step = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, cuda.gridDim.y * cuda.blockDim.x
+        for d in range(first, out.shape[1], step):
             out[t, d] = widen(table[row, d])
 
     def embedding_fed_kernel(ids, feed, fed, table, out):
         """ids, feed: [T] int32; fed: [R] int32 (rows feed points at); table: [V, D] W; out: [T, D] float32.
-        Grid (T,), block (THREADS,)."""
+        Grid (T, Y), block (THREADS,): the Y blocks of a token stride together over D."""
         t = cuda.blockIdx.x
         row = ids[t]
         source = feed[t]
@@ -44,7 +47,8 @@ def _build(weight_dtype):
             row = fed[source]
             if row < 0 or row >= table.shape[0]:
                 row = 0
-        for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        first, step = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, cuda.gridDim.y * cuda.blockDim.x
+        for d in range(first, out.shape[1], step):
             out[t, d] = widen(table[row, d])
 
     return embedding_kernel, cached_jit(embedding_kernel), embedding_fed_kernel, cached_jit(embedding_fed_kernel)
@@ -67,10 +71,11 @@ def launch_embedding(ids, table, out, stream=0, threads=THREADS, feed=None, fed=
     if ids.shape[0] == 0:
         return
     kernels = _build(np.dtype(table.dtype))
+    grid = (ids.shape[0], blocks_per_row(ids.shape[0], table.shape[1], threads))
     if feed is None:
-        kernels[1][ids.shape[0], threads, stream](ids, table, out)
+        kernels[1][grid, threads, stream](ids, table, out)
     else:
-        kernels[3][ids.shape[0], threads, stream](ids, feed, fed, table, out)
+        kernels[3][grid, threads, stream](ids, feed, fed, table, out)
 
 
 def sm90_signatures():

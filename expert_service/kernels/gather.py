@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import storer
+from expert_service.kernels.numeric import blocks_per_row, storer
 
 THREADS = 128
 DST_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
@@ -24,12 +24,13 @@ def _build(dst_dtype):
     store = storer(dst_dtype)
 
     def gather_rows_kernel(src, index, divisor, dst):
-        """src [R, D] f32, index [n] int32, divisor int32, dst [n * D] flat, of dst_dtype. Grid (n,),
-        block (THREADS,)."""
+        """src [R, D] f32, index [n] int32, divisor int32, dst [n * D] flat, of dst_dtype. Grid (n, Y),
+        block (THREADS,): the Y blocks of a row stride together over D (numeric.blocks_per_row)."""
         p = cuda.blockIdx.x
         row = index[p] // divisor
         width = src.shape[1]
-        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+        first, step = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, cuda.gridDim.y * cuda.blockDim.x
+        for d in range(first, width, step):
             store(dst, p * width + d, src[row, d])
 
     return gather_rows_kernel, cached_jit(gather_rows_kernel)
@@ -41,9 +42,10 @@ def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
     assert src.ndim == 2 and dst.shape == (index.shape[0], src.shape[1]), (src.shape, index.shape, dst.shape)
     assert src.dtype == np.float32 and np.dtype(dst.dtype) in DST_DTYPES, (src.dtype, dst.dtype)
     assert index.dtype == np.int32 and divisor >= 1 and dst.flags["C_CONTIGUOUS"]
-    if index.shape[0]:
-        _build(np.dtype(dst.dtype))[1][index.shape[0], THREADS, stream](src, index, np.int32(divisor),
-                                                                         dst.reshape(-1))
+    n = index.shape[0]
+    if n:
+        grid = (n, blocks_per_row(n, src.shape[1], THREADS))
+        _build(np.dtype(dst.dtype))[1][grid, THREADS, stream](src, index, np.int32(divisor), dst.reshape(-1))
 
 
 def sm90_signatures():

@@ -9,7 +9,7 @@ decoder ran `moe_combine` (or `moe_combine_dense`) and then `rmsnorm` (numpy ref
 This is `rmsnorm.add_rmsnorm` (residual add, then the norm of the updated row) with the delta computed on the fly
 from the expert outputs: every residual add of the decoder is already fused into the op that produces it (GEMV /
 cuBLAS accumulate, `moe_combine`), so the add + norm fusion that removes a launch is the combine's, not a
-separate delta buffer. The two kernels it replaces are one block per token striding over D; so is this one.
+separate delta buffer. One block per token, thread j holding elements j, j + threads, ... as rmsnorm's block kernel.
 Bitwise the same as the unfused pair: each h element sums its K terms in slot order as `moe_combine[_dense]`
 does, and the sum of squares runs over the same `rmsnorm.THREADS`-thread partition and block reduction as
 `rmsnorm`, so graph replay, eager steps and the unfused path agree bit for bit.
@@ -24,11 +24,11 @@ from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import block_sum, widener
-from expert_service.kernels.rmsnorm import THREADS  # the same partition as rmsnorm: bitwise-equal norms
+from expert_service.kernels.rmsnorm import THREADS, per_thread  # rmsnorm's partition: bitwise-equal norms
 
 
 @functools.cache
-def _build(weight_dtype, dense: bool, top_k: int):
+def _build(weight_dtype, dense: bool, top_k: int, per_thread: int):
     widen = widener(weight_dtype)
 
     @cuda.jit(device=True, inline=True)
@@ -52,9 +52,10 @@ def _build(weight_dtype, dense: bool, top_k: int):
     def moe_combine_rmsnorm_kernel(y, index, weights, h, norm_weight, eps, out):
         """y: [T*K, D] float32 (grouped) or [E, T, D] float32 (dense). index: position [T*K] int32 (grouped) or
         ids [T, K] int32 (dense). weights: [T, K] float32. h: [T, D] float32 residual, updated in place.
-        norm_weight: [D] W. eps: float32. out: [T, D] float32 = rmsnorm(updated h). Grid (T,), block (THREADS,).
-        K = top_k is a compile-time constant: the token's rows and weights sit in registers and the K loads of
-        an element issue together (a runtime K kept them one dependent round trip each)."""
+        norm_weight: [D] W. eps: float32. out: [T, D] float32 = rmsnorm(updated h). Grid (T,), block (threads,)
+        with D <= per_thread * threads. K and per_thread are compile-time constants: the token's rows and
+        weights sit in registers, and a thread's K x per_thread loads of y (with its h and norm weights) issue
+        before the first store (a runtime count kept them one dependent round trip each)."""
         t = cuda.blockIdx.x
         width = h.shape[1]
         rows = cuda.local.array(top_k, np.int32)
@@ -62,17 +63,30 @@ def _build(weight_dtype, dense: bool, top_k: int):
         for k in range(top_k):
             rows[k] = row_of(index, t, k)
             w[k] = weights[t, k]
+        v = cuda.local.array(per_thread, np.float32)
+        nw = cuda.local.array(per_thread, np.float32)
+        for j in range(per_thread):
+            d = cuda.threadIdx.x + j * cuda.blockDim.x
+            if d < width:
+                acc = np.float32(0.0)
+                for k in range(top_k):
+                    acc += w[k] * value(y, rows[k], t, d)
+                v[j] = h[t, d] + acc
+                nw[j] = widen(norm_weight[d])
+            else:
+                v[j] = np.float32(0.0)
+                nw[j] = np.float32(0.0)
         ss = np.float32(0.0)
-        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-            acc = np.float32(0.0)
-            for k in range(top_k):
-                acc += w[k] * value(y, rows[k], t, d)
-            v = h[t, d] + acc
-            h[t, d] = v
-            ss += v * v
+        for j in range(per_thread):   # element order, as rmsnorm's block kernel
+            d = cuda.threadIdx.x + j * cuda.blockDim.x
+            if d < width:
+                h[t, d] = v[j]
+            ss += v[j] * v[j]
         denom = math.sqrt(block_sum(ss) / np.float32(width) + eps)
-        for d in range(cuda.threadIdx.x, width, cuda.blockDim.x):   # this thread wrote h[t, d]: no sync
-            out[t, d] = (h[t, d] / denom) * widen(norm_weight[d])
+        for j in range(per_thread):
+            d = cuda.threadIdx.x + j * cuda.blockDim.x
+            if d < width:
+                out[t, d] = (v[j] / denom) * nw[j]
 
     return moe_combine_rmsnorm_kernel, cached_jit(moe_combine_rmsnorm_kernel)
 
@@ -98,7 +112,7 @@ def launch_moe_combine_rmsnorm(y, index, weights, h, norm_weight, eps, out, dens
         assert a.flags["C_CONTIGUOUS"], "moe_combine_rmsnorm needs contiguous arrays"
     if num_tokens == 0:
         return
-    kernel = _build(np.dtype(norm_weight.dtype), bool(dense), int(top_k))[1]
+    kernel = _build(np.dtype(norm_weight.dtype), bool(dense), int(top_k), per_thread(width, threads))[1]
     kernel[num_tokens, threads, stream](y, index, weights, h, norm_weight, np.float32(eps), out)
 
 
@@ -107,8 +121,9 @@ def sm90_signatures():
     f2, f3 = types.float32[:, ::1], types.float32[:, :, ::1]
     out = []
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        for k in (2, 4, 8):      # mixtral's, qwen2-moe's and qwen3's top-k
-            out.append((_build(np.dtype(dt), False, k)[0], (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
-            out.append((_build(np.dtype(dt), True, k)[0],
+        for k, per in ((2, 16), (4, 8), (8, 8)):   # mixtral's, qwen2-moe's and qwen3's top-k and hidden sizes
+            out.append((_build(np.dtype(dt), False, k, per)[0],
+                        (f2, types.int32[::1], f2, f2, nb[::1], types.float32, f2)))
+            out.append((_build(np.dtype(dt), True, k, per)[0],
                         (f3, types.int32[:, ::1], f2, f2, nb[::1], types.float32, f2)))
     return out

@@ -6,7 +6,8 @@ from expert_service.kernels.gather import launch_gather_rows
 from tests.helpers import STORAGE_DTYPES, awkward_floats, bf16_bits
 
 
-@pytest.mark.parametrize("rows,width,n,divisor", [(5, 7, 9, 2), (1, 33, 1, 1), (6, 3, 6, 1)])
+# (2, 300, 3, 1): rows wider than a block, so a small step spreads each row over several blocks
+@pytest.mark.parametrize("rows,width,n,divisor", [(5, 7, 9, 2), (1, 33, 1, 1), (6, 3, 6, 1), (2, 300, 3, 1)])
 def test_gather_rows_matches_numpy(rows, width, n, divisor):
     rng = np.random.default_rng(rows * 10 + n)
     src = rng.standard_normal((rows, width)).astype(np.float32)
