@@ -14,6 +14,7 @@ scales (the checkpoints' usual forms); weights are random bytes (bench/q8_kernel
 
     python bench/q8mma_kernels.py --out out/q8mma.json [--shapes mixtral-shape,qwen3moe-shape] [--dtypes int8,fp8]
                                   [--tokens 16,512] [--previous old_moe_gemm_q8mma.py]
+                                  [--configs m16,m16s4=1/4/1/4/128/4]
 
 `--shapes tiny --tokens 4 --iters 1` runs under NUMBA_ENABLE_CUDASIM=1 (the simulator's own small config only).
 """
@@ -32,11 +33,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.q8_kernels import HBM_BYTES_PER_S, SHAPES, random_layer, timed  # noqa: E402
 
 
-def configs(module) -> dict:
-    """The module's named configs; under the simulator its small one (the named ones run for minutes there)."""
+def configs(module, spec: str | None = None) -> dict:
+    """The configs to time: the module's named ones (under the simulator its small one: the named ones run for
+    minutes there), or `spec`: comma-separated names of the module's configs and new shapes written
+    NAME=WM/WN/MT/NT/BK/STAGES (e.g. m16s4=1/4/1/4/128/4), to try a tile before it becomes a named one."""
+    from expert_service.kernels.moe_gemm_mma import Config
     from expert_service.kernels.numeric import SIMULATOR
 
-    return {"sim": module.SIM_CONFIG} if SIMULATOR else dict(module.CONFIGS)
+    named = {"sim": module.SIM_CONFIG} if SIMULATOR else dict(module.CONFIGS)
+    if not spec:
+        return named
+    out = {}
+    for item in spec.split(","):
+        name, _, shape = item.partition("=")
+        if not shape:
+            if name not in named:
+                raise SystemExit(f"--configs: unknown config {name!r} (named: {', '.join(named)})")
+            out[name] = named[name]
+            continue
+        try:
+            wm, wn, mt, nt, bk, stages = (int(v) for v in shape.split("/"))
+        except ValueError:
+            raise SystemExit(f"--configs: {item!r} is not NAME=WM/WN/MT/NT/BK/STAGES") from None
+        out[name] = Config(wm, wn, mt, nt, bk=bk, stages=stages)
+    return out
 
 
 class Layer:
@@ -74,7 +94,7 @@ def time_config(module, layer: Layer, W, meta, F: int, D: int, cfg, iters: int, 
     return gate_up, down
 
 
-def bench_case(shape: str, dtype: str, T: int, modules: dict, iters: int, rng) -> list[dict]:
+def bench_case(shape: str, dtype: str, T: int, modules: dict, iters: int, rng, spec: str | None = None) -> list[dict]:
     from numba import cuda
 
     from expert_service.kernels import expert_quant as q
@@ -93,7 +113,7 @@ def bench_case(shape: str, dtype: str, T: int, modules: dict, iters: int, rng) -
     current = modules["current"]
     chosen = current.choose_config(T * K, E)
     rows = []
-    for name, cfg in configs(current).items():
+    for name, cfg in configs(current, spec).items():
         layer = Layer(ids, x, E, F, D, cfg.block_m)
         row: dict = {"shape": shape, "dtype": dtype, "tokens": T, "config": name, "chosen": cfg == chosen}
         outputs = {}
@@ -132,6 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="16,512", help="tokens of the step (each routed to K experts)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--previous", help="an earlier moe_gemm_q8mma.py, timed on the same buffers")
+    parser.add_argument("--configs", help="names and NAME=WM/WN/MT/NT/BK/STAGES shapes (default: the named ones)")
     args = parser.parse_args(argv)
 
     from numba import cuda
@@ -148,7 +169,7 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
             for T in (int(t) for t in args.tokens.split(",")):
-                cases += bench_case(shape, dtype, T, modules, args.iters, rng)
+                cases += bench_case(shape, dtype, T, modules, args.iters, rng, args.configs)
     device = "simulator" if SIMULATOR else cuda.get_current_device().name
     out = {"benchmark": "q8mma-kernels", "device": str(device), "hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": cases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
