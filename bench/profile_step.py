@@ -29,7 +29,8 @@ expert cache at N slots per MoE layer (`--prefetch` none by default; with plan, 
 routing plan, as lut's, so the plan prefetch runs: at chance on random routing, but at its full cost a step).
 `--host-profile` also records where the
 host's time goes in each scenario: Python's cProfile over the same steps, the top functions by own time and the
-calls a step (large steps wait on the host's launches: wall well above device busy).
+calls a step (large steps wait on the host's launches: wall well above device busy); `--host-timeline` marks, in
+wall-clock order and without cProfile's overhead, the host's parts of one step (bench/host_timeline.py).
 
     python bench/profile_step.py --out out/ [--shapes mixtral-shape] [--variants fused,unfused,lut]
                                  [--scenarios prefill_1x512,decode_1,decode_16,decode_64] [--top 12]
@@ -151,9 +152,21 @@ def host_profile(fn, repeats: int, top: int, sync) -> dict:
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    cumulative = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+
+    def name(key) -> str:
+        f, line, fn = key
+        return f"{Path(f).name}:{line}({fn})"
+
     return {
         "calls_per_step": sum(v[1] for v in stats.values()) / repeats,
-        "top_own_time": {f"{Path(f).name}:{line}({name})": v[2] / repeats * 1e6 for (f, line, name), v in ranked},
+        "top_own_time": {name(k): v[2] / repeats * 1e6 for k, v in ranked},
+        "top_cumulative": {name(k): v[3] / repeats * 1e6 for k, v in cumulative},
+        # where the three costliest functions are called from: caller -> (calls, own us) a step
+        "callers": {
+            name(k): {name(c): (cv[1] / repeats, cv[2] / repeats * 1e6) for c, cv in v[4].items()}
+            for k, v in ranked[:3]
+        },
     }
 
 
@@ -189,9 +202,20 @@ class Scenarios:
     """Runs one shape's scenarios on an engine; decode sequences are prefilled once per batch size and shared
     by the variants that use this engine (their contexts grow by the steps each variant runs)."""
 
-    def __init__(self, engine, vocab: int, lut: bool, seed: int = 0, host_top: int = 0, planned: bool = False):
-        """lut: a routing=lut engine; planned: steps carry a routing plan anyway (the cache's plan prefetch)."""
+    def __init__(
+        self,
+        engine,
+        vocab: int,
+        lut: bool,
+        seed: int = 0,
+        host_top: int = 0,
+        planned: bool = False,
+        timeline: bool = False,
+    ):
+        """lut: a routing=lut engine; planned: steps carry a routing plan anyway (the cache's plan prefetch);
+        timeline: also mark where each scenario's host time goes (bench/host_timeline.py)."""
         self.engine, self.vocab, self.planned, self.host_top = engine, vocab, lut or planned, host_top
+        self.timeline = timeline
         self.rng = np.random.default_rng(seed)
         mc = engine.model_config
         self.layers, self.E, self.K = mc.moe_layers, mc.num_experts, mc.num_experts_per_tok
@@ -268,6 +292,12 @@ class Scenarios:
             import torch
 
             entry["host"] = host_profile(fn, PROFILED_STEPS[kind], self.host_top, torch.cuda.synchronize)
+        if self.timeline:
+            import torch
+
+            from bench.host_timeline import host_timeline
+
+            entry["host_timeline"] = host_timeline(fn, torch.cuda.synchronize)
         if kind == "prefill_after":
             engine.release(ids)
         return entry
@@ -307,7 +337,12 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
             )
             planned = bool(args.cache_slots) and "plan" in args.prefetch
             runner = Scenarios(
-                engine, params["vocab_size"], lut, host_top=top if args.host_profile else 0, planned=planned
+                engine,
+                params["vocab_size"],
+                lut,
+                host_top=top if args.host_profile else 0,
+                planned=planned,
+                timeline=args.host_timeline,
             )
             try:
                 for scenario in scenarios:  # variants inner: same sequences, adjacent in time
@@ -348,6 +383,17 @@ def _print(shape: str, variant: str, scenario: str, entry: dict, top: int) -> No
         print(f"  host: {entry['host']['calls_per_step']:.0f} Python calls a step; own time a step:")
         for k, us in entry["host"]["top_own_time"].items():
             print(f"  {us:9.1f} us  {k}")
+        print("  host: cumulative time a step:")
+        for k, us in entry["host"]["top_cumulative"].items():
+            print(f"  {us:9.1f} us  {k}")
+        for k, callers in entry["host"]["callers"].items():
+            print(
+                f"  called into {k} from: " + "; ".join(f"{c} {n:.0f}x {us:.0f} us" for c, (n, us) in callers.items())
+            )
+    if "host_timeline" in entry:
+        print("  host timeline of one step (us from its start):")
+        for label, us in entry["host_timeline"]:
+            print(f"  {us:9.0f} us  {label}")
     sys.stdout.flush()
 
 
@@ -363,6 +409,9 @@ def main() -> int:
     parser.add_argument("--cache-slots", type=int, default=0, help="expert cache slots per MoE layer (0: resident)")
     parser.add_argument("--prefetch", default="none", help="the expert cache's prefetch (with --cache-slots)")
     parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of each scenario")
+    parser.add_argument(
+        "--host-timeline", action="store_true", help="also mark where one step's host time goes (host_timeline.py)"
+    )
     args = parser.parse_args()
     if args.cache_slots < 0:
         parser.error(f"--cache-slots: must be >= 0, got {args.cache_slots}")

@@ -4,7 +4,10 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
   decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
               launch_expert_gate_up/down on the same experts in bf16;
   decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
-  dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old.
+  dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old;
+  --q8-shapes NAME=W/RG/RD/U/WPS[/P],...: moe_q8's b=1 launch under other launch shapes (warps a block, gate rows
+              a warp, down rows a warp, chunks in flight a lane, warps an SM, pipelined loads: moe_q8.LaunchShape) beside the
+              default's, outputs compared bitwise (a lane's chunks and their order do not depend on the shape).
 
 Per kernel: GPU microseconds per launch (--iters launches captured in one CUDA graph, replayed between two
 events; b=1 launches cycle through disjoint expert sets so L2 does not serve them), the bytes it must move (decode:
@@ -83,7 +86,22 @@ def max_rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
+def parse_q8_shapes(text: str) -> dict:
+    """'NAME=W/RG/RD/U/WPS[/P],...' -> {name: moe_q8.LaunchShape} (P: 1 = pipelined loads)."""
+    from expert_service.kernels.moe_q8 import LaunchShape
+
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, spec = item.partition("=")
+        fields = spec.split("/")
+        ok = len(fields) in (5, 6) and all(f.isdigit() for f in fields)
+        if not name or not ok or not all(int(f) > 0 for f in fields[:5]) or int((fields + ["0"])[5]) > 1:
+            raise ValueError(f"--q8-shapes: {item!r} is not NAME=W/RG/RD/U/WPS[/P] (positive integers, P 0 or 1)")
+        out[name] = LaunchShape(*map(int, fields))
+    return out
+
+
+def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: dict | None = None) -> dict:
     from numba import cuda
 
     from bench import q8_before as old
@@ -153,6 +171,11 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
             old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
 
         res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert)
+        if q8_shapes:
+            res["launch_shapes"] = launch_shapes(
+                q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert
+            )
+            res["launch_shapes"]["default"] = res["new_b1"]
         res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, stream), K * per_expert)
         res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
         tb = active_t * per_expert
@@ -194,6 +217,36 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int) -> dict:
     return out
 
 
+def launch_shapes(shapes: dict, name: str, x, W, dmeta, kinds, sets, h, y, iters: int, stream, per_expert: int) -> dict:
+    """moe_q8's b=1 gate/up + down under each launch shape: time, bytes, and whether h and y equal the default
+    shape's bit for bit (h and y hold the default launch's last outputs)."""
+    from numba import cuda
+
+    from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+
+    F, D = h.shape[1], x.shape[1]
+    K = sets[0].size
+    want_h, want_y = h.copy_to_host(), y.copy_to_host()
+    h2, y2 = cuda.device_array_like(h), cuda.device_array_like(y)
+    out = {}
+    for label, launch_shape in shapes.items():
+
+        def run(i, s=launch_shape):
+            ids = sets[i % len(sets)]
+            launch_q8_gate_up(x, W, dmeta, F, D, h2, ids=ids, stream=stream, kinds=kinds, shape=s)
+            launch_q8_down(h2, W, dmeta, F, D, y2, ids=ids, stream=stream, kinds=kinds, shape=s)
+
+        us = timed(run, iters, stream)
+        run(iters - 1)  # the default's last set, so the outputs compare
+        stream.synchronize()
+        out[label] = row(f"{name} moe_q8 {label} {'/'.join(map(str, launch_shape))}", us, K * per_expert)
+        out[label]["shape"] = list(launch_shape)
+        out[label]["equal"] = bool(
+            np.array_equal(h2.copy_to_host(), want_h) and np.array_equal(y2.copy_to_host(), want_y)
+        )
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/q8_kernels.json")
@@ -201,13 +254,20 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
+    parser.add_argument(
+        "--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS[/P],... moe_q8 b=1 launch shapes to compare"
+    )
     args = parser.parse_args(argv)
+    try:
+        q8_shapes = parse_q8_shapes(args.q8_shapes)
+    except ValueError as exc:
+        parser.error(str(exc))
     shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
     if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
         parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
     result = {
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens) for s in shapes},
+        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens, q8_shapes) for s in shapes},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -8,8 +8,10 @@ prefill chunks mixed with decodes) are padded to a token bucket (`prefill_bucket
 powers of two) and replay a graph of the layers captured per bucket (`moe.CAPTURABLE`; with the expert cache
 too: its slot map and copies are decided on the device). Where a MoE block needs the host mid-pass (per-expert
 cuBLAS GEMMs sized by the step's expert offsets, resident or cached) the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
-padding tokens form one extra sequence that writes no KV and attends to nothing, and the LM head runs eagerly
-on the real rows while the graph executes. Everything else runs eagerly. Two steps may be in flight: each
+padding tokens form one extra sequence that writes no KV and attends to nothing. The LM head of such a step
+replays a graph of its own, per bucket of logits rows (GRAPH_BUCKETS; padded rows repeat a real token's hidden
+state and are never read): run eagerly, its half-dozen launches cost more host time than the head's device time.
+Everything else runs eagerly. Two steps may be in flight: each
 stages into its own host copy of the metadata and results (double buffers, workspace.HOST_TWINS). With
 routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids) and the MoE
 layers route from it (cuda/moe.py).
@@ -133,6 +135,7 @@ class CudaDecoder:
         self.host_breaks = HostBreaks(self.stream)  # where a captured pass hands over to the host
         self.graphs = GraphCache(self.stream, self.host_breaks)  # decode steps, by batch-size bucket
         self.prefill_graphs = GraphCache(self.stream, self.host_breaks)  # the layers of other steps, by token bucket
+        self.head_graphs = GraphCache(self.stream, self.host_breaks)  # their LM heads, by logits-row bucket
         self.staged_steps = 0  # every staged step overwrites ws.logits (DeviceLogits checks it)
         self._twin = 0  # the host copy of metadata and results the latest launched step uses
         self._done = [Event() for _ in range(HOST_TWINS)]  # each copy's step: its readback has landed
@@ -212,6 +215,11 @@ class CudaDecoder:
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warmup_step(T, span, logits=False)
+        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs and buckets):
+            for _ in range(2):  # the padded steps' LM heads, on the hidden state the warm-up left
+                self._stage(self._padding(), 1, 1, rows)
+                self._head(rows)
+                self.stream.synchronize()
         if not self.engine_config.cuda_graphs:  # eager decode: one padded sequence loads launch_attention_decode
             self._stage(self._padding(), 1, 1, 1)
             self._run(1, 1, 1, decode=True)
@@ -328,9 +336,10 @@ class CudaDecoder:
             self._stage(batch, bucket, bucket, bucket)
             self._replay(self.graphs, bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
         elif tokens is not None:
-            self._prefill_layers(batch, tokens, R)
+            rows = self._head_rows(R)
+            self._prefill_layers(batch, tokens, rows)
             if R:  # a prompt chunk that is not its prompt's last samples nothing
-                self.model.head(tokens, R)
+                self._head(rows)
         else:
             self._stage(batch, T, S, R)
             self._run(T, S, R, decode=decode_only)
@@ -431,6 +440,20 @@ class CudaDecoder:
             return None
         tokens = next(b for b in self.prefill_buckets if b >= T)
         return tokens if self._prefill_capturable(tokens) else None
+
+    def _head_rows(self, R: int) -> int:
+        """The logits rows a padded step's LM head computes: R up to its graph bucket (staging repeats real rows
+        in the padded ones, never read; eager steps pad too, so they compute what replays do), or R itself past
+        the buckets."""
+        return next((b for b in GRAPH_BUCKETS if R <= b <= self.max_seqs), R) if R else 0
+
+    def _head(self, rows: int) -> None:
+        """A padded step's LM head on `rows` staged logits rows (any hidden row: the whole buffer's view), its
+        bucket's graph (more rows than the buckets: eagerly)."""
+        if rows in GRAPH_BUCKETS:
+            self._replay(self.head_graphs, rows, lambda: self.model.head(self.max_tokens, rows))
+        else:
+            self.model.head(self.max_tokens, rows)
 
     def _decode_bucket(self, S: int) -> int | None:
         """The batch bucket a decode step of S sequences is padded to (and replays), or None (unpadded, eager)."""
@@ -541,6 +564,7 @@ class CudaDecoder:
         self.stream.synchronize()
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.head_graphs.clear()
 
     def close(self) -> None:
         self.drop_graphs()

@@ -270,6 +270,8 @@ class DeviceMoe:
         # host_break(resume): the decoder's HostBreaks (a captured pass splits there); eagerly, resume()
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.dequant_pipeline: DequantPipeline | None = None  # made at the first 8-bit CUBLAS_PER_EXPERT step
+        # SiluMulHalves on the per-expert buffers, made at the first per-expert cuBLAS step
+        self._swiglu_first_rows: elementwise.SiluMulHalves | None = None
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         self.quantized = weights.quantized
@@ -514,7 +516,7 @@ class DeviceMoe:
             dtype,
             out_dtype=gu.dtype,
         )
-        elementwise.launch_silu_mul_halves(gu[r0:r1], ws.expert_h[r0:r1], stream=self.stream)
+        self._swiglu_rows(r0, r1)
         blas.linear_each(
             gate + 2 * F * D * item,
             device_address(ws.expert_h) + lo * F * item,
@@ -524,6 +526,18 @@ class DeviceMoe:
             F,
             dtype,
         )
+
+    def _swiglu_rows(self, r0: int, r1: int) -> None:
+        """SwiGLU of the per-expert rows [r0, r1): from the first row (every bf16 step, the first 8-bit group) one
+        launch on views made once, else on slices (the host break is on the step's critical path: each device
+        array view made costs tens of microseconds there)."""
+        ws = self.ws
+        if r0 == 0:
+            if self._swiglu_first_rows is None:
+                self._swiglu_first_rows = elementwise.SiluMulHalves(ws.expert_gate_up, ws.expert_h)
+            self._swiglu_first_rows(r1, self.stream)
+        else:
+            elementwise.launch_silu_mul_halves(ws.expert_gate_up[r0:r1], ws.expert_h[r0:r1], stream=self.stream)
 
     def warm_cublas_shapes(self, max_tokens: int) -> None:
         """Runs the per-expert GEMM shapes of every rounded row count an expert can have in a step of up to

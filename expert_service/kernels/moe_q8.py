@@ -31,6 +31,7 @@ chunk's partial sum (a 16-byte chunk never straddles a block). Sums are float32,
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, types
@@ -80,10 +81,26 @@ BLOCK_SHIFT = SCALE_BLOCK_SIZE.bit_length() - 1  # log2 of the 128-value scale b
 assert 1 << BLOCK_SHIFT == SCALE_BLOCK_SIZE
 
 
+class LaunchShape(NamedTuple):
+    """How a launch spreads its rows: warps a block, gate rows (and as many up rows) a warp, down rows a warp,
+    16-byte chunks a row in flight a lane (one-token launches; token tiles take 1), and the warps an SM is
+    compiled to hold (launch bounds: registers = 65536 / (32 x warps_per_sm))."""
+
+    warps: int
+    rows_gated: int
+    rows_down: int
+    unroll: int
+    warps_per_sm: int
+
+    def rows(self, gated: bool) -> int:
+        return self.rows_gated if gated else self.rows_down
+
+
+DECODE_SHAPE = LaunchShape(WARPS, ROWS_GATED, ROWS_DOWN, UNROLL, WARPS * DECODE_BLOCKS_PER_SM)
+
+
 def rows_per_warp(gated: bool) -> int:
-    return ROWS_GATED if gated else ROWS_DOWN
-
-
+    return DECODE_SHAPE.rows(gated)
 
 
 def _quad_decoder(code: int):
@@ -134,24 +151,26 @@ def _quad_decoder(code: int):
 
 
 @functools.cache
-def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
+def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape):
     """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
-    gate/up (gated) or down, `tokens` per pass (the kernel's arguments, plus the expert e, its block and its
-    positions [start, end))."""
-    rows = rows_per_warp(gated)
+    gate/up (gated) or down, `tokens` per pass, rows spread as `shape` says (the kernel's arguments, plus the
+    expert e, its block and its positions [start, end))."""
+    rows = shape.rows(gated)
+    warps = shape.warps
     nw = 2 * rows if gated else rows  # weight rows one warp streams
     quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
     vals = 4 * quads  # values per chunk
     nb = element_bytes(code)
-    unroll = UNROLL if tokens == 1 else 1  # a token tile reuses each load `tokens` times: registers go to x and sums
+    # a token tile reuses each load `tokens` times: registers go to x and sums
+    unroll = shape.unroll if tokens == 1 else 1
     n_raw = nw * unroll
     quad = _quad_decoder(code)
 
     @cuda.jit(device=True, inline=True)
-    def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):
-        """Chunks c0 + 32u (u < unroll) of the warp's nw rows times `tokens` x rows into acc [nw, tokens]. Every
-        weight load (and block scale) is issued before the first FMA; checked (constant at each call site):
-        chunks at or past `end` count as zeros, only in the last partial step."""
+    def fetch(words, scales, roff, sidx, c0, end, checked, raw, factor):
+        """Issues the loads of chunks c0 + 32u (u < unroll) of the warp's nw rows (and their block scales) into
+        raw / factor, all before compute's first FMA; checked (constant at each call site): chunks at or past
+        `end` count as zeros, only in the last partial step."""
         for u in range(unroll):
             c = c0 + u * WARP
             for i in range(nw):
@@ -166,6 +185,10 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
                     for j in range(WORDS):
                         raw[k, j] = np.uint32(0)
                     factor[k] = np.float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def compute(src, xrow, n_in, c0, end, checked, raw, factor, xq, part, acc):
+        """The fetched chunks times `tokens` x rows into acc [nw, tokens]."""
         for u in range(unroll):
             c = c0 + u * WARP
             ok = not checked or c < end
@@ -201,7 +224,7 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
         acc = cuda.local.array((nw, tokens), np.float32)
         xrow = cuda.local.array(tokens, np.int64)
         n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
-        row0 = (cuda.blockIdx.y * WARPS + warp) * rows
+        row0 = (cuda.blockIdx.y * warps + warp) * rows
         for i in range(nw):
             m = (0 if i < rows else 1) if gated else 2  # gate, up, down
             row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
@@ -222,10 +245,12 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int):
                 for i in range(nw):
                     acc[i, t] = np.float32(0.0)
             for c0 in range(lane, full, step):
-                chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, n_chunks, False, raw, factor, xq, part, acc)
+                fetch(words, scales, roff, sidx, c0, n_chunks, False, raw, factor)
+                compute(src, xrow, n_in, c0, n_chunks, False, raw, factor, xq, part, acc)
             if full < n_chunks:
                 last = full + lane
-                chunk_step(src, xrow, n_in, words, scales, roff, sidx, last, n_chunks, True, raw, factor, xq, part, acc)
+                fetch(words, scales, roff, sidx, last, n_chunks, True, raw, factor)
+                compute(src, xrow, n_in, last, n_chunks, True, raw, factor, xq, part, acc)
             for i in range(nw):
                 for t in range(tokens):
                     acc[i, t] = warp_sum(acc[i, t])
@@ -254,12 +279,12 @@ def _absent(e, block, start, end, src, order, by_slot, words, scales, meta, stri
 
 
 @functools.cache
-def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int):
+def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int, shape: LaunchShape = DECODE_SHAPE):
     """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
-    (gated) or down, `tokens` per pass."""
+    (gated) or down, `tokens` per pass, rows spread as `shape` says."""
     # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
     # (a branch on values uniform over the block; registers are the largest body's)
-    bodies = [_expert_body(*k, gated, tokens) if k in kinds else _absent for k in ALL_KINDS]
+    bodies = [_expert_body(*k, gated, tokens, shape) if k in kinds else _absent for k in ALL_KINDS]
     body0, body1, body2, body3, body4, body5, body6 = bodies
     (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
@@ -273,7 +298,7 @@ def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int):
         matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
         block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
         untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row
-        blocks), WARPS * 32 threads."""
+        blocks), shape.warps * 32 threads."""
         s_id = cuda.blockIdx.x
         if by_slot != 0:
             e = ids[s_id]
@@ -304,7 +329,7 @@ def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int):
         elif code == c6 and scheme == s6:
             body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
 
-    return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens))
+    return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
 
 def _check(name, a, shape, dtype):
@@ -335,12 +360,12 @@ def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tup
     return wanted
 
 
-def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds):
+def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds, shape):
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     flat = experts.reshape(experts.size)
     dummy = meta.reshape(meta.size)[:1]
-    grid = (slots, -(-n_rows // (WARPS * rows_per_warp(gated))))
+    grid = (slots, -(-n_rows // (shape.warps * shape.rows(gated))))
     args = (
         src.reshape(src.size),
         order if order is not None else dummy,
@@ -358,11 +383,23 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         int(slot_of is not None),
         out,
     )
-    _kernel(kinds, gated, 1 if by_slot else TOK_TILE)[1][grid, WARPS * WARP, stream](*args)
+    _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape)[1][grid, shape.warps * WARP, stream](*args)
 
 
 def launch_q8_gate_up(
-    x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None, kinds=None
+    x,
+    experts,
+    meta,
+    F: int,
+    D: int,
+    h,
+    ids=None,
+    order=None,
+    offsets=None,
+    stream=0,
+    slot_of=None,
+    kinds=None,
+    shape: LaunchShape = DECODE_SHAPE,
 ) -> None:
     """x [T, D] float32; experts uint8 [E, stride] (the layer's blocks); meta [E, META_WIDTH] int32 (device);
     h [n, F] float32. By slot: ids [1, K] int32 (T == 1, n == K). Grouped: order [n] int32 and offsets [E+1]
@@ -371,7 +408,8 @@ def launch_q8_gate_up(
     slot_of[e] < 0 are skipped (their rows of h untouched: another wave computes them). kinds: the (code, scheme)
     pairs of the layer's experts (layer_kinds of the host meta, known when the model loads; one launch each);
     default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
-    listed is not computed."""
+    listed is not computed. shape: how the rows spread over warps and blocks (DECODE_SHAPE; other shapes are for
+    bench/q8_kernels.py --shapes-q8)."""
     kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
@@ -389,14 +427,25 @@ def launch_q8_gate_up(
             raise ValueError(f"order length {n} is not a multiple of T={T}")
         top_k = n // T
     _check("h", h, (n, F), np.float32)
-    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds)
+    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds, shape)
 
 
 def launch_q8_down(
-    h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None, kinds=None
+    h,
+    experts,
+    meta,
+    F: int,
+    D: int,
+    y,
+    ids=None,
+    offsets=None,
+    stream=0,
+    slot_of=None,
+    kinds=None,
+    shape: LaunchShape = DECODE_SHAPE,
 ) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
-    the router. ids (by slot) or offsets (grouped), slot_of and kinds, as in launch_q8_gate_up."""
+    the router. ids (by slot) or offsets (grouped), slot_of, kinds and shape, as in launch_q8_gate_up."""
     kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     n = h.shape[0]
     _check("h", h, (n, F), np.float32)
@@ -405,7 +454,7 @@ def launch_q8_down(
         _check("ids", ids, (1, n), np.int32)
     else:
         _check("offsets", offsets, (meta.shape[0] + 1,), np.int32)
-    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds)
+    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds, shape)
 
 
 # The kernels the sm_90 compile check builds (each path compiles in seconds): every 8-bit encoding alone at
@@ -421,14 +470,16 @@ SM90_VARIANTS = tuple(
 )
 
 
-def kernel_bounds(kinds, tokens: int) -> tuple[int, int]:
+def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tuple[int, int]:
     """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
-    without block scales; block-scale factors, or several bodies in one kernel (their live ranges meet at the
-    dispatch), spill there and get 3 blocks' worth; token tiles 2."""
+    without block scales (DECODE_SHAPE); block-scale factors, or several bodies in one kernel (their live ranges
+    meet at the dispatch), spill there and get a block less; token tiles TILE_BLOCKS_PER_SM."""
+    threads = shape.warps * WARP
     if tokens > 1:
-        return WARPS * WARP, TILE_BLOCKS_PER_SM
+        return threads, max(1, TILE_BLOCKS_PER_SM * WARPS // shape.warps)
+    blocks = max(1, shape.warps_per_sm // shape.warps)
     alone = len(kinds) == 1 and kinds[0][1] != SCALE_BLOCK
-    return WARPS * WARP, DECODE_BLOCKS_PER_SM if alone else DECODE_BLOCKS_PER_SM - 1
+    return threads, blocks if alone else max(1, blocks - 1)
 
 
 def sm90_signature():

@@ -159,3 +159,6 @@ def test_host_profile_counts_calls_a_step_and_ranks_own_time():
     first = next(iter(host["top_own_time"]))
     assert "sleep" in first or "slow" in first
     assert next(iter(host["top_own_time"].values())) >= 1500  # us a step
+    assert next(iter(host["top_cumulative"].values())) >= 1500  # the step itself, with what it calls
+    (slowest, callers), *_ = host["callers"].items()
+    assert slowest == first and any("slow" in c or "step" in c for c in callers)

@@ -125,7 +125,7 @@ def host_decoder(
     d._unfinished = set()
     d.penalties = SimpleNamespace(warmup=lambda logits: None, logits=None)
     d.token_masks = SimpleNamespace(warmup=lambda logits, penalized: None)
-    d.graphs, d.prefill_graphs = GraphCache(d.stream), GraphCache(d.stream)
+    d.graphs, d.prefill_graphs, d.head_graphs = GraphCache(d.stream), GraphCache(d.stream), GraphCache(d.stream)
     d.issued = []
     d.model = SimpleNamespace(
         options=options or CudaOptions(),
@@ -157,7 +157,7 @@ def test_a_prefill_pads_to_its_bucket_with_one_padding_sequence(monkeypatch):
     d = host_decoder(monkeypatch)
     d.forward(prompt([20, 13]))
     h = d.ws.host
-    assert d.issued == [("layers", 48, MAX_SEQS + 1, False), ("head", 48, 2)]
+    assert d.issued == [("layers", 48, MAX_SEQS + 1, False), ("head", MAX_TOKENS, 2)]
     np.testing.assert_array_equal(h["token_ids"][33:48], 0)
     np.testing.assert_array_equal(h["slot_mapping"][:48], np.r_[np.arange(33) + 100, np.full(15, -1)])
     np.testing.assert_array_equal(h["seq_starts"][: MAX_SEQS + 2], np.r_[0, 20, 33, np.full(MAX_SEQS - 1, 48)])
@@ -173,9 +173,22 @@ def test_a_chunk_without_logits_rows_runs_no_head_and_a_full_batch_uses_the_spar
     assert d.issued == [("layers", 8, MAX_SEQS + 1, False)]
     d.issued.clear()
     d.forward(prompt([1] * 15 + [7], cached=[5] * 15 + [0]))  # 16 sequences, 22 tokens -> 24
-    assert d.issued == [("layers", 24, MAX_SEQS + 1, False), ("head", 24, 16)]
+    assert d.issued == [("layers", 24, MAX_SEQS + 1, False), ("head", MAX_TOKENS, 16)]
     np.testing.assert_array_equal(d.ws.host["seq_starts"][MAX_SEQS : MAX_SEQS + 2], [22, 24])
     assert d.ws.host["context_lens"][MAX_SEQS] == 0
+
+
+def test_a_prefill_head_pads_its_logits_rows_to_a_bucket_with_or_without_graphs(monkeypatch):
+    """Three prompts' last positions: the head computes 4 rows (its graph bucket; eager steps too, so they compute
+    what replays do), the fourth staged as a valid hidden row of the step; the step still hands over 3 rows."""
+    for graphs in (True, False):
+        d = host_decoder(monkeypatch, cuda_graphs=graphs)
+        logits = d.forward(prompt([20, 13, 5]))
+        assert d.issued == [("layers", 48, MAX_SEQS + 1, False), ("head", MAX_TOKENS, 4)]
+        rows = d.ws.host["logits_rows"][:4]
+        np.testing.assert_array_equal(rows[:3], [19, 32, 37])
+        assert 0 <= rows[3] < 48
+        assert len(logits) == 3 and (4 in d.head_graphs._seen) == graphs
 
 
 def test_decode_steps_pad_to_their_batch_bucket_with_or_without_graphs(monkeypatch):
@@ -223,7 +236,8 @@ def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):
     so a 100-token prefill pads to the 128 bucket and goes through the prefill graphs like smaller ones."""
     d = host_decoder(monkeypatch)
     d.forward(prompt([100]))
-    assert d.issued == [("layers", 128, MAX_SEQS + 1, False), ("head", 128, 1)] and 128 in d.prefill_graphs._seen
+    assert d.issued == [("layers", 128, MAX_SEQS + 1, False), ("head", MAX_TOKENS, 1)]
+    assert 128 in d.prefill_graphs._seen and 1 in d.head_graphs._seen
 
 
 def cached_stub(d):
@@ -246,7 +260,7 @@ def test_steps_with_the_expert_cache_pad_and_replay_like_resident_ones(monkeypat
     assert d.issued == [
         ("hints", False, 1),
         ("layers", 128, MAX_SEQS + 1, False),
-        ("head", 128, 1),
+        ("head", MAX_TOKENS, 1),
         ("stats", 1),
         ("collect", 1),
     ]
@@ -264,6 +278,7 @@ def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     d.warmup()
     assert set(d.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))  # per-expert cuBLAS ones in pieces
     assert set(d.graphs) == {1, 2, 4, 8, 16}
+    assert set(d.head_graphs) == {1, 2, 4, 8, 16}  # padded steps' LM heads, by logits-row bucket
     assert ("cublas shapes", MAX_TOKENS) in d.issued  # steps above 64 tokens run per-expert cuBLAS GEMMs
     many = host_decoder(monkeypatch, family="qwen3_moe", bf16=True)
     many.config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
@@ -310,7 +325,8 @@ def test_set_options_drops_the_graphs_and_hands_the_options_to_the_model(monkeyp
     d.forward(prompt([33]))
     assert 48 in d.prefill_graphs._seen
     d.set_options(CudaOptions(prefill_graphs=False))
-    assert not d.prefill_graphs._seen and d.options == CudaOptions(prefill_graphs=False)
+    assert not d.prefill_graphs._seen and not d.head_graphs._seen
+    assert d.options == CudaOptions(prefill_graphs=False)
     d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
     d.issued.clear()
     d.forward(prompt([33]))

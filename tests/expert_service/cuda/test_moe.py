@@ -204,11 +204,17 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
             ("gemm", w.tolist(), x.tolist(), y.tolist(), rows.tolist(), n, k, np.dtype(dtype), np.dtype(out_dtype))
         )
     )
-    monkeypatch.setattr(
-        moe_module.elementwise,
-        "launch_silu_mul_halves",
-        lambda gu, h, stream: calls.append(("swiglu", gu.shape, h.shape, gu.dtype, h.dtype)),
-    )
+
+    class RecordingSwiglu:  # SiluMulHalves made once on the whole buffers, called on the step's first rows
+        def __init__(self, gu, h):
+            self.buffers = (gu.shape, h.shape, gu.dtype, h.dtype)
+            made.append(self)
+
+        def __call__(self, rows, stream):
+            calls.append(("swiglu", (rows, self.buffers[0][1]), (rows, self.buffers[1][1])) + self.buffers[2:])
+
+    made: list = []
+    monkeypatch.setattr(moe_module.elementwise, "SiluMulHalves", RecordingSwiglu)
     experts = FakeDeviceArray((E, 3 * F * D + 8), weights_dtype, 7 << 40)
     moe = SimpleNamespace(
         config=config,
@@ -219,6 +225,8 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
         quantized=False,
     )
     moe._gemm_group = lambda *args: DeviceMoe._gemm_group(moe, *args)
+    moe._swiglu_first_rows = None
+    moe._swiglu_rows = lambda *args: DeviceMoe._swiglu_rows(moe, *args)
     DeviceMoe._expert_gemms(moe, 256, experts)
     item, gu_item = np.dtype(weights_dtype).itemsize, np.dtype(gate_up_dtype).itemsize
     block = experts.shape[1] * item
@@ -251,3 +259,6 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
         np.dtype(np.float32),
     )
     assert len(calls) == 4 and rows[-1] >= 183 and 73 + rows[-1] <= room
+    assert len(made) == 1 and made[0].buffers[:2] == (ws.expert_gate_up.shape, ws.expert_h.shape)
+    DeviceMoe._expert_gemms(moe, 256, experts)  # a second step reuses the launcher's views
+    assert len(made) == 1 and calls[4:] == calls[:4]

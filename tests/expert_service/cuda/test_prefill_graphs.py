@@ -64,6 +64,27 @@ def test_warmup_captures_every_replayable_bucket(engines):
     name, _, gpu, _, _, _ = engines
     assert set(gpu.decoder.prefill_graphs) == captured_buckets(name), name
     assert set(gpu.decoder.graphs) == {1, 2, 4, 8, 16}, name
+    assert set(gpu.decoder.head_graphs) == {1, 2, 4, 8, 16}, name  # padded steps' LM heads, by logits rows
+
+
+def test_padded_heads_replay_the_eager_rows(engines):
+    """Prefill steps of 1 to 5 prompts (logits rows padded to 1, 2, 4, 8): the warmed engine replays each head's
+    graph and reads back the same bits as the eager engine for every real row, close to the CPU's; no head graph
+    is captured while serving (warm-up made them all)."""
+    name, cpu, gpu, eager, tolerance, _ = engines
+    before = len(gpu.decoder.head_graphs)
+    for n in (1, 3, 5):
+        prompts = [random_prompt(90 + n + r, 6 + 3 * r) for r in range(n)]
+        rows = {}
+        for engine in (gpu, eager, cpu):
+            step = engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in enumerate(prompts)])
+            rows[engine] = (np.stack(list(step.logits)), [o.token_id for o in step.outputs])
+            engine.clear()
+        assert rows[gpu][0].shape[0] == n and np.array_equal(rows[gpu][0], rows[eager][0]), f"{name}: {n} rows"
+        assert rows[gpu][1] == rows[eager][1], f"{name}: {n} rows"
+        err = rel_error(rows[gpu][0], rows[cpu][0])
+        assert err <= tolerance, f"{name}: {n} rows: {err:.2e}"
+    assert len(gpu.decoder.head_graphs) == before
 
 
 def test_buckets_replay_what_the_eager_pass_computed(engines):

@@ -85,6 +85,29 @@ def test_silu_mul_halves_matches_reference(dtype, f32_input, rows, F, threads):
         np.testing.assert_array_equal(h.copy_to_host(), one.copy_to_host())
 
 
+@pytest.mark.parametrize("dtype,f32_input,F", [(np.uint16, False, 8), (np.uint16, False, 6), (np.float16, True, 5)])
+def test_silu_mul_halves_on_first_rows_equals_the_sliced_launch(dtype, f32_input, F):
+    """SiluMulHalves, made once on whole buffers, computes rows [0, R) of each call bit for bit as a launch on
+    those rows' slices, and leaves the rows past R as they were (one launcher serves every step's row count)."""
+    rng = np.random.default_rng(F + 7)
+    N = 11
+    gu, _ = random_weight(rng, (N, 2 * F), np.float32 if f32_input else dtype, scale=4.0)
+    fill = 0xFFFF if dtype is np.uint16 else np.nan
+    d_gu = cuda.to_device(gu)
+    h = cuda.to_device(np.full((N, F), fill, dtype=dtype))
+    launcher = elementwise.SiluMulHalves(d_gu, h, threads=32)
+    for R in (N, 4, 1):
+        want = cuda.to_device(np.full((R, F), fill, dtype=dtype))
+        launch_silu_mul_halves(d_gu[:R], want, threads=32)
+        h.copy_to_device(np.full((N, F), fill, dtype=dtype))
+        launcher(R)
+        got = h.copy_to_host()
+        np.testing.assert_array_equal(got[:R], want.copy_to_host())
+        np.testing.assert_array_equal(got[R:], np.full((N - R, F), fill, dtype=dtype))
+    with pytest.raises(AssertionError):
+        launcher(N + 1)
+
+
 @pytest.mark.parametrize("dtype,F", [(np.uint16, 8), (np.uint16, 6), (np.float32, 5)])
 def test_silu_mul_halves_strides_over_rows_past_the_grid(monkeypatch, dtype, F):
     """More rows than a grid's y extent (65535 on the GPU; 3 here): blocks stride over the rest, every row

@@ -9,7 +9,7 @@ from numba import cuda
 from expert_service.experts.grouping import group_by_expert
 from expert_service.kernels import expert_quant as q
 from expert_service.kernels.expert_quant import layer_kinds
-from expert_service.kernels.moe_q8 import ALL_KINDS, UNROLL, launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.moe_q8 import ALL_KINDS, UNROLL, LaunchShape, launch_q8_down, launch_q8_gate_up
 
 # every (dtype, scheme) an expert can have: 8-bit with either scale, and the unquantized 16-bit dtypes
 KINDS = [
@@ -185,6 +185,29 @@ def test_long_rows_stream_whole_steps_and_a_tail():
         assert np.isfinite(got).all()
         for k in range(2):
             check_close(got[k], refs[k])
+
+
+@pytest.mark.parametrize("shape", [LaunchShape(2, 1, 2, 1, 4), LaunchShape(1, 3, 1, 2, 3)])
+def test_launch_shapes_give_the_default_bits(shape):
+    """Another launch shape (warps a block, rows a warp, chunks in flight) changes which warp computes a row, not
+    a lane's chunks or their order: the same bits as the default shape, every row written (rows not a multiple
+    of a warp's rows included), int8 and block-scaled e4m3 in one layer, by slot."""
+    rng = np.random.default_rng(12)
+    F, D = 80, 48 * 3
+    W, meta, _ = mixed_layer(rng, [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_BLOCK)], F, D)
+    dW, dmeta = cuda.to_device(W), cuda.to_device(meta)
+    q8 = dict(ids=cuda.to_device(np.array([[1, 0]], np.int32)), kinds=layer_kinds(meta))
+    x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    outs = []
+    for launch_shape in (None, shape):
+        extra = {} if launch_shape is None else {"shape": launch_shape}
+        h = cuda.to_device(np.full((2, F), np.nan, np.float32))
+        y = cuda.to_device(np.full((2, D), np.nan, np.float32))
+        launch_q8_gate_up(x, dW, dmeta, F, D, h, **q8, **extra)
+        launch_q8_down(h, dW, dmeta, F, D, y, **q8, **extra)
+        outs.append((h.copy_to_host(), y.copy_to_host()))
+    assert np.isfinite(outs[1][0]).all() and np.isfinite(outs[1][1]).all()
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
 
 
 def test_experts_of_unlisted_kinds_are_not_computed():
