@@ -409,7 +409,7 @@ def launch_q8_gate_up(
     pairs of the layer's experts (layer_kinds of the host meta, known when the model loads; one launch each);
     default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
     listed is not computed. shape: how the rows spread over warps and blocks (DECODE_SHAPE; other shapes are for
-    bench/q8_kernels.py --shapes-q8)."""
+    bench/q8_kernels.py --q8-shapes)."""
     kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
