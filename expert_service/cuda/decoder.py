@@ -9,8 +9,8 @@ powers of two) and replay a graph of the layers captured per bucket (`moe.CAPTUR
 too: its slot map and copies are decided on the device). Where a MoE block needs the host mid-pass (per-expert
 cuBLAS GEMMs sized by the step's expert offsets, resident or cached) the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
 padding tokens form one extra sequence that writes no KV and attends to nothing. The LM head of such a step
-replays a graph of its own, per bucket of logits rows (GRAPH_BUCKETS; padded rows repeat a real token's hidden
-state and are never read): run eagerly, its half-dozen launches cost more host time than the head's device time.
+replays a graph of its own, per bucket of logits rows (GRAPH_BUCKETS; padded rows point at some token row of the
+step, padding included, and are never read): run eagerly, its half-dozen launches cost more host time than the head's device time.
 Everything else runs eagerly. Two steps may be in flight: each
 stages into its own host copy of the metadata and results (double buffers, workspace.HOST_TWINS). With
 routing=lut each step's routing plan is staged with its metadata (workspace.stage_routed_ids) and the MoE
@@ -442,9 +442,9 @@ class CudaDecoder:
         return tokens if self._prefill_capturable(tokens) else None
 
     def _head_rows(self, R: int) -> int:
-        """The logits rows a padded step's LM head computes: R up to its graph bucket (staging repeats real rows
-        in the padded ones, never read; eager steps pad too, so they compute what replays do), or R itself past
-        the buckets."""
+        """The logits rows a padded step's LM head computes: R up to its graph bucket (staging points the padded
+        rows at token rows of the step, never read; eager steps pad too, so they compute what replays do), or R
+        itself past the buckets."""
         return next((b for b in GRAPH_BUCKETS if R <= b <= self.max_seqs), R) if R else 0
 
     def _head(self, rows: int) -> None:

@@ -12,6 +12,7 @@ pickled closure, and a pickled device function carries a random per-process id, 
 every process and the kernel would never be found: `pin_closure_ids` gives those device functions, and the
 intrinsics they use, ids derived from their code and what they reach instead.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,7 @@ def _cache_dir() -> Path | None:
         probe.unlink()
     except OSError as exc:
         # A cache that cannot be written must not stop the worker: it only costs the compile time.
-        log.warning("%s=%s is not writable (%s); kernels compile without a cache", CACHE_ENV, root,
-                    exc.strerror or exc)
+        log.warning("%s=%s is not writable (%s); kernels compile without a cache", CACHE_ENV, root, exc.strerror or exc)
         return None
     return folder
 
@@ -63,7 +63,7 @@ def _cache_dir() -> Path | None:
 CACHE_DIR = _cache_dir()
 if CACHE_DIR is not None:
     cuda_config.CACHE_DIR = str(CACHE_DIR)
-    os.environ["NUMBA_CACHE_DIR"] = str(CACHE_DIR)     # the same if Numba re-reads its configuration
+    os.environ["NUMBA_CACHE_DIR"] = str(CACHE_DIR)  # the same if Numba re-reads its configuration
 
 
 def _fingerprint(value, memo: dict) -> bytes:
@@ -86,7 +86,7 @@ def _function_digest(fn, memo: dict) -> str:
     """A digest of fn's code, closure and the device functions and intrinsics it reaches through globals."""
     if id(fn) in memo:
         return memo[id(fn)]
-    memo[id(fn)] = f"{fn.__module__}.{fn.__qualname__}"        # a recursive reference stops here
+    memo[id(fn)] = f"{fn.__module__}.{fn.__qualname__}"  # a recursive reference stops here
     digest = hashlib.sha256(memo[id(fn)].encode() + fn.__code__.co_code)
     for cell in fn.__closure__ or ():
         digest.update(_fingerprint(cell.cell_contents, memo))
@@ -120,4 +120,16 @@ def cached_jit(kernel, launch_bounds=None):
     if CACHE_DIR is None:
         return cuda.jit(kernel, **options)
     pin_closure_ids(kernel)
-    return cuda.jit(kernel, cache=True, **options)
+    dispatcher = cuda.jit(kernel, cache=True, **options)
+    if "launch_bounds" in options:
+        key_launch_bounds(dispatcher, tuple(launch_bounds))
+    return dispatcher
+
+
+def key_launch_bounds(dispatcher, launch_bounds: tuple) -> None:
+    """Numba keys a cached kernel by its signature, bytecode and closure, not by the launch bounds it was compiled
+    for: the same kernel built for two bounds (bench/q8_kernels.py's launch shapes, say) would load whichever was
+    cached first. The bounds join this dispatcher's keys."""
+    cache = dispatcher._cache
+    index_key = cache._index_key
+    cache._index_key = lambda sig, codegen: (*index_key(sig, codegen), ("launch_bounds", launch_bounds))

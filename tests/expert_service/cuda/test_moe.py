@@ -262,3 +262,26 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
     assert len(made) == 1 and made[0].buffers[:2] == (ws.expert_gate_up.shape, ws.expert_h.shape)
     DeviceMoe._expert_gemms(moe, 256, experts)  # a second step reuses the launcher's views
     assert len(made) == 1 and calls[4:] == calls[:4]
+
+
+def test_swiglu_rows_past_the_first_launch_on_slices(monkeypatch):
+    """A later 8-bit group's rows [r0, r1) (r0 > 0) go through the sliced launch on exactly those rows; the
+    first-rows launcher is neither made nor used for them."""
+    from types import SimpleNamespace
+
+    import expert_service.cuda.moe as moe_module
+
+    calls = []
+    monkeypatch.setattr(
+        moe_module.elementwise,
+        "launch_silu_mul_halves",
+        lambda gu, h, stream: calls.append((gu.shape, h.shape)),
+    )
+    monkeypatch.setattr(moe_module.elementwise, "SiluMulHalves", lambda *a: calls.append("made"))
+    ws = SimpleNamespace(
+        expert_gate_up=FakeDeviceArray((64, 16), np.uint16, 1 << 30),
+        expert_h=FakeDeviceArray((64, 8), np.uint16, 1 << 31),
+    )
+    moe = SimpleNamespace(ws=ws, stream=None, _swiglu_first_rows=None)
+    DeviceMoe._swiglu_rows(moe, 24, 40)
+    assert calls == [((16, 16), (16, 8))] and moe._swiglu_first_rows is None

@@ -123,6 +123,33 @@ def test_cache_keys_are_the_same_in_every_process():
     assert first == second, [k for k in first if first[k] != second.get(k)]
 
 
+LAUNCH_BOUNDS_KEYS = """
+import json
+from types import SimpleNamespace
+from expert_service.kernels import jit_cache
+
+def kernel(a):
+    a[0] = 1
+
+codegen = SimpleNamespace(magic_tuple=lambda: ("sm_90",))  # what a real codegen adds, without a driver
+keys = [jit_cache.cached_jit(kernel, launch_bounds=b)._cache._index_key("(float32[::1],)", codegen)
+        for b in ((128, 4), (128, 2), (128, 4))]
+print(json.dumps([repr(k) for k in keys]))
+"""
+
+
+def test_launch_bounds_are_part_of_a_cached_kernels_key(tmp_path):
+    """One kernel jitted for two launch bounds gets two cache keys (Numba's own key ignores them, so one would
+    load the other's code); the same bounds give the same key."""
+    script = tmp_path / "keys.py"  # Numba caches only kernels defined in a file
+    script.write_text(LAUNCH_BOUNDS_KEYS)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(REPO), **{jit_cache.CACHE_ENV: str(tmp_path / "c")})
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    four, two, four_again = json.loads(done.stdout.splitlines()[-1])
+    assert four != two and four == four_again and "(128, 4)" in four
+
+
 WARM_UP = """
 import json, sys, time
 from common.model_format import ModelDir

@@ -8,6 +8,7 @@ from numba import cuda
 
 from expert_service.experts.grouping import group_by_expert
 from expert_service.kernels import expert_quant as q
+from expert_service.kernels import moe_q8
 from expert_service.kernels.expert_quant import layer_kinds
 from expert_service.kernels.moe_q8 import ALL_KINDS, UNROLL, LaunchShape, launch_q8_down, launch_q8_gate_up
 
@@ -188,7 +189,7 @@ def test_long_rows_stream_whole_steps_and_a_tail():
 
 
 @pytest.mark.parametrize("shape", [LaunchShape(2, 1, 2, 1, 4), LaunchShape(1, 3, 1, 2, 3)])
-def test_launch_shapes_give_the_default_bits(shape):
+def test_launch_shapes_give_the_default_bits(shape, monkeypatch):
     """Another launch shape (warps a block, rows a warp, chunks in flight) changes which warp computes a row, not
     a lane's chunks or their order: the same bits as the default shape, every row written (rows not a multiple
     of a warp's rows included), int8 and block-scaled e4m3 in one layer, by slot."""
@@ -198,6 +199,9 @@ def test_launch_shapes_give_the_default_bits(shape):
     dW, dmeta = cuda.to_device(W), cuda.to_device(meta)
     q8 = dict(ids=cuda.to_device(np.array([[1, 0]], np.int32)), kinds=layer_kinds(meta))
     x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    built = []
+    kernel = moe_q8._kernel
+    monkeypatch.setattr(moe_q8, "_kernel", lambda *key: (built.append(key[1:]), kernel(*key))[1])
     outs = []
     for launch_shape in (None, shape):
         extra = {} if launch_shape is None else {"shape": launch_shape}
@@ -208,6 +212,8 @@ def test_launch_shapes_give_the_default_bits(shape):
         outs.append((h.copy_to_host(), y.copy_to_host()))
     assert np.isfinite(outs[1][0]).all() and np.isfinite(outs[1][1]).all()
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    # the second pair of launches took kernels built for `shape` (the default's would pass the comparison trivially)
+    assert built[-2:] == [(True, 1, shape), (False, 1, shape)]
 
 
 def test_experts_of_unlisted_kinds_are_not_computed():
