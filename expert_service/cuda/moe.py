@@ -25,7 +25,7 @@ from expert_service.cuda.moe_grouped_mma import cached_mma_possible, run_grouped
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
-from expert_service.kernels.dequant_experts import launch_dequant_experts
+from expert_service.kernels.dequant_experts import DequantInto
 from expert_service.kernels.expert_grouping import launch_expert_grouping
 from expert_service.kernels.gate_fused import launch_gate_fused
 from expert_service.kernels.gate_planned import launch_gate_planned
@@ -271,7 +271,8 @@ class DeviceMoe:
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         self.dequant_pipeline: DequantPipeline | None = None  # made at the first 8-bit CUBLAS_PER_EXPERT step
         # SiluMulHalves on the per-expert buffers, made at the first per-expert cuBLAS step
-        self._swiglu_first_rows: elementwise.SiluMulHalves | None = None
+        self._swiglu: elementwise.SiluMulHalves | None = None
+        self._dequant_into: dict[tuple[int, int], DequantInto] = {}  # by (experts buffer, scratch half)
         self.moe_layers = config.moe_layers
         self.bf16 = np.dtype(weights.dtype) == np.uint16
         self.quantized = weights.quantized
@@ -485,7 +486,11 @@ class DeviceMoe:
 
         def widen(index: int, half: int, stream) -> None:
             first, g = spans[index]
-            launch_dequant_experts(experts, meta, ws.offsets, first, F, D, scratch[half * group :][:g], stream=stream)
+            key = (device_address(experts), half)  # a layer's experts buffer, for the engine's life
+            if key not in self._dequant_into:
+                into = scratch[half * group : (half + 1) * group]
+                self._dequant_into[key] = DequantInto(experts, meta, ws.offsets, F, D, into)
+            self._dequant_into[key](first, g, stream)
 
         def gemms(index: int, half: int) -> None:
             first, g = spans[index]
@@ -528,16 +533,11 @@ class DeviceMoe:
         )
 
     def _swiglu_rows(self, r0: int, r1: int) -> None:
-        """SwiGLU of the per-expert rows [r0, r1): from the first row (every bf16 step, the first 8-bit group) one
-        launch on views made once, else on slices (the host break is on the step's critical path: each device
-        array view made costs tens of microseconds there)."""
-        ws = self.ws
-        if r0 == 0:
-            if self._swiglu_first_rows is None:
-                self._swiglu_first_rows = elementwise.SiluMulHalves(ws.expert_gate_up, ws.expert_h)
-            self._swiglu_first_rows(r1, self.stream)
-        else:
-            elementwise.launch_silu_mul_halves(ws.expert_gate_up[r0:r1], ws.expert_h[r0:r1], stream=self.stream)
+        """SwiGLU of the per-expert rows [r0, r1), one launch on views made once (the host break is on the
+        step's critical path: each device-array view made costs tens of microseconds there)."""
+        if self._swiglu is None:
+            self._swiglu = elementwise.SiluMulHalves(self.ws.expert_gate_up, self.ws.expert_h)
+        self._swiglu(r0, r1, self.stream)
 
     def warm_cublas_shapes(self, max_tokens: int) -> None:
         """Runs the per-expert GEMM shapes of every rounded row count an expert can have in a step of up to

@@ -154,27 +154,44 @@ def _kernel(dtype):
 def launch_dequant_experts(experts, meta, offsets, first: int, F: int, D: int, out, stream=0) -> None:
     """experts uint8 [E, stride]; meta [E, META_WIDTH] int32; offsets [E+1] int32 (device); out [G, 3*F*D]
     uint16 (bf16) / float16 / float32: out[j] = the (first + j)-th active expert, dequantised."""
-    E = experts.shape[0]
-    if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 4:
-        raise ValueError(f"experts must be uint8 [E, stride], got {experts.dtype} {list(experts.shape)}")
-    if meta.shape != (E, META_WIDTH) or offsets.shape != (E + 1,) or F % 16 or D % 16:
-        raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
-    if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
-        raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
-    if out.shape[0] > 65535:
-        raise ValueError(f"a group of {out.shape[0]} experts exceeds the grid's 65535")
-    flat = experts.reshape(experts.size)
-    flat_out = out.reshape(out.size)
-    out64 = flat_out.view(np.uint64) if np.dtype(out.dtype).itemsize == 2 else flat.view(np.uint64)[:1]
-    kernel = _kernel(np.dtype(out.dtype).type)[1]
-    # Each row gets the blocks its length needs: a grid sized for the longest rows left most blocks of the other
-    # matrices' rows with nothing to do (mixtral-shape: 5 of 7 on every gate and up row).
-    gu_chunks, down_chunks = -(-D // (VALUES * THREADS)), -(-F // (VALUES * THREADS))
-    grid = (2 * F * gu_chunks + D * down_chunks, out.shape[0])
-    kernel[grid, THREADS, stream](
-        flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets, first, F, D, gu_chunks,
-        down_chunks, flat_out, out64,
-    )  # fmt: skip
+    DequantInto(experts, meta, offsets, F, D, out)(first, out.shape[0], stream)
+
+
+class DequantInto:
+    """launch_dequant_experts on fixed buffers with its views made once: a call widens experts into the first g
+    rows of `out` with one launch (every device-array view made costs tens of microseconds of host, and the
+    per-expert GEMMs' host break widens a group of experts a call)."""
+
+    def __init__(self, experts, meta, offsets, F: int, D: int, out):
+        """The arguments of launch_dequant_experts but `first`; out [G, 3*F*D] holds up to G experts a call."""
+        E = experts.shape[0]
+        if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 4:
+            raise ValueError(f"experts must be uint8 [E, stride], got {experts.dtype} {list(experts.shape)}")
+        if meta.shape != (E, META_WIDTH) or offsets.shape != (E + 1,) or F % 16 or D % 16:
+            raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
+        if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
+            raise ValueError(
+                f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}"
+            )
+        if out.shape[0] > 65535:
+            raise ValueError(f"a group of {out.shape[0]} experts exceeds the grid's 65535")
+        flat = experts.reshape(experts.size)
+        flat_out = out.reshape(out.size)
+        out64 = flat_out.view(np.uint64) if np.dtype(out.dtype).itemsize == 2 else flat.view(np.uint64)[:1]
+        self.kernel = _kernel(np.dtype(out.dtype).type)[1]
+        self.capacity, self.F, self.D = out.shape[0], F, D
+        # Each row gets the blocks its length needs: a grid sized for the longest rows left most blocks of the
+        # other matrices' rows with nothing to do (mixtral-shape: 5 of 7 on every gate and up row).
+        self.gu_chunks, self.down_chunks = -(-D // (VALUES * THREADS)), -(-F // (VALUES * THREADS))
+        self.head = (flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets)
+        self.tail = (flat_out, out64)
+
+    def __call__(self, first: int, g: int, stream=0) -> None:
+        """out[j] = the (first + j)-th active expert, dequantised, for j < g (0 < g <= out's rows)."""
+        assert 0 < g <= self.capacity, (g, self.capacity)
+        F, D, gu, down = self.F, self.D, self.gu_chunks, self.down_chunks
+        grid = (2 * F * gu + D * down, g)
+        self.kernel[grid, THREADS, stream](*self.head, first, F, D, gu, down, *self.tail)
 
 
 def sm90_signatures():

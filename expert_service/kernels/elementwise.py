@@ -82,11 +82,11 @@ def _build_bias(weight_dtype):
 def _build_silu_mul_halves(gu_dtype, h_dtype):
     load, store = loader(gu_dtype), storer(h_dtype)
 
-    def silu_mul_halves_kernel(gu, h, F, R):
-        """gu: [R * 2F] flat view of gu_dtype ([R, 2F]: each row's gate, then up projections); h: [R * F] flat of
-        h_dtype. Grid (column blocks, row blocks): blocks stride over rows by gridDim.y (the grid's y extent is
-        capped at 65535), their threads over the F columns."""
-        for r in range(cuda.blockIdx.y, R, cuda.gridDim.y):
+    def silu_mul_halves_kernel(gu, h, F, r0, r1):
+        """gu: [N * 2F] flat view of gu_dtype ([N, 2F]: each row's gate, then up projections); h: [N * F] flat of
+        h_dtype; rows [r0, r1) are computed. Grid (column blocks, row blocks): blocks stride over rows by
+        gridDim.y (the grid's y extent is capped at 65535), their threads over the F columns."""
+        for r in range(r0 + cuda.blockIdx.y, r1, cuda.gridDim.y):
             gate, out = r * 2 * F, r * F
             for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F, cuda.gridDim.x * cuda.blockDim.x):
                 x = load(gu, gate + j)
@@ -95,12 +95,12 @@ def _build_silu_mul_halves(gu_dtype, h_dtype):
     return silu_mul_halves_kernel, cached_jit(silu_mul_halves_kernel)
 
 
-def silu_mul_halves_bf16_kernel(gu4, h4, F4, R):
-    """silu_mul_halves on bfloat16 rows as 8-byte words of 4 values (F = 4 * F4): gu4 [R * 2 * F4] uint64,
-    h4 [R * F4] uint64. Grid as the element kernel's; one 8-byte load of gate and of up and one store per word
-    (2-byte accesses reached 1.4 TB/s on the H200)."""
+def silu_mul_halves_bf16_kernel(gu4, h4, F4, r0, r1):
+    """silu_mul_halves on bfloat16 rows as 8-byte words of 4 values (F = 4 * F4): gu4 [N * 2 * F4] uint64,
+    h4 [N * F4] uint64, rows [r0, r1). Grid as the element kernel's; one 8-byte load of gate and of up and one
+    store per word (2-byte accesses reached 1.4 TB/s on the H200)."""
     mask = np.uint64(0xFFFF)
-    for r in range(cuda.blockIdx.y, R, cuda.gridDim.y):
+    for r in range(r0 + cuda.blockIdx.y, r1, cuda.gridDim.y):
         gate, out = r * 2 * F4, r * F4
         for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F4, cuda.gridDim.x * cuda.blockDim.x):
             g, u = gu4[gate + j], gu4[gate + F4 + j]
@@ -171,16 +171,16 @@ def launch_silu_mul_halves(gu, h, stream=0, threads=THREADS) -> None:
     (bfloat16 bits), gu of h's dtype or float32. h = silu(gu[:, :F]) * gu[:, F:] in float32, rounded to h's dtype
     once."""
     if h.size:
-        SiluMulHalves(gu, h, threads)(h.shape[0], stream)
+        SiluMulHalves(gu, h, threads)(0, h.shape[0], stream)
 
 
 class SiluMulHalves:
-    """silu_mul_halves on the first rows of fixed buffers, its flat views made once: a call costs one launch,
-    where slicing and viewing Numba device arrays for every call costs tens of microseconds each (the per-expert
-    GEMMs' host break issues one a layer)."""
+    """silu_mul_halves on rows of fixed buffers, its flat views made once: a call costs one launch, where slicing
+    and viewing Numba device arrays for every call costs tens of microseconds each (the per-expert GEMMs' host
+    break issues one a layer, or one a group of 8-bit experts)."""
 
     def __init__(self, gu, h, threads=THREADS):
-        """gu [N, 2F], h [N, F] as launch_silu_mul_halves takes them; a call computes rows [0, R), R <= N."""
+        """gu [N, 2F], h [N, F] as launch_silu_mul_halves takes them; a call computes rows [r0, r1) of them."""
         R, F = h.shape
         assert gu.shape == (R, 2 * F) and np.dtype(gu.dtype) in (np.dtype(h.dtype), np.dtype(np.float32)), (
             gu.shape,
@@ -199,13 +199,13 @@ class SiluMulHalves:
             self.kernel = _build_silu_mul_halves(np.dtype(gu.dtype), np.dtype(h.dtype))[1]
             self.args, self.width = (flat_gu, flat_h), np.int32(F)
 
-    def __call__(self, R: int, stream=0) -> None:
-        """Rows [0, R) (0 < R <= the buffers' rows)."""
-        assert 0 < R <= self.rows, (R, self.rows)
+    def __call__(self, r0: int, r1: int, stream=0) -> None:
+        """Rows [r0, r1) (0 <= r0 < r1 <= the buffers' rows)."""
+        assert 0 <= r0 < r1 <= self.rows, (r0, r1, self.rows)
         columns = int(self.width)
-        row_blocks = min(R, MAX_GRID_ROWS)
+        row_blocks = min(r1 - r0, MAX_GRID_ROWS)
         blocks = max(1, min(-(-columns // self.threads), MAX_BLOCKS // min(row_blocks, MAX_BLOCKS)))
-        self.kernel[(blocks, row_blocks), self.threads, stream](*self.args, self.width, np.int32(R))
+        self.kernel[(blocks, row_blocks), self.threads, stream](*self.args, self.width, np.int32(r0), np.int32(r1))
 
 
 def launch_sigmoid_gate_add(out, shared, gate_logit, stream=0, threads=THREADS) -> None:
@@ -265,8 +265,10 @@ def sm90_signatures():
             out.append(
                 (
                     _build_silu_mul_halves(np.dtype(gu_dt), np.dtype(dt))[0],
-                    (gu_nb[::1], nb[::1], types.int32, types.int32),
+                    (gu_nb[::1], nb[::1], types.int32, types.int32, types.int32),
                 )
             )
-    out.append((silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32, types.int32)))
+    out.append(
+        (silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32, types.int32, types.int32))
+    )
     return out

@@ -205,12 +205,13 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
         )
     )
 
-    class RecordingSwiglu:  # SiluMulHalves made once on the whole buffers, called on the step's first rows
+    class RecordingSwiglu:  # SiluMulHalves made once on the whole buffers, called on the step's rows
         def __init__(self, gu, h):
             self.buffers = (gu.shape, h.shape, gu.dtype, h.dtype)
             made.append(self)
 
-        def __call__(self, rows, stream):
+        def __call__(self, r0, r1, stream):
+            rows = r1 - r0
             calls.append(("swiglu", (rows, self.buffers[0][1]), (rows, self.buffers[1][1])) + self.buffers[2:])
 
     made: list = []
@@ -225,7 +226,7 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
         quantized=False,
     )
     moe._gemm_group = lambda *args: DeviceMoe._gemm_group(moe, *args)
-    moe._swiglu_first_rows = None
+    moe._swiglu = None
     moe._swiglu_rows = lambda *args: DeviceMoe._swiglu_rows(moe, *args)
     DeviceMoe._expert_gemms(moe, 256, experts)
     item, gu_item = np.dtype(weights_dtype).itemsize, np.dtype(gate_up_dtype).itemsize
@@ -264,24 +265,87 @@ def test_expert_gemms_issue_one_gate_up_and_one_down_gemm_per_active_expert(monk
     assert len(made) == 1 and calls[4:] == calls[:4]
 
 
-def test_swiglu_rows_past_the_first_launch_on_slices(monkeypatch):
-    """A later 8-bit group's rows [r0, r1) (r0 > 0) go through the sliced launch on exactly those rows; the
-    first-rows launcher is neither made nor used for them."""
+def test_swiglu_rows_of_a_later_group_reuse_the_launcher(monkeypatch):
+    """A later 8-bit group's rows [r0, r1) (r0 > 0) go to the same launcher, made once, on exactly those rows."""
     from types import SimpleNamespace
 
     import expert_service.cuda.moe as moe_module
 
-    calls = []
-    monkeypatch.setattr(
-        moe_module.elementwise,
-        "launch_silu_mul_halves",
-        lambda gu, h, stream: calls.append((gu.shape, h.shape)),
-    )
-    monkeypatch.setattr(moe_module.elementwise, "SiluMulHalves", lambda *a: calls.append("made"))
+    made, calls = [], []
+
+    class RecordingSwiglu:
+        def __init__(self, gu, h):
+            made.append((gu.shape, h.shape))
+
+        def __call__(self, r0, r1, stream):
+            calls.append((r0, r1))
+
+    monkeypatch.setattr(moe_module.elementwise, "SiluMulHalves", RecordingSwiglu)
     ws = SimpleNamespace(
         expert_gate_up=FakeDeviceArray((64, 16), np.uint16, 1 << 30),
         expert_h=FakeDeviceArray((64, 8), np.uint16, 1 << 31),
     )
-    moe = SimpleNamespace(ws=ws, stream=None, _swiglu_first_rows=None)
-    DeviceMoe._swiglu_rows(moe, 24, 40)
-    assert calls == [((16, 16), (16, 8))] and moe._swiglu_first_rows is None
+    moe = SimpleNamespace(ws=ws, stream=None, _swiglu=None)
+    for r0, r1 in ((0, 24), (24, 40), (40, 41)):
+        DeviceMoe._swiglu_rows(moe, r0, r1)
+    assert made == [((64, 16), (64, 8))] and calls == [(0, 24), (24, 40), (40, 41)]
+
+
+def test_eight_bit_groups_widen_through_one_launcher_per_layer_and_half(monkeypatch):
+    """8-bit layers' host step: each group of active experts is widened into its scratch half by a DequantInto
+    made once per (layer's experts, half) and reused by later steps, then its GEMMs and SwiGLU run on the group's
+    rows; groups alternate halves as DequantPipeline hands them out."""
+    from types import SimpleNamespace
+
+    import expert_service.cuda.moe as moe_module
+
+    config = config_from_hf(
+        {**tiny_hf_config("mixtral"), "hidden_size": 16, "num_local_experts": 4, "intermediate_size": 8}
+    )
+    D, F = config.hidden_size, config.moe_intermediate_size
+    layout = layout_workspace(config, np.dtype(np.uint16), 128, 2, 4, len(config.moe_layers))
+    address = iter(range(1 << 20, 1 << 40, 1 << 30))
+    ws = SimpleNamespace(
+        **{
+            name: FakeDeviceArray(shape, dtype, next(address))
+            for name, (shape, dtype) in layout.items()
+            if name.startswith("expert_") or name == "moe_out"
+        }
+    )
+    group = 1  # one expert a half: three active experts take three groups
+    ws.dequant = FakeDeviceArray((2 * group, 3 * F * D), np.uint16, next(address))
+    ws.offsets = "device offsets"
+    ws.host = {"offsets": np.concatenate([[0], np.cumsum([70, 0, 3, 183])]).astype(np.int32)}
+    made, widened, calls = [], [], []
+
+    class RecordingDequant:
+        def __init__(self, experts, meta, offsets, f, d, out):
+            made.append((experts.address, out.address, out.shape[0]))
+
+        def __call__(self, first, g, stream):
+            widened.append((first, g))
+
+    monkeypatch.setattr(moe_module, "DequantInto", RecordingDequant)
+    pipeline = SimpleNamespace(
+        run=lambda count, widen, gemms: [(widen(i, i % 2, None), gemms(i, i % 2)) for i in range(count)]
+    )
+    moe = SimpleNamespace(
+        config=config,
+        ws=ws,
+        weights=SimpleNamespace(dtype=np.dtype(np.uint16)),
+        stream=SimpleNamespace(synchronize=lambda: None),
+        options=SimpleNamespace(overlap_dequant=True),
+        dequant_pipeline=pipeline,
+        _dequant_into={},
+        _gemm_group=lambda gate, lo, rows, r0, r1: calls.append((r0, r1)),
+    )
+    experts = [FakeDeviceArray((4, 64), np.uint8, a) for a in (7 << 40, 9 << 40)]  # two layers' 8-bit blocks
+    for layer in (0, 1, 0):
+        DeviceMoe._expert_gemms(moe, 256, experts[layer], meta="layer meta")
+    halves = [ws.dequant.address, ws.dequant.address]  # FakeDeviceArray slices keep the start address
+    assert made == [(experts[0].address, halves[0], 1), (experts[0].address, halves[1], 1)] + [
+        (experts[1].address, halves[0], 1),
+        (experts[1].address, halves[1], 1),
+    ]
+    assert widened == [(0, 1), (1, 1), (2, 1)] * 3
+    assert calls == [(0, 70), (70, 73), (73, 256)] * 3

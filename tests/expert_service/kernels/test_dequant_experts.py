@@ -6,7 +6,7 @@ import pytest
 from numba import cuda
 
 from common import dtypes
-from expert_service.kernels.dequant_experts import launch_dequant_experts
+from expert_service.kernels.dequant_experts import DequantInto, launch_dequant_experts
 from tests.expert_service.kernels.test_moe_q8 import KINDS, mixed_layer
 
 
@@ -39,3 +39,27 @@ def test_group_past_the_active_experts_writes_nothing():
     launch_dequant_experts(cuda.to_device(W), cuda.to_device(meta), cuda.to_device(offsets), 0, F, D, out)
     got = out.copy_to_host()
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
+
+
+def test_a_prepared_launcher_widens_what_the_sliced_launch_does():
+    """DequantInto, made once on a scratch half, widens (first, g) groups bit for bit as launch_dequant_experts
+    on the half's first g rows, and leaves the rows past g untouched (one launcher serves every group)."""
+    F, D = 16, 144
+    rng = np.random.default_rng(8)
+    W, meta, _ = mixed_layer(rng, KINDS + [KINDS[1]], F, D)
+    counts = np.array([1, 0, 2, 1, 3, 1, 2], np.int32)[: meta.shape[0]]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    dW, dmeta, doffsets = cuda.to_device(W), cuda.to_device(meta), cuda.to_device(offsets)
+    group = 3
+    scratch = cuda.to_device(np.full((2 * group, 3 * F * D), 0xFFFF, np.uint16))
+    into = DequantInto(dW, dmeta, doffsets, F, D, scratch[group : 2 * group])  # the second half
+    for first, g in ((0, 3), (3, 2), (5, 1)):
+        scratch.copy_to_device(np.full((2 * group, 3 * F * D), 0xFFFF, np.uint16))
+        into(first, g)
+        want = cuda.to_device(np.full((g, 3 * F * D), 0xFFFF, np.uint16))
+        launch_dequant_experts(dW, dmeta, doffsets, first, F, D, want)
+        got = scratch.copy_to_host()
+        np.testing.assert_array_equal(got[group : group + g], want.copy_to_host())
+        assert (got[:group] == 0xFFFF).all() and (got[group + g :] == 0xFFFF).all(), (first, g)
+    with pytest.raises(AssertionError):
+        into(0, group + 1)

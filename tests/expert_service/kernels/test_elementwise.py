@@ -80,15 +80,15 @@ def test_silu_mul_halves_matches_reference(dtype, f32_input, rows, F, threads):
     if dtype is np.uint16 and not f32_input and F % 4 == 0:  # the 8-byte word path: the element path's bits
         one = cuda.to_device(np.full((rows, F), 0xFFFF, np.uint16))
         elementwise._build_silu_mul_halves(np.dtype(np.uint16), np.dtype(np.uint16))[1][(1, rows), threads](
-            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F), np.int32(rows)
+            cuda.to_device(gu).reshape(-1), one.reshape(-1), np.int32(F), np.int32(0), np.int32(rows)
         )
         np.testing.assert_array_equal(h.copy_to_host(), one.copy_to_host())
 
 
 @pytest.mark.parametrize("dtype,f32_input,F", [(np.uint16, False, 8), (np.uint16, False, 6), (np.float16, True, 5)])
-def test_silu_mul_halves_on_first_rows_equals_the_sliced_launch(dtype, f32_input, F):
-    """SiluMulHalves, made once on whole buffers, computes rows [0, R) of each call bit for bit as a launch on
-    those rows' slices, and leaves the rows past R as they were (one launcher serves every step's row count)."""
+def test_silu_mul_halves_on_row_ranges_equals_the_sliced_launch(dtype, f32_input, F):
+    """SiluMulHalves, made once on whole buffers, computes rows [r0, r1) of each call bit for bit as a launch on
+    those rows' slices, and leaves every other row as it was (one launcher serves every group of every step)."""
     rng = np.random.default_rng(F + 7)
     N = 11
     gu, _ = random_weight(rng, (N, 2 * F), np.float32 if f32_input else dtype, scale=4.0)
@@ -96,16 +96,18 @@ def test_silu_mul_halves_on_first_rows_equals_the_sliced_launch(dtype, f32_input
     d_gu = cuda.to_device(gu)
     h = cuda.to_device(np.full((N, F), fill, dtype=dtype))
     launcher = elementwise.SiluMulHalves(d_gu, h, threads=32)
-    for R in (N, 4, 1):
-        want = cuda.to_device(np.full((R, F), fill, dtype=dtype))
-        launch_silu_mul_halves(d_gu[:R], want, threads=32)
+    for r0, r1 in ((0, N), (0, 4), (3, 9), (10, 11)):
+        want = cuda.to_device(np.full((r1 - r0, F), fill, dtype=dtype))
+        launch_silu_mul_halves(d_gu[r0:r1], want, threads=32)
         h.copy_to_device(np.full((N, F), fill, dtype=dtype))
-        launcher(R)
+        launcher(r0, r1)
         got = h.copy_to_host()
-        np.testing.assert_array_equal(got[:R], want.copy_to_host())
-        np.testing.assert_array_equal(got[R:], np.full((N - R, F), fill, dtype=dtype))
-    with pytest.raises(AssertionError):
-        launcher(N + 1)
+        np.testing.assert_array_equal(got[r0:r1], want.copy_to_host())
+        untouched = np.r_[0:r0, r1:N]
+        np.testing.assert_array_equal(got[untouched], np.full((untouched.size, F), fill, dtype=dtype))
+    for r0, r1 in ((0, N + 1), (4, 4), (-1, 2)):
+        with pytest.raises(AssertionError):
+            launcher(r0, r1)
 
 
 @pytest.mark.parametrize("dtype,F", [(np.uint16, 8), (np.uint16, 6), (np.float32, 5)])
