@@ -215,8 +215,9 @@ class CudaDecoder:
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warmup_step(T, span, logits=False)
-        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs and buckets):
-            for _ in range(2):  # the padded steps' LM heads, on the hidden state the warm-up left
+        # the padded steps' LM heads (none without prefill graphs), on the hidden state the warm-up left
+        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs) if buckets else ():
+            for _ in range(2):
                 self._stage(self._padding(), 1, 1, rows)
                 self._head(rows)
                 self.stream.synchronize()

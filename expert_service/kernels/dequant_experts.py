@@ -170,28 +170,25 @@ class DequantInto:
         if meta.shape != (E, META_WIDTH) or offsets.shape != (E + 1,) or F % 16 or D % 16:
             raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
         if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
-            raise ValueError(
-                f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}"
-            )
+            raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
         if out.shape[0] > 65535:
             raise ValueError(f"a group of {out.shape[0]} experts exceeds the grid's 65535")
         flat = experts.reshape(experts.size)
         flat_out = out.reshape(out.size)
         out64 = flat_out.view(np.uint64) if np.dtype(out.dtype).itemsize == 2 else flat.view(np.uint64)[:1]
         self.kernel = _kernel(np.dtype(out.dtype).type)[1]
-        self.capacity, self.F, self.D = out.shape[0], F, D
+        self.capacity = out.shape[0]
         # Each row gets the blocks its length needs: a grid sized for the longest rows left most blocks of the
         # other matrices' rows with nothing to do (mixtral-shape: 5 of 7 on every gate and up row).
-        self.gu_chunks, self.down_chunks = -(-D // (VALUES * THREADS)), -(-F // (VALUES * THREADS))
+        gu_chunks, down_chunks = -(-D // (VALUES * THREADS)), -(-F // (VALUES * THREADS))
+        self.blocks = 2 * F * gu_chunks + D * down_chunks
         self.head = (flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1], offsets)
-        self.tail = (flat_out, out64)
+        self.tail = (F, D, gu_chunks, down_chunks, flat_out, out64)
 
     def __call__(self, first: int, g: int, stream=0) -> None:
         """out[j] = the (first + j)-th active expert, dequantised, for j < g (0 < g <= out's rows)."""
         assert 0 < g <= self.capacity, (g, self.capacity)
-        F, D, gu, down = self.F, self.D, self.gu_chunks, self.down_chunks
-        grid = (2 * F * gu + D * down, g)
-        self.kernel[grid, THREADS, stream](*self.head, first, F, D, gu, down, *self.tail)
+        self.kernel[(self.blocks, g), THREADS, stream](*self.head, first, *self.tail)
 
 
 def sm90_signatures():

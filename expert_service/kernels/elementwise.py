@@ -19,7 +19,6 @@ next step's load cannot move above a store the compiler must assume aliases it),
 bandwidth, and a 2-byte store per element. Elements past the last whole word, and every element of arrays not
 8-byte aligned, take the one-element path.
 """
-
 from __future__ import annotations
 
 import functools
@@ -32,9 +31,9 @@ from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import aligned_to, bf16_to_f32, f32_to_bf16, loader, packer4, silu, storer, widener
 
 THREADS = 256
-MAX_BLOCKS = 1024  # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
-CAST_WORDS = 4  # words of 4 elements a cast thread converts at once (8 loads of 8 bytes in flight)
-MAX_GRID_ROWS = 65535  # a grid's y extent: silu_mul_halves' blocks stride over more rows than this
+MAX_BLOCKS = 1024   # 132 SMs x 8 resident blocks of 256 threads; beyond that the stride loop covers the rest
+CAST_WORDS = 4      # words of 4 elements a cast thread converts at once (8 loads of 8 bytes in flight)
+MAX_GRID_ROWS = 65535   # a grid's y extent: silu_mul_halves' blocks stride over more rows than this
 
 
 def silu_mul_kernel(g, u, h):
@@ -88,7 +87,8 @@ def _build_silu_mul_halves(gu_dtype, h_dtype):
         gridDim.y (the grid's y extent is capped at 65535), their threads over the F columns."""
         for r in range(r0 + cuda.blockIdx.y, r1, cuda.gridDim.y):
             gate, out = r * 2 * F, r * F
-            for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F, cuda.gridDim.x * cuda.blockDim.x):
+            for j in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, F,
+                           cuda.gridDim.x * cuda.blockDim.x):
                 x = load(gu, gate + j)
                 store(h, out + j, silu(x) * load(gu, gate + F + j))
 
@@ -130,7 +130,7 @@ def _build_cast(out_dtype):
         lo = cuda.local.array(CAST_WORDS, np.uint64)
         hi = cuda.local.array(CAST_WORDS, np.uint64)
         for base in range(cuda.grid(1), out4.shape[0], CAST_WORDS * stride):
-            for j in range(CAST_WORDS):  # every load before any store (see the module docstring)
+            for j in range(CAST_WORDS):          # every load before any store (see the module docstring)
                 q = base + j * stride
                 if q < out4.shape[0]:
                     lo[j], hi[j] = x2[2 * q], x2[2 * q + 1]
@@ -170,8 +170,9 @@ def launch_silu_mul_halves(gu, h, stream=0, threads=THREADS) -> None:
     """gu: [R, 2F] (a row's gate then up projections), h: [R, F]; both C-contiguous, h float32, float16 or uint16
     (bfloat16 bits), gu of h's dtype or float32. h = silu(gu[:, :F]) * gu[:, F:] in float32, rounded to h's dtype
     once."""
+    launcher = SiluMulHalves(gu, h, threads)
     if h.size:
-        SiluMulHalves(gu, h, threads)(0, h.shape[0], stream)
+        launcher(0, h.shape[0], stream)
 
 
 class SiluMulHalves:
@@ -183,29 +184,24 @@ class SiluMulHalves:
         """gu [N, 2F], h [N, F] as launch_silu_mul_halves takes them; a call computes rows [r0, r1) of them."""
         R, F = h.shape
         assert gu.shape == (R, 2 * F) and np.dtype(gu.dtype) in (np.dtype(h.dtype), np.dtype(np.float32)), (
-            gu.shape,
-            h.shape,
-            gu.dtype,
-            h.dtype,
-        )
+            gu.shape, h.shape, gu.dtype, h.dtype)
         assert np.dtype(h.dtype) in (np.float32, np.float16, np.uint16), h.dtype
         flat_gu, flat_h = _flat(gu, h)
-        self.rows, self.F, self.threads = R, F, threads
-        self.words = gu.dtype == h.dtype == np.uint16 and F % 4 == 0 and aligned_to(8, flat_gu, flat_h)
-        if self.words:
+        self.rows, self.threads = R, threads
+        if gu.dtype == h.dtype == np.uint16 and F % 4 == 0 and aligned_to(8, flat_gu, flat_h):
             self.kernel, self.args = _silu_mul_halves_bf16, (flat_gu.view(np.uint64), flat_h.view(np.uint64))
-            self.width = np.int32(F // 4)
+            self.columns = F // 4
         else:
             self.kernel = _build_silu_mul_halves(np.dtype(gu.dtype), np.dtype(h.dtype))[1]
-            self.args, self.width = (flat_gu, flat_h), np.int32(F)
+            self.args, self.columns = (flat_gu, flat_h), F
 
     def __call__(self, r0: int, r1: int, stream=0) -> None:
         """Rows [r0, r1) (0 <= r0 < r1 <= the buffers' rows)."""
         assert 0 <= r0 < r1 <= self.rows, (r0, r1, self.rows)
-        columns = int(self.width)
         row_blocks = min(r1 - r0, MAX_GRID_ROWS)
-        blocks = max(1, min(-(-columns // self.threads), MAX_BLOCKS // min(row_blocks, MAX_BLOCKS)))
-        self.kernel[(blocks, row_blocks), self.threads, stream](*self.args, self.width, np.int32(r0), np.int32(r1))
+        blocks = max(1, min(-(-self.columns // self.threads), MAX_BLOCKS // min(row_blocks, MAX_BLOCKS)))
+        self.kernel[(blocks, row_blocks), self.threads, stream](*self.args, np.int32(self.columns), np.int32(r0),
+                                                                 np.int32(r1))
 
 
 def launch_sigmoid_gate_add(out, shared, gate_logit, stream=0, threads=THREADS) -> None:
@@ -251,24 +247,16 @@ def launch_cast(x, out, stream=0, threads=THREADS) -> None:
 def sm90_signatures():
     """(python function, numba signature) of every variant, for the sm_90 compile check."""
     f1, f2 = types.float32[::1], types.float32[:, ::1]
-    out = [
-        (silu_mul_kernel, (f1, f1, f1)),
-        (sigmoid_gate_add_kernel, (f2, f2, f1)),
-        (clamp_kernel, (f1, types.float32, types.float32)),
-    ]
+    out = [(silu_mul_kernel, (f1, f1, f1)), (sigmoid_gate_add_kernel, (f2, f2, f1)),
+           (clamp_kernel, (f1, types.float32, types.float32))]
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_bias(np.dtype(dt))[0], (f2, nb[::1])))
     for dt, nb in ((np.float16, types.float16), (np.uint16, types.uint16)):
         out.append((_build_cast(np.dtype(dt))[0], (f1, nb[::1], types.uint64[::1], types.uint64[::1])))
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
         for gu_dt, gu_nb in ((dt, nb), (np.float32, types.float32)):
-            out.append(
-                (
-                    _build_silu_mul_halves(np.dtype(gu_dt), np.dtype(dt))[0],
-                    (gu_nb[::1], nb[::1], types.int32, types.int32, types.int32),
-                )
-            )
-    out.append(
-        (silu_mul_halves_bf16_kernel, (types.uint64[::1], types.uint64[::1], types.int32, types.int32, types.int32))
-    )
+            out.append((_build_silu_mul_halves(np.dtype(gu_dt), np.dtype(dt))[0],
+                        (gu_nb[::1], nb[::1], types.int32, types.int32, types.int32)))
+    out.append((silu_mul_halves_bf16_kernel,
+                (types.uint64[::1], types.uint64[::1], types.int32, types.int32, types.int32)))
     return out

@@ -12,7 +12,6 @@ pickled closure, and a pickled device function carries a random per-process id, 
 every process and the kernel would never be found: `pin_closure_ids` gives those device functions, and the
 intrinsics they use, ids derived from their code and what they reach instead.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -55,7 +54,8 @@ def _cache_dir() -> Path | None:
         probe.unlink()
     except OSError as exc:
         # A cache that cannot be written must not stop the worker: it only costs the compile time.
-        log.warning("%s=%s is not writable (%s); kernels compile without a cache", CACHE_ENV, root, exc.strerror or exc)
+        log.warning("%s=%s is not writable (%s); kernels compile without a cache", CACHE_ENV, root,
+                    exc.strerror or exc)
         return None
     return folder
 
@@ -63,7 +63,7 @@ def _cache_dir() -> Path | None:
 CACHE_DIR = _cache_dir()
 if CACHE_DIR is not None:
     cuda_config.CACHE_DIR = str(CACHE_DIR)
-    os.environ["NUMBA_CACHE_DIR"] = str(CACHE_DIR)  # the same if Numba re-reads its configuration
+    os.environ["NUMBA_CACHE_DIR"] = str(CACHE_DIR)     # the same if Numba re-reads its configuration
 
 
 def _fingerprint(value, memo: dict) -> bytes:
@@ -86,7 +86,7 @@ def _function_digest(fn, memo: dict) -> str:
     """A digest of fn's code, closure and the device functions and intrinsics it reaches through globals."""
     if id(fn) in memo:
         return memo[id(fn)]
-    memo[id(fn)] = f"{fn.__module__}.{fn.__qualname__}"  # a recursive reference stops here
+    memo[id(fn)] = f"{fn.__module__}.{fn.__qualname__}"        # a recursive reference stops here
     digest = hashlib.sha256(memo[id(fn)].encode() + fn.__code__.co_code)
     for cell in fn.__closure__ or ():
         digest.update(_fingerprint(cell.cell_contents, memo))

@@ -99,8 +99,6 @@ class LaunchShape(NamedTuple):
 DECODE_SHAPE = LaunchShape(WARPS, ROWS_GATED, ROWS_DOWN, UNROLL, WARPS * DECODE_BLOCKS_PER_SM)
 
 
-def rows_per_warp(gated: bool) -> int:
-    return DECODE_SHAPE.rows(gated)
 
 
 def _quad_decoder(code: int):
@@ -161,16 +159,15 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
     vals = 4 * quads  # values per chunk
     nb = element_bytes(code)
-    # a token tile reuses each load `tokens` times: registers go to x and sums
-    unroll = shape.unroll if tokens == 1 else 1
+    unroll = shape.unroll if tokens == 1 else 1  # a token tile reuses each load `tokens` times: registers go to x and sums
     n_raw = nw * unroll
     quad = _quad_decoder(code)
 
     @cuda.jit(device=True, inline=True)
-    def fetch(words, scales, roff, sidx, c0, end, checked, raw, factor):
-        """Issues the loads of chunks c0 + 32u (u < unroll) of the warp's nw rows (and their block scales) into
-        raw / factor, all before compute's first FMA; checked (constant at each call site): chunks at or past
-        `end` count as zeros, only in the last partial step."""
+    def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):
+        """Chunks c0 + 32u (u < unroll) of the warp's nw rows times `tokens` x rows into acc [nw, tokens]. Every
+        weight load (and block scale) is issued before the first FMA; checked (constant at each call site):
+        chunks at or past `end` count as zeros, only in the last partial step."""
         for u in range(unroll):
             c = c0 + u * WARP
             for i in range(nw):
@@ -185,10 +182,6 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                     for j in range(WORDS):
                         raw[k, j] = np.uint32(0)
                     factor[k] = np.float32(0.0)
-
-    @cuda.jit(device=True, inline=True)
-    def compute(src, xrow, n_in, c0, end, checked, raw, factor, xq, part, acc):
-        """The fetched chunks times `tokens` x rows into acc [nw, tokens]."""
         for u in range(unroll):
             c = c0 + u * WARP
             ok = not checked or c < end
@@ -245,12 +238,10 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                 for i in range(nw):
                     acc[i, t] = np.float32(0.0)
             for c0 in range(lane, full, step):
-                fetch(words, scales, roff, sidx, c0, n_chunks, False, raw, factor)
-                compute(src, xrow, n_in, c0, n_chunks, False, raw, factor, xq, part, acc)
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, n_chunks, False, raw, factor, xq, part, acc)
             if full < n_chunks:
                 last = full + lane
-                fetch(words, scales, roff, sidx, last, n_chunks, True, raw, factor)
-                compute(src, xrow, n_in, last, n_chunks, True, raw, factor, xq, part, acc)
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, last, n_chunks, True, raw, factor, xq, part, acc)
             for i in range(nw):
                 for t in range(tokens):
                     acc[i, t] = warp_sum(acc[i, t])
@@ -387,18 +378,7 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
 
 
 def launch_q8_gate_up(
-    x,
-    experts,
-    meta,
-    F: int,
-    D: int,
-    h,
-    ids=None,
-    order=None,
-    offsets=None,
-    stream=0,
-    slot_of=None,
-    kinds=None,
+    x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None, kinds=None,
     shape: LaunchShape = DECODE_SHAPE,
 ) -> None:
     """x [T, D] float32; experts uint8 [E, stride] (the layer's blocks); meta [E, META_WIDTH] int32 (device);
@@ -431,17 +411,7 @@ def launch_q8_gate_up(
 
 
 def launch_q8_down(
-    h,
-    experts,
-    meta,
-    F: int,
-    D: int,
-    y,
-    ids=None,
-    offsets=None,
-    stream=0,
-    slot_of=None,
-    kinds=None,
+    h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None, kinds=None,
     shape: LaunchShape = DECODE_SHAPE,
 ) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
@@ -473,7 +443,7 @@ SM90_VARIANTS = tuple(
 def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tuple[int, int]:
     """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
     without block scales (DECODE_SHAPE); block-scale factors, or several bodies in one kernel (their live ranges
-    meet at the dispatch), spill there and get a block less; token tiles TILE_BLOCKS_PER_SM."""
+    meet at the dispatch), spill there and get a block less; token tiles TILE_BLOCKS_PER_SM blocks of WARPS warps."""
     threads = shape.warps * WARP
     if tokens > 1:
         return threads, max(1, TILE_BLOCKS_PER_SM * WARPS // shape.warps)
