@@ -8,7 +8,9 @@ under each prefetch mode: none, plan (the static routing table), lookahead (laye
 input) and plan+lookahead. At 100% every expert is resident, no cache logic runs, and there is one run.
 
 Measured per run: prefill tok/s (b=1 x 512, best of 3), decode tok/s at b=1 and b=16 (context 128, median of
-16 steps after 3 warm-up steps), and the expert-cache counts summed over the timed steps: hit rate, bytes
+16 steps after 3 warm-up steps; greedy continuations, then new prompts whose continuations are sampled at
+--temperature, 0.8 unless set, with fixed seeds: greedy loops revisit the same experts and inflate hit rates),
+and the expert-cache counts summed over the timed steps: hit rate, bytes
 copied per token (demand + prefetch copies), prefetches issued/used, stall fraction (stall time / step wall
 time) and the PCIe bound: bytes copied per step / pinned host->device bandwidth, measured in the same run
 (numba pinned_array -> device copy); x_pcie_bound = measured step time / bound (target at 25%: <= 1.5).
@@ -29,7 +31,7 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--plan-source worker|router] [--policy lru|lfu] [--timeline]
+        [--plan-source worker|router] [--policy lru|lfu] [--temperature 0.8] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
 `--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
@@ -76,7 +78,15 @@ from bench.offload_hf import (  # noqa: E402
     bench_hf_budgets,
 )
 from bench.offload_model import TokenSource, load_table, open_model, text_source  # noqa: E402
-from bench.offload_report import OPTIONS, option_key, plot_offload, print_offload, print_option, print_run  # noqa: E402
+from bench.offload_report import (  # noqa: E402
+    DECODE_PHASES,
+    OPTIONS,
+    option_key,
+    plot_offload,
+    print_offload,
+    print_option,
+    print_run,
+)
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
@@ -94,6 +104,7 @@ PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
 TINY = "tiny"  # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu backend, no HF)
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
 PREFILL_REPEATS, WARMUP_STEPS = 3, 3
+SAMPLED_TEMPERATURE = 0.8  # the sampled continuations' temperature unless --temperature says otherwise
 TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
 
 
@@ -208,18 +219,23 @@ def bench_colibri(
     tokens: TokenSource,
     decode_steps: int = DECODE_STEPS,
     timeline: bool = False,
+    temperature: float = 0.0,
 ) -> dict:
     """Prefill b=1 x 512, then decode at each batch size; the step's routing plan goes along when prefetching
     from the plan (looked up outside the timed region: the router does it before sending the step). Prompts
     come from `tokens`, the same ones for every engine. timeline (cuda): one more decode step per batch size
-    recorded kernel by kernel (bench/kernel_timeline.py), to see which stream a step waited on."""
+    recorded kernel by kernel (bench/kernel_timeline.py), to see which stream a step waited on.
+    temperature > 0: the decode phases run again on new prompts whose continuations are sampled at that
+    temperature (seed = the request id, so every engine samples the same way), into "decode_sampled": greedy
+    continuations of a random or briefly trained model fall into loops that revisit the same experts and
+    inflate hit rates."""
     take = tokens.sampler()
     thread = _model_thread(engine)
     use_plan = table is not None and "plan" in engine.config.prefetch_sources
     sync = getattr(getattr(engine.decoder, "stream", None), "synchronize", lambda: None)
 
-    def chunk(rid: int, n: int) -> PrefillInput:
-        return PrefillInput(rid, take(n), SamplingParams(), True)
+    def chunk(rid: int, n: int, sampling: SamplingParams = SamplingParams()) -> PrefillInput:
+        return PrefillInput(rid, take(n), sampling, True)
 
     def step(prefill=(), decode_ids=()):
         routing_plan = None
@@ -238,21 +254,26 @@ def bench_colibri(
     out = {
         "memory_plan": dict(engine.decoder.memory_plan()),
         "prefill": summarize(runs[1:], PREFILL_TOKENS, bytes_per_s, pick=min),
-        "decode": {},
     }
-    for b in DECODE_BATCHES:
-        ids = list(range(b))
-        step([chunk(rid, DECODE_CONTEXT) for rid in ids])  # b x 128 <= max_batch_tokens: one step
-        for _ in range(WARMUP_STEPS):  # cuda: eager, capture, replay
-            step(decode_ids=ids)
-        runs = [step(decode_ids=ids) for _ in range(decode_steps)]
-        out["decode"][str(b)] = summarize(runs, b, bytes_per_s)
-        if timeline and thread is not None:
-            out["decode"][str(b)]["timeline"] = step_timeline(lambda: step(decode_ids=ids))
-        if thread is not None and not use_plan:  # as bench/engine.py serves: graphs, two steps in flight
-            seconds, _ = pipelined_decode(engine, ids, thread, lambda result, context: 0)
-            out["decode"][str(b)]["pipelined_tok_s"] = b / seconds
-        engine.clear()
+    phases = [("decode", lambda rid: SamplingParams())]
+    if temperature > 0:
+        out["sampled_temperature"] = temperature
+        phases.append(("decode_sampled", lambda rid: SamplingParams(temperature=temperature, seed=rid)))
+    for phase, sampling in phases:
+        out[phase] = {}
+        for b in DECODE_BATCHES:
+            ids = list(range(b))
+            step([chunk(rid, DECODE_CONTEXT, sampling(rid)) for rid in ids])  # b x 128 <= max_batch_tokens
+            for _ in range(WARMUP_STEPS):  # cuda: eager, capture, replay
+                step(decode_ids=ids)
+            runs = [step(decode_ids=ids) for _ in range(decode_steps)]
+            out[phase][str(b)] = summarize(runs, b, bytes_per_s)
+            if timeline and thread is not None and phase == "decode":
+                out[phase][str(b)]["timeline"] = step_timeline(lambda: step(decode_ids=ids))
+            if thread is not None and not use_plan:  # as bench/engine.py serves: graphs, two steps in flight
+                seconds, _ = pipelined_decode(engine, ids, thread, lambda result, context: 0)
+                out[phase][str(b)]["pipelined_tok_s"] = b / seconds
+            engine.clear()
     return out
 
 
@@ -302,7 +323,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
             "slots_per_layer": experts,
             "slot_bytes": expert_bytes,
             "prefetch": "n/a",
-            **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps, args.timeline),
+            **bench_colibri(engine, None, bytes_per_s, tokens, args.decode_steps, args.timeline, args.temperature),
         }
     finally:
         close(engine)
@@ -330,12 +351,20 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                         "policy": args.policy,
                         **settings,
                         **bench_colibri(
-                            cached, None if own else table, bytes_per_s, tokens, args.decode_steps, args.timeline
+                            cached,
+                            None if own else table,
+                            bytes_per_s,
+                            tokens,
+                            args.decode_steps,
+                            args.timeline,
+                            args.temperature,
                         ),
                     }
                 finally:
                     close(cached)
-                print_run(fraction, key, runs[key]["decode"], resident["decode"])
+                for phase in DECODE_PHASES:
+                    if phase in runs[key]:
+                        print_run(fraction, key, runs[key][phase], resident[phase], phase)
             base = {option: getattr(args, option)[0] for option in OPTIONS}
             for option in (option for option in OPTIONS if len(getattr(args, option)) == 2):
                 on, off = (runs[option_key(mode, {**base, option: value})] for value in (True, False))
@@ -347,27 +376,29 @@ def add_ratios(entry: dict) -> None:
     """Per fraction and mode: x_hf (speed-up over HF), x_none (over no prefetch; < 1 = prefetch loses) and
     x_pcie_bound (measured / bound; target <= 1.5 at 25%)."""
     entry["ratios"] = {}
+    resident = entry.get("resident")
     for fraction, modes in entry["runs"].items():
         hf, baseline = (entry.get("hf") or {}).get(fraction), modes.get("none")
         hf = hf if hf and "error" not in hf else None
         for mode, run in modes.items():
             r = {}
-            resident = entry.get("resident")
-            for b, d in run["decode"].items() if resident and mode != "resident" else ():
-                base = resident["decode"][b]
-                r[f"decode_b{b}_x_resident"] = d["tok_s"] / base["tok_s"]
-                # the target: a cached step within 1.3x of max(resident step, PCIe bound of the bytes it missed)
-                r[f"decode_b{b}_x_target_bound"] = d["ms_per_step"] / max(base["ms_per_step"], d["pcie_bound_ms"])
-                if "pipelined_tok_s" in d and "pipelined_tok_s" in base:
-                    r[f"decode_b{b}_pipelined_x_resident"] = d["pipelined_tok_s"] / base["pipelined_tok_s"]
             if hf:
                 r["prefill_x_hf"] = run["prefill"]["tok_s"] / hf["prefill_tok_s"]
-            for b, d in run["decode"].items():
-                r[f"decode_b{b}_x_pcie_bound"] = d["x_pcie_bound"]
-                if hf:
-                    r[f"decode_b{b}_x_hf"] = hf["decode_ms"][b] / d["ms_per_step"]
-                if baseline is not None and mode != "none":
-                    r[f"decode_b{b}_x_none"] = d["tok_s"] / baseline["decode"][b]["tok_s"]
+            for phase in (phase for phase in DECODE_PHASES if phase in run):
+                name = f"{phase}_b"  # decode_b1_..., decode_sampled_b1_...
+                for b, d in run[phase].items() if resident and mode != "resident" else ():
+                    base = resident[phase][b]
+                    r[f"{name}{b}_x_resident"] = d["tok_s"] / base["tok_s"]
+                    # the target: a cached step within 1.3x of max(resident step, PCIe bound of the bytes it missed)
+                    r[f"{name}{b}_x_target_bound"] = d["ms_per_step"] / max(base["ms_per_step"], d["pcie_bound_ms"])
+                    if "pipelined_tok_s" in d and "pipelined_tok_s" in base:
+                        r[f"{name}{b}_pipelined_x_resident"] = d["pipelined_tok_s"] / base["pipelined_tok_s"]
+                for b, d in run[phase].items():
+                    r[f"{name}{b}_x_pcie_bound"] = d["x_pcie_bound"]
+                    if hf:  # accelerate copies every host-mapped block each forward, whatever the tokens
+                        r[f"{name}{b}_x_hf"] = hf["decode_ms"][b] / d["ms_per_step"]
+                    if baseline is not None and mode != "none":
+                        r[f"{name}{b}_x_none"] = d["tok_s"] / baseline[phase][b]["tok_s"]
             entry["ratios"].setdefault(fraction, {})[mode] = r
 
 
@@ -393,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="/dev/shm/colibri-offload")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--policy", choices=POLICIES, default="lru", help="the expert cache's replacement policy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=SAMPLED_TEMPERATURE,
+        help="the decode phases also run with continuations sampled at this temperature (fixed seeds), beside the "
+        "greedy ones; 0: greedy only",
+    )
     parser.add_argument(
         "--plan-source",
         choices=("worker", "router"),
@@ -432,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{option.replace('_', '-')}: {bad} not in on, off")
         default = getattr(CudaOptions(), option)
         setattr(args, option, sorted(values, key=lambda v, d=default: v != d))  # the default first: MODE's key
+    if not (np.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature: a finite number >= 0, got {args.temperature}")
     if args.decode_steps < 1:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:

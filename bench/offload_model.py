@@ -77,11 +77,11 @@ def text_source(model: ModelDir, path: str | Path, longest_prompt: int) -> Token
     return TokenSource(model.config.vocab_size, stream, path)
 
 
-def open_model(path: str | Path) -> ModelDir:
+def open_model(path: str | Path, flag: str = "--model") -> ModelDir:
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise ConfigError(
-            f"--model: {path} is not a Colibri model directory (no {MANIFEST}; `colibri convert` writes one)"
+            f"{flag}: {path} is not a Colibri model directory (no {MANIFEST}; `colibri convert` writes one)"
         )
     return ModelDir.open(path, verify=False)
 

@@ -33,14 +33,19 @@ def _fmt(v, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
-def print_run(fraction: float, key: str, decode: dict, base: dict) -> None:
-    """One cached run's decode line, against the resident engine's `base` decode of the same run."""
+# bench_colibri's decode phases: greedy continuations, and sampled ones (--temperature > 0)
+DECODE_PHASES = ("decode", "decode_sampled")
+
+
+def print_run(fraction: float, key: str, decode: dict, base: dict, phase: str = "decode") -> None:
+    """One cached run's decode line (one phase), against the resident engine's `base` decode of the same run."""
     line = ", ".join(
         f"b={b} {d['tok_s']:.1f} tok/s ({d['tok_s'] / base[b]['tok_s']:.2f}x resident, "
         f"{d['ms_per_step'] / max(base[b]['ms_per_step'], d['pcie_bound_ms']):.2f}x max(resident, PCIe bound))"
         for b, d in decode.items()
     )
-    print(f"{fraction:>6} {key:<15} decode {line}", flush=True)
+    label = "decode" if phase == "decode" else "sampled"
+    print(f"{fraction:>6} {key:<15} {label} {line}", flush=True)
 
 
 # the CudaOptions fields bench/offload.py can vary
@@ -86,6 +91,24 @@ def print_offload(name: str, entry: dict) -> None:
                 f"{_fmt(r.get('decode_b1_x_hf')) + '/' + _fmt(r.get('decode_b16_x_hf')):>13}"
                 f"{_fmt(r.get('decode_b1_x_none')) + '/' + _fmt(r.get('decode_b16_x_none')):>14}"
             )
+    sampled = [(f, m, run) for f, modes in entry["runs"].items() for m, run in modes.items() if "decode_sampled" in run]
+    if sampled:
+        temperature = sampled[0][2]["sampled_temperature"]
+        print(f"continuations sampled at temperature {temperature:g} (fixed seeds):")
+        print(
+            f"{'budget':>7} {'prefetch':<15}{'b1 tok/s':>10}{'b16 tok/s':>11}{'hit b1/b16':>12}{'MB/tok b1/b16':>15}"
+            f"{'xbound b1/b16':>15}{'xnone b1/b16':>14}"
+        )
+        for fraction, mode, run in sampled:
+            d1, d16, r = run["decode_sampled"]["1"], run["decode_sampled"]["16"], entry["ratios"][fraction][mode]
+            print(
+                f"{float(fraction):>7.3f} {mode:<15}{d1['tok_s']:>10.1f}{d16['tok_s']:>11.1f}"
+                f"{d1['hit_rate']:>6.2f}/{d16['hit_rate']:<5.2f}"
+                f"{d1['bytes_copied_per_token'] / 1e6:>8.3g}/{d16['bytes_copied_per_token'] / 1e6:<6.3g}"
+                f"{_fmt(r.get('decode_sampled_b1_x_target_bound')) + '/' + _fmt(r.get('decode_sampled_b16_x_target_bound')):>15}"
+                f"{_fmt(r.get('decode_sampled_b1_x_none')) + '/' + _fmt(r.get('decode_sampled_b16_x_none')):>14}"
+            )
+        print("xbound: step / max(resident step, PCIe bound of the bytes missed), target <= 1.3")
     print("targets at 0.25: xPCIe <= 1.5, xHF >= 10; xnone < 1: prefetch loses", flush=True)
 
 
@@ -223,6 +246,13 @@ def offload_markdown(results: dict) -> str:
                 speed,
             )
         )
+        sampled = [(f, m, run) for f, modes in e["runs"].items() for m, run in modes.items() if "decode_sampled" in run]
+        if sampled:
+            out.append(
+                f"\nContinuations sampled at temperature {sampled[0][2]['sampled_temperature']:g} (seed = request id; "
+                "new prompts from the same source):\n"
+            )
+            out.append(_table(SAMPLED_HEADER, [_sampled_row(f, m, run, e["ratios"][f][m]) for f, m, run in sampled]))
         if e.get("hf"):
             rows = []
             for fraction, h in e["hf"].items():
@@ -253,6 +283,36 @@ def offload_markdown(results: dict) -> str:
             )
         out.append("")
     return "\n".join(out)
+
+
+SAMPLED_HEADER = [
+    "expert budget",
+    "prefetch",
+    "decode b=1 tok/s",
+    "hit rate b=1",
+    "MB copied / token b=1",
+    "× max(resident, PCIe bound) b=1",
+    "× none b=1",
+    "decode b=16 tok/s",
+    "hit rate b=16",
+    "MB copied / token b=16",
+    "× max(resident, PCIe bound) b=16",
+    "× none b=16",
+]
+
+
+def _sampled_row(fraction: str, mode: str, run: dict, r: dict) -> list[str]:
+    row = [f"{float(fraction):.0%} ({run['slots_per_layer']} slots)", MODE_NAMES.get(mode, mode)]
+    for b in ("1", "16"):
+        d = run["decode_sampled"][b]
+        row += [
+            f"{d['tok_s']:.1f}",
+            _fmt(d["hit_rate"], ".3f"),
+            f"{d['bytes_copied_per_token'] / 1e6:.2f}",
+            _fmt(r.get(f"decode_sampled_b{b}_x_target_bound")),
+            _fmt(r.get(f"decode_sampled_b{b}_x_none")),
+        ]
+    return row
 
 
 def _describe_prompts(p: dict | None) -> str:

@@ -5,13 +5,15 @@
 #   quality against bf16 on the held-out books (bench/quant_quality.py) -> bench/offload.py
 #   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, with the PCIe
 #   bound and transformers + accelerate at the same budget, and one decode step of each run kernel by kernel ->
-#   the same at 50 / 25 % with the lfu replacement policy (no HF).
+#   the same at 50 / 25 % with the lfu replacement policy (no HF) -> int8 experts in the cache against bf16 at
+#   the same device bytes (bench/offload_q8.py).
 # Every stage has a hard timeout inside one 555 s deadline; results are packed after each stage, so a stage
 # that fails or runs out of time still leaves what came before. $OUT gets 3 files: results.tar.gz (the folder
 # below), summary.txt (stage times, return codes, the printed tables) and offload.json.
 #
 # On a GPU machine with the project installed (the cuda extra; accelerate for the HF reference), from the checkout:
-#     OUT=out bash bench/trained_offload.sh
+#     OUT=out bash bench/trained_offload.sh          (SKIP_QUALITY=1: without the 8-bit quality stage)
+# The offload stages decode greedy continuations and, on new prompts, continuations sampled at temperature 0.8.
 # It needs training/data/corpus.txt (`python -m training.corpus` writes it; git-ignored). Wheels in .whl/extra
 # (accelerate, psutil) are installed when the machine lacks accelerate; without them the HF reference is skipped.
 # CPU dry run (no GPU, no HF): a tiny variant (the tiny preset with 1,024-token windows), 2 steps, cpu backend:
@@ -147,9 +149,13 @@ fi
 
 # 6. what 8-bit experts cost this model in quality (docs/quantization.md): held-out perplexity, top-1 agreement,
 #    logit error and greedy agreement with int8 and fp8 experts against bf16 (reserve: offload 150)
-stage quality 120 150 py_engine bench/quant_quality.py --hf-model "$W/hf" --heldout "$HELDOUT" --backend "$BACKEND" \
-  --out "$R/quality.json" $QUALITY_LIMITS
-sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
+if [ -n "$SKIP_QUALITY" ]; then
+  note "quality: skipped (SKIP_QUALITY)"
+else
+  stage quality 120 150 py_engine bench/quant_quality.py --hf-model "$W/hf" --heldout "$HELDOUT" --backend "$BACKEND" \
+    --out "$R/quality.json" $QUALITY_LIMITS
+  sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
+fi
 
 # 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
 stage offload 400 60 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
@@ -162,5 +168,13 @@ stage offload_lfu 120 5 py_engine bench/offload.py --model "$W/model" --prompts 
   --fractions 0.5,0.25 --prefetch-modes none,plan --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
   --out "$R/offload_lfu" --workdir "$W/offload-work"
 sed -n '/experts x/,$p' "$R/offload_lfu.log" | tee -a "$R/summary.txt"
+
+# 9. int8 experts in the cache against bf16 ones at the same device bytes (25 % of the bf16 expert bytes: twice
+#    the slots), prompts from the held-out books, greedy and sampled continuations (bench/offload_q8.py)
+stage convert_int8 60 5 "$PY" -m colibri.cli convert "$W/hf" "$W/model-int8" --dtype bfloat16 --expert-dtype int8 \
+  --no-progress && \
+stage offload_q8 120 5 py_engine bench/offload_q8.py --models "$W/model,$W/model-int8" --prompts "$HELDOUT" \
+  --fraction 0.25 --decode-steps "$DECODE_STEPS" --backend "$BACKEND" --out "$R/offload_q8"
+grep -E "slots|prefill|vs bf16" "$R/offload_q8.log" | tee -a "$R/summary.txt"
 note "done"
 pack

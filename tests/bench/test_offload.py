@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import numpy as np
 import pytest
 
 from bench import offload
@@ -147,3 +148,61 @@ def test_offload_refuses_an_unknown_cached_gemv_setting(capsys):
     with pytest.raises(SystemExit):
         offload.main(["--shapes", "tiny", "--backend", "cpu", "--pipelined-waves", "yes"])
     assert "--pipelined-waves: ['yes'] not in on, off" in capsys.readouterr().err
+
+
+def test_sampled_phase_samples_with_fixed_seeds(tmp_path):
+    """temperature > 0: a second decode phase on new prompts whose sequences sample at that temperature, seeded
+    by their request ids; the greedy phase and the prefill stay greedy; both phases count the cache alike."""
+    from bench.offload_model import TokenSource
+    from common.model_format import ModelDir
+    from expert_service.tools.tiny_model import make_tiny
+
+    model = ModelDir.open(make_tiny(tmp_path / "tiny", family="mixtral", seed=1), verify=False)
+    engine = offload.make_engine(model, "cpu", 2, "none")
+    sent, step = [], engine.step
+    engine.step = lambda prefill, decode, plan=None: (sent.extend(prefill), step(prefill, decode, plan))[1]
+    tokens = TokenSource(model.config.vocab_size)
+    out = offload.bench_colibri(engine, None, 55e9, tokens, decode_steps=2, temperature=0.7)
+    assert out["sampled_temperature"] == 0.7
+    for phase in ("decode", "decode_sampled"):
+        assert list(out[phase]) == ["1", "16"]
+        for d in out[phase].values():
+            assert d["steps"] == 2 and d["tok_s"] > 0 and d["hits"] + d["misses"] > 0
+    prefill, greedy, sampled = sent[: offload.PREFILL_REPEATS + 1], sent[4:21], sent[21:]
+    assert [len(c.token_ids) for c in prefill] == [offload.PREFILL_TOKENS] * 4
+    assert len(greedy) == len(sampled) == 17  # b=1 then b=16 prompts of DECODE_CONTEXT tokens
+    assert all(c.sampling.temperature == 0 for c in prefill + greedy)
+    assert all(c.sampling.temperature == 0.7 and c.sampling.seed == c.request_id for c in sampled)
+    assert not any(np.array_equal(g.token_ids, s.token_ids) for g, s in zip(greedy, sampled))  # new prompts
+
+    greedy_only = offload.bench_colibri(engine, None, 55e9, tokens, decode_steps=2)
+    assert "decode_sampled" not in greedy_only and "sampled_temperature" not in greedy_only
+
+
+def test_sampled_runs_reported_with_their_ratios(tmp_path, capsys):
+    """The default runs sampled continuations beside greedy ones: ratios per phase, printed, in the markdown."""
+    from bench.offload_report import offload_markdown
+
+    out = tmp_path / "out"
+    argv = ["--shapes", "tiny", "--backend", "cpu", "--fractions", "1,0.5", "--prefetch-modes", "none"]
+    assert offload.main([*argv, "--decode-steps", "2", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "offload.json").read_text())
+    entry = results["shapes"]["tiny"]
+    run = entry["runs"]["0.5"]["none"]
+    assert run["sampled_temperature"] == offload.SAMPLED_TEMPERATURE
+    ratios = entry["ratios"]["0.5"]["none"]
+    base = entry["resident"]["decode_sampled"]["16"]
+    assert ratios["decode_sampled_b16_x_resident"] == run["decode_sampled"]["16"]["tok_s"] / base["tok_s"]
+    assert ratios["decode_sampled_b1_x_pcie_bound"] == run["decode_sampled"]["1"]["x_pcie_bound"]
+    assert "decode_sampled_b1_x_target_bound" in ratios and "decode_b1_x_target_bound" in ratios
+    printed = capsys.readouterr().out
+    assert "   0.5 none            sampled b=1 " in printed and "continuations sampled at temperature 0.8" in printed
+    assert "Continuations sampled at temperature 0.8" in offload_markdown(results)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_temperature_must_be_finite_and_not_negative(tmp_path, value, capsys):
+    argv = ["--shapes", "tiny", "--backend", "cpu", "--out", str(tmp_path), "--temperature", value]
+    with pytest.raises(SystemExit):
+        offload.main(argv)
+    assert f"--temperature: a finite number >= 0, got {float(value)}" in capsys.readouterr().err

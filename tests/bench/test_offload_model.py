@@ -4,6 +4,7 @@ bad arguments fail in one line before anything runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -80,8 +81,8 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
     stream = load_corpus(prompts, "text", model)
     windows = {stream[s : s + 128].tobytes() for s in range(stream.size - 127)}
     # per run (the resident reference, then none and plan): 1 + 3 prefills of 512, then 1 and 16 decode contexts
-    # of 128; each starts with a window of the text
-    assert len(prefilled) == 3 * (4 + 1 + 16) and all(p[:128].tobytes() in windows for p in prefilled)
+    # of 128, greedy and again sampled; each starts with a window of the text
+    assert len(prefilled) == 3 * (4 + 2 * (1 + 16)) and all(p[:128].tobytes() in windows for p in prefilled)
     results = json.loads((out / "offload.json").read_text())
     entry = results["shapes"][model.path.name]
     assert entry["prompts"] == {"kind": "text slices", "file": str(prompts), "tokens": int(stream.size), "seed": 0}
@@ -90,8 +91,8 @@ def test_model_run_uses_the_text_and_the_table(model_with_table, offload_run):
     assert list(entry["runs"]["0.5"]) == ["none", "plan"]
     block = entry["expert_block_bytes"]
     for mode, run in entry["runs"]["0.5"].items():
-        for b in ("1", "16"):
-            d = run["decode"][b]
+        for phase, b in itertools.product(("decode", "decode_sampled"), ("1", "16")):
+            d = run[phase][b]
             assert d["steps"] == 3 and d["bytes_copied"] == (d["misses"] + d["prefetches_issued"]) * block
             # the worker looks the table up itself (no plan sent) and scores that lookup on one step in 8
             assert (
