@@ -419,7 +419,9 @@ class CudaDecoder:
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
 
     def _cached_grouped(self, options: CudaOptions) -> int:
-        return cached_grouped_tokens(self.config, self.weights.dtype, self.weights.quantized, options)
+        return cached_grouped_tokens(
+            self.config, self.weights.dtype, self.weights.quantized, options, self.weights.all_8bit
+        )
 
     def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
         """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""

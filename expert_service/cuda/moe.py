@@ -21,7 +21,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import cached_mma_possible, run_grouped_mma
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, q8_mma_applies, run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
@@ -39,7 +39,6 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_gemm_mma import Config, choose_config
-from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
@@ -87,10 +86,9 @@ def q8_mma_tokens(config: ModelConfig, all_8bit: bool, bf16: bool, options: Cuda
     """The step sizes (lo, hi) that run Q8_MMA on this model with these options, or None where the kernel does
     not apply: an expert that is not int8 / fp8 (a bf16 / fp16 / fp32 expert in a mixed layer: moe_q8 reads
     those), dense weights other than bf16 (the kernel's activations are bf16), D or F not a multiple of 16."""
-    D, F, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    if not (all_8bit and bf16 and D % Q8_MMA_MIN_DIM == 0 and F % Q8_MMA_MIN_DIM == 0 and E <= ALIGN_MAX_E):
+    if not q8_mma_applies(config, all_8bit, bf16):
         return None
-    many = E >= GROUPED_MMA_MIN_EXPERTS
+    many = config.num_experts >= GROUPED_MMA_MIN_EXPERTS
     return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
 
 
@@ -188,12 +186,16 @@ def cached_gemv_slots(cached: CachedExperts | None, options: CudaOptions) -> int
     return cached.slots.slots_per_layer if cached is not None and options.cached_gemv else 0
 
 
-def cached_grouped_tokens(config: ModelConfig, weight_dtype, quantized: bool, options: CudaOptions) -> int:
+def cached_grouped_tokens(
+    config: ModelConfig, weight_dtype, quantized: bool, options: CudaOptions, all_8bit: bool = False
+) -> int:
     """choose_strategy's cached_grouped: every step moe_align can sort (its assignment limit) with
-    CudaOptions.cached_mma and cached_mma_large on layers whose waves run on the tensor-core kernel
-    (cached_mma_possible), else GROUPED_MAX_TOKENS (moe_ffn's grouped kernels; CACHED_CUBLAS above)."""
+    CudaOptions.cached_mma and cached_mma_large on layers whose waves run on a tensor-core kernel
+    (cached_mma_possible; all_8bit: DeviceWeights.all_8bit), else GROUPED_MAX_TOKENS (moe_ffn's or moe_q8's
+    grouped kernels; CACHED_CUBLAS above)."""
     E, K = config.num_experts, config.num_experts_per_tok
-    if options.cached_mma and options.cached_mma_large and cached_mma_possible(weight_dtype, quantized, E):
+    q8 = q8_mma_applies(config, all_8bit, np.dtype(weight_dtype) == np.uint16)
+    if options.cached_mma and options.cached_mma_large and cached_mma_possible(weight_dtype, quantized, E, q8):
         return ALIGN_MAX_ASSIGNMENTS // K
     return GROUPED_MAX_TOKENS
 
@@ -243,8 +245,10 @@ def warmup_tokens(
         first.setdefault((strategy, tile, router), T)
         if cached_grouped:
             strategy = choose_strategy(T, K, E, True, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
-            grouped = strategy is MoeStrategy.CACHED_GROUPED and cached_mma
-            first.setdefault((strategy, choose_config(T * K, E) if grouped else None, router), T)
+            tile = None
+            if strategy is MoeStrategy.CACHED_GROUPED and cached_mma:  # the waves' tile config of this size
+                tile = choose_q8_config(T * K, E) if quantized else choose_config(T * K, E)
+            first.setdefault((strategy, tile, router), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
 
@@ -362,7 +366,9 @@ class DeviceMoe:
     @property
     def cached_grouped(self) -> int:
         """choose_strategy's cached_grouped under the current options (cached_grouped_tokens)."""
-        return cached_grouped_tokens(self.config, self.weights.dtype, self.quantized, self.options)
+        return cached_grouped_tokens(
+            self.config, self.weights.dtype, self.quantized, self.options, self.weights.all_8bit
+        )
 
     def cached_large(self, T: int) -> bool:
         """Whether a cached step of T tokens runs CACHED_CUBLAS (per-expert GEMMs at a host break)."""

@@ -23,14 +23,16 @@ predicted experts arrive while the layers before it compute, not only behind the
 layer's router applied to this layer's input (its top-k on the device), is known one layer ahead only: it runs on a
 side stream forked after the layer's first wave of demand copies, behind that next layer's plan copies (both
 update the next layer's slot map), and fills the slots the plan left unprotected.
-Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS; with CudaOptions.cached_mma_large on bf16 layers they take the
-grouped waves too) read the waves and expert offsets back at a host break and run two cuBLAS GEMMs per expert on
+Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS; with CudaOptions.cached_mma_large on layers whose waves run on a
+tensor-core kernel they take the grouped waves too) read the waves and expert offsets back at a host break and run two cuBLAS GEMMs per expert on
 its slot, as the resident per-expert path does; they take no prefetch.
 
 8-bit and mixed-dtype experts (DeviceWeights.quantized): slots hold the blocks' bytes as stored (weights and
 float32 scales), and each expert's dtype, scale scheme and tensor offsets stay in the layer's meta table indexed by
 expert id (an expert's block layout is the same in any slot): the grouped steps run moe_q8 through the wave's
-slot map, and CACHED_CUBLAS dequantises each expert from its slot into a dense scratch before its GEMMs.
+slot map, or, when every expert is int8 / fp8, the 8-bit tensor-core kernel (moe_gemm_q8mma: each tile's bytes
+from its slot, its meta by expert id; CudaOptions.cached_mma, and cached_mma_large for steps of any size), and
+CACHED_CUBLAS dequantises each expert from its slot into a dense scratch before its GEMMs.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from common.model_config import ModelConfig
 from expert_service.cuda.driver import Event, check, non_blocking_stream, stream_handle
 from expert_service.cuda.expert_slots import DeviceSlots
 from expert_service.cuda.linear import DeviceLinear
-from expert_service.cuda.moe_grouped_mma import cached_mma_possible
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, q8_mma_applies
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.config import PrefetchSource
 from expert_service.experts.cache import CacheStats
@@ -67,6 +69,8 @@ from expert_service.kernels.moe_gemm_mma import (
     launch_moe_gemm_down,
     launch_moe_gemm_gate_up,
 )
+from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 from expert_service.kernels.table_hints import launch_table_hints
 from expert_service.kernels.tile_slots import launch_tile_slots
@@ -136,9 +140,10 @@ class CachedExperts:
         self.host_waves = cuda.pinned_array((W, E), np.int32)  # CACHED_CUBLAS's readback
         self.host_offsets = cuda.pinned_array(E + 1, np.int32)
         self.quantized = weights.quantized
-        # the tensor-core waves (CudaOptions.cached_mma): bf16 layers, and their rows in the workspace (laid out
-        # with the option on)
-        self.mma_supported = cached_mma_possible(weights.dtype, weights.quantized, E)
+        # the tensor-core waves (CudaOptions.cached_mma): bf16 layers, or every expert 8-bit (moe_gemm_q8mma), and
+        # their rows in the workspace (laid out with the option on)
+        q8 = q8_mma_applies(cfg, weights.all_8bit, np.dtype(weights.dtype) == np.uint16)
+        self.mma_supported = cached_mma_possible(weights.dtype, weights.quantized, E, q8)
         self.mma_possible = self.mma_supported and "mma_tile_slot" in workspace.arrays
         self.dense = self.one_expert = None  # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs
         if self.quantized and T > GROUPED_MAX_TOKENS:
@@ -291,7 +296,7 @@ class CachedExperts:
         """The tensor-core waves' shared part: the step's assignments sorted into tiles by expert (moe_align) and
         their rows gathered in bf16, once per layer. Returns the tile config and tile count every wave uses."""
         ws, st, E = self.ws, self.stream, self.config.num_experts
-        config = choose_config(n, E)
+        config = choose_q8_config(n, E) if self.quantized else choose_config(n, E)
         bm = config.block_m
         tiles = max_tiles(n, E, bm)
         sorted_ids, tile_expert = ws.mma_sorted_ids[: tiles * bm], ws.mma_tile_expert[:tiles]
@@ -299,17 +304,23 @@ class CachedExperts:
         launch_moe_gather_bf16(x, sorted_ids, ws.mma_num_tiles, ids.shape[1], bm, ws.mma_xs[: tiles * bm], stream=st)
         return config, tiles
 
-    def _mma_wave(self, slot_of, n: int, buffer, tiling: tuple[Config, int]) -> None:
+    def _mma_wave(self, i: int, slot_of, n: int, buffer, tiling: tuple[Config, int]) -> None:
         """Wave's tiles on the tensor-core grouped kernel: their slots (tile_slots: -1 for other waves' tiles,
-        which the kernels skip), then gate|up and down from the slot buffer, y stored in assignment order."""
+        which the kernels skip), then gate|up and down from the slot buffer, y stored in assignment order. 8-bit
+        layers: moe_gemm_q8mma, each tile's bytes from its slot and its meta row by expert id."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         config, tiles = tiling
         rows = tiles * config.block_m
-        tile_slot, num_tiles, h = ws.mma_tile_slot[:tiles], ws.mma_num_tiles, ws.mma_h[:rows]
-        launch_tile_slots(ws.mma_tile_expert[:tiles], num_tiles, slot_of, tile_slot, stream=st)
-        launch_moe_gemm_gate_up(ws.mma_xs[:rows], tile_slot, num_tiles, buffer, F, D, h, config=config, stream=st)
-        sorted_ids, out = ws.mma_sorted_ids[:rows], ws.moe_out[:n]
+        tile_expert, tile_slot, num_tiles = ws.mma_tile_expert[:tiles], ws.mma_tile_slot[:tiles], ws.mma_num_tiles
+        xs, h, sorted_ids, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.mma_sorted_ids[:rows], ws.moe_out[:n]
+        launch_tile_slots(tile_expert, num_tiles, slot_of, tile_slot, stream=st)
+        if self.quantized:
+            meta, q8 = self.weights.expert_meta[i], dict(config=config, stream=st, tile_slot=tile_slot)
+            launch_q8mma_gate_up(xs, tile_expert, num_tiles, buffer, meta, F, D, h, **q8)
+            launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, buffer, meta, F, D, out, **q8)
+            return
+        launch_moe_gemm_gate_up(xs, tile_slot, num_tiles, buffer, F, D, h, config=config, stream=st)
         launch_moe_gemm_down(
             h, tile_slot, num_tiles, sorted_ids, buffer, F, D, out, combine=COMBINE_STORE, config=config, stream=st
         )
@@ -323,7 +334,7 @@ class CachedExperts:
         order, out, gate = ws.order[:n], ws.moe_out[:n], ws.moe_gate[:n]
         slot_of = self.slots.wave_slots(i, w)
         if tiling is not None:
-            self._mma_wave(slot_of, n, buffer, tiling)
+            self._mma_wave(i, slot_of, n, buffer, tiling)
             return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]

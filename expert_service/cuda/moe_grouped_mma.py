@@ -33,6 +33,7 @@ from expert_service.kernels.moe_gemm_mma import (
     launch_moe_gemm_down,
     launch_moe_gemm_gate_up,
 )
+from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
 
@@ -54,10 +55,23 @@ def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[
     }
 
 
-def cached_mma_possible(weight_dtype, quantized: bool, num_experts: int) -> bool:
-    """Whether the expert cache's grouped waves can run on the tensor-core kernel (CudaOptions.cached_mma): bf16
-    experts (the kernel reads bf16 weights; 8-bit slots keep moe_q8) and moe_align's expert limit."""
-    return np.dtype(weight_dtype) == np.uint16 and not quantized and num_experts <= ALIGN_MAX_E
+def q8_mma_applies(config, all_8bit: bool, bf16: bool) -> bool:
+    """Whether Q8_MMA's kernels can run this model's experts: every expert int8 / fp8 (a bf16 / fp16 / fp32 expert
+    in a mixed layer: moe_q8 reads those), bf16 dense weights (the kernel's activations are bf16), D and F
+    multiples of 16, and moe_align's expert limit."""
+    D, F = config.hidden_size, config.moe_intermediate_size
+    return (
+        all_8bit and bf16 and D % Q8_MMA_MIN_DIM == 0 and F % Q8_MMA_MIN_DIM == 0 and config.num_experts <= ALIGN_MAX_E
+    )
+
+
+def cached_mma_possible(weight_dtype, quantized: bool, num_experts: int, q8_mma: bool = False) -> bool:
+    """Whether the expert cache's grouped waves can run on a tensor-core kernel (CudaOptions.cached_mma): bf16
+    experts on moe_gemm_mma, or 8-bit ones (q8_mma: q8_mma_applies) on moe_gemm_q8mma, each within moe_align's
+    expert limit; mixed layers with 16-bit experts keep moe_q8."""
+    if num_experts > ALIGN_MAX_E:
+        return False
+    return q8_mma if quantized else np.dtype(weight_dtype) == np.uint16
 
 
 def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None) -> None:

@@ -162,7 +162,8 @@ def layout_workspace(
         layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
     if strategies & {MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA}:  # the same sorted bf16 rows
         layout.update(grouped_mma_layout(T, K, E, D, F))
-    elif cached and cached_mma and cached_mma_possible(weight_dtype, quantized, E):  # cache waves on tensor cores
+    elif cached and cached_mma and cached_mma_possible(weight_dtype, quantized, E, q8_mma is not None):
+        # the cache's waves on tensor cores
         grouped = grouped_mma_layout(min(T, cached_grouped), K, E, D, F)
         layout.update(grouped, mma_tile_slot=grouped["mma_tile_expert"])
     if planned:  # the step's plan, [MoE layers, T_step, K] at the front of it (stage_routed_ids)

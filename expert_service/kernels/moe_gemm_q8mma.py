@@ -214,12 +214,14 @@ def _build(cfg: Config, mode: int, exact_k: bool):
     loop_int8_channel, loop_int8_block = main_loop(True, False), main_loop(True, True)
     loop_fp8_channel, loop_fp8_block = main_loop(False, False), main_loop(False, True)
 
-    def q8mma_kernel(a, words, scales, meta, tile_expert, num_tiles, sorted_ids, stride, n_out, k_dim, n_tiles_n,
-                     out):
-        """a: A rows [rows * k_dim] bf16 as uint32 pairs; words / scales: the layer's blocks [E * stride bytes] as
-        uint32 / float32; meta [E, META_WIDTH] int32; tile_expert [tiles], num_tiles [1], sorted_ids [rows]
-        int32; stride: bytes per expert; n_out, k_dim: output columns, input dim (F, D for gate|up; D, F for
-        down); out: h [rows * F / 2] (bf16 pairs) | y [T*K * D] f32. Grid (tiles * n_tiles_n,), THREADS."""
+    def q8mma_kernel(a, words, scales, meta, tile_expert, tile_block, num_tiles, sorted_ids, stride, n_out, k_dim,
+                     n_tiles_n, out):
+        """a: A rows [rows * k_dim] bf16 as uint32 pairs; words / scales: the blocks [blocks * stride bytes] as
+        uint32 / float32; meta [E, META_WIDTH] int32; tile_expert [tiles] (the tile's expert: its meta row),
+        tile_block [tiles] (the block holding its weights: the expert, or its cache slot; -1: skip the tile),
+        num_tiles [1], sorted_ids [rows] int32; stride: bytes per block; n_out, k_dim: output columns, input dim
+        (F, D for gate|up; D, F for down); out: h [rows * F / 2] (bf16 pairs) | y [T*K * D] f32.
+        Grid (tiles * n_tiles_n,), THREADS."""
         tiles = tile_expert.shape[0]
         b = cuda.blockIdx.x
         group = b // (GM * n_tiles_n)
@@ -230,11 +232,14 @@ def _build(cfg: Config, mode: int, exact_k: bool):
         n_tile = local // gsize
         if m_tile >= num_tiles[0]:
             return
+        block = tile_block[m_tile]
+        if block < 0:
+            return
         expert = tile_expert[m_tile]
         code = meta[expert, 0]
         is_int8 = code == CODE_INT8
         block_scaled = meta[expert, 1] == SCALE_BLOCK
-        base = np.int64(expert) * stride
+        base = np.int64(block) * stride
         row0 = np.int64(m_tile) * BM
         n0 = n_tile * (HALF_N if gated else BN)
         tid = cuda.threadIdx.x
@@ -359,55 +364,62 @@ def _check(name, a, shape, dtype):
         )
 
 
-def _check_common(experts, meta, tile_expert, num_tiles, F: int, D: int) -> int:
+def _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F: int, D: int) -> int:
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} "
                          f"{list(experts.shape)}")
     _check("experts", experts, experts.shape, np.uint8)
-    _check("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
+    if meta.ndim != 2:
+        raise ValueError(f"meta must be int32 [E, {META_WIDTH}], got {list(meta.shape)}")
+    _check("meta", meta, (meta.shape[0] if tile_slot is not None else experts.shape[0], META_WIDTH), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {MIN_DIM} for 8-bit experts")
     tiles = tile_expert.shape[0]
     _check("tile_expert", tile_expert, (tiles,), np.int32)
+    if tile_slot is not None:
+        _check("tile_slot", tile_slot, (tiles,), np.int32)
     _check("num_tiles", num_tiles, (1,), np.int32)
     return tiles
 
 
-def _run(cfg: Config, mode: int, grid: int, a, experts, meta, tile_expert, num_tiles, sorted_ids, n_out, k_dim,
-         n_tiles_n, out, stream) -> None:
+def _run(cfg: Config, mode: int, grid: int, a, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids,
+         n_out, k_dim, n_tiles_n, out, stream) -> None:
     flat = experts.reshape(experts.size)
     kernel = _build(cfg, mode, k_dim % cfg.bk == 0)[1]
     _launch(kernel, grid, cfg, stream, (
         a.reshape(a.size).view(np.uint32), flat.view(np.uint32), flat.view(np.float32), meta, tile_expert,
-        num_tiles, sorted_ids, np.int64(experts.shape[1]), np.int64(n_out), np.int64(k_dim), np.int64(n_tiles_n),
-        out), shared_bytes=shared_bytes(cfg))
+        tile_expert if tile_slot is None else tile_slot, num_tiles, sorted_ids, np.int64(experts.shape[1]),
+        np.int64(n_out), np.int64(k_dim), np.int64(n_tiles_n), out), shared_bytes=shared_bytes(cfg))
 
 
 def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: int, h, config: Config | None = None,
-                         stream=0) -> None:
+                         stream=0, tile_slot=None) -> None:
     """xs [rows, D] uint16 (bf16 rows in sorted order, launch_moe_gather_bf16), tile_expert [tiles] / num_tiles
     [1] int32 (launch_moe_align with block_m = config.block_m; rows = tiles * BM), experts uint8 [E, stride],
     meta [E, META_WIDTH] int32 (every expert int8 or fp8) -> h [rows, F] uint16 (bf16 of silu(xs gate^T) *
-    (xs up^T)) in every used row (padding rows: zeros)."""
+    (xs up^T)) in every used row (padding rows: zeros). tile_slot [tiles] int32 (the expert cache's waves,
+    kernels/tile_slots.py): experts is then the slot buffer [slots, stride], each tile's weights come from its
+    slot (meta still by expert id: a block's layout is the same in any slot), and tiles at -1 are skipped
+    (their rows of h untouched)."""
     cfg = config or choose_config(xs.shape[0], tile_expert.shape[0])
-    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D)
+    tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
     _check("xs", xs, (rows, D), np.uint16)
     _check("h", h, (rows, F), np.uint16)
     if tiles == 0:
         return
     n_tiles_n = -(-F // (cfg.block_n // 2))
-    _run(cfg, _MODE_SWIGLU, tiles * n_tiles_n, xs, experts, meta, tile_expert, num_tiles, tile_expert, F, D,
-         n_tiles_n, h.reshape(h.size).view(np.uint32), stream)
+    _run(cfg, _MODE_SWIGLU, tiles * n_tiles_n, xs, experts, meta, tile_expert, tile_slot, num_tiles, tile_expert,
+         F, D, n_tiles_n, h.reshape(h.size).view(np.uint32), stream)
 
 
 def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: int, D: int, out,
-                      config: Config | None = None, stream=0) -> None:
+                      config: Config | None = None, stream=0, tile_slot=None) -> None:
     """h [rows, F] uint16 (launch_q8mma_gate_up's), tile_expert / num_tiles / sorted_ids from launch_moe_align,
-    experts / meta as for gate_up -> out [T*K, D] f32 = h @ down^T in assignment order (every routed row
-    written; not yet weighted: launch_moe_combine adds them up)."""
+    experts / meta / tile_slot as for gate_up -> out [T*K, D] f32 = h @ down^T in assignment order (every routed
+    row written, skipped tiles' rows untouched; not yet weighted: launch_moe_combine adds them up)."""
     cfg = config or choose_config(h.shape[0], tile_expert.shape[0])
-    tiles = _check_common(experts, meta, tile_expert, num_tiles, F, D)
+    tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
     _check("h", h, (rows, F), np.uint16)
     _check("sorted_ids", sorted_ids, (rows,), np.int32)
@@ -417,8 +429,8 @@ def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: i
     if tiles == 0 or out.shape[0] == 0:
         return
     n_tiles_n = -(-D // cfg.block_n)
-    _run(cfg, _MODE_STORE, tiles * n_tiles_n, h, experts, meta, tile_expert, num_tiles, sorted_ids, D, F,
-         n_tiles_n, out.reshape(out.size), stream)
+    _run(cfg, _MODE_STORE, tiles * n_tiles_n, h, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids, D,
+         F, n_tiles_n, out.reshape(out.size), stream)
 
 
 # ---- numpy reference --------------------------------------------------------------------------------------
@@ -472,5 +484,5 @@ def sm90_signatures():
             for mode in (_MODE_SWIGLU, _MODE_STORE):
                 dst = u32 if mode == _MODE_SWIGLU else f1
                 out.append((_build(cfg, mode, exact_k)[0],
-                            (u32, u32, f1, types.int32[:, ::1], i1, i1, i1, i64, i64, i64, i64, dst)))
+                            (u32, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, i64, dst)))
     return out

@@ -45,11 +45,56 @@ def test_shipped_on_by_default():
         (LARGE, BF16, False, MAX_ASSIGNMENTS // 4),
         (CudaOptions(cached_mma=False, cached_mma_large=True), BF16, False, GROUPED_MAX_TOKENS),  # moe_ffn's waves
         (LARGE, F32, False, GROUPED_MAX_TOKENS),  # the tensor-core kernel reads bf16 weights
-        (LARGE, BF16, True, GROUPED_MAX_TOKENS),  # 8-bit slots keep moe_q8
+        (LARGE, BF16, True, GROUPED_MAX_TOKENS),  # mixed layers (16-bit experts among 8-bit ones) keep moe_q8
     ],
 )
 def test_the_largest_grouped_step(options, dtype, quantized, expected):
     assert cached_grouped_tokens(config(), dtype, quantized, options) == expected
+
+
+@pytest.mark.parametrize(
+    "options,dtype,dims,expected",
+    [
+        (LARGE, BF16, (64, 96), MAX_ASSIGNMENTS // 2),  # every expert 8-bit: the 8-bit tensor-core waves (K = 2)
+        (SMALL, BF16, (64, 96), GROUPED_MAX_TOKENS),
+        (LARGE, F32, (64, 96), GROUPED_MAX_TOKENS),  # the kernel's activations are bf16
+        (LARGE, BF16, (64, 40), GROUPED_MAX_TOKENS),  # F not a multiple of 16: no 8-bit tile kernel
+    ],
+)
+def test_8bit_experts_take_the_tensor_core_waves_where_q8_mma_applies(options, dtype, dims, expected):
+    D, F = dims
+    cfg = config_from_hf({**tiny_hf_config("qwen3_moe"), "hidden_size": D, "moe_intermediate_size": F})
+    assert cached_grouped_tokens(cfg, dtype, True, options, all_8bit=True) == expected
+
+
+def test_8bit_waves_are_laid_out_and_warm_up_their_tile_configs():
+    """An all-8-bit cached engine lays out the sorted rows and the tile -> slot map, and warms every tile config
+    of moe_gemm_q8mma its waves take (choose_q8_config, not the bf16 kernel's)."""
+    from expert_service.cuda.moe import q8_mma_tokens, warmup_tokens
+    from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+
+    K, E, T = 2, 8, 2048
+    cfg = config(E, K)
+    q8 = q8_mma_tokens(cfg, True, True, LARGE)
+    big = cached_grouped_tokens(cfg, BF16, True, LARGE, all_8bit=True)
+    layout = layout_workspace(
+        cfg,
+        BF16,
+        T,
+        8,
+        64,
+        len(cfg.moe_layers),
+        cached=True,
+        quantized=True,
+        q8_mma=q8,
+        cached_mma=True,
+        cached_grouped=big,
+    )
+    assert "mma_tile_slot" in layout and layout["mma_sorted_ids"][0][0] >= max_rows(
+        T * K, E, choose_q8_config(T * K, E).block_m
+    )
+    sizes = warmup_tokens(T, K, E, True, LARGE, quantized=True, q8_mma=q8, cached_grouped=big, cached_mma=True)
+    assert {choose_q8_config(t * K, E) for t in sizes if t >= 2} >= {choose_q8_config(t * K, E) for t in range(2, T)}
 
 
 def test_every_step_size_takes_the_waves_with_the_option():

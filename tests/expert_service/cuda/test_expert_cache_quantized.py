@@ -103,3 +103,47 @@ def test_prefetch_changes_only_counters(model):
 def test_no_device_allocations_during_cached_quantized_steps(tmp_path, monkeypatch):
     model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed"))
     check_no_allocations_during_cached_steps(model, monkeypatch).decoder.close()
+
+
+@pytest.fixture(scope="module", params=["int8", "mixed-8bit"])
+def all_8bit_model(request, tmp_path_factory):
+    """bf16 dense weights with every expert 8-bit (int8; int8 and fp8 of both scale schemes): the models whose
+    cached waves run on moe_gemm_q8mma."""
+    root = tmp_path_factory.mktemp(f"mixtral-{request.param}-bf16")
+    return ModelDir.open(quantized_model(root, "mixtral", request.param, dense="bfloat16"))
+
+
+@pytest.mark.parametrize("prompts", [SESSION_PROMPTS, LONG_PROMPTS], ids=["short", "long"])
+def test_8bit_tensor_core_waves_equal_the_resident_engine(all_8bit_model, prompts):
+    """Every expert 8-bit: the cache's grouped waves (and, with cached_mma_large, its prompt step of 150 tokens) run
+    moe_gemm_q8mma through tile -> slot maps, the kernel the resident engine's steps of 2 tokens or more take
+    (Q8_MMA), each tile computed the same way whatever the wave: logits bitwise the resident engine's at 1, 2 and
+    3 slots, with graphs and eagerly; moe_q8's waves (cached_mma off) within the bf16 tolerance."""
+    from expert_service.cuda.moe import MoeStrategy
+    from expert_service.engine.cuda_options import CudaOptions
+
+    T = sum(len(p) for p in prompts)
+    ref_logits, ref_tokens, _, _, resident = run_session(all_8bit_model, backend="cuda", prompts=prompts)
+    assert resident.decoder._strategy(T) is MoeStrategy.Q8_MMA
+    resident.decoder.close()
+    slow = run_session(
+        all_8bit_model,
+        backend="cuda",
+        prompts=prompts,
+        expert_cache_slots=2,
+        prefetch="none",
+        cuda_options=CudaOptions(cached_mma=False),
+    )
+    assert not slow[4].decoder.cached.mma_possible
+    slow[4].decoder.close()
+    for slots, graphs in ((1, True), (2, True), (3, True), (2, False)):
+        logits, tokens, stats, _, engine = run_session(
+            all_8bit_model, backend="cuda", prompts=prompts, expert_cache_slots=slots, cuda_graphs=graphs
+        )
+        assert engine.decoder.cached.mma_possible and engine.decoder._strategy(T) is MoeStrategy.CACHED_GROUPED
+        assert stats[0].misses > 0  # the prompt step's experts were fetched mid-step
+        assert tokens == ref_tokens, f"{slots} slots, graphs={graphs}"
+        for a, b, c in zip(logits, ref_logits, slow[0]):
+            assert np.array_equal(a, b), f"{slots} slots, graphs={graphs}"
+            assert rel_error(a, c) <= 1e-2
+        engine.decoder.close()

@@ -91,3 +91,60 @@ def test_waves_through_slots_equal_one_pass(cfg, slots):
     y_host = y.copy_to_host()
     assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
     np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator shapes (the GPU's cached-engine tests cover real configs)")
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_q8_waves_through_slots_equal_one_pass(slots):
+    """The same on the 8-bit kernels (moe_gemm_q8mma's tile_slot): mixed int8 / fp8 experts of both scale schemes,
+    meta read by expert id while the bytes come from the slot; slots start as 0xFF (fp8 NaN) and tiles of other
+    waves are skipped."""
+    from expert_service.kernels.moe_gemm_q8mma import SIM_CONFIG as Q8_SIM
+    from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
+    from tests.expert_service.kernels.test_moe_gemm_q8mma import KINDS, q8_layer
+
+    rng = np.random.default_rng(10 + slots)
+    n_tok, K, E, F, D = 7, 2, 5, 32, 144
+    cfg = Q8_SIM
+    ids = random_ids(rng, n_tok, K, E)
+    W, meta = q8_layer(rng, KINDS, F, D)
+    dmeta = cuda.to_device(meta)
+    x = cuda.to_device(rng.standard_normal((n_tok, D)).astype(np.float32))
+    bm, n = cfg.block_m, ids.size
+    tiles = max_tiles(n, E, bm)
+    sorted_ids, tile_expert, num_tiles, position = (
+        cuda.to_device(np.full(s, GARBAGE, np.int32)) for s in (tiles * bm, tiles, 1, n)
+    )
+    launch_moe_align(cuda.to_device(ids), E, bm, sorted_ids, tile_expert, num_tiles, position)
+    xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
+    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs)
+    (h_ref, y_ref), (h, y) = (
+        (
+            cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16)),
+            cuda.to_device(np.full((n, D), np.nan, np.float32)),
+        )
+        for _ in "ab"
+    )
+    dW = cuda.to_device(W)
+    launch_q8mma_gate_up(xs, tile_expert, num_tiles, dW, dmeta, F, D, h_ref, config=cfg)
+    launch_q8mma_down(h_ref, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y_ref, config=cfg)
+
+    needed = rng.permutation(np.unique(ids))
+    slot_buffer = cuda.to_device(np.full((slots, W.shape[1]), 0xFF, np.uint8))
+    tile_slot = cuda.to_device(np.full(tiles, GARBAGE, np.int32))
+    for first in range(0, needed.size, slots):
+        wave = needed[first : first + slots]
+        wave_map = np.full(E, -1, np.int32)
+        host = np.full((slots, W.shape[1]), 0xFF, np.uint8)
+        for e, s in zip(wave, rng.permutation(slots)):
+            wave_map[e], host[s] = s, W[e]
+        slot_buffer.copy_to_device(host)
+        launch_tile_slots(tile_expert, num_tiles, cuda.to_device(wave_map), tile_slot)
+        q8 = dict(config=cfg, tile_slot=tile_slot)
+        launch_q8mma_gate_up(xs, tile_expert, num_tiles, slot_buffer, dmeta, F, D, h, **q8)
+        launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, slot_buffer, dmeta, F, D, y, **q8)
+    used = int(num_tiles.copy_to_host()[0]) * bm
+    np.testing.assert_array_equal(h.copy_to_host()[:used], h_ref.copy_to_host()[:used])
+    y_host = y.copy_to_host()
+    assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
+    np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
