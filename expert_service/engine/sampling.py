@@ -2,7 +2,8 @@
 backend), then a constrained sequence's grammar mask (engine/token_masks.py, applied by the backend), then the
 logit bias, then stop-id suppression, then temperature 0 = greedy; otherwise logits /
 temperature, then top-k (0 = off), then top-p (1 = off), then min-p (0 = off), then one draw from the sequence's
-own seeded generator, so the same seed gives the same tokens whatever else shares the batch. Log-probabilities
+own seeded generator, so the same seed gives the same tokens whatever else shares the batch (filters and draw
+without sorting the vocabulary: `filtered_weights`, bench/sampler_host.py). Log-probabilities
 are of the raw logits (expert_service/engine/logprobs.py): no bias, no filter.
 """
 
@@ -110,21 +111,90 @@ class Sampler:
             logits[ids] += biases
         if self.num_generated < p.min_new_tokens and p.stop_token_ids:
             logits[list(p.stop_token_ids)] = -np.inf
-        if p.temperature == 0:
+        temperature = np.float32(p.temperature)
+        if temperature == 0:  # greedy, or a temperature below float32's range: its limit
             token = int(np.argmax(logits))
         else:
-            # Shifted to <= 0 before dividing, in float64: a tiny temperature sends every other token to -inf
-            # (never inf - inf = NaN), so it degrades to greedy instead of to the last id.
-            scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
-            token = int(self._draw(filter_logits(scaled, p.top_k, p.top_p, p.min_p)))
+            # Shifted to <= 0 before dividing: a tiny temperature sends every other token to -inf (never
+            # inf - inf = NaN), so it degrades to greedy instead of to the last id.
+            logits -= logits.max()
+            logits /= temperature
+            token = self._draw_filtered(logits)
         self.num_generated += 1
         return token
 
-    def _draw(self, logits: np.ndarray) -> int:
-        probs = np.exp(logits - logits.max()).astype(np.float64)
-        probs /= probs.sum()
-        cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+    def _draw_filtered(self, scaled: np.ndarray) -> int:
+        """One draw from softmax(scaled) [V] float32 (<= 0, 0 at the top token) after top-k, top-p and min-p:
+        the tokens filter_logits keeps, with the same probabilities (float32 exponentials, float64 sums), found
+        without sorting the vocabulary. A request's sampling runs on the worker's host for every step (hundreds of
+        microseconds a row at 32k tokens in plain numpy, milliseconds with top-p's full sort)."""
+        p = self.params
+        ids, weights = filtered_weights(scaled, p.top_k, p.top_p, p.min_p)
+        if ids is None:
+            return _draw_blocked(weights, self.rng.random())
+        cdf = np.cumsum(weights, dtype=np.float64)
+        return int(ids[min(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"), len(cdf) - 1)])
+
+
+# The candidate sets top-p tries before sorting the whole vocabulary: tokens within this many nats of the top one
+NUCLEUS_SPANS = (4.0, 8.0, 16.0, 32.0)
+DRAW_BLOCK = 1024  # the plain draw's two-level cumulative sum: block sums, then one block's entries
+
+
+def filtered_weights(scaled: np.ndarray, top_k: int, top_p: float, min_p: float):
+    """(ids, weights): the tokens filter_logits keeps of `scaled` [V] float32 (<= 0, 0 at the top token) and their
+    unnormalised probabilities exp(scaled) in float32; ids None with weights [V] (zero where filtered) when no
+    filter is on."""
+    ids = None  # the candidates (None: every token), then the kept ones
+    if 0 < top_k < scaled.size:  # exactly k survive, even with ties
+        ids = np.sort(np.argpartition(-scaled, top_k - 1)[:top_k])  # the same tied tokens as filter_logits
+    values = scaled if ids is None else scaled[ids]
+    weights = np.exp(values)
+    if top_p < 1.0:
+        ids, weights = _nucleus(values, weights, ids, top_p)
+        values = scaled[ids]
+    if min_p > 0:  # p_i >= min_p * p_max  <=>  scaled_i >= log(min_p): the top token (0) stays
+        keep = values >= np.float32(np.log(min_p))
+        ids = np.flatnonzero(keep) if ids is None else ids[keep]
+        weights = weights[keep]
+    return ids, weights
+
+
+def _nucleus(values: np.ndarray, weights: np.ndarray, ids: np.ndarray | None, top_p: float):
+    """(ids, weights) of the top-p nucleus of the candidates (ids None: every token; values their scaled logits,
+    weights their exp): the tokens in descending order (ties by id, as a stable sort) until the mass strictly before
+    a token reaches top_p of the total. Sorts only the tokens within a span of the top one whose mass already
+    reaches top_p: every nucleus token is among them, since each token outside weighs less than each inside."""
+    total = weights.sum(dtype=np.float64)
+    inside = None  # every candidate, unless a span's tokens hold top_p of the mass
+    for span in NUCLEUS_SPANS:
+        within = np.flatnonzero(values > -span)
+        if weights[within].sum(dtype=np.float64) >= top_p * total:
+            inside = within
+            break
+    order = np.argsort(-values, kind="stable") if inside is None else inside[np.argsort(-values[inside], kind="stable")]
+    before = np.concatenate(([0.0], np.cumsum(weights[order], dtype=np.float64)[:-1]))  # mass ahead of each
+    n = max(1, int(np.searchsorted(before, top_p * total, side="left")))
+    kept = order[:n]
+    return (kept if ids is None else ids[kept]), weights[kept]
+
+
+def _draw_blocked(weights: np.ndarray, u: float) -> int:
+    """The token whose cumulative weight first exceeds u x the total, summing block by block (one pass over the
+    vocabulary, a cumulative sum over one block) instead of a cumulative sum over every token."""
+    n = weights.size
+    blocks = -(-n // DRAW_BLOCK)
+    padded = np.zeros(blocks * DRAW_BLOCK, np.float32)
+    padded[:n] = weights
+    sums = np.cumsum(padded.reshape(blocks, DRAW_BLOCK).sum(axis=1, dtype=np.float64))
+    target = u * sums[-1]
+    b = min(int(np.searchsorted(sums, target, side="right")), blocks - 1)
+    block = padded[b * DRAW_BLOCK : (b + 1) * DRAW_BLOCK]
+    cdf = np.cumsum(block, dtype=np.float64)
+    j = int(np.searchsorted(cdf, target - (sums[b - 1] if b else 0.0), side="right"))
+    if j >= block.size or block[j] == 0:  # rounding past the block's end: its last token that can be drawn
+        j = int(np.flatnonzero(block)[-1])
+    return b * DRAW_BLOCK + j
 
 
 def filter_logits(logits: np.ndarray, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:

@@ -118,7 +118,8 @@ def test_8bit_tensor_core_waves_equal_the_resident_engine(all_8bit_model, prompt
     """Every expert 8-bit: the cache's grouped waves (and, with cached_mma_large, its prompt step of 150 tokens) run
     moe_gemm_q8mma through tile -> slot maps, the kernel the resident engine's steps of 2 tokens or more take
     (Q8_MMA), each tile computed the same way whatever the wave: logits bitwise the resident engine's at 1, 2 and
-    3 slots, with graphs and eagerly; moe_q8's waves (cached_mma off) within the bf16 tolerance."""
+    3 slots, with graphs and eagerly; moe_q8's waves (cached_mma off, fp32 activations) on the prompt step within
+    the bf16 tolerance (later steps may follow other greedy tokens: the two round differently)."""
     from expert_service.cuda.moe import MoeStrategy
     from expert_service.engine.cuda_options import CudaOptions
 
@@ -143,7 +144,6 @@ def test_8bit_tensor_core_waves_equal_the_resident_engine(all_8bit_model, prompt
         assert engine.decoder.cached.mma_possible and engine.decoder._strategy(T) is MoeStrategy.CACHED_GROUPED
         assert stats[0].misses > 0  # the prompt step's experts were fetched mid-step
         assert tokens == ref_tokens, f"{slots} slots, graphs={graphs}"
-        for a, b, c in zip(logits, ref_logits, slow[0]):
-            assert np.array_equal(a, b), f"{slots} slots, graphs={graphs}"
-            assert rel_error(a, c) <= 1e-2
+        assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits)), f"{slots} slots, graphs={graphs}"
+        assert rel_error(logits[0], slow[0][0]) <= 1e-2
         engine.decoder.close()
