@@ -48,6 +48,54 @@ def _pass(xs, tile_expert, num_tiles, sorted_ids, W, F, D, h, y, cfg):
     launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F, D, y, combine="store", config=cfg)
 
 
+def _sorted_step(rng, ids, E, D, F, bm):
+    """The step's assignments sorted into tiles (moe_align) and their rows gathered in bf16, then two (h, y) output
+    pairs starting as NaN: (sorted_ids, tile_expert, num_tiles, xs, [(h_ref, y_ref), (h, y)])."""
+    n_tok, K = ids.shape
+    n = ids.size
+    tiles = max_tiles(n, E, bm)
+    sorted_ids, tile_expert, num_tiles, position = (
+        cuda.to_device(np.full(s, GARBAGE, np.int32)) for s in (tiles * bm, tiles, 1, n)
+    )
+    launch_moe_align(cuda.to_device(ids), E, bm, sorted_ids, tile_expert, num_tiles, position)
+    x = cuda.to_device(rng.standard_normal((n_tok, D)).astype(np.float32))
+    xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
+    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs)
+    outputs = [
+        (
+            cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16)),
+            cuda.to_device(np.full((n, D), np.nan, np.float32)),
+        )
+        for _ in "ab"
+    ]
+    return sorted_ids, tile_expert, num_tiles, xs, outputs
+
+
+def _waves(rng, ids, E, W, slots, fill, tile_expert, num_tiles, tile_slot):
+    """Yields the slot buffer [slots, stride] of each wave (the step's experts in random order, a few at a time,
+    each in a random slot; the other slots hold `fill`) after writing the wave's tile -> slot map into tile_slot."""
+    needed = rng.permutation(np.unique(ids))
+    slot_buffer = cuda.to_device(np.full((slots, W.shape[1]), fill, W.dtype))
+    for first in range(0, needed.size, slots):
+        wave = needed[first : first + slots]
+        wave_map = np.full(E, -1, np.int32)
+        host = np.full((slots, W.shape[1]), fill, W.dtype)
+        for e, s in zip(wave, rng.permutation(slots)):
+            wave_map[e], host[s] = s, W[e]
+        slot_buffer.copy_to_device(host)
+        launch_tile_slots(tile_expert, num_tiles, cuda.to_device(wave_map), tile_slot)
+        yield slot_buffer
+
+
+def _check_equal(bm, num_tiles, outputs):
+    (h_ref, y_ref), (h, y) = outputs
+    used = int(num_tiles.copy_to_host()[0]) * bm
+    np.testing.assert_array_equal(h.copy_to_host()[:used], h_ref.copy_to_host()[:used])
+    y_host = y.copy_to_host()
+    assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
+    np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="simulator shapes (the GPU's cached-engine tests cover real configs)")
 @pytest.mark.parametrize("cfg,slots", [(SIM_CONFIG, 1), (SIM_CONFIG_2, 2), (SIM_CONFIG, 3)], ids=["1", "2", "3"])
 def test_waves_through_slots_equal_one_pass(cfg, slots):
@@ -55,42 +103,14 @@ def test_waves_through_slots_equal_one_pass(cfg, slots):
     n_tok, K, E, F, D = 9, 2, 6, 24, 40
     ids = random_ids(rng, n_tok, K, E)
     W, _ = expert_buffer(rng, E, F, D, np.uint16, scale=1.0 / np.sqrt(D))
-    x = cuda.to_device(rng.standard_normal((n_tok, D)).astype(np.float32))
-    bm, n = cfg.block_m, ids.size
-    tiles = max_tiles(n, E, bm)
-    sorted_ids, tile_expert, num_tiles, position = (
-        cuda.to_device(np.full(s, GARBAGE, np.int32)) for s in (tiles * bm, tiles, 1, n)
-    )
-    launch_moe_align(cuda.to_device(ids), E, bm, sorted_ids, tile_expert, num_tiles, position)
-    xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
-    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs)
-    buffers = [
-        (
-            cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16)),
-            cuda.to_device(np.full((n, D), np.nan, np.float32)),
-        )
-        for _ in "ab"
-    ]
-    (h_ref, y_ref), (h, y) = buffers
+    bm = cfg.block_m
+    sorted_ids, tile_expert, num_tiles, xs, outputs = _sorted_step(rng, ids, E, D, F, bm)
+    (h_ref, y_ref), (h, y) = outputs
     _pass(xs, tile_expert, num_tiles, sorted_ids, cuda.to_device(W), F, D, h_ref, y_ref, cfg)
-
-    needed = rng.permutation(np.unique(ids))
-    slot_buffer = cuda.to_device(np.full((slots, W.shape[1]), NAN16, np.uint16))
-    tile_slot = cuda.to_device(np.full(tiles, GARBAGE, np.int32))
-    for first in range(0, needed.size, slots):
-        wave = needed[first : first + slots]
-        wave_map = np.full(E, -1, np.int32)
-        host = np.full((slots, W.shape[1]), NAN16, np.uint16)
-        for e, s in zip(wave, rng.permutation(slots)):
-            wave_map[e], host[s] = s, W[e]
-        slot_buffer.copy_to_device(host)
-        launch_tile_slots(tile_expert, num_tiles, cuda.to_device(wave_map), tile_slot)
+    tile_slot = cuda.to_device(np.full(tile_expert.shape[0], GARBAGE, np.int32))
+    for slot_buffer in _waves(rng, ids, E, W, slots, NAN16, tile_expert, num_tiles, tile_slot):
         _pass(xs, tile_slot, num_tiles, sorted_ids, slot_buffer, F, D, h, y, cfg)
-    used = int(num_tiles.copy_to_host()[0]) * bm
-    np.testing.assert_array_equal(h.copy_to_host()[:used], h_ref.copy_to_host()[:used])
-    y_host = y.copy_to_host()
-    assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
-    np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
+    _check_equal(bm, num_tiles, outputs)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="simulator shapes (the GPU's cached-engine tests cover real configs)")
@@ -105,46 +125,17 @@ def test_q8_waves_through_slots_equal_one_pass(slots):
 
     rng = np.random.default_rng(10 + slots)
     n_tok, K, E, F, D = 7, 2, 5, 32, 144
-    cfg = Q8_SIM
     ids = random_ids(rng, n_tok, K, E)
     W, meta = q8_layer(rng, KINDS, F, D)
-    dmeta = cuda.to_device(meta)
-    x = cuda.to_device(rng.standard_normal((n_tok, D)).astype(np.float32))
-    bm, n = cfg.block_m, ids.size
-    tiles = max_tiles(n, E, bm)
-    sorted_ids, tile_expert, num_tiles, position = (
-        cuda.to_device(np.full(s, GARBAGE, np.int32)) for s in (tiles * bm, tiles, 1, n)
-    )
-    launch_moe_align(cuda.to_device(ids), E, bm, sorted_ids, tile_expert, num_tiles, position)
-    xs = cuda.to_device(np.full((tiles * bm, D), NAN16, np.uint16))
-    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs)
-    (h_ref, y_ref), (h, y) = (
-        (
-            cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16)),
-            cuda.to_device(np.full((n, D), np.nan, np.float32)),
-        )
-        for _ in "ab"
-    )
+    dmeta, bm = cuda.to_device(meta), Q8_SIM.block_m
+    sorted_ids, tile_expert, num_tiles, xs, outputs = _sorted_step(rng, ids, E, D, F, bm)
+    (h_ref, y_ref), (h, y) = outputs
     dW = cuda.to_device(W)
-    launch_q8mma_gate_up(xs, tile_expert, num_tiles, dW, dmeta, F, D, h_ref, config=cfg)
-    launch_q8mma_down(h_ref, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y_ref, config=cfg)
-
-    needed = rng.permutation(np.unique(ids))
-    slot_buffer = cuda.to_device(np.full((slots, W.shape[1]), 0xFF, np.uint8))
-    tile_slot = cuda.to_device(np.full(tiles, GARBAGE, np.int32))
-    for first in range(0, needed.size, slots):
-        wave = needed[first : first + slots]
-        wave_map = np.full(E, -1, np.int32)
-        host = np.full((slots, W.shape[1]), 0xFF, np.uint8)
-        for e, s in zip(wave, rng.permutation(slots)):
-            wave_map[e], host[s] = s, W[e]
-        slot_buffer.copy_to_device(host)
-        launch_tile_slots(tile_expert, num_tiles, cuda.to_device(wave_map), tile_slot)
-        q8 = dict(config=cfg, tile_slot=tile_slot)
+    launch_q8mma_gate_up(xs, tile_expert, num_tiles, dW, dmeta, F, D, h_ref, config=Q8_SIM)
+    launch_q8mma_down(h_ref, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y_ref, config=Q8_SIM)
+    tile_slot = cuda.to_device(np.full(tile_expert.shape[0], GARBAGE, np.int32))
+    for slot_buffer in _waves(rng, ids, E, W, slots, 0xFF, tile_expert, num_tiles, tile_slot):
+        q8 = dict(config=Q8_SIM, tile_slot=tile_slot)
         launch_q8mma_gate_up(xs, tile_expert, num_tiles, slot_buffer, dmeta, F, D, h, **q8)
         launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, slot_buffer, dmeta, F, D, y, **q8)
-    used = int(num_tiles.copy_to_host()[0]) * bm
-    np.testing.assert_array_equal(h.copy_to_host()[:used], h_ref.copy_to_host()[:used])
-    y_host = y.copy_to_host()
-    assert np.isfinite(y_host).all(), "a routed row of y was not written by its wave"
-    np.testing.assert_array_equal(y_host, y_ref.copy_to_host())
+    _check_equal(bm, num_tiles, outputs)
