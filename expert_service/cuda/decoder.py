@@ -45,7 +45,7 @@ from expert_service.cuda.moe import (
     reachable_strategies,
     warmup_tokens,
 )
-from expert_service.cuda.moe_cached import CachedExperts
+from expert_service.cuda.moe_cached import CachedExperts, dense_scratch_needed
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.token_masks import DeviceMasks
@@ -156,6 +156,7 @@ class CudaDecoder:
                 config.expert_cache_policy,
                 host_break=self.host_breaks,
                 plan_table=self.plan_lookup.table if self.plan_lookup is not None else None,
+                largest_grouped=cached_grouped,
             )
             if cached
             else None
@@ -559,6 +560,8 @@ class CudaDecoder:
                 f"cuda_options: these options reach MoE strategies the workspace was not laid out for "
                 f"({names}); give them to the engine's config instead"
             )
+        if cached is not None and dense_scratch_needed(cached.quantized, self.max_tokens, grouped):
+            cached.make_dense_scratch()  # 8-bit steps on per-expert cuBLAS under these options: made now, not mid-step
         self.drop_graphs()
         self.model.use_options(options)
 

@@ -78,6 +78,12 @@ from expert_service.kernels.tile_slots import launch_tile_slots
 HINT_TWINS = 2  # the plan's ids are staged per step; two steps may be in flight
 
 
+def dense_scratch_needed(quantized: bool, max_tokens: int, largest_grouped: int) -> bool:
+    """Whether CachedExperts holds CACHED_CUBLAS's one-expert dense scratch: 8-bit experts and steps larger than
+    the largest one its grouped waves take."""
+    return quantized and max_tokens > largest_grouped
+
+
 class CachedExperts:
     """The expert cache on the device: slots and slot map (DeviceSlots), the CACHED_* strategies and the
     prefetch. The decoder stages each step's plan (`stage_hints`), the pass starts with `start_pass`, the
@@ -96,6 +102,7 @@ class CachedExperts:
         policy: str,
         host_break=None,
         plan_table: np.ndarray | None = None,
+        largest_grouped: int = GROUPED_MAX_TOKENS,
     ):
         cfg = config
         self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
@@ -145,11 +152,21 @@ class CachedExperts:
         q8 = q8_mma_applies(cfg, weights.all_8bit, np.dtype(weights.dtype) == np.uint16)
         self.mma_supported = cached_mma_possible(weights.dtype, weights.quantized, E, q8)
         self.mma_possible = self.mma_supported and "mma_tile_slot" in workspace.arrays
-        self.dense = self.one_expert = None  # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs
-        if self.quantized and T > GROUPED_MAX_TOKENS:
+        # CACHED_CUBLAS on 8-bit experts: one expert dequantised for its GEMMs (3 x F x D in the dense dtype, 336 MiB
+        # on mixtral-shape), only where a step can take it: above largest_grouped (cached_grouped_tokens of the
+        # options the decoder was laid out with; the 8-bit tensor-core waves take every step an engine can run)
+        self.dense = self.one_expert = None
+        if dense_scratch_needed(self.quantized, T, largest_grouped):
+            self.make_dense_scratch()
+
+    def make_dense_scratch(self) -> None:
+        """CACHED_CUBLAS's one-expert dense scratch for 8-bit experts, once (at start-up where the configured options
+        reach it, else when CudaDecoder.set_options turns to options that do: never inside a step)."""
+        if self.dense is None:
+            cfg = self.config
             F, D = cfg.moe_intermediate_size, cfg.hidden_size
-            self.dense = cuda.device_array((1, 3 * F * D), weights.dtype, stream=st)
-            self.one_expert = cuda.to_device(np.array([0, 1], np.int32), stream=st)  # dequant's offsets for one
+            self.dense = cuda.device_array((1, 3 * F * D), self.weights.dtype, stream=self.stream)
+            self.one_expert = cuda.to_device(np.array([0, 1], np.int32), stream=self.stream)  # dequant's offsets
 
     @property
     def nbytes(self) -> int:
@@ -454,7 +471,8 @@ class CachedExperts:
                 if hi <= lo:
                     continue
                 block = buffer[slot]
-                if self.dense is not None:  # 8-bit: widened into the scratch, read by the GEMMs after it (one stream)
+                if self.quantized:  # 8-bit: widened into the scratch, read by the GEMMs after it (one stream)
+                    assert self.dense is not None, "CACHED_CUBLAS on 8-bit experts without its scratch"
                     meta = self.weights.expert_meta[i][e : e + 1]
                     launch_dequant_experts(
                         buffer[slot : slot + 1], meta, self.one_expert, 0, F, D, self.dense, stream=self.stream

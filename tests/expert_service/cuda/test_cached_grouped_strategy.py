@@ -17,6 +17,7 @@ from expert_service.cuda.moe import (
     choose_strategy,
     reachable_strategies,
 )
+from expert_service.cuda.moe_cached import dense_scratch_needed
 from expert_service.cuda.workspace import layout_workspace
 from expert_service.engine.cuda_options import EXPERIMENTAL, CudaOptions
 from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, max_rows
@@ -122,16 +123,44 @@ def test_the_sorted_rows_are_laid_out_for_the_largest_step():
     assert layouts["large"]["mma_xs"][0] == (rows, cfg.hidden_size) and layouts["large"]["mma_h"][0][0] == rows
 
 
-def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256):
+def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256, all_8bit: bool = False):
     d = CudaDecoder.__new__(CudaDecoder)
     d.config, d.max_tokens = config(), max_tokens
-    d.cached = SimpleNamespace(slots=SimpleNamespace(slots_per_layer=4), mma_supported=True, mma_possible=True)
-    d.weights = SimpleNamespace(dtype=BF16, quantized=False, all_8bit=False)
+    d.weights = SimpleNamespace(dtype=BF16, quantized=all_8bit, all_8bit=all_8bit)
+    laid_out_grouped = d._cached_grouped(laid_out)
+    d.cached = SimpleNamespace(
+        slots=SimpleNamespace(slots_per_layer=4),
+        mma_supported=True,
+        mma_possible=True,
+        quantized=all_8bit,  # CachedExperts makes CACHED_CUBLAS's 8-bit scratch only where a step can take it
+        dense=object() if dense_scratch_needed(all_8bit, max_tokens, laid_out_grouped) else None,
+    )
+    d.cached.make_dense_scratch = lambda: setattr(d.cached, "dense", d.cached.dense or object())
     d.model = SimpleNamespace(options=options, use_options=lambda o: setattr(d.model, "options", o))
     d.workspace_strategies = d._strategies(laid_out, True) | {GROUPED, CUBLAS}  # as CudaDecoder.__init__ lays out
-    d.workspace_cached_grouped = d._cached_grouped(laid_out)
+    d.workspace_cached_grouped = laid_out_grouped
     d.drop_graphs = lambda: None
     return d
+
+
+def test_the_8bit_dense_scratch_is_made_only_where_a_step_takes_per_expert_cublas():
+    assert not dense_scratch_needed(False, 4096, GROUPED_MAX_TOKENS)  # bf16 slots are read as they are
+    assert dense_scratch_needed(True, GROUPED_MAX_TOKENS + 1, GROUPED_MAX_TOKENS)
+    assert not dense_scratch_needed(True, 4096, MAX_ASSIGNMENTS // 2)  # the 8-bit waves take every step
+    assert not dense_scratch_needed(True, GROUPED_MAX_TOKENS, GROUPED_MAX_TOKENS)
+
+
+def test_set_options_makes_the_8bit_scratch_when_it_turns_to_per_expert_cublas():
+    """An all-8-bit cached engine laid out with the 8-bit waves for every step holds no dense scratch; options that
+    send large steps back to CACHED_CUBLAS (cached_mma_large off) make it in set_options, between steps."""
+    d = decoder(LARGE, LARGE, all_8bit=True)
+    assert d.cached.dense is None and d._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED
+    d.set_options(LARGE)
+    assert d.cached.dense is None
+    d.set_options(SMALL)
+    assert d.cached.dense is not None and d._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
+    small = decoder(SMALL, SMALL, all_8bit=True)  # laid out for per-expert cuBLAS: the scratch is there at once
+    assert small.cached.dense is not None
 
 
 def test_decoder_steps_follow_the_option():
