@@ -80,6 +80,10 @@ def open_models(dirs: str, expert_dtype: str) -> dict[str, ModelDir]:
         if len(formats) != 1 or formats[0].split("/")[0] != DTYPE_LABELS[dtype]:
             raise ConfigError(f"--models: {model.path} stores its experts as {', '.join(formats)}, expected {dtype}")
     dense, quantized = models.values()
+    if dense.dtype != quantized.dtype:  # the 8-bit tensor-core kernels need bf16 dense weights: compare alike
+        raise ConfigError(
+            f"--models: {dense.path} keeps its dense weights in {dense.dtype}, {quantized.path} in {quantized.dtype}"
+        )
     fields = (f.name for f in dataclasses.fields(dense.config))
     if differ := [k for k in fields if getattr(dense.config, k) != getattr(quantized.config, k)]:
         raise ConfigError(f"--models: {dense.path} and {quantized.path} differ in {', '.join(differ)}")

@@ -561,7 +561,13 @@ class CudaDecoder:
                 f"({names}); give them to the engine's config instead"
             )
         if cached is not None and dense_scratch_needed(cached.quantized, self.max_tokens, grouped):
-            cached.make_dense_scratch()  # 8-bit steps on per-expert cuBLAS under these options: made now, not mid-step
+            try:  # 8-bit steps on per-expert cuBLAS under these options: their scratch made now, not mid-step
+                cached.make_dense_scratch()
+            except Exception as e:  # the pool and slots were sized at start-up without it
+                raise ValueError(
+                    f"cuda_options: per-expert cuBLAS on 8-bit experts needs a one-expert dense scratch the device "
+                    f"could not give ({type(e).__name__}); give the options to the engine's config instead"
+                ) from e
         self.drop_graphs()
         self.model.use_options(options)
 

@@ -111,8 +111,10 @@ class Sampler:
             logits[ids] += biases
         if self.num_generated < p.min_new_tokens and p.stop_token_ids:
             logits[list(p.stop_token_ids)] = -np.inf
-        temperature = np.float32(p.temperature)
-        if temperature == 0:  # greedy, or a temperature below float32's range: its limit
+        # float32 like the logits: a temperature below its range is greedy (the limit), one above it the largest
+        # float32 (every allowed token equally likely; -inf / inf would be NaN)
+        temperature = np.float32(min(p.temperature, float(np.finfo(np.float32).max)))
+        if temperature == 0:
             token = int(np.argmax(logits))
         else:
             # Shifted to <= 0 before dividing: a tiny temperature sends every other token to -inf (never
@@ -125,9 +127,11 @@ class Sampler:
 
     def _draw_filtered(self, scaled: np.ndarray) -> int:
         """One draw from softmax(scaled) [V] float32 (<= 0, 0 at the top token) after top-k, top-p and min-p:
-        the tokens filter_logits keeps, with the same probabilities (float32 exponentials, float64 sums), found
-        without sorting the vocabulary. A request's sampling runs on the worker's host for every step (hundreds of
-        microseconds a row at 32k tokens in plain numpy, milliseconds with top-p's full sort)."""
+        the tokens filter_logits keeps, with the same probabilities (float32 exponentials, float64 sums: cut-offs
+        within ~1e-6 relative of a float64 computation), found without sorting the vocabulary, and drawn over them
+        in id order, so a seed's random numbers pick the tokens they picked when the whole row was sorted. A
+        request's sampling runs on the worker's host for every step (hundreds of microseconds a row at 32k tokens
+        in plain numpy, milliseconds with top-p's full sort)."""
         p = self.params
         ids, weights = filtered_weights(scaled, p.top_k, p.top_p, p.min_p)
         if ids is None:
@@ -175,7 +179,7 @@ def _nucleus(values: np.ndarray, weights: np.ndarray, ids: np.ndarray | None, to
     order = np.argsort(-values, kind="stable") if inside is None else inside[np.argsort(-values[inside], kind="stable")]
     before = np.concatenate(([0.0], np.cumsum(weights[order], dtype=np.float64)[:-1]))  # mass ahead of each
     n = max(1, int(np.searchsorted(before, top_p * total, side="left")))
-    kept = order[:n]
+    kept = np.sort(order[:n])  # id order, as every other filter leaves its tokens
     return (kept if ids is None else ids[kept]), weights[kept]
 
 

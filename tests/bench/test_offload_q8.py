@@ -74,3 +74,10 @@ def test_offload_q8_refuses_models_that_are_not_a_bf16_and_an_8bit_pair(tmp_path
     with pytest.raises(SystemExit):
         offload_q8.main(["--backend", "cpu", "--prompts", "x.txt"])
     assert "--prompts needs --models" in capsys.readouterr().err
+    from expert_service.tools.convert import convert
+
+    bf16_dense = convert(q8_dir / "hf", tmp_path / "bf16-dense", "bfloat16", progress=False, expert_dtype="int8")
+    with pytest.raises(SystemExit):
+        offload_q8.main(["--backend", "cpu", "--out", str(tmp_path / "out"), "--models", f"{dense_dir},{bf16_dense}"])
+    message = f"--models: {dense_dir} keeps its dense weights in float32, {bf16_dense} in bfloat16"
+    assert message in capsys.readouterr().err

@@ -10,9 +10,9 @@ from bench import sampler_host
 
 def test_times_every_setting_beside_the_previous_sampler(tmp_path):
     out = tmp_path / "s.json"
-    assert sampler_host.main(["--out", str(out), "--vocab", "500,3000", "--draws", "4"]) == 0
+    assert sampler_host.main(["--out", str(out), "--vocab", "10,500,3000", "--draws", "4"]) == 0
     results = json.loads(out.read_text())["results"]
-    assert len(results) == 2 * len(sampler_host.SETTINGS)
+    assert len(results) == 3 * len(sampler_host.SETTINGS)
     assert all(r["us"] > 0 and r["previous_us"] > 0 and r["x_faster"] == r["previous_us"] / r["us"] for r in results)
 
 

@@ -163,6 +163,19 @@ def test_set_options_makes_the_8bit_scratch_when_it_turns_to_per_expert_cublas()
     assert small.cached.dense is not None
 
 
+def test_set_options_names_a_scratch_the_device_could_not_give():
+    d = decoder(LARGE, LARGE, all_8bit=True)
+
+    def full():
+        raise MemoryError("out of device memory")
+
+    d.cached.make_dense_scratch = full
+    with pytest.raises(ValueError) as error:
+        d.set_options(SMALL)
+    assert "one-expert dense scratch the device could not give (MemoryError)" in str(error.value)
+    assert "\n" not in str(error.value) and d.options == LARGE  # the old options stay
+
+
 def test_decoder_steps_follow_the_option():
     assert decoder(SMALL, SMALL)._strategy(GROUPED_MAX_TOKENS + 1) is CUBLAS
     assert decoder(LARGE, LARGE)._strategy(GROUPED_MAX_TOKENS + 1) is GROUPED

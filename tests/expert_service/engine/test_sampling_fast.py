@@ -78,3 +78,29 @@ def test_a_temperature_below_float32s_range_is_greedy():
     logits = np.random.default_rng(3).standard_normal(100).astype(np.float32)
     sampler = Sampler(SamplingParams(temperature=1e-300, seed=1))
     assert [sampler.sample(logits) for _ in range(5)] == [int(np.argmax(logits))] * 5
+
+
+def test_a_seed_draws_the_tokens_the_full_sort_sampler_drew():
+    """The kept tokens are drawn over in id order, as the previous sampler's cumulative sum over the whole row did,
+    so a seed keeps its tokens (up to float rounding at a boundary): top-p included."""
+    from bench.sampler_host import previous
+
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal(2000) * 2.5).astype(np.float32)
+    logits[rng.choice(2000, 20, replace=False)] += 8.0
+    for params in (
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.7, top_k=50, seed=5),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=6),
+    ):
+        sampler, before = Sampler(params), previous(params)
+        now, then = [sampler.sample(logits) for _ in range(300)], [before(logits) for _ in range(300)]
+        assert sum(a != b for a, b in zip(now, then)) <= 3, params
+
+
+def test_a_temperature_above_float32s_range_draws_every_allowed_token():
+    logits = np.arange(10, dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=1e39, stop_token_ids=(9,), min_new_tokens=1000, seed=2))
+    tokens = [sampler.sample(logits) for _ in range(400)]
+    assert 9 not in tokens and set(tokens) == set(range(9))
