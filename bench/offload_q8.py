@@ -47,12 +47,12 @@ from bench.offload import (  # noqa: E402
 from bench.offload_hf import DECODE_CONTEXT, PREFILL_TOKENS  # noqa: E402
 from bench.offload_model import TokenSource, open_model, text_source  # noqa: E402
 from bench.offload_report import DECODE_PHASES  # noqa: E402
+from common.dtypes import EXPERT_ALIASES  # noqa: E402
 from common.errors import ColibriError, ConfigError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
 from expert_service.experts.slots import plan_slots  # noqa: E402
 
 TARGET_B1 = 1.8  # 8-bit b=1 decode over bf16 at 25 % of bf16's expert bytes (mixtral-shape)
-DTYPE_LABELS = {"bfloat16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}  # ModelDir.expert_formats names
 
 
 def write_models(shape: str, expert_dtype: str, workdir: Path) -> dict[str, Path]:
@@ -77,7 +77,7 @@ def open_models(dirs: str, expert_dtype: str) -> dict[str, ModelDir]:
     models = dict(zip(("bfloat16", expert_dtype), (open_model(path, "--models") for path in paths)))
     for dtype, model in models.items():
         formats = model.expert_formats
-        if len(formats) != 1 or formats[0].split("/")[0] != DTYPE_LABELS[dtype]:
+        if len(formats) != 1 or formats[0].split("/")[0] != EXPERT_ALIASES[dtype]:
             raise ConfigError(f"--models: {model.path} stores its experts as {', '.join(formats)}, expected {dtype}")
     dense, quantized = models.values()
     if dense.dtype != quantized.dtype:  # the 8-bit tensor-core kernels need bf16 dense weights: compare alike

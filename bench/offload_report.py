@@ -91,7 +91,7 @@ def print_offload(name: str, entry: dict) -> None:
                 f"{_fmt(r.get('decode_b1_x_hf')) + '/' + _fmt(r.get('decode_b16_x_hf')):>13}"
                 f"{_fmt(r.get('decode_b1_x_none')) + '/' + _fmt(r.get('decode_b16_x_none')):>14}"
             )
-    sampled = [(f, m, run) for f, modes in entry["runs"].items() for m, run in modes.items() if "decode_sampled" in run]
+    sampled = _sampled_runs(entry)
     if sampled:
         temperature = sampled[0][2]["sampled_temperature"]
         print(f"continuations sampled at temperature {temperature:g} (fixed seeds):")
@@ -246,7 +246,7 @@ def offload_markdown(results: dict) -> str:
                 speed,
             )
         )
-        sampled = [(f, m, run) for f, modes in e["runs"].items() for m, run in modes.items() if "decode_sampled" in run]
+        sampled = _sampled_runs(e)
         if sampled:
             out.append(
                 f"\nContinuations sampled at temperature {sampled[0][2]['sampled_temperature']:g} (seed = request id; "
@@ -299,6 +299,11 @@ SAMPLED_HEADER = [
     "× max(resident, PCIe bound) b=16",
     "× none b=16",
 ]
+
+
+def _sampled_runs(entry: dict) -> list[tuple[str, str, dict]]:
+    """(fraction, mode, run) of every run that decoded sampled continuations, in the runs' order."""
+    return [(f, m, run) for f, modes in entry["runs"].items() for m, run in modes.items() if "decode_sampled" in run]
 
 
 def _sampled_row(fraction: str, mode: str, run: dict, r: dict) -> list[str]:
