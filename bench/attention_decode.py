@@ -1,6 +1,8 @@
-"""Decode attention kernels -- expert_service.kernels.attention_decode (`new`) and attention_decode_tiled
-(`tiled`: bf16 key tiles staged by cp.async) -- against PyTorch's scaled_dot_product_attention and, when given,
-a previous version of the attention_decode module (--previous FILE), in one run (GPU).
+"""Decode attention kernels -- expert_service.kernels.attention_decode (`new`), attention_decode_tiled
+(`tiled`: bf16 key tiles staged by cp.async) and attention_decode_mma (`mma`: tensor cores, GQA heads as the mma
+rows; `mma_k32`, `mma_k256`: split parts of at least 32 / 256 keys instead of MIN_PART_KEYS) -- against
+PyTorch's scaled_dot_product_attention and, when given, a previous version of the attention_decode module
+(--previous FILE), in one run (GPU).
 
 Shapes: the mixtral (H=32, Hkv=8) and qwen3moe (H=32, Hkv=4) attention at head size 128 over a bf16 paged
 KV pool (16-token blocks, shuffled block ids), batches 1, 16, 64 at contexts 128 (what bench/engine.py's decode
@@ -19,6 +21,7 @@ Each case also checks the kernels against each other (float32, same inputs) and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -110,12 +113,16 @@ def main(argv=None) -> int:
     only = set(args.only)
     from numba import cuda
 
-    from expert_service.kernels import attention_decode, attention_decode_tiled
+    from expert_service.kernels import attention_decode, attention_decode_mma, attention_decode_tiled
 
     kernels = {
         "new": (attention_decode.launch_attention_decode, attention_decode.decode_splits),
         "tiled": (attention_decode_tiled.launch_attention_decode_tiled, attention_decode.decode_splits),
     }
+    kernels["mma"] = (attention_decode_mma.launch_attention_decode_mma, attention_decode.decode_splits)
+    for keys in (32, 256):
+        launch = functools.partial(attention_decode_mma.launch_attention_decode_mma, min_keys=keys)
+        kernels[f"mma_k{keys}"] = (launch, attention_decode.decode_splits)
     if args.previous:
         previous = load_module(args.previous)
         kernels["previous"] = (previous.launch_attention_decode, previous.decode_splits)
@@ -139,6 +146,10 @@ def main(argv=None) -> int:
             row["new_vs_sdpa_max_rel"] = float(np.abs(outs["new"] - ref).max() / np.abs(ref).max())
             row["tiled_vs_new_max_abs"] = float(np.abs(outs["tiled"] - outs["new"]).max())
             row["tiled_speedup_vs_new"] = row["new_us"] / row["tiled_us"]
+            row["mma_vs_sdpa_max_rel"] = float(np.abs(outs["mma"] - ref).max() / np.abs(ref).max())
+            row["mma_speedup_vs_tiled"] = row["tiled_us"] / row["mma_us"]
+            row["mma_speedup_vs_sdpa"] = row["sdpa_us"] / row["mma_us"]
+            row["mma_roofline_fraction"] = row["roofline_us"] / row["mma_us"]
             if "previous" in outs:
                 row["new_vs_previous_max_abs"] = float(np.abs(outs["new"] - outs["previous"]).max())
                 row["speedup_vs_previous"] = row["previous_us"] / row["new_us"]
@@ -152,7 +163,10 @@ def main(argv=None) -> int:
                 f"{shape:15s} b={b:3d} ctx={ctx:5d} P={row['new_splits']:3d}  new {row['new_us']:7.1f} us  "
                 f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  {prev}"
                 f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  "
-                f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}",
+                f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}\n"
+                f"{'':15s} mma {row['mma_us']:7.1f} us ({row['mma_speedup_vs_tiled']:.2f}x tiled, "
+                f"{row['mma_speedup_vs_sdpa']:.2f}x sdpa, roofline {row['mma_roofline_fraction']:.0%}, diff vs sdpa "
+                f"{row['mma_vs_sdpa_max_rel']:.1e})  k32 {row['mma_k32_us']:7.1f} us  k256 {row['mma_k256_us']:7.1f} us",
                 flush=True,
             )
             Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))

@@ -10,14 +10,15 @@ decoder in the same run:
 - unfused_qk_norm: fused, with the per-head q/k norms as two rmsnorm launches before rope_kv_write
            (fused_qk_norm off);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (gate_planned);
-- untiled_attention: fused, with decode attention on attention_decode (tiled_decode_attention off);
-- baseline: unfused and also fused_router, greedy_split and tiled_decode_attention off;
+- tiled_attention: fused, with decode attention on attention_decode_tiled (mma_decode_attention off);
+- untiled_attention: fused, with decode attention on attention_decode (mma_ and tiled_decode_attention off);
+- baseline: unfused and also fused_router, greedy_split, mma_ and tiled_decode_attention off;
 - in_turn_waves: fused, expert-cache waves of every slot, copies and kernels in turn (pipelined_waves off);
 - moe_ffn_waves: fused, bf16 expert-cache waves on moe_ffn's CUDA-core kernels (cached_mma off);
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
 
-fused / unfused / unfused_qk_norm / baseline / untiled_attention share one engine and the same sequences
+fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention share one engine and the same sequences
 (CudaDecoder.set_options between variants drops the captured graphs, so each variant's graphs are its own);
 lut needs its own engine. Writes profile_step.json (per shape, variant and
 scenario: wall, device busy, every kernel's time and launches per step; and per scenario the fused-vs-unfused
@@ -74,7 +75,8 @@ VARIANTS = {
     "unfused": {"fused_rope_kv": False, "fused_combine_norm": False, "fused_qk_norm": False},
     "unfused_qk_norm": {"fused_qk_norm": False},
     "lut": {},
-    "untiled_attention": {"tiled_decode_attention": False},
+    "tiled_attention": {"mma_decode_attention": False},
+    "untiled_attention": {"tiled_decode_attention": False, "mma_decode_attention": False},
     "baseline": {
         "fused_rope_kv": False,
         "fused_combine_norm": False,
@@ -82,6 +84,7 @@ VARIANTS = {
         "fused_router": False,
         "greedy_split": False,
         "tiled_decode_attention": False,
+        "mma_decode_attention": False,
     },
     "in_turn_waves": {"pipelined_waves": False},
     "moe_ffn_waves": {"cached_mma": False},

@@ -18,6 +18,8 @@ from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
+from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS, launch_attention_decode_mma
+from expert_service.kernels.attention_decode_mma import supports as mma_decode_supports
 from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
@@ -152,6 +154,13 @@ class CudaModel:
         window, scale = cfg.sliding_windows[i] or 0, Hd**-0.5
         if decode:
             attend = launch_attention_decode_fastest if self.options.tiled_decode_attention else launch_attention_decode
+            pool = self.k_pool[i]
+            if (
+                self.options.mma_decode_attention
+                and S >= MMA_DECODE_MIN_SEQS
+                and mma_decode_supports(pool.dtype, Hd, pool.shape[1], H // Hkv)
+            ):
+                attend = launch_attention_decode_mma
             attend(
                 q3,
                 self.k_pool[i],

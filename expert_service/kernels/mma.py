@@ -3,8 +3,9 @@
 Numba has no mma/wmma API (numba/numba#5899), so these are `numba.cuda.extending.intrinsic`s emitting llvmlite
 `ir.InlineAsm`, the way numba-cuda's own cache_hints.py emits `ld.global.cs`. The CUDA simulator cannot run inline
 PTX: a kernel that calls them must not be launched under NUMBA_ENABLE_CUDASIM (callers keep a plain fallback), or
-calls `block_mma` / `block_pack` instead: the intrinsics on the GPU and, in the simulator, an exact emulation
-through shared memory (every thread of the block must then call block_mma together).
+calls `block_mma` / `block_pack` / `block_exp2` instead: the intrinsics on the GPU and, in the simulator, an exact
+emulation through shared memory (every thread of the block must then call block_mma together; block_exp2 is
+math.exp2 there).
 
 Fragments of `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (PTX ISA, "Matrix Fragments for mma.m16n8k16
 with floating point type"), per lane with g = lane >> 2 and t = lane & 3. Each A/B register is a uint32 holding two
@@ -16,6 +17,8 @@ Only the pairing of A's and B's k indices matters to the product, so a kernel ma
 four consecutive values 4t:4t+4 as its "2t:2t+2" and "2t+8:2t+10" pairs) to read wider words from memory.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from llvmlite import ir
@@ -112,6 +115,10 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def pack(lo, hi):
         return np.uint32(f32_to_bf16(lo)) | (np.uint32(f32_to_bf16(hi)) << np.uint32(16))
-    block_mma, block_pack = mma, pack
+
+    @cuda.jit(device=True)
+    def exp2(x):
+        return np.float32(math.exp2(x))
+    block_mma, block_pack, block_exp2 = mma, pack, exp2
 else:
-    block_mma, block_pack = mma_bf16_m16n8k16, pack_bf16x2
+    block_mma, block_pack, block_exp2 = mma_bf16_m16n8k16, pack_bf16x2, exp2_approx

@@ -17,7 +17,7 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   4-7 from b). One instruction places a byte anywhere in a word, which the 8-bit decoders need per value.
 - ``cp_async16(dst, di, src, si, valid)``: ``cp.async.cg.shared.global`` of 16 bytes: src[si .. si+3] (1-d
   uint32 array in global memory, si a multiple of 4) to dst[di], dst[di+1] (1-d uint64 array in shared memory, di
-  even), without passing through registers; zeros instead when valid is false (src-size 0: nothing is read).
+  even) or dst[di .. di+3] (uint32 shared array, di a multiple of 4), without passing through registers; zeros instead when valid is false (src-size 0: nothing is read).
   ``cp_async_commit()`` closes the group of copies this thread issued; ``cp_async_wait(n)`` (n a compile-time
   constant: ``cp_async_wait_fn(n)`` returns the device function) waits until at most n of this thread's groups
   are in flight. A block barrier after the wait makes every thread's copies visible (Ampere's multi-stage GEMM
@@ -48,7 +48,10 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def cp_async16(dst, di, src, si, valid):
-        if valid:
+        if dst.dtype == np.uint32:
+            for j in range(4):
+                dst[di + j] = src[si + j] if valid else np.uint32(0)
+        elif valid:
             dst[di] = np.uint64(src[si]) | (np.uint64(src[si + 1]) << np.uint64(32))
             dst[di + 1] = np.uint64(src[si + 2]) | (np.uint64(src[si + 3]) << np.uint64(32))
         else:
@@ -128,12 +131,12 @@ else:
 
     @intrinsic
     def cp_async16(typingctx, dst, di, src, si, valid):
-        """16-byte cp.async (module docstring): dst 1-d uint64 shared array, src 1-d uint32 global array."""
-        if not (isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype == types.uint64
+        """16-byte cp.async (module docstring): dst 1-d uint64 or uint32 shared array, src 1-d uint32 global array."""
+        if not (isinstance(dst, types.Array) and dst.ndim == 1 and dst.dtype in (types.uint64, types.uint32)
                 and isinstance(src, types.Array) and src.ndim == 1 and src.dtype == types.uint32
                 and isinstance(di, types.Integer) and isinstance(si, types.Integer)):
-            raise NumbaTypeError(f"cp_async16 needs a 1-d uint64 shared array and a 1-d uint32 array, got {dst}, "
-                                 f"{src}")
+            raise NumbaTypeError(f"cp_async16 needs a 1-d uint64/uint32 shared array and a 1-d uint32 array, got "
+                                 f"{dst}, {src}")
         sig = types.void(dst, di, src, si, valid)
 
         def codegen(context, builder, sig, args):

@@ -297,7 +297,8 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     rids = list(range(len(prompts)))
     runs = []
     for tiled in (False, True):
-        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled))  # drops the other kernel's graphs
+        # drops the other kernel's graphs; mma_decode_attention off, or neither run would use the kernels compared
+        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled, mma_decode_attention=False))
         engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
         steps = []
         for _ in range(4):
@@ -307,4 +308,31 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path):
         runs.append(steps)
     for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
         assert ta == tb and rel_error(lb, la) <= 1e-4, f"decode step {i}: {rel_error(lb, la):.2e}"
+    engine.decoder.close()
+
+
+def test_mma_decode_attention_matches_the_tiled_kernel(tmp_path):
+    """CudaOptions.mma_decode_attention: the same tokens, logits within the bf16 rounding of q and P (the kernel
+    test's 1e-2 of the attention output), on a bf16 model with Hd = 64 and a GQA group of 8 (the mma's rows), one
+    sequence past a split part of 64 keys, two within one."""
+    from expert_service.engine.cuda_options import CudaOptions
+    from expert_service.kernels.attention_decode_mma import supports
+
+    model = bf16_tiny(tmp_path, "qwen3_moe", 10, head_dim=64, num_attention_heads=8, num_key_value_heads=1)
+    engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
+    assert supports(engine.decoder.k_pool[0].dtype, 64, MANY_CFG["kv_block_size"], 8)
+    prompts = [random_prompt(950 + i, n) for i, n in enumerate((90, 5, 33))]
+    rids = list(range(len(prompts)))
+    runs = []
+    for mma in (False, True):
+        engine.decoder.set_options(CudaOptions(mma_decode_attention=mma))
+        engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
+        steps = []
+        for _ in range(4):
+            s = engine.step(decode_ids=rids)
+            steps.append(([o.token_id for o in s.outputs], np.stack(list(s.logits))))
+        engine.clear()
+        runs.append(steps)
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
+        assert ta == tb and rel_error(lb, la) <= 2e-2, f"decode step {i}: {rel_error(lb, la):.2e}"
     engine.decoder.close()

@@ -1,0 +1,400 @@
+"""Paged decode attention on tensor cores for bf16 KV pools: the operation and arguments of
+kernels.attention_decode (one query per sequence over its cached keys, GQA, sliding window, split-K partials in
+part_out / part_ml) with Q K^T and P V on `mma.sync m16n8k16` bf16 (kernels.mma). The query heads that share a kv
+head are the 16 rows of the products' A operand, so every K/V byte of a (sequence, kv head) is read once and
+multiplied for all of its heads at tensor-core rate; the CUDA-core kernels spend ~3 instructions a byte there.
+
+Design (block = (sequence, kv head, split), WARPS warps, one 16-key slice of each tile per warp):
+- Tiles of KT keys go global -> shared by 16-byte `cp.async` in two stages (tile n + 1 in flight while tile n is
+  computed; the block-table reads of tile n + 2 are issued then too). Rows stay bf16 in their pool layout.
+- S = Q K^T: A = q (rows = the group's heads, scaled by scale * log2(e) and rounded to bf16, held in registers),
+  B = K rows read as 8-byte words: the k index is permuted so that lane t's pairs are head dims 16c + 4t .. +3 (q
+  takes the same order), so one load yields a lane's whole B fragment.
+- Online softmax in base 2 per head row, on the S fragments (quad shuffles for the row maxima); P is rounded to
+  bf16 and, as the C fragments of S, is already P V's A operand.
+- P V: B = V[key][d] needs two keys per register; a lane loads the 32-bit words (d = 2m, 2m + 1) of keys 2t and
+  2t + 1 (and 2t + 8, 2t + 9) and `prmt` pairs their low halves into the B fragment of column d = 2m and their
+  high halves into that of d = 2m + 1 (the n index is permuted: n-tiles of even and of odd head dims). A lane then
+  ends with head dims 16c + 4t .. +3 of its rows.
+- Shared rows are XOR-swizzled per 16-byte chunk (K by key % 4, V by (key / 2) % 4, on chunk bits 1-2), which
+  makes both the 8-byte K fragment loads and the 32-bit V loads free of bank conflicts.
+- Split-K: each sequence's keys are cut into parts of at least `min_keys` (a multiple of KT), at most the
+  grid's P parts, so short contexts take few blocks and no merge: with one part the split-0 block writes `out`
+  and the reduce kernel returns at once; otherwise parts write unnormalised partials with (max in base 2, sum)
+  and `attention_decode_mma_reduce` merges the parts that exist. Both kernels derive the part count from the
+  sequence's context on the device, so one captured graph serves every context length.
+Numerics: bf16 q and P give ~3e-3 relative error on the outputs (attention_decode: 1e-5 at fp32 accumulation),
+the same as attention_prefill_mma.
+Under the CUDA simulator the mma, the pack and exp2 are `block_mma` / `block_pack` / `block_exp2` (an exact
+emulation), so CI runs this kernel on small shapes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from expert_service.kernels.attention_decode import check_arguments
+from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.mma import block_exp2 as exp2
+from expert_service.kernels.mma import block_mma as mma
+from expert_service.kernels.mma import block_pack as pack
+from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, prmt_fn
+
+WARPS = 2
+THREADS = 32 * WARPS
+KT = 16 * WARPS               # keys per tile: 16 per warp, one k-step of P V
+MAX_GROUP = 16                # query heads per kv head: the mma's 16 A rows
+MAX_HEAD_DIM = 128            # two K + V stages of KT keys within 48 KB of shared memory
+MIN_PART_KEYS = 64            # keys a split part holds at least (fewer: the merge costs more than it spreads)
+REDUCE_THREADS = 128
+# The decoder takes this kernel for decode steps of at least this many sequences: at one sequence its fixed
+# latency loses ~1-2 us to attention_decode_tiled at short contexts (H200, bench/attention_decode.py).
+MMA_DECODE_MIN_SEQS = 2
+LOG2E = 1.4426950408889634
+NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
+_LO32 = np.uint64(0xFFFFFFFF)
+
+
+def supports(kv_dtype, head_dim: int, block_size: int, group: int) -> bool:
+    """Whether this kernel runs a decode step: bf16 pools, Hd a multiple of 16 up to MAX_HEAD_DIM, power-of-two
+    blocks, at most MAX_GROUP query heads per kv head."""
+    return (np.dtype(kv_dtype) == np.uint16 and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
+            and block_size > 0 and block_size & (block_size - 1) == 0 and 1 <= group <= MAX_GROUP)
+
+
+@cuda.jit(device=True, inline=True)
+def part_bounds(context_len, q_pos, window, num_splits, min_keys):
+    """(lo, hi, part, parts): the keys [lo, hi) the query attends to (positions <= q_pos, > q_pos - window when
+    window > 0, among the context_len cached ones) cut into `parts` parts of `part` keys (the last one shorter):
+    at most num_splits of at least min_keys, rounded up to whole tiles. parts is 0 for an empty range."""
+    hi = min(context_len, q_pos + 1)
+    lo = max(0, q_pos - window + 1) if window > 0 else 0
+    n = max(hi - lo, 0)
+    part = max((n + num_splits - 1) // num_splits, min_keys, 1)
+    part = (part + KT - 1) // KT * KT
+    return lo, hi, part, (n + part - 1) // part
+
+
+if SIMULATOR:  # no shuffles there: the 4 lanes of a quad meet in shared memory between two block barriers
+    @cuda.jit(device=True)
+    def _quad(x, take_max):
+        scratch = cuda.shared.array(THREADS, types.float32)
+        tid = cuda.threadIdx.x
+        scratch[tid] = x
+        cuda.syncthreads()
+        first = tid - tid % 4
+        r = scratch[first]
+        for j in range(1, 4):
+            r = max(r, scratch[first + j]) if take_max else r + scratch[first + j]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def _quad_max(x):
+        return _quad(x, True)
+
+    @cuda.jit(device=True)
+    def _quad_sum(x):
+        return _quad(x, False)
+else:
+    @cuda.jit(device=True, inline=True)
+    def _quad_max(x):
+        """Max over the 4 lanes of the caller's quad (lanes 4g .. 4g + 3), every lane of the warp calling."""
+        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
+        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
+
+    @cuda.jit(device=True, inline=True)
+    def _quad_sum(x):
+        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
+
+
+@functools.cache
+def _build(head_dim: int, rows2: bool):
+    """The kernel for head size head_dim; rows2: groups of more than 8 heads (the A rows g + 8 in use). Without
+    them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops, with their registers."""
+    chunks = head_dim // 8                 # 16-byte chunks per key row
+    row_u64, row_u32 = head_dim // 4, head_dim // 2
+    tile_u64, tile_u32 = KT * row_u64, KT * row_u32
+    copies = KT * chunks // THREADS        # 16-byte copies per thread, tile and matrix
+    row_step = THREADS // chunks           # rows between a thread's copies
+    nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
+    swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
+    qa_len, acc_len = 4 * nks, 8 * nks     # array sizes must be closure constants, not expressions
+    k_len, v_len = 2 * tile_u64, 2 * tile_u32
+    halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
+    wait_one = cp_async_wait_fn(1)
+    low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
+
+    @cuda.jit(device=True, inline=True)
+    def lookup(block_tables, s, first_key, k_hi, block_shift, row_words, head_word, r0, offs):
+        """Pool word (uint32) of each of this thread's key rows of the tile at first_key; -1 past k_hi."""
+        mask = (np.int32(1) << block_shift) - np.int32(1)
+        for i in range(copies):
+            key = np.int32(first_key + r0 + i * row_step)
+            offs[i] = -1
+            if key < k_hi:
+                blk = block_tables[s, key >> block_shift]
+                offs[i] = ((np.int64(blk) << block_shift) + (key & mask)) * row_words + head_word
+
+    @cuda.jit(device=True, inline=True)
+    def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):
+        """This thread's 16-byte copies of a tile's K and V rows into a stage (zeros past the part)."""
+        for i in range(copies):
+            r = r0 + i * row_step
+            ok = offs[i] >= 0
+            src = offs[i] + 4 * np.int64(chunk) if ok else np.int64(0)
+            kc = chunk ^ ((2 * (r % 4)) & swz)
+            vc = chunk ^ ((2 * ((r // 2) % 4)) & swz)
+            cp_async16(ks, stage * tile_u64 + r * row_u64 + 2 * kc, k_words, src, ok)
+            cp_async16(vs, stage * tile_u32 + r * row_u32 + 4 * vc, v_words, src, ok)
+
+    def attention_decode_mma_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
+                                    num_kv_heads, window, qscale, min_keys, out, part_out, part_ml):
+        """q: [S, H, Hd] float32; k_words, v_words: [NB * BS * Hkv * Hd / 2] uint32 views of the bf16 pools
+        [NB, BS, Hkv, Hd]; block_tables [S, max_blocks], context_lens [S], positions [S] int32; block_shift:
+        log2(BS), num_kv_heads, window (0 = none), min_keys: int32; qscale: scale * log2(e), float32. out [S, H, Hd]
+        float32 (written when the sequence's keys make one part); part_out [S, H, P, Hd], part_ml [S, H, P, 2]
+        float32 (otherwise). Grid (S, Hkv, P), block (THREADS,)."""
+        s = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        group = q.shape[1] // num_kv_heads
+        h0 = kvh * group
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        # A fragments of q (rows g, g + 8; head dims permuted), loaded while the context is read
+        qa = cuda.local.array(qa_len, types.uint32)
+        for kk in range(nks):
+            for half in range(2):
+                row = g + 8 * half
+                x0 = x1 = x2 = x3 = np.float32(0.0)
+                if row < group:
+                    d = 16 * kk + 4 * t
+                    x0 = q[s, h0 + row, d] * qscale
+                    x1 = q[s, h0 + row, d + 1] * qscale
+                    x2 = q[s, h0 + row, d + 2] * qscale
+                    x3 = q[s, h0 + row, d + 3] * qscale
+                qa[4 * kk + half] = pack(x0, x1) if rows2 or half == 0 else np.uint32(0)
+                qa[4 * kk + 2 + half] = pack(x2, x3) if rows2 or half == 0 else np.uint32(0)
+        lo, hi, part, parts = part_bounds(context_lens[s], positions[s], window, cuda.gridDim.z, min_keys)
+        if split >= max(parts, 1):               # block-uniform: no part here (an empty range: split 0 writes 0)
+            return
+        k_lo = lo + split * part
+        k_hi = min(k_lo + part, hi)
+        n_tiles = (max(k_hi - k_lo, 0) + KT - 1) // KT
+
+        acc = cuda.local.array(acc_len, types.float32)  # per n-tile pair c: even-d tile c0..c3, odd-d tile c0..c3
+        for j in range(acc_len):
+            acc[j] = np.float32(0.0)
+        sc = cuda.local.array(8, types.float32)        # S, then P, of the warp's 16 keys: two n-tiles' c0..c3
+        m0 = m1 = NEG_INF                              # running max (base 2) of rows g and g + 8
+        l0 = l1 = np.float32(0.0)                      # this lane's share of their running sums
+
+        ks = cuda.shared.array(k_len, types.uint64)
+        vs = cuda.shared.array(v_len, types.uint32)
+        offs = cuda.local.array(copies, types.int64)
+        row_words = np.int64(num_kv_heads * row_u32)
+        head_word = np.int64(kvh * row_u32)
+        r0 = tid // chunks
+        chunk = tid % chunks
+        lookup(block_tables, s, k_lo, k_hi, block_shift, row_words, head_word, r0, offs)
+        if n_tiles > 0:
+            issue(ks, vs, k_words, v_words, 0, offs, r0, chunk)
+        cp_async_commit()
+        lookup(block_tables, s, k_lo + KT, k_hi, block_shift, row_words, head_word, r0, offs)
+        k_swz = (2 * (g % 4)) & swz               # K rows 16 * warp + 8j + g: key % 4 == g % 4
+        v_swz = (2 * t) & swz                     # V rows 16 * warp + 2t (+1, +8, +9): (key / 2) % 4 == t
+        for it in range(n_tiles):
+            stage = it % 2
+            if it + 1 < n_tiles:
+                issue(ks, vs, k_words, v_words, 1 - stage, offs, r0, chunk)
+            cp_async_commit()
+            lookup(block_tables, s, k_lo + (it + 2) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
+            wait_one()                            # this thread's copies of tile `it` have landed
+            cuda.syncthreads()                    # everyone's have
+            k0 = k_lo + it * KT + 16 * warp       # the warp's first key
+
+            for j in range(8):
+                sc[j] = np.float32(0.0)
+            for j in range(2):
+                base = stage * tile_u64 + (16 * warp + 8 * j + g) * row_u64 + t % 2
+                for kk in range(nks):
+                    kw = ks[base + 2 * ((2 * kk + t // 2) ^ k_swz)]
+                    sc[4 * j], sc[4 * j + 1], sc[4 * j + 2], sc[4 * j + 3] = mma(
+                        qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3],
+                        np.uint32(kw & _LO32), np.uint32(kw >> np.uint64(32)),
+                        sc[4 * j], sc[4 * j + 1], sc[4 * j + 2] if rows2 else ZERO, sc[4 * j + 3] if rows2 else ZERO)
+            if k0 + 16 > k_hi:                    # the part's last tile: keys past its end are not attended
+                for j in range(2):
+                    for e in range(2):
+                        if k0 + 8 * j + 2 * t + e >= k_hi:
+                            sc[4 * j + e] = NEG_INF
+                            sc[4 * j + 2 + e] = NEG_INF
+            mx0 = max(m0, _quad_max(max(max(sc[0], sc[1]), max(sc[4], sc[5]))))
+            base0 = mx0 if mx0 > NEG_INF else ZERO   # no key yet: every p is 0
+            alpha0 = exp2(m0 - base0)
+            m0 = mx0
+            l0 *= alpha0
+            alpha1 = ZERO
+            if rows2:
+                mx1 = max(m1, _quad_max(max(max(sc[2], sc[3]), max(sc[6], sc[7]))))
+                base1 = mx1 if mx1 > NEG_INF else ZERO
+                alpha1 = exp2(m1 - base1)
+                m1 = mx1
+                l1 *= alpha1
+            for j in range(2):
+                for e in range(2):
+                    sc[4 * j + e] = exp2(sc[4 * j + e] - base0)
+                    l0 += sc[4 * j + e]
+                    if rows2:
+                        sc[4 * j + 2 + e] = exp2(sc[4 * j + 2 + e] - base1)
+                        l1 += sc[4 * j + 2 + e]
+            for j in range(2 * nks):
+                acc[4 * j] *= alpha0
+                acc[4 * j + 1] *= alpha0
+                if rows2:
+                    acc[4 * j + 2] *= alpha1
+                    acc[4 * j + 3] *= alpha1
+            pa0 = pack(sc[0], sc[1])
+            pa1 = pack(sc[2], sc[3]) if rows2 else np.uint32(0)
+            pa2 = pack(sc[4], sc[5])
+            pa3 = pack(sc[6], sc[7]) if rows2 else np.uint32(0)
+            vrow = stage * tile_u32 + (16 * warp + 2 * t) * row_u32
+            for c in range(nks):
+                word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
+                wa = vs[word]
+                wb = vs[word + row_u32]
+                wc = vs[word + 8 * row_u32]
+                wd = vs[word + 9 * row_u32]
+                acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
+                    pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd), acc[8 * c], acc[8 * c + 1],
+                    acc[8 * c + 2] if rows2 else ZERO, acc[8 * c + 3] if rows2 else ZERO)
+                acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7] = mma(
+                    pa0, pa1, pa2, pa3, high_halves(wa, wb), high_halves(wc, wd), acc[8 * c + 4], acc[8 * c + 5],
+                    acc[8 * c + 6] if rows2 else ZERO, acc[8 * c + 7] if rows2 else ZERO)
+            cuda.syncthreads()                    # the stage is read by both warps before it is refilled
+
+        # merge the warps: warp 1 leaves its rows' (max, sum, accumulators) in shared memory for warp 0
+        l0 = _quad_sum(l0)
+        if rows2:
+            l1 = _quad_sum(l1)
+        wm = cuda.shared.array((WARPS, MAX_GROUP), types.float32)
+        wl = cuda.shared.array((WARPS, MAX_GROUP), types.float32)
+        wacc = cuda.shared.array((MAX_GROUP, head_dim), types.float32)
+        if t == 0:
+            wm[warp, g] = m0
+            wm[warp, g + 8] = m1
+            wl[warp, g] = l0
+            wl[warp, g + 8] = l1
+        if warp == 1:
+            for c in range(nks):
+                for half in range(halves):
+                    d = 16 * c + 4 * t
+                    wacc[g + 8 * half, d] = acc[8 * c + 2 * half]
+                    wacc[g + 8 * half, d + 1] = acc[8 * c + 4 + 2 * half]
+                    wacc[g + 8 * half, d + 2] = acc[8 * c + 1 + 2 * half]
+                    wacc[g + 8 * half, d + 3] = acc[8 * c + 5 + 2 * half]
+        cuda.syncthreads()
+        if warp == 0:
+            for half in range(halves):
+                row = g + 8 * half
+                if row < group:
+                    mine = m0 if half == 0 else m1
+                    other = wm[1, row]
+                    mx = max(mine, other)
+                    base = mx if mx > NEG_INF else np.float32(0.0)
+                    f_mine = exp2(mine - base)
+                    f_other = exp2(other - base)
+                    total = (l0 if half == 0 else l1) * f_mine + wl[1, row] * f_other
+                    single = parts <= 1
+                    inv = np.float32(1.0) / total if single and total > 0 else np.float32(0.0 if single else 1.0)
+                    h = h0 + row
+                    for c in range(nks):
+                        d = 16 * c + 4 * t
+                        o0 = (acc[8 * c + 2 * half] * f_mine + wacc[row, d] * f_other) * inv
+                        o1 = (acc[8 * c + 4 + 2 * half] * f_mine + wacc[row, d + 1] * f_other) * inv
+                        o2 = (acc[8 * c + 1 + 2 * half] * f_mine + wacc[row, d + 2] * f_other) * inv
+                        o3 = (acc[8 * c + 5 + 2 * half] * f_mine + wacc[row, d + 3] * f_other) * inv
+                        if single:
+                            out[s, h, d] = o0
+                            out[s, h, d + 1] = o1
+                            out[s, h, d + 2] = o2
+                            out[s, h, d + 3] = o3
+                        else:
+                            part_out[s, h, split, d] = o0
+                            part_out[s, h, split, d + 1] = o1
+                            part_out[s, h, split, d + 2] = o2
+                            part_out[s, h, split, d + 3] = o3
+                    if not single and t == 0:
+                        part_ml[s, h, split, 0] = mx
+                        part_ml[s, h, split, 1] = total
+
+    return attention_decode_mma_kernel, cached_jit(attention_decode_mma_kernel)
+
+
+def attention_decode_mma_reduce_kernel(context_lens, positions, window, min_keys, part_out, part_ml, out):
+    """Merges the split-K partials of sequences whose keys made more than one part: part_out [S, H, P, Hd],
+    part_ml [S, H, P, 2] (max in base 2, sum) float32 -> out [S, H, Hd] float32; context_lens, positions [S]
+    int32, window, min_keys int32 as given to the attention kernel. Grid (S, H), block (REDUCE_THREADS,)."""
+    s = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    parts = part_bounds(context_lens[s], positions[s], window, part_out.shape[2], min_keys)[3]
+    if parts <= 1:                               # the attention kernel wrote this sequence's out
+        return
+    mx = NEG_INF
+    for p in range(parts):
+        mx = max(mx, part_ml[s, h, p, 0])
+    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        total = np.float32(0.0)
+        o = np.float32(0.0)
+        if mx > NEG_INF:
+            for p in range(parts):
+                c = np.float32(math.exp2(part_ml[s, h, p, 0] - mx))
+                total += part_ml[s, h, p, 1] * c
+                o += part_out[s, h, p, d] * c
+        out[s, h, d] = o / total if total > 0 else np.float32(0.0)
+
+
+_reduce = cached_jit(attention_decode_mma_reduce_kernel)
+
+
+def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float,
+                                out, part_out=None, part_ml=None, stream=0, min_keys: int = MIN_PART_KEYS) -> None:
+    """launch_attention_decode's arguments (q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16
+    bits, `supports` holding; block_tables [S, max_blocks], context_lens, positions [S] int32; window 0 = none;
+    out [S, H, Hd] float32; split-K workspaces part_out [S, H, P, Hd], part_ml [S, H, P, 2] float32 or None);
+    min_keys: the fewest keys of a split part."""
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
+        "attention_decode_mma", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
+    if not supports(k_pool.dtype, head_dim, block_size, num_heads // num_kv_heads):
+        raise ValueError(f"attention_decode_mma: no kernel for {np.dtype(k_pool.dtype).name} pools, head size "
+                         f"{head_dim}, blocks of {block_size}, {num_heads // num_kv_heads} heads per kv head")
+    if num_seqs == 0:
+        return
+    if splits == 1:      # the partial arguments are never touched: pass `out` views of the right rank
+        part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
+    _build(head_dim, num_heads // num_kv_heads > 8)[1][(num_seqs, num_kv_heads, splits), THREADS, stream](
+        q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
+        positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
+        np.float32(scale * LOG2E), np.int32(min_keys), out, part_out, part_ml)
+    if splits > 1:
+        _reduce[(num_seqs, num_heads), REDUCE_THREADS, stream](
+            context_lens, positions, np.int32(window), np.int32(min_keys), part_out, part_ml, out)
+
+
+def sm90_signatures():
+    """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, the reduce."""
+    f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
+    sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
+           f32_4d)
+    return [(_build(hd, rows2)[0], sig) for hd, rows2 in ((128, False), (128, True), (64, False))] + [
+        (attention_decode_mma_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d))]
