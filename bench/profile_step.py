@@ -67,6 +67,7 @@ SCENARIOS = {
     "decode_1": ("decode", 1, 128),
     "decode_16": ("decode", 16, 128),
     "decode_64": ("decode", 64, 128),
+    "decode_16_at_2048": ("decode", 16, 2048),  # decode over long contexts, where attention weighs
 }
 # CudaOptions field -> value of each variant (unlisted fields keep their shipped values). Results recorded before
 # the options existed name them by the module switches they replaced (decoder.USE_FUSED_ROPE_KV: fused_rope_kv).
@@ -91,6 +92,7 @@ VARIANTS = {
     "in_order_dequant": {"overlap_dequant": False},
 }
 PROFILED_STEPS = {"prefill": 3, "prefill_after": 3, "decode": 10}
+STEP_TOKENS = 2048  # the engine's max_batch_tokens below
 CONTEXT_BEFORE = 2048  # prefill_after: tokens each sequence holds before the profiled chunks
 POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
 
@@ -241,10 +243,11 @@ class Scenarios:
             for other in list(self.decoding):  # one batch in the KV pool at a time
                 self.engine.release(self.decoding.pop(other))
             ids = list(range(10_000 * b, 10_000 * b + b))
-            for start in range(0, b, 16):  # prompts in chunks of 16 x n tokens (the step budget)
+            per_step = max(1, min(16, STEP_TOKENS // n))  # prompts per prefill step, within the step budget
+            for start in range(0, b, per_step):
                 chunk = [
                     PrefillInput(i, self.rng.integers(0, self.vocab, n), SamplingParams(), True)
-                    for i in ids[start : start + 16]
+                    for i in ids[start : start + per_step]
                 ]
                 self.engine.step(chunk, routing_plan=next(self._plans(len(chunk) * n, 1)))
             self.decoding[b] = ids
@@ -331,7 +334,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
                     backend="cuda",
                     kv_block_size=16,
                     kv_cache_tokens=96 * 512,  # prefill_16x64_after_2048 holds 16 x ~2,400 tokens
-                    max_batch_tokens=2048,
+                    max_batch_tokens=STEP_TOKENS,
                     max_batch_size=64,
                     routing="lut" if lut else "exact",
                     expert_cache_slots=args.cache_slots,
