@@ -5,8 +5,10 @@ head are the 16 rows of the products' A operand, so every K/V byte of a (sequenc
 multiplied for all of its heads at tensor-core rate; the CUDA-core kernels spend ~3 instructions a byte there.
 
 Design (block = (sequence, kv head, split), WARPS warps, one 16-key slice of each tile per warp):
-- Tiles of KT keys go global -> shared by 16-byte `cp.async` in two stages (tile n + 1 in flight while tile n is
-  computed; the block-table reads of tile n + 2 are issued then too). Rows stay bf16 in their pool layout.
+- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages: the next STAGES - 1 tiles are
+  in flight while tile n is computed, and the block-table reads of the tile after them are issued then too (two
+  stages measured as fast on the H200; three are what the GPU tests validated at full size). Rows stay bf16 in
+  their pool layout. The warps' final merge reuses the stages' memory.
 - S = Q K^T: A = q (rows = the group's heads, scaled by scale * log2(e) and rounded to bf16, held in registers),
   B = K rows read as 8-byte words: the k index is permuted so that lane t's pairs are head dims 16c + 4t .. +3 (q
   takes the same order), so one load yields a lane's whole B fragment.
@@ -41,14 +43,15 @@ from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
-from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
+from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, f32_as_u32, u32_as_f32
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, prmt_fn
 
 WARPS = 2
 THREADS = 32 * WARPS
 KT = 16 * WARPS               # keys per tile: 16 per warp, one k-step of P V
 MAX_GROUP = 16                # query heads per kv head: the mma's 16 A rows
-MAX_HEAD_DIM = 128            # two K + V stages of KT keys within 48 KB of shared memory
+MAX_HEAD_DIM = 128            # STAGES K + V stages of KT keys within 48 KB of shared memory
+STAGES = 3                    # tiles in shared memory: two in flight while one is computed
 MIN_PART_KEYS = 64            # keys a split part holds at least (fewer: the merge costs more than it spreads)
 REDUCE_THREADS = 128
 # The decoder takes this kernel for decode steps of at least this many sequences: at one sequence its fixed
@@ -115,9 +118,10 @@ else:
 
 
 @functools.cache
-def _build(head_dim: int, rows2: bool):
+def _build(head_dim: int, rows2: bool, stages: int):
     """The kernel for head size head_dim; rows2: groups of more than 8 heads (the A rows g + 8 in use). Without
-    them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops, with their registers."""
+    them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops, with their registers.
+    stages: K/V tiles in shared memory (stages - 1 in flight while one is computed)."""
     chunks = head_dim // 8                 # 16-byte chunks per key row
     row_u64, row_u32 = head_dim // 4, head_dim // 2
     tile_u64, tile_u32 = KT * row_u64, KT * row_u32
@@ -126,9 +130,10 @@ def _build(head_dim: int, rows2: bool):
     nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
     swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
     qa_len, acc_len = 4 * nks, 8 * nks     # array sizes must be closure constants, not expressions
-    k_len, v_len = 2 * tile_u64, 2 * tile_u32
+    k_len, v_len = stages * tile_u64, stages * tile_u32
+    m_at, l_at = MAX_GROUP * head_dim, MAX_GROUP * head_dim + WARPS * MAX_GROUP   # the merge's words in vs
     halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
-    wait_one = cp_async_wait_fn(1)
+    wait_tile = cp_async_wait_fn(stages - 2)   # all but the stages - 2 newest groups: the tile about to run
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
 
     @cuda.jit(device=True, inline=True)
@@ -206,20 +211,22 @@ def _build(head_dim: int, rows2: bool):
         head_word = np.int64(kvh * row_u32)
         r0 = tid // chunks
         chunk = tid % chunks
-        lookup(block_tables, s, k_lo, k_hi, block_shift, row_words, head_word, r0, offs)
-        if n_tiles > 0:
-            issue(ks, vs, k_words, v_words, 0, offs, r0, chunk)
-        cp_async_commit()
-        lookup(block_tables, s, k_lo + KT, k_hi, block_shift, row_words, head_word, r0, offs)
+        for pre in range(stages - 1):             # the first stages - 1 tiles in flight, one group each
+            lookup(block_tables, s, k_lo + pre * KT, k_hi, block_shift, row_words, head_word, r0, offs)
+            if pre < n_tiles:
+                issue(ks, vs, k_words, v_words, pre, offs, r0, chunk)
+            cp_async_commit()
+        lookup(block_tables, s, k_lo + (stages - 1) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
         k_swz = (2 * (g % 4)) & swz               # K rows 16 * warp + 8j + g: key % 4 == g % 4
         v_swz = (2 * t) & swz                     # V rows 16 * warp + 2t (+1, +8, +9): (key / 2) % 4 == t
         for it in range(n_tiles):
-            stage = it % 2
-            if it + 1 < n_tiles:
-                issue(ks, vs, k_words, v_words, 1 - stage, offs, r0, chunk)
+            stage = it % stages
+            ahead = it + stages - 1               # the tile issued now, into the stage computed last iteration
+            if ahead < n_tiles:
+                issue(ks, vs, k_words, v_words, ahead % stages, offs, r0, chunk)
             cp_async_commit()
-            lookup(block_tables, s, k_lo + (it + 2) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
-            wait_one()                            # this thread's copies of tile `it` have landed
+            lookup(block_tables, s, k_lo + (ahead + 1) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
+            wait_tile()                           # this thread's copies of tile `it` have landed
             cuda.syncthreads()                    # everyone's have
             k0 = k_lo + it * KT + 16 * warp       # the warp's first key
 
@@ -283,47 +290,45 @@ def _build(head_dim: int, rows2: bool):
                     acc[8 * c + 6] if rows2 else ZERO, acc[8 * c + 7] if rows2 else ZERO)
             cuda.syncthreads()                    # the stage is read by both warps before it is refilled
 
-        # merge the warps: warp 1 leaves its rows' (max, sum, accumulators) in shared memory for warp 0
+        # merge the warps: warp 1 leaves its rows' (max, sum, accumulators) in the stages' shared memory, as float
+        # bits (every copy has landed and every warp is past its last tile: the loop's closing barrier)
         l0 = _quad_sum(l0)
         if rows2:
             l1 = _quad_sum(l1)
-        wm = cuda.shared.array((WARPS, MAX_GROUP), types.float32)
-        wl = cuda.shared.array((WARPS, MAX_GROUP), types.float32)
-        wacc = cuda.shared.array((MAX_GROUP, head_dim), types.float32)
-        if t == 0:
-            wm[warp, g] = m0
-            wm[warp, g + 8] = m1
-            wl[warp, g] = l0
-            wl[warp, g + 8] = l1
         if warp == 1:
+            if t == 0:
+                vs[m_at + g] = f32_as_u32(m0)
+                vs[m_at + g + 8] = f32_as_u32(m1)
+                vs[l_at + g] = f32_as_u32(l0)
+                vs[l_at + g + 8] = f32_as_u32(l1)
             for c in range(nks):
                 for half in range(halves):
-                    d = 16 * c + 4 * t
-                    wacc[g + 8 * half, d] = acc[8 * c + 2 * half]
-                    wacc[g + 8 * half, d + 1] = acc[8 * c + 4 + 2 * half]
-                    wacc[g + 8 * half, d + 2] = acc[8 * c + 1 + 2 * half]
-                    wacc[g + 8 * half, d + 3] = acc[8 * c + 5 + 2 * half]
+                    at = (g + 8 * half) * head_dim + 16 * c + 4 * t
+                    vs[at] = f32_as_u32(acc[8 * c + 2 * half])
+                    vs[at + 1] = f32_as_u32(acc[8 * c + 4 + 2 * half])
+                    vs[at + 2] = f32_as_u32(acc[8 * c + 1 + 2 * half])
+                    vs[at + 3] = f32_as_u32(acc[8 * c + 5 + 2 * half])
         cuda.syncthreads()
         if warp == 0:
             for half in range(halves):
                 row = g + 8 * half
                 if row < group:
                     mine = m0 if half == 0 else m1
-                    other = wm[1, row]
+                    other = u32_as_f32(vs[m_at + row])
                     mx = max(mine, other)
                     base = mx if mx > NEG_INF else np.float32(0.0)
                     f_mine = exp2(mine - base)
                     f_other = exp2(other - base)
-                    total = (l0 if half == 0 else l1) * f_mine + wl[1, row] * f_other
+                    total = (l0 if half == 0 else l1) * f_mine + u32_as_f32(vs[l_at + row]) * f_other
                     single = parts <= 1
                     inv = np.float32(1.0) / total if single and total > 0 else np.float32(0.0 if single else 1.0)
                     h = h0 + row
                     for c in range(nks):
                         d = 16 * c + 4 * t
-                        o0 = (acc[8 * c + 2 * half] * f_mine + wacc[row, d] * f_other) * inv
-                        o1 = (acc[8 * c + 4 + 2 * half] * f_mine + wacc[row, d + 1] * f_other) * inv
-                        o2 = (acc[8 * c + 1 + 2 * half] * f_mine + wacc[row, d + 2] * f_other) * inv
-                        o3 = (acc[8 * c + 5 + 2 * half] * f_mine + wacc[row, d + 3] * f_other) * inv
+                        o0 = (acc[8 * c + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d]) * f_other) * inv
+                        o1 = (acc[8 * c + 4 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 1]) * f_other) * inv
+                        o2 = (acc[8 * c + 1 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 2]) * f_other) * inv
+                        o3 = (acc[8 * c + 5 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 3]) * f_other) * inv
                         if single:
                             out[s, h, d] = o0
                             out[s, h, d + 1] = o1
@@ -368,11 +373,12 @@ _reduce = cached_jit(attention_decode_mma_reduce_kernel)
 
 
 def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float,
-                                out, part_out=None, part_ml=None, stream=0, min_keys: int = MIN_PART_KEYS) -> None:
+                                out, part_out=None, part_ml=None, stream=0, min_keys: int = MIN_PART_KEYS,
+                                stages: int = STAGES) -> None:
     """launch_attention_decode's arguments (q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16
     bits, `supports` holding; block_tables [S, max_blocks], context_lens, positions [S] int32; window 0 = none;
     out [S, H, Hd] float32; split-K workspaces part_out [S, H, P, Hd], part_ml [S, H, P, 2] float32 or None);
-    min_keys: the fewest keys of a split part."""
+    min_keys: the fewest keys of a split part; stages: shared-memory tile stages (2 or 3)."""
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
         "attention_decode_mma", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     if not supports(k_pool.dtype, head_dim, block_size, num_heads // num_kv_heads):
@@ -382,7 +388,7 @@ def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, p
         return
     if splits == 1:      # the partial arguments are never touched: pass `out` views of the right rank
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
-    _build(head_dim, num_heads // num_kv_heads > 8)[1][(num_seqs, num_kv_heads, splits), THREADS, stream](
+    _build(head_dim, num_heads // num_kv_heads > 8, stages)[1][(num_seqs, num_kv_heads, splits), THREADS, stream](
         q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
         positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
         np.float32(scale * LOG2E), np.int32(min_keys), out, part_out, part_ml)
@@ -392,9 +398,11 @@ def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, p
 
 
 def sm90_signatures():
-    """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, the reduce."""
+    """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, two stages,
+    the reduce."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
     sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
            f32_4d)
-    return [(_build(hd, rows2)[0], sig) for hd, rows2 in ((128, False), (128, True), (64, False))] + [
+    builds = ((128, False, STAGES), (128, True, STAGES), (64, False, STAGES), (128, False, 2))
+    return [(_build(*b)[0], sig) for b in builds] + [
         (attention_decode_mma_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d))]

@@ -145,6 +145,10 @@ if SIMULATOR:
         return np.array([u], dtype=np.uint64).astype(np.uint32).view(np.float32)[0]
 
     @cuda.jit(device=True)
+    def f32_as_u32(x):
+        return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+    @cuda.jit(device=True)
     def f16_to_f32(u):
         return np.float32(np.array([u], dtype=np.uint64).astype(np.uint16).view(np.float16)[0])
 else:
@@ -154,6 +158,11 @@ else:
     def u32_as_f32(u):
         """The float32 whose bits are the low 32 bits of integer `u`."""
         return _libdevice.int_as_float(np.int32(np.uint32(u)))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_as_u32(x):
+        """The bits of float32 `x` as a uint32 (u32_as_f32's inverse)."""
+        return np.uint32(_libdevice.float_as_int(x))
 
     @cuda.jit(device=True, inline=True)
     def f16_to_f32(u):

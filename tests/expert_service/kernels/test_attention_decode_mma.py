@@ -13,6 +13,7 @@ from numba import cuda
 
 from expert_service.kernels.attention_decode_mma import (
     KT,
+    STAGES,
     launch_attention_decode_mma,
     part_bounds,
     supports,
@@ -22,9 +23,11 @@ from tests.helpers import check_decode_attention
 RTOL = 1e-2
 
 
-def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, min_keys=KT):
+def _check(
+    rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, min_keys=KT, stages=STAGES
+):
     def launch(*args):
-        launch_attention_decode_mma(*args, min_keys=min_keys)
+        launch_attention_decode_mma(*args, min_keys=min_keys, stages=stages)
 
     check_decode_attention(
         launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, np.uint16, splits, RTOL
@@ -34,6 +37,11 @@ def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, win
 def test_group_of_8_over_several_tiles_one_part():
     # 8 heads on one kv head (the rows of the mma), 3 tiles with a partial last one, and a one-key context
     _check(np.random.default_rng(1), [77, 1], 8, 1, 32, 16, 0, 1)
+
+
+def test_two_stages_as_three():
+    # the pipeline depth changes which stage a tile lands in, not the result
+    _check(np.random.default_rng(1), [77, 1], 8, 1, 32, 16, 0, 1, stages=2)
 
 
 def test_parts_merged_by_the_reduce_and_an_idle_slot():
