@@ -60,6 +60,24 @@ def part_range(context_len, q_pos, window, split, num_splits):
 
 
 @functools.cache
+def row_lookup(copies: int, row_step: int):
+    """Device function `lookup(block_tables, s, first_key, k_hi, block_shift, row_words, head_word, r0, offs)` of
+    the kernels that stage key tiles by cp.async: offs[i] = the pool word of key row r0 + i * row_step of the tile at
+    first_key for sequence s (blocks of 2**block_shift keys, row_words words a pool row, head_word the kv head's
+    first), -1 from k_hi on; i < copies."""
+    @cuda.jit(device=True, inline=True)
+    def lookup(block_tables, s, first_key, k_hi, block_shift, row_words, head_word, r0, offs):
+        mask = (np.int32(1) << block_shift) - np.int32(1)
+        for i in range(copies):
+            key = np.int32(first_key + r0 + i * row_step)
+            offs[i] = -1
+            if key < k_hi:
+                blk = block_tables[s, key >> block_shift]
+                offs[i] = ((np.int64(blk) << block_shift) + (key & mask)) * row_words + head_word
+    return lookup
+
+
+@functools.cache
 def _build(kv_dtype, head_dim: int, gt: int):
     load = loader(kv_dtype)
     dpl = -(-head_dim // WARP)       # dims per lane

@@ -38,12 +38,12 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import check_arguments
+from expert_service.kernels.attention_decode import check_arguments, row_lookup
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
-from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, f32_as_u32, u32_as_f32
+from expert_service.kernels.numeric import f32_as_u32, quad_max, quad_sum, u32_as_f32
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, prmt_fn
 
 WARPS = 2
@@ -83,40 +83,6 @@ def part_bounds(context_len, q_pos, window, num_splits, min_keys):
     return lo, hi, part, (n + part - 1) // part
 
 
-if SIMULATOR:  # no shuffles there: the 4 lanes of a quad meet in shared memory between two block barriers
-    @cuda.jit(device=True)
-    def _quad(x, take_max):
-        scratch = cuda.shared.array(THREADS, types.float32)
-        tid = cuda.threadIdx.x
-        scratch[tid] = x
-        cuda.syncthreads()
-        first = tid - tid % 4
-        r = scratch[first]
-        for j in range(1, 4):
-            r = max(r, scratch[first + j]) if take_max else r + scratch[first + j]
-        cuda.syncthreads()
-        return r
-
-    @cuda.jit(device=True)
-    def _quad_max(x):
-        return _quad(x, True)
-
-    @cuda.jit(device=True)
-    def _quad_sum(x):
-        return _quad(x, False)
-else:
-    @cuda.jit(device=True, inline=True)
-    def _quad_max(x):
-        """Max over the 4 lanes of the caller's quad (lanes 4g .. 4g + 3), every lane of the warp calling."""
-        x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
-        return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
-
-    @cuda.jit(device=True, inline=True)
-    def _quad_sum(x):
-        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-        return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
-
-
 @functools.cache
 def _build(head_dim: int, rows2: bool, stages: int):
     """The kernel for head size head_dim; rows2: groups of more than 8 heads (the A rows g + 8 in use). Without
@@ -136,16 +102,7 @@ def _build(head_dim: int, rows2: bool, stages: int):
     wait_tile = cp_async_wait_fn(stages - 2)   # all but the stages - 2 newest groups: the tile about to run
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
 
-    @cuda.jit(device=True, inline=True)
-    def lookup(block_tables, s, first_key, k_hi, block_shift, row_words, head_word, r0, offs):
-        """Pool word (uint32) of each of this thread's key rows of the tile at first_key; -1 past k_hi."""
-        mask = (np.int32(1) << block_shift) - np.int32(1)
-        for i in range(copies):
-            key = np.int32(first_key + r0 + i * row_step)
-            offs[i] = -1
-            if key < k_hi:
-                blk = block_tables[s, key >> block_shift]
-                offs[i] = ((np.int64(blk) << block_shift) + (key & mask)) * row_words + head_word
+    lookup = row_lookup(copies, row_step)
 
     @cuda.jit(device=True, inline=True)
     def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):
@@ -246,14 +203,14 @@ def _build(head_dim: int, rows2: bool, stages: int):
                         if k0 + 8 * j + 2 * t + e >= k_hi:
                             sc[4 * j + e] = NEG_INF
                             sc[4 * j + 2 + e] = NEG_INF
-            mx0 = max(m0, _quad_max(max(max(sc[0], sc[1]), max(sc[4], sc[5]))))
+            mx0 = max(m0, quad_max(max(max(sc[0], sc[1]), max(sc[4], sc[5]))))
             base0 = mx0 if mx0 > NEG_INF else ZERO   # no key yet: every p is 0
             alpha0 = exp2(m0 - base0)
             m0 = mx0
             l0 *= alpha0
             alpha1 = ZERO
             if rows2:
-                mx1 = max(m1, _quad_max(max(max(sc[2], sc[3]), max(sc[6], sc[7]))))
+                mx1 = max(m1, quad_max(max(max(sc[2], sc[3]), max(sc[6], sc[7]))))
                 base1 = mx1 if mx1 > NEG_INF else ZERO
                 alpha1 = exp2(m1 - base1)
                 m1 = mx1
@@ -292,9 +249,9 @@ def _build(head_dim: int, rows2: bool, stages: int):
 
         # merge the warps: warp 1 leaves its rows' (max, sum, accumulators) in the stages' shared memory, as float
         # bits (every copy has landed and every warp is past its last tile: the loop's closing barrier)
-        l0 = _quad_sum(l0)
+        l0 = quad_sum(l0)
         if rows2:
-            l1 = _quad_sum(l1)
+            l1 = quad_sum(l1)
         if warp == 1:
             if t == 0:
                 vs[m_at + g] = f32_as_u32(m0)

@@ -31,6 +31,7 @@ from expert_service.kernels.attention_decode import (
     group_tile,
     launch_attention_decode,
     part_range,
+    row_lookup,
 )
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_max, warp_sum
@@ -74,16 +75,7 @@ def _build(head_dim: int, gt: int):
     stage_len, q_len, p_len = 2 * tile_u64, heads * head_dim, heads * KT    # shared sizes: closure constants
     wait_one = cp_async_wait_fn(1)
 
-    @cuda.jit(device=True, inline=True)
-    def lookup(block_tables, s, first_key, k_hi, block_shift, row_words, head_word, r0, offs):
-        """Pool word offset of each of this thread's rows of the tile at first_key (-1 past the part)."""
-        mask = (np.int32(1) << block_shift) - np.int32(1)
-        for i in range(copies):
-            key = np.int32(first_key + r0 + i * row_step)
-            offs[i] = -1
-            if key < k_hi:
-                blk = block_tables[s, key >> block_shift]
-                offs[i] = ((np.int64(blk) << block_shift) + (key & mask)) * row_words + head_word
+    lookup = row_lookup(copies, row_step)
 
     @cuda.jit(device=True, inline=True)
     def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):

@@ -36,7 +36,7 @@ from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import exp2_approx
 from expert_service.kernels.mma import mma_bf16_m16n8k16 as mma
 from expert_service.kernels.mma import pack_bf16x2 as pack
-from expert_service.kernels.numeric import FULL_MASK, SIMULATOR
+from expert_service.kernels.numeric import SIMULATOR, quad_max, quad_sum
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -88,18 +88,6 @@ def _key_base(block_tables, s, kpos, k_hi, block_size, row_words, head_word):
         return np.int64(-1)
     blk = block_tables[s, kpos // block_size]
     return (np.int64(blk) * block_size + kpos % block_size) * row_words + head_word
-
-
-@cuda.jit(device=True, inline=True)
-def _quad_max(x):
-    x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, 1))
-    return max(x, cuda.shfl_xor_sync(FULL_MASK, x, 2))
-
-
-@cuda.jit(device=True, inline=True)
-def _quad_sum(x):
-    x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
-    return x + cuda.shfl_xor_sync(FULL_MASK, x, 2)
 
 
 @functools.cache
@@ -266,8 +254,8 @@ def _build(head_dim: int):
                 for j in range(nsn):
                     mx0 = max(mx0, max(sc[4 * j], sc[4 * j + 1]))
                     mx1 = max(mx1, max(sc[4 * j + 2], sc[4 * j + 3]))
-                mx0 = max(m0, _quad_max(mx0))
-                mx1 = max(m1, _quad_max(mx1))
+                mx0 = max(m0, quad_max(mx0))
+                mx1 = max(m1, quad_max(mx1))
                 base0 = mx0 if mx0 > NEG_INF else np.float32(0.0)   # no allowed key yet: every p is 0
                 base1 = mx1 if mx1 > NEG_INF else np.float32(0.0)
                 alpha0 = exp2_approx(m0 - base0)
@@ -299,8 +287,8 @@ def _build(head_dim: int):
                             np.uint32(vw & _LO32), np.uint32(vw >> np.uint64(32)),
                             acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
             cuda.syncthreads()                       # K/V tile read by every warp before the next staging
-        l0 = _quad_sum(l0)
-        l1 = _quad_sum(l1)
+        l0 = quad_sum(l0)
+        l1 = quad_sum(l1)
         inv0 = np.float32(1.0) / l0 if l0 > 0 else np.float32(0.0)
         inv1 = np.float32(1.0) / l1 if l1 > 0 else np.float32(0.0)
         i0 = wr + g

@@ -119,7 +119,39 @@ if SIMULATOR:
             best = max(best, scratch[base + j])
         cuda.syncthreads()
         return best
+    @cuda.jit(device=True)
+    def _quad(value, take_max):
+        scratch = cuda.shared.array(1024, dtype=np.float32)
+        tid = cuda.threadIdx.x
+        scratch[tid] = value
+        cuda.syncthreads()
+        first = tid - tid % 4
+        r = scratch[first]
+        for j in range(1, 4):
+            r = max(r, scratch[first + j]) if take_max else r + scratch[first + j]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def quad_max(value):
+        return _quad(value, True)
+
+    @cuda.jit(device=True)
+    def quad_sum(value):
+        return _quad(value, False)
 else:
+    @cuda.jit(device=True, inline=True)
+    def quad_max(value):
+        """Max over the 4 lanes of the caller's quad (lanes 4g .. 4g + 3: an mma fragment's row), every lane of
+        the warp calling (in the simulator: every thread of the block)."""
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, 1))
+        return max(value, cuda.shfl_xor_sync(FULL_MASK, value, 2))
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(value):
+        value += cuda.shfl_xor_sync(FULL_MASK, value, 1)
+        return value + cuda.shfl_xor_sync(FULL_MASK, value, 2)
+
     @cuda.jit(device=True, inline=True)
     def warp_sum(value):
         """Sum over the 32 lanes of the calling warp; every lane gets the total (all lanes must call)."""

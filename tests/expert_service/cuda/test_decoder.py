@@ -284,6 +284,23 @@ def test_many_experts_no_device_allocations(many, monkeypatch):
     assert drv.cuMemGetInfo()[1] == free_before, f"{name}: device memory changed during steps"
 
 
+def _decode_runs(engine, prompts, options_list, steps=4):
+    """Per CudaOptions (set_options drops the graphs of the ones before): the prompts prefilled, then `steps` decode
+    steps of them all, as [(token ids, logits [S, V])] a step."""
+    rids = list(range(len(prompts)))
+    runs = []
+    for options in options_list:
+        engine.decoder.set_options(options)
+        engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
+        run = []
+        for _ in range(steps):
+            s = engine.step(decode_ids=rids)
+            run.append(([o.token_id for o in s.outputs], np.stack(list(s.logits))))
+        engine.clear()
+        runs.append(run)
+    return runs
+
+
 def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     """CudaOptions.tiled_decode_attention: the same tokens and logits (fp32 attention either way, summed in
     another order) on a bf16 model with Hd = 64 and a GQA group of 8, contexts crossing several 32-key tiles."""
@@ -294,18 +311,10 @@ def test_tiled_decode_attention_matches_attention_decode(tmp_path):
     engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
     assert supports(engine.decoder.k_pool[0].dtype, 64, MANY_CFG["kv_block_size"])
     prompts = [random_prompt(900 + i, n) for i, n in enumerate((70, 5, 33))]
-    rids = list(range(len(prompts)))
-    runs = []
-    for tiled in (False, True):
-        # drops the other kernel's graphs; mma_decode_attention off, or neither run would use the kernels compared
-        engine.decoder.set_options(CudaOptions(tiled_decode_attention=tiled, mma_decode_attention=False))
-        engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
-        steps = []
-        for _ in range(4):
-            s = engine.step(decode_ids=rids)
-            steps.append(([o.token_id for o in s.outputs], np.stack(list(s.logits))))
-        engine.clear()
-        runs.append(steps)
+    # mma_decode_attention off, or neither run would use the kernels compared
+    runs = _decode_runs(
+        engine, prompts, [CudaOptions(tiled_decode_attention=t, mma_decode_attention=False) for t in (False, True)]
+    )
     for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
         assert ta == tb and rel_error(lb, la) <= 1e-4, f"decode step {i}: {rel_error(lb, la):.2e}"
     engine.decoder.close()
@@ -322,17 +331,7 @@ def test_mma_decode_attention_matches_the_tiled_kernel(tmp_path):
     engine = build_engine(ModelDir.open(model), EngineConfig(backend="cuda", **MANY_CFG))
     assert supports(engine.decoder.k_pool[0].dtype, 64, MANY_CFG["kv_block_size"], 8)
     prompts = [random_prompt(950 + i, n) for i, n in enumerate((90, 5, 33))]
-    rids = list(range(len(prompts)))
-    runs = []
-    for mma in (False, True):
-        engine.decoder.set_options(CudaOptions(mma_decode_attention=mma))
-        engine.step([PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)])
-        steps = []
-        for _ in range(4):
-            s = engine.step(decode_ids=rids)
-            steps.append(([o.token_id for o in s.outputs], np.stack(list(s.logits))))
-        engine.clear()
-        runs.append(steps)
+    runs = _decode_runs(engine, prompts, [CudaOptions(mma_decode_attention=m) for m in (False, True)])
     for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
         assert ta == tb and rel_error(lb, la) <= 2e-2, f"decode step {i}: {rel_error(lb, la):.2e}"
     engine.decoder.close()
