@@ -56,6 +56,7 @@ from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
+from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
 
 log = logging.getLogger("colibri.worker.cuda")
@@ -222,10 +223,12 @@ class CudaDecoder:
                 self._stage(self._padding(), 1, 1, rows)
                 self._head(rows)
                 self.stream.synchronize()
-        if not self.engine_config.cuda_graphs:  # eager decode: one padded sequence loads launch_attention_decode
-            self._stage(self._padding(), 1, 1, 1)
-            self._run(1, 1, 1, decode=True)
-            self.stream.synchronize()
+        if not self.engine_config.cuda_graphs:
+            # eager decode: padded steps of one sequence and of MMA_DECODE_MIN_SEQS load both decode attentions
+            for seqs in sorted({1, min(self.max_seqs, self.max_tokens, MMA_DECODE_MIN_SEQS)}):
+                self._stage(self._padding(), seqs, seqs, seqs)
+                self._run(seqs, seqs, seqs, decode=True)
+                self.stream.synchronize()
             return
         for bucket in (b for b in GRAPH_BUCKETS if b <= min(self.max_seqs, self.max_tokens)):
             for _ in range(2):
