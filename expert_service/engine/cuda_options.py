@@ -32,8 +32,8 @@ class CudaOptions:
     # decode attention on attention_decode_tiled where it applies (bf16 pools, head size 64/128; 1.2-4.2x faster
     # on the H200, docs/kernels.md) (False: attention_decode everywhere)
     tiled_decode_attention: bool = True
-    # decode attention on tensor cores, attention_decode_mma, where it applies (bf16 pools, head size a multiple
-    # of 16 up to 128, at most 16 query heads per kv head); elsewhere tiled_decode_attention decides
+    # decode steps of 2+ sequences on tensor cores, attention_decode_mma, where it applies (bf16 pools, head size
+    # 16/32/64/128, at most 16 query heads per kv head); elsewhere tiled_decode_attention decides
     mma_decode_attention: bool = True
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)

@@ -50,7 +50,7 @@ WARPS = 2
 THREADS = 32 * WARPS
 KT = 16 * WARPS               # keys per tile: 16 per warp, one k-step of P V
 MAX_GROUP = 16                # query heads per kv head: the mma's 16 A rows
-MAX_HEAD_DIM = 128            # STAGES K + V stages of KT keys within 48 KB of shared memory
+HEAD_DIMS = (16, 32, 64, 128)  # 128: STAGES K + V stages of KT keys fill 48 KB of shared memory
 STAGES = 3                    # tiles in shared memory: two in flight while one is computed
 MIN_PART_KEYS = 64            # keys a split part holds at least (fewer: the merge costs more than it spreads)
 REDUCE_THREADS = 128
@@ -64,10 +64,11 @@ _LO32 = np.uint64(0xFFFFFFFF)
 
 
 def supports(kv_dtype, head_dim: int, block_size: int, group: int) -> bool:
-    """Whether this kernel runs a decode step: bf16 pools, Hd a multiple of 16 up to MAX_HEAD_DIM, power-of-two
-    blocks, at most MAX_GROUP query heads per kv head."""
-    return (np.dtype(kv_dtype) == np.uint16 and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
-            and block_size > 0 and block_size & (block_size - 1) == 0 and 1 <= group <= MAX_GROUP)
+    """Whether this kernel runs a decode step: bf16 pools, Hd 16, 32, 64 or 128 (a power of two: a key row's 16-byte
+    chunks must divide the block's threads and the swizzles must keep a chunk within its row), power-of-two blocks,
+    at most MAX_GROUP query heads per kv head."""
+    return (np.dtype(kv_dtype) == np.uint16 and head_dim in HEAD_DIMS and block_size > 0
+            and block_size & (block_size - 1) == 0 and 1 <= group <= MAX_GROUP)
 
 
 @cuda.jit(device=True, inline=True)

@@ -86,6 +86,8 @@ def test_supports():
     assert supports(np.uint16, 128, 16, 8) and supports(np.uint16, 16, 1, 16)
     assert not supports(np.float32, 128, 16, 8) and not supports(np.uint16, 136, 16, 8)
     assert not supports(np.uint16, 120, 16, 8) and not supports(np.uint16, 128, 12, 8)
+    # multiples of 16 whose rows are not a power of two of 16-byte chunks (the staging and swizzles need one)
+    assert not any(supports(np.uint16, hd, 16, 8) for hd in (48, 80, 96, 112))
     assert not supports(np.uint16, 128, 16, 32)
 
 
