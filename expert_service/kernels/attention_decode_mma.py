@@ -6,9 +6,8 @@ multiplied for all of its heads at tensor-core rate; the CUDA-core kernels spend
 
 Design (block = (sequence, kv head, split), WARPS warps, one 16-key slice of each tile per warp):
 - Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages: the next STAGES - 1 tiles are
-  in flight while tile n is computed, and the block-table reads of the tile after them are issued then too (two
-  stages measured as fast on the H200; three are what the GPU tests validated at full size). Rows stay bf16 in
-  their pool layout. The warps' final merge reuses the stages' memory.
+  in flight while tile n is computed, and the block-table reads of the tile after them are issued then too. Rows
+  stay bf16 in their pool layout. The warps' final merge reuses the stages' memory.
 - S = Q K^T: A = q (rows = the group's heads, scaled by scale * log2(e) and rounded to bf16, held in registers),
   B = K rows read as 8-byte words: the k index is permuted so that lane t's pairs are head dims 16c + 4t .. +3 (q
   takes the same order), so one load yields a lane's whole B fragment.
@@ -51,7 +50,7 @@ THREADS = 32 * WARPS
 KT = 16 * WARPS               # keys per tile: 16 per warp, one k-step of P V
 MAX_GROUP = 16                # query heads per kv head: the mma's 16 A rows
 HEAD_DIMS = (16, 32, 64, 128)  # 128: STAGES K + V stages of KT keys fill 48 KB of shared memory
-STAGES = 3                    # tiles in shared memory: two in flight while one is computed
+STAGES = 2                    # tiles in shared memory: one in flight while one is computed
 MIN_PART_KEYS = 64            # keys a split part holds at least (fewer: the merge costs more than it spreads)
 REDUCE_THREADS = 128
 # The decoder takes this kernel for decode steps of at least this many sequences: at one sequence its fixed
@@ -100,7 +99,9 @@ def _build(head_dim: int, rows2: bool, stages: int):
     k_len, v_len = stages * tile_u64, stages * tile_u32
     m_at, l_at = MAX_GROUP * head_dim, MAX_GROUP * head_dim + WARPS * MAX_GROUP   # the merge's words in vs
     halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
-    wait_tile = cp_async_wait_fn(stages - 2)   # all but the stages - 2 newest groups: the tile about to run
+    # at tile n, stages + n groups are committed and tile n is group n: waiting until stages - 1 are pending
+    # lands it and leaves the stages - 1 tiles issued after it in flight
+    wait_tile = cp_async_wait_fn(stages - 1)
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
 
     lookup = row_lookup(copies, row_step)
@@ -356,11 +357,11 @@ def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, p
 
 
 def sm90_signatures():
-    """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, two stages,
+    """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, three stages,
     the reduce."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
     sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
            f32_4d)
-    builds = ((128, False, STAGES), (128, True, STAGES), (64, False, STAGES), (128, False, 2))
+    builds = ((128, False, STAGES), (128, True, STAGES), (64, False, STAGES), (128, False, 3))
     return [(_build(*b)[0], sig) for b in builds] + [
         (attention_decode_mma_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d))]

@@ -39,9 +39,9 @@ def test_group_of_8_over_several_tiles_one_part():
     _check(np.random.default_rng(1), [77, 1], 8, 1, 32, 16, 0, 1)
 
 
-def test_two_stages_as_three():
+def test_three_stages_as_two():
     # the pipeline depth changes which stage a tile lands in, not the result
-    _check(np.random.default_rng(1), [77, 1], 8, 1, 32, 16, 0, 1, stages=2)
+    _check(np.random.default_rng(1), [77, 1], 8, 1, 32, 16, 0, 1, stages=3)
 
 
 def test_parts_merged_by_the_reduce_and_an_idle_slot():
