@@ -49,8 +49,9 @@ WARPS = 2
 THREADS = 32 * WARPS
 KT = 16 * WARPS               # keys per tile: 16 per warp, one k-step of P V
 MAX_GROUP = 16                # query heads per kv head: the mma's 16 A rows
-HEAD_DIMS = (16, 32, 64, 128)  # 128: STAGES K + V stages of KT keys fill 48 KB of shared memory
-STAGES = 2                    # tiles in shared memory: one in flight while one is computed
+HEAD_DIMS = (16, 32, 64, 128)  # powers of two of 16-byte chunks a row (the staging and the swizzles need them)
+STAGES = 2                    # tiles in shared memory: one in flight while one is computed (3 at most: at
+                              # Hd 128 three K + V stages of KT keys fill the 48 KB of static shared memory)
 MIN_PART_KEYS = 64            # keys a split part holds at least (fewer: the merge costs more than it spreads)
 REDUCE_THREADS = 128
 # The decoder takes this kernel for decode steps of at least this many sequences: at one sequence its fixed
@@ -343,6 +344,8 @@ def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, p
     if not supports(k_pool.dtype, head_dim, block_size, num_heads // num_kv_heads):
         raise ValueError(f"attention_decode_mma: no kernel for {np.dtype(k_pool.dtype).name} pools, head size "
                          f"{head_dim}, blocks of {block_size}, {num_heads // num_kv_heads} heads per kv head")
+    if stages not in (2, 3):
+        raise ValueError(f"attention_decode_mma: stages must be 2 or 3, got {stages}")
     if num_seqs == 0:
         return
     if splits == 1:      # the partial arguments are never touched: pass `out` views of the right rank
