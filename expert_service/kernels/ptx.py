@@ -17,7 +17,8 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   4-7 from b). One instruction places a byte anywhere in a word, which the 8-bit decoders need per value.
 - ``cp_async16(dst, di, src, si, valid)``: ``cp.async.cg.shared.global`` of 16 bytes: src[si .. si+3] (1-d
   uint32 array in global memory, si a multiple of 4) to dst[di], dst[di+1] (1-d uint64 array in shared memory, di
-  even) or dst[di .. di+3] (uint32 shared array, di a multiple of 4), without passing through registers; zeros instead when valid is false (src-size 0: nothing is read).
+  even) or dst[di .. di+3] (uint32 shared array, di a multiple of 4), without passing through registers; zeros
+  instead when valid is false (src-size 0: nothing is read).
   ``cp_async_commit()`` closes the group of copies this thread issued; ``cp_async_wait(n)`` (n a compile-time
   constant: ``cp_async_wait_fn(n)`` returns the device function) waits until at most n of this thread's groups
   are in flight. A block barrier after the wait makes every thread's copies visible (Ampere's multi-stage GEMM
