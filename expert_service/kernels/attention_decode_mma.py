@@ -285,10 +285,11 @@ def _build(head_dim: int, rows2: bool, stages: int):
                     h = h0 + row
                     for c in range(nks):
                         d = 16 * c + 4 * t
-                        o0 = (acc[8 * c + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d]) * f_other) * inv
-                        o1 = (acc[8 * c + 4 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 1]) * f_other) * inv
-                        o2 = (acc[8 * c + 1 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 2]) * f_other) * inv
-                        o3 = (acc[8 * c + 5 + 2 * half] * f_mine + u32_as_f32(vs[row * head_dim + d + 3]) * f_other) * inv
+                        at = row * head_dim + d              # warp 1's accumulators of these 4 head dims
+                        o0 = (acc[8 * c + 2 * half] * f_mine + u32_as_f32(vs[at]) * f_other) * inv
+                        o1 = (acc[8 * c + 4 + 2 * half] * f_mine + u32_as_f32(vs[at + 1]) * f_other) * inv
+                        o2 = (acc[8 * c + 1 + 2 * half] * f_mine + u32_as_f32(vs[at + 2]) * f_other) * inv
+                        o3 = (acc[8 * c + 5 + 2 * half] * f_mine + u32_as_f32(vs[at + 3]) * f_other) * inv
                         if single:
                             out[s, h, d] = o0
                             out[s, h, d + 1] = o1
