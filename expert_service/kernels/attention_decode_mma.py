@@ -98,7 +98,8 @@ def _build(head_dim: int, rows2: bool, stages: int):
     swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
     qa_len, acc_len = 4 * nks, 8 * nks     # array sizes must be closure constants, not expressions
     k_len, v_len = stages * tile_u64, stages * tile_u32
-    m_at, l_at = MAX_GROUP * head_dim, MAX_GROUP * head_dim + WARPS * MAX_GROUP   # the merge's words in vs
+    m_at = MAX_GROUP * head_dim            # warp 1's row maxima in vs after its accumulator rows, then its sums
+    l_at = m_at + MAX_GROUP
     halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
     # at tile n, stages + n groups are committed and tile n is group n: waiting until stages - 1 are pending
     # lands it and leaves the stages - 1 tiles issued after it in flight
@@ -269,6 +270,7 @@ def _build(head_dim: int, rows2: bool, stages: int):
                     vs[at + 2] = f32_as_u32(acc[8 * c + 1 + 2 * half])
                     vs[at + 3] = f32_as_u32(acc[8 * c + 5 + 2 * half])
         cuda.syncthreads()
+        single = parts <= 1                      # out directly, else this part's unnormalised partial
         if warp == 0:
             for half in range(halves):
                 row = g + 8 * half
@@ -276,12 +278,13 @@ def _build(head_dim: int, rows2: bool, stages: int):
                     mine = m0 if half == 0 else m1
                     other = u32_as_f32(vs[m_at + row])
                     mx = max(mine, other)
-                    base = mx if mx > NEG_INF else np.float32(0.0)
+                    base = mx if mx > NEG_INF else ZERO
                     f_mine = exp2(mine - base)
                     f_other = exp2(other - base)
                     total = (l0 if half == 0 else l1) * f_mine + u32_as_f32(vs[l_at + row]) * f_other
-                    single = parts <= 1
-                    inv = np.float32(1.0) / total if single and total > 0 else np.float32(0.0 if single else 1.0)
+                    inv = np.float32(1.0)
+                    if single:
+                        inv = np.float32(1.0) / total if total > 0 else ZERO
                     h = h0 + row
                     for c in range(nks):
                         d = 16 * c + 4 * t
