@@ -121,9 +121,30 @@ def cached_jit(kernel, launch_bounds=None):
         return cuda.jit(kernel, **options)
     pin_closure_ids(kernel)
     dispatcher = cuda.jit(kernel, cache=True, **options)
+    name_data_by_key(dispatcher._cache._cache_file)
     if "launch_bounds" in options:
         key_launch_bounds(dispatcher, tuple(launch_bounds))
     return dispatcher
+
+
+def name_data_by_key(cache_file) -> None:
+    """Numba names a kernel's cached variants 1, 2, ... in the order its index learned of them: two processes
+    compiling two variants at once (a worker's xdist test processes, two worker pods of one node sharing the cache
+    volume) both read an index without the other's and both take number 1, and the index one wrote can end up
+    naming the data the other wrote -- a later process then loads one variant's code for the other, with wrong
+    results and no error. Each variant's data is named by a digest of its key instead, so an index entry can
+    only ever name that key's own code; the data is written before the entry, and the index is read again just
+    before it is rewritten. An entry lost to a concurrent rewrite only costs a compile."""
+    pattern = cache_file._data_name_pattern.replace("{number:d}", "{digest}")
+
+    def save(key, data) -> None:
+        name = pattern.format(digest=hashlib.sha256(repr(key).encode()).hexdigest()[:32])
+        cache_file._save_data(name, data)
+        overloads = cache_file._load_index()
+        overloads[key] = name
+        cache_file._save_index(overloads)
+
+    cache_file.save = save
 
 
 def key_launch_bounds(dispatcher, launch_bounds: tuple) -> None:

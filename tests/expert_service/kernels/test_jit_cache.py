@@ -150,6 +150,36 @@ def test_launch_bounds_are_part_of_a_cached_kernels_key(tmp_path):
     assert four != two and four == four_again and "(128, 4)" in four
 
 
+def test_variants_saved_at_once_by_two_processes_each_keep_their_own_code(tmp_path):
+    """Two processes save two variants of one kernel from index snapshots taken before either wrote (two workers
+    compiling at once into one cache folder), their data files landing in either order: every entry the index
+    ends with loads its own variant's code in a third process. (Numba's own numbering gave both variants data
+    file 1, so the index could name one variant's entry with the other's code.)"""
+    from numba.cuda.core.caching import IndexDataCacheFile
+
+    keys, code = [("sig", "closure a"), ("sig", "closure b")], [b"code of a", b"code of b"]
+    for order in ((0, 1), (1, 0)):
+        folder = tmp_path / f"order{order[0]}"
+        folder.mkdir()
+        files = [IndexDataCacheFile(str(folder), "kernel-7.py311", "stamp") for _ in keys]
+        writes = []
+        for f in files:
+            jit_cache.name_data_by_key(f)
+            f._load_index = lambda: {}  # the snapshot from before either process wrote
+            f._save_data = lambda name, data, f=f: writes.append((f, name, data))  # held back, landed below
+        for f, key, data in zip(files, keys, code):
+            f.save(key, data)
+        for i in order:
+            f, name, data = writes[i]
+            IndexDataCacheFile._save_data(f, name, data)
+        later = IndexDataCacheFile(str(folder), "kernel-7.py311", "stamp")
+        loaded = {key: later.load(key) for key in keys}
+        assert any(v is not None for v in loaded.values()), "the index kept no entry"
+        for (key, got), want in zip(loaded.items(), code):
+            assert got in (None, want), f"{key} loads another variant's code"
+        assert len({name for _, name, _ in writes}) == 2, "two variants share a data file"
+
+
 WARM_UP = """
 import json, sys, time
 from common.model_format import ModelDir
