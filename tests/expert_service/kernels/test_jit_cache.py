@@ -166,7 +166,9 @@ def test_variants_saved_at_once_by_two_processes_each_keep_their_own_code(tmp_pa
         for f in files:
             jit_cache.name_data_by_key(f)
             f._load_index = lambda: {}  # the snapshot from before either process wrote
-            f._save_data = lambda name, data, f=f, writes=writes: writes.append((f, name, data))  # held back, landed below
+            f._save_data = lambda name, data, f=f, writes=writes: writes.append(
+                (f, name, data)
+            )  # held back, landed below
         for f, key, data in zip(files, keys, code):
             f.save(key, data)
         for i in order:
