@@ -196,24 +196,36 @@ def _build(kv_dtype, head_dim: int, gt: int):
     return attention_decode_kernel, cached_jit(attention_decode_kernel)
 
 
+@functools.cache
+def part_merger(base2: bool):
+    """Device function `merge(part_out, part_ml, s, h, parts, out)` of the split-K reduce kernels: out[s, h] = the
+    first `parts` partials of (s, h) merged by their (max, sum) (maxima in base 2 when base2, as the tensor-core
+    kernel's softmax keeps them), the block's threads striding over Hd."""
+    @cuda.jit(device=True, inline=True)
+    def merge(part_out, part_ml, s, h, parts, out):
+        mx = NEG_INF
+        for p in range(parts):
+            mx = max(mx, part_ml[s, h, p, 0])
+        for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+            total = np.float32(0.0)
+            o = np.float32(0.0)
+            if mx > NEG_INF:
+                for p in range(parts):
+                    shift = part_ml[s, h, p, 0] - mx
+                    c = np.float32(math.exp2(shift)) if base2 else math.exp(shift)
+                    total += part_ml[s, h, p, 1] * c
+                    o += part_out[s, h, p, d] * c
+            out[s, h, d] = o / total if total > 0 else np.float32(0.0)
+    return merge
+
+
+_merge = part_merger(False)
+
+
 def attention_decode_reduce_kernel(part_out, part_ml, out):
     """Merge split-K partials: part_out [S, H, P, Hd], part_ml [S, H, P, 2] (max, sum) float32
     -> out [S, H, Hd] float32. Grid (S, H), block (THREADS,)."""
-    s = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    num_parts = part_out.shape[2]
-    mx = NEG_INF
-    for p in range(num_parts):
-        mx = max(mx, part_ml[s, h, p, 0])
-    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        total = np.float32(0.0)
-        o = np.float32(0.0)
-        if mx > NEG_INF:
-            for p in range(num_parts):
-                c = math.exp(part_ml[s, h, p, 0] - mx)
-                total += part_ml[s, h, p, 1] * c
-                o += part_out[s, h, p, d] * c
-        out[s, h, d] = o / total if total > 0 else np.float32(0.0)
+    _merge(part_out, part_ml, cuda.blockIdx.x, cuda.blockIdx.y, part_out.shape[2], out)
 
 
 _reduce = cached_jit(attention_decode_reduce_kernel)

@@ -32,12 +32,11 @@ emulation), so CI runs this kernel on small shapes.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import check_arguments, row_lookup
+from expert_service.kernels.attention_decode import check_arguments, part_merger, row_lookup
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
@@ -59,6 +58,7 @@ REDUCE_THREADS = 128
 MMA_DECODE_MIN_SEQS = 2
 LOG2E = 1.4426950408889634
 NEG_INF = np.float32(-np.inf)
+_merge = part_merger(base2=True)   # the partials' maxima are base 2, as the softmax keeps them
 ZERO = np.float32(0.0)
 _LO32 = np.uint64(0xFFFFFFFF)
 
@@ -315,22 +315,9 @@ def attention_decode_mma_reduce_kernel(context_lens, positions, window, min_keys
     part_ml [S, H, P, 2] (max in base 2, sum) float32 -> out [S, H, Hd] float32; context_lens, positions [S]
     int32, window, min_keys int32 as given to the attention kernel. Grid (S, H), block (REDUCE_THREADS,)."""
     s = cuda.blockIdx.x
-    h = cuda.blockIdx.y
     parts = part_bounds(context_lens[s], positions[s], window, part_out.shape[2], min_keys)[3]
-    if parts <= 1:                               # the attention kernel wrote this sequence's out
-        return
-    mx = NEG_INF
-    for p in range(parts):
-        mx = max(mx, part_ml[s, h, p, 0])
-    for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        total = np.float32(0.0)
-        o = np.float32(0.0)
-        if mx > NEG_INF:
-            for p in range(parts):
-                c = np.float32(math.exp2(part_ml[s, h, p, 0] - mx))
-                total += part_ml[s, h, p, 1] * c
-                o += part_out[s, h, p, d] * c
-        out[s, h, d] = o / total if total > 0 else np.float32(0.0)
+    if parts > 1:                                # else the attention kernel wrote this sequence's out
+        _merge(part_out, part_ml, s, cuda.blockIdx.y, parts, out)
 
 
 _reduce = cached_jit(attention_decode_mma_reduce_kernel)
