@@ -133,18 +133,32 @@ def name_data_by_key(cache_file) -> None:
     volume) both read an index without the other's and both take number 1, and the index one wrote can end up
     naming the data the other wrote -- a later process then loads one variant's code for the other, with wrong
     results and no error. Each variant's data is named by a digest of its key instead, so an index entry can
-    only ever name that key's own code; the data is written before the entry, and the index is read again just
-    before it is rewritten. An entry lost to a concurrent rewrite only costs a compile."""
-    pattern = cache_file._data_name_pattern.replace("{number:d}", "{digest}")
+    only ever name that key's own code, and is stored with its key, which a load checks; the data is written
+    before the entry, and the index is read again just before it is rewritten. An entry lost to a concurrent
+    rewrite only costs a compile."""
+    numbered = cache_file._data_name_pattern
+    if "{number:d}" not in numbered:
+        raise RuntimeError(f"numba-cuda's cache names data files {numbered!r}; jit_cache expects a {{number:d}} field")
+    pattern = numbered.replace("{number:d}", "{digest}")
 
     def save(key, data) -> None:
         name = pattern.format(digest=hashlib.sha256(repr(key).encode()).hexdigest()[:32])
-        cache_file._save_data(name, data)
-        overloads = cache_file._load_index()
+        cache_file._save_data(name, (key, data))   # the key beside the code: load checks it (equal reprs of
+        overloads = cache_file._load_index()       # unequal keys would otherwise share a file)
         overloads[key] = name
         cache_file._save_index(overloads)
 
-    cache_file.save = save
+    def load(key):
+        name = cache_file._load_index().get(key)
+        if name is None:
+            return None
+        try:
+            stored = cache_file._load_data(name)
+        except OSError:   # removed while the index still named it
+            return None
+        return stored[1] if isinstance(stored, tuple) and len(stored) == 2 and stored[0] == key else None
+
+    cache_file.save, cache_file.load = save, load
 
 
 def key_launch_bounds(dispatcher, launch_bounds: tuple) -> None:

@@ -175,11 +175,36 @@ def test_variants_saved_at_once_by_two_processes_each_keep_their_own_code(tmp_pa
             f, name, data = writes[i]
             IndexDataCacheFile._save_data(f, name, data)
         later = IndexDataCacheFile(str(folder), "kernel-7.py311", "stamp")
+        jit_cache.name_data_by_key(later)
         loaded = {key: later.load(key) for key in keys}
         assert any(v is not None for v in loaded.values()), "the index kept no entry"
         for (key, got), want in zip(loaded.items(), code):
             assert got in (None, want), f"{key} loads another variant's code"
         assert len({name for _, name, _ in writes}) == 2, "two variants share a data file"
+
+
+def test_variants_saved_one_after_another_all_stay_loadable(tmp_path):
+    """Saves through the real index: every variant saved keeps its entry (the index is read again before each
+    rewrite) and loads its own code, in the same process and in a later one; a data file holding another key's
+    code is refused rather than loaded."""
+    from numba.cuda.core.caching import IndexDataCacheFile
+
+    def cache_file():
+        f = IndexDataCacheFile(str(tmp_path), "kernel-7.py311", "stamp")
+        jit_cache.name_data_by_key(f)
+        return f
+
+    first, second = cache_file(), cache_file()
+    variants = {("sig", f"closure {i}"): f"code {i}".encode() for i in range(3)}
+    for i, (key, code) in enumerate(variants.items()):
+        (first if i % 2 else second).save(key, code)
+    later = cache_file()
+    for key, code in variants.items():
+        assert first.load(key) == code and later.load(key) == code, key
+    (a, _), (b, _) = list(variants.items())[:2]
+    index = later._load_index()
+    later._save_data(index[a], (b, variants[b]))  # a's file now holds b's code, as a digest collision would
+    assert later.load(a) is None and later.load(b) == variants[b]
 
 
 WARM_UP = """
