@@ -120,6 +120,19 @@ if SIMULATOR:
         cuda.syncthreads()
         return best
     @cuda.jit(device=True)
+    def warp_max_i64(value):
+        scratch = cuda.shared.array(1024, dtype=np.int64)
+        lane = cuda.threadIdx.x % WARP
+        base = cuda.threadIdx.x - lane
+        scratch[cuda.threadIdx.x] = value
+        cuda.syncthreads()
+        best = scratch[base]
+        for j in range(1, WARP):
+            best = max(best, scratch[base + j])
+        cuda.syncthreads()
+        return best
+
+    @cuda.jit(device=True)
     def _quad(value, take_max):
         scratch = cuda.shared.array(1024, dtype=np.float32)
         tid = cuda.threadIdx.x
@@ -163,6 +176,16 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def warp_max(value):
+        offset = 16
+        while offset > 0:
+            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
+            offset //= 2
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max_i64(value):
+        """Max of an int64 over the 32 lanes of the calling warp (each shuffle moves two 32-bit halves; Numba
+        shuffles no unsigned 64-bit values): a packed (key, index) arg-max in one reduction."""
         offset = 16
         while offset > 0:
             value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
