@@ -119,6 +119,9 @@ if SIMULATOR:
             best = max(best, scratch[base + j])
         cuda.syncthreads()
         return best
+
+    # warp_max again with an int64 scratch: the simulator keys a shared array by the line that declares it, so one
+    # function cannot serve two dtypes (a factory's two products would share the float32 scratch)
     @cuda.jit(device=True)
     def warp_max_i64(value):
         scratch = cuda.shared.array(1024, dtype=np.int64)
@@ -182,15 +185,9 @@ else:
             offset //= 2
         return value
 
-    @cuda.jit(device=True, inline=True)
-    def warp_max_i64(value):
-        """Max of an int64 over the 32 lanes of the calling warp (each shuffle moves two 32-bit halves; Numba
-        shuffles no unsigned 64-bit values): a packed (key, index) arg-max in one reduction."""
-        offset = 16
-        while offset > 0:
-            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
-            offset //= 2
-        return value
+    # an int64 goes through the same shuffles (two 32-bit halves each; Numba shuffles no unsigned 64-bit values):
+    # a packed (key, index) arg-max in one reduction
+    warp_max_i64 = warp_max
 
 
 # ---- bit casts of packed words and block reductions (used by the dense kernels) ----
