@@ -108,8 +108,8 @@ if SIMULATOR:
         return total
 
     @cuda.jit(device=True)
-    def warp_max(value):
-        scratch = cuda.shared.array(1024, dtype=np.float32)
+    def _warp_max_in(value, scratch):
+        """The warp max through `scratch` (a block-wide shared array of value's dtype)."""
         lane = cuda.threadIdx.x % WARP
         base = cuda.threadIdx.x - lane
         scratch[cuda.threadIdx.x] = value
@@ -120,20 +120,14 @@ if SIMULATOR:
         cuda.syncthreads()
         return best
 
-    # warp_max again with an int64 scratch: the simulator keys a shared array by the line that declares it, so one
-    # function cannot serve two dtypes (a factory's two products would share the float32 scratch)
+    # each dtype's scratch declared on a line of its own: the simulator keys a shared array by that line
+    @cuda.jit(device=True)
+    def warp_max(value):
+        return _warp_max_in(value, cuda.shared.array(1024, dtype=np.float32))
+
     @cuda.jit(device=True)
     def warp_max_i64(value):
-        scratch = cuda.shared.array(1024, dtype=np.int64)
-        lane = cuda.threadIdx.x % WARP
-        base = cuda.threadIdx.x - lane
-        scratch[cuda.threadIdx.x] = value
-        cuda.syncthreads()
-        best = scratch[base]
-        for j in range(1, WARP):
-            best = max(best, scratch[base + j])
-        cuda.syncthreads()
-        return best
+        return _warp_max_in(value, cuda.shared.array(1024, dtype=np.int64))
 
     @cuda.jit(device=True)
     def _quad(value, take_max):
