@@ -11,7 +11,6 @@ decoder in the same run:
            (fused_qk_norm off);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (gate_planned);
 - tiled_attention: fused, with decode attention on attention_decode_tiled (mma_decode_attention off);
-- packed_topk: fused, with gate_fused's packed top-k selection (packed_router_topk on: experimental);
 - untiled_attention: fused, with decode attention on attention_decode (mma_ and tiled_decode_attention off);
 - baseline: unfused and also fused_router, greedy_split, mma_ and tiled_decode_attention off;
 - in_turn_waves: fused, expert-cache waves of every slot, copies and kernels in turn (pipelined_waves off);
@@ -19,7 +18,7 @@ decoder in the same run:
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
 
-fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention / packed_topk share one engine and the same sequences
+fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention share one engine and the same sequences
 (CudaDecoder.set_options between variants drops the captured graphs, so each variant's graphs are its own);
 lut needs its own engine. Writes profile_step.json (per shape, variant and
 scenario: wall, device busy, every kernel's time and launches per step; and per scenario the fused-vs-unfused
@@ -78,7 +77,6 @@ VARIANTS = {
     "unfused_qk_norm": {"fused_qk_norm": False},
     "lut": {},
     "tiled_attention": {"mma_decode_attention": False},
-    "packed_topk": {"packed_router_topk": True},
     "untiled_attention": {"tiled_decode_attention": False, "mma_decode_attention": False},
     "baseline": {
         "fused_rope_kv": False,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"packed_router_topk"})
+EXPERIMENTAL: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +41,6 @@ class CudaOptions:
     # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
-    # EXPERIMENTAL: gate_fused selects its top-k with one packed (probability, index) int64 warp arg-max a round
-    # and writes the weights once from registers (gate_fused.select_packed: the same ids and weights, bit for bit)
-    # instead of two float arg-max reductions a round and a re-read of its own weight stores
-    packed_router_topk: bool = False
     # expert-cache steps of one token whose K experts fit a layer's slots (so one wave) run the resident GEMV
     # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through
     # the wave's slot map, as larger cached steps)

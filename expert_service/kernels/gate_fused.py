@@ -25,16 +25,7 @@ from numba import cuda, types
 from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import (
-    SIMULATOR,
-    WARP,
-    f32_as_u32,
-    u32_as_f32,
-    warp_max,
-    warp_max_i64,
-    warp_sum,
-    widener,
-)
+from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
 THREADS = 64 if SIMULATOR else 256
@@ -62,51 +53,8 @@ def blocks_per_token(n_exp: int, split: int) -> int:
     return -(-n_exp // (WARPS // split))
 
 
-@cuda.jit(device=True, inline=True)
-def select_packed(probs, lane, tid, n_exp, top_k, normalize, ids, weights, t):
-    """The top-k of the softmax row held as probs[i] = p(lane + i * WARP) (-1 past E), each round one int64
-    arg-max over (probability bits << 32 | 0xFFFF - index): a probability in [0, 1] has bits below 0x3F800001,
-    which order as the float and keep the key positive, so the largest key is the highest probability and, among
-    equal ones, the lowest index -- the winner the default tail's float arg-max then index arg-min picks, in one
-    warp reduction instead of two. The chosen probabilities stay in registers and thread 0 writes the weights once,
-    renormalised by the same sum in the same order (the same bits). A NaN row (no key) gives ids 0..K-1 with NaN
-    weights, as gate_topk does."""
-    keys = cuda.local.array(PER_LANE, np.int64)
-    for i in range(PER_LANE):
-        e = lane + i * WARP
-        p = probs[i] + np.float32(0.0)                     # a -0.0 would carry the sign bit into the key
-        ok = e < n_exp and p >= np.float32(0.0)            # false for NaN and for the -1 past E
-        keys[i] = ((np.int64(f32_as_u32(p)) << np.int64(32)) | np.int64(0xFFFF - e)) if ok else np.int64(0)
-    tops = cuda.local.array(MAX_K, np.float32)
-    chosen = np.float32(0.0)
-    for k in range(MAX_K):                                 # unrolled: tops stays in registers
-        if k < top_k:                                      # uniform across the block
-            best = np.int64(0)
-            for i in range(PER_LANE):
-                best = max(best, keys[i])
-            best = warp_max_i64(best)
-            winner = np.int32(k)
-            top = np.float32(math.nan)
-            if best != np.int64(0):
-                winner = np.int32(0xFFFF - np.int32(best & np.int64(0xFFFF)))
-                top = u32_as_f32(np.uint32(best >> np.int64(32)))
-            for i in range(PER_LANE):
-                if lane + i * WARP == winner:
-                    keys[i] = np.int64(0)
-            tops[k] = top
-            chosen += top
-            if tid == 0:
-                ids[t, k] = winner
-    if tid == 0:
-        for k in range(MAX_K):
-            if k < top_k:
-                weights[t, k] = tops[k] / chosen if normalize != 0 else tops[k]
-
-
 @functools.cache
-def _build(dtype, wide: bool, packed: bool = False):
-    """packed: the top-k selection of `select_packed` (CudaOptions.packed_router_topk) instead of the default
-    tail."""
+def _build(dtype, wide: bool):
     widen = widener(dtype)
 
     if wide:
@@ -206,9 +154,6 @@ def _build(dtype, wide: bool, packed: bool = False):
         for i in range(PER_LANE):
             probs[i] = probs[i] / total if lane + i * WARP < n_exp else np.float32(-1.0)
 
-        if packed:
-            select_packed(probs, lane, tid, n_exp, top_k, normalize, ids, weights, t)
-            return
         chosen = np.float32(0.0)
         for k in range(top_k):
             best = np.float32(-1.5)
@@ -242,11 +187,10 @@ def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0, packed: bool = False) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero). packed: select with `select_packed`
-    (the same ids and weights, bit for bit)."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -269,7 +213,7 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, packed)[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide)[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)
@@ -282,7 +226,6 @@ def sm90_signatures():
     for dtype in _DTYPES:
         for wide in ((True, False) if dtype is np.uint16 else (False,)):
             wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
-            for packed in (False, True):
-                out.append((_build(dtype, wide, packed)[0], (types.float32[::1], types.int64, wt, i32, i32,
-                                                             types.int32[:, ::1], f2, i32, types.int32[::1], f2)))
+            out.append((_build(dtype, wide)[0], (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1],
+                                                 f2, i32, types.int32[::1], f2)))
     return out

@@ -108,8 +108,8 @@ if SIMULATOR:
         return total
 
     @cuda.jit(device=True)
-    def _warp_max_in(value, scratch):
-        """The warp max through `scratch` (a block-wide shared array of value's dtype)."""
+    def warp_max(value):
+        scratch = cuda.shared.array(1024, dtype=np.float32)
         lane = cuda.threadIdx.x % WARP
         base = cuda.threadIdx.x - lane
         scratch[cuda.threadIdx.x] = value
@@ -119,15 +119,6 @@ if SIMULATOR:
             best = max(best, scratch[base + j])
         cuda.syncthreads()
         return best
-
-    # each dtype's scratch declared on a line of its own: the simulator keys a shared array by that line
-    @cuda.jit(device=True)
-    def warp_max(value):
-        return _warp_max_in(value, cuda.shared.array(1024, dtype=np.float32))
-
-    @cuda.jit(device=True)
-    def warp_max_i64(value):
-        return _warp_max_in(value, cuda.shared.array(1024, dtype=np.int64))
 
     @cuda.jit(device=True)
     def _quad(value, take_max):
@@ -178,10 +169,6 @@ else:
             value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
             offset //= 2
         return value
-
-    # an int64 goes through the same shuffles (two 32-bit halves each; Numba shuffles no unsigned 64-bit values):
-    # a packed (key, index) arg-max in one reduction
-    warp_max_i64 = warp_max
 
 
 # ---- bit casts of packed words and block reductions (used by the dense kernels) ----

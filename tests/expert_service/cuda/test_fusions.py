@@ -169,23 +169,6 @@ def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypa
     engine.close()
 
 
-def test_packed_router_topk_equals_the_default_selection_bit_for_bit(model):
-    """CudaOptions.packed_router_topk (experimental): gate_fused's packed int64 top-k gives the same tokens, logits
-    and routed experts as the default selection, graph-replayed, on every family (decode steps of three sequences
-    route with gate_fused; the 84-token prefill does not)."""
-    name, path = model
-    engine = open_engine(path)
-    runs = []
-    for packed in (False, True):
-        engine.decoder.set_options(CudaOptions(packed_router_topk=packed))
-        runs.append(run_steps(engine))
-    assert_bitwise(runs[1], runs[0], f"{name}: packed top-k vs default")
-    for (_, _, a), (_, _, b) in zip(*runs):
-        for layer in engine.model_config.moe_layers:
-            np.testing.assert_array_equal(a.expert_ids[layer], b.expert_ids[layer])
-    engine.close()
-
-
 # --- routing=lut -------------------------------------------------------------------------------------------
 def test_lut_matches_the_cpu_lut_path(model, monkeypatch):
     from expert_service.cuda import staging

@@ -2,8 +2,7 @@
 vs numpy: the logits against
 x @ Wr^T (float64 products of the stored weight values), then ids / weights against
 expert_service.cpu.layers.moe.route on the kernel's own logits (so near-ties cannot flip on rounding), and
-against the two-launch path (gate_topk) semantics for non-finite rows; the packed top-k selection against the
-default tail, bit for bit."""
+against the two-launch path (gate_topk) semantics for non-finite rows."""
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from expert_service.kernels.gate_fused import launch_gate_fused
 from tests.helpers import random_weight
 
 
-def run(x, w, top_k, normalize, repeat=1, packed=False):
+def run(x, w, top_k, normalize, repeat=1):
     """Launch `repeat` times on the same buffers (the ticket counter must come back to zero each time)."""
     n_tok, n_exp = x.shape[0], w.shape[0]
     ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
@@ -23,7 +22,7 @@ def run(x, w, top_k, normalize, repeat=1, packed=False):
     counter = cuda.to_device(np.zeros(n_tok + 3, np.int32))
     d_x, d_w = cuda.to_device(x), cuda.to_device(w)
     for _ in range(repeat):
-        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter, packed=packed)
+        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter)
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
     return ids.copy_to_host(), weights.copy_to_host(), logits.copy_to_host()
 
@@ -105,55 +104,3 @@ def test_rejects_bad_shapes():
 @pytest.mark.parametrize("n_tok", [1, 16, 64])
 def test_gpu_realistic(n_tok, n_exp, top_k, D):
     check(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, np.uint16, True)
-
-
-def assert_packed_equals_default(x, w, top_k, normalize):
-    """The packed selection gives the default tail's ids, weights and logits bit for bit (NaN where it has NaN)."""
-    default = run(x, w, top_k, normalize)
-    packed = run(x, w, top_k, normalize, packed=True)
-    for a, b in zip(packed, default):
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize(
-    "n_tok,n_exp,top_k,D,dtype,normalize",
-    [
-        (2, 8, 2, 64, np.uint16, True),
-        (1, 128, 8, 32, np.float16, True),  # qwen3's E and K
-        (1, 256, 8, 16, np.uint16, False),  # every lane's 8 slots in use
-        (2, 60, 1, 40, np.uint16, True),
-        (1, 5, 5, 24, np.float32, False),  # K = E: every expert chosen
-    ],
-)
-def test_packed_selection_equals_the_default_tail(n_tok, n_exp, top_k, D, dtype, normalize):
-    rng = np.random.default_rng(n_exp + top_k)
-    w, _ = random_weight(rng, (n_exp, D), dtype, scale=1.0 / np.sqrt(D))
-    assert_packed_equals_default(rng.standard_normal((n_tok, D)).astype(np.float32) * 3, w, top_k, normalize)
-
-
-def test_packed_selection_ties_and_non_finite_rows():
-    """Equal probabilities go to the lower index; a row with a NaN or an inf gives ids 0..K-1 and NaN weights as
-    the default tail does; probabilities that underflow to zero still rank by index."""
-    w = np.zeros((8, 8), np.float32)
-    for e, v in enumerate([1.0, 3.0, 3.0, 0.5, 3.0, -1.0, 0.5, 0.5]):
-        w[e, 0] = v
-    x = np.zeros((4, 8), np.float32)
-    x[:, 0] = [1.0, 1.0, 1.0, 1.0]
-    x[1, 1], x[2, 1] = np.nan, np.inf  # row 1: NaN logits; row 2: inf times 0 weights -> NaN
-    w[:, 1] = 1.0
-    x[3, 0] = 200.0  # row 3: exp underflows to 0 for all but the three tied maxima
-    ids, weights, _ = run(x, w, 5, False, packed=True)
-    assert ids[0].tolist() == [1, 2, 4, 0, 3]
-    assert ids[1].tolist() == ids[2].tolist() == [0, 1, 2, 3, 4] and np.isnan(weights[1:3]).all()
-    assert ids[3].tolist() == [1, 2, 4, 0, 3] and (weights[3, 3:] == 0).all()
-    assert_packed_equals_default(x, w, 5, False)
-    assert_packed_equals_default(x, w, 5, True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_exp,top_k,D", [(8, 2, 4096), (128, 8, 2048), (64, 8, 2049)])
-@pytest.mark.parametrize("n_tok", [1, 16, 64])
-def test_packed_selection_gpu(n_tok, n_exp, top_k, D):
-    rng = np.random.default_rng(n_tok * 7 + n_exp)
-    w, _ = random_weight(rng, (n_exp, D), np.uint16, scale=1.0 / np.sqrt(D))
-    assert_packed_equals_default(rng.standard_normal((n_tok, D)).astype(np.float32) * 3, w, top_k, True)
