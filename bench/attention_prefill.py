@@ -1,5 +1,6 @@
 """Prefill attention -- expert_service.kernels.attention_prefill_mma (tensor cores, one block per 64-query tile and
-query head) -- against PyTorch's scaled_dot_product_attention, in one run (GPU), on the steps a served model runs:
+query head) -- against PyTorch's scaled_dot_product_attention and, when given, a previous version of the module
+(--previous FILE), in one run (GPU), on the steps a served model runs:
 whole prompts (causal over their own tokens) and chunks of new tokens after a cached prefix (the turns step of a
 prefix-caching round: 16 sequences of 64 new tokens over a 2,048-token shared system prompt).
 
@@ -12,7 +13,8 @@ Times are GPU time per launch (graph replay). Printed per case: both times, the 
 and value products it must compute (causal), its K/V bytes against the HBM roofline if each kv head's keys were
 read once, and its largest difference from SDPA.
 
-    python bench/attention_prefill.py --out out/attention_prefill.json [--only mixtral-shape:16:64:2048 ...]
+    python bench/attention_prefill.py --out out/attention_prefill.json [--previous OLD_attention_prefill_mma.py]
+                                      [--only mixtral-shape:16:64:2048 ...]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels import graph_timed, torch_timed  # noqa: E402
+from bench.kernels import graph_timed, load_module, torch_timed  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 SHAPES = {"mixtral-shape": (32, 8), "qwen3moe-shape": (32, 4)}
@@ -122,6 +124,7 @@ def _case(text: str) -> tuple:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_prefill.json")
+    parser.add_argument("--previous", help="an earlier attention_prefill_mma.py to time in the same run")
     parser.add_argument(
         "--only", action="append", default=[], type=_case, metavar="SHAPE:B:NEW:PREFIX", help="run only these cases"
     )
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     from numba import cuda
 
     from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_mma
+
+    previous = load_module(args.previous) if args.previous else None
 
     stream = cuda.stream()
     rng = np.random.default_rng(0)
@@ -146,12 +151,21 @@ def main(argv=None) -> int:
                 launch_attention_prefill_mma(q, k, v, starts, positions, tables, lens, 0, HEAD_DIM**-0.5, out, st)
 
             mma_s = graph_timed(launch, stream, REPEATS)
+            got = out.copy_to_host()
+            if previous is not None:
+
+                def launch_previous(i, st):
+                    previous.launch_attention_prefill_mma(
+                        q, k, v, starts, positions, tables, lens, 0, HEAD_DIM**-0.5, out, st
+                    )
+
+                previous_s = graph_timed(launch_previous, stream, REPEATS)
+                previous_out = out.copy_to_host()
             inputs = sdpa_inputs(host, b, new, prefix, "cuda")
             ref = sdpa_output(*inputs)
             sdpa_s, sdpa_graphed = sdpa_seconds(inputs)
             flops = causal_flops(b, new, prefix, H)
             kv_bytes = 2 * b * (prefix + new) * Hkv * HEAD_DIM * 2
-            got = out.copy_to_host()
             row = {
                 "shape": shape,
                 "batch": b,
@@ -165,11 +179,17 @@ def main(argv=None) -> int:
                 "sdpa_graph_replay": sdpa_graphed,
                 "mma_vs_sdpa_max_rel": float(np.abs(got - ref).max() / np.abs(ref).max()),
             }
+            prev = ""
+            if previous is not None:
+                row["previous_us"] = previous_s * 1e6
+                row["speedup_vs_previous"] = previous_s / mma_s
+                row["mma_vs_previous_max_rel"] = float(np.abs(got - previous_out).max() / np.abs(ref).max())
+                prev = f"previous {row['previous_us']:8.1f} us ({row['speedup_vs_previous']:.2f}x)  "
             results.append(row)
             print(
                 f"{shape:15s} b={b:3d} new={new:5d} prefix={prefix:5d}  mma {row['mma_us']:8.1f} us "
                 f"({row['mma_tflops']:5.1f} TFLOP/s, K/V roofline {row['kv_roofline_us']:6.1f} us)  "
-                f"sdpa {row['sdpa_us']:8.1f} us ({row['mma_speedup_vs_sdpa']:.2f}x)  "
+                f"sdpa {row['sdpa_us']:8.1f} us ({row['mma_speedup_vs_sdpa']:.2f}x)  {prev}"
                 f"diff vs sdpa {row['mma_vs_sdpa_max_rel']:.1e}",
                 flush=True,
             )

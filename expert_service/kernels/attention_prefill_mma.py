@@ -1,28 +1,31 @@
 """attention_prefill on tensor cores for bf16 KV pools: the same operation and launcher signature as
 kernels.attention_prefill (varlen causal attention of a step's new tokens over each sequence's paged KV cache,
-chunked prefill, sliding window, GQA), with QK^T and PV on inline-PTX mma.sync m16n8k16 bf16 (kernels.mma).
-`launch_attention_prefill_fastest` picks this kernel when it applies and the fp32 CUDA-core kernel otherwise (fp32/fp16
-pools, head sizes that are not a multiple of 16, the CUDA simulator, which cannot run inline PTX).
+chunked prefill, sliding window, GQA), with QK^T and PV on `mma.sync m16n8k16` bf16 (kernels.mma).
+`launch_attention_prefill_fastest` picks this kernel when `supports` holds and the fp32 CUDA-core kernel otherwise
+(fp32/fp16 pools, head sizes other than 16/32/64/128, block sizes that are not powers of two).
 
-Design (FlashAttention-2, one warp per 16 query rows):
+Design (FlashAttention-2, one warp per 16 query rows; the K/V staging and fragment loads of attention_decode_mma):
 - Block = (query tile of BQ = 64 rows of one sequence, query head), 4 warps. Grid x is ceil(T / BQ) + S as in
   launch_attention_prefill; the block -> (sequence, tile) walk reads the tile counts in parallel, and a sequence's
   last (most keys) tile is launched first.
+- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages, rows in their pool layout
+  (bf16), so the next tile's copies (and the block-table reads of the one after) are in flight while a tile is
+  computed; every warp multiplies its 16 rows by the whole tile.
 - q is scaled by scale * log2(e), rounded to bf16 and kept in registers as A fragments, so softmax runs in base
-  2 (ex2.approx). S = Q K^T and O += P V accumulate in fp32 registers; P is rounded to bf16 for the PV product
-  (its C fragment is P's A fragment), the row sums use the fp32 p, and quad shuffles give the row maxima.
-- Per key tile of BK keys (64 at Hd <= 64, 32 at Hd = 128), K is staged as bf16 rows and V transposed
-  (V^T[d, key]), both as uint64 words of 4 values read 8 bytes at a time from the pool, each thread's words
-  loaded into registers before any is stored; the next tile's block-table reads overlap them.
-- The k index of each mma is permuted so that one 8-byte shared load yields a lane's whole B fragment: head
-  dims 16c + 4t .. +3 for QK^T (q uses the same order), keys 16c + 4t .. +3 for PV, which fixes the order of K
-  rows in shared memory (see `_k_row`). Row strides are 8 mod 16 words, so the fragment loads and the
-  transposing stores are free of bank conflicts.
-- Scores are masked only in tiles that cross a row's causal / window bound; a warp skips tiles outside all
-  its rows' ranges (its block still stages them).
-Registers: 255 at Hd = 128 (q, S and O fragments), with ~72 B spilled; 2 blocks per SM.
+  2 (ex2.approx). S = Q K^T and O += P V accumulate in fp32 registers; P is rounded to bf16 and, as the C
+  fragments of S, is already P V's A operand; the row sums use the fp32 p, quad shuffles give the row maxima.
+- K: the k index of Q K^T is permuted so one 8-byte shared load is a lane's B fragment (head dims 16c + 4t .. +3;
+  q takes the same order). V: a lane loads the 32-bit words (d = 2m, 2m + 1) of keys 2t, 2t + 1, 2t + 8, 2t + 9
+  and `prmt` pairs their low halves into the B fragment of column 2m and their high halves into that of 2m + 1, so
+  a lane ends with head dims 16c + 4t .. +3 of its rows. Shared rows are XOR-swizzled per 16-byte chunk (K by
+  key % 4, V by (key / 2) % 4), which makes both loads free of bank conflicts.
+- Scores are masked only in tiles that cross a row's causal / window bound; a warp skips the products of tiles
+  outside all its rows' ranges (its block still stages them).
 Numerics: bf16 q and P give ~3e-3 relative error on outputs (vs the fp32 kernel's 1e-5 at fp32 storage).
-Not done: GQA packing (K/V are read once per query head, from L2), cp.async double buffering, Hd = 256.
+Under the CUDA simulator the mma, the pack and exp2 are `block_mma` / `block_pack` / `block_exp2` (an exact
+emulation; every warp then computes every tile, since the emulation needs the whole block), so CI runs this kernel
+on small shapes.
+Not done: GQA packing (K/V are read once per query head, from L2), split-K over long prefixes, Hd = 256.
 """
 from __future__ import annotations
 
@@ -31,45 +34,38 @@ import functools
 import numpy as np
 from numba import cuda, types
 
+from expert_service.kernels.attention_decode import row_lookup
 from expert_service.kernels.attention_prefill import check_arguments, launch_attention_prefill
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.mma import exp2_approx
-from expert_service.kernels.mma import mma_bf16_m16n8k16 as mma
-from expert_service.kernels.mma import pack_bf16x2 as pack
+from expert_service.kernels.mma import block_exp2 as exp2
+from expert_service.kernels.mma import block_mma as mma
+from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import SIMULATOR, quad_max, quad_sum
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, ld_v4, prmt_fn, st_v4
 
 WARPS = 4
 THREADS = 32 * WARPS
 BQ = 16 * WARPS                  # query rows per block, 16 per warp (the mma M)
-MAX_HEAD_DIM = 128               # Hd = 256 spills ~1 KB of registers: q would have to move to shared memory
+HEAD_DIMS = (16, 32, 64, 128)    # powers of two of 16-byte chunks a row (the staging and the swizzles need them)
+STAGES = 2                       # K/V tiles in shared memory: one in flight while one is computed (three do not
+                                 # fit the 48 KB of static shared memory at Hd 128 beside the tile walk's arrays)
 LOG2E = 1.4426950408889634
 NEG_INF = np.float32(-np.inf)
+ZERO = np.float32(0.0)
 _LO32 = np.uint64(0xFFFFFFFF)
-_U16 = np.uint64(0xFFFF)
 
 
 def key_tile(head_dim: int) -> int:
-    """BK: keys per tile. At Hd = 128 a 64-key tile made ptxas spill (255 registers: S, O and q fragments)."""
-    return 64 if head_dim <= 64 else 32
+    """KT: keys per tile. At Hd = 128, 32 keys keep the two stages of K and V at 32 KB of shared memory and the S
+    fragments at 16 registers."""
+    return 32 if head_dim == 128 else 64
 
 
-def supports(kv_dtype, head_dim: int) -> bool:
-    """Whether launch_attention_prefill_fastest runs the tensor-core kernel for this pool dtype and head size."""
-    return (not SIMULATOR and np.dtype(kv_dtype) == np.uint16 and head_dim % 16 == 0
-            and 16 <= head_dim <= MAX_HEAD_DIM)
-
-
-def _stride_words(n: int) -> int:
-    """Smallest row stride >= n 32-bit words that is 8 mod 16: lanes g = 0..3 of a fragment load (and the 4 rows
-    of a transposing store) then start 8 or 24 banks apart."""
-    return n + (8 - n) % 16
-
-
-@cuda.jit(device=True, inline=True)
-def _k_row(o):
-    """Shared-memory row of key o of a tile: key 16c + 4a + 2e + b goes to row 16c + 8e + 2a + b, which lane
-    g = 2a + b reads as column g of S's n-tile 2c + e; that puts keys 16c + 4t .. +3 on lane t's P fragment."""
-    return (o & ~15) | ((o & 2) << 2) | ((o >> 1) & 6) | (o & 1)
+def supports(kv_dtype, head_dim: int, block_size: int) -> bool:
+    """Whether launch_attention_prefill_fastest runs the tensor-core kernel: bf16 pools, Hd 16, 32, 64 or 128,
+    power-of-two blocks."""
+    return (np.dtype(kv_dtype) == np.uint16 and head_dim in HEAD_DIMS and block_size > 0
+            and block_size & (block_size - 1) == 0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -82,61 +78,78 @@ def _key_range(positions, r0, i, nq, window, k_hi):
 
 
 @cuda.jit(device=True, inline=True)
-def _key_base(block_tables, s, kpos, k_hi, block_size, row_words, head_word):
-    """Pool word (uint64 units) where the row of key kpos of sequence s starts; -1 for kpos >= k_hi."""
-    if kpos >= k_hi:
-        return np.int64(-1)
-    blk = block_tables[s, kpos // block_size]
-    return (np.int64(blk) * block_size + kpos % block_size) * row_words + head_word
+def _find_tile(seq_starts, num_seqs, info, counts, tid):
+    """info[0:3] = (sequence, first row, rows) of this block's query tile, info[0] = -1 for a block past the last
+    tile. Blocks walk the sequences' tile counts (loaded THREADS at a time, walked by thread 0), last tile first."""
+    if tid == 0:
+        info[0] = -1
+        info[3] = 0                              # tiles before this chunk of sequences
+    for c0 in range(0, num_seqs, THREADS):
+        cuda.syncthreads()
+        sq = c0 + tid
+        counts[tid] = (seq_starts[sq + 1] - seq_starts[sq] + BQ - 1) // BQ if sq < num_seqs else 0
+        cuda.syncthreads()
+        if tid == 0 and info[0] < 0:
+            first = info[3]
+            for j in range(min(THREADS, num_seqs - c0)):
+                tiles = counts[j]
+                if cuda.blockIdx.x < first + tiles:
+                    r0 = seq_starts[c0 + j] + (first + tiles - 1 - cuda.blockIdx.x) * BQ
+                    info[0] = c0 + j
+                    info[1] = r0
+                    info[2] = min(BQ, seq_starts[c0 + j + 1] - r0)
+                    break
+                first += tiles
+            info[3] = first
+    cuda.syncthreads()
 
 
 @functools.cache
 def _build(head_dim: int):
-    bk = key_tile(head_dim)
-    hw = head_dim // 4                         # uint64 words per K/V row
-    k_stride = _stride_words(head_dim // 2) // 2   # in uint64 words
-    v_stride = _stride_words(bk // 2) // 2
-    nks, nsn, nkk, non = head_dim // 16, bk // 8, bk // 16, head_dim // 8   # k-steps / n-tiles of S, then O
-    dq_groups = hw // 4
-    qa_len, acc_len, sc_len, pa_len = 4 * nks, 4 * non, 4 * nsn, 4 * nkk   # local array sizes must be constants
-    k_iters = -(-bk * hw // THREADS)           # K words per thread per tile
-    v_iters = -(-bk * hw // (4 * THREADS))     # V units (4 keys x 4 dims) per thread per tile
-    v_regs = 4 * v_iters
+    kt = key_tile(head_dim)
+    chunks = head_dim // 8                 # 16-byte chunks per key row
+    row_u64, row_u32 = head_dim // 4, head_dim // 2
+    tile_u64, tile_u32 = kt * row_u64, kt * row_u32
+    copies = kt * chunks // THREADS        # 16-byte copies per thread, tile and matrix
+    row_step = THREADS // chunks           # rows between a thread's copies
+    nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
+    nsn, nkk = kt // 8, kt // 16           # n-tiles of S, k-steps of P V
+    swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
+    qa_len, acc_len, sc_len = 4 * nks, 8 * nks, 4 * nsn   # array sizes must be closure constants
+    k_len, v_len = STAGES * tile_u64, STAGES * tile_u32
+    # at tile n, STAGES + n groups are committed and tile n is group n: waiting until STAGES - 1 are pending
+    # lands it and leaves the STAGES - 1 tiles issued after it in flight
+    wait_tile = cp_async_wait_fn(STAGES - 1)
+    low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
+    lookup = row_lookup(copies, row_step)
 
-    def attention_prefill_mma_kernel(q, k64, v64, seq_starts, positions, block_tables, context_lens, block_size,
-                                     num_kv_heads, window, qscale, out):
-        """q: [T, H, Hd] float32 (sequence s owns rows seq_starts[s]:seq_starts[s+1], ascending positions [T]).
-        k64, v64: [NB * BS * Hkv * Hd / 4] uint64 views of the bf16 pools [NB, BS, Hkv, Hd], already holding
+    @cuda.jit(device=True, inline=True)
+    def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):
+        """This thread's 16-byte copies of a tile's K and V rows into a stage (zeros past the range)."""
+        for i in range(copies):
+            r = r0 + i * row_step
+            ok = offs[i] >= 0
+            src = offs[i] + 4 * np.int64(chunk) if ok else np.int64(0)
+            kc = chunk ^ ((2 * (r % 4)) & swz)
+            vc = chunk ^ ((2 * ((r // 2) % 4)) & swz)
+            cp_async16(ks, stage * tile_u64 + r * row_u64 + 2 * kc, k_words, src, ok)
+            cp_async16(vs, stage * tile_u32 + r * row_u32 + 4 * vc, v_words, src, ok)
+
+    def attention_prefill_mma_kernel(q, k_words, v_words, seq_starts, positions, block_tables, context_lens,
+                                     block_shift, num_kv_heads, window, qscale, out):
+        """q: [T * H * Hd] float32, the flat [T, H, Hd] queries (sequence s owns rows seq_starts[s]:seq_starts[s+1],
+        ascending positions [T]).
+        k_words, v_words: [NB * BS * Hkv * Hd / 2] uint32 views of the bf16 pools [NB, BS, Hkv, Hd], already holding
         these tokens. block_tables: [S, max_blocks] int32; context_lens: [S] int32 (after this step).
-        block_size, num_kv_heads, window (0 = none): int32; qscale: scale * log2(e), float32.
-        out: [T, H, Hd] float32. Grid (ceil(T / BQ) + S, H), block (THREADS,)."""
+        block_shift: log2(BS), num_kv_heads, window (0 = none): int32; qscale: scale * log2(e), float32.
+        out: [T * H * Hd] float32, flat as q. Grid (ceil(T / BQ) + S, H), block (THREADS,)."""
         tid = cuda.threadIdx.x
         h = cuda.blockIdx.y
-        kvh = h // (q.shape[1] // num_kv_heads)
-        info = cuda.shared.array(4, types.int32)     # sequence, first row, rows; tiles before this chunk
+        num_heads = cuda.gridDim.y
+        kvh = h // (num_heads // num_kv_heads)
+        info = cuda.shared.array(4, types.int32)
         counts = cuda.shared.array(THREADS, types.int32)
-        if tid == 0:
-            info[0] = -1
-            info[3] = 0
-        num_seqs = context_lens.shape[0]
-        for c0 in range(0, num_seqs, THREADS):   # tile counts loaded in parallel, then walked by thread 0
-            cuda.syncthreads()
-            sq = c0 + tid
-            counts[tid] = (seq_starts[sq + 1] - seq_starts[sq] + BQ - 1) // BQ if sq < num_seqs else 0
-            cuda.syncthreads()
-            if tid == 0 and info[0] < 0:
-                first = info[3]
-                for j in range(min(THREADS, num_seqs - c0)):
-                    tiles = counts[j]
-                    if cuda.blockIdx.x < first + tiles:
-                        r0 = seq_starts[c0 + j] + (first + tiles - 1 - cuda.blockIdx.x) * BQ
-                        info[0] = c0 + j
-                        info[1] = r0
-                        info[2] = min(BQ, seq_starts[c0 + j + 1] - r0)
-                        break
-                    first += tiles
-                info[3] = first
-        cuda.syncthreads()
+        _find_tile(seq_starts, context_lens.shape[0], info, counts, tid)
         s = info[0]
         if s < 0:
             return
@@ -144,6 +157,7 @@ def _build(head_dim: int):
         nq = info[2]
         k_hi = min(context_lens[s], positions[r0 + nq - 1] + 1)
         k_lo = max(0, positions[r0] - window + 1) if window > 0 else 0
+        n_tiles = (max(k_hi - k_lo, 0) + kt - 1) // kt
 
         lane = tid % 32
         g = lane // 4
@@ -155,97 +169,64 @@ def _build(head_dim: int):
         lo_last, hi_last = _key_range(positions, r0, min(wr + 15, nq - 1), nq, window, k_hi)
         full_warp = wr + 16 <= nq
 
-        qa = cuda.local.array(qa_len, types.uint32)    # A fragments of q, head dims permuted (module doc)
-        for ks in range(nks):
+        # the first element of rows g and g + 8 of this warp in q / out (head h), and this lane's 4 head dims' offset
+        at0 = ((r0 + wr + g) * num_heads + h) * head_dim + 4 * t
+        at1 = at0 + 8 * num_heads * head_dim
+        qa = cuda.local.array(qa_len, types.uint32)    # A fragments of q (rows g, g + 8; head dims permuted)
+        for kk in range(nks):
             for half in range(2):
-                i = wr + g + 8 * half
-                x0 = x1 = x2 = x3 = np.float32(0.0)
-                if i < nq:
-                    d = 16 * ks + 4 * t
-                    x0 = q[r0 + i, h, d] * qscale
-                    x1 = q[r0 + i, h, d + 1] * qscale
-                    x2 = q[r0 + i, h, d + 2] * qscale
-                    x3 = q[r0 + i, h, d + 3] * qscale
-                qa[4 * ks + half] = pack(x0, x1)
-                qa[4 * ks + 2 + half] = pack(x2, x3)
-        acc = cuda.local.array(acc_len, types.float32)  # O fragments, rows g and g + 8
-        sc = cuda.local.array(sc_len, types.float32)   # S fragments, then p
-        pa = cuda.local.array(pa_len, types.uint32)    # P as A fragments
-        for j in range(4 * non):
-            acc[j] = np.float32(0.0)
-        m0 = m1 = NEG_INF                       # running max (base 2) of rows g and g + 8
-        l0 = l1 = np.float32(0.0)               # this lane's share of their running sums
+                x0 = x1 = x2 = x3 = ZERO
+                if wr + g + 8 * half < nq:
+                    x0, x1, x2, x3 = ld_v4(q, (at0 if half == 0 else at1) + 16 * kk)
+                qa[4 * kk + half] = pack(x0 * qscale, x1 * qscale)
+                qa[4 * kk + 2 + half] = pack(x2 * qscale, x3 * qscale)
+        acc = cuda.local.array(acc_len, types.float32)  # per n-tile pair c: even-d tile c0..c3, odd-d tile c0..c3
+        for j in range(acc_len):
+            acc[j] = ZERO
+        sc = cuda.local.array(sc_len, types.float32)    # S, then P, of the tile: n-tile j's c0..c3 at 4j
+        m0 = m1 = NEG_INF                               # running max (base 2) of rows g and g + 8
+        l0 = l1 = ZERO                                  # this lane's share of their running sums
 
-        k_s = cuda.shared.array((bk, k_stride), types.uint64)
-        vt_s = cuda.shared.array((head_dim, v_stride), types.uint64)
-        kbase = cuda.shared.array((2, bk), types.int64)   # pool word of each key's row, -1 past the range
-        kreg = cuda.local.array(k_iters, types.uint64)
-        vreg = cuda.local.array(v_regs, types.uint64)
-        row_words = num_kv_heads * hw
-        if tid < bk:
-            kbase[0, tid] = _key_base(block_tables, s, k_lo + tid, k_hi, block_size, row_words, kvh * hw)
-        for it in range((k_hi - k_lo + bk - 1) // bk):
-            k0 = k_lo + it * bk
-            cur = it % 2
-            cuda.syncthreads()                   # kbase[cur] written; every warp is done with the previous tile
-            # Each thread's K words (then V words) are loaded into registers before any is stored: a loop that
-            # loads and stores in turn waits out one L2 latency per element. (K and V together spill at Hd=128.)
-            nxt = np.int64(-1)
-            if tid < bk:
-                nxt = _key_base(block_tables, s, k0 + bk + tid, k_hi, block_size, row_words, kvh * hw)
-            for i in range(k_iters):
-                u = tid + i * THREADS
-                kreg[i] = np.uint64(0)
-                if u < bk * hw:
-                    b = kbase[cur, u // hw]
-                    if b >= 0:
-                        kreg[i] = k64[b + u % hw]
-            for i in range(k_iters):
-                u = tid + i * THREADS
-                if u < bk * hw:
-                    k_s[_k_row(u // hw), u % hw] = kreg[i]
-            for i in range(v_iters):
-                # 4 lanes along the head dim (one 32-byte sector per key row) x 8 key quads per warp.
-                u = tid + i * THREADS
-                grp = u // 32
-                dq = (u % 4) + 4 * (grp % dq_groups)
-                kq = (u % 32) // 4 + 8 * (grp // dq_groups)
-                for r in range(4):
-                    vreg[4 * i + r] = np.uint64(0)   # zeros past the range: 0 * garbage could be NaN
-                    if u < bk * hw // 4:
-                        b = kbase[cur, 4 * kq + r]
-                        if b >= 0:
-                            vreg[4 * i + r] = v64[b + dq]
-            for i in range(v_iters):
-                u = tid + i * THREADS
-                grp = u // 32
-                dq = (u % 4) + 4 * (grp % dq_groups)
-                kq = (u % 32) // 4 + 8 * (grp // dq_groups)
-                if u < bk * hw // 4:
-                    for j in range(4):
-                        r = (j + dq) & 3         # rotate rows so the 4 lanes along d hit different banks
-                        sh = np.uint64(16 * r)
-                        vt_s[4 * dq + r, kq] = (((vreg[4 * i] >> sh) & _U16)
-                                                | (((vreg[4 * i + 1] >> sh) & _U16) << np.uint64(16))
-                                                | (((vreg[4 * i + 2] >> sh) & _U16) << np.uint64(32))
-                                                | (((vreg[4 * i + 3] >> sh) & _U16) << np.uint64(48)))
-            if tid < bk:
-                kbase[1 - cur, tid] = nxt
-            cuda.syncthreads()
-            if wr < nq and k0 < hi_last and k0 + bk > lo_first:
-                for j in range(4 * nsn):
-                    sc[j] = np.float32(0.0)
-                for ks in range(nks):
-                    for j in range(nsn):
-                        kw = k_s[8 * j + g, 4 * ks + t]
+        ks = cuda.shared.array(k_len, types.uint64)
+        vs = cuda.shared.array(v_len, types.uint32)
+        offs = cuda.local.array(copies, types.int64)
+        row_words = np.int64(num_kv_heads * row_u32)
+        head_word = np.int64(kvh * row_u32)
+        c_r0 = tid // chunks
+        chunk = tid % chunks
+        for pre in range(STAGES - 1):             # the first STAGES - 1 tiles in flight, one group each
+            lookup(block_tables, s, k_lo + pre * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
+            if pre < n_tiles:
+                issue(ks, vs, k_words, v_words, pre, offs, c_r0, chunk)
+            cp_async_commit()
+        lookup(block_tables, s, k_lo + (STAGES - 1) * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
+        k_swz = (2 * (g % 4)) & swz               # K rows 8j + g: key % 4 == g % 4
+        v_swz = (2 * t) & swz                     # V rows 16kk + 2t (+1, +8, +9): (key / 2) % 4 == t
+        for it in range(n_tiles):
+            stage = it % STAGES
+            ahead = it + STAGES - 1               # the tile issued now, into the stage computed last iteration
+            if ahead < n_tiles:
+                issue(ks, vs, k_words, v_words, ahead % STAGES, offs, c_r0, chunk)
+            cp_async_commit()
+            lookup(block_tables, s, k_lo + (ahead + 1) * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
+            wait_tile()                           # this thread's copies of tile `it` have landed
+            cuda.syncthreads()                    # everyone's have
+            k0 = k_lo + it * kt
+            if SIMULATOR or (wr < nq and k0 < hi_last and k0 + kt > lo_first):
+                for j in range(sc_len):
+                    sc[j] = ZERO
+                for j in range(nsn):
+                    base = stage * tile_u64 + (8 * j + g) * row_u64 + t % 2
+                    for kk in range(nks):
+                        kw = ld_shared(ks, base + 2 * ((2 * kk + t // 2) ^ k_swz))
                         sc[4 * j], sc[4 * j + 1], sc[4 * j + 2], sc[4 * j + 3] = mma(
-                            qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3],
+                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3],
                             np.uint32(kw & _LO32), np.uint32(kw >> np.uint64(32)),
                             sc[4 * j], sc[4 * j + 1], sc[4 * j + 2], sc[4 * j + 3])
-                if not (full_warp and k0 >= lo_last and k0 + bk <= hi_first):
+                if not (full_warp and k0 >= lo_last and k0 + kt <= hi_first):
                     for j in range(nsn):
                         for e in range(2):
-                            key = k0 + 16 * (j // 2) + 4 * t + 2 * (j % 2) + e
+                            key = np.int32(k0 + 8 * j + 2 * t + e)   # 32-bit compares against the int32 bounds
                             if key < lo0 or key >= hi0:
                                 sc[4 * j + e] = NEG_INF
                             if key < lo1 or key >= hi1:
@@ -256,81 +237,87 @@ def _build(head_dim: int):
                     mx1 = max(mx1, max(sc[4 * j + 2], sc[4 * j + 3]))
                 mx0 = max(m0, quad_max(mx0))
                 mx1 = max(m1, quad_max(mx1))
-                base0 = mx0 if mx0 > NEG_INF else np.float32(0.0)   # no allowed key yet: every p is 0
-                base1 = mx1 if mx1 > NEG_INF else np.float32(0.0)
-                alpha0 = exp2_approx(m0 - base0)
-                alpha1 = exp2_approx(m1 - base1)
+                base0 = mx0 if mx0 > NEG_INF else ZERO   # no allowed key yet: every p is 0
+                base1 = mx1 if mx1 > NEG_INF else ZERO
+                alpha0 = exp2(m0 - base0)
+                alpha1 = exp2(m1 - base1)
                 m0 = mx0
                 m1 = mx1
                 l0 *= alpha0
                 l1 *= alpha1
                 for j in range(nsn):
                     for e in range(2):
-                        sc[4 * j + e] = exp2_approx(sc[4 * j + e] - base0)
-                        sc[4 * j + 2 + e] = exp2_approx(sc[4 * j + 2 + e] - base1)
+                        sc[4 * j + e] = exp2(sc[4 * j + e] - base0)
+                        sc[4 * j + 2 + e] = exp2(sc[4 * j + 2 + e] - base1)
                         l0 += sc[4 * j + e]
                         l1 += sc[4 * j + 2 + e]
-                for j in range(non):
+                for j in range(2 * nks):
                     acc[4 * j] *= alpha0
                     acc[4 * j + 1] *= alpha0
                     acc[4 * j + 2] *= alpha1
                     acc[4 * j + 3] *= alpha1
                 for kk in range(nkk):
-                    for r in range(4):               # n-tile 2kk + r // 2, rows g (r even) / g + 8 (r odd)
-                        c = 8 * kk + 4 * (r // 2) + 2 * (r % 2)
-                        pa[4 * kk + r] = pack(sc[c], sc[c + 1])
-                for kk in range(nkk):
-                    for j in range(non):
-                        vw = vt_s[8 * j + g, 4 * kk + t]
-                        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma(
-                            pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                            np.uint32(vw & _LO32), np.uint32(vw >> np.uint64(32)),
-                            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-            cuda.syncthreads()                       # K/V tile read by every warp before the next staging
+                    pa0 = pack(sc[8 * kk], sc[8 * kk + 1])       # row g, keys 16kk + 2t, +1
+                    pa1 = pack(sc[8 * kk + 2], sc[8 * kk + 3])   # row g + 8
+                    pa2 = pack(sc[8 * kk + 4], sc[8 * kk + 5])   # row g, keys 16kk + 8 + 2t, +1
+                    pa3 = pack(sc[8 * kk + 6], sc[8 * kk + 7])
+                    vrow = stage * tile_u32 + (16 * kk + 2 * t) * row_u32
+                    for c in range(nks):
+                        word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
+                        wa = ld_shared(vs, word)
+                        wb = ld_shared(vs, word + row_u32)
+                        wc = ld_shared(vs, word + 8 * row_u32)
+                        wd = ld_shared(vs, word + 9 * row_u32)
+                        acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
+                            pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd),
+                            acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3])
+                        acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7] = mma(
+                            pa0, pa1, pa2, pa3, high_halves(wa, wb), high_halves(wc, wd),
+                            acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7])
+            cuda.syncthreads()                    # the stage is read by every warp before it is refilled
         l0 = quad_sum(l0)
         l1 = quad_sum(l1)
-        inv0 = np.float32(1.0) / l0 if l0 > 0 else np.float32(0.0)
-        inv1 = np.float32(1.0) / l1 if l1 > 0 else np.float32(0.0)
-        i0 = wr + g
-        for j in range(non):
-            d = 8 * j + 2 * t
-            if i0 < nq:
-                out[r0 + i0, h, d] = acc[4 * j] * inv0
-                out[r0 + i0, h, d + 1] = acc[4 * j + 1] * inv0
-            if i0 + 8 < nq:
-                out[r0 + i0 + 8, h, d] = acc[4 * j + 2] * inv1
-                out[r0 + i0 + 8, h, d + 1] = acc[4 * j + 3] * inv1
+        inv0 = np.float32(1.0) / l0 if l0 > 0 else ZERO
+        inv1 = np.float32(1.0) / l1 if l1 > 0 else ZERO
+        for half in range(2):
+            inv = inv0 if half == 0 else inv1
+            if wr + g + 8 * half < nq:
+                for c in range(nks):
+                    st_v4(out, (at0 if half == 0 else at1) + 16 * c, acc[8 * c + 2 * half] * inv,
+                          acc[8 * c + 4 + 2 * half] * inv, acc[8 * c + 1 + 2 * half] * inv,
+                          acc[8 * c + 5 + 2 * half] * inv)
 
     return attention_prefill_mma_kernel, cached_jit(attention_prefill_mma_kernel)
 
 
 def launch_attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
-                          scale: float, out, stream=0) -> None:
-    """attention_prefill's arguments (q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16 bits
-    with Hd a multiple of 16, <= MAX_HEAD_DIM; ...; out: [T, H, Hd] float32), on tensor cores."""
+                                 scale: float, out, stream=0) -> None:
+    """attention_prefill's arguments (q: [T, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 bf16 bits,
+    `supports` holding; ...; out: [T, H, Hd] float32), on tensor cores."""
     num_tokens, num_heads, head_dim, num_seqs, num_kv_heads, block_size = check_arguments(
         "attention_prefill_mma", q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, out)
-    assert k_pool.dtype == np.uint16, k_pool.dtype
-    assert head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM, head_dim
+    if not supports(k_pool.dtype, head_dim, block_size):
+        raise ValueError(f"attention_prefill_mma: no kernel for {np.dtype(k_pool.dtype).name} pools, head size "
+                         f"{head_dim}, blocks of {block_size}")
     if num_tokens == 0:
         return
-    kernel = _build(head_dim)[1]
-    kernel[(-(-num_tokens // BQ) + num_seqs, num_heads), THREADS, stream](
-        q, k_pool.reshape(-1).view(np.uint64), v_pool.reshape(-1).view(np.uint64), seq_starts, positions,
-        block_tables, context_lens, np.int32(block_size), np.int32(num_kv_heads), np.int32(window),
-        np.float32(scale * LOG2E), out)
+    _build(head_dim)[1][(-(-num_tokens // BQ) + num_seqs, num_heads), THREADS, stream](
+        q.reshape(-1), k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), seq_starts, positions,
+        block_tables, context_lens, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
+        np.float32(scale * LOG2E), out.reshape(-1))
 
 
 def launch_attention_prefill_fastest(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
-                           scale: float, out, stream=0) -> None:
-    """attention_prefill, on tensor cores when `supports(k_pool.dtype, head_dim)`, else the fp32 kernel."""
-    launch = launch_attention_prefill_mma if supports(k_pool.dtype, q.shape[2]) else launch_attention_prefill
+                                     scale: float, out, stream=0) -> None:
+    """attention_prefill, on tensor cores when `supports(k_pool.dtype, head_dim, block_size)`, else the fp32
+    kernel."""
+    fast = supports(k_pool.dtype, q.shape[2], k_pool.shape[1])
+    launch = launch_attention_prefill_mma if fast else launch_attention_prefill
     launch(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window, scale, out, stream)
 
 
 def sm90_signatures():
     """(python function, numba signature) at Hd = 64 and 128."""
-    f32_3d, u64, i32 = types.float32[:, :, ::1], types.uint64[::1], types.int32
-    return [(_build(hd)[0], (f32_3d, u64, u64, i32[::1], i32[::1], i32[:, ::1], i32[::1], i32, i32, i32,
-                             types.float32, f32_3d))
-            for hd in (64, 128)]
+    f32, u32, i32 = types.float32[::1], types.uint32[::1], types.int32
+    sig = (f32, u32, u32, i32[::1], i32[::1], i32[:, ::1], i32[::1], i32, i32, i32, types.float32, f32)
+    return [(_build(hd)[0], sig) for hd in (64, 128)]

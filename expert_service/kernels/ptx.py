@@ -26,6 +26,13 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
 - ``lds32(smem, i)``: ``ld.volatile.shared.b32`` of smem[i] (1-d uint32 shared array). Adjacent 32-bit loads are
   otherwise fused into one 64-bit load, whose register pair may not be where an mma wants its fragment: four
   separate loads can land in the mma's four consecutive registers directly, where a fused pair needs moves.
+- ``st_v4(a, i, x0, x1, x2, x3)``: ``st.global.v4.f32`` of a[i .. i+3] (1-d float32 array, a[i] 16-byte aligned):
+  one store where Numba's indexing spends four, each with its own index arithmetic.
+- ``ld_shared(smem, i)``: ``ld.shared.b32`` / ``.b64`` of smem[i] (1-d uint32 / uint64 shared array) at a 32-bit
+  address. Numba's own indexing handles negative indices (a compare and a select) in 64-bit arithmetic, ~6 integer
+  instructions a load, which made a tensor-core kernel's fragment loads cost more issue slots than its mma; the
+  statement is volatile to LLVM (never merged with or moved across another, so never across a barrier), ptxas
+  still schedules it.
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
 reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
@@ -66,6 +73,17 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def lds32(a, i):
         return a[i]
+
+    @cuda.jit(device=True)
+    def ld_shared(a, i):
+        return a[i]
+
+    @cuda.jit(device=True)
+    def st_v4(a, i, x0, x1, x2, x3):
+        a[i] = x0
+        a[i + 1] = x1
+        a[i + 2] = x2
+        a[i + 3] = x3
 
     def cp_async_wait_fn(pending: int):
         return cp_async_commit      # the copies are synchronous here: nothing to wait for
@@ -170,6 +188,46 @@ else:
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(i32, [i32])
             asm = ir.InlineAsm(fnty, "ld.volatile.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
+            return builder.call(asm, [addr])
+        return sig, codegen
+
+    @intrinsic
+    def st_v4(typingctx, array, index, x0, x1, x2, x3):
+        """a[i .. i+3] = x0 .. x3 in one `st.global.v4.f32` (module docstring)."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype == types.float32
+                and isinstance(index, types.Integer)):
+            raise NumbaTypeError(f"st_v4 needs a 1-d float32 array and an integer index, got {array}, {index}")
+        sig = types.void(array, index, types.float32, types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args[:2]
+            ary = context.make_array(array_type)(context, builder, value=args[0])
+            idx = context.cast(builder, args[1], index_type, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, array_type, ary, [idx], wraparound=False)
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.VoidType(), [f32.as_pointer(), f32, f32, f32, f32])
+            asm = ir.InlineAsm(fnty, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [ptr, *args[2:]])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def ld_shared(typingctx, smem, i):
+        """smem[i] from a 1-d uint32 or uint64 shared array, no index wraparound, 32-bit address (module docstring)."""
+        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype in (types.uint32, types.uint64)
+                and isinstance(i, types.Integer)):
+            raise NumbaTypeError(f"ld_shared needs a 1-d uint32/uint64 shared array and an index, got {smem}, {i}")
+        sig = smem.dtype(smem, i)
+
+        def codegen(context, builder, sig, args):
+            smem_t, i_t = sig.args
+            addr = _shared_address(context, builder, smem_t, args[0], i_t, args[1])
+            bits = 64 if smem_t.dtype == types.uint64 else 32
+            value = ir.IntType(bits)
+            fnty = ir.FunctionType(value, [ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, f"ld.shared.b{bits} $0, [$1];", f"={'l' if bits == 64 else 'r'},r",
+                               side_effect=True)
             return builder.call(asm, [addr])
         return sig, codegen
 

@@ -1,5 +1,7 @@
 """attention_prefill_mma (tensor cores, bf16 pools) vs expert_service.cpu.layers.attention.paged_attention and vs the
-fp32 launch_attention_prefill kernel; launch_attention_prefill_fastest falls back to launch_attention_prefill where mma cannot run.
+fp32 launch_attention_prefill kernel; launch_attention_prefill_fastest falls back to launch_attention_prefill where mma
+cannot run. Runs under the CUDA simulator too (block_mma emulates the mma exactly), so CI checks the fragment,
+swizzle and masking indexing on small shapes; the GPU tests take the real ones.
 
 Tolerance: RTOL = 1e-2 of max |reference|. The kernel rounds q * scale and the softmax weights P to bf16
 (relative step 2**-8, so up to 2e-3 per value) before the tensor-core products; errors measured in an emulation of
@@ -14,7 +16,11 @@ from numba import cuda
 from expert_service.cpu.layers.attention import paged_attention
 from expert_service.kernels import attention_prefill_mma as mma_module
 from expert_service.kernels.attention_prefill import launch_attention_prefill
-from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest, supports
+from expert_service.kernels.attention_prefill_mma import (
+    launch_attention_prefill_fastest,
+    launch_attention_prefill_mma,
+    supports,
+)
 from tests.helpers import assert_close, from_storage, random_cache
 
 RTOL = 1e-2
@@ -49,7 +55,7 @@ def _run(launch, q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, 
 
 
 def _check(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=0, block_size=16):
-    assert supports(np.uint16, head_dim)  # launch_attention_prefill_fastest takes the tensor-core path
+    assert supports(np.uint16, head_dim, block_size)  # launch_attention_prefill_fastest takes the tensor-core path
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
         np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size
     )
@@ -102,16 +108,57 @@ def test_more_sequences_than_threads():
     _check(7, list(rng.integers(1, 6, 150)), list(rng.integers(0, 40, 150)), 8, 2, 64)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_small_head_sizes(head_dim):
+    _check(9, [130, 7], [60, 3], 8, 2, head_dim, window=70)
+
+
+@pytest.mark.gpu
+def test_chunks_over_a_long_cached_prefix():
+    # the turns step of a prefix-caching round: 16 sequences of 64 new tokens over 2,048 cached ones
+    _check(10, [64] * 16, [2048] * 16, 32, 8, 128)
+
+
+def test_simulated_chunks_gqa_and_an_empty_sequence():
+    # Hd 16 (one k-step, 64-key tiles): a sequence of two query tiles after a cached prefix (causal mask inside
+    # tiles, a warp past the last row), a short one, one with no new tokens; blocks of 4 keys, 2 heads a kv head
+    _check(11, [5, 70, 0], [3, 20, 9], 4, 2, 16, block_size=4)
+
+
+def test_simulated_window():
+    # Hd 32 with a sliding window narrower than a tile (tiles before a row's window skipped or masked)
+    _check(12, [40, 9], [50, 0], 2, 1, 32, window=19, block_size=8)
+
+
+def test_simulated_head_dim_128():
+    # the 32-key tiles and 16 k-steps of Hd 128, one query head, 2 tiles of keys
+    _check(13, [21], [30], 1, 1, 128, block_size=16)
+
+
 def test_supports():
-    for dtype, head_dim in [(np.float32, 128), (np.float16, 128), (np.uint16, 20), (np.uint16, 256)]:
-        assert not supports(dtype, head_dim)
-    assert supports(np.uint16, 128) == supports(np.uint16, 64) == (not mma_module.SIMULATOR)
+    for dtype, head_dim, block_size in [
+        (np.float32, 128, 16),
+        (np.float16, 128, 16),
+        (np.uint16, 20, 16),
+        (np.uint16, 256, 16),
+        (np.uint16, 96, 16),
+        (np.uint16, 128, 12),
+    ]:
+        assert not supports(dtype, head_dim, block_size)
+    assert supports(np.uint16, 128, 16) and supports(np.uint16, 16, 1) and supports(np.uint16, 64, 32)
 
 
-def test_fast_falls_back_without_mma(monkeypatch):
-    # In the simulator (no inline PTX) a bf16 pool with Hd=16 goes to the fp32 kernel, with its exact results.
-    if not mma_module.SIMULATOR:
-        pytest.skip("the fallback for bf16 pools is the simulator's")
+def test_launcher_refuses_what_it_cannot_run():
+    q, k_pool, v_pool, seq_starts, positions, tables, ctx, _ = _inputs(np.random.default_rng(6), [3], [0], 2, 1, 16, 4)
+    args = (q, k_pool.astype(np.float16), v_pool.astype(np.float16), seq_starts, positions, tables, ctx, 0, 0.25)
+    with pytest.raises(ValueError, match="no kernel for float16 pools"):
+        _run(launch_attention_prefill_mma, *args)
+
+
+def test_fastest_falls_back_without_mma(monkeypatch):
+    # A bf16 pool with a head size the tensor-core kernel has no tiles for (20) goes to the fp32 kernel, with its
+    # exact results.
     calls = []
 
     def spy(*args):
@@ -120,7 +167,7 @@ def test_fast_falls_back_without_mma(monkeypatch):
 
     monkeypatch.setattr(mma_module, "launch_attention_prefill", spy)
     q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
-        np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 16, 4
+        np.random.default_rng(6), [3, 2], [0, 4], 2, 1, 20, 4
     )
     want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
     got = _run(launch_attention_prefill_fastest, q, k_pool, v_pool, seq_starts, positions, tables, ctx, 0, 0.25)
