@@ -42,7 +42,7 @@ from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import f32_as_u32, quad_max, quad_sum, u32_as_f32
-from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, prmt_fn
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, prmt_fn
 
 WARPS = 2
 THREADS = 32 * WARPS
@@ -196,7 +196,7 @@ def _build(head_dim: int, rows2: bool, stages: int):
             for j in range(2):
                 base = stage * tile_u64 + (16 * warp + 8 * j + g) * row_u64 + t % 2
                 for kk in range(nks):
-                    kw = ks[base + 2 * ((2 * kk + t // 2) ^ k_swz)]
+                    kw = ld_shared(ks, base + 2 * ((2 * kk + t // 2) ^ k_swz))
                     sc[4 * j], sc[4 * j + 1], sc[4 * j + 2], sc[4 * j + 3] = mma(
                         qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3],
                         np.uint32(kw & _LO32), np.uint32(kw >> np.uint64(32)),
@@ -239,10 +239,10 @@ def _build(head_dim: int, rows2: bool, stages: int):
             vrow = stage * tile_u32 + (16 * warp + 2 * t) * row_u32
             for c in range(nks):
                 word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
-                wa = vs[word]
-                wb = vs[word + row_u32]
-                wc = vs[word + 8 * row_u32]
-                wd = vs[word + 9 * row_u32]
+                wa = ld_shared(vs, word)
+                wb = ld_shared(vs, word + row_u32)
+                wc = ld_shared(vs, word + 8 * row_u32)
+                wd = ld_shared(vs, word + 9 * row_u32)
                 acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
                     pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd), acc[8 * c], acc[8 * c + 1],
                     acc[8 * c + 2] if rows2 else ZERO, acc[8 * c + 3] if rows2 else ZERO)
