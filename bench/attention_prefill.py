@@ -1,6 +1,6 @@
 """Prefill attention -- expert_service.kernels.attention_prefill_mma (tensor cores, one block per 64-query tile and
 query head) -- against PyTorch's scaled_dot_product_attention and, when given, a previous version of the module
-(--previous FILE), in one run (GPU), on the steps a served model runs:
+(--previous FILE, repeatable; each printed under its file name), in one run (GPU), on the steps a served model runs:
 whole prompts (causal over their own tokens) and chunks of new tokens after a cached prefix (the turns step of a
 prefix-caching round: 16 sequences of 64 new tokens over a 2,048-token shared system prompt).
 
@@ -124,7 +124,12 @@ def _case(text: str) -> tuple:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_prefill.json")
-    parser.add_argument("--previous", help="an earlier attention_prefill_mma.py to time in the same run")
+    parser.add_argument(
+        "--previous",
+        action="append",
+        default=[],
+        help="an earlier (or variant) attention_prefill_mma.py to time in the same run (repeatable)",
+    )
     parser.add_argument(
         "--only", action="append", default=[], type=_case, metavar="SHAPE:B:NEW:PREFIX", help="run only these cases"
     )
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
 
     from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_mma
 
-    previous = load_module(args.previous) if args.previous else None
+    previous = {Path(path).stem: load_module(path) for path in args.previous}
 
     stream = cuda.stream()
     rng = np.random.default_rng(0)
@@ -152,15 +157,16 @@ def main(argv=None) -> int:
 
             mma_s = graph_timed(launch, stream, REPEATS)
             got = out.copy_to_host()
-            if previous is not None:
+            previous_s, previous_out = {}, {}
+            for label, module in previous.items():
 
-                def launch_previous(i, st):
-                    previous.launch_attention_prefill_mma(
+                def launch_previous(i, st, module=module):
+                    module.launch_attention_prefill_mma(
                         q, k, v, starts, positions, tables, lens, 0, HEAD_DIM**-0.5, out, st
                     )
 
-                previous_s = graph_timed(launch_previous, stream, REPEATS)
-                previous_out = out.copy_to_host()
+                previous_s[label] = graph_timed(launch_previous, stream, REPEATS)
+                previous_out[label] = out.copy_to_host()
             inputs = sdpa_inputs(host, b, new, prefix, "cuda")
             ref = sdpa_output(*inputs)
             sdpa_s, sdpa_graphed = sdpa_seconds(inputs)
@@ -180,11 +186,11 @@ def main(argv=None) -> int:
                 "mma_vs_sdpa_max_rel": float(np.abs(got - ref).max() / np.abs(ref).max()),
             }
             prev = ""
-            if previous is not None:
-                row["previous_us"] = previous_s * 1e6
-                row["speedup_vs_previous"] = previous_s / mma_s
-                row["mma_vs_previous_max_rel"] = float(np.abs(got - previous_out).max() / np.abs(ref).max())
-                prev = f"previous {row['previous_us']:8.1f} us ({row['speedup_vs_previous']:.2f}x)  "
+            for label, seconds in previous_s.items():
+                row[f"{label}_us"] = seconds * 1e6
+                row[f"speedup_vs_{label}"] = seconds / mma_s
+                row[f"mma_vs_{label}_max_rel"] = float(np.abs(got - previous_out[label]).max() / np.abs(ref).max())
+                prev += f"{label} {seconds * 1e6:8.1f} us ({row[f'speedup_vs_{label}']:.2f}x)  "
             results.append(row)
             print(
                 f"{shape:15s} b={b:3d} new={new:5d} prefix={prefix:5d}  mma {row['mma_us']:8.1f} us "
