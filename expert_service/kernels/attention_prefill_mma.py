@@ -40,7 +40,7 @@ from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
-from expert_service.kernels.numeric import SIMULATOR, quad_max, quad_sum
+from expert_service.kernels.numeric import SIMULATOR, aligned_to, quad_max, quad_sum
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, ld_v4, prmt_fn, st_v4
 
 WARPS = 4
@@ -299,6 +299,9 @@ def launch_attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block
     if not supports(k_pool.dtype, head_dim, block_size):
         raise ValueError(f"attention_prefill_mma: no kernel for {np.dtype(k_pool.dtype).name} pools, head size "
                          f"{head_dim}, blocks of {block_size}")
+    if not aligned_to(16, q, out, k_pool, v_pool):
+        raise ValueError("attention_prefill_mma: q, out and the pools must start on 16 bytes (16-byte loads, stores "
+                         "and copies)")
     if num_tokens == 0:
         return
     _build(head_dim)[1][(-(-num_tokens // BQ) + num_seqs, num_heads), THREADS, stream](
@@ -309,9 +312,9 @@ def launch_attention_prefill_mma(q, k_pool, v_pool, seq_starts, positions, block
 
 def launch_attention_prefill_fastest(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window: int,
                                      scale: float, out, stream=0) -> None:
-    """attention_prefill, on tensor cores when `supports(k_pool.dtype, head_dim, block_size)`, else the fp32
-    kernel."""
-    fast = supports(k_pool.dtype, q.shape[2], k_pool.shape[1])
+    """attention_prefill, on tensor cores when `supports(k_pool.dtype, head_dim, block_size)` and the arrays start on
+    16 bytes, else the fp32 kernel."""
+    fast = supports(k_pool.dtype, q.shape[2], k_pool.shape[1]) and aligned_to(16, q, out, k_pool, v_pool)
     launch = launch_attention_prefill_mma if fast else launch_attention_prefill
     launch(q, k_pool, v_pool, seq_starts, positions, block_tables, context_lens, window, scale, out, stream)
 

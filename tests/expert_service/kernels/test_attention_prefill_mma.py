@@ -156,6 +156,30 @@ def test_launcher_refuses_what_it_cannot_run():
         _run(launch_attention_prefill_mma, *args)
 
 
+def test_misaligned_arrays_are_refused_or_take_the_fp32_kernel(monkeypatch):
+    # q as a view one float past a 16-byte boundary: the tensor-core kernel's 16-byte loads cannot read it
+    q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
+        np.random.default_rng(8), [3, 2], [0, 4], 2, 1, 16, 4
+    )
+    backing = cuda.to_device(np.concatenate([[0.0], q.reshape(-1)]).astype(np.float32))
+    q_view = backing[1:].reshape(q.shape)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    args = [cuda.to_device(a) for a in (k_pool, v_pool, seq_starts, positions, tables, ctx)]
+    with pytest.raises(ValueError, match="start on 16 bytes"):
+        launch_attention_prefill_mma(q_view, *args[:2], *args[2:], 0, 0.25, out)
+    calls = []
+
+    def spy(*a):
+        calls.append(a)
+        launch_attention_prefill(*a)
+
+    monkeypatch.setattr(mma_module, "launch_attention_prefill", spy)
+    launch_attention_prefill_fastest(q_view, *args, 0, 0.25, out)
+    want = paged_attention(q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, 0.25, 0)
+    assert len(calls) == 1
+    assert_close(out.copy_to_host(), want, 1e-5)
+
+
 def test_fastest_falls_back_without_mma(monkeypatch):
     # A bf16 pool with a head size the tensor-core kernel has no tiles for (20) goes to the fp32 kernel, with its
     # exact results.
