@@ -5,9 +5,9 @@ head are the 16 rows of the products' A operand, so every K/V byte of a (sequenc
 multiplied for all of its heads at tensor-core rate; the CUDA-core kernels spend ~3 instructions a byte there.
 
 Design (block = (sequence, kv head, split), WARPS warps, one 16-key slice of each tile per warp):
-- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages: the next STAGES - 1 tiles are
-  in flight while tile n is computed, and the block-table reads of the tile after them are issued then too. Rows
-  stay bf16 in their pool layout. The warps' final merge reuses the stages' memory.
+- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages (kernels.kv_tiles): the next
+  STAGES - 1 tiles are in flight while tile n is computed, and the block-table reads of the tile after them are
+  issued then too. Rows stay bf16 in their pool layout. The warps' final merge reuses the stages' memory.
 - S = Q K^T: A = q (rows = the group's heads, scaled by scale * log2(e) and rounded to bf16, held in registers),
   B = K rows read as 8-byte words: the k index is permuted so that lane t's pairs are head dims 16c + 4t .. +3 (q
   takes the same order), so one load yields a lane's whole B fragment.
@@ -36,13 +36,14 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import check_arguments, part_merger, row_lookup
+from expert_service.kernels.attention_decode import check_arguments, part_merger
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.kv_tiles import tile_layout, tile_pipeline
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import f32_as_u32, quad_max, quad_sum, u32_as_f32
-from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, prmt_fn
+from expert_service.kernels.ptx import ld_shared, prmt_fn
 
 WARPS = 2
 THREADS = 32 * WARPS
@@ -89,36 +90,17 @@ def _build(head_dim: int, rows2: bool, stages: int):
     """The kernel for head size head_dim; rows2: groups of more than 8 heads (the A rows g + 8 in use). Without
     them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops, with their registers.
     stages: K/V tiles in shared memory (stages - 1 in flight while one is computed)."""
-    chunks = head_dim // 8                 # 16-byte chunks per key row
-    row_u64, row_u32 = head_dim // 4, head_dim // 2
-    tile_u64, tile_u32 = KT * row_u64, KT * row_u32
-    copies = KT * chunks // THREADS        # 16-byte copies per thread, tile and matrix
-    row_step = THREADS // chunks           # rows between a thread's copies
+    lay = tile_layout(KT, head_dim, THREADS)
+    row_u64, row_u32, tile_u64, tile_u32, copies, swz = (lay.row_u64, lay.row_u32, lay.tile_u64, lay.tile_u32,
+                                                         lay.copies, lay.swz)
     nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
-    swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
     qa_len, acc_len = 4 * nks, 8 * nks     # array sizes must be closure constants, not expressions
     k_len, v_len = stages * tile_u64, stages * tile_u32
     m_at = MAX_GROUP * head_dim            # warp 1's row maxima in vs after its accumulator rows, then its sums
     l_at = m_at + MAX_GROUP
     halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
-    # at tile n, stages + n groups are committed and tile n is group n: waiting until stages - 1 are pending
-    # lands it and leaves the stages - 1 tiles issued after it in flight
-    wait_tile = cp_async_wait_fn(stages - 1)
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
-
-    lookup = row_lookup(copies, row_step)
-
-    @cuda.jit(device=True, inline=True)
-    def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):
-        """This thread's 16-byte copies of a tile's K and V rows into a stage (zeros past the part)."""
-        for i in range(copies):
-            r = r0 + i * row_step
-            ok = offs[i] >= 0
-            src = offs[i] + 4 * np.int64(chunk) if ok else np.int64(0)
-            kc = chunk ^ ((2 * (r % 4)) & swz)
-            vc = chunk ^ ((2 * ((r // 2) % 4)) & swz)
-            cp_async16(ks, stage * tile_u64 + r * row_u64 + 2 * kc, k_words, src, ok)
-            cp_async16(vs, stage * tile_u32 + r * row_u32 + 4 * vc, v_words, src, ok)
+    prime, advance = tile_pipeline(KT, head_dim, THREADS, stages)
 
     def attention_decode_mma_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
                                     num_kv_heads, window, qscale, min_keys, out, part_out, part_ml):
@@ -170,25 +152,12 @@ def _build(head_dim: int, rows2: bool, stages: int):
         offs = cuda.local.array(copies, types.int64)
         row_words = np.int64(num_kv_heads * row_u32)
         head_word = np.int64(kvh * row_u32)
-        r0 = tid // chunks
-        chunk = tid % chunks
-        for pre in range(stages - 1):             # the first stages - 1 tiles in flight, one group each
-            lookup(block_tables, s, k_lo + pre * KT, k_hi, block_shift, row_words, head_word, r0, offs)
-            if pre < n_tiles:
-                issue(ks, vs, k_words, v_words, pre, offs, r0, chunk)
-            cp_async_commit()
-        lookup(block_tables, s, k_lo + (stages - 1) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
+        prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word, offs)
         k_swz = (2 * (g % 4)) & swz               # K rows 16 * warp + 8j + g: key % 4 == g % 4
         v_swz = (2 * t) & swz                     # V rows 16 * warp + 2t (+1, +8, +9): (key / 2) % 4 == t
         for it in range(n_tiles):
-            stage = it % stages
-            ahead = it + stages - 1               # the tile issued now, into the stage computed last iteration
-            if ahead < n_tiles:
-                issue(ks, vs, k_words, v_words, ahead % stages, offs, r0, chunk)
-            cp_async_commit()
-            lookup(block_tables, s, k_lo + (ahead + 1) * KT, k_hi, block_shift, row_words, head_word, r0, offs)
-            wait_tile()                           # this thread's copies of tile `it` have landed
-            cuda.syncthreads()                    # everyone's have
+            stage = advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift,
+                            row_words, head_word, offs)
             k0 = k_lo + it * KT + 16 * warp       # the warp's first key
 
             for j in range(8):

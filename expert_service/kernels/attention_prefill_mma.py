@@ -8,9 +8,9 @@ Design (FlashAttention-2, one warp per 16 query rows; the K/V staging and fragme
 - Block = (query tile of BQ = 64 rows of one sequence, query head), 4 warps. Grid x is ceil(T / BQ) + S as in
   launch_attention_prefill; the block -> (sequence, tile) walk reads the tile counts in parallel, and a sequence's
   last (most keys) tile is launched first.
-- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages, rows in their pool layout
-  (bf16), so the next tile's copies (and the block-table reads of the one after) are in flight while a tile is
-  computed; every warp multiplies its 16 rows by the whole tile.
+- Tiles of KT keys go global -> shared by 16-byte `cp.async` through STAGES stages (kernels.kv_tiles), rows in
+  their pool layout (bf16), so the next tile's copies (and the block-table reads of the one after) are in flight
+  while a tile is computed; every warp multiplies its 16 rows by the whole tile.
 - q is scaled by scale * log2(e), rounded to bf16 and kept in registers as A fragments, so softmax runs in base
   2 (ex2.approx). S = Q K^T and O += P V accumulate in fp32 registers; P is rounded to bf16 and, as the C
   fragments of S, is already P V's A operand; the row sums use the fp32 p, quad shuffles give the row maxima.
@@ -34,14 +34,14 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.attention_decode import row_lookup
 from expert_service.kernels.attention_prefill import check_arguments, launch_attention_prefill
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.kv_tiles import tile_layout, tile_pipeline
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import SIMULATOR, aligned_to, quad_max, quad_sum
-from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, ld_v4, prmt_fn, st_v4
+from expert_service.kernels.ptx import ld_shared, ld_v4, prmt_fn, st_v4
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -107,33 +107,15 @@ def _find_tile(seq_starts, num_seqs, info, counts, tid):
 @functools.cache
 def _build(head_dim: int):
     kt = key_tile(head_dim)
-    chunks = head_dim // 8                 # 16-byte chunks per key row
-    row_u64, row_u32 = head_dim // 4, head_dim // 2
-    tile_u64, tile_u32 = kt * row_u64, kt * row_u32
-    copies = kt * chunks // THREADS        # 16-byte copies per thread, tile and matrix
-    row_step = THREADS // chunks           # rows between a thread's copies
+    lay = tile_layout(kt, head_dim, THREADS)
+    tile_u64, tile_u32, row_u32, swz, copies = lay.tile_u64, lay.tile_u32, lay.row_u32, lay.swz, lay.copies
+    row_u64 = lay.row_u64
     nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
     nsn, nkk = kt // 8, kt // 16           # n-tiles of S, k-steps of P V
-    swz = (chunks - 1) & ~1                # the swizzles flip chunk bits 1-2 only: the chunk stays in its row
     qa_len, acc_len, sc_len = 4 * nks, 8 * nks, 4 * nsn   # array sizes must be closure constants
     k_len, v_len = STAGES * tile_u64, STAGES * tile_u32
-    # at tile n, STAGES + n groups are committed and tile n is group n: waiting until STAGES - 1 are pending
-    # lands it and leaves the STAGES - 1 tiles issued after it in flight
-    wait_tile = cp_async_wait_fn(STAGES - 1)
+    prime, advance = tile_pipeline(kt, head_dim, THREADS, STAGES)
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
-    lookup = row_lookup(copies, row_step)
-
-    @cuda.jit(device=True, inline=True)
-    def issue(ks, vs, k_words, v_words, stage, offs, r0, chunk):
-        """This thread's 16-byte copies of a tile's K and V rows into a stage (zeros past the range)."""
-        for i in range(copies):
-            r = r0 + i * row_step
-            ok = offs[i] >= 0
-            src = offs[i] + 4 * np.int64(chunk) if ok else np.int64(0)
-            kc = chunk ^ ((2 * (r % 4)) & swz)
-            vc = chunk ^ ((2 * ((r // 2) % 4)) & swz)
-            cp_async16(ks, stage * tile_u64 + r * row_u64 + 2 * kc, k_words, src, ok)
-            cp_async16(vs, stage * tile_u32 + r * row_u32 + 4 * vc, v_words, src, ok)
 
     def attention_prefill_mma_kernel(q, k_words, v_words, seq_starts, positions, block_tables, context_lens,
                                      block_shift, num_kv_heads, window, qscale, out):
@@ -192,25 +174,12 @@ def _build(head_dim: int):
         offs = cuda.local.array(copies, types.int64)
         row_words = np.int64(num_kv_heads * row_u32)
         head_word = np.int64(kvh * row_u32)
-        c_r0 = tid // chunks
-        chunk = tid % chunks
-        for pre in range(STAGES - 1):             # the first STAGES - 1 tiles in flight, one group each
-            lookup(block_tables, s, k_lo + pre * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
-            if pre < n_tiles:
-                issue(ks, vs, k_words, v_words, pre, offs, c_r0, chunk)
-            cp_async_commit()
-        lookup(block_tables, s, k_lo + (STAGES - 1) * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
+        prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word, offs)
         k_swz = (2 * (g % 4)) & swz               # K rows 8j + g: key % 4 == g % 4
         v_swz = (2 * t) & swz                     # V rows 16kk + 2t (+1, +8, +9): (key / 2) % 4 == t
         for it in range(n_tiles):
-            stage = it % STAGES
-            ahead = it + STAGES - 1               # the tile issued now, into the stage computed last iteration
-            if ahead < n_tiles:
-                issue(ks, vs, k_words, v_words, ahead % STAGES, offs, c_r0, chunk)
-            cp_async_commit()
-            lookup(block_tables, s, k_lo + (ahead + 1) * kt, k_hi, block_shift, row_words, head_word, c_r0, offs)
-            wait_tile()                           # this thread's copies of tile `it` have landed
-            cuda.syncthreads()                    # everyone's have
+            stage = advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift,
+                            row_words, head_word, offs)
             k0 = k_lo + it * kt
             if SIMULATOR or (wr < nq and k0 < hi_last and k0 + kt > lo_first):
                 for j in range(sc_len):

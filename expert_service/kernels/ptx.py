@@ -174,22 +174,31 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @intrinsic
-    def lds32(typingctx, smem, i):
-        """One 32-bit shared load that neither LLVM nor ptxas fuses with its neighbour (module docstring)."""
-        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype == types.uint32
-                and isinstance(i, types.Integer)):
-            raise NumbaTypeError(f"lds32 needs a 1-d uint32 shared array and an index, got {smem}, {i}")
-        sig = types.uint32(smem, i)
+    def _shared_load_intrinsic(name: str, dtypes: tuple, volatile: bool):
+        """Intrinsic `(smem, i) -> smem[i]` for 1-d shared arrays of `dtypes` at a 32-bit address, as one
+        `ld.shared` (`ld.volatile.shared` with a memory clobber when volatile: never fused with a neighbour)."""
+        @intrinsic
+        def impl(typingctx, smem, i):
+            if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype in dtypes
+                    and isinstance(i, types.Integer)):
+                raise NumbaTypeError(f"{name} needs a 1-d {'/'.join(map(str, dtypes))} shared array and an index, "
+                                     f"got {smem}, {i}")
+            sig = smem.dtype(smem, i)
 
-        def codegen(context, builder, sig, args):
-            smem_t, i_t = sig.args
-            addr = _shared_address(context, builder, smem_t, args[0], i_t, args[1])
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(i32, [i32])
-            asm = ir.InlineAsm(fnty, "ld.volatile.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
-            return builder.call(asm, [addr])
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                smem_t, i_t = sig.args
+                addr = _shared_address(context, builder, smem_t, args[0], i_t, args[1])
+                bits = 64 if smem_t.dtype == types.uint64 else 32
+                fnty = ir.FunctionType(ir.IntType(bits), [ir.IntType(32)])
+                reg = "l" if bits == 64 else "r"
+                op, clobber = ("ld.volatile.shared", ",~{memory}") if volatile else ("ld.shared", "")
+                asm = ir.InlineAsm(fnty, f"{op}.b{bits} $0, [$1];", f"={reg},r{clobber}", side_effect=True)
+                return builder.call(asm, [addr])
+            return sig, codegen
+        return impl
+
+    lds32 = _shared_load_intrinsic("lds32", (types.uint32,), volatile=True)
+    ld_shared = _shared_load_intrinsic("ld_shared", (types.uint32, types.uint64), volatile=False)
 
     @intrinsic
     def st_v4(typingctx, array, index, x0, x1, x2, x3):
@@ -210,25 +219,6 @@ else:
                                side_effect=True)
             builder.call(asm, [ptr, *args[2:]])
             return context.get_dummy_value()
-        return sig, codegen
-
-    @intrinsic
-    def ld_shared(typingctx, smem, i):
-        """smem[i] from a 1-d uint32 or uint64 shared array, no index wraparound, 32-bit address (module docstring)."""
-        if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype in (types.uint32, types.uint64)
-                and isinstance(i, types.Integer)):
-            raise NumbaTypeError(f"ld_shared needs a 1-d uint32/uint64 shared array and an index, got {smem}, {i}")
-        sig = smem.dtype(smem, i)
-
-        def codegen(context, builder, sig, args):
-            smem_t, i_t = sig.args
-            addr = _shared_address(context, builder, smem_t, args[0], i_t, args[1])
-            bits = 64 if smem_t.dtype == types.uint64 else 32
-            value = ir.IntType(bits)
-            fnty = ir.FunctionType(value, [ir.IntType(32)])
-            asm = ir.InlineAsm(fnty, f"ld.shared.b{bits} $0, [$1];", f"={'l' if bits == 64 else 'r'},r",
-                               side_effect=True)
-            return builder.call(asm, [addr])
         return sig, codegen
 
     def _statement(asm: str, doc: str):

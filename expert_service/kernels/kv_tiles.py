@@ -1,0 +1,102 @@
+"""Key/value tiles of a paged bf16 KV pool staged into shared memory by `cp.async`, the pipeline both tensor-core
+attention kernels run (attention_decode_mma, attention_prefill_mma).
+
+A tile is KT consecutive keys of one sequence and kv head: KT rows of K and KT rows of V, each row Hd bf16 values
+(Hd / 8 chunks of 16 bytes) in their pool layout, so no value passes through registers. Every thread copies
+`copies` chunks of K and as many of V a tile: chunk `tid % chunks` of rows `tid // chunks + i * row_step`.
+Rows are XOR-swizzled per chunk so the mma fragment loads are free of bank conflicts: chunk c of K row r sits at
+chunk c ^ (2 (r % 4) & swz), of V row r at c ^ (2 ((r / 2) % 4) & swz), swz = (chunks - 1) & ~1 flipping chunk
+bits 1-2 only (a chunk stays in its row; Hd 16, whose rows are 2 chunks, is not swizzled).
+STAGES tiles live in shared memory: K at word stage * tile_u64 of a uint64 array, V at stage * tile_u32 of a
+uint32 array; `prime` puts the first STAGES - 1 tiles in flight, `advance` issues the next one into the stage the
+previous iteration used, waits for tile `it` and returns its stage; the caller ends each iteration with a block
+barrier (every warp is done with the stage before it is refilled).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from expert_service.kernels.attention_decode import row_lookup
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
+
+
+class TileLayout(NamedTuple):
+    """Sizes of one tile of KT keys at head size Hd staged by `threads` threads."""
+
+    chunks: int     # 16-byte chunks a key row
+    row_u64: int    # uint64 words a row
+    row_u32: int    # uint32 words a row
+    tile_u64: int   # uint64 words a tile of K (or V)
+    tile_u32: int   # uint32 words a tile
+    copies: int     # 16-byte copies a thread a tile, of K and of V each
+    row_step: int   # rows between a thread's copies
+    swz: int        # the chunk bits the swizzles flip
+
+
+def tile_layout(kt: int, head_dim: int, threads: int) -> TileLayout:
+    chunks = head_dim // 8
+    assert threads % chunks == 0 and kt * chunks % threads == 0, (kt, head_dim, threads)
+    return TileLayout(chunks, head_dim // 4, head_dim // 2, kt * head_dim // 4, kt * head_dim // 2,
+                      kt * chunks // threads, threads // chunks, (chunks - 1) & ~1)
+
+
+@functools.cache
+def tile_pipeline(kt: int, head_dim: int, threads: int, stages: int):
+    """Device functions (prime, advance) of the pipeline over tiles of kt keys (module docstring):
+    prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word, offs)
+    advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift, row_words, head_word,
+            offs) -> stage of tile it
+    ks: uint64 and vs: uint32 shared arrays of stages tiles; k_words, v_words: uint32 views of the pools; tile n
+    holds keys k_lo + n kt ..., zeros from k_hi on; offs: the thread's int64 [copies] scratch of pool offsets."""
+    lay = tile_layout(kt, head_dim, threads)
+    copies, row_step, swz = lay.copies, lay.row_step, lay.swz
+    tile_u64, tile_u32, row_u64, row_u32, chunks = lay.tile_u64, lay.tile_u32, lay.row_u64, lay.row_u32, lay.chunks
+    lookup = row_lookup(copies, row_step)
+    # at tile n, stages + n groups are committed and tile n is group n: waiting until stages - 1 are pending
+    # lands it and leaves the stages - 1 tiles issued after it in flight
+    wait_tile = cp_async_wait_fn(stages - 1)
+
+    @cuda.jit(device=True, inline=True)
+    def issue(ks, vs, k_words, v_words, stage, offs):
+        """This thread's 16-byte copies of a tile's K and V rows into a stage (zeros past the range)."""
+        tid = cuda.threadIdx.x
+        r0 = tid // chunks
+        chunk = tid % chunks
+        for i in range(copies):
+            r = r0 + i * row_step
+            ok = offs[i] >= 0
+            src = offs[i] + 4 * np.int64(chunk) if ok else np.int64(0)
+            kc = chunk ^ ((2 * (r % 4)) & swz)
+            vc = chunk ^ ((2 * ((r // 2) % 4)) & swz)
+            cp_async16(ks, stage * tile_u64 + r * row_u64 + 2 * kc, k_words, src, ok)
+            cp_async16(vs, stage * tile_u32 + r * row_u32 + 4 * vc, v_words, src, ok)
+
+    @cuda.jit(device=True, inline=True)
+    def prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word,
+              offs):
+        r0 = cuda.threadIdx.x // chunks
+        for pre in range(stages - 1):             # the first stages - 1 tiles in flight, one group each
+            lookup(block_tables, s, k_lo + pre * kt, k_hi, block_shift, row_words, head_word, r0, offs)
+            if pre < n_tiles:
+                issue(ks, vs, k_words, v_words, pre, offs)
+            cp_async_commit()
+        lookup(block_tables, s, k_lo + (stages - 1) * kt, k_hi, block_shift, row_words, head_word, r0, offs)
+
+    @cuda.jit(device=True, inline=True)
+    def advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift, row_words,
+                head_word, offs):
+        ahead = it + stages - 1                   # the tile issued now, into the stage computed last iteration
+        if ahead < n_tiles:
+            issue(ks, vs, k_words, v_words, ahead % stages, offs)
+        cp_async_commit()
+        lookup(block_tables, s, k_lo + (ahead + 1) * kt, k_hi, block_shift, row_words, head_word,
+               cuda.threadIdx.x // chunks, offs)
+        wait_tile()                               # this thread's copies of tile `it` have landed
+        cuda.syncthreads()                        # everyone's have
+        return it % stages
+
+    return prime, advance
