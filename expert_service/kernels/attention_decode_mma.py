@@ -13,10 +13,10 @@ Design (block = (sequence, kv head, split), WARPS warps, one 16-key slice of eac
   takes the same order), so one load yields a lane's whole B fragment.
 - Online softmax in base 2 per head row, on the S fragments (quad shuffles for the row maxima); P is rounded to
   bf16 and, as the C fragments of S, is already P V's A operand.
-- P V: B = V[key][d] needs two keys per register; a lane loads the 32-bit words (d = 2m, 2m + 1) of keys 2t and
-  2t + 1 (and 2t + 8, 2t + 9) and `prmt` pairs their low halves into the B fragment of column d = 2m and their
-  high halves into that of d = 2m + 1 (the n index is permuted: n-tiles of even and of odd head dims). A lane then
-  ends with head dims 16c + 4t .. +3 of its rows.
+- P V (kernels.kv_tiles.pv_product): B = V[key][d] needs two keys per register; a lane loads the 32-bit words
+  (d = 2m, 2m + 1) of keys 2t and 2t + 1 (and 2t + 8, 2t + 9) and `prmt` pairs their low halves into the B fragment
+  of column d = 2m and their high halves into that of d = 2m + 1 (the n index is permuted: n-tiles of even and of
+  odd head dims). A lane then ends with head dims 16c + 4t .. +3 of its rows.
 - Shared rows are XOR-swizzled per 16-byte chunk (K by key % 4, V by (key / 2) % 4, on chunk bits 1-2), which
   makes both the 8-byte K fragment loads and the 32-bit V loads free of bank conflicts.
 - Split-K: each sequence's keys are cut into parts of at least `min_keys` (a multiple of KT), at most the
@@ -38,12 +38,12 @@ from numba import cuda, types
 
 from expert_service.kernels.attention_decode import check_arguments, part_merger
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.kv_tiles import tile_layout, tile_pipeline
+from expert_service.kernels.kv_tiles import pv_product, tile_layout, tile_pipeline
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import f32_as_u32, quad_max, quad_sum, u32_as_f32
-from expert_service.kernels.ptx import ld_shared, prmt_fn
+from expert_service.kernels.ptx import ld_shared
 
 WARPS = 2
 THREADS = 32 * WARPS
@@ -99,8 +99,8 @@ def _build(head_dim: int, rows2: bool, stages: int):
     m_at = MAX_GROUP * head_dim            # warp 1's row maxima in vs after its accumulator rows, then its sums
     l_at = m_at + MAX_GROUP
     halves = 2 if rows2 else 1             # A rows g and g + 8, or g alone
-    low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
     prime, advance = tile_pipeline(KT, head_dim, THREADS, stages)
+    pv = pv_product(head_dim, rows2)
 
     def attention_decode_mma_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
                                     num_kv_heads, window, qscale, min_keys, out, part_out, part_ml):
@@ -154,7 +154,6 @@ def _build(head_dim: int, rows2: bool, stages: int):
         head_word = np.int64(kvh * row_u32)
         prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word, offs)
         k_swz = (2 * (g % 4)) & swz               # K rows 16 * warp + 8j + g: key % 4 == g % 4
-        v_swz = (2 * t) & swz                     # V rows 16 * warp + 2t (+1, +8, +9): (key / 2) % 4 == t
         for it in range(n_tiles):
             stage = advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift,
                             row_words, head_word, offs)
@@ -205,19 +204,7 @@ def _build(head_dim: int, rows2: bool, stages: int):
             pa1 = pack(sc[2], sc[3]) if rows2 else np.uint32(0)
             pa2 = pack(sc[4], sc[5])
             pa3 = pack(sc[6], sc[7]) if rows2 else np.uint32(0)
-            vrow = stage * tile_u32 + (16 * warp + 2 * t) * row_u32
-            for c in range(nks):
-                word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
-                wa = ld_shared(vs, word)
-                wb = ld_shared(vs, word + row_u32)
-                wc = ld_shared(vs, word + 8 * row_u32)
-                wd = ld_shared(vs, word + 9 * row_u32)
-                acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
-                    pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd), acc[8 * c], acc[8 * c + 1],
-                    acc[8 * c + 2] if rows2 else ZERO, acc[8 * c + 3] if rows2 else ZERO)
-                acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7] = mma(
-                    pa0, pa1, pa2, pa3, high_halves(wa, wb), high_halves(wc, wd), acc[8 * c + 4], acc[8 * c + 5],
-                    acc[8 * c + 6] if rows2 else ZERO, acc[8 * c + 7] if rows2 else ZERO)
+            pv(vs, stage * tile_u32 + (16 * warp + 2 * t) * row_u32, pa0, pa1, pa2, pa3, acc)
             cuda.syncthreads()                    # the stage is read by both warps before it is refilled
 
         # merge the warps: warp 1 leaves its rows' (max, sum, accumulators) in the stages' shared memory, as float

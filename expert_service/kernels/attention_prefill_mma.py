@@ -36,12 +36,12 @@ from numba import cuda, types
 
 from expert_service.kernels.attention_prefill import check_arguments, launch_attention_prefill
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.kv_tiles import tile_layout, tile_pipeline
+from expert_service.kernels.kv_tiles import pv_product, tile_layout, tile_pipeline
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.numeric import SIMULATOR, aligned_to, quad_max, quad_sum
-from expert_service.kernels.ptx import ld_shared, ld_v4, prmt_fn, st_v4
+from expert_service.kernels.ptx import ld_shared, ld_v4, st_v4
 
 WARPS = 4
 THREADS = 32 * WARPS
@@ -115,7 +115,7 @@ def _build(head_dim: int):
     qa_len, acc_len, sc_len = 4 * nks, 8 * nks, 4 * nsn   # array sizes must be closure constants
     k_len, v_len = STAGES * tile_u64, STAGES * tile_u32
     prime, advance = tile_pipeline(kt, head_dim, THREADS, STAGES)
-    low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
+    pv = pv_product(head_dim, True)
 
     def attention_prefill_mma_kernel(q, k_words, v_words, seq_starts, positions, block_tables, context_lens,
                                      block_shift, num_kv_heads, window, qscale, out):
@@ -176,7 +176,6 @@ def _build(head_dim: int):
         head_word = np.int64(kvh * row_u32)
         prime(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, n_tiles, block_shift, row_words, head_word, offs)
         k_swz = (2 * (g % 4)) & swz               # K rows 8j + g: key % 4 == g % 4
-        v_swz = (2 * t) & swz                     # V rows 16kk + 2t (+1, +8, +9): (key / 2) % 4 == t
         for it in range(n_tiles):
             stage = advance(ks, vs, k_words, v_words, block_tables, s, k_lo, k_hi, it, n_tiles, block_shift,
                             row_words, head_word, offs)
@@ -230,19 +229,7 @@ def _build(head_dim: int):
                     pa1 = pack(sc[8 * kk + 2], sc[8 * kk + 3])   # row g + 8
                     pa2 = pack(sc[8 * kk + 4], sc[8 * kk + 5])   # row g, keys 16kk + 8 + 2t, +1
                     pa3 = pack(sc[8 * kk + 6], sc[8 * kk + 7])
-                    vrow = stage * tile_u32 + (16 * kk + 2 * t) * row_u32
-                    for c in range(nks):
-                        word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
-                        wa = ld_shared(vs, word)
-                        wb = ld_shared(vs, word + row_u32)
-                        wc = ld_shared(vs, word + 8 * row_u32)
-                        wd = ld_shared(vs, word + 9 * row_u32)
-                        acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
-                            pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd),
-                            acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3])
-                        acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7] = mma(
-                            pa0, pa1, pa2, pa3, high_halves(wa, wb), high_halves(wc, wd),
-                            acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7])
+                    pv(vs, stage * tile_u32 + (16 * kk + 2 * t) * row_u32, pa0, pa1, pa2, pa3, acc)
             cuda.syncthreads()                    # the stage is read by every warp before it is refilled
         l0 = quad_sum(l0)
         l1 = quad_sum(l1)

@@ -11,6 +11,11 @@ STAGES tiles live in shared memory: K at word stage * tile_u64 of a uint64 array
 uint32 array; `prime` puts the first STAGES - 1 tiles in flight, `advance` issues the next one into the stage the
 previous iteration used, waits for tile `it` and returns its stage; the caller ends each iteration with a block
 barrier (every warp is done with the stage before it is refilled).
+`pv_product` is the P V step both kernels run on a staged V tile: B = V[key][d] needs two keys a register, so a
+lane loads the 32-bit words (d = 2m, 2m + 1; m = 8c + g) of keys 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-key k-step
+and `prmt` pairs their low halves into the B fragment of column 2m and their high halves into that of 2m + 1 (the
+n index is permuted: n-tiles of even and of odd head dims), so a lane ends with head dims 16c + 4t .. +3 of its
+rows: accumulators acc[8c .. 8c + 3] (even dims) and acc[8c + 4 .. 8c + 7] (odd dims) in mma C order.
 """
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ import numpy as np
 from numba import cuda
 
 from expert_service.kernels.attention_decode import row_lookup
-from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
+from expert_service.kernels.mma import block_mma as mma
+from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, prmt_fn
+
+ZERO = np.float32(0.0)
 
 
 class TileLayout(NamedTuple):
@@ -100,3 +108,36 @@ def tile_pipeline(kt: int, head_dim: int, threads: int, stages: int):
         return it % stages
 
     return prime, advance
+
+
+@functools.cache
+def pv_product(head_dim: int, rows2: bool):
+    """Device function pv(vs, vrow, pa0, pa1, pa2, pa3, acc): acc += P V over one 16-key k-step of a staged V tile
+    (module docstring). vs: the uint32 stages; vrow: the word of key row 2t of the k-step (stage * tile_u32 +
+    (first key + 2t) * row_u32); pa0..pa3: P's A fragment (rows g, g + 8; keys 2t, 2t + 1 and 2t + 8, 2t + 9);
+    acc: float32 [8 * Hd / 16]. rows2 False: the A rows g + 8 are unused, their accumulator halves stay zero (and
+    the compiler drops them)."""
+    nks = head_dim // 16
+    row_u32 = head_dim // 2
+    swz = (head_dim // 8 - 1) & ~1
+    low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
+
+    @cuda.jit(device=True, inline=True)
+    def pv(vs, vrow, pa0, pa1, pa2, pa3, acc):
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        v_swz = (2 * (lane % 4)) & swz            # V rows 2t (+1, +8, +9) of a k-step: (key / 2) % 4 == t
+        for c in range(nks):
+            word = vrow + 4 * ((2 * c + g // 4) ^ v_swz) + g % 4   # d = 2m, 2m + 1 with m = 8c + g
+            wa = ld_shared(vs, word)
+            wb = ld_shared(vs, word + row_u32)
+            wc = ld_shared(vs, word + 8 * row_u32)
+            wd = ld_shared(vs, word + 9 * row_u32)
+            acc[8 * c], acc[8 * c + 1], acc[8 * c + 2], acc[8 * c + 3] = mma(
+                pa0, pa1, pa2, pa3, low_halves(wa, wb), low_halves(wc, wd), acc[8 * c], acc[8 * c + 1],
+                acc[8 * c + 2] if rows2 else ZERO, acc[8 * c + 3] if rows2 else ZERO)
+            acc[8 * c + 4], acc[8 * c + 5], acc[8 * c + 6], acc[8 * c + 7] = mma(
+                pa0, pa1, pa2, pa3, high_halves(wa, wb), high_halves(wc, wd), acc[8 * c + 4], acc[8 * c + 5],
+                acc[8 * c + 6] if rows2 else ZERO, acc[8 * c + 7] if rows2 else ZERO)
+
+    return pv

@@ -109,22 +109,29 @@ else:
 
     _PTX_TYPE = {types.uint32: ("u32", "r"), types.float32: ("f32", "f")}
 
+    def _require_indexed(name: str, array, dtypes, index, what: str = "") -> None:
+        """Typing check of an intrinsic's (1-d array of one of `dtypes`, integer index) pair."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype in dtypes
+                and isinstance(index, types.Integer)):
+            raise NumbaTypeError(f"{name} needs a 1-d {'/'.join(map(str, dtypes))} {what}array and an integer index, "
+                                 f"got {array}, {index}")
+
+    def _item_pointer(context, builder, array_t, array_v, index_t, index_v):
+        """Pointer to array[index] of a 1-d array, without Numba's negative-index wraparound."""
+        ary = context.make_array(array_t)(context, builder, value=array_v)
+        index = context.cast(builder, index_v, index_t, types.intp)
+        return cgutils.get_item_pointer(context, builder, array_t, ary, [index], wraparound=False)
+
     def _ld_v4_intrinsic(cache_op: str):
         """Intrinsic `(array, index) -> UniTuple(dtype, 4)` emitting `ld.global.<cache_op>.v4.<type>`."""
         @intrinsic
         def impl(typingctx, array, index):
-            if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype in _PTX_TYPE
-                    and isinstance(index, types.Integer)):
-                raise NumbaTypeError(f"16-byte load needs a 1-d uint32/float32 array and an integer index, "
-                                     f"got {array}, {index}")
+            _require_indexed("a 16-byte load", array, tuple(_PTX_TYPE), index)
             sig = types.UniTuple(array.dtype, 4)(array, index)
 
             def codegen(context, builder, sig, args):
                 array_type, index_type = sig.args
-                arr, idx = args
-                ary = context.make_array(array_type)(context, builder, value=arr)
-                idx = context.cast(builder, idx, index_type, types.intp)
-                ptr = cgutils.get_item_pointer(context, builder, array_type, ary, [idx], wraparound=False)
+                ptr = _item_pointer(context, builder, array_type, args[0], index_type, args[1])
                 elem = context.get_value_type(array_type.dtype)
                 ptx_type, reg = _PTX_TYPE[array_type.dtype]
                 fnty = ir.FunctionType(ir.LiteralStructType([elem] * 4), [elem.as_pointer()])
@@ -163,9 +170,7 @@ else:
             dst_a, di_v, src_a, si_v, valid_v = args
             i32 = ir.IntType(32)
             dst_addr = _shared_address(context, builder, dst_t, dst_a, di_t, di_v)
-            src_ary = context.make_array(src_t)(context, builder, value=src_a)
-            si = context.cast(builder, si_v, si_t, types.intp)
-            src_ptr = cgutils.get_item_pointer(context, builder, src_t, src_ary, [si], wraparound=False)
+            src_ptr = _item_pointer(context, builder, src_t, src_a, si_t, si_v)
             valid_i1 = context.cast(builder, valid_v, valid_t, types.boolean)
             size = builder.select(valid_i1, ir.Constant(i32, 16), ir.Constant(i32, 0))
             fnty = ir.FunctionType(ir.VoidType(), [i32, src_ptr.type, i32])
@@ -179,10 +184,7 @@ else:
         `ld.shared` (`ld.volatile.shared` with a memory clobber when volatile: never fused with a neighbour)."""
         @intrinsic
         def impl(typingctx, smem, i):
-            if not (isinstance(smem, types.Array) and smem.ndim == 1 and smem.dtype in dtypes
-                    and isinstance(i, types.Integer)):
-                raise NumbaTypeError(f"{name} needs a 1-d {'/'.join(map(str, dtypes))} shared array and an index, "
-                                     f"got {smem}, {i}")
+            _require_indexed(name, smem, dtypes, i, "shared ")
             sig = smem.dtype(smem, i)
 
             def codegen(context, builder, sig, args):
@@ -203,16 +205,11 @@ else:
     @intrinsic
     def st_v4(typingctx, array, index, x0, x1, x2, x3):
         """a[i .. i+3] = x0 .. x3 in one `st.global.v4.f32` (module docstring)."""
-        if not (isinstance(array, types.Array) and array.ndim == 1 and array.dtype == types.float32
-                and isinstance(index, types.Integer)):
-            raise NumbaTypeError(f"st_v4 needs a 1-d float32 array and an integer index, got {array}, {index}")
+        _require_indexed("st_v4", array, (types.float32,), index)
         sig = types.void(array, index, types.float32, types.float32, types.float32, types.float32)
 
         def codegen(context, builder, sig, args):
-            array_type, index_type = sig.args[:2]
-            ary = context.make_array(array_type)(context, builder, value=args[0])
-            idx = context.cast(builder, args[1], index_type, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, array_type, ary, [idx], wraparound=False)
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             f32 = ir.FloatType()
             fnty = ir.FunctionType(ir.VoidType(), [f32.as_pointer(), f32, f32, f32, f32])
             asm = ir.InlineAsm(fnty, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
