@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import VOCAB_SIZE
-from tests.helpers import LogRecords
+from tests.helpers import LogRecords, worth_reporting
 from tests.router_service.fake_worker import harness
 
 SERVICE = "/colibri.router.v1.GenerationService/"
@@ -126,7 +126,7 @@ def _check(server, what: str, code, details: str) -> None:
         problems.append(f"status {code.name}")
     if "\n" in details or CLASS_NAME.search(details) or len(details) > 500:
         problems.append(f"message {details[:200]!r}")
-    logged = [r for r in server.records.records if r.levelno >= logging.ERROR or r.exc_info]
+    logged = [r for r in server.records.records if worth_reporting(r)]
     server.records.records.clear()
     if logged:
         problems.append(

@@ -20,6 +20,7 @@ from router_service import http_api
 from router_service.observability import router_metrics
 from router_service.openai_api import api_error
 from router_service.tokenizer import Tokenizer
+from tests.helpers import worth_reporting
 from tests.router_service.fake_worker import harness
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
@@ -87,12 +88,8 @@ def status_and_body(raw: bytes) -> tuple[int, dict | None]:
 
 
 def problems(caplog) -> list[str]:
-    """Log records a client may not cause: ERROR or worse, or any traceback."""
-    return [
-        f"{r.levelname} {r.name}: {r.getMessage()[:200]}"
-        for r in caplog.records
-        if r.levelno >= logging.ERROR or r.exc_info
-    ]
+    """Log records a client may not cause: ERROR or worse, or any traceback (tests.helpers.worth_reporting)."""
+    return [f"{r.levelname} {r.name}: {r.getMessage()[:200]}" for r in caplog.records if worth_reporting(r)]
 
 
 def rejected(hooks, outcome: str) -> float:

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import LogRecords
+from tests.helpers import LogRecords, worth_reporting
 from tests.router_service.fake_worker import harness
 from tests.router_service.test_http_errors import TEMPLATE, free_port
 
@@ -163,7 +163,7 @@ def check(server, what: str, raw: bytes, well_formed: bool = True, answered: boo
                 problems.append(f"message {message[:200]!r}")
         except (ValueError, KeyError, TypeError, AssertionError):
             problems.append(f"not OpenAI's error shape: {body[:200]!r}")
-    logged = [r for r in server.records.records if r.levelno >= logging.ERROR or r.exc_info]
+    logged = [r for r in server.records.records if worth_reporting(r)]
     server.records.records.clear()
     if logged:
         problems.append(

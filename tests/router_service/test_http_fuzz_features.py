@@ -23,7 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import BackgroundWorker, LogRecords, free_port, running_router, worker_kv_blocks_used
+from tests.helpers import (
+    BackgroundWorker,
+    LogRecords,
+    free_port,
+    running_router,
+    worker_kv_blocks_used,
+    worth_reporting,
+)
 from tests.router_service.test_openai_http import TEMPLATE
 
 pytestmark = pytest.mark.slow
@@ -119,7 +126,7 @@ def check(served, what: str, status: int, raw: bytes) -> None:
                 problems.append(f"message {error['message'][:200]!r}")
         except (ValueError, KeyError, TypeError, AssertionError):
             problems.append(f"not OpenAI's error shape: {raw[:200]!r}")
-    logged = [r for r in served.records.records if r.levelno >= logging.ERROR or r.exc_info]
+    logged = [r for r in served.records.records if worth_reporting(r)]
     served.records.records.clear()
     if logged:
         problems.append(f"logged {logged[0].levelname} {logged[0].name}: {logged[0].getMessage()[:160]}")

@@ -12,6 +12,7 @@ import pytest
 from grpc_status import rpc_status
 
 from common.pb import router_pb2 as rpb
+from tests.helpers import worth_reporting
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
 
@@ -29,19 +30,8 @@ def errors_logged(caplog):
     return [
         f"{r.name}: {r.getMessage()}" + (f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info else "")
         for r in caplog.records
-        if (r.levelno >= logging.ERROR or r.exc_info) and not _grpc_poller_of_a_closed_loop(r)
+        if worth_reporting(r)
     ]
-
-
-def _grpc_poller_of_a_closed_loop(record) -> bool:
-    """grpc.aio's completion-queue poller of an earlier test's event loop (asyncio.run closed it) firing while
-    this test runs: grpc's teardown, logged by asyncio, not an error of the code under test."""
-    return (
-        record.name == "asyncio"
-        and "PollerCompletionQueue._handle_events" in record.getMessage()
-        and record.exc_info is not None
-        and "Event loop is closed" in str(record.exc_info[1])
-    )
 
 
 @pytest.mark.parametrize("request_id", ["é", "a\nb", "\x00", "tab\there", "\x7f", "🙂"])
