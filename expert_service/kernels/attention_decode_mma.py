@@ -38,7 +38,7 @@ from numba import cuda, types
 
 from expert_service.kernels.attention_decode import check_arguments, part_merger
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.kv_tiles import pv_product, tile_layout, tile_pipeline
+from expert_service.kernels.kv_tiles import STAGE_ALIGN, pv_product, tile_layout, tile_pipeline
 from expert_service.kernels.mma import block_exp2 as exp2
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
@@ -147,8 +147,8 @@ def _build(head_dim: int, rows2: bool, stages: int):
         m0 = m1 = NEG_INF                              # running max (base 2) of rows g and g + 8
         l0 = l1 = np.float32(0.0)                      # this lane's share of their running sums
 
-        ks = cuda.shared.array(k_len, types.uint64)
-        vs = cuda.shared.array(v_len, types.uint32)
+        ks = cuda.shared.array(k_len, types.uint64, alignment=STAGE_ALIGN)
+        vs = cuda.shared.array(v_len, types.uint32, alignment=STAGE_ALIGN)
         offs = cuda.local.array(copies, types.int64)
         row_words = np.int64(num_kv_heads * row_u32)
         head_word = np.int64(kvh * row_u32)

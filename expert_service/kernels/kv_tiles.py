@@ -8,9 +8,10 @@ Rows are XOR-swizzled per chunk so the mma fragment loads are free of bank confl
 chunk c ^ (2 (r % 4) & swz), of V row r at c ^ (2 ((r / 2) % 4) & swz), swz = (chunks - 1) & ~1 flipping chunk
 bits 1-2 only (a chunk stays in its row; Hd 16, whose rows are 2 chunks, is not swizzled).
 STAGES tiles live in shared memory: K at word stage * tile_u64 of a uint64 array, V at stage * tile_u32 of a
-uint32 array; `prime` puts the first STAGES - 1 tiles in flight, `advance` issues the next one into the stage the
-previous iteration used, waits for tile `it` and returns its stage; the caller ends each iteration with a block
-barrier (every warp is done with the stage before it is refilled).
+uint32 array, both declared with alignment=STAGE_ALIGN; `prime` puts the first STAGES - 1 tiles in flight,
+`advance` issues the next one into the stage the previous iteration used, waits for tile `it` and returns its
+stage; the caller ends each iteration with a block barrier (every warp is done with the stage before it is
+refilled).
 `pv_product` is the P V step both kernels run on a staged V tile: B = V[key][d] needs two keys a register, so a
 lane loads the 32-bit words (d = 2m, 2m + 1; m = 8c + g) of keys 2t, 2t + 1, 2t + 8, 2t + 9 of a 16-key k-step
 and `prmt` pairs their low halves into the B fragment of column 2m and their high halves into that of 2m + 1 (the
@@ -27,9 +28,13 @@ from numba import cuda
 
 from expert_service.kernels.attention_decode import row_lookup
 from expert_service.kernels.mma import block_mma as mma
+from expert_service.kernels.numeric import SIMULATOR
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared, prmt_fn
 
 ZERO = np.float32(0.0)
+# cp.async writes 16-byte chunks: the stage arrays are declared with this alignment (Numba aligns a shared array to
+# its element size otherwise, so a neighbouring array of odd size could misalign them). The simulator rejects any.
+STAGE_ALIGN = None if SIMULATOR else 16
 
 
 class TileLayout(NamedTuple):

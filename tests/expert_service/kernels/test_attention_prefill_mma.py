@@ -26,9 +26,10 @@ from tests.helpers import assert_close, from_storage, random_cache
 RTOL = 1e-2
 
 
-def _inputs(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_size):
-    """Random bf16 pools holding `history[s] + new_tokens[s]` tokens per sequence, q for the new tokens."""
-    ctx = np.asarray(history, dtype=np.int32) + np.asarray(new_tokens, dtype=np.int32)
+def _inputs(rng, new_tokens, history, num_heads, num_kv_heads, head_dim, block_size, later=0):
+    """Random bf16 pools holding `history[s] + new_tokens[s] + later` tokens per sequence (`later` keys past the
+    last new token, which causality hides), q for the new tokens."""
+    ctx = np.asarray(history, dtype=np.int32) + np.asarray(new_tokens, dtype=np.int32) + np.int32(later)
     need = sum(-(-int(c) // block_size) for c in ctx)
     k_pool, v_pool, tables, lists = random_cache(rng, ctx, need + 3, block_size, num_kv_heads, head_dim, np.uint16)
     seq_starts = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
@@ -118,6 +119,45 @@ def test_small_head_sizes(head_dim):
 def test_chunks_over_a_long_cached_prefix():
     # the turns step of a prefix-caching round: 16 sequences of 64 new tokens over 2,048 cached ones
     _check(10, [64] * 16, [2048] * 16, 32, 8, 128)
+
+
+def _check_uniform(seed, new_tokens, history, num_heads, num_kv_heads, head_dim, window=0, block_size=16, later=0):
+    """q = 0 makes every allowed key's weight exactly 1 (bf16 P included), so the output is the mean of the allowed
+    V rows to fp32 rounding: at 1e-4 one key let through or kept out of any row's range fails, which the random-q
+    tolerance cannot see over hundreds of keys."""
+    q, k_pool, v_pool, seq_starts, positions, tables, ctx, lists = _inputs(
+        np.random.default_rng(seed), new_tokens, history, num_heads, num_kv_heads, head_dim, block_size, later
+    )
+    q[:] = 0.0
+    want = paged_attention(
+        q, from_storage(k_pool), from_storage(v_pool), seq_starts, ctx, lists, positions, 1.0, window
+    )
+    got = _run(launch_attention_prefill_mma, q, k_pool, v_pool, seq_starts, positions, tables, ctx, window, 1.0)
+    assert_close(got, want, 1e-4)
+
+
+def test_simulated_uniform_weights_find_every_range_bound():
+    # keys past the last position in the pool, a window starting mid-tile, blocks of 2, GQA 4, two query tiles
+    _check_uniform(14, [70, 3, 0], [45, 130, 6], 4, 1, 16, window=37, block_size=2, later=9)
+
+
+def test_simulated_uniform_weights_head_dim_64_one_key_blocks():
+    _check_uniform(15, [20, 1], [100, 64], 2, 2, 64, block_size=1, later=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 300])
+def test_uniform_weights_over_long_prefixes(head_dim, window):
+    # 16 sequences of 64 new tokens over 2,048 cached ones (and 150 over 700): every causal / window bound exact
+    _check_uniform(16, [64] * 16 + [150], [2048] * 16 + [700], 32, 8, head_dim, window=window, later=11)
+
+
+@pytest.mark.gpu
+def test_uniform_weights_more_sequences_than_threads_block_sizes():
+    rng = np.random.default_rng(17)
+    for block_size in (1, 32, 64):
+        _check_uniform(18, list(rng.integers(0, 40, 140)), list(rng.integers(0, 90, 140)), 8, 2, 32, 0, block_size, 3)
 
 
 def test_simulated_chunks_gqa_and_an_empty_sequence():
