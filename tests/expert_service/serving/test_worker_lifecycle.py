@@ -37,6 +37,17 @@ GREEDY = pb.SamplingParams(top_p=1.0)
 NOT_SERVING = 2
 
 
+def _within(seconds: float, condition) -> bool:
+    """Whether condition() holds at some poll within `seconds` (timing asserts that a loaded CI machine cannot
+    fail by being slow, only by the condition never holding)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_liveness_follows_the_model_thread_readiness_the_warm_model():
     health = WorkerHealth(watchdog_s=0.2)
     assert health.is_live() and not health.is_ready()  # loading: alive, not ready
@@ -45,11 +56,10 @@ def test_liveness_follows_the_model_thread_readiness_the_warm_model():
     assert health.is_ready()
     release = threading.Event()
     health.model_thread.submit(release.wait)
-    time.sleep(0.4)  # a job past the watchdog: wedged
-    assert not health.is_live() and not health.is_ready()
+    time.sleep(0.4)  # a job past the watchdog: wedged (polled below: a loaded machine may start it late)
+    assert _within(5.0, lambda: not health.is_live()) and not health.is_ready()
     release.set()
-    time.sleep(0.05)
-    assert health.is_live() and health.is_ready()
+    assert _within(5.0, health.is_live) and health.is_ready()
     health.update(draining=True)
     assert health.is_live() and not health.is_ready()
     health.update(failed=True)
