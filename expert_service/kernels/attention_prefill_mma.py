@@ -15,10 +15,10 @@ Design (FlashAttention-2, one warp per 16 query rows; the K/V staging and fragme
   2 (ex2.approx). S = Q K^T and O += P V accumulate in fp32 registers; P is rounded to bf16 and, as the C
   fragments of S, is already P V's A operand; the row sums use the fp32 p, quad shuffles give the row maxima.
 - K: the k index of Q K^T is permuted so one 8-byte shared load is a lane's B fragment (head dims 16c + 4t .. +3;
-  q takes the same order). V (kernels.kv_tiles.pv_product): a lane loads the 32-bit words (d = 2m, 2m + 1) of keys 2t, 2t + 1, 2t + 8, 2t + 9
-  and `prmt` pairs their low halves into the B fragment of column 2m and their high halves into that of 2m + 1, so
-  a lane ends with head dims 16c + 4t .. +3 of its rows. Shared rows are XOR-swizzled per 16-byte chunk (K by
-  key % 4, V by (key / 2) % 4), which makes both loads free of bank conflicts.
+  q takes the same order). V (kernels.kv_tiles.pv_product): a lane loads the 32-bit words (d = 2m, 2m + 1) of
+  keys 2t, 2t + 1, 2t + 8, 2t + 9 and `prmt` pairs their low halves into the B fragment of column 2m and their high
+  halves into that of 2m + 1, so a lane ends with head dims 16c + 4t .. +3 of its rows. Shared rows are
+  XOR-swizzled per 16-byte chunk (K by key % 4, V by (key / 2) % 4), which makes both loads free of bank conflicts.
 - Scores are masked only in tiles that cross a row's causal / window bound; a warp skips the products of tiles
   outside all its rows' ranges (its block still stages them).
 Numerics: bf16 q and P give ~3e-3 relative error on outputs (vs the fp32 kernel's 1e-5 at fp32 storage).
