@@ -10,7 +10,9 @@ Grid T x G blocks of THREADS threads (one launch; graph-capturable):
   G = ceil(E / ROWS) blocks spread the matrix over many SMs (one SM streams only a few tens of GB/s, so a
   single block per token is latency-bound; docs/kernels.md has the figure). Partial sums meet in shared memory
   (fixed order: deterministic); the logits go to `logits` [T, E] (global).
-- Selection: each block fences its logits and takes a ticket on counter[t]; the last of the G blocks resets
+- Selection: each block fences its logits and takes a ticket on counter[t] (acq_rel: `fence.acq_rel.gpu` by the
+  writers, by the ticket's thread before its atomic and by the last block before it reads, instead of Numba's
+  `cuda.threadfence()`, a sequentially consistent fence; experimental); the last of the G blocks resets
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
   same, warp 0 writes ids / weights).
@@ -26,7 +28,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import fence_acq_rel_gpu, ld_stream_v4, ld_v4
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -53,9 +55,15 @@ def blocks_per_token(n_exp: int, split: int) -> int:
     return -(-n_exp // (WARPS // split))
 
 
+@cuda.jit(device=True, inline=True)
+def _sc_fence():
+    cuda.threadfence()          # membar.gl = fence.sc.gpu
+
+
 @functools.cache
-def _build(dtype, wide: bool):
+def _build(dtype, wide: bool, acq_rel: bool = False):
     widen = widener(dtype)
+    fence = fence_acq_rel_gpu if acq_rel else _sc_fence
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -125,9 +133,11 @@ def _build(dtype, wide: bool):
                 for p in range(1, split):
                     v += parts[tid * split + p, 0]
                 logits[t, r] = v
-            cuda.threadfence()
+            fence()
         cuda.syncthreads()
         if tid == 0:
+            if acq_rel:
+                fence()                       # the release before the ticket, covering the writers' stores
             ticket = cuda.atomic.add(counter, t, 1)
             last[0] = 1 if ticket == n_blocks - 1 else 0
             if ticket == n_blocks - 1:
@@ -135,7 +145,7 @@ def _build(dtype, wide: bool):
         cuda.syncthreads()
         if last[0] == 0:
             return
-        cuda.threadfence()
+        fence()
 
         probs = cuda.local.array(PER_LANE, np.float32)
         m = np.float32(-math.inf)
@@ -187,10 +197,12 @@ def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0,
+                      acq_rel_fences: bool = False) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero); acq_rel_fences: the ticket's fences at
+    release / acquire strength instead of sequentially consistent (module docstring; experimental)."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -213,14 +225,15 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide)[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide, acq_rel_fences)[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), for the sm_90 check."""
+    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), and the wide bf16 one with
+    acq_rel fences, for the sm_90 check."""
     f2, i32 = types.float32[:, ::1], types.int32
     out = []
     for dtype in _DTYPES:
@@ -228,4 +241,6 @@ def sm90_signatures():
             wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
             out.append((_build(dtype, wide)[0], (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1],
                                                  f2, i32, types.int32[::1], f2)))
-    return out
+    acq_rel = _build(np.uint16, True, True)[0]
+    return out + [(acq_rel, (types.float32[::1], types.int64, types.uint32[::1], i32, i32, types.int32[:, ::1], f2, i32,
+                             types.int32[::1], f2))]

@@ -33,6 +33,9 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   instructions a load, which made a tensor-core kernel's fragment loads cost more issue slots than its mma; the
   statement is volatile to LLVM (never merged with or moved across another, so never across a barrier), ptxas
   still schedules it.
+- ``fence_acq_rel_gpu()``: ``fence.acq_rel.gpu`` (SASS MEMBAR.ALL.GPU), the release / acquire fence a
+  last-block-finishes pattern needs; Numba's ``cuda.threadfence()`` emits ``membar.gl``, which is
+  ``fence.sc.gpu`` (MEMBAR.SC.GPU: sequentially consistent, more than message passing needs).
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
 reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
@@ -73,6 +76,10 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def lds32(a, i):
         return a[i]
+
+    @cuda.jit(device=True)
+    def fence_acq_rel_gpu():
+        cuda.threadfence()
 
     @cuda.jit(device=True)
     def ld_shared(a, i):
@@ -233,6 +240,7 @@ else:
         return impl
 
     cp_async_commit = _statement("cp.async.commit_group;", "Close this thread's group of cp.async copies.")
+    fence_acq_rel_gpu = _statement("fence.acq_rel.gpu;", "Release / acquire fence at GPU scope (module docstring).")
 
     @functools.cache
     def cp_async_wait_fn(pending: int):

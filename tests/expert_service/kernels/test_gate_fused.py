@@ -2,7 +2,8 @@
 vs numpy: the logits against
 x @ Wr^T (float64 products of the stored weight values), then ids / weights against
 expert_service.cpu.layers.moe.route on the kernel's own logits (so near-ties cannot flip on rounding), and
-against the two-launch path (gate_topk) semantics for non-finite rows."""
+against the two-launch path (gate_topk) semantics for non-finite rows; the release / acquire fences (experimental)
+against the default ones, bit for bit, over many relaunches."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from expert_service.kernels.gate_fused import launch_gate_fused
 from tests.helpers import random_weight
 
 
-def run(x, w, top_k, normalize, repeat=1):
+def run(x, w, top_k, normalize, repeat=1, acq_rel=False):
     """Launch `repeat` times on the same buffers (the ticket counter must come back to zero each time)."""
     n_tok, n_exp = x.shape[0], w.shape[0]
     ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
@@ -22,7 +23,7 @@ def run(x, w, top_k, normalize, repeat=1):
     counter = cuda.to_device(np.zeros(n_tok + 3, np.int32))
     d_x, d_w = cuda.to_device(x), cuda.to_device(w)
     for _ in range(repeat):
-        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter)
+        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter, acq_rel_fences=acq_rel)
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
     return ids.copy_to_host(), weights.copy_to_host(), logits.copy_to_host()
 
@@ -104,3 +105,34 @@ def test_rejects_bad_shapes():
 @pytest.mark.parametrize("n_tok", [1, 16, 64])
 def test_gpu_realistic(n_tok, n_exp, top_k, D):
     check(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, np.uint16, True)
+
+
+def assert_acq_rel_equals_default(rng, n_tok, n_exp, top_k, D, repeat):
+    """The ticket on release / acquire fences selects what the sequentially consistent one does, launch after
+    launch: a last block reading a logit before its writer's store is visible would pick other experts."""
+    w, _ = random_weight(rng, (n_exp, D), np.uint16, scale=1.0 / np.sqrt(D))
+    x = rng.standard_normal((n_tok, D)).astype(np.float32) * 3
+    default = run(x, w, top_k, True)
+    n_exp_rows = w.shape[0]
+    ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
+    weights = cuda.to_device(np.zeros((n_tok, top_k), np.float32))
+    logits = cuda.to_device(np.zeros((n_tok, n_exp_rows), np.float32))
+    counter = cuda.to_device(np.zeros(n_tok, np.int32))
+    d_x, d_w = cuda.to_device(x), cuda.to_device(w)
+    for i in range(repeat):
+        logits.copy_to_device(np.full((n_tok, n_exp_rows), np.nan if i % 2 else -1e30, np.float32))
+        launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter, acq_rel_fences=True)
+        np.testing.assert_array_equal(ids.copy_to_host(), default[0], err_msg=f"launch {i}")
+        np.testing.assert_array_equal(weights.copy_to_host(), default[1], err_msg=f"launch {i}")
+
+
+def test_acq_rel_fences_select_as_the_default():
+    assert_acq_rel_equals_default(np.random.default_rng(3), 2, 40, 8, 64, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_exp,top_k,D", [(8, 2, 4096), (128, 8, 2048)])
+@pytest.mark.parametrize("n_tok", [1, 16, 64])
+def test_acq_rel_fences_select_as_the_default_gpu(n_tok, n_exp, top_k, D):
+    # the logits buffer is poisoned (NaN / -1e30) before every launch, so a stale read changes the selection
+    assert_acq_rel_equals_default(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
