@@ -36,6 +36,11 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
 - ``fence_acq_rel_gpu()``: ``fence.acq_rel.gpu`` (SASS MEMBAR.ALL.GPU), the release / acquire fence a
   last-block-finishes pattern needs; Numba's ``cuda.threadfence()`` emits ``membar.gl``, which is
   ``fence.sc.gpu`` (MEMBAR.SC.GPU: sequentially consistent, more than message passing needs).
+- ``griddep_launch_dependents()`` / ``griddep_wait()``: ``griddepcontrol.launch_dependents`` / ``.wait``
+  (sm_90 programmatic dependent launch): a kernel joined to the next by a programmatic graph edge lets that
+  kernel's blocks start once every block has called the first; the dependent calls the second before it reads
+  what its predecessor wrote (it returns when the predecessor has completed and its memory is visible). Without a
+  programmatic edge both return at once.
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
 reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
@@ -80,6 +85,14 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def fence_acq_rel_gpu():
         cuda.threadfence()
+
+    @cuda.jit(device=True)
+    def griddep_launch_dependents():
+        pass
+
+    @cuda.jit(device=True)
+    def griddep_wait():
+        pass
 
     @cuda.jit(device=True)
     def ld_shared(a, i):
@@ -241,6 +254,9 @@ else:
 
     cp_async_commit = _statement("cp.async.commit_group;", "Close this thread's group of cp.async copies.")
     fence_acq_rel_gpu = _statement("fence.acq_rel.gpu;", "Release / acquire fence at GPU scope (module docstring).")
+    griddep_launch_dependents = _statement("griddepcontrol.launch_dependents;",
+                                           "Let a programmatic dependent's blocks launch (module docstring).")
+    griddep_wait = _statement("griddepcontrol.wait;", "Wait for the programmatic predecessor (module docstring).")
 
     @functools.cache
     def cp_async_wait_fn(pending: int):
