@@ -10,12 +10,14 @@ Grid T x G blocks of THREADS threads (one launch; graph-capturable):
   G = ceil(E / ROWS) blocks spread the matrix over many SMs (one SM streams only a few tens of GB/s, so a
   single block per token is latency-bound; docs/kernels.md has the figure). Partial sums meet in shared memory
   (fixed order: deterministic); the logits go to `logits` [T, E] (global).
-- Selection: each block fences its logits and takes a ticket on counter[t] (acq_rel: `fence.acq_rel.gpu` by the
-  writers, by the ticket's thread before its atomic and by the last block before it reads, instead of Numba's
-  `cuda.threadfence()`, a sequentially consistent fence; experimental); the last of the G blocks resets
+- Selection: each block fences its logits and takes a ticket on counter[t]; the last of the G blocks resets
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
-  same, warp 0 writes ids / weights).
+  same, warp 0 writes ids / weights). Fences: every writer and every thread of the last block runs
+  `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order), or, with
+  acq_rel (experimental), only the ticket's thread: `fence.acq_rel.gpu` before its atomic (a release pattern; the
+  barrier before it orders the block's stores) and, in the last block, after it and before the barrier that
+  orders the block's loads (an acquire pattern): 2 fences a block instead of one a thread.
 """
 from __future__ import annotations
 
@@ -63,7 +65,6 @@ def _sc_fence():
 @functools.cache
 def _build(dtype, wide: bool, acq_rel: bool = False):
     widen = widener(dtype)
-    fence = fence_acq_rel_gpu if acq_rel else _sc_fence
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -133,19 +134,25 @@ def _build(dtype, wide: bool, acq_rel: bool = False):
                 for p in range(1, split):
                     v += parts[tid * split + p, 0]
                 logits[t, r] = v
-            fence()
+            if not acq_rel:
+                _sc_fence()
         cuda.syncthreads()
         if tid == 0:
             if acq_rel:
-                fence()                       # the release before the ticket, covering the writers' stores
+                # release: the barrier orders the block's logits stores before this fence and the ticket
+                fence_acq_rel_gpu()
             ticket = cuda.atomic.add(counter, t, 1)
             last[0] = 1 if ticket == n_blocks - 1 else 0
             if ticket == n_blocks - 1:
+                if acq_rel:
+                    # acquire, before the barrier that orders the block's loads of the logits after it
+                    fence_acq_rel_gpu()
                 counter[t] = 0
         cuda.syncthreads()
         if last[0] == 0:
             return
-        fence()
+        if not acq_rel:
+            _sc_fence()
 
         probs = cuda.local.array(PER_LANE, np.float32)
         m = np.float32(-math.inf)

@@ -109,21 +109,25 @@ def test_gpu_realistic(n_tok, n_exp, top_k, D):
 
 def assert_acq_rel_equals_default(rng, n_tok, n_exp, top_k, D, repeat):
     """The ticket on release / acquire fences selects what the sequentially consistent one does, launch after
-    launch: a last block reading a logit before its writer's store is visible would pick other experts."""
+    launch: before each launch the logits are poisoned with NaN (a last block reading one before its writer's
+    store is visible would give a NaN row: ids 0..K-1, NaN weights) and ids / weights reset to sentinels (a launch
+    whose last block never ran would leave them)."""
     w, _ = random_weight(rng, (n_exp, D), np.uint16, scale=1.0 / np.sqrt(D))
     x = rng.standard_normal((n_tok, D)).astype(np.float32) * 3
     default = run(x, w, top_k, True)
-    n_exp_rows = w.shape[0]
-    ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
+    ids = cuda.to_device(np.zeros((n_tok, top_k), np.int32))
     weights = cuda.to_device(np.zeros((n_tok, top_k), np.float32))
-    logits = cuda.to_device(np.zeros((n_tok, n_exp_rows), np.float32))
+    logits = cuda.to_device(np.zeros((n_tok, n_exp), np.float32))
     counter = cuda.to_device(np.zeros(n_tok, np.int32))
     d_x, d_w = cuda.to_device(x), cuda.to_device(w)
     for i in range(repeat):
-        logits.copy_to_device(np.full((n_tok, n_exp_rows), np.nan if i % 2 else -1e30, np.float32))
+        logits.copy_to_device(np.full((n_tok, n_exp), np.nan, np.float32))
+        ids.copy_to_device(np.full((n_tok, top_k), -7, np.int32))
+        weights.copy_to_device(np.full((n_tok, top_k), -1.0, np.float32))
         launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter, acq_rel_fences=True)
         np.testing.assert_array_equal(ids.copy_to_host(), default[0], err_msg=f"launch {i}")
         np.testing.assert_array_equal(weights.copy_to_host(), default[1], err_msg=f"launch {i}")
+    assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
 
 
 def test_acq_rel_fences_select_as_the_default():
@@ -134,5 +138,5 @@ def test_acq_rel_fences_select_as_the_default():
 @pytest.mark.parametrize("n_exp,top_k,D", [(8, 2, 4096), (128, 8, 2048)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64])
 def test_acq_rel_fences_select_as_the_default_gpu(n_tok, n_exp, top_k, D):
-    # the logits buffer is poisoned (NaN / -1e30) before every launch, so a stale read changes the selection
+    # the logits buffer is poisoned with NaN before every launch, so a stale read changes the selection
     assert_acq_rel_equals_default(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
