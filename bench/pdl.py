@@ -15,10 +15,11 @@ that every byte comes from HBM. Variants, each captured as one graph and replaye
 - pdl_off:     the PDL kernel (launch_dependents first, weights loaded, wait, then x), stream-ordered edges: the
                instructions' own cost (both return at once without a programmatic edge);
 - pdl:         the PDL kernel, every kernel -> kernel edge made programmatic.
-Every variant's final y must equal plain's bit for bit (the same arithmetic in the same order), and plain's must
-match numpy. Printed per N: us a GEMV per variant, TB/s, and pdl's speed-up over plain.
+Every variant's final y, read back after one replay of its own graph from the same x, must equal plain's bit for
+bit (the same arithmetic in the same order), and plain's must match numpy. Printed per N: us a GEMV per variant, TB/s, and pdl's speed-up over plain.
 
     python bench/pdl.py --out out/pdl.json
+    python bench/pdl.py --load-order     # no GPU: where ptxas put the loads around griddepcontrol.wait
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from numba import cuda, types
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_sum  # noqa: E402
-from expert_service.kernels.ptx import griddep_launch_dependents, griddep_wait, ld_stream_v4, ld_v4  # noqa: E402
+from expert_service.kernels.ptx import (  # noqa: E402
+    griddep_launch_dependents,
+    griddep_wait,
+    ld_stream_v4_coherent,
+    ld_v4_coherent,
+)
 
 K = 2048  # input width: 256 chunks of 8 bf16
 WARPS = 8  # warps a block, one output row each
@@ -47,7 +53,8 @@ ROWS = (2048, 8192)
 def chain_kernel(pdl: bool, k: int = K):
     """y[r] = sum_i W[r, i] x[i] for row r = block * WARPS + warp: W [N * k / 2] uint32 (bf16 pairs), x [>= k]
     float32, y [N] float32 (k a multiple of 8 * 32). With pdl, the weights are loaded before griddepcontrol.wait
-    and x after it."""
+    and x after it. Every variant loads without `.nc` (ptx.ld_*_coherent): ptxas hoists the wait above `.nc`
+    loads, and the memory model does not cover them for data a predecessor writes."""
     per_lane = k // 8 // WARP
 
     @cuda.jit
@@ -60,7 +67,9 @@ def chain_kernel(pdl: bool, k: int = K):
         raw = cuda.local.array((per_lane, 4), types.uint32)
         if row < n_rows:
             for i in range(per_lane):
-                raw[i, 0], raw[i, 1], raw[i, 2], raw[i, 3] = ld_stream_v4(w, row * (k // 2) + 4 * (lane + WARP * i))
+                raw[i, 0], raw[i, 1], raw[i, 2], raw[i, 3] = ld_stream_v4_coherent(
+                    w, row * (k // 2) + 4 * (lane + WARP * i)
+                )
         if pdl:
             griddep_wait()
         acc = np.float32(0.0)
@@ -68,7 +77,7 @@ def chain_kernel(pdl: bool, k: int = K):
             for i in range(per_lane):
                 c = lane + WARP * i
                 for q in range(2):
-                    x0, x1, x2, x3 = ld_v4(x, 8 * c + 4 * q)
+                    x0, x1, x2, x3 = ld_v4_coherent(x, 8 * c + 4 * q)
                     a, b = raw[i, 2 * q], raw[i, 2 * q + 1]
                     acc += (
                         u32_as_f32(a << np.uint32(16)) * x0
@@ -96,6 +105,38 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even bf16 bit patterns (uint16) of float32 values."""
     bits = values.astype(np.float32).view(np.uint32)
     return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def load_order() -> dict:
+    """Where ptxas put the PDL kernel's loads around griddepcontrol.wait (ACQBULK) in its sm_90 SASS (nvJitLink +
+    nvdisasm, no GPU; outside the CUDA simulator): the indices of the weight loads (L1::no_allocate, `.NA.`), of
+    the wait and of the loads of x among the kernel's global loads. The bench is only meaningful if every weight
+    load comes before the wait and every load of x after it."""
+    import subprocess
+    import tempfile
+
+    from bench.kernel_resources import link_report, nvdisasm_path
+
+    nvdisasm = nvdisasm_path()
+    if nvdisasm is None:
+        raise RuntimeError("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    signature = (types.uint32[::1], types.float32[::1], types.float32[::1], types.int32)
+    ptx, _ = cuda.compile_ptx(chain_kernel(True).py_func, signature, cc=(9, 0))
+    _, cubin = link_report(ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pdl.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    ops = [line.split("*/")[1].strip() for line in sass.splitlines() if "LDG" in line or "ACQBULK" in line]
+    return {
+        "weights": [i for i, op in enumerate(ops) if "LDG" in op and ".NA." in op],
+        "wait": [i for i, op in enumerate(ops) if op.startswith("ACQBULK")],
+        "x": [i for i, op in enumerate(ops) if "LDG" in op and ".NA." not in op],
+    }
+
+
+def prefetches_before_the_wait(order: dict) -> bool:
+    return len(order["wait"]) == 1 and max(order["weights"]) < order["wait"][0] < min(order["x"])
 
 
 def programmatic_edges(graph) -> int:
@@ -132,11 +173,14 @@ def run_chain(kernel, weights, buffers, n_rows: int, stream, launches: int = LAU
         )
 
 
-def timed_chain(kernel, weights, buffers, n_rows: int, stream, programmatic: bool) -> tuple[float, int]:
-    """(seconds a GEMV, edges made programmatic) of LAUNCHES chained launches in one graph."""
+def timed_chain(kernel, weights, x0, n_rows: int, stream, programmatic: bool) -> tuple[float, np.ndarray, int]:
+    """(seconds a GEMV, the graph's own final y from x0, edges made programmatic) of LAUNCHES chained launches
+    captured in one graph."""
     from cuda.bindings import driver as drv
 
     from expert_service.cuda.driver import check, stream_handle
+
+    buffers = [cuda.to_device(x0, stream=stream), cuda.device_array(n_rows, np.float32, stream=stream)]
 
     def launch_all():
         run_chain(kernel, weights, buffers, n_rows, stream)
@@ -150,7 +194,10 @@ def timed_chain(kernel, weights, buffers, n_rows: int, stream, programmatic: boo
     changed = programmatic_edges(graph) if programmatic else 0
     exec_ = check(drv.cuGraphInstantiate(graph, 0))
     check(drv.cuGraphDestroy(graph))
-    check(drv.cuGraphLaunch(exec_, handle))  # warm
+    buffers[0].copy_to_device(x0, stream=stream)  # one replay from x0: what the timed graph computes
+    check(drv.cuGraphLaunch(exec_, handle))
+    final = buffers[LAUNCHES % 2].copy_to_host(stream=stream)
+    stream.synchronize()
     start, end = cuda.event(), cuda.event()
     start.record(stream)
     for _ in range(5):
@@ -159,13 +206,21 @@ def timed_chain(kernel, weights, buffers, n_rows: int, stream, programmatic: boo
     end.synchronize()
     check(drv.cuGraphExecDestroy(exec_))
     seconds = cuda.event_elapsed_time(start, end) * 1e-3 / (5 * LAUNCHES)
-    return seconds, changed
+    return seconds, final, changed
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="pdl.json")
+    parser.add_argument("--load-order", action="store_true", help="print the PDL kernel's SASS load order and exit")
     args = parser.parse_args(argv)
+    order = load_order()
+    if args.load_order:
+        print(json.dumps(order))
+        return 0 if prefetches_before_the_wait(order) else 1
+    if not prefetches_before_the_wait(order):
+        print(f"the PDL kernel does not load its weights before griddepcontrol.wait: {order}", file=sys.stderr)
+        return 1
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     results = []
@@ -179,19 +234,14 @@ def main(argv=None) -> int:
         row = {"rows": n_rows, "k": K, "launches": LAUNCHES, "weight_bytes": n_rows * K * 2}
         finals = {}
         for name, pdl, programmatic in (("plain", False, False), ("pdl_off", True, False), ("pdl", True, True)):
-            buffers = [cuda.to_device(x0, stream=stream), cuda.to_device(np.zeros(n_rows, np.float32), stream=stream)]
-            seconds, changed = timed_chain(chain_kernel(pdl), weights, buffers, n_rows, stream, programmatic)
-            # the replays left a later chain's y in the buffers: one eager chain from x0 for the check
-            buffers = [cuda.to_device(x0, stream=stream), cuda.to_device(np.zeros(n_rows, np.float32), stream=stream)]
-            run_chain(chain_kernel(pdl), weights, buffers, n_rows, stream)
-            finals[name] = buffers[LAUNCHES % 2].copy_to_host(stream=stream)
-            stream.synchronize()
+            seconds, finals[name], changed = timed_chain(chain_kernel(pdl), weights, x0, n_rows, stream, programmatic)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_tb_s"] = n_rows * K * 2 / seconds / 1e12
             row[f"{name}_edges_programmatic"] = changed
         want = reference(values, x0, [j % len(values) for j in range(LAUNCHES)])
         row["plain_vs_numpy_max_rel"] = float(np.abs(finals["plain"] - want).max() / np.abs(want).max())
-        row["pdl_equals_plain"] = bool(np.array_equal(finals["pdl"], finals["plain"]))
+        row["pdl_equals_plain"] = bool(np.array_equal(finals["pdl"], finals["plain"]))  # the graphs' own outputs
+        row["pdl_off_equals_plain"] = bool(np.array_equal(finals["pdl_off"], finals["plain"]))
         row["pdl_speedup"] = row["plain_us"] / row["pdl_us"]
         results.append(row)
         print(

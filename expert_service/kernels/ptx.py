@@ -11,6 +11,10 @@ numba-cuda's cache_hints.py). The widest load streams weights fastest (docs/kern
 Both return the four 32-bit elements a[i], a[i+1], a[i+2], a[i+3] of a 1-d C-contiguous uint32 or float32
 array as a 4-tuple of that dtype. The caller guarantees a[i] is 16-byte aligned and that nothing writes the
 array during the kernel (`.nc` goes through the read-only path). No bounds check.
+- ``ld_stream_v4_coherent(a, i)`` / ``ld_v4_coherent(a, i)``: the same without ``.nc``
+  (``ld.global.L1::no_allocate.v4`` / ``ld.global.v4``), for kernels whose inputs a programmatic predecessor may
+  still be writing when they start: the memory model does not cover ``.nc`` loads, and ptxas hoists
+  ``griddepcontrol.wait`` above them, where it keeps these after it.
 
 - ``prmt_fn(selector)``: the device function ``prmt(a, b) -> uint32`` emitting ``prmt.b32 d, a, b, selector``
   (selector a compile-time constant): byte k of d is byte (selector >> 4k) & 7 of the 8 bytes b:a (0-3 from a,
@@ -61,6 +65,8 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def ld_v4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    ld_stream_v4_coherent, ld_v4_coherent = ld_stream_v4, ld_v4
 
     @cuda.jit(device=True)
     def cp_async16(dst, di, src, si, valid):
@@ -155,7 +161,8 @@ else:
                 elem = context.get_value_type(array_type.dtype)
                 ptx_type, reg = _PTX_TYPE[array_type.dtype]
                 fnty = ir.FunctionType(ir.LiteralStructType([elem] * 4), [elem.as_pointer()])
-                asm = ir.InlineAsm(fnty, f"ld.global.{cache_op}.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
+                op = f"ld.global.{cache_op}" if cache_op else "ld.global"
+                asm = ir.InlineAsm(fnty, f"{op}.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
                                    f"={reg},={reg},={reg},={reg},l")
                 res = builder.call(asm, [ptr])
                 return context.make_tuple(builder, sig.return_type,
@@ -165,6 +172,8 @@ else:
 
     ld_stream_v4 = _ld_v4_intrinsic("nc.L1::no_allocate")
     ld_v4 = _ld_v4_intrinsic("nc")
+    ld_stream_v4_coherent = _ld_v4_intrinsic("L1::no_allocate")
+    ld_v4_coherent = _ld_v4_intrinsic("")
 
     def _shared_address(context, builder, array_t, array_v, index_t, index_v):
         """The 32-bit shared-window address of array[index] (a 1-d shared array). Numba hands the shared array over
