@@ -112,8 +112,8 @@ def _find_tile(seq_starts, num_seqs, info, counts, tid):
 def _build(head_dim: int):
     kt = key_tile(head_dim)
     lay = tile_layout(kt, head_dim, THREADS)
-    tile_u64, tile_u32, row_u32, swz, copies = lay.tile_u64, lay.tile_u32, lay.row_u32, lay.swz, lay.copies
-    row_u64 = lay.row_u64
+    row_u64, row_u32, tile_u64, tile_u32, copies, swz = (lay.row_u64, lay.row_u32, lay.tile_u64, lay.tile_u32,
+                                                         lay.copies, lay.swz)
     nks = head_dim // 16                   # k-steps of Q K^T, and n-tile pairs of P V
     nsn, nkk = kt // 8, kt // 16           # n-tiles of S, k-steps of P V
     qa_len, acc_len, sc_len = 4 * nks, 8 * nks, 4 * nsn   # array sizes must be closure constants

@@ -57,11 +57,6 @@ def blocks_per_token(n_exp: int, split: int) -> int:
     return -(-n_exp // (WARPS // split))
 
 
-@cuda.jit(device=True, inline=True)
-def _sc_fence():
-    cuda.threadfence()          # membar.gl = fence.sc.gpu
-
-
 @functools.cache
 def _build(dtype, wide: bool, acq_rel: bool = False):
     widen = widener(dtype)
@@ -135,7 +130,7 @@ def _build(dtype, wide: bool, acq_rel: bool = False):
                     v += parts[tid * split + p, 0]
                 logits[t, r] = v
             if not acq_rel:
-                _sc_fence()
+                cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
             if acq_rel:
@@ -152,7 +147,7 @@ def _build(dtype, wide: bool, acq_rel: bool = False):
         if last[0] == 0:
             return
         if not acq_rel:
-            _sc_fence()
+            cuda.threadfence()
 
         probs = cuda.local.array(PER_LANE, np.float32)
         m = np.float32(-math.inf)

@@ -50,11 +50,16 @@ class TileLayout(NamedTuple):
     swz: int        # the chunk bits the swizzles flip
 
 
+def swizzle_bits(head_dim: int) -> int:
+    """The chunk-index bits the row swizzles flip: bits 1-2 within a row's Hd / 8 chunks (none at Hd 16)."""
+    return (head_dim // 8 - 1) & ~1
+
+
 def tile_layout(kt: int, head_dim: int, threads: int) -> TileLayout:
     chunks = head_dim // 8
     assert threads % chunks == 0 and kt * chunks % threads == 0, (kt, head_dim, threads)
     return TileLayout(chunks, head_dim // 4, head_dim // 2, kt * head_dim // 4, kt * head_dim // 2,
-                      kt * chunks // threads, threads // chunks, (chunks - 1) & ~1)
+                      kt * chunks // threads, threads // chunks, swizzle_bits(head_dim))
 
 
 @functools.cache
@@ -124,7 +129,7 @@ def pv_product(head_dim: int, rows2: bool):
     the compiler drops them)."""
     nks = head_dim // 16
     row_u32 = head_dim // 2
-    swz = (head_dim // 8 - 1) & ~1
+    swz = swizzle_bits(head_dim)
     low_halves, high_halves = prmt_fn(0x5410), prmt_fn(0x7632)
 
     @cuda.jit(device=True, inline=True)

@@ -84,25 +84,17 @@ if SIMULATOR:
     def cp_async_commit():
         pass
 
-    @cuda.jit(device=True)
-    def lds32(a, i):
-        return a[i]
-
-    @cuda.jit(device=True)
-    def fence_acq_rel_gpu():
-        cuda.threadfence()
-
-    @cuda.jit(device=True)
-    def griddep_launch_dependents():
-        pass
-
-    @cuda.jit(device=True)
-    def griddep_wait():
-        pass
+    griddep_launch_dependents = griddep_wait = cp_async_commit   # no programmatic launch here: nothing to do
 
     @cuda.jit(device=True)
     def ld_shared(a, i):
         return a[i]
+
+    lds32 = ld_shared
+
+    @cuda.jit(device=True)
+    def fence_acq_rel_gpu():
+        cuda.threadfence()
 
     @cuda.jit(device=True)
     def st_v4(a, i, x0, x1, x2, x3):
