@@ -11,8 +11,6 @@ decoder in the same run:
            (fused_qk_norm off);
 - lut:     fused, on an engine with routing=lut fed a uniform random routing plan every step (gate_planned);
 - tiled_attention: fused, with decode attention on attention_decode_tiled (mma_decode_attention off);
-- acq_rel_fences: fused, with gate_fused's ticket on release / acquire fences (acq_rel_router_fences on:
-           experimental);
 - untiled_attention: fused, with decode attention on attention_decode (mma_ and tiled_decode_attention off);
 - baseline: unfused and also fused_router, greedy_split, mma_ and tiled_decode_attention off;
 - in_turn_waves: fused, expert-cache waves of every slot, copies and kernels in turn (pipelined_waves off);
@@ -20,7 +18,7 @@ decoder in the same run:
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
 
-fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention / acq_rel_fences share one
+fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention share one
 engine and the same sequences (CudaDecoder.set_options between variants drops the captured graphs, so each
 variant's graphs are its own);
 lut needs its own engine. Writes profile_step.json (per shape, variant and
@@ -80,7 +78,6 @@ VARIANTS = {
     "unfused_qk_norm": {"fused_qk_norm": False},
     "lut": {},
     "tiled_attention": {"mma_decode_attention": False},
-    "acq_rel_fences": {"acq_rel_router_fences": True},
     "untiled_attention": {"tiled_decode_attention": False, "mma_decode_attention": False},
     "baseline": {
         "fused_rope_kv": False,

@@ -330,7 +330,6 @@ class DeviceMoe:
                 logits,
                 ws.router_counter,
                 stream=st,
-                acq_rel_fences=self.options.acq_rel_router_fences,
             )
         else:
             self.linear.linear(x, router, logits)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"acq_rel_router_fences"})
+EXPERIMENTAL: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +41,6 @@ class CudaOptions:
     # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
-    # EXPERIMENTAL: gate_fused's last-block ticket with release / acquire fences (fence.acq_rel.gpu) instead of
-    # cuda.threadfence()'s sequentially consistent fence.sc.gpu (the same results: the fences only order the
-    # logits' stores before the last block's loads)
-    acq_rel_router_fences: bool = False
     # expert-cache steps of one token whose K experts fit a layer's slots (so one wave) run the resident GEMV
     # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through
     # the wave's slot map, as larger cached steps)

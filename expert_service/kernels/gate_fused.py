@@ -14,10 +14,8 @@ Grid T x G blocks of THREADS threads (one launch; graph-capturable):
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
   same, warp 0 writes ids / weights). Fences: every writer and every thread of the last block runs
-  `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order), or, with
-  acq_rel (experimental), only the ticket's thread: `fence.acq_rel.gpu` before its atomic (a release pattern; the
-  barrier before it orders the block's stores) and, in the last block, after it and before the barrier that
-  orders the block's loads (an acquire pattern): 2 fences a block instead of one a thread.
+  `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order). Two
+  `fence.acq_rel.gpu` a block, run by the ticket's thread only, measured the same on the H200 (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
-from expert_service.kernels.ptx import fence_acq_rel_gpu, ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -58,7 +56,7 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool, acq_rel: bool = False):
+def _build(dtype, wide: bool):
     widen = widener(dtype)
 
     if wide:
@@ -129,25 +127,17 @@ def _build(dtype, wide: bool, acq_rel: bool = False):
                 for p in range(1, split):
                     v += parts[tid * split + p, 0]
                 logits[t, r] = v
-            if not acq_rel:
-                cuda.threadfence()
+            cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
-            if acq_rel:
-                # release: the barrier orders the block's logits stores before this fence and the ticket
-                fence_acq_rel_gpu()
             ticket = cuda.atomic.add(counter, t, 1)
             last[0] = 1 if ticket == n_blocks - 1 else 0
             if ticket == n_blocks - 1:
-                if acq_rel:
-                    # acquire, before the barrier that orders the block's loads of the logits after it
-                    fence_acq_rel_gpu()
                 counter[t] = 0
         cuda.syncthreads()
         if last[0] == 0:
             return
-        if not acq_rel:
-            cuda.threadfence()
+        cuda.threadfence()
 
         probs = cuda.local.array(PER_LANE, np.float32)
         m = np.float32(-math.inf)
@@ -199,12 +189,10 @@ def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0,
-                      acq_rel_fences: bool = False) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero); acq_rel_fences: the ticket's fences at
-    release / acquire strength instead of sequentially consistent (module docstring; experimental)."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -227,15 +215,14 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, acq_rel_fences)[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide)[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), and the wide bf16 one with
-    acq_rel fences, for the sm_90 check."""
+    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), for the sm_90 check."""
     f2, i32 = types.float32[:, ::1], types.int32
     out = []
     for dtype in _DTYPES:
@@ -243,6 +230,4 @@ def sm90_signatures():
             wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
             out.append((_build(dtype, wide)[0], (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1],
                                                  f2, i32, types.int32[::1], f2)))
-    acq_rel = _build(np.uint16, True, True)[0]
-    return out + [(acq_rel, (types.float32[::1], types.int64, types.uint32[::1], i32, i32, types.int32[:, ::1], f2, i32,
-                             types.int32[::1], f2))]
+    return out

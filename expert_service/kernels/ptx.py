@@ -37,9 +37,6 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   instructions a load, which made a tensor-core kernel's fragment loads cost more issue slots than its mma; the
   statement is volatile to LLVM (never merged with or moved across another, so never across a barrier), ptxas
   still schedules it.
-- ``fence_acq_rel_gpu()``: ``fence.acq_rel.gpu`` (SASS MEMBAR.ALL.GPU), the release / acquire fence a
-  last-block-finishes pattern needs; Numba's ``cuda.threadfence()`` emits ``membar.gl``, which is
-  ``fence.sc.gpu`` (MEMBAR.SC.GPU: sequentially consistent, more than message passing needs).
 - ``griddep_launch_dependents()`` / ``griddep_wait()``: ``griddepcontrol.launch_dependents`` / ``.wait``
   (sm_90 programmatic dependent launch): a kernel joined to the next by a programmatic graph edge lets that
   kernel's blocks start once every block has called the first; the dependent calls the second before it reads
@@ -91,10 +88,6 @@ if SIMULATOR:
         return a[i]
 
     lds32 = ld_shared
-
-    @cuda.jit(device=True)
-    def fence_acq_rel_gpu():
-        cuda.threadfence()
 
     @cuda.jit(device=True)
     def st_v4(a, i, x0, x1, x2, x3):
@@ -254,7 +247,6 @@ else:
         return impl
 
     cp_async_commit = _statement("cp.async.commit_group;", "Close this thread's group of cp.async copies.")
-    fence_acq_rel_gpu = _statement("fence.acq_rel.gpu;", "Release / acquire fence at GPU scope (module docstring).")
     griddep_launch_dependents = _statement("griddepcontrol.launch_dependents;",
                                            "Let a programmatic dependent's blocks launch (module docstring).")
     griddep_wait = _statement("griddepcontrol.wait;", "Wait for the programmatic predecessor (module docstring).")

@@ -169,23 +169,6 @@ def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypa
     engine.close()
 
 
-def test_acq_rel_router_fences_give_the_default_routing_bit_for_bit(model):
-    """CudaOptions.acq_rel_router_fences (experimental): gate_fused's ticket on release / acquire fences gives the
-    same tokens, logits and routed experts as the sequentially consistent fences, graph-replayed, on every family
-    (decode steps of three sequences route with gate_fused)."""
-    name, path = model
-    engine = open_engine(path)
-    runs = []
-    for acq_rel in (False, True):
-        engine.decoder.set_options(CudaOptions(acq_rel_router_fences=acq_rel))
-        runs.append(run_steps(engine))
-    assert_bitwise(runs[1], runs[0], f"{name}: acq_rel router fences vs default")
-    for (_, _, a), (_, _, b) in zip(*runs):
-        for layer in engine.model_config.moe_layers:
-            np.testing.assert_array_equal(a.expert_ids[layer], b.expert_ids[layer])
-    engine.close()
-
-
 # --- routing=lut -------------------------------------------------------------------------------------------
 def test_lut_matches_the_cpu_lut_path(model, monkeypatch):
     from expert_service.cuda import staging

@@ -14,7 +14,7 @@ from expert_service.kernels.gate_fused import launch_gate_fused
 from tests.helpers import random_weight
 
 
-def run(x, w, top_k, normalize, repeat=1, acq_rel=False):
+def run(x, w, top_k, normalize, repeat=1):
     """Launch `repeat` times on the same buffers (the ticket counter must come back to zero each time)."""
     n_tok, n_exp = x.shape[0], w.shape[0]
     ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
@@ -23,7 +23,7 @@ def run(x, w, top_k, normalize, repeat=1, acq_rel=False):
     counter = cuda.to_device(np.zeros(n_tok + 3, np.int32))
     d_x, d_w = cuda.to_device(x), cuda.to_device(w)
     for _ in range(repeat):
-        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter, acq_rel_fences=acq_rel)
+        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter)
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
     return ids.copy_to_host(), weights.copy_to_host(), logits.copy_to_host()
 
@@ -107,9 +107,8 @@ def test_gpu_realistic(n_tok, n_exp, top_k, D):
     check(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, np.uint16, True)
 
 
-def assert_acq_rel_equals_default(rng, n_tok, n_exp, top_k, D, repeat):
-    """The ticket on release / acquire fences selects what the sequentially consistent one does, launch after
-    launch: before each launch the logits are poisoned with NaN (a last block reading one before its writer's
+def assert_relaunches_select_the_same(rng, n_tok, n_exp, top_k, D, repeat):
+    """The last-block ticket selects the same experts launch after launch on one counter: before each launch the logits are poisoned with NaN (a last block reading one before its writer's
     store is visible would give a NaN row: ids 0..K-1, NaN weights) and ids / weights reset to sentinels (a launch
     whose last block never ran would leave them)."""
     w, _ = random_weight(rng, (n_exp, D), np.uint16, scale=1.0 / np.sqrt(D))
@@ -124,19 +123,19 @@ def assert_acq_rel_equals_default(rng, n_tok, n_exp, top_k, D, repeat):
         logits.copy_to_device(np.full((n_tok, n_exp), np.nan, np.float32))
         ids.copy_to_device(np.full((n_tok, top_k), -7, np.int32))
         weights.copy_to_device(np.full((n_tok, top_k), -1.0, np.float32))
-        launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter, acq_rel_fences=True)
+        launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter)
         np.testing.assert_array_equal(ids.copy_to_host(), default[0], err_msg=f"launch {i}")
         np.testing.assert_array_equal(weights.copy_to_host(), default[1], err_msg=f"launch {i}")
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
 
 
-def test_acq_rel_fences_select_as_the_default():
-    assert_acq_rel_equals_default(np.random.default_rng(3), 2, 40, 8, 64, 3)
+def test_relaunches_select_the_same():
+    assert_relaunches_select_the_same(np.random.default_rng(3), 2, 40, 8, 64, 3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_exp,top_k,D", [(8, 2, 4096), (128, 8, 2048)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64])
-def test_acq_rel_fences_select_as_the_default_gpu(n_tok, n_exp, top_k, D):
+def test_relaunches_select_the_same_gpu(n_tok, n_exp, top_k, D):
     # the logits buffer is poisoned with NaN before every launch, so a stale read changes the selection
-    assert_acq_rel_equals_default(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
+    assert_relaunches_select_the_same(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
