@@ -47,11 +47,11 @@ def nvdisasm_path() -> str | None:
     return None
 
 
-def link_report(ptx: str) -> tuple[dict, bytes]:
-    """(resources from nvJitLink's log, cubin) of one kernel's PTX for sm_90."""
+def link_report(ptx: str, arch: str = "sm_90") -> tuple[dict, bytes]:
+    """(resources from nvJitLink's log, cubin) of one kernel's PTX for sm_90 (sm_90a: wgmma kernels)."""
     from cuda.bindings import nvjitlink
 
-    handle = nvjitlink.create(2, ["-arch=sm_90", "-verbose"])
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
     try:
         data = ptx.encode()
         nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
@@ -131,8 +131,10 @@ def resources(
         if position % shard[1] != shard[0]:
             continue
         label = f"{name}.{fn.__name__}{tuple(str(a) for a in sig)}"
+        options = dict(options)
+        cc = options.pop("cc", (9, 0))  # (9, 0, "a"): kernels with sm_90a instructions (wgmma)
         try:
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0), **options)
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, **options)
         except Exception as e:
             failed.append(f"{label}: {type(e).__name__}: {e}")
             continue
@@ -145,7 +147,7 @@ def resources(
             "ptx_st_local": len(re.findall(r"\bst\.local", ptx)),
         }
         if resources_of is None or name in resources_of:
-            report, cubin = link_report(ptx)
+            report, cubin = link_report(ptx, "sm_" + "".join(map(str, cc)))
             row.update(report)
             if nvdisasm:
                 row.update(sass_mix(cubin, nvdisasm))

@@ -11,6 +11,7 @@ variant's y is compared with torch's per-expert bf16 reference (max |diff| / max
     python bench/moe_gemm.py --out bench/results/h200-moe-gemm.json [--previous ab_old/moe_gemm_mma_prev.py]
                              [--shapes qwen3moe,mixtral] [--tokens 16,64,512,2048] [--configs m16,m64,...]
 Prints, per case: µs and TFLOP/s of each config, the best, and ratios best / previous-best and best / cuBLAS.
+On sm_90 the warpgroup-MMA kernel (kernels/moe_gemm_wgmma.py, "wgmma:" configs) is timed beside it.
 
 --cublas-host: instead, the host time of one cublasGemmEx per mixtral expert (gate shape, M around 128) when M
 is the same every call, new every call (ragged, as per-expert row counts are), or rounded up
@@ -36,7 +37,15 @@ def variants(module):
     """Named configs to time: the module's CONFIGS plus shapes around them (more warps, other stage counts)."""
     C = module.Config
     out = dict(module.CONFIGS)
-    if "stages" in C._fields:  # neighbours of the named configs (H200 figures: docs/kernels.md)
+    if "nw" in C._fields:  # the wgmma kernel's: other warpgroup splits and stage counts
+        out.update(
+            {
+                "w128n256": C(2, 1, 256, stages=4),
+                "w64n256": C(1, 1, 256, stages=4),
+                "w64s5": C(1, 2, 128, stages=5),  # 200 KB: 5 stages of 128 x 256 exceed the 227 KB an SM has
+            }
+        )
+    elif "stages" in C._fields:  # neighbours of the named configs (H200 figures: docs/kernels.md)
         out.update(
             {
                 "m64s4": C(2, 2, 2, 8, bk=32, stages=4),
@@ -49,6 +58,21 @@ def variants(module):
             }
         )
     return out
+
+
+def wgmma_module():
+    """kernels/moe_gemm_wgmma behind moe_gemm_mma's launcher names (store combine only)."""
+    from types import SimpleNamespace
+
+    from expert_service.kernels import moe_gemm_wgmma as wg
+
+    def down(h, tile_expert, num_tiles, sorted_ids, W, F, D, y, combine, config, stream):
+        assert combine == "store"
+        wg.launch_wgmma_down(h, tile_expert, num_tiles, sorted_ids, W, F, D, y, config=config, stream=stream)
+
+    return SimpleNamespace(
+        Config=wg.Config, CONFIGS=wg.CONFIGS, launch_moe_gemm_gate_up=wg.launch_wgmma_gate_up, launch_moe_gemm_down=down
+    )
 
 
 def cublas_host(out_path):
@@ -121,6 +145,8 @@ def main():
 
     _, stream = non_blocking_stream()
     modules = {"current": current}
+    if torch.cuda.get_device_capability() >= (9, 0):
+        modules["wgmma"] = wgmma_module()
     if args.previous:
         modules["previous"] = load_module(args.previous)
     wanted = set(filter(None, args.configs.split(",")))
@@ -226,6 +252,9 @@ def main():
                 case["best_vs_cublas_dense"] = dense / best["current"][0]
             if "current" in best and "previous" in best:
                 case["speedup_vs_previous"] = best["previous"][0] / best["current"][0]
+            if "current" in best and "wgmma" in best:
+                case["wgmma_vs_current"] = best["current"][0] / best["wgmma"][0]
+                case["wgmma_vs_cublas_dense"] = dense / best["wgmma"][0]
             results["cases"].append(case)
             print(
                 f"\n{shape} T={T} (n={n}, experts {case['experts_used']}): cuBLAS dense {dense:.1f} us "
@@ -242,7 +271,16 @@ def main():
             print(
                 "  best:",
                 {m: f"{b['config']} {b['total_us']:.1f} us" for m, b in case["best"].items()},
-                {k: round(case[k], 2) for k in ("speedup_vs_previous", "best_vs_cublas_dense") if k in case},
+                {
+                    k: round(case[k], 2)
+                    for k in (
+                        "speedup_vs_previous",
+                        "best_vs_cublas_dense",
+                        "wgmma_vs_current",
+                        "wgmma_vs_cublas_dense",
+                    )
+                    if k in case
+                },
             )
             Path(args.out).write_text(json.dumps(results, indent=1))
         del tw

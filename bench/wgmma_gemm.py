@@ -81,10 +81,14 @@ def gemm_kernel(bn: int, stages: int, overlap: bool, swizzle: bool):
     @cuda.jit(device=True, inline=True)
     def descriptors(smem, base, wg, kk):
         if swizzle:
-            return (smem_desc_sw128(smem, base + (wg * 64 * 128 + kk * 32) // 4, 16, GROUP_BYTES),
-                    smem_desc_sw128(smem, base + a_words + (kk * 32) // 4, 16, GROUP_BYTES))
-        return (smem_desc(smem, base + (wg * 8 * GROUP_BYTES + kk * 2 * CORE_BYTES) // 4, CORE_BYTES, GROUP_BYTES),
-                smem_desc(smem, base + a_words + (kk * 2 * CORE_BYTES) // 4, CORE_BYTES, GROUP_BYTES))
+            return (
+                smem_desc_sw128(smem, base + (wg * 64 * 128 + kk * 32) // 4, 16, GROUP_BYTES),
+                smem_desc_sw128(smem, base + a_words + (kk * 32) // 4, 16, GROUP_BYTES),
+            )
+        return (
+            smem_desc(smem, base + (wg * 8 * GROUP_BYTES + kk * 2 * CORE_BYTES) // 4, CORE_BYTES, GROUP_BYTES),
+            smem_desc(smem, base + a_words + (kk * 2 * CORE_BYTES) // 4, CORE_BYTES, GROUP_BYTES),
+        )
 
     @cuda.jit
     def kernel(a, b, c, n_cols, k):
@@ -139,7 +143,10 @@ def launch(variant, a, b, c, stream):
 
         cufunc = kernel.compile(tuple(kernel.typeof_pyval(x) for x in args))._codelibrary.get_cufunc()
         cu_driver.cuKernelSetAttribute(
-            CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes, cufunc.handle, cufunc.device.id
+            CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes,
+            cufunc.handle,
+            cufunc.device.id,
         )
         kernel._raised = True
     kernel[(n // variant[0], m // BM), THREADS, stream, smem_bytes](*args)

@@ -203,6 +203,7 @@ class CudaDecoder:
             q8_mma=self._q8_mma(self.options),
             cached_grouped=self._cached_grouped(self.options) if self.cached is not None else 0,
             cached_mma=self.cached is not None and self.cached.mma_possible and self.options.cached_mma,
+            dims=(cfg.moe_intermediate_size, cfg.hidden_size),
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (

@@ -21,7 +21,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import cached_mma_possible, q8_mma_applies, run_grouped_mma
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, grouped_tile, q8_mma_applies, run_grouped_mma
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
@@ -38,7 +38,7 @@ from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.moe_gemm_mma import Config, choose_config
+from expert_service.kernels.moe_gemm_mma import choose_config
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
@@ -227,19 +227,23 @@ def warmup_tokens(
     q8_mma: tuple[int, int] | None = None,
     cached_grouped: int = 0,
     cached_mma: bool = False,
+    dims: tuple[int, int] | None = None,
 ) -> tuple[int, ...]:
     """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
     WARMUP_TOKENS and the smallest T of each (strategy, grouped-MMA tile config, router) combination; with
     cached_grouped (an expert-cache engine's choose_strategy bound, cached_grouped_tokens), the same for its
     cached steps, whose waves take the tile config of their size too when they run on the tensor-core kernel
-    (cached_mma: CachedExperts.mma_possible with CudaOptions.cached_mma)."""
-    first: dict[tuple[MoeStrategy, Config | None, bool], int] = {}  # (strategy, tile, router) -> smallest T
+    (cached_mma: CachedExperts.mma_possible with CudaOptions.cached_mma). dims: the experts' (F, D), which decide
+    whether the wgmma kernel applies (None: the mma.sync tiles)."""
+    first: dict[tuple[MoeStrategy, object, bool], int] = {}  # (strategy, tile, router) -> smallest T
     for T in range(1, max_tokens + 1):
         router = fused_router(T, options)
         strategy = choose_strategy(T, K, E, False, bf16, quantized, q8_mma)
         tile = None
         if strategy is MoeStrategy.GROUPED_MMA:
-            tile = choose_config(T * K, E)
+            tile = (
+                choose_config(T * K, E) if dims is None else grouped_tile(T * K, E, *dims, False, options.wgmma_experts)
+            )
         elif strategy is MoeStrategy.Q8_MMA:
             tile = choose_q8_config(T * K, E)
         first.setdefault((strategy, tile, router), T)
@@ -337,7 +341,17 @@ class DeviceMoe:
         experts = self.weights.experts.get(i)
         if strategy is MoeStrategy.GROUPED_MMA:
             run_grouped_mma(
-                ws, st, x, h, ids, weights, experts, cfg.moe_intermediate_size, cfg.hidden_size, combine=combine
+                ws,
+                st,
+                x,
+                h,
+                ids,
+                weights,
+                experts,
+                cfg.moe_intermediate_size,
+                cfg.hidden_size,
+                combine=combine,
+                wgmma=self.options.wgmma_experts,
             )
         elif strategy is MoeStrategy.Q8_MMA:
             meta = self.weights.expert_meta[i]

@@ -13,6 +13,10 @@ Per MoE layer, with cfg = choose_config(T*K, E), BM = cfg.block_m, tiles = max_t
 The store epilogue plus the existing combine is bitwise reproducible (graph == eager, run to run); the atomic
 epilogue measured 1-6% faster but sums in arrival order. Kernels and H200 figures: docs/kernels.md.
 
+On an sm_90 device, bf16 steps with at least WGMMA_MIN_ROWS rows per routed expert (CudaOptions.wgmma_experts)
+run gate|up and down on `moe_gemm_wgmma` (Hopper warpgroup MMA, 128-byte swizzled stages) instead: the same
+buffers and epilogues, 1.2-1.9x the mma.sync kernel's throughput at those sizes (docs/kernels.md).
+
 Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
 kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
 
@@ -22,7 +26,10 @@ Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sort
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from numba import cuda
 
 from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles
@@ -36,6 +43,37 @@ from expert_service.kernels.moe_gemm_mma import (
 from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
+from expert_service.kernels.moe_gemm_wgmma import Config as WgmmaConfig
+from expert_service.kernels.moe_gemm_wgmma import applies as wgmma_applies
+from expert_service.kernels.moe_gemm_wgmma import choose_config as choose_wgmma_config
+from expert_service.kernels.moe_gemm_wgmma import launch_wgmma_down, launch_wgmma_gate_up
+from expert_service.kernels.numeric import SIMULATOR
+
+# Rows per routed expert from which bf16 steps take the wgmma kernel (H200, bench/moe_gemm.py: 1.24x mma.sync at
+# 128 rows on qwen3moe-shape, 1.73x at 128 on mixtral-shape; 0.9x at 32, where both stream weights).
+WGMMA_MIN_ROWS = 96
+
+
+@functools.cache
+def hopper() -> bool:
+    """Whether the current device runs sm_90a code (wgmma): compute capability 9.0 and a real GPU."""
+    return not SIMULATOR and cuda.get_current_device().compute_capability >= (9, 0)
+
+
+def wgmma_fits(n: int, E: int, F: int, D: int) -> bool:
+    """Whether a bf16 step of n assignments over E experts of these dims is one the wgmma kernel takes (on sm_90)."""
+    return wgmma_applies(F, D, 8) and n >= WGMMA_MIN_ROWS * min(E, n)
+
+
+def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool):
+    """The tile config of a step of n assignments over E experts: moe_gemm_q8mma's for 8-bit layers, moe_gemm_wgmma's
+    where wgmma (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the step has at least
+    WGMMA_MIN_ROWS rows per routed expert, else moe_gemm_mma's."""
+    if quantized:
+        return choose_q8_config(n, E)
+    if wgmma and wgmma_fits(n, E, F, D) and hopper():
+        return choose_wgmma_config(n, E)
+    return choose_config(n, E)
 
 
 def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -43,6 +81,8 @@ def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[
     rows = tiles = 1
     for T in range(1, max_tokens + 1):  # the tile config (BM) changes with T*K / E: take the largest need
         block_m = max(choose_config(T * K, E).block_m, choose_q8_config(T * K, E).block_m)
+        if wgmma_fits(T * K, E, F, D):
+            block_m = max(block_m, choose_wgmma_config(T * K, E).block_m)
         rows = max(rows, max_rows(T * K, E, block_m))
         tiles = max(tiles, max_tiles(T * K, E, block_m))
     i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
@@ -74,15 +114,17 @@ def cached_mma_possible(weight_dtype, quantized: bool, num_experts: int, q8_mma:
     return q8_mma if quantized else np.dtype(weight_dtype) == np.uint16
 
 
-def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None) -> None:
+def run_grouped_mma(
+    ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None, wgmma: bool = False
+) -> None:
     """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
     device), experts [E, stride] bf16 (uint16), or with meta [E, META_WIDTH] (8-bit layers) the layer's uint8
     blocks -> h += the routed experts' weighted outputs. combine(y, position, weights, h): the MoE block's
-    combine (None: launch_moe_combine)."""
+    combine (None: launch_moe_combine). wgmma: CudaOptions.wgmma_experts (grouped_tile)."""
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    cfg = choose_config(n, E) if meta is None else choose_q8_config(n, E)
+    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] % 8 == 0)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm
@@ -90,7 +132,10 @@ def run_grouped_mma(ws, stream, x, h, ids, weights, experts, F: int, D: int, com
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
     launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-    if meta is None:
+    if isinstance(cfg, WgmmaConfig):
+        launch_wgmma_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
+        launch_wgmma_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, config=cfg, stream=stream)
+    elif meta is None:
         launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
         launch_moe_gemm_down(
             hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, combine=COMBINE_STORE, config=cfg, stream=stream

@@ -77,6 +77,19 @@ def exp2_approx(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def rcp_approx(typingctx, x):
+    """1 / x in float32 via `rcp.approx.ftz.f32` (max error 1 ulp). IEEE division (`div.rn.f32`) brings ptxas's
+    slow-path subroutine into the kernel, and a kernel with a call serialises its wgmma's."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+        return builder.call(ir.InlineAsm(fnty, "rcp.approx.ftz.f32 $0, $1;", "=f,f"), list(args))
+
+    return sig, codegen
+
+
 # ---- block_mma / block_pack: the intrinsics on the GPU, an exact emulation in the simulator ---------------
 # Kernels that must also run under NUMBA_ENABLE_CUDASIM (on small tiles, so CI tests their indexing) call these.
 if SIMULATOR:

@@ -36,7 +36,7 @@ CI; the kernels are otherwise identical.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from numba import cuda, types
@@ -148,9 +148,10 @@ def _swizzle(words_per_row: int):
     return swz
 
 
-def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
+def _epilogue(mode: int, aligned: bool, MT: int, NT: int, activation=silu):
     """epi(acc, out, sorted_ids, route_w, m0, n0, n_out, top_k, wn, g, t): write a warp's accumulators
-    acc [MT, NT, 4] (rows m0 + 16 i + g + 8 (v // 2), n-tile j, column 2t + v % 2) to `out`."""
+    acc [MT, NT, 4] (rows m0 + 16 i + g + 8 (v // 2), n-tile j, column 2t + v % 2) to `out`; activation: the
+    SwiGLU's silu (device function)."""
     NH = NT // 2
     if mode == _MODE_SWIGLU:
         # h[m, f] = silu(gate) * up: gate n-tiles are j < NH, their up partners j + NH; f = n0 + (wn NH + j) 8 + 2t
@@ -164,8 +165,8 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
                             f = n0 + (wn * NH + j) * 8 + 2 * t
                             if f < n_out:        # n_out even: the pair lies inside the row
                                 out[(m * n_out + f) >> 1] = pack(
-                                    silu(acc[i, j, 2 * hv]) * acc[i, j + NH, 2 * hv],
-                                    silu(acc[i, j, 2 * hv + 1]) * acc[i, j + NH, 2 * hv + 1])
+                                    activation(acc[i, j, 2 * hv]) * acc[i, j + NH, 2 * hv],
+                                    activation(acc[i, j, 2 * hv + 1]) * acc[i, j + NH, 2 * hv + 1])
         else:
             @cuda.jit(device=True, inline=True)
             def epi(acc, out, sorted_ids, route_w, m0, n0, n_out, top_k, wn, g, t):
@@ -177,7 +178,7 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int):
                             for e in range(2):
                                 if f + e < n_out:
                                     out[m * n_out + f + e] = f32_to_bf16(
-                                        silu(acc[i, j, 2 * hv + e]) * acc[i, j + NH, 2 * hv + e])
+                                        activation(acc[i, j, 2 * hv + e]) * acc[i, j + NH, 2 * hv + e])
         return epi
     atomic = mode == _MODE_ATOMIC
 
@@ -417,7 +418,17 @@ _STATIC_SHARED_MAX = 48 * 1024
 _raised_shared: set[tuple[int, int]] = set()     # (kernel, device) pairs allowed their dynamic shared memory
 
 
-def _launch(kernel, grid: int, cfg: Config, stream, args, shared_bytes: int | None = None) -> None:
+class LaunchShape(Protocol):
+    """What _launch reads of a block shape (this module's Config, moe_gemm_wgmma's)."""
+
+    @property
+    def threads(self) -> int: ...
+
+    @property
+    def shared_bytes(self) -> int: ...
+
+
+def _launch(kernel, grid: int | tuple[int, int], cfg: LaunchShape, stream, args, shared_bytes: int | None = None) -> None:
     """kernel[grid, cfg.threads, stream, shared_bytes (default cfg.shared_bytes)](*args); a kernel that needs more
     than 48 KB of dynamic shared memory must first be allowed it (cuKernelSetAttribute on the compiled function:
     Numba has no API)."""

@@ -335,3 +335,47 @@ def test_mma_decode_attention_matches_the_tiled_kernel(tmp_path):
     for i, ((ta, la), (tb, lb)) in enumerate(zip(*runs)):
         assert ta == tb and rel_error(lb, la) <= 2e-2, f"decode step {i}: {rel_error(lb, la):.2e}"
     engine.decoder.close()
+
+
+# --- the warpgroup-MMA grouped kernel (sm_90) ------------------------------------------------------------
+# D = 64 and F = 128 (multiples of 64), 32 experts, K = 8: a 480-token prefill routes 120 rows per expert
+# (above moe_grouped_mma.WGMMA_MIN_ROWS, so the w128 tile), 150 tokens 37 (moe_gemm_mma's tiles).
+WGMMA_MODEL = dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def wgmma_model(tmp_path_factory):
+    return bf16_tiny(tmp_path_factory.mktemp("qwen3_wgmma"), "qwen3_moe", 11, **WGMMA_MODEL)
+
+
+def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
+    import expert_service.cuda.moe_grouped_mma as grouped
+    from expert_service.engine.cuda_options import CudaOptions
+
+    if not grouped.hopper():
+        pytest.skip("wgmma needs an sm_90 device")
+    launches = []
+    original = grouped.launch_wgmma_gate_up
+    monkeypatch.setattr(grouped, "launch_wgmma_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
+    open_ = lambda **kw: build_engine(ModelDir.open(wgmma_model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
+    cpu, gpu = open_(backend="cpu"), open_(backend="cuda", cuda_graphs=False)
+    forced = ForcedRouting(monkeypatch)
+    for n, wgmma in ((480, True), (150, False)):
+        ids = random_prompt(900 + n, n)
+        before = len(launches)
+        logits = gpu.prompt_logits(ids)
+        assert (len(launches) > before) == wgmma, f"prefill {n}: wgmma launched {len(launches) - before} times"
+        assert np.all(np.isfinite(logits)), f"prefill {n}"
+        forced.queue = last_step_expert_ids(gpu, n)
+        ref = cpu.prompt_logits(ids)
+        err = rel_error(logits, ref)
+        assert err <= BF16_TOLERANCE, f"prefill {n}: {err:.2e}"
+        assert_greedy_close(logits.argmax(axis=1), ref, f"prefill {n}")
+    ids = random_prompt(1480, 480)
+    with_wgmma = gpu.prompt_logits(ids)
+    gpu.decoder.set_options(CudaOptions(wgmma_experts=False))
+    before = len(launches)
+    without = gpu.prompt_logits(ids)
+    assert len(launches) == before, "wgmma_experts=False still launched the wgmma kernel"
+    assert rel_error(with_wgmma, without) <= BF16_TOLERANCE
+    assert forced.worst_tie <= ROUTER_TIE

@@ -33,9 +33,10 @@ def _bf16(words):
     return (words.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual):
+def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual, launchers=None):
     """The whole per-layer sequence on the device; returns (h rows by assignment, y or None, out, sorted_ids,
-    num_tiles)."""
+    num_tiles). launchers: (gate_up, down) with moe_gemm_mma's signatures (None: moe_gemm_mma's own)."""
+    gate_up, down = launchers or (launch_moe_gemm_gate_up, launch_moe_gemm_down)
     n_tok, top_k = ids.shape
     n_exp, n = W.shape[0], ids.size
     bm = cfg.block_m
@@ -48,17 +49,15 @@ def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual):
     launch_moe_gather_bf16(cuda.to_device(x), sorted_ids, num_tiles, top_k, bm, xs)
     h = cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16))
     dW = cuda.to_device(W)
-    launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, dW, F, D, h, config=cfg)
+    gate_up(xs, tile_expert, num_tiles, dW, F, D, h, config=cfg)
     out = cuda.to_device(residual.copy())
     d_w = cuda.to_device(route_w)
     y = None
     if combine == "atomic":
-        launch_moe_gemm_down(
-            h, tile_expert, num_tiles, sorted_ids, dW, F, D, out, route_weights=d_w, combine="atomic", config=cfg
-        )
+        down(h, tile_expert, num_tiles, sorted_ids, dW, F, D, out, route_weights=d_w, combine="atomic", config=cfg)
     else:
         d_y = cuda.to_device(np.full((n, D), np.nan, np.float32))
-        launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, dW, F, D, d_y, combine="store", config=cfg)
+        down(h, tile_expert, num_tiles, sorted_ids, dW, F, D, d_y, combine="store", config=cfg)
         launch_moe_combine(d_y, cuda.to_device(np.arange(n, dtype=np.int32)), d_w, out)
         y = d_y.copy_to_host()
     pos = position.copy_to_host()
@@ -67,7 +66,7 @@ def run_moe(x, ids, route_w, W, F, D, cfg, combine, residual):
     return h_all[pos], h_all[:used], sorted_ids.copy_to_host()[:used], y, out.copy_to_host()
 
 
-def check(ids, n_exp, F, D, cfg, combine, seed, route_w=None):
+def check(ids, n_exp, F, D, cfg, combine, seed, route_w=None, launchers=None):
     rng = np.random.default_rng(seed)
     n_tok, top_k = ids.shape
     W, mats = expert_buffer(rng, n_exp, F, D, np.uint16, scale=1.0 / np.sqrt(D))
@@ -75,7 +74,7 @@ def check(ids, n_exp, F, D, cfg, combine, seed, route_w=None):
     if route_w is None:
         route_w = rng.random((n_tok, top_k)).astype(np.float32)
     residual = rng.standard_normal((n_tok, D)).astype(np.float32)
-    h, h_used, sorted_ids, y, out = run_moe(x, ids, route_w, W, F, D, cfg, combine, residual)
+    h, h_used, sorted_ids, y, out = run_moe(x, ids, route_w, W, F, D, cfg, combine, residual, launchers)
     ref_h, ref_y, ref_out = moe_reference(x, ids, route_w, mats, residual)
     assert np.isfinite(h_used).all(), "a used row of h was not written"
     assert (h_used[sorted_ids < 0] == 0).all(), "padding rows of h must be zeros"
