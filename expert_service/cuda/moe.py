@@ -245,7 +245,11 @@ def warmup_tokens(
                 choose_config(T * K, E) if dims is None else grouped_tile(T * K, E, *dims, False, options.wgmma_experts)
             )
         elif strategy is MoeStrategy.Q8_MMA:
-            tile = choose_q8_config(T * K, E)
+            tile = (
+                choose_q8_config(T * K, E)
+                if dims is None
+                else grouped_tile(T * K, E, *dims, True, options.wgmma_experts)
+            )
         first.setdefault((strategy, tile, router), T)
         if cached_grouped:
             strategy = choose_strategy(T, K, E, True, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
@@ -356,7 +360,9 @@ class DeviceMoe:
         elif strategy is MoeStrategy.Q8_MMA:
             meta = self.weights.expert_meta[i]
             F, D = cfg.moe_intermediate_size, cfg.hidden_size
-            run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta)
+            run_grouped_mma(
+                ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta, wgmma=self.options.wgmma_experts
+            )
         elif strategy is MoeStrategy.Q8:
             self._q8(i, x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GEMV:

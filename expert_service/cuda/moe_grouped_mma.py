@@ -13,9 +13,10 @@ Per MoE layer, with cfg = choose_config(T*K, E), BM = cfg.block_m, tiles = max_t
 The store epilogue plus the existing combine is bitwise reproducible (graph == eager, run to run); the atomic
 epilogue measured 1-6% faster but sums in arrival order. Kernels and H200 figures: docs/kernels.md.
 
-On an sm_90 device, bf16 steps with at least WGMMA_MIN_ROWS rows per routed expert (CudaOptions.wgmma_experts)
-run gate|up and down on `moe_gemm_wgmma` (Hopper warpgroup MMA, 128-byte swizzled stages) instead: the same
-buffers and epilogues, 1.2-1.9x the mma.sync kernel's throughput at those sizes (docs/kernels.md).
+On an sm_90 device, steps with at least WGMMA_MIN_ROWS rows per routed expert (CudaOptions.wgmma_experts) run
+gate|up and down on `moe_gemm_wgmma` (bf16) or `moe_gemm_q8wgmma` (8-bit: widened into shared memory) instead:
+Hopper warpgroup MMA on 128-byte swizzled stages, the same buffers and epilogues; the bf16 kernel measured
+1.2-1.9x the mma.sync kernel's throughput at those sizes (docs/kernels.md).
 
 Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
 kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
@@ -43,6 +44,8 @@ from expert_service.kernels.moe_gemm_mma import (
 from expert_service.kernels.moe_gemm_q8mma import MIN_DIM as Q8_MMA_MIN_DIM
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
+from expert_service.kernels.moe_gemm_q8wgmma import applies as q8wgmma_applies
+from expert_service.kernels.moe_gemm_q8wgmma import launch_q8wgmma_down, launch_q8wgmma_gate_up
 from expert_service.kernels.moe_gemm_wgmma import Config as WgmmaConfig
 from expert_service.kernels.moe_gemm_wgmma import applies as wgmma_applies
 from expert_service.kernels.moe_gemm_wgmma import choose_config as choose_wgmma_config
@@ -60,31 +63,34 @@ def hopper() -> bool:
     return not SIMULATOR and cuda.get_current_device().compute_capability >= (9, 0)
 
 
-def wgmma_fits(n: int, E: int, F: int, D: int) -> bool:
-    """Whether a bf16 step of n assignments over E experts of these dims is one the wgmma kernel takes (on sm_90)."""
-    return wgmma_applies(F, D, 8) and n >= WGMMA_MIN_ROWS * min(E, n)
+def wgmma_fits(n: int, E: int, F: int, D: int, quantized: bool = False) -> bool:
+    """Whether a step of n assignments over E experts of these dims (bf16, or 8-bit when quantized) is one the
+    wgmma kernels take (on sm_90)."""
+    fits = q8wgmma_applies(F, D, 16) if quantized else wgmma_applies(F, D, 8)
+    return fits and n >= WGMMA_MIN_ROWS * min(E, n)
 
 
 def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool):
-    """The tile config of a step of n assignments over E experts: moe_gemm_q8mma's for 8-bit layers, moe_gemm_wgmma's
-    where wgmma (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the step has at least
-    WGMMA_MIN_ROWS rows per routed expert, else moe_gemm_mma's."""
-    if quantized:
-        return choose_q8_config(n, E)
-    if wgmma and wgmma_fits(n, E, F, D) and hopper():
+    """The tile config of a step of n assignments over E experts: moe_gemm_wgmma's (the bf16 and the 8-bit wgmma
+    kernels share it) where wgmma (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the
+    step has at least WGMMA_MIN_ROWS rows per routed expert, else moe_gemm_q8mma's for 8-bit layers and
+    moe_gemm_mma's for bf16 ones."""
+    if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
         return choose_wgmma_config(n, E)
-    return choose_config(n, E)
+    return choose_q8_config(n, E) if quantized else choose_config(n, E)
 
 
 def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype))."""
     rows = tiles = 1
-    for T in range(1, max_tokens + 1):  # the tile config (BM) changes with T*K / E: take the largest need
-        block_m = max(choose_config(T * K, E).block_m, choose_q8_config(T * K, E).block_m)
-        if wgmma_fits(T * K, E, F, D):
-            block_m = max(block_m, choose_wgmma_config(T * K, E).block_m)
-        rows = max(rows, max_rows(T * K, E, block_m))
-        tiles = max(tiles, max_tiles(T * K, E, block_m))
+    for T in range(1, max_tokens + 1):  # every tile config a step of T can take (options switch them freely)
+        n = T * K
+        block_ms = {choose_config(n, E).block_m, choose_q8_config(n, E).block_m}
+        if wgmma_fits(n, E, F, D) or wgmma_fits(n, E, F, D, quantized=True):
+            block_ms.add(choose_wgmma_config(n, E).block_m)
+        # a smaller BM pads less but needs more tiles: each buffer takes its own largest need
+        rows = max(rows, *(max_rows(n, E, bm) for bm in block_ms))
+        tiles = max(tiles, *(max_tiles(n, E, bm) for bm in block_ms))
     i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
     return {
         "mma_sorted_ids": ((rows,), i32),
@@ -124,7 +130,7 @@ def run_grouped_mma(
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] % 8 == 0)
+    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] % 16 == 0)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm
@@ -132,9 +138,12 @@ def run_grouped_mma(
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
     launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-    if isinstance(cfg, WgmmaConfig):
+    if isinstance(cfg, WgmmaConfig) and meta is None:
         launch_wgmma_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
         launch_wgmma_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, config=cfg, stream=stream)
+    elif isinstance(cfg, WgmmaConfig):
+        launch_q8wgmma_gate_up(xs, tile_expert, num_tiles, experts, meta, F, D, hb, config=cfg, stream=stream)
+        launch_q8wgmma_down(hb, tile_expert, num_tiles, sorted_ids, experts, meta, F, D, out, config=cfg, stream=stream)
     elif meta is None:
         launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
         launch_moe_gemm_down(

@@ -41,8 +41,9 @@ class CudaOptions:
     # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
-    # on an sm_90 device, bf16 grouped-MMA steps with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per routed
-    # expert run the warpgroup-MMA kernel (moe_gemm_wgmma) (False: moe_gemm_mma's mma.sync at every size)
+    # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
+    # routed expert run the warpgroup-MMA kernels (moe_gemm_wgmma, moe_gemm_q8wgmma) (False: the mma.sync kernels
+    # moe_gemm_mma / moe_gemm_q8mma at every size)
     wgmma_experts: bool = True
     # expert-cache steps of one token whose K experts fit a layer's slots (so one wave) run the resident GEMV
     # kernels on the slot buffer, moe_q8 by slot on 8-bit layers (False: grouping + the grouped kernels through

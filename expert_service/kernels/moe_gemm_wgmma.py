@@ -220,7 +220,8 @@ def _build(cfg: Config, mode: int):
         epilogue(acc, out, sorted_ids, route_w, row0 + wgm * 64 + warp_in_group * 16, n0, n_out, top_k, wgn,
                  lane // 4, lane % 4)
 
-    return moe_gemm_wgmma_kernel, cached_jit(moe_gemm_wgmma_kernel)
+    # one block an SM: ptxas fits the registers to THREADS (512 threads: 128 each)
+    return moe_gemm_wgmma_kernel, cached_jit(moe_gemm_wgmma_kernel, launch_bounds=(THREADS, 1))
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------
@@ -283,5 +284,5 @@ def sm90_signatures():
         for mode in (_MODE_SWIGLU, _MODE_STORE):
             dst = u1 if mode == _MODE_SWIGLU else f1
             out.append((_build(cfg, mode)[0], (u1, u1, i1, i1, i1, f1, i64, i64, i64, i64, i64, i64, i64, dst),
-                        {"cc": (9, 0, "a")}))
+                        {"cc": (9, 0, "a"), "launch_bounds": (cfg.threads, 1)}))
     return out

@@ -37,6 +37,10 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   instructions a load, which made a tensor-core kernel's fragment loads cost more issue slots than its mma; the
   statement is volatile to LLVM (never merged with or moved across another, so never across a barrier), ptxas
   still schedules it.
+- ``ld_shared_v4(smem, i)`` / ``st_shared_v4(smem, i, x0, x1, x2, x3)``: ``ld.shared.v4.b32`` / ``st.shared.v4.b32``
+  of smem[i .. i+3] (1-d uint32 shared array, smem[i] 16-byte aligned) at a 32-bit address: one 16-byte access
+  where Numba's indexing spends four, each with its own index arithmetic. Volatile statements (never moved
+  across a barrier).
 - ``griddep_launch_dependents()`` / ``griddep_wait()``: ``griddepcontrol.launch_dependents`` / ``.wait``
   (sm_90 programmatic dependent launch): a kernel joined to the next by a programmatic graph edge lets that
   kernel's blocks start once every block has called the first; the dependent calls the second before it reads
@@ -90,11 +94,17 @@ if SIMULATOR:
     lds32 = ld_shared
 
     @cuda.jit(device=True)
+    def ld_shared_v4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @cuda.jit(device=True)
     def st_v4(a, i, x0, x1, x2, x3):
         a[i] = x0
         a[i + 1] = x1
         a[i + 2] = x2
         a[i + 3] = x3
+
+    st_shared_v4 = st_v4
 
     def cp_async_wait_fn(pending: int):
         return cp_async_commit      # the copies are synchronous here: nothing to wait for
@@ -229,6 +239,38 @@ else:
             asm = ir.InlineAsm(fnty, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
                                side_effect=True)
             builder.call(asm, [ptr, *args[2:]])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def ld_shared_v4(typingctx, smem, i):
+        """(smem[i], .., smem[i + 3]) in one `ld.shared.v4.b32` (module docstring)."""
+        _require_indexed("ld_shared_v4", smem, (types.uint32,), i, "shared ")
+        sig = types.UniTuple(types.uint32, 4)(smem, i)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            asm = ir.InlineAsm(fnty, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                               side_effect=True)
+            res = builder.call(asm, [addr])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def st_shared_v4(typingctx, smem, i, x0, x1, x2, x3):
+        """smem[i .. i + 3] = x0 .. x3 in one `st.shared.v4.b32` (module docstring)."""
+        _require_indexed("st_shared_v4", smem, (types.uint32,), i, "shared ")
+        sig = types.void(smem, i, types.uint32, types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            fnty = ir.FunctionType(ir.VoidType(), [i32] * 5)
+            asm = ir.InlineAsm(fnty, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [addr, *args[2:]])
             return context.get_dummy_value()
         return sig, codegen
 

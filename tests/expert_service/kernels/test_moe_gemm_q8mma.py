@@ -60,7 +60,9 @@ def q8_layer(rng, kinds, F, D, gains=False):
     return np.stack(blocks), np.stack(metas)
 
 
-def run(x, ids, route_w, W, meta, F, D, cfg, residual):
+def run(x, ids, route_w, W, meta, F, D, cfg, residual, launchers=None):
+    """The layer on the device; launchers: (gate_up, down) with this module's signatures (None: q8mma's)."""
+    gate_up, down = launchers or (launch_q8mma_gate_up, launch_q8mma_down)
     n_tok, top_k = ids.shape
     n_exp, n = W.shape[0], ids.size
     bm = cfg.block_m
@@ -73,9 +75,9 @@ def run(x, ids, route_w, W, meta, F, D, cfg, residual):
     launch_moe_gather_bf16(cuda.to_device(x), sorted_ids, num_tiles, top_k, bm, xs)
     h = cuda.to_device(np.full((tiles * bm, F), NAN16, np.uint16))
     dW, dmeta = cuda.to_device(W), cuda.to_device(meta)
-    launch_q8mma_gate_up(xs, tile_expert, num_tiles, dW, dmeta, F, D, h, config=cfg)
+    gate_up(xs, tile_expert, num_tiles, dW, dmeta, F, D, h, config=cfg)
     y = cuda.to_device(np.full((n, D), np.nan, np.float32))
-    launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, config=cfg)
+    down(h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, config=cfg)
     out = cuda.to_device(residual.copy())
     launch_moe_combine(y, cuda.to_device(np.arange(n, dtype=np.int32)), cuda.to_device(route_w), out)
     h_all = (h.copy_to_host().astype(np.uint32) << 16).view(np.float32)
@@ -89,14 +91,14 @@ def run(x, ids, route_w, W, meta, F, D, cfg, residual):
     )
 
 
-def check(ids, kinds, F, D, cfg, seed, gains=False):
+def check(ids, kinds, F, D, cfg, seed, gains=False, launchers=None):
     rng = np.random.default_rng(seed)
     n_tok, top_k = ids.shape
     W, meta = q8_layer(rng, kinds, F, D, gains)
     x = rng.standard_normal((n_tok, D)).astype(np.float32)
     route_w = rng.random((n_tok, top_k)).astype(np.float32) + 0.1
     residual = rng.standard_normal((n_tok, D)).astype(np.float32)
-    h, h_used, sorted_ids, y, out = run(x, ids, route_w, W, meta, F, D, cfg, residual)
+    h, h_used, sorted_ids, y, out = run(x, ids, route_w, W, meta, F, D, cfg, residual, launchers)
     ref_h, ref_y, ref_out = moe_reference_q8(x, ids, route_w, W, meta, F, D, residual)
     assert np.isfinite(h_used).all(), "a used row of h was not written"
     assert (h_used[sorted_ids < 0] == 0).all(), "padding rows of h must be zeros"
