@@ -240,16 +240,10 @@ def warmup_tokens(
         router = fused_router(T, options)
         strategy = choose_strategy(T, K, E, False, bf16, quantized, q8_mma)
         tile = None
-        if strategy is MoeStrategy.GROUPED_MMA:
-            tile = (
-                choose_config(T * K, E) if dims is None else grouped_tile(T * K, E, *dims, False, options.wgmma_experts)
-            )
-        elif strategy is MoeStrategy.Q8_MMA:
-            tile = (
-                choose_q8_config(T * K, E)
-                if dims is None
-                else grouped_tile(T * K, E, *dims, True, options.wgmma_experts)
-            )
+        if strategy in (MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA):
+            q8 = strategy is MoeStrategy.Q8_MMA
+            chooser = choose_q8_config if q8 else choose_config
+            tile = chooser(T * K, E) if dims is None else grouped_tile(T * K, E, *dims, q8, options.wgmma_experts)
         first.setdefault((strategy, tile, router), T)
         if cached_grouped:
             strategy = choose_strategy(T, K, E, True, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
@@ -343,26 +337,10 @@ class DeviceMoe:
             self.linear.linear(x, router, logits)
             launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
         experts = self.weights.experts.get(i)
-        if strategy is MoeStrategy.GROUPED_MMA:
-            run_grouped_mma(
-                ws,
-                st,
-                x,
-                h,
-                ids,
-                weights,
-                experts,
-                cfg.moe_intermediate_size,
-                cfg.hidden_size,
-                combine=combine,
-                wgmma=self.options.wgmma_experts,
-            )
-        elif strategy is MoeStrategy.Q8_MMA:
-            meta = self.weights.expert_meta[i]
-            F, D = cfg.moe_intermediate_size, cfg.hidden_size
-            run_grouped_mma(
-                ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta, wgmma=self.options.wgmma_experts
-            )
+        if strategy in (MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA):
+            meta = self.weights.expert_meta[i] if strategy is MoeStrategy.Q8_MMA else None
+            F, D, wgmma = cfg.moe_intermediate_size, cfg.hidden_size, self.options.wgmma_experts
+            run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta, wgmma=wgmma)
         elif strategy is MoeStrategy.Q8:
             self._q8(i, x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GEMV:

@@ -125,6 +125,38 @@ def _widener(int8: bool, block_scaled: bool):
     return widen
 
 
+def channel_scaler(MT: int, NT: int, gated: bool):
+    """scale(acc, meta, expert, base, scales, n0, n_out, wn, t): a warp's fp32 sums acc [MT, NT, 4] (mma.sync C
+    fragments: n-tile j, column 2t + v % 2; gated: gate n-tiles j < NT / 2, their up partners j + NT / 2) times
+    their output channel's scale when the expert's scales are per channel; NaN when the expert is not 8-bit
+    (never silently wrong); untouched for block-scaled experts (their scales went into the widened weights)."""
+    NH = NT // 2
+    SCALE_OFF = 5 if gated else 7  # meta column of the first matrix's scales
+
+    @cuda.jit(device=True, inline=True)
+    def scale(acc, meta, expert, base, scales, n0, n_out, wn, t):
+        code = meta[expert, 0]
+        bad = not (code == CODE_INT8 or code == CODE_FP8)
+        if meta[expert, 1] == SCALE_CHANNEL or bad:
+            for j in range(NT):
+                if gated:
+                    col = n0 + (wn * NH + j % NH) * 8 + 2 * t
+                    mat = j // NH
+                else:
+                    col = n0 + (wn * NT + j) * 8 + 2 * t
+                    mat = 0
+                s0 = (base + meta[expert, SCALE_OFF + mat]) // 4
+                for e in range(2):
+                    sc = np.float32(np.nan) if bad else np.float32(0.0)
+                    if not bad and col + e < n_out:
+                        sc = scales[s0 + col + e]
+                    for i in range(MT):
+                        acc[i, j, e] *= sc
+                        acc[i, j, 2 + e] *= sc
+
+    return scale
+
+
 @functools.cache
 def _build(cfg: Config, mode: int, exact_k: bool):
     """Kernel for one block shape, epilogue mode (SwiGLU -> bf16 h, or store fp32 rows) and whether the input dim
@@ -147,6 +179,7 @@ def _build(cfg: Config, mode: int, exact_k: bool):
     wait_stage = cp_async_wait_fn(S - 2)
     epilogue = _epilogue(mode, True, MT, NT)
     GATE_OFF, SCALE_OFF = (2, 5) if gated else (4, 7)  # meta columns of the first matrix and of its scale
+    scale_sums = channel_scaler(MT, NT, gated)
 
     @cuda.jit(device=True, inline=True)
     def fill(smem, a_stage, b_stage, k0, a, words, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_ok):
@@ -332,25 +365,7 @@ def _build(cfg: Config, mode: int, exact_k: bool):
             loop_fp8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word,
                              a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
 
-        # per-channel scales multiply the fp32 sums; an expert that is not 8-bit gives NaN rows
-        channel = meta[expert, 1] == SCALE_CHANNEL
-        bad = not (is_int8 or code == CODE_FP8)
-        if channel or bad:
-            for j in range(NT):
-                if gated:
-                    col = n0 + (wn * NH + j % NH) * 8 + 2 * t
-                    mat = j // NH
-                else:
-                    col = n0 + (wn * NT + j) * 8 + 2 * t
-                    mat = 0
-                s0 = (base + meta[expert, SCALE_OFF + mat]) // 4
-                for e in range(2):
-                    sc = np.float32(np.nan) if bad else np.float32(0.0)
-                    if not bad and col + e < n_out:
-                        sc = scales[s0 + col + e]
-                    for i in range(MT):
-                        acc[i, j, e] *= sc
-                        acc[i, j, 2 + e] *= sc
+        scale_sums(acc, meta, expert, base, scales, n0, n_out, wn, t)
         epilogue(acc, out, sorted_ids, scales, row0 + wm * MT * 16, n0, n_out, 1, wn, g, t)
 
     return q8mma_kernel, cached_jit(q8mma_kernel)

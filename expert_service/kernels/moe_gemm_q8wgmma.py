@@ -24,18 +24,16 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.expert_quant import (
-    CODE_FP8,
     CODE_INT8,
     SCALE_BLOCK,
     SCALE_BLOCK_SIZE,
-    SCALE_CHANNEL,
     fp8x4,
     int8x4,
 )
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, _epilogue, _launch
-from expert_service.kernels.moe_gemm_q8mma import _check, _check_common
+from expert_service.kernels.moe_gemm_q8mma import _check, _check_common, channel_scaler
 from expert_service.kernels.moe_gemm_wgmma import (
     ATOM_BYTES,
     BK,
@@ -91,7 +89,7 @@ def _build(cfg: Config, mode: int):
     if S < 3:
         raise ValueError("the pipeline needs at least 3 stages")
     gated = mode == _MODE_SWIGLU
-    NT, NH = NW // 8, NW // 16
+    NT = NW // 8
     A_WORDS, RAW_WORDS, B_WORDS = BM * ROW_BYTES // 4, BN * RAW_ROW // 4, BN * ROW_BYTES // 4
     B_TILES = S * A_WORDS                         # first word of the two widened B tiles
     RAW = B_TILES + 2 * B_WORDS                   # first word of the raw B stages
@@ -102,6 +100,7 @@ def _build(cfg: Config, mode: int):
     wait_copies = cp_async_wait_fn(PRIMED - 1)
     wait_older, wait_all = wgmma_wait_fn(1), wgmma_wait_fn(0)
     epilogue = _epilogue(mode, True, 1, NT, silu_approx)
+    scale_sums = channel_scaler(1, NT, gated)
 
     @cuda.jit(device=True, inline=True)
     def fill(smem, stage, a, words, a_start, b_start, b_ok, step):
@@ -223,24 +222,7 @@ def _build(cfg: Config, mode: int):
 
         lane = tid % WARP
         t = lane % 4
-        # per-channel scales multiply the fp32 sums; an expert that is not 8-bit gives NaN rows
-        channel = meta[expert, 1] == SCALE_CHANNEL
-        bad = not (is_int8 or code == CODE_FP8)
-        if channel or bad:
-            for j in range(NT):
-                if gated:
-                    col = n0 + (wgn * NH + j % NH) * 8 + 2 * t
-                    mat = j // NH
-                else:
-                    col = n0 + (wgn * NT + j) * 8 + 2 * t
-                    mat = 0
-                s0 = (base + meta[expert, SCALE_OFF + mat]) // 4
-                for e in range(2):
-                    sc = np.float32(np.nan) if bad else np.float32(0.0)
-                    if not bad and col + e < n_out:
-                        sc = scales[s0 + col + e]
-                    acc[0, j, e] *= sc
-                    acc[0, j, 2 + e] *= sc
+        scale_sums(acc, meta, expert, base, scales, n0, n_out, wgn, t)
         epilogue(acc, out, sorted_ids, scales, row0 + wgm * 64 + ((tid // WARP) % 4) * 16, n0, n_out, 1, wgn,
                  lane // 4, t)
 
