@@ -59,8 +59,9 @@ WGMMA_MIN_ROWS = 96
 
 @functools.cache
 def hopper() -> bool:
-    """Whether the current device runs sm_90a code (wgmma): compute capability 9.0 and a real GPU."""
-    return not SIMULATOR and cuda.get_current_device().compute_capability >= (9, 0)
+    """Whether the current device runs sm_90a code (wgmma): compute capability 9.0 exactly (later chips build for
+    their own arch-specific targets, which have no wgmma) and a real GPU."""
+    return not SIMULATOR and cuda.get_current_device().compute_capability == (9, 0)
 
 
 def wgmma_fits(n: int, E: int, F: int, D: int, quantized: bool = False) -> bool:
@@ -130,7 +131,7 @@ def run_grouped_mma(
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] % 16 == 0)
+    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] * experts.dtype.itemsize % 16 == 0)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm

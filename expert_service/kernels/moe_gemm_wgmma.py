@@ -87,16 +87,17 @@ class Config(NamedTuple):
         return self.stages * (self.block_m + self.block_n) * ROW_BYTES
 
 
+# w128: what the MoE strategy runs (it takes these kernels from 96 rows an expert, cuda/moe_grouped_mma.py); w64:
+# timed beside it by bench/moe_gemm.py (slower at 128 rows an expert; below 96 mma.sync's smaller tiles win).
 CONFIGS = {
-    "w64": Config(1, 2, 128, stages=4),     # 64 x 256: experts with a few dozen rows
     "w128": Config(2, 2, 128, stages=4),    # 128 x 256, four warpgroups of 64 accumulators
+    "w64": Config(1, 2, 128, stages=4),     # 64 x 256
 }
 
 
 def choose_config(n_assignments: int, n_experts: int) -> Config:
-    """Tile shape by the mean rows per routed expert: 128-row tiles from 96 rows an expert, else 64."""
-    per_expert = n_assignments / max(1, min(n_experts, n_assignments))
-    return CONFIGS["w128"] if per_expert >= 96 else CONFIGS["w64"]
+    """The tile of every step the MoE strategy sends here (96+ rows an expert; H200: bench/moe_gemm.py)."""
+    return CONFIGS["w128"]
 
 
 def applies(F: int, D: int, stride: int) -> bool:

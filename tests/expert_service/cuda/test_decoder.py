@@ -379,3 +379,4 @@ def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
     assert len(launches) == before, "wgmma_experts=False still launched the wgmma kernel"
     assert rel_error(with_wgmma, without) <= BF16_TOLERANCE
     assert forced.worst_tie <= ROUTER_TIE
+    gpu.decoder.close()

@@ -131,6 +131,31 @@ def test_warmup_reaches_every_strategy_tile_config_and_router(options):
     }
 
 
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_warmup_and_workspace_cover_the_wgmma_tiles(monkeypatch, wgmma):
+    """On an sm_90 device (hopper() patched), qwen3moe-like dims (F, D multiples of 64) take the wgmma tile from 96
+    rows an expert: the warm-up reaches it with wgmma_experts on (and only then), at the first such size, and the
+    workspace holds its rows and the mma.sync tiles' (more, smaller) tiles whatever the option, since set_options
+    switches it without a new workspace."""
+    import expert_service.cuda.moe_grouped_mma as grouped
+    from expert_service.kernels.moe_gemm_wgmma import CONFIGS as WGMMA
+
+    monkeypatch.setattr(grouped, "hopper", lambda: True)
+    K, E, F, D, T = 8, 128, 768, 2048, 2048
+    options = CudaOptions(wgmma_experts=wgmma)
+    sizes = warmup_tokens(T, K, E, True, options, dims=(F, D))
+    first = -(-grouped.WGMMA_MIN_ROWS * E // K)  # the first T with 96 rows an expert
+    tiles = {grouped.grouped_tile(t * K, E, F, D, False, wgmma) for t in sizes}
+    assert (WGMMA["w128"] in tiles) == wgmma and (first in sizes) == wgmma
+    assert grouped.grouped_tile((first - 1) * K, E, F, D, False, True) == choose_config((first - 1) * K, E)
+    assert grouped.grouped_tile(first * K, E, F, D, True, True) == WGMMA["w128"]  # 8-bit too
+    assert grouped.grouped_tile(first * K, E, F + 8, D, False, True) == choose_config(first * K, E)  # F % 64
+    layout = grouped.grouped_mma_layout(T, K, E, D, F)
+    need_rows = max(max_rows(t * K, E, bm) for t in range(1, T + 1) for bm in (64, 128))
+    need_tiles = max(max_tiles(t * K, E, choose_config(t * K, E).block_m) for t in range(1, T + 1))
+    assert layout["mma_sorted_ids"][0][0] >= need_rows and layout["mma_tile_expert"][0][0] >= need_tiles
+
+
 def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     """A bf16 many-expert model gets the grouped-MMA buffers (sized for the largest tile need of any step) and
     none of the per-assignment / all-experts buffers; with the switch off, the reverse. The fused router's

@@ -26,6 +26,7 @@ LAUNCHERS = (launch_q8wgmma_gate_up, launch_q8wgmma_down)
         (200, 8, 40, 128, 256),  # many experts, few rows each
         (45, 3, 5, 320, 192),  # partial scale blocks on both matrices' inputs, F not a multiple of 128
         (700, 2, 8, 256, 1024),  # several M tiles an expert
+        (40, 2, 4, 64, 320),  # one K step in down (fewer steps than primed stages), D not a multiple of 256
     ],
 )
 def test_gpu_configs(name, n_tok, top_k, n_exp, F, D):
