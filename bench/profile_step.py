@@ -17,6 +17,8 @@ decoder in the same run:
 - moe_ffn_waves: fused, bf16 expert-cache waves on moe_ffn's CUDA-core kernels (cached_mma off);
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
+- mma_sync_experts: fused, grouped-MMA steps on the mma.sync kernels at every size (wgmma_experts off: on sm_90
+           steps of 96+ rows per expert otherwise take the warpgroup-MMA kernels).
 
 fused / unfused / unfused_qk_norm / baseline / tiled_attention / untiled_attention share one
 engine and the same sequences (CudaDecoder.set_options between variants drops the captured graphs, so each
@@ -91,6 +93,7 @@ VARIANTS = {
     "in_turn_waves": {"pipelined_waves": False},
     "moe_ffn_waves": {"cached_mma": False},
     "in_order_dequant": {"overlap_dequant": False},
+    "mma_sync_experts": {"wgmma_experts": False},
 }
 PROFILED_STEPS = {"prefill": 3, "prefill_after": 3, "decode": 10}
 STEP_TOKENS = 2048  # the engine's max_batch_tokens below
