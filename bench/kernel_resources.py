@@ -70,7 +70,10 @@ def link_report(ptx: str, arch: str = "sm_90") -> tuple[dict, bytes]:
         "shared_bytes": re.findall(r"(\d+) bytes smem", text),
         "local_bytes": re.findall(r"(\d+) bytes lmem", text),
     }
-    return {k: int(v[-1]) for k, v in found.items() if v}, bytes(cubin)
+    report = {k: int(v[-1]) for k, v in found.items() if v}
+    # ptxas serialises every wgmma of a kernel that calls a subroutine (warning C7509): a silent 2-3x
+    report["wgmma_serialized"] = int("C7509" in text)
+    return report, bytes(cubin)
 
 
 def sass_mix(cubin: bytes, nvdisasm: str) -> dict:
