@@ -228,14 +228,15 @@ def tensor_map(ptr: int, rows: int, k: int, box_rows: int):
     [box_rows, 64] with the 128-byte swizzle."""
     from cuda.bindings import driver as d
 
+    u64, u32 = d.cuuint64_t, d.cuuint32_t  # the bindings refuse plain ints in these lists
     err, tmap = d.cuTensorMapEncodeTiled(
         d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         2,
         ptr,
-        [k, rows],
-        [k * 2],
-        [BK, box_rows],
-        [1, 1],
+        [u64(k), u64(rows)],
+        [u64(k * 2)],
+        [u32(BK), u32(box_rows)],
+        [u32(1), u32(1)],
         d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
