@@ -11,7 +11,8 @@ group, and release the previous step's stage by arriving on its `empty` mbarrier
 the producer waits on before it refills the stage. No block-wide barrier in the main loop. Tensor maps
 (cuTensorMapEncodeTiled) live in device memory; the kernel gets their generic address.
 
-Variants: bn 128 / 256 (per consumer warpgroup n = bn), stages 4 / 5.
+Variants: bn 128 / 256 (per consumer warpgroup n = bn), stages 3 / 4 / 5. A first run prints each variant before it
+launches (a hang shows where) and writes the JSON after every shape.
 
     python bench/wgmma_tma.py --out out/wgmma_tma.json
     python bench/wgmma_tma.py --sass     # no GPU: each variant's sm_90a resources and HGMMA / TMA / mbarrier counts
@@ -118,6 +119,26 @@ def mbar_try_wait(typingctx, bars, index, parity):
 
 
 @intrinsic
+def fence_tensormap(typingctx, tmap):
+    """fence.proxy.tensormap::generic.acquire.sys on a tensor map the host wrote into device memory: the copy
+    engine caches descriptors by address (SASS UTMACCTL.IV), and a freed map's address can come back with other
+    contents."""
+    sig = types.void(tmap)
+
+    def codegen(context, builder, sig, args):
+        tm = context.make_array(sig.args[0])(context, builder, value=args[0])
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64])
+        asm = ir.InlineAsm(
+            fnty, "fence.proxy.tensormap::generic.acquire.sys [$0], 128;", "l,~{memory}", side_effect=True
+        )
+        builder.call(asm, [builder.ptrtoint(tm.data, i64)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def tma_load_2d(typingctx, smem, index, tmap, c0, c1, bars, bar_index):
     """cp.async.bulk.tensor.2d of the box at (c0 innermost, c1) of tensor map `tmap` (a uint64 [16] device array
     holding a CUtensorMap) into smem[index...] (1,024-byte aligned), completing on bars[bar_index]."""
@@ -167,8 +188,10 @@ def gemm_kernel(bn: int, stages: int):
                 mbar_init(bars, full0 + stages + s, 2)
             fence_mbarrier_init()
         cuda.syncthreads()
-        if wg == 0:
+        if wg == 0:  # the producer: one thread issues every copy, the warpgroup's other threads have nothing to do
             if tid == 0:
+                fence_tensormap(ta)
+                fence_tensormap(tb)
                 for kt in range(nk):
                     s = kt % stages
                     if kt >= stages:  # wait until both consumers released the stage's previous use
@@ -249,6 +272,9 @@ def tensor_map(ptr: int, rows: int, k: int, box_rows: int):
 
 def launch(variant, ta, tb, c, k, stream):
     bn, stages = variant
+    m, n = c.shape
+    if m % BM or n % bn or k % BK:
+        raise ValueError(f"wgmma_tma needs M % {BM}, N % {bn} and K % {BK} zero, got {m} x {n} x {k}")
     kernel = compiled(bn, stages)
     smem_bytes = gemm_kernel(bn, stages)[1]
     args = (ta, tb, c, np.int32(k))
@@ -264,7 +290,6 @@ def launch(variant, ta, tb, c, k, stream):
             cufunc.device.id,
         )
         kernel._raised = True
-    m, n = c.shape
     kernel[(n // bn, m // BM), THREADS, stream, smem_bytes](*args)
 
 
@@ -280,6 +305,7 @@ def run_shape(m: int, n: int, k: int, rng) -> dict:
     out = {"m": m, "n": n, "k": k, "cublas_tflops": flop / time_call(lambda: a16 @ b16.T) / 1e9}
     line = f"M={m:5d} N={n:5d} K={k:5d}: cuBLAS {out['cublas_tflops']:6.1f} TFLOP/s"
     for name, (bn, stages) in VARIANTS.items():
+        print(f"  {m} x {n} x {k} {name} ...", flush=True)
         try:
             ta = tensor_map(a16.data_ptr(), m, k, BM)
             tb = tensor_map(b16.data_ptr(), n, k, bn)
@@ -289,15 +315,15 @@ def run_shape(m: int, n: int, k: int, rng) -> dict:
             torch.cuda.synchronize()
             got = c[rows].double().cpu().numpy()
             err = float(np.abs(got - ref).max() / np.abs(ref).max())
-        except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported, the others still run
+            out[f"{name}_max_rel"] = err
+            if not np.isfinite(got).all() or err > 1e-4:
+                line += f"  {name} WRONG ({err:.1e})"
+                continue
+            out[f"{name}_tflops"] = flop / time_call(lambda: launch((bn, stages), ta, tb, c_dev, k, stream)) / 1e9
+        except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported (a fault ends the run's GPU use)
             out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             line += f"  {name} ERROR {out[f'{name}_error']}"
             continue
-        out[f"{name}_max_rel"] = err
-        if not np.isfinite(got).all() or err > 1e-4:
-            line += f"  {name} WRONG ({err:.1e})"
-            continue
-        out[f"{name}_tflops"] = flop / time_call(lambda: launch((bn, stages), ta, tb, c_dev, k, stream)) / 1e9
         line += f"  {name} {out[f'{name}_tflops']:6.1f} ({out[f'{name}_tflops'] / out['cublas_tflops']:.2f}x)"
     print(line, flush=True)
     return out
@@ -339,8 +365,10 @@ def main(argv=None) -> int:
         print(json.dumps(sass_counts()))
         return 0
     rng = np.random.default_rng(0)
-    cases = [run_shape(m, n, k, rng) for m, n, k in SHAPES]
-    Path(args.out).write_text(json.dumps({"device": str(cuda.get_current_device().name), "cases": cases}, indent=1))
+    result: dict = {"device": str(cuda.get_current_device().name), "cases": []}
+    for m, n, k in SHAPES:  # the JSON after every shape: a later fault or hang keeps what was measured
+        result["cases"].append(run_shape(m, n, k, rng))
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 
