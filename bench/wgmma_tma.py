@@ -6,7 +6,7 @@ torch.matmul in the same run; C is checked against a float64 reference on sample
 Kernel: 3 warpgroups (384 threads, one block an SM). Warpgroup 0 is the producer: one thread issues, per K step
 of 64, two `cp.async.bulk.tensor.2d` copies (A [128, 64] and B [BN, 64] tiles, 128-byte swizzle: the layout the
 wgmma descriptors read) into stage s, completing on the stage's `full` mbarrier (expect_tx of the step's bytes).
-Warpgroups 1 and 2 (64 rows each) wait on `full[s]`, issue 4 wgmma m64 n<BN> k16, commit, wait for all but this
+Warpgroups 1 and 2 (64 rows each) wait on `full[s]`, run four wgmma m64 n<BN> k16, commit, wait for all but this
 group, and release the previous step's stage by arriving on its `empty` mbarrier (one thread a warpgroup), which
 the producer waits on before it refills the stage. No block-wide barrier in the main loop. Tensor maps
 (cuTensorMapEncodeTiled) live in device memory; the kernel gets their generic address.
@@ -53,51 +53,38 @@ fence_mbarrier_init = _statement(
 )
 
 
-@intrinsic
-def mbar_init(typingctx, bars, index, count):
-    sig = types.void(bars, index, types.uint32)
+def _mbar_statement(asm: str, with_value: bool):
+    """Intrinsic `(bars, index)`, or `(bars, index, value)` with a uint32 operand $1: one mbarrier statement on
+    bars[index] (a 1-d uint64 shared array) at its 32-bit shared address $0."""
 
     def codegen(context, builder, sig, args):
         i32 = ir.IntType(32)
-        addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        fnty = ir.FunctionType(ir.VoidType(), [i32, i32])
-        asm = ir.InlineAsm(fnty, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", side_effect=True)
-        builder.call(asm, [addr, context.cast(builder, args[2], sig.args[2], types.uint32)])
+        operands = [_shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])]
+        if with_value:
+            operands.append(context.cast(builder, args[2], sig.args[2], types.uint32))
+        fnty = ir.FunctionType(ir.VoidType(), [i32] * len(operands))
+        constraints = ",".join(["r"] * len(operands)) + ",~{memory}"
+        builder.call(ir.InlineAsm(fnty, asm, constraints, side_effect=True), operands)
         return context.get_dummy_value()
 
-    return sig, codegen
+    if with_value:
+
+        @intrinsic
+        def with_operand(typingctx, bars, index, value):
+            return types.void(bars, index, types.uint32), codegen
+
+        return with_operand
+
+    @intrinsic
+    def plain(typingctx, bars, index):
+        return types.void(bars, index), codegen
+
+    return plain
 
 
-@intrinsic
-def mbar_arrive(typingctx, bars, index):
-    sig = types.void(bars, index)
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        fnty = ir.FunctionType(ir.VoidType(), [i32])
-        asm = ir.InlineAsm(fnty, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}", side_effect=True)
-        builder.call(asm, [addr])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def mbar_arrive_expect_tx(typingctx, bars, index, nbytes):
-    sig = types.void(bars, index, types.uint32)
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        addr = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        fnty = ir.FunctionType(ir.VoidType(), [i32, i32])
-        asm = ir.InlineAsm(
-            fnty, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}", side_effect=True
-        )
-        builder.call(asm, [addr, context.cast(builder, args[2], sig.args[2], types.uint32)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+mbar_init = _mbar_statement("mbarrier.init.shared::cta.b64 [$0], $1;", with_value=True)  # $1: arrival count
+mbar_arrive = _mbar_statement("mbarrier.arrive.shared::cta.b64 _, [$0];", with_value=False)
+mbar_arrive_expect_tx = _mbar_statement("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", with_value=True)
 
 
 @intrinsic
