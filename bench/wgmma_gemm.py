@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from expert_service.kernels.moe_gemm_mma import launch_with_shared  # noqa: E402
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn  # noqa: E402
 from expert_service.kernels.wgmma import (  # noqa: E402
     fence_proxy_async,
@@ -137,19 +138,7 @@ def launch(variant, a, b, c, stream):
     m, n = c.shape
     k = a.size * 2 // m
     args = (a, b, c, np.int32(n), np.int32(k))
-    if not getattr(kernel, "_raised", False):
-        from cuda.bindings.driver import CUfunction_attribute
-        from numba.cuda.cudadrv.driver import driver as cu_driver
-
-        cufunc = kernel.compile(tuple(kernel.typeof_pyval(x) for x in args))._codelibrary.get_cufunc()
-        cu_driver.cuKernelSetAttribute(
-            CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes,
-            cufunc.handle,
-            cufunc.device.id,
-        )
-        kernel._raised = True
-    kernel[(n // variant[0], m // BM), THREADS, stream, smem_bytes](*args)
+    launch_with_shared(kernel, (n // variant[0], m // BM), THREADS, stream, args, smem_bytes)
 
 
 VARIANTS = {

@@ -33,6 +33,7 @@ from numba.cuda.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.wgmma_gemm import time_call  # noqa: E402
+from expert_service.kernels.moe_gemm_mma import launch_with_shared  # noqa: E402
 from expert_service.kernels.ptx import _shared_address, _statement  # noqa: E402
 from expert_service.kernels.wgmma import (  # noqa: E402
     smem_desc_sw128,
@@ -264,20 +265,7 @@ def launch(variant, ta, tb, c, k, stream):
         raise ValueError(f"wgmma_tma needs M % {BM}, N % {bn} and K % {BK} zero, got {m} x {n} x {k}")
     kernel = compiled(bn, stages)
     smem_bytes = gemm_kernel(bn, stages)[1]
-    args = (ta, tb, c, np.int32(k))
-    if not getattr(kernel, "_raised", False):
-        from cuda.bindings.driver import CUfunction_attribute
-        from numba.cuda.cudadrv.driver import driver as cu_driver
-
-        cufunc = kernel.compile(signature())._codelibrary.get_cufunc()
-        cu_driver.cuKernelSetAttribute(
-            CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes,
-            cufunc.handle,
-            cufunc.device.id,
-        )
-        kernel._raised = True
-    kernel[(n // bn, m // BM), THREADS, stream, smem_bytes](*args)
+    launch_with_shared(kernel, (n // bn, m // BM), THREADS, stream, (ta, tb, c, np.int32(k)), smem_bytes)
 
 
 def run_shape(m: int, n: int, k: int, rng) -> dict:

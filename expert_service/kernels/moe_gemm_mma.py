@@ -429,10 +429,14 @@ class LaunchShape(Protocol):
 
 
 def _launch(kernel, grid: int | tuple[int, int], cfg: LaunchShape, stream, args, shared_bytes: int | None = None) -> None:
-    """kernel[grid, cfg.threads, stream, shared_bytes (default cfg.shared_bytes)](*args); a kernel that needs more
-    than 48 KB of dynamic shared memory must first be allowed it (cuKernelSetAttribute on the compiled function:
-    Numba has no API)."""
+    """kernel[grid, cfg.threads, stream, shared_bytes (default cfg.shared_bytes)](*args) (launch_with_shared)."""
     nbytes = cfg.shared_bytes if shared_bytes is None else shared_bytes
+    launch_with_shared(kernel, grid, cfg.threads, stream, args, nbytes)
+
+
+def launch_with_shared(kernel, grid, threads: int, stream, args, nbytes: int) -> None:
+    """kernel[grid, threads, stream, nbytes](*args); a kernel that needs more than 48 KB of dynamic shared memory
+    must first be allowed it (cuKernelSetAttribute on the compiled function: Numba has no API)."""
     # Once per kernel and device: each kernel has one overload (the launchers pass C-contiguous 1-d arrays of
     # fixed dtypes), so typing the arguments on every launch would only cost host time.
     key = (id(kernel), cuda.get_current_device().id) if nbytes > _STATIC_SHARED_MAX and not SIMULATOR else None
@@ -443,7 +447,7 @@ def _launch(kernel, grid: int | tuple[int, int], cfg: LaunchShape, stream, args,
         cu_driver.cuKernelSetAttribute(CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        nbytes, cufunc.handle, cufunc.device.id)
         _raised_shared.add(key)
-    kernel[grid, cfg.threads, stream, nbytes](*args)
+    kernel[grid, threads, stream, nbytes](*args)
 
 
 def _check_weights(W, F, D):
