@@ -42,17 +42,12 @@ from expert_service.kernels.moe_gemm_wgmma import (
     WARPGROUP,
     Config,
     silu_approx,
+    step_mma_fn,
+    weight_row_fn,
 )
 from expert_service.kernels.numeric import WARP
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared_v4, st_shared_v4
-from expert_service.kernels.wgmma import (
-    fence_proxy_async,
-    smem_desc_sw128,
-    wgmma_bf16_fn,
-    wgmma_commit,
-    wgmma_fence,
-    wgmma_wait_fn,
-)
+from expert_service.kernels.wgmma import fence_proxy_async, wgmma_wait_fn
 
 RAW_ROW = BK            # bytes of an 8-bit row a step
 __all__ = ["CONFIGS", "Config", "applies", "launch_q8wgmma_down", "launch_q8wgmma_gate_up", "shared_bytes"]
@@ -96,7 +91,7 @@ def _build(cfg: Config, mode: int):
     A_ITERS, B_ITERS = BM * 8 // THREADS, BN * 4 // THREADS     # 16-byte chunks a thread copies / widens a step
     PRIMED = S - 2
     GATE_OFF, SCALE_OFF = (2, 5) if gated else (4, 7)           # meta columns of the first matrix, of its scale
-    mma = wgmma_bf16_fn(NW)
+    weight_row, step_mma = weight_row_fn(NW, gated), step_mma_fn(NW)
     wait_copies = cp_async_wait_fn(PRIMED - 1)
     wait_older, wait_all = wgmma_wait_fn(1), wgmma_wait_fn(0)
     epilogue = _epilogue(mode, True, 1, NT, silu_approx)
@@ -177,14 +172,7 @@ def _build(cfg: Config, mode: int):
         s_row = cuda.local.array(B_ITERS, np.int64)
         for it in range(B_ITERS):
             q = tid + it * THREADS
-            r = q // 4
-            if gated:
-                within = r % NW
-                col = n0 + (r // NW) * (NW // 2) + within % (NW // 2)
-                mat = 1 if within >= NW // 2 else 0
-            else:
-                col = n0 + r
-                mat = 0
+            col, mat = weight_row(q // 4, n0)
             b_ok[it] = 1 if col < n_out else 0
             b_start[it] = 0
             s_row[it] = -1
@@ -212,11 +200,7 @@ def _build(cfg: Config, mode: int):
             cp_async_commit()
             a_base = stage * A_WORDS + a_row
             b_base = B_TILES + (step % 2) * B_WORDS + b_row
-            wgmma_fence()
-            for kk in range(BK // 16):
-                mma(acc, 0, smem_desc_sw128(smem, a_base + kk * 8, 16, ATOM_BYTES),
-                    smem_desc_sw128(smem, b_base + kk * 8, 16, ATOM_BYTES), 1)
-            wgmma_commit()
+            step_mma(acc, smem, a_base, b_base)
             wait_older()
         wait_all()
 

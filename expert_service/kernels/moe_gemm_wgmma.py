@@ -106,6 +106,40 @@ def applies(F: int, D: int, stride: int) -> bool:
 
 
 @functools.cache
+def weight_row_fn(nw: int, gated: bool):
+    """Device function `row(r, n0) -> (column, matrix)`: the weight row that row r of a block's B tile holds, for
+    warpgroups of nw rows. gated: warpgroup r // nw's rows are nw / 2 gate rows (matrix 0), then the same F columns'
+    up rows (matrix 1), so each thread's accumulators pair gate with up; else column n0 + r of matrix 0."""
+
+    @cuda.jit(device=True, inline=True)
+    def row(r, n0):
+        if gated:
+            within = r % nw
+            return n0 + (r // nw) * (nw // 2) + within % (nw // 2), 1 if within >= nw // 2 else 0
+        return n0 + r, 0
+
+    return row
+
+
+@functools.cache
+def step_mma_fn(nw: int):
+    """Device function `step(acc, smem, a_base, b_base)`: wgmma.fence, then the four m64 n<nw> k16 wgmma's of a
+    64-feature step on the swizzled A and B tiles starting at uint32 words a_base and b_base of smem, committed as
+    one group (the caller waits for it)."""
+    mma = wgmma_bf16_fn(nw)
+
+    @cuda.jit(device=True, inline=True)
+    def step(acc, smem, a_base, b_base):
+        wgmma_fence()
+        for kk in range(BK // 16):
+            mma(acc, 0, smem_desc_sw128(smem, a_base + kk * 8, 16, ATOM_BYTES),
+                smem_desc_sw128(smem, b_base + kk * 8, 16, ATOM_BYTES), 1)
+        wgmma_commit()
+
+    return step
+
+
+@functools.cache
 def _build(cfg: Config, mode: int):
     """Kernel for one block shape and epilogue mode (SwiGLU -> bf16 h; store fp32 rows in assignment order).
     Returns (python function, jitted kernel). No division by a run-time value anywhere (a grid in two dimensions,
@@ -121,7 +155,7 @@ def _build(cfg: Config, mode: int):
     STAGE_WORDS = A_WORDS + B_WORDS
     A_ITERS, B_ITERS = BM * 8 // THREADS, BN * 8 // THREADS     # 16-byte chunks a thread copies per stage
     PRIMED = S - 2
-    mma = wgmma_bf16_fn(NW)
+    weight_row, step_mma = weight_row_fn(NW, gated), step_mma_fn(NW)
     wait_copies = cp_async_wait_fn(PRIMED - 1)
     wait_older = wgmma_wait_fn(1)
     wait_all = wgmma_wait_fn(0)
@@ -181,14 +215,8 @@ def _build(cfg: Config, mode: int):
             a_start[it] = ((row0 + q // 8) * k_dim + (q % 8) * 8) // 2
         for it in range(B_ITERS):
             q = tid + it * THREADS
-            r = q // 8
-            if gated:   # warpgroup wn's rows: NW / 2 gate rows, then the same F columns' up rows
-                within = r % NW
-                col = n0 + (r // NW) * (NW // 2) + within % (NW // 2)
-                off = up_off if within >= NW // 2 else w_off
-            else:
-                col = n0 + r
-                off = w_off
+            col, mat = weight_row(q // 8, n0)
+            off = up_off if mat else w_off
             b_start[it] = (wbase + off + np.int64(col) * k_dim + (q % 8) * 8) // 2
             b_valid[it] = 1 if col < n_out else 0
 
@@ -208,11 +236,7 @@ def _build(cfg: Config, mode: int):
                 fill(smem, nxt % S, a, w, a_start, b_start, b_valid, k_words, nxt)
             cp_async_commit()
             base = (step % S) * STAGE_WORDS
-            wgmma_fence()
-            for kk in range(BK // 16):
-                mma(acc, 0, smem_desc_sw128(smem, base + a_row + kk * 8, 16, ATOM_BYTES),
-                    smem_desc_sw128(smem, base + b_row + kk * 8, 16, ATOM_BYTES), 1)
-            wgmma_commit()
+            step_mma(acc, smem, base + a_row, base + b_row)
             wait_older()
         wait_all()
 
