@@ -188,10 +188,11 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
     return seconds, float(np.median(moved))
 
 
-def bench_colibri(model_dir: Path, vocab: int) -> dict:
+def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None = None) -> dict:
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+    from expert_service.engine.cuda_options import CudaOptions
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
     from expert_service.serving.lifecycle import ModelThread
@@ -210,6 +211,7 @@ def bench_colibri(model_dir: Path, vocab: int) -> dict:
             kv_cache_tokens=kv_tokens,
             max_batch_tokens=2048,
             max_batch_size=max(DECODE_BATCHES),
+            cuda_options=CudaOptions(**(cuda_options or {})),
         ),
     )
     out = {
@@ -332,11 +334,25 @@ def expert_dtype_ratios(runs: dict) -> dict:
 
 def strategies(engine, sizes) -> dict[str, str]:
     """The MoE strategy a step of each size takes on this engine, under its current options."""
-    from expert_service.cuda.moe import choose_strategy
+    from expert_service.cuda.moe_strategy import choose_strategy
 
     moe, cfg = engine.decoder.model.moe, engine.decoder.config
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     return {str(T): choose_strategy(T, K, E, False, moe.bf16, moe.quantized, moe.q8_mma).value for T in sizes}
+
+
+def cuda_options_arg(parser, text: str) -> dict:
+    """--cuda-options parsed and checked against CudaOptions (one line naming what is wrong, not a traceback)."""
+    from expert_service.engine.cuda_options import CudaOptions
+
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("must be a JSON object")
+        CudaOptions(**fields)
+    except (ValueError, TypeError) as error:
+        parser.error(f"--cuda-options {text}: {error}")
+    return fields
 
 
 def main() -> int:
@@ -346,7 +362,11 @@ def main() -> int:
     parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--expert-dtype", default="bfloat16", help="comma-separated: bfloat16, int8, fp8")
+    parser.add_argument(
+        "--cuda-options", default="{}", help='CudaOptions fields as a JSON object, e.g. {"wgmma_experts": false}'
+    )
     args = parser.parse_args()
+    cuda_options = cuda_options_arg(parser, args.cuda_options)
     expert_dtypes = args.expert_dtype.split(",")
     if not set(expert_dtypes) <= {"bfloat16", "int8", "fp8"}:
         parser.error(f"--expert-dtype {args.expert_dtype}: each must be bfloat16, int8 or fp8")
@@ -356,6 +376,7 @@ def main() -> int:
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "device": torch.cuda.get_device_name(),
         "expert_dtypes": expert_dtypes,
+        "cuda_options": cuda_options,
         "shapes": {},
     }
     out_dir = Path(args.out)
@@ -383,7 +404,7 @@ def main() -> int:
         runs = {}
         for dtype in expert_dtypes:  # one model on disk at a time
             model_dir = model_of(dtype)
-            runs[dtype] = bench_colibri(model_dir, params["vocab_size"])
+            runs[dtype] = bench_colibri(model_dir, params["vocab_size"], cuda_options)
             shutil.rmtree(model_dir, ignore_errors=True)
             results["shapes"][name] = {**entry, "colibri_by_expert_dtype": runs}  # what is done, if cut short
             (out_dir / "engine.json").write_text(json.dumps(results, indent=1))

@@ -72,6 +72,7 @@ SCENARIOS = {
     "decode_64": ("decode", 64, 128),
     "decode_16_at_2048": ("decode", 16, 2048),  # decode over long contexts, where attention weighs
 }
+STEP_TOKENS = 2048  # the engine's max_batch_tokens below
 # CudaOptions field -> value of each variant (unlisted fields keep their shipped values). Results recorded before
 # the options existed name them by the module switches they replaced (decoder.USE_FUSED_ROPE_KV: fused_rope_kv).
 VARIANTS = {
@@ -94,9 +95,14 @@ VARIANTS = {
     "moe_ffn_waves": {"cached_mma": False},
     "in_order_dequant": {"overlap_dequant": False},
     "mma_sync_experts": {"wgmma_experts": False},
+    # mixtral-like layers: steps from 96 rows an expert up to 1,024 / 2,048 tokens on the wgmma grouped kernel
+    "few_expert_mma_1024": {"grouped_mma_max_tokens_few_experts": 1024},
+    "few_expert_mma": {"grouped_mma_max_tokens_few_experts": STEP_TOKENS},
 }
+# the engine's own options when a variant opens the few-expert window: a window below the largest step reaches both
+# GROUPED_MMA and per-expert cuBLAS, so the workspace holds both and set_options may switch between every variant
+FEW_EXPERT_LAYOUT = {"grouped_mma_max_tokens_few_experts": 512}
 PROFILED_STEPS = {"prefill": 3, "prefill_after": 3, "decode": 10}
-STEP_TOKENS = 2048  # the engine's max_batch_tokens below
 CONTEXT_BEFORE = 2048  # prefill_after: tokens each sequence holds before the profiled chunks
 POOL_ELEMENTS = 1 << 26  # random bf16 values the weights are cut from (128 MB: a mixtral expert matrix is a view)
 
@@ -318,6 +324,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
+    from expert_service.engine.cuda_options import CudaOptions
 
     family, params = SHAPES[name]
     started = time.perf_counter()
@@ -332,6 +339,8 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
             group = [v for v in variants if (v == "lut") == lut]
             if not group:
                 continue
+            few = any(VARIANTS[v].get("grouped_mma_max_tokens_few_experts") for v in group)
+            layout = FEW_EXPERT_LAYOUT if few else {}
             engine = build_engine(
                 ModelDir.open(model_dir, verify=False),
                 EngineConfig(
@@ -343,6 +352,7 @@ def run_shape(name: str, workdir: Path, variants: list[str], scenarios: list[str
                     routing="lut" if lut else "exact",
                     expert_cache_slots=args.cache_slots,
                     prefetch=args.prefetch if args.cache_slots else "none",
+                    cuda_options=CudaOptions(**layout),
                 ),
             )
             planned = bool(args.cache_slots) and "plan" in args.prefetch

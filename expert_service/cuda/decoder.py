@@ -34,18 +34,19 @@ from expert_service.cuda.device_logits import DeviceLogits
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.model import CudaModel
-from expert_service.cuda.moe import (
+from expert_service.cuda.moe_cached import CachedExperts, dense_scratch_needed
+from expert_service.cuda.moe_strategy import (
     CAPTURABLE,
     ON_DEVICE,
     MoeStrategy,
     cached_gemv_slots,
     cached_grouped_tokens,
     choose_strategy,
+    few_expert_mma_tokens,
     q8_mma_tokens,
     reachable_strategies,
     warmup_tokens,
 )
-from expert_service.cuda.moe_cached import CachedExperts, dense_scratch_needed
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.staging import prefill_buckets, stage_step
 from expert_service.cuda.token_masks import DeviceMasks
@@ -122,6 +123,7 @@ class CudaDecoder:
             q8_mma=self._q8_mma(config.cuda_options),
             cached_mma=config.cuda_options.cached_mma,
             cached_grouped=cached_grouped,
+            few_expert_mma=self._few_expert_mma(config.cuda_options),
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
@@ -178,7 +180,7 @@ class CudaDecoder:
         self.stream.synchronize()
 
     def warmup(self) -> None:
-        """Compiles and loads every kernel now -- prefills of moe.warmup_tokens (1, 2, 64, 65 and the first size
+        """Compiles and loads every kernel now -- prefills of moe_strategy.warmup_tokens (1, 2, 64, 65 and the first size
         of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped kernels, all
         experts, per-expert GEMMs, grouped MMA) -- and captures the graph of every capturable prefill token bucket
         and every decode batch-size bucket, so serving never compiles and allocates nothing on the device (module
@@ -204,6 +206,7 @@ class CudaDecoder:
             cached_grouped=self._cached_grouped(self.options) if self.cached is not None else 0,
             cached_mma=self.cached is not None and self.cached.mma_possible and self.options.cached_mma,
             dims=(cfg.moe_intermediate_size, cfg.hidden_size),
+            few_expert_mma=self._few_expert_mma(self.options),
         )
         # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
         buckets = (
@@ -299,7 +302,7 @@ class CudaDecoder:
         return self._strategy(T) not in ON_DEVICE if self.config.moe_layers else False
 
     def _strategy(self, T: int) -> MoeStrategy:
-        """The MoE strategy a step of T tokens takes on this model (cuda/moe.py choose_strategy)."""
+        """The MoE strategy a step of T tokens takes on this model (cuda/moe_strategy.py choose_strategy)."""
         cfg = self.config
         return choose_strategy(
             T,
@@ -311,6 +314,7 @@ class CudaDecoder:
             self._q8_mma(self.options),
             cached_gemv_slots(self.cached, self.options),
             self._cached_grouped(self.options),
+            self._few_expert_mma(self.options),
         )
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
@@ -423,6 +427,9 @@ class CudaDecoder:
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
 
+    def _few_expert_mma(self, options: CudaOptions) -> int:
+        return few_expert_mma_tokens(self.config, self.weights.dtype == np.uint16, options)
+
     def _cached_grouped(self, options: CudaOptions) -> int:
         return cached_grouped_tokens(
             self.config, self.weights.dtype, self.weights.quantized, options, self.weights.all_8bit
@@ -440,6 +447,7 @@ class CudaDecoder:
             self.weights.quantized,
             self._q8_mma(options),
             self._cached_grouped(options) if cached else GROUPED_MAX_TOKENS,
+            self._few_expert_mma(options),
         )
 
     def _prefill_bucket(self, T: int) -> int | None:

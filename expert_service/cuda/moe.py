@@ -1,27 +1,32 @@
 """The MoE block on the cuda backend: router -> top-k -> the routed experts -> the shared expert (`DeviceMoe`).
 
-How a layer runs its routed experts (`MoeStrategy`) depends on the step's T tokens, the K of E experts each
-token is routed to, the weights' dtype and whether every expert is resident on the device; `choose_strategy`
-decides, in one place, from the thresholds defined beside it. `capturable` and `ON_DEVICE` say which
-strategies a CUDA graph captures (whole, or in pieces around a host break); `warmup_tokens` lists the step
-sizes whose warm-up loads every kernel. The fused router and the combine that also writes the next layer's
-input norm are CudaOptions (engine/cuda_options.py). What each strategy launches, and the H200 measurements behind
-the thresholds, are in docs/kernels.md, section "MoE strategy choice".
+How a layer runs its routed experts (`MoeStrategy`) is decided by cuda/moe_strategy.py's `choose_strategy`;
+`DeviceMoe.forward` runs the strategy it picks. The fused router and the combine that also writes the next
+layer's input norm are CudaOptions (engine/cuda_options.py). What each strategy launches, and the H200
+measurements behind the thresholds, are in docs/kernels.md, section "MoE strategy choice".
 """
 
 from __future__ import annotations
 
 import functools
-from enum import Enum
 
 import numpy as np
 
 from common.model_config import ModelConfig
 from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
-from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import cached_mma_possible, grouped_tile, q8_mma_applies, run_grouped_mma
+from expert_service.cuda.moe_grouped_mma import run_grouped_mma
+from expert_service.cuda.moe_strategy import (
+    MoeStrategy,
+    cached_gemv_slots,
+    cached_grouped_tokens,
+    choose_strategy,
+    few_expert_mma_tokens,
+    fused_router,
+    q8_mma_tokens,
+)
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
@@ -32,25 +37,12 @@ from expert_service.kernels.gate_planned import launch_gate_planned
 from expert_service.kernels.gate_topk import launch_gate_topk
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
-from expert_service.kernels.moe_align import MAX_ASSIGNMENTS as ALIGN_MAX_ASSIGNMENTS
-from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
-from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS, launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.moe_gemm_mma import choose_config
-from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
-ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
-# Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
-# GROUPED or ALL_EXPERTS, by T*K against E; 65: CUBLAS_PER_EXPERT), so every kernel is loaded before serving.
-WARMUP_TOKENS = (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, ALL_EXPERTS_MAX_TOKENS, GROUPED_MAX_TOKENS + 1)
-# GROUPED_MMA for bf16 resident layers with at least this many experts (mixtral-like E = 8 stays on cuBLAS,
-# where the tensor-core kernel measured 2-3.5x slower); 1 << 30 switches the strategy off.
-GROUPED_MMA_MIN_EXPERTS = 32
-GROUPED_MMA_SPARSE_STEPS = True  # layers of fewer experts take it for steps of T*K < E (choose_strategy)
-GROUPED_MMA_MIN_TOKENS = 2  # one token keeps the GEMV strategy (T*K < E here)
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
 # token made a qwen3 decode combine ~20 µs. The all-experts combine (moe_combine_dense, one block a token either
@@ -65,139 +57,6 @@ CUBLAS_ROW_SLACK = CUBLAS_ROW_QUANTUM_LARGE - 1
 # Per-expert cuBLAS on 8-bit layers dequantises active experts into dense scratch of this many bytes, in two halves
 # of a group each (at least one expert): one half is widened while the other's GEMMs run (cuda/dequant_pipeline.py).
 DEQUANT_SCRATCH_BYTES = 256 << 20
-# The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
-FUSED_ROUTER_MAX_TOKENS = 64
-
-
-class MoeStrategy(Enum):
-    GROUPED_MMA = "grouped_mma"
-    GEMV = "gemv"
-    ALL_EXPERTS = "all_experts"
-    GROUPED = "grouped"
-    CUBLAS_PER_EXPERT = "cublas_per_expert"
-    CACHED_GROUPED = "cached_grouped"
-    CACHED_GEMV = "cached_gemv"  # one token, its K experts in one wave: GEMV (moe_q8 by slot) on the slot buffer
-    CACHED_CUBLAS = "cached_cublas"
-    Q8 = "q8"  # 8-bit / mixed layers: moe_q8, by slot at one token, grouped above
-    Q8_MMA = "q8_mma"  # every expert 8-bit: grouped tensor-core GEMM on the 8-bit tiles (moe_gemm_q8mma)
-
-
-def q8_mma_tokens(config: ModelConfig, all_8bit: bool, bf16: bool, options: CudaOptions) -> tuple[int, int] | None:
-    """The step sizes (lo, hi) that run Q8_MMA on this model with these options, or None where the kernel does
-    not apply: an expert that is not int8 / fp8 (a bf16 / fp16 / fp32 expert in a mixed layer: moe_q8 reads
-    those), dense weights other than bf16 (the kernel's activations are bf16), D or F not a multiple of 16."""
-    if not q8_mma_applies(config, all_8bit, bf16):
-        return None
-    many = config.num_experts >= GROUPED_MMA_MIN_EXPERTS
-    return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
-
-
-def choose_strategy(
-    T: int,
-    K: int,
-    E: int,
-    cached: bool,
-    bf16: bool = False,
-    quantized: bool = False,
-    q8_mma: tuple[int, int] | None = None,
-    cache_slots: int = 0,
-    cached_grouped: int = GROUPED_MAX_TOKENS,
-) -> MoeStrategy:
-    """How a step of T tokens, each routed to K of E experts, runs its experts (docs/kernels.md, "MoE strategy
-    choice"); bf16: the weights are bfloat16; quantized: the experts are 8-bit or mixed (DeviceWeights.quantized);
-    q8_mma: the step sizes that take Q8_MMA on such a model (q8_mma_tokens), None: none; cache_slots: the
-    cache's slots per layer where its one-token GEMV may run (cached_gemv_slots), 0: never; cached_grouped: the
-    largest cached step that runs the grouped waves (cached_grouped_tokens), larger ones per-expert cuBLAS."""
-    n = T * K
-    if cached:
-        if T == 1 and n <= cache_slots:  # one token (CachedExperts._gemv's shapes), its experts always in wave 0
-            return MoeStrategy.CACHED_GEMV
-        return MoeStrategy.CACHED_CUBLAS if T > cached_grouped else MoeStrategy.CACHED_GROUPED
-    if quantized:
-        if q8_mma is not None and q8_mma[0] <= T <= q8_mma[1] and n <= ALIGN_MAX_ASSIGNMENTS:
-            return MoeStrategy.Q8_MMA
-        return MoeStrategy.CUBLAS_PER_EXPERT if T > GROUPED_MAX_TOKENS else MoeStrategy.Q8
-    # Few large experts (mixtral-like) take it only while a step routes to fewer assignments than experts (decode
-    # b=2 or 3 at K=2): it reads the routed experts alone, where ALL_EXPERTS reads all and GROUPED (moe_ffn) ran a
-    # mixtral b=2 decode step at 1.9x b=4's time on the H200.
-    if (
-        bf16
-        and T >= GROUPED_MMA_MIN_TOKENS
-        and (E >= GROUPED_MMA_MIN_EXPERTS or (GROUPED_MMA_SPARSE_STEPS and n < E))
-        and E <= ALIGN_MAX_E
-        and n <= ALIGN_MAX_ASSIGNMENTS
-    ):
-        return MoeStrategy.GROUPED_MMA
-    if T <= GEMV_MAX_TOKENS and n < E:
-        return MoeStrategy.GEMV
-    if n >= E and T <= ALL_EXPERTS_MAX_TOKENS:
-        return MoeStrategy.ALL_EXPERTS
-    if T <= GROUPED_MAX_TOKENS:
-        return MoeStrategy.GROUPED
-    return MoeStrategy.CUBLAS_PER_EXPERT
-
-
-# Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole
-# (the expert cache's grouped strategy too: its slot map, copies and waves are decided on the device).
-ON_DEVICE = frozenset(
-    {
-        MoeStrategy.GROUPED_MMA,
-        MoeStrategy.GEMV,
-        MoeStrategy.ALL_EXPERTS,
-        MoeStrategy.GROUPED,
-        MoeStrategy.Q8,
-        MoeStrategy.Q8_MMA,
-        MoeStrategy.CACHED_GROUPED,
-        MoeStrategy.CACHED_GEMV,
-    }
-)
-# ... and those a graph captures in pieces around a host break (driver.HostBreaks).
-CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT, MoeStrategy.CACHED_CUBLAS}
-
-
-def capturable(
-    T: int, K: int, E: int, cached: bool, bf16: bool, quantized: bool = False, q8_mma: tuple[int, int] | None = None
-) -> bool:
-    """Whether a step of T tokens can replay CUDA graphs: its MoE blocks on the device, or split at host breaks."""
-    return choose_strategy(T, K, E, cached, bf16, quantized, q8_mma) in CAPTURABLE
-
-
-def reachable_strategies(
-    max_tokens: int,
-    K: int,
-    E: int,
-    cached: bool,
-    bf16: bool,
-    quantized: bool = False,
-    q8_mma: tuple[int, int] | None = None,
-    cached_grouped: int = GROUPED_MAX_TOKENS,
-) -> set[MoeStrategy]:
-    """Every strategy a step of 1..max_tokens tokens can take (the workspace holds only their buffers). The
-    cache's one-token GEMV is left to CACHED_GROUPED here: it reads a subset of that layout's buffers, so the
-    layout holds for either setting of CudaOptions.cached_gemv (set_options may switch it)."""
-    return {
-        choose_strategy(T, K, E, cached, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
-        for T in range(1, max_tokens + 1)
-    }
-
-
-def cached_gemv_slots(cached: CachedExperts | None, options: CudaOptions) -> int:
-    """choose_strategy's cache_slots: the slots per layer with the cache's one-token GEMV on, else 0."""
-    return cached.slots.slots_per_layer if cached is not None and options.cached_gemv else 0
-
-
-def cached_grouped_tokens(
-    config: ModelConfig, weight_dtype, quantized: bool, options: CudaOptions, all_8bit: bool = False
-) -> int:
-    """choose_strategy's cached_grouped: every step moe_align can sort (its assignment limit) with
-    CudaOptions.cached_mma and cached_mma_large on layers whose waves run on a tensor-core kernel
-    (cached_mma_possible; all_8bit: DeviceWeights.all_8bit), else GROUPED_MAX_TOKENS (moe_ffn's or moe_q8's
-    grouped kernels; CACHED_CUBLAS above)."""
-    E, K = config.num_experts, config.num_experts_per_tok
-    q8 = q8_mma_applies(config, all_8bit, np.dtype(weight_dtype) == np.uint16)
-    if options.cached_mma and options.cached_mma_large and cached_mma_possible(weight_dtype, quantized, E, q8):
-        return ALIGN_MAX_ASSIGNMENTS // K
-    return GROUPED_MAX_TOKENS
 
 
 def dequant_group(E: int, F: int, D: int, itemsize: int) -> int:
@@ -210,48 +69,6 @@ def cublas_rows(rows: np.ndarray, room: np.ndarray) -> np.ndarray:
     CUBLAS_LARGE_ROWS of CUBLAS_ROW_QUANTUM_LARGE), at most `room` (the buffer rows from the expert's first)."""
     quantum = np.where(rows <= CUBLAS_LARGE_ROWS, CUBLAS_ROW_QUANTUM, CUBLAS_ROW_QUANTUM_LARGE)
     return np.minimum(-(-rows // quantum) * quantum, room)
-
-
-def fused_router(T: int, options: CudaOptions) -> bool:
-    """Whether a step of T tokens routes with gate_fused (else DeviceLinear + gate_topk)."""
-    return options.fused_router and T <= FUSED_ROUTER_MAX_TOKENS
-
-
-def warmup_tokens(
-    max_tokens: int,
-    K: int,
-    E: int,
-    bf16: bool,
-    options: CudaOptions,
-    quantized: bool = False,
-    q8_mma: tuple[int, int] | None = None,
-    cached_grouped: int = 0,
-    cached_mma: bool = False,
-    dims: tuple[int, int] | None = None,
-) -> tuple[int, ...]:
-    """Prefill sizes whose eager warm-up loads every kernel a resident step of up to max_tokens can launch:
-    WARMUP_TOKENS and the smallest T of each (strategy, grouped-MMA tile config, router) combination; with
-    cached_grouped (an expert-cache engine's choose_strategy bound, cached_grouped_tokens), the same for its
-    cached steps, whose waves take the tile config of their size too when they run on the tensor-core kernel
-    (cached_mma: CachedExperts.mma_possible with CudaOptions.cached_mma). dims: the experts' (F, D), which decide
-    whether the wgmma kernel applies (None: the mma.sync tiles)."""
-    first: dict[tuple[MoeStrategy, object, bool], int] = {}  # (strategy, tile, router) -> smallest T
-    for T in range(1, max_tokens + 1):
-        router = fused_router(T, options)
-        strategy = choose_strategy(T, K, E, False, bf16, quantized, q8_mma)
-        tile = None
-        if strategy in (MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA):
-            q8 = strategy is MoeStrategy.Q8_MMA
-            chooser = choose_q8_config if q8 else choose_config
-            tile = chooser(T * K, E) if dims is None else grouped_tile(T * K, E, *dims, q8, options.wgmma_experts)
-        first.setdefault((strategy, tile, router), T)
-        if cached_grouped:
-            strategy = choose_strategy(T, K, E, True, bf16, quantized, q8_mma, cached_grouped=cached_grouped)
-            tile = None
-            if strategy is MoeStrategy.CACHED_GROUPED and cached_mma:  # the waves' tile config of this size
-                tile = choose_q8_config(T * K, E) if quantized else choose_config(T * K, E)
-            first.setdefault((strategy, tile, router), T)
-    return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
 
 
 class DeviceMoe:
@@ -312,6 +129,7 @@ class DeviceMoe:
             self.q8_mma,
             self.cache_slots,
             self.cached_grouped,
+            self.few_expert_mma,
         )
         fuse_norm = (
             next_norm is not None
@@ -355,6 +173,11 @@ class DeviceMoe:
     def q8_mma(self) -> tuple[int, int] | None:
         """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options)
+
+    @property
+    def few_expert_mma(self) -> int:
+        """choose_strategy's few_expert_mma under the current options (few_expert_mma_tokens)."""
+        return few_expert_mma_tokens(self.config, self.bf16, self.options)
 
     @property
     def cache_slots(self) -> int:

@@ -1,4 +1,4 @@
-"""The GROUPED_MMA strategy of the MoE block (cuda/moe.py chooses it): every routed expert of a layer on tensor
+"""The GROUPED_MMA strategy of the MoE block (cuda/moe_strategy.py chooses it): every routed expert of a layer on tensor
 cores, one launch per expert matrix, no host synchronisation (graph-capturable at any T).
 
 Per MoE layer, with cfg = choose_config(T*K, E), BM = cfg.block_m, tiles = max_tiles(T*K, E, BM), rows = tiles*BM:

@@ -2,7 +2,7 @@
 
 Steps only take views (``buf[:T]``) of these arrays, so nothing is allocated on the device while serving
 (tests count it). Sizes follow the engine limits: T = max_batch_tokens, S = max_batch_size. The MoE buffers
-follow the strategies steps of up to T tokens can take (`moe.reachable_strategies`): a bf16 model with many
+follow the strategies steps of up to T tokens can take (`moe_strategy.reachable_strategies`): a bf16 model with many
 experts runs GROUPED_MMA at every T >= 2 and needs neither the per-assignment f32 rows of the grouped kernels
 and the expert cache, nor per-expert cuBLAS's rows in the weights' dtype, nor the all-experts buffers, but its
 bf16 sorted rows.
@@ -21,16 +21,15 @@ from common.model_config import ModelConfig
 from expert_service.cuda.cublas import WORKSPACE_BYTES
 from expert_service.cuda.dequant_pipeline import HALVES
 from expert_service.cuda.driver import check, device_address
-from expert_service.cuda.moe import (
+from expert_service.cuda.moe import CUBLAS_ROW_SLACK, dequant_group
+from expert_service.cuda.moe_grouped_mma import cached_mma_possible, grouped_mma_layout
+from expert_service.cuda.moe_strategy import (
     ALL_EXPERTS_MAX_TOKENS,
-    CUBLAS_ROW_SLACK,
     FUSED_ROUTER_MAX_TOKENS,
     GROUPED_MAX_TOKENS,
     MoeStrategy,
-    dequant_group,
     reachable_strategies,
 )
-from expert_service.cuda.moe_grouped_mma import cached_mma_possible, grouped_mma_layout
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
 
@@ -80,12 +79,14 @@ def layout_workspace(
     q8_mma: tuple[int, int] | None = None,
     cached_mma: bool = False,
     cached_grouped: int = GROUPED_MAX_TOKENS,
+    few_expert_mma: int = 0,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
     quantized: 8-bit or mixed experts (DeviceWeights.quantized); q8_mma: the step sizes taking Q8_MMA
-    (moe.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma);
-    cached_grouped: the largest cached step in grouped waves (moe.cached_grouped_tokens)."""
+    (moe_strategy.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma);
+    cached_grouped: the largest cached step in grouped waves (moe_strategy.cached_grouped_tokens); few_expert_mma:
+    the largest step of a few-expert bf16 layer on GROUPED_MMA (moe_strategy.few_expert_mma_tokens)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -94,7 +95,15 @@ def layout_workspace(
     splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
     strategies = reachable_strategies(
-        T, K, E, cached, np.dtype(weight_dtype) == np.uint16, quantized, q8_mma, cached_grouped=cached_grouped
+        T,
+        K,
+        E,
+        cached,
+        np.dtype(weight_dtype) == np.uint16,
+        quantized,
+        q8_mma,
+        cached_grouped=cached_grouped,
+        few_expert_mma=few_expert_mma,
     )
     # f32 gate (grouped kernels, GEMV, the expert cache), inputs and up (the expert cache) per assignment
     cache_rows = T * K if strategies & {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS} else 0

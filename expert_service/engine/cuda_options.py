@@ -38,7 +38,7 @@ class CudaOptions:
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True
-    # steps of up to moe.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
+    # steps of up to moe_strategy.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
     # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
@@ -69,15 +69,23 @@ class CudaOptions:
     overlap_dequant: bool = True
     # 8-bit expert layers (every expert int8 / fp8, bf16 dense weights): steps of q8_mma_min_tokens up to
     # q8_mma_max_tokens tokens run the grouped tensor-core kernel (moe_gemm_q8mma); smaller ones moe_q8, larger
-    # ones dequantise + per-expert cuBLAS. Layers with fewer than moe.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like:
+    # ones dequantise + per-expert cuBLAS. Layers with fewer than moe_strategy.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like:
     # few, large experts, where cuBLAS wins big steps) stop at q8_mma_max_tokens_few_experts instead.
     # q8_mma_min_tokens above every step size turns the kernel off.
     q8_mma_min_tokens: int = 2
     q8_mma_max_tokens: int = 1 << 20
     q8_mma_max_tokens_few_experts: int = 512
+    # bf16 layers with fewer than moe_strategy.GROUPED_MMA_MIN_EXPERTS experts (mixtral-like), on an sm_90 device
+    # with wgmma_experts: steps of up to this many tokens with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
+    # expert run GROUPED_MMA on the wgmma kernel, captured whole, instead of per-expert cuBLAS GEMMs behind a host
+    # break per MoE layer (0: never)
+    grouped_mma_max_tokens_few_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")
+        value = self.grouped_mma_max_tokens_few_experts
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"cuda_options.grouped_mma_max_tokens_few_experts: must be an integer >= 0, got {value!r}")

@@ -23,7 +23,7 @@ permutation, epilogues):
 - D and F must be multiples of 16 (whole 16-byte chunks of 8-bit rows, as moe_q8); the K tail of a step (input
   dim not a multiple of BK) is zero-filled by the copies.
 - Experts whose code is neither int8 nor fp8 are not this kernel's: their outputs are NaN (never silently wrong);
-  the MoE strategy sends a layer here only when every expert is 8-bit (cuda/moe.py).
+  the MoE strategy sends a layer here only when every expert is 8-bit (cuda/moe_strategy.py).
 Reference: `moe_reference_q8` (numpy: the same bf16 roundings of x, h and block-scaled weights).
 """
 

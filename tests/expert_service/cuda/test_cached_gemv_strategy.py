@@ -10,7 +10,7 @@ import pytest
 from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.linear import GEMV_MAX_TOKENS
-from expert_service.cuda.moe import (
+from expert_service.cuda.moe_strategy import (
     CAPTURABLE,
     GROUPED_MAX_TOKENS,
     ON_DEVICE,

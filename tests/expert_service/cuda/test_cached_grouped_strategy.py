@@ -10,14 +10,14 @@ import pytest
 
 from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
-from expert_service.cuda.moe import (
+from expert_service.cuda.moe_cached import dense_scratch_needed
+from expert_service.cuda.moe_strategy import (
     ON_DEVICE,
     MoeStrategy,
     cached_grouped_tokens,
     choose_strategy,
     reachable_strategies,
 )
-from expert_service.cuda.moe_cached import dense_scratch_needed
 from expert_service.cuda.workspace import layout_workspace
 from expert_service.engine.cuda_options import EXPERIMENTAL, CudaOptions
 from expert_service.kernels.moe_align import MAX_ASSIGNMENTS, max_rows
@@ -71,7 +71,7 @@ def test_8bit_experts_take_the_tensor_core_waves_where_q8_mma_applies(options, d
 def test_8bit_waves_are_laid_out_and_warm_up_their_tile_configs():
     """An all-8-bit cached engine lays out the sorted rows and the tile -> slot map, and warms every tile config
     of moe_gemm_q8mma its waves take (choose_q8_config, not the bf16 kernel's)."""
-    from expert_service.cuda.moe import q8_mma_tokens, warmup_tokens
+    from expert_service.cuda.moe_strategy import q8_mma_tokens, warmup_tokens
     from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 
     K, E, T = 2, 8, 2048
@@ -197,7 +197,7 @@ def test_set_options_refuses_the_option_without_its_rows_and_takes_it_back_off()
 def test_warmup_loads_every_tile_config_the_large_waves_take():
     """With the option, a cached step's tensor-core waves take the tile config of its size (choose_config): the
     warm-up runs the smallest step of each, so serving without graphs compiles nothing either."""
-    from expert_service.cuda.moe import warmup_tokens
+    from expert_service.cuda.moe_strategy import warmup_tokens
 
     K, E, T = 2, 8, 2048  # mixtral-like: few experts, so large steps reach the widest tiles
     big = cached_grouped_tokens(config(E, K), BF16, False, LARGE)

@@ -203,7 +203,7 @@ def assert_greedy_close(tokens, cpu_rows, name):
 
 
 def test_many_experts_prefill_close_to_cpu(many, monkeypatch):
-    from expert_service.cuda.moe import MoeStrategy, choose_strategy
+    from expert_service.cuda.moe_strategy import MoeStrategy, choose_strategy
     from expert_service.kernels.moe_gemm_mma import choose_config
 
     name, cpu, gpu, _ = many
@@ -378,5 +378,52 @@ def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
     without = gpu.prompt_logits(ids)
     assert len(launches) == before, "wgmma_experts=False still launched the wgmma kernel"
     assert rel_error(with_wgmma, without) <= BF16_TOLERANCE
+    assert forced.worst_tie <= ROUTER_TIE
+    gpu.decoder.close()
+
+
+# Few experts (mixtral-like: E = 8, K = 2) with CudaOptions.grouped_mma_max_tokens_few_experts: a 480-token prefill
+# (padded to its 512-token bucket: 128 rows an expert) runs GROUPED_MMA on the wgmma kernel with no host break; 250
+# tokens (the 256 bucket: 64 rows) keep per-expert cuBLAS. D = 64, F = 128: dims the wgmma kernel takes.
+FEW_MODEL = dict(num_local_experts=8, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def few_model(tmp_path_factory):
+    return bf16_tiny(tmp_path_factory.mktemp("mixtral_few"), "mixtral", 13, **FEW_MODEL)
+
+
+def test_few_expert_window_runs_wgmma_close_to_cpu_and_to_cublas(few_model, monkeypatch):
+    import expert_service.cuda.moe_grouped_mma as grouped
+    from expert_service.engine.cuda_options import CudaOptions
+
+    if not grouped.hopper():
+        pytest.skip("wgmma needs an sm_90 device")
+    launches = []
+    original = grouped.launch_wgmma_gate_up
+    monkeypatch.setattr(grouped, "launch_wgmma_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
+    window = CudaOptions(grouped_mma_max_tokens_few_experts=512)
+    open_ = lambda **kw: build_engine(ModelDir.open(few_model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
+    cpu, gpu = open_(backend="cpu"), open_(backend="cuda", cuda_graphs=False, cuda_options=window)
+    assert not gpu.decoder.blocks_host(480) and gpu.decoder.blocks_host(250)
+    forced = ForcedRouting(monkeypatch)
+    for n, wgmma in ((480, True), (250, False)):
+        ids = random_prompt(700 + n, n)
+        before = len(launches)
+        logits = gpu.prompt_logits(ids)
+        assert (len(launches) > before) == wgmma, f"prefill {n}: wgmma launched {len(launches) - before} times"
+        assert np.all(np.isfinite(logits)), f"prefill {n}"
+        forced.queue = last_step_expert_ids(gpu, n)
+        ref = cpu.prompt_logits(ids)
+        err = rel_error(logits, ref)
+        assert err <= BF16_TOLERANCE, f"prefill {n}: {err:.2e}"
+        assert_greedy_close(logits.argmax(axis=1), ref, f"prefill {n}")
+    ids = random_prompt(1480, 480)
+    with_window = gpu.prompt_logits(ids)
+    gpu.decoder.set_options(CudaOptions())  # the shipped window: per-expert cuBLAS behind a host break
+    before = len(launches)
+    without = gpu.prompt_logits(ids)
+    assert len(launches) == before, "the window's default still launched the wgmma kernel"
+    assert rel_error(with_window, without) <= BF16_TOLERANCE
     assert forced.worst_tie <= ROUTER_TIE
     gpu.decoder.close()

@@ -205,7 +205,7 @@ def test_large_cached_steps_in_tensor_core_waves(bf16_model, prefetch):
     kernel, captured whole (no host break: it does not block the host), instead of per-expert cuBLAS at a host
     break per layer. Its logits within the bf16 tolerance of the cuBLAS path's; bitwise the same at 1 and 2 slots
     and with graphs or eagerly (each tile computed by the same kernel whatever the waves)."""
-    from expert_service.cuda.moe import MoeStrategy
+    from expert_service.cuda.moe_strategy import MoeStrategy
     from expert_service.engine.cuda_options import CudaOptions
 
     T = sum(len(p) for p in LONG_PROMPTS)

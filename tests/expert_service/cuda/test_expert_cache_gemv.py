@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.cuda.moe import MoeStrategy
+from expert_service.cuda.moe_strategy import MoeStrategy
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import CacheStats
 from expert_service.tools.tiny_model import make_tiny

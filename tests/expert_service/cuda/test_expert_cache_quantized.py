@@ -120,7 +120,7 @@ def test_8bit_tensor_core_waves_equal_the_resident_engine(all_8bit_model, prompt
     (Q8_MMA), each tile computed the same way whatever the wave: logits bitwise the resident engine's at 1, 2 and
     3 slots, with graphs and eagerly; moe_q8's waves (cached_mma off, fp32 activations) on the prompt step within
     the bf16 tolerance (later steps may follow other greedy tokens: the two round differently)."""
-    from expert_service.cuda.moe import MoeStrategy
+    from expert_service.cuda.moe_strategy import MoeStrategy
     from expert_service.engine.cuda_options import CudaOptions
 
     T = sum(len(p) for p in prompts)

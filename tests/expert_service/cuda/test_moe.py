@@ -13,7 +13,8 @@ from common.models import config_from_hf
 from expert_service.cpu.layers.moe import sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.cuda.linear import DeviceLinear
-from expert_service.cuda.moe import DeviceMoe, MoeStrategy, choose_strategy, cublas_rows
+from expert_service.cuda.moe import DeviceMoe, cublas_rows
+from expert_service.cuda.moe_strategy import MoeStrategy, choose_strategy
 from expert_service.cuda.workspace import Workspace, layout_workspace, stage_routed_ids
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels.rmsnorm import launch_rmsnorm

@@ -10,7 +10,7 @@ import pytest
 
 from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
-from expert_service.cuda.moe import (
+from expert_service.cuda.moe_strategy import (
     GROUPED_MMA_MIN_EXPERTS,
     MoeStrategy,
     choose_strategy,

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from common.models import config_from_hf
-from expert_service.cuda import moe
-from expert_service.cuda.moe import (
+from expert_service.cuda import moe, moe_strategy
+from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
+from expert_service.cuda.moe_strategy import (
     ALL_EXPERTS_MAX_TOKENS,
     FUSED_ROUTER_MAX_TOKENS,
     GROUPED_MAX_TOKENS,
@@ -16,7 +17,6 @@ from expert_service.cuda.moe import (
     fused_router,
     warmup_tokens,
 )
-from expert_service.cuda.moe_grouped_mma import grouped_mma_layout
 from expert_service.cuda.workspace import (
     METADATA,
     PLAN_METADATA,
@@ -99,7 +99,7 @@ def test_grouped_mma_strategy_thresholds(monkeypatch):
         S.ALL_EXPERTS
     ]
     assert choose_strategy(3, 2, 8, cached=False, bf16=False) is S.GROUPED  # fp32 / fp16 weights: no mma
-    monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
+    monkeypatch.setattr(moe_strategy, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
     assert choose_strategy(16, 8, 128, cached=False, bf16=True) is S.ALL_EXPERTS
     assert choose_strategy(512, 8, 128, cached=False, bf16=True) is S.CUBLAS_PER_EXPERT
 
@@ -185,7 +185,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert "mma_xs" not in other and not {"moe_in", "moe_up"} & set(other)
     assert other["expert_x"] == ((rows, D), f32) and other["expert_gate_up"] == ((rows, 2 * F), f32)
     assert other["expert_h"] == ((rows, F), f32) and other["moe_out"][0] == (rows, D)
-    assert other["moe_gate"][0] == (moe.GROUPED_MAX_TOKENS * K, F)
+    assert other["moe_gate"][0] == (moe_strategy.GROUPED_MAX_TOKENS * K, F)
     cached = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True)  # the expert cache
     assert "mma_xs" not in cached and cached["moe_in"][0] == (T * K, D) and cached["moe_gate"][0] == (T * K, F)
     assert cached["moe_up"][0] == (T * K, F) and "expert_x" not in cached
@@ -193,14 +193,14 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     # with the cache's tensor-core waves (CudaOptions.cached_mma): the sorted rows of steps up to the grouped limit
     # and a tile -> slot map as long as the tile list; none for an 8-bit model or float32 weights
     tensor = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers), cached=True, cached_mma=True)
-    small = grouped_mma_layout(min(T, moe.GROUPED_MAX_TOKENS), K, config.num_experts, D, F)
+    small = grouped_mma_layout(min(T, moe_strategy.GROUPED_MAX_TOKENS), K, config.num_experts, D, F)
     assert all(tensor[name] == small[name] for name in small) and tensor["mma_tile_slot"] == small["mma_tile_expert"]
     for no in (dict(weight_dtype=bf16, quantized=True), dict(weight_dtype=f32)):
         dtype = no.pop("weight_dtype")
         plain = layout_workspace(config, dtype, T, S, 16, len(config.moe_layers), cached=True, cached_mma=True, **no)
         assert "mma_tile_slot" not in plain and "mma_xs" not in plain
-    monkeypatch.setattr(moe, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
-    monkeypatch.setattr(moe, "GROUPED_MMA_SPARSE_STEPS", False)
+    monkeypatch.setattr(moe_strategy, "GROUPED_MMA_MIN_EXPERTS", 1 << 30)
+    monkeypatch.setattr(moe_strategy, "GROUPED_MMA_SPARSE_STEPS", False)
     off = layout_workspace(config, bf16, T, S, 16, len(config.moe_layers))
     assert "mma_xs" not in off and off["expert_gate_up"] == ((rows, 2 * F), bf16) and "all_experts_out" in off
     assert off["expert_x"] == ((rows, D), bf16) and off["expert_h"] == ((rows, F), bf16)
