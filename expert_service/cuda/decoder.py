@@ -431,9 +431,8 @@ class CudaDecoder:
         return few_expert_mma_tokens(self.config, self.weights.dtype == np.uint16, options)
 
     def _cached_grouped(self, options: CudaOptions) -> int:
-        return cached_grouped_tokens(
-            self.config, self.weights.dtype, self.weights.quantized, options, self.weights.all_8bit
-        )
+        w = self.weights
+        return cached_grouped_tokens(self.config, w.dtype, w.quantized, options, w.all_8bit)
 
     def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
         """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
