@@ -1,7 +1,8 @@
 """Decode attention kernels -- expert_service.kernels.attention_decode (`new`), attention_decode_tiled
 (`tiled`: bf16 key tiles staged by cp.async) and attention_decode_mma (`mma`: tensor cores, GQA heads as the mma
 rows; `mma_k32`, `mma_k256`: split parts of at least 32 / 256 keys instead of MIN_PART_KEYS; `mma_3stage`: two tiles in
-flight instead of one) -- against
+flight instead of one; `tiled_k32`, `tiled_k128`, `tiled_k256`: the tiled kernel's parts of at least 32 / 128 / 256
+keys instead of attention_decode.MIN_PART_KEYS) -- against
 PyTorch's scaled_dot_product_attention and, when given, a previous version of the attention_decode module
 (--previous FILE), in one run (GPU).
 
@@ -49,13 +50,13 @@ def build_case(rng, b: int, ctx: int, H: int, Hkv: int):
     return q, k_pool, v_pool, tables, lens, lens - 1
 
 
-def run_kernel(launcher, splits, dev, b: int, H: int, Hkv: int, stream):
+def run_kernel(launcher, splits, dev, b: int, H: int, Hkv: int, stream, model_context: int = MODEL_CONTEXT):
     """(seconds per launch, output, P) of a decode-attention launcher on the device arrays `dev`, with the
-    split count splits(b, H, Hkv, MODEL_CONTEXT)."""
+    split count splits(b, H, Hkv, model_context)."""
     from numba import cuda
 
     q, k, v, tables, lens, pos = dev
-    P = splits(b, H, Hkv, MODEL_CONTEXT)
+    P = splits(b, H, Hkv, model_context)
     out = cuda.device_array((b, H, HEAD_DIM), np.float32, stream=stream)
     parts = [cuda.device_array((b, H, P, n), np.float32, stream=stream) for n in (HEAD_DIM, 2)] if P > 1 else [None] * 2
 
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="attention_decode.json")
     parser.add_argument("--previous", help="an earlier attention_decode.py to time in the same run")
     parser.add_argument(
+        "--model-context", type=int, default=MODEL_CONTEXT, help="the longest context decode_splits plans P for"
+    )
+    parser.add_argument(
         "--only",
         action="append",
         default=[],
@@ -124,6 +128,9 @@ def main(argv=None) -> int:
     for keys in (32, 256):
         launch = functools.partial(attention_decode_mma.launch_attention_decode_mma, min_keys=keys)
         kernels[f"mma_k{keys}"] = (launch, attention_decode.decode_splits)
+    for keys in (32, 128, 256):
+        launch = functools.partial(attention_decode_tiled.launch_attention_decode_tiled, min_keys=keys)
+        kernels[f"tiled_k{keys}"] = (launch, attention_decode.decode_splits)
     launch = functools.partial(attention_decode_mma.launch_attention_decode_mma, stages=3)
     kernels["mma_3stage"] = (launch, attention_decode.decode_splits)
     if args.previous:
@@ -141,7 +148,7 @@ def main(argv=None) -> int:
             row = {"shape": shape, "batch": b, "context": ctx, "kv_bytes": 2 * b * ctx * Hkv * HEAD_DIM * 2}
             outs = {}
             for name, (launcher, splits) in kernels.items():
-                seconds, outs[name], P = run_kernel(launcher, splits, dev, b, H, Hkv, stream)
+                seconds, outs[name], P = run_kernel(launcher, splits, dev, b, H, Hkv, stream, args.model_context)
                 row[f"{name}_us"], row[f"{name}_splits"] = seconds * 1e6, P
             ref_s, ref = sdpa(host, b, H, Hkv)
             row["sdpa_us"] = ref_s * 1e6
@@ -149,6 +156,8 @@ def main(argv=None) -> int:
             row["new_vs_sdpa_max_rel"] = float(np.abs(outs["new"] - ref).max() / np.abs(ref).max())
             row["tiled_vs_new_max_abs"] = float(np.abs(outs["tiled"] - outs["new"]).max())
             row["tiled_speedup_vs_new"] = row["new_us"] / row["tiled_us"]
+            variants = [k for k in outs if k.startswith("tiled_k")]
+            row["tiled_k_vs_tiled_max_abs"] = max(float(np.abs(outs[k] - outs["tiled"]).max()) for k in variants)
             row["mma_vs_sdpa_max_rel"] = float(np.abs(outs["mma"] - ref).max() / np.abs(ref).max())
             row["mma_speedup_vs_tiled"] = row["tiled_us"] / row["mma_us"]
             row["mma_speedup_vs_sdpa"] = row["sdpa_us"] / row["mma_us"]
@@ -159,12 +168,14 @@ def main(argv=None) -> int:
             row["speedup_vs_sdpa"] = row["sdpa_us"] / row["new_us"]
             row["roofline_fraction"] = row["roofline_us"] / row["new_us"]
             results.append(row)
+            by_min_keys = " ".join(f"{k} {row[k + '_us']:.1f}" for k in variants)
             prev = ""
             if "previous" in outs:
                 prev = f"previous {row['previous_us']:7.1f} us ({row['speedup_vs_previous']:.2f}x)  "
             print(
                 f"{shape:15s} b={b:3d} ctx={ctx:5d} P={row['new_splits']:3d}  new {row['new_us']:7.1f} us  "
-                f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  {prev}"
+                f"tiled {row['tiled_us']:7.1f} us ({row['tiled_speedup_vs_new']:.2f}x)  "
+                f"{by_min_keys}  {prev}"
                 f"sdpa {row['sdpa_us']:7.1f} us ({row['speedup_vs_sdpa']:.2f}x)  "
                 f"roofline {row['roofline_fraction']:.0%}  diff vs sdpa {row['new_vs_sdpa_max_rel']:.1e}\n"
                 f"{'':15s} mma {row['mma_us']:7.1f} us ({row['mma_speedup_vs_tiled']:.2f}x tiled, "

@@ -71,6 +71,7 @@ SCENARIOS = {
     "decode_16": ("decode", 16, 128),
     "decode_64": ("decode", 64, 128),
     "decode_16_at_2048": ("decode", 16, 2048),  # decode over long contexts, where attention weighs
+    "decode_1_at_2048": ("decode", 1, 2048),  # one sequence over a long context: the split-K parts matter
 }
 STEP_TOKENS = 2048  # the engine's max_batch_tokens below
 # CudaOptions field -> value of each variant (unlisted fields keep their shipped values). Results recorded before
@@ -95,6 +96,7 @@ VARIANTS = {
     "moe_ffn_waves": {"cached_mma": False},
     "in_order_dequant": {"overlap_dequant": False},
     "mma_sync_experts": {"wgmma_experts": False},
+    "fixed_decode_splits": {"decode_splits_per_step": False},
     # mixtral-like layers: steps from 96 rows an expert up to 1,024 / 2,048 tokens on the wgmma grouped kernel
     "few_expert_mma_1024": {"grouped_mma_max_tokens_few_experts": 1024},
     "few_expert_mma": {"grouped_mma_max_tokens_few_experts": STEP_TOKENS},

@@ -105,11 +105,12 @@ def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, 
 
 
 def check_decode_attention(
-    launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5
+    launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5, **kw
 ):
-    """Runs a decode-attention launcher (launch_attention_decode's arguments) on a random paged cache, one query
-    per sequence at its last position, split in `splits` parts, against the CPU paged_attention; sequences with
-    context 0 (idle batch slots) must come out as zeros. Outputs and partials start as NaN."""
+    """Runs a decode-attention launcher (launch_attention_decode's arguments, and its keywords kw) on a random paged
+    cache, one query per sequence at its last position, split in at most `splits` parts, against the CPU
+    paged_attention; sequences with context 0 (idle batch slots) must come out as zeros. Outputs and partials
+    start as NaN."""
     from numba import cuda
 
     from expert_service.cpu.layers.attention import paged_attention
@@ -148,6 +149,7 @@ def check_decode_attention(
         scale,
         out,
         *parts,
+        **kw,
     )
     assert_close(out.copy_to_host(), want, rtol)
 

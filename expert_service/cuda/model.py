@@ -15,6 +15,7 @@ from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
+from expert_service.cuda.workspace import decode_split_count, decode_split_views
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
@@ -171,8 +172,7 @@ class CudaModel:
                 window,
                 scale,
                 attn3,
-                ws.split_out[:S],
-                ws.split_ml[:S],
+                *decode_split_views(ws, cfg, S, self._decode_splits(S)),
                 stream=st,
             )
         else:
@@ -200,6 +200,12 @@ class CudaModel:
             flat[T * nq : T * (nq + nkv)].reshape(T, nkv),
             flat[T * (nq + nkv) : T * (nq + 2 * nkv)].reshape(T, nkv),
         )
+
+    def _decode_splits(self, S: int) -> int:
+        """The split-K parts of a decode step of S sequences' attention: decode_splits of S itself, or with
+        CudaOptions.decode_splits_per_step off those of the largest batch (the workspace's max_seqs) at every S."""
+        seqs = S if self.options.decode_splits_per_step else self.ws.last_hidden.shape[0]
+        return decode_split_count(self.config, seqs)
 
     def _qk_norm_rope_kv_write(self, i: int, q, k, v, T: int) -> None:
         """The q/k norms (if any), the clamp (if any), RoPE on q and k and the KV write, launch by launch."""

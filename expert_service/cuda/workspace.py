@@ -66,6 +66,24 @@ class Workspace:
         )
 
 
+def decode_split_count(config: ModelConfig, num_seqs: int) -> int:
+    """The split-K parts P a decode step of num_seqs sequences gives its attention (attention_decode.decode_splits:
+    about TARGET_BLOCKS blocks for the longest context the model allows; each sequence uses as many as its own
+    context needs)."""
+    return decode_splits(
+        num_seqs, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings
+    )
+
+
+def decode_split_views(ws, config: ModelConfig, num_seqs: int, splits: int):
+    """(part_out [S, H, P, Hd], part_ml [S, H, P, 2]): the split-K workspaces of a decode step of S sequences in P =
+    splits parts, views of the workspace's split_out / split_ml (laid out for S * decode_split_count(S) rows at
+    every S up to max_seqs, so any P up to that count fits)."""
+    S, H, P = num_seqs, config.num_attention_heads, splits
+    part_out = ws.split_out.reshape(-1)[: S * H * P * config.head_dim].reshape(S, H, P, config.head_dim)
+    return part_out, ws.split_ml.reshape(-1)[: S * H * P * 2].reshape(S, H, P, 2)
+
+
 def layout_workspace(
     config: ModelConfig,
     weight_dtype: np.dtype,
@@ -92,7 +110,7 @@ def layout_workspace(
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     dense_ffn = config.intermediate_size if not all(config.sparse_layers) else 0
     shared_ffn = config.shared_expert_intermediate_size
-    splits = decode_splits(S, config.num_attention_heads, config.num_key_value_heads, config.max_position_embeddings)
+    split_rows = max(s * decode_split_count(config, s) for s in range(1, S + 1))  # every decode step's [s, H, P]
     widest = max(D, config.q_size, F, dense_ffn, shared_ffn)
     strategies = reachable_strategies(
         T,
@@ -131,8 +149,8 @@ def layout_workspace(
         "position": ((T * K,), i32),
         "moe_gate": ((max(K, cache_rows, grouped_rows), F), f32),
         "moe_out": ((max(T * K, per_expert_rows), D), f32),
-        "split_out": ((S, config.num_attention_heads, splits, config.head_dim), f32),
-        "split_ml": ((S, config.num_attention_heads, splits, 2), f32),
+        "split_out": ((split_rows, config.num_attention_heads, config.head_dim), f32),
+        "split_ml": ((split_rows, config.num_attention_heads, 2), f32),
         "last_hidden": ((S, D), f32),
         "logits": ((S, config.vocab_size), f32),
         "greedy_ids": ((S,), i32),

@@ -10,10 +10,13 @@ Design (memory-bound: every K/V byte of a (sequence, kv head) is read once, by o
   give the GT x KEYS_PER_WARP scores, then each warp updates its own online softmax (max, sum, accumulator)
   in float32 registers once per run. At the end the warps' states are merged through shared memory.
 - Split-K: with few sequences (b=1) a grid of S * H/GT blocks leaves most SMs idle, so each sequence's key
-  range is cut into P equal parts (grid z). Each part writes an unnormalised partial output with its
-  (max, sum), and a reduce kernel merges them. `decode_splits` picks P so the grid has about TARGET_BLOCKS
-  blocks, with parts of at least MIN_PARTITION_TOKENS keys; P=1 (large batches) skips the reduce.
-  Parts are equal per sequence (not fixed-size), so long and short sequences and sliding windows balance.
+  range is cut into parts (grid z: at most P). `decode_splits` picks P for a step of S sequences so the grid has
+  about TARGET_BLOCKS blocks, given the longest context the model allows. At run time each sequence takes
+  parts = min(P, its keys / min_keys) equal parts (`part_range`, from its context on the device, so one captured
+  graph serves every length): short contexts use few blocks, and with one part the split-0 block writes `out`
+  itself and the reduce returns at once. Otherwise each part writes an unnormalised partial output with its
+  (max, sum) and the reduce kernel merges the parts that exist. Parts are equal per sequence, so long and short
+  sequences and sliding windows balance.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ THREADS = NWARPS * WARP
 KEYS_PER_WARP = 4             # keys a warp loads per iteration (bytes in flight; registers: 2 * 4 * Hd/32)
 MAX_GROUP_TILE = 4            # query heads per block; 8 no longer fits registers (PTX used local memory)
 TARGET_BLOCKS = 528           # 4 blocks per SM on the H200's 132 SMs
-MIN_PARTITION_TOKENS = 256    # below this a part's merge costs more than the parallelism gains
+MIN_PARTITION_TOKENS = 256    # decode_splits: P covers the longest context in parts of at least this many keys
+MIN_PART_KEYS = 64            # keys a part holds at least at run time (part_range): fewer only add merge work
 NEG_INF = np.float32(-np.inf)
 
 
@@ -49,14 +53,16 @@ def decode_splits(num_seqs: int, num_heads: int, num_kv_heads: int, max_context:
 
 
 @cuda.jit(device=True, inline=True)
-def part_range(context_len, q_pos, window, split, num_splits):
-    """[k_lo, k_hi): the keys part `split` of `num_splits` equal parts attends to, of the keys at positions <= q_pos
-    (and > q_pos - window when window > 0) among the context_len cached ones; empty past the end."""
+def part_range(context_len, q_pos, window, split, num_splits, min_keys):
+    """(k_lo, k_hi, parts): the keys [k_lo, k_hi) that part `split` attends to, of the keys at positions <= q_pos
+    (and > q_pos - window when window > 0) among the context_len cached ones, cut into `parts` equal parts of at
+    least min_keys keys, at most num_splits; empty for split >= parts (parts is 0 for no keys at all)."""
     hi = min(context_len, q_pos + 1)
     lo = max(0, q_pos - window + 1) if window > 0 else 0
-    part = (max(hi - lo, 0) + num_splits - 1) // num_splits
+    n = max(hi - lo, 0)
+    part = max((n + num_splits - 1) // num_splits, min_keys, 1)
     k_lo = lo + split * part
-    return k_lo, min(k_lo + part, hi)
+    return k_lo, min(k_lo + part, hi), (n + part - 1) // part
 
 
 @functools.cache
@@ -87,7 +93,7 @@ def _build(kv_dtype, head_dim: int, gt: int):
     sm_acc_len = NWARPS * gt * head_dim
 
     def attention_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, positions, block_size,
-                                num_kv_heads, window, scale, out, part_out, part_ml):
+                                num_kv_heads, window, scale, min_keys, out, part_out, part_ml):
         """q: [S, H, Hd] float32, the query of each sequence's one new token.
         k_pool, v_pool: [NB * BS * Hkv * Hd] flat views of the layer's pools [NB, BS, Hkv, Hd] (kv dtype).
         block_tables: [S, max_blocks] int32; context_lens: [S] int32 keys in the cache (0 = idle slot: out 0);
@@ -104,7 +110,9 @@ def _build(kv_dtype, head_dim: int, gt: int):
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
 
-        k_lo, k_hi = part_range(context_lens[s], positions[s], window, split, num_splits)
+        k_lo, k_hi, parts = part_range(context_lens[s], positions[s], window, split, num_splits, min_keys)
+        if split >= max(parts, 1):   # the whole block: a part this sequence's keys do not need
+            return
 
         qr = cuda.local.array(acc_len, types.float32)
         acc = cuda.local.array(acc_len, types.float32)
@@ -185,7 +193,7 @@ def _build(kv_dtype, head_dim: int, gt: int):
                     c = math.exp(sm_m[w * gt + g] - mx)
                     total += sm_den[w * gt + g] * c
                     o += sm_acc[(w * gt + g) * head_dim + d] * c
-            if num_splits == 1:
+            if parts <= 1:
                 out[s, h0 + g, d] = o / total if total > 0 else np.float32(0.0)
             else:
                 part_out[s, h0 + g, split, d] = o
@@ -222,10 +230,14 @@ def part_merger(base2: bool):
 _merge = part_merger(False)
 
 
-def attention_decode_reduce_kernel(part_out, part_ml, out):
-    """Merge split-K partials: part_out [S, H, P, Hd], part_ml [S, H, P, 2] (max, sum) float32
-    -> out [S, H, Hd] float32. Grid (S, H), block (THREADS,)."""
-    _merge(part_out, part_ml, cuda.blockIdx.x, cuda.blockIdx.y, part_out.shape[2], out)
+def attention_decode_reduce_kernel(context_lens, positions, window, min_keys, part_out, part_ml, out):
+    """Merge the split-K partials of the parts each sequence used (part_range: none when it used one, whose block
+    wrote `out`): context_lens, positions [S] int32, window, min_keys int32 (the kernel's), part_out [S, H, P, Hd],
+    part_ml [S, H, P, 2] (max, sum) float32 -> out [S, H, Hd] float32. Grid (S, H), block (THREADS,)."""
+    s = cuda.blockIdx.x
+    parts = part_range(context_lens[s], positions[s], window, 0, part_out.shape[2], min_keys)[2]
+    if parts > 1:
+        _merge(part_out, part_ml, s, cuda.blockIdx.y, parts, out)
 
 
 _reduce = cached_jit(attention_decode_reduce_kernel)
@@ -250,11 +262,11 @@ def check_arguments(name, q, k_pool, v_pool, block_tables, context_lens, positio
 
 
 def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, positions, window: int, scale: float, out,
-                     part_out=None, part_ml=None, stream=0) -> None:
+                     part_out=None, part_ml=None, stream=0, min_keys: int = MIN_PART_KEYS) -> None:
     """q: [S, H, Hd] float32; k_pool, v_pool: [NB, BS, Hkv, Hd] (float32, float16 or uint16 = bf16 bits);
     block_tables: [S, max_blocks] int32; context_lens, positions: [S] int32; window: 0 = none;
     out: [S, H, Hd] float32. Split-K workspaces part_out [S, H, P, Hd] and part_ml [S, H, P, 2] float32
-    (P from decode_splits); None or P == 1 runs one kernel without them."""
+    (P from decode_splits); None or P == 1 runs one kernel without them. min_keys: the fewest keys of a part."""
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
         "attention_decode", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     if num_seqs == 0:
@@ -265,9 +277,15 @@ def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, posit
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
         q, k_pool.reshape(-1), v_pool.reshape(-1), block_tables, context_lens, positions, np.int32(block_size),
-        np.int32(num_kv_heads), np.int32(window), np.float32(scale), out, part_out, part_ml)
+        np.int32(num_kv_heads), np.int32(window), np.float32(scale), np.int32(min_keys), out, part_out, part_ml)
     if splits > 1:
-        _reduce[(num_seqs, num_heads), THREADS, stream](part_out, part_ml, out)
+        reduce_parts(context_lens, positions, window, min_keys, part_out, part_ml, out, stream)
+
+
+def reduce_parts(context_lens, positions, window: int, min_keys: int, part_out, part_ml, out, stream=0) -> None:
+    """The split-K reduce of attention_decode and attention_decode_tiled (the same part_range)."""
+    _reduce[(out.shape[0], out.shape[1]), THREADS, stream](
+        context_lens, positions, np.int32(window), np.int32(min_keys), part_out, part_ml, out)
 
 
 def sm90_signatures():
@@ -278,7 +296,7 @@ def sm90_signatures():
     variants = [(np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)]
     for (dtype, nb), head_dim, gt in [(v, 128, gt) for v in variants for gt in (2, 4)] + [(variants[2], 20, 3)]:
         out.append((_build(np.dtype(dtype), head_dim, gt)[0],
-                    (f32_3d, nb[::1], nb[::1], i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32,
+                    (f32_3d, nb[::1], nb[::1], i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32,
                      f32_3d, f32_4d, f32_4d)))
-    out.append((attention_decode_reduce_kernel, (f32_4d, f32_4d, f32_3d)))
+    out.append((attention_decode_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d)))
     return out

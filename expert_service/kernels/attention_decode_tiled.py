@@ -25,12 +25,13 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.attention_decode import (
+    MIN_PART_KEYS,
     NEG_INF,
-    _reduce,
     check_arguments,
     group_tile,
     launch_attention_decode,
     part_range,
+    reduce_parts,
     row_lookup,
 )
 from expert_service.kernels.jit_cache import cached_jit
@@ -89,7 +90,7 @@ def _build(head_dim: int, gt: int):
             cp_async16(vs, dst, v_words, src, ok)
 
     def attention_decode_tiled_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
-                                      num_kv_heads, window, scale, out, part_out, part_ml):
+                                      num_kv_heads, window, scale, min_keys, out, part_out, part_ml):
         """attention_decode_kernel's arguments, with the pools as flat uint32 words (two bf16 each) and the
         block size as its log2: q: [S, H, Hd] float32; k_words, v_words: [NB * BS * Hkv * Hd / 2] uint32;
         block_tables [S, max_blocks], context_lens [S], positions [S] int32; block_shift, num_kv_heads,
@@ -103,7 +104,9 @@ def _build(head_dim: int, gt: int):
         tid = _u(cuda.threadIdx.x)
         warp = tid >> _u(5)
         lane = tid & _u(31)
-        k_lo, k_hi = part_range(context_lens[s], positions[s], window, split, num_splits)
+        k_lo, k_hi, parts = part_range(context_lens[s], positions[s], window, split, num_splits, min_keys)
+        if split >= max(parts, 1):   # the whole block: a part this sequence's keys do not need
+            return
         n_tiles = (max(k_hi - k_lo, 0) + KT - 1) // KT
 
         ks = cuda.shared.array(stage_len, types.uint64)
@@ -217,7 +220,7 @@ def _build(head_dim: int, gt: int):
             g = hgrp + _u(i * col_groups)
             if g < _u(gt):
                 d = _u(2) * col
-                if num_splits == 1:
+                if parts <= 1:
                     inv = np.float32(1.0) / sl[g] if sl[g] > 0 else np.float32(0.0)
                     out[s, h0 + g, d] = acc_lo[i] * inv
                     out[s, h0 + g, d + _u(1)] = acc_hi[i] * inv
@@ -232,8 +235,10 @@ def _build(head_dim: int, gt: int):
 
 
 def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
-                                  scale: float, out, part_out=None, part_ml=None, stream=0) -> None:
-    """launch_attention_decode's arguments; k_pool, v_pool: [NB, BS, Hkv, Hd] uint16 (bf16 bits), Hd 64 or 128."""
+                                  scale: float, out, part_out=None, part_ml=None, stream=0,
+                                  min_keys: int = MIN_PART_KEYS) -> None:
+    """launch_attention_decode's arguments (min_keys: the fewest keys of a part); k_pool, v_pool: [NB, BS, Hkv, Hd]
+    uint16 (bf16 bits), Hd 64 or 128."""
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
         "attention_decode_tiled", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     assert supports(k_pool.dtype, head_dim, block_size), (k_pool.dtype, head_dim, block_size)
@@ -246,9 +251,9 @@ def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens,
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
         q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
         positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
-        np.float32(scale), out, part_out, part_ml)
+        np.float32(scale), np.int32(min_keys), out, part_out, part_ml)
     if splits > 1:
-        _reduce[(num_seqs, num_heads), THREADS, stream](part_out, part_ml, out)
+        reduce_parts(context_lens, positions, window, min_keys, part_out, part_ml, out, stream)
 
 
 def launch_attention_decode_fastest(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
@@ -262,5 +267,6 @@ def launch_attention_decode_fastest(q, k_pool, v_pool, block_tables, context_len
 def sm90_signatures():
     """(python function, numba signature): Hd 128 with GQA tiles 4 and 8, Hd 64 with tile 1 (MHA)."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
-    sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, f32_3d, f32_4d, f32_4d)
+    sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
+           f32_4d)
     return [(_build(hd, gt)[0], sig) for hd, gt in ((128, 4), (128, 8), (64, 1))]

@@ -348,20 +348,24 @@ def wgmma_model(tmp_path_factory):
     return bf16_tiny(tmp_path_factory.mktemp("qwen3_wgmma"), "qwen3_moe", 11, **WGMMA_MODEL)
 
 
-def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
+def check_wgmma_prefills(model, monkeypatch, on, off, cases, seed: int, before_steps=None) -> None:
+    """On an sm_90 device: prefills of each (tokens, wgmma) case on an engine with options `on` launch the wgmma
+    grouped kernel exactly when wgmma says, and match the CPU backend routed the same way; then the first case's
+    size again under `off` launches it no more and stays within bf16 tolerance. before_steps(engine): more checks."""
     import expert_service.cuda.moe_grouped_mma as grouped
-    from expert_service.engine.cuda_options import CudaOptions
 
     if not grouped.hopper():
         pytest.skip("wgmma needs an sm_90 device")
     launches = []
     original = grouped.launch_wgmma_gate_up
     monkeypatch.setattr(grouped, "launch_wgmma_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
-    open_ = lambda **kw: build_engine(ModelDir.open(wgmma_model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
-    cpu, gpu = open_(backend="cpu"), open_(backend="cuda", cuda_graphs=False)
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
+    cpu, gpu = open_(backend="cpu"), open_(backend="cuda", cuda_graphs=False, cuda_options=on)
+    if before_steps is not None:
+        before_steps(gpu)
     forced = ForcedRouting(monkeypatch)
-    for n, wgmma in ((480, True), (150, False)):
-        ids = random_prompt(900 + n, n)
+    for n, wgmma in cases:
+        ids = random_prompt(seed + n, n)
         before = len(launches)
         logits = gpu.prompt_logits(ids)
         assert (len(launches) > before) == wgmma, f"prefill {n}: wgmma launched {len(launches) - before} times"
@@ -371,15 +375,22 @@ def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
         err = rel_error(logits, ref)
         assert err <= BF16_TOLERANCE, f"prefill {n}: {err:.2e}"
         assert_greedy_close(logits.argmax(axis=1), ref, f"prefill {n}")
-    ids = random_prompt(1480, 480)
+    ids = random_prompt(seed + 1000 + cases[0][0], cases[0][0])
     with_wgmma = gpu.prompt_logits(ids)
-    gpu.decoder.set_options(CudaOptions(wgmma_experts=False))
+    gpu.decoder.set_options(off)
     before = len(launches)
     without = gpu.prompt_logits(ids)
-    assert len(launches) == before, "wgmma_experts=False still launched the wgmma kernel"
+    assert len(launches) == before, f"{off} still launched the wgmma kernel"
     assert rel_error(with_wgmma, without) <= BF16_TOLERANCE
     assert forced.worst_tie <= ROUTER_TIE
     gpu.decoder.close()
+
+
+def test_wgmma_prefill_close_to_cpu_and_to_mma(wgmma_model, monkeypatch):
+    from expert_service.engine.cuda_options import CudaOptions
+
+    off = CudaOptions(wgmma_experts=False)
+    check_wgmma_prefills(wgmma_model, monkeypatch, CudaOptions(), off, ((480, True), (150, False)), 900)
 
 
 # Few experts (mixtral-like: E = 8, K = 2) with CudaOptions.grouped_mma_max_tokens_few_experts: a 480-token prefill
@@ -394,36 +405,10 @@ def few_model(tmp_path_factory):
 
 
 def test_few_expert_window_runs_wgmma_close_to_cpu_and_to_cublas(few_model, monkeypatch):
-    import expert_service.cuda.moe_grouped_mma as grouped
     from expert_service.engine.cuda_options import CudaOptions
 
-    if not grouped.hopper():
-        pytest.skip("wgmma needs an sm_90 device")
-    launches = []
-    original = grouped.launch_wgmma_gate_up
-    monkeypatch.setattr(grouped, "launch_wgmma_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
-    window = CudaOptions(grouped_mma_max_tokens_few_experts=512)
-    open_ = lambda **kw: build_engine(ModelDir.open(few_model), EngineConfig(**{**MANY_CFG, **kw}))  # noqa: E731
-    cpu, gpu = open_(backend="cpu"), open_(backend="cuda", cuda_graphs=False, cuda_options=window)
-    assert not gpu.decoder.blocks_host(480) and gpu.decoder.blocks_host(250)
-    forced = ForcedRouting(monkeypatch)
-    for n, wgmma in ((480, True), (250, False)):
-        ids = random_prompt(700 + n, n)
-        before = len(launches)
-        logits = gpu.prompt_logits(ids)
-        assert (len(launches) > before) == wgmma, f"prefill {n}: wgmma launched {len(launches) - before} times"
-        assert np.all(np.isfinite(logits)), f"prefill {n}"
-        forced.queue = last_step_expert_ids(gpu, n)
-        ref = cpu.prompt_logits(ids)
-        err = rel_error(logits, ref)
-        assert err <= BF16_TOLERANCE, f"prefill {n}: {err:.2e}"
-        assert_greedy_close(logits.argmax(axis=1), ref, f"prefill {n}")
-    ids = random_prompt(1480, 480)
-    with_window = gpu.prompt_logits(ids)
-    gpu.decoder.set_options(CudaOptions())  # the shipped window: per-expert cuBLAS behind a host break
-    before = len(launches)
-    without = gpu.prompt_logits(ids)
-    assert len(launches) == before, "the window's default still launched the wgmma kernel"
-    assert rel_error(with_window, without) <= BF16_TOLERANCE
-    assert forced.worst_tie <= ROUTER_TIE
-    gpu.decoder.close()
+    def host_breaks(gpu):  # the window's step is captured whole; the smaller one keeps its host break
+        assert not gpu.decoder.blocks_host(480) and gpu.decoder.blocks_host(250)
+
+    window = CudaOptions(grouped_mma_max_tokens_few_experts=512)  # off: the shipped window, per-expert cuBLAS
+    check_wgmma_prefills(few_model, monkeypatch, window, CudaOptions(), ((480, True), (250, False)), 700, host_breaks)

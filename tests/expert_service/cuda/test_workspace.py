@@ -251,3 +251,26 @@ def test_stage_routed_ids_without_a_plan_and_with_a_bad_one():
         stage_routed_ids(flat, {0: np.zeros((3, 2), np.int64)}, [0, 1], 3, 4, 2)
     with pytest.raises(ValueError, match=r"layer 0 has shape \[3, 1\]"):
         stage_routed_ids(flat, {0: np.zeros((3, 1), np.int64), 1: np.zeros((3, 2), np.int64)}, [0, 1], 3, 4, 2)
+
+
+def test_decode_split_views_fit_every_step_size():
+    """The split-K workspace holds S * decode_split_count(S) rows for every decode step size S, so one sequence
+    gets its own (many) parts and the largest batch its few; the views are [S, H, P, Hd] and [S, H, P, 2]."""
+    from types import SimpleNamespace
+
+    from expert_service.cuda.workspace import decode_split_count, decode_split_views
+
+    config = config_from_hf({**tiny_hf_config("qwen3_moe"), "max_position_embeddings": 32768})
+    H, Hd, S = config.num_attention_heads, config.head_dim, 64
+    layout = layout_workspace(config, np.dtype(np.uint16), 512, S, 16, len(config.moe_layers))
+    rows = layout["split_out"][0][0]
+    assert layout["split_out"][0] == (rows, H, Hd) and layout["split_ml"][0] == (rows, H, 2)
+    counts = {s: decode_split_count(config, s) for s in range(1, S + 1)}
+    assert counts[1] > counts[S] >= 1 and rows == max(s * p for s, p in counts.items())
+    ws = SimpleNamespace(split_out=np.arange(rows * H * Hd, dtype=np.float32).reshape(rows, H, Hd))
+    ws.split_ml = np.zeros((rows, H, 2), np.float32)
+    for s in (1, 7, S):
+        part_out, part_ml = decode_split_views(ws, config, s, counts[s])
+        assert part_out.shape == (s, H, counts[s], Hd) and part_ml.shape == (s, H, counts[s], 2)
+        assert part_out.base is not None and part_out.reshape(-1)[0] == 0  # a view from the buffer's start
+    assert decode_split_views(ws, config, 1, counts[S])[0].shape == (1, H, counts[S], Hd)  # the option off

@@ -14,9 +14,9 @@ from expert_service.kernels.attention_decode_tiled import (
 from tests.helpers import check_decode_attention
 
 
-def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, launch, rtol=1e-5):
+def _check(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, splits, launch, rtol=1e-5, **kw):
     check_decode_attention(
-        launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, np.uint16, splits, rtol
+        launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, np.uint16, splits, rtol, **kw
     )
 
 
@@ -27,12 +27,20 @@ def test_gqa_group_of_8_over_several_tiles():
 
 def test_split_parts_with_an_idle_slot():
     # a group of 3 query heads (padded head rows), 2 parts of 23 and 22 keys, an idle slot (context 0: zeros)
-    _check(np.random.default_rng(2), [45, 0], 3, 1, 64, 4, 0, 2, launch_attention_decode_tiled)
+    _check(np.random.default_rng(2), [45, 0], 3, 1, 64, 4, 0, 2, launch_attention_decode_tiled, min_keys=1)
+
+
+def test_parts_follow_each_context():
+    # at most 4 parts of at least 32 keys: 100 keys in 4 (32, 32, 32, 4), 40 in 2, 20 in one (its block writes the
+    # output, the reduce skips it), an idle slot; then a window of 33 over 90 keys (two parts)
+    rng = np.random.default_rng(6)
+    _check(rng, [100, 40, 20, 0], 4, 1, 64, 8, 0, 4, launch_attention_decode_tiled, min_keys=32)
+    _check(rng, [90], 2, 1, 64, 8, 33, 4, launch_attention_decode_tiled, min_keys=32)
 
 
 def test_sliding_window_and_mha():
     # MHA (group 1: one head per block), window 20 inside a 50-key context split in 2, block size 8
-    _check(np.random.default_rng(3), [50], 1, 1, 64, 8, 20, 2, launch_attention_decode_tiled)
+    _check(np.random.default_rng(3), [50], 1, 1, 64, 8, 20, 2, launch_attention_decode_tiled, min_keys=1)
 
 
 def test_head_dim_128_group_4():

@@ -1,6 +1,7 @@
 """The shared-memory load and vector store intrinsics of kernels.ptx against numpy: a kernel stages random words in
 shared memory, reads them back through `ld_shared` at a permuted index (uint32 and uint64 arrays) and writes float
-rows through `st_v4`. The same test runs in the simulator (the plain-array fallbacks) and on the GPU (the PTX)."""
+rows through `st_v4`; 16-byte groups go through shared memory by `st_shared_v4` and come back by `ld_shared_v4`
+at permuted group indices. The same test runs in the simulator (the plain-array fallbacks) and on the GPU (the PTX)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from expert_service.kernels.ptx import ld_shared, st_v4
+from expert_service.kernels.ptx import ld_shared, ld_shared_v4, st_shared_v4, st_v4
 
 N = 64  # threads = shared words = float rows of 4
 
@@ -29,6 +30,21 @@ def _shared_roundtrip(words32, words64, perm, out32, out64):
 def _store_rows(values, out):
     i = cuda.threadIdx.x
     st_v4(out, 4 * i, values[i, 0], values[i, 1], values[i, 2], values[i, 3])
+
+
+@cuda.jit
+def _shared_v4_roundtrip(words, perm, out):
+    """Thread i stores words[4i .. 4i+3] at shared group i with one st_shared_v4, then reads group perm[i] back with
+    one ld_shared_v4 into out[4i .. 4i+3]."""
+    smem = cuda.shared.array(4 * N, types.uint32)
+    i = cuda.threadIdx.x
+    st_shared_v4(smem, 4 * i, words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3])
+    cuda.syncthreads()
+    a, b, c, d = ld_shared_v4(smem, 4 * perm[i])
+    out[4 * i] = a
+    out[4 * i + 1] = b
+    out[4 * i + 2] = c
+    out[4 * i + 3] = d
 
 
 WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
@@ -55,3 +71,13 @@ def test_st_v4_writes_four_consecutive_floats(where):
     got = out.copy_to_host()
     np.testing.assert_array_equal(got[: 4 * N], values.reshape(-1))
     assert np.isnan(got[4 * N :]).all()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_shared_v4_stores_and_loads_sixteen_byte_groups(where):
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2**32, 4 * N, dtype=np.uint64).astype(np.uint32)
+    perm = rng.permutation(N).astype(np.int32)
+    out = cuda.to_device(np.zeros(4 * N, np.uint32))
+    _shared_v4_roundtrip[1, N](words, perm, out)
+    np.testing.assert_array_equal(out.copy_to_host().reshape(N, 4), words.reshape(N, 4)[perm])
