@@ -162,6 +162,7 @@ class CudaModel:
                 and mma_decode_supports(pool.dtype, Hd, pool.shape[1], H // Hkv)
             ):
                 attend = launch_attention_decode_mma
+            part_out, part_ml = decode_split_views(ws, cfg, S, self._decode_splits(S))
             attend(
                 q3,
                 self.k_pool[i],
@@ -172,7 +173,8 @@ class CudaModel:
                 window,
                 scale,
                 attn3,
-                *decode_split_views(ws, cfg, S, self._decode_splits(S)),
+                part_out,
+                part_ml,
                 stream=st,
             )
         else:
