@@ -25,6 +25,9 @@ MoE strategy its step sizes took (`moe_strategy`); bench/q8_mma.py sweeps the 8-
 
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
     python bench/engine.py --out out/ --shapes qwen3moe-full --expert-dtype int8,fp8
+    python bench/engine.py --out out/ --shapes mixtral-shape --skip-hf --cuda-options '{"decode_splits_per_step": false}'
+
+`--cuda-options` builds the engines with those CudaOptions fields (recorded in the JSON as `cuda_options`).
 """
 
 from __future__ import annotations
@@ -343,14 +346,15 @@ def strategies(engine, sizes) -> dict[str, str]:
 
 def cuda_options_arg(parser, text: str) -> dict:
     """--cuda-options parsed and checked against CudaOptions (one line naming what is wrong, not a traceback)."""
-    from expert_service.engine.cuda_options import CudaOptions
+    from common.errors import ConfigError
+    from expert_service.engine.config import cuda_options_from_mapping
 
     try:
         fields = json.loads(text)
         if not isinstance(fields, dict):
             raise ValueError("must be a JSON object")
-        CudaOptions(**fields)
-    except (ValueError, TypeError) as error:
+        cuda_options_from_mapping(fields)
+    except (ValueError, ConfigError) as error:
         parser.error(f"--cuda-options {text}: {error}")
     return fields
 

@@ -43,6 +43,7 @@ from bench.serve_services import (
     ROUTER_READY,
     WORKER_READY,
     Process,
+    cuda_options_file,
     device_name,
     free_port,
     prepare_models,
@@ -156,6 +157,7 @@ def measure(model_dir: Path, args, logs: Path, vocab: int) -> dict:
         max_batch_size=max(64, args.clients),
         kv_cache_tokens=3 * most * per_request + MAX_BATCH_TOKENS,
         max_concurrent_requests=128,
+        config_file=cuda_options_file(args.cuda_options, logs),
     )
     worker_port, token = free_port(), secrets.token_urlsafe(32)
     worker = Process("worker", worker_command(model_dir, cfg, worker_port), logs / "worker.log", token)
@@ -215,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--name", help="file stem (default: <device>-serve-prefix)")
     parser.add_argument("--start-timeout", type=float, default=900.0)
+    parser.add_argument("--cuda-options", default="{}", help="the worker's CudaOptions fields as a JSON object")
     args = parser.parse_args(argv)
+    from bench.engine import cuda_options_arg
+
+    args.cuda_options = cuda_options_arg(parser, args.cuda_options)
     for key, value in DEFAULTS[args.backend].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="colibri-prefix-bench-"))
     results = {"benchmark": "serve-prefix", "machine": platform.node(), "device": device, "cpu_count": os.cpu_count()}
     results |= {"config": {k: getattr(args, k) for k in DEFAULTS["cpu"]}, "targets": TARGETS, "models": {}}
+    results["cuda_options"] = args.cuda_options
     path = out_dir / f"{name}.json"
     try:
         for model_name, model_dir in prepare_models(args, workdir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import platform
 import shutil
@@ -83,7 +84,19 @@ def worker_command(model_dir: Path, cfg: dict, port: int) -> list[str]:
         "--kv-cache-tokens",
         str(cfg["kv_cache_tokens"]),
         *batch_flags(cfg),
+        *(["--config", cfg["config_file"]] if cfg.get("config_file") else []),
     ]
+
+
+def cuda_options_file(options: dict, workdir: Path) -> str | None:
+    """A worker --config file whose engine section holds these CudaOptions fields (None when there are none)."""
+    if not options:
+        return None
+    path = workdir / "worker-cuda-options.json"
+    path.write_text(
+        json.dumps({"worker": {}, "engine": {"cuda_options": options}})
+    )  # both sections: see load_config_file
+    return str(path)
 
 
 def router_command(model_dir: Path, cfg: dict, worker_port: int, port: int, metrics_port: int, depth: int):

@@ -107,7 +107,7 @@ class EngineConfig:
 
     def __post_init__(self):
         if isinstance(self.cuda_options, Mapping):
-            object.__setattr__(self, "cuda_options", _cuda_options(self.cuda_options))
+            object.__setattr__(self, "cuda_options", cuda_options_from_mapping(self.cuda_options))
         elif not isinstance(self.cuda_options, CudaOptions):
             raise ConfigError(f"cuda_options: must be a mapping of CudaOptions fields, got {self.cuda_options!r}")
         for name, kind in (("backend", Backend), ("routing", RoutingMode)):  # plain strings from code
@@ -145,9 +145,9 @@ class EngineConfig:
         return self.num_kv_blocks or -(-self.kv_cache_tokens // self.kv_block_size)
 
 
-def _cuda_options(values: Mapping) -> CudaOptions:
+def cuda_options_from_mapping(values: Mapping) -> CudaOptions:
     """CudaOptions from a config file's mapping: every key a field, every value of the field's type (a boolean
-    switch, or a positive integer threshold)."""
+    switch, or an integer threshold)."""
     types = {f.name: f.type for f in fields(CudaOptions)}
     for key, value in values.items():
         if key not in types:

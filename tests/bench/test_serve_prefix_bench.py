@@ -17,8 +17,11 @@ pytestmark = pytest.mark.slow
 def test_serve_prefix_bench_tiny_cpu(tmp_path):
     args = ["--workload", "prefix", "--backend", "cpu", "--clients", "3", "--rounds", "1", "--system-tokens", "32"]
     args += ["--user-tokens", "4", "--new-tokens", "2", "--out", str(tmp_path), "--name", "prefix"]
+    args += ["--cuda-options", '{"decode_splits_per_step": false}']  # through a worker --config file
     assert serve.main(args) == 0
-    entry = json.loads((tmp_path / "prefix.json").read_text())["models"]["tiny"]
+    results = json.loads((tmp_path / "prefix.json").read_text())
+    assert results["cuda_options"] == {"decode_splits_per_step": False}
+    entry = results["models"]["tiny"]
     assert set(entry["ratios"]) == {
         f"{w}_{m}_on_x_off" for w in ("shared", "unshared", "multiturn") for m in ("ttft_p50", "throughput")
     }
@@ -29,3 +32,17 @@ def test_serve_prefix_bench_tiny_cpu(tmp_path):
     assert entry["on"]["shared"]["prefill_steps"] >= 2 and entry["off"]["unshared"]["prefill_steps"] >= 1
     with pytest.raises(SystemExit, match="only 'prefix'"):
         serve.main(["--workload", "other"])
+
+
+def test_cuda_options_reach_the_worker_as_a_config_file(tmp_path):
+    from bench.serve_services import cuda_options_file, worker_command
+
+    cfg = dict(backend="cuda", kv_block_size=16, kv_cache_tokens=64, max_batch_tokens=64, max_batch_size=4)
+    cfg["max_concurrent_requests"] = 8
+    assert "--config" not in worker_command(tmp_path, {**cfg, "config_file": cuda_options_file({}, tmp_path)}, 1)
+    path = cuda_options_file({"wgmma_experts": False}, tmp_path)
+    command = worker_command(tmp_path, {**cfg, "config_file": path}, 1)
+    assert command[command.index("--config") + 1] == path
+    assert json.loads(open(path).read())["engine"] == {"cuda_options": {"wgmma_experts": False}}
+    with pytest.raises(SystemExit):
+        serve.main(["--workload", "prefix", "--cuda-options", '{"wgmma_experts": 3}'])
