@@ -17,6 +17,8 @@ passes (on a loaded machine a round can take several times the others).
 
 Writes <out>/<name>.json and prints the on/off ratios:
     python bench/serve.py --workload prefix --backend cpu | --backend cuda --out out/serve
+`--cuda-options '{"field": value}'` starts the worker with those CudaOptions (a --config file), e.g. to compare a
+kernel path's effect on the served figures; the JSON records them.
 """
 
 from __future__ import annotations
