@@ -336,12 +336,9 @@ def expert_dtype_ratios(runs: dict) -> dict:
 
 
 def strategies(engine, sizes) -> dict[str, str]:
-    """The MoE strategy a step of each size takes on this engine, under its current options."""
-    from expert_service.cuda.moe_strategy import choose_strategy
-
-    moe, cfg = engine.decoder.model.moe, engine.decoder.config
-    K, E = cfg.num_experts_per_tok, cfg.num_experts
-    return {str(T): choose_strategy(T, K, E, False, moe.bf16, moe.quantized, moe.q8_mma).value for T in sizes}
+    """The MoE strategy a step of each size takes on this engine, under its current options (the decoder's own
+    choice, so every option that moves a step size is in it)."""
+    return {str(T): engine.decoder._strategy(T).value for T in sizes}
 
 
 def cuda_options_arg(parser, text: str) -> dict:

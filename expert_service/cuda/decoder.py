@@ -296,10 +296,10 @@ class CudaDecoder:
         return self.finish(self.launch(batch, traced=trace is not None), trace)
 
     def blocks_host(self, num_tokens: int) -> bool:
-        """Whether launching a step of this many tokens waits for the device inside the pass (the host steps of
-        per-expert cuBLAS, the expert cache's): a step ahead of it would then be answered only after it."""
-        T = self._prefill_bucket(num_tokens) or num_tokens
-        return self._strategy(T) not in ON_DEVICE if self.config.moe_layers else False
+        """Whether a step of this many tokens (padded to its bucket, or not: large decodes) may wait for the device
+        inside the pass (per-expert cuBLAS, the expert cache): a step ahead of it is then answered only after it."""
+        sizes = {num_tokens, self._prefill_bucket(num_tokens) or num_tokens}
+        return any(self._strategy(T) not in ON_DEVICE for T in sizes) if self.config.moe_layers else False
 
     def _strategy(self, T: int) -> MoeStrategy:
         """The MoE strategy a step of T tokens takes on this model (cuda/moe_strategy.py choose_strategy)."""

@@ -221,7 +221,8 @@ def _build(head_dim: int, gt: int):
             if g < _u(gt):
                 d = _u(2) * col
                 if parts <= 1:
-                    inv = np.float32(1.0) / sl[g] if sl[g] > 0 else np.float32(0.0)
+                    # no tiles (an idle slot): no barrier ordered sl's initialisation before this read
+                    inv = np.float32(1.0) / sl[g] if n_tiles > 0 and sl[g] > 0 else np.float32(0.0)
                     out[s, h0 + g, d] = acc_lo[i] * inv
                     out[s, h0 + g, d + _u(1)] = acc_hi[i] * inv
                 else:

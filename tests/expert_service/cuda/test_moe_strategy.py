@@ -75,3 +75,23 @@ def test_workspace_of_the_window_holds_both_paths():
 def test_the_option_refuses_what_is_not_a_token_count(value):
     with pytest.raises(ValueError, match="cuda_options.grouped_mma_max_tokens_few_experts"):
         CudaOptions(grouped_mma_max_tokens_few_experts=value)
+
+
+def test_blocks_host_asks_the_size_and_its_bucket(monkeypatch):
+    """A decode of 300 sequences runs unpadded (per-expert cuBLAS, a host break) although its prefill bucket, 384,
+    would take the window's GROUPED_MMA: the decoder must still report that the step waits for the host."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from expert_service.cuda.decoder import CudaDecoder
+
+    monkeypatch.setattr(moe_strategy, "hopper", lambda: True)
+    d = CudaDecoder.__new__(CudaDecoder)
+    d.config = mixtral(hidden_size=64, intermediate_size=128, num_local_experts=E)
+    d.cached, d.max_tokens = None, 512
+    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=False, all_8bit=False)
+    d.model = SimpleNamespace(options=CudaOptions(grouped_mma_max_tokens_few_experts=512))
+    assert d._prefill_bucket(300) == 384 and d._strategy(384) is S.GROUPED_MMA
+    assert d._strategy(300) is S.CUBLAS_PER_EXPERT and d.blocks_host(300)
+    assert not d.blocks_host(480)  # 480 and its bucket 512 both take the window
