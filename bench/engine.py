@@ -25,7 +25,7 @@ MoE strategy its step sizes took (`moe_strategy`); bench/q8_mma.py sweeps the 8-
 
     python bench/engine.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--skip-hf]
     python bench/engine.py --out out/ --shapes qwen3moe-full --expert-dtype int8,fp8
-    python bench/engine.py --out out/ --shapes mixtral-shape --skip-hf --cuda-options '{"decode_splits_per_step": false}'
+    python bench/engine.py --out out/ --shapes mixtral-shape --skip-hf --cuda-options '{"decode_splits_per_step": true}'
 
 `--cuda-options` builds the engines with those CudaOptions fields (recorded in the JSON as `cuda_options`).
 """

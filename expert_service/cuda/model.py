@@ -204,8 +204,8 @@ class CudaModel:
         )
 
     def _decode_splits(self, S: int) -> int:
-        """The split-K parts of a decode step of S sequences' attention: decode_splits of S itself, or with
-        CudaOptions.decode_splits_per_step off those of the largest batch (the workspace's max_seqs) at every S."""
+        """The split-K parts of a decode step of S sequences' attention: those of the largest batch (the workspace's
+        max_seqs) at every S, or with CudaOptions.decode_splits_per_step decode_splits of S itself."""
         seqs = S if self.options.decode_splits_per_step else self.ws.last_hidden.shape[0]
         return decode_split_count(self.config, seqs)
 

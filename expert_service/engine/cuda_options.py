@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset()
+EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +35,11 @@ class CudaOptions:
     # decode steps of 2+ sequences on tensor cores, attention_decode_mma, where it applies (bf16 pools, head size
     # 16/32/64/128, at most 16 query heads per kv head); elsewhere tiled_decode_attention decides
     mma_decode_attention: bool = True
-    # decode attention's split-K parts sized for the step's own sequences (attention_decode.decode_splits of S: one
-    # sequence over a long context gets up to ~66 parts), each sequence using as many as its context needs (False:
-    # the parts of the largest batch at every size, 2 at 64 sequences: a lone sequence ran its whole context in 2
-    # blocks per head group)
-    decode_splits_per_step: bool = True
+    # EXPERIMENTAL: decode attention's split-K parts sized for the step's own sequences (attention_decode.decode_splits
+    # of S: one sequence over a long context gets up to ~66 parts), each sequence using as many as its context needs
+    # (False: the parts of the largest batch at every size, 2 at 64 sequences, so a lone sequence runs its whole
+    # context in 2 blocks per head group)
+    decode_splits_per_step: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True

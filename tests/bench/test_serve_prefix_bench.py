@@ -17,10 +17,10 @@ pytestmark = pytest.mark.slow
 def test_serve_prefix_bench_tiny_cpu(tmp_path):
     args = ["--workload", "prefix", "--backend", "cpu", "--clients", "3", "--rounds", "1", "--system-tokens", "32"]
     args += ["--user-tokens", "4", "--new-tokens", "2", "--out", str(tmp_path), "--name", "prefix"]
-    args += ["--cuda-options", '{"decode_splits_per_step": false}']  # through a worker --config file
+    args += ["--cuda-options", '{"decode_splits_per_step": true}']  # through a worker --config file
     assert serve.main(args) == 0
     results = json.loads((tmp_path / "prefix.json").read_text())
-    assert results["cuda_options"] == {"decode_splits_per_step": False}
+    assert results["cuda_options"] == {"decode_splits_per_step": True}
     entry = results["models"]["tiny"]
     assert set(entry["ratios"]) == {
         f"{w}_{m}_on_x_off" for w in ("shared", "unshared", "multiturn") for m in ("ttft_p50", "throughput")
