@@ -155,6 +155,15 @@ def bench_hf(model, vocab: int) -> dict:
     return out
 
 
+def release_device_memory() -> None:
+    """Frees what earlier engines left: Python garbage first, then Numba's pending deallocations (it batches them),
+    so device_used_bytes measures this engine alone (a later free had made an int8 run's figure negative)."""
+    from numba import cuda
+
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+
+
 def device_used_bytes() -> int:
     from cuda.bindings import driver as drv
     from numba import cuda
@@ -201,6 +210,7 @@ def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None = None)
     from expert_service.serving.lifecycle import ModelThread
 
     rng = np.random.default_rng(0)
+    release_device_memory()  # an engine measured before (another dtype) must not be freed during this one
     before = device_used_bytes()
     model = ModelDir.open(model_dir, verify=False)
     # sized for the work below, as HF's cache is: the largest batch's prompts and decode steps (timed one at a
