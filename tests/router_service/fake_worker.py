@@ -52,6 +52,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.freed: list[int] = []  # ids freed through the step stream
         self.extra_samples = 0  # tokens sampled for a sequence after its EOS / stop id
         self.max_queued = 0  # most step-stream requests received and not yet answered
+        self.open_streams = 0  # step-stream handlers still running (the harness lets them end before stopping)
         self.draining = False  # new sequences on the step stream get DRAINING, as a signalled worker answers
         self.sampling: dict[int, pb.SamplingParams] = {}
         self.step_started = asyncio.Event()
@@ -181,12 +182,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
         busy = [0]
         receiver = asyncio.create_task(receive())
+        self.open_streams += 1
         try:
             async for response in self._step_responses(queued, busy, context):
                 yield response
         finally:
             # However the stream ends (an injected abort, the router cancelling), the reader goes with it and
             # its error is retrieved: nothing is left for the loop to report at close.
+            self.open_streams -= 1
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
 
@@ -264,6 +267,11 @@ async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **over
     finally:
         await channel.close()
         await router.stop(grace=0.1)
+        # the router's end cancels its step stream; a handler the server's own stop cancelled instead (mid-step)
+        # would be logged by grpc as an unhandled error, which tests that assert a clean log then see
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while fake.open_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         await worker_server.stop(0)
 
 
