@@ -2,7 +2,7 @@
 
 The choice depends on the step's T tokens, the K of E experts each token is routed to, the weights' dtype and
 whether every expert is resident on the device; `choose_strategy` decides from the thresholds defined beside it.
-`capturable` and `ON_DEVICE` say which strategies a CUDA graph captures (whole, or in pieces around a host break);
+`ON_DEVICE` and `CAPTURABLE` say which strategies a CUDA graph captures (whole, or in pieces around a host break);
 `reachable_strategies` lists those a model's steps can take (its workspace holds only their buffers);
 `warmup_tokens` lists the step sizes whose warm-up loads every kernel. DeviceMoe (cuda/moe.py) runs them. What
 each strategy launches, and the H200 measurements behind the thresholds, are in docs/kernels.md, section "MoE
@@ -150,20 +150,6 @@ ON_DEVICE = frozenset(
 )
 # ... and those a graph captures in pieces around a host break (driver.HostBreaks).
 CAPTURABLE = ON_DEVICE | {MoeStrategy.CUBLAS_PER_EXPERT, MoeStrategy.CACHED_CUBLAS}
-
-
-def capturable(
-    T: int,
-    K: int,
-    E: int,
-    cached: bool,
-    bf16: bool,
-    quantized: bool = False,
-    q8_mma: tuple[int, int] | None = None,
-    few_expert_mma: int = 0,
-) -> bool:
-    """Whether a step of T tokens can replay CUDA graphs: its MoE blocks on the device, or split at host breaks."""
-    return choose_strategy(T, K, E, cached, bf16, quantized, q8_mma, few_expert_mma=few_expert_mma) in CAPTURABLE
 
 
 def reachable_strategies(
