@@ -76,7 +76,7 @@ sys.exit(train.main(sys.argv[1:]))' "$@"
 MMA_OFF=
 py_engine() {
   if [ -n "$MMA_OFF" ]; then
-    "$PY" -c 'import runpy, sys; import expert_service.cuda.moe as moe; moe.GROUPED_MMA_MIN_EXPERTS = 1 << 30
+    "$PY" -c 'import runpy, sys; import expert_service.cuda.moe_strategy as strategy; strategy.GROUPED_MMA_MIN_EXPERTS = 1 << 30
 sys.argv = sys.argv[1:]
 runpy.run_module(sys.argv[0][3:], run_name="__main__", alter_sys=True) if sys.argv[0].startswith("-m:") else runpy.run_path(sys.argv[0], run_name="__main__")' "$@"
   else

@@ -5,7 +5,7 @@ launches are cuda/model.py's, which alternative kernels they take engine/cuda_op
 One non-blocking stream carries everything. Decode-only steps of up to 64 sequences replay a CUDA graph
 captured per batch-size bucket (padded sequences write no KV and attend to nothing). Other steps (prefills,
 prefill chunks mixed with decodes) are padded to a token bucket (`prefill_buckets`: powers of two and 1.5x
-powers of two) and replay a graph of the layers captured per bucket (`moe.CAPTURABLE`; with the expert cache
+powers of two) and replay a graph of the layers captured per bucket (`moe_strategy.CAPTURABLE`; with the expert cache
 too: its slot map and copies are decided on the device). Where a MoE block needs the host mid-pass (per-expert
 cuBLAS GEMMs sized by the step's expert offsets, resident or cached) the graph is captured in pieces around that host step (driver.HostBreaks, shared by both graph caches). The
 padding tokens form one extra sequence that writes no KV and attends to nothing. The LM head of such a step
