@@ -46,6 +46,25 @@ SHAPES = ((4096, 4096, 4096), (2048, 14336, 4096), (512, 28672, 4096), (2048, 40
 
 
 @functools.cache
+def accumulator_store_fn(bn: int):
+    """Device function store(c, acc, row0, n0): a warpgroup's m64 x n`bn` float32 accumulator, in wgmma's fragment
+    order (warp w of the warpgroup, lane l: rows row0 + 16w + l / 4 and + 8, column pairs n0 + 8j + 2 (l % 4)),
+    into c [M, N]; row0 is the warpgroup's first row."""
+
+    @cuda.jit(device=True, inline=True)
+    def store(c, acc, row0, n0):
+        warp, lane = (cuda.threadIdx.x // 32) % 4, cuda.threadIdx.x % 32
+        row = row0 + warp * 16 + lane // 4
+        for j in range(bn // 8):
+            col = n0 + 8 * j + 2 * (lane % 4)
+            for h in range(2):
+                c[row + 8 * h, col] = acc[4 * j + 2 * h]
+                c[row + 8 * h, col + 1] = acc[4 * j + 2 * h + 1]
+
+    return store
+
+
+@functools.cache
 def gemm_kernel(bn: int, stages: int, overlap: bool, swizzle: bool):
     """C = A @ B^T (module docstring): a [M * K / 2] uint32 (bf16 pairs), b [N * K / 2] uint32, c [M, N] f32;
     M % 128 == 0, N % bn == 0, K % 64 == 0. Grid (N / bn, M / 128), block 256, dynamic shared stages * (128 + bn)
@@ -56,6 +75,7 @@ def gemm_kernel(bn: int, stages: int, overlap: bool, swizzle: bool):
     wait_copies = cp_async_wait_fn(primed - 1)
     wait_mma = wgmma_wait_fn(1 if overlap else 0)
     wait_all = wgmma_wait_fn(0)
+    store = accumulator_store_fn(bn)
     a_words, b_words = BM * BK // 2, bn * BK // 2  # uint32 words of a stage's A and B tiles
     stage_words = a_words + b_words
 
@@ -122,13 +142,7 @@ def gemm_kernel(bn: int, stages: int, overlap: bool, swizzle: bool):
             wgmma_commit()
             wait_mma()
         wait_all()
-        warp, lane = (cuda.threadIdx.x // 32) % 4, cuda.threadIdx.x % 32
-        row = m0 + wg * 64 + warp * 16 + lane // 4
-        for j in range(bn // 8):
-            col = n0 + 8 * j + 2 * (lane % 4)
-            for h in range(2):
-                c[row + 8 * h, col] = acc[4 * j + 2 * h]
-                c[row + 8 * h, col + 1] = acc[4 * j + 2 * h + 1]
+        store(c, acc, m0 + wg * 64, n0)
 
     return kernel, stages * stage_words * 4
 

@@ -32,7 +32,7 @@ from numba import cuda, types
 from numba.cuda.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.wgmma_gemm import time_call  # noqa: E402
+from bench.wgmma_gemm import accumulator_store_fn, time_call  # noqa: E402
 from expert_service.kernels.moe_gemm_mma import launch_with_shared  # noqa: E402
 from expert_service.kernels.ptx import _shared_address, _statement  # noqa: E402
 from expert_service.kernels.wgmma import (  # noqa: E402
@@ -160,6 +160,7 @@ def gemm_kernel(bn: int, stages: int):
     stage_bytes = stage_words * 4
     bars_offset = stages * stage_words * 4  # bytes: the mbarriers follow the stages
     wait_older, wait_all = wgmma_wait_fn(1), wgmma_wait_fn(0)
+    store = accumulator_store_fn(bn)
 
     def kernel(ta, tb, c, k):
         smem = cuda.shared.array(0, np.uint32, alignment=ATOM_BYTES)
@@ -212,13 +213,7 @@ def gemm_kernel(bn: int, stages: int):
             if kt > 0 and tid % 128 == 0:
                 mbar_arrive(bars, full0 + stages + (kt - 1) % stages)
         wait_all()
-        warp, lane = (tid // 32) % 4, tid % 32
-        row = m0 + cw * 64 + warp * 16 + lane // 4
-        for j in range(bn // 8):
-            col = n0 + 8 * j + 2 * (lane % 4)
-            for h in range(2):
-                c[row + 8 * h, col] = acc[4 * j + 2 * h]
-                c[row + 8 * h, col + 1] = acc[4 * j + 2 * h + 1]
+        store(c, acc, m0 + cw * 64, n0)
 
     return kernel, stages * stage_bytes + 2 * stages * 8
 
