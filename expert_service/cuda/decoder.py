@@ -39,12 +39,11 @@ from expert_service.cuda.moe_strategy import (
     CAPTURABLE,
     ON_DEVICE,
     MoeStrategy,
-    cached_gemv_slots,
     cached_grouped_tokens,
-    choose_strategy,
     few_expert_mma_tokens,
     q8_mma_tokens,
     reachable_strategies,
+    step_strategy,
     warmup_tokens,
 )
 from expert_service.cuda.penalties import DevicePenalties
@@ -302,20 +301,8 @@ class CudaDecoder:
         return any(self._strategy(T) not in ON_DEVICE for T in sizes) if self.config.moe_layers else False
 
     def _strategy(self, T: int) -> MoeStrategy:
-        """The MoE strategy a step of T tokens takes on this model (cuda/moe_strategy.py choose_strategy)."""
-        cfg = self.config
-        return choose_strategy(
-            T,
-            cfg.num_experts_per_tok,
-            cfg.num_experts,
-            self.cached is not None,
-            self.weights.dtype == np.uint16,
-            self.weights.quantized,
-            self._q8_mma(self.options),
-            cached_gemv_slots(self.cached, self.options),
-            self._cached_grouped(self.options),
-            self._few_expert_mma(self.options),
-        )
+        """The MoE strategy a step of T tokens takes on this model (cuda/moe_strategy.py step_strategy)."""
+        return step_strategy(T, self.config, self.weights, self.cached, self.options)
 
     def launch(self, batch: ForwardBatch, traced: bool = False) -> LaunchedForward:
         """Issues the step on the stream without waiting for it; `finish` waits and hands over its logits. The

@@ -20,12 +20,11 @@ from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.moe_grouped_mma import run_grouped_mma
 from expert_service.cuda.moe_strategy import (
     MoeStrategy,
-    cached_gemv_slots,
     cached_grouped_tokens,
     choose_strategy,
-    few_expert_mma_tokens,
     fused_router,
     q8_mma_tokens,
+    step_strategy,
 )
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
@@ -113,24 +112,13 @@ class DeviceMoe:
         x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input) --
         for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size."""
         cfg, ws, st = self.config, self.ws, self.stream
-        K, E = cfg.num_experts_per_tok, cfg.num_experts
+        K = cfg.num_experts_per_tok
         n = T * K
         logits, router = ws.router_logits[:T], self.weights.layer(i, "router")
         moe_index = self.moe_layers.index(i)
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
-        strategy = choose_strategy(
-            T,
-            K,
-            E,
-            self.cached is not None,
-            self.bf16,
-            self.quantized,
-            self.q8_mma,
-            self.cache_slots,
-            self.cached_grouped,
-            self.few_expert_mma,
-        )
+        strategy = step_strategy(T, cfg, self.weights, self.cached, self.options)
         fuse_norm = (
             next_norm is not None
             and not cfg.shared_expert_intermediate_size
@@ -173,16 +161,6 @@ class DeviceMoe:
     def q8_mma(self) -> tuple[int, int] | None:
         """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options)
-
-    @property
-    def few_expert_mma(self) -> int:
-        """choose_strategy's few_expert_mma under the current options (few_expert_mma_tokens)."""
-        return few_expert_mma_tokens(self.config, self.bf16, self.options)
-
-    @property
-    def cache_slots(self) -> int:
-        """choose_strategy's cache_slots under the current options (cached_gemv_slots)."""
-        return cached_gemv_slots(self.cached, self.options)
 
     @property
     def cached_grouped(self) -> int:

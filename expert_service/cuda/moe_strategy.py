@@ -134,6 +134,27 @@ def choose_strategy(
     return MoeStrategy.CUBLAS_PER_EXPERT
 
 
+def step_strategy(
+    T: int, config: ModelConfig, weights, cached: CachedExperts | None, options: CudaOptions
+) -> MoeStrategy:
+    """The strategy a step of T tokens takes on this model under these options: choose_strategy with every bound
+    derived from the model's weights (DeviceWeights: dtype, quantized, all_8bit), its expert cache and the options,
+    in one place, so the decoder and the MoE block cannot disagree."""
+    bf16 = np.dtype(weights.dtype) == np.uint16
+    return choose_strategy(
+        T,
+        config.num_experts_per_tok,
+        config.num_experts,
+        cached is not None,
+        bf16,
+        weights.quantized,
+        q8_mma_tokens(config, weights.all_8bit, bf16, options),
+        cached_gemv_slots(cached, options),
+        cached_grouped_tokens(config, weights.dtype, weights.quantized, options, weights.all_8bit),
+        few_expert_mma_tokens(config, bf16, options),
+    )
+
+
 # Strategies whose launches read every data-dependent size on the device, so a CUDA graph can capture them whole
 # (the expert cache's grouped strategy too: its slot map, copies and waves are decided on the device).
 ON_DEVICE = frozenset(
