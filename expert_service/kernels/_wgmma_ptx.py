@@ -89,3 +89,50 @@ def wgmma_bf16_fn(n: int):
             return context.get_dummy_value()
         return sig, codegen
     return mma
+
+
+# 8-bit operands: k32 a step (32 bytes of a K-major row, as k16 of bf16), both operands K-major only (no transpose
+# immediates), e4m3 into fp32 accumulators, s8 into s32 ones (no scale immediates either).
+Q8_KINDS = {"e4m3": ("f32.e4m3.e4m3", ", 1, 1", types.float32, "=f"), "s8": ("s32.s8.s8", "", types.int32, "=r")}
+
+
+@functools.cache
+def wgmma_q8_fn(n: int, kind: str):
+    """Device function `mma(acc, base, desc_a, desc_b, accumulate)` for m64n<n>k32 on 8-bit operands (kernels.wgmma
+    docstring): kind "e4m3" (acc float32) or "s8" (acc int32); the fragment layout is the bf16 one's."""
+    if n not in N_CHOICES:
+        raise ValueError(f"wgmma n must be one of {N_CHOICES}, got {n}")
+    if kind not in Q8_KINDS:
+        raise ValueError(f"8-bit wgmma kind must be one of {sorted(Q8_KINDS)}, got {kind!r}")
+    types_suffix, immediates, acc_type, reg = Q8_KINDS[kind]
+    regs = n // 2
+    outs = ", ".join(f"${i}" for i in range(regs))
+    asm = ("{\n.reg .pred p;\n"
+           f"setp.ne.b32 p, ${regs + 2}, 0;\n"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k32.{types_suffix} {{{outs}}}, ${regs}, ${regs + 1}, p{immediates};\n"
+           "}")
+    constraints = ",".join([reg] * regs + ["l", "l", "r"] + [str(i) for i in range(regs)])
+
+    @intrinsic
+    def mma(typingctx, acc, base, desc_a, desc_b, accumulate):
+        if not (isinstance(acc, types.Array) and acc.layout == "C" and acc.dtype == acc_type
+                and isinstance(base, types.IntegerLiteral)):
+            raise NumbaTypeError(f"wgmma {kind} needs a C-contiguous {acc_type} local array and a literal base index, "
+                                 f"got {acc}, {base}")
+        sig = types.void(acc, base, types.uint64, types.uint64, types.int32)
+        first = base.literal_value
+
+        def codegen(context, builder, sig, args):
+            value_t, i32, i64 = context.get_value_type(acc_type), ir.IntType(32), ir.IntType(64)
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            ptrs = [builder.gep(ary.data, [ir.Constant(i64, first + r)], inbounds=True) for r in range(regs)]
+            old = [builder.load(p) for p in ptrs]
+            fnty = ir.FunctionType(ir.LiteralStructType([value_t] * regs), [i64, i64, i32] + [value_t] * regs)
+            flag = context.cast(builder, args[4], sig.args[4], types.int32)
+            out = builder.call(ir.InlineAsm(fnty, asm, constraints, side_effect=True),
+                               [args[2], args[3], flag] + old)
+            for r, p in enumerate(ptrs):
+                builder.store(builder.extract_value(out, r), p)
+            return context.get_dummy_value()
+        return sig, codegen
+    return mma

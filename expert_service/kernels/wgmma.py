@@ -12,6 +12,9 @@ instruction together (`.sync.aligned`).
   float32 array of any shape, taken flat; indexed by constants only so it stays in registers). accumulate == 0 ignores the old acc (D = A B).
   Fragment of thread i of the warpgroup (w = i // 32 its warp, l = i % 32): acc[base + 4j + 2h + c] holds
   D[16w + l // 4 + 8h, 8j + 2 (l % 4) + c] for j < n / 8, h, c in {0, 1} (PTX ISA, "wgmma D fragments").
+- ``wgmma_q8_fn(n, kind)``: the same for 8-bit operands, `m64n<n>k32`: kind "e4m3" (fp32 accumulators) or "s8"
+  (int32 accumulators, a C-contiguous local int32 array). A k32 step covers the same 32 bytes of a K-major row as
+  a bf16 k16 step, so the descriptors below serve both; 8-bit operands must be K-major (PTX allows no transpose).
 - ``smem_desc(smem, index, lbo, sbo)``: the 64-bit matrix descriptor of the tile starting at smem[index] (a 1-d
   shared array, 16-byte aligned element) in the no-swizzle layout: the tile is made of core matrices of 8 rows
   x 16 bytes stored as 128 contiguous bytes; `lbo` is the byte distance between core matrices adjacent along K
@@ -44,6 +47,9 @@ if SIMULATOR:  # the simulator cannot run inline PTX: the names exist (modules i
 
     def wgmma_bf16_fn(n: int):
         return _unavailable
+
+    def wgmma_q8_fn(n: int, kind: str):
+        return _unavailable
 else:
     from expert_service.kernels._wgmma_ptx import (  # noqa: F401  (re-exported)
         fence_proxy_async,
@@ -52,5 +58,6 @@ else:
         wgmma_bf16_fn,
         wgmma_commit,
         wgmma_fence,
+        wgmma_q8_fn,
         wgmma_wait_fn,
     )

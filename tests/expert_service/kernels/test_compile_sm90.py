@@ -19,7 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 LINKED = "attention_decode"
 STREAMED = "moe_q8"
-WGMMA = ("moe_gemm_wgmma", "moe_gemm_q8wgmma")  # sm_90a: their warpgroup MMAs must not be serialised
+WGMMA = ("moe_gemm_wgmma", "moe_gemm_q8wgmma", "moe_gemm_w8a8")  # sm_90a: their warpgroup MMAs must not be serialised
+# W8A8's 128-register gate|up epilogue (int32 sums widened, two scales a sum) spills a few words once per tile, after
+# the main loop; more than this would reach the loop
+W8A8_EPILOGUE_SPILL_BYTES = 32
 
 
 @pytest.mark.slow  # about two minutes of compiles: started first
@@ -68,5 +71,7 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
     wgmma = [r for r in rows if r["module"] in WGMMA]
     assert len(wgmma) >= 8
     for r in wgmma:  # no subroutine call (IEEE division, 64-bit division by a run-time value): ptxas warning C7509
-        assert r["wgmma_serialized"] == 0 and r["spill_store_bytes"] == 0 and r["registers"] <= 168, r
+        w8a8 = r["module"] == "moe_gemm_w8a8"  # its block-scaled tiles are 256-thread blocks: up to 255 registers
+        spill, registers = (W8A8_EPILOGUE_SPILL_BYTES, 255) if w8a8 else (0, 168)
+        assert r["wgmma_serialized"] == 0 and r["spill_store_bytes"] <= spill and r["registers"] <= registers, r
     assert not any("registers" in r for r in rows if r["module"] not in (LINKED, STREAMED, *WGMMA))
