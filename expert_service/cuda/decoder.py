@@ -123,6 +123,7 @@ class CudaDecoder:
             cached_mma=config.cuda_options.cached_mma,
             cached_grouped=cached_grouped,
             few_expert_mma=self._few_expert_mma(config.cuda_options),
+            q8_activations=config.cuda_options.q8_activations,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
@@ -552,6 +553,8 @@ class CudaDecoder:
         grouped = min(self._cached_grouped(options), self.max_tokens)  # the rows of steps an engine can take
         if cached is not None and grouped > min(self.workspace_cached_grouped, self.max_tokens):
             missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
+        if options.q8_activations and not hasattr(self.ws, "mma_q8_rows"):  # W8A8's 8-bit rows
+            missing |= {MoeStrategy.Q8_MMA} & self._strategies(options, cached is not None)
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

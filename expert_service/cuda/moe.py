@@ -17,7 +17,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import run_grouped_mma
+from expert_service.cuda.moe_grouped_mma import run_grouped_mma, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     MoeStrategy,
     cached_grouped_tokens,
@@ -135,9 +135,11 @@ class DeviceMoe:
             launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
         experts = self.weights.experts.get(i)
         if strategy in (MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA):
-            meta = self.weights.expert_meta[i] if strategy is MoeStrategy.Q8_MMA else None
+            q8 = strategy is MoeStrategy.Q8_MMA
+            meta = self.weights.expert_meta[i] if q8 else None
             F, D, wgmma = cfg.moe_intermediate_size, cfg.hidden_size, self.options.wgmma_experts
-            run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine=combine, meta=meta, wgmma=wgmma)
+            w8a8 = self._w8a8_kind(i, experts) if q8 and self.options.q8_activations else None
+            run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine, meta, wgmma, w8a8)
         elif strategy is MoeStrategy.Q8:
             self._q8(i, x, h, T, ids, weights, experts, combine)
         elif strategy is MoeStrategy.GEMV:
@@ -156,6 +158,11 @@ class DeviceMoe:
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
+
+    def _w8a8_kind(self, i: int, experts) -> tuple[int, bool] | None:
+        """Layer i's (8-bit code, block-scaled) where W8A8 can run it (moe_grouped_mma.w8a8_kind), else None."""
+        cfg = self.config
+        return w8a8_kind(self.weights.expert_kinds[i], cfg.moe_intermediate_size, cfg.hidden_size, experts.shape[1])
 
     @property
     def q8_mma(self) -> tuple[int, int] | None:

@@ -21,6 +21,12 @@ Hopper warpgroup MMA on 128-byte swizzled stages, the same buffers and epilogues
 Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
 kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
 
+With CudaOptions.q8_activations, such 8-bit steps on the wgmma tile whose layer has one 8-bit type and scale scheme
+(`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes each sorted row's token in that type with a
+per-row scale (from float32 x, no bf16 gather), gate|up multiplies on the 8-bit tensor cores into bf16 h,
+`quantize_rows` quantizes h the same way (into the same buffer: the first GEMM no longer reads it), then down.
+Block-scaled fp8 takes the 64-row tile (`moe_gemm_w8a8.config_for`).
+
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
 """
@@ -32,6 +38,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8, SCALE_BLOCK, SCALE_CHANNEL
 from expert_service.kernels.moe_align import MAX_E as ALIGN_MAX_E
 from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_rows, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
@@ -46,11 +53,15 @@ from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_con
 from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
 from expert_service.kernels.moe_gemm_q8wgmma import applies as q8wgmma_applies
 from expert_service.kernels.moe_gemm_q8wgmma import launch_q8wgmma_down, launch_q8wgmma_gate_up
+from expert_service.kernels.moe_gemm_w8a8 import applies as w8a8_applies
+from expert_service.kernels.moe_gemm_w8a8 import config_for as w8a8_config
+from expert_service.kernels.moe_gemm_w8a8 import launch_w8a8_down, launch_w8a8_gate_up
 from expert_service.kernels.moe_gemm_wgmma import Config as WgmmaConfig
 from expert_service.kernels.moe_gemm_wgmma import applies as wgmma_applies
 from expert_service.kernels.moe_gemm_wgmma import choose_config as choose_wgmma_config
 from expert_service.kernels.moe_gemm_wgmma import launch_wgmma_down, launch_wgmma_gate_up
 from expert_service.kernels.numeric import SIMULATOR
+from expert_service.kernels.quantize_rows import launch_quantize_gathered, launch_quantize_rows
 
 # Rows per routed expert from which bf16 steps take the wgmma kernel (H200, bench/moe_gemm.py: 1.24x mma.sync at
 # 128 rows on qwen3moe-shape, 1.73x at 128 on mixtral-shape; 0.9x at 32, where both stream weights).
@@ -71,35 +82,55 @@ def wgmma_fits(n: int, E: int, F: int, D: int, quantized: bool = False) -> bool:
     return fits and n >= WGMMA_MIN_ROWS * min(E, n)
 
 
-def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool):
+def w8a8_kind(kinds, F: int, D: int, stride: int) -> tuple[int, bool] | None:
+    """(8-bit code, block-scaled) of a layer whose experts share one kind W8A8 runs (kinds: DeviceWeights.expert_kinds
+    of the layer; int8 per channel, fp8 per channel or in 128x128 blocks) with dims it takes, else None."""
+    if len(kinds) != 1 or not w8a8_applies(F, D, stride):
+        return None
+    code, scheme = kinds[0]
+    if (code, scheme) not in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)):
+        return None
+    return code, scheme == SCALE_BLOCK
+
+
+def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w8a8: tuple[int, bool] | None = None):
     """The tile config of a step of n assignments over E experts: moe_gemm_wgmma's (the bf16 and the 8-bit wgmma
-    kernels share it) where wgmma (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the
-    step has at least WGMMA_MIN_ROWS rows per routed expert, else moe_gemm_q8mma's for 8-bit layers and
-    moe_gemm_mma's for bf16 ones."""
+    kernels share it; w8a8, the layer's w8a8_kind with CudaOptions.q8_activations: moe_gemm_w8a8's) where wgmma
+    (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the step has at least WGMMA_MIN_ROWS
+    rows per routed expert, else moe_gemm_q8mma's for 8-bit layers and moe_gemm_mma's for bf16 ones."""
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
-        return choose_wgmma_config(n, E)
+        return w8a8_config(w8a8[1]) if quantized and w8a8 is not None else choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
 
 
-def grouped_mma_layout(max_tokens: int, K: int, E: int, D: int, F: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype))."""
+def grouped_mma_layout(
+    max_tokens: int, K: int, E: int, D: int, F: int, w8a8: bool = False
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype)); w8a8: also the
+    8-bit rows and their scales of W8A8 steps (CudaOptions.q8_activations on an 8-bit model)."""
     rows = tiles = 1
     for T in range(1, max_tokens + 1):  # every tile config a step of T can take (options switch them freely)
         n = T * K
         block_ms = {choose_config(n, E).block_m, choose_q8_config(n, E).block_m}
         if wgmma_fits(n, E, F, D) or wgmma_fits(n, E, F, D, quantized=True):
             block_ms.add(choose_wgmma_config(n, E).block_m)
+            if w8a8:
+                block_ms |= {w8a8_config(False).block_m, w8a8_config(True).block_m}
         # a smaller BM pads less but needs more tiles: each buffer takes its own largest need
         rows = max(rows, *(max_rows(n, E, bm) for bm in block_ms))
         tiles = max(tiles, *(max_tiles(n, E, bm) for bm in block_ms))
     i32, u16 = np.dtype(np.int32), np.dtype(np.uint16)
-    return {
+    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
         "mma_sorted_ids": ((rows,), i32),
         "mma_tile_expert": ((tiles,), i32),
         "mma_num_tiles": ((1,), i32),
         "mma_xs": ((rows, D), u16),
         "mma_h": ((rows, F), u16),
     }
+    if w8a8:  # the expert inputs, then (the first GEMM done) the SwiGLU rows, in 8 bits; one scale a row
+        layout["mma_q8_rows"] = ((rows * max(D, F),), np.dtype(np.uint8))
+        layout["mma_q8_scales"] = ((rows,), np.dtype(np.float32))
+    return layout
 
 
 def q8_mma_applies(config, all_8bit: bool, bf16: bool) -> bool:
@@ -122,23 +153,74 @@ def cached_mma_possible(weight_dtype, quantized: bool, num_experts: int, q8_mma:
 
 
 def run_grouped_mma(
-    ws, stream, x, h, ids, weights, experts, F: int, D: int, combine=None, meta=None, wgmma: bool = False
+    ws,
+    stream,
+    x,
+    h,
+    ids,
+    weights,
+    experts,
+    F: int,
+    D: int,
+    combine=None,
+    meta=None,
+    wgmma: bool = False,
+    w8a8: tuple[int, bool] | None = None,
 ) -> None:
     """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
     device), experts [E, stride] bf16 (uint16), or with meta [E, META_WIDTH] (8-bit layers) the layer's uint8
     blocks -> h += the routed experts' weighted outputs. combine(y, position, weights, h): the MoE block's
-    combine (None: launch_moe_combine). wgmma: CudaOptions.wgmma_experts (grouped_tile)."""
+    combine (None: launch_moe_combine). wgmma: CudaOptions.wgmma_experts (grouped_tile); w8a8: the layer's
+    w8a8_kind with CudaOptions.q8_activations (None: off)."""
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and experts.shape[1] * experts.dtype.itemsize % 16 == 0)
+    aligned = experts.shape[1] * experts.dtype.itemsize % 16 == 0
+    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and aligned, w8a8)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm
     sorted_ids, tile_expert, num_tiles = ws.mma_sorted_ids[:rows], ws.mma_tile_expert[:tiles], ws.mma_num_tiles
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
-    launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
+    if isinstance(cfg, WgmmaConfig) and meta is not None and w8a8 is not None:
+        code, block_scaled = w8a8
+        q8, scales = ws.mma_q8_rows, ws.mma_q8_scales[:rows]
+        xq, hq = q8[: rows * D].reshape(rows, D), q8[: rows * F].reshape(rows, F)
+        launch_quantize_gathered(x, sorted_ids, num_tiles, K, bm, code, xq, scales, stream=stream)
+        launch_w8a8_gate_up(
+            xq, scales, tile_expert, num_tiles, experts, meta, code, block_scaled, F, D, hb, cfg, stream=stream
+        )
+        launch_quantize_rows(hb, num_tiles, bm, code, hq, scales, stream=stream)
+        launch_w8a8_down(
+            hq,
+            scales,
+            tile_expert,
+            num_tiles,
+            sorted_ids,
+            experts,
+            meta,
+            code,
+            block_scaled,
+            F,
+            D,
+            out,
+            cfg,
+            stream=stream,
+        )
+    else:
+        launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
+        _gemms_on_bf16_rows(cfg, xs, hb, out, sorted_ids, tile_expert, num_tiles, experts, meta, F, D, stream)
+    if combine is None:
+        launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
+    else:
+        combine(out, ws.identity_position[:n], weights, h)
+
+
+def _gemms_on_bf16_rows(
+    cfg, xs, hb, out, sorted_ids, tile_expert, num_tiles, experts, meta, F: int, D: int, stream
+) -> None:
+    """gate|up then down on the gathered bf16 rows xs, on the kernels of cfg (wgmma or mma.sync; 8-bit with meta)."""
     if isinstance(cfg, WgmmaConfig) and meta is None:
         launch_wgmma_gate_up(xs, tile_expert, num_tiles, experts, F, D, hb, config=cfg, stream=stream)
         launch_wgmma_down(hb, tile_expert, num_tiles, sorted_ids, experts, F, D, out, config=cfg, stream=stream)
@@ -153,7 +235,3 @@ def run_grouped_mma(
     else:
         launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F, D, hb, config=cfg, stream=stream)
         launch_q8mma_down(hb, tile_expert, num_tiles, sorted_ids, experts, meta, F, D, out, config=cfg, stream=stream)
-    if combine is None:
-        launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
-    else:
-        combine(out, ws.identity_position[:n], weights, h)

@@ -31,8 +31,15 @@ from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8, SCALE_BLOCK
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, _epilogue, _launch, bf16_round
 from expert_service.kernels.moe_gemm_q8mma import _check, _check_common, channel_scaler
-from expert_service.kernels.moe_gemm_wgmma import ATOM_BYTES, CONFIGS, ROW_BYTES, WARPGROUP, Config, silu_approx
-from expert_service.kernels.moe_gemm_wgmma import weight_row_fn
+from expert_service.kernels.moe_gemm_wgmma import (
+    ATOM_BYTES,
+    CONFIGS,
+    ROW_BYTES,
+    WARPGROUP,
+    Config,
+    silu_approx,
+    weight_row_fn,
+)
 from expert_service.kernels.numeric import WARP
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.wgmma import (

@@ -1,7 +1,8 @@
 """Where Q8_MMA (the grouped tensor-core kernel on 8-bit experts) is chosen (no GPU): only for layers whose every
 expert is int8 / fp8 with bf16 dense weights and D, F multiples of 16; between the CudaOptions thresholds, which
 differ for few-expert layers; the workspace holds its sorted rows exactly when a step can take it; a decoder
-refuses options that reach a strategy its workspace lacks."""
+refuses options that reach a strategy its workspace lacks. W8A8 (CudaOptions.q8_activations): which layers and tiles
+take it, its workspace rows, and the refusal to switch it on without them."""
 
 from types import SimpleNamespace
 
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from common.models import config_from_hf
+from expert_service.cuda import moe_grouped_mma
 from expert_service.cuda.decoder import CudaDecoder
+from expert_service.cuda.moe_grouped_mma import grouped_tile, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     GROUPED_MMA_MIN_EXPERTS,
     MoeStrategy,
@@ -20,7 +23,11 @@ from expert_service.cuda.moe_strategy import (
 )
 from expert_service.cuda.workspace import layout_workspace
 from expert_service.engine.cuda_options import CudaOptions
+from expert_service.kernels.expert_quant import CODE_BF16, CODE_FP8, CODE_INT8, SCALE_BLOCK, SCALE_CHANNEL, SCALE_NONE
+from expert_service.kernels.moe_align import max_rows, max_tiles
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+from expert_service.kernels.moe_gemm_w8a8 import config_for as w8a8_config
+from expert_service.kernels.moe_gemm_wgmma import choose_config as choose_wgmma_config
 from expert_service.tools.tiny_model import tiny_hf_config
 
 Q8, MMA, CUBLAS = MoeStrategy.Q8, MoeStrategy.Q8_MMA, MoeStrategy.CUBLAS_PER_EXPERT
@@ -88,3 +95,62 @@ def test_set_options_refuses_strategies_the_workspace_lacks():
     d.workspace_strategies = d._strategies(CudaOptions(), False)
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(cublas_per_expert\)"):
         d.set_options(CudaOptions(q8_mma_max_tokens=100))
+
+
+# ---- W8A8 (CudaOptions.q8_activations) ----
+INT8_CH, FP8_CH, FP8_BLOCK = (CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)
+
+
+@pytest.mark.parametrize(
+    "kinds,F,D,want",
+    [
+        ((INT8_CH,), 256, 128, (CODE_INT8, False)),
+        ((FP8_CH,), 256, 128, (CODE_FP8, False)),
+        ((FP8_BLOCK,), 256, 128, (CODE_FP8, True)),
+        ((INT8_CH, FP8_BLOCK), 256, 128, None),  # one launch, one 8-bit type: mixed layers keep the widening kernel
+        (((CODE_BF16, SCALE_NONE),), 256, 128, None),
+        ((INT8_CH,), 192, 128, None),  # a 128-feature step must cover F and D whole
+        ((INT8_CH,), 256, 64, None),
+    ],
+)
+def test_w8a8_kind_takes_one_8bit_kind_of_whole_steps(kinds, F, D, want):
+    assert w8a8_kind(kinds, F, D, 4096) == want
+    assert w8a8_kind(kinds, F, D, 4104) is None  # blocks not 16-byte aligned
+
+
+def test_w8a8_tile_on_hopper_only(monkeypatch):
+    n, E, F, D = 96 * 8, 8, 256, 128
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
+    monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(True)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(False)
+    assert grouped_tile(n, E, F, D, True, True, None) == choose_wgmma_config(n, E)
+    assert grouped_tile(n, E, F, D, True, False, (CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
+    assert grouped_tile(8, E, F, D, True, True, (CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
+    assert w8a8_config(True).block_m == 64 and w8a8_config(True).threads == 256
+
+
+def test_w8a8_workspace_rows_only_when_asked_and_reachable():
+    cfg = config(8, D=128, F=256)  # K = 2: steps from 384 tokens have 96 rows an expert (the wgmma tiles)
+    args = (cfg, np.dtype(np.uint16), 512, 8, 16, 2)
+    tokens = q8_mma_tokens(cfg, True, True, CudaOptions())
+    on = layout_workspace(*args, quantized=True, q8_mma=tokens, q8_activations=True)
+    off = layout_workspace(*args, quantized=True, q8_mma=tokens)
+    dense = layout_workspace(*args, quantized=False, q8_activations=True)
+    assert "mma_q8_rows" not in off and "mma_q8_rows" not in dense
+    rows = on["mma_sorted_ids"][0][0]
+    assert on["mma_q8_rows"] == ((rows * 256,), np.dtype(np.uint8)) and on["mma_q8_scales"][0] == (rows,)
+    # the 64-row tile of block-scaled fp8 and the 128-row one: the sorted rows cover both at every such step size
+    assert rows >= max(max_rows(T * 2, 8, bm) for T in range(384, 513) for bm in (64, 128))
+    assert on["mma_tile_expert"][0][0] >= max(max_tiles(T * 2, 8, 64) for T in range(384, 513))
+
+
+def test_set_options_refuses_w8a8_without_its_rows():
+    cfg = config(128)
+    d = CudaDecoder.__new__(CudaDecoder)
+    d.config, d.cached, d.max_tokens = cfg, None, 512
+    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
+    d.workspace_strategies = d._strategies(CudaOptions(), False)
+    d.ws = SimpleNamespace()
+    with pytest.raises(ValueError, match=r"^cuda_options: .*\(q8_mma\)"):
+        d.set_options(CudaOptions(q8_activations=True))
