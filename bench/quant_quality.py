@@ -10,13 +10,21 @@ experts' storage differs) and run on the same held-out token stream, window by w
 - greedy: continuations of `--new-tokens` from held-out prompts; share identical to bf16's, and the mean
   share of positions that agree before the first difference.
 
+- the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations): on the
+  cuda backend the real W8A8 path (every Q8_MMA step it applies to; Q8_MMA at every step size), on the cpu backend
+  an emulation of its arithmetic on every step: each routed expert's input rows and SwiGLU rows (rounded to bf16
+  first) quantized per row to the experts' type and back (quantize_rows_reference), weights exact -- every step,
+  where the GPU only quantizes steps of 96+ rows an expert, so an upper bound of what it costs.
+
     python bench/quant_quality.py --out bench/results/cpu-quant-quality-default.json
+    python bench/quant_quality.py --variants bfloat16,int8,int8-w8a8,fp8-block128,fp8-block128-w8a8 --max-windows 16
     python bench/quant_quality.py --hf-model DIR --heldout TEXT --backend cuda --out FILE.json  # any model
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -31,17 +39,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_format import ModelDir  # noqa: E402
 from expert_service.backends import build_engine  # noqa: E402
 from expert_service.engine.config import EngineConfig  # noqa: E402
+from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
 from expert_service.engine.engine import Engine  # noqa: E402
 from expert_service.tools.convert import convert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (--expert-dtype, --fp8-scale)
+# name -> (--expert-dtype, --fp8-scale, 8-bit activations)
 VARIANTS = {
-    "bfloat16": ("bfloat16", "block128"),
-    "int8": ("int8", "block128"),
-    "fp8-block128": ("fp8", "block128"),
-    "fp8-channel": ("fp8", "channel"),
+    "bfloat16": ("bfloat16", "block128", False),
+    "int8": ("int8", "block128", False),
+    "fp8-block128": ("fp8", "block128", False),
+    "fp8-channel": ("fp8", "channel", False),
+    "int8-w8a8": ("int8", "block128", True),
+    "fp8-block128-w8a8": ("fp8", "block128", True),
+    "fp8-channel-w8a8": ("fp8", "channel", True),
 }
+DEFAULT_VARIANTS = ("bfloat16", "int8", "fp8-block128", "fp8-channel")
+# W8A8 on the cuda backend: every Q8_MMA step on its 8-bit tensor cores, Q8_MMA at every size
+W8A8_OPTIONS = CudaOptions(q8_activations=True, q8_mma_max_tokens_few_experts=1 << 20)
+
+
+@contextlib.contextmanager
+def emulated_w8a8(expert_dtype: str):
+    """The cpu backend's routed experts with W8A8's arithmetic while inside (module docstring)."""
+    from expert_service.cpu.layers import moe as cpu_moe
+    from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8
+    from expert_service.kernels.quantize_rows import w8a8_swiglu_reference
+
+    code = CODE_INT8 if expert_dtype == "int8" else CODE_FP8
+
+    def mlp(x, gate, up, down):
+        return w8a8_swiglu_reference(x, gate, up, down, code)
+
+    exact = cpu_moe.swiglu_mlp
+    cpu_moe.swiglu_mlp = mlp
+    try:
+        yield
+    finally:
+        cpu_moe.swiglu_mlp = exact
+
+
+def run_variant(name: str, backend: str):
+    """The context a variant's engine runs in: W8A8 emulated on the cpu backend, nothing otherwise."""
+    expert_dtype, _, w8a8 = VARIANTS[name]
+    return emulated_w8a8(expert_dtype) if w8a8 and backend == "cpu" else contextlib.nullcontext()
 
 
 def heldout_stream(model: ModelDir, heldout: Path) -> np.ndarray:
@@ -74,7 +115,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-model", default=str(ROOT / "training/default-model-hf"), help="HF checkpoint dir")
     parser.add_argument("--heldout", default=str(ROOT / "training/data/heldout.txt"), help="held-out text")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--window", type=int, default=1024, help="tokens per perplexity window")
     parser.add_argument("--max-windows", type=int, default=0, help="0: every window of the held-out stream")
     parser.add_argument("--prompts", type=int, default=32, help="greedy prompts (held-out slices)")
@@ -92,11 +135,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         engines, sizes = {}, {}
         for name in names:
-            expert_dtype, scale = VARIANTS[name]
+            expert_dtype, scale, w8a8 = VARIANTS[name]
             out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, scale)
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
-            config = EngineConfig(backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window)
+            options = W8A8_OPTIONS if w8a8 else CudaOptions()
+            config = EngineConfig(
+                backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window, cuda_options=options
+            )
             engines[name] = build_engine(model, config)
         stream = heldout_stream(ModelDir.open(Path(tmp) / "bfloat16", verify=False), Path(args.heldout))
         starts = list(range(0, len(stream) - 1, args.window))[: args.max_windows or None]
@@ -110,7 +156,8 @@ def main() -> int:
                 continue
             ref = engines["bfloat16"].prompt_logits(window)
             for name in names:
-                logits = ref if name == "bfloat16" else engines[name].prompt_logits(window)
+                with run_variant(name, args.backend):
+                    logits = ref if name == "bfloat16" else engines[name].prompt_logits(window)
                 nats[name] += float(cross_entropy(logits[:-1], window[1:]).sum())
                 agree[name] += int((logits[:-1].argmax(1) == ref[:-1].argmax(1)).sum())
                 errors[name].append(float(np.abs(logits - ref).max() / np.abs(ref).max()))
@@ -122,7 +169,10 @@ def main() -> int:
         ref_greedy = [greedy(engines["bfloat16"], p, args.new_tokens) for p in prompts]
         results = {}
         for name in names:
-            ours = ref_greedy if name == "bfloat16" else [greedy(engines[name], p, args.new_tokens) for p in prompts]
+            with run_variant(name, args.backend):
+                ours = (
+                    ref_greedy if name == "bfloat16" else [greedy(engines[name], p, args.new_tokens) for p in prompts]
+                )
             prefix = [
                 next((k for k, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) / len(r)
                 for o, r in zip(ours, ref_greedy)
@@ -131,6 +181,7 @@ def main() -> int:
             results[name] = {
                 "expert_dtype": VARIANTS[name][0],
                 "fp8_scale": VARIANTS[name][1] if VARIANTS[name][0] == "fp8" else None,
+                "activations_8bit": VARIANTS[name][2],
                 "expert_bytes": sizes[name],
                 "perplexity": ppl,
                 "cross_entropy": nats[name] / tokens,
@@ -160,10 +211,10 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'variant':<14} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} {'bytes':>6}")
+    print(f"{'variant':<18} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} {'bytes':>6}")
     for name, r in results.items():
         print(
-            f"{name:<14} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
+            f"{name:<18} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
             f"{r['logits_rel_error_max']:11.2e} {r['greedy_identical']:11.3f} {r['expert_bytes_ratio']:6.3f}"
         )
     print(f"wrote {args.out}")

@@ -21,7 +21,8 @@ import numpy as np
 from numba import cuda
 
 from common import quant as common_quant
-from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8
+from common.dtypes import bf16_to_float32, float32_to_bf16
+from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8, decode
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, bf16_to_f32, f32_as_u32, warp_max
 
@@ -185,6 +186,21 @@ def quantize_rows_reference(values: np.ndarray, code: int) -> tuple[np.ndarray, 
     """values [rows, width] float32 (finite) -> (q [rows, width] uint8, scales [rows] float32), as the kernel."""
     q, scales = common_quant.quantize(values, DTYPES[_code(code)], common_quant.CHANNEL, "activations")
     return np.ascontiguousarray(q).view(np.uint8), scales.astype(np.float32).reshape(-1)
+
+
+def through_8bit(rows: np.ndarray, code: int) -> np.ndarray:
+    """rows [n, width] -> the values W8A8 multiplies: quantized per row (quantize_rows_reference), then decoded."""
+    q, scales = quantize_rows_reference(np.ascontiguousarray(rows, dtype=np.float32), code)
+    return decode(q.reshape(-1), code).reshape(q.shape).astype(np.float32) * scales[:, None]
+
+
+def w8a8_swiglu_reference(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, code: int) -> np.ndarray:
+    """One routed expert's SwiGLU MLP with W8A8's roundings (the cpu backend's swiglu_mlp otherwise): x [n, D] through
+    8 bits, h = silu(x gate^T) * (x up^T) rounded to bf16 and through 8 bits, then h down^T. Weights as given."""
+    xq = through_8bit(x, code)
+    gs = xq @ gate.T
+    h = gs / (np.float32(1.0) + np.exp(-gs)) * (xq @ up.T)
+    return through_8bit(bf16_to_float32(float32_to_bf16(h.astype(np.float32))), code) @ down.T
 
 
 def sm90_signatures():

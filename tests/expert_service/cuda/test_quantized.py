@@ -208,3 +208,65 @@ def test_overlapped_dequant_equals_the_in_order_pass(tmp_path, monkeypatch, fami
             assert np.array_equal(engine.prompt_logits(ids), want), f"{family} {name} n={n}"
     for engine in (whole, overlapped, in_order):
         engine.decoder.close()
+
+
+# W8A8 (CudaOptions.q8_activations): D and F whole 128-feature steps, few experts so a 400-token step has 96+ rows an
+# expert (the wgmma tile) and a 200-token one does not
+W8A8_MODEL = dict(hidden_size=128, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)  # mixtral keys
+W8A8_TOLERANCE = 3e-2  # against the cpu backend emulating W8A8: bf16 elsewhere moves a few values across 8-bit steps
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp8-block128", "fp8-channel"])
+def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, variant):
+    """On an sm_90 device: prefills of 96+ rows an expert launch the W8A8 kernels (smaller ones do not) and match the
+    cpu backend running W8A8's arithmetic (quantize_rows.w8a8_swiglu_reference) on the same routing; graph replay
+    equals eager bit for bit; decode (never W8A8) gives the same tokens as the engine without the option."""
+    import expert_service.cuda.moe_grouped_mma as grouped
+    from expert_service.cpu.layers import moe as cpu_moe
+    from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8
+    from expert_service.kernels.quantize_rows import w8a8_swiglu_reference
+    from tests.expert_service.cuda.test_decoder import ForcedRouting, last_step_expert_ids
+    from tests.helpers import bf16_tiny
+
+    if not grouped.hopper():
+        pytest.skip("W8A8 runs on warpgroup MMA: an sm_90 device")
+    bf16 = bf16_tiny(tmp_path / "bf16", "mixtral", 13, **W8A8_MODEL)
+    dtype, _, scale = variant.partition("-")
+    model = convert(
+        bf16.parent / "hf",
+        tmp_path / variant,
+        "bfloat16",
+        progress=False,
+        expert_dtype=dtype,
+        fp8_scale=scale or "block128",
+    )
+    launches = []
+    original = grouped.launch_w8a8_gate_up
+    monkeypatch.setattr(grouped, "launch_w8a8_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
+    w8a8 = CudaOptions(q8_activations=True)
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
+    graphs, eager = (
+        open_(backend="cuda", cuda_options=w8a8),
+        open_(backend="cuda", cuda_options=w8a8, cuda_graphs=False),
+    )
+    plain, cpu = open_(backend="cuda"), open_(backend="cpu")
+    code = CODE_INT8 if dtype == "int8" else CODE_FP8
+    monkeypatch.setattr(cpu_moe, "swiglu_mlp", lambda x, g, u, d: w8a8_swiglu_reference(x, g, u, d, code))
+    forced = ForcedRouting(monkeypatch)
+    for n, takes_it in ((200, False), (400, True), (512, True)):
+        ids = random_prompt(300 + n, n)
+        before = len(launches)  # counted eagerly (a replayed graph calls no launcher)
+        got = eager.prompt_logits(ids)
+        assert (len(launches) > before) == takes_it, f"{variant} n={n}: W8A8 launched {len(launches) - before}x"
+        assert np.isfinite(got).all(), f"{variant} n={n}"
+        assert np.array_equal(graphs.prompt_logits(ids), got), f"{variant} n={n}: graph replay differs from eager"
+        if takes_it:  # the cpu backend routed as the GPU was (bf16 and fp32 break router near-ties apart)
+            forced.queue = last_step_expert_ids(graphs, n)
+            err = rel_error(got, cpu.prompt_logits(ids))
+            assert err <= W8A8_TOLERANCE, f"{variant} n={n}: {err:.2e}"
+        else:
+            assert np.array_equal(plain.prompt_logits(ids), got), f"{variant} n={n}: below the tile, as without it"
+    for p in (random_prompt(70, 5), random_prompt(71, 30)):
+        assert graphs.generate(p, 8)[0] == plain.generate(p, 8)[0], variant
+    for engine in (graphs, eager, plain):
+        engine.decoder.close()
