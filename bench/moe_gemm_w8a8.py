@@ -106,7 +106,7 @@ def main() -> int:
                 dids, dx = cuda.to_device(ids), cuda.to_device(x)
                 flops = 2.0 * n * D * 2 * F + 2.0 * n * F * D
                 case: dict = {"shape": shape, "kind": kind, "T": T, "assignments": n, "variants": {}}
-                for name, cfg in (("w8a8", config_for(scheme == q.SCALE_BLOCK)), ("q8wgmma", CONFIGS["w128"])):
+                for name, cfg in (("w8a8", config_for(code)), ("q8wgmma", CONFIGS["w128"])):
                     bm = cfg.block_m
                     tiles = max_tiles(n, E, bm)
                     rows = tiles * bm

@@ -11,7 +11,8 @@ experts' storage differs) and run on the same held-out token stream, window by w
   share of positions that agree before the first difference.
 
 - the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations): on the
-  cuda backend the real W8A8 path (every Q8_MMA step it applies to; Q8_MMA at every step size), on the cpu backend
+  cuda backend the real W8A8 path (the Q8_MMA steps that reach the wgmma tile, 96+ rows an expert, with Q8_MMA's
+  few-expert bound lifted so large steps get there too), on the cpu backend
   an emulation of its arithmetic on every step: each routed expert's input rows and SwiGLU rows (rounded to bf16
   first) quantized per row to the experts' type and back (quantize_rows_reference), weights exact -- every step,
   where the GPU only quantizes steps of 96+ rows an expert, so an upper bound of what it costs.

@@ -12,11 +12,13 @@ What changes against the bf16 wgmma kernel (its docstring has the rest):
 - One 8-bit type and one scale scheme a launch (the layer's): int8 (per-channel scales) accumulates exactly in
   int32; fp8 with per-channel scales in fp32. The epilogue multiplies each sum by its row's activation scale and
   its column's weight scale.
-- fp8 with 128x128 block scales: a step is exactly one scale block along the input, and a warpgroup's weight rows
-  lie in one block along the output (n0 is a multiple of 128 there), so each step's products go to a second set of
-  accumulators that is added in times the step's block scale (the gate's and the up's for gate|up) once the step
-  is done: twice the accumulator registers, so these launches use 256-thread blocks (`config_for`), and each step
-  waits for its own MMAs.
+- fp8 (either scheme) promotes every step: Hopper's fp8 MMA keeps only about 14 mantissa bits of its running sum
+  (DeepSeek-V3's report measured the loss over long K), so each 128-feature step's products go to a second set of
+  accumulators, added in fp32 into the first once the step is done. With 128x128 block scales the addition takes
+  the step's block scale (a step is exactly one block along the input, and a warpgroup's weight rows lie in one
+  block along the output: n0 is a multiple of 128 there; the gate's and the up's for gate|up), per channel 1.
+  Twice the accumulator registers: these launches use 256-thread blocks (`config_for`), and each step waits for
+  its own MMAs. int8 accumulates exactly in int32 and needs none of it.
 - An expert whose code or scheme is not the launch's gives NaN rows (never silently wrong).
 The numpy reference is `moe_reference_w8a8`. GPU only: the simulator cannot run wgmma; tests run on the H200.
 """
@@ -56,10 +58,10 @@ KINDS = {CODE_INT8: "s8", CODE_FP8: "e4m3"}
 __all__ = ["applies", "config_for", "launch_w8a8_down", "launch_w8a8_gate_up", "moe_reference_w8a8"]
 
 
-def config_for(block_scaled: bool) -> Config:
-    """The tile a launch uses: 128 x 256 with four warpgroups, or 64 x 256 with two for block-scaled fp8 (two sets
-    of accumulators need the registers of a 256-thread block)."""
-    return CONFIGS["w64" if block_scaled else "w128"]
+def config_for(code: int) -> Config:
+    """The tile a launch of this 8-bit code uses: 128 x 256 with four warpgroups for int8, 64 x 256 with two for
+    fp8 (its two sets of accumulators need the registers of a 256-thread block)."""
+    return CONFIGS["w64" if code == CODE_FP8 else "w128"]
 
 
 def applies(F: int, D: int, stride: int) -> bool:
@@ -94,6 +96,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
     if S < 3:
         raise ValueError("the pipeline needs at least 3 stages")
     gated = mode == _MODE_SWIGLU
+    promoted = code == CODE_FP8  # each step's sums added into fp32 accumulators (module docstring)
     if block_scaled and (code != CODE_FP8 or SCALE_BLOCK_SIZE % (NW // 2 if gated else NW)):
         raise ValueError("block scales: fp8 only, and a warpgroup's weight rows within one 128-row block")
     NT, NH = NW // 8, NW // 16
@@ -167,7 +170,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
         first_col = n0 + wgn * (NW // 2 if gated else NW)
         n_cb = k_dim // SCALE_BLOCK_SIZE
         s_gate = (base + meta[expert, SCALE_OFF]) // 4 + (first_col // SCALE_BLOCK_SIZE) * n_cb
-        s_up = (base + meta[expert, SCALE_OFF + 1]) // 4 + (first_col // SCALE_BLOCK_SIZE) * n_cb
+        s_up = (base + meta[expert, SCALE_OFF + (1 if gated else 0)]) // 4 + (first_col // SCALE_BLOCK_SIZE) * n_cb
         # a wrong expert's scale offsets may point past its block: read none (its rows become NaN below)
         read_scales = first_col < n_out and meta[expert, 0] == code and meta[expert, 1] == SCALE_BLOCK
         part = cuda.local.array((1, NT, 4), np.float32)
@@ -188,11 +191,13 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
                 fill(smem, nxt % S, a, words, a_start, a_rows, b_start, nxt)
             cp_async_commit()
             stage = (step % S) * STAGE_WORDS
-            if block_scaled:
+            if promoted:
+                f_gate = f_up = np.float32(1.0)
+                if block_scaled:  # read before the MMAs, so the loads overlap them
+                    f_gate = scales[s_gate + step] if read_scales else np.float32(0.0)
+                    f_up = scales[s_up + step] if gated and read_scales else f_gate
                 step_mma(part, smem, stage + a_row, stage + b_row, 0)
                 wait_all()
-                f_gate = scales[s_gate + step] if read_scales else np.float32(0.0)
-                f_up = scales[s_up + step] if gated and read_scales else f_gate
                 for j in range(NT):
                     f = f_up if gated and j >= NH else f_gate
                     for v in range(4):
@@ -228,8 +233,8 @@ def _run(cfg: Config, mode: int, code: int, block_scaled: bool, a, a_scale, expe
          num_tiles, sorted_ids, n_out: int, k_dim: int, n_tiles_n: int, out, stream) -> None:
     if code not in KINDS:
         raise ValueError(f"moe_gemm_w8a8: code {code} is neither int8 ({CODE_INT8}) nor fp8 ({CODE_FP8})")
-    if block_scaled and cfg != config_for(True):
-        raise ValueError(f"moe_gemm_w8a8: block-scaled fp8 runs on {config_for(True)}, got {cfg}")
+    if cfg != config_for(code):
+        raise ValueError(f"moe_gemm_w8a8: code {code} runs on {config_for(code)}, got {cfg}")
     if not applies(n_out if mode == _MODE_SWIGLU else k_dim, k_dim if mode == _MODE_SWIGLU else n_out,
                    experts.shape[1]):
         raise ValueError(f"moe_gemm_w8a8 needs D and F multiples of {BK}, got output {n_out} input {k_dim}")
@@ -278,7 +283,7 @@ def _decode_rows(q: np.ndarray, scales: np.ndarray, code: int) -> np.ndarray:
 
 
 def moe_reference_w8a8(xq, x_scale, block, meta, F: int, D: int, code: int, hq=None, h_scale=None):
-    """One expert's rows as the kernels compute them, in float64: xq [n, D] uint8 / x_scale [n] (its quantized input
+    """One expert's rows as the kernels compute them, in float64 (the GPU's fp8 sums: fp32 every 128 features): xq [n, D] uint8 / x_scale [n] (its quantized input
     rows) -> (h [n, F] float32, the bf16-rounded SwiGLU; with hq / h_scale, those h rows quantized, y [n, D]
     float64, else None). Weights: exactly q x scale."""
     gate, up, down = (m.astype(np.float64) for m in dequantize(block, meta, F, D))
@@ -296,7 +301,7 @@ def sm90_signatures():
     u32, i1, i64, f1 = types.uint32[::1], types.int32[::1], types.int64, types.float32[::1]
     out = []
     for code, block_scaled in ((CODE_INT8, False), (CODE_FP8, False), (CODE_FP8, True)):
-        cfg = config_for(block_scaled)
+        cfg = config_for(code)
         for mode in (_MODE_SWIGLU, _MODE_STORE):
             dst = u32 if mode == _MODE_SWIGLU else f1
             out.append((_build(cfg, mode, code, block_scaled)[0],

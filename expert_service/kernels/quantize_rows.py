@@ -54,7 +54,8 @@ def fp8_byte(v):
         return sign | u32(m)
     b = f32_as_u32(a)
     b = u32(u32(b + u32(0x7FFFF)) + ((b >> u32(20)) & u32(1)))  # round the mantissa to 3 bits, ties to even
-    return sign | u32(u32((b >> u32(23)) - u32(120)) << u32(3)) | ((b >> u32(20)) & u32(7))
+    # (the mask keeps a NaN's code, whose row scale is NaN anyway, inside its byte)
+    return sign | (u32(u32((b >> u32(23)) - u32(120)) << u32(3)) & u32(0x78)) | ((b >> u32(20)) & u32(7))
 
 
 @cuda.jit(device=True, inline=True)

@@ -122,12 +122,13 @@ def test_w8a8_tile_on_hopper_only(monkeypatch):
     n, E, F, D = 96 * 8, 8, 256, 128
     assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(True)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(False)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(CODE_FP8)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, False)) == w8a8_config(CODE_FP8)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(CODE_INT8)
     assert grouped_tile(n, E, F, D, True, True, None) == choose_wgmma_config(n, E)
     assert grouped_tile(n, E, F, D, True, False, (CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
     assert grouped_tile(8, E, F, D, True, True, (CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
-    assert w8a8_config(True).block_m == 64 and w8a8_config(True).threads == 256
+    assert w8a8_config(CODE_FP8).block_m == 64 and w8a8_config(CODE_FP8).threads == 256  # two accumulator sets
 
 
 def test_w8a8_workspace_rows_only_when_asked_and_reachable():
@@ -140,7 +141,7 @@ def test_w8a8_workspace_rows_only_when_asked_and_reachable():
     assert "mma_q8_rows" not in off and "mma_q8_rows" not in dense
     rows = on["mma_sorted_ids"][0][0]
     assert on["mma_q8_rows"] == ((rows * 256,), np.dtype(np.uint8)) and on["mma_q8_scales"][0] == (rows,)
-    # the 64-row tile of block-scaled fp8 and the 128-row one: the sorted rows cover both at every such step size
+    # the 64-row tile of fp8 and int8's 128-row one: the sorted rows cover both at every such step size
     assert rows >= max(max_rows(T * 2, 8, bm) for T in range(384, 513) for bm in (64, 128))
     assert on["mma_tile_expert"][0][0] >= max(max_tiles(T * 2, 8, 64) for T in range(384, 513))
 
