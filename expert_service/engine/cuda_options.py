@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_activations"})
+EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_activations", "fused_decode_norms"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,10 @@ class CudaOptions:
     # (False: the parts of the largest batch at every size, 2 at 64 sequences, so a lone sequence runs its whole
     # context in 2 blocks per head group)
     decode_splits_per_step: bool = False
+    # EXPERIMENTAL: one-token steps run no RMSNorm launch of their own: the input norm is computed by each block of
+    # the q|k|v GEMV, the post-attention norm by the router (gate_fused, which also writes it for the experts) and
+    # the final norm by the LM head's GEMV (rmsnorm.row_normalizer: the same bits) (False: an rmsnorm launch each)
+    fused_decode_norms: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True

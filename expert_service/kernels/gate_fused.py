@@ -29,6 +29,8 @@ from numba.np import numpy_support
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.rmsnorm import CHUNKS as NORM_CHUNKS
+from expert_service.kernels.rmsnorm import ROW_NORM_MAX, row_normalizer
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -56,8 +58,22 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool):
+def _build(dtype, wide: bool, normed: bool = False):
+    """The kernel for one router dtype and chunking; normed: x holds raw residual rows, which each block first
+    normalises into shared memory (rmsnorm.row_normalizer: the bits of an rmsnorm launch), and each token's first
+    block writes that normed row to x_out for the expert kernels after it."""
     widen = widener(dtype)
+    norm_row = row_normalizer(np.dtype(dtype)) if normed else None
+    norm_len = ROW_NORM_MAX if normed else 1
+
+    if normed:  # x is the block's normed row in shared memory
+        @cuda.jit(device=True, inline=True)
+        def load4(x, i):
+            return x[i], x[i + 1], x[i + 2], x[i + 3]
+    else:
+        @cuda.jit(device=True, inline=True)
+        def load4(x, i):
+            return ld_v4(x, i)
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -76,7 +92,7 @@ def _build(dtype, wide: bool):
                     c = c0 + u * WARP
                     if c < hi:
                         for q in range(2):
-                            x0, x1, x2, x3 = ld_v4(x, xbase + 8 * c + 4 * q)
+                            x0, x1, x2, x3 = load4(x, xbase + 8 * c + 4 * q)
                             v0 = ws[u, 2 * q]
                             v1 = ws[u, 2 * q + 1]
                             acc += (u32_as_f32(v0 << np.uint32(16)) * x0
@@ -94,11 +110,12 @@ def _build(dtype, wide: bool):
                 acc += widen(w[base + c]) * x[xbase + c]
             return acc
 
-    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits):
+    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits, norm_w, eps, x_out):
         """x [T * D] f32 (rows flattened), dim: D; w: router rows [E * D] flattened (uint32 view when wide,
         else the storage dtype); n_exp: E; split: warps per row; ids [T, K] int32, weights [T, K] f32;
         normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E] f32
-        (written). Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
+        (written). normed builds: norm_w [D] router dtype, eps f32, x_out [T * D] f32 (written: rmsnorm(x)).
+        Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
         rows_per_block = WARPS // split
         n_blocks = (n_exp + rows_per_block - 1) // rows_per_block
         t = cuda.blockIdx.x // n_blocks
@@ -115,8 +132,17 @@ def _build(dtype, wide: bool):
         lo = min(part * per_part, n_units)
         hi = min(lo + per_part, n_units)
         row = blk * rows_per_block + warp // split
-        s = warp_sum(row_dot(x, np.int64(t) * dim, dim, w, row, lo, hi, lane) if row < n_exp
-                     else np.float32(0.0))
+        xbase = np.int64(t) * dim
+        if normed:
+            xs = cuda.shared.array(norm_len, np.float32)
+            norm_parts = cuda.shared.array(NORM_CHUNKS, np.float32)
+            norm_row(x, xbase, dim, norm_w, eps, xs, norm_parts)
+            if blk == 0:
+                for i in range(tid, dim, THREADS):
+                    x_out[xbase + i] = xs[i]
+            x = xs
+            xbase = 0
+        s = warp_sum(row_dot(x, xbase, dim, w, row, lo, hi, lane) if row < n_exp else np.float32(0.0))
         if lane == 0:
             parts[warp, 0] = s
         cuda.syncthreads()
@@ -189,10 +215,12 @@ def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0, norm=None) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero). norm: (norm_weight [D] of weight's
+    dtype, eps, x_out [T, D] f32): x is the raw residual, the router reads rmsnorm(x) and x_out gets it (the bits
+    of launch_rmsnorm), so no rmsnorm launch runs before the MoE block; D <= rmsnorm.ROW_NORM_MAX."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -210,24 +238,35 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
                         ("counter", counter, np.int32)):
         if a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
+    norm_w, eps, x_out = norm if norm is not None else (weight.reshape(weight.size)[:1], 0.0, x)
+    if norm is not None:
+        if norm_w.shape != (D,) or norm_w.dtype != weight.dtype or D > ROW_NORM_MAX:
+            raise ValueError(f"norm weight must be [{D}] {weight.dtype} with D <= {ROW_NORM_MAX}, got {norm_w.dtype} "
+                             f"{norm_w.shape}")
+        if x_out.shape != x.shape or x_out.dtype != np.float32 or not x_out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"x_out must be C-contiguous float32 {list(x.shape)}, got {x_out.dtype} {x_out.shape}")
     if n_tok == 0:
         return
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide)[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide, norm is not None)[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
-        ids, weights, np.int32(1 if normalize else 0), counter, logits)
+        ids, weights, np.int32(1 if normalize else 0), counter, logits, norm_w, np.float32(eps),
+        x_out.reshape(n_tok * D))
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), for the sm_90 check."""
-    f2, i32 = types.float32[:, ::1], types.int32
+    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), plain and normed, for the
+    sm_90 check."""
+    f1, f2, i32 = types.float32[::1], types.float32[:, ::1], types.int32
     out = []
     for dtype in _DTYPES:
+        element = types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
         for wide in ((True, False) if dtype is np.uint16 else (False,)):
-            wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
-            out.append((_build(dtype, wide)[0], (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1],
-                                                 f2, i32, types.int32[::1], f2)))
+            wt = types.uint32[::1] if wide else element
+            for normed in (False, True):
+                out.append((_build(dtype, wide, normed)[0], (f1, types.int64, wt, i32, i32, types.int32[:, ::1], f2,
+                                                             i32, types.int32[::1], f2, element, types.float32, f1)))
     return out

@@ -89,6 +89,43 @@ def _build(weight_dtype, per_thread: int):
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
 
 
+# A consumer kernel's own copy of a row's norm (block_rmsnorm_row): rows up to this long, in shared memory.
+ROW_NORM_MAX = 8192
+
+
+@functools.cache
+def row_normalizer(weight_dtype):
+    """Device function `norm(x, xoff, n, weight, eps, xs, parts)`: xs[i] = rmsnorm(x[xoff : xoff + n])[i] for
+    i < n (n <= ROW_NORM_MAX), the same bits as launch_rmsnorm on that row. The squares are summed in the
+    THREADS-thread block kernel's order (chunk w: the elements thread 32 w + lane holds, one butterfly a chunk,
+    chunk totals in order), whatever this block's size. x: flat float32; weight: [n] of weight_dtype; xs: a shared
+    float32 array of >= n; parts: a shared float32 array of >= CHUNKS. Every thread of the block calls it (two
+    barriers); a GEMV or the router reading a normed row this way needs no rmsnorm launch before it."""
+    widen = widener(weight_dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def norm(x, xoff, n, weight, eps, xs, parts):
+        lane = cuda.threadIdx.x % WARP
+        for w in range(cuda.threadIdx.x // WARP, CHUNKS, cuda.blockDim.x // WARP):
+            part = np.float32(0.0)
+            for i in range(w * WARP + lane, n, THREADS):
+                v = x[xoff + i]
+                part += v * v
+            part = warp_sum(part)
+            if lane == 0:
+                parts[w] = part
+        cuda.syncthreads()
+        total = np.float32(0.0)
+        for w in range(CHUNKS):
+            total += parts[w]
+        denom = math.sqrt(total / np.float32(n) + eps)
+        for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            xs[i] = (x[xoff + i] / denom) * widen(weight[i])
+        cuda.syncthreads()
+
+    return norm
+
+
 def per_thread(n: int, threads: int) -> int:
     """Elements of an n-long row each of `threads` threads holds (the block kernels' compile-time count)."""
     return -(-n // threads)

@@ -266,3 +266,45 @@ def test_lut_through_router_and_worker_gives_exact_tokens_on_a_token_routed_mode
         worker.stop()
     assert [list(r.token_ids) for r in replies] == expected
     assert all(r.routing == "lut" for r in replies)
+
+
+def run_one_sequence(engine, prompt_len: int, decodes: int = 4):
+    """One sequence: its prefill, then `decodes` one-token steps: per step (tokens, logits)."""
+    prefill = [PrefillInput(7, np.array(random_prompt(70 + prompt_len, prompt_len)), SamplingParams(), True)]
+    steps = []
+    for n in range(decodes + 1):
+        result = engine.step(prefill) if n == 0 else engine.step(decode_ids=[7])
+        steps.append(([o.token_id for o in result.outputs], np.stack(list(result.logits)), None))
+    engine.clear()
+    return steps
+
+
+def test_fused_decode_norms_equal_the_norm_launches_bit_for_bit(model, monkeypatch):
+    """CudaOptions.fused_decode_norms: a one-token step launches no rmsnorm for the inputs of the q|k|v GEMV, the
+    router and the head (those kernels normalise the raw rows themselves, rmsnorm's bits), and every token and
+    logit equals the launches' path bit for bit, eager and graph-replayed; steps of more tokens are untouched."""
+    import expert_service.kernels.rmsnorm as rmsnorm
+
+    name, path = model
+    on = CudaOptions(fused_decode_norms=True)
+    eager, graphs = open_engine(path, cuda_graphs=False, cuda_options=on), open_engine(path, cuda_options=on)
+    norms = Spy(monkeypatch, rmsnorm, "launch_rmsnorm")
+    m, w = eager.decoder.model, eager.decoder.weights
+    mc = eager.model_config
+    saved = sum(m._norm_in_qkv(i, 1) for i in range(mc.num_hidden_layers))
+    saved += sum(mc.sparse_layers[i] and m.moe.router_normalizes(i, 1) for i in range(mc.num_hidden_layers))
+    saved += m.linear.normalizes(1, w.lm_head, w.get("final_norm"))
+    assert saved >= mc.num_hidden_layers, f"{name}: only {saved} norms move into their consumers"
+    for prompt_len in (1, 9):
+        norms.calls = 0
+        fused = run_one_sequence(eager, prompt_len)
+        fused_calls = norms.calls
+        replayed = run_one_sequence(graphs, prompt_len)
+        assert_bitwise(replayed, fused, f"{name}: graph replay vs eager, norms fused")
+        eager.decoder.set_options(CudaOptions())
+        norms.calls = 0
+        plain = run_one_sequence(eager, prompt_len)
+        one_token_steps = 4 + (prompt_len == 1)
+        assert norms.calls - fused_calls == one_token_steps * saved, f"{name}: prompt {prompt_len}"
+        assert_bitwise(fused, plain, f"{name}: fused norms vs rmsnorm launches, prompt {prompt_len}")
+        eager.decoder.set_options(on)

@@ -194,3 +194,42 @@ def test_experts_gpu_qwen3(dtype):
 @pytest.mark.gpu
 def test_experts_gpu_mixtral():
     _check_experts(np.random.default_rng(2), np.array([[1, 0]], np.int32), 2, 14336, 4096, np.uint16, unpadded=True)
+
+
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("plan", _PLANS)
+@pytest.mark.parametrize("k", [40, 264, 512])
+def test_normed_gemv_equals_rmsnorm_then_gemv(dtype, plan, k):
+    """norm_weight: the GEMV normalises the raw row itself; the same bits as launch_rmsnorm then launch_gemv
+    (the block sums the squares in rmsnorm's order whatever its size), with bias and the fused residual add.
+    Rows of 40 (under one 256-thread chunk), 264 (a partial second chunk) and 512 values."""
+    from expert_service.kernels.rmsnorm import launch_rmsnorm
+
+    rng = np.random.default_rng(k)
+    n = 24
+    h = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+    w, _ = random_weight(rng, (n, k), dtype, scale=k**-0.5)
+    nw, _ = random_weight(rng, (k,), dtype)
+    b, _ = random_weight(rng, (n,), dtype)
+    base = rng.standard_normal((1, n)).astype(np.float32)
+    d_h, d_w, d_nw, d_b = (cuda.to_device(a) for a in (h, w, nw, b))
+    normed = nan_device((1, k))
+    launch_rmsnorm(d_h, d_nw, 1e-6, normed)
+    want, got = cuda.to_device(base), cuda.to_device(base)
+    launch_gemv(normed, d_w, want, bias=d_b, accumulate=True, shape=plan)
+    launch_gemv(d_h, d_w, got, bias=d_b, accumulate=True, shape=plan, norm_weight=d_nw, eps=1e-6)
+    assert np.isfinite(want.copy_to_host()).all()
+    np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
+    assert np.array_equal(d_h.copy_to_host(), h), "the raw row is only read"
+
+
+def test_normed_gemv_refuses_other_norm_dtypes_and_long_rows():
+    from expert_service.kernels.rmsnorm import ROW_NORM_MAX
+
+    x, w = cuda.to_device(np.ones((1, 8), np.float32)), cuda.to_device(np.ones((4, 8), np.uint16))
+    with pytest.raises(ValueError, match="norm_weight"):
+        launch_gemv(x, w, nan_device((1, 4)), norm_weight=cuda.to_device(np.ones(8, np.float32)))
+    k = ROW_NORM_MAX + 8
+    x, w = cuda.to_device(np.ones((1, k), np.float32)), cuda.to_device(np.ones((1, k), np.float32))
+    with pytest.raises(ValueError, match="at most"):
+        launch_gemv(x, w, nan_device((1, 1)), norm_weight=cuda.to_device(np.ones(k, np.float32)))
