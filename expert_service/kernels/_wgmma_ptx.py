@@ -53,63 +53,30 @@ smem_desc = _descriptor_intrinsic(0, "smem_desc")
 smem_desc_sw128 = _descriptor_intrinsic(1, "smem_desc_sw128")
 
 
+# kind -> (shape's k, type suffix, immediates after scale-d, accumulator type, its register constraint). bf16 takes
+# imm-scale-a / b and the two transpose immediates (both operands K-major: 0); 8-bit operands have no transpose
+# immediates (K-major only), e4m3 keeps the scale immediates, s8 has none and accumulates in s32.
+KINDS = {
+    "bf16": (16, "f32.bf16.bf16", ", 1, 1, 0, 0", types.float32, "=f"),
+    "e4m3": (32, "f32.e4m3.e4m3", ", 1, 1", types.float32, "=f"),
+    "s8": (32, "s32.s8.s8", "", types.int32, "=r"),
+}
+
+
 @functools.cache
-def wgmma_bf16_fn(n: int):
-    """Device function `mma(acc, base, desc_a, desc_b, accumulate)` for m64n<n>k16 (module docstring)."""
+def wgmma_fn(n: int, kind: str):
+    """Device function `mma(acc, base, desc_a, desc_b, accumulate)` for m64n<n>k<16 or 32> of this operand kind
+    (module docstring of kernels.wgmma)."""
     if n not in N_CHOICES:
         raise ValueError(f"wgmma n must be one of {N_CHOICES}, got {n}")
+    if kind not in KINDS:
+        raise ValueError(f"wgmma kind must be one of {sorted(KINDS)}, got {kind!r}")
+    k, types_suffix, immediates, acc_type, reg = KINDS[kind]
     regs = n // 2
     outs = ", ".join(f"${i}" for i in range(regs))
     asm = ("{\n.reg .pred p;\n"
            f"setp.ne.b32 p, ${regs + 2}, 0;\n"
-           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, ${regs}, ${regs + 1}, p, 1, 1, 0, 0;\n"
-           "}")
-    constraints = ",".join(["=f"] * regs + ["l", "l", "r"] + [str(i) for i in range(regs)])
-
-    @intrinsic
-    def mma(typingctx, acc, base, desc_a, desc_b, accumulate):
-        if not (isinstance(acc, types.Array) and acc.layout == "C" and acc.dtype == types.float32
-                and isinstance(base, types.IntegerLiteral)):
-            raise NumbaTypeError(f"wgmma needs a C-contiguous float32 local array and a literal base index, got {acc}, "
-                                 f"{base}")
-        sig = types.void(acc, base, types.uint64, types.uint64, types.int32)
-        first = base.literal_value
-
-        def codegen(context, builder, sig, args):
-            f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            ptrs = [builder.gep(ary.data, [ir.Constant(i64, first + r)], inbounds=True) for r in range(regs)]
-            old = [builder.load(p) for p in ptrs]
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * regs), [i64, i64, i32] + [f32] * regs)
-            flag = context.cast(builder, args[4], sig.args[4], types.int32)
-            out = builder.call(ir.InlineAsm(fnty, asm, constraints, side_effect=True),
-                               [args[2], args[3], flag] + old)
-            for r, p in enumerate(ptrs):
-                builder.store(builder.extract_value(out, r), p)
-            return context.get_dummy_value()
-        return sig, codegen
-    return mma
-
-
-# 8-bit operands: k32 a step (32 bytes of a K-major row, as k16 of bf16), both operands K-major only (no transpose
-# immediates), e4m3 into fp32 accumulators, s8 into s32 ones (no scale immediates either).
-Q8_KINDS = {"e4m3": ("f32.e4m3.e4m3", ", 1, 1", types.float32, "=f"), "s8": ("s32.s8.s8", "", types.int32, "=r")}
-
-
-@functools.cache
-def wgmma_q8_fn(n: int, kind: str):
-    """Device function `mma(acc, base, desc_a, desc_b, accumulate)` for m64n<n>k32 on 8-bit operands (kernels.wgmma
-    docstring): kind "e4m3" (acc float32) or "s8" (acc int32); the fragment layout is the bf16 one's."""
-    if n not in N_CHOICES:
-        raise ValueError(f"wgmma n must be one of {N_CHOICES}, got {n}")
-    if kind not in Q8_KINDS:
-        raise ValueError(f"8-bit wgmma kind must be one of {sorted(Q8_KINDS)}, got {kind!r}")
-    types_suffix, immediates, acc_type, reg = Q8_KINDS[kind]
-    regs = n // 2
-    outs = ", ".join(f"${i}" for i in range(regs))
-    asm = ("{\n.reg .pred p;\n"
-           f"setp.ne.b32 p, ${regs + 2}, 0;\n"
-           f"wgmma.mma_async.sync.aligned.m64n{n}k32.{types_suffix} {{{outs}}}, ${regs}, ${regs + 1}, p{immediates};\n"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.{types_suffix} {{{outs}}}, ${regs}, ${regs + 1}, p{immediates};\n"
            "}")
     constraints = ",".join([reg] * regs + ["l", "l", "r"] + [str(i) for i in range(regs)])
 
@@ -136,3 +103,15 @@ def wgmma_q8_fn(n: int, kind: str):
             return context.get_dummy_value()
         return sig, codegen
     return mma
+
+
+def wgmma_bf16_fn(n: int):
+    """`wgmma_fn(n, "bf16")`: m64n<n>k16, bf16 operands, fp32 accumulators."""
+    return wgmma_fn(n, "bf16")
+
+
+def wgmma_q8_fn(n: int, kind: str):
+    """`wgmma_fn(n, kind)` for 8-bit operands, m64n<n>k32: kind "e4m3" (fp32 accumulators) or "s8" (int32)."""
+    if kind not in ("e4m3", "s8"):
+        raise ValueError(f"8-bit wgmma kind must be e4m3 or s8, got {kind!r}")
+    return wgmma_fn(n, kind)
