@@ -73,18 +73,16 @@ def main() -> int:
     from numba import cuda
 
     from expert_service.cuda.driver import non_blocking_stream
+    from expert_service.cuda.moe_grouped_mma import w8a8_experts
     from expert_service.kernels import expert_quant as q
     from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
     from expert_service.kernels.moe_gemm_mma import bf16_round
     from expert_service.kernels.moe_gemm_q8wgmma import launch_q8wgmma_down, launch_q8wgmma_gate_up
     from expert_service.kernels.moe_gemm_w8a8 import (
         config_for,
-        launch_w8a8_down,
-        launch_w8a8_gate_up,
         moe_reference_w8a8,
     )
     from expert_service.kernels.moe_gemm_wgmma import CONFIGS
-    from expert_service.kernels.quantize_rows import launch_quantize_gathered, launch_quantize_rows
 
     _, stream = non_blocking_stream()
     rng = np.random.default_rng(0)
@@ -121,26 +119,25 @@ def main() -> int:
                         blocked = scheme == q.SCALE_BLOCK
 
                         def step(s):
-                            launch_quantize_gathered(dx, sorted_ids, num_tiles, K, bm, code, xq, xs, stream=s)
-                            launch_w8a8_gate_up(
-                                xq, xs, tile_expert, num_tiles, dW, dmeta, code, blocked, F, D, h, cfg, stream=s
-                            )
-                            launch_quantize_rows(h, num_tiles, bm, code, hq, hs, stream=s)
-                            launch_w8a8_down(
-                                hq,
-                                hs,
+                            w8a8_experts(
+                                dx,
+                                sorted_ids,
                                 tile_expert,
                                 num_tiles,
-                                sorted_ids,
+                                K,
                                 dW,
                                 dmeta,
-                                code,
-                                blocked,
+                                (code, blocked),
                                 F,
                                 D,
+                                xq,
+                                xs,
+                                hq,
+                                hs,
+                                h,
                                 y,
                                 cfg,
-                                stream=s,
+                                s,
                             )
                     else:
                         xb = cuda.device_array((rows, D), np.uint16)

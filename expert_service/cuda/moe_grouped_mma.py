@@ -184,29 +184,28 @@ def run_grouped_mma(
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
     if isinstance(cfg, WgmmaConfig) and meta is not None and w8a8 is not None:
-        code, block_scaled = w8a8
-        q8, scales = ws.mma_q8_rows, ws.mma_q8_scales[:rows]
+        q8 = ws.mma_q8_rows
         xq, hq = q8[: rows * D].reshape(rows, D), q8[: rows * F].reshape(rows, F)
-        launch_quantize_gathered(x, sorted_ids, num_tiles, K, bm, code, xq, scales, stream=stream)
-        launch_w8a8_gate_up(
-            xq, scales, tile_expert, num_tiles, experts, meta, code, block_scaled, F, D, hb, cfg, stream=stream
-        )
-        launch_quantize_rows(hb, num_tiles, bm, code, hq, scales, stream=stream)
-        launch_w8a8_down(
-            hq,
-            scales,
+        scales = ws.mma_q8_scales[:rows]
+        w8a8_experts(
+            x,
+            sorted_ids,
             tile_expert,
             num_tiles,
-            sorted_ids,
+            K,
             experts,
             meta,
-            code,
-            block_scaled,
+            w8a8,
             F,
             D,
+            xq,
+            scales,
+            hq,
+            scales,
+            hb,
             out,
             cfg,
-            stream=stream,
+            stream,
         )
     else:
         launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
@@ -215,6 +214,55 @@ def run_grouped_mma(
         launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
     else:
         combine(out, ws.identity_position[:n], weights, h)
+
+
+def w8a8_experts(
+    x,
+    sorted_ids,
+    tile_expert,
+    num_tiles,
+    K: int,
+    experts,
+    meta,
+    kind: tuple[int, bool],
+    F: int,
+    D: int,
+    xq,
+    x_scales,
+    hq,
+    h_scales,
+    h,
+    out,
+    cfg,
+    stream,
+) -> None:
+    """A W8A8 step's four launches (module docstring): x [T, D] f32 -> xq [rows, D] 8-bit, x_scales [rows] ->
+    h [rows, F] bf16 -> hq [rows, F], h_scales [rows] -> out [T*K, D] f32 in assignment order. hq / h_scales may
+    share xq's / x_scales' memory (those are read only before these are written). kind: (8-bit code,
+    block-scaled), w8a8_kind's; cfg: moe_gemm_w8a8.config_for(code)."""
+    code, block_scaled = kind
+    bm = cfg.block_m
+    launch_quantize_gathered(x, sorted_ids, num_tiles, K, bm, code, xq, x_scales, stream=stream)
+    launch_w8a8_gate_up(
+        xq, x_scales, tile_expert, num_tiles, experts, meta, code, block_scaled, F, D, h, cfg, stream=stream
+    )
+    launch_quantize_rows(h, num_tiles, bm, code, hq, h_scales, stream=stream)
+    launch_w8a8_down(
+        hq,
+        h_scales,
+        tile_expert,
+        num_tiles,
+        sorted_ids,
+        experts,
+        meta,
+        code,
+        block_scaled,
+        F,
+        D,
+        out,
+        cfg,
+        stream=stream,
+    )
 
 
 def _gemms_on_bf16_rows(
