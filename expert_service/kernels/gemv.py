@@ -145,9 +145,9 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
     normed: x is a raw residual row the block first normalises into shared memory (rmsnorm.row_normalizer, the
     bits of an rmsnorm launch), so no rmsnorm launch runs before the GEMV."""
     fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide)
+    normalize = row_normalizer(np.dtype(dtype)) if normed else None  # (every closure cell set: jit_cache digests them)
     if normed:
         load_x = _load_shared_x(per)
-        normalize = row_normalizer(np.dtype(dtype))
     widen = widener(dtype)
     norm_len = ROW_NORM_MAX if normed else 1   # shared floats of the normalised row (a closure constant)
     wpc = 4 if wide else 1                    # w array units (u32 words or elements) per chunk
