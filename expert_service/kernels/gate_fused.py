@@ -28,9 +28,9 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_shared_v4, ld_stream_v4, ld_v4
 from expert_service.kernels.rmsnorm import CHUNKS as NORM_CHUNKS
-from expert_service.kernels.rmsnorm import ROW_NORM_MAX, row_normalizer
+from expert_service.kernels.rmsnorm import ROW_ALIGN, ROW_NORM_MAX, row_norm_bytes, row_normalizer
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -64,16 +64,24 @@ def _build(dtype, wide: bool, normed: bool = False):
     block writes that normed row to x_out for the expert kernels after it."""
     widen = widener(dtype)
     norm_row = row_normalizer(np.dtype(dtype)) if normed else None
-    norm_len = ROW_NORM_MAX if normed else 1
 
-    if normed:  # x is the block's normed row in shared memory
+    if normed:  # x is the block's normed row in shared memory, float bits
         @cuda.jit(device=True, inline=True)
         def load4(x, i):
-            return x[i], x[i + 1], x[i + 2], x[i + 3]
+            a, b, c, d = ld_shared_v4(x, i)
+            return u32_as_f32(a), u32_as_f32(b), u32_as_f32(c), u32_as_f32(d)
+
+        @cuda.jit(device=True, inline=True)
+        def load1(x, i):
+            return u32_as_f32(x[i])
     else:
         @cuda.jit(device=True, inline=True)
         def load4(x, i):
             return ld_v4(x, i)
+
+        @cuda.jit(device=True, inline=True)
+        def load1(x, i):
+            return x[i]
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -107,7 +115,7 @@ def _build(dtype, wide: bool, normed: bool = False):
             acc = np.float32(0.0)
             base = np.int64(row) * dim
             for c in range(lo + lane, hi, WARP):
-                acc += widen(w[base + c]) * x[xbase + c]
+                acc += widen(w[base + c]) * load1(x, xbase + c)
             return acc
 
     def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits, norm_w, eps, x_out):
@@ -134,12 +142,12 @@ def _build(dtype, wide: bool, normed: bool = False):
         row = blk * rows_per_block + warp // split
         xbase = np.int64(t) * dim
         if normed:
-            xs = cuda.shared.array(norm_len, np.float32)
+            xs = cuda.shared.array(0, types.uint32, alignment=ROW_ALIGN)  # dynamic: the launcher gives D words
             norm_parts = cuda.shared.array(NORM_CHUNKS, np.float32)
             norm_row(x, xbase, dim, norm_w, eps, xs, norm_parts)
             if blk == 0:
                 for i in range(tid, dim, THREADS):
-                    x_out[xbase + i] = xs[i]
+                    x_out[xbase + i] = u32_as_f32(xs[i])
             x = xs
             xbase = 0
         s = warp_sum(row_dot(x, xbase, dim, w, row, lo, hi, lane) if row < n_exp else np.float32(0.0))
@@ -211,6 +219,11 @@ def _build(dtype, wide: bool, normed: bool = False):
     return gate_fused_kernel, cached_jit(gate_fused_kernel)
 
 
+def _address(a) -> int:
+    """Where an array's data starts (device, or the simulator's host array)."""
+    return a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
+
+
 def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
@@ -245,13 +258,16 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
                              f"{norm_w.shape}")
         if x_out.shape != x.shape or x_out.dtype != np.float32 or not x_out.flags["C_CONTIGUOUS"]:
             raise ValueError(f"x_out must be C-contiguous float32 {list(x.shape)}, got {x_out.dtype} {x_out.shape}")
+        if _address(x_out) == _address(x):  # a token's first block would overwrite the row the others normalise
+            raise ValueError("x_out must not be x: the router reads the raw rows while it writes the normed ones")
     if n_tok == 0:
         return
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
     kernel = _build(np.dtype(weight.dtype).type, wide, norm is not None)[1]
-    kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
+    dynamic = row_norm_bytes(D) if norm is not None else 0
+    kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream, dynamic](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits, norm_w, np.float32(eps),
         x_out.reshape(n_tok * D))

@@ -35,9 +35,9 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum, widener
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_shared_v4, ld_stream_v4, ld_v4
 from expert_service.kernels.rmsnorm import CHUNKS as NORM_CHUNKS
-from expert_service.kernels.rmsnorm import ROW_NORM_MAX, row_normalizer
+from expert_service.kernels.rmsnorm import ROW_ALIGN, ROW_NORM_MAX, row_norm_bytes, row_normalizer
 
 # The simulator runs one Python thread per CUDA thread: fewer loads per lane so tiny K still reaches the
 # unrolled main loop (the code path is the same).
@@ -149,7 +149,6 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
     if normed:
         load_x = _load_shared_x(per)
     widen = widener(dtype)
-    norm_len = ROW_NORM_MAX if normed else 1   # shared floats of the normalised row (a closure constant)
     wpc = 4 if wide else 1                    # w array units (u32 words or elements) per chunk
     nw = rows * (2 if gated else 1)           # weight rows streamed by one warp
     unroll = max(1, LOADS_IN_FLIGHT // nw)    # chunks per row in flight per lane
@@ -215,8 +214,8 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
         for r in range(nw):
             acc[r] = np.float32(0.0)
         xoff = slot * x_stride
-        if normed:  # this block's copy of rmsnorm(x): the main loop reads it from shared memory
-            xs = cuda.shared.array(norm_len, np.float32)
+        if normed:  # this block's copy of rmsnorm(x) (dynamic shared memory): the main loop reads it from there
+            xs = cuda.shared.array(0, types.uint32, alignment=ROW_ALIGN)
             parts = cuda.shared.array(NORM_CHUNKS, np.float32)
             normalize(x, 0, n_chunks * per, norm_w, eps, xs, parts)
             x = xs
@@ -261,11 +260,23 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
 
 
 def _load_shared_x(per: int):
-    """load_x of normed builds: the chunk's x values from the block's normalised row in shared memory."""
-    @cuda.jit(device=True, inline=True)
+    """load_x of normed builds: the chunk's x values from the block's normalised row in shared memory (float bits,
+    16-byte loads where a chunk has 4 or 8 values: a lane's scalar loads there would meet 8 lanes a bank)."""
+    if per % 4:
+        @cuda.jit(device=True, inline=True)
+        def load_x(xs, off, xv, u):
+            for j in range(per):
+                xv[u, j] = u32_as_f32(xs[off + j])
+        return load_x
+
+    @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the scalar branch returned its own above
     def load_x(xs, off, xv, u):
-        for j in range(per):
-            xv[u, j] = xs[off + j]
+        for q in range(per // 4):
+            a, b, c, d = ld_shared_v4(xs, off + 4 * q)
+            xv[u, 4 * q] = u32_as_f32(a)
+            xv[u, 4 * q + 1] = u32_as_f32(b)
+            xv[u, 4 * q + 2] = u32_as_f32(c)
+            xv[u, 4 * q + 3] = u32_as_f32(d)
     return load_x
 
 
@@ -287,6 +298,7 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
     dtype = np.dtype(wa.dtype)
     flat_a, flat_b = wa.reshape(wa.size), wb.reshape(wb.size)
     dummy = flat_a[:1]                       # stands in for bias/ids/norm_w when unused (never read)
+    dynamic = row_norm_bytes(row_len) if norm_weight is not None else 0   # the normed row (row_len: elements here)
     if wide:
         unit = 4 // dtype.itemsize           # elements per u32 word
         flat_a, flat_b = flat_a.view(np.uint32), flat_b.view(np.uint32)
@@ -302,7 +314,7 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
     block = WARP * shape.groups * shape.split
     use_ids = int(ids is not None)
     ids = ids.reshape(ids.size) if ids is not None else x.reshape(x.size).view(np.int32)
-    kernel[grid, block, stream](x.reshape(x.size), x_stride, ids, use_ids, flat_a, flat_b, stride, first,
+    kernel[grid, block, stream, dynamic](x.reshape(x.size), x_stride, ids, use_ids, flat_a, flat_b, stride, first,
                                 second, row_len, n_rows, n_chunks, shape.split,
                                 bias if bias is not None else dummy, int(bias is not None), mode, out,
                                 dummy if norm_weight is None else norm_weight, np.float32(eps))

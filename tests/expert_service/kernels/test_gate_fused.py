@@ -144,9 +144,31 @@ def test_relaunches_select_the_same_gpu(n_tok, n_exp, top_k, D):
 @pytest.mark.parametrize("dtype", STORAGE_DTYPES)
 @pytest.mark.parametrize("n_tok,n_exp,top_k,D", [(1, 8, 2, 64), (3, 40, 4, 264), (2, 16, 8, 512)])
 def test_normed_router_equals_rmsnorm_then_router(dtype, n_tok, n_exp, top_k, D):
+    check_normed_router(dtype, n_tok, n_exp, top_k, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tok,n_exp,top_k,D", [(1, 128, 8, 2048), (16, 8, 2, 4096), (64, 128, 8, 2048)])
+def test_gpu_normed_router_at_model_sizes(n_tok, n_exp, top_k, D):
+    check_normed_router(np.uint16, n_tok, n_exp, top_k, D)
+
+
+def test_normed_router_refuses_x_out_aliasing_x():
+    x = cuda.to_device(np.ones((1, 64), np.float32))
+    w = cuda.to_device(np.ones((8, 64), np.float32))
+    ids, weights = cuda.to_device(np.zeros((1, 2), np.int32)), cuda.to_device(np.zeros((1, 2), np.float32))
+    logits, counter = cuda.to_device(np.zeros((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="must not be x"):
+        launch_gate_fused(
+            x, w, ids, weights, True, logits, counter, norm=(cuda.to_device(np.ones(64, np.float32)), 1e-6, x)
+        )
+
+
+def check_normed_router(dtype, n_tok, n_exp, top_k, D):
     """norm=(weight, eps, x_out): the router normalises the raw rows itself (and writes them to x_out): the same
-    bits as launch_rmsnorm then launch_gate_fused, logits, ids, weights and the normed rows; counters back to 0."""
-    from expert_service.kernels.rmsnorm import launch_rmsnorm
+    bits as launch_rmsnorm (its block kernel) then launch_gate_fused, logits, ids, weights and the normed rows;
+    counters back to 0."""
+    from expert_service.kernels.rmsnorm import THREADS, launch_rmsnorm
 
     rng = np.random.default_rng(D + n_exp)
     w, _ = random_weight(rng, (n_exp, D), dtype, scale=1.0 / np.sqrt(D))
@@ -162,7 +184,7 @@ def test_normed_router_equals_rmsnorm_then_router(dtype, n_tok, n_exp, top_k, D)
         if fused:
             launch_gate_fused(d_h, d_w, ids, weights, True, logits, counter, norm=(d_nw, 1e-6, x))
         else:
-            launch_rmsnorm(d_h, d_nw, 1e-6, x)
+            launch_rmsnorm(d_h, d_nw, 1e-6, x, threads=min(THREADS, -(-D // 32) * 32))
             launch_gate_fused(x, d_w, ids, weights, True, logits, counter)
         assert (counter.copy_to_host() == 0).all()
         outs.append([a.copy_to_host() for a in (ids, weights, logits, x)])

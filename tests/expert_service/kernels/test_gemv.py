@@ -196,14 +196,10 @@ def test_experts_gpu_mixtral():
     _check_experts(np.random.default_rng(2), np.array([[1, 0]], np.int32), 2, 14336, 4096, np.uint16, unpadded=True)
 
 
-@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("plan", _PLANS)
-@pytest.mark.parametrize("k", [40, 264, 512])
-def test_normed_gemv_equals_rmsnorm_then_gemv(dtype, plan, k):
-    """norm_weight: the GEMV normalises the raw row itself; the same bits as launch_rmsnorm then launch_gemv
-    (the block sums the squares in rmsnorm's order whatever its size), with bias and the fused residual add.
-    Rows of 40 (under one 256-thread chunk), 264 (a partial second chunk) and 512 values."""
-    from expert_service.kernels.rmsnorm import launch_rmsnorm
+def check_normed_gemv(dtype, plan, k):
+    """norm_weight: the GEMV normalises the raw row itself; the same bits as launch_rmsnorm (its block kernel:
+    256 threads, or one per element under 256) then launch_gemv, with bias and the fused residual add."""
+    from expert_service.kernels.rmsnorm import THREADS, launch_rmsnorm
 
     rng = np.random.default_rng(k)
     n = 24
@@ -214,13 +210,29 @@ def test_normed_gemv_equals_rmsnorm_then_gemv(dtype, plan, k):
     base = rng.standard_normal((1, n)).astype(np.float32)
     d_h, d_w, d_nw, d_b = (cuda.to_device(a) for a in (h, w, nw, b))
     normed = nan_device((1, k))
-    launch_rmsnorm(d_h, d_nw, 1e-6, normed)
+    launch_rmsnorm(d_h, d_nw, 1e-6, normed, threads=min(THREADS, -(-k // 32) * 32))
     want, got = cuda.to_device(base), cuda.to_device(base)
     launch_gemv(normed, d_w, want, bias=d_b, accumulate=True, shape=plan)
     launch_gemv(d_h, d_w, got, bias=d_b, accumulate=True, shape=plan, norm_weight=d_nw, eps=1e-6)
     assert np.isfinite(want.copy_to_host()).all()
     np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
     assert np.array_equal(d_h.copy_to_host(), h), "the raw row is only read"
+
+
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("plan", _PLANS + [LaunchShape(1, 16, 1)])  # 512 threads: 16 warps, chunk rounds idle
+@pytest.mark.parametrize("k", [40, 264, 512])
+def test_normed_gemv_equals_rmsnorm_then_gemv(dtype, plan, k):
+    """Rows of 40 (under one 256-thread chunk), 264 (a partial second chunk) and 512 values."""
+    check_normed_gemv(dtype, plan, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
+@pytest.mark.parametrize("k", [2048, 4096, 4100])
+def test_gpu_normed_gemv_at_hidden_sizes(dtype, k):
+    """Model hidden sizes on the GPU (FMA contraction, many elements a thread): still rmsnorm's bits."""
+    check_normed_gemv(dtype, None, k)
 
 
 def test_normed_gemv_refuses_other_norm_dtypes_and_long_rows():
