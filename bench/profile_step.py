@@ -97,7 +97,6 @@ VARIANTS = {
     "in_order_dequant": {"overlap_dequant": False},
     "mma_sync_experts": {"wgmma_experts": False},
     "decode_splits_per_step": {"decode_splits_per_step": True},
-    "fused_decode_norms": {"fused_decode_norms": True},  # one-token steps: no rmsnorm launch (their consumers norm)
     # mixtral-like layers: steps from 96 rows an expert up to 1,024 / 2,048 tokens on the wgmma grouped kernel
     "few_expert_mma_1024": {"grouped_mma_max_tokens_few_experts": 1024},
     "few_expert_mma": {"grouped_mma_max_tokens_few_experts": STEP_TOKENS},

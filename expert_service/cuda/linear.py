@@ -15,7 +15,6 @@ import numpy as np
 from expert_service.cuda.cublas import Cublas
 from expert_service.kernels import elementwise
 from expert_service.kernels.gemv import launch_gemv, launch_gemv_swiglu
-from expert_service.kernels.rmsnorm import ROW_NORM_MAX
 
 GEMV_MAX_TOKENS = 1  # rows up to which the GEMV kernels beat cuBLAS (one token: decode b=1)
 
@@ -27,34 +26,15 @@ class DeviceLinear:
     def __init__(self, stream, cublas: Cublas, workspace, weights_dtype: np.dtype):
         self.stream, self.cublas, self.workspace, self.weights_dtype = stream, cublas, workspace, weights_dtype
 
-    def linear(
-        self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False, xc=None, norm=None
-    ) -> None:
+    def linear(self, x, weight, out, bias=None, accumulate: bool = False, force_cublas: bool = False, xc=None) -> None:
         """out [M, N] (+)= x [M, K] @ weight [N, K]^T (+ bias). xc: x already in the weights' dtype (one cast
-        shared by several projections of the same input). norm: (weight [K], eps): x is the raw row and the GEMV
-        multiplies rmsnorm(x) (one-row steps only: `normalizes`)."""
+        shared by several projections of the same input)."""
         if x.shape[0] <= GEMV_MAX_TOKENS and not force_cublas:
-            norm_weight, eps = norm if norm is not None else (None, 0.0)
-            launch_gemv(
-                x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream, norm_weight=norm_weight, eps=eps
-            )
+            launch_gemv(x, weight, out, bias=bias, accumulate=accumulate, stream=self.stream)
             return
-        if norm is not None:
-            raise ValueError(f"a normalising linear runs on the GEMV only (at most {GEMV_MAX_TOKENS} rows)")
         self.cublas.linear(xc if xc is not None else self.as_weight_dtype(x), weight, out, accumulate=accumulate)
         if bias is not None:
             elementwise.launch_add_bias(out, bias, stream=self.stream)
-
-    @staticmethod
-    def normalizes(rows: int, weight, norm_weight) -> bool:
-        """Whether linear(..., norm=(norm_weight, eps)) can take a raw row for this weight: a GEMV step, the norm
-        weight in the weight's dtype, a row the GEMV's blocks can hold."""
-        return (
-            rows <= GEMV_MAX_TOKENS
-            and norm_weight is not None
-            and norm_weight.dtype == weight.dtype
-            and weight.shape[1] <= ROW_NORM_MAX
-        )
 
     def swiglu(self, x, gate, up, out, scratch, force_cublas: bool = False) -> None:
         """out = silu(x @ gate^T) * (x @ up^T); scratch [M, F] holds the up projection on the cuBLAS path."""

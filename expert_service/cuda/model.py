@@ -76,20 +76,15 @@ class CudaModel:
         if self.cached is not None:
             self.cached.start_pass(T, large=self.moe.cached_large(T))
         for i in range(cfg.num_hidden_layers):
-            # CudaOptions.fused_decode_norms: the q|k|v GEMV and the router normalise the raw residual themselves
-            in_qkv = not normed and self._norm_in_qkv(i, T)
-            if not normed and not in_qkv:
+            if not normed:
                 rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
-            self._attention(i, x, h, T, S, decode, in_qkv)
-            in_router = self.options.fused_decode_norms and cfg.sparse_layers[i] and self.moe.router_normalizes(i, T)
-            if not in_router:
-                rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
+            self._attention(i, x, h, T, S, decode)
+            rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
             normed = False
             if cfg.sparse_layers[i]:
                 last = i + 1 == cfg.num_hidden_layers
                 fuse = self.options.fused_combine_norm and not last
-                next_norm = w.layer(i + 1, "input_norm") if fuse else None
-                normed = self.moe.forward(i, x, h, T, next_norm=next_norm, normalize_input=in_router)
+                normed = self.moe.forward(i, x, h, T, next_norm=w.layer(i + 1, "input_norm") if fuse else None)
             else:
                 g = ws.dense_gate[:T]
                 self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
@@ -104,12 +99,8 @@ class CudaModel:
         h = ws.hidden[:T]
         last = ws.last_hidden[:R]
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
-        final = w.get("final_norm")
-        if self.options.fused_decode_norms and self.linear.normalizes(R, w.lm_head, final):  # in the head's GEMV
-            self.linear.linear(last, w.lm_head, ws.logits[:R], norm=(final, cfg.rms_norm_eps))
-        else:
-            rmsnorm.launch_rmsnorm(last, final, cfg.rms_norm_eps, last, stream=st)
-            self.linear.linear(last, w.lm_head, ws.logits[:R])
+        rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
+        self.linear.linear(last, w.lm_head, ws.logits[:R])
         if self.options.greedy_split:
             launch_greedy_split(
                 ws.logits[:R],
@@ -123,39 +114,19 @@ class CudaModel:
         else:
             greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
 
-    def _one_qkv_gemv(self, i: int, T: int) -> bool:
-        """Whether layer i's q, k and v come from one GEMV over the stacked q|k|v rows at this step size."""
-        w = self.weights
-        return (
-            self.options.fused_qkv
-            and T == 1
-            and T <= GEMV_MAX_TOKENS
-            and w.layer(i, "qkv_proj") is not None
-            and (w.layer(i, "qkv_bias") is not None or w.layer(i, "q_bias") is None)
-        )
-
-    def _norm_in_qkv(self, i: int, T: int) -> bool:
-        """Whether layer i's input norm runs inside its q|k|v GEMV (CudaOptions.fused_decode_norms)."""
-        w = self.weights
-        return (
-            self.options.fused_decode_norms
-            and self._one_qkv_gemv(i, T)
-            and self.linear.normalizes(T, w.layer(i, "qkv_proj"), w.layer(i, "input_norm"))
-        )
-
-    def _attention(self, i: int, x, h, T: int, S: int, decode: bool, norm_in_qkv: bool = False) -> None:
-        """Layer i's attention block on its normed input x (or, norm_in_qkv, on the raw residual h: the q|k|v GEMV
-        normalises it), added into h."""
+    def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = self.qkv_views(T)
         qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
-        if self._one_qkv_gemv(i, T):
+        if (
+            self.options.fused_qkv
+            and T == 1
+            and T <= GEMV_MAX_TOKENS
+            and qkv is not None
+            and (qkv_bias is not None or w.layer(i, "q_bias") is None)
+        ):
             # one GEMV over the q|k|v rows: the k and v ones alone are too small to keep HBM busy
-            out = ws.qkv[: qkv.shape[0]].reshape(1, qkv.shape[0])
-            if norm_in_qkv:
-                self.linear.linear(h, qkv, out, bias=qkv_bias, norm=(w.layer(i, "input_norm"), cfg.rms_norm_eps))
-            else:
-                self.linear.linear(x, qkv, out, bias=qkv_bias)
+            self.linear.linear(x, qkv, ws.qkv[: qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
         else:
             xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
             for name, out in (("q", q), ("k", k), ("v", v)):

@@ -41,7 +41,6 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
-from expert_service.kernels.rmsnorm import ROW_NORM_MAX
 
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
@@ -106,14 +105,12 @@ class DeviceMoe:
         # gate_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
-    def forward(self, i: int, x, h, T: int, next_norm=None, normalize_input: bool = False) -> bool:
+    def forward(self, i: int, x, h, T: int, next_norm=None) -> bool:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
         MoE layer m stay in workspace.topk_ids[m] for the step's trace. next_norm: the next layer's input-norm
         weight [D]; unless a shared expert still reads x after the combine, the combine then also writes
         x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input) --
-        for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size.
-        normalize_input (router_normalizes): x is not written yet; the router reads the raw residual h, normalises
-        it with the layer's post-attention norm and writes x for the experts."""
+        for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size."""
         cfg, ws, st = self.config, self.ws, self.stream
         K = cfg.num_experts_per_tok
         n = T * K
@@ -131,9 +128,6 @@ class DeviceMoe:
         if self.planned:  # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n : (moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
-        elif normalize_input:
-            norm = (self.weights.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x)
-            launch_gate_fused(h, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, st, norm)
         elif fused_router(T, self.options):
             launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
@@ -169,19 +163,6 @@ class DeviceMoe:
         """Layer i's (8-bit code, block-scaled) where W8A8 can run it (moe_grouped_mma.w8a8_kind), else None."""
         cfg = self.config
         return w8a8_kind(self.weights.expert_kinds[i], cfg.moe_intermediate_size, cfg.hidden_size, experts.shape[1])
-
-    def router_normalizes(self, i: int, T: int) -> bool:
-        """Whether layer i's router can take the raw residual at a step of T tokens and write the normed x itself
-        (forward's normalize_input): the fused router (not the routing table's plan), the post-attention norm in
-        the router's dtype, a row gate_fused's blocks can hold."""
-        norm, router = self.weights.layer(i, "post_attn_norm"), self.weights.layer(i, "router")
-        return (
-            not self.planned
-            and fused_router(T, self.options)
-            and norm is not None
-            and norm.dtype == router.dtype
-            and self.config.hidden_size <= ROW_NORM_MAX
-        )
 
     @property
     def q8_mma(self) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_activations", "fused_decode_norms"})
+EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_activations"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +40,6 @@ class CudaOptions:
     # (False: the parts of the largest batch at every size, 2 at 64 sequences, so a lone sequence runs its whole
     # context in 2 blocks per head group)
     decode_splits_per_step: bool = False
-    # EXPERIMENTAL: norms computed by the blocks of the kernels that read them (rmsnorm.row_normalizer: the same
-    # bits): at one token the input norm by the q|k|v GEMV and the final norm by the LM head's GEMV; at steps the
-    # fused router takes (up to moe_strategy.FUSED_ROUTER_MAX_TOKENS) the post-attention norm by the router, which
-    # also writes it for the experts (False: an rmsnorm launch each)
-    fused_decode_norms: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True

@@ -28,9 +28,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
-from expert_service.kernels.ptx import ld_shared_v4, ld_stream_v4, ld_v4
-from expert_service.kernels.rmsnorm import CHUNKS as NORM_CHUNKS
-from expert_service.kernels.rmsnorm import ROW_ALIGN, ROW_NORM_MAX, row_norm_bytes, row_normalizer
+from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -58,30 +56,8 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool, normed: bool = False):
-    """The kernel for one router dtype and chunking; normed: x holds raw residual rows, which each block first
-    normalises into shared memory (rmsnorm.row_normalizer: the bits of an rmsnorm launch), and each token's first
-    block writes that normed row to x_out for the expert kernels after it."""
+def _build(dtype, wide: bool):
     widen = widener(dtype)
-    norm_row = row_normalizer(np.dtype(dtype)) if normed else None
-
-    if normed:  # x is the block's normed row in shared memory, float bits
-        @cuda.jit(device=True, inline=True)
-        def load4(x, i):
-            a, b, c, d = ld_shared_v4(x, i)
-            return u32_as_f32(a), u32_as_f32(b), u32_as_f32(c), u32_as_f32(d)
-
-        @cuda.jit(device=True, inline=True)
-        def load1(x, i):
-            return u32_as_f32(x[i])
-    else:
-        @cuda.jit(device=True, inline=True)
-        def load4(x, i):
-            return ld_v4(x, i)
-
-        @cuda.jit(device=True, inline=True)
-        def load1(x, i):
-            return x[i]
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -100,7 +76,7 @@ def _build(dtype, wide: bool, normed: bool = False):
                     c = c0 + u * WARP
                     if c < hi:
                         for q in range(2):
-                            x0, x1, x2, x3 = load4(x, xbase + 8 * c + 4 * q)
+                            x0, x1, x2, x3 = ld_v4(x, xbase + 8 * c + 4 * q)
                             v0 = ws[u, 2 * q]
                             v1 = ws[u, 2 * q + 1]
                             acc += (u32_as_f32(v0 << np.uint32(16)) * x0
@@ -115,15 +91,14 @@ def _build(dtype, wide: bool, normed: bool = False):
             acc = np.float32(0.0)
             base = np.int64(row) * dim
             for c in range(lo + lane, hi, WARP):
-                acc += widen(w[base + c]) * load1(x, xbase + c)
+                acc += widen(w[base + c]) * x[xbase + c]
             return acc
 
-    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits, norm_w, eps, x_out):
+    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits):
         """x [T * D] f32 (rows flattened), dim: D; w: router rows [E * D] flattened (uint32 view when wide,
         else the storage dtype); n_exp: E; split: warps per row; ids [T, K] int32, weights [T, K] f32;
         normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E] f32
-        (written). normed builds: norm_w [D] router dtype, eps f32, x_out [T * D] f32 (written: rmsnorm(x)).
-        Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
+        (written). Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
         rows_per_block = WARPS // split
         n_blocks = (n_exp + rows_per_block - 1) // rows_per_block
         t = cuda.blockIdx.x // n_blocks
@@ -140,17 +115,8 @@ def _build(dtype, wide: bool, normed: bool = False):
         lo = min(part * per_part, n_units)
         hi = min(lo + per_part, n_units)
         row = blk * rows_per_block + warp // split
-        xbase = np.int64(t) * dim
-        if normed:
-            xs = cuda.shared.array(0, types.uint32, alignment=ROW_ALIGN)  # dynamic: the launcher gives D words
-            norm_parts = cuda.shared.array(NORM_CHUNKS, np.float32)
-            norm_row(x, xbase, dim, norm_w, eps, xs, norm_parts)
-            if blk == 0:
-                for i in range(tid, dim, THREADS):
-                    x_out[xbase + i] = u32_as_f32(xs[i])
-            x = xs
-            xbase = 0
-        s = warp_sum(row_dot(x, xbase, dim, w, row, lo, hi, lane) if row < n_exp else np.float32(0.0))
+        s = warp_sum(row_dot(x, np.int64(t) * dim, dim, w, row, lo, hi, lane) if row < n_exp
+                     else np.float32(0.0))
         if lane == 0:
             parts[warp, 0] = s
         cuda.syncthreads()
@@ -219,21 +185,14 @@ def _build(dtype, wide: bool, normed: bool = False):
     return gate_fused_kernel, cached_jit(gate_fused_kernel)
 
 
-def _address(a) -> int:
-    """Where an array's data starts (device, or the simulator's host array)."""
-    return a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
-
-
 def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0, norm=None) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero). norm: (norm_weight [D] of weight's
-    dtype, eps, x_out [T, D] f32): x is the raw residual, the router reads rmsnorm(x) and x_out gets it (the bits
-    of launch_rmsnorm), so no rmsnorm launch runs before the MoE block; D <= rmsnorm.ROW_NORM_MAX."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -251,38 +210,24 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
                         ("counter", counter, np.int32)):
         if a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
-    norm_w, eps, x_out = norm if norm is not None else (weight.reshape(weight.size)[:1], 0.0, x)
-    if norm is not None:
-        if norm_w.shape != (D,) or norm_w.dtype != weight.dtype or D > ROW_NORM_MAX:
-            raise ValueError(f"norm weight must be [{D}] {weight.dtype} with D <= {ROW_NORM_MAX}, got {norm_w.dtype} "
-                             f"{norm_w.shape}")
-        if x_out.shape != x.shape or x_out.dtype != np.float32 or not x_out.flags["C_CONTIGUOUS"]:
-            raise ValueError(f"x_out must be C-contiguous float32 {list(x.shape)}, got {x_out.dtype} {x_out.shape}")
-        if _address(x_out) == _address(x):  # a token's first block would overwrite the row the others normalise
-            raise ValueError("x_out must not be x: the router reads the raw rows while it writes the normed ones")
     if n_tok == 0:
         return
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, norm is not None)[1]
-    dynamic = row_norm_bytes(D) if norm is not None else 0
-    kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream, dynamic](
+    kernel = _build(np.dtype(weight.dtype).type, wide)[1]
+    kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
-        ids, weights, np.int32(1 if normalize else 0), counter, logits, norm_w, np.float32(eps),
-        x_out.reshape(n_tok * D))
+        ids, weights, np.int32(1 if normalize else 0), counter, logits)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), plain and normed, for the
-    sm_90 check."""
-    f1, f2, i32 = types.float32[::1], types.float32[:, ::1], types.int32
+    """(python function, numba signature) of each weight dtype (bf16 wide and narrow), for the sm_90 check."""
+    f2, i32 = types.float32[:, ::1], types.int32
     out = []
     for dtype in _DTYPES:
-        element = types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
         for wide in ((True, False) if dtype is np.uint16 else (False,)):
-            wt = types.uint32[::1] if wide else element
-            for normed in (False, True):
-                out.append((_build(dtype, wide, normed)[0], (f1, types.int64, wt, i32, i32, types.int32[:, ::1], f2,
-                                                             i32, types.int32[::1], f2, element, types.float32, f1)))
+            wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
+            out.append((_build(dtype, wide)[0], (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1],
+                                                 f2, i32, types.int32[::1], f2)))
     return out

@@ -35,9 +35,7 @@ from numba.np import numpy_support
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum, widener
-from expert_service.kernels.ptx import ld_shared_v4, ld_stream_v4, ld_v4
-from expert_service.kernels.rmsnorm import CHUNKS as NORM_CHUNKS
-from expert_service.kernels.rmsnorm import ROW_ALIGN, ROW_NORM_MAX, row_norm_bytes, row_normalizer
+from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
 # The simulator runs one Python thread per CUDA thread: fewer loads per lane so tiny K still reaches the
 # unrolled main loop (the code path is the same).
@@ -140,14 +138,9 @@ def _chunk_ops(dtype, wide: bool):
 
 
 @functools.cache
-def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
-    """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated, and
-    normed: x is a raw residual row the block first normalises into shared memory (rmsnorm.row_normalizer, the
-    bits of an rmsnorm launch), so no rmsnorm launch runs before the GEMV."""
+def _build(dtype, wide: bool, rows: int, gated: bool):
+    """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated."""
     fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide)
-    normalize = row_normalizer(np.dtype(dtype)) if normed else None  # (every closure cell set: jit_cache digests them)
-    if normed:
-        load_x = _load_shared_x(per)
     widen = widener(dtype)
     wpc = 4 if wide else 1                    # w array units (u32 words or elements) per chunk
     nw = rows * (2 if gated else 1)           # weight rows streamed by one warp
@@ -183,15 +176,14 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
                 acc[r] += dot(raw, r * unroll + u, xv, u)
 
     def gemv_kernel(x, x_stride, ids, use_ids, wa, wb, stride, first, second, row_len, n_rows, n_chunks,
-                    split, bias, has_bias, mode, out, norm_w, eps):
+                    split, bias, has_bias, mode, out):
         """x: activations, flat float32; slot k reads n_chunks*per values from k * x_stride.
         ids: [slots] int32 expert per slot (read when use_ids != 0, else expert 0).
         wa, wb: flat weights, uint32 words (wide) or elements; row r of gate / plain weight starts at
         e * stride + first + r * row_len, row r of up (gated) at e * stride + second + r * row_len (w units).
         n_rows: output rows; n_chunks: chunks per row; split: warps per row group (blockDim = 32 * groups *
         split). bias: [n_rows] weight dtype, read when has_bias != 0. mode: MODE_STORE / MODE_ACCUMULATE /
-        MODE_SWIGLU (gated kernels). out: [slots, n_rows] float32. Grid (row blocks, slots). normed builds:
-        norm_w [n_chunks * per] weight dtype and eps float32, x the un-normed row (x_stride 0)."""
+        MODE_SWIGLU (gated kernels). out: [slots, n_rows] float32. Grid (row blocks, slots)."""
         raw = cuda.local.array(raw_shape, raw_dtype)
         xv = cuda.local.array(xv_shape, np.float32)
         acc = cuda.local.array(nw, np.float32)
@@ -214,12 +206,6 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
         for r in range(nw):
             acc[r] = np.float32(0.0)
         xoff = slot * x_stride
-        if normed:  # this block's copy of rmsnorm(x) (dynamic shared memory): the main loop reads it from there
-            xs = cuda.shared.array(0, types.uint32, alignment=ROW_ALIGN)
-            parts = cuda.shared.array(NORM_CHUNKS, np.float32)
-            normalize(x, 0, n_chunks * per, norm_w, eps, xs, parts)
-            x = xs
-            xoff = 0
         # this warp's contiguous K range, whole warp-widths so every warp's loads start 512 B-aligned
         span = (n_chunks + split * WARP - 1) // (split * WARP) * WARP
         begin = min(s * span, n_chunks)    # short K: trailing warps get an empty range
@@ -259,27 +245,6 @@ def _build(dtype, wide: bool, rows: int, gated: bool, normed: bool = False):
     return gemv_kernel, cached_jit(gemv_kernel)
 
 
-def _load_shared_x(per: int):
-    """load_x of normed builds: the chunk's x values from the block's normalised row in shared memory (float bits,
-    16-byte loads where a chunk has 4 or 8 values: a lane's scalar loads there would meet 8 lanes a bank)."""
-    if per % 4:
-        @cuda.jit(device=True, inline=True)
-        def load_x(xs, off, xv, u):
-            for j in range(per):
-                xv[u, j] = u32_as_f32(xs[off + j])
-        return load_x
-
-    @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the scalar branch returned its own above
-    def load_x(xs, off, xv, u):
-        for q in range(per // 4):
-            a, b, c, d = ld_shared_v4(xs, off + 4 * q)
-            xv[u, 4 * q] = u32_as_f32(a)
-            xv[u, 4 * q + 1] = u32_as_f32(b)
-            xv[u, 4 * q + 2] = u32_as_f32(c)
-            xv[u, 4 * q + 3] = u32_as_f32(d)
-    return load_x
-
-
 def _aligned(a) -> bool:
     return SIMULATOR or a.__cuda_array_interface__["data"][0] % 16 == 0
 
@@ -292,13 +257,11 @@ def _check(name, a, shape, dtypes):
 
 
 def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, slots, gated, bias, mode, out,
-            stream, shape, wide, norm_weight=None, eps=0.0):
-    """Offsets in elements of the weights' dtype; converts them to u32 words for the 16-byte path. norm_weight:
-    x is a raw row the kernel normalises with it (normed builds)."""
+            stream, shape, wide):
+    """Offsets in elements of the weights' dtype; converts them to u32 words for the 16-byte path."""
     dtype = np.dtype(wa.dtype)
     flat_a, flat_b = wa.reshape(wa.size), wb.reshape(wb.size)
-    dummy = flat_a[:1]                       # stands in for bias/ids/norm_w when unused (never read)
-    dynamic = row_norm_bytes(row_len) if norm_weight is not None else 0   # the normed row (row_len: elements here)
+    dummy = flat_a[:1]                       # stands in for bias/ids when unused (never read)
     if wide:
         unit = 4 // dtype.itemsize           # elements per u32 word
         flat_a, flat_b = flat_a.view(np.uint32), flat_b.view(np.uint32)
@@ -309,39 +272,31 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
     shape = shape or launch_shape_for(n_rows, n_chunks, slots, gated)
     if shape.rows * (2 if gated else 1) > _MAX_ROWS or shape.groups * shape.split > _RED_SHAPE[0]:
         raise ValueError(f"shape {shape} exceeds {_MAX_ROWS} weight rows per warp or {_RED_SHAPE[0]} warps")
-    kernel = _build(dtype.type, wide, shape.rows, gated, norm_weight is not None)[1]
+    kernel = _build(dtype.type, wide, shape.rows, gated)[1]
     grid = (-(-n_rows // (shape.rows * shape.groups)), slots)
     block = WARP * shape.groups * shape.split
     use_ids = int(ids is not None)
     ids = ids.reshape(ids.size) if ids is not None else x.reshape(x.size).view(np.int32)
-    kernel[grid, block, stream, dynamic](x.reshape(x.size), x_stride, ids, use_ids, flat_a, flat_b, stride, first,
+    kernel[grid, block, stream](x.reshape(x.size), x_stride, ids, use_ids, flat_a, flat_b, stride, first,
                                 second, row_len, n_rows, n_chunks, shape.split,
-                                bias if bias is not None else dummy, int(bias is not None), mode, out,
-                                dummy if norm_weight is None else norm_weight, np.float32(eps))
+                                bias if bias is not None else dummy, int(bias is not None), mode, out)
 
 
-def launch_gemv(x, weight, out, bias=None, accumulate=False, stream=0, shape=None, norm_weight=None,
-                eps=0.0) -> None:
+def launch_gemv(x, weight, out, bias=None, accumulate=False, stream=0, shape=None) -> None:
     """x: [1, K] float32; weight: [N, K] uint16 (bfloat16 bits) / float16 / float32; out: [1, N] float32,
     written (out = x @ W^T + bias) or, with accumulate=True, added to (fused residual: out += x @ W^T + bias).
-    bias: optional [N] of weight's dtype. shape: launch shape override (default launch_shape_for).
-    norm_weight: [K] of weight's dtype: x is the un-normed row and the GEMV multiplies rmsnorm(x, norm_weight, eps)
-    (launch_rmsnorm's bits, computed by each block: no rmsnorm launch before it); K <= rmsnorm.ROW_NORM_MAX."""
+    bias: optional [N] of weight's dtype. shape: launch shape override (default launch_shape_for)."""
     n, k = weight.shape
     _check("x", x, (1, k), (np.float32,))
     _check("weight", weight, (n, k), _DTYPES)
     _check("out", out, (1, n), (np.float32,))
     if bias is not None:
         _check("bias", bias, (n,), (weight.dtype,))
-    if norm_weight is not None:
-        _check("norm_weight", norm_weight, (k,), (weight.dtype,))
-        if k > ROW_NORM_MAX:
-            raise ValueError(f"gemv normalises rows of at most {ROW_NORM_MAX} values, got {k}")
     if n == 0:
         return
     wide = k * weight.dtype.itemsize % 16 == 0 and _aligned(weight) and _aligned(x)
     _launch(x, 0, None, weight, weight, 0, 0, 0, k, n, 1, False, bias,
-            MODE_ACCUMULATE if accumulate else MODE_STORE, out, stream, shape, wide, norm_weight, eps)
+            MODE_ACCUMULATE if accumulate else MODE_STORE, out, stream, shape, wide)
 
 
 def launch_gemv_swiglu(x, gate, up, out, stream=0, shape=None) -> None:
@@ -404,17 +359,16 @@ def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, shape=None)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant, and the normed
-    (un-gated) ones."""
+    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant."""
     i64, f1 = types.int64, types.float32[::1]
     out = []
     for dt in _DTYPES:
         nb = numpy_support.from_dtype(np.dtype(dt))
         for wide in (True, False):
             w = types.uint32[::1] if wide else nb[::1]
-            for gated, normed, choices in ((False, False, (4, 2, 1)), (True, False, (2, 1)), (False, True, (4, 2, 1))):
+            for gated, choices in ((False, (4, 2, 1)), (True, (2, 1))):
                 for rows in choices:
-                    out.append((_build(dt, wide, rows, gated, normed)[0],
+                    out.append((_build(dt, wide, rows, gated)[0],
                                 (f1, i64, types.int32[::1], i64, w, w, i64, i64, i64, i64, i64, i64, i64,
-                                 nb[::1], i64, i64, types.float32[:, ::1], nb[::1], types.float32)))
+                                 nb[::1], i64, i64, types.float32[:, ::1])))
     return out

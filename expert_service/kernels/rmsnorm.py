@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import SIMULATOR, WARP, block_sum, f32_as_u32, warp_sum, widener
+from expert_service.kernels.numeric import SIMULATOR, WARP, block_sum, warp_sum, widener
 
 THREADS = 256   # block-per-row kernel: 8 warps; N=4096 -> 16 elements per thread
 CHUNKS = THREADS // WARP      # the warp kernel's partial sums: one per warp of a THREADS-thread block
@@ -87,54 +87,6 @@ def _build(weight_dtype, per_thread: int):
                 out[r, i] = (v[j] / denom) * w[j]
 
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
-
-
-# A consumer kernel's own copy of a row's norm (row_normalizer): rows up to this long, in dynamic shared memory.
-ROW_NORM_MAX = 8192
-# its 16-byte alignment (ld_shared_v4 reads it); the simulator takes no alignment and needs none
-ROW_ALIGN = None if SIMULATOR else 16
-
-
-@functools.cache
-def row_normalizer(weight_dtype):
-    """Device function `norm(x, xoff, n, weight, eps, xs, parts)`: xs[i] = the float32 bits of
-    rmsnorm(x[xoff : xoff + n])[i] for i < n, the same bits as launch_rmsnorm on that row. The squares are summed in
-    the THREADS-thread block kernel's order (chunk w: the elements thread 32 w + lane holds, one butterfly a chunk,
-    chunk totals in order), whatever this block's size (every warp runs the same number of chunk rounds, idle ones
-    on zeros). x: flat float32; weight: [n] of weight_dtype; xs: a shared uint32 array of >= n words (read back
-    with ld_shared_v4 / u32_as_f32); parts: a shared float32 array of >= CHUNKS. Every thread of the block calls it
-    (two barriers); a GEMV or the router reading a normed row this way needs no rmsnorm launch before it."""
-    widen = widener(weight_dtype)
-
-    @cuda.jit(device=True, inline=True)
-    def norm(x, xoff, n, weight, eps, xs, parts):
-        lane = cuda.threadIdx.x % WARP
-        warps = cuda.blockDim.x // WARP
-        for r in range((CHUNKS + warps - 1) // warps):
-            w = cuda.threadIdx.x // WARP + r * warps
-            part = np.float32(0.0)
-            if w < CHUNKS:
-                for i in range(w * WARP + lane, n, THREADS):
-                    v = x[xoff + i]
-                    part += v * v
-            part = warp_sum(part)
-            if lane == 0 and w < CHUNKS:
-                parts[w] = part
-        cuda.syncthreads()
-        total = np.float32(0.0)
-        for w in range(CHUNKS):
-            total += parts[w]
-        denom = math.sqrt(total / np.float32(n) + eps)
-        for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-            xs[i] = f32_as_u32((x[xoff + i] / denom) * widen(weight[i]))
-        cuda.syncthreads()
-
-    return norm
-
-
-def row_norm_bytes(n: int) -> int:
-    """Dynamic shared memory a consumer kernel gives row_normalizer's xs for rows of n values."""
-    return -(-n // 4) * 16
 
 
 def per_thread(n: int, threads: int) -> int:

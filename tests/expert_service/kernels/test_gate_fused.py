@@ -11,7 +11,7 @@ from numba import cuda
 
 from expert_service.cpu.layers.moe import route
 from expert_service.kernels.gate_fused import launch_gate_fused
-from tests.helpers import STORAGE_DTYPES, random_weight
+from tests.helpers import random_weight
 
 
 def run(x, w, top_k, normalize, repeat=1):
@@ -139,55 +139,3 @@ def test_relaunches_select_the_same():
 def test_relaunches_select_the_same_gpu(n_tok, n_exp, top_k, D):
     # the logits buffer is poisoned with NaN before every launch, so a stale read changes the selection
     assert_relaunches_select_the_same(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
-
-
-@pytest.mark.parametrize("dtype", STORAGE_DTYPES)
-@pytest.mark.parametrize("n_tok,n_exp,top_k,D", [(1, 8, 2, 64), (3, 40, 4, 264), (2, 16, 8, 512)])
-def test_normed_router_equals_rmsnorm_then_router(dtype, n_tok, n_exp, top_k, D):
-    check_normed_router(dtype, n_tok, n_exp, top_k, D)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_tok,n_exp,top_k,D", [(1, 128, 8, 2048), (16, 8, 2, 4096), (64, 128, 8, 2048)])
-def test_gpu_normed_router_at_model_sizes(n_tok, n_exp, top_k, D):
-    check_normed_router(np.uint16, n_tok, n_exp, top_k, D)
-
-
-def test_normed_router_refuses_x_out_aliasing_x():
-    x = cuda.to_device(np.ones((1, 64), np.float32))
-    w = cuda.to_device(np.ones((8, 64), np.float32))
-    ids, weights = cuda.to_device(np.zeros((1, 2), np.int32)), cuda.to_device(np.zeros((1, 2), np.float32))
-    logits, counter = cuda.to_device(np.zeros((1, 8), np.float32)), cuda.to_device(np.zeros(1, np.int32))
-    with pytest.raises(ValueError, match="must not be x"):
-        launch_gate_fused(
-            x, w, ids, weights, True, logits, counter, norm=(cuda.to_device(np.ones(64, np.float32)), 1e-6, x)
-        )
-
-
-def check_normed_router(dtype, n_tok, n_exp, top_k, D):
-    """norm=(weight, eps, x_out): the router normalises the raw rows itself (and writes them to x_out): the same
-    bits as launch_rmsnorm (its block kernel) then launch_gate_fused, logits, ids, weights and the normed rows;
-    counters back to 0."""
-    from expert_service.kernels.rmsnorm import THREADS, launch_rmsnorm
-
-    rng = np.random.default_rng(D + n_exp)
-    w, _ = random_weight(rng, (n_exp, D), dtype, scale=1.0 / np.sqrt(D))
-    nw, _ = random_weight(rng, (D,), dtype)
-    h = (rng.standard_normal((n_tok, D)) * 3).astype(np.float32)
-    d_h, d_w, d_nw = cuda.to_device(h), cuda.to_device(w), cuda.to_device(nw)
-    outs = []
-    for fused in (False, True):
-        ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
-        weights, logits = (cuda.to_device(np.full(s, np.nan, np.float32)) for s in ((n_tok, top_k), (n_tok, n_exp)))
-        counter = cuda.to_device(np.zeros(n_tok, np.int32))
-        x = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
-        if fused:
-            launch_gate_fused(d_h, d_w, ids, weights, True, logits, counter, norm=(d_nw, 1e-6, x))
-        else:
-            launch_rmsnorm(d_h, d_nw, 1e-6, x, threads=min(THREADS, -(-D // 32) * 32))
-            launch_gate_fused(x, d_w, ids, weights, True, logits, counter)
-        assert (counter.copy_to_host() == 0).all()
-        outs.append([a.copy_to_host() for a in (ids, weights, logits, x)])
-    for want, got in zip(*outs):
-        assert np.isfinite(got).all()
-        np.testing.assert_array_equal(got, want)
