@@ -347,8 +347,11 @@ def expert_dtype_ratios(runs: dict) -> dict:
 
 def strategies(engine, sizes) -> dict[str, str]:
     """The MoE strategy a step of each size takes on this engine, under its current options (the decoder's own
-    choice, so every option that moves a step size is in it)."""
-    return {str(T): engine.decoder._strategy(T).value for T in sizes}
+    choice, so every option that moves a step size is in it); "+w8a8" where its first MoE layer runs W8A8."""
+    d = engine.decoder
+    moe, first = d.model.moe, d.moe_layers[0] if d.moe_layers else None
+    w8a8 = {T: first is not None and moe.runs_w8a8(first, T) for T in sizes}
+    return {str(T): d._strategy(T).value + ("+w8a8" if w8a8[T] else "") for T in sizes}
 
 
 def cuda_options_arg(parser, text: str) -> dict:

@@ -17,7 +17,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import run_grouped_mma, w8a8_kind
+from expert_service.cuda.moe_grouped_mma import grouped_tile, run_grouped_mma, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     MoeStrategy,
     cached_grouped_tokens,
@@ -40,6 +40,7 @@ from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
+from expert_service.kernels.moe_gemm_wgmma import Config as WgmmaConfig
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
@@ -158,6 +159,20 @@ class DeviceMoe:
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
+
+    def runs_w8a8(self, i: int, T: int) -> bool:
+        """Whether layer i's experts run W8A8 (8-bit activations, moe_gemm_w8a8) at a step of T tokens under the
+        current options (benchmarks label their steps with it)."""
+        cfg, experts = self.config, self.weights.experts.get(i)
+        if experts is None or not self.options.q8_activations:
+            return False
+        if step_strategy(T, cfg, self.weights, self.cached, self.options) is not MoeStrategy.Q8_MMA:
+            return False
+        kind = self._w8a8_kind(i, experts)
+        n, E, F, D = T * cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        return kind is not None and isinstance(
+            grouped_tile(n, E, F, D, True, self.options.wgmma_experts, kind), WgmmaConfig
+        )
 
     def _w8a8_kind(self, i: int, experts) -> tuple[int, bool] | None:
         """Layer i's (8-bit code, block-scaled) where W8A8 can run it (moe_grouped_mma.w8a8_kind), else None."""

@@ -155,3 +155,32 @@ def test_set_options_refuses_w8a8_without_its_rows():
     d.ws = SimpleNamespace()
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(q8_mma\)"):
         d.set_options(CudaOptions(q8_activations=True))
+
+
+def test_runs_w8a8_labels_the_steps_that_take_it(monkeypatch):
+    """DeviceMoe.runs_w8a8 (bench/engine.py labels steps with it): only with the option on, an sm_90 device, a Q8_MMA
+    step on the wgmma tile (96+ rows an expert) and a layer of one 8-bit kind."""
+    from expert_service.cuda.moe import DeviceMoe
+
+    cfg = config(8, D=128, F=256)  # K = 2: Q8_MMA from 2 tokens up to 512; the wgmma tile from 384
+    moe = DeviceMoe.__new__(DeviceMoe)
+    layer = cfg.moe_layers[0]
+    moe.config, moe.cached = cfg, None
+    moe.weights = SimpleNamespace(
+        dtype=np.dtype(np.uint16),
+        quantized=True,
+        all_8bit=True,
+        experts={layer: SimpleNamespace(shape=(8, 4096))},
+        expert_kinds={layer: (INT8_CH,)},
+    )
+    moe.options = CudaOptions(q8_activations=True)
+    assert not moe.runs_w8a8(layer, 400)  # no sm_90 here
+    monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
+    assert moe.runs_w8a8(layer, 400) and moe.runs_w8a8(layer, 512)
+    assert not moe.runs_w8a8(layer, 200)  # under 96 rows an expert: the mma.sync tile
+    assert not moe.runs_w8a8(layer, 513)  # past Q8_MMA's few-expert bound: dequantise + cuBLAS
+    moe.options = CudaOptions()
+    assert not moe.runs_w8a8(layer, 400)
+    moe.options = CudaOptions(q8_activations=True)
+    moe.weights.expert_kinds[layer] = (INT8_CH, FP8_BLOCK)
+    assert not moe.runs_w8a8(layer, 400)  # two 8-bit kinds in one layer
