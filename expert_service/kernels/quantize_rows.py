@@ -151,6 +151,18 @@ def _code(code: int) -> int:
     return code
 
 
+def _run(gathered: bool, src, sorted_ids, num_tiles, top_k: int, block_m: int, code: int, q, scales, stream) -> None:
+    """Checks the outputs against src [rows, width] (x gathered through sorted_ids, or h row by row) and launches
+    one block a row."""
+    rows, width = (sorted_ids.shape[0] if gathered else src.shape[0]), src.shape[1]
+    _check_out(q, scales, rows, width)
+    if rows == 0 or width == 0:
+        return
+    _build(gathered, _code(code))[1][rows, QUANT_THREADS, stream](
+        src if gathered else src.view(np.uint32), sorted_ids, num_tiles, np.int32(top_k), np.int32(block_m),
+        q.view(np.uint32), scales)
+
+
 def launch_quantize_gathered(x, sorted_ids, num_tiles, top_k: int, block_m: int, code: int, q, scales,
                              stream=0) -> None:
     """x [T, D] float32, sorted_ids [rows] / num_tiles [1] int32 from launch_moe_align -> q [rows, D] uint8 (the
@@ -160,12 +172,7 @@ def launch_quantize_gathered(x, sorted_ids, num_tiles, top_k: int, block_m: int,
     if x.ndim != 2 or np.dtype(x.dtype) != np.float32 or not x.flags["C_CONTIGUOUS"] or rows % block_m:
         raise ValueError(f"quantize_rows: x must be C-contiguous float32 [T, D] and rows a multiple of BM, got "
                          f"{x.dtype} {list(x.shape)}, {rows} rows, BM {block_m}")
-    _check_out(q, scales, rows, x.shape[1])
-    if rows == 0 or x.shape[1] == 0:
-        return
-    kernel = _build(True, _code(code))[1]
-    kernel[rows, QUANT_THREADS, stream](x, sorted_ids, num_tiles, np.int32(top_k), np.int32(block_m),
-                                        q.view(np.uint32), scales)
+    _run(True, x, sorted_ids, num_tiles, top_k, block_m, code, q, scales, stream)
 
 
 def launch_quantize_rows(h, num_tiles, block_m: int, code: int, q, scales, stream=0) -> None:
@@ -175,12 +182,7 @@ def launch_quantize_rows(h, num_tiles, block_m: int, code: int, q, scales, strea
     if h.ndim != 2 or np.dtype(h.dtype) != np.uint16 or not h.flags["C_CONTIGUOUS"] or rows % block_m:
         raise ValueError(f"quantize_rows: h must be C-contiguous uint16 (bf16) [rows, F] with rows a multiple of BM, "
                          f"got {h.dtype} {list(h.shape)}, BM {block_m}")
-    _check_out(q, scales, rows, h.shape[1])
-    if rows == 0 or h.shape[1] == 0:
-        return
-    kernel = _build(False, _code(code))[1]
-    kernel[rows, QUANT_THREADS, stream](h.view(np.uint32), num_tiles, num_tiles, np.int32(1), np.int32(block_m),
-                                        q.view(np.uint32), scales)
+    _run(False, h, num_tiles, num_tiles, 1, block_m, code, q, scales, stream)  # (sorted_ids: unused, any int32)
 
 
 def quantize_rows_reference(values: np.ndarray, code: int) -> tuple[np.ndarray, np.ndarray]:
