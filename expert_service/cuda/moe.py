@@ -17,7 +17,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import grouped_tile, run_grouped_mma, w8a8_kind
+from expert_service.cuda.moe_grouped_mma import run_grouped_mma, step_tile, takes_w8a8, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     MoeStrategy,
     cached_grouped_tokens,
@@ -40,7 +40,6 @@ from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
-from expert_service.kernels.moe_gemm_wgmma import Config as WgmmaConfig
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
@@ -170,9 +169,7 @@ class DeviceMoe:
             return False
         kind = self._w8a8_kind(i, experts)
         n, E, F, D = T * cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        return kind is not None and isinstance(
-            grouped_tile(n, E, F, D, True, self.options.wgmma_experts, kind), WgmmaConfig
-        )
+        return takes_w8a8(kind, step_tile(n, E, F, D, experts, True, self.options.wgmma_experts, kind), True)
 
     def _w8a8_kind(self, i: int, experts) -> tuple[int, bool] | None:
         """Layer i's (8-bit code, block-scaled) where W8A8 can run it (moe_grouped_mma.w8a8_kind), else None."""

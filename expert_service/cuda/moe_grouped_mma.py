@@ -34,6 +34,7 @@ Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sort
 from __future__ import annotations
 
 import functools
+from typing import TypeGuard
 
 import numpy as np
 from numba import cuda
@@ -101,6 +102,19 @@ def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
         return w8a8_config(w8a8[0]) if quantized and w8a8 is not None else choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
+
+
+def step_tile(n: int, E: int, F: int, D: int, experts, quantized: bool, wgmma: bool, w8a8=None):
+    """grouped_tile of a step on this layer's experts [E, stride]: the wgmma tiles only where each expert's block
+    starts 16-byte aligned."""
+    aligned = experts.shape[1] * experts.dtype.itemsize % 16 == 0
+    return grouped_tile(n, E, F, D, quantized, wgmma and aligned, w8a8)
+
+
+def takes_w8a8(w8a8: tuple[int, bool] | None, cfg, quantized: bool) -> TypeGuard[tuple[int, bool]]:
+    """Whether an 8-bit (quantized) step on tile cfg runs W8A8: the layer has a w8a8_kind (with
+    CudaOptions.q8_activations) and the step reaches the wgmma tile."""
+    return quantized and w8a8 is not None and isinstance(cfg, WgmmaConfig)
 
 
 def grouped_mma_layout(
@@ -175,15 +189,14 @@ def run_grouped_mma(
     T, K = ids.shape
     E = experts.shape[0]
     n = T * K
-    aligned = experts.shape[1] * experts.dtype.itemsize % 16 == 0
-    cfg = grouped_tile(n, E, F, D, meta is not None, wgmma and aligned, w8a8)
+    cfg = step_tile(n, E, F, D, experts, meta is not None, wgmma, w8a8)
     bm = cfg.block_m
     tiles = max_tiles(n, E, bm)
     rows = tiles * bm
     sorted_ids, tile_expert, num_tiles = ws.mma_sorted_ids[:rows], ws.mma_tile_expert[:tiles], ws.mma_num_tiles
     xs, hb, out = ws.mma_xs[:rows], ws.mma_h[:rows], ws.moe_out[:n]
     launch_moe_align(ids, E, bm, sorted_ids, tile_expert, num_tiles, ws.position[:n], stream=stream)
-    if isinstance(cfg, WgmmaConfig) and meta is not None and w8a8 is not None:
+    if takes_w8a8(w8a8, cfg, meta is not None):
         q8 = ws.mma_q8_rows
         xq, hq = q8[: rows * D].reshape(rows, D), q8[: rows * F].reshape(rows, F)
         scales = ws.mma_q8_scales[:rows]

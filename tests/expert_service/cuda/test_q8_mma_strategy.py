@@ -170,7 +170,7 @@ def test_runs_w8a8_labels_the_steps_that_take_it(monkeypatch):
         dtype=np.dtype(np.uint16),
         quantized=True,
         all_8bit=True,
-        experts={layer: SimpleNamespace(shape=(8, 4096))},
+        experts={layer: SimpleNamespace(shape=(8, 4096), dtype=np.dtype(np.uint8))},  # as the layer's uint8 blocks
         expert_kinds={layer: (INT8_CH,)},
     )
     moe.options = CudaOptions(q8_activations=True)
