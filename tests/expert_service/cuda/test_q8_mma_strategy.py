@@ -87,12 +87,17 @@ def test_workspace_holds_sorted_rows_only_when_reachable():
     assert on["mma_xs"][0][1] == cfg.hidden_size and on["mma_h"][0][1] == cfg.moe_intermediate_size
 
 
-def test_set_options_refuses_strategies_the_workspace_lacks():
-    cfg = config(128)
+def decoder_laid_out_for_defaults(cfg):
+    """A decoder of an all-8-bit bf16-dense model, 512-token steps, its workspace laid out for the default options."""
     d = CudaDecoder.__new__(CudaDecoder)
     d.config, d.cached, d.max_tokens = cfg, None, 512
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
     d.workspace_strategies = d._strategies(CudaOptions(), False)
+    return d
+
+
+def test_set_options_refuses_strategies_the_workspace_lacks():
+    d = decoder_laid_out_for_defaults(config(128))
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(cublas_per_expert\)"):
         d.set_options(CudaOptions(q8_mma_max_tokens=100))
 
@@ -147,11 +152,7 @@ def test_w8a8_workspace_rows_only_when_asked_and_reachable():
 
 
 def test_set_options_refuses_w8a8_without_its_rows():
-    cfg = config(128)
-    d = CudaDecoder.__new__(CudaDecoder)
-    d.config, d.cached, d.max_tokens = cfg, None, 512
-    d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
-    d.workspace_strategies = d._strategies(CudaOptions(), False)
+    d = decoder_laid_out_for_defaults(config(128))
     d.ws = SimpleNamespace()
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(q8_mma\)"):
         d.set_options(CudaOptions(q8_activations=True))

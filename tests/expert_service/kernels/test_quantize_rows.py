@@ -107,32 +107,16 @@ def test_non_finite_row_gets_nan_scale(code):
 
 
 def test_rejects_bad_arguments():
-    x = cuda.to_device(np.zeros((2, 6), np.float32))
     ids, one = cuda.to_device(np.zeros(2, np.int32)), cuda.to_device(np.array([1], np.int32))
+
+    def launch(width, code, q_dtype):
+        x = cuda.to_device(np.zeros((2, width), np.float32))
+        q = cuda.to_device(np.zeros((2, width), q_dtype))
+        launch_quantize_gathered(x, ids, one, 1, 2, code, q, cuda.to_device(np.zeros(2, np.float32)))
+
     with pytest.raises(ValueError, match="multiple of 4"):
-        launch_quantize_gathered(
-            x,
-            ids,
-            one,
-            1,
-            2,
-            CODE_INT8,
-            cuda.to_device(np.zeros((2, 6), np.uint8)),
-            cuda.to_device(np.zeros(2, np.float32)),
-        )
-    x = cuda.to_device(np.zeros((2, 8), np.float32))
+        launch(6, CODE_INT8, np.uint8)
     with pytest.raises(ValueError, match="neither int8"):
-        launch_quantize_gathered(
-            x, ids, one, 1, 2, 0, cuda.to_device(np.zeros((2, 8), np.uint8)), cuda.to_device(np.zeros(2, np.float32))
-        )
+        launch(8, 0, np.uint8)
     with pytest.raises(ValueError, match="uint8"):
-        launch_quantize_gathered(
-            x,
-            ids,
-            one,
-            1,
-            2,
-            CODE_FP8,
-            cuda.to_device(np.zeros((2, 8), np.int8)),
-            cuda.to_device(np.zeros(2, np.float32)),
-        )
+        launch(8, CODE_FP8, np.int8)
