@@ -8,6 +8,7 @@ Per (shape, T, kind): uniform random top-k routing, random 8-bit expert blocks i
 channel, fp8 per channel, fp8 in 128x128 blocks: random codes and scales, no quantization pass), moe_align once per
 tile; then, timed by CUDA-graph replay (device time only):
   w8a8:     quantize_rows(x) + gate|up + quantize_rows(h) + down   (what a W8A8 step runs)
+  w8a8_promoted (fp8 per channel only): the same on the 64-row tile with every step's sums promoted into fp32
   q8wgmma:  bf16 gather + gate|up + down                          (Q8_MMA on the wgmma tile today)
 TFLOP/s counts the routed rows' FLOPs only. Accuracy: each variant's y against float64 numpy on up to 64 routed
 rows of two experts (W8A8 against its own arithmetic, moe_reference_w8a8 on its quantized rows; q8wgmma against the
@@ -104,7 +105,11 @@ def main() -> int:
                 dids, dx = cuda.to_device(ids), cuda.to_device(x)
                 flops = 2.0 * n * D * 2 * F + 2.0 * n * F * D
                 case: dict = {"shape": shape, "kind": kind, "T": T, "assignments": n, "variants": {}}
-                for name, cfg in (("w8a8", config_for(code)), ("q8wgmma", CONFIGS["w128"])):
+                blocked = scheme == q.SCALE_BLOCK
+                tiles_of = [("w8a8", config_for(code, blocked)), ("q8wgmma", CONFIGS["w128"])]
+                if kind == "fp8":  # the per-channel sums promoted every step, on the 64-row tile
+                    tiles_of.insert(1, ("w8a8_promoted", CONFIGS["w64"]))
+                for name, cfg in tiles_of:
                     bm = cfg.block_m
                     tiles = max_tiles(n, E, bm)
                     rows = tiles * bm
@@ -113,10 +118,9 @@ def main() -> int:
                     launch_moe_align(dids, E, bm, sorted_ids, tile_expert, num_tiles, position, stream=stream)
                     h = cuda.device_array((rows, F), np.uint16)
                     y = cuda.device_array((n, D), np.float32)
-                    if name == "w8a8":
+                    if name.startswith("w8a8"):
                         xq, hq = cuda.device_array((rows, D), np.uint8), cuda.device_array((rows, F), np.uint8)
                         xs, hs = cuda.device_array(rows, np.float32), cuda.device_array(rows, np.float32)
-                        blocked = scheme == q.SCALE_BLOCK
 
                         def step(s):
                             w8a8_experts(
@@ -160,11 +164,11 @@ def main() -> int:
                     picked = rng.choice(pool, min(SAMPLE_ROWS, pool.size), replace=False)
                     got, ref = y.copy_to_host()[order[picked]], np.zeros((picked.size, D))
                     experts = ids.reshape(-1)[order[picked]]
-                    if name == "w8a8":
+                    if name.startswith("w8a8"):
                         xq_h, hq_h, xs_h, hs_h = (a.copy_to_host()[picked] for a in (xq, hq, xs, hs))
                     for e in np.unique(experts):  # one dequantised expert at a time (mixtral's: 1.4 GB in float64)
                         sel = experts == e
-                        if name == "w8a8":
+                        if name.startswith("w8a8"):
                             args_e = (xq_h[sel], xs_h[sel], blocks[e], meta[e], F, D, code, hq_h[sel], hs_h[sel])
                             ref[sel] = moe_reference_w8a8(*args_e)[1]
                             continue
@@ -203,13 +207,15 @@ def main() -> int:
                 case["w8a8_vs_cublas_bf16"] = bf16_us / w8
                 if "cublas_fp8_us" in case:
                     case["w8a8_vs_cublas_fp8"] = case["cublas_fp8_us"] / w8
+                if "w8a8_promoted" in case["variants"]:
+                    case["w8a8_vs_promoted"] = case["variants"]["w8a8_promoted"]["us"] / w8
                 results["cases"].append(case)
                 print(
                     f"\n{shape} {kind} T={T} (n={n}): cuBLAS bf16 {bf16_us:.1f} us ({flops / bf16_us / 1e6:.0f} "
                     f"TFLOP/s), fp8 {case.get('cublas_fp8_us', float('nan')):.1f} us"
                 )
                 for name, v in case["variants"].items():
-                    print(f"  {name:8s} {v['us']:9.1f} us {v['tflops']:6.1f} TFLOP/s  err {v['rel_err']:.1e}")
+                    print(f"  {name:13s} {v['us']:9.1f} us {v['tflops']:6.1f} TFLOP/s  err {v['rel_err']:.1e}")
                 print("  ratios:", {k: round(v, 3) for k, v in case.items() if k.startswith("w8a8_vs")})
                 Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -9,11 +9,12 @@ the same engine: same sequences, graphs re-captured):
   decode steps of b = 1, 2, 4, 8, 16, 32, 64 sequences at 128 tokens of context (one step at a time, graph
   replay, median of --steps), and prefills of 1 x 16, 1 x 64, 1 x 128, 1 x 512 and 16 x 128 tokens (best of 3,
   graph replay).
-Variants of the 8-bit engines: `q8_mma` (the shipped thresholds), `simt` (Q8_MMA off: moe_q8 up to 64 tokens,
+Variants of the 8-bit engines (all but the `w8a8` ones with CudaOptions.q8_activations off: the weights widened to
+bf16): `q8_mma` (the shipped thresholds), `simt` (Q8_MMA off: moe_q8 up to 64 tokens,
 dequantise + cuBLAS above), `mma_all` (Q8_MMA at every step of 2+ tokens, both expert counts), `in_order` (the
 shipped thresholds, each group widened and its GEMMs run in turn on one stream: CudaOptions.overlap_dequant off),
 `no_wgmma` / `mma_all_no_wgmma` (the same as `q8_mma` / `mma_all` with the sm_90 warpgroup-MMA kernel off),
-`w8a8` / `w8a8_all` (as `q8_mma` / `mma_all` with 8-bit activations, CudaOptions.q8_activations;
+`w8a8` / `w8a8_all` (as `q8_mma` / `mma_all` with 8-bit activations where W8A8 applies: `w8a8` is the defaults);
 `--variants` picks some). The strategy each
 step size takes is recorded. Prints each 8-bit variant's ratio to bf16 (decode: bf16 ms / ms, prefill: tok/s /
 bf16 tok/s; > 1 is faster) and the thresholds the measurements suggest: the smallest decode batch from which
@@ -41,16 +42,22 @@ DECODE = (1, 2, 4, 8, 16, 32, 64)
 PREFILL = ((1, 16), (1, 64), (1, 128), (1, 512), (16, 128))
 CONTEXT = 128
 BIG = 1 << 20
+WIDEN = {"q8_activations": False}  # 8-bit weights widened to bf16 everywhere (no W8A8)
 VARIANTS = {
-    "q8_mma": {},
-    "simt": {"q8_mma_min_tokens": BIG},
-    "mma_all": {"q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG},
-    "in_order": {"overlap_dequant": False},  # per-expert cuBLAS steps widen and run their GEMMs in turn
-    "no_wgmma": {"wgmma_experts": False},  # Q8_MMA on the mma.sync kernel at every size (sm_90: wgmma off)
-    "mma_all_no_wgmma": {"q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG, "wgmma_experts": False},
-    # 8-bit activations on the 8-bit tensor cores where Q8_MMA takes the wgmma tile (moe_gemm_w8a8)
-    "w8a8": {"q8_activations": True},
-    "w8a8_all": {"q8_activations": True, "q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG},
+    "q8_mma": {**WIDEN},
+    "simt": {**WIDEN, "q8_mma_min_tokens": BIG},
+    "mma_all": {**WIDEN, "q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG},
+    "in_order": {**WIDEN, "overlap_dequant": False},  # per-expert cuBLAS steps widen and run their GEMMs in turn
+    "no_wgmma": {**WIDEN, "wgmma_experts": False},  # Q8_MMA on the mma.sync kernel at every size (sm_90: wgmma off)
+    "mma_all_no_wgmma": {
+        **WIDEN,
+        "q8_mma_max_tokens": BIG,
+        "q8_mma_max_tokens_few_experts": BIG,
+        "wgmma_experts": False,
+    },
+    # 8-bit activations on the 8-bit tensor cores where Q8_MMA takes the wgmma tile (moe_gemm_w8a8): the defaults
+    "w8a8": {},
+    "w8a8_all": {"q8_mma_max_tokens": BIG, "q8_mma_max_tokens_few_experts": BIG},
 }
 # the engine's own options: every strategy a variant takes is reachable, so its workspace holds their buffers
 LAYOUT = {"q8_mma_max_tokens": 64, "q8_mma_max_tokens_few_experts": 64, "q8_activations": True}

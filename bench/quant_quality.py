@@ -10,7 +10,8 @@ experts' storage differs) and run on the same held-out token stream, window by w
 - greedy: continuations of `--new-tokens` from held-out prompts; share identical to bf16's, and the mean
   share of positions that agree before the first difference.
 
-- the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations): on the
+- the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations, which the
+  others turn off): on the
   cuda backend the real W8A8 path (the Q8_MMA steps that reach the wgmma tile, 96+ rows an expert, with Q8_MMA's
   few-expert bound lifted so large steps get there too), on the cpu backend
   an emulation of its arithmetic on every step: each routed expert's input rows and SwiGLU rows (rounded to bf16
@@ -140,7 +141,7 @@ def main() -> int:
             out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, scale)
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
-            options = W8A8_OPTIONS if w8a8 else CudaOptions()
+            options = W8A8_OPTIONS if w8a8 else CudaOptions(q8_activations=False)
             config = EngineConfig(
                 backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window, cuda_options=options
             )

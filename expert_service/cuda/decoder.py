@@ -44,6 +44,7 @@ from expert_service.cuda.moe_strategy import (
     q8_mma_tokens,
     reachable_strategies,
     step_strategy,
+    w8a8_everywhere,
     warmup_tokens,
 )
 from expert_service.cuda.penalties import DevicePenalties
@@ -413,7 +414,8 @@ class CudaDecoder:
         return self._strategy(tokens) in CAPTURABLE
 
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
-        return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options)
+        w8a8 = w8a8_everywhere(self.config, self.weights, options)
+        return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options, w8a8)
 
     def _few_expert_mma(self, options: CudaOptions) -> int:
         return few_expert_mma_tokens(self.config, self.weights.dtype == np.uint16, options)
@@ -553,8 +555,9 @@ class CudaDecoder:
         grouped = min(self._cached_grouped(options), self.max_tokens)  # the rows of steps an engine can take
         if cached is not None and grouped > min(self.workspace_cached_grouped, self.max_tokens):
             missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
-        if options.q8_activations and not hasattr(self.ws, "mma_q8_rows"):  # W8A8's 8-bit rows
-            missing |= {MoeStrategy.Q8_MMA} & self._strategies(options, cached is not None)
+        q8_mma = MoeStrategy.Q8_MMA in self._strategies(options, cached is not None)
+        if options.q8_activations and q8_mma and not hasattr(self.ws, "mma_q8_rows"):  # W8A8's 8-bit rows
+            missing.add(MoeStrategy.Q8_MMA)
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

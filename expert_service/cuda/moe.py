@@ -25,6 +25,7 @@ from expert_service.cuda.moe_strategy import (
     fused_router,
     q8_mma_tokens,
     step_strategy,
+    w8a8_everywhere,
 )
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.engine.cuda_options import CudaOptions
@@ -179,7 +180,8 @@ class DeviceMoe:
     @property
     def q8_mma(self) -> tuple[int, int] | None:
         """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
-        return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options)
+        w8a8 = w8a8_everywhere(self.config, self.weights, self.options)
+        return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options, w8a8)
 
     @property
     def cached_grouped(self) -> int:

@@ -25,7 +25,7 @@ With CudaOptions.q8_activations, such 8-bit steps on the wgmma tile whose layer 
 (`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes each sorted row's token in that type with a
 per-row scale (from float32 x, no bf16 gather), gate|up multiplies on the 8-bit tensor cores into bf16 h,
 `quantize_rows` quantizes h the same way (into the same buffer: the first GEMM no longer reads it), then down.
-fp8 takes the 64-row tile (`moe_gemm_w8a8.config_for`).
+Block-scaled fp8 takes the 64-row tile (`moe_gemm_w8a8.config_for`).
 
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
@@ -100,7 +100,7 @@ def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w
     (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the step has at least WGMMA_MIN_ROWS
     rows per routed expert, else moe_gemm_q8mma's for 8-bit layers and moe_gemm_mma's for bf16 ones."""
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
-        return w8a8_config(w8a8[0]) if quantized and w8a8 is not None else choose_wgmma_config(n, E)
+        return w8a8_config(*w8a8) if quantized and w8a8 is not None else choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
 
 
@@ -129,7 +129,7 @@ def grouped_mma_layout(
         if wgmma_fits(n, E, F, D) or wgmma_fits(n, E, F, D, quantized=True):
             block_ms.add(choose_wgmma_config(n, E).block_m)
             if w8a8:
-                block_ms |= {w8a8_config(CODE_INT8).block_m, w8a8_config(CODE_FP8).block_m}
+                block_ms |= {w8a8_config(CODE_INT8, False).block_m, w8a8_config(CODE_FP8, True).block_m}
         # a smaller BM pads less but needs more tiles: each buffer takes its own largest need
         rows = max(rows, *(max_rows(n, E, bm) for bm in block_ms))
         tiles = max(tiles, *(max_tiles(n, E, bm) for bm in block_ms))
@@ -252,7 +252,7 @@ def w8a8_experts(
     """A W8A8 step's four launches (module docstring): x [T, D] f32 -> xq [rows, D] 8-bit, x_scales [rows] ->
     h [rows, F] bf16 -> hq [rows, F], h_scales [rows] -> out [T*K, D] f32 in assignment order. hq / h_scales may
     share xq's / x_scales' memory (those are read only before these are written). kind: (8-bit code,
-    block-scaled), w8a8_kind's; cfg: moe_gemm_w8a8.config_for(code)."""
+    block-scaled), w8a8_kind's; cfg: moe_gemm_w8a8.config_for(code, block_scaled)."""
     code, block_scaled = kind
     bm = cfg.block_m
     launch_quantize_gathered(x, sorted_ids, num_tiles, K, bm, code, xq, x_scales, stream=stream)

@@ -6,7 +6,8 @@ whether every expert is resident on the device; `choose_strategy` decides from t
 `reachable_strategies` lists those a model's steps can take (its workspace holds only their buffers);
 `warmup_tokens` lists the step sizes whose warm-up loads every kernel. DeviceMoe (cuda/moe.py) runs them. What
 each strategy launches, and the H200 measurements behind the thresholds, are in docs/kernels.md, section "MoE
-strategy choice". Pure host code: no device is touched except by `few_expert_mma_tokens` (is this an sm_90 GPU).
+strategy choice". Pure host code: no device is touched except by `few_expert_mma_tokens` and `w8a8_everywhere` (is
+this an sm_90 GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from expert_service.cuda.moe_grouped_mma import (
     grouped_tile,
     hopper,
     q8_mma_applies,
+    w8a8_kind,
     wgmma_fits,
 )
 from expert_service.engine.cuda_options import CudaOptions
@@ -35,6 +37,7 @@ from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_con
 
 if TYPE_CHECKING:
     from expert_service.cuda.moe_cached import CachedExperts
+    from expert_service.cuda.weights import DeviceWeights
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
@@ -63,14 +66,30 @@ class MoeStrategy(Enum):
     Q8_MMA = "q8_mma"  # every expert 8-bit: grouped tensor-core GEMM on the 8-bit tiles (moe_gemm_q8mma)
 
 
-def q8_mma_tokens(config: ModelConfig, all_8bit: bool, bf16: bool, options: CudaOptions) -> tuple[int, int] | None:
+def q8_mma_tokens(
+    config: ModelConfig, all_8bit: bool, bf16: bool, options: CudaOptions, w8a8: bool = False
+) -> tuple[int, int] | None:
     """The step sizes (lo, hi) that run Q8_MMA on this model with these options, or None where the kernel does
     not apply: an expert that is not int8 / fp8 (a bf16 / fp16 / fp32 expert in a mixed layer: moe_q8 reads
-    those), dense weights other than bf16 (the kernel's activations are bf16), D or F not a multiple of 16."""
+    those), dense weights other than bf16 (the kernel's activations are bf16), D or F not a multiple of 16.
+    Layers of few experts stop at q8_mma_max_tokens_few_experts, unless every layer runs W8A8 (w8a8_everywhere),
+    which beats dequantising for cuBLAS at every size measured."""
     if not q8_mma_applies(config, all_8bit, bf16):
         return None
-    many = config.num_experts >= GROUPED_MMA_MIN_EXPERTS
+    many = w8a8 or config.num_experts >= GROUPED_MMA_MIN_EXPERTS
     return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
+
+
+def w8a8_everywhere(config: ModelConfig, weights: DeviceWeights, options: CudaOptions) -> bool:
+    """Whether every MoE layer's experts are resident and run W8A8 on the wgmma tile (CudaOptions.q8_activations
+    and wgmma_experts, an sm_90 device, one 8-bit kind a layer that moe_gemm_w8a8 takes)."""
+    if not (options.q8_activations and options.wgmma_experts and hopper() and weights.all_8bit and weights.experts):
+        return False
+    F, D = config.moe_intermediate_size, config.hidden_size
+    return all(
+        i in weights.experts and w8a8_kind(kinds, F, D, weights.expert_strides[i]) is not None
+        for i, kinds in weights.expert_kinds.items()
+    )
 
 
 def few_expert_mma_tokens(config: ModelConfig, bf16: bool, options: CudaOptions) -> int:
@@ -148,7 +167,7 @@ def step_strategy(
         cached is not None,
         bf16,
         weights.quantized,
-        q8_mma_tokens(config, weights.all_8bit, bf16, options),
+        q8_mma_tokens(config, weights.all_8bit, bf16, options, w8a8_everywhere(config, weights, options)),
         cached_gemv_slots(cached, options),
         cached_grouped_tokens(config, weights.dtype, weights.quantized, options, weights.all_8bit),
         few_expert_mma_tokens(config, bf16, options),

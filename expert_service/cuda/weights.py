@@ -165,6 +165,7 @@ class DeviceWeights:
         self.expert_meta: dict[int, DeviceNDArray] = {}
         # each layer's (dtype code, scale scheme) pairs, known at load: moe_q8 compiles one path per pair
         self.expert_kinds: dict[int, tuple[tuple[int, int], ...]] = {}
+        self.expert_strides: dict[int, int] = {}  # bytes from one expert's block to the next, per MoE layer
         # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
         # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
         self.quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
@@ -172,7 +173,7 @@ class DeviceWeights:
         self.all_8bit = self.quantized
         E = self.config.num_experts
         for layer in self.config.moe_layers:
-            stride = model.expert_strides[layer]
+            stride = self.expert_strides[layer] = model.expert_strides[layer]
             host = model._map(expert_file(layer))[: E * stride]
             self.expert_host[layer] = host
             # the expert cache's fetch kernels read the experts straight from host memory: mapped

@@ -12,19 +12,23 @@ What changes against the bf16 wgmma kernel (its docstring has the rest):
 - One 8-bit type and one scale scheme a launch (the layer's): int8 (per-channel scales) accumulates exactly in
   int32; fp8 with per-channel scales in fp32. The epilogue multiplies each sum by its row's activation scale and
   its column's weight scale.
-- fp8 (either scheme) promotes every step: Hopper's fp8 MMA keeps only about 14 mantissa bits of its running sum
-  (DeepSeek-V3's report measured the loss over long K), so each 128-feature step's products go to a second set of
-  accumulators, added in fp32 into the first once the step is done. With 128x128 block scales the addition takes
-  the step's block scale (a step is exactly one block along the input, and a warpgroup's weight rows lie in one
-  block along the output: n0 is a multiple of 128 there; the gate's and the up's for gate|up), per channel 1.
-  Twice the accumulator registers: these launches use 256-thread blocks (`config_for`), and each step waits for
-  its own MMAs. int8 accumulates exactly in int32 and needs none of it.
+- fp8 with block scales promotes every step: each 128-feature step's products go to a second set of accumulators,
+  added in fp32 into the first with the step's block scale (a step is exactly one block along the input, and a
+  warpgroup's weight rows lie in one block along the output: n0 is a multiple of 128 there; the gate's and the up's
+  for gate|up). Twice the accumulator registers: these launches use the 64-row, 256-thread tile (`config_for`), and
+  each step waits for its own MMAs (a third set, so that a step's MMAs run while the previous step's sums are added
+  in, fits in 255 registers but measured 7-11 % slower on the H200). fp8 per channel accumulates in the MMA's fp32
+  over the whole input on the 128-row tile, as int8 does in int32. Hopper's fp8 MMA keeps only about 14 mantissa bits
+  of its running sum (DeepSeek-V3's report), so per-channel fp8 may also run promoted on the 64-row tile, which
+  `bench/moe_gemm_w8a8.py` times and checks beside the unpromoted one: the per-row 8-bit activation rounding (2^-4
+  relative for e4m3) is far larger than what the sum loses.
 - An expert whose code or scheme is not the launch's gives NaN rows (never silently wrong).
 The numpy reference is `moe_reference_w8a8`. GPU only: the simulator cannot run wgmma; tests run on the H200.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 from numba import cuda, types
@@ -55,13 +59,20 @@ from expert_service.kernels.wgmma import (
 
 BK = 128            # input features a step: one 128-byte shared row of 8-bit values, one block-scale column
 KINDS = {CODE_INT8: "s8", CODE_FP8: "e4m3"}
-__all__ = ["applies", "config_for", "launch_w8a8_down", "launch_w8a8_gate_up", "moe_reference_w8a8"]
+__all__ = ["applies", "config_for", "tiles_for", "launch_w8a8_down", "launch_w8a8_gate_up", "moe_reference_w8a8"]
 
 
-def config_for(code: int) -> Config:
-    """The tile a launch of this 8-bit code uses: 128 x 256 with four warpgroups for int8, 64 x 256 with two for
-    fp8 (its two sets of accumulators need the registers of a 256-thread block)."""
-    return CONFIGS["w64" if code == CODE_FP8 else "w128"]
+def config_for(code: int, block_scaled: bool) -> Config:
+    """The tile a launch of this 8-bit code and scale scheme uses: 64 x 256 with two warpgroups for block-scaled
+    fp8 (promoted: two sets of accumulators need the registers of a 256-thread block), else 128 x 256 with four."""
+    return CONFIGS["w64" if block_scaled else "w128"]
+
+
+def tiles_for(code: int, block_scaled: bool) -> tuple[Config, ...]:
+    """The tiles a launch may take: config_for's, and for per-channel fp8 also the promoted 64-row one."""
+    if code == CODE_FP8 and not block_scaled:
+        return CONFIGS["w128"], CONFIGS["w64"]
+    return (config_for(code, block_scaled),)
 
 
 def applies(F: int, D: int, stride: int) -> bool:
@@ -96,7 +107,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
     if S < 3:
         raise ValueError("the pipeline needs at least 3 stages")
     gated = mode == _MODE_SWIGLU
-    promoted = code == CODE_FP8  # each step's sums added into fp32 accumulators (module docstring)
+    promoted = code == CODE_FP8 and cfg == CONFIGS["w64"]  # each step's sums added into fp32 accumulators
     if block_scaled and (code != CODE_FP8 or SCALE_BLOCK_SIZE % (NW // 2 if gated else NW)):
         raise ValueError("block scales: fp8 only, and a warpgroup's weight rows within one 128-row block")
     NT, NH = NW // 8, NW // 16
@@ -112,6 +123,14 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
     wait_older, wait_all = wgmma_wait_fn(1), wgmma_wait_fn(0)
     epilogue = _epilogue(mode, True, 1, NT, silu_approx)
     scale_sums = channel_scaler(1, NT, gated)
+
+    @cuda.jit(device=True, inline=True)
+    def promote(acc, part, f_gate, f_up):
+        """acc += a finished step's sums x its block scale (the up's for the up half of gate|up)."""
+        for j in range(NT):
+            f = f_up if gated and j >= NH else f_gate
+            for v in range(4):
+                acc[0, j, v] += part[0, j, v] * f
 
     @cuda.jit(device=True, inline=True)
     def fill(smem, stage, a, words, a_start, a_rows, b_start, step):
@@ -198,10 +217,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
                     f_up = scales[s_up + step] if gated and read_scales else f_gate
                 step_mma(part, smem, stage + a_row, stage + b_row, 0)
                 wait_all()
-                for j in range(NT):
-                    f = f_up if gated and j >= NH else f_gate
-                    for v in range(4):
-                        acc[0, j, v] += part[0, j, v] * f
+                promote(acc, part, f_gate, f_up)
             else:
                 step_mma(acc, smem, stage + a_row, stage + b_row, 1)
                 wait_older()
@@ -233,8 +249,8 @@ def _run(cfg: Config, mode: int, code: int, block_scaled: bool, a, a_scale, expe
          num_tiles, sorted_ids, n_out: int, k_dim: int, n_tiles_n: int, out, stream) -> None:
     if code not in KINDS:
         raise ValueError(f"moe_gemm_w8a8: code {code} is neither int8 ({CODE_INT8}) nor fp8 ({CODE_FP8})")
-    if cfg != config_for(code):
-        raise ValueError(f"moe_gemm_w8a8: code {code} runs on {config_for(code)}, got {cfg}")
+    if cfg not in tiles_for(code, block_scaled):
+        raise ValueError(f"moe_gemm_w8a8: code {code} runs on {config_for(code, block_scaled)}, got {cfg}")
     if not applies(n_out if mode == _MODE_SWIGLU else k_dim, k_dim if mode == _MODE_SWIGLU else n_out,
                    experts.shape[1]):
         raise ValueError(f"moe_gemm_w8a8 needs D and F multiples of {BK}, got output {n_out} input {k_dim}")
@@ -301,8 +317,7 @@ def sm90_signatures():
     u32, i1, i64, f1 = types.uint32[::1], types.int32[::1], types.int64, types.float32[::1]
     out = []
     for code, block_scaled in ((CODE_INT8, False), (CODE_FP8, False), (CODE_FP8, True)):
-        cfg = config_for(code)
-        for mode in (_MODE_SWIGLU, _MODE_STORE):
+        for cfg, mode in itertools.product(tiles_for(code, block_scaled), (_MODE_SWIGLU, _MODE_STORE)):
             dst = u32 if mode == _MODE_SWIGLU else f1
             out.append((_build(cfg, mode, code, block_scaled)[0],
                         (u32, f1, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, dst),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from common.models import config_from_hf
-from expert_service.cuda import moe_grouped_mma
+from expert_service.cuda import moe_grouped_mma, moe_strategy
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.moe_grouped_mma import grouped_tile, w8a8_kind
 from expert_service.cuda.moe_strategy import (
@@ -93,6 +93,7 @@ def decoder_laid_out_for_defaults(cfg):
     d.config, d.cached, d.max_tokens = cfg, None, 512
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
     d.workspace_strategies = d._strategies(CudaOptions(), False)
+    d.ws = SimpleNamespace(mma_q8_rows=None)  # the defaults run W8A8 where it applies: its rows are laid out
     return d
 
 
@@ -127,13 +128,14 @@ def test_w8a8_tile_on_hopper_only(monkeypatch):
     n, E, F, D = 96 * 8, 8, 256, 128
     assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(CODE_FP8)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, False)) == w8a8_config(CODE_FP8)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(CODE_INT8)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(CODE_FP8, True)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, False)) == w8a8_config(CODE_FP8, False)
+    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(CODE_INT8, False)
     assert grouped_tile(n, E, F, D, True, True, None) == choose_wgmma_config(n, E)
     assert grouped_tile(n, E, F, D, True, False, (CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
     assert grouped_tile(8, E, F, D, True, True, (CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
-    assert w8a8_config(CODE_FP8).block_m == 64 and w8a8_config(CODE_FP8).threads == 256  # two accumulator sets
+    assert w8a8_config(CODE_FP8, True).block_m == 64 and w8a8_config(CODE_FP8, True).threads == 256  # promoted
+    assert w8a8_config(CODE_FP8, False) == w8a8_config(CODE_INT8, False)  # per channel: one accumulator set
 
 
 def test_w8a8_workspace_rows_only_when_asked_and_reachable():
@@ -158,30 +160,55 @@ def test_set_options_refuses_w8a8_without_its_rows():
         d.set_options(CudaOptions(q8_activations=True))
 
 
-def test_runs_w8a8_labels_the_steps_that_take_it(monkeypatch):
-    """DeviceMoe.runs_w8a8 (bench/engine.py labels steps with it): only with the option on, an sm_90 device, a Q8_MMA
-    step on the wgmma tile (96+ rows an expert) and a layer of one 8-bit kind."""
+def w8a8_moe(cfg, kinds):
+    """A DeviceMoe of an all-8-bit bf16-dense model whose one MoE layer has these expert kinds."""
     from expert_service.cuda.moe import DeviceMoe
 
-    cfg = config(8, D=128, F=256)  # K = 2: Q8_MMA from 2 tokens up to 512; the wgmma tile from 384
     moe = DeviceMoe.__new__(DeviceMoe)
     layer = cfg.moe_layers[0]
-    moe.config, moe.cached = cfg, None
+    moe.config, moe.cached, moe.bf16 = cfg, None, True
     moe.weights = SimpleNamespace(
         dtype=np.dtype(np.uint16),
         quantized=True,
         all_8bit=True,
         experts={layer: SimpleNamespace(shape=(8, 4096), dtype=np.dtype(np.uint8))},  # as the layer's uint8 blocks
-        expert_kinds={layer: (INT8_CH,)},
+        expert_kinds={layer: kinds},
+        expert_strides={layer: 4096},
     )
-    moe.options = CudaOptions(q8_activations=True)
+    moe.options = CudaOptions()
+    return moe, layer
+
+
+def test_runs_w8a8_labels_the_steps_that_take_it(monkeypatch):
+    """DeviceMoe.runs_w8a8 (bench/engine.py labels steps with it): only with the option on (the default), an sm_90
+    device, a Q8_MMA step on the wgmma tile (96+ rows an expert) and a layer of one 8-bit kind."""
+    cfg = config(8, D=128, F=256)  # K = 2: Q8_MMA from 2 tokens up to 512; the wgmma tile from 384
+    moe, layer = w8a8_moe(cfg, (INT8_CH,))
     assert not moe.runs_w8a8(layer, 400)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
+    monkeypatch.setattr(moe_strategy, "hopper", lambda: True)
     assert moe.runs_w8a8(layer, 400) and moe.runs_w8a8(layer, 512)
     assert not moe.runs_w8a8(layer, 200)  # under 96 rows an expert: the mma.sync tile
-    assert not moe.runs_w8a8(layer, 513)  # past Q8_MMA's few-expert bound: dequantise + cuBLAS
-    moe.options = CudaOptions()
+    # every layer runs W8A8: Q8_MMA's few-expert bound is lifted, large steps take it too
+    assert moe.runs_w8a8(layer, 513) and moe.runs_w8a8(layer, 4096)
+    moe.options = CudaOptions(q8_activations=False)
     assert not moe.runs_w8a8(layer, 400)
-    moe.options = CudaOptions(q8_activations=True)
-    moe.weights.expert_kinds[layer] = (INT8_CH, FP8_BLOCK)
+    moe.options = CudaOptions(q8_activations=True, wgmma_experts=False)
+    assert not moe.runs_w8a8(layer, 400)
+    moe, layer = w8a8_moe(cfg, (INT8_CH, FP8_BLOCK))
     assert not moe.runs_w8a8(layer, 400)  # two 8-bit kinds in one layer
+    assert moe.q8_mma == (2, 512)  # ... keep the bound: past it, dequantise + cuBLAS beats widening
+
+
+def test_w8a8_everywhere_lifts_the_few_expert_bound(monkeypatch):
+    cfg = config(8, D=128, F=256)
+    moe, layer = w8a8_moe(cfg, (FP8_BLOCK,))
+    assert moe.q8_mma == (2, 512)  # no sm_90 here
+    monkeypatch.setattr(moe_strategy, "hopper", lambda: True)
+    assert moe.q8_mma == (2, CudaOptions().q8_mma_max_tokens)
+    moe.weights.expert_strides[layer] = 4100  # blocks not 16-byte aligned: no W8A8
+    assert moe.q8_mma == (2, 512)
+    moe.weights.expert_strides[layer] = 4096
+    moe.weights.experts = {}  # experts behind the cache: no resident layer runs it
+    assert moe.q8_mma == (2, 512)
+    assert q8_mma_tokens(config(8, D=128, F=256), True, True, CudaOptions(), w8a8=True) == (2, 1 << 20)

@@ -213,7 +213,8 @@ def test_overlapped_dequant_equals_the_in_order_pass(tmp_path, monkeypatch, fami
 # W8A8 (CudaOptions.q8_activations): D and F whole 128-feature steps, few experts so a 400-token step has 96+ rows an
 # expert (the wgmma tile) and a 200-token one does not
 W8A8_MODEL = dict(hidden_size=128, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)  # mixtral keys
-W8A8_TOLERANCE = 3e-2  # against the cpu backend emulating W8A8: bf16 elsewhere moves a few values across 8-bit steps
+W8A8_TOLERANCE = 4e-2  # against the cpu backend emulating W8A8: bf16 elsewhere moves a few values across 8-bit
+# steps (H200: up to 3.2e-2, fp8 block128 at 512 tokens; W8A8 itself moves these logits by 0.2-0.3)
 
 
 @pytest.mark.parametrize("variant", ["int8", "fp8-block128", "fp8-channel"])
@@ -249,7 +250,7 @@ def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, va
         open_(backend="cuda", cuda_options=w8a8),
         open_(backend="cuda", cuda_options=w8a8, cuda_graphs=False),
     )
-    plain, cpu = open_(backend="cuda"), open_(backend="cpu")
+    plain, cpu = open_(backend="cuda", cuda_options=CudaOptions(q8_activations=False)), open_(backend="cpu")
     code = CODE_INT8 if dtype == "int8" else CODE_FP8
     monkeypatch.setattr(cpu_moe, "swiglu_mlp", lambda x, g, u, d: w8a8_swiglu_reference(x, g, u, d, code))
     forced = ForcedRouting(monkeypatch)

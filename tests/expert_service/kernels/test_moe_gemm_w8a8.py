@@ -15,6 +15,7 @@ from expert_service.kernels import expert_quant as q
 from expert_service.kernels.moe_align import launch_moe_align, max_tiles
 from expert_service.kernels.moe_combine import launch_moe_combine
 from expert_service.kernels.moe_gemm_w8a8 import config_for, launch_w8a8_down, launch_w8a8_gate_up, moe_reference_w8a8
+from expert_service.kernels.moe_gemm_wgmma import CONFIGS
 from expert_service.kernels.quantize_rows import (
     launch_quantize_gathered,
     launch_quantize_rows,
@@ -27,14 +28,15 @@ from tests.helpers import random_ids
 KINDS = {
     "int8": (q.CODE_INT8, q.SCALE_CHANNEL),
     "fp8": (q.CODE_FP8, q.SCALE_CHANNEL),
+    "fp8_promoted": (q.CODE_FP8, q.SCALE_CHANNEL),  # per channel on the 64-row tile, sums promoted every step
     "fp8_block": (q.CODE_FP8, q.SCALE_BLOCK),
 }
 
 
-def run(x, ids, route_w, W, meta, F, D, code, block_scaled, residual):
+def run(x, ids, route_w, W, meta, F, D, code, block_scaled, residual, cfg=None):
     n_tok, top_k = ids.shape
     n_exp, n = W.shape[0], ids.size
-    cfg = config_for(code)
+    cfg = cfg or config_for(code, block_scaled)
     bm = cfg.block_m
     tiles = max_tiles(n, n_exp, bm)
     rows = tiles * bm
@@ -77,7 +79,10 @@ def check(ids, kind, F, D, seed, gains=False):
     x = rng.standard_normal((n_tok, D)).astype(np.float32)
     route_w = rng.random((n_tok, top_k)).astype(np.float32) + 0.1
     residual = rng.standard_normal((n_tok, D)).astype(np.float32)
-    got = run(x, ids, route_w, W, meta, F, D, code, scheme == q.SCALE_BLOCK, residual)
+    promoted = kind == "fp8_promoted"
+    got = run(
+        x, ids, route_w, W, meta, F, D, code, scheme == q.SCALE_BLOCK, residual, CONFIGS["w64"] if promoted else None
+    )
     order, routed = got["order"], got["order"] >= 0
     assert (got["h"][~routed] == 0).all(), "padding rows of h must be zeros"
     assert np.isfinite(got["h"][routed]).all() and np.isfinite(got["y"]).all(), "a routed row was not written"
@@ -90,9 +95,9 @@ def check(ids, kind, F, D, seed, gains=False):
         # h: bf16 of an fp32 sum against bf16 of the float64 sum (one bf16 step apart at most)
         np.testing.assert_allclose(got["h"][rows], h_ref, rtol=2**-7, atol=2**-7 * np.abs(h_ref).max())
         y_ref[order[rows]] = y_own
-    # y from the kernel's own quantized h: int8 sums are exact (int32), fp8 ones run ~14-bit within each 128-feature
-    # step, fp32 across steps
-    y_tol = 5e-4 if code == q.CODE_FP8 else 1e-4
+    # y from the kernel's own quantized h: int8 sums are exact (int32); fp8 ones run ~14-bit within each 128-feature
+    # step, fp32 across steps, where promoted (block scales, or asked for), ~14-bit throughout where not
+    y_tol = 1e-4 if code == q.CODE_INT8 else 5e-4 if promoted or scheme == q.SCALE_BLOCK else 2e-3
     np.testing.assert_allclose(got["y"], y_ref, rtol=y_tol, atol=y_tol * np.abs(y_ref).max())
     # the quantized rows are quantize_rows' (tested bitwise elsewhere): the x rows of this step
     ref_q, ref_s = quantize_rows_reference(x[order[routed] // top_k], code)
@@ -162,7 +167,7 @@ def test_gpu_an_expert_of_another_kind_gives_nan_rows(code):
     )
     y = got["y"].reshape(64, 2, D)
     assert np.isfinite(y[:, 0]).all() and np.isnan(y[:, 1]).all()
-    cfg = config_for(code)
+    cfg = config_for(code, False)
     tiles = max_tiles(ids.size, 2, cfg.block_m)
     rows = tiles * cfg.block_m
     sorted_ids, tile_expert, num_tiles, position = (
@@ -195,14 +200,17 @@ def test_rejects_dims_that_are_not_whole_steps():
     W = cuda.to_device(np.zeros((2, 4096), np.uint8))
     meta = cuda.to_device(np.zeros((2, q.META_WIDTH), np.int32))
     one = cuda.to_device(np.zeros(1, np.int32))
-    cfg = config_for(q.CODE_INT8)
+    cfg = config_for(q.CODE_INT8, False)
     xq = cuda.to_device(np.zeros((cfg.block_m, 192), np.uint8))
     scales = cuda.to_device(np.ones(cfg.block_m, np.float32))
     h = cuda.to_device(np.zeros((cfg.block_m, 128), np.uint16))
     with pytest.raises(ValueError, match="multiples of 128"):
         launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_INT8, False, 128, 192, h, cfg)
     with pytest.raises(ValueError, match="runs on"):
-        launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_FP8, True, 128, 192, h, cfg)
+        launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_FP8, True, 128, 192, h, cfg)  # block: 64 rows
+    with pytest.raises(ValueError, match="runs on"):
+        h64 = cuda.to_device(np.zeros((64, 128), np.uint16))
+        launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_INT8, False, 128, 192, h64, CONFIGS["w64"])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
