@@ -14,8 +14,8 @@ bf16): `q8_mma` (the shipped thresholds), `simt` (Q8_MMA off: moe_q8 up to 64 to
 dequantise + cuBLAS above), `mma_all` (Q8_MMA at every step of 2+ tokens, both expert counts), `in_order` (the
 shipped thresholds, each group widened and its GEMMs run in turn on one stream: CudaOptions.overlap_dequant off),
 `no_wgmma` / `mma_all_no_wgmma` (the same as `q8_mma` / `mma_all` with the sm_90 warpgroup-MMA kernel off),
-`w8a8` / `w8a8_all` (as `q8_mma` / `mma_all` with 8-bit activations where W8A8 applies: `w8a8` is the defaults);
-`--variants` picks some). The strategy each
+`w8a8` / `w8a8_all` (as `q8_mma` / `mma_all` with 8-bit activations where W8A8 applies: `w8a8` is the defaults).
+`--variants` picks some. The strategy each
 step size takes is recorded. Prints each 8-bit variant's ratio to bf16 (decode: bf16 ms / ms, prefill: tok/s /
 bf16 tok/s; > 1 is faster) and the thresholds the measurements suggest: the smallest decode batch from which
 Q8_MMA beats moe_q8 (q8_mma_min_tokens) and, per expert count, the largest prefill where it beats dequantise +

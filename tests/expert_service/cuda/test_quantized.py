@@ -219,9 +219,10 @@ W8A8_TOLERANCE = 4e-2  # against the cpu backend emulating W8A8: bf16 elsewhere 
 
 @pytest.mark.parametrize("variant", ["int8", "fp8-block128", "fp8-channel"])
 def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, variant):
-    """On an sm_90 device: prefills of 96+ rows an expert launch the W8A8 kernels (smaller ones do not) and match the
-    cpu backend running W8A8's arithmetic (quantize_rows.w8a8_swiglu_reference) on the same routing; graph replay
-    equals eager bit for bit; decode (never W8A8) gives the same tokens as the engine without the option."""
+    """On an sm_90 device, with the default options: prefills of 96+ rows an expert launch the W8A8 kernels (smaller
+    ones do not) and match the cpu backend running W8A8's arithmetic (quantize_rows.w8a8_swiglu_reference) on the
+    same routing; graph replay equals eager bit for bit; decode (never W8A8) gives the same tokens as the engine
+    without the option."""
     import expert_service.cuda.moe_grouped_mma as grouped
     from expert_service.cpu.layers import moe as cpu_moe
     from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8
@@ -244,13 +245,16 @@ def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, va
     launches = []
     original = grouped.launch_w8a8_gate_up
     monkeypatch.setattr(grouped, "launch_w8a8_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
-    w8a8 = CudaOptions(q8_activations=True)
+    w8a8 = CudaOptions()  # the defaults run it
     open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
     graphs, eager = (
         open_(backend="cuda", cuda_options=w8a8),
         open_(backend="cuda", cuda_options=w8a8, cuda_graphs=False),
     )
     plain, cpu = open_(backend="cuda", cuda_options=CudaOptions(q8_activations=False)), open_(backend="cpu")
+    # every layer runs W8A8, so these 8 experts take Q8_MMA at every size; without it, up to 512 tokens
+    assert graphs.decoder.model.moe.q8_mma == (2, CudaOptions().q8_mma_max_tokens)
+    assert plain.decoder.model.moe.q8_mma == (2, CudaOptions().q8_mma_max_tokens_few_experts)
     code = CODE_INT8 if dtype == "int8" else CODE_FP8
     monkeypatch.setattr(cpu_moe, "swiglu_mlp", lambda x, g, u, d: w8a8_swiglu_reference(x, g, u, d, code))
     forced = ForcedRouting(monkeypatch)
