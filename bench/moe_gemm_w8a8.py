@@ -8,15 +8,18 @@ Per (shape, T, kind): uniform random top-k routing, random 8-bit expert blocks i
 channel, fp8 per channel, fp8 in 128x128 blocks: random codes and scales, no quantization pass), moe_align once per
 tile; then, timed by CUDA-graph replay (device time only):
   w8a8:     quantize_rows(x) + gate|up + quantize_rows(h) + down   (what a W8A8 step runs)
-  w8a8_promoted (fp8 per channel only): the same on the 64-row tile with every step's sums promoted into fp32
-  q8wgmma:  bf16 gather + gate|up + down                          (Q8_MMA on the wgmma tile today)
+  w8a8_other_tile (per-channel kinds): the same on the other tile (64 rows an M tile where the engine takes 128,
+            from WGMMA_MIN_ROWS rows an expert, and 128 below it)
+  q8wgmma:  bf16 gather + gate|up + down on the widening wgmma kernel (128-row tile)
+  q8mma:    the same on the widening mma.sync kernel at its own tile (what Q8_MMA runs below 96 rows an expert)
 TFLOP/s counts the routed rows' FLOPs only. Accuracy: each variant's y against float64 numpy on up to 64 routed
 rows of two experts (W8A8 against its own arithmetic, moe_reference_w8a8 on its quantized rows; q8wgmma against the
 bf16-activation expert), max |diff| / max |ref|.
 
     python bench/moe_gemm_w8a8.py --out bench/results/h200-moe-gemm-w8a8.json [--shapes mixtral,qwen3moe]
                                   [--tokens 512,2048] [--kinds int8,fp8,fp8_block]
-Prints per case: us and TFLOP/s of each, and the ratios w8a8 / q8wgmma, w8a8 / cuBLAS bf16, w8a8 / cuBLAS fp8.
+Prints per case: us and TFLOP/s of each, and the ratios of w8a8 to the other tile, q8wgmma, q8mma, cuBLAS bf16 and
+cuBLAS fp8 (> 1: w8a8 is faster).
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ def main() -> int:
     from numba import cuda
 
     from expert_service.cuda.driver import non_blocking_stream
-    from expert_service.cuda.moe_grouped_mma import w8a8_experts
+    from expert_service.cuda.moe_grouped_mma import WGMMA_MIN_ROWS, W8A8Kind, w8a8_experts
     from expert_service.kernels import expert_quant as q
     from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
     from expert_service.kernels.moe_gemm_mma import bf16_round
+    from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
+    from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
     from expert_service.kernels.moe_gemm_q8wgmma import launch_q8wgmma_down, launch_q8wgmma_gate_up
     from expert_service.kernels.moe_gemm_w8a8 import (
         config_for,
@@ -106,9 +111,12 @@ def main() -> int:
                 flops = 2.0 * n * D * 2 * F + 2.0 * n * F * D
                 case: dict = {"shape": shape, "kind": kind, "T": T, "assignments": n, "variants": {}}
                 blocked = scheme == q.SCALE_BLOCK
-                tiles_of = [("w8a8", config_for(code, blocked)), ("q8wgmma", CONFIGS["w128"])]
-                if kind == "fp8":  # the per-channel sums promoted every step, on the 64-row tile
-                    tiles_of.insert(1, ("w8a8_promoted", CONFIGS["w64"]))
+                # the tile the engine gives this step (wide from WGMMA_MIN_ROWS rows an expert), and the other one
+                wide = n >= WGMMA_MIN_ROWS * min(E, n)
+                tiles_of = [("w8a8", config_for(code, blocked, wide))]
+                if not blocked:
+                    tiles_of.append(("w8a8_other_tile", config_for(code, blocked, not wide)))
+                tiles_of += [("q8wgmma", CONFIGS["w128"]), ("q8mma", choose_q8_config(n, E))]
                 for name, cfg in tiles_of:
                     bm = cfg.block_m
                     tiles = max_tiles(n, E, bm)
@@ -131,7 +139,7 @@ def main() -> int:
                                 K,
                                 dW,
                                 dmeta,
-                                (code, blocked),
+                                W8A8Kind(code, blocked),
                                 F,
                                 D,
                                 xq,
@@ -143,7 +151,7 @@ def main() -> int:
                                 cfg,
                                 s,
                             )
-                    else:
+                    elif name == "q8wgmma":
                         xb = cuda.device_array((rows, D), np.uint16)
 
                         def step(s):
@@ -151,6 +159,15 @@ def main() -> int:
                             launch_q8wgmma_gate_up(xb, tile_expert, num_tiles, dW, dmeta, F, D, h, cfg, stream=s)
                             launch_q8wgmma_down(
                                 h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, cfg, stream=s
+                            )
+                    else:
+                        xb = cuda.device_array((rows, D), np.uint16)
+
+                        def step(s):
+                            launch_moe_gather_bf16(dx, sorted_ids, num_tiles, K, bm, xb, stream=s)
+                            launch_q8mma_gate_up(xb, tile_expert, num_tiles, dW, dmeta, F, D, h, config=cfg, stream=s)
+                            launch_q8mma_down(
+                                h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, config=cfg, stream=s
                             )
 
                     us = graph_us(step)
@@ -202,20 +219,22 @@ def main() -> int:
                     case["cublas_fp8_us"] = torch_timed(fp8_pair, args.reps, graph=True) * 1e6
                 except Exception as exc:  # noqa: BLE001 -- reported, the rest of the case stands
                     case["cublas_fp8_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                w8, q8 = case["variants"]["w8a8"]["us"], case["variants"]["q8wgmma"]["us"]
-                case["w8a8_vs_q8wgmma"] = q8 / w8
+                us = {name: v["us"] for name, v in case["variants"].items()}
+                w8 = us["w8a8"]
+                case["w8a8_vs_q8wgmma"] = us["q8wgmma"] / w8
+                case["w8a8_vs_q8mma"] = us["q8mma"] / w8
                 case["w8a8_vs_cublas_bf16"] = bf16_us / w8
                 if "cublas_fp8_us" in case:
                     case["w8a8_vs_cublas_fp8"] = case["cublas_fp8_us"] / w8
-                if "w8a8_promoted" in case["variants"]:
-                    case["w8a8_vs_promoted"] = case["variants"]["w8a8_promoted"]["us"] / w8
+                if "w8a8_other_tile" in us:
+                    case["w8a8_vs_other_tile"] = us["w8a8_other_tile"] / w8
                 results["cases"].append(case)
                 print(
                     f"\n{shape} {kind} T={T} (n={n}): cuBLAS bf16 {bf16_us:.1f} us ({flops / bf16_us / 1e6:.0f} "
                     f"TFLOP/s), fp8 {case.get('cublas_fp8_us', float('nan')):.1f} us"
                 )
                 for name, v in case["variants"].items():
-                    print(f"  {name:13s} {v['us']:9.1f} us {v['tflops']:6.1f} TFLOP/s  err {v['rel_err']:.1e}")
+                    print(f"  {name:15s} {v['us']:9.1f} us {v['tflops']:6.1f} TFLOP/s  err {v['rel_err']:.1e}")
                 print("  ratios:", {k: round(v, 3) for k, v in case.items() if k.startswith("w8a8_vs")})
                 Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -124,13 +124,14 @@ class CudaDecoder:
             cached_mma=config.cuda_options.cached_mma,
             cached_grouped=cached_grouped,
             few_expert_mma=self._few_expert_mma(config.cuda_options),
-            q8_activations=config.cuda_options.q8_activations,
+            w8a8_min_rows=self._w8a8_min_rows(config.cuda_options),
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
         if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
             self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
         self.workspace_cached_grouped = cached_grouped
+        self.workspace_w8a8_min_rows = self._w8a8_min_rows(config.cuda_options)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -417,6 +418,10 @@ class CudaDecoder:
         w8a8 = w8a8_everywhere(self.config, self.weights, options)
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options, w8a8)
 
+    @staticmethod
+    def _w8a8_min_rows(options: CudaOptions) -> int:
+        return options.w8a8_min_rows if options.q8_activations else 0
+
     def _few_expert_mma(self, options: CudaOptions) -> int:
         return few_expert_mma_tokens(self.config, self.weights.dtype == np.uint16, options)
 
@@ -556,7 +561,8 @@ class CudaDecoder:
         if cached is not None and grouped > min(self.workspace_cached_grouped, self.max_tokens):
             missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
         q8_mma = MoeStrategy.Q8_MMA in self._strategies(options, cached is not None)
-        if options.q8_activations and q8_mma and not hasattr(self.ws, "mma_q8_rows"):  # W8A8's 8-bit rows
+        # W8A8's 8-bit rows, laid out for steps from workspace_w8a8_min_rows rows an expert (0: none)
+        if options.q8_activations and q8_mma and not 0 < self.workspace_w8a8_min_rows <= options.w8a8_min_rows:
             missing.add(MoeStrategy.Q8_MMA)
         if missing:
             names = ", ".join(sorted(m.value for m in missing))

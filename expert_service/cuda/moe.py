@@ -17,7 +17,7 @@ from expert_service.cuda.dequant_pipeline import HALVES, DequantPipeline
 from expert_service.cuda.driver import device_address
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.moe_cached import CachedExperts
-from expert_service.cuda.moe_grouped_mma import run_grouped_mma, step_tile, takes_w8a8, w8a8_kind
+from expert_service.cuda.moe_grouped_mma import W8A8Kind, run_grouped_mma, step_tile, takes_w8a8, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     MoeStrategy,
     cached_grouped_tokens,
@@ -172,10 +172,12 @@ class DeviceMoe:
         n, E, F, D = T * cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         return takes_w8a8(kind, step_tile(n, E, F, D, experts, True, self.options.wgmma_experts, kind), True)
 
-    def _w8a8_kind(self, i: int, experts) -> tuple[int, bool] | None:
-        """Layer i's (8-bit code, block-scaled) where W8A8 can run it (moe_grouped_mma.w8a8_kind), else None."""
-        cfg = self.config
-        return w8a8_kind(self.weights.expert_kinds[i], cfg.moe_intermediate_size, cfg.hidden_size, experts.shape[1])
+    def _w8a8_kind(self, i: int, experts) -> W8A8Kind | None:
+        """Layer i's W8A8Kind under the current options where W8A8 can run it (moe_grouped_mma.w8a8_kind), else
+        None."""
+        cfg, kinds, stride = self.config, self.weights.expert_kinds[i], experts.shape[1]
+        F, D = cfg.moe_intermediate_size, cfg.hidden_size
+        return w8a8_kind(kinds, F, D, stride, self.options.w8a8_min_rows)
 
     @property
     def q8_mma(self) -> tuple[int, int] | None:

@@ -21,11 +21,11 @@ Hopper warpgroup MMA on 128-byte swizzled stages, the same buffers and epilogues
 Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
 kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
 
-With CudaOptions.q8_activations, such 8-bit steps on the wgmma tile whose layer has one 8-bit type and scale scheme
-(`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes each sorted row's token in that type with a
+With CudaOptions.q8_activations, such 8-bit steps of at least CudaOptions.w8a8_min_rows rows per routed expert
+whose layer has one 8-bit type and scale scheme (`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes each sorted row's token in that type with a
 per-row scale (from float32 x, no bf16 gather), gate|up multiplies on the 8-bit tensor cores into bf16 h,
 `quantize_rows` quantizes h the same way (into the same buffer: the first GEMM no longer reads it), then down.
-Block-scaled fp8 takes the 64-row tile (`moe_gemm_w8a8.config_for`).
+Block-scaled fp8, and steps under WGMMA_MIN_ROWS rows an expert, take the 64-row tile (`moe_gemm_w8a8.config_for`).
 
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
@@ -34,7 +34,7 @@ Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sort
 from __future__ import annotations
 
 import functools
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import numpy as np
 from numba import cuda
@@ -83,24 +83,37 @@ def wgmma_fits(n: int, E: int, F: int, D: int, quantized: bool = False) -> bool:
     return fits and n >= WGMMA_MIN_ROWS * min(E, n)
 
 
-def w8a8_kind(kinds, F: int, D: int, stride: int) -> tuple[int, bool] | None:
-    """(8-bit code, block-scaled) of a layer whose experts share one kind W8A8 runs (kinds: DeviceWeights.expert_kinds
-    of the layer; int8 per channel, fp8 per channel or in 128x128 blocks) with dims it takes, else None."""
+class W8A8Kind(NamedTuple):
+    """How a layer's steps run W8A8: the experts' 8-bit code and scale scheme, and the rows per routed expert from
+    which a step takes it (CudaOptions.w8a8_min_rows)."""
+
+    code: int
+    block_scaled: bool
+    min_rows: int = WGMMA_MIN_ROWS
+
+
+def w8a8_kind(kinds, F: int, D: int, stride: int, min_rows: int = WGMMA_MIN_ROWS) -> W8A8Kind | None:
+    """The W8A8Kind of a layer whose experts share one kind W8A8 runs (kinds: DeviceWeights.expert_kinds of the
+    layer; int8 per channel, fp8 per channel or in 128x128 blocks) with dims it takes, else None."""
     if len(kinds) != 1 or not w8a8_applies(F, D, stride):
         return None
     code, scheme = kinds[0]
     if (code, scheme) not in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)):
         return None
-    return code, scheme == SCALE_BLOCK
+    return W8A8Kind(code, scheme == SCALE_BLOCK, min_rows)
 
 
-def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w8a8: tuple[int, bool] | None = None):
-    """The tile config of a step of n assignments over E experts: moe_gemm_wgmma's (the bf16 and the 8-bit wgmma
-    kernels share it; w8a8, the layer's w8a8_kind with CudaOptions.q8_activations: moe_gemm_w8a8's) where wgmma
-    (CudaOptions.wgmma_experts) is on, the device is sm_90, the dims fit and the step has at least WGMMA_MIN_ROWS
-    rows per routed expert, else moe_gemm_q8mma's for 8-bit layers and moe_gemm_mma's for bf16 ones."""
+def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w8a8: W8A8Kind | None = None):
+    """The tile config of a step of n assignments over E experts where wgmma (CudaOptions.wgmma_experts) is on and
+    the device is sm_90: moe_gemm_w8a8's for an 8-bit layer with a w8a8 kind (CudaOptions.q8_activations) from
+    its min_rows rows per routed expert; moe_gemm_wgmma's (the bf16 and the widening 8-bit wgmma kernels share it)
+    where the dims fit and the step has at least WGMMA_MIN_ROWS rows per routed expert; else moe_gemm_q8mma's for
+    8-bit layers and moe_gemm_mma's for bf16 ones."""
+    if wgmma and quantized and w8a8 is not None and q8wgmma_applies(F, D, 16) and hopper():
+        if n >= w8a8.min_rows * min(E, n):
+            return w8a8_config(w8a8.code, w8a8.block_scaled, wide=n >= WGMMA_MIN_ROWS * min(E, n))
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
-        return w8a8_config(*w8a8) if quantized and w8a8 is not None else choose_wgmma_config(n, E)
+        return choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
 
 
@@ -111,25 +124,26 @@ def step_tile(n: int, E: int, F: int, D: int, experts, quantized: bool, wgmma: b
     return grouped_tile(n, E, F, D, quantized, wgmma and aligned, w8a8)
 
 
-def takes_w8a8(w8a8: tuple[int, bool] | None, cfg, quantized: bool) -> TypeGuard[tuple[int, bool]]:
+def takes_w8a8(w8a8: W8A8Kind | None, cfg, quantized: bool) -> TypeGuard[W8A8Kind]:
     """Whether an 8-bit (quantized) step on tile cfg runs W8A8: the layer has a w8a8_kind (with
-    CudaOptions.q8_activations) and the step reaches the wgmma tile."""
+    CudaOptions.q8_activations) and grouped_tile gave the step a warpgroup-MMA tile."""
     return quantized and w8a8 is not None and isinstance(cfg, WgmmaConfig)
 
 
 def grouped_mma_layout(
-    max_tokens: int, K: int, E: int, D: int, F: int, w8a8: bool = False
+    max_tokens: int, K: int, E: int, D: int, F: int, w8a8_min_rows: int = 0
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype)); w8a8: also the
-    8-bit rows and their scales of W8A8 steps (CudaOptions.q8_activations on an 8-bit model)."""
+    """Workspace buffers of the strategy for steps of 1..max_tokens tokens (name -> (shape, dtype)); w8a8_min_rows:
+    where W8A8 steps start (CudaOptions.w8a8_min_rows with q8_activations on an 8-bit model; 0: never), whose
+    8-bit rows and their scales it lays out too."""
     rows = tiles = 1
     for T in range(1, max_tokens + 1):  # every tile config a step of T can take (options switch them freely)
         n = T * K
         block_ms = {choose_config(n, E).block_m, choose_q8_config(n, E).block_m}
         if wgmma_fits(n, E, F, D) or wgmma_fits(n, E, F, D, quantized=True):
             block_ms.add(choose_wgmma_config(n, E).block_m)
-            if w8a8:
-                block_ms |= {w8a8_config(CODE_INT8, False).block_m, w8a8_config(CODE_FP8, True).block_m}
+        if w8a8_min_rows and n >= w8a8_min_rows * min(E, n):  # either W8A8 tile (block-scaled fp8: the narrow one)
+            block_ms |= {w8a8_config(CODE_INT8, False).block_m, w8a8_config(CODE_INT8, False, wide=False).block_m}
         # a smaller BM pads less but needs more tiles: each buffer takes its own largest need
         rows = max(rows, *(max_rows(n, E, bm) for bm in block_ms))
         tiles = max(tiles, *(max_tiles(n, E, bm) for bm in block_ms))
@@ -141,7 +155,7 @@ def grouped_mma_layout(
         "mma_xs": ((rows, D), u16),
         "mma_h": ((rows, F), u16),
     }
-    if w8a8:  # the expert inputs, then (the first GEMM done) the SwiGLU rows, in 8 bits; one scale a row
+    if w8a8_min_rows:  # the expert inputs, then (the first GEMM done) the SwiGLU rows, in 8 bits; one scale a row
         layout["mma_q8_rows"] = ((rows * max(D, F),), np.dtype(np.uint8))
         layout["mma_q8_scales"] = ((rows,), np.dtype(np.float32))
     return layout
@@ -179,7 +193,7 @@ def run_grouped_mma(
     combine=None,
     meta=None,
     wgmma: bool = False,
-    w8a8: tuple[int, bool] | None = None,
+    w8a8: W8A8Kind | None = None,
 ) -> None:
     """x [T, D] normed input, h [T, D] residual (updated), ids / weights [T, K] (the layer's top-k on the
     device), experts [E, stride] bf16 (uint16), or with meta [E, META_WIDTH] (8-bit layers) the layer's uint8
@@ -237,7 +251,7 @@ def w8a8_experts(
     K: int,
     experts,
     meta,
-    kind: tuple[int, bool],
+    kind: W8A8Kind,
     F: int,
     D: int,
     xq,
@@ -251,9 +265,9 @@ def w8a8_experts(
 ) -> None:
     """A W8A8 step's four launches (module docstring): x [T, D] f32 -> xq [rows, D] 8-bit, x_scales [rows] ->
     h [rows, F] bf16 -> hq [rows, F], h_scales [rows] -> out [T*K, D] f32 in assignment order. hq / h_scales may
-    share xq's / x_scales' memory (those are read only before these are written). kind: (8-bit code,
-    block-scaled), w8a8_kind's; cfg: moe_gemm_w8a8.config_for(code, block_scaled)."""
-    code, block_scaled = kind
+    share xq's / x_scales' memory (those are read only before these are written). kind: the layer's w8a8_kind;
+    cfg: moe_gemm_w8a8.config_for's tile for the step (grouped_tile)."""
+    code, block_scaled = kind.code, kind.block_scaled
     bm = cfg.block_m
     launch_quantize_gathered(x, sorted_ids, num_tiles, K, bm, code, xq, x_scales, stream=stream)
     launch_w8a8_gate_up(

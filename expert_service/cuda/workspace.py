@@ -98,15 +98,16 @@ def layout_workspace(
     cached_mma: bool = False,
     cached_grouped: int = GROUPED_MAX_TOKENS,
     few_expert_mma: int = 0,
-    q8_activations: bool = False,
+    w8a8_min_rows: int = 0,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
     quantized: 8-bit or mixed experts (DeviceWeights.quantized); q8_mma: the step sizes taking Q8_MMA
     (moe_strategy.q8_mma_tokens); cached_mma: the cache's waves may run on the tensor-core kernel (CudaOptions.cached_mma);
     cached_grouped: the largest cached step in grouped waves (moe_strategy.cached_grouped_tokens); few_expert_mma:
-    the largest step of a few-expert bf16 layer on GROUPED_MMA (moe_strategy.few_expert_mma_tokens); q8_activations:
-    CudaOptions.q8_activations (the 8-bit rows of W8A8 steps, on 8-bit models that reach Q8_MMA)."""
+    the largest step of a few-expert bf16 layer on GROUPED_MMA (moe_strategy.few_expert_mma_tokens); w8a8_min_rows:
+    CudaOptions.w8a8_min_rows with q8_activations on, else 0 (the 8-bit rows of W8A8 steps, on 8-bit models that
+    reach Q8_MMA)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -190,7 +191,7 @@ def layout_workspace(
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_out"] = ((E, all_experts_tokens, D), f32)
     if strategies & {MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA}:  # the same sorted bf16 rows
-        layout.update(grouped_mma_layout(T, K, E, D, F, w8a8=q8_activations and MoeStrategy.Q8_MMA in strategies))
+        layout.update(grouped_mma_layout(T, K, E, D, F, w8a8_min_rows if MoeStrategy.Q8_MMA in strategies else 0))
     elif cached and cached_mma and cached_mma_possible(weight_dtype, quantized, E, q8_mma is not None):
         # the cache's waves on tensor cores
         grouped = grouped_mma_layout(min(T, cached_grouped), K, E, D, F)

@@ -93,9 +93,12 @@ class CudaOptions:
     # Where every MoE layer runs it, layers of few experts take Q8_MMA at every size (q8_mma_max_tokens). Laid out
     # only when the engine's config has it on (False: the weights widened to bf16 at every size)
     q8_activations: bool = True
+    # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
+    # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it
+    w8a8_min_rows: int = 96
 
     def __post_init__(self) -> None:
-        for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts"):
+        for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")

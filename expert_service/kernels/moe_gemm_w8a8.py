@@ -17,11 +17,11 @@ What changes against the bf16 wgmma kernel (its docstring has the rest):
   warpgroup's weight rows lie in one block along the output: n0 is a multiple of 128 there; the gate's and the up's
   for gate|up). Twice the accumulator registers: these launches use the 64-row, 256-thread tile (`config_for`), and
   each step waits for its own MMAs (a third set, so that a step's MMAs run while the previous step's sums are added
-  in, fits in 255 registers but measured 7-11 % slower on the H200). fp8 per channel accumulates in the MMA's fp32
-  over the whole input on the 128-row tile, as int8 does in int32. Hopper's fp8 MMA keeps only about 14 mantissa bits
-  of its running sum (DeepSeek-V3's report), so per-channel fp8 may also run promoted on the 64-row tile, which
-  `bench/moe_gemm_w8a8.py` times and checks beside the unpromoted one: the per-row 8-bit activation rounding (2^-4
-  relative for e4m3) is far larger than what the sum loses.
+  in, fits in 255 registers but measured 7-11 % slower on the H200). fp8 per channel sums all of the input in the
+  MMA's fp32, as int8 does in int32: Hopper's fp8 MMA keeps only about 14 mantissa bits of its running sum
+  (DeepSeek-V3's report), 4.5e-3 of the output at K = 14,336 on the H200 against 2-3e-4 promoted, far below what
+  rounding the activations to e4m3 costs, and 1.31-1.41x faster. Both run on the 128 x 256 tile from
+  moe_grouped_mma.WGMMA_MIN_ROWS rows an expert, on the 64 x 256 one below.
 - An expert whose code or scheme is not the launch's gives NaN rows (never silently wrong).
 The numpy reference is `moe_reference_w8a8`. GPU only: the simulator cannot run wgmma; tests run on the H200.
 """
@@ -62,17 +62,16 @@ KINDS = {CODE_INT8: "s8", CODE_FP8: "e4m3"}
 __all__ = ["applies", "config_for", "tiles_for", "launch_w8a8_down", "launch_w8a8_gate_up", "moe_reference_w8a8"]
 
 
-def config_for(code: int, block_scaled: bool) -> Config:
+def config_for(code: int, block_scaled: bool, wide: bool = True) -> Config:
     """The tile a launch of this 8-bit code and scale scheme uses: 64 x 256 with two warpgroups for block-scaled
-    fp8 (promoted: two sets of accumulators need the registers of a 256-thread block), else 128 x 256 with four."""
-    return CONFIGS["w64" if block_scaled else "w128"]
+    fp8 (promoted: two sets of accumulators need the registers of a 256-thread block) and for steps too small for
+    the wide tile (wide False: under moe_grouped_mma.WGMMA_MIN_ROWS rows an expert), else 128 x 256 with four."""
+    return CONFIGS["w128" if wide and not block_scaled else "w64"]
 
 
 def tiles_for(code: int, block_scaled: bool) -> tuple[Config, ...]:
-    """The tiles a launch may take: config_for's, and for per-channel fp8 also the promoted 64-row one."""
-    if code == CODE_FP8 and not block_scaled:
-        return CONFIGS["w128"], CONFIGS["w64"]
-    return (config_for(code, block_scaled),)
+    """The tiles a launch of this code and scheme may take (config_for's choices)."""
+    return (CONFIGS["w64"],) if block_scaled else (CONFIGS["w128"], CONFIGS["w64"])
 
 
 def applies(F: int, D: int, stride: int) -> bool:
@@ -107,7 +106,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
     if S < 3:
         raise ValueError("the pipeline needs at least 3 stages")
     gated = mode == _MODE_SWIGLU
-    promoted = code == CODE_FP8 and cfg == CONFIGS["w64"]  # each step's sums added into fp32 accumulators
+    promoted = block_scaled  # each step's sums added into fp32 accumulators times the step's block scale
     if block_scaled and (code != CODE_FP8 or SCALE_BLOCK_SIZE % (NW // 2 if gated else NW)):
         raise ValueError("block scales: fp8 only, and a warpgroup's weight rows within one 128-row block")
     NT, NH = NW // 8, NW // 16

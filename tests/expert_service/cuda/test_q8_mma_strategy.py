@@ -12,7 +12,7 @@ import pytest
 from common.models import config_from_hf
 from expert_service.cuda import moe_grouped_mma, moe_strategy
 from expert_service.cuda.decoder import CudaDecoder
-from expert_service.cuda.moe_grouped_mma import grouped_tile, w8a8_kind
+from expert_service.cuda.moe_grouped_mma import W8A8Kind, grouped_tile, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     GROUPED_MMA_MIN_EXPERTS,
     MoeStrategy,
@@ -93,7 +93,7 @@ def decoder_laid_out_for_defaults(cfg):
     d.config, d.cached, d.max_tokens = cfg, None, 512
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
     d.workspace_strategies = d._strategies(CudaOptions(), False)
-    d.ws = SimpleNamespace(mma_q8_rows=None)  # the defaults run W8A8 where it applies: its rows are laid out
+    d.workspace_w8a8_min_rows = CudaOptions().w8a8_min_rows  # the defaults run W8A8 where it applies
     return d
 
 
@@ -110,9 +110,9 @@ INT8_CH, FP8_CH, FP8_BLOCK = (CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_CHANNE
 @pytest.mark.parametrize(
     "kinds,F,D,want",
     [
-        ((INT8_CH,), 256, 128, (CODE_INT8, False)),
-        ((FP8_CH,), 256, 128, (CODE_FP8, False)),
-        ((FP8_BLOCK,), 256, 128, (CODE_FP8, True)),
+        ((INT8_CH,), 256, 128, W8A8Kind(CODE_INT8, False)),
+        ((FP8_CH,), 256, 128, W8A8Kind(CODE_FP8, False)),
+        ((FP8_BLOCK,), 256, 128, W8A8Kind(CODE_FP8, True)),
         ((INT8_CH, FP8_BLOCK), 256, 128, None),  # one launch, one 8-bit type: mixed layers keep the widening kernel
         (((CODE_BF16, SCALE_NONE),), 256, 128, None),
         ((INT8_CH,), 192, 128, None),  # a 128-feature step must cover F and D whole
@@ -121,30 +121,39 @@ INT8_CH, FP8_CH, FP8_BLOCK = (CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_CHANNE
 )
 def test_w8a8_kind_takes_one_8bit_kind_of_whole_steps(kinds, F, D, want):
     assert w8a8_kind(kinds, F, D, 4096) == want
+    assert want is None or w8a8_kind(kinds, F, D, 4096, 40) == want._replace(min_rows=40)
     assert w8a8_kind(kinds, F, D, 4104) is None  # blocks not 16-byte aligned
 
 
 def test_w8a8_tile_on_hopper_only(monkeypatch):
     n, E, F, D = 96 * 8, 8, 256, 128
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, True)) == w8a8_config(CODE_FP8, True)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_FP8, False)) == w8a8_config(CODE_FP8, False)
-    assert grouped_tile(n, E, F, D, True, True, (CODE_INT8, False)) == w8a8_config(CODE_INT8, False)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, True)) == w8a8_config(CODE_FP8, True)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, False)) == w8a8_config(CODE_FP8, False)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_INT8, False)) == w8a8_config(CODE_INT8, False)
     assert grouped_tile(n, E, F, D, True, True, None) == choose_wgmma_config(n, E)
-    assert grouped_tile(n, E, F, D, True, False, (CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
-    assert grouped_tile(8, E, F, D, True, True, (CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
+    assert grouped_tile(n, E, F, D, True, False, W8A8Kind(CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
+    assert grouped_tile(8, E, F, D, True, True, W8A8Kind(CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
+    # from w8a8_min_rows: the 64-row tile under WGMMA_MIN_ROWS rows an expert, the 128-row one from there
+    narrow, wide = w8a8_config(CODE_INT8, False, wide=False), w8a8_config(CODE_INT8, False)
+    assert narrow.block_m == 64 and wide.block_m == 128
+    assert grouped_tile(32 * 8, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == narrow
+    assert grouped_tile(31 * 8, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == choose_q8_config(31 * 8, E)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == wide
+    assert grouped_tile(32 * 8, E, F, D, True, True, W8A8Kind(CODE_FP8, True, 32)) == w8a8_config(CODE_FP8, True)
     assert w8a8_config(CODE_FP8, True).block_m == 64 and w8a8_config(CODE_FP8, True).threads == 256  # promoted
     assert w8a8_config(CODE_FP8, False) == w8a8_config(CODE_INT8, False)  # per channel: one accumulator set
+    assert w8a8_config(CODE_FP8, True, wide=True) == w8a8_config(CODE_FP8, True)  # block scales: always narrow
 
 
 def test_w8a8_workspace_rows_only_when_asked_and_reachable():
     cfg = config(8, D=128, F=256)  # K = 2: steps from 384 tokens have 96 rows an expert (the wgmma tiles)
     args = (cfg, np.dtype(np.uint16), 512, 8, 16, 2)
     tokens = q8_mma_tokens(cfg, True, True, CudaOptions())
-    on = layout_workspace(*args, quantized=True, q8_mma=tokens, q8_activations=True)
+    on = layout_workspace(*args, quantized=True, q8_mma=tokens, w8a8_min_rows=96)
     off = layout_workspace(*args, quantized=True, q8_mma=tokens)
-    dense = layout_workspace(*args, quantized=False, q8_activations=True)
+    dense = layout_workspace(*args, quantized=False, w8a8_min_rows=96)
     assert "mma_q8_rows" not in off and "mma_q8_rows" not in dense
     rows = on["mma_sorted_ids"][0][0]
     assert on["mma_q8_rows"] == ((rows * 256,), np.dtype(np.uint8)) and on["mma_q8_scales"][0] == (rows,)
@@ -155,9 +164,12 @@ def test_w8a8_workspace_rows_only_when_asked_and_reachable():
 
 def test_set_options_refuses_w8a8_without_its_rows():
     d = decoder_laid_out_for_defaults(config(128))
-    d.ws = SimpleNamespace()
+    d.workspace_w8a8_min_rows = 0  # laid out with q8_activations off
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(q8_mma\)"):
         d.set_options(CudaOptions(q8_activations=True))
+    d.workspace_w8a8_min_rows = 96  # ... and for steps from 96 rows an expert: smaller ones were not laid out
+    with pytest.raises(ValueError, match=r"^cuda_options: .*\(q8_mma\)"):
+        d.set_options(CudaOptions(w8a8_min_rows=32))
 
 
 def w8a8_moe(cfg, kinds):

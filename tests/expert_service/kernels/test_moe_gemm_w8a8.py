@@ -28,8 +28,9 @@ from tests.helpers import random_ids
 KINDS = {
     "int8": (q.CODE_INT8, q.SCALE_CHANNEL),
     "fp8": (q.CODE_FP8, q.SCALE_CHANNEL),
-    "fp8_promoted": (q.CODE_FP8, q.SCALE_CHANNEL),  # per channel on the 64-row tile, sums promoted every step
     "fp8_block": (q.CODE_FP8, q.SCALE_BLOCK),
+    "int8_narrow": (q.CODE_INT8, q.SCALE_CHANNEL),  # per channel on the 64-row tile (steps of few rows an expert)
+    "fp8_narrow": (q.CODE_FP8, q.SCALE_CHANNEL),
 }
 
 
@@ -79,9 +80,9 @@ def check(ids, kind, F, D, seed, gains=False):
     x = rng.standard_normal((n_tok, D)).astype(np.float32)
     route_w = rng.random((n_tok, top_k)).astype(np.float32) + 0.1
     residual = rng.standard_normal((n_tok, D)).astype(np.float32)
-    promoted = kind == "fp8_promoted"
+    narrow = kind.endswith("_narrow")
     got = run(
-        x, ids, route_w, W, meta, F, D, code, scheme == q.SCALE_BLOCK, residual, CONFIGS["w64"] if promoted else None
+        x, ids, route_w, W, meta, F, D, code, scheme == q.SCALE_BLOCK, residual, CONFIGS["w64"] if narrow else None
     )
     order, routed = got["order"], got["order"] >= 0
     assert (got["h"][~routed] == 0).all(), "padding rows of h must be zeros"
@@ -96,8 +97,8 @@ def check(ids, kind, F, D, seed, gains=False):
         np.testing.assert_allclose(got["h"][rows], h_ref, rtol=2**-7, atol=2**-7 * np.abs(h_ref).max())
         y_ref[order[rows]] = y_own
     # y from the kernel's own quantized h: int8 sums are exact (int32); fp8 ones run ~14-bit within each 128-feature
-    # step, fp32 across steps, where promoted (block scales, or asked for), ~14-bit throughout where not
-    y_tol = 1e-4 if code == q.CODE_INT8 else 5e-4 if promoted or scheme == q.SCALE_BLOCK else 2e-3
+    # step, fp32 across steps, with block scales, ~14-bit throughout per channel (H200: 4.5e-3 at K = 14,336)
+    y_tol = 1e-4 if code == q.CODE_INT8 else 5e-4 if scheme == q.SCALE_BLOCK else 5e-3
     np.testing.assert_allclose(got["y"], y_ref, rtol=y_tol, atol=y_tol * np.abs(y_ref).max())
     # the quantized rows are quantize_rows' (tested bitwise elsewhere): the x rows of this step
     ref_q, ref_s = quantize_rows_reference(x[order[routed] // top_k], code)
@@ -208,9 +209,6 @@ def test_rejects_dims_that_are_not_whole_steps():
         launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_INT8, False, 128, 192, h, cfg)
     with pytest.raises(ValueError, match="runs on"):
         launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_FP8, True, 128, 192, h, cfg)  # block: 64 rows
-    with pytest.raises(ValueError, match="runs on"):
-        h64 = cuda.to_device(np.zeros((64, 128), np.uint16))
-        launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_INT8, False, 128, 192, h64, CONFIGS["w64"])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
