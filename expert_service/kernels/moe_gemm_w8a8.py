@@ -15,13 +15,14 @@ What changes against the bf16 wgmma kernel (its docstring has the rest):
 - fp8 with block scales promotes every step: each 128-feature step's products go to a second set of accumulators,
   added in fp32 into the first with the step's block scale (a step is exactly one block along the input, and a
   warpgroup's weight rows lie in one block along the output: n0 is a multiple of 128 there; the gate's and the up's
-  for gate|up). Twice the accumulator registers: these launches use the 64-row, 256-thread tile (`config_for`), and
-  each step waits for its own MMAs (a third set, so that a step's MMAs run while the previous step's sums are added
-  in, fits in 255 registers but measured 7-11 % slower on the H200). fp8 per channel sums all of the input in the
-  MMA's fp32, as int8 does in int32: Hopper's fp8 MMA keeps only about 14 mantissa bits of its running sum
-  (DeepSeek-V3's report), 4.5e-3 of the output at K = 14,336 on the H200 against 2-3e-4 promoted, far below what
-  rounding the activations to e4m3 costs, and 1.31-1.41x faster. Both run on the 128 x 256 tile from
-  moe_grouped_mma.WGMMA_MIN_ROWS rows an expert, on the 64 x 256 one below.
+  for gate|up). Twice the accumulator registers: these launches use the 64-row, 256-thread tile (`config_for`). A
+  step's sums are added in at the next step, once its copies are issued, so the MMAs run across the barrier and the
+  copy issue (a third accumulator set, so that MMAs also run across the addition, fits in 255 registers but measured
+  6-11 % slower on the H200). fp8 per channel sums all of the input in the MMA's fp32, as int8 does in int32: Hopper's
+  fp8 MMA keeps only about 14 mantissa bits of its running sum (DeepSeek-V3's report), 4.5e-3 of the output at K =
+  14,336 on the H200 against 2-3e-4 promoted, far below what rounding the activations to e4m3 costs, and 1.31-1.41x
+  faster. Both run on the 128 x 256 tile from moe_grouped_mma.WGMMA_MIN_ROWS rows an expert, on the 64 x 256 one
+  below.
 - An expert whose code or scheme is not the launch's gives NaN rows (never silently wrong).
 The numpy reference is `moe_reference_w8a8`. GPU only: the simulator cannot run wgmma; tests run on the H200.
 """
@@ -192,6 +193,7 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
         # a wrong expert's scale offsets may point past its block: read none (its rows become NaN below)
         read_scales = first_col < n_out and meta[expert, 0] == code and meta[expert, 1] == SCALE_BLOCK
         part = cuda.local.array((1, NT, 4), np.float32)
+        f_gate = f_up = np.float32(0.0)
 
         n_steps = k_dim // BK
         for s in range(PRIMED):
@@ -209,18 +211,19 @@ def _build(cfg: Config, mode: int, code: int, block_scaled: bool):
                 fill(smem, nxt % S, a, words, a_start, a_rows, b_start, nxt)
             cp_async_commit()
             stage = (step % S) * STAGE_WORDS
-            if promoted:
-                f_gate = f_up = np.float32(1.0)
-                if block_scaled:  # read before the MMAs, so the loads overlap them
-                    f_gate = scales[s_gate + step] if read_scales else np.float32(0.0)
-                    f_up = scales[s_up + step] if gated and read_scales else f_gate
+            if promoted:  # the previous step's sums added in once its MMAs are done (after this step's copies)
+                if step > 0:
+                    wait_all()
+                    promote(acc, part, f_gate, f_up)
+                f_gate = scales[s_gate + step] if read_scales else np.float32(0.0)
+                f_up = scales[s_up + step] if gated and read_scales else f_gate
                 step_mma(part, smem, stage + a_row, stage + b_row, 0)
-                wait_all()
-                promote(acc, part, f_gate, f_up)
             else:
                 step_mma(acc, smem, stage + a_row, stage + b_row, 1)
                 wait_older()
         wait_all()
+        if promoted:
+            promote(acc, part, f_gate, f_up)
 
         lane = tid % WARP
         g, t = lane // 4, lane % 4
