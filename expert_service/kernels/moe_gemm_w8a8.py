@@ -16,13 +16,13 @@ What changes against the bf16 wgmma kernel (its docstring has the rest):
   added in fp32 into the first with the step's block scale (a step is exactly one block along the input, and a
   warpgroup's weight rows lie in one block along the output: n0 is a multiple of 128 there; the gate's and the up's
   for gate|up). Twice the accumulator registers: these launches use the 64-row, 256-thread tile (`config_for`). A
-  step's sums are added in at the next step, once its copies are issued, so the MMAs run across the barrier and the
-  copy issue (a third accumulator set, so that MMAs also run across the addition, fits in 255 registers but measured
-  6-11 % slower on the H200). fp8 per channel sums all of the input in the MMA's fp32, as int8 does in int32: Hopper's
-  fp8 MMA keeps only about 14 mantissa bits of its running sum (DeepSeek-V3's report), 4.5e-3 of the output at K =
-  14,336 on the H200 against 2-3e-4 promoted, far below what rounding the activations to e4m3 costs, and 1.31-1.41x
-  faster. Both run on the 128 x 256 tile from moe_grouped_mma.WGMMA_MIN_ROWS rows an expert, on the 64 x 256 one
-  below.
+  step's sums are added in at the next step, once that step's copies are issued, so the MMAs run across the barrier
+  and the copy issue (1.08x waiting at once on the H200; a third accumulator set, so that MMAs also run across the
+  addition, fits in 255 registers but measured 6-11 % slower on the H200). fp8 per channel sums all of the input in
+  the MMA's fp32, as int8 does in int32: Hopper's fp8 MMA keeps only about 14 mantissa bits of its running sum
+  (DeepSeek-V3's report), 4.5e-3 of the output at K = 14,336 on the H200 against 2-3e-4 promoted, far below what
+  rounding the activations to e4m3 costs, and 1.31-1.41x faster. int8 and per-channel fp8 run on the 128 x 256 tile
+  from moe_grouped_mma.WGMMA_MIN_ROWS rows an expert, on the 64 x 256 one below.
 - An expert whose code or scheme is not the launch's gives NaN rows (never silently wrong).
 The numpy reference is `moe_reference_w8a8`. GPU only: the simulator cannot run wgmma; tests run on the H200.
 """
