@@ -415,7 +415,7 @@ class CudaDecoder:
         return self._strategy(tokens) in CAPTURABLE
 
     def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
-        w8a8 = w8a8_everywhere(self.config, self.weights, options)
+        w8a8 = w8a8_everywhere(self.weights, options)
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options, w8a8)
 
     @staticmethod

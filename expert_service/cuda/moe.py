@@ -182,7 +182,7 @@ class DeviceMoe:
     @property
     def q8_mma(self) -> tuple[int, int] | None:
         """The step sizes that run Q8_MMA under the current options (q8_mma_tokens)."""
-        w8a8 = w8a8_everywhere(self.config, self.weights, self.options)
+        w8a8 = w8a8_everywhere(self.weights, self.options)
         return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, self.options, w8a8)
 
     @property

@@ -103,6 +103,15 @@ def w8a8_kind(kinds, F: int, D: int, stride: int, min_rows: int = WGMMA_MIN_ROWS
     return W8A8Kind(code, scheme == SCALE_BLOCK, min_rows)
 
 
+def every_layer_w8a8(F: int, D: int, experts: dict, expert_kinds: dict, expert_strides: dict) -> bool:
+    """Whether every MoE layer's experts are resident (experts: layer -> device blocks) and share one kind W8A8 runs
+    (w8a8_kind of the layer's expert_kinds and stride in bytes): the DeviceWeights fields, fixed once loaded."""
+    layers = expert_kinds.keys()
+    return bool(layers) and all(
+        i in experts and w8a8_kind(expert_kinds[i], F, D, expert_strides[i]) is not None for i in layers
+    )
+
+
 def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w8a8: W8A8Kind | None = None):
     """The tile config of a step of n assignments over E experts where wgmma (CudaOptions.wgmma_experts) is on and
     the device is sm_90: moe_gemm_w8a8's for an 8-bit layer with a w8a8 kind (CudaOptions.q8_activations) from

@@ -25,7 +25,6 @@ from expert_service.cuda.moe_grouped_mma import (
     grouped_tile,
     hopper,
     q8_mma_applies,
-    w8a8_kind,
     wgmma_fits,
 )
 from expert_service.engine.cuda_options import CudaOptions
@@ -80,16 +79,11 @@ def q8_mma_tokens(
     return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
 
 
-def w8a8_everywhere(config: ModelConfig, weights: DeviceWeights, options: CudaOptions) -> bool:
-    """Whether every MoE layer's experts are resident and run W8A8 on the wgmma tile (CudaOptions.q8_activations
-    and wgmma_experts, an sm_90 device, one 8-bit kind a layer that moe_gemm_w8a8 takes)."""
-    if not (options.q8_activations and options.wgmma_experts and hopper() and weights.all_8bit and weights.experts):
-        return False
-    F, D = config.moe_intermediate_size, config.hidden_size
-    return all(
-        i in weights.experts and w8a8_kind(kinds, F, D, weights.expert_strides[i]) is not None
-        for i, kinds in weights.expert_kinds.items()
-    )
+def w8a8_everywhere(weights: DeviceWeights, options: CudaOptions) -> bool:
+    """Whether every MoE layer's experts run W8A8 on the wgmma tile (CudaOptions.q8_activations and wgmma_experts,
+    an sm_90 device, DeviceWeights.w8a8_layers: resident, one 8-bit kind a layer that moe_gemm_w8a8 takes). Called
+    per MoE layer of every eager step: the per-layer part is computed once, at load."""
+    return options.q8_activations and options.wgmma_experts and weights.all_8bit and hopper() and weights.w8a8_layers
 
 
 def few_expert_mma_tokens(config: ModelConfig, bf16: bool, options: CudaOptions) -> int:
@@ -167,7 +161,7 @@ def step_strategy(
         cached is not None,
         bf16,
         weights.quantized,
-        q8_mma_tokens(config, weights.all_8bit, bf16, options, w8a8_everywhere(config, weights, options)),
+        q8_mma_tokens(config, weights.all_8bit, bf16, options, w8a8_everywhere(weights, options)),
         cached_gemv_slots(cached, options),
         cached_grouped_tokens(config, weights.dtype, weights.quantized, options, weights.all_8bit),
         few_expert_mma_tokens(config, bf16, options),

@@ -18,6 +18,7 @@ from numba import cuda
 from common import dtypes
 from common.model_format import DENSE_FILE, ModelDir, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
+from expert_service.cuda.moe_grouped_mma import every_layer_w8a8
 from expert_service.kernels import expert_quant
 
 if TYPE_CHECKING:
@@ -189,6 +190,10 @@ class DeviceWeights:
                 unit = np.dtype(np.uint8) if self.quantized else self.dtype
                 self.experts[layer] = buffer.view(unit).reshape(E, stride // unit.itemsize)
         stream.synchronize()
+        # every MoE layer resident and of one 8-bit kind W8A8 runs (the strategy asks at every eager MoE layer)
+        F, D = self.config.moe_intermediate_size, self.config.hidden_size
+        kinds, strides = self.expert_kinds, self.expert_strides
+        self.w8a8_layers = self.all_8bit and every_layer_w8a8(F, D, self.experts, kinds, strides)
 
     def _back_to_back(self, model: ModelDir, names: list[str]):
         stacked = stacked_range([model.entries.get(n) for n in names])

@@ -12,7 +12,7 @@ import pytest
 from common.models import config_from_hf
 from expert_service.cuda import moe_grouped_mma, moe_strategy
 from expert_service.cuda.decoder import CudaDecoder
-from expert_service.cuda.moe_grouped_mma import W8A8Kind, grouped_tile, w8a8_kind
+from expert_service.cuda.moe_grouped_mma import W8A8Kind, every_layer_w8a8, grouped_tile, w8a8_kind
 from expert_service.cuda.moe_strategy import (
     GROUPED_MMA_MIN_EXPERTS,
     MoeStrategy,
@@ -185,7 +185,9 @@ def w8a8_moe(cfg, kinds):
         all_8bit=True,
         experts={layer: SimpleNamespace(shape=(8, 4096), dtype=np.dtype(np.uint8))},  # as the layer's uint8 blocks
         expert_kinds={layer: kinds},
-        expert_strides={layer: 4096},
+        w8a8_layers=every_layer_w8a8(
+            cfg.moe_intermediate_size, cfg.hidden_size, {layer: 0}, {layer: kinds}, {layer: 4096}
+        ),
     )
     moe.options = CudaOptions()
     return moe, layer
@@ -218,9 +220,19 @@ def test_w8a8_everywhere_lifts_the_few_expert_bound(monkeypatch):
     assert moe.q8_mma == (2, 512)  # no sm_90 here
     monkeypatch.setattr(moe_strategy, "hopper", lambda: True)
     assert moe.q8_mma == (2, CudaOptions().q8_mma_max_tokens)
-    moe.weights.expert_strides[layer] = 4100  # blocks not 16-byte aligned: no W8A8
+    moe.options = CudaOptions(q8_activations=False)
     assert moe.q8_mma == (2, 512)
-    moe.weights.expert_strides[layer] = 4096
-    moe.weights.experts = {}  # experts behind the cache: no resident layer runs it
+    moe.options = CudaOptions(wgmma_experts=False)
     assert moe.q8_mma == (2, 512)
-    assert q8_mma_tokens(config(8, D=128, F=256), True, True, CudaOptions(), w8a8=True) == (2, 1 << 20)
+    assert q8_mma_tokens(cfg, True, True, CudaOptions(), w8a8=True) == (2, 1 << 20)
+
+
+def test_every_layer_w8a8_needs_each_layer_resident_and_of_one_kind():
+    F, D, one = 256, 128, {3: (FP8_BLOCK,), 5: (INT8_CH,)}
+    resident, strides = {3: 0, 5: 0}, {3: 4096, 5: 4096}
+    assert every_layer_w8a8(F, D, resident, one, strides)  # one kind a layer (layers may differ)
+    assert not every_layer_w8a8(F, D, {3: 0}, one, strides)  # layer 5 behind the expert cache
+    assert not every_layer_w8a8(F, D, resident, one, {3: 4096, 5: 4100})  # blocks not 16-byte aligned
+    assert not every_layer_w8a8(F, D, resident, {**one, 5: (INT8_CH, FP8_CH)}, strides)  # two kinds in a layer
+    assert not every_layer_w8a8(192, D, resident, one, strides)  # F not whole 128-feature steps
+    assert not every_layer_w8a8(F, D, {}, {}, {})  # no 8-bit layer at all
