@@ -113,9 +113,9 @@ def main() -> int:
                 blocked = scheme == q.SCALE_BLOCK
                 # the tile the engine gives this step (wide from WGMMA_MIN_ROWS rows an expert), and the other one
                 wide = n >= WGMMA_MIN_ROWS * min(E, n)
-                tiles_of = [("w8a8", config_for(code, blocked, wide))]
+                tiles_of = [("w8a8", config_for(blocked, wide))]
                 if not blocked:
-                    tiles_of.append(("w8a8_other_tile", config_for(code, blocked, not wide)))
+                    tiles_of.append(("w8a8_other_tile", config_for(blocked, not wide)))
                 tiles_of += [("q8wgmma", CONFIGS["w128"]), ("q8mma", choose_q8_config(n, E))]
                 for name, cfg in tiles_of:
                     bm = cfg.block_m

@@ -120,7 +120,7 @@ def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w
     8-bit layers and moe_gemm_mma's for bf16 ones."""
     if wgmma and quantized and w8a8 is not None and q8wgmma_applies(F, D, 16) and hopper():
         if n >= w8a8.min_rows * min(E, n):
-            return w8a8_config(w8a8.code, w8a8.block_scaled, wide=n >= WGMMA_MIN_ROWS * min(E, n))
+            return w8a8_config(w8a8.block_scaled, wide=n >= WGMMA_MIN_ROWS * min(E, n))
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
         return choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
@@ -152,7 +152,7 @@ def grouped_mma_layout(
         if wgmma_fits(n, E, F, D) or wgmma_fits(n, E, F, D, quantized=True):
             block_ms.add(choose_wgmma_config(n, E).block_m)
         if w8a8_min_rows and n >= w8a8_min_rows * min(E, n):  # either W8A8 tile (block-scaled fp8: the narrow one)
-            block_ms |= {w8a8_config(CODE_INT8, False).block_m, w8a8_config(CODE_INT8, False, wide=False).block_m}
+            block_ms |= {w8a8_config(False).block_m, w8a8_config(False, wide=False).block_m}
         # a smaller BM pads less but needs more tiles: each buffer takes its own largest need
         rows = max(rows, *(max_rows(n, E, bm) for bm in block_ms))
         tiles = max(tiles, *(max_tiles(n, E, bm) for bm in block_ms))

@@ -63,15 +63,15 @@ KINDS = {CODE_INT8: "s8", CODE_FP8: "e4m3"}
 __all__ = ["applies", "config_for", "tiles_for", "launch_w8a8_down", "launch_w8a8_gate_up", "moe_reference_w8a8"]
 
 
-def config_for(code: int, block_scaled: bool, wide: bool = True) -> Config:
-    """The tile a launch of this 8-bit code and scale scheme uses: 64 x 256 with two warpgroups for block-scaled
-    fp8 (promoted: two sets of accumulators need the registers of a 256-thread block) and for steps too small for
-    the wide tile (wide False: under moe_grouped_mma.WGMMA_MIN_ROWS rows an expert), else 128 x 256 with four."""
+def config_for(block_scaled: bool, wide: bool = True) -> Config:
+    """The tile a launch uses: 64 x 256 with two warpgroups for block-scaled fp8 (promoted: two sets of
+    accumulators need the registers of a 256-thread block) and for steps too small for the wide tile (wide False:
+    under moe_grouped_mma.WGMMA_MIN_ROWS rows an expert), else 128 x 256 with four."""
     return CONFIGS["w128" if wide and not block_scaled else "w64"]
 
 
-def tiles_for(code: int, block_scaled: bool) -> tuple[Config, ...]:
-    """The tiles a launch of this code and scheme may take (config_for's choices)."""
+def tiles_for(block_scaled: bool) -> tuple[Config, ...]:
+    """The tiles a launch of this scale scheme may take (config_for's choices; the 8-bit type does not matter)."""
     return (CONFIGS["w64"],) if block_scaled else (CONFIGS["w128"], CONFIGS["w64"])
 
 
@@ -251,8 +251,9 @@ def _run(cfg: Config, mode: int, code: int, block_scaled: bool, a, a_scale, expe
          num_tiles, sorted_ids, n_out: int, k_dim: int, n_tiles_n: int, out, stream) -> None:
     if code not in KINDS:
         raise ValueError(f"moe_gemm_w8a8: code {code} is neither int8 ({CODE_INT8}) nor fp8 ({CODE_FP8})")
-    if cfg not in tiles_for(code, block_scaled):
-        raise ValueError(f"moe_gemm_w8a8: code {code} runs on {config_for(code, block_scaled)}, got {cfg}")
+    if cfg not in tiles_for(block_scaled):
+        scheme = "block" if block_scaled else "channel"
+        raise ValueError(f"moe_gemm_w8a8: {scheme} scales run on {tiles_for(block_scaled)}, got {cfg}")
     if not applies(n_out if mode == _MODE_SWIGLU else k_dim, k_dim if mode == _MODE_SWIGLU else n_out,
                    experts.shape[1]):
         raise ValueError(f"moe_gemm_w8a8 needs D and F multiples of {BK}, got output {n_out} input {k_dim}")
@@ -319,7 +320,7 @@ def sm90_signatures():
     u32, i1, i64, f1 = types.uint32[::1], types.int32[::1], types.int64, types.float32[::1]
     out = []
     for code, block_scaled in ((CODE_INT8, False), (CODE_FP8, False), (CODE_FP8, True)):
-        for cfg, mode in itertools.product(tiles_for(code, block_scaled), (_MODE_SWIGLU, _MODE_STORE)):
+        for cfg, mode in itertools.product(tiles_for(block_scaled), (_MODE_SWIGLU, _MODE_STORE)):
             dst = u32 if mode == _MODE_SWIGLU else f1
             out.append((_build(cfg, mode, code, block_scaled)[0],
                         (u32, f1, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, dst),

@@ -129,22 +129,22 @@ def test_w8a8_tile_on_hopper_only(monkeypatch):
     n, E, F, D = 96 * 8, 8, 256, 128
     assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, True)) == choose_q8_config(n, E)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
-    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, True)) == w8a8_config(CODE_FP8, True)
-    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, False)) == w8a8_config(CODE_FP8, False)
-    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_INT8, False)) == w8a8_config(CODE_INT8, False)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, True)) == w8a8_config(True)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_FP8, False)) == w8a8_config(False)
+    assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_INT8, False)) == w8a8_config(False)
     assert grouped_tile(n, E, F, D, True, True, None) == choose_wgmma_config(n, E)
     assert grouped_tile(n, E, F, D, True, False, W8A8Kind(CODE_INT8, False)) == choose_q8_config(n, E)  # wgmma off
     assert grouped_tile(8, E, F, D, True, True, W8A8Kind(CODE_INT8, False)) == choose_q8_config(8, E)  # too few rows
     # from w8a8_min_rows: the 64-row tile under WGMMA_MIN_ROWS rows an expert, the 128-row one from there
-    narrow, wide = w8a8_config(CODE_INT8, False, wide=False), w8a8_config(CODE_INT8, False)
+    narrow, wide = w8a8_config(False, wide=False), w8a8_config(False)
     assert narrow.block_m == 64 and wide.block_m == 128
     assert grouped_tile(32 * 8, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == narrow
     assert grouped_tile(31 * 8, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == choose_q8_config(31 * 8, E)
     assert grouped_tile(n, E, F, D, True, True, W8A8Kind(CODE_INT8, False, 32)) == wide
-    assert grouped_tile(32 * 8, E, F, D, True, True, W8A8Kind(CODE_FP8, True, 32)) == w8a8_config(CODE_FP8, True)
-    assert w8a8_config(CODE_FP8, True).block_m == 64 and w8a8_config(CODE_FP8, True).threads == 256  # promoted
-    assert w8a8_config(CODE_FP8, False) == w8a8_config(CODE_INT8, False)  # per channel: one accumulator set
-    assert w8a8_config(CODE_FP8, True, wide=True) == w8a8_config(CODE_FP8, True)  # block scales: always narrow
+    assert grouped_tile(32 * 8, E, F, D, True, True, W8A8Kind(CODE_FP8, True, 32)) == w8a8_config(True)
+    assert w8a8_config(True).block_m == 64 and w8a8_config(True).threads == 256  # promoted
+    assert w8a8_config(False).block_m == 128 and w8a8_config(False).threads == 512  # per channel: one set
+    assert w8a8_config(True, wide=True) == w8a8_config(True)  # block scales: always narrow
 
 
 def test_w8a8_workspace_rows_only_when_asked_and_reachable():

@@ -37,7 +37,7 @@ KINDS = {
 def run(x, ids, route_w, W, meta, F, D, code, block_scaled, residual, cfg=None):
     n_tok, top_k = ids.shape
     n_exp, n = W.shape[0], ids.size
-    cfg = cfg or config_for(code, block_scaled)
+    cfg = cfg or config_for(block_scaled)
     bm = cfg.block_m
     tiles = max_tiles(n, n_exp, bm)
     rows = tiles * bm
@@ -168,7 +168,7 @@ def test_gpu_an_expert_of_another_kind_gives_nan_rows(code):
     )
     y = got["y"].reshape(64, 2, D)
     assert np.isfinite(y[:, 0]).all() and np.isnan(y[:, 1]).all()
-    cfg = config_for(code, False)
+    cfg = config_for(False)
     tiles = max_tiles(ids.size, 2, cfg.block_m)
     rows = tiles * cfg.block_m
     sorted_ids, tile_expert, num_tiles, position = (
@@ -201,13 +201,13 @@ def test_rejects_dims_that_are_not_whole_steps():
     W = cuda.to_device(np.zeros((2, 4096), np.uint8))
     meta = cuda.to_device(np.zeros((2, q.META_WIDTH), np.int32))
     one = cuda.to_device(np.zeros(1, np.int32))
-    cfg = config_for(q.CODE_INT8, False)
+    cfg = config_for(False)
     xq = cuda.to_device(np.zeros((cfg.block_m, 192), np.uint8))
     scales = cuda.to_device(np.ones(cfg.block_m, np.float32))
     h = cuda.to_device(np.zeros((cfg.block_m, 128), np.uint16))
     with pytest.raises(ValueError, match="multiples of 128"):
         launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_INT8, False, 128, 192, h, cfg)
-    with pytest.raises(ValueError, match="runs on"):
+    with pytest.raises(ValueError, match="block scales run on"):
         launch_w8a8_gate_up(xq, scales, one, one, W, meta, q.CODE_FP8, True, 128, 192, h, cfg)  # block: 64 rows
 
 
