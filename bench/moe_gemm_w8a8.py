@@ -77,13 +77,11 @@ def main() -> int:
     from numba import cuda
 
     from expert_service.cuda.driver import non_blocking_stream
-    from expert_service.cuda.moe_grouped_mma import WGMMA_MIN_ROWS, W8A8Kind, w8a8_experts
+    from expert_service.cuda.moe_grouped_mma import WGMMA_MIN_ROWS, W8A8Kind, gemms_on_bf16_rows, w8a8_experts
     from expert_service.kernels import expert_quant as q
     from expert_service.kernels.moe_align import launch_moe_align, launch_moe_gather_bf16, max_tiles
     from expert_service.kernels.moe_gemm_mma import bf16_round
     from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
-    from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
-    from expert_service.kernels.moe_gemm_q8wgmma import launch_q8wgmma_down, launch_q8wgmma_gate_up
     from expert_service.kernels.moe_gemm_w8a8 import (
         config_for,
         moe_reference_w8a8,
@@ -151,24 +149,12 @@ def main() -> int:
                                 cfg,
                                 s,
                             )
-                    elif name == "q8wgmma":
+                    else:  # the widening kernel of cfg's kind (wgmma or mma.sync), as Q8_MMA runs it
                         xb = cuda.device_array((rows, D), np.uint16)
 
                         def step(s):
                             launch_moe_gather_bf16(dx, sorted_ids, num_tiles, K, bm, xb, stream=s)
-                            launch_q8wgmma_gate_up(xb, tile_expert, num_tiles, dW, dmeta, F, D, h, cfg, stream=s)
-                            launch_q8wgmma_down(
-                                h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, cfg, stream=s
-                            )
-                    else:
-                        xb = cuda.device_array((rows, D), np.uint16)
-
-                        def step(s):
-                            launch_moe_gather_bf16(dx, sorted_ids, num_tiles, K, bm, xb, stream=s)
-                            launch_q8mma_gate_up(xb, tile_expert, num_tiles, dW, dmeta, F, D, h, config=cfg, stream=s)
-                            launch_q8mma_down(
-                                h, tile_expert, num_tiles, sorted_ids, dW, dmeta, F, D, y, config=cfg, stream=s
-                            )
+                            gemms_on_bf16_rows(cfg, xb, h, y, sorted_ids, tile_expert, num_tiles, dW, dmeta, F, D, s)
 
                     us = graph_us(step)
                     stream.synchronize()

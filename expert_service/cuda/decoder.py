@@ -110,6 +110,7 @@ class CudaDecoder:
         self.moe_layers = cfg.moe_layers
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
         cached_grouped = self._cached_grouped(config.cuda_options)  # what the workspace is laid out for
+        self.workspace_w8a8_min_rows = self._w8a8_min_rows(config.cuda_options)
         self.workspace_layout = layout_workspace(
             cfg,
             self.weights.dtype,
@@ -124,14 +125,13 @@ class CudaDecoder:
             cached_mma=config.cuda_options.cached_mma,
             cached_grouped=cached_grouped,
             few_expert_mma=self._few_expert_mma(config.cuda_options),
-            w8a8_min_rows=self._w8a8_min_rows(config.cuda_options),
+            w8a8_min_rows=self.workspace_w8a8_min_rows,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
         if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
             self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
         self.workspace_cached_grouped = cached_grouped
-        self.workspace_w8a8_min_rows = self._w8a8_min_rows(config.cuda_options)
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream

@@ -139,7 +139,7 @@ class DeviceMoe:
             q8 = strategy is MoeStrategy.Q8_MMA
             meta = self.weights.expert_meta[i] if q8 else None
             F, D, wgmma = cfg.moe_intermediate_size, cfg.hidden_size, self.options.wgmma_experts
-            w8a8 = self._w8a8_kind(i, experts) if q8 and self.options.q8_activations else None
+            w8a8 = self._w8a8_kind(i, experts) if q8 else None
             run_grouped_mma(ws, st, x, h, ids, weights, experts, F, D, combine, meta, wgmma, w8a8)
         elif strategy is MoeStrategy.Q8:
             self._q8(i, x, h, T, ids, weights, experts, combine)
@@ -164,7 +164,7 @@ class DeviceMoe:
         """Whether layer i's experts run W8A8 (8-bit activations, moe_gemm_w8a8) at a step of T tokens under the
         current options (benchmarks label their steps with it)."""
         cfg, experts = self.config, self.weights.experts.get(i)
-        if experts is None or not self.options.q8_activations:
+        if experts is None:
             return False
         if step_strategy(T, cfg, self.weights, self.cached, self.options) is not MoeStrategy.Q8_MMA:
             return False
@@ -173,8 +173,10 @@ class DeviceMoe:
         return takes_w8a8(kind, step_tile(n, E, F, D, experts, True, self.options.wgmma_experts, kind), True)
 
     def _w8a8_kind(self, i: int, experts) -> W8A8Kind | None:
-        """Layer i's W8A8Kind under the current options where W8A8 can run it (moe_grouped_mma.w8a8_kind), else
-        None."""
+        """Layer i's W8A8Kind under the current options (CudaOptions.q8_activations on) where W8A8 can run it
+        (moe_grouped_mma.w8a8_kind), else None."""
+        if not self.options.q8_activations:
+            return None
         cfg, kinds, stride = self.config, self.weights.expert_kinds[i], experts.shape[1]
         F, D = cfg.moe_intermediate_size, cfg.hidden_size
         return w8a8_kind(kinds, F, D, stride, self.options.w8a8_min_rows)

@@ -21,11 +21,12 @@ Hopper warpgroup MMA on 128-byte swizzled stages, the same buffers and epilogues
 Q8_MMA (every expert of the model int8 / fp8) is the same sequence with `moe_gemm_q8mma`'s gate|up and down
 kernels, which read the layer's 8-bit blocks and their per-expert meta table (dtype code, scale scheme, offsets).
 
-With CudaOptions.q8_activations, such 8-bit steps of at least CudaOptions.w8a8_min_rows rows per routed expert
-whose layer has one 8-bit type and scale scheme (`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes each sorted row's token in that type with a
-per-row scale (from float32 x, no bf16 gather), gate|up multiplies on the 8-bit tensor cores into bf16 h,
-`quantize_rows` quantizes h the same way (into the same buffer: the first GEMM no longer reads it), then down.
-Block-scaled fp8, and steps under WGMMA_MIN_ROWS rows an expert, take the 64-row tile (`moe_gemm_w8a8.config_for`).
+With CudaOptions.q8_activations, such 8-bit steps of at least CudaOptions.w8a8_min_rows rows per routed expert whose
+layer has one 8-bit type and scale scheme (`w8a8_kind`) run W8A8 instead (`moe_gemm_w8a8`): `quantize_rows` writes
+each sorted row's token in that type with a per-row scale (from float32 x, no bf16 gather), gate|up multiplies on the
+8-bit tensor cores into bf16 h, `quantize_rows` quantizes h the same way (into the same buffer: the first GEMM no
+longer reads it), then down. Block-scaled fp8, and steps under WGMMA_MIN_ROWS rows an expert, take the 64-row tile
+(`moe_gemm_w8a8.config_for`).
 
 Workspace (`grouped_mma_layout`, sized for every step of up to max_tokens): sorted_ids / xs / h of the largest
 `max_rows` and tile_expert of the largest `max_tiles` over the tile configs the steps can take; num_tiles [1].
@@ -114,13 +115,12 @@ def every_layer_w8a8(F: int, D: int, experts: dict, expert_kinds: dict, expert_s
 
 def grouped_tile(n: int, E: int, F: int, D: int, quantized: bool, wgmma: bool, w8a8: W8A8Kind | None = None):
     """The tile config of a step of n assignments over E experts where wgmma (CudaOptions.wgmma_experts) is on and
-    the device is sm_90: moe_gemm_w8a8's for an 8-bit layer with a w8a8 kind (CudaOptions.q8_activations) from
-    its min_rows rows per routed expert; moe_gemm_wgmma's (the bf16 and the widening 8-bit wgmma kernels share it)
+    the device is sm_90: moe_gemm_w8a8's for an 8-bit layer with a w8a8 kind (CudaOptions.q8_activations; the kind
+    implies dims it takes) from its min_rows rows per routed expert; moe_gemm_wgmma's (the bf16 and the widening 8-bit wgmma kernels share it)
     where the dims fit and the step has at least WGMMA_MIN_ROWS rows per routed expert; else moe_gemm_q8mma's for
     8-bit layers and moe_gemm_mma's for bf16 ones."""
-    if wgmma and quantized and w8a8 is not None and q8wgmma_applies(F, D, 16) and hopper():
-        if n >= w8a8.min_rows * min(E, n):
-            return w8a8_config(w8a8.block_scaled, wide=n >= WGMMA_MIN_ROWS * min(E, n))
+    if wgmma and quantized and w8a8 is not None and n >= w8a8.min_rows * min(E, n) and hopper():
+        return w8a8_config(w8a8.block_scaled, wide=n >= WGMMA_MIN_ROWS * min(E, n))
     if wgmma and wgmma_fits(n, E, F, D, quantized) and hopper():
         return choose_wgmma_config(n, E)
     return choose_q8_config(n, E) if quantized else choose_config(n, E)
@@ -245,7 +245,7 @@ def run_grouped_mma(
         )
     else:
         launch_moe_gather_bf16(x, sorted_ids, num_tiles, K, bm, xs, stream=stream)
-        _gemms_on_bf16_rows(cfg, xs, hb, out, sorted_ids, tile_expert, num_tiles, experts, meta, F, D, stream)
+        gemms_on_bf16_rows(cfg, xs, hb, out, sorted_ids, tile_expert, num_tiles, experts, meta, F, D, stream)
     if combine is None:
         launch_moe_combine(out, ws.identity_position[:n], weights, h, stream=stream)
     else:
@@ -301,7 +301,7 @@ def w8a8_experts(
     )
 
 
-def _gemms_on_bf16_rows(
+def gemms_on_bf16_rows(
     cfg, xs, hb, out, sorted_ids, tile_expert, num_tiles, experts, meta, F: int, D: int, stream
 ) -> None:
     """gate|up then down on the gathered bf16 rows xs, on the kernels of cfg (wgmma or mma.sync; 8-bit with meta)."""

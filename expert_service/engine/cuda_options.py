@@ -85,11 +85,12 @@ class CudaOptions:
     # expert run GROUPED_MMA on the wgmma kernel, captured whole, instead of per-expert cuBLAS GEMMs behind a host
     # break per MoE layer (0: never)
     grouped_mma_max_tokens_few_experts: int = 0
-    # Q8_MMA steps on the warpgroup-MMA tile (an sm_90 device, wgmma_experts, at least moe_grouped_mma.WGMMA_MIN_ROWS
-    # rows an expert) of layers whose experts share one 8-bit type and scale scheme quantize each expert input row
+    # Q8_MMA steps on the warpgroup-MMA tiles (an sm_90 device, wgmma_experts, at least w8a8_min_rows rows an
+    # expert) of layers whose experts share one 8-bit type and scale scheme quantize each expert input row
     # (and each SwiGLU output row) to that type with its own scale and multiply on the 8-bit tensor cores
     # (moe_gemm_w8a8, W8A8) instead of widening the weights to bf16: an approximation of the activations (held-out
-    # perplexity within 0.15 % of bf16 experts, H200 prefill 1.1-1.5x the widening path; docs/quantization.md).
+    # perplexity within 0.15 % of bf16 experts; H200 mixtral-shape int8 prefill 1.30-1.48x bf16, widened 0.67-0.79x;
+    # docs/quantization.md).
     # Where every MoE layer runs it, layers of few experts take Q8_MMA at every size (q8_mma_max_tokens). Laid out
     # only when the engine's config has it on (False: the weights widened to bf16 at every size)
     q8_activations: bool = True
