@@ -351,7 +351,7 @@ def wgmma_model(tmp_path_factory):
 def check_wgmma_prefills(model, monkeypatch, on, off, cases, seed: int, before_steps=None) -> None:
     """On an sm_90 device: prefills of each (tokens, wgmma) case on an engine with options `on` launch the wgmma
     grouped kernel exactly when wgmma says, and match the CPU backend routed the same way; then the first case's
-    size again under `off` launches it no more and stays within bf16 tolerance. before_steps(engine): more checks."""
+    size again under `off` launches it no more and matches the CPU the same way. before_steps(engine): more checks."""
     import expert_service.cuda.moe_grouped_mma as grouped
 
     if not grouped.hopper():
@@ -375,13 +375,16 @@ def check_wgmma_prefills(model, monkeypatch, on, off, cases, seed: int, before_s
         err = rel_error(logits, ref)
         assert err <= BF16_TOLERANCE, f"prefill {n}: {err:.2e}"
         assert_greedy_close(logits.argmax(axis=1), ref, f"prefill {n}")
-    ids = random_prompt(seed + 1000 + cases[0][0], cases[0][0])
-    with_wgmma = gpu.prompt_logits(ids)
+    # `off` against the CPU routed its own way: comparing it with `on` directly fails wherever the two bf16 paths
+    # break a router near-tie differently (H200: 0.28 on a few-expert model at 480 tokens)
+    n = cases[0][0]
+    ids = random_prompt(seed + 1000 + n, n)
     gpu.decoder.set_options(off)
     before = len(launches)
     without = gpu.prompt_logits(ids)
     assert len(launches) == before, f"{off} still launched the wgmma kernel"
-    assert rel_error(with_wgmma, without) <= BF16_TOLERANCE
+    forced.queue = last_step_expert_ids(gpu, n)
+    assert rel_error(without, cpu.prompt_logits(ids)) <= BF16_TOLERANCE
     assert forced.worst_tie <= ROUTER_TIE
     gpu.decoder.close()
 

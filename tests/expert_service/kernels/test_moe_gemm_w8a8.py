@@ -97,8 +97,9 @@ def check(ids, kind, F, D, seed, gains=False):
         np.testing.assert_allclose(got["h"][rows], h_ref, rtol=2**-7, atol=2**-7 * np.abs(h_ref).max())
         y_ref[order[rows]] = y_own
     # y from the kernel's own quantized h: int8 sums are exact (int32); fp8 ones run ~14-bit within each 128-feature
-    # step, fp32 across steps, with block scales, ~14-bit throughout per channel (H200: 4.5e-3 at K = 14,336)
-    y_tol = 1e-4 if code == q.CODE_INT8 else 5e-4 if scheme == q.SCALE_BLOCK else 5e-3
+    # step, fp32 across steps, with block scales (H200: one element in 131,584 at 1.4e-3 on skewed routing), ~14-bit
+    # throughout per channel (4.5e-3 at K = 14,336); a wrong block's scale is off by 3-25x
+    y_tol = 1e-4 if code == q.CODE_INT8 else 2e-3 if scheme == q.SCALE_BLOCK else 5e-3
     np.testing.assert_allclose(got["y"], y_ref, rtol=y_tol, atol=y_tol * np.abs(y_ref).max())
     # the quantized rows are quantize_rows' (tested bitwise elsewhere): the x rows of this step
     ref_q, ref_s = quantize_rows_reference(x[order[routed] // top_k], code)

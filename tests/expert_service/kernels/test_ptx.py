@@ -12,6 +12,7 @@ from numba import cuda, types
 from expert_service.kernels.ptx import ld_shared, ld_shared_v4, st_shared_v4, st_v4
 
 N = 64  # threads = shared words = float rows of 4
+GROUP_WORDS = 4 * N  # a shared array's size must be a constant the CUDA target sees: an expression is typed int64
 
 
 @cuda.jit
@@ -36,7 +37,7 @@ def _store_rows(values, out):
 def _shared_v4_roundtrip(words, perm, out):
     """Thread i stores words[4i .. 4i+3] at shared group i with one st_shared_v4, then reads group perm[i] back with
     one ld_shared_v4 into out[4i .. 4i+3]."""
-    smem = cuda.shared.array(4 * N, types.uint32)
+    smem = cuda.shared.array(GROUP_WORDS, types.uint32)
     i = cuda.threadIdx.x
     st_shared_v4(smem, 4 * i, words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3])
     cuda.syncthreads()
