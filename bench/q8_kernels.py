@@ -2,7 +2,7 @@
 MoE layer of random experts at a reference shape, in one run on one GPU:
 
   decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
-              launch_expert_gate_up/down on the same experts in bf16;
+              launch_expert_gate_up/down on the same experts in bf16; int8 also on int8 activations (moe_q8_dp4a);
   decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
   dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old;
   --q8-shapes NAME=W/RG/RD/U/WPS,...: moe_q8's b=1 launch under other launch shapes (warps a block, gate rows a
@@ -110,6 +110,7 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
     from expert_service.kernels.dequant_experts import launch_dequant_experts
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
     from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+    from expert_service.kernels.moe_q8_dp4a import gate_up_parts, launch_dp4a_down, launch_dp4a_gate_up
 
     D, F, E, K = SHAPES[shape]
     rng = np.random.default_rng(0)
@@ -120,8 +121,9 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
     perm = rng.permutation(E)
     sets = [cuda.to_device(np.sort(perm[j : j + K]).astype(np.int32).reshape(1, K)) for j in range(0, E - K + 1, K)]
     x = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
-    h, h_old = (cuda.device_array((K, F), np.float32) for _ in range(2))
-    y, y_old = (cuda.device_array((K, D), np.float32) for _ in range(2))
+    h, h_old, h_dp4a = (cuda.device_array((K, F), np.float32) for _ in range(3))
+    y, y_old, y_dp4a = (cuda.device_array((K, D), np.float32) for _ in range(3))
+    part_max = cuda.device_array((K, gate_up_parts(F)), np.float32)
 
     bf16 = rng.integers(0, 1 << 16, (E, 3 * F * D), dtype=np.uint16) & np.uint16(0x80FF) | np.uint16(0x3C00)
     dbf16 = cuda.to_device(bf16)
@@ -157,6 +159,10 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
             launch_q8_gate_up(x, W, dmeta, F, D, h, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
             launch_q8_down(h, W, dmeta, F, D, y, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
 
+        def dp4a_b1(i):
+            launch_dp4a_gate_up(x, sets[i % len(sets)], W, dmeta, F, D, h_dp4a, part_max, stream=stream)
+            launch_dp4a_down(h_dp4a, part_max, sets[i % len(sets)], W, dmeta, F, D, y_dp4a, stream=stream)
+
         def old_b1(i):
             old.launch_q8(x, None, None, sets[i % len(sets)], W, dmeta, F, D, K, True, h_old, stream)
             old.launch_q8(h_old, None, None, sets[i % len(sets)], W, dmeta, D, F, 1, False, y_old, stream)
@@ -175,6 +181,10 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
                 q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert
             )
             res["launch_shapes"]["default"] = res["new_b1"]
+        if name == "int8":  # the same step on int8 activations (dp4a), against the float32-activation outputs
+            res["dp4a_b1"] = row("int8 moe_q8_dp4a, b=1", timed(dp4a_b1, iters, stream), K * per_expert)
+            dp4a_b1(iters - 1)  # the set new_b1 ended on (h and y hold its outputs)
+            res["dp4a_b1_max_rel_diff"] = max_rel(y_dp4a, y)
         res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, stream), K * per_expert)
         res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
         tb = active_t * per_expert
@@ -207,6 +217,12 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
             f"b{T}_new_over_old": res[f"old_b{T}"]["us"] / res[f"new_b{T}"]["us"],
             "dequant_new_over_old": res["dequant_old"]["us"] / res["dequant_new"]["us"],
         }
+        if "dp4a_b1" in res:
+            res["ratios"]["b1_dp4a_over_new"] = res["new_b1"]["us"] / res["dp4a_b1"]["us"]
+            res["ratios"]["b1_bf16_gemv_over_dp4a"] = b16 / res["dp4a_b1"]["us"]
+            print(
+                f"  int8: dp4a (int8 activations) vs float32 activations, max rel diff {res['dp4a_b1_max_rel_diff']:.1e}"
+            )
         print(f"  {name}: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
         print(
             f"  {name}: max rel diff old/new b=1 {res['b1_max_rel_diff']:.1e}, b={T} {res[f'b{T}_max_rel_diff']:.1e}, "

@@ -32,6 +32,7 @@ from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise
 from expert_service.kernels.dequant_experts import DequantInto
 from expert_service.kernels.expert_grouping import launch_expert_grouping
+from expert_service.kernels.expert_quant import CODE_INT8, SCALE_CHANNEL
 from expert_service.kernels.gate_fused import launch_gate_fused
 from expert_service.kernels.gate_planned import launch_gate_planned
 from expert_service.kernels.gate_topk import launch_gate_topk
@@ -42,6 +43,7 @@ from expert_service.kernels.moe_combine_dense import launch_moe_combine_dense
 from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnorm
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.moe_q8_dp4a import launch_dp4a_down, launch_dp4a_gate_up
 
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
@@ -219,15 +221,20 @@ class DeviceMoe:
         return combine
 
     def _q8(self, i: int, x, h, T: int, ids, weights, experts, combine) -> None:
-        """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k) or
-        grouped (rows in grouped order, combined through position)."""
+        """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k; moe_q8_dp4a
+        on int8 activations for a layer wholly int8 per channel under q8_decode_activations) or grouped (rows in
+        grouped order, combined through position)."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
         meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
         gate, out = ws.moe_gate[:n], ws.moe_out[:n]
         if T == 1:
-            launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds)
-            launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds)
+            if self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),):
+                launch_dp4a_gate_up(x, ids, experts, meta, F, D, gate, ws.moe_gate_part_max, stream=st)
+                launch_dp4a_down(gate, ws.moe_gate_part_max, ids, experts, meta, F, D, out, stream=st)
+            else:
+                launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds)
+                launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds)
             combine(out, ws.identity_position[:n], weights, h)
             return
         order, position = ws.order[:n], ws.position[:n]

@@ -32,6 +32,7 @@ from expert_service.cuda.moe_strategy import (
 )
 from expert_service.kernels.attention_decode import decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
+from expert_service.kernels.moe_q8_dp4a import gate_up_parts
 
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -186,6 +187,8 @@ def layout_workspace(
         layout["expert_h"] = ((per_expert_rows, F), wd)
         if quantized:  # dense copies of a group of active 8-bit experts for their GEMMs
             layout["dequant"] = ((HALVES * dequant_group(E, F, D, wd.itemsize), 3 * F * D), wd)
+    if MoeStrategy.Q8 in strategies:  # one-token steps on int8 activations: the largest |h| of each gate/up block
+        layout["moe_gate_part_max"] = ((K, gate_up_parts(F)), f32)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)

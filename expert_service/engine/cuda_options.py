@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step"})
+EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_decode_activations"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,10 @@ class CudaOptions:
     # Where every MoE layer runs it, layers of few experts take Q8_MMA at every size (q8_mma_max_tokens). Laid out
     # only when the engine's config has it on (False: the weights widened to bf16 at every size)
     q8_activations: bool = True
+    # EXPERIMENTAL: one-token steps of layers whose experts are all int8 per channel quantize the token and each
+    # expert's SwiGLU row to int8 as they read them and sum on dp4a (moe_q8_dp4a), the same activation rounding as
+    # q8_activations, where moe_q8 widens each weight to float32 (False: moe_q8 by slot)
+    q8_decode_activations: bool = False
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
     # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it
     w8a8_min_rows: int = 96

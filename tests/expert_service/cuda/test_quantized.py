@@ -2,7 +2,8 @@
 fp8 with 128x128 block scales, fp8 per channel, and a mixed model (fp8, int8, bfloat16 and float32 experts in
 one layer), and a model mixing only 8-bit experts (int8, fp8 with both scales: the grouped tensor-core kernel,
 Q8_MMA, runs its steps of 2-64 tokens); greedy tokens equal, logits within the bf16 tolerance, graphs and eager,
-no device allocations; Q8_MMA against moe_q8 / per-expert cuBLAS on the same model."""
+no device allocations; Q8_MMA against moe_q8 / per-expert cuBLAS on the same model; W8A8 prefill and int8-activation
+decode (q8_decode_activations) against the cpu backend running their roundings."""
 
 import json
 
@@ -275,5 +276,56 @@ def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, va
             assert np.array_equal(plain.prompt_logits(ids), got), f"{variant} n={n}: below the tile, as without it"
     for p in (random_prompt(70, 5), random_prompt(71, 30)):
         assert graphs.generate(p, 8)[0] == plain.generate(p, 8)[0], variant
+    for engine in (graphs, eager, plain):
+        engine.decoder.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_decode_activations_match_the_emulated_cpu_backend(tmp_path, monkeypatch, family):
+    """CudaOptions.q8_decode_activations on an int8 model: every one-token step launches moe_q8_dp4a once a MoE
+    layer; its tokens and logits match the cpu backend running the same int8 roundings of the token and the SwiGLU
+    rows (moe_q8_dp4a.dp4a_swiglu_reference) on its decode steps; graph replay equals eager bit for bit; without
+    the option nothing launches it."""
+    import expert_service.cuda.moe as device_moe
+    from expert_service.cpu.layers import moe as cpu_moe
+    from expert_service.kernels.moe_q8_dp4a import dp4a_swiglu_reference
+
+    model = quantized_model(tmp_path, family, "int8")
+    launches = []
+    original = device_moe.launch_dp4a_gate_up
+    monkeypatch.setattr(device_moe, "launch_dp4a_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
+    on = CudaOptions(q8_decode_activations=True)
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
+    graphs, eager = open_(backend="cuda", cuda_options=on), open_(backend="cuda", cuda_options=on, cuda_graphs=False)
+    plain, cpu = open_(backend="cuda"), open_(backend="cpu")
+    emulate, exact = [False], cpu_moe.swiglu_mlp
+    monkeypatch.setattr(
+        cpu_moe, "swiglu_mlp", lambda x, g, u, d: (dp4a_swiglu_reference if emulate[0] else exact)(x, g, u, d)
+    )
+    moe_layers = len(ModelDir.open(model).config.moe_layers)
+    steps = 6
+
+    def decode(engine, emulated=False):
+        first = engine.step([PrefillInput(7, np.array(random_prompt(90, 21)), SamplingParams(), True)])
+        tokens, rows = [first.outputs[0].token_id], []
+        emulate[0] = emulated  # the cpu backend's decode steps only: the GPU's prefill is not on int8 activations
+        for _ in range(steps):
+            step = engine.step(decode_ids=[7])
+            tokens.append(step.outputs[0].token_id)
+            rows.append(step.logits[0])
+        emulate[0] = False
+        engine.clear()
+        return tokens, np.stack(rows)
+
+    before = len(launches)
+    tokens, logits = decode(eager)
+    assert len(launches) - before == steps * moe_layers, f"{family}: {len(launches) - before} launches"
+    replayed = decode(graphs)
+    assert replayed[0] == tokens and np.array_equal(replayed[1], logits), f"{family}: graph replay differs"
+    want = decode(cpu, emulated=True)
+    assert tokens == want[0], family
+    assert rel_error(logits, want[1]) <= TOLERANCE, f"{family}: {rel_error(logits, want[1]):.2e}"
+    before = len(launches)
+    assert decode(plain)[0][0] == tokens[0] and len(launches) == before, f"{family}: launched without the option"
     for engine in (graphs, eager, plain):
         engine.decoder.close()

@@ -1,7 +1,7 @@
-"""The shared-memory load and vector store intrinsics of kernels.ptx against numpy: a kernel stages random words in
+"""The shared-memory load, vector store and dp4a intrinsics of kernels.ptx against numpy: a kernel stages random words in
 shared memory, reads them back through `ld_shared` at a permuted index (uint32 and uint64 arrays) and writes float
 rows through `st_v4`; 16-byte groups go through shared memory by `st_shared_v4` and come back by `ld_shared_v4`
-at permuted group indices. The same test runs in the simulator (the plain-array fallbacks) and on the GPU (the PTX)."""
+at permuted group indices; `dp4a` sums the signed byte products of random words. The same test runs in the simulator (the plain-array fallbacks) and on the GPU (the PTX)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from expert_service.kernels.ptx import ld_shared, ld_shared_v4, st_shared_v4, st_v4
+from expert_service.kernels.ptx import dp4a, ld_shared, ld_shared_v4, st_shared_v4, st_v4
 
 N = 64  # threads = shared words = float rows of 4
 GROUP_WORDS = 4 * N  # a shared array's size must be a constant the CUDA target sees: an expression is typed int64
@@ -48,7 +48,26 @@ def _shared_v4_roundtrip(words, perm, out):
     out[4 * i + 3] = d
 
 
+@cuda.jit
+def _dot4(a, b, c, out):
+    i = cuda.threadIdx.x
+    out[i] = dp4a(a[i], b[i], c[i])
+
+
 WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_dp4a_sums_signed_byte_products(where):
+    rng = np.random.default_rng(4)
+    a = rng.integers(0, 2**32, N, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, N, dtype=np.uint64).astype(np.uint32)
+    a[0], b[0] = 0x80808080, 0x80808080  # -128 * -128 four times: the largest sum
+    c = rng.integers(-(2**30), 2**30, N).astype(np.int32)
+    out = cuda.to_device(np.zeros(N, np.int32))
+    _dot4[1, N](a, b, c, out)
+    want = (a.view(np.int8).reshape(N, 4).astype(np.int64) * b.view(np.int8).reshape(N, 4)).sum(axis=1) + c
+    np.testing.assert_array_equal(out.copy_to_host(), want.astype(np.int32))
 
 
 @pytest.mark.parametrize("where", WHERE)

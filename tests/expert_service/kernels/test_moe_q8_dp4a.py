@@ -1,0 +1,113 @@
+"""The int8-activation decode kernels (moe_q8_dp4a) against their numpy reference, in the simulator and on the GPU:
+random int8 per-channel experts, one token routed to K of them, outputs starting as NaN. Checks: h against the
+float64 SwiGLU of the quantized token and the dequantised weights, the per-block maxima against the kernel's own h
+(exactly), y from the kernel's own h quantized as the reference quantizes it (isolating the down launch), the whole
+against the exact float32-activation expert (the int8 rounding's size), a NaN token giving NaN outputs, an expert
+of another encoding left untouched, and the refusals."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels import expert_quant as q
+from expert_service.kernels.moe_q8_dp4a import (
+    dp4a_reference,
+    gate_up_parts,
+    launch_dp4a_down,
+    launch_dp4a_gate_up,
+    quantize4,
+    quantize_row_reference,
+)
+from expert_service.kernels.numeric import SIMULATOR
+from tests.expert_service.kernels.test_moe_gemm_q8mma import q8_layer
+
+WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
+INT8 = (q.CODE_INT8, q.SCALE_CHANNEL)
+# simulator: one warp a block, whole shapes in seconds; GPU: a chunk count that is not a multiple of 32 x UNROLL
+# and F not a multiple of a block's rows, so the partial steps and the clamped rows run
+SHAPE = (48, 80) if SIMULATOR else (1040, 528)  # F, D
+
+
+def run(x, ids, W, meta, F, D):
+    K = ids.shape[1]
+    dids, dW, dmeta = cuda.to_device(ids), cuda.to_device(W), cuda.to_device(meta)
+    h = cuda.to_device(np.full((K, F), np.nan, np.float32))
+    part = cuda.to_device(np.full((K, gate_up_parts(F)), np.nan, np.float32))
+    y = cuda.to_device(np.full((K, D), np.nan, np.float32))
+    launch_dp4a_gate_up(cuda.to_device(x), dids, dW, dmeta, F, D, h, part)
+    launch_dp4a_down(h, part, dids, dW, dmeta, F, D, y)
+    return h.copy_to_host(), part.copy_to_host(), y.copy_to_host()
+
+
+@cuda.jit
+def _quantize_words(values, inv, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = quantize4(values[4 * i], values[4 * i + 1], values[4 * i + 2], values[4 * i + 3], inv[0])
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_quantize4_packs_the_references_codes(where):
+    """Codes of random values and of exact ties (a max of 127 makes the scale 1: k + 1/2 rounds to even), packed
+    byte 0 first."""
+    rng = np.random.default_rng(5)
+    v = (rng.standard_normal(256) * 40).clip(-126, 126).astype(np.float32)
+    v[:64] = (rng.integers(-127, 126, 64) + 0.5).astype(np.float32)
+    v[0] = np.float32(127.0)
+    codes, s = quantize_row_reference(v)
+    assert s == 1 and (np.abs(codes[1:64].astype(np.int32)) % 2 == 0).all()  # ties went to even codes
+    out = cuda.to_device(np.zeros(64, np.uint32))
+    _quantize_words[1, 64](v, np.array([np.float32(1.0) / s], np.float32), out)
+    np.testing.assert_array_equal(out.copy_to_host().view(np.int8), codes)
+    assert codes[0] == 127 and np.abs(codes.astype(np.int32)).max() == 127
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_dp4a_decode_matches_the_reference(where):
+    F, D = SHAPE
+    rng = np.random.default_rng(11)
+    W, meta = q8_layer(rng, [INT8] * 6, F, D)
+    ids = np.array([[4, 1, 5]], np.int32)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    h, part, y = run(x, ids, W, meta, F, D)
+    assert np.isfinite(h).all() and np.isfinite(part).all() and np.isfinite(y).all(), "an output was not written"
+    h_ref, _ = dp4a_reference(x, ids, W, meta, F, D)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5 * np.abs(h_ref).max())
+    np.testing.assert_array_equal(part.max(axis=1), np.abs(h).max(axis=1))  # what the down launch scales by
+    _, y_own = dp4a_reference(x, ids, W, meta, F, D, h=h)
+    np.testing.assert_allclose(y, y_own, rtol=1e-5, atol=1e-5 * np.abs(y_own).max())
+    # against the expert on the float32 token and h: within the two int8 roundings of the activations
+    exact = np.stack([q.expert_ffn(x, W[e], meta[e], F, D)[0] for e in ids[0]])
+    err = np.abs(y - exact).max() / np.abs(exact).max()
+    assert 1e-4 < err < 3e-2, err  # nonzero: the activations did go through int8
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_dp4a_decode_non_finite_token_and_other_encodings(where):
+    F, D = SHAPE
+    rng = np.random.default_rng(12)
+    W, meta = q8_layer(rng, [INT8, (q.CODE_FP8, q.SCALE_BLOCK), INT8], F, D)
+    ids = np.array([[0, 1, 2]], np.int32)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    h, _, y = run(x, ids, W, meta, F, D)
+    assert np.isnan(h[1]).all() and np.isnan(y[1]).all(), "the fp8 expert's rows must stay untouched"
+    assert np.isfinite(h[[0, 2]]).all() and np.isfinite(y[[0, 2]]).all()
+    x[0, D // 3] = np.nan
+    h, part, y = run(x, ids, W, meta, F, D)
+    assert np.isnan(h[[0, 2]]).all() and np.isnan(y[[0, 2]]).all(), "a NaN token must give NaN rows"
+    assert np.isinf(part[[0, 2]]).all()
+
+
+def test_dp4a_launchers_refuse_bad_arrays():
+    F, D = 48, 80
+    W, meta = q8_layer(np.random.default_rng(1), [INT8] * 2, F, D)
+    ids = np.zeros((1, 2), np.int32)
+    h, part = np.zeros((2, F), np.float32), np.zeros((2, gate_up_parts(F)), np.float32)
+    with pytest.raises(ValueError, match="x must be"):
+        launch_dp4a_gate_up(np.zeros((2, D), np.float32), ids, W, meta, F, D, h, part)
+    with pytest.raises(ValueError, match="part_max must be"):
+        launch_dp4a_gate_up(np.zeros((1, D), np.float32), ids, W, meta, F, D, h, part[:, :-1].copy())
+    with pytest.raises(ValueError, match="multiples of 16"):
+        launch_dp4a_down(h, part, ids, W, meta, F, 72, np.zeros((2, 72), np.float32))
+    with pytest.raises(ValueError, match="ids must be"):
+        launch_dp4a_down(h, part, ids.reshape(-1), W, meta, F, D, np.zeros((2, D), np.float32))
