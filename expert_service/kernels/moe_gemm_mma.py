@@ -45,7 +45,7 @@ from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
-from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, f32_to_bf16, silu
+from expert_service.kernels.numeric import SIMULATOR, WARP, aligned_to, check_array, f32_to_bf16, silu
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 
 
@@ -456,12 +456,6 @@ def _check_weights(W, F, D):
                          f"got {W.dtype} {W.shape}")
 
 
-def _check(name, a, shape, dtype):
-    if a.shape != shape or a.dtype != dtype or not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} "
-                         f"{list(a.shape)}")
-
-
 def _flat(a, aligned):
     f = a.reshape(a.size)
     return f.view(np.uint32) if aligned else f
@@ -476,10 +470,10 @@ def launch_moe_gemm_gate_up(xs, tile_expert, num_tiles, W, F: int, D: int, h, co
     _check_weights(W, F, D)
     tiles = tile_expert.shape[0]
     rows = tiles * cfg.block_m
-    _check("xs", xs, (rows, D), np.uint16)
-    _check("h", h, (rows, F), np.uint16)
-    _check("tile_expert", tile_expert, (tiles,), np.int32)
-    _check("num_tiles", num_tiles, (1,), np.int32)
+    check_array("xs", xs, (rows, D), np.uint16)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("tile_expert", tile_expert, (tiles,), np.int32)
+    check_array("num_tiles", num_tiles, (1,), np.int32)
     if tiles == 0:
         return
     aligned = is_aligned(F, D, W.shape[1]) and aligned_to(16, xs, W, h)
@@ -504,21 +498,21 @@ def launch_moe_gemm_down(h, tile_expert, num_tiles, sorted_ids, W, F: int, D: in
     _check_weights(W, F, D)
     tiles = tile_expert.shape[0]
     rows = tiles * cfg.block_m
-    _check("h", h, (rows, F), np.uint16)
-    _check("sorted_ids", sorted_ids, (rows,), np.int32)
-    _check("tile_expert", tile_expert, (tiles,), np.int32)
-    _check("num_tiles", num_tiles, (1,), np.int32)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("sorted_ids", sorted_ids, (rows,), np.int32)
+    check_array("tile_expert", tile_expert, (tiles,), np.int32)
+    check_array("num_tiles", num_tiles, (1,), np.int32)
     if combine == COMBINE_ATOMIC:
         if route_weights is None or route_weights.ndim != 2:
             raise ValueError("combine='atomic' needs route_weights [T, K]")
         n_tok, top_k = route_weights.shape
-        _check("route_weights", route_weights, (n_tok, top_k), np.float32)
-        _check("out", out, (n_tok, D), np.float32)
+        check_array("route_weights", route_weights, (n_tok, top_k), np.float32)
+        check_array("out", out, (n_tok, D), np.float32)
         mode, rw = _MODE_ATOMIC, route_weights.reshape(n_tok * top_k)
     elif combine == COMBINE_STORE:
         if out.ndim != 2:
             raise ValueError("combine='store' needs out [T*K, D]")
-        _check("out", out, (out.shape[0], D), np.float32)
+        check_array("out", out, (out.shape[0], D), np.float32)
         mode, top_k, rw = _MODE_STORE, 1, _float_dummy(num_tiles)
     else:
         raise ValueError(f"combine must be {COMBINE_ATOMIC!r} or {COMBINE_STORE!r}, got {combine!r}")

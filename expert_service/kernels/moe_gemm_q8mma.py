@@ -50,7 +50,7 @@ from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, Config, _epilogue, _launch, bf16_round
-from expert_service.kernels.numeric import SIMULATOR, WARP
+from expert_service.kernels.numeric import SIMULATOR, WARP, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, lds32
 
 # Named shapes (bench/moe_gemm.py --q8 times them): m16 / m32 stream weights (128-byte 8-bit row pieces a stage),
@@ -372,28 +372,21 @@ def _build(cfg: Config, mode: int, exact_k: bool):
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------
-def _check(name, a, shape, dtype):
-    if a.shape != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype) or not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(
-            f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} {list(a.shape)}"
-        )
-
-
 def _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F: int, D: int) -> int:
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} "
                          f"{list(experts.shape)}")
-    _check("experts", experts, experts.shape, np.uint8)
+    check_array("experts", experts, experts.shape, np.uint8)
     if meta.ndim != 2:
         raise ValueError(f"meta must be int32 [E, {META_WIDTH}], got {list(meta.shape)}")
-    _check("meta", meta, (meta.shape[0] if tile_slot is not None else experts.shape[0], META_WIDTH), np.int32)
+    check_array("meta", meta, (meta.shape[0] if tile_slot is not None else experts.shape[0], META_WIDTH), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {MIN_DIM} for 8-bit experts")
     tiles = tile_expert.shape[0]
-    _check("tile_expert", tile_expert, (tiles,), np.int32)
+    check_array("tile_expert", tile_expert, (tiles,), np.int32)
     if tile_slot is not None:
-        _check("tile_slot", tile_slot, (tiles,), np.int32)
-    _check("num_tiles", num_tiles, (1,), np.int32)
+        check_array("tile_slot", tile_slot, (tiles,), np.int32)
+    check_array("num_tiles", num_tiles, (1,), np.int32)
     return tiles
 
 
@@ -419,8 +412,8 @@ def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: i
     cfg = config or choose_config(xs.shape[0], tile_expert.shape[0])
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
-    _check("xs", xs, (rows, D), np.uint16)
-    _check("h", h, (rows, F), np.uint16)
+    check_array("xs", xs, (rows, D), np.uint16)
+    check_array("h", h, (rows, F), np.uint16)
     if tiles == 0:
         return
     n_tiles_n = -(-F // (cfg.block_n // 2))
@@ -436,11 +429,11 @@ def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: i
     cfg = config or choose_config(h.shape[0], tile_expert.shape[0])
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
-    _check("h", h, (rows, F), np.uint16)
-    _check("sorted_ids", sorted_ids, (rows,), np.int32)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("sorted_ids", sorted_ids, (rows,), np.int32)
     if out.ndim != 2:
         raise ValueError(f"out must be [T*K, D] float32, got {list(out.shape)}")
-    _check("out", out, (out.shape[0], D), np.float32)
+    check_array("out", out, (out.shape[0], D), np.float32)
     if tiles == 0 or out.shape[0] == 0:
         return
     n_tiles_n = -(-D // cfg.block_n)

@@ -33,7 +33,7 @@ from expert_service.kernels.expert_quant import (
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_pack as pack
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, _epilogue, _launch
-from expert_service.kernels.moe_gemm_q8mma import _check, _check_common, channel_scaler
+from expert_service.kernels.moe_gemm_q8mma import _check_common, channel_scaler
 from expert_service.kernels.moe_gemm_wgmma import (
     ATOM_BYTES,
     BK,
@@ -45,7 +45,7 @@ from expert_service.kernels.moe_gemm_wgmma import (
     step_mma_fn,
     weight_row_fn,
 )
-from expert_service.kernels.numeric import WARP
+from expert_service.kernels.numeric import WARP, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, ld_shared_v4, st_shared_v4
 from expert_service.kernels.wgmma import fence_proxy_async, wgmma_wait_fn
 
@@ -232,8 +232,8 @@ def launch_q8wgmma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D:
     """moe_gemm_q8mma.launch_q8mma_gate_up's contract on this kernel (config: one of moe_gemm_wgmma's)."""
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * config.block_m
-    _check("xs", xs, (rows, D), np.uint16)
-    _check("h", h, (rows, F), np.uint16)
+    check_array("xs", xs, (rows, D), np.uint16)
+    check_array("h", h, (rows, F), np.uint16)
     if tiles == 0:
         return
     _run(config, _MODE_SWIGLU, xs, experts, meta, tile_expert, tile_slot, num_tiles, tile_expert, F, D,
@@ -245,11 +245,11 @@ def launch_q8wgmma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F:
     """moe_gemm_q8mma.launch_q8mma_down's contract on this kernel: out [T*K, D] f32 in assignment order."""
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * config.block_m
-    _check("h", h, (rows, F), np.uint16)
-    _check("sorted_ids", sorted_ids, (rows,), np.int32)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("sorted_ids", sorted_ids, (rows,), np.int32)
     if out.ndim != 2:
         raise ValueError(f"out must be [T*K, D] float32, got {list(out.shape)}")
-    _check("out", out, (out.shape[0], D), np.float32)
+    check_array("out", out, (out.shape[0], D), np.float32)
     if tiles == 0 or out.shape[0] == 0:
         return
     _run(config, _MODE_STORE, h, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids, D, F,

@@ -37,7 +37,7 @@ from numba import cuda, types
 from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8, SCALE_BLOCK, SCALE_BLOCK_SIZE, decode, dequantize
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, _epilogue, _launch, bf16_round
-from expert_service.kernels.moe_gemm_q8mma import _check, _check_common, channel_scaler
+from expert_service.kernels.moe_gemm_q8mma import _check_common, channel_scaler
 from expert_service.kernels.moe_gemm_wgmma import (
     ATOM_BYTES,
     CONFIGS,
@@ -47,7 +47,7 @@ from expert_service.kernels.moe_gemm_wgmma import (
     silu_approx,
     weight_row_fn,
 )
-from expert_service.kernels.numeric import WARP
+from expert_service.kernels.numeric import WARP, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.wgmma import (
     fence_proxy_async,
@@ -258,8 +258,8 @@ def _run(cfg: Config, mode: int, code: int, block_scaled: bool, a, a_scale, expe
                    experts.shape[1]):
         raise ValueError(f"moe_gemm_w8a8 needs D and F multiples of {BK}, got output {n_out} input {k_dim}")
     rows = tile_expert.shape[0] * cfg.block_m
-    _check("a", a, (rows, k_dim), np.uint8)
-    _check("a_scale", a_scale, (rows,), np.float32)
+    check_array("a", a, (rows, k_dim), np.uint8)
+    check_array("a_scale", a_scale, (rows,), np.float32)
     flat = experts.reshape(experts.size)
     _launch(_build(cfg, mode, code, block_scaled)[1], (tile_expert.shape[0], n_tiles_n), cfg, stream, (
         a.reshape(a.size).view(np.uint32), a_scale, flat.view(np.uint32), flat.view(np.float32), meta, tile_expert,
@@ -274,7 +274,7 @@ def launch_w8a8_gate_up(xq, x_scale, tile_expert, num_tiles, experts, meta, code
     [E, META_WIDTH] (every expert `code`, block-scaled or per channel as `block_scaled`) -> h [rows, F] uint16
     (bf16 of silu(x gate^T) * (x up^T)) in every used row (padding rows: zeros)."""
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
-    _check("h", h, (tiles * config.block_m, F), np.uint16)
+    check_array("h", h, (tiles * config.block_m, F), np.uint16)
     if tiles == 0:
         return
     _run(config, _MODE_SWIGLU, code, block_scaled, xq, x_scale, experts, meta, tile_expert, tile_slot, num_tiles,
@@ -286,10 +286,10 @@ def launch_w8a8_down(hq, h_scale, tile_expert, num_tiles, sorted_ids, experts, m
     """hq [rows, F] uint8 and h_scale [rows] float32 (launch_quantize_rows of gate|up's h), sorted_ids [rows] from
     launch_moe_align -> out [T*K, D] float32 in assignment order (every routed row written)."""
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
-    _check("sorted_ids", sorted_ids, (tiles * config.block_m,), np.int32)
+    check_array("sorted_ids", sorted_ids, (tiles * config.block_m,), np.int32)
     if out.ndim != 2:
         raise ValueError(f"out must be [T*K, D] float32, got {list(out.shape)}")
-    _check("out", out, (out.shape[0], D), np.float32)
+    check_array("out", out, (out.shape[0], D), np.float32)
     if tiles == 0 or out.shape[0] == 0:
         return
     _run(config, _MODE_STORE, code, block_scaled, hq, h_scale, experts, meta, tile_expert, tile_slot, num_tiles,

@@ -33,14 +33,13 @@ from expert_service.kernels.mma import rcp_approx
 from expert_service.kernels.moe_gemm_mma import (
     _MODE_STORE,
     _MODE_SWIGLU,
-    _check,
     _check_weights,
     _epilogue,
     _flat,
     _float_dummy,
     _launch,
 )
-from expert_service.kernels.numeric import WARP, aligned_to
+from expert_service.kernels.numeric import WARP, aligned_to, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 from expert_service.kernels.wgmma import (
     fence_proxy_async,
@@ -263,10 +262,10 @@ def launch_wgmma_gate_up(xs, tile_expert, num_tiles, W, F: int, D: int, h, confi
     -> h [rows, F] uint16 (bf16 of silu(xs gate^T) * (xs up^T)) in every used row (padding rows: zeros)."""
     tiles = tile_expert.shape[0]
     rows = tiles * config.block_m
-    _check("xs", xs, (rows, D), np.uint16)
-    _check("h", h, (rows, F), np.uint16)
-    _check("tile_expert", tile_expert, (tiles,), np.int32)
-    _check("num_tiles", num_tiles, (1,), np.int32)
+    check_array("xs", xs, (rows, D), np.uint16)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("tile_expert", tile_expert, (tiles,), np.int32)
+    check_array("num_tiles", num_tiles, (1,), np.int32)
     _require(F, D, W, xs, h)
     if tiles == 0:
         return
@@ -284,13 +283,13 @@ def launch_wgmma_down(h, tile_expert, num_tiles, sorted_ids, W, F: int, D: int, 
     written; launch_moe_combine adds them up), as moe_gemm_mma's "store" combine."""
     tiles = tile_expert.shape[0]
     rows = tiles * config.block_m
-    _check("h", h, (rows, F), np.uint16)
-    _check("sorted_ids", sorted_ids, (rows,), np.int32)
-    _check("tile_expert", tile_expert, (tiles,), np.int32)
-    _check("num_tiles", num_tiles, (1,), np.int32)
+    check_array("h", h, (rows, F), np.uint16)
+    check_array("sorted_ids", sorted_ids, (rows,), np.int32)
+    check_array("tile_expert", tile_expert, (tiles,), np.int32)
+    check_array("num_tiles", num_tiles, (1,), np.int32)
     if out.ndim != 2:
         raise ValueError("launch_wgmma_down needs out [T*K, D]")
-    _check("out", out, (out.shape[0], D), np.float32)
+    check_array("out", out, (out.shape[0], D), np.float32)
     _require(F, D, W, h)
     if tiles == 0 or out.shape[0] == 0:
         return

@@ -53,7 +53,7 @@ from expert_service.kernels.expert_quant import (
     int8x4,
 )
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum
+from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f16_to_f32, silu, u32_as_f32, warp_sum
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
 
 WARPS = 1 if SIMULATOR else 4  # warps per block
@@ -323,24 +323,17 @@ def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int, shape:
     return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
 
-def _check(name, a, shape, dtype):
-    if a.shape != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype) or not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(
-            f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} {list(a.shape)}"
-        )
-
-
 def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
     """Checks the layer's arrays; returns the (code, scheme) variants to launch (default every one)."""
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(
             f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}"
         )
-    _check("experts", experts, experts.shape, np.uint8)
+    check_array("experts", experts, experts.shape, np.uint8)
     E = experts.shape[0] if slot_of is None else slot_of.shape[0]  # with slots, experts holds [S, stride]
-    _check("meta", meta, (E, META_WIDTH), np.int32)
+    check_array("meta", meta, (E, META_WIDTH), np.int32)
     if slot_of is not None:
-        _check("slot_of", slot_of, (E,), np.int32)
+        check_array("slot_of", slot_of, (E,), np.int32)
     if F % MIN_DIM or D % MIN_DIM or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {MIN_DIM} for 8-bit experts")
     if kinds is None:
@@ -393,20 +386,20 @@ def launch_q8_gate_up(
     kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
-    _check("x", x, (T, D), np.float32)
+    check_array("x", x, (T, D), np.float32)
     if ids is not None:
         if T != 1:
             raise ValueError(f"by-slot launches take one token, got x {list(x.shape)}")
-        _check("ids", ids, (1, ids.shape[1] if ids.ndim == 2 else 0), np.int32)
+        check_array("ids", ids, (1, ids.shape[1] if ids.ndim == 2 else 0), np.int32)
         n, top_k = ids.size, ids.size
     else:
         n = order.shape[0]
-        _check("order", order, (n,), np.int32)
-        _check("offsets", offsets, (E + 1,), np.int32)
+        check_array("order", order, (n,), np.int32)
+        check_array("offsets", offsets, (E + 1,), np.int32)
         if n % T:
             raise ValueError(f"order length {n} is not a multiple of T={T}")
         top_k = n // T
-    _check("h", h, (n, F), np.float32)
+    check_array("h", h, (n, F), np.float32)
     _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds, shape)
 
 
@@ -418,12 +411,12 @@ def launch_q8_down(
     the router. ids (by slot) or offsets (grouped), slot_of, kinds and shape, as in launch_q8_gate_up."""
     kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
     n = h.shape[0]
-    _check("h", h, (n, F), np.float32)
-    _check("y", y, (n, D), np.float32)
+    check_array("h", h, (n, F), np.float32)
+    check_array("y", y, (n, D), np.float32)
     if ids is not None:
-        _check("ids", ids, (1, n), np.int32)
+        check_array("ids", ids, (1, n), np.int32)
     else:
-        _check("offsets", offsets, (meta.shape[0] + 1,), np.int32)
+        check_array("offsets", offsets, (meta.shape[0] + 1,), np.int32)
     _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds, shape)
 
 

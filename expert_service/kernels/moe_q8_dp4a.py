@@ -29,7 +29,7 @@ from numba import cuda, types
 
 from expert_service.kernels.expert_quant import CODE_INT8, META_WIDTH, SCALE_CHANNEL, dequantize
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import SIMULATOR, WARP, f32_as_u32, silu, warp_max, warp_sum
+from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f32_as_u32, silu, warp_max, warp_sum
 from expert_service.kernels.ptx import dp4a, ld_stream_v4, ld_v4, prmt_fn
 
 WARPS = 1 if SIMULATOR else 4  # warps per block
@@ -198,23 +198,16 @@ def gate_up_parts(F: int) -> int:
     return -(-F // (WARPS * ROWS_GATED))
 
 
-def _check(name, a, shape, dtype):
-    if a.shape != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype) or not a.flags["C_CONTIGUOUS"]:
-        raise ValueError(
-            f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} {list(a.shape)}"
-        )
-
-
 def _check_layer(ids, experts, meta, F: int, D: int) -> int:
     """Checks the arrays both launches share; returns K."""
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}")
-    _check("experts", experts, experts.shape, np.uint8)
-    _check("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
+    check_array("experts", experts, experts.shape, np.uint8)
+    check_array("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
     if F % CHUNK or D % CHUNK or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {CHUNK} for int8 experts")
     K = ids.shape[1] if ids.ndim == 2 else 0
-    _check("ids", ids, (1, K), np.int32)
+    check_array("ids", ids, (1, K), np.int32)
     return K
 
 
@@ -242,9 +235,9 @@ def launch_dp4a_gate_up(x, ids, experts, meta, F: int, D: int, h, part_max, stre
     meta [E, META_WIDTH] int32 (device); h [K, F] float32 out; part_max [K, gate_up_parts(F)] float32 out (the
     down launch's input scales)."""
     K = _check_layer(ids, experts, meta, F, D)
-    _check("x", x, (1, D), np.float32)
-    _check("h", h, (K, F), np.float32)
-    _check("part_max", part_max, (K, gate_up_parts(F)), np.float32)
+    check_array("x", x, (1, D), np.float32)
+    check_array("h", h, (K, F), np.float32)
+    check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
     _launch(True, x, part_max, ids, experts, meta, F, D, h, stream)
 
 
@@ -252,9 +245,9 @@ def launch_dp4a_down(h, part_max, ids, experts, meta, F: int, D: int, y, stream=
     """h [K, F] float32 and part_max [K, gate_up_parts(F)] float32 (launch_dp4a_gate_up's outputs) -> y [K, D]
     float32 = h[k] @ down[ids[k]]^T with h[k] through int8, not yet weighted by the router."""
     K = _check_layer(ids, experts, meta, F, D)
-    _check("h", h, (K, F), np.float32)
-    _check("part_max", part_max, (K, gate_up_parts(F)), np.float32)
-    _check("y", y, (K, D), np.float32)
+    check_array("h", h, (K, F), np.float32)
+    check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
+    check_array("y", y, (K, D), np.float32)
     _launch(False, h, part_max, ids, experts, meta, D, F, y, stream)
 
 

@@ -29,6 +29,14 @@ def aligned_to(nbytes: int, *arrays) -> bool:
     return True
 
 
+def check_array(name: str, a, shape, dtype) -> None:
+    """A launcher's argument check: `a` is C-contiguous `dtype` of `shape`, else a ValueError naming it."""
+    if a.shape != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype) or not a.flags["C_CONTIGUOUS"]:
+        raise ValueError(
+            f"{name} must be C-contiguous {np.dtype(dtype).name} {list(shape)}, got {a.dtype} {list(a.shape)}"
+        )
+
+
 def blocks_per_row(rows: int, work: int, threads: int) -> int:
     """Blocks that share one row of `work` independent items in a (rows, Y) grid: at most one item per thread and
     about SPREAD_TARGET_BLOCKS blocks in all, so Y = 1 for large steps and a decode token's row is not one block's
