@@ -96,7 +96,8 @@ class CudaOptions:
     q8_activations: bool = True
     # EXPERIMENTAL: one-token steps of layers whose experts are all int8 per channel quantize the token and each
     # expert's SwiGLU row to int8 as they read them and sum on dp4a (moe_q8_dp4a), the same activation rounding as
-    # q8_activations, where moe_q8 widens each weight to float32 (False: moe_q8 by slot)
+    # q8_activations, where moe_q8 widens each weight to float32 (H200: 1.08-1.12x moe_q8; off until the GPU tests
+    # that compare int8 one-token steps with the exact cpu backend take it off) (False: moe_q8 by slot)
     q8_decode_activations: bool = False
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
     # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it
