@@ -17,6 +17,9 @@ experts' storage differs) and run on the same held-out token stream, window by w
   an emulation of its arithmetic on every step: each routed expert's input rows and SwiGLU rows (rounded to bf16
   first) quantized per row to the experts' type and back (quantize_rows_reference), weights exact -- every step,
   where the GPU only quantizes steps of 96+ rows an expert, so an upper bound of what it costs.
+- `int8-a8`: int8-w8a8 plus one-token steps on int8 activations (CudaOptions.q8_decode_activations: the token and
+  each SwiGLU row through int8, moe_q8_dp4a) on the cuda backend, where the greedy continuations decode; on the cpu
+  backend the same emulation as int8-w8a8 (which already rounds every step).
 
     python bench/quant_quality.py --out bench/results/cpu-quant-quality-default.json
     python bench/quant_quality.py --variants bfloat16,int8,int8-w8a8,fp8-block128,fp8-block128-w8a8 --max-windows 16
@@ -32,6 +35,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,19 +50,23 @@ from expert_service.engine.engine import Engine  # noqa: E402
 from expert_service.tools.convert import convert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (--expert-dtype, --fp8-scale, 8-bit activations)
-VARIANTS = {
-    "bfloat16": ("bfloat16", "block128", False),
-    "int8": ("int8", "block128", False),
-    "fp8-block128": ("fp8", "block128", False),
-    "fp8-channel": ("fp8", "channel", False),
-    "int8-w8a8": ("int8", "block128", True),
-    "fp8-block128-w8a8": ("fp8", "block128", True),
-    "fp8-channel-w8a8": ("fp8", "channel", True),
-}
-DEFAULT_VARIANTS = ("bfloat16", "int8", "fp8-block128", "fp8-channel")
 # W8A8 on the cuda backend: every Q8_MMA step on its 8-bit tensor cores, Q8_MMA at every size
 W8A8_OPTIONS = CudaOptions(q8_activations=True, q8_mma_max_tokens_few_experts=1 << 20)
+# ... and one-token steps on int8 activations too (moe_q8_dp4a; int8 experts only)
+A8_OPTIONS = replace(W8A8_OPTIONS, q8_decode_activations=True)
+EXACT_OPTIONS = CudaOptions(q8_activations=False, q8_decode_activations=False)
+# name -> (--expert-dtype, --fp8-scale, the cuda backend's options); "-w8a8" / "-a8" names take 8-bit activations
+VARIANTS = {
+    "bfloat16": ("bfloat16", "block128", EXACT_OPTIONS),
+    "int8": ("int8", "block128", EXACT_OPTIONS),
+    "fp8-block128": ("fp8", "block128", EXACT_OPTIONS),
+    "fp8-channel": ("fp8", "channel", EXACT_OPTIONS),
+    "int8-w8a8": ("int8", "block128", W8A8_OPTIONS),
+    "int8-a8": ("int8", "block128", A8_OPTIONS),
+    "fp8-block128-w8a8": ("fp8", "block128", W8A8_OPTIONS),
+    "fp8-channel-w8a8": ("fp8", "channel", W8A8_OPTIONS),
+}
+DEFAULT_VARIANTS = ("bfloat16", "int8", "fp8-block128", "fp8-channel")
 
 
 @contextlib.contextmanager
@@ -83,8 +91,9 @@ def emulated_w8a8(expert_dtype: str):
 
 def run_variant(name: str, backend: str):
     """The context a variant's engine runs in: W8A8 emulated on the cpu backend, nothing otherwise."""
-    expert_dtype, _, w8a8 = VARIANTS[name]
-    return emulated_w8a8(expert_dtype) if w8a8 and backend == "cpu" else contextlib.nullcontext()
+    expert_dtype, _, options = VARIANTS[name]
+    eight_bit = options is not EXACT_OPTIONS
+    return emulated_w8a8(expert_dtype) if eight_bit and backend == "cpu" else contextlib.nullcontext()
 
 
 def heldout_stream(model: ModelDir, heldout: Path) -> np.ndarray:
@@ -137,11 +146,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         engines, sizes = {}, {}
         for name in names:
-            expert_dtype, scale, w8a8 = VARIANTS[name]
+            expert_dtype, scale, options = VARIANTS[name]
             out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, scale)
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
-            options = W8A8_OPTIONS if w8a8 else CudaOptions(q8_activations=False)
             config = EngineConfig(
                 backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window, cuda_options=options
             )
@@ -183,7 +191,8 @@ def main() -> int:
             results[name] = {
                 "expert_dtype": VARIANTS[name][0],
                 "fp8_scale": VARIANTS[name][1] if VARIANTS[name][0] == "fp8" else None,
-                "activations_8bit": VARIANTS[name][2],
+                "activations_8bit": VARIANTS[name][2] is not EXACT_OPTIONS,
+                "decode_activations_8bit": VARIANTS[name][2].q8_decode_activations,
                 "expert_bytes": sizes[name],
                 "perplexity": ppl,
                 "cross_entropy": nats[name] / tokens,
