@@ -3,7 +3,7 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
 
   decode b=1: moe_q8 by slot (gate/up + down of K experts) new vs old (bench/q8_before.py), and gemv's
               launch_expert_gate_up/down on the same experts in bf16; int8 also on int8 activations (moe_q8_dp4a);
-  decode b=16: moe_q8 grouped (--tokens, K each), new vs old;
+  decode b=16: moe_q8 grouped (--tokens, K each), new vs old; int8 also on int8 activations (moe_q8_dp4a_grouped);
   dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old;
   --q8-shapes NAME=W/RG/RD/U/WPS,...: moe_q8's b=1 launch under other launch shapes (warps a block, gate rows a
               warp, down rows a warp, chunks in flight a lane, warps an SM: moe_q8.LaunchShape) beside the
@@ -111,6 +111,11 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
     from expert_service.kernels.gemv import launch_expert_down, launch_expert_gate_up
     from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
     from expert_service.kernels.moe_q8_dp4a import gate_up_parts, launch_dp4a_down, launch_dp4a_gate_up
+    from expert_service.kernels.moe_q8_dp4a_grouped import (
+        launch_dp4a_grouped_down,
+        launch_dp4a_grouped_gate_up,
+        launch_dp4a_quantize_tokens,
+    )
 
     D, F, E, K = SHAPES[shape]
     rng = np.random.default_rng(0)
@@ -144,7 +149,10 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
     order, offsets = cuda.to_device(groups.order.astype(np.int32)), cuda.to_device(groups.offsets.astype(np.int32))
     xt = cuda.to_device(rng.standard_normal((T, D)).astype(np.float32))
     ht, ht_old = (cuda.device_array((T * K, F), np.float32) for _ in range(2))
-    yt, yt_old = (cuda.device_array((T * K, D), np.float32) for _ in range(2))
+    yt, yt_old, yt_dp4a = (cuda.device_array((T * K, D), np.float32) for _ in range(3))
+    ht_dp4a = cuda.device_array((T * K, F), np.float32)
+    part_t = cuda.device_array((T * K, gate_up_parts(F)), np.float32)
+    xq_t, xs_t = cuda.device_array((T, D), np.uint8), cuda.device_array(T, np.float32)
     active_t = int(np.count_nonzero(np.diff(groups.offsets)))
 
     for name in dtypes:
@@ -171,6 +179,11 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
             launch_q8_gate_up(xt, W, dmeta, F, D, ht, order=order, offsets=offsets, stream=stream, kinds=kinds)
             launch_q8_down(ht, W, dmeta, F, D, yt, offsets=offsets, stream=stream, kinds=kinds)
 
+        def dp4a_grouped(_i):
+            launch_dp4a_quantize_tokens(xt, xq_t, xs_t, stream=stream)
+            launch_dp4a_grouped_gate_up(xq_t, xs_t, order, offsets, W, dmeta, F, D, ht_dp4a, part_t, stream=stream)
+            launch_dp4a_grouped_down(ht_dp4a, part_t, offsets, W, dmeta, F, D, yt_dp4a, stream=stream)
+
         def old_grouped(_i):
             old.launch_q8(xt, order, offsets, None, W, dmeta, F, D, K, True, ht_old, stream)
             old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
@@ -189,6 +202,9 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
         res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
         tb = active_t * per_expert
         res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, stream), tb)
+        if name == "int8":
+            res[f"dp4a_b{T}"] = row(f"int8 moe_q8_dp4a_grouped, b={T}", timed(dp4a_grouped, iters, stream), tb)
+            res[f"dp4a_b{T}_max_rel_diff"] = max_rel(yt_dp4a, yt)
         res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, stream), tb)
         res[f"b{T}_max_rel_diff"] = max(max_rel(ht, ht_old), max_rel(yt, yt_old))
 
@@ -220,8 +236,10 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
         if "dp4a_b1" in res:
             res["ratios"]["b1_dp4a_over_new"] = res["new_b1"]["us"] / res["dp4a_b1"]["us"]
             res["ratios"]["b1_bf16_gemv_over_dp4a"] = b16 / res["dp4a_b1"]["us"]
+            res["ratios"][f"b{T}_dp4a_over_new"] = res[f"new_b{T}"]["us"] / res[f"dp4a_b{T}"]["us"]
             print(
-                f"  int8: dp4a (int8 activations) vs float32 activations, max rel diff {res['dp4a_b1_max_rel_diff']:.1e}"
+                f"  int8: dp4a (int8 activations) vs float32 activations, max rel diff b=1 "
+                f"{res['dp4a_b1_max_rel_diff']:.1e}, b={T} {res[f'dp4a_b{T}_max_rel_diff']:.1e}"
             )
         print(f"  {name}: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratios"].items()))
         print(

@@ -44,6 +44,11 @@ from expert_service.kernels.moe_combine_rmsnorm import launch_moe_combine_rmsnor
 from expert_service.kernels.moe_ffn import launch_moe_down, launch_moe_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
 from expert_service.kernels.moe_q8_dp4a import launch_dp4a_down, launch_dp4a_gate_up
+from expert_service.kernels.moe_q8_dp4a_grouped import (
+    launch_dp4a_grouped_down,
+    launch_dp4a_grouped_gate_up,
+    launch_dp4a_quantize_tokens,
+)
 
 # The combine computes the next layer's input norm (moe_combine_rmsnorm, one block per token) in steps of at least
 # this many tokens; below, moe_combine spreads each token over blocks and rmsnorm follows (same bits): one block a
@@ -221,26 +226,34 @@ class DeviceMoe:
         return combine
 
     def _q8(self, i: int, x, h, T: int, ids, weights, experts, combine) -> None:
-        """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k; moe_q8_dp4a
-        on int8 activations for a layer wholly int8 per channel under q8_decode_activations) or grouped (rows in
-        grouped order, combined through position)."""
+        """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k) or
+        grouped (rows in grouped order, combined through position); a layer wholly int8 per channel runs the same
+        on int8 activations under q8_decode_activations (moe_q8_dp4a, moe_q8_dp4a_grouped)."""
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
         meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
         gate, out = ws.moe_gate[:n], ws.moe_out[:n]
+        int8_activations = self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),)
+        part_max = ws.moe_gate_part_max[:n]
         if T == 1:
-            if self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),):
-                launch_dp4a_gate_up(x, ids, experts, meta, F, D, gate, ws.moe_gate_part_max, stream=st)
-                launch_dp4a_down(gate, ws.moe_gate_part_max, ids, experts, meta, F, D, out, stream=st)
+            if int8_activations:
+                launch_dp4a_gate_up(x, ids, experts, meta, F, D, gate, part_max, stream=st)
+                launch_dp4a_down(gate, part_max, ids, experts, meta, F, D, out, stream=st)
             else:
                 launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds)
                 launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds)
             combine(out, ws.identity_position[:n], weights, h)
             return
-        order, position = ws.order[:n], ws.position[:n]
-        launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
-        launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=ws.offsets, stream=st, kinds=kinds)
-        launch_q8_down(gate, experts, meta, F, D, out, offsets=ws.offsets, stream=st, kinds=kinds)
+        order, position, offsets = ws.order[:n], ws.position[:n], ws.offsets
+        launch_expert_grouping(ids, ws.counts, offsets, order, position, stream=st)
+        if int8_activations:
+            xq, x_scale = ws.moe_x_q8[:T], ws.moe_x_scale[:T]
+            launch_dp4a_quantize_tokens(x, xq, x_scale, stream=st)
+            launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, experts, meta, F, D, gate, part_max, stream=st)
+            launch_dp4a_grouped_down(gate, part_max, offsets, experts, meta, F, D, out, stream=st)
+        else:
+            launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=offsets, stream=st, kinds=kinds)
+            launch_q8_down(gate, experts, meta, F, D, out, offsets=offsets, stream=st, kinds=kinds)
         combine(out, position, weights, h)
 
     def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:

@@ -187,8 +187,11 @@ def layout_workspace(
         layout["expert_h"] = ((per_expert_rows, F), wd)
         if quantized:  # dense copies of a group of active 8-bit experts for their GEMMs
             layout["dequant"] = ((HALVES * dequant_group(E, F, D, wd.itemsize), 3 * F * D), wd)
-    if MoeStrategy.Q8 in strategies:  # one-token steps on int8 activations: the largest |h| of each gate/up block
-        layout["moe_gate_part_max"] = ((K, gate_up_parts(F)), f32)
+    if MoeStrategy.Q8 in strategies:  # moe_q8 steps on int8 activations: the largest |h| of each gate/up block,
+        # and the grouped steps' int8 token rows
+        layout["moe_gate_part_max"] = ((max(K, grouped_rows), gate_up_parts(F)), f32)
+        layout["moe_x_q8"] = ((min(T, GROUPED_MAX_TOKENS), D), np.dtype(np.uint8))
+        layout["moe_x_scale"] = ((min(T, GROUPED_MAX_TOKENS),), f32)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)

@@ -41,7 +41,7 @@ BLOCKS_PER_SM = 4  # launch bounds, as moe_q8's decode: 16 warps of loads in fli
 CHUNK = 16  # int8 values per 16-byte chunk
 INT8_MAX = np.float32(127.0)
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer in the low mantissa bits
-_FLOAT_MAX = np.float32(np.finfo(np.float32).max)
+FLOAT_MAX = np.float32(np.finfo(np.float32).max)
 _pair = prmt_fn(0x0040)  # [a.byte0, b.byte0, -, -]
 _quad = prmt_fn(0x5410)  # [a.byte0, a.byte1, b.byte0, b.byte1]
 
@@ -68,14 +68,14 @@ def quantize4(v0, v1, v2, v3, inv):
 
 
 @cuda.jit(device=True, inline=True)
-def _magnitude(v):
+def magnitude(v):
     """|v|, +inf for NaN and infinities (max() drops NaN; this keeps a bad row visible)."""
     a = abs(v)
-    return a if a <= _FLOAT_MAX else np.float32(np.inf)
+    return a if a <= FLOAT_MAX else np.float32(np.inf)
 
 
 @cuda.jit(device=True, inline=True)
-def _block_max(value, partial):
+def block_max(value, partial):
     """The max of `value` over the block (every thread calls); partial: shared float32 [WARPS]."""
     m = warp_max(value)
     if cuda.threadIdx.x % WARP == 0:
@@ -89,7 +89,7 @@ def _block_max(value, partial):
 
 
 @cuda.jit(device=True, inline=True)
-def _row_scale(m):
+def row_scale(m):
     """(s, 1 / s) of a row whose largest magnitude is m."""
     s = m / INT8_MAX if m > 0 else np.float32(1.0)
     return s, np.float32(1.0) / s
@@ -146,11 +146,11 @@ def _kernel(gated: bool):
         if gated:  # max |x| over the token's row
             for j in range(4 * tid, n_in, 4 * THREADS):
                 v0, v1, v2, v3 = ld_v4(src, j)
-                m = max(m, _magnitude(v0), _magnitude(v1), _magnitude(v2), _magnitude(v3))
+                m = max(m, magnitude(v0), magnitude(v1), magnitude(v2), magnitude(v3))
         else:  # max |h[k]| from the gate/up blocks' parts
             for j in range(tid, part_max.shape[1], THREADS):
                 m = max(m, part_max[k, j])
-        s, inv = _row_scale(_block_max(m, partial))
+        s, inv = row_scale(block_max(m, partial))
         src0 = 0 if gated else k * n_in
         base = e * stride
         roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
@@ -172,7 +172,7 @@ def _kernel(gated: bool):
             chunk_step(src, src0, inv, words, roff, c0, n_chunks, False, raw, act, acc)
         if full < n_chunks:
             chunk_step(src, src0, inv, words, roff, full + lane, n_chunks, True, raw, act, acc)
-        finite = s <= _FLOAT_MAX
+        finite = s <= FLOAT_MAX
         top = np.float32(0.0)
         for r in range(rows):
             a = warp_sum(np.float32(acc[r])) * s * scales[sidx[r]]
@@ -184,9 +184,9 @@ def _kernel(gated: bool):
             row = row0 + r
             if lane == 0 and row < n_rows:
                 out[k, row] = a
-                top = max(top, _magnitude(a))
+                top = max(top, magnitude(a))
         if gated:
-            top = _block_max(top, partial)
+            top = block_max(top, partial)
             if tid == 0:
                 part_max[k, cuda.blockIdx.y] = top
 
@@ -198,14 +198,20 @@ def gate_up_parts(F: int) -> int:
     return -(-F // (WARPS * ROWS_GATED))
 
 
-def _check_layer(ids, experts, meta, F: int, D: int) -> int:
-    """Checks the arrays both launches share; returns K."""
+def check_layer(experts, meta, F: int, D: int) -> None:
+    """Checks a layer's expert buffer, its meta table and its sizes (every launcher here and in the grouped
+    module)."""
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}")
     check_array("experts", experts, experts.shape, np.uint8)
     check_array("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
     if F % CHUNK or D % CHUNK or F <= 0 or D <= 0:
         raise ValueError(f"F={F} and D={D} must be positive multiples of {CHUNK} for int8 experts")
+
+
+def _check_layer(ids, experts, meta, F: int, D: int) -> int:
+    """check_layer and the slot ids; returns K."""
+    check_layer(experts, meta, F, D)
     K = ids.shape[1] if ids.ndim == 2 else 0
     check_array("ids", ids, (1, K), np.int32)
     return K

@@ -282,50 +282,63 @@ def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, va
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_q8_decode_activations_match_the_emulated_cpu_backend(tmp_path, monkeypatch, family):
-    """CudaOptions.q8_decode_activations on an int8 model: every one-token step launches moe_q8_dp4a once a MoE
-    layer; its tokens and logits match the cpu backend running the same int8 roundings of the token and the SwiGLU
-    rows (moe_q8_dp4a.dp4a_swiglu_reference) on its decode steps; graph replay equals eager bit for bit; without
-    the option nothing launches it."""
+    """CudaOptions.q8_decode_activations on an int8 model, Q8_MMA off so every step up to 64 tokens runs moe_q8:
+    one-token steps launch moe_q8_dp4a and larger ones moe_q8_dp4a_grouped, once a MoE layer each; tokens and
+    logits of one sequence and of three decoding together match the cpu backend running the same int8 roundings
+    of the tokens and the SwiGLU rows (moe_q8_dp4a.dp4a_swiglu_reference); graph replay equals eager bit for bit;
+    without the option neither launches."""
     import expert_service.cuda.moe as device_moe
     from expert_service.cpu.layers import moe as cpu_moe
     from expert_service.kernels.moe_q8_dp4a import dp4a_swiglu_reference
 
     model = quantized_model(tmp_path, family, "int8")
-    launches = []
-    original = device_moe.launch_dp4a_gate_up
-    monkeypatch.setattr(device_moe, "launch_dp4a_gate_up", lambda *a, **k: (launches.append(1), original(*a, **k)))
-    on = CudaOptions(q8_decode_activations=True)
+    launches = {"slot": 0, "grouped": 0}
+    for kind, name in (("slot", "launch_dp4a_gate_up"), ("grouped", "launch_dp4a_grouped_gate_up")):
+        original = getattr(device_moe, name)
+
+        def counted(*a, kind=kind, original=original, **k):
+            launches[kind] += 1
+            return original(*a, **k)
+
+        monkeypatch.setattr(device_moe, name, counted)
+    small = 1 << 20  # q8_mma_min_tokens: no step takes Q8_MMA
+    on, off = (CudaOptions(q8_decode_activations=a, q8_mma_min_tokens=small) for a in (True, False))
     open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
     graphs, eager = open_(backend="cuda", cuda_options=on), open_(backend="cuda", cuda_options=on, cuda_graphs=False)
-    plain, cpu = open_(backend="cuda"), open_(backend="cpu")
-    emulate, exact = [False], cpu_moe.swiglu_mlp
-    monkeypatch.setattr(
-        cpu_moe, "swiglu_mlp", lambda x, g, u, d: (dp4a_swiglu_reference if emulate[0] else exact)(x, g, u, d)
-    )
+    plain, cpu = open_(backend="cuda", cuda_options=off), open_(backend="cpu")
+    exact = cpu_moe.swiglu_mlp
     moe_layers = len(ModelDir.open(model).config.moe_layers)
     steps = 6
 
-    def decode(engine, emulated=False):
-        first = engine.step([PrefillInput(7, np.array(random_prompt(90, 21)), SamplingParams(), True)])
-        tokens, rows = [first.outputs[0].token_id], []
-        emulate[0] = emulated  # the cpu backend's decode steps only: the GPU's prefill is not on int8 activations
+    def decode(engine, seqs: int):
+        ids = list(range(7, 7 + seqs))
+        prompts = [PrefillInput(s, np.array(random_prompt(90 + s, 4 * s - 23)), SamplingParams(), True) for s in ids]
+        first = engine.step(prompts)  # 5, 9 and 13 tokens: one step of <= 64, grouped
+        tokens, rows = [[o.token_id for o in first.outputs]], []
         for _ in range(steps):
-            step = engine.step(decode_ids=[7])
-            tokens.append(step.outputs[0].token_id)
-            rows.append(step.logits[0])
-        emulate[0] = False
+            step = engine.step(decode_ids=ids)
+            tokens.append([o.token_id for o in step.outputs])
+            rows.append(np.stack(step.logits))
         engine.clear()
         return tokens, np.stack(rows)
 
-    before = len(launches)
-    tokens, logits = decode(eager)
-    assert len(launches) - before == steps * moe_layers, f"{family}: {len(launches) - before} launches"
-    replayed = decode(graphs)
-    assert replayed[0] == tokens and np.array_equal(replayed[1], logits), f"{family}: graph replay differs"
-    want = decode(cpu, emulated=True)
-    assert tokens == want[0], family
-    assert rel_error(logits, want[1]) <= TOLERANCE, f"{family}: {rel_error(logits, want[1]):.2e}"
-    before = len(launches)
-    assert decode(plain)[0][0] == tokens[0] and len(launches) == before, f"{family}: launched without the option"
+    for seqs in (1, 3):
+        before = dict(launches)
+        tokens, logits = decode(eager, seqs)
+        per_step = "slot" if seqs == 1 else "grouped"
+        want = {"slot": 0, "grouped": moe_layers}  # the prefill step
+        want[per_step] += steps * moe_layers
+        assert {k: launches[k] - before[k] for k in launches} == want, f"{family} {seqs} sequences"
+        replayed = decode(graphs, seqs)
+        assert replayed[0] == tokens and np.array_equal(replayed[1], logits), f"{family}: graph replay differs"
+        monkeypatch.setattr(cpu_moe, "swiglu_mlp", dp4a_swiglu_reference)
+        emulated = decode(cpu, seqs)
+        monkeypatch.setattr(cpu_moe, "swiglu_mlp", exact)
+        assert tokens == emulated[0], f"{family} {seqs} sequences"
+        err = rel_error(logits, emulated[1])
+        assert err <= TOLERANCE, f"{family} {seqs} sequences: {err:.2e}"
+        before = dict(launches)
+        decode(plain, seqs)
+        assert launches == before, f"{family}: launched without the option"
     for engine in (graphs, eager, plain):
         engine.decoder.close()
