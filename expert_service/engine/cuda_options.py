@@ -94,10 +94,11 @@ class CudaOptions:
     # Where every MoE layer runs it, layers of few experts take Q8_MMA at every size (q8_mma_max_tokens). Laid out
     # only when the engine's config has it on (False: the weights widened to bf16 at every size)
     q8_activations: bool = True
-    # EXPERIMENTAL: one-token steps of layers whose experts are all int8 per channel quantize the token and each
-    # expert's SwiGLU row to int8 as they read them and sum on dp4a (moe_q8_dp4a), the same activation rounding as
-    # q8_activations, where moe_q8 widens each weight to float32 (H200: 1.08-1.12x moe_q8; off until the GPU tests
-    # that compare int8 one-token steps with the exact cpu backend take it off) (False: moe_q8 by slot)
+    # EXPERIMENTAL: moe_q8 steps (one token; grouped ones up to 64 tokens that Q8_MMA does not take) of layers whose
+    # experts are all int8 per channel round the tokens and each expert's SwiGLU rows to int8 per row and sum on
+    # dp4a (moe_q8_dp4a, moe_q8_dp4a_grouped), the same activation rounding as q8_activations, where moe_q8 widens
+    # each weight to float32 (H200, one token: 1.08-1.12x moe_q8; off until the GPU tests that compare int8 steps
+    # with the exact cpu backend take it off) (False: moe_q8)
     q8_decode_activations: bool = False
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
     # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it
