@@ -181,7 +181,7 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
 
         def dp4a_grouped(_i):
             launch_dp4a_quantize_tokens(xt, xq_t, xs_t, stream=stream)
-            launch_dp4a_grouped_gate_up(xq_t, xs_t, order, offsets, W, dmeta, F, D, ht_dp4a, part_t, stream=stream)
+            launch_dp4a_grouped_gate_up(xq_t, xs_t, order, offsets, K, W, dmeta, F, D, ht_dp4a, part_t, stream=stream)
             launch_dp4a_grouped_down(ht_dp4a, part_t, offsets, W, dmeta, F, D, yt_dp4a, stream=stream)
 
         def old_grouped(_i):

@@ -249,7 +249,8 @@ class DeviceMoe:
         if int8_activations:
             xq, x_scale = ws.moe_x_q8[:T], ws.moe_x_scale[:T]
             launch_dp4a_quantize_tokens(x, xq, x_scale, stream=st)
-            launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, experts, meta, F, D, gate, part_max, stream=st)
+            K = cfg.num_experts_per_tok
+            launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, K, experts, meta, F, D, gate, part_max, stream=st)
             launch_dp4a_grouped_down(gate, part_max, offsets, experts, meta, F, D, out, stream=st)
         else:
             launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=offsets, stream=st, kinds=kinds)

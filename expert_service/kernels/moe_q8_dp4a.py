@@ -49,8 +49,9 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def _code_bits(v, inv):
-        # the fma's single rounding of the exact product: float64 holds the product exactly
-        return f32_as_u32(np.float32(float(v) * float(inv) + float(_MAGIC)))
+        # the fma's single rounding of the exact product (float64 holds it exactly; rint rounds it to even once,
+        # after which adding the magic number is exact)
+        return f32_as_u32(np.float32(np.rint(float(v) * float(inv)) + float(_MAGIC)))
 
 else:
 

@@ -212,20 +212,22 @@ def launch_dp4a_quantize_tokens(x, xq, x_scale, stream=0) -> None:
     _quantize_tokens[T, THREADS, stream](x.reshape(x.size), D, xq.reshape(xq.size).view(np.uint32), x_scale)
 
 
-def launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, experts, meta, F: int, D: int, h, part_max, stream=0):
+def launch_dp4a_grouped_gate_up(
+    xq, x_scale, order, offsets, top_k: int, experts, meta, F: int, D: int, h, part_max, stream=0
+) -> None:
     """xq [T, D] uint8 / x_scale [T] float32 (launch_dp4a_quantize_tokens); order [n] / offsets [E+1] int32
-    (expert_grouping, n = T*K); experts uint8 [E, stride]; meta [E, META_WIDTH] int32; h [n, F] float32 and
+    (expert_grouping, n = T * top_k); experts uint8 [E, stride]; meta [E, META_WIDTH] int32; h [n, F] float32 and
     part_max [n, gate_up_parts(F)] float32 out, in grouped order."""
     check_layer(experts, meta, F, D)
     T, n = xq.shape[0], order.shape[0]
-    if n % T:
-        raise ValueError(f"order length {n} is not a multiple of T={T}")
+    if top_k < 1 or n != T * top_k:
+        raise ValueError(f"order length {n} is not T={T} tokens x top_k={top_k} (xq must hold the step's rows only)")
     check_array("xq", xq, (T, D), np.uint8)
     check_array("x_scale", x_scale, (T,), np.float32)
     _grouping(order, offsets, meta, n)
     check_array("h", h, (n, F), np.float32)
     check_array("part_max", part_max, (n, gate_up_parts(F)), np.float32)
-    _launch(True, None, xq, x_scale, part_max, order, offsets, experts, meta, F, D, n // T, h, stream)
+    _launch(True, None, xq, x_scale, part_max, order, offsets, experts, meta, F, D, top_k, h, stream)
 
 
 def launch_dp4a_grouped_down(h, part_max, offsets, experts, meta, F: int, D: int, y, stream=0) -> None:

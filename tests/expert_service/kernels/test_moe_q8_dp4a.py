@@ -1,8 +1,8 @@
 """The int8-activation decode kernels (moe_q8_dp4a) against their numpy reference, in the simulator and on the GPU:
-random int8 per-channel experts, one token routed to K of them, outputs starting as NaN. Checks: h against the
-float64 SwiGLU of the quantized token and the dequantised weights, the per-block maxima against the kernel's own h
-(exactly), y from the kernel's own h quantized as the reference quantizes it (isolating the down launch), the whole
-against the exact float32-activation expert (the int8 rounding's size), a NaN token giving NaN outputs, an expert
+random int8 per-channel experts, one token routed to K of them, outputs starting as NaN. Checks: the codes at
+exact ties and a hair from them (one rounding of the exact product), h against the float64 SwiGLU of the quantized
+token and the dequantised weights, each block's maximum against the kernel's own h (exactly), y from the kernel's own h quantized as the reference quantizes it (isolating the down launch), the whole
+against the exact float32-activation expert (the int8 rounding's size), a NaN or infinite token giving NaN outputs, an expert
 of another encoding left untouched, and the refusals."""
 
 import numpy as np
@@ -23,9 +23,10 @@ from tests.expert_service.kernels.test_moe_gemm_q8mma import q8_layer
 
 WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
 INT8 = (q.CODE_INT8, q.SCALE_CHANNEL)
-# simulator: one warp a block, whole shapes in seconds; GPU: a chunk count that is not a multiple of 32 x UNROLL
-# and F not a multiple of a block's rows, so the partial steps and the clamped rows run
-SHAPE = (48, 80) if SIMULATOR else (1040, 528)  # F, D
+# 65 chunks of 16 values (33 in the simulator, one warp a block, UNROLL 1) against steps of 32 x UNROLL chunks: the
+# full steps and the partial last one both run, in gate/up (over D) and down (over F)
+SHAPE = (528, 528) if SIMULATOR else (1040, 1040)  # F, D
+SMALL = (48, 80) if SIMULATOR else SHAPE  # the checks that need no full step (the simulator's minute is spent once)
 
 
 def run(x, ids, W, meta, F, D):
@@ -63,17 +64,42 @@ def test_quantize4_packs_the_references_codes(where):
 
 
 @pytest.mark.parametrize("where", WHERE)
+def test_quantize4_rounds_the_exact_product_once(where):
+    """Values whose product with a non-unit 1 / scale lies within a few float32 steps of k + 1/2: rounding the
+    product to float32 first, then to an integer, would move some of these codes; the fma (and the reference's
+    exact product) must not."""
+    rng = np.random.default_rng(6)
+    v = np.empty(256, np.float32)
+    v[0] = np.float32(3.7)
+    s = np.float32(v[0] / np.float32(127.0))
+    inv = np.float32(np.float32(1.0) / s)
+    k = rng.integers(-126, 126, 255) + 0.5
+    near = (k / np.float64(inv)).astype(np.float32)
+    v[1:] = np.nextafter(near, np.where(rng.random(255) < 0.5, np.inf, -np.inf).astype(np.float32))
+    codes, s_ref = quantize_row_reference(v)
+    assert s_ref == s
+    exact = v[1:].astype(np.float64) * np.float64(inv)
+    assert np.abs(np.abs(exact - np.floor(exact)) - 0.5).max() < 1e-4  # all within a hair of a tie
+    twice = np.rint((v[1:] * inv).astype(np.float32))  # product rounded to float32, then to an integer
+    assert (twice != codes[1:]).any(), "no value here would tell one rounding from two"
+    out = cuda.to_device(np.zeros(64, np.uint32))
+    _quantize_words[1, 64](v, np.array([inv], np.float32), out)
+    np.testing.assert_array_equal(out.copy_to_host().view(np.int8), codes)
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_dp4a_decode_matches_the_reference(where):
     F, D = SHAPE
     rng = np.random.default_rng(11)
     W, meta = q8_layer(rng, [INT8] * 6, F, D)
-    ids = np.array([[4, 1, 5]], np.int32)
+    ids = np.array([[4, 1]] if SIMULATOR else [[4, 1, 5]], np.int32)
     x = rng.standard_normal((1, D)).astype(np.float32)
     h, part, y = run(x, ids, W, meta, F, D)
     assert np.isfinite(h).all() and np.isfinite(part).all() and np.isfinite(y).all(), "an output was not written"
     h_ref, _ = dp4a_reference(x, ids, W, meta, F, D)
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5 * np.abs(h_ref).max())
-    np.testing.assert_array_equal(part.max(axis=1), np.abs(h).max(axis=1))  # what the down launch scales by
+    # each gate/up block's largest |h| over its rows, exactly: what the down launch scales by
+    np.testing.assert_array_equal(part, np.abs(h).reshape(len(part), part.shape[1], -1).max(axis=2))
     _, y_own = dp4a_reference(x, ids, W, meta, F, D, h=h)
     np.testing.assert_allclose(y, y_own, rtol=1e-5, atol=1e-5 * np.abs(y_own).max())
     # against the expert on the float32 token and h: within the two int8 roundings of the activations
@@ -84,7 +110,7 @@ def test_dp4a_decode_matches_the_reference(where):
 
 @pytest.mark.parametrize("where", WHERE)
 def test_dp4a_decode_non_finite_token_and_other_encodings(where):
-    F, D = SHAPE
+    F, D = SMALL
     rng = np.random.default_rng(12)
     W, meta = q8_layer(rng, [INT8, (q.CODE_FP8, q.SCALE_BLOCK), INT8], F, D)
     ids = np.array([[0, 1, 2]], np.int32)
@@ -92,10 +118,11 @@ def test_dp4a_decode_non_finite_token_and_other_encodings(where):
     h, _, y = run(x, ids, W, meta, F, D)
     assert np.isnan(h[1]).all() and np.isnan(y[1]).all(), "the fp8 expert's rows must stay untouched"
     assert np.isfinite(h[[0, 2]]).all() and np.isfinite(y[[0, 2]]).all()
-    x[0, D // 3] = np.nan
-    h, part, y = run(x, ids, W, meta, F, D)
-    assert np.isnan(h[[0, 2]]).all() and np.isnan(y[[0, 2]]).all(), "a NaN token must give NaN rows"
-    assert np.isinf(part[[0, 2]]).all()
+    for bad in (np.nan, -np.inf):
+        x[0, D // 3] = bad
+        h, part, y = run(x, ids, W, meta, F, D)
+        assert np.isnan(h[[0, 2]]).all() and np.isnan(y[[0, 2]]).all(), f"a token holding {bad} must give NaN rows"
+        assert np.isinf(part[[0, 2]]).all()
 
 
 def test_dp4a_launchers_refuse_bad_arrays():

@@ -1,8 +1,10 @@
 """The grouped int8-activation kernels (moe_q8_dp4a_grouped) against moe_q8_dp4a's numpy reference, in the simulator
 and on the GPU: the token rows quantized bitwise as quantize_row_reference; random int8 per-channel experts, T tokens
 routed to K of them (one expert without tokens, one of another encoding whose rows stay untouched), partial token
-tiles, outputs starting as NaN; h per position against the float64 SwiGLU of its quantized token, the per-block
-maxima against the kernel's own h (exactly), y from the kernel's own h; NaN tokens give NaN rows; the refusals."""
+tiles, outputs starting as NaN; h per position against the float64 SwiGLU of its quantized token, each block's
+maximum against the kernel's own h (exactly), y from the kernel's own h; NaN or infinite tokens give NaN rows; the
+refusals. On the GPU the rows are 65 chunks long, so the full steps and the partial one both run (the simulator's
+short rows take only the partial step, to keep its run short)."""
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from tests.expert_service.kernels.test_moe_gemm_q8mma import q8_layer
 
 WHERE = ["here", pytest.param("gpu", marks=pytest.mark.gpu)]
 INT8, FP8 = (q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_BLOCK)
-SHAPE = (48, 80) if SIMULATOR else (1040, 528)  # F, D (as test_moe_q8_dp4a)
+SHAPE = (48, 80) if SIMULATOR else (1040, 1040)  # F, D
 TOKENS = 5 if SIMULATOR else 16
 
 
@@ -41,7 +43,7 @@ def run(x, ids, W, meta, F, D):
     part = cuda.to_device(np.full((n, gate_up_parts(F)), np.nan, np.float32))
     y = cuda.to_device(np.full((n, D), np.nan, np.float32))
     launch_dp4a_quantize_tokens(cuda.to_device(x), xq, x_scale)
-    launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, dW, dmeta, F, D, h, part)
+    launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, K, dW, dmeta, F, D, h, part)
     launch_dp4a_grouped_down(h, part, offsets, dW, dmeta, F, D, y)
     expert_of = np.repeat(np.arange(W.shape[0]), np.diff(groups.offsets))
     token_of = groups.order // K
@@ -66,8 +68,8 @@ def test_grouped_dp4a_matches_the_reference(where):
     mine = got["expert_of"] != 5
     assert np.isnan(got["h"][~mine]).all() and np.isnan(got["y"][~mine]).all(), "the fp8 expert's rows were written"
     assert np.isfinite(got["h"][mine]).all() and np.isfinite(got["y"][mine]).all(), "a routed row was not written"
-    h, part = got["h"][mine], got["part"][mine]
-    np.testing.assert_array_equal(part.max(axis=1), np.abs(h).max(axis=1))
+    h, part = got["h"][mine], got["part"][mine]  # each block's largest |h| over its rows, exactly
+    np.testing.assert_array_equal(part, np.abs(h).reshape(len(part), part.shape[1], -1).max(axis=2))
     for p in np.flatnonzero(mine):
         e, t = got["expert_of"][p], got["token_of"][p]
         h_ref, y_own = dp4a_reference(x[t : t + 1], [[e]], W, meta, F, D, h=got["h"][p : p + 1])
@@ -82,12 +84,14 @@ def test_grouped_dp4a_nan_token_gives_nan_rows(where):
     W, meta = q8_layer(rng, [INT8] * 3, F, D)
     ids = routing(rng, 3, 2, [0, 1, 2])
     x = rng.standard_normal((3, D)).astype(np.float32)
-    x[1, 7] = np.nan
-    got = run(x, ids, W, meta, F, D)
-    bad = got["token_of"] == 1
-    assert np.isinf(got["x_scale"][1]) and np.isfinite(got["x_scale"][[0, 2]]).all()
-    assert np.isnan(got["h"][bad]).all() and np.isnan(got["y"][bad]).all()
-    assert np.isfinite(got["h"][~bad]).all() and np.isfinite(got["y"][~bad]).all()
+    for value in (np.nan, np.inf):
+        x[1, 7] = value
+        got = run(x, ids, W, meta, F, D)
+        bad = got["token_of"] == 1
+        assert np.isinf(got["x_scale"][1]) and np.isfinite(got["x_scale"][[0, 2]]).all()
+        assert np.isnan(got["h"][bad]).all() and np.isnan(got["y"][bad]).all(), value
+        assert np.isinf(got["part"][bad]).all() and np.isfinite(got["part"][~bad]).all()
+        assert np.isfinite(got["h"][~bad]).all() and np.isfinite(got["y"][~bad]).all()
 
 
 def test_grouped_dp4a_launchers_refuse_bad_arrays():
@@ -101,9 +105,13 @@ def test_grouped_dp4a_launchers_refuse_bad_arrays():
         launch_dp4a_quantize_tokens(np.zeros((3, 72), np.float32), xq, x_scale)
     with pytest.raises(ValueError, match="xq must be"):
         launch_dp4a_quantize_tokens(x, np.zeros((3, D), np.int8), x_scale)
-    with pytest.raises(ValueError, match="not a multiple of T"):
-        launch_dp4a_grouped_gate_up(xq, x_scale, order[:5].copy(), offsets, W, meta, F, D, h, part)
+    with pytest.raises(ValueError, match="not T=3 tokens x top_k=2"):
+        launch_dp4a_grouped_gate_up(xq, x_scale, order[:5].copy(), offsets, 2, W, meta, F, D, h, part)
+    with pytest.raises(ValueError, match="not T=6 tokens x top_k=2"):  # the workspace's rows, unsliced
+        launch_dp4a_grouped_gate_up(
+            np.zeros((6, D), np.uint8), np.zeros(6, np.float32), order, offsets, 2, W, meta, F, D, h, part
+        )
     with pytest.raises(ValueError, match="offsets must be"):
-        launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets[:2].copy(), W, meta, F, D, h, part)
+        launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets[:2].copy(), 2, W, meta, F, D, h, part)
     with pytest.raises(ValueError, match="y must be"):
         launch_dp4a_grouped_down(h, part, offsets, W, meta, F, D, np.zeros((6, 64), np.float32))
