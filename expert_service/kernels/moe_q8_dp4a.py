@@ -97,11 +97,30 @@ def row_scale(m):
 
 
 @functools.cache
+def weight_rows_fn(gated: bool, rows: int):
+    """Device fn (meta, e, base, row0, n_rows, n_in, roff, sidx): the word offset of each of a warp's weight rows
+    of expert e (block at byte `base`; gated: `rows` gate rows then as many up rows from row0, else `rows` down
+    rows) into roff, the float index of its channel scale into sidx."""
+    nw = 2 * rows if gated else rows
+
+    @cuda.jit(device=True, inline=True)
+    def weight_rows(meta, e, base, row0, n_rows, n_in, roff, sidx):
+        for i in range(nw):
+            which = (0 if i < rows else 1) if gated else 2  # gate, up, down
+            row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
+            roff[i] = (base + meta[e, 2 + which] + row * n_in) // 4
+            sidx[i] = (base + meta[e, 5 + which]) // 4 + row
+
+    return weight_rows
+
+
+@functools.cache
 def _kernel(gated: bool):
     """(python kernel, jitted kernel): gate/up (gated) or down."""
     rows = ROWS_GATED if gated else ROWS_DOWN
     nw = 2 * rows if gated else rows  # weight rows a warp streams
     n_raw = nw * UNROLL  # a constant for the local array's shape
+    weight_rows = weight_rows_fn(gated, rows)
 
     @cuda.jit(device=True, inline=True)
     def chunk_step(src, src0, inv, words, roff, c0, end, checked, raw, act, acc):
@@ -160,11 +179,8 @@ def _kernel(gated: bool):
         act = cuda.local.array((UNROLL, 4), np.uint32)
         acc = cuda.local.array(nw, np.int32)
         row0 = (cuda.blockIdx.y * WARPS + warp) * rows
+        weight_rows(meta, e, base, row0, n_rows, n_in, roff, sidx)
         for i in range(nw):
-            which = (0 if i < rows else 1) if gated else 2  # gate, up, down
-            row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
-            roff[i] = (base + meta[e, 2 + which] + row * n_in) // 4
-            sidx[i] = (base + meta[e, 5 + which]) // 4 + row
             acc[i] = np.int32(0)
         n_chunks = n_in // CHUNK
         step = WARP * UNROLL

@@ -38,6 +38,7 @@ from expert_service.kernels.moe_q8_dp4a import (
     magnitude,
     quantize4,
     row_scale,
+    weight_rows_fn,
 )
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, silu, warp_sum
 from expert_service.kernels.ptx import dp4a, ld_stream_v4, ld_v4
@@ -62,7 +63,7 @@ def _quantize_tokens_kernel(x, n_in, xq, x_scale):
         x_scale[t] = s
 
 
-_quantize_tokens = cached_jit(_quantize_tokens_kernel, launch_bounds=(THREADS, 1))
+_quantize_tokens = cached_jit(_quantize_tokens_kernel)
 
 
 @functools.cache
@@ -71,6 +72,7 @@ def _kernel(gated: bool):
     rows = ROWS_GATED if gated else ROWS_DOWN
     nw = 2 * rows if gated else rows
     tokens = TOK_TILE
+    weight_rows = weight_rows_fn(gated, rows)
 
     @cuda.jit(device=True, inline=True)
     def chunk_step(h, xq, src_row, inv, n_in, words, roff, c, end, checked, raw, act, acc):
@@ -123,11 +125,7 @@ def _kernel(gated: bool):
         scale = cuda.local.array(tokens, np.float32)
         inv = cuda.local.array(tokens, np.float32)
         row0 = (cuda.blockIdx.y * WARPS + warp) * rows
-        for i in range(nw):
-            which = (0 if i < rows else 1) if gated else 2  # gate, up, down
-            row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
-            roff[i] = (base + meta[e, 2 + which] + row * n_in) // 4
-            sidx[i] = (base + meta[e, 5 + which]) // 4 + row
+        weight_rows(meta, e, base, row0, n_rows, n_in, roff, sidx)
         n_chunks = n_in // CHUNK
         full = n_chunks // WARP * WARP
         for p0 in range(start, end, tokens):
@@ -247,6 +245,6 @@ def sm90_signatures():
     f1, f2, u1, i1, i64 = types.float32[::1], types.float32[:, ::1], types.uint32[::1], types.int32[::1], types.int64
     sig = (f1, u1, f1, f2, i1, i1, u1, f1, types.int32[:, ::1], i64, i64, i64, i64, f2)
     bounds = {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
-    return [(_quantize_tokens_kernel, (f1, i64, u1, f1), {"launch_bounds": (THREADS, 1)})] + [
+    return [(_quantize_tokens_kernel, (f1, i64, u1, f1), {})] + [
         (_kernel(gated)[0], sig, bounds) for gated in (True, False)
     ]
