@@ -209,6 +209,25 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert half["expert_gate_up"] == ((rows, 2 * F), f32) and half["expert_h"] == ((rows, F), f16)
 
 
+def test_int8_activation_buffers_are_laid_out_wherever_moe_q8_runs():
+    """moe_q8's steps (one token by slot, grouped up to GROUPED_MAX_TOKENS) may run on int8 activations under
+    CudaOptions.q8_decode_activations, which set_options may turn on at any time: an 8-bit model's workspace
+    holds the per-block SwiGLU maxima of its largest such step and the int8 token rows, whatever the options;
+    a bf16 model (no moe_q8) holds neither."""
+    from expert_service.kernels.moe_q8_dp4a import gate_up_parts
+
+    config = config_from_hf({**tiny_hf_config("mixtral"), "num_local_experts": 8, "num_experts_per_tok": 2})
+    K, D, F = 2, config.hidden_size, config.moe_intermediate_size
+    u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
+    for T in (1, 40, 512):
+        q8 = layout_workspace(config, np.dtype(np.uint16), T, 16, 16, len(config.moe_layers), quantized=True)
+        rows = min(T, GROUPED_MAX_TOKENS)
+        assert q8["moe_gate_part_max"] == ((max(K, rows * K), gate_up_parts(F)), f32), T
+        assert q8["moe_x_q8"] == ((rows, D), u8) and q8["moe_x_scale"] == ((rows,), f32), T
+    bf16 = layout_workspace(config, np.dtype(np.uint16), 512, 16, 16, len(config.moe_layers))
+    assert not {"moe_gate_part_max", "moe_x_q8", "moe_x_scale"} & set(bf16)
+
+
 # --- routing=lut: the step's plan staged with its metadata ------------------------------------------------
 def test_lut_layout_packs_the_plan_after_block_tables():
     """routing=lut adds routed_ids ([MoE layers x T x K] int32) behind block_tables in the packed metadata, so a
