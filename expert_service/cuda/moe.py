@@ -230,11 +230,12 @@ class DeviceMoe:
         grouped (rows in grouped order, combined through position); a layer wholly int8 per channel runs the same
         on int8 activations under q8_decode_activations (moe_q8_dp4a, moe_q8_dp4a_grouped)."""
         cfg, ws, st = self.config, self.ws, self.stream
-        F, D, n = cfg.moe_intermediate_size, cfg.hidden_size, T * cfg.num_experts_per_tok
+        F, D, K = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
+        n = T * K
         meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
         gate, out = ws.moe_gate[:n], ws.moe_out[:n]
         int8_activations = self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),)
-        part_max = ws.moe_gate_part_max[:n]
+        part_max = ws.moe_gate_part_max[:n] if int8_activations else None
         if T == 1:
             if int8_activations:
                 launch_dp4a_gate_up(x, ids, experts, meta, F, D, gate, part_max, stream=st)
@@ -249,7 +250,6 @@ class DeviceMoe:
         if int8_activations:
             xq, x_scale = ws.moe_x_q8[:T], ws.moe_x_scale[:T]
             launch_dp4a_quantize_tokens(x, xq, x_scale, stream=st)
-            K = cfg.num_experts_per_tok
             launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, K, experts, meta, F, D, gate, part_max, stream=st)
             launch_dp4a_grouped_down(gate, part_max, offsets, experts, meta, F, D, out, stream=st)
         else:

@@ -323,8 +323,9 @@ def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int, shape:
     return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
 
-def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
-    """Checks the layer's arrays; returns the (code, scheme) variants to launch (default every one)."""
+def check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
+    """Checks the layer's arrays (also moe_q8_dp4a's launchers'); returns the (code, scheme) variants to launch
+    (default every one)."""
     if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
         raise ValueError(
             f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}"
@@ -344,10 +345,16 @@ def _check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tup
     return wanted
 
 
+def buffer_args(experts, meta) -> tuple:
+    """A layer's expert buffer as the 8-bit kernels (here and moe_q8_dp4a's) take it: (words: flat uint32, scales:
+    the same bytes as flat float32, meta, stride in bytes)."""
+    flat = experts.reshape(experts.size)
+    return flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1]
+
+
 def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds, shape):
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
-    flat = experts.reshape(experts.size)
     dummy = meta.reshape(meta.size)[:1]
     grid = (slots, -(-n_rows // (shape.warps * shape.rows(gated))))
     args = (
@@ -356,10 +363,7 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         offsets if offsets is not None else dummy,
         ids.reshape(ids.size) if by_slot else dummy,
         int(by_slot),
-        flat.view(np.uint32),
-        flat.view(np.float32),
-        meta,
-        experts.shape[1],
+        *buffer_args(experts, meta),
         n_rows,
         n_in,
         top_k,
@@ -383,7 +387,7 @@ def launch_q8_gate_up(
     default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
     listed is not computed. shape: how the rows spread over warps and blocks (DECODE_SHAPE; other shapes are for
     bench/q8_kernels.py --q8-shapes)."""
-    kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
+    kinds = check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
     check_array("x", x, (T, D), np.float32)
@@ -409,7 +413,7 @@ def launch_q8_down(
 ) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
     the router. ids (by slot) or offsets (grouped), slot_of, kinds and shape, as in launch_q8_gate_up."""
-    kinds = _check_layer(experts, meta, F, D, slot_of, kinds)
+    kinds = check_layer(experts, meta, F, D, slot_of, kinds)
     n = h.shape[0]
     check_array("h", h, (n, F), np.float32)
     check_array("y", y, (n, D), np.float32)

@@ -27,8 +27,9 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.expert_quant import CODE_INT8, META_WIDTH, SCALE_CHANNEL, dequantize
+from expert_service.kernels.expert_quant import CODE_INT8, SCALE_CHANNEL, dequantize
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.moe_q8 import buffer_args, check_layer
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f32_as_u32, silu, warp_max, warp_sum
 from expert_service.kernels.ptx import dp4a, ld_stream_v4, ld_v4, prmt_fn
 
@@ -210,24 +211,18 @@ def _kernel(gated: bool):
     return kernel, cached_jit(kernel, launch_bounds=(THREADS, BLOCKS_PER_SM))
 
 
+def row_blocks(n_rows: int, gated: bool) -> int:
+    """Blocks of a launch's grid.y here and in moe_q8_dp4a_grouped: each covers WARPS warps of their rows."""
+    return -(-n_rows // (WARPS * (ROWS_GATED if gated else ROWS_DOWN)))
+
+
 def gate_up_parts(F: int) -> int:
     """Row blocks of a gate/up launch: the width of its part_max rows."""
-    return -(-F // (WARPS * ROWS_GATED))
+    return row_blocks(F, True)
 
 
-def check_layer(experts, meta, F: int, D: int) -> None:
-    """Checks a layer's expert buffer, its meta table and its sizes (every launcher here and in the grouped
-    module)."""
-    if experts.ndim != 2 or np.dtype(experts.dtype) != np.uint8 or experts.shape[1] % 16:
-        raise ValueError(f"experts must be uint8 [E, stride] with stride % 16 == 0, got {experts.dtype} {experts.shape}")
-    check_array("experts", experts, experts.shape, np.uint8)
-    check_array("meta", meta, (experts.shape[0], META_WIDTH), np.int32)
-    if F % CHUNK or D % CHUNK or F <= 0 or D <= 0:
-        raise ValueError(f"F={F} and D={D} must be positive multiples of {CHUNK} for int8 experts")
-
-
-def _check_layer(ids, experts, meta, F: int, D: int) -> int:
-    """check_layer and the slot ids; returns K."""
+def _check_slots(ids, experts, meta, F: int, D: int) -> int:
+    """moe_q8.check_layer and the slot ids; returns K."""
     check_layer(experts, meta, F, D)
     K = ids.shape[1] if ids.ndim == 2 else 0
     check_array("ids", ids, (1, K), np.int32)
@@ -235,21 +230,8 @@ def _check_layer(ids, experts, meta, F: int, D: int) -> int:
 
 
 def _launch(gated, src, part_max, ids, experts, meta, n_rows, n_in, out, stream):
-    flat = experts.reshape(experts.size)
-    rows = ROWS_GATED if gated else ROWS_DOWN
-    grid = (ids.size, -(-n_rows // (WARPS * rows)))
-    args = (
-        src.reshape(src.size),
-        part_max,
-        ids.reshape(ids.size),
-        flat.view(np.uint32),
-        flat.view(np.float32),
-        meta,
-        experts.shape[1],
-        n_rows,
-        n_in,
-        out,
-    )
+    grid = (ids.size, row_blocks(n_rows, gated))
+    args = (src.reshape(src.size), part_max, ids.reshape(ids.size), *buffer_args(experts, meta), n_rows, n_in, out)
     _kernel(gated)[1][grid, THREADS, stream](*args)
 
 
@@ -257,7 +239,7 @@ def launch_dp4a_gate_up(x, ids, experts, meta, F: int, D: int, h, part_max, stre
     """x [1, D] float32 (the token); ids [1, K] int32 (device); experts uint8 [E, stride] (the layer's blocks);
     meta [E, META_WIDTH] int32 (device); h [K, F] float32 out; part_max [K, gate_up_parts(F)] float32 out (the
     down launch's input scales)."""
-    K = _check_layer(ids, experts, meta, F, D)
+    K = _check_slots(ids, experts, meta, F, D)
     check_array("x", x, (1, D), np.float32)
     check_array("h", h, (K, F), np.float32)
     check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
@@ -267,7 +249,7 @@ def launch_dp4a_gate_up(x, ids, experts, meta, F: int, D: int, h, part_max, stre
 def launch_dp4a_down(h, part_max, ids, experts, meta, F: int, D: int, y, stream=0) -> None:
     """h [K, F] float32 and part_max [K, gate_up_parts(F)] float32 (launch_dp4a_gate_up's outputs) -> y [K, D]
     float32 = h[k] @ down[ids[k]]^T with h[k] through int8, not yet weighted by the router."""
-    K = _check_layer(ids, experts, meta, F, D)
+    K = _check_slots(ids, experts, meta, F, D)
     check_array("h", h, (K, F), np.float32)
     check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
     check_array("y", y, (K, D), np.float32)

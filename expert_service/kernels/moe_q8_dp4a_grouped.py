@@ -25,6 +25,7 @@ from numba import cuda, types
 
 from expert_service.kernels.expert_quant import CODE_INT8, SCALE_CHANNEL
 from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels.moe_q8 import buffer_args, check_layer
 from expert_service.kernels.moe_q8_dp4a import (
     CHUNK,
     FLOAT_MAX,
@@ -33,10 +34,10 @@ from expert_service.kernels.moe_q8_dp4a import (
     THREADS,
     WARPS,
     block_max,
-    check_layer,
     gate_up_parts,
     magnitude,
     quantize4,
+    row_blocks,
     row_scale,
     weight_rows_fn,
 )
@@ -176,21 +177,17 @@ def _grouping(order, offsets, meta, n: int) -> None:
 
 
 def _launch(gated, h, xq, x_scale, part_max, order, offsets, experts, meta, n_rows, n_in, top_k, out, stream):
-    flat = experts.reshape(experts.size)
-    rows = ROWS_GATED if gated else ROWS_DOWN
+    buffer = buffer_args(experts, meta)
     dummy_f, dummy_i = part_max.reshape(part_max.size)[:1], offsets[:1]
-    grid = (meta.shape[0], -(-n_rows // (WARPS * rows)))
+    grid = (meta.shape[0], row_blocks(n_rows, gated))
     args = (
         h.reshape(h.size) if h is not None else dummy_f,
-        xq.reshape(xq.size).view(np.uint32) if xq is not None else flat.view(np.uint32)[:1],
+        xq.reshape(xq.size).view(np.uint32) if xq is not None else buffer[0][:1],
         x_scale if x_scale is not None else dummy_f,
         part_max,
         order if order is not None else dummy_i,
         offsets,
-        flat.view(np.uint32),
-        flat.view(np.float32),
-        meta,
-        experts.shape[1],
+        *buffer,
         n_rows,
         n_in,
         top_k,
