@@ -161,8 +161,10 @@ class DeviceMoe:
         else:
             assert self.cached is not None  # choose_strategy picks a cached strategy only with the cache on
             large, gemv = strategy is MoeStrategy.CACHED_CUBLAS, strategy is MoeStrategy.CACHED_GEMV
-            options = self.options
-            self.cached.run(i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma)
+            options, a8 = self.options, self.int8_activations(i)
+            self.cached.run(
+                i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma, a8
+            )
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
         return fuse_norm
@@ -225,6 +227,12 @@ class DeviceMoe:
 
         return combine
 
+    def int8_activations(self, i: int) -> bool:
+        """Whether layer i's moe_q8 steps (and the expert cache's one-token ones) run on int8 activations:
+        CudaOptions.q8_decode_activations on a layer wholly int8 per channel."""
+        kinds = self.weights.expert_kinds.get(i)
+        return self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),)
+
     def _q8(self, i: int, x, h, T: int, ids, weights, experts, combine) -> None:
         """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k) or
         grouped (rows in grouped order, combined through position); a layer wholly int8 per channel runs the same
@@ -234,7 +242,7 @@ class DeviceMoe:
         n = T * K
         meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
         gate, out = ws.moe_gate[:n], ws.moe_out[:n]
-        int8_activations = self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),)
+        int8_activations = self.int8_activations(i)
         part_max = ws.moe_gate_part_max[:n] if int8_activations else None
         if T == 1:
             if int8_activations:

@@ -72,6 +72,7 @@ from expert_service.kernels.moe_gemm_mma import (
 from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_config
 from expert_service.kernels.moe_gemm_q8mma import launch_q8mma_down, launch_q8mma_gate_up
 from expert_service.kernels.moe_q8 import launch_q8_down, launch_q8_gate_up
+from expert_service.kernels.moe_q8_dp4a import launch_dp4a_down, launch_dp4a_gate_up
 from expert_service.kernels.table_hints import launch_table_hints
 from expert_service.kernels.tile_slots import launch_tile_slots
 
@@ -257,12 +258,14 @@ class CachedExperts:
         gemv: bool = False,
         pipelined: bool = False,
         mma: bool = False,
+        int8_activations: bool = False,
     ) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
         large: per-expert cuBLAS GEMMs at a host break; gemv: CACHED_GEMV (one token whose K experts fit the
         slots: one wave, `_gemv`); else the grouped kernels in waves, pipelined (CudaOptions.pipelined_waves,
         two slots a layer at least) or in turn, each wave on moe_ffn or, mma (CudaOptions.cached_mma, bf16 layers),
-        on the tensor-core grouped kernel; combine: DeviceMoe's (None: launch_moe_combine)."""
+        on the tensor-core grouped kernel; combine: DeviceMoe's (None: launch_moe_combine); int8_activations:
+        CACHED_GEMV on a layer wholly int8 per channel runs moe_q8_dp4a (DeviceMoe.int8_activations)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K = cfg.num_experts_per_tok
         n = T * K
@@ -293,7 +296,7 @@ class CachedExperts:
         elif gemv:
             assert waves == 1, "CACHED_GEMV needs the step's experts in one wave"  # choose_strategy: T*K <= slots
             self._first_wave(i, T, ahead, lookahead)
-            self._gemv(i, x, ids, buffer, out)
+            self._gemv(i, x, ids, buffer, out, int8_activations)
             position = ws.identity_position[:n]  # out rows in the token's top-k order
         elif pipelined:
             self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, tiling)
@@ -409,15 +412,21 @@ class CachedExperts:
         """The lookahead's top-k ids [T, K] predicted for MoE layer `layer` (its buffer alternates by MoE index)."""
         return self.ahead_ids[self.slots.index[layer] % 2, :T]
 
-    def _gemv(self, i: int, x, ids, buffer, out) -> None:
+    def _gemv(self, i: int, x, ids, buffer, out, int8_activations: bool = False) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
         expert read from the slot wave 0's map gives it. The map, not slot_of: it is this step's plan output, the
         same contract the grouped kernels read (equal to slot_of here, the whole union being in wave 0). Dense:
         slot ids [1, K] (expert_slot_ids), then the GEMV expert kernels with them as ids; 8-bit / mixed: moe_q8
-        by slot, which reads ids[k]'s meta row and its slot through the map itself."""
+        by slot, which reads ids[k]'s meta row and its slot through the map itself (int8_activations: moe_q8_dp4a,
+        the same way, as the resident engine's one-token steps under q8_decode_activations)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         wave0, gate = self.slots.wave_slots(i, 0), ws.moe_gate[:K]
+        if int8_activations:
+            meta, part_max = self.weights.expert_meta[i], ws.moe_gate_part_max[:K]
+            launch_dp4a_gate_up(x, ids, buffer, meta, F, D, gate, part_max, stream=st, slot_of=wave0)
+            launch_dp4a_down(gate, part_max, ids, buffer, meta, F, D, out, stream=st, slot_of=wave0)
+            return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
             q8 = dict(ids=ids, stream=st, slot_of=wave0, kinds=kinds)

@@ -192,6 +192,8 @@ def layout_workspace(
         layout["moe_gate_part_max"] = ((max(K, grouped_rows), gate_up_parts(F)), f32)
         layout["moe_x_q8"] = ((min(T, GROUPED_MAX_TOKENS), D), np.dtype(np.uint8))
         layout["moe_x_scale"] = ((min(T, GROUPED_MAX_TOKENS),), f32)
+    elif quantized and cached:  # the expert cache's one-token steps on int8 activations (CACHED_GEMV)
+        layout["moe_gate_part_max"] = ((K, gate_up_parts(F)), f32)
     if all_experts_tokens:
         layout["all_experts_gate"] = ((E * all_experts_tokens * F,), f32)
         layout["all_experts_up"] = ((E * all_experts_tokens * F,), f32)

@@ -17,7 +17,9 @@ ties to even, from the exact product (one fma with 1.5 * 2**23: the low byte of 
 |v| <= m keeps |q| <= 127). A row with a non-finite value gives NaN outputs (never silently finite). Weight bytes
 stream as in moe_q8 (16-byte loads past L1, UNROLL chunks a row in flight before the first dp4a). Sums are exact
 int32 per lane, float32 across the warp's lanes. Experts of another encoding are not computed (meta is read on the
-device; the engine takes this path only for layers wholly int8 per channel).
+device; the engine takes this path only for layers wholly int8 per channel). Through slots (the expert cache's
+one-token steps), slot_of [E] names the block of the slot buffer [S, stride] holding expert e, its meta row still
+meta[e]: the same arithmetic on the same bytes, so a cached step equals the resident one bit for bit.
 """
 
 from __future__ import annotations
@@ -151,14 +153,17 @@ def _kernel(gated: bool):
                     s = dp4a(raw[i * UNROLL + u, q], act[u, q], s)
                 acc[i] = s
 
-    def kernel(src, part_max, ids, words, scales, meta, stride, n_rows, n_in, out):
+    def kernel(src, part_max, ids, words, scales, meta, stride, n_rows, n_in, slot_of, use_slots, out):
         """src: x [1, D] (gate_up) or h [K, F] (down) as flat float32; part_max [K, G] float32, written (gate_up,
         G = its grid.y) or read (down); ids [K] int32; words / scales: the layer's expert buffer [E, stride] as
         flat uint32 / float32; meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows
-        and input values (F, D for gate_up; D, F for down); out [K, n_rows] float32. Grid (K, row blocks)."""
+        and input values (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert
+        e's block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed), its meta still
+        meta[e]; out [K, n_rows] float32. Grid (K, row blocks)."""
         k = cuda.blockIdx.x
         e = ids[k]
-        if meta[e, 0] != CODE_INT8 or meta[e, 1] != SCALE_CHANNEL:
+        block = slot_of[e] if use_slots != 0 else e
+        if block < 0 or meta[e, 0] != CODE_INT8 or meta[e, 1] != SCALE_CHANNEL:
             return  # uniform over the block: it leaves before any barrier
         tid = cuda.threadIdx.x
         lane, warp = tid % WARP, tid // WARP
@@ -173,7 +178,7 @@ def _kernel(gated: bool):
                 m = max(m, part_max[k, j])
         s, inv = row_scale(block_max(m, partial))
         src0 = 0 if gated else k * n_in
-        base = e * stride
+        base = block * stride
         roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
         sidx = cuda.local.array(nw, np.int64)  # float index of its channel scale
         raw = cuda.local.array((n_raw, 4), np.uint32)
@@ -221,39 +226,43 @@ def gate_up_parts(F: int) -> int:
     return row_blocks(F, True)
 
 
-def _check_slots(ids, experts, meta, F: int, D: int) -> int:
+def _check_slots(ids, experts, meta, F: int, D: int, slot_of) -> int:
     """moe_q8.check_layer and the slot ids; returns K."""
-    check_layer(experts, meta, F, D)
+    check_layer(experts, meta, F, D, slot_of)
     K = ids.shape[1] if ids.ndim == 2 else 0
     check_array("ids", ids, (1, K), np.int32)
     return K
 
 
-def _launch(gated, src, part_max, ids, experts, meta, n_rows, n_in, out, stream):
+def _launch(gated, src, part_max, ids, experts, meta, n_rows, n_in, out, stream, slot_of):
     grid = (ids.size, row_blocks(n_rows, gated))
-    args = (src.reshape(src.size), part_max, ids.reshape(ids.size), *buffer_args(experts, meta), n_rows, n_in, out)
-    _kernel(gated)[1][grid, THREADS, stream](*args)
+    slots = slot_of if slot_of is not None else ids.reshape(ids.size)  # unread without slots
+    args = (src.reshape(src.size), part_max, ids.reshape(ids.size), *buffer_args(experts, meta), n_rows, n_in)
+    _kernel(gated)[1][grid, THREADS, stream](*args, slots, int(slot_of is not None), out)
 
 
-def launch_dp4a_gate_up(x, ids, experts, meta, F: int, D: int, h, part_max, stream=0) -> None:
+def launch_dp4a_gate_up(x, ids, experts, meta, F: int, D: int, h, part_max, stream=0, slot_of=None) -> None:
     """x [1, D] float32 (the token); ids [1, K] int32 (device); experts uint8 [E, stride] (the layer's blocks);
     meta [E, META_WIDTH] int32 (device); h [K, F] float32 out; part_max [K, gate_up_parts(F)] float32 out (the
-    down launch's input scales)."""
-    K = _check_slots(ids, experts, meta, F, D)
+    down launch's input scales). slot_of [E] int32 (device; the expert cache): experts is then the slot buffer
+    uint8 [S, stride], expert e reads slot slot_of[e] with its meta row meta[e]; slot k of an expert with
+    slot_of[e] < 0 is skipped (its rows of h and part_max untouched)."""
+    K = _check_slots(ids, experts, meta, F, D, slot_of)
     check_array("x", x, (1, D), np.float32)
     check_array("h", h, (K, F), np.float32)
     check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
-    _launch(True, x, part_max, ids, experts, meta, F, D, h, stream)
+    _launch(True, x, part_max, ids, experts, meta, F, D, h, stream, slot_of)
 
 
-def launch_dp4a_down(h, part_max, ids, experts, meta, F: int, D: int, y, stream=0) -> None:
+def launch_dp4a_down(h, part_max, ids, experts, meta, F: int, D: int, y, stream=0, slot_of=None) -> None:
     """h [K, F] float32 and part_max [K, gate_up_parts(F)] float32 (launch_dp4a_gate_up's outputs) -> y [K, D]
-    float32 = h[k] @ down[ids[k]]^T with h[k] through int8, not yet weighted by the router."""
-    K = _check_slots(ids, experts, meta, F, D)
+    float32 = h[k] @ down[ids[k]]^T with h[k] through int8, not yet weighted by the router. slot_of as in
+    launch_dp4a_gate_up (the same map: rows it skipped are skipped here too)."""
+    K = _check_slots(ids, experts, meta, F, D, slot_of)
     check_array("h", h, (K, F), np.float32)
     check_array("part_max", part_max, (K, gate_up_parts(F)), np.float32)
     check_array("y", y, (K, D), np.float32)
-    _launch(False, h, part_max, ids, experts, meta, D, F, y, stream)
+    _launch(False, h, part_max, ids, experts, meta, D, F, y, stream, slot_of)
 
 
 def quantize_row_reference(v: np.ndarray) -> tuple[np.ndarray, np.float32]:
@@ -301,5 +310,5 @@ def dp4a_reference(x, ids, blocks, meta, F: int, D: int, h=None) -> tuple[np.nda
 def sm90_signatures():
     """(python function, numba signature, compile options) of both kernels for the sm_90 compile check."""
     f1, f2, i1, i64 = types.float32[::1], types.float32[:, ::1], types.int32[::1], types.int64
-    sig = (f1, f2, i1, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, f2)
+    sig = (f1, f2, i1, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, i1, i64, f2)
     return [(_kernel(gated)[0], sig, {"launch_bounds": (THREADS, BLOCKS_PER_SM)}) for gated in (True, False)]

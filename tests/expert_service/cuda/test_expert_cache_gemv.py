@@ -17,6 +17,7 @@ from common.model_format import ModelDir
 from expert_service.cuda.moe_strategy import MoeStrategy
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import CacheStats
+from expert_service.kernels.expert_quant import CODE_INT8, SCALE_CHANNEL
 from expert_service.tools.tiny_model import make_tiny
 from tests.expert_service.cuda.test_quantized import quantized_model
 from tests.helpers import rel_error, run_session
@@ -96,3 +97,26 @@ def test_graph_replay_equals_eager_pass(model):
         engine.decoder.close()
     (a, ta, sa), (b, tb, sb) = runs
     assert ta == tb and sa == sb and bitwise(a, b)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_int8_activations_cached_equal_resident_bitwise(model, graphs):
+    """CudaOptions.q8_decode_activations: the resident one-token steps of a layer wholly int8 per channel run
+    moe_q8_dp4a, and so do the cache's (through the slot map), so the two stay bitwise equal at K and K + 1 slots,
+    misses served mid-step; layers of other encodings keep moe_q8 both ways. The option changes the outputs of
+    int8 models only."""
+    K = model.config.num_experts_per_tok
+    on, off = CudaOptions(q8_decode_activations=True), CudaOptions(q8_decode_activations=False)
+    ref_logits, ref_tokens, _, _, resident = run_session(
+        model, backend="cuda", prompts=ONE_TOKEN, cuda_options=on, cuda_graphs=graphs
+    )
+    resident.decoder.close()
+    plain_logits = run_session(model, backend="cuda", prompts=ONE_TOKEN, cuda_options=off)[0]
+    int8 = any(kinds == ((CODE_INT8, SCALE_CHANNEL),) for kinds in resident.decoder.weights.expert_kinds.values())
+    assert bitwise(ref_logits, plain_logits) != int8, "the option must change the outputs of int8 layers only"
+    for slots in (K, K + 1):
+        logits, tokens, stats, engine = session(model, slots, prefetch="none", cuda_options=on, cuda_graphs=graphs)
+        assert strategy(engine) is MoeStrategy.CACHED_GEMV
+        assert tokens == ref_tokens and bitwise(logits, ref_logits), f"{slots} slots differ from resident"
+        assert sum(stats, CacheStats()).misses > 0
+        engine.decoder.close()

@@ -209,7 +209,7 @@ def test_workspace_holds_what_the_reachable_strategies_need(monkeypatch):
     assert half["expert_gate_up"] == ((rows, 2 * F), f32) and half["expert_h"] == ((rows, F), f16)
 
 
-def test_int8_activation_buffers_are_laid_out_wherever_moe_q8_runs():
+def test_int8_activation_buffers_are_laid_out_wherever_moe_q8_or_the_cache_gemv_runs():
     """moe_q8's steps (one token by slot, grouped up to GROUPED_MAX_TOKENS) may run on int8 activations under
     CudaOptions.q8_decode_activations, which set_options may turn on at any time: an 8-bit model's workspace
     holds the per-block SwiGLU maxima of its largest such step and the int8 token rows, whatever the options;
@@ -226,6 +226,14 @@ def test_int8_activation_buffers_are_laid_out_wherever_moe_q8_runs():
         assert q8["moe_x_q8"] == ((rows, D), u8) and q8["moe_x_scale"] == ((rows,), f32), T
     bf16 = layout_workspace(config, np.dtype(np.uint16), 512, 16, 16, len(config.moe_layers))
     assert not {"moe_gate_part_max", "moe_x_q8", "moe_x_scale"} & set(bf16)
+    # the expert cache's one-token steps (CACHED_GEMV) take the maxima of one token's K rows; its grouped waves
+    # never run on int8 activations, and a bf16 cache needs neither
+    for T in (1, 512):
+        cached = layout_workspace(config, np.dtype(np.uint16), T, 16, 16, 4, cached=True, quantized=True)
+        assert cached["moe_gate_part_max"] == ((K, gate_up_parts(F)), f32), T
+        assert not {"moe_x_q8", "moe_x_scale"} & set(cached), T
+        cached_bf16 = layout_workspace(config, np.dtype(np.uint16), T, 16, 16, 4, cached=True)
+        assert "moe_gate_part_max" not in cached_bf16, T
 
 
 # --- routing=lut: the step's plan staged with its metadata ------------------------------------------------

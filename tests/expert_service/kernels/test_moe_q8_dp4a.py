@@ -29,14 +29,15 @@ SHAPE = (528, 528) if SIMULATOR else (1040, 1040)  # F, D
 SMALL = (48, 80) if SIMULATOR else SHAPE  # the checks that need no full step (the simulator's minute is spent once)
 
 
-def run(x, ids, W, meta, F, D):
+def run(x, ids, W, meta, F, D, slot_of=None):
     K = ids.shape[1]
     dids, dW, dmeta = cuda.to_device(ids), cuda.to_device(W), cuda.to_device(meta)
     h = cuda.to_device(np.full((K, F), np.nan, np.float32))
     part = cuda.to_device(np.full((K, gate_up_parts(F)), np.nan, np.float32))
     y = cuda.to_device(np.full((K, D), np.nan, np.float32))
-    launch_dp4a_gate_up(cuda.to_device(x), dids, dW, dmeta, F, D, h, part)
-    launch_dp4a_down(h, part, dids, dW, dmeta, F, D, y)
+    slots = dict(slot_of=cuda.to_device(slot_of)) if slot_of is not None else {}
+    launch_dp4a_gate_up(cuda.to_device(x), dids, dW, dmeta, F, D, h, part, **slots)
+    launch_dp4a_down(h, part, dids, dW, dmeta, F, D, y, **slots)
     return h.copy_to_host(), part.copy_to_host(), y.copy_to_host()
 
 
@@ -123,6 +124,32 @@ def test_dp4a_decode_non_finite_token_and_other_encodings(where):
         h, part, y = run(x, ids, W, meta, F, D)
         assert np.isnan(h[[0, 2]]).all() and np.isnan(y[[0, 2]]).all(), f"a token holding {bad} must give NaN rows"
         assert np.isinf(part[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_dp4a_decode_through_slots_equals_the_resident_layout(where):
+    """The expert cache's layout: the experts' blocks in a slot buffer of other size and order (stale blocks in the
+    other slots), found through slot_of with their meta rows by expert id. The outputs equal the resident
+    launch's bit for bit; an expert whose slot is -1 is not computed (its rows stay NaN)."""
+    F, D = SMALL
+    rng = np.random.default_rng(13)
+    W, meta = q8_layer(rng, [INT8] * 5, F, D)
+    ids = np.array([[3, 0, 4]], np.int32)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    resident = run(x, ids, W, meta, F, D)
+    stale, _ = q8_layer(rng, [INT8] * 4, F, D)
+    buffer = stale.copy()
+    slot_of = np.full(5, -1, np.int32)
+    slot_of[[3, 0, 4]] = [2, 0, 3]
+    buffer[[2, 0, 3]] = W[[3, 0, 4]]
+    for got, want in zip(run(x, ids, buffer, meta, F, D, slot_of), resident):
+        np.testing.assert_array_equal(got, want)
+    slot_of[0] = -1
+    h, part, y = run(x, ids, buffer, meta, F, D, slot_of)
+    assert np.isnan(h[1]).all() and np.isnan(part[1]).all() and np.isnan(y[1]).all(), "slot -1 must be skipped"
+    np.testing.assert_array_equal(y[[0, 2]], resident[2][[0, 2]])
+    with pytest.raises(ValueError, match="slot_of must be"):
+        launch_dp4a_gate_up(x, ids, buffer, meta, F, D, h, part, slot_of=slot_of.astype(np.int64))
 
 
 def test_dp4a_launchers_refuse_bad_arrays():
