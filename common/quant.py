@@ -9,7 +9,8 @@ Two dtypes and two scale schemes, the scale always a float32 *multiplier* (dequa
                    infinity: an overflowing cast would give NaN)
 
 fp8 bytes are stored raw (uint8); a 256-entry table decodes them, so the reference never depends on how a
-library casts. All-zero rows/blocks get scale 1 (their q is 0 either way); non-finite weights are refused.
+library casts. All-zero rows/blocks get scale 1 (their q is 0 either way), rows too small for max / limit to be a
+nonzero float32 the smallest one; non-finite weights are refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FP8_MAX = 448.0
 BLOCK = 128
 CHANNEL, BLOCK128 = "channel", "block128"
 SCHEMES = (CHANNEL, BLOCK128)
+SMALLEST_SCALE = np.float32(2.0**-149)  # the smallest positive float32 (a subnormal)
 
 
 def _fp8_table() -> np.ndarray:
@@ -92,7 +94,10 @@ def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np
         raise ModelFormatError(f"tensor {name}: non-finite weights cannot be quantized to {dtype}")
     limit = INT8_MAX if dtype == "int8" else FP8_MAX
     amax = _amax(values, scheme)
-    scale = np.where(amax > 0, amax / np.float32(limit), np.float32(1.0)).astype(np.float32)
+    # max / limit underflows to 0 for rows of subnormal weights: the smallest float32 still holds them (0 / 0
+    # would make NaN codes).
+    scale = np.where(amax > 0, np.maximum(amax / np.float32(limit), SMALLEST_SCALE), np.float32(1.0))
+    scale = scale.astype(np.float32)
     scaled = values / expand_scale(scale, scheme, values.shape)
     # amax / limit rounds, so w / scale may land a hair past the limit: clip (saturate), never overflow.
     np.clip(scaled, -limit, limit, out=scaled)

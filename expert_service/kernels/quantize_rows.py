@@ -1,7 +1,7 @@
 """Per-row dynamic quantization of activations to 8 bits (int8 or fp8 e4m3), the A operand of the W8A8 grouped GEMM
-(`moe_gemm_w8a8`): each row gets its own scale, max|row| / 127 (int8) or / 448 (fp8), 1 for an all-zero row, and
-q = round(v / scale) saturated to the type's range -- `common.quant.quantize` with per-channel scales applied to the
-rows, which is this kernel's numpy reference (`quantize_rows_reference`).
+(`moe_gemm_w8a8`): each row gets its own scale, max|row| / 127 (int8) or / 448 (fp8) but at least the smallest
+float32, 1 for an all-zero row, and q = round(v / scale) saturated to the type's range -- `common.quant.quantize`
+with per-channel scales applied to the rows, which is this kernel's numpy reference (`quantize_rows_reference`).
 
 Two sources, one launch each, grid (rows,) of QUANT_THREADS:
 - gathered: x [T, D] float32 through moe_align's sorted_ids (row r is token sorted_ids[r] // K; padding rows, -1,
@@ -32,6 +32,7 @@ INT8_MAX, FP8_MAX = common_quant.INT8_MAX, common_quant.FP8_MAX
 # Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer, ties to even.
 _RNE_MAGIC = np.float32(12582912.0)
 _FP8_MIN_NORMAL = np.float32(2.0 ** -6)
+_SMALLEST_SCALE = common_quant.SMALLEST_SCALE
 DTYPES = {CODE_INT8: "int8", CODE_FP8: "float8_e4m3fn"}  # common.quant's names
 
 
@@ -123,7 +124,8 @@ def _build(gathered: bool, code: int):
                 elif amax == amax:
                     amax = max(amax, abs(v))
         amax = _block_max(amax)
-        scale = amax / limit if amax > np.float32(0.0) else np.float32(1.0)
+        # a row of subnormals: max / limit underflows to 0; the smallest float32 holds it (common.quant does the same)
+        scale = max(amax / limit, _SMALLEST_SCALE) if amax > np.float32(0.0) else np.float32(1.0)
         if amax != amax:
             scale = amax
         if cuda.threadIdx.x == 0:

@@ -83,3 +83,42 @@ def test_non_finite_weights_are_refused_naming_the_tensor(bad):
 def test_int8_takes_per_channel_scales_only():
     with pytest.raises(ModelFormatError, match="per-channel"):
         quant.quantize(np.ones((2, 2), np.float32), "int8", quant.BLOCK128, "w")
+
+
+@pytest.mark.parametrize(
+    "dtype, scheme", [("int8", quant.CHANNEL), ("float8_e4m3fn", quant.CHANNEL), ("float8_e4m3fn", quant.BLOCK128)]
+)
+def test_rows_too_small_for_a_normal_scale_keep_their_values_and_never_get_nan_bytes(dtype, scheme):
+    """max|row| / 127 (or / 448) underflows float32 to 0 for rows of subnormal weights: a zero scale would divide
+    0 by 0 into NaN codes (an e4m3fn NaN byte, an undefined int8) and lose the row. Rows of normal weights sit
+    between them so the scales of other rows and blocks are seen to stay as before."""
+    rng = np.random.default_rng(11)
+    tiny = np.float32(2.0**-149)  # the smallest positive float32
+    values = (rng.standard_normal((260, 140)) * rng.uniform(0.1, 4, size=(260, 1))).astype(np.float32)
+    tiny_rows = rng.choice(260, size=40, replace=False)
+    # subnormal multiples of `tiny`, at most 60 units: max / 127 and max / 448 round to a zero float32
+    values[tiny_rows] = rng.integers(-60, 61, size=(40, 140)).astype(np.float32) * tiny
+    values[tiny_rows[:5]] = 0.0  # all-zero rows too
+    if scheme == quant.BLOCK128:
+        values[:128, :128] = rng.integers(-60, 61, size=(128, 128)).astype(np.float32) * tiny  # a tiny block
+    q, scale = quant.quantize(values, dtype, scheme, "w")
+    assert np.isfinite(scale).all() and (scale > 0).all()
+    if dtype == "float8_e4m3fn":
+        assert not np.any((q & 0x7F) == 0x7F)
+    else:
+        assert q.min() >= -127
+    back = quant.dequantize(q, scale, dtype, scheme)
+    step = np.broadcast_to(quant.expand_scale(scale, scheme, values.shape), values.shape)
+    small = np.zeros(values.shape, dtype=bool)  # the elements whose scale is the smallest float32
+    if scheme == quant.BLOCK128:
+        small[:128, :128] = True
+    else:
+        row_max = np.abs(values).max(axis=1)
+        small[(row_max > 0) & (row_max <= 60 * tiny)] = True
+    assert np.all(step[small] == tiny) and small.sum() >= 35 * 128
+    if dtype == "int8":  # a scale of one unit holds integer multiples of it exactly
+        assert np.array_equal(back[small], values[small])
+        assert np.all(np.abs(back - values) <= 0.5 * step * (1 + 1e-6))
+    else:
+        bound = np.maximum(np.abs(values) * 2.0**-4, step * 2.0**-10) * (1 + 1e-6)
+        assert np.all(np.abs(back - values) <= bound)

@@ -94,6 +94,28 @@ def test_fp8_codes_cover_every_range():
 
 
 @pytest.mark.parametrize("code", CODES)
+def test_rows_of_subnormals_match_reference_without_nan_codes(code):
+    """max|row| / 127 (or / 448) underflows to 0 for rows of subnormals: the scale is then the smallest float32,
+    as in common.quant, never 0 (0 / 0 would be a NaN code and the row lost)."""
+    rng = np.random.default_rng(20 + code)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    x[1:5] = rng.integers(-60, 61, size=(4, 40)).astype(np.float32) * np.float32(2.0**-149)
+    x[2, 0] = 0.0
+    sorted_ids = cuda.to_device(np.arange(6, dtype=np.int32))
+    one = cuda.to_device(np.array([1], np.int32))
+    q = cuda.to_device(np.full(x.shape, 0xAB, np.uint8))
+    scales = cuda.to_device(np.full(6, np.nan, np.float32))
+    launch_quantize_gathered(cuda.to_device(x), sorted_ids, one, 1, 6, code, q, scales)
+    ref_q, ref_s = quantize_rows_reference(x, code)
+    got_q, got_s = q.copy_to_host(), scales.copy_to_host()
+    assert (got_s > 0).all() and np.isfinite(got_s).all()
+    np.testing.assert_array_equal(got_s, ref_s)
+    np.testing.assert_array_equal(got_q, ref_q)
+    if code == CODE_FP8:
+        assert not np.any((got_q & 0x7F) == 0x7F)
+
+
+@pytest.mark.parametrize("code", CODES)
 def test_non_finite_row_gets_nan_scale(code):
     x = np.ones((2, 8), np.float32)
     x[1, 3] = np.inf
