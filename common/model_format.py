@@ -427,7 +427,8 @@ class ModelDir:
 
 def load_json(path: Path, error: type[Exception]) -> object:
     """A JSON file as Python values, refusing what would later overflow or recurse: NaN/Infinity, numbers
-    that do not fit a double (1e999), nesting deeper than a manifest ever needs."""
+    that do not fit a double (1e999), nesting deeper than a manifest ever needs; and a key repeated in one
+    object, which would silently lose all but its last value."""
 
     def reject_constant(name: str):
         raise error(f"{path}: {name} is not a valid JSON number here")
@@ -450,8 +451,17 @@ def load_json(path: Path, error: type[Exception]) -> object:
         deepest = max(deepest, depth)
     if deepest > MAX_JSON_DEPTH:
         raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+    def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+        result: dict = {}
+        for key, value in pairs:
+            if key in result:  # json.loads would keep the last value silently
+                raise error(f"{path}: duplicate key {key!r}")
+            result[key] = value
+        return result
+
     try:
-        return json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
+        return json.loads(text, parse_constant=reject_constant, parse_float=finite_float, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
 

@@ -11,7 +11,8 @@ per-layer / per-expert file (JSON, or YAML when the name ends in .yaml/.yml; doc
 
 Each rule names a dtype (bfloat16, float16, float32, int8, fp8 / float8_e4m3fn); later rules win: default,
 then layers, then experts, then keep_hot. Unknown keys, layers that are not MoE layers and experts out of
-range are refused, one line naming the file and the key.
+range are refused, one line naming the file and the key, as are a key written twice (or two keys naming one layer
+or expert) and an experts key that is not a string (YAML reads an unquoted 1.10 as the number 1.1).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class ExpertPlan:
 
 def _index(key: object, limit: int, where: str, what: str) -> int:
     text = str(key)
-    if not text.isdigit() or not 0 <= int(text) < limit:
+    if not (text.isascii() and text.isdigit()) or not 0 <= int(text) < limit:  # str.isdigit alone takes '²'
         raise ConfigError(f"{where}: {what} {key!r} is not in [0, {limit})")
     return int(text)
 
@@ -94,19 +95,28 @@ def load_plan(
         default = expert_format(default.dtype, scheme)
     chosen: dict[tuple[int, int], ExpertFormat] = {}
     moe_layers, num_experts = config.moe_layers, config.num_experts
+    named_layers: set[int] = set()  # 0 and '0' (or 2 and 02) are two keys but one layer: never pick one silently
     for key, value in _mapping(spec.get("layers", {}), path, "layers").items():
         layer = _index(key, config.num_hidden_layers, f"{path}: layers", "layer")
         if layer not in moe_layers:
             raise ConfigError(f"{path}: layers: layer {layer} has no routed experts (MoE layers: {moe_layers})")
+        if layer in named_layers:
+            raise ConfigError(f"{path}: layers: layer {layer} is named twice")
+        named_layers.add(layer)
         chosen.update({(layer, j): fmt(value, f"layers.{key}") for j in range(num_experts)})
+    named_experts: set[tuple[int, int]] = set()
     for key, value in _mapping(spec.get("experts", {}), path, "experts").items():
-        layer_text, _, expert_text = str(key).partition(".")
+        if not isinstance(key, str):  # YAML reads 1.10 as the number 1.1: it would name expert 1
+            raise ConfigError(f"{path}: experts: key {key!r} must be a quoted string 'layer.expert'")
+        layer_text, _, expert_text = key.partition(".")
         layer = _index(layer_text, config.num_hidden_layers, f"{path}: experts.{key}", "layer")
         if layer not in moe_layers:
             raise ConfigError(f"{path}: experts: layer {layer} has no routed experts (MoE layers: {moe_layers})")
-        chosen[layer, _index(expert_text, num_experts, f"{path}: experts.{key}", "expert")] = fmt(
-            value, f"experts.{key}"
-        )
+        expert = _index(expert_text, num_experts, f"{path}: experts.{key}", "expert")
+        if (layer, expert) in named_experts:
+            raise ConfigError(f"{path}: experts: expert {expert} of layer {layer} is named twice")
+        named_experts.add((layer, expert))
+        chosen[layer, expert] = fmt(value, f"experts.{key}")
     hot = _keep_hot(spec["keep_hot"], config, path) if "keep_hot" in spec else frozenset()
     return ExpertPlan(default, chosen, hot)
 
@@ -146,8 +156,29 @@ def _read(path: Path) -> dict:
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
+        class UniqueKeyLoader(yaml.SafeLoader):
+            """SafeLoader refusing a key written twice in one mapping (PyYAML keeps the last silently)."""
+
+            def construct_mapping(self, node, deep=False):
+                seen = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's rule
+                        continue
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        duplicate = key in seen
+                    except TypeError:  # unhashable: SafeLoader names it below
+                        continue
+                    if duplicate:
+                        mark = key_node.start_mark
+                        raise ConfigError(
+                            f"{path}: duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})"
+                        )
+                    seen.add(key)
+                return super().construct_mapping(node, deep)
+
         try:
-            spec = yaml.safe_load(path.read_text())
+            spec = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     else:

@@ -123,6 +123,32 @@ def test_bad_expert_dtype_files_are_one_line(tmp_path, capsys, text, message):
     assert not (tmp_path / "m" / "colibri.json").exists()
 
 
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("plan.yaml", "experts: {1.10: bfloat16}", r"plan\.yaml: experts: key 1\.1 must be a quoted string 'layer\.expert'"),
+        ("plan.yaml", "experts: {1: bfloat16}", r"plan\.yaml: experts: key 1 must be a quoted string 'layer\.expert'"),
+        ("plan.json", '{"layers": {"0": "int8", "0": "fp8"}}', r"plan\.json: duplicate key '0'$"),
+        ("plan.yaml", "layers: {0: int8, 0: fp8}", r"plan\.yaml: duplicate key 0 \(line 1, column 19\)$"),
+        ("plan.yaml", "layers: {0: int8, '0': fp8}", r"plan\.yaml: layers: layer 0 is named twice$"),
+        ("plan.json", '{"experts": {"1.2": "int8", "1.02": "fp8"}}', r"plan\.json: experts: expert 2 of layer 1 is named twice$"),
+        ("plan.json", '{"layers": {"\u00b2": "int8"}}', r"plan\.json: layers: layer '\u00b2' is not in \[0, 2\)$"),
+        ("plan.json", '{"experts": {"1.\u0661": "int8"}}', r"plan\.json: experts\.1\.\u0661: expert '\u0661' is not in \[0, 4\)$"),
+    ],
+)  # fmt: skip
+def test_ambiguous_expert_dtype_files_are_refused_not_guessed(tmp_path, capsys, name, text, message):
+    """A YAML float key 1.10 is the number 1.1, so it would pick expert 1; a key named twice (or twice
+    after normalising, 0 and '0', 2 and 02) would silently lose all but one choice; only ASCII digits count."""
+    hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    (tmp_path / name).write_text(text)
+    rc, out, err = run_cli(
+        capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", "--expert-dtype-file", str(tmp_path / name)
+    )
+    assert rc == ConfigError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("colibri convert: error: ") and re.search(message, err.rstrip()), err
+    assert not (tmp_path / "m" / "colibri.json").exists()
+
+
 def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys):
     hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
     rc, _, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", "--expert-dtype", "int4")
