@@ -6,7 +6,8 @@
                  X.weight_scale_inv  F32 [ceil(out/128), ceil(in/128)], a multiplier per 128x128 block
                                      (some exporters name it X.weight_scale)
 
-Any other `quant_method` (compressed-tensors, gptq, awq, bitsandbytes, ...) is refused in one line. Only
+Any other `quant_method` (compressed-tensors, gptq, awq, bitsandbytes, ...) is refused in one line, as is any
+ambiguity: an fp8 tensor that is not a matrix, two scales for one weight, a scale beside unquantized weights. Only
 weights are read: activations run in float32/bf16 here whatever `activation_scheme` says.
 """
 
@@ -78,7 +79,10 @@ def check_fp8_tensor(
     """Checks one checkpoint tensor against the fp8 rules; returns (scale name, scale shape) when it is
     stored fp8, None when it is not. Run over every tensor before anything is written."""
     dtype, shape = where[hf_name].tensors[hf_name]
+    present = [hf_name + suffix for suffix in SCALE_SUFFIXES if hf_name + suffix in where]
     if dtype != FP8:
+        if present:  # a scale beside unquantized weights: what it should multiply is anyone's guess
+            raise ModelFormatError(f"{hf_dir}: tensor {present[0]}: a scale for {hf_name}, which is {dtype}, not {FP8}")
         return None
     if fp8 is None:
         raise ModelFormatError(
@@ -88,18 +92,22 @@ def check_fp8_tensor(
         raise ModelFormatError(
             f"{hf_dir}: tensor {hf_name} is {FP8} but config.json lists its module in modules_to_not_convert"
         )
-    expected = quant.scale_shape(quant.BLOCK128, shape)
-    for suffix in SCALE_SUFFIXES:
-        name = hf_name + suffix
-        if name in where:
-            scale_dtype, scale_shape = where[name].tensors[name]
-            if scale_dtype != "F32" or tuple(scale_shape) != expected:
-                raise ModelFormatError(
-                    f"{hf_dir}: tensor {name} is {scale_dtype} {list(scale_shape)}, expected F32 {list(expected)} "
-                    f"(one scale per 128x128 block of {hf_name})"
-                )
-            return name, expected
-    raise ModelFormatError(f"{hf_dir}: tensor {hf_name} is {FP8} but has no {hf_name}_scale_inv (or _scale)")
+    if len(shape) != 2:
+        raise ModelFormatError(
+            f"{hf_dir}: tensor {hf_name} is {FP8} {list(shape)}: only matrices are read block-quantized"
+        )
+    if not present:
+        raise ModelFormatError(f"{hf_dir}: tensor {hf_name} is {FP8} but has no {hf_name}_scale_inv (or _scale)")
+    if len(present) > 1:  # exporters disagree on whether "_scale" multiplies or divides: never pick one
+        raise ModelFormatError(f"{hf_dir}: tensor {hf_name} has both {' and '.join(present)}; expected one scale")
+    name, expected = present[0], quant.scale_shape(quant.BLOCK128, shape)
+    scale_dtype, scale_shape = where[name].tensors[name]
+    if scale_dtype != "F32" or tuple(scale_shape) != expected:
+        raise ModelFormatError(
+            f"{hf_dir}: tensor {name} is {scale_dtype} {list(scale_shape)}, expected F32 {list(expected)} "
+            f"(one scale per 128x128 block of {hf_name})"
+        )
+    return name, expected
 
 
 def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:

@@ -248,9 +248,24 @@ def nan_byte(t):
     t[EXPERT].view(dtype=__import__("torch").uint8)[3, 5] = 0x7F
 
 
+NORM = "model.layers.0.post_attention_layernorm.weight"
+ROUTER = "model.layers.1.mlp.gate.weight"
+
+
+def fp8_norm(t):
+    """A vector stored fp8 with a one-block scale: block scales are defined for matrices only."""
+    import torch
+
+    q, scale = quant.quantize(t[NORM].float().numpy()[None, :], "float8_e4m3fn", quant.BLOCK128, NORM)
+    t[NORM], t[NORM + "_scale_inv"] = torch.from_numpy(q[0]).view(torch.float8_e4m3fn), torch.from_numpy(scale[0])
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
+        (fp8_norm, f"tensor {NORM} is F8_E4M3 [64]: only matrices are read block-quantized"),
+        (lambda t: t.update({EXPERT + "_scale": t[EXPERT + "_scale_inv"] * 2}), f"tensor {EXPERT} has both {EXPERT}_scale_inv and {EXPERT}_scale"),
+        (lambda t: t.update({ROUTER + "_scale_inv": t[EXPERT + "_scale_inv"].clone()}), f"tensor {ROUTER}_scale_inv: a scale for {ROUTER}, which is BF16, not F8_E4M3"),
         (lambda t: t.pop(EXPERT + "_scale_inv"), f"tensor {EXPERT} is F8_E4M3 but has no {EXPERT}_scale_inv (or _scale)"),
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].repeat(2, 1)}), f"{EXPERT}_scale_inv is F32 [2, 1], expected F32 [1, 1]"),
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].double()}), f"{EXPERT}_scale_inv is F64 [1, 1], expected F32 [1, 1]"),
