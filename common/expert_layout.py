@@ -156,9 +156,9 @@ def read_expert_layout(model: ManifestView, layer: int, expert: int) -> ExpertLa
         weight_offsets, _, scale_offsets, _ = block_layout(fmt, weights[0].shape[0], weights[0].shape[1])
         planned = weight_offsets + scale_offsets
         ok = base == expert * stride and all(t.offset == base + o for t, o in zip(tensors, planned))
-    else:  # version 1: the three matrices back to back from an aligned start
+    else:  # version 1: the three matrices back to back from expert x stride, where the cuda backend reads them
         planned = (0, weights[0].nbytes, weights[0].nbytes + weights[1].nbytes)
-        ok = all(t.offset == base + o for t, o in zip(tensors, planned))
+        ok = base == expert * stride and all(t.offset == base + o for t, o in zip(tensors, planned))
     nbytes = tensors[-1].offset + tensors[-1].nbytes - base
     if (
         not ok

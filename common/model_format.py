@@ -35,7 +35,8 @@ bfloat16 is stored as raw 16-bit words, float8_e4m3fn as raw bytes. All integers
 
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
-missing or unknown tensors, 8-bit dtypes outside routed experts, scales missing or of the wrong shape,
+missing or unknown tensors, 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
+(version 1: any tensor), scales missing or of the wrong shape,
 expert blocks off their planned offsets, and (unless told to skip) any crc32 mismatch, scales included;
 each is a one-line ``ModelFormatError``.
 """
@@ -306,6 +307,17 @@ class ModelDir:
                 raise ModelFormatError(
                     f"tensor {name}: {entry.nbytes} bytes do not fit {entry.dtype} "
                     f"{list(entry.shape)} (expected {expected} bytes)"
+                )
+            if self.version == 1 and entry.dtype != self.dtype:
+                raise ModelFormatError(
+                    f"tensor {name}: dtype {entry.dtype} in a version-1 directory, whose tensors are all "
+                    f"{self.dtype} (version 2 holds 8-bit experts)"
+                )
+            # same-size dtypes (bf16 / fp16) cannot be told apart by nbytes: the dense ones must be the manifest's
+            if entry.dtype != self.dtype and not _EXPERT_MATRIX.fullmatch(name) and not name.endswith(SCALE_SUFFIX):
+                raise ModelFormatError(
+                    f"tensor {name}: dtype {entry.dtype}, but every tensor other than routed experts' is the "
+                    f"manifest's dtype {self.dtype}"
                 )
             path = self._safe_path(entry.file, name)
             if entry.file not in file_sizes:

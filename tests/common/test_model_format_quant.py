@@ -198,3 +198,57 @@ def test_crc_of_every_scale_is_recorded(broken):
                 entry.shape
             )
             assert dtypes.STORAGE[entry.dtype] == np.float32
+
+
+def version_1_copy(v2: ModelDir, v1_dir: Path, slot_of_expert) -> Path:
+    """A version-1 directory of v2's tensors: each expert's tensors (scales too, if any) back to back from
+    byte slot_of_expert(expert) x stride, one stride for the model."""
+    v1_dir.mkdir()
+    manifest = json.loads((v2.path / MANIFEST).read_text())
+    (v1_dir / "dense.bin").write_bytes((v2.path / "dense.bin").read_bytes())
+    stride = v2.expert_stride
+    for layer in v2.config.moe_layers:
+        data = bytearray(v2.config.num_experts * stride)
+        for expert in range(v2.config.num_experts):
+            at = slot_of_expert(expert) * stride
+            names = [f"layers.{layer}.experts.{expert}.{p}" for p in PROJECTIONS]
+            for name in names + [n + "_scale" for n in names if n + "_scale" in manifest["tensors"]]:
+                raw = v2.raw_bytes(name).tobytes()
+                data[at : at + len(raw)] = raw
+                manifest["tensors"][name]["offset"] = at
+                at += len(raw)
+        (v1_dir / expert_file(layer)).write_bytes(bytes(data))
+    manifest.update(format_version=1, expert_stride=stride)
+    del manifest["expert_strides"]
+    (v1_dir / MANIFEST).write_text(json.dumps(manifest))
+    return v1_dir
+
+
+def test_a_version_1_directory_with_8bit_experts_is_refused(tmp_path):
+    """Version 1 has one dtype for every tensor and no scales: 8-bit experts in it mix the two versions."""
+    v2 = ModelDir.open(convert(checkpoint(tmp_path), tmp_path / "v2", "bfloat16", False, expert_dtype="int8"))
+    v1_dir = version_1_copy(v2, tmp_path / "v1", lambda expert: expert)
+    with pytest.raises(ModelFormatError, match=r"^tensor layers\.0\.experts\.0\.gate_proj: dtype int8 in a version-1 "
+                       r"directory, whose tensors are all bfloat16 \(version 2 holds 8-bit experts\)$"):  # fmt: skip
+        ModelDir.open(v1_dir)
+
+
+def test_a_version_1_expert_off_its_slot_is_refused(tmp_path):
+    """Expert j of a version-1 file lies at j x expert_stride: the cuda backend reads it there, whatever the
+    manifest's offsets say, so a manifest that swaps two experts would give the cpu and cuda backends
+    different weights."""
+    v2 = ModelDir.open(convert(checkpoint(tmp_path), tmp_path / "v2", "bfloat16", False))
+    swapped = version_1_copy(v2, tmp_path / "v1", lambda expert: {3: 4, 4: 3}.get(expert, expert))
+    with pytest.raises(ModelFormatError, match=r"^tensor layers\.0\.experts\.3\.gate_proj: expert 3 of layer 0 is not"):
+        ModelDir.open(swapped)
+    in_place = ModelDir.open(version_1_copy(v2, tmp_path / "v1-ok", lambda expert: expert))
+    assert [in_place.expert_layout(0, j).offset for j in range(5)] == [j * v2.expert_stride for j in range(5)]
+
+
+def test_a_dense_tensor_in_another_dtype_than_the_manifests_is_refused(broken):
+    """Only routed experts may differ from the dense dtype: a float16 label on a bfloat16 norm (same byte
+    size, so nbytes cannot tell) would be read as other values."""
+    change = set_tensor("final_norm", dtype="float16")
+    with pytest.raises(ModelFormatError, match=r"^tensor final_norm: dtype float16, but every tensor other than routed "
+                       r"experts' is the manifest's dtype bfloat16$"):  # fmt: skip
+        ModelDir.open(edit(broken, change), verify=False)
