@@ -87,7 +87,7 @@ class CpuDecoder:
                 self.config.moe_layers,
                 slot_plan.num_experts,
                 slot_plan.slots_per_layer,
-                slot_plan.expert_block_bytes,
+                lambda layer, expert: model.expert_block(layer, expert)[2],  # what HostCopyEngine reads
                 self.copy_engine,
                 config.expert_cache_policy,
             )

@@ -16,15 +16,15 @@ step, whatever the number of tokens routed to it (batch-level union).
 Accounting (per step and cumulative): a *hit* is a needed expert already resident or pending in a slot
 (a pending prefetch is a hit whose remaining copy time shows up as stall); a *miss* needs a copy issued
 by `acquire`. hits + misses = distinct experts per layer per step. ``bytes_copied`` counts every copy,
-demand and prefetch, in stored bytes: (misses + prefetches_issued) x expert block bytes. A prefetch is
-*used* when a later `acquire` hits the expert it brought in. ``stall_seconds`` is the time compute waited
-on copies.
+demand and prefetch, in stored bytes: each copied expert's own block (an int8 expert's bytes and scales, not
+the largest block of its layer). A prefetch is *used* when a later `acquire` hits the expert it brought in.
+``stall_seconds`` is the time compute waited on copies.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -161,7 +161,7 @@ class ExpertCache:
         moe_layers: Iterable[int],
         num_experts: int,
         slots_per_layer: int,
-        expert_nbytes: int,
+        expert_nbytes: int | Callable[[int, int], int],
         copy_engine: CopyEngine,
         policy: str | ReplacementPolicy = "lru",
     ):
@@ -169,7 +169,8 @@ class ExpertCache:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
         self.num_experts = num_experts
         self.slots_per_layer = slots_per_layer
-        self.expert_nbytes = expert_nbytes
+        # one size for every expert, or (layer, expert) -> its stored block: a layer may mix int8 and bf16 experts
+        self.block_nbytes = expert_nbytes if callable(expert_nbytes) else lambda layer, expert: expert_nbytes
         self.copy_engine = copy_engine
         self.policy: ReplacementPolicy = POLICIES[policy]() if isinstance(policy, str) else policy
         self.layers = {layer: _Layer(slots_per_layer) for layer in moe_layers}
@@ -301,7 +302,7 @@ class ExpertCache:
         self.policy.filled(layer, slot, expert)
         state.prefetched[slot] = False
         state.pending[slot] = self.copy_engine.copy(layer, expert, slot)
-        self._step.bytes_copied += self.expert_nbytes
+        self._step.bytes_copied += self.block_nbytes(layer, expert)
 
     def _claim(self, layer: int, state: _Layer, slot: int) -> None:
         state.in_use.add(slot)

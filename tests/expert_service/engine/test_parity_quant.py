@@ -133,3 +133,28 @@ def test_expert_cache_with_quantized_blocks_equals_resident_experts(case):
         assert cached.decoder.cache.total.misses > 0 and cached.decoder.cache.total.bytes_copied > 0
     finally:
         cached.decoder.close()
+
+
+def test_expert_cache_counts_each_copy_as_its_own_stored_block(case):
+    """A layer mixing int8, fp8 and fp32 experts: each copy moves that expert's block (quantized bytes and
+    scales), not the largest block of the model, and bytes_copied must say so."""
+    name, model, _, _, _ = case
+    cached = build_engine(
+        model, EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=1024, expert_cache_slots=2)
+    )
+    copied: list[tuple[int, int]] = []
+    engine_copy = cached.decoder.copy_engine.copy
+
+    def recording_copy(layer, expert, slot):
+        copied.append((layer, expert))
+        return engine_copy(layer, expert, slot)
+
+    cached.decoder.copy_engine.copy = recording_copy
+    try:
+        for n in (5, 17):
+            cached.prompt_logits(prompt(60 + n, n))
+        sizes = {model.expert_block(*key)[2] for key in copied}
+        assert len(sizes) > 1, f"{name}: the copies should move blocks of several sizes"
+        assert cached.decoder.cache.total.bytes_copied == sum(model.expert_block(*key)[2] for key in copied), name
+    finally:
+        cached.decoder.close()
