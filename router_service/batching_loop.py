@@ -107,7 +107,6 @@ class BatchingLoop:
         # Outputs of the last answer delivered after the next send: (output, its grammar already advanced). While
         # late masks are due, only the grammars of their requests are on the path from an answer to that send.
         self._deferred: list[tuple[object, bool]] = []
-        self._cache_reported: dict[int, tuple[int, int, int]] = {}  # prefix-cache counters already reported
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
         self._num_constrained = 0  # requests with a grammar: while any runs, at most two steps are in flight
@@ -583,11 +582,9 @@ class BatchingLoop:
         cache = self._ready_scheduler.prefix_cache
         if cache is None:
             return
-        counts = (cache.num_query_tokens, cache.num_hit_tokens, cache.num_evicted)
-        seen = self._cache_reported.get(id(cache), (0, 0, 0))  # a new connection's index counts from zero
-        if counts != seen:
-            self._cache_reported = {id(cache): counts}
-            self.hooks.on_prefix_cache(*(now - before for now, before in zip(counts, seen)))
+        counts = cache.unreported_counts()
+        if any(counts):
+            self.hooks.on_prefix_cache(*counts)
 
     @property
     def prefix_caching(self) -> bool:

@@ -148,6 +148,7 @@ class PrefixCache:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted = 0
+        self._reported = (0, 0, 0)  # the counters as unreported_counts last returned them
 
     # ---- hashing ----
     def hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
@@ -170,6 +171,14 @@ class PrefixCache:
     def _root(self, salt: str) -> bytes:
         """The parent of a prompt's first block: the model's identity, and the salt when there is one."""
         return hashlib.sha256(self.namespace + b"salt\0" + salt.encode()).digest() if salt else self.namespace
+
+    def unreported_counts(self) -> tuple[int, int, int]:
+        """(query tokens, hit tokens, evicted blocks) counted since the last call. Kept by the index itself: a
+        new index (a reconnect) starts from zero, whatever an earlier one reported."""
+        counts = (self.num_query_tokens, self.num_hit_tokens, self.num_evicted)
+        delta = (counts[0] - self._reported[0], counts[1] - self._reported[1], counts[2] - self._reported[2])
+        self._reported = counts
+        return delta
 
     # ---- what the scheduler reads ----
     @property
