@@ -151,6 +151,9 @@ def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: St
     limits.check(chunks, len(decodes), 0)
     if any(c.sampling.constrained for c in chunks):  # the unary calls carry no token masks
         raise InvalidRequestError("sampling.constrained", "constrained sequences run on the step stream only")
+    for field in ("cache_block_ids", "prefix_block_ids"):  # nothing could evict blocks cached by a unary call
+        if any(getattr(c, field) for c in chunks):
+            raise InvalidRequestError(field, "prefix caching runs on the step stream only")
     return StepRequest(
         0,
         np.zeros(0, "<u8"),

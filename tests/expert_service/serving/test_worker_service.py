@@ -110,6 +110,25 @@ def test_prefill_with_decodes_riding_along(stub):
     assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 2
 
 
+@pytest.mark.parametrize("field", ["cache_block_ids", "prefix_block_ids"])
+def test_the_unary_calls_cannot_cache_blocks_they_could_never_evict(stub, worker, field):
+    """The unary calls carry no evictions and never end as a stream does: a block cached through them would stay
+    out of the pool (and out of the router's count) until a ClearCache. Refused, the pool stays whole."""
+    s = pb.SamplingParams(temperature=0, top_p=1.0)
+    warm = pb.PrefillChunk(request_id=6, token_ids=list(range(1, 10)), sampling=s, is_last=True)
+    getattr(warm, field).extend([1, 2])
+    refused = None
+    try:
+        stub.Prefill(pb.PrefillRequest(chunks=[warm]))
+    except grpc.RpcError as e:
+        refused = e
+    stub.FilterBatch(pb.FilterBatchRequest())  # frees every sequence the unary calls started
+    allocator = worker.engine.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks and not allocator.cached
+    assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in refused.details() and "step stream" in refused.details()
+
+
 @pytest.mark.parametrize(
     "request_,code,needle",
     [
