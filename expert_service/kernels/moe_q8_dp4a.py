@@ -12,7 +12,7 @@ reads), THREADS threads a block, each warp ROWS_GATED gate rows and as many up r
            and writes the largest |h| of its rows to part_max[k, block] (a non-finite h counts as +inf);
   down:    each block reduces part_max[k, :] to m = max|h[k]|, then
            y[k, d] = sh sd[d] (q(h[k]) . down[e, d])                                         y [K, D] float32
-with s = m / 127 (1 for an all-zero row, as common.quant) and q(v) = v * (1 / s) rounded to the nearest integer,
+with s = m / 127 (1 for an all-zero row, as common.quant; at least 2**-126) and q(v) = v * (1 / s) rounded to the nearest integer,
 ties to even, from the exact product (one fma with 1.5 * 2**23: the low byte of its bits is the int8 code, since
 |v| <= m keeps |q| <= 127). A row with a non-finite value gives NaN outputs (never silently finite). Weight bytes
 stream as in moe_q8 (16-byte loads past L1, UNROLL chunks a row in flight before the first dp4a). Sums are exact
@@ -45,6 +45,7 @@ CHUNK = 16  # int8 values per 16-byte chunk
 INT8_MAX = np.float32(127.0)
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer in the low mantissa bits
 FLOAT_MAX = np.float32(np.finfo(np.float32).max)
+SMALLEST_NORMAL = np.float32(np.finfo(np.float32).tiny)  # 2**-126: the smallest row scale (1 / it is finite)
 _pair = prmt_fn(0x0040)  # [a.byte0, b.byte0, -, -]
 _quad = prmt_fn(0x5410)  # [a.byte0, a.byte1, b.byte0, b.byte1]
 
@@ -94,8 +95,9 @@ def block_max(value, partial):
 
 @cuda.jit(device=True, inline=True)
 def row_scale(m):
-    """(s, 1 / s) of a row whose largest magnitude is m."""
-    s = m / INT8_MAX if m > 0 else np.float32(1.0)
+    """(s, 1 / s) of a row whose largest magnitude is m; s at least the smallest normal float32, so 1 / s stays
+    finite (a row of subnormals keeps its values to that resolution instead of codes from an infinite 1 / s)."""
+    s = max(m / INT8_MAX, SMALLEST_NORMAL) if m > 0 else np.float32(1.0)
     return s, np.float32(1.0) / s
 
 
@@ -269,7 +271,7 @@ def quantize_row_reference(v: np.ndarray) -> tuple[np.ndarray, np.float32]:
     """A finite float32 row -> (int8 codes, scale) as the kernels quantize it (module docstring)."""
     v = np.asarray(v, np.float32)
     m = np.abs(v).max(initial=np.float32(0.0))
-    s = np.float32(m / INT8_MAX) if m > 0 else np.float32(1.0)
+    s = np.float32(max(np.float32(m / INT8_MAX), SMALLEST_NORMAL)) if m > 0 else np.float32(1.0)
     inv = np.float32(np.float32(1.0) / s)
     return np.rint(v.astype(np.float64) * np.float64(inv)).astype(np.int8), s
 

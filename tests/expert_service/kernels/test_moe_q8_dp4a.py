@@ -15,8 +15,10 @@ from expert_service.kernels.moe_q8_dp4a import (
     gate_up_parts,
     launch_dp4a_down,
     launch_dp4a_gate_up,
+    magnitude,
     quantize4,
     quantize_row_reference,
+    row_scale,
 )
 from expert_service.kernels.numeric import SIMULATOR
 from tests.expert_service.kernels.test_moe_gemm_q8mma import q8_layer
@@ -86,6 +88,34 @@ def test_quantize4_rounds_the_exact_product_once(where):
     out = cuda.to_device(np.zeros(64, np.uint32))
     _quantize_words[1, 64](v, np.array([inv], np.float32), out)
     np.testing.assert_array_equal(out.copy_to_host().view(np.int8), codes)
+
+
+@cuda.jit
+def _scale_and_quantize(values, out, scale):
+    """One thread: the row's max, row_scale, then quantize4 over the row, as the kernels do."""
+    if cuda.grid(1) == 0:
+        m = np.float32(0.0)
+        for v in values:
+            m = max(m, magnitude(v))
+        s, inv = row_scale(m)
+        scale[0] = s
+        for i in range(out.size):
+            out[i] = quantize4(values[4 * i], values[4 * i + 1], values[4 * i + 2], values[4 * i + 3], inv)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_row_too_small_for_a_normal_scale_keeps_its_codes(where):
+    """A row whose max / 127 is below the smallest normal float32 (max < 1.5e-36): the scale stops there, so
+    1 / scale stays finite and the codes are the reference's (an infinite 1 / scale turned every code into 0)."""
+    rng = np.random.default_rng(7)
+    v = (rng.standard_normal(64) * 3e-37).astype(np.float32)
+    v[0] = np.float32(1e-36)
+    codes, s = quantize_row_reference(v)
+    assert s == np.finfo(np.float32).tiny and np.abs(codes.astype(np.int32)).max() > 1
+    out, scale = cuda.to_device(np.zeros(16, np.uint32)), cuda.to_device(np.zeros(1, np.float32))
+    _scale_and_quantize[1, 1](v, out, scale)
+    np.testing.assert_array_equal(out.copy_to_host().view(np.int8), codes)
+    assert scale.copy_to_host()[0] == s
 
 
 @pytest.mark.parametrize("where", WHERE)
