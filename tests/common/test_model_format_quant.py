@@ -94,26 +94,9 @@ def test_version_1_directories_still_load(tmp_path):
     """A version-1 directory as its writer made it: one dtype, one stride, matrices back to back."""
     out = convert(checkpoint(tmp_path), tmp_path / "v2", "bfloat16", False)
     v2 = ModelDir.open(out)
-    v1_dir = tmp_path / "v1"
-    v1_dir.mkdir()
-    manifest = json.loads((out / MANIFEST).read_text())
-    (v1_dir / "dense.bin").write_bytes((out / "dense.bin").read_bytes())
     expert_nbytes = 3 * 19 * 64 * 2
     stride = align(expert_nbytes, EXPERT_ALIGN)
-    for layer in v2.config.moe_layers:
-        data = bytearray(v2.config.num_experts * stride)
-        for expert in range(v2.config.num_experts):
-            at = expert * stride
-            for p in PROJECTIONS:
-                name = f"layers.{layer}.experts.{expert}.{p}"
-                raw = v2.raw_bytes(name).tobytes()
-                data[at : at + len(raw)] = raw
-                manifest["tensors"][name]["offset"] = at
-                at += len(raw)
-        (v1_dir / expert_file(layer)).write_bytes(bytes(data))
-    manifest.update(format_version=1, expert_stride=stride)
-    del manifest["expert_strides"]
-    (v1_dir / MANIFEST).write_text(json.dumps(manifest))
+    v1_dir = version_1_copy(v2, tmp_path / "v1", lambda expert: expert, stride)
     assert 19 * 64 * 2 % TENSOR_ALIGN  # the version-2 layout of this model has gaps; version 1 has none
     v1 = ModelDir.open(v1_dir)
     assert v1.version == 1 and v1.expert_formats == ("bfloat16",) and v1.expert_strides == {0: stride, 1: stride}
@@ -200,13 +183,13 @@ def test_crc_of_every_scale_is_recorded(broken):
             assert dtypes.STORAGE[entry.dtype] == np.float32
 
 
-def version_1_copy(v2: ModelDir, v1_dir: Path, slot_of_expert) -> Path:
+def version_1_copy(v2: ModelDir, v1_dir: Path, slot_of_expert, stride: int | None = None) -> Path:
     """A version-1 directory of v2's tensors: each expert's tensors (scales too, if any) back to back from
-    byte slot_of_expert(expert) x stride, one stride for the model."""
+    byte slot_of_expert(expert) x stride, one stride for the model (default v2's)."""
     v1_dir.mkdir()
     manifest = json.loads((v2.path / MANIFEST).read_text())
     (v1_dir / "dense.bin").write_bytes((v2.path / "dense.bin").read_bytes())
-    stride = v2.expert_stride
+    stride = stride or v2.expert_stride
     for layer in v2.config.moe_layers:
         data = bytearray(v2.config.num_experts * stride)
         for expert in range(v2.config.num_experts):
