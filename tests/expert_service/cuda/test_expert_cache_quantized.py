@@ -15,7 +15,7 @@ from common.model_format import ModelDir
 from expert_service.cuda.decoder import GRAPH_BUCKETS
 from expert_service.experts.cache import CacheStats
 from tests.expert_service.cuda.test_expert_cache import LONG_PROMPTS, check_no_allocations_during_cached_steps
-from tests.expert_service.cuda.test_quantized import TOLERANCE, quantized_model
+from tests.expert_service.cuda.test_quantized import EXACT_ACTIVATIONS, TOLERANCE, quantized_model
 from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,8 @@ def _check_accounting(model, stats, traces):
 
 @pytest.mark.parametrize("prompts", [SESSION_PROMPTS, LONG_PROMPTS], ids=["short", "long"])
 def test_every_cache_size_bitwise_equal_and_matches_resident_and_cpu(model, prompts):
-    ref_logits, ref_tokens, ref_stats, traces, resident = run_session(model, backend="cuda", prompts=prompts)
+    exact = dict(cuda_options=EXACT_ACTIVATIONS)  # held to the exact cpu backend
+    ref_logits, ref_tokens, ref_stats, traces, resident = run_session(model, backend="cuda", prompts=prompts, **exact)
     assert all(s is None for s in ref_stats) and resident.decoder.weights.quantized
     resident.decoder.close()
     cpu_logits, cpu_tokens = run_session(model, backend="cpu", prompts=prompts)[:2]
@@ -52,7 +53,7 @@ def test_every_cache_size_bitwise_equal_and_matches_resident_and_cpu(model, prom
     first = None
     for slots in (1, 2, 3):
         logits, tokens, stats, _, engine = run_session(
-            model, backend="cuda", prompts=prompts, expert_cache_slots=slots, prefetch="none"
+            model, backend="cuda", prompts=prompts, expert_cache_slots=slots, prefetch="none", **exact
         )
         bucket = next(b for b in GRAPH_BUCKETS if b >= len(prompts))  # the decodes replay their batch bucket
         assert engine.decoder.cached is not None and bucket in engine.decoder.graphs
