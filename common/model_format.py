@@ -36,9 +36,9 @@ bfloat16 is stored as raw 16-bit words, float8_e4m3fn as raw bytes. All integers
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing or unknown tensors, 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
-(version 1: any tensor), scales missing or of the wrong shape,
-expert blocks off their planned offsets, and (unless told to skip) any crc32 mismatch, scales included;
-each is a one-line ``ModelFormatError``.
+(version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
+(read on every open, one small range per expert), expert blocks off their planned offsets, and (unless told
+to skip) any crc32 mismatch, scales included; each is a one-line ``ModelFormatError``.
 """
 
 from __future__ import annotations
@@ -362,6 +362,28 @@ class ModelDir:
                 and self.entries[name[: -len(SCALE_SUFFIX)]].dtype not in dtypes.QUANTIZED_DTYPES
             ):
                 raise ModelFormatError(f"tensor {name}: a scale for {name[: -len(SCALE_SUFFIX)]}, which is not 8-bit")
+        self._check_scale_values()
+
+    def _check_scale_values(self) -> None:
+        """Every 8-bit expert's scales hold positive finite values, whether or not checksums are verified. The
+        three scales end their expert's block: one small pread per expert, never the weights' bytes."""
+        fds: dict[str, int] = {}
+        try:
+            for (layer, expert), layout in self.expert_layouts.items():
+                if not layout.scale_offsets:
+                    continue
+                if layout.file not in fds:
+                    fds[layout.file] = os.open(self.path / layout.file, os.O_RDONLY)
+                start = layout.offset + layout.scale_offsets[0]
+                data = os.pread(fds[layout.file], layout.offset + layout.nbytes - start, start)
+                for projection, shape, offset in zip(PROJECTIONS, layout.scale_shapes, layout.scale_offsets):
+                    at = layout.offset + offset - start
+                    scale = np.frombuffer(data, "<f4", math.prod(shape), at).reshape(shape)
+                    name = scale_name(f"layers.{layer}.experts.{expert}.{projection}")
+                    quant.check_scale_values(scale, name, layout.file)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def _map(self, file: str) -> np.memmap:
         if file not in self._maps:

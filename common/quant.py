@@ -104,3 +104,15 @@ def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np
     if dtype == "int8":
         return np.rint(scaled).astype(np.int8), scale
     return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
+
+
+def check_scale_values(scale: np.ndarray, name: str, file: str = "") -> None:
+    """Refuses a scale holding NaN, an infinity, zero or a negative value: the converter never writes one, and
+    as a multiplier it would turn the expert's output into NaN or garbage without any error."""
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ModelFormatError(
+            f"{file + ': ' if file else ''}invalid scale in tensor {name}: {float(scale[index])} at {list(index)} "
+            f"(scales are positive and finite; corrupted?)"
+        )

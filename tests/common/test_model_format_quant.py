@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from pathlib import Path
 
@@ -235,3 +236,54 @@ def test_a_dense_tensor_in_another_dtype_than_the_manifests_is_refused(broken):
     with pytest.raises(ModelFormatError, match=r"^tensor final_norm: dtype float16, but every tensor other than routed "
                        r"experts' is the manifest's dtype bfloat16$"):  # fmt: skip
         ModelDir.open(edit(broken, change), verify=False)
+
+
+def write_scale_value(model: ModelDir, name: str, index: int, value: float) -> Path:
+    """Overwrites element `index` (flat) of scale tensor `name` and records the new crc32, so only a check of
+    the scale's value can tell."""
+    entry = model.entries[name]
+    path = model.path / entry.file
+    data = bytearray(path.read_bytes())
+    at = entry.offset + 4 * index
+    data[at : at + 4] = np.float32(value).astype("<f4").tobytes()
+    path.write_bytes(bytes(data))
+    return edit(model, set_tensor(name, crc32=zlib.crc32(data[entry.offset : entry.offset + entry.nbytes])))
+
+
+INT8_SCALE = "layers.0.experts.0.gate_proj_scale"  # int8, per channel: [19]
+FP8_SCALE = "layers.1.experts.3.down_proj_scale"  # float8_e4m3fn, 128x128 blocks: [1, 1]
+BAD_SCALES = [
+    (INT8_SCALE, 3, float("nan"), "nan", r"\[3\]"),
+    (INT8_SCALE, 7, float("inf"), "inf", r"\[7\]"),
+    (INT8_SCALE, 18, 0.0, "0.0", r"\[18\]"),
+    (INT8_SCALE, 0, -0.25, "-0.25", r"\[0\]"),
+    (FP8_SCALE, 0, float("nan"), "nan", r"\[0, 0\]"),
+    (FP8_SCALE, 0, float("inf"), "inf", r"\[0, 0\]"),
+    (FP8_SCALE, 0, 0.0, "0.0", r"\[0, 0\]"),
+    (FP8_SCALE, 0, -0.25, "-0.25", r"\[0, 0\]"),
+]
+
+
+@pytest.mark.parametrize("name, index, value, shown, at", BAD_SCALES)
+def test_a_scale_that_is_not_positive_and_finite_is_refused_on_open(broken, name, index, value, shown, at):
+    file = broken.entries[name].file
+    path = write_scale_value(broken, name, index, value)
+    message = rf"^{re.escape(file)}: invalid scale in tensor {re.escape(name)}: {shown} at {at} \(scales are positive and finite"
+    for verify in (False, True):  # the worker opens without the checksum pass: the value check must not need it
+        with pytest.raises(ModelFormatError, match=message) as error:
+            ModelDir.open(path, verify=verify)
+        assert "\n" not in str(error.value)
+
+
+def test_the_first_bad_scale_is_named(broken):
+    write_scale_value(broken, INT8_SCALE, 11, float("nan"))
+    path = write_scale_value(broken, INT8_SCALE, 5, -1.0)
+    with pytest.raises(ModelFormatError, match=r": -1\.0 at \[5\] "):
+        ModelDir.open(path, verify=False)
+
+
+def test_converted_scales_are_positive_and_finite_and_the_directory_opens(mixed):
+    scales = [name for name in mixed.entries if name.endswith("_scale")]
+    assert scales and all(np.all(np.isfinite(mixed.tensor(n)) & (mixed.tensor(n) > 0)) for n in scales)
+    ModelDir.open(mixed.path, verify=False)
+    ModelDir.open(mixed.path)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
@@ -253,3 +255,25 @@ def test_logits_writes_exactly_the_named_file(tiny_model, tmp_path):
     out = tmp_path / "logits.bin"
     assert main(["logits", "--model", str(tiny_model), "--tokens", "1,2,3", "--out", str(out)]) == 0
     assert out.is_file() and not (tmp_path / "logits.bin.npy").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny_int8") / "model", expert_dtype="int8")
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0])
+def test_a_bad_scale_with_a_matching_checksum_is_one_line(tiny_int8, tmp_path, capsys, value):
+    broken = Path(shutil.copytree(tiny_int8, tmp_path / "model", ignore=shutil.ignore_patterns("hf")))
+    name = "layers.1.experts.2.up_proj_scale"
+    entry = json.loads((broken / MANIFEST).read_text())["tensors"][name]
+    data = bytearray((broken / entry["file"]).read_bytes())
+    data[entry["offset"] : entry["offset"] + 4] = np.float32(value).astype("<f4").tobytes()
+    (broken / entry["file"]).write_bytes(bytes(data))
+    crc = zlib.crc32(data[entry["offset"] : entry["offset"] + entry["nbytes"]])
+    edit_manifest(broken, lambda m: m["tensors"][name].update(crc32=crc))
+    err = assert_one_line_error(capsys, broken, ModelFormatError.exit_code, entry["file"], name, "invalid scale")
+    assert f"{value} at [0]" in err
+    rc, out, err = run_cli(capsys, "logits", "--model", str(broken), "--tokens", "1,2,3", "--out", str(tmp_path / "l"))
+    assert rc == ModelFormatError.exit_code and err.startswith("colibri logits: error: ") and err.count("\n") == 1
+    assert name in err and "Traceback" not in err

@@ -270,6 +270,8 @@ def fp8_norm(t):
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].repeat(2, 1)}), f"{EXPERT}_scale_inv is F32 [2, 1], expected F32 [1, 1]"),
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].double()}), f"{EXPERT}_scale_inv is F64 [1, 1], expected F32 [1, 1]"),
         (lambda t: t[EXPERT + "_scale_inv"].fill_(float("nan")), f"tensor {EXPERT}_scale_inv: non-finite block scales"),
+        (lambda t: t[EXPERT + "_scale_inv"].fill_(0.0), f"invalid scale in tensor {EXPERT}: 0.0 at [0, 0]"),
+        (lambda t: t[EXPERT + "_scale_inv"].fill_(-2.0), f"invalid scale in tensor {EXPERT}: -2.0 at [0, 0]"),
         (nan_byte, f"tensor {EXPERT}: fp8 weights hold NaN bytes"),
     ],
 )  # fmt: skip
