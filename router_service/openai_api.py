@@ -217,7 +217,8 @@ def parse_request(
     options = _get(body, "stream_options", dict, None, "an object")
     if options is not None and not stream:
         raise ApiError(400, "stream_options: only allowed with stream = true", param="stream_options")
-    include_usage = bool(options and _get(options, "include_usage", bool, False, "a boolean"))
+    usage_field = {"stream_options.include_usage": (options or {}).get("include_usage")}  # its 400 names the path
+    include_usage = _get(usage_field, "stream_options.include_usage", bool, False, "a boolean")
 
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(

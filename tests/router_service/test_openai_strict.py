@@ -238,6 +238,15 @@ def test_nested_fields_are_checked_too():
     assert parse("completion", stream=True, stream_options={"include_obfuscation": False}).stream
 
 
+@pytest.mark.parametrize("kind", BOTH)
+@pytest.mark.parametrize("value", ["yes", 1, 0, [True], {"x": True}])
+def test_include_usage_of_the_wrong_type_is_named_with_its_path(kind, value):
+    """The error names `stream_options.include_usage`, as the table's checks name the keys inside stream_options."""
+    error = refusal(kind, BASE[kind] | {"stream": True, "stream_options": {"include_usage": value}})
+    assert error.param == "stream_options.include_usage", error.body()
+    assert error.message.startswith("stream_options.include_usage: must be a boolean"), error.body()
+
+
 def test_the_first_offending_field_is_named():
     error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "bad_words": ["a"], "echo": True})
     assert error.param == "bad_words"
