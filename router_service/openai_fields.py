@@ -172,6 +172,8 @@ def refused_field(body: dict, kind: str) -> tuple[str, str] | None:
                 return name, message
             continue
         return name, f"{name}: not a field of {ENDPOINTS[kind]} (in neither OpenAI's nor vLLM's API)"
+    if body.get("cache_salt") == "":  # a tenant id left unset would share the unsalted cache; vLLM refuses it too
+        return "cache_salt", "cache_salt: must not be empty (leave it out or null for no salt)"
     options = body.get("stream_options")
     if isinstance(options, dict):
         found = _refused_keys("stream_options", options, STREAM_OPTIONS_IMPLEMENTED, STREAM_OPTIONS_REFUSED)

@@ -247,6 +247,16 @@ def test_include_usage_of_the_wrong_type_is_named_with_its_path(kind, value):
     assert error.message.startswith("stream_options.include_usage: must be a boolean"), error.body()
 
 
+@pytest.mark.parametrize("kind", BOTH)
+def test_an_empty_cache_salt_is_refused_not_read_as_no_salt(kind):
+    """An empty salt (a tenant id left unset) would share the unsalted requests' cache: refused, as vLLM does.
+    null or no salt at all is the unsalted default."""
+    error = refusal(kind, BASE[kind] | {"cache_salt": ""})
+    assert error.param == "cache_salt" and error.message.startswith("cache_salt: must not be empty"), error.body()
+    assert parse(kind, cache_salt=None).cache_salt == parse(kind).cache_salt == ""
+    assert parse(kind, cache_salt=" ").cache_salt == " "
+
+
 def test_the_first_offending_field_is_named():
     error = refusal("completion", {"prompt": "x", "user": "u", "min_p": 0.2, "bad_words": ["a"], "echo": True})
     assert error.param == "bad_words"
