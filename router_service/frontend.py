@@ -182,6 +182,10 @@ class Frontend:
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
         if options.tools is not None and options.tools.is_constrained:
+            # on a copy: the caller's parameters may be shared by the n samples of one request
+            own = router_pb2.SamplingParameters()
+            own.CopyFrom(parameters)
+            parameters = own
             self.force_tool_call(parameters, options.tools)
         text = await self.render_chat(messages, options, field)
         if not text:

@@ -1,10 +1,11 @@
 """More than one choice on the OpenAI front: `n` samples of a prompt, completions' `best_of`, and prompt lists.
 
 Each sample is a router request of its own, so everything else (validation, stops, logprobs, cancellation) is the
-single-choice path. The samples of one prompt share its KV blocks through the prefix cache: the first computes
-the prompt and the others, finding its blocks claimed, wait for them and prefill only the prompt's last partial
-block (router_service/prefix_cache.py). With a seed, sample j of a prompt samples with the seed advanced by j
-strides (sample 0 keeps it, so n = 1 answers as before), so siblings differ yet every run repeats.
+single-choice path; a chat offering tools reads each choice through a tool-call parser of its own. The samples of
+one prompt share its KV blocks through the prefix cache: the first computes the prompt and the others, finding its
+blocks claimed, wait for them and prefill only the prompt's last partial block (router_service/prefix_cache.py).
+With a seed, sample j of a prompt samples with the seed advanced by j strides (sample 0 keeps it, so n = 1
+answers as before), so siblings differ yet every run repeats.
 
 Choices are prompt-major (index = prompt index * n + sample index), as OpenAI orders them. Usage counts each
 prompt once (OpenAI's rule) and every generated token, best_of's discarded samples included;
@@ -36,6 +37,8 @@ from router_service.openai_api import (
     prompt_logprobs_field,
     usage,
 )
+from router_service.tool_replies import ToolReply, collect_reply, split
+from router_service.tool_replies import finish_reason as tool_finish_reason
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so the n seeds of one request are distinct modulo 2^64
 
@@ -113,6 +116,16 @@ def _usage(handles, generated: int) -> dict:
     )
 
 
+def _reply(server, parsed: ParsedRequest) -> ToolReply | None:
+    """A fresh tool-call parser for one choice of a chat that offers tools (None otherwise)."""
+    return ToolReply.for_request(server.frontend, parsed.chat_options.tools) if parsed.kind == "chat" else None
+
+
+async def _collect(server, parsed: ParsedRequest, handle) -> Completion:
+    reply = _reply(server, parsed)
+    return await (collect_reply(handle, reply) if reply is not None else collect(handle))
+
+
 def _best(outs: list[Completion], n: int) -> list[Completion]:
     """The n samples of highest cumulative log-probability, best first (ties: the earlier sample)."""
     order = sorted(range(len(outs)), key=lambda i: (-sum(outs[i].logprobs), i))
@@ -126,7 +139,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
         echo = handles[0][0].request_id
         if parsed.stream:
             return await _stream(server, request, parsed, handles, echo)
-        outs = [await asyncio.gather(*(collect(h) for h in row)) for row in handles]
+        outs = [await asyncio.gather(*(_collect(server, parsed, h) for h in row)) for row in handles]
         for row, row_outs in zip(handles, outs):
             for handle, out in zip(row, row_outs):
                 set_usage(handle, len(out.token_ids), out.finish_reason)
@@ -139,7 +152,8 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                     if parsed.logprobs
                     else None
                 )
-                c = choice(kind, out.text, out.finish_reason, lp, stream=False, index=len(choices))
+                finish = tool_finish_reason(out.finish_reason, out.tool_calls)
+                c = choice(kind, out.text, out.finish_reason, lp, False, False, out.tool_calls, finish, len(choices))
                 if parsed.prompt_logprobs and kind == "completion":
                     c["prompt_logprobs"] = prompt_logprobs_field(texts, out.prompt_logprobs or [])
                 choices.append(c)
@@ -177,6 +191,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
 
     kind, model, created, texts = parsed.kind, server.frontend.model_name, int(time.time()), server.texts()
     first, offsets, generated = [kind == "chat"] * len(flat), [0] * len(flat), [0] * len(flat)
+    replies = [_reply(server, parsed) for _ in flat]  # a parser per choice: each reply is read on its own
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(flat)]
     try:
         await bounded(request, resp.prepare(request), timeout_s)
@@ -195,16 +210,26 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                             kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[index]
                         )
                     offsets[index] += sum(len(texts(i)) for i in delta.token_ids)
-                    c = choice(kind, delta.text, delta.finish_reason, lp, stream=True, first=first[index], index=index)
-                    chunk = envelope(kind, echo, model, created, [c], True)
-                    if parsed.prompt_logprobs and delta.prompt_logprobs is not None:
-                        add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
-                    if parsed.include_usage:
-                        chunk["usage"] = None
-                    first[index] = False
+                    reply = replies[index]
+                    text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
+                    finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)
-                    await event(chunk)
+                    # A call's pieces go one per chunk, as the single choice streams them; the last carries the rest.
+                    pieces = [[call] for call in calls[:-1]] + [calls[-1:]]
+                    for n, piece in enumerate(pieces):
+                        last = n == len(pieces) - 1
+                        c = choice(
+                            kind, text if n == 0 else "", delta.finish_reason if last else None, lp if last else None,
+                            True, first[index], piece, finish if last else None, index,
+                        )  # fmt: skip
+                        chunk = envelope(kind, echo, model, created, [c], True)
+                        if n == 0 and parsed.prompt_logprobs and delta.prompt_logprobs is not None:
+                            add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+                        if parsed.include_usage:
+                            chunk["usage"] = None
+                        first[index] = False
+                        await event(chunk)
             if parsed.include_usage:
                 chunk = envelope(kind, echo, model, created, [], True)
                 chunk["usage"] = _usage(handles, sum(generated))

@@ -103,3 +103,48 @@ def test_streamed_choices_carry_their_index(worker, tiny_model, tmp_path):
             assert usage["prompt_tokens"] == len(PROMPT) + 3 and usage["completion_tokens"] == 16
 
     asyncio.run(body())
+
+
+def test_n_choices_of_a_forced_tool_call_each_carry_the_call(worker, tiny_model, tmp_path):
+    """tool_choice "required" with n > 1: every sample gets the call's grammar (the samples' parameters are not
+    one shared message that the first constraint would already occupy), and every choice, whole or streamed, is
+    read through the tool-call parser as the single choice is."""
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    request = dict(
+        messages=[{"role": "user", "content": "time?"}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            single = (await client.chat.completions.create(model=None, **request)).choices[0]
+            assert single.finish_reason == "tool_calls" and single.message.tool_calls[0].function.name == "now"
+            want = [(c.function.name, c.function.arguments) for c in single.message.tool_calls]
+            for seed in ({}, {"seed": 5}):
+                answer = await client.chat.completions.create(model=None, n=2, **request, **seed)
+                for c in answer.choices:
+                    assert (c.finish_reason, c.message.content) == ("tool_calls", None), c
+                    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == want
+            calls: dict[int, list] = {0: [], 1: []}
+            reasons: dict[int, list] = {0: [], 1: []}
+            async with aiohttp.ClientSession() as s:
+                payload = {**request, "n": 2, "stream": True}
+                async with s.post(base + "/v1/chat/completions", json=payload) as r:
+                    assert r.status == 200
+                    async for line in r.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        for c in json.loads(line[6:])["choices"]:
+                            assert not c["delta"].get("content"), c  # the call is never content
+                            calls[c["index"]] += c["delta"].get("tool_calls", [])
+                            reasons[c["index"]] += [c["finish_reason"]] if c["finish_reason"] else []
+            for index in (0, 1):
+                assert reasons[index] == ["tool_calls"]
+                assert [c["function"]["name"] for c in calls[index] if "id" in c] == ["now"]
+                assert "".join(c["function"]["arguments"] for c in calls[index]) == want[0][1]
+
+    asyncio.run(body())
