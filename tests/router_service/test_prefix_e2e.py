@@ -182,3 +182,58 @@ def test_a_restarted_worker_starts_with_an_empty_cache(tiny_model):
                 await asyncio.to_thread(second.stop)
 
     asyncio.run(body())
+
+
+def test_http_usage_reports_cached_tokens_and_salts_isolate_on_both_endpoints(worker, tiny_model, tmp_path):
+    """On the OpenAI front, completions and chat alike: a salt's first request finds nothing cached (another
+    salt's blocks are not offered), its repeats find the whole blocks before the last token, streamed usage equals
+    the unary one, n > 1 reports per prompt; with caching off nothing is cached and the greedy text is the same."""
+    import json
+
+    import aiohttp
+
+    from tests.router_service.test_openai_http import http_router, post
+
+    message = [{"role": "user", "content": "a system prompt the tenants share " * 2}]
+    endpoints = [("/v1/completions", {"prompt": list(range(30, 62))}), ("/v1/chat/completions", {"messages": message})]
+
+    async def usage(session, url, payload, stream):
+        if not stream:
+            status, _, answer = await post(session, url, payload)
+            assert status == 200, answer
+            return answer["usage"], [c.get("text", c.get("message", {}).get("content")) for c in answer["choices"]]
+        options = {"stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(url, json=payload | options) as r:
+            chunks = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        assert r.status == 200 and chunks[-1]["choices"] == [], chunks[-1]
+        return chunks[-1]["usage"], None
+
+    def cached(u):
+        return u["prompt_tokens_details"]["cached_tokens"]
+
+    async def run(prefix_caching):
+        texts = []
+        async with http_router(worker, tiny_model, tmp_path, prefix_caching=prefix_caching) as (_, _, _, base):
+            async with aiohttp.ClientSession() as session:
+                for path, prompt in endpoints:
+                    url, got = base + path, []
+                    # unsalted first: the salted requests after it must not find its blocks
+                    for salt, n, stream in [
+                        (None, 1, False),
+                        ("a", 1, False),
+                        ("a", 1, True),
+                        ("b", 2, True),
+                        ("b", 1, False),
+                    ]:
+                        payload = prompt | {"max_tokens": 3, "temperature": 0, "cache_salt": salt, "n": n}
+                        u, text = await usage(session, url, payload, stream)
+                        got.append((cached(u), u["prompt_tokens"]))
+                        texts += text or []
+                    whole = got[0][1] - 1 - (got[0][1] - 1) % BLOCK  # full blocks short of the last token
+                    if prefix_caching:
+                        assert [c for c, _ in got] == [0, 0, whole, 0, whole], (path, got)
+                    else:
+                        assert [c for c, _ in got] == [0] * 5, (path, got)
+        return texts
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
