@@ -45,11 +45,11 @@ class CopyEngine(Protocol):
 
 class ReplacementPolicy(Protocol):
     """Chooses victims among a layer's evictable slots; told about every fill (which expert a slot now holds) and
-    every use."""
+    every touch: a use by the step, or a prediction (`use=False`: recent, but not used)."""
 
     def filled(self, layer: int, slot: int, expert: int) -> None: ...
 
-    def touch(self, layer: int, slot: int) -> None: ...
+    def touch(self, layer: int, slot: int, use: bool = True) -> None: ...
 
     def victim(self, layer: int, candidates: list[int]) -> int: ...
 
@@ -64,7 +64,7 @@ class LruPolicy:
     def filled(self, layer: int, slot: int, expert: int) -> None:
         pass
 
-    def touch(self, layer: int, slot: int) -> None:
+    def touch(self, layer: int, slot: int, use: bool = True) -> None:
         self._tick += 1
         self._last[(layer, slot)] = self._tick
 
@@ -76,7 +76,8 @@ class LfuPolicy(LruPolicy):
     """Least frequently used, with aging: each (layer, expert) counts its uses, resident or not, and a layer's
     counts halve every `half_life` uses of that layer, so an expert that was hot long ago gives way; the victim is
     the candidate whose expert counts least, the least recently used among equals. Learned routing favours some
-    experts for long stretches, which LRU forgets at the first few misses of others (docs/expert-cache.md)."""
+    experts for long stretches, which LRU forgets at the first few misses of others (docs/expert-cache.md).
+    Predictions count no use (as on the device): a wrong prediction made every step must not outlive real uses."""
 
     def __init__(self, half_life: int = 64) -> None:
         super().__init__()
@@ -88,8 +89,10 @@ class LfuPolicy(LruPolicy):
     def filled(self, layer: int, slot: int, expert: int) -> None:
         self._expert[(layer, slot)] = expert
 
-    def touch(self, layer: int, slot: int) -> None:
+    def touch(self, layer: int, slot: int, use: bool = True) -> None:
         super().touch(layer, slot)
+        if not use:
+            return
         counts = self._count.setdefault(layer, {})
         uses = self._uses[layer] = self._uses.get(layer, 0) + 1
         if uses % self.half_life == 0:
@@ -274,7 +277,7 @@ class ExpertCache:
             if e in state.slot_of:  # already there: keep it for this step
                 slot = state.slot_of[e]
                 state.protected.add(slot)
-                self.policy.touch(layer, slot)
+                self.policy.touch(layer, slot, use=False)
                 continue
             blocked = state.in_use | state.protected
             if len(blocked) >= self.slots_per_layer:
@@ -283,7 +286,7 @@ class ExpertCache:
             self._fill(layer, state, slot, e)
             state.prefetched[slot] = True
             state.protected.add(slot)
-            self.policy.touch(layer, slot)
+            self.policy.touch(layer, slot, use=False)
             self._step.prefetches_issued += 1
             issued += 1
         return issued

@@ -105,6 +105,25 @@ def test_lfu_keeps_the_expert_used_most_and_forgets_with_age():
     assert resident(cache, 0, 2) and resident(cache, 0, 3) and not resident(cache, 0, 0)
 
 
+def test_lfu_counts_uses_not_predictions():
+    """A prediction is not a use (as on the device): an expert predicted every step but never computed does not
+    outlive one the steps computed; nor does a prediction of a resident expert count it twice."""
+    copies = FakeCopies()
+    cache = ExpertCache((0,), 4, 2, NBYTES, copies, policy="lfu")
+    for _ in range(2):  # expert 0: two uses
+        cache.begin_step()
+        run_layer(cache, copies, 0, [0])
+        cache.end_step()
+    for _ in range(3):  # expert 1: predicted three steps running, never used
+        cache.begin_step()
+        cache.prefetch(0, [1])
+        cache.end_step()
+    cache.begin_step()
+    run_layer(cache, copies, 0, [2])  # the miss evicts the expert never used
+    cache.end_step()
+    assert resident(cache, 0, 0) and resident(cache, 0, 2) and not resident(cache, 0, 1)
+
+
 def test_a_policy_without_a_device_implementation_is_refused_on_the_cuda_backend_in_one_line(family_model, monkeypatch):
     """A cached cuda engine with a policy the slot-map kernel does not implement is refused at build (every policy
     has one today: the test narrows the list to check the guard)."""
