@@ -44,9 +44,16 @@ class RoutingPlan:
         """(MoE layer, offsets [E+1], token_indices [T*k]) for each layer of the plan."""
         return zip(self.layers, self.offsets, self.token_indices)
 
-    def expert_ids(self, num_experts: int, num_tokens: int, top_k: int | None = None) -> dict[int, np.ndarray]:
-        """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens` and the model's `top_k`
-        (see `csr_to_ids`; every layer at once: this runs on the worker's host for every planned step)."""
+    def expert_ids(
+        self, num_experts: int, num_tokens: int, top_k: int | None = None, moe_layers: Sequence[int] | None = None
+    ) -> dict[int, np.ndarray]:
+        """{MoE layer: expert ids [T, k]}, checked against the step's `num_tokens`, the model's `top_k` and its
+        `moe_layers` (see `csr_to_ids`; every layer at once: this runs on the worker's host for every planned step)."""
+        if moe_layers is not None and list(self.layers) != list(moe_layers):
+            # a layer the plan misses would take the exact routing under routing=lut, silently
+            raise InvalidRequestError("routing_plan.layers", f"must be the MoE layers {list(moe_layers)}")
+        if np.ndim(self.token_indices) != 2 or len(self.token_indices) != len(self.layers):
+            raise InvalidRequestError("routing_plan.token_indices", f"needs one row per layer ({len(self.layers)})")
         ids = layers_csr_to_ids(self.offsets, self.token_indices, num_experts, num_tokens, top_k)
         return dict(zip(self.layers, ids))
 
@@ -68,6 +75,10 @@ def layers_csr_to_ids(
         return np.zeros((0, num_tokens, n // max(num_tokens, 1)), np.int64)
     if (
         offsets.shape != (L, num_experts + 1)
+        or not np.issubdtype(offsets.dtype, np.integer)
+        # in range first: a difference of out-of-range int32 offsets can wrap around and pass as non-negative
+        or np.any(offsets < 0)
+        or np.any(offsets > n)
         or np.any(offsets[:, 0] != 0)
         or np.any(np.diff(offsets, axis=1) < 0)
         or np.any(offsets[:, -1] != n)

@@ -238,7 +238,7 @@ class Engine:
             penalties = self._penalties(work, first_decode, created, prefix_tokens)
             mc = self.model_config
             planned_ids = (
-                routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok)
+                routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok, mc.moe_layers)
                 if routing_plan is not None
                 else None
             )

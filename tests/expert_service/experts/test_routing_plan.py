@@ -162,3 +162,56 @@ def test_worker_plan_table_resolution(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="colibri.worker"):
         assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None
     assert any("vocab_size" in r.getMessage() and "passed over" in r.getMessage() for r in caplog.records)
+
+
+def test_offsets_that_wrap_around_int32_are_refused_in_one_line():
+    """int32 offsets whose differences wrap around (0, 2**31 - 1, -2**31, -1, n) look non-decreasing to an int32
+    diff; they are refused naming the field, not expanded into a 2**32-entry array."""
+    wrapped = np.array([[0, 2**31 - 1, -(2**31), -1, 4], [0, 1, 2, 3, 4]], np.int32)
+    tokens = np.array([[0, 0, 1, 1], [0, 1, 0, 1]], np.int32)
+    message = pb.RoutingPlan(layers=[0, 1], offsets=to_pb(wrapped), token_indices=to_pb(tokens))
+    with pytest.raises(InvalidRequestError) as e:
+        wire.routing_plan(message, [0, 1]).expert_ids(4, 2, 2)
+    assert e.value.field == "routing_plan.offsets" and "\n" not in str(e.value)
+    with pytest.raises(InvalidRequestError, match="offsets"):  # a non-integer offset is no offset either
+        csr_to_ids(np.array([0, 0.5, 2, 3, 4]), np.array([0, 0, 1, 1], np.int32), 4, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from common.model_format import ModelDir
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.tools.tiny_model import make_tiny
+
+    model = ModelDir.open(make_tiny(tmp_path_factory.mktemp("plan") / "m", seed=4), verify=False)
+    return build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, routing="lut", expert_cache_slots=2))
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        (lambda p, moe: RoutingPlan(tuple(l + 5 for l in moe), p.offsets, p.token_indices), "routing_plan.layers"),
+        (lambda p, moe: RoutingPlan(tuple(moe[:1]), p.offsets[:1], p.token_indices[:1]), "routing_plan.layers"),
+        (lambda p, moe: RoutingPlan(tuple(moe[:1]) * len(moe), p.offsets, p.token_indices), "routing_plan.layers"),
+        (lambda p, moe: RoutingPlan(tuple(moe), p.offsets[:1], p.token_indices[:1]), "routing_plan"),
+        (lambda p, moe: RoutingPlan(tuple(moe), p.offsets, p.token_indices[0]), "routing_plan"),
+    ],
+)
+def test_the_engine_refuses_a_plan_that_is_not_for_the_models_moe_layers(tiny_engine, bad, field):
+    """engine.step checks a plan's layer list against the model's MoE layers and its rows against that list, as
+    the worker's wire does: under routing=lut a layer the plan misses would silently take the exact routing."""
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
+
+    moe, cfg = tiny_engine.model_config.moe_layers, tiny_engine.model_config
+    tokens = np.array([3, 4, 5], np.int64)
+    ids = np.broadcast_to(np.arange(cfg.num_experts_per_tok), (len(moe), len(tokens), cfg.num_experts_per_tok))
+    plan = RoutingPlan.from_expert_ids(moe, ids, cfg.num_experts)
+    rid = 100 + len(tiny_engine.sequences)
+    with pytest.raises(InvalidRequestError) as e:
+        tiny_engine.step([PrefillInput(rid, tokens, SamplingParams(), True)], routing_plan=bad(plan, moe))
+    assert e.value.field.startswith(field) and "\n" not in str(e.value)
+    assert rid not in tiny_engine.sequences  # refused whole: nothing started
+    good = tiny_engine.step([PrefillInput(rid, tokens, SamplingParams(), True)], routing_plan=plan)
+    assert [o.error for o in good.outputs] == [""]
