@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
@@ -120,11 +121,10 @@ class EngineConfig:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
-        if self.expert_cache_gb < 0 or self.expert_cache_slots < 0:
-            raise ConfigError(
-                f"expert_cache_gb / expert_cache_slots: must be >= 0, got {self.expert_cache_gb} / "
-                f"{self.expert_cache_slots}"
-            )
+        if not 0 <= self.expert_cache_gb < math.inf:  # NaN fails too (a budget becomes int(budget * GIB) bytes)
+            raise ConfigError(f"expert_cache_gb: must be a finite number >= 0, got {self.expert_cache_gb}")
+        if self.expert_cache_slots < 0:
+            raise ConfigError(f"expert_cache_slots: must be >= 0, got {self.expert_cache_slots}")
         if self.expert_cache_policy not in POLICIES:
             raise ConfigError(
                 f"expert_cache_policy: must be one of {', '.join(POLICIES)}, got {self.expert_cache_policy!r}"

@@ -296,6 +296,9 @@ def test_config_checks(family_model):
         EngineConfig(prefetch="plan,psychic")
     with pytest.raises(ConfigError, match="expert_cache"):
         EngineConfig(expert_cache_slots=-1)
+    for budget in (float("nan"), float("inf")):  # int(budget * GIB) would raise from plan_slots at build
+        with pytest.raises(ConfigError, match="^expert_cache_gb"):
+            EngineConfig(expert_cache_gb=budget)
     assert EngineConfig(prefetch="none").prefetch_sources == frozenset()
 
 
