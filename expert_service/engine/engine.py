@@ -236,13 +236,15 @@ class Engine:
             scored = self._scored_prompts(work[:first_decode])
             prefix_tokens = prefix_penalty_tokens(running, created, self.model_config.vocab_size, self.allocator)
             penalties = self._penalties(work, first_decode, created, prefix_tokens)
-            mc = self.model_config
+            mc, lut = self.model_config, self.config.routing is RoutingMode.LUT
+            # under exact routing the plan is a prediction, which a router table may make wider than the top-k
+            top_k = mc.num_experts_per_tok if lut else None
             planned_ids = (
-                routing_plan.expert_ids(mc.num_experts, len(token_ids), mc.num_experts_per_tok, mc.moe_layers)
+                routing_plan.expert_ids(mc.num_experts, len(token_ids), top_k, mc.moe_layers)
                 if routing_plan is not None
                 else None
             )
-            if self.config.routing is RoutingMode.LUT and not planned_ids:
+            if lut and not planned_ids:
                 raise InvalidRequestError(
                     "routing_plan",
                     "routing=lut needs a routing plan with every step (start the router with --routing-table)",

@@ -73,3 +73,26 @@ def test_the_routers_plan_is_scored_without_a_table_and_lut_has_no_recall(token_
     )
     assert result.routing_plan_recall is None
     assert isinstance(plan, RoutingPlan) and TABLE_FILE == "routing_table.bin"
+
+
+def test_a_router_table_wider_than_the_models_top_k_is_a_prediction_under_exact_and_refused_under_lut(token_routed):
+    """A router table may keep more experts a token than the model routes to (docs/routing.md: more prefetched bytes
+    for a higher recall): under routing=exact its plan is a prediction the step prefetches and scores; under
+    routing=lut it would be the routing, so it must have the model's top-k."""
+    from common.errors import InvalidRequestError
+
+    model, table = token_routed
+    cfg = model.config
+    spare = np.stack([[[next(e for e in range(cfg.num_experts) if e not in row)] for row in layer] for layer in table])
+    wider = RoutingTable(np.concatenate([table, spare.astype(np.uint16)], axis=2), cfg.num_experts, cfg.moe_layers)
+    assert wider.top_k == cfg.num_experts_per_tok + 1
+    tokens = np.concatenate(PROMPTS)
+    plan = wider.routing_plan(tokens)
+    chunks = [PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)]
+    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=3, prefetch="plan")
+    engine = build_engine(model, EngineConfig(**config))
+    result = engine.step(chunks, routing_plan=plan)
+    assert result.routing_plan_recall == 1.0 and result.expert_cache.prefetches_issued > 0
+    lut = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, routing="lut"))
+    with pytest.raises(InvalidRequestError, match="^routing_plan.token_indices: every token needs 2 experts$"):
+        lut.step(chunks, routing_plan=plan)
