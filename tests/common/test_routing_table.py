@@ -219,3 +219,38 @@ def test_plan_for_a_mixed_prefill_and_decode_batch(table_file):
             for t in indices[offsets[e] : offsets[e + 1]]:
                 assert e in table.table[l, ids[t]]  # every listed token predicts that expert
         assert np.bincount(indices, minlength=len(ids)).tolist() == [2] * len(ids)  # each token k times
+
+
+def test_random_corruptions_are_refused_in_one_line_or_load_a_valid_table(tmp_path):
+    """Seeded fuzz over the file's bytes: cut anywhere, bytes appended, header words or body entries rewritten
+    (with the crc fixed up, so the entry checks are reached). Every outcome is a one-line RoutingTableError or a
+    table whose every entry is < num_experts and distinct within a token."""
+    rng = np.random.default_rng(11)
+    good = write_routing_table(tmp_path / "good.bin", random_table(k=3), E).read_bytes()
+    path = tmp_path / "fuzz.bin"
+    refused = 0
+    for trial in range(300):
+        data = bytearray(good)
+        kind = trial % 4
+        if kind == 0:
+            data = data[: int(rng.integers(0, len(data)))]
+        elif kind == 1:
+            data += bytes(rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8))
+        elif kind == 2:
+            struct.pack_into("<I", data, 4 * int(rng.integers(1, 7)), int(rng.integers(0, 2**32)))
+        else:
+            body = np.frombuffer(data, "<u2", offset=HEADER_SIZE).copy()
+            body[rng.integers(0, body.size, int(rng.integers(1, 4)))] = rng.choice([0, 1, E - 1, E, 2**16 - 1])
+            data[HEADER_SIZE:] = body.tobytes()
+            struct.pack_into("<I", data, 24, zlib.crc32(bytes(data[HEADER_SIZE:])))
+        path.write_bytes(bytes(data))
+        try:
+            table = RoutingTable.load(path, CONFIG)
+        except RoutingTableError as error:
+            assert "\n" not in str(error) and str(error).startswith(str(path))
+            refused += 1
+            continue
+        assert int(table.table.max()) < E
+        ordered = np.sort(table.table, axis=2)
+        assert not (ordered[:, :, 1:] == ordered[:, :, :-1]).any()
+    assert refused > 200
