@@ -215,3 +215,39 @@ def test_the_engine_refuses_a_plan_that_is_not_for_the_models_moe_layers(tiny_en
     assert rid not in tiny_engine.sequences  # refused whole: nothing started
     good = tiny_engine.step([PrefillInput(rid, tokens, SamplingParams(), True)], routing_plan=plan)
     assert [o.error for o in good.outputs] == [""]
+
+
+def test_random_hostile_plans_on_the_wire_are_refused_in_one_line_or_are_valid():
+    """Seeded fuzz of the CSR tensors a router sends (int32 extremes and wrap-arounds, off-by-one and negative
+    entries): the worker's parsing either refuses in one line naming a routing_plan field or returns expert ids
+    in range, distinct per token, that round-trip to the same CSR."""
+    rng = np.random.default_rng(5)
+    L, T, k, E = 2, 5, 2, 6
+    extremes = np.array([-(2**31), -1, 0, 1, T, T * k, 2**31 - 1], np.int64)
+    refused = 0
+    for _ in range(400):
+        ids = np.stack([[np.sort(rng.choice(E, k, replace=False)) for _ in range(T)] for _ in range(L)])
+        plan = RoutingPlan.from_expert_ids([0, 1], ids.astype(np.uint16), E)
+        offsets, tokens = plan.offsets.astype(np.int64), plan.token_indices.astype(np.int64)
+        if rng.random() < 0.1:  # int32 differences that wrap around and look non-decreasing
+            at = int(rng.integers(1, E - 2))
+            offsets[int(rng.integers(0, L)), at : at + 3] = [2**31 - 1, -(2**31), -1]
+        for _ in range(int(rng.integers(1, 3))):
+            target = offsets if rng.random() < 0.5 else tokens
+            at = tuple(int(rng.integers(0, n)) for n in target.shape)
+            target[at] = rng.choice(extremes) if rng.random() < 0.5 else target[at] + rng.integers(-2, 3)
+        message = pb.RoutingPlan(
+            layers=[0, 1], offsets=to_pb(offsets.astype(np.int32)), token_indices=to_pb(tokens.astype(np.int32))
+        )
+        try:
+            got = wire.routing_plan(message, [0, 1]).expert_ids(E, T, k, [0, 1])
+        except InvalidRequestError as error:
+            assert error.field.startswith("routing_plan") and "\n" not in str(error)
+            refused += 1
+            continue
+        for layer, layer_ids in got.items():
+            assert layer_ids.shape == (T, k) and layer_ids.min() >= 0 and layer_ids.max() < E
+            assert (np.diff(layer_ids, axis=1) > 0).all()
+            again = RoutingPlan.from_expert_ids([layer], layer_ids[None].astype(np.uint16), E)
+            np.testing.assert_array_equal(again.offsets[0], offsets[layer])
+    assert refused > 300
