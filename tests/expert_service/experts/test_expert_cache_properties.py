@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from expert_service.experts.cache import ExpertCache
+from tests.expert_service.experts.test_expert_cache import FakeCopies
 
 
 def block_nbytes(layer: int, expert: int) -> int:
@@ -16,39 +17,10 @@ def block_nbytes(layer: int, expert: int) -> int:
     return 1000 + 10 * layer + expert
 
 
-class RecordingCopies:
-    """One copy stream: copies land in issue order when a handle is waited on (or `land_all`)."""
-
-    def __init__(self):
-        self.issued: list[tuple[int, int, int]] = []  # (layer, expert, slot)
-        self.landed = 0
-        self.contents: dict[tuple[int, int], int] = {}  # (layer, slot) -> expert whose bytes are there
-
-    def copy(self, layer, expert, slot):
-        self.issued.append((layer, expert, slot))
-        return _Handle(self, len(self.issued))
-
-    def land(self, upto: int) -> None:
-        for layer, expert, slot in self.issued[self.landed : upto]:
-            self.contents[(layer, slot)] = expert
-        self.landed = max(self.landed, upto)
-
-    def land_all(self) -> None:
-        self.land(len(self.issued))
-
-
-class _Handle:
-    def __init__(self, copies: RecordingCopies, index: int):
-        self.copies, self.index = copies, index
-
-    def result(self):
-        self.copies.land(self.index)
-
-
 class Shadow:
     """What the slots hold and what the step has done, rebuilt from the copies issued; checks every copy."""
 
-    def __init__(self, cache: ExpertCache, copies: RecordingCopies):
+    def __init__(self, cache: ExpertCache, copies: FakeCopies):
         self.cache, self.copies, self.seen = cache, copies, 0
         self.target: dict[tuple[int, int], int] = {}  # (layer, slot) -> expert of its latest copy
         self.prefetched: set[tuple[int, int]] = set()  # slots filled by a prefetch not hit since
@@ -144,7 +116,7 @@ def drive(num_experts, slots, policy, prefetch, skewed, seed, steps=30, layers=(
     copy of the routing before the layer before it; lookahead: just before the previous layer's experts;
     adversarial: into the running layer and the next one between waves); checks the counters at every step."""
     rng = np.random.default_rng(seed)
-    copies = RecordingCopies()
+    copies = FakeCopies()
     cache = ExpertCache(layers, num_experts, slots, block_nbytes, copies, policy=policy)
     shadow = Shadow(cache, copies)
     skew = {layer: skew_of(rng, num_experts, skewed) for layer in layers}
@@ -222,7 +194,7 @@ def test_lru_evicts_the_least_recently_used_expert():
     oldest among those the step does not use (a shadow LRU over the same uses: hits, then misses, in order)."""
     rng = np.random.default_rng(7)
     E, S = 8, 3
-    copies = RecordingCopies()
+    copies = FakeCopies()
     cache = ExpertCache((0,), E, S, 1, copies, policy="lru")
     held: dict[int, int] = {}  # slot -> expert, from the copies
     last_use: dict[int, int] = {}
