@@ -297,6 +297,9 @@ class BatchingLoop:
         """Keep up to `pipeline_depth` steps on the worker, then apply the oldest result; while the pipeline
         has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
         self._wake.clear()
+        # The stream ended with nothing in flight (its end woke us): reconnect now, not on the next request's step.
+        if not self._in_flight and (lost := await self._open_stream.end_error()) is not None:
+            raise lost
         try:
             await self._fill_pipeline()
         finally:
@@ -531,6 +534,7 @@ class BatchingLoop:
             await asyncio.sleep(self.config.worker_retry_s)
             return
         self._stream = self.worker.open_step_stream()
+        self._stream.on_end(self._wake.set)
         self.is_worker_ready = True
         log.info(
             "worker ready: %s %s, %d KV blocks of %d tokens",

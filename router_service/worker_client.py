@@ -88,15 +88,28 @@ class StepStream:
     def __init__(self, call, step_timeout_s: float):
         self._call, self.step_timeout_s = call, step_timeout_s
 
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Calls `callback()` once the stream has ended, whoever ended it: with no step in flight, nothing else
+        would tell the router that its worker died."""
+        self._call.add_done_callback(lambda _: callback())
+
+    async def end_error(self) -> grpc.aio.AioRpcError | None:
+        """None while the stream is open; once it has ended, the lost worker."""
+        return await self._lost_worker() if self._call.done() else None
+
     async def send(self, request: worker_pb2.StepStreamRequest) -> None:
         """Sends a step; a stream the worker has already ended is a lost worker, with the call's status."""
         try:
             await self._call.write(request)
         except asyncio.InvalidStateError:  # grpc's answer to a write after the call finished, whatever its status
-            code, details = await self._call.code(), await self._call.details()
-            if code == grpc.StatusCode.OK:
-                code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"
-            raise _rpc_error(code, details) from None
+            raise await self._lost_worker() from None
+
+    async def _lost_worker(self) -> grpc.aio.AioRpcError:
+        """The ended call's status as the error of a lost worker (an OK end too: steps were still to come)."""
+        code, details = await self._call.code(), await self._call.details()
+        if code == grpc.StatusCode.OK:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"
+        return _rpc_error(code, details)
 
     async def receive(self) -> worker_pb2.StepStreamResponse:
         """The next result; a worker that ends the stream or misses the step deadline is a lost worker."""
