@@ -31,10 +31,11 @@ def test_a_new_index_reports_its_own_counts_even_at_a_freed_indexs_address():
     loop.scheduler = Scheduler(LIMITS, _counted(PrefixCache(4, b"m"), 40, 12, 3))
     loop._report_prefix_cache()
     assert hooks.calls == [(40, 12, 3)]
-    old_address = id(loop.scheduler.prefix_cache)
     loop.scheduler.clear()  # the worker was lost: a new index, the old one freed
-    cache = PrefixCache(4, b"m")  # the reconnect's index, made while the cleared scheduler still holds its own
-    assert id(cache) == old_address, "CPython gave the new index another address: nothing to test"
+    # the reconnect's index, made while the cleared scheduler still holds its own: CPython mostly gives it the freed
+    # index's address (where an id()-keyed report went wrong), not always (another allocation may take it first);
+    # the counts must be its own either way
+    cache = PrefixCache(4, b"m")
     loop.scheduler = Scheduler(LIMITS, _counted(cache, 8, 4, 0))  # the reconnected worker's index
     loop._report_prefix_cache()
     assert hooks.calls == [(40, 12, 3), (8, 4, 0)]
