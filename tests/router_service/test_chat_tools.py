@@ -13,7 +13,8 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import PLAIN_CHAT_TEMPLATE, byte_tokenizer
 from router_service.chat import ChatTemplate, message_dicts
-from router_service.tool_calls import detect_format
+from router_service.tokenizer import Tokenizer
+from router_service.tool_calls import detect_format, parse_tool_calls
 from router_service.tool_request import from_openai, from_pb, mistral_ids
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -185,3 +186,31 @@ def test_bad_tool_messages_name_the_field(message, field):
     with pytest.raises(InvalidRequestError) as e:
         message_dicts([message])
     assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        " And God said, Let there be light.",  # the model's words follow "Assistant:" with their own space
+        "\nIn the beginning",
+        " two  spaces and a trailing newline\n",
+        ' {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
+    ],
+)
+def test_a_reply_as_generated_renders_back_after_the_generation_prompt(reply):
+    """The next turn's prompt starts with this turn's prompt and the reply, text and token ids alike, so the
+    prefix cache can serve the earlier turns whole."""
+    template = ChatTemplate.load(ROOT / "training/default-model-hf")
+    tokenizer = Tokenizer.from_model_dir(ROOT / "training/default-model-hf")
+    conversation = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"}]
+    content, calls = parse_tool_calls(reply, "generic", {"get_weather"})
+    answer = {"role": "assistant", "content": content or None}
+    if calls:
+        answer["tool_calls"] = [{"id": c.id, "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    messages = message_dicts([*conversation, answer, {"role": "user", "content": "Thanks."}])
+    prompt_and_reply = template.render(conversation) + reply
+    text = template.render(messages)
+    assert text[: len(prompt_and_reply)] == prompt_and_reply
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = tokenizer.encode(prompt_and_reply, add_special_tokens=False)
+    assert ids[: len(expected)] == expected
