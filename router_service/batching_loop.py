@@ -580,7 +580,7 @@ class BatchingLoop:
         if not self.config.prefix_caching or not info.prefix_caching:
             return None
         identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
-        return PrefixCache(info.kv_block_size, identity.encode())
+        return PrefixCache(info.kv_block_size, identity.encode(), info.caches_generated_blocks)
 
     def _report_prefix_cache(self) -> None:
         cache = self._ready_scheduler.prefix_cache

@@ -17,12 +17,18 @@ leave; then its id is evicted and its room returns. The worker therefore never h
 does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when the
 step that was to register it was refused as a whole.
 
+Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
+block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position was sent,
+the next step tells the worker to register that block of the sequence under a new id (cache_sequence_blocks), so
+a chat's next turn, which resends the answer, starts on it. Its hash chains on from the prompt's blocks.
+
 Accounting. The scheduler's free blocks exclude blocks requests reserve and blocks the index holds (detached
 ones included). A request reserves its prompt + max_new_tokens minus the blocks it starts on; a block it
-registers moves from its reservation into the index when its chunk is scheduled (net zero). Index blocks no
-request holds are kept in LRU order and evicted only when an admission needs their room. Only full prompt
-blocks are cached, and a hit is capped one token short of the prompt, so the prompt's last token is always
-computed (its logits sample the first new token) and a shared block is never written.
+registers moves from its reservation into the index when its chunk (or the step carrying its registration) is
+scheduled (net zero). Index blocks no request holds are kept in LRU order and evicted only when an admission
+needs their room. Only full blocks are cached, and a hit is capped one token short of the prompt, so the
+prompt's last token is always computed (its logits sample the first new token) and a shared block is never
+written.
 
 Requests racing for one prefix: a request whose next uncached block is claimed by a running request, or was
 scheduled in the step being built, waits for it instead of computing it again, so n samples of one prompt, or
@@ -132,9 +138,12 @@ class _Block:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, namespace: bytes):
+    def __init__(self, block_size: int, namespace: bytes, caches_generated: bool = False):
         self.block_size = block_size
+        self._identity = namespace
         self.namespace = hashlib.sha256(b"colibri-prefix-v1\0" + namespace).digest()
+        # the worker registers full blocks a running sequence's decodes wrote (InfoResponse.caches_generated_blocks)
+        self.caches_generated = caches_generated
         self.blocks: dict[bytes, _Block] = {}  # the index: hash -> block
         self._by_id: dict[int, _Block] = {}  # every block the router counts: the index and detached ones
         self._unsettled: set[int] = set()  # ids whose registering step has not come back
@@ -167,6 +176,10 @@ class PrefixCache:
             out.append(parent)
         self._recent.remember(salt, data, tuple(out), width)
         return out
+
+    def cleared(self) -> PrefixCache:
+        """An empty index for the same model and worker (a lost worker's blocks are gone)."""
+        return PrefixCache(self.block_size, self._identity, self.caches_generated)
 
     def _root(self, salt: str) -> bytes:
         """The parent of a prompt's first block: the model's identity, and the salt when there is one."""
@@ -258,6 +271,24 @@ class PrefixCache:
             state.held_ids.append(block.block_id)
             ids.append(block.block_id)
         return tuple(ids)
+
+    def cache_generated(self, state: PrefixState, salt: str, tokens: list[int]) -> int:
+        """The next full block of a running request (its `tokens`: prompt tail and generated ones, in order), whose
+        K/V earlier steps wrote: its chained hash extends state.hashes, and it gets a new id (held by the request,
+        ready from the next step, settled by the step carrying it) unless an equal block is cached or claimed (0)."""
+        words = array.array("I", tokens)
+        if sys.byteorder == "big":
+            words.byteswap()
+        parent = state.hashes[-1] if state.hashes else self._root(salt)
+        h = hashlib.sha256(parent + words.tobytes()).digest()
+        state.hashes.append(h)
+        if h in self.blocks or h in self._claims:
+            return 0
+        block = _Block(next(self._ids), h, 1, self._step + 1)
+        self.blocks[h] = self._by_id[block.block_id] = block
+        self._unsettled.add(block.block_id)
+        state.held_ids.append(block.block_id)
+        return block.block_id
 
     def settle(self, block_ids, ok: bool) -> int:
         """The step registering these blocks came back; ok: their sequence ran. A failed registration leaves

@@ -158,6 +158,8 @@ class ScheduledStep:
     expired_ids: tuple[int, ...] = ()
     # Cached prefix blocks the worker drops before the step (after the frees).
     evict_block_ids: tuple[int, ...] = ()
+    # (request id, block index, block id): full blocks running requests' decodes wrote, to cache before the step.
+    sequence_blocks: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -264,7 +266,7 @@ class Scheduler:
         self._pending_free.clear()
         self.num_free_blocks = self.limits.num_kv_blocks
         if self.prefix_cache is not None:
-            self.prefix_cache = PrefixCache(self.prefix_cache.block_size, self.prefix_cache.namespace)
+            self.prefix_cache = self.prefix_cache.cleared()
         return ids
 
     @property
@@ -341,10 +343,29 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
+        generated = self._cache_generated(scheduled) if cache and cache.caches_generated and scheduled else ()
         evictions = cache.take_evictions() if cache else ()
-        return ScheduledStep(
-            scheduled, tuple(chunks), tuple(decodes), tuple(decode_tokens), free_ids, tuple(expired), evictions
-        )
+        steps = (tuple(chunks), tuple(decodes), tuple(decode_tokens))
+        return ScheduledStep(scheduled, *steps, free_ids, tuple(expired), evictions, generated)
+
+    def _cache_generated(self, scheduled: dict[int, int]) -> tuple[tuple[int, int, int], ...]:
+        """Registrations of the blocks running requests filled: full of tokens back from the worker, their last
+        position fed by a decode of an earlier step (so written before the step carrying them)."""
+        cache, bs, out = self.prefix_cache, self.limits.kv_block_size, []
+        assert cache is not None
+        for req in self.running:
+            state = req.prefix
+            if state is None or not state.may_claim or req.is_prefilling:
+                continue
+            written = req.num_scheduled_tokens - scheduled.get(req.request_id, 0)
+            for index in range(len(state.hashes), min(written, req.num_tokens) // bs):
+                start, end, prompt = index * bs, (index + 1) * bs, req.num_prompt_tokens
+                tokens = req.prompt_ids[start:prompt] + req.output_ids[max(start - prompt, 0) : end - prompt]
+                block_id = cache.cache_generated(state, req.cache_salt, tokens)
+                if block_id:
+                    req.num_blocks -= 1  # moved from its reservation to the index
+                    out.append((req.request_id, index, block_id))
+        return tuple(out)
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
         start = req.num_scheduled_tokens
@@ -417,10 +438,11 @@ class Scheduler:
 
     def refused(self, step: ScheduledStep) -> None:
         """The worker refused the step as a whole: nothing it carried was cached."""
-        self._settle(step, {})
+        self._settle(step, {}, answered=False)
 
-    def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput]) -> None:
-        """Blocks the step's chunks registered stay cached when their sequence ran unharmed."""
+    def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput], answered: bool = True) -> None:
+        """Blocks the step's chunks registered stay cached when their sequence ran unharmed; blocks it registered
+        for running sequences (written by earlier steps), unless the step was refused or the sequence failed."""
         if self.prefix_cache is None:
             return
         for chunk in step.prefill_chunks:
@@ -429,6 +451,10 @@ class Scheduler:
             gen = by_id.get(chunk.request_id)
             ok = gen is not None and not gen.error
             self.num_free_blocks += self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
+        for request_id, _, block_id in step.sequence_blocks:
+            gen = by_id.get(request_id)
+            ok = answered and not (gen is not None and gen.error)
+            self.num_free_blocks += self.prefix_cache.settle([block_id], ok)
 
     @staticmethod
     def _stop_reason(req: ScheduledRequest, token_id: int) -> FinishReason | None:

@@ -81,6 +81,7 @@ def step_request(
         chunks=[prefill_chunk(c) for c in step.prefill_chunks],
         decode_request_ids=np.asarray(step.decode_ids, "<u8").tobytes(),
         evict_block_ids=np.asarray(step.evict_block_ids, "<u8").tobytes(),
+        cache_sequence_blocks=np.asarray(step.sequence_blocks, "<u8").tobytes(),
     )
     if masks:
         request.mask_request_ids = np.fromiter(masks, "<u8", len(masks)).tobytes()

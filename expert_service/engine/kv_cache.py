@@ -99,12 +99,18 @@ class BlockAllocator:
             self._refs[block] = refs + 1
         self.tables[seq_id] = table
 
+    def can_register(self, seq_id: int, index: int, key: tuple[int, int]) -> bool:
+        """Whether `register` would succeed: the key is free or already this block's, and the block has no
+        other key."""
+        block = self.tables[seq_id][index]
+        return self.cached.get(key, block) == block and self._key_of.get(block, key) == key
+
     def register(self, seq_id: int, index: int, key: tuple[int, int]) -> bool:
         """Registers block `index` of `seq_id`'s table under `key`; False (nothing done) when the key is taken
         by another block or the block is registered under another key. Registering it again is a no-op."""
-        block = self.tables[seq_id][index]
-        if self.cached.get(key, block) != block or self._key_of.get(block, key) != key:
+        if not self.can_register(seq_id, index, key):
             return False
+        block = self.tables[seq_id][index]
         self.cached[key] = block
         self._key_of[block] = key
         self._refs.setdefault(block, 1)

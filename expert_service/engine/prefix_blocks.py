@@ -1,9 +1,10 @@
 """The engine's side of prefix caching: a new sequence starting on cached blocks, and the blocks a chunk
-completes registered under the router's ids (kv_cache.BlockAllocator keeps the index and reference counts)."""
+completes, or a running sequence's decodes filled, registered under the router's ids (kv_cache.BlockAllocator
+keeps the index and reference counts)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -59,6 +60,35 @@ def cache_registrations(
                 )
             taken.add(key)
             out.append((chunk.request_id, index, key))
+    return out
+
+
+def sequence_block_registrations(
+    allocator: BlockAllocator,
+    sequences: Mapping[int, _Cached],
+    blocks: np.ndarray,
+    owner: int,
+    owns: Callable[[int], bool],
+) -> list[tuple[int, int, tuple[int, int]]]:
+    """(sequence, block index, key) for each (sequence, block index, block id) row of `blocks` [r, 3]: full blocks
+    of running sequences, written by earlier steps, to cache under the router's ids. A sequence the stream no
+    longer holds (freed, failed) is skipped: the router learns of that from the step that ended it and drops the
+    id. Refused: id 0, a block not yet full, an id taken by another block."""
+    out: list[tuple[int, int, tuple[int, int]]] = []
+    for seq_id, index, block_id in blocks.tolist():
+        seq = sequences.get(seq_id)
+        if seq is None or not owns(seq_id):
+            continue
+        full = seq.num_cached // allocator.block_size
+        if not block_id or index >= full:
+            raise InvalidRequestError(
+                "cache_sequence_blocks",
+                f"sequence {seq_id}: block {index} id {block_id} (ids are nonzero; it holds {full} full blocks)",
+            )
+        key = (owner, block_id)
+        if not allocator.can_register(seq_id, index, key) or any(key == k for _, _, k in out):
+            raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block id {block_id} is taken")
+        out.append((seq_id, index, key))
     return out
 
 

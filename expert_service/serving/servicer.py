@@ -190,6 +190,7 @@ class WorkerServicer:
             expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources),
             expert_dtypes=list(e.model.expert_formats),
             prefix_caching=True,
+            caches_generated_blocks=True,
         )
 
     def warmup(self, num_tokens: int) -> float:

@@ -28,6 +28,7 @@ import numpy as np
 from common.errors import CapacityError, InvalidRequestError
 from common.routing_plan import RoutingPlan
 from expert_service.engine.engine import Engine, InFlightStep, PrefillInput, SequenceOutput, StepResult
+from expert_service.engine.prefix_blocks import sequence_block_registrations
 
 log = logging.getLogger("colibri.worker")
 FOREIGN_SEQUENCE = "FOREIGN_SEQUENCE"
@@ -71,7 +72,7 @@ class StepLimits:
             )
         if num_frees > MAX_FREE_IDS:
             raise InvalidRequestError("free_request_ids", f"{num_frees} ids, at most {MAX_FREE_IDS} per step")
-        if num_evictions > MAX_FREE_IDS:
+        if num_evictions > MAX_FREE_IDS:  # evicted and registered block ids together
             raise InvalidRequestError("evict_block_ids", f"{num_evictions} ids, at most {MAX_FREE_IDS} per step")
         for chunk in chunks:  # the engine checks the exact counts; this bounds what a hostile step makes it copy
             if (
@@ -96,6 +97,8 @@ class StepRequest:
     # blocks to drop, after the frees
     late_masks: dict[int, np.ndarray] | None = None  # late masks of the step sent before this one: sequence ->
     # words [W], applied to that step before this one launches
+    # [r, 3] uint64: (sequence, block index, block id) of full blocks running sequences' decodes wrote, to cache
+    sequence_blocks: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), "<u8"))
 
     @property
     def is_empty(self) -> bool:
@@ -156,6 +159,10 @@ class StreamSession:
         for block_id in step.evict_ids.tolist():  # one held by a late-freed sequence returns with it
             self.engine.allocator.evict((self.id, block_id))
         if step.is_empty:
+            try:
+                self._register(self._sequence_blocks(step))
+            except InvalidRequestError as e:
+                return StepAnswer(step.step_id, None, str(e), time.perf_counter() - started, "free")
             return StepAnswer(step.step_id, None, "", time.perf_counter() - started, "free")
         assert not (late & {c.request_id for c in step.chunks}), "a chunk of a sequence freed late"
         refused = [SequenceOutput(r, error=FOREIGN_SEQUENCE) for r in self._foreign(step)]
@@ -169,6 +176,7 @@ class StreamSession:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
+            registrations = self._sequence_blocks(step)
             in_flight = self.engine.launch(
                 chunks, decodes, step.routing_plan, frozenset(late), step.masks, owner=self.id
             )
@@ -179,7 +187,21 @@ class StreamSession:
             return StepAnswer(
                 step.step_id, None, str(e), time.perf_counter() - started, kind, isinstance(e, CapacityError)
             )
+        self._register(registrations)  # after the step's own launch: no chunk of it starts on these blocks
         return _Launched(step.step_id, in_flight, refused, started, kind)
+
+    def _sequence_blocks(self, step: StepRequest) -> list[tuple[int, int, tuple[int, int]]]:
+        """The step's registrations of full blocks its running sequences' decodes wrote, checked."""
+        if not len(step.sequence_blocks):
+            return []
+        owns = lambda r: self.owners.get(r) == self.id  # noqa: E731
+        return sequence_block_registrations(
+            self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns
+        )
+
+    def _register(self, registrations: list[tuple[int, int, tuple[int, int]]]) -> None:
+        for seq_id, index, key in registrations:
+            self.engine.allocator.register(seq_id, index, key)
 
     def collect(self, launched: _Launched) -> StepAnswer:
         if launched.in_flight.late:  # their masks will not come (see StepPump): those rows fail, the rest stand

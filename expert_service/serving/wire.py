@@ -129,7 +129,12 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
     frees = _packed_ids(request.free_request_ids, "free_request_ids")
     decodes = _packed_ids(request.decode_request_ids, "decode_request_ids")
     evictions = _packed_ids(request.evict_block_ids, "evict_block_ids")
-    limits.check(request.chunks, len(decodes), len(frees), len(evictions))
+    sequence_blocks = _packed_ids(request.cache_sequence_blocks, "cache_sequence_blocks")
+    if len(sequence_blocks) % 3:
+        raise InvalidRequestError(
+            "cache_sequence_blocks", f"{len(sequence_blocks)} ids is not a whole number of triples"
+        )
+    limits.check(request.chunks, len(decodes), len(frees), len(evictions) + len(sequence_blocks) // 3)
     return StepRequest(
         request.step_id,
         frees,
@@ -137,6 +142,7 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
         decodes,
         _plan_of(request, limits),
         evict_ids=evictions,
+        sequence_blocks=sequence_blocks.reshape(-1, 3),
         masks=token_masks(request.mask_request_ids, request.token_masks, limits),
         late_masks=token_masks(request.late_mask_request_ids, request.late_token_masks, limits, LATE_MASK_FIELDS),
     )
