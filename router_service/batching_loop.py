@@ -373,7 +373,7 @@ class BatchingLoop:
                 )
             self._report_prefix_cache()
             late = self._late_masks()
-            if step.is_empty and not step.free_ids and not step.evict_block_ids and late is None:
+            if step.is_empty and not (step.free_ids or step.evict_block_ids or step.sequence_blocks or late):
                 return
             await self._send(step, late)
             if step.is_empty:  # frees only: nothing else could be scheduled
@@ -428,8 +428,8 @@ class BatchingLoop:
                 f"step stream out of order: got step {response.step_id}, expected {sent.step_id}",
             )
         step = sent.step
-        if step.is_empty:
-            return
+        if step.is_empty:  # frees, evictions, registrations of blocks steps already sent write: nothing to deliver
+            return self._ready_scheduler.settle_empty(step, bool(response.step_error))
         if response.step_error:  # the worker refused the whole step: its requests fail, the rest go on
             log.error("worker refused step %d: %s", sent.step_id, response.step_error)
             self._ready_scheduler.refused(step)

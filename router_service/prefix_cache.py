@@ -18,9 +18,11 @@ does not know of, and a sequence the router starts on a block is refused (UNKNOW
 step that was to register it was refused as a whole.
 
 Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
-block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position was sent,
-the next step tells the worker to register that block of the sequence under a new id (cache_sequence_blocks), so
-a chat's next turn, which resends the answer, starts on it. Its hash chains on from the prompt's blocks.
+block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position is in the
+step being scheduled or an earlier one, that step tells the worker to register that block of the sequence under a
+new id (cache_sequence_blocks; the worker does once the step is launched), so a chat's next turn, which resends
+the answer, starts on it. Its hash chains on from the prompt's blocks. The last generated token is never fed, so
+a request's last block is cached only when a token past it was fed.
 
 Accounting. The scheduler's free blocks exclude blocks requests reserve and blocks the index holds (detached
 ones included). A request reserves its prompt + max_new_tokens minus the blocks it starts on; a block it

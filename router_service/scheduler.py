@@ -343,22 +343,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
-        generated = self._cache_generated(scheduled) if cache and cache.caches_generated and scheduled else ()
+        generated = self._cache_generated() if cache and cache.caches_generated else ()
         evictions = cache.take_evictions() if cache else ()
         steps = (tuple(chunks), tuple(decodes), tuple(decode_tokens))
         return ScheduledStep(scheduled, *steps, free_ids, tuple(expired), evictions, generated)
 
-    def _cache_generated(self, scheduled: dict[int, int]) -> tuple[tuple[int, int, int], ...]:
+    def _cache_generated(self) -> tuple[tuple[int, int, int], ...]:
         """Registrations of the blocks running requests filled: full of tokens back from the worker, their last
-        position fed by a decode of an earlier step (so written before the step carrying them)."""
+        position fed by a decode of this step or an earlier one (the worker registers them once it is launched)."""
         cache, bs, out = self.prefix_cache, self.limits.kv_block_size, []
         assert cache is not None
         for req in self.running:
             state = req.prefix
             if state is None or not state.may_claim or req.is_prefilling:
                 continue
-            written = req.num_scheduled_tokens - scheduled.get(req.request_id, 0)
-            for index in range(len(state.hashes), min(written, req.num_tokens) // bs):
+            for index in range(len(state.hashes), min(req.num_scheduled_tokens, req.num_tokens) // bs):
                 start, end, prompt = index * bs, (index + 1) * bs, req.num_prompt_tokens
                 tokens = req.prompt_ids[start:prompt] + req.output_ids[max(start - prompt, 0) : end - prompt]
                 block_id = cache.cache_generated(state, req.cache_salt, tokens)
@@ -435,6 +434,10 @@ class Scheduler:
             req.prompt_scores = []
             outputs.append(RequestOutput(request_id, gen.token_id, gen.logprob, reason, top=gen.top, prompt=prompt))
         return outputs
+
+    def settle_empty(self, step: ScheduledStep, refused: bool) -> None:
+        """A step that ran no tokens came back: the registrations it carried stand unless it was refused."""
+        self._settle(step, {}, answered=not refused)
 
     def refused(self, step: ScheduledStep) -> None:
         """The worker refused the step as a whole: nothing it carried was cached."""

@@ -69,17 +69,19 @@ def sequence_block_registrations(
     blocks: np.ndarray,
     owner: int,
     owns: Callable[[int], bool],
+    fed: Mapping[int, int],
 ) -> list[tuple[int, int, tuple[int, int]]]:
     """(sequence, block index, key) for each (sequence, block index, block id) row of `blocks` [r, 3]: full blocks
-    of running sequences, written by earlier steps, to cache under the router's ids. A sequence the stream no
-    longer holds (freed, failed) is skipped: the router learns of that from the step that ended it and drops the
-    id. Refused: id 0, a block not yet full, an id taken by another block."""
+    of running sequences, their K/V written by this step (`fed`: the tokens it runs for each sequence) or earlier
+    ones, to cache under the router's ids once the step is launched. A sequence the stream no longer holds (freed,
+    failed) is skipped: the router learns of that from the step that ended it and drops the id. Refused: id 0, a
+    block not full, an id taken by another block."""
     out: list[tuple[int, int, tuple[int, int]]] = []
     for seq_id, index, block_id in blocks.tolist():
         seq = sequences.get(seq_id)
         if seq is None or not owns(seq_id):
             continue
-        full = seq.num_cached // allocator.block_size
+        full = (seq.num_cached + fed.get(seq_id, 0)) // allocator.block_size
         if not block_id or index >= full:
             raise InvalidRequestError(
                 "cache_sequence_blocks",

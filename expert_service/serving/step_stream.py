@@ -160,7 +160,7 @@ class StreamSession:
             self.engine.allocator.evict((self.id, block_id))
         if step.is_empty:
             try:
-                self._register(self._sequence_blocks(step))
+                self._register(self._sequence_blocks(step, [], []))
             except InvalidRequestError as e:
                 return StepAnswer(step.step_id, None, str(e), time.perf_counter() - started, "free")
             return StepAnswer(step.step_id, None, "", time.perf_counter() - started, "free")
@@ -176,7 +176,7 @@ class StreamSession:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            registrations = self._sequence_blocks(step)
+            registrations = self._sequence_blocks(step, chunks, decodes)
             in_flight = self.engine.launch(
                 chunks, decodes, step.routing_plan, frozenset(late), step.masks, owner=self.id
             )
@@ -190,13 +190,17 @@ class StreamSession:
         self._register(registrations)  # after the step's own launch: no chunk of it starts on these blocks
         return _Launched(step.step_id, in_flight, refused, started, kind)
 
-    def _sequence_blocks(self, step: StepRequest) -> list[tuple[int, int, tuple[int, int]]]:
-        """The step's registrations of full blocks its running sequences' decodes wrote, checked."""
+    def _sequence_blocks(self, step: StepRequest, chunks, decodes: list[int]) -> list[tuple[int, int, tuple[int, int]]]:
+        """The step's registrations of full blocks its running sequences' decodes wrote (this step's included),
+        checked before it launches."""
         if not len(step.sequence_blocks):
             return []
+        fed = dict.fromkeys(decodes, 1)
+        for chunk in chunks:
+            fed[chunk.request_id] = fed.get(chunk.request_id, 0) + len(chunk.token_ids)
         owns = lambda r: self.owners.get(r) == self.id  # noqa: E731
         return sequence_block_registrations(
-            self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns
+            self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns, fed
         )
 
     def _register(self, registrations: list[tuple[int, int, tuple[int, int]]]) -> None:

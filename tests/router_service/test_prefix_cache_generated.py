@@ -1,6 +1,6 @@
 """Prefix caching of generated tokens: the router registers the full blocks a running request's decodes wrote
-(prompt tail and generated tokens), one step after the decode feeding their last position was sent, so a chat's
-next turn, which resends the answer, starts on them. Against the worker's pool model of test_prefix_cache.py:
+(prompt tail and generated tokens) with the step feeding their last position (the worker registers them once it
+launched that step), so a chat's next turn, which resends the answer, starts on them. Against the worker's pool model of test_prefix_cache.py:
 random traffic with continuations of finished requests, cancels, sequence errors and refused steps keeps both
 views equal and leaves nothing behind; a worker that does not cache generated blocks is never asked to."""
 
@@ -18,18 +18,14 @@ def make(blocks=48, caches_generated=True):
 
 
 class GeneratingWorker(WorkerModel):
-    """The pool model, registering running sequences' blocks as the step asks (each full, written by an earlier
-    step), and sampling random tokens so generated blocks differ."""
+    """The pool model, registering running sequences' blocks as the step asks once the step ran (each full,
+    written by this step or an earlier one), and sampling random tokens so generated blocks differ."""
 
     def run(self, step, rng, error_rate=0.0) -> list[RequestOutput]:
-        for rid in step.free_ids:
-            self.pool.free(rid)
-            self.cached.pop(rid, None)
+        out = super().run(step, rng, error_rate)
         for rid, index, block_id in step.sequence_blocks:
             assert index < self.cached[rid] // BLOCK, "a block registered before its last position was written"
             assert self.pool.register(rid, index, (0, block_id))
-        step = type(step)(**{**step.__dict__, "free_ids": frozenset(), "sequence_blocks": ()})
-        out = super().run(step, rng, error_rate)
         return [RequestOutput(o.request_id, rng.randrange(100), error=o.error) if o.token_id else o for o in out]
 
 
@@ -86,20 +82,20 @@ def test_random_traffic_with_continuations_keeps_both_pools_equal(seed):
 
 def test_a_next_turn_starts_on_the_answers_blocks():
     """A 6-token prompt and 9 new tokens: positions 0-13 are fed (the last token never is), so blocks 1 and 2
-    (prompt tail + answer, answer) are registered, each in a step after the one feeding its last position. The
-    next turn (prompt + answer + 2 tokens) starts on all three blocks; with a worker that does not cache
-    generated blocks, on the prompt's one."""
+    (prompt tail + answer, answer) are registered, each by the step feeding its last position. The next turn
+    (prompt + answer + 2 tokens) starts on all three blocks; with a worker that does not cache generated blocks,
+    on the prompt's one."""
     prompt = [5, 6, 7, 8, 9, 10]
     for caches_generated, hits in ((True, 3), (False, 1)):
         s, worker, rng = make(caches_generated=caches_generated), GeneratingWorker(48), random.Random(1)
         s.add(ScheduledRequest(1, prompt, 9))
-        registered, answer, fed = [], [], 0
+        registered, answer = [], []
         while 1 in s.requests:
             step = s.schedule()
+            fed = s.requests[1].num_scheduled_tokens  # this step's decode included
             for _, index, _ in step.sequence_blocks:
-                assert (index + 1) * BLOCK <= fed, "registered before its last position was fed"
+                assert (index + 1) * BLOCK == fed, "registered by the step feeding its last position"
                 registered.append(index)
-            fed = s.requests[1].num_scheduled_tokens
             answer += [o.token_id for o in s.update(step, worker.run(step, rng)) if o.token_id is not None]
         assert len(answer) == 9 and registered == ([1, 2] if caches_generated else [])
         s.add(ScheduledRequest(2, prompt + answer + [1, 2], 1))

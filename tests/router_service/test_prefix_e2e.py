@@ -141,10 +141,41 @@ def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
             # the prompt_logprobs request does not look the cache up; the seven others do
             assert value("colibri_prefix_cache_queries_total") == 7 * len(prompt)
             assert value("colibri_prefix_cache_hits_total") == 5 * 28
-            assert value("colibri_prefix_cache_blocks") == 7 + 7  # the prompt's blocks under two salts
+            # under two salts: the prompt's blocks, and the one its tail and the first two answer tokens fill
+            # (greedy siblings answer alike: one cached), fed by the last decode
+            assert value("colibri_prefix_cache_blocks") == 2 * (7 + 1)
             assert value("colibri_prefix_cache_evictions_total") == 0
 
     asyncio.run(body())
+
+
+def test_a_next_turn_starts_on_the_previous_answer(small_pool_worker):
+    """Chat turns resend the conversation: each turn's prompt is the previous one, its answer and a new user
+    turn. The worker caches the full blocks the answer's decodes filled, so a turn starts on every full block of
+    the previous prompt and answer (its last token is never fed), short of its own last token: 0, 16 and 28
+    tokens for prompts of 10, 22 and 34 tokens with 9-token answers (8 and 20 if only prompts were cached); the
+    tokens and log-probabilities equal those with caching off."""
+
+    async def run(prefix_caching: bool):
+        async with running_router(small_pool_worker.address, prefix_caching=prefix_caching, max_batch_tokens=8) as (
+            router,
+            stub,
+        ):
+            conversation, hits, answers = [30 + i for i in range(10)], [], []
+            for turn in range(3):
+                answer = await stub.Generate(_request(conversation, 9))
+                answers.append((list(answer.token_ids), list(answer.logprobs)))
+                hits.append(answer.cached_prompt_tokens)
+                conversation = conversation + list(answer.token_ids) + [200 + turn, 210 + turn, 220 + turn]
+            await _drained(router)
+            return hits, answers
+
+    cached_hits, cached = asyncio.run(run(True))
+    plain_hits, plain = asyncio.run(run(False))
+    assert cached_hits == [0, 16, 28] and plain_hits == [0, 0, 0]
+    for (tokens, with_cache), (plain_tokens, without) in zip(cached, plain):
+        assert tokens == plain_tokens
+        np.testing.assert_allclose(with_cache, without, rtol=1e-4, atol=1e-5)
 
 
 def test_a_restarted_worker_starts_with_an_empty_cache(tiny_model):

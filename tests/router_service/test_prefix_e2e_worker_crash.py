@@ -53,7 +53,8 @@ def _request(prompt, n, salt, stream=False):
 
 
 class _CacheModel:
-    """The blocks a sequence of completed requests leaves cached (no evictions: the pool holds them all), and
+    """The blocks a sequence of completed requests leaves cached (no evictions: the pool holds them all): every
+    full block of the tokens each fed the worker (its prompt, and its answer but the last token, never fed), and
     what the next request should therefore start on: its leading full blocks cached under its salt, short of
     its last token."""
 
@@ -66,8 +67,9 @@ class _CacheModel:
             k += 1
         return k * BLOCK
 
-    def add(self, prompt: list[int], salt: str) -> None:
-        self.blocks |= {(salt, tuple(prompt[: (i + 1) * BLOCK])) for i in range(len(prompt) // BLOCK)}
+    def add(self, prompt: list[int], salt: str, answer: list[int]) -> None:
+        fed = prompt + answer[:-1]
+        self.blocks |= {(salt, tuple(fed[: (i + 1) * BLOCK])) for i in range(len(fed) // BLOCK)}
 
 
 def _is_clean_failure(error: grpc.aio.AioRpcError) -> bool:
@@ -154,7 +156,7 @@ def test_a_worker_killed_mid_traffic_leaves_no_stale_prefix_blocks(tiny_model, t
         for prompt, n, salt in traffic:
             answer = await stub.Generate(_request(prompt, n, salt))
             check(answer, prompt, n, model.expected_hit(prompt, salt))
-            model.add(prompt, salt)
+            model.add(prompt, salt, list(answer.token_ids))
             hits.append(answer.cached_prompt_tokens)
         return hits
 
@@ -215,8 +217,8 @@ def test_a_worker_killed_mid_traffic_leaves_no_stale_prefix_blocks(tiny_model, t
         answers = await asyncio.gather(*(stub.Generate(_request(p, n, salt)) for p, n, salt in wave))
         for (prompt, n, _), answer in zip(wave, answers):
             check(answer, prompt, n)
-        for prompt, _, salt in wave:
-            model.add(prompt, salt)
+        for (prompt, _, salt), answer in zip(wave, answers):
+            model.add(prompt, salt, list(answer.token_ids))
         await _until(lambda: loop.num_active == 0, "requests still active after the traffic")
         assert value("colibri_prefix_cache_blocks") == len(model.blocks)
         assert value("colibri_prefix_cache_evictions_total") == 0

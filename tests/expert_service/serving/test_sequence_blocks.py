@@ -1,0 +1,98 @@
+"""The worker caching the blocks a running sequence's decodes filled (StepStreamRequest.cache_sequence_blocks):
+a later sequence started on them computes the logits a full prefill computes, also when the decode writing a
+block's last position was still in flight (pipelined); ids of a sequence the stream no longer holds are skipped,
+and malformed registrations refuse the step, naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from expert_service.engine.engine import PrefillInput
+from expert_service.serving.step_stream import StreamSession
+from tests.expert_service.serving.test_step_pump_differential import GREEDY, _engine, _pumped, _step
+
+BLOCK = 4  # _engine's kv_block_size
+PROMPT = np.array([17, 40, 9, 88, 23, 61])  # one full block, then two tokens of the next
+
+
+def _with_blocks(step, rows):
+    return replace(step, sequence_blocks=np.asarray(rows, "<u8").reshape(-1, 3))
+
+
+def _tokens(answer, rid):
+    return [o.token_id for o in answer.result.outputs if o.request_id == rid]
+
+
+def _reused_equals_full(engine, session, generated):
+    """Sequence 2 starts on blocks 20 (prompt) and 21 (prompt tail + two generated tokens); its logits equal
+    those of sequence 3 prefilling the same tokens whole."""
+    tail = np.array([5, 99, 31])
+    known = np.concatenate([PROMPT, generated[:2]])
+    on_blocks = PrefillInput(2, tail, GREEDY, True, prefix_block_ids=(20, 21))
+    reused = session.run(_step(10, chunks=[on_blocks]))
+    assert not reused.result.outputs[0].error, reused.result.outputs
+    full = session.run(_step(11, chunks=[PrefillInput(3, np.concatenate([known, tail]), GREEDY, True)]))
+    np.testing.assert_allclose(reused.result.logits[0], full.result.logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_on_generated_blocks_equals_a_full_prefill(tiny_model):
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    first = session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True, cache_block_ids=(20,))]))
+    generated = _tokens(first, 1)
+    generated += _tokens(session.run(_step(2, decodes=[1])), 1)  # feeds position 6
+    # feeds position 7, which fills block 1: the same step registers it, once launched
+    answer = session.run(_with_blocks(_step(3, decodes=[1]), [(1, 1, 21)]))
+    generated += _tokens(answer, 1)
+    assert not answer.refused and engine.allocator.cached[(session.id, 21)] == engine.allocator.tables[1][1]
+    _reused_equals_full(engine, session, np.array(generated))
+    session.run(_step(12, frees=[1, 2, 3]))
+    assert engine.allocator.num_used_blocks == 0 and engine.allocator.num_cached_blocks == 2
+
+
+def test_a_block_whose_last_position_is_still_in_flight_is_registered_behind_it(tiny_model):
+    """Pumped: the step feeding position 7 (from its predecessor's argmax, on the worker) registers block 1; it
+    launches behind the step before it, and the KV is written by the time a later step reads it."""
+    steps = [_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True, cache_block_ids=(20,))])]
+    steps += [_step(2, decodes=[1]), _with_blocks(_step(3, decodes=[1]), [(1, 1, 21)]), _step(4, decodes=[1])]
+    engine = _engine(tiny_model, True, 256)
+    answers, depths = _pumped(engine, steps)
+    assert all(a[0] != "refused" for a in answers) and max(depths) >= 1, (answers, depths)
+    generated = np.array([a[0][1] for a in answers])
+    # the pumped stream ended: its blocks are gone; a fresh session redoes the steps one at a time for the check
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    for step in steps:
+        session.run(step)
+    _reused_equals_full(engine, session, generated)
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([(1, 1, 0)], "ids are nonzero"),
+        ([(1, 2, 21)], "holds 2 full blocks"),  # block 2 is not full, this step's decode included
+        ([(1, 1, 20)], "taken"),  # the prompt block's id
+        ([(1, 0, 22)], "taken"),  # block 0 is cached under another id
+        ([(1, 1, 21), (1, 1, 21)], "taken"),
+    ],
+)
+def test_malformed_registrations_refuse_the_step(tiny_model, rows, message):
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True, cache_block_ids=(20,))]))
+    session.run(_step(2, decodes=[1]))
+    answer = session.run(_with_blocks(_step(3, decodes=[1]), rows))
+    assert answer.result is None and "cache_sequence_blocks" in answer.refused and message in answer.refused
+    assert (session.id, 21) not in engine.allocator.cached or rows == [(1, 1, 20)]
+
+
+def test_a_sequence_no_longer_held_is_skipped(tiny_model):
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True)]))
+    answer = session.run(_with_blocks(_step(2, frees=[1], decodes=[]), [(1, 0, 21), (7, 0, 22)]))
+    assert answer.refused == "" and not engine.allocator.cached
