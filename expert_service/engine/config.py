@@ -72,13 +72,14 @@ class EngineConfig:
     expert_cache_gb: float = setting(
         0.0,
         "GiB of expert slots (stored bytes); 0 = every expert resident. Below "
-        "the experts' total, each MoE layer gets floor(budget / (MoE layers x expert "
-        "bytes)) slots (at least 1) caching the host copy",
+        "the experts' total, each MoE layer gets floor(budget / sum of the MoE layers' "
+        "expert strides) slots caching the host copy; a budget below one slot is refused",
         env=("COLIBRI_EXPERT_CACHE_GB",),
     )
     expert_cache_slots: int = setting(
         0,
-        "expert slots per MoE layer (overrides --expert-cache-gb; 0 = from the budget)",
+        "expert slots per MoE layer, at most the model's experts (wins over --expert-cache-gb, but must fit a "
+        "budget given with it; 0 = from the budget)",
         env=("COLIBRI_EXPERT_CACHE_SLOTS",),
     )
     expert_cache_policy: str = setting(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.errors import ConfigError
 from common.model_format import ModelDir
 
 # --- slot plan ---------------------------------------------------------------------------------
@@ -28,15 +29,30 @@ class SlotPlan:
 
 
 def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:
-    """Explicit slots win; else floor(budget / (MoE layers x expert block bytes)), at least 1; else all."""
+    """Explicit slots win (and must fit a budget given beside them); else as many slots per layer as the budget
+    holds; else all. A slot of layer L takes the layer's own expert stride, as the device allocates it, so a
+    layer of int8 experts costs about half what a bf16 one does. Settings that cannot be met raise ConfigError."""
     cfg = model.config
     layers, num_experts = cfg.moe_layers, cfg.num_experts
-    block = model.max_expert_nbytes  # a slot holds any expert of the model
+    row = sum(model.expert_strides[layer] for layer in layers)  # one slot in every MoE layer
     budget = int(expert_cache_gb * GIB)
-    if expert_cache_slots > 0:
-        slots = expert_cache_slots
-    elif budget > 0 and layers:
-        slots = max(1, budget // (len(layers) * block))
-    else:
-        slots = num_experts
-    return SlotPlan(min(slots, num_experts), num_experts, len(layers), block, budget)
+    if expert_cache_slots > num_experts:
+        raise ConfigError(
+            f"expert_cache_slots: {expert_cache_slots} slots per MoE layer is more than the model's "
+            f"{num_experts} experts per layer (at most {num_experts}; 0 = from --expert-cache-gb)"
+        )
+    slots = expert_cache_slots or num_experts
+    if expert_cache_gb > 0 and layers:  # a positive budget under one byte is still a budget, not "none"
+        fits = budget // row
+        if fits < 1:
+            raise ConfigError(
+                f"expert_cache_gb: {expert_cache_gb:g} GiB holds no expert slot: one slot in each of the "
+                f"{len(layers)} MoE layers needs {row} bytes ({row / GIB:.6g} GiB)"
+            )
+        if expert_cache_slots > fits:
+            raise ConfigError(
+                f"expert_cache_slots: {expert_cache_slots} slots per MoE layer need {expert_cache_slots * row} "
+                f"bytes; --expert-cache-gb {expert_cache_gb:g} ({budget} bytes) holds {fits}"
+            )
+        slots = expert_cache_slots or min(fits, num_experts)
+    return SlotPlan(slots, num_experts, len(layers), model.max_expert_nbytes, budget)
