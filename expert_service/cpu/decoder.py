@@ -100,11 +100,13 @@ class CpuDecoder:
         self._launched: HostLogits | None = None  # the latest launched step's logits (fed rows read them)
 
     def memory_plan(self) -> list[tuple[str, int]]:
-        model = self.w.model
-        experts = sum(e.nbytes for n, e in model.entries.items() if ".experts." in n)
+        """What this backend holds, in the float32 its kernels compute in. Under the expert cache the experts stay
+        in the model's mmap and only the slots are held (the cuda backend's expert_weights is 0 there too)."""
+        cfg = self.config
+        expert_elements = len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
         plan = [
-            ("dense_weights", model.total_bytes - experts),
-            ("expert_weights", experts),
+            ("dense_weights", sum(a.nbytes for a in self.w.dense.values())),
+            ("expert_weights", 0 if self.cache is not None else 4 * expert_elements),  # converted on first use
             ("kv_cache", self.kv.nbytes),
             ("penalties", self.penalties.nbytes),
         ]
