@@ -67,6 +67,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 raise ConfigError(
                     f"{where}: must be one of {', '.join(m.value for m in base)}, got {value!r}"
                 ) from None
+        if base in (int, float) and isinstance(value, bool):  # int(True) is 1: a YAML `true` is no number
+            raise ValueError
+        if base is int and isinstance(value, float) and not value.is_integer():  # int(2.5) would truncate
+            raise ValueError
         if base in (int, float, str):
             return base(value)
         if typing.get_origin(base) is tuple or base is tuple:
