@@ -73,20 +73,17 @@ def sequence_block_registrations(
 ) -> list[tuple[int, int, tuple[int, int]]]:
     """(sequence, block index, key) for each (sequence, block index, block id) row of `blocks` [r, 3]: full blocks
     of running sequences, their K/V written by this step (`fed`: the tokens it runs for each sequence) or earlier
-    ones, to cache under the router's ids once the step is launched. A sequence the stream no longer holds (freed,
-    failed) is skipped: the router learns of that from the step that ended it and drops the id. Refused: id 0, a
-    block not full, an id taken by another block."""
+    ones, to cache under the router's ids once the step is launched. Skipped: a sequence the stream no longer holds
+    (freed, failed), and a block not full, which a step refused as a whole left short (the router, sending this
+    step before that refusal came back, fails the sequence when it does and drops the id). Refused: id 0, an id
+    taken by another block."""
     out: list[tuple[int, int, tuple[int, int]]] = []
     for seq_id, index, block_id in blocks.tolist():
+        if not block_id:
+            raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} has id 0")
         seq = sequences.get(seq_id)
-        if seq is None or not owns(seq_id):
+        if seq is None or not owns(seq_id) or index >= (seq.num_cached + fed.get(seq_id, 0)) // allocator.block_size:
             continue
-        full = (seq.num_cached + fed.get(seq_id, 0)) // allocator.block_size
-        if not block_id or index >= full:
-            raise InvalidRequestError(
-                "cache_sequence_blocks",
-                f"sequence {seq_id}: block {index} id {block_id} (ids are nonzero; it holds {full} full blocks)",
-            )
         key = (owner, block_id)
         if not allocator.can_register(seq_id, index, key) or any(key == k for _, _, k in out):
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block id {block_id} is taken")

@@ -57,6 +57,18 @@ class WorkerModel:
         return out
 
 
+def refuse(s: Scheduler, worker: WorkerModel, step) -> None:
+    """The worker refused the step as a whole after its frees and evictions: the loop fails its requests."""
+    for rid in step.free_ids:
+        worker.pool.free(rid)
+        worker.cached.pop(rid, None)
+    for block_id in step.evict_block_ids:
+        worker.pool.evict((0, block_id))
+    s.refused(step)
+    for rid in step.num_scheduled_tokens:
+        s.finish(rid, FinishReason.ERROR)
+
+
 def _check(s: Scheduler, worker: WorkerModel) -> None:
     cache = s.prefix_cache
     reserved = sum(r.num_blocks for r in s.running)
@@ -87,14 +99,7 @@ def test_random_traffic_keeps_router_and_worker_pools_equal(seed):
             s.finish(rng.choice(list(s.requests)), FinishReason.CANCELLED)
         step = s.schedule()
         if rng.random() < 0.05 and not step.is_empty:  # refused as a whole: nothing ran
-            for rid in step.free_ids:
-                worker.pool.free(rid)
-                worker.cached.pop(rid, None)
-            for block_id in step.evict_block_ids:
-                worker.pool.evict((0, block_id))
-            s.refused(step)
-            for rid in step.num_scheduled_tokens:
-                s.finish(rid, FinishReason.ERROR)
+            refuse(s, worker, step)
         else:
             s.update(step, worker.run(step, rng, error_rate=0.05))
         _check(s, worker)

@@ -10,7 +10,7 @@ import pytest
 
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
-from tests.router_service.test_prefix_cache import BLOCK, WorkerModel, _check
+from tests.router_service.test_prefix_cache import BLOCK, WorkerModel, _check, refuse
 
 
 def make(blocks=48, caches_generated=True):
@@ -51,14 +51,7 @@ def test_random_traffic_with_continuations_keeps_both_pools_equal(seed):
         for rid, index, _ in step.sequence_blocks:  # never a block of the prompt, and never one a hit brought
             assert index >= s.requests[rid].num_prompt_tokens // BLOCK
         if rng.random() < 0.04 and not step.is_empty:  # refused as a whole: nothing ran, nothing registered
-            for rid in step.free_ids:
-                worker.pool.free(rid)
-                worker.cached.pop(rid, None)
-            for block_id in step.evict_block_ids:
-                worker.pool.evict((0, block_id))
-            s.refused(step)
-            for rid in step.num_scheduled_tokens:
-                s.finish(rid, FinishReason.ERROR)
+            refuse(s, worker, step)
         else:
             before = {rid: list(s.requests[rid].prompt_ids) for rid in step.num_scheduled_tokens}
             for out in s.update(step, worker.run(step, rng, error_rate=0.03)):

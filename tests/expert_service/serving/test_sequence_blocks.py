@@ -73,8 +73,7 @@ def test_a_block_whose_last_position_is_still_in_flight_is_registered_behind_it(
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([(1, 1, 0)], "ids are nonzero"),
-        ([(1, 2, 21)], "holds 2 full blocks"),  # block 2 is not full, this step's decode included
+        ([(1, 1, 0)], "has id 0"),
         ([(1, 1, 20)], "taken"),  # the prompt block's id
         ([(1, 0, 22)], "taken"),  # block 0 is cached under another id
         ([(1, 1, 21), (1, 1, 21)], "taken"),
@@ -90,9 +89,12 @@ def test_malformed_registrations_refuse_the_step(tiny_model, rows, message):
     assert (session.id, 21) not in engine.allocator.cached or rows == [(1, 1, 20)]
 
 
-def test_a_sequence_no_longer_held_is_skipped(tiny_model):
+def test_a_sequence_no_longer_held_and_a_block_not_full_are_skipped(tiny_model):
+    """A block not full: a step refused as a whole before this one left it short (the router, which sent this
+    step before it knew, fails the sequence and drops the id when that refusal comes back)."""
     engine = _engine(tiny_model, False, 256)
     session = StreamSession(engine, {})
     session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True)]))
-    answer = session.run(_with_blocks(_step(2, frees=[1], decodes=[]), [(1, 0, 21), (7, 0, 22)]))
-    assert answer.refused == "" and not engine.allocator.cached
+    session.run(_step(2, chunks=[PrefillInput(4, PROMPT, GREEDY, True)]))
+    answer = session.run(_with_blocks(_step(3, frees=[1], decodes=[4]), [(1, 0, 21), (7, 0, 22), (4, 2, 23)]))
+    assert answer.refused == "" and not engine.allocator.cached  # 4 holds 7 tokens after this step's decode
