@@ -24,7 +24,6 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
-from expert_service.engine.step import PrefillInput
 from expert_service.experts.cache import CacheStats
 from expert_service.tools.convert import convert
 from expert_service.tools.routing_gen import generate
@@ -33,6 +32,7 @@ from router_service.prefix_cache import PrefixCache
 from router_service.routing import RoutingPlanner, step_token_ids
 from router_service.scheduler import RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
 from tests.helpers import cpu_engine
+from tests.router_service.test_prefix_cache_engine import prefill_inputs
 
 BLOCK = 4
 NUM_BLOCKS = 22  # small enough that cached prefixes are evicted along the way
@@ -175,13 +175,7 @@ def _run(engine, traffic, prefix_caching: bool, planner: RoutingPlanner | None, 
                 assert c.start >= len(c.prefix_block_ids) * BLOCK
                 assert not c.is_first or c.start == len(c.prefix_block_ids) * BLOCK
             plan = planner.routing_plan(step) if planner is not None else None
-            prefill = [
-                PrefillInput(
-                    c.request_id, np.asarray(c.token_ids), c.sampling if c.is_first else None, c.is_last,
-                    c.prefix_block_ids, c.cache_block_ids, c.prefix_token_ids, c.start,
-                )
-                for c in step.prefill_chunks
-            ]  # fmt: skip
+            prefill = prefill_inputs(step)
             if not engine.can_launch:  # the step ahead is not overlappable: answered first, as the worker does
                 ahead = engine_flight.pop(0)
                 collected[id(ahead)] = engine.collect(ahead)
