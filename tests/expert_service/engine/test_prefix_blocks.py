@@ -11,6 +11,7 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import UNKNOWN_PREFIX_BLOCK, PrefillInput
 from expert_service.engine.penalties import PenaltyParams
+from expert_service.engine.prefix_blocks import sequence_block_registrations
 from expert_service.engine.sampling import SamplingParams
 
 BLOCK = 4
@@ -92,3 +93,27 @@ def test_a_penalised_sequence_counts_its_cached_prefix(engine):
     tolerance = 1e-5 if engine.backend == "cpu" else 1e-3
     np.testing.assert_allclose(reused_logits, full.logits.processed(0), rtol=tolerance, atol=tolerance)
     assert not np.allclose(full.logits.processed(0), full.logits[0])  # the penalty acted on the prompt's tokens
+
+
+def test_a_sequence_on_blocks_its_decodes_filled_equals_a_full_prefill(engine):
+    """Generated blocks (cache_sequence_blocks): sequence 1's decodes fill block 1 (prompt tail and two generated
+    tokens), which is registered once the decode writing its last position was launched; sequence 2 starts on
+    blocks 0 and 1 and computes the logits a full prefill of the same tokens computes (on the cuda backend the
+    decodes wrote that K/V from graph replays)."""
+    prompt = np.random.default_rng(2).integers(3, 250, 6)
+    first = engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(31,))])
+    generated = [first.outputs[0].token_id, engine.step(decode_ids=[1]).outputs[0].token_id]  # feeds position 6
+    rows = np.array([[1, 1, 32]], "<u8")
+    registrations = sequence_block_registrations(engine.allocator, engine.sequences, rows, 0, lambda _: True, {1: 1})
+    engine.step(decode_ids=[1])  # feeds position 7: block 1 is full once this step is launched
+    for seq_id, index, key in registrations:
+        assert engine.allocator.register(seq_id, index, key)
+    tail = np.array([5, 99, 31])
+    reused = _last_logits(engine, PrefillInput(2, tail, SamplingParams(), True, prefix_block_ids=(31, 32)))
+    whole = np.concatenate([prompt, generated, tail])
+    full = _last_logits(engine, PrefillInput(3, whole, SamplingParams(), True))
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3
+    np.testing.assert_allclose(reused, full, rtol=tolerance, atol=tolerance)
+    engine.release([1, 2, 3])
+    assert engine.allocator.num_used_blocks == 0 and engine.allocator.num_cached_blocks == 2
+    engine.clear()
