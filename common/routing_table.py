@@ -81,38 +81,34 @@ class RoutingTable:
         path = Path(path)
         if not path.is_file():
             raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
-        with path.open("rb") as f:  # the header first: a wrong file (a model's experts, say) is not read whole
-            data = f.read(HEADER_SIZE)
-            if len(data) == HEADER_SIZE and data[:4] == MAGIC:
-                data += f.read()
 
         def fail(field: str, found, expected) -> RoutingTableError:
             return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
 
-        if len(data) < HEADER_SIZE:
-            raise fail("header size", f"{len(data)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
-        magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise fail("magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
-        if version != VERSION:
-            raise fail("version", version, VERSION)
-        moe_layers = config.moe_layers
-        if num_layers != len(moe_layers):
-            raise fail("num_layers", num_layers, f"{len(moe_layers)} (the model's MoE layers)")
-        if vocab_size != config.vocab_size:
-            raise fail("vocab_size", vocab_size, f"{config.vocab_size} (the model's vocab_size)")
-        if num_experts != config.num_experts:
-            raise fail("num_experts", num_experts, f"{config.num_experts} (the model's num_experts)")
-        if not 1 <= top_k <= num_experts:
-            raise fail("top_k", top_k, f"1..{num_experts} (num_experts)")
-        body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
-        if len(data) - HEADER_SIZE != body_size:
-            raise fail(
-                "body size",
-                f"{len(data) - HEADER_SIZE} bytes",
-                f"{body_size} bytes (num_layers x vocab_size x top_k x 2)",
-            )
-        body = memoryview(data)[HEADER_SIZE:]
+        with path.open("rb") as f:  # the header first: a wrong or oversized file is never read whole
+            header = f.read(HEADER_SIZE)
+            if len(header) < HEADER_SIZE:
+                raise fail("header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
+            magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(header)
+            if magic != MAGIC:
+                raise fail("magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
+            if version != VERSION:
+                raise fail("version", version, VERSION)
+            moe_layers = config.moe_layers
+            if num_layers != len(moe_layers):
+                raise fail("num_layers", num_layers, f"{len(moe_layers)} (the model's MoE layers)")
+            if vocab_size != config.vocab_size:
+                raise fail("vocab_size", vocab_size, f"{config.vocab_size} (the model's vocab_size)")
+            if num_experts != config.num_experts:
+                raise fail("num_experts", num_experts, f"{config.num_experts} (the model's num_experts)")
+            if not 1 <= top_k <= num_experts:
+                raise fail("top_k", top_k, f"1..{num_experts} (num_experts)")
+            body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
+            found = os.fstat(f.fileno()).st_size - HEADER_SIZE
+            if found != body_size:
+                raise fail("body size", f"{found} bytes", f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
+            data = f.read(body_size)
+        body = memoryview(data)
         if zlib.crc32(body) != crc:
             raise fail("crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
         table = np.frombuffer(body, dtype=ENTRY_DTYPE).reshape(num_layers, vocab_size, top_k).astype(np.uint16)

@@ -101,6 +101,14 @@ def test_truncated_body(table_file):
     expect_error(table_file, "body size", f"is {body - 10} bytes", f"expected {body} bytes")
 
 
+def test_an_oversized_file_is_refused_before_its_body_is_read(table_file):
+    """A valid header on a 64 GiB (sparse) file: the size is checked against the header before any byte of the
+    body is read (reading it whole would need 64 GiB of memory), so a wrong file costs nothing whatever its size."""
+    with open(table_file, "r+b") as f:
+        f.truncate(HEADER_SIZE + (64 << 30))
+    expect_error(table_file, "body size", f"is {64 << 30} bytes")
+
+
 def test_trailing_bytes(table_file):
     table_file.write_bytes(table_file.read_bytes() + b"\0\0")
     expect_error(table_file, "body size", f"expected {L * V * 2 * 2} bytes")
