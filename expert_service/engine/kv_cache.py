@@ -101,8 +101,11 @@ class BlockAllocator:
 
     def can_register(self, seq_id: int, index: int, key: tuple[int, int]) -> bool:
         """Whether `register` would succeed: the key is free or already this block's, and the block has no
-        other key."""
-        block = self.tables[seq_id][index]
+        other key. A block the step being launched allocates (past the table) has no key yet."""
+        table = self.tables.get(seq_id, [])
+        if index >= len(table):
+            return key not in self.cached
+        block = table[index]
         return self.cached.get(key, block) == block and self._key_of.get(block, key) == key
 
     def register(self, seq_id: int, index: int, key: tuple[int, int]) -> bool:

@@ -70,23 +70,31 @@ def sequence_block_registrations(
     owner: int,
     owns: Callable[[int], bool],
     fed: Mapping[int, int],
+    chunks: Sequence[PrefillInput] = (),
 ) -> list[tuple[int, int, tuple[int, int]]]:
     """(sequence, block index, key) for each (sequence, block index, block id) row of `blocks` [r, 3]: full blocks
     of running sequences, their K/V written by this step (`fed`: the tokens it runs for each sequence) or earlier
     ones, to cache under the router's ids once the step is launched. Skipped: a sequence the stream no longer holds
     (freed, failed), and a block not full, which a step refused as a whole left short (the router, sending this
     step before that refusal came back, fails the sequence when it does and drops the id). Refused: id 0, an id
-    taken by another block."""
+    taken by another block or by a chunk of the step (`chunks`), a block named twice, a sequence the step
+    prefills (its chunks name its blocks: a row would race their registration)."""
+    prefilling = {chunk.request_id for chunk in chunks}
+    chunk_keys = {(owner, block_id) for chunk in chunks for block_id in chunk.cache_block_ids if block_id}
     out: list[tuple[int, int, tuple[int, int]]] = []
     for seq_id, index, block_id in blocks.tolist():
         if not block_id:
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} has id 0")
+        if seq_id in prefilling:
+            raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id} prefills in this step")
         seq = sequences.get(seq_id)
         if seq is None or not owns(seq_id) or index >= (seq.num_cached + fed.get(seq_id, 0)) // allocator.block_size:
             continue
         key = (owner, block_id)
-        if not allocator.can_register(seq_id, index, key) or any(key == k for _, _, k in out):
+        if not allocator.can_register(seq_id, index, key) or key in chunk_keys or any(key == k for _, _, k in out):
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block id {block_id} is taken")
+        if any((seq_id, index) == (s, i) for s, i, _ in out):
+            raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} is named twice")
         out.append((seq_id, index, key))
     return out
 

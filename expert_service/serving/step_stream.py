@@ -195,12 +195,15 @@ class StreamSession:
         checked before it launches."""
         if not len(step.sequence_blocks):
             return []
-        fed = dict.fromkeys(decodes, 1)
-        for chunk in chunks:
-            fed[chunk.request_id] = fed.get(chunk.request_id, 0) + len(chunk.token_ids)
         owns = lambda r: self.owners.get(r) == self.id  # noqa: E731
         return sequence_block_registrations(
-            self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns, fed
+            self.engine.allocator,
+            self.engine.sequences,
+            step.sequence_blocks,
+            self.id,
+            owns,
+            dict.fromkeys(decodes, 1),
+            chunks,
         )
 
     def _register(self, registrations: list[tuple[int, int, tuple[int, int]]]) -> None:

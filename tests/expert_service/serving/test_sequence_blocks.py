@@ -10,9 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from common.model_format import ModelDir
+from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
 from expert_service.serving.step_stream import StreamSession
 from tests.expert_service.serving.test_step_pump_differential import GREEDY, _engine, _pumped, _step
+from tests.helpers import cpu_engine
 
 BLOCK = 4  # _engine's kv_block_size
 PROMPT = np.array([17, 40, 9, 88, 23, 61])  # one full block, then two tokens of the next
@@ -98,3 +101,32 @@ def test_a_sequence_no_longer_held_and_a_block_not_full_are_skipped(tiny_model):
     session.run(_step(2, chunks=[PrefillInput(4, PROMPT, GREEDY, True)]))
     answer = session.run(_with_blocks(_step(3, frees=[1], decodes=[4]), [(1, 0, 21), (7, 0, 22), (4, 2, 23)]))
     assert answer.refused == "" and not engine.allocator.cached  # 4 holds 7 tokens after this step's decode
+
+
+def test_a_block_the_step_allocates_is_registered_after_its_launch(tiny_model):
+    """One-token blocks: the decode filling block 6 also allocates it, at launch; checked before, it is not there."""
+    config = EngineConfig(backend="cpu", kv_block_size=1, kv_cache_tokens=64, max_batch_tokens=48, max_batch_size=6)
+    engine = cpu_engine(ModelDir.open(tiny_model), config, False)
+    session = StreamSession(engine, {})
+    session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True)]))
+    answer = session.run(_with_blocks(_step(2, decodes=[1]), [(1, 6, 21)]))
+    assert answer.refused == "" and engine.allocator.cached == {(session.id, 21): engine.allocator.tables[1][6]}
+
+
+@pytest.mark.parametrize(
+    "chunks, rows, message",
+    [
+        ([PrefillInput(6, np.arange(3, 13), GREEDY, True, start_position=2)], [(6, 2, 21)], "prefills"),
+        ([], [(1, 1, 21), (1, 1, 22)], "named twice"),
+        ([PrefillInput(5, PROMPT, GREEDY, True, cache_block_ids=(21,))], [(1, 1, 21)], "taken"),
+    ],
+)
+def test_registrations_a_chunk_of_the_step_contradicts_refuse_it(tiny_model, chunks, rows, message):
+    """A prefilling sequence's blocks are named by its chunks; a block gets one id; a chunk's id is taken."""
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    session.run(_step(1, chunks=[PrefillInput(1, PROMPT, GREEDY, True), PrefillInput(6, PROMPT[:2], GREEDY, False)]))
+    session.run(_step(2, decodes=[1]))
+    answer = session.run(_with_blocks(_step(3, chunks=chunks, decodes=[1]), rows))
+    assert answer.result is None and "cache_sequence_blocks" in answer.refused and message in answer.refused
+    assert not engine.allocator.cached
