@@ -10,10 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from common.errors import InvalidRequestError
 from common.model_format import ModelDir
+from common.pb import worker_pb2 as pb
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
-from expert_service.serving.step_stream import StreamSession
+from expert_service.serving.step_stream import MAX_FREE_IDS, StepLimits, StreamSession
+from expert_service.serving.wire import step_request
 from tests.expert_service.serving.test_step_pump_differential import GREEDY, _engine, _pumped, _step
 from tests.helpers import cpu_engine
 
@@ -130,3 +133,10 @@ def test_registrations_a_chunk_of_the_step_contradicts_refuse_it(tiny_model, chu
     answer = session.run(_with_blocks(_step(3, chunks=chunks, decodes=[1]), rows))
     assert answer.result is None and "cache_sequence_blocks" in answer.refused and message in answer.refused
     assert not engine.allocator.cached
+
+
+@pytest.mark.parametrize("num_bytes", [8, 16, 28, 24 * (MAX_FREE_IDS + 1)])
+def test_packed_rows_not_whole_triples_or_too_many_are_refused(num_bytes):
+    request = pb.StepStreamRequest(step_id=1, cache_sequence_blocks=bytes(num_bytes))
+    with pytest.raises(InvalidRequestError):
+        step_request(request, StepLimits((0,), 16, 8))
