@@ -82,6 +82,7 @@ def sequence_block_registrations(
     prefilling = {chunk.request_id for chunk in chunks}
     chunk_keys = {(owner, block_id) for chunk in chunks for block_id in chunk.cache_block_ids if block_id}
     out: list[tuple[int, int, tuple[int, int]]] = []
+    taken, named = set(chunk_keys), set()  # sets: a hostile step may carry 65,536 rows
     for seq_id, index, block_id in blocks.tolist():
         if not block_id:
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} has id 0")
@@ -91,10 +92,12 @@ def sequence_block_registrations(
         if seq is None or not owns(seq_id) or index >= (seq.num_cached + fed.get(seq_id, 0)) // allocator.block_size:
             continue
         key = (owner, block_id)
-        if not allocator.can_register(seq_id, index, key) or key in chunk_keys or any(key == k for _, _, k in out):
+        if not allocator.can_register(seq_id, index, key) or key in taken:
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block id {block_id} is taken")
-        if any((seq_id, index) == (s, i) for s, i, _ in out):
+        if (seq_id, index) in named:
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} is named twice")
+        taken.add(key)
+        named.add((seq_id, index))
         out.append((seq_id, index, key))
     return out
 

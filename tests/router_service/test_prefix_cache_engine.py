@@ -68,13 +68,11 @@ def prefill_inputs(step) -> list[PrefillInput]:
 
 
 def sequence_blocks(engine, step) -> list:
-    """The step's registrations of generated blocks as the worker checks them before it runs the step (the tokens
-    it feeds each sequence counted); the caller registers them once the step ran."""
-    fed = dict.fromkeys(step.decode_ids, 1)
-    for chunk in step.prefill_chunks:
-        fed[chunk.request_id] = fed.get(chunk.request_id, 0) + len(chunk.token_ids)
+    """The step's registrations of generated blocks as the worker checks them before it runs the step (its decodes
+    counted); the caller registers them once the step ran."""
     rows = np.asarray(step.sequence_blocks, "<u8").reshape(-1, 3)
-    return sequence_block_registrations(engine.allocator, engine.sequences, rows, 0, lambda _: True, fed)
+    fed, chunks = dict.fromkeys(step.decode_ids, 1), prefill_inputs(step)
+    return sequence_block_registrations(engine.allocator, engine.sequences, rows, 0, lambda _: True, fed, chunks)
 
 
 def _kv_of(engine, block: int) -> tuple[np.ndarray, np.ndarray]:
