@@ -276,8 +276,9 @@ class PrefixCache:
 
     def cache_generated(self, state: PrefixState, salt: str, tokens: list[int]) -> int:
         """The next full block of a running request (its `tokens`: prompt tail and generated ones, in order), whose
-        K/V earlier steps wrote: its chained hash extends state.hashes, and it gets a new id (held by the request,
-        ready from the next step, settled by the step carrying it) unless an equal block is cached or claimed (0)."""
+        last position the step being scheduled or an earlier one feeds: its chained hash extends state.hashes, and
+        it gets a new id (held by the request, ready from the next step, settled by the step carrying it) unless an
+        equal block is cached or claimed (0)."""
         words = array.array("I", tokens)
         if sys.byteorder == "big":
             words.byteswap()

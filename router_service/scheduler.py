@@ -158,7 +158,7 @@ class ScheduledStep:
     expired_ids: tuple[int, ...] = ()
     # Cached prefix blocks the worker drops before the step (after the frees).
     evict_block_ids: tuple[int, ...] = ()
-    # (request id, block index, block id): full blocks running requests' decodes wrote, to cache before the step.
+    # (request id, block index, block id): full blocks running requests' decodes wrote, cached once the step is launched.
     sequence_blocks: tuple[tuple[int, int, int], ...] = ()
 
     @property
@@ -445,7 +445,7 @@ class Scheduler:
 
     def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput], answered: bool = True) -> None:
         """Blocks the step's chunks registered stay cached when their sequence ran unharmed; blocks it registered
-        for running sequences (written by earlier steps), unless the step was refused or the sequence failed."""
+        for running sequences (written by this step or earlier ones), unless the step was refused or the sequence failed."""
         if self.prefix_cache is None:
             return
         for chunk in step.prefill_chunks:

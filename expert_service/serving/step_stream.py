@@ -73,7 +73,10 @@ class StepLimits:
         if num_frees > MAX_FREE_IDS:
             raise InvalidRequestError("free_request_ids", f"{num_frees} ids, at most {MAX_FREE_IDS} per step")
         if num_evictions > MAX_FREE_IDS:  # evicted and registered block ids together
-            raise InvalidRequestError("evict_block_ids", f"{num_evictions} ids, at most {MAX_FREE_IDS} per step")
+            raise InvalidRequestError(
+                "evict_block_ids",
+                f"{num_evictions} ids and cache_sequence_blocks rows, at most {MAX_FREE_IDS} per step",
+            )
         for chunk in chunks:  # the engine checks the exact counts; this bounds what a hostile step makes it copy
             if (
                 len(chunk.prefix_block_ids) > MAX_FREE_IDS

@@ -140,3 +140,9 @@ def test_packed_rows_not_whole_triples_or_too_many_are_refused(num_bytes):
     request = pb.StepStreamRequest(step_id=1, cache_sequence_blocks=bytes(num_bytes))
     with pytest.raises(InvalidRequestError):
         step_request(request, StepLimits((0,), 16, 8))
+
+
+def test_too_many_rows_are_named_in_the_refusal():
+    request = pb.StepStreamRequest(step_id=1, cache_sequence_blocks=bytes(24 * (MAX_FREE_IDS + 1)))
+    with pytest.raises(InvalidRequestError, match="cache_sequence_blocks rows"):
+        step_request(request, StepLimits((0,), 16, 8))
