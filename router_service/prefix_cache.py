@@ -115,6 +115,14 @@ class _RecentPrompts:
             self.num_bytes -= self._prompts.popitem(last=False)[1].num_bytes
 
 
+def _token_bytes(token_ids: list[int]) -> bytes:
+    """Token ids (< 2**32) as uint32 little-endian, the bytes a block's hash covers."""
+    words = array.array("I", token_ids)  # twice as fast as numpy from a list; "I" is 4 bytes where we run
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tobytes()
+
+
 def _shared_blocks(old: bytes, new: bytes, width: int) -> int:
     """How many whole blocks of `width` bytes `new` shares with `old` from the start. A binary search over
     prefix comparisons (memcmp on a view of `new`, no copies): most prompts share all but their last blocks."""
@@ -165,10 +173,7 @@ class PrefixCache:
     def hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
         """The chained hashes of the full blocks of `token_ids` (ids < 2**32, as uint32 little-endian). The
         whole blocks it shares with a recent prompt of the same salt reuse that prompt's hashes."""
-        words = array.array("I", token_ids)  # twice as fast as numpy from a list; "I" is 4 bytes where we run
-        if sys.byteorder == "big":
-            words.byteswap()
-        data, width, sha256 = words.tobytes(), 4 * self.block_size, hashlib.sha256
+        data, width, sha256 = _token_bytes(token_ids), 4 * self.block_size, hashlib.sha256
         if len(data) < width:
             return []
         out = list(self._recent.shared_hashes(salt, data, width))
@@ -267,11 +272,7 @@ class PrefixCache:
                 continue
             state.claimed.discard(index)
             del self._claims[h]
-            block = _Block(next(self._ids), h, 1, self._step + 1)
-            self.blocks[h] = self._by_id[block.block_id] = block
-            self._unsettled.add(block.block_id)
-            state.held_ids.append(block.block_id)
-            ids.append(block.block_id)
+            ids.append(self._register(state, h))
         return tuple(ids)
 
     def cache_generated(self, state: PrefixState, salt: str, tokens: list[int]) -> int:
@@ -279,14 +280,16 @@ class PrefixCache:
         last position the step being scheduled or an earlier one feeds: its chained hash extends state.hashes, and
         it gets a new id (held by the request, ready from the next step, settled by the step carrying it) unless an
         equal block is cached or claimed (0)."""
-        words = array.array("I", tokens)
-        if sys.byteorder == "big":
-            words.byteswap()
         parent = state.hashes[-1] if state.hashes else self._root(salt)
-        h = hashlib.sha256(parent + words.tobytes()).digest()
+        h = hashlib.sha256(parent + _token_bytes(tokens)).digest()
         state.hashes.append(h)
         if h in self.blocks or h in self._claims:
             return 0
+        return self._register(state, h)
+
+    def _register(self, state: PrefixState, h: bytes) -> int:
+        """A new block the request computes: in the index under a new id, held by it, ready from the next step,
+        unsettled until the step writing it comes back."""
         block = _Block(next(self._ids), h, 1, self._step + 1)
         self.blocks[h] = self._by_id[block.block_id] = block
         self._unsettled.add(block.block_id)

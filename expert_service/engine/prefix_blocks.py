@@ -80,9 +80,10 @@ def sequence_block_registrations(
     taken by another block or by a chunk of the step (`chunks`), a block named twice, a sequence the step
     prefills (its chunks name its blocks: a row would race their registration)."""
     prefilling = {chunk.request_id for chunk in chunks}
-    chunk_keys = {(owner, block_id) for chunk in chunks for block_id in chunk.cache_block_ids if block_id}
     out: list[tuple[int, int, tuple[int, int]]] = []
-    taken, named = set(chunk_keys), set()  # sets: a hostile step may carry 65,536 rows
+    # the chunks' ids, then each row's: sets, as a hostile step may carry 65,536 rows
+    taken = {(owner, block_id) for chunk in chunks for block_id in chunk.cache_block_ids if block_id}
+    named: set[tuple[int, int]] = set()
     for seq_id, index, block_id in blocks.tolist():
         if not block_id:
             raise InvalidRequestError("cache_sequence_blocks", f"sequence {seq_id}: block {index} has id 0")
