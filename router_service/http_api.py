@@ -32,9 +32,7 @@ from router_service.logprobs import TokenTexts
 from router_service.openai_api import (
     HTTP_STATUS,
     ApiError,
-    add_prompt_logprobs,
     api_error,
-    choice,
     envelope,
     generate_request,
     logprobs_field,
@@ -315,36 +313,11 @@ class HttpFront:
                         lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
                     # offsets count token texts, as the unary answer's do (held-back text would shift them)
                     offset += sum(len(texts(i)) for i in delta.token_ids)
-                    # A call's pieces go one per chunk, as OpenAI streams them; the last chunk carries the rest.
-                    pieces = [[c] for c in calls[:-1]] + [calls[-1:]]
-                    for n, piece in enumerate(pieces):
-                        last = n == len(pieces) - 1
-                        finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
-                        chunk = envelope(
-                            kind,
-                            handle.request_id,
-                            model,
-                            created,
-                            [
-                                choice(
-                                    kind,
-                                    text if n == 0 else "",
-                                    delta.finish_reason if last else None,
-                                    lp if last else None,
-                                    stream=True,
-                                    first=first,
-                                    tool_calls=piece,
-                                    finish=finish if last else None,
-                                )
-                            ],
-                            True,
-                        )
-                        if parsed.prompt_logprobs and n == 0:
-                            add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
-                        if parsed.include_usage:
-                            chunk["usage"] = None
-                        first = False
+                    finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
+                    args = (delta, text, calls, finish, lp, first)
+                    for chunk in openai_choices.delta_chunks(parsed, texts, handle.request_id, model, created, *args):
                         await event(chunk)
+                    first = False
                     if delta.finish_reason is not None:
                         set_usage(handle, generated, delta.finish_reason)
                 if parsed.include_usage:

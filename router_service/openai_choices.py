@@ -126,6 +126,42 @@ async def _collect(server, parsed: ParsedRequest, handle) -> Completion:
     return await (collect_reply(handle, reply) if reply is not None else collect(handle))
 
 
+def delta_chunks(
+    parsed: ParsedRequest,
+    texts,
+    echo: str,
+    model: str,
+    created: int,
+    delta,
+    text: str,
+    calls: list,
+    finish,
+    lp,
+    first: bool,
+    index: int = 0,
+) -> list[dict]:
+    """The stream chunks of one delta of choice `index` (the single choice's and each of n's): `text` and the
+    call pieces `calls` its tool-call parser gave (`finish`: the finish reason the calls make), a piece a chunk as
+    OpenAI streams them; the text and the prompt's log-probabilities on the first chunk, the finish reason and the
+    delta's log-probabilities `lp` on the last. `first`: no chunk of the choice went yet (a chat's carries the
+    role)."""
+    kind, chunks = parsed.kind, []
+    pieces = [[call] for call in calls[:-1]] + [calls[-1:]]
+    for n, piece in enumerate(pieces):
+        last = n == len(pieces) - 1
+        c = choice(
+            kind, text if n == 0 else "", delta.finish_reason if last else None, lp if last else None,
+            True, first and n == 0, piece, finish if last else None, index,
+        )  # fmt: skip
+        chunk = envelope(kind, echo, model, created, [c], True)
+        if n == 0 and parsed.prompt_logprobs:
+            add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
+        if parsed.include_usage:
+            chunk["usage"] = None
+        chunks.append(chunk)
+    return chunks
+
+
 def _best(outs: list[Completion], n: int) -> list[Completion]:
     """The n samples of highest cumulative log-probability, best first (ties: the earlier sample)."""
     order = sorted(range(len(outs)), key=lambda i: (-sum(outs[i].logprobs), i))
@@ -215,21 +251,10 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)
-                    # A call's pieces go one per chunk, as the single choice streams them; the last carries the rest.
-                    pieces = [[call] for call in calls[:-1]] + [calls[-1:]]
-                    for n, piece in enumerate(pieces):
-                        last = n == len(pieces) - 1
-                        c = choice(
-                            kind, text if n == 0 else "", delta.finish_reason if last else None, lp if last else None,
-                            True, first[index], piece, finish if last else None, index,
-                        )  # fmt: skip
-                        chunk = envelope(kind, echo, model, created, [c], True)
-                        if n == 0 and parsed.prompt_logprobs and delta.prompt_logprobs is not None:
-                            add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
-                        if parsed.include_usage:
-                            chunk["usage"] = None
-                        first[index] = False
+                    args = (delta, text, calls, finish, lp, first[index], index)
+                    for chunk in delta_chunks(parsed, texts, echo, model, created, *args):
                         await event(chunk)
+                    first[index] = False
             if parsed.include_usage:
                 chunk = envelope(kind, echo, model, created, [], True)
                 chunk["usage"] = _usage(handles, sum(generated))
