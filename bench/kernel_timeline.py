@@ -75,18 +75,22 @@ def step_timeline(fn) -> dict:
 
 
 def timeline_of(rows: list[tuple[str, int, float, float]], wall_us: float) -> dict:
-    """Device events (`device_events`, start order) as a timeline: per stream its busy us and kernel count, the
-    critical stream's waits (gaps over GAP_US, each with the kernel that ended it), and every kernel as
-    [name, stream, start us from the first kernel, duration us]."""
+    """Device events (`device_events`, start order) as a timeline: per stream its busy us, kernel count and busy
+    us by kernel name ([us, launches], largest first: what a stream spent its time on), the critical stream's
+    waits (gaps over GAP_US, each with the kernel that ended it), and every kernel as [name, stream, start us
+    from the first kernel, duration us]."""
     if not rows:
         return {"wall_us": wall_us, "span_us": 0.0, "streams": {}, "waited_us": 0.0, "waits": [], "kernels": []}
     origin = rows[0][2]
     end_of: dict[int, float] = {}
     streams: dict[int, dict] = {}
-    for _, stream, start, duration in rows:
+    by_name: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for name, stream, start, duration in rows:
         entry = streams.setdefault(stream, {"busy_us": 0.0, "kernels": 0})
         entry["busy_us"] += duration
         entry["kernels"] += 1
+        by_name[stream][name][0] += duration
+        by_name[stream][name][1] += 1
         end_of[stream] = max(end_of.get(stream, start), start + duration)
     critical = max(end_of, key=lambda s: end_of[s])
     waits: list[dict] = []
@@ -101,7 +105,17 @@ def timeline_of(rows: list[tuple[str, int, float, float]], wall_us: float) -> di
         "wall_us": wall_us,
         "span_us": max(end_of.values()) - origin,
         "critical_stream": critical,
-        "streams": {str(s): {"busy_us": round(e["busy_us"], 2), "kernels": e["kernels"]} for s, e in streams.items()},
+        "streams": {
+            str(s): {
+                "busy_us": round(e["busy_us"], 2),
+                "kernels": e["kernels"],
+                "by_name": {
+                    name: [round(us, 2), n]
+                    for name, (us, n) in sorted(by_name[s].items(), key=lambda item: -item[1][0])
+                },
+            }
+            for s, e in streams.items()
+        },
         "waited_us": round(sum(w["us"] for w in waits), 2),
         "waits": waits,
         "kernels": [[n, s, round(t - origin, 2), round(d, 2)] for n, s, t, d in rows],

@@ -29,7 +29,12 @@ def test_timeline_names_the_critical_streams_waits():
     timeline = timeline_of(rows, wall_us=123.0)
     assert timeline["critical_stream"] == 7
     assert timeline["span_us"] == pytest.approx(185.0 + GAP_US + 1.0 + 4.0 - 100.0)
-    assert timeline["streams"] == {"7": {"busy_us": 39.0, "kernels": 4}, "9": {"busy_us": 60.0, "kernels": 1}}
+    assert timeline["streams"] == {
+        "7": {"busy_us": 39.0, "kernels": 4, "by_name": {"gate_up": [20.0, 1], "gemv": [10.0, 1], "plan": [5.0, 1],
+                                                          "down": [4.0, 1]}},
+        "9": {"busy_us": 60.0, "kernels": 1, "by_name": {"fetch": [60.0, 1]}},
+    }  # fmt: skip
+    assert list(timeline["streams"]["7"]["by_name"]) == ["gate_up", "gemv", "plan", "down"]  # largest first
     assert timeline["waits"] == [
         {"at_us": 15.5, "us": 49.5, "before": "gate_up"},
         {"at_us": 85.0, "us": GAP_US + 1.0, "before": "down"},
@@ -37,6 +42,13 @@ def test_timeline_names_the_critical_streams_waits():
     assert timeline["waited_us"] == pytest.approx(49.5 + GAP_US + 1.0)
     assert timeline["kernels"][1] == ["fetch", 9, 5.0, 60.0]
     assert timeline["wall_us"] == 123.0
+
+
+def test_a_streams_time_by_kernel_name_sums_repeated_launches():
+    rows = [("fetch", 3, 0.0, 7.0), ("gemv", 3, 8.0, 2.5), ("fetch", 3, 11.0, 4.0), ("gemv", 3, 16.0, 2.0)]
+    by_name = timeline_of(rows, wall_us=0.0)["streams"]["3"]["by_name"]
+    assert by_name == {"fetch": [11.0, 2], "gemv": [4.5, 2]}
+    assert sum(us for us, _ in by_name.values()) == pytest.approx(timeline_of(rows, 0.0)["streams"]["3"]["busy_us"])
 
 
 def test_the_stream_that_ends_last_is_critical_and_overlaps_are_no_waits():
