@@ -198,9 +198,9 @@ def _launch(gated, h, xq, x_scale, part_max, order, offsets, experts, meta, n_ro
 
 def launch_dp4a_quantize_tokens(x, xq, x_scale, stream=0) -> None:
     """x [T, D] float32 -> xq [T, D] uint8 (int8 codes) and x_scale [T] float32, one block a row; D % 16 == 0."""
-    T, D = x.shape
-    if D % CHUNK or T < 1:
+    if x.ndim != 2 or x.shape[1] % CHUNK or x.shape[0] < 1:  # before unpacking: a 1-d x would fail unnamed
         raise ValueError(f"x must be [T >= 1, D] with D a multiple of {CHUNK}, got {list(x.shape)}")
+    T, D = x.shape
     check_array("x", x, (T, D), np.float32)
     check_array("xq", xq, (T, D), np.uint8)
     check_array("x_scale", x_scale, (T,), np.float32)
@@ -214,10 +214,11 @@ def launch_dp4a_grouped_gate_up(
     (expert_grouping, n = T * top_k); experts uint8 [E, stride]; meta [E, META_WIDTH] int32; h [n, F] float32 and
     part_max [n, gate_up_parts(F)] float32 out, in grouped order."""
     check_layer(experts, meta, F, D)
-    T, n = xq.shape[0], order.shape[0]
+    T = xq.shape[0] if xq.ndim == 2 else 0
+    check_array("xq", xq, (T, D), np.uint8)  # first: a flat xq's length is no token count to blame order for
+    n = order.shape[0]
     if top_k < 1 or n != T * top_k:
         raise ValueError(f"order length {n} is not T={T} tokens x top_k={top_k} (xq must hold the step's rows only)")
-    check_array("xq", xq, (T, D), np.uint8)
     check_array("x_scale", x_scale, (T,), np.float32)
     _grouping(order, offsets, meta, n)
     check_array("h", h, (n, F), np.float32)

@@ -105,6 +105,10 @@ def test_grouped_dp4a_launchers_refuse_bad_arrays():
         launch_dp4a_quantize_tokens(np.zeros((3, 72), np.float32), xq, x_scale)
     with pytest.raises(ValueError, match="xq must be"):
         launch_dp4a_quantize_tokens(x, np.zeros((3, D), np.int8), x_scale)
+    with pytest.raises(ValueError, match="x must be"):  # one token's row, not [1, D]: named, not an unpacking error
+        launch_dp4a_quantize_tokens(x[0].copy(), xq[:1], x_scale[:1])
+    with pytest.raises(ValueError, match="xq must be"):  # flat: its length is no token count (order is not to blame)
+        launch_dp4a_grouped_gate_up(xq.reshape(-1), x_scale, order, offsets, 2, W, meta, F, D, h, part)
     with pytest.raises(ValueError, match="not T=3 tokens x top_k=2"):
         launch_dp4a_grouped_gate_up(xq, x_scale, order[:5].copy(), offsets, 2, W, meta, F, D, h, part)
     with pytest.raises(ValueError, match="not T=6 tokens x top_k=2"):  # the workspace's rows, unsliced
