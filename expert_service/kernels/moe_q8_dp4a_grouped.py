@@ -1,9 +1,10 @@
 """Small steps (2 to moe_ffn.GROUPED_MAX_TOKENS tokens) of a layer whose experts are int8 with per-channel scales,
 on int8 activations: moe_q8_dp4a's arithmetic (module docstring there: per-row int8 rounding, dp4a sums, NaN for
-a non-finite row) grouped by expert, as moe_q8's grouped launches, so each expert's weights stream once for all of
-its tokens. Where moe_q8 spends a prmt and a subtraction per weight value plus an FMA per value and token, a
-16-byte chunk here costs four dp4a per token: the arithmetic per weight byte stays below the HBM rate up to a few
-tokens an expert, the decode batches of few-expert models (mixtral-like: 16 sequences, 4 tokens an expert).
+a non-finite row) grouped by expert, as moe_q8's grouped launches, so each expert's weights stream once per
+TOK_TILE of its tokens (once for all of them up to TOK_TILE; a mixtral b=16 step routes about 4 an expert). Where
+moe_q8 spends a prmt and a subtraction per weight value plus an FMA per value and token, a 16-byte chunk here costs
+four dp4a per token: the arithmetic per weight byte stays below the HBM rate up to a few tokens an expert, the
+decode batches of few-expert models (mixtral-like: 16 sequences, 4 tokens an expert).
 
 Three launches, graph-capturable, no host reads (order / offsets from expert_grouping):
   quantize: grid (T,): token row t of x [T, D] -> xq [T, D] int8 and x_scale [T] (max|row| / 127);
