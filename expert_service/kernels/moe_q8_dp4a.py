@@ -233,6 +233,8 @@ def _check_slots(ids, experts, meta, F: int, D: int, slot_of) -> int:
     check_layer(experts, meta, F, D, slot_of)
     K = ids.shape[1] if ids.ndim == 2 else 0
     check_array("ids", ids, (1, K), np.int32)
+    if K < 1:  # an empty grid is a launch error on the device
+        raise ValueError("ids must hold at least one expert id, got [1, 0]")
     return K
 
 

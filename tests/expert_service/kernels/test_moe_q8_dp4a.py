@@ -195,3 +195,5 @@ def test_dp4a_launchers_refuse_bad_arrays():
         launch_dp4a_down(h, part, ids, W, meta, F, 72, np.zeros((2, 72), np.float32))
     with pytest.raises(ValueError, match="ids must be"):
         launch_dp4a_down(h, part, ids.reshape(-1), W, meta, F, D, np.zeros((2, D), np.float32))
+    with pytest.raises(ValueError, match="at least one expert id"):
+        launch_dp4a_gate_up(np.zeros((1, D), np.float32), np.zeros((1, 0), np.int32), W, meta, F, D, h[:0], part[:0])
