@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 
 import aiohttp
 import pytest
@@ -20,17 +19,11 @@ from router_service import http_api
 from router_service.observability import router_metrics
 from router_service.openai_api import api_error
 from router_service.tokenizer import Tokenizer
-from tests.helpers import worth_reporting
+from tests.helpers import free_port, worth_reporting
 from tests.router_service.fake_worker import harness
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
 AUTH = {"Authorization": "Bearer sesame"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

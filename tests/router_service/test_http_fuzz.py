@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import LogRecords, worth_reporting
+from tests.helpers import LogRecords, free_port, worth_reporting
 from tests.router_service.fake_worker import harness
-from tests.router_service.test_http_errors import TEMPLATE, free_port
+from tests.router_service.test_http_errors import TEMPLATE
 
 FUZZ = settings(
     derandomize=True,
