@@ -13,13 +13,13 @@ reads), THREADS threads a block, each warp ROWS_GATED gate rows and as many up r
   down:    each block reduces part_max[k, :] to m = max|h[k]|, then
            y[k, d] = sh sd[d] (q(h[k]) . down[e, d])                                         y [K, D] float32
 with s = m / 127 (1 for an all-zero row, as common.quant; at least 2**-126) and q(v) = v * (1 / s) rounded to the
-nearest integer, ties to even, from the exact product (one fma with 1.5 * 2**23: the low byte of its bits is the int8 code, since
-|v| <= m keeps |q| <= 127). A row with a non-finite value gives NaN outputs (never silently finite). Weight bytes
-stream as in moe_q8 (16-byte loads past L1, UNROLL chunks a row in flight before the first dp4a). Sums are exact
-int32 per lane, float32 across the warp's lanes. Experts of another encoding are not computed (meta is read on the
-device; the engine takes this path only for layers wholly int8 per channel). Through slots (the expert cache's
-one-token steps), slot_of [E] names the block of the slot buffer [S, stride] holding expert e, its meta row still
-meta[e]: the same arithmetic on the same bytes, so a cached step equals the resident one bit for bit.
+nearest integer, ties to even, from the exact product (one fma with 1.5 * 2**23: the low byte of its bits is the
+int8 code, since |v| <= m keeps |q| <= 127). A row with a non-finite value gives NaN outputs (never silently
+finite). Weight bytes stream as in moe_q8 (16-byte loads past L1, UNROLL chunks a row in flight before the first
+dp4a). Sums are exact int32 per lane, float32 across the warp's lanes. Experts of another encoding are not computed
+(meta is read on the device; the engine takes this path only for layers wholly int8 per channel). Through slots (the
+expert cache's one-token steps), slot_of [E] names the block of the slot buffer [S, stride] holding expert e, its
+meta row still meta[e]: the same arithmetic on the same bytes, so a cached step equals the resident one bit for bit.
 """
 
 from __future__ import annotations
