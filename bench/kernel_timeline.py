@@ -83,14 +83,11 @@ def timeline_of(rows: list[tuple[str, int, float, float]], wall_us: float) -> di
         return {"wall_us": wall_us, "span_us": 0.0, "streams": {}, "waited_us": 0.0, "waits": [], "kernels": []}
     origin = rows[0][2]
     end_of: dict[int, float] = {}
-    streams: dict[int, dict] = {}
-    by_name: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    by_name: dict[int, dict[str, list]] = {}  # stream -> kernel name -> [us, launches], in first-seen order
     for name, stream, start, duration in rows:
-        entry = streams.setdefault(stream, {"busy_us": 0.0, "kernels": 0})
-        entry["busy_us"] += duration
-        entry["kernels"] += 1
-        by_name[stream][name][0] += duration
-        by_name[stream][name][1] += 1
+        entry = by_name.setdefault(stream, {}).setdefault(name, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
         end_of[stream] = max(end_of.get(stream, start), start + duration)
     critical = max(end_of, key=lambda s: end_of[s])
     waits: list[dict] = []
@@ -107,14 +104,13 @@ def timeline_of(rows: list[tuple[str, int, float, float]], wall_us: float) -> di
         "critical_stream": critical,
         "streams": {
             str(s): {
-                "busy_us": round(e["busy_us"], 2),
-                "kernels": e["kernels"],
+                "busy_us": round(sum(us for us, _ in names.values()), 2),
+                "kernels": sum(n for _, n in names.values()),
                 "by_name": {
-                    name: [round(us, 2), n]
-                    for name, (us, n) in sorted(by_name[s].items(), key=lambda item: -item[1][0])
+                    name: [round(us, 2), n] for name, (us, n) in sorted(names.items(), key=lambda item: -item[1][0])
                 },
             }
-            for s, e in streams.items()
+            for s, names in by_name.items()
         },
         "waited_us": round(sum(w["us"] for w in waits), 2),
         "waits": waits,
