@@ -56,6 +56,10 @@ def offline_greedy(model, prompt, n):
     return build_engine(ModelDir.open(model), EngineConfig(backend="cpu")).generate(prompt, n)[0]
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def request(ids, n):
     return rpb.GenerateRequest(
         token_ids=rpb.TokenIds(ids=ids), parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True)
@@ -238,20 +242,24 @@ def test_cancel_storm_returns_every_worker_kv_block(tiny_model):
         worker.stop()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "extra", [[], ["--expert-cache-slots", "1", "--prefetch", "lookahead"]], ids=["resident", "expert-cache-1-slot"]
-)
-def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
-    """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
-    per layer): streamed greedy output equals the fp32 CPU engine's."""
+EXPERT_CACHE_VARIANTS = {
+    "expert-cache-1-slot": ["--expert-cache-slots", "1", "--prefetch", "lookahead"],
+    "expert-cache-1-slot-no-prefix-caching": [
+        *("--expert-cache-slots", "1", "--prefetch", "lookahead", "--prefix-caching", "false")
+    ],
+    "expert-cache-1-slot-no-prefetch": ["--expert-cache-slots", "1", "--prefetch", "none"],
+}
+
+
+def served_equals_offline(tiny_model, backend: str, extra: list[str]) -> None:
+    """`colibri serve` on `backend` with `extra` flags: six concurrent greedy streams equal the fp32 cpu
+    engine's, each mismatch named by prompt and first differing token; the services stop cleanly."""
     port = free_port()
-    env = serve_env()
     serve = subprocess.Popen(
         serve_command(
-            str(tiny_model), str(port), "--max-batch-size", "16", "--max-batch-tokens", "256", *extra, backend="cuda"
+            str(tiny_model), str(port), "--max-batch-size", "16", "--max-batch-tokens", "256", *extra, backend=backend
         ),
-        env=env,
+        env=serve_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -259,7 +267,7 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         wait_serving(channel, timeout=240)
         stub = router_pb2_grpc.GenerationServiceStub(channel)
-        assert stub.ModelInfo(rpb.ModelInfoRequest()).backend == "cuda"
+        assert stub.ModelInfo(rpb.ModelInfoRequest()).backend == backend
         prompts = [[(5 * i + j) % 250 + 3 for j in range(2 + 7 * i)] for i in range(6)]
         expected = [offline_greedy(tiny_model, p, 12) for p in prompts]
         from concurrent.futures import ThreadPoolExecutor
@@ -268,9 +276,30 @@ def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
             got = list(
                 pool.map(lambda p: [t for m in stub.GenerateStream(request(p, 12)) for t in m.token_ids], prompts)
             )
-        assert got == expected
+        wrong = [
+            f"prompt {i} ({len(p)} tokens): first differs at token {first_difference(g, e)}: got {g}, cpu {e}"
+            for i, (p, g, e) in enumerate(zip(prompts, got, expected))
+            if g != e
+        ]
+        assert not wrong, "\n".join(wrong)
         channel.close()
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(60)
     assert code == 0, serve.stderr.read().decode()[-3000:]
+
+
+@pytest.mark.parametrize("extra", EXPERT_CACHE_VARIANTS.values(), ids=EXPERT_CACHE_VARIANTS.keys())
+def test_serve_through_the_expert_cache_equals_offline(tiny_model, extra):
+    """The cpu backend through the expert cache (one slot a layer), with and without prefix caching and
+    prefetch: the served streams equal the offline engine's."""
+    served_equals_offline(tiny_model, "cpu", extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], *EXPERT_CACHE_VARIANTS.values()], ids=["resident", *EXPERT_CACHE_VARIANTS])
+def test_serve_on_the_gpu_equals_cpu_reference(tiny_model, extra):
+    """Both services with the cuda backend (all experts resident, and through the expert cache with one slot
+    per layer, with and without prefix caching and prefetch, so a failure names the part at fault): streamed
+    greedy output equals the fp32 CPU engine's."""
+    served_equals_offline(tiny_model, "cuda", extra)
