@@ -43,13 +43,13 @@ from router_service.delivery import output_delta, split_for_late_masks
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
-from router_service.prefix_cache import PrefixCache
 from router_service.request_state import Delta, RequestHandle, RequestState
-from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler, SchedulerLimits
+from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_backlog import WorkerBacklog
 from router_service.worker_client import StepStream, WorkerClient
+from router_service.worker_info import model_limits, prefix_index, scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -553,34 +553,10 @@ class BatchingLoop:
                 raise
 
     def _configure(self, info) -> None:
-        c = self.config
-        limits = SchedulerLimits(
-            max_batch_size=min(c.max_batch_size, info.max_batch_size or c.max_batch_size),
-            max_batch_tokens=min(c.max_batch_tokens, info.max_batch_tokens or c.max_batch_tokens),
-            kv_block_size=info.kv_block_size,
-            num_kv_blocks=info.num_kv_blocks,
-        )
         self.info = info
-        self.scheduler = Scheduler(limits, self._prefix_cache(info))
+        self.scheduler = Scheduler(scheduler_limits(self.config, info), prefix_index(self.config, info))
         self._backlog = WorkerBacklog()  # another worker (or the same one restarted) has its own pace
-        defaults = self.generation_defaults
-        eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
-        self.limits = ModelLimits(
-            vocab_size=info.vocab_size,
-            max_sequence_length=info.max_position_embeddings,
-            kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks,
-            eos_token_ids=eos,
-            has_tokenizer=self.tokenizer is not None,
-            generation=defaults,
-        )
-
-    def _prefix_cache(self, info) -> PrefixCache | None:
-        """A fresh index for this worker connection (a restarted worker holds no cached block), or None when
-        caching is off or the worker cannot follow it. Hashes cover what changes a block's KV: the model."""
-        if not self.config.prefix_caching or not info.prefix_caching:
-            return None
-        identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
-        return PrefixCache(info.kv_block_size, identity.encode(), info.caches_generated_blocks)
+        self.limits = model_limits(info, self.generation_defaults, self.tokenizer is not None)
 
     def _report_prefix_cache(self) -> None:
         cache = self._ready_scheduler.prefix_cache

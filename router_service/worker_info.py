@@ -1,0 +1,43 @@
+"""What the router derives from a worker's InfoResponse when it (re)connects: the scheduler's limits, the
+validation limits, and a prefix index of its own for that connection (a restarted worker holds no cached block)."""
+
+from __future__ import annotations
+
+from router_service.config import RouterConfig
+from router_service.generation_defaults import GenerationDefaults
+from router_service.prefix_cache import PrefixCache
+from router_service.scheduler import SchedulerLimits
+from router_service.validation import ModelLimits
+
+
+def scheduler_limits(config: RouterConfig, info) -> SchedulerLimits:
+    """The router's batch limits, capped by the worker's (0 there: no cap), and the worker's KV pool."""
+    return SchedulerLimits(
+        max_batch_size=min(config.max_batch_size, info.max_batch_size or config.max_batch_size),
+        max_batch_tokens=min(config.max_batch_tokens, info.max_batch_tokens or config.max_batch_tokens),
+        kv_block_size=info.kv_block_size,
+        num_kv_blocks=info.num_kv_blocks,
+    )
+
+
+def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:
+    """The request validation's view of the model: the worker's end tokens first, then generation_config.json's
+    that fall inside its vocabulary."""
+    eos = tuple(dict.fromkeys([*info.eos_token_ids, *(i for i in defaults.eos_token_ids if i < info.vocab_size)]))
+    return ModelLimits(
+        vocab_size=info.vocab_size,
+        max_sequence_length=info.max_position_embeddings,
+        kv_capacity_tokens=info.kv_block_size * info.num_kv_blocks,
+        eos_token_ids=eos,
+        has_tokenizer=has_tokenizer,
+        generation=defaults,
+    )
+
+
+def prefix_index(config: RouterConfig, info) -> PrefixCache | None:
+    """A fresh index for this worker connection, or None when caching is off or the worker cannot follow it.
+    Hashes cover what changes a block's KV: the model."""
+    if not config.prefix_caching or not info.prefix_caching:
+        return None
+    identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
+    return PrefixCache(info.kv_block_size, identity.encode(), info.caches_generated_blocks)
