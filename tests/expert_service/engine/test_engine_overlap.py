@@ -75,13 +75,16 @@ def _overlapped(engine, plan, depths: list[int]):
 
 
 def _engines(request, tmp_path_factory):
-    backend, family = request.param
+    backend, family, *cache = request.param
     if backend == "cuda":
         model = make_tiny(tmp_path_factory.mktemp(family) / "m", family=family, seed=5)
     else:
         model = request.getfixturevalue("tiny_model")
+    # "cache": the expert cache at one slot a layer with the device lookahead, whose slot map and prefetches a
+    # step launched behind another must see in stream order
+    cached = dict(expert_cache_slots=1, prefetch="lookahead") if cache else {}
     config = EngineConfig(
-        backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128, max_batch_size=8
+        backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128, max_batch_size=8, **cached
     )
     # the cpu decoder overlaps only when built to (its launch runs the step at once): here, to run the logic
     first = cpu_engine(ModelDir.open(model), config, overlap=True) if backend == "cpu" else None
@@ -118,6 +121,7 @@ def _recording_launches(engine, monkeypatch) -> list[int]:
         ("cpu", "tiny"),
         pytest.param(("cuda", "mixtral"), marks=pytest.mark.gpu),
         pytest.param(("cuda", "qwen3_moe"), marks=pytest.mark.gpu),
+        pytest.param(("cuda", "mixtral", "cache"), marks=pytest.mark.gpu),
     ],
     ids=lambda p: "-".join(p),
 )
