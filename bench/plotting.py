@@ -71,3 +71,84 @@ def plot_serve(results: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+WORKLOADS = ("shared", "unshared", "multiturn")
+
+
+def plot_serve_prefix(results: dict, path) -> bool:
+    """bench/serve.py --workload prefix's figure: per model, TTFT p50 and throughput with prefix caching on and
+    off for each workload (bars: the medians; dots: each measured round), each panel's on/off ratio above its
+    bars with the target where one is set. False (no PNG) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
+        return False
+    models, targets = results["models"], results.get("targets", {})
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
+    metrics = [("TTFT p50 (ms)", "ttft_p50_ms", "ttft_p50"), ("throughput (tok/s)", "throughput_tok_s", "throughput")]
+    for row, (name, entry) in zip(axes, models.items()):
+        for ax, (label, key, ratio_key) in zip(row, metrics):
+            for offset, setting, color in ((-0.2, "on", "tab:blue"), (0.2, "off", "tab:gray")):
+                xs = [i + offset for i in range(len(WORKLOADS))]
+                ax.bar(xs, [entry[setting][w][key] for w in WORKLOADS], 0.38, color=color, label=f"caching {setting}")
+                for x, w in zip(xs, WORKLOADS):
+                    rounds = [r[key] for r in entry[setting][w].get("rounds", [])]
+                    ax.plot([x] * len(rounds), rounds, "k.", markersize=4)
+            top = max(  # above every bar and round, so no label covers a dot
+                max([entry[s][w][key], *(r[key] for r in entry[s][w].get("rounds", []))])
+                for s in ("on", "off")
+                for w in WORKLOADS
+            )
+            for i, w in enumerate(WORKLOADS):
+                ratio_name = f"{w}_{ratio_key}_on_x_off"
+                target = targets.get(ratio_name)
+                text = f"{entry['ratios'][ratio_name]:.3f}x" + (f"\n(target {target[0]} {target[1]})" if target else "")
+                ax.annotate(text, (i, top * 1.04), ha="center", va="bottom", fontsize=8)
+            ax.set(
+                xticks=range(len(WORKLOADS)),
+                xticklabels=WORKLOADS,
+                ylabel=label,
+                ylim=(0, top * 1.3),
+                title=f"{name}: {label.split(' (')[0]}, on / off",
+            )
+            ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"prefix caching on vs off -- {results['device']} ({results['machine']})")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+PLOTS = {"serve-prefix": plot_serve_prefix}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Renders the PNG beside a stored result: python -m bench.plotting bench/results/<name>.json ..."""
+    from pathlib import Path
+
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m bench.plotting RESULT.json [...]", file=sys.stderr)
+        return 2
+    import json
+
+    for name in paths:
+        path = Path(name)
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"{path}: not a readable JSON result ({e})", file=sys.stderr)
+            return 2
+        plot = PLOTS.get(results.get("benchmark") if isinstance(results, dict) else None)
+        if plot is None:
+            print(f"{path}: benchmark is not one of {', '.join(PLOTS)}", file=sys.stderr)
+            return 2
+        if not plot(results, path.with_suffix(".png")):
+            return 1
+        print(f"wrote {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

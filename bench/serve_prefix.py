@@ -15,7 +15,7 @@ Cached share: prompt tokens served from the cache / prompt tokens; in the shared
 After a discarded warm-up pass, each setting is measured twice, in the order on, off, off, on; the numbers are medians over the rounds of both
 passes (on a loaded machine a round can take several times the others).
 
-Writes <out>/<name>.json and prints the on/off ratios:
+Writes <out>/<name>.json (and .png, with matplotlib) and prints the on/off ratios:
     python bench/serve.py --workload prefix --backend cpu | --backend cuda --out out/serve
 `--cuda-options '{"field": value}'` starts the worker with those CudaOptions (a --config file), e.g. to compare a
 kernel path's effect on the served figures; the JSON records them.
@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.plotting import plot_serve_prefix
 from bench.serve_clients import log, percentile
 from bench.serve_services import (
     REPO,
@@ -269,5 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"failed: the service logs are in {workdir}")
         raise
     shutil.rmtree(workdir, ignore_errors=True)
-    log(f"wrote {path}")
+    png = "and " + path.with_suffix(".png").name if plot_serve_prefix(results, path.with_suffix(".png")) else ""
+    log(f"wrote {path} {png}".rstrip())
     return 0

@@ -30,6 +30,7 @@ def test_serve_prefix_bench_tiny_cpu(tmp_path):
     assert entry["on"]["unshared"]["cached_prompt_share"] == 0
     assert len(entry["on"]["shared"]["rounds"]) == 2  # one measured round in each of the two passes
     assert entry["on"]["shared"]["prefill_steps"] >= 2 and entry["off"]["unshared"]["prefill_steps"] >= 1
+    assert (tmp_path / "prefix.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="only 'prefix'"):
         serve.main(["--workload", "other"])
 
