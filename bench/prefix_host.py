@@ -8,8 +8,10 @@ device steps, and how many steps a request waits for its first token.
 3. traffic: serve_prefix's shared and unshared rounds (N clients, S-token system prompt shared or not, U-token
    user turns, G new tokens) through the real Scheduler, two steps in flight as the batching loop sends them,
    answered at once; the worker's pool (BlockAllocator) follows every step as the engine does. Per round, caching
-   on against off: the router's scheduler time (add, schedule, update), the worker's block bookkeeping, steps,
-   prompt tokens computed, and p50 of the step that brings a request's first token (TTFT in steps).
+   on (prompts' and generated blocks, the default), on for prompts' blocks only, and off: the router's scheduler
+   time (add, schedule, update), the worker's block bookkeeping (registrations of generated blocks checked as the
+   step stream checks them), steps, prompt tokens computed, p50 of the step that brings a request's first token
+   (TTFT in steps), and generated blocks cached.
 
     python bench/prefix_host.py --out bench/results/cpu-prefix-host.json
 """
@@ -75,10 +77,8 @@ def host_costs(prompt_tokens: int, chunk_tokens: int, reps: int) -> dict:
     pool = BlockAllocator(chunk_tokens // BLOCK + 1, BLOCK)
     pool.ensure_capacity(1, chunk_tokens)
     ids = tuple(range(1, chunk_tokens // BLOCK + 1))
-    chunk = PrefillInput(1, np.asarray(tokens[:chunk_tokens]), None, False, cache_block_ids=ids)
-
-    class _Seq:
-        num_cached = 0
+    chunk_ids = rng.integers(3, 32000, chunk_tokens)  # its own tokens: a chunk may be longer than one prompt
+    chunk = PrefillInput(1, chunk_ids, None, False, cache_block_ids=ids)
 
     new = cache_registrations(pool, {1: _Seq()}, [chunk], 0)
     assert new == _registrations_pairwise(ids, pool.cached)
@@ -90,21 +90,36 @@ def host_costs(prompt_tokens: int, chunk_tokens: int, reps: int) -> dict:
     }
 
 
+class _Seq:
+    """What the worker's registration checks read of a sequence: its cached token count."""
+
+    def __init__(self, num_cached: int = 0):
+        self.num_cached = num_cached
+
+
 class _Worker:
-    """The worker's pool as the engine drives it (frees, evictions, attach, capacity, registrations), timed."""
+    """The worker's pool as the engine drives it (frees, evictions, attach, capacity, registrations of chunks'
+    blocks and of blocks running sequences' decodes filled, checked as the step stream checks them), timed."""
 
     def __init__(self, num_blocks: int):
         from expert_service.engine.kv_cache import BlockAllocator
 
-        self.pool, self.cached, self.seconds = BlockAllocator(num_blocks, BLOCK), {}, 0.0
+        self.pool, self.seqs, self.seconds = BlockAllocator(num_blocks, BLOCK), {}, 0.0
 
     def run(self, step) -> None:
+        from expert_service.engine.prefix_blocks import sequence_block_registrations
+
         start = time.perf_counter()
         for rid in step.free_ids:
             self.pool.free(rid)
-            self.cached.pop(rid, None)
+            self.seqs.pop(rid, None)
         for block_id in step.evict_block_ids:
             self.pool.evict((0, block_id))
+        registrations = []
+        if step.sequence_blocks:  # checked before the launch, against the tokens this step feeds
+            rows = np.asarray(step.sequence_blocks, "<u8").reshape(-1, 3)
+            fed = dict.fromkeys(step.decode_ids, 1)
+            registrations = sequence_block_registrations(self.pool, self.seqs, rows, 0, lambda r: True, fed)
         for chunk in step.prefill_chunks:
             rid = chunk.request_id
             if chunk.is_first:
@@ -112,31 +127,34 @@ class _Worker:
                 self.pool.check_attach(keys)
                 if keys:
                     self.pool.attach(rid, keys)
-                self.cached[rid] = len(keys) * BLOCK
-            begin = self.cached[rid]
+                self.seqs[rid] = _Seq(len(keys) * BLOCK)
+            begin = self.seqs[rid].num_cached
             self.pool.ensure_capacity(rid, begin + len(chunk.token_ids))
             for index, block_id in enumerate(chunk.cache_block_ids, begin // BLOCK):
                 if block_id:
                     self.pool.register(rid, index, (0, block_id))
-            self.cached[rid] = begin + len(chunk.token_ids)
+            self.seqs[rid].num_cached = begin + len(chunk.token_ids)
         for rid in step.decode_ids:
-            self.pool.ensure_capacity(rid, self.cached[rid] + 1)
-            self.cached[rid] += 1
+            self.pool.ensure_capacity(rid, self.seqs[rid].num_cached + 1)
+            self.seqs[rid].num_cached += 1
+        for seq_id, index, key in registrations:  # after the launch, as the step stream registers them
+            self.pool.register(seq_id, index, key)
         self.seconds += time.perf_counter() - start
 
 
-def traffic(caching: bool, shared: bool, args) -> dict:
-    """serve_prefix's rounds through the scheduler; medians over the rounds after the first."""
+def traffic(caching: bool, shared: bool, args, generated: bool = True) -> dict:
+    """serve_prefix's rounds through the scheduler; medians over the rounds after the first. generated: the
+    running requests' filled blocks are cached too (the worker's InfoResponse.caches_generated_blocks)."""
     from router_service.prefix_cache import PrefixCache
     from router_service.scheduler import RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
 
     per_request = args.system_tokens + args.user_tokens + args.new_tokens
     num_blocks = (3 * 32 * per_request + args.max_batch_tokens) // BLOCK  # serve_prefix's pool
     limits = SchedulerLimits(64, args.max_batch_tokens, BLOCK, num_blocks)
-    scheduler = Scheduler(limits, PrefixCache(BLOCK, b"bench") if caching else None)
+    scheduler = Scheduler(limits, PrefixCache(BLOCK, b"bench", generated) if caching else None)
     worker, rng, ids, rounds = _Worker(num_blocks), np.random.default_rng(1), iter(range(1, 1 << 30)), []
     for _ in range(args.rounds + 1):
-        router_s, worker_before, steps, computed, first = 0.0, worker.seconds, 0, 0, []
+        router_s, worker_before, steps, computed, first, sent = 0.0, worker.seconds, 0, 0, [], []
         system = rng.integers(3, 32000, args.system_tokens).tolist()
         start = time.perf_counter()
         for _ in range(args.clients):
@@ -152,6 +170,7 @@ def traffic(caching: bool, shared: bool, args) -> dict:
                 if step.is_empty and not step.free_ids and not step.evict_block_ids:
                     break
                 in_flight.append(step)  # frees and evictions go out even with nothing to run, as the loop does
+                sent.append(step)
                 if step.is_empty:
                     break
             router_s += time.perf_counter() - start
@@ -176,6 +195,7 @@ def traffic(caching: bool, shared: bool, args) -> dict:
                 "steps": steps,
                 "prompt_tokens_computed": computed,
                 "first_token_step_p50": float(np.median(first)),
+                "generated_blocks_cached": sum(len(step.sequence_blocks) for step in sent),
             }
         )
     return {key: float(np.median([r[key] for r in rounds[1:]])) for key in rounds[0]}
@@ -198,12 +218,15 @@ def main(argv=None) -> int:
     print(f"worker registrations of a {args.max_batch_tokens}-token chunk")
     print(f"  {costs['registrations_us']:8.1f} us, reference {costs['registrations_reference_us']:8.1f} us")
     results: dict = {"host": costs}
-    print(f"{'per round':28s}" + "".join(f"{k:>24s}" for k in ("router_ms", "worker_ms", "steps", "computed", "ttft")))
+    columns = ("router_ms", "worker_ms", "steps", "computed", "ttft", "generated")
+    print(f"{'per round':28s}" + "".join(f"{k:>24s}" for k in columns))
+    # on: prompts' and generated blocks cached (the default); on_prompts: prompts' blocks only; off: no caching
+    settings = {"on": (True, True), "on_prompts": (True, False), "off": (False, False)}
     for name in ("shared", "unshared"):
-        for caching in (True, False):
-            row = traffic(caching, name == "shared", args)
-            results[f"{name}_{'on' if caching else 'off'}"] = row
-            print(f"{name + (' on' if caching else ' off'):28s}" + "".join(f"{v:24.2f}" for v in row.values()))
+        for setting, (caching, generated) in settings.items():
+            row = traffic(caching, name == "shared", args, generated)
+            results[f"{name}_{setting}"] = row
+            print(f"{name + ' ' + setting:28s}" + "".join(f"{v:24.2f}" for v in row.values()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in vars(args) if k != "out"}
