@@ -283,9 +283,13 @@ def served_equals_offline(tiny_model, backend: str, extra: list[str]) -> None:
         ]
         assert not wrong, "\n".join(wrong)
         channel.close()
-    finally:
+    except BaseException as e:  # the services' own account of what went wrong goes with the failure
         serve.send_signal(signal.SIGTERM)
-        code = serve.wait(60)
+        serve.wait(60)
+        e.add_note("colibri serve stderr, last 3000 characters:\n" + serve.stderr.read().decode()[-3000:])
+        raise
+    serve.send_signal(signal.SIGTERM)
+    code = serve.wait(60)
     assert code == 0, serve.stderr.read().decode()[-3000:]
 
 
