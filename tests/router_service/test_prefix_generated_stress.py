@@ -1,14 +1,17 @@
 """Prefix caching of prompt and generated blocks through the real services on loopback (in-process router and cpu
 worker, tiny model), attacked with seeded random chat traffic: conversations whose next turn resends the previous
 prompt and answer (so it starts on the blocks the answer's decodes filled), identical conversations racing for the
-same prompt and generated blocks, shared system prompts, streams cancelled before or after their first tokens,
-arrivals while steps are in flight; under each seed's draw of pipeline depth 1..3, a worker whose cpu decoder takes
-part in overlapped steps as the cuda one does (decodes fed the step ahead's argmax) or runs each step at once, the
-expert cache (0..3 slots of 4 experts, each prefetch source), block sizes, batch limits and a KV pool small enough to
-evict. Every greedy stream equals the offline fp32 engine's tokens for its prompt (a cancelled one, their start);
-once the traffic stops, the worker holds no sequence and no KV block, its cached blocks are the router's, and a
-request needing the whole pool still runs. A seed's case names its configuration; COLIBRI_STRESS_SEEDS=1,2,...
-runs other seeds."""
+same prompt and generated blocks (under one salt or two), shared system prompts, streams cancelled after some tokens
+or some milliseconds (waiting, mid-prefill, mid-decode), stop ids reached while later decodes are in flight,
+penalties, logit biases, seeded sampling, scored prompts; under each seed's draw of pipeline depth 1..4, a worker
+whose cpu decoder runs each step at once (as served) or takes part in overlapped steps as the cuda one does (decodes
+fed the step ahead's argmax; "paced": each step busy a while after its launch, as on a device), the expert cache
+(0..3 slots of 4 experts, each prefetch source and policy), block sizes 1..16, batch limits and a KV pool small
+enough to evict. Every stream equals the offline fp32 engine's for its prompt and sampling (a cancelled one, their
+start; log-probabilities too where asked), and so does each conversation sent again whole, with log-probabilities,
+on what stayed cached; once the traffic stops the worker holds no sequence and no KV block, its cached blocks are the
+router's, and a request needing the whole pool still runs. A case's id names its seed and configuration;
+COLIBRI_STRESS_SEEDS=1,2,... runs other seeds."""
 
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ SEEDS = [int(s) for s in os.environ.get("COLIBRI_STRESS_SEEDS", "").split(",") i
 ]
 
 
+KINDS = ("logprobs", "penalised", "stop", "biased", "seeded", "scored")
+
+
 def _case(seed: int) -> dict:
     """The services' configuration a seed draws."""
     rng = random.Random(seed)
@@ -51,6 +57,7 @@ def _case(seed: int) -> dict:
         decoder=rng.choice(["at-once", "overlap", "paced", "paced"]),
         slots=slots,
         prefetch=rng.choice(["none", "lookahead", "plan", "plan,lookahead"]) if slots else "none",
+        policy=rng.choice(["lru", "lfu"]),
         block=block,
         pool=rng.choice([96, 128, 160, 4096]) // block,  # blocks: a small pool evicts
         batch_tokens=rng.choice([5, 8, 16, 256]),
@@ -63,15 +70,15 @@ def _case_id(seed: int) -> str:
 
 
 def _conversations(rng: random.Random, pool_tokens: int) -> list[tuple]:
-    """(system prompt, turns [(user tokens, max_new_tokens, cancel, kind)], start delay); cancel: None, after k
-    tokens (int) or after s seconds (float, often mid-prefill). Some conversations repeat an earlier one, so their
-    greedy answers race for the same blocks."""
+    """(system prompt, turns [(user tokens, max_new_tokens, cancel, kind)], start delay, cache salt); cancel: None,
+    after k tokens (int) or after s seconds (float, often mid-prefill). Some conversations repeat an earlier one,
+    so their greedy answers race for the same blocks (under the same salt, or another that must not share)."""
     systems = [[rng.randrange(3, 259) for _ in range(rng.randrange(1, 24))] for _ in range(2)] + [[]]
     out: list[tuple] = []
     for _ in range(rng.randrange(4, 13)):
         if out and rng.random() < 0.25:
             twin = rng.choice(out)  # at once, or later: started on what the first cached
-            out.append((*twin[:2], rng.choice([twin[2], rng.random() * 0.03])))
+            out.append((*twin[:2], rng.choice([twin[2], rng.random() * 0.03]), rng.choice([twin[3], "other"])))
             continue
         system, turns, length = rng.choice(systems), [], 0
         for turn in range(rng.randrange(1, 5)):
@@ -81,36 +88,43 @@ def _conversations(rng: random.Random, pool_tokens: int) -> list[tuple]:
             if len(system) + length > min(pool_tokens, 120) - 16:
                 break
             cancel = rng.choice([None] * 12 + [rng.randrange(1, n + 1), rng.random() * 0.006])
-            turns.append((user, n, cancel, rng.choice(["greedy"] * 5 + ["logprobs", "penalised", "stop", "scored"])))
-        out.append((system, turns, rng.random() * 0.03))
+            turns.append((user, n, cancel, rng.choice(["greedy"] * 6 + list(KINDS))))
+        out.append((system, turns, rng.random() * 0.03, rng.choice(["", "", "tenant"])))
     return out
 
 
-def _params(kind: str, stop: tuple[int, ...] = ()) -> dict:
-    """A request's sampling parameters: greedy, greedy with log-probabilities (its steps are not overlapped), a
-    repetition and presence penalty, stop ids (the stream ends while its decodes after the stop are in flight), or
-    prompt log-probabilities."""
+def _params(kind: str, rng: random.Random, answer: list[int]) -> dict:
+    """A request's sampling parameters: greedy; with log-probabilities (its steps are not overlapped); penalised;
+    stop ids (one its greedy answer reaches: the stream ends while decodes past it are in flight), suppressed for
+    the first tokens; a logit bias; seeded sampling; prompt log-probabilities."""
+    stop = [answer[rng.randrange(len(answer))], rng.randrange(3, 259)]
     return {
         "greedy": {},
         "logprobs": {"logprobs": True},
         "penalised": {"repetition_penalty": 1.3, "presence_penalty": 0.5},
-        "stop": {"stop_token_ids": list(stop)},
+        "stop": {"stop_token_ids": stop, "min_new_tokens": min(rng.choice([0, 0, 1, 3]), len(answer))},
+        "biased": {"logit_bias": {answer[-1]: 2.0, rng.randrange(3, 259): -1.5}},
+        "seeded": {"temperature": 0.8, "top_k": 20, "seed": rng.randrange(1, 1 << 30)},
         "scored": {"prompt_logprobs": 1},  # neither hits nor caches its prompt
     }[kind]
 
 
 def _sampling(params: dict) -> SamplingParams:
     """The offline engine's sampling for the same request."""
+    penalties = PenaltyParams(params.get("repetition_penalty", 1.0), params.get("presence_penalty", 0.0))
+    known = ("temperature", "top_k", "seed", "min_new_tokens", "logprobs")
     return SamplingParams(
         stop_token_ids=tuple(params.get("stop_token_ids", ())),
-        logprobs=params.get("logprobs", False),
-        penalties=PenaltyParams(params.get("repetition_penalty", 1.0), params.get("presence_penalty", 0.0)),
+        logit_bias=tuple(params.get("logit_bias", {}).items()),
+        penalties=penalties,
+        **{k: v for k, v in params.items() if k in known},
     )
 
 
-def _request(prompt: list[int], n: int, **params) -> rpb.GenerateRequest:
+def _request(prompt: list[int], n: int, salt: str = "", **params) -> rpb.GenerateRequest:
     return rpb.GenerateRequest(
         token_ids=rpb.TokenIds(ids=prompt),
+        cache_salt=salt,
         parameters=rpb.SamplingParameters(max_new_tokens=n, ignore_eos=True, **params),
     )
 
@@ -124,14 +138,13 @@ async def _read(call, cancel, got: list[int], logprobs: list[float]) -> None:
 
 
 async def _talk(stub, conversation, rng: random.Random, offline, log: list) -> None:
-    system, turns, delay = conversation
+    system, turns, delay, salt = conversation
     await asyncio.sleep(delay)
     history = list(system)
     for user, n, cancel, kind in turns:
         prompt = history + user or [7]
-        answer = offline(prompt, n, {})[0]  # a stop id it reaches, and two it may not
-        params = _params(kind, (answer[rng.randrange(len(answer))], rng.randrange(3, 259), rng.randrange(3, 259)))
-        call = stub.GenerateStream(_request(prompt, n, **params))
+        params = _params(kind, rng, offline(prompt, n, {})[0])
+        call = stub.GenerateStream(_request(prompt, n, salt, **params))
         got: list[int] = []
         logprobs: list[float] = []
         try:
@@ -140,7 +153,7 @@ async def _talk(stub, conversation, rng: random.Random, offline, log: list) -> N
             pass
         if cancel is not None:
             call.cancel()
-        log.append((prompt, n, params, got, logprobs, cancel is not None))
+        log.append((prompt, n, params, got, logprobs, cancel is not None, salt))
         history = prompt + got
         await asyncio.sleep(rng.random() * 0.005)
 
@@ -223,6 +236,7 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
         max_batch_size=16,
         expert_cache_slots=case["slots"],
         prefetch=case["prefetch"],
+        expert_cache_policy=case["policy"],
     ).start()
     assert worker.engine.decoder.supports_overlap == (case["decoder"] != "at-once")
     rng = random.Random(seed)
@@ -247,10 +261,10 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
             counted = set(cache._by_id) - set(cache.pending_evictions)
             assert {block_id for _, block_id in worker.engine.allocator.cached} == counted
             # every conversation so far, at once with log-probabilities: on whatever prompt and answer blocks stayed
-            histories = list(dict.fromkeys(tuple(p + g) for p, _, _, g, _, _ in log))
-            audits = await asyncio.gather(*(stub.Generate(_request(list(h), 2, logprobs=True)) for h in histories))
-            for h, a in zip(histories, audits):
-                log.append((list(h), 2, {"logprobs": True}, list(a.token_ids), list(a.logprobs), False))
+            histories = list(dict.fromkeys((tuple(p + g), salt) for p, _, _, g, _, _, salt in log))
+            audits = await asyncio.gather(*(stub.Generate(_request([*h], 2, s, logprobs=True)) for h, s in histories))
+            for (h, s), a in zip(histories, audits):
+                log.append(([*h], 2, {"logprobs": True}, list(a.token_ids), list(a.logprobs), False, s))
             await _drained(router, worker)
             big = [3 + (i * 37) % 250 for i in range(min(case["block"] * case["pool"], 200) - 8)]
             last = await stub.Generate(_request(big, 8))
@@ -262,14 +276,15 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
     finally:
         worker.stop()
     wrong = []
-    for prompt, n, params, got, logprobs, cancelled in log:
+    for prompt, n, params, got, logprobs, cancelled, _ in log:
         want, want_logprobs = offline(prompt, n, params)
-        if logprobs and not np.allclose(logprobs, want_logprobs[: len(logprobs)], rtol=1e-4, atol=1e-5):
-            wrong += [f"{len(prompt)}-token prompt {prompt}, n={n}: log-probabilities", f"    {logprobs}"]
-        elif got != (want[: len(got)] if cancelled else want):
+        if got != (want[: len(got)] if cancelled else want):
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             wrong.append(f"{len(prompt)}-token prompt {prompt}, n={n} {params} cancelled={cancelled}: differs at {at}")
             wrong.append(f"    got     {got}\n    offline {want}")
+        elif logprobs and not np.allclose(logprobs, want_logprobs[: len(logprobs)], rtol=1e-4, atol=1e-5):
+            wrong.append(f"{len(prompt)}-token prompt {prompt}, n={n} {params}: log-probabilities differ")
+            wrong.append(f"    got     {logprobs}\n    offline {want_logprobs}")
     assert not wrong, f"seed {seed} {case}: {len(wrong) // 2} of {len(log)} streams differ\n" + "\n".join(wrong)
     assert last == offline(big, 8, {})[0], f"seed {seed} {case}: the pool-sized request differs"
     assert not records.errors(), f"seed {seed} {case}: {records.errors()}"
