@@ -82,12 +82,13 @@ def _conversations(rng: random.Random, pool_tokens: int) -> list[tuple]:
             continue
         system, turns, length = rng.choice(systems), [], 0
         for turn in range(rng.randrange(1, 5)):
-            user = [rng.randrange(3, 259) for _ in range(rng.choice([rng.randrange(0 if turn else 1, 7)] * 4 + [30]))]
             n = rng.randrange(1, 15)
+            cancel = rng.choice([None] * 10 + [rng.randrange(1, n + 1)] + [rng.uniform(0.001, 0.012)] * 2)
+            long = isinstance(cancel, float) or rng.random() < 0.2  # a prompt in chunks: a cancel lands mid-prefill
+            user = [rng.randrange(3, 259) for _ in range(30 if long else rng.randrange(0 if turn else 1, 7))]
             length += len(user) + n
             if len(system) + length > min(pool_tokens, 120) - 16:
                 break
-            cancel = rng.choice([None] * 12 + [rng.randrange(1, n + 1), rng.random() * 0.006])
             turns.append((user, n, cancel, rng.choice(["greedy"] * 6 + list(KINDS))))
         out.append((system, turns, rng.random() * 0.03, rng.choice(["", "", "tenant"])))
     return out
