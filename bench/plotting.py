@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 
-def pyplot():
+def pyplot(note_missing: bool = False):
+    """matplotlib.pyplot on the Agg backend, or None (note_missing: saying so on stderr) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
+        if note_missing:
+            print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -19,9 +24,8 @@ def pyplot():
 def plot_serve(results: dict, path) -> None:
     """bench/serve.py's figure: per model, ITL p50, throughput and TTFT p50 against the client count, served
     (each pipeline depth) and the engine alone."""
-    plt = pyplot()
+    plt = pyplot(note_missing=True)
     if plt is None:
-        print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
         return
     models = results["models"]
     fig, axes = plt.subplots(len(models), 3, figsize=(15, 4 * len(models)), squeeze=False)
@@ -80,9 +84,8 @@ def plot_serve_prefix(results: dict, path) -> bool:
     """bench/serve.py --workload prefix's figure: per model, TTFT p50 and throughput with prefix caching on and
     off for each workload (bars: the medians; dots: each measured round), each panel's on/off ratio above its
     bars with the target where one is set. False (no PNG) without matplotlib."""
-    plt = pyplot()
+    plt = pyplot(note_missing=True)
     if plt is None:
-        print("matplotlib not installed: no PNG (pip install -e '.[bench]')", file=sys.stderr)
         return False
     models, targets = results["models"], results.get("targets", {})
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
@@ -125,14 +128,10 @@ PLOTS = {"serve-prefix": plot_serve_prefix}
 
 def main(argv: list[str] | None = None) -> int:
     """Renders the PNG beside a stored result: python -m bench.plotting bench/results/<name>.json ..."""
-    from pathlib import Path
-
     paths = sys.argv[1:] if argv is None else argv
     if not paths:
         print("usage: python -m bench.plotting RESULT.json [...]", file=sys.stderr)
         return 2
-    import json
-
     for name in paths:
         path = Path(name)
         try:

@@ -154,7 +154,7 @@ def traffic(caching: bool, shared: bool, args, generated: bool = True) -> dict:
     scheduler = Scheduler(limits, PrefixCache(BLOCK, b"bench", generated) if caching else None)
     worker, rng, ids, rounds = _Worker(num_blocks), np.random.default_rng(1), iter(range(1, 1 << 30)), []
     for _ in range(args.rounds + 1):
-        router_s, worker_before, steps, computed, first, sent = 0.0, worker.seconds, 0, 0, [], []
+        router_s, worker_before, steps, computed, first, generated = 0.0, worker.seconds, 0, 0, [], 0
         system = rng.integers(3, 32000, args.system_tokens).tolist()
         start = time.perf_counter()
         for _ in range(args.clients):
@@ -170,7 +170,7 @@ def traffic(caching: bool, shared: bool, args, generated: bool = True) -> dict:
                 if step.is_empty and not step.free_ids and not step.evict_block_ids:
                     break
                 in_flight.append(step)  # frees and evictions go out even with nothing to run, as the loop does
-                sent.append(step)
+                generated += len(step.sequence_blocks)
                 if step.is_empty:
                     break
             router_s += time.perf_counter() - start
@@ -195,7 +195,7 @@ def traffic(caching: bool, shared: bool, args, generated: bool = True) -> dict:
                 "steps": steps,
                 "prompt_tokens_computed": computed,
                 "first_token_step_p50": float(np.median(first)),
-                "generated_blocks_cached": sum(len(step.sequence_blocks) for step in sent),
+                "generated_blocks_cached": generated,
             }
         )
     return {key: float(np.median([r[key] for r in rounds[1:]])) for key in rounds[0]}

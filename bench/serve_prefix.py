@@ -270,6 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"failed: the service logs are in {workdir}")
         raise
     shutil.rmtree(workdir, ignore_errors=True)
-    png = "and " + path.with_suffix(".png").name if plot_serve_prefix(results, path.with_suffix(".png")) else ""
-    log(f"wrote {path} {png}".rstrip())
+    png = path.with_suffix(".png")
+    log(f"wrote {path}" + (f" and {png.name}" if plot_serve_prefix(results, png) else ""))
     return 0

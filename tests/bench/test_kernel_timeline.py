@@ -46,9 +46,9 @@ def test_timeline_names_the_critical_streams_waits():
 
 def test_a_streams_time_by_kernel_name_sums_repeated_launches():
     rows = [("fetch", 3, 0.0, 7.0), ("gemv", 3, 8.0, 2.5), ("fetch", 3, 11.0, 4.0), ("gemv", 3, 16.0, 2.0)]
-    by_name = timeline_of(rows, wall_us=0.0)["streams"]["3"]["by_name"]
-    assert by_name == {"fetch": [11.0, 2], "gemv": [4.5, 2]}
-    assert sum(us for us, _ in by_name.values()) == pytest.approx(timeline_of(rows, 0.0)["streams"]["3"]["busy_us"])
+    stream = timeline_of(rows, wall_us=0.0)["streams"]["3"]
+    assert stream["by_name"] == {"fetch": [11.0, 2], "gemv": [4.5, 2]}
+    assert sum(us for us, _ in stream["by_name"].values()) == pytest.approx(stream["busy_us"])
 
 
 def test_the_stream_that_ends_last_is_critical_and_overlaps_are_no_waits():
