@@ -416,6 +416,23 @@ async def worker_kv_blocks_used(client) -> int:
     return response.kv_blocks_used
 
 
+async def drained(router, engine=None, polls: int = 1000) -> None:
+    """Waits (polls x 10 ms at most) until the router runs no request and the worker holds no KV block (and, given
+    the worker's in-process `engine`, it holds no sequence and its pool no used block); then the router's
+    scheduler must hold no block either."""
+    loop = router.batching_loop
+    for _ in range(polls):
+        if loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
+            if engine is None or (not engine.sequences and engine.allocator.num_used_blocks == 0):
+                assert loop.scheduler.num_used_blocks == 0
+                return
+        await asyncio.sleep(0.01)
+    held = f"{loop.num_active} requests on the router, {await worker_kv_blocks_used(router.worker)} KV blocks on the worker"
+    if engine is not None:
+        held += f" ({len(engine.sequences)} sequences, {engine.allocator.num_used_blocks} blocks in its pool)"
+    raise AssertionError(f"still held after the traffic: {held}")
+
+
 def serve_command(model, port, *flags: str, backend: str = "cpu", metrics_port=0, worker_metrics_port=0) -> list[str]:
     """`colibri serve` on loopback for a test: the model, the public gRPC port, metrics ports (0: none), `flags`."""
     return [

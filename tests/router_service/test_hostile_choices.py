@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import BackgroundWorker, free_port, running_router, worker_kv_blocks_used
+from tests.helpers import BackgroundWorker, drained, free_port, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +21,6 @@ def small_worker(tiny_model):
     w = BackgroundWorker(tiny_model, kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS).start()
     yield w
     w.stop()
-
-
-async def _drained(router) -> None:
-    for _ in range(300):
-        if router.batching_loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("requests or KV blocks still held")
 
 
 async def _post(session, url, body):
@@ -58,7 +50,7 @@ def test_choices_that_could_never_run_together_are_refused_up_front(small_worker
                 # what fits still runs: 4 x 50 + 1 prompt token
                 status, answer = await _post(s, url, {**body, "n": 4, "best_of": 4, "max_tokens": 50, "prompt": "h"})
                 assert status == 200 and len(answer["choices"]) == 4, answer
-            await _drained(router)
+            await drained(router, polls=600)
 
     asyncio.run(run())
 
@@ -81,7 +73,7 @@ def test_a_client_leaving_mid_stream_frees_every_choice(small_worker, tiny_model
                             if lines > 6:
                                 break
                     # leaving the block drops the connection with choices still generating
-                    await _drained(router)
+                    await drained(router, polls=600)
 
     asyncio.run(run())
 
@@ -101,6 +93,6 @@ def test_best_of_with_n_1_samples_best_of_times(small_worker, tiny_model):
                 assert status == 200, answer
                 assert [c["text"] for c in answer["choices"]] == [best["text"]]
                 assert answer["usage"]["completion_tokens"] == 15
-            await _drained(router)
+            await drained(router, polls=600)
 
     asyncio.run(run())

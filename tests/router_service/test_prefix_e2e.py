@@ -13,7 +13,7 @@ from common.metrics import RouterMetrics, new_registry
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from router_service.observability import ChainedHooks, MetricsHooks
-from tests.helpers import BackgroundWorker, running_router, worker_kv_blocks_used
+from tests.helpers import BackgroundWorker, drained, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +64,6 @@ async def _run_traffic(stub, traffic, wave: int):
     return results
 
 
-async def _drained(router) -> None:
-    for _ in range(300):
-        if router.batching_loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("blocks still held after the traffic ended")
-
-
 def test_shared_prefix_traffic_equals_uncached_and_offline(small_pool_worker, tiny_model):
     traffic = _traffic(seed=11)
 
@@ -81,7 +73,7 @@ def test_shared_prefix_traffic_equals_uncached_and_offline(small_pool_worker, ti
             stub,
         ):
             results = await _run_traffic(stub, traffic, wave=6)
-            await _drained(router)
+            await drained(router, polls=300)
             assert router.batching_loop.scheduler.num_used_blocks == 0
             cache = router.batching_loop.scheduler.prefix_cache
             return results, cache
@@ -133,7 +125,7 @@ def test_siblings_share_the_prompt_and_salts_isolate(small_pool_worker):
             assert again.cached_prompt_tokens == 28
             logged = await stub.Generate(_request(prompt, 3, prompt_logprobs=1))
             assert logged.cached_prompt_tokens == 0 and len(logged.prompt_logprobs) == len(prompt)
-            await _drained(router)
+            await drained(router, polls=300)
 
             def value(name):
                 return registry.get_sample_value(name, {"model_name": "tiny"})
@@ -167,7 +159,7 @@ def test_a_next_turn_starts_on_the_previous_answer(small_pool_worker):
                 answers.append((list(answer.token_ids), list(answer.logprobs)))
                 hits.append(answer.cached_prompt_tokens)
                 conversation = conversation + list(answer.token_ids) + [200 + turn, 210 + turn, 220 + turn]
-            await _drained(router)
+            await drained(router, polls=300)
             return hits, answers
 
     cached_hits, cached = asyncio.run(run(True))

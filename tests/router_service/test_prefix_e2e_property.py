@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from common.pb import router_pb2 as rpb
-from tests.helpers import BackgroundWorker, running_router, worker_kv_blocks_used
+from tests.helpers import BackgroundWorker, drained, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +76,6 @@ def _summary(answer) -> tuple:
     return list(answer.token_ids), answer.stop_reason, list(answer.logprobs), top, prompt
 
 
-async def _drained(router) -> None:
-    for _ in range(400):
-        if router.batching_loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
-            assert router.batching_loop.scheduler.num_used_blocks == 0
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("blocks still held after the traffic ended")
-
-
 async def _waves(stub, traffic, rng: random.Random, cancel_rate: float):
     """Runs the traffic in racing waves; a few requests get a deadline so short they end mid-prefill."""
     results: list = []
@@ -139,11 +130,11 @@ def test_random_traffic_with_every_feature_equals_uncached(pressed_worker, seed)
             stub,
         ):
             results = await _waves(stub, traffic, random.Random(seed + 1), cancel_rate)
-            await _drained(router)
+            await drained(router, polls=400)
             # the pool is usable whole afterwards: a request needing every block still runs
             last = await stub.Generate(_request([7] * (BLOCK * NUM_BLOCKS - 8), 8))
             assert len(last.token_ids) == 8
-            await _drained(router)
+            await drained(router, polls=400)
             return results, router.batching_loop.scheduler.prefix_cache
 
     cached, cache = asyncio.run(run(True, 0.1))

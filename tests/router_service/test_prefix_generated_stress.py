@@ -30,7 +30,7 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.penalties import PenaltyParams
 from expert_service.engine.sampling import SamplingParams
-from tests.helpers import BackgroundWorker, LogRecords, cpu_engine, running_router, worker_kv_blocks_used
+from tests.helpers import BackgroundWorker, LogRecords, cpu_engine, drained, running_router
 
 pytestmark = pytest.mark.slow
 
@@ -159,20 +159,6 @@ async def _talk(stub, conversation, rng: random.Random, offline, log: list) -> N
         await asyncio.sleep(rng.random() * 0.005)
 
 
-async def _drained(router, worker) -> None:
-    engine = worker.engine
-    for _ in range(1000):
-        if router.batching_loop.num_active == 0 and await worker_kv_blocks_used(router.worker) == 0:
-            if not engine.sequences and engine.allocator.num_used_blocks == 0:
-                assert router.batching_loop.scheduler.num_used_blocks == 0
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError(
-        f"still held after the traffic: {router.batching_loop.num_active} requests on the router, "
-        f"{len(engine.sequences)} sequences and {engine.allocator.num_used_blocks} KV blocks on the worker"
-    )
-
-
 def _overlapped(model, config, paced: random.Random | None):
     """A cpu engine whose steps launch behind the one in flight, their decodes fed its argmax, as the cuda
     backend's do. paced: like a device, each step is busy a random 0-4 ms after its launch (the worker looks for
@@ -257,7 +243,7 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
                 await asyncio.gather(
                     *(_talk(stub, c, random.Random(rng.random()), offline, log) for c in conversations)
                 )
-            await _drained(router, worker)
+            await drained(router, worker.engine)
             cache = router.batching_loop.scheduler.prefix_cache
             counted = set(cache._by_id) - set(cache.pending_evictions)
             assert {block_id for _, block_id in worker.engine.allocator.cached} == counted
@@ -266,10 +252,10 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
             audits = await asyncio.gather(*(stub.Generate(_request([*h], 2, s, logprobs=True)) for h, s in histories))
             for (h, s), a in zip(histories, audits):
                 log.append(([*h], 2, {"logprobs": True}, list(a.token_ids), list(a.logprobs), False, s))
-            await _drained(router, worker)
+            await drained(router, worker.engine)
             big = [3 + (i * 37) % 250 for i in range(min(case["block"] * case["pool"], 200) - 8)]
             last = await stub.Generate(_request(big, 8))
-            await _drained(router, worker)
+            await drained(router, worker.engine)
             return list(last.token_ids), big, cache.num_hit_tokens, cache.num_evicted
 
     try:
