@@ -21,7 +21,9 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -440,6 +442,21 @@ def serve_command(model, port, *flags: str, backend: str = "cpu", metrics_port=0
         "--metrics-port", str(metrics_port), "--worker-metrics-port", str(worker_metrics_port), "--backend", backend,
         *flags,
     ]  # fmt: skip
+
+
+class LoggedProcess(subprocess.Popen):
+    """A service run as a child, its stdout dropped and its stderr kept in a temporary file rather than a pipe: a
+    pipe nobody reads fills at 64 KiB (the services log that much with the expert cache on cuda) and blocks the
+    child mid-shutdown."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self._stderr = tempfile.TemporaryFile()
+        super().__init__(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr)
+
+    def log(self, last: int = 3000) -> str:
+        """The last `last` characters the child has written to stderr so far."""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-last:]
 
 
 def serve_env(*without: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.model_format import ModelDir
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
-from tests.helpers import BackgroundWorker, free_port, running_router, serve_command, serve_env
+from tests.helpers import BackgroundWorker, LoggedProcess, free_port, running_router, serve_command, serve_env
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def worker_pid(serve_pid: int) -> int:
 def test_serve_processes_end_to_end(tiny_model):
     port, metrics, worker_metrics = free_port(), free_port(), free_port()
     env = serve_env()
-    serve = subprocess.Popen(
+    serve = LoggedProcess(
         serve_command(
             str(tiny_model),
             str(port),
@@ -109,9 +109,7 @@ def test_serve_processes_end_to_end(tiny_model):
             metrics_port=metrics,
             worker_metrics_port=worker_metrics,
         ),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        env,
     )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -168,7 +166,7 @@ def test_serve_processes_end_to_end(tiny_model):
     finally:
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(60)
-    assert code == 0, serve.stderr.read().decode()[-2000:]
+    assert code == 0, serve.log()
 
 
 def test_trace_links_router_request_to_worker_step(tiny_model):
@@ -255,13 +253,11 @@ def served_equals_offline(tiny_model, backend: str, extra: list[str]) -> None:
     """`colibri serve` on `backend` with `extra` flags: six concurrent greedy streams equal the fp32 cpu
     engine's, each mismatch named by prompt and first differing token; the services stop cleanly."""
     port = free_port()
-    serve = subprocess.Popen(
+    serve = LoggedProcess(
         serve_command(
             str(tiny_model), str(port), "--max-batch-size", "16", "--max-batch-tokens", "256", *extra, backend=backend
         ),
-        env=serve_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        serve_env(),
     )
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -286,11 +282,11 @@ def served_equals_offline(tiny_model, backend: str, extra: list[str]) -> None:
     except BaseException as e:  # the services' own account of what went wrong goes with the failure
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
-        e.add_note("colibri serve stderr, last 3000 characters:\n" + serve.stderr.read().decode()[-3000:])
+        e.add_note("colibri serve stderr, last 3000 characters:\n" + serve.log())
         raise
     serve.send_signal(signal.SIGTERM)
     code = serve.wait(60)
-    assert code == 0, serve.stderr.read().decode()[-3000:]
+    assert code == 0, serve.log()
 
 
 @pytest.mark.parametrize("extra", EXPERT_CACHE_VARIANTS.values(), ids=EXPERT_CACHE_VARIANTS.keys())

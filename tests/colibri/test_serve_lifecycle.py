@@ -20,21 +20,17 @@ import pytest
 from colibri import serve as serve_module
 from common.pb import router_pb2_grpc
 from tests.colibri.test_serve import child_pids, free_port, request, wait_serving
-from tests.helpers import serve_command, serve_env
+from tests.helpers import LoggedProcess, serve_command, serve_env
 
 pytestmark = pytest.mark.slow
 TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
 
 
-def start_serve(model, *extra: str) -> tuple[subprocess.Popen, int]:
+def start_serve(model, *extra: str) -> tuple[LoggedProcess, int]:
     port = free_port()
     env = serve_env(TOKEN_ENV)
-    process = subprocess.Popen(
-        serve_command(str(model), str(port), "--worker-retry-s", "0.1", *extra),
-        env={**env, "LOG_FORMAT": "text"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    process = LoggedProcess(
+        serve_command(str(model), str(port), "--worker-retry-s", "0.1", *extra), {**env, "LOG_FORMAT": "text"}
     )
     return process, port
 
@@ -69,7 +65,7 @@ def stream_while_signalled(model, signum: int, serve_late_s: float = 0.0) -> Non
             assert [r.result(timeout=120) for r in results] == [150] * 4
         channel.close()
         code = process.wait(90)
-        assert code == 0, process.stderr.read()[-3000:]
+        assert code == 0, process.log()
     finally:
         if process.poll() is None:
             process.kill()
@@ -95,13 +91,13 @@ def test_sigterm_during_start_up_under_cpu_contention(tiny_model):
         for delay in (0.0, 0.2, 1.0, 2.5):  # after serve has started its children (it is running then)
             process, _ = start_serve(tiny_model)
             while not child_pids(process.pid):
-                assert process.poll() is None, process.stderr.read()
+                assert process.poll() is None, process.log(10**6)
                 time.sleep(0.01)
             time.sleep(delay)
             children = child_pids(process.pid)
             process.send_signal(signal.SIGTERM)
             code = process.wait(90)
-            assert code == 0, f"after {delay} s: exit {code}: {process.stderr.read()[-2000:]}"
+            assert code == 0, f"after {delay} s: exit {code}: {process.log(2000)}"
             for pid in children:  # no orphan left behind
                 assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"child {pid} outlived serve"
     finally:
@@ -149,7 +145,7 @@ def test_a_taken_worker_port_is_not_restarted(tiny_model):
     try:
         process, _ = start_serve(tiny_model, "--worker-port", str(port))
         code = process.wait(90)
-        stderr = process.stderr.read()
+        stderr = process.log(10**6)
     finally:
         taken.close()
     assert code == 7, stderr[-2000:]

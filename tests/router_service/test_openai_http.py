@@ -14,7 +14,7 @@ import pytest
 
 from common.pb import router_pb2 as rpb
 from router_service.openai_api import ApiError, parse_request
-from tests.helpers import free_port, running_router, serve_command, serve_env, worker_kv_blocks_used
+from tests.helpers import LoggedProcess, free_port, running_router, serve_command, serve_env, worker_kv_blocks_used
 
 pytestmark = pytest.mark.slow
 TEMPLATE = (
@@ -492,7 +492,7 @@ def test_colibri_serve_with_http_port(tiny_model, tmp_path):
     template.write_text(TEMPLATE)
     port, http = free_port(), free_port()
     env = serve_env()
-    serve = subprocess.Popen(
+    serve = LoggedProcess(
         serve_command(
             str(tiny_model),
             str(port),
@@ -503,9 +503,7 @@ def test_colibri_serve_with_http_port(tiny_model, tmp_path):
             "--worker-retry-s",
             "0.1",
         ),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        env,
     )
     try:
         deadline = time.monotonic() + 90
@@ -516,7 +514,9 @@ def test_colibri_serve_with_http_port(tiny_model, tmp_path):
                         break
             except (urllib.error.URLError, ConnectionError):
                 pass
-            assert time.monotonic() < deadline and serve.poll() is None, "colibri serve never became healthy"
+            assert time.monotonic() < deadline and serve.poll() is None, (
+                f"colibri serve never became healthy: {serve.log()}"
+            )
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Hello"}]

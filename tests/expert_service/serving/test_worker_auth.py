@@ -17,7 +17,7 @@ from common.auth import TokenSet
 from common.errors import ConfigError
 from common.pb import worker_pb2 as pb
 from tests.expert_service.serving.worker_process import free_port, start_worker, stub, wait_for, worker_env
-from tests.helpers import BackgroundWorker
+from tests.helpers import BackgroundWorker, LoggedProcess
 
 GREEDY = pb.SamplingParams(top_p=1.0)
 
@@ -160,13 +160,7 @@ def test_reachable_address_without_a_token_is_refused(tiny_model):
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "without a token" in refused.stderr, refused.stderr
     # With a token from the environment it serves; the token never appears in its command line.
-    process = subprocess.Popen(
-        base + ["--warmup-tokens", "4"],
-        env=worker_env(COLIBRI_WORKER_TOKEN="env-secret"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = LoggedProcess(base + ["--warmup-tokens", "4"], worker_env(COLIBRI_WORKER_TOKEN="env-secret"))
     try:
         wait_for(f"127.0.0.1:{port}", "colibri.readiness", process=process)
         with open(f"/proc/{process.pid}/cmdline", "rb") as f:
