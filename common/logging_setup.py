@@ -141,12 +141,12 @@ class _ColibriHandler(logging.StreamHandler):
     _colibri = True  # marks the handler as ours so a second configure_logging call can replace it
 
 
-def _parse_level(level: str | int) -> int:
+def _parse_level(level: str | int, setting: str = "LOG_LEVEL") -> int:
     if isinstance(level, int):
         return level
     value = logging.getLevelName(level.strip().upper())
     if not isinstance(value, int):
-        raise ConfigError(f"LOG_LEVEL: unknown level {level!r} (expected DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+        raise ConfigError(f"{setting}: unknown level {level!r} (expected DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     return value
 
 
@@ -179,4 +179,12 @@ def configure_logging(
     # grpc and urllib3 are chatty at DEBUG; their noise would bury ours.
     for name in ("grpc", "urllib3"):
         logging.getLogger(name).setLevel(max(root.level, logging.INFO))
+    # Numba's CUDA driver logs every allocation and free at INFO once any handler exists; as in a process without
+    # logging configured, it speaks below WARNING only when NUMBA_CUDA_LOG_LEVEL asks it to.
+    numba_level = env.get("NUMBA_CUDA_LOG_LEVEL", "").strip()
+    logging.getLogger("numba").setLevel(
+        _parse_level(numba_level, "NUMBA_CUDA_LOG_LEVEL") if numba_level else max(root.level, logging.WARNING)
+    )
+    # A library's warnings become records in this format (logger py.warnings), not raw lines between them.
+    logging.captureWarnings(True)
     return handler

@@ -12,3 +12,9 @@ Conventions
 - Under NUMBA_ENABLE_CUDASIM=1 the helpers in ``numeric`` switch to pure-Python equivalents so kernels
   run in the simulator on tiny shapes (CI); warp shuffles have a simulator fallback there too.
 """
+
+import warnings as _warnings
+
+# Grids here are sized to the work on purpose (a block per sequence in decode, one per layer's plan); numba's
+# "fewer than 128 blocks" heuristic would warn once for every such launch shape a worker meets.
+_warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization")

@@ -1,6 +1,7 @@
 import io
 import json
 import logging
+import warnings
 
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -13,14 +14,15 @@ from common.tracing import get_tracer, make_tracer_provider
 
 @pytest.fixture
 def stream():
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
+    root, numba = logging.getLogger(), logging.getLogger("numba")
+    saved = (list(root.handlers), root.level, numba.level)
     buf = io.StringIO()
     yield buf
     for h in list(root.handlers):
         if getattr(h, "_colibri", False):
             root.removeHandler(h)
-    root.handlers[:], root.level = saved
+    root.handlers[:], root.level, numba.level = saved
+    logging.captureWarnings(False)
 
 
 def lines(buf: io.StringIO) -> list[dict]:
@@ -88,3 +90,30 @@ def test_level_and_format_validation(stream):
         configure_logging("router", level="LOUD", stream=stream)
     with pytest.raises(ConfigError, match="LOG_FORMAT"):
         configure_logging("router", fmt="xml", stream=stream)
+
+
+def test_numba_driver_speaks_only_when_asked(stream):
+    """Numba's CUDA driver logs each allocation and free at INFO once a handler exists (a served cuda worker
+    wrote ~200 such lines by shutdown): quiet below WARNING unless NUMBA_CUDA_LOG_LEVEL asks for it."""
+    driver = logging.getLogger("numba.cuda.cudadrv.driver")
+    configure_logging("colibri-worker", fmt="json", stream=stream, env={})
+    driver.info("dealloc: cuMemFree 4096 bytes")
+    driver.warning("context lost")
+    assert [(r["logger"], r["message"]) for r in lines(stream)] == [(driver.name, "context lost")]
+    configure_logging("colibri-worker", fmt="json", stream=stream, env={"NUMBA_CUDA_LOG_LEVEL": "debug"})
+    driver.debug("add pending dealloc")
+    assert lines(stream)[-1]["message"] == "add pending dealloc"
+    with pytest.raises(ConfigError, match="NUMBA_CUDA_LOG_LEVEL: unknown level 'chatty'"):
+        configure_logging("colibri-worker", stream=stream, env={"NUMBA_CUDA_LOG_LEVEL": "chatty"})
+
+
+def test_a_library_warning_is_one_record(stream):
+    """A warnings.warn in a library (numba's performance hints, a deprecation) is one JSON line of the format,
+    not raw text between the lines a log shipper parses."""
+    configure_logging("colibri-worker", fmt="json", stream=stream, env={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("this call is deprecated", DeprecationWarning, stacklevel=1)
+    (record,) = lines(stream)
+    assert record["logger"] == "py.warnings" and record["level"] == "WARNING"
+    assert "DeprecationWarning: this call is deprecated" in record["message"]
