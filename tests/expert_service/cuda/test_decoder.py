@@ -413,5 +413,5 @@ def test_few_expert_window_runs_wgmma_close_to_cpu_and_to_cublas(few_model, monk
     def host_breaks(gpu):  # the window's step is captured whole; the smaller one keeps its host break
         assert not gpu.decoder.blocks_host(480) and gpu.decoder.blocks_host(250)
 
-    window = CudaOptions(grouped_mma_max_tokens_few_experts=512)  # off: the shipped window, per-expert cuBLAS
-    check_wgmma_prefills(few_model, monkeypatch, window, CudaOptions(), ((480, True), (250, False)), 700, host_breaks)
+    window, off = CudaOptions(), CudaOptions(grouped_mma_max_tokens_few_experts=0)  # the shipped window; cuBLAS
+    check_wgmma_prefills(few_model, monkeypatch, window, off, ((480, True), (250, False)), 700, host_breaks)

@@ -51,7 +51,8 @@ def test_the_window_needs_bf16_few_experts_wgmma_and_an_sm90_device(monkeypatch,
     config = mixtral(hidden_size=64, intermediate_size=128, num_local_experts=E)
     on = CudaOptions(grouped_mma_max_tokens_few_experts=1024)
     assert few_expert_mma_tokens(config, True, on) == (1024 if hopper else 0)
-    assert few_expert_mma_tokens(config, True, CudaOptions()) == 0  # shipped default: off
+    assert few_expert_mma_tokens(config, True, CudaOptions()) == (1024 if hopper else 0)  # the shipped default
+    assert few_expert_mma_tokens(config, True, CudaOptions(grouped_mma_max_tokens_few_experts=0)) == 0  # off
     assert few_expert_mma_tokens(config, False, on) == 0  # not bf16
     assert (
         few_expert_mma_tokens(config, True, CudaOptions(grouped_mma_max_tokens_few_experts=1024, wgmma_experts=False))
