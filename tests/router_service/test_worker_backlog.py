@@ -160,6 +160,7 @@ def test_the_hold_does_not_idle_the_device_when_nothing_arrives():
     chunks = device[:12]  # the prompt's chunks (its decode and free follow)
     idle = [max(0.0, later[1] - earlier[2]) for earlier, later in zip(chunks, chunks[1:])]
     # the defect idles every other gap 3-7 ms (the answer to each chunk arrives behind the next one); a loaded
-    # machine can stall the event loop in one or two gaps (8 ms in all, once in CI), so those are tolerated
+    # machine can stall the event loop in one or two gaps (8 ms in all once in CI, 16 ms in one gap another time),
+    # so the two longest gaps are tolerated whatever their length and the rest must stay short
     gaps_ms = [round(s * 1e3, 1) for s in idle]
-    assert sum(s > 0.002 for s in idle) <= 2 and sum(idle) < 0.012, gaps_ms
+    assert sum(s > 0.002 for s in idle) <= 2 and sum(sorted(idle)[:-2]) < 0.006, gaps_ms
