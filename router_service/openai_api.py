@@ -184,7 +184,8 @@ def _logit_bias(body) -> dict[int, float]:
     bias = {}
     for key, value in raw.items():
         param = f"logit_bias[{key}]"
-        if not (key.isascii() and key.isdigit() and int(key) <= MAX_UINT32):
+        # int() refuses a string of more than 4,300 digits (a ValueError): a token id has at most 10
+        if not (key.isascii() and key.isdigit() and len(key.lstrip("0")) <= 10 and int(key) <= MAX_UINT32):
             raise ApiError(400, f"{param}: the key must be a token id (a non-negative integer)", param=param)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ApiError(400, f"{param}: the bias must be a number, got {type(value).__name__}", param=param)

@@ -122,6 +122,14 @@ CLIENT_MISTAKES = [
         None,
     ),
     (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # past the parser's recursion limit
+    # a key past int()'s 4,300 digits
+    (
+        COMPLETIONS,
+        b'{"prompt": "x", "logit_bias": {"' + b"9" * 5000 + b'": 1}}',
+        400,
+        f"logit_bias[{'9' * 5000}]",
+        None,
+    ),
     (COMPLETIONS, b'{"prompt": "x", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "user", None),
 ]
 
