@@ -28,8 +28,9 @@ from router_service.openai_api import ApiError
 from router_service.rate_limited_log import RateLimitedLog
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
-# A lone surrogate can only come from a \uD800-\uDFFF escape: raw UTF-8 surrogate bytes fail to decode.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A lone surrogate can only come from a \uD800-\uDFFF escape: the body is decoded strictly, so raw surrogate
+# bytes fail to decode (json.loads would decode bytes with surrogatepass and let them through).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
@@ -48,13 +49,14 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
     except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
     try:
-        value = json.loads(raw)
+        text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
+        value = json.loads(text)
     except RecursionError:
         raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    # Cheap tests on the raw bytes first: a large prompt of token ids is walked only when it could fail.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(raw):
+    # Cheap tests on the text first: a large prompt of token ids is walked only when it could fail.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(text):
         problem = json_problem(value)
         if problem is not None:
             path, what = problem

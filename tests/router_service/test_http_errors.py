@@ -121,6 +121,11 @@ CLIENT_MISTAKES = [
         "chat_template_kwargs",
         None,
     ),
+    # raw surrogate bytes (json.loads decodes bytes with surrogatepass), and the same in a UTF-16 body
+    (COMPLETIONS, b'{"prompt": "a\xed\xa0\x80b"}', 400, None, None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\xed\xb0\x80"}]}', 400, None, None),
+    (COMPLETIONS, '{"prompt": "a'.encode("utf-16-le") + b"\x00\xd8" + 'b"}'.encode("utf-16-le"), 400, None, None),
+    (COMPLETIONS, '{"prompt": "a\\ud800b"}'.encode("utf-16-le"), 400, "prompt", None),
     (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # past the parser's recursion limit
     # a key past int()'s 4,300 digits
     (
@@ -148,6 +153,10 @@ def test_client_mistakes_are_openai_4xx_errors_without_an_error_log(tmp_path, ca
             # A pair of surrogates is one character: fine.
             async with aiohttp.ClientSession(headers=AUTH) as s:
                 async with s.post(base + COMPLETIONS, data=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}') as r:
+                    assert r.status == 200, await r.text()
+                # JSON may come as UTF-16 (as json.loads reads it)
+                utf16 = '{"prompt": "\U0001f600", "max_tokens": 2}'.encode("utf-16")
+                async with s.post(base + COMPLETIONS, data=utf16) as r:
                     assert r.status == 200, await r.text()
 
     asyncio.run(body())
