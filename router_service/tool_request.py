@@ -165,6 +165,8 @@ def from_pb(request) -> ToolRequest | None:
                 value["parameters"] = json.loads(tool.parameters_json)
             except ValueError as e:
                 raise InvalidRequestError(f"tools[{i}].parameters_json", f"not JSON: {e}") from None
+            except RecursionError:  # JSON text nested deeper than Python's parser goes
+                raise InvalidRequestError(f"tools[{i}].parameters_json", "is nested too deeply") from None
         if tool.strict:
             value["strict"] = True
         functions.append(_function(value, f"tools[{i}]"))
@@ -221,6 +223,8 @@ def _call_dict(call_id, name, arguments, where: str) -> dict:
             arguments = json.loads(arguments or "{}")
         except ValueError:
             raise InvalidRequestError(f"{where}.function.arguments", "must be the JSON text of an object") from None
+        except RecursionError:  # JSON text nested deeper than Python's parser goes
+            raise InvalidRequestError(f"{where}.function.arguments", "is nested too deeply") from None
     if not isinstance(arguments, dict):
         raise InvalidRequestError(f"{where}.function.arguments", "must be the JSON text of an object")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -151,6 +151,17 @@ def test_bad_tools_name_the_field(body, field):
     assert e.value.field == field
 
 
+def test_grpc_json_text_nested_past_the_parser_names_the_field():
+    deep = "[" * 10**5
+    with pytest.raises(InvalidRequestError) as e:
+        from_pb(rpb.ChatRequest(tools=[rpb.Tool(name="f", parameters_json=deep)]))
+    assert e.value.field == "tools[0].parameters_json"
+    message = rpb.ChatMessage(role="assistant", tool_calls=[rpb.ToolCall(id="x", name="f", arguments=deep)])
+    with pytest.raises(InvalidRequestError) as e:
+        message_dicts([message])
+    assert e.value.field == "messages[0].tool_calls[0].function.arguments"
+
+
 def test_strict_is_accepted_where_it_is_enforced():
     strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
     assert from_openai({"tools": strict, "tool_choice": "required"}).is_forced
@@ -175,6 +186,10 @@ def test_strict_is_accepted_where_it_is_enforced():
         ),
         (
             {"role": "assistant", "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": "{"}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (  # nested past Python's JSON parser
+            {"role": "assistant", "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": "[" * 10**5}}]},
             "messages[0].tool_calls[0].function.arguments",
         ),
         ({"role": "assistant", "tool_calls": [{"id": 3, "function": {"name": "f"}}]}, "messages[0].tool_calls[0].id"),
