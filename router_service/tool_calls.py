@@ -74,7 +74,7 @@ def _call(obj, names: frozenset[str] | None) -> tuple[str, str] | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -82,9 +82,10 @@ def _call(obj, names: frozenset[str] | None) -> tuple[str, str] | None:
 
 
 def _loads(text: str):
+    # RecursionError: nested deeper than Python's parser goes (a model can write brackets without end)
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -228,8 +229,8 @@ class ToolCallParser:
                 return
             try:
                 obj, end = json.JSONDecoder().raw_decode(text, i)
-            except ValueError:
-                return  # incomplete, or malformed (then content at finish)
+            except (ValueError, RecursionError):
+                return  # incomplete, malformed or nested too deeply (then content at finish)
             call = _call(obj, self.names)
             if call is None or not self._may_call():
                 return

@@ -136,6 +136,26 @@ def test_streamed_at_every_split_point_equals_the_whole(fmt, reply, content, cal
         assert all(c.id.startswith("call_") and len(c.id) == 29 for c in parser.calls)
 
 
+DEEP = "[" * 5000  # past the recursion limit of Python's JSON parser
+
+
+@pytest.mark.parametrize(
+    "fmt,reply",
+    [
+        ("hermes", "<tool_call>\n" + DEEP + "\n</tool_call>"),
+        ("hermes", "<tool_call>\n" + DEEP),  # unclosed: parsed at the end
+        ("hermes", hermes("", None, '{"name": "add", "arguments": "' + DEEP + '"}')),  # arguments as JSON text
+        ("mistral", "[TOOL_CALLS][" + DEEP),
+        ("generic", '{"tool_calls": ' + DEEP),
+    ],
+)
+def test_json_nested_past_the_parser_is_content(fmt, reply):
+    """A degenerate model may write brackets without end: its reply is text, whole or streamed."""
+    assert parse_tool_calls(reply, fmt, NAMES) == (reply, [])
+    _, events = stream(fmt, [reply[:20], reply[20:-5], reply[-5:]])
+    assert accumulate(events) == (reply, [])
+
+
 def test_parallel_false_keeps_the_first_call_and_the_rest_is_content():
     reply = hermes("add", {"a": 1}) + hermes("add", {"a": 2})
     content, calls = calls_of(parse_tool_calls(reply, "hermes", NAMES, parallel=False))
