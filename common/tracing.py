@@ -156,11 +156,14 @@ def inject_metadata(context: otel_context.Context | None = None) -> list[tuple[s
 
 
 def extract_context(metadata: Iterable[Any] | None) -> otel_context.Context:
-    """The remote parent context from gRPC metadata (pairs or grpc's _Metadatum); empty when absent."""
+    """The remote parent context from gRPC metadata or HTTP headers (pairs or grpc's _Metadatum); empty when
+    absent."""
     carrier: dict[str, str] = {}
     for item in metadata or ():
         key, value = item[0], item[1]
-        if isinstance(value, str):  # "-bin" keys carry bytes; trace context is always text
+        # "-bin" keys carry bytes; trace context and baggage are ASCII text. aiohttp hands header bytes that are
+        # not UTF-8 on as surrogates, which OpenTelemetry's baggage propagator fails to encode.
+        if isinstance(value, str) and value.isascii():
             carrier[key.lower()] = value
     return propagate.extract(carrier)
 

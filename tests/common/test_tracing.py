@@ -149,6 +149,15 @@ def test_extract_without_metadata_starts_a_new_trace(exporter, worker_provider):
     assert span.parent is None
 
 
+def test_trace_headers_that_are_not_ascii_are_left_out(exporter, worker_provider):
+    """HTTP headers with bytes that are not UTF-8 arrive as surrogates (aiohttp): the baggage propagator raised."""
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = [("traceparent", parent), ("baggage", "\udcff=\udcfe"), ("tracestate", "a=\udcff")]
+    with start_server_span("request", headers, tracer_provider=worker_provider) as span:
+        pass
+    assert span.parent is not None and format(span.parent.span_id, "016x") == parent.split("-")[2]
+
+
 def test_inject_uses_given_context(router_provider):
     tracer = get_tracer(router_provider)
     span = tracer.start_span("request")

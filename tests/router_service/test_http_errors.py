@@ -24,6 +24,7 @@ from tests.router_service.fake_worker import harness
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
 AUTH = {"Authorization": "Bearer sesame"}
+AUTH_LINE = b"Authorization: Bearer sesame\r\n"
 
 
 @contextlib.asynccontextmanager
@@ -213,6 +214,22 @@ def test_a_request_id_header_that_is_not_printable_ascii_is_400(tmp_path, caplog
             )
             assert_openai_error(answer, 400, got)
             assert answer["error"]["message"].startswith("X-Request-Id header:")
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("header", [b"baggage: \xff=\xfe", b"tracestate: a=\xff", b"traceparent: \xff"])
+def test_trace_headers_that_are_not_utf8_are_ignored(tmp_path, caplog, header):
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            got, answer = status_and_body(
+                await raw_exchange(
+                    router.http_port,
+                    post_bytes(COMPLETIONS, b'{"prompt": "x", "max_tokens": 1}', AUTH_LINE + header + b"\r\n"),
+                )
+            )
+            assert got == 200, answer
             assert not problems(caplog)
 
     asyncio.run(body())
