@@ -86,15 +86,23 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
 def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:
     """Admission reserves each sample's prompt + max_tokens blocks and is first come, first served: choices whose
     outputs alone exceed the KV capacity could never run together, so the request would hold the queue's head
-    (every later request waiting behind it) for as long as its samples take one after another. Refused instead."""
+    (every later request waiting behind it) for as long as its samples take one after another. Refused instead, as
+    are more samples than the router admits at once (max_concurrent_requests)."""
     samples = num_prompts * parsed.best_of
     if samples == 1:
         return  # a single choice is checked against the capacity with its prompt, as any request
     capacity = server.frontend.check_ready().kv_capacity_tokens
     max_tokens = parsed.parameters.max_new_tokens or server.config.default_max_new_tokens
+    param = "best_of" if parsed.best_of > parsed.n else "n"
+    what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
+    admitted = server.config.max_concurrent_requests
+    if samples > admitted:  # each sample is a request: a 429 here, which clients retry, would come back forever
+        raise InvalidRequestError(
+            param,
+            f"{what} = {samples} samples exceed max_concurrent_requests ({admitted}), the requests the router "
+            "admits at once: the choices could never run together; ask for fewer",
+        )
     if samples * max_tokens > capacity:
-        param = "best_of" if parsed.best_of > parsed.n else "n"
-        what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
         raise InvalidRequestError(
             param,
             f"{what} x {parsed.max_tokens_name} {max_tokens} = {samples * max_tokens} tokens exceed the KV capacity "

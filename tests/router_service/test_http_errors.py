@@ -163,6 +163,35 @@ def test_client_mistakes_are_openai_4xx_errors_without_an_error_log(tmp_path, ca
     asyncio.run(body())
 
 
+@pytest.mark.parametrize(
+    "request_body, param",
+    [
+        ({"prompt": "x", "n": 5}, "n"),
+        ({"prompt": "x", "best_of": 5}, "best_of"),
+        ({"prompt": ["a", "b", "c"], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+    ],
+    ids=["n", "best_of", "prompt-list", "chat"],
+)
+def test_more_choices_than_the_router_admits_at_once_is_400_not_429(tmp_path, caplog, request_body, param):
+    """Each choice is a request of its own: past max_concurrent_requests they could never be admitted together, so
+    a 429 (which clients retry) would be refused forever, even on an idle server."""
+
+    async def body():
+        async with http_harness(tmp_path, max_concurrent_requests=4) as (router, fake, base, hooks):
+            path = CHAT if "messages" in request_body else COMPLETIONS
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(base + path, json={**request_body, "max_tokens": 2}) as r:
+                    answer = await r.json()
+                    assert_openai_error(answer, 400, r.status, param)
+                    assert "max_concurrent_requests (4)" in answer["error"]["message"], answer
+                async with s.post(base + path, json={**request_body, "n": 1, "best_of": None, "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
 def test_a_body_over_the_limit_is_413(tmp_path, caplog):
     async def body():
         async with http_harness(tmp_path, max_message_bytes=4096) as (router, fake, base, hooks):
