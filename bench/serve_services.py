@@ -93,7 +93,6 @@ def cuda_options_file(options: dict, workdir: Path) -> str | None:
     if not options:
         return None
     path = workdir / "worker-cuda-options.json"
-    # both sections: a file without a `worker` one is read whole as the worker's settings (load_config_file)
     path.write_text(json.dumps({"worker": {}, "engine": {"cuda_options": options}}))
     return str(path)
 

@@ -101,8 +101,12 @@ def _is_service_link(var: str, value: str) -> bool:
     return True
 
 
+SECTIONS = ("router", "worker", "engine")
+
+
 def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
-    """The `section` mapping of a JSON or YAML file (or the whole file when it has no such section)."""
+    """The `section` mapping of a JSON or YAML file: empty when the file has other sections but not this one, the
+    whole file when it has no sections at all."""
     if not path:
         return {}
     p = Path(path)
@@ -117,7 +121,19 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {p} must hold a mapping")
-    return dict(data.get(section, data)) if isinstance(data.get(section, data), dict) else {}
+    # A section is a mapping (or empty) under one of these names; RouterConfig's `worker: HOST:PORT` is a setting.
+    if not any(name in data and (data[name] is None or isinstance(data[name], dict)) for name in SECTIONS):
+        return dict(data)
+    # One file serves both processes, each reading its own sections: a section it lacks is empty, and a section
+    # nobody reads (a typo) or one that holds no settings is refused rather than dropped.
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"--config: {p}: unknown section {name!r} (expected {', '.join(SECTIONS)})")
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(
+                f"--config: {p}: section {name!r} must hold a mapping of settings, got {type(values).__name__}"
+            )
+    return dict(data.get(section) or {})
 
 
 def resolve(

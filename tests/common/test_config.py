@@ -1,13 +1,18 @@
 """common.config: a config file's value that the setting's type cannot hold exactly is refused in one line, not
-truncated (a YAML 2.5 for an int setting was read as 2, `true` as 1)."""
+truncated (a YAML 2.5 for an int setting was read as 2, `true` as 1); a file's sections go each to its process, and
+none is dropped unread."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from common.config import resolve
+from common.config import load_config_file, resolve
 from common.errors import ConfigError
 from expert_service.engine.config import EngineConfig
+from expert_service.serving.main import WorkerConfig
+from router_service.config import RouterConfig
 
 
 @pytest.mark.parametrize(
@@ -25,3 +30,53 @@ def test_whole_numbers_still_read():
     assert config.expert_cache_slots == 2 and type(config.expert_cache_slots) is int
     assert config.expert_cache_gb == 1.0
     assert resolve(EngineConfig, env={"COLIBRI_EXPERT_CACHE_SLOTS": "3"}).expert_cache_slots == 3
+
+
+# --- config file sections ------------------------------------------------------------------------------
+def _write(tmp_path, text: str, name: str = "colibri.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_section_the_file_lacks_is_empty(tmp_path):
+    """`colibri serve --config` gives one file to both processes: a worker must not read a file of `router:` and
+    `engine:` sections whole (as settings named router and engine)."""
+    path = _write(tmp_path, "router:\n  max_batch_tokens: 4096\nengine:\n  kv_block_size: 16\n")
+    assert load_config_file(path, "worker") == {}
+    assert load_config_file(path, "router") == {"max_batch_tokens": 4096}
+    assert resolve(WorkerConfig, file_values=load_config_file(path, "worker"), env={}) == WorkerConfig()
+
+
+def test_an_empty_section_is_empty(tmp_path):
+    path = _write(tmp_path, "router:\nengine:\n  kv_block_size: 16\n")
+    assert load_config_file(path, "router") == {}
+
+
+@pytest.mark.parametrize("value", ["5", "[max_batch_tokens]", "max_batch_tokens=4096"])
+def test_a_section_that_is_no_mapping_is_refused(tmp_path, value):
+    """Its settings were silently dropped."""
+    path = _write(tmp_path, f"router: {value}\nengine:\n  kv_block_size: 16\n")
+    with pytest.raises(
+        ConfigError, match=rf"^--config: {re.escape(str(path))}: section 'router' must hold a mapping"
+    ) as error:
+        load_config_file(path, "router")
+    assert "\n" not in str(error.value)
+
+
+def test_an_unknown_section_next_to_known_ones_is_refused(tmp_path):
+    """A misspelt section was silently dropped by every process."""
+    path = _write(tmp_path, '{"routr": {"max_batch_tokens": 4096}, "engine": {"kv_block_size": 16}}', "c.json")
+    for section in ("router", "worker", "engine"):
+        with pytest.raises(
+            ConfigError, match=rf"^--config: {re.escape(str(path))}: unknown section 'routr' \(expected "
+        ):
+            load_config_file(path, section)
+
+
+def test_a_file_without_sections_is_read_whole(tmp_path):
+    # RouterConfig has a setting named worker (the worker's address): a string there is no section.
+    path = _write(tmp_path, "worker: localhost:50052\nmax_batch_tokens: 4096\n")
+    assert load_config_file(path, "router") == {"worker": "localhost:50052", "max_batch_tokens": 4096}
+    config = resolve(RouterConfig, file_values=load_config_file(path, "router"), env={})
+    assert (config.worker, config.max_batch_tokens) == ("localhost:50052", 4096)
