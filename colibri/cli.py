@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from common.errors import ColibriError
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # gRPC's C core writes its own lines to stderr as raw text, between the JSON ones (each TLS handshake a
+    # plaintext client fails, at INFO); what it reports that matters reaches Python as a status or a bind failure.
+    # Set before gRPC starts; the variable, given, still wins (docs/observability.md).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
     try:
         parser = build_parser()

@@ -1,0 +1,64 @@
+"""`colibri` processes keep stderr to their own lines: gRPC's C core, which writes raw text there (a TLS handshake a
+plaintext client failed, a port it could not bind), is held silent unless GRPC_VERBOSITY asks for it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+
+from tests.helpers import LoggedProcess, free_port, serve_env
+from tests.router_service.certs import issue, make_ca
+
+
+def router_command(port: int, *flags: str) -> list[str]:
+    return [
+        sys.executable, "-m", "colibri.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+        "--metrics-port", "0", "--worker", "127.0.0.1:1", "--worker-retry-s", "0.2", *flags,
+    ]  # fmt: skip
+
+
+def test_a_plaintext_client_at_a_tls_router_leaves_only_json_on_stderr(tmp_path):
+    """Anyone who can reach the port could put lines of raw text between the JSON ones (a port scanner, a client
+    without TLS): the C core logged each failed handshake on stderr."""
+    ca = make_ca()
+    server = issue(ca, "localhost", server=True)
+    (tmp_path / "tls.crt").write_bytes(server.cert)
+    (tmp_path / "tls.key").write_bytes(server.key)
+    port = free_port()
+    tls = ["--tls-cert-file", str(tmp_path / "tls.crt"), "--tls-key-file", str(tmp_path / "tls.key")]
+    process = LoggedProcess(router_command(port, *tls), serve_env("GRPC_VERBOSITY", "LOG_FORMAT"))
+    try:
+        deadline = time.monotonic() + 60
+        while "router listening on" not in process.log(10**6) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=2)  # never: each attempt is a failed handshake
+            except grpc.FutureTimeoutError:
+                pass
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+    stderr = process.log(10**6)
+    assert code == 0, stderr[-2000:]
+    assert "router listening on" in stderr
+    for line in stderr.splitlines():
+        assert isinstance(json.loads(line), dict), line
+
+
+def test_a_taken_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(router_command(port), env=serve_env("GRPC_VERBOSITY"), capture_output=True, timeout=60)
+    assert done.returncode == 7
+    assert done.stderr.decode().splitlines() == [
+        f"colibri router: error: router gRPC 127.0.0.1:{port} is in use or cannot be bound"
+    ]
