@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
 from common.config import add_flags, flag_values, load_config_file, resolve, setting
-from common.errors import ConfigError
+from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
 from common.logging_setup import configure_logging
@@ -338,6 +338,10 @@ async def serve(
         if exit_code[0] == 0:
             await _drain(servicer, config.drain_timeout_s, hurry)
         return exit_code[0]
+    except Exception as e:
+        # The record below names the code the process exits with: the CLI's for an expected error, else 1.
+        exit_code[0] = e.exit_code if isinstance(e, ColibriError) else 1
+        raise
     finally:
         health.update(draining=True)
         for s in servers:  # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled

@@ -223,6 +223,28 @@ def test_a_taken_port_names_the_role_and_address_and_exits_7(tiny_model, role):
     assert result.returncode == 7, result.stderr
     assert result.stderr.strip().splitlines()[-1] == f"colibri worker: error: worker {role} 127.0.0.1:{port} is in use"
     assert "Traceback" not in result.stderr
+    assert "worker stopped exit_code=7" in result.stderr  # the record tells the code the process exits with
+
+
+def test_a_model_that_fails_to_load_is_logged_with_its_exit_code(tiny_model, tmp_path, caplog):
+    """The worker's last record said exit_code 0 before the process exited 4 (or 2, 3, 7: any start-up error)."""
+    import asyncio
+    import logging
+    import shutil
+
+    from common.errors import ChecksumError
+    from expert_service.engine.config import EngineConfig
+    from expert_service.serving.main import WorkerConfig, serve
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    with open(model / "experts-L001.bin", "r+b") as f:
+        f.seek(100)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    config = WorkerConfig(port=0, metrics_port=0, warmup_tokens=4)
+    with caplog.at_level(logging.INFO, logger="colibri.worker"), pytest.raises(ChecksumError):
+        asyncio.run(serve(str(model), config, EngineConfig(backend="cpu", kv_cache_tokens=256)))
+    [stopped] = [r for r in caplog.records if r.getMessage() == "worker stopped"]
+    assert stopped.exit_code == ChecksumError.exit_code
 
 
 def test_gauges_follow_every_free(tiny_model):
