@@ -48,8 +48,8 @@ def _base_type(tp: Any) -> Any:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     base = _base_type(tp)
-    if value is None:
-        return None
+    if value is None:  # a YAML key with nothing after it: the setting would reach the dataclass as None
+        raise ConfigError(f"{where}: no value (leave the setting out for its default)")
     try:
         if base is bool:
             if isinstance(value, bool):
@@ -70,6 +70,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if base in (int, float) and isinstance(value, bool):  # int(True) is 1: a YAML `true` is no number
             raise ValueError
         if base is int and isinstance(value, float) and not value.is_integer():  # int(2.5) would truncate
+            raise ValueError
+        if base is str and isinstance(value, (dict, list)):  # str() would read a YAML list as "[1, 2]"
             raise ValueError
         if base in (int, float, str):
             return base(value)

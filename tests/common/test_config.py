@@ -25,6 +25,25 @@ def test_file_values_a_number_setting_cannot_hold_are_refused(key, value):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "cls, key",
+    [(EngineConfig, "kv_block_size"), (EngineConfig, "prefetch"), (RouterConfig, "host"), (WorkerConfig, "port")],
+)
+def test_a_setting_left_without_a_value_is_refused(cls, key):
+    """`kv_block_size:` with nothing after it is YAML null: it reached the dataclass as None, a traceback (a
+    TypeError in its checks) or a bind of "None:0"."""
+    with pytest.raises(ConfigError, match=rf"^config file: {key}: no value") as error:
+        resolve(cls, file_values={key: None}, env={})
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", [[1, 2], {"a": 1}])
+def test_a_list_or_mapping_for_a_text_setting_is_refused(value):
+    """It was read as its Python spelling ("[1, 2]")."""
+    with pytest.raises(ConfigError, match=rf"^config file: host: cannot read {re.escape(repr(value))} as str$"):
+        resolve(RouterConfig, file_values={"host": value}, env={})
+
+
 def test_whole_numbers_still_read():
     config = resolve(EngineConfig, file_values={"expert_cache_slots": 2.0, "expert_cache_gb": 1}, env={})
     assert config.expert_cache_slots == 2 and type(config.expert_cache_slots) is int
