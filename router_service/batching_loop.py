@@ -86,6 +86,7 @@ class BatchingLoop:
             log.info("generation_config.json: requests inherit %s", self.generation_defaults.describe())
         self.hooks = hooks or BatchingLoopHooks()
         self.info = None  # the worker's InfoResponse once connected
+        self._refused: str | None = None  # why the worker last refused a connection attempt (logged once)
         self.limits: ModelLimits | None = None
         self.scheduler: Scheduler | None = None
         self.is_worker_ready = False
@@ -529,10 +530,25 @@ class BatchingLoop:
             if self.config.warmup:
                 await self._warmup()
         except (grpc.aio.AioRpcError, _NotReady) as e:
-            if self.info is None or isinstance(e, _NotReady):
+            # A worker starting, loading or draining answers UNAVAILABLE (or not ready); anything else is a worker
+            # that refuses us (a wrong token, another service at the address, a failed warm-up): said once.
+            refused = None
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
+                refused = f"{e.code().name}: {e.details()}"
+            if refused is not None:
+                if refused != self._refused:
+                    log.warning(
+                        "the worker at %s refuses the router (%s); retrying every %g s",
+                        self.worker.address,
+                        refused,
+                        self.config.worker_retry_s,
+                    )
+            elif self.info is None or isinstance(e, _NotReady):
                 log.info("waiting for the worker at %s", self.worker.address)
+            self._refused = refused
             await asyncio.sleep(self.config.worker_retry_s)
             return
+        self._refused = None
         self._stream = self.worker.open_step_stream()
         self._stream.on_end(self._wake.set)
         self.is_worker_ready = True

@@ -1,10 +1,23 @@
-"""BatchingLoop pieces that need no worker: the prefix cache's counters as the metrics hooks receive them."""
+"""BatchingLoop pieces that need no worker: the prefix cache's counters as the metrics hooks receive them; and
+its connection to a worker that answers but refuses it, which it names in the log."""
 
+import asyncio
+import logging
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from common.auth import TokenSet
+from common.pb import worker_pb2_grpc
+from expert_service.serving.main import worker_interceptors
 from router_service.batching_loop import BatchingLoop
 from router_service.config import RouterConfig
+from router_service.main import start_router
 from router_service.observability import BatchingLoopHooks
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import Scheduler, SchedulerLimits
+from tests.router_service.fake_worker import FakeWorker
 
 LIMITS = SchedulerLimits(max_batch_size=4, max_batch_tokens=16, kv_block_size=4, num_kv_blocks=16)
 
@@ -41,3 +54,56 @@ def test_a_new_index_reports_its_own_counts_even_at_a_freed_indexs_address():
     assert hooks.calls == [(40, 12, 3), (8, 4, 0)]
     loop._report_prefix_cache()  # nothing new: nothing reported
     assert hooks.calls == [(40, 12, 3), (8, 4, 0)]
+
+
+class WarmupFails(FakeWorker):
+    async def Warmup(self, request, context):
+        await context.abort(grpc.StatusCode.INTERNAL, "warm-up failed on purpose")
+
+
+def _token_refused(server):
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(FakeWorker(), server)
+
+
+def _not_a_worker(server):  # another gRPC server at the address (--worker pointing at the wrong port)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+
+
+def _warmup_fails(server):
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WarmupFails(), server)
+
+
+@pytest.mark.parametrize(
+    "serve, reason",
+    [
+        (_token_refused, "UNAUTHENTICATED: missing or wrong worker token"),
+        (_not_a_worker, "UNIMPLEMENTED"),
+        (_warmup_fails, "INTERNAL: warm-up failed on purpose"),
+    ],
+)
+def test_a_worker_that_refuses_the_router_is_named_once_in_the_log(tmp_path, caplog, serve, reason):
+    """The router logged "waiting for the worker at ..." every retry, or nothing at all once Info had answered,
+    never why: a wrong token looked like a worker still loading."""
+
+    async def main():
+        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token="right")))
+        serve(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        (tmp_path / "token").write_text("wrong" if serve is _token_refused else "right")
+        config = RouterConfig(
+            host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, worker_token_file=str(tmp_path / "token")
+        )
+        router = await start_router(config, f"127.0.0.1:{port}")
+        try:
+            await asyncio.sleep(1.0)  # many retries
+            assert not router.batching_loop.is_worker_ready
+        finally:
+            await router.stop(0.1)
+            await server.stop(0)
+
+    with caplog.at_level(logging.INFO, logger="colibri.router"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "127.0.0.1:" in warnings[0] and reason in warnings[0], warnings[0]
