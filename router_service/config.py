@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from common.config import setting
 from common.errors import ConfigError
 
+# gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
+# call whose deadline it cannot represent at once (worker_step_timeout_s): longer ones stop nothing useful.
+MAX_DURATION_S = (2**31 - 1) // 1000
+
 MiB = 1 << 20
 
 
@@ -255,6 +259,10 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_DURATION_S:
+                raise ConfigError(
+                    f"router: {name} must be at most {MAX_DURATION_S} seconds (about 24 days), got {getattr(self, name)}"
+                )
         for name in ("port", "metrics_port", "health_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"router: {name} must be in [0, 65535], got {getattr(self, name)}")

@@ -1,0 +1,35 @@
+"""RouterConfig: a duration too long for gRPC (which takes milliseconds in a 32-bit int, and fails a call at once
+whose deadline is past ~300 years) is refused in one line naming it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.errors import ConfigError
+from router_service.config import MAX_DURATION_S, RouterConfig
+from router_service.main import start_router
+
+DURATIONS = ("request_timeout_s", "worker_step_timeout_s", "queue_timeout_s", "drain_timeout_s", "retry_after_s")
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+@pytest.mark.parametrize("value", [float("inf"), 3e6, 1e12])
+def test_a_duration_past_the_longest_is_refused(name, value):
+    """request_timeout_s=3e6 stopped the router with an OverflowError traceback (a gRPC channel argument), inf with
+    another; worker_step_timeout_s=1e12 failed every worker call at once with DEADLINE_EXCEEDED."""
+    with pytest.raises(ConfigError, match=rf"^router: {name} must be at most {MAX_DURATION_S} seconds") as error:
+        RouterConfig(**{name: value})
+    assert "\n" not in str(error.value)
+
+
+def test_the_longest_durations_start_a_router():
+    async def main():
+        config = RouterConfig(
+            **{"host": "127.0.0.1", "port": 0, "metrics_port": 0, **dict.fromkeys(DURATIONS, MAX_DURATION_S)}
+        )
+        router = await start_router(config, "127.0.0.1:1")
+        await router.stop(0.1)
+
+    asyncio.run(main())
