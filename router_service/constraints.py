@@ -59,9 +59,16 @@ class Constraint:
             raise InvalidRequestError(FIELD, "a choice constraint takes a list of strings, the others one string")
         if self.kind == "choice" and not 1 <= len(parts) <= MAX_CHOICES:
             raise InvalidRequestError(f"{FIELD}.choice", f"needs 1 to {MAX_CHOICES} choices, got {len(parts)}")
-        for part in parts:
-            if not isinstance(part, str) or len(part.encode()) > MAX_SPEC_BYTES:
-                raise InvalidRequestError(f"{FIELD}.{self.kind}", f"must be a string of at most {MAX_SPEC_BYTES} bytes")
+        if not all(isinstance(part, str) for part in parts):
+            raise InvalidRequestError(f"{FIELD}.{self.kind}", "must be text")
+        for i, part in enumerate(parts):
+            size = len(part.encode())
+            if size > MAX_SPEC_BYTES:
+                # no "string": a schema may have come as a JSON object, measured as its JSON text
+                what = {"json_schema": " as JSON text", "choice": f" (choice {i})"}.get(self.kind, "")
+                raise InvalidRequestError(
+                    f"{FIELD}.{self.kind}", f"must be at most {MAX_SPEC_BYTES} bytes{what}, got {size}"
+                )
         if self.kind != "choice" and not self.spec:
             raise InvalidRequestError(f"{FIELD}.{self.kind}", "must not be empty")
         if self.kind == "choice" and not all(parts):

@@ -12,6 +12,7 @@ otherwise), as in vLLM.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ PARAM_NAMES = {
     "truncate_input_tokens": "truncate_prompt_tokens",
     "logprobs": "logprobs",
 }
+# Router field names a router message may mention besides its own field, as whole words.
+INTERNAL_NAME = re.compile(r"\b(max_new_tokens|min_new_tokens|stop_sequences|truncate_input_tokens)\b")
+PROMPT_FIELDS = ("text", "token_ids", "prompt")  # the router's names for a prompt's fields
 FINISH_REASONS = {
     FinishReason.LENGTH: "length",
     FinishReason.EOS: "stop",
@@ -94,7 +98,7 @@ def api_error(
         return exc
     if isinstance(exc, InvalidRequestError):
         param = openai_param(exc.field, kind, parsed)
-        message = f"{param}: {detail(exc)}" if param else str(exc)
+        message = f"{param}: {_client_names(exc, parsed)}" if param else str(exc)
         too_long = "max_sequence_length (" in message or "KV capacity (" in message
         code = "context_length_exceeded" if too_long else None
         return ApiError(400, message, "invalid_request_error", param, code)
@@ -109,6 +113,16 @@ def api_error(
     return ApiError(http, status.details, kind_name, None, "invalid_api_key" if http == 401 else reason, headers)
 
 
+def _client_names(exc: InvalidRequestError, parsed: ParsedRequest | None) -> str:
+    """The error's text with the router's field names (`min_tokens: must be <= max_new_tokens (2)`) as the client
+    sent them; a constraint's is left as it is (the grammar engine's errors may quote the client's grammar)."""
+    text = detail(exc)
+    if exc.field.startswith("parameters.constraint"):
+        return text
+    names = {**PARAM_NAMES, "max_new_tokens": parsed.max_tokens_name if parsed is not None else "max_tokens"}
+    return INTERNAL_NAME.sub(lambda m: names[m.group()], text)
+
+
 def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None) -> str:
     """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays; `parameters.constraint...` -> the
     field the constraint came from (`response_format.json_schema.schema`, `guided_regex`, `tools`, ...)."""
@@ -121,7 +135,7 @@ def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None
         name = parsed.max_tokens_name if parsed is not None and name == "max_tokens" else name
         name = "logprobs" if name == "top_logprobs" and kind == "completion" else name
         return name + (bracket + index if bracket else "")
-    if field_name.startswith(("text", "token_ids", "prompt")):
+    if field_name.startswith(PROMPT_FIELDS):
         return "prompt" if kind == "completion" else "messages"
     return field_name
 

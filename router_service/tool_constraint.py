@@ -144,6 +144,13 @@ def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
             "a forced tool call (or strict tools under auto) cannot be combined with response_format or guided_*",
         )
     kind, spec = constraint
+    size = len(spec.encode())
+    if size > constraints.MAX_SPEC_BYTES:  # the grammar is the router's, built from the tools the client sent
+        raise InvalidRequestError(
+            "tools",
+            f"the call grammar built from their schemas must be at most {constraints.MAX_SPEC_BYTES} bytes, got "
+            f"{size}: offer fewer or smaller tools",
+        )
     parameters.constraint.CopyFrom(
         constraints.to_pb(constraints.Constraint("grammar" if kind == "lark" else kind, spec))
     )

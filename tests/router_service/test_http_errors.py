@@ -192,6 +192,82 @@ def test_more_choices_than_the_router_admits_at_once_is_400_not_429(tmp_path, ca
     asyncio.run(body())
 
 
+TEXT_MESSAGES = [{"role": "user", "content": "x"}]
+BIG_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "description": "d" * 100} for i in range(800)},
+}
+BIG_TOOL = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    "path, request_body, param, said",
+    [
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, "min_tokens", "<= max_tokens (2)"),
+        (
+            CHAT,
+            {"messages": TEXT_MESSAGES, "max_completion_tokens": 2, "min_tokens": 5},
+            "min_tokens",
+            "<= max_completion_tokens (2)",
+        ),
+        (COMPLETIONS, {"prompt": "x" * 10, "max_tokens": 1600}, "max_tokens", "+ max_tokens (1600) must be <="),
+        (
+            CHAT,
+            {"messages": TEXT_MESSAGES, "max_completion_tokens": 1600},
+            "max_completion_tokens",
+            "+ max_completion_tokens (1600) must be <=",
+        ),
+        (COMPLETIONS, {"prompt": "x" * 1100}, "prompt", "prompt + max_tokens must be <="),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x" * 1100}], "max_completion_tokens": 2},
+            "messages",
+            "prompt + max_completion_tokens must be <=",
+        ),
+        (CHAT, {"messages": TEXT_MESSAGES, "tools": [BIG_TOOL], "tool_choice": "required"}, "tools", "65536 bytes"),
+        (
+            CHAT,
+            {
+                "messages": TEXT_MESSAGES,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BIG_SCHEMA}},
+            },
+            "response_format.json_schema.schema",
+            "65536 bytes",
+        ),
+        (COMPLETIONS, {"prompt": "x", "guided_json": BIG_SCHEMA}, "guided_json", "65536 bytes"),
+        (COMPLETIONS, {"prompt": "x", "guided_choice": ["a", "b" * 70_000]}, "guided_choice", "65536 bytes"),
+    ],
+    ids=[
+        "min_tokens",
+        "min_tokens-chat",
+        "max_tokens-room",
+        "max_completion_tokens-room",
+        "prompt-room",
+        "messages-room",
+        "tools-size",
+        "response_format-size",
+        "guided_json-size",
+        "guided_choice-size",
+    ],
+)
+def test_a_400_names_the_fields_the_client_sent(tmp_path, caplog, path, request_body, param, said):
+    """The router's validation speaks of its own fields (max_new_tokens, a constraint's grammar string); an OpenAI
+    client sent max_tokens or max_completion_tokens, and objects where the router holds JSON text."""
+
+    async def body():
+        async with http_harness(tmp_path, max_new_tokens=4096) as (router, fake, base, hooks):
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(base + path, json=request_body) as r:
+                    answer = await r.json()
+            assert r.status == 400 and answer["error"]["param"] == param, answer
+            message = answer["error"]["message"]
+            assert message.startswith(param + ": ") and said in message, message
+            assert not any(name in message for name in ("max_new_tokens", "min_new_tokens", "a string")), message
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
 def test_a_body_over_the_limit_is_413(tmp_path, caplog):
     async def body():
         async with http_harness(tmp_path, max_message_bytes=4096) as (router, fake, base, hooks):
