@@ -143,6 +143,8 @@ MESSAGE_REFUSED: dict[str, tuple[object, ...]] = {
     "audio": (),
     "annotations": ([],),  # an answer's citations, echoed back with its message
 }
+# A text part's keys (router_service/chat.py refuses parts of other types); any other key is refused, as a message's.
+TEXT_PART_IMPLEMENTED = frozenset({"type", "text"})
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -183,6 +185,17 @@ def refused_field(body: dict, kind: str) -> tuple[str, str] | None:
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         if isinstance(message, dict):
             found = _refused_keys(f"messages[{i}]", message, MESSAGE_IMPLEMENTED, MESSAGE_REFUSED)
+            found = found or _refused_part_keys(f"messages[{i}].content", message.get("content"))
+            if found:
+                return found
+    return None
+
+
+def _refused_part_keys(where: str, content) -> tuple[str, str] | None:
+    """The first unknown key of a text part of a message's `content` list, as (param, message)."""
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(part, dict) and part.get("type") == "text":
+            found = _refused_keys(f"{where}[{j}]", part, TEXT_PART_IMPLEMENTED, {})
             if found:
                 return found
     return None

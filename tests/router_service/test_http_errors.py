@@ -137,6 +137,22 @@ CLIENT_MISTAKES = [
         None,
     ),
     (COMPLETIONS, b'{"prompt": "x", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "user", None),
+    # unknown keys of a content part, as of a message (another API's prompt-caching hint, a misspelt key)
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]}',
+        400,
+        "messages[0].content[0].cache_control",
+        None,
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", '
+        b'"text": "x"}, {"type": "text", "txt": "y", "text": "z"}]}]}',
+        400,
+        "messages[1].content[1].txt",
+        None,
+    ),
 ]
 
 
