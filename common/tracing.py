@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +37,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
+
+from common.rate_limited_log import RateLimitedLog
 
 INSTRUMENTATION_NAME = "colibri"
 
@@ -155,6 +159,32 @@ def inject_metadata(context: otel_context.Context | None = None) -> list[tuple[s
     return list(carrier.items())
 
 
+logger = logging.getLogger(__name__)
+# OpenTelemetry logs a WARNING for each malformed traceparent, tracestate or baggage header it reads, and anyone who
+# can send a request picks the headers: while extracting, those lines go through one rate-limited line instead.
+MALFORMED_HEADER_LOG = RateLimitedLog(logger)
+_OTEL_HEADER_LOGGERS = (
+    "opentelemetry.trace.span",
+    "opentelemetry.trace.propagation.tracecontext",
+    "opentelemetry.baggage",
+    "opentelemetry.baggage.propagation",
+)
+_extracting = contextvars.ContextVar("colibri_extracting_trace_context", default=False)
+
+
+class _MalformedHeaderFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _extracting.get():
+            return True  # the same loggers' lines about the server's own spans stay as they are
+        MALFORMED_HEADER_LOG.warning("malformed trace-context header left out: %.200r", record.getMessage())
+        return False
+
+
+_MALFORMED_HEADER_FILTER = _MalformedHeaderFilter()
+for _name in _OTEL_HEADER_LOGGERS:
+    logging.getLogger(_name).addFilter(_MALFORMED_HEADER_FILTER)
+
+
 def extract_context(metadata: Iterable[Any] | None) -> otel_context.Context:
     """The remote parent context from gRPC metadata or HTTP headers (pairs or grpc's _Metadatum); empty when
     absent."""
@@ -165,7 +195,11 @@ def extract_context(metadata: Iterable[Any] | None) -> otel_context.Context:
         # not UTF-8 on as surrogates, which OpenTelemetry's baggage propagator fails to encode.
         if isinstance(value, str) and value.isascii():
             carrier[key.lower()] = value
-    return propagate.extract(carrier)
+    token = _extracting.set(True)
+    try:
+        return propagate.extract(carrier)
+    finally:
+        _extracting.reset(token)
 
 
 def links_from_contexts(

@@ -28,9 +28,9 @@ import weakref
 from pathlib import Path
 
 from common.errors import InvalidRequestError
+from common.rate_limited_log import RateLimitedLog
 from router_service import errors
 from router_service.chat import ChatTemplate
-from router_service.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("colibri.router.chat")
 RENDER_MEMORY_BYTES = 2 << 30  # a child's address space: far above a real render, far below the pod's memory

@@ -24,8 +24,8 @@ import struct
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from common.rate_limited_log import RateLimitedLog
 from router_service.openai_api import ApiError
-from router_service.rate_limited_log import RateLimitedLog
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
 # A lone surrogate can only come from a \uD800-\uDFFF escape: the body is decoded strictly, so raw surrogate

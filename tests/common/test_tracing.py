@@ -1,4 +1,5 @@
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -135,6 +136,23 @@ def test_interceptor_traces_unary_and_stream_rpcs(exporter, router_provider, wor
     assert spans[f"{SERVICE}/Bad"].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert spans[f"{SERVICE}/Bad"].status.status_code != StatusCode.ERROR
     assert spans[f"{SERVICE}/Broken"].status.status_code == StatusCode.ERROR
+
+
+def test_extracting_malformed_trace_headers_logs_at_most_one_line_an_interval(caplog, monkeypatch):
+    """OpenTelemetry logs a WARNING for each malformed header it reads; a client sends them at will."""
+    monkeypatch.setattr(tracing, "MALFORMED_HEADER_LOG", tracing.RateLimitedLog(tracing.logger))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for _ in range(50):
+        context = extract_context([("traceparent", parent), ("tracestate", "a=b,!!!"), ("baggage", "k=v,novalue")])
+        assert trace.get_current_span(context).get_span_context().trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+        extract_context([("traceparent", "0" * 600)])
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and lines[0].name == "common.tracing", [r.getMessage() for r in lines]
+    assert "malformed trace-context header" in lines[0].getMessage()
+    caplog.clear()
+    tracing.MALFORMED_HEADER_LOG._next = 0.0  # the next interval: one line, counting those left out
+    extract_context([("traceparent", parent), ("tracestate", "a=b,!!!")])
+    assert "(and 149 more like it" in caplog.records[0].getMessage()
 
 
 def test_extract_without_metadata_starts_a_new_trace(exporter, worker_provider):

@@ -356,6 +356,38 @@ def test_trace_headers_that_are_not_utf8_are_ignored(tmp_path, caplog, header):
     asyncio.run(body())
 
 
+TRACEPARENT = b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+BAD_TRACE_HEADERS = [
+    TRACEPARENT + b"tracestate: a=b,!!!",
+    TRACEPARENT + b"tracestate: " + b"a=b," * 200,
+    b"traceparent: " + b"0" * 600,
+    b"baggage: k=v,novalue,=x",
+]
+
+
+def test_malformed_trace_headers_log_a_bounded_number_of_lines(tmp_path, caplog):
+    """ASCII trace-context headers OpenTelemetry refuses: each made it log a WARNING, so any client could fill the
+    log; the request is served either way."""
+    caplog.set_level(logging.INFO)
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for _ in range(10):
+                for headers in BAD_TRACE_HEADERS:
+                    got, answer = status_and_body(
+                        await raw_exchange(
+                            router.http_port,
+                            post_bytes(COMPLETIONS, b'{"prompt": "x", "max_tokens": 1}', AUTH_LINE + headers + b"\r\n"),
+                        )
+                    )
+                    assert got == 200, answer
+            assert not problems(caplog)
+            lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(lines) <= 1, lines
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("value", [b"Bearer \xff", b"\xff", b"Bearer \xed\xa0\x80", b"Bearer sesame\x80"])
 def test_an_authorization_header_that_is_not_utf8_is_401(tmp_path, caplog, value):
     async def body():
