@@ -34,7 +34,6 @@ from router_service.openai_api import (
     ApiError,
     api_error,
     envelope,
-    generate_request,
     logprobs_field,
     parse_request,
     response,
@@ -241,7 +240,7 @@ class HttpFront:
                         cache_salt=parsed.cache_salt,
                     )
                 else:
-                    handle = await frontend.submit(generate_request(parsed, request_id), None, parsed.stream)
+                    handle = await openai_choices.submit_prompt(frontend, parsed, request_id)
                 reply = ToolReply.for_request(frontend, parsed.chat_options.tools) if kind == "chat" else None
                 if parsed.stream:
                     return await self._stream(request, parsed, handle, reply)

@@ -124,8 +124,9 @@ def _client_names(exc: InvalidRequestError, parsed: ParsedRequest | None) -> str
 
 
 def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None) -> str:
-    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `messages[2]` stays; `parameters.constraint...` -> the
-    field the constraint came from (`response_format.json_schema.schema`, `guided_regex`, `tools`, ...)."""
+    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `token_ids.ids[5]` -> `prompt[5]`, `messages[2]` stays;
+    `parameters.constraint...` -> the field the constraint came from (`response_format.json_schema.schema`,
+    `guided_regex`, `tools`, ...)."""
     if field_name.startswith("parameters."):
         rest = field_name[len("parameters.") :]
         base, bracket, index = rest.partition("[")
@@ -136,8 +137,20 @@ def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None
         name = "logprobs" if name == "top_logprobs" and kind == "completion" else name
         return name + (bracket + index if bracket else "")
     if field_name.startswith(PROMPT_FIELDS):
-        return "prompt" if kind == "completion" else "messages"
+        if kind != "completion":
+            return "messages"
+        if field_name.startswith(("prompt[", "token_ids.ids[")):  # a prompt of a list, a token of the prompt
+            return "prompt" + "".join(field_name.partition("[")[1:])
+        return "prompt"
     return field_name
+
+
+def in_prompt_list(error: InvalidRequestError, index: int) -> InvalidRequestError:
+    """A prompt's error as the error of prompt `index` of a list: `token_ids.ids[5]` -> `prompt[2][5]`."""
+    if not error.field.startswith(PROMPT_FIELDS):
+        return error
+    token = "".join(error.field.partition("[")[1:]) if error.field.startswith("token_ids.ids[") else ""
+    return InvalidRequestError(f"prompt[{index}]{token}", detail(error))
 
 
 # ---- requests ----
@@ -152,6 +165,7 @@ class ParsedRequest:
     prompt_logprobs: bool = False
     prompt: str | list[int] | None = None  # completion: the first (usually only) prompt
     prompts: list = field(default_factory=list)  # completion: every prompt of a prompt list
+    prompt_list: bool = False  # completion: the prompt came as a list of prompts (a 400 names prompt[i])
     n: int = 1  # choices per prompt
     best_of: int = 1  # samples per prompt, the n most likely returned (completions, not streamed)
     cache_salt: str = ""
@@ -298,7 +312,7 @@ def parse_request(
     if kind == "completion":
         logprobs = _int(body, "logprobs", None, high=MAX_LOGPROBS)
         parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
-        parsed.prompts = _prompts(body)
+        parsed.prompts, parsed.prompt_list = _prompts(body)
         parsed.prompt = parsed.prompts[0]
         parsed.best_of = _int(body, "best_of", parsed.n, low=1, high=MAX_CHOICES)
         if parsed.best_of < parsed.n:
@@ -337,24 +351,27 @@ def parse_request(
     return parsed
 
 
-def _prompts(body) -> list[str | list[int]]:
-    """The prompts: a string, a list of token ids, or a list of either (a batch)."""
+def _prompts(body) -> tuple[list[str | list[int]], bool]:
+    """The prompts: a string, a list of token ids, or a list of either (a batch); and whether it was a list."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_CHOICES:
             raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts, got {len(prompt)}", param="prompt")
-        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_one_prompt(prompt, "prompt")]
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
+    return [_one_prompt(prompt, "prompt")], False
 
 
 def _one_prompt(prompt, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        if not all(0 <= i <= MAX_UINT32 for i in prompt):
-            raise ApiError(400, f"{name}: token ids must be non-negative", param="prompt")
+        bad = next((j for j, i in enumerate(prompt) if not 0 <= i <= MAX_UINT32), None)
+        if bad is not None:
+            param = f"{name}[{bad}]"
+            bound = "non-negative" if prompt[bad] < 0 else f"at most {MAX_UINT32}"
+            raise ApiError(400, f"{param}: a token id must be {bound}", param=param)
         return prompt
-    raise ApiError(400, f"{name}: required, a string or a list of token ids", param="prompt")
+    raise ApiError(400, f"{name}: required, a string or a list of token ids", param=name)
 
 
 def generate_request(

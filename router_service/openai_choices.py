@@ -33,6 +33,7 @@ from router_service.openai_api import (
     choice,
     envelope,
     generate_request,
+    in_prompt_list,
     logprobs_field,
     prompt_logprobs_field,
     usage,
@@ -64,7 +65,7 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
     prompts = parsed.prompts if parsed.kind == "completion" else [None]
     _check_fits(server, parsed, len(prompts))
     try:
-        for prompt in prompts:
+        for index in range(len(prompts)):
             row: list = []
             handles.append(row)
             for sample in range(parsed.best_of):
@@ -75,12 +76,23 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
                         cache_salt=parsed.cache_salt,
                     )  # fmt: skip
                 else:
-                    handle = await frontend.submit(generate_request(parsed, request_id, prompt, p), None, parsed.stream)
+                    handle = await submit_prompt(frontend, parsed, request_id, index, p)
                 row.append(handle)
     except BaseException:
         _cancel(handles)
         raise
     return handles
+
+
+async def submit_prompt(frontend, parsed: ParsedRequest, request_id: str, index: int = 0, parameters=None):
+    """Submits prompt `index` of a completion; a 400 about a prompt of a list names which (`prompt[2][5]`)."""
+    request = generate_request(parsed, request_id, parsed.prompts[index], parameters)
+    try:
+        return await frontend.submit(request, None, parsed.stream)
+    except InvalidRequestError as e:
+        if not parsed.prompt_list:
+            raise
+        raise in_prompt_list(e, index) from None
 
 
 def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:

@@ -252,6 +252,14 @@ BIG_TOOL = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHE
         ),
         (COMPLETIONS, {"prompt": "x", "guided_json": BIG_SCHEMA}, "guided_json", "65536 bytes"),
         (COMPLETIONS, {"prompt": "x", "guided_choice": ["a", "b" * 70_000]}, "guided_choice", "65536 bytes"),
+        # which prompt of a list, and which token of it
+        (COMPLETIONS, {"prompt": [5, 999_999]}, "prompt[1]", "token id must be in [0, "),
+        (COMPLETIONS, {"prompt": [[1, 2], [3, 4], [5, 999_999]]}, "prompt[2][1]", "got 999999"),
+        (COMPLETIONS, {"prompt": [[5, 999_999]]}, "prompt[0][1]", "got 999999"),
+        (COMPLETIONS, {"prompt": [[1], [2, -1]]}, "prompt[1][1]", "must be non-negative"),
+        (COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt[1]", "a list of token ids"),
+        (COMPLETIONS, {"prompt": ["a", "b", ""]}, "prompt[2]", "must not be empty"),
+        (COMPLETIONS, {"prompt": ["a", "x" * 1100]}, "prompt[1]", "1100 tokens leave no room"),
     ],
     ids=[
         "min_tokens",
@@ -264,6 +272,13 @@ BIG_TOOL = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHE
         "response_format-size",
         "guided_json-size",
         "guided_choice-size",
+        "token-id",
+        "prompt-list-token-id",
+        "prompt-list-of-one",
+        "prompt-list-negative-id",
+        "prompt-list-empty",
+        "prompt-list-empty-text",
+        "prompt-list-room",
     ],
 )
 def test_a_400_names_the_fields_the_client_sent(tmp_path, caplog, path, request_body, param, said):
@@ -278,7 +293,7 @@ def test_a_400_names_the_fields_the_client_sent(tmp_path, caplog, path, request_
             assert r.status == 400 and answer["error"]["param"] == param, answer
             message = answer["error"]["message"]
             assert message.startswith(param + ": ") and said in message, message
-            assert not any(name in message for name in ("max_new_tokens", "min_new_tokens", "a string")), message
+            assert not any(name in message for name in ("max_new_tokens", "min_new_tokens", "a string of")), message
             assert not problems(caplog)
 
     asyncio.run(body())
