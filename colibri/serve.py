@@ -257,9 +257,13 @@ def _exit_status(code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("colibri-serve")
+    # The level both children read (COLIBRI_LOG_LEVEL, LOG_LEVEL): a bad one is refused here, before they start.
+    configure_logging("colibri-serve", os.environ.get("COLIBRI_LOG_LEVEL") or os.environ.get("LOG_LEVEL") or "INFO")
     if not os.path.isdir(args.model):
-        raise ConfigError(f"--model: directory {args.model} not found")
+        found = os.path.exists(args.model)
+        raise ConfigError(
+            f"--model: {args.model} is not a directory" if found else f"--model: directory {args.model} not found"
+        )
     code = Supervisor(args).run()
     # The exit status is decided. Python puts back the default handlers while it shuts down, so a signal that
     # arrives then (the operator's, sent late to every process) would turn a clean exit into death by signal.

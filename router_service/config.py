@@ -223,6 +223,7 @@ class RouterConfig:
         "ask the worker for a warm-up step of max_batch_tokens when it connects (a worker without Warmup is fine)",
         ("COLIBRI_WARMUP",),
     )
+    log_level: str = setting("INFO", "log level", ("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
 
     def __post_init__(self):
         positive = (

@@ -233,7 +233,7 @@ async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) ->
 
 def _setup_observability(config: RouterConfig) -> BatchingLoopHooks:
     """JSON logs (LOG_FORMAT), the tracer provider (OTLP only when configured) and /metrics."""
-    configure_logging("router", os.environ.get("LOG_LEVEL", "INFO"))
+    configure_logging("router", config.log_level)
     configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))
     model_name = config.model_name or (Path(config.model).name if config.model else "colibri")
     hooks, port = router_metrics(

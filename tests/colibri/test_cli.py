@@ -62,3 +62,47 @@ def test_a_taken_port_is_one_line():
     assert done.stderr.decode().splitlines() == [
         f"colibri router: error: router gRPC 127.0.0.1:{port} is in use or cannot be bound"
     ]
+
+
+def test_the_router_logs_at_the_level_colibri_log_level_sets():
+    """COLIBRI_LOG_LEVEL (which the worker reads too) set the worker's level alone: the router logged at INFO."""
+    port = free_port()
+    env = {**serve_env("LOG_LEVEL", "LOG_FORMAT"), "COLIBRI_LOG_LEVEL": "WARNING"}
+    process = LoggedProcess(router_command(port), env)
+    try:
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # serving: past the start-up lines
+            grpc.channel_ready_future(channel).result(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+    stderr = process.log(10**6)
+    assert code == 0, stderr[-2000:]
+    levels = [json.loads(line)["level"] for line in stderr.splitlines()]
+    assert "INFO" not in levels, stderr[-2000:]
+
+
+def test_serve_refuses_a_bad_log_level_before_starting_anything(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "serve", "--model", str(tmp_path)],
+        env={**serve_env("COLIBRI_LOG_LEVEL"), "LOG_LEVEL": "chatty"},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [
+        "colibri serve: error: LOG_LEVEL: unknown level 'chatty' (expected DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+    ]
+
+
+def test_serve_names_a_model_path_that_is_a_file(tmp_path):
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"not a directory")
+    done = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "serve", "--model", str(model)],
+        env=serve_env(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [f"colibri serve: error: --model: {model} is not a directory"]

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from common.config import resolve
 from common.errors import ConfigError
 from router_service.config import MAX_DURATION_S, RouterConfig
 from router_service.main import start_router
@@ -33,3 +34,11 @@ def test_the_longest_durations_start_a_router():
         await router.stop(0.1)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("env", [{"COLIBRI_LOG_LEVEL": "debug"}, {"LOG_LEVEL": "debug"}])
+def test_the_log_level_comes_from_either_variable_the_worker_reads(env):
+    """The router read LOG_LEVEL alone, while the worker (and docs/configuration.md) also took COLIBRI_LOG_LEVEL:
+    one deployment setting left the two services at different levels."""
+    assert resolve(RouterConfig, env=env).log_level == "debug"
+    assert resolve(RouterConfig, env={}).log_level == "INFO"
