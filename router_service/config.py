@@ -234,13 +234,16 @@ class RouterConfig:
             "max_new_tokens",
             "max_stop_sequence_length",
             "max_request_id_length",
-            "max_message_bytes",
-            "worker_max_message_bytes",
             "chat_template_processes",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
+        # gRPC takes message limits as a 32-bit int (a larger one stopped the router with an OverflowError), and a
+        # limit under a KiB refuses even health checks' and errors' messages; the worker holds its own to the same.
+        for name in ("max_message_bytes", "worker_max_message_bytes"):
+            if not 1024 <= getattr(self, name) < 2**31:
+                raise ConfigError(f"router: {name} must be in [1024, 2^31), got {getattr(self, name)}")
         if not 1 <= self.pipeline_depth <= 4:
             raise ConfigError(f"router: pipeline_depth must be in [1, 4], got {self.pipeline_depth}")
         for name in ("max_stop_sequences", "max_stop_token_ids"):

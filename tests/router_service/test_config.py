@@ -42,3 +42,12 @@ def test_the_log_level_comes_from_either_variable_the_worker_reads(env):
     one deployment setting left the two services at different levels."""
     assert resolve(RouterConfig, env=env).log_level == "debug"
     assert resolve(RouterConfig, env={}).log_level == "INFO"
+
+
+@pytest.mark.parametrize("name", ["max_message_bytes", "worker_max_message_bytes"])
+@pytest.mark.parametrize("value", [0, 1, 1023, 2**31, 2**40])
+def test_a_message_limit_grpc_cannot_take_is_refused(name, value):
+    """2^31 stopped the router with an OverflowError traceback (gRPC takes the limit as a 32-bit int); 1 byte
+    started a router that refused every message. The worker already refused its own outside [1024, 2^31)."""
+    with pytest.raises(ConfigError, match=rf"^router: {name} must be in \[1024, 2\^31\), got {value}$"):
+        RouterConfig(**{name: value})
