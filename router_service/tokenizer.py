@@ -51,7 +51,7 @@ class Tokenizer:
 
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"tokenizer: {p} not found")
+            raise ConfigError(f"tokenizer: {p} is not a file" if p.exists() else f"tokenizer: {p} not found")
         try:
             return cls(HFTokenizer.from_file(str(p)), str(p))
         except Exception as e:  # the library raises bare Exceptions with a message
@@ -63,7 +63,9 @@ class Tokenizer:
         p = Path(model_dir) / "tokenizer.json"
         if not Path(model_dir).is_dir():
             raise ConfigError(f"--model: {model_dir} is not a directory")
-        return cls.from_file(p) if p.is_file() else None
+        # Only a model with no tokenizer.json at all serves token ids alone: one that is there but is no file (a
+        # directory, a dangling link) is a broken model directory, refused rather than silently served without text.
+        return cls.from_file(p) if p.exists() or p.is_symlink() else None
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what the grammar engine builds its token table from)."""

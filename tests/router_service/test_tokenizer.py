@@ -134,3 +134,23 @@ def test_stream_concatenation_equals_truncated_text(tokenizer):
         if stopped:
             break
     assert "".join(out) == "The answer is 42."
+
+
+def test_a_model_without_tokenizer_json_serves_token_ids_only(tmp_path):
+    assert Tokenizer.from_model_dir(tmp_path) is None
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_tokenizer_json_that_is_no_file_is_refused_not_ignored(tmp_path, kind):
+    """A tokenizer.json that is a directory (a botched copy) or a dangling link made the router serve token ids
+    only, without a word: text prompts were refused as if the model had no tokenizer."""
+    from common.errors import ConfigError
+
+    path = tmp_path / "tokenizer.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "gone.json")
+    what = "is not a file" if kind == "directory" else "not found"
+    with pytest.raises(ConfigError, match=rf"^tokenizer: {path} {what}$"):
+        Tokenizer.from_model_dir(tmp_path)
