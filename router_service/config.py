@@ -17,6 +17,25 @@ from common.errors import ConfigError
 MAX_DURATION_S = (2**31 - 1) // 1000
 
 MiB = 1 << 20
+# gRPC target schemes taken as they are; any other address is HOST:PORT.
+GRPC_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def worker_address_problem(address: str) -> str | None:
+    """Why `address` cannot reach a worker, or None. gRPC waits forever on a target it cannot resolve (a space in
+    it), and takes a HOST without a port as HOST:443, so such addresses are refused at start-up instead."""
+    if any(c.isspace() for c in address):
+        return "an address has no whitespace"
+    if address.startswith(GRPC_SCHEMES):
+        return None
+    host, colon, port = address.rpartition(":")
+    if not colon or not host.strip("[]"):
+        return "expected HOST:PORT or unix:PATH"
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        return f"port {port!r} is not in [1, 65535]"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return "an IPv6 host goes in brackets ([::1]:PORT)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +300,9 @@ class RouterConfig:
             )
         if not self.worker:
             raise ConfigError("router: worker address is required (--worker HOST:PORT)")
+        problem = worker_address_problem(self.worker)
+        if problem:
+            raise ConfigError(f"router: worker {self.worker!r}: {problem}")
         if self.max_prompt_bytes < 0:
             raise ConfigError(f"router: max_prompt_bytes must be >= 0, got {self.max_prompt_bytes}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

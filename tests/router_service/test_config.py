@@ -4,6 +4,7 @@ whose deadline is past ~300 years) is refused in one line naming it."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -51,3 +52,30 @@ def test_a_message_limit_grpc_cannot_take_is_refused(name, value):
     started a router that refused every message. The worker already refused its own outside [1024, 2^31)."""
     with pytest.raises(ConfigError, match=rf"^router: {name} must be in \[1024, 2\^31\), got {value}$"):
         RouterConfig(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "address", ["localhost:50052", "10.0.0.7:1", "[::1]:50052", "unix:/tmp/w.sock", "unix:///tmp/w.sock", "dns:///w:5"]
+)
+def test_worker_addresses_grpc_can_reach_are_taken(address):
+    assert RouterConfig(worker=address).worker == address
+
+
+@pytest.mark.parametrize(
+    ("address", "problem"),
+    [
+        ("worker host:50052", "an address has no whitespace"),
+        ("localhost:50052 ", "an address has no whitespace"),
+        ("localhost", "expected HOST:PORT or unix:PATH"),
+        (":50052", "expected HOST:PORT or unix:PATH"),
+        ("localhost:0", "port '0' is not in [1, 65535]"),
+        ("localhost:http", "port 'http' is not in [1, 65535]"),
+        ("localhost:70000", "port '70000' is not in [1, 65535]"),
+        ("::1:50052", "an IPv6 host goes in brackets ([::1]:PORT)"),
+    ],
+)
+def test_a_worker_address_grpc_would_wait_on_forever_is_refused(address, problem):
+    """A space in --worker, or a host without a port (gRPC dials HOST:443), left the router "waiting for the worker"
+    for ever."""
+    with pytest.raises(ConfigError, match="^" + re.escape(f"router: worker {address!r}: {problem}") + "$"):
+        RouterConfig(worker=address)
