@@ -98,10 +98,17 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
         for name, file in weight_map.items():
             if file not in opened:
                 raise ModelFormatError(f"{index_path}: tensor {name} maps to missing shard {file}")
+            if name not in opened[file].tensors:
+                raise ModelFormatError(f"{index_path}: tensor {name} maps to shard {file}, which does not hold it")
             where[name] = opened[file]
     else:
         for shard in opened.values():
             for name in shard.tensors:
+                if name in where:  # no index to say which copy is meant: never keep one silently
+                    raise ModelFormatError(
+                        f"{hf_dir}: tensor {name} is in both {where[name].path.name} and {shard.path.name} "
+                        f"and there is no model.safetensors.index.json"
+                    )
                 where[name] = shard
     return where
 

@@ -138,6 +138,29 @@ def test_index_naming_a_missing_shard_is_refused(tmp_path):
         convert(sharded, tmp_path / "out", progress=False)
 
 
+def test_index_naming_the_wrong_shard_is_one_line(tmp_path, capsys):
+    sharded = split_into_shards(write_tiny_checkpoint(tmp_path / "single"), tmp_path / "sharded")
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    other = shards[1 - shards.index(index["weight_map"]["lm_head.weight"])]
+    index["weight_map"]["lm_head.weight"] = other
+    index_path.write_text(json.dumps(index))
+    rc, out, err = run_cli(capsys, "convert", str(sharded), str(tmp_path / "out"), "--no-progress")
+    assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"tensor lm_head.weight maps to shard {other}, which does not hold it" in err
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(tmp_path):
+    sharded = split_into_shards(write_tiny_checkpoint(tmp_path / "single"), tmp_path / "sharded", with_index=False)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    first = load_file(sharded / "model-00001-of-00002.safetensors")
+    holder = "model-00001-of-00002.safetensors" if name in first else "model-00002-of-00002.safetensors"
+    save_file({name: np.zeros_like(load_file(sharded / holder)[name])}, sharded / "model-extra.safetensors")
+    with pytest.raises(ModelFormatError, match=f"tensor {name} is in both {holder} and model-extra.safetensors"):
+        convert(sharded, tmp_path / "out", progress=False)
+
+
 def test_truncated_shard_is_refused_naming_the_file(tmp_path):
     hf_dir = write_tiny_checkpoint(tmp_path / "hf")
     shard = hf_dir / "model.safetensors"
