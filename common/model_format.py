@@ -168,6 +168,8 @@ class ModelWriter:
         self.written: dict[str, TensorEntry] = {}
         self.tokenizer_files: list[str] = []
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # An earlier model's manifest would vouch for the files truncated below if this write stopped halfway.
+        (self.out_dir / MANIFEST).unlink(missing_ok=True)
         self._files: dict[str, int] = {}
         sizes: dict[str, int] = {}
         for entry in self.layout.values():

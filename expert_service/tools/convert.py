@@ -143,11 +143,23 @@ def convert(
             f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
             f"({len(missing)} missing for a {config.family} model of this config)"
         )
+    for spec in specs:  # from the headers, before the writer truncates what OUT_DIR already holds
+        src_dtype, shape = where[spec.hf_name].tensors[spec.hf_name]
+        if src_dtype not in SOURCE_DTYPES:
+            raise ModelFormatError(
+                f"{where[spec.hf_name].path}: tensor {spec.hf_name} has dtype {src_dtype}, "
+                f"supported: {', '.join(SOURCE_DTYPES)}"
+            )
+        if shape != spec.shape:
+            raise ModelFormatError(
+                f"{hf_dir}: tensor {spec.hf_name} has shape {list(shape)}, config.json implies {list(spec.shape)}"
+            )
     scales = {s.hf_name: hf_fp8.check_fp8_tensor(fp8, where, s.hf_name, hf_dir) for s in specs}
-    first_dtype = SOURCE_DTYPES.get(where[specs[0].hf_name].tensors[specs[0].hf_name][0])
-    target = dtypes.canonical_dtype(dtype) if dtype else first_dtype if first_dtype in dtypes.DENSE_DTYPES else None
-    if target is None:  # an F8/I8 embedding: let read() name the dtype, or default fp8 checkpoints to bf16
-        target = "bfloat16" if first_dtype == "float8_e4m3fn" else where[specs[0].hf_name].read(specs[0].hf_name)[1]
+    first_dtype = SOURCE_DTYPES[where[specs[0].hf_name].tensors[specs[0].hf_name][0]]
+    if dtype:
+        target = dtypes.canonical_dtype(dtype)
+    else:  # an fp8 embedding: fp8 checkpoints' dense tensors default to bfloat16
+        target = first_dtype if first_dtype in dtypes.DENSE_DTYPES else "bfloat16"
     formats = {
         (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
         for s in specs
@@ -158,11 +170,6 @@ def convert(
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
         for spec in specs:
             raw, src_dtype = where[spec.hf_name].read(spec.hf_name)
-            if raw.shape != spec.shape:
-                raise ModelFormatError(
-                    f"{hf_dir}: tensor {spec.hf_name} has shape {list(raw.shape)}, "
-                    f"config.json implies {list(spec.shape)}"
-                )
             fmt = (
                 formats[spec.layer, spec.expert]
                 if spec.layer is not None and spec.expert is not None

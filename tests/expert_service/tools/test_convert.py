@@ -255,6 +255,30 @@ def test_missing_checkpoint_tensor_is_named(tmp_path, capsys):
     assert rc == 3 and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in err
 
 
+def test_a_checkpoint_refused_for_its_shapes_leaves_the_existing_model_dir_alone(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    convert(hf_dir, tmp_path / "out", progress=False)
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :10].copy()  # the last tensor written
+    save_file(tensors, hf_dir / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=r"tensor lm_head.weight has shape \[259, 10\], config.json implies"):
+        convert(hf_dir, tmp_path / "out", progress=False)
+    ModelDir.open(tmp_path / "out")  # checksums included: nothing of it was touched
+
+
+def test_a_conversion_failing_halfway_leaves_no_manifest_of_an_earlier_model(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    convert(hf_dir, tmp_path / "out", dtype="float16", progress=False)  # the same layout as the failing one
+    tensors = load_file(hf_dir / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    tensors[name][0, 0] = 1e5  # refused while converting, after the earlier tensors were written
+    save_file(tensors, hf_dir / "model.safetensors")
+    with pytest.raises(ModelFormatError, match=f"tensor {name}: converting float32 to float16 would overflow"):
+        convert(hf_dir, tmp_path / "out", dtype="float16", progress=False)
+    with pytest.raises(ModelFormatError, match="colibri.json: not found"):
+        ModelDir.open(tmp_path / "out", verify=False)
+
+
 def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     hf_dir = write_tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
     rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "bfloat16")
