@@ -43,6 +43,9 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> RopeConfig:
         # transformers 5 writes `rope_parameters`; hub checkpoints carry `rope_theta` + `rope_scaling`.
+        for key in ("rope_parameters", "rope_scaling"):
+            if hf.get(key) is not None and not isinstance(hf[key], dict):
+                raise ConfigError(f"config.json: {key} must be an object, got {hf[key]!r}")
         params = dict(hf.get("rope_parameters") or {})
         if "rope_theta" not in params:
             params["rope_theta"] = hf.get("rope_theta", 10000.0)
@@ -54,23 +57,34 @@ class RopeConfig:
                 f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})"
             )
 
-        def get(key, default):
+        def get(key: str, default, kind: str = "number"):
             value = params.get(key)
-            return default if value is None else value
+            if value is None:
+                return default
+            # float("8") would read a quoted value and bool("false") misread one: refuse both
+            if kind == "bool":
+                ok = isinstance(value, bool)
+            else:
+                ok = not isinstance(value, bool) and isinstance(value, int if kind == "integer" else (int, float))
+                ok = ok and math.isfinite(value)
+            if not ok:
+                what = {"bool": "true or false", "integer": "an integer", "number": "a finite number"}[kind]
+                raise ConfigError(f"config.json: rope setting {key} must be {what}, got {value!r}")
+            return value
 
         return cls(
-            theta=float(params["rope_theta"]),
+            theta=float(get("rope_theta", 10000.0)),
             rope_type=rope_type,
             factor=float(get("factor", 1.0)),
             low_freq_factor=float(get("low_freq_factor", 1.0)),
             high_freq_factor=float(get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(
-                get("original_max_position_embeddings", hf.get("max_position_embeddings", 0))
+                get("original_max_position_embeddings", hf.get("max_position_embeddings", 0), "integer")
             ),
             beta_fast=float(get("beta_fast", 32.0)),
             beta_slow=float(get("beta_slow", 1.0)),
-            attention_factor=params.get("attention_factor"),
-            truncate=bool(get("truncate", True)),
+            attention_factor=get("attention_factor", None),
+            truncate=get("truncate", True, "bool"),
         )
 
     def inverse_frequencies(self, head_dim: int) -> tuple[np.ndarray, float]:
@@ -203,6 +217,17 @@ class ModelConfig:
         if not all(math.isfinite(v) and v > 0 for v in (rope.theta, rope.factor)):
             raise ConfigError(
                 f"config.json: rope theta and factor must be finite and > 0, got {rope.theta}, {rope.factor}"
+            )
+        # llama3 divides by high - low and by the original length, yarn takes its log: NaN or a crash at load
+        if rope.rope_type in ("llama3", "yarn") and rope.original_max_position_embeddings <= 0:
+            raise ConfigError(
+                f"config.json: rope type {rope.rope_type} needs original_max_position_embeddings > 0, "
+                f"got {rope.original_max_position_embeddings}"
+            )
+        if rope.rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
+            raise ConfigError(
+                f"config.json: rope llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{rope.low_freq_factor} and {rope.high_freq_factor}"
             )
 
     @property

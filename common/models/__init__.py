@@ -62,6 +62,7 @@ _INT_BOUNDS = {
     "sliding_window": (0, MAX_CONTEXT),
     "max_window_layers": (0, 1024),
 }
+_BOOL_KEYS = ("tie_word_embeddings", "qkv_bias", "attention_bias", "norm_topk_prob", "use_sliding_window")
 _FLOAT_BOUNDS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "clip_qkv": (0.0, 1e30)}
 
 
@@ -85,6 +86,10 @@ def _check_numbers(hf: dict) -> None:
             or not low < value <= high
         ):
             raise ConfigError(f"config.json: {key} must be a finite number in ({low}, {high}], got {value!r}")
+    for key in _BOOL_KEYS:  # bool("false") is True: a quoted flag would silently mean its opposite
+        value = hf.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"config.json: {key} must be true or false, got {value!r}")
     for key in ("mlp_only_layers",):
         value = hf.get(key) or []
         if not isinstance(value, list) or any(
