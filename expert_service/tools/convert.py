@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -24,7 +25,7 @@ from common import dtypes, quant
 from common.errors import ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.model_format import ModelWriter
-from common.models import TensorSpec, config_from_hf, tensor_specs
+from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 
@@ -143,6 +144,7 @@ def convert(
             f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
             f"({len(missing)} missing for a {config.family} model of this config)"
         )
+    _refuse_unused(where, specs, config.family, hf_dir)
     for spec in specs:  # from the headers, before the writer truncates what OUT_DIR already holds
         src_dtype, shape = where[spec.hf_name].tensors[spec.hf_name]
         if src_dtype not in SOURCE_DTYPES:
@@ -186,6 +188,27 @@ def convert(
             shutil.copyfile(hf_dir / name, out_dir / name)
             writer.tokenizer_files.append(name)
     return writer.finish()
+
+
+def _refuse_unused(where: dict[str, SafetensorsShard], specs: list[TensorSpec], family: str, hf_dir: Path) -> None:
+    """Refuses a checkpoint tensor named like one of the family's that this config.json leaves out (a layer
+    or expert past its counts, biases it says are absent): dropping it would convert a different model. Other
+    names (rotary caches, fp8 scales) are not the family's and stay ignored."""
+    templates = family_module(family).HF_NAMES.values()
+    named = re.compile("|".join(re.escape(t).replace(r"\{i\}", r"\d+").replace(r"\{j\}", r"\d+") for t in templates))
+    used = {s.hf_name for s in specs}
+    unused = sorted(name for name in where if name not in used and named.fullmatch(name))
+    embed = specs[0].hf_name
+    if unused == [family_module(family).HF_NAMES["lm_head"]]:  # tied: a copy of the embedding is harmless
+        lm_head, tied_to = where[unused[0]], where[embed]
+        if lm_head.tensors[unused[0]] == tied_to.tensors[embed]:
+            if np.array_equal(lm_head.read(unused[0])[0], tied_to.read(embed)[0]):
+                return
+    if unused:
+        raise ModelFormatError(
+            f"{hf_dir}: checkpoint tensor {unused[0]} is not part of the {family} model config.json describes "
+            f"({len(unused)} such tensors: check num_hidden_layers, the expert count, biases and tie_word_embeddings)"
+        )
 
 
 def _stored(specs: list[TensorSpec], scales: dict, spec: TensorSpec) -> ExpertFormat | None:

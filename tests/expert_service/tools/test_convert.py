@@ -279,6 +279,37 @@ def test_a_conversion_failing_halfway_leaves_no_manifest_of_an_earlier_model(tmp
         ModelDir.open(tmp_path / "out", verify=False)
 
 
+@pytest.mark.parametrize(
+    "family, change, named",
+    [
+        ("mixtral", {"num_hidden_layers": 1}, "model.layers.1.block_sparse_moe.experts.0.w1.weight"),
+        ("qwen2_moe", {"qkv_bias": False}, "model.layers.0.self_attn.k_proj.bias"),
+        ("mixtral", {"tie_word_embeddings": True}, "lm_head.weight"),
+    ],
+)  # fmt: skip
+def test_checkpoint_tensors_this_config_would_drop_are_refused(tmp_path, capsys, family, change, named):
+    """A config.json that says fewer layers, no biases or tied embeddings where the checkpoint holds them
+    would convert another model than the checkpoint's."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", family)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"checkpoint tensor {named} is not part of the {family} model config.json describes" in err
+
+
+def test_tensors_the_family_does_not_name_and_a_tied_copy_of_the_embedding_are_ignored(tmp_path):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(16, dtype=np.float32)
+    save_file(tensors, hf_dir / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = ModelDir.open(convert(hf_dir, tmp_path / "out", progress=False))
+    assert "lm_head" not in model.entries and model.config.tie_word_embeddings
+
+
 def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     hf_dir = write_tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
     rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "bfloat16")
