@@ -114,4 +114,6 @@ def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:
     scale, _ = where[scale_name].read(scale_name)
     if not np.isfinite(scale).all():
         raise ModelFormatError(f"tensor {scale_name}: non-finite block scales")
+    # zero or negative: refused whether the bytes are kept or dequantised, so no flag turns them into weights
+    quant.check_scale_values(scale, scale_name)
     return scale

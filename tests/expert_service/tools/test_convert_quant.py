@@ -270,8 +270,8 @@ def fp8_norm(t):
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].repeat(2, 1)}), f"{EXPERT}_scale_inv is F32 [2, 1], expected F32 [1, 1]"),
         (lambda t: t.update({EXPERT + "_scale_inv": t[EXPERT + "_scale_inv"].double()}), f"{EXPERT}_scale_inv is F64 [1, 1], expected F32 [1, 1]"),
         (lambda t: t[EXPERT + "_scale_inv"].fill_(float("nan")), f"tensor {EXPERT}_scale_inv: non-finite block scales"),
-        (lambda t: t[EXPERT + "_scale_inv"].fill_(0.0), f"invalid scale in tensor {EXPERT}: 0.0 at [0, 0]"),
-        (lambda t: t[EXPERT + "_scale_inv"].fill_(-2.0), f"invalid scale in tensor {EXPERT}: -2.0 at [0, 0]"),
+        (lambda t: t[EXPERT + "_scale_inv"].fill_(0.0), f"invalid scale in tensor {EXPERT}_scale_inv: 0.0 at [0, 0]"),
+        (lambda t: t[EXPERT + "_scale_inv"].fill_(-2.0), f"invalid scale in tensor {EXPERT}_scale_inv: -2.0 at [0, 0]"),
         (nan_byte, f"tensor {EXPERT}: fp8 weights hold NaN bytes"),
     ],
 )  # fmt: skip
@@ -281,6 +281,24 @@ def test_broken_fp8_tensors_are_one_line(tmp_path, capsys, change, message):
     rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress")
     assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
     assert message in err
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "name, flags",
+    [(Q_PROJ, []), (EXPERT, ["--expert-dtype", "int8"]), (EXPERT, ["--expert-dtype", "bf16"])],
+)
+@pytest.mark.parametrize("value", [0.0, -2.0])
+def test_a_zero_or_negative_block_scale_is_refused_when_dequantised_too(tmp_path, capsys, name, flags, value):
+    """Kept expert bytes were refused such a scale; a dense layer, or an expert another dtype was asked for,
+    took it into its weights (zeroed or sign-flipped)."""
+    write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    rewrite(tmp_path / "hf", lambda t: t[name + "_scale_inv"].fill_(value))
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", *flags)
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"invalid scale in tensor {name}_scale_inv: {value} at [0, 0]" in err
 
 
 @pytest.mark.parametrize("expert_dtype, fp8_scale", [("int8", "channel"), ("fp8", "block128"), ("fp8", "channel")])
