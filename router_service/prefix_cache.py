@@ -14,8 +14,10 @@ computes it is scheduled, and any *later* step may start a sequence on it (a blo
 after its own). Its registering step's answer settles it: when that sequence failed (or the step was refused)
 the block leaves the index at once (no new hits) but stays counted, detached, until the requests already on it
 leave; then its id is evicted and its room returns. The worker therefore never holds a cached block the router
-does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when the
-step that was to register it was refused as a whole.
+does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when a step
+refused as a whole kept the block from being registered: that step was to register it or, at pipeline depth 3 or
+more, a step sent behind it was, and the worker failed that chunk's sequence alone or skipped a decoded block the
+refusal left short.
 
 Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
 block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position is in the

@@ -14,8 +14,10 @@ from tests.router_service.test_prefix_cache import BLOCK, WorkerModel, _answers,
 
 
 class PipelinedWorker(WorkerModel):
-    """The worker model, plus what the engine does with a sequence it cannot run: a new one on a block whose
-    registering step was refused (UNKNOWN_PREFIX_BLOCK), or a later chunk or decode of one it never started."""
+    """The worker model, plus what the engine does with a sequence it cannot run: a new one on a block that was never
+    registered (UNKNOWN_PREFIX_BLOCK; at depth 2 only because its registering step was refused, at 3 or more also
+    because the chunk to register it failed alone behind a refused step), or a later chunk or decode of one it never
+    started."""
 
     def __init__(self, blocks):
         super().__init__(blocks)
