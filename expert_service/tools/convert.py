@@ -126,6 +126,8 @@ def convert(
     """`dtype`: every tensor but routed experts' (default: the checkpoint's); `expert_dtype`, `fp8_scale`
     and `expert_dtype_file`: the experts' (expert_dtypes.py; default: as the checkpoint stores them)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
+        raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ModelFormatError(f"{config_path}: not found")

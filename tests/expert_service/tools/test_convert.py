@@ -318,3 +318,13 @@ def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     model = ModelDir.open(tmp_path / "out")
     assert model.manifest["tokenizer_files"] == ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+
+
+def test_converting_into_the_checkpoint_directory_is_refused_before_writing(tmp_path, capsys):
+    """It failed on copying config.json onto itself, after writing dense.bin and the expert files beside the
+    checkpoint's own."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    before = sorted(p.name for p in hf_dir.iterdir())
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(hf_dir / "."), "--no-progress")
+    assert rc != 0 and err.count("\n") == 1 and "the output directory is the checkpoint's" in err, err
+    assert sorted(p.name for p in hf_dir.iterdir()) == before
