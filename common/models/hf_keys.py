@@ -100,4 +100,12 @@ def qwen_sliding_windows(hf: dict) -> tuple[int | None, ...]:
         "sliding_attention" if (i + 1) % 2 and i < int(hf.get("max_window_layers", n)) else "full_attention"
         for i in range(n)
     ]
+    # Any other kind (a linear-attention layer, a typo) would silently run as full attention
+    if not isinstance(layer_types, list) or len(layer_types) != n:
+        raise ConfigError(f"config.json: layer_types must list one kind per layer ({n}), got {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(
+                f"config.json: layer_types[{i}] must be sliding_attention or full_attention, got {kind!r}"
+            )
     return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)

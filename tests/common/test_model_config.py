@@ -28,6 +28,8 @@ from expert_service.tools.tiny_model import tiny_hf_config
         (dict(norm_topk_prob=1), "norm_topk_prob must be true or false, got 1"),
         (dict(attention_bias="true"), "attention_bias must be true or false, got 'true'"),
         (dict(use_sliding_window="no"), "use_sliding_window must be true or false, got 'no'"),
+        (dict(use_sliding_window=True, sliding_window=8, layer_types=["linear_attention", "full_attention"]), "layer_types[0] must be sliding_attention or full_attention, got 'linear_attention'"),
+        (dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]), "layer_types must list one kind per layer (2), got ['full_attention']"),
     ],
 )  # fmt: skip
 def test_malformed_values_are_one_line_config_errors(change, message):
@@ -45,3 +47,9 @@ def test_well_formed_rope_settings_still_load():
         assert rope.rope_type == scaling.get("rope_type", scaling.get("type"))
         assert inv_freq.shape == (12,) and (inv_freq > 0).all()
     assert config_from_hf({**tiny_hf_config("mixtral"), "tie_word_embeddings": True}).tie_word_embeddings
+
+
+def test_layer_types_choose_the_sliding_layers():
+    hf = {**tiny_hf_config("qwen3_moe"), "use_sliding_window": True, "sliding_window": 8}
+    config = config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]})
+    assert config.sliding_windows == (None, 8)
