@@ -1,7 +1,8 @@
 """The rendered objects placed in a model cluster, to ask what they do rather than what they say: which pods a
 label selector picks, which Service port reaches which container port, and whether the NetworkPolicies let a
 connection through. Kubernetes' own rules, written out for the subset the manifests use (matchLabels and
-matchExpressions, named and numbered ports, pod and namespace peers).
+matchExpressions, named and numbered ports, pod and namespace peers), as the oldest supported version (1.29)
+applies them where versions differ.
 
 The model cluster holds the pods a real one has around ours: kube-dns in kube-system (`k8s-app: kube-dns`, the
 label CoreDNS keeps on kubeadm, EKS, GKE and AKS), Prometheus in the `monitoring` namespace, an API client in
@@ -21,6 +22,7 @@ class Port:
     name: str | None
     number: int
     protocol: str = "TCP"
+    sidecar: bool = False  # declared by a native sidecar (an init container with restartPolicy: Always)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def workload_pods(rendering: Rendering) -> list[Pod]:
     pods = []
     for obj in rendering.of_kind("Deployment") + rendering.of_kind("Job"):
         ports = tuple(
-            Port(p.get("name"), p["containerPort"], p.get("protocol", "TCP"))
+            Port(p.get("name"), p["containerPort"], p.get("protocol", "TCP"), c.get("restartPolicy") == "Always")
             for c in all_containers(pod_spec(obj))
             for p in c.get("ports", [])
         )
@@ -101,9 +103,15 @@ def service_selects(service: dict, pod: Pod) -> bool:
 
 
 def target_port(service_port: dict, pod: Pod) -> Port | None:
-    """The container port of `pod` a Service port sends to (targetPort by name or number; default: port)."""
+    """The container port of `pod` a Service port sends to (targetPort by name or number; default: port).
+
+    A name is looked up in the pod's regular containers only: the endpoint controllers of Kubernetes before
+    1.32 do not see a native sidecar's named ports, and leave such a Service port without endpoints."""
     target = service_port.get("targetPort", service_port["port"])
-    found = pod.port(target)
+    if isinstance(target, str):
+        found = next((p for p in pod.ports if p.name == target and not p.sidecar), None)
+    else:
+        found = pod.port(target)
     return found if found and found.protocol == service_port.get("protocol", "TCP") else None
 
 

@@ -82,7 +82,8 @@ def test_services_send_to_the_server_pods_only(server_rendering, renderings):
         for sp in svc["spec"]["ports"]:
             port = target_port(sp, server)
             assert port is not None, (
-                f"{where} port {sp['name']}: targetPort {sp.get('targetPort')} is no container port"
+                f"{where} port {sp['name']}: targetPort {sp.get('targetPort')} is no container port (a sidecar's "
+                "port names resolve only from Kubernetes 1.32: give its number)"
             )
             assert PORTS[port.name][2] is not None, f"{where} exposes the kubelet's {port.name} port"
 
