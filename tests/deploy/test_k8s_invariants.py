@@ -217,6 +217,15 @@ def test_gpu_overlay_gives_the_worker_one_gpu(renderings):
         for c in all_containers(spec):
             if c["name"] != "worker":
                 assert "nvidia.com/gpu" not in str(c.get("resources")), f"{name}: {c['name']} holds a GPU"
+                # The CUDA base image sets NVIDIA_VISIBLE_DEVICES=all, and the NVIDIA runtime (by default) hands
+                # every GPU of the node to an unprivileged container that asks for none but carries it.
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert env.get("NVIDIA_VISIBLE_DEVICES") == "void", (
+                    f"{name}: {c['name']} runs the CUDA image without a GPU: it would see every GPU of the node"
+                )
+        assert "NVIDIA_VISIBLE_DEVICES" not in str(container(spec, "worker").get("env")), (
+            f"{name}: the device plugin names the worker's GPU"
+        )
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]), name
 
 
