@@ -60,6 +60,27 @@ def test_convert_job_script(renderings, tmp_path):
     assert (model / "colibri.json").is_file()
 
 
+def test_convert_job_script_recovers_from_a_stop_between_its_renames(renderings, tmp_path):
+    """A pod stopped after moving the served model aside and before moving the new one in (evicted, node lost)
+    leaves no MODEL_DIR. The Job's next pod must put the served model back, not delete it: if converting again
+    fails, the servers would otherwise wait for a model forever."""
+    bin_dir = _colibri_bin()
+    r = renderings["convert"]
+    (c,) = pod_spec(r.one("Job", "colibri-convert"))["containers"]
+    settings = r.one("ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
+    model = tmp_path / "models" / "model"
+    old = model.with_name("model.old")
+    old.mkdir(parents=True)
+    (old / "colibri.json").write_text("{}")
+    model.with_name("model.partial").mkdir()
+    env = {**settings, "HF_DIR": str(tmp_path / "missing"), "MODEL_DIR": str(model), "CORPUS": ""}
+
+    retry = _run_script(c["args"][0], env, bin_dir)
+    assert retry.returncode != 0, "nothing to convert: the retry fails"
+    assert (model / "colibri.json").is_file(), "the served model was deleted"
+    assert not old.exists()
+
+
 def test_prepare_init_container(renderings, tmp_path):
     bin_dir = _colibri_bin()
     spec = pod_spec(renderings["gpu"].one("Deployment", "colibri"))
