@@ -107,6 +107,13 @@ class Engine:
         flight = self._in_flight
         return not flight or (len(flight) == 1 and flight[0].overlappable and not flight[0].late)
 
+    def runs_decode(self, request_id: int) -> bool:
+        """Whether a decode of the sequence launched now runs: it has a token to feed (its last sampled one, or the
+        one the step in flight samples for it). A sequence still prefilling has none: its decode fails alone."""
+        seq = self.sequences.get(request_id)
+        ahead = self._in_flight[0].serial if self._in_flight else None
+        return seq is not None and (seq.last_token is not None or (seq.pending is not None and seq.pending[0] == ahead))
+
     def blocks_host(self, num_tokens: int) -> bool:
         """Whether launching a step of this many tokens waits for the device inside the pass."""
         return self.decoder.blocks_host(num_tokens)

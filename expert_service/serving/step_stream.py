@@ -199,14 +199,10 @@ class StreamSession:
         if not len(step.sequence_blocks):
             return []
         owns = lambda r: self.owners.get(r) == self.id  # noqa: E731
+        # only the decodes that run write a position: one of a sequence still prefilling fills no block
+        fed = dict.fromkeys((r for r in decodes if self.engine.runs_decode(r)), 1)
         return sequence_block_registrations(
-            self.engine.allocator,
-            self.engine.sequences,
-            step.sequence_blocks,
-            self.id,
-            owns,
-            dict.fromkeys(decodes, 1),
-            chunks,
+            self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns, fed, chunks
         )
 
     def _register(self, registrations: list[tuple[int, int, tuple[int, int]]]) -> None:

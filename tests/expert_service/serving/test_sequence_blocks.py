@@ -146,3 +146,17 @@ def test_too_many_rows_are_named_in_the_refusal():
     request = pb.StepStreamRequest(step_id=1, cache_sequence_blocks=bytes(24 * (MAX_FREE_IDS + 1)))
     with pytest.raises(InvalidRequestError, match="cache_sequence_blocks rows"):
         step_request(request, StepLimits((0,), 16, 8))
+
+
+def test_a_decode_of_a_sequence_still_prefilling_fills_no_block(tiny_model):
+    """The decode fails alone (no sampled token to feed) and writes nothing: block 0 keeps 3 of its 4 positions, so
+    it is not full and is skipped; registered, a later sequence would start on a stale fourth row, and the next
+    chunk would write into a cached block."""
+    engine = _engine(tiny_model, False, 256)
+    session = StreamSession(engine, {})
+    session.run(_step(1, chunks=[PrefillInput(1, PROMPT[:3], GREEDY, False)]))
+    answer = session.run(_with_blocks(_step(2, decodes=[1]), [(1, 0, 21)]))
+    assert answer.refused == "" and [o.error for o in answer.result.outputs] == ["UNKNOWN_SEQUENCE"]
+    assert not engine.allocator.cached and engine.sequences[1].num_cached == 3
+    on_block = session.run(_step(3, chunks=[PrefillInput(2, PROMPT[3:], GREEDY, True, prefix_block_ids=(21,))]))
+    assert [o.error for o in on_block.result.outputs] == ["UNKNOWN_PREFIX_BLOCK"]
