@@ -44,6 +44,18 @@ class RoutingPlan:
         """(MoE layer, offsets [E+1], token_indices [T*k]) for each layer of the plan."""
         return zip(self.layers, self.offsets, self.token_indices)
 
+    def keep_rows(self, lengths: Sequence[int], kept: Sequence[bool], num_experts: int) -> RoutingPlan:
+        """The plan of the step's rows (as sent: prompt chunks, then decodes; `lengths` tokens each) that are `kept`,
+        its token indices renumbered: the router's plan counts the tokens of rows that then fail alone (unknown,
+        foreign, draining), which compute nothing. Checked against all the sent tokens, as `expert_ids` checks it."""
+        if all(kept):
+            return self
+        if np.ndim(self.token_indices) != 2 or len(self.token_indices) != len(self.layers):
+            raise InvalidRequestError("routing_plan.token_indices", f"needs one row per layer ({len(self.layers)})")
+        tokens = np.repeat(np.asarray(kept, bool), np.asarray(lengths, np.int64))
+        ids = layers_csr_to_ids(self.offsets, self.token_indices, num_experts, len(tokens))
+        return RoutingPlan.from_expert_ids(self.layers, ids[:, tokens], num_experts)
+
     def expert_ids(
         self, num_experts: int, num_tokens: int, top_k: int | None = None, moe_layers: Sequence[int] | None = None
     ) -> dict[int, np.ndarray]:

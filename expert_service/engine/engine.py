@@ -177,6 +177,7 @@ class Engine:
         if not self.can_launch:
             raise RuntimeError("a step is in flight that must be collected before another is launched")
         ahead = self._in_flight[0].serial if self._in_flight else None
+        mc = self.model_config
         work: list[tuple[int, np.ndarray, bool]] = []
         created: list[int] = []  # a refused step starts nothing: these are dropped again
         running: list[PrefillInput] = []  # the chunks that run (the others fail alone)
@@ -216,18 +217,28 @@ class Engine:
                 work.append((chunk.request_id, np.asarray(chunk.token_ids, dtype=np.int64), chunk.is_last))
                 running.append(chunk)
             first_decode = len(work)
+            decodes_run: list[bool] = []  # per decode id: whether it has a token to feed
             for rid in decode_ids:
                 seq = None if rid in freed else self.sequences.get(rid)
                 if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
                     fed[len(work)] = seq.pending[1]
                     work.append((rid, np.zeros(1, dtype=np.int64), True))
-                    continue
-                if seq is None or seq.last_token is None:
+                elif seq is not None and seq.last_token is not None:
+                    work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+                else:
                     unknown.append(SequenceOutput(rid, error=UNKNOWN_SEQUENCE))
+                    decodes_run.append(False)
                     continue
-                work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+                decodes_run.append(True)
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
+            if routing_plan is not None:
+                ran = {id(chunk) for chunk in running}
+                routing_plan = routing_plan.keep_rows(
+                    [len(chunk.token_ids) for chunk in prefill] + [1] * len(decode_ids),
+                    [id(chunk) in ran for chunk in prefill] + decodes_run,
+                    mc.num_experts,
+                )
             sampling = [rid for rid, _, wants_token in work if wants_token]
             constrained = [self.sequences[rid].sampler.params.constrained for rid in sampling]
             token_masks, late = step_masks(
@@ -243,7 +254,7 @@ class Engine:
             scored = self._scored_prompts(work[:first_decode])
             prefix_tokens = prefix_penalty_tokens(running, created, self.model_config.vocab_size, self.allocator)
             penalties = self._penalties(work, first_decode, created, prefix_tokens)
-            mc, lut = self.model_config, self.config.routing is RoutingMode.LUT
+            lut = self.config.routing is RoutingMode.LUT
             # under exact routing the plan is a prediction, which a router table may make wider than the top-k
             top_k = mc.num_experts_per_tok if lut else None
             planned_ids = (

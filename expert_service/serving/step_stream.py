@@ -174,15 +174,22 @@ class StreamSession:
             live = self.engine.sequences
             refused += [SequenceOutput(c.request_id, error=DRAINING) for c in chunks if c.request_id not in live]
             chunks = [c for c in chunks if c.request_id in live]
-        decodes = [int(r) for r in step.decode_ids if self.owners.get(int(r), self.id) == self.id]
+        decodes_kept = [self.owners.get(r, self.id) == self.id for r in step.decode_ids.tolist()]
+        decodes = [r for r, kept in zip(step.decode_ids.tolist(), decodes_kept) if kept]
         for chunk in chunks:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
             registrations = self._sequence_blocks(step, chunks, decodes)
-            in_flight = self.engine.launch(
-                chunks, decodes, step.routing_plan, frozenset(late), step.masks, owner=self.id
-            )
+            plan = step.routing_plan
+            if plan is not None:  # the router's plan counts the tokens of the rows refused here too
+                kept = {id(chunk) for chunk in chunks}
+                plan = plan.keep_rows(
+                    [len(chunk.token_ids) for chunk in step.chunks] + [1] * len(step.decode_ids),
+                    [id(chunk) in kept for chunk in step.chunks] + decodes_kept,
+                    self.engine.model_config.num_experts,
+                )
+            in_flight = self.engine.launch(chunks, decodes, plan, frozenset(late), step.masks, owner=self.id)
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             if final:
