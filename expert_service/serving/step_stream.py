@@ -189,7 +189,11 @@ class StreamSession:
                     [id(chunk) in kept for chunk in step.chunks] + decodes_kept,
                     self.engine.model_config.num_experts,
                 )
-            in_flight = self.engine.launch(chunks, decodes, plan, frozenset(late), step.masks, owner=self.id)
+            masks = step.masks
+            if masks and refused:  # a row refused here samples nothing: its mask goes with it
+                gone = {out.request_id for out in refused}
+                masks = {r: words for r, words in masks.items() if r not in gone}
+            in_flight = self.engine.launch(chunks, decodes, plan, frozenset(late), masks, owner=self.id)
         except (InvalidRequestError, CapacityError) as e:
             self._forget_unknown(chunks)
             if final:
