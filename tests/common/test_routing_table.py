@@ -262,3 +262,15 @@ def test_random_corruptions_are_refused_in_one_line_or_load_a_valid_table(tmp_pa
         ordered = np.sort(table.table, axis=2)
         assert not (ordered[:, :, 1:] == ordered[:, :, :-1]).any()
     assert refused > 200
+
+
+def test_an_unreadable_table_is_one_line(table_file, monkeypatch):
+    """A model directory's routing_table.bin the worker may not read stopped it with a PermissionError traceback
+    (the sandbox runs as root, so the refusal is simulated)."""
+    from pathlib import Path
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "open", refuse)
+    expect_error(table_file, f"{table_file}: routing table cannot be read: Permission denied")
