@@ -523,16 +523,19 @@ class BatchingLoop:
         """Waits for a ready worker, then (re)configures limits and scheduler from its Info."""
         try:
             info = await self.worker.info()
+            if (unusable := self._routing_mismatch(info)) is not None:
+                raise _Unusable(unusable)
             if not await self.worker.health():
                 raise _NotReady()
             await self.worker.clear_cache()  # we may have restarted while it held sequences
             self._configure(info)
             if self.config.warmup:
                 await self._warmup()
-        except (grpc.aio.AioRpcError, _NotReady) as e:
+        except (grpc.aio.AioRpcError, _NotReady, _Unusable) as e:
             # A worker starting, loading or draining answers UNAVAILABLE (or not ready); anything else is a worker
-            # that refuses us (a wrong token, another service at the address, a failed warm-up): said once.
-            refused = None
+            # that refuses us (a wrong token, another service at the address, a failed warm-up, steps it would
+            # refuse): said once.
+            refused = str(e) if isinstance(e, _Unusable) else None
             if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
                 refused = f"{e.code().name}: {e.details()}"
             if refused is not None:
@@ -560,6 +563,22 @@ class BatchingLoop:
             info.kv_block_size,
         )
         self.hooks.on_worker_state(True)
+
+    def _routing_mismatch(self, info) -> str | None:
+        """Why this router's steps would all be refused by the worker's routing (None: they would not): a worker on
+        --routing lut routes each token to the plan's experts and refuses a step without exactly the model's
+        top-k of them a token."""
+        if info.routing != "lut":
+            return None
+        if self.planner is None:
+            return "it runs --routing lut, which needs a routing plan with every step: start the router with --routing-table"
+        top_k, model_top_k = self.planner.table.top_k, self.planner.model_top_k
+        if model_top_k is not None and top_k != model_top_k:
+            return (
+                f"routing_table: {top_k} experts a token, but the worker runs --routing lut, which routes each token "
+                f"to the model's {model_top_k} (`colibri router-gen --top-k {model_top_k}`)"
+            )
+        return None
 
     async def _warmup(self) -> None:
         try:
@@ -589,3 +608,7 @@ class BatchingLoop:
 
 class _NotReady(Exception):
     pass
+
+
+class _Unusable(Exception):
+    """The worker answers, but every step this router sends would be refused (the reason is the message)."""

@@ -122,7 +122,7 @@ def _routing_planner(config: RouterConfig):
     from router_service.routing import RoutingPlanner
 
     model_config, _ = read_manifest_config(config.model)
-    return RoutingPlanner(RoutingTable.load(config.routing_table, model_config))
+    return RoutingPlanner(RoutingTable.load(config.routing_table, model_config), model_config.num_experts_per_tok)
 
 
 async def start_router(

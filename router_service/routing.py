@@ -24,8 +24,9 @@ def step_token_ids(step: ScheduledStep) -> np.ndarray:
 class RoutingPlanner:
     """Turns a scheduled step into its `RoutingPlan` (bench/routing_lookup.py times it)."""
 
-    def __init__(self, table: RoutingTable):
+    def __init__(self, table: RoutingTable, model_top_k: int | None = None):
         self.table = table
+        self.model_top_k = model_top_k  # the model's experts a token: what a worker on --routing lut needs a plan of
 
     def routing_plan(self, step: ScheduledStep) -> RoutingPlan:
         return self.table.routing_plan(step_token_ids(step))

@@ -107,3 +107,68 @@ def test_a_worker_that_refuses_the_router_is_named_once_in_the_log(tmp_path, cap
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "127.0.0.1:" in warnings[0] and reason in warnings[0], warnings[0]
+
+
+class LutWorker(FakeWorker):
+    async def Info(self, request, context):
+        info = await super().Info(request, context)
+        info.routing = "lut"
+        return info
+
+
+@pytest.fixture(scope="module")
+def tiny_top2(tmp_path_factory):
+    from expert_service.tools.tiny_model import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("lut_router") / "m", family="mixtral", seed=0)  # 4 experts, top-2
+
+
+def _table(model_dir, top_k: int):
+    import numpy as np
+
+    from common.model_format import ModelDir
+    from common.routing_table import write_routing_table
+
+    cfg = ModelDir.open(model_dir).config
+    ids = np.argsort(np.random.default_rng(0).random((len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts)), axis=2)
+    return write_routing_table(model_dir / f"top{top_k}.bin", ids[:, :, :top_k].astype(np.uint16), cfg.num_experts)
+
+
+@pytest.mark.parametrize(
+    "top_k, reason",
+    [
+        (None, "start the router with --routing-table"),  # no table: every step of a lut worker is refused
+        (3, "routing_table: 3 experts a token"),  # a table wider than the model's top-2: refused the same way
+        (2, None),
+    ],
+)
+def test_a_lut_worker_is_not_served_without_a_table_that_routes_the_models_top_k(tiny_top2, caplog, top_k, reason):
+    """A worker running --routing lut refuses every step without a plan of exactly the model's top-k experts a
+    token; the router reported ready all the same and failed every request as an internal error."""
+
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(LutWorker(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        table = {} if top_k is None else {"routing_table": str(_table(tiny_top2, top_k))}
+        config = RouterConfig(
+            host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, model=str(tiny_top2), **table
+        )
+        router = await start_router(config, f"127.0.0.1:{port}")
+        try:
+            await asyncio.sleep(1.0)  # many retries
+            return router.batching_loop.is_worker_ready
+        finally:
+            await router.stop(0.1)
+            await server.stop(0)
+
+    with caplog.at_level(logging.INFO, logger="colibri.router"):
+        ready = asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if reason is None:
+        assert ready and not warnings, warnings
+        return
+    assert not ready
+    assert len(warnings) == 1, warnings
+    assert "127.0.0.1:" in warnings[0] and reason in warnings[0] and "\n" not in warnings[0], warnings[0]
