@@ -33,7 +33,7 @@ def call_schema(tools: list[dict], choice: str, strict: frozenset[str] | None = 
         if strict is not None and t["name"] not in strict:
             return {"type": "object"}
         # a tool without parameters takes {} (OpenAI's reading), not any object
-        return t.get("parameters") or NO_PARAMETERS
+        return _own_document(t["name"], t["parameters"]) if t.get("parameters") else NO_PARAMETERS
 
     variants = [
         {
@@ -45,6 +45,13 @@ def call_schema(tools: list[dict], choice: str, strict: frozenset[str] | None = 
         for t in allowed
     ]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def _own_document(name: str, parameters: dict) -> dict:
+    """A tool's parameters schema as a resource of its own (an `$id`), so its `$ref`s ("#/$defs/...", "#") resolve
+    in it rather than in the call schema around it; held to an object, which is all the call parser takes."""
+    own = parameters if "$id" in parameters else {"$id": f"urn:colibri:tool:{name}", **parameters}
+    return own if own.get("type") == "object" else {"type": "object", "allOf": [own]}
 
 
 def tool_call_constraint(

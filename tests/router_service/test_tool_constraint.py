@@ -11,6 +11,7 @@ import pytest
 from common.errors import InvalidRequestError
 from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import EOS_ID, byte_tokenizer
+from router_service.constraints import Constraint, ConstraintCompiler
 from router_service.tool_calls import parse_tool_calls
 from router_service.tool_constraint import attach_tool_constraint, tool_call_constraint
 from tests.helpers import byte_ids
@@ -209,3 +210,70 @@ def test_auto_with_strict_tools_is_refused_in_the_generic_format_naming_the_flag
     assert tool_call_constraint(TOOLS, "auto", True, "generic") is None  # no strict tool: nothing forced
     with pytest.raises(InvalidRequestError, match="TOOL_CALLS"):
         tool_call_constraint(TOOLS, "auto", True, "mistral", None, STRICT)
+
+
+# A tool's parameters schema is its own document: its `$ref`s ("#/$defs/...", "#") point into it, not into the call
+# schema the router wraps it in, and a call's arguments are an object whatever the schema leaves open.
+NESTED = {  # as openai.pydantic_function_tool writes a model with a nested model
+    "name": "book",
+    "parameters": {
+        "type": "object",
+        "properties": {"guest": {"$ref": "#/$defs/Guest"}},
+        "required": ["guest"],
+        "additionalProperties": False,
+        "$defs": {
+            "Guest": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+    },
+}
+TREE = {  # recursive: "#" is the tool's parameters
+    "name": "tree",
+    "parameters": {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "additionalProperties": False,
+    },
+}
+UNTYPED = {"name": "loose", "parameters": {"properties": {"city": {"type": "string"}}}}  # no "type": any value
+OWN_REFS = [
+    ({"name": "book", "arguments": {"guest": {"name": "Ada"}}}, True),
+    ({"name": "book", "arguments": {"guest": {"name": 1}}}, False),
+    ({"name": "tree", "arguments": {"v": 1, "kids": [{"v": 2, "kids": []}]}}, True),
+    ({"name": "tree", "arguments": {"kids": [{"name": "tree", "arguments": {}}]}}, False),  # "#" is not the call
+    ({"name": "loose", "arguments": {"city": "Paris"}}, True),
+    ({"name": "loose", "arguments": 5}, False),  # would parse as content, not as the forced call
+    ({"name": "loose", "arguments": None}, False),
+]
+
+
+@pytest.mark.parametrize("fmt", ["generic", "hermes", "mistral"])
+@pytest.mark.parametrize("call,accepted", OWN_REFS)
+def test_a_tools_refs_resolve_in_its_own_schema_and_its_arguments_are_an_object(ll_tokenizer, fmt, call, accepted):
+    tok, ll_tok = ll_tokenizer
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    kind, spec = tool_call_constraint([NESTED, TREE, UNTYPED], "required", True, fmt, marker)
+    text = call_text(fmt, [call])
+    if fmt == "generic":
+        assert jsonschema.Draft202012Validator(json.loads(spec)).is_valid({"tool_calls": [call]}) == accepted
+        spec = llguidance.LLMatcher.grammar_from_json_schema(spec)
+        ids = ll_tok.tokenize_str(text)
+    elif fmt == "mistral":
+        ids = [marker] + ll_tok.tokenize_str(text[len("[TOOL_CALLS]") :])
+    else:
+        ids = ll_tok.tokenize_str(text)
+    assert accepts(ll_tok, spec, ids) == accepted, text
+    if accepted:
+        assert len(parse_tool_calls(text, fmt, ["book", "tree", "loose"])[1]) == 1
+
+
+def test_a_tool_whose_parameters_cannot_be_an_object_is_refused_at_compile(ll_tokenizer):
+    tok, _ = ll_tokenizer
+    compiler = ConstraintCompiler(tok.to_str(), tok.get_vocab_size(), [EOS_ID])
+    _, grammar = tool_call_constraint([{"name": "s", "parameters": {"type": "string"}}], "s", True, "hermes")
+    with pytest.raises(InvalidRequestError, match="nsatisfiable"):
+        compiler.matcher(Constraint("grammar", grammar))
