@@ -92,6 +92,11 @@ class Constraint:
                 raise InvalidRequestError(f"{FIELD}.json_schema", "is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise InvalidRequestError(f"{FIELD}.json_schema", "must be a JSON object (or true/false)")
+            # llguidance applies its options to an object schema only: `true` is {} (any value), `false` no value
+            if schema is False:
+                raise InvalidRequestError(f"{FIELD}.json_schema", "is false, which matches nothing")
+            if schema is True:
+                schema = {}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema),

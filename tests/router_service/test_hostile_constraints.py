@@ -146,3 +146,16 @@ def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_m
             assert router.batching_loop.num_active == 0
 
     asyncio.run(body())
+
+
+def test_the_boolean_schemas_are_any_value_and_nothing(compiler):
+    """`true` is the schema any JSON value matches; `false` matches nothing: refused naming that, not llguidance's
+    complaint about options it cannot apply to a boolean."""
+    matcher = compiler.matcher(Constraint.json_schema(True))
+    for token in byte_ids('[1,"a"]'):
+        matcher.mask()
+        matcher.consume(token)
+    assert matcher.is_stopped or matcher.mask()
+    with pytest.raises(InvalidRequestError, match="matches nothing") as e:
+        compiler.matcher(Constraint.json_schema(False))
+    assert e.value.field == "parameters.constraint.json_schema"
