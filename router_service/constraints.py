@@ -99,7 +99,7 @@ class Constraint:
                 schema = {}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema),
+                    json.dumps(_with_calendar(schema)),
                     defaults=_JSON_OPTIONS,  # type: ignore[arg-type]  # a plain dict is what the library reads
                 )
             except (ValueError, TypeError) as e:
@@ -114,6 +114,37 @@ class Constraint:
             return llguidance.grammar_from("grammar", str(self.spec))  # Lark, or GBNF converted to Lark
         except ValueError as e:
             raise InvalidRequestError(f"{FIELD}.grammar", _one_line(str(e))) from None
+
+
+# llguidance's `date` and `date-time` know each month's length but not leap years (2023-02-29 passes): a pattern
+# beside such a format, on the date it starts with, rules out February 29th outside them.
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+_CALENDAR = rf"^(?:[0-9]{{4}}-(?:0[13-9]|1[0-2])|[0-9]{{4}}-02-(?:[01][0-9]|2[0-8])|{_LEAP_YEAR}-02-29)"
+_SUBSCHEMA = (
+    *("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties"),
+    *("not", "if", "then", "else", "contains", "propertyNames"),
+)
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _with_calendar(schema):
+    """`schema` with `_CALENDAR` beside each date format, in every subschema (not in data: const, enum)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _with_calendar(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_with_calendar(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _with_calendar(s) for name, s in out[key].items()}
+    if out.get("format") in ("date", "date-time") and isinstance(out.get("allOf", []), list):
+        out["allOf"] = [*out.get("allOf", []), {"pattern": _CALENDAR}]
+    return out
 
 
 def from_pb(message: router_pb2.Constraint) -> Constraint | None:

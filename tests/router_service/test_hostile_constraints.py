@@ -159,3 +159,30 @@ def test_the_boolean_schemas_are_any_value_and_nothing(compiler):
     with pytest.raises(InvalidRequestError, match="matches nothing") as e:
         compiler.matcher(Constraint.json_schema(False))
     assert e.value.field == "parameters.constraint.json_schema"
+
+
+def takes(compiler, schema, text: str) -> bool:
+    """Whether the schema's constraint accepts `text` whole."""
+    matcher = compiler.matcher(Constraint.json_schema(schema))
+    try:
+        for token in byte_ids(text):
+            matcher.mask()
+            matcher.consume(token)
+    except GrammarError:
+        return False
+    return matcher.is_stopped or bool(matcher.mask()[0] & 1 << 2)  # EOS (id 2) allowed: complete
+
+
+@pytest.mark.parametrize(
+    "date,valid",
+    [("2024-02-29", True), ("2000-02-29", True), ("2023-02-28", True), ("2023-12-31", True)]
+    + [("2023-02-29", False), ("1900-02-29", False), ("2100-02-29", False), ("2023-04-31", False)],
+)
+def test_a_date_format_knows_leap_years(compiler, date, valid):
+    """llguidance's date patterns know each month's length but took February 29th of any year."""
+    day = {"type": "string", "format": "date"}
+    nested = {"type": "object", "properties": {"d": {"$ref": "#/$defs/d"}}, "required": ["d"], "$defs": {"d": day}}
+    assert takes(compiler, day, f'"{date}"') == valid
+    assert takes(compiler, {"type": "string", "format": "date-time"}, f'"{date}T12:00:00Z"') == valid
+    assert takes(compiler, nested, f'{{"d":"{date}"}}') == valid
+    assert takes(compiler, {"anyOf": [{"type": "integer"}, day]}, f'"{date}"') == valid
