@@ -77,7 +77,7 @@ class Constraint:
     @classmethod
     def json_schema(cls, schema: Any) -> Constraint:
         """From a schema as a dict (or JSON text); {"type": "object"} for any JSON object."""
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     def grammar(self) -> str:
         """llguidance's grammar definition (not yet checked: `ConstraintCompiler` validates it)."""

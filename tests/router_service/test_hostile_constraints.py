@@ -186,3 +186,16 @@ def test_a_date_format_knows_leap_years(compiler, date, valid):
     assert takes(compiler, {"type": "string", "format": "date-time"}, f'"{date}T12:00:00Z"') == valid
     assert takes(compiler, nested, f'{{"d":"{date}"}}') == valid
     assert takes(compiler, {"anyOf": [{"type": "integer"}, day]}, f'"{date}"') == valid
+
+
+def test_an_objects_properties_come_in_the_schemas_order(compiler):
+    """The schema was serialised with sorted keys, so every object came out in alphabetical order rather than the
+    client's (a `reasoning` field meant to come before its `answer` came after it)."""
+    schema = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+        "required": ["reasoning", "answer"],
+        "additionalProperties": False,
+    }
+    assert takes(compiler, schema, '{"reasoning":"x","answer":1}')
+    assert not takes(compiler, schema, '{"answer":1,"reasoning":"x"}')
