@@ -85,7 +85,11 @@ class RoutingTable:
         def fail(field: str, found, expected) -> RoutingTableError:
             return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
 
-        with path.open("rb") as f:  # the header first: a wrong or oversized file is never read whole
+        try:
+            f = path.open("rb")
+        except OSError as e:  # unreadable (permissions, an I/O error): one line, as a malformed table is
+            raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
+        with f:  # the header first: a wrong or oversized file is never read whole
             header = f.read(HEADER_SIZE)
             if len(header) < HEADER_SIZE:
                 raise fail("header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
