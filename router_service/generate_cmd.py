@@ -124,10 +124,24 @@ def _check_integer_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"generate: {flag} must be in [0, {high}], got {value}")
 
 
+def _check_text(args: argparse.Namespace) -> None:
+    """Each text flag can be sent: bytes of the command line that are not UTF-8 reach Python as lone surrogates,
+    which protobuf refuses only once the request is built, with a bare UnicodeEncodeError."""
+    texts = [("the prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop]
+    for flag, text in texts:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(
+                f"generate: {flag} is not UTF-8 text (an undecodable byte at character {e.start})"
+            ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("generate: give a text prompt or --tokens, exactly one")
     _check_integer_ranges(args)
+    _check_text(args)
     if args.chat and args.prompt is None:
         raise ConfigError("generate: --chat needs a text prompt (the user message)")
     params = dict(

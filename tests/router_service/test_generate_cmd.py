@@ -35,3 +35,18 @@ def test_seed_and_token_ids_out_of_range_name_the_flag():
         with pytest.raises(ConfigError) as e:
             generate_cmd.run(parse(*argv))
         assert str(e.value) == f"generate: {message}"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["\udcff\udcfe"], "the prompt"),
+        (["--chat", "hi", "--system", "ok \udce9"], "--system"),
+        (["--stop", "a", "--stop", "\udcff", "hi"], "--stop"),
+    ],
+)
+def test_text_that_is_not_utf8_names_the_flag(argv, flag):
+    # Python hands command-line bytes that are not UTF-8 over as lone surrogates, which protobuf cannot encode.
+    with pytest.raises(ConfigError) as e:
+        generate_cmd.run(parse(*argv))
+    assert str(e.value).startswith(f"generate: {flag} is not UTF-8 text"), e.value
