@@ -105,6 +105,7 @@ def terminal_safe(text: str) -> str:
 
 
 MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
+MAX_TIMEOUT_S = 1e9  # about 31 years
 
 
 def _check_integer_ranges(args: argparse.Namespace) -> None:
@@ -142,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("generate: give a text prompt or --tokens, exactly one")
     _check_integer_ranges(args)
     _check_text(args)
+    # gRPC takes a deadline of 0, a negative, NaN, inf or past ~2^63 ns since the epoch as already passed: the
+    # call would fail at once with DEADLINE_EXCEEDED, which reads as a slow router.
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise ConfigError(f"generate: --timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {args.timeout}")
     if args.chat and args.prompt is None:
         raise ConfigError("generate: --chat needs a text prompt (the user message)")
     params = dict(

@@ -50,3 +50,12 @@ def test_text_that_is_not_utf8_names_the_flag(argv, flag):
     with pytest.raises(ConfigError) as e:
         generate_cmd.run(parse(*argv))
     assert str(e.value).startswith(f"generate: {flag} is not UTF-8 text"), e.value
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
+def test_a_timeout_grpc_would_take_as_already_passed_names_the_flag(value):
+    args = parse("--tokens", "1,2")
+    args.timeout = float(value)
+    with pytest.raises(ConfigError) as e:
+        generate_cmd.run(args)
+    assert str(e.value).startswith("generate: --timeout must be in (0, 1e+09] seconds"), e.value
