@@ -22,7 +22,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        # Split on commas only: spaces inside an item ("1 2") are an error, not digits to join into one id (12).
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise InvalidRequestError("--tokens", f"expected comma-separated integers, got {text!r}") from None
     if not ids:
@@ -36,4 +37,11 @@ def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
 def open_engine(args: argparse.Namespace) -> tuple[Engine, np.ndarray]:
     config = resolve(EngineConfig, flags=flag_values(args, EngineConfig))
     model = ModelDir.open(args.model, verify=config.verify_checksums)
-    return build_engine(model, config), parse_token_ids(args.tokens, model.config.vocab_size)
+    ids = parse_token_ids(args.tokens, model.config.vocab_size)
+    # Checked here so the message names the flag (the engine's names its internal sequence id) and comes before
+    # the engine is built.
+    if ids.size > model.config.max_position_embeddings:
+        raise InvalidRequestError(
+            "--tokens", f"{ids.size} tokens exceed max_position_embeddings {model.config.max_position_embeddings}"
+        )
+    return build_engine(model, config), ids

@@ -277,3 +277,33 @@ def test_a_bad_scale_with_a_matching_checksum_is_one_line(tiny_int8, tmp_path, c
     rc, out, err = run_cli(capsys, "logits", "--model", str(broken), "--tokens", "1,2,3", "--out", str(tmp_path / "l"))
     assert rc == ModelFormatError.exit_code and err.startswith("colibri logits: error: ") and err.count("\n") == 1
     assert name in err and "Traceback" not in err
+
+
+# --- logits / complete: the prompt --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["logits", "complete"])
+@pytest.mark.parametrize("tokens", ["1 2 3", "1,2 3", "4, 5 6,7"])
+def test_token_ids_separated_by_spaces_are_refused_not_joined(tiny_model, tmp_path, capsys, command, tokens):
+    rest = ["--out", str(tmp_path / "l.npy")] if command == "logits" else ["--max-new-tokens", "1"]
+    rc, out, err = run_cli(capsys, command, "--model", str(tiny_model), "--tokens", tokens, *rest)
+    assert rc == 2 and out == "" and err.count("\n") == 1, (rc, out, err)
+    assert err.startswith(f"colibri {command}: error: --tokens: expected comma-separated integers"), err
+    assert not (tmp_path / "l.npy").exists()
+
+
+def test_token_ids_may_have_spaces_around_the_commas(tiny_model, capsys):
+    rc, out, _ = run_cli(
+        capsys, "complete", "--model", str(tiny_model), "--tokens", " 1 , 2,3 ", "--max-new-tokens", "1"
+    )
+    assert rc == 0 and json.loads(out)["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("command", ["logits", "complete"])
+def test_a_prompt_longer_than_the_context_names_the_flag(tiny_model, tmp_path, capsys, command):
+    limit = ModelDir.open(tiny_model, verify=False).config.max_position_embeddings
+    rest = ["--out", str(tmp_path / "l.npy")] if command == "logits" else []
+    tokens = ",".join(["5"] * (limit + 1))
+    rc, out, err = run_cli(capsys, command, "--model", str(tiny_model), "--tokens", tokens, *rest)
+    assert rc == 2 and out == "" and err.count("\n") == 1, (rc, err)
+    assert err == f"colibri {command}: error: --tokens: {limit + 1} tokens exceed max_position_embeddings {limit}\n"
