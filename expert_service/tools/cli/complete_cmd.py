@@ -6,6 +6,7 @@ import argparse
 import json
 import random
 
+from common.errors import InvalidRequestError
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.cli.offline import add_model_arguments, open_engine
 
@@ -22,13 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise InvalidRequestError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     engine, ids = open_engine(args)
+    # Checked before generating, as the router does: past the context the engine fails mid-completion and every
+    # token generated so far is lost.
+    limit = engine.model_config.max_position_embeddings
+    if ids.size + args.max_new_tokens > limit:
+        raise InvalidRequestError(
+            "--max-new-tokens",
+            f"prompt ({ids.size} tokens) + max_new_tokens ({args.max_new_tokens}) must be <= "
+            f"max_position_embeddings ({limit})",
+        )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed, logprobs=args.logprobs
     )
     stop = () if args.ignore_eos else engine.model_config.eos_token_ids
-    tokens, logprobs, reason = engine.generate(ids, max(args.max_new_tokens, 1), sampling, stop_token_ids=stop)
+    tokens, logprobs, reason = engine.generate(ids, args.max_new_tokens, sampling, stop_token_ids=stop)
     result = {
         "token_ids": tokens,
         "stop_reason": reason,

@@ -307,3 +307,24 @@ def test_a_prompt_longer_than_the_context_names_the_flag(tiny_model, tmp_path, c
     rc, out, err = run_cli(capsys, command, "--model", str(tiny_model), "--tokens", tokens, *rest)
     assert rc == 2 and out == "" and err.count("\n") == 1, (rc, err)
     assert err == f"colibri {command}: error: --tokens: {limit + 1} tokens exceed max_position_embeddings {limit}\n"
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_complete_refuses_fewer_than_one_new_token(tiny_model, capsys, value):
+    rc, out, err = run_cli(capsys, "complete", "--model", str(tiny_model), "--tokens", "1,2", "--max-new-tokens", value)
+    assert (rc, out) == (2, ""), (rc, out)
+    assert err == f"colibri complete: error: --max-new-tokens: must be >= 1, got {value}\n"
+
+
+def test_complete_refuses_a_completion_past_the_context_before_generating(tiny_model, capsys):
+    limit = ModelDir.open(tiny_model, verify=False).config.max_position_embeddings
+    argv = ["complete", "--model", str(tiny_model), "--tokens", ",".join(["5"] * (limit - 8)), "--ignore-eos"]
+    # Generating would run into the context after 8 tokens and lose them: refused up front, naming the flag.
+    rc, out, err = run_cli(capsys, *argv, "--max-new-tokens", "20")
+    assert (rc, out) == (2, ""), (rc, out)
+    assert err == (
+        f"colibri complete: error: --max-new-tokens: prompt ({limit - 8} tokens) + max_new_tokens (20) must be <= "
+        f"max_position_embeddings ({limit})\n"
+    )
+    rc, out, _ = run_cli(capsys, *argv, "--max-new-tokens", "8")
+    assert rc == 0 and json.loads(out)["generated_tokens"] == 8
