@@ -43,6 +43,8 @@ class SamplingParams:
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
+        if self.seed < 0:  # numpy's generator refuses it, with a bare ValueError, only when the sequence starts
+            raise InvalidRequestError("seed", f"must be >= 0, got {self.seed}")
         if not (0 < self.top_p <= 1) or not np.isfinite(self.top_p):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -17,9 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.errors import ConfigError
     from common.model_format import ModelDir
     from expert_service.tools.tiny_model import make_tiny
 
+    if args.seed < 0:  # numpy's generator refuses it only after OUT_DIR/hf was created, with a bare ValueError
+        raise ConfigError(f"--seed: must be >= 0, got {args.seed}")
     out = make_tiny(args.out_dir, family=args.family, seed=args.seed, progress=not args.no_progress)
     model = ModelDir.open(out, verify=False)
     print(

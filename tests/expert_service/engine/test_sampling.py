@@ -144,3 +144,9 @@ def test_offline_generation_fails_with_its_own_error_on_non_finite_logits(tiny_m
     with pytest.raises(NonFiniteLogitsError, match="non-finite"):
         engine.generate([5, 6, 7], 4)
     assert engine.allocator.num_used_blocks == 0 and not engine.sequences
+
+
+def test_a_negative_seed_is_an_invalid_request():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(temperature=1.0, seed=-1)
+    assert str(e.value) == "seed: must be >= 0, got -1"

@@ -328,3 +328,15 @@ def test_complete_refuses_a_completion_past_the_context_before_generating(tiny_m
     )
     rc, out, _ = run_cli(capsys, *argv, "--max-new-tokens", "8")
     assert rc == 0 and json.loads(out)["generated_tokens"] == 8
+
+
+def test_complete_refuses_a_negative_seed(tiny_model, capsys):
+    argv = ["--tokens", "1,2", "--temperature", "1", "--seed", "-1"]
+    rc, out, err = run_cli(capsys, "complete", "--model", str(tiny_model), *argv)
+    assert (rc, out, err) == (2, "", "colibri complete: error: seed: must be >= 0, got -1\n")
+
+
+def test_make_tiny_refuses_a_negative_seed_before_writing(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "m"), "--seed", "-1", "--no-progress")
+    assert (rc, out, err) == (2, "", "colibri make-tiny: error: --seed: must be >= 0, got -1\n")
+    assert not (tmp_path / "m").exists()
