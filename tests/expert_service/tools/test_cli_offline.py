@@ -233,6 +233,12 @@ def test_malformed_manifest_fields(broken, capsys, key, value):
     assert_one_line_error(capsys, broken, ModelFormatError.exit_code)
 
 
+@pytest.mark.parametrize("workers", ["0", "-3"])
+def test_verify_refuses_fewer_than_one_worker(tiny, capsys, workers):
+    rc, out, err = run_cli(capsys, "verify", str(tiny), "--workers", workers, "--no-progress")
+    assert (rc, out, err) == (2, "", f"colibri verify: error: --workers: must be >= 1, got {workers}\n")
+
+
 def test_not_a_model_directory(tmp_path, capsys):
     assert_one_line_error(capsys, tmp_path, ModelFormatError.exit_code, MANIFEST, "colibri convert")
 
