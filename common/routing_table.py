@@ -24,6 +24,7 @@ Pure numpy (the router imports it and must never load numba).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import zlib
@@ -59,10 +60,18 @@ def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts:
     header = _HEADER.pack(MAGIC, VERSION, num_layers, vocab_size, top_k, num_experts, zlib.crc32(body))
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(body)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(body)
+        tmp.replace(path)
+    except BaseException as e:
+        # A failed or interrupted write leaves no stray .tmp, and the error names the file asked for, not the .tmp.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     return path
 
 

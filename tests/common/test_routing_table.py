@@ -274,3 +274,16 @@ def test_an_unreadable_table_is_one_line(table_file, monkeypatch):
 
     monkeypatch.setattr(Path, "open", refuse)
     expect_error(table_file, f"{table_file}: routing table cannot be read: Permission denied")
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+def test_a_failed_write_names_the_table_and_leaves_no_tmp(tmp_path, where):
+    path = tmp_path / "out.bin"
+    if where == "a directory":
+        path.mkdir()
+    else:
+        path = tmp_path / "missing" / "out.bin"
+    with pytest.raises(OSError) as e:
+        write_routing_table(path, random_table(), E)
+    assert e.value.filename == str(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out.bin"] if where == "a directory" else [])

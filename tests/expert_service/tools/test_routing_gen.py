@@ -165,3 +165,10 @@ def test_table_ranks_by_count_then_fallback(tiny_model):
     assert table[0, 5].tolist() == [worst, second]
     np.testing.assert_array_equal(table[1, 5], fallback_ranking(model, 1, 5, 6)[0, :2])
     np.testing.assert_array_equal(table[0, 6], fallback_ranking(model, 0, 6, 7)[0, :2])  # unseen token
+
+
+def test_out_that_is_a_directory_is_one_line_naming_it(tiny_model, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    code, out, err = router_gen(capsys, tiny_model, "--out", tmp_path / "out", "--no-progress")
+    assert (code, out) == (1, "") and err == f"colibri router-gen: error: {tmp_path / 'out'}: Is a directory\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
