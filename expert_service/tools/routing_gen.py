@@ -53,7 +53,7 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
     data = path.read_bytes()
     if corpus_format == "auto":
         corpus_format = "ids" if _IDS_PATTERN.fullmatch(data[: 1 << 16]) and data.strip() else "text"
-    ids = _parse_ids(data, path) if corpus_format == "ids" else _tokenize(data, path, model)
+    ids = _parse_ids(data, path, model.config.vocab_size) if corpus_format == "ids" else _tokenize(data, path, model)
     if ids.size == 0:
         raise ConfigError(f"--corpus: {path} holds no tokens")
     vocab = model.config.vocab_size
@@ -65,14 +65,21 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
     return ids
 
 
-def _parse_ids(data: bytes, path: Path) -> np.ndarray:
+def _parse_ids(data: bytes, path: Path, vocab_size: int) -> np.ndarray:
     words = data.replace(b",", b" ").split()
     try:
-        return np.array([int(w) for w in words], dtype=np.int64)
+        ids = [int(w) for w in words]
     except ValueError:
         bad = next(w for w in words if not w.lstrip(b"-").isdigit())
         raise InvalidRequestError(
             "--corpus", f"{path}: expected integers separated by whitespace or commas, found {bad[:40]!r}"
+        ) from None
+    try:
+        return np.array(ids, dtype=np.int64)
+    except OverflowError:  # past int64: named here as load_corpus names any other id outside the vocabulary
+        big = next(i for i, v in enumerate(ids) if not -(2**63) <= v < 2**63)
+        raise InvalidRequestError(
+            "--corpus", f"{path}: token {big} is id {ids[big]}, expected < vocab_size={vocab_size}"
         ) from None
 
 

@@ -121,6 +121,17 @@ def test_one_line_errors(tiny_model, tmp_path, capsys, argv, code, fragments):
         assert fragment in err, err
 
 
+@pytest.mark.parametrize("big", [2**63, -(2**63) - 1, 10**30])
+def test_an_id_past_int64_is_one_line(tiny_model, tmp_path, capsys, big):
+    corpus = tmp_path / "ids.txt"
+    corpus.write_text(f"1 2\n3,{big} 4")
+    code, out, err = router_gen(
+        capsys, tiny_model, "--corpus", corpus, "--out", tmp_path / "x.bin", "--corpus-format", "ids", "--no-progress"
+    )
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err == f"colibri router-gen: error: --corpus: {corpus}: token 3 is id {big}, expected < vocab_size=259\n"
+
+
 def test_text_corpus_needs_the_tokenizer(tmp_path, capsys):
     model_dir = make_tiny(tmp_path / "m", seed=0)
     (model_dir / "tokenizer.json").unlink()
