@@ -44,6 +44,7 @@ from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
 from router_service.request_state import Delta, RequestHandle, RequestState
+from router_service.routing import lut_plan_problem
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
@@ -523,7 +524,7 @@ class BatchingLoop:
         """Waits for a ready worker, then (re)configures limits and scheduler from its Info."""
         try:
             info = await self.worker.info()
-            if (unusable := self._routing_mismatch(info)) is not None:
+            if (unusable := lut_plan_problem(info.routing, self.planner)) is not None:
                 raise _Unusable(unusable)
             if not await self.worker.health():
                 raise _NotReady()
@@ -563,22 +564,6 @@ class BatchingLoop:
             info.kv_block_size,
         )
         self.hooks.on_worker_state(True)
-
-    def _routing_mismatch(self, info) -> str | None:
-        """Why this router's steps would all be refused by the worker's routing (None: they would not): a worker on
-        --routing lut routes each token to the plan's experts and refuses a step without exactly the model's
-        top-k of them a token."""
-        if info.routing != "lut":
-            return None
-        if self.planner is None:
-            return "it runs --routing lut, which needs a routing plan with every step: start the router with --routing-table"
-        top_k, model_top_k = self.planner.table.top_k, self.planner.model_top_k
-        if model_top_k is not None and top_k != model_top_k:
-            return (
-                f"routing_table: {top_k} experts a token, but the worker runs --routing lut, which routes each token "
-                f"to the model's {model_top_k} (`colibri router-gen --top-k {model_top_k}`)"
-            )
-        return None
 
     async def _warmup(self) -> None:
         try:

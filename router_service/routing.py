@@ -30,3 +30,22 @@ class RoutingPlanner:
 
     def routing_plan(self, step: ScheduledStep) -> RoutingPlan:
         return self.table.routing_plan(step_token_ids(step))
+
+
+def lut_plan_problem(worker_routing: str, planner: RoutingPlanner | None) -> str | None:
+    """Why a worker whose Info reports `worker_routing` would refuse every step this router's `planner` plans (None:
+    it would not): a worker on --routing lut routes each token to the plan's experts and refuses a step without
+    exactly the model's top-k of them a token."""
+    if worker_routing != "lut":
+        return None
+    if planner is None:
+        return (
+            "it runs --routing lut, which needs a routing plan with every step: start the router with --routing-table"
+        )
+    top_k, model_top_k = planner.table.top_k, planner.model_top_k
+    if model_top_k is not None and top_k != model_top_k:
+        return (
+            f"routing_table: {top_k} experts a token, but the worker runs --routing lut, which routes each token "
+            f"to the model's {model_top_k} (`colibri router-gen --top-k {model_top_k}`)"
+        )
+    return None
