@@ -8,6 +8,7 @@ import logging
 import time
 
 from common.errors import InvalidRequestError
+from common.rate_limited_log import RateLimitedLog
 from router_service.constraints import GrammarError
 from router_service.errors import GenerationFailed, RouterError, Unavailable
 from router_service.logprobs import prompt_logprobs
@@ -15,6 +16,7 @@ from router_service.request_state import Delta, RequestState
 from router_service.scheduler import FinishReason
 
 log = logging.getLogger("colibri.router.batching_loop")
+GRAMMAR_LIMITS_LOG = RateLimitedLog(log)
 
 
 def advance_grammar(state: RequestState, out) -> GenerationFailed | InvalidRequestError | None:
@@ -28,11 +30,22 @@ def advance_grammar(state: RequestState, out) -> GenerationFailed | InvalidReque
             raise GrammarError(state.grammar_error)
         state.matcher.consume(out.token_id)
     except GrammarError as e:
+        # e names the sampled token (and llguidance's view of the client's grammar): only the client's own
+        # answer may carry it; the log gets counts.
         if e.outside_mask:
-            log.error("constraint failed for request %s: %s", state.request_id, e)
-            return GenerationFailed(f"constrained decoding failed: {e}", reason="CONSTRAINT")
-        # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's
-        log.warning("constraint failed for request %s: %s", state.request_id, e)
+            log.error(
+                "constrained decoding failed: the sampled token was outside the grammar's mask, after %d tokens",
+                state.num_generated,
+                extra={"request_id": state.request_id},
+            )
+            return GenerationFailed(
+                "constrained decoding failed: a sampled token was outside the mask", reason="CONSTRAINT"
+            )
+        # the grammar outgrew llguidance's limits (constraints.LIMITS) mid-output: the client's doing, and any
+        # client can repeat it
+        GRAMMAR_LIMITS_LOG.warning(
+            "a request's grammar failed after %d tokens (request %s)", state.num_generated, state.request_id
+        )
         return InvalidRequestError("parameters.constraint", f"failed after {state.num_generated} tokens: {e}")
     return None
 

@@ -3,10 +3,13 @@ hook seeing the request before its counters move, log-probabilities only when as
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2 as rpb
+from router_service import errors
 from router_service.config import RouterConfig
 from router_service.constraints import GrammarError
 from router_service.delivery import output_delta, split_for_late_masks
@@ -116,3 +119,19 @@ def test_with_late_masks_due_every_grammar_advances_now_and_the_rest_waits_for_t
     now, later, failed = split_for_late_masks([RequestOutput(1, 7)], again, late_masks_due=False)
     assert [(o.request_id, a) for o, a in now] == [(1, False)] and not later and not failed
     assert again[1].matcher.consumed == []
+
+
+def test_a_failed_grammar_logs_no_token_id_and_a_client_cannot_flood_the_log(caplog):
+    """Completion token ids are never logged: not in the delivery's own line, nor in the INTERNAL error the gRPC
+    front logs. A grammar past its limits is the client's doing, so its line is rate-limited."""
+    token = 4242
+    with caplog.at_level(logging.DEBUG, logger="colibri.router"):
+        outside = output_delta(state(matcher=Matcher([1], 3)), RequestOutput(1, token), lambda *a: None)
+        errors.to_status(outside, "r1")
+        for _ in range(20):
+            s = state(matcher=Matcher([1], 3, outside_mask=False))
+            limits = output_delta(s, RequestOutput(1, token), lambda *a: None)
+            assert isinstance(limits, InvalidRequestError) and str(token) in str(limits)  # the client may see it
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and not [line for line in lines if str(token) in line], lines
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) <= 1
