@@ -234,13 +234,25 @@ def start_server_span(
     """A current span whose parent is the caller's span carried in `context_metadata`.
 
     Worker handlers use it as ``with start_server_span("decode", context.invocation_metadata()):``.
-    Exceptions are recorded and set the span status to ERROR, then re-raised.
+    An exception sets the span status to ERROR, naming only its type, and is re-raised.
     """
     tracer = get_tracer(tracer_provider)
+    # Not recorded: an exception's message and traceback (chained errors included) can quote the request,
+    # its token ids or its grammar, and spans leave the process.
     with tracer.start_as_current_span(
-        name, context=extract_context(context_metadata), kind=kind, attributes=dict(attributes or {}), links=list(links)
+        name,
+        context=extract_context(context_metadata),
+        kind=kind,
+        attributes=dict(attributes or {}),
+        links=list(links),
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
-        yield span
+        try:
+            yield span
+        except BaseException as e:
+            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+            raise
 
 
 def _rpc_attributes(method: str) -> dict[str, str]:

@@ -201,3 +201,17 @@ def test_otlp_exporter_with_env():
     assert type(processor._batch_processor._exporter).__name__ == "OTLPSpanExporter"
     assert provider.resource.attributes["service.name"] == "moe-router"  # the operator's name wins
     provider.shutdown()
+
+
+def test_a_server_span_keeps_no_exception_text(exporter, router_provider):
+    """A request's error (a validation message can quote its token ids or its grammar) is chained under the
+    exception that ends the span, the router's gRPC abort: neither message nor traceback may reach the exporter."""
+    with pytest.raises(RuntimeError):
+        with start_server_span("request", [], tracer_provider=router_provider):
+            try:
+                raise ValueError("prompt token id 987654321")
+            except ValueError:
+                raise RuntimeError("Locally aborted.")  # noqa: B904 (the chaining is the point)
+    [span] = exporter.get_finished_spans()
+    assert span.status.status_code == StatusCode.ERROR
+    assert "987654321" not in repr([(e.name, dict(e.attributes or {})) for e in span.events] + [span.status])
