@@ -282,13 +282,15 @@ def _end_rpc_span(span: Span, context: grpc.aio.ServicerContext, error: BaseExce
 @contextlib.contextmanager
 def _rpc_span(name: str, method: str, metadata, context, provider) -> Iterator[Span]:
     tracer = get_tracer(provider)
-    # Exceptions are recorded but do not set ERROR by themselves: an aborted INVALID_ARGUMENT call raises
-    # too, and it is not our fault (RPC semconv); _end_rpc_span decides from the status code.
+    # Exceptions do not set ERROR by themselves: an aborted INVALID_ARGUMENT call raises too, and it is not our
+    # fault (RPC semconv); _end_rpc_span decides from the status code. Nor are they recorded: a message or a
+    # chained error can quote the request (its token ids, its grammar), and spans leave the process.
     with tracer.start_as_current_span(
         name,
         context=extract_context(metadata),
         kind=SpanKind.SERVER,
         attributes=_rpc_attributes(method),
+        record_exception=False,
         set_status_on_exception=False,
     ) as span:
         try:
