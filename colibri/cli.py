@@ -16,7 +16,7 @@ from common.errors import ColibriError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("expert_service.tools.cli.convert_cmd", "convert a Hugging Face safetensors checkpoint to a model dir"),
     "verify": ("expert_service.tools.cli.verify_cmd", "re-check every tensor checksum of a model directory"),
-    "make-tiny": ("expert_service.tools.cli.make_tiny_cmd", "write and convert the small embedded default model"),
+    "make-tiny": ("expert_service.tools.cli.make_tiny_cmd", "write and convert the small random-weight test model"),
     "logits": ("expert_service.tools.cli.logits_cmd", "offline: prefill logits of token ids, saved as .npy"),
     "complete": ("expert_service.tools.cli.complete_cmd", "offline: complete token ids without services (JSON out)"),
     "router-gen": (
