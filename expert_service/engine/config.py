@@ -50,7 +50,8 @@ class EngineConfig:
     cuda_graphs: bool = setting(
         True,
         "replay steps as CUDA graphs: decode steps one per batch-size bucket, other "
-        "steps one per token bucket where their MoE blocks stay on the device (false: "
+        "steps one per token bucket (in pieces around the host step of per-expert cuBLAS "
+        "GEMMs; with the expert cache too) (false: "
         "launch every kernel eagerly, for debugging; steps are padded the same way)",
         env=("COLIBRI_CUDA_GRAPHS",),
     )
