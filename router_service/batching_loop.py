@@ -364,15 +364,15 @@ class BatchingLoop:
                 receiving = self._receiving
                 if receiving is not None and receiving.done() and (receiving.cancelled() or receiving.exception()):
                     return
-            step = self._ready_scheduler.schedule(time.monotonic())
+            now = time.monotonic()
+            step = self._ready_scheduler.schedule(now)
             for seq_id in step.expired_ids:
-                self.fail(
-                    seq_id,
-                    DeadlineExceeded(
-                        f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s}",
-                        reason="QUEUE_TIMEOUT",
-                    ),
-                )
+                # its queue deadline is the earlier of queue_timeout_s and its own (the client's): name the one that passed
+                state = self._requests.get(seq_id)
+                own = state is not None and state.deadline <= now
+                queue = f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s}"
+                message = "the request's deadline passed while it waited in the queue" if own else queue
+                self.fail(seq_id, DeadlineExceeded(message, reason="QUEUE_TIMEOUT"))
             self._report_prefix_cache()
             late = self._late_masks()
             if step.is_empty and not (step.free_ids or step.evict_block_ids or step.sequence_blocks or late):
