@@ -40,7 +40,7 @@ from router_service.constraints import (
     step_masks,
 )
 from router_service.delivery import output_delta, split_for_late_masks
-from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable
+from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
 from router_service.request_state import Delta, RequestHandle, RequestState
@@ -263,7 +263,7 @@ class BatchingLoop:
                 "generated_tokens": state.num_generated,
                 "duration_s": round(now - state.arrived_at, 6),
                 "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
-                **({"error": str(error)} if error is not None else {}),
+                **({"error": log_text(error)} if error is not None else {}),
             },
         )
         self.hooks.on_request_done(state, outcome, now)

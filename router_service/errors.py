@@ -55,6 +55,14 @@ class Unauthenticated(RouterError):
     code, reason = grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"
 
 
+def log_text(error: BaseException) -> str:
+    """What a request's log line says of the error it ended with: a client mistake's message can quote its input
+    (a token id, a piece of its grammar), so it is named by its field alone; the server's own errors in full."""
+    if isinstance(error, InvalidRequestError):
+        return f"invalid {error.field}"
+    return str(error)
+
+
 def _pack(message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)

@@ -3,6 +3,7 @@ and regexes whose lexer is costly to build are refused or bounded up front (INVA
 one line), never a failure mid-request, an internal error, or a stall of the router's event loop."""
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -134,7 +135,10 @@ def test_a_token_outside_the_mask_is_told_apart_from_a_grammar_past_its_limits(c
     assert not e.value.outside_mask and "broke the grammar" in str(e.value)
 
 
-def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_model):
+def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_model, caplog):
+    """The client's answer names what failed (the sampled token among it); the router's log lines, the request's
+    own included, never carry that text: it quotes a completion token id."""
+
     async def body():
         async with running_router(worker.address, model=str(tiny_model)) as (router, stub):
             params = rpb.SamplingParameters(max_new_tokens=6, constraint=rpb.Constraint(grammar='start: "a" start'))
@@ -144,8 +148,14 @@ def test_a_grammar_past_the_limits_mid_output_is_invalid_argument(worker, tiny_m
             assert e.value.details().startswith("parameters.constraint: failed after 0 tokens")
             assert "\n" not in e.value.details()
             assert router.batching_loop.num_active == 0
+            return e.value.details()
 
-    asyncio.run(body())
+    with caplog.at_level(logging.INFO, logger="colibri.router"):
+        details = asyncio.run(body())
+    quoted = details.removeprefix("parameters.constraint: failed after 0 tokens: ")
+    assert quoted and not [r for r in caplog.records if quoted in r.getMessage() or quoted in str(r.__dict__)]
+    [line] = [r for r in caplog.records if getattr(r, "outcome", None) == "invalid_argument"]
+    assert line.error == "invalid parameters.constraint"
 
 
 def test_the_boolean_schemas_are_any_value_and_nothing(compiler):
