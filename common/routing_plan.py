@@ -8,8 +8,9 @@ in the worker's order: prompt chunks first, then one token per decoding sequence
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,18 @@ class RoutingPlan:
         tokens = np.repeat(np.asarray(kept, bool), np.asarray(lengths, np.int64))
         ids = layers_csr_to_ids(self.offsets, self.token_indices, num_experts, len(tokens))
         return RoutingPlan.from_expert_ids(self.layers, ids[:, tokens], num_experts)
+
+    def keep_chunk_rows(
+        self, chunks: Sequence[Any], kept_chunks: Iterable[Any], decodes_kept: Sequence[bool], num_experts: int
+    ) -> RoutingPlan:
+        """keep_rows for a step sent as `chunks` (each with its token_ids), then one token per decode: the chunks in
+        `kept_chunks` (the same objects) and the decodes `decodes_kept` says run."""
+        kept = {id(chunk) for chunk in kept_chunks}
+        return self.keep_rows(
+            [len(chunk.token_ids) for chunk in chunks] + [1] * len(decodes_kept),
+            [id(chunk) in kept for chunk in chunks] + list(decodes_kept),
+            num_experts,
+        )
 
     def expert_ids(
         self, num_experts: int, num_tokens: int, top_k: int | None = None, moe_layers: Sequence[int] | None = None

@@ -233,12 +233,7 @@ class Engine:
             if not work:
                 return InFlightStep(-1, [], [], unknown, (), set(), None, StepTrace(), time.perf_counter(), None, True)
             if routing_plan is not None:
-                ran = {id(chunk) for chunk in running}
-                routing_plan = routing_plan.keep_rows(
-                    [len(chunk.token_ids) for chunk in prefill] + [1] * len(decode_ids),
-                    [id(chunk) in ran for chunk in prefill] + decodes_run,
-                    mc.num_experts,
-                )
+                routing_plan = routing_plan.keep_chunk_rows(prefill, running, decodes_run, mc.num_experts)
             sampling = [rid for rid, _, wants_token in work if wants_token]
             constrained = [self.sequences[rid].sampler.params.constrained for rid in sampling]
             token_masks, late = step_masks(

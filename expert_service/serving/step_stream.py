@@ -183,12 +183,7 @@ class StreamSession:
             registrations = self._sequence_blocks(step, chunks, decodes)
             plan = step.routing_plan
             if plan is not None:  # the router's plan counts the tokens of the rows refused here too
-                kept = {id(chunk) for chunk in chunks}
-                plan = plan.keep_rows(
-                    [len(chunk.token_ids) for chunk in step.chunks] + [1] * len(step.decode_ids),
-                    [id(chunk) in kept for chunk in step.chunks] + decodes_kept,
-                    self.engine.model_config.num_experts,
-                )
+                plan = plan.keep_chunk_rows(step.chunks, chunks, decodes_kept, self.engine.model_config.num_experts)
             masks = step.masks
             if masks and refused:  # a row refused here samples nothing: its mask goes with it
                 gone = {out.request_id for out in refused}
