@@ -195,14 +195,19 @@ def w8a8_moe(cfg, kinds):
 
 def test_runs_w8a8_labels_the_steps_that_take_it(monkeypatch):
     """DeviceMoe.runs_w8a8 (bench/engine.py labels steps with it): only with the option on (the default), an sm_90
-    device, a Q8_MMA step on the wgmma tile (96+ rows an expert) and a layer of one 8-bit kind."""
+    device, a Q8_MMA step of w8a8_min_rows+ rows an expert (32 by default: 128+ tokens here) and a layer of one
+    8-bit kind."""
     cfg = config(8, D=128, F=256)  # K = 2: Q8_MMA from 2 tokens up to 512; the wgmma tile from 384
     moe, layer = w8a8_moe(cfg, (INT8_CH,))
     assert not moe.runs_w8a8(layer, 400)  # no sm_90 here
     monkeypatch.setattr(moe_grouped_mma, "hopper", lambda: True)
     monkeypatch.setattr(moe_strategy, "hopper", lambda: True)
     assert moe.runs_w8a8(layer, 400) and moe.runs_w8a8(layer, 512)
-    assert not moe.runs_w8a8(layer, 200)  # under 96 rows an expert: the mma.sync tile
+    assert moe.runs_w8a8(layer, 200) and moe.runs_w8a8(layer, 128)  # 50 and 32 rows an expert: the 64-row tile
+    assert not moe.runs_w8a8(layer, 127)  # under 32 rows an expert: the mma.sync tile
+    moe.options = CudaOptions(w8a8_min_rows=96)
+    assert moe.runs_w8a8(layer, 384) and not moe.runs_w8a8(layer, 383)
+    moe.options = CudaOptions()
     # every layer runs W8A8: Q8_MMA's few-expert bound is lifted, large steps take it too
     assert moe.runs_w8a8(layer, 513) and moe.runs_w8a8(layer, 4096)
     moe.options = CudaOptions(q8_activations=False)

@@ -217,7 +217,7 @@ def test_overlapped_dequant_equals_the_in_order_pass(tmp_path, monkeypatch, fami
 
 
 # W8A8 (CudaOptions.q8_activations): D and F whole 128-feature steps, few experts so a 400-token step has 96+ rows an
-# expert (the 128-row tile) and 100- and 200-token ones 25 and 50 (the 64-row tile, or none, by w8a8_min_rows)
+# expert (the 128-row tile) and smaller ones 10-50 (the 64-row tile, or none, by w8a8_min_rows and the token bucket)
 W8A8_MODEL = dict(hidden_size=128, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)  # mixtral keys
 W8A8_TOLERANCE = 4e-2  # against the cpu backend emulating W8A8: bf16 elsewhere moves a few values across 8-bit
 # steps (H200: up to 3.2e-2, fp8 block128 at 512 tokens; W8A8 itself moves these logits by 0.2-0.3)
@@ -265,8 +265,9 @@ def test_w8a8_prefill_matches_the_emulated_cpu_backend(tmp_path, monkeypatch, va
     monkeypatch.setattr(cpu_moe, "swiglu_mlp", lambda x, g, u, d: w8a8_swiglu_reference(x, g, u, d, code))
     forced = ForcedRouting(monkeypatch)
     rows_from = CudaOptions().w8a8_min_rows  # rows per routed expert from which a step takes it (n * K / E here)
-    for n in (100, 200, 400, 512):
-        takes_it = n * 2 // 8 >= rows_from
+    for n in (40, 100, 200, 400, 512):
+        padded = eager.decoder._prefill_bucket(n) or n  # a step runs as its token bucket: 100 tokens as 128
+        takes_it = padded * 2 // 8 >= rows_from
         ids = random_prompt(300 + n, n)
         before = len(launches)  # counted eagerly (a replayed graph calls no launcher)
         got = eager.prompt_logits(ids)
