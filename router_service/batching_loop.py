@@ -44,12 +44,12 @@ from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
 from router_service.request_state import Delta, RequestHandle, RequestState
-from router_service.routing import lut_plan_problem
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_backlog import WorkerBacklog
 from router_service.worker_client import StepStream, WorkerClient
+from router_service.worker_connection import WorkerConnector
 from router_service.worker_info import model_limits, prefix_index, scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -87,7 +87,7 @@ class BatchingLoop:
             log.info("generation_config.json: requests inherit %s", self.generation_defaults.describe())
         self.hooks = hooks or BatchingLoopHooks()
         self.info = None  # the worker's InfoResponse once connected
-        self._refused: str | None = None  # why the worker last refused a connection attempt (logged once)
+        self._connector = WorkerConnector(config, worker, planner)
         self.limits: ModelLimits | None = None
         self.scheduler: Scheduler | None = None
         self.is_worker_ready = False
@@ -522,37 +522,10 @@ class BatchingLoop:
 
     async def _connect(self) -> None:
         """Waits for a ready worker, then (re)configures limits and scheduler from its Info."""
-        try:
-            info = await self.worker.info()
-            if (unusable := lut_plan_problem(info.routing, self.planner)) is not None:
-                raise _Unusable(unusable)
-            if not await self.worker.health():
-                raise _NotReady()
-            await self.worker.clear_cache()  # we may have restarted while it held sequences
-            self._configure(info)
-            if self.config.warmup:
-                await self._warmup()
-        except (grpc.aio.AioRpcError, _NotReady, _Unusable) as e:
-            # A worker starting, loading or draining answers UNAVAILABLE (or not ready); anything else is a worker
-            # that refuses us (a wrong token, another service at the address, a failed warm-up, steps it would
-            # refuse): said once.
-            refused = str(e) if isinstance(e, _Unusable) else None
-            if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
-                refused = f"{e.code().name}: {e.details()}"
-            if refused is not None:
-                if refused != self._refused:
-                    log.warning(
-                        "the worker at %s refuses the router (%s); retrying every %g s",
-                        self.worker.address,
-                        refused,
-                        self.config.worker_retry_s,
-                    )
-            elif self.info is None or isinstance(e, _NotReady):
-                log.info("waiting for the worker at %s", self.worker.address)
-            self._refused = refused
-            await asyncio.sleep(self.config.worker_retry_s)
+        info = await self._connector.attempt()
+        if info is None:
             return
-        self._refused = None
+        self._configure(info)
         self._stream = self.worker.open_step_stream()
         self._stream.on_end(self._wake.set)
         self.is_worker_ready = True
@@ -564,13 +537,6 @@ class BatchingLoop:
             info.kv_block_size,
         )
         self.hooks.on_worker_state(True)
-
-    async def _warmup(self) -> None:
-        try:
-            await self.worker.warmup(self._ready_scheduler.limits.max_batch_tokens)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
 
     def _configure(self, info) -> None:
         self.info = info
@@ -589,11 +555,3 @@ class BatchingLoop:
     @property
     def prefix_caching(self) -> bool:
         return self.scheduler is not None and self.scheduler.prefix_cache is not None
-
-
-class _NotReady(Exception):
-    pass
-
-
-class _Unusable(Exception):
-    """The worker answers, but every step this router sends would be refused (the reason is the message)."""

@@ -1,0 +1,77 @@
+"""Connecting the batching loop to its worker: wait for a ready worker that will take this router's steps, and say
+once why one refuses it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from router_service.config import RouterConfig
+from router_service.routing import lut_plan_problem
+from router_service.worker_client import WorkerClient
+from router_service.worker_info import scheduler_limits
+
+log = logging.getLogger("colibri.router.batching_loop")
+
+
+class _NotReady(Exception):
+    pass
+
+
+class _Unusable(Exception):
+    """The worker answers, but every step this router sends would be refused (the reason is the message)."""
+
+
+class WorkerConnector:
+    """One attempt at a time (`attempt`): Info, the routing table's check, Health, ClearCache (we may have restarted
+    while it held sequences) and, when configured, a warm-up. A worker starting, loading or draining answers
+    UNAVAILABLE or not ready (logged at INFO while none was ever ready); one that refuses us (a wrong token,
+    another service at the address, a failed warm-up, steps it would refuse) is logged once as a WARNING."""
+
+    def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
+        self.config, self.worker, self.planner = config, worker, planner
+        self._refused: str | None = None  # why the worker last refused an attempt (logged once)
+        self._connected_before = False
+
+    async def attempt(self):
+        """The worker's InfoResponse once it is ready for steps, or None after waiting `worker_retry_s`."""
+        try:
+            info = await self.worker.info()
+            if (unusable := lut_plan_problem(info.routing, self.planner)) is not None:
+                raise _Unusable(unusable)
+            if not await self.worker.health():
+                raise _NotReady()
+            await self.worker.clear_cache()
+            if self.config.warmup:
+                await self._warmup(scheduler_limits(self.config, info).max_batch_tokens)
+        except (grpc.aio.AioRpcError, _NotReady, _Unusable) as e:
+            self._report(e)
+            await asyncio.sleep(self.config.worker_retry_s)
+            return None
+        self._refused, self._connected_before = None, True
+        return info
+
+    async def _warmup(self, max_batch_tokens: int) -> None:
+        try:
+            await self.worker.warmup(max_batch_tokens)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+
+    def _report(self, e: Exception) -> None:
+        refused = str(e) if isinstance(e, _Unusable) else None
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
+            refused = f"{e.code().name}: {e.details()}"
+        if refused is not None:
+            if refused != self._refused:
+                log.warning(
+                    "the worker at %s refuses the router (%s); retrying every %g s",
+                    self.worker.address,
+                    refused,
+                    self.config.worker_retry_s,
+                )
+        elif not self._connected_before or isinstance(e, _NotReady):
+            log.info("waiting for the worker at %s", self.worker.address)
+        self._refused = refused
