@@ -38,7 +38,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common.config import add_flags, flag_name  # noqa: E402
+from common.config import LOG_LEVEL_ENV, add_flags, env_value, flag_name  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
 from expert_service.engine.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
@@ -257,8 +257,9 @@ def _exit_status(code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The level both children read (COLIBRI_LOG_LEVEL, LOG_LEVEL): a bad one is refused here, before they start.
-    configure_logging("colibri-serve", os.environ.get("COLIBRI_LOG_LEVEL") or os.environ.get("LOG_LEVEL") or "INFO")
+    # The level both children read: a bad one is refused here, before they start.
+    name, level = env_value(LOG_LEVEL_ENV) or ("LOG_LEVEL", "INFO")
+    configure_logging("colibri-serve", level, level_name=name)
     if not os.path.isdir(args.model):
         found = os.path.exists(args.model)
         raise ConfigError(

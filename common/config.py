@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="DataclassInstance")
 log = logging.getLogger("colibri.config")
+# Both services' log level, and `colibri serve`'s own (it refuses a bad one before starting them).
+LOG_LEVEL_ENV = ("COLIBRI_LOG_LEVEL", "LOG_LEVEL")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -157,13 +159,29 @@ def resolve(
             )
         values[key] = _coerce(value, hints[key], f"config file: {key}")
     for name, f in fields.items():
-        for var in f.metadata.get("env", ()):
-            if env.get(var) not in (None, "") and not _is_service_link(var, env[var]):
-                values[name] = _coerce(env[var], hints[name], f"environment {var}")
-                break
+        if (found := env_value(f.metadata.get("env", ()), env)) is not None:
+            var, value = found
+            values[name] = _coerce(value, hints[name], f"environment {var}")
         if flags is not None and flags.get(name) is not None:
             values[name] = _coerce(flags[name], hints[name], f"--{flag_name(f)}")
     return cls(**values)
+
+
+def check_message_limit(label: str, value: int) -> None:
+    """A gRPC message limit in bytes. gRPC takes it as a 32-bit int (2^31 stopped a server with an OverflowError),
+    and a limit under a KiB refuses even health checks' and errors' messages."""
+    if not 1024 <= value < 2**31:
+        raise ConfigError(f"{label} must be in [1024, 2^31), got {value}")
+
+
+def env_value(names: tuple[str, ...], env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(name, value) of the first of these environment variables that is set, as `resolve` reads a setting's:
+    an empty one, or one that is a Kubernetes service link, counts as unset."""
+    env = os.environ if env is None else env
+    for var in names:
+        if env.get(var) not in (None, "") and not _is_service_link(var, env[var]):
+            return var, env[var]
+    return None
 
 
 def flag_name(f: dataclasses.Field) -> str:

@@ -157,6 +157,7 @@ def configure_logging(
     *,
     stream: IO[str] | None = None,
     env: Mapping[str, str] | None = None,
+    level_name: str = "LOG_LEVEL",
 ) -> logging.Handler:
     """Routes every logger through one handler on the root logger and returns that handler.
 
@@ -175,7 +176,7 @@ def configure_logging(
         root.removeHandler(old)
         old.close()  # a StreamHandler flushes on close but never closes its stream
     root.addHandler(handler)
-    root.setLevel(_parse_level(level))
+    root.setLevel(_parse_level(level, level_name))  # level_name: where the level came from, for the error
     # grpc and urllib3 are chatty at DEBUG; their noise would bury ours.
     for name in ("grpc", "urllib3"):
         logging.getLogger(name).setLevel(max(root.level, logging.INFO))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.config import setting
+from common.config import LOG_LEVEL_ENV, check_message_limit, setting
 from common.errors import ConfigError
 
 # gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
@@ -242,7 +242,7 @@ class RouterConfig:
         "ask the worker for a warm-up step of max_batch_tokens when it connects (a worker without Warmup is fine)",
         ("COLIBRI_WARMUP",),
     )
-    log_level: str = setting("INFO", "log level", ("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
+    log_level: str = setting("INFO", "log level", LOG_LEVEL_ENV)
 
     def __post_init__(self):
         positive = (
@@ -258,11 +258,8 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
-        # gRPC takes message limits as a 32-bit int (a larger one stopped the router with an OverflowError), and a
-        # limit under a KiB refuses even health checks' and errors' messages; the worker holds its own to the same.
         for name in ("max_message_bytes", "worker_max_message_bytes"):
-            if not 1024 <= getattr(self, name) < 2**31:
-                raise ConfigError(f"router: {name} must be in [1024, 2^31), got {getattr(self, name)}")
+            check_message_limit(f"router: {name}", getattr(self, name))
         if not 1 <= self.pipeline_depth <= 4:
             raise ConfigError(f"router: pipeline_depth must be in [1, 4], got {self.pipeline_depth}")
         for name in ("max_stop_sequences", "max_stop_token_ids"):

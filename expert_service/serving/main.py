@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
-from common.config import add_flags, flag_values, load_config_file, resolve, setting
+from common.config import LOG_LEVEL_ENV, add_flags, check_message_limit, flag_values, load_config_file, resolve, setting
 from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
@@ -108,7 +108,7 @@ class WorkerConfig:
     )
     warmup_tokens: int = setting(64, "prompt tokens of the start-up warm-up step", env=("COLIBRI_WARMUP_TOKENS",))
     parent_pid: int = setting(0, "exit when this process is gone (set by `colibri serve`)", flag="parent-pid")
-    log_level: str = setting("INFO", "log level", env=("COLIBRI_LOG_LEVEL", "LOG_LEVEL"))
+    log_level: str = setting("INFO", "log level", env=LOG_LEVEL_ENV)
 
     def __post_init__(self):
         for name in ("port", "metrics_port", "health_port"):
@@ -118,8 +118,7 @@ class WorkerConfig:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
-        if not 1024 <= self.max_message_bytes < 2**31:
-            raise ConfigError(f"max_message_bytes: must be in [1024, 2^31), got {self.max_message_bytes}")
+        check_message_limit("max_message_bytes:", self.max_message_bytes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 
 import grpc
+import pytest
 
 from tests.helpers import LoggedProcess, free_port, serve_env
 from tests.router_service.certs import issue, make_ca
@@ -82,16 +83,28 @@ def test_the_router_logs_at_the_level_colibri_log_level_sets():
     assert "INFO" not in levels, stderr[-2000:]
 
 
-def test_serve_refuses_a_bad_log_level_before_starting_anything(tmp_path):
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"LOG_LEVEL": "chatty"}, "LOG_LEVEL"),
+        (
+            {"COLIBRI_LOG_LEVEL": "chatty", "LOG_LEVEL": "debug"},
+            "COLIBRI_LOG_LEVEL",
+        ),  # the first one wins, as in both services
+        ({"COLIBRI_LOG_LEVEL": "", "LOG_LEVEL": "chatty"}, "LOG_LEVEL"),  # empty: unset, as the services read it
+    ],
+)
+def test_serve_refuses_a_bad_log_level_before_starting_anything(tmp_path, env, named):
+    """serve reads the level as both services do and names the variable it came from (it named LOG_LEVEL always)."""
     done = subprocess.run(
         [sys.executable, "-m", "colibri.cli", "serve", "--model", str(tmp_path)],
-        env={**serve_env("COLIBRI_LOG_LEVEL"), "LOG_LEVEL": "chatty"},
+        env={**serve_env("COLIBRI_LOG_LEVEL", "LOG_LEVEL"), **env},
         capture_output=True,
         timeout=60,
     )
     assert done.returncode == 2
     assert done.stderr.decode().splitlines() == [
-        "colibri serve: error: LOG_LEVEL: unknown level 'chatty' (expected DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+        f"colibri serve: error: {named}: unknown level 'chatty' (expected DEBUG, INFO, WARNING, ERROR or CRITICAL)"
     ]
 
 
