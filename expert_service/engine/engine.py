@@ -107,12 +107,20 @@ class Engine:
         flight = self._in_flight
         return not flight or (len(flight) == 1 and flight[0].overlappable and not flight[0].late)
 
-    def runs_decode(self, request_id: int) -> bool:
-        """Whether a decode of the sequence launched now runs: it has a token to feed (its last sampled one, or the
-        one the step in flight samples for it). A sequence still prefilling has none: its decode fails alone."""
-        seq = self.sequences.get(request_id)
+    def runs_decode(self, request_id: int, freed: Set[int] = frozenset()) -> bool:
+        """Whether a decode of the sequence launched now (with launch's `freed`) runs: it has a token to feed. A
+        sequence still prefilling has none: its decode fails alone."""
         ahead = self._in_flight[0].serial if self._in_flight else None
-        return seq is not None and (seq.last_token is not None or (seq.pending is not None and seq.pending[0] == ahead))
+        return self._decode_feed(request_id, freed, ahead) is not None
+
+    def _decode_feed(self, request_id: int, freed: Set[int], ahead: int | None) -> tuple[str, int] | None:
+        """Where a decode launched behind step `ahead` takes its token: ("pending", the row of that step whose
+        sample it is, taken on the device), ("last", its last sampled token), or None (freed, unknown, or still
+        prefilling)."""
+        seq = None if request_id in freed else self.sequences.get(request_id)
+        if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
+            return "pending", seq.pending[1]
+        return ("last", seq.last_token) if seq is not None and seq.last_token is not None else None
 
     def blocks_host(self, num_tokens: int) -> bool:
         """Whether launching a step of this many tokens waits for the device inside the pass."""
@@ -219,12 +227,12 @@ class Engine:
             first_decode = len(work)
             decodes_run: list[bool] = []  # per decode id: whether it has a token to feed
             for rid in decode_ids:
-                seq = None if rid in freed else self.sequences.get(rid)
-                if seq is not None and seq.pending is not None and seq.pending[0] == ahead:
-                    fed[len(work)] = seq.pending[1]
+                feed = self._decode_feed(rid, freed, ahead)
+                if feed is not None and feed[0] == "pending":
+                    fed[len(work)] = feed[1]
                     work.append((rid, np.zeros(1, dtype=np.int64), True))
-                elif seq is not None and seq.last_token is not None:
-                    work.append((rid, np.array([seq.last_token], dtype=np.int64), True))
+                elif feed is not None:
+                    work.append((rid, np.array([feed[1]], dtype=np.int64), True))
                 else:
                     unknown.append(SequenceOutput(rid, error=UNKNOWN_SEQUENCE))
                     decodes_run.append(False)

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -180,7 +181,7 @@ class StreamSession:
             self.owners.setdefault(chunk.request_id, self.id)
         kind = "prefill" if step.chunks else "decode"
         try:
-            registrations = self._sequence_blocks(step, chunks, decodes)
+            registrations = self._sequence_blocks(step, chunks, decodes, late)
             plan = step.routing_plan
             if plan is not None:  # the router's plan counts the tokens of the rows refused here too
                 plan = plan.keep_chunk_rows(step.chunks, chunks, decodes_kept, self.engine.model_config.num_experts)
@@ -199,14 +200,16 @@ class StreamSession:
         self._register(registrations)  # after the step's own launch: no chunk of it starts on these blocks
         return _Launched(step.step_id, in_flight, refused, started, kind)
 
-    def _sequence_blocks(self, step: StepRequest, chunks, decodes: list[int]) -> list[tuple[int, int, tuple[int, int]]]:
+    def _sequence_blocks(
+        self, step: StepRequest, chunks, decodes: list[int], late: Set[int] = frozenset()
+    ) -> list[tuple[int, int, tuple[int, int]]]:
         """The step's registrations of full blocks its running sequences' decodes wrote (this step's included),
-        checked before it launches."""
+        checked before it launches. late: the sequences it frees while a step in flight holds them."""
         if not len(step.sequence_blocks):
             return []
         owns = lambda r: self.owners.get(r) == self.id  # noqa: E731
         # only the decodes that run write a position: one of a sequence still prefilling fills no block
-        fed = dict.fromkeys((r for r in decodes if self.engine.runs_decode(r)), 1)
+        fed = dict.fromkeys((r for r in decodes if self.engine.runs_decode(r, late)), 1)
         return sequence_block_registrations(
             self.engine.allocator, self.engine.sequences, step.sequence_blocks, self.id, owns, fed, chunks
         )
