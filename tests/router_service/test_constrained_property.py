@@ -10,12 +10,13 @@ import re
 
 import jsonschema
 import llguidance
-import openai
 import pydantic
 import pytest
 
 from common.pb import router_pb2 as rpb
 from tests.helpers import BackgroundWorker, free_port, running_router
+
+openai = pytest.importorskip("openai", reason="the HTTP tests drive the router with the test extra's openai client")
 
 pytestmark = pytest.mark.slow
 # 128 in flight in batches of 128: half the engine steps of 64 for the same 700 requests (each case is cheaper)

@@ -7,11 +7,12 @@ import asyncio
 import json
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 
 from tests.helpers import BackgroundWorker, free_port, running_router
+
+openai = pytest.importorskip("openai", reason="the HTTP tests drive the router with the test extra's openai client")
 
 pytestmark = pytest.mark.slow
 HERMES_TEMPLATE = (

@@ -11,7 +11,6 @@ import contextlib
 import json
 
 import grpc
-import openai
 import pytest
 
 from common.pb import router_pb2 as rpb
@@ -20,6 +19,8 @@ from router_service import frontend as frontend_module
 from router_service.tokenizer import Tokenizer
 from tests.helpers import byte_ids, free_port, running_router
 from tests.router_service.fake_worker import FakeWorker, harness
+
+openai = pytest.importorskip("openai", reason="the HTTP tests drive the router with the test extra's openai client")
 
 TOOLS = [
     {
