@@ -99,7 +99,7 @@ class Constraint:
                 schema = {}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    json.dumps(_with_calendar(schema)),
+                    json.dumps(_each_subschema(schema, lambda s: _with_calendar(_exact_bounds(s)))),
                     defaults=_JSON_OPTIONS,  # type: ignore[arg-type]  # a plain dict is what the library reads
                 )
             except (ValueError, TypeError) as e:
@@ -126,25 +126,58 @@ _SUBSCHEMA = (
 )
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_EXACT = 2**53
 
 
-def _with_calendar(schema):
-    """`schema` with `_CALENDAR` beside each date format, in every subschema (not in data: const, enum)."""
+def _each_subschema(schema, change):
+    """`schema` with `change` applied to it and to every subschema, innermost first (not to data: const, enum)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
-            out[key] = _with_calendar(out[key])
+            out[key] = _each_subschema(out[key], change)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_with_calendar(s) for s in out[key]]
+            out[key] = [_each_subschema(s, change) for s in out[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _with_calendar(s) for name, s in out[key].items()}
-    if out.get("format") in ("date", "date-time") and isinstance(out.get("allOf", []), list):
-        out["allOf"] = [*out.get("allOf", []), {"pattern": _CALENDAR}]
-    return out
+            out[key] = {name: _each_subschema(s, change) for name, s in out[key].items()}
+    return change(out)
+
+
+def _with_calendar(schema: dict) -> dict:
+    """`_CALENDAR` beside a date format."""
+    if schema.get("format") in ("date", "date-time") and isinstance(schema.get("allOf", []), list):
+        schema["allOf"] = [*schema.get("allOf", []), {"pattern": _CALENDAR}]
+    return schema
+
+
+def _exact_bounds(schema: dict) -> dict:
+    """Refuses numbers the grammar compiler would round: it holds them as doubles, exact to 2^53, so
+    `"minimum": 9007199254740993` admitted 9007199254740992, `"maximum": 1e30` refused 1e29 and `"const":
+    9007199254740993` produced 9007199254740992. Bounds are refused past 2^53, integers in const / enum too."""
+    for key in _BOUNDS:
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > _EXACT:
+            raise InvalidRequestError(
+                f"{FIELD}.json_schema", f"{key} {value} is beyond ±2^53 ({_EXACT}), where numbers stay exact"
+            )
+    for key in ("const", "enum"):
+        if key in schema and (value := _inexact_integer(schema[key])) is not None:
+            raise InvalidRequestError(
+                f"{FIELD}.json_schema", f"{key} holds {value}, beyond ±2^53 ({_EXACT}), where numbers stay exact"
+            )
+    return schema
+
+
+def _inexact_integer(data):
+    """The first integer in JSON data (a const, an enum) that a double cannot hold exactly, else None."""
+    if isinstance(data, int) and not isinstance(data, bool):
+        return data if abs(data) > _EXACT else None
+    items = data.values() if isinstance(data, dict) else data if isinstance(data, list) else ()
+    return next((found for item in items if (found := _inexact_integer(item)) is not None), None)
 
 
 def from_pb(message: router_pb2.Constraint) -> Constraint | None:

@@ -4,6 +4,7 @@ one line), never a failure mid-request, an internal error, or a stall of the rou
 
 import asyncio
 import logging
+import random
 import threading
 import time
 
@@ -209,3 +210,38 @@ def test_an_objects_properties_come_in_the_schemas_order(compiler):
     }
     assert takes(compiler, schema, '{"reasoning":"x","answer":1}')
     assert not takes(compiler, schema, '{"answer":1,"reasoning":"x"}')
+
+
+@pytest.mark.parametrize("key", ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_a_bound_the_compiler_would_round_is_refused(compiler, key, kind):
+    """Bounds are held as doubles: `"minimum": 2^53 + 1, "maximum": 2^53 + 1` admitted only 2^53, which breaks
+    both, and `"maximum": 10^30` refused 10^29. Such a bound, in any subschema, is refused naming it."""
+    bound = random.choice([2**53 + 1, -(2**53) - 1, 10**30, -1e300, 2.0**60])
+    for schema in (
+        {"type": kind, key: bound},
+        {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": kind, key: bound}}},
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": kind, key: bound}}]},
+    ):
+        with pytest.raises(InvalidRequestError, match=rf"^parameters\.constraint\.json_schema: {key} .* ±2\^53"):
+            compiler.matcher(Constraint.json_schema(schema), False)
+
+
+@pytest.mark.parametrize("key", ["const", "enum"])
+def test_an_integer_the_compiler_would_round_is_refused_in_data(compiler, key):
+    """`"const": 2^53 + 1` produced 2^53, and an integer const of 10^30 allowed nothing (every mask empty)."""
+    big = random.choice([2**53 + 1, -(2**53) - 1, 10**30])
+    for value in (big, [1, {"a": [big]}]):
+        schema = {key: value if key == "const" else ["x", value]}
+        with pytest.raises(InvalidRequestError, match=rf"^parameters\.constraint\.json_schema: {key} holds {big},"):
+            compiler.matcher(Constraint.json_schema({"type": "object", "properties": {"v": schema}}), False)
+
+
+def test_bounds_within_2_53_stay_exact(compiler):
+    edge = 2**53
+    schema = {"type": "integer", "minimum": -edge, "maximum": edge}
+    assert takes(compiler, schema, str(edge)) and takes(compiler, schema, str(-edge))
+    assert not takes(compiler, schema, str(edge + 1)) and not takes(compiler, schema, str(-edge - 1))
+    within = random.randrange(1, edge)
+    assert takes(compiler, {"type": "integer", "minimum": within, "maximum": within}, str(within))
+    assert takes(compiler, {"const": edge}, str(edge)) and takes(compiler, {"enum": [-edge, 1e300]}, str(-edge))
