@@ -11,6 +11,7 @@ from typing import Protocol
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from router_service.config import RouterConfig
 from router_service.constraints import GrammarMatcher
 from router_service.errors import DeadlineExceeded, RouterError
 from router_service.logprobs import PromptLogprob, Top
@@ -21,6 +22,8 @@ from router_service.validation import ValidatedRequest
 
 class _Loop(Protocol):
     """What a handle asks of the batching loop that owns its request."""
+
+    config: RouterConfig
 
     def fail(self, seq_id: int, error: RouterError) -> None: ...
 
@@ -86,7 +89,7 @@ class RequestHandle:
             async with asyncio.timeout(max(state.deadline - time.monotonic(), 0.0)):
                 item = await state.queue.get()
         except TimeoutError:
-            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
+            self._batching_loop.fail(state.seq_id, deadline_error(state, self._batching_loop.config.request_timeout_s))
             item = state.queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
@@ -95,3 +98,16 @@ class RequestHandle:
     def cancel(self) -> None:
         """Ends the request now (client gone); a no-op once it finished."""
         self._batching_loop.cancel(self._state.seq_id)
+
+
+def deadline_error(state: RequestState, request_timeout_s: float) -> DeadlineExceeded:
+    """The error of a request whose deadline passed: where it was (QUEUE_TIMEOUT if no step carried it yet) and
+    whose limit it was (the client's, or request_timeout_s when that was the earlier; the loop set the deadline to
+    the smaller of the two, from the same arrival time)."""
+    own = state.deadline < state.arrived_at + request_timeout_s
+    if state.scheduled_at is None:
+        queued = "the request's deadline passed while it waited in the queue"
+        message = queued if own else f"waited in the queue longer than request_timeout_s={request_timeout_s:g}"
+        return DeadlineExceeded(message, reason="QUEUE_TIMEOUT")
+    running = "the request's deadline passed during generation"
+    return DeadlineExceeded(running if own else f"the request ran longer than request_timeout_s={request_timeout_s:g}")
