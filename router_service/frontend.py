@@ -2,7 +2,7 @@
 a request to the batching loop and back.
 
 Both turn their request into a GenerateRequest (a chat's messages are first rendered with the chat template),
-which `Frontend.submit` admits (draining, worker readiness), validates (router_service.validation), annotates
+which `Frontend.submit` admits (draining, worker readiness, room), validates (router_service.validation), annotates
 on the current span and hands to `BatchingLoop.submit`; answers are read from the RequestHandle's Deltas, and
 `collect` gathers a unary answer. Rejections before the batching loop are counted with `count_rejection`.
 """
@@ -103,6 +103,14 @@ class Frontend:
             raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
         return limits
 
+    def check_room(self) -> None:
+        """Refuses a request while max_concurrent_requests are in flight, before its render, tokenizing and grammar
+        compile: a refused request costs nothing, and a flood is shed at once (BatchingLoop.submit checks again)."""
+        limit = self.config.max_concurrent_requests
+        if self.batching_loop.num_active >= limit:
+            message = f"model is overloaded: {limit} requests in flight (max_concurrent_requests)"
+            raise errors.Overloaded(message, self.config.retry_after_s)
+
     async def submit(
         self,
         request: PromptRequest,
@@ -115,6 +123,7 @@ class Frontend:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
         limits = self.check_ready()
+        self.check_room()
         req = await validate_request_async(
             request,
             self.config,
@@ -181,6 +190,7 @@ class Frontend:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
+        self.check_room()
         if options.tools is not None and options.tools.is_constrained:
             # on a copy: the caller's parameters may be shared by the n samples of one request
             own = router_pb2.SamplingParameters()

@@ -1,0 +1,82 @@
+"""At max_concurrent_requests a request is refused before any work is spent on it: no chat render (its child
+processes serve a few renders at a time, so a flood of chats would queue there for its 429), no tokenizing, no
+grammar compile; the 429 / RESOURCE_EXHAUSTED comes at once, and the router serves again once room frees."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+import pytest
+
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc
+from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
+from tests.router_service.test_http_errors import AUTH, http_harness
+
+BEARER = (("authorization", AUTH["Authorization"]),)
+
+
+def test_at_capacity_a_request_is_refused_before_it_is_rendered_tokenized_or_compiled(tmp_path):
+    async def body():
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.01), max_concurrent_requests=1) as (
+            router,
+            _,
+            base,
+            hooks,
+        ):
+            frontend, tokenizer = router.http.frontend, router.batching_loop.tokenizer
+            work: list[str] = []
+            render, encode, compile_ = (
+                frontend.chat_renderer.render,
+                tokenizer.encode_async,
+                router.batching_loop.compile_constraint,
+            )
+
+            def counted(name, call):
+                async def wrapper(*args, **kwargs):
+                    work.append(name)
+                    return await call(*args, **kwargs)
+
+                return wrapper
+
+            frontend.chat_renderer.render = counted("render", render)
+            tokenizer.encode_async = counted("tokenize", encode)
+            router.batching_loop.compile_constraint = counted("compile", compile_)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                stub = router_pb2_grpc.GenerationServiceStub(channel)
+                holder = stub.GenerateStream(ids_request([1], max_new_tokens=60), metadata=BEARER)
+                await holder.read()
+                work.clear()
+                started = time.monotonic()
+                async with aiohttp.ClientSession(headers=AUTH) as s:
+                    for path, payload in (
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+                        ("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+                        ("/v1/completions", {"prompt": "hello", "max_tokens": 2, "guided_regex": "[a-z]+"}),
+                    ):
+                        async with s.post(base + path, json=payload) as r:
+                            answer = await r.json()
+                            assert r.status == 429, answer
+                            assert "max_concurrent_requests" in answer["error"]["message"]
+                            assert r.headers["Retry-After"] == "1"
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Chat(
+                        rpb.ChatRequest(messages=[rpb.ChatMessage(role="user", content="hi")]), metadata=BEARER
+                    )
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert work == [], f"refused requests cost {work}"
+                assert hooks.m.requests.labels(outcome="resource_exhausted")._value.get() == 4
+                assert time.monotonic() - started < 2.0
+                holder.cancel()
+                await wait_for(lambda: router.batching_loop.num_active == 0)
+                async with aiohttp.ClientSession(headers=AUTH) as s:
+                    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                    async with s.post(base + "/v1/chat/completions", json=payload) as r:
+                        assert r.status == 200, await r.text()
+                        async with s.get(base + "/health") as h:
+                            assert h.status == 200
+
+    asyncio.run(body())
