@@ -14,6 +14,7 @@ Connections are bounded in time (headers, body, each write) and bodies checked b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -213,7 +214,7 @@ class HttpFront:
         operation = OPERATION_CHAT if kind == "chat" else semconv.OPERATION_TEXT_COMPLETION
         frontend = self.frontend
         with start_server_span(request_span_name(frontend.model_name, operation), request.headers.items()) as span:
-            handle, parsed = None, None
+            handle, parsed, many = None, None, False
             try:
                 request_id = self._request_id(request)
                 body = await http_guard.read_json(
@@ -227,7 +228,8 @@ class HttpFront:
                     frontend.batching_loop.generation_defaults,
                     limits.vocab_size if limits is not None else 0,
                 )
-                if parsed.best_of > 1 or len(parsed.prompts) > 1:  # best_of >= n
+                many = parsed.best_of > 1 or len(parsed.prompts) > 1  # best_of >= n
+                if many:
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
                     handle = await frontend.submit_chat(
@@ -257,6 +259,10 @@ class HttpFront:
                 )
                 return web.json_response(body, headers={"X-Request-Id": handle.request_id})
             except ConnectionError:  # the client went away mid-answer: nothing to answer
+                raise
+            except asyncio.CancelledError:  # it hung up: counted here if the batching loop never had its request
+                if handle is None and not many:  # (the samples of `many` it had are counted there)
+                    frontend.batching_loop.hooks.on_rejected("cancelled")
                 raise
             except Exception as e:
                 error = api_error(

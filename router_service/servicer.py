@@ -127,6 +127,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     prompt_logprobs=self._prompt_pb(out.prompt_logprobs),
                     cached_prompt_tokens=handle.num_cached_tokens,
                 )
+            except asyncio.CancelledError:
+                self._count_departure(context, handle)
+                raise
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -163,6 +166,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     await context.write(message)
             except grpc.aio.InternalError:  # only the context's own writes raise it
                 raise _call_ended(handle.request_id if handle is not None else "") from None
+            except asyncio.CancelledError:
+                self._count_departure(context, handle)
+                raise
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
@@ -266,6 +272,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 message.logprob = e.logprob
             out.append(message)
         return out
+
+    def _count_departure(self, context, handle: RequestHandle | None) -> None:
+        """The call ended (the client left, or gRPC cut it at its deadline) before its request reached the batching
+        loop, which counts the others: counted here."""
+        if handle is None:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            self.batching_loop.hooks.on_rejected("deadline_exceeded" if expired else "cancelled")
 
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""

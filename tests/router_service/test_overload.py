@@ -1,6 +1,8 @@
-"""At max_concurrent_requests a request is refused before any work is spent on it: no chat render (its child
-processes serve a few renders at a time, so a flood of chats would queue there for its 429), no tokenizing, no
-grammar compile; the 429 / RESOURCE_EXHAUSTED comes at once, and the router serves again once room frees."""
+"""Requests that end before the batching loop has them. At max_concurrent_requests a request is refused before any
+work is spent on it: no chat render (its child processes serve a few renders at a time, so a flood of chats would
+queue there for its 429), no tokenizing, no grammar compile; the 429 / RESOURCE_EXHAUSTED comes at once, and the
+router serves again once room frees. A request whose client leaves (or whose gRPC deadline passes) before admission
+is counted in colibri_requests_total once, by the front."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import aiohttp
 import grpc
 import pytest
 
+from common.metrics import OUTCOMES
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
@@ -78,5 +81,55 @@ def test_at_capacity_a_request_is_refused_before_it_is_rendered_tokenized_or_com
                         assert r.status == 200, await r.text()
                         async with s.get(base + "/health") as h:
                             assert h.status == 200
+
+    asyncio.run(body())
+
+
+def test_a_request_that_ends_before_admission_is_counted_by_its_outcome(tmp_path):
+    """A client that leaves, or whose gRPC deadline passes, while its chat renders (or its text is tokenized, its
+    grammar compiled) never reached the batching loop, which counts the rest: the front counts it."""
+
+    async def body():
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.01)) as (router, _, base, hooks):
+            frontend, rendering = router.http.frontend, asyncio.Event()
+
+            async def slow_render(*args, **kwargs):
+                rendering.set()
+                await asyncio.sleep(30)
+
+            frontend.render_chat = slow_render
+
+            def count(outcome):
+                return hooks.m.requests.labels(outcome=outcome)._value.get()
+
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                stub = router_pb2_grpc.GenerationServiceStub(channel)
+                chat = rpb.ChatRequest(messages=[rpb.ChatMessage(role="user", content="hi")])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Chat(chat, metadata=BEARER, timeout=0.3)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await wait_for(lambda: count("deadline_exceeded") == 1)
+                rendering.clear()
+                call = stub.ChatStream(rpb.ChatRequest(messages=chat.messages), metadata=BEARER)
+                await rendering.wait()
+                call.cancel()
+                await wait_for(lambda: count("cancelled") == 1)
+            rendering.clear()
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                posted = asyncio.ensure_future(s.post(base + "/v1/chat/completions", json=payload))
+                await rendering.wait()
+                posted.cancel()  # the client hangs up
+            await wait_for(lambda: count("cancelled") == 2)
+            assert sum(count(o) for o in OUTCOMES) == 3
+            # n = 2 samples, both running when the client hangs up: each counted once, the HTTP request not again
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                payload = {"prompt": [5, 6], "max_tokens": 60, "n": 2, "stream": True}
+                async with s.post(base + "/v1/completions", json=payload) as r:
+                    await r.content.readline()
+                    await wait_for(lambda: router.batching_loop.num_active == 2)
+            await wait_for(lambda: router.batching_loop.num_active == 0)
+            await asyncio.sleep(0.05)
+            assert count("cancelled") == 4 and sum(count(o) for o in OUTCOMES) == 5
 
     asyncio.run(body())
