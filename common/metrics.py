@@ -104,7 +104,7 @@ class RouterMetrics:
         )
         self.num_requests_running = b.gauge("num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = b.gauge(
-            "num_requests_waiting", "Admitted requests waiting for their first prefill step (or preempted)"
+            "num_requests_waiting", "Admitted requests waiting for their first prefill step"
         )
         self.time_to_first_token = b.histogram(
             "time_to_first_token_seconds", "Arrival to first generated token", TTFT_BUCKETS
