@@ -24,7 +24,7 @@ BEARER = (("authorization", AUTH["Authorization"]),)
 
 def test_at_capacity_a_request_is_refused_before_it_is_rendered_tokenized_or_compiled(tmp_path):
     async def body():
-        async with http_harness(tmp_path, FakeWorker(step_delay=0.01), max_concurrent_requests=1) as (
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.05), max_concurrent_requests=1) as (
             router,
             _,
             base,
@@ -90,7 +90,7 @@ def test_a_request_that_ends_before_admission_is_counted_by_its_outcome(tmp_path
     grammar compiled) never reached the batching loop, which counts the rest: the front counts it."""
 
     async def body():
-        async with http_harness(tmp_path, FakeWorker(step_delay=0.01)) as (router, _, base, hooks):
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.05)) as (router, _, base, hooks):
             frontend, rendering = router.http.frontend, asyncio.Event()
 
             async def slow_render(*args, **kwargs):
