@@ -43,7 +43,7 @@ from router_service.delivery import output_delta, split_for_late_masks
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
-from router_service.request_state import Delta, RequestHandle, RequestState
+from router_service.request_state import Delta, RequestHandle, RequestState, deadline_error
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
@@ -367,12 +367,13 @@ class BatchingLoop:
             now = time.monotonic()
             step = self._ready_scheduler.schedule(now)
             for seq_id in step.expired_ids:
-                # its queue deadline is the earlier of queue_timeout_s and its own (the client's): name the one that passed
+                # its queue deadline is the earliest of queue_timeout_s, request_timeout_s and the client's: name it
                 state = self._requests.get(seq_id)
-                own = state is not None and state.deadline <= now
-                queue = f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s}"
-                message = "the request's deadline passed while it waited in the queue" if own else queue
-                self.fail(seq_id, DeadlineExceeded(message, reason="QUEUE_TIMEOUT"))
+                if state is not None and state.deadline <= now:
+                    self.fail(seq_id, deadline_error(state, self.config.request_timeout_s))
+                    continue
+                queue = f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s:g}"
+                self.fail(seq_id, DeadlineExceeded(queue, reason="QUEUE_TIMEOUT"))
             self._report_prefix_cache()
             late = self._late_masks()
             if step.is_empty and not (step.free_ids or step.evict_block_ids or step.sequence_blocks or late):
