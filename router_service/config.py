@@ -214,6 +214,12 @@ class RouterConfig:
         "disconnected and its request cancelled",
         ("COLIBRI_HTTP_WRITE_TIMEOUT",),
     )
+    grpc_write_timeout_s: float = setting(
+        30.0,
+        "seconds one message of a gRPC stream may wait for a client that stops reading (HTTP/2 flow control); "
+        "past it the request ends (DEADLINE_EXCEEDED, reason CLIENT_TOO_SLOW) and its KV blocks are freed",
+        ("COLIBRI_GRPC_WRITE_TIMEOUT",),
+    )
     max_prompt_bytes: int = setting(
         0,
         "largest text prompt (and Tokenize text) in UTF-8 bytes, checked before "
@@ -276,6 +282,7 @@ class RouterConfig:
             "http_header_timeout_s",
             "http_body_timeout_s",
             "http_write_timeout_s",
+            "grpc_write_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router: {name} must be > 0 seconds, got {getattr(self, name)}")

@@ -96,8 +96,12 @@ class RequestHandle:
         return item
 
     def cancel(self) -> None:
-        """Ends the request now (client gone); a no-op once it finished."""
+        """Ends the request now (client gone) and drops the Deltas it had not read: a handler still sending an error
+        to a client that stopped reading keeps the handle. Ending is a no-op once the request finished."""
         self._batching_loop.cancel(self._state.seq_id)
+        queue = self._state.queue
+        while not queue.empty():
+            queue.get_nowait()
 
 
 def deadline_error(state: RequestState, request_timeout_s: float) -> DeadlineExceeded:

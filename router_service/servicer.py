@@ -163,17 +163,33 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.routing = self._routing()
                         message.cached_prompt_tokens = handle.num_cached_tokens
                         set_usage(handle, generated, delta.finish_reason)
-                    await context.write(message)
+                    await self._write(context, message)
             except grpc.aio.InternalError:  # only the context's own writes raise it
                 raise _call_ended(handle.request_id if handle is not None else "") from None
             except asyncio.CancelledError:
                 self._count_departure(context, handle)
                 raise
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
+                if handle is not None:  # the status may wait behind messages a slow client has not read
+                    handle.cancel()
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
                 if handle is not None:
                     handle.cancel()
+
+    async def _write(self, context, message) -> None:
+        """One message of a stream. gRPC waits without limit for a client that stops reading (HTTP/2 flow control),
+        while its request would run on and queue every message; past grpc_write_timeout_s the request ends instead
+        (its status reaches the client after the messages it has not read)."""
+        timeout_s = self.config.grpc_write_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await context.write(message)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"a message waited {timeout_s:g} s for the client to read it (grpc_write_timeout_s)",
+                reason="CLIENT_TOO_SLOW",
+            ) from None
 
     async def Tokenize(self, request, context):
         try:
