@@ -83,6 +83,9 @@ class RequestHandle:
         state = self._state
         if state.is_done and state.queue.empty():
             raise StopAsyncIteration
+        if not state.is_done and time.monotonic() >= state.deadline:
+            # a caller reading behind its request (a slow client) never waits on the queue below
+            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
             # queue yields an item, and a cancelled (disconnected) request would then run to its end.

@@ -1,6 +1,7 @@
-"""Clients that stop reading their stream: the router does not run their request on and queue its whole output
-for them. A gRPC stream whose next message waits grpc_write_timeout_s for the client (HTTP/2 flow control) ends
-its request; the client, if it reads on, gets what was sent and then DEADLINE_EXCEEDED (CLIENT_TOO_SLOW)."""
+"""Clients that stop reading their stream, or read it slower than it comes: the router does not run their request on
+and queue its whole output for them. A gRPC stream whose next message waits grpc_write_timeout_s for the client
+(HTTP/2 flow control) ends its request; the client, if it reads on, gets what was sent and then DEADLINE_EXCEEDED
+(CLIENT_TOO_SLOW). A request read behind its tokens still ends at its deadline."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.router_service.fake_worker import FakeWorker, harness, wait_for
 def _long_stream(max_new_tokens: int) -> router_pb2.GenerateStreamRequest:
     prompt = [random.randrange(1, 200) for _ in range(random.randint(1, 12))]
     params = router_pb2.SamplingParameters(
-        max_new_tokens=max_new_tokens, ignore_eos=True, logprobs=True, top_logprobs=5
+        max_new_tokens=max_new_tokens, ignore_eos=True, logprobs=True, top_logprobs=20
     )
     return router_pb2.GenerateStreamRequest(token_ids=router_pb2.TokenIds(ids=prompt), parameters=params)
 
@@ -61,5 +62,38 @@ def test_a_grpc_stream_the_client_stops_reading_ends_its_request():
                     raise AssertionError("the stalled stream ended without an error")
                 assert 0 < read < 100_000
                 calls[1].cancel()
+
+    asyncio.run(body())
+
+
+def test_a_stream_read_behind_its_request_still_ends_at_the_request_timeout():
+    """The client reads on, slower than its tokens come: the router always has a token queued for it, so it never
+    waits for the next one, and the request must still end at request_timeout_s rather than run to max_tokens."""
+    roomy = FakeWorker(num_blocks=50_000, max_position_embeddings=200_000)
+
+    async def body():
+        settings = dict(max_new_tokens=150_000, request_timeout_s=1.0)
+        async with harness(roomy, **settings) as (router, fake, stub, _):
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{router.port}", options=[("grpc.http2.bdp_probe", 0)]
+            ) as channel:
+                call = router_pb2_grpc.GenerationServiceStub(channel).GenerateStream(_long_stream(100_000))
+                await call.read()
+                loop = asyncio.get_running_loop()
+                started, read = loop.time(), 1
+                while loop.time() - started < 2.5:
+                    assert await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF
+                    read += 1
+                    await asyncio.sleep(0.002)  # a few hundred messages a second: thousands of tokens come
+                assert router.batching_loop.num_active == 0, "the request runs past request_timeout_s"
+                await wait_for(lambda: not fake.seqs)
+                try:  # what it generated within its time, then the status
+                    while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
+                        read += 1
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+                else:
+                    raise AssertionError(f"the stream ended without an error after {read} messages")
+                assert read < 100_000
 
     asyncio.run(body())
