@@ -83,16 +83,17 @@ class RequestHandle:
         state = self._state
         if state.is_done and state.queue.empty():
             raise StopAsyncIteration
+        timeout_s = self._batching_loop.config.request_timeout_s
         if not state.is_done and time.monotonic() >= state.deadline:
             # a caller reading behind its request (a slow client) never waits on the queue below
-            self._batching_loop.fail(state.seq_id, DeadlineExceeded("request deadline passed during generation"))
+            self._batching_loop.fail(state.seq_id, deadline_error(state, timeout_s))
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that arrives as the
             # queue yields an item, and a cancelled (disconnected) request would then run to its end.
             async with asyncio.timeout(max(state.deadline - time.monotonic(), 0.0)):
                 item = await state.queue.get()
         except TimeoutError:
-            self._batching_loop.fail(state.seq_id, deadline_error(state, self._batching_loop.config.request_timeout_s))
+            self._batching_loop.fail(state.seq_id, deadline_error(state, timeout_s))
             item = state.queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
