@@ -99,10 +99,14 @@ class RequestHandle:
             raise item
         return item
 
-    def cancel(self) -> None:
-        """Ends the request now (client gone) and drops the Deltas it had not read: a handler still sending an error
-        to a client that stopped reading keeps the handle. Ending is a no-op once the request finished."""
-        self._batching_loop.cancel(self._state.seq_id)
+    def cancel(self, error: RouterError | None = None) -> None:
+        """Ends the request now (client gone; or with `error`, counted as its outcome) and drops the Deltas it had
+        not read: a handler still sending an error to a client that stopped reading keeps the handle. Ending is a
+        no-op once the request finished."""
+        if error is None:
+            self._batching_loop.cancel(self._state.seq_id)
+        else:
+            self._batching_loop.fail(self._state.seq_id, error)
         queue = self._state.queue
         while not queue.empty():
             queue.get_nowait()

@@ -171,7 +171,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 raise
             except Exception as e:  # mapped to a status in errors.to_status (unexpected ones logged)
                 if handle is not None:  # the status may wait behind messages a slow client has not read
-                    handle.cancel()
+                    handle.cancel(e if isinstance(e, errors.RouterError) else None)
                 await self._abort(context, e, request, handle, count=handle is None)
             finally:
                 if handle is not None:

@@ -257,6 +257,6 @@ def test_a_signal_after_the_exit_status_is_decided_cannot_change_it(tmp_path, mo
             return 0
 
     monkeypatch.setattr(serve_module, "Supervisor", Decided)
-    monkeypatch.setattr(serve_module, "configure_logging", lambda *_: None)
+    monkeypatch.setattr(serve_module, "configure_logging", lambda *_, **__: None)
     assert serve_module.run(argparse.Namespace(model=str(tmp_path))) == 0
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN and signal.getsignal(signal.SIGINT) == signal.SIG_IGN

@@ -13,6 +13,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from common.pb import router_pb2, router_pb2_grpc
+from router_service.observability import router_metrics
 from tests.router_service.fake_worker import FakeWorker, harness, wait_for
 
 
@@ -29,7 +30,8 @@ def test_a_grpc_stream_the_client_stops_reading_ends_its_request():
 
     async def body():
         settings = dict(max_new_tokens=150_000, request_timeout_s=600, grpc_write_timeout_s=0.3)
-        async with harness(roomy, max_concurrent_requests=2, **settings) as (router, fake, stub, _):
+        hooks, _ = router_metrics("fake", -1)
+        async with harness(roomy, hooks=hooks, max_concurrent_requests=2, **settings) as (router, fake, stub, _):
             # no BDP probing: the client's receive window stays at its initial 64 KiB
             async with grpc.aio.insecure_channel(
                 f"127.0.0.1:{router.port}", options=[("grpc.http2.bdp_probe", 0)]
@@ -40,6 +42,8 @@ def test_a_grpc_stream_the_client_stops_reading_ends_its_request():
                     await call.read()
                 # 100,000 tokens take the fake worker far longer: the requests end once the windows are full
                 await wait_for(lambda: router.batching_loop.num_active == 0 and not fake.seqs, timeout=8)
+                # counted as what ended them (they were counted as client cancels)
+                assert hooks.m.requests.labels(outcome="deadline_exceeded")._value.get() == 2
                 # both slots are free again: the router fills to its limit
                 answers = await asyncio.gather(
                     *(
