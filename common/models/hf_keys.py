@@ -91,7 +91,7 @@ def qwen_sparse_layers(hf: dict, num_experts: int) -> tuple[bool, ...]:
 
 
 def qwen_sliding_windows(hf: dict) -> tuple[int | None, ...]:
-    """Qwen's `use_sliding_window` + `layer_types` (or `max_window_layers`) choose which layers slide."""
+    """Qwen2-MoE's `use_sliding_window` + `layer_types` (or `max_window_layers`) choose which layers slide."""
     n = int(hf["num_hidden_layers"])
     window = hf.get("sliding_window")
     if not hf.get("use_sliding_window") or not window:

@@ -1,8 +1,9 @@
-"""Qwen3-MoE: explicit `head_dim`, RMSNorm on each q/k head before RoPE, `norm_topk_prob`, no shared expert."""
+"""Qwen3-MoE: explicit `head_dim`, RMSNorm on each q/k head before RoPE, `norm_topk_prob`, no shared expert,
+one sliding window for every layer when `use_sliding_window`."""
 
 from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
-from common.models.hf_keys import qwen_sliding_windows, qwen_sparse_layers, require, shared_fields
+from common.models.hf_keys import qwen_sparse_layers, require, shared_fields
 
 __all__ = ["HF_NAMES", "config_from_hf"]
 
@@ -11,9 +12,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # Hub checkpoints say `num_experts`; transformers 5 writes `num_local_experts`.
     num_experts = int(hf.get("num_experts") or require(hf, "num_local_experts"))
     bias = bool(hf.get("attention_bias", False))
+    shared = shared_fields(hf)
+    # transformers' Qwen3-MoE slides every layer when use_sliding_window: unlike Qwen2-MoE it reads neither
+    # max_window_layers nor layer_types
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     return ModelConfig(
         family="qwen3_moe",
-        **shared_fields(hf),
+        **shared,
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=QKNorm.PER_HEAD,
@@ -25,5 +30,5 @@ def config_from_hf(hf: dict) -> ModelConfig:
         intermediate_size=int(hf.get("intermediate_size") or 0),
         sparse_layers=qwen_sparse_layers(hf, num_experts),
         shared_expert_intermediate_size=0,
-        sliding_windows=qwen_sliding_windows(hf),
+        sliding_windows=(int(window) if window else None,) * shared["num_hidden_layers"],
     )

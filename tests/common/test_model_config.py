@@ -34,7 +34,7 @@ from expert_service.tools.tiny_model import tiny_hf_config
 )  # fmt: skip
 def test_malformed_values_are_one_line_config_errors(change, message):
     with pytest.raises(ConfigError) as raised:
-        config_from_hf({**tiny_hf_config("qwen3_moe"), **change})
+        config_from_hf({**tiny_hf_config("qwen2_moe"), **change})
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -50,6 +50,13 @@ def test_well_formed_rope_settings_still_load():
 
 
 def test_layer_types_choose_the_sliding_layers():
-    hf = {**tiny_hf_config("qwen3_moe"), "use_sliding_window": True, "sliding_window": 8}
+    hf = {**tiny_hf_config("qwen2_moe"), "use_sliding_window": True, "sliding_window": 8}
     config = config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]})
     assert config.sliding_windows == (None, 8)
+
+
+def test_qwen3_moe_slides_every_layer():
+    """As transformers' Qwen3-MoE does: its attention reads neither layer_types nor max_window_layers."""
+    hf = {**tiny_hf_config("qwen3_moe"), "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    assert config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]}).sliding_windows == (8, 8)
+    assert config_from_hf({**hf, "use_sliding_window": False}).sliding_windows == (None, None)
