@@ -35,7 +35,9 @@ class RopeConfig:
     original_max_position_embeddings: int = 0  # llama3 / yarn
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: scales cos/sin; None = derived from factor
+    attention_factor: float | None = None  # yarn: scales cos/sin; None = derived from factor (and mscale)
+    mscale: float | None = None  # yarn: with mscale_all_dim, the derived attention factor's numerator
+    mscale_all_dim: float | None = None  # yarn: ... and its denominator
     truncate: bool = True  # yarn
 
     SUPPORTED = ("default", "linear", "llama3", "yarn")
@@ -51,6 +53,9 @@ class RopeConfig:
             params["rope_theta"] = hf.get("rope_theta", 10000.0)
         scaling = hf.get("rope_scaling") or {}
         params.update({k: v for k, v in scaling.items() if v is not None})
+        # transformers lets a top-level original_max_position_embeddings (Phi-3's spelling) win over the entry's
+        if hf.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in cls.SUPPORTED:
             raise ConfigError(
@@ -81,9 +86,12 @@ class RopeConfig:
             original_max_position_embeddings=int(
                 get("original_max_position_embeddings", hf.get("max_position_embeddings", 0), "integer")
             ),
-            beta_fast=float(get("beta_fast", 32.0)),
-            beta_slow=float(get("beta_slow", 1.0)),
+            # transformers reads `beta_fast or 32`: a 0 takes the default (and would divide by zero here)
+            beta_fast=float(get("beta_fast", 32.0) or 32.0),
+            beta_slow=float(get("beta_slow", 1.0) or 1.0),
             attention_factor=get("attention_factor", None),
+            mscale=get("mscale", None),
+            mscale_all_dim=get("mscale_all_dim", None),
             truncate=get("truncate", True, "bool"),
         )
 
@@ -111,10 +119,15 @@ class RopeConfig:
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
     def _yarn(self, pos_freqs: np.ndarray, dim: int) -> tuple[np.ndarray, float]:
-        def mscale(scale: float) -> float:
-            return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        attention_factor = self.attention_factor if self.attention_factor is not None else mscale(self.factor)
+        if self.attention_factor is not None:
+            attention_factor = self.attention_factor
+        elif self.mscale and self.mscale_all_dim:  # transformers: both set and non-zero, else factor alone
+            attention_factor = mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        else:
+            attention_factor = mscale(self.factor)
 
         def correction_dim(rotations: float) -> float:
             return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
@@ -223,6 +236,11 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: rope type {rope.rope_type} needs original_max_position_embeddings > 0, "
                 f"got {rope.original_max_position_embeddings}"
+            )
+        # yarn's derived attention factor divides by 0.1 * mscale_all_dim * log(factor) + 1
+        if rope.rope_type == "yarn" and any(m is not None and m < 0 for m in (rope.mscale, rope.mscale_all_dim)):
+            raise ConfigError(
+                f"config.json: rope yarn needs mscale and mscale_all_dim >= 0, got {rope.mscale} and {rope.mscale_all_dim}"
             )
         if rope.rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
             raise ConfigError(

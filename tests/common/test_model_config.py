@@ -24,6 +24,7 @@ from expert_service.tools.tiny_model import tiny_hf_config
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}), "rope type yarn needs original_max_position_embeddings > 0, got 0"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512}), "rope llama3 needs 0 < low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 512.5}), "rope setting original_max_position_embeddings must be an integer, got 512.5"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": -43.4}), "rope yarn needs mscale and mscale_all_dim >= 0, got 1.0 and -43.4"),
         (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
         (dict(norm_topk_prob=1), "norm_topk_prob must be true or false, got 1"),
         (dict(attention_bias="true"), "attention_bias must be true or false, got 'true'"),
@@ -60,3 +61,11 @@ def test_qwen3_moe_slides_every_layer():
     hf = {**tiny_hf_config("qwen3_moe"), "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
     assert config_from_hf({**hf, "layer_types": ["full_attention", "sliding_attention"]}).sliding_windows == (8, 8)
     assert config_from_hf({**hf, "use_sliding_window": False}).sliding_windows == (None, None)
+
+
+def test_yarn_zero_betas_take_the_defaults():
+    """transformers reads `beta_fast or 32` and `beta_slow or 1`; 0 used to divide by zero at load."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    zero = config_from_hf({**tiny_hf_config("qwen3_moe"), "rope_scaling": {**yarn, "beta_fast": 0, "beta_slow": 0}})
+    plain = config_from_hf({**tiny_hf_config("qwen3_moe"), "rope_scaling": yarn})
+    assert (zero.rope.inverse_frequencies(24)[0] == plain.rope.inverse_frequencies(24)[0]).all()

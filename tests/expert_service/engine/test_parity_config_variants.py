@@ -109,6 +109,25 @@ CASES: dict[str, tuple[str, dict, Callable[[dict], None] | None]] = {
             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         ),
     ),
+    # yarn's attention factor from mscale / mscale_all_dim (DeepSeek's spelling)
+    "olmoe-yarn-mscale": (
+        "olmoe",
+        {},
+        update(rope_parameters={"rope_theta": 10000.0, **YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    ),
+    "qwen3_moe-yarn-mscale-legacy": ("qwen3_moe", {}, legacy_rope({**YARN, "mscale": 1.0, "mscale_all_dim": 0.5})),
+    "qwen3_moe-yarn-mscale-alone": ("qwen3_moe", {}, legacy_rope({**YARN, "mscale": 2.0})),
+    # a top-level original_max_position_embeddings wins over the rope entry's (Phi-3's spelling)
+    "qwen3_moe-yarn-top-level-original": (
+        "qwen3_moe",
+        {},
+        legacy_rope({"rope_type": "yarn", "factor": 4.0}, original_max_position_embeddings=64),
+    ),
+    "mixtral-llama3-top-level-original": (
+        "mixtral",
+        {},
+        legacy_rope(LLAMA3, theta=500.0, original_max_position_embeddings=64),
+    ),
     "qwen2_moe-yarn-attention-factor": (
         "qwen2_moe",
         {},
