@@ -107,6 +107,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if not isinstance(hf, dict):
         raise ConfigError(f"config.json: expected an object, got {type(hf).__name__}")
     module = family_module(hf.get("model_type"))
+    # an absent key means what transformers' config class makes of it, and those defaults differ by family
+    hf = {**module.HF_DEFAULTS, **hf}
     _check_numbers(hf)
     return module.config_from_hf(hf)
 

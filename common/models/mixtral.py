@@ -4,7 +4,10 @@ from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import MIXTRAL_NAMES as HF_NAMES
 from common.models.hf_keys import require, shared_fields
 
-__all__ = ["HF_NAMES", "config_from_hf"]
+__all__ = ["HF_DEFAULTS", "HF_NAMES", "config_from_hf"]
+
+# What transformers' config class assumes for these keys when config.json leaves them out
+HF_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

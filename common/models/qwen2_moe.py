@@ -5,7 +5,16 @@ from common.model_config import ModelConfig, QKNorm
 from common.models.hf_keys import QWEN_STYLE_NAMES as HF_NAMES
 from common.models.hf_keys import qwen_sliding_windows, qwen_sparse_layers, require, shared_fields
 
-__all__ = ["HF_NAMES", "config_from_hf"]
+__all__ = ["HF_DEFAULTS", "HF_NAMES", "config_from_hf"]
+
+# What transformers' config class assumes for these keys when config.json leaves them out
+HF_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "num_key_value_heads": 16,
+    "shared_expert_intermediate_size": 5632,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

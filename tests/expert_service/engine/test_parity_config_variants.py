@@ -15,10 +15,11 @@ import torch
 import transformers
 
 from common.model_format import ModelDir
+from common.models import config_from_hf
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from tests.helpers import rel_error
-from tests.hf_reference import hf_greedy, hf_logits, make_hf_model, save_and_convert
+from tests.hf_reference import CONFIG_CLASSES, hf_greedy, hf_logits, make_hf_model, save_and_convert
 
 TOLERANCE = 1e-4  # test_parity_hf's
 VOCAB = 211
@@ -109,6 +110,11 @@ CASES: dict[str, tuple[str, dict, Callable[[dict], None] | None]] = {
             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         ),
     ),
+    # Absent keys take the config class's defaults: Mixtral's rope_theta is 1e6, Mixtral's and OLMoE's eps 1e-5
+    "mixtral-no-rope-theta": ("mixtral", {}, drop("rope_parameters", "rope_theta")),
+    "mixtral-no-rms-norm-eps": ("mixtral", dict(rms_norm_eps=0.3), drop("rms_norm_eps")),
+    "olmoe-no-rms-norm-eps": ("olmoe", dict(rms_norm_eps=0.3), drop("rms_norm_eps")),
+    "qwen2_moe-no-rope-theta": ("qwen2_moe", {}, drop("rope_parameters", "rope_theta")),
     # yarn's attention factor from mscale / mscale_all_dim (DeepSeek's spelling)
     "olmoe-yarn-mscale": (
         "olmoe",
@@ -190,3 +196,28 @@ def test_variant_matches_transformers(name, tmp_path):
     err = rel_error(engine.prompt_logits(ids), hf_logits(hf, ids))
     assert err <= TOLERANCE, f"{name}: prefill logits relative error {err:.2e} > {TOLERANCE}"
     assert engine.generate(ids[:6], max_new_tokens=10)[0] == hf_greedy(hf, ids[:6], 10), name
+
+
+@pytest.mark.parametrize("family", sorted(BASE))
+def test_absent_keys_mean_what_the_transformers_config_class_says(family):
+    """Only the keys every family requires: the rest (eps, rope theta, kv heads, sliding windows and
+    max_window_layers with use_sliding_window) take the config class's defaults, which differ by family."""
+    required = ("vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings")
+    required += (
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+    )
+    hf_class = CONFIG_CLASSES[family]
+    minimal = {k: v for k, v in hf_class().to_dict().items() if k in required}
+    minimal.update(model_type=family, num_hidden_layers=30, use_sliding_window=True)
+    ref, ours = hf_class(**minimal), config_from_hf(minimal)
+    assert ours.rms_norm_eps == ref.rms_norm_eps
+    assert ours.rope.theta == ref.rope_parameters["rope_theta"]
+    assert ours.num_key_value_heads == ref.num_key_value_heads
+    windows = getattr(ref, "layer_types", None) or ["sliding_attention"] * 30  # Qwen3-MoE / Mixtral: every layer
+    window = getattr(ref, "sliding_window", None)  # OLMoE has none
+    want = tuple(window if kind == "sliding_attention" else None for kind in windows)
+    assert ours.sliding_windows == want
