@@ -18,6 +18,7 @@ from common.model_format import ModelDir
 from common.models import config_from_hf
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
+from expert_service.tools.convert import convert
 from tests.helpers import rel_error
 from tests.hf_reference import CONFIG_CLASSES, hf_greedy, hf_logits, make_hf_model, save_and_convert
 
@@ -178,15 +179,12 @@ def hf_and_engine(name: str, tmp_path):
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             hf_dir, dtype=torch.float32, attn_implementation="eager"
         ).eval()
-    model_dir = save_and_convert(hf, tmp_path) if edit is None else _convert_edited(tmp_path)
+    if edit is None:
+        model_dir = save_and_convert(hf, tmp_path)
+    else:  # convert the edited file, not a re-save of what transformers made of it
+        model_dir = convert(tmp_path / "hf", tmp_path / "model", progress=False)
     engine = build_engine(ModelDir.open(model_dir), EngineConfig(backend="cpu", kv_block_size=4, kv_cache_tokens=512))
     return hf, engine
-
-
-def _convert_edited(tmp_path):
-    from expert_service.tools.convert import convert
-
-    return convert(tmp_path / "hf", tmp_path / "model", progress=False)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
