@@ -1,8 +1,8 @@
 """The model's generation_config.json as request defaults, as vLLM applies it by default.
 
 Its eos_token_id (an id or a list) joins the model's EOS ids: generation stops there too, unless ignore_eos.
-Its temperature, top_p, top_k and repetition_penalty become the defaults of requests that leave the field
-unset (an explicit value, 0 included, always wins). do_sample is not read: a temperature in the file applies
+Its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens become the defaults of requests that
+leave the field unset (an explicit value always wins; max_new_tokens stays within the router's own cap). do_sample is not read: a temperature in the file applies
 whatever do_sample says, as in vLLM. A value out of range is left out with a warning naming the file and the
 key, so a bad file costs its defaults, not the service.
 """
@@ -29,6 +29,8 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    max_new_tokens: int | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None) -> GenerationDefaults:
@@ -71,13 +73,15 @@ class GenerationDefaults:
             top_p=number("top_p", lambda v: finite(v) and 0 < v <= 1),
             top_k=number("top_k", lambda v: v >= 0 and v < 1 << 32, int),
             repetition_penalty=number("repetition_penalty", lambda v: finite(v) and v > 0),
+            min_p=number("min_p", lambda v: finite(v) and 0 <= v <= 1),
+            max_new_tokens=number("max_new_tokens", lambda v: 1 <= v < 1 << 31, int),
         )
 
     def describe(self) -> str:
         """One line for the start-up log: what requests inherit."""
         parts = [
             f"{k}={getattr(self, k)}"
-            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
             if getattr(self, k) is not None
         ]
         if self.eos_token_ids:

@@ -26,7 +26,7 @@ def test_reads_the_sampling_defaults_and_eos_ids(tmp_path):
         )
     )
     d = GenerationDefaults.from_model_dir(tmp_path)
-    assert d == GenerationDefaults((7, 9), 0.6, 0.95, 20, 1.05)
+    assert d == GenerationDefaults((7, 9), 0.6, 0.95, 20, 1.05, max_new_tokens=100)
     assert "temperature=0.6" in d.describe() and "eos_token_ids=[7, 9]" in d.describe()
 
 
@@ -69,3 +69,41 @@ def test_missing_or_unreadable_files_give_no_defaults(tmp_path, text):
         (tmp_path / "generation_config.json").write_text(text)
     assert GenerationDefaults.from_model_dir(tmp_path) == GenerationDefaults()
     assert GenerationDefaults.from_model_dir("") == GenerationDefaults()
+
+
+def test_min_p_and_max_new_tokens_are_applied_where_requests_leave_them_unset():
+    """They were read from the file and dropped: a model's min_p never applied, and its max_new_tokens gave way
+    to the router's default (vLLM applies both)."""
+    import random
+
+    from common.pb import router_pb2
+    from router_service.config import RouterConfig
+    from router_service.validation import ModelLimits, validate_request
+
+    min_p, most = round(random.uniform(0.01, 0.5), 3), random.randint(30, 60)
+    d = GenerationDefaults.from_dict({"min_p": min_p, "max_new_tokens": most}, "m/gen.json")
+    assert (d.min_p, d.max_new_tokens) == (min_p, most) and f"max_new_tokens={most}" in d.describe()
+    config = RouterConfig(max_new_tokens=100, default_max_new_tokens=20)
+    limits = ModelLimits(258, 4096, 4096, (256,), False, generation=d)
+
+    def validated(**params):
+        r = router_pb2.GenerateRequest(parameters=router_pb2.SamplingParameters(**params))
+        r.token_ids.ids.extend([1, 2, 3])
+        return validate_request(r, config, limits)
+
+    unset = validated()
+    assert unset.min_p == pytest.approx(min_p) and unset.max_new_tokens == most
+    explicit = validated(min_p=0.7, max_new_tokens=5)
+    assert explicit.min_p == pytest.approx(0.7) and explicit.max_new_tokens == 5
+    capped = ModelLimits(258, 4096, 4096, (256,), False, generation=GenerationDefaults(max_new_tokens=10**6))
+    r = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1]))
+    assert validate_request(r, config, capped).max_new_tokens == 100  # the router's --max-new-tokens still caps it
+    short = ModelLimits(258, 40, 40, (256,), False, generation=d)
+    assert validate_request(r, config, short).max_new_tokens == min(most, 39)  # shortened to fit the context
+
+
+@pytest.mark.parametrize("key,value", [("min_p", 1.5), ("min_p", -0.1), ("max_new_tokens", 0), ("max_new_tokens", 2.5)])
+def test_min_p_and_max_new_tokens_out_of_range_are_left_out(key, value, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert getattr(GenerationDefaults.from_dict({key: value}, "m/gen.json"), key) is None
+    assert f"m/gen.json: {key} = {value!r}" in caplog.text
