@@ -12,11 +12,11 @@ experts' storage differs) and run on the same held-out token stream, window by w
 
 - the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations, which the
   others turn off): on the
-  cuda backend the real W8A8 path (the Q8_MMA steps that reach the wgmma tile, 96+ rows an expert, with Q8_MMA's
+  cuda backend the real W8A8 path (the Q8_MMA steps of CudaOptions.w8a8_min_rows+ rows an expert, with Q8_MMA's
   few-expert bound lifted so large steps get there too), on the cpu backend
   an emulation of its arithmetic on every step: each routed expert's input rows and SwiGLU rows (rounded to bf16
   first) quantized per row to the experts' type and back (quantize_rows_reference), weights exact -- every step,
-  where the GPU only quantizes steps of 96+ rows an expert, so an upper bound of what it costs.
+  where the GPU only quantizes steps of w8a8_min_rows+ rows an expert, so an upper bound of what it costs.
 - `int8-a8`: int8-w8a8 plus one-token steps on int8 activations (CudaOptions.q8_decode_activations: the token and
   each SwiGLU row through int8, moe_q8_dp4a) on the cuda backend, where the greedy continuations decode; on the cpu
   backend the same emulation as int8-w8a8 (which already rounds every step).

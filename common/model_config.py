@@ -240,7 +240,8 @@ class ModelConfig:
         # yarn's derived attention factor divides by 0.1 * mscale_all_dim * log(factor) + 1
         if rope.rope_type == "yarn" and any(m is not None and m < 0 for m in (rope.mscale, rope.mscale_all_dim)):
             raise ConfigError(
-                f"config.json: rope yarn needs mscale and mscale_all_dim >= 0, got {rope.mscale} and {rope.mscale_all_dim}"
+                "config.json: rope yarn needs mscale and mscale_all_dim >= 0, "
+                f"got {rope.mscale} and {rope.mscale_all_dim}"
             )
         if rope.rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
             raise ConfigError(

@@ -79,7 +79,9 @@ class RouterConfig:
         ("COLIBRI_MAX_BATCH_TOKENS", "MAX_BATCH_TOKENS", "MAX_BATCH_PREFILL_TOKENS"),
     )
     default_max_new_tokens: int = setting(
-        256, "max_new_tokens when a request leaves it 0", ("COLIBRI_DEFAULT_MAX_NEW_TOKENS",)
+        256,
+        "max_new_tokens when a request leaves it 0 and the model's generation_config.json sets none",
+        ("COLIBRI_DEFAULT_MAX_NEW_TOKENS",),
     )
     max_new_tokens: int = setting(
         4096, "largest max_new_tokens a request may ask for", ("COLIBRI_MAX_NEW_TOKENS", "MAX_NEW_TOKENS")

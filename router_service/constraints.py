@@ -99,7 +99,7 @@ class Constraint:
                 schema = {}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    json.dumps(_each_subschema(schema, lambda s: _with_calendar(_exact_bounds(s)))),
+                    json.dumps(prepared_schema(schema)),
                     defaults=_JSON_OPTIONS,  # type: ignore[arg-type]  # a plain dict is what the library reads
                 )
             except (ValueError, TypeError) as e:
@@ -145,6 +145,12 @@ def _each_subschema(schema, change):
         if isinstance(out.get(key), dict):
             out[key] = {name: _each_subschema(s, change) for name, s in out[key].items()}
     return change(out)
+
+
+def prepared_schema(schema):
+    """A JSON schema as llguidance should get it, wherever it is compiled (a json_schema constraint, a tool call's
+    %json body): dates that keep to the calendar, numbers it would round refused."""
+    return _each_subschema(schema, lambda s: _with_calendar(_exact_bounds(s)))
 
 
 def _with_calendar(schema: dict) -> dict:

@@ -1,10 +1,10 @@
 """The model's generation_config.json as request defaults, as vLLM applies it by default.
 
 Its eos_token_id (an id or a list) joins the model's EOS ids: generation stops there too, unless ignore_eos.
-Its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens become the defaults of requests that
-leave the field unset (an explicit value always wins; max_new_tokens stays within the router's own cap). do_sample is not read: a temperature in the file applies
-whatever do_sample says, as in vLLM. A value out of range is left out with a warning naming the file and the
-key, so a bad file costs its defaults, not the service.
+Its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens become the defaults of requests
+that leave the field unset (an explicit value always wins; max_new_tokens stays within the router's own cap).
+do_sample is not read: a temperature in the file applies whatever do_sample says, as in vLLM. A value out of
+range is left out with a warning naming the file and the key, so a bad file costs its defaults, not the service.
 """
 
 from __future__ import annotations

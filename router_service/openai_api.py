@@ -275,7 +275,6 @@ def parse_request(
         truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0),
         presence_penalty=_float(body, "presence_penalty", 0.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0),
-        min_p=_float(body, "min_p", 0.0),
         logit_bias=_logit_bias(body),
     )
     if body.get("temperature") is not None or defaults.temperature is None:
@@ -286,6 +285,8 @@ def parse_request(
         params.top_k = vocab_size
     if body.get("repetition_penalty") is not None:
         params.repetition_penalty = _float(body, "repetition_penalty", 1.0)
+    if body.get("min_p") is not None:  # sent (0 included): it wins over the model's generation_config.json
+        params.min_p = _float(body, "min_p", 0.0)
     prompt_logprobs = _int(body, "prompt_logprobs", None, high=MAX_LOGPROBS)
     if prompt_logprobs is not None:
         params.prompt_logprobs = prompt_logprobs

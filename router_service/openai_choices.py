@@ -40,6 +40,7 @@ from router_service.openai_api import (
 )
 from router_service.tool_replies import ToolReply, collect_reply, split
 from router_service.tool_replies import finish_reason as tool_finish_reason
+from router_service.validation import default_max_new_tokens
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so the n seeds of one request are distinct modulo 2^64
 
@@ -103,8 +104,10 @@ def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:
     samples = num_prompts * parsed.best_of
     if samples == 1:
         return  # a single choice is checked against the capacity with its prompt, as any request
-    capacity = server.frontend.check_ready().kv_capacity_tokens
-    max_tokens = parsed.parameters.max_new_tokens or server.config.default_max_new_tokens
+    limits = server.frontend.check_ready()
+    capacity, asked = limits.kv_capacity_tokens, parsed.parameters.max_new_tokens
+    max_tokens = asked or default_max_new_tokens(server.config, limits)
+    tokens_name = parsed.max_tokens_name if asked else f"the default {parsed.max_tokens_name}"
     param = "best_of" if parsed.best_of > parsed.n else "n"
     what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
     admitted = server.config.max_concurrent_requests
@@ -117,7 +120,7 @@ def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:
     if samples * max_tokens > capacity:
         raise InvalidRequestError(
             param,
-            f"{what} x {parsed.max_tokens_name} {max_tokens} = {samples * max_tokens} tokens exceed the KV capacity "
+            f"{what} x {tokens_name} {max_tokens} = {samples * max_tokens} tokens exceed the KV capacity "
             f"({capacity} tokens): the choices could never run together; ask for fewer",
         )
 

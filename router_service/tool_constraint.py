@@ -83,7 +83,7 @@ def tool_call_constraint(
             "additionalProperties": False,
         }
         return JSON_SCHEMA, json.dumps(schema)
-    body = f"body: %json {json.dumps(call)}"
+    body = f"body: %json {json.dumps(constraints.prepared_schema(call))}"
     if fmt == "hermes":
         one = 'call: "<tool_call>\\n" body "\\n</tool_call>"'
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
@@ -113,7 +113,7 @@ def _text_or_calls(
             'true with tool_choice "auto" needs a hermes or mistral chat template: in the generic format a call '
             "is a reply that is one JSON object, which text can be too; force the call or drop strict",
         )
-    body = f"body: %json {json.dumps(call_schema(tools, 'auto', strict))}"
+    body = f"body: %json {json.dumps(constraints.prepared_schema(call_schema(tools, 'auto', strict)))}"
     if fmt == "hermes":
         # `open` is lazy: it ends at the first "<tool_call>\n", so the text before a call never holds the tag,
         # and TEXT (greedy) may hold anything but the tag: a reply without a call.

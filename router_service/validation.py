@@ -239,7 +239,7 @@ def _complete(
         else float(d.repetition_penalty or 1.0),
         presence_penalty=float(p.presence_penalty),
         frequency_penalty=float(p.frequency_penalty),
-        min_p=float(p.min_p or d.min_p or 0.0),
+        min_p=float(p.min_p) if p.HasField("min_p") else float(d.min_p or 0.0),
         logit_bias=tuple(sorted(p.logit_bias.items())),
         constraint=constraint,
         cache_salt=req.cache_salt,
@@ -342,15 +342,20 @@ def _check_prompt_length(num_prompt: int, limits: ModelLimits) -> None:
         )
 
 
+def default_max_new_tokens(config: RouterConfig, limits: ModelLimits) -> int:
+    """What a request that leaves max_new_tokens unset may generate (before fitting its context): the model's
+    generation_config.json max_new_tokens, else the router's default_max_new_tokens, within its max_new_tokens."""
+    return min(limits.generation.max_new_tokens or config.default_max_new_tokens, config.max_new_tokens)
+
+
 def _max_new_tokens(
     p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits, num_prompt: int
 ) -> int:
     room = _room(limits)
     bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
     _check_prompt_length(num_prompt, limits)
-    if p.max_new_tokens == 0:  # the default (the model's, else the router's), shortened to fit rather than refused
-        default = min(limits.generation.max_new_tokens or config.default_max_new_tokens, config.max_new_tokens)
-        return min(default, room - num_prompt)
+    if p.max_new_tokens == 0:  # the default, shortened to fit rather than refused
+        return min(default_max_new_tokens(config, limits), room - num_prompt)
     if p.max_new_tokens > config.max_new_tokens:
         raise InvalidRequestError(
             "parameters.max_new_tokens", f"must be <= {config.max_new_tokens}, got {p.max_new_tokens}"

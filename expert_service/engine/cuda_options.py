@@ -102,8 +102,8 @@ class CudaOptions:
     # with the exact cpu backend take it off) (False: moe_q8)
     q8_decode_activations: bool = False
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
-    # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it. 32: at 32-95 rows the 64-row tile beat the
-    # widening mma.sync kernel (H100: qwen3moe-shape int8 prefill 1 x 512 1.2x faster in the engine); at 16 it lost
+    # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it. 32: the 64-row tile ran 0.97-2.7x the widening
+    # mma.sync kernel at 32-95 rows (H100; qwen3moe-shape int8 prefill 1 x 512 1.2x faster in the engine), 0.76x at 16
     w8a8_min_rows: int = 32
 
     def __post_init__(self) -> None:

@@ -95,6 +95,14 @@ def test_min_p_and_max_new_tokens_are_applied_where_requests_leave_them_unset():
     assert unset.min_p == pytest.approx(min_p) and unset.max_new_tokens == most
     explicit = validated(min_p=0.7, max_new_tokens=5)
     assert explicit.min_p == pytest.approx(0.7) and explicit.max_new_tokens == 5
+    assert validated(min_p=0.0).min_p == 0.0  # an explicit 0 turns the model's min_p off
+    from router_service.openai_api import parse_request
+
+    for body, want in (({}, min_p), ({"min_p": 0}, 0.0), ({"min_p": 0.2}, 0.2)):  # the OpenAI front: the same
+        parsed = parse_request({"model": "m", "prompt": [1, 2], **body}, "completion", "m", d)
+        r = router_pb2.GenerateRequest(parameters=parsed.parameters)
+        r.token_ids.ids.extend([1, 2])
+        assert validate_request(r, config, limits).min_p == pytest.approx(want), body
     capped = ModelLimits(258, 4096, 4096, (256,), False, generation=GenerationDefaults(max_new_tokens=10**6))
     r = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1]))
     assert validate_request(r, config, capped).max_new_tokens == 100  # the router's --max-new-tokens still caps it
@@ -107,3 +115,33 @@ def test_min_p_and_max_new_tokens_out_of_range_are_left_out(key, value, caplog):
     with caplog.at_level(logging.WARNING):
         assert getattr(GenerationDefaults.from_dict({key: value}, "m/gen.json"), key) is None
     assert f"m/gen.json: {key} = {value!r}" in caplog.text
+
+
+def test_several_choices_are_sized_with_the_models_default_length():
+    """n choices without max_tokens were sized with the router's default_max_new_tokens even where the model's
+    max_new_tokens applies: 8 x 1,000 tokens passed as 8 x 20 (and would hold the queue's head), and a model
+    default of 20 was refused naming a max_tokens the client never sent."""
+    from types import SimpleNamespace
+
+    from common.errors import InvalidRequestError
+    from common.pb import router_pb2
+    from router_service.config import RouterConfig
+    from router_service.openai_api import ParsedRequest
+    from router_service.openai_choices import _check_fits
+    from router_service.validation import ModelLimits
+
+    config = RouterConfig(max_new_tokens=2000, default_max_new_tokens=20, max_concurrent_requests=64)
+
+    def server(model_default):
+        limits = ModelLimits(258, 8192, 4096, (), True, generation=GenerationDefaults(max_new_tokens=model_default))
+        return SimpleNamespace(config=config, frontend=SimpleNamespace(check_ready=lambda: limits))
+
+    chat = ParsedRequest(
+        "chat", router_pb2.SamplingParameters(), n=8, best_of=8, max_tokens_name="max_completion_tokens"
+    )
+    with pytest.raises(InvalidRequestError, match=r"n 8 x the default max_completion_tokens 1000 = 8000 tokens"):
+        _check_fits(server(1000), chat, 1)
+    _check_fits(server(20), chat, 1)  # 8 x 20 fits
+    chat.parameters.max_new_tokens = 600  # the client's own wins, and is named as sent
+    with pytest.raises(InvalidRequestError, match=r"n 8 x max_completion_tokens 600 = 4800 tokens"):
+        _check_fits(server(20), chat, 1)

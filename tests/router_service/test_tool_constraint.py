@@ -277,3 +277,28 @@ def test_a_tool_whose_parameters_cannot_be_an_object_is_refused_at_compile(ll_to
     _, grammar = tool_call_constraint([{"name": "s", "parameters": {"type": "string"}}], "s", True, "hermes")
     with pytest.raises(InvalidRequestError, match="nsatisfiable"):
         compiler.matcher(Constraint("grammar", grammar))
+
+
+@pytest.mark.parametrize("fmt", ["generic", "hermes", "mistral"])
+def test_a_tool_schema_is_prepared_alike_in_every_format(ll_tokenizer, fmt):
+    """The hermes and mistral grammars embed the call schema as Lark %json, which skipped what a json_schema
+    constraint gets: a bound llguidance would round was refused in the generic format only, and dates took
+    February 29th of any year there."""
+    tok, ll_tok = ll_tokenizer
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    huge = dict(WEATHER, parameters={"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**53 + 1}}})
+    with pytest.raises(InvalidRequestError, match=r"maximum 9007199254740993 is beyond ±2\^53"):
+        kind, spec = tool_call_constraint([huge], "required", False, fmt, marker)
+        Constraint(kind, spec).grammar()  # the generic format's schema is checked where it compiles
+    day = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+    dated = dict(WEATHER, parameters=day)
+    if fmt != "generic":
+        _, grammar = tool_call_constraint([dated], "required", False, fmt, marker)
+        for date, valid in (("2024-02-29", True), ("2023-02-29", False)):
+            text = call_text(fmt, [{"name": "get_weather", "arguments": {"d": date}}])
+            ids = (
+                [marker] + ll_tok.tokenize_str(text[len("[TOOL_CALLS]") :])
+                if fmt == "mistral"
+                else ll_tok.tokenize_str(text)
+            )
+            assert accepts(ll_tok, grammar, ids) == valid, (fmt, date)
