@@ -9,6 +9,7 @@ on the current span and hands to `BatchingLoop.submit`; answers are read from th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -80,6 +81,7 @@ class Frontend:
             else None
         )
         self._model_name = model_name
+        self._num_admitting = 0  # requests past check_room the batching loop does not hold yet (render, tokenize)
         # The format the template teaches its model, unless the operator names one.
         configured = self.config.tool_call_format
         source = chat_template.source if chat_template is not None else None
@@ -105,11 +107,23 @@ class Frontend:
 
     def check_room(self) -> None:
         """Refuses a request while max_concurrent_requests are in flight, before its render, tokenizing and grammar
-        compile: a refused request costs nothing, and a flood is shed at once (BatchingLoop.submit checks again)."""
+        compile: a refused request costs nothing, and a flood is shed at once (BatchingLoop.submit checks again).
+        In flight: the batching loop's requests and those being admitted, so a burst of chats arriving together
+        does not queue for the render processes past the cap."""
         limit = self.config.max_concurrent_requests
-        if self.batching_loop.num_active >= limit:
+        if self.batching_loop.num_active + self._num_admitting >= limit:
             message = f"model is overloaded: {limit} requests in flight (max_concurrent_requests)"
             raise errors.Overloaded(message, self.config.retry_after_s)
+
+    @contextlib.contextmanager
+    def _admitting(self):
+        """check_room, then this request counts as in flight until the batching loop holds it or it failed."""
+        self.check_room()
+        self._num_admitting += 1
+        try:
+            yield
+        finally:
+            self._num_admitting -= 1
 
     async def submit(
         self,
@@ -122,8 +136,14 @@ class Frontend:
     ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
+        self.check_ready()
+        with self._admitting():
+            return await self._submit(request, deadline, stream, add_special_tokens, operation)
+
+    async def _submit(
+        self, request: PromptRequest, deadline: float | None, stream: bool, add_special_tokens: bool, operation: str
+    ) -> RequestHandle:
         limits = self.check_ready()
-        self.check_room()
         req = await validate_request_async(
             request,
             self.config,
@@ -190,7 +210,22 @@ class Frontend:
         """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
         (the template wrote them). Errors about the prompt text name `field`."""
         self.check_ready()
-        self.check_room()
+        with self._admitting():
+            return await self._submit_chat(
+                messages, parameters, request_id, deadline, stream, options, field, cache_salt
+            )
+
+    async def _submit_chat(
+        self,
+        messages,
+        parameters,
+        request_id: str,
+        deadline,
+        stream: bool,
+        options: ChatOptions,
+        field: str,
+        cache_salt: str,
+    ) -> RequestHandle:
         if options.tools is not None and options.tools.is_constrained:
             # on a copy: the caller's parameters may be shared by the n samples of one request
             own = router_pb2.SamplingParameters()
@@ -204,7 +239,7 @@ class Frontend:
             text=text, parameters=parameters, request_id=request_id, cache_salt=cache_salt
         )
         try:
-            return await self.submit(request, deadline, stream, add_special_tokens=False, operation=OPERATION_CHAT)
+            return await self._submit(request, deadline, stream, False, OPERATION_CHAT)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, detail(e)) from None

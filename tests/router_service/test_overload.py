@@ -7,6 +7,7 @@ is counted in colibri_requests_total once, by the front."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import aiohttp
@@ -131,5 +132,42 @@ def test_a_request_that_ends_before_admission_is_counted_by_its_outcome(tmp_path
             await wait_for(lambda: router.batching_loop.num_active == 0)
             await asyncio.sleep(0.05)
             assert count("cancelled") == 4 and sum(count(o) for o in OUTCOMES) == 5
+
+    asyncio.run(body())
+
+
+def test_a_burst_of_chats_is_held_to_the_cap_while_they_render(tmp_path):
+    """Requests arriving together all passed the cap while none had reached the batching loop, and queued for the
+    render processes however many they were: those being admitted count against max_concurrent_requests too."""
+    limit, burst = 2, random.randint(6, 10)
+
+    async def body():
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.01), max_concurrent_requests=limit) as (
+            router,
+            _,
+            base,
+            _,
+        ):
+            frontend, renders = router.http.frontend, []
+            render = frontend.chat_renderer.render
+
+            async def slow_render(*args, **kwargs):
+                renders.append(1)
+                await asyncio.sleep(0.3)  # a slow template: the whole burst arrives meanwhile
+                return await render(*args, **kwargs)
+
+            frontend.chat_renderer.render = slow_render
+            payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+
+                async def post():
+                    async with s.post(base + "/v1/chat/completions", json=payload) as r:
+                        return r.status
+
+                statuses = await asyncio.gather(*(post() for _ in range(burst)))
+            assert sorted(statuses) == [200] * limit + [429] * (burst - limit), statuses
+            assert len(renders) == limit, f"{len(renders)} renders for a cap of {limit}"
+            assert frontend._num_admitting == 0
+            await wait_for(lambda: router.batching_loop.num_active == 0)
 
     asyncio.run(body())
