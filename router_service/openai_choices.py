@@ -79,6 +79,11 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
                 else:
                     handle = await submit_prompt(frontend, parsed, request_id, index, p)
                 row.append(handle)
+    except asyncio.CancelledError:  # the client left: the loop counts the samples it had; none, counted here once
+        if not any(handles):
+            frontend.batching_loop.hooks.on_rejected("cancelled")
+        _cancel(handles)
+        raise
     except BaseException:
         _cancel(handles)
         raise

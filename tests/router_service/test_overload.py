@@ -132,6 +132,16 @@ def test_a_request_that_ends_before_admission_is_counted_by_its_outcome(tmp_path
             await wait_for(lambda: router.batching_loop.num_active == 0)
             await asyncio.sleep(0.05)
             assert count("cancelled") == 4 and sum(count(o) for o in OUTCOMES) == 5
+            # n = 3 chat samples, the client gone while the first renders: none reached the loop, counted once here
+            rendering.clear()
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}
+                posted = asyncio.ensure_future(s.post(base + "/v1/chat/completions", json=payload))
+                await rendering.wait()
+                posted.cancel()
+            await wait_for(lambda: count("cancelled") == 5)
+            await asyncio.sleep(0.05)
+            assert sum(count(o) for o in OUTCOMES) == 6
 
     asyncio.run(body())
 
