@@ -108,6 +108,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"config.json: expected an object, got {type(hf).__name__}")
     module = family_module(hf.get("model_type"))
     # an absent key means what transformers' config class makes of it, and those defaults differ by family
+    # null is no value (eps gave a TypeError, theta the generic 1e4), unless rope_parameters holds the theta
+    for key in ("rms_norm_eps", "rope_theta"):
+        given = isinstance(hf.get("rope_parameters"), dict) and hf["rope_parameters"].get(key) is not None
+        if key in hf and hf[key] is None and not given:
+            default = module.HF_DEFAULTS.get(key, 10000.0 if key == "rope_theta" else None)
+            raise ConfigError(
+                f"config.json: {key} is null; leave it out for {hf['model_type']}'s default ({default:g})"
+            )
     hf = {**module.HF_DEFAULTS, **hf}
     _check_numbers(hf)
     return module.config_from_hf(hf)

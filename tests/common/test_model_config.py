@@ -69,3 +69,18 @@ def test_yarn_zero_betas_take_the_defaults():
     zero = config_from_hf({**tiny_hf_config("qwen3_moe"), "rope_scaling": {**yarn, "beta_fast": 0, "beta_slow": 0}})
     plain = config_from_hf({**tiny_hf_config("qwen3_moe"), "rope_scaling": yarn})
     assert (zero.rope.inverse_frequencies(24)[0] == plain.rope.inverse_frequencies(24)[0]).all()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("key", ["rms_norm_eps", "rope_theta"])
+def test_a_null_eps_or_theta_is_refused_naming_the_default(family, key):
+    """rms_norm_eps: null was a TypeError traceback; rope_theta: null ran the generic 1e4 where an absent key means
+    the family's (Mixtral: 1e6). A theta in rope_parameters still counts."""
+    hf = {k: v for k, v in tiny_hf_config(family).items() if k not in ("rope_parameters", "rope_scaling")}
+    with pytest.raises(
+        ConfigError, match=rf"^config\.json: {key} is null; leave it out for {family}'s default \("
+    ) as e:
+        config_from_hf({**hf, key: None})
+    assert "\n" not in str(e.value)
+    if key == "rope_theta":
+        assert config_from_hf({**hf, key: None, "rope_parameters": {"rope_theta": 5e5}}).rope.theta == 5e5
