@@ -17,6 +17,7 @@ from common.errors import ConfigError
 
 MAX_VOCAB = 1 << 24  # token ids travel as uint32; embeddings this size are already ~100 GB
 MAX_CONTEXT = 1 << 24  # positions per sequence: beyond any KV pool a GPU holds
+DEFAULT_ROPE_THETA = 10000.0  # transformers' base default, where a family's config class names none
 
 
 class QKNorm(str, Enum):
@@ -50,7 +51,7 @@ class RopeConfig:
                 raise ConfigError(f"config.json: {key} must be an object, got {hf[key]!r}")
         params = dict(hf.get("rope_parameters") or {})
         if "rope_theta" not in params:
-            params["rope_theta"] = hf.get("rope_theta", 10000.0)
+            params["rope_theta"] = hf.get("rope_theta", DEFAULT_ROPE_THETA)
         scaling = hf.get("rope_scaling") or {}
         params.update({k: v for k, v in scaling.items() if v is not None})
         # transformers lets a top-level original_max_position_embeddings (Phi-3's spelling) win over the entry's
@@ -78,7 +79,7 @@ class RopeConfig:
             return value
 
         return cls(
-            theta=float(get("rope_theta", 10000.0)),
+            theta=float(get("rope_theta", DEFAULT_ROPE_THETA)),
             rope_type=rope_type,
             factor=float(get("factor", 1.0)),
             low_freq_factor=float(get("low_freq_factor", 1.0)),

@@ -167,11 +167,7 @@ class BatchingLoop:
         if not self.is_worker_ready or self.scheduler is None or self.limits is None:
             raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
         if len(self._requests) >= self.config.max_concurrent_requests:
-            raise Overloaded(
-                f"model is overloaded: {self.config.max_concurrent_requests} requests in flight "
-                f"(max_concurrent_requests)",
-                self.config.retry_after_s,
-            )
+            raise Overloaded.at_capacity(self.config.max_concurrent_requests, self.config.retry_after_s)
         now = time.monotonic()
         deadline = min(deadline or float("inf"), now + self.config.request_timeout_s)
         seq_id = next(self._ids)

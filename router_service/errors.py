@@ -38,6 +38,11 @@ class Overloaded(RouterError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    @classmethod
+    def at_capacity(cls, limit: int, retry_after_s: float) -> Overloaded:
+        """max_concurrent_requests (`limit`) requests are in flight."""
+        return cls(f"model is overloaded: {limit} requests in flight (max_concurrent_requests)", retry_after_s)
+
 
 class Unavailable(RouterError):
     code, reason = grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"

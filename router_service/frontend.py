@@ -112,8 +112,7 @@ class Frontend:
         does not queue for the render processes past the cap."""
         limit = self.config.max_concurrent_requests
         if self.batching_loop.num_active + self._num_admitting >= limit:
-            message = f"model is overloaded: {limit} requests in flight (max_concurrent_requests)"
-            raise errors.Overloaded(message, self.config.retry_after_s)
+            raise errors.Overloaded.at_capacity(limit, self.config.retry_after_s)
 
     @contextlib.contextmanager
     def _admitting(self):
@@ -136,14 +135,19 @@ class Frontend:
     ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
-        self.check_ready()
+        limits = self.check_ready()
         with self._admitting():
-            return await self._submit(request, deadline, stream, add_special_tokens, operation)
+            return await self._submit(request, limits, deadline, stream, add_special_tokens, operation)
 
     async def _submit(
-        self, request: PromptRequest, deadline: float | None, stream: bool, add_special_tokens: bool, operation: str
+        self,
+        request: PromptRequest,
+        limits: ModelLimits,
+        deadline: float | None,
+        stream: bool,
+        add_special_tokens: bool,
+        operation: str,
     ) -> RequestHandle:
-        limits = self.check_ready()
         req = await validate_request_async(
             request,
             self.config,
@@ -239,7 +243,8 @@ class Frontend:
             text=text, parameters=parameters, request_id=request_id, cache_salt=cache_salt
         )
         try:
-            return await self._submit(request, deadline, stream, False, OPERATION_CHAT)
+            # the worker may have gone while the chat rendered: its readiness is checked again
+            return await self._submit(request, self.check_ready(), deadline, stream, False, OPERATION_CHAT)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, detail(e)) from None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from common.errors import ConfigError
-from common.model_config import MAX_CONTEXT, MAX_VOCAB, ModelConfig, QKNorm
+from common.model_config import DEFAULT_ROPE_THETA, MAX_CONTEXT, MAX_VOCAB, ModelConfig, QKNorm
 from common.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {
@@ -112,7 +112,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     for key in ("rms_norm_eps", "rope_theta"):
         given = isinstance(hf.get("rope_parameters"), dict) and hf["rope_parameters"].get(key) is not None
         if key in hf and hf[key] is None and not given:
-            default = module.HF_DEFAULTS.get(key, 10000.0 if key == "rope_theta" else None)
+            default = module.HF_DEFAULTS.get(key, DEFAULT_ROPE_THETA)  # every family names its eps
             raise ConfigError(
                 f"config.json: {key} is null; leave it out for {hf['model_type']}'s default ({default:g})"
             )
