@@ -106,6 +106,34 @@ def random_cache(rng, context_lens, num_blocks_total, block_size, num_kv_heads, 
     return k_pool, v_pool, tables, lists
 
 
+def shared_cache(rng, prefixes, own_lens, block_size, num_kv_heads, head_dim):
+    """Pools of random bf16 values and block tables: sequence i starts with the blocks of prefix prefixes[i] (a
+    (name, keys) pair; sequences of the same name share those block ids) and owns own_lens[i] keys after them.
+    Returns (k_pool, v_pool, tables [S, max_blocks] int32, context_lens [S] int32, per-sequence int64 tables)."""
+    prefix_blocks, tables, lens, at = {}, [], [], 0
+    for (name, keys), own in zip(prefixes, own_lens):
+        assert keys % block_size == 0
+        if name not in prefix_blocks:
+            prefix_blocks[name] = list(range(at, at + keys // block_size))
+            at += keys // block_size
+        n_own = -(-own // block_size)
+        tables.append(prefix_blocks[name] + list(range(at, at + n_own)))
+        at += n_own
+        lens.append(keys + own)
+    total = at + 2
+    ids = rng.permutation(total)  # shuffled, non-contiguous block ids
+    shape = (total, block_size, num_kv_heads, head_dim)
+    k_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), np.uint16)
+    v_pool = to_storage(rng.standard_normal(shape, dtype=np.float32), np.uint16)
+    width = max(len(t) for t in tables) + 1
+    table = np.full((len(tables), width), ids[-1], np.int32)  # unused entries: a real block, never to be read
+    lists = []
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = ids[t]
+        lists.append(table[i, : len(t)].astype(np.int64))
+    return k_pool, v_pool, table, np.asarray(lens, np.int32), lists
+
+
 def check_decode_attention(
     launch, rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, window, dtype, splits, rtol=1e-5, **kw
 ):

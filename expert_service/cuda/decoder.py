@@ -45,11 +45,12 @@ from expert_service.cuda.moe_strategy import (
     reachable_strategies,
     step_strategy,
     w8a8_everywhere,
-    warmup_tokens,
 )
 from expert_service.cuda.penalties import DevicePenalties
-from expert_service.cuda.staging import prefill_buckets, stage_step
+from expert_service.cuda.shared_prefix import shared_members
+from expert_service.cuda.staging import GRAPH_BUCKETS, prefill_buckets, stage_step
 from expert_service.cuda.token_masks import DeviceMasks
+from expert_service.cuda.warmup import decode_key, warmup_steps
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
 from expert_service.engine.config import Backend, EngineConfig, RoutingMode
@@ -57,11 +58,9 @@ from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
-from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
 
 log = logging.getLogger("colibri.worker.cuda")
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +110,7 @@ class CudaDecoder:
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
         cached_grouped = self._cached_grouped(config.cuda_options)  # what the workspace is laid out for
         self.workspace_w8a8_min_rows = self._w8a8_min_rows(config.cuda_options)
+        self.workspace_shared_members = shared_members(cfg, self.kv_dtype, self.block_size, config.cuda_options)
         self.workspace_layout = layout_workspace(
             cfg,
             self.weights.dtype,
@@ -126,6 +126,7 @@ class CudaDecoder:
             cached_grouped=cached_grouped,
             few_expert_mma=self._few_expert_mma(config.cuda_options),
             w8a8_min_rows=self.workspace_w8a8_min_rows,
+            shared_members=self.workspace_shared_members,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self._strategies(config.cuda_options, cached)
@@ -189,89 +190,9 @@ class CudaDecoder:
         loads and graph instantiation do). With the expert cache the same steps take the cached strategies."""
         self.penalties.warmup(self.ws.logits)
         self.token_masks.warmup(self.ws.logits, self.penalties.logits)
-        self._warmup_steps()
+        warmup_steps(self)
         if self.cached is not None:  # the warm-up's cache counts are nobody's step
             self.cached.settle_totals()
-
-    def _warmup_steps(self) -> None:
-        cfg = self.config
-        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)  # one sequence's most tokens
-        bf16 = self.weights.dtype == np.uint16
-        sizes = warmup_tokens(
-            self.max_tokens,
-            cfg.num_experts_per_tok,
-            cfg.num_experts,
-            bf16=bf16,
-            options=self.options,
-            quantized=self.weights.quantized,
-            q8_mma=self._q8_mma(self.options),
-            cached_grouped=self._cached_grouped(self.options) if self.cached is not None else 0,
-            cached_mma=self.cached is not None and self.cached.mma_possible and self.options.cached_mma,
-            dims=(cfg.moe_intermediate_size, cfg.hidden_size),
-            few_expert_mma=self._few_expert_mma(self.options),
-        )
-        # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
-        buckets = (
-            [b for b in self.prefill_buckets if self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs]
-            if self.engine_config.cuda_graphs
-            else []
-        )
-        for T in sorted({t for t in sizes if t <= span} | set(buckets)):
-            self._warmup_step(T, span, logits=True)
-        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self._strategies(self.options, False):
-            self.model.moe.warm_cublas_shapes(self.max_tokens)
-        for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
-            for _ in range(2):  # first sight eager, then captured (already captured: replayed)
-                self._warmup_step(T, span, logits=False)
-        # the padded steps' LM heads (none without prefill graphs), on the hidden state the warm-up left
-        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs) if buckets else ():
-            for _ in range(2):
-                self._stage(self._padding(), 1, 1, rows)
-                self._head(rows)
-                self.stream.synchronize()
-        if not self.engine_config.cuda_graphs:
-            # eager decode: padded steps of one sequence and of MMA_DECODE_MIN_SEQS load both decode attentions
-            for seqs in sorted({1, min(self.max_seqs, self.max_tokens, MMA_DECODE_MIN_SEQS)}):
-                self._stage(self._padding(), seqs, seqs, seqs)
-                self._run(seqs, seqs, seqs, decode=True)
-                self.stream.synchronize()
-            return
-        for bucket in (b for b in GRAPH_BUCKETS if b <= min(self.max_seqs, self.max_tokens)):
-            for _ in range(2):
-                self._stage(self._padding(), bucket, bucket, bucket)
-                self.graphs.run(bucket, lambda b=bucket: self._run(b, b, b, decode=True))
-                self.stream.synchronize()
-
-    def _warmup_step(self, T: int, span: int, logits: bool) -> None:
-        """A forward of T zero tokens in as few sequences of at most `span` tokens as hold them: they read the
-        zeroed KV pool and write none; with `logits`, each sequence's last position is a logits row."""
-        lens = np.diff(np.linspace(0, T, -(-T // span) + 1).astype(np.int64))
-        ends = np.cumsum(lens)
-        batch = ForwardBatch(
-            token_ids=np.zeros(T, np.int64),
-            positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
-            seq_starts=np.concatenate([[0], ends]),
-            context_lens=lens,
-            block_tables=[np.zeros(-(-n // self.block_size), np.int64) for n in lens],
-            slot_mapping=np.full(T, -1, np.int64),
-            logits_rows=ends - 1 if logits else np.zeros(0, np.int64),
-        )
-        self.forward(batch)
-        self.stream.synchronize()  # the next _stage rewrites the pinned staging this upload reads
-
-    @staticmethod
-    def _padding() -> ForwardBatch:
-        """A step of no sequences: _stage pads it to any bucket (padding writes no KV, attends to nothing)."""
-        empty = np.zeros(0, np.int64)
-        return ForwardBatch(
-            token_ids=empty,
-            positions=empty,
-            seq_starts=np.zeros(1, np.int64),
-            context_lens=empty,
-            block_tables=[],
-            slot_mapping=empty,
-            logits_rows=empty,
-        )
 
     # --- memory -------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
@@ -333,16 +254,17 @@ class CudaDecoder:
         if self.cached is not None:
             self.cached.stage_hints(batch.expert_hints, self._twin)
         if bucket is not None:
-            self._stage(batch, bucket, bucket, bucket)
-            self._replay(self.graphs, bucket, lambda: self._run(bucket, bucket, bucket, decode=True))
+            shared = self._stage(batch, bucket, bucket, bucket, decode=True) > 0
+            key = decode_key(bucket, shared)
+            self._replay(self.graphs, key, lambda: self._run(bucket, bucket, bucket, decode=True, shared=shared))
         elif tokens is not None:
             rows = self._head_rows(R)
             self._prefill_layers(batch, tokens, rows)
             if R:  # a prompt chunk that is not its prompt's last samples nothing
                 self._head(rows)
         else:
-            self._stage(batch, T, S, R)
-            self._run(T, S, R, decode=decode_only)
+            shared = self._stage(batch, T, S, R, decode=decode_only) > 0
+            self._run(T, S, R, decode=decode_only, shared=shared)
         # penalties after the graph (or eager pass), before the argmax is read back: the common path runs none
         penalized = self.penalties.apply(batch.penalties, self.ws.logits) if batch.penalties is not None else 0
         n_ids = len(self.moe_layers) * padded * self.config.num_experts_per_tok if traced else 0
@@ -472,7 +394,13 @@ class CudaDecoder:
             return None
         return bucket
 
-    def _replay(self, graphs: GraphCache, key: int, issue) -> None:
+    @property
+    def decode_variants(self) -> tuple[bool, ...]:
+        """The decode passes this engine runs: without shared prefixes, and with them where the workspace holds
+        their buffers and the options have them on (each its own graph per bucket)."""
+        return (False, True) if self.workspace_shared_members and self.options.shared_prefix_attention else (False,)
+
+    def _replay(self, graphs: GraphCache, key: int | tuple[int, bool], issue) -> None:
         """issue() on the stream: through `graphs` (eager, captured, replayed) with cuda_graphs, else eagerly."""
         if self.engine_config.cuda_graphs:
             graphs.run(key, issue)
@@ -519,12 +447,22 @@ class CudaDecoder:
         return HostLogits(out, penalized, None if batch.masks_late else batch.token_masks)
 
     def _stage(
-        self, batch: ForwardBatch, T: int, S: int, R: int, table_rows: int | None = None, token_bucket: bool = False
-    ) -> None:
-        """The step's metadata to the device, padded to T tokens / S sequences (staging.stage_step)."""
+        self,
+        batch: ForwardBatch,
+        T: int,
+        S: int,
+        R: int,
+        table_rows: int | None = None,
+        token_bucket: bool = False,
+        decode: bool = False,
+    ) -> int:
+        """The step's metadata to the device, padded to T tokens / S sequences (staging.stage_step); a decode
+        step's groups of sequences sharing prefix blocks too where the options have shared_prefix_attention (the
+        count is returned: 0, no shared launches)."""
         self.staged_steps += 1
         plan = (self.moe_layers, self.config.num_experts_per_tok) if self.planned_routing else None
-        stage_step(
+        sharing = decode and any(self.decode_variants)
+        return stage_step(
             self.ws,
             batch,
             T,
@@ -535,11 +473,12 @@ class CudaDecoder:
             plan=plan,
             table_rows=table_rows,
             token_bucket=token_bucket,
+            shared_block_size=self.block_size if sharing else 0,
         )
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
-    def _run(self, T: int, S: int, R: int, decode: bool) -> None:
-        self.model.layers(T, S, decode)
+    def _run(self, T: int, S: int, R: int, decode: bool, shared: bool = False) -> None:
+        self.model.layers(T, S, decode, shared)
         if R:
             self.model.head(T, R)
 
@@ -564,6 +503,15 @@ class CudaDecoder:
         # W8A8's 8-bit rows, laid out for steps from workspace_w8a8_min_rows rows an expert (0: none)
         if options.q8_activations and q8_mma and not 0 < self.workspace_w8a8_min_rows <= options.w8a8_min_rows:
             missing.add(MoeStrategy.Q8_MMA)
+        if (
+            options.shared_prefix_attention
+            and not self.workspace_shared_members
+            and shared_members(self.config, self.kv_dtype, self.block_size, options)
+        ):
+            raise ValueError(
+                "cuda_options: shared_prefix_attention needs buffers the workspace was not laid out for; give it to "
+                "the engine's config instead"
+            )
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

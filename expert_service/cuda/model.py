@@ -15,12 +15,18 @@ from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import decode_split_count, decode_split_views
+from expert_service.cuda.workspace import (
+    decode_split_count,
+    decode_split_views,
+    shared_split_count,
+    shared_split_views,
+)
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.kernels import elementwise, greedy, rmsnorm
 from expert_service.kernels.attention_decode import launch_attention_decode
 from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS, launch_attention_decode_mma
 from expert_service.kernels.attention_decode_mma import supports as mma_decode_supports
+from expert_service.kernels.attention_decode_shared import launch_attention_decode_shared
 from expert_service.kernels.attention_decode_tiled import launch_attention_decode_fastest
 from expert_service.kernels.attention_prefill_mma import launch_attention_prefill_fastest
 from expert_service.kernels.embedding import launch_embedding
@@ -64,8 +70,9 @@ class CudaModel:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
         self.options = self.moe.options = options
 
-    def layers(self, T: int, S: int, decode: bool) -> None:
-        """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual."""
+    def layers(self, T: int, S: int, decode: bool, shared: bool = False) -> None:
+        """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual. shared: a
+        decode step whose staged groups share prefix blocks (the workspace's share_starts / share_members)."""
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         h, x = ws.hidden[:T], ws.normed[:T]
         # decodes of a step launched before the one ahead was collected read their token from its argmax
@@ -78,7 +85,7 @@ class CudaModel:
         for i in range(cfg.num_hidden_layers):
             if not normed:
                 rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
-            self._attention(i, x, h, T, S, decode)
+            self._attention(i, x, h, T, S, decode, shared)
             rmsnorm.launch_rmsnorm(h, w.layer(i, "post_attn_norm"), cfg.rms_norm_eps, x, stream=st)
             normed = False
             if cfg.sparse_layers[i]:
@@ -114,7 +121,7 @@ class CudaModel:
         else:
             greedy.launch_greedy(ws.logits[:R], ws.greedy_ids[:R], ws.nonfinite[:R], stream=st)
 
-    def _attention(self, i: int, x, h, T: int, S: int, decode: bool) -> None:
+    def _attention(self, i: int, x, h, T: int, S: int, decode: bool, shared: bool) -> None:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = self.qkv_views(T)
         qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
@@ -163,20 +170,16 @@ class CudaModel:
             ):
                 attend = launch_attention_decode_mma
             part_out, part_ml = decode_split_views(ws, cfg, S, self._decode_splits(S))
-            attend(
-                q3,
-                self.k_pool[i],
-                self.v_pool[i],
-                ws.block_tables[:S],
-                ws.context_lens[:S],
-                ws.positions[:S],
-                window,
-                scale,
-                attn3,
-                part_out,
-                part_ml,
-                stream=st,
-            )
+            paged = (q3, self.k_pool[i], self.v_pool[i], ws.block_tables[:S], ws.context_lens[:S], ws.positions[:S])
+            if shared and window == 0 and attend is launch_attention_decode_mma:
+                groups = (ws.share_starts[:S], ws.share_members[:S])
+                splits = shared_split_count(cfg, S, ws.share_members.shape[1])
+                shared_out, shared_ml = shared_split_views(ws, cfg, S, splits)
+                launch_attention_decode_shared(
+                    *paged, *groups, window, scale, attn3, part_out, part_ml, shared_out, shared_ml, stream=st
+                )
+            else:
+                attend(*paged, window, scale, attn3, part_out, part_ml, stream=st)
         else:
             launch_attention_prefill_fastest(
                 q3,

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from expert_service.cuda.shared_prefix import find_shared_prefixes
 from expert_service.cuda.workspace import stage_routed_ids
 from expert_service.engine.step import ForwardBatch
 
 # routing=lut: the plan goes in a second copy when the unused block_tables rows before it exceed this many int32s
 # (64 KiB: a few microseconds of PCIe either way; not tuned on the GPU)
 PLAN_COPY_GAP = 16384
+# Decode-only steps are padded to one of these batch sizes, each replaying a graph of its own.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -42,12 +45,15 @@ def stage_step(
     plan: tuple[list[int], int] | None = None,
     table_rows: int | None = None,
     token_bucket: bool = False,
-) -> None:
+    shared_block_size: int = 0,
+) -> int:
     """Step metadata into ws's pinned staging (padded to T tokens / S sequences), then to the device. Padding
     sequences (`padding_seq_starts`) take one padding token each, or with token_bucket the first takes them all
     and the rest are empty; they attend to nothing and write no KV. table_rows: the block_tables rows to upload
     (default S; rows past them are never read). plan (routing=lut): the MoE layers and top-k its routed
-    experts are staged for."""
+    experts are staged for. shared_block_size (a decode step of an engine laid out for shared prefixes: the KV
+    block size): the groups of sequences sharing prefix blocks are staged too (shared_prefix.py). Returns the
+    number of those groups (0 without shared_block_size)."""
     h = ws.host
     n, s = len(batch.token_ids), len(batch.context_lens)
     h["token_ids"][:n] = batch.token_ids
@@ -70,6 +76,11 @@ def stage_step(
     h["logits_rows"][r:R] = np.arange(r, R) % max(T, 1)
     for i, table in enumerate(batch.block_tables):
         h["block_tables"][i, : len(table)] = table
+    groups = 0
+    if shared_block_size:
+        groups = find_shared_prefixes(
+            h["block_tables"], batch.context_lens, shared_block_size, h["share_starts"][:S], h["share_members"][:S]
+        )
     meta = ws.metadata
     tables_end = meta.end_of("block_tables", min(S, table_rows or S) * max_blocks_per_seq)
     if plan is not None:  # the plan, behind the whole block_tables array: one copy unless that is long
@@ -81,5 +92,6 @@ def stage_step(
             meta.upload(n_ids, stream_handle, start=start)
         else:
             meta.upload(start + n_ids, stream_handle)
-        return
+        return groups
     meta.upload(tables_end, stream_handle)
+    return groups

@@ -30,7 +30,7 @@ from expert_service.cuda.moe_strategy import (
     MoeStrategy,
     reachable_strategies,
 )
-from expert_service.kernels.attention_decode import decode_splits
+from expert_service.kernels.attention_decode import MIN_PART_KEYS, TARGET_BLOCKS, decode_splits
 from expert_service.kernels.greedy_split import parts as greedy_parts
 from expert_service.kernels.moe_q8_dp4a import gate_up_parts
 
@@ -61,7 +61,7 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        packed = set(METADATA + PLAN_METADATA + RESULTS)
+        packed = set(METADATA + SHARE_METADATA + PLAN_METADATA + RESULTS)
         return sum(a.nbytes for n, a in self.arrays.items() if n not in packed) + sum(
             b.nbytes for b in (self.metadata, self.results) if b is not None
         )
@@ -85,6 +85,21 @@ def decode_split_views(ws, config: ModelConfig, num_seqs: int, splits: int):
     return part_out, ws.split_ml.reshape(-1)[: S * H * P * 2].reshape(S, H, P, 2)
 
 
+def shared_split_count(config: ModelConfig, num_seqs: int, members: int) -> int:
+    """The split-K parts PS of a decode step's shared prefixes (attention_decode_shared): about TARGET_BLOCKS blocks
+    when its num_seqs sequences make groups of `members` (a group's prefix is read by Hkv x PS blocks)."""
+    leaders = -(-num_seqs // members) * config.num_key_value_heads
+    return max(1, min(-(-TARGET_BLOCKS // leaders), config.max_position_embeddings // MIN_PART_KEYS))
+
+
+def shared_split_views(ws, config: ModelConfig, num_seqs: int, splits: int):
+    """(shared_out [S, H, PS, Hd], shared_ml [S, H, PS, 2]): the shared prefixes' partials of a decode step of S
+    sequences in PS = splits parts, views of the workspace's shared_out / shared_ml (laid out for every S)."""
+    S, H, P = num_seqs, config.num_attention_heads, splits
+    out = ws.shared_out.reshape(-1)[: S * H * P * config.head_dim].reshape(S, H, P, config.head_dim)
+    return out, ws.shared_ml.reshape(-1)[: S * H * P * 2].reshape(S, H, P, 2)
+
+
 def layout_workspace(
     config: ModelConfig,
     weight_dtype: np.dtype,
@@ -100,6 +115,7 @@ def layout_workspace(
     cached_grouped: int = GROUPED_MAX_TOKENS,
     few_expert_mma: int = 0,
     w8a8_min_rows: int = 0,
+    shared_members: int = 0,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Name -> (shape, dtype) of every step buffer; pure, so the layout can be printed before allocating.
     cached: the expert cache runs (CachedExperts). planned: routing=lut (each step's plan staged as routed_ids).
@@ -108,7 +124,8 @@ def layout_workspace(
     cached_grouped: the largest cached step in grouped waves (moe_strategy.cached_grouped_tokens); few_expert_mma:
     the largest step of a few-expert bf16 layer on GROUPED_MMA (moe_strategy.few_expert_mma_tokens); w8a8_min_rows:
     CudaOptions.w8a8_min_rows with q8_activations on, else 0 (the 8-bit rows of W8A8 steps, on 8-bit models that
-    reach Q8_MMA)."""
+    reach Q8_MMA). shared_members: the sequences a group of attention_decode_shared holds at most (0: decode steps
+    never share prefixes; CudaOptions.shared_prefix_attention)."""
     T, S, D = max_tokens, max_seqs, config.hidden_size
     K, E, F = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
@@ -210,6 +227,12 @@ def layout_workspace(
         # rows of the dense layers, router, shared expert and head; the expert cache's rows; all experts' h
         dense_rows = max(T, S) * max(D, config.q_size, dense_ffn, shared_ffn)
         layout["cast"] = ((max(dense_rows, cache_rows * widest, E * all_experts_tokens * F),), weight_dtype)
+    if shared_members:  # the step's groups (staged with its metadata) and their prefixes' partials
+        shared_rows = max(s * shared_split_count(config, s, shared_members) for s in range(1, S + 1))
+        layout["shared_out"] = ((shared_rows, config.num_attention_heads, config.head_dim), f32)
+        layout["shared_ml"] = ((shared_rows, config.num_attention_heads, 2), f32)
+        layout["share_starts"] = ((S + 1,), i32)
+        layout["share_members"] = ((S + 1, shared_members), i32)
     if dense_ffn:
         layout["dense_gate"] = ((T, dense_ffn), f32)
         layout["dense_up"] = ((T, dense_ffn), f32)
@@ -233,6 +256,8 @@ METADATA = (
     "feed_rows",
     "block_tables",
 )
+# With shared_prefix_attention the step's groups go before block_tables (so the prefix a step uploads holds them).
+SHARE_METADATA = ("share_starts", "share_members")
 # With routing=lut the step's routing plan follows (same packed buffer: a lut step uploads the prefix through its
 # plan, the whole block_tables array riding along, or two copies when that array's unused rows are long).
 PLAN_METADATA = ("routed_ids",)
@@ -307,7 +332,8 @@ def allocate_workspace(layout: dict[str, tuple[tuple[int, ...], np.dtype]], stre
         ws.host.update(buffer.host_views)
         return buffer
 
-    ws.metadata = packed(METADATA + tuple(n for n in PLAN_METADATA if n in layout))
+    shared = tuple(n for n in SHARE_METADATA if n in layout)
+    ws.metadata = packed(METADATA[:-1] + shared + METADATA[-1:] + tuple(n for n in PLAN_METADATA if n in layout))
     ws.results = packed(RESULTS)
     for name, (shape, dtype) in layout.items():
         if name not in ws.arrays:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_decode_activations"})
+EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,12 @@ class CudaOptions:
     # (False: the parts of the largest batch at every size, 2 at 64 sequences, so a lone sequence runs its whole
     # context in 2 blocks per head group)
     decode_splits_per_step: bool = False
+    # EXPERIMENTAL: decode steps whose sequences share cached prompt blocks (a system prompt, the samples of one
+    # request) attend those blocks once per group of up to 16 / (heads per kv head) sequences, their query heads side
+    # by side in the tensor-core kernel's rows (attention_decode_shared), where attention_decode_mma applies and the
+    # layer has no sliding window; the groups are read from the step's block tables. Laid out only when the engine's
+    # config has it on (False: every sequence reads its whole context)
+    shared_prefix_attention: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True

@@ -206,23 +206,32 @@ def _build(kv_dtype, head_dim: int, gt: int):
 
 @functools.cache
 def part_merger(base2: bool):
-    """Device function `merge(part_out, part_ml, s, h, parts, out)` of the split-K reduce kernels: out[s, h] = the
-    first `parts` partials of (s, h) merged by their (max, sum) (maxima in base 2 when base2, as the tensor-core
-    kernel's softmax keeps them), the block's threads striding over Hd."""
+    """Device function `merge(a_out, a_ml, a_parts, b_out, b_ml, b_parts, s, h, out)` of the split-K reduce kernels:
+    out[s, h] = the first a_parts partials of (s, h) in a_out / a_ml and the first b_parts in b_out / b_ml merged by
+    their (max, sum) (maxima in base 2 when base2, as the tensor-core kernel's softmax keeps them), the block's
+    threads striding over Hd. b: a second set of partials (those of a shared prefix), b_parts 0 when there is none."""
     @cuda.jit(device=True, inline=True)
-    def merge(part_out, part_ml, s, h, parts, out):
-        mx = NEG_INF
+    def weigh(part_out, part_ml, parts, s, h, d, mx, total, o):
         for p in range(parts):
-            mx = max(mx, part_ml[s, h, p, 0])
+            shift = part_ml[s, h, p, 0] - mx
+            c = np.float32(math.exp2(shift)) if base2 else math.exp(shift)
+            total += part_ml[s, h, p, 1] * c
+            o += part_out[s, h, p, d] * c
+        return total, o
+
+    @cuda.jit(device=True, inline=True)
+    def merge(a_out, a_ml, a_parts, b_out, b_ml, b_parts, s, h, out):
+        mx = NEG_INF
+        for p in range(a_parts):
+            mx = max(mx, a_ml[s, h, p, 0])
+        for p in range(b_parts):
+            mx = max(mx, b_ml[s, h, p, 0])
         for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
             total = np.float32(0.0)
             o = np.float32(0.0)
             if mx > NEG_INF:
-                for p in range(parts):
-                    shift = part_ml[s, h, p, 0] - mx
-                    c = np.float32(math.exp2(shift)) if base2 else math.exp(shift)
-                    total += part_ml[s, h, p, 1] * c
-                    o += part_out[s, h, p, d] * c
+                total, o = weigh(a_out, a_ml, a_parts, s, h, d, mx, total, o)
+                total, o = weigh(b_out, b_ml, b_parts, s, h, d, mx, total, o)
             out[s, h, d] = o / total if total > 0 else np.float32(0.0)
     return merge
 
@@ -237,7 +246,7 @@ def attention_decode_reduce_kernel(context_lens, positions, window, min_keys, pa
     s = cuda.blockIdx.x
     parts = part_range(context_lens[s], positions[s], window, 0, part_out.shape[2], min_keys)[2]
     if parts > 1:
-        _merge(part_out, part_ml, s, cuda.blockIdx.y, parts, out)
+        _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, cuda.blockIdx.y, out)
 
 
 _reduce = cached_jit(attention_decode_reduce_kernel)

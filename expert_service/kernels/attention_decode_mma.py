@@ -73,23 +73,32 @@ def supports(kv_dtype, head_dim: int, block_size: int, group: int) -> bool:
 
 
 @cuda.jit(device=True, inline=True)
-def part_bounds(context_len, q_pos, window, num_splits, min_keys):
+def part_bounds(context_len, q_pos, window, start, num_splits, min_keys):
     """(lo, hi, part, parts): the keys [lo, hi) the query attends to (positions <= q_pos, > q_pos - window when
-    window > 0, among the context_len cached ones) cut into `parts` parts of `part` keys (the last one shorter):
-    at most num_splits of at least min_keys, rounded up to whole tiles. parts is 0 for an empty range."""
+    window > 0, among the context_len cached ones; from `start` on when window is 0, the keys before it being a
+    shared prefix attended elsewhere) cut into `parts` parts of `part` keys (the last one shorter): at most
+    num_splits of at least min_keys, rounded up to whole tiles. parts is 0 for an empty range."""
     hi = min(context_len, q_pos + 1)
-    lo = max(0, q_pos - window + 1) if window > 0 else 0
+    lo = max(0, q_pos - window + 1) if window > 0 else start
     n = max(hi - lo, 0)
     part = max((n + num_splits - 1) // num_splits, min_keys, 1)
     part = (part + KT - 1) // KT * KT
     return lo, hi, part, (n + part - 1) // part
 
 
+# What a block of the kernel attends (`_build`'s mode): PLAIN, its sequence's keys; AFTER_SHARED, its sequence's keys
+# from starts[s] on (the shared prefix before them is another launch's), always as a partial when there is one;
+# SHARED, the prefix [0, starts[s]) of a leader sequence s for each of its members (members[s, :], -1 padded),
+# their query heads side by side in the mma's A rows (row = member * group + head), as partials.
+PLAIN, AFTER_SHARED, SHARED = 0, 1, 2
+
+
 @functools.cache
-def _build(head_dim: int, rows2: bool, stages: int):
-    """The kernel for head size head_dim; rows2: groups of more than 8 heads (the A rows g + 8 in use). Without
-    them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops, with their registers.
-    stages: K/V tiles in shared memory (stages - 1 in flight while one is computed)."""
+def _build(head_dim: int, rows2: bool, stages: int, mode: int = PLAIN):
+    """The kernel for head size head_dim; rows2: more than 8 A rows in use (groups of more than 8 heads, or shared
+    prefixes). Without them the row-(g + 8) halves of the fragments are constant zeros that the compiler drops,
+    with their registers. stages: K/V tiles in shared memory (stages - 1 in flight while one is computed). mode:
+    PLAIN, AFTER_SHARED or SHARED (above)."""
     lay = tile_layout(KT, head_dim, THREADS)
     row_u64, row_u32, tile_u64, tile_u32, copies, swz = (lay.row_u64, lay.row_u32, lay.tile_u64, lay.tile_u32,
                                                          lay.copies, lay.swz)
@@ -102,38 +111,67 @@ def _build(head_dim: int, rows2: bool, stages: int):
     prime, advance = tile_pipeline(KT, head_dim, THREADS, stages)
     pv = pv_product(head_dim, rows2)
 
-    def attention_decode_mma_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
-                                    num_kv_heads, window, qscale, min_keys, out, part_out, part_ml):
+    def attention_decode_mma_kernel(q, k_words, v_words, block_tables, context_lens, positions, starts, members,
+                                    block_shift, num_kv_heads, window, qscale, min_keys, out, part_out, part_ml):
         """q: [S, H, Hd] float32; k_words, v_words: [NB * BS * Hkv * Hd / 2] uint32 views of the bf16 pools
-        [NB, BS, Hkv, Hd]; block_tables [S, max_blocks], context_lens [S], positions [S] int32; block_shift:
+        [NB, BS, Hkv, Hd]; block_tables [S, max_blocks], context_lens [S], positions [S] int32; starts [S],
+        members [S, M] int32: the shared prefixes (read by the AFTER_SHARED and SHARED modes only); block_shift:
         log2(BS), num_kv_heads, window (0 = none), min_keys: int32; qscale: scale * log2(e), float32. out [S, H, Hd]
-        float32 (written when the sequence's keys make one part); part_out [S, H, P, Hd], part_ml [S, H, P, 2]
-        float32 (otherwise). Grid (S, Hkv, P), block (THREADS,)."""
+        float32 (written when the sequence's keys make one part, and it has no shared prefix); part_out
+        [S, H, P, Hd], part_ml [S, H, P, 2] float32 (otherwise). Grid (S, Hkv, P), block (THREADS,)."""
         s = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         split = cuda.blockIdx.z
         group = q.shape[1] // num_kv_heads
         h0 = kvh * group
+        rows = group                             # A rows in use
+        if mode == SHARED:                       # a leader's members, its own sequence first; others return
+            n_members = 0
+            while n_members < members.shape[1] and members[s, n_members] >= 0:
+                n_members += 1
+            if n_members == 0 or window > 0:
+                return
+            rows = n_members * group
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
         g = lane // 4
         t = lane % 4
+        # over a shared prefix, the (sequence, head) of this lane's A rows g and g + 8 (divided once)
+        seq_lo, head_lo, seq_hi, head_hi = s, h0, s, h0
+        if mode == SHARED:
+            if g < rows:
+                seq_lo, head_lo = members[s, g // group], h0 + g % group
+            if g + 8 < rows:
+                seq_hi, head_hi = members[s, (g + 8) // group], h0 + (g + 8) % group
         # A fragments of q (rows g, g + 8; head dims permuted), loaded while the context is read
         qa = cuda.local.array(qa_len, types.uint32)
         for kk in range(nks):
             for half in range(2):
                 row = g + 8 * half
                 x0 = x1 = x2 = x3 = np.float32(0.0)
-                if row < group:
+                if row < rows:
                     d = 16 * kk + 4 * t
-                    x0 = q[s, h0 + row, d] * qscale
-                    x1 = q[s, h0 + row, d + 1] * qscale
-                    x2 = q[s, h0 + row, d + 2] * qscale
-                    x3 = q[s, h0 + row, d + 3] * qscale
+                    seq, head = s, h0 + row
+                    if mode == SHARED:
+                        seq, head = (seq_lo, head_lo) if half == 0 else (seq_hi, head_hi)
+                    x0 = q[seq, head, d] * qscale
+                    x1 = q[seq, head, d + 1] * qscale
+                    x2 = q[seq, head, d + 2] * qscale
+                    x3 = q[seq, head, d + 3] * qscale
                 qa[4 * kk + half] = pack(x0, x1) if rows2 or half == 0 else np.uint32(0)
                 qa[4 * kk + 2 + half] = pack(x2, x3) if rows2 or half == 0 else np.uint32(0)
-        lo, hi, part, parts = part_bounds(context_lens[s], positions[s], window, cuda.gridDim.z, min_keys)
+        if mode == SHARED:
+            start = starts[s]
+            lo, hi, part, parts = part_bounds(start, start - 1, 0, 0, cuda.gridDim.z, min_keys)
+            single = False
+        elif mode == AFTER_SHARED:
+            start = starts[s] if window == 0 else 0
+            lo, hi, part, parts = part_bounds(context_lens[s], positions[s], window, start, cuda.gridDim.z, min_keys)
+            single = parts <= 1 and start == 0   # else this part's unnormalised partial
+        else:
+            lo, hi, part, parts = part_bounds(context_lens[s], positions[s], window, 0, cuda.gridDim.z, min_keys)
+            single = parts <= 1
         if split >= max(parts, 1):               # block-uniform: no part here (an empty range: split 0 writes 0)
             return
         k_lo = lo + split * part
@@ -226,11 +264,13 @@ def _build(head_dim: int, rows2: bool, stages: int):
                     vs[at + 2] = f32_as_u32(acc[8 * c + 1 + 2 * half])
                     vs[at + 3] = f32_as_u32(acc[8 * c + 5 + 2 * half])
         cuda.syncthreads()
-        single = parts <= 1                      # out directly, else this part's unnormalised partial
         if warp == 0:
             for half in range(halves):
                 row = g + 8 * half
-                if row < group:
+                if row < rows:
+                    seq, h = s, h0 + row
+                    if mode == SHARED:
+                        seq, h = (seq_lo, head_lo) if half == 0 else (seq_hi, head_hi)
                     mine = m0 if half == 0 else m1
                     other = u32_as_f32(vs[m_at + row])
                     mx = max(mine, other)
@@ -241,7 +281,6 @@ def _build(head_dim: int, rows2: bool, stages: int):
                     inv = np.float32(1.0)
                     if single:
                         inv = np.float32(1.0) / total if total > 0 else ZERO
-                    h = h0 + row
                     for c in range(nks):
                         d = 16 * c + 4 * t
                         at = row * head_dim + d              # warp 1's accumulators of these 4 head dims
@@ -250,18 +289,18 @@ def _build(head_dim: int, rows2: bool, stages: int):
                         o2 = (acc[8 * c + 1 + 2 * half] * f_mine + u32_as_f32(vs[at + 2]) * f_other) * inv
                         o3 = (acc[8 * c + 5 + 2 * half] * f_mine + u32_as_f32(vs[at + 3]) * f_other) * inv
                         if single:
-                            out[s, h, d] = o0
-                            out[s, h, d + 1] = o1
-                            out[s, h, d + 2] = o2
-                            out[s, h, d + 3] = o3
+                            out[seq, h, d] = o0
+                            out[seq, h, d + 1] = o1
+                            out[seq, h, d + 2] = o2
+                            out[seq, h, d + 3] = o3
                         else:
-                            part_out[s, h, split, d] = o0
-                            part_out[s, h, split, d + 1] = o1
-                            part_out[s, h, split, d + 2] = o2
-                            part_out[s, h, split, d + 3] = o3
+                            part_out[seq, h, split, d] = o0
+                            part_out[seq, h, split, d + 1] = o1
+                            part_out[seq, h, split, d + 2] = o2
+                            part_out[seq, h, split, d + 3] = o3
                     if not single and t == 0:
-                        part_ml[s, h, split, 0] = mx
-                        part_ml[s, h, split, 1] = total
+                        part_ml[seq, h, split, 0] = mx
+                        part_ml[seq, h, split, 1] = total
 
     return attention_decode_mma_kernel, cached_jit(attention_decode_mma_kernel)
 
@@ -271,9 +310,9 @@ def attention_decode_mma_reduce_kernel(context_lens, positions, window, min_keys
     part_ml [S, H, P, 2] (max in base 2, sum) float32 -> out [S, H, Hd] float32; context_lens, positions [S]
     int32, window, min_keys int32 as given to the attention kernel. Grid (S, H), block (REDUCE_THREADS,)."""
     s = cuda.blockIdx.x
-    parts = part_bounds(context_lens[s], positions[s], window, part_out.shape[2], min_keys)[3]
+    parts = part_bounds(context_lens[s], positions[s], window, 0, part_out.shape[2], min_keys)[3]
     if parts > 1:                                # else the attention kernel wrote this sequence's out
-        _merge(part_out, part_ml, s, cuda.blockIdx.y, parts, out)
+        _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, cuda.blockIdx.y, out)
 
 
 _reduce = cached_jit(attention_decode_mma_reduce_kernel)
@@ -297,10 +336,11 @@ def launch_attention_decode_mma(q, k_pool, v_pool, block_tables, context_lens, p
         return
     if splits == 1:      # the partial arguments are never touched: pass `out` views of the right rank
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
+    # PLAIN reads no shared prefixes: context_lens and block_tables stand in for starts and members
     _build(head_dim, num_heads // num_kv_heads > 8, stages)[1][(num_seqs, num_kv_heads, splits), THREADS, stream](
         q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
-        positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
-        np.float32(scale * LOG2E), np.int32(min_keys), out, part_out, part_ml)
+        positions, context_lens, block_tables, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads),
+        np.int32(window), np.float32(scale * LOG2E), np.int32(min_keys), out, part_out, part_ml)
     if splits > 1:
         _reduce[(num_seqs, num_heads), REDUCE_THREADS, stream](
             context_lens, positions, np.int32(window), np.int32(min_keys), part_out, part_ml, out)
@@ -310,8 +350,8 @@ def sm90_signatures():
     """(python function, numba signature): Hd 128 with groups of up to 8 and of up to 16 heads, Hd 64, three stages,
     the reduce."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
-    sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
-           f32_4d)
+    sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32[::1], i32[:, ::1], i32, i32, i32, types.float32,
+           i32, f32_3d, f32_4d, f32_4d)
     builds = ((128, False, STAGES), (128, True, STAGES), (64, False, STAGES), (128, False, 3))
     return [(_build(*b)[0], sig) for b in builds] + [
         (attention_decode_mma_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d))]

@@ -15,7 +15,15 @@ from common.models import config_from_hf
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.driver import GraphCache
 from expert_service.cuda.staging import prefill_buckets
-from expert_service.cuda.workspace import HOST_TWINS, METADATA, RESULTS, Workspace, layout_workspace, packed_layout
+from expert_service.cuda.workspace import (
+    HOST_TWINS,
+    METADATA,
+    RESULTS,
+    SHARE_METADATA,
+    Workspace,
+    layout_workspace,
+    packed_layout,
+)
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch
@@ -87,7 +95,12 @@ class DeviceRows:
 
 
 def host_decoder(
-    monkeypatch, family="mixtral", cuda_graphs=True, bf16=False, options: CudaOptions | None = None
+    monkeypatch,
+    family="mixtral",
+    cuda_graphs=True,
+    bf16=False,
+    options: CudaOptions | None = None,
+    shared_members: int = 0,
 ) -> CudaDecoder:
     monkeypatch.setattr(driver, "Graph", FakeGraph)
     FakeGraph.captured = []
@@ -104,9 +117,13 @@ def host_decoder(
     )
     d.max_tokens, d.max_seqs, d.seq_slots = MAX_TOKENS, MAX_SEQS, MAX_SEQS + 1
     d.block_size, d.max_blocks_per_seq, d.moe_layers = BLOCK, MAX_BLOCKS, cfg.moe_layers
+    d.workspace_shared_members = shared_members  # 0: laid out without shared prefixes
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16 if bf16 else np.float32), quantized=False, all_8bit=False)
-    layout = layout_workspace(cfg, d.weights.dtype, MAX_TOKENS, MAX_SEQS, MAX_BLOCKS, len(cfg.moe_layers))
-    metadata = HostBuffer({n: layout[n][0] for n in METADATA})
+    layout = layout_workspace(
+        cfg, d.weights.dtype, MAX_TOKENS, MAX_SEQS, MAX_BLOCKS, len(cfg.moe_layers), shared_members=shared_members
+    )
+    shared = SHARE_METADATA if shared_members else ()
+    metadata = HostBuffer({n: layout[n][0] for n in METADATA[:-1] + shared + METADATA[-1:]})
     results = HostBuffer({n: layout[n][0] for n in RESULTS})
     logits = np.random.default_rng(0).standard_normal((MAX_SEQS, cfg.vocab_size)).astype(np.float32)
     d.ws = SimpleNamespace(
@@ -129,7 +146,7 @@ def host_decoder(
     d.issued = []
     d.model = SimpleNamespace(
         options=options or CudaOptions(),
-        layers=lambda T, S, decode: d.issued.append(("layers", T, S, decode)),
+        layers=lambda T, S, decode, shared=False: d.issued.append(("layers", T, S, decode) + ("shared",) * shared),
         head=lambda T, R: d.issued.append(("head", T, R)),
         moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))),
     )
@@ -194,7 +211,7 @@ def test_a_prefill_head_pads_its_logits_rows_to_a_bucket_with_or_without_graphs(
 def test_decode_steps_pad_to_their_batch_bucket_with_or_without_graphs(monkeypatch):
     for graphs in (True, False):
         d = host_decoder(monkeypatch, cuda_graphs=graphs)
-        d._run = lambda T, S, R, decode, d=d: d.issued.append(("run", T, S, R, decode))
+        d._run = lambda T, S, R, decode, shared=False, d=d: d.issued.append(("run", T, S, R, decode))
         d.forward(prompt([1, 1, 1], cached=[4, 9, 2]))
         assert d.issued == [("run", 4, 4, 4, True)]
         np.testing.assert_array_equal(d.ws.host["seq_starts"][:5], [0, 1, 2, 3, 4])
@@ -207,7 +224,7 @@ def test_a_step_launched_behind_another_stages_and_reads_back_in_the_other_host_
     staged metadata and its readback (argmax, flags) are intact when t is finished; fed rows are staged, -1 for
     tokens on the host and for padding."""
     d = host_decoder(monkeypatch)
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d._run = lambda T, S, R, decode, shared=False: d.issued.append(("run", T, S, R, decode))
     first = d.launch(prompt([1, 1, 1], cached=[4, 9, 2]), traced=True)
     first_ids = d.ws.results.twin_views[first.twin]
     first_ids["greedy_ids"][:3], first_ids["nonfinite"][:3] = [7, 8, 9], [0, 1, 0]  # what t's readback brings
@@ -266,7 +283,7 @@ def test_steps_with_the_expert_cache_pad_and_replay_like_resident_ones(monkeypat
     ]
     assert 128 in d.prefill_graphs._seen and d.supports_overlap
     d.issued.clear()
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d._run = lambda T, S, R, decode, shared=False: d.issued.append(("run", T, S, R, decode))
     d.forward(prompt([1, 1, 1], cached=[4, 9, 2]))
     assert d.issued == [("hints", False, 0), ("run", 4, 4, 4, True), ("stats", 0), ("collect", 0)]
     assert 4 in d.graphs._seen
@@ -274,7 +291,7 @@ def test_steps_with_the_expert_cache_pad_and_replay_like_resident_ones(monkeypat
 
 def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     d = host_decoder(monkeypatch)
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d._run = lambda T, S, R, decode, shared=False: d.issued.append(("run", T, S, R, decode))
     d.warmup()
     assert set(d.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))  # per-expert cuBLAS ones in pieces
     assert set(d.graphs) == {1, 2, 4, 8, 16}
@@ -282,7 +299,7 @@ def test_warmup_captures_every_replayable_bucket_and_decode_bucket(monkeypatch):
     assert ("cublas shapes", MAX_TOKENS) in d.issued  # steps above 64 tokens run per-expert cuBLAS GEMMs
     many = host_decoder(monkeypatch, family="qwen3_moe", bf16=True)
     many.config = config_from_hf({**tiny_hf_config("qwen3_moe"), "num_experts": 40, "num_experts_per_tok": 8})
-    many._run = lambda T, S, R, decode: many.issued.append(("run", T, S, R, decode))
+    many._run = lambda T, S, R, decode, shared=False: many.issued.append(("run", T, S, R, decode))
     many.max_blocks_per_seq = 4  # 32-token sequences: buckets above 32 take several of them
     many.warmup()
     assert set(many.prefill_graphs) == set(prefill_buckets(MAX_TOKENS))
@@ -313,7 +330,7 @@ def test_the_all_rows_path_pads_and_chunks_its_head(monkeypatch):
 
 def test_prefill_graphs_off_means_unpadded_eager_steps(monkeypatch):
     d = host_decoder(monkeypatch, options=CudaOptions(prefill_graphs=False))
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d._run = lambda T, S, R, decode, shared=False: d.issued.append(("run", T, S, R, decode))
     d.forward(prompt([33]))
     assert d.issued == [("run", 33, 1, 1, False)]
 
@@ -327,7 +344,33 @@ def test_set_options_drops_the_graphs_and_hands_the_options_to_the_model(monkeyp
     d.set_options(CudaOptions(prefill_graphs=False))
     assert not d.prefill_graphs._seen and not d.head_graphs._seen
     assert d.options == CudaOptions(prefill_graphs=False)
-    d._run = lambda T, S, R, decode: d.issued.append(("run", T, S, R, decode))
+    d._run = lambda T, S, R, decode, shared=False: d.issued.append(("run", T, S, R, decode))
     d.issued.clear()
     d.forward(prompt([33]))
     assert d.issued == [("run", 33, 1, 1, False)]
+
+
+def test_decode_steps_sharing_prefix_blocks_replay_graphs_of_their_own(monkeypatch):
+    """With shared_prefix_attention laid out, warm-up captures each decode bucket with and without shared
+    prefixes; a decode step whose sequences' tables start with the same blocks stages its groups and replays the
+    shared graph of its bucket, one without such sequences the usual graph, and prefills never share."""
+    on = CudaOptions(shared_prefix_attention=True)
+    warm = host_decoder(monkeypatch, bf16=True, options=on, shared_members=2)
+    warm.warmup()
+    assert set(warm.graphs) == {1, 2, 4, 8, 16} | {(b, True) for b in (1, 2, 4, 8, 16)}
+    d = host_decoder(monkeypatch, bf16=True, options=on, shared_members=2)  # each graph's first step runs eagerly
+    system = np.arange(100, 108)  # eight blocks of 8 keys: 64 keys, shared_prefix.MIN_SHARED_KEYS
+    tables = [np.concatenate([system, [200 + i]]) for i in range(3)]
+    step = replace(prompt([1, 1, 1], cached=[66, 70, 68]), block_tables=tables)
+    d.forward(step)
+    assert d.issued == [("layers", 4, 4, True, "shared"), ("head", 4, 4)] and (4, True) in d.graphs._seen
+    h = d.ws.host
+    assert h["share_starts"][:4].tolist() == [64, 64, 0, 0]  # groups of 2: the third sequence alone
+    assert h["share_members"][0].tolist() == [0, 1] and (h["share_members"][1:4] == -1).all()
+    d.issued.clear()
+    d.forward(prompt([1, 1, 1], cached=[66, 70, 68]))  # each sequence's own blocks
+    d.forward(prompt([20, 13]))
+    assert d.issued[0] == ("layers", 4, 4, True) and ("layers", 48, MAX_SEQS + 1, False) in d.issued
+    off = host_decoder(monkeypatch, bf16=True, options=CudaOptions(), shared_members=2)  # laid out, then off
+    off.forward(step)
+    assert off.issued == [("layers", 4, 4, True), ("head", 4, 4)]

@@ -15,7 +15,7 @@ import pytest
 
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
-from expert_service.cuda.decoder import GRAPH_BUCKETS
+from expert_service.cuda.staging import GRAPH_BUCKETS
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from expert_service.cuda.decoder import GRAPH_BUCKETS
+from expert_service.cuda.staging import GRAPH_BUCKETS
 from expert_service.experts.cache import CacheStats
 from tests.expert_service.cuda.test_expert_cache import LONG_PROMPTS, check_no_allocations_during_cached_steps
 from tests.expert_service.cuda.test_quantized import EXACT_ACTIVATIONS, TOLERANCE, quantized_model

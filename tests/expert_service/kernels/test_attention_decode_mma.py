@@ -63,10 +63,10 @@ def test_group_of_16_fills_every_row():
     _check(np.random.default_rng(5), [40], 16, 1, 16, 16, 0, 2)
 
 
-def _bounds(context_len, q_pos, window, num_splits, min_keys):
+def _bounds(context_len, q_pos, window, num_splits, min_keys, start=0):
     @cuda.jit
     def kernel(out):
-        lo, hi, part, parts = part_bounds(context_len, q_pos, window, num_splits, min_keys)
+        lo, hi, part, parts = part_bounds(context_len, q_pos, window, start, num_splits, min_keys)
         out[0], out[1], out[2], out[3] = lo, hi, part, parts
 
     out = cuda.to_device(np.full(4, -1, np.int64))
@@ -80,6 +80,8 @@ def test_part_bounds_cover_the_keys_in_whole_tiles():
     assert _bounds(100, 99, 40, 3, 1) == (60, 100, KT, 2)  # window: 40 keys, tile-sized parts
     assert _bounds(0, -1, 0, 4, 64)[3] == 0  # idle slot: no part
     assert _bounds(10, 9, 0, 4, 0)[2:] == (KT, 1)  # min_keys 0 still gives whole tiles
+    assert _bounds(200, 199, 0, 4, 32, start=128) == (128, 200, KT, 3)  # after a shared prefix: its keys only
+    assert _bounds(100, 99, 40, 3, 1, start=80) == (60, 100, KT, 2)  # a window ignores the shared prefix
 
 
 def test_supports():
