@@ -52,6 +52,13 @@ class StepLimits:
     max_batch_tokens: int
     max_batch_size: int
     vocab_size: int = 0  # the logits width: a token mask's bits
+    num_kv_blocks: int = 0  # the pool: a router may evict, register or start a sequence on each of its blocks
+
+    @property
+    def max_block_ids(self) -> int:
+        """Block ids one step may name (evicted and registered together), and cached blocks a chunk may start on:
+        MAX_FREE_IDS, or the pool's blocks when there are more (an admission may evict every one)."""
+        return max(MAX_FREE_IDS, self.num_kv_blocks)
 
     @classmethod
     def of(cls, engine: Engine) -> StepLimits:
@@ -61,6 +68,7 @@ class StepLimits:
             config.max_batch_tokens,
             config.max_batch_size,
             engine.model_config.vocab_size,
+            engine.allocator.num_blocks,
         )
 
     def check(self, chunks, num_decodes: int, num_frees: int, num_evictions: int = 0) -> None:
@@ -73,16 +81,16 @@ class StepLimits:
             )
         if num_frees > MAX_FREE_IDS:
             raise InvalidRequestError("free_request_ids", f"{num_frees} ids, at most {MAX_FREE_IDS} per step")
-        if num_evictions > MAX_FREE_IDS:  # evicted and registered block ids together
+        if num_evictions > self.max_block_ids:  # evicted and registered block ids together
             raise InvalidRequestError(
                 "evict_block_ids",
-                f"{num_evictions} ids and cache_sequence_blocks rows, at most {MAX_FREE_IDS} per step",
+                f"{num_evictions} ids and cache_sequence_blocks rows, at most {self.max_block_ids} per step",
             )
         for chunk in chunks:  # the engine checks the exact counts; this bounds what a hostile step makes it copy
             if (
-                len(chunk.prefix_block_ids) > MAX_FREE_IDS
+                len(chunk.prefix_block_ids) > self.max_block_ids
                 or len(chunk.cache_block_ids) > len(chunk.token_ids) + 1
-                or len(chunk.prefix_token_ids) > self.max_batch_tokens * MAX_FREE_IDS
+                or len(chunk.prefix_token_ids) > self.max_batch_tokens * self.max_block_ids
             ):
                 raise InvalidRequestError(
                     "prefix_block_ids", f"sequence {chunk.request_id}: too many prefix or cache block ids"

@@ -58,3 +58,43 @@ def test_a_decode_sent_mid_prefill_fails_alone_and_the_sequence_stays_the_sessio
     _step(session, decodes=[8])
     session.close()
     assert _holds_nothing(engine), (list(engine.sequences), engine.penalty_slots.slots)
+
+
+def test_a_pool_past_65536_blocks_takes_the_evictions_and_prefixes_a_router_sends(tiny_model):
+    """A pool of more than 65,536 KV blocks (a large --kv-cache-tokens, or a small --kv-block-size): the router
+    starts a sequence on every cached block of its prompt, and one admission evicts every cached block it needs the
+    room of, each past 65,536 ids in one step. Refused as malformed, such a step ran neither its frees nor its
+    evictions: the worker kept blocks the router counted free, and the steps using that room were refused too. Ids
+    past the pool's blocks are still refused."""
+    from common.errors import InvalidRequestError
+    from common.pb import worker_pb2 as pb
+    from expert_service.serving import wire as worker_wire
+    from expert_service.serving.step_stream import MAX_FREE_IDS, StepLimits
+    from router_service import wire
+    from router_service.prefix_cache import PrefixCache
+    from router_service.scheduler import RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
+
+    blocks = MAX_FREE_IDS + 4_000
+    config = EngineConfig(
+        backend="cpu", kv_block_size=1, num_kv_blocks=blocks, max_batch_tokens=blocks, max_batch_size=4
+    )
+    limits = StepLimits.of(build_engine(ModelDir.open(tiny_model), config))
+    scheduler = Scheduler(SchedulerLimits(4, blocks, 1, blocks), PrefixCache(1, b"model"))
+    n = blocks - 1_000
+    prompt, other = [3 + i % 200 for i in range(n)], [4 + i % 200 for i in range(n)]
+
+    def sent(request_id: int, prompt: list[int]):
+        scheduler.add(ScheduledRequest(request_id, prompt, 1, sampling=pb.SamplingParams()))
+        step = scheduler.schedule()
+        message = pb.StepStreamRequest.FromString(wire.step_request(step, request_id).SerializeToString())
+        back = worker_wire.step_request(message, limits)  # refused: InvalidRequestError
+        scheduler.update(step, [RequestOutput(request_id, 9)])  # one token: finished, its blocks stay cached
+        return step, back
+
+    sent(1, prompt)
+    step, back = sent(2, prompt + [7])  # starts on the n blocks request 1 cached
+    assert len(back.chunks[0].prefix_block_ids) == n > MAX_FREE_IDS
+    step, back = sent(3, other)  # its room is the cached blocks: evicted in its step
+    assert len(back.evict_ids) == len(step.evict_block_ids) > MAX_FREE_IDS and back.free_ids.tolist() == [2]
+    with pytest.raises(InvalidRequestError, match="evict_block_ids"):
+        worker_wire.step_request(pb.StepStreamRequest(step_id=4, evict_block_ids=bytes(8 * (blocks + 1))), limits)
