@@ -35,7 +35,8 @@ bfloat16 is stored as raw 16-bit words, float8_e4m3fn as raw bytes. All integers
 
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
-missing or unknown tensors, 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
+missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
+boundary), 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
 (version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
 (read on every open, one small range per expert), expert blocks off their planned offsets, and (unless told
 to skip) any crc32 mismatch, scales included; each is a one-line ``ModelFormatError``.
@@ -333,6 +334,12 @@ class ModelDir:
                     f"{entry.offset + entry.nbytes} of a {file_sizes[entry.file]}-byte file; "
                     f"truncated?)"
                 )
+            planned = _planned_file(name)  # the cuda backend reads dense.bin and experts-L{i}.bin by these names
+            if entry.file != planned or (planned == DENSE_FILE and entry.offset % DENSE_ALIGN):
+                where = f"{planned} at a multiple of {DENSE_ALIGN} bytes" if planned == DENSE_FILE else planned
+                raise ModelFormatError(
+                    f"tensor {name}: stored in {entry.file} at byte {entry.offset}; the format puts it in {where}"
+                )
             self.entries[name] = entry
         for layer, stride in self.expert_strides.items():
             size, need = file_sizes.get(expert_file(layer), 0), self.config.num_experts * stride
@@ -500,6 +507,13 @@ def load_json(path: Path, error: type[Exception]) -> object:
         return json.loads(text, parse_constant=reject_constant, parse_float=finite_float, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def _planned_file(name: str) -> str:
+    """The file a tensor of this name lives in: its layer's experts file for a routed expert's matrix or
+    scale, dense.bin for every other tensor."""
+    match = _EXPERT_MATRIX.fullmatch(name.removesuffix(SCALE_SUFFIX))
+    return expert_file(int(match[1])) if match else DENSE_FILE
 
 
 def _byte_count(value: object, key: str) -> int:

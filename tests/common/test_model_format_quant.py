@@ -238,6 +238,40 @@ def test_a_dense_tensor_in_another_dtype_than_the_manifests_is_refused(broken):
         ModelDir.open(edit(broken, change), verify=False)
 
 
+def test_expert_tensors_in_another_file_than_their_layers_are_refused(broken):
+    """The cuda backend uploads experts-L001.bin for layer 1 whatever the manifest says: experts moved (with
+    their checksums) into another file were verified there, and the GPU then served the stale bytes the
+    verified manifest no longer covers (zeros here)."""
+    stride = broken.expert_strides[1]
+    original = broken.path / "experts-L001.bin"
+    data = original.read_bytes()
+    (broken.path / "x.bin").write_bytes(data)
+    original.write_bytes(data[:stride] + bytes(len(data) - stride))  # expert 0 stays, the rest is stale
+
+    def move(m):
+        for name, entry in m["tensors"].items():
+            if name.startswith("layers.1.experts.") and not name.startswith("layers.1.experts.0."):
+                entry["file"] = "x.bin"
+
+    with pytest.raises(ModelFormatError, match=r"^tensor layers\.1\.experts\.1\.gate_proj: stored in x\.bin at "
+                       r"byte \d+; the format puts it in experts-L001\.bin$"):  # fmt: skip
+        ModelDir.open(edit(broken, move))
+
+
+def test_a_dense_tensor_off_its_64_byte_boundary_is_refused(broken):
+    """Every writer put dense tensors at multiples of 64 bytes; the cuda backend views them in place, so one at
+    an odd byte (its bytes and checksum intact) would be a misaligned device read."""
+    entry = broken.entries["final_norm"]
+    dense = broken.path / "dense.bin"
+    size = dense.stat().st_size
+    with dense.open("ab") as f:
+        f.write(b"\0" + broken.raw_bytes("final_norm").tobytes())
+    with pytest.raises(ModelFormatError, match=rf"^tensor final_norm: stored in dense\.bin at byte {size + 1}; the "
+                       r"format puts it in dense\.bin at a multiple of 64 bytes$"):  # fmt: skip
+        ModelDir.open(edit(broken, set_tensor("final_norm", offset=size + 1)))
+    assert entry.offset % 64 == 0
+
+
 def write_scale_value(model: ModelDir, name: str, index: int, value: float) -> Path:
     """Overwrites element `index` (flat) of scale tensor `name` and records the new crc32, so only a check of
     the scale's value can tell."""
