@@ -189,6 +189,8 @@ def convert(
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
             writer.tokenizer_files.append(name)
+        elif (out_dir / name).is_file():  # an earlier model's: the router would read it as this model's
+            (out_dir / name).unlink()
     return writer.finish()
 
 

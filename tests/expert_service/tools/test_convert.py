@@ -320,6 +320,22 @@ def test_convert_cli_summary_and_tokenizer_files(tmp_path, capsys):
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
 
 
+def test_reconverting_leaves_no_tokenizer_file_of_the_earlier_model(tmp_path):
+    """The router and worker read tokenizer.json, the chat template and generation defaults from the model
+    directory by name: a checkpoint without them converted over another model served the other's."""
+    earlier = write_tiny_checkpoint(tmp_path / "earlier", "mixtral")
+    (earlier / "generation_config.json").write_text('{"temperature": 0.6}')
+    bare = write_tiny_checkpoint(tmp_path / "bare", "olmoe", seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink()
+    convert(earlier, tmp_path / "m", progress=False)
+    kept = convert(bare, tmp_path / "m", progress=False)
+    model = ModelDir.open(kept)
+    assert model.manifest["tokenizer_files"] == [] and model.tokenizer_path() is None
+    files = ["colibri.json", "dense.bin", "experts-L000.bin", "experts-L001.bin"]
+    assert sorted(p.name for p in kept.iterdir()) == files
+
+
 def test_converting_into_the_checkpoint_directory_is_refused_before_writing(tmp_path, capsys):
     """It failed on copying config.json onto itself, after writing dense.bin and the expert files beside the
     checkpoint's own."""
