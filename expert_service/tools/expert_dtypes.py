@@ -72,7 +72,7 @@ def load_plan(
 ) -> ExpertPlan:
     """The conversion's expert plan from the flags and, when given, the file at `path`."""
     scheme = fp8_scheme(fp8_scale, "--fp8-scale")
-    default = expert_format(dtypes.canonical_expert_dtype(expert_dtype), scheme) if expert_dtype else None
+    default = expert_format(dtypes.canonical_expert_dtype(expert_dtype), scheme) if expert_dtype is not None else None
     if path is None:
         return ExpertPlan(default)
     path = Path(path)

@@ -149,11 +149,13 @@ def test_ambiguous_expert_dtype_files_are_refused_not_guessed(tmp_path, capsys, 
     assert not (tmp_path / "m" / "colibri.json").exists()
 
 
-def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("value", ["int4", ""])  # "": `--expert-dtype "$DTYPE"` with DTYPE unset, once ignored
+def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys, value):
     hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
-    rc, _, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", "--expert-dtype", "int4")
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress", "--expert-dtype", value)
     assert rc == ModelFormatError.exit_code and err.count("\n") == 1
-    assert "--expert-dtype: expert dtype 'int4' is not supported (supported: float32, float16, bfloat16, int8" in err
+    assert f"--expert-dtype: expert dtype {value!r} is not supported (supported: float32, float16, bfloat16" in err
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
