@@ -10,7 +10,8 @@ Two dtypes and two scale schemes, the scale always a float32 *multiplier* (dequa
 
 fp8 bytes are stored raw (uint8); a 256-entry table decodes them, so the reference never depends on how a
 library casts. All-zero rows/blocks get scale 1 (their q is 0 either way), rows too small for max / limit to be a
-nonzero float32 the smallest one; non-finite weights are refused.
+nonzero float32 the smallest one, a subnormal scale the float32 at or above max / limit; non-finite weights are
+refused.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np
     # would make NaN codes).
     scale = np.where(amax > 0, np.maximum(amax / np.float32(limit), SMALLEST_SCALE), np.float32(1.0))
     scale = scale.astype(np.float32)
+    # A subnormal max / limit rounds to a multiple of 2^-149, up to a third below the quotient: one float32
+    # step up keeps the row's largest weights within the limit instead of saturating them.
+    low = (scale < np.finfo(np.float32).tiny) & (amax / scale > limit)
+    scale[low] = np.nextafter(scale[low], np.float32(np.inf))
     scaled = values / expand_scale(scale, scheme, values.shape)
     # amax / limit rounds, so w / scale may land a hair past the limit: clip (saturate), never overflow.
     np.clip(scaled, -limit, limit, out=scaled)

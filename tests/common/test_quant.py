@@ -122,3 +122,31 @@ def test_rows_too_small_for_a_normal_scale_keep_their_values_and_never_get_nan_b
     else:
         bound = np.maximum(np.abs(values) * 2.0**-4, step * 2.0**-10) * (1 + 1e-6)
         assert np.all(np.abs(back - values) <= bound)
+
+
+@pytest.mark.parametrize(
+    "dtype, scheme", [("int8", quant.CHANNEL), ("float8_e4m3fn", quant.CHANNEL), ("float8_e4m3fn", quant.BLOCK128)]
+)
+def test_rows_whose_scale_is_subnormal_never_saturate(dtype, scheme):
+    """max / limit in float32's subnormal range rounds to a multiple of 2^-149, up to a third below the exact
+    quotient: the row's largest weights then divided past the limit and were clipped (a third of their value
+    lost, with no error). Each row here has its own maximum, between 61 and ~100,000 units of 2^-149."""
+    tiny = np.float32(2.0**-149)
+    units = np.arange(61, 100_000, 97)
+    values = np.zeros((units.size, 3), np.float32)
+    values[:, 0] = units * tiny
+    values[:, 1] = -(units // 2) * tiny
+    values[:, 2] = (units // 3) * tiny
+    values_per_row = values
+    if scheme == quant.BLOCK128:  # one nonzero row per block: each block's maximum is its row's
+        values = np.zeros((units.size * 128, 3), np.float32)
+        values[::128] = values_per_row
+    q, scale = quant.quantize(values, dtype, scheme, "w")
+    back = quant.dequantize(q, scale, dtype, scheme)
+    step = np.broadcast_to(quant.expand_scale(scale, scheme, values.shape), values.shape)
+    if dtype == "int8":
+        bound = 0.5 * step * (1 + 1e-6)
+    else:
+        bound = np.maximum(np.abs(values) * 2.0**-4, step * 2.0**-10) * (1 + 1e-6)
+    worst = int(np.argmax(np.abs(back - values) - bound))
+    assert np.all(np.abs(back - values) <= bound), (values.flat[worst], back.flat[worst])
