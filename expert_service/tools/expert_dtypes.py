@@ -12,11 +12,13 @@ per-layer / per-expert file (JSON, or YAML when the name ends in .yaml/.yml; doc
 Each rule names a dtype (bfloat16, float16, float32, int8, fp8 / float8_e4m3fn); later rules win: default,
 then layers, then experts, then keep_hot. Unknown keys, layers that are not MoE layers and experts out of
 range are refused, one line naming the file and the key, as are a key written twice (or two keys naming one layer
-or expert) and an experts key that is not a string (YAML reads an unquoted 1.10 as the number 1.1).
+or expert), an experts key that is not a string (YAML reads an unquoted 1.10 as the number 1.1) and a YAML
+number key not in plain decimal (010 is octal 8 there).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,12 +167,17 @@ def _read(path: Path) -> dict:
                     if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's rule
                         continue
                     key = self.construct_object(key_node, deep=deep)
+                    mark = key_node.start_mark
+                    if key_node.tag == "tag:yaml.org,2002:int" and not re.fullmatch(r"0|[1-9][0-9]*", key_node.value):
+                        raise ConfigError(  # YAML 1.1 reads 010 as octal 8, 0x10 as 16, 1_0 as 10
+                            f"{path}: key {key_node.value} (line {mark.line + 1}, column {mark.column + 1}) is the "
+                            f"YAML number {key}; write it in plain decimal or quote it"
+                        )
                     try:
                         duplicate = key in seen
                     except TypeError:  # unhashable: SafeLoader names it below
                         continue
                     if duplicate:
-                        mark = key_node.start_mark
                         raise ConfigError(
                             f"{path}: duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})"
                         )

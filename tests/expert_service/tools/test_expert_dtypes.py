@@ -1,0 +1,39 @@
+"""The expert dtype file's parser (expert_service/tools/expert_dtypes.py) on a model deep enough for layer numbers
+that YAML reads otherwise than they are written; the CLI's cases are in test_convert_quant.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from common import quant
+from common.errors import ConfigError
+from common.models import config_from_hf
+from expert_service.tools.expert_dtypes import load_plan
+from expert_service.tools.tiny_model import tiny_hf_config
+
+CONFIG = config_from_hf({**tiny_hf_config("mixtral"), "num_hidden_layers": 24})
+
+
+@pytest.mark.parametrize("key, number", [("010", 8), ("011", 9), ("0x10", 16), ("1_0", 10), ("00", 0)])
+def test_a_yaml_layer_number_not_written_in_plain_decimal_is_refused(tmp_path, key, number):
+    """YAML 1.1 reads a zero-padded 010 as octal 8 (JSON's "010" is layer 10): the zero-padded layer numbers
+    of an aligned file chose other layers than written, silently."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(f"layers:\n  {key}: int8\n")
+    message = rf"^{re.escape(str(path))}: key {key} \(line 2, column 3\) is the YAML number {number}; write it in plain"
+    with pytest.raises(ConfigError, match=message):
+        load_plan(CONFIG, None, quant.BLOCK128, path)
+
+
+def test_plain_and_quoted_yaml_layer_numbers_are_read_as_written(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("layers:\n  0: int8\n  10: fp8\n  '011': bf16\n")
+    plan = load_plan(CONFIG, None, quant.BLOCK128, path)
+    assert {layer: plan.chosen[layer, 0].dtype for layer in (0, 10, 11)} == {
+        0: "int8",
+        10: "float8_e4m3fn",
+        11: "bfloat16",
+    }
+    assert (8, 0) not in plan.chosen and (9, 0) not in plan.chosen
