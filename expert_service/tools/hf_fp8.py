@@ -3,7 +3,8 @@
     config.json  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                                          "activation_scheme": "dynamic", "modules_to_not_convert": [...]}
     tensors      X.weight            F8_E4M3 [out, in]
-                 X.weight_scale_inv  F32 [ceil(out/128), ceil(in/128)], a multiplier per 128x128 block
+                 X.weight_scale_inv  F32, BF16 or F16 [ceil(out/128), ceil(in/128)], a multiplier per 128x128
+                                     block (widened to float32, exactly)
                                      (some exporters name it X.weight_scale)
 
 Any other `quant_method` (compressed-tensors, gptq, awq, bitsandbytes, ...) is refused in one line, as is any
@@ -20,12 +21,13 @@ from typing import Protocol
 
 import numpy as np
 
-from common import quant
+from common import dtypes, quant
 from common.errors import ModelFormatError
 
 SUPPORTED = 'quant_method "fp8" with fmt "e4m3" and weight_block_size [128, 128], or no quantization_config'
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # appended to the weight's name ("...proj.weight_scale_inv")
 FP8 = "F8_E4M3"
+SCALE_DTYPES = ("F32", "BF16", "F16")  # Qwen3's FP8 releases store BF16 (some F16) scales, DeepSeek-V3 F32
 
 
 class Shard(Protocol):
@@ -102,16 +104,18 @@ def check_fp8_tensor(
         raise ModelFormatError(f"{hf_dir}: tensor {hf_name} has both {' and '.join(present)}; expected one scale")
     name, expected = present[0], quant.scale_shape(quant.BLOCK128, shape)
     scale_dtype, scale_shape = where[name].tensors[name]
-    if scale_dtype != "F32" or tuple(scale_shape) != expected:
+    if scale_dtype not in SCALE_DTYPES or tuple(scale_shape) != expected:
         raise ModelFormatError(
-            f"{hf_dir}: tensor {name} is {scale_dtype} {list(scale_shape)}, expected F32 {list(expected)} "
-            f"(one scale per 128x128 block of {hf_name})"
+            f"{hf_dir}: tensor {name} is {scale_dtype} {list(scale_shape)}, expected {' or '.join(SCALE_DTYPES)} "
+            f"{list(expected)} (one scale per 128x128 block of {hf_name})"
         )
     return name, expected
 
 
 def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:
-    scale, _ = where[scale_name].read(scale_name)
+    """The block scale as float32 (a bfloat16 or float16 one widened: exact)."""
+    stored, dtype = where[scale_name].read(scale_name)
+    scale = np.ascontiguousarray(dtypes.to_float32(stored, dtype), dtype=np.float32)
     if not np.isfinite(scale).all():
         raise ModelFormatError(f"tensor {scale_name}: non-finite block scales")
     # zero or negative: refused whether the bytes are kept or dequantised, so no flag turns them into weights

@@ -29,9 +29,15 @@ def unquantized_modules(hf_config: dict) -> list[str]:
 
 
 def write_fp8_checkpoint(
-    hf_dir: Path, hf_config: dict, seed: int = 0, scale_suffix: str = "_scale_inv", outliers: bool = True
+    hf_dir: Path,
+    hf_config: dict,
+    seed: int = 0,
+    scale_suffix: str = "_scale_inv",
+    outliers: bool = True,
+    scale_dtype: str = "float32",
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Writes the checkpoint; returns hf name -> (fp8 bytes as uint8, block scale) of each quantized weight."""
+    """Writes the checkpoint, the scales in `scale_dtype` (Qwen3's FP8 releases store bfloat16 or float16 ones);
+    returns hf name -> (fp8 bytes as uint8, block scale as stored, widened to float32) of each quantized weight."""
     hf_dir.mkdir(parents=True, exist_ok=True)
     skip = unquantized_modules(hf_config)
     config = {**hf_config, "quantization_config": {**QUANT_CONFIG, "modules_to_not_convert": skip}}
@@ -44,8 +50,8 @@ def write_fp8_checkpoint(
                 values[0, 0] = 8.0
             q, scale = quant.quantize(values, "float8_e4m3fn", quant.BLOCK128, name)
             tensors[name] = torch.from_numpy(q).view(torch.float8_e4m3fn)
-            tensors[name + scale_suffix] = torch.from_numpy(scale)
-            quantized[name] = (q, scale)
+            tensors[name + scale_suffix] = torch.from_numpy(scale).to(getattr(torch, scale_dtype))
+            quantized[name] = (q, tensors[name + scale_suffix].float().numpy())
         else:
             tensors[name] = torch.from_numpy(values).to(torch.bfloat16)
     save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
