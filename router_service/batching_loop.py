@@ -199,6 +199,7 @@ class BatchingLoop:
                 constrained=state.matcher is not None,
                 late_masks=state.matcher is not None and self._depth >= 2 and may_mask_late(req),
                 cache_salt=req.cache_salt,
+                prompt_bytes=req.prompt_bytes,
             )
         )
         self._requests[seq_id] = state

@@ -172,10 +172,11 @@ class PrefixCache:
         self._reported = (0, 0, 0)  # the counters as unreported_counts last returned them
 
     # ---- hashing ----
-    def hashes(self, token_ids: list[int], salt: str = "") -> list[bytes]:
-        """The chained hashes of the full blocks of `token_ids` (ids < 2**32, as uint32 little-endian). The
-        whole blocks it shares with a recent prompt of the same salt reuse that prompt's hashes."""
-        data, width, sha256 = _token_bytes(token_ids), 4 * self.block_size, hashlib.sha256
+    def hashes(self, token_ids: list[int], salt: str = "", token_bytes: bytes = b"") -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids` (ids < 2**32, as uint32 little-endian; those bytes
+        when the caller has them in `token_bytes`). The whole blocks it shares with a recent prompt of the same
+        salt reuse that prompt's hashes."""
+        data, width, sha256 = token_bytes or _token_bytes(token_ids), 4 * self.block_size, hashlib.sha256
         if len(data) < width:
             return []
         out = list(self._recent.shared_hashes(salt, data, width))

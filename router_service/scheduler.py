@@ -98,6 +98,7 @@ class ScheduledRequest:
     # Prefix caching: requests share cached blocks only under equal salts; `prefix` is set when caching is on.
     cache_salt: str = ""
     prefix: PrefixState | None = None
+    prompt_bytes: bytes = b""  # prompt_ids as uint32 little-endian when the caller has them (b"": converted here)
     num_cached_tokens: int = 0  # prompt tokens it started on from the cache
 
     @property
@@ -229,7 +230,7 @@ class Scheduler:
             raise ValueError(f"scheduler: request {req.request_id} needs more KV blocks than exist")
         if self.prefix_cache is not None:
             req.prefix = PrefixState(
-                self.prefix_cache.hashes(req.prompt_ids, req.cache_salt),
+                self.prefix_cache.hashes(req.prompt_ids, req.cache_salt, req.prompt_bytes),
                 may_hit=not req.scores_prompt,
                 may_claim=not req.scores_prompt,
             )

@@ -7,6 +7,8 @@ Each failure is an InvalidRequestError whose field is the proto path (`parameter
 
 from __future__ import annotations
 
+import array
+import dataclasses
 import math
 import secrets
 from dataclasses import dataclass
@@ -74,23 +76,41 @@ class ValidatedRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     constraint: Constraint | None = None  # constrained decoding (compiled by the batching loop at submit)
     cache_salt: str = ""  # prefix caching: only requests with equal salts share cached blocks
+    # prompt_ids as uint32 little-endian, made as validation checked them (the prefix cache hashes these bytes);
+    # b"" in a request built without validation, whose ids are converted where they are hashed
+    prompt_bytes: bytes = dataclasses.field(default=b"", repr=False)
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def _check_ids(field: str, ids, vocab_size: int) -> None:
+def _check_ids(field: str, ids, vocab_size: int) -> np.ndarray | None:
+    """Raises unless every id is in [0, vocab_size); returns them as an integer array when they all are (None
+    for an empty or non-integer sequence, checked element by element)."""
     # One numpy pass over integer ids (a repeated proto field converts without a copy loop): a Python loop took
     # ~0.1 ms for a 2,000-token prompt, on the event loop, for every request of a burst.
-    values = np.asarray(ids)
+    values = _id_array(ids)
     if values.dtype.kind not in "iu":  # empty, or a list holding something else: the exact element-wise check
         values = ids
     elif values.size == 0 or (values.min() >= 0 and values.max() < vocab_size):
-        return
+        return values if values.size else None
     for i, token_id in enumerate(values):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(f"{field}[{i}]", f"token id must be in [0, {vocab_size}), got {token_id}")
+    return None
+
+
+def _id_array(ids) -> np.ndarray:
+    """`ids` as a numpy array. A list (a tokenizer's ids) goes through array("I"), 4x faster than numpy from a
+    list (2,112 ids: 18 vs 73 us); one that does not fit uint32 (negative, too large, not an integer) through
+    numpy, as anything else (a repeated proto field converts without a copy loop)."""
+    if isinstance(ids, list):
+        try:
+            return np.frombuffer(array.array("I", ids), np.uint32)
+        except (OverflowError, TypeError):
+            pass
+    return np.asarray(ids)
 
 
 check_ids = _check_ids  # Detokenize checks its ids the same way
@@ -205,9 +225,14 @@ def _complete(
             raise InvalidRequestError("text", "tokenizes to no tokens")
         text_ids = _truncated(text_ids, p)
         _check_prompt_length(len(text_ids), limits)
-        _check_ids("text (tokenized)", text_ids, limits.vocab_size)
-    # a repeated field converts through numpy about 4x faster than list() (2,112 ids: 10 vs 40 us)
-    prompt_ids = text_ids if text_ids is not None else _truncated(np.asarray(req.token_ids.ids).tolist(), p)
+        words = _check_ids("text (tokenized)", text_ids, limits.vocab_size)
+        prompt_ids = text_ids
+    else:  # a repeated field converts through numpy about 4x faster than list() (2,112 ids: 10 vs 40 us)
+        words = _truncated(np.asarray(req.token_ids.ids), p)
+        prompt_ids = words.tolist()
+    # The ids are in [0, vocab_size) (checked), so uint32 holds them exactly: the prefix cache hashes these bytes
+    # rather than converting the list once more (0.4 us from the array, 15-20 us from a 2,112-id list).
+    prompt_bytes = words.astype("<u4").tobytes() if words is not None else b""
     max_new_tokens = _max_new_tokens(p, config, limits, len(prompt_ids))
     if p.min_new_tokens > max_new_tokens:
         raise InvalidRequestError(
@@ -243,6 +268,7 @@ def _complete(
         logit_bias=tuple(sorted(p.logit_bias.items())),
         constraint=constraint,
         cache_salt=req.cache_salt,
+        prompt_bytes=prompt_bytes,
     )
 
 

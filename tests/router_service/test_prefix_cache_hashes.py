@@ -150,3 +150,17 @@ def test_a_new_index_starts_without_the_memory(monkeypatch):
     scheduler.add(ScheduledRequest(2, prompt, max_new_tokens=1))
     assert scheduler.requests[2].prefix.hashes == from_scratch(new, prompt), f"seed {seed}"
     assert calls[0] == 100 // 16  # every block hashed again
+
+
+def test_given_token_bytes_hash_as_the_ids_do():
+    """The bytes validation made (ValidatedRequest.prompt_bytes) stand for the ids: the same hashes, recent
+    prompts included, and the index remembers them as it would the ids'."""
+    rng, seed = fresh_rng()
+    system = [rng.randrange(VOCAB) for _ in range(64)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(rng.randrange(40))] for _ in range(6)]
+    by_ids, by_bytes = PrefixCache(16, b"model"), PrefixCache(16, b"model")
+    for prompt in prompts:
+        data = struct.pack(f"<{len(prompt)}I", *prompt)
+        assert by_bytes.hashes(prompt, "s", data) == by_ids.hashes(prompt, "s") == from_scratch(by_ids, prompt, "s"), (
+            f"seed {seed}"
+        )

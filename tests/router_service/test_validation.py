@@ -8,6 +8,7 @@ import pytest
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
+from router_service import validation
 from router_service.config import RouterConfig
 from router_service.validation import ModelLimits, validate_request
 from tests.helpers import byte_ids
@@ -171,3 +172,29 @@ def test_out_of_range_id_is_named_at_its_index_in_a_long_prompt(bad, value):
     wrong[bad] = wrong[-1] = value  # a later bad id too: the first is reported
     with pytest.raises(InvalidRequestError, match=re.escape(f"token_ids.ids[{bad}]: ") + f".*got {value}$"):
         validate_request(req(ids=wrong, max_new_tokens=1), CONFIG, LIMITS)
+
+
+@pytest.mark.parametrize("truncate", [0, 5, 100])
+def test_prompt_bytes_are_the_prompt_ids_as_uint32_little_endian(truncate, tokenizer):
+    """What the prefix cache hashes in place of prompt_ids: the same ids, truncated alike, for a token-id prompt
+    and for a tokenized text."""
+    ids = np.random.default_rng(truncate).integers(0, LIMITS.vocab_size, 40).tolist()
+    kept = ids[-truncate:] if truncate else ids
+    for request in (req(ids=ids, max_new_tokens=1), req(text="hello, world", max_new_tokens=1)):
+        request.parameters.truncate_input_tokens = truncate
+        v = validate_request(request, CONFIG, LIMITS, tokenizer)
+        assert v.prompt_bytes == np.asarray(v.prompt_ids, "<u4").tobytes()
+    assert validate_request(
+        req(ids=ids, max_new_tokens=1, truncate_input_tokens=truncate), CONFIG, LIMITS
+    ).prompt_ids == tuple(kept)
+
+
+@pytest.mark.parametrize("value", [-1, 2**32, 2**64, LIMITS.vocab_size])
+def test_a_list_of_ids_that_does_not_fit_uint32_is_checked_as_before(value):
+    """A tokenizer's list of ids goes through array("I"); one that cannot (negative, too large)
+    through the element-wise check, which names the first bad id at its index."""
+    ids = [3, 4, 5, value, 6, value]
+    with pytest.raises(InvalidRequestError, match=re.escape("text (tokenized)[3]: ") + f".*got {value}$"):
+        validation.check_ids("text (tokenized)", ids, LIMITS.vocab_size)
+    assert validation.check_ids("text (tokenized)", [3, 4, 257], LIMITS.vocab_size).tolist() == [3, 4, 257]
+    assert validation.check_ids("text (tokenized)", [], LIMITS.vocab_size) is None
