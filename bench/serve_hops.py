@@ -11,6 +11,7 @@ are:
   W_answer  the worker's event loop answers a step                   R_masks  grammar masks computed (masks_of)
                                                                      R_submit a request through the front (Frontend.submit)
                                                                      R_admit  its admission (BatchingLoop.submit)
+                                                                     R_stream a GenerateStream call's handler
   W_late_masks  late grammar masks applied (Engine.apply_late_masks), within it (cuda) W_device_masks (their
                 upload, mask and argmax launches: DeviceMasks.apply) and W_read_back (CudaDecoder._read_back)
   GC2       a garbage collection of the oldest generation, in any of the processes (the bench's clients too):

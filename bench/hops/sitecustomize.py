@@ -33,6 +33,7 @@ TARGETS = {
         ("BatchingLoop.submit", "R_admit"),
     ],
     "router_service.frontend": [("Frontend.submit", "R_submit")],
+    "router_service.servicer": [("GenerationServicer.GenerateStream", "R_stream")],
     "router_service.worker_client": [("StepStream.send", "R_write")],
 }
 # stamp name -> what its entry stamp also records (the launch: prompt tokens and decodes of the step)
