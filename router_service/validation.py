@@ -101,11 +101,14 @@ def _check_ids(field: str, ids, vocab_size: int) -> np.ndarray | None:
     return None
 
 
+_UINT_IS_32_BITS = array.array("I").itemsize == 4  # C's unsigned int: 4 bytes wherever this runs, but not by law
+
+
 def _id_array(ids) -> np.ndarray:
     """`ids` as a numpy array. A list (a tokenizer's ids) goes through array("I"), 4x faster than numpy from a
     list (2,112 ids: 18 vs 73 us); one that does not fit uint32 (negative, too large, not an integer) through
     numpy, as anything else (a repeated proto field converts without a copy loop)."""
-    if isinstance(ids, list):
+    if isinstance(ids, list) and _UINT_IS_32_BITS:
         try:
             return np.frombuffer(array.array("I", ids), np.uint32)
         except (OverflowError, TypeError):
