@@ -168,6 +168,12 @@ class BatchingLoop:
             raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
         if len(self._requests) >= self.config.max_concurrent_requests:
             raise Overloaded.at_capacity(self.config.max_concurrent_requests, self.config.retry_after_s)
+        if not self.scheduler.fits(len(req.prompt_ids) + req.max_new_tokens):  # validated for a worker since gone
+            raise InvalidRequestError(
+                "parameters.max_new_tokens",
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) must be <= KV "
+                f"capacity ({self.limits.kv_capacity_tokens})",
+            )
         now = time.monotonic()
         deadline = min(deadline or float("inf"), now + self.config.request_timeout_s)
         seq_id = next(self._ids)

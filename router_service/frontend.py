@@ -32,6 +32,7 @@ from router_service.validation import (
     PromptRequest,
     check_text_size,
     prompt_byte_limit,
+    revalidate,
     validate_request_async,
 )
 
@@ -155,9 +156,12 @@ class Frontend:
             self.batching_loop.tokenizer,
             add_special_tokens=add_special_tokens,
         )
+        matcher = await self.batching_loop.compile_constraint(req)
+        current = self.check_ready()
+        if current is not limits:  # the worker reconnected meanwhile: the request must fit the one it goes to
+            req = revalidate(request, self.config, current, self.batching_loop.tokenizer, req)
         span = trace.get_current_span()
         set_request_attributes(span, self.model_name, req, stream, operation)
-        matcher = await self.batching_loop.compile_constraint(req)
         return self.batching_loop.submit(req, deadline, span.get_span_context(), matcher)
 
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:

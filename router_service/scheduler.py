@@ -226,7 +226,7 @@ class Scheduler:
             raise ValueError(f"scheduler: request {req.request_id} is already scheduled")
         if not req.prompt_ids or req.max_new_tokens < 1:
             raise ValueError("scheduler: a request needs a prompt and max_new_tokens >= 1")
-        if self._blocks_needed(req) > self.limits.num_kv_blocks:
+        if not self.fits(req.num_prompt_tokens + req.max_new_tokens):
             raise ValueError(f"scheduler: request {req.request_id} needs more KV blocks than exist")
         if self.prefix_cache is not None:
             req.prefix = PrefixState(
@@ -283,6 +283,10 @@ class Scheduler:
         """Blocks requests hold or reserve (cached blocks no request holds are free to evict, not used)."""
         evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache is not None else 0
         return self.limits.num_kv_blocks - self.num_free_blocks - evictable
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` (prompt + max_new_tokens) fits the KV pool at all."""
+        return self.limits.blocks_for(num_tokens) <= self.limits.num_kv_blocks
 
     def _blocks_needed(self, req: ScheduledRequest) -> int:
         return self.limits.blocks_for(req.num_prompt_tokens + req.max_new_tokens)

@@ -141,6 +141,16 @@ async def validate_request_async(
     return _complete(req, config, limits, ids)
 
 
+def revalidate(
+    req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer, validated: ValidatedRequest
+) -> ValidatedRequest:
+    """`validated` judged by other limits, as validate_request would judge `req`, without tokenizing again: the
+    worker reconnected while it was tokenized, and a restart may bring a smaller KV pool or another vocabulary."""
+    text = _check_before_tokenizing(req, config, limits, tokenizer)
+    again = _complete(req, config, limits, list(validated.prompt_ids) if text is not None else None)
+    return dataclasses.replace(again, seed=validated.seed)
+
+
 def prompt_byte_limit(config: RouterConfig, limits: ModelLimits | None) -> int:
     """The most UTF-8 bytes a text prompt (or Tokenize text) may have: max_prompt_bytes, or a generous
     BYTES_PER_TOKEN per token of the context when it is 0; never above max_message_bytes."""
