@@ -70,6 +70,7 @@ from common.expert_layout import (
     read_expert_layout,
     scale_name,
 )
+from common.files import create_new, write_new
 from common.model_config import ModelConfig
 from common.models import config_from_hf, tensor_specs
 
@@ -178,7 +179,7 @@ class ModelWriter:
         for layer, stride in self.expert_strides.items():  # whole strides, so a copy of any expert's slot stays
             sizes[expert_file(layer)] = self.config.num_experts * stride  # inside the file (the last one's too)
         for name, size in sizes.items():
-            fd = os.open(self.out_dir / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = create_new(self.out_dir / name)  # a new file: a link there is replaced, never written through
             os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
             self._files[name] = fd
 
@@ -218,7 +219,7 @@ class ModelWriter:
             "tokenizer_files": self.tokenizer_files,
         }
         tmp = self.out_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
+        write_new(tmp, json.dumps(manifest, indent=1).encode())
         tmp.replace(self.out_dir / MANIFEST)
         return self.out_dir
 

@@ -13,7 +13,6 @@ import json
 import math
 import mmap
 import re
-import shutil
 import struct
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from common import dtypes, quant
 from common.errors import ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
+from common.files import copy_new
 from common.model_format import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from expert_service.tools import hf_fp8
@@ -187,10 +187,10 @@ def convert(
         shard.close()
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out_dir / name)
+            copy_new(hf_dir / name, out_dir / name)
             writer.tokenizer_files.append(name)
-        elif (out_dir / name).is_file():  # an earlier model's: the router would read it as this model's
-            (out_dir / name).unlink()
+        elif (out_dir / name).is_file() or (out_dir / name).is_symlink():  # an earlier model's: the router would
+            (out_dir / name).unlink()  # read it as this model's
     return writer.finish()
 
 

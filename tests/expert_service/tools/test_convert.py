@@ -344,3 +344,27 @@ def test_converting_into_the_checkpoint_directory_is_refused_before_writing(tmp_
     rc, out, err = run_cli(capsys, "convert", str(hf_dir), str(hf_dir / "."), "--no-progress")
     assert rc != 0 and err.count("\n") == 1 and "the output directory is the checkpoint's" in err, err
     assert sorted(p.name for p in hf_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+@pytest.mark.parametrize(
+    "name", ["dense.bin", "experts-L001.bin", "tokenizer.json", "colibri.json.tmp", "colibri.json"]
+)
+def test_a_link_in_the_output_directory_is_replaced_not_written_through(tmp_path, link, name):
+    """Every file went through os.open(O_TRUNC) or shutil.copyfile, which follow a symlink (and write into a hard
+    link's shared file): OUT_DIR/dense.bin -> /etc/something, or into another model, was overwritten."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    outside = tmp_path / "elsewhere" / "precious"
+    outside.parent.mkdir()
+    outside.write_bytes(b"not the converter's")
+    out = tmp_path / "out"
+    out.mkdir()
+    if link == "symlink":
+        (out / name).symlink_to(outside)
+    else:
+        (out / name).hardlink_to(outside)
+    ModelDir.open(convert(hf_dir, out, progress=False))  # checksums included
+    assert outside.read_bytes() == b"not the converter's"
+    assert not (out / name).is_symlink() and (name == "colibri.json.tmp") != (out / name).exists()
+    if name == "tokenizer.json":
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
