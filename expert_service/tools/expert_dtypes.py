@@ -77,6 +77,8 @@ def load_plan(
     default = expert_format(dtypes.canonical_expert_dtype(expert_dtype), scheme) if expert_dtype is not None else None
     if path is None:
         return ExpertPlan(default)
+    if str(path) == "":  # Path("") is ".", the working directory
+        raise ConfigError("--expert-dtype-file: empty; name a JSON or YAML file")
     path = Path(path)
     spec = _read(path)
     unknown = [k for k in spec if k not in FILE_KEYS]
@@ -153,6 +155,8 @@ def _mapping(value: object, path: Path, key: str) -> dict:
 def _read(path: Path) -> dict:
     from common.model_format import load_json
 
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory, not an expert dtype file")
     if not path.is_file():
         raise ConfigError(f"{path}: expert dtype file not found")
     if path.suffix.lower() in (".yaml", ".yml"):

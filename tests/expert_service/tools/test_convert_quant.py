@@ -158,6 +158,23 @@ def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys, value):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("", "--expert-dtype-file: empty; name a JSON or YAML file"),  # `--expert-dtype-file "$PLAN"`, PLAN unset
+        ("plans", "plans: a directory, not an expert dtype file"),
+    ],
+)
+def test_an_empty_or_directory_expert_dtype_file_is_named(tmp_path, capsys, monkeypatch, value, message):
+    """An empty value was read as the directory ".", reported as `.: expert dtype file not found`."""
+    hf = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    (tmp_path / "plans").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "convert", str(hf), "m", "--no-progress", "--expert-dtype-file", value)
+    assert rc == ConfigError.exit_code and err == f"colibri convert: error: {message}\n", err
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize(  # Qwen3's FP8 releases store bfloat16 (some float16) scales: widened exactly
     "scale_suffix, scale_dtype",
