@@ -39,7 +39,8 @@ missing or unknown tensors, a tensor outside the file above that holds it (dense
 boundary), 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
 (version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
 (read on every open, one small range per expert), expert blocks off their planned offsets, and (unless told
-to skip) any crc32 mismatch, scales included; each is a one-line ``ModelFormatError``.
+to skip) any crc32 mismatch, scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a
+one-line ``ModelFormatError`` (``ChecksumError`` for a mismatch).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from common.model_config import ModelConfig
 from common.models import config_from_hf, tensor_specs
 
 FORMAT_NAME = "colibri"
+VERIFY_CHUNK = 1 << 18  # verify reads a tensor in chunks this size: the crc and the fp8 NaN check share each in cache
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "colibri.json"
@@ -444,15 +446,27 @@ class ModelDir:
         return sum(e.nbytes for e in self.entries.values())
 
     def verify(self, progress: bool = False, workers: int | None = None) -> None:
-        """Re-checks every tensor's crc32 in parallel (zlib releases the GIL); raises on the first mismatch."""
+        """Re-checks every tensor's crc32 in parallel (zlib releases the GIL), and that no float8_e4m3fn tensor holds
+        a NaN byte; raises on the first failure."""
         from tqdm import tqdm
 
         def check(entry: TensorEntry) -> int:
-            if zlib.crc32(self.raw_bytes(entry.name).data) != entry.crc32:
+            data, crc, nan_at = self.raw_bytes(entry.name), 0, None
+            fp8 = entry.dtype == "float8_e4m3fn"
+            for start in range(0, entry.nbytes, VERIFY_CHUNK):  # each chunk read once, then checked in cache
+                chunk = data[start : start + VERIFY_CHUNK]
+                crc = zlib.crc32(chunk.data, crc)
+                if fp8 and nan_at is None and (at := dtypes.first_fp8_nan(chunk)) is not None:
+                    nan_at = start + at
+            if crc != entry.crc32:
                 raise ChecksumError(
                     f"{entry.file}: checksum mismatch in tensor {entry.name} "
-                    f"(crc32 {zlib.crc32(self.raw_bytes(entry.name).data):08x}, "
-                    f"manifest says {entry.crc32:08x})"
+                    f"(crc32 {crc:08x}, manifest says {entry.crc32:08x})"
+                )
+            if nan_at is not None:  # written so (another dtype's bytes labelled fp8): the kernels would serve NaN
+                raise ModelFormatError(
+                    f"{entry.file}: tensor {entry.name}: NaN byte 0x{data[nan_at]:02x} at byte {nan_at} "
+                    "(float8_e4m3fn's NaN encodings, which no converted weight holds; another dtype's bytes?)"
                 )
             return entry.nbytes
 

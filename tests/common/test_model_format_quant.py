@@ -321,3 +321,18 @@ def test_converted_scales_are_positive_and_finite_and_the_directory_opens(mixed)
     assert scales and all(np.all(np.isfinite(mixed.tensor(n)) & (mixed.tensor(n) > 0)) for n in scales)
     ModelDir.open(mixed.path, verify=False)
     ModelDir.open(mixed.path)
+
+
+def test_an_int8_expert_relabelled_fp8_is_refused_for_its_nan_bytes(broken):
+    """int8 and per-channel fp8 have the same layout and nbytes, so a manifest naming an int8 expert's matrices
+    float8_e4m3fn (checksums unchanged) loaded: its 127s and -1s are e4m3fn's NaN bytes (0x7f/0xff), served as NaN.
+    The checksum pass, which reads every byte anyway, refuses them naming the tensor."""
+    relabel = [set_tensor(f"layers.0.experts.0.{p}", dtype="float8_e4m3fn") for p in PROJECTIONS]
+    path = edit(broken, lambda m: [change(m) for change in relabel])
+    raw = broken.raw_bytes(G)
+    first = int(np.flatnonzero((raw & 0x7F) == 0x7F)[0])
+    message = rf"^experts-L000\.bin: tensor {G}: NaN byte 0x{raw[first]:02x} at byte {first} \(float8_e4m3fn's "
+    with pytest.raises(ModelFormatError, match=message) as error:
+        ModelDir.open(path)
+    assert "\n" not in str(error.value)
+    assert ModelDir.open(path, verify=False).tensor(G).dtype == np.uint8  # as checksums, only when verifying

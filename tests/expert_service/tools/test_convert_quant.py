@@ -265,9 +265,9 @@ def rewrite(hf: Path, change) -> None:
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 
 
-def nan_byte(t):
-    t[EXPERT] = t[EXPERT].clone()
-    t[EXPERT].view(dtype=__import__("torch").uint8)[3, 5] = 0x7F
+def nan_byte(t, name=EXPERT, byte=0x7F):
+    t[name] = t[name].clone()
+    t[name].view(dtype=__import__("torch").uint8)[3, 5] = byte
 
 
 NORM = "model.layers.0.post_attention_layernorm.weight"
@@ -295,6 +295,7 @@ def fp8_norm(t):
         (lambda t: t[EXPERT + "_scale_inv"].fill_(0.0), f"invalid scale in tensor {EXPERT}_scale_inv: 0.0 at [0, 0]"),
         (lambda t: t[EXPERT + "_scale_inv"].fill_(-2.0), f"invalid scale in tensor {EXPERT}_scale_inv: -2.0 at [0, 0]"),
         (nan_byte, f"tensor {EXPERT}: fp8 weights hold NaN bytes"),
+        (lambda t: nan_byte(t, "model.layers.0.self_attn.q_proj.weight", 0xFF), "tensor model.layers.0.self_attn.q_proj.weight: fp8 weights hold NaN bytes"),
     ],
 )  # fmt: skip
 def test_broken_fp8_tensors_are_one_line(tmp_path, capsys, change, message):
