@@ -98,11 +98,16 @@ class HttpFront:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[self._middleware])
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        http_guard.add_routes(
+            app,
+            (
+                ("GET", "/health", self.health),
+                ("GET", "/v1/models", self.models),
+                ("GET", "/v1/models/{model:.+}", self.model),
+                ("POST", "/v1/completions", self.completions),
+                ("POST", "/v1/chat/completions", self.chat_completions),
+            ),
+        )
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -136,13 +141,21 @@ class HttpFront:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         answer: web.StreamResponse
+        expectation = http_guard.expectation_problem(request)
         if request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
             answer = error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
+        elif expectation is not None:
+            answer = error_response(ApiError(417, expectation, code="expectation_failed"))
         else:
             answer = await self._answer(request, handler)
+        # A client never asked for the body it announced may send it or not: its connection ends with this answer.
+        unasked = http_guard.refused_before_continue(request) and not answer.prepared
+        if unasked:
+            answer.force_close()
         await http_guard.send(request, answer, self.config.http_write_timeout_s)
-        if answer.status == 408 and request.transport is not None:
-            # A client stalled mid-body: it has its answer; aiohttp would wait up to 10 s more for the rest.
+        if (answer.status == 408 or unasked) and request.transport is not None:
+            # A client stalled mid-body, or one never asked for its body: it has its answer; aiohttp would wait up
+            # to 10 s more for the rest.
             request.transport.close()
         return answer
 
@@ -153,9 +166,9 @@ class HttpFront:
             if e.status < 400:
                 raise
             message = f"{request.method} {request.path}: {e.reason}"
-            return error_response(
-                ApiError(e.status, message, "invalid_request_error" if e.status < 500 else "server_error")
-            )
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            return error_response(ApiError(e.status, message, kind, headers=allow))
         except ConnectionError:  # the client went away: nothing to answer (aiohttp finds the connection closed)
             return web.Response(status=499)
         except Exception:  # a fault of the router's own: logged here, the client learns nothing of it
@@ -217,6 +230,9 @@ class HttpFront:
             handle, parsed, many = None, None, False
             try:
                 request_id = self._request_id(request)
+                # what the headers alone decide comes before the body is asked for (and read)
+                frontend.check_ready()
+                frontend.check_room()
                 body = await http_guard.read_json(
                     request, self.config.max_message_bytes, self.config.http_body_timeout_s
                 )

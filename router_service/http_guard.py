@@ -7,6 +7,11 @@
   naming where.
 - Writes (`send`, `bounded`): one write of an answer may wait `http_write_timeout_s` for the client to read; a
   client that stops reading is disconnected (its buffered bytes dropped) and its request cancelled.
+- `Expect: 100-continue` (`send_continue`, `refused_before_continue`): aiohttp would answer it before the
+  middleware runs, inviting any client (one without a token included) to upload its body. Its routes get
+  `defer_continue` instead, and the 100 goes out when a handler first reads the body: a request refused from
+  its headers alone (auth, path, method, Content-Length, X-Request-Id, room) gets its final answer instead, and
+  its connection closes, the body it announced never asked for.
 - Log (`ProtocolLog`): aiohttp logs a malformed request (a header line over 8 KiB, more than 128 headers, bytes
   that are not HTTP) at ERROR with a traceback, once per request: anyone could flood the log. Those become one
   rate-limited WARNING line; a fault of the router's own keeps its ERROR and traceback.
@@ -21,8 +26,10 @@ import re
 import socket
 import struct
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
+from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
 from router_service.openai_api import ApiError
@@ -31,21 +38,117 @@ MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); 
 # A lone surrogate can only come from a \uD800-\uDFFF escape: the body is decoded strictly, so raw surrogate
 # bytes fail to decode (json.loads would decode bytes with surrogatepass and let them through).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+CONTINUED = web.RequestKey("colibri.continued", bool)  # its 100 Continue was sent
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def expects_continue(request: web.Request) -> bool:
+    """An HTTP/1.1 request with `Expect: 100-continue` (HTTP/1.0 ones are answered as if without it, as RFC 9110
+    asks)."""
+    return request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue"
+
+
+def expectation_problem(request: web.Request) -> str | None:
+    """Why the request's Expect header cannot be met (417), or None."""
+    expect = request.headers.get(hdrs.EXPECT)
+    if expect is None or request.version != HttpVersion11 or expect.lower() == "100-continue":
+        return None
+    return f"Expect header: only 100-continue is supported, got {expect[:64]!r}"
+
+
+async def defer_continue(request: web.Request) -> None:
+    """The routes' expect handler: answers nothing, so that aiohttp's default does not send 100 Continue before
+    the middleware has checked the request (send_continue sends it when the body is read)."""
+
+
+async def send_continue(request: web.Request) -> None:
+    """Sends the request's 100 Continue, once, if it expects one: its body is about to be read."""
+    if expects_continue(request) and not request.get(CONTINUED):
+        request[CONTINUED] = True
+        await request.writer.write(CONTINUE)
+        request.writer.output_size = 0  # as aiohttp's default handler does: the answer's own bytes start here
+
+
+def add_routes(app: web.Application, routes) -> None:
+    """(method, path, handler) routes, each GET with its HEAD. Every request reaches a route of these, whose expect
+    handler leaves 100 Continue to the body's first read: each path also answers its other methods (405), and
+    last routes every other path (404), where aiohttp's own answers would send 100 Continue before the
+    middleware runs."""
+    for method, path, handler in routes:
+        resource = app.router.add_resource(path)
+        if method == "GET":
+            resource.add_route("HEAD", handler, expect_handler=defer_continue)
+        resource.add_route(method, handler, expect_handler=defer_continue)
+        resource.add_route("*", _not_allowed, expect_handler=defer_continue)
+    app.router.add_route("*", "/{path:.*}", _not_found, expect_handler=defer_continue)
+    asterisk = AsteriskResource()
+    app.router.register_resource(asterisk)
+    asterisk.add_route("*", _not_found, expect_handler=defer_continue)
+
+
+async def _not_allowed(request: web.Request) -> web.StreamResponse:
+    """A known path asked with another method: 405 naming the path's methods."""
+    methods = {route.method for route in request.match_info.route.resource or ()} - {"*"}
+    raise web.HTTPMethodNotAllowed(request.method, methods)
+
+
+async def _not_found(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPNotFound()
+
+
+class AsteriskResource(web.Resource):
+    """The asterisk-form target (`OPTIONS * HTTP/1.1`; aiohttp refuses it with any other method): aiohttp's router
+    has no resource that matches it, and its own 404 would send 100 Continue before the middleware runs."""
+
+    @property
+    def canonical(self) -> str:
+        return "*"  # the router's index key: looked up first for a request to `*`
+
+    def _match(self, path: str) -> dict[str, str] | None:
+        return {} if path == "*" else None
+
+    def raw_match(self, path: str) -> bool:
+        return path == "*"
+
+    def add_prefix(self, prefix: str) -> None:
+        raise RuntimeError("the asterisk-form resource takes no prefix")
+
+    def url_for(self) -> URL:  # type: ignore[override]
+        return URL("*")
+
+    def get_info(self) -> dict:  # type: ignore[override]
+        return {"path": "*"}
+
+
+def refused_before_continue(request: web.Request) -> bool:
+    """True when the request had an Expect header (100-continue, or one refused with 417), never got its 100
+    Continue and announced a body: the client may send it or not, so the connection cannot carry another
+    request after this answer."""
+    expected = request.version == HttpVersion11 and hdrs.EXPECT in request.headers
+    return expected and not request.get(CONTINUED) and request.body_exists
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large")
 
 
 async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
-    """The request's body as checked JSON; raises ApiError (408, 413, 400)."""
+    """The request's body as checked JSON; raises ApiError (408, 413, 400). A Content-Length over `max_bytes`
+    is refused before anything is read (with no Content-Encoding: a compressed length says nothing exact of
+    the body's), and a client that expects it gets its 100 Continue only then."""
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if encoding == "identity" and (request.content_length or 0) > max_bytes:
+        raise _too_large(max_bytes)
     try:
         async with asyncio.timeout(timeout_s):
+            await send_continue(request)
             raw = await request.read()
     except TimeoutError:
         raise ApiError(
             408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)", code="request_timeout"
         ) from None
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large"
-        ) from None
+        raise _too_large(max_bytes) from None
     except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
     try:
