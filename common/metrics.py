@@ -129,6 +129,10 @@ class RouterMetrics:
             "prefix_cache_evictions", "Cached KV blocks evicted to make room for new requests"
         )
         self.prefix_cache_blocks = b.gauge("prefix_cache_blocks", "KV blocks held by the prefix cache")
+        self.http_connections = b.gauge("http_connections", "Open connections of the OpenAI-compatible HTTP port")
+        self.http_connections_refused = b.counter(
+            "http_connections_refused", "HTTP connections refused (503) because http_max_connections were open"
+        )
         self.batch_size = b.histogram("batch_size", "Sequences per worker step", BATCH_SIZE_BUCKETS)
         self.batch_tokens = b.histogram("batch_tokens", "Tokens per worker step", BATCH_TOKENS_BUCKETS)
         kinds = {"kind": STEP_KINDS}

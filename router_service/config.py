@@ -216,6 +216,13 @@ class RouterConfig:
         "disconnected and its request cancelled",
         ("COLIBRI_HTTP_WRITE_TIMEOUT",),
     )
+    http_max_connections: int = setting(
+        1024,
+        "HTTP connections open at once (idle keep-alive ones included); past it a new connection is answered 503 "
+        "(too_many_connections, Retry-After) and closed. The open-file limit is raised to fit it when the hard "
+        "limit allows",
+        ("COLIBRI_HTTP_MAX_CONNECTIONS",),
+    )
     grpc_write_timeout_s: float = setting(
         30.0,
         "seconds one message of a gRPC stream may wait for a client that stops reading (HTTP/2 flow control); "
@@ -262,6 +269,7 @@ class RouterConfig:
             "max_stop_sequence_length",
             "max_request_id_length",
             "chat_template_processes",
+            "http_max_connections",
         )
         for name in positive:
             if getattr(self, name) < 1:

@@ -8,7 +8,8 @@ the same validation, admission, deadlines, metrics and spans (the caller's `trac
 Bearer tokens are checked as on the gRPC port (router_service.security), and the port serves TLS with the
 gRPC port's certificate files when they are configured. A client that disconnects cancels its request: the
 handler task is cancelled (aiohttp's handler_cancellation), which frees the request's KV blocks within a step.
-Connections are bounded in time (headers, body, each write) and bodies checked before parsing them further
+Connections are bounded in time (headers, body, each write) and in number (router_service.http_connections),
+bodies checked before parsing them further and 100 Continue sent only once a request is accepted
 (router_service.http_guard); every error answer has OpenAI's shape, and only the router's own faults are 500s.
 """
 
@@ -28,6 +29,7 @@ from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
 from router_service import errors, http_guard, openai_choices
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
+from router_service.http_connections import ConnectionGate, listen
 from router_service.http_guard import abort, bounded
 from router_service.logprobs import TokenTexts
 from router_service.openai_api import (
@@ -86,6 +88,8 @@ class HttpFront:
         self.created = int(time.time())
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self._gate: ConnectionGate | None = None
         self._texts: TokenTexts | None = None
 
     def _request_id(self, request: web.Request) -> str:
@@ -113,7 +117,7 @@ class HttpFront:
     async def start(self, host: str, port: int) -> int:
         # handler_cancellation: a client that disconnects cancels its handler, hence its request. aiohttp's
         # keep-alive timer runs from a connection's opening (or previous answer) until a request's headers are
-        # complete: it is the header timeout, and the idle timeout too.
+        # complete: it is the header timeout, and the idle timeout too. `listen` binds the port behind the cap.
         self._runner = web.AppRunner(
             self.app(),
             handler_cancellation=True,
@@ -123,16 +127,23 @@ class HttpFront:
             logger=http_guard.ProtocolLog(logging.getLogger("colibri.router.http.protocol")),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
+        assert self._runner.server is not None
         try:
-            await site.start()
+            self._server, self._gate = await listen(
+                self._runner.server, self.config, self.frontend.batching_loop.hooks, host, port, self.ssl_context
+            )
         except OSError:
             await self.stop()
             raise AddressInUseError(f"router HTTP {host}:{port} is in use or cannot be bound") from None
-        self.port = self._runner.addresses[0][1]
+        self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()  # no new connections; aiohttp's cleanup ends those it serves
+            self._server = None
+        if self._gate is not None:
+            self._gate.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -51,6 +51,12 @@ class BatchingLoopHooks:
     def on_rejected(self, outcome: str) -> None:
         """A request refused before admission (validation, overload, draining): outcome = status, lower-case."""
 
+    def on_http_connections(self, count) -> None:
+        """The HTTP front starts; `count()` is its open connections, for hooks to read when they want."""
+
+    def on_http_connection_refused(self) -> None:
+        """The HTTP front refused a connection: http_max_connections were open."""
+
 
 class MetricsHooks(BatchingLoopHooks):
     """BatchingLoopHooks that update common.metrics.RouterMetrics."""
@@ -99,6 +105,12 @@ class MetricsHooks(BatchingLoopHooks):
 
     def on_rejected(self, outcome: str) -> None:
         self.m.requests.labels(outcome=outcome).inc()
+
+    def on_http_connections(self, count) -> None:
+        self.m.http_connections.set_function(count)
+
+    def on_http_connection_refused(self) -> None:
+        self.m.http_connections_refused.inc()
 
 
 class QueueSpanHooks(BatchingLoopHooks):

@@ -36,6 +36,8 @@ ROUTER = {
     "colibri_prefix_cache_hits": "counter",
     "colibri_prefix_cache_evictions": "counter",
     "colibri_prefix_cache_blocks": "gauge",
+    "colibri_http_connections": "gauge",
+    "colibri_http_connections_refused": "counter",
 }
 WORKER = {
     "colibri_worker_step_duration_seconds": "histogram",

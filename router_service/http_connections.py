@@ -1,0 +1,167 @@
+"""The HTTP port's cap on open connections (`http_max_connections`; router_service/http_api.py applies it).
+
+aiohttp takes every connection it is offered: a client opening thousands of idle or slow ones would hold a file
+descriptor and a handler each until its header timeout. `ConnectionGate` is the listening socket's protocol
+factory: it hands each connection to aiohttp's handler while fewer than the cap are open; past it the connection
+is sent a canned 503 (OpenAI's error shape, `Retry-After`, `Connection: close`) as soon as it opens, and closed
+once the client has closed its side or after REFUSAL_LINGER_S (a close with the client's request unread would
+reset the connection and could lose the answer); at most MAX_LINGERING linger, so a flood of refusals holds few
+descriptors. Connections still in their TLS handshake are not counted: each
+has http_header_timeout_s to finish it (the server's ssl_handshake_timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Callable
+
+log = logging.getLogger("colibri.router.http")
+REFUSAL_LINGER_S = 1.0
+MAX_LINGERING = 64  # refused connections lingering at once; past it (a flood) one is closed as soon as answered
+# Descriptors the router needs besides its HTTP connections: lingering refusals, gRPC ports and channels, the
+# worker, metrics, chat-template processes, token and certificate files.
+FD_RESERVE = 256
+
+
+def refusal(limit: int, retry_after_s: float) -> bytes:
+    """The whole answer to a connection past the cap."""
+    message = f"the router has {limit} HTTP connections open (http_max_connections); retry shortly"
+    error = {"message": message, "type": "server_error", "param": None, "code": "too_many_connections"}
+    body = json.dumps({"error": error}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"Retry-After: {max(1, math.ceil(retry_after_s))}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionGate:
+    """Protocol factory for the HTTP port: `factory()` (aiohttp's server) serves each connection while fewer than
+    `limit` are open; the others are refused. `open` counts the connections served now."""
+
+    def __init__(
+        self,
+        factory: Callable[[], asyncio.Protocol],
+        limit: int,
+        retry_after_s: float,
+        on_refused: Callable[[], None] = lambda: None,
+    ):
+        self.factory, self.limit, self.on_refused = factory, limit, on_refused
+        self.answer = refusal(limit, retry_after_s)
+        self.open = 0
+        self._refused: set[asyncio.Transport] = set()  # refused connections lingering before their close
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Gated(self)
+
+    def close(self) -> None:
+        """Closes the refused connections still lingering (the server stops)."""
+        for transport in list(self._refused):
+            transport.abort()
+        self._refused.clear()
+
+
+class _Gated(asyncio.Protocol):
+    """One connection: aiohttp's handler behind it, or a refusal."""
+
+    def __init__(self, gate: ConnectionGate):
+        self.gate = gate
+        self.inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        gate = self.gate
+        if gate.open < gate.limit:
+            gate.open += 1
+            self.inner = gate.factory()
+            self.inner.connection_made(transport)
+            return
+        gate.on_refused()
+        transport.write(gate.answer)
+        if len(gate._refused) >= MAX_LINGERING:
+            transport.close()
+            return
+        self.transport = transport
+        gate._refused.add(transport)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)  # a refused connection's bytes are dropped
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None  # refused: None closes it
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.gate.open -= 1
+            self.inner.connection_lost(exc)
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.transport is not None:
+            self.gate._refused.discard(self.transport)
+
+
+async def listen(factory, config, hooks, host: str, port: int, ssl_context) -> tuple[asyncio.Server, ConnectionGate]:
+    """The HTTP port's listening socket, serving connections with `factory` (aiohttp's server) through a gate of
+    config.http_max_connections; a TLS handshake gets http_header_timeout_s (the time a connection has from its
+    opening to send its headers). Raises OSError when the address cannot be bound."""
+    limit = config.http_max_connections
+    fit_open_files(limit)
+    gate = ConnectionGate(factory, limit, config.retry_after_s, hooks.on_http_connection_refused)
+    hooks.on_http_connections(lambda: gate.open)
+    server = await asyncio.get_running_loop().create_server(
+        gate,
+        host,
+        port,
+        ssl=ssl_context,
+        ssl_handshake_timeout=config.http_header_timeout_s if ssl_context is not None else None,
+    )
+    return server, gate
+
+
+def fit_open_files(connections: int) -> None:
+    """Raises the process's soft open-file limit to fit `connections` HTTP connections and the router's other
+    descriptors, as far as the hard limit allows; warns when it cannot (the cap would not stop the descriptors
+    running out first)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < need:
+        log.warning(
+            "the open-file limit (%d) leaves room for about %d HTTP connections, fewer than "
+            "http_max_connections (%d): raise the limit (ulimit -n, or the container's nofile) or lower the setting",
+            soft,
+            max(0, soft - FD_RESERVE),
+            connections,
+        )
