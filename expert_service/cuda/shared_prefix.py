@@ -31,8 +31,9 @@ def find_shared_prefixes(
     group in batch order, each group led by its first member: members[leader] lists the group (leader first, -1
     padded), starts[m] = the keys of the blocks every member of the group has in common, counting only whole
     blocks before each member's current token (the block it writes this step is its own). Groups sharing fewer
-    than min_keys keys, sequences in no group and padding get starts 0 and members rows of -1. Returns the
-    number of groups."""
+    than min_keys keys (or than one block: min_keys 0 too), sequences in no group and padding get starts 0 and
+    members rows of -1. Returns the number of groups."""
+    min_keys = max(min_keys, 1)  # the kernel takes starts > 0 for every member of a group
     starts.fill(0)
     members.fill(-1)
     width = members.shape[1]

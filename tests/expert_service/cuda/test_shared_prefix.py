@@ -182,3 +182,12 @@ def test_the_grouping_matches_its_plain_statement_on_random_steps(seed):
     np.testing.assert_array_equal(starts[:S], want_starts)
     np.testing.assert_array_equal(members[:S], want_members)
     assert count == int((want_members[:, 0] >= 0).sum()) and starts[S] == 0 and (members[S] == -1).all()
+
+
+def test_a_group_always_shares_at_least_one_block():
+    # min_keys 0: sequences whose current token is in their first block share nothing, and idle slots (context 0)
+    # alike in their stale tables are no group either (the kernel takes starts > 0 for every member)
+    count, starts, members = groups_of([[1, 2], [1, 3], [1, 4]], [5, 8, 0], min_keys=0)
+    assert count == 0 and not starts.any() and (members == -1).all()
+    count, starts, members = groups_of([[1, 2, 3], [1, 2, 4]], [17, 20], min_keys=0)
+    assert count == 1 and starts[:2].tolist() == [16, 16] and members[0, :2].tolist() == [0, 1]
