@@ -32,8 +32,12 @@ def run_shared(
     shared_splits=3,
     min_keys=KT,
     expect_groups=None,
+    edit=None,
 ):
     k_pool, v_pool, tables, ctx, lists = shared_cache(rng, prefixes, own_lens, block_size, num_kv_heads, head_dim)
+    if edit is not None:  # edit(tables) rewrites some tables in place
+        edit(tables)
+        lists = [tables[i, : -(-int(n) // block_size)].astype(np.int64) for i, n in enumerate(ctx)]
     S = len(ctx)
     q = rng.standard_normal((S, num_heads, head_dim), dtype=np.float32)
     positions = ctx - 1
@@ -133,3 +137,40 @@ def test_shared_gpu(num_heads, num_kv_heads, seqs, prefix):
         shared_splits=16,
         min_keys=64,
     )
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_every_group_size_maps_each_members_heads_to_its_rows(group):
+    # two kv heads (the second's rows start at head `group`); a full group of 16 / group members (rows 8-15
+    # carry the later members' heads), one more of the same prompt that makes a group with the next, interleaved
+    # with a second prompt's pair, so leaders and members are not consecutive rows
+    rng = np.random.default_rng(20 + group)
+    width = max_members(2 * group, 2)
+    names = ["a"] * (width + 2) + ["b"] * 2
+    order = rng.permutation(len(names))
+    prefixes = [(names[i], 32) for i in order]
+    own = [int(x) for x in rng.integers(1, 20, len(names))]
+    _, _, starts = run_shared(
+        rng, prefixes, own, 2 * group, 2, block_size=4, splits=2, shared_splits=2, min_keys=16, expect_groups=3
+    )
+    assert (starts == 32).all()
+
+
+def test_one_split_part_leaves_every_sequence_a_partial_or_its_out():
+    # decode_split_count may give P = 1: the own keys are one part, a partial where a prefix is shared
+    rng = np.random.default_rng(21)
+    run_shared(rng, [("s", 64)] * 3 + [("t", 8)], [2, 40, 7, 50], 4, 1, splits=1, shared_splits=1, expect_groups=1)
+
+
+def test_a_member_sharing_fewer_blocks_bounds_its_groups_prefix_and_reads_the_rest_as_its_own():
+    # sequence 3 starts with the first four blocks of the others' prompt, then another prompt's: the group of four
+    # shares 32 keys, and the other three attend keys 32-63 of their prompt as their own
+    rng = np.random.default_rng(22)
+
+    def edit(tables):
+        tables[3, :4] = tables[0, :4]
+
+    _, _, starts = run_shared(
+        rng, [("s", 64)] * 3 + [("t", 64)], [5, 12, 30, 9], 4, 2, min_keys=16, expect_groups=1, edit=edit
+    )
+    assert starts.tolist() == [32, 32, 32, 32]
