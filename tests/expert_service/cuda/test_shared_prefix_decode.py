@@ -81,7 +81,11 @@ def test_shared_prefixes_give_the_unshared_tokens_and_logits(model, monkeypatch)
     assert calls, "no decode step took the shared-prefix attention"
     for i, ((ta, la), (tb, lb)) in enumerate(zip(off, on)):
         # the kernel test's bound on the attention output (bf16 q and P), carried through two layers
-        assert ta == tb and rel_error(lb, la) <= 2e-2, f"decode step {i}: {rel_error(lb, la):.2e}"
+        assert rel_error(lb, la) <= 2e-2, f"decode step {i}: {rel_error(lb, la):.2e}"
+        if ta != tb:  # only at a near-tie of the unshared logits; the sequences part from here on
+            chosen = la[np.arange(len(tb)), tb]
+            assert np.all(la.max(axis=1) - chosen <= 2e-2 * np.abs(la).max()), f"decode step {i}: {ta} vs {tb}"
+            break
     engine.close()
 
 
