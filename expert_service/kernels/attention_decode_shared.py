@@ -21,7 +21,8 @@ Arguments the caller guarantees (`cuda/shared_prefix.py` builds them from the st
 m of leader s has starts[m] = starts[s] > 0, the same first starts[s] / BS blocks as s, and its query at a
 position >= starts[s] (the prefix is whole blocks before its current token's); a sequence in no group has
 starts = 0 and appears in no members row. Numerics: those of attention_decode_mma (bf16 q and P), the same
-partials merged in another grouping: outputs within ~1e-3 of the unshared kernel's, not bit-equal.
+partials merged in another grouping: not bit-equal to the unshared kernel's outputs (the tests hold them within
+2e-3 of the largest value).
 """
 
 from __future__ import annotations
