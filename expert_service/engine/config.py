@@ -12,6 +12,10 @@ from common.errors import ConfigError
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import POLICIES
 
+# The largest budget: its bytes (int(gb * 2^30)) stay below 2^63, so they fit Info's uint64 budget_bytes (1e300 GiB
+# overflowed to an infinite float, 1e11 GiB answered Info with "Value out of range").
+MAX_EXPERT_CACHE_GB = 2.0**33
+
 
 class Backend(StrEnum):
     AUTO = "auto"  # cuda when a usable GPU is present, else cpu
@@ -125,6 +129,10 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks: must be >= 0, got {self.num_kv_blocks}")
         if not 0 <= self.expert_cache_gb < math.inf:  # NaN fails too (a budget becomes int(budget * GIB) bytes)
             raise ConfigError(f"expert_cache_gb: must be a finite number >= 0, got {self.expert_cache_gb}")
+        if self.expert_cache_gb >= MAX_EXPERT_CACHE_GB:  # its bytes overflow a float, or Info's uint64 budget_bytes
+            raise ConfigError(
+                f"expert_cache_gb: must be below 2^33 GiB (8 EiB, far beyond any host), got {self.expert_cache_gb:g}"
+            )
         if self.expert_cache_slots < 0:
             raise ConfigError(f"expert_cache_slots: must be >= 0, got {self.expert_cache_slots}")
         if self.expert_cache_policy not in POLICIES:

@@ -1,0 +1,38 @@
+"""EngineConfig's expert-cache settings as a careless operator gives them: every bad value is refused in one line
+naming the setting, and every accepted one can be planned and reported."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.config import resolve
+from common.errors import ConfigError
+from common.model_format import ModelDir
+from expert_service.engine.config import MAX_EXPERT_CACHE_GB, EngineConfig
+from expert_service.experts.slots import plan_slots
+from expert_service.serving import wire
+
+
+@pytest.mark.parametrize("gb", [1e11, 1e300, MAX_EXPERT_CACHE_GB, -1.0, math.nan, math.inf])
+def test_a_budget_whose_bytes_cannot_be_held_or_reported_is_refused_in_one_line(gb):
+    """1e300 GiB overflowed to an infinite float when planned (a traceback), 1e11 GiB to more bytes than Info's
+    uint64 budget_bytes holds (Info failed with "Value out of range" once the worker was up)."""
+    with pytest.raises(ConfigError, match=r"^expert_cache_gb: must be") as error:
+        EngineConfig(expert_cache_gb=gb)
+    assert "\n" not in str(error.value)
+
+
+def test_the_same_from_the_environment_names_the_setting():
+    with pytest.raises(ConfigError, match=r"^expert_cache_gb: must be below 2\^33 GiB"):
+        resolve(EngineConfig, env={"COLIBRI_EXPERT_CACHE_GB": "1e300"})
+
+
+@pytest.mark.parametrize("gb", [1e9, math.nextafter(MAX_EXPERT_CACHE_GB, 0)])
+def test_the_largest_budgets_plan_every_expert_resident_and_report_in_info(tiny_model, gb):
+    config = EngineConfig(expert_cache_gb=gb)
+    model = ModelDir.open(tiny_model)
+    plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+    assert not plan.is_cached and plan.slots_per_layer == model.config.num_experts
+    assert wire.slot_plan(plan, config.expert_cache_policy, config.prefetch_sources).budget_bytes == plan.budget_bytes
