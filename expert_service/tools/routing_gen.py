@@ -38,6 +38,7 @@ CORPUS_FORMATS = ("auto", "text", "ids")
 _COMPACT_KEYS = 64 * 1024 * 1024
 _VOCAB_BATCH = 4096
 _IDS_PATTERN = re.compile(rb"[\s,0-9]*")
+_ID_WORD = re.compile(rb"[+-]?[0-9]+")
 NO_CORPUS_NOTE = (
     "no corpus given: the table is the embedding fallback only (gate applied to each token's "
     "normalised embedding); recall not measured (pass --corpus to build from traffic and measure it)"
@@ -51,6 +52,8 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
     if not path.is_file():
         raise ConfigError(f"--corpus: {path} not found")
     data = path.read_bytes()
+    if not data.strip():  # before the tokenizer is looked for: an empty file is no text either
+        raise ConfigError(f"--corpus: {path} holds no tokens")
     if corpus_format == "auto":
         corpus_format = "ids" if _IDS_PATTERN.fullmatch(data[: 1 << 16]) and data.strip() else "text"
     ids = _parse_ids(data, path, model.config.vocab_size) if corpus_format == "ids" else _tokenize(data, path, model)
@@ -67,13 +70,14 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
 
 def _parse_ids(data: bytes, path: Path, vocab_size: int) -> np.ndarray:
     words = data.replace(b",", b" ").split()
-    try:
-        ids = [int(w) for w in words]
-    except ValueError:
-        bad = next(w for w in words if not w.lstrip(b"-").isdigit())
+    # Decimal integers only: int() alone also reads b"1_0" as 10, and a word it refuses may still look like one
+    # to a looser test (b"--5" had no culprit to name: a StopIteration traceback).
+    bad = next((w for w in words if not _ID_WORD.fullmatch(w)), None)
+    if bad is not None:
         raise InvalidRequestError(
             "--corpus", f"{path}: expected integers separated by whitespace or commas, found {bad[:40]!r}"
-        ) from None
+        )
+    ids = [int(w) for w in words]
     try:
         return np.array(ids, dtype=np.int64)
     except OverflowError:  # past int64: named here as load_corpus names any other id outside the vocabulary

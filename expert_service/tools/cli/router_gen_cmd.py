@@ -4,6 +4,7 @@ its top-k recall against exact routing on a held-out part of the corpus."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if not config.moe_layers:
         raise ConfigError(f"{args.model}: the model has no MoE layers, so there is nothing to route")
     out = Path(args.out) if args.out else model.path / TABLE_FILE
+    check_out(out)
     corpus = load_corpus(args.corpus, args.corpus_format, model) if args.corpus else None
     batch_tokens = max(args.sequence_length, 4096)
 
@@ -104,6 +106,18 @@ def run(args: argparse.Namespace) -> int:
     )
     print_report(report)
     return 0
+
+
+def check_out(out: Path) -> None:
+    """Where the table goes, checked before the corpus is traced (which can take hours): writing it used to fail
+    only at the end, naming no flag."""
+    if out.is_dir():
+        raise ConfigError(f"--out: {out} is a directory (name the table's file, e.g. {out / TABLE_FILE})")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out: {parent} is not a directory (the table's folder must exist)")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out: {parent} is not writable")
 
 
 def print_report(report: dict) -> None:
