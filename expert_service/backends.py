@@ -11,6 +11,7 @@ from expert_service.engine.config import Backend, EngineConfig
 from expert_service.engine.engine import Engine
 from expert_service.engine.step import Decoder
 from expert_service.experts.cache import DEVICE_POLICIES
+from expert_service.experts.routing_plan import warn_unread_plan_table
 from expert_service.experts.slots import SlotPlan, plan_slots
 
 log = logging.getLogger("colibri.worker")
@@ -71,4 +72,5 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
 def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:
     """An engine over the backend `config.backend` resolves to, with the expert slots its budget allows."""
     slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+    warn_unread_plan_table(config, slot_plan.is_cached)
     return Engine(model, config, make_decoder(model, config, slot_plan))

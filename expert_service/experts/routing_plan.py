@@ -71,6 +71,23 @@ def worker_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | N
     return table
 
 
+def warn_unread_plan_table(config: EngineConfig, cached: bool) -> str | None:
+    """A plan_table file the settings leave unread (no expert cache, no plan prefetch, or routing=lut) is named in
+    a warning, not passed over in silence (nor checked); returns why it is unread, or None when it is read."""
+    if config.plan_table in ("", ROUTER_PLANS):
+        return None
+    if not cached:
+        why = "every expert is resident: no expert cache runs (see --expert-cache-gb)"
+    elif PrefetchSource.PLAN not in config.prefetch_sources:
+        why = f"--prefetch {config.prefetch} has no plan"
+    elif config.routing is RoutingMode.LUT:
+        why = "routing=lut: the router's plan is the routing"
+    else:
+        return None
+    log.warning("plan_table: %s is not read (%s)", config.plan_table, why)
+    return why
+
+
 def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | None, str]:
     """worker_plan_table's choice and where it comes from."""
     if config.routing is RoutingMode.LUT:

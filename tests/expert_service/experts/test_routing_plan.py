@@ -251,3 +251,37 @@ def test_random_hostile_plans_on_the_wire_are_refused_in_one_line_or_are_valid()
             again = RoutingPlan.from_expert_ids([layer], layer_ids[None].astype(np.uint16), E)
             np.testing.assert_array_equal(again.offsets[0], offsets[layer])
     assert refused > 300
+
+
+@pytest.mark.parametrize(
+    "settings, why",
+    [
+        (dict(), "every expert is resident"),
+        (dict(expert_cache_slots=2, prefetch="lookahead"), "--prefetch lookahead has no plan"),
+        (dict(expert_cache_slots=2, prefetch="none"), "--prefetch none has no plan"),
+        (dict(expert_cache_slots=2, routing="lut"), "routing=lut"),
+    ],
+)
+def test_a_plan_table_the_settings_leave_unread_is_named_in_a_warning(tiny_model, tmp_path, caplog, settings, why):
+    """A --plan-table file (here not even a table) that nothing reads was passed over in silence."""
+    from common.model_format import ModelDir
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+
+    named = tmp_path / "typo.bin"
+    config = EngineConfig(backend="cpu", plan_table=str(named), kv_cache_tokens=256, **settings)
+    with caplog.at_level("WARNING", logger="colibri.worker"):
+        build_engine(ModelDir.open(tiny_model, verify=False), config).close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith(f"plan_table: {named} is not read (") and why in m for m in warned), warned
+
+
+def test_a_plan_table_that_is_read_or_the_router_warns_nothing(tmp_path, caplog):
+    from expert_service.engine.config import EngineConfig
+    from expert_service.experts.routing_plan import warn_unread_plan_table
+
+    with caplog.at_level("WARNING", logger="colibri.worker"):
+        assert warn_unread_plan_table(EngineConfig(plan_table=str(tmp_path / "t.bin")), cached=True) is None
+        assert warn_unread_plan_table(EngineConfig(plan_table="router"), cached=False) is None
+        assert warn_unread_plan_table(EngineConfig(), cached=False) is None
+    assert not caplog.records
