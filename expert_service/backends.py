@@ -72,5 +72,6 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
 def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:
     """An engine over the backend `config.backend` resolves to, with the expert slots its budget allows."""
     slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+    log.info(slot_plan.describe())
     warn_unread_plan_table(config, slot_plan.is_cached)
     return Engine(model, config, make_decoder(model, config, slot_plan))

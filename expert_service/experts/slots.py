@@ -21,11 +21,31 @@ class SlotPlan:
     num_moe_layers: int
     expert_block_bytes: int  # stored bytes of the largest expert block (matrices and scales)
     budget_bytes: int  # the --expert-cache-gb budget (0: none given)
+    slot_row_bytes: int = 0  # one slot in every MoE layer, each at its layer's own stride (0: not known)
 
     @property
     def is_cached(self) -> bool:
         """Fewer slots than experts: the expert cache runs."""
         return self.slots_per_layer < self.num_experts
+
+    def describe(self) -> str:
+        """One log line: what the settings came to, the bytes the slots take against the budget (a budget is
+        floored to whole slots per layer, and one holding every expert runs no cache)."""
+        held = self.slots_per_layer * self.slot_row_bytes
+        if self.budget_bytes:
+            budget = f"--expert-cache-gb {self.budget_bytes / GIB:.4g} ({self.budget_bytes} bytes)"
+        else:
+            budget = "no --expert-cache-gb"
+        if not self.is_cached:
+            return (
+                f"expert cache: off, all {self.num_experts} experts of each of {self.num_moe_layers} MoE layers "
+                f"resident ({held} bytes; {budget})"
+            )
+        spare = f", {self.budget_bytes - held} bytes of the budget unused" if self.budget_bytes else ""
+        return (
+            f"expert cache: {self.slots_per_layer} of {self.num_experts} slots in each of {self.num_moe_layers} MoE "
+            f"layers, {held} bytes ({budget}{spare})"
+        )
 
 
 def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int) -> SlotPlan:
@@ -55,4 +75,4 @@ def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int)
                 f"bytes; --expert-cache-gb {expert_cache_gb:g} ({budget} bytes) holds {fits}"
             )
         slots = expert_cache_slots or min(fits, num_experts)
-    return SlotPlan(slots, num_experts, len(layers), model.max_expert_nbytes, budget)
+    return SlotPlan(slots, num_experts, len(layers), model.max_expert_nbytes, budget, row)

@@ -100,3 +100,18 @@ def test_explicit_slots_over_a_given_budget_are_refused_in_one_line(models):
     with pytest.raises(ConfigError, match=r"^expert_cache_slots: 3 .*holds 2") as error:
         plan_slots(model, (3 * row - 1) / GIB, 3)
     assert "\n" not in str(error.value)
+
+
+def test_the_plan_states_what_a_budget_came_to(models):
+    """A budget is floored to whole slots per layer, and one holding every expert runs no cache: the start-up log
+    line (SlotPlan.describe) says so, with the bytes the slots take and what is left of the budget."""
+    model = models["mixed"]
+    row, experts = slot_row_bytes(model), model.config.num_experts
+    budget = 2 * row + row // 2
+    line = plan_slots(model, budget / GIB, 0).describe()
+    assert f"2 of {experts} slots in each of 2 MoE layers, {2 * row} bytes" in line, line
+    assert f"({budget} bytes)" in line and f"{budget - 2 * row} bytes of the budget unused" in line, line
+    line = plan_slots(model, (experts + 1) * row / GIB, 0).describe()
+    assert line.startswith(f"expert cache: off, all {experts} experts") and f"{experts * row} bytes" in line, line
+    assert plan_slots(model, 0, 0).describe().endswith("; no --expert-cache-gb)")
+    assert "no --expert-cache-gb" in plan_slots(model, 0, 3).describe()
