@@ -135,6 +135,10 @@ class EngineConfig:
             )
         if self.expert_cache_slots < 0:
             raise ConfigError(f"expert_cache_slots: must be >= 0, got {self.expert_cache_slots}")
+        # read like the enum settings (--backend CUDA, --routing LUT): case and surrounding blanks don't matter
+        for name in ("expert_cache_policy", "prefetch"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, getattr(self, name).strip().lower())
         if self.expert_cache_policy not in POLICIES:
             raise ConfigError(
                 f"expert_cache_policy: must be one of {', '.join(POLICIES)}, got {self.expert_cache_policy!r}"

@@ -36,3 +36,23 @@ def test_the_largest_budgets_plan_every_expert_resident_and_report_in_info(tiny_
     plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
     assert not plan.is_cached and plan.slots_per_layer == model.config.num_experts
     assert wire.slot_plan(plan, config.expert_cache_policy, config.prefetch_sources).budget_bytes == plan.budget_bytes
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "expected"),
+    [("expert_cache_policy", "LFU", "lfu"), ("expert_cache_policy", " Lru ", "lru"), ("prefetch", "PLAN", "plan")],
+)
+def test_the_cache_policy_and_prefetch_are_read_case_insensitively_like_the_enum_settings(name, given, expected):
+    """--backend CUDA and --routing LUT were accepted while --expert-cache-policy LFU and --prefetch PLAN were
+    refused: the flag, the environment and the config file all read them the same way now."""
+    env_var = {"expert_cache_policy": "COLIBRI_EXPERT_CACHE_POLICY", "prefetch": "COLIBRI_PREFETCH"}[name]
+    for config in (
+        resolve(EngineConfig, env={}, flags={name: given}),
+        resolve(EngineConfig, env={env_var: given}),
+        resolve(EngineConfig, env={}, file_values={name: given}),
+    ):
+        assert getattr(config, name) == expected
+    assert resolve(EngineConfig, env={}, flags={"prefetch": "Plan,LOOKAHEAD"}).prefetch_sources == {
+        "plan",
+        "lookahead",
+    }
