@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.errors import ConfigError
 from common.model_format import ModelDir
 
 
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from expert_service.tools.convert import convert
+
+    if not args.out_dir:  # Path("") is the working directory: the model's files would land wherever it was run
+        raise ConfigError("OUT_DIR: empty (name the model directory to write)")
 
     out = convert(
         args.hf_dir,

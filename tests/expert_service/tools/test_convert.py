@@ -368,3 +368,15 @@ def test_a_link_in_the_output_directory_is_replaced_not_written_through(tmp_path
     assert not (out / name).is_symlink() and (name == "colibri.json.tmp") != (out / name).exists()
     if name == "tokenizer.json":
         assert (out / name).read_bytes() == (hf_dir / name).read_bytes()
+
+
+def test_an_empty_out_dir_is_refused_in_one_line_instead_of_converting_into_the_working_directory(
+    tmp_path, capsys, monkeypatch
+):
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc, out, err = run_cli(capsys, "convert", str(hf_dir), "", "--no-progress")
+    assert (rc, out, err) == (2, "", "colibri convert: error: OUT_DIR: empty (name the model directory to write)\n")
+    assert list(work.iterdir()) == []
