@@ -137,7 +137,12 @@ def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[
     per_layer = keep.get("per_layer", 1)
     if isinstance(per_layer, bool) or not isinstance(per_layer, int) or not 0 <= per_layer <= config.num_experts:
         raise ConfigError(f"{path}: keep_hot.per_layer must be an integer in [0, {config.num_experts}]")
-    table_path = path.parent / str(keep["routing_table"])
+    name = keep["routing_table"]
+    if not isinstance(name, str) or not name.strip():  # "" would be this file's own directory
+        raise ConfigError(
+            f"{path}: keep_hot.routing_table must name a routing table file (relative: to this file), got {name!r}"
+        )
+    table_path = path.parent / name
     table = RoutingTable.load(table_path, config)
     hot: set[tuple[int, int]] = set()
     for index, layer in enumerate(table.moe_layers):

@@ -37,3 +37,13 @@ def test_plain_and_quoted_yaml_layer_numbers_are_read_as_written(tmp_path):
         11: "bfloat16",
     }
     assert (8, 0) not in plan.chosen and (9, 0) not in plan.chosen
+
+
+@pytest.mark.parametrize("value", ['""', "", "' '", "7"])
+def test_an_empty_keep_hot_routing_table_is_refused_naming_the_key(tmp_path, value):
+    """An empty value resolved to the plan file's own directory and was reported as "routing table not found"
+    (and a bare `routing_table:` was read as the file "None")."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(f"keep_hot:\n  routing_table: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: keep_hot.routing_table must name a routing"):
+        load_plan(CONFIG, None, quant.BLOCK128, path)
