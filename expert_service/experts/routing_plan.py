@@ -98,7 +98,10 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
         path = Path(config.plan_table)
         if not path.is_file():
             raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
-        return RoutingTable.load(path, model.config), str(path)
+        try:
+            return RoutingTable.load(path, model.config), str(path)
+        except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
+            raise type(e)(f"plan_table: {e}") from None
     path = model.path / TABLE_FILE
     if not path.is_file():
         return None, f"no {TABLE_FILE} in the model directory"

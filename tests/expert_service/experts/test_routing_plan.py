@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -124,8 +126,9 @@ def test_planned_weights_equal_exact_renormalised_topk_on_the_same_experts():
 
 def test_worker_plan_table_resolution(tmp_path, caplog):
     """EngineConfig.plan_table: the model directory's table by default, a file named, or the router's plans; a
-    named file that is missing or does not fit the model is refused in one line; a file that is no table at all is
-    refused after reading its header only."""
+    named file that is missing or does not fit the model is refused in one line naming plan_table and the file
+    (a table that did not fit named only the file); a file that is no table at all is refused after reading its
+    header only."""
     from common.errors import ConfigError, ModelFormatError
     from common.model_format import ModelDir
     from common.routing_table import TABLE_FILE, write_routing_table
@@ -149,11 +152,11 @@ def test_worker_plan_table_resolution(tmp_path, caplog):
     with pytest.raises(ConfigError, match=r"^plan_table: .*missing.bin is not a file"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(tmp_path / "missing.bin")))
     wrong = write_routing_table(tmp_path / "wrong.bin", table[:, : V - 1], E)
-    with pytest.raises(ModelFormatError, match="vocab_size"):
+    with pytest.raises(ModelFormatError, match=rf"^plan_table: {re.escape(str(wrong))}: .*vocab_size"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(wrong)))
     huge = tmp_path / "experts.bin"
     huge.write_bytes(b"\0" * (1 << 20))
-    with pytest.raises(ModelFormatError, match="magic"):
+    with pytest.raises(ModelFormatError, match=rf"^plan_table: {re.escape(str(huge))}: .*magic"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(huge)))
     # routing=lut: the router's plan is the routing, so it is also what the prefetch reads
     assert worker_plan_table(model, EngineConfig(prefetch="plan", routing="lut")) is None
