@@ -49,6 +49,8 @@ NO_CORPUS_NOTE = (
 def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.ndarray:
     """The corpus as token ids int64 [N]: a text file tokenised with the model's tokenizer, or integers."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--corpus: {path} is a directory (name the corpus file)")
     if not path.is_file():
         raise ConfigError(f"--corpus: {path} not found")
     data = path.read_bytes()

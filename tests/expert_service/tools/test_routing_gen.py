@@ -226,3 +226,12 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_corpus_is_traced(
     code, stdout, err = router_gen(capsys, tiny_model, "--corpus", write_ids(tmp_path / "ids.txt", 300), "--out", out)
     assert (code, stdout) == (2, "") and err.count("\n") == 1, err
     assert err.startswith("colibri router-gen: error: --out: "), err
+
+
+def test_a_corpus_that_is_a_directory_is_named_as_one(tiny_model, tmp_path, capsys):
+    """It was reported as "not found", though it is there."""
+    folder = tmp_path / "traffic"
+    folder.mkdir()
+    code, out, err = router_gen(capsys, tiny_model, "--corpus", folder, "--out", tmp_path / "x.bin")
+    assert (code, out) == (2, ""), err
+    assert err == f"colibri router-gen: error: --corpus: {folder} is a directory (name the corpus file)\n"
