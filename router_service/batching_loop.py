@@ -50,7 +50,7 @@ from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_backlog import WorkerBacklog
 from router_service.worker_client import StepStream, WorkerClient
 from router_service.worker_connection import WorkerConnector
-from router_service.worker_info import model_limits, prefix_index, scheduler_limits
+from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -547,6 +547,7 @@ class BatchingLoop:
         self.scheduler = Scheduler(scheduler_limits(self.config, info), prefix_index(self.config, info))
         self._backlog = WorkerBacklog()  # another worker (or the same one restarted) has its own pace
         self.limits = model_limits(info, self.generation_defaults, self.tokenizer is not None)
+        self._constraints = kept_compiler(self._constraints, self.limits)  # built again if its vocabulary changed
 
     def _report_prefix_cache(self) -> None:
         cache = self._ready_scheduler.prefix_cache

@@ -274,7 +274,7 @@ class ConstraintCompiler:
         import llguidance
 
         self._llg = llguidance
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)  # what it was built for
         # One EOS id for llguidance (releases before 1.9 take no list); GrammarMatcher.mask sets or clears every
         # EOS id's bit itself.
         first_eos = self.eos_token_ids[0] if self.eos_token_ids else None

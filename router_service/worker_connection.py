@@ -11,6 +11,7 @@ import grpc
 from router_service.config import RouterConfig
 from router_service.routing import lut_plan_problem
 from router_service.worker_client import WorkerClient
+from router_service.worker_identity import ModelCheck
 from router_service.worker_info import scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -21,19 +22,22 @@ class _NotReady(Exception):
 
 
 class _Unusable(Exception):
-    """The worker answers, but every step this router sends would be refused (the reason is the message)."""
+    """The worker answers, but every step this router sends would be refused, or it serves another model than
+    this router's (the reason is the message)."""
 
 
 class WorkerConnector:
     """One attempt at a time (`attempt`): Info, the routing table's check, Health, ClearCache (we may have restarted
     while it held sequences) and, when configured, a warm-up. A worker starting, loading or draining answers
     UNAVAILABLE or not ready (logged at INFO while none was ever ready); one that refuses us (a wrong token,
-    another service at the address, a failed warm-up, steps it would refuse) is logged once as a WARNING."""
+    another service at the address, a failed warm-up, steps it would refuse) or that serves another model than
+    this router's (worker_identity.py) is logged once as a WARNING."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
         self._refused: str | None = None  # why the worker last refused an attempt (logged once)
         self._connected_before = False
+        self.model = ModelCheck(config.model)
 
     async def attempt(self):
         """The worker's InfoResponse once it is ready for steps, or None after waiting `worker_retry_s`."""
@@ -41,6 +45,8 @@ class WorkerConnector:
             info = await self.worker.info()
             if (unusable := lut_plan_problem(info.routing, self.planner)) is not None:
                 raise _Unusable(unusable)
+            if (other_model := self.model.problem(info)) is not None:
+                raise _Unusable(other_model)
             if not await self.worker.health():
                 raise _NotReady()
             await self.worker.clear_cache()
@@ -51,6 +57,7 @@ class WorkerConnector:
             await asyncio.sleep(self.config.worker_retry_s)
             return None
         self._refused, self._connected_before = None, True
+        self.model.accept(info)
         return info
 
     async def _warmup(self, max_batch_tokens: int) -> None:
@@ -67,7 +74,7 @@ class WorkerConnector:
         if refused is not None:
             if refused != self._refused:
                 log.warning(
-                    "the worker at %s refuses the router (%s); retrying every %g s",
+                    "the router cannot use the worker at %s (%s); retrying every %g s",
                     self.worker.address,
                     refused,
                     self.config.worker_retry_s,

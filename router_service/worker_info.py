@@ -1,9 +1,12 @@
 """What the router derives from a worker's InfoResponse when it (re)connects: the scheduler's limits, the
-validation limits, and a prefix index of its own for that connection (a restarted worker holds no cached block)."""
+validation limits, a prefix index of its own for that connection (a restarted worker holds no cached block), and
+whether the constraint compiler built for an earlier connection still fits (worker_identity.py refuses a worker
+of another model before any of this)."""
 
 from __future__ import annotations
 
 from router_service.config import RouterConfig
+from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import SchedulerLimits
@@ -41,3 +44,11 @@ def prefix_index(config: RouterConfig, info) -> PrefixCache | None:
         return None
     identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
     return PrefixCache(info.kv_block_size, identity.encode(), info.caches_generated_blocks)
+
+
+def kept_compiler(compiler: ConstraintCompiler | None, limits: ModelLimits) -> ConstraintCompiler | None:
+    """The constraint compiler while the worker's vocabulary (its masks' width) and end tokens are the ones it was
+    built for; None when they changed, so the next constrained request builds one for this worker."""
+    if compiler is None or (compiler.vocab_size, compiler.eos_token_ids) != (limits.vocab_size, limits.eos_token_ids):
+        return None
+    return compiler

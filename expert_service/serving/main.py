@@ -34,6 +34,7 @@ from common.heap import freeze_startup_heap
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
+from common.model_identity import ModelDigests
 from common.pb import worker_pb2
 from common.tracing import ServerTracingInterceptor, configure_tracing
 from expert_service.backends import build_engine
@@ -238,6 +239,7 @@ async def serve(
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
+    digests = ModelDigests.of_dir(model_dir)  # what Info tells a router about the model (colibri.json, tokenizer)
     tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
     check_exposure(config, tokens)
     name = config.model_name or Path(model_dir).resolve().name
@@ -309,7 +311,7 @@ async def serve(
         engine = await _unless_stopped(_in_daemon_thread(load), stop)
         if engine is None:
             return exit_code[0]
-        servicer.attach(engine, name)
+        servicer.attach(engine, name, digests)
         metrics.set_memory_plan(dict(servicer.memory_plan()))
         for item, num_bytes in servicer.memory_plan():
             log.info("memory plan: %s %.1f MiB", item, num_bytes / 2**20, extra={"item": item, "bytes": num_bytes})

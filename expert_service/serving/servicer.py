@@ -24,6 +24,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from common.errors import CapacityError, ColibriError, InvalidRequestError
+from common.model_identity import ModelDigests
 from common.pb import worker_pb2 as pb
 from common.tracing import COLIBRI_STEP_KIND, extract_context, get_tracer
 from expert_service.engine.engine import Engine, PrefillInput, StepResult
@@ -81,6 +82,7 @@ class WorkerServicer:
     ):
         self.engine: Engine | None = None  # set by attach() once the model is loaded
         self.model_name = ""
+        self.digests = ModelDigests()
         self.health = health
         self.on_fatal = on_fatal
         self.step_timeout_s = step_timeout_s
@@ -93,8 +95,9 @@ class WorkerServicer:
         self.limits: StepLimits | None = None
         self._unary: StreamSession | None = None
 
-    def attach(self, engine: Engine, model_name: str) -> None:
+    def attach(self, engine: Engine, model_name: str, digests: ModelDigests = ModelDigests()) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, StepLimits.of(engine)
+        self.digests = digests
         self._unary = StreamSession(engine, self.sequence_owners, self.is_draining, UNARY)
 
     # What attach() sets: every RPC past _require (which refuses them until the model is loaded) and every
@@ -191,6 +194,8 @@ class WorkerServicer:
             expert_dtypes=list(e.model.expert_formats),
             prefix_caching=True,
             caches_generated_blocks=True,
+            model_digest=self.digests.manifest,
+            tokenizer_digest=self.digests.tokenizer,
         )
 
     def warmup(self, num_tokens: int) -> float:

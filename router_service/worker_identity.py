@@ -1,0 +1,118 @@
+"""Whether a worker serves the model this router was started for.
+
+The router tokenizes, renders chat templates and applies generation defaults from its own model directory, and
+builds its constraint compiler for the vocabulary and end tokens of the first worker it accepted; a worker
+restarted with another model would take those ids and answer with another model's tokens. `ModelCheck.problem`
+compares a worker's Info with what identifies the model: the router's own model directory (the digests of its
+colibri.json and tokenizer.json, and the manifest's family and HF config) when it has one and the worker reports
+its digests, and always the first worker the router accepted (family, vocabulary, end tokens, context length, HF
+config, digests). Digests a worker leaves empty (one that predates them) are not compared. A worker's limits (KV pool, batch caps), backend,
+routing, dtype of experts and served name may change between connections: they are no part of the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.model_identity import MANIFEST, ModelDigests
+
+_SHORT = 60  # characters of a value a refusal quotes
+
+
+def _config(text: str) -> dict | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def worker_fields(info) -> dict[str, object]:
+    """What identifies the model a worker serves, by the name a refusal gives each (absent: not reported)."""
+    fields: dict[str, object] = {
+        "family": info.family,
+        "vocab_size": info.vocab_size,
+        "eos_token_ids": list(info.eos_token_ids),
+        "max_position_embeddings": info.max_position_embeddings,
+    }
+    if (config := _config(info.hf_config_json)) is not None:
+        fields["config"] = config
+    if info.model_digest:
+        fields[f"{MANIFEST} digest"] = info.model_digest
+    if info.tokenizer_digest:
+        fields["tokenizer.json digest"] = info.tokenizer_digest
+    return fields
+
+
+def dir_fields(model_dir: str) -> dict[str, object]:
+    """The same fields as far as the router's own model directory holds them ({} without one)."""
+    digests = ModelDigests.of_dir(model_dir)
+    fields: dict[str, object] = {}
+    if digests.manifest:
+        try:
+            manifest = json.loads((Path(model_dir) / MANIFEST).read_text(encoding="utf-8", errors="replace"))
+        except ValueError:
+            manifest = None
+        if isinstance(manifest, dict) and isinstance(manifest.get("config"), dict):
+            fields["family"], fields["config"] = manifest.get("family"), manifest["config"]
+        fields[f"{MANIFEST} digest"] = digests.manifest
+    if digests.tokenizer:
+        fields["tokenizer.json digest"] = digests.tokenizer
+    return fields
+
+
+def _show(value: object) -> str:
+    text = value.removeprefix("sha256:")[:12] if isinstance(value, str) and value.startswith("sha256:") else None
+    text = text or json.dumps(value, sort_keys=True)
+    return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
+
+
+def first_difference(worker: dict[str, object], reference: dict[str, object]) -> tuple[str, object, object] | None:
+    """(name, the worker's value, the reference's) of the first field both hold that differs; an HF config is
+    compared key by key, so the name is the first config key that differs ("config.json num_hidden_layers")."""
+    for name in (name for name in worker if name in reference):
+        mine, theirs = worker[name], reference[name]
+        if name == "config" and isinstance(mine, dict) and isinstance(theirs, dict):
+            for key in sorted(mine.keys() | theirs.keys()):
+                if mine.get(key) != theirs.get(key):
+                    return f"config.json {key}", mine.get(key), theirs.get(key)
+        elif mine != theirs:
+            return name, mine, theirs
+    return None
+
+
+_ORDER = ("family", "vocab_size", "eos_token_ids", "max_position_embeddings", "config")
+
+
+def _ordered(fields: dict[str, object]) -> dict[str, object]:
+    """Named fields first (a refusal names the plainest difference), digests last."""
+    return {k: fields[k] for k in sorted(fields, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))}
+
+
+class ModelCheck:
+    """The model this router serves: its model directory's (read once, at start) and the first accepted worker's."""
+
+    def __init__(self, model_dir: str = ""):
+        self.model_dir = model_dir
+        self.own = dir_fields(model_dir) if model_dir else {}
+        self.accepted: dict[str, object] | None = None
+
+    def problem(self, info) -> str | None:
+        """None when the worker serves this router's model; else one line naming the first field that differs."""
+        worker = _ordered(worker_fields(info))
+        # the directory's family and config only against a worker that reports its manifest's digest: one that
+        # predates it (or a test's fake) is held to the first worker's model alone
+        own = self.own if f"{MANIFEST} digest" in worker else {}
+        for reference, whose in (
+            (own, f"the router's model directory {self.model_dir} has"),
+            (self.accepted or {}, "the first worker the router accepted served"),
+        ):
+            if (difference := first_difference(worker, reference)) is not None:
+                name, mine, theirs = difference
+                return f"it serves another model: {name} {_show(mine)}, where {whose} {_show(theirs)}"
+        return None
+
+    def accept(self, info) -> None:
+        """Pins the first worker accepted (and fields a later one reports first, such as the digests of a worker
+        upgraded since); every later one must serve the same model."""
+        self.accepted = {**worker_fields(info), **(self.accepted or {})}

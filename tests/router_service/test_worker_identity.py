@@ -1,0 +1,206 @@
+"""A worker restarted (or replaced) with another model than the router's is refused, with one WARNING naming what
+differs, while the router answers UNAVAILABLE and keeps retrying; a restart of the same model with other limits
+(KV pool, batch caps) is accepted, and requests (constrained ones included) are judged by the new limits."""
+
+import asyncio
+import logging
+import shutil
+
+import grpc
+import pytest
+
+from common.model_identity import ModelDigests
+from common.pb import router_pb2 as rpb
+from common.pb import router_pb2_grpc, worker_pb2_grpc
+from common.pb import worker_pb2 as pb
+from router_service.config import RouterConfig
+from router_service.constraints import ConstraintCompiler
+from router_service.main import start_router
+from router_service.validation import ModelLimits
+from router_service.worker_identity import ModelCheck
+from router_service.worker_info import kept_compiler
+from tests.helpers import BackgroundWorker, byte_ids
+from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
+
+
+class ModelWorker(FakeWorker):
+    """A fake worker whose Info names a model: `changes` overrides InfoResponse fields."""
+
+    def __init__(self, changes=None, **kw):
+        super().__init__(**kw)
+        self.changes = changes or {}
+
+    async def Info(self, request, context):
+        info = await super().Info(request, context)
+        for field, value in self.changes.items():
+            if field == "eos_token_ids":
+                del info.eos_token_ids[:]
+                info.eos_token_ids.extend(value)
+            else:
+                setattr(info, field, value)
+        return info
+
+
+async def _serve(fake: FakeWorker, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+async def _restart(server: grpc.aio.Server, port: int, fake: FakeWorker) -> grpc.aio.Server:
+    """The worker at `port` stops and another process (`fake`) starts there."""
+    await server.stop(0)
+    for _ in range(50):  # the port may linger a moment
+        try:
+            return (await _serve(fake, port))[0]
+        except RuntimeError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"port {port} did not come free")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("colibri")]
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"vocab_size": 300}, "vocab_size 300"),
+        ({"eos_token_ids": [7]}, "eos_token_ids [7]"),
+        ({"family": "qwen3_moe"}, 'family "qwen3_moe"'),
+        ({"hf_config_json": '{"num_local_experts": 16, "num_experts_per_tok": 2}'}, "config.json num_local_experts 16"),
+        ({"tokenizer_digest": "sha256:" + "ab" * 32}, None),  # the first worker reported none: nothing to compare
+    ],
+)
+def test_a_worker_restarted_with_another_model_is_refused_in_one_line(caplog, changes, named):
+    async def main():
+        server, port = await _serve(FakeWorker())
+        config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05)
+        router = await start_router(config, f"127.0.0.1:{port}")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+        stub = router_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
+            assert (await stub.Generate(ids_request([5], max_new_tokens=2))).generated_tokens == 2
+            replaced = ModelWorker(changes)
+            server = await _restart(server, port, replaced)
+            await wait_for(lambda: "Info" in replaced.calls)
+            await asyncio.sleep(0.5)  # many retries
+            if named is None:
+                await wait_for(lambda: router.batching_loop.is_worker_ready)
+                return
+            assert not router.batching_loop.is_worker_ready
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(ids_request([5], max_new_tokens=2))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the router's model comes back: served again, without another warning
+            server = await _restart(server, port, FakeWorker())
+            await wait_for(lambda: router.batching_loop.is_worker_ready)
+            assert (await stub.Generate(ids_request([5], max_new_tokens=2))).generated_tokens == 2
+        finally:
+            await channel.close()
+            await router.stop(0.1)
+            await server.stop(0)
+
+    with caplog.at_level(logging.INFO, logger="colibri.router"):
+        asyncio.run(main())
+    warnings = [w for w in _warnings(caplog) if "another model" in w]
+    if named is None:
+        assert not warnings, warnings
+        return
+    assert len(warnings) == 1, _warnings(caplog)
+    line = warnings[0]
+    assert named in line and "the first worker the router accepted" in line and "127.0.0.1:" in line, line
+    assert "\n" not in line and "Traceback" not in line, line
+
+
+def test_a_restart_with_the_same_model_and_another_pool_serves_constrained_requests_by_the_new_limits(tokenizer):
+    """The same model with a KV pool of 8 blocks of 4 tokens (was 256): accepted at once; a constrained request
+    past the new capacity is INVALID_ARGUMENT naming it, one within it is served under its constraint."""
+
+    async def main():
+        server, port = await _serve(FakeWorker(script=byte_ids("yes")))
+        config = RouterConfig(host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05)
+        router = await start_router(config, f"127.0.0.1:{port}", tokenizer=tokenizer)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+        stub = router_pb2_grpc.GenerationServiceStub(channel)
+        loop = router.batching_loop
+
+        def choice(n: int):
+            params = rpb.SamplingParameters(max_new_tokens=n)
+            params.constraint.choice.choices.extend(["yes", "no"])
+            return rpb.GenerateRequest(text="ab", parameters=params)
+
+        try:
+            await wait_for(lambda: loop.is_worker_ready)
+            assert (await stub.Generate(choice(100))).text == "yes"
+            compiler = loop._constraints
+            smaller = FakeWorker(script=byte_ids("yes"), num_blocks=8)
+            server = await _restart(server, port, smaller)
+            await wait_for(lambda: "ClearCache" in smaller.calls and loop.is_worker_ready)
+            assert loop.limits.kv_capacity_tokens == 32 and loop.scheduler.limits.num_kv_blocks == 8
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(choice(100))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "32" in err.value.details()
+            assert (await stub.Generate(choice(20))).text == "yes"
+            assert loop._constraints is compiler  # same vocabulary and end tokens: its grammars stay compiled
+        finally:
+            await channel.close()
+            await router.stop(0.1)
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_the_constraint_compiler_is_rebuilt_when_the_vocabulary_or_end_tokens_change(tokenizer):
+    compiler = ConstraintCompiler(tokenizer.to_json(), 259, (2,))
+
+    def limits(vocab, eos):
+        return ModelLimits(vocab_size=vocab, max_sequence_length=64, kv_capacity_tokens=64, eos_token_ids=eos)
+
+    assert kept_compiler(compiler, limits(259, (2,))) is compiler
+    assert kept_compiler(compiler, limits(260, (2,))) is None
+    assert kept_compiler(compiler, limits(259, (2, 3))) is None
+    assert kept_compiler(None, limits(259, (2,))) is None
+
+
+@pytest.fixture(scope="module")
+def other_models(tmp_path_factory, tiny_model):
+    """Copies of the tiny model: one of other weights (another seed), one whose tokenizer.json differs."""
+    from expert_service.tools.tiny_model import make_tiny
+
+    root = tmp_path_factory.mktemp("other_models")
+    reseeded = make_tiny(root / "reseeded", family="mixtral", seed=1)
+    retokenized = root / "retokenized"
+    shutil.copytree(tiny_model, retokenized)
+    tokenizer = retokenized / "tokenizer.json"
+    text = tokenizer.read_text()
+    assert '"<s>"' in text
+    tokenizer.write_text(text.replace('"<s>"', '"<start>"'))
+    return reseeded, retokenized
+
+
+def test_a_real_worker_is_held_to_the_routers_model_directory(tiny_model, other_models):
+    """Against real workers: the router's own model directory is accepted, and a worker on another model's
+    directory (other weights, or another tokenizer.json) is refused naming the file whose digest differs."""
+    reseeded, retokenized = other_models
+    check = ModelCheck(str(tiny_model))
+    for model_dir, named in ((tiny_model, None), (reseeded, "colibri.json digest"), (retokenized, "tokenizer.json")):
+        worker = BackgroundWorker(model_dir).start()
+        try:
+            channel = grpc.insecure_channel(worker.address)
+            info = worker_pb2_grpc.WorkerServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
+            channel.close()
+        finally:
+            worker.stop()
+        assert (info.model_digest, info.tokenizer_digest) == (
+            ModelDigests.of_dir(model_dir).manifest,
+            ModelDigests.of_dir(model_dir).tokenizer,
+        )
+        problem = check.problem(info)
+        if named is None:
+            assert problem is None
+            continue
+        assert problem is not None and named in problem and str(tiny_model) in problem and "\n" not in problem
