@@ -6,6 +6,7 @@ the router compares them with its own model directory's and refuses a worker tha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ TOKENIZER = "tokenizer.json"
 
 @dataclass(frozen=True)
 class ModelDigests:
-    """The "sha256:<hex>" digests of the directory's colibri.json and tokenizer.json; "" for a file it lacks."""
+    """The "sha256:<hex>" digests of the directory's colibri.json and of its tokenizer.json's vocabulary; "" for a
+    file it lacks."""
 
     manifest: str = ""
     tokenizer: str = ""
@@ -26,7 +28,7 @@ class ModelDigests:
         if not model_dir:
             return cls()
         root = Path(model_dir)
-        return cls(file_digest(root / MANIFEST), file_digest(root / TOKENIZER))
+        return cls(file_digest(root / MANIFEST), vocabulary_digest(root / TOKENIZER))
 
 
 def file_digest(path: Path) -> str:
@@ -36,3 +38,19 @@ def file_digest(path: Path) -> str:
     except OSError:
         return ""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def vocabulary_digest(path: Path) -> str:
+    """The "sha256:<hex>" digest of a tokenizer.json's vocabulary: its model's vocab (and merges) and its added
+    tokens' ids and texts, which fix the ids a tokenizer produces. Its pre- and post-processing (a router's copy may
+    add a BOS token, say) are left out; a file that is no tokenizer.json counts by its bytes."""
+    try:
+        tokenizer = json.loads(path.read_bytes())
+        model = tokenizer["model"]
+        added = [(token["id"], token["content"]) for token in tokenizer.get("added_tokens") or ()]
+        vocabulary = {"vocab": model.get("vocab"), "merges": model.get("merges"), "added_tokens": sorted(added)}
+    except OSError:
+        return ""
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return file_digest(path)
+    return "sha256:" + hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest()

@@ -4,10 +4,11 @@ The router tokenizes, renders chat templates and applies generation defaults fro
 builds its constraint compiler for the vocabulary and end tokens of the first worker it accepted; a worker
 restarted with another model would take those ids and answer with another model's tokens. `ModelCheck.problem`
 compares a worker's Info with what identifies the model: the router's own model directory (the digests of its
-colibri.json and tokenizer.json, and the manifest's family and HF config) when it has one and the worker reports
-its digests, and always the first worker the router accepted (family, vocabulary, end tokens, context length, HF
-config, digests). Digests a worker leaves empty (one that predates them) are not compared. A worker's limits (KV pool, batch caps), backend,
-routing, dtype of experts and served name may change between connections: they are no part of the model."""
+colibri.json and of its tokenizer.json's vocabulary, and the manifest's family and HF config) when it has one and
+the worker reports its digests, and always the first worker the router accepted (family, vocabulary, end tokens,
+context length, HF config, digests). Digests a worker leaves empty (one that predates them) are not compared. A
+worker's limits (KV pool, batch caps), backend, routing, dtype of experts and served name may change between
+connections: they are no part of the model."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def worker_fields(info) -> dict[str, object]:
     if info.model_digest:
         fields[f"{MANIFEST} digest"] = info.model_digest
     if info.tokenizer_digest:
-        fields["tokenizer.json digest"] = info.tokenizer_digest
+        fields["tokenizer.json vocabulary digest"] = info.tokenizer_digest
     return fields
 
 
@@ -57,7 +58,7 @@ def dir_fields(model_dir: str) -> dict[str, object]:
             fields["family"], fields["config"] = manifest.get("family"), manifest["config"]
         fields[f"{MANIFEST} digest"] = digests.manifest
     if digests.tokenizer:
-        fields["tokenizer.json digest"] = digests.tokenizer
+        fields["tokenizer.json vocabulary digest"] = digests.tokenizer
     return fields
 
 
