@@ -3,12 +3,14 @@
 The router tokenizes, renders chat templates and applies generation defaults from its own model directory, and
 builds its constraint compiler for the vocabulary and end tokens of the first worker it accepted; a worker
 restarted with another model would take those ids and answer with another model's tokens. `ModelCheck.problem`
-compares a worker's Info with what identifies the model: the router's own model directory (the digests of its
-colibri.json and of its tokenizer.json's vocabulary, and the manifest's family and HF config) when it has one and
-the worker reports its digests, and always the first worker the router accepted (family, vocabulary, end tokens,
-context length, HF config, digests). Digests a worker leaves empty (one that predates them) are not compared. A
-worker's limits (KV pool, batch caps), backend, routing, dtype of experts and served name may change between
-connections: they are no part of the model."""
+compares a worker's Info with what those depend on: the router's own model directory (the digest of its
+tokenizer.json's vocabulary, the manifest's family and HF config) when it has one and the worker reports its
+digests, and always the first worker the router accepted (family, vocabulary, end tokens, context length, HF
+config, tokenizer digest). A digest a worker leaves empty (one that predates them) is not compared. The weights
+are not compared (the manifest's digest, which Info reports, changes with any conversion): another conversion of
+the same model (8-bit experts, say) or a fine-tune on the same architecture and tokenizer is served, since nothing
+the router holds depends on them; neither are a worker's limits (KV pool, batch caps), backend, routing or served
+name, which may change between connections."""
 
 from __future__ import annotations
 
@@ -38,8 +40,6 @@ def worker_fields(info) -> dict[str, object]:
     }
     if (config := _config(info.hf_config_json)) is not None:
         fields["config"] = config
-    if info.model_digest:
-        fields[f"{MANIFEST} digest"] = info.model_digest
     if info.tokenizer_digest:
         fields["tokenizer.json vocabulary digest"] = info.tokenizer_digest
     return fields
@@ -56,7 +56,6 @@ def dir_fields(model_dir: str) -> dict[str, object]:
             manifest = None
         if isinstance(manifest, dict) and isinstance(manifest.get("config"), dict):
             fields["family"], fields["config"] = manifest.get("family"), manifest["config"]
-        fields[f"{MANIFEST} digest"] = digests.manifest
     if digests.tokenizer:
         fields["tokenizer.json vocabulary digest"] = digests.tokenizer
     return fields
@@ -101,9 +100,9 @@ class ModelCheck:
     def problem(self, info) -> str | None:
         """None when the worker serves this router's model; else one line naming the first field that differs."""
         worker = _ordered(worker_fields(info))
-        # the directory's family and config only against a worker that reports its manifest's digest: one that
-        # predates it (or a test's fake) is held to the first worker's model alone
-        own = self.own if f"{MANIFEST} digest" in worker else {}
+        # the directory's family and config only against a worker that reports its digests: one that predates
+        # them (or a test's fake) is held to the first worker's model alone
+        own = self.own if info.model_digest else {}
         for reference, whose in (
             (own, f"the router's model directory {self.model_dir} has"),
             (self.accepted or {}, "the first worker the router accepted served"),
