@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if not config.moe_layers:
         raise ConfigError(f"{args.model}: the model has no MoE layers, so there is nothing to route")
+    # an empty value (an unset shell variable) would otherwise mean "not given": no corpus, or the default table path
+    if args.corpus is not None and not str(args.corpus).strip():
+        raise ConfigError("--corpus: empty; name a corpus file, or leave the flag out for the fallback-only table")
+    if args.out is not None and not str(args.out).strip():
+        raise ConfigError(f"--out: empty; name the table's file, or leave the flag out for {model.path / TABLE_FILE}")
     out = Path(args.out) if args.out else model.path / TABLE_FILE
     check_out(out)
     corpus = load_corpus(args.corpus, args.corpus_format, model) if args.corpus else None

@@ -235,3 +235,14 @@ def test_a_corpus_that_is_a_directory_is_named_as_one(tiny_model, tmp_path, caps
     code, out, err = router_gen(capsys, tiny_model, "--corpus", folder, "--out", tmp_path / "x.bin")
     assert (code, out) == (2, ""), err
     assert err == f"colibri router-gen: error: --corpus: {folder} is a directory (name the corpus file)\n"
+
+
+@pytest.mark.parametrize("flag", ["--corpus", "--out"])
+def test_an_empty_corpus_or_out_is_refused_naming_the_flag(tiny_model, tmp_path, capsys, flag):
+    """`--corpus "$CORPUS"` with the variable unset built the fallback-only table in silence, and `--out ""` wrote
+    the model directory's default table: both read an empty value as the flag left out."""
+    before = sorted(p.name for p in tiny_model.iterdir())
+    code, out, err = router_gen(capsys, tiny_model, flag, "", "--no-progress")
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"colibri router-gen: error: {flag}: empty"), err
+    assert sorted(p.name for p in tiny_model.iterdir()) == before
