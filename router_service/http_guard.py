@@ -49,9 +49,10 @@ def expects_continue(request: web.Request) -> bool:
 
 
 def expectation_problem(request: web.Request) -> str | None:
-    """Why the request's Expect header cannot be met (417), or None."""
+    """Why the request's Expect header cannot be met (417), or None. An empty one expects nothing (as aiohttp
+    took it: clients send `Expect:` to turn 100-continue off)."""
     expect = request.headers.get(hdrs.EXPECT)
-    if expect is None or request.version != HttpVersion11 or expect.lower() == "100-continue":
+    if not expect or request.version != HttpVersion11 or expect.lower() == "100-continue":
         return None
     return f"Expect header: only 100-continue is supported, got {expect[:64]!r}"
 
@@ -124,7 +125,7 @@ def refused_before_continue(request: web.Request) -> bool:
     """True when the request had an Expect header (100-continue, or one refused with 417), never got its 100
     Continue and announced a body: the client may send it or not, so the connection cannot carry another
     request after this answer."""
-    expected = request.version == HttpVersion11 and hdrs.EXPECT in request.headers
+    expected = request.version == HttpVersion11 and bool(request.headers.get(hdrs.EXPECT))
     return expected and not request.get(CONTINUED) and request.body_exists
 
 

@@ -144,3 +144,26 @@ def test_at_capacity_or_draining_an_expecting_request_gets_its_refusal_instead_o
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+def test_an_empty_expect_header_expects_nothing(tmp_path, caplog):
+    """`Expect:` with no value (how some clients turn 100-continue off) is no expectation: the request is served
+    and its connection kept, as aiohttp served it, rather than refused with 417."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
+            head = expect_head("POST", "/v1/completions").replace(b"Expect: 100-continue", b"Expect: ")
+            writer.write(head + BODY)
+            await writer.drain()
+            answer, completion = await first_answer(reader)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            assert completion is not None and completion["usage"]["completion_tokens"] == 2
+            assert b"connection: close" not in answer.lower()
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + b"Expect:\r\n\r\n")
+            answer, models = await first_answer(reader)
+            assert answer.startswith(b"HTTP/1.1 200 ") and models is not None and models["object"] == "list"
+            writer.close()
+            assert not problems(caplog)
+
+    asyncio.run(body())
