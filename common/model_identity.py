@@ -43,14 +43,21 @@ def file_digest(path: Path) -> str:
 def vocabulary_digest(path: Path) -> str:
     """The "sha256:<hex>" digest of a tokenizer.json's vocabulary: its model's vocab (and merges) and its added
     tokens' ids and texts, which fix the ids a tokenizer produces. Its pre- and post-processing (a router's copy may
-    add a BOS token, say) are left out; a file that is no tokenizer.json counts by its bytes."""
+    add a BOS token, say) are left out, and so is how its merges are written ("a b", or ["a", "b"] as tokenizers
+    0.20 and later save them); a file that is no tokenizer.json counts by its bytes."""
     try:
         tokenizer = json.loads(path.read_bytes())
         model = tokenizer["model"]
         added = [(token["id"], token["content"]) for token in tokenizer.get("added_tokens") or ()]
-        vocabulary = {"vocab": model.get("vocab"), "merges": model.get("merges"), "added_tokens": sorted(added)}
+        merges = [_merge_pair(merge) for merge in model.get("merges") or ()]
+        vocabulary = {"vocab": model.get("vocab"), "merges": merges, "added_tokens": sorted(added)}
     except OSError:
         return ""
     except (ValueError, TypeError, KeyError, AttributeError):
         return file_digest(path)
     return "sha256:" + hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest()
+
+
+def _merge_pair(merge) -> list:
+    """A BPE merge as its pair of tokens, whichever way the file writes it ("a b" or ["a", "b"])."""
+    return merge.split(" ", 1) if isinstance(merge, str) else list(merge)

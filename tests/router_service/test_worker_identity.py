@@ -3,6 +3,7 @@ differs, while the router answers UNAVAILABLE and keeps retrying; a restart of t
 (KV pool, batch caps) is accepted, and requests (constrained ones included) are judged by the new limits."""
 
 import asyncio
+import json
 import logging
 import shutil
 
@@ -205,3 +206,22 @@ def test_a_real_worker_is_held_to_the_routers_model_directory(tiny_model, other_
             assert problem is None
             continue
         assert problem is not None and named in problem and str(tiny_model) in problem and "\n" not in problem
+
+
+def test_the_vocabulary_digest_does_not_depend_on_how_merges_are_written(tmp_path):
+    """tokenizers 0.20 and later save BPE merges as pairs (["a", "b"]) where earlier ones wrote "a b": a router's copy
+    of the tokenizer saved by another version holds the same vocabulary and its worker is not refused for it."""
+    from common.model_identity import vocabulary_digest
+
+    tokenizer = {
+        "added_tokens": [{"id": 3, "content": "<s>", "special": True}],
+        "post_processor": None,
+        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]},
+    }
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(tokenizer))
+    new.write_text(json.dumps({**tokenizer, "model": {**tokenizer["model"], "merges": [["a", "b"]]}}))
+    assert vocabulary_digest(old) == vocabulary_digest(new) != ""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**tokenizer, "model": {**tokenizer["model"], "merges": [["b", "a"]]}}))
+    assert vocabulary_digest(other) != vocabulary_digest(old)
