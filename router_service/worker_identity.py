@@ -20,6 +20,10 @@ from pathlib import Path
 from common.model_identity import MANIFEST, ModelDigests
 
 _SHORT = 60  # characters of a value a refusal quotes
+# HF config keys that record where a checkpoint came from or how its weights are stored, not the model the router
+# serves: a fine-tune (another _name_or_path, transformers_version) or a conversion from the FP8 release of the same
+# model (quantization_config, torch_dtype) differs in them alone, and the weights are not compared.
+_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "quantization_config"})
 
 
 def _config(text: str) -> dict | None:
@@ -69,11 +73,12 @@ def _show(value: object) -> str:
 
 def first_difference(worker: dict[str, object], reference: dict[str, object]) -> tuple[str, object, object] | None:
     """(name, the worker's value, the reference's) of the first field both hold that differs; an HF config is
-    compared key by key, so the name is the first config key that differs ("config.json num_hidden_layers")."""
+    compared key by key, so the name is the first config key that differs ("config.json num_hidden_layers"),
+    its provenance keys (_PROVENANCE) left out."""
     for name in (name for name in worker if name in reference):
         mine, theirs = worker[name], reference[name]
         if name == "config" and isinstance(mine, dict) and isinstance(theirs, dict):
-            for key in sorted(mine.keys() | theirs.keys()):
+            for key in sorted((mine.keys() | theirs.keys()) - _PROVENANCE):
                 if mine.get(key) != theirs.get(key):
                     return f"config.json {key}", mine.get(key), theirs.get(key)
         elif mine != theirs:

@@ -225,3 +225,35 @@ def test_the_vocabulary_digest_does_not_depend_on_how_merges_are_written(tmp_pat
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**tokenizer, "model": {**tokenizer["model"], "merges": [["b", "a"]]}}))
     assert vocabulary_digest(other) != vocabulary_digest(old)
+
+
+def test_config_keys_that_name_the_checkpoint_not_the_model_are_not_compared(tmp_path):
+    """A fine-tune (another _name_or_path, transformers_version) or a conversion of the same model's FP8 release
+    (quantization_config, torch_dtype) has the router's architecture and tokenizer: served. An architectural key
+    that differs is still refused."""
+    config = {
+        "model_type": "mixtral",
+        "num_hidden_layers": 2,
+        "_name_or_path": "base",
+        "transformers_version": "4.51.0",
+    }
+    (tmp_path / "colibri.json").write_text(json.dumps({"family": "mixtral", "config": config}))
+    check = ModelCheck(str(tmp_path))
+    tuned = {
+        **config,
+        "_name_or_path": "org/tuned",
+        "transformers_version": "4.57.1",
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    }
+
+    def info(hf_config: dict) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            family="mixtral", hf_config_json=json.dumps(hf_config), model_digest="sha256:" + "0" * 64
+        )
+
+    assert check.problem(info(tuned)) is None
+    check.accept(info(tuned))
+    assert check.problem(info({**tuned, "transformers_version": "4.58.0"})) is None
+    problem = check.problem(info({**tuned, "num_hidden_layers": 3}))
+    assert problem is not None and "config.json num_hidden_layers 3" in problem
