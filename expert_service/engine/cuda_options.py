@@ -43,8 +43,9 @@ class CudaOptions:
     # EXPERIMENTAL: decode steps whose sequences share cached prompt blocks (a system prompt, the samples of one
     # request) attend those blocks once per group of up to 16 / (heads per kv head) sequences, their query heads side
     # by side in the tensor-core kernel's rows (attention_decode_shared), where attention_decode_mma applies and the
-    # layer has no sliding window; the groups are read from the step's block tables. Laid out only when the engine's
-    # config has it on (False: every sequence reads its whole context)
+    # layer has no sliding window; the groups are read from the step's block tables. H200: 1.08x the unshared kernel
+    # at 16 sequences over 2,048 shared tokens, 0.7x at short prefixes or 64 sequences (docs/kernels.md), so off.
+    # Laid out only when the engine's config has it on (False: every sequence reads its whole context)
     shared_prefix_attention: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
