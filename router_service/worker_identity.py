@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.model_identity import MANIFEST, ModelDigests
+from common.model_identity import MANIFEST, TOKENIZER, vocabulary_digest
 
 _SHORT = 60  # characters of a value a refusal quotes
 # HF config keys that record where a checkpoint came from or how its weights are stored, not the model the router
@@ -50,18 +50,18 @@ def worker_fields(info) -> dict[str, object]:
 
 
 def dir_fields(model_dir: str) -> dict[str, object]:
-    """The same fields as far as the router's own model directory holds them ({} without one)."""
-    digests = ModelDigests.of_dir(model_dir)
+    """The same fields as far as the router's own model directory holds them ({} without one): colibri.json read
+    once for its family and HF config (not hashed: the weights are not compared), the tokenizer's digest."""
+    root = Path(model_dir)
     fields: dict[str, object] = {}
-    if digests.manifest:
-        try:
-            manifest = json.loads((Path(model_dir) / MANIFEST).read_text(encoding="utf-8", errors="replace"))
-        except ValueError:
-            manifest = None
-        if isinstance(manifest, dict) and isinstance(manifest.get("config"), dict):
-            fields["family"], fields["config"] = manifest.get("family"), manifest["config"]
-    if digests.tokenizer:
-        fields["tokenizer.json vocabulary digest"] = digests.tokenizer
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and isinstance(manifest.get("config"), dict):
+        fields["family"], fields["config"] = manifest.get("family"), manifest["config"]
+    if tokenizer := vocabulary_digest(root / TOKENIZER):
+        fields["tokenizer.json vocabulary digest"] = tokenizer
     return fields
 
 
