@@ -38,19 +38,21 @@ from expert_service.cuda.moe_cached import CachedExperts, dense_scratch_needed
 from expert_service.cuda.moe_strategy import (
     CAPTURABLE,
     ON_DEVICE,
+    ModelStrategies,
     MoeStrategy,
-    cached_grouped_tokens,
-    few_expert_mma_tokens,
-    q8_mma_tokens,
-    reachable_strategies,
     step_strategy,
-    w8a8_everywhere,
 )
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.shared_prefix import shared_members
-from expert_service.cuda.staging import GRAPH_BUCKETS, prefill_buckets, stage_step
+from expert_service.cuda.staging import (
+    GRAPH_BUCKETS,
+    decode_key,
+    padding_batch,
+    prefill_buckets,
+    stage_step,
+    warmup_batch,
+)
 from expert_service.cuda.token_masks import DeviceMasks
-from expert_service.cuda.warmup import decode_key, warmup_steps
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
 from expert_service.engine.config import Backend, EngineConfig, RoutingMode
@@ -58,7 +60,7 @@ from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
-from expert_service.kernels.moe_ffn import GROUPED_MAX_TOKENS
+from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 
 log = logging.getLogger("colibri.worker.cuda")
 
@@ -108,8 +110,8 @@ class CudaDecoder:
         self.max_blocks_per_seq = -(-max_context // self.block_size)
         self.moe_layers = cfg.moe_layers
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
-        cached_grouped = self._cached_grouped(config.cuda_options)  # what the workspace is laid out for
-        self.workspace_w8a8_min_rows = self._w8a8_min_rows(config.cuda_options)
+        cached_grouped = self.strategies.cached_grouped(config.cuda_options)  # what the workspace is laid out for
+        self.workspace_w8a8_min_rows = self.strategies.w8a8_min_rows(config.cuda_options)
         self.workspace_shared_members = shared_members(cfg, self.kv_dtype, self.block_size, config.cuda_options)
         self.workspace_layout = layout_workspace(
             cfg,
@@ -121,15 +123,15 @@ class CudaDecoder:
             cached=cached,
             planned=self.planned_routing,
             quantized=self.weights.quantized,
-            q8_mma=self._q8_mma(config.cuda_options),
+            q8_mma=self.strategies.q8_mma(config.cuda_options),
             cached_mma=config.cuda_options.cached_mma,
             cached_grouped=cached_grouped,
-            few_expert_mma=self._few_expert_mma(config.cuda_options),
+            few_expert_mma=self.strategies.few_expert_mma(config.cuda_options),
             w8a8_min_rows=self.workspace_w8a8_min_rows,
             shared_members=self.workspace_shared_members,
         )
         # what the workspace was laid out for: set_options refuses options that reach another strategy
-        self.workspace_strategies = self._strategies(config.cuda_options, cached)
+        self.workspace_strategies = self.strategies.reachable(config.cuda_options, cached)
         if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
             self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
         self.workspace_cached_grouped = cached_grouped
@@ -190,9 +192,44 @@ class CudaDecoder:
         loads and graph instantiation do). With the expert cache the same steps take the cached strategies."""
         self.penalties.warmup(self.ws.logits)
         self.token_masks.warmup(self.ws.logits, self.penalties.logits)
-        warmup_steps(self)
+        span = min(self.max_tokens, self.max_blocks_per_seq * self.block_size)  # one sequence's most tokens
+        # every token bucket a step can reach (several sequences fill the ones above span) that replays a graph
+        buckets = [
+            b
+            for b in self.prefill_buckets
+            if self.engine_config.cuda_graphs and self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs
+        ]
+        sizes = self.strategies.warmup_tokens(self.options, self.cached)
+        for T in sorted({t for t in sizes if t <= span} | set(buckets)):
+            self._warm(warmup_batch(T, span, self.block_size, logits=True))
+        if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self.strategies.reachable(self.options, False):
+            self.model.moe.warm_cublas_shapes(self.max_tokens)
+        for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
+            for _ in range(2):  # first sight eager, then captured (already captured: replayed)
+                self._warm(warmup_batch(T, span, self.block_size, logits=False))
+        # the padded steps' LM heads (none without prefill graphs), on the hidden state the warm-up left
+        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs) if buckets else ():
+            for _ in range(2):
+                self._stage(padding_batch(), 1, 1, rows)
+                self._head(rows)
+                self.stream.synchronize()
+        # decode: with graphs every batch bucket's (with and without shared prefixes where the engine has them;
+        # padding: every group empty), eagerly padded steps of one sequence and of MMA_DECODE_MIN_SEQS (both kernels)
+        graphs = self.engine_config.cuda_graphs
+        eager = sorted({1, min(self.max_seqs, self.max_tokens, MMA_DECODE_MIN_SEQS)})
+        for bucket in [b for b in GRAPH_BUCKETS if b <= min(self.max_seqs, self.max_tokens)] if graphs else eager:
+            for shared in self.decode_variants:
+                for _ in range(2 if graphs else 1):  # with graphs: first sight eager, then captured
+                    self._stage(padding_batch(), bucket, bucket, bucket, decode=True)  # no groups: shared idle
+                    run = functools.partial(self._run, bucket, bucket, bucket, decode=True, shared=shared)
+                    self._replay(self.graphs, decode_key(bucket, shared), run)
+                    self.stream.synchronize()
         if self.cached is not None:  # the warm-up's cache counts are nobody's step
             self.cached.settle_totals()
+
+    def _warm(self, batch: ForwardBatch) -> None:
+        self.forward(batch)
+        self.stream.synchronize()  # the next _stage rewrites the pinned staging this upload reads
 
     # --- memory -------------------------------------------------------------------------------------
     def memory_plan(self) -> list[tuple[str, int]]:
@@ -329,42 +366,16 @@ class CudaDecoder:
             self, step.rows, step.penalized, host["greedy_ids"], host["nonfinite"], step.staged, step.masks
         )
 
+    @property
+    def strategies(self) -> ModelStrategies:  # the model's MoE strategy bounds under any options
+        return ModelStrategies(self.config, self.weights, self.max_tokens)
+
     @functools.cached_property
     def prefill_buckets(self) -> list[int]:  # max_tokens is fixed: listed once, read by every step
         return prefill_buckets(self.max_tokens)
 
     def _prefill_capturable(self, tokens: int) -> bool:
         return self._strategy(tokens) in CAPTURABLE
-
-    def _q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
-        w8a8 = w8a8_everywhere(self.weights, options)
-        return q8_mma_tokens(self.config, self.weights.all_8bit, self.weights.dtype == np.uint16, options, w8a8)
-
-    @staticmethod
-    def _w8a8_min_rows(options: CudaOptions) -> int:
-        return options.w8a8_min_rows if options.q8_activations else 0
-
-    def _few_expert_mma(self, options: CudaOptions) -> int:
-        return few_expert_mma_tokens(self.config, self.weights.dtype == np.uint16, options)
-
-    def _cached_grouped(self, options: CudaOptions) -> int:
-        w = self.weights
-        return cached_grouped_tokens(self.config, w.dtype, w.quantized, options, w.all_8bit)
-
-    def _strategies(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
-        """The MoE strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
-        cfg = self.config
-        return reachable_strategies(
-            self.max_tokens,
-            cfg.num_experts_per_tok,
-            cfg.num_experts,
-            cached,
-            self.weights.dtype == np.uint16,
-            self.weights.quantized,
-            self._q8_mma(options),
-            self._cached_grouped(options) if cached else GROUPED_MAX_TOKENS,
-            self._few_expert_mma(options),
-        )
 
     def _prefill_bucket(self, T: int) -> int | None:
         """The token bucket a non-decode step of T tokens is padded to (and replays), or None (unpadded, eager)."""
@@ -492,14 +503,14 @@ class CudaDecoder:
         the same sequences, this way); the graphs captured with the old ones are dropped. Options under which some
         step would take a MoE strategy whose buffers the workspace lacks (it was laid out for the engine's
         configured options) are refused: build the engine with them instead."""
-        missing = self._strategies(options, self.cached is not None) - self.workspace_strategies
+        missing = self.strategies.reachable(options, self.cached is not None) - self.workspace_strategies
         cached = self.cached
         if options.cached_mma and cached is not None and cached.mma_supported and not cached.mma_possible:
             missing.add(MoeStrategy.CACHED_GROUPED)  # on the tensor-core kernel: rows it was not laid out with
-        grouped = min(self._cached_grouped(options), self.max_tokens)  # the rows of steps an engine can take
+        grouped = min(self.strategies.cached_grouped(options), self.max_tokens)  # the rows of steps an engine can take
         if cached is not None and grouped > min(self.workspace_cached_grouped, self.max_tokens):
             missing.add(MoeStrategy.CACHED_GROUPED)  # larger steps in waves than its sorted rows were laid out for
-        q8_mma = MoeStrategy.Q8_MMA in self._strategies(options, cached is not None)
+        q8_mma = MoeStrategy.Q8_MMA in self.strategies.reachable(options, cached is not None)
         # W8A8's 8-bit rows, laid out for steps from workspace_w8a8_min_rows rows an expert (0: none)
         if options.q8_activations and q8_mma and not 0 < self.workspace_w8a8_min_rows <= options.w8a8_min_rows:
             missing.add(MoeStrategy.Q8_MMA)

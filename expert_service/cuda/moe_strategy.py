@@ -4,7 +4,8 @@ The choice depends on the step's T tokens, the K of E experts each token is rout
 whether every expert is resident on the device; `choose_strategy` decides from the thresholds defined beside it.
 `ON_DEVICE` and `CAPTURABLE` say which strategies a CUDA graph captures (whole, or in pieces around a host break);
 `reachable_strategies` lists those a model's steps can take (its workspace holds only their buffers);
-`warmup_tokens` lists the step sizes whose warm-up loads every kernel. DeviceMoe (cuda/moe.py) runs them. What
+`warmup_tokens` lists the step sizes whose warm-up loads every kernel; `ModelStrategies` derives all of these bounds
+from one model's weights for the decoder. DeviceMoe (cuda/moe.py) runs them. What
 each strategy launches, and the H200 measurements behind the thresholds, are in docs/kernels.md, section "MoE
 strategy choice". Pure host code: no device is touched except by `few_expert_mma_tokens` and `w8a8_everywhere` (is
 this an sm_90 GPU).
@@ -12,6 +13,7 @@ this an sm_90 GPU).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -268,3 +270,66 @@ def warmup_tokens(
                 tile = choose_q8_config(T * K, E) if quantized else choose_config(T * K, E)
             first.setdefault((strategy, tile, router), T)
     return tuple(sorted(set(WARMUP_TOKENS) | set(first.values())))
+
+
+@dataclass(frozen=True, eq=False)
+class ModelStrategies:
+    """One model's bounds for choose_strategy under any options, derived from its config, its weights (DeviceWeights:
+    dtype, quantized, all_8bit, w8a8_layers) and its largest step: the decoder lays out its workspace, checks
+    set_options and plans its warm-up with them, so those three cannot disagree."""
+
+    config: ModelConfig
+    weights: DeviceWeights
+    max_tokens: int
+
+    @property
+    def bf16(self) -> bool:
+        return np.dtype(self.weights.dtype) == np.uint16
+
+    def q8_mma(self, options: CudaOptions) -> tuple[int, int] | None:
+        w8a8 = w8a8_everywhere(self.weights, options)
+        return q8_mma_tokens(self.config, self.weights.all_8bit, self.bf16, options, w8a8)
+
+    def few_expert_mma(self, options: CudaOptions) -> int:
+        return few_expert_mma_tokens(self.config, self.bf16, options)
+
+    def cached_grouped(self, options: CudaOptions) -> int:
+        w = self.weights
+        return cached_grouped_tokens(self.config, w.dtype, w.quantized, options, w.all_8bit)
+
+    @staticmethod
+    def w8a8_min_rows(options: CudaOptions) -> int:
+        """The rows an expert from which W8A8 steps quantise their activations, 0: never (the workspace's 8-bit rows)."""
+        return options.w8a8_min_rows if options.q8_activations else 0
+
+    def reachable(self, options: CudaOptions, cached: bool) -> set[MoeStrategy]:
+        """The strategies steps of up to max_tokens take under `options` (cached: with the expert cache)."""
+        cfg = self.config
+        return reachable_strategies(
+            self.max_tokens,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            cached,
+            self.bf16,
+            self.weights.quantized,
+            self.q8_mma(options),
+            self.cached_grouped(options) if cached else GROUPED_MAX_TOKENS,
+            self.few_expert_mma(options),
+        )
+
+    def warmup_tokens(self, options: CudaOptions, cached: CachedExperts | None) -> tuple[int, ...]:
+        """warmup_tokens for this model: the prefill sizes whose warm-up loads every kernel its steps can launch."""
+        cfg = self.config
+        return warmup_tokens(
+            self.max_tokens,
+            cfg.num_experts_per_tok,
+            cfg.num_experts,
+            bf16=self.bf16,
+            options=options,
+            quantized=self.weights.quantized,
+            q8_mma=self.q8_mma(options),
+            cached_grouped=self.cached_grouped(options) if cached is not None else 0,
+            cached_mma=cached is not None and cached.mma_possible and options.cached_mma,
+            dims=(cfg.moe_intermediate_size, cfg.hidden_size),
+            few_expert_mma=self.few_expert_mma(options),
+        )

@@ -1,5 +1,6 @@
 """Staging a step for the cuda runner: the token buckets non-decode steps are padded to, where padding sequences
-end, and the step's metadata written into pinned host staging and uploaded as one prefix of it (workspace.py)."""
+end, the step's metadata written into pinned host staging and uploaded as one prefix of it (workspace.py), the keys
+of the decode graphs, and the steps of no real sequence that the warm-up stages."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from expert_service.engine.step import ForwardBatch
 PLAN_COPY_GAP = 16384
 # Decode-only steps are padded to one of these batch sizes, each replaying a graph of its own.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def decode_key(bucket: int, shared: bool) -> int | tuple[int, bool]:
+    """The graph of a decode step padded to `bucket` sequences: its own, or one more when its sequences share
+    prefix blocks (attention_decode_shared's launches)."""
+    return (bucket, True) if shared else bucket
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -95,3 +102,33 @@ def stage_step(
         return groups
     meta.upload(tables_end, stream_handle)
     return groups
+
+
+def warmup_batch(T: int, span: int, block_size: int, logits: bool) -> ForwardBatch:
+    """A warm-up step of T zero tokens in as few sequences of at most `span` tokens as hold them: they read the
+    zeroed KV pool and write none; with `logits`, each sequence's last position is a logits row."""
+    lens = np.diff(np.linspace(0, T, -(-T // span) + 1).astype(np.int64))
+    ends = np.cumsum(lens)
+    return ForwardBatch(
+        token_ids=np.zeros(T, np.int64),
+        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+        seq_starts=np.concatenate([[0], ends]),
+        context_lens=lens,
+        block_tables=[np.zeros(-(-n // block_size), np.int64) for n in lens],
+        slot_mapping=np.full(T, -1, np.int64),
+        logits_rows=ends - 1 if logits else np.zeros(0, np.int64),
+    )
+
+
+def padding_batch() -> ForwardBatch:
+    """A step of no sequences: stage_step pads it to any bucket (padding writes no KV, attends to nothing)."""
+    empty = np.zeros(0, np.int64)
+    return ForwardBatch(
+        token_ids=empty,
+        positions=empty,
+        seq_starts=np.zeros(1, np.int64),
+        context_lens=empty,
+        block_tables=[],
+        slot_mapping=empty,
+        logits_rows=empty,
+    )

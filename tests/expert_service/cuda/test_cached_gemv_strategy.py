@@ -75,9 +75,9 @@ def test_set_options_switches_cached_gemv_either_way():
     (max_tokens 1: a decoder whose every step could take the GEMV)."""
     for first in (True, False):
         d = decoder(CudaOptions(cached_gemv=first), slots=16, max_tokens=1)
-        d.workspace_strategies = d._strategies(d.options, True)
+        d.workspace_strategies = d.strategies.reachable(d.options, True)
         assert d.workspace_strategies == {GROUPED}
-        assert d._strategies(CudaOptions(cached_gemv=not first), True) <= d.workspace_strategies
+        assert d.strategies.reachable(CudaOptions(cached_gemv=not first), True) <= d.workspace_strategies
     assert reachable_strategies(1, 4, 16, True, False) == {GROUPED}
 
 

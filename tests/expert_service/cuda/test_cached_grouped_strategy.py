@@ -127,7 +127,7 @@ def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256, 
     d = CudaDecoder.__new__(CudaDecoder)
     d.config, d.max_tokens = config(), max_tokens
     d.weights = SimpleNamespace(dtype=BF16, quantized=all_8bit, all_8bit=all_8bit)
-    laid_out_grouped = d._cached_grouped(laid_out)
+    laid_out_grouped = d.strategies.cached_grouped(laid_out)
     d.cached = SimpleNamespace(
         slots=SimpleNamespace(slots_per_layer=4),
         mma_supported=True,
@@ -137,7 +137,7 @@ def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256, 
     )
     d.cached.make_dense_scratch = lambda: setattr(d.cached, "dense", d.cached.dense or object())
     d.model = SimpleNamespace(options=options, use_options=lambda o: setattr(d.model, "options", o))
-    d.workspace_strategies = d._strategies(laid_out, True) | {GROUPED, CUBLAS}  # as CudaDecoder.__init__ lays out
+    d.workspace_strategies = d.strategies.reachable(laid_out, True) | {GROUPED, CUBLAS}  # as CudaDecoder.__init__ lays out
     d.workspace_cached_grouped = laid_out_grouped
     d.drop_graphs = lambda: None
     return d

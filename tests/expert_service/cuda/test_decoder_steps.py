@@ -150,7 +150,7 @@ def host_decoder(
         head=lambda T, R: d.issued.append(("head", T, R)),
         moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))),
     )
-    d.workspace_strategies = d._strategies(d.model.options, d.cached is not None)
+    d.workspace_strategies = d.strategies.reachable(d.model.options, d.cached is not None)
     return d
 
 

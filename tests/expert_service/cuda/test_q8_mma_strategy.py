@@ -92,7 +92,7 @@ def decoder_laid_out_for_defaults(cfg):
     d = CudaDecoder.__new__(CudaDecoder)
     d.config, d.cached, d.max_tokens = cfg, None, 512
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
-    d.workspace_strategies = d._strategies(CudaOptions(), False)
+    d.workspace_strategies = d.strategies.reachable(CudaOptions(), False)
     d.workspace_w8a8_min_rows = CudaOptions().w8a8_min_rows  # the defaults run W8A8 where it applies
     return d
 
