@@ -137,7 +137,10 @@ def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256, 
     )
     d.cached.make_dense_scratch = lambda: setattr(d.cached, "dense", d.cached.dense or object())
     d.model = SimpleNamespace(options=options, use_options=lambda o: setattr(d.model, "options", o))
-    d.workspace_strategies = d.strategies.reachable(laid_out, True) | {GROUPED, CUBLAS}  # as CudaDecoder.__init__ lays out
+    d.workspace_strategies = d.strategies.reachable(laid_out, True) | {
+        GROUPED,
+        CUBLAS,
+    }  # as CudaDecoder.__init__ lays out
     d.workspace_cached_grouped = laid_out_grouped
     d.drop_graphs = lambda: None
     return d
