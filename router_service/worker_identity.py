@@ -15,6 +15,7 @@ name, which may change between connections."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from common.model_identity import MANIFEST, TOKENIZER, vocabulary_digest
@@ -71,6 +72,29 @@ def _show(value: object) -> str:
     return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
 
 
+def same(a: object, b: object) -> bool:
+    """Whether two JSON values are equal, NaN equal to NaN: json.loads reads a config's NaN as a float that equals
+    nothing, itself included, and the worker's would never match. Iterative: a deep value cannot exhaust the stack."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys():
+                return False
+            stack.extend((x[key], y[key]) for key in x)
+        elif isinstance(x, list) and isinstance(y, list):
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y))
+        elif not (x == y or (_is_nan(x) and _is_nan(y))):
+            return False
+    return True
+
+
+def _is_nan(value: object) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
 def first_difference(worker: dict[str, object], reference: dict[str, object]) -> tuple[str, object, object] | None:
     """(name, the worker's value, the reference's) of the first field both hold that differs; an HF config is
     compared key by key, so the name is the first config key that differs ("config.json num_hidden_layers"),
@@ -79,9 +103,9 @@ def first_difference(worker: dict[str, object], reference: dict[str, object]) ->
         mine, theirs = worker[name], reference[name]
         if name == "config" and isinstance(mine, dict) and isinstance(theirs, dict):
             for key in sorted((mine.keys() | theirs.keys()) - _PROVENANCE):
-                if mine.get(key) != theirs.get(key):
+                if not same(mine.get(key), theirs.get(key)):
                     return f"config.json {key}", mine.get(key), theirs.get(key)
-        elif mine != theirs:
+        elif not same(mine, theirs):
             return name, mine, theirs
     return None
 

@@ -257,3 +257,25 @@ def test_config_keys_that_name_the_checkpoint_not_the_model_are_not_compared(tmp
     assert check.problem(info({**tuned, "transformers_version": "4.58.0"})) is None
     problem = check.problem(info({**tuned, "num_hidden_layers": 3}))
     assert problem is not None and "config.json num_hidden_layers 3" in problem
+
+
+def test_a_nan_in_the_config_is_the_same_model_on_every_reconnect(tmp_path):
+    """json.loads reads NaN (written by json.dumps, as HF configs hold it) as a float that equals nothing, itself
+    included: a worker whose config held one was refused on every reconnect, and against its own model directory.
+    NaN still differs from a number."""
+    config = {"model_type": "mixtral", "router_jitter_noise": float("nan"), "rope_scaling": {"factor": float("nan")}}
+    (tmp_path / "colibri.json").write_text(json.dumps({"family": "mixtral", "config": config}))
+    check = ModelCheck(str(tmp_path))
+
+    def info(hf_config: dict) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            family="mixtral", hf_config_json=json.dumps(hf_config), model_digest="sha256:" + "0" * 64
+        )
+
+    assert check.problem(info(config)) is None
+    check.accept(info(config))
+    assert check.problem(info(config)) is None
+    problem = check.problem(info({**config, "router_jitter_noise": 0.0}))
+    assert problem is not None and "config.json router_jitter_noise 0.0" in problem
+    problem = check.problem(info({**config, "rope_scaling": {"factor": 2.0}}))
+    assert problem is not None and "config.json rope_scaling" in problem
