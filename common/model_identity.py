@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import ModelFormatError
+
 MANIFEST = "colibri.json"
 TOKENIZER = "tokenizer.json"
 
@@ -44,18 +46,22 @@ def vocabulary_digest(path: Path) -> str:
     """The "sha256:<hex>" digest of a tokenizer.json's vocabulary: its model's vocab (and merges) and its added
     tokens' ids and texts, which fix the ids a tokenizer produces. Its pre- and post-processing (a router's copy may
     add a BOS token, say) are left out, and so is how its merges are written ("a b", or ["a", "b"] as tokenizers
-    0.20 and later save them); a file that is no tokenizer.json counts by its bytes."""
+    0.20 and later save them); a file that is no tokenizer.json counts by its bytes. Raises ModelFormatError naming
+    the file when it nests too deep for Python's JSON reader (no tokenizers version reads such a file either)."""
     try:
         tokenizer = json.loads(path.read_bytes())
         model = tokenizer["model"]
         added = [(token["id"], token["content"]) for token in tokenizer.get("added_tokens") or ()]
         merges = [_merge_pair(merge) for merge in model.get("merges") or ()]
         vocabulary = {"vocab": model.get("vocab"), "merges": merges, "added_tokens": sorted(added)}
+        text = json.dumps(vocabulary, sort_keys=True)
     except OSError:
         return ""
     except (ValueError, TypeError, KeyError, AttributeError):
         return file_digest(path)
-    return "sha256:" + hashlib.sha256(json.dumps(vocabulary, sort_keys=True).encode()).hexdigest()
+    except RecursionError:
+        raise ModelFormatError(f"{path}: nested too deeply to be a tokenizer.json") from None
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _merge_pair(merge) -> list:

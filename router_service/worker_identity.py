@@ -30,7 +30,7 @@ _PROVENANCE = frozenset({"_name_or_path", "transformers_version", "torch_dtype",
 def _config(text: str) -> dict | None:
     try:
         value = json.loads(text) if text else None
-    except ValueError:
+    except (ValueError, RecursionError):  # unreadable, or nested past Python's stack: not compared
         return None
     return value if isinstance(value, dict) else None
 
@@ -57,7 +57,7 @@ def dir_fields(model_dir: str) -> dict[str, object]:
     fields: dict[str, object] = {}
     try:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8", errors="replace"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         manifest = None
     if isinstance(manifest, dict) and isinstance(manifest.get("config"), dict):
         fields["family"], fields["config"] = manifest.get("family"), manifest["config"]

@@ -279,3 +279,29 @@ def test_a_nan_in_the_config_is_the_same_model_on_every_reconnect(tmp_path):
     assert problem is not None and "config.json router_jitter_noise 0.0" in problem
     problem = check.problem(info({**config, "rope_scaling": {"factor": 2.0}}))
     assert problem is not None and "config.json rope_scaling" in problem
+
+
+def test_a_tokenizer_json_nested_past_pythons_stack_is_one_line_naming_it(tmp_path):
+    """json.loads raised RecursionError on it: the router (and the worker, computing its digests) stopped at start-up
+    with a traceback."""
+    from common.errors import ModelFormatError
+
+    depth = 100_000
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": ' + "[" * depth + "]" * depth + "}}")
+    with pytest.raises(ModelFormatError) as raised:
+        ModelCheck(str(tmp_path))
+    message = str(raised.value)
+    assert str(tmp_path / "tokenizer.json") in message and "\n" not in message
+    with pytest.raises(ModelFormatError):
+        ModelDigests.of_dir(tmp_path)
+
+
+def test_a_config_nested_past_pythons_stack_is_not_compared_rather_than_a_traceback(tmp_path):
+    """As an unreadable colibri.json or hf_config_json is: RecursionError escaped the router's start-up (its own
+    colibri.json) or the worker's connection attempt (a worker's Info)."""
+    depth = 100_000
+    deep = "[" * depth + "]" * depth
+    (tmp_path / "colibri.json").write_text('{"family": "mixtral", "config": {"x": ' + deep + "}}")
+    check = ModelCheck(str(tmp_path))
+    info = pb.InfoResponse(family="mixtral", hf_config_json='{"x": ' + deep + "}", model_digest="sha256:" + "0" * 64)
+    assert check.problem(info) is None
