@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import InvalidRequestError, ModelFormatError
+from common.files import create_new
 from common.model_config import ModelConfig
 from common.routing_plan import RoutingPlan
 
@@ -49,7 +50,8 @@ class RoutingTableError(ModelFormatError):
 
 
 def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts: int) -> Path:
-    """Writes `table` uint16 [num_layers, vocab_size, top_k] (entries < num_experts) atomically to `path`."""
+    """Writes `table` uint16 [num_layers, vocab_size, top_k] (entries < num_experts) atomically to `path`: through a
+    new `<path>.tmp` (common.files: a link planted at that name is replaced, never written through), renamed."""
     table = np.asarray(table)
     if table.ndim != 3 or table.shape[2] < 1:
         raise ValueError(f"table must be [num_layers, vocab_size, top_k>=1], got shape {table.shape}")
@@ -61,7 +63,7 @@ def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_new(tmp), "wb") as f:
             f.write(header)
             f.write(body)
         tmp.replace(path)

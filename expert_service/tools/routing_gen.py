@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from common import dtypes
 from common.errors import ConfigError, InvalidRequestError, ModelFormatError
+from common.files import write_new
 from common.model_format import ModelDir
 from common.routing_table import write_routing_table
 from expert_service.cpu.layers.moe import route
@@ -326,5 +327,5 @@ def run_router_gen(
     table, report = generate(model, engine, corpus, top_k, holdout, sequence_length, progress)
     write_routing_table(out, table, model.config.num_experts)
     report = {"model": str(model.path), "table": str(out), "corpus": corpus_path, **report}
-    report_path_for(out).write_text(json.dumps(report, indent=1) + "\n")
+    write_new(report_path_for(out), (json.dumps(report, indent=1) + "\n").encode())  # a link there is replaced
     return report

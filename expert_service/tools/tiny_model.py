@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
+from common.files import write_new
 from common.models import FAMILIES, config_from_hf, tensor_specs
 
 # Ids 0-2 are the specials (Llama convention: unk, bos, eos); byte b is token 3 + b.
@@ -157,15 +158,16 @@ _BYTE_OF_CHAR = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def write_tiny_checkpoint(hf_dir: str | Path, family: str = "mixtral", seed: int = 0) -> Path:
-    """Writes config.json, model.safetensors and the tokenizer files of the tiny model into `hf_dir`."""
-    from safetensors.numpy import save_file
+    """Writes config.json, model.safetensors and the tokenizer files of the tiny model into `hf_dir`, each a new
+    file at its name (common.files): a link planted there is replaced, never written through."""
+    from safetensors.numpy import save
 
     hf_dir = Path(hf_dir)
     hf_dir.mkdir(parents=True, exist_ok=True)
     hf_config = tiny_hf_config(family)
-    (hf_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tiny_weights(hf_config, seed), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    byte_tokenizer().save(str(hf_dir / "tokenizer.json"))
+    write_new(hf_dir / "config.json", (json.dumps(hf_config, indent=2) + "\n").encode())
+    write_new(hf_dir / "model.safetensors", save(tiny_weights(hf_config, seed), metadata={"format": "pt"}))
+    write_new(hf_dir / "tokenizer.json", byte_tokenizer().to_str(pretty=True).encode())
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[BOS_ID],
@@ -174,8 +176,8 @@ def write_tiny_checkpoint(hf_dir: str | Path, family: str = "mixtral", seed: int
         "pad_token": SPECIAL_TOKENS[UNK_ID],
         "model_max_length": hf_config["max_position_embeddings"],
     }
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (hf_dir / "chat_template.jinja").write_text(PLAIN_CHAT_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
+    write_new(hf_dir / "tokenizer_config.json", (json.dumps(tokenizer_config, indent=2) + "\n").encode())
+    write_new(hf_dir / "chat_template.jinja", PLAIN_CHAT_TEMPLATE.read_bytes())
     return hf_dir
 
 
@@ -187,5 +189,8 @@ def make_tiny(
     from expert_service.tools.convert import convert
 
     out_dir = Path(out_dir)
-    hf_dir = write_tiny_checkpoint(out_dir / "hf", family, seed)
+    hf_dir = out_dir / "hf"
+    if hf_dir.is_symlink():  # a link planted at the name make-tiny chose: writing into it would write elsewhere
+        hf_dir.unlink()
+    hf_dir = write_tiny_checkpoint(hf_dir, family, seed)
     return convert(hf_dir, out_dir, progress=progress, expert_dtype=expert_dtype)

@@ -75,6 +75,57 @@ def test_make_tiny_cli_then_verify(tmp_path, capsys):
     assert rc == 0 and out == f"ok: {len(model.entries)} tensors, {model.total_bytes:,} bytes verified\n"
 
 
+HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def plant_links(directory: Path, names, link: str, outside: Path) -> dict[Path, bytes]:
+    """A symlink or a hard link at each name in `directory`, to a file of its own under `outside`; returns what
+    those files hold, which the tool must leave as it is."""
+    outside.mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    for name in names:
+        target = outside / name.replace("/", "_")
+        target.write_bytes(b"not the tool's " + name.encode())
+        kept[target] = target.read_bytes()
+        if link == "symlink":
+            (directory / name).symlink_to(target)
+        else:
+            (directory / name).hardlink_to(target)
+    return kept
+
+
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+def test_make_tiny_replaces_a_link_in_its_checkpoint_directory_instead_of_writing_through_it(tmp_path, capsys, link):
+    """The HF checkpoint's files went through write_text, safetensors' save_file and Tokenizer.save, which follow a
+    symlink (and write into a hard link's shared file): OUT_DIR/hf/config.json -> /etc/something was overwritten."""
+    out = tmp_path / "m"
+    kept = plant_links(out / "hf", HF_FILES, link, tmp_path / "elsewhere")
+    rc, _, err = run_cli(capsys, "make-tiny", str(out), "--no-progress")
+    assert rc == 0, err
+    assert {target: target.read_bytes() for target in kept} == kept
+    assert not any((out / "hf" / name).is_symlink() for name in HF_FILES)
+    fresh = make_tiny(tmp_path / "fresh")
+    for name in HF_FILES:
+        assert (out / "hf" / name).read_bytes() == (fresh / "hf" / name).read_bytes(), name
+    ModelDir.open(out)  # checksums included
+
+
+def test_make_tiny_replaces_a_symlink_at_its_checkpoint_directory(tmp_path, capsys):
+    """OUT_DIR/hf -> another directory: the checkpoint was written into that directory, replacing its files."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("not the tool's")
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "hf").symlink_to(elsewhere, target_is_directory=True)
+    rc, _, err = run_cli(capsys, "make-tiny", str(out), "--no-progress")
+    assert rc == 0, err
+    assert [p.name for p in elsewhere.iterdir()] == ["config.json"]
+    assert (elsewhere / "config.json").read_text() == "not the tool's"
+    assert (out / "hf").is_dir() and not (out / "hf").is_symlink() and (out / "hf" / "config.json").is_file()
+
+
 def test_make_tiny_default_model_shape(tiny):
     model = ModelDir.open(tiny)
     c = model.config

@@ -4,6 +4,8 @@ is a function of the token id (recall must be exactly 1.0)."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +80,28 @@ def test_without_corpus_is_fallback_only(tiny_model, tmp_path, capsys):
     table = RoutingTable.load(out, model.config)
     for l, layer in enumerate(model.config.moe_layers):
         np.testing.assert_array_equal(table.table[l], fallback_ranking(model, layer, 0, model.config.vocab_size)[:, :2])
+
+
+@pytest.mark.parametrize("link", ["symlink", "hard link"])
+@pytest.mark.parametrize("name", ["routing_table.bin.tmp", "routing_table.bin.report.json", "routing_table.bin"])
+def test_a_link_at_an_output_name_is_replaced_not_written_through(tiny_model, tmp_path, capsys, link, name):
+    """The table's .tmp and the report went through open() and write_text, which follow a symlink (and write into
+    a hard link's shared file): MODEL_DIR/routing_table.bin.report.json -> /etc/something was overwritten."""
+    model_dir = Path(shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns("hf")))
+    outside = tmp_path / "elsewhere" / "precious"
+    outside.parent.mkdir()
+    outside.write_bytes(b"not router-gen's")
+    if link == "symlink":
+        (model_dir / name).symlink_to(outside)
+    else:
+        (model_dir / name).hardlink_to(outside)
+    code, stdout, _ = router_gen(capsys, model_dir)
+    assert code == 0, stdout
+    assert outside.read_bytes() == b"not router-gen's"
+    assert not (model_dir / name).is_symlink() and (name == "routing_table.bin.tmp") != (model_dir / name).exists()
+    config = ModelDir.open(model_dir, verify=False).config
+    assert RoutingTable.load(model_dir / "routing_table.bin", config).top_k == config.num_experts_per_tok
+    assert json.loads((model_dir / "routing_table.bin.report.json").read_text())["has_corpus"] is False
 
 
 def test_token_routed_model_has_recall_one(tmp_path, capsys):
