@@ -133,6 +133,13 @@ class RouterMetrics:
         self.http_connections_refused = b.counter(
             "http_connections_refused", "HTTP connections refused (503) because http_max_connections were open"
         )
+        self.http_body_bytes = b.gauge(
+            "http_body_bytes", "Bytes of HTTP request bodies reserved now (being read or parsed)"
+        )
+        self.http_bodies_refused = b.counter(
+            "http_bodies_refused",
+            "HTTP requests refused (503) because their body did not fit http_max_body_bytes_in_flight",
+        )
         self.batch_size = b.histogram("batch_size", "Sequences per worker step", BATCH_SIZE_BUCKETS)
         self.batch_tokens = b.histogram("batch_tokens", "Tokens per worker step", BATCH_TOKENS_BUCKETS)
         kinds = {"kind": STEP_KINDS}

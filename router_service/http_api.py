@@ -9,8 +9,9 @@ Bearer tokens are checked as on the gRPC port (router_service.security), and the
 gRPC port's certificate files when they are configured. A client that disconnects cancels its request: the
 handler task is cancelled (aiohttp's handler_cancellation), which frees the request's KV blocks within a step.
 Connections are bounded in time (headers, body, each write) and in number (router_service.http_connections),
-bodies checked before parsing them further and 100 Continue sent only once a request is accepted
-(router_service.http_guard); every error answer has OpenAI's shape, and only the router's own faults are 500s.
+the bytes of bodies read at once by a budget (router_service.http_bodies), bodies checked before parsing them
+further and 100 Continue sent only once a request is accepted (router_service.http_guard); every error answer
+has OpenAI's shape, and only the router's own faults are 500s.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from common import metrics
 from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
-from router_service import errors, http_guard, openai_choices
+from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, listen
 from router_service.http_guard import abort, bounded
@@ -35,6 +36,7 @@ from router_service.logprobs import TokenTexts
 from router_service.openai_api import (
     HTTP_STATUS,
     ApiError,
+    ParsedRequest,
     api_error,
     envelope,
     logprobs_field,
@@ -74,7 +76,8 @@ def error_response(error: ApiError, request_id: str = "") -> web.Response:
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     answer = web.json_response(error.body(), status=error.status, headers=headers)
-    if error.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+    # the rest of the body is not read: the connection cannot carry another request
+    if error.status in (408, 413) or error.code == http_bodies.CODE:
         answer.force_close()
     return answer
 
@@ -91,6 +94,11 @@ class HttpFront:
         self._server: asyncio.Server | None = None
         self._gate: ConnectionGate | None = None
         self._texts: TokenTexts | None = None
+        self.bodies = http_bodies.BodyBudget(
+            self.config.http_max_body_bytes_in_flight,
+            self.config.retry_after_s,
+            lambda: self.frontend.batching_loop.hooks.on_http_body_refused(),
+        )
 
     def _request_id(self, request: web.Request) -> str:
         """The caller's X-Request-Id: printable ASCII, as the gRPC front's request_id (it is echoed in headers)."""
@@ -136,6 +144,7 @@ class HttpFront:
             await self.stop()
             raise AddressInUseError(f"router HTTP {host}:{port} is in use or cannot be bound") from None
         self.port = self._server.sockets[0].getsockname()[1]
+        self.frontend.batching_loop.hooks.on_http_body_bytes(lambda: self.bodies.held)
         return self.port
 
     async def stop(self) -> None:
@@ -244,17 +253,7 @@ class HttpFront:
                 # what the headers alone decide comes before the body is asked for (and read)
                 frontend.check_ready()
                 frontend.check_room()
-                body = await http_guard.read_json(
-                    request, self.config.max_message_bytes, self.config.http_body_timeout_s
-                )
-                limits = frontend.batching_loop.limits
-                parsed = parse_request(
-                    body,
-                    kind,
-                    frontend.model_name,
-                    frontend.batching_loop.generation_defaults,
-                    limits.vocab_size if limits is not None else 0,
-                )
+                parsed = await self._read_request(request, kind)
                 many = parsed.best_of > 1 or len(parsed.prompts) > 1  # best_of >= n
                 if many:
                     return await openai_choices.serve(self, request, parsed, request_id)
@@ -308,6 +307,20 @@ class HttpFront:
             finally:
                 if handle is not None:
                     handle.cancel()
+
+    async def _read_request(self, request: web.Request, kind: str) -> ParsedRequest:
+        """The request's body read and parsed, its bytes held in the body budget until then (the raw bytes and
+        the JSON tree are dropped on return, whatever happens)."""
+        frontend = self.frontend
+        with self.bodies.reservation() as reservation:
+            body = await http_guard.read_json(
+                request, self.config.max_message_bytes, self.config.http_body_timeout_s, reservation
+            )
+            limits = frontend.batching_loop.limits
+            vocab_size = limits.vocab_size if limits is not None else 0
+            return parse_request(
+                body, kind, frontend.model_name, frontend.batching_loop.generation_defaults, vocab_size
+            )
 
     async def _stream(self, request: web.Request, parsed, handle, reply: ToolReply | None) -> web.StreamResponse:
         resp = web.StreamResponse(

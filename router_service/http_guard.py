@@ -2,6 +2,7 @@
 (router_service/http_api.py applies it).
 
 - Bodies (`read_json`): read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
+  each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
   parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
   valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
   naming where.
@@ -32,6 +33,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
+from router_service.http_bodies import Reservation
 from router_service.openai_api import ApiError
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
@@ -133,23 +135,24 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large")
 
 
-async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
-    """The request's body as checked JSON; raises ApiError (408, 413, 400). A Content-Length over `max_bytes`
-    is refused before anything is read (with no Content-Encoding: a compressed length says nothing exact of
-    the body's), and a client that expects it gets its 100 Continue only then."""
+async def read_json(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation):
+    """The request's body as checked JSON; raises ApiError (408, 413, 400, and 503 when `reservation` cannot grow
+    to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no Content-Encoding:
+    a compressed length says nothing exact of the body's), and so is one the body budget cannot reserve; a client
+    that expects it gets its 100 Continue only then."""
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
-    if encoding == "identity" and (request.content_length or 0) > max_bytes:
+    length = request.content_length or 0
+    if encoding == "identity" and length > max_bytes:
         raise _too_large(max_bytes)
+    reservation.grow_to(min(length, max_bytes))
     try:
         async with asyncio.timeout(timeout_s):
             await send_continue(request)
-            raw = await request.read()
+            raw = await _read(request, max_bytes, reservation)
     except TimeoutError:
         raise ApiError(
             408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)", code="request_timeout"
         ) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(max_bytes) from None
     except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
     try:
@@ -166,6 +169,18 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float):
             path, what = problem
             raise ApiError(400, f"{path or 'the body'}: {what}", param=path.partition("[")[0].partition(".")[0] or None)
     return value
+
+
+async def _read(request: web.Request, max_bytes: int, reservation: Reservation) -> bytearray:
+    """The body's (decoded) bytes, the reservation grown as they arrive past what it holds. Not request.read(),
+    which keeps its copy on the request for as long as the handler runs."""
+    body = bytearray()
+    while chunk := await request.content.readany():
+        if len(body) + len(chunk) > max_bytes:
+            raise _too_large(max_bytes)
+        reservation.grow_to(len(body) + len(chunk))
+        body += chunk
+    return body
 
 
 def json_problem(value) -> tuple[str, str] | None:

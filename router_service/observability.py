@@ -57,6 +57,12 @@ class BatchingLoopHooks:
     def on_http_connection_refused(self) -> None:
         """The HTTP front refused a connection: http_max_connections were open."""
 
+    def on_http_body_bytes(self, count) -> None:
+        """The HTTP front starts; `count()` is the body bytes it holds reserved now, for hooks to read."""
+
+    def on_http_body_refused(self) -> None:
+        """The HTTP front refused a request: its body did not fit http_max_body_bytes_in_flight."""
+
 
 class MetricsHooks(BatchingLoopHooks):
     """BatchingLoopHooks that update common.metrics.RouterMetrics."""
@@ -111,6 +117,12 @@ class MetricsHooks(BatchingLoopHooks):
 
     def on_http_connection_refused(self) -> None:
         self.m.http_connections_refused.inc()
+
+    def on_http_body_bytes(self, count) -> None:
+        self.m.http_body_bytes.set_function(count)
+
+    def on_http_body_refused(self) -> None:
+        self.m.http_bodies_refused.inc()
 
 
 class QueueSpanHooks(BatchingLoopHooks):

@@ -38,6 +38,8 @@ ROUTER = {
     "colibri_prefix_cache_blocks": "gauge",
     "colibri_http_connections": "gauge",
     "colibri_http_connections_refused": "counter",
+    "colibri_http_body_bytes": "gauge",
+    "colibri_http_bodies_refused": "counter",
 }
 WORKER = {
     "colibri_worker_step_duration_seconds": "histogram",
