@@ -1,4 +1,4 @@
-"""The worker's model thread and its health.
+"""The worker's model thread and its health, and the end of both (the engine's close, the parent's exit).
 
 All model work runs on one daemon thread (`ModelThread`), in submission order, so the event loop answers
 health, Info and new calls during long steps, and a wedged device call can never keep the process from
@@ -17,15 +17,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
+
+if TYPE_CHECKING:
+    from expert_service.serving.servicer import WorkerServicer
 
 LIVENESS, READINESS = "colibri.liveness", "colibri.readiness"
 WORKER_SERVICE = "colibri.worker.v1.WorkerService"
 HEARTBEAT_S = 2.0
+log = logging.getLogger("colibri.worker")
+ENGINE_CLOSE_WAIT_S = 5.0  # an idle model thread ends at once; one stuck in a step is not waited for
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -172,3 +179,30 @@ class WorkerHealth:
             if on_tick is not None:
                 on_tick()
             await asyncio.sleep(1.0)
+
+
+async def close_engine(servicer: WorkerServicer) -> None:
+    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread has ended;
+    a model thread still running (a step past the watchdog) keeps them until the process exits."""
+    engine, thread = servicer.engine, servicer.executor
+    if engine is None:
+        return
+    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, ENGINE_CLOSE_WAIT_S):
+        log.warning("the model thread is still running; the engine is left to the process's exit")
+        return
+    try:
+        engine.close()
+    except Exception as e:  # stopping anyway: the process's exit releases what this could not
+        log.warning("closing the engine failed: %s: %s", type(e).__name__, e)
+
+
+async def watch_parent(pid: int, stop: asyncio.Event) -> None:
+    """Exit with the process that started us (`colibri serve`), so no orphan keeps the GPU."""
+    while not stop.is_set():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("parent process %d is gone; stopping", pid)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)

@@ -41,11 +41,9 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
 from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
-from expert_service.serving.lifecycle import WorkerHealth, quiet_cancelled_streams
+from expert_service.serving.lifecycle import WorkerHealth, close_engine, quiet_cancelled_streams, watch_parent
 from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
 from expert_service.serving.step_stream import UNARY
-
-ENGINE_CLOSE_WAIT_S = 5.0  # an idle model thread ends at once; one stuck in a step is not waited for
 
 log = logging.getLogger("colibri.worker")
 
@@ -293,7 +291,7 @@ async def serve(
             await s.start()
         tasks.append(asyncio.create_task(health.watch(servicer.update_gauges)))
         if config.parent_pid:
-            tasks.append(asyncio.create_task(_watch_parent(config.parent_pid, stop)))
+            tasks.append(asyncio.create_task(watch_parent(config.parent_pid, stop)))
         log.info(
             "worker listening on %s%s; loading %s",
             where,
@@ -353,37 +351,10 @@ async def serve(
             metrics_server.shutdown()
             metrics_server.server_close()
         servicer.executor.shutdown()
-        await _close_engine(servicer)
+        await close_engine(servicer)
         if owns_provider:
             tracer_provider.shutdown()
         log.info("worker stopped", extra={"exit_code": exit_code[0]})
-
-
-async def _close_engine(servicer: WorkerServicer) -> None:
-    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread has ended;
-    a model thread still running (a step past the watchdog) keeps them until the process exits."""
-    engine, thread = servicer.engine, servicer.executor
-    if engine is None:
-        return
-    if not await asyncio.get_running_loop().run_in_executor(None, thread.join, ENGINE_CLOSE_WAIT_S):
-        log.warning("the model thread is still running; the engine is left to the process's exit")
-        return
-    try:
-        engine.close()
-    except Exception as e:  # stopping anyway: the process's exit releases what this could not
-        log.warning("closing the engine failed: %s: %s", type(e).__name__, e)
-
-
-async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
-    """Exit with the process that started us (`colibri serve`), so no orphan keeps the GPU."""
-    while not stop.is_set():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            log.warning("parent process %d is gone; stopping", pid)
-            stop.set()
-            return
-        await asyncio.sleep(1.0)
 
 
 def run(args: argparse.Namespace) -> int:
