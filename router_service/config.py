@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common.config import LOG_LEVEL_ENV, check_message_limit, setting
+from common.connection_limits import MAX_CONNECTIONS
 from common.errors import ConfigError
 
 # gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
@@ -231,6 +232,13 @@ class RouterConfig:
         "does not fit is answered 503 (too_many_body_bytes, Retry-After). At least max_message_bytes",
         ("COLIBRI_HTTP_MAX_BODY_BYTES_IN_FLIGHT",),
     )
+    grpc_max_connections: int = setting(
+        1024,
+        "connections open at once on the gRPC port, and apart on the health port (idle ones and ones still in their "
+        "handshake included); past it a new connection is closed as it opens (its client sees UNAVAILABLE). The "
+        "open-file limit is raised to fit it when the hard limit allows",
+        ("COLIBRI_GRPC_MAX_CONNECTIONS",),
+    )
     grpc_write_timeout_s: float = setting(
         30.0,
         "seconds one message of a gRPC stream may wait for a client that stops reading (HTTP/2 flow control); "
@@ -331,6 +339,10 @@ class RouterConfig:
         problem = worker_address_problem(self.worker)
         if problem:
             raise ConfigError(f"router: worker {self.worker!r}: {problem}")
+        if not 1 <= self.grpc_max_connections <= MAX_CONNECTIONS:
+            raise ConfigError(
+                f"router: grpc_max_connections must be in [1, {MAX_CONNECTIONS}], got {self.grpc_max_connections}"
+            )
         if self.max_prompt_bytes < 0:
             raise ConfigError(f"router: max_prompt_bytes must be >= 0, got {self.max_prompt_bytes}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 from collections.abc import Callable
 
-log = logging.getLogger("colibri.router.http")
 REFUSAL_LINGER_S = 1.0
 MAX_LINGERING = 64  # refused connections lingering at once; past it (a flood) one is closed as soon as answered
-# Descriptors the router needs besides its HTTP connections: lingering refusals, gRPC ports and channels, the
-# worker, metrics, chat-template processes, token and certificate files.
-FD_RESERVE = 256
 
 
 def refusal(limit: int, retry_after_s: float) -> bytes:
@@ -123,9 +118,9 @@ class _Gated(asyncio.Protocol):
 async def listen(factory, config, hooks, host: str, port: int, ssl_context) -> tuple[asyncio.Server, ConnectionGate]:
     """The HTTP port's listening socket, serving connections with `factory` (aiohttp's server) through a gate of
     config.http_max_connections; a TLS handshake gets http_header_timeout_s (the time a connection has from its
-    opening to send its headers). Raises OSError when the address cannot be bound."""
+    opening to send its headers). Raises OSError when the address cannot be bound. The open-file limit is the
+    caller's to fit (router_service/main.py sizes it for every port's cap)."""
     limit = config.http_max_connections
-    fit_open_files(limit)
     gate = ConnectionGate(factory, limit, config.retry_after_s, hooks.on_http_connection_refused)
     hooks.on_http_connections(lambda: gate.open)
     server = await asyncio.get_running_loop().create_server(
@@ -136,32 +131,3 @@ async def listen(factory, config, hooks, host: str, port: int, ssl_context) -> t
         ssl_handshake_timeout=config.http_header_timeout_s if ssl_context is not None else None,
     )
     return server, gate
-
-
-def fit_open_files(connections: int) -> None:
-    """Raises the process's soft open-file limit to fit `connections` HTTP connections and the router's other
-    descriptors, as far as the hard limit allows; warns when it cannot (the cap would not stop the descriptors
-    running out first)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = connections + FD_RESERVE
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return
-    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft < need:
-        log.warning(
-            "the open-file limit (%d) leaves room for about %d HTTP connections, fewer than "
-            "http_max_connections (%d): raise the limit (ulimit -n, or the container's nofile) or lower the setting",
-            soft,
-            max(0, soft - FD_RESERVE),
-            connections,
-        )

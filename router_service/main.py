@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
+from common.connection_limits import fit_open_files, grpc_connection_options
 from common.errors import AddressInUseError, ConfigError
 from common.heap import freeze_startup_heap
 from common.logging_setup import configure_logging
@@ -148,6 +149,8 @@ async def start_router(
     )
     tokens = public_tokens(config)
     tls = server_credentials(config)
+    _fit_open_files(config)
+    connections = grpc_connection_options(config.grpc_max_connections)
     server = grpc.aio.server(
         interceptors=public_interceptors(tokens),
         options=[
@@ -158,6 +161,7 @@ async def start_router(
             # Long-lived client connections get re-balanced across replicas behind a Service.
             ("grpc.max_connection_age_ms", 600_000),
             ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
+            *connections,
         ],
         maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16,
     )
@@ -181,7 +185,7 @@ async def start_router(
     address = f"{config.host}:{config.port}"
     router.port = _bind(server, "router gRPC", address, tls.credentials if tls is not None else None)
     if config.health_port:
-        router.health_server = grpc.aio.server(interceptors=[decode_guard()])
+        router.health_server = grpc.aio.server(interceptors=[decode_guard()], options=connections)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
         router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
         await router.health_server.start()
@@ -215,6 +219,13 @@ def _bind(server: grpc.aio.Server, role: str, address: str, credentials=None) ->
     if not port:
         raise AddressInUseError(f"{role} {address} is in use or cannot be bound")
     return port
+
+
+def _fit_open_files(config: RouterConfig) -> None:
+    """Sizes the open-file limit for every port's connections at once (each cap alone would undercount)."""
+    grpc_ports = 2 if config.health_port else 1
+    http = config.http_max_connections if config.http_port else 0
+    fit_open_files(grpc_ports * config.grpc_max_connections + http, "grpc_max_connections and http_max_connections")
 
 
 async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:
