@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
 from common.config import LOG_LEVEL_ENV, add_flags, check_message_limit, flag_values, load_config_file, resolve, setting
+from common.connection_limits import MAX_CONNECTIONS, fit_open_files, grpc_connection_options
 from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
@@ -106,6 +107,13 @@ class WorkerConfig:
         64 * 1024 * 1024, "largest gRPC message either way", env=("COLIBRI_MAX_MESSAGE_BYTES",)
     )
     warmup_tokens: int = setting(64, "prompt tokens of the start-up warm-up step", env=("COLIBRI_WARMUP_TOKENS",))
+    grpc_max_connections: int = setting(
+        64,
+        "connections open at once on the RPC port or socket, and apart on the health port (idle ones and ones "
+        "still in their handshake included; a router holds one); past it a new connection is closed as it opens. "
+        "The open-file limit is raised to fit it when the hard limit allows",
+        env=("COLIBRI_WORKER_GRPC_MAX_CONNECTIONS",),
+    )
     parent_pid: int = setting(0, "exit when this process is gone (set by `colibri serve`)", flag="parent-pid")
     log_level: str = setting("INFO", "log level", env=LOG_LEVEL_ENV)
 
@@ -118,6 +126,10 @@ class WorkerConfig:
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         check_message_limit("max_message_bytes:", self.max_message_bytes)
+        if not 1 <= self.grpc_max_connections <= MAX_CONNECTIONS:
+            raise ConfigError(
+                f"grpc_max_connections: must be in [1, {MAX_CONNECTIONS}], got {self.grpc_max_connections}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,10 +266,11 @@ async def serve(
     quiet_cancelled_streams()
     health = WorkerHealth(config.step_timeout_s)
     servicer = WorkerServicer(health, on_fatal, config.step_timeout_s, metrics, tracer_provider)
+    connections = [*SERVER_OPTIONS, *grpc_connection_options(config.grpc_max_connections)]
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        *SERVER_OPTIONS,
+        *connections,
     ]
     server = grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
     add_to_server(servicer, server)
@@ -271,6 +284,7 @@ async def serve(
         server,
     )
     servers, tasks, metrics_server, port = [server], [], None, 0
+    fit_open_files(config.grpc_max_connections * (2 if config.health_port else 1), "grpc_max_connections")
     try:
         if config.socket:
             where = f"unix:{bind_socket(server, 'worker gRPC', config.socket)}"
@@ -278,7 +292,7 @@ async def serve(
             port = bind_tcp(server, "worker gRPC", config.host, config.port)
             where = f"{config.host}:{port}"
         if config.health_port:
-            health_server = grpc.aio.server(interceptors=[MalformedRequestGuard()], options=SERVER_OPTIONS)
+            health_server = grpc.aio.server(interceptors=[MalformedRequestGuard()], options=connections)
             health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
             bind_tcp(health_server, "worker health", config.health_host, config.health_port)
             servers.append(health_server)
