@@ -224,12 +224,13 @@ class RouterConfig:
         "limit allows",
         ("COLIBRI_HTTP_MAX_CONNECTIONS",),
     )
-    # 4 bodies of the default max_message_bytes: parsing one holds up to ~7x its bytes (a prompt of token ids).
+    # 0: 4 bodies of max_message_bytes (64 MiB by default): parsing one holds up to ~7x its bytes (token ids)
     http_max_body_bytes_in_flight: int = setting(
-        64 * MiB,
+        0,
         "bytes of HTTP request bodies held at once, all connections together: a body reserves its Content-Length "
         "before it is read (a chunked or compressed one grows its share as it arrives) until it is parsed; one that "
-        "does not fit is answered 503 (too_many_body_bytes, Retry-After). At least max_message_bytes",
+        "does not fit is answered 503 (too_many_body_bytes, Retry-After). 0: 4 x max_message_bytes; else at least "
+        "max_message_bytes",
         ("COLIBRI_HTTP_MAX_BODY_BYTES_IN_FLIGHT",),
     )
     grpc_max_connections: int = setting(
@@ -275,6 +276,11 @@ class RouterConfig:
     )
     log_level: str = setting("INFO", "log level", LOG_LEVEL_ENV)
 
+    @property
+    def http_body_budget_bytes(self) -> int:
+        """http_max_body_bytes_in_flight as applied: 0 means 4 bodies of max_message_bytes."""
+        return self.http_max_body_bytes_in_flight or 4 * self.max_message_bytes
+
     def __post_init__(self):
         positive = (
             "max_concurrent_requests",
@@ -286,21 +292,20 @@ class RouterConfig:
             "max_request_id_length",
             "chat_template_processes",
             "http_max_connections",
-            "http_max_body_bytes_in_flight",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"router: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_message_bytes", "worker_max_message_bytes"):
             check_message_limit(f"router: {name}", getattr(self, name))
-        if self.http_max_body_bytes_in_flight < self.max_message_bytes:  # else a largest body could never be read
+        if 0 < self.http_max_body_bytes_in_flight < self.max_message_bytes:  # a largest body could never be read
             raise ConfigError(
                 f"router: http_max_body_bytes_in_flight ({self.http_max_body_bytes_in_flight}) must be >= "
                 f"max_message_bytes ({self.max_message_bytes})"
             )
         if not 1 <= self.pipeline_depth <= 4:
             raise ConfigError(f"router: pipeline_depth must be in [1, 4], got {self.pipeline_depth}")
-        for name in ("max_stop_sequences", "max_stop_token_ids"):
+        for name in ("max_stop_sequences", "max_stop_token_ids", "http_max_body_bytes_in_flight"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"router: {name} must be >= 0, got {getattr(self, name)}")
         for name in (

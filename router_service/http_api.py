@@ -95,7 +95,7 @@ class HttpFront:
         self._gate: ConnectionGate | None = None
         self._texts: TokenTexts | None = None
         self.bodies = http_bodies.BodyBudget(
-            self.config.http_max_body_bytes_in_flight,
+            self.config.http_body_budget_bytes,
             self.config.retry_after_s,
             lambda: self.frontend.batching_loop.hooks.on_http_body_refused(),
         )
