@@ -13,8 +13,10 @@ does not parse keeps the previous value, with one warning per change.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
+import inspect
 import logging
 import os
 import threading
@@ -30,6 +32,9 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 RECHECK_S = 1.0  # watched files are stat'ed at most this often
 MAX_TOKEN_FILE_BYTES = 64 * 1024
+# An exempt method's (health, reflection) request must arrive within this long: callers without a token must not
+# hold places of the server's concurrent-call limit by sending headers and no message.
+EXEMPT_REQUEST_TIMEOUT_S = 10.0
 
 
 def _stamp(path: str) -> tuple | None:
@@ -151,32 +156,72 @@ class Refusal:
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without an accepted token with `refusal`, before its body is parsed; methods under
-    `exempt` (health: probes carry no token) pass. Install it first, so that no other interceptor sees the call."""
+    """Refuses every call without an accepted token with `refusal`, at once: before its body is parsed, or even
+    received. Methods under `exempt` (health: probes carry no token) pass, their request bounded in time
+    (EXEMPT_REQUEST_TIMEOUT_S). Install it first, so that no other interceptor sees the call."""
 
     def __init__(self, tokens: TokenSet, refusal: Refusal, exempt: tuple[str, ...] = (HEALTH_PREFIX,)):
         self.tokens, self.refusal, self.exempt = tokens, refusal, exempt
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self.exempt):
+        if handler is None:
             return handler
+        if handler_call_details.method.startswith(self.exempt):
+            return _request_in_time(handler, EXEMPT_REQUEST_TIMEOUT_S)
         if self.tokens.accepts(authorization(handler_call_details.invocation_metadata)):
             return handler
         return _refusing(handler, self.refusal)
 
 
 def _refusing(handler, refusal: Refusal):
-    """A handler of `handler`'s shape that ends the call with `refusal`. It has no request deserializer: gRPC
-    hands it the raw bytes, which it never looks at, so an unauthenticated caller's bytes are never parsed."""
+    """A handler that ends the call with `refusal`. It reads requests as a stream whatever the method's shape, so
+    gRPC runs it as soon as the headers arrive (a unary-request handler waits for the request: a caller holding
+    it back would keep a place of the concurrent-call limit), and it has no request deserializer: an
+    unauthenticated caller's bytes are never parsed."""
 
-    async def refuse(request_or_iterator, context):
+    async def refuse(request_iterator, context):
         await context.abort(refusal.code, refusal.details, refusal.trailing_metadata)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def _request_in_time(handler, timeout_s: float):
+    """`handler` with its unary request read as a stream that must deliver it within timeout_s (else the call
+    ends DEADLINE_EXCEEDED); request-streaming handlers are returned as they are."""
+    if handler.request_streaming:
+        return handler
+
+    async def first_request(requests, context):
+        try:
+            return await asyncio.wait_for(anext(requests), timeout_s)
+        except (TimeoutError, StopAsyncIteration):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout_s:g} s")
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.response_streaming:
+
+        async def stream(requests, context):
+            responses = handler.unary_stream(await first_request(requests, context), context)
+            if inspect.isawaitable(responses):  # a handler that writes with context.write and returns
+                await responses
+                return
+            if hasattr(responses, "__aiter__"):
+                async for response in responses:
+                    yield response
+            else:
+                for response in responses or ():
+                    yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
+
+    async def unary(requests, context):
+        response = handler.unary_unary(await first_request(requests, context), context)
+        return await response if inspect.isawaitable(response) else response
+
+    return grpc.stream_unary_rpc_method_handler(unary, **kwargs)

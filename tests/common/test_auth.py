@@ -6,10 +6,13 @@ before it was answered."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import pytest
 
+from common import auth
 from common.auth import TokenSet
 from expert_service.serving.main import worker_interceptors
 from router_service.security import public_interceptors
@@ -137,3 +140,69 @@ def test_malformed_request_is_invalid_argument_and_ends_a_stream(service):
         assert answers == [b"one", b"two"] and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)
+
+
+def held_back(release: threading.Event):
+    """A request stream that sends nothing until `release` is set: the headers go out, no message follows."""
+    release.wait(30)
+    yield from ()
+
+
+def elapsed_error(call_held_back) -> tuple[grpc.StatusCode, float]:
+    release, start = threading.Event(), time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            result = call_held_back(held_back(release))
+            list(result) if not isinstance(result, bytes) else None
+        return err.value.code(), time.monotonic() - start
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("service", sorted(CHAINS))
+def test_a_caller_without_the_token_is_refused_before_its_request_arrives(service):
+    """A unary-request method's handler runs only once its request has arrived: a caller sending headers and no
+    message would hold a place of the server's concurrent-call limit until the deadline. The refusal must not
+    wait for the request."""
+    parser = CountingParser()
+
+    def check(channel):
+        for shape in ("Unary", "ServerStream"):
+            path = f"/{SERVICE}/{shape}"
+            opener = channel.stream_unary if shape == "Unary" else channel.stream_stream
+            code, seconds = elapsed_error(lambda requests, o=opener, p=path: o(p)(requests, timeout=20))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and seconds < 5, (service, shape, code, seconds)
+
+    serve(CHAINS[service](TokenSet(token=TOKEN)), parser, check)
+
+
+def test_an_exempt_methods_request_must_arrive_in_time(monkeypatch):
+    """Health needs no token; its request must still arrive within EXEMPT_REQUEST_TIMEOUT_S, and a request that
+    does is answered as before (unary and server-streaming shapes)."""
+    monkeypatch.setattr(auth, "EXEMPT_REQUEST_TIMEOUT_S", 0.5)
+    parser = CountingParser()
+    health = "grpc.health.v1.Health"
+
+    def check(channel):
+        assert channel.unary_unary(f"/{health}/Check")(b"ping", timeout=10) == b"ping"
+        assert list(channel.unary_stream(f"/{health}/Watch")(b"ping", timeout=10)) == [b"ping"]
+        for method, opener in (("Check", channel.stream_unary), ("Watch", channel.stream_stream)):
+            code, seconds = elapsed_error(
+                lambda requests, o=opener, m=method: o(f"/{health}/{m}")(requests, timeout=20)
+            )
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds < 5, (method, code, seconds)
+
+    async def main():
+        handlers = probe_handlers(parser)
+        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
+        exempt = {"Check": handlers["Unary"], "Watch": handlers["ServerStream"]}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(health, exempt),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await asyncio.to_thread(check, channel)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
