@@ -78,12 +78,14 @@ def call(channel: grpc.Channel, shape: str, payloads: list[bytes], metadata=None
     return list(channel.stream_stream(path)(iter(payloads), **kwargs))
 
 
-def serve(interceptors, parser: CountingParser, check):
-    """Serves the probe methods behind `interceptors` on a grpc.aio server; runs `check(channel)` on a thread."""
+def serve(interceptors, parser: CountingParser, check, service: str = SERVICE, names: dict | None = None):
+    """Serves the probe methods behind `interceptors` on a grpc.aio server (as `service`, each shape under its
+    name in `names` where given); runs `check(channel)` on a thread."""
 
     async def main():
+        handlers = {(names or {}).get(shape, shape): h for shape, h in probe_handlers(parser).items()}
         server = grpc.aio.server(interceptors=interceptors)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, probe_handlers(parser)),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -192,17 +194,5 @@ def test_an_exempt_methods_request_must_arrive_in_time(monkeypatch):
             )
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds < 5, (method, code, seconds)
 
-    async def main():
-        handlers = probe_handlers(parser)
-        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
-        exempt = {"Check": handlers["Unary"], "Watch": handlers["ServerStream"]}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(health, exempt),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await asyncio.to_thread(check, channel)
-        finally:
-            await server.stop(0)
-
-    asyncio.run(main())
+    names = {"Unary": "Check", "ServerStream": "Watch"}
+    serve(worker_interceptors(TokenSet(token=TOKEN)), parser, check, health, names)
