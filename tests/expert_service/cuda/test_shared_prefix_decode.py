@@ -72,12 +72,11 @@ def count_groups(monkeypatch) -> list[int]:
     return groups
 
 
-def test_shared_prefixes_give_the_unshared_tokens_and_logits(model, monkeypatch):
-    engine = engine_of(model)
+def assert_sharing_changes_only_rounding(engine, monkeypatch, seed: int):
     calls = count_shared_launches(monkeypatch)
-    off = shared_run(engine, OFF, seed=1)
+    off = shared_run(engine, OFF, seed=seed)
     assert not calls
-    on = shared_run(engine, ON, seed=1)
+    on = shared_run(engine, ON, seed=seed)
     assert calls, "no decode step took the shared-prefix attention"
     for i, ((ta, la), (tb, lb)) in enumerate(zip(off, on)):
         # the kernel test's bound on the attention output (bf16 q and P), carried through two layers
@@ -86,16 +85,35 @@ def test_shared_prefixes_give_the_unshared_tokens_and_logits(model, monkeypatch)
             chosen = la[np.arange(len(tb)), tb]
             assert np.all(la.max(axis=1) - chosen <= 2e-2 * np.abs(la).max()), f"decode step {i}: {ta} vs {tb}"
             break
-    engine.close()
 
 
-def test_graph_replay_equals_the_eager_pass(model):
-    graphs, eager = engine_of(model), engine_of(model, cuda_graphs=False)
-    for i, ((ta, la), (tb, lb)) in enumerate(zip(shared_run(graphs, ON, seed=2), shared_run(eager, ON, seed=2))):
+def assert_graphs_replay_the_eager_pass(model, seed: int, **config):
+    graphs, eager = engine_of(model, **config), engine_of(model, cuda_graphs=False, **config)
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(shared_run(graphs, ON, seed), shared_run(eager, ON, seed))):
         assert ta == tb, f"decode step {i}"
         np.testing.assert_array_equal(la, lb)
     graphs.close()
     eager.close()
+
+
+def test_shared_prefixes_give_the_unshared_tokens_and_logits(model, monkeypatch):
+    engine = engine_of(model)
+    assert_sharing_changes_only_rounding(engine, monkeypatch, seed=1)
+    engine.close()
+
+
+def test_graph_replay_equals_the_eager_pass(model):
+    assert_graphs_replay_the_eager_pass(model, seed=2)
+
+
+def test_an_expert_cache_engine_shares_alike(model, monkeypatch):
+    """Experts in the expert cache (2 of 4 slots a layer: misses served mid-step) leave attention as it is: the
+    shared prefixes change only its rounding, and the graphs replay the eager pass bit for bit."""
+    engine = engine_of(model, expert_cache_slots=2)
+    assert engine.decoder.cached is not None
+    assert_sharing_changes_only_rounding(engine, monkeypatch, seed=5)
+    engine.close()
+    assert_graphs_replay_the_eager_pass(model, seed=6, expert_cache_slots=2)
 
 
 def test_no_device_allocations_while_sharing(model, monkeypatch):
