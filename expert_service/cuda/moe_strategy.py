@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -38,7 +38,6 @@ from expert_service.kernels.moe_gemm_q8mma import choose_config as choose_q8_con
 
 if TYPE_CHECKING:
     from expert_service.cuda.moe_cached import CachedExperts
-    from expert_service.cuda.weights import DeviceWeights
 
 ALL_EXPERTS_MAX_TOKENS = 64  # all experts on all tokens up to here (when T*K >= E); sizes its workspace
 # Prefill sizes whose eager warm-up takes each resident strategy the model can reach (1: GEMV; 2 and 64:
@@ -52,6 +51,19 @@ GROUPED_MMA_SPARSE_STEPS = True  # layers of fewer experts take it for steps of 
 GROUPED_MMA_MIN_TOKENS = 2  # one token keeps the GEMV strategy (T*K < E here)
 # The fused router (gate_fused) up to this many tokens, with CudaOptions.fused_router; above, cuBLAS + gate_topk.
 FUSED_ROUTER_MAX_TOKENS = 64
+
+
+class WeightKinds(Protocol):
+    """What the strategies read of a model's weights: DeviceWeights, or weights.ExpertFacts before any upload."""
+
+    @property
+    def dtype(self) -> np.dtype: ...
+    @property
+    def quantized(self) -> bool: ...
+    @property
+    def all_8bit(self) -> bool: ...
+    @property
+    def w8a8_layers(self) -> bool: ...
 
 
 class MoeStrategy(Enum):
@@ -81,7 +93,7 @@ def q8_mma_tokens(
     return options.q8_mma_min_tokens, options.q8_mma_max_tokens if many else options.q8_mma_max_tokens_few_experts
 
 
-def w8a8_everywhere(weights: DeviceWeights, options: CudaOptions) -> bool:
+def w8a8_everywhere(weights: WeightKinds, options: CudaOptions) -> bool:
     """Whether every MoE layer's experts run W8A8 on the wgmma tile (CudaOptions.q8_activations and wgmma_experts,
     an sm_90 device, DeviceWeights.w8a8_layers: resident, one 8-bit kind a layer that moe_gemm_w8a8 takes). Called
     per MoE layer of every eager step: the per-layer part is computed once, at load."""
@@ -279,7 +291,7 @@ class ModelStrategies:
     set_options and plans its warm-up with them, so those three cannot disagree."""
 
     config: ModelConfig
-    weights: DeviceWeights
+    weights: WeightKinds
     max_tokens: int
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -134,6 +135,36 @@ def model_itemsize(model: ModelDir) -> int:
     return np.dtype(dtypes.STORAGE[model.dtype]).itemsize
 
 
+@dataclass(frozen=True)
+class ExpertFacts:
+    """What the kernels a model's experts take depend on (moe_strategy.WeightKinds), read from the model directory
+    alone: DeviceWeights takes them, and the device-memory check lays out the workspace with them before any upload."""
+
+    dtype: np.dtype  # the dense dtype's storage
+    # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
+    # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
+    quantized: bool
+    all_8bit: bool  # every expert of every layer int8 / fp8: the grouped tensor-core kernel for 8-bit tiles applies
+    meta: dict[int, np.ndarray]  # quantized: each MoE layer's expert_meta rows
+    kinds: dict[
+        int, tuple[tuple[int, int], ...]
+    ]  # each layer's (dtype code, scale scheme) pairs (moe_q8 compiles each)
+    w8a8_layers: bool  # every MoE layer resident and of one 8-bit kind W8A8 runs
+
+
+def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
+    """The model's ExpertFacts with every expert on the device (resident) or behind the expert cache."""
+    cfg = model.config
+    quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
+    meta = {layer: expert_meta(model, layer) for layer in cfg.moe_layers} if quantized else {}
+    all_8bit = quantized and all(bool(np.isin(m[:, 0], EIGHT_BIT_CODES).all()) for m in meta.values())
+    kinds = {layer: expert_quant.layer_kinds(m) for layer, m in meta.items()}
+    F, D = cfg.moe_intermediate_size, cfg.hidden_size
+    resident_layers = dict.fromkeys(cfg.moe_layers if resident else ())
+    w8a8 = all_8bit and every_layer_w8a8(F, D, resident_layers, kinds, model.expert_strides)
+    return ExpertFacts(np.dtype(dtypes.STORAGE[model.dtype]), quantized, all_8bit, meta, kinds, w8a8)
+
+
 class DeviceWeights:
     """Typed device views of every tensor; experts as one [E, stride_elems] array per MoE layer in the dense
     dtype, or, when any expert of the model is 8-bit (`quantized`), as uint8 [E, stride bytes] per layer with
@@ -142,7 +173,8 @@ class DeviceWeights:
     def __init__(self, model: ModelDir, stream, use_pinned_memory: bool = True, load_experts: bool = True):
         self.model = model
         self.config = model.config
-        self.dtype = np.dtype(dtypes.STORAGE[model.dtype])
+        facts = expert_facts(model, resident=load_experts)
+        self.dtype = facts.dtype
         self.uploader = HostUploader(stream, use_pinned_memory)
         dense_host = model._map(DENSE_FILE)
         self.dense_buffer = cuda.device_array(dense_host.nbytes, dtype=np.uint8, stream=stream)
@@ -164,14 +196,9 @@ class DeviceWeights:
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
         self.expert_meta: dict[int, DeviceNDArray] = {}
-        # each layer's (dtype code, scale scheme) pairs, known at load: moe_q8 compiles one path per pair
-        self.expert_kinds: dict[int, tuple[tuple[int, int], ...]] = {}
+        self.expert_kinds = facts.kinds  # each layer's (dtype code, scale scheme) pairs: moe_q8 compiles each
         self.expert_strides: dict[int, int] = {}  # bytes from one expert's block to the next, per MoE layer
-        # one expert stored otherwise than the dense dtype puts every layer on the 8-bit kernels (they read bf16
-        # and fp16 experts too), so a layer's strategy never depends on which of its experts a step routes to
-        self.quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
-        # every expert of every layer int8 / fp8: the grouped tensor-core kernel for 8-bit tiles applies (moe.Q8_MMA)
-        self.all_8bit = self.quantized
+        self.quantized, self.all_8bit, self.w8a8_layers = facts.quantized, facts.all_8bit, facts.w8a8_layers
         E = self.config.num_experts
         for layer in self.config.moe_layers:
             stride = self.expert_strides[layer] = model.expert_strides[layer]
@@ -180,20 +207,13 @@ class DeviceWeights:
             # the expert cache's fetch kernels read the experts straight from host memory: mapped
             self.expert_pinned[layer] = self.uploader.pin(host, mapped=not load_experts)
             if self.quantized:
-                meta = expert_meta(model, layer)
-                self.all_8bit &= bool(np.isin(meta[:, 0], EIGHT_BIT_CODES).all())
-                self.expert_meta[layer] = cuda.to_device(meta, stream=stream)
-                self.expert_kinds[layer] = expert_quant.layer_kinds(meta)
+                self.expert_meta[layer] = cuda.to_device(facts.meta[layer], stream=stream)
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])
                 unit = np.dtype(np.uint8) if self.quantized else self.dtype
                 self.experts[layer] = buffer.view(unit).reshape(E, stride // unit.itemsize)
         stream.synchronize()
-        # every MoE layer resident and of one 8-bit kind W8A8 runs (the strategy asks at every eager MoE layer)
-        F, D = self.config.moe_intermediate_size, self.config.hidden_size
-        kinds, strides = self.expert_kinds, self.expert_strides
-        self.w8a8_layers = self.all_8bit and every_layer_w8a8(F, D, self.experts, kinds, strides)
 
     def _back_to_back(self, model: ModelDir, names: list[str]):
         stacked = stacked_range([model.entries.get(n) for n in names])

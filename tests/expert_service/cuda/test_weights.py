@@ -65,3 +65,20 @@ def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
     assert weights.stacked_range([entries["layers.0.q_proj"], entries["layers.0.o_proj"]]) is None  # rows differ
     assert weights.stacked_range([entries["layers.0.k_proj"], entries["layers.0.q_proj"]]) is None  # out of order
     assert weights.stacked_range([entries["layers.0.q_proj"], None]) is None
+
+
+def test_expert_facts_come_from_the_model_directory_alone(tiny_model, tmp_path):
+    """What DeviceWeights takes, and the device-memory check lays the workspace out with, before any upload."""
+    from common.model_format import ModelDir
+    from expert_service.kernels import expert_quant
+    from expert_service.tools.tiny_model import make_tiny
+
+    plain = weights.expert_facts(ModelDir.open(tiny_model, verify=False), resident=True)
+    assert (plain.dtype, plain.quantized, plain.all_8bit, plain.meta, plain.kinds) == (np.float32, False, False, {}, {})
+    model = ModelDir.open(make_tiny(tmp_path / "int8", expert_dtype="int8"), verify=False)
+    facts = weights.expert_facts(model, resident=False)
+    assert facts.quantized and facts.all_8bit and not facts.w8a8_layers  # behind the expert cache: never W8A8
+    assert sorted(facts.meta) == sorted(facts.kinds) == model.config.moe_layers
+    for layer in model.config.moe_layers:
+        np.testing.assert_array_equal(facts.meta[layer], weights.expert_meta(model, layer))
+        assert facts.kinds[layer] == expert_quant.layer_kinds(facts.meta[layer])
