@@ -28,7 +28,9 @@ def _load_library() -> ctypes.CDLL:
 
 
 class CublasError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status  # the cublasStatus_t (CUBLAS_STATUS_ALLOC_FAILED: out of device memory)
 
 
 class Cublas:
@@ -53,7 +55,7 @@ class Cublas:
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
-            raise CublasError(f"{what} failed with cuBLAS status {status}")
+            raise CublasError(f"{what} failed with cuBLAS status {status}", status)
 
     def linear(self, x, w, y, accumulate: bool = False) -> None:
         """y [M, N] f32 (+)= x [M, K] @ w [N, K]^T; x and w of the same dtype (f32, f16 or bf16-as-uint16)."""

@@ -12,7 +12,9 @@ log = logging.getLogger("colibri.worker.cuda")
 
 
 class CudaDriverError(RuntimeError):
-    pass
+    def __init__(self, message: str, code: drv.CUresult | None = None):
+        super().__init__(message)
+        self.code = code  # the driver's CUresult (device_memory tells an out-of-memory error by it)
 
 
 def check(result):
@@ -20,7 +22,7 @@ def check(result):
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != drv.CUresult.CUDA_SUCCESS:
         _, name = drv.cuGetErrorName(err)
-        raise CudaDriverError(f"CUDA driver error {name.decode() if isinstance(name, bytes) else name}")
+        raise CudaDriverError(f"CUDA driver error {name.decode() if isinstance(name, bytes) else name}", err)
     return values[0] if len(values) == 1 else values
 
 

@@ -41,6 +41,12 @@ class DevicePenalties:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.words, self.zero_row, self.logits, self.device_ints, self.device_floats))
 
+    @staticmethod
+    def planned_nbytes(num_slots: int, vocab_size: int, max_rows: int, max_updates: int) -> int:
+        """The nbytes of one of these sizes, before it is made (the start-up device-memory check)."""
+        words, logits = 2 * (num_slots + 1) * vocab_size, 4 * max_rows * vocab_size
+        return words + logits + 4 * (3 * max_updates + max_rows) + 4 * 3 * max_rows
+
     def apply(self, batch: PenaltyBatch, logits) -> int:
         """Queues the step's penalty work on the stream: resets, state updates, then (when a row is penalised)
         the penalised copy of `logits[:batch.num_rows]` into `self.logits` and its argmax into the

@@ -45,6 +45,11 @@ class DeviceMasks:
     def nbytes(self) -> int:
         return self.masks.nbytes + self.logits.nbytes + self.flags.nbytes
 
+    @staticmethod
+    def planned_nbytes(max_rows: int, vocab_size: int) -> int:
+        """The nbytes of one of these sizes, before it is made (the start-up device-memory check)."""
+        return 4 * max_rows * (-(-vocab_size // 32) + vocab_size + 1)
+
     def _rows(self, array, rows: int):
         """array[:rows], cached (the cache holds the array, so its id is not reused meanwhile)."""
         key = (id(array), rows)

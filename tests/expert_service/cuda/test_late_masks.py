@@ -29,6 +29,14 @@ def workspace(rows: int, vocab: int):
     )
 
 
+def test_the_planned_bytes_are_what_is_allocated():
+    """The start-up device-memory check sizes the masks before any exist."""
+    assert (
+        DeviceMasks.planned_nbytes(ROWS, VOCAB)
+        == DeviceMasks(ROWS, VOCAB, workspace(ROWS, VOCAB), cuda.stream()).nbytes
+    )
+
+
 def test_each_step_stages_its_masks_in_its_own_host_copy_and_the_masked_argmax_replaces_the_greedy_ids():
     rng = np.random.default_rng()
     stream = cuda.stream()

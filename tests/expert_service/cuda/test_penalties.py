@@ -105,6 +105,12 @@ def test_warmup_runs_every_penalty_kernel_and_leaves_no_state(monkeypatch):
     assert not device.words.copy_to_host().any()
 
 
+def test_the_planned_bytes_are_what_is_allocated():
+    """The start-up device-memory check sizes the penalties before any exist."""
+    device = DevicePenalties(3, 41, 4, 64, _workspace(4, 41), cuda.stream())
+    assert DevicePenalties.planned_nbytes(3, 41, 4, 64) == device.nbytes
+
+
 @pytest.mark.gpu
 def test_device_penalties_match_the_host_at_a_real_vocabulary():
     _compare(vocab=151936, steps=6, seed=0)
