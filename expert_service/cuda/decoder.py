@@ -31,6 +31,13 @@ from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from expert_service.cuda.cublas import Cublas
 from expert_service.cuda.device_logits import DeviceLogits
+from expert_service.cuda.device_memory import (
+    blocks_per_sequence,
+    check_device_memory,
+    kv_pool_shape,
+    out_of_memory_as_error,
+    plan_workspace,
+)
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import DeviceLinear
 from expert_service.cuda.model import CudaModel
@@ -54,7 +61,7 @@ from expert_service.cuda.staging import (
 )
 from expert_service.cuda.token_masks import DeviceMasks
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace, layout_workspace
+from expert_service.cuda.workspace import HOST_TWINS, allocate_workspace
 from expert_service.engine.config import Backend, EngineConfig, RoutingMode
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
@@ -86,55 +93,40 @@ class CudaDecoder:
 
     backend = Backend.CUDA
 
+    @out_of_memory_as_error("loading the model")
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan):
         self.slot_plan = slot_plan
         self.config: ModelConfig = model.config
         self.engine_config = config
-        self._stream_handle, self.stream = non_blocking_stream()
         cached = slot_plan.is_cached
         # the expert cache's plan prefetch table (the worker's own lookup), or None: the router's plans; read before
         # the weights upload, so a table that does not fit fails at once
         self.plan_lookup = worker_plan_table(model, config) if cached else None
+        table_bytes = self.plan_lookup.table.size * 2 if self.plan_lookup is not None else 0  # uploaded as uint16
+        self.device_plan = check_device_memory(model, config, slot_plan, table_bytes)  # a misfit is refused here
+        self._stream_handle, self.stream = non_blocking_stream()
         self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory, load_experts=not cached)
         cfg = self.config
         self.kv_dtype = self.weights.dtype
         self.num_blocks, self.block_size = config.resolved_num_kv_blocks, config.kv_block_size
-        pool_shape = (cfg.num_hidden_layers, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        pool_shape = kv_pool_shape(cfg, self.num_blocks, self.block_size)
         self.k_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         self.v_pool = cuda.device_array(pool_shape, dtype=self.kv_dtype, stream=self.stream)
         for pool in (self.k_pool, self.v_pool):  # finite garbage: warm-up steps attend over unwritten blocks
             check(drv.cuMemsetD8Async(device_address(pool), 0, pool.nbytes, self._stream_handle))
         self.max_tokens, self.max_seqs = config.max_batch_tokens, config.max_batch_size
         self.seq_slots = self.max_seqs + 1  # the workspace's sequence slots: a step's, and a padding one
-        max_context = min(cfg.max_position_embeddings, self.num_blocks * self.block_size)
-        self.max_blocks_per_seq = -(-max_context // self.block_size)
+        self.max_blocks_per_seq = blocks_per_sequence(cfg, self.num_blocks, self.block_size)
         self.moe_layers = cfg.moe_layers
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
-        cached_grouped = self.strategies.cached_grouped(config.cuda_options)  # what the workspace is laid out for
-        self.workspace_w8a8_min_rows = self.strategies.w8a8_min_rows(config.cuda_options)
-        self.workspace_shared_members = shared_members(cfg, self.kv_dtype, self.block_size, config.cuda_options)
-        self.workspace_layout = layout_workspace(
-            cfg,
-            self.weights.dtype,
-            self.max_tokens,
-            self.max_seqs,
-            self.max_blocks_per_seq,
-            len(self.moe_layers),
-            cached=cached,
-            planned=self.planned_routing,
-            quantized=self.weights.quantized,
-            q8_mma=self.strategies.q8_mma(config.cuda_options),
-            cached_mma=config.cuda_options.cached_mma,
-            cached_grouped=cached_grouped,
-            few_expert_mma=self.strategies.few_expert_mma(config.cuda_options),
-            w8a8_min_rows=self.workspace_w8a8_min_rows,
-            shared_members=self.workspace_shared_members,
-        )
+        # the layout the memory check planned with, now from the weights on the device
+        workspace = plan_workspace(self.strategies, config, self.kv_dtype, self.max_blocks_per_seq, cached)
+        self.workspace_layout, self.workspace_cached_grouped = workspace.layout, workspace.cached_grouped
+        self.workspace_w8a8_min_rows, self.workspace_shared_members = workspace.w8a8_min_rows, workspace.shared_members
         # what the workspace was laid out for: set_options refuses options that reach another strategy
         self.workspace_strategies = self.strategies.reachable(config.cuda_options, cached)
         if cached:  # the cache's grouped waves and its per-expert cuBLAS read the same per-assignment rows
             self.workspace_strategies |= {MoeStrategy.CACHED_GROUPED, MoeStrategy.CACHED_CUBLAS}
-        self.workspace_cached_grouped = cached_grouped
         self.ws = allocate_workspace(self.workspace_layout, self.stream)
         self.penalties = DevicePenalties(
             self.max_seqs, cfg.vocab_size, self.max_seqs, self.max_tokens, self.ws, self.stream
@@ -164,7 +156,7 @@ class CudaDecoder:
                 config.expert_cache_policy,
                 host_break=self.host_breaks,
                 plan_table=self.plan_lookup.table if self.plan_lookup is not None else None,
-                largest_grouped=cached_grouped,
+                largest_grouped=self.workspace_cached_grouped,
             )
             if cached
             else None
@@ -184,6 +176,7 @@ class CudaDecoder:
         )
         self.stream.synchronize()
 
+    @out_of_memory_as_error("warming up")
     def warmup(self) -> None:
         """Compiles and loads every kernel now -- prefills of moe_strategy.warmup_tokens (1, 2, 64, 65 and the first size
         of each grouped-MMA tile config and router) take each MoE strategy (one-token gemv, grouped kernels, all
