@@ -146,9 +146,8 @@ class ExpertFacts:
     quantized: bool
     all_8bit: bool  # every expert of every layer int8 / fp8: the grouped tensor-core kernel for 8-bit tiles applies
     meta: dict[int, np.ndarray]  # quantized: each MoE layer's expert_meta rows
-    kinds: dict[
-        int, tuple[tuple[int, int], ...]
-    ]  # each layer's (dtype code, scale scheme) pairs (moe_q8 compiles each)
+    # each layer's (dtype code, scale scheme) pairs (moe_q8 compiles each)
+    kinds: dict[int, tuple[tuple[int, int], ...]]
     w8a8_layers: bool  # every MoE layer resident and of one 8-bit kind W8A8 runs
 
 
