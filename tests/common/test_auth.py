@@ -196,3 +196,30 @@ def test_an_exempt_methods_request_must_arrive_in_time(monkeypatch):
 
     names = {"Unary": "Check", "ServerStream": "Watch"}
     serve(worker_interceptors(TokenSet(token=TOKEN)), parser, check, health, names)
+
+
+def test_the_health_service_answers_through_the_exempt_wrapper():
+    """grpc_health's servicer (Check returns, Watch writes with context.write) behind a chain with tokens: no token
+    needed, Check answers and Watch streams each change."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    async def main():
+        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1
+                watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                watch.cancel()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
