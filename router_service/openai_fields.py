@@ -143,6 +143,9 @@ MESSAGE_REFUSED: dict[str, tuple[object, ...]] = {
     "audio": (),
     "annotations": ([],),  # an answer's citations, echoed back with its message
 }
+# The openai package's own parse of the content (`chat.completions.parse`, its stream helper): echoed back with the
+# message it came in, it repeats the content the template sees.
+MESSAGE_IGNORED = frozenset({"parsed"})
 # A text part's keys (router_service/chat.py refuses parts of other types); any other key is refused, as a message's.
 TEXT_PART_IMPLEMENTED = frozenset({"type", "text"})
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -184,7 +187,7 @@ def refused_field(body: dict, kind: str) -> tuple[str, str] | None:
     messages = body.get("messages") if kind == "chat" else None
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         if isinstance(message, dict):
-            found = _refused_keys(f"messages[{i}]", message, MESSAGE_IMPLEMENTED, MESSAGE_REFUSED)
+            found = _refused_keys(f"messages[{i}]", message, MESSAGE_IMPLEMENTED | MESSAGE_IGNORED, MESSAGE_REFUSED)
             found = found or _refused_part_keys(f"messages[{i}].content", message.get("content"))
             if found:
                 return found

@@ -18,6 +18,9 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 MODES = ("none", "auto", "required")
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+# What the openai package adds to a call it returns (its stream helper's position, its parse of the arguments):
+# echoed back with the message, they repeat what the call holds.
+CALL_IGNORED, FUNCTION_IGNORED = frozenset({"index"}), frozenset({"parsed_arguments"})
 
 
 @dataclass(frozen=True)
@@ -204,11 +207,11 @@ def message_tool_fields(message, where: str) -> dict:
 def _openai_call(call, where: str) -> dict:
     if not isinstance(call, dict) or call.get("type", "function") != "function":
         raise InvalidRequestError(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
-    unknown = sorted(set(call) - {"id", "type", "function"})
+    unknown = sorted(set(call) - {"id", "type", "function"} - CALL_IGNORED)
     if unknown:
         raise InvalidRequestError(f"{where}.{unknown[0]}", "unknown field")
     function = call.get("function")
-    if not isinstance(function, dict) or not set(function) <= {"name", "arguments"}:
+    if not isinstance(function, dict) or not set(function) <= {"name", "arguments"} | FUNCTION_IGNORED:
         raise InvalidRequestError(f"{where}.function", 'must be {"name", "arguments"}')
     return _call_dict(call.get("id", ""), function.get("name"), function.get("arguments", "{}"), where)
 

@@ -1,0 +1,106 @@
+"""What real OpenAI clients send and expect, beyond the field table (test_openai_strict.py): the official `openai`
+package's own objects sent back in a conversation, and values OpenAI's API accepts that mean something specific."""
+
+import json
+
+import httpx
+import pydantic
+import pytest
+
+from router_service.chat import message_dicts
+from router_service.openai_api import parse_request
+
+openai = pytest.importorskip("openai", reason="the compatibility tests use the test extra's openai client")
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "flag", "arguments": '{"ok": true}'}}
+REPLY = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+
+
+class Flag(pydantic.BaseModel):
+    ok: bool
+
+
+def completion(message: dict, finish: str = "tool_calls") -> dict:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def stream_body(message: dict) -> bytes:
+    """`message` as a stream: the role, then each call as OpenAI streams it (header, then the arguments)."""
+    chunks = [{"role": "assistant", "content": ""}]
+    for i, call in enumerate(message.get("tool_calls", [])):
+        head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
+        head["function"]["arguments"] = ""
+        arguments = {"arguments": call["function"]["arguments"]}
+        chunks += [{"tool_calls": [head]}, {"tool_calls": [{"index": i, "function": arguments}]}]
+    events = []
+    for n, delta in enumerate(chunks):
+        finish = "tool_calls" if n == len(chunks) - 1 else None
+        chunk = completion(message) | {"object": "chat.completion.chunk"}
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        events.append(f"data: {json.dumps(chunk)}\n\n")
+    return ("".join(events) + "data: [DONE]\n\n").encode()
+
+
+class Server:
+    """A stand-in for the router that answers with `message` and keeps the bodies the client sent."""
+
+    def __init__(self, message: dict):
+        self.message, self.bodies = message, []
+        transport = httpx.MockTransport(self.answer)
+        self.client = openai.OpenAI(
+            base_url="http://router/v1", api_key="x", max_retries=0, http_client=httpx.Client(transport=transport)
+        )
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        if body.get("stream"):
+            return httpx.Response(200, content=stream_body(self.message), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=completion(self.message))
+
+    def sent_back(self, message) -> dict:
+        """The body the client sends for a conversation that holds its own earlier reply `message`."""
+        self.client.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "user", "content": "x"},
+                message,
+                {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+            ],
+        )
+        return self.bodies[-1]
+
+
+def accepted(body: dict) -> list[dict]:
+    """What the router makes of a chat body: parsed, then its messages as the template gets them."""
+    return message_dicts(parse_request(body, "chat", "m").messages)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the client's own serializer, on its `parsed` field
+def test_the_openai_clients_parsed_replies_can_be_sent_back():
+    """`chat.completions.parse` and the stream helper return messages that carry the client's own parse (`parsed`,
+    a call's `parsed_arguments`) and, streamed, each call's `index`; the client sends them back as they are when a
+    conversation appends the message. They repeat what the message holds, so the template gets the same turn."""
+    server = Server(REPLY)
+    tools = [openai.pydantic_function_tool(Flag, name="flag")]
+    messages = [{"role": "user", "content": "x"}]
+    parsed = server.client.chat.completions.parse(model="m", messages=messages, tools=tools).choices[0].message
+    assert parsed.tool_calls[0].function.parsed_arguments == Flag(ok=True)
+    with server.client.chat.completions.stream(model="m", messages=messages, tools=tools) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    plain = server.client.chat.completions.create(model="m", messages=messages).choices[0].message
+    want = accepted(server.sent_back(plain))
+    assert want[1]["tool_calls"][0]["function"] == {"name": "flag", "arguments": {"ok": True}}
+    for message in (parsed, streamed, streamed.model_dump(exclude_none=True)):
+        assert accepted(server.sent_back(message)) == want
+
+    server.message = {"role": "assistant", "content": '{"ok": true}'}
+    reply = server.client.chat.completions.parse(model="m", messages=messages, response_format=Flag).choices[0].message
+    assert reply.parsed == Flag(ok=True)
+    assert accepted(server.sent_back(reply))[1] == {"role": "assistant", "content": '{"ok": true}'}
