@@ -265,8 +265,11 @@ def parse_request(
         raise ApiError(400, "stop_token_ids: must be a list of non-negative integers", param="stop_token_ids")
     top_k = _int(body, "top_k", None, low=-1)
     seed = _int(body, "seed", None, low=-(1 << 63), high=(1 << 64) - 1)
+    top_p = _float(body, "top_p", 0.0)
+    if top_p == 0 and body.get("top_p") is not None:  # OpenAI's 0 keeps the top token alone; the router's is "unset"
+        top_p = FLOAT32_TINIEST
     params = router_pb2.SamplingParameters(
-        top_p=_float(body, "top_p", 0.0),
+        top_p=top_p,
         max_new_tokens=max_tokens,
         min_new_tokens=_int(body, "min_tokens", 0),
         stop_sequences=stop or [],

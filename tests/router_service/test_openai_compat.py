@@ -104,3 +104,15 @@ def test_the_openai_clients_parsed_replies_can_be_sent_back():
     reply = server.client.chat.completions.parse(model="m", messages=messages, response_format=Flag).choices[0].message
     assert reply.parsed == Flag(ok=True)
     assert accepted(server.sent_back(reply))[1] == {"role": "assistant", "content": '{"ok": true}'}
+
+
+@pytest.mark.parametrize("kind, base", [("completion", {"prompt": "x"}), ("chat", {"messages": [{"role": "user"}]})])
+def test_top_p_0_keeps_the_most_likely_token_alone(kind, base):
+    """OpenAI takes top_p in [0, 1]: 0 is a nucleus of the most likely token, never the router's "unset" (which would
+    sample the whole vocabulary); null or left out is still unset (the model's default, else off)."""
+    for zero in (0, 0.0, -0.0):
+        top_p = parse_request(base | {"top_p": zero}, kind, "m").parameters.top_p
+        assert 0 < top_p < 1e-30, zero
+    assert parse_request(base | {"top_p": None}, kind, "m").parameters.top_p == 0
+    assert parse_request(base, kind, "m").parameters.top_p == 0
+
