@@ -22,7 +22,7 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import constraints, errors, openai_fields, tool_request
 from router_service.frontend import ChatOptions, Completion, detail
-from router_service.generation_defaults import GenerationDefaults
+from router_service.generation_defaults import MIN_TEMPERATURE, GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_constraints import ConstraintFieldError, request_constraint
 from router_service.scheduler import FinishReason
@@ -281,7 +281,9 @@ def parse_request(
         logit_bias=_logit_bias(body),
     )
     if body.get("temperature") is not None or defaults.temperature is None:
-        params.temperature = _float(body, "temperature", 1.0)  # OpenAI's default
+        temperature = _float(body, "temperature", 1.0)  # OpenAI's default
+        # vLLM raises a positive temperature below the least a float32 softmax survives to it; gRPC refuses it
+        params.temperature = MIN_TEMPERATURE if 0 < temperature < MIN_TEMPERATURE else temperature
     if top_k is not None and top_k > 0:
         params.top_k = top_k
     elif top_k is not None and defaults.top_k and vocab_size:  # -1 / 0 turn a model default off

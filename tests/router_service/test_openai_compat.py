@@ -116,3 +116,11 @@ def test_top_p_0_keeps_the_most_likely_token_alone(kind, base):
     assert parse_request(base | {"top_p": None}, kind, "m").parameters.top_p == 0
     assert parse_request(base, kind, "m").parameters.top_p == 0
 
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.001, 0.0099])
+def test_a_temperature_below_the_routers_least_is_raised_to_it_as_vllm_does(temperature):
+    """OpenAI and vLLM accept any temperature > 0 (vLLM raises one below 0.01 to 0.01, where a float32 softmax
+    still holds); the router refuses those on gRPC, so the HTTP front raises them as vLLM does rather than 400."""
+    p = parse_request({"prompt": "x", "temperature": temperature}, "completion", "m").parameters
+    assert p.temperature == pytest.approx(0.01)
+    assert parse_request({"prompt": "x", "temperature": 0}, "completion", "m").parameters.temperature == 0
