@@ -102,6 +102,7 @@ class ChatTemplate:
         import jinja2
 
         self.source, self.origin = source, origin
+        self.knows_developer = "developer" in source  # a template written for OpenAI's roles gets them as they are
         self.special_tokens = dict(special_tokens or {})
         try:
             self._template = _environment().from_string(source)
@@ -171,6 +172,10 @@ class ChatTemplate:
             raise InvalidRequestError("chat_template_kwargs", f"must not set {', '.join(reserved)}")
         variables = {**self.special_tokens, **kwargs, "tools": tools or None}
         chat = [dict(m) for m in messages]
+        if not self.knows_developer:  # OpenAI's newer name for `system`, which most templates refuse or drop
+            for m in chat:
+                if m.get("role") == "developer":
+                    m["role"] = "system"
         final = None
         if continue_final_message:
             final = chat[-1].get("content")

@@ -192,6 +192,25 @@ def test_errors_name_the_message(tmp_path):
         private.render([{"role": "user", "content": "x"}])
 
 
+def test_a_developer_message_is_a_system_message_unless_the_template_knows_the_role(tmp_path):
+    """OpenAI's `developer` role replaced `system` (its client sends it for newer models): a template that does not
+    know it (the families above raise on an unknown role or drop it) gets it as `system`; one that names it gets it."""
+    ours = ChatTemplate.load(model_dir(tmp_path, QWEN2_MOE))
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ours.render(developer) == ours.render(system)
+    strict = ChatTemplate(
+        "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    assert strict.render(developer) == "system: Be brief.\nuser: Hi\n"
+    knows = ChatTemplate(
+        "{% for m in messages %}{{ 'D' if m.role == 'developer' else m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    assert knows.render(developer) == "D: Be brief.\nuser: Hi\n"
+    assert developer[0]["role"] == "developer"  # the caller's list is left as it was
+
+
 def test_where_templates_come_from(tmp_path):
     assert ChatTemplate.load(model_dir(tmp_path, None)) is None  # no chat template: chat is off
     named = [{"name": "default", "template": QWEN2_MOE}, {"name": "tool_use", "template": "tools"}]
