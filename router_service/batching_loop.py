@@ -158,10 +158,10 @@ class BatchingLoop:
 
     # ---- requests ----
     def submit(
-        self, req: ValidatedRequest, deadline: float | None = None, span_context=None, matcher=None
+        self, req: ValidatedRequest, deadline: float | None = None, span_context=None, matcher=None, id_prefix="cmpl-"
     ) -> RequestHandle:
         """`matcher`: req.constraint's, compiled by the caller off the event loop (`compile_constraint`); else
-        compiled here."""
+        compiled here. `id_prefix` starts the id assigned to a request without one (`chatcmpl-` for a chat)."""
         if self.is_draining:
             raise Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
         if not self.is_worker_ready or self.scheduler is None or self.limits is None:
@@ -179,7 +179,7 @@ class BatchingLoop:
         seq_id = next(self._ids)
         state = RequestState(
             seq_id,
-            req.request_id or f"cmpl-{uuid.uuid4().hex}",
+            req.request_id or f"{id_prefix}{uuid.uuid4().hex}",
             req,
             deadline,
             span_context=span_context,

@@ -1,6 +1,7 @@
 """What real OpenAI clients send and expect, beyond the field table (test_openai_strict.py): the official `openai`
 package's own objects sent back in a conversation, and values OpenAI's API accepts that mean something specific."""
 
+import asyncio
 import json
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 
 from router_service.chat import message_dicts
 from router_service.openai_api import parse_request
+from tests.router_service.test_openai_http import http_router
 
 openai = pytest.importorskip("openai", reason="the compatibility tests use the test extra's openai client")
 
@@ -124,3 +126,23 @@ def test_a_temperature_below_the_routers_least_is_raised_to_it_as_vllm_does(temp
     p = parse_request({"prompt": "x", "temperature": temperature}, "completion", "m").parameters
     assert p.temperature == pytest.approx(0.01)
     assert parse_request({"prompt": "x", "temperature": 0}, "completion", "m").parameters.temperature == 0
+
+
+@pytest.mark.slow
+def test_ids_have_openai_prefixes(worker, tiny_model, tmp_path):
+    """A chat completion's id is `chatcmpl-...`, a completion's `cmpl-...` (OpenAI's and vLLM's prefixes), streamed or
+    not; the X-Request-Id header, when sent, is the id instead."""
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            chat = dict(model="model", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            assert (await client.chat.completions.create(**chat)).id.startswith("chatcmpl-")
+            assert (await client.chat.completions.create(**chat, n=2)).id.startswith("chatcmpl-")
+            chunks = [c async for c in await client.chat.completions.create(**chat, n=2, stream=True)]
+            assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+            completion = await client.completions.create(model="model", prompt="Hi", max_tokens=2)
+            assert completion.id.startswith("cmpl-")
+            mine = await client.chat.completions.create(**chat, extra_headers={"X-Request-Id": "mine-1"})
+            assert mine.id == "mine-1"
+
+    asyncio.run(body())
