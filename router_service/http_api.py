@@ -345,13 +345,7 @@ class HttpFront:
                 async for delta in handle:
                     generated += len(delta.token_ids)
                     text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
-                    if not (
-                        text
-                        or calls
-                        or first
-                        or delta.finish_reason is not None
-                        or ((parsed.logprobs or delta.prompt_logprobs is not None) and delta.token_ids)
-                    ):
+                    if not openai_choices.makes_chunks(parsed, delta, text, calls, first):
                         continue
                     lp = None
                     if parsed.logprobs:

@@ -154,6 +154,14 @@ async def _collect(server, parsed: ParsedRequest, handle) -> Completion:
     return await (collect_reply(handle, reply) if reply is not None else collect(handle))
 
 
+def makes_chunks(parsed: ParsedRequest, delta, text: str, calls: list, first: bool) -> bool:
+    """Whether a delta is worth chunks: text, call pieces, a chat's first chunk (the role), the finish reason, or
+    log-probabilities of its tokens. A token whose text is held back (half a character, a possible stop string or
+    call tag) makes none."""
+    scored = (parsed.logprobs or delta.prompt_logprobs is not None) and bool(delta.token_ids)
+    return bool(text or calls or first or delta.finish_reason is not None or scored)
+
+
 def delta_chunks(
     parsed: ParsedRequest,
     texts,
@@ -279,6 +287,8 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)
+                    if not makes_chunks(parsed, delta, text, calls, first[index]):
+                        continue
                     args = (delta, text, calls, finish, lp, first[index], index)
                     for chunk in delta_chunks(parsed, texts, echo, model, created, *args):
                         await event(chunk)

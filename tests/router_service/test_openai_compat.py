@@ -146,3 +146,29 @@ def test_ids_have_openai_prefixes(worker, tiny_model, tmp_path):
             assert mine.id == "mine-1"
 
     asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_streams_of_several_choices_send_no_empty_chunks(worker, tiny_model, tmp_path):
+    """A token that adds no text yet (the first bytes of a character) makes no chunk of its own with n > 1, as with
+    one choice: each chunk carries text, the chat's role, a finish reason or log-probabilities; the text adds up."""
+
+    def empty(chunk, kind: str) -> bool:
+        c = chunk.choices[0]
+        if kind == "completion":
+            return not c.text and c.finish_reason is None and c.logprobs is None
+        return not (c.delta.content or c.delta.role or c.delta.tool_calls) and c.finish_reason is None
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            common = dict(model="model", max_tokens=24, n=4, seed=7, temperature=1.5, stream=True)
+            messages = [{"role": "user", "content": "Hi"}]
+            for kind, stream in [
+                ("chat", await client.chat.completions.create(messages=messages, **common)),
+                ("completion", await client.completions.create(prompt="Hi", **common)),
+            ]:
+                chunks = [c async for c in stream]
+                assert not [c for c in chunks if empty(c, kind)], kind
+                assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2, 3]
+
+    asyncio.run(body())
