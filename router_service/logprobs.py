@@ -65,6 +65,15 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own UTF-8 bytes (OpenAI's `bytes`: a character split across tokens adds up from them)."""
+        value = self._bytes.get(token_id)
+        if value is None:
+            raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else self(token_id).encode()
+            value = self._bytes[token_id] = list(raw)
+        return value
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)

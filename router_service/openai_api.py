@@ -421,12 +421,10 @@ def logprobs_field(kind: str, texts: TokenTexts, token_ids, logprobs, tops: list
                 {
                     "token": t,
                     "logprob": lp,
-                    "bytes": list(t.encode()),
-                    "top_logprobs": [
-                        {"token": texts(i), "logprob": v, "bytes": list(texts(i).encode())} for i, v in top
-                    ],
+                    "bytes": texts.bytes(i),
+                    "top_logprobs": [{"token": texts(j), "logprob": v, "bytes": texts.bytes(j)} for j, v in top],
                 }
-                for t, lp, top in zip(tokens, logprobs, tops)
+                for i, t, lp, top in zip(token_ids, tokens, logprobs, tops)
             ]
         }
     offsets, at = [], offset

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -36,6 +39,41 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 # Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
 PREFIX_WINDOW = 5
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece's, Mixtral's)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (tokenizers' ByteLevel): printable bytes stand for themselves, the others for
+    the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+BYTE_OF_CHAR = _byte_level_chars()
+
+
+@dataclass(frozen=True)
+class _DecoderKind:
+    """What a tokenizer.json decoder does to one token's string: byte-level characters to bytes, `<0xNN>` to a
+    byte, string replacements (SentencePiece's `▁` to a space)."""
+
+    byte_level: bool = False
+    byte_fallback: bool = False
+    replacements: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, decoder: dict) -> _DecoderKind:
+        parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        types = {part.get("type") for part in parts}
+        replacements = []
+        for part in parts:
+            pattern = part.get("pattern")
+            if part.get("type") == "Replace" and isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
+                replacements.append((pattern["String"], str(part.get("content", ""))))
+            elif part.get("type") == "Metaspace":
+                replacements.append((str(part.get("replacement", "▁")), " "))
+        return cls("ByteLevel" in types, "ByteFallback" in types, tuple(replacements))
 
 
 class Tokenizer:
@@ -44,6 +82,8 @@ class Tokenizer:
     def __init__(self, tokenizer, path: str = ""):
         self._tok = tokenizer
         self.path = path
+        self._added: frozenset[int] | None = None  # token_bytes' lookups, read on first use
+        self._decoder_kind: _DecoderKind | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
@@ -78,6 +118,35 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of a whole token (a special token's text included), None when the vocabulary lacks it."""
         return self._tok.token_to_id(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, read off its vocabulary string as the tokenizer's decoder reads it: a byte-level
+        or byte-fallback token may be part of a character, which its decoded text shows as U+FFFD, and a
+        SentencePiece token keeps its leading space. Other tokens: their decoded text's bytes."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added_ids():  # an added token's string is its text
+            decoder = self._decoder()
+            if decoder.byte_level and all(c in BYTE_OF_CHAR for c in piece):
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            byte = BYTE_PIECE.fullmatch(piece) if decoder.byte_fallback else None
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+            if decoder.replacements:
+                for old, new in decoder.replacements:
+                    piece = piece.replace(old, new)
+                return piece.encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def _added_ids(self) -> frozenset[int]:
+        if self._added is None:
+            self._added = frozenset(self._tok.get_added_tokens_decoder())
+        return self._added
+
+    def _decoder(self) -> _DecoderKind:
+        if self._decoder_kind is None:
+            decoder = self._tok.decoder
+            self._decoder_kind = _DecoderKind.of(json.loads(decoder.__getstate__()) if decoder is not None else {})
+        return self._decoder_kind
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -9,7 +9,9 @@ import pydantic
 import pytest
 
 from router_service.chat import message_dicts
-from router_service.openai_api import parse_request
+from router_service.logprobs import TokenTexts
+from router_service.openai_api import logprobs_field, parse_request
+from router_service.tokenizer import Tokenizer
 from tests.router_service.test_openai_http import http_router
 
 openai = pytest.importorskip("openai", reason="the compatibility tests use the test extra's openai client")
@@ -170,5 +172,60 @@ def test_streams_of_several_choices_send_no_empty_chunks(worker, tiny_model, tmp
                 chunks = [c async for c in stream]
                 assert not [c for c in chunks if empty(c, kind)], kind
                 assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2, 3]
+
+    asyncio.run(body())
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_bytes(tiny_model):
+    """OpenAI's `bytes` are a token's UTF-8 bytes, which add up to the text where a character spans tokens; a
+    byte-level token that is part of a character has no text of its own (U+FFFD), but its bytes are its own."""
+    tokenizer = Tokenizer.from_model_dir(tiny_model)
+    ids = tokenizer.encode("é世😀 ok", add_special_tokens=False)
+    assert len(ids) > 5  # the characters span tokens
+    texts = TokenTexts(tokenizer)
+    top = [[(i, -1.0)] for i in ids]
+    content = logprobs_field("chat", texts, ids, [-1.0] * len(ids), top)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == "é世😀 ok"
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    assert content[0]["token"] == "\ufffd"  # the token's own text, as before (vLLM's too)
+
+
+def test_token_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
+    """Mixtral's kind of tokenizer: `<0xNN>` tokens are one byte each, `▁` is a space (kept at a token's start,
+    where decoding one token alone strips it), special tokens are their text."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁": 4, "▁ok": 5, "o": 6, "k": 7}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer = Tokenizer(hf)
+    ids = tokenizer.encode("é ok", add_special_tokens=False)
+    assert [tokenizer.token_bytes(i) for i in ids] == [b" ", b"\xc3", b"\xa9", b" ", b"o", b"k"]
+    assert tokenizer.token_bytes(5) == b" ok" and tokenizer.token_bytes(1) == b"<s>"
+
+
+@pytest.mark.slow
+def test_chat_logprobs_bytes_add_up_to_the_content(worker, tiny_model, tmp_path):
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            reply = await client.chat.completions.create(
+                model="model",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=32,
+                temperature=1.5,
+                seed=3,
+                logprobs=True,
+                logit_bias={str(i): -100 for i in range(3)},  # no special tokens, which the content leaves out
+                extra_body={"ignore_eos": True},
+            )
+            choice = reply.choices[0]
+            joined = b"".join(bytes(c.bytes) for c in choice.logprobs.content)
+            assert any(byte > 127 for byte in joined)  # characters of several bytes, or bytes of none
+            assert joined.decode(errors="replace") == choice.message.content
 
     asyncio.run(body())
