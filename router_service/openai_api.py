@@ -168,6 +168,7 @@ class ParsedRequest:
     prompt_list: bool = False  # completion: the prompt came as a list of prompts (a 400 names prompt[i])
     n: int = 1  # choices per prompt
     best_of: int = 1  # samples per prompt, the n most likely returned (completions, not streamed)
+    echo: bool = False  # completions: each choice starts with its prompt (router_service/openai_echo.py)
     cache_salt: str = ""
     messages: list = field(default_factory=list)  # chat
     chat_options: ChatOptions = ChatOptions()
@@ -320,6 +321,15 @@ def parse_request(
         parsed.logprobs, parsed.top_logprobs = logprobs is not None, logprobs or 0
         parsed.prompts, parsed.prompt_list = _prompts(body)
         parsed.prompt = parsed.prompts[0]
+        parsed.echo = _get(body, "echo", bool, False, "a boolean")
+        if parsed.echo and parsed.logprobs:  # the prompt's tokens come first in the logprobs: they are scored
+            if prompt_logprobs not in (None, parsed.top_logprobs):
+                raise ApiError(
+                    400,
+                    "prompt_logprobs: must equal logprobs with echo (one count scores the prompt)",
+                    param="prompt_logprobs",
+                )
+            params.prompt_logprobs = parsed.top_logprobs
         parsed.best_of = _int(body, "best_of", parsed.n, low=1, high=MAX_CHOICES)
         if parsed.best_of < parsed.n:
             raise ApiError(400, f"best_of: must be >= n ({parsed.n}), got {parsed.best_of}", param="best_of")

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
+from router_service import openai_echo
 from router_service.frontend import Completion, collect, set_usage
 from router_service.http_guard import abort, bounded
 from router_service.openai_api import (
@@ -217,15 +218,21 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                 set_usage(handle, len(out.token_ids), out.finish_reason)
         generated = sum(len(out.token_ids) for row_outs in outs for out in row_outs)
         texts, kind, choices = server.texts(), parsed.kind, list[dict]()
-        for row_outs in outs:
+        for prompt, row_outs in enumerate(outs):
             for out in _best(row_outs, parsed.n) if parsed.best_of > parsed.n else row_outs:
                 lp = (
                     logprobs_field(kind, texts, out.token_ids, out.logprobs, out.top_logprobs)
                     if parsed.logprobs
                     else None
                 )
+                text = out.text
+                if parsed.echo:
+                    text = openai_echo.prompt_text(parsed, prompt, texts) + text
+                    if parsed.logprobs:
+                        scored = (out.token_ids, out.logprobs, out.top_logprobs)
+                        lp = openai_echo.with_prompt(parsed, texts, out.prompt_logprobs, *scored)
                 finish = tool_finish_reason(out.finish_reason, out.tool_calls)
-                c = choice(kind, out.text, out.finish_reason, lp, False, False, out.tool_calls, finish, len(choices))
+                c = choice(kind, text, out.finish_reason, lp, False, False, out.tool_calls, finish, len(choices))
                 if parsed.prompt_logprobs and kind == "completion":
                     c["prompt_logprobs"] = prompt_logprobs_field(texts, out.prompt_logprobs or [])
                 choices.append(c)
@@ -263,6 +270,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
 
     kind, model, created, texts = parsed.kind, server.frontend.model_name, int(time.time()), server.texts()
     first, offsets, generated = [kind == "chat"] * len(flat), [0] * len(flat), [0] * len(flat)
+    echoed = [False] * len(flat)
     replies = [_reply(server, parsed) for _ in flat]  # a parser per choice: each reply is read on its own
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(flat)]
     try:
@@ -284,6 +292,13 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     offsets[index] += sum(len(texts(i)) for i in delta.token_ids)
                     reply = replies[index]
                     text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
+                    if parsed.echo and not echoed[index]:  # the choice's first chunk starts with its prompt
+                        echoed[index] = True
+                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts) + text
+                        if parsed.logprobs:
+                            scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
+                            lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)
+                            offsets[index] = sum(len(t) for t in lp["tokens"])
                     finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)

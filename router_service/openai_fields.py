@@ -44,7 +44,7 @@ IMPLEMENTED_BOTH = frozenset(
     }
 )
 IMPLEMENTED = {
-    "completion": IMPLEMENTED_BOTH | {"prompt", "best_of"},
+    "completion": IMPLEMENTED_BOTH | {"prompt", "best_of", "echo"},
     "chat": IMPLEMENTED_BOTH
     | {
         "messages",
@@ -103,7 +103,6 @@ SAMPLING_REFUSED: dict[str, tuple[object, ...]] = {
 REFUSED: dict[str, dict[str, tuple[object, ...]]] = {
     "completion": SAMPLING_REFUSED
     | {
-        "echo": (False,),
         "suffix": ("",),
         "add_special_tokens": (True,),  # a text prompt gets the tokenizer's special tokens
         "prompt_embeds": (),

@@ -8,6 +8,7 @@ import httpx
 import pydantic
 import pytest
 
+from common.pb import router_pb2 as rpb
 from router_service.chat import message_dicts
 from router_service.logprobs import TokenTexts
 from router_service.openai_api import logprobs_field, parse_request
@@ -227,5 +228,46 @@ def test_chat_logprobs_bytes_add_up_to_the_content(worker, tiny_model, tmp_path)
             joined = b"".join(bytes(c.bytes) for c in choice.logprobs.content)
             assert any(byte > 127 for byte in joined)  # characters of several bytes, or bytes of none
             assert joined.decode(errors="replace") == choice.message.content
+
+    asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_echo_returns_the_prompt_and_its_scores_as_lm_eval_reads_them(worker, tiny_model, tmp_path):
+    """lm-evaluation-harness scores a continuation with echo, logprobs 1 and max_tokens 1 on token-id prompts, and
+    reads token_logprobs[ctxlen:-1]: the prompt's tokens come first, scored as the gRPC front scores them."""
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            prompts = [[72, 105, 33, 40], [70, 80, 90]]
+            scoring = dict(model="model", prompt=prompts, max_tokens=1, logprobs=1, temperature=0, echo=True)
+            got = await client.completions.create(**scoring)
+            for prompt, c in zip(prompts, got.choices):
+                want = await stub.Generate(
+                    rpb.GenerateRequest(
+                        token_ids=rpb.TokenIds(ids=prompt),
+                        parameters=rpb.SamplingParameters(
+                            max_new_tokens=1, temperature=0, logprobs=True, prompt_logprobs=1
+                        ),
+                    )
+                )
+                lp = c.logprobs
+                assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+                scores = [p.logprob for p in want.prompt_logprobs[1:]] + list(want.logprobs)
+                assert lp.token_logprobs[1:] == pytest.approx(scores, abs=1e-6)
+                assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+                assert (
+                    c.text
+                    == (await stub.Detokenize(rpb.DetokenizeRequest(token_ids=prompt, skip_special_tokens=True))).text
+                    + want.text
+                )
+            text = await client.completions.create(
+                model="model", prompt="Hello", max_tokens=3, temperature=0, echo=True
+            )
+            streamed = await client.completions.create(
+                model="model", prompt="Hello", max_tokens=3, temperature=0, echo=True, stream=True
+            )
+            chunks = [c.choices[0].text async for c in streamed]
+            assert chunks[0].startswith("Hello") and "".join(chunks) == text.choices[0].text
 
     asyncio.run(body())

@@ -399,7 +399,7 @@ def test_parse_request_converts_openai_fields():
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "stream_options": {}}, "stream_options"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "presence_penalty": "a"}, "presence_penalty"),
     ] + [
         # integers past float range (JSON allows any digits): 400, not a crash in float()

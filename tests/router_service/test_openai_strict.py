@@ -78,6 +78,7 @@ IMPLEMENTED = [
     (BOTH, "n", 3, {}, lambda p: p.n == 3),
     (BOTH, "cache_salt", "tenant", {}, lambda p: p.cache_salt == "tenant"),
     (("completion",), "best_of", 3, {"n": 2}, lambda p: p.best_of == 3 and p.n == 2),
+    (("completion",), "echo", True, {"logprobs": 2}, lambda p: p.echo and p.parameters.prompt_logprobs == 2),
 ]
 # (field, a value asking for something the router does not do, a value asking for nothing or None)
 REFUSED = [
@@ -98,7 +99,7 @@ REFUSED = [
     (BOTH, "return_token_ids", True, False),
     (BOTH, "kv_transfer_params", {"a": 1}, None),
     (BOTH, "vllm_xargs", {"a": 1}, None),
-    (BOTH, "echo", True, False),
+    (("chat",), "echo", True, False),
     (("completion",), "suffix", "end", ""),
     (("completion",), "add_special_tokens", False, True),
     (("completion",), "prompt_embeds", "AAAA", None),
