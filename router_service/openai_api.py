@@ -251,6 +251,8 @@ def parse_request(
     include_usage = _get(usage_field, "stream_options.include_usage", bool, False, "a boolean")
 
     max_tokens_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if max_tokens_name != "max_tokens" and body.get("max_tokens") is not None:  # the other wins; still a valid count
+        _int(body, "max_tokens", low=1)
     max_tokens = _int(
         body,
         max_tokens_name,

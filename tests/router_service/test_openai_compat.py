@@ -11,7 +11,7 @@ import pytest
 from common.pb import router_pb2 as rpb
 from router_service.chat import message_dicts
 from router_service.logprobs import TokenTexts
-from router_service.openai_api import logprobs_field, parse_request
+from router_service.openai_api import ApiError, logprobs_field, parse_request
 from router_service.tokenizer import Tokenizer
 from tests.router_service.test_openai_http import http_router
 
@@ -271,3 +271,14 @@ def test_echo_returns_the_prompt_and_its_scores_as_lm_eval_reads_them(worker, ti
             assert chunks[0].startswith("Hello") and "".join(chunks) == text.choices[0].text
 
     asyncio.run(body())
+
+
+def test_max_completion_tokens_wins_over_max_tokens_which_is_still_checked():
+    """Both sent (a client migrating from the deprecated name): max_completion_tokens is the limit, as in vLLM; a
+    max_tokens that is no valid count is still a 400 naming it, never dropped unread."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 4}
+    assert parse_request(body, "chat", "m").parameters.max_new_tokens == 4
+    for bad in ("5", 0, -1, 2.5):
+        with pytest.raises(ApiError) as e:
+            parse_request(body | {"max_tokens": bad}, "chat", "m")
+        assert e.value.param == "max_tokens", bad
