@@ -254,7 +254,8 @@ class HttpFront:
                 frontend.check_ready()
                 frontend.check_room()
                 parsed = await self._read_request(request, kind)
-                many = parsed.best_of > 1 or len(parsed.prompts) > 1 or parsed.echo  # best_of >= n
+                # best_of >= n; echo's choices are built there too, one or more
+                many = parsed.best_of > 1 or len(parsed.prompts) > 1 or parsed.echo
                 if many:
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":

@@ -1,4 +1,5 @@
-"""More than one choice on the OpenAI front: `n` samples of a prompt, completions' `best_of`, and prompt lists.
+"""More than one choice on the OpenAI front: `n` samples of a prompt, completions' `best_of`, and prompt lists;
+completions' `echo` too, one choice or more (router_service/openai_echo.py).
 
 Each sample is a router request of its own, so everything else (validation, stops, logprobs, cancellation) is the
 single-choice path; a chat offering tools reads each choice through a tool-call parser of its own. The samples of
