@@ -6,6 +6,9 @@ Streams must never emit broken or retracted text, which takes two hold-backs:
   `tokenizers.decoders.DecodeStream` handles both: it decodes a short window that starts a few tokens back
   and emits only the text past what that window already produced, and only when it does not end in U+FFFD
   (an incomplete character) -- the technique of TGI's `decode_token` and vLLM's `detokenize_incrementally`.
+  The window starts on a character: Llama/Mixtral's ByteFallback decodes a run of `<0xNN>` tokens cut inside
+  one as a U+FFFD per byte, its whole characters too. Where that rewrites text already emitted (an invalid byte
+  after valid ones), the text past the emitted is measured by length, as vLLM does.
 - StopSequenceMatcher: text that might be the beginning of a stop sequence is held back until the next text
   proves it is not; when a stop sequence completes, the output ends right before it.
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.errors import ConfigError
 
@@ -39,6 +44,9 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 # Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
 PREFIX_WINDOW = 5
+# Tokens a window reaches back past PREFIX_WINDOW to start on a whole character (byte tokens: 3 at most).
+CHAR_REACH = 3
+RECENT_IDS = PREFIX_WINDOW + CHAR_REACH
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token (SentencePiece's, Mixtral's)
 
 
@@ -93,9 +101,11 @@ class Tokenizer:
         if not p.is_file():
             raise ConfigError(f"tokenizer: {p} is not a file" if p.exists() else f"tokenizer: {p} not found")
         try:
-            return cls(HFTokenizer.from_file(str(p)), str(p))
+            tokenizer = cls(HFTokenizer.from_file(str(p)), str(p))
         except Exception as e:  # the library raises bare Exceptions with a message
             raise ConfigError(f"tokenizer: {p} is not a valid tokenizer.json: {e}") from None
+        tokenizer.continuation_byte_ids  # noqa: B018 -- computed at start (a walk over the vocabulary), not in a request
+        return tokenizer
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> Tokenizer | None:
@@ -186,6 +196,17 @@ class Tokenizer:
             _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         )
 
+    @functools.cached_property
+    def continuation_byte_ids(self) -> frozenset[int]:
+        """The ids of tokens whose bytes start inside a UTF-8 character: byte-fallback tokens `<0x80>` to `<0xBF>`,
+        and with a ByteLevel decoder every token whose first character stands for such a byte (GPT-2's table)."""
+        ids = {self._tok.token_to_id(f"<0x{b:02X}>") for b in range(0x80, 0xC0)}
+        if self._decoder().byte_level:
+            chars = {c for c, b in BYTE_OF_CHAR.items() if 0x80 <= b < 0xC0}
+            ids.update(i for piece, i in self._tok.get_vocab(with_added_tokens=False).items() if piece[:1] in chars)
+        ids.discard(None)
+        return frozenset(ids)
+
     def detokenizer(self, prompt_ids) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)
 
@@ -203,14 +224,18 @@ class IncrementalDetokenizer:
 
         self._new_stream = lambda ids: DecodeStream(ids, skip_special_tokens=True)
         self._hf, self._decode = tokenizer._tok, tokenizer.decode
+        self._continuations = tokenizer.continuation_byte_ids
         # a list or tuple is sliced, not copied whole first (half of this constructor's time at 2,112 ids)
         ids = prompt_ids if isinstance(prompt_ids, (list, tuple)) else list(prompt_ids)
-        context = [int(i) for i in ids[-PREFIX_WINDOW:]]
-        tail: list[int] = []
-        while context and self._decode(context).endswith(REPLACEMENT):
+        window = self._window([int(i) for i in ids[-RECENT_IDS:]])
+        context, tail = list(window), list[int]()
+        # the tokens of an incomplete last character (at most CHAR_REACH: more would be invalid bytes, not one)
+        while context and len(tail) < CHAR_REACH and self._decode(context).endswith(REPLACEMENT):
             tail.insert(0, context.pop())
-        self._stream = self._new_stream(context)
-        self._emitted = context  # the last ids behind emitted text (flush decodes against them)
+        if context and self._decode(context).endswith(REPLACEMENT):  # invalid bytes, not an incomplete character
+            context, tail = list(window), list[int]()
+        self._stream = self._stream_after(context)
+        self._recent = context  # the last ids behind emitted text (flush decodes a window of them)
         self._held: list[int] = []  # ids stepped since the last emitted text
         self._held_from_prompt = 0
         for token_id in tail:
@@ -225,24 +250,52 @@ class IncrementalDetokenizer:
         """At the end of the sequence: whatever is still held (an incomplete character decodes as U+FFFD)."""
         if len(self._held) <= self._held_from_prompt:
             return ""
-        prefix, text = self._decode(self._emitted), self._decode(self._emitted + self._held)
+        text = self._past_emitted()
         self._held, self._held_from_prompt = [], 0
-        return text[len(prefix) :] if text.startswith(prefix) else text
+        return text
+
+    def _window(self, ids: list[int]) -> list[int]:
+        """The last PREFIX_WINDOW of `ids`, reaching back over continuation bytes (up to CHAR_REACH more) to start
+        on a character: ByteFallback decodes a run of byte tokens cut inside a character as one U+FFFD per byte,
+        its whole characters too, and the text after it would be measured against that."""
+        start = max(0, len(ids) - PREFIX_WINDOW)
+        reach = start - CHAR_REACH
+        while start > max(0, reach) and ids[start] in self._continuations:
+            start -= 1
+        return ids[start:]
+
+    def _stream_after(self, ids: list[int]) -> Any:
+        """A DecodeStream continuing `ids`, or None (decoding without one, in _step) when their text ends in U+FFFD:
+        a DecodeStream would emit such a context's text with the first new one."""
+        return None if ids and self._decode(ids).endswith(REPLACEMENT) else self._new_stream(ids)
+
+    def _past_emitted(self) -> str:
+        """The text of the held ids after the emitted ones. Measured by length, not as a suffix: ByteFallback turns
+        every byte of an invalid sequence into U+FFFD, so a lone continuation byte rewrites the valid bytes emitted
+        before it, and what was emitted stays emitted (vLLM's rule too)."""
+        emitted = self._window(self._recent)
+        return self._decode(emitted + self._held)[len(self._decode(emitted)) :]
 
     def _step(self, token_id: int) -> str:
         self._held.append(token_id)
-        try:
-            text = self._stream.step(self._hf, token_id)
-        except Exception as e:  # the library raises a bare Exception
-            if "Invalid prefix" not in str(e):
-                raise
-            # A decoder rewrote text it had already produced: restart the window after the emitted text.
-            held, self._held = self._held, []
-            self._stream = self._new_stream(self._emitted)
-            return "".join(self._step(i) for i in held)
+        text = None
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._hf, token_id)
+            except Exception as e:  # the library raises a bare Exception
+                if "Invalid prefix" not in str(e):
+                    raise
+                # A decoder rewrote text already emitted: decoded here until the held ids end a character, then a
+                # new window starts after them (one restarted after the emitted text would fail the same way).
+                self._stream = None
+        if self._stream is None:
+            if self._decode(self._window(self._recent) + self._held).endswith(REPLACEMENT):
+                return ""  # maybe an incomplete character: held like one
+            text = self._past_emitted()
+            self._stream = self._stream_after(self._window(self._recent + self._held))
         if text is None:
             return ""
-        self._emitted, self._held = (self._emitted + self._held)[-PREFIX_WINDOW:], []
+        self._recent, self._held = (self._recent + self._held)[-RECENT_IDS:], []
         self._held_from_prompt = 0
         return text
 

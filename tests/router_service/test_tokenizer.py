@@ -1,11 +1,20 @@
 """Incremental detokenisation across split UTF-8 characters, and stop-sequence hold-back. The byte-level
 tokenizer (the tiny model's) has one token per UTF-8 byte, so a multi-byte character always spans tokens."""
 
+import codecs
+
 import pytest
 
 from expert_service.tools.tiny_model import BOS_ID, EOS_ID
-from router_service.tokenizer import IncrementalDetokenizer, StopSequenceMatcher, Tokenizer
+from router_service.tokenizer import (
+    BYTE_OF_CHAR,
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    StopSequenceMatcher,
+    Tokenizer,
+)
 from tests.helpers import byte_ids
+from tests.router_service.real_tokenizers import chatml_byte_level, sentencepiece_bpe
 
 
 def test_round_trip_bytes(tokenizer):
@@ -79,6 +88,100 @@ def test_long_output_keeps_working(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     text = "abc世" * 200
     assert "".join(detok.step(t) for t in byte_ids(text)) == text
+
+
+@pytest.fixture(scope="module", params=["mixtral", "llama2"])
+def byte_fallback(request):
+    """A Llama/Mixtral-style tokenizer: characters outside its vocabulary (emoji, CJK) are <0xNN> byte tokens."""
+    return Tokenizer(sentencepiece_bpe(legacy=request.param == "llama2"))
+
+
+@pytest.mark.parametrize("prompt", ["日本語", "Say 🙂", "x 🙂🚀", "e\u0301"])
+def test_a_prompt_ending_in_byte_tokens_leaks_nothing_into_the_output(byte_fallback, prompt):
+    """The look-back window cut a run of byte tokens inside a character, which ByteFallback decodes as one U+FFFD
+    per byte, the run's whole characters too: the output began with the prompt's bytes as "�����"."""
+    detok = IncrementalDetokenizer(byte_fallback, byte_fallback.encode(prompt))
+    pieces = [detok.step(t) for t in byte_fallback.encode("Hello 日本", add_special_tokens=False)]  # "▁Hello"
+    assert "".join(pieces) + detok.flush() == " Hello 日本"
+    assert not any(REPLACEMENT in p for p in pieces)
+
+
+def test_an_invalid_byte_after_emitted_bytes_does_not_fail_the_stream(byte_fallback):
+    """ByteFallback turns every byte of an invalid run into U+FFFD, rewriting the text of bytes already emitted
+    ("\x11" before a lone continuation byte): the stream restarted on the same ids forever (RecursionError)."""
+    hf = byte_fallback._tok
+    ids = [hf.token_to_id(t) for t in ("<0x11>", "<0x81>", "x", "<0xF5>")]
+    detok = IncrementalDetokenizer(byte_fallback, byte_fallback.encode("a\nb"))
+    pieces = [detok.step(t) for t in ids]
+    assert pieces == ["\x11", "", "\ufffdx", ""] and detok.flush() == "\ufffd"
+
+
+def test_a_flush_after_a_rewrite_returns_only_the_new_text(byte_fallback):
+    """A sequence ending on an invalid byte right after emitted bytes (max_tokens hit): flush returned the whole
+    look-back window's text, the prompt's end included, when the decoder had rewritten the emitted bytes."""
+    hf = byte_fallback._tok
+    detok = IncrementalDetokenizer(byte_fallback, byte_fallback.encode("Hello world"))
+    assert detok.step(hf.token_to_id("<0x11>")) == "\x11"
+    assert detok.step(hf.token_to_id("<0x81>")) == ""
+    assert detok.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("layout", ["mixtral", "qwen"])
+def test_a_prompt_ending_in_invalid_bytes_leaks_nothing_into_the_output(layout):
+    """A token-id prompt ending in bytes that are no character: its last tokens were taken for an incomplete
+    character, then emitted with the first generated token as U+FFFDs."""
+    hf = chatml_byte_level() if layout == "qwen" else sentencepiece_bpe()
+    tok = Tokenizer(hf)
+    byte_81 = next(c for c, b in BYTE_OF_CHAR.items() if b == 0x81)  # its byte-level character
+    continuation = hf.token_to_id("<0x81>" if layout == "mixtral" else byte_81)
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello") + [continuation] * 6)
+    assert detok.step(hf.token_to_id("x")) == "x" and detok.flush() == ""
+
+
+def _token_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """A token's bytes in a decoded text: its own (Tokenizer.token_bytes), a special token's none."""
+    added = tok._tok.get_added_tokens_decoder().get(token_id)
+    return b"" if added is not None and added.special else tok.token_bytes(token_id)
+
+
+def _expected(tok: Tokenizer, prompt: list[int], generated: list[int]) -> str:
+    """The generated text as Python decodes the bytes: the prompt's incomplete last character, if any, is the
+    output's; the first space of a text starting at the output is the decoder's to strip."""
+    prompt_bytes = b"".join(_token_bytes(tok, i) for i in prompt)
+    whole = prompt_bytes + b"".join(_token_bytes(tok, i) for i in generated)
+    head = codecs.getincrementaldecoder("utf-8")("replace").decode(prompt_bytes)  # holds an incomplete end back
+    text = whole.decode("utf-8", "replace")[len(head) :]
+    strips = b"Strip" in tok._tok.decoder.__getstate__()
+    return text[1:] if strips and not head and text.startswith(" ") else text
+
+
+@pytest.mark.parametrize("layout", ["mixtral", "llama2", "qwen"])
+def test_streamed_text_is_the_text_of_the_bytes(layout):
+    """Random prompts (whole, or cut inside a character) and outputs (valid text, maybe cut at max_tokens; or
+    random ids): valid text streams exactly, never a U+FFFD the text lacks; garbage never fails the stream, and
+    nothing of the prompt or the output is duplicated."""
+    import random
+
+    hf = chatml_byte_level() if layout == "qwen" else sentencepiece_bpe(legacy=layout == "llama2")
+    tok, rng = Tokenizer(hf), random.Random(0)
+    texts = ["Hello world", "é ü", "🙂🚀", "日本語", "e\u0301 x", " lead", "a\nb", "x"]
+    for _ in range(400):
+        prompt = tok.encode(rng.choice(texts) + rng.choice(texts))
+        if rng.random() < 0.3:
+            prompt = prompt[: rng.randrange(1, len(prompt) + 1)]
+        if rng.random() < 0.5:
+            generated = tok.encode(" " + rng.choice(texts) + rng.choice(texts), add_special_tokens=False)
+            generated = generated[: rng.randrange(1, len(generated) + 1)]
+        else:
+            generated = [rng.randrange(hf.get_vocab_size()) for _ in range(rng.randrange(1, 8))]
+        detok = IncrementalDetokenizer(tok, prompt)
+        pieces = [detok.step(t) for t in generated] + [detok.flush()]
+        got, want = "".join(pieces), _expected(tok, prompt, generated)
+        if REPLACEMENT not in want:
+            assert got == want, (prompt, generated)
+        else:  # ByteFallback writes one U+FFFD per byte of an invalid run, its valid bytes too: count characters
+            rest = iter(want.replace(REPLACEMENT, ""))
+            assert all(c in rest for c in got.replace(REPLACEMENT, "")), (prompt, generated, got, want)
 
 
 def feed(matcher, pieces):
