@@ -131,14 +131,13 @@ class Frontend:
         deadline: float | None,
         stream: bool,
         *,
-        add_special_tokens: bool = True,
         operation: str = semconv.OPERATION_TEXT_COMPLETION,
     ) -> RequestHandle:
         """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
         request timeout alone). Raises InvalidRequestError or a RouterError."""
         limits = self.check_ready()
         with self._admitting():
-            return await self._submit(request, limits, deadline, stream, add_special_tokens, operation)
+            return await self._submit(request, limits, deadline, stream, False, operation)
 
     async def _submit(
         self,
@@ -146,16 +145,10 @@ class Frontend:
         limits: ModelLimits,
         deadline: float | None,
         stream: bool,
-        add_special_tokens: bool,
+        chat: bool,
         operation: str,
     ) -> RequestHandle:
-        req = await validate_request_async(
-            request,
-            self.config,
-            limits,
-            self.batching_loop.tokenizer,
-            add_special_tokens=add_special_tokens,
-        )
+        req = await validate_request_async(request, self.config, limits, self.batching_loop.tokenizer, chat=chat)
         matcher = await self.batching_loop.compile_constraint(req)
         current = self.check_ready()
         if current is not limits:  # the worker reconnected meanwhile: the request must fit the one it goes to
@@ -192,13 +185,15 @@ class Frontend:
         add = options.add_generation_prompt
         if self.tool_format == "mistral":
             dicts = mistral_ids(dicts)
+        # The caller's strings carry no special token into the prompt: only the template's markup does.
+        guard = self.batching_loop.tokenizer.special_guard
         try:
             return await self.chat_renderer.render(
-                dicts,
+                guard.escape(dicts),
                 add_generation_prompt=not options.continue_final_message if add is None else add,
                 continue_final_message=options.continue_final_message,
-                template_kwargs=options.template_kwargs,
-                tools=options.tools.template_tools() if options.tools is not None else None,
+                template_kwargs=guard.escape(options.template_kwargs),
+                tools=guard.escape(options.tools.template_tools()) if options.tools is not None else None,
             )
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
@@ -249,7 +244,7 @@ class Frontend:
         )
         try:
             # the worker may have gone while the chat rendered: its readiness is checked again
-            return await self._submit(request, self.check_ready(), deadline, stream, False, OPERATION_CHAT)
+            return await self._submit(request, self.check_ready(), deadline, stream, True, OPERATION_CHAT)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, detail(e)) from None

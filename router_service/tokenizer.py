@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from router_service.chat_tokens import ESC, SpecialTokenGuard
 
 REPLACEMENT = "\ufffd"
 # Texts up to this many characters tokenize inline (tens of microseconds); longer ones on a thread.
@@ -104,7 +105,9 @@ class Tokenizer:
             tokenizer = cls(HFTokenizer.from_file(str(p)), str(p))
         except Exception as e:  # the library raises bare Exceptions with a message
             raise ConfigError(f"tokenizer: {p} is not a valid tokenizer.json: {e}") from None
-        tokenizer.continuation_byte_ids  # noqa: B018 -- computed at start (a walk over the vocabulary), not in a request
+        # computed at start (a walk over the vocabulary, a matcher of the special tokens), not in a request
+        tokenizer.continuation_byte_ids  # noqa: B018
+        tokenizer.special_guard  # noqa: B018
         return tokenizer
 
     @classmethod
@@ -173,6 +176,19 @@ class Tokenizer:
 
     def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    @functools.cached_property
+    def special_guard(self) -> SpecialTokenGuard:
+        """Keeps a chat's strings from becoming special tokens (router_service.chat_tokens)."""
+        return SpecialTokenGuard(self._tok)
+
+    async def encode_chat_async(self, text: str) -> list[int]:
+        """The ids of a chat template's output rendered from escaped strings (SpecialTokenGuard.escape), without
+        added special tokens: only the template's own special tokens are special. Off the event loop unless short
+        and free of placeholders (splitting needs copies of the tokenizer, made on first use)."""
+        if ESC not in text or not self.special_guard.enabled:
+            return await self.encode_async(text, add_special_tokens=False)
+        return await asyncio.get_running_loop().run_in_executor(_pool(), self.special_guard.encode, text)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -132,12 +132,16 @@ def validate_request(req: PromptRequest, config: RouterConfig, limits: ModelLimi
 
 
 async def validate_request_async(
-    req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer=None, add_special_tokens: bool = True
+    req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer=None, chat: bool = False
 ) -> ValidatedRequest:
     """validate_request for the event loop: every cheap check first, then a long text is tokenized on a thread.
-    `add_special_tokens=False` for text that already has them (a rendered chat template)."""
+    `chat`: the text is a chat template's output (Tokenizer.encode_chat_async: no special tokens added, and only
+    the template's own are special)."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
-    ids = await tokenizer.encode_async(text, add_special_tokens) if text is not None else None
+    if text is None:
+        ids = None
+    else:
+        ids = await (tokenizer.encode_chat_async(text) if chat else tokenizer.encode_async(text))
     return _complete(req, config, limits, ids)
 
 
