@@ -58,30 +58,28 @@ def prompt_logprobs(prompt_ids, scored: Scored) -> list[PromptLogprob]:
 
 
 class TokenTexts:
-    """Each token id decoded on its own, as the fronts show scored tokens (special tokens included); cached,
-    since the same ids recur at every position. Without a tokenizer: `token_id:N`, as OpenAI-compatible
-    servers show an id they cannot decode."""
+    """Each token's text as the fronts show scored tokens: as it reads inside a text (a SentencePiece word keeps
+    its leading space; special tokens included; a piece of a character is U+FFFD), and its own bytes; cached,
+    since the same ids recur at every position. Without a tokenizer: `token_id:N`, as OpenAI-compatible servers
+    show an id they cannot decode."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
     def bytes(self, token_id: int) -> list[int]:
-        """The token's own UTF-8 bytes (OpenAI's `bytes`: a character split across tokens adds up from them)."""
+        """The token's own UTF-8 bytes, as OpenAI's `bytes` lists them: those of a character it holds only part of,
+        where its text has U+FFFD, so a character split across tokens adds up from them."""
         value = self._bytes.get(token_id)
         if value is None:
             raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else self(token_id).encode()
             value = self._bytes[token_id] = list(raw)
         return value
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = (
-                self.tokenizer.decode([token_id], skip_special_tokens=False)
-                if self.tokenizer is not None
-                else f"token_id:{token_id}"
-            )
-            self._cache[token_id] = text
-        return text

@@ -133,9 +133,10 @@ class Tokenizer:
         return self._tok.token_to_id(text)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """A token's own bytes, read off its vocabulary string as the tokenizer's decoder reads it: a byte-level
-        or byte-fallback token may be part of a character, which its decoded text shows as U+FFFD, and a
-        SentencePiece token keeps its leading space. Other tokens: their decoded text's bytes."""
+        """A token's own bytes (OpenAI's logprobs `bytes`), read off its vocabulary string as the tokenizer's
+        decoder reads it: a byte-level or byte-fallback token may be part of a character (a `<0xE6>`, a piece of
+        an emoji), and a SentencePiece word keeps its leading space. Other tokens (added ones, other decoders):
+        the bytes of their text as it reads inside a text."""
         piece = self._tok.id_to_token(token_id)
         if piece is not None and token_id not in self._added_ids():  # an added token's string is its text
             decoder = self._decoder()
@@ -148,7 +149,28 @@ class Tokenizer:
                 for old, new in decoder.replacements:
                     piece = piece.replace(old, new)
                 return piece.encode()
-        return self.decode([token_id], skip_special_tokens=False).encode()
+        return self._text_in_context(token_id).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (special tokens included): its own bytes decoded, so a
+        SentencePiece word keeps its leading space ("▁world" alone decodes as "world") and a token holding part
+        of a character shows U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", "replace")
+
+    def _text_in_context(self, token_id: int) -> str:
+        """The token decoded after an anchor token, since a decoder may drop a text's first space."""
+        alone = self.decode([token_id], skip_special_tokens=False)
+        anchor = self._anchor
+        if anchor is None:
+            return alone
+        before, text = self.decode([anchor], False), self.decode([anchor, token_id], False)
+        return text[len(before) :] if text.startswith(before) else alone
+
+    @functools.cached_property
+    def _anchor(self) -> int | None:
+        """A plain token ("a") that _text_in_context decodes after; None if the vocabulary writes "a" otherwise."""
+        ids = self.encode("a", add_special_tokens=False)
+        return ids[-1] if ids and self.decode(ids[-1:]) == "a" else None
 
     def _added_ids(self) -> frozenset[int]:
         if self._added is None:
