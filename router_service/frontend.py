@@ -161,7 +161,8 @@ class Frontend:
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
         """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child
         process within chat_template_timeout_s (router_service.chat_render): the event loop keeps serving, and a
-        runaway template is stopped."""
+        runaway template is stopped. Special tokens' texts in the caller's strings are placeholders in it
+        (router_service.chat_tokens): tokenize it with Tokenizer.encode_chat_async."""
         if self.chat_template is None or self.chat_renderer is None:
             raise InvalidRequestError(
                 field,
