@@ -16,30 +16,46 @@ from __future__ import annotations
 import json
 import re
 import threading
+from typing import Any
 
 # A private-use character that no tokenizer gives a meaning to.
 ESC = "\U0010fffd"
 _PLACEHOLDER = re.compile(f"{ESC}([0-9]*){ESC}")
 
 
+def _matcher(tokens):
+    """A tokenizer that finds `tokens` (AddedTokens) in a text in one pass, leftmost-longest and with their
+    lstrip/rstrip/single_word rules, as the model's tokenizer does: each is an added token (id 1, 2, ... in order)
+    over a model that makes any other text one token, id 0."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    matcher = HFTokenizer(models.WordLevel({ESC + "other": 0}, unk_token=ESC + "other"))
+    matcher.add_tokens(list(tokens))
+    return matcher
+
+
 class SpecialTokenGuard:
     """One tokenizer's special tokens: escapes them in a chat's strings, tokenizes the rendered text."""
 
     def __init__(self, hf_tokenizer):
-        from tokenizers import AddedToken, models
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import AddedToken
 
         self._hf = hf_tokenizer
-        added = sorted(hf_tokenizer.get_added_tokens_decoder().items())
-        self.special_ids = {i: t.content for i, t in added if t.special and t.content}
-        self.specials = list(self.special_ids.values())
+        added = [t for _, t in sorted(hf_tokenizer.get_added_tokens_decoder().items()) if t.special and t.content]
+        self.special_ids = {hf_tokenizer.token_to_id(t.content): t.content for t in added}
+        self.specials = [t.content for t in added]
         self._index = {text: i for i, text in enumerate(self.specials)}
         self._first = {text[0] for text in self.specials} | {ESC}
-        # Finds the special tokens' texts (leftmost-longest, as the tokenizer does) in one pass: a tokenizer of
-        # just those, each as an added token over a model that maps any other text to one id.
-        self._finder = HFTokenizer(models.WordLevel({ESC + "other": 0}, unk_token=ESC + "other"))
-        self._finder.add_tokens([AddedToken(t, normalized=False) for t in [*self.specials, ESC]])
-        self._split: dict[bool, object] = {}
+        # the texts themselves, for escaping; the tokens as the tokenizer matches them, for the rendered text
+        self._finder = _matcher([AddedToken(t, normalized=False) for t in [*self.specials, ESC]])
+        self._boundaries = _matcher(
+            AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip, normalized=t.normalized)
+            for t in added
+        )
+        self._boundaries.normalizer = hf_tokenizer.normalizer  # a normalized token is matched after it
+        self._boundary_ids = [hf_tokenizer.token_to_id(t.content) for t in added]
+        self._split: dict[bool, Any] = {}
         self._lock = threading.Lock()
 
     @property
@@ -60,7 +76,7 @@ class SpecialTokenGuard:
     def _escape_text(self, text: str) -> str:
         if not self.enabled or not any(c in text for c in self._first):
             return text
-        enc = self._finder.encode(text, add_special_tokens=False)
+        enc = self._finder.encode_batch([text], add_special_tokens=False)[0]
         out, at = [], 0
         for token_id, (start, end) in zip(enc.ids, enc.offsets, strict=True):
             if token_id == 0:
@@ -83,37 +99,34 @@ class SpecialTokenGuard:
 
     def encode(self, text: str) -> list[int]:
         """The ids of a rendered chat (escaped strings, no special tokens added): the template's special tokens are
-        special, the text between them as the tokenizer reads it, placeholders' text included, as plain text.
-        Runs the tokenizer's Rust code through `encode_batch`, which releases the GIL."""
+        special, and the text between them is tokenized as the tokenizer tokenizes it there, placeholders' text
+        included, as plain text. Python works per special token, the tokenizer's Rust code (GIL released) on the
+        text: a long conversation never holds the event loop."""
         if not self.enabled or ESC not in text:
             return list(self._hf.encode_batch([text], add_special_tokens=False)[0].ids)
-        enc = self._hf.encode_batch([text], add_special_tokens=False)[0]
+        found = self._boundaries.encode_batch([text], add_special_tokens=False)[0]
+        parts: list[int | str] = []  # the template's special ids, and the texts between them
+        start = 0
+        for token_id, (a, b) in zip(found.ids, found.offsets, strict=True):
+            if token_id:
+                parts += [text[start:a], self._boundary_ids[token_id - 1]]
+                start = b
+        parts.append(text[start:])
+        texts = [self.unescape(p) for p in parts if isinstance(p, str) and p]
+        first = [] if not parts[0] else self._split_encoder(True).encode_batch(texts[:1], add_special_tokens=False)
+        rest = self._split_encoder(False).encode_batch(texts[len(first) :], add_special_tokens=False)
+        encoded = iter([*first, *rest])
         ids: list[int] = []
-        start, pending = 0, list[int]()
-        for token_id, (a, b) in zip(enc.ids, enc.offsets, strict=True):
-            special = self.special_ids.get(token_id)
-            # the template's special token (its offsets cover the spaces an lstrip/rstrip token takes); not an
-            # unknown character the model wrote as `<unk>`
-            if special is not None and special in text[a:b]:
-                ids += self._segment(text, start, a, pending)
-                ids.append(token_id)
-                start, pending = b, []
-            else:
-                pending.append(token_id)
-        return ids + self._segment(text, start, len(text), pending)
-
-    def _segment(self, text: str, start: int, end: int, ids: list[int]) -> list[int]:
-        """The ids of text[start:end], between two of the template's special tokens: `ids` (the whole text's
-        tokens there) unless it holds placeholders, else its restored text tokenized with special tokens split."""
-        piece = text[start:end]
-        if ESC not in piece:
-            return ids
-        encoder = self._split_encoder(at_start=start == 0)
-        return list(encoder.encode_batch([self.unescape(piece)], add_special_tokens=False)[0].ids)
+        for p in parts:
+            if isinstance(p, int):
+                ids.append(p)
+            elif p:
+                ids += next(encoded).ids
+        return ids
 
     def _split_encoder(self, at_start: bool):
         """A copy of the tokenizer that splits special tokens as text. A Metaspace pre-tokenizer whose
-        prepend_scheme is "first" adds its "▁" only to text at the start of the whole input: a piece after the
+        prepend_scheme is "first" adds its "▁" only to text at the start of the whole input: text after the
         template's first token is tokenized by a copy whose scheme is "never", as it would be in place."""
         with self._lock:
             encoder = self._split.get(at_start)

@@ -187,14 +187,15 @@ class Frontend:
         if self.tool_format == "mistral":
             dicts = mistral_ids(dicts)
         # The caller's strings carry no special token into the prompt: only the template's markup does.
-        guard = self.batching_loop.tokenizer.special_guard
+        tools = options.tools.template_tools() if options.tools is not None else None
+        escaped = await self.batching_loop.tokenizer.escape_chat_async([dicts, options.template_kwargs, tools])
         try:
             return await self.chat_renderer.render(
-                guard.escape(dicts),
+                escaped[0],
                 add_generation_prompt=not options.continue_final_message if add is None else add,
                 continue_final_message=options.continue_final_message,
-                template_kwargs=guard.escape(options.template_kwargs),
-                tools=guard.escape(options.tools.template_tools()) if options.tools is not None else None,
+                template_kwargs=escaped[1],
+                tools=escaped[2],
             )
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":

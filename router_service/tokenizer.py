@@ -85,6 +85,17 @@ class _DecoderKind:
         return cls("ByteLevel" in types, "ByteFallback" in types, tuple(replacements))
 
 
+def _num_chars(value) -> int:
+    """The characters of the strings in `value` (nested lists and dicts, keys included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_num_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_num_chars(k) + _num_chars(v) for k, v in value.items())
+    return 0
+
+
 class Tokenizer:
     """The model's tokenizer: text <-> token ids."""
 
@@ -203,6 +214,12 @@ class Tokenizer:
     def special_guard(self) -> SpecialTokenGuard:
         """Keeps a chat's strings from becoming special tokens (router_service.chat_tokens)."""
         return SpecialTokenGuard(self._tok)
+
+    async def escape_chat_async(self, value):
+        """SpecialTokenGuard.escape of a chat's strings (nested lists and dicts), on a thread when they are long."""
+        if _num_chars(value) <= INLINE_MAX_CHARS:
+            return self.special_guard.escape(value)
+        return await asyncio.get_running_loop().run_in_executor(_pool(), self.special_guard.escape, value)
 
     async def encode_chat_async(self, text: str) -> list[int]:
         """The ids of a chat template's output rendered from escaped strings (SpecialTokenGuard.escape), without
