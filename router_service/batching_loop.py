@@ -486,7 +486,11 @@ class BatchingLoop:
         state = self._requests.get(out.request_id)
         if state is None:
             return
-        delta = output_delta(state, out, self.hooks.on_token, grammar_advanced)
+        try:
+            delta = output_delta(state, out, self.hooks.on_token, grammar_advanced)
+        except Exception:  # this request's text failed (the tokenizer library on ids it cannot decode): it alone
+            log.exception("delivering a token failed", extra={"request_id": state.request_id})
+            delta = GenerationFailed("internal router error")
         if not isinstance(delta, Delta):
             self.fail(state.seq_id, delta)
             return

@@ -135,3 +135,39 @@ def test_a_failed_grammar_logs_no_token_id_and_a_client_cannot_flood_the_log(cap
     lines = [r.getMessage() for r in caplog.records]
     assert lines and not [line for line in lines if str(token) in line], lines
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) <= 1
+
+
+def test_a_token_whose_text_fails_fails_its_request_alone():
+    """The detokenizer raising on one request's token (the tokenizer library on ids it cannot decode; before its
+    fix, a RecursionError on byte-fallback garbage) reached the batching loop's catch-all, which failed every
+    request in flight: one request's output could end everyone's."""
+    import asyncio
+
+    import grpc
+    import pytest
+
+    from expert_service.tools.tiny_model import byte_tokenizer
+    from router_service.tokenizer import Tokenizer
+    from tests.helpers import byte_ids
+    from tests.router_service.fake_worker import FakeWorker, harness
+
+    class Poisoned(Tokenizer):
+        def detokenizer(self, prompt_ids):
+            detokenizer = super().detokenizer(prompt_ids)
+            if list(prompt_ids)[:1] == byte_ids("!"):
+                detokenizer.step = lambda token_id: [][0]  # an IndexError from deep inside
+            return detokenizer
+
+    async def body():
+        fake = FakeWorker(step_delay=0.01)
+        async with harness(fake, tokenizer=Poisoned(byte_tokenizer())) as (router, _, stub, _):
+            params = rpb.SamplingParameters(max_new_tokens=30, ignore_eos=True)
+            good = asyncio.ensure_future(stub.Generate(rpb.GenerateRequest(text="ok", parameters=params)))
+            await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(rpb.GenerateRequest(text="!bad", parameters=params))
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert (await good).generated_tokens == 30
+            assert router.batching_loop.num_active == 0
+
+    asyncio.run(body())
