@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["router"], ["worker"]):  # before their imports: a signal then stops them cleanly (0)
+        from common.lifecycle import STOP_SIGNALS
+
+        STOP_SIGNALS.hold()
     # gRPC's C core writes its own lines to stderr as raw text, between the JSON ones (each TLS handshake a
     # plaintext client fails, at INFO); what it reports that matters reaches Python as a status or a bind failure.
     # Set before gRPC starts; the variable, given, still wins (docs/observability.md).

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from common.config import add_flags, flag_values, load_config_file, resolve
 from common.connection_limits import fit_open_files, grpc_connection_options
 from common.errors import AddressInUseError, ConfigError
 from common.heap import freeze_startup_heap
+from common.lifecycle import STOP_SIGNALS
 from common.logging_setup import configure_logging
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import configure_tracing
@@ -229,15 +229,22 @@ def _fit_open_files(config: RouterConfig) -> None:
 
 
 async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:
-    router = await start_router(config, hooks=hooks)
-    freeze_startup_heap("router")
+    """Serves until SIGTERM or SIGINT (one during start-up included), drains, exits 0. Further signals change
+    nothing: a supervisor and a kill of every process may both send one, and the drain must not be cut short."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    STOP_SIGNALS.attach(asyncio.get_running_loop(), lambda _signum: stop.set())
+    await asyncio.sleep(0)  # a signal kept since the process started is handed over now
+    if stop.is_set():
+        log.info("signal received before start-up: nothing to stop")
+        STOP_SIGNALS.ignore()
+        return 0
+    router = await start_router(config, hooks=hooks)
+    if not stop.is_set():
+        freeze_startup_heap("router")
     await stop.wait()
     log.info("signal received: draining for up to %.0f s", config.drain_timeout_s)
     await router.drain()
+    STOP_SIGNALS.ignore()  # the exit status is 0 now
     await router.stop()
     return 0
 
@@ -261,6 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    STOP_SIGNALS.hold()
     config = resolve(
         RouterConfig, file_values=load_config_file(args.config, "router"), flags=flag_values(args, RouterConfig)
     )

@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from common.connection_limits import MAX_CONNECTIONS, fit_open_files, grpc_conne
 from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
+from common.lifecycle import STOP_SIGNALS
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
@@ -243,11 +243,7 @@ async def serve(
             hurry.set()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, on_signal)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    STOP_SIGNALS.attach(loop, lambda _signum: on_signal())
     model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
     digests = ModelDigests.of_dir(model_dir)  # what Info tells a router about the model (colibri.json, tokenizer)
     tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
@@ -356,6 +352,7 @@ async def serve(
         exit_code[0] = e.exit_code if isinstance(e, ColibriError) else 1
         raise
     finally:
+        STOP_SIGNALS.ignore()  # the exit status is decided: a late signal must not turn it into death by signal
         health.update(draining=True)
         for s in servers:  # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
             await s.stop(0.5)
@@ -372,6 +369,7 @@ async def serve(
 
 
 def run(args: argparse.Namespace) -> int:
+    STOP_SIGNALS.hold()
     file_values = load_config_file(args.config, "worker")
     config = resolve(WorkerConfig, file_values=file_values, flags=flag_values(args, WorkerConfig))
     engine_config = resolve(
