@@ -65,3 +65,12 @@ class StopSignals:
 
 
 STOP_SIGNALS = StopSignals()
+
+
+async def settle_tasks(timeout: float = 1.0) -> None:
+    """Waits (up to `timeout`) for every other task of the loop to end. Run last, once the servers have stopped:
+    gRPC ends a stopped server's calls on tasks of its own, and asyncio.run would cancel those still pending when
+    the service's coroutine returns, which gRPC logs as an ERROR with a traceback."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout)

@@ -29,7 +29,7 @@ from common.config import add_flags, flag_values, load_config_file, resolve
 from common.connection_limits import fit_open_files, grpc_connection_options
 from common.errors import AddressInUseError, ConfigError
 from common.heap import freeze_startup_heap
-from common.lifecycle import STOP_SIGNALS
+from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.logging_setup import configure_logging
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import configure_tracing
@@ -246,6 +246,7 @@ async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) ->
     await router.drain()
     STOP_SIGNALS.ignore()  # the exit status is 0 now
     await router.stop()
+    await settle_tasks()
     return 0
 
 

@@ -31,7 +31,7 @@ from common.connection_limits import MAX_CONNECTIONS, fit_open_files, grpc_conne
 from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
-from common.lifecycle import STOP_SIGNALS
+from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
@@ -354,6 +354,7 @@ async def serve(
     finally:
         STOP_SIGNALS.ignore()  # the exit status is decided: a late signal must not turn it into death by signal
         health.update(draining=True)
+        servicer.end_streams()
         for s in servers:  # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
             await s.stop(0.5)
         for task in tasks:
@@ -365,6 +366,7 @@ async def serve(
         await close_engine(servicer)
         if owns_provider:
             tracer_provider.shutdown()
+        await settle_tasks()
         log.info("worker stopped", extra={"exit_code": exit_code[0]})
 
 

@@ -7,7 +7,8 @@ is full); on the step stream a bad step is refused in its own result and the str
 raised by the model is a worker fault: the failing call gets INTERNAL, health turns NOT_SERVING and the
 process exits non-zero so Kubernetes (or `colibri serve`) restarts it. A watchdog treats a step that runs
 past ``step_timeout_s`` the same way. While the worker drains, new streams and new sequences are refused
-(UNAVAILABLE, or DRAINING for a sequence on a stream) and the sequences it holds keep stepping.
+(UNAVAILABLE, or DRAINING for a sequence on a stream) and the sequences it holds keep stepping; streams still
+open when the drain ends are ended UNAVAILABLE by the worker itself (`end_streams`), before its server stops.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from expert_service.serving.step_stream import (
 
 log = logging.getLogger("colibri.worker")
 SERVICE_NAME = WORKER_SERVICE
+_END = object()  # put on an open stream's queue by end_streams
 # method: (request, response, streaming)
 METHODS: dict[str, tuple[type[Message], type[Message], bool]] = {
     "Info": (pb.InfoRequest, pb.InfoResponse, False),
@@ -92,6 +94,7 @@ class WorkerServicer:
         health.model_thread = self.executor
         self.sequence_owners: dict[int, int] = {}  # sequence id -> the session that started it
         self.open_streams = 0
+        self._stream_queues: set[asyncio.Queue] = set()  # each open stream's steps, to end it (`end_streams`)
         self.limits: StepLimits | None = None
         self._unary: StreamSession | None = None
 
@@ -311,9 +314,12 @@ class WorkerServicer:
                 queued.put_nowait(None)
 
         self.open_streams += 1
+        self._stream_queues.add(queued)
         receiver, closing = asyncio.create_task(receive()), None
         try:
             while (item := await queued.get()) is not None:
+                if item is _END:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
                 span, work = item
                 outcome = await self._await_step(work, context)
                 span.update_name(f"worker {outcome.kind}")
@@ -327,8 +333,15 @@ class WorkerServicer:
         finally:
             receiver.cancel()
             self.open_streams -= 1
+            self._stream_queues.discard(queued)
             # After every step it queued; the gauge shows the blocks the stream held coming back.
             (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
+
+    def end_streams(self) -> None:
+        """Ends every open step stream UNAVAILABLE once the steps queued ahead are answered: a server stopped with
+        streams open cancels them from gRPC's core, which the router may read as INTERNAL (a failed step)."""
+        for queued in self._stream_queues:
+            queued.put_nowait(_END)
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread; a malformed request is refused there too, in order (a step

@@ -175,6 +175,16 @@ def test_drain_timeout_and_a_second_signal_end_the_drain(tiny_model, tmp_path):
                 time.sleep(0.3)
             assert process.wait(limit) == 0
             assert time.monotonic() - started < limit
+            # The worker ends the stream itself before its server stops: cancelled by gRPC's core instead, it read
+            # "Cancelling all calls" (or INTERNAL, a failed step to the router) and gRPC logged a traceback.
+            with pytest.raises(grpc.RpcError) as ended:
+                next(held.call)
+            assert (ended.value.code(), ended.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE,
+                "the worker is shutting down",
+            )
+            stderr = process.stderr.read()
+            assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
             held.close()
             channel.close()
         finally:
