@@ -17,6 +17,10 @@ import grpc
 from common.pb import worker_pb2, worker_pb2_grpc
 from common.tracing import inject_metadata
 
+# gRPC's own status for a call that broke under a write or a read (the worker ended the stream while the router was
+# sending a step): no answer of the worker's, so not the failed step its INTERNAL means.
+BROKEN_CALL = "Internal error from Core"
+
 
 class WorkerClient:
     """One channel to the worker; every method takes an optional timeout (seconds)."""
@@ -103,18 +107,22 @@ class StepStream:
             await self._call.write(request)
         except asyncio.InvalidStateError:  # grpc's answer to a write after the call finished, whatever its status
             raise await self._lost_worker() from None
+        except grpc.aio.AioRpcError as e:
+            raise _lost(e.code(), e.details()) from None
 
     async def _lost_worker(self) -> grpc.aio.AioRpcError:
         """The ended call's status as the error of a lost worker (an OK end too: steps were still to come)."""
         code, details = await self._call.code(), await self._call.details()
         if code == grpc.StatusCode.OK:
             code, details = grpc.StatusCode.UNAVAILABLE, "the worker ended the step stream"
-        return _rpc_error(code, details)
+        return _lost(code, details)
 
     async def receive(self) -> worker_pb2.StepStreamResponse:
         """The next result; a worker that ends the stream or misses the step deadline is a lost worker."""
         try:
             response = await asyncio.wait_for(self._call.read(), self.step_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _lost(e.code(), e.details()) from None
         except TimeoutError:
             self.close()
             raise _rpc_error(
@@ -127,6 +135,13 @@ class StepStream:
 
     def close(self) -> None:
         self._call.cancel()
+
+
+def _lost(code: grpc.StatusCode, details: str | None) -> grpc.aio.AioRpcError:
+    """The stream's error as the router acts on it: gRPC's broken call is a lost worker (UNAVAILABLE)."""
+    if code == grpc.StatusCode.INTERNAL and details == BROKEN_CALL:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the step stream broke (the worker ended it during a write)"
+    return _rpc_error(code, details or "")
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
