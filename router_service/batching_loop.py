@@ -123,7 +123,7 @@ class BatchingLoop:
         self._stopping = True
         self._wake.set()
         for seq_id in list(self._requests):
-            self.fail(seq_id, Unavailable("the router is shutting down"))
+            self.fail(seq_id, Unavailable("the router is shutting down", retry_after_s=self.config.retry_after_s))
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -162,10 +162,11 @@ class BatchingLoop:
     ) -> RequestHandle:
         """`matcher`: req.constraint's, compiled by the caller off the event loop (`compile_constraint`); else
         compiled here. `id_prefix` starts the id assigned to a request without one (`chatcmpl-` for a chat)."""
+        retry_s = self.config.retry_after_s
         if self.is_draining:
-            raise Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
+            raise Unavailable("the router is shutting down; retry on another replica", "DRAINING", retry_s)
         if not self.is_worker_ready or self.scheduler is None or self.limits is None:
-            raise Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+            raise Unavailable("the worker is not ready; retry shortly", "WORKER_UNAVAILABLE", retry_s)
         if len(self._requests) >= self.config.max_concurrent_requests:
             raise Overloaded.at_capacity(self.config.max_concurrent_requests, self.config.retry_after_s)
         if not self.scheduler.fits(len(req.prompt_ids) + req.max_new_tokens):  # validated for a worker since gone
@@ -520,7 +521,9 @@ class BatchingLoop:
             if e.code() == grpc.StatusCode.INTERNAL
             else None
         )
-        other = Unavailable(f"lost the worker ({e.code().name}); retry shortly", reason="WORKER_UNAVAILABLE")
+        other = Unavailable(
+            f"lost the worker ({e.code().name}); retry shortly", "WORKER_UNAVAILABLE", self.config.retry_after_s
+        )
         self._fail_all(lambda seq_id: batch_error if batch_error and seq_id in batch else other)
         if self.scheduler is not None:
             self.scheduler.clear()

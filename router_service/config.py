@@ -123,7 +123,9 @@ class RouterConfig:
         256 * MiB, "largest gRPC message to/from the worker", ("COLIBRI_WORKER_MAX_MESSAGE_BYTES",)
     )
     retry_after_s: float = setting(
-        1.0, "back-off suggested in RetryInfo when the router is full", ("COLIBRI_RETRY_AFTER",)
+        1.0,
+        "back-off suggested in RetryInfo and Retry-After when the router is full, draining or has no ready worker",
+        ("COLIBRI_RETRY_AFTER",),
     )
     routing_table: str = setting(
         "",

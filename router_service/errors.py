@@ -1,7 +1,7 @@
 """The router's error contract, in one place: exception classes and their gRPC status (docs/api.md, status codes).
 
-INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUSTED carries RetryInfo; every
-status carries google.rpc.ErrorInfo with an UPPER_SNAKE reason so clients can branch without parsing text.
+INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUSTED and UNAVAILABLE carry RetryInfo
+(the HTTP front's Retry-After); every status carries google.rpc.ErrorInfo with an UPPER_SNAKE reason so clients can branch without parsing text.
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ class Overloaded(RouterError):
 
 
 class Unavailable(RouterError):
+    """Retry later (`retry_after_s`), here or elsewhere: draining, or no worker to serve the request now."""
+
     code, reason = grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"
+
+    def __init__(self, message: str, reason: str | None = None, retry_after_s: float = 1.0):
+        super().__init__(message, reason)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(RouterError):
@@ -87,7 +93,7 @@ def to_status(exc: BaseException, request_id: str = "") -> grpc.Status:
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     elif isinstance(exc, RouterError):
         code, reason, message = exc.code, exc.reason, str(exc)
-        if isinstance(exc, Overloaded):
+        if isinstance(exc, Overloaded | Unavailable):
             seconds = max(exc.retry_after_s, 0.0)
             delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
             details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))

@@ -100,10 +100,14 @@ class Frontend:
     def check_ready(self) -> ModelLimits:
         """The served model's limits, once the worker is connected and the router is not draining."""
         if self.batching_loop.is_draining:
-            raise errors.Unavailable("the router is shutting down; retry on another replica", reason="DRAINING")
+            raise errors.Unavailable(
+                "the router is shutting down; retry on another replica", "DRAINING", self.config.retry_after_s
+            )
         limits = self.batching_loop.limits
         if limits is None:
-            raise errors.Unavailable("the worker is not ready; retry shortly", reason="WORKER_UNAVAILABLE")
+            raise errors.Unavailable(
+                "the worker is not ready; retry shortly", "WORKER_UNAVAILABLE", self.config.retry_after_s
+            )
         return limits
 
     def check_room(self) -> None:

@@ -200,7 +200,7 @@ class HttpFront:
         try:
             self.frontend.check_ready()
             if not self.frontend.batching_loop.is_worker_ready:
-                raise ApiError(503, "the worker is not ready", "server_error", code="worker_unavailable")
+                raise errors.Unavailable("the worker is not ready", "WORKER_UNAVAILABLE", self.config.retry_after_s)
         except Exception as e:
             return error_response(api_error(e))
         return web.json_response({"status": "ok"})

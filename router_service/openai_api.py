@@ -107,7 +107,7 @@ def api_error(
     # Only the router's own errors carry a reason for clients (UnicodeError's `reason` is its internal text).
     reason = exc.reason.lower() if isinstance(exc, errors.RouterError) else "internal"
     headers = {}
-    if isinstance(exc, errors.Overloaded):
+    if isinstance(exc, errors.Overloaded | errors.Unavailable):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     kind_name = {401: "invalid_request_error", 429: "rate_limit_error"}.get(http, "server_error")
     return ApiError(http, status.details, kind_name, None, "invalid_api_key" if http == 401 else reason, headers)

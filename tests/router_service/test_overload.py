@@ -19,6 +19,7 @@ from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
 from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
 from tests.router_service.test_http_errors import AUTH, http_harness
+from tests.router_service.test_servicer import details
 
 BEARER = (("authorization", AUTH["Authorization"]),)
 
@@ -179,5 +180,42 @@ def test_a_burst_of_chats_is_held_to_the_cap_while_they_render(tmp_path):
             assert len(renders) == limit, f"{len(renders)} renders for a cap of {limit}"
             assert frontend._num_admitting == 0
             await wait_for(lambda: router.batching_loop.num_active == 0)
+
+    asyncio.run(body())
+
+
+def test_every_unavailable_answer_says_when_to_retry(tmp_path):
+    """A lost worker, a worker not ready and a draining router answer UNAVAILABLE with RetryInfo, and HTTP 503 with
+    Retry-After (/health too), as a full router's RESOURCE_EXHAUSTED / 429 do: retry_after_s from the config."""
+
+    async def refused(stub, base: str) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(ids_request([1], max_new_tokens=2), metadata=BEARER)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert details(err.value)["RetryInfo"].retry_delay.seconds == 3
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}) as r:
+                assert (r.status, r.headers.get("Retry-After")) == (503, "3"), await r.text()
+            async with s.get(base + "/health") as r:
+                assert (r.status, r.headers.get("Retry-After")) == (503, "3"), await r.text()
+
+    async def body():
+        fake = FakeWorker(step_delay=0.02)
+        async with http_harness(tmp_path, fake, retry_after_s=3.0) as (router, _, base, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+                stub = router_pb2_grpc.GenerationServiceStub(channel)
+                holder = stub.GenerateStream(ids_request([1], max_new_tokens=60), metadata=BEARER)
+                await holder.read()
+                fake.ready, fake.fail_next = False, grpc.StatusCode.UNAVAILABLE  # lost, and not back yet
+                with pytest.raises(grpc.aio.AioRpcError) as lost:
+                    while True:
+                        await holder.read()
+                assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert details(lost.value)["RetryInfo"].retry_delay.seconds == 3
+                await refused(stub, base)  # the worker is not ready
+                fake.ready = True
+                await wait_for(lambda: router.batching_loop.is_worker_ready)
+                await router.drain(timeout=1.0)
+                await refused(stub, base)  # draining
 
     asyncio.run(body())
