@@ -1,10 +1,11 @@
-"""Connecting the batching loop to its worker: wait for a ready worker that will take this router's steps, and say
-once why one refuses it."""
+"""Connecting the batching loop to its worker: wait for a ready worker that will take this router's steps, say why
+it is not there yet at most every WAITING_LOG_S, and say once why one refuses it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -15,6 +16,9 @@ from router_service.worker_identity import ModelCheck
 from router_service.worker_info import scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
+# A worker loading a large model keeps the router waiting for minutes: one line when the wait starts, then one
+# this often, each with the latest reason (a line every worker_retry_s flooded the log).
+WAITING_LOG_S = 30.0
 
 
 class _NotReady(Exception):
@@ -28,15 +32,17 @@ class _Unusable(Exception):
 
 class WorkerConnector:
     """One attempt at a time (`attempt`): Info, the routing table's check, Health, ClearCache (we may have restarted
-    while it held sequences) and, when configured, a warm-up. A worker starting, loading or draining answers
-    UNAVAILABLE or not ready (logged at INFO while none was ever ready); one that refuses us (a wrong token,
+    while it held sequences) and, when configured, a warm-up. A worker absent, starting, loading, draining or
+    hung answers UNAVAILABLE, not ready or not in time: the wait is logged at INFO with gRPC's reason (connection
+    refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong token,
     another service at the address, a failed warm-up, steps it would refuse) or that serves another model than
     this router's (worker_identity.py) is logged once as a WARNING."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
         self._refused: str | None = None  # why the worker last refused an attempt (logged once)
-        self._connected_before = False
+        self._waiting_since: float | None = None  # since when attempts have found no worker (None: not waiting)
+        self._next_waiting_log = 0.0
         self.model = ModelCheck(config.model)
 
     async def attempt(self):
@@ -56,7 +62,7 @@ class WorkerConnector:
             self._report(e)
             await asyncio.sleep(self.config.worker_retry_s)
             return None
-        self._refused, self._connected_before = None, True
+        self._refused, self._waiting_since = None, None
         self.model.accept(info)
         return info
 
@@ -69,7 +75,8 @@ class WorkerConnector:
 
     def _report(self, e: Exception) -> None:
         refused = str(e) if isinstance(e, _Unusable) else None
-        if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
+        waiting = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # absent, loading, hung
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() not in waiting:
             refused = f"{e.code().name}: {e.details()}"
         if refused is not None:
             if refused != self._refused:
@@ -79,6 +86,37 @@ class WorkerConnector:
                     refused,
                     self.config.worker_retry_s,
                 )
-        elif not self._connected_before or isinstance(e, _NotReady):
-            log.info("waiting for the worker at %s", self.worker.address)
+            self._waiting_since = None
+        else:
+            self._waiting(self._why_waiting(e))
         self._refused = refused
+
+    def _why_waiting(self, e: Exception) -> str:
+        if isinstance(e, _NotReady):
+            return "not ready yet"
+        if not isinstance(e, grpc.aio.AioRpcError):
+            return str(e)
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "no answer in time"
+        return e.details() or e.code().name  # gRPC's: connection refused, not HTTP/2, the worker's loading, ...
+
+    def _waiting(self, why: str) -> None:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+            log.info(
+                "waiting for the worker at %s (%s); retrying every %g s",
+                self.worker.address,
+                why,
+                self.config.worker_retry_s,
+            )
+        elif now >= self._next_waiting_log:
+            log.info(
+                "still waiting for the worker at %s after %.0f s (%s)",
+                self.worker.address,
+                now - self._waiting_since,
+                why,
+            )
+        else:
+            return
+        self._next_waiting_log = now + WAITING_LOG_S

@@ -1,0 +1,74 @@
+"""Waiting for a worker that is not there (nothing listening, an HTTP server, a peer that accepts and never answers):
+bounded attempts, one INFO line when the wait starts and then one every WAITING_LOG_S, each with gRPC's reason; no
+WARNING (nothing refused the router) and no traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+
+from router_service import worker_connection
+from router_service.config import RouterConfig
+from router_service.worker_client import WorkerClient
+from router_service.worker_connection import WorkerConnector
+from tests.helpers import free_port
+
+
+@contextlib.asynccontextmanager
+async def peer(kind: str):
+    """The address of a peer that is no worker: `closed` (nothing listens), `http` (answers HTTP/1.1), `hang`
+    (accepts and never writes)."""
+    if kind == "closed":
+        yield f"127.0.0.1:{free_port()}"
+        return
+    held: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if kind == "http":
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+        else:
+            held.append(writer)
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [("closed", "Connection refused"), ("http", "HTTP/2"), ("hang", "no answer in time")],
+)
+def test_a_missing_or_wrong_worker_is_waited_for_with_its_reason_once_an_interval(caplog, kind, reason):
+    """The router logged "waiting for the worker at ADDR" on every attempt (every second by default, for the
+    minutes a large model loads) and never why; a peer that never answered was a WARNING that it refused us."""
+
+    async def main():
+        async with peer(kind) as address:
+            client = WorkerClient(address, control_timeout_s=0.2)
+            connector = WorkerConnector(RouterConfig(worker=address, worker_retry_s=0.01), client)
+            try:
+                for _ in range(4 if kind == "hang" else 20):
+                    assert await asyncio.wait_for(connector.attempt(), 5) is None
+                connector._next_waiting_log = 0.0  # WAITING_LOG_S has passed
+                assert await connector.attempt() is None
+                assert await connector.attempt() is None
+            finally:
+                await client.close()
+
+    with caplog.at_level(logging.INFO, logger=worker_connection.log.name):
+        asyncio.run(main())
+    lines = [r for r in caplog.records if r.name == worker_connection.log.name]
+    assert [r.levelno for r in lines] == [logging.INFO] * 2, [r.getMessage() for r in lines]
+    first, later = (r.getMessage() for r in lines)
+    assert first.startswith("waiting for the worker at 127.0.0.1:") and reason in first, first
+    assert later.startswith("still waiting for the worker at 127.0.0.1:"), later
+    assert not any(r.exc_info for r in caplog.records)
