@@ -38,7 +38,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common.config import LOG_LEVEL_ENV, add_flags, env_value, flag_name  # noqa: E402
+from common.config import LOG_LEVEL_ENV, add_flags, env_value, flag_name, load_config_file  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
 from expert_service.engine.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
@@ -265,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--model: {args.model} is not a directory" if found else f"--model: directory {args.model} not found"
         )
+    for section in ("router", "worker", "engine"):  # the file both children read, checked before they start
+        load_config_file(getattr(args, "config", None), section)
     code = Supervisor(args).run()
     # The exit status is decided. Python puts back the default handlers while it shuts down, so a signal that
     # arrives then (the operator's, sent late to every process) would turn a clean exit into death by signal.

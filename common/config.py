@@ -115,9 +115,13 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         return {}
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config: file {p} not found")
+        raise ConfigError(f"--config: {p} is not a file" if p.exists() else f"--config: file {p} not found")
     try:
-        data = yaml.safe_load(p.read_text()) if p.suffix in (".yaml", ".yml") else json.loads(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
+    try:
+        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ConfigError(
             f"--config: {p} is not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "

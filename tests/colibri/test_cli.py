@@ -119,3 +119,15 @@ def test_serve_names_a_model_path_that_is_a_file(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.decode().splitlines() == [f"colibri serve: error: --model: {model} is not a directory"]
+
+
+def test_serve_names_a_config_path_it_cannot_read_before_starting_anything(tmp_path, tiny_model):
+    """Both children started, each failed on the file, and serve logged the router's exit as an ERROR."""
+    done = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model), "--config", str(tmp_path)],
+        env=serve_env(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [f"colibri serve: error: --config: {tmp_path} is not a file"]

@@ -99,3 +99,17 @@ def test_a_file_without_sections_is_read_whole(tmp_path):
     assert load_config_file(path, "router") == {"worker": "localhost:50052", "max_batch_tokens": 4096}
     config = resolve(RouterConfig, file_values=load_config_file(path, "router"), env={})
     assert (config.worker, config.max_batch_tokens) == ("localhost:50052", 4096)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.mkdir(), "is not a file"),  # was "file ... not found": it is there
+        (lambda p: p.write_bytes(b'{"router": {"port": 1}}\n\xff\n'), r"is not UTF-8 text \(byte 24\)"),  # a traceback
+    ],
+)
+def test_a_config_path_that_cannot_be_read_as_text_is_one_line(tmp_path, make, message):
+    path = tmp_path / "colibri.yaml"
+    make(path)
+    with pytest.raises(ConfigError, match=rf"^--config: {re.escape(str(path))} {message}$"):
+        load_config_file(path, "router")
