@@ -171,6 +171,19 @@ def resolve(
     return cls(**values)
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def check_distinct_ports(label: str, endpoints: dict[str, tuple[str, int]]) -> None:
+    """Refuses two endpoints of one process (name: (host, port); port 0 = off or any free one) on one port of
+    overlapping hosts: the second bind failed as 'in use', which sent the operator looking for another process."""
+    named = [(name, host, port) for name, (host, port) in endpoints.items() if port]
+    for i, (name, host, port) in enumerate(named):
+        for other, other_host, other_port in named[:i]:
+            if port == other_port and (host == other_host or host in WILDCARD_HOSTS or other_host in WILDCARD_HOSTS):
+                raise ConfigError(f"{label}{name} must differ from {other} (both {port})")
+
+
 def check_message_limit(label: str, value: int) -> None:
     """A gRPC message limit in bytes. gRPC takes it as a 32-bit int (2^31 stopped a server with an OverflowError),
     and a limit under a KiB refuses even health checks' and errors' messages."""

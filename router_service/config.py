@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.config import LOG_LEVEL_ENV, check_message_limit, setting
+from common.config import LOG_LEVEL_ENV, check_distinct_ports, check_message_limit, setting
 from common.connection_limits import MAX_CONNECTIONS
 from common.errors import ConfigError
 
@@ -360,3 +360,12 @@ class RouterConfig:
             raise ConfigError(f"router: health_port must differ from port ({self.port})")
         if self.http_port and self.http_port in (self.port, self.health_port):
             raise ConfigError(f"router: http_port must differ from port and health_port ({self.http_port})")
+        check_distinct_ports(
+            "router: ",
+            {
+                "port": (self.host, self.port),
+                "health_port": (self.host, self.health_port),
+                "http_port": (self.host, self.http_port),
+                "metrics_port": (self.metrics_host, self.metrics_port),
+            },
+        )

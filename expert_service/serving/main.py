@@ -26,7 +26,16 @@ from grpc_reflection.v1alpha import reflection
 
 from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
-from common.config import LOG_LEVEL_ENV, add_flags, check_message_limit, flag_values, load_config_file, resolve, setting
+from common.config import (
+    LOG_LEVEL_ENV,
+    add_flags,
+    check_distinct_ports,
+    check_message_limit,
+    flag_values,
+    load_config_file,
+    resolve,
+    setting,
+)
 from common.connection_limits import MAX_CONNECTIONS, fit_open_files, grpc_connection_options
 from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
@@ -121,6 +130,14 @@ class WorkerConfig:
         for name in ("port", "metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
+        check_distinct_ports(
+            "",
+            {
+                "port": (self.host, 0 if self.socket else self.port),
+                "health_port": (self.health_host, self.health_port),
+                "metrics_port": (self.metrics_host, self.metrics_port),
+            },
+        )
         if not self.step_timeout_s > 0:
             raise ConfigError(f"step_timeout_s: must be > 0, got {self.step_timeout_s}")
         if not self.drain_timeout_s >= 0:

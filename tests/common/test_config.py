@@ -113,3 +113,28 @@ def test_a_config_path_that_cannot_be_read_as_text_is_one_line(tmp_path, make, m
     make(path)
     with pytest.raises(ConfigError, match=rf"^--config: {re.escape(str(path))} {message}$"):
         load_config_file(path, "router")
+
+
+@pytest.mark.parametrize(
+    "cls, values, message",
+    [
+        (RouterConfig, {"port": 9100, "metrics_port": 9100}, "router: metrics_port must differ from port (both 9100)"),
+        (
+            RouterConfig,
+            {"http_port": 8000, "metrics_port": 8000, "metrics_host": "0.0.0.0"},
+            "router: metrics_port must differ from http_port (both 8000)",
+        ),
+        (WorkerConfig, {"port": 50052, "health_port": 50052}, "health_port must differ from port (both 50052)"),
+        (WorkerConfig, {"health_port": 9091}, "metrics_port must differ from health_port (both 9091)"),
+    ],
+)
+def test_two_endpoints_of_a_process_on_one_port_are_refused_in_one_line(cls, values, message):
+    """The second bind failed as 'in use' (exit 7), which named no setting and sent the operator looking for another
+    process holding the port."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        cls(**{"worker": "127.0.0.1:50052", **values} if cls is RouterConfig else values)
+
+
+def test_one_port_on_distinct_hosts_or_an_unused_port_is_no_clash():
+    RouterConfig(worker="127.0.0.1:50052", host="127.0.0.2", port=9100, metrics_host="127.0.0.1", metrics_port=9100)
+    WorkerConfig(socket="/run/colibri/worker.sock", port=50053, health_port=50053)  # the port is unused with a socket
