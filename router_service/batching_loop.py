@@ -49,7 +49,7 @@ from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_backlog import WorkerBacklog
 from router_service.worker_client import StepStream, WorkerClient
-from router_service.worker_connection import WorkerConnector
+from router_service.worker_connection import ReadinessWatch, WorkerConnector
 from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
@@ -91,6 +91,8 @@ class BatchingLoop:
         self.limits: ModelLimits | None = None
         self.scheduler: Scheduler | None = None
         self.is_worker_ready = False
+        self.is_worker_draining = False  # connected, but the worker takes no new request (it said not ready)
+        self._readiness = ReadinessWatch(worker, IDLE_POLL_S)
         self.is_draining = False
         self._requests: dict[int, RequestState] = {}
         self._ids = itertools.count(1)
@@ -167,6 +169,8 @@ class BatchingLoop:
             raise Unavailable("the router is shutting down; retry on another replica", "DRAINING", retry_s)
         if not self.is_worker_ready or self.scheduler is None or self.limits is None:
             raise Unavailable("the worker is not ready; retry shortly", "WORKER_UNAVAILABLE", retry_s)
+        if self.is_worker_draining:
+            raise Unavailable("the worker is shutting down; retry shortly", "DRAINING", retry_s)
         if len(self._requests) >= self.config.max_concurrent_requests:
             raise Overloaded.at_capacity(self.config.max_concurrent_requests, self.config.retry_after_s)
         if not self.scheduler.fits(len(req.prompt_ids) + req.max_new_tokens):  # validated for a worker since gone
@@ -303,6 +307,8 @@ class BatchingLoop:
         """Keep up to `pipeline_depth` steps on the worker, then apply the oldest result; while the pipeline
         has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
         self._wake.clear()
+        if self._requests and (ready := self._readiness.answer()) is not None and ready == self.is_worker_draining:
+            self._worker_readiness(ready)  # asked while requests run (idle, _idle_wait asks)
         # The stream ended with nothing in flight (its end woke us): reconnect now, not on the next request's step.
         if not self._in_flight and (lost := await self._open_stream.end_error()) is not None:
             raise lost
@@ -475,13 +481,19 @@ class BatchingLoop:
             self._deliver(out, grammar_advanced)
 
     async def _idle_wait(self) -> None:
+        if not self._requests:
+            self._readiness.close()  # an answer from while requests ran is stale by the next request
         try:
             await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
         except TimeoutError:
-            if not self._requests and not await self.worker.health(timeout=IDLE_POLL_S):
+            if self._requests:
+                return
+            if not await self.worker.health(timeout=IDLE_POLL_S):
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker reports not ready"
                 ) from None
+            if self.is_worker_draining:
+                self._worker_readiness(True)
 
     def _deliver(self, out, grammar_advanced: bool = False) -> None:
         state = self._requests.get(out.request_id)
@@ -493,6 +505,8 @@ class BatchingLoop:
             log.exception("delivering a token failed", extra={"request_id": state.request_id})
             delta = GenerationFailed("internal router error")
         if not isinstance(delta, Delta):
+            if isinstance(delta, Unavailable) and delta.reason == "DRAINING" and not self.is_worker_draining:
+                self._worker_readiness(False)
             self.fail(state.seq_id, delta)
             return
         state.queue.put_nowait(delta)
@@ -500,6 +514,7 @@ class BatchingLoop:
             self._end(state.seq_id, None, "ok", delta.finish_reason)
 
     def _close_stream(self) -> None:
+        self._readiness.close()
         for sent in self._in_flight:
             sent.span.end()
         self._in_flight.clear()
@@ -515,7 +530,8 @@ class BatchingLoop:
             self.fail(seq_id, error_for(seq_id))
 
     def _on_worker_failure(self, e: grpc.aio.AioRpcError, batch) -> None:
-        log.error("worker call failed: %s %s", e.code().name, e.details())
+        expected = self.is_worker_draining and e.code() == grpc.StatusCode.UNAVAILABLE  # its stream's end
+        log.log(logging.INFO if expected else logging.ERROR, "worker call failed: %s %s", e.code().name, e.details())
         batch_error = (
             GenerationFailed(f"the worker failed the step: {e.details()}")
             if e.code() == grpc.StatusCode.INTERNAL
@@ -528,8 +544,23 @@ class BatchingLoop:
         if self.scheduler is not None:
             self.scheduler.clear()
         self._close_stream()
-        self.is_worker_ready = False
+        self.is_worker_ready = self.is_worker_draining = False
         self.hooks.on_worker_state(False)
+
+    def _worker_readiness(self, ready: bool) -> None:
+        """The worker's readiness changed while its stream runs. Draining (its SIGTERM) or wedged, it takes no new
+        sequence: readiness turns NOT_SERVING and new requests are refused at once, while those in flight step on
+        until the stream ends (or the worker is ready again)."""
+        self.is_worker_draining = not ready
+        if ready:
+            log.info("the worker at %s is ready again", self.worker.address)
+        else:
+            log.warning(
+                "the worker at %s is not ready (draining?): new requests are refused, %d in flight go on",
+                self.worker.address,
+                len(self._requests),
+            )
+        self.hooks.on_worker_state(ready)
 
     async def _connect(self) -> None:
         """Waits for a ready worker, then (re)configures limits and scheduler from its Info."""

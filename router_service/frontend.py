@@ -108,6 +108,10 @@ class Frontend:
             raise errors.Unavailable(
                 "the worker is not ready; retry shortly", "WORKER_UNAVAILABLE", self.config.retry_after_s
             )
+        if self.batching_loop.is_worker_draining:
+            raise errors.Unavailable(
+                "the worker is shutting down; retry shortly", "DRAINING", self.config.retry_after_s
+            )
         return limits
 
     def check_room(self) -> None:

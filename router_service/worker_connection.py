@@ -120,3 +120,34 @@ class WorkerConnector:
         else:
             return
         self._next_waiting_log = now + WAITING_LOG_S
+
+
+class ReadinessWatch:
+    """Asks the worker's Health every `interval` while requests run (the idle loop asks on its own). A worker that
+    starts draining (its SIGTERM) or whose model thread is wedged answers not ready long before its step stream
+    ends: the router stops admitting requests then, not once those in flight are done."""
+
+    def __init__(self, worker: WorkerClient, interval: float):
+        self.worker, self.interval = worker, interval
+        self._probe: asyncio.Future | None = None
+        self._next = 0.0
+
+    def answer(self) -> bool | None:
+        """The worker's readiness if a probe answered since the last call, else None; starts the next probe when
+        one is due. Never waits. A probe that fails is no answer: a lost worker is told by its stream's end."""
+        probe, answer = self._probe, None
+        if probe is not None and probe.done():
+            self._probe = None
+            if not probe.cancelled() and probe.exception() is None:
+                answer = probe.result()
+        now = time.monotonic()
+        if self._probe is None and now >= self._next:
+            self._next = now + self.interval
+            self._probe = asyncio.ensure_future(self.worker.health(timeout=self.interval))
+        return answer
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+        self._next = 0.0

@@ -8,10 +8,11 @@ import contextlib
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import worker_pb2
 from router_service.worker_client import BROKEN_CALL, StepStream
-from tests.router_service.fake_worker import FakeWorker, harness, ids_request
+from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
 
 class EndsAfterOneStep(FakeWorker):
@@ -89,5 +90,47 @@ def test_a_call_grpc_broke_under_a_write_is_a_lost_worker_not_a_failed_step():
         assert {code for code, _ in broken} == {grpc.StatusCode.UNAVAILABLE}, broken
         fault = await _errors_of(StepStream(BrokenCall("worker fault; the worker is restarting"), 1.0))
         assert {code for code, _ in fault} == {grpc.StatusCode.INTERNAL}, fault
+
+    asyncio.run(main())
+
+
+async def _readiness(channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="colibri.readiness"))
+    return reply.status
+
+
+@pytest.mark.parametrize("told_by", ["health", "refused sequence"])
+def test_a_draining_worker_turns_the_router_not_ready_at_once_while_its_streams_finish(told_by):
+    """A worker draining (its SIGTERM) keeps its stream open until the router's sequences are done; the router stayed
+    SERVING meanwhile, admitted every new request and sent it to be refused (DRAINING). It learns from the worker's
+    Health (asked every second while requests run) or from the first sequence refused as DRAINING."""
+
+    async def main():
+        async with harness(FakeWorker(step_delay=0.01)) as (router, fake, stub, channel):
+            held = stub.GenerateStream(ids_request([1], max_new_tokens=400))
+            await held.read()
+            fake.draining = True
+            fake.ready = told_by != "health"
+            if told_by == "refused sequence":
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(ids_request([2], max_new_tokens=2))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            await wait_for(lambda: router.batching_loop.is_worker_draining, timeout=3.0)
+            assert await _readiness(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            seen = set(fake.seen_ids)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(ids_request([3], max_new_tokens=2))
+            assert (err.value.code(), err.value.details()) == (
+                grpc.StatusCode.UNAVAILABLE,
+                "the worker is shutting down; retry shortly",
+            )
+            assert fake.seen_ids == seen  # refused by the router: never sent
+            while await held.read() is not grpc.aio.EOF:  # the request in flight steps on to its end
+                pass
+            assert await held.code() == grpc.StatusCode.OK
+            fake.draining, fake.ready = False, True  # ready again (a wedged model thread that recovered)
+            await wait_for(lambda: not router.batching_loop.is_worker_draining, timeout=5.0)
+            assert await _readiness(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert (await stub.Generate(ids_request([4], max_new_tokens=2))).generated_tokens == 2
 
     asyncio.run(main())
