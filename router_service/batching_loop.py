@@ -1,74 +1,42 @@
 """The router's batching loop: one asyncio task (schedule -> worker step -> update) and the requests it serves.
 
-`_step` keeps up to `pipeline_depth` scheduled steps on the worker's step stream and applies the oldest answer;
-everything else feeds it. Requests enter through `submit` (admission: draining, worker readiness, bounded
-concurrency), receive `Delta`s on their own asyncio queue, and leave via a finish reason, an error, or `cancel`
-(which frees their KV blocks at once and wakes the loop, so the next step carries the worker's free). When the worker fails, every request in flight ends (INTERNAL for
-the batch the worker failed, UNAVAILABLE otherwise) and the loop reconnects: Info, Health, ClearCache.
+`_step` keeps up to `pipeline_depth` scheduled steps on the worker's step stream (step_pipeline.py) and applies the
+oldest answer (step_results.py); everything else feeds it. Requests enter through `submit` (admission: draining,
+worker readiness, bounded concurrency), receive `Delta`s on their own asyncio queue, and leave via a finish reason,
+an error, or `cancel` (which frees their KV blocks at once and wakes the loop, so the next step carries the worker's
+free). When the worker fails, every request in flight ends (INTERNAL for the batch the worker failed, UNAVAILABLE
+otherwise) and the loop reconnects: Info, Health, ClearCache.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 
 from common.errors import InvalidRequestError
-from common.tracing import (
-    COLIBRI_BATCH_SIZE,
-    COLIBRI_BATCH_TOKENS,
-    COLIBRI_STEP_KIND,
-    get_tracer,
-    inject_metadata,
-    links_from_contexts,
-)
 from router_service import wire
 from router_service.config import RouterConfig
-from router_service.constraints import (
-    ConstraintCompiler,
-    GrammarMatcher,
-    late_mask_ids,
-    masks_of,
-    may_mask_late,
-    step_masks,
-)
-from router_service.delivery import output_delta, split_for_late_masks
+from router_service.constraints import ConstraintCompiler, GrammarMatcher, may_mask_late
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
-from router_service.request_state import Delta, RequestHandle, RequestState, deadline_error
+from router_service.request_state import RequestHandle, RequestState, deadline_error
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
+from router_service.step_pipeline import StepPipeline
+from router_service.step_results import StepResults
 from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
-from router_service.worker_backlog import WorkerBacklog
-from router_service.worker_client import StepStream, WorkerClient
+from router_service.worker_client import WorkerClient
 from router_service.worker_connection import ReadinessWatch, WorkerConnector
 from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
-# A burst of arrivals (clients sharing a system prompt) joins one pipelined step: while a step runs on the worker,
-# the next is scheduled once submits pause this long, or this long after the burst began (see _await_arrivals).
-ARRIVAL_QUIET_S = 0.001
-ARRIVAL_WINDOW_S = 0.005
-
-
-@dataclass(frozen=True)
-class _InFlight:
-    """A step sent on the step stream whose result has not come back."""
-
-    step: ScheduledStep
-    step_id: int
-    started: float
-    span: trace.Span
-    late_ids: tuple[int, ...] = ()  # constrained decodes whose masks go with the next message
 
 
 class BatchingLoop:
@@ -101,16 +69,8 @@ class BatchingLoop:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self._stream: StepStream | None = None
-        self._in_flight: collections.deque[_InFlight] = collections.deque()
-        self._receiving: asyncio.Future | None = None
-        self._step_ids = itertools.count(1)
-        self._last_result_at = 0.0
-        self._last_submit_at = self._burst_started_at = 0.0
-        self._backlog = WorkerBacklog()
-        # Outputs of the last answer delivered after the next send: (output, its grammar already advanced). While
-        # late masks are due, only the grammars of their requests are on the path from an answer to that send.
-        self._deferred: list[tuple[object, bool]] = []
+        self._pipeline = StepPipeline(self._requests, planner)  # the steps on the worker's step stream
+        self._results = StepResults(self, self._requests)  # their answers, applied
         # The static table looks up each step's input tokens, which a pipeline has not seen yet.
         self._depth = 1 if planner is not None else config.pipeline_depth
         self._num_constrained = 0  # requests with a grammar: while any runs, at most two steps are in flight
@@ -151,12 +111,6 @@ class BatchingLoop:
         """The scheduler: steps run only once _configure made it (it stays for the next connection)."""
         assert self.scheduler is not None, "no scheduler: the loop steps only once the worker's info came"
         return self.scheduler
-
-    @property
-    def _open_stream(self) -> StepStream:
-        """The step stream: open while the worker is ready (_connect opens it, a worker failure closes it)."""
-        assert self._stream is not None, "no step stream: the loop steps only while the worker is ready"
-        return self._stream
 
     # ---- requests ----
     def submit(
@@ -215,9 +169,7 @@ class BatchingLoop:
         )
         self._requests[seq_id] = state
         self._num_constrained += state.matcher is not None
-        if now - self._last_submit_at > ARRIVAL_QUIET_S:
-            self._burst_started_at = now
-        self._last_submit_at = now
+        self._pipeline.arrived(now)
         self.hooks.on_admitted(state)
         self._idle.clear()
         self._wake.set()
@@ -245,6 +197,10 @@ class BatchingLoop:
     def fail(self, seq_id: int, error: RouterError | InvalidRequestError) -> None:
         outcome = error.code.name.lower() if isinstance(error, RouterError) else "invalid_argument"
         self._end(seq_id, error, outcome, FinishReason.ERROR)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> None:
+        """Ends a request whose last Delta is on its queue."""
+        self._end(seq_id, None, "ok", reason)
 
     def _end(
         self, seq_id: int, error: RouterError | InvalidRequestError | None, outcome: str, reason: FinishReason
@@ -308,71 +264,42 @@ class BatchingLoop:
         has room, a new arrival (or a cancel) wakes the loop to schedule it instead of waiting."""
         self._wake.clear()
         if self._requests and (ready := self._readiness.answer()) is not None and ready == self.is_worker_draining:
-            self._worker_readiness(ready)  # asked while requests run (idle, _idle_wait asks)
+            self.worker_readiness_changed(ready)  # asked while requests run (idle, _idle_wait asks)
         # The stream ended with nothing in flight (its end woke us): reconnect now, not on the next request's step.
-        if not self._in_flight and (lost := await self._open_stream.end_error()) is not None:
+        if not self._pipeline and (lost := await self._pipeline.stream.end_error()) is not None:
             raise lost
         try:
             await self._fill_pipeline()
         finally:
-            self._deliver_deferred()
-        if not self._in_flight:
+            self._results.deliver_deferred()
+        if not self._pipeline:
             await self._idle_wait()
             return
-        if self._receiving is None:
-            self._receiving = asyncio.ensure_future(self._open_stream.receive())
-        waiting = {self._receiving}
-        if len(self._in_flight) < self._pipeline_limit:
+        receiving = self._pipeline.receiving()
+        waiting: set[asyncio.Future] = {receiving}
+        if len(self._pipeline) < self._pipeline_limit:
             waiting.add(asyncio.ensure_future(self._wake.wait()))
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        for future in waiting - {self._receiving}:
+        for future in waiting - {receiving}:
             future.cancel()
-        if not self._receiving.done():
+        if not receiving.done():
             return
-        receiving, self._receiving = self._receiving, None
         try:
-            response = receiving.result()
+            sent, response = self._pipeline.answer()
         except grpc.aio.AioRpcError as e:  # the steps in flight are the batch the worker failed
-            self._on_worker_failure(e, {r for sent in self._in_flight for r in sent.step.num_scheduled_tokens})
+            self._on_worker_failure(e, self._pipeline.in_flight_ids())
             return
-        sent = self._in_flight.popleft()
-        # a refused step ran no prompt work: it teaches no pace (its quick answer would plant a near-zero one)
-        prompt_tokens = 0 if response.step_error else sent.step.num_prompt_tokens
-        worker_s = response.timings.total_ms / 1e3
-        self._backlog.answered(sent.started, prompt_tokens, time.monotonic(), worker_s)
-        self._apply(sent, response)
-
-    async def _await_arrivals(self) -> None:
-        """While a step runs on the worker and requests are arriving, wait for the burst to pause (at most
-        ARRIVAL_WINDOW_S after it began, and never past the running step's answer) before scheduling the next
-        step. Requests arriving after a step is scheduled wait for the one after it: without this, 16 clients
-        arriving within a few milliseconds split over two steps, and with a shared prefix the late ones start a
-        step later. The worker is busy meanwhile, so the wait costs no device time unless that step is shorter.
-        Behind a long prefill (a 2,048-token prompt runs for 15 ms on an H200) the wait stretches to what that
-        work leaves, with a longer quiet period (router_service/worker_backlog.py)."""
-        if self._receiving is None:
-            self._receiving = asyncio.ensure_future(self._open_stream.receive())
-        prompts = ((sent.started, sent.step.num_prompt_tokens) for sent in self._in_flight)
-        window_end, quiet_s = self._backlog.arrival_wait(
-            prompts, self._burst_started_at + ARRIVAL_WINDOW_S, ARRIVAL_QUIET_S
-        )
-        while not self._receiving.done():
-            now = time.monotonic()
-            quiet_at = self._last_submit_at + quiet_s
-            if now >= quiet_at or now >= window_end:
-                return
-            await asyncio.wait({self._receiving}, timeout=min(quiet_at, window_end) - now)
+        self._results.apply(sent, response, late_masks_due=bool(self._pipeline.late_ids))
 
     async def _fill_pipeline(self) -> None:
-        while len(self._in_flight) < self._pipeline_limit:
-            if self._in_flight:
-                if not self._in_flight[-1].late_ids:  # a step waiting for late masks would stall until this send
-                    self._deliver_deferred()  # no masks due: what was held for them goes before the wait
-                    await self._await_arrivals()
+        while len(self._pipeline) < self._pipeline_limit:
+            if self._pipeline:
+                if not self._pipeline.late_ids:  # a step waiting for late masks would stall until this send
+                    self._results.deliver_deferred()  # no masks due: what was held for them goes before the wait
+                    await self._pipeline.await_arrivals()
                 # The worker failed the stream meanwhile: apply that first. A send on the ended stream would report
                 # a lost worker (UNAVAILABLE to all) instead of the failed step's error to its requests.
-                receiving = self._receiving
-                if receiving is not None and receiving.done() and (receiving.cancelled() or receiving.exception()):
+                if self._pipeline.has_failed():
                     return
             now = time.monotonic()
             step = self._ready_scheduler.schedule(now)
@@ -385,20 +312,12 @@ class BatchingLoop:
                 queue = f"waited in the queue longer than queue_timeout_s={self.config.queue_timeout_s:g}"
                 self.fail(seq_id, DeadlineExceeded(queue, reason="QUEUE_TIMEOUT"))
             self._report_prefix_cache()
-            late = self._late_masks()
+            late = self._pipeline.late_masks()
             if step.is_empty and not (step.free_ids or step.evict_block_ids or step.sequence_blocks or late):
                 return
             await self._send(step, late)
             if step.is_empty:  # frees only: nothing else could be scheduled
                 return
-
-    def _late_masks(self) -> dict[int, bytes] | None:
-        """The masks the step sent last still waits for (None: none), now that the tokens before them are back:
-        they go with the next message, whatever it carries. A request gone since (a late stop, a cancel) is freed
-        by that message and needs none."""
-        if not self._in_flight or not self._in_flight[-1].late_ids:
-            return None
-        return masks_of(self._in_flight[-1].late_ids, self._requests, self.info.vocab_size if self.info else 0) or None
 
     async def _send(self, step: ScheduledStep, late_masks: dict[int, bytes] | None = None) -> None:
         started = time.monotonic()
@@ -409,76 +328,7 @@ class BatchingLoop:
                 scheduled = self._ready_scheduler.requests.get(state.seq_id)
                 state.num_cached_tokens = scheduled.num_cached_tokens if scheduled is not None else 0
                 self.hooks.on_scheduled(state, started)
-        # One CLIENT span per step, linked to its members' request spans; its context travels in the step,
-        # so the worker's step span is its child.
-        span = get_tracer().start_span(
-            step.kind,
-            kind=trace.SpanKind.CLIENT,
-            links=links_from_contexts(s.span_context for s in states),
-            attributes={
-                COLIBRI_STEP_KIND: step.kind,
-                COLIBRI_BATCH_SIZE: len(step.num_scheduled_tokens),
-                COLIBRI_BATCH_TOKENS: step.num_tokens,
-            },
-        )
-        routing_plan = self.planner.routing_plan(step) if self.planner is not None and not step.is_empty else None
-        late_ids = late_mask_ids(step, self._requests) if self._constraints is not None else ()
-        vocab = self.info.vocab_size if self.info else 0
-        request = wire.step_request(
-            step, next(self._step_ids), routing_plan, step_masks(step, self._requests, vocab, late_ids), late_masks
-        )
-        request.trace_context.update(inject_metadata(trace.set_span_in_context(span)))
-        self._in_flight.append(_InFlight(step, request.step_id, started, span, late_ids))
-        await self._open_stream.send(request)
-
-    def _apply(self, sent: _InFlight, response) -> None:
-        sent.span.end()
-        if response.step_id != sent.step_id:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.INTERNAL,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                f"step stream out of order: got step {response.step_id}, expected {sent.step_id}",
-            )
-        step = sent.step
-        if step.is_empty:  # frees, evictions, registrations of blocks steps already sent write: nothing to deliver
-            return self._ready_scheduler.settle_empty(step, bool(response.step_error))
-        if response.step_error:  # the worker refused the whole step: its requests fail, the rest go on
-            log.error("worker refused step %d: %s", sent.step_id, response.step_error)
-            self._ready_scheduler.refused(step)
-            for seq_id in step.num_scheduled_tokens:
-                if seq_id in self._requests:
-                    self.fail(seq_id, GenerationFailed("the worker refused the step", reason="STEP_REFUSED"))
-            return
-        outputs = self._ready_scheduler.update(step, wire.request_outputs(response))
-        worker_ms = response.timings.total_ms
-        # A pipelined step waits on the worker behind the one ahead of it: its round trip starts when both it
-        # was sent and the previous result was back, so the transport metric stays transport, not queueing.
-        now = time.monotonic()
-        began, self._last_result_at = max(sent.started, self._last_result_at), now
-        self.hooks.on_step(
-            step.kind,
-            len(step.num_scheduled_tokens),
-            step.num_tokens,
-            now - began,
-            worker_ms / 1000 if worker_ms > 0 else None,
-            self._ready_scheduler.num_running,
-            self._ready_scheduler.num_waiting,
-            len(self._requests),
-        )
-        late_masks_due = bool(self._in_flight and self._in_flight[-1].late_ids)
-        now, later, failed = split_for_late_masks(outputs, self._requests, late_masks_due)
-        for seq_id, error in failed:
-            self.fail(seq_id, error)
-        for out, grammar_advanced in now:
-            self._deliver(out, grammar_advanced)
-        self._deferred += later
-
-    def _deliver_deferred(self) -> None:
-        """The outputs `_apply` held back so the next message (with the late masks) left first, in order."""
-        deferred, self._deferred = self._deferred, []
-        for out, grammar_advanced in deferred:
-            self._deliver(out, grammar_advanced)
+        await self._pipeline.send(step, states, late_masks, self._constraints is not None, started)
 
     async def _idle_wait(self) -> None:
         if not self._requests:
@@ -493,37 +343,11 @@ class BatchingLoop:
                     grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker reports not ready"
                 ) from None
             if self.is_worker_draining:
-                self._worker_readiness(True)
-
-    def _deliver(self, out, grammar_advanced: bool = False) -> None:
-        state = self._requests.get(out.request_id)
-        if state is None:
-            return
-        try:
-            delta = output_delta(state, out, self.hooks.on_token, grammar_advanced)
-        except Exception:  # this request's text failed (the tokenizer library on ids it cannot decode): it alone
-            log.exception("delivering a token failed", extra={"request_id": state.request_id})
-            delta = GenerationFailed("internal router error")
-        if not isinstance(delta, Delta):
-            if isinstance(delta, Unavailable) and delta.reason == "DRAINING" and not self.is_worker_draining:
-                self._worker_readiness(False)
-            self.fail(state.seq_id, delta)
-            return
-        state.queue.put_nowait(delta)
-        if delta.finish_reason is not None:
-            self._end(state.seq_id, None, "ok", delta.finish_reason)
+                self.worker_readiness_changed(True)
 
     def _close_stream(self) -> None:
         self._readiness.close()
-        for sent in self._in_flight:
-            sent.span.end()
-        self._in_flight.clear()
-        if self._receiving is not None:
-            self._receiving.cancel()
-            self._receiving = None
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        self._pipeline.close()
 
     def _fail_all(self, error_for) -> None:
         for seq_id in list(self._requests):
@@ -547,7 +371,7 @@ class BatchingLoop:
         self.is_worker_ready = self.is_worker_draining = False
         self.hooks.on_worker_state(False)
 
-    def _worker_readiness(self, ready: bool) -> None:
+    def worker_readiness_changed(self, ready: bool) -> None:
         """The worker's readiness changed while its stream runs. Draining (its SIGTERM) or wedged, it takes no new
         sequence: readiness turns NOT_SERVING and new requests are refused at once, while those in flight step on
         until the stream ends (or the worker is ready again)."""
@@ -568,8 +392,9 @@ class BatchingLoop:
         if info is None:
             return
         self._configure(info)
-        self._stream = self.worker.open_step_stream()
-        self._stream.on_end(self._wake.set)
+        stream = self.worker.open_step_stream()
+        stream.on_end(self._wake.set)
+        self._pipeline.open(stream, info.vocab_size)
         self.is_worker_ready = True
         log.info(
             "worker ready: %s %s, %d KV blocks of %d tokens",
@@ -583,7 +408,6 @@ class BatchingLoop:
     def _configure(self, info) -> None:
         self.info = info
         self.scheduler = Scheduler(scheduler_limits(self.config, info), prefix_index(self.config, info))
-        self._backlog = WorkerBacklog()  # another worker (or the same one restarted) has its own pace
         self.limits = model_limits(info, self.generation_defaults, self.tokenizer is not None)
         self._constraints = kept_compiler(self._constraints, self.limits)  # built again if its vocabulary changed
 

@@ -74,7 +74,7 @@ def serve(worker, model, requests, depth: int, monkeypatch) -> tuple[list, int, 
         sent_late.append(bool(request.late_token_masks))
         loop = loops[0]
         if any(state.matcher is not None for state in loop._requests.values()):
-            assert len(loop._in_flight) < 2, "a third step in flight while a constrained request runs"
+            assert len(loop._pipeline) < 2, "a third step in flight while a constrained request runs"
         return request
 
     monkeypatch.setattr(wire, "step_request", counting)

@@ -85,13 +85,13 @@ def test_held_back_outputs_do_not_wait_through_an_arrival_wait(tokenizer):
     async def main():
         loop, w = await start_loop(tokenizer, pipeline_depth=3)
         held_at_wait = []
-        wait = loop._await_arrivals
+        wait = loop._pipeline.await_arrivals
 
         async def recording_wait():
-            held_at_wait.append(len(loop._deferred))
+            held_at_wait.append(len(loop._results._deferred))
             await wait()
 
-        loop._await_arrivals = recording_wait
+        loop._pipeline.await_arrivals = recording_wait
         submit(loop, [b("x")], max_new_tokens=10, temperature=0, constraint=rpb.Constraint(regex="ab?"))
         submit(loop, [b("y")], max_new_tokens=10, temperature=0, ignore_eos=True)
         first = await w.next_sent(0)

@@ -122,10 +122,10 @@ def test_a_draining_worker_refusal_is_unavailable_to_the_client():
 def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
     """Requests arriving while a step runs on the worker wait for the burst to pause, then all join the next step
     (without the wait, the next step is scheduled at once and the burst spills into the one after)."""
-    from router_service import batching_loop
+    from router_service import step_pipeline
 
-    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.05 if coalesce else 0.0)
-    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 0.5)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_QUIET_S", 0.05 if coalesce else 0.0)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_WINDOW_S", 0.5)
 
     async def main():
         fake = FakeWorker(step_delay=1.0)  # the first step runs long enough for the whole burst to arrive
@@ -145,10 +145,10 @@ def test_a_step_failed_during_the_arrival_wait_fails_its_batch_not_the_next_send
     import gc
     import logging
 
-    from router_service import batching_loop
+    from router_service import step_pipeline
 
-    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.5)  # far longer than the step: the answer ends the wait
-    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 2.0)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_QUIET_S", 0.5)  # far longer than the step: the answer ends the wait
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_WINDOW_S", 2.0)
 
     async def main():
         fake = FakeWorker(step_delay=0.05)
@@ -196,17 +196,17 @@ def test_a_refused_step_fails_only_its_request_not_the_step_sent_behind_it(tiny_
     async def main():
         async with running_router(worker.address, pipeline_depth=2, max_batch_tokens=16) as (router, stub):
             loop, gate = router.batching_loop, asyncio.Event()
-            fill, apply = loop._fill_pipeline, loop._apply
+            fill, apply = loop._fill_pipeline, loop._results.apply
 
             async def gated_fill():  # nothing is scheduled until every request waits, B first
                 await gate.wait()
                 await fill()
 
-            def recording_apply(in_flight, response):
+            def recording_apply(sent, response, late_masks_due):
                 refusals.append(response.step_error)
-                apply(in_flight, response)
+                apply(sent, response, late_masks_due)
 
-            loop._fill_pipeline, loop._apply = gated_fill, recording_apply
+            loop._fill_pipeline, loop._results.apply = gated_fill, recording_apply
             b = asyncio.ensure_future(stub.Generate(ids_request(bad, max_new_tokens=4, ignore_eos=True)))
             await wait_for(lambda: loop.scheduler.num_waiting == 1)
             calls = [stub.Generate(ids_request(p, max_new_tokens=n, ignore_eos=True)) for p, n in zip(goods, lengths)]

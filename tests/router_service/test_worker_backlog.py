@@ -85,10 +85,10 @@ def test_a_spread_burst_joins_the_step_behind_a_long_prefill(monkeypatch, learne
     """Clients 30 ms apart (far past the short quiet period) arrive while a 320-token prefill runs for 0.5 s. With
     the pace learned from an earlier long prefill, the loop holds the next step until the burst pauses for the
     long quiet period, and all five join it; without a pace it schedules at once, as before."""
-    from router_service import batching_loop
+    from router_service import step_pipeline
 
-    monkeypatch.setattr(batching_loop, "ARRIVAL_QUIET_S", 0.001)
-    monkeypatch.setattr(batching_loop, "ARRIVAL_WINDOW_S", 0.005)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_QUIET_S", 0.001)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_WINDOW_S", 0.005)
     monkeypatch.setattr(worker_backlog, "ARRIVAL_QUIET_LONG_S", 0.1)
     monkeypatch.setattr(worker_backlog, "SEND_MARGIN_S", 0.05)
 
@@ -98,8 +98,8 @@ def test_a_spread_burst_joins_the_step_behind_a_long_prefill(monkeypatch, learne
             loop = router.batching_loop
             if learned:  # one 320-token prompt, one step of 0.5 s as the fake worker reports it: ~1.6 ms a token
                 await stub.Generate(ids_request([3 + i % 250 for i in range(320)], max_new_tokens=1))
-                assert loop._backlog.seconds_per_prompt_token is not None
-                await wait_for(lambda: not loop._in_flight)  # the step carrying its free has run too
+                assert loop._pipeline._backlog.seconds_per_prompt_token is not None
+                await wait_for(lambda: not loop._pipeline)  # the step carrying its free has run too
             return await burst_behind(stub, loop, [5 + i % 250 for i in range(320)], gap_s=0.03)
 
     new_per_step = asyncio.run(main())
@@ -150,7 +150,7 @@ def test_the_hold_does_not_idle_the_device_when_nothing_arrives():
         async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
             loop = router.batching_loop
             await stub.Generate(ids_request([3 + i % 250 for i in range(600)], max_new_tokens=1))  # learn a pace
-            await wait_for(lambda: not loop._in_flight)
+            await wait_for(lambda: not loop._pipeline)
             fake.device.clear()
             await stub.Generate(ids_request([5 + i % 250 for i in range(512 * 12)], max_new_tokens=1))
             return list(fake.device)
