@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from grpc_health.v1 import health, health_pb2
 
 if TYPE_CHECKING:
-    from expert_service.serving.servicer import WorkerServicer
+    from expert_service.engine.engine import Engine
 
 LIVENESS, READINESS = "colibri.liveness", "colibri.readiness"
 WORKER_SERVICE = "colibri.worker.v1.WorkerService"
@@ -181,10 +181,10 @@ class WorkerHealth:
             await asyncio.sleep(1.0)
 
 
-async def close_engine(servicer: WorkerServicer) -> None:
-    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread has ended;
-    a model thread still running (a step past the watchdog) keeps them until the process exits."""
-    engine, thread = servicer.engine, servicer.executor
+async def close_engine(engine: Engine | None, thread: ModelThread) -> None:
+    """Gives back the engine's device memory, pinned ranges and copy threads once the model thread `thread` (the
+    servicer's executor) has ended; a model thread still running (a step past the watchdog) keeps them until the
+    process exits."""
     if engine is None:
         return
     if not await asyncio.get_running_loop().run_in_executor(None, thread.join, ENGINE_CLOSE_WAIT_S):

@@ -380,7 +380,7 @@ async def serve(
             metrics_server.shutdown()
             metrics_server.server_close()
         servicer.executor.shutdown()
-        await close_engine(servicer)
+        await close_engine(servicer.engine, servicer.executor)
         if owns_provider:
             tracer_provider.shutdown()
         await settle_tasks()
