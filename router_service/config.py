@@ -356,10 +356,6 @@ class RouterConfig:
             raise ConfigError("router: tls_cert_file and tls_key_file go together (give both or neither)")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("router: tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        if self.health_port and self.health_port == self.port:
-            raise ConfigError(f"router: health_port must differ from port ({self.port})")
-        if self.http_port and self.http_port in (self.port, self.health_port):
-            raise ConfigError(f"router: http_port must differ from port and health_port ({self.http_port})")
         check_distinct_ports(
             "router: ",
             {

@@ -124,6 +124,12 @@ def test_a_config_path_that_cannot_be_read_as_text_is_one_line(tmp_path, make, m
             {"http_port": 8000, "metrics_port": 8000, "metrics_host": "0.0.0.0"},
             "router: metrics_port must differ from http_port (both 8000)",
         ),
+        (RouterConfig, {"port": 9100, "health_port": 9100}, "router: health_port must differ from port (both 9100)"),
+        (
+            RouterConfig,
+            {"health_port": 9200, "http_port": 9200},
+            "router: http_port must differ from health_port (both 9200)",
+        ),
         (WorkerConfig, {"port": 50052, "health_port": 50052}, "health_port must differ from port (both 50052)"),
         (WorkerConfig, {"health_port": 9091}, "metrics_port must differ from health_port (both 9091)"),
     ],
