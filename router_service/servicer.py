@@ -229,7 +229,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def ModelInfo(self, request, context):
         info, limits = self.batching_loop.info, self.batching_loop.limits
         if info is None or limits is None:
-            await self._abort(context, errors.Unavailable("the worker has not connected yet"), request, None)
+            error = errors.Unavailable(
+                "the worker has not connected yet", "WORKER_UNAVAILABLE", self.config.retry_after_s
+            )
+            await self._abort(context, error, request, None)
         hf = _hf_config(info.hf_config_json)
         return router_pb2.ModelInfoResponse(
             model_name=self.model_name,

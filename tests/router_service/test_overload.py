@@ -17,7 +17,7 @@ import pytest
 from common.metrics import OUTCOMES
 from common.pb import router_pb2 as rpb
 from common.pb import router_pb2_grpc
-from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
+from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 from tests.router_service.test_http_errors import AUTH, http_harness
 from tests.router_service.test_servicer import details
 
@@ -217,5 +217,24 @@ def test_every_unavailable_answer_says_when_to_retry(tmp_path):
                 await wait_for(lambda: router.batching_loop.is_worker_ready)
                 await router.drain(timeout=1.0)
                 await refused(stub, base)  # draining
+
+    asyncio.run(body())
+
+
+def test_model_info_before_the_worker_connects_says_when_to_retry():
+    """ModelInfo answered its UNAVAILABLE with reason UNAVAILABLE and a 1 s RetryInfo whatever retry_after_s said,
+    where Generate answers WORKER_UNAVAILABLE and retry_after_s."""
+
+    async def body():
+        fake = FakeWorker()
+        fake.ready = False
+        async with harness(fake, wait_ready=False, retry_after_s=3.0) as (router, _, stub, _):
+            for call in (stub.ModelInfo(rpb.ModelInfoRequest()), stub.Generate(ids_request([1], max_new_tokens=2))):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                found = details(err.value)
+                assert found["RetryInfo"].retry_delay.seconds == 3, err.value.details()
+                assert found["ErrorInfo"].reason == "WORKER_UNAVAILABLE", err.value.details()
 
     asyncio.run(body())
