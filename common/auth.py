@@ -32,8 +32,9 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 RECHECK_S = 1.0  # watched files are stat'ed at most this often
 MAX_TOKEN_FILE_BYTES = 64 * 1024
-# An exempt method's (health, reflection) request must arrive within this long: callers without a token must not
-# hold places of the server's concurrent-call limit by sending headers and no message.
+# An exempt unary-request method's (health's Check and Watch) request must arrive within this long: callers without
+# a token must not hold places of the concurrent-call limit by sending headers and no message. Request streams
+# (reflection) are not bounded: they may idle between messages anyway.
 EXEMPT_REQUEST_TIMEOUT_S = 10.0
 
 
