@@ -42,10 +42,12 @@ class StopSignals:
 
     def attach(self, loop: asyncio.AbstractEventLoop, callback: Callable[[int], None]) -> None:
         """`callback(signum)` runs on `loop` for every signal from now on, and soon for those kept before."""
-        held, self._held = self._held, []
+        # The loop first, then the kept ones: a signal arriving meanwhile (its handler runs between any two bytecodes)
+        # is kept behind them while any are left, else handed over, so none is lost and the order holds.
         self._loop, self._callback = loop, callback
-        for signum in held:
-            loop.call_soon(callback, signum)
+        while self._held:
+            loop.call_soon(callback, self._held[0])
+            del self._held[0]
 
     def ignore(self) -> None:
         """The exit status is decided: SIGTERM and SIGINT are ignored until the process exits."""
@@ -56,7 +58,7 @@ class StopSignals:
 
     def _on_signal(self, signum: int, _frame) -> None:
         loop, callback = self._loop, self._callback
-        if loop is None or callback is None:
+        if loop is None or callback is None or self._held:
             self._held.append(signum)
             return
         # call_soon_threadsafe also wakes the loop's selector; a loop closed meanwhile has nobody left to tell
