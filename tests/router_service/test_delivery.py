@@ -149,7 +149,7 @@ def test_a_token_whose_text_fails_fails_its_request_alone():
     from expert_service.tools.tiny_model import byte_tokenizer
     from router_service.tokenizer import Tokenizer
     from tests.helpers import byte_ids
-    from tests.router_service.fake_worker import FakeWorker, harness
+    from tests.router_service.fake_worker import FakeWorker, harness, wait_for
 
     class Poisoned(Tokenizer):
         def detokenizer(self, prompt_ids):
@@ -163,7 +163,7 @@ def test_a_token_whose_text_fails_fails_its_request_alone():
         async with harness(fake, tokenizer=Poisoned(byte_tokenizer())) as (router, _, stub, _):
             params = rpb.SamplingParameters(max_new_tokens=30, ignore_eos=True)
             good = asyncio.ensure_future(stub.Generate(rpb.GenerateRequest(text="ok", parameters=params)))
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: router.batching_loop.num_active == 1)  # in flight when the bad token comes
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(rpb.GenerateRequest(text="!bad", parameters=params))
             assert e.value.code() == grpc.StatusCode.INTERNAL
