@@ -376,6 +376,8 @@ class BatchingLoop:
         sequence: readiness turns NOT_SERVING and new requests are refused at once, while those in flight step on
         until the stream ends (or the worker is ready again)."""
         self.is_worker_draining = not ready
+        if not ready:  # a probe asked before the worker drained would answer "ready" and undo this
+            self._readiness.close()
         if ready:
             log.info("the worker at %s is ready again", self.worker.address)
         else:

@@ -15,6 +15,7 @@ import grpc
 from common.errors import InvalidRequestError
 from common.pb import worker_pb2
 from router_service import wire
+from router_service.config import RouterConfig
 from router_service.delivery import output_delta, split_for_late_masks
 from router_service.errors import GenerationFailed, RouterError, Unavailable
 from router_service.observability import BatchingLoopHooks
@@ -28,6 +29,7 @@ log = logging.getLogger("colibri.router.batching_loop")
 class _Loop(Protocol):
     """What applying an answer asks of the batching loop that sent the step."""
 
+    config: RouterConfig
     hooks: BatchingLoopHooks
     scheduler: Scheduler | None
     is_worker_draining: bool
@@ -116,8 +118,10 @@ class StepResults:
             log.exception("delivering a token failed", extra={"request_id": state.request_id})
             delta = GenerationFailed("internal router error")
         if not isinstance(delta, Delta):
-            if isinstance(delta, Unavailable) and delta.reason == "DRAINING" and not self._loop.is_worker_draining:
-                self._loop.worker_readiness_changed(False)
+            if isinstance(delta, Unavailable) and delta.reason == "DRAINING":
+                delta.retry_after_s = self._loop.config.retry_after_s  # the worker's refusal knows no router setting
+                if not self._loop.is_worker_draining:
+                    self._loop.worker_readiness_changed(False)
             self._loop.fail(state.seq_id, delta)
             return
         state.queue.put_nowait(delta)

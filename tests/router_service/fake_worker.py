@@ -54,6 +54,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.max_queued = 0  # most step-stream requests received and not yet answered
         self.open_streams = 0  # step-stream handlers still running (the harness lets them end before stopping)
         self.draining = False  # new sequences on the step stream get DRAINING, as a signalled worker answers
+        self.health_delay = 0.0  # Health answers this late, with the readiness it had when asked
+        self.health_in_flight = 0
         self.sampling: dict[int, pb.SamplingParams] = {}
         self.step_started = asyncio.Event()
 
@@ -80,7 +82,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Health(self, request, context):
-        return pb.HealthResponse(ready=self.ready)
+        ready = self.ready
+        self.health_in_flight += 1
+        try:
+            await asyncio.sleep(self.health_delay)
+        finally:
+            self.health_in_flight -= 1
+        return pb.HealthResponse(ready=ready)
 
     async def Warmup(self, request, context):
         self.calls.append("Warmup")

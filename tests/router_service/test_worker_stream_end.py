@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.pb import worker_pb2
 from router_service.worker_client import BROKEN_CALL, StepStream
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
+from tests.router_service.test_servicer import details
 
 
 class EndsAfterOneStep(FakeWorker):
@@ -132,5 +133,31 @@ def test_a_draining_worker_turns_the_router_not_ready_at_once_while_its_streams_
             await wait_for(lambda: not router.batching_loop.is_worker_draining, timeout=5.0)
             assert await _readiness(channel) == health_pb2.HealthCheckResponse.SERVING
             assert (await stub.Generate(ids_request([4], max_new_tokens=2))).generated_tokens == 2
+
+    asyncio.run(main())
+
+
+def test_a_health_answer_asked_before_the_worker_drained_does_not_undo_its_refusal():
+    """A probe asked while the worker was still ready can land after a sequence was refused DRAINING: that stale
+    "ready" must not turn the router SERVING again and send it new requests to refuse. The refusal says when to
+    retry as the router's retry_after_s does."""
+
+    async def main():
+        fake = FakeWorker(step_delay=0.01)
+        fake.health_delay = 0.8
+        async with harness(fake, retry_after_s=3.0) as (router, fake, stub, channel):
+            held = stub.GenerateStream(ids_request([1], max_new_tokens=600))
+            await held.read()
+            await wait_for(lambda: fake.health_in_flight > 0, timeout=5.0)  # a probe asked while ready
+            fake.draining, fake.ready = True, False
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(ids_request([2], max_new_tokens=2))
+            assert details(refused.value)["RetryInfo"].retry_delay.seconds == 3  # the router's retry_after_s
+            await wait_for(lambda: router.batching_loop.is_worker_draining, timeout=3.0)
+            deadline = asyncio.get_running_loop().time() + 1.5  # past the stale probe's answer, and a fresh one
+            while asyncio.get_running_loop().time() < deadline:
+                assert router.batching_loop.is_worker_draining, "a stale health answer turned the router SERVING"
+                await asyncio.sleep(0.02)
+            held.cancel()
 
     asyncio.run(main())
