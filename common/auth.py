@@ -32,10 +32,11 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 RECHECK_S = 1.0  # watched files are stat'ed at most this often
 MAX_TOKEN_FILE_BYTES = 64 * 1024
-# An exempt unary-request method's (health's Check and Watch) request must arrive within this long: callers without
-# a token must not hold places of the concurrent-call limit by sending headers and no message. Request streams
-# (reflection) are not bounded: they may idle between messages anyway.
+# Callers without a token must not fill the concurrent-call limit through the exempt methods: a unary request
+# (health's Check and Watch) must arrive within EXEMPT_REQUEST_TIMEOUT_S, and at most EXEMPT_STREAMS_MAX of their
+# streams (health Watch, reflection) are open at once (a client-side health check holds one per connection).
 EXEMPT_REQUEST_TIMEOUT_S = 10.0
+EXEMPT_STREAMS_MAX = 8
 
 
 def _stamp(path: str) -> tuple | None:
@@ -158,21 +159,64 @@ class Refusal:
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without an accepted token with `refusal`, at once: before its body is parsed, or even
-    received. Methods under `exempt` (health: probes carry no token) pass, their request bounded in time
-    (EXEMPT_REQUEST_TIMEOUT_S). Install it first, so that no other interceptor sees the call."""
+    received. Methods under `exempt` (health: probes carry no token) pass without one, their request bounded in
+    time (EXEMPT_REQUEST_TIMEOUT_S) and their streams (health Watch, reflection) in number (EXEMPT_STREAMS_MAX), so
+    that callers without a token cannot fill the server's concurrent-call limit. Install it first, so that no
+    other interceptor sees the call."""
 
     def __init__(self, tokens: TokenSet, refusal: Refusal, exempt: tuple[str, ...] = (HEALTH_PREFIX,)):
         self.tokens, self.refusal, self.exempt = tokens, refusal, exempt
+        self.open_exempt_streams = 0
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        if handler_call_details.method.startswith(self.exempt):
-            return _request_in_time(handler, EXEMPT_REQUEST_TIMEOUT_S)
         if self.tokens.accepts(authorization(handler_call_details.invocation_metadata)):
             return handler
+        if handler_call_details.method.startswith(self.exempt):
+            return self._bounded(_request_in_time(handler, EXEMPT_REQUEST_TIMEOUT_S))
         return _refusing(handler, self.refusal)
+
+    def _bounded(self, handler):
+        """A stream-stream `handler` (an exempt stream) holding one of EXEMPT_STREAMS_MAX places while it runs;
+        past them RESOURCE_EXHAUSTED at once. Others as they are."""
+        if not (handler.request_streaming and handler.response_streaming):
+            return handler
+
+        async def stream(requests, context):
+            if self.open_exempt_streams >= EXEMPT_STREAMS_MAX:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{EXEMPT_STREAMS_MAX} health or reflection streams without a token are open; send the token, "
+                    "or watch the health port",
+                )
+            self.open_exempt_streams += 1
+            try:
+                async for response in _relay(handler.stream_stream(requests, context)):
+                    yield response
+            finally:
+                self.open_exempt_streams -= 1
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
+
+
+async def _relay(responses):
+    """The responses of a streaming handler's result: an async or plain iterator, or (a handler that writes with
+    context.write) an awaitable whose end ends the stream."""
+    if inspect.isawaitable(responses):
+        await responses
+        return
+    if hasattr(responses, "__aiter__"):
+        async for response in responses:
+            yield response
+    else:
+        for response in responses or ():
+            yield response
 
 
 def _refusing(handler, refusal: Refusal):
@@ -191,15 +235,17 @@ def _refusing(handler, refusal: Refusal):
 
 def _request_in_time(handler, timeout_s: float):
     """`handler` with its unary request read as a stream that must deliver it within timeout_s (else the call
-    ends DEADLINE_EXCEEDED); request-streaming handlers are returned as they are."""
+    ends DEADLINE_EXCEEDED; INVALID_ARGUMENT when it ends with none); request-streaming handlers as they are."""
     if handler.request_streaming:
         return handler
 
     async def first_request(requests, context):
         try:
             return await asyncio.wait_for(anext(requests), timeout_s)
-        except (TimeoutError, StopAsyncIteration):
+        except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout_s:g} s")
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,
@@ -208,16 +254,8 @@ def _request_in_time(handler, timeout_s: float):
     if handler.response_streaming:
 
         async def stream(requests, context):
-            responses = handler.unary_stream(await first_request(requests, context), context)
-            if inspect.isawaitable(responses):  # a handler that writes with context.write and returns
-                await responses
-                return
-            if hasattr(responses, "__aiter__"):
-                async for response in responses:
-                    yield response
-            else:
-                for response in responses or ():
-                    yield response
+            async for response in _relay(handler.unary_stream(await first_request(requests, context), context)):
+                yield response
 
         return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
 

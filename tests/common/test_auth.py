@@ -223,3 +223,53 @@ def test_the_health_service_answers_through_the_exempt_wrapper():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_streams_without_the_token_are_bounded_in_number(monkeypatch):
+    """Health Watch needs no token, and each open Watch holds a place of the server's concurrent-call limit: callers
+    without the token get EXEMPT_STREAMS_MAX of them at once, then RESOURCE_EXHAUSTED; with the token, as any
+    call. A Watch that ends gives its place back; a call that ends without its request is INVALID_ARGUMENT."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    monkeypatch.setattr(auth, "EXEMPT_STREAMS_MAX", 2)
+    token = (("authorization", f"Bearer {TOKEN}"),)
+
+    async def main():
+        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub, request = health_pb2_grpc.HealthStub(channel), health_pb2.HealthCheckRequest()
+                watches = [stub.Watch(request, timeout=20) for _ in range(2)]
+                for watch in watches:
+                    assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                extra = stub.Watch(request, timeout=20)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await extra.read()
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+                trusted = stub.Watch(request, metadata=token, timeout=20)
+                assert (await trusted.read()).status == health_pb2.HealthCheckResponse.SERVING
+                assert (await stub.Check(request, timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
+                watches[0].cancel()
+                for _ in range(100):  # the server sees the cancel a moment later
+                    again = stub.Watch(request, timeout=20)
+                    try:
+                        assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("an ended Watch never gave its place back")
+                empty = channel.stream_unary("/grpc.health.v1.Health/Check")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await empty(iter(()), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                for call in (watches[1], trusted, again):
+                    call.cancel()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
