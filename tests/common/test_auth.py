@@ -6,6 +6,7 @@ before it was answered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -198,29 +199,38 @@ def test_an_exempt_methods_request_must_arrive_in_time(monkeypatch):
     serve(worker_interceptors(TokenSet(token=TOKEN)), parser, check, health, names)
 
 
+@contextlib.asynccontextmanager
+async def health_server():
+    """grpc_health's servicer behind the worker's chain with a token: (its servicer, a channel to it)."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield servicer, channel
+    finally:
+        await server.stop(0)
+
+
 def test_the_health_service_answers_through_the_exempt_wrapper():
     """grpc_health's servicer (Check returns, Watch writes with context.write) behind a chain with tokens: no token
     needed, Check answers and Watch streams each change."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     async def main():
-        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1
-                watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
-                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-                await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-                assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
-                watch.cancel()
-        finally:
-            await server.stop(0)
+        async with health_server() as (servicer, channel):
+            await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == 1
+            watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
 
     asyncio.run(main())
 
@@ -229,47 +239,39 @@ def test_streams_without_the_token_are_bounded_in_number(monkeypatch):
     """Health Watch needs no token, and each open Watch holds a place of the server's concurrent-call limit: callers
     without the token get EXEMPT_STREAMS_MAX of them at once, then RESOURCE_EXHAUSTED; with the token, as any
     call. A Watch that ends gives its place back; a call that ends without its request is INVALID_ARGUMENT."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     monkeypatch.setattr(auth, "EXEMPT_STREAMS_MAX", 2)
     token = (("authorization", f"Bearer {TOKEN}"),)
 
     async def main():
-        server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub, request = health_pb2_grpc.HealthStub(channel), health_pb2.HealthCheckRequest()
-                watches = [stub.Watch(request, timeout=20) for _ in range(2)]
-                for watch in watches:
-                    assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-                extra = stub.Watch(request, timeout=20)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await extra.read()
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-                trusted = stub.Watch(request, metadata=token, timeout=20)
-                assert (await trusted.read()).status == health_pb2.HealthCheckResponse.SERVING
-                assert (await stub.Check(request, timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
-                watches[0].cancel()
-                for _ in range(100):  # the server sees the cancel a moment later
-                    again = stub.Watch(request, timeout=20)
-                    try:
-                        assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
-                        break
-                    except grpc.aio.AioRpcError:
-                        await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("an ended Watch never gave its place back")
-                empty = channel.stream_unary("/grpc.health.v1.Health/Check")
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await empty(iter(()), timeout=10)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
-                for call in (watches[1], trusted, again):
-                    call.cancel()
-        finally:
-            await server.stop(0)
+        async with health_server() as (_, channel):
+            stub, request = health_pb2_grpc.HealthStub(channel), health_pb2.HealthCheckRequest()
+            watches = [stub.Watch(request, timeout=20) for _ in range(2)]
+            for watch in watches:
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            extra = stub.Watch(request, timeout=20)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await extra.read()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+            trusted = stub.Watch(request, metadata=token, timeout=20)
+            assert (await trusted.read()).status == health_pb2.HealthCheckResponse.SERVING
+            assert (await stub.Check(request, timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
+            watches[0].cancel()
+            for _ in range(100):  # the server sees the cancel a moment later
+                again = stub.Watch(request, timeout=20)
+                try:
+                    assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("an ended Watch never gave its place back")
+            empty = channel.stream_unary("/grpc.health.v1.Health/Check")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await empty(iter(()), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            for call in (watches[1], trusted, again):
+                call.cancel()
 
     asyncio.run(main())
