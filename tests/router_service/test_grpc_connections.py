@@ -135,7 +135,10 @@ def test_an_idle_connection_gives_its_place_back_and_its_client_reconnects(monke
             assert code == grpc.StatusCode.OK
             # no call: the router sends it GOAWAY and the place frees
             assert await served_within(router.port, 10.0)
-            answer = await health_pb2_grpc.HealthStub(idle).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            # its client reconnects on its next call; the probe's connection above may not be seen closed yet (the
+            # cap is 1), so the call waits for the channel to be ready rather than failing on one refused attempt
+            stub = health_pb2_grpc.HealthStub(idle)
+            answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=15, wait_for_ready=True)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
             await idle.close()
 
