@@ -36,7 +36,6 @@ from expert_service.cuda.device_memory import (
     check_device_memory,
     kv_pool_shape,
     out_of_memory_as_error,
-    plan_workspace,
 )
 from expert_service.cuda.driver import Event, GraphCache, HostBreaks, check, device_address, non_blocking_stream
 from expert_service.cuda.linear import DeviceLinear
@@ -119,8 +118,8 @@ class CudaDecoder:
         self.max_blocks_per_seq = blocks_per_sequence(cfg, self.num_blocks, self.block_size)
         self.moe_layers = cfg.moe_layers
         self.planned_routing = config.routing is RoutingMode.LUT  # each step routes by its plan (routed_ids)
-        # the layout the memory check planned with, now from the weights on the device
-        workspace = plan_workspace(self.strategies, config, self.kv_dtype, self.max_blocks_per_seq, cached)
+        # laid out by the memory check from the model directory's expert facts, the ones DeviceWeights took
+        workspace = self.device_plan.workspace
         self.workspace_layout, self.workspace_cached_grouped = workspace.layout, workspace.cached_grouped
         self.workspace_w8a8_min_rows, self.workspace_shared_members = workspace.w8a8_min_rows, workspace.shared_members
         # what the workspace was laid out for: set_options refuses options that reach another strategy

@@ -1,8 +1,8 @@
 """The device memory a cuda engine plans, checked against what the GPU has free before anything is allocated.
 
 `check_device_memory` adds up what CudaDecoder will allocate -- the dense weights (dense.bin), the resident experts
-or the expert cache's slots, the two KV pools and the workspace (laid out on the host: `plan_workspace`, the same
-function the decoder lays its own out with) -- and refuses, in one line naming the settings to lower, a plan larger
+or the expert cache's slots, the two KV pools and the workspace (laid out on the host by `plan_workspace`: the
+layout the decoder then allocates) -- and refuses, in one line naming the settings to lower, a plan larger
 than the device's free memory. What the CUDA runtime takes beside the plan (kernel modules, cuBLAS's handle, CUDA
 graphs, the small buffers of the expert cache) is left out, so only a clear misfit is refused; the context is made
 before free memory is read. An out-of-memory error while the engine loads or warms up anyway becomes the same kind
@@ -144,10 +144,12 @@ class PlanItem:
 
 @dataclass(frozen=True, slots=True)
 class DevicePlan:
-    """What an engine will allocate, item by item, beside the device memory measured before it does."""
+    """What an engine will allocate, item by item, beside the device memory measured before it does; and the
+    workspace layout it allocates."""
 
     items: tuple[PlanItem, ...]
     memory: DeviceMemory
+    workspace: WorkspacePlan
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +227,7 @@ def plan_device_memory(
             "lower max_batch_tokens / max_batch_size",
         ),
     )
-    return DevicePlan(items, memory)
+    return DevicePlan(items, memory, workspace)
 
 
 def check_device_memory(
