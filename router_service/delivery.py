@@ -73,9 +73,11 @@ def output_delta(
     state.num_generated += 1
     text = ""
     if state.detokenizer is not None:
-        text, stopped = state.stops.push(state.detokenizer.step(out.token_id))
+        # As EOS and the stop ids, stop sequences count only from min_new_tokens on.
+        armed = state.num_generated >= state.req.min_new_tokens
+        text, stopped = state.stops.push(state.detokenizer.step(out.token_id), armed)
         if not stopped and reason is not None:
-            tail, stopped = state.stops.push(state.detokenizer.flush())
+            tail, stopped = state.stops.push(state.detokenizer.flush(), armed)
             text += tail + state.stops.flush()
         if stopped:
             reason = FinishReason.STOP_SEQUENCE

@@ -363,14 +363,16 @@ class StopSequenceMatcher:
         self._pending = ""
         self.stopped = False
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Adds new text; returns (text safe to emit now, whether a stop sequence completed)."""
+    def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """Adds new text; returns (text safe to emit now, whether a stop sequence completed). Not armed (the
+        request's min_new_tokens not reached yet), a stop sequence is emitted as text rather than ending the
+        sequence; one that begins before the arming and completes after it still stops it."""
         if self.stopped:
             return "", True
         if not self.stop_sequences:
             return text, False
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stop_sequences) if i >= 0]
+        hits = [i for i in (self._pending.find(s) for s in self.stop_sequences) if i >= 0] if armed else []
         if hits:
             emit, self._pending, self.stopped = self._pending[: min(hits)], "", True
             return emit, True

@@ -74,3 +74,34 @@ def test_streams_concatenate_to_the_unary_text(family):
                                 assert text == whole
 
     asyncio.run(body())
+
+
+def test_stop_strings_count_from_min_tokens_on():
+    """As EOS and the stop ids, a stop string ends the reply only once min_tokens were generated; before, one that
+    completed inside the first min_tokens ended it anyway."""
+    hf = chatml_byte_level()
+    tokenizer = Tokenizer(hf)
+    script = tokenizer.encode(REPLY, add_special_tokens=False)
+    stop = "o"
+    starts = [i for i, c in enumerate(REPLY) if c == stop]  # in "done" and "Bonjour"
+
+    def tokens_to_complete(end: int) -> int:
+        return next(t for t in range(1, len(script) + 1) if len(hf.decode(script[:t]).rstrip(REPLACEMENT)) >= end)
+
+    async def body():
+        fake = FakeWorker(vocab_size=hf.get_vocab_size(), script=script)
+        settings = dict(http_port=free_port(), max_new_tokens=512, default_max_new_tokens=512)
+        async with harness(fake, tokenizer=tokenizer, **settings) as (router, _, _, _):
+            url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+            async with aiohttp.ClientSession() as session:
+                for min_tokens in range(len(script) + 1):
+                    cut = next((p for p in starts if tokens_to_complete(p + 1) >= min_tokens), None)
+                    request = {"prompt": PROMPT, "max_tokens": len(script), "min_tokens": min_tokens, "stop": [stop]}
+                    async with session.post(url, json=request) as response:
+                        choice = (await response.json())["choices"][0]
+                    pieces, reasons = await _sse(session, url, {**request, "stream": True})
+                    expected = REPLY if cut is None else REPLY[:cut]
+                    assert choice["text"] == "".join(pieces[0]) == expected, min_tokens
+                    assert choice["finish_reason"] == reasons[0] == ("length" if cut is None else "stop")
+
+    asyncio.run(body())

@@ -227,6 +227,16 @@ def test_stop_inside_one_piece_and_no_stops():
     assert StopSequenceMatcher([]).push("anything") == ("anything", False)
 
 
+def test_a_stop_sequence_counts_only_once_armed():
+    m = StopSequenceMatcher(["ab", "xyz"])
+    assert m.push("1ab2a", armed=False) == ("1ab2", False)  # a whole stop passes; "a" may begin one
+    assert m.push("b3", armed=True) == ("", True)  # begun before the arming, completed after: stops
+    m = StopSequenceMatcher(["xyz"])
+    assert m.push("xyzx", armed=False) == ("xyz", False)
+    assert m.push("y", armed=False) == ("", False)
+    assert m.push("zq", armed=True) == ("", True)
+
+
 def test_stream_concatenation_equals_truncated_text(tokenizer):
     text = "The answer is 42.\n\nQ: next"
     detok, m = IncrementalDetokenizer(tokenizer), StopSequenceMatcher(["\n\nQ:"])
