@@ -104,7 +104,9 @@ class CudaDecoder:
         table_bytes = self.plan_lookup.table.size * 2 if self.plan_lookup is not None else 0  # uploaded as uint16
         self.device_plan = check_device_memory(model, config, slot_plan, table_bytes)  # a misfit is refused here
         self._stream_handle, self.stream = non_blocking_stream()
-        self.weights = DeviceWeights(model, self.stream, config.use_pinned_memory, load_experts=not cached)
+        self.weights = DeviceWeights(
+            model, self.stream, config.use_pinned_memory, load_experts=not cached, facts=self.device_plan.facts
+        )
         cfg = self.config
         self.kv_dtype = self.weights.dtype
         self.num_blocks, self.block_size = config.resolved_num_kv_blocks, config.kv_block_size

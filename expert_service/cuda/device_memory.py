@@ -33,7 +33,7 @@ from expert_service.cuda.moe_strategy import ModelStrategies
 from expert_service.cuda.penalties import DevicePenalties
 from expert_service.cuda.shared_prefix import shared_members
 from expert_service.cuda.token_masks import DeviceMasks
-from expert_service.cuda.weights import expert_facts
+from expert_service.cuda.weights import ExpertFacts, expert_facts
 from expert_service.cuda.workspace import layout_workspace
 from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.experts.slots import SlotPlan
@@ -150,6 +150,7 @@ class DevicePlan:
     items: tuple[PlanItem, ...]
     memory: DeviceMemory
     workspace: WorkspacePlan
+    facts: ExpertFacts  # read off the model directory once: the weights' upload takes them from here
 
     @property
     def nbytes(self) -> int:
@@ -227,7 +228,7 @@ def plan_device_memory(
             "lower max_batch_tokens / max_batch_size",
         ),
     )
-    return DevicePlan(items, memory, workspace)
+    return DevicePlan(items, memory, workspace, facts)
 
 
 def check_device_memory(

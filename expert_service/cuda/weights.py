@@ -169,10 +169,18 @@ class DeviceWeights:
     dtype, or, when any expert of the model is 8-bit (`quantized`), as uint8 [E, stride bytes] per layer with
     `expert_meta[layer]` [E, META_WIDTH] int32 on the device saying each expert's dtype and tensors."""
 
-    def __init__(self, model: ModelDir, stream, use_pinned_memory: bool = True, load_experts: bool = True):
+    def __init__(
+        self,
+        model: ModelDir,
+        stream,
+        use_pinned_memory: bool = True,
+        load_experts: bool = True,
+        facts: ExpertFacts | None = None,
+    ):
+        """facts: expert_facts(model, resident=load_experts), when the caller has read them already."""
         self.model = model
         self.config = model.config
-        facts = expert_facts(model, resident=load_experts)
+        facts = facts if facts is not None else expert_facts(model, resident=load_experts)
         self.dtype = facts.dtype
         self.uploader = HostUploader(stream, use_pinned_memory)
         dense_host = model._map(DENSE_FILE)
