@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,19 +79,31 @@ class Router:
     http_port: int = 0
     frontend: Frontend | None = None  # its chat-template render processes end with the router
 
+    worker_ready: bool = False  # the worker's last reported state (readiness also needs not draining)
+    _health_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    _health_updates: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
+
     def set_serving(self, serving: bool) -> None:
-        if self.draining:
-            return
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in READINESS:
-            asyncio.ensure_future(self.health.set(name, status))
+        """Records the worker's state; readiness follows in a task (the hook is synchronous)."""
+        self.worker_ready = serving
+        task = asyncio.ensure_future(self._publish_readiness())
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _publish_readiness(self) -> None:
+        """Sets readiness from the state as it is when the update runs, one update at a time: an update that
+        was scheduled first but runs last cannot bring back a status that is no longer true (SERVING mid-drain)."""
+        async with self._health_lock:
+            serving = self.worker_ready and not self.draining
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in READINESS:
+                await self.health.set(name, status)
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Stops admitting, waits for in-flight requests (True if all finished in time). Liveness stays SERVING:
         a draining router is alive, and must not be restarted mid-drain."""
         self.draining = True
-        for name in READINESS:
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._publish_readiness()
         self.batching_loop.start_draining()
         finished = await self.batching_loop.wait_idle(
             self.batching_loop.config.drain_timeout_s if timeout is None else timeout

@@ -245,6 +245,23 @@ def test_health_follows_worker_and_drain():
     run(main())
 
 
+def test_a_ready_worker_reported_as_the_drain_starts_leaves_readiness_not_serving():
+    """The batching loop reports the worker ready (a reconnect) and SIGTERM's drain begins before that report's
+    health update has run: the drain's NOT_SERVING is what stays, whichever update runs last."""
+
+    async def main():
+        async with harness() as (router, _, _, channel):
+            health = health_pb2_grpc.HealthStub(channel)
+            router.batching_loop.hooks.on_worker_state(True)
+            assert await router.drain(timeout=5)
+            await asyncio.sleep(0)
+            for service in ("", "colibri.readiness"):
+                status = (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING, service
+
+    run(main())
+
+
 def test_deadline_exceeded_frees_request():
     async def main():
         async with harness(FakeWorker(step_delay=0.02)) as (router, fake, stub, _):
