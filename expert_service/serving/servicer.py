@@ -94,7 +94,7 @@ class WorkerServicer:
         health.model_thread = self.executor
         self.sequence_owners: dict[int, int] = {}  # sequence id -> the session that started it
         self.open_streams = 0
-        self._stream_queues: set[asyncio.Queue] = set()  # each open stream's steps, to end it (`end_streams`)
+        self._stream_ends: set[Callable[[], None]] = set()  # each open stream's end (`end_streams`)
         self.limits: StepLimits | None = None
         self._unary: StreamSession | None = None
 
@@ -301,10 +301,19 @@ class WorkerServicer:
         queued: asyncio.Queue = asyncio.Queue()
         unanswered = asyncio.Semaphore(MAX_STEPS_AHEAD)
         tracer = get_tracer(self.tracer_provider)
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            ended = True
+            queued.put_nowait(_END)
 
         async def receive():
             try:
                 async for request in request_iterator:
+                    if ended:  # a step behind the end would run at shutdown with nobody to read its answer
+                        self._forward_late_masks(pump, request)
+                        break
                     span = tracer.start_span("step", context=extract_context(request.trace_context.items()))
                     queued.put_nowait((span, self._submit(pump, request)))
                     await unanswered.acquire()  # reads no further (gRPC flow control holds the client)
@@ -314,7 +323,7 @@ class WorkerServicer:
                 queued.put_nowait(None)
 
         self.open_streams += 1
-        self._stream_queues.add(queued)
+        self._stream_ends.add(end)
         receiver, closing = asyncio.create_task(receive()), None
         try:
             while (item := await queued.get()) is not None:
@@ -333,15 +342,29 @@ class WorkerServicer:
         finally:
             receiver.cancel()
             self.open_streams -= 1
-            self._stream_queues.discard(queued)
+            self._stream_ends.discard(end)
             # After every step it queued; the gauge shows the blocks the stream held coming back.
             (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
 
     def end_streams(self) -> None:
         """Ends every open step stream UNAVAILABLE once the steps queued ahead are answered: a server stopped with
-        streams open cancels them from gRPC's core, which the router may read as INTERNAL (a failed step)."""
-        for queued in self._stream_queues:
-            queued.put_nowait(_END)
+        streams open cancels them from gRPC's core, which the router may read as INTERNAL (a failed step). Steps
+        that arrive after are not run: the stream's end frees its sequences and cached blocks without them."""
+        for end in list(self._stream_ends):
+            end()
+
+    def _forward_late_masks(self, pump: StepPump, request: pb.StepStreamRequest) -> None:
+        """Of the first message behind a stream's end, only what the last step ahead of the end waits for: its late
+        masks (with the frees that excuse a late stop from needing one). Without them that step would hold its
+        answer until LATE_MASKS_TIMEOUT_S, past the server's stop grace. The message runs no step of its own."""
+        if request.late_mask_request_ids or request.late_token_masks:
+            masks_only = pb.StepStreamRequest(
+                step_id=request.step_id,
+                free_request_ids=request.free_request_ids,
+                late_mask_request_ids=request.late_mask_request_ids,
+                late_token_masks=request.late_token_masks,
+            )
+            self._submit(pump, masks_only)
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread; a malformed request is refused there too, in order (a step
