@@ -135,10 +135,11 @@ class _Child:
 
 
 class TemplateRenderer:
-    """Renders a ChatTemplate in up to `processes` children, each render within `timeout_s` seconds."""
+    """Renders a ChatTemplate in up to `processes` children, each render within `timeout_s` seconds; a child that
+    will not start is Unavailable with the router's `retry_after_s`, as its other Unavailable answers."""
 
-    def __init__(self, template: ChatTemplate, timeout_s: float, processes: int):
-        self.template, self.timeout_s = template, timeout_s
+    def __init__(self, template: ChatTemplate, timeout_s: float, processes: int, retry_after_s: float = 1.0):
+        self.template, self.timeout_s, self.retry_after_s = template, timeout_s, retry_after_s
         self._init = {"source": template.source, "special_tokens": template.special_tokens, "origin": template.origin}
         self._slots = asyncio.Semaphore(processes)
         self._idle: list[_Child] = []
@@ -214,7 +215,9 @@ class TemplateRenderer:
                 if isinstance(e, RendererFailed)
                 else f"the chat template renderer did not start within {START_TIMEOUT_S:g} s",
             )
-            raise errors.Unavailable("the chat template renderer could not start; retry shortly") from None
+            raise errors.Unavailable(
+                "the chat template renderer could not start; retry shortly", retry_after_s=self.retry_after_s
+            ) from None
         except BaseException:
             self._discard(child)
             raise

@@ -77,7 +77,12 @@ class Frontend:
         self.config = batching_loop.config
         self.chat_template = chat_template
         self.chat_renderer = (
-            TemplateRenderer(chat_template, self.config.chat_template_timeout_s, self.config.chat_template_processes)
+            TemplateRenderer(
+                chat_template,
+                self.config.chat_template_timeout_s,
+                self.config.chat_template_processes,
+                self.config.retry_after_s,
+            )
             if chat_template
             else None
         )

@@ -396,6 +396,32 @@ def test_a_runaway_render_is_killed_and_its_renderer_replaced(tmp_path):
     asyncio.run(body())
 
 
+def test_a_renderer_that_cannot_start_asks_for_the_routers_configured_back_off(monkeypatch, tmp_path):
+    """A render process that cannot start (here: no interpreter to run) is UNAVAILABLE with the router's
+    --retry-after-s in its RetryInfo, as the router's other UNAVAILABLE answers, not a fixed second."""
+    import sys
+
+    from router_service import errors
+    from router_service.batching_loop import BatchingLoop
+    from router_service.config import RouterConfig
+    from router_service.frontend import Frontend
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+
+    async def body():
+        loop = BatchingLoop(RouterConfig(retry_after_s=7.5), None)
+        frontend = Frontend(loop, "tiny", ChatTemplate("{{ messages[0].content }}"))
+        assert frontend.chat_renderer is not None
+        try:
+            with pytest.raises(errors.Unavailable, match="could not start") as err:
+                await frontend.chat_renderer.render(HI)
+        finally:
+            frontend.chat_renderer.close()
+        assert err.value.retry_after_s == 7.5
+
+    asyncio.run(body())
+
+
 def test_renders_of_departed_callers_keep_their_slot(tmp_path):
     """Callers that give up (a client disconnecting) do not free their renderer for the next caller while it
     still renders: never more children than `processes`, and the survivors still get their answer."""
