@@ -87,6 +87,14 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _names_literal(syntax, value: str) -> bool:
+    """Whether the parsed template holds the string literal `value` (`role == 'developer'`, `in ['system',
+    "developer"]`): the word in its text or comments ("for developers") is no code that handles the role."""
+    from jinja2 import nodes
+
+    return any(node.value == value for node in syntax.find_all(nodes.Const))
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -102,12 +110,15 @@ class ChatTemplate:
         import jinja2
 
         self.source, self.origin = source, origin
-        self.knows_developer = "developer" in source  # a template written for OpenAI's roles gets them as they are
         self.special_tokens = dict(special_tokens or {})
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            syntax = environment.parse(source)
+            self._template = environment.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ConfigError(f"chat template {origin or ''}: line {e.lineno}: {e.message}") from None
+        # a template that names the role (written for OpenAI's roles) gets developer messages as they are
+        self.knows_developer = _names_literal(syntax, "developer")
 
     @classmethod
     def load(cls, model_dir: str | Path | None, override_file: str | Path | None = None) -> ChatTemplate | None:

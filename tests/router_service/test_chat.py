@@ -209,6 +209,30 @@ def test_a_developer_message_is_a_system_message_unless_the_template_knows_the_r
     )
     assert knows.render(developer) == "D: Be brief.\nuser: Hi\n"
     assert developer[0]["role"] == "developer"  # the caller's list is left as it was
+    listed = ChatTemplate(
+        '{% for m in messages %}{% if m.role in ["system", "developer"] %}<<{{ m.role }}>>{% else %}{{ m.role }}'
+        "{% endif %}: {{ m.content }}\n{% endfor %}"
+    )
+    assert listed.render(developer) == "<<developer>>: Be brief.\nuser: Hi\n"
+
+
+@pytest.mark.parametrize(
+    "mention",
+    [
+        "{# Written by the model's developers; the 'developer' role is not supported. #}",
+        "{{ '# A prompt format for developers\n' }}",
+        "Made by developers.\n",
+    ],
+)
+def test_a_template_that_only_mentions_developers_gets_the_developer_role_as_system(mention):
+    """The word in a comment or in the template's text is not the template handling the role: it still gets
+    `developer` as `system` (a strict template would otherwise refuse every request from OpenAI's client)."""
+    strict = ChatTemplate(
+        mention + "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert strict.render(developer).endswith("system: Be brief.\nuser: Hi\n")
 
 
 def test_where_templates_come_from(tmp_path):
