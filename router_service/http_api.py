@@ -38,6 +38,7 @@ from router_service.openai_api import (
     ApiError,
     ParsedRequest,
     api_error,
+    clipped,
     envelope,
     logprobs_field,
     parse_request,
@@ -221,7 +222,7 @@ class HttpFront:
             return error_response(
                 ApiError(
                     404,
-                    f"The model `{name if len(name) <= 64 else name[:64] + '...'}` does not exist.",
+                    f"The model `{clipped(name)}` does not exist.",
                     param="model",
                     code="model_not_found",
                 )

@@ -67,6 +67,14 @@ FINISH_REASONS = {
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 MAX_CHOICES = 128  # samples one HTTP request may ask for: best_of (or n) times the prompts
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
+# An error quotes the client's field names and values, which can be as long as the body: cut, the answer stays small.
+MAX_ECHO = 64  # a name or value quoted back (a model name, a huge integer's digits)
+MAX_PARAM = 128  # a field path: `messages[12].tool_calls[3].function.arguments` is 45
+MAX_MESSAGE = 1024
+
+
+def clipped(text: str, limit: int = MAX_ECHO) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class ApiError(Exception):
@@ -81,6 +89,11 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict | None = None,
     ):
+        if param is not None and len(param) > MAX_PARAM:  # a client's own key in the path
+            short = clipped(param, MAX_PARAM)
+            message = short + message[len(param) :] if message.startswith(param) else message
+            param = short
+        message = clipped(message, MAX_MESSAGE)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -190,7 +203,8 @@ def _get(body: dict, name: str, types, default=None, what: str = ""):
 def _int(body, name, default=None, low=0, high=MAX_UINT32):
     value = _get(body, name, int, default, "an integer")
     if value is not None and not low <= value <= high:
-        raise ApiError(400, f"{name}: must be in [{low}, {high}], got {value}", param=name)
+        shown = value if abs(value) < 10**MAX_ECHO else f"an integer of {len(str(abs(value)))} digits"
+        raise ApiError(400, f"{name}: must be in [{low}, {high}], got {shown}", param=name)
     return value
 
 
@@ -233,10 +247,9 @@ def parse_request(
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model: must be a string", param="model")
     if model is not None and model != model_name:
-        shown = model if len(model) <= 64 else model[:64] + "..."  # a hostile name is not echoed whole
         raise ApiError(
             404,
-            f"The model `{shown}` does not exist (this server serves `{model_name}`).",
+            f"The model `{clipped(model)}` does not exist (this server serves `{model_name}`).",
             param="model",
             code="model_not_found",
         )

@@ -14,10 +14,11 @@ import logging
 import aiohttp
 import pytest
 
+from common.errors import InvalidRequestError
 from expert_service.tools.tiny_model import byte_tokenizer
 from router_service import http_api
 from router_service.observability import router_metrics
-from router_service.openai_api import api_error
+from router_service.openai_api import MAX_PARAM, api_error
 from router_service.tokenizer import Tokenizer
 from tests.helpers import free_port, worth_reporting
 from tests.router_service.fake_worker import harness
@@ -128,12 +129,12 @@ CLIENT_MISTAKES = [
     (COMPLETIONS, '{"prompt": "a'.encode("utf-16-le") + b"\x00\xd8" + 'b"}'.encode("utf-16-le"), 400, None, None),
     (COMPLETIONS, '{"prompt": "a\\ud800b"}'.encode("utf-16-le"), 400, "prompt", None),
     (COMPLETIONS, b"[" * 100_000 + b"]" * 100_000, 400, None, None),  # past the parser's recursion limit
-    # a key past int()'s 4,300 digits
+    # a key past int()'s 4,300 digits (named cut: test_a_hostile_name_or_value_is_not_echoed_whole)
     (
         COMPLETIONS,
         b'{"prompt": "x", "logit_bias": {"' + b"9" * 5000 + b'": 1}}',
         400,
-        f"logit_bias[{'9' * 5000}]",
+        "logit_bias[" + "9" * (MAX_PARAM - len("logit_bias[")) + "...",
         None,
     ),
     (COMPLETIONS, b'{"prompt": "x", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "user", None),
@@ -297,6 +298,53 @@ def test_a_400_names_the_fields_the_client_sent(tmp_path, caplog, path, request_
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+LONG = "z" * 100_000
+HOSTILE_ECHOES = [
+    (COMPLETIONS, {"prompt": "x", LONG: 1}),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"1" * 100_000: 1}}),
+    (COMPLETIONS, {"prompt": "x", "n": 10**4000}),
+    (COMPLETIONS, {"prompt": "x", "seed": -(10**4000)}),
+    (CHAT, {"messages": [{"role": "user", "content": "x", LONG: 1}]}),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", LONG: 1}]}]}),
+    (CHAT, {"messages": TEXT_MESSAGES, "stream": True, "stream_options": {LONG: 1}}),
+    (CHAT, {"messages": TEXT_MESSAGES, "response_format": {"type": LONG}}),
+    (CHAT, {"messages": TEXT_MESSAGES, "response_format": {"type": "json_object", LONG: 1}}),
+    (CHAT, {"messages": TEXT_MESSAGES, "structured_outputs": {LONG: 1}}),
+    (CHAT, {"messages": TEXT_MESSAGES, "tools": [{"type": "function", "function": {"name": "f", LONG: 1}}]}),
+    (
+        CHAT,
+        {
+            "messages": TEXT_MESSAGES,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": LONG}},
+        },
+    ),
+]
+
+
+def test_a_hostile_name_or_value_is_not_echoed_whole(tmp_path, caplog):
+    """A 400 quotes the field it names and often the value; a client's own key or value can be as long as the body
+    (16 MiB), and the answer held it twice (message and param). Both are cut: the answer stays small and still
+    names the field."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                for path, request_body in HOSTILE_ECHOES:
+                    async with s.post(base + path, json=request_body) as r:
+                        raw = await r.read()
+                    error = json.loads(raw)["error"]
+                    assert r.status == 400 and len(raw) < 2048, (r.status, len(raw), raw[:200])
+                    assert error["message"].startswith(error["param"]), error
+                    assert "\n" not in error["message"], error
+            assert not problems(caplog)
+
+    asyncio.run(body())
+    # the router's validation, and an error that reaches a stream as its error event, go through api_error
+    error = api_error(InvalidRequestError("chat_template_kwargs." + LONG, "x" * 100_000), "chat")
+    assert len(json.dumps(error.body())) < 2048 and error.message.startswith(error.param), error.body()
 
 
 def test_a_body_over_the_limit_is_413(tmp_path, caplog):
