@@ -219,7 +219,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                 set_usage(handle, len(out.token_ids), out.finish_reason)
         generated = sum(len(out.token_ids) for row_outs in outs for out in row_outs)
         texts, kind, choices = server.texts(), parsed.kind, list[dict]()
-        for prompt, row_outs in enumerate(outs):
+        for prompt, (row, row_outs) in enumerate(zip(handles, outs)):
             for out in _best(row_outs, parsed.n) if parsed.best_of > parsed.n else row_outs:
                 lp = (
                     logprobs_field(kind, texts, out.token_ids, out.logprobs, out.top_logprobs)
@@ -228,7 +228,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                 )
                 text = out.text
                 if parsed.echo:
-                    text = openai_echo.prompt_text(parsed, prompt, texts) + text
+                    text = openai_echo.prompt_text(parsed, prompt, texts, row[0].prompt_ids) + text
                     if parsed.logprobs:
                         scored = (out.token_ids, out.logprobs, out.top_logprobs)
                         lp = openai_echo.with_prompt(parsed, texts, out.prompt_logprobs, *scored)
@@ -295,7 +295,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
                     if parsed.echo and not echoed[index]:  # the choice's first chunk starts with its prompt
                         echoed[index] = True
-                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts) + text
+                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts, flat[index].prompt_ids) + text
                         if parsed.logprobs:
                             scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
                             lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)

@@ -11,10 +11,11 @@ from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_api import ParsedRequest, logprobs_field
 
 
-def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts) -> str:
+def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts, prompt_ids) -> str:
     """Prompt `index` as echoed: a text prompt as sent, token ids decoded (special tokens left out, as from
-    generated text)."""
-    prompt = parsed.prompts[index]
+    generated text). With truncate_prompt_tokens, `prompt_ids` (the tokens kept) decoded: the text as sent would hold
+    a part the model never saw and the echoed logprobs do not score."""
+    prompt = list(prompt_ids) if parsed.parameters.truncate_input_tokens else parsed.prompts[index]
     if isinstance(prompt, str):
         return prompt
     return texts.tokenizer.decode(prompt) if texts.tokenizer is not None else ""

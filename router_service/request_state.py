@@ -69,6 +69,7 @@ class RequestHandle:
     def __init__(self, batching_loop: _Loop, state: RequestState):
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
+        self.prompt_ids = state.req.prompt_ids  # the prompt the model sees (after truncate_input_tokens)
         self.num_prompt_tokens = len(state.req.prompt_ids)
 
     @property

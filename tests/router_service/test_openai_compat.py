@@ -4,6 +4,7 @@ package's own objects sent back in a conversation, and values OpenAI's API accep
 import asyncio
 import json
 
+import aiohttp
 import httpx
 import pydantic
 import pytest
@@ -13,6 +14,8 @@ from router_service.chat import message_dicts
 from router_service.logprobs import TokenTexts
 from router_service.openai_api import ApiError, logprobs_field, parse_request
 from router_service.tokenizer import Tokenizer
+from tests.helpers import byte_ids
+from tests.router_service.test_http_errors import AUTH, http_harness
 from tests.router_service.test_openai_http import http_router
 
 openai = pytest.importorskip("openai", reason="the compatibility tests use the test extra's openai client")
@@ -269,6 +272,46 @@ def test_echo_returns_the_prompt_and_its_scores_as_lm_eval_reads_them(worker, ti
             )
             chunks = [c.choices[0].text async for c in streamed]
             assert chunks[0].startswith("Hello") and "".join(chunks) == text.choices[0].text
+
+    asyncio.run(body())
+
+
+async def echoed(base: str, request: dict) -> tuple[dict, str]:
+    """The unary answer's first choice and the streamed text of the same request."""
+    async with aiohttp.ClientSession(headers=AUTH) as s:
+        async with s.post(base + "/v1/completions", json=request) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        async with s.post(base + "/v1/completions", json={**request, "stream": True}) as r:
+            events = [line[6:] for line in (await r.text()).split("\n\n") if line.startswith("data: {")]
+    return whole["choices"][0], "".join(json.loads(e)["choices"][0]["text"] for e in events)
+
+
+def test_echo_of_a_truncated_prompt_is_what_the_model_saw(tmp_path):
+    """truncate_prompt_tokens keeps the prompt's last tokens: the echo starts with those (decoded), not with the text
+    as sent, whose cut part the model never saw and the echoed logprobs do not score."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for prompt in ("abcdefgh", byte_ids("abcdefgh")):
+                request = {"prompt": prompt, "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 2}
+                choice, streamed = await echoed(base, request)
+                assert choice["text"] == streamed == "ghi", (prompt, choice, streamed)
+                whole, _ = await echoed(base, {**request, "truncate_prompt_tokens": 8})  # nothing cut
+                assert whole["text"] == "abcdefghi"
+
+    asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_echoed_logprobs_of_a_truncated_prompt_line_up_with_its_text(worker, tiny_model, tmp_path):
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            request = dict(model="model", prompt="abcdefgh", max_tokens=1, logprobs=1, temperature=0, echo=True)
+            got = (await client.completions.create(**request, extra_body={"truncate_prompt_tokens": 2})).choices[0]
+            lp = got.logprobs
+            assert got.text.startswith("gh") and "".join(lp.tokens) == got.text, got
+            assert lp.text_offset == [0, 1, 2] and lp.token_logprobs[0] is None
 
     asyncio.run(body())
 
