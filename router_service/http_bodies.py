@@ -1,5 +1,5 @@
 """The HTTP front's budget of request-body bytes held at once (`http_max_body_bytes_in_flight`;
-router_service/http_api.py and http_guard.read_json apply it).
+router_service/http_api.py and http_guard.read_body apply it).
 
 A body is read whole into memory before it is parsed, so without a budget the front could hold
 http_max_connections × max_message_bytes at once (16 GiB by default) under a flood of large bodies. Each request

@@ -1,7 +1,7 @@
 """What keeps the HTTP front's connections bounded and its log quiet when clients are hostile
 (router_service/http_api.py applies it).
 
-- Bodies (`read_json`): read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
+- Bodies (`read_body`, `parse_json`): read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
   each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
   parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
   valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
@@ -135,11 +135,11 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large")
 
 
-async def read_json(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation):
-    """The request's body as checked JSON; raises ApiError (408, 413, 400, and 503 when `reservation` cannot grow
-    to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no Content-Encoding:
-    a compressed length says nothing exact of the body's), and so is one the body budget cannot reserve; a client
-    that expects it gets its 100 Continue only then."""
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation) -> bytearray:
+    """The request's body (parse it with `parse_json`); raises ApiError (408, 413, 400, and 503 when `reservation`
+    cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
+    Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
+    reserve; a client that expects it gets its 100 Continue only then."""
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
     length = request.content_length or 0
     if encoding == "identity" and length > max_bytes:
@@ -148,13 +148,17 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float, rese
     try:
         async with asyncio.timeout(timeout_s):
             await send_continue(request)
-            raw = await _read(request, max_bytes, reservation)
+            return await _read(request, max_bytes, reservation)
     except TimeoutError:
         raise ApiError(
             408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)", code="request_timeout"
         ) from None
     except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
+
+
+def parse_json(raw: bytes | bytearray):
+    """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
     try:
         text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
         value = json.loads(text)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import pytest
 
+from router_service import http_api
 from router_service.http_bodies import BodyBudget
 from router_service.openai_api import ApiError
 from tests.router_service.fake_worker import FakeWorker, wait_for
@@ -191,6 +193,46 @@ def test_every_way_out_of_a_request_releases_its_share(tmp_path, caplog):
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_holding_its_share_until_parsed(tmp_path, caplog, monkeypatch):
+    """Parsing a body of millions of JSON values and checking them takes seconds (an 8 MB `[[1], [1], ...]` prompt
+    held the loop for ~4 s), during which every other stream stalled: a large body is parsed on a thread. A client
+    that hangs up meanwhile gets its share back only once the thread has let go of its bytes."""
+    gate, on_loop = threading.Event(), []
+    parse = http_api.parse_request
+
+    def gated(*args, **kwargs):
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        if not on_loop[-1]:
+            gate.wait(10)
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(http_api, "parse_request", gated)
+
+    async def body():
+        async with http_harness(tmp_path, **LIMITS) as (router, fake, base, hooks):
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(base + "/v1/completions", data=body_of(1_000)) as r:
+                    assert r.status == 200, await r.text()
+            assert on_loop == [True]  # a small body is parsed where it is: a thread would cost more than it
+            size = http_api.INLINE_BODY_BYTES + 1
+            cancelled = rejected(hooks, "cancelled")
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
+            writer.write(head(size) + body_of(size))
+            await wait_for(lambda: len(on_loop) == 2)
+            assert on_loop[1] is False and held(hooks) == size
+            writer.close()
+            await asyncio.sleep(0.3)  # the handler is cancelled; the thread still holds the body
+            assert held(hooks) == size
+            gate.set()
+            await wait_for(lambda: held(hooks) == 0 and rejected(hooks, "cancelled") == cancelled + 1)
+            assert not problems(caplog)
+
+    try:
+        asyncio.run(body())
+    finally:
+        gate.set()
 
 
 def test_a_reservation_grows_within_the_limit_and_is_released_once():
