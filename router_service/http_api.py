@@ -21,6 +21,7 @@ import json
 import logging
 import ssl
 import time
+import uuid
 
 from aiohttp import web
 
@@ -260,6 +261,8 @@ class HttpFront:
                 # best_of >= n; echo's choices are built there too, one or more
                 many = parsed.best_of > 1 or len(parsed.prompts) > 1 or parsed.echo
                 if many:
+                    # one id for all its samples, known here: the one its answer, error and log lines name
+                    request_id = request_id or f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{uuid.uuid4().hex}"
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
                     handle = await frontend.submit_chat(

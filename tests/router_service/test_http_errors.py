@@ -12,6 +12,7 @@ import json
 import logging
 
 import aiohttp
+import grpc
 import pytest
 
 from common.errors import InvalidRequestError
@@ -21,7 +22,7 @@ from router_service.observability import router_metrics
 from router_service.openai_api import MAX_PARAM, api_error
 from router_service.tokenizer import Tokenizer
 from tests.helpers import free_port, worth_reporting
-from tests.router_service.fake_worker import harness
+from tests.router_service.fake_worker import FakeWorker, harness, wait_for
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
 AUTH = {"Authorization": "Bearer sesame"}
@@ -510,6 +511,34 @@ def test_a_fault_of_the_router_is_an_openai_500_without_internals(tmp_path, capl
                     assert r.status == 500 and answer["error"]["code"] == "internal", answer
                     assert "secret" not in json.dumps(answer) and answer["error"]["type"] == "server_error"
             assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("path, request_body", [(COMPLETIONS, {"prompt": "abc"}), (CHAT, {"messages": TEXT_MESSAGES})])
+def test_a_failure_of_several_choices_names_the_request_the_log_names(tmp_path, caplog, path, request_body):
+    """n > 1 without an X-Request-Id: the 500 said `internal error; the router's log has the details` without an id,
+    and the log line had none either. The router assigns the request its id up front, which its samples share."""
+
+    async def body():
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.02)) as (router, fake, base, hooks):
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                fake.fail_next = grpc.StatusCode.INTERNAL
+                async with s.post(base + path, json={**request_body, "n": 2, "max_tokens": 8}) as r:
+                    answer = await r.json()
+                request_id = r.headers.get("X-Request-Id", "")
+                assert r.status == 500 and request_id.startswith("chatcmpl-" if path == CHAT else "cmpl-"), answer
+                assert f"(request {request_id})" in answer["error"]["message"], answer
+                failed = [r for r in caplog.records if r.getMessage().startswith("request failed")]
+                assert failed and {getattr(r, "request_id", None) for r in failed} == {request_id}
+                # a request of several choices that succeeds: one id, in the answer and its header
+                for _ in range(100):  # 503 until the router reconnected after the failure
+                    await wait_for(lambda: router.batching_loop.is_worker_ready)
+                    async with s.post(base + path, json={**request_body, "n": 2, "max_tokens": 2}) as r:
+                        answer = await r.json()
+                    if r.status != 503:
+                        break
+                assert r.status == 200 and answer["id"] == r.headers["X-Request-Id"], answer
 
     asyncio.run(body())
 
