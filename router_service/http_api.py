@@ -336,9 +336,8 @@ class HttpFront:
             work = asyncio.get_running_loop().run_in_executor(None, parse, raw)
             try:
                 return await asyncio.shield(work)
-            except (
-                asyncio.CancelledError
-            ):  # the client left; the thread holds the body until it ends: so does the budget
+            except asyncio.CancelledError:
+                # the client left; the thread holds the body until it ends: so does the budget
                 await asyncio.wait([work])
                 raise
 
