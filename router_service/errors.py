@@ -17,6 +17,25 @@ from common.errors import InvalidRequestError
 
 log = logging.getLogger("colibri.router")
 DOMAIN = "colibri.router"
+# An error quotes the client's field names and values, which can be as long as its request: cut, so the answer stays
+# small (on gRPC, a message past the peer's metadata limit turned an INVALID_ARGUMENT into RESOURCE_EXHAUSTED).
+MAX_ECHO = 64  # a name or value quoted back (a model name, a huge integer's digits)
+MAX_FIELD = 128  # a field path: `messages[12].tool_calls[3].function.arguments` is 45
+MAX_MESSAGE = 1024
+
+
+def clipped(text: str, limit: int = MAX_ECHO) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clipped_error(field: str | None, message: str) -> tuple[str | None, str]:
+    """(field, message) of an error cut to MAX_FIELD / MAX_MESSAGE; a message that begins with its field begins
+    with the cut field."""
+    if field is not None and len(field) > MAX_FIELD:  # a client's own key in the path
+        short = clipped(field, MAX_FIELD)
+        message = short + message[len(field) :] if message.startswith(field) else message
+        field = short
+    return field, clipped(message, MAX_MESSAGE)
 
 
 class RouterError(Exception):
@@ -88,11 +107,12 @@ def to_status(exc: BaseException, request_id: str = "") -> grpc.Status:
     """
     details = []
     if isinstance(exc, InvalidRequestError):
-        code, reason, message = grpc.StatusCode.INVALID_ARGUMENT, "VALIDATION", str(exc)
-        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=message)
+        field, message = clipped_error(exc.field, str(exc))
+        code, reason = grpc.StatusCode.INVALID_ARGUMENT, "VALIDATION"
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     elif isinstance(exc, RouterError):
-        code, reason, message = exc.code, exc.reason, str(exc)
+        code, reason, message = exc.code, exc.reason, clipped(str(exc), MAX_MESSAGE)
         if isinstance(exc, Overloaded | Unavailable):
             seconds = max(exc.retry_after_s, 0.0)
             delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))

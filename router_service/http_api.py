@@ -30,6 +30,7 @@ from common import tracing as semconv
 from common.errors import AddressInUseError
 from common.tracing import request_span_name, start_server_span
 from router_service import errors, http_bodies, http_guard, openai_choices
+from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, listen
 from router_service.http_guard import abort, bounded
@@ -39,7 +40,6 @@ from router_service.openai_api import (
     ApiError,
     ParsedRequest,
     api_error,
-    clipped,
     envelope,
     logprobs_field,
     parse_request,

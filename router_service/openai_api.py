@@ -21,6 +21,7 @@ import grpc
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import constraints, errors, openai_fields, tool_request
+from router_service.errors import clipped
 from router_service.frontend import ChatOptions, Completion, detail
 from router_service.generation_defaults import MIN_TEMPERATURE, GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
@@ -67,14 +68,6 @@ FINISH_REASONS = {
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 MAX_CHOICES = 128  # samples one HTTP request may ask for: best_of (or n) times the prompts
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
-# An error quotes the client's field names and values, which can be as long as the body: cut, the answer stays small.
-MAX_ECHO = 64  # a name or value quoted back (a model name, a huge integer's digits)
-MAX_PARAM = 128  # a field path: `messages[12].tool_calls[3].function.arguments` is 45
-MAX_MESSAGE = 1024
-
-
-def clipped(text: str, limit: int = MAX_ECHO) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class ApiError(Exception):
@@ -89,11 +82,7 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict | None = None,
     ):
-        if param is not None and len(param) > MAX_PARAM:  # a client's own key in the path
-            short = clipped(param, MAX_PARAM)
-            message = short + message[len(param) :] if message.startswith(param) else message
-            param = short
-        message = clipped(message, MAX_MESSAGE)
+        param, message = errors.clipped_error(param, message)  # the client's own input, quoted: cut
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -203,7 +192,7 @@ def _get(body: dict, name: str, types, default=None, what: str = ""):
 def _int(body, name, default=None, low=0, high=MAX_UINT32):
     value = _get(body, name, int, default, "an integer")
     if value is not None and not low <= value <= high:
-        shown = value if abs(value) < 10**MAX_ECHO else f"an integer of {len(str(abs(value)))} digits"
+        shown = value if abs(value) < 10**errors.MAX_ECHO else f"an integer of {len(str(abs(value)))} digits"
         raise ApiError(400, f"{name}: must be in [{low}, {high}], got {shown}", param=name)
     return value
 

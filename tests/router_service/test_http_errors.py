@@ -18,8 +18,9 @@ import pytest
 from common.errors import InvalidRequestError
 from expert_service.tools.tiny_model import byte_tokenizer
 from router_service import http_api
+from router_service.errors import MAX_FIELD
 from router_service.observability import router_metrics
-from router_service.openai_api import MAX_PARAM, api_error
+from router_service.openai_api import api_error
 from router_service.tokenizer import Tokenizer
 from tests.helpers import free_port, worth_reporting
 from tests.router_service.fake_worker import FakeWorker, harness, wait_for
@@ -135,7 +136,7 @@ CLIENT_MISTAKES = [
         COMPLETIONS,
         b'{"prompt": "x", "logit_bias": {"' + b"9" * 5000 + b'": 1}}',
         400,
-        "logit_bias[" + "9" * (MAX_PARAM - len("logit_bias[")) + "...",
+        "logit_bias[" + "9" * (MAX_FIELD - len("logit_bias[")) + "...",
         None,
     ),
     (COMPLETIONS, b'{"prompt": "x", "user": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "user", None),

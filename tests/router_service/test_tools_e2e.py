@@ -162,6 +162,8 @@ def test_grpc_chat_returns_tool_calls_whole_and_streamed(tmp_path):
                     "tool_choice",
                 ),
                 (rpb.ChatRequest(**request, tool_choice=rpb.ToolChoice(function_name="rm")), "tool_choice"),
+                # quoted whole, a 100 kB name passed the metadata limit: RESOURCE_EXHAUSTED, not the field's error
+                (rpb.ChatRequest(**request, tool_choice=rpb.ToolChoice(function_name="r" * 100_000)), "tool_choice"),
                 (
                     rpb.ChatRequest(messages=request["messages"], tools=[rpb.Tool(name="f", parameters_json="{")]),
                     "tools[0].parameters_json",
@@ -170,6 +172,7 @@ def test_grpc_chat_returns_tool_calls_whole_and_streamed(tmp_path):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Chat(bad)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+                assert len(e.value.details()) < 1100
 
     asyncio.run(body())
 
