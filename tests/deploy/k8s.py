@@ -7,6 +7,8 @@ locally, kubernetes-validate ships the schemas, checkov runs with --skip-downloa
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -152,3 +154,20 @@ def volume(spec: dict, name: str) -> dict:
         if v["name"] == name:
             return v
     raise AssertionError(f"no volume named {name}")
+
+
+# --- the image ------------------------------------------------------------------------------------------------
+
+
+def image_env() -> dict[str, str]:
+    """What the Dockerfile's last stage (the image) sets with ENV, which every container starts with before the
+    pod's own env (not what the stages or base images below it set; `$VAR` references are left as written)."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    logical = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    last_stage = re.split(r"^FROM\s", logical, flags=re.M)[-1]
+    env: dict[str, str] = {}
+    for instruction in re.findall(r"^ENV\s+(.*)$", last_stage, re.M):
+        for word in shlex.split(instruction):
+            name, _, value = word.partition("=")
+            env[name] = value
+    return env

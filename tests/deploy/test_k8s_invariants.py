@@ -5,7 +5,6 @@ secrets as files, the read-only model, the security context, GPU resources and t
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 import yaml
@@ -16,7 +15,6 @@ from tests.deploy.k8s import (
     SERVER_RENDERINGS,
     all_containers,
     container,
-    find_tool,
     flag,
     mount_of,
     pod_spec,
@@ -380,29 +378,3 @@ def test_config_file_keys_are_documented_settings():
     for section, values in config.items():
         unknown = set(values) - sections[section]
         assert not unknown, f"config.yaml {section}: not settings of that section: {sorted(unknown)}"
-
-
-def _help(subcommand: str) -> str:
-    colibri = find_tool("colibri")
-    if colibri is None:
-        pytest.skip("the colibri command is not installed")
-    proc = subprocess.run([colibri, subcommand, "--help"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def test_manifest_flags_exist_in_the_cli(renderings):
-    """Every flag the manifests pass is one the command accepts (once the pod lifecycle flags exist)."""
-    spec = pod_spec(renderings["production"].one("Deployment", "colibri"))
-    mtls = pod_spec(renderings["cpu+tls+mtls"].one("Deployment", "colibri"))
-    router_args = container(spec, "router")["args"][1:] + container(mtls, "router")["args"][1:]
-    wanted = {
-        "worker": {a.split("=")[0] for a in container(spec, "worker")["args"][1:]},
-        "router": {a.split("=")[0] for a in router_args},
-    }
-    for subcommand, flags in wanted.items():
-        text = _help(subcommand)
-        if "--health-port" not in text and subcommand == "worker":
-            pytest.skip("`colibri worker` has no --health-port yet: the pod lifecycle flags are not implemented")
-        missing = sorted(f for f in flags if not re.search(re.escape(f) + r"\b", text))
-        assert not missing, f"colibri {subcommand} does not accept {missing}"
