@@ -4,7 +4,7 @@ prefix), every process's settings resolved as the process resolves them (default
 the image's and the pod's environment < the args), and what the pod relies on checked on those resolved values
 rather than on the flags alone: the probe ports and the declared ports are the ones the processes bind, the probe
 services are ones the code registers, and every environment variable a manifest sets is one something reads (a
-typo'd one is silently ignored)."""
+typo'd one is silently ignored). Also: the components that need another one refuse to render without it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import importlib
 import inspect
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,9 @@ from tests.deploy.k8s import (
     REPO,
     SERVER_RENDERINGS,
     container,
+    flag,
     image_env,
+    kustomize_command,
     mount_of,
     pod_spec,
     volume,
@@ -229,3 +232,30 @@ def test_convert_job_environment_is_read_by_its_script_or_hf():
         assert re.search(rf"\$\{{?{var}\b", script), f"the convert script never reads {var}"
     for e in c["env"]:
         assert f'"{e["name"]}"' in hub, f"huggingface_hub does not read {e['name']}"
+
+
+def _render_with(components: list[str], base: str, scratch: Path) -> subprocess.CompletedProcess:
+    command = kustomize_command()
+    if command is None:
+        pytest.skip("no kubectl or kustomize to render with")
+    scratch.mkdir(parents=True)
+    rel = lambda p: os.path.relpath(K8S / p, scratch)  # noqa: E731 (kustomize refuses absolute paths)
+    kustomization = {"resources": [rel(base)], "components": [rel(c) for c in components]}
+    scratch.joinpath("kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return subprocess.run([*command, str(scratch)], capture_output=True, text=True, timeout=120)
+
+
+def test_mtls_does_not_render_without_tls(tmp_path):
+    """Alone, or listed before tls, mtls would give the router --tls-client-ca-file and no certificate: it would
+    exit at every start. It must fail at render time instead, naming what it misses."""
+    for i, components in enumerate((["components/mtls"], ["components/mtls", "components/tls"])):
+        proc = _render_with(components, "overlays/cpu", tmp_path / str(i))
+        assert proc.returncode != 0, f"{components} rendered: the router would crash-loop"
+        assert "colibri-tls" in proc.stderr, proc.stderr
+    # On top of a kustomization that has tls (the production example), it renders, and reads the Secret's CA.
+    proc = _render_with(["components/mtls"], "examples/production", tmp_path / "production")
+    assert proc.returncode == 0, proc.stderr
+    spec = pod_spec(next(o for o in yaml.safe_load_all(proc.stdout) if o and o["kind"] == "Deployment"))
+    router = container(spec, "router")
+    ca = flag(router["args"], "tls-client-ca-file")
+    assert mount_of(router, ca) == mount_of(router, flag(router["args"], "tls-cert-file")), "one Secret for both"
