@@ -10,7 +10,7 @@ import tomllib
 import pytest
 import yaml
 
-from tests.deploy.k8s import DEPLOY, REPO, container, find_tool, mount_of, pod_spec
+from tests.deploy.k8s import DEPLOY, REPO, SERVER_RENDERINGS, all_containers, container, find_tool, mount_of, pod_spec
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -135,3 +135,16 @@ def test_kubernetes_uid_matches_the_image(renderings):
     )
     # The image's declared paths are the ones the manifests mount.
     assert "/models" in yaml.safe_dump(spec)
+
+
+def test_image_exposes_every_port_the_pods_declare(renderings):
+    """EXPOSE is the image's list of the ports its processes serve (`docker run -P`, scanners, the reader):
+    every port a server container declares is in it."""
+    exposed = {int(p) for line in _stages()["runtime"] if line.startswith("EXPOSE") for p in line.split()[1:]}
+    for name in SERVER_RENDERINGS:
+        spec = pod_spec(renderings[name].one("Deployment", "colibri"))
+        for c in all_containers(spec):
+            for p in c.get("ports", []):
+                assert p["containerPort"] in exposed, (
+                    f"{name}: {c['name']} declares {p['name']} ({p['containerPort']}), which the image does not EXPOSE"
+                )
