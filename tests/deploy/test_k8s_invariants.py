@@ -378,3 +378,17 @@ def test_config_file_keys_are_documented_settings():
     for section, values in config.items():
         unknown = set(values) - sections[section]
         assert not unknown, f"config.yaml {section}: not settings of that section: {sorted(unknown)}"
+
+
+def test_docs_point_every_placeholder_image_at_a_registry():
+    """A kustomization that names the image without a registry (Docker Hub's `colibri`, which does not exist) is
+    one docs/deploy.md tells the operator to point at their registry: the convert Job has its own."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for path in sorted((DEPLOY / "k8s").rglob("kustomization.yaml")):
+        for image in yaml.safe_load(path.read_text()).get("images", []):
+            if "/" not in image.get("newName", image["name"]):
+                rel = path.parent.relative_to(REPO)
+                assert f"cd {rel} && kustomize edit set image {image['name']}=" in docs, (
+                    f"{rel} pulls {image.get('newName', image['name'])}:{image.get('newTag')}: docs/deploy.md does "
+                    "not say to point it at a registry"
+                )
