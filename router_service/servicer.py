@@ -35,8 +35,16 @@ from router_service.protocol import is_metadata_safe
 from router_service.request_state import RequestHandle
 from router_service.tool_calls import ToolCall, ToolCallDelta
 from router_service.tool_replies import ToolReply, collect_reply, split
+from router_service.tool_request import MAX_TOOLS
 from router_service.tool_request import from_pb as tools_from_pb
-from router_service.validation import PromptRequest, check_ids, check_known_fields, check_text_size, prompt_byte_limit
+from router_service.validation import (
+    ModelLimits,
+    PromptRequest,
+    check_ids,
+    check_known_fields,
+    check_text_size,
+    prompt_byte_limit,
+)
 
 log = logging.getLogger("colibri.router")
 # The router ends a request this much before the client's gRPC deadline (at most a quarter of the time left), so
@@ -68,6 +76,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         )
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream), None
+        limits = self.frontend.check_ready()
+        self.frontend.check_room()  # at capacity the chat is refused before any of it is read
+        _check_chat_size(request, limits, prompt_byte_limit(self.config, limits))
         check_known_fields(request)  # the chat's own fields and its messages' (its parameters are checked again)
         kwargs = (
             json_format.MessageToDict(request.chat_template_kwargs)
@@ -315,6 +326,30 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             await context.abort(status.code, status.details, metadata)
         except grpc.aio.InternalError:
             raise _call_ended(request_id) from None
+
+
+def _check_chat_size(request, limits: ModelLimits, byte_limit: int) -> None:
+    """Bounds a chat's repeated fields, and what the template would get parsed, before anything walks them: 16 MiB
+    holds millions of empty messages or tools (seconds of Python on the event loop to check each) or megabytes of
+    schema JSON. Every message and call takes a token of the context at least; the rendered prompt has to fit
+    max_prompt_bytes anyway."""
+    room = min(limits.max_sequence_length, limits.kv_capacity_tokens)
+    if len(request.messages) > room:
+        raise InvalidRequestError("messages", f"at most {room} messages fit the context, got {len(request.messages)}")
+    calls = sum(len(m.tool_calls) for m in request.messages)
+    if calls > room:
+        raise InvalidRequestError("messages", f"at most {room} tool calls fit the context, got {calls}")
+    if len(request.tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(request.tools)}")
+    for field, what, size in (
+        ("messages", "their tool calls", sum(c.ByteSize() for m in request.messages for c in m.tool_calls)),
+        ("tools", "the tools", sum(t.ByteSize() for t in request.tools)),
+        ("chat_template_kwargs", "the variables", request.chat_template_kwargs.ByteSize()),
+    ):
+        if size > byte_limit:
+            raise InvalidRequestError(
+                field, f"{what} must be at most {byte_limit} bytes (max_prompt_bytes), got {size}"
+            )
 
 
 def _call_pb(call: ToolCall | ToolCallDelta, index: int = 0) -> router_pb2.ToolCall:

@@ -1,0 +1,120 @@
+"""Hostile requests on the public gRPC port, as a client library can send them: chats whose repeated fields or
+template inputs fill a 16 MiB message, at capacity or not. Each is refused with the status naming the field,
+before the router walks or parses it, and afterwards nothing is held: the gauges are back to 0 and a plain request
+is served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+
+from common.metrics import new_registry
+from common.pb import router_pb2 as rpb
+from expert_service.tools.tiny_model import PLAIN_CHAT_TEMPLATE
+from router_service import servicer
+from router_service.observability import router_metrics
+from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
+
+GAUGES = ("colibri_queue_size", "colibri_num_requests_running", "colibri_num_requests_waiting")
+HI = rpb.ChatMessage(role="user", content="hi")
+
+
+async def status_of(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value
+
+
+async def still_serving(router, fake, stub, registry) -> None:
+    """Nothing held after a hostile call: no request, KV block or admission in flight, gauges at 0, and a plain
+    request is served."""
+    loop = router.batching_loop
+    await wait_for(lambda: loop.num_active == 0 and not fake.seqs and router.frontend._num_admitting == 0)
+    assert loop.scheduler.num_used_blocks == 0
+    assert tuple(registry.get_sample_value(name, {"model_name": "m"}) for name in GAUGES) == (0, 0, 0)
+    assert (await stub.Generate(ids_request([5], max_new_tokens=2))).generated_tokens == 2
+
+
+def chat_harness(tokenizer, registry, fake=None, **overrides):
+    hooks, _ = router_metrics("m", port=-1, registry=registry)
+    return harness(fake, tokenizer=tokenizer, hooks=hooks, chat_template=str(PLAIN_CHAT_TEMPLATE), **overrides)
+
+
+def test_a_chat_s_repeated_fields_are_bounded_before_they_are_walked(tokenizer, monkeypatch):
+    """200,000 empty messages (or tools, or tool calls) are a few hundred kB; checking each for unknown fields took
+    ~1 us of Python apiece on the event loop (a 16 MiB message: ~8 s with every stream stalled). Each count is
+    refused first; schemas and template variables past max_prompt_bytes are refused before they are parsed."""
+    walked: list[int] = []
+    check = servicer.check_known_fields
+    monkeypatch.setattr(servicer, "check_known_fields", lambda m, path="": (walked.append(1), check(m, path))[1])
+    n = 200_000
+    schema = '{"type": "object", "properties": {' + ", ".join(f'"p{i}": {{}}' for i in range(5000)) + "}}"
+    cases = [
+        ("messages", "at most 1024 messages fit the context, got 200000", rpb.ChatRequest(messages=[HI] * n)),
+        ("tools", "at most 128 tools, got 200000", rpb.ChatRequest(messages=[HI], tools=[rpb.Tool(name="f")] * n)),
+        (
+            "messages",
+            "at most 1024 tool calls fit the context, got 200000",
+            rpb.ChatRequest(messages=[rpb.ChatMessage(role="assistant", tool_calls=[rpb.ToolCall(name="f")] * n)]),
+        ),
+        (
+            "messages",
+            "their tool calls must be at most 32768 bytes (max_prompt_bytes), got 4000",
+            rpb.ChatRequest(
+                messages=[HI, rpb.ChatMessage(role="assistant", tool_calls=[rpb.ToolCall(arguments="1" * 40_000)])]
+            ),
+        ),
+        (
+            "tools",
+            "the tools must be at most 32768 bytes (max_prompt_bytes), got 6",
+            rpb.ChatRequest(messages=[HI], tools=[rpb.Tool(name="f", parameters_json=schema)]),
+        ),
+    ]
+    kwargs = struct_pb2.Struct()
+    kwargs.update({f"k{i}": i for i in range(5000)})
+    cases.append(
+        (
+            "chat_template_kwargs",
+            "the variables must be at most 32768 bytes (max_prompt_bytes), got 9",
+            rpb.ChatRequest(messages=[HI], chat_template_kwargs=kwargs),
+        )
+    )
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            for field, message, request in cases:
+                stream = stub.ChatStream(rpb.ChatStreamRequest.FromString(request.SerializeToString()))
+                for err in (await status_of(stub.Chat(request)), await status_of(stream.read())):
+                    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+                    assert err.details().startswith(f"{field}: {message}"), err.details()
+                assert walked == [], f"{field}: walked before its bounds were checked"
+                await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
+
+
+def test_at_capacity_a_chat_is_refused_before_it_is_read(tokenizer, monkeypatch):
+    walked: list[int] = []
+    monkeypatch.setattr(servicer, "check_known_fields", lambda *args: walked.append(1))
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry, FakeWorker(step_delay=0.01), max_concurrent_requests=1) as (
+            router,
+            fake,
+            stub,
+            _,
+        ):
+            holder = stub.GenerateStream(ids_request([1], max_new_tokens=200, ignore_eos=True))
+            await holder.read()
+            err = await status_of(stub.Chat(rpb.ChatRequest(messages=[HI] * 100_000)))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_requests" in err.details()
+            assert walked == []
+            holder.cancel()
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
