@@ -80,11 +80,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         self.frontend.check_room()  # at capacity the chat is refused before any of it is read
         _check_chat_size(request, limits, prompt_byte_limit(self.config, limits))
         check_known_fields(request)  # the chat's own fields and its messages' (its parameters are checked again)
-        kwargs = (
-            json_format.MessageToDict(request.chat_template_kwargs)
-            if request.HasField("chat_template_kwargs")
-            else None
-        )
+        kwargs = _template_kwargs(request.chat_template_kwargs) if request.HasField("chat_template_kwargs") else None
         tools = tools_from_pb(request)
         options = ChatOptions(
             continue_final_message=request.continue_final_message, template_kwargs=kwargs, tools=tools
@@ -350,6 +346,17 @@ def _check_chat_size(request, limits: ModelLimits, byte_limit: int) -> None:
             raise InvalidRequestError(
                 field, f"{what} must be at most {byte_limit} bytes (max_prompt_bytes), got {size}"
             )
+
+
+def _template_kwargs(kwargs: struct_pb2.Struct) -> dict:
+    """chat_template_kwargs as JSON would give them. A Struct's number may be NaN or infinite, which JSON has no
+    way to write (json_format raises ValueError): the client's mistake, not the router's."""
+    try:
+        return json_format.MessageToDict(kwargs)
+    except ValueError:
+        raise InvalidRequestError(
+            "chat_template_kwargs", "numbers must be finite (JSON has no NaN or Infinity)"
+        ) from None
 
 
 def _call_pb(call: ToolCall | ToolCallDelta, index: int = 0) -> router_pb2.ToolCall:

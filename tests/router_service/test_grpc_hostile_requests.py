@@ -118,3 +118,23 @@ def test_at_capacity_a_chat_is_refused_before_it_is_read(tokenizer, monkeypatch)
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1, {"deep": float("-inf")}]])
+def test_template_variables_that_json_cannot_write_are_invalid_argument(tokenizer, caplog, value):
+    """A Struct's number may be NaN or infinite; JSON, which the template variables are, has neither. It was
+    INTERNAL with a traceback logged at ERROR."""
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"x": value})
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            request = rpb.ChatRequest(messages=[HI], chat_template_kwargs=kwargs)
+            err = await status_of(stub.Chat(request))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert err.details() == "chat_template_kwargs: numbers must be finite (JSON has no NaN or Infinity)"
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
