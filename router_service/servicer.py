@@ -29,7 +29,7 @@ from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
-from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
+from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, detail, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
 from router_service.request_state import RequestHandle
@@ -309,6 +309,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def _abort(self, context, error: Exception, request, handle, count: bool = False) -> None:
         """Ends the RPC with `error`'s status; `count`: it never reached the batching loop, so count it here."""
+        error = _as_sent(error, request)
         request_id = handle.request_id if handle is not None else getattr(request, "request_id", "")
         if not is_metadata_safe(request_id) or len(request_id) > self.config.max_request_id_length:
             request_id = ""  # never echo what validation refused
@@ -346,6 +347,20 @@ def _check_chat_size(request, limits: ModelLimits, byte_limit: int) -> None:
             raise InvalidRequestError(
                 field, f"{what} must be at most {byte_limit} bytes (max_prompt_bytes), got {size}"
             )
+
+
+def _as_sent(error: Exception, request) -> Exception:
+    """`error` naming what the client sent: the constraint of a chat that set none is its tools' call grammar,
+    built by the router, so its errors (at compile or mid-reply) are the tools' (as on the HTTP front)."""
+    if (
+        isinstance(error, InvalidRequestError)
+        and error.field.startswith("parameters.constraint")
+        and isinstance(request, router_pb2.ChatRequest | router_pb2.ChatStreamRequest)
+        and request.tools
+        and not request.parameters.HasField("constraint")
+    ):
+        return InvalidRequestError("tools", detail(error))
+    return error
 
 
 def _template_kwargs(kwargs: struct_pb2.Struct) -> dict:

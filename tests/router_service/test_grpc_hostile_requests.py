@@ -138,3 +138,26 @@ def test_template_variables_that_json_cannot_write_are_invalid_argument(tokenize
 
     asyncio.run(body())
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+def test_a_forced_tool_call_s_grammar_errors_name_the_tools(tokenizer):
+    """The grammar of a forced call is the router's, built from the tools' schemas: a schema it cannot compile is
+    the tools' error, as on the HTTP front. It named parameters.constraint.json_schema, which the client never set."""
+    tool = rpb.Tool(name="f", parameters_json='{"$ref": "#"}', strict=True)
+    chat = rpb.ChatRequest(messages=[HI], tools=[tool], tool_choice=rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED))
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            stream = stub.ChatStream(rpb.ChatStreamRequest.FromString(chat.SerializeToString()))
+            for err in (await status_of(stub.Chat(chat)), await status_of(stream.read())):
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+                assert err.details().startswith("tools: "), err.details()
+            # a constraint of the client's own keeps its name
+            own = rpb.ChatRequest(messages=[HI], tools=[rpb.Tool(name="f")], parameters=rpb.SamplingParameters())
+            own.parameters.constraint.json_schema = '{"$ref": "#"}'
+            err = await status_of(stub.Chat(own))
+            assert err.details().startswith("parameters.constraint.json_schema: "), err.details()
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
