@@ -118,6 +118,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 extra = (
                     {"tool_calls": [_call_pb(c, i) for i, c in enumerate(out.tool_calls)]} if reply is not None else {}
                 )
+                # as a stream's and an error's: a client reads the id from the metadata, whatever the call
+                await context.send_initial_metadata((("x-request-id", handle.request_id),))
                 return response_type(
                     **extra,
                     request_id=handle.request_id,
@@ -134,6 +136,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     prompt_logprobs=self._prompt_pb(out.prompt_logprobs),
                     cached_prompt_tokens=handle.num_cached_tokens,
                 )
+            except grpc.aio.InternalError:  # only the context's own sends raise it
+                raise _call_ended(handle.request_id if handle is not None else "") from None
             except asyncio.CancelledError:
                 self._count_departure(context, handle)
                 raise

@@ -161,3 +161,26 @@ def test_a_forced_tool_call_s_grammar_errors_name_the_tools(tokenizer):
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
+
+
+def test_every_answer_carries_x_request_id_in_its_metadata(tokenizer):
+    """A client library reads the id from the metadata whatever the call: a unary answer had none (a stream's
+    and an error's did)."""
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            for call in (
+                stub.Generate(ids_request([5], request_id="mine-1", max_new_tokens=2)),
+                stub.Generate(ids_request([5], max_new_tokens=2)),
+                stub.Chat(rpb.ChatRequest(messages=[HI], parameters=rpb.SamplingParameters(max_new_tokens=2))),
+            ):
+                answer = await call
+                assert dict(await call.initial_metadata())["x-request-id"] == answer.request_id
+            stream = stub.GenerateStream(rpb.GenerateStreamRequest(token_ids=rpb.TokenIds(ids=[5]), request_id="s-1"))
+            assert dict(await stream.initial_metadata())["x-request-id"] == "s-1"
+            await stream.read()
+            stream.cancel()
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
