@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,25 @@ CACHE_SIZE = 256  # compiled grammars kept (LRU)
 FIELD = "parameters.constraint"
 # JSON without free whitespace: a model that may emit whitespace between tokens can emit it forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def strict_json(text: str) -> Any:
+    """JSON text as the standard reads it. Python's json also takes NaN and Infinity, which the grammar engine
+    then refuses at a column of the router's own rewrite, and a template prints back into the prompt as no JSON."""
+    return json.loads(text, parse_constant=_not_json, parse_int=_integer)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _integer(digits: str) -> int:
+    limit = sys.get_int_max_str_digits()  # int() past it says to call sys.set_int_max_str_digits: not a client's
+    if limit and len(digits.lstrip("-")) > limit:
+        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
+    return int(digits)
+
+
 # llguidance's work bounds, below its defaults: a hostile regex or schema otherwise builds a lexer for a second or
 # more (`(a{1000}){1000}`: 1.1 s for its first mask). ~50k fuel/ms to build, ~14k/ms per step, 1-2 kB per state.
 LIMITS: dict[str, Any] = {
@@ -85,7 +105,7 @@ class Constraint:
 
         if self.kind == "json_schema":
             try:
-                schema = json.loads(str(self.spec))
+                schema = strict_json(str(self.spec))
             except ValueError as e:
                 raise InvalidRequestError(f"{FIELD}.json_schema", f"is not valid JSON: {e}") from None
             except RecursionError:  # 64 KiB of `[` is valid-looking JSON deeper than Python's parser goes

@@ -7,11 +7,11 @@ dict, tools as {"type": "function", "function": {...}}). Errors name the field, 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
+from router_service.constraints import strict_json
 
 MAX_TOOLS = 128  # OpenAI's own limit
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
@@ -165,7 +165,7 @@ def from_pb(request) -> ToolRequest | None:
             value["description"] = tool.description
         if tool.parameters_json:
             try:
-                value["parameters"] = json.loads(tool.parameters_json)
+                value["parameters"] = strict_json(tool.parameters_json)
             except ValueError as e:
                 raise InvalidRequestError(f"tools[{i}].parameters_json", f"not JSON: {e}") from None
             except RecursionError:  # JSON text nested deeper than Python's parser goes
@@ -223,7 +223,7 @@ def _call_dict(call_id, name, arguments, where: str) -> dict:
         raise InvalidRequestError(f"{where}.function.name", "must be a non-empty string")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments or "{}")
+            arguments = strict_json(arguments or "{}")
         except ValueError:
             raise InvalidRequestError(f"{where}.function.arguments", "must be the JSON text of an object") from None
         except RecursionError:  # JSON text nested deeper than Python's parser goes

@@ -184,3 +184,42 @@ def test_every_answer_carries_x_request_id_in_its_metadata(tokenizer):
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
+
+
+def test_json_text_is_read_as_the_standard_has_it(tokenizer):
+    """Python's json reads NaN and Infinity: a tool with them was offered to the model as no JSON, and a schema
+    with them failed at a column of the router's own rewrite. An integer past Python's digit limit was refused
+    telling the client to call sys.set_int_max_str_digits."""
+    nan_tool = rpb.Tool(name="f", parameters_json='{"type": "object", "properties": {"a": {"maximum": NaN}}}')
+    huge = '{"type": "object", "properties": {"a": {"maximum": ' + "9" * 5000 + "}}}"
+    call = rpb.ToolCall(id="call_1", name="f", arguments='{"a": -Infinity}')
+    params = rpb.SamplingParameters(max_new_tokens=2)
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            cases = [
+                (
+                    stub.Chat(rpb.ChatRequest(messages=[HI], tools=[nan_tool], parameters=params)),
+                    "tools[0].parameters_json: not JSON: NaN is not a JSON number",
+                ),
+                (
+                    stub.Chat(rpb.ChatRequest(messages=[HI], tools=[rpb.Tool(name="f", parameters_json=huge)])),
+                    "tools[0].parameters_json: not JSON: an integer of 5000 digits (at most 4300)",
+                ),
+                (
+                    stub.Chat(rpb.ChatRequest(messages=[HI, rpb.ChatMessage(role="assistant", tool_calls=[call])])),
+                    "messages[1].tool_calls[0].function.arguments: must be the JSON text of an object",
+                ),
+                (
+                    stub.Generate(ids_request([5], constraint=rpb.Constraint(json_schema='{"maximum": Infinity}'))),
+                    "parameters.constraint.json_schema: is not valid JSON: Infinity is not a JSON number",
+                ),
+            ]
+            for call_, message in cases:
+                err = await status_of(call_)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+                assert err.details() == message
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
