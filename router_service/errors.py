@@ -7,6 +7,7 @@ INVALID_ARGUMENT carries google.rpc.BadRequest naming the field; RESOURCE_EXHAUS
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -24,13 +25,27 @@ MAX_FIELD = 128  # a field path: `messages[12].tool_calls[3].function.arguments`
 MAX_MESSAGE = 1024
 
 
+# Line breaks (every one str.splitlines knows) and other control characters, written out as escapes: an error
+# quotes what the client sent (a chat template's own raise_exception quotes a role), and stays one line.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
 def clipped(text: str, limit: int = MAX_ECHO) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
 def clipped_error(field: str | None, message: str) -> tuple[str | None, str]:
-    """(field, message) of an error cut to MAX_FIELD / MAX_MESSAGE; a message that begins with its field begins
-    with the cut field."""
+    """(field, message) of an error on one line, cut to MAX_FIELD / MAX_MESSAGE; a message that begins with its
+    field begins with the cut field."""
+    if field is not None:
+        escaped = one_line(field)
+        message = escaped + message[len(field) :] if message.startswith(field) else message
+        field = escaped
+    message = one_line(message)
     if field is not None and len(field) > MAX_FIELD:  # a client's own key in the path
         short = clipped(field, MAX_FIELD)
         message = short + message[len(field) :] if message.startswith(field) else message
@@ -112,7 +127,7 @@ def to_status(exc: BaseException, request_id: str = "") -> grpc.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     elif isinstance(exc, RouterError):
-        code, reason, message = exc.code, exc.reason, clipped(str(exc), MAX_MESSAGE)
+        code, reason, message = exc.code, exc.reason, clipped(one_line(str(exc)), MAX_MESSAGE)
         if isinstance(exc, Overloaded | Unavailable):
             seconds = max(exc.retry_after_s, 0.0)
             delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))

@@ -223,3 +223,24 @@ def test_json_text_is_read_as_the_standard_has_it(tokenizer):
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("role", ["x\ny", "x\r\ny", "x\u2028y", "x\x85y", "x\x00y"])
+def test_an_error_quoting_a_line_break_stays_one_line(tokenizer, role):
+    """The chat template's raise_exception quotes the role as sent: a role with a line break made a status message
+    of two lines. What the client sent is quoted with its control characters escaped."""
+    escaped = role.encode("unicode_escape").decode()
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            err = await status_of(stub.Chat(rpb.ChatRequest(messages=[rpb.ChatMessage(role=role, content="hi")])))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert (
+                err.details()
+                == f"messages[0]: chat template: role must be system, user, assistant or tool, got {escaped}"
+            )
+            assert len(err.details().splitlines()) == 1
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
