@@ -71,9 +71,26 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def _submit(self, request, context, stream: bool) -> tuple[RequestHandle, ToolReply | None]:
         """The request's handle, and for a chat offering tools the parser its reply goes through."""
         remaining = context.time_remaining()
-        deadline = (
-            time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4) if remaining is not None else None
-        )
+        if remaining is None:
+            return await self._prepare(request, None, stream)
+        deadline = time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4)
+        # The batching loop ends a request at its deadline; before it gets there (a chat rendering behind a burst,
+        # seconds of tokenizing, a grammar compiling) the same deadline applies, or gRPC would cut the call first
+        # with a bare DEADLINE_EXCEEDED: no ErrorInfo, no x-request-id.
+        timeout = asyncio.timeout(deadline - time.monotonic())
+        try:
+            async with timeout:
+                return await self._prepare(request, deadline, stream)
+        except TimeoutError:
+            if not timeout.expired():
+                raise
+            raise errors.DeadlineExceeded(
+                "the request's deadline passed before it reached the queue (while it was rendered, tokenized or "
+                "its grammar compiled)",
+                reason="QUEUE_TIMEOUT",
+            ) from None
+
+    async def _prepare(self, request, deadline: float | None, stream: bool) -> tuple[RequestHandle, ToolReply | None]:
         if isinstance(request, PromptRequest):
             return await self.frontend.submit(request, deadline, stream), None
         limits = self.frontend.check_ready()

@@ -10,6 +10,8 @@ import asyncio
 import grpc
 import pytest
 from google.protobuf import struct_pb2
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from common.metrics import new_registry
 from common.pb import router_pb2 as rpb
@@ -241,6 +243,47 @@ def test_an_error_quoting_a_line_break_stays_one_line(tokenizer, role):
                 == f"messages[0]: chat template: role must be system, user, assistant or tool, got {escaped}"
             )
             assert len(err.details().splitlines()) == 1
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
+
+
+def test_a_deadline_that_passes_before_the_queue_is_the_router_s_status(tokenizer):
+    """The router ends a request at the client's deadline (less its headroom) with its own status, ErrorInfo and
+    x-request-id; before the request reached the batching loop (its chat rendering behind others, its text
+    tokenizing) gRPC cut the call first: a bare DEADLINE_EXCEEDED without either."""
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry) as (router, fake, stub, _):
+            renderer, tokenizer_ = router.frontend.chat_renderer, router.batching_loop.tokenizer
+            render, encode = renderer.render, tokenizer_.encode_async
+
+            async def slow_render(*args, **kwargs):
+                await asyncio.sleep(5)
+                return await render(*args, **kwargs)
+
+            async def slow_encode(*args, **kwargs):
+                await asyncio.sleep(5)
+                return await encode(*args, **kwargs)
+
+            renderer.render, tokenizer_.encode_async = slow_render, slow_encode
+            chat = rpb.ChatRequest(messages=[HI], request_id="c-1")
+            calls = [
+                stub.Chat(chat, timeout=0.5),
+                stub.ChatStream(rpb.ChatStreamRequest.FromString(chat.SerializeToString()), timeout=0.5).read(),
+                stub.Generate(rpb.GenerateRequest(text="hello", request_id="c-1"), timeout=0.5),
+            ]
+            for call in calls:
+                err = await status_of(call)
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+                assert err.details().startswith("the request's deadline passed before it reached the queue")
+                info = error_details_pb2.ErrorInfo()
+                assert rpc_status.from_call(err).details[0].Unpack(info) and info.reason == "QUEUE_TIMEOUT"
+                assert dict(err.trailing_metadata())["x-request-id"] == "c-1"
+            outcome = {"model_name": "m", "outcome": "deadline_exceeded"}
+            assert registry.get_sample_value("colibri_requests_total", outcome) == 3
+            renderer.render, tokenizer_.encode_async = render, encode
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
