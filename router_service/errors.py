@@ -78,6 +78,12 @@ class Overloaded(RouterError):
         return cls(f"model is overloaded: {limit} requests in flight (max_concurrent_requests)", retry_after_s)
 
 
+class AnswerTooLarge(RouterError):
+    """An answer over the port's max_message_bytes: asking again gets the same (no RetryInfo)."""
+
+    code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, "ANSWER_TOO_LARGE"
+
+
 class Unavailable(RouterError):
     """Retry later (`retry_after_s`), here or elsewhere: draining, or no worker to serve the request now."""
 

@@ -135,9 +135,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 extra = (
                     {"tool_calls": [_call_pb(c, i) for i, c in enumerate(out.tool_calls)]} if reply is not None else {}
                 )
-                # as a stream's and an error's: a client reads the id from the metadata, whatever the call
-                await context.send_initial_metadata((("x-request-id", handle.request_id),))
-                return response_type(
+                response = response_type(
                     **extra,
                     request_id=handle.request_id,
                     token_ids=out.token_ids,
@@ -153,6 +151,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     prompt_logprobs=self._prompt_pb(out.prompt_logprobs),
                     cached_prompt_tokens=handle.num_cached_tokens,
                 )
+                self._check_size(response)
+                # as a stream's and an error's: a client reads the id from the metadata, whatever the call
+                await context.send_initial_metadata((("x-request-id", handle.request_id),))
+                return response
             except grpc.aio.InternalError:  # only the context's own sends raise it
                 raise _call_ended(handle.request_id if handle is not None else "") from None
             except asyncio.CancelledError:
@@ -191,6 +193,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                         message.routing = self._routing()
                         message.cached_prompt_tokens = handle.num_cached_tokens
                         set_usage(handle, generated, delta.finish_reason)
+                    self._check_size(message)
                     await self._write(context, message)
             except grpc.aio.InternalError:  # only the context's own writes raise it
                 raise _call_ended(handle.request_id if handle is not None else "") from None
@@ -204,6 +207,16 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             finally:
                 if handle is not None:
                     handle.cancel()
+
+    def _check_size(self, message) -> None:
+        """gRPC refuses to send a message over max_message_bytes (prompt_logprobs of a long prompt: ~300 bytes a
+        token) with a bare RESOURCE_EXHAUSTED and a traceback logged at ERROR: refused here, in the router's terms."""
+        size, limit = message.ByteSize(), self.config.max_message_bytes
+        if size > limit:
+            raise errors.AnswerTooLarge(
+                f"the answer would be {size} bytes, over max_message_bytes ({limit}): ask for fewer prompt_logprobs or "
+                "top_logprobs, or fewer tokens"
+            )
 
     async def _write(self, context, message) -> None:
         """One message of a stream. gRPC waits without limit for a client that stops reading (HTTP/2 flow control),

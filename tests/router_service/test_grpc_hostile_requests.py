@@ -18,6 +18,7 @@ from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import PLAIN_CHAT_TEMPLATE
 from router_service import servicer
 from router_service.observability import router_metrics
+from tests.helpers import drained, running_router
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
 GAUGES = ("colibri_queue_size", "colibri_num_requests_running", "colibri_num_requests_waiting")
@@ -287,3 +288,34 @@ def test_a_deadline_that_passes_before_the_queue_is_the_router_s_status(tokenize
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
+
+
+def test_an_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(worker, tiny_model, caplog):
+    """Prompt log-probabilities cost ~300 bytes a prompt token: a long prompt's answer (or a stream's first
+    message) can pass max_message_bytes, which bounds answers too. gRPC refused to send it with a bare
+    RESOURCE_EXHAUSTED and logged a traceback at ERROR; the router refuses it itself, with ErrorInfo and the id."""
+    params = rpb.SamplingParameters(max_new_tokens=2, logprobs=True, top_logprobs=20, prompt_logprobs=20)
+    prompt = rpb.TokenIds(ids=list(range(10, 250)) * 2)
+
+    async def body():
+        async with running_router(worker.address, model=str(tiny_model), max_message_bytes=64 << 10) as (router, stub):
+            stream = stub.GenerateStream(rpb.GenerateStreamRequest(token_ids=prompt, parameters=params, request_id="s"))
+            for call in (
+                stub.Generate(rpb.GenerateRequest(token_ids=prompt, parameters=params, request_id="u")),
+                stream.read(),
+            ):
+                err = await status_of(call)
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert err.details().startswith("the answer would be "), err.details()
+                assert "over max_message_bytes (65536)" in err.details()
+                info = error_details_pb2.ErrorInfo()
+                status = rpc_status.from_call(err)
+                assert status.details[0].Unpack(info) and info.reason == "ANSWER_TOO_LARGE"
+                assert len(status.details) == 1, "asking again gets the same: no RetryInfo"
+                assert dict(err.trailing_metadata())["x-request-id"] in ("u", "s")
+            await drained(router)
+            small = rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 6]), parameters=params)
+            assert len((await stub.Generate(small)).prompt_logprobs) == 2
+
+    asyncio.run(body())
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
