@@ -208,15 +208,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 if handle is not None:
                     handle.cancel()
 
-    def _check_size(self, message) -> None:
+    def _check_size(
+        self, message, advice: str = "ask for fewer prompt_logprobs or top_logprobs, or fewer tokens"
+    ) -> None:
         """gRPC refuses to send a message over max_message_bytes (prompt_logprobs of a long prompt: ~300 bytes a
         token) with a bare RESOURCE_EXHAUSTED and a traceback logged at ERROR: refused here, in the router's terms."""
         size, limit = message.ByteSize(), self.config.max_message_bytes
         if size > limit:
-            raise errors.AnswerTooLarge(
-                f"the answer would be {size} bytes, over max_message_bytes ({limit}): ask for fewer prompt_logprobs or "
-                "top_logprobs, or fewer tokens"
-            )
+            raise errors.AnswerTooLarge(f"the answer would be {size} bytes, over max_message_bytes ({limit}): {advice}")
 
     async def _write(self, context, message) -> None:
         """One message of a stream. gRPC waits without limit for a client that stops reading (HTTP/2 flow control),
@@ -242,11 +241,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 ids = await self.batching_loop.tokenizer.encode_async(request.text, add)
                 return router_pb2.TokenizeResponse(token_ids=ids)
             ids, pieces, offsets = await self.batching_loop.tokenizer.encode_details_async(request.text, add)
-            return router_pb2.TokenizeResponse(
+            response = router_pb2.TokenizeResponse(
                 token_ids=ids,
                 pieces=pieces if request.return_pieces else [],
                 offsets=[router_pb2.TokenOffset(start=a, end=b) for a, b in offsets] if request.return_offsets else [],
             )
+            # a token's piece and offsets take ~10 bytes, more than its text's byte
+            self._check_size(response, "ask without return_pieces or return_offsets, or for a shorter text")
+            return response
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 

@@ -319,3 +319,21 @@ def test_an_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(worke
 
     asyncio.run(body())
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+def test_a_tokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(tokenizer, caplog):
+    """A text within max_message_bytes tokenizes, with pieces and offsets, to an answer several times its size."""
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry, max_message_bytes=4096) as (router, fake, stub, _):
+            text = "abc " * 1000
+            request = rpb.TokenizeRequest(text=text, return_pieces=True, return_offsets=True)
+            err = await status_of(stub.Tokenize(request))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            assert err.details().startswith("the answer would be ") and "(4096)" in err.details(), err.details()
+            assert len((await stub.Tokenize(rpb.TokenizeRequest(text=text))).token_ids) > 1000
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
