@@ -265,7 +265,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             limits = self.batching_loop.limits
             check_ids("token_ids", request.token_ids, limits.vocab_size if limits else tokenizer.vocab_size)
             text = await tokenizer.decode_async(request.token_ids, request.skip_special_tokens)
-            return router_pb2.DetokenizeResponse(text=text)
+            response = router_pb2.DetokenizeResponse(text=text)
+            self._check_size(response, "ask for fewer ids at a time")  # a token's text can be longer than its id
+            return response
         except Exception as e:  # mapped to a status in errors.to_status
             await self._abort(context, e, request, None)
 

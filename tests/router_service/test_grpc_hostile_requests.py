@@ -18,7 +18,7 @@ from common.pb import router_pb2 as rpb
 from expert_service.tools.tiny_model import PLAIN_CHAT_TEMPLATE
 from router_service import servicer
 from router_service.observability import router_metrics
-from tests.helpers import drained, running_router
+from tests.helpers import byte_ids, drained, running_router
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
 
 GAUGES = ("colibri_queue_size", "colibri_num_requests_running", "colibri_num_requests_waiting")
@@ -333,6 +333,23 @@ def test_a_tokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_ter
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             assert err.details().startswith("the answer would be ") and "(4096)" in err.details(), err.details()
             assert len((await stub.Tokenize(rpb.TokenizeRequest(text=text))).token_ids) > 1000
+            await still_serving(router, fake, stub, registry)
+
+    asyncio.run(body())
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+def test_a_detokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(tokenizer, caplog):
+    """Each lone byte 0x80 decodes to U+FFFD: 3 bytes of text for a 2-byte id."""
+
+    async def body():
+        registry = new_registry(process_metrics=False)
+        async with chat_harness(tokenizer, registry, max_message_bytes=4096) as (router, fake, stub, _):
+            ids = [byte_ids("\u0080")[1]] * 1900  # the byte 0x80 alone, 1,900 times: a 3.8 kB request
+            err = await status_of(stub.Detokenize(rpb.DetokenizeRequest(token_ids=ids)))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            assert err.details().startswith("the answer would be ") and "(4096)" in err.details(), err.details()
+            assert (await stub.Detokenize(rpb.DetokenizeRequest(token_ids=ids[:1000]))).text == "\ufffd" * 1000
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
