@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
+from router_service.json_text import strict_json
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
 MAX_SPEC_BYTES = 64 << 10  # a schema, regex or grammar; each choice too
@@ -33,23 +33,6 @@ CACHE_SIZE = 256  # compiled grammars kept (LRU)
 FIELD = "parameters.constraint"
 # JSON without free whitespace: a model that may emit whitespace between tokens can emit it forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-def strict_json(text: str) -> Any:
-    """JSON text as the standard reads it. Python's json also takes NaN and Infinity, which the grammar engine
-    then refuses at a column of the router's own rewrite, and a template prints back into the prompt as no JSON."""
-    return json.loads(text, parse_constant=_not_json, parse_int=_integer)
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _integer(digits: str) -> int:
-    limit = sys.get_int_max_str_digits()  # int() past it says to call sys.set_int_max_str_digits: not a client's
-    if limit and len(digits.lstrip("-")) > limit:
-        raise ValueError(f"an integer of {len(digits.lstrip('-'))} digits (at most {limit})")
-    return int(digits)
 
 
 # llguidance's work bounds, below its defaults: a hostile regex or schema otherwise builds a lexer for a second or

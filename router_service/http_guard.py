@@ -34,6 +34,7 @@ from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
 from router_service.http_bodies import Reservation
+from router_service.json_text import strict_json
 from router_service.openai_api import ApiError
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
@@ -161,7 +162,7 @@ def parse_json(raw: bytes | bytearray):
     """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
     try:
         text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
-        value = json.loads(text)
+        value = strict_json(text, check_integers=False)  # NaN and Infinity are no JSON
     except RecursionError:
         raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:

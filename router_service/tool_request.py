@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from router_service.constraints import strict_json
+from router_service.json_text import strict_json
 
 MAX_TOOLS = 128  # OpenAI's own limit
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names

@@ -182,6 +182,34 @@ def test_client_mistakes_are_openai_4xx_errors_without_an_error_log(tmp_path, ca
     asyncio.run(body())
 
 
+# What no JSON reader but Python's takes (a schema holding one reached the grammar engine), and an integer past
+# Python's digit limit (whose own error told the client to call sys.set_int_max_str_digits): the body is not JSON.
+NOT_JSON = [
+    (COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', "NaN is not a JSON number"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+        b'"json_schema": {"name": "n", "schema": {"type": "number", "maximum": -Infinity}}}}',
+        "-Infinity is not a JSON number",
+    ),
+    (COMPLETIONS, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "an integer has more than 4300 digits"),
+]
+
+
+def test_what_only_python_reads_as_json_is_not_json(tmp_path, caplog):
+    async def body():
+        async with http_harness(tmp_path) as (router, _, _, _):
+            for path, raw, said in NOT_JSON:
+                got, answer = status_and_body(
+                    await raw_exchange(router.http_port, post_bytes(path, raw, b"Authorization: Bearer sesame\r\n"))
+                )
+                assert_openai_error(answer, 400, got)
+                assert answer["error"]["message"] == f"the body is not valid JSON: {said}", answer
+        assert not problems(caplog)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize(
     "request_body, param",
     [
