@@ -13,8 +13,9 @@ from router_service import errors
 
 
 def is_metadata_safe(value: str) -> bool:
-    """Printable ASCII (0x20-0x7e): what a gRPC metadata value may hold."""
-    return value.isascii() and value.isprintable()
+    """Printable ASCII (0x20-0x7e), neither beginning nor ending with a space: what a gRPC metadata value may hold
+    (HTTP/2 takes a value with a space at either end as malformed, so a strict proxy resets the stream)."""
+    return value.isascii() and value.isprintable() and value == value.strip(" ")
 
 
 async def _reject(context, malformed: Malformed) -> None:

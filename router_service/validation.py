@@ -205,7 +205,9 @@ def _check_before_tokenizing(req: PromptRequest, config: RouterConfig, limits: M
             "request_id", f"must be at most {config.max_request_id_length} characters, got {len(req.request_id)}"
         )
     if not is_metadata_safe(req.request_id):
-        raise InvalidRequestError("request_id", "must be printable ASCII (0x20-0x7e): it is echoed in metadata")
+        raise InvalidRequestError(
+            "request_id", "must be printable ASCII (0x20-0x7e) without a space at either end: it is echoed in metadata"
+        )
     if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
         raise InvalidRequestError(
             "cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes, got {len(req.cache_salt.encode())}"

@@ -34,7 +34,7 @@ def errors_logged(caplog):
     ]
 
 
-@pytest.mark.parametrize("request_id", ["é", "a\nb", "\x00", "tab\there", "\x7f", "🙂"])
+@pytest.mark.parametrize("request_id", ["é", "a\nb", "\x00", "tab\there", "\x7f", "🙂", " lead", "trail "])
 def test_request_id_must_be_metadata_safe(request_id, caplog):
     async def main():
         async with harness() as (_, _, stub, _):
