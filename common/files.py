@@ -3,9 +3,36 @@ through whatever the name held."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-import shutil
+from collections.abc import Iterator
 from pathlib import Path
+
+COPY_CHUNK = 1 << 20
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside without a file name (a write, fsync or ftruncate on a full disk: 'No space left on
+    device') gets `path` as its name, so the one-line error says which file."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int, path: Path | str) -> None:
+    """Writes all of `data` at `offset`. A write cut short (the disk filled up) is retried for the rest, whose
+    error (ENOSPC) is raised naming `path`."""
+    with naming(path):
+        while data:
+            written = os.pwrite(fd, data, offset)
+            if written <= 0:  # a regular file never takes 0 bytes of a non-empty write but when it cannot
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            data, offset = data[written:], offset + written
 
 
 def create_new(path: Path) -> int:
@@ -22,12 +49,17 @@ def create_new(path: Path) -> int:
 
 def write_new(path: Path, data: bytes) -> None:
     """`data` as a new file at `path` (create_new)."""
-    with os.fdopen(create_new(path), "wb") as f:
+    with naming(path), os.fdopen(create_new(path), "wb") as f:
         f.write(data)
 
 
 def copy_new(source: Path, path: Path) -> None:
     """`source`'s bytes as a new file at `path` (create_new); a symlink at `source` is followed (a Hugging Face
     cache's snapshot files are links into its blobs)."""
-    with open(source, "rb") as src, os.fdopen(create_new(path), "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    with open(source, "rb") as src, naming(path), os.fdopen(create_new(path), "wb") as dst:
+        while True:
+            with naming(source):  # a read error names the source, a write error (a full disk) the copy
+                chunk = src.read(COPY_CHUNK)
+            if not chunk:
+                break
+            dst.write(chunk)

@@ -45,6 +45,7 @@ one-line ``ModelFormatError`` (``ChecksumError`` for a mismatch).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -71,7 +72,7 @@ from common.expert_layout import (
     read_expert_layout,
     scale_name,
 )
-from common.files import create_new, write_new
+from common.files import create_new, naming, pwrite_all, write_new
 from common.model_config import ModelConfig
 from common.models import config_from_hf, tensor_specs
 
@@ -171,6 +172,8 @@ class ModelWriter:
         self.layout, self.expert_strides = plan_layout(self.config, dtype, expert_formats)
         self.written: dict[str, TensorEntry] = {}
         self.tokenizer_files: list[str] = []
+        if self.out_dir.exists() and not self.out_dir.is_dir():  # mkdir would say only "File exists"
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(self.out_dir))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # An earlier model's manifest would vouch for the files truncated below if this write stopped halfway.
         (self.out_dir / MANIFEST).unlink(missing_ok=True)
@@ -182,8 +185,9 @@ class ModelWriter:
             sizes[expert_file(layer)] = self.config.num_experts * stride  # inside the file (the last one's too)
         for name, size in sizes.items():
             fd = create_new(self.out_dir / name)  # a new file: a link there is replaced, never written through
-            os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
             self._files[name] = fd
+            with naming(self.out_dir / name):
+                os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
 
     def write(self, name: str, array: np.ndarray) -> None:
         entry = self.layout.get(name)
@@ -195,9 +199,7 @@ class ModelWriter:
                 f"tensor {name}: expected {entry.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
             )
         view = data.data.cast("B")
-        written = os.pwrite(self._files[entry.file], view, entry.offset)
-        if written != entry.nbytes:
-            raise ModelFormatError(f"{entry.file}: short write for tensor {name} ({written} of {entry.nbytes} bytes)")
+        pwrite_all(self._files[entry.file], view, entry.offset, self.out_dir / entry.file)
         self.written[name] = TensorEntry(
             name, entry.file, entry.offset, entry.nbytes, entry.dtype, entry.shape, zlib.crc32(view)
         )
@@ -206,8 +208,9 @@ class ModelWriter:
         missing = [n for n in self.layout if n not in self.written]
         if missing:
             raise ModelFormatError(f"tensor {missing[0]}: never written ({len(missing)} tensors missing)")
-        for fd in self._files.values():
-            os.fsync(fd)
+        for name, fd in self._files.items():
+            with naming(self.out_dir / name):  # a full disk can show first here
+                os.fsync(fd)
             os.close(fd)
         manifest = {
             "format": FORMAT_NAME,
@@ -221,7 +224,11 @@ class ModelWriter:
             "tokenizer_files": self.tokenizer_files,
         }
         tmp = self.out_dir / (MANIFEST + ".tmp")
-        write_new(tmp, json.dumps(manifest, indent=1).encode())
+        try:
+            write_new(tmp, json.dumps(manifest, indent=1).encode())
+        except OSError as e:  # a full disk: no half manifest left behind, and the error names the manifest
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, e.strerror, str(self.out_dir / MANIFEST)) from None
         tmp.replace(self.out_dir / MANIFEST)
         return self.out_dir
 

@@ -3,7 +3,10 @@ sharded checkpoints, --dtype conversions and the checkpoints it must refuse."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -380,3 +383,73 @@ def test_an_empty_out_dir_is_refused_in_one_line_instead_of_converting_into_the_
     rc, out, err = run_cli(capsys, "convert", str(hf_dir), "", "--no-progress")
     assert (rc, out, err) == (2, "", "colibri convert: error: OUT_DIR: empty (name the model directory to write)\n")
     assert list(work.iterdir()) == []
+
+
+class FullDisk:
+    """A disk with `free` bytes left: a write beyond them is cut short, and the next one fails with ENOSPC, as
+    the kernel does. It counts pwrite (the tensors) and the file objects' writes (tokenizer copies, manifest)."""
+
+    def __init__(self, monkeypatch, free: int):
+        self.free = free
+        real_pwrite, real_fdopen = os.pwrite, os.fdopen
+
+        def pwrite(fd, data, offset):
+            return real_pwrite(fd, memoryview(data)[: self.take(len(data))], offset)
+
+        disk = self
+
+        class File(io.RawIOBase):
+            def __init__(self, fd):
+                self.real = real_fdopen(fd, "wb", buffering=0)
+
+            def writable(self):
+                return True
+
+            def write(self, data):
+                return self.real.write(memoryview(data)[: disk.take(len(data))])
+
+            def close(self):
+                self.real.close()
+                super().close()
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: io.BufferedWriter(File(fd)))
+
+    def take(self, n: int) -> int:
+        if self.free == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = min(n, self.free)
+        self.free -= n
+        return n
+
+
+@pytest.mark.parametrize(
+    "free, named",
+    # the tiny float32 model writes dense tensors from byte 0, expert 0 of layer 0 from 116,992, 824,064 in all,
+    # then tokenizer.json (5,395 bytes), tokenizer_config.json and chat_template.jinja (2,281), the manifest
+    [(1000, "dense.bin"), (120_000, "experts-L000.bin"), (824_064 + 1000, "tokenizer.json"),
+     (824_064 + 7_676 + 1000, "colibri.json")],
+)  # fmt: skip
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch, free, named):
+    """A tensor write cut short by a full disk was refused as a malformed model ('short write', exit 3), and a
+    full disk under a tokenizer copy or the manifest said only 'No space left on device'. Either way nothing
+    loads: no manifest is left, not even a half-written one."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    out = tmp_path / "out"
+    FullDisk(monkeypatch, free)
+    rc, _, err = run_cli(capsys, "convert", str(hf_dir), str(out), "--no-progress")
+    monkeypatch.undo()
+    assert (rc, err) == (1, f"colibri convert: error: {out / named}: No space left on device\n")
+    assert not (out / "colibri.json").exists() and not (out / "colibri.json.tmp").exists()
+    rc, _, err = run_cli(capsys, "convert", str(hf_dir), str(out), "--no-progress")  # space again: a rerun works
+    assert rc == 0, err
+    ModelDir.open(out)
+
+
+def test_an_out_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    """mkdir's error said only 'File exists'."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    (tmp_path / "out").write_text("a file")
+    rc, _, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert (rc, err) == (1, f"colibri convert: error: {tmp_path / 'out'}: exists and is not a directory\n")
+    assert (tmp_path / "out").read_text() == "a file"
