@@ -25,6 +25,7 @@ import time
 import grpc
 
 from common.errors import ConfigError
+from common.files import read_regular
 
 log = logging.getLogger("colibri.auth")
 WORKER_TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
@@ -48,8 +49,7 @@ def _stamp(path: str) -> tuple | None:
 
 
 def _read(path: str, max_bytes: int | None) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read(-1 if max_bytes is None else max_bytes + 1)
+    data = read_regular(path, max_bytes)
     if max_bytes is not None and len(data) > max_bytes:
         raise ValueError(f"{path} is larger than {max_bytes} bytes")
     return data

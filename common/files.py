@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,29 @@ def pwrite_all(fd: int, data: memoryview, offset: int, path: Path | str) -> None
             if written <= 0:  # a regular file never takes 0 bytes of a non-empty write but when it cannot
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             data, offset = data[written:], offset + written
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (at most max_bytes + 1 of them, for the caller to refuse). Anything
+    else is an OSError naming it: opening a FIFO waited for a writer for ever, holding a service's start-up and its
+    stop signals, and a device such as /dev/zero never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise OSError(errno.EINVAL, f"not a regular file ({kind})", str(path))
+        return f.read(-1 if max_bytes is None else max_bytes + 1)
 
 
 def create_new(path: Path) -> int:

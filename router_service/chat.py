@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 from common.errors import ConfigError, InvalidRequestError
+from common.files import read_regular
 
 log = logging.getLogger("colibri.router.chat")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -97,10 +98,19 @@ def _names_literal(syntax, value: str) -> bool:
 
 def _read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"chat template: cannot read {path}: {e}") from None
     return value if isinstance(value, dict) else {}
+
+
+def _read_template(path: Path, what: str) -> str:
+    try:
+        return read_regular(path).decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # a traceback before: a template is text
+        raise ConfigError(f"{what}: {path} is not UTF-8 text (byte {e.start})") from None
 
 
 class ChatTemplate:
@@ -139,15 +149,12 @@ class ChatTemplate:
                 special[name] = text
         if override_file:
             path = Path(override_file)
-            try:
-                return cls(path.read_text(encoding="utf-8"), special, str(path))
-            except OSError as e:
-                raise ConfigError(f"--chat-template: cannot read {path}: {e.strerror}") from None
+            return cls(_read_template(path, "--chat-template"), special, str(path))
         if not model_dir:
             return None
         jinja_file = Path(model_dir) / "chat_template.jinja"
         if jinja_file.is_file():
-            return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))
+            return cls(_read_template(jinja_file, "chat template"), special, str(jinja_file))
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

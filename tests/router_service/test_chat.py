@@ -3,6 +3,7 @@ Generate does on the rendered prompt (tokenized without adding special tokens)."
 
 import asyncio
 import json
+import re
 import shutil
 
 import grpc
@@ -480,3 +481,13 @@ def test_a_memory_bomb_fails_in_its_renderer_alone():
             renderer.close()
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("where", ["--chat-template", "chat_template.jinja"])
+def test_a_template_file_that_is_not_utf8_is_one_line(tmp_path, where):
+    """It ended the router's start-up with a UnicodeDecodeError traceback."""
+    path = tmp_path / ("mine.jinja" if where == "--chat-template" else "chat_template.jinja")
+    path.write_bytes(b"{{ messages[0].content }}\xff")
+    what = "--chat-template" if where == "--chat-template" else "chat template"
+    with pytest.raises(ConfigError, match=f"^{what}: {re.escape(str(path))} is not UTF-8 text \\(byte 25\\)$"):
+        ChatTemplate.load(tmp_path, path if where == "--chat-template" else None)

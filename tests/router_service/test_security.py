@@ -352,3 +352,49 @@ def test_metrics_port_in_use_names_the_router_and_binds_loopback_by_default(tmp_
         )
     assert done.returncode == 7, done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"colibri router: error: router metrics 127.0.0.1:{port} is in use"
+
+
+def _load_setting(setting: str, path: str, key_dir):
+    """Reads the file of one router setting the way start-up does."""
+    from router_service.chat import ChatTemplate
+
+    if setting == "chat_template":
+        return ChatTemplate.load(None, path)
+    if setting == "tls_cert_file":
+        key = write(key_dir / "tls.key", issue(make_ca(), "localhost", server=True).key)
+        return security.server_credentials(RouterConfig(tls_cert_file=path, tls_key_file=key))
+    config = RouterConfig(**{setting: path})
+    return security.public_tokens(config) if setting == "auth_token_file" else security.worker_token_source(config)
+
+
+@pytest.mark.parametrize("setting", ["auth_token_file", "worker_token_file", "tls_cert_file", "chat_template"])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_file_setting_naming_no_regular_file_is_one_line_not_a_hang(tmp_path, setting, kind):
+    """A FIFO there blocked the router's (or worker's) start-up in open() until a writer came, for ever, with its
+    stop signals held: only SIGKILL ended it. /dev/null was read as an empty file (and /dev/zero was read without
+    end: the chat template's memory grew until the process died)."""
+    import threading
+
+    from common.errors import ConfigError
+
+    path = str(tmp_path / "file") if kind == "fifo" else os.devnull
+    if kind == "fifo":
+        os.mkfifo(path)
+    outcome: list = []
+
+    def load():
+        try:
+            outcome.append(_load_setting(setting, path, tmp_path))
+        except Exception as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # let the blocked open go, so the test fails instead of hanging
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail(f"{setting}: opening a FIFO blocked start-up")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+    what = "a FIFO" if kind == "fifo" else "a character device"
+    assert str(outcome[0]).endswith(f"cannot read {path}: not a regular file ({what})"), outcome[0]
