@@ -38,7 +38,16 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common.config import LOG_LEVEL_ENV, add_flags, env_value, flag_name, load_config_file  # noqa: E402
+from common.config import (  # noqa: E402
+    LOG_LEVEL_ENV,
+    add_flags,
+    check_distinct_ports,
+    env_value,
+    flag_name,
+    flag_values,
+    load_config_file,
+    resolve,
+)
 from common.errors import ConfigError  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
 from expert_service.engine.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
@@ -128,6 +137,7 @@ class Supervisor:
         ]
         # One secret per run, for both children, in their environment only.
         self.env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}
+        self.router_port = args.port or 50051  # for the hint: run() puts the router's resolved port here
         self.router_stop_s = (args.drain_timeout_s or 30.0) + STOP_MARGIN_S
         self.worker_stop_s = 30.0 + STOP_MARGIN_S
         self.signals: list[int] = []
@@ -171,9 +181,10 @@ class Supervisor:
             worker.pid,
             self.worker_address,
         )
-        port = self.args.port or 50051
+        port = self.router_port or "PORT"
+        where = f"localhost:{port}" if self.router_port else "a free port (its 'router listening on' line names it)"
         _print_hint(
-            f"colibri serve: the router answers on localhost:{port} once the worker is ready. Try:\n"
+            f"colibri serve: the router answers on {where} once the worker is ready. Try:\n"
             f'  colibri generate --target localhost:{port} "Hello" --max-new-tokens 16\n'
             f'  grpcurl -plaintext -d \'{{"text": "Hello"}}\' localhost:{port} '
             f"colibri.router.v1.GenerationService/Generate"
@@ -251,6 +262,29 @@ def _print_hint(text: str) -> None:
         os.close(devnull)
 
 
+def _check_ports(args: argparse.Namespace) -> RouterConfig:
+    """The router's settings as it will resolve them (file, environment, flags), and the ports of both children
+    apart: a clash showed as one child's bind failing 'in use' (exit 7), as if another program held the port."""
+    worker_port, worker_metrics_port = getattr(args, "worker_port", 0), getattr(args, "worker_metrics_port", 0)
+    for flag, value in (("--worker-port", worker_port), ("--worker-metrics-port", worker_metrics_port)):
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"{flag}: must be in [0, 65535], got {value}")
+    flags = {**flag_values(args, RouterConfig), "worker": "127.0.0.1:1", "model": args.model}
+    router = resolve(RouterConfig, file_values=load_config_file(getattr(args, "config", None), "router"), flags=flags)
+    check_distinct_ports(
+        "",
+        {
+            "--port": (router.host, router.port),
+            "--health-port": (router.host, router.health_port),
+            "--http-port": (router.host, router.http_port),
+            "--metrics-port": (router.metrics_host, router.metrics_port),
+            "--worker-port": ("127.0.0.1", worker_port),  # the worker serves loopback; serve's router dials it
+            "--worker-metrics-port": ("127.0.0.1", worker_metrics_port),
+        },
+    )
+    return router
+
+
 def _exit_status(code: int) -> int:
     """A child's return code as serve's exit status (killed by signal N: 128 + N)."""
     return 128 - code if code < 0 else code
@@ -267,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
         )
     for section in ("router", "worker", "engine"):  # the file both children read, checked before they start
         load_config_file(getattr(args, "config", None), section)
-    code = Supervisor(args).run()
+    router = _check_ports(args)
+    supervisor = Supervisor(args)
+    supervisor.router_port = router.port
+    code = supervisor.run()
     # The exit status is decided. Python puts back the default handlers while it shuts down, so a signal that
     # arrives then (the operator's, sent late to every process) would turn a clean exit into death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -131,3 +131,75 @@ def test_serve_names_a_config_path_it_cannot_read_before_starting_anything(tmp_p
     )
     assert done.returncode == 2
     assert done.stderr.decode().splitlines() == [f"colibri serve: error: --config: {tmp_path} is not a file"]
+
+
+def _serve_refusal(tmp_path, tiny_model, *flags: str, env: dict | None = None, config: str = "") -> list[str]:
+    if config:
+        (tmp_path / "colibri.yaml").write_text(config)
+        flags = (*flags, "--config", str(tmp_path / "colibri.yaml"))
+    done = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "serve", "--model", str(tiny_model), *flags],
+        env={**serve_env("COLIBRI_PORT", "PORT", "COLIBRI_METRICS_PORT", "METRICS_PORT"), **(env or {})},
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr.decode()[-2000:]
+    return done.stderr.decode().splitlines()
+
+
+@pytest.mark.parametrize(
+    "flags, env, config, message",
+    [
+        (["--port", "{p}", "--worker-port", "{p}"], {}, "", "--worker-port must differ from --port (both {p})"),
+        (["--metrics-port", "{p}", "--worker-metrics-port", "{p}"], {}, "",
+         "--worker-metrics-port must differ from --metrics-port (both {p})"),
+        (["--worker-metrics-port", "{p}"], {"COLIBRI_PORT": "{p}"}, "", "--worker-metrics-port must differ from --port (both {p})"),
+        (["--worker-port", "{p}"], {}, "router:\n  http_port: {p}\n", "--worker-port must differ from --http-port (both {p})"),
+        (["--worker-port", "-1"], {}, "", "--worker-port: must be in [0, 65535], got -1"),
+        (["--worker-metrics-port", "70000"], {}, "", "--worker-metrics-port: must be in [0, 65535], got 70000"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_its_own_processes_on_one_port_before_starting_them(
+    tmp_path, tiny_model, flags, env, config, message
+):
+    """Both children started and one failed to bind, 'worker gRPC 127.0.0.1:P is in use' (exit 7), as if another
+    program held the port; a port out of range was refused by both children, naming --port or --metrics-port."""
+    p = str(free_port())
+    lines = _serve_refusal(
+        tmp_path,
+        tiny_model,
+        *(f.format(p=p) for f in flags),
+        env={k: v.format(p=p) for k, v in env.items()},
+        config=config.format(p=p),
+    )
+    assert lines == [f"colibri serve: error: {message.format(p=p)}"]
+
+
+@pytest.mark.parametrize(
+    "flags, env, config, port",
+    [([], {}, "", 50051), ([], {"COLIBRI_PORT": "6001"}, "", 6001), ([], {}, "router: {port: 6002}", 6002),
+     (["--port", "6003"], {"COLIBRI_PORT": "6001"}, "", 6003), (["--port", "0"], {}, "", 0)],
+)  # fmt: skip
+def test_serve_hints_the_port_the_router_resolves(tmp_path, monkeypatch, flags, env, config, port):
+    """The hint named --port or 50051: a port from the environment or the config file, or a free one (0), was
+    shown as 50051."""
+    from colibri import serve as serve_module
+    from colibri.cli import build_parser
+
+    for name in ("COLIBRI_PORT", "PORT", "COLIBRI_METRICS_PORT", "METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if config:
+        (tmp_path / "colibri.yaml").write_text(config)
+        flags = [*flags, "--config", str(tmp_path / "colibri.yaml")]
+    seen = []
+    monkeypatch.setattr(serve_module.Supervisor, "run", lambda self: seen.append(self.router_port) or 0)
+    monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), *flags])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert serve_module.run(args) == 0 and seen == [port]
+    finally:  # run() ignores both once its exit status is decided
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
