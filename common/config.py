@@ -106,6 +106,37 @@ def _is_service_link(var: str, value: str) -> bool:
 
 
 SECTIONS = ("router", "worker", "engine")
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader refusing a key written twice in one mapping: PyYAML keeps the last one silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's own rule
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):  # unhashable ones: SafeLoader names them below
+                continue
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """json.loads' object_pairs_hook: a key given twice is refused (json keeps the last one silently)."""
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _DuplicateKey(f"key {key!r} is given twice")
+    return dict(pairs)
 
 
 def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
@@ -120,12 +151,18 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
+    is_yaml = p.suffix.lower() in YAML_SUFFIXES  # colibri.YAML is YAML too
     try:
-        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+        data = (
+            yaml.load(text, Loader=_UniqueKeyLoader) if is_yaml else json.loads(text, object_pairs_hook=_unique_pairs)
+        )
+    except _DuplicateKey as e:  # one of the two values would be dropped without a word
+        raise ConfigError(f"--config: {p}: {e}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
+        # a colibri.toml (or a YAML file named otherwise) is read as JSON: say what the name decides
+        hint = "" if is_yaml or p.suffix.lower() == ".json" else " (names ending in .yaml or .yml are read as YAML)"
         raise ConfigError(
-            f"--config: {p} is not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: "
-            f"{str(e).splitlines()[0]}"
+            f"--config: {p} is not valid {'YAML' if is_yaml else 'JSON'}{hint}: {str(e).splitlines()[0]}"
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {p} must hold a mapping")

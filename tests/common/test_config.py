@@ -144,3 +144,38 @@ def test_two_endpoints_of_a_process_on_one_port_are_refused_in_one_line(cls, val
 def test_one_port_on_distinct_hosts_or_an_unused_port_is_no_clash():
     RouterConfig(worker="127.0.0.1:50052", host="127.0.0.2", port=9100, metrics_host="127.0.0.1", metrics_port=9100)
     WorkerConfig(socket="/run/colibri/worker.sock", port=50053, health_port=50053)  # the port is unused with a socket
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("colibri.yaml", "router:\n  max_batch_tokens: 4096\n  max_batch_tokens: 64\n", "key 'max_batch_tokens' is given twice (line 3)"),
+        ("colibri.yaml", "router:\n  port: 1\nengine: {}\nrouter:\n  port: 2\n", "key 'router' is given twice (line 4)"),
+        ("colibri.json", '{"router": {"port": 1, "port": 2}}', "key 'port' is given twice"),
+    ],
+)  # fmt: skip
+def test_a_setting_given_twice_in_the_file_is_refused(tmp_path, name, text, message):
+    """YAML and JSON keep the last of two values silently: the file's author meant one of them."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"--config: {path}: {message}") + "$"):
+        load_config_file(path, "router")
+
+
+def test_a_yaml_merge_may_still_override(tmp_path):
+    """'<<' merges are how YAML shares settings; the key written beside one wins, by YAML's own rule."""
+    path = tmp_path / "colibri.yaml"
+    path.write_text("router:\n  <<: {port: 1, max_batch_tokens: 64}\n  port: 2\n")
+    assert load_config_file(path, "router") == {"port": 2, "max_batch_tokens": 64}
+
+
+def test_the_suffix_decides_yaml_whatever_its_case_and_other_names_are_told_so(tmp_path):
+    """colibri.YAML was read as JSON ('Expecting value'); colibri.toml gets told which names are read as YAML."""
+    path = tmp_path / "colibri.YAML"
+    path.write_text("router:\n  port: 1\n")
+    assert load_config_file(path, "router") == {"port": 1}
+    toml = tmp_path / "colibri.toml"
+    toml.write_text("[router]\nport = 1\n")
+    message = f"--config: {toml} is not valid JSON (names ending in .yaml or .yml are read as YAML): Expecting value"
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        load_config_file(toml, "router")
