@@ -27,8 +27,11 @@ def worker_address_problem(address: str) -> str | None:
     it), and takes a HOST without a port as HOST:443, so such addresses are refused at start-up instead."""
     if any(c.isspace() for c in address):
         return "an address has no whitespace"
-    if address.startswith(GRPC_SCHEMES):
-        return None
+    if address.startswith(GRPC_SCHEMES):  # unix: with no path was an empty address list, retried for ever
+        scheme, _, rest = address.partition(":")
+        return None if rest.lstrip("/") else f"nothing after {scheme + ':'!r} (e.g. unix:/ABSOLUTE/PATH)"
+    if "://" in address:  # http://worker:50052 read as an IPv6 host ("an IPv6 host goes in brackets")
+        return f"a URL; gRPC takes HOST:PORT or unix:PATH (schemes: {', '.join(GRPC_SCHEMES)})"
     host, colon, port = address.rpartition(":")
     if not colon or not host.strip("[]"):
         return "expected HOST:PORT or unix:PATH"

@@ -72,8 +72,15 @@ def test_worker_addresses_grpc_can_reach_are_taken(address):
         ("localhost:http", "port 'http' is not in [1, 65535]"),
         ("localhost:70000", "port '70000' is not in [1, 65535]"),
         ("::1:50052", "an IPv6 host goes in brackets ([::1]:PORT)"),
+        # an empty address list, retried for ever
+        ("unix:", "nothing after 'unix:' (e.g. unix:/ABSOLUTE/PATH)"),
+        ("unix://", "nothing after 'unix:' (e.g. unix:/ABSOLUTE/PATH)"),
+        ("dns:///", "nothing after 'dns:' (e.g. unix:/ABSOLUTE/PATH)"),
+        # named an IPv6 host
+        ("http://worker:50052", "a URL; gRPC takes HOST:PORT or unix:PATH (schemes: unix:, unix-abstract:, dns:, ipv4:, ipv6:, vsock:)"),
+        ("grpc://worker:50052", "a URL; gRPC takes HOST:PORT or unix:PATH (schemes: unix:, unix-abstract:, dns:, ipv4:, ipv6:, vsock:)"),
     ],
-)
+)  # fmt: skip
 def test_a_worker_address_grpc_would_wait_on_forever_is_refused(address, problem):
     """A space in --worker, or a host without a port (gRPC dials HOST:443), left the router "waiting for the worker"
     for ever."""
