@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -44,6 +45,26 @@ SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
 FP8_BLOCK = ExpertFormat("float8_e4m3fn", quant.BLOCK128)
 
 
+GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _check_shard_file(path: Path) -> None:
+    """Refuses what safe_open mishandles: it blocks for ever on a FIFO (holding the GIL), says 'No such device' of
+    a directory naming no file, and 'header too large' of the Git LFS pointer a clone without git-lfs holds."""
+    why = "(every *.safetensors here is read as a shard)"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: a link to nothing {why}") from None
+    if not stat.S_ISREG(mode):
+        raise ModelFormatError(f"{path}: not a regular file {why}")
+    with open(path, "rb") as file:
+        if file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
+            raise ModelFormatError(
+                f"{path}: a Git LFS pointer, not the weights (run `git lfs pull` in the checkpoint's clone)"
+            )
+
+
 class SafetensorsShard:
     """One checkpoint file. `safetensors.safe_open` parses and validates the header (names, dtypes, shapes,
     offsets that tile the data inside the file); tensors are read as views of our own read-only mmap at the
@@ -51,6 +72,7 @@ class SafetensorsShard:
 
     def __init__(self, path: Path):
         self.path = path
+        _check_shard_file(path)
         try:
             with safe_open(path, framework="numpy") as f:
                 self.tensors = {

@@ -8,6 +8,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -23,6 +25,7 @@ from common.model_format import ModelDir
 from common.models import FAMILIES, tensor_specs
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import tiny_hf_config, write_tiny_checkpoint
+from tests.helpers import serve_env
 
 # Sizes that are not multiples of 32 and expert counts that are not powers of two.
 ODD_SIZES = dict(
@@ -453,3 +456,34 @@ def test_an_out_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
     assert (rc, err) == (1, f"colibri convert: error: {tmp_path / 'out'}: exists and is not a directory\n")
     assert (tmp_path / "out").read_text() == "a file"
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dangling link"])
+def test_a_shard_name_that_is_no_file_is_one_line_not_a_hang(tmp_path, kind):
+    """safe_open blocked for ever on a FIFO named *.safetensors (holding the GIL: a subprocess, so the test can end
+    it), and of a directory said 'No such device (os error 19)', naming no file."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    odd = hf_dir / "extra.safetensors"
+    {"directory": odd.mkdir, "fifo": lambda: os.mkfifo(odd), "dangling link": lambda: odd.symlink_to("gone")}[kind]()
+    command = [sys.executable, "-m", "colibri.cli", "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress"]
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=60, env=serve_env())
+    except subprocess.TimeoutExpired:
+        pytest.fail("a FIFO shard blocked the conversion")
+    what = "a link to nothing" if kind == "dangling link" else "not a regular file"
+    message = f"colibri convert: error: {odd}: {what} (every *.safetensors here is read as a shard)\n"
+    assert (done.returncode, done.stderr.decode()) == (ModelFormatError.exit_code, message)
+
+
+def test_a_git_lfs_pointer_is_named_as_such(tmp_path, capsys):
+    """A hub repository cloned without git-lfs holds pointers: 'header too large' said nothing of it."""
+    hf_dir = write_tiny_checkpoint(tmp_path / "hf")
+    (hf_dir / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 828624\n"
+    )
+    rc, _, err = run_cli(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--no-progress")
+    assert (rc, err) == (
+        ModelFormatError.exit_code,
+        f"colibri convert: error: {hf_dir / 'model.safetensors'}: a Git LFS pointer, not the weights "
+        "(run `git lfs pull` in the checkpoint's clone)\n",
+    )
