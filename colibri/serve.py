@@ -274,10 +274,7 @@ def _check_ports(args: argparse.Namespace) -> RouterConfig:
     check_distinct_ports(
         "",
         {
-            "--port": (router.host, router.port),
-            "--health-port": (router.host, router.health_port),
-            "--http-port": (router.host, router.http_port),
-            "--metrics-port": (router.metrics_host, router.metrics_port),
+            **{"--" + name.replace("_", "-"): address for name, address in router.listeners().items()},
             "--worker-port": ("127.0.0.1", worker_port),  # the worker serves loopback; serve's router dials it
             "--worker-metrics-port": ("127.0.0.1", worker_metrics_port),
         },

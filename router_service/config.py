@@ -359,12 +359,13 @@ class RouterConfig:
             raise ConfigError("router: tls_cert_file and tls_key_file go together (give both or neither)")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("router: tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        check_distinct_ports(
-            "router: ",
-            {
-                "port": (self.host, self.port),
-                "health_port": (self.host, self.health_port),
-                "http_port": (self.host, self.http_port),
-                "metrics_port": (self.metrics_host, self.metrics_port),
-            },
-        )
+        check_distinct_ports("router: ", self.listeners())
+
+    def listeners(self) -> dict[str, tuple[str, int]]:
+        """Each port setting's (host, port): the addresses the router listens on."""
+        return {
+            "port": (self.host, self.port),
+            "health_port": (self.host, self.health_port),
+            "http_port": (self.host, self.http_port),
+            "metrics_port": (self.metrics_host, self.metrics_port),
+        }
