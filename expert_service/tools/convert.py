@@ -142,11 +142,12 @@ def convert(
     dtype: str | None = None,
     progress: bool = True,
     expert_dtype: str | None = None,
-    fp8_scale: str = quant.BLOCK128,
+    fp8_scale: str | None = None,
     expert_dtype_file: str | Path | None = None,
 ) -> Path:
     """`dtype`: every tensor but routed experts' (default: the checkpoint's); `expert_dtype`, `fp8_scale`
-    and `expert_dtype_file`: the experts' (expert_dtypes.py; default: as the checkpoint stores them)."""
+    (None: block128, and an fp8 checkpoint's experts keep theirs) and `expert_dtype_file`: the experts'
+    (expert_dtypes.py; default: as the checkpoint stores them)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
         raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")

@@ -49,16 +49,20 @@ def expert_format(dtype: str, scheme: str) -> ExpertFormat:
 @dataclass(frozen=True)
 class ExpertPlan:
     """(layer, expert) -> how it is stored: `hot` experts in the dense dtype, else `chosen`, else `default`,
-    else as the checkpoint stores it (an fp8 checkpoint's experts keep their bytes; others: dense dtype)."""
+    else as the checkpoint stores it (an fp8 checkpoint's experts keep their bytes, re-scaled when an fp8 scale
+    other than theirs was asked for; others: dense dtype)."""
 
     default: ExpertFormat | None
     chosen: dict[tuple[int, int], ExpertFormat] = field(default_factory=dict)
     hot: frozenset[tuple[int, int]] = frozenset()
+    fp8_scheme: str | None = None  # the fp8 scale asked for (--fp8-scale or the file's fp8_scale); None: not asked
 
     def resolve(self, layer: int, expert: int, dense_dtype: str, stored: ExpertFormat | None) -> ExpertFormat:
         if (layer, expert) in self.hot:
             return ExpertFormat(dense_dtype)
         fmt = self.chosen.get((layer, expert), self.default)
+        if fmt is None and stored is not None and stored.dtype == "float8_e4m3fn" and self.fp8_scheme is not None:
+            return expert_format(stored.dtype, self.fp8_scheme)
         return fmt or stored or ExpertFormat(dense_dtype)
 
 
@@ -70,13 +74,15 @@ def _index(key: object, limit: int, where: str, what: str) -> int:
 
 
 def load_plan(
-    config: ModelConfig, expert_dtype: str | None, fp8_scale: str, path: str | Path | None = None
+    config: ModelConfig, expert_dtype: str | None, fp8_scale: str | None, path: str | Path | None = None
 ) -> ExpertPlan:
-    """The conversion's expert plan from the flags and, when given, the file at `path`."""
-    scheme = fp8_scheme(fp8_scale, "--fp8-scale")
+    """The conversion's expert plan from the flags and, when given, the file at `path` (`fp8_scale` None: not
+    asked, block128)."""
+    asked = fp8_scheme(fp8_scale, "--fp8-scale") if fp8_scale is not None else None
+    scheme = asked or quant.BLOCK128
     default = expert_format(dtypes.canonical_expert_dtype(expert_dtype), scheme) if expert_dtype is not None else None
     if path is None:
-        return ExpertPlan(default)
+        return ExpertPlan(default, fp8_scheme=asked)
     if str(path) == "":  # Path("") is ".", the working directory
         raise ConfigError("--expert-dtype-file: empty; name a JSON or YAML file")
     path = Path(path)
@@ -85,7 +91,7 @@ def load_plan(
     if unknown:
         raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: {', '.join(FILE_KEYS)})")
     if "fp8_scale" in spec:
-        scheme = fp8_scheme(spec["fp8_scale"], f"{path}: fp8_scale")
+        scheme = asked = fp8_scheme(spec["fp8_scale"], f"{path}: fp8_scale")
 
     def fmt(value: object, where: str) -> ExpertFormat:
         try:
@@ -122,7 +128,7 @@ def load_plan(
         named_experts.add((layer, expert))
         chosen[layer, expert] = fmt(value, f"experts.{key}")
     hot = _keep_hot(spec["keep_hot"], config, path) if "keep_hot" in spec else frozenset()
-    return ExpertPlan(default, chosen, hot)
+    return ExpertPlan(default, chosen, hot, asked)
 
 
 def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[int, int]]:

@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fp8-scale",
         choices=("block128", "channel"),
-        default="block128",
+        default=None,
         help="fp8 experts' scales: one per 128x128 block (default, as published fp8 checkpoints) or one per "
-        "output channel",
+        "output channel (an fp8 checkpoint's experts are re-scaled to it)",
     )
     parser.add_argument(
         "--expert-dtype-file",

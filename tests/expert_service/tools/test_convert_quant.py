@@ -216,6 +216,23 @@ def test_fp8_checkpoint_to_other_expert_dtypes(tmp_path, expert_dtype, label):
         assert np.all(np.abs(model.tensor_f32(name) - ref) <= tolerance * np.abs(ref).max()), name
 
 
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_an_fp8_checkpoint_takes_the_fp8_scale_asked_for(tmp_path, capsys, how):
+    """--fp8-scale channel (or the file's fp8_scale) alone: the checkpoint's fp8 experts are fp8 experts, so they
+    take per-channel scales; they kept their 128x128 block scales, the setting dropped in silence."""
+    quantized = write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    (tmp_path / "plan.json").write_text(json.dumps({"fp8_scale": "channel"}))
+    asked = ["--fp8-scale", "channel"] if how == "flag" else ["--expert-dtype-file", str(tmp_path / "plan.json")]
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", *asked)
+    assert rc == 0, err
+    model = ModelDir.open(tmp_path / "m")
+    assert model.expert_formats == ("float8_e4m3fn/channel",)
+    for name in expert_names(model):
+        hf_name = next(s.hf_name for s in tensor_specs(model.config) if s.name == name)
+        ref = quant.dequantize(*quantized[hf_name], "float8_e4m3fn", "block128")
+        assert np.all(np.abs(model.tensor_f32(name) - ref) <= np.abs(ref).max() / 16), name
+
+
 def edit_config(hf: Path, change) -> None:
     config = json.loads((hf / "config.json").read_text())
     change(config)
