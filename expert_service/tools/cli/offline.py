@@ -7,10 +7,10 @@ import argparse
 import numpy as np
 
 from common.config import add_flags, flag_values, resolve
-from common.errors import InvalidRequestError
+from common.errors import ConfigError, InvalidRequestError
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
-from expert_service.engine.config import EngineConfig
+from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.engine import Engine
 
 
@@ -36,6 +36,11 @@ def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
 
 def open_engine(args: argparse.Namespace) -> tuple[Engine, np.ndarray]:
     config = resolve(EngineConfig, flags=flag_values(args, EngineConfig))
+    if config.routing is RoutingMode.LUT:  # the engine would refuse the first step, after loading the model
+        raise ConfigError(
+            "routing: lut takes the routing plan the router sends with each step, and the offline subcommands have "
+            "no router (use --routing exact, or serve with `colibri serve --routing lut --routing-table FILE`)"
+        )
     model = ModelDir.open(args.model, verify=config.verify_checksums)
     ids = parse_token_ids(args.tokens, model.config.vocab_size)
     # Checked here so the message names the flag (the engine's names its internal sequence id) and comes before

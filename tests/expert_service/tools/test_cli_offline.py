@@ -397,3 +397,14 @@ def test_make_tiny_refuses_a_negative_seed_before_writing(tmp_path, capsys):
     rc, out, err = run_cli(capsys, "make-tiny", str(tmp_path / "m"), "--seed", "-1", "--no-progress")
     assert (rc, out, err) == (2, "", "colibri make-tiny: error: --seed: must be >= 0, got -1\n")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("command", ["logits", "complete"])
+def test_routing_lut_is_refused_offline_naming_the_flag(tiny_model, tmp_path, capsys, command):
+    """lut routes each token by the router's plan, and the offline tools have no router: they were told to start one
+    with --routing-table, after loading the model."""
+    rest = ["--out", str(tmp_path / "l.npy")] if command == "logits" else ["--max-new-tokens", "1"]
+    rc, out, err = run_cli(capsys, command, "--model", str(tiny_model), "--tokens", "1,2", "--routing", "lut", *rest)
+    assert (rc, out) == (2, "") and err.count("\n") == 1, (rc, out, err)
+    assert err.startswith(f"colibri {command}: error: routing: lut takes the routing plan the router sends"), err
+    assert "--routing exact" in err and not (tmp_path / "l.npy").exists()
