@@ -148,8 +148,10 @@ def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[
         raise ConfigError(
             f"{path}: keep_hot.routing_table must name a routing table file (relative: to this file), got {name!r}"
         )
-    table_path = path.parent / name
-    table = RoutingTable.load(table_path, config)
+    try:
+        table = RoutingTable.load(path.parent / name, config)
+    except ModelFormatError as e:  # the table names itself; the file and key that named it are said first
+        raise type(e)(f"{path}: keep_hot.routing_table: {e}") from None
     hot: set[tuple[int, int]] = set()
     for index, layer in enumerate(table.moe_layers):
         counts = np.bincount(table.table[index].ravel(), minlength=config.num_experts)

@@ -100,7 +100,14 @@ def test_expert_dtype_file_mixes_dtypes_and_keeps_hot_experts_dense(tmp_path):
         ('{"experts": {"x": "int8"}}', r"plan\.json: experts\.x: layer 'x' is not in \[0, 2\)$"),
         ('{"fp8_scale": "tensor"}', r"plan\.json: fp8_scale: fp8 scale 'tensor' is not supported"),
         ('{"keep_hot": {"per_layer": 1}}', r"plan\.json: keep_hot takes routing_table \(required\) and per_layer"),
-        ('{"keep_hot": {"routing_table": "none.bin"}}', r"none\.bin: routing table not found"),
+        (
+            '{"keep_hot": {"routing_table": "none.bin"}}',
+            r"plan\.json: keep_hot\.routing_table: \S*none\.bin: routing table not found",
+        ),
+        (
+            '{"keep_hot": {"routing_table": "plan.json"}}',
+            r"plan\.json: keep_hot\.routing_table: \S*plan\.json: magic is .* \(not a Colibri routing table\)$",
+        ),
         ("[1, 2]", r"plan\.json: the file must be a mapping, got list$"),
         ("{", r"plan\.json: not valid JSON"),
     ],
