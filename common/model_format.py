@@ -38,9 +38,10 @@ the directory (symlinks), files too short for a tensor's range, ``nbytes`` that 
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
 boundary), 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
 (version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
-(read on every open, one small range per expert), expert blocks off their planned offsets, and (unless told
-to skip) any crc32 mismatch, scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a
-one-line ``ModelFormatError`` (``ChecksumError`` for a mismatch).
+(read on every open, one small range per expert), expert blocks off their planned offsets, an expert_stride
+other than the largest of expert_strides, and (unless told to skip) any crc32 mismatch, scales included, or a
+NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError`` (``ChecksumError`` for
+a mismatch).
 """
 
 from __future__ import annotations
@@ -252,6 +253,11 @@ class ModelDir:
                 layer: _byte_count(strides[str(layer)], f"expert_strides[{layer}]") for layer in self.config.moe_layers
             }
         )
+        largest = max(self.expert_strides.values(), default=0)
+        if self.expert_stride != largest:  # what an expert cache sizes a slot by: never taken on the manifest's word
+            raise ModelFormatError(
+                f"{MANIFEST}: expert_stride is {self.expert_stride}, but the largest of expert_strides is {largest}"
+            )
         self.entries: dict[str, TensorEntry] = {}
         self.expert_layouts: dict[tuple[int, int], ExpertLayout] = {}
         self._maps: dict[str, np.memmap] = {}

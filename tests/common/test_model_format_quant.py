@@ -160,6 +160,9 @@ CORRUPTIONS = [
      r"^tensor layers\.0\.experts\.1\.up_proj_scale: a scale for layers\.0\.experts\.1\.up_proj, which is not 8-bit"),
     (lambda m: m["tensors"].update({"layers.0.extra": m["tensors"]["final_norm"]}), r"^tensor layers\.0\.extra: not part of"),
     (lambda m: m["tensors"][G].update(dtype="int4"), rf"^tensor {G}: dtype 'int4' is not supported$"),
+    # what an expert cache sizes a slot by: a smaller one would have it copy past its slots
+    (lambda m: m.update(expert_stride=4096), r"^colibri\.json: expert_stride is 4096, but the largest of expert_strides is \d+$"),
+    (lambda m: m.update(expert_stride=m["expert_stride"] + 4096), r"^colibri\.json: expert_stride is \d+, but the largest"),
 ]  # fmt: skip
 
 
