@@ -7,6 +7,7 @@ dict, tools as {"type": "function", "function": {...}}). Errors name the field, 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ class ToolRequest:
         return [{"type": "function", "function": dict(t)} for t in self.tools]
 
 
-def _function(value, where: str) -> dict:
+def _function(value, where: str, parameters_key: str = "parameters") -> dict:
+    """One function, checked; `parameters_key`: the parameters' field as the caller wrote it (gRPC's
+    parameters_json)."""
     if not isinstance(value, dict):
         raise InvalidRequestError(where, "must be an object")
     unknown = sorted(set(value) - FUNCTION_KEYS)
@@ -71,7 +74,14 @@ def _function(value, where: str) -> dict:
     parameters = value.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
-            raise InvalidRequestError(f"{where}.parameters", "must be a JSON Schema object")
+            raise InvalidRequestError(f"{where}.{parameters_key}", "must be a JSON Schema object")
+        kind = parameters.get("type")
+        if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            # a call's arguments are an object: the parser takes nothing else, so the tool could never be called
+            raise InvalidRequestError(
+                f"{where}.{parameters_key}",
+                f'must be a JSON Schema of type "object" (the arguments), got {json.dumps(kind)}',
+            )
         out["parameters"] = parameters
     strict = value.get("strict")
     if strict is not None and not isinstance(strict, bool):
@@ -172,7 +182,7 @@ def from_pb(request) -> ToolRequest | None:
                 raise InvalidRequestError(f"tools[{i}].parameters_json", "is nested too deeply") from None
         if tool.strict:
             value["strict"] = True
-        functions.append(_function(value, f"tools[{i}]"))
+        functions.append(_function(value, f"tools[{i}]", "parameters_json"))
     if mode == "function_name" and choice in MODES:
         raise InvalidRequestError("tool_choice.function_name", f"{choice!r} is reserved; rename the function")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True

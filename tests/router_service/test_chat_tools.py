@@ -151,6 +151,29 @@ def test_bad_tools_name_the_field(body, field):
     assert e.value.field == field
 
 
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["null"]}])
+def test_parameters_that_cannot_be_an_object_are_refused_naming_the_tool(parameters):
+    """A call's arguments are always an object (the parser takes nothing else): such a tool could never be called.
+    Under auto it was accepted and never called; forced, its 400 named `tools` with the grammar engine's
+    "Unsatisfiable schema: required property 'tool_calls' is unsatisfiable", which names neither tool nor cause."""
+    for choice in ("auto", "required"):
+        body = {"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+        with pytest.raises(InvalidRequestError) as e:
+            from_openai({**body, "tool_choice": choice})
+        assert e.value.field == "tools[1].function.parameters"
+        assert 'type "object"' in str(e.value) and "\n" not in str(e.value)
+        request = rpb.ChatRequest(tools=[rpb.Tool(name="f", parameters_json=json.dumps(parameters))])
+        with pytest.raises(InvalidRequestError) as e:
+            from_pb(request)
+        assert e.value.field == "tools[0].parameters_json"  # the gRPC field the client wrote
+    with pytest.raises(InvalidRequestError) as e:
+        from_pb(rpb.ChatRequest(tools=[rpb.Tool(name="f", parameters_json="[]")]))
+    assert e.value.field == "tools[0].parameters_json"
+    for fine in ({"type": "object"}, {"type": ["object", "null"]}, {"properties": {"a": {}}}, {}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": fine}}]
+        assert from_openai({"tools": tools}).tools[0]["parameters"] == fine
+
+
 def test_grpc_json_text_nested_past_the_parser_names_the_field():
     deep = "[" * 10**5
     with pytest.raises(InvalidRequestError) as e:
