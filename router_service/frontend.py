@@ -246,6 +246,12 @@ class Frontend:
         cache_salt: str,
     ) -> RequestHandle:
         if options.tools is not None and options.tools.is_constrained:
+            if parameters.min_new_tokens:  # refused as with a constraint of the client's own, naming the tools'
+                raise InvalidRequestError(
+                    "parameters.min_new_tokens",
+                    'cannot be combined with a forced tool call (tool_choice "required" or a named function) or '
+                    'strict tools under tool_choice "auto": the call grammar alone decides where the reply may end',
+                )
             # on a copy: the caller's parameters may be shared by the n samples of one request
             own = router_pb2.SamplingParameters()
             own.CopyFrom(parameters)

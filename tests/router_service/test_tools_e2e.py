@@ -206,6 +206,42 @@ def test_forced_tool_choice_attaches_the_constraint(tmp_path, monkeypatch):
     asyncio.run(body())
 
 
+def test_min_tokens_with_a_constrained_tool_reply_names_the_tools(tmp_path):
+    """A forced call (or strict tools under auto) constrains the reply, so min_tokens is refused as with
+    response_format: the error said "cannot be combined with a constraint", of a request that sent none."""
+
+    async def body():
+        async with scripted(tmp_path, HERMES, HERMES_TEMPLATE) as (client, stub):
+            strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+            for tools, choice in [(TOOLS, "required"), (TOOLS, {"type": "function", "function": {"name": "now"}})]:
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(
+                        model="fake", messages=USER, tools=tools, tool_choice=choice, extra_body={"min_tokens": 2}
+                    )
+                assert e.value.body["param"] == "min_tokens" and "tool_choice" in e.value.body["message"]
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(
+                    model="fake", messages=USER, tools=strict, extra_body={"min_tokens": 2}
+                )
+            assert e.value.body["param"] == "min_tokens" and "strict" in e.value.body["message"]
+            forced = rpb.ChatRequest(
+                messages=USER,
+                tools=[rpb.Tool(name="now")],
+                tool_choice=rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED),
+                parameters=rpb.SamplingParameters(min_new_tokens=2),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Chat(forced)
+            assert e.value.details().startswith("parameters.min_new_tokens: ") and "tool_choice" in e.value.details()
+            # with tool_choice "none" nothing constrains the reply: min_tokens applies
+            answer = await client.chat.completions.create(
+                model="fake", messages=USER, tools=TOOLS, tool_choice="none", extra_body={"min_tokens": 2}
+            )
+            assert answer.choices[0].message.content
+
+    asyncio.run(body())
+
+
 def test_langchain_bind_tools(tmp_path):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
