@@ -148,7 +148,9 @@ def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
     if parameters.HasField("constraint"):
         raise InvalidRequestError(
             "tool_choice",
-            "a forced tool call (or strict tools under auto) cannot be combined with response_format or guided_*",
+            "a forced tool call (or strict tools under auto) cannot be combined with a constraint of the request's "
+            "own (response_format, guided_* or structured_outputs; on gRPC parameters.constraint): the reply cannot "
+            "match both",
         )
     kind, spec = constraint
     size = len(spec.encode())

@@ -161,6 +161,11 @@ def test_a_forced_tool_call_s_grammar_errors_name_the_tools(tokenizer):
             own.parameters.constraint.json_schema = '{"$ref": "#"}'
             err = await status_of(stub.Chat(own))
             assert err.details().startswith("parameters.constraint.json_schema: "), err.details()
+            # forced, with a constraint of its own: the error names the gRPC field, not the HTTP front's
+            own.tool_choice.mode = rpb.TOOL_CHOICE_MODE_REQUIRED
+            own.parameters.constraint.json_schema = '{"type": "object"}'
+            err = await status_of(stub.Chat(own))
+            assert err.details().startswith("tool_choice: ") and "parameters.constraint" in err.details(), err.details()
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
