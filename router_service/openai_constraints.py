@@ -73,6 +73,10 @@ def _response_format(value) -> tuple[str, Constraint] | None:
     extra = sorted(set(value) - {"type", "json_schema"})
     if extra:
         raise ConstraintFieldError(f"response_format.{extra[0]}", "unknown field")
+    if kind in ("text", "json_object") and value.get("json_schema") is not None:  # not dropped silently
+        raise ConstraintFieldError(
+            "response_format.json_schema", f'only with type "json_schema" (it would be ignored), got type {kind!r}'
+        )
     if kind == "text":
         return None
     if kind == "json_object":

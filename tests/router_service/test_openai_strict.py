@@ -365,3 +365,16 @@ def test_a_constraint_the_grammar_engine_refuses_is_a_400_naming_the_clients_fie
                 assert "\n" not in message
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+def test_a_json_schema_beside_another_response_format_type_is_refused(kind):
+    """`{"type": "text", "json_schema": {...}}` answered unconstrained text, and with "json_object" any object: the
+    schema the client sent was dropped silently (a client that forgot `"type": "json_schema"` never knew)."""
+    schema = {"name": "x", "schema": {"type": "integer"}}
+    body = {"prompt": "x", "response_format": {"type": kind, "json_schema": schema}}
+    with pytest.raises(ApiError) as e:
+        parse_request(body, "completion", "m")
+    assert e.value.param == "response_format.json_schema" and 'type "json_schema"' in e.value.message, e.value
+    for asks_nothing in ({"type": kind}, {"type": kind, "json_schema": None}):
+        parse_request({"prompt": "x", "response_format": asks_nothing}, "completion", "m")
