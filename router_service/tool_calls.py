@@ -22,6 +22,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from router_service.json_text import strict_json
+
 FORMATS = ("hermes", "mistral", "generic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARKER = "[TOOL_CALLS]"
@@ -72,19 +74,20 @@ def _call(obj, names: frozenset[str] | None) -> tuple[str, str] | None:
         return None
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return None
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
-    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+    try:  # a number past float range (1e999) was read as infinity, which JSON cannot write back
+        return obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
 
 
 def _loads(text: str):
-    # RecursionError: nested deeper than Python's parser goes (a model can write brackets without end)
+    """The JSON value of `text` as the standard reads it (no NaN or Infinity); None when it is not JSON.
+    RecursionError: nested deeper than Python's parser goes (a model can write brackets without end)."""
     try:
-        return json.loads(text)
+        return strict_json(text)
     except (ValueError, RecursionError):
         return None
 

@@ -156,6 +156,24 @@ def test_json_nested_past_the_parser_is_content(fmt, reply):
     assert accumulate(events) == (reply, [])
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "generic"])
+def test_arguments_that_would_not_be_json_are_content(fmt, number):
+    """Python's json reads NaN and Infinity, and 1e999 as infinity, then writes them back as NaN / Infinity: the
+    call went out with arguments no other JSON reader takes, and this router refused them (400) when the
+    conversation sent the call back. Such a call is invalid, as one with malformed JSON is: content."""
+    for arguments in (f'{{"a": {number}}}', json.dumps(f'{{"a": {number}}}')):  # an object, or its JSON text
+        call = f'{{"name": "add", "arguments": {arguments}}}'
+        reply = {"hermes": f"<tool_call>\n{call}\n</tool_call>", "mistral": f"[TOOL_CALLS][{call}]"}.get(
+            fmt, f'{{"tool_calls": [{call}]}}'
+        )
+        assert parse_tool_calls(reply, fmt, NAMES) == (reply, [])
+        _, events = stream(fmt, [reply[:20], reply[20:-5], reply[-5:]])
+        assert accumulate(events) == (reply, [])
+    fine = hermes("add", {"a": 1.5e300, "b": -0.0, "c": 10**30})
+    assert json.loads(parse_tool_calls(fine, "hermes", NAMES)[1][0].arguments) == {"a": 1.5e300, "b": -0.0, "c": 10**30}
+
+
 def test_parallel_false_keeps_the_first_call_and_the_rest_is_content():
     reply = hermes("add", {"a": 1}) + hermes("add", {"a": 2})
     content, calls = calls_of(parse_tool_calls(reply, "hermes", NAMES, parallel=False))
