@@ -77,10 +77,14 @@ def _call(obj, names: frozenset[str] | None) -> tuple[str, str] | None:
         arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         return None
-    try:  # a number past float range (1e999) was read as infinity, which JSON cannot write back
-        return obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    try:
+        # a number past float range (1e999) was read as infinity, which JSON cannot write back; a lone surrogate
+        # escape ("\ud800") is no character, which UTF-8 cannot encode (UnicodeEncodeError is a ValueError)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode()
     except ValueError:
         return None
+    return obj["name"], text
 
 
 def _loads(text: str):

@@ -156,7 +156,7 @@ def test_json_nested_past_the_parser_is_content(fmt, reply):
     assert accumulate(events) == (reply, [])
 
 
-@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999", '"\\ud800"'])
 @pytest.mark.parametrize("fmt", ["hermes", "mistral", "generic"])
 def test_arguments_that_would_not_be_json_are_content(fmt, number):
     """Python's json reads NaN and Infinity, and 1e999 as infinity, then writes them back as NaN / Infinity: the

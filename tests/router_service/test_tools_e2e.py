@@ -242,6 +242,25 @@ def test_min_tokens_with_a_constrained_tool_reply_names_the_tools(tmp_path):
     asyncio.run(body())
 
 
+def test_a_call_whose_arguments_escape_a_lone_surrogate_is_content_on_both_fronts(tmp_path):
+    """`"\\ud800"` is valid JSON text for no character: the call's arguments, written back as UTF-8, failed to
+    encode, so a stream ended in a 500 error event and gRPC in INTERNAL. Such a call is invalid: content."""
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800x"}}\n</tool_call>'
+
+    async def body():
+        async with scripted(tmp_path, reply, HERMES_TEMPLATE) as (client, stub):
+            whole = (await client.chat.completions.create(model="fake", messages=USER, tools=TOOLS)).choices[0]
+            assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (reply, None, "stop")
+            assert await streamed(client, tools=TOOLS) == (reply, [], ["stop"])
+            request = rpb.ChatRequest(
+                messages=[rpb.ChatMessage(role="user", content="x")], tools=[rpb.Tool(name="get_weather")]
+            )
+            answer = await stub.Chat(request)
+            assert answer.text == reply and not answer.tool_calls
+
+    asyncio.run(body())
+
+
 def test_langchain_bind_tools(tmp_path):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
