@@ -280,7 +280,7 @@ class Frontend:
             list(tools.tools), tools.choice, tools.parallel, self.tool_format, marker, tools.strict, tools.strict_field
         )
         if constraint is not None:
-            attach_tool_constraint(parameters, constraint)
+            attach_tool_constraint(parameters, constraint, "tool_choice" if tools.is_forced else tools.strict_field)
 
     def count_rejection(self, error: Exception) -> None:
         """Counts a request that failed before reaching the batching loop (as the loop counts the others)."""

@@ -141,16 +141,17 @@ def _text_or_calls(
     raise ValueError(f"unknown tool call format {fmt!r}")
 
 
-def attach_tool_constraint(parameters, constraint: tuple[str, str]) -> None:
+def attach_tool_constraint(parameters, constraint: tuple[str, str], field: str = "tool_choice") -> None:
     """Puts `constraint` on the request's SamplingParameters, so the worker masks every token the constraint
     engine rules out and a forced call always parses. A request that already carries its own constraint
-    (response_format, guided_*) is refused: the reply cannot match both."""
+    (response_format, guided_*) is refused, naming `field`: tool_choice for a forced call, else the first strict
+    flag (tool_choice "auto" with strict tools, where the client may never have sent tool_choice)."""
     if parameters.HasField("constraint"):
+        what = "a forced tool call" if field == "tool_choice" else 'a strict tool under tool_choice "auto"'
         raise InvalidRequestError(
-            "tool_choice",
-            "a forced tool call (or strict tools under auto) cannot be combined with a constraint of the request's "
-            "own (response_format, guided_* or structured_outputs; on gRPC parameters.constraint): the reply cannot "
-            "match both",
+            field,
+            f"{what} cannot be combined with a constraint of the request's own (response_format, guided_* or "
+            "structured_outputs; on gRPC parameters.constraint): the reply cannot match both",
         )
     kind, spec = constraint
     size = len(spec.encode())

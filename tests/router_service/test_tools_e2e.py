@@ -194,7 +194,7 @@ def test_forced_tool_choice_attaches_the_constraint(tmp_path, monkeypatch):
                 )
             assert e.value.body["param"] == "tool_choice"
             attached = []
-            monkeypatch.setattr(frontend_module, "attach_tool_constraint", lambda p, c: attached.append(c))
+            monkeypatch.setattr(frontend_module, "attach_tool_constraint", lambda p, c, field: attached.append(c))
             named = {"type": "function", "function": {"name": "now"}}
             answer = await client.chat.completions.create(model="fake", messages=USER, tools=TOOLS, tool_choice=named)
             kind, spec = attached[0]
@@ -238,6 +238,30 @@ def test_min_tokens_with_a_constrained_tool_reply_names_the_tools(tmp_path):
                 model="fake", messages=USER, tools=TOOLS, tool_choice="none", extra_body={"min_tokens": 2}
             )
             assert answer.choices[0].message.content
+
+    asyncio.run(body())
+
+
+def test_strict_tools_under_auto_with_response_format_name_the_strict_flag(tmp_path):
+    """Strict tools under auto (tool_choice left out, as LangChain's bind_tools(strict=True) sends them) with a
+    response_format: the 400 named tool_choice, a field the client never sent; it names the strict flag."""
+
+    async def body():
+        async with scripted(tmp_path, HERMES, HERMES_TEMPLATE) as (client, stub):
+            strict = [TOOLS[1], {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(
+                    model="fake", messages=USER, tools=strict, response_format={"type": "json_object"}
+                )
+            assert e.value.body["param"] == "tools[1].function.strict", e.value.body
+            request = rpb.ChatRequest(
+                messages=USER,
+                tools=[rpb.Tool(name="now", strict=True)],
+                parameters=rpb.SamplingParameters(constraint=rpb.Constraint(regex="x")),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Chat(request)
+            assert e.value.details().startswith("tools[0].strict: "), e.value.details()
 
     asyncio.run(body())
 
