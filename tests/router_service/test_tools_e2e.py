@@ -285,6 +285,22 @@ def test_a_call_whose_arguments_escape_a_lone_surrogate_is_content_on_both_front
     asyncio.run(body())
 
 
+def test_a_stop_string_inside_a_forced_call_leaves_the_cut_call_as_content(tmp_path):
+    """Stop sequences apply to a forced call's reply as to any constrained one: a stop string its JSON holds cuts
+    it, and the cut call is content with finish_reason "stop", whole and streamed alike (never a half call)."""
+
+    async def body():
+        call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'  # as the grammar has it
+        async with scripted(tmp_path, call, HERMES_TEMPLATE) as (client, _):
+            kwargs = dict(tools=TOOLS, tool_choice="required", stop=["Paris"])
+            whole = (await client.chat.completions.create(model="fake", messages=USER, **kwargs)).choices[0]
+            cut = call[: call.index("Paris")]
+            assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (cut, None, "stop")
+            assert await streamed(client, **kwargs) == (cut, [], ["stop"])
+
+    asyncio.run(body())
+
+
 def test_langchain_bind_tools(tmp_path):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
