@@ -207,6 +207,17 @@ def to_pb(constraint: Constraint) -> router_pb2.Constraint:
     return message
 
 
+def schema_check(constraint: Constraint) -> None:
+    """Raises InvalidRequestError for a constraint whose grammar llguidance refuses, checked without the tokenizer:
+    no lexer is built, so it costs well under a millisecond for a schema, where compiling may take far longer."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(**LIMITS)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(constraint.grammar(), None, limits=limits)
+    if failed:
+        raise InvalidRequestError(f"{FIELD}.{constraint.kind}", _one_line(messages[0]))
+
+
 def _one_line(message: str) -> str:
     """llguidance's errors span lines (a caret under the grammar): the first line says what is wrong."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]

@@ -21,11 +21,12 @@ from router_service import errors
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate, message_dicts
 from router_service.chat_render import TemplateRenderer
+from router_service.constraints import FIELD as CONSTRAINT_FIELD
 from router_service.logprobs import PromptLogprob, Top
 from router_service.request_state import RequestHandle
 from router_service.scheduler import FinishReason
 from router_service.tool_calls import FORMATS, MISTRAL_MARKER, detect_format
-from router_service.tool_constraint import attach_tool_constraint, tool_call_constraint
+from router_service.tool_constraint import attach_tool_constraint, schema_error, tool_call_constraint
 from router_service.tool_request import ToolRequest, mistral_ids
 from router_service.validation import (
     ModelLimits,
@@ -256,7 +257,10 @@ class Frontend:
             own = router_pb2.SamplingParameters()
             own.CopyFrom(parameters)
             parameters = own
-            self.force_tool_call(parameters, options.tools)
+            try:
+                self.force_tool_call(parameters, options.tools)
+            except InvalidRequestError as e:
+                raise self._tool_error(options, e) from None
         text = await self.render_chat(messages, options, field)
         if not text:
             raise InvalidRequestError(field, "the chat template rendered no text")
@@ -269,7 +273,15 @@ class Frontend:
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, detail(e)) from None
-            raise
+            raise self._tool_error(options, e) from None
+
+    @staticmethod
+    def _tool_error(options: ChatOptions, error: InvalidRequestError) -> InvalidRequestError:
+        """`error`, naming the tool whose schema it is about when it is the call grammar's (the only constraint of
+        a chat whose tools constrain the reply: attach_tool_constraint refuses a second one)."""
+        if options.tools is not None and options.tools.is_constrained and error.field.startswith(CONSTRAINT_FIELD):
+            return schema_error(options.tools, error)
+        return error
 
     def force_tool_call(self, parameters: router_pb2.SamplingParameters, tools: ToolRequest) -> None:
         """Constrains the reply to calls in the template's format (tool_choice required or named), or with "auto"

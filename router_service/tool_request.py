@@ -33,6 +33,11 @@ class ToolRequest:
     parallel: bool = True  # more than one call per reply
     strict: frozenset[str] = frozenset()  # tools whose calls must match their parameters schema (strict: true)
     strict_field: str = ""  # where the first strict flag was written, for errors ("tools[1].function.strict")
+    parameters_key: str = "function.parameters"  # where a tool's schema was written: tools[i].<this>
+
+    def parameters_field(self, index: int) -> str:
+        """The field of tool `index`'s parameters schema, as the caller wrote it (for errors)."""
+        return f"tools[{index}].{self.parameters_key}"
 
     @property
     def names(self) -> list[str]:
@@ -91,7 +96,9 @@ def _function(value, where: str, parameters_key: str = "parameters") -> dict:
     return out
 
 
-def _check(functions: list[dict], choice: str, parallel: bool, field: str, strict_key: str) -> ToolRequest:
+def _check(
+    functions: list[dict], choice: str, parallel: bool, field: str, strict_key: str, parameters_key: str
+) -> ToolRequest:
     names = [f["name"] for f in functions]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -109,6 +116,7 @@ def _check(functions: list[dict], choice: str, parallel: bool, field: str, stric
         parallel,
         frozenset(names[i] for i in strict),
         f"{field}[{strict[0]}].{strict_key}" if strict else "",
+        parameters_key,
     )
 
 
@@ -148,7 +156,9 @@ def from_openai(body: dict) -> ToolRequest | None:
             raise InvalidRequestError("tool_choice.function.name", f"{choice!r} is reserved; rename the function")
     elif choice not in MODES:
         raise InvalidRequestError("tool_choice", '"none", "auto", "required" or {"type": "function", ...}')
-    return _check(functions, choice, True if parallel is None else parallel, "tools", "function.strict")
+    return _check(
+        functions, choice, True if parallel is None else parallel, "tools", "function.strict", "function.parameters"
+    )
 
 
 def from_pb(request) -> ToolRequest | None:
@@ -186,7 +196,7 @@ def from_pb(request) -> ToolRequest | None:
     if mode == "function_name" and choice in MODES:
         raise InvalidRequestError("tool_choice.function_name", f"{choice!r} is reserved; rename the function")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-    return _check(functions, choice, parallel, "tools", "strict")
+    return _check(functions, choice, parallel, "tools", "strict", "parameters_json")
 
 
 # ---- messages ----

@@ -145,7 +145,8 @@ def test_template_variables_that_json_cannot_write_are_invalid_argument(tokenize
 
 def test_a_forced_tool_call_s_grammar_errors_name_the_tools(tokenizer):
     """The grammar of a forced call is the router's, built from the tools' schemas: a schema it cannot compile is
-    the tools' error, as on the HTTP front. It named parameters.constraint.json_schema, which the client never set."""
+    the tools' error, as on the HTTP front (the schema's own field, tools[i].parameters_json). It named
+    parameters.constraint.json_schema, which the client never set."""
     tool = rpb.Tool(name="f", parameters_json='{"$ref": "#"}', strict=True)
     chat = rpb.ChatRequest(messages=[HI], tools=[tool], tool_choice=rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED))
 
@@ -155,7 +156,7 @@ def test_a_forced_tool_call_s_grammar_errors_name_the_tools(tokenizer):
             stream = stub.ChatStream(rpb.ChatStreamRequest.FromString(chat.SerializeToString()))
             for err in (await status_of(stub.Chat(chat)), await status_of(stream.read())):
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
-                assert err.details().startswith("tools: "), err.details()
+                assert err.details().startswith("tools[0].parameters_json: "), err.details()
             # a constraint of the client's own keeps its name
             own = rpb.ChatRequest(messages=[HI], tools=[rpb.Tool(name="f")], parameters=rpb.SamplingParameters())
             own.parameters.constraint.json_schema = '{"$ref": "#"}'

@@ -301,6 +301,34 @@ def test_a_stop_string_inside_a_forced_call_leaves_the_cut_call_as_content(tmp_p
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("template", [None, HERMES_TEMPLATE], ids=["generic", "hermes"])
+def test_a_forced_call_s_schema_error_names_the_tool(tmp_path, template):
+    """The call grammar is the router's, built from every tool: an error compiling it named `tools` alone, and
+    in the hermes format with a line and column of the router's grammar (`at 3(7): failed to compile JSON
+    schema: ...`), leaving a client with many tools to guess which schema. It names the tool's parameters."""
+    bad = {"type": "object", "properties": {"y": {"not": {"type": "string"}}}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "b", "parameters": bad}}]
+
+    async def body():
+        async with scripted(tmp_path, GENERIC, template) as (client, stub):
+            for choice in ("required", {"type": "function", "function": {"name": "b"}}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.chat.completions.create(model="fake", messages=USER, tools=tools, tool_choice=choice)
+                param, message = e.value.body["param"], e.value.body["message"]
+                assert param == "tools[1].function.parameters", e.value.body
+                assert message == 'tools[1].function.parameters: Unimplemented keys: ["not"]', message
+            request = rpb.ChatRequest(
+                messages=USER,
+                tools=[rpb.Tool(name="a"), rpb.Tool(name="b", parameters_json=json.dumps(bad))],
+                tool_choice=rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Chat(request)
+            assert e.value.details() == 'tools[1].parameters_json: Unimplemented keys: ["not"]', e.value.details()
+
+    asyncio.run(body())
+
+
 def test_langchain_bind_tools(tmp_path):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
