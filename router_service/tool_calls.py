@@ -30,6 +30,9 @@ MISTRAL_MARKER = "[TOOL_CALLS]"
 CALL_KEYS = frozenset({"name", "arguments", "id"})  # Mistral models may write an id: the router assigns its own
 
 
+_DECODER = json.JSONDecoder()
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -94,6 +97,25 @@ def _loads(text: str):
         return strict_json(text)
     except (ValueError, RecursionError):
         return None
+
+
+def _hermes_end(body: str) -> int | None:
+    """Where the closing tag that ends a hermes call starts in `body` (the text after its opening tag); None: not
+    yet known. The call's JSON is read first, so a closing tag inside one of its strings (a call that writes
+    markup) does not end it; a body that is not JSON ends at the first tag, as does text after the JSON."""
+    first = body.find(HERMES_CLOSE)
+    if first < 0:
+        return None
+    try:
+        _, end = _DECODER.raw_decode(body, _skip_space(body, 0))
+    except json.JSONDecodeError as e:  # cut short (a string still open, the text ends mid-value): wait
+        return None if e.msg.startswith("Unterminated string") or e.pos >= len(body) else first
+    except (ValueError, RecursionError):
+        return first
+    after = _skip_space(body, end)
+    if body.startswith(HERMES_CLOSE, after):
+        return after
+    return None if HERMES_CLOSE.startswith(body[after:]) else first
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -196,8 +218,8 @@ class ToolCallParser:
                     return
                 self._content(out, self._buffer[:at])
                 self._buffer, self._inside = self._buffer[at + len(HERMES_OPEN) :], True
-            end = self._buffer.find(HERMES_CLOSE)
-            if end < 0:
+            end = _hermes_end(self._buffer)
+            if end is None:
                 return
             body, self._buffer, self._inside = self._buffer[:end], self._buffer[end + len(HERMES_CLOSE) :], False
             call = _call(_loads(body), self.names)

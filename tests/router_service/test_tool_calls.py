@@ -53,6 +53,22 @@ CASES = [
         [("add", {})] * 2,
     ),
     ("hermes", "  \n" + hermes("add", {}) + "\n", "", [("add", {})]),
+    # a closing tag inside an argument's string does not end the call (its JSON does); it did, leaving it content
+    ("hermes", hermes("add", {"a": "</tool_call>"}), "", [("add", {"a": "</tool_call>"})]),
+    (
+        "hermes",
+        hermes("add", {"a": "x</tool_call>\n<tool_call>y"}) + "ok",
+        "ok",
+        [("add", {"a": "x</tool_call>\n<tool_call>y"})],
+    ),
+    # a malformed body still ends at the first closing tag, and a call after it counts
+    (
+        "hermes",
+        '<tool_call>{"a": 1 oops</tool_call><tool_call>{"name": "add"}</tool_call>',
+        '<tool_call>{"a": 1 oops</tool_call>',
+        [("add", {})],
+    ),
+    ("hermes", '<tool_call>{"a": "x</tool_call> text', '<tool_call>{"a": "x</tool_call> text', []),
     (
         "mistral",
         'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]',
