@@ -270,13 +270,21 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
         queue.put_nowait((index, None, None))
 
     kind, model, created, texts = parsed.kind, server.frontend.model_name, int(time.time()), server.texts()
-    first, offsets, generated = [kind == "chat"] * len(flat), [0] * len(flat), [0] * len(flat)
+    offsets, generated = [0] * len(flat), [0] * len(flat)
     echoed = [False] * len(flat)
     replies = [_reply(server, parsed) for _ in flat]  # a parser per choice: each reply is read on its own
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(flat)]
     try:
         await bounded(request, resp.prepare(request), timeout_s)
         try:
+            if kind == "chat":  # the SDKs' stream helpers place a choice at the position its first chunk arrives
+                for index in range(len(flat)):
+                    chunk = envelope(
+                        kind, echo, model, created, [choice(kind, "", None, None, True, True, (), None, index)], True
+                    )
+                    if parsed.include_usage:
+                        chunk["usage"] = None
+                    await event(chunk)
             for _ in range(len(flat)):
                 while True:
                     index, delta, error = await queue.get()
@@ -303,12 +311,11 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)
-                    if not makes_chunks(parsed, delta, text, calls, first[index]):
+                    if not makes_chunks(parsed, delta, text, calls, False):
                         continue
-                    args = (delta, text, calls, finish, lp, first[index], index)
+                    args = (delta, text, calls, finish, lp, False, index)
                     for chunk in delta_chunks(parsed, texts, echo, model, created, *args):
                         await event(chunk)
-                    first[index] = False
             if parsed.include_usage:
                 chunk = envelope(kind, echo, model, created, [], True)
                 chunk["usage"] = _usage(handles, sum(generated))

@@ -148,3 +148,46 @@ def test_n_choices_of_a_forced_tool_call_each_carry_the_call(worker, tiny_model,
                 assert "".join(c["function"]["arguments"] for c in calls[index]) == want[0][1]
 
     asyncio.run(body())
+
+
+def test_a_chat_stream_of_n_choices_opens_each_in_order(worker, tiny_model, tmp_path):
+    """The OpenAI SDK's stream helper places a choice where its first chunk arrives, whatever its index: each
+    choice's role chunk goes out first, in index order, so no choice's tokens can land in another's place."""
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            request = dict(model=None, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, seed=5)
+            payload = {**request, "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+            del payload["model"]
+            chunks = []
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/v1/chat/completions", json=payload) as r:
+                    assert r.status == 200
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+            opening = [(c["choices"], c["usage"]) for c in chunks[:3]]
+            assert opening == [
+                (
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    None,
+                )
+                for i in range(3)
+            ]
+            assert all("role" not in c["delta"] for chunk in chunks[3:] for c in chunk["choices"])
+            async with client.chat.completions.stream(**request, temperature=1.0) as stream:
+                async for _ in stream:
+                    pass
+                final = stream.current_completion_snapshot  # get_final_completion refuses a reply cut by max_tokens
+            unary = await client.chat.completions.create(**request, temperature=1.0)
+            assert [c.message.content for c in final.choices] == [c.message.content for c in unary.choices]
+            assert [c.index for c in final.choices] == [0, 1, 2]
+
+    asyncio.run(body())
