@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -24,6 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # (bf16 out) and down (f32 out) GEMMs at the row counts of 512- and 2,048-token prefills
 CASES = [(16, 256, 256, "f32"), (128, 28672, 4096, "bf16"), (192, 28672, 4096, "bf16"), (128, 4096, 14336, "f32"),
          (256, 4096, 14336, "f32")]  # fmt: skip
+
+
+@cuda.jit
+def _touch(a):
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] = 0
+
+
+def device_name() -> str:
+    """The current device's name (str in numba-cuda 0.30, bytes in older releases)."""
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def timed(fn, calls: int, sync) -> dict:
@@ -45,8 +59,6 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=60)
     args = parser.parse_args(argv)
 
-    from numba import cuda
-
     from expert_service.cuda.cublas import CUDA_R_16BF, CUDA_R_32F, WORKSPACE_BYTES, Cublas
     from expert_service.cuda.driver import device_address
 
@@ -63,17 +75,11 @@ def main(argv=None) -> int:
         print(f"  cublasGemmEx m={m:4d} n={n:6d} k={k:6d} {out:4s}  host {row['host_us']:6.1f} us a call, "
               f"with the device {row['with_device_us']:7.1f}")  # fmt: skip
 
-    @cuda.jit
-    def touch(a):
-        i = cuda.grid(1)
-        if i < a.size:
-            a[i] = 0
-
     small = cuda.device_array(1024, np.float32)
-    launch = timed(lambda: touch[4, 256, stream](small), args.calls, stream.synchronize)
+    launch = timed(lambda: _touch[4, 256, stream](small), args.calls, stream.synchronize)
     print(f"  Numba launch (one array)                 host {launch['host_us']:6.1f} us a call")
     blas.close()
-    result = {"device": cuda.get_current_device().name.decode(), "gemm": rows, "numba_launch": launch}
+    result = {"device": device_name(), "gemm": rows, "numba_launch": launch}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

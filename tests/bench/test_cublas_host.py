@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
+from types import SimpleNamespace
 
+import pytest
+from numba import cuda
+
+import expert_service.cuda.cublas as cublas_module
+import expert_service.cuda.driver as driver
 from bench import cublas_host
 
 
@@ -17,3 +24,31 @@ def test_host_time_leaves_the_wait_out():
 def test_the_cases_are_mixtral_expert_gemms():
     shapes = {(n, k) for _, n, k, _ in cublas_host.CASES}
     assert {(2 * 14336, 4096), (4096, 14336)} <= shapes  # gate|up and down of a mixtral-shape expert
+
+
+class FakeCublas:
+    """Records the GEMMs main issues (the simulator has no cuBLAS)."""
+
+    def __init__(self, stream, workspace):
+        self._zero = 0.0
+        self.calls = []
+
+    def _gemm(self, *args):
+        self.calls.append(args)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])  # numba-cuda 0.30's str, older releases' bytes
+def test_main_writes_the_device_name_and_every_case(tmp_path, monkeypatch, name):
+    monkeypatch.setattr(cublas_module, "Cublas", FakeCublas)
+    monkeypatch.setattr(driver, "device_address", id)  # simulator arrays have no device address
+    monkeypatch.setattr(cublas_host, "CASES", [(2, 8, 4, "f32"), (2, 8, 4, "bf16")])
+    monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))
+    out = tmp_path / "cublas_host.json"
+    assert cublas_host.main(["--out", str(out), "--calls", "2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "NVIDIA H200"
+    assert [(r["m"], r["n"], r["k"], r["out"]) for r in result["gemm"]] == cublas_host.CASES
+    assert result["numba_launch"]["host_us"] > 0
