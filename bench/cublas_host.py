@@ -63,9 +63,11 @@ def main(argv=None) -> int:
     from expert_service.cuda.driver import device_address
 
     stream = cuda.stream()
-    blas = Cublas(stream, cuda.device_array(WORKSPACE_BYTES, np.uint8))
+    workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)  # Cublas keeps its address only: held here
+    blas = Cublas(stream, workspace)
     most = max(max(n * k, m * k, m * n) for m, n, k, _ in CASES)
-    w, x, y = (device_address(cuda.device_array(most, np.float32)) for _ in range(3))  # room for any case
+    buffers = [cuda.device_array(most, np.float32) for _ in range(3)]  # room for any case, held as workspace is
+    w, x, y = (device_address(b) for b in buffers)
     out_types = {"f32": CUDA_R_32F, "bf16": CUDA_R_16BF}
     rows = []
     for m, n, k, out in CASES:

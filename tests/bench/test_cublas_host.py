@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -26,14 +27,26 @@ def test_the_cases_are_mixtral_expert_gemms():
     assert {(2 * 14336, 4096), (4096, 14336)} <= shapes  # gate|up and down of a mixtral-shape expert
 
 
+ADDRESSED: list = []  # weak references to every array whose address main took
+
+
+def fake_address(array) -> int:
+    ADDRESSED.append(weakref.ref(array))
+    return id(array)
+
+
 class FakeCublas:
-    """Records the GEMMs main issues (the simulator has no cuBLAS)."""
+    """Records the GEMMs main issues (the simulator has no cuBLAS); each call checks that the workspace and the
+    arrays whose addresses it gets are still alive (cuBLAS holds bare addresses, no references)."""
 
     def __init__(self, stream, workspace):
         self._zero = 0.0
         self.calls = []
+        self.workspace = weakref.ref(workspace)
 
     def _gemm(self, *args):
+        assert self.workspace() is not None, "the cuBLAS workspace was freed while in use"
+        assert all(ref() is not None for ref in ADDRESSED), "a GEMM operand was freed while in use"
         self.calls.append(args)
 
     def close(self):
@@ -42,8 +55,9 @@ class FakeCublas:
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", b"NVIDIA H200"])  # numba-cuda 0.30's str, older releases' bytes
 def test_main_writes_the_device_name_and_every_case(tmp_path, monkeypatch, name):
+    ADDRESSED.clear()
     monkeypatch.setattr(cublas_module, "Cublas", FakeCublas)
-    monkeypatch.setattr(driver, "device_address", id)  # simulator arrays have no device address
+    monkeypatch.setattr(driver, "device_address", fake_address)  # simulator arrays have no device address
     monkeypatch.setattr(cublas_host, "CASES", [(2, 8, 4, "f32"), (2, 8, 4, "bf16")])
     monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))
     out = tmp_path / "cublas_host.json"
