@@ -1,9 +1,9 @@
 """Cost of the router's routing-plan lookups (the lookup must stay a small fraction of a step).
 
 Builds a random table of a real model's size (default: Qwen3-30B-A3B, 48 MoE layers x 151936 tokens x top-8
-of 128 experts, 117 MB) and times `RoutingPlanner.routing_plan(step).to_pb()` -- lookup, CSR build and
-protobuf encoding, what the router does per step -- for decode steps of 1/16/64 tokens and prefill steps of
-512/2048 tokens. Writes JSON.
+of 128 experts, 117 MB) and times `RoutingPlanner.routing_plan(step)` and its message (router_service/wire.py
+`routing_plan`) -- lookup, CSR build and protobuf encoding, what the router does per step -- for decode steps
+of 1/16/64 tokens and prefill steps of 512/2048 tokens. Writes JSON.
 
     python bench/routing_lookup.py --out out/routing_lookup.json
 """
@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.routing_table import RoutingTable  # noqa: E402
 from router_service.routing import RoutingPlanner  # noqa: E402
 from router_service.scheduler import Chunk, ScheduledStep  # noqa: E402
+from router_service.wire import routing_plan  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--vocab", type=int, default=151936)
@@ -33,7 +34,7 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", default="out/routing_lookup.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     table = rng.integers(0, args.experts, (args.layers, args.vocab, args.top_k), dtype=np.uint16)
     planner = RoutingPlanner(RoutingTable(table, args.experts, list(range(args.layers))))
@@ -55,7 +56,7 @@ def main() -> int:
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            message = planner.routing_plan(step).to_pb()
+            message = routing_plan(planner.routing_plan(step))
             times.append(time.perf_counter() - start)
         results["steps"][f"{kind}_{tokens}"] = {
             "tokens": tokens,
