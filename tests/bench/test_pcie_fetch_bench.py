@@ -1,0 +1,57 @@
+"""bench/pcie_fetch.py in the simulator: the fetch kernel copies the blocks of every case from mapped host memory
+(the pinned fallback: the simulator registers nothing), the copy engine's copies (stubbed: they write the bytes
+they were asked for) go block by block, and the JSON holds every case and its ratio."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from cuda.bindings import driver as drv
+from numba import cuda
+
+import expert_service.backends as backends
+import expert_service.cuda.driver as driver
+from bench import pcie_fetch
+
+
+def test_pcie_fetch_measures_every_case(tmp_path, monkeypatch):
+    blocks = {"small": 256, "large": 1024}
+    monkeypatch.setattr(pcie_fetch, "BLOCKS", blocks)
+    arrays: dict[int, object] = {}  # fake device address -> the simulator array behind it
+    copies = []
+
+    def address(array) -> int:
+        base = (len(arrays) + 1) << 32
+        arrays[base] = array
+        return base
+
+    def copy(dst, src, nbytes, stream):
+        base = dst >> 32 << 32
+        words = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint32 * (nbytes // 4)).from_address(src))
+        start = (dst - base) // 4
+        arrays[base][start : start + nbytes // 4] = words
+        copies.append(nbytes)
+        return (drv.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    monkeypatch.setattr(driver, "device_address", address)
+    monkeypatch.setattr(driver, "stream_handle", lambda stream: None)
+    monkeypatch.setattr(driver, "check", lambda result: None)
+    monkeypatch.setattr(driver, "pin_readonly", lambda array, mapped=False: False)
+    monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", copy)
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda start, end: 1.0, raising=False)  # ms
+    out = tmp_path / "pcie.json"
+    assert pcie_fetch.main(["--out", str(out), "--repeats", "1"]) == 0
+    result = json.loads(out.read_text())
+    assert list(result) == list(blocks)
+    for shape, block in blocks.items():
+        runs = result[shape]["runs"]
+        assert result[shape]["source"] == "mapped pinned"
+        assert list(runs) == [*map(str, pcie_fetch.COPIES), "concurrent"]
+        for count in pcie_fetch.COPIES:
+            assert runs[str(count)]["bytes"] == count * block and runs[str(count)]["kernel_over_copy_engine"] == 1
+    # per case, a timed copy and a warm-up of each block; both at once: the other half's blocks
+    repeats = 2
+    per_shape = sum(pcie_fetch.COPIES) * repeats + max(pcie_fetch.COPIES) // 2 * repeats
+    assert sorted(copies) == sorted([b for b in blocks.values() for _ in range(per_shape)])
