@@ -99,6 +99,7 @@ if [ -n "$OFFLOAD_DRY_RUN" ]; then SKIP_HF=--skip-hf
 elif ! "$PY" -c 'import accelerate' 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl \
     > "$R/accelerate.log" 2>&1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site   # where they went: for this check and every stage after it
   "$PY" -c 'import accelerate; print("accelerate", accelerate.__version__)' >> "$R/env.txt" 2>&1 || SKIP_HF=--skip-hf
 fi
 [ -n "$SKIP_HF" ] && note "HF reference skipped (dry run or no accelerate)"
