@@ -50,6 +50,7 @@ class Cublas:
             ),
             "cublasSetWorkspace",
         )
+        self.workspace = workspace  # the handle holds its address only: the array lives as long as this object
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     @staticmethod
