@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in DEFAULTS["cpu"]:
         parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"default: cpu/cuda {name} above")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
-    parser.add_argument("--name", help="file stem (default: <device>-serve-prefix)")
+    parser.add_argument("--name", help="file stem (default: cpu-serve-prefix or gpu-serve-prefix, by --backend)")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--cuda-options", default="{}", help="the worker's CudaOptions fields as a JSON object")
     args = parser.parse_args(argv)
