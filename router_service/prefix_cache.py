@@ -17,7 +17,9 @@ leave; then its id is evicted and its room returns. The worker therefore never h
 does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when a step
 refused as a whole kept the block from being registered: that step was to register it or, at pipeline depth 3 or
 more, a step sent behind it was, and the worker failed that chunk's sequence alone or skipped a decoded block the
-refusal left short.
+refusal left short. A refusal that no detached block explains takes the blocks the sequence started on out of the
+index (`forget`): blocks the worker lost otherwise (another caller's ClearCache) are then computed again, not
+offered to every later request.
 
 Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
 block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position is in the
@@ -56,6 +58,8 @@ from dataclasses import dataclass, field
 RECENT_PROMPTS = 64
 RECENT_PROMPT_BYTES = 16 << 20
 _HASH_BYTES = 80
+# The worker's error for a sequence whose first chunk names a cached block it does not hold.
+UNKNOWN_PREFIX_BLOCK = "UNKNOWN_PREFIX_BLOCK"
 
 
 @dataclass
@@ -344,6 +348,18 @@ class PrefixCache:
                 del self._claims[h]
         state.claimed = set()
         return returned
+
+    def forget(self, block_ids) -> None:
+        """A sequence started on these blocks was refused UNKNOWN_PREFIX_BLOCK: the worker lacks one of them. When
+        one already left the index (a refused step was to register it: detached when that answer came), that is
+        the one, and the others stay. Otherwise the worker lost blocks the router still offers (another caller's
+        ClearCache): they all leave the index, so the next request computes them again, and are evicted once no
+        request holds them."""
+        blocks = [self._by_id.get(block_id) for block_id in block_ids]
+        indexed = [block for block in blocks if block is not None and self.blocks.get(block.hash) is block]
+        if len(indexed) == len(blocks):
+            for block in indexed:
+                self._detach(block)
 
     def take_evictions(self) -> tuple[int, ...]:
         out, self.pending_evictions = tuple(self.pending_evictions), []

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from common.kv_blocks import blocks_needed
 from router_service.logprobs import Scored
-from router_service.prefix_cache import PrefixCache, PrefixState
+from router_service.prefix_cache import UNKNOWN_PREFIX_BLOCK, PrefixCache, PrefixState
 
 
 class Status(enum.Enum):
@@ -419,6 +419,8 @@ class Scheduler:
             gen = by_id.get(request_id)
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
+                if error == UNKNOWN_PREFIX_BLOCK and self.prefix_cache is not None and req.prefix is not None:
+                    self.prefix_cache.forget(req.prefix.hit_ids)  # stale: offered again, they would be refused again
                 self.finish(request_id, FinishReason.ERROR)
                 outputs.append(RequestOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue

@@ -207,3 +207,31 @@ def test_a_penalised_request_hits_and_sends_its_prefix_tokens():
     chunks = {c.request_id: c for c in step.prefill_chunks}
     assert chunks[2].prefix_block_ids == chunks[3].prefix_block_ids == (1, 2, 3)
     assert chunks[2].prefix_token_ids == tuple(prompt[:12]) and chunks[3].prefix_token_ids == ()
+
+
+def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_them():
+    """The worker lost cached blocks the router still offers (an authenticated ClearCache from another caller): the
+    sequence started on them is refused UNKNOWN_PREFIX_BLOCK, and its blocks leave the index, so the next request
+    computes the prefix again instead of being refused on the same stale ids for as long as they stay cached."""
+    s, worker, rng = make(), WorkerModel(32), random.Random(0)
+    prompt = list(range(1, 15))
+    s.add(ScheduledRequest(1, prompt, 2))
+    step = s.schedule()
+    s.update(step, worker.run(step, rng))
+    s.finish(1, FinishReason.LENGTH)
+    worker.pool.free(1)
+    for key in list(worker.pool.cached):  # gone on the worker, still in the router's index
+        worker.pool.evict(key)
+    s.add(ScheduledRequest(2, prompt, 2))
+    step = s.schedule()
+    assert step.prefill_chunks[0].prefix_block_ids == (1, 2, 3)
+    outputs = s.update(step, [RequestOutput(2, None, error="UNKNOWN_PREFIX_BLOCK")])
+    assert outputs[0].error == "UNKNOWN_PREFIX_BLOCK"
+    assert not s.prefix_cache.blocks and s.prefix_cache.num_cached_blocks == 0
+    s.add(ScheduledRequest(3, prompt, 2))
+    step = s.schedule()
+    chunk = step.prefill_chunks[0]
+    assert chunk.prefix_block_ids == () and chunk.token_ids == tuple(prompt[:12])  # computed again ...
+    assert chunk.cache_block_ids == (4, 5, 6) and set(step.evict_block_ids) == {1, 2, 3}  # ... and cached anew
+    s.update(step, worker.run(step, rng))
+    _check(s, worker)

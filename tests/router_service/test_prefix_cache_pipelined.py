@@ -283,3 +283,31 @@ def test_chunks_behind_refusals_fail_alone_and_router_side_failures_leave_nothin
     assert {b.block_id for b in cache.blocks.values()} == {k[1] for k in worker.pool.cached}
     assert worker.pool.num_free_blocks == s.num_free_blocks == 32 - cache.num_cached_blocks == 32 - len(cache.blocks)
     assert all(b.refs == 0 for b in cache.blocks.values()) and not cache._claims and not cache._unsettled
+
+
+def test_a_refusal_on_a_refused_steps_blocks_keeps_the_prefix_before_them():
+    """A sequence refused UNKNOWN_PREFIX_BLOCK because a refused step never registered the tail it started on
+    (detached when that refusal came back): the older blocks before that tail, which the worker holds, stay
+    cached; only a refusal no detached block explains (the worker lost blocks) takes every block it started on
+    out of the index."""
+    s, worker, rng = make(blocks=64, max_batch_tokens=16), PipelinedWorker(64), random.Random(0)
+    system, tail = list(range(1, 9)), list(range(20, 28))  # 2 blocks each
+    s.add(ScheduledRequest(1, system + [90], 1))
+    while s.requests:  # cached and settled: the system prompt's blocks 1 and 2
+        step = s.schedule()
+        s.update(step, worker.run(step, rng))
+    s.add(ScheduledRequest(2, system + tail + [91], 2))
+    first = s.schedule()  # 2 registers its tail's blocks, 3 and 4
+    s.add(ScheduledRequest(3, system + tail + [92], 2))
+    second = s.schedule()
+    assert next(c for c in second.prefill_chunks if c.request_id == 3).prefix_block_ids == (1, 2, 3, 4)
+    worker.refuse(first)
+    s.refused(first)
+    s.finish(2, FinishReason.ERROR)
+    answers = [dataclasses.replace(o, error="UNKNOWN_PREFIX_BLOCK") if o.error else o for o in worker.run(second, rng)]
+    assert [o.error for o in s.update(second, answers)] == ["UNKNOWN_PREFIX_BLOCK"]
+    s.add(ScheduledRequest(4, system + [93], 2))
+    step = s.schedule()
+    assert next(c for c in step.prefill_chunks if c.request_id == 4).prefix_block_ids == (1, 2)
+    s.update(step, worker.run(step, rng))
+    _check(s, worker)

@@ -207,6 +207,32 @@ def test_a_restarted_worker_starts_with_an_empty_cache(tiny_model):
     asyncio.run(body())
 
 
+def test_a_prefix_the_worker_lost_is_computed_again(worker):
+    """Another caller's ClearCache (an authenticated call: a second router connecting, an operator) drops the
+    blocks this router's index still offers. The first request sent on them is refused (UNKNOWN_PREFIX_BLOCK);
+    the blocks leave the index then, so the next one computes the prefix again, equal to before, and caches it
+    anew. They stayed before, and every request with that prefix was refused as long as it kept them in use."""
+    import grpc
+
+    prompt = list(range(60, 90))
+
+    async def body():
+        async with running_router(worker.address) as (router, stub):
+            cold = await stub.Generate(_request(prompt, 3))
+            assert (await stub.Generate(_request(prompt, 3))).cached_prompt_tokens == 28
+            await router.worker.clear_cache()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(_request(prompt, 3))
+            assert refused.value.code() == grpc.StatusCode.INTERNAL
+            again = await stub.Generate(_request(prompt, 3))
+            assert again.cached_prompt_tokens == 0 and list(again.token_ids) == list(cold.token_ids)
+            np.testing.assert_allclose(again.logprobs, cold.logprobs, rtol=1e-4, atol=1e-5)
+            assert (await stub.Generate(_request(prompt, 3))).cached_prompt_tokens == 28
+            await drained(router, worker.engine)
+
+    asyncio.run(body())
+
+
 def test_http_usage_reports_cached_tokens_and_salts_isolate_on_both_endpoints(worker, tiny_model, tmp_path):
     """On the OpenAI front, completions and chat alike: a salt's first request finds nothing cached (another
     salt's blocks are not offered), its repeats find the whole blocks before the last token, streamed usage equals
