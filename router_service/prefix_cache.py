@@ -11,9 +11,10 @@ an empty index on both sides.
 Blocks are shared as soon as they are written. The worker runs a stream's steps in order and registers a
 chunk's blocks when it launches the step that writes them, so a block enters the index when the step that
 computes it is scheduled, and any *later* step may start a sequence on it (a block is "ready" from the step
-after its own). Its registering step's answer settles it: when that sequence failed (or the step was refused)
-the block leaves the index at once (no new hits) but stays counted, detached, until the requests already on it
-leave; then its id is evicted and its room returns. The worker therefore never holds a cached block the router
+after its own). Its registering step's answer settles it: when that sequence failed on the worker (or the step was
+refused) the block leaves the index at once (no new hits) but stays counted, detached, until the requests already on
+it leave; then its id is evicted and its room returns. A request the router ends itself (a cancel, its deadline)
+keeps its blocks in flight: the worker writes them before the step carrying its free. The worker therefore never holds a cached block the router
 does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when a step
 refused as a whole kept the block from being registered: that step was to register it or, at pipeline depth 3 or
 more, a step sent behind it was, and the worker failed that chunk's sequence alone or skipped a decoded block the
@@ -321,18 +322,24 @@ class PrefixCache:
                 returned += 1
         return returned
 
-    def release(self, state: PrefixState, failed: bool = False) -> int:
+    def failed(self, state: PrefixState) -> None:
+        """Its sequence failed on the worker (an error for it, or its step refused), so the blocks it registers in
+        steps still in flight will not be written: they leave the index now, and are evicted once no request
+        holds them. Not for a request the router ends itself: the worker runs what it was sent before the free."""
+        hits = set(state.hit_ids)
+        for block_id in state.held_ids:
+            block = self._by_id.get(block_id)
+            if block is not None and block_id in self._unsettled and block_id not in hits:  # its own, not written
+                self._detach(block)
+
+    def release(self, state: PrefixState) -> int:
         """The request left: its references drop (deepest block first, so a prefix outlives its tails), its
-        claims go back. failed: its sequence failed on the worker, so the blocks it registers in steps still in
-        flight will not be written: they are detached now. Returns the blocks to give back to the free pool
-        now (detached ones it held last)."""
-        returned, hits = 0, set(state.hit_ids) if failed else set()
+        claims go back. Returns the blocks to give back to the free pool now (detached ones it held last)."""
+        returned = 0
         for block_id in reversed(state.held_ids):
             block = self._by_id.get(block_id)
             if block is None:
                 continue
-            if failed and block_id in self._unsettled and block_id not in hits:  # its own, not yet written
-                self._detach(block)
             block.refs -= 1
             if block.refs:
                 continue

@@ -247,10 +247,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        # failed: blocks its steps in flight were to register will not be written. returned: detached cached
-        # blocks (failed registrations) it held last.
-        failed = reason is FinishReason.ERROR
-        returned = self.prefix_cache.release(req.prefix, failed) if self.prefix_cache and req.prefix else 0
+        # returned: detached cached blocks (failed registrations) it held last
+        returned = self.prefix_cache.release(req.prefix) if self.prefix_cache and req.prefix else 0
         self.num_free_blocks += req.num_blocks + returned
         req.num_blocks = 0
         req.status, req.finish_reason = Status.FINISHED, req.finish_reason or reason
@@ -419,8 +417,7 @@ class Scheduler:
             gen = by_id.get(request_id)
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
-                if error == UNKNOWN_PREFIX_BLOCK and self.prefix_cache is not None and req.prefix is not None:
-                    self.prefix_cache.forget(req.prefix.hit_ids)  # stale: offered again, they would be refused again
+                self._failed_on_worker(req, error)
                 self.finish(request_id, FinishReason.ERROR)
                 outputs.append(RequestOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
@@ -428,6 +425,7 @@ class Scheduler:
                 req.prompt_scores.append(gen.prompt)
             if gen.token_id is None:
                 if expects_token:  # the prompt ended but the worker sampled nothing
+                    self._failed_on_worker(req, "NO_TOKEN_AFTER_PROMPT")
                     self.finish(request_id, FinishReason.ERROR)
                     outputs.append(
                         RequestOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT", finish_reason=FinishReason.ERROR)
@@ -447,8 +445,23 @@ class Scheduler:
         self._settle(step, {}, answered=not refused)
 
     def refused(self, step: ScheduledStep) -> None:
-        """The worker refused the step as a whole: nothing it carried was cached."""
+        """The worker refused the step as a whole: nothing it carried was cached, and the later chunks of its
+        requests fail alone (the loop fails the requests next)."""
         self._settle(step, {}, answered=False)
+        for request_id in step.num_scheduled_tokens:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._failed_on_worker(req, "")
+
+    def _failed_on_worker(self, req: ScheduledRequest, error: str) -> None:
+        """The worker failed `req`'s sequence with `error`: the blocks its steps in flight register will not be
+        written, and on UNKNOWN_PREFIX_BLOCK the worker lacks a block it started on (stale: offered again, they
+        would be refused again)."""
+        if self.prefix_cache is None or req.prefix is None:
+            return
+        if error == UNKNOWN_PREFIX_BLOCK:
+            self.prefix_cache.forget(req.prefix.hit_ids)
+        self.prefix_cache.failed(req.prefix)
 
     def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput], answered: bool = True) -> None:
         """Blocks the step's chunks registered stay cached when their sequence ran unharmed; blocks it registered

@@ -210,6 +210,26 @@ def test_a_failed_request_does_not_offer_the_blocks_its_later_steps_were_to_writ
     _check(s, worker)
 
 
+def test_blocks_in_flight_stay_cached_when_the_router_fails_their_request():
+    """A request the router ends with an error of its own (its deadline passed, its answer was too large) while a
+    step writing its prompt blocks is in flight: the worker runs that step (the free comes with the next one), so
+    the blocks are written and stay cached, as they do for a cancel. They were dropped, as if the worker had failed
+    the sequence, and the next request with that prompt computed them again."""
+    s, worker, rng = make(blocks=64, max_batch_tokens=4), PipelinedWorker(64), random.Random(0)
+    prompt = list(range(1, 14))  # 3 blocks and a token
+    s.add(ScheduledRequest(1, prompt, 2))
+    first, second = s.schedule(), s.schedule()  # blocks 1 and 2, both in flight
+    s.finish(1, FinishReason.ERROR)  # as BatchingLoop.fail does for a DeadlineExceeded
+    s.update(first, worker.run(first, rng))
+    s.update(second, worker.run(second, rng))
+    s.add(ScheduledRequest(2, prompt, 2))
+    step = s.schedule()
+    chunk = next(c for c in step.prefill_chunks if c.request_id == 2)
+    assert chunk.prefix_block_ids == (1, 2)
+    s.update(step, worker.run(step, rng))
+    _check(s, worker)
+
+
 class EngineLikeWorker(PipelinedWorker):
     """The worker as the engine answers a step behind a refused one: a later chunk of a sequence it never started,
     or one starting past its own count (an earlier chunk was refused with its step), fails alone and registers
