@@ -356,17 +356,21 @@ class PrefixCache:
         state.claimed = set()
         return returned
 
-    def forget(self, block_ids) -> None:
+    def forget(self, block_ids) -> int:
         """A sequence started on these blocks was refused UNKNOWN_PREFIX_BLOCK: the worker lacks one of them. When
         one already left the index (a refused step was to register it: detached when that answer came), that is
         the one, and the others stay. Otherwise the worker lost blocks the router still offers (another caller's
         ClearCache): they all leave the index, so the next request computes them again, and are evicted once no
-        request holds them."""
+        request holds them. Returns the blocks to give back to the free pool now (those none holds)."""
         blocks = [self._by_id.get(block_id) for block_id in block_ids]
         indexed = [block for block in blocks if block is not None and self.blocks.get(block.hash) is block]
-        if len(indexed) == len(blocks):
-            for block in indexed:
-                self._detach(block)
+        if len(indexed) < len(blocks):
+            return 0
+        for block in indexed:
+            self._detach(block)
+            if not block.refs:
+                self._drop(block)
+        return sum(not block.refs for block in indexed)
 
     def take_evictions(self) -> tuple[int, ...]:
         out, self.pending_evictions = tuple(self.pending_evictions), []

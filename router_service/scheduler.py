@@ -417,7 +417,7 @@ class Scheduler:
             gen = by_id.get(request_id)
             if gen is None or gen.error:
                 error = gen.error if gen is not None else "MISSING_GENERATION"
-                self._failed_on_worker(req, error)
+                self._failed_on_worker(req)
                 self.finish(request_id, FinishReason.ERROR)
                 outputs.append(RequestOutput(request_id, None, error=error, finish_reason=FinishReason.ERROR))
                 continue
@@ -425,7 +425,7 @@ class Scheduler:
                 req.prompt_scores.append(gen.prompt)
             if gen.token_id is None:
                 if expects_token:  # the prompt ended but the worker sampled nothing
-                    self._failed_on_worker(req, "NO_TOKEN_AFTER_PROMPT")
+                    self._failed_on_worker(req)
                     self.finish(request_id, FinishReason.ERROR)
                     outputs.append(
                         RequestOutput(request_id, None, error="NO_TOKEN_AFTER_PROMPT", finish_reason=FinishReason.ERROR)
@@ -451,29 +451,26 @@ class Scheduler:
         for request_id in step.num_scheduled_tokens:
             req = self.requests.get(request_id)
             if req is not None:
-                self._failed_on_worker(req, "")
+                self._failed_on_worker(req)
 
-    def _failed_on_worker(self, req: ScheduledRequest, error: str) -> None:
-        """The worker failed `req`'s sequence with `error`: the blocks its steps in flight register will not be
-        written, and on UNKNOWN_PREFIX_BLOCK the worker lacks a block it started on (stale: offered again, they
-        would be refused again)."""
-        if self.prefix_cache is None or req.prefix is None:
-            return
-        if error == UNKNOWN_PREFIX_BLOCK:
-            self.prefix_cache.forget(req.prefix.hit_ids)
-        self.prefix_cache.failed(req.prefix)
+    def _failed_on_worker(self, req: ScheduledRequest) -> None:
+        """The worker failed `req`'s sequence: the blocks its steps in flight register will not be written."""
+        if self.prefix_cache is not None and req.prefix is not None:
+            self.prefix_cache.failed(req.prefix)
 
     def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput], answered: bool = True) -> None:
         """Blocks the step's chunks registered stay cached when their sequence ran unharmed; blocks it registered
-        for running sequences (written by this step or earlier ones), unless the step was refused or the sequence failed."""
+        for running sequences (written by this step or earlier ones), unless the step was refused or the sequence failed;
+        blocks a new sequence was refused on (UNKNOWN_PREFIX_BLOCK) leave the index when the worker lost them."""
         if self.prefix_cache is None:
             return
         for chunk in step.prefill_chunks:
-            if not any(chunk.cache_block_ids):
-                continue
             gen = by_id.get(chunk.request_id)
-            ok = gen is not None and not gen.error
-            self.num_free_blocks += self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
+            if gen is not None and gen.error == UNKNOWN_PREFIX_BLOCK:  # stale: offered again, refused again
+                self.num_free_blocks += self.prefix_cache.forget(chunk.prefix_block_ids)
+            if any(chunk.cache_block_ids):
+                ok = gen is not None and not gen.error
+                self.num_free_blocks += self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)
         for request_id, _, block_id in step.sequence_blocks:
             gen = by_id.get(request_id)
             ok = answered and not (gen is not None and gen.error)

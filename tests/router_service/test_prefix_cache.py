@@ -235,3 +235,24 @@ def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_t
     assert chunk.cache_block_ids == (4, 5, 6) and set(step.evict_block_ids) == {1, 2, 3}  # ... and cached anew
     s.update(step, worker.run(step, rng))
     _check(s, worker)
+
+
+def test_lost_blocks_leave_the_index_even_when_the_request_refused_on_them_is_gone():
+    """The request refused on blocks the worker lost was cancelled (or its deadline passed) before that answer came:
+    the answer still names the blocks (the step's chunk carries them), so they leave the index all the same."""
+    s, worker, rng = make(), WorkerModel(32), random.Random(0)
+    prompt = list(range(1, 15))
+    s.add(ScheduledRequest(1, prompt, 2))
+    step = s.schedule()
+    s.update(step, worker.run(step, rng))
+    s.finish(1, FinishReason.LENGTH)
+    worker.pool.free(1)
+    for key in list(worker.pool.cached):  # gone on the worker, still in the router's index
+        worker.pool.evict(key)
+    s.add(ScheduledRequest(2, prompt, 2))
+    step = s.schedule()
+    s.finish(2, FinishReason.CANCELLED)
+    assert s.update(step, [RequestOutput(2, None, error="UNKNOWN_PREFIX_BLOCK")]) == []
+    assert not s.prefix_cache.blocks
+    s.add(ScheduledRequest(3, prompt, 2))
+    assert s.schedule().prefill_chunks[0].prefix_block_ids == ()
