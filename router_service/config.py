@@ -270,7 +270,7 @@ class RouterConfig:
     )
     prefix_caching: bool = setting(
         True,
-        "automatic prefix caching: full KV blocks of prompts are cached by a hash of their tokens and reused by "
+        "automatic prefix caching: full KV blocks of prompts and of generated tokens are cached by a hash of their tokens and reused by "
         "later requests with the same prefix (and cache_salt); false computes every prompt in full",
         ("COLIBRI_PREFIX_CACHING", "PREFIX_CACHING"),
     )
