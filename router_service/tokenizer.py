@@ -361,6 +361,7 @@ class StopSequenceMatcher:
     def __init__(self, stop_sequences=()):
         self.stop_sequences = tuple(s for s in stop_sequences if s)
         self._pending = ""
+        self._unarmed = 0  # how much of the pending text came before the arming: no stop may end inside it
         self.stopped = False
 
     def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
@@ -372,12 +373,17 @@ class StopSequenceMatcher:
         if not self.stop_sequences:
             return text, False
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stop_sequences) if i >= 0] if armed else []
+        if not armed:
+            self._unarmed = len(self._pending)
+        # a stop counts if it ends past the unarmed text (a held one of several may be whole already)
+        starts = (self._pending.find(s, max(0, self._unarmed - len(s) + 1)) for s in self.stop_sequences)
+        hits = [i for i in starts if i >= 0] if armed else []
         if hits:
             emit, self._pending, self.stopped = self._pending[: min(hits)], "", True
             return emit, True
         cut = self._partial_match_start(self._pending)
         emit, self._pending = self._pending[:cut], self._pending[cut:]
+        self._unarmed = max(0, self._unarmed - cut)
         return emit, False
 
     def flush(self) -> str:

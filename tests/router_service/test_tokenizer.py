@@ -237,6 +237,16 @@ def test_a_stop_sequence_counts_only_once_armed():
     assert m.push("zq", armed=True) == ("", True)
 
 
+@pytest.mark.parametrize(("stops", "unarmed", "armed"), [(["o", "xy"], "Hello", " w"), (["ab", "abc"], "xab", "d")])
+def test_a_stop_sequence_whole_before_the_arming_does_not_stop_once_armed(stops, unarmed, armed):
+    """A whole stop held back at the end of the unarmed text (it also begins another stop, or is shorter than the
+    longest) ended the reply at the next, armed, piece."""
+    m = StopSequenceMatcher(stops)
+    emitted, stopped = m.push(unarmed, armed=False)
+    out, stopped = m.push(armed, armed=True)
+    assert not stopped and emitted + out + m.flush() == unarmed + armed
+
+
 def test_stream_concatenation_equals_truncated_text(tokenizer):
     text = "The answer is 42.\n\nQ: next"
     detok, m = IncrementalDetokenizer(tokenizer), StopSequenceMatcher(["\n\nQ:"])
