@@ -31,6 +31,7 @@ from router_service.tool_request import ToolRequest, mistral_ids
 from router_service.validation import (
     ModelLimits,
     PromptRequest,
+    check_fits_context,
     check_text_size,
     prompt_byte_limit,
     revalidate,
@@ -188,9 +189,7 @@ class Frontend:
         # Bound what the template sees before rendering it (the rendered text is checked again): every message
         # takes at least one token of the context.
         limits = self.check_ready()
-        room = min(limits.max_sequence_length, limits.kv_capacity_tokens)
-        if len(messages) > room:
-            raise InvalidRequestError(field, f"at most {room} messages fit the context, got {len(messages)}")
+        check_fits_context(field, "messages", len(messages), limits)
         dicts = message_dicts(messages, field)
         check_text_size(
             field,

@@ -213,7 +213,7 @@ class HttpFront:
         card = {"id": self.frontend.model_name, "object": "model", "created": self.created, "owned_by": "colibri"}
         limits = self.frontend.batching_loop.limits
         if limits is not None:
-            card["max_model_len"] = min(limits.max_sequence_length, limits.kv_capacity_tokens)
+            card["max_model_len"] = limits.room
         return card
 
     async def models(self, request: web.Request) -> web.Response:

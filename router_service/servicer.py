@@ -35,11 +35,12 @@ from router_service.protocol import is_metadata_safe
 from router_service.request_state import RequestHandle
 from router_service.tool_calls import ToolCall, ToolCallDelta
 from router_service.tool_replies import ToolReply, collect_reply, split
-from router_service.tool_request import MAX_TOOLS
+from router_service.tool_request import check_tool_count
 from router_service.tool_request import from_pb as tools_from_pb
 from router_service.validation import (
     ModelLimits,
     PromptRequest,
+    check_fits_context,
     check_ids,
     check_known_fields,
     check_text_size,
@@ -284,7 +285,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             family=info.family,
             dtype=info.dtype,
             vocab_size=limits.vocab_size,
-            max_sequence_length=min(limits.max_sequence_length, limits.kv_capacity_tokens),
+            max_sequence_length=limits.room,
             eos_token_ids=limits.eos_token_ids,
             has_tokenizer=limits.has_tokenizer,
             backend=info.backend,
@@ -368,14 +369,9 @@ def _check_chat_size(request, limits: ModelLimits, byte_limit: int) -> None:
     holds millions of empty messages or tools (seconds of Python on the event loop to check each) or megabytes of
     schema JSON. Every message and call takes a token of the context at least; the rendered prompt has to fit
     max_prompt_bytes anyway."""
-    room = min(limits.max_sequence_length, limits.kv_capacity_tokens)
-    if len(request.messages) > room:
-        raise InvalidRequestError("messages", f"at most {room} messages fit the context, got {len(request.messages)}")
-    calls = sum(len(m.tool_calls) for m in request.messages)
-    if calls > room:
-        raise InvalidRequestError("messages", f"at most {room} tool calls fit the context, got {calls}")
-    if len(request.tools) > MAX_TOOLS:
-        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(request.tools)}")
+    check_fits_context("messages", "messages", len(request.messages), limits)
+    check_fits_context("messages", "tool calls", sum(len(m.tool_calls) for m in request.messages), limits)
+    check_tool_count(len(request.tools))
     for field, what, size in (
         ("messages", "their tool calls", sum(c.ByteSize() for m in request.messages for c in m.tool_calls)),
         ("tools", "the tools", sum(t.ByteSize() for t in request.tools)),

@@ -59,6 +59,11 @@ class ToolRequest:
         return [{"type": "function", "function": dict(t)} for t in self.tools]
 
 
+def check_tool_count(count: int) -> None:
+    if count > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {count}")
+
+
 def _function(value, where: str, parameters_key: str = "parameters") -> dict:
     """One function, checked; `parameters_key`: the parameters' field as the caller wrote it (gRPC's
     parameters_json)."""
@@ -133,8 +138,7 @@ def from_openai(body: dict) -> ToolRequest | None:
         return None
     if not isinstance(tools, list):
         raise InvalidRequestError("tools", "must be a list of {type: function, function: {...}} objects")
-    if len(tools) > MAX_TOOLS:
-        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    check_tool_count(len(tools))
     functions = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -176,8 +180,7 @@ def from_pb(request) -> ToolRequest | None:
         if choice not in ("none", "auto"):
             raise InvalidRequestError("tool_choice", "needs tools")
         return None
-    if len(request.tools) > MAX_TOOLS:
-        raise InvalidRequestError("tools", f"at most {MAX_TOOLS} tools, got {len(request.tools)}")
+    check_tool_count(len(request.tools))
     functions = []
     for i, tool in enumerate(request.tools):
         value: dict = {"name": tool.name}

@@ -50,6 +50,11 @@ class ModelLimits:
     has_tokenizer: bool = False
     generation: GenerationDefaults = GenerationDefaults()  # what requests that leave a field unset inherit
 
+    @property
+    def room(self) -> int:
+        """Both the context (position embeddings) and the KV pool bound prompt + completion."""
+        return min(self.max_sequence_length, self.kv_capacity_tokens)
+
 
 @dataclass(frozen=True)
 class ValidatedRequest:
@@ -162,7 +167,7 @@ def prompt_byte_limit(config: RouterConfig, limits: ModelLimits | None) -> int:
         return min(config.max_prompt_bytes, config.max_message_bytes)
     if limits is None:
         return min(config.max_message_bytes, 1 << 20)
-    return min(config.max_message_bytes, _room(limits) * BYTES_PER_TOKEN)
+    return min(config.max_message_bytes, limits.room * BYTES_PER_TOKEN)
 
 
 def check_text_size(field: str, text: str, limit: int) -> None:
@@ -372,13 +377,15 @@ def _check_stops(p: router_pb2.SamplingParameters, config: RouterConfig, limits:
     return tuple(p.stop_sequences)
 
 
-def _room(limits: ModelLimits) -> int:
-    """Both the context (position embeddings) and the KV pool bound prompt + completion."""
-    return min(limits.max_sequence_length, limits.kv_capacity_tokens)
+def check_fits_context(field: str, what: str, count: int, limits: ModelLimits) -> None:
+    """Each of a chat's `count` messages (or tool calls) takes a token of the context at least: bounded before the
+    template sees them (the rendered text is checked again)."""
+    if count > limits.room:
+        raise InvalidRequestError(field, f"at most {limits.room} {what} fit the context, got {count}")
 
 
 def _check_prompt_length(num_prompt: int, limits: ModelLimits) -> None:
-    room = _room(limits)
+    room = limits.room
     if num_prompt >= room:
         bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
         raise InvalidRequestError(
@@ -396,7 +403,7 @@ def default_max_new_tokens(config: RouterConfig, limits: ModelLimits) -> int:
 def _max_new_tokens(
     p: router_pb2.SamplingParameters, config: RouterConfig, limits: ModelLimits, num_prompt: int
 ) -> int:
-    room = _room(limits)
+    room = limits.room
     bound = "max_sequence_length" if limits.max_sequence_length <= limits.kv_capacity_tokens else "KV capacity"
     _check_prompt_length(num_prompt, limits)
     if p.max_new_tokens == 0:  # the default, shortened to fit rather than refused
