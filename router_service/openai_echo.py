@@ -13,11 +13,14 @@ from router_service.openai_api import ParsedRequest, logprobs_field
 
 def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts, prompt_ids) -> str:
     """Prompt `index` as echoed: a text prompt as sent, token ids decoded (special tokens left out, as from
-    generated text). With truncate_prompt_tokens, `prompt_ids` (the tokens kept) decoded: the text as sent would hold
-    a part the model never saw and the echoed logprobs do not score."""
-    prompt = list(prompt_ids) if parsed.parameters.truncate_input_tokens else parsed.prompts[index]
-    if isinstance(prompt, str):
+    generated text). A prompt truncate_prompt_tokens cut is `prompt_ids` (the tokens kept) decoded: the text as sent
+    would hold a part the model never saw and the echoed logprobs do not score. A text prompt is taken as cut when
+    it kept exactly truncate_prompt_tokens tokens; with fewer, nothing was cut and it is echoed as sent."""
+    prompt, keep = parsed.prompts[index], parsed.parameters.truncate_input_tokens
+    if isinstance(prompt, str) and len(prompt_ids) != keep:
         return prompt
+    if keep:
+        prompt = list(prompt_ids)
     return texts.tokenizer.decode(prompt) if texts.tokenizer is not None else ""
 
 

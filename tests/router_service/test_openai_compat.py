@@ -303,6 +303,19 @@ def test_echo_of_a_truncated_prompt_is_what_the_model_saw(tmp_path):
     asyncio.run(body())
 
 
+def test_echo_of_a_prompt_truncate_prompt_tokens_did_not_cut_is_the_text_as_sent(tmp_path):
+    """A truncate_prompt_tokens above the prompt's length (a guard set on every request) cuts nothing: the echo is
+    the prompt as sent, not its tokens decoded, which drops a special token's text."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            request = {"prompt": "a</s>b", "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 8}
+            choice, streamed = await echoed(base, request)
+            assert choice["text"].startswith("a</s>b") and streamed == choice["text"], (choice, streamed)
+
+    asyncio.run(body())
+
+
 @pytest.mark.slow
 def test_echoed_logprobs_of_a_truncated_prompt_line_up_with_its_text(worker, tiny_model, tmp_path):
     async def body():
