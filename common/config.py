@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 from common.errors import ConfigError
+from common.unique_keys import DuplicateKeyError, UniqueKeyLoader, unique_pairs
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -109,36 +110,6 @@ SECTIONS = ("router", "worker", "engine")
 YAML_SUFFIXES = (".yaml", ".yml")
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key written twice in one mapping: PyYAML keeps the last one silently."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's own rule
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str | int | float | bool):  # unhashable ones: SafeLoader names them below
-                continue
-            if key in seen:
-                raise _DuplicateKey(f"key {key!r} is given twice (line {key_node.start_mark.line + 1})")
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    """json.loads' object_pairs_hook: a key given twice is refused (json keeps the last one silently)."""
-    keys = [key for key, _ in pairs]
-    for key in keys:
-        if keys.count(key) > 1:
-            raise _DuplicateKey(f"key {key!r} is given twice")
-    return dict(pairs)
-
-
 def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     """The `section` mapping of a JSON or YAML file: empty when the file has other sections but not this one, the
     whole file when it has no sections at all."""
@@ -153,10 +124,8 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
     is_yaml = p.suffix.lower() in YAML_SUFFIXES  # colibri.YAML is YAML too
     try:
-        data = (
-            yaml.load(text, Loader=_UniqueKeyLoader) if is_yaml else json.loads(text, object_pairs_hook=_unique_pairs)
-        )
-    except _DuplicateKey as e:  # one of the two values would be dropped without a word
+        data = yaml.load(text, Loader=UniqueKeyLoader) if is_yaml else json.loads(text, object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:  # one of the two values would be dropped without a word
         raise ConfigError(f"--config: {p}: {e}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         # a colibri.toml (or a YAML file named otherwise) is read as JSON: say what the name decides

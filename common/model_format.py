@@ -76,6 +76,7 @@ from common.expert_layout import (
 from common.files import create_new, naming, pwrite_all, write_new
 from common.model_config import ModelConfig
 from common.models import config_from_hf, tensor_specs
+from common.unique_keys import DuplicateKeyError, unique_pairs
 
 FORMAT_NAME = "colibri"
 VERIFY_CHUNK = 1 << 18  # verify reads a tensor in chunks this size: the crc and the fp8 NaN check share each in cache
@@ -523,16 +524,12 @@ def load_json(path: Path, error: type[Exception]) -> object:
     if deepest > MAX_JSON_DEPTH:
         raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
-    def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-        result: dict = {}
-        for key, value in pairs:
-            if key in result:  # json.loads would keep the last value silently
-                raise error(f"{path}: duplicate key {key!r}")
-            result[key] = value
-        return result
-
     try:
-        return json.loads(text, parse_constant=reject_constant, parse_float=finite_float, object_pairs_hook=unique_keys)
+        return json.loads(
+            text, parse_constant=reject_constant, parse_float=finite_float, object_pairs_hook=unique_pairs
+        )
+    except DuplicateKeyError as e:
+        raise error(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
 

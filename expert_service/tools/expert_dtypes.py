@@ -175,34 +175,21 @@ def _read(path: Path) -> dict:
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        class UniqueKeyLoader(yaml.SafeLoader):
-            """SafeLoader refusing a key written twice in one mapping (PyYAML keeps the last silently)."""
+        from common.unique_keys import DuplicateKeyError, UniqueKeyLoader
 
-            def construct_mapping(self, node, deep=False):
-                seen = set()
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's rule
-                        continue
-                    key = self.construct_object(key_node, deep=deep)
+        class Loader(UniqueKeyLoader):
+            def check_key(self, key_node, key) -> None:
+                if key_node.tag == "tag:yaml.org,2002:int" and not re.fullmatch(r"0|[1-9][0-9]*", key_node.value):
                     mark = key_node.start_mark
-                    if key_node.tag == "tag:yaml.org,2002:int" and not re.fullmatch(r"0|[1-9][0-9]*", key_node.value):
-                        raise ConfigError(  # YAML 1.1 reads 010 as octal 8, 0x10 as 16, 1_0 as 10
-                            f"{path}: key {key_node.value} (line {mark.line + 1}, column {mark.column + 1}) is the "
-                            f"YAML number {key}; write it in plain decimal or quote it"
-                        )
-                    try:
-                        duplicate = key in seen
-                    except TypeError:  # unhashable: SafeLoader names it below
-                        continue
-                    if duplicate:
-                        raise ConfigError(
-                            f"{path}: duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})"
-                        )
-                    seen.add(key)
-                return super().construct_mapping(node, deep)
+                    raise ConfigError(  # YAML 1.1 reads 010 as octal 8, 0x10 as 16, 1_0 as 10
+                        f"{path}: key {key_node.value} (line {mark.line + 1}, column {mark.column + 1}) is the "
+                        f"YAML number {key}; write it in plain decimal or quote it"
+                    )
 
         try:
-            spec = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
+            spec = yaml.load(path.read_text(), Loader=Loader)
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}: {e}") from None
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     else:

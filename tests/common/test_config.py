@@ -149,9 +149,9 @@ def test_one_port_on_distinct_hosts_or_an_unused_port_is_no_clash():
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("colibri.yaml", "router:\n  max_batch_tokens: 4096\n  max_batch_tokens: 64\n", "key 'max_batch_tokens' is given twice (line 3)"),
-        ("colibri.yaml", "router:\n  port: 1\nengine: {}\nrouter:\n  port: 2\n", "key 'router' is given twice (line 4)"),
-        ("colibri.json", '{"router": {"port": 1, "port": 2}}', "key 'port' is given twice"),
+        ("colibri.yaml", "router:\n  max_batch_tokens: 4096\n  max_batch_tokens: 64\n", "duplicate key 'max_batch_tokens' (line 3, column 3)"),
+        ("colibri.yaml", "router:\n  port: 1\nengine: {}\nrouter:\n  port: 2\n", "duplicate key 'router' (line 4, column 1)"),
+        ("colibri.json", '{"router": {"port": 1, "port": 2}}', "duplicate key 'port'"),
     ],
 )  # fmt: skip
 def test_a_setting_given_twice_in_the_file_is_refused(tmp_path, name, text, message):

@@ -1,0 +1,46 @@
+"""Mappings read from JSON or YAML text refusing a key written twice in one of them: json.loads and
+yaml.safe_load keep the last value silently, so one of the two settings would be dropped without a word."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+
+class DuplicateKeyError(ValueError):
+    """A key written twice in one mapping; the message names it (and, in YAML, its line and column)."""
+
+
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """json.loads' object_pairs_hook."""
+    result: dict = {}
+    for key, value in pairs:
+        if key in result:
+            raise DuplicateKeyError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader refusing a key written twice in one mapping; `check_key` lets a subclass refuse others."""
+
+    def check_key(self, key_node: yaml.Node, key: object) -> None:
+        """Called with every key of every mapping (merges aside) before it is checked for a repeat."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's own rule
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            self.check_key(key_node, key)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: SafeLoader names it below
+                continue
+            if duplicate:
+                mark = key_node.start_mark
+                raise DuplicateKeyError(f"duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
