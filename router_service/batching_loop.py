@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 
 import grpc
 
@@ -25,7 +24,7 @@ from router_service.constraints import ConstraintCompiler, GrammarMatcher, may_m
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
-from router_service.request_state import RequestHandle, RequestState, deadline_error
+from router_service.request_state import RequestHandle, RequestState, deadline_error, new_request_id
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.step_pipeline import StepPipeline
 from router_service.step_results import StepResults
@@ -114,10 +113,10 @@ class BatchingLoop:
 
     # ---- requests ----
     def submit(
-        self, req: ValidatedRequest, deadline: float | None = None, span_context=None, matcher=None, id_prefix="cmpl-"
+        self, req: ValidatedRequest, deadline: float | None = None, span_context=None, matcher=None, chat: bool = False
     ) -> RequestHandle:
         """`matcher`: req.constraint's, compiled by the caller off the event loop (`compile_constraint`); else
-        compiled here. `id_prefix` starts the id assigned to a request without one (`chatcmpl-` for a chat)."""
+        compiled here. `chat`: a request without an id gets a chat's (request_state.new_request_id)."""
         retry_s = self.config.retry_after_s
         if self.is_draining:
             raise Unavailable("the router is shutting down; retry on another replica", "DRAINING", retry_s)
@@ -138,7 +137,7 @@ class BatchingLoop:
         seq_id = next(self._ids)
         state = RequestState(
             seq_id,
-            req.request_id or f"{id_prefix}{uuid.uuid4().hex}",
+            req.request_id or new_request_id(chat),
             req,
             deadline,
             span_context=span_context,

@@ -170,8 +170,7 @@ class Frontend:
             req = revalidate(request, self.config, current, self.batching_loop.tokenizer, req)
         span = trace.get_current_span()
         set_request_attributes(span, self.model_name, req, stream, operation)
-        prefix = "chatcmpl-" if operation == OPERATION_CHAT else "cmpl-"  # OpenAI's ids of each kind of answer
-        return self.batching_loop.submit(req, deadline, span.get_span_context(), matcher, prefix)
+        return self.batching_loop.submit(req, deadline, span.get_span_context(), matcher, operation == OPERATION_CHAT)
 
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
         """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child

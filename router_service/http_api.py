@@ -21,7 +21,6 @@ import json
 import logging
 import ssl
 import time
-import uuid
 
 from aiohttp import web
 
@@ -47,6 +46,7 @@ from router_service.openai_api import (
     usage,
 )
 from router_service.protocol import is_metadata_safe
+from router_service.request_state import new_request_id
 from router_service.tool_replies import ToolReply, collect_reply, split
 from router_service.tool_replies import finish_reason as tool_finish_reason
 
@@ -262,7 +262,7 @@ class HttpFront:
                 many = parsed.best_of > 1 or len(parsed.prompts) > 1 or parsed.echo
                 if many:
                     # one id for all its samples, known here: the one its answer, error and log lines name
-                    request_id = request_id or f"{'chatcmpl-' if kind == 'chat' else 'cmpl-'}{uuid.uuid4().hex}"
+                    request_id = request_id or new_request_id(kind == "chat")
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
                     handle = await frontend.submit_chat(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +112,11 @@ class RequestHandle:
         queue = self._state.queue
         while not queue.empty():
             queue.get_nowait()
+
+
+def new_request_id(chat: bool) -> str:
+    """The id of a request that brought none, as OpenAI's of each kind of answer."""
+    return f"{'chatcmpl-' if chat else 'cmpl-'}{uuid.uuid4().hex}"
 
 
 def deadline_error(state: RequestState, request_timeout_s: float) -> DeadlineExceeded:
