@@ -38,6 +38,11 @@ class InvalidRequestError(ColibriError):
         super().__init__(f"{field}: {message}")
         self.field = field
 
+    @property
+    def detail(self) -> str:
+        """The message without its `field: ` prefix."""
+        return str(self)[len(self.field) + 2 :]
+
 
 class NonFiniteLogitsError(ColibriError):
     """The model produced NaN/inf logits for a sequence (NON_FINITE_LOGITS)."""

@@ -252,7 +252,7 @@ def _serve(stdin, stdout) -> None:
         try:
             reply = {"text": template.render(**request)}
         except InvalidRequestError as e:
-            reply = {"field": e.field, "error": str(e)[len(e.field) + 2 :]}
+            reply = {"field": e.field, "error": e.detail}
         except Exception:  # noqa: BLE001 -- whatever a hostile template makes fail; the request fails alone
             reply = {"field": "messages", "error": "the chat template failed to render"}
         _write_frame(stdout, reply)

@@ -211,7 +211,7 @@ class Frontend:
             )
         except InvalidRequestError as e:
             if e.field.startswith("messages") and field != "messages":
-                raise InvalidRequestError(field + e.field[len("messages") :], detail(e)) from None
+                raise InvalidRequestError(field + e.field[len("messages") :], e.detail) from None
             raise
 
     async def submit_chat(
@@ -270,7 +270,7 @@ class Frontend:
             return await self._submit(request, self.check_ready(), deadline, stream, True, OPERATION_CHAT)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
-                raise InvalidRequestError(field, detail(e)) from None
+                raise InvalidRequestError(field, e.detail) from None
             raise self._tool_error(options, e) from None
 
     @staticmethod
@@ -295,11 +295,6 @@ class Frontend:
     def count_rejection(self, error: Exception) -> None:
         """Counts a request that failed before reaching the batching loop (as the loop counts the others)."""
         self.batching_loop.hooks.on_rejected(errors.to_status(error).code.name.lower())
-
-
-def detail(error: InvalidRequestError) -> str:
-    """The message of an InvalidRequestError without its `field: ` prefix."""
-    return str(error)[len(error.field) + 2 :]
 
 
 async def collect(handle: RequestHandle) -> Completion:

@@ -22,7 +22,7 @@ from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import constraints, errors, openai_fields, tool_request
 from router_service.errors import clipped
-from router_service.frontend import ChatOptions, Completion, detail
+from router_service.frontend import ChatOptions, Completion
 from router_service.generation_defaults import MIN_TEMPERATURE, GenerationDefaults
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_constraints import ConstraintFieldError, request_constraint
@@ -118,7 +118,7 @@ def api_error(
 def _client_names(exc: InvalidRequestError, parsed: ParsedRequest | None) -> str:
     """The error's text with the router's field names (`min_tokens: must be <= max_new_tokens (2)`) as the client
     sent them; a constraint's is left as it is (the grammar engine's errors may quote the client's grammar)."""
-    text = detail(exc)
+    text = exc.detail
     if exc.field.startswith("parameters.constraint"):
         return text
     names = {**PARAM_NAMES, "max_new_tokens": parsed.max_tokens_name if parsed is not None else "max_tokens"}
@@ -152,7 +152,7 @@ def in_prompt_list(error: InvalidRequestError, index: int) -> InvalidRequestErro
     if not error.field.startswith(PROMPT_FIELDS):
         return error
     token = "".join(error.field.partition("[")[1:]) if error.field.startswith("token_ids.ids[") else ""
-    return InvalidRequestError(f"prompt[{index}]{token}", detail(error))
+    return InvalidRequestError(f"prompt[{index}]{token}", error.detail)
 
 
 # ---- requests ----

@@ -29,7 +29,7 @@ from common.tracing import request_span_name, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
-from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, detail, set_usage
+from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
 from router_service.request_state import RequestHandle
@@ -393,7 +393,7 @@ def _as_sent(error: Exception, request) -> Exception:
         and request.tools
         and not request.parameters.HasField("constraint")
     ):
-        return InvalidRequestError("tools", detail(error))
+        return InvalidRequestError("tools", error.detail)
     return error
 
 

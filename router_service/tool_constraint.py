@@ -153,8 +153,8 @@ def schema_error(tools, error: InvalidRequestError) -> InvalidRequestError:
         try:
             constraints.schema_check(constraints.Constraint.json_schema(call_schema([tool], tool["name"])))
         except InvalidRequestError as e:
-            return InvalidRequestError(tools.parameters_field(index), str(e)[len(e.field) + 2 :])
-    return InvalidRequestError("tools", str(error)[len(error.field) + 2 :])
+            return InvalidRequestError(tools.parameters_field(index), e.detail)
+    return InvalidRequestError("tools", error.detail)
 
 
 def attach_tool_constraint(parameters, constraint: tuple[str, str], field: str = "tool_choice") -> None:
