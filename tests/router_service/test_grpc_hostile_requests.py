@@ -329,35 +329,29 @@ def test_an_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(worke
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
 
 
-def test_a_tokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(tokenizer, caplog):
-    """A text within max_message_bytes tokenizes, with pieces and offsets, to an answer several times its size."""
+@pytest.mark.parametrize("rpc", ["Tokenize", "Detokenize"])
+def test_a_tokenize_or_detokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(
+    tokenizer, caplog, rpc
+):
+    """A text within max_message_bytes tokenizes, with pieces and offsets, to an answer several times its size;
+    each lone byte 0x80 detokenizes to U+FFFD, 3 bytes of text for a 2-byte id."""
+    text, ids = "abc " * 1000, [byte_ids("\u0080")[1]] * 1900  # 4 kB of text; 1,900 ids: a 3.8 kB request
+    too_large, fits = {
+        "Tokenize": (
+            rpb.TokenizeRequest(text=text, return_pieces=True, return_offsets=True),
+            rpb.TokenizeRequest(text=text),
+        ),
+        "Detokenize": (rpb.DetokenizeRequest(token_ids=ids), rpb.DetokenizeRequest(token_ids=ids[:1000])),
+    }[rpc]
 
     async def body():
         registry = new_registry(process_metrics=False)
         async with chat_harness(tokenizer, registry, max_message_bytes=4096) as (router, fake, stub, _):
-            text = "abc " * 1000
-            request = rpb.TokenizeRequest(text=text, return_pieces=True, return_offsets=True)
-            err = await status_of(stub.Tokenize(request))
+            err = await status_of(getattr(stub, rpc)(too_large))
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             assert err.details().startswith("the answer would be ") and "(4096)" in err.details(), err.details()
-            assert len((await stub.Tokenize(rpb.TokenizeRequest(text=text))).token_ids) > 1000
-            await still_serving(router, fake, stub, registry)
-
-    asyncio.run(body())
-    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
-
-
-def test_a_detokenize_answer_over_max_message_bytes_is_refused_in_the_router_s_terms(tokenizer, caplog):
-    """Each lone byte 0x80 decodes to U+FFFD: 3 bytes of text for a 2-byte id."""
-
-    async def body():
-        registry = new_registry(process_metrics=False)
-        async with chat_harness(tokenizer, registry, max_message_bytes=4096) as (router, fake, stub, _):
-            ids = [byte_ids("\u0080")[1]] * 1900  # the byte 0x80 alone, 1,900 times: a 3.8 kB request
-            err = await status_of(stub.Detokenize(rpb.DetokenizeRequest(token_ids=ids)))
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-            assert err.details().startswith("the answer would be ") and "(4096)" in err.details(), err.details()
-            assert (await stub.Detokenize(rpb.DetokenizeRequest(token_ids=ids[:1000]))).text == "\ufffd" * 1000
+            answer = await getattr(stub, rpc)(fits)
+            assert len(answer.token_ids) > 1000 if rpc == "Tokenize" else answer.text == "\ufffd" * 1000
             await still_serving(router, fake, stub, registry)
 
     asyncio.run(body())
