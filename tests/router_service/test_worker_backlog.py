@@ -159,8 +159,9 @@ def test_the_hold_does_not_idle_the_device_when_nothing_arrives():
     assert len(device) >= 12
     chunks = device[:12]  # the prompt's chunks (its decode and free follow)
     idle = [max(0.0, later[1] - earlier[2]) for earlier, later in zip(chunks, chunks[1:])]
-    # the defect idles every other gap 3-7 ms (the answer to each chunk arrives behind the next one); a loaded
-    # machine can stall the event loop in one or two gaps (8 ms in all once in CI, 16 ms in one gap another time),
-    # so the two longest gaps are tolerated whatever their length and the rest must stay short
+    # the defect idles every other gap 3-7 ms (5 or 6 of the 11: the answer to each chunk arrives behind the next
+    # one); a loaded machine can stall the event loop in a few gaps (8 ms in all once in CI, 16 ms in one gap
+    # another time, three gaps once), so the three longest gaps are tolerated whatever their length and the rest
+    # must stay short
     gaps_ms = [round(s * 1e3, 1) for s in idle]
-    assert sum(s > 0.002 for s in idle) <= 2 and sum(sorted(idle)[:-2]) < 0.006, gaps_ms
+    assert sum(s > 0.002 for s in idle) <= 3 and sum(sorted(idle)[:-3]) < 0.006, gaps_ms
