@@ -24,7 +24,13 @@ from router_service.constraints import ConstraintCompiler, GrammarMatcher, may_m
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
 from router_service.observability import BatchingLoopHooks
-from router_service.request_state import RequestHandle, RequestState, deadline_error, new_request_id
+from router_service.request_state import (
+    RequestHandle,
+    RequestState,
+    deadline_error,
+    in_request_span,
+    new_request_id,
+)
 from router_service.scheduler import FinishReason, ScheduledRequest, ScheduledStep, Scheduler
 from router_service.step_pipeline import StepPipeline
 from router_service.step_results import StepResults
@@ -214,21 +220,23 @@ class BatchingLoop:
         if error is not None:
             state.queue.put_nowait(error)
         now = time.monotonic()
-        # One line per request, with ids, sizes and timings only: prompts and outputs are never logged.
-        log.info(
-            "request %s",
-            outcome,
-            extra={
-                "request_id": state.request_id,
-                "outcome": outcome,
-                "finish_reason": reason.name.lower(),
-                "prompt_tokens": len(state.req.prompt_ids),
-                "generated_tokens": state.num_generated,
-                "duration_s": round(now - state.arrived_at, 6),
-                "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
-                **({"error": log_text(error)} if error is not None else {}),
-            },
-        )
+        # One line per request, with ids, sizes and timings only: prompts and outputs are never logged. It is
+        # in the request span's trace (trace_id, span_id), though the loop, outside any request's task, may end it.
+        with in_request_span(state):
+            log.info(
+                "request %s",
+                outcome,
+                extra={
+                    "request_id": state.request_id,
+                    "outcome": outcome,
+                    "finish_reason": reason.name.lower(),
+                    "prompt_tokens": len(state.req.prompt_ids),
+                    "generated_tokens": state.num_generated,
+                    "duration_s": round(now - state.arrived_at, 6),
+                    "queue_s": round((state.scheduled_at or now) - state.arrived_at, 6),
+                    **({"error": log_text(error)} if error is not None else {}),
+                },
+            )
         self.hooks.on_request_done(state, outcome, now)
         if not self._requests:
             self._idle.set()

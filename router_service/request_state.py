@@ -4,6 +4,7 @@ iterator of `Delta`s), and the `Delta` itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -130,3 +131,15 @@ def deadline_error(state: RequestState, request_timeout_s: float) -> DeadlineExc
         return DeadlineExceeded(message, reason="QUEUE_TIMEOUT")
     running = "the request's deadline passed during generation"
     return DeadlineExceeded(running if own else f"the request ran longer than request_timeout_s={request_timeout_s:g}")
+
+
+def in_request_span(state: RequestState) -> contextlib.AbstractContextManager:
+    """Makes the request's span current (for the trace ids of a log line), whichever task runs this."""
+    parent = state.span_context
+    if isinstance(parent, otel_context.Context):
+        parent = trace.get_current_span(parent)
+    if isinstance(parent, trace.Span):
+        parent = parent.get_span_context()
+    if parent is None or not parent.is_valid:
+        return contextlib.nullcontext()
+    return trace.use_span(trace.NonRecordingSpan(parent), end_on_exit=False)

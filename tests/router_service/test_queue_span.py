@@ -4,6 +4,8 @@ request, or to the request's end when no step ever did."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
+from common.logging_setup import JsonFormatter
 from common.tracing import make_tracer_provider
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request
 
@@ -70,3 +73,48 @@ def test_queue_span_of_a_request_never_scheduled_ends_with_it(exporter):
     )
     [queue] = children(exporter, "queue", request)
     assert queue.end_time - queue.start_time >= 0.25e9 and queue.end_time <= request.end_time
+
+
+class _JsonLines(logging.Handler):
+    """Formats each record as it is emitted, as the stderr handler does: the trace fields are the current span's."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(JsonFormatter("router"))
+        self.lines: list[dict] = []
+
+    def emit(self, record):
+        self.lines.append(json.loads(self.format(record)))
+
+
+@pytest.mark.parametrize("finish", ["ok", "cancelled"])
+def test_request_log_line_carries_the_request_spans_trace_id(exporter, finish):
+    """The one line a request ends with is in its span's trace, whether the loop ended it (ok) or its own task."""
+    handler = _JsonLines()
+    logger = logging.getLogger("colibri.router.batching_loop")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+
+    async def main():
+        async with harness(FakeWorker(step_delay=0.01)) as (_, _, stub, _):
+            if finish == "ok":
+                await stub.Generate(ids_request([1], max_new_tokens=3))
+                return
+            stream = stub.GenerateStream(ids_request([1], max_new_tokens=200))
+            await stream.read()
+            stream.cancel()
+            for _ in range(100):
+                if any(line["message"] == "request cancelled" for line in handler.lines):
+                    return
+                await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    request = next(s for s in exporter.get_finished_spans() if s.name.startswith("text_completion"))
+    [line] = [line for line in handler.lines if line["message"] == f"request {finish}"]
+    assert line["trace_id"] == format(request.context.trace_id, "032x")
+    assert line["span_id"] == format(request.context.span_id, "016x")
