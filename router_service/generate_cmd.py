@@ -3,7 +3,7 @@
 Text goes to stdout as it arrives (token ids too, with --show-tokens); the stop reason and token counts go
 to stderr so stdout stays pipeable, and so do the tokens' log-probabilities with --logprobs (one `id logprob`
 line per token, followed by `id:logprob` of the most likely tokens of its position with --top-logprobs N). `--chat` sends the prompt as one user message (ChatStream: the router applies the model's chat
-template), after an optional `--system` message. A failed call prints the one-line status and exits 1.
+template), after an optional `--system` message. A failed call prints its status in one line (`colibri generate: error: CODE: details`) and exits 1.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _check_integer_ranges(args: argparse.Namespace) -> None:
     values += [(f"--tokens[{i}]", v, MAX_UINT32) for i, v in enumerate(args.tokens or [])]
     for flag, value, high in values:
         if value is not None and not 0 <= value <= high:
-            raise ConfigError(f"generate: {flag} must be in [0, {high}], got {value}")
+            raise ConfigError(f"{flag} must be in [0, {high}], got {value}")
 
 
 def _check_text(args: argparse.Namespace) -> None:
@@ -133,22 +133,20 @@ def _check_text(args: argparse.Namespace) -> None:
         try:
             (text or "").encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ConfigError(
-                f"generate: {flag} is not UTF-8 text (an undecodable byte at character {e.start})"
-            ) from None
+            raise ConfigError(f"{flag} is not UTF-8 text (an undecodable byte at character {e.start})") from None
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
-        raise ConfigError("generate: give a text prompt or --tokens, exactly one")
+        raise ConfigError("give a text prompt or --tokens, exactly one")
     _check_integer_ranges(args)
     _check_text(args)
     # gRPC takes a deadline of 0, a negative, NaN, inf or past ~2^63 ns since the epoch as already passed: the
     # call would fail at once with DEADLINE_EXCEEDED, which reads as a slow router.
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
-        raise ConfigError(f"generate: --timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {args.timeout}")
+        raise ConfigError(f"--timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {args.timeout}")
     if args.chat and args.prompt is None:
-        raise ConfigError("generate: --chat needs a text prompt (the user message)")
+        raise ConfigError("--chat needs a text prompt (the user message)")
     params = dict(
         max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.min_new_tokens,
@@ -181,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             tls_server_name=args.tls_server_name,
         )
     except (OSError, ValueError) as e:
-        raise ConfigError(f"generate: {e}") from None
+        raise ConfigError(str(e)) from None
     try:
         with client:
             if args.chat:
@@ -199,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
                     print(message.text if raw else terminal_safe(message.text), end="", flush=True)
                 final = message
     except grpc.RpcError as e:
-        print(f"\ncolibri generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        if final is not None:
+            print()  # ends the text streamed before the failure
+        print(f"colibri generate: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     print()
     for i, (token_id, logprob) in enumerate(logprobs):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from colibri import cli
 from common.errors import ConfigError
 from router_service import generate_cmd
 
@@ -24,7 +25,7 @@ def test_an_integer_flag_out_of_its_field_range_names_the_flag(flag):
     for value in (-rng.randrange(1, 1 << 40), (1 << 32) + rng.randrange(1 << 40)):
         with pytest.raises(ConfigError) as e:
             generate_cmd.run(parse("--tokens", "1,2", f"{flag}={value}"))
-        assert str(e.value) == f"generate: {flag} must be in [0, {(1 << 32) - 1}], got {value}"
+        assert str(e.value) == f"{flag} must be in [0, {(1 << 32) - 1}], got {value}"
 
 
 def test_seed_and_token_ids_out_of_range_name_the_flag():
@@ -34,7 +35,7 @@ def test_seed_and_token_ids_out_of_range_name_the_flag():
     ]:
         with pytest.raises(ConfigError) as e:
             generate_cmd.run(parse(*argv))
-        assert str(e.value) == f"generate: {message}"
+        assert str(e.value) == message
 
 
 @pytest.mark.parametrize(
@@ -49,7 +50,7 @@ def test_text_that_is_not_utf8_names_the_flag(argv, flag):
     # Python hands command-line bytes that are not UTF-8 over as lone surrogates, which protobuf cannot encode.
     with pytest.raises(ConfigError) as e:
         generate_cmd.run(parse(*argv))
-    assert str(e.value).startswith(f"generate: {flag} is not UTF-8 text"), e.value
+    assert str(e.value).startswith(f"{flag} is not UTF-8 text"), e.value
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
@@ -58,4 +59,13 @@ def test_a_timeout_grpc_would_take_as_already_passed_names_the_flag(value):
     args.timeout = float(value)
     with pytest.raises(ConfigError) as e:
         generate_cmd.run(args)
-    assert str(e.value).startswith("generate: --timeout must be in (0, 1e+09] seconds"), e.value
+    assert str(e.value).startswith("--timeout must be in (0, 1e+09] seconds"), e.value
+
+
+def test_errors_print_as_every_subcommand_does(capsys):
+    """docs/cli.md: `colibri SUBCOMMAND: error: MESSAGE`, once, whether the flags or the call failed."""
+    assert cli.main(["generate", "--chat", "--tokens", "1"]) == 2
+    assert capsys.readouterr().err == "colibri generate: error: --chat needs a text prompt (the user message)\n"
+    assert cli.main(["generate", "--target", "127.0.0.1:1", "--timeout", "5", "hi"]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("colibri generate: error: UNAVAILABLE: "), line
