@@ -230,11 +230,14 @@ def start_server_span(
     links: Iterable[Link] = (),
     kind: SpanKind = SpanKind.SERVER,
     tracer_provider: trace.TracerProvider | None = None,
+    status_from_exception: bool = True,
 ) -> Iterator[Span]:
     """A current span whose parent is the caller's span carried in `context_metadata`.
 
     Worker handlers use it as ``with start_server_span("decode", context.invocation_metadata()):``.
-    An exception sets the span status to ERROR, naming only its type, and is re-raised.
+    An exception sets the span status to ERROR, naming only its type, and is re-raised; with
+    `status_from_exception` false the caller sets the status from the status code it answers
+    (`set_request_status`), as an aborted call raises whether or not the server is at fault.
     """
     tracer = get_tracer(tracer_provider)
     # Not recorded: an exception's message and traceback (chained errors included) can quote the request,
@@ -251,8 +254,16 @@ def start_server_span(
         try:
             yield span
         except BaseException as e:
-            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+            if status_from_exception:
+                span.set_status(Status(StatusCode.ERROR, type(e).__name__))
             raise
+
+
+def set_request_status(span: Span, code: grpc.StatusCode) -> None:
+    """ERROR, naming the code, only for a server-side fault (RPC semconv): a client's mistake, a full server or a
+    client gone leaves the status unset."""
+    if code in _SERVER_ERROR_CODES:
+        span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 def _rpc_attributes(method: str) -> dict[str, str]:

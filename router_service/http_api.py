@@ -23,11 +23,12 @@ import ssl
 import time
 
 from aiohttp import web
+from opentelemetry import trace
 
 from common import metrics
 from common import tracing as semconv
 from common.errors import AddressInUseError
-from common.tracing import request_span_name, start_server_span
+from common.tracing import request_span_name, set_request_status, start_server_span
 from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
@@ -40,6 +41,7 @@ from router_service.openai_api import (
     ParsedRequest,
     api_error,
     envelope,
+    grpc_code,
     logprobs_field,
     parse_request,
     response,
@@ -250,7 +252,8 @@ class HttpFront:
         request_id = ""
         operation = OPERATION_CHAT if kind == "chat" else semconv.OPERATION_TEXT_COMPLETION
         frontend = self.frontend
-        with start_server_span(request_span_name(frontend.model_name, operation), request.headers.items()) as span:
+        name = request_span_name(frontend.model_name, operation)
+        with start_server_span(name, request.headers.items(), status_from_exception=False) as span:
             handle, parsed, many = None, None, False
             try:
                 request_id = self._request_id(request)
@@ -306,6 +309,7 @@ class HttpFront:
                 )
                 reason = e.reason if isinstance(e, errors.RouterError) else None
                 span.set_attribute(semconv.ERROR_TYPE, reason or error.code or error.type)
+                set_request_status(span, grpc_code(error.status))
                 if handle is None:
                     frontend.batching_loop.hooks.on_rejected(rejection_outcome(error.status))
                 echo = handle.request_id if handle else request_id
@@ -385,7 +389,9 @@ class HttpFront:
             except ConnectionError:
                 raise
             except Exception as e:  # the status line is sent: the error travels as an event
-                await event(api_error(e, kind, handle.request_id, parsed).body())
+                error = api_error(e, kind, handle.request_id, parsed)
+                set_request_status(trace.get_current_span(), grpc_code(error.status))
+                await event(error.body())
             await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
             await bounded(request, resp.write_eof(), timeout_s)
         except ConnectionError:  # the client went away or stopped reading (aborted): the caller cancels the request

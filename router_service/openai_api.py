@@ -41,6 +41,15 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+_GRPC_CODES = {http: code for code, http in HTTP_STATUS.items()}
+
+
+def grpc_code(http_status: int) -> grpc.StatusCode:
+    """The gRPC front's code of an HTTP error status (another 5xx: INTERNAL; another 4xx: INVALID_ARGUMENT)."""
+    fallback = grpc.StatusCode.INTERNAL if http_status >= 500 else grpc.StatusCode.INVALID_ARGUMENT
+    return _GRPC_CODES.get(http_status, fallback)
+
+
 # Router validation fields (after `parameters.`) -> OpenAI parameter names.
 PARAM_NAMES = {
     "max_new_tokens": "max_tokens",

@@ -22,9 +22,11 @@ import json
 import time
 
 from aiohttp import web
+from opentelemetry import trace
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
+from common.tracing import set_request_status
 from router_service import openai_echo
 from router_service.frontend import Completion, collect, set_usage
 from router_service.http_guard import abort, bounded
@@ -35,6 +37,7 @@ from router_service.openai_api import (
     choice,
     envelope,
     generate_request,
+    grpc_code,
     in_prompt_list,
     logprobs_field,
     prompt_logprobs_field,
@@ -323,7 +326,9 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
         except ConnectionError:
             raise
         except Exception as e:  # the status line is sent: the error travels as an event
-            await event(api_error(e, kind, echo, parsed).body())
+            error = api_error(e, kind, echo, parsed)
+            set_request_status(trace.get_current_span(), grpc_code(error.status))
+            await event(error.body())
         await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
         await bounded(request, resp.write_eof(), timeout_s)
     except ConnectionError:  # the client went away or stopped reading: the caller cancels the requests

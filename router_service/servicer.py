@@ -25,7 +25,7 @@ from opentelemetry import trace
 from common import tracing as semconv
 from common.errors import InvalidRequestError
 from common.pb import router_pb2, router_pb2_grpc
-from common.tracing import request_span_name, start_server_span
+from common.tracing import request_span_name, set_request_status, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
@@ -127,7 +127,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         await self._stream(request, context, router_pb2.ChatStreamResponse, OPERATION_CHAT)
 
     async def _unary(self, request, context, response_type, operation: str = semconv.OPERATION_TEXT_COMPLETION):
-        with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
+        with start_server_span(
+            request_span_name(self.model_name, operation), context.invocation_metadata(), status_from_exception=False
+        ):
             handle = None
             try:
                 handle, reply = await self._submit(request, context, stream=False)
@@ -168,7 +170,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     handle.cancel()
 
     async def _stream(self, request, context, message_type, operation: str = semconv.OPERATION_TEXT_COMPLETION):
-        with start_server_span(request_span_name(self.model_name, operation), context.invocation_metadata()):
+        with start_server_span(
+            request_span_name(self.model_name, operation), context.invocation_metadata(), status_from_exception=False
+        ):
             handle = None
             try:
                 handle, reply = await self._submit(request, context, stream=True)
@@ -355,6 +359,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         span = trace.get_current_span()
         span.set_attribute(semconv.ERROR_TYPE, getattr(error, "reason", "VALIDATION"))
         status = errors.to_status(error, request_id)
+        set_request_status(span, status.code)
         if count:
             self.batching_loop.hooks.on_rejected(status.code.name.lower())
         metadata = tuple(status.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
