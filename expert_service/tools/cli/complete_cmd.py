@@ -6,7 +6,7 @@ import argparse
 import json
 import random
 
-from common.errors import InvalidRequestError
+from common.errors import CapacityError, InvalidRequestError
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.cli.offline import add_model_arguments, open_engine
 
@@ -34,6 +34,16 @@ def run(args: argparse.Namespace) -> int:
             "--max-new-tokens",
             f"prompt ({ids.size} tokens) + max_new_tokens ({args.max_new_tokens}) must be <= "
             f"max_position_embeddings ({limit})",
+        )
+    # So is a completion the KV cache cannot hold (the last token is sampled, never fed).
+    config = engine.config
+    blocks, block_size = config.resolved_num_kv_blocks, config.kv_block_size
+    needed = ids.size + args.max_new_tokens - 1
+    if needed > blocks * block_size:
+        raise CapacityError(
+            f"--max-new-tokens: prompt ({ids.size} tokens) + max_new_tokens ({args.max_new_tokens}) need {needed} KV "
+            f"positions, more than the KV cache's {blocks * block_size} ({blocks} blocks of {block_size} tokens; "
+            "raise --num-kv-blocks or --kv-cache-tokens)"
         )
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
     sampling = SamplingParams(

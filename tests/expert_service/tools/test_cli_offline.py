@@ -387,6 +387,19 @@ def test_complete_refuses_a_completion_past_the_context_before_generating(tiny_m
     assert rc == 0 and json.loads(out)["generated_tokens"] == 8
 
 
+def test_complete_refuses_a_completion_past_the_kv_cache_before_generating(tiny_model, capsys):
+    # 2 blocks of 16 tokens hold 32 positions; the last token is sampled, never fed: 3 + 30 would need 32 + 1.
+    argv = ["complete", "--model", str(tiny_model), "--tokens", "1,2,3", "--ignore-eos", "--num-kv-blocks", "2"]
+    rc, out, err = run_cli(capsys, *argv, "--max-new-tokens", "31")
+    assert (rc, out) == (6, ""), (rc, out)
+    assert err == (
+        "colibri complete: error: --max-new-tokens: prompt (3 tokens) + max_new_tokens (31) need 33 KV positions, "
+        "more than the KV cache's 32 (2 blocks of 16 tokens; raise --num-kv-blocks or --kv-cache-tokens)\n"
+    )
+    rc, out, _ = run_cli(capsys, *argv, "--max-new-tokens", "30")
+    assert rc == 0 and json.loads(out)["generated_tokens"] == 30
+
+
 def test_complete_refuses_a_negative_seed(tiny_model, capsys):
     argv = ["--tokens", "1,2", "--temperature", "1", "--seed", "-1"]
     rc, out, err = run_cli(capsys, "complete", "--model", str(tiny_model), *argv)
