@@ -209,10 +209,8 @@ def test_a_penalised_request_hits_and_sends_its_prefix_tokens():
     assert chunks[2].prefix_token_ids == tuple(prompt[:12]) and chunks[3].prefix_token_ids == ()
 
 
-def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_them():
-    """The worker lost cached blocks the router still offers (an authenticated ClearCache from another caller): the
-    sequence started on them is refused UNKNOWN_PREFIX_BLOCK, and its blocks leave the index, so the next request
-    computes the prefix again instead of being refused on the same stale ids for as long as they stay cached."""
+def _blocks_lost_by_the_worker():
+    """A prompt's blocks cached by a finished request, then lost on the worker while the router's index keeps them."""
     s, worker, rng = make(), WorkerModel(32), random.Random(0)
     prompt = list(range(1, 15))
     s.add(ScheduledRequest(1, prompt, 2))
@@ -222,6 +220,14 @@ def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_t
     worker.pool.free(1)
     for key in list(worker.pool.cached):  # gone on the worker, still in the router's index
         worker.pool.evict(key)
+    return s, worker, rng, prompt
+
+
+def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_them():
+    """The worker lost cached blocks the router still offers (an authenticated ClearCache from another caller): the
+    sequence started on them is refused UNKNOWN_PREFIX_BLOCK, and its blocks leave the index, so the next request
+    computes the prefix again instead of being refused on the same stale ids for as long as they stay cached."""
+    s, worker, rng, prompt = _blocks_lost_by_the_worker()
     s.add(ScheduledRequest(2, prompt, 2))
     step = s.schedule()
     assert step.prefill_chunks[0].prefix_block_ids == (1, 2, 3)
@@ -240,15 +246,7 @@ def test_blocks_the_worker_lacks_leave_the_index_when_a_sequence_is_refused_on_t
 def test_lost_blocks_leave_the_index_even_when_the_request_refused_on_them_is_gone():
     """The request refused on blocks the worker lost was cancelled (or its deadline passed) before that answer came:
     the answer still names the blocks (the step's chunk carries them), so they leave the index all the same."""
-    s, worker, rng = make(), WorkerModel(32), random.Random(0)
-    prompt = list(range(1, 15))
-    s.add(ScheduledRequest(1, prompt, 2))
-    step = s.schedule()
-    s.update(step, worker.run(step, rng))
-    s.finish(1, FinishReason.LENGTH)
-    worker.pool.free(1)
-    for key in list(worker.pool.cached):  # gone on the worker, still in the router's index
-        worker.pool.evict(key)
+    s, worker, rng, prompt = _blocks_lost_by_the_worker()
     s.add(ScheduledRequest(2, prompt, 2))
     step = s.schedule()
     s.finish(2, FinishReason.CANCELLED)
