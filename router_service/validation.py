@@ -306,10 +306,13 @@ def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> No
         )
     _check_logprobs_and_penalties(p)
     if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
-        raise InvalidRequestError("parameters.top_p", f"must be in (0, 1] (0 = off), got {p.top_p:g}")
+        raise InvalidRequestError(
+            "parameters.top_p", f"must be in (0, 1] (0 = the model's default, else 1), got {p.top_p:g}"
+        )
     if p.top_k > limits.vocab_size:
         raise InvalidRequestError(
-            "parameters.top_k", f"must be <= vocab_size ({limits.vocab_size}) (0 = off), got {p.top_k}"
+            "parameters.top_k",
+            f"must be <= vocab_size ({limits.vocab_size}) (0 = the model's default, else off), got {p.top_k}",
         )
     if not math.isfinite(p.min_p) or not 0 <= p.min_p <= 1:
         raise InvalidRequestError("parameters.min_p", f"must be in [0, 1] (0 = off), got {p.min_p:g}")
