@@ -195,7 +195,7 @@ def delta_chunks(
             True, first and n == 0, piece, finish if last else None, index,
         )  # fmt: skip
         chunk = envelope(kind, echo, model, created, [c], True)
-        if n == 0 and parsed.prompt_logprobs:
+        if n == 0 and parsed.prompt_logprobs and (kind == "completion" or index == 0):  # a chat's: once, as unary
             add_prompt_logprobs(chunk, kind, texts, delta.prompt_logprobs)
         if parsed.include_usage:
             chunk["usage"] = None

@@ -191,3 +191,23 @@ def test_a_chat_stream_of_n_choices_opens_each_in_order(worker, tiny_model, tmp_
             assert [c.index for c in final.choices] == [0, 1, 2]
 
     asyncio.run(body())
+
+
+def test_a_chat_stream_of_n_choices_sends_the_prompt_logprobs_once(worker, tiny_model, tmp_path):
+    """A chat's prompt_logprobs belong to the request (top level, as in its unary answer), not to each choice."""
+
+    async def body():
+        async with http_router(worker, tiny_model, tmp_path) as (router, stub, client, base):
+            payload = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "prompt_logprobs": 1}
+            async with aiohttp.ClientSession() as s:
+                status, _, unary = await post(s, base + "/v1/chat/completions", payload)
+                assert status == 200, unary
+                chunks = []
+                async with s.post(base + "/v1/chat/completions", json={**payload, "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+            scored = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+            assert scored == [unary["prompt_logprobs"]] and len(unary["prompt_logprobs"]) > 1
+
+    asyncio.run(body())
