@@ -31,6 +31,7 @@ from common.errors import AddressInUseError, ConfigError
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.logging_setup import configure_logging
+from common.metrics import new_registry, start_metrics_server
 from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import configure_tracing
 from router_service.batching_loop import BatchingLoop
@@ -45,6 +46,10 @@ from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
 
 if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp loads only then
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client import CollectorRegistry
+
     from router_service.http_api import HttpFront
 
 log = logging.getLogger("colibri.router")
@@ -77,6 +82,8 @@ class Router:
     health_port: int = 0
     http: HttpFront | None = None  # when --http-port is set
     http_port: int = 0
+    metrics_server: WSGIServer | None = None  # when a metrics registry and --metrics-port are given
+    metrics_port: int = 0
     frontend: Frontend | None = None  # its chat-template render processes end with the router
 
     worker_ready: bool = False  # the worker's last reported state (readiness also needs not draining)
@@ -119,6 +126,9 @@ class Router:
             await self.health_server.stop(0)
         if self.http is not None:
             await self.http.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         if self.frontend is not None and self.frontend.chat_renderer is not None:
             self.frontend.chat_renderer.close()
         await self.worker.close()
@@ -143,11 +153,14 @@ async def start_router(
     worker_address: str | None = None,
     tokenizer: Tokenizer | None = None,
     hooks: BatchingLoopHooks | None = None,
+    metrics_registry: CollectorRegistry | None = None,
 ) -> Router:
     """Builds and starts the router (the batching loop connects to the worker in the background).
 
     `worker_address` overrides config.worker; `tokenizer` overrides the one from config.model. With
-    config.port == 0 a free port is chosen: read it from the returned Router.port.
+    config.port == 0 a free port is chosen: read it from the returned Router.port. `metrics_registry` is served
+    on config.metrics_port (when set). Every file (model, template, tokens, TLS, routing table) is read before
+    any port is bound: a bad file is its own one-line error, never hidden behind a port in use.
     """
     if worker_address:
         config = replace(config, worker=worker_address)
@@ -194,6 +207,15 @@ async def start_router(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for name in READINESS:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if config.http_port:  # the OpenAI-compatible front, on this event loop, through the same frontend
+        from router_service.http_api import HttpFront, ssl_context
+
+        router.http = HttpFront(frontend, tokens, ssl_context(config))
+    if metrics_registry is not None and config.metrics_port:
+        router.metrics_server, _, router.metrics_port = start_metrics_server(
+            metrics_registry, config.metrics_port, config.metrics_host, role="router metrics"
+        )
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, router.metrics_port)
     address = f"{config.host}:{config.port}"
     router.port = _bind(server, "router gRPC", address, tls.credentials if tls is not None else None)
     if config.health_port:
@@ -201,10 +223,7 @@ async def start_router(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
         router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
         await router.health_server.start()
-    if config.http_port:  # the OpenAI-compatible front, on this event loop, through the same frontend
-        from router_service.http_api import HttpFront, ssl_context
-
-        router.http = HttpFront(frontend, tokens, ssl_context(config))
+    if router.http is not None:
         router.http_port = await router.http.start(config.host, config.http_port)
         log.info("OpenAI-compatible HTTP API on %s:%d", config.host, router.http_port)
     await server.start()
@@ -240,7 +259,9 @@ def _fit_open_files(config: RouterConfig) -> None:
     fit_open_files(grpc_ports * config.grpc_max_connections + http, "grpc_max_connections and http_max_connections")
 
 
-async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) -> int:
+async def serve(
+    config: RouterConfig, hooks: BatchingLoopHooks | None = None, metrics_registry: CollectorRegistry | None = None
+) -> int:
     """Serves until SIGTERM or SIGINT (one during start-up included), drains, exits 0. Further signals change
     nothing: a supervisor and a kill of every process may both send one, and the drain must not be cut short."""
     stop = asyncio.Event()
@@ -250,7 +271,7 @@ async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) ->
         log.info("signal received before start-up: nothing to stop")
         STOP_SIGNALS.ignore()
         return 0
-    router = await start_router(config, hooks=hooks)
+    router = await start_router(config, hooks=hooks, metrics_registry=metrics_registry)
     if not stop.is_set():
         freeze_startup_heap("router")
     await stop.wait()
@@ -262,17 +283,15 @@ async def serve(config: RouterConfig, hooks: BatchingLoopHooks | None = None) ->
     return 0
 
 
-def _setup_observability(config: RouterConfig) -> BatchingLoopHooks:
-    """JSON logs (LOG_FORMAT), the tracer provider (OTLP only when configured) and /metrics."""
+def _setup_observability(config: RouterConfig) -> tuple[BatchingLoopHooks, CollectorRegistry]:
+    """JSON logs (LOG_FORMAT), the tracer provider (OTLP only when configured) and the metrics registry
+    (start_router serves it on /metrics once the start-up files have been read)."""
     configure_logging("router", config.log_level)
     configure_tracing(os.environ.get("OTEL_SERVICE_NAME", "colibri-router"))
     model_name = config.model_name or (Path(config.model).name if config.model else "colibri")
-    hooks, port = router_metrics(
-        model_name, config.metrics_port if config.metrics_port else -1, host=config.metrics_host
-    )
-    if port >= 0:
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
-    return hooks
+    registry = new_registry()
+    hooks, _ = router_metrics(model_name, -1, registry)
+    return hooks, registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,13 +304,13 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(
         RouterConfig, file_values=load_config_file(args.config, "router"), flags=flag_values(args, RouterConfig)
     )
-    hooks = _setup_observability(config)
+    hooks, registry = _setup_observability(config)
     if getattr(args, "auth_token", None):
         log.warning(
             "--auth-token on the command line is visible to every local user (ps, /proc): use "
             "--auth-token-file or COLIBRI_AUTH_TOKEN"
         )
     try:
-        return asyncio.run(serve(config, hooks))
+        return asyncio.run(serve(config, hooks, registry))
     finally:
         getattr(trace.get_tracer_provider(), "shutdown", lambda: None)()  # flush batched spans

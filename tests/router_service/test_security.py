@@ -354,6 +354,43 @@ def test_metrics_port_in_use_names_the_router_and_binds_loopback_by_default(tmp_
     assert done.stderr.strip().splitlines()[-1] == f"colibri router: error: router metrics 127.0.0.1:{port} is in use"
 
 
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--chat-template", "{missing}"], "--chat-template: cannot read {missing}"),
+        (["--auth-token-file", "{missing}"], "auth_token_file: cannot read {missing}"),
+        (["--worker-token-file", "{missing}"], "worker_token_file: cannot read {missing}"),
+        (["--tls-cert-file", "{missing}", "--tls-key-file", "{missing}", "--http-port", "0"], "{missing}"),
+    ],
+)
+def test_a_bad_start_up_file_is_named_before_any_port_is_bound(tmp_path, flags, error):
+    """A file the router reads at start-up is checked before the metrics port is bound: with that port taken
+    too, the operator still gets the file's one-line error (exit 2), not 'in use' (exit 7)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    missing = str(tmp_path / "missing")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "router", "--worker", "127.0.0.1:1", "--port", "0"]
+            + ["--metrics-port", str(port), *(flag.format(missing=missing) for flag in flags)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr
+    assert last.startswith("colibri router: error: ") and error.format(missing=missing) in last, last
+    assert "Traceback" not in done.stderr
+
+
 def _load_setting(setting: str, path: str, key_dir):
     """Reads the file of one router setting the way start-up does."""
     from router_service.chat import ChatTemplate
