@@ -60,6 +60,9 @@ MAX_FAILED_STARTS = 5
 HEALTHY_AFTER_S = 60.0
 NOT_RESTARTED = (2, 3, 4, 7)  # ConfigError, ModelFormatError, ChecksumError, AddressInUseError
 STOP_MARGIN_S = 15.0  # beyond a child's drain timeout before it is killed
+# Router settings serve does not take as router flags: it gives --worker and --model itself, and the router caps
+# its batch limits to the worker's (Info), so the two batch flags go to the worker only.
+ROUTER_SET_BY_SERVE = ("worker", "model", "max_batch_tokens", "max_batch_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,16 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9091,
         help="the worker's Prometheus /metrics port on 127.0.0.1; 0 = off (default: 9091)",
     )
-    # The router caps its batch limits to the worker's (Info), so those two flags go to the worker only.
-    add_flags(parser, RouterConfig, skip=("worker", "model", "max_batch_tokens", "max_batch_size"))
+    add_flags(parser, RouterConfig, skip=ROUTER_SET_BY_SERVE)
     add_flags(parser, EngineConfig)
 
 
-def _flags_for(cls, args: argparse.Namespace) -> list[str]:
+def _flags_for(cls, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
         value = getattr(args, f.name, None)
-        if value is not None and "help" in f.metadata:
+        if value is not None and "help" in f.metadata and f.name not in skip:
             out += [f"--{flag_name(f)}", str(value)]
     return out
 
@@ -133,7 +135,7 @@ class Supervisor:
             "--model",
             args.model,
             *common,
-            *_flags_for(RouterConfig, args),
+            *_flags_for(RouterConfig, args, skip=ROUTER_SET_BY_SERVE),
         ]
         # One secret per run, for both children, in their environment only.
         self.env = {**os.environ, TOKEN_ENV: secrets.token_urlsafe(32)}

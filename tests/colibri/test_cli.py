@@ -203,3 +203,24 @@ def test_serve_hints_the_port_the_router_resolves(tmp_path, monkeypatch, flags, 
     finally:  # run() ignores both once its exit status is decided
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_serve_gives_the_router_model_once_and_the_batch_limits_to_the_worker_only(tmp_path, monkeypatch):
+    """The router's command line held `--model DIR` twice, and the worker's --max-batch-tokens/--max-batch-size
+    too (the router caps its limits to the worker's)."""
+    import shutil
+
+    from colibri import serve as serve_module
+    from colibri.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(tmp_path), "--max-batch-tokens", "128", "--max-batch-size", "4", "--port", "0"]
+    )
+    supervisor = serve_module.Supervisor(args)
+    shutil.rmtree(supervisor.private_dir)
+    router, worker = supervisor.router_cmd, supervisor.worker_cmd
+    assert router.count("--model") == 1 and router[router.index("--model") + 1] == str(tmp_path)
+    assert "--max-batch-tokens" not in router and "--max-batch-size" not in router
+    assert worker[worker.index("--max-batch-tokens") + 1] == "128" and worker.count("--model") == 1
+    assert router[router.index("--port") + 1] == "0"
