@@ -196,11 +196,7 @@ class Supervisor:
             if self.stopping:  # checked before the children: one that exits on the same signal is no failure
                 return self._shut_down(router, worker)
             if (code := router.poll()) is not None:
-                log.log(
-                    logging.INFO if code == 0 else logging.ERROR,
-                    "router exited with code %d; stopping the worker",
-                    code,
-                )
+                log.log(logging.INFO if code == 0 else logging.ERROR, "router %s; stopping the worker", _ended(code))
                 self._stop(worker, self.worker_stop_s)
                 return _exit_status(code)
             code = worker.poll()
@@ -208,18 +204,18 @@ class Supervisor:
                 continue
             up_s = time.monotonic() - started
             if code == 0 or code in NOT_RESTARTED:  # stopped on its own signal, or a restart cannot help
-                log.log(logging.INFO if code == 0 else logging.ERROR, "worker exited with code %d; stopping", code)
+                log.log(logging.INFO if code == 0 else logging.ERROR, "worker %s; stopping", _ended(code))
                 self._stop(router, self.router_stop_s)
                 return code
             failed_starts = 1 if up_s >= HEALTHY_AFTER_S else failed_starts + 1
             if failed_starts >= MAX_FAILED_STARTS:
-                log.error("worker exited with code %d, %d failures in a row; giving up", code, failed_starts)
+                log.error("worker %s, %d failures in a row; giving up", _ended(code), failed_starts)
                 self._stop(router, self.router_stop_s)
                 return 1
             delay = RESTART_BACKOFF_S[min(failed_starts - 1, len(RESTART_BACKOFF_S) - 1)]
             log.warning(
-                "worker exited with code %d after %.0f s (fault %d of %d in a row); restarting in %.0f s",
-                code,
+                "worker %s after %.0f s (fault %d of %d in a row); restarting in %.0f s",
+                _ended(code),
                 up_s,
                 failed_starts,
                 MAX_FAILED_STARTS,
@@ -282,6 +278,16 @@ def _check_ports(args: argparse.Namespace) -> RouterConfig:
         },
     )
     return router
+
+
+def _ended(code: int) -> str:
+    """How a child ended, from its return code: 'exited with code N', or 'killed by SIGKILL' (a negative code)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _exit_status(code: int) -> int:

@@ -313,7 +313,7 @@ async def serve(
             metrics_server, _, metrics_port = start_metrics_server(
                 registry, config.metrics_port, config.metrics_host, role="worker metrics"
             )
-            log.info("metrics on %s:%d/metrics", config.metrics_host, metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
         for s in servers:
             await s.start()
         tasks.append(asyncio.create_task(health.watch(servicer.update_gauges)))

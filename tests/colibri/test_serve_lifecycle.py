@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -205,6 +206,17 @@ def test_a_worker_failing_at_start_up_is_given_up(tmp_path, monkeypatch, restore
     supervisor = _supervisor(tmp_path, f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(1)", SLEEPER)
     assert supervisor.run() == 1
     assert starts.read_text() == "x" * serve_module.MAX_FAILED_STARTS
+
+
+def test_a_worker_killed_by_a_signal_is_logged_by_the_signal_name(tmp_path, monkeypatch, restore_signals, caplog):
+    """A worker killed by SIGKILL was logged as 'exited with code -9'."""
+    monkeypatch.setattr(serve_module, "RESTART_BACKOFF_S", (0.05,))
+    supervisor = _supervisor(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", SLEEPER)
+    with caplog.at_level(logging.INFO, logger="colibri.serve"):
+        assert supervisor.run() == 1
+    assert any(m.startswith("worker killed by SIGKILL after ") for m in caplog.messages), caplog.messages
+    assert f"worker killed by SIGKILL, {serve_module.MAX_FAILED_STARTS} failures in a row; giving up" in caplog.messages
+    assert not any("-9" in m for m in caplog.messages)
 
 
 def test_a_healthy_period_resets_the_failure_count(tmp_path, monkeypatch, restore_signals):

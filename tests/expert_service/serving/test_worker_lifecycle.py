@@ -411,3 +411,14 @@ def test_a_caller_going_away_while_its_streams_close_runs_is_no_fault(tiny_model
         channel.close()
     finally:
         assert worker.stop() == 0
+
+
+def test_the_metrics_address_is_logged_as_a_url(tiny_model, caplog):
+    """The worker logged 'metrics on 127.0.0.1:P/metrics' where the router logs a URL: both log
+    'metrics on http://HOST:PORT/metrics'."""
+    import logging
+
+    port = free_port()
+    with caplog.at_level(logging.INFO, logger="colibri.worker"):
+        BackgroundWorker(tiny_model, metrics_port=port).start().stop()
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in caplog.messages
