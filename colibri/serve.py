@@ -50,7 +50,10 @@ from common.config import (  # noqa: E402
 )
 from common.errors import ConfigError  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
-from expert_service.engine.config import EngineConfig  # noqa: E402 (numpy-only: serve never loads numba itself)
+from expert_service.engine.config import (  # noqa: E402 (numpy-only: serve never loads numba itself)
+    EngineConfig,
+    RoutingMode,
+)
 from router_service.config import RouterConfig  # noqa: E402
 
 log = logging.getLogger("colibri.serve")
@@ -290,6 +293,21 @@ def _ended(code: int) -> str:
         return f"killed by signal {-code}"
 
 
+def _check_routing(args: argparse.Namespace, router: RouterConfig) -> None:
+    """A worker under routing=lut routes by the router's plans alone, and serve's router makes plans only from a
+    routing table: without one it never takes the worker, and serve would start and stay not ready."""
+    engine = resolve(
+        EngineConfig,
+        file_values=load_config_file(getattr(args, "config", None), "engine"),
+        flags=flag_values(args, EngineConfig),
+    )
+    if engine.routing is RoutingMode.LUT and not router.routing_table:
+        raise ConfigError(
+            "--routing lut needs --routing-table: the worker then takes each token's experts from the router's "
+            "table, and the router has none"
+        )
+
+
 def _exit_status(code: int) -> int:
     """A child's return code as serve's exit status (killed by signal N: 128 + N)."""
     return 128 - code if code < 0 else code
@@ -307,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     for section in ("router", "worker", "engine"):  # the file both children read, checked before they start
         load_config_file(getattr(args, "config", None), section)
     router = _check_ports(args)
+    _check_routing(args, router)
     supervisor = Supervisor(args)
     supervisor.router_port = router.port
     code = supervisor.run()

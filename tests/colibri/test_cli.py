@@ -224,3 +224,39 @@ def test_serve_gives_the_router_model_once_and_the_batch_limits_to_the_worker_on
     assert "--max-batch-tokens" not in router and "--max-batch-size" not in router
     assert worker[worker.index("--max-batch-tokens") + 1] == "128" and worker.count("--model") == 1
     assert router[router.index("--port") + 1] == "0"
+
+
+LUT_WITHOUT_TABLE = (
+    "colibri serve: error: --routing lut needs --routing-table: the worker then takes each token's experts from "
+    "the router's table, and the router has none"
+)
+
+
+@pytest.mark.parametrize(
+    "flags, env, config",
+    [(["--routing", "lut"], {}, ""), ([], {"COLIBRI_ROUTING": "lut"}, ""), ([], {}, "engine:\n  routing: lut\n")],
+)
+def test_serve_refuses_lut_routing_without_a_routing_table(tmp_path, tiny_model, flags, env, config):
+    """Both children started, and the router never took the lut worker (no plans without a table): serve stayed
+    up, never ready."""
+    assert _serve_refusal(tmp_path, tiny_model, *flags, env=env, config=config) == [LUT_WITHOUT_TABLE]
+
+
+@pytest.mark.parametrize(
+    "flags, env, config",
+    [(["--routing-table", "t.bin"], {}, ""), ([], {"COLIBRI_ROUTING_TABLE": "t.bin"}, ""),
+     ([], {}, "router:\n  routing_table: t.bin\n")],
+)  # fmt: skip
+def test_serve_takes_lut_routing_with_a_table_from_any_source(tmp_path, monkeypatch, flags, env, config):
+    from colibri import serve as serve_module
+    from colibri.cli import build_parser
+
+    monkeypatch.delenv("COLIBRI_ROUTING_TABLE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if config:
+        (tmp_path / "colibri.yaml").write_text(config)
+        flags = [*flags, "--config", str(tmp_path / "colibri.yaml")]
+    monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--routing", "lut", *flags])
+    serve_module._check_routing(args, serve_module._check_ports(args))
