@@ -147,7 +147,8 @@ def main() -> int:
         engines, sizes = {}, {}
         for name in names:
             expert_dtype, scale, options = VARIANTS[name]
-            out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, scale)
+            fp8_scale = scale if expert_dtype == "fp8" else None  # convert refuses a scale no expert takes
+            out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, fp8_scale)
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
             config = EngineConfig(

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common import dtypes, quant
-from common.errors import ModelFormatError
+from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.files import copy_new
 from common.model_format import ModelWriter
@@ -192,6 +192,14 @@ def convert(
         for s in specs
         if s.expert is not None and s.layer is not None and s.name.endswith("gate_proj")
     }
+    if fp8_scale is not None and all(f.dtype != "float8_e4m3fn" for f in formats.values()):
+        given = [f"--expert-dtype {expert_dtype}"] if expert_dtype is not None else []
+        given += [f"--expert-dtype-file {expert_dtype_file}"] if expert_dtype_file is not None else []
+        raise ConfigError(
+            f"--fp8-scale {fp8_scale}: no routed expert is stored fp8 "
+            f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
+            "ignored; drop it or give --expert-dtype fp8"
+        )
     writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert])
     total = sum(int(np.prod(s.shape)) for s in specs)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:

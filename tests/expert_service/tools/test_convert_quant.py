@@ -348,7 +348,32 @@ def test_a_zero_or_negative_block_scale_is_refused_when_dequantised_too(tmp_path
     assert f"invalid scale in tensor {name}_scale_inv: {value} at [0, 0]" in err
 
 
-@pytest.mark.parametrize("expert_dtype, fp8_scale", [("int8", "channel"), ("fp8", "block128"), ("fp8", "channel")])
+@pytest.mark.parametrize(
+    "checkpoint, flags, named",
+    [
+        ("float32", ["--expert-dtype", "int8", "--fp8-scale", "channel"], "--expert-dtype int8"),
+        ("float32", ["--fp8-scale", "block128"], "no --expert-dtype, and the checkpoint experts are not fp8"),
+        ("fp8", ["--expert-dtype", "bf16", "--fp8-scale", "channel"], "--expert-dtype bf16"),
+    ],
+)
+def test_an_fp8_scale_no_expert_takes_is_refused(tmp_path, capsys, checkpoint, flags, named):
+    """--fp8-scale with no routed expert stored fp8 was dropped in silence; it is refused before anything is
+    written, naming --fp8-scale and --expert-dtype."""
+    if checkpoint == "fp8":
+        write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    else:
+        write_tiny_checkpoint(tmp_path / "hf", "olmoe", seed=3)
+    rc, _, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", *flags)
+    scale = flags[flags.index("--fp8-scale") + 1]
+    assert rc == 2
+    assert err.splitlines() == [
+        f"colibri convert: error: --fp8-scale {scale}: no routed expert is stored fp8 ({named}), so it would be "
+        "ignored; drop it or give --expert-dtype fp8"
+    ]
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("expert_dtype, fp8_scale", [("int8", None), ("fp8", "block128"), ("fp8", "channel")])
 def test_quantizing_peak_memory_is_a_few_bytes_per_element_of_the_largest_tensor(tmp_path, expert_dtype, fp8_scale):
     """One expert matrix dominates (4 x 1024 x 520 floats); everything else is tiny. numpy reports its
     allocations to tracemalloc, so the peak is what the converter holds at once, not the model."""
