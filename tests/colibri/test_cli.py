@@ -4,6 +4,7 @@ plaintext client failed, a port it could not bind), is held silent unless GRPC_V
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,7 +195,13 @@ def test_serve_hints_the_port_the_router_resolves(tmp_path, monkeypatch, flags, 
         (tmp_path / "colibri.yaml").write_text(config)
         flags = [*flags, "--config", str(tmp_path / "colibri.yaml")]
     seen = []
-    monkeypatch.setattr(serve_module.Supervisor, "run", lambda self: seen.append(self.router_port) or 0)
+
+    def run(self) -> int:  # stands in for the children, and removes the private directory as the real run does
+        seen.append(self.router_port)
+        shutil.rmtree(self.private_dir)
+        return 0
+
+    monkeypatch.setattr(serve_module.Supervisor, "run", run)
     monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), *flags])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -208,8 +215,6 @@ def test_serve_hints_the_port_the_router_resolves(tmp_path, monkeypatch, flags, 
 def test_serve_gives_the_router_model_once_and_the_batch_limits_to_the_worker_only(tmp_path, monkeypatch):
     """The router's command line held `--model DIR` twice, and the worker's --max-batch-tokens/--max-batch-size
     too (the router caps its limits to the worker's)."""
-    import shutil
-
     from colibri import serve as serve_module
     from colibri.cli import build_parser
 
