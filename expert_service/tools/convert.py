@@ -192,11 +192,13 @@ def convert(
         for s in specs
         if s.expert is not None and s.layer is not None and s.name.endswith("gate_proj")
     }
-    if fp8_scale is not None and all(f.dtype != "float8_e4m3fn" for f in formats.values()):
+    if plan.fp8_scheme is not None and all(f.dtype != "float8_e4m3fn" for f in formats.values()):
         given = [f"--expert-dtype {expert_dtype}"] if expert_dtype is not None else []
         given += [f"--expert-dtype-file {expert_dtype_file}"] if expert_dtype_file is not None else []
+        # the file's fp8_scale, when it has one, is the one in force (flag None: only the file can have asked)
+        asked = f"--fp8-scale {fp8_scale}" if fp8_scale is not None else f"{expert_dtype_file}: fp8_scale"
         raise ConfigError(
-            f"--fp8-scale {fp8_scale}: no routed expert is stored fp8 "
+            f"{asked}: no routed expert is stored fp8 "
             f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
             "ignored; drop it or give --expert-dtype fp8"
         )

@@ -373,6 +373,23 @@ def test_an_fp8_scale_no_expert_takes_is_refused(tmp_path, capsys, checkpoint, f
     assert not (tmp_path / "m").exists()
 
 
+def test_an_fp8_scale_of_the_expert_dtype_file_no_expert_takes_is_refused(tmp_path, capsys):
+    """The file's fp8_scale, like the flag, was dropped in silence when no expert ends up fp8."""
+    write_tiny_checkpoint(tmp_path / "hf", "olmoe", seed=3)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"default": "int8", "fp8_scale": "channel"}))
+    args = ("convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", "--expert-dtype-file", str(plan))
+    rc, _, err = run_cli(capsys, *args)
+    assert (rc, err.splitlines()) == (
+        2,
+        [
+            f"colibri convert: error: {plan}: fp8_scale: no routed expert is stored fp8 (--expert-dtype-file {plan}), "
+            "so it would be ignored; drop it or give --expert-dtype fp8"
+        ],
+    )
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("expert_dtype, fp8_scale", [("int8", None), ("fp8", "block128"), ("fp8", "channel")])
 def test_quantizing_peak_memory_is_a_few_bytes_per_element_of_the_largest_tensor(tmp_path, expert_dtype, fp8_scale):
     """One expert matrix dominates (4 x 1024 x 520 floats); everything else is tiny. numpy reports its
