@@ -72,6 +72,7 @@ def tool_call_constraint(
     if choice == "auto":
         return _text_or_calls(tools, strict, parallel, fmt, marker_token_id, strict_field)
     call = call_schema(tools, choice)
+    parallel = parallel and choice == "required"  # a named function is called exactly once, as OpenAI's is
     if fmt == "generic":
         calls = {"type": "array", "items": call, "minItems": 1}
         if not parallel:
