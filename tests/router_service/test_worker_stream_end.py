@@ -116,6 +116,10 @@ def test_a_draining_worker_turns_the_router_not_ready_at_once_while_its_streams_
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Generate(ids_request([2], max_new_tokens=2))
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert router.batching_loop.is_worker_draining  # told by the refusal, before any Health
+                # a draining worker's Health says so soon after: a later poll (every second) must agree, or on a
+                # slow machine it turned the router back before the requests below were sent
+                fake.ready = False
             await wait_for(lambda: router.batching_loop.is_worker_draining, timeout=3.0)
             assert await _readiness(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             seen = set(fake.seen_ids)
