@@ -40,6 +40,7 @@ from pathlib import Path  # noqa: E402
 
 from common.config import (  # noqa: E402
     LOG_LEVEL_ENV,
+    SECTIONS,
     add_flags,
     check_distinct_ports,
     env_value,
@@ -263,15 +264,16 @@ def _print_hint(text: str) -> None:
         os.close(devnull)
 
 
-def _check_ports(args: argparse.Namespace) -> RouterConfig:
-    """The router's settings as it will resolve them (file, environment, flags), and the ports of both children
-    apart: a clash showed as one child's bind failing 'in use' (exit 7), as if another program held the port."""
+def _check_ports(args: argparse.Namespace, file_values: dict) -> RouterConfig:
+    """The router's settings as it will resolve them (`file_values`: the config file's router section, environment,
+    flags), and the ports of both children apart: a clash showed as one child's bind failing 'in use' (exit 7), as
+    if another program held the port."""
     worker_port, worker_metrics_port = getattr(args, "worker_port", 0), getattr(args, "worker_metrics_port", 0)
     for flag, value in (("--worker-port", worker_port), ("--worker-metrics-port", worker_metrics_port)):
         if not 0 <= value <= 65535:
             raise ConfigError(f"{flag}: must be in [0, 65535], got {value}")
     flags = {**flag_values(args, RouterConfig), "worker": "127.0.0.1:1", "model": args.model}
-    router = resolve(RouterConfig, file_values=load_config_file(getattr(args, "config", None), "router"), flags=flags)
+    router = resolve(RouterConfig, file_values=file_values, flags=flags)
     check_distinct_ports(
         "",
         {
@@ -293,14 +295,11 @@ def _ended(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def _check_routing(args: argparse.Namespace, router: RouterConfig) -> None:
+def _check_routing(args: argparse.Namespace, router: RouterConfig, file_values: dict) -> None:
     """A worker under routing=lut routes by the router's plans alone, and serve's router makes plans only from a
-    routing table: without one it never takes the worker, and serve would start and stay not ready."""
-    engine = resolve(
-        EngineConfig,
-        file_values=load_config_file(getattr(args, "config", None), "engine"),
-        flags=flag_values(args, EngineConfig),
-    )
+    routing table: without one it never takes the worker, and serve would start and stay not ready.
+    `file_values`: the config file's engine section."""
+    engine = resolve(EngineConfig, file_values=file_values, flags=flag_values(args, EngineConfig))
     if engine.routing is RoutingMode.LUT and not router.routing_table:
         raise ConfigError(
             "--routing lut needs --routing-table: the worker then takes each token's experts from the router's "
@@ -322,10 +321,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--model: {args.model} is not a directory" if found else f"--model: directory {args.model} not found"
         )
-    for section in ("router", "worker", "engine"):  # the file both children read, checked before they start
-        load_config_file(getattr(args, "config", None), section)
-    router = _check_ports(args)
-    _check_routing(args, router)
+    # the file both children read, checked before they start (and read once here for serve's own checks)
+    sections = {section: load_config_file(getattr(args, "config", None), section) for section in SECTIONS}
+    router = _check_ports(args, sections["router"])
+    _check_routing(args, router, sections["engine"])
     supervisor = Supervisor(args)
     supervisor.router_port = router.port
     code = supervisor.run()

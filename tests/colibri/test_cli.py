@@ -255,6 +255,7 @@ def test_serve_refuses_lut_routing_without_a_routing_table(tmp_path, tiny_model,
 def test_serve_takes_lut_routing_with_a_table_from_any_source(tmp_path, monkeypatch, flags, env, config):
     from colibri import serve as serve_module
     from colibri.cli import build_parser
+    from common.config import load_config_file
 
     monkeypatch.delenv("COLIBRI_ROUTING_TABLE", raising=False)
     for name, value in env.items():
@@ -264,4 +265,5 @@ def test_serve_takes_lut_routing_with_a_table_from_any_source(tmp_path, monkeypa
         flags = [*flags, "--config", str(tmp_path / "colibri.yaml")]
     monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--routing", "lut", *flags])
-    serve_module._check_routing(args, serve_module._check_ports(args))
+    sections = {name: load_config_file(args.config, name) for name in ("router", "engine")}
+    serve_module._check_routing(args, serve_module._check_ports(args, sections["router"]), sections["engine"])
