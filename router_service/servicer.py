@@ -29,6 +29,7 @@ from common.tracing import request_span_name, set_request_status, start_server_s
 from router_service import errors
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
+from router_service.constraints import FIELD as CONSTRAINT_FIELD
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.protocol import is_metadata_safe
@@ -393,7 +394,7 @@ def _as_sent(error: Exception, request) -> Exception:
     built by the router, so its errors (at compile or mid-reply) are the tools' (as on the HTTP front)."""
     if (
         isinstance(error, InvalidRequestError)
-        and error.field.startswith("parameters.constraint")
+        and error.field.startswith(CONSTRAINT_FIELD)
         and isinstance(request, router_pb2.ChatRequest | router_pb2.ChatStreamRequest)
         and request.tools
         and not request.parameters.HasField("constraint")
