@@ -14,13 +14,13 @@ computes it is scheduled, and any *later* step may start a sequence on it (a blo
 after its own). Its registering step's answer settles it: when that sequence failed on the worker (or the step was
 refused) the block leaves the index at once (no new hits) but stays counted, detached, until the requests already on
 it leave; then its id is evicted and its room returns. A request the router ends itself (a cancel, its deadline)
-keeps its blocks in flight: the worker writes them before the step carrying its free. The worker therefore never holds a cached block the router
-does not know of, and a sequence the router starts on a block is refused (UNKNOWN_PREFIX_BLOCK) only when a step
-refused as a whole kept the block from being registered: that step was to register it or, at pipeline depth 3 or
-more, a step sent behind it was, and the worker failed that chunk's sequence alone or skipped a decoded block the
-refusal left short. A refusal that no detached block explains takes the blocks the sequence started on out of the
-index (`forget`): blocks the worker lost otherwise (another caller's ClearCache) are then computed again, not
-offered to every later request.
+keeps its blocks in flight: the worker writes them before the step carrying its free. The worker therefore never
+holds a cached block the router does not know of, and a sequence the router starts on a block is refused
+(UNKNOWN_PREFIX_BLOCK) only when a step refused as a whole kept the block from being registered: that step was to
+register it or, at pipeline depth 3 or more, a step sent behind it was, and the worker failed that chunk's sequence
+alone or skipped a decoded block the refusal left short. A refusal that no detached block explains takes the
+blocks the sequence started on out of the index (`forget`): blocks the worker lost otherwise (another caller's
+ClearCache) are then computed again, not offered to every later request.
 
 Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
 block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position is in the
