@@ -25,6 +25,11 @@ class _NotReady(Exception):
     pass
 
 
+class _Busy(Exception):
+    """The worker refused ClearCache: another step stream (a stream of ours it has not seen end yet, or another
+    caller's) still runs sequences there. It is waited for, as a loading worker is: the reset comes once they end."""
+
+
 class _Unusable(Exception):
     """The worker answers, but every step this router sends would be refused, or it serves another model than
     this router's (the reason is the message)."""
@@ -32,11 +37,12 @@ class _Unusable(Exception):
 
 class WorkerConnector:
     """One attempt at a time (`attempt`): Info, the routing table's check, Health, ClearCache (we may have restarted
-    while it held sequences) and, when configured, a warm-up. A worker absent, starting, loading, draining or
-    hung answers UNAVAILABLE, not ready or not in time: the wait is logged at INFO with gRPC's reason (connection
-    refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong token,
-    another service at the address, a failed warm-up, steps it would refuse) or that serves another model than
-    this router's (worker_identity.py) is logged once as a WARNING."""
+    while it held sequences; refused while a step stream still runs sequences there) and, when configured, a warm-up.
+    A worker absent, starting, loading, draining, hung or running another stream's sequences answers UNAVAILABLE,
+    not ready, not in time or FAILED_PRECONDITION to ClearCache: the wait is logged at INFO with the reason
+    (connection refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong
+    token, another service at the address, a failed warm-up, steps it would refuse) or that serves another model
+    than this router's (worker_identity.py) is logged once as a WARNING."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
@@ -55,16 +61,24 @@ class WorkerConnector:
                 raise _Unusable(other_model)
             if not await self.worker.health():
                 raise _NotReady()
-            await self.worker.clear_cache()
+            await self._clear_cache()
             if self.config.warmup:
                 await self._warmup(scheduler_limits(self.config, info).max_batch_tokens)
-        except (grpc.aio.AioRpcError, _NotReady, _Unusable) as e:
+        except (grpc.aio.AioRpcError, _NotReady, _Busy, _Unusable) as e:
             self._report(e)
             await asyncio.sleep(self.config.worker_retry_s)
             return None
         self._refused, self._waiting_since = None, None
         self.model.accept(info)
         return info
+
+    async def _clear_cache(self) -> None:
+        try:
+            await self.worker.clear_cache()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            raise _Busy(e.details() or "the worker runs another stream's sequences") from None
 
     async def _warmup(self, max_batch_tokens: int) -> None:
         try:

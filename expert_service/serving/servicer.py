@@ -410,6 +410,16 @@ class WorkerServicer:
         return self.attached_engine.release(gone)
 
     def _clear(self) -> int:
+        """The worker's reset: frees the unary calls' sequences and drops every cached prefix block. Refused while a
+        step stream holds sequences: freeing them would fail (or, with their ids taken again, corrupt) steps that
+        stream already sent; a stream frees its own, and all of them when it ends."""
+        running = [owner for owner in self.sequence_owners.values() if owner != UNARY]
+        if running:
+            streams = len(set(running))
+            raise ColibriError(
+                f"ClearCache: {len(running)} sequences of {streams} open step stream{'s' * (streams > 1)} are "
+                "running; nothing was cleared (a stream's sequences are freed by its frees or when it ends)"
+            )
         self.sequence_owners.clear()
         return self.attached_engine.clear()
 

@@ -220,6 +220,7 @@ def test_a_prefix_the_worker_lost_is_computed_again(worker):
         async with running_router(worker.address) as (router, stub):
             cold = await stub.Generate(_request(prompt, 3))
             assert (await stub.Generate(_request(prompt, 3))).cached_prompt_tokens == 28
+            await drained(router, worker.engine)  # the worker refuses the reset while our stream runs sequences
             await router.worker.clear_cache()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Generate(_request(prompt, 3))

@@ -72,3 +72,38 @@ def test_a_missing_or_wrong_worker_is_waited_for_with_its_reason_once_an_interva
     assert first.startswith("waiting for the worker at 127.0.0.1:") and reason in first, first
     assert later.startswith("still waiting for the worker at 127.0.0.1:"), later
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_worker_running_another_streams_sequences_is_waited_for_then_reset(worker, caplog):
+    """The worker refuses ClearCache while a step stream (another router's, or one of ours it has not seen end)
+    runs sequences: the router waits, logged at INFO with the worker's reason (no WARNING: nothing is wrong with
+    the router), and connects, the reset done, once that stream has ended."""
+    import grpc
+    import numpy as np
+
+    from common.pb import worker_pb2 as pb
+    from common.pb import worker_pb2_grpc
+    from tests.expert_service.serving.test_second_caller import _Stream
+
+    async def attempts(n: int):
+        client = WorkerClient(worker.address)
+        connector = WorkerConnector(RouterConfig(worker=worker.address, worker_retry_s=0.01), client)
+        try:
+            return [await connector.attempt() for _ in range(n)]
+        finally:
+            await client.close()
+
+    rng = np.random.default_rng()
+    request_id, prompt = int(rng.integers(1, 1 << 40)), rng.integers(0, 200, 5).tolist()
+    with grpc.insecure_channel(worker.address) as channel:
+        other = _Stream(worker_pb2_grpc.WorkerServiceStub(channel))
+        chunk = pb.PrefillChunk(request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(), is_last=True)
+        assert other.step(chunks=[chunk]).request_ids
+        with caplog.at_level(logging.INFO, logger=worker_connection.log.name):
+            assert asyncio.run(attempts(3)) == [None] * 3
+        other.close()
+    lines = [r for r in caplog.records if r.name == worker_connection.log.name]
+    assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
+    assert "1 sequences of 1 open step stream are running" in lines[0].getMessage()
+    assert asyncio.run(attempts(1))[0].num_kv_blocks > 0
+    assert not worker.engine.sequences
