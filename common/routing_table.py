@@ -29,6 +29,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -90,45 +91,23 @@ class RoutingTable:
     @classmethod
     def load(cls, path: str | os.PathLike, config: ModelConfig) -> RoutingTable:
         path = Path(path)
-        if not path.is_file():
-            raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
-
-        def fail(field: str, found, expected) -> RoutingTableError:
-            return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
-
-        try:
-            f = path.open("rb")
-        except OSError as e:  # unreadable (permissions, an I/O error): one line, as a malformed table is
-            raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
-        with f:  # the header first: a wrong or oversized file is never read whole
-            header = f.read(HEADER_SIZE)
-            if len(header) < HEADER_SIZE:
-                raise fail("header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
-            magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(header)
-            if magic != MAGIC:
-                raise fail("magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
-            if version != VERSION:
-                raise fail("version", version, VERSION)
-            moe_layers = config.moe_layers
-            if num_layers != len(moe_layers):
-                raise fail("num_layers", num_layers, f"{len(moe_layers)} (the model's MoE layers)")
-            if vocab_size != config.vocab_size:
-                raise fail("vocab_size", vocab_size, f"{config.vocab_size} (the model's vocab_size)")
-            if num_experts != config.num_experts:
-                raise fail("num_experts", num_experts, f"{config.num_experts} (the model's num_experts)")
-            if not 1 <= top_k <= num_experts:
-                raise fail("top_k", top_k, f"1..{num_experts} (num_experts)")
-            body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
-            found = os.fstat(f.fileno()).st_size - HEADER_SIZE
-            if found != body_size:
-                raise fail("body size", f"{found} bytes", f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
-            data = f.read(body_size)
+        with _open(path) as f:
+            num_layers, vocab_size, top_k, num_experts, crc = _checked_header(f, path, config)
+            data = f.read(num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize)
         body = memoryview(data)
         if zlib.crc32(body) != crc:
-            raise fail("crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
+            raise _fail(path, "crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
         table = np.frombuffer(body, dtype=ENTRY_DTYPE).reshape(num_layers, vocab_size, top_k).astype(np.uint16)
-        _check_entries(table, num_experts, fail, moe_layers)
-        return cls(table, num_experts, moe_layers)
+        _check_entries(table, num_experts, lambda *a: _fail(path, *a), config.moe_layers)
+        return cls(table, num_experts, config.moe_layers)
+
+    @staticmethod
+    def check(path: str | os.PathLike, config: ModelConfig) -> None:
+        """What `load` checks without reading the body: the file opens, its header fits the model, its size is the
+        header's shape (a start-up check before a later `load`; the crc32 and the entries are load's)."""
+        path = Path(path)
+        with _open(path) as f:
+            _checked_header(f, path, config)
 
     def lookup(self, token_ids: np.ndarray) -> np.ndarray:
         """token_ids [T] -> predicted expert ids [L, T, k] uint16 (one fancy-indexing gather)."""
@@ -142,6 +121,46 @@ class RoutingTable:
         """The routing plan of a step whose tokens are `token_ids`: per MoE layer, expert -> indices into
         `token_ids` in CSR form (one gather, then a radix sort per layer)."""
         return RoutingPlan.from_expert_ids(self.moe_layers, self.lookup(token_ids), self.num_experts)
+
+
+def _fail(path: Path, field: str, found, expected) -> RoutingTableError:
+    return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
+
+
+def _open(path: Path) -> BinaryIO:
+    if not path.is_file():
+        raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
+    try:
+        return path.open("rb")
+    except OSError as e:  # unreadable (permissions, an I/O error): one line, as a malformed table is
+        raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
+
+
+def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(num_layers, vocab_size, top_k, num_experts, crc32) of the open file, each field checked against the model
+    and the file's size against their shape; the file is left at the body. A wrong or oversized file is never
+    read whole."""
+    header = f.read(HEADER_SIZE)
+    if len(header) < HEADER_SIZE:
+        raise _fail(path, "header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
+    magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise _fail(path, "magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
+    if version != VERSION:
+        raise _fail(path, "version", version, VERSION)
+    if num_layers != len(config.moe_layers):
+        raise _fail(path, "num_layers", num_layers, f"{len(config.moe_layers)} (the model's MoE layers)")
+    if vocab_size != config.vocab_size:
+        raise _fail(path, "vocab_size", vocab_size, f"{config.vocab_size} (the model's vocab_size)")
+    if num_experts != config.num_experts:
+        raise _fail(path, "num_experts", num_experts, f"{config.num_experts} (the model's num_experts)")
+    if not 1 <= top_k <= num_experts:
+        raise _fail(path, "top_k", top_k, f"1..{num_experts} (num_experts)")
+    body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
+    found = os.fstat(f.fileno()).st_size - HEADER_SIZE
+    if found != body_size:
+        raise _fail(path, "body size", f"{found} bytes", f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
+    return num_layers, vocab_size, top_k, num_experts, crc
 
 
 def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:

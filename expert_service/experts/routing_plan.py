@@ -7,17 +7,22 @@ a prediction whose recall is measured.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from common.errors import ConfigError, ModelFormatError
+from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
 from common.routing_table import TABLE_FILE, RoutingTable
 from expert_service.engine.config import EngineConfig, PrefetchSource, RoutingMode
+from expert_service.experts.slots import plan_slots
 
 log = logging.getLogger("colibri.worker")
+T = TypeVar("T")
 ROUTER_PLANS = "router"  # EngineConfig.plan_table: the router's plans, never a table on the device
 
 
@@ -71,21 +76,49 @@ def worker_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | N
     return table
 
 
+def check_plan_table(model: ModelDir, config: EngineConfig) -> None:
+    """The plan_table file the settings will read, checked at start-up before the worker binds its ports (it is
+    loaded with the engine, after the model's bytes are verified): a file that opens, with a header that fits the
+    model and the size that header gives. One line naming the setting and the file otherwise (ConfigError for no
+    such file, RoutingTableError for one that does not fit, as the load would raise)."""
+    if config.plan_table in ("", ROUTER_PLANS):
+        return
+    cached = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots).is_cached
+    if _unread(config, cached) is None:
+        _named_table(model, config, RoutingTable.check)
+
+
 def warn_unread_plan_table(config: EngineConfig, cached: bool) -> str | None:
     """A plan_table file the settings leave unread (no expert cache, no plan prefetch, or routing=lut) is named in
     a warning, not passed over in silence (nor checked); returns why it is unread, or None when it is read."""
     if config.plan_table in ("", ROUTER_PLANS):
         return None
-    if not cached:
-        why = "every expert is resident: no expert cache runs (see --expert-cache-gb)"
-    elif PrefetchSource.PLAN not in config.prefetch_sources:
-        why = f"--prefetch {config.prefetch} has no plan"
-    elif config.routing is RoutingMode.LUT:
-        why = "routing=lut: the router's plan is the routing"
-    else:
-        return None
-    log.warning("plan_table: %s is not read (%s)", config.plan_table, why)
+    why = _unread(config, cached)
+    if why is not None:
+        log.warning("plan_table: %s is not read (%s)", config.plan_table, why)
     return why
+
+
+def _unread(config: EngineConfig, cached: bool) -> str | None:
+    """Why the settings leave a plan_table file unread, or None when they read it."""
+    if not cached:
+        return "every expert is resident: no expert cache runs (see --expert-cache-gb)"
+    if PrefetchSource.PLAN not in config.prefetch_sources:
+        return f"--prefetch {config.prefetch} has no plan"
+    if config.routing is RoutingMode.LUT:
+        return "routing=lut: the router's plan is the routing"
+    return None
+
+
+def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, ModelConfig], T]) -> T:
+    """`read(path, model config)` of the file plan_table names, its errors naming the setting."""
+    path = Path(config.plan_table)
+    if not path.is_file():
+        raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
+    try:
+        return read(path, model.config)
+    except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
+        raise type(e)(f"plan_table: {e}") from None
 
 
 def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | None, str]:
@@ -95,13 +128,7 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
     if config.plan_table == ROUTER_PLANS:
         return None, f"plan_table={ROUTER_PLANS}"
     if config.plan_table:
-        path = Path(config.plan_table)
-        if not path.is_file():
-            raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
-        try:
-            return RoutingTable.load(path, model.config), str(path)
-        except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
-            raise type(e)(f"plan_table: {e}") from None
+        return _named_table(model, config, RoutingTable.load), str(Path(config.plan_table))
     path = model.path / TABLE_FILE
     if not path.is_file():
         return None, f"no {TABLE_FILE} in the model directory"

@@ -50,6 +50,7 @@ from common.tracing import ServerTracingInterceptor, configure_tracing
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
+from expert_service.experts.routing_plan import check_plan_table
 from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
 from expert_service.serving.lifecycle import WorkerHealth, close_engine, quiet_cancelled_streams, watch_parent
 from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
@@ -262,6 +263,7 @@ async def serve(
 
     STOP_SIGNALS.attach(loop, lambda _signum: on_signal())
     model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
+    check_plan_table(model, engine_config)  # loaded with the engine, after the bytes: a bad file is told now
     digests = ModelDigests.of_dir(model_dir)  # what Info tells a router about the model (colibri.json, tokenizer)
     tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
     check_exposure(config, tokens)
