@@ -202,7 +202,17 @@ class WorkerServicer:
         )
 
     def warmup(self, num_tokens: int) -> float:
-        """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it."""
+        """The start-up warm-up, before any sequence: the backend's own (compiling, capturing graphs) then a
+        throw-away step."""
+        started = time.perf_counter()
+        self.attached_engine.warmup()
+        self.throwaway_step(num_tokens)
+        return (time.perf_counter() - started) * 1e3
+
+    def throwaway_step(self, num_tokens: int) -> float:
+        """One throw-away prefill of `num_tokens` tokens (bounded by the KV pool), then free it. The Warmup RPC's
+        whole work: the backend's warm-up reuses state live sequences own (the cuda penalty kernels' warm-up zeroes
+        penalty slot 0), so it runs at start-up alone."""
         started = time.perf_counter()
         cfg, mc = self.attached_engine.config, self.attached_engine.model_config
         n = max(
@@ -215,7 +225,6 @@ class WorkerServicer:
             ),
         )
         ids = np.random.default_rng(0).integers(0, mc.vocab_size, size=n)
-        self.attached_engine.warmup()
         routing_plan = (
             warmup_routing_plan(mc.moe_layers, mc.num_experts, mc.num_experts_per_tok, n)
             if self.attached_engine.config.routing == "lut"
@@ -229,7 +238,7 @@ class WorkerServicer:
 
     async def Warmup(self, request, context):
         await self._require(context, new_work=True)
-        ms = await self.run_on_model_thread(context, self.warmup, request.max_batch_tokens or 16)
+        ms = await self.run_on_model_thread(context, self.throwaway_step, request.max_batch_tokens or 16)
         return pb.WarmupResponse(warmup_ms=ms)
 
     async def _unary_step(

@@ -42,12 +42,11 @@ def _random_prompt(vocab: int) -> tuple[int, list[int]]:
     return int(rng.integers(1, 1 << 40)), rng.integers(0, vocab, int(rng.integers(3, 12))).tolist()
 
 
-def _generate(stub, request_id, prompt, decodes, between=lambda: None):
+def _generate(stub, request_id, prompt, decodes, between=lambda: None, sampling=None):
     """Greedy tokens of a prompt and `decodes` decodes on a stream of its own; `between()` runs after the prefill,
     while the stream holds the sequence."""
-    chunk = pb.PrefillChunk(
-        request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(top_p=1.0), is_last=True
-    )
+    sampling = sampling or pb.SamplingParams(top_p=1.0)
+    chunk = pb.PrefillChunk(request_id=request_id, token_ids=prompt, sampling=sampling, is_last=True)
     stream = _Stream(stub)
     answers = [stream.step(chunks=[chunk])]
     between()
@@ -78,3 +77,24 @@ def test_clear_cache_while_a_stream_runs_sequences_is_refused_and_they_step_on_e
     unary = pb.PrefillChunk(request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(), is_last=True)
     stub.Prefill(pb.PrefillRequest(chunks=[unary]))
     assert stub.ClearCache(pb.ClearCacheRequest()).freed_sequences == 1
+
+
+def test_another_callers_warmup_leaves_a_running_penalised_sequence_exact(stub, worker, monkeypatch):
+    """The Warmup RPC ran the backend's start-up warm-up again, with a stream's sequences live: on cuda that zeroes
+    penalty slot 0, the penalty state (prompt marks, output counts) of the sequence holding it. It runs only its
+    throw-away step now; the backend's warm-up runs at start-up alone."""
+    vocab = stub.Info(pb.InfoRequest()).vocab_size
+    request_id, prompt = _random_prompt(vocab)
+    penalised = pb.SamplingParams(top_p=1.0, repetition_penalty=3.0, presence_penalty=2.0, frequency_penalty=2.0)
+    alone = _generate(stub, request_id, prompt, 6, sampling=penalised)
+    backend_warmups = []
+    decoder = worker.engine.decoder
+    monkeypatch.setattr(decoder, "warmup", lambda: backend_warmups.append(decoder))
+    warmed = []
+
+    def warm_up_from_another_caller():
+        warmed.append(stub.Warmup(pb.WarmupRequest(max_batch_tokens=16)).warmup_ms)
+
+    assert _generate(stub, request_id, prompt, 6, warm_up_from_another_caller, penalised) == alone
+    assert warmed and not backend_warmups
+    assert not worker.engine.sequences and worker.engine.allocator.num_used_blocks == 0
