@@ -307,6 +307,23 @@ def _check_routing(args: argparse.Namespace, router: RouterConfig, file_values: 
         )
 
 
+def _check_step_timeouts(args: argparse.Namespace, router: RouterConfig, file_values: dict) -> None:
+    """The router gives up on a step after its worker_step_timeout_s, the worker's watchdog after its step_timeout_s:
+    were the router's the shorter, a slow step failed its requests with the router's deadline while the worker kept
+    running it (and took more steps behind it) until its own watchdog. `file_values`: the config file's worker
+    section (serve passes the worker no watchdog flag)."""
+    from expert_service.serving.main import WorkerConfig  # here: loads grpc's server parts serve needs nowhere else
+
+    listen = {"port": args.worker_port} if args.worker_port else {"socket": "serve's private socket"}
+    flags = {**listen, "metrics_port": args.worker_metrics_port}
+    worker = resolve(WorkerConfig, file_values=file_values, flags=flags)
+    if router.worker_step_timeout_s <= worker.step_timeout_s:
+        raise ConfigError(
+            f"router worker_step_timeout_s ({router.worker_step_timeout_s:g} s) must exceed the worker's watchdog "
+            f"step_timeout_s ({worker.step_timeout_s:g} s): the router would give up on steps the worker still runs"
+        )
+
+
 def _exit_status(code: int) -> int:
     """A child's return code as serve's exit status (killed by signal N: 128 + N)."""
     return 128 - code if code < 0 else code
@@ -325,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
     sections = {section: load_config_file(getattr(args, "config", None), section) for section in SECTIONS}
     router = _check_ports(args, sections["router"])
     _check_routing(args, router, sections["engine"])
+    _check_step_timeouts(args, router, sections["worker"])
     supervisor = Supervisor(args)
     supervisor.router_port = router.port
     code = supervisor.run()

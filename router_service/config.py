@@ -111,9 +111,12 @@ class RouterConfig:
         "on SIGTERM, seconds in-flight requests get to finish",
         ("COLIBRI_DRAIN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"),
     )
+    # Longer than the worker's watchdog (its step_timeout_s, 300 s by default): a slow step then ends as the
+    # worker's own error and restart, never as a router deadline on a step the worker still runs.
     worker_step_timeout_s: float = setting(
-        120.0,
-        "deadline of one worker step RPC (a wedged worker fails the batch after this)",
+        330.0,
+        "deadline of one worker step result (a silent worker fails the batch after this); must exceed the "
+        "worker's step_timeout_s watchdog, so that a step too slow is the worker's fault, reported by it",
         ("COLIBRI_WORKER_STEP_TIMEOUT",),
     )
     worker_retry_s: float = setting(

@@ -30,7 +30,7 @@ class WorkerClient:
         address: str,
         *,
         max_message_bytes: int = 256 << 20,
-        step_timeout_s: float = 120.0,
+        step_timeout_s: float = 330.0,
         control_timeout_s: float = 10.0,
         token: Callable[[], str] | str = "",
     ):

@@ -111,7 +111,10 @@ class WorkerConfig:
         "", "served model name (default: the model directory's name)", env=("COLIBRI_MODEL_NAME", "MODEL_ID")
     )
     step_timeout_s: float = setting(
-        300.0, "watchdog: a step running longer is a worker fault (liveness fails too)", env=("COLIBRI_STEP_TIMEOUT_S",)
+        300.0,
+        "watchdog: a step running longer is a worker fault (liveness fails too); keep it below the router's "
+        "worker_step_timeout_s",
+        env=("COLIBRI_STEP_TIMEOUT_S",),
     )
     max_message_bytes: int = setting(
         64 * 1024 * 1024, "largest gRPC message either way", env=("COLIBRI_MAX_MESSAGE_BYTES",)

@@ -267,3 +267,44 @@ def test_serve_takes_lut_routing_with_a_table_from_any_source(tmp_path, monkeypa
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--routing", "lut", *flags])
     sections = {name: load_config_file(args.config, name) for name in ("router", "engine")}
     serve_module._check_routing(args, serve_module._check_ports(args, sections["router"]), sections["engine"])
+
+
+@pytest.mark.parametrize(
+    "flags, env, config",
+    [(["--worker-step-timeout-s", "120"], {}, ""), ([], {"COLIBRI_STEP_TIMEOUT_S": "330"}, ""),
+     ([], {}, "worker:\n  step_timeout_s: 400\n"), ([], {"COLIBRI_WORKER_STEP_TIMEOUT": "300"}, "")],
+)  # fmt: skip
+def test_serve_refuses_a_router_step_timeout_the_worker_watchdog_outlasts(tmp_path, tiny_model, flags, env, config):
+    """The router's 120 s step deadline ran out on steps the worker's 300 s watchdog still let run: requests failed
+    DEADLINE_EXCEEDED while the worker kept the step (and queued the next ones behind it)."""
+    lines = _serve_refusal(tmp_path, tiny_model, *flags, env=env, config=config)
+    assert len(lines) == 1 and lines[0].startswith("colibri serve: error: router worker_step_timeout_s ("), lines
+    assert "must exceed the worker's watchdog step_timeout_s" in lines[0]
+
+
+def test_serve_compares_the_step_timeouts_from_every_source(tmp_path, monkeypatch):
+    import random
+
+    from colibri import serve as serve_module
+    from colibri.cli import build_parser
+    from common.config import load_config_file
+    from common.errors import ConfigError
+
+    for name in ("COLIBRI_STEP_TIMEOUT_S", "COLIBRI_WORKER_STEP_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    watchdog = random.uniform(1, 1000)
+    (tmp_path / "colibri.yaml").write_text(f"worker:\n  step_timeout_s: {watchdog!r}\n")
+    monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
+    for router_s, refused in ((watchdog + random.uniform(0.5, 100), False), (watchdog, True)):
+        argv = ["serve", "--model", str(tmp_path), "--config", str(tmp_path / "colibri.yaml")]
+        args = build_parser().parse_args([*argv, "--worker-step-timeout-s", repr(router_s)])
+        sections = {name: load_config_file(args.config, name) for name in ("router", "worker")}
+        router = serve_module._check_ports(args, sections["router"])
+        if refused:
+            with pytest.raises(ConfigError, match="must exceed the worker's watchdog"):
+                serve_module._check_step_timeouts(args, router, sections["worker"])
+        else:
+            serve_module._check_step_timeouts(args, router, sections["worker"])
+    assert (
+        serve_module._check_ports(build_parser().parse_args(["serve", "--model", "m"]), {}).worker_step_timeout_s > 300
+    )
