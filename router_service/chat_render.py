@@ -25,11 +25,13 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from common.errors import InvalidRequestError
 from common.rate_limited_log import RateLimitedLog
 from router_service import errors
+from router_service.call_deadline import check_call_deadline
 from router_service.chat import ChatTemplate
 
 log = logging.getLogger("colibri.router.chat")
@@ -164,15 +166,22 @@ class TemplateRenderer:
             "template_kwargs": template_kwargs,
             "tools": tools,
         }
+        check_call_deadline("chat template render")
         await self._slots.acquire()
         # The render owns its slot until its child is free again, even when the caller is cancelled: a child
         # still rendering for a departed caller is not handed to the next one, and no more than `processes` run.
-        task = asyncio.ensure_future(self._render(request))
+        # A caller gone (or past its deadline) before its child takes the request costs no render.
+        waiting: list[asyncio.Future] = []
+        task = asyncio.ensure_future(self._render(request, lambda: not waiting[0].cancelled()))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved when nobody awaits it
-        return await asyncio.shield(task)
+        waiting.append(asyncio.shield(task))
+        return await waiting[0]
 
-    async def _render(self, request: dict) -> str:
+    async def _render(self, request: dict, wanted: Callable[[], bool]) -> str:
         try:
+            if not wanted():
+                raise asyncio.CancelledError
+            check_call_deadline("chat template render")  # the slot may have been waited for
             child = self._idle.pop() if self._idle else await self._start()
             answer = child.submit(request)
             try:

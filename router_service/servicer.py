@@ -28,6 +28,7 @@ from common.pb import router_pb2, router_pb2_grpc
 from common.tracing import request_span_name, set_request_status, start_server_span
 from router_service import errors
 from router_service.batching_loop import BatchingLoop
+from router_service.call_deadline import CALL_DEADLINE, enter_call
 from router_service.chat import ChatTemplate
 from router_service.constraints import FIELD as CONSTRAINT_FIELD
 from router_service.frontend import OPERATION_CHAT, STOP_REASONS, ChatOptions, Frontend, collect, set_usage
@@ -76,6 +77,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         if remaining is None:
             return await self._prepare(request, None, stream)
         deadline = time.monotonic() + remaining - min(DEADLINE_HEADROOM_S, remaining / 4)
+        CALL_DEADLINE.set(deadline)  # for the render and tokenizing it starts off the loop (this call's task only)
         # The batching loop ends a request at its deadline; before it gets there (a chat rendering behind a burst,
         # seconds of tokenizing, a grammar compiling) the same deadline applies, or gRPC would cut the call first
         # with a bare DEADLINE_EXCEEDED: no ErrorInfo, no x-request-id.
@@ -239,6 +241,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context):
         try:
+            enter_call(context.time_remaining(), "tokenizing")
             if self.batching_loop.tokenizer is None:
                 raise InvalidRequestError("text", "this model has no tokenizer (start the router with --model DIR)")
             check_text_size("text", request.text, prompt_byte_limit(self.config, self.batching_loop.limits))
@@ -260,6 +263,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Detokenize(self, request, context):
         try:
+            enter_call(context.time_remaining(), "detokenizing")
             tokenizer = self.batching_loop.tokenizer
             if tokenizer is None:
                 raise InvalidRequestError(

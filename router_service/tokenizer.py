@@ -15,7 +15,6 @@ Streams must never emit broken or retracted text, which takes two hold-backs:
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import json
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from router_service.call_deadline import run_in_time
 from router_service.chat_tokens import ESC, SpecialTokenGuard
 
 REPLACEMENT = "\ufffd"
@@ -203,9 +203,7 @@ class Tokenizer:
         8 MB text would stall every other request on the loop for seconds). Callers bound the text's size."""
         if len(text) <= INLINE_MAX_CHARS:
             return self.encode(text, add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            _pool(), self._encode_released, text, add_special_tokens
-        )
+        return await run_in_time(_pool(), "tokenizing", self._encode_released, text, add_special_tokens)
 
     def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -219,7 +217,7 @@ class Tokenizer:
         """SpecialTokenGuard.escape of a chat's strings (nested lists and dicts), on a thread when they are long."""
         if _num_chars(value) <= INLINE_MAX_CHARS:
             return self.special_guard.escape(value)
-        return await asyncio.get_running_loop().run_in_executor(_pool(), self.special_guard.escape, value)
+        return await run_in_time(_pool(), "escaping", self.special_guard.escape, value)
 
     async def encode_chat_async(self, text: str) -> list[int]:
         """The ids of a chat template's output rendered from escaped strings (SpecialTokenGuard.escape), without
@@ -227,7 +225,7 @@ class Tokenizer:
         and free of placeholders (splitting needs copies of the tokenizer, made on first use)."""
         if ESC not in text or not self.special_guard.enabled:
             return await self.encode_async(text, add_special_tokens=False)
-        return await asyncio.get_running_loop().run_in_executor(_pool(), self.special_guard.encode, text)
+        return await run_in_time(_pool(), "tokenizing", self.special_guard.encode, text)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -237,8 +235,8 @@ class Tokenizer:
         if len(text) <= INLINE_MAX_CHARS:
             enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
         else:
-            enc = await asyncio.get_running_loop().run_in_executor(
-                _pool(), lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            enc = await run_in_time(
+                _pool(), "tokenizing", lambda: self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
             )
         return list(enc.ids), list(enc.tokens), list(enc.offsets)
 
@@ -247,8 +245,8 @@ class Tokenizer:
         ids = list(ids)
         if len(ids) <= INLINE_MAX_CHARS:
             return self.decode(ids, skip_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            _pool(), lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return await run_in_time(
+            _pool(), "detokenizing", lambda: self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         )
 
     @functools.cached_property
