@@ -23,6 +23,7 @@ from router_service.config import RouterConfig
 from router_service.constraints import ConstraintCompiler, GrammarMatcher, may_mask_late
 from router_service.errors import DeadlineExceeded, GenerationFailed, Overloaded, RouterError, Unavailable, log_text
 from router_service.generation_defaults import GenerationDefaults
+from router_service.grammar_compiles import compile_matcher
 from router_service.observability import BatchingLoopHooks
 from router_service.request_state import (
     RequestHandle,
@@ -181,11 +182,11 @@ class BatchingLoop:
         return RequestHandle(self, state)
 
     async def compile_constraint(self, req: ValidatedRequest) -> GrammarMatcher | None:
-        """req's grammar matcher, compiled on a thread: a new grammar's lexer may take a fraction of a second."""
+        """req's grammar matcher, compiled on a thread (a new grammar's lexer may take a fraction of a second) while
+        its caller waits."""
         if req.constraint is None:
             return None
-        compiler = self._constraint_compiler()
-        return await asyncio.get_running_loop().run_in_executor(None, compiler.matcher, req.constraint, req.ignore_eos)
+        return await compile_matcher(self._constraint_compiler(), req.constraint, req.ignore_eos)
 
     def _constraint_compiler(self) -> ConstraintCompiler:
         if self.tokenizer is None or self.info is None or self.limits is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,17 +299,20 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def matcher(self, constraint: Constraint, ignore_eos: bool = False) -> GrammarMatcher:
+    def matcher(
+        self, constraint: Constraint, ignore_eos: bool = False, wanted: Callable[[], bool] = lambda: True
+    ) -> GrammarMatcher:
         """A fresh matcher; raises InvalidRequestError (one line) for a constraint llguidance cannot compile.
         A new constraint's lexer is built here (up to a fraction of a second within LIMITS): call it off the event
-        loop (`Frontend.submit` does; llguidance releases the GIL)."""
+        loop (`grammar_compiles.compile_matcher` does; llguidance releases the GIL). A compile stops with
+        CompileAbandoned where `wanted()` turns false (its caller gone), before each costly part."""
         with self._lock:
             template = self._cache.get(constraint)
             if template is not None:
                 self._cache.move_to_end(constraint)
                 self.hits += 1
         if template is None:
-            template = self._compile(constraint)
+            template = self._compile(constraint, wanted)
             with self._lock:
                 self.misses += 1
                 self._cache[constraint] = template
@@ -317,8 +320,9 @@ class ConstraintCompiler:
                     self._cache.popitem(last=False)
         return GrammarMatcher(template.deep_copy(), self.words, self.eos_token_ids, not ignore_eos)
 
-    def _compile(self, constraint: Constraint):
+    def _compile(self, constraint: Constraint, wanted: Callable[[], bool]):
         field = f"{FIELD}.{constraint.kind}"
+        _go_on(wanted)
         grammar = constraint.grammar()
         limits = self._llg.LLParserLimits(**LIMITS)
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=limits)
@@ -329,10 +333,20 @@ class ConstraintCompiler:
         # match nothing (a schema that is only a $ref to itself): both belong to the compile, not to a step.
         if matcher.is_error():
             raise InvalidRequestError(field, _one_line(matcher.get_error()))
+        _go_on(wanted)
         matcher.compute_bitmask()
         if matcher.is_error():
             raise InvalidRequestError(field, f"no output can start: {_one_line(matcher.get_error())}")
         return matcher
+
+
+class CompileAbandoned(Exception):
+    """A compile stopped part-way: its caller had gone (cancelled, or past its deadline)."""
+
+
+def _go_on(wanted: Callable[[], bool]) -> None:
+    if not wanted():
+        raise CompileAbandoned
 
 
 def any_token_mask(vocab_size: int) -> bytes:
