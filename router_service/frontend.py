@@ -10,6 +10,8 @@ on the current span and hands to `BatchingLoop.submit`; answers are read from th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import secrets
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -29,8 +31,10 @@ from router_service.tool_calls import FORMATS, MISTRAL_MARKER, detect_format
 from router_service.tool_constraint import attach_tool_constraint, schema_error, tool_call_constraint
 from router_service.tool_request import ToolRequest, mistral_ids
 from router_service.validation import (
+    MAX_SEED,
     ModelLimits,
     PromptRequest,
+    ValidatedRequest,
     check_fits_context,
     check_text_size,
     prompt_byte_limit,
@@ -39,6 +43,7 @@ from router_service.validation import (
 )
 
 OPERATION_CHAT = "chat"  # gen_ai.operation.name of chat requests
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so the n seeds of one request are distinct modulo 2^64
 
 STOP_REASONS = {
     FinishReason.LENGTH: router_pb2.STOP_REASON_LENGTH,
@@ -48,6 +53,16 @@ STOP_REASONS = {
     # a complete constrained output ends as EOS would there (the grammar allowed only EOS next)
     FinishReason.CONSTRAINT: router_pb2.STOP_REASON_EOS,
 }
+
+
+def sample_of(req: ValidatedRequest, parameters: router_pb2.SamplingParameters, sample: int) -> ValidatedRequest:
+    """Sample `sample` of a request: with a seed, the seed advanced by `sample` strides (sample 0 keeps it, so one
+    sample answers as a single request; siblings differ yet every run repeats); without, a fresh random one."""
+    if sample == 0:
+        return req
+    if parameters.HasField("seed"):
+        return dataclasses.replace(req, seed=(parameters.seed + sample * SEED_STRIDE) % (1 << 64))
+    return dataclasses.replace(req, seed=secrets.randbelow(MAX_SEED + 1))
 
 
 @dataclass
@@ -147,12 +162,14 @@ class Frontend:
         stream: bool,
         *,
         operation: str = semconv.OPERATION_TEXT_COMPLETION,
-    ) -> RequestHandle:
-        """Admits, validates and submits `request`; `deadline` is a time.monotonic() (None = the router's
-        request timeout alone). Raises InvalidRequestError or a RouterError."""
+        samples: int = 1,
+    ) -> list[RequestHandle]:
+        """Admits, validates and submits `request` as `samples` requests (sample_of: each its own seed);
+        `deadline` is a time.monotonic() (None = the router's request timeout alone). Raises InvalidRequestError
+        or a RouterError."""
         limits = self.check_ready()
         with self._admitting():
-            return await self._submit(request, limits, deadline, stream, False, operation)
+            return await self._submit(request, limits, deadline, stream, False, operation, samples)
 
     async def _submit(
         self,
@@ -162,15 +179,28 @@ class Frontend:
         stream: bool,
         chat: bool,
         operation: str,
-    ) -> RequestHandle:
+        samples: int = 1,
+    ) -> list[RequestHandle]:
+        """The prompt is tokenized and validated once, whatever `samples` (each sample re-did it: ~3.5 ms);
+        a sample whose submission fails cancels those submitted before it."""
         req = await validate_request_async(request, self.config, limits, self.batching_loop.tokenizer, chat=chat)
-        matcher = await self.batching_loop.compile_constraint(req)
-        current = self.check_ready()
-        if current is not limits:  # the worker reconnected meanwhile: the request must fit the one it goes to
-            req = revalidate(request, self.config, current, self.batching_loop.tokenizer, req)
-        span = trace.get_current_span()
+        span, handles = trace.get_current_span(), list[RequestHandle]()
         set_request_attributes(span, self.model_name, req, stream, operation)
-        return self.batching_loop.submit(req, deadline, span.get_span_context(), matcher, operation == OPERATION_CHAT)
+        try:
+            for sample in range(samples):
+                own = sample_of(req, request.parameters, sample)
+                matcher = await self.batching_loop.compile_constraint(own)  # the first compiles, the others copy
+                current = self.check_ready()
+                if current is not limits:  # the worker reconnected meanwhile: the request must fit the one it goes to
+                    own = revalidate(request, self.config, current, self.batching_loop.tokenizer, own)
+                    req, limits = own, current
+                is_chat = operation == OPERATION_CHAT  # a chat's request ids look like OpenAI's
+                handles.append(self.batching_loop.submit(own, deadline, span.get_span_context(), matcher, is_chat))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
 
     async def render_chat(self, messages, options: ChatOptions = ChatOptions(), field: str = "messages") -> str:
         """The prompt text of a conversation (ChatMessage protos or OpenAI message dicts), rendered in a child
@@ -224,13 +254,14 @@ class Frontend:
         options: ChatOptions = ChatOptions(),
         field: str = "messages",
         cache_salt: str = "",
-    ) -> RequestHandle:
-        """Renders the conversation and submits it like a text prompt, tokenized without adding special tokens
-        (the template wrote them). Errors about the prompt text name `field`."""
+        samples: int = 1,
+    ) -> list[RequestHandle]:
+        """Renders the conversation once and submits it like a text prompt, tokenized without adding special tokens
+        (the template wrote them), as `samples` requests. Errors about the prompt text name `field`."""
         self.check_ready()
         with self._admitting():
             return await self._submit_chat(
-                messages, parameters, request_id, deadline, stream, options, field, cache_salt
+                messages, parameters, request_id, deadline, stream, options, field, cache_salt, samples
             )
 
     async def _submit_chat(
@@ -243,7 +274,8 @@ class Frontend:
         options: ChatOptions,
         field: str,
         cache_salt: str,
-    ) -> RequestHandle:
+        samples: int,
+    ) -> list[RequestHandle]:
         if options.tools is not None and options.tools.is_constrained:
             if parameters.min_new_tokens:  # refused as with a constraint of the client's own, naming the tools'
                 raise InvalidRequestError(
@@ -267,7 +299,7 @@ class Frontend:
         )
         try:
             # the worker may have gone while the chat rendered: its readiness is checked again
-            return await self._submit(request, self.check_ready(), deadline, stream, True, OPERATION_CHAT)
+            return await self._submit(request, self.check_ready(), deadline, stream, True, OPERATION_CHAT, samples)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, e.detail) from None

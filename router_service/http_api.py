@@ -268,7 +268,7 @@ class HttpFront:
                     request_id = request_id or new_request_id(kind == "chat")
                     return await openai_choices.serve(self, request, parsed, request_id)
                 if kind == "chat":
-                    handle = await frontend.submit_chat(
+                    (handle,) = await frontend.submit_chat(
                         parsed.messages,
                         parsed.parameters,
                         request_id,
@@ -278,7 +278,7 @@ class HttpFront:
                         cache_salt=parsed.cache_salt,
                     )
                 else:
-                    handle = await openai_choices.submit_prompt(frontend, parsed, request_id)
+                    (handle,) = await openai_choices.submit_prompt(frontend, parsed, request_id)
                 reply = ToolReply.for_request(frontend, parsed.chat_options.tools) if kind == "chat" else None
                 if parsed.stream:
                     return await self._stream(request, parsed, handle, reply)

@@ -2,7 +2,8 @@
 completions' `echo` too, one choice or more (router_service/openai_echo.py).
 
 Each sample is a router request of its own, so everything else (validation, stops, logprobs, cancellation) is the
-single-choice path; a chat offering tools reads each choice through a tool-call parser of its own. The samples of
+single-choice path; a prompt is rendered, tokenized and validated once, its samples derived from it (Frontend
+`samples`); a chat offering tools reads each choice through a tool-call parser of its own. The samples of
 one prompt share its KV blocks through the prefix cache: the first computes the prompt and the others, finding its
 blocks claimed, wait for them and prefill only the prompt's last partial block (router_service/prefix_cache.py).
 With a seed, sample j of a prompt samples with the seed advanced by j strides (sample 0 keeps it, so n = 1
@@ -47,18 +48,6 @@ from router_service.tool_replies import ToolReply, collect_reply, split
 from router_service.tool_replies import finish_reason as tool_finish_reason
 from router_service.validation import default_max_new_tokens
 
-SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so the n seeds of one request are distinct modulo 2^64
-
-
-def sample_parameters(params: router_pb2.SamplingParameters, sample: int) -> router_pb2.SamplingParameters:
-    """Sample `sample`'s parameters: the seed, when given, advanced by `sample` strides."""
-    if sample == 0 or not params.HasField("seed"):
-        return params
-    out = router_pb2.SamplingParameters()
-    out.CopyFrom(params)
-    out.seed = (params.seed + sample * SEED_STRIDE) % (1 << 64)
-    return out
-
 
 async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[list]:
     """handles[prompt][sample], best_of per prompt (n when best_of is not asked); cancels them all on failure."""
@@ -71,19 +60,15 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
     prompts = parsed.prompts if parsed.kind == "completion" else [None]
     _check_fits(server, parsed, len(prompts))
     try:
-        for index in range(len(prompts)):
-            row: list = []
+        for index in range(len(prompts)):  # each prompt rendered, tokenized and validated once for its samples
+            if parsed.kind == "chat":
+                row = await frontend.submit_chat(
+                    parsed.messages, params, request_id, None, parsed.stream, parsed.chat_options,
+                    cache_salt=parsed.cache_salt, samples=parsed.best_of,
+                )  # fmt: skip
+            else:
+                row = await submit_prompt(frontend, parsed, request_id, index, params, parsed.best_of)
             handles.append(row)
-            for sample in range(parsed.best_of):
-                p = sample_parameters(params, sample)
-                if parsed.kind == "chat":
-                    handle = await frontend.submit_chat(
-                        parsed.messages, p, request_id, None, parsed.stream, parsed.chat_options,
-                        cache_salt=parsed.cache_salt,
-                    )  # fmt: skip
-                else:
-                    handle = await submit_prompt(frontend, parsed, request_id, index, p)
-                row.append(handle)
     except asyncio.CancelledError:  # the client left: the loop counts the samples it had; none, counted here once
         if not any(handles):
             frontend.batching_loop.hooks.on_rejected("cancelled")
@@ -95,11 +80,14 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
     return handles
 
 
-async def submit_prompt(frontend, parsed: ParsedRequest, request_id: str, index: int = 0, parameters=None):
-    """Submits prompt `index` of a completion; a 400 about a prompt of a list names which (`prompt[2][5]`)."""
+async def submit_prompt(
+    frontend, parsed: ParsedRequest, request_id: str, index: int = 0, parameters=None, samples: int = 1
+) -> list:
+    """Submits prompt `index` of a completion as `samples` requests; a 400 about a prompt of a list names which
+    (`prompt[2][5]`)."""
     request = generate_request(parsed, request_id, parsed.prompts[index], parameters)
     try:
-        return await frontend.submit(request, None, parsed.stream)
+        return await frontend.submit(request, None, parsed.stream, samples=samples)
     except InvalidRequestError as e:
         if not parsed.prompt_list:
             raise

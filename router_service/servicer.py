@@ -96,7 +96,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def _prepare(self, request, deadline: float | None, stream: bool) -> tuple[RequestHandle, ToolReply | None]:
         if isinstance(request, PromptRequest):
-            return await self.frontend.submit(request, deadline, stream), None
+            return (await self.frontend.submit(request, deadline, stream))[0], None
         limits = self.frontend.check_ready()
         self.frontend.check_room()  # at capacity the chat is refused before any of it is read
         _check_chat_size(request, limits, prompt_byte_limit(self.config, limits))
@@ -106,7 +106,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         options = ChatOptions(
             continue_final_message=request.continue_final_message, template_kwargs=kwargs, tools=tools
         )
-        handle = await self.frontend.submit_chat(
+        (handle,) = await self.frontend.submit_chat(
             request.messages,
             request.parameters,
             request.request_id,
