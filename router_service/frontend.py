@@ -76,6 +76,7 @@ class Completion:
     top_logprobs: list[Top] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] | None = None
     tool_calls: list = field(default_factory=list)  # tool_calls.ToolCall: calls parsed from the reply
+    ended_in_call: bool = False  # the reply was cut inside a call (ToolCallParser.ended_in_call)
 
 
 @dataclass(frozen=True)

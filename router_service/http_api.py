@@ -50,7 +50,6 @@ from router_service.openai_api import (
 from router_service.protocol import is_metadata_safe
 from router_service.request_state import new_request_id
 from router_service.tool_replies import ToolReply, collect_reply, split
-from router_service.tool_replies import finish_reason as tool_finish_reason
 
 log = logging.getLogger("colibri.router.http")
 STATUS_OUTCOMES = {status: code.name.lower() for code, status in HTTP_STATUS.items()}
@@ -375,7 +374,7 @@ class HttpFront:
                         lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
                     # offsets count token texts, as the unary answer's do (held-back text would shift them)
                     offset += sum(len(texts(i)) for i in delta.token_ids)
-                    finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
+                    finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
                     args = (delta, text, calls, finish, lp, first)
                     for chunk in openai_choices.delta_chunks(parsed, texts, handle.request_id, model, created, *args):
                         await event(chunk)

@@ -566,7 +566,7 @@ def response(
                 lp,
                 stream=False,
                 tool_calls=out.tool_calls,
-                finish=tool_finish_reason(out.finish_reason, out.tool_calls),
+                finish=tool_finish_reason(out.finish_reason, out.tool_calls, out.ended_in_call),
             )
         ],
         stream=False,

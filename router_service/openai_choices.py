@@ -223,7 +223,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                     if parsed.logprobs:
                         scored = (out.token_ids, out.logprobs, out.top_logprobs)
                         lp = openai_echo.with_prompt(parsed, texts, out.prompt_logprobs, *scored)
-                finish = tool_finish_reason(out.finish_reason, out.tool_calls)
+                finish = tool_finish_reason(out.finish_reason, out.tool_calls, out.ended_in_call)
                 c = choice(kind, text, out.finish_reason, lp, False, False, out.tool_calls, finish, len(choices))
                 if parsed.prompt_logprobs and kind == "completion":
                     c["prompt_logprobs"] = prompt_logprobs_field(texts, out.prompt_logprobs or [])
@@ -299,7 +299,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                             scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
                             lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)
                             offsets[index] = sum(len(t) for t in lp["tokens"])
-                    finish = tool_finish_reason(delta.finish_reason, reply.calls) if reply is not None else None
+                    finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
                     if delta.finish_reason is not None:
                         set_usage(flat[index], generated[index], delta.finish_reason)
                     if not makes_chunks(parsed, delta, text, calls, False):

@@ -145,6 +145,9 @@ class ToolCallParser:
         self._space = ""  # trailing whitespace of the content: dropped if a call follows
         self._after_call = False  # leading whitespace after a call is dropped too
         self._done = False
+        # The reply ended inside a call (a stop string or max_tokens cut it): its markup went to the content, and
+        # the calls before it do not make the reply one that ended after its calls.
+        self.ended_in_call = False
 
     @property
     def text(self) -> str:
@@ -185,8 +188,10 @@ class ToolCallParser:
             if call is not None and self._may_call():
                 self._emit_call(out, *call)
             else:
+                self.ended_in_call = call is None
                 self._content(out, HERMES_OPEN + rest)
         elif self.fmt == "mistral" and self._inside:
+            self.ended_in_call = bool(rest.strip()) or self._elements is None
             self._content(out, (MISTRAL_MARKER if self._elements is None else "") + rest)
         else:
             self._content(out, rest)

@@ -47,15 +47,19 @@ class ToolReply:
     def calls(self) -> list[ToolCall]:
         return self.parser.calls
 
+    def finish_reason(self, reason: FinishReason | None) -> str | None:
+        return finish_reason(reason, self.calls, self.parser.ended_in_call)
+
 
 def split(events: list[Event]) -> tuple[str, list[ToolCallDelta]]:
     """The content text and call pieces of some events."""
     return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCallDelta)]
 
 
-def finish_reason(reason: FinishReason | None, calls: list) -> str | None:
-    """OpenAI's finish_reason: "tool_calls" when the reply ended on its own after calls."""
-    if calls and reason is not None and reason is not FinishReason.LENGTH:
+def finish_reason(reason: FinishReason | None, calls: list, ended_in_call: bool = False) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the reply ended on its own after calls; a reply that ended
+    inside a call (a stop string in its JSON, max_tokens) keeps the reason that cut it, as with no call."""
+    if calls and reason is not None and reason is not FinishReason.LENGTH and not ended_in_call:
         return "tool_calls"
     return None
 
@@ -71,5 +75,5 @@ async def collect_reply(handle, reply: ToolReply) -> Completion:
         out.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else out.prompt_logprobs
         out.finish_reason = delta.finish_reason or out.finish_reason
     out.text = "".join(text)
-    out.tool_calls = list(reply.calls)
+    out.tool_calls, out.ended_in_call = list(reply.calls), reply.parser.ended_in_call
     return out
