@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.model_format import ModelDir  # noqa: E402
 from common.models import FAMILIES  # noqa: E402
-from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
+from common.routing_table import RoutingTable, model_digest, write_routing_table  # noqa: E402
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
@@ -65,8 +65,10 @@ def main() -> int:
             lut = build_engine(model, EngineConfig(backend="cpu", routing="lut"))
             corpus = rng.integers(3, model.config.vocab_size, args.corpus_tokens)
             table_array, report = generate(model, exact, corpus, model.config.num_experts_per_tok, 0.1, 256)
-            path = write_routing_table(Path(tmp) / f"{family}.bin", table_array, model.config.num_experts)
-            table = RoutingTable.load(path, model.config)
+            path = write_routing_table(
+                Path(tmp) / f"{family}.bin", table_array, model.config.num_experts, model_digest(model.path)
+            )
+            table = RoutingTable.load(path, model.config, model_digest(model.path))
             divergence, agreement, first = [], [], []
             for _ in range(args.prompts):
                 prompt = rng.integers(3, model.config.vocab_size, int(rng.integers(4, 40))).tolist()

@@ -89,7 +89,7 @@ from bench.offload_report import (  # noqa: E402
 )
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
-from common.routing_table import RoutingTable, write_routing_table  # noqa: E402
+from common.routing_table import RoutingTable, model_digest, write_routing_table  # noqa: E402
 from expert_service.backends import build_engine, cuda_available
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
@@ -164,7 +164,7 @@ def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[Ro
     cfg = model.config
     corpus = np.random.default_rng(1).integers(0, cfg.vocab_size, TABLE_SEQUENCES * TABLE_SEQUENCE_LENGTH)
     table, report = generate(model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT, TABLE_SEQUENCE_LENGTH)
-    write_routing_table(path, table, cfg.num_experts)
+    write_routing_table(path, table, cfg.num_experts, model_digest(model.path))
     keys = (
         "top_k",
         "num_experts",
@@ -181,7 +181,7 @@ def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[Ro
         f"this recall says nothing about a trained model's table on real traffic, so neither do "
         f"the plan-prefetch runs; token ids the corpus missed use the embedding fallback"
     )
-    return RoutingTable.load(path, cfg), summary
+    return RoutingTable.load(path, cfg, model_digest(model.path)), summary
 
 
 def cache_stats(result) -> CacheStats:

@@ -20,7 +20,7 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.model_format import MANIFEST, ModelDir
-from common.routing_table import RoutingTable
+from common.routing_table import RoutingTable, model_digest
 from expert_service.tools.routing_gen import load_corpus, report_path_for
 
 # What offload.json keeps of router-gen's report (the rest is paths and sizes already recorded).
@@ -94,7 +94,8 @@ def load_table(model: ModelDir, path: str | Path) -> tuple[RoutingTable, dict]:
             f"--table: {path} not found (build it with `colibri router-gen {model.path} --corpus "
             f"FILE`, or leave plan out of --prefetch-modes)"
         )
-    table = RoutingTable.load(path, model.config)  # RoutingTableError: one line naming the header field
+    # RoutingTableError: one line naming the header field (or the model digest of a table built for another model)
+    table = RoutingTable.load(path, model.config, model_digest(model.path))
     cfg = model.config
     summary = {
         "table": str(path),

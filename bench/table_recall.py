@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import ColibriError, ConfigError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
-from common.routing_table import RoutingTable  # noqa: E402
+from common.routing_table import TABLE_FILE, RoutingTable, model_digest  # noqa: E402
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine  # noqa: E402
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         model = ModelDir.open(args.model, verify=False)
-        table = RoutingTable.load(args.table or model.path / "routing_table.bin", model.config)
+        table = RoutingTable.load(args.table or model.path / TABLE_FILE, model.config, model_digest(model.path))
         if not 1 <= args.sequence_length <= model.config.max_position_embeddings:
             raise ConfigError(
                 f"--sequence-length: must be in [1, {model.config.max_position_embeddings}], got {args.sequence_length}"

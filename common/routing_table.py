@@ -1,23 +1,29 @@
-"""The static routing table (LUT) file, version 1: this docstring is the specification; writer and reader follow it.
+"""The static routing table (LUT) file, version 2: this docstring is the specification; writer and reader follow it.
 
     offset  bytes  field (all integers little-endian)
     0       4      magic b"CLRT"
-    4       4      uint32 version         1
+    4       4      uint32 version         2 (version 1 is still read: below)
     8       4      uint32 num_layers      the model's MoE layers only, in the order of ModelConfig.moe_layers
                                           (dense layers have no row: table layer l is model layer moe_layers[l])
     12      4      uint32 vocab_size      equals the model's vocab_size
     16      4      uint32 top_k           experts kept per token, 1 <= top_k <= num_experts (it may differ
                                           from the model's num_experts_per_tok)
     20      4      uint32 num_experts     equals the model's num_experts
-    24      4      uint32 crc32           zlib.crc32 of the body
-    28      ...    body: uint16[num_layers][vocab_size][top_k], C order, nothing after it
+    24      4      uint32 crc32           zlib.crc32 of the model digest, then the body
+    28      32     model digest           SHA-256 of the colibri.json of the model the table was built for
+                                          (common/model_identity.py: the HF config, the dtype and every
+                                          tensor's crc32, so another checkpoint or conversion has another one)
+    60      ...    body: uint16[num_layers][vocab_size][top_k], C order, nothing after it
 
 Entry [l][t][j] is the j-th predicted expert of token id t at MoE layer l, most likely first (readers do not
 rely on the order). Every entry is < num_experts and the top_k entries of one token are distinct.
 
+Version 1 has no model digest: its body starts at 28 and its crc32 covers the body alone. It is read with every
+check but the model's identity (a table of another model of the same shape loads), and a warning says so.
+
 The reader checks every header field against the model, the body size (truncation or trailing bytes), the
-crc32, the entry range and distinctness; each failure is one line naming the field, the expected and the
-found value (``RoutingTableError``, a ``ModelFormatError``, exit code 3).
+crc32, the model digest (version 2), the entry range and distinctness; each failure is one line naming the
+file, the field, the found and the expected value (``RoutingTableError``, a ``ModelFormatError``, exit code 3).
 
 Pure numpy (the router imports it and must never load numba).
 """
@@ -25,7 +31,9 @@ Pure numpy (the router imports it and must never load numba).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -36,31 +44,53 @@ import numpy as np
 from common.errors import InvalidRequestError, ModelFormatError
 from common.files import create_new
 from common.model_config import ModelConfig
+from common.model_identity import MANIFEST, file_digest
 from common.routing_plan import RoutingPlan
 
+log = logging.getLogger("colibri.routing_table")
 MAGIC = b"CLRT"
 TABLE_FILE = "routing_table.bin"  # a model directory's own table (`colibri router-gen`'s default output)
-VERSION = 1
+VERSION = 2  # what the writer writes
+READABLE_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<4s6I")  # magic, version, num_layers, vocab_size, top_k, num_experts, crc32
-HEADER_SIZE = _HEADER.size  # 28
+DIGEST_SIZE = 32  # the model digest's SHA-256 bytes, after _HEADER (version 2)
+HEADER_SIZES = {1: _HEADER.size, 2: _HEADER.size + DIGEST_SIZE}  # 28, 60
+HEADER_SIZE = HEADER_SIZES[VERSION]
 ENTRY_DTYPE = np.dtype("<u2")
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 
 class RoutingTableError(ModelFormatError):
     """A routing table file is malformed or does not belong to the model."""
 
 
-def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts: int) -> Path:
-    """Writes `table` uint16 [num_layers, vocab_size, top_k] (entries < num_experts) atomically to `path`: through a
-    new `<path>.tmp` (common.files: a link planted at that name is replaced, never written through), renamed."""
+def model_digest(model_dir: str | os.PathLike) -> str:
+    """The identity a table records and is checked against: the "sha256:<hex>" digest of the model directory's
+    colibri.json (the one Info reports as the worker's model_digest)."""
+    manifest = Path(model_dir) / MANIFEST
+    digest = file_digest(manifest)
+    if not digest:  # the table is checked against this model: an unknown identity is no identity to pass
+        raise RoutingTableError(f"{manifest}: cannot be read (a routing table is checked against its digest)")
+    return digest
+
+
+def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts: int, model_digest: str) -> Path:
+    """Writes `table` uint16 [num_layers, vocab_size, top_k] (entries < num_experts), built for the model whose
+    colibri.json has `model_digest` ("sha256:<hex>", `model_digest()`), atomically to `path`: through a new
+    `<path>.tmp` (common.files: a link planted at that name is replaced, never written through), renamed."""
     table = np.asarray(table)
     if table.ndim != 3 or table.shape[2] < 1:
         raise ValueError(f"table must be [num_layers, vocab_size, top_k>=1], got shape {table.shape}")
     if table.size and int(table.max()) >= num_experts:
         raise ValueError(f"table entry {int(table.max())} is not < num_experts={num_experts}")
+    matched = _DIGEST.fullmatch(model_digest)
+    if matched is None:
+        raise ValueError(f"model_digest must be 'sha256:' and 64 lowercase hex digits, got {model_digest!r}")
+    digest = bytes.fromhex(matched.group(1))
     body = np.ascontiguousarray(table, dtype=ENTRY_DTYPE).tobytes()
     num_layers, vocab_size, top_k = table.shape
-    header = _HEADER.pack(MAGIC, VERSION, num_layers, vocab_size, top_k, num_experts, zlib.crc32(body))
+    crc = zlib.crc32(body, zlib.crc32(digest))
+    header = _HEADER.pack(MAGIC, VERSION, num_layers, vocab_size, top_k, num_experts, crc) + digest
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -81,33 +111,41 @@ def write_routing_table(path: str | os.PathLike, table: np.ndarray, num_experts:
 class RoutingTable:
     """A loaded, validated table: token id -> predicted experts at every MoE layer of one model."""
 
-    def __init__(self, table: np.ndarray, num_experts: int, moe_layers: list[int]):
+    def __init__(self, table: np.ndarray, num_experts: int, moe_layers: list[int], model_digest: str = ""):
         self.table = table  # [L, V, k] uint16
         self.top_k = int(table.shape[2])
         self.num_experts = int(num_experts)
         self.moe_layers = list(moe_layers)  # table layer l is model layer moe_layers[l]
         self.vocab_size = int(table.shape[1])
+        self.model_digest = model_digest  # "sha256:<hex>" of the model it was built for; "": version 1, unknown
 
     @classmethod
-    def load(cls, path: str | os.PathLike, config: ModelConfig) -> RoutingTable:
+    def load(cls, path: str | os.PathLike, config: ModelConfig, model_digest: str | None) -> RoutingTable:
+        """The table at `path`, checked against the model of `config` whose colibri.json has `model_digest`
+        (`model_digest()`): a version-2 table built for another model is refused. None checks the shape alone;
+        only for a model with no colibri.json yet (convert's keep_hot reads a table of an earlier conversion)."""
         path = Path(path)
         with _open(path) as f:
-            num_layers, vocab_size, top_k, num_experts, crc = _checked_header(f, path, config)
+            num_layers, vocab_size, top_k, num_experts, crc, digest = _checked_header(f, path, config)
             data = f.read(num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize)
         body = memoryview(data)
-        if zlib.crc32(body) != crc:
-            raise _fail(path, "crc32 of the body", f"{zlib.crc32(body):#010x}", f"{crc:#010x} (from the header)")
+        if zlib.crc32(body, zlib.crc32(digest)) != crc:  # version 2's covers the digest: a flipped bit is no model
+            what = "crc32 of the model digest and the body" if digest else "crc32 of the body"
+            raise _fail(path, what, f"{zlib.crc32(body, zlib.crc32(digest)):#010x}", f"{crc:#010x} (from the header)")
+        built_for = _check_identity(path, digest, model_digest)
         table = np.frombuffer(body, dtype=ENTRY_DTYPE).reshape(num_layers, vocab_size, top_k).astype(np.uint16)
         _check_entries(table, num_experts, lambda *a: _fail(path, *a), config.moe_layers)
-        return cls(table, num_experts, config.moe_layers)
+        return cls(table, num_experts, config.moe_layers, built_for)
 
     @staticmethod
-    def check(path: str | os.PathLike, config: ModelConfig) -> None:
-        """What `load` checks without reading the body: the file opens, its header fits the model, its size is the
-        header's shape (a start-up check before a later `load`; the crc32 and the entries are load's)."""
+    def check(path: str | os.PathLike, config: ModelConfig, model_digest: str | None) -> None:
+        """What `load` checks without reading the body: the file opens, its header fits the model (its identity
+        too, for version 2), its size is the header's shape (a start-up check before a later `load`; the crc32
+        and the entries are load's)."""
         path = Path(path)
         with _open(path) as f:
-            _checked_header(f, path, config)
+            digest = _checked_header(f, path, config)[5]
+        _check_identity(path, digest, model_digest, warn=False)
 
     def lookup(self, token_ids: np.ndarray) -> np.ndarray:
         """token_ids [T] -> predicted expert ids [L, T, k] uint16 (one fancy-indexing gather)."""
@@ -136,18 +174,22 @@ def _open(path: Path) -> BinaryIO:
         raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
 
 
-def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, int, int, int, int]:
-    """(num_layers, vocab_size, top_k, num_experts, crc32) of the open file, each field checked against the model
-    and the file's size against their shape; the file is left at the body. A wrong or oversized file is never
-    read whole."""
-    header = f.read(HEADER_SIZE)
-    if len(header) < HEADER_SIZE:
+def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, int, int, int, int, bytes]:
+    """(num_layers, vocab_size, top_k, num_experts, crc32, model digest bytes: b"" for version 1) of the open
+    file, each field checked against the model and the file's size against their shape; the file is left at the
+    body. A wrong or oversized file is never read whole."""
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
         raise _fail(path, "header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
     magic, version, num_layers, vocab_size, top_k, num_experts, crc = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise _fail(path, "magic", repr(magic), f"{MAGIC!r} (not a Colibri routing table)")
-    if version != VERSION:
-        raise _fail(path, "version", version, VERSION)
+    if version not in READABLE_VERSIONS:
+        raise _fail(path, "version", version, " or ".join(map(str, READABLE_VERSIONS)))
+    header_size = HEADER_SIZES[version]
+    digest = f.read(header_size - _HEADER.size)
+    if len(digest) < header_size - _HEADER.size:
+        raise _fail(path, "header size", f"{_HEADER.size + len(digest)} bytes", f"{header_size} bytes (truncated)")
     if num_layers != len(config.moe_layers):
         raise _fail(path, "num_layers", num_layers, f"{len(config.moe_layers)} (the model's MoE layers)")
     if vocab_size != config.vocab_size:
@@ -157,10 +199,32 @@ def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, 
     if not 1 <= top_k <= num_experts:
         raise _fail(path, "top_k", top_k, f"1..{num_experts} (num_experts)")
     body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
-    found = os.fstat(f.fileno()).st_size - HEADER_SIZE
+    found = os.fstat(f.fileno()).st_size - header_size
     if found != body_size:
         raise _fail(path, "body size", f"{found} bytes", f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
-    return num_layers, vocab_size, top_k, num_experts, crc
+    return num_layers, vocab_size, top_k, num_experts, crc, digest
+
+
+def _check_identity(path: Path, digest: bytes, model_digest: str | None, warn: bool = True) -> str:
+    """The "sha256:<hex>" model the table was built for ("" for version 1, which records none: warned about),
+    refused when it is not `model_digest` (None: the shape alone is checked)."""
+    built_for = "sha256:" + digest.hex() if digest else ""
+    if not digest:
+        if warn:
+            log.warning(
+                "%s: routing table version 1 records no model; checked on its shape alone (rebuild it "
+                "with `colibri router-gen` to have it checked against the model)",
+                path,
+            )
+    elif model_digest is not None and built_for != model_digest:
+        raise _fail(
+            path,
+            "model digest",
+            f"{_short(built_for)} (the model the table was built for)",
+            f"{_short(model_digest)} (this model's colibri.json; another model or conversion: rebuild the "
+            "table with `colibri router-gen`)",
+        )
+    return built_for
 
 
 def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:
@@ -183,3 +247,8 @@ def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[i
                 table[l, t].tolist(),
                 "distinct expert ids",
             )
+
+
+def _short(digest: str) -> str:
+    """A digest as a refusal quotes it: enough hex digits to tell two apart, the line kept short."""
+    return digest[: len("sha256:") + 16] if digest.startswith("sha256:") else repr(digest)

@@ -139,13 +139,14 @@ def _routing_planner(config: RouterConfig):
     if not config.routing_table:
         return None
     if not config.model:
-        raise ConfigError("routing_table: needs --model (the table is checked against the model's config)")
+        raise ConfigError("routing_table: needs --model (the table is checked against the model)")
     from common.model_format import read_manifest_config
-    from common.routing_table import RoutingTable
+    from common.routing_table import RoutingTable, model_digest
     from router_service.routing import RoutingPlanner
 
     model_config, _ = read_manifest_config(config.model)
-    return RoutingPlanner(RoutingTable.load(config.routing_table, model_config), model_config.num_experts_per_tok)
+    table = RoutingTable.load(config.routing_table, model_config, model_digest(config.model))
+    return RoutingPlanner(table, model_config.num_experts_per_tok)
 
 
 async def start_router(

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from common.model_format import ModelDir
-from common.routing_table import RoutingTable
+from common.routing_table import RoutingTable, model_digest
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, PrefillInput
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     config = EvalConfig()
     model = ModelDir.open(args.model)
     table_path = args.table or args.model / "routing_table.bin"
-    table = RoutingTable.load(table_path, model.config)
+    table = RoutingTable.load(table_path, model.config, model_digest(model.path))
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))

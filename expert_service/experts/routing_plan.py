@@ -17,7 +17,7 @@ from common.errors import ConfigError, ModelFormatError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
-from common.routing_table import TABLE_FILE, RoutingTable
+from common.routing_table import TABLE_FILE, RoutingTable, model_digest
 from expert_service.engine.config import EngineConfig, PrefetchSource, RoutingMode
 from expert_service.experts.slots import plan_slots
 
@@ -110,13 +110,13 @@ def _unread(config: EngineConfig, cached: bool) -> str | None:
     return None
 
 
-def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, ModelConfig], T]) -> T:
-    """`read(path, model config)` of the file plan_table names, its errors naming the setting."""
+def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, ModelConfig, str | None], T]) -> T:
+    """`read(path, model config, model digest)` of the file plan_table names, its errors naming the setting."""
     path = Path(config.plan_table)
     if not path.is_file():
         raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
     try:
-        return read(path, model.config)
+        return read(path, model.config, model_digest(model.path))
     except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
         raise type(e)(f"plan_table: {e}") from None
 
@@ -133,7 +133,7 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
     if not path.is_file():
         return None, f"no {TABLE_FILE} in the model directory"
     try:
-        return RoutingTable.load(path, model.config), str(path)
+        return RoutingTable.load(path, model.config, model_digest(model.path)), str(path)
     except ModelFormatError as e:
         log.warning("plan prefetch: %s; passed over (--plan-table names another table)", e)
         return None, f"the model directory's {TABLE_FILE} does not fit the model"

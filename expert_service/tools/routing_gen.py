@@ -29,7 +29,7 @@ from common import dtypes
 from common.errors import ConfigError, InvalidRequestError, ModelFormatError
 from common.files import write_new
 from common.model_format import ModelDir
-from common.routing_table import write_routing_table
+from common.routing_table import model_digest, write_routing_table
 from expert_service.cpu.layers.moe import route
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.engine.engine import Engine, PrefillInput
@@ -325,7 +325,7 @@ def run_router_gen(
     """Builds and writes the table and `<out>.report.json`; returns the report."""
     engine = engine_factory() if corpus is not None else None
     table, report = generate(model, engine, corpus, top_k, holdout, sequence_length, progress)
-    write_routing_table(out, table, model.config.num_experts)
+    write_routing_table(out, table, model.config.num_experts, model_digest(model.path))
     report = {"model": str(model.path), "table": str(out), "corpus": corpus_path, **report}
     write_new(report_path_for(out), (json.dumps(report, indent=1) + "\n").encode())  # a link there is replaced
     return report

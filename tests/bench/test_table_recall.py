@@ -10,7 +10,7 @@ import pytest
 
 from bench import table_recall
 from common.model_format import ModelDir
-from common.routing_table import RoutingTable
+from common.routing_table import RoutingTable, model_digest
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine, PrefillInput
@@ -54,7 +54,7 @@ def engine_of(model: ModelDir) -> Engine:
 def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
     train, held = texts(tmp_path, seed=1)
     model = ModelDir.open(tiny_model, verify=False)
-    table = RoutingTable.load(build_table(tiny_model, train, tmp_path / "t.bin"), model.config)
+    table = RoutingTable.load(build_table(tiny_model, train, tmp_path / "t.bin"), model.config, model_digest(model.path))
     ids = load_corpus(held, "text", model)
     got = table_recall.heldout_recall(model, engine_of(model), table, ids, SEQUENCE_LENGTH)
 
@@ -79,7 +79,7 @@ def test_token_routed_model_scores_one_at_every_layer(tmp_path):
     model_dir = make_token_routed_model(tmp_path / "model")
     train, held = texts(tmp_path, seed=2)
     model = ModelDir.open(model_dir, verify=False)
-    table = RoutingTable.load(build_table(model_dir, train, tmp_path / "t.bin"), model.config)
+    table = RoutingTable.load(build_table(model_dir, train, tmp_path / "t.bin"), model.config, model_digest(model.path))
     ids = load_corpus(held, "text", model)
     got = table_recall.heldout_recall(model, engine_of(model), table, ids, SEQUENCE_LENGTH)
     assert got["recall_per_layer"] == [1.0] * len(model.config.moe_layers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
 import struct
 import zlib
 
@@ -10,11 +12,13 @@ import pytest
 
 from common.errors import InvalidRequestError, ModelFormatError
 from common.models import config_from_hf
-from common.routing_table import HEADER_SIZE, RoutingTable, RoutingTableError, write_routing_table
+from common.routing_table import HEADER_SIZE, HEADER_SIZES, RoutingTable, RoutingTableError, write_routing_table
 from expert_service.tools.tiny_model import tiny_hf_config
 
 CONFIG = config_from_hf(tiny_hf_config("mixtral"))  # 2 MoE layers, 259 tokens, 4 experts, top-2
 L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts
+DIGEST = "sha256:" + secrets.token_hex(32)  # the model's colibri.json digest, fresh each run
+DIGEST_AT = HEADER_SIZES[1]  # the model digest's offset in a version-2 header
 
 
 def random_table(k: int = 2, seed: int = 0) -> np.ndarray:
@@ -26,7 +30,7 @@ def random_table(k: int = 2, seed: int = 0) -> np.ndarray:
 @pytest.fixture
 def table_file(tmp_path):
     path = tmp_path / "lut.bin"
-    write_routing_table(path, random_table(), E)
+    write_routing_table(path, random_table(), E, DIGEST)
     return path
 
 
@@ -37,9 +41,9 @@ def patch_header(path, index: int, value: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def expect_error(path, *fragments):
+def expect_error(path, *fragments, digest: str | None = DIGEST):
     with pytest.raises(RoutingTableError) as info:
-        RoutingTable.load(path, CONFIG)
+        RoutingTable.load(path, CONFIG, digest)
     message = str(info.value)
     assert "\n" not in message and isinstance(info.value, ModelFormatError)
     for fragment in fragments:
@@ -48,17 +52,78 @@ def expect_error(path, *fragments):
 
 
 def test_round_trip(table_file):
-    table = RoutingTable.load(table_file, CONFIG)
+    table = RoutingTable.load(table_file, CONFIG, DIGEST)
     np.testing.assert_array_equal(table.table, random_table())
     assert table.table.dtype == np.uint16 and table.table.shape == (L, V, 2)
     assert (table.top_k, table.num_experts, table.moe_layers) == (2, E, CONFIG.moe_layers)
+    assert table.model_digest == DIGEST
     assert table_file.stat().st_size == HEADER_SIZE + L * V * 2 * 2
+    data = table_file.read_bytes()
+    assert struct.unpack_from("<I", data, 4) == (2,) and data[DIGEST_AT:HEADER_SIZE].hex() == DIGEST[len("sha256:") :]
+
+
+def test_a_table_built_for_another_model_is_refused_naming_both_digests(table_file):
+    """The header recorded no model: a table built for model A loaded against model B of the same shape."""
+    other = "sha256:" + secrets.token_hex(32)
+    message = expect_error(table_file, "model digest", DIGEST[:23], other[:23], "router-gen", digest=other)
+    assert message.startswith(f"{table_file}: ")
+
+
+def test_without_a_model_digest_only_the_shape_is_checked(table_file):
+    """convert's keep_hot reads a table of an earlier conversion, for a model with no colibri.json yet."""
+    assert RoutingTable.load(table_file, CONFIG, None).model_digest == DIGEST
+
+
+def test_a_flipped_bit_in_the_model_digest_is_corruption_not_another_model(table_file):
+    data = bytearray(table_file.read_bytes())
+    data[DIGEST_AT + int(np.random.default_rng().integers(0, 32))] ^= 0x10
+    table_file.write_bytes(bytes(data))
+    expect_error(table_file, "crc32 of the model digest and the body")
+
+
+def test_a_header_cut_inside_the_model_digest_is_refused(table_file):
+    table_file.write_bytes(table_file.read_bytes()[: DIGEST_AT + 5])
+    expect_error(table_file, "header size", f"is {DIGEST_AT + 5} bytes", f"expected {HEADER_SIZE} bytes")
+
+
+@pytest.mark.parametrize("bad", ["", "sha256:" + "0" * 63, "SHA256:" + "0" * 64, "md5:" + "0" * 32])
+def test_the_writer_refuses_a_malformed_model_digest(tmp_path, bad):
+    with pytest.raises(ValueError, match="model_digest"):
+        write_routing_table(tmp_path / "x.bin", random_table(), E, bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_version_1_table_still_loads_with_a_warning(tmp_path, caplog):
+    """Tables written before the model digest load on their shape, whatever digest the model has."""
+    write_raw(tmp_path / "v1.bin", random_table(seed=4), E)
+    with caplog.at_level(logging.WARNING, logger="colibri.routing_table"):
+        table = RoutingTable.load(tmp_path / "v1.bin", CONFIG, "sha256:" + secrets.token_hex(32))
+    np.testing.assert_array_equal(table.table, random_table(seed=4))
+    assert table.model_digest == "" and (table.top_k, table.num_experts) == (2, E)
+    assert any("version 1 records no model" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("index, field, value", [(1, "num_layers", 5), (2, "vocab_size", 1000), (4, "num_experts", 8)])
+def test_a_version_1_table_keeps_its_checks(tmp_path, index, field, value):
+    path = tmp_path / "v1.bin"
+    write_raw(path, random_table(), E)
+    patch_header(path, index, value)
+    expect_error(path, f"{field} is {value}")
+
+
+def test_a_version_1_table_keeps_its_crc(tmp_path):
+    path = tmp_path / "v1.bin"
+    write_raw(path, random_table(), E)
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZES[1] + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    expect_error(path, "crc32 of the body")
 
 
 def test_top_k_may_differ_from_the_model(tmp_path):
     path = tmp_path / "lut3.bin"
-    write_routing_table(path, random_table(k=3), E)
-    assert RoutingTable.load(path, CONFIG).top_k == 3
+    write_routing_table(path, random_table(k=3), E, DIGEST)
+    assert RoutingTable.load(path, CONFIG, DIGEST).top_k == 3
 
 
 def test_bad_magic(table_file):
@@ -81,7 +146,7 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize(
     "index, field, value, expected",
     [
-        (0, "version", 7, "expected 1"),
+        (0, "version", 7, "expected 1 or 2"),
         (1, "num_layers", 5, f"expected {L}"),
         (2, "vocab_size", 1000, f"expected {V}"),
         (4, "num_experts", 8, f"expected {E}"),
@@ -118,40 +183,43 @@ def test_crc_mismatch(table_file):
     data = bytearray(table_file.read_bytes())
     data[HEADER_SIZE + 100] ^= 0x01
     table_file.write_bytes(bytes(data))
-    body_crc = zlib.crc32(bytes(data[HEADER_SIZE:]))
+    crc = zlib.crc32(bytes(data[DIGEST_AT:]))  # the digest, then the body
     stored = struct.unpack_from("<I", data, 24)[0]
-    expect_error(table_file, "crc32", f"is {body_crc:#010x}", f"expected {stored:#010x}")
+    expect_error(table_file, "crc32", f"is {crc:#010x}", f"expected {stored:#010x}")
 
 
-def write_raw(path, table: np.ndarray, num_experts: int) -> None:
-    """Writes a table bypassing the writer's checks, with a correct crc."""
+def write_raw(path, table: np.ndarray, num_experts: int, digest: str | None = None) -> None:
+    """Writes a table bypassing the writer's checks, with a correct crc: version 1 without a digest, else 2."""
     body = table.astype("<u2").tobytes()
+    recorded = bytes.fromhex(digest.removeprefix("sha256:")) if digest else b""
+    crc = zlib.crc32(recorded + body)
+    version = 2 if digest else 1
     path.write_bytes(
-        struct.pack("<4s6I", b"CLRT", 1, *table.shape[:2], table.shape[2], num_experts, zlib.crc32(body)) + body
+        struct.pack("<4s6I", b"CLRT", version, *table.shape[:2], table.shape[2], num_experts, crc) + recorded + body
     )
 
 
 def test_entry_out_of_range(tmp_path):
     table = random_table()
     table[1, 42, 1] = 9
-    write_raw(tmp_path / "bad.bin", table, E)
+    write_raw(tmp_path / "bad.bin", table, E, DIGEST)
     expect_error(tmp_path / "bad.bin", "layer 1", "token 42", "slot 1", "is 9", f"< num_experts={E}")
 
 
 def test_duplicate_entries(tmp_path):
     table = random_table()
     table[0, 7] = [3, 3]
-    write_raw(tmp_path / "dup.bin", table, E)
+    write_raw(tmp_path / "dup.bin", table, E, DIGEST)
     expect_error(tmp_path / "dup.bin", "layer 0", "token 7", "[3, 3]", "distinct")
 
 
 def test_writer_rejects_out_of_range(tmp_path):
     with pytest.raises(ValueError):
-        write_routing_table(tmp_path / "x.bin", np.full((L, V, 2), E, dtype=np.uint16), E)
+        write_routing_table(tmp_path / "x.bin", np.full((L, V, 2), E, dtype=np.uint16), E, DIGEST)
 
 
 def test_lookup(table_file):
-    table = RoutingTable.load(table_file, CONFIG)
+    table = RoutingTable.load(table_file, CONFIG, DIGEST)
     ids = np.array([5, 258, 5, 0])
     out = table.lookup(ids)
     assert out.shape == (L, 4, 2)
@@ -194,7 +262,7 @@ def assert_plan_matches(table: RoutingTable, token_ids) -> list:
 @pytest.mark.parametrize("seed", range(5))
 def test_plan_matches_reference_on_random_ids(table_file, seed):
     rng = np.random.default_rng(seed)
-    table = RoutingTable.load(table_file, CONFIG)
+    table = RoutingTable.load(table_file, CONFIG, DIGEST)
     ids = rng.integers(0, 20, size=int(rng.integers(1, 60)))  # few distinct ids: many repeats
     assert_plan_matches(table, ids)
 
@@ -202,8 +270,8 @@ def test_plan_matches_reference_on_random_ids(table_file, seed):
 def test_plan_with_experts_that_get_no_tokens(tmp_path):
     table = random_table(k=1)
     table[:, :, 0] = 2  # every token -> expert 2 only
-    write_routing_table(tmp_path / "one.bin", table, E)
-    lut = RoutingTable.load(tmp_path / "one.bin", CONFIG)
+    write_routing_table(tmp_path / "one.bin", table, E, DIGEST)
+    lut = RoutingTable.load(tmp_path / "one.bin", CONFIG, DIGEST)
     plan = assert_plan_matches(lut, [9, 9, 4])
     offsets, indices = plan[0]
     np.testing.assert_array_equal(offsets, [0, 0, 0, 3, 3])
@@ -211,13 +279,13 @@ def test_plan_with_experts_that_get_no_tokens(tmp_path):
 
 
 def test_plan_empty_step(table_file):
-    plan = RoutingTable.load(table_file, CONFIG).routing_plan(np.zeros(0, dtype=np.int64))
+    plan = RoutingTable.load(table_file, CONFIG, DIGEST).routing_plan(np.zeros(0, dtype=np.int64))
     assert all(o.tolist() == [0] * (E + 1) and i.size == 0 for _, o, i in plan.csr())
 
 
 def test_plan_for_a_mixed_prefill_and_decode_batch(table_file):
     """A step as the router builds it: two prompt chunks and three single decode tokens, concatenated."""
-    table = RoutingTable.load(table_file, CONFIG)
+    table = RoutingTable.load(table_file, CONFIG, DIGEST)
     prompt_a, prompt_b = [10, 11, 12, 10, 13], [200, 201]
     decodes = [10, 77, 258]
     ids = prompt_a + prompt_b + decodes
@@ -234,7 +302,7 @@ def test_random_corruptions_are_refused_in_one_line_or_load_a_valid_table(tmp_pa
     (with the crc fixed up, so the entry checks are reached). Every outcome is a one-line RoutingTableError or a
     table whose every entry is < num_experts and distinct within a token."""
     rng = np.random.default_rng(11)
-    good = write_routing_table(tmp_path / "good.bin", random_table(k=3), E).read_bytes()
+    good = write_routing_table(tmp_path / "good.bin", random_table(k=3), E, DIGEST).read_bytes()
     path = tmp_path / "fuzz.bin"
     refused = 0
     for trial in range(300):
@@ -245,15 +313,15 @@ def test_random_corruptions_are_refused_in_one_line_or_load_a_valid_table(tmp_pa
         elif kind == 1:
             data += bytes(rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8))
         elif kind == 2:
-            struct.pack_into("<I", data, 4 * int(rng.integers(1, 7)), int(rng.integers(0, 2**32)))
+            struct.pack_into("<I", data, 4 * int(rng.integers(1, 15)), int(rng.integers(0, 2**32)))  # digest too
         else:
             body = np.frombuffer(data, "<u2", offset=HEADER_SIZE).copy()
             body[rng.integers(0, body.size, int(rng.integers(1, 4)))] = rng.choice([0, 1, E - 1, E, 2**16 - 1])
             data[HEADER_SIZE:] = body.tobytes()
-            struct.pack_into("<I", data, 24, zlib.crc32(bytes(data[HEADER_SIZE:])))
+            struct.pack_into("<I", data, 24, zlib.crc32(bytes(data[DIGEST_AT:])))
         path.write_bytes(bytes(data))
         try:
-            table = RoutingTable.load(path, CONFIG)
+            table = RoutingTable.load(path, CONFIG, DIGEST)
         except RoutingTableError as error:
             assert "\n" not in str(error) and str(error).startswith(str(path))
             refused += 1
@@ -284,6 +352,6 @@ def test_a_failed_write_names_the_table_and_leaves_no_tmp(tmp_path, where):
     else:
         path = tmp_path / "missing" / "out.bin"
     with pytest.raises(OSError) as e:
-        write_routing_table(path, random_table(), E)
+        write_routing_table(path, random_table(), E, DIGEST)
     assert e.value.filename == str(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out.bin"] if where == "a directory" else [])

@@ -127,11 +127,12 @@ def _table(model_dir, top_k: int):
     import numpy as np
 
     from common.model_format import ModelDir
-    from common.routing_table import write_routing_table
+    from common.routing_table import model_digest, write_routing_table
 
     cfg = ModelDir.open(model_dir).config
     ids = np.argsort(np.random.default_rng(0).random((len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts)), axis=2)
-    return write_routing_table(model_dir / f"top{top_k}.bin", ids[:, :, :top_k].astype(np.uint16), cfg.num_experts)
+    top = ids[:, :, :top_k].astype(np.uint16)
+    return write_routing_table(model_dir / f"top{top_k}.bin", top, cfg.num_experts, model_digest(model_dir))
 
 
 @pytest.mark.parametrize(

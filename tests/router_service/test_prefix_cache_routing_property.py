@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from common.routing_table import RoutingTable, write_routing_table
+from common.routing_table import RoutingTable, model_digest, write_routing_table
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.penalties import PenaltyParams
@@ -257,7 +257,7 @@ def test_prefix_caching_keeps_routing_plans_and_the_expert_cache_exact(
     top_k = cfg.num_experts_per_tok if routing == "lut" else random.Random(seed).choice([2, 3])
     table_ids = _table(model, table_kind, top_k, seed)
     table = RoutingTable(table_ids, cfg.num_experts, cfg.moe_layers)
-    path = write_routing_table(tmp_path / "table.bin", table_ids, cfg.num_experts)
+    path = write_routing_table(tmp_path / "table.bin", table_ids, cfg.num_experts, model_digest(model.path))
     base = dict(backend="cpu", kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS, routing=routing, **BATCH)
     cache = dict(expert_cache_slots=slots, prefetch=prefetch, expert_cache_policy=policy)
     plan_table = str(path) if source == "worker" else "router"

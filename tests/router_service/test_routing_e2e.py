@@ -6,6 +6,7 @@ outputs under routing=lut; a random model under routing=lut is labelled in every
 
 import asyncio
 import json
+import re
 
 import grpc
 import numpy as np
@@ -145,6 +146,19 @@ def test_router_refuses_a_table_for_another_model(token_routed, tmp_path):
     from common.errors import ModelFormatError
 
     with pytest.raises(ModelFormatError, match="num_layers is 2, expected 1"):
+        run_requests(None, other, table, [], 1)
+
+
+def test_router_refuses_a_table_for_another_model_of_the_same_shape(token_routed, tmp_path):
+    """The header recorded only the model's shape: a table built for one mixtral loaded against another."""
+    model, table, _ = token_routed
+    other = make_tiny(tmp_path / "other", family="mixtral", seed=int(np.random.default_rng().integers(1, 1000)))
+    assert ModelDir.open(other, verify=False).config.moe_layers == ModelDir.open(model, verify=False).config.moe_layers
+    from common.errors import ModelFormatError
+
+    with pytest.raises(
+        ModelFormatError, match=rf"^{re.escape(str(table))}: model digest is sha256:\w+ .*, expected sha256:"
+    ):
         run_requests(None, other, table, [], 1)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from common.routing_table import TABLE_FILE, write_routing_table
+from common.routing_table import TABLE_FILE, model_digest, write_routing_table
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.sampling import SamplingParams
@@ -29,7 +29,8 @@ def model(request, tmp_path_factory):
     # a random table, one expert wider than the top-k: the plan prefetch predicts more than a token uses
     scores = np.random.default_rng(SEED).random((len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts))
     width = min(cfg.num_experts_per_tok + 1, cfg.num_experts)
-    write_routing_table(path / TABLE_FILE, np.argsort(scores, axis=2)[:, :, :width].astype(np.uint16), cfg.num_experts)
+    table = np.argsort(scores, axis=2)[:, :, :width].astype(np.uint16)
+    write_routing_table(path / TABLE_FILE, table, cfg.num_experts, model_digest(path))
     return ModelDir.open(path)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.model_format import ModelDir
-from common.routing_table import TABLE_FILE, write_routing_table
+from common.routing_table import TABLE_FILE, model_digest, write_routing_table
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
@@ -28,7 +28,7 @@ def token_routed(tmp_path_factory):
     model = ModelDir.open(make_token_routed_model(tmp_path_factory.mktemp("token_routed")))
     cfg = model.config
     table = exact_token_table(model, backend="cuda")
-    write_routing_table(model.path / TABLE_FILE, table, cfg.num_experts)
+    write_routing_table(model.path / TABLE_FILE, table, cfg.num_experts, model_digest(model.path))
     return model
 
 
@@ -87,10 +87,11 @@ def test_a_table_predicting_more_experts_than_the_model_routes_to(token_routed, 
 
     cfg = token_routed.config
     K, E = cfg.num_experts_per_tok, cfg.num_experts
-    exact = RoutingTable.load(token_routed.path / TABLE_FILE, cfg).table
+    exact = RoutingTable.load(token_routed.path / TABLE_FILE, cfg, model_digest(token_routed.path)).table
     rng = np.random.default_rng(7)
     extra = np.array([[rng.choice(np.setdiff1d(np.arange(E), row)) for row in layer] for layer in exact], np.uint16)
-    wider = write_routing_table(tmp_path / "wider.bin", np.concatenate([exact, extra[:, :, None]], axis=2), E)
+    wider_ids = np.concatenate([exact, extra[:, :, None]], axis=2)
+    wider = write_routing_table(tmp_path / "wider.bin", wider_ids, E, model_digest(token_routed.path))
     config = EngineConfig(
         backend="cuda", kv_block_size=4, expert_cache_slots=K + 1, prefetch="plan", plan_table=str(wider)
     )

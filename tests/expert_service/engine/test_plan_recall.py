@@ -8,7 +8,7 @@ import pytest
 
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
-from common.routing_table import TABLE_FILE, RoutingTable, write_routing_table
+from common.routing_table import TABLE_FILE, RoutingTable, model_digest, write_routing_table
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import PrefillInput
@@ -44,8 +44,9 @@ def test_the_workers_own_table_is_scored_on_each_steps_input_tokens(token_routed
 
     model, table = token_routed
     E = model.config.num_experts
-    write_routing_table(tmp_path / "exact.bin", table, E)
-    write_routing_table(tmp_path / "wrong.bin", np.sort((table + 1) % E, axis=2), E)  # never the routed ones...
+    digest = model_digest(model.path)
+    write_routing_table(tmp_path / "exact.bin", table, E, digest)
+    write_routing_table(tmp_path / "wrong.bin", np.sort((table + 1) % E, axis=2), E, digest)  # never the routed ones...
     config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan")
     exact = cpu_engine(model, EngineConfig(**config, plan_table=str(tmp_path / "exact.bin")), overlap=True)
     assert exact.decoder.plan_lookup is not None

@@ -131,7 +131,7 @@ def test_worker_plan_table_resolution(tmp_path, caplog):
     header only."""
     from common.errors import ConfigError, ModelFormatError
     from common.model_format import ModelDir
-    from common.routing_table import TABLE_FILE, write_routing_table
+    from common.routing_table import TABLE_FILE, model_digest, write_routing_table
     from expert_service.engine.config import EngineConfig
     from expert_service.experts.routing_plan import worker_plan_table
     from expert_service.tools.tiny_model import make_tiny
@@ -142,16 +142,17 @@ def test_worker_plan_table_resolution(tmp_path, caplog):
     rng = np.random.default_rng(5)
     table = np.stack([[rng.choice(E, K, replace=False) for _ in range(V)] for _ in range(L)]).astype(np.uint16)
     assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None  # no table in the directory yet
-    write_routing_table(model.path / TABLE_FILE, table, E)
+    digest = model_digest(model.path)
+    write_routing_table(model.path / TABLE_FILE, table, E, digest)
     found = worker_plan_table(model, EngineConfig(prefetch="plan,lookahead"))
     assert found is not None and np.array_equal(found.table, table)
     assert worker_plan_table(model, EngineConfig(prefetch="lookahead")) is None  # no plan prefetch: no table
     assert worker_plan_table(model, EngineConfig(prefetch="plan", plan_table="router")) is None
-    other = write_routing_table(tmp_path / "other.bin", table[:, :, :1], E)
+    other = write_routing_table(tmp_path / "other.bin", table[:, :, :1], E, digest)
     assert worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(other))).top_k == 1
     with pytest.raises(ConfigError, match=r"^plan_table: .*missing.bin is not a file"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(tmp_path / "missing.bin")))
-    wrong = write_routing_table(tmp_path / "wrong.bin", table[:, : V - 1], E)
+    wrong = write_routing_table(tmp_path / "wrong.bin", table[:, : V - 1], E, digest)
     with pytest.raises(ModelFormatError, match=rf"^plan_table: {re.escape(str(wrong))}: .*vocab_size"):
         worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(wrong)))
     huge = tmp_path / "experts.bin"
@@ -161,10 +162,37 @@ def test_worker_plan_table_resolution(tmp_path, caplog):
     # routing=lut: the router's plan is the routing, so it is also what the prefetch reads
     assert worker_plan_table(model, EngineConfig(prefetch="plan", routing="lut")) is None
     # a stale table in the model directory (another vocabulary) is passed over with a warning, not fatal
-    write_routing_table(model.path / TABLE_FILE, table[:, : V - 1], E)
+    write_routing_table(model.path / TABLE_FILE, table[:, : V - 1], E, digest)
     with caplog.at_level("WARNING", logger="colibri.worker"):
         assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None
     assert any("vocab_size" in r.getMessage() and "passed over" in r.getMessage() for r in caplog.records)
+
+
+def test_a_table_built_for_another_model_of_the_same_shape_is_not_read(tmp_path, caplog):
+    """The table header recorded no model: a table built for one conversion was read for another of the same
+    shape. The model directory's is passed over with a warning naming the digest; a named one stops the worker."""
+    from common.errors import ModelFormatError
+    from common.model_format import ModelDir
+    from common.routing_table import TABLE_FILE, model_digest, write_routing_table
+    from expert_service.engine.config import EngineConfig
+    from expert_service.experts.routing_plan import worker_plan_table
+    from expert_service.tools.tiny_model import make_tiny
+
+    seed = int(np.random.default_rng().integers(0, 1000))
+    model = ModelDir.open(make_tiny(tmp_path / "m", seed=seed), verify=False)
+    other = make_tiny(tmp_path / "other", seed=seed + 1)  # same shape, other weights
+    cfg = model.config
+    L, V, E = len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts
+    table = np.argsort(np.random.default_rng(seed).random((L, V, E)), axis=2)[:, :, :2].astype(np.uint16)
+    write_routing_table(model.path / TABLE_FILE, table, E, model_digest(other))
+    with caplog.at_level("WARNING", logger="colibri.worker"):
+        assert worker_plan_table(model, EngineConfig(prefetch="plan")) is None
+    assert any("model digest" in r.getMessage() and "passed over" in r.getMessage() for r in caplog.records)
+    named = write_routing_table(tmp_path / "named.bin", table, E, model_digest(other))
+    with pytest.raises(ModelFormatError, match=rf"^plan_table: {re.escape(str(named))}: model digest is "):
+        worker_plan_table(model, EngineConfig(prefetch="plan", plan_table=str(named)))
+    write_routing_table(model.path / TABLE_FILE, table, E, model_digest(model.path))  # its own: read
+    assert worker_plan_table(model, EngineConfig(prefetch="plan")) is not None
 
 
 def test_offsets_that_wrap_around_int32_are_refused_in_one_line():

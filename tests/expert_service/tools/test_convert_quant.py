@@ -69,7 +69,8 @@ def test_expert_dtype_file_mixes_dtypes_and_keeps_hot_experts_dense(tmp_path):
     table = np.zeros((2, config.vocab_size, 2), dtype=np.uint16)  # layer 0 predicts 3 most, then 1
     table[0, :, 0], table[0, :100, 1], table[0, 100:, 1] = 3, 1, 2
     table[1, :, 0], table[1, :, 1] = 0, 2
-    write_routing_table(tmp_path / "lut.bin", table, config.num_experts)
+    earlier_conversion = "sha256:" + "5a" * 32  # keep_hot reads an earlier conversion's table: not this one's digest
+    write_routing_table(tmp_path / "lut.bin", table, config.num_experts, earlier_conversion)
     (tmp_path / "plan.yaml").write_text(
         "default: fp8\nfp8_scale: channel\nlayers: {1: int8}\nexperts: {'0.0': bfloat16, '1.3': fp8}\n"
         "keep_hot: {routing_table: lut.bin, per_layer: 1}\n"

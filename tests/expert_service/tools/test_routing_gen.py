@@ -12,7 +12,7 @@ import pytest
 
 from colibri.cli import main
 from common.model_format import ModelDir
-from common.routing_table import RoutingTable
+from common.routing_table import RoutingTable, model_digest
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.tools import routing_gen
@@ -48,7 +48,7 @@ def test_ids_corpus(tiny_model, tmp_path, capsys):
     )
     assert code == 0, stdout
     model = ModelDir.open(tiny_model, verify=False)
-    table = RoutingTable.load(out, model.config)
+    table = RoutingTable.load(out, model.config, model_digest(model.path))
     assert table.top_k == model.config.num_experts_per_tok
     report = json.loads((tmp_path / "lut.bin.report.json").read_text())
     check_report(report, len(model.config.moe_layers))
@@ -63,7 +63,7 @@ def test_text_corpus_on_qwen3(tmp_path, capsys):
     code, stdout, _ = router_gen(capsys, model_dir, "--corpus", corpus, "--top-k", 3, "--sequence-length", 64)
     assert code == 0
     config = ModelDir.open(model_dir, verify=False).config
-    assert RoutingTable.load(model_dir / "routing_table.bin", config).top_k == 3  # default --out
+    assert RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k == 3  # default --out
     report = json.loads((model_dir / "routing_table.bin.report.json").read_text())
     check_report(report, len(config.moe_layers))
     assert report["corpus_tokens"] == len(corpus.read_bytes())  # byte tokenizer: one token per byte
@@ -77,7 +77,7 @@ def test_without_corpus_is_fallback_only(tiny_model, tmp_path, capsys):
     report = json.loads((tmp_path / "fallback.bin.report.json").read_text())
     assert report["has_corpus"] is False and report["recall"] is None and "fallback only" in report["note"]
     model = ModelDir.open(tiny_model, verify=False)
-    table = RoutingTable.load(out, model.config)
+    table = RoutingTable.load(out, model.config, model_digest(model.path))
     for l, layer in enumerate(model.config.moe_layers):
         np.testing.assert_array_equal(table.table[l], fallback_ranking(model, layer, 0, model.config.vocab_size)[:, :2])
 
@@ -100,7 +100,7 @@ def test_a_link_at_an_output_name_is_replaced_not_written_through(tiny_model, tm
     assert outside.read_bytes() == b"not router-gen's"
     assert not (model_dir / name).is_symlink() and (name == "routing_table.bin.tmp") != (model_dir / name).exists()
     config = ModelDir.open(model_dir, verify=False).config
-    assert RoutingTable.load(model_dir / "routing_table.bin", config).top_k == config.num_experts_per_tok
+    assert RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k == config.num_experts_per_tok
     assert json.loads((model_dir / "routing_table.bin.report.json").read_text())["has_corpus"] is False
 
 
