@@ -10,6 +10,7 @@ their experts' bytes kept as they are unless another expert dtype is asked for.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 import re
@@ -25,11 +26,14 @@ from common import dtypes, quant
 from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.files import copy_new
-from common.model_format import ModelWriter
+from common.model_config import ModelConfig
+from common.model_format import MANIFEST, ModelWriter, expert_file
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
+from common.routing_table import TABLE_FILE
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 
+log = logging.getLogger("colibri.convert")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -46,6 +50,11 @@ FP8_BLOCK = ExpertFormat("float8_e4m3fn", quant.BLOCK128)
 
 
 GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+# Names in OUT_DIR that belong to the model directory but that a conversion does not rewrite: the routing table
+# (the worker reads it by name), its report, and leftovers of a killed write. An earlier model's are removed:
+# each describes that model alone. Expert files of layers the new model lacks go too (EXPERT_FILE).
+STALE_OUTPUTS = (TABLE_FILE, TABLE_FILE + ".report.json", TABLE_FILE + ".tmp", MANIFEST + ".tmp")
+EXPERT_FILE = re.compile(r"experts-L\d{3,}\.bin")
 
 
 def _check_shard_file(path: Path) -> None:
@@ -202,6 +211,7 @@ def convert(
             f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
             "ignored; drop it or give --expert-dtype fp8"
         )
+    _remove_stale_outputs(out_dir, config, plan.hot_table)
     writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert])
     total = sum(int(np.prod(s.shape)) for s in specs)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
@@ -225,6 +235,34 @@ def convert(
         elif (out_dir / name).is_file() or (out_dir / name).is_symlink():  # an earlier model's: the router would
             (out_dir / name).unlink()  # read it as this model's
     return writer.finish()
+
+
+def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | None) -> None:
+    """Removes what an earlier model left in OUT_DIR under a name the model directory owns and this conversion does
+    not rewrite (STALE_OUTPUTS, expert files of layers this model lacks), saying so in one warning; files of other
+    names are never touched. Refuses, removing nothing, when one of them is the keep_hot table this conversion
+    reads: it is the operator's input, not a leftover to delete."""
+    if not out_dir.is_dir():
+        return
+    names = [name for name in STALE_OUTPUTS if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+    kept = {expert_file(layer) for layer in config.moe_layers}
+    names += sorted(p.name for p in out_dir.iterdir() if EXPERT_FILE.fullmatch(p.name) and p.name not in kept)
+    if hot_table is not None:  # the file at that name itself (a link there to the table leaves the table intact)
+        real = {out_dir.resolve() / name: name for name in names}
+        if (name := real.get(hot_table.resolve())) is not None:
+            raise ConfigError(
+                f"--expert-dtype-file: keep_hot.routing_table {hot_table} is {out_dir / name}, which converting into "
+                f"{out_dir} removes (it belongs to the model the directory holds now); move it out and name it there"
+            )
+    for name in names:
+        (out_dir / name).unlink()
+    if names:
+        log.warning(
+            "%s: removed %s, left by the model the directory held (they would be read as this model's; rebuild a "
+            "routing table with `colibri router-gen`)",
+            out_dir,
+            ", ".join(names),
+        )
 
 
 def _refuse_unused(where: dict[str, SafetensorsShard], specs: list[TensorSpec], family: str, hf_dir: Path) -> None:

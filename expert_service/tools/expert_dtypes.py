@@ -6,7 +6,8 @@ per-layer / per-expert file (JSON, or YAML when the name ends in .yaml/.yml; doc
     layers: {0: bfloat16, 3: fp8} # every expert of a layer
     experts: {"3.5": bfloat16}    # "layer.expert": one expert (wins over its layer)
     keep_hot:                     # keep the experts a routing table predicts most often in the dense dtype
-      routing_table: routing_table.bin   # a `colibri router-gen` table of this model (relative: to this file)
+      routing_table: routing_table.bin   # a `colibri router-gen` table of an earlier conversion of this
+                                         # checkpoint (relative: to this file; never OUT_DIR's own)
       per_layer: 4                       # that many experts per MoE layer
 
 Each rule names a dtype (bfloat16, float16, float32, int8, fp8 / float8_e4m3fn); later rules win: default,
@@ -56,6 +57,7 @@ class ExpertPlan:
     chosen: dict[tuple[int, int], ExpertFormat] = field(default_factory=dict)
     hot: frozenset[tuple[int, int]] = frozenset()
     fp8_scheme: str | None = None  # the fp8 scale asked for (--fp8-scale or the file's fp8_scale); None: not asked
+    hot_table: Path | None = None  # the routing table keep_hot read (convert must not remove it: it is an input)
 
     def resolve(self, layer: int, expert: int, dense_dtype: str, stored: ExpertFormat | None) -> ExpertFormat:
         if (layer, expert) in self.hot:
@@ -127,13 +129,13 @@ def load_plan(
             raise ConfigError(f"{path}: experts: expert {expert} of layer {layer} is named twice")
         named_experts.add((layer, expert))
         chosen[layer, expert] = fmt(value, f"experts.{key}")
-    hot = _keep_hot(spec["keep_hot"], config, path) if "keep_hot" in spec else frozenset()
-    return ExpertPlan(default, chosen, hot, asked)
+    hot, hot_table = _keep_hot(spec["keep_hot"], config, path) if "keep_hot" in spec else (frozenset(), None)
+    return ExpertPlan(default, chosen, hot, asked, hot_table)
 
 
-def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[int, int]]:
+def _keep_hot(spec: object, config: ModelConfig, path: Path) -> tuple[frozenset[tuple[int, int]], Path]:
     """The `per_layer` experts each MoE layer's table rows name most often (over every token id; ties to
-    the lower id): the experts most tokens are predicted to use."""
+    the lower id): the experts most tokens are predicted to use; and the table's path."""
     from common.routing_table import RoutingTable
 
     keep = _mapping(spec, path, "keep_hot")
@@ -148,17 +150,18 @@ def _keep_hot(spec: object, config: ModelConfig, path: Path) -> frozenset[tuple[
         raise ConfigError(
             f"{path}: keep_hot.routing_table must name a routing table file (relative: to this file), got {name!r}"
         )
+    table_path = path.parent / name
     try:
         # no digest to check: the model being converted has no colibri.json yet (the table is an earlier
         # conversion's of this checkpoint, docs/quantization.md), so the table is checked on its shape alone
-        table = RoutingTable.load(path.parent / name, config, None)
+        table = RoutingTable.load(table_path, config, None)
     except ModelFormatError as e:  # the table names itself; the file and key that named it are said first
         raise type(e)(f"{path}: keep_hot.routing_table: {e}") from None
     hot: set[tuple[int, int]] = set()
     for index, layer in enumerate(table.moe_layers):
         counts = np.bincount(table.table[index].ravel(), minlength=config.num_experts)
         hot.update((layer, int(expert)) for expert in np.argsort(-counts, kind="stable")[:per_layer])
-    return frozenset(hot)
+    return frozenset(hot), table_path
 
 
 def _mapping(value: object, path: Path, key: str) -> dict:
