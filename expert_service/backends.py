@@ -12,6 +12,7 @@ from expert_service.engine.engine import Engine
 from expert_service.engine.step import Decoder
 from expert_service.experts.cache import DEVICE_POLICIES
 from expert_service.experts.routing_plan import warn_unread_plan_table
+from expert_service.experts.slot_map_reference import MAX_EXPERTS, MAX_SLOTS
 from expert_service.experts.slots import SlotPlan, plan_slots
 
 log = logging.getLogger("colibri.worker")
@@ -61,12 +62,26 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
                 f"expert_cache_policy: {config.expert_cache_policy!r} runs on the cpu backend only; the cuda "
                 f"backend's cache implements {', '.join(DEVICE_POLICIES)}"
             )
+        if slot_plan.is_cached:
+            _check_device_slot_map(slot_plan)
         from expert_service.cuda.decoder import CudaDecoder
 
         return CudaDecoder(model, config, slot_plan)
     from expert_service.cpu.decoder import CpuDecoder
 
     return CpuDecoder(model, config, slot_plan)
+
+
+def _check_device_slot_map(slot_plan: SlotPlan) -> None:
+    """The cuda expert cache's slot map keeps a layer's experts and slots in fixed-size shared-memory arrays: a
+    model over them is refused here, before any GPU memory is taken (the kernel's own check raised a ValueError
+    traceback from deep in the decoder's construction)."""
+    if slot_plan.num_experts > MAX_EXPERTS or slot_plan.slots_per_layer > MAX_SLOTS:
+        raise ConfigError(
+            f"expert_cache: the cuda backend's expert cache holds at most {MAX_EXPERTS} experts and {MAX_SLOTS} "
+            f"slots a MoE layer, and this model has {slot_plan.num_experts} experts a layer "
+            f"({slot_plan.slots_per_layer} slots asked); use --backend cpu"
+        )
 
 
 def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:

@@ -43,7 +43,8 @@ voted expert's rank, votes desc then id asc, computed in parallel over the voted
 s = l mod 32: a victim search is one pass of each lane over its slots and a shuffle argmin over the key
 (empty first, oldest stamp, lower slot), and the owner lane applies the fill, so only slot_of crosses lanes
 (a warp barrier per prediction). Shared arrays have compile-time sizes: layers over MAX_EXPERTS experts or
-MAX_SLOTS slots are refused by the launchers (and by DeviceSlots at start-up) with a one-line error.
+MAX_SLOTS slots are refused by the launchers and DeviceSlots; a model over them never gets here: the worker
+refuses it at start-up (backends.make_decoder) in one line.
 Under the simulator the block is one warp and the warp primitives are shared-memory twins.
 """
 from __future__ import annotations
@@ -51,14 +52,22 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
-from expert_service.experts.slot_map_reference import LFU_HALF_LIFE, LFU_MAX, LFU_UNIT, POLICY_LFU, POLICY_LRU
+from expert_service.experts.slot_map_reference import (
+    LFU_HALF_LIFE,
+    LFU_MAX,
+    LFU_UNIT,
+    MAX_EXPERTS,
+    MAX_SLOTS,
+    POLICY_LFU,
+    POLICY_LRU,
+)
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, WARP
 
 HITS, MISSES, PREFETCHES_ISSUED, PREFETCHES_USED = range(4)
 POLICIES = (POLICY_LRU, POLICY_LFU)
-MAX_EXPERTS = 1024  # per layer: the shared-memory arrays' sizes (28-32 KiB a block)
-MAX_SLOTS = 1024  # a slot fits the victim key's low _SLOT_BITS bits
+# MAX_EXPERTS, MAX_SLOTS (per layer: the shared-memory arrays' sizes; a slot fits the victim key's low _SLOT_BITS
+# bits) live in slot_map_reference, where the worker's start-up check reads them without numba
 # The simulator runs a Python thread per CUDA thread, and its warp twins below need the block to be one warp.
 THREADS = WARP if SIMULATOR else 256
 _SLOT_BITS = 10

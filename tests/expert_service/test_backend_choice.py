@@ -87,3 +87,26 @@ def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, nam
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "get_current_device", lambda: SimpleNamespace(name=name))
     assert backends.cuda_status() == (True, "NVIDIA H200 found")
+
+
+@pytest.mark.parametrize("over", [1, 7])
+def test_the_cuda_expert_cache_refuses_more_experts_than_its_slot_map_holds_at_start_up(tmp_path, monkeypatch, over):
+    """A model of more than 1024 experts a layer raised a ValueError traceback from the slot map's launcher check,
+    deep in the cuda decoder's construction; the worker now refuses it in one line before building the decoder."""
+    import sys
+    from types import ModuleType
+
+    from expert_service.experts.slot_map_reference import MAX_EXPERTS
+    from tests.helpers import bf16_tiny
+
+    experts = MAX_EXPERTS + over
+    model = ModelDir.open(bf16_tiny(tmp_path, "mixtral", seed=1, num_local_experts=experts, intermediate_size=16))
+    monkeypatch.setattr(backends, "cuda_status", lambda: (True, "NVIDIA H200 found"))
+    stub = ModuleType("expert_service.cuda.decoder")
+    stub.CudaDecoder = lambda *args: pytest.fail("the decoder is never built for a model the cache cannot hold")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "expert_service.cuda.decoder", stub)
+    with pytest.raises(ConfigError) as err:
+        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256, expert_cache_slots=2))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("expert_cache: ")
+    assert f"at most {MAX_EXPERTS} experts" in message and f"this model has {experts} experts a layer" in message
