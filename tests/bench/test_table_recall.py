@@ -54,7 +54,9 @@ def engine_of(model: ModelDir) -> Engine:
 def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
     train, held = texts(tmp_path, seed=1)
     model = ModelDir.open(tiny_model, verify=False)
-    table = RoutingTable.load(build_table(tiny_model, train, tmp_path / "t.bin"), model.config, model_digest(model.path))
+    table = RoutingTable.load(
+        build_table(tiny_model, train, tmp_path / "t.bin"), model.config, model_digest(model.path)
+    )
     ids = load_corpus(held, "text", model)
     got = table_recall.heldout_recall(model, engine_of(model), table, ids, SEQUENCE_LENGTH)
 

@@ -63,7 +63,9 @@ def test_text_corpus_on_qwen3(tmp_path, capsys):
     code, stdout, _ = router_gen(capsys, model_dir, "--corpus", corpus, "--top-k", 3, "--sequence-length", 64)
     assert code == 0
     config = ModelDir.open(model_dir, verify=False).config
-    assert RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k == 3  # default --out
+    assert (
+        RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k == 3
+    )  # default --out
     report = json.loads((model_dir / "routing_table.bin.report.json").read_text())
     check_report(report, len(config.moe_layers))
     assert report["corpus_tokens"] == len(corpus.read_bytes())  # byte tokenizer: one token per byte
@@ -100,7 +102,10 @@ def test_a_link_at_an_output_name_is_replaced_not_written_through(tiny_model, tm
     assert outside.read_bytes() == b"not router-gen's"
     assert not (model_dir / name).is_symlink() and (name == "routing_table.bin.tmp") != (model_dir / name).exists()
     config = ModelDir.open(model_dir, verify=False).config
-    assert RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k == config.num_experts_per_tok
+    assert (
+        RoutingTable.load(model_dir / "routing_table.bin", config, model_digest(model_dir)).top_k
+        == config.num_experts_per_tok
+    )
     assert json.loads((model_dir / "routing_table.bin.report.json").read_text())["has_corpus"] is False
 
 
