@@ -12,10 +12,14 @@ from expert_service.engine.engine import Engine
 from expert_service.engine.step import Decoder
 from expert_service.experts.cache import DEVICE_POLICIES
 from expert_service.experts.routing_plan import warn_unread_plan_table
-from expert_service.experts.slot_map_reference import MAX_EXPERTS, MAX_SLOTS
 from expert_service.experts.slots import SlotPlan, plan_slots
 
 log = logging.getLogger("colibri.worker")
+# The cuda backend's routing kernels (gate top-k, the fused gate, the expert grouping and alignment) keep a token's
+# expert scores and a layer's expert counts in fixed-size shared-memory arrays: these are their sizes, here so the
+# worker refuses a model beyond them at start-up without importing numba (a test holds them equal to the kernels').
+CUDA_MAX_EXPERTS = 256
+CUDA_MAX_TOP_K = 8
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -62,8 +66,7 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
                 f"expert_cache_policy: {config.expert_cache_policy!r} runs on the cpu backend only; the cuda "
                 f"backend's cache implements {', '.join(DEVICE_POLICIES)}"
             )
-        if slot_plan.is_cached:
-            _check_device_slot_map(slot_plan)
+        _check_cuda_routing(model)
         from expert_service.cuda.decoder import CudaDecoder
 
         return CudaDecoder(model, config, slot_plan)
@@ -72,15 +75,15 @@ def make_decoder(model: ModelDir, config: EngineConfig, slot_plan: SlotPlan) -> 
     return CpuDecoder(model, config, slot_plan)
 
 
-def _check_device_slot_map(slot_plan: SlotPlan) -> None:
-    """The cuda expert cache's slot map keeps a layer's experts and slots in fixed-size shared-memory arrays: a
-    model over them is refused here, before any GPU memory is taken (the kernel's own check raised a ValueError
-    traceback from deep in the decoder's construction)."""
-    if slot_plan.num_experts > MAX_EXPERTS or slot_plan.slots_per_layer > MAX_SLOTS:
+def _check_cuda_routing(model: ModelDir) -> None:
+    """A model beyond the cuda routing kernels' fixed sizes is refused here, in one line and before any GPU memory
+    is taken (the kernels' own checks raised a ValueError traceback at the first step). The device slot map holds
+    more experts and slots a layer than these kernels route (a test holds that), so it needs no check of its own."""
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    if experts > CUDA_MAX_EXPERTS or top_k > CUDA_MAX_TOP_K:
         raise ConfigError(
-            f"expert_cache: the cuda backend's expert cache holds at most {MAX_EXPERTS} experts and {MAX_SLOTS} "
-            f"slots a MoE layer, and this model has {slot_plan.num_experts} experts a layer "
-            f"({slot_plan.slots_per_layer} slots asked); use --backend cpu"
+            f"backend: the cuda backend routes at most {CUDA_MAX_EXPERTS} experts a MoE layer, {CUDA_MAX_TOP_K} a "
+            f"token, and this model has {experts} experts a layer, {top_k} a token; use --backend cpu"
         )
 
 

@@ -89,24 +89,44 @@ def test_cuda_status_names_the_device_whatever_type_numba_gives(monkeypatch, nam
     assert backends.cuda_status() == (True, "NVIDIA H200 found")
 
 
-@pytest.mark.parametrize("over", [1, 7])
-def test_the_cuda_expert_cache_refuses_more_experts_than_its_slot_map_holds_at_start_up(tmp_path, monkeypatch, over):
-    """A model of more than 1024 experts a layer raised a ValueError traceback from the slot map's launcher check,
-    deep in the cuda decoder's construction; the worker now refuses it in one line before building the decoder."""
+@pytest.mark.parametrize(
+    ("experts", "top_k", "slots"),
+    [
+        (backends.CUDA_MAX_EXPERTS + 1, 2, 0),
+        (backends.CUDA_MAX_EXPERTS + 7, 2, 2),
+        (16, backends.CUDA_MAX_TOP_K + 1, 0),
+    ],
+)
+def test_the_cuda_backend_refuses_a_model_its_routing_kernels_cannot_route_at_start_up(
+    tmp_path, monkeypatch, experts, top_k, slots
+):
+    """A model of more than 256 experts a layer (or 8 a token) raised a ValueError traceback from a gate kernel's
+    launcher at the first step, and one of more than 1024 from the slot map's while the decoder was built; the
+    worker now refuses either in one line before building the decoder, resident or cached."""
     import sys
     from types import ModuleType
 
-    from expert_service.experts.slot_map_reference import MAX_EXPERTS
     from tests.helpers import bf16_tiny
 
-    experts = MAX_EXPERTS + over
-    model = ModelDir.open(bf16_tiny(tmp_path, "mixtral", seed=1, num_local_experts=experts, intermediate_size=16))
+    overrides = dict(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size=16)
+    model = ModelDir.open(bf16_tiny(tmp_path, "mixtral", seed=1, **overrides))
     monkeypatch.setattr(backends, "cuda_status", lambda: (True, "NVIDIA H200 found"))
     stub = ModuleType("expert_service.cuda.decoder")
-    stub.CudaDecoder = lambda *args: pytest.fail("the decoder is never built for a model the cache cannot hold")  # type: ignore[attr-defined]
+    stub.CudaDecoder = lambda *args: pytest.fail("the decoder is never built for a model it cannot route")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "expert_service.cuda.decoder", stub)
     with pytest.raises(ConfigError) as err:
-        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256, expert_cache_slots=2))
+        build_engine(model, EngineConfig(backend="cuda", kv_cache_tokens=256, expert_cache_slots=slots))
     message = str(err.value)
-    assert "\n" not in message and message.startswith("expert_cache: ")
-    assert f"at most {MAX_EXPERTS} experts" in message and f"this model has {experts} experts a layer" in message
+    assert "\n" not in message and message.startswith("backend: ")
+    assert f"this model has {experts} experts a layer, {top_k} a token" in message
+
+
+def test_the_start_up_limits_are_the_kernels_own():
+    """The limits the worker checks without numba are the routing kernels' shared-memory sizes, and the device slot
+    map holds at least as many experts and slots a layer (so it needs no start-up check of its own)."""
+    from expert_service.experts.slot_map_reference import MAX_EXPERTS, MAX_SLOTS
+    from expert_service.kernels import expert_grouping, gate_fused, gate_topk, moe_align
+
+    assert {m.MAX_E for m in (gate_topk, gate_fused, expert_grouping, moe_align)} == {backends.CUDA_MAX_EXPERTS}
+    assert {gate_topk.MAX_K, gate_fused.MAX_K} == {backends.CUDA_MAX_TOP_K}
+    assert backends.CUDA_MAX_EXPERTS <= min(MAX_EXPERTS, MAX_SLOTS)
