@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
@@ -33,6 +32,7 @@ from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.logging_setup import configure_logging
 from common.metrics import new_registry, start_metrics_server
 from common.pb import router_pb2, router_pb2_grpc
+from common.reflection import enable_reflection
 from common.tracing import configure_tracing
 from router_service.batching_loop import BatchingLoop
 from router_service.chat import ChatTemplate
@@ -201,9 +201,7 @@ async def start_router(
     servicer = GenerationServicer(batching_loop, frontend=frontend)
     router_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, [router_pb2.DESCRIPTOR.services_by_name["GenerationService"]])
     for name in LIVENESS:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     for name in READINESS:

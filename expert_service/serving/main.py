@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2_grpc
 
 from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor, Refusal, TokenSet
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
@@ -46,6 +45,7 @@ from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
 from common.model_identity import ModelDigests
 from common.pb import worker_pb2
+from common.reflection import enable_reflection
 from common.tracing import ServerTracingInterceptor, configure_tracing
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
@@ -293,14 +293,7 @@ async def serve(
     server = grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection(
-        (
-            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-            reflection.SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        ),
-        server,
-    )
+    enable_reflection(server, [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]])
     servers, tasks, metrics_server, port = [server], [], None, 0
     fit_open_files(config.grpc_max_connections * (2 if config.health_port else 1), "grpc_max_connections")
     try:

@@ -10,7 +10,6 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.model_format import ModelDir
 from common.pb import worker_pb2 as pb
@@ -23,6 +22,7 @@ from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
 from expert_service.serving import wire
 from expert_service.serving.step_stream import StepPump
+from tests.reflection_client import reflected
 
 
 @pytest.fixture
@@ -365,10 +365,16 @@ def test_standard_health_and_reflection(worker):
                 health.Check(health_pb2.HealthCheckRequest(service=service)).status
                 == health_pb2.HealthCheckResponse.SERVING
             )
-        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
-        names = {s.name for s in answer.list_services_response.service}
-        assert {"colibri.worker.v1.WorkerService", "grpc.health.v1.Health"} <= names
+    # Exactly the worker's services: the router's, whose stubs share the process's descriptor pool, are neither
+    # listed nor described.
+    symbols = ("colibri.worker.v1.WorkerService", "colibri.router.v1.GenerationService")
+    listed, described = reflected(worker.address, symbols)
+    assert listed == {
+        "colibri.worker.v1.WorkerService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    assert described == {"colibri.worker.v1.WorkerService": True, "colibri.router.v1.GenerationService": False}
 
 
 def test_worker_fault_fails_the_call_and_exits_non_zero(tiny_model, monkeypatch):
