@@ -12,13 +12,16 @@ docs/observability.md lists every metric with its meaning.
 from __future__ import annotations
 
 import errno
+import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from common.errors import AddressInUseError
+from common.listen_address import host_port, listen_host, set_v6only
 
 PREFIX = "colibri_"
 
@@ -276,18 +279,37 @@ def load_imbalance(counts: Sequence[int]) -> float:
     return max(counts) * len(counts) / total
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # every scrape would be a line on stderr
+        pass
+
+
 def start_metrics_server(
-    registry: CollectorRegistry, port: int, host: str = "0.0.0.0", role: str = "metrics"
+    registry: CollectorRegistry, port: int, host: str = "127.0.0.1", role: str = "metrics"
 ) -> tuple[WSGIServer, threading.Thread, int]:
-    """Serves the registry as Prometheus text on http://host:port/metrics from a daemon thread.
+    """Serves the registry as Prometheus text on http://host:port/metrics from a daemon thread; `::` is every
+    interface, IPv6 and IPv4 (common/listen_address.py: prometheus_client's own server leaves IPV6_V6ONLY to the
+    platform).
 
     Port 0 binds a free port; the third value is the port actually bound. Stop with
     ``server.shutdown(); server.server_close()``. A port that cannot be bound raises AddressInUseError
-    naming `role` and the address ("worker metrics 0.0.0.0:9091 is in use").
+    naming `role` and the address ("worker metrics [::]:9091 is in use").
     """
+    bound_host = listen_host(host)
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        family = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0][0]
+
+        class MetricsServer(ThreadingWSGIServer):
+            address_family = family
+
+            def server_bind(self):
+                set_v6only(self.socket, bound_host)
+                super().server_bind()
+
+        server = make_server(bound_host, port, make_wsgi_app(registry), MetricsServer, handler_class=_QuietHandler)
     except OSError as e:
         reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
-        raise AddressInUseError(f"{role} {host}:{port} {reason}") from None
+        raise AddressInUseError(f"{role} {host_port(bound_host, port)} {reason}") from None
+    thread = threading.Thread(target=server.serve_forever, name=f"colibri-{role.replace(' ', '-')}", daemon=True)
+    thread.start()
     return server, thread, server.server_port

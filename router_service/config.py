@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from common.config import LOG_LEVEL_ENV, check_distinct_ports, check_message_limit, setting
 from common.connection_limits import MAX_CONNECTIONS
 from common.errors import ConfigError
+from common.listen_address import ADDRESS_HELP, bind_address_problem
 
 # gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
 # call whose deadline it cannot represent at once (worker_step_timeout_s): longer ones stop nothing useful.
@@ -44,7 +45,9 @@ def worker_address_problem(address: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = setting("0.0.0.0", "address the public gRPC server binds to", ("COLIBRI_HOST",))
+    host: str = setting(
+        "::", f"address the public gRPC, health and HTTP ports bind to: {ADDRESS_HELP}", ("COLIBRI_HOST",)
+    )
     port: int = setting(
         50051, "public gRPC port (GenerationService, health, reflection); 0 = pick a free one", ("COLIBRI_PORT", "PORT")
     )
@@ -53,7 +56,7 @@ class RouterConfig:
     )
     metrics_host: str = setting(
         "127.0.0.1",
-        "address of the /metrics port (0.0.0.0 to let Prometheus scrape it from outside the host or pod)",
+        f"address of the /metrics port (:: to let Prometheus scrape it from outside the host or pod): {ADDRESS_HELP}",
         ("COLIBRI_METRICS_HOST",),
     )
     worker: str = setting(
@@ -362,6 +365,9 @@ class RouterConfig:
             raise ConfigError("router: tls_cert_file and tls_key_file go together (give both or neither)")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("router: tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        for name in ("host", "metrics_host"):  # a typo would surface only as a port that cannot be bound
+            if problem := bind_address_problem(getattr(self, name)):
+                raise ConfigError(f"router: --{name.replace('_', '-')} {getattr(self, name)!r} {problem}")
         check_distinct_ports("router: ", self.listeners())
 
     def listeners(self) -> dict[str, tuple[str, int]]:

@@ -17,6 +17,8 @@ import json
 import math
 from collections.abc import Callable
 
+from common.listen_address import dual_stack_socket, is_dual_stack, listen_host
+
 REFUSAL_LINGER_S = 1.0
 MAX_LINGERING = 64  # refused connections lingering at once; past it (a flood) one is closed as soon as answered
 
@@ -123,11 +125,14 @@ async def listen(factory, config, hooks, host: str, port: int, ssl_context) -> t
     limit = config.http_max_connections
     gate = ConnectionGate(factory, limit, config.retry_after_s, hooks.on_http_connection_refused)
     hooks.on_http_connections(lambda: gate.open)
-    server = await asyncio.get_running_loop().create_server(
-        gate,
-        host,
-        port,
-        ssl=ssl_context,
-        ssl_handshake_timeout=config.http_header_timeout_s if ssl_context is not None else None,
-    )
+    ssl_options = {
+        "ssl": ssl_context,
+        "ssl_handshake_timeout": config.http_header_timeout_s if ssl_context is not None else None,
+    }
+    loop = asyncio.get_running_loop()
+    bound_host = listen_host(host)
+    if is_dual_stack(bound_host):  # asyncio would bind `::` IPv6 only (it sets IPV6_V6ONLY)
+        server = await loop.create_server(gate, sock=dual_stack_socket(port), **ssl_options)
+    else:
+        server = await loop.create_server(gate, bound_host, port, **ssl_options)
     return server, gate

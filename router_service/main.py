@@ -29,6 +29,7 @@ from common.connection_limits import fit_open_files, grpc_connection_options
 from common.errors import AddressInUseError, ConfigError
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
+from common.listen_address import grpc_listen_address, host_port
 from common.logging_setup import configure_logging
 from common.metrics import new_registry, start_metrics_server
 from common.pb import router_pb2, router_pb2_grpc
@@ -214,23 +215,21 @@ async def start_router(
         router.metrics_server, _, router.metrics_port = start_metrics_server(
             metrics_registry, config.metrics_port, config.metrics_host, role="router metrics"
         )
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, router.metrics_port)
-    address = f"{config.host}:{config.port}"
-    router.port = _bind(server, "router gRPC", address, tls.credentials if tls is not None else None)
+        log.info("metrics on http://%s/metrics", host_port(config.metrics_host, router.metrics_port))
+    router.port = _bind(server, "router gRPC", config.host, config.port, tls.credentials if tls is not None else None)
     if config.health_port:
         router.health_server = grpc.aio.server(interceptors=[decode_guard()], options=connections)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
-        router.health_port = _bind(router.health_server, "router health", f"{config.host}:{config.health_port}")
+        router.health_port = _bind(router.health_server, "router health", config.host, config.health_port)
         await router.health_server.start()
     if router.http is not None:
         router.http_port = await router.http.start(config.host, config.http_port)
-        log.info("OpenAI-compatible HTTP API on %s:%d", config.host, router.http_port)
+        log.info("OpenAI-compatible HTTP API on %s", host_port(config.host, router.http_port))
     await server.start()
     await batching_loop.start()
     log.info(
-        "router listening on %s:%d (%s%s), worker %s",
-        config.host,
-        router.port,
+        "router listening on %s (%s%s), worker %s",
+        host_port(config.host, router.port),
         "mutual TLS" if config.tls_client_ca_file else "TLS" if tls else "plaintext",
         ", bearer tokens" if tokens.enabled else "",
         config.worker,
@@ -239,9 +238,10 @@ async def start_router(
     return router
 
 
-def _bind(server: grpc.aio.Server, role: str, address: str, credentials=None) -> int:
+def _bind(server: grpc.aio.Server, role: str, host: str, port: int, credentials=None) -> int:
     """Adds a port (TLS with `credentials`); a port that cannot be bound is AddressInUseError naming role and
     address (exit code 7, which `colibri serve` does not restart on)."""
+    address = grpc_listen_address(host, port)
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:

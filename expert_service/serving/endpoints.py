@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from common.errors import AddressInUseError, ConfigError
+from common.listen_address import grpc_listen_address, host_port, listen_host, set_v6only
 
 log = logging.getLogger("colibri.worker")
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
@@ -34,21 +35,24 @@ def is_loopback(host: str) -> bool:
 
 def _tcp_failure(role: str, host: str, port: int) -> AddressInUseError:
     """Why gRPC could not bind host:port, found by binding it ourselves (gRPC only says that it failed)."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    bound_host = listen_host(host)
+    where = host_port(bound_host, port)
     try:
+        family = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host.strip("[]"), port))
+            set_v6only(s, bound_host)
+            s.bind((bound_host, port))
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            return AddressInUseError(f"{role} {host}:{port} is in use")
-        return AddressInUseError(f"{role} {host}:{port} cannot be bound: {e.strerror or e}")
-    return AddressInUseError(f"{role} {host}:{port} cannot be bound")
+            return AddressInUseError(f"{role} {where} is in use")
+        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
+    return AddressInUseError(f"{role} {where} cannot be bound")
 
 
 def bind_tcp(server: grpc.aio.Server, role: str, host: str, port: int) -> int:
     """Adds an insecure TCP port; returns the port bound (port 0 picks one)."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(grpc_listen_address(host, port))
     except RuntimeError:
         bound = 0
     if not bound:

@@ -40,6 +40,7 @@ from common.errors import ColibriError, ConfigError
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
+from common.listen_address import ADDRESS_HELP, bind_address_problem, host_port
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
@@ -63,7 +64,7 @@ log = logging.getLogger("colibri.worker")
 class WorkerConfig:
     host: str = setting(
         "127.0.0.1",
-        "address to bind the worker's gRPC port (loopback: only the router sidecar should reach it)",
+        f"address to bind the worker's gRPC port (loopback: only the router sidecar should reach it): {ADDRESS_HELP}",
         env=("COLIBRI_WORKER_HOST",),
     )
     port: int = setting(
@@ -82,12 +83,14 @@ class WorkerConfig:
         env=("COLIBRI_WORKER_HEALTH_PORT",),
     )
     health_host: str = setting(
-        "0.0.0.0", "address of the health-only port (probes reach the pod IP)", env=("COLIBRI_WORKER_HEALTH_HOST",)
+        "::",
+        f"address of the health-only port (probes reach the pod IP): {ADDRESS_HELP}",
+        env=("COLIBRI_WORKER_HEALTH_HOST",),
     )
     metrics_port: int = setting(9091, "worker Prometheus /metrics port; 0 = off", env=("COLIBRI_WORKER_METRICS_PORT",))
     metrics_host: str = setting(
         "127.0.0.1",
-        "address of the /metrics port (0.0.0.0 to let Prometheus scrape it from outside the host or pod)",
+        f"address of the /metrics port (:: to let Prometheus scrape it from outside the host or pod): {ADDRESS_HELP}",
         env=("COLIBRI_WORKER_METRICS_HOST",),
     )
     auth_token_file: str = setting(
@@ -134,6 +137,9 @@ class WorkerConfig:
         for name in ("port", "metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("host", "health_host", "metrics_host"):  # a typo would surface only as a port not bound
+            if problem := bind_address_problem(getattr(self, name)):
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} {problem}")
         check_distinct_ports(
             "",
             {
@@ -301,7 +307,7 @@ async def serve(
             where = f"unix:{bind_socket(server, 'worker gRPC', config.socket)}"
         else:
             port = bind_tcp(server, "worker gRPC", config.host, config.port)
-            where = f"{config.host}:{port}"
+            where = host_port(config.host, port)
         if config.health_port:
             health_server = grpc.aio.server(interceptors=[MalformedRequestGuard()], options=connections)
             health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
@@ -311,7 +317,7 @@ async def serve(
             metrics_server, _, metrics_port = start_metrics_server(
                 registry, config.metrics_port, config.metrics_host, role="worker metrics"
             )
-            log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
+            log.info("metrics on http://%s/metrics", host_port(config.metrics_host, metrics_port))
         for s in servers:
             await s.start()
         tasks.append(asyncio.create_task(health.watch(servicer.update_gauges)))
@@ -320,7 +326,7 @@ async def serve(
         log.info(
             "worker listening on %s%s; loading %s",
             where,
-            f", health on {config.health_host}:{config.health_port}" if config.health_port else "",
+            f", health on {host_port(config.health_host, config.health_port)}" if config.health_port else "",
             model_dir,
         )
 

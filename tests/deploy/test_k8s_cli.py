@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from colibri.cli import SUBCOMMANDS
-from common.config import WILDCARD_HOSTS, load_config_file, resolve
 from common.config import flag_values as config_flags
+from common.config import load_config_file, resolve
+from common.listen_address import EVERY_INTERFACE
 from expert_service.engine.config import EngineConfig
 from expert_service.serving import lifecycle
 from expert_service.serving.main import WorkerConfig
@@ -133,9 +134,11 @@ def test_settings_resolve_and_the_pod_agrees_with_them(renderings, tmp_path):
         router = resolved(r, spec, "router", f"{name} router", tmp_path)["RouterConfig"]
         worker = resolved(r, spec, "worker", f"{name} worker", tmp_path)["WorkerConfig"]
 
-        # Probes: on the plaintext health port each process binds to every address (probes reach the pod IP).
-        assert router.health_port and router.host in WILDCARD_HOSTS, f"{name}: router health port"
-        assert worker.health_port and worker.health_host in WILDCARD_HOSTS, f"{name}: worker health port"
+        # Probes: on the plaintext health port each process binds to every address (probes reach the pod IP), IPv6
+        # and IPv4 alike (`::`, dual-stack: 0.0.0.0 would leave the HTTP and metrics ports unreachable on IPv6-only
+        # clusters).
+        assert router.health_port and router.host == EVERY_INTERFACE, f"{name}: router health port"
+        assert worker.health_port and worker.health_host == EVERY_INTERFACE, f"{name}: worker health port"
         for c, port in ((router_c, router.health_port), (worker_c, worker.health_port)):
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert c[kind]["grpc"]["port"] == port, f"{name}: {c['name']} {kind} is not on its health port"
@@ -145,7 +148,7 @@ def test_settings_resolve_and_the_pod_agrees_with_them(renderings, tmp_path):
         worker_ports = {worker.health_port, worker.metrics_port} - {0}
         assert {p["containerPort"] for p in router_c["ports"]} == router_ports, name
         assert {p["containerPort"] for p in worker_c["ports"]} == worker_ports, name
-        assert router.metrics_host in WILDCARD_HOSTS and worker.metrics_host in WILDCARD_HOSTS, name
+        assert router.metrics_host == worker.metrics_host == EVERY_INTERFACE, name
         assert worker.socket and router.worker == f"unix://{worker.socket}", f"{name}: the worker's RPCs on its socket"
 
         # The in-pod token: what the router sends is what the worker accepts.

@@ -266,7 +266,8 @@ def test_service_exposes_grpc_over_h2c_http_and_both_metrics_ports(renderings):
         assert _port_names(router)["metrics-router"] == int(flag(router["args"], "metrics-port")) == 9090
         assert _port_names(worker)["metrics-worker"] == int(flag(worker["args"], "metrics-port")) == 9091
         for container_ in (router, worker):
-            assert flag(container_["args"], "metrics-host") == "0.0.0.0", f"{name}: loopback metrics cannot be scraped"
+            # every interface, IPv6 included: loopback metrics cannot be scraped, 0.0.0.0 not on IPv6-only clusters
+            assert flag(container_["args"], "metrics-host") == "::", f"{name}: metrics not on every interface"
         assert {"metrics-router", "metrics-worker"} <= set(ports), name
         # Health ports are for the kubelet only.
         assert not any(p["name"].startswith("health") for p in ports.values()), name

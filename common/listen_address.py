@@ -1,0 +1,106 @@
+"""Where a listener binds: the operator's address settings, checked at start-up, and `::` (every interface) bound
+dual-stack, so a server is reachable on IPv4, IPv6 and IPv6-only clusters alike.
+
+`::` means every interface, IPv6 and IPv4: bound as one IPv6 socket with IPV6_V6ONLY off (IPv4 clients arrive as
+::ffff:a.b.c.d), or as 0.0.0.0 on a host without IPv6. gRPC core already binds any wildcard that way; asyncio and
+socketserver do not (asyncio sets IPV6_V6ONLY on every IPv6 socket, socketserver leaves the platform's default), so
+the HTTP front and the metrics port take their sockets from here. Any other address is bound as given: 0.0.0.0 is
+IPv4 only on those two (gRPC core makes it dual-stack too), ::1 and 127.0.0.1 this host only.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import socket
+
+log = logging.getLogger("colibri.listen")
+EVERY_INTERFACE = "::"
+IPV4_EVERY_INTERFACE = "0.0.0.0"
+ADDRESS_HELP = "an IP address or a host name; :: = every interface, IPv6 and IPv4 (0.0.0.0 where the host has no IPv6)"
+
+
+def _unbracketed(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def bind_address_problem(host: str) -> str | None:
+    """Why a listener cannot bind `host`, or None: it must be an IP address (an IPv6 one with or without brackets)
+    or a name this machine resolves now (a typo would otherwise fail later, as a port that 'cannot be bound')."""
+    bare = _unbracketed(host)
+    if not bare.strip():
+        return "is empty: give an IP address (:: for every interface) or a host name"
+    try:
+        ipaddress.ip_address(bare)
+        return None
+    except ValueError:
+        pass
+    if bare != host:
+        return "is not an IPv6 address, yet it is in brackets"
+    try:
+        socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return "is neither an IP address nor a host name this machine resolves"
+    return None
+
+
+@functools.cache
+def ipv6_available() -> bool:
+    """Whether this host can bind an IPv6 socket on every interface with IPv4 mapped onto it (a kernel booted with
+    ipv6.disable=1, or a Python built without IPv6, cannot)."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind((EVERY_INTERFACE, 0))
+    except OSError:
+        return False
+    return True
+
+
+def listen_host(host: str) -> str:
+    """The address a listener binds for the setting `host` (brackets dropped): `::` becomes 0.0.0.0 on a host
+    without IPv6."""
+    bare = _unbracketed(host)
+    if bare == EVERY_INTERFACE and not ipv6_available():
+        log.info("this host has no IPv6: listening on 0.0.0.0 (IPv4) for ::")
+        return IPV4_EVERY_INTERFACE
+    return bare
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC targets and logs write it: an IPv6 address in brackets."""
+    bare = _unbracketed(host)
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def grpc_listen_address(host: str, port: int) -> str:
+    """What to give grpc's add_*_port for the setting `host`."""
+    return host_port(listen_host(host), port)
+
+
+def is_dual_stack(bound_host: str) -> bool:
+    """Whether a socket bound on `bound_host` (listen_host's answer) takes IPv4 and IPv6 alike."""
+    return bound_host == EVERY_INTERFACE
+
+
+def set_v6only(sock: socket.socket, bound_host: str) -> None:
+    """IPV6_V6ONLY off on the every-interface socket, on on any other IPv6 one (the platform's default varies)."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if is_dual_stack(bound_host) else 1)
+
+
+def dual_stack_socket(port: int) -> socket.socket:
+    """A TCP socket bound on every interface, IPv6 and IPv4 (`::` with IPV6_V6ONLY off), not yet listening.
+    Raises OSError when the port cannot be bound."""
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does
+        set_v6only(sock, EVERY_INTERFACE)
+        sock.bind((EVERY_INTERFACE, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
