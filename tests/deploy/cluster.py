@@ -4,9 +4,11 @@ connection through. Kubernetes' own rules, written out for the subset the manife
 matchExpressions, named and numbered ports, pod and namespace peers), as the oldest supported version (1.29)
 applies them where versions differ.
 
-The model cluster holds the pods a real one has around ours: kube-dns in kube-system (`k8s-app: kube-dns`, the
-label CoreDNS keeps on kubeadm, EKS, GKE and AKS), Prometheus in the `monitoring` namespace, an API client in
-another namespace, an OTLP collector, and an address outside the cluster (the Hugging Face Hub).
+The model cluster holds the pods a real one has around ours: the cluster's resolver in each of its usual shapes
+(kube-dns in kube-system, `k8s-app: kube-dns`, the label CoreDNS keeps on kubeadm, EKS, GKE and AKS; CoreDNS under
+a label of its own, as some installs deploy it; NodeLocal DNSCache, answering on a link-local address of the node,
+which no pod selector names), Prometheus in the `monitoring` namespace, an API client in another namespace, an OTLP
+collector, and an address outside the cluster (the Hugging Face Hub).
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ class Pod:
         return None
 
 
-KUBE_DNS = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"}, (Port("dns", 53, "UDP"), Port("dns-tcp", 53)))
+DNS_PORTS = (Port("dns", 53, "UDP"), Port("dns-tcp", 53))
+KUBE_DNS = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"}, DNS_PORTS)
+COREDNS_OWN_LABEL = Pod("coredns-own-label", "kube-system", {"app.kubernetes.io/name": "coredns"}, DNS_PORTS)
+NODE_LOCAL_DNS = Pod("node-local-dns 169.254.20.10", None, ports=DNS_PORTS)  # the node's, not a pod's, address
+RESOLVERS = (KUBE_DNS, COREDNS_OWN_LABEL, NODE_LOCAL_DNS)
 PROMETHEUS = Pod("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"})
 CLIENT = Pod("api-client", "apps", {"app": "api-client"})
 OTLP_COLLECTOR = Pod("otel-collector", "observability", {"app": "otel-collector"}, (Port("otlp-grpc", 4317),))

@@ -14,6 +14,7 @@ from tests.deploy.cluster import (
     KUBE_DNS,
     OTLP_COLLECTOR,
     PROMETHEUS,
+    RESOLVERS,
     connection_allowed,
     selects,
     service_selects,
@@ -119,13 +120,15 @@ def test_every_policy_port_is_a_declared_port(server_rendering):
 
 
 def test_dns_resolves_under_the_policies(server_rendering, renderings):
+    """Whatever shape the cluster's resolver has: kube-dns, CoreDNS under another label, NodeLocal DNSCache."""
     name, _ = server_rendering
     server, convert, policies = _cluster(renderings, name)
     for pod in (server, convert):
-        for port in KUBE_DNS.ports:
-            assert connection_allowed(policies, pod, KUBE_DNS, port.number, port.protocol), (
-                f"{name}: {pod.name} cannot reach kube-dns on {port.number}/{port.protocol}"
-            )
+        for resolver in RESOLVERS:
+            for port in resolver.ports:
+                assert connection_allowed(policies, pod, resolver, port.number, port.protocol), (
+                    f"{name}: {pod.name} cannot reach {resolver.name} on {port.number}/{port.protocol}"
+                )
         assert not connection_allowed(policies, pod, KUBE_DNS, 8080), f"{name}: {pod.name} reaches kube-dns:8080"
 
 
