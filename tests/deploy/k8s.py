@@ -31,9 +31,11 @@ RENDERINGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu+monitoring": ("overlays/cpu", ("components/monitoring",)),
     "cpu+hpa": ("overlays/cpu", ("components/hpa",)),
     "cpu+tls+mtls": ("overlays/cpu", ("components/tls", "components/mtls")),
+    "cpu+private-registry": ("overlays/cpu", ("components/private-registry",)),
+    "convert+private-registry": ("convert", ("components/private-registry",)),
 }
 # Renderings that hold the server Deployment.
-SERVER_RENDERINGS = [name for name in RENDERINGS if name != "convert"]
+SERVER_RENDERINGS = [name for name in RENDERINGS if not name.startswith("convert")]
 
 # Kinds defined by CRDs: no official schema; each is named here on purpose so that no other kind is skipped.
 CRD_KINDS = {

@@ -235,6 +235,7 @@ def test_backend_per_overlay(renderings):
         "cpu+monitoring": "cpu",
         "cpu+hpa": "cpu",
         "cpu+tls+mtls": "cpu",
+        "cpu+private-registry": "cpu",
     }
     for name, r, spec in servers(renderings):
         env_maps = {src["configMapRef"]["name"] for c in all_containers(spec) for src in c.get("envFrom", [])}
@@ -393,3 +394,20 @@ def test_docs_point_every_placeholder_image_at_a_registry():
                     f"{rel} pulls {image.get('newName', image['name'])}:{image.get('newTag')}: docs/deploy.md does "
                     "not say to point it at a registry"
                 )
+
+
+def test_private_registry_component_gives_every_pod_the_pull_secret(renderings):
+    """With components/private-registry the server pods and the convert Job's pod name the registry Secret, which
+    docs/deploy.md says how to create; without it, none names one (a missing Secret would only warn on every pull)."""
+    workloads = {
+        "cpu+private-registry": ("Deployment", "colibri"),
+        "convert+private-registry": ("Job", "colibri-convert"),
+    }
+    for name, (kind, workload) in workloads.items():
+        spec = pod_spec(renderings[name].one(kind, workload))
+        assert spec.get("imagePullSecrets") == [{"name": "colibri-registry"}], name
+    for name, spec in pods(renderings):
+        if not name.endswith("+private-registry"):
+            assert "imagePullSecrets" not in spec, f"{name}: a pull secret without the component"
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    assert "create secret docker-registry colibri-registry" in docs and "components/private-registry" in docs
