@@ -4,8 +4,8 @@ port's `http_max_connections` too).
 
 gRPC core enforces the cap (`grpc.max_allowed_incoming_connections`): it counts a connection from its accept, the
 handshake included, until it closes, and closes one accepted past the cap at once, before reading from it (its
-client's call fails UNAVAILABLE). Each listening server counts its own. gRPC exposes neither the count nor the
-refusals, so no metric follows them.
+client's call fails UNAVAILABLE). Each listening server counts its own. gRPC reports neither refusals nor idle
+closes, so no counter follows them; the open connections are read from channelz (common/grpc_connections.py).
 """
 
 from __future__ import annotations

@@ -136,6 +136,10 @@ class RouterMetrics:
         self.http_connections_refused = b.counter(
             "http_connections_refused", "HTTP connections refused (503) because http_max_connections were open"
         )
+        self.grpc_connections = b.gauge("grpc_connections", "Open connections of the public gRPC port (channelz)")
+        self.grpc_health_connections = b.gauge(
+            "grpc_health_connections", "Open connections of the gRPC health port (channelz)"
+        )
         self.http_body_bytes = b.gauge(
             "http_body_bytes", "Bytes of HTTP request bodies reserved now (being read or parsed)"
         )
@@ -199,6 +203,12 @@ class WorkerMetrics:
         )
         self.kv_cache_usage_ratio = b.gauge("kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool")
         self.kv_blocks_used = b.gauge("kv_blocks_used", "KV blocks in use")
+        self.worker_grpc_connections = b.gauge(
+            "worker_grpc_connections", "Open connections of the worker's RPC port or socket (channelz)"
+        )
+        self.worker_grpc_health_connections = b.gauge(
+            "worker_grpc_health_connections", "Open connections of the worker's health port (channelz)"
+        )
         self.expert_cache_hits = b.counter("expert_cache_hits", "Expert uses served by a resident expert slot")
         self.expert_cache_misses = b.counter(
             "expert_cache_misses", "Expert uses that needed a host-to-device copy first"

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from common.config import add_flags, flag_values, load_config_file, resolve
 from common.connection_limits import fit_open_files, grpc_connection_options
 from common.errors import AddressInUseError, ConfigError
+from common.grpc_connections import counted_server
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.listen_address import grpc_listen_address, host_port
@@ -178,24 +179,27 @@ async def start_router(
     tls = server_credentials(config)
     _fit_open_files(config)
     connections = grpc_connection_options(config.grpc_max_connections)
-    server = grpc.aio.server(
-        interceptors=public_interceptors(tokens),
-        options=[
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-            # Long-lived client connections get re-balanced across replicas behind a Service.
-            ("grpc.max_connection_age_ms", 600_000),
-            ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
-            *connections,
-        ],
-        maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16,
+    server, grpc_connections = counted_server(
+        lambda: grpc.aio.server(
+            interceptors=public_interceptors(tokens),
+            options=[
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                # Long-lived client connections get re-balanced across replicas behind a Service.
+                ("grpc.max_connection_age_ms", 600_000),
+                ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
+                *connections,
+            ],
+            maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16,
+        )
     )
     health_servicer = health.aio.HealthServicer()
     batching_loop = BatchingLoop(config, worker, tokenizer, planner=_routing_planner(config))
     router = Router(server, 0, batching_loop, health_servicer, worker)
     batching_loop.hooks = ChainedHooks(_HealthHooks(router), QueueSpanHooks(), *([hooks] if hooks is not None else []))
+    batching_loop.hooks.on_grpc_connections("grpc", grpc_connections.gauge_value)
     model_name = config.model_name or (Path(config.model).name if config.model else "")
     frontend = Frontend(batching_loop, model_name, ChatTemplate.load(config.model, config.chat_template))
     router.frontend = frontend
@@ -218,7 +222,10 @@ async def start_router(
         log.info("metrics on http://%s/metrics", host_port(config.metrics_host, router.metrics_port))
     router.port = _bind(server, "router gRPC", config.host, config.port, tls.credentials if tls is not None else None)
     if config.health_port:
-        router.health_server = grpc.aio.server(interceptors=[decode_guard()], options=connections)
+        router.health_server, health_connections = counted_server(
+            lambda: grpc.aio.server(interceptors=[decode_guard()], options=connections)
+        )
+        batching_loop.hooks.on_grpc_connections("health", health_connections.gauge_value)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
         router.health_port = _bind(router.health_server, "router health", config.host, config.health_port)
         await router.health_server.start()

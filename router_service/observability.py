@@ -57,6 +57,10 @@ class BatchingLoopHooks:
     def on_http_connection_refused(self) -> None:
         """The HTTP front refused a connection: http_max_connections were open."""
 
+    def on_grpc_connections(self, port: str, count) -> None:
+        """A gRPC server starts; `count()` is its open connections ("grpc": the public port, "health": the health
+        port), for hooks to read when they want."""
+
     def on_http_body_bytes(self, count) -> None:
         """The HTTP front starts; `count()` is the body bytes it holds reserved now, for hooks to read."""
 
@@ -117,6 +121,9 @@ class MetricsHooks(BatchingLoopHooks):
 
     def on_http_connection_refused(self) -> None:
         self.m.http_connections_refused.inc()
+
+    def on_grpc_connections(self, port: str, count) -> None:
+        (self.m.grpc_connections if port == "grpc" else self.m.grpc_health_connections).set_function(count)
 
     def on_http_body_bytes(self, count) -> None:
         self.m.http_body_bytes.set_function(count)

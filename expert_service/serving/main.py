@@ -37,6 +37,7 @@ from common.config import (
 )
 from common.connection_limits import MAX_CONNECTIONS, fit_open_files, grpc_connection_options
 from common.errors import ColibriError, ConfigError
+from common.grpc_connections import counted_server
 from common.grpc_guard import MalformedRequestGuard
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
@@ -296,7 +297,10 @@ async def serve(
         ("grpc.max_receive_message_length", config.max_message_bytes),
         *connections,
     ]
-    server = grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
+    server, rpc_connections = counted_server(
+        lambda: grpc.aio.server(interceptors=worker_interceptors(tokens, tracer_provider), options=options)
+    )
+    metrics.worker_grpc_connections.set_function(rpc_connections.gauge_value)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     enable_reflection(server, [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]])
@@ -309,7 +313,10 @@ async def serve(
             port = bind_tcp(server, "worker gRPC", config.host, config.port)
             where = host_port(config.host, port)
         if config.health_port:
-            health_server = grpc.aio.server(interceptors=[MalformedRequestGuard()], options=connections)
+            health_server, health_connections = counted_server(
+                lambda: grpc.aio.server(interceptors=[MalformedRequestGuard()], options=connections)
+            )
+            metrics.worker_grpc_health_connections.set_function(health_connections.gauge_value)
             health_pb2_grpc.add_HealthServicer_to_server(health.servicer, health_server)
             bind_tcp(health_server, "worker health", config.health_host, config.health_port)
             servers.append(health_server)

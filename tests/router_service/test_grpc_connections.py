@@ -19,7 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import connection_limits
 from common.config import resolve
 from common.errors import ConfigError
+from common.metrics import new_registry
 from router_service.config import RouterConfig
+from router_service.observability import router_metrics
 from tests.helpers import free_port, serve_env
 from tests.router_service.fake_worker import harness
 
@@ -61,6 +63,32 @@ async def served_within(port: int, timeout: float) -> bool:
         if code == grpc.StatusCode.OK or asyncio.get_running_loop().time() > deadline:
             return code == grpc.StatusCode.OK
         await asyncio.sleep(0.2)
+
+
+def test_the_connection_gauges_count_each_port_open_connections():
+    """colibri_grpc_connections follows the public port's open connections (channelz's count) up to the cap, which a
+    refused connection never joins; the health port's are counted apart."""
+    registry = new_registry()
+    hooks, _ = router_metrics("m", -1, registry)
+
+    def connections(port: str) -> float | None:
+        name = "colibri_grpc_connections" if port == "grpc" else "colibri_grpc_health_connections"
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    async def body():
+        async with harness(hooks=hooks, grpc_max_connections=3, health_port=free_port()) as (router, _, _, channel):
+            await channel.close()  # the harness's own channel (never connected): this test counts its own
+            held = [await check(router.port) for _ in range(3)]  # the cap
+            assert connections("grpc") == 3 and connections("health") == 0
+            extra, code = await check(router.port)
+            assert code == grpc.StatusCode.UNAVAILABLE
+            assert connections("grpc") == 3
+            probe, _ = await check(router.health_port)
+            assert connections("health") == 1
+            for c in [extra, probe] + [c for c, _ in held]:
+                await c.close()
+
+    asyncio.run(body())
 
 
 def test_past_the_cap_a_connection_is_closed_and_the_open_ones_are_served():

@@ -31,6 +31,11 @@ def check(target: str) -> tuple[grpc.Channel, grpc.StatusCode]:
         return channel, e.code()
 
 
+def gauge(metric) -> float:
+    (value,) = [sample.value for family in metric.collect() for sample in family.samples]
+    return value
+
+
 def test_past_the_cap_a_connection_is_closed_and_the_router_is_still_served(tiny_model):
     worker = BackgroundWorker(tiny_model)
     worker.config = dataclasses.replace(worker.config, grpc_max_connections=2, health_port=free_port())
@@ -43,6 +48,9 @@ def test_past_the_cap_a_connection_is_closed_and_the_router_is_still_served(tiny
         extra, code = check(worker.address)
         assert code == grpc.StatusCode.UNAVAILABLE
         extra.close()
+        # the gauge counts the two connections held (the refused one never opened), the health port's apart
+        assert gauge(worker.servicer.metrics.worker_grpc_connections) == 2
+        assert gauge(worker.servicer.metrics.worker_grpc_health_connections) == 0
         # a connection that never speaks is closed at once too
         silent = socket.create_connection(("127.0.0.1", worker.port))
         silent.settimeout(5)
