@@ -412,7 +412,8 @@ class Engine:
             builder.prompt(rid, tokens)
         for index, (rid, tokens, _) in enumerate(work):
             if index < first_decode:
-                builder.prompt(rid, tokens)
+                if self.sequences[rid].sampler.params.penalties.counts_prompt:
+                    builder.prompt(rid, tokens)
             else:
                 builder.output(rid, int(tokens[0]))
         for rid, _, wants_token in work:

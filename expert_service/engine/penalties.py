@@ -11,8 +11,9 @@ A penalised logit that leaves the float32 range is clamped to it (a tiny r must 
 State: a penalised sequence holds one slot: a row of uint16 words over the vocabulary, bit 0 = the token is
 in the prompt, bits 1-15 = how often it was generated (saturating at 32767, far past where a penalty still
 changes anything). Two bytes per token instead of an int32 count plus a mask: 64 slots of a 152k vocabulary
-take 19 MiB. A step updates the state before it applies it: each prompt chunk marks its tokens, and each
-decode counts its input token -- the token the sequence sampled in the step before, which the worker feeds
+take 19 MiB. A step updates the state before it applies it: each prompt chunk of a sequence with a repetition
+penalty marks its tokens (its cached prefix's too, sent once with its first chunk; no other penalty reads the
+marks), and each decode counts its input token -- the token the sequence sampled in the step before, which the worker feeds
 itself (the router only sends a placeholder while that step is in flight).
 """
 
@@ -53,6 +54,11 @@ class PenaltyParams:
     @property
     def active(self) -> bool:
         return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
+
+    @property
+    def counts_prompt(self) -> bool:
+        """Only the repetition penalty reads the prompt marks (presence and frequency count output tokens)."""
+        return self.repetition != 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +127,8 @@ class PenaltyBatchBuilder:
         self.resets.append(slot)
 
     def prompt(self, request_id: int, tokens: np.ndarray) -> None:
-        """A prompt chunk of the sequence: its tokens are marked (a no-op for an unpenalised sequence)."""
+        """A prompt chunk of the sequence: its tokens are marked (a no-op for an unpenalised sequence; the caller
+        skips a sequence without a repetition penalty, whose marks nothing reads)."""
         slot = self._slots.get(request_id)
         if slot is not None and len(tokens):
             self.prompt_slots.append(np.full(len(tokens), slot, np.int32))

@@ -106,14 +106,16 @@ def sequence_block_registrations(
 def prefix_penalty_tokens(
     prefill: Sequence[PrefillInput], created: list[int], vocab_size: int, allocator: BlockAllocator
 ) -> dict[int, np.ndarray]:
-    """The cached prefix tokens of the new sequences a repetition penalty counts; refuses a penalised sequence on
-    cached blocks without them (its penalty would silently miss them), or tokens that do not fill its blocks."""
+    """The cached prefix tokens of the new sequences a repetition penalty counts; refuses such a sequence on
+    cached blocks without them (its penalty would silently miss them), or tokens that do not fill its blocks. Any
+    sent for a sequence without one (routers that predate InfoResponse.prefix_tokens_for_repetition_only) are
+    ignored: presence and frequency count output tokens only."""
     out: dict[int, np.ndarray] = {}
     new = set(created)
     for chunk in prefill:
         if chunk.request_id not in new or not chunk.prefix_block_ids or chunk.sampling is None:
             continue
-        if not chunk.sampling.penalties.active:
+        if not chunk.sampling.penalties.counts_prompt:
             continue
         expected = len(chunk.prefix_block_ids) * allocator.block_size
         tokens = np.asarray(chunk.prefix_token_ids, np.int64)

@@ -197,6 +197,7 @@ class WorkerServicer:
             expert_dtypes=list(e.model.expert_formats),
             prefix_caching=True,
             caches_generated_blocks=True,
+            prefix_tokens_for_repetition_only=True,
             model_digest=self.digests.manifest,
             tokenizer_digest=self.digests.tokenizer,
         )

@@ -10,7 +10,7 @@ from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import UNKNOWN_PREFIX_BLOCK, PrefillInput
-from expert_service.engine.penalties import PenaltyParams
+from expert_service.engine.penalties import PROMPT_BIT, PenaltyParams
 from expert_service.engine.prefix_blocks import sequence_block_registrations
 from expert_service.engine.sampling import SamplingParams
 
@@ -116,4 +116,34 @@ def test_a_sequence_on_blocks_its_decodes_filled_equals_a_full_prefill(engine):
     np.testing.assert_allclose(reused, full, rtol=tolerance, atol=tolerance)
     engine.release([1, 2, 3])
     assert engine.allocator.num_used_blocks == 0 and engine.allocator.num_cached_blocks == 2
+    engine.clear()
+
+
+def test_a_presence_or_frequency_sequence_on_cached_blocks_needs_no_prefix_tokens(engine):
+    """Presence and frequency count output tokens only: such a sequence on cached blocks runs without the prefix's
+    tokens (as the router sends it to a worker that says so), and with them (as older routers send it), decoding as
+    a full prefill does; no prompt token is marked in its penalty state, since nothing reads the marks."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(3, 250, 13)
+    engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(41, 42, 43))])
+    presence, frequency = [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0)][rng.integers(3)] * rng.uniform(0.5, 2.0, 2)
+    params = SamplingParams(penalties=PenaltyParams(presence=float(presence), frequency=float(frequency)))
+    bare = PrefillInput(2, prompt[12:], params, True, prefix_block_ids=(41, 42, 43))
+    sent = PrefillInput(
+        3, prompt[12:], params, True, prefix_block_ids=(41, 42, 43), prefix_token_ids=tuple(prompt[:12])
+    )
+    tolerance = 1e-5 if engine.backend == "cpu" else 1e-3
+    result = engine.step([bare, sent, PrefillInput(4, prompt, params, True)])
+    for decodes in range(7):  # the penalties act from the first generated token on
+        assert not any(out.error for out in result.outputs), result.outputs
+        assert len({out.token_id for out in result.outputs}) == 1, result.outputs
+        rows = [np.array(result.logits.processed(i)) for i in range(3)]
+        np.testing.assert_allclose(rows[0], rows[2], rtol=tolerance, atol=tolerance)
+        np.testing.assert_allclose(rows[1], rows[2], rtol=tolerance, atol=tolerance)
+        if decodes < 6:
+            result = engine.step(decode_ids=[2, 3, 4])
+    if engine.backend == "cpu":
+        words = engine.decoder.penalties.words[[engine.penalty_slots.slots[rid] for rid in (2, 3, 4)]]
+        assert not (words & PROMPT_BIT).any() and (words >> 1).sum() == 3 * 6
+    engine.release([1, 2, 3, 4])
     engine.clear()
