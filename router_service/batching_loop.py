@@ -39,7 +39,7 @@ from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import WorkerClient
 from router_service.worker_connection import ReadinessWatch, WorkerConnector
-from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits
+from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits, sends_prefix_tokens
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -167,6 +167,7 @@ class BatchingLoop:
                 queue_deadline=min(deadline, now + self.config.queue_timeout_s),
                 scores_prompt=req.prompt_logprobs is not None,
                 penalized=req.penalized,
+                sends_prefix_tokens=sends_prefix_tokens(req, self.info),
                 constrained=state.matcher is not None,
                 late_masks=state.matcher is not None and self._depth >= 2 and may_mask_late(req),
                 cache_salt=req.cache_salt,

@@ -87,6 +87,9 @@ class ScheduledRequest:
     scores_prompt: bool = False
     # Repetition/presence/frequency penalties: the worker holds max_batch_size state slots for these.
     penalized: bool = False
+    # The worker needs the tokens of its cached prefix (a repetition penalty counts them): they go once, with its
+    # first chunk, and the worker keeps them in the sequence's penalty state.
+    sends_prefix_tokens: bool = False
     # Constrained decoding: each decode's grammar mask needs the token before it, so no output may be pending
     # (the request runs at pipeline depth 1 while the others keep theirs) ...
     constrained: bool = False
@@ -136,7 +139,7 @@ class Chunk:
     sampling: object = None  # the request's, on its first chunk
     prefix_block_ids: tuple[int, ...] = ()  # on its first chunk: the cached blocks it starts on
     cache_block_ids: tuple[int, ...] = ()  # one per block the chunk completes: the id to cache it under (0: none)
-    prefix_token_ids: tuple[int, ...] = ()  # penalised, on its first chunk: the tokens its cached blocks hold
+    prefix_token_ids: tuple[int, ...] = ()  # on its first chunk (sends_prefix_tokens): its cached blocks' tokens
     # The request's tokens before this chunk (its cached prefix included): the worker fails a chunk alone when an
     # earlier one never ran (refused with a step sent before this one's), instead of refusing its step.
     start: int = 0
@@ -379,6 +382,7 @@ class Scheduler:
         is_last = start + n == req.num_prompt_tokens
         is_first, prefix = not req.is_on_worker, req.prefix
         cache_ids = self.prefix_cache.chunk_block_ids(prefix, start, n) if self.prefix_cache and prefix else ()
+        prefix_tokens = tuple(req.prompt_ids[:start]) if is_first and req.sends_prefix_tokens else ()  # cached ones
         req.num_blocks -= sum(1 for block_id in cache_ids if block_id)  # moved from its reservation to the index
         chunks.append(
             Chunk(
@@ -388,7 +392,7 @@ class Scheduler:
                 is_last=is_last,
                 sampling=req.sampling if is_first else None,
                 prefix_block_ids=tuple(prefix.hit_ids) if is_first and prefix else (),
-                prefix_token_ids=tuple(req.prompt_ids[:start]) if is_first and prefix and req.penalized else (),
+                prefix_token_ids=prefix_tokens,
                 cache_block_ids=cache_ids,
                 start=start,
             )

@@ -10,7 +10,7 @@ from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import SchedulerLimits
-from router_service.validation import ModelLimits
+from router_service.validation import ModelLimits, ValidatedRequest
 
 
 def scheduler_limits(config: RouterConfig, info) -> SchedulerLimits:
@@ -44,6 +44,15 @@ def prefix_index(config: RouterConfig, info) -> PrefixCache | None:
         return None
     identity = "\0".join([info.model_name, info.family, info.dtype, info.routing, info.hf_config_json])
     return PrefixCache(info.kv_block_size, identity.encode(), info.caches_generated_blocks)
+
+
+def sends_prefix_tokens(request: ValidatedRequest, info) -> bool:
+    """Whether the request's cached prefix tokens go to the worker (with its first chunk): a repetition penalty
+    counts them; presence and frequency count output tokens only, but workers that predate
+    InfoResponse.prefix_tokens_for_repetition_only refuse any penalised sequence on cached blocks without them."""
+    if request.repetition_penalty != 1.0:
+        return True
+    return request.penalized and not info.prefix_tokens_for_repetition_only
 
 
 def kept_compiler(compiler: ConstraintCompiler | None, limits: ModelLimits) -> ConstraintCompiler | None:

@@ -195,18 +195,36 @@ def test_a_scored_prompt_neither_hits_nor_holds_others_up():
     assert [c.cache_block_ids for c in step.prefill_chunks] == [(0,), ()]
 
 
-def test_a_penalised_request_hits_and_sends_its_prefix_tokens():
-    s, worker, rng = make(), WorkerModel(32), random.Random(0)
-    prompt = list(range(1, 15))
-    s.add(ScheduledRequest(1, prompt, 2))
-    step = s.schedule()
-    s.update(step, worker.run(step, rng))
-    s.add(ScheduledRequest(2, prompt, 2, penalized=True))
-    s.add(ScheduledRequest(3, prompt, 2))
-    step = s.schedule()
-    chunks = {c.request_id: c for c in step.prefill_chunks}
-    assert chunks[2].prefix_block_ids == chunks[3].prefix_block_ids == (1, 2, 3)
-    assert chunks[2].prefix_token_ids == tuple(prompt[:12]) and chunks[3].prefix_token_ids == ()
+def test_a_penalised_request_hits_and_sends_its_prefix_tokens_once_when_its_penalty_counts_them():
+    """A repetition penalty counts the cached prefix's tokens: they go with the first chunk only, not with the later
+    chunks of a prompt split by the step budget nor with any decode; a presence/frequency-only request (no prompt
+    counted) sends none, and neither does an unpenalised one."""
+    rng = random.Random()
+    s, worker = make(max_batch_tokens=6), WorkerModel(64)
+    cached_blocks = rng.randrange(2, 5)
+    prompt = [rng.randrange(100) for _ in range(cached_blocks * BLOCK + rng.randrange(1, BLOCK))]
+    s.add(ScheduledRequest(1, prompt, 1))
+    while s.requests:
+        step = s.schedule()
+        s.update(step, worker.run(step, rng))
+    repetition = ScheduledRequest(2, prompt + [7] * 9, 4, penalized=True, sends_prefix_tokens=True)
+    s.add(repetition)
+    s.add(ScheduledRequest(3, prompt + [8] * 9, 4, penalized=True))  # presence/frequency only
+    s.add(ScheduledRequest(4, prompt + [9] * 9, 4))
+    sent: dict[int, list[tuple[int, ...]]] = {2: [], 3: [], 4: []}  # each request's prefix tokens, step by step
+    chunks_sent = 0
+    while s.requests:
+        step = s.schedule()
+        for chunk in step.prefill_chunks:
+            sent[chunk.request_id].append(chunk.prefix_token_ids)
+            chunks_sent += 1
+            assert chunk.prefix_block_ids or not chunk.is_first
+        for rid in step.decode_ids:
+            sent[rid].append(())
+        s.update(step, worker.run(step, rng))
+    assert chunks_sent > 3  # the budget split the prompts' rest
+    assert sent[2][0] == tuple(prompt[: cached_blocks * BLOCK]) and not any(sent[2][1:])
+    assert len(sent[2]) > 4 and not any(sent[3]) and not any(sent[4])
 
 
 def _blocks_lost_by_the_worker():

@@ -1,9 +1,9 @@
 """The router's scheduler and prefix cache driving the real engine (CPU, tiny model) in process, two steps in
 flight as the router keeps them: fresh random traffic with shared prefixes, block-boundary and one-token prompts,
-penalties and seeded sampling, next turns (a finished request's prompt and answer, and more), cancels mid-prefill
-and eviction pressure gives the same tokens and log-probabilities with the cache on (generated blocks included) as
-with it off; a cached block's KV never changes while it is cached (a shared block is never written), and every
-block comes back at the end."""
+penalties (presence/frequency-only ones sent without their cached prefix's tokens) and seeded sampling, next turns
+(a finished request's prompt and answer, and more), cancels mid-prefill and eviction pressure gives the same tokens
+and log-probabilities with the cache on (generated blocks included) as with it off; a cached block's KV never
+changes while it is cached (a shared block is never written), and every block comes back at the end."""
 
 import random
 
@@ -44,8 +44,8 @@ def _traffic(seed: int, count: int):
             cut = max(1, min(len(base), rng.randrange(1, len(base) // BLOCK + 1) * BLOCK + rng.choice([-1, 0, 1])))
             prompt = base[:cut] + [rng.randrange(3, 250) for _ in range(rng.choice([0, 0, 2, 5]))]
         roll = rng.random()
-        if roll < 0.2:
-            params = SamplingParams(logprobs=True, penalties=PenaltyParams(rng.choice([1.3, 1.8]), 0.5, 0.3))
+        if roll < 0.2:  # with a repetition penalty or without: only that one counts the (cached) prompt
+            params = SamplingParams(logprobs=True, penalties=PenaltyParams(rng.choice([1.0, 1.3, 1.8]), 0.5, 0.3))
         elif roll < 0.35:
             params = SamplingParams(temperature=0.8, seed=rng.randrange(1 << 30), logprobs=True)
         elif roll < 0.45:  # scored prompts neither hit nor cache, yet run beside requests that do
@@ -102,7 +102,13 @@ def _run(engine, traffic, prefix_caching: bool, cancel_seed: int | None, refuse_
             scored = params.prompt_logprobs is not None
             s.add(
                 ScheduledRequest(
-                    rid, list(prompt), n, sampling=params, penalized=params.penalties.active, scores_prompt=scored
+                    rid,
+                    list(prompt),
+                    n,
+                    sampling=params,
+                    penalized=params.penalties.active,
+                    sends_prefix_tokens=params.penalties.counts_prompt,
+                    scores_prompt=scored,
                 )
             )
         if cancel_rng is not None and s.requests and cancel_rng.random() < 0.08:

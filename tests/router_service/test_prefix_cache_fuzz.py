@@ -55,6 +55,7 @@ class Sent:
     prompt: list[int]
     salt: str
     penalized: bool
+    repetition: bool  # a repetition penalty, which counts the prompt: its cached prefix's tokens are sent
 
 
 @dataclass
@@ -136,7 +137,7 @@ class ContentWorker:
             self.coverage.unknown_prefix.update(self.never_registered[b] for b in missing)
             return False
         assert chunk.start == len(keys) * BLOCK
-        want_prefix = tuple(sent.prompt[: chunk.start]) if sent.penalized else ()
+        want_prefix = tuple(sent.prompt[: chunk.start]) if sent.repetition else ()
         assert chunk.prefix_token_ids == want_prefix, f"sequence {rid}: wrong prefix tokens for its penalties"
         if keys:
             self.pool.attach(rid, keys)
@@ -242,10 +243,17 @@ class Traffic:
             if blocks_needed(len(prompt) + max_new_tokens, BLOCK) > self.num_blocks:
                 continue  # more than the pool: the scheduler refuses it at once
             rid, penalized, scored = next(self.ids), rng.random() < 0.1, rng.random() < 0.1
-            self.sent[rid] = Sent(prompt, salt, penalized)
+            repetition = penalized and rng.random() < 0.5  # else presence/frequency only
+            self.sent[rid] = Sent(prompt, salt, penalized, repetition)
             scheduler.add(
                 ScheduledRequest(
-                    rid, list(prompt), max_new_tokens, cache_salt=salt, penalized=penalized, scores_prompt=scored
+                    rid,
+                    list(prompt),
+                    max_new_tokens,
+                    cache_salt=salt,
+                    penalized=penalized,
+                    sends_prefix_tokens=repetition,
+                    scores_prompt=scored,
                 )
             )
 

@@ -7,7 +7,8 @@ import random
 from common.pb import worker_pb2 as wpb
 from router_service.config import RouterConfig
 from router_service.generation_defaults import GenerationDefaults
-from router_service.worker_info import model_limits, prefix_index, scheduler_limits
+from router_service.validation import ValidatedRequest
+from router_service.worker_info import model_limits, prefix_index, scheduler_limits, sends_prefix_tokens
 
 
 def info(**fields) -> wpb.InfoResponse:
@@ -81,3 +82,20 @@ def test_prefix_index_hashes_depend_on_every_identity_field():
     ]:
         other = prefix_index(RouterConfig(), info(**{field: value})).hashes(tokens)
         assert not set(other) & set(same), field
+
+
+def test_prefix_tokens_go_for_a_repetition_penalty_and_for_any_penalty_to_an_older_worker():
+    """A repetition penalty counts the cached prefix's tokens, presence and frequency do not; a worker whose Info
+    lacks prefix_tokens_for_repetition_only (older ones) refuses any penalised sequence on cached blocks without
+    them, so it gets them for every penalty."""
+    rng = random.Random()
+    current, older = info(prefix_tokens_for_repetition_only=True), info()
+    for _ in range(50):
+        repetition = rng.choice([1.0, rng.uniform(0.1, 3.0)])
+        presence, frequency = rng.choice([0.0, rng.uniform(-2, 2)]), rng.choice([0.0, rng.uniform(-2, 2)])
+        req = ValidatedRequest(
+            "", (1, 2, 3), 4, 0, 0.0, 0, 1.0, 7, (), (), False, False,
+            repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+        )  # fmt: skip
+        assert sends_prefix_tokens(req, current) == (repetition != 1.0)
+        assert sends_prefix_tokens(req, older) == req.penalized
