@@ -89,6 +89,26 @@ def test_a_step_of_updates_only_writes_no_rows():
     assert words[slots.slots[7], [3, 29]].tolist() == [1, 1] and words.sum() == 2
 
 
+def test_a_step_of_rows_without_updates_matches_the_host():
+    """A presence/frequency-only sequence's prompt marks nothing: the step that starts it and samples its first
+    token has a reset and a row but no update, and penalises nothing yet (no output counted)."""
+    rng = np.random.default_rng()
+    stream, vocab = cuda.stream(), 43
+    ws = _workspace(2, vocab)
+    device, host, slots = DevicePenalties(2, vocab, 2, 16, ws, stream), HostPenalties(2, vocab), PenaltySlots(2)
+    builder = slots.builder()
+    builder.reset(slots.acquire(5))
+    builder.row(5, PenaltyParams(presence=float(rng.uniform(0.1, 2)), frequency=float(rng.uniform(0.1, 2))))
+    batch = builder.build()
+    assert batch is not None and len(batch.update_slots) == 0
+    logits = (rng.standard_normal((1, vocab)) * 3).astype(np.float32)
+    want = host.apply(batch, logits)
+    assert device.apply(batch, cuda.to_device(logits, stream=stream)) == 1
+    np.testing.assert_array_equal(device.download(1), want)
+    np.testing.assert_array_equal(want, logits)
+    assert ws.greedy_ids.copy_to_host()[0] == np.argmax(logits[0]) and not device.words.copy_to_host().any()
+
+
 def test_warmup_runs_every_penalty_kernel_and_leaves_no_state(monkeypatch):
     """Warm-up launches the update, apply and argmax kernels once (so serving compiles none of them) and
     leaves every slot as zero as it found it."""
