@@ -54,7 +54,7 @@ GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 # (the worker reads it by name), its report, and leftovers of a killed write. An earlier model's are removed:
 # each describes that model alone. Expert files of layers the new model lacks go too (EXPERT_FILE).
 STALE_OUTPUTS = (TABLE_FILE, TABLE_FILE + ".report.json", TABLE_FILE + ".tmp", MANIFEST + ".tmp")
-EXPERT_FILE = re.compile(r"experts-L\d{3,}\.bin")
+EXPERT_FILE = re.compile(r"experts-L(\d{3,})\.bin")
 
 
 def _check_shard_file(path: Path) -> None:
@@ -244,9 +244,14 @@ def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | 
     reads: it is the operator's input, not a leftover to delete."""
     if not out_dir.is_dir():
         return
-    names = [name for name in STALE_OUTPUTS if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+    names = [name for name in STALE_OUTPUTS if _is_file_or_link(out_dir / name)]
     kept = {expert_file(layer) for layer in config.moe_layers}
-    names += sorted(p.name for p in out_dir.iterdir() if EXPERT_FILE.fullmatch(p.name) and p.name not in kept)
+    names += sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if (m := EXPERT_FILE.fullmatch(p.name)) and _is_file_or_link(p) and p.name not in kept
+        and expert_file(int(m.group(1))) == p.name  # a name a model directory uses (no experts-L0007.bin)
+    )  # fmt: skip
     if hot_table is not None:  # the file at that name itself (a link there to the table leaves the table intact)
         real = {out_dir.resolve() / name: name for name in names}
         if (name := real.get(hot_table.resolve())) is not None:
@@ -263,6 +268,12 @@ def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | 
             out_dir,
             ", ".join(names),
         )
+
+
+def _is_file_or_link(path: Path) -> bool:
+    """A file (or a link, removed as a link) at a name convert removes; a directory there is the operator's, left
+    alone (the model directory's readers take only files by those names)."""
+    return path.is_symlink() or path.is_file()
 
 
 def _refuse_unused(where: dict[str, SafetensorsShard], specs: list[TensorSpec], family: str, hf_dir: Path) -> None:

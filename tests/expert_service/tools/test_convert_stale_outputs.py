@@ -113,3 +113,27 @@ def test_a_keep_hot_table_in_the_output_directory_is_refused_before_anything_cha
     plan.write_text(f"keep_hot: {{routing_table: {moved}, per_layer: 1}}\n")
     assert main(argv) == 0
     assert not (out / TABLE_FILE).exists() and ModelDir.open(out).expert_formats
+
+
+def test_names_a_model_directory_never_uses_as_files_are_left_alone(tmp_path, caplog):
+    """A directory at routing_table.bin (or at an expert file's name) stopped the conversion with an
+    IsADirectoryError traceback, after other files were already removed; a file named like an expert file in a
+    form no layer is written under (experts-L0007.bin) was removed as a stale expert file."""
+    seed = int(np.random.default_rng().integers(0, 1000))
+    out = tmp_path / "m"
+    ModelDir.open(convert(checkpoint(tmp_path / "a", seed, num_hidden_layers=4), out, progress=False))
+    layer = int(np.random.default_rng().integers(5, 99))
+    dirs = [TABLE_FILE, f"{TABLE_FILE}.report.json", f"experts-L{layer:03d}.bin"]
+    for name in dirs:
+        (out / name).mkdir()
+        (out / name / "mine.txt").write_text("the operator's")
+    user_file = out / f"experts-L{layer:04d}.bin"
+    user_file.write_bytes(b"the operator's")
+    with caplog.at_level(logging.WARNING, logger="colibri.convert"):
+        later = ModelDir.open(convert(checkpoint(tmp_path / "b", seed + 1), out, progress=False))
+    assert all((out / name / "mine.txt").read_text() == "the operator's" for name in dirs)
+    assert user_file.read_bytes() == b"the operator's"
+    removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert len(removed) == 1 and "experts-L002.bin, experts-L003.bin" in removed[0], removed
+    assert user_file.name not in removed[0] and TABLE_FILE + "," not in removed[0]
+    assert later.config.moe_layers
