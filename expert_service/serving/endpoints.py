@@ -21,7 +21,28 @@ from common.errors import AddressInUseError, ConfigError
 from common.listen_address import grpc_listen_address, host_port, listen_host, set_v6only
 
 log = logging.getLogger("colibri.worker")
-SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+# A router whose host died, or whose connection a network dropped, leaves a half-open connection: without pings of
+# the worker's own its step stream (and the sequences it holds, which refuse the next router's ClearCache) lived
+# for gRPC's default 2 hours. Pinged every KEEPALIVE_S, it ends once a ping goes unanswered PING_TIMEOUT_S.
+KEEPALIVE_S = 20.0
+PING_TIMEOUT_S = 10.0
+
+
+def server_options(keepalive_s: float = KEEPALIVE_S, ping_timeout_s: float = PING_TIMEOUT_S) -> list[tuple[str, int]]:
+    """The worker's gRPC server options (a test shortens the keepalive)."""
+    timeout_ms = int(ping_timeout_s * 1000)
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        # gRPC ends the connection at its ping timeout (60 s by default); keepalive_timeout_ms alone was not heeded
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # the router pings every 10 s (worker_client.py): more often than gRPC's default 5 min would be abuse
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ]
+
+
+SERVER_OPTIONS = server_options()
 
 
 def is_loopback(host: str) -> bool:
