@@ -19,6 +19,9 @@ log = logging.getLogger("colibri.router.batching_loop")
 # A worker loading a large model keeps the router waiting for minutes: one line when the wait starts, then one
 # this often, each with the latest reason (a line every worker_retry_s flooded the log).
 WAITING_LOG_S = 30.0
+# A worker refusing the reset this long is held by a stream that is not ours (ours ends within seconds of the
+# router dropping it, a half-open one at the worker's keepalive, endpoints.SERVER_OPTIONS): worth a WARNING.
+BUSY_WARNING_S = 120.0
 
 
 class _NotReady(Exception):
@@ -42,13 +45,14 @@ class WorkerConnector:
     not ready, not in time or FAILED_PRECONDITION to ClearCache: the wait is logged at INFO with the reason
     (connection refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong
     token, another service at the address, a failed warm-up, steps it would refuse) or that serves another model
-    than this router's (worker_identity.py) is logged once as a WARNING."""
+    than this router's (worker_identity.py) is logged once as a WARNING, as is a reset refused for BUSY_WARNING_S."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
         self._refused: str | None = None  # why the worker last refused an attempt (logged once)
         self._waiting_since: float | None = None  # since when attempts have found no worker (None: not waiting)
         self._next_waiting_log = 0.0
+        self._busy_since: float | None = None  # since when the worker has refused the reset (None: it has not)
         self.model = ModelCheck(config.model)
 
     async def attempt(self):
@@ -68,7 +72,7 @@ class WorkerConnector:
             self._report(e)
             await asyncio.sleep(self.config.worker_retry_s)
             return None
-        self._refused, self._waiting_since = None, None
+        self._refused, self._waiting_since, self._busy_since = None, None, None
         self.model.accept(info)
         return info
 
@@ -88,6 +92,7 @@ class WorkerConnector:
                 raise
 
     def _report(self, e: Exception) -> None:
+        self._report_busy(e)
         refused = str(e) if isinstance(e, _Unusable) else None
         waiting = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # absent, loading, hung
         if isinstance(e, grpc.aio.AioRpcError) and e.code() not in waiting:
@@ -104,6 +109,25 @@ class WorkerConnector:
         else:
             self._waiting(self._why_waiting(e))
         self._refused = refused
+
+    def _report_busy(self, e: Exception) -> None:
+        """One WARNING once the worker has refused the reset for BUSY_WARNING_S: an INFO line every WAITING_LOG_S
+        is easily missed while the router serves nothing for as long as that stream lives."""
+        if not isinstance(e, _Busy):
+            self._busy_since = None
+            return
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        elif now - self._busy_since >= BUSY_WARNING_S:
+            log.warning(
+                "the worker at %s has refused the router's reset for %.0f s (%s): another client's step stream, "
+                "a second router using this worker?, holds them; the router connects once that stream ends",
+                self.worker.address,
+                now - self._busy_since,
+                e,
+            )
+            self._busy_since = float("inf")  # once per wait
 
     def _why_waiting(self, e: Exception) -> str:
         if isinstance(e, _NotReady):

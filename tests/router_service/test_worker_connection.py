@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import pytest
 
@@ -107,3 +108,54 @@ def test_a_worker_running_another_streams_sequences_is_waited_for_then_reset(wor
     assert "1 sequences of 1 open step stream are running" in lines[0].getMessage()
     assert asyncio.run(attempts(1))[0].num_kv_blocks > 0
     assert not worker.engine.sequences
+
+
+class _Clock:
+    """time.monotonic as worker_connection reads it, `ahead` seconds later than the real one."""
+
+    def __init__(self):
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+def test_a_reset_refused_for_minutes_is_a_warning_once(worker, caplog, monkeypatch):
+    """A worker held by a stream that never ends (a second router pointed at it) kept this router serving nothing
+    with one INFO line every WAITING_LOG_S, never a WARNING; now one WARNING naming the worker once the refusals have
+    lasted BUSY_WARNING_S, and no more for that wait."""
+    import grpc
+    import numpy as np
+
+    from common.pb import worker_pb2 as pb
+    from common.pb import worker_pb2_grpc
+    from tests.expert_service.serving.test_second_caller import _Stream
+
+    clock = _Clock()
+    monkeypatch.setattr(worker_connection, "time", clock)
+
+    async def attempts(gaps: list[float]):
+        client = WorkerClient(worker.address)
+        connector = WorkerConnector(RouterConfig(worker=worker.address, worker_retry_s=0.01), client)
+        try:
+            for gap in gaps:
+                clock.ahead += gap
+                assert await connector.attempt() is None
+        finally:
+            await client.close()
+
+    rng = np.random.default_rng()
+    request_id, prompt = int(rng.integers(1, 1 << 40)), rng.integers(0, 200, 5).tolist()
+    step = worker_connection.BUSY_WARNING_S * rng.uniform(0.5, 0.9)
+    with grpc.insecure_channel(worker.address) as channel:
+        other = _Stream(worker_pb2_grpc.WorkerServiceStub(channel))
+        chunk = pb.PrefillChunk(request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(), is_last=True)
+        assert other.step(chunks=[chunk]).request_ids
+        with caplog.at_level(logging.INFO, logger=worker_connection.log.name):
+            asyncio.run(attempts([0.0, step, step, step, step]))
+        other.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"the worker at {worker.address} has refused the router's reset for" in warnings[0]
+    assert "1 sequences of 1 open step stream are running" in warnings[0] and "\n" not in warnings[0]
+    assert not any(r.exc_info for r in caplog.records)
