@@ -164,13 +164,15 @@ class Frontend:
         *,
         operation: str = semconv.OPERATION_TEXT_COMPLETION,
         samples: int = 1,
+        into: list[RequestHandle] | None = None,
     ) -> list[RequestHandle]:
         """Admits, validates and submits `request` as `samples` requests (sample_of: each its own seed);
         `deadline` is a time.monotonic() (None = the router's request timeout alone). Raises InvalidRequestError
-        or a RouterError."""
+        or a RouterError. `into`: the list returned, each handle appended as its sample is submitted (a caller
+        cancelled part-way sees which samples the loop had, and counts them)."""
         limits = self.check_ready()
         with self._admitting():
-            return await self._submit(request, limits, deadline, stream, False, operation, samples)
+            return await self._submit(request, limits, deadline, stream, False, operation, samples, into)
 
     async def _submit(
         self,
@@ -181,11 +183,12 @@ class Frontend:
         chat: bool,
         operation: str,
         samples: int = 1,
+        into: list[RequestHandle] | None = None,
     ) -> list[RequestHandle]:
         """The prompt is tokenized and validated once, whatever `samples` (each sample re-did it: ~3.5 ms);
         a sample whose submission fails cancels those submitted before it."""
         req = await validate_request_async(request, self.config, limits, self.batching_loop.tokenizer, chat=chat)
-        span, handles = trace.get_current_span(), list[RequestHandle]()
+        span, handles = trace.get_current_span(), list[RequestHandle]() if into is None else into
         set_request_attributes(span, self.model_name, req, stream, operation)
         try:
             for sample in range(samples):
@@ -256,13 +259,15 @@ class Frontend:
         field: str = "messages",
         cache_salt: str = "",
         samples: int = 1,
+        into: list[RequestHandle] | None = None,
     ) -> list[RequestHandle]:
         """Renders the conversation once and submits it like a text prompt, tokenized without adding special tokens
-        (the template wrote them), as `samples` requests. Errors about the prompt text name `field`."""
+        (the template wrote them), as `samples` requests (`into`: as `submit`'s). Errors about the prompt text name
+        `field`."""
         self.check_ready()
         with self._admitting():
             return await self._submit_chat(
-                messages, parameters, request_id, deadline, stream, options, field, cache_salt, samples
+                messages, parameters, request_id, deadline, stream, options, field, cache_salt, samples, into
             )
 
     async def _submit_chat(
@@ -276,6 +281,7 @@ class Frontend:
         field: str,
         cache_salt: str,
         samples: int,
+        into: list[RequestHandle] | None,
     ) -> list[RequestHandle]:
         if options.tools is not None and options.tools.is_constrained:
             if parameters.min_new_tokens:  # refused as with a constraint of the client's own, naming the tools'
@@ -300,7 +306,8 @@ class Frontend:
         )
         try:
             # the worker may have gone while the chat rendered: its readiness is checked again
-            return await self._submit(request, self.check_ready(), deadline, stream, True, OPERATION_CHAT, samples)
+            ready = self.check_ready()
+            return await self._submit(request, ready, deadline, stream, True, OPERATION_CHAT, samples, into)
         except InvalidRequestError as e:
             if e.field.startswith(("text", "prompt")):  # the rendered prompt: the caller knows it as the messages
                 raise InvalidRequestError(field, e.detail) from None

@@ -61,14 +61,15 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
     _check_fits(server, parsed, len(prompts))
     try:
         for index in range(len(prompts)):  # each prompt rendered, tokenized and validated once for its samples
+            row: list = []
+            handles.append(row)  # filled as its samples are submitted: a client gone part-way finds those here
             if parsed.kind == "chat":
-                row = await frontend.submit_chat(
+                await frontend.submit_chat(
                     parsed.messages, params, request_id, None, parsed.stream, parsed.chat_options,
-                    cache_salt=parsed.cache_salt, samples=parsed.best_of,
+                    cache_salt=parsed.cache_salt, samples=parsed.best_of, into=row,
                 )  # fmt: skip
             else:
-                row = await submit_prompt(frontend, parsed, request_id, index, params, parsed.best_of)
-            handles.append(row)
+                await submit_prompt(frontend, parsed, request_id, index, params, parsed.best_of, row)
     except asyncio.CancelledError:  # the client left: the loop counts the samples it had; none, counted here once
         if not any(handles):
             frontend.batching_loop.hooks.on_rejected("cancelled")
@@ -81,13 +82,13 @@ async def _submit_all(server, parsed: ParsedRequest, request_id: str) -> list[li
 
 
 async def submit_prompt(
-    frontend, parsed: ParsedRequest, request_id: str, index: int = 0, parameters=None, samples: int = 1
+    frontend, parsed: ParsedRequest, request_id: str, index: int = 0, parameters=None, samples: int = 1, into=None
 ) -> list:
-    """Submits prompt `index` of a completion as `samples` requests; a 400 about a prompt of a list names which
-    (`prompt[2][5]`)."""
+    """Submits prompt `index` of a completion as `samples` requests (`into`: as Frontend.submit's); a 400 about a
+    prompt of a list names which (`prompt[2][5]`)."""
     request = generate_request(parsed, request_id, parsed.prompts[index], parameters)
     try:
-        return await frontend.submit(request, None, parsed.stream, samples=samples)
+        return await frontend.submit(request, None, parsed.stream, samples=samples, into=into)
     except InvalidRequestError as e:
         if not parsed.prompt_list:
             raise

@@ -238,3 +238,38 @@ def test_model_info_before_the_worker_connects_says_when_to_retry():
                 assert found["ErrorInfo"].reason == "WORKER_UNAVAILABLE", err.value.details()
 
     asyncio.run(body())
+
+
+def test_samples_of_a_request_cancelled_while_others_are_submitted_are_counted_once_each(tmp_path):
+    """The samples of one prompt are submitted together (Frontend `samples`): a client gone between two of them
+    had its submitted samples counted by the loop and the request again by the front, as if none had reached it."""
+
+    async def body():
+        async with http_harness(tmp_path, FakeWorker(step_delay=0.05)) as (router, _, base, hooks):
+            loop, compiling = router.batching_loop, asyncio.Event()
+            compile_, calls = loop.compile_constraint, []
+            submitted = random.randint(1, 4)
+
+            async def held_compile(req):
+                calls.append(req)
+                if len(calls) > submitted:  # the samples before it are in the loop
+                    compiling.set()
+                    await asyncio.sleep(30)
+                return await compile_(req)
+
+            loop.compile_constraint = held_compile
+
+            def count(outcome):
+                return hooks.m.requests.labels(outcome=outcome)._value.get()
+
+            payload = {"prompt": "hello", "max_tokens": 60, "n": submitted + 2, "guided_regex": "[a-z]+"}
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                posted = asyncio.ensure_future(s.post(base + "/v1/completions", json=payload))
+                await compiling.wait()
+                assert loop.num_active == submitted
+                posted.cancel()  # the client hangs up
+            await wait_for(lambda: loop.num_active == 0 and count("cancelled") >= submitted)
+            await asyncio.sleep(0.05)
+            assert count("cancelled") == submitted and sum(count(o) for o in OUTCOMES) == submitted
+
+    asyncio.run(body())
