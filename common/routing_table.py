@@ -161,6 +161,20 @@ class RoutingTable:
         return RoutingPlan.from_expert_ids(self.moe_layers, self.lookup(token_ids), self.num_experts)
 
 
+def recorded_model_digest(path: str | os.PathLike) -> str | None:
+    """The "sha256:<hex>" model a version-2 table file records, without a model to check it against (convert
+    decides by it whether a table left in the directory fits what it wrote); None for a version-1 table or a file
+    whose header is not a table's."""
+    try:
+        with Path(path).open("rb") as f:
+            header = f.read(HEADER_SIZES[2])
+    except OSError:
+        return None
+    if len(header) < HEADER_SIZES[2] or _HEADER.unpack_from(header)[:2] != (MAGIC, 2):
+        return None
+    return "sha256:" + header[_HEADER.size :].hex()
+
+
 def _fail(path: Path, field: str, found, expected) -> RoutingTableError:
     return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
 

@@ -29,7 +29,7 @@ from common.files import copy_new
 from common.model_config import ModelConfig
 from common.model_format import MANIFEST, ModelWriter, expert_file
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
-from common.routing_table import TABLE_FILE
+from common.routing_table import TABLE_FILE, model_digest, recorded_model_digest
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 
@@ -54,6 +54,7 @@ GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 # (the worker reads it by name), its report, and leftovers of a killed write. An earlier model's are removed:
 # each describes that model alone. Expert files of layers the new model lacks go too (EXPERT_FILE).
 STALE_OUTPUTS = (TABLE_FILE, TABLE_FILE + ".report.json", TABLE_FILE + ".tmp", MANIFEST + ".tmp")
+TABLE_OUTPUTS = (TABLE_FILE, TABLE_FILE + ".report.json")  # kept together when the table fits the new model
 EXPERT_FILE = re.compile(r"experts-L(\d{3,})\.bin")
 
 
@@ -211,7 +212,7 @@ def convert(
             f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
             "ignored; drop it or give --expert-dtype fp8"
         )
-    _remove_stale_outputs(out_dir, config, plan.hot_table)
+    table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
     writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert])
     total = sum(int(np.prod(s.shape)) for s in specs)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
@@ -234,16 +235,21 @@ def convert(
             writer.tokenizer_files.append(name)
         elif (out_dir / name).is_file() or (out_dir / name).is_symlink():  # an earlier model's: the router would
             (out_dir / name).unlink()  # read it as this model's
-    return writer.finish()
+    written = writer.finish()
+    if table_digest is not None:
+        _settle_table(out_dir, table_digest)
+    return written
 
 
-def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | None) -> None:
+def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | None) -> str | None:
     """Removes what an earlier model left in OUT_DIR under a name the model directory owns and this conversion does
     not rewrite (STALE_OUTPUTS, expert files of layers this model lacks), saying so in one warning; files of other
-    names are never touched. Refuses, removing nothing, when one of them is the keep_hot table this conversion
-    reads: it is the operator's input, not a leftover to delete."""
+    names are never touched. A routing table that records the model it was built for is left until the end
+    (`_settle_table`): converting the same checkpoint the same way again (a convert Job run twice) gives the same
+    model, whose table stays valid. Returns that table's recorded digest, or None. Refuses, removing nothing, when
+    one of the names is the keep_hot table this conversion reads: it is the operator's input, not a leftover."""
     if not out_dir.is_dir():
-        return
+        return None
     names = [name for name in STALE_OUTPUTS if _is_file_or_link(out_dir / name)]
     kept = {expert_file(layer) for layer in config.moe_layers}
     names += sorted(
@@ -259,6 +265,9 @@ def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | 
                 f"--expert-dtype-file: keep_hot.routing_table {hot_table} is {out_dir / name}, which converting into "
                 f"{out_dir} removes (it belongs to the model the directory holds now); move it out and name it there"
             )
+    table_digest = recorded_model_digest(out_dir / TABLE_FILE) if TABLE_FILE in names else None
+    if table_digest is not None:
+        names = [name for name in names if name not in TABLE_OUTPUTS]
     for name in names:
         (out_dir / name).unlink()
     if names:
@@ -268,6 +277,23 @@ def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | 
             out_dir,
             ", ".join(names),
         )
+    return table_digest
+
+
+def _settle_table(out_dir: Path, table_digest: str) -> None:
+    """The routing table an earlier conversion left, once this one is written: kept when it was built for this very
+    model (same colibri.json digest), removed with its report otherwise."""
+    if table_digest == model_digest(out_dir):
+        log.info("%s: kept %s, built for this same model", out_dir, TABLE_FILE)
+        return
+    removed = [name for name in TABLE_OUTPUTS if _is_file_or_link(out_dir / name)]
+    for name in removed:
+        (out_dir / name).unlink()
+    log.warning(
+        "%s: removed %s, built for the model the directory held (rebuild it with `colibri router-gen`)",
+        out_dir,
+        ", ".join(removed),
+    )
 
 
 def _is_file_or_link(path: Path) -> bool:
