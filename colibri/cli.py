@@ -56,24 +56,28 @@ def main(argv: list[str] | None = None) -> int:
     # plaintext client fails, at INFO); what it reports that matters reaches Python as a status or a bind failure.
     # Set before gRPC starts; the variable, given, still wins (docs/observability.md).
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    command = argv[0] if argv[:1] and argv[0] in SUBCOMMANDS else ""
     try:
-        parser = build_parser()
-    finally:
-        sys.argv = saved
-    args = parser.parse_args(argv)
-    try:
+        # The parser imports the subcommand's module (numpy, numba: seconds): a Ctrl-C during it is
+        # the same interruption as one during its run, not a traceback.
+        saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+        try:
+            parser = build_parser()
+        finally:
+            sys.argv = saved
+        args = parser.parse_args(argv)
         return int(importlib.import_module(args._module).run(args) or 0)
     except ColibriError as e:
-        print(f"colibri {args.command}: error: {e}", file=sys.stderr)
+        print(f"colibri {command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # disk full, permissions, a port in use: the operator's to fix, not a bug
         print(
-            f"colibri {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+            f"colibri {command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
             file=sys.stderr,
         )
         return 1
     except KeyboardInterrupt:
+        print(f"colibri{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
 
 
