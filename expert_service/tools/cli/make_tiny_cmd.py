@@ -19,8 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from common.errors import ConfigError
     from common.model_format import ModelDir
+    from expert_service.tools.cli.paths import given_path
     from expert_service.tools.tiny_model import make_tiny
 
+    given_path(args.out_dir, "OUT_DIR", "the model directory to write")
     if args.seed < 0:  # numpy's generator refuses it only after OUT_DIR/hf was created, with a bare ValueError
         raise ConfigError(f"--seed: must be >= 0, got {args.seed}")
     out = make_tiny(args.out_dir, family=args.family, seed=args.seed, progress=not args.no_progress)

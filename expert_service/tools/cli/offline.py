@@ -12,6 +12,7 @@ from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.engine import Engine
+from expert_service.tools.cli.paths import given_path
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,7 @@ def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
 
 
 def open_engine(args: argparse.Namespace) -> tuple[Engine, np.ndarray]:
+    given_path(args.model, "--model", "the model directory")
     config = resolve(EngineConfig, flags=flag_values(args, EngineConfig))
     if config.routing is RoutingMode.LUT:  # the engine would refuse the first step, after loading the model
         raise ConfigError(

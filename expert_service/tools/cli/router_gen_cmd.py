@@ -13,6 +13,7 @@ from common.routing_table import TABLE_FILE
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
+from expert_service.tools.cli.paths import given_path
 from expert_service.tools.routing_gen import CORPUS_FORMATS, load_corpus, report_path_for, run_router_gen
 
 
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = ModelDir.open(args.model)
+    model = ModelDir.open(given_path(args.model, "MODEL_DIR", "the model directory"))
     config = model.config
     top_k = config.num_experts_per_tok if args.top_k is None else args.top_k
     if not 1 <= top_k <= config.num_experts:

@@ -6,6 +6,7 @@ import argparse
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
+from expert_service.tools.cli.paths import given_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:  # the thread pool would refuse it with a bare ValueError
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+    given_path(args.model_dir, "MODEL_DIR", "the model directory to verify")
     # Structural checks first (paths, sizes, dtypes, shapes), so a checksum never reads past a file's end.
     model = ModelDir.open(args.model_dir, verify=False)
     model.verify(progress=not args.no_progress, workers=args.workers)
