@@ -9,6 +9,7 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 COPY_CHUNK = 1 << 20
 
@@ -87,3 +88,36 @@ def copy_new(source: Path, path: Path) -> None:
             if not chunk:
                 break
             dst.write(chunk)
+
+
+@contextlib.contextmanager
+def replaced_whole(path: Path | str) -> Iterator[BinaryIO]:
+    """A binary file whose bytes replace `path` only once all of them are written: into a new hidden file beside it,
+    renamed over it at the end. A failure or a Ctrl-C before then (a full disk) removes that file and leaves `path`
+    as it was, rather than a truncated file in place of the old one. A symlink at `path` is followed, as open()
+    would; a name that is no regular file (/dev/stdout, a FIFO) cannot be renamed over and is written directly."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if mode is not None and not stat.S_ISREG(mode):
+        with naming(path), open(target, "wb") as f:
+            yield f
+        return
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fd = create_new(tmp)
+    except OSError as e:  # the folder is missing or not writable: named as the operator wrote it
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    try:
+        with naming(path), os.fdopen(fd, "wb") as f:
+            yield f
+        with naming(path):
+            os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

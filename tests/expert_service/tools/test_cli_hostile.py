@@ -4,12 +4,19 @@ and nothing written half."""
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri.cli import main
+from tests.helpers import serve_env
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -54,3 +61,58 @@ def test_a_blank_model_dir_is_refused_not_read_from_the_working_directory(
         err.startswith(f"colibri {argv[0]}: error: {named}: empty (name the model directory") and err.count("\n") == 1
     ), err
     assert sorted(p.name for p in workdir.iterdir()) == before
+
+
+# --- logits --out ----------------------------------------------------------------------------------------------
+
+
+def limit_file_size(max_bytes: int):
+    """For a child: writes past `max_bytes` fail with EFBIG, as a full disk fails them with ENOSPC (and SIGXFSZ,
+    which would kill it, is ignored)."""
+
+    def set_limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    return set_limit
+
+
+def test_logits_that_do_not_fit_leave_the_previous_file_whole(tiny_model, tmp_path):
+    """The file was truncated in place (the old logits lost, a broken .npy left), and the error read
+    '[Errno None] None' when numpy's short write had no errno."""
+    out = tmp_path / "l.npy"
+    old = os.urandom(int(np.random.default_rng().integers(100, 2000)))
+    out.write_bytes(old)
+    tokens = ",".join(str(t) for t in np.random.default_rng().integers(0, 259, 64))
+    command = [sys.executable, "-m", "colibri.cli", "logits", "--model", str(tiny_model), "--tokens", tokens,
+               "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, env=serve_env(), capture_output=True, preexec_fn=limit_file_size(16384))
+    assert done.returncode == 1 and done.stdout == b"", done.stderr.decode()
+    assert done.stderr.decode() == f"colibri logits: error: {out}: File too large\n"
+    assert out.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.npy"]
+
+
+def test_ctrl_c_while_logits_are_written_leaves_no_partial_file(tiny_model, tmp_path, monkeypatch, capsys):
+    def interrupted_save(file, array):
+        file.write(b"\x93NUMPY partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "save", interrupted_save)
+    rc, out, err = run_cli(
+        capsys, "logits", "--model", str(tiny_model), "--tokens", "1,2", "--out", str(tmp_path / "l")
+    )
+    assert (rc, out, err) == (130, "", "colibri logits: interrupted\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_logits_refuse_an_out_path_they_cannot_write_before_loading_the_model(tmp_path, capsys):
+    """A model that does not exist is not even looked at: the unwritable --out was found only after the prefill."""
+    rc, out, err = run_cli(capsys, "logits", "--model", str(tmp_path / "none"), "--tokens", "1", "--out", str(tmp_path))
+    assert (rc, out, err) == (1, "", f"colibri logits: error: {tmp_path}: Is a directory\n")
+    rc, out, err = run_cli(
+        capsys, "logits", "--model", str(tmp_path / "none"), "--tokens", "1", "--out", str(tmp_path / "no" / "l.npy")
+    )
+    assert (rc, out, err) == (1, "", f"colibri logits: error: {tmp_path / 'no' / 'l.npy'}: No such file or directory\n")
+    rc, out, err = run_cli(capsys, "logits", "--model", str(tmp_path / "none"), "--tokens", "1", "--out", "")
+    assert (rc, out, err) == (2, "", "colibri logits: error: --out: empty (name the .npy file to write)\n")
