@@ -52,8 +52,9 @@ def load_corpus(path: str | Path, corpus_format: str, model: ModelDir) -> np.nda
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"--corpus: {path} is a directory (name the corpus file)")
-    if not path.is_file():
-        raise ConfigError(f"--corpus: {path} not found")
+    if not path.is_file():  # a FIFO or device (--corpus /dev/stdin) is there, but cannot be read twice or sized
+        what = "is not a regular file (a corpus is read from a file)" if path.exists() else "not found"
+        raise ConfigError(f"--corpus: {path} {what}")
     data = path.read_bytes()
     if not data.strip():  # before the tokenizer is looked for: an empty file is no text either
         raise ConfigError(f"--corpus: {path} holds no tokens")

@@ -115,10 +115,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_out(out: Path) -> None:
-    """Where the table goes, checked before the corpus is traced (which can take hours): writing it used to fail
-    only at the end, naming no flag."""
-    if out.is_dir():
-        raise ConfigError(f"--out: {out} is a directory (name the table's file, e.g. {out / TABLE_FILE})")
+    """Where the table and its report go, checked before the corpus is traced (which can take hours): writing them
+    used to fail only at the end, naming no flag, or with the table written and its report not."""
+    for path in (out, report_path_for(out)):
+        flag = "--out" if path == out else "--out's report"
+        if path.is_dir():
+            raise ConfigError(f"{flag}: {path} is a directory (name the table's file, e.g. {out / TABLE_FILE})")
+        # Each file is written new and renamed over the name: a device or FIFO there (--out /dev/null, as root)
+        # would be replaced by a regular file.
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{flag}: {path} is not a regular file (the table is written as a new file there)")
     parent = out.parent
     if not parent.is_dir():
         raise ConfigError(f"--out: {parent} is not a directory (the table's folder must exist)")

@@ -4,7 +4,9 @@ is a function of the token id (recall must be exactly 1.0)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -275,3 +277,35 @@ def test_an_empty_corpus_or_out_is_refused_naming_the_flag(tiny_model, tmp_path,
     assert (code, out) == (2, "") and err.count("\n") == 1, err
     assert err.startswith(f"colibri router-gen: error: {flag}: empty"), err
     assert sorted(p.name for p in tiny_model.iterdir()) == before
+
+
+@pytest.mark.parametrize("which", ["table", "report"])
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_an_out_or_report_name_holding_no_regular_file_is_refused_before_the_corpus_is_traced(
+    tiny_model, tmp_path, capsys, monkeypatch, which, kind
+):
+    """The table is renamed over its name: a FIFO or a device there (--out /dev/null, as root) was replaced by a
+    regular file. The report's name was not checked at all: a directory there failed after the trace, leaving the
+    table without its report."""
+    from expert_service.tools.cli import router_gen_cmd
+
+    monkeypatch.setattr(router_gen_cmd, "build_engine", lambda *a, **k: pytest.fail("traced before --out was checked"))
+    out = tmp_path / f"t{np.random.default_rng().integers(1000)}.bin"
+    taken = out if which == "table" else out.with_name(out.name + ".report.json")
+    os.mkfifo(taken) if kind == "a FIFO" else taken.mkdir()
+    code, stdout, err = router_gen(capsys, tiny_model, "--corpus", write_ids(tmp_path / "ids.txt", 300), "--out", out)
+    assert (code, stdout) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith("colibri router-gen: error: --out") and str(taken) in err, err
+    assert stat.S_ISFIFO(taken.lstat().st_mode) if kind == "a FIFO" else taken.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ids.txt", taken.name])
+
+
+def test_a_corpus_that_is_a_fifo_is_named_as_one(tiny_model, tmp_path, capsys):
+    """It was reported as "not found", though it is there."""
+    os.mkfifo(tmp_path / "traffic")
+    code, out, err = router_gen(capsys, tiny_model, "--corpus", tmp_path / "traffic", "--out", tmp_path / "x.bin")
+    assert (code, out) == (2, ""), err
+    assert err == (
+        f"colibri router-gen: error: --corpus: {tmp_path / 'traffic'} is not a regular file (a corpus is read from "
+        "a file)\n"
+    )
