@@ -34,6 +34,7 @@ from expert_service.cpu.layers.moe import route
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.engine.engine import Engine, PrefillInput
 from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.model_tokenizer import read_tokenizer
 
 CORPUS_FORMATS = ("auto", "text", "ids")
 _COMPACT_KEYS = 64 * 1024 * 1024
@@ -92,15 +93,12 @@ def _parse_ids(data: bytes, path: Path, vocab_size: int) -> np.ndarray:
 
 
 def _tokenize(data: bytes, path: Path, model: ModelDir) -> np.ndarray:
-    tokenizer_path = model.tokenizer_path()
-    if tokenizer_path is None:
+    tokenizer = read_tokenizer(model)
+    if tokenizer is None:
         raise ModelFormatError(
             f"{model.path / 'tokenizer.json'}: not found; a text corpus needs the model's "
             f"tokenizer (or pass token ids with --corpus-format ids)"
         )
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

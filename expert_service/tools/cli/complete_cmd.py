@@ -9,6 +9,7 @@ import random
 from common.errors import CapacityError, InvalidRequestError
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.cli.offline import add_model_arguments, open_engine
+from expert_service.tools.model_tokenizer import read_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             f"positions, more than the KV cache's {blocks * block_size} ({blocks} blocks of {block_size} tokens; "
             "raise --num-kv-blocks or --kv-cache-tokens)"
         )
+    tokenizer = read_tokenizer(engine.model)  # before generating: a broken one would lose the completion
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed, logprobs=args.logprobs
@@ -58,11 +60,8 @@ def run(args: argparse.Namespace) -> int:
         "generated_tokens": len(tokens),
         "seed": seed,
     }
-    tokenizer = engine.model.tokenizer_path()
     if tokenizer is not None:
-        from tokenizers import Tokenizer
-
-        result["text"] = Tokenizer.from_file(str(tokenizer)).decode(tokens, skip_special_tokens=False)
+        result["text"] = tokenizer.decode(tokens, skip_special_tokens=False)
     if args.logprobs:
         result["logprobs"] = logprobs
     print(json.dumps(result))

@@ -116,3 +116,23 @@ def test_logits_refuse_an_out_path_they_cannot_write_before_loading_the_model(tm
     assert (rc, out, err) == (1, "", f"colibri logits: error: {tmp_path / 'no' / 'l.npy'}: No such file or directory\n")
     rc, out, err = run_cli(capsys, "logits", "--model", str(tmp_path / "none"), "--tokens", "1", "--out", "")
     assert (rc, out, err) == (2, "", "colibri logits: error: --out: empty (name the .npy file to write)\n")
+
+
+# --- a broken tokenizer ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["complete", "router-gen"])
+def test_a_tokenizer_the_library_cannot_read_is_one_line_naming_it(tiny_model, tmp_path, capsys, command):
+    """complete generated the whole completion, then lost it to a bare Exception's traceback while decoding it."""
+    broken = Path(shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns("hf")))
+    (broken / "tokenizer.json").write_bytes(os.urandom(int(np.random.default_rng().integers(1, 64))) + b"{")
+    (tmp_path / "corpus.txt").write_text("some text to route\n")
+    argv = (
+        ["--model", str(broken), "--tokens", "1,2", "--max-new-tokens", "4"]
+        if command == "complete"
+        else [str(broken), "--corpus", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "t.bin")]
+    )
+    rc, out, err = run_cli(capsys, command, *argv, "--no-progress" if command == "router-gen" else "--ignore-eos")
+    assert (rc, out) == (3, ""), (rc, out, err)
+    assert err.startswith(f"colibri {command}: error: {broken / 'tokenizer.json'}: not a valid tokenizer.json (")
+    assert err.count("\n") == 1, err
