@@ -16,24 +16,18 @@ import grpc
 
 from common.errors import ConfigError
 from common.pb import router_pb2
+from common.token_ids import parse_id_list
 from router_service.client import ColibriClient
-
-
-def _token_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens: expected comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="text prompt (needs a router started with --model)")
     parser.add_argument(
         "--target",
-        default=os.environ.get("COLIBRI_TARGET", "localhost:50051"),
+        default=os.environ.get("COLIBRI_TARGET") or "localhost:50051",  # set empty, it is unset, as settings are
         help="router address (default: localhost:50051; env COLIBRI_TARGET)",
     )
-    parser.add_argument("--tokens", type=_token_list, help="prompt as comma-separated token ids")
+    parser.add_argument("--tokens", help="prompt as comma-separated token ids")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the router's default")
     parser.add_argument("--min-new-tokens", type=int, default=0)
     parser.add_argument(
@@ -137,6 +131,15 @@ def _check_text(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tokens is not None:  # parsed here, for one line naming the flag (argparse adds its usage)
+        try:
+            args.tokens = parse_id_list(args.tokens)
+        except ValueError as e:
+            raise ConfigError(f"--tokens: {e}") from None
+        if not args.tokens:
+            raise ConfigError("--tokens: the prompt is empty")
+    if not args.target.strip():
+        raise ConfigError("--target: empty (name the router's HOST:PORT, or leave it out for localhost:50051)")
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("give a text prompt or --tokens, exactly one")
     _check_integer_ranges(args)
@@ -196,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     print(message.text if raw else terminal_safe(message.text), end="", flush=True)
                 final = message
+    except KeyboardInterrupt:
+        if final is not None:
+            print()  # the text streamed so far ends its line, before the one saying it was interrupted
+        raise
     except grpc.RpcError as e:
         if final is not None:
             print()  # ends the text streamed before the failure

@@ -69,3 +69,30 @@ def test_errors_print_as_every_subcommand_does(capsys):
     assert cli.main(["generate", "--target", "127.0.0.1:1", "--timeout", "5", "hi"]) == 1
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("colibri generate: error: UNAVAILABLE: "), line
+
+
+@pytest.mark.parametrize("tokens", ["١,٢", "1_0", "1,,2", ",", "1,2 3", "0x10", " "])
+def test_token_ids_that_are_no_comma_separated_decimals_are_refused(tokens):
+    """Python's int() read other scripts' digits (١ as 1) and underscores (1_0 as 10) as ids, and an empty item
+    (1,,2) was dropped without a word: a prompt other than the one typed was sent."""
+    with pytest.raises(ConfigError) as e:
+        generate_cmd.run(parse("--tokens", tokens))
+    assert str(e.value).startswith("--tokens: "), e.value
+
+
+def test_token_ids_may_have_spaces_around_commas_and_one_trailing_comma():
+    from common.token_ids import parse_id_list
+
+    ids = [random.randrange(1 << 32) for _ in range(random.randrange(1, 20))]
+    assert parse_id_list(" , ".join(map(str, ids)) + ",") == ids
+
+
+def test_an_empty_target_is_the_default_from_the_environment_and_refused_as_a_flag(monkeypatch):
+    """COLIBRI_TARGET set empty (an unset variable in a manifest) was dialled as the address ''."""
+    monkeypatch.setenv("COLIBRI_TARGET", "")
+    parser = argparse.ArgumentParser()
+    generate_cmd.add_arguments(parser)
+    assert parser.parse_args(["--tokens", "1"]).target == "localhost:50051"
+    with pytest.raises(ConfigError) as e:
+        generate_cmd.run(parser.parse_args(["--tokens", "1", "--target", ""]))
+    assert str(e.value).startswith("--target: empty"), e.value

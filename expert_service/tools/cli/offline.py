@@ -9,6 +9,7 @@ import numpy as np
 from common.config import add_flags, flag_values, resolve
 from common.errors import ConfigError, InvalidRequestError
 from common.model_format import ModelDir
+from common.token_ids import parse_id_list
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig, RoutingMode
 from expert_service.engine.engine import Engine
@@ -24,9 +25,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_token_ids(text: str, vocab_size: int) -> np.ndarray:
     try:
         # Split on commas only: spaces inside an item ("1 2") are an error, not digits to join into one id (12).
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise InvalidRequestError("--tokens", f"expected comma-separated integers, got {text!r}") from None
+        ids = parse_id_list(text)
+    except ValueError as e:
+        raise InvalidRequestError("--tokens", str(e)) from None
     if not ids:
         raise InvalidRequestError("--tokens", "the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -136,3 +136,18 @@ def test_a_tokenizer_the_library_cannot_read_is_one_line_naming_it(tiny_model, t
     assert (rc, out) == (3, ""), (rc, out, err)
     assert err.startswith(f"colibri {command}: error: {broken / 'tokenizer.json'}: not a valid tokenizer.json (")
     assert err.count("\n") == 1, err
+
+
+# --- token id lists ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["logits", "complete"])
+@pytest.mark.parametrize("tokens", ["١,٢", "1_0", "1,,2", "+-3", "٣"])
+def test_token_ids_that_are_no_comma_separated_decimals_are_refused(tiny_model, tmp_path, capsys, command, tokens):
+    """Python's int() read other scripts' digits (١ as 1) and underscores (1_0 as 10) as ids, and an empty item
+    (1,,2) was dropped without a word: the model ran on a prompt other than the one typed."""
+    rest = ["--out", str(tmp_path / "l.npy")] if command == "logits" else ["--max-new-tokens", "1"]
+    rc, out, err = run_cli(capsys, command, "--model", str(tiny_model), "--tokens", tokens, *rest)
+    assert (rc, out) == (2, "") and err.count("\n") == 1, (rc, out, err)
+    assert err.startswith(f"colibri {command}: error: --tokens: "), err
+    assert not (tmp_path / "l.npy").exists()
