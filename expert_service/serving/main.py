@@ -48,7 +48,7 @@ from common.model_format import ModelDir
 from common.model_identity import ModelDigests
 from common.pb import worker_pb2
 from common.reflection import enable_reflection
-from common.tracing import ServerTracingInterceptor, configure_tracing
+from common.tracing import ServerTracingInterceptor, check_tracing_env, configure_tracing
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
@@ -406,4 +406,5 @@ def run(args: argparse.Namespace) -> int:
         EngineConfig, file_values=load_config_file(args.config, "engine"), flags=flag_values(args, EngineConfig)
     )
     configure_logging("colibri-worker", config.log_level)
+    check_tracing_env()  # before the model loads, as the other settings are
     return asyncio.run(serve(args.model, config, engine_config, freeze_heap=True))
