@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import ConfigError
-from common.model_format import MANIFEST, ModelDir
+from common.model_format import ModelDir
+from common.model_manifest import MANIFEST
 from common.routing_table import RoutingTable, model_digest
 from expert_service.tools.routing_gen import load_corpus, report_path_for
 

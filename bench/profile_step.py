@@ -121,7 +121,7 @@ def write_random_model(family: str, params: dict, out: Path, seed: int = 0) -> P
     """A Colibri model directory of `family` with bench/engine.py's shape `params` and random bf16 weights:
     norms 1, routers fresh N(0, 0.02) (uniform routing), everything else slices of one N(0, 0.02) pool."""
     from common.dtypes import float32_to_bf16
-    from common.model_format import ModelWriter
+    from common.model_writer import ModelWriter
     from common.models import tensor_specs
     from expert_service.tools.tiny_model import tiny_hf_config
 

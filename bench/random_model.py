@@ -14,7 +14,7 @@ import numpy as np
 
 from common import quant
 from common.expert_layout import ExpertFormat
-from common.model_format import ModelWriter
+from common.model_writer import ModelWriter
 
 POOL_BYTES = 64 << 20
 

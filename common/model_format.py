@@ -1,37 +1,5 @@
-"""The Colibri model directory, version 2: this docstring is the specification; writer and reader follow it.
-
-    MODEL_DIR/
-      colibri.json          manifest (UTF-8 JSON, below)
-      dense.bin             every non-expert tensor, each starting at a multiple of 64 bytes
-      experts-L{i:03d}.bin  routed experts of MoE layer i: expert j occupies the block starting at byte
-                            j * expert_strides[i] (a multiple of 4096, the largest block of the layer); the
-                            block's layout is in ``common/expert_layout.py``: gate_proj [F, D], up_proj [F, D],
-                            down_proj [D, F] in the expert's dtype, then (8-bit experts) their float32 scales,
-                            each tensor 256-byte aligned, so one expert is one contiguous range = one copy
-      tokenizer.json, ...   tokenizer files copied from the checkpoint (optional)
-
-    colibri.json = {
-      "format": "colibri", "format_version": 2,
-      "family": "<HF model_type>",
-      "dtype": "float32" | "float16" | "bfloat16",     # the dense dtype: every tensor but routed experts'
-      "config": {...},                                  # the HF config.json, keys unchanged
-      "expert_stride": <the largest of expert_strides>, # what an expert cache sizes a slot by
-      "expert_strides": {"<MoE layer>": <bytes between experts of that layer>, ...},
-      "tensors": {"<canonical name>": {"file": "<relative path>", "offset": <bytes>, "nbytes": <bytes>,
-                                       "dtype": "<dtype>", "shape": [..], "crc32": <uint32 of the bytes>}},
-      "tokenizer_files": ["tokenizer.json", ...]
-    }
-
-Every tensor records its own dtype. Routed experts' matrices may be "int8" (per-output-channel scale) or
-"float8_e4m3fn" (per-channel or 128x128-block scale); their scale is the float32 tensor "<name>_scale"
-([out] or [ceil(out/128), ceil(in/128)], dequantised = q * scale, ``common/quant.py``). One expert has one
-dtype; experts of a layer may differ. Everything else stays in the dense dtype.
-
-Version 1 (still read): one "dtype" for every tensor, one "expert_stride", no scales, the three matrices of
-an expert back to back with no gaps.
-
-Canonical tensor names and shapes are listed in ``common.models``. Matrices are row-major [out, in].
-bfloat16 is stored as raw 16-bit words, float8_e4m3fn as raw bytes. All integers little-endian.
+"""Reads a Colibri model directory (the format is specified in ``common/model_manifest.py``) as ``ModelDir``:
+checked on open, memory-mapped, its tensors zero-copy views.
 
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
@@ -46,15 +14,10 @@ a mismatch).
 
 from __future__ import annotations
 
-import errno
-import json
 import math
 import os
-import re
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -62,177 +25,25 @@ import numpy as np
 
 from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
-from common.expert_layout import (
-    EXPERT_ALIGN,
-    PROJECTIONS,
-    SCALE_SUFFIX,
-    ExpertFormat,
-    ExpertLayout,
-    align,
-    block_layout,
-    read_expert_layout,
-    scale_name,
-)
-from common.files import create_new, naming, pwrite_all, write_new
+from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
 from common.model_config import ModelConfig
+from common.model_manifest import (
+    DENSE_ALIGN,
+    DENSE_FILE,
+    EXPERT_MATRIX,
+    FORMAT_NAME,
+    MANIFEST,
+    READABLE_VERSIONS,
+    TensorEntry,
+    byte_count,
+    expert_file,
+    planned_file,
+    tensor_entry,
+)
 from common.models import config_from_hf, tensor_specs
-from common.unique_keys import DuplicateKeyError, unique_pairs
+from common.strict_json import load_json
 
-FORMAT_NAME = "colibri"
 VERIFY_CHUNK = 1 << 18  # verify reads a tensor in chunks this size: the crc and the fp8 NaN check share each in cache
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-MANIFEST = "colibri.json"
-DENSE_FILE = "dense.bin"
-DENSE_ALIGN = 64
-MAX_DIM = 1 << 31  # one tensor dimension
-MAX_FILE_BYTES = 1 << 48  # offsets and sizes: far past any disk, far below int64 overflow
-MAX_JSON_DEPTH = 64  # a manifest is 4 levels deep
-_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
-_EXPERT_MATRIX = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
-
-ExpertFormats = Callable[[int, int], ExpertFormat]  # (layer, expert) -> how that expert is stored
-
-
-def expert_file(layer: int) -> str:
-    return f"experts-L{layer:03d}.bin"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    name: str
-    file: str
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    crc32: int
-
-    def to_json(self) -> dict:
-        return {
-            "file": self.file,
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "crc32": self.crc32,
-        }
-
-
-def plan_layout(
-    config: ModelConfig, dtype: str, expert_formats: ExpertFormats | None = None
-) -> tuple[dict[str, TensorEntry], dict[int, int]]:
-    """Where every tensor goes (crc32 left 0) and each MoE layer's expert stride: a pure function of the
-    config, the dense dtype and each expert's format (default: the dense dtype)."""
-    formats = expert_formats or (lambda layer, expert: ExpertFormat(dtype))
-    F, D = config.moe_intermediate_size, config.hidden_size
-    blocks = {
-        (layer, j): (formats(layer, j), *block_layout(formats(layer, j), F, D))
-        for layer in config.moe_layers
-        for j in range(config.num_experts)
-    }
-    strides = {
-        layer: align(max(blocks[layer, j][4] for j in range(config.num_experts)), EXPERT_ALIGN)
-        for layer in config.moe_layers
-    }
-    entries, dense_offset = {}, 0
-    for spec in tensor_specs(config):
-        if spec.expert is None:
-            nbytes = math.prod(spec.shape) * dtypes.itemsize(dtype)
-            dense_offset = align(dense_offset, DENSE_ALIGN)
-            entries[spec.name] = TensorEntry(spec.name, DENSE_FILE, dense_offset, nbytes, dtype, spec.shape, 0)
-            dense_offset += nbytes
-            continue
-        assert spec.layer is not None  # tensor_specs gives every expert matrix its layer
-        fmt, weight_offsets, scale_shapes, scale_offsets, _ = blocks[spec.layer, spec.expert]
-        index = PROJECTIONS.index(spec.name.rsplit(".", 1)[1])
-        base, file = spec.expert * strides[spec.layer], expert_file(spec.layer)
-        nbytes = math.prod(spec.shape) * dtypes.itemsize(fmt.dtype)
-        entries[spec.name] = TensorEntry(
-            spec.name, file, base + weight_offsets[index], nbytes, fmt.dtype, spec.shape, 0
-        )
-        if fmt.is_quantized:
-            name, shape = scale_name(spec.name), scale_shapes[index]
-            entries[name] = TensorEntry(
-                name, file, base + scale_offsets[index], 4 * math.prod(shape), "float32", shape, 0
-            )
-    return entries, strides
-
-
-class ModelWriter:
-    """Writes a model directory tensor by tensor, in any order; memory stays at one tensor.
-    `expert_formats(layer, expert)` picks each routed expert's storage (default: the dense dtype)."""
-
-    def __init__(
-        self, out_dir: str | os.PathLike, hf_config: dict, dtype: str, expert_formats: ExpertFormats | None = None
-    ):
-        self.out_dir = Path(out_dir)
-        self.hf_config = hf_config
-        self.config = config_from_hf(hf_config)
-        self.dtype = dtype
-        self.layout, self.expert_strides = plan_layout(self.config, dtype, expert_formats)
-        self.written: dict[str, TensorEntry] = {}
-        self.tokenizer_files: list[str] = []
-        if self.out_dir.exists() and not self.out_dir.is_dir():  # mkdir would say only "File exists"
-            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", str(self.out_dir))
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        # An earlier model's manifest would vouch for the files truncated below if this write stopped halfway.
-        (self.out_dir / MANIFEST).unlink(missing_ok=True)
-        self._files: dict[str, int] = {}
-        sizes: dict[str, int] = {}
-        for entry in self.layout.values():
-            sizes[entry.file] = max(sizes.get(entry.file, 0), entry.offset + entry.nbytes)
-        for layer, stride in self.expert_strides.items():  # whole strides, so a copy of any expert's slot stays
-            sizes[expert_file(layer)] = self.config.num_experts * stride  # inside the file (the last one's too)
-        for name, size in sizes.items():
-            fd = create_new(self.out_dir / name)  # a new file: a link there is replaced, never written through
-            self._files[name] = fd
-            with naming(self.out_dir / name):
-                os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
-
-    def write(self, name: str, array: np.ndarray) -> None:
-        entry = self.layout.get(name)
-        if entry is None:
-            raise ModelFormatError(f"tensor {name}: not part of a {self.config.family} model of this config")
-        data = np.ascontiguousarray(array)
-        if data.dtype != dtypes.STORAGE[entry.dtype] or tuple(data.shape) != entry.shape:
-            raise ModelFormatError(
-                f"tensor {name}: expected {entry.dtype} {list(entry.shape)}, got {data.dtype} {list(data.shape)}"
-            )
-        view = data.data.cast("B")
-        pwrite_all(self._files[entry.file], view, entry.offset, self.out_dir / entry.file)
-        self.written[name] = TensorEntry(
-            name, entry.file, entry.offset, entry.nbytes, entry.dtype, entry.shape, zlib.crc32(view)
-        )
-
-    def finish(self) -> Path:
-        missing = [n for n in self.layout if n not in self.written]
-        if missing:
-            raise ModelFormatError(f"tensor {missing[0]}: never written ({len(missing)} tensors missing)")
-        for name, fd in self._files.items():
-            with naming(self.out_dir / name):  # a full disk can show first here
-                os.fsync(fd)
-            os.close(fd)
-        manifest = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "family": self.config.family,
-            "dtype": self.dtype,
-            "config": self.hf_config,
-            "expert_stride": max(self.expert_strides.values(), default=0),
-            "expert_strides": {str(layer): stride for layer, stride in self.expert_strides.items()},
-            "tensors": {n: self.written[n].to_json() for n in self.layout},
-            "tokenizer_files": self.tokenizer_files,
-        }
-        tmp = self.out_dir / (MANIFEST + ".tmp")
-        try:
-            write_new(tmp, json.dumps(manifest, indent=1).encode())
-        except OSError as e:  # a full disk: no half manifest left behind, and the error names the manifest
-            tmp.unlink(missing_ok=True)
-            raise OSError(e.errno, e.strerror, str(self.out_dir / MANIFEST)) from None
-        tmp.replace(self.out_dir / MANIFEST)
-        return self.out_dir
 
 
 class ModelDir:
@@ -245,13 +56,13 @@ class ModelDir:
         self.hf_config: dict = manifest["config"]
         self.config: ModelConfig = config_from_hf(self.hf_config)
         self.dtype: str = manifest["dtype"]  # the dense dtype (version 1: every tensor's)
-        self.expert_stride: int = _byte_count(manifest["expert_stride"], "expert_stride")  # the largest
+        self.expert_stride: int = byte_count(manifest["expert_stride"], "expert_stride")  # the largest
         strides = manifest.get("expert_strides") if self.version >= 2 else None
         self.expert_strides: dict[int, int] = (
             {layer: self.expert_stride for layer in self.config.moe_layers}
             if strides is None
             else {
-                layer: _byte_count(strides[str(layer)], f"expert_strides[{layer}]") for layer in self.config.moe_layers
+                layer: byte_count(strides[str(layer)], f"expert_strides[{layer}]") for layer in self.config.moe_layers
             }
         )
         largest = max(self.expert_strides.values(), default=0)
@@ -317,10 +128,10 @@ class ModelDir:
             raise ModelFormatError(f"{MANIFEST}: dtype {self.dtype!r} is not supported")
         file_sizes: dict[str, int] = {}
         for name, raw in self.manifest["tensors"].items():
-            entry = _entry(name, raw)
+            entry = tensor_entry(name, raw)
             if entry.dtype not in dtypes.STORAGE:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
-            if entry.dtype in dtypes.QUANTIZED_DTYPES and not _EXPERT_MATRIX.fullmatch(name):
+            if entry.dtype in dtypes.QUANTIZED_DTYPES and not EXPERT_MATRIX.fullmatch(name):
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices")
             expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
@@ -334,7 +145,7 @@ class ModelDir:
                     f"{self.dtype} (version 2 holds 8-bit experts)"
                 )
             # same-size dtypes (bf16 / fp16) cannot be told apart by nbytes: the dense ones must be the manifest's
-            if entry.dtype != self.dtype and not _EXPERT_MATRIX.fullmatch(name) and not name.endswith(SCALE_SUFFIX):
+            if entry.dtype != self.dtype and not EXPERT_MATRIX.fullmatch(name) and not name.endswith(SCALE_SUFFIX):
                 raise ModelFormatError(
                     f"tensor {name}: dtype {entry.dtype}, but every tensor other than routed experts' is the "
                     f"manifest's dtype {self.dtype}"
@@ -351,7 +162,7 @@ class ModelDir:
                     f"{entry.offset + entry.nbytes} of a {file_sizes[entry.file]}-byte file; "
                     f"truncated?)"
                 )
-            planned = _planned_file(name)  # the cuda backend reads dense.bin and experts-L{i}.bin by these names
+            planned = planned_file(name)  # the cuda backend reads dense.bin and experts-L{i}.bin by these names
             if entry.file != planned or (planned == DENSE_FILE and entry.offset % DENSE_ALIGN):
                 where = f"{planned} at a multiple of {DENSE_ALIGN} bytes" if planned == DENSE_FILE else planned
                 raise ModelFormatError(
@@ -429,7 +240,7 @@ class ModelDir:
         """float32 values; an 8-bit expert matrix comes back dequantised exactly (q * scale)."""
         e = self.entries[name]
         if e.dtype in dtypes.QUANTIZED_DTYPES:
-            match = _EXPERT_MATRIX.fullmatch(name)
+            match = EXPERT_MATRIX.fullmatch(name)
             assert match is not None  # _check_entries allows 8-bit dtypes only there
             layout = self.expert_layouts[int(match[1]), int(match[2])]
             assert layout.scheme is not None
@@ -495,93 +306,6 @@ class ModelDir:
     def tokenizer_path(self) -> Path | None:
         p = self.path / "tokenizer.json"
         return p if p.is_file() else None
-
-
-def load_json(path: Path, error: type[Exception]) -> object:
-    """A JSON file as Python values, refusing what would later overflow or recurse: NaN/Infinity, numbers
-    that do not fit a double (1e999), nesting deeper than a manifest ever needs; and a key repeated in one
-    object, which would silently lose all but its last value."""
-
-    def reject_constant(name: str):
-        raise error(f"{path}: {name} is not a valid JSON number here")
-
-    def finite_float(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise error(f"{path}: number {text} is out of range")
-        return value
-
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-    # Checked before parsing: letting the parser hit Python's recursion limit leaves CPython 3.11's
-    # recursion bookkeeping skewed for later code (seen as "AST constructor recursion depth mismatch").
-    depth = deepest = 0
-    for bracket in _BRACKETS.finditer(_JSON_STRINGS.sub('""', text)):
-        depth += 1 if bracket.group() in "[{" else -1
-        deepest = max(deepest, depth)
-    if deepest > MAX_JSON_DEPTH:
-        raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-
-    try:
-        return json.loads(
-            text, parse_constant=reject_constant, parse_float=finite_float, object_pairs_hook=unique_pairs
-        )
-    except DuplicateKeyError as e:
-        raise error(f"{path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
-
-
-def _planned_file(name: str) -> str:
-    """The file a tensor of this name lives in: its layer's experts file for a routed expert's matrix or
-    scale, dense.bin for every other tensor."""
-    match = _EXPERT_MATRIX.fullmatch(name.removesuffix(SCALE_SUFFIX))
-    return expert_file(int(match[1])) if match else DENSE_FILE
-
-
-def _byte_count(value: object, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_FILE_BYTES:
-        raise ModelFormatError(f"{MANIFEST}: {key} must be an integer in [0, {MAX_FILE_BYTES}], got {value!r}")
-    return value
-
-
-def _entry(name: str, raw: object) -> TensorEntry:
-    """One manifest tensor entry, every field of the type and range the loader relies on."""
-
-    if not isinstance(raw, dict):
-        raise ModelFormatError(f"tensor {name}: manifest entry must be an object")
-
-    def integer(key: str, hi: int) -> int:
-        value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
-            raise ModelFormatError(f"tensor {name}: {key} must be an integer in [0, {hi}], got {value!r}")
-        return value
-
-    try:
-        shape = raw["shape"]
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 8
-            or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_DIM for d in shape)
-        ):
-            raise ModelFormatError(
-                f"tensor {name}: shape must be a list of at most 8 sizes in [0, {MAX_DIM}), got {shape!r}"
-            )
-        if not isinstance(raw["file"], str) or not isinstance(raw["dtype"], str):
-            raise ModelFormatError(f"tensor {name}: file and dtype must be strings")
-        return TensorEntry(
-            name,
-            raw["file"],
-            integer("offset", MAX_FILE_BYTES),
-            integer("nbytes", MAX_FILE_BYTES),
-            raw["dtype"],
-            tuple(shape),
-            integer("crc32", 0xFFFFFFFF),
-        )
-    except KeyError as e:
-        raise ModelFormatError(f"tensor {name}: manifest entry lacks {e}") from None
 
 
 def read_manifest_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -26,7 +26,8 @@ from numba import cuda
 
 from common.errors import ColibriError, ConfigError
 from common.model_config import ModelConfig
-from common.model_format import DENSE_FILE, ModelDir
+from common.model_format import ModelDir
+from common.model_manifest import DENSE_FILE
 from expert_service.cuda.cublas import CublasError
 from expert_service.cuda.moe_cached import dense_scratch_needed
 from expert_service.cuda.moe_strategy import ModelStrategies

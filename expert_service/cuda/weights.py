@@ -17,7 +17,8 @@ import numpy as np
 from numba import cuda
 
 from common import dtypes
-from common.model_format import DENSE_FILE, ModelDir, expert_file
+from common.model_format import ModelDir
+from common.model_manifest import DENSE_FILE, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
 from expert_service.cuda.moe_grouped_mma import every_layer_w8a8
 from expert_service.kernels import expert_quant

@@ -27,7 +27,8 @@ from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.files import copy_new
 from common.model_config import ModelConfig
-from common.model_format import MANIFEST, ModelWriter, expert_file
+from common.model_manifest import MANIFEST, expert_file
+from common.model_writer import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from common.routing_table import TABLE_FILE, model_digest, recorded_model_digest
 from expert_service.tools import hf_fp8

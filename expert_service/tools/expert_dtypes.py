@@ -171,7 +171,7 @@ def _mapping(value: object, path: Path, key: str) -> dict:
 
 
 def _read(path: Path) -> dict:
-    from common.model_format import load_json
+    from common.strict_json import load_json
 
     if path.is_dir():
         raise ConfigError(f"{path}: a directory, not an expert dtype file")

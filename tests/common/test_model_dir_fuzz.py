@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from common.errors import ColibriError
-from common.model_format import MANIFEST, ModelDir
+from common.model_format import ModelDir
+from common.model_manifest import MANIFEST
 
 ABSURD = [0, -1, 1, 2**40, 2**63, -(2**63), 1e9, 0.5, True, None, "x", "", [], {}, [1, 2], {"a": 1}]
 RAW_ABSURD = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999", "[" * 5000 + "]" * 5000]

@@ -13,17 +13,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from common.errors import ModelFormatError
-from common.model_format import (
-    DENSE_ALIGN,
-    DENSE_FILE,
-    EXPERT_ALIGN,
-    MANIFEST,
-    ModelDir,
-    ModelWriter,
-    expert_file,
-    plan_layout,
-    read_manifest_config,
-)
+from common.expert_layout import EXPERT_ALIGN
+from common.model_format import ModelDir, read_manifest_config
+from common.model_manifest import DENSE_ALIGN, DENSE_FILE, MANIFEST, expert_file, plan_layout
+from common.model_writer import ModelWriter
 from common.models import FAMILIES, config_from_hf, tensor_specs
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights, write_tiny_checkpoint

@@ -16,7 +16,8 @@ from safetensors.numpy import save_file
 from common import dtypes, quant
 from common.errors import ChecksumError, ModelFormatError
 from common.expert_layout import EXPERT_ALIGN, PROJECTIONS, TENSOR_ALIGN, align
-from common.model_format import MANIFEST, ModelDir, expert_file
+from common.model_format import ModelDir
+from common.model_manifest import MANIFEST, expert_file
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights
 

@@ -23,7 +23,8 @@ from cuda.bindings import driver as drv
 import expert_service.cuda.decoder as decoder_module
 import expert_service.cuda.device_memory as device_memory
 from common.errors import ConfigError
-from common.model_format import DENSE_FILE, ModelDir
+from common.model_format import ModelDir
+from common.model_manifest import DENSE_FILE
 from expert_service.cuda.cublas import CublasError
 from expert_service.cuda.decoder import CudaDecoder
 from expert_service.cuda.device_memory import (

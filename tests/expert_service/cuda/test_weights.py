@@ -46,7 +46,7 @@ def test_refused_ranges_are_not_unpinned(monkeypatch):
 def test_q_k_v_stored_back_to_back_stack_into_one_matrix():
     """The format writes q, k, v projections consecutively: one [q_size + 2 kv_size, D] view serves a one-token
     step's single GEMV. Biases whose sizes break the 64-byte alignment are padded apart: no stacked view."""
-    from common.model_format import plan_layout
+    from common.model_manifest import plan_layout
     from common.models import config_from_hf
     from expert_service.tools.tiny_model import tiny_hf_config
 

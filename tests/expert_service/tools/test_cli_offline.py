@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 from colibri.cli import main
 from common.errors import ChecksumError, ModelFormatError
-from common.model_format import MANIFEST, ModelDir
+from common.model_format import ModelDir
+from common.model_manifest import MANIFEST
 from common.models import FAMILIES
 from expert_service.tools.tiny_model import BOS_ID, EOS_ID, VOCAB_SIZE, make_tiny
 
