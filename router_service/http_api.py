@@ -36,18 +36,9 @@ from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, listen
 from router_service.http_guard import abort, bounded
 from router_service.logprobs import TokenTexts
-from router_service.openai_api import (
-    HTTP_STATUS,
-    ApiError,
-    ParsedRequest,
-    api_error,
-    envelope,
-    grpc_code,
-    logprobs_field,
-    parse_request,
-    response,
-    usage,
-)
+from router_service.openai_errors import HTTP_STATUS, ApiError, api_error, grpc_code
+from router_service.openai_request import ParsedRequest, parse_request
+from router_service.openai_response import envelope, logprobs_field, response, usage
 from router_service.protocol import is_metadata_safe
 from router_service.request_state import new_request_id
 from router_service.tool_replies import ToolReply, collect_reply, split

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from types import TracebackType
 
-from router_service.openai_api import ApiError
+from router_service.openai_errors import ApiError
 
 CODE = "too_many_body_bytes"
 

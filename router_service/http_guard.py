@@ -35,7 +35,7 @@ from yarl import URL
 from common.rate_limited_log import RateLimitedLog
 from router_service.http_bodies import Reservation
 from router_service.json_text import strict_json
-from router_service.openai_api import ApiError
+from router_service.openai_errors import ApiError
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
 # A lone surrogate can only come from a \uD800-\uDFFF escape: the body is decoded strictly, so raw surrogate

@@ -31,15 +31,12 @@ from common.tracing import set_request_status
 from router_service import openai_echo
 from router_service.frontend import Completion, collect, set_usage
 from router_service.http_guard import abort, bounded
-from router_service.openai_api import (
-    ParsedRequest,
+from router_service.openai_errors import api_error, grpc_code, in_prompt_list
+from router_service.openai_request import ParsedRequest, generate_request
+from router_service.openai_response import (
     add_prompt_logprobs,
-    api_error,
     choice,
     envelope,
-    generate_request,
-    grpc_code,
-    in_prompt_list,
     logprobs_field,
     prompt_logprobs_field,
     usage,

@@ -8,7 +8,8 @@ serves echo (a stream echoes on each choice's first chunk).
 from __future__ import annotations
 
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
-from router_service.openai_api import ParsedRequest, logprobs_field
+from router_service.openai_request import ParsedRequest
+from router_service.openai_response import logprobs_field
 
 
 def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts, prompt_ids) -> str:

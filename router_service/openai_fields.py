@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-# Read by router_service.openai_api.parse_request.
+# Read by router_service.openai_request.parse_request.
 IMPLEMENTED_BOTH = frozenset(
     {
         "model",

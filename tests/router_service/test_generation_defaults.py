@@ -96,7 +96,7 @@ def test_min_p_and_max_new_tokens_are_applied_where_requests_leave_them_unset():
     explicit = validated(min_p=0.7, max_new_tokens=5)
     assert explicit.min_p == pytest.approx(0.7) and explicit.max_new_tokens == 5
     assert validated(min_p=0.0).min_p == 0.0  # an explicit 0 turns the model's min_p off
-    from router_service.openai_api import parse_request
+    from router_service.openai_request import parse_request
 
     for body, want in (({}, min_p), ({"min_p": 0}, 0.0), ({"min_p": 0.2}, 0.2)):  # the OpenAI front: the same
         parsed = parse_request({"model": "m", "prompt": [1, 2], **body}, "completion", "m", d)
@@ -126,8 +126,8 @@ def test_several_choices_are_sized_with_the_models_default_length():
     from common.errors import InvalidRequestError
     from common.pb import router_pb2
     from router_service.config import RouterConfig
-    from router_service.openai_api import ParsedRequest
     from router_service.openai_choices import _check_fits
+    from router_service.openai_request import ParsedRequest
     from router_service.validation import ModelLimits
 
     config = RouterConfig(max_new_tokens=2000, default_max_new_tokens=20, max_concurrent_requests=64)

@@ -15,7 +15,7 @@ import pytest
 
 from router_service import http_api
 from router_service.http_bodies import BodyBudget
-from router_service.openai_api import ApiError
+from router_service.openai_errors import ApiError
 from tests.router_service.fake_worker import FakeWorker, wait_for
 from tests.router_service.test_http_errors import AUTH, AUTH_LINE, http_harness, problems, rejected
 from tests.router_service.test_http_expect import first_answer

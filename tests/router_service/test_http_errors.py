@@ -20,7 +20,7 @@ from expert_service.tools.tiny_model import byte_tokenizer
 from router_service import http_api
 from router_service.errors import MAX_FIELD
 from router_service.observability import router_metrics
-from router_service.openai_api import api_error
+from router_service.openai_errors import api_error
 from router_service.tokenizer import Tokenizer
 from tests.helpers import free_port, worth_reporting
 from tests.router_service.fake_worker import FakeWorker, harness, wait_for

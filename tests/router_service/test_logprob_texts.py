@@ -5,7 +5,7 @@ character gives that character's bytes, which its text shows as U+FFFD."""
 import pytest
 
 from router_service.logprobs import TokenTexts
-from router_service.openai_api import logprobs_field
+from router_service.openai_response import logprobs_field
 from router_service.tokenizer import REPLACEMENT, Tokenizer
 from tests.router_service.real_tokenizers import chatml_byte_level, sentencepiece_bpe
 

@@ -12,7 +12,9 @@ import pytest
 from common.pb import router_pb2 as rpb
 from router_service.chat import message_dicts
 from router_service.logprobs import TokenTexts
-from router_service.openai_api import ApiError, logprobs_field, parse_request
+from router_service.openai_errors import ApiError
+from router_service.openai_request import parse_request
+from router_service.openai_response import logprobs_field
 from router_service.tokenizer import Tokenizer
 from tests.helpers import byte_ids
 from tests.router_service.test_http_errors import AUTH, http_harness

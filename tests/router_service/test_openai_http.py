@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from common.pb import router_pb2 as rpb
-from router_service.openai_api import ApiError, parse_request
+from router_service.openai_errors import ApiError
+from router_service.openai_request import parse_request
 from tests.helpers import LoggedProcess, free_port, running_router, serve_command, serve_env, worker_kv_blocks_used
 
 openai = pytest.importorskip("openai", reason="the HTTP tests drive the router with the test extra's openai client")

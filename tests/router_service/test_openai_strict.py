@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from router_service import openai_fields
-from router_service.openai_api import ApiError, parse_request
+from router_service.openai_errors import ApiError
+from router_service.openai_request import parse_request
 from tests.helpers import byte_ids
 from tests.router_service.test_openai_http import http_router
 

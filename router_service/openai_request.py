@@ -1,8 +1,9 @@
-"""OpenAI's protocol, as data: request bodies -> the router's SamplingParameters, answers and stream chunks ->
-OpenAI's JSON, every error -> OpenAI's error shape and an HTTP status. No I/O here (router_service/http_api.py).
+"""OpenAI request bodies -> the router's SamplingParameters and GenerateRequests, every malformed field a 400
+naming it (router_service/openai_errors.py). No I/O here (router_service/http_api.py).
 
 Accepted: OpenAI's fields (n, completions' best_of and prompt lists, logprobs and top_logprobs, presence and
-frequency penalties, logit_bias included; router_service/openai_choices.py serves more than one choice) and vLLM's usual extensions (top_k, min_p, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
+frequency penalties, logit_bias included; router_service/openai_choices.py serves more than one choice) and vLLM's
+usual extensions (top_k, min_p, min_tokens, stop_token_ids, ignore_eos, repetition_penalty, prompt_logprobs,
 add_generation_prompt, continue_final_message, chat_template_kwargs). Every other field is refused with 400 naming
 it, unless it asks for nothing or cannot change the output (router_service/openai_fields.py has the table). A
 sampling field left out takes the model's generation_config.json default when it has one (OpenAI's default
@@ -12,161 +13,27 @@ otherwise), as in vLLM.
 from __future__ import annotations
 
 import math
-import re
-import time
 from dataclasses import dataclass, field
 
-import grpc
-
-from common.errors import InvalidRequestError
 from common.pb import router_pb2
 from router_service import constraints, errors, openai_fields, tool_request
 from router_service.errors import clipped
-from router_service.frontend import ChatOptions, Completion
+from router_service.frontend import ChatOptions
 from router_service.generation_defaults import MIN_TEMPERATURE, GenerationDefaults
-from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_constraints import ConstraintFieldError, request_constraint
-from router_service.scheduler import FinishReason
-from router_service.tool_replies import finish_reason as tool_finish_reason
+from router_service.openai_errors import ApiError
 
 MAX_UINT32 = (1 << 32) - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.INTERNAL: 500,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-_GRPC_CODES = {http: code for code, http in HTTP_STATUS.items()}
-
-
-def grpc_code(http_status: int) -> grpc.StatusCode:
-    """The gRPC front's code of an HTTP error status (another 5xx: INTERNAL; another 4xx: INVALID_ARGUMENT)."""
-    fallback = grpc.StatusCode.INTERNAL if http_status >= 500 else grpc.StatusCode.INVALID_ARGUMENT
-    return _GRPC_CODES.get(http_status, fallback)
-
-
-# Router validation fields (after `parameters.`) -> OpenAI parameter names.
-PARAM_NAMES = {
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
-    "stop_sequences": "stop",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "truncate_input_tokens": "truncate_prompt_tokens",
-    "logprobs": "logprobs",
-}
-# Router field names a router message may mention besides its own field, as whole words.
-INTERNAL_NAME = re.compile(r"\b(max_new_tokens|min_new_tokens|stop_sequences|truncate_input_tokens)\b")
-PROMPT_FIELDS = ("text", "token_ids", "prompt")  # the router's names for a prompt's fields
-FINISH_REASONS = {
-    FinishReason.LENGTH: "length",
-    FinishReason.EOS: "stop",
-    FinishReason.STOP_TOKEN: "stop",
-    FinishReason.STOP_SEQUENCE: "stop",
-    FinishReason.CONSTRAINT: "stop",
-}
 MAX_LOGPROBS = 20  # top_logprobs (chat), logprobs (completions) and prompt_logprobs
 MAX_CHOICES = 128  # samples one HTTP request may ask for: best_of (or n) times the prompts
 FLOAT32_TINIEST = 2.0**-149  # the smallest positive float32 (a subnormal)
 
 
-class ApiError(Exception):
-    """An HTTP error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        param, message = errors.clipped_error(param, message)  # the client's own input, quoted: cut
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def api_error(
-    exc: BaseException, kind: str = "completion", request_id: str = "", parsed: ParsedRequest | None = None
-) -> ApiError:
-    """The OpenAI error for anything a request raised (unexpected exceptions are logged, their text hidden);
-    `parsed` names the request's own fields (max_tokens or max_completion_tokens, where a constraint came from)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        param = openai_param(exc.field, kind, parsed)
-        message = f"{param}: {_client_names(exc, parsed)}" if param else str(exc)
-        too_long = "max_sequence_length (" in message or "KV capacity (" in message
-        code = "context_length_exceeded" if too_long else None
-        return ApiError(400, message, "invalid_request_error", param, code)
-    status = errors.to_status(exc, request_id)  # the gRPC front's mapping and message (INTERNAL is logged there)
-    http = HTTP_STATUS.get(status.code, 500)
-    # Only the router's own errors carry a reason for clients (UnicodeError's `reason` is its internal text).
-    reason = exc.reason.lower() if isinstance(exc, errors.RouterError) else "internal"
-    headers = {}
-    if isinstance(exc, errors.Overloaded | errors.Unavailable):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-    kind_name = {401: "invalid_request_error", 429: "rate_limit_error"}.get(http, "server_error")
-    return ApiError(http, status.details, kind_name, None, "invalid_api_key" if http == 401 else reason, headers)
-
-
-def _client_names(exc: InvalidRequestError, parsed: ParsedRequest | None) -> str:
-    """The error's text with the router's field names (`min_tokens: must be <= max_new_tokens (2)`) as the client
-    sent them; a constraint's is left as it is (the grammar engine's errors may quote the client's grammar)."""
-    text = exc.detail
-    if exc.field.startswith("parameters.constraint"):
-        return text
-    names = {**PARAM_NAMES, "max_new_tokens": parsed.max_tokens_name if parsed is not None else "max_tokens"}
-    return INTERNAL_NAME.sub(lambda m: names[m.group()], text)
-
-
-def openai_param(field_name: str, kind: str, parsed: ParsedRequest | None = None) -> str:
-    """`parameters.top_p` -> `top_p`, `text` -> `prompt`, `token_ids.ids[5]` -> `prompt[5]`, `messages[2]` stays;
-    `parameters.constraint...` -> the field the constraint came from (`response_format.json_schema.schema`,
-    `guided_regex`, `tools`, ...)."""
-    if field_name.startswith("parameters."):
-        rest = field_name[len("parameters.") :]
-        base, bracket, index = rest.partition("[")
-        if base.split(".")[0] == "constraint" and parsed is not None:
-            return parsed.constraint_name
-        name = PARAM_NAMES.get(base, base)
-        name = parsed.max_tokens_name if parsed is not None and name == "max_tokens" else name
-        name = "logprobs" if name == "top_logprobs" and kind == "completion" else name
-        return name + (bracket + index if bracket else "")
-    if field_name.startswith(PROMPT_FIELDS):
-        if kind != "completion":
-            return "messages"
-        if field_name.startswith(("prompt[", "token_ids.ids[")):  # a prompt of a list, a token of the prompt
-            return "prompt" + "".join(field_name.partition("[")[1:])
-        return "prompt"
-    return field_name
-
-
-def in_prompt_list(error: InvalidRequestError, index: int) -> InvalidRequestError:
-    """A prompt's error as the error of prompt `index` of a list: `token_ids.ids[5]` -> `prompt[2][5]`."""
-    if not error.field.startswith(PROMPT_FIELDS):
-        return error
-    token = "".join(error.field.partition("[")[1:]) if error.field.startswith("token_ids.ids[") else ""
-    return InvalidRequestError(f"prompt[{index}]{token}", error.detail)
-
-
-# ---- requests ----
 @dataclass
 class ParsedRequest:
+    """A request body, checked and converted: the router's parameters and what answering it over HTTP needs."""
+
     kind: str  # "completion" or "chat"
     parameters: router_pb2.SamplingParameters
     stream: bool = False
@@ -416,162 +283,3 @@ def generate_request(
     else:
         request.token_ids.ids.extend(prompt)
     return request
-
-
-# ---- answers ----
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def finish_reason(reason: FinishReason | None) -> str | None:
-    return FINISH_REASONS.get(reason) if reason is not None else None
-
-
-def logprobs_field(kind: str, texts: TokenTexts, token_ids, logprobs, tops: list[Top], offset: int = 0) -> dict:
-    """OpenAI's `logprobs` of a choice (or chunk): chat's `content` list, or completions' parallel lists. `tops`:
-    each token's most likely tokens (empty when top log-probabilities were not asked for)."""
-    tokens = [texts(i) for i in token_ids]
-    if kind == "chat":
-        tops = tops or [[] for _ in tokens]
-        return {
-            "content": [
-                {
-                    "token": t,
-                    "logprob": lp,
-                    "bytes": texts.bytes(i),
-                    "top_logprobs": [{"token": texts(j), "logprob": v, "bytes": texts.bytes(j)} for j, v in top],
-                }
-                for i, t, lp, top in zip(token_ids, tokens, logprobs, tops)
-            ]
-        }
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs),
-        "top_logprobs": [{texts(i): v for i, v in top} for top in tops] if tops else None,
-        "text_offset": offsets,
-    }
-
-
-def prompt_logprobs_field(texts: TokenTexts, entries: list[PromptLogprob]) -> list:
-    """vLLM's `prompt_logprobs`: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
-    holding the prompt token and the most likely ones (rank: 1-based among those; null for a prompt token
-    outside them)."""
-    out: list[dict[str, dict[str, object]] | None] = []
-    for e in entries:
-        if e.logprob is None:
-            out.append(None)
-            continue
-        ranks = {i: r for r, (i, _) in enumerate(e.top, 1)}
-        scored: dict[str, dict[str, object]] = {
-            str(e.token_id): {"logprob": e.logprob, "rank": ranks.get(e.token_id), "decoded_token": texts(e.token_id)}
-        }
-        scored.update(
-            {str(i): {"logprob": v, "rank": ranks[i], "decoded_token": texts(i)} for i, v in e.top if i != e.token_id}
-        )
-        out.append(scored)
-    return out
-
-
-def choice(
-    kind: str,
-    text: str,
-    reason,
-    logprobs,
-    stream: bool,
-    first: bool = False,
-    tool_calls=(),
-    finish=None,
-    index: int = 0,
-) -> dict:
-    """A choice (or chunk choice) at `index`. `tool_calls`: tool_calls.ToolCall (an answer) or ToolCallDelta (a
-    chunk); `finish`: the finish_reason when it is not `reason`'s (router_service.tool_replies.finish_reason)."""
-    finished = finish or finish_reason(reason)
-    if kind == "completion":
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finished}
-    if stream:
-        delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        if tool_calls:
-            delta["tool_calls"] = [tool_call_delta(d) for d in tool_calls]
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finished}
-    message: dict = {"role": "assistant", "content": text}
-    if tool_calls:  # OpenAI's content is null when the reply is only calls
-        message["content"] = text or None
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in tool_calls
-        ]
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finished}
-
-
-def tool_call_delta(piece) -> dict:
-    """A streamed piece of a call: the first carries id, type and name, the next only argument fragments."""
-    if piece.id:
-        return {
-            "index": piece.index,
-            "id": piece.id,
-            "type": "function",
-            "function": {"name": piece.name, "arguments": piece.arguments},
-        }
-    return {"index": piece.index, "function": {"arguments": piece.arguments}}
-
-
-def envelope(kind: str, request_id: str, model: str, created: int, choices: list, stream: bool) -> dict:
-    obj = "text_completion" if kind == "completion" else "chat.completion.chunk" if stream else "chat.completion"
-    return {
-        "id": request_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
-
-
-def add_prompt_logprobs(body: dict, kind: str, texts: TokenTexts, entries: list[PromptLogprob] | None) -> None:
-    """vLLM's placement: in the completion choice, at the top of a chat answer."""
-    if entries is not None:
-        target = body["choices"][0] if kind == "completion" and body["choices"] else body
-        target["prompt_logprobs"] = prompt_logprobs_field(texts, entries)
-
-
-def response(
-    parsed: ParsedRequest,
-    request_id: str,
-    model: str,
-    out: Completion,
-    prompt_tokens: int,
-    texts: TokenTexts,
-    cached_tokens: int = 0,
-) -> dict:
-    lp = logprobs_field(parsed.kind, texts, out.token_ids, out.logprobs, out.top_logprobs) if parsed.logprobs else None
-    body = envelope(
-        parsed.kind,
-        request_id,
-        model,
-        int(time.time()),
-        [
-            choice(
-                parsed.kind,
-                out.text,
-                out.finish_reason,
-                lp,
-                stream=False,
-                tool_calls=out.tool_calls,
-                finish=tool_finish_reason(out.finish_reason, out.tool_calls, out.ended_in_call),
-            )
-        ],
-        stream=False,
-    )
-    if parsed.prompt_logprobs:
-        add_prompt_logprobs(body, parsed.kind, texts, out.prompt_logprobs or [])
-    body["usage"] = usage(prompt_tokens, len(out.token_ids), cached_tokens)
-    return body
