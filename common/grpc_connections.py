@@ -51,7 +51,10 @@ class ConnectionCount:
             return None
         total, start = 0, 0
         while True:
-            page = json.loads(_get_server_sockets(self.server_id, start, PAGE))
+            try:
+                page = json.loads(_get_server_sockets(self.server_id, start, PAGE))
+            except ValueError:  # the server has stopped (channelz forgets it): a scrape must not fail on it
+                return None
             sockets = [int(s["socketId"]) for s in page.get("socketRef", [])]
             total += len(sockets)
             if page.get("end", True) or not sockets:

@@ -87,6 +87,8 @@ def test_the_connection_gauges_count_each_port_open_connections():
             assert connections("health") == 1
             for c in [extra, probe] + [c for c, _ in held]:
                 await c.close()
+        # a scrape after the servers stopped (channelz forgot them) reads 0: it raised and failed the whole scrape
+        assert connections("grpc") == 0 and connections("health") == 0
 
     asyncio.run(body())
 
