@@ -11,24 +11,16 @@ other.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
 import threading
 import time
 
 from router_service import errors
 from router_service.call_deadline import CALL_DEADLINE, check_call_deadline
 from router_service.constraints import CompileAbandoned, Constraint, ConstraintCompiler, GrammarMatcher
+from router_service.thread_pools import HELPER_THREADS, LazyPool
 
-COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))  # a core left to the event loop on small machines
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="colibri-grammar")
-    return _executor
+COMPILE_THREADS = HELPER_THREADS
+_pool = LazyPool("colibri-grammar", COMPILE_THREADS)
 
 
 async def compile_matcher(compiler: ConstraintCompiler, constraint: Constraint, ignore_eos: bool) -> GrammarMatcher:

@@ -15,7 +15,6 @@ Streams must never emit broken or retracted text, which takes two hold-backs:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import os
@@ -27,20 +26,14 @@ from typing import Any
 from common.errors import ConfigError
 from router_service.call_deadline import run_in_time
 from router_service.chat_tokens import ESC, SpecialTokenGuard
+from router_service.thread_pools import HELPER_THREADS, LazyPool
 
 REPLACEMENT = "\ufffd"
 # Texts up to this many characters tokenize inline (tens of microseconds); longer ones on a thread.
 INLINE_MAX_CHARS = 1024
 # Threads tokenizing long texts, leaving a core to the event loop on small machines.
-TOKENIZER_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="colibri-tokenize")
-    return _executor
+TOKENIZER_THREADS = HELPER_THREADS
+_pool = LazyPool("colibri-tokenize", TOKENIZER_THREADS)
 
 
 # Prompt tokens the stream starts from: enough for every tokenizer's look-back (TGI uses 5).
