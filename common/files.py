@@ -45,6 +45,20 @@ _KINDS = {
 }
 
 
+def _kind(mode: int) -> str:
+    return "a directory" if stat.S_ISDIR(mode) else _KINDS.get(stat.S_IFMT(mode), "not a file")
+
+
+def stat_regular(path: Path | str) -> os.stat_result:
+    """os.stat of `path`, which must be a regular file (or a symlink to one), checked before anything opens it:
+    opening a FIFO for reading waits for a writer for ever. FileNotFoundError when nothing is there, else an
+    OSError whose strerror says what is (`not a regular file (a FIFO)`)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})", str(path))
+    return st
+
+
 def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file at `path` (at most max_bytes + 1 of them, for the caller to refuse). Anything
     else is an OSError naming it: opening a FIFO waited for a writer for ever, holding a service's start-up and its
@@ -55,8 +69,7 @@ def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
-            raise OSError(errno.EINVAL, f"not a regular file ({kind})", str(path))
+            raise OSError(errno.EINVAL, f"not a regular file ({_kind(mode)})", str(path))
         return f.read(-1 if max_bytes is None else max_bytes + 1)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
 from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
+from common.files import stat_regular
 from common.model_config import ModelConfig
 from common.model_manifest import (
     DENSE_ALIGN,
@@ -78,10 +79,10 @@ class ModelDir:
     def open(cls, path: str | os.PathLike, verify: bool = True, progress: bool = False) -> ModelDir:
         root = Path(path)
         manifest_path = root / MANIFEST
-        if not manifest_path.is_file():
-            raise ModelFormatError(
-                f"{manifest_path}: not found (is {root} a Colibri model directory? make one with `colibri convert`)"
-            )
+        _regular_size(
+            manifest_path,
+            f"{manifest_path}: not found (is {root} a Colibri model directory? make one with `colibri convert`)",
+        )
         manifest = load_json(manifest_path, ModelFormatError)
         if not isinstance(manifest, dict):
             raise ModelFormatError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
@@ -152,9 +153,8 @@ class ModelDir:
                 )
             path = self._safe_path(entry.file, name)
             if entry.file not in file_sizes:
-                if not path.is_file():
-                    raise ModelFormatError(f"tensor {name}: file {entry.file} not found in {self.path}")
-                file_sizes[entry.file] = path.stat().st_size
+                missing = f"tensor {name}: file {entry.file} not found in {self.path}"
+                file_sizes[entry.file] = _regular_size(path, missing, f"tensor {name}")
             if entry.offset < 0 or entry.offset + entry.nbytes > file_sizes[entry.file]:
                 what = "offset past the end of" if entry.offset >= file_sizes[entry.file] else "range past the end of"
                 raise ModelFormatError(
@@ -306,6 +306,17 @@ class ModelDir:
     def tokenizer_path(self) -> Path | None:
         p = self.path / "tokenizer.json"
         return p if p.is_file() else None
+
+
+def _regular_size(path: Path, missing: str, what: str = "") -> int:
+    """The size of the regular file at `path`, taken by stat: a FIFO there is never opened (that would wait for a
+    writer for ever), and a FIFO, device or directory is refused saying what it is rather than as `missing`."""
+    try:
+        return stat_regular(path).st_size
+    except FileNotFoundError:
+        raise ModelFormatError(missing) from None
+    except OSError as e:  # not a regular file; or a path component that is a file, a loop of links, no permission
+        raise ModelFormatError(f"{what + ': ' if what else ''}{path}: {e.strerror or e}") from None
 
 
 def read_manifest_config(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

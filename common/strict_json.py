@@ -8,6 +8,7 @@ import math
 import re
 from pathlib import Path
 
+from common.files import read_regular
 from common.unique_keys import DuplicateKeyError, unique_pairs
 
 MAX_JSON_DEPTH = 64  # a model manifest is 4 levels deep
@@ -30,7 +31,7 @@ def load_json(path: Path, error: type[Exception]) -> object:
         return value
 
     try:
-        text = path.read_text()
+        text = read_regular(path).decode()  # opened without blocking: a FIFO swapped in is refused, not waited on
     except UnicodeDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     # Checked before parsing: letting the parser hit Python's recursion limit leaves CPython 3.11's

@@ -118,6 +118,30 @@ def test_logits_refuse_an_out_path_they_cannot_write_before_loading_the_model(tm
     assert (rc, out, err) == (2, "", "colibri logits: error: --out: empty (name the .npy file to write)\n")
 
 
+# --- a model directory's files ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)  # opening the FIFO would wait for a writer for ever
+@pytest.mark.parametrize(
+    "name, kind",
+    [(name, kind) for name in ("colibri.json", "dense.bin", "experts-L001.bin") for kind in ("a FIFO", "a directory")]
+    + [("colibri.json", "a character device")],  # a tensor file may not link outside the directory (to /dev)
+)
+def test_a_model_file_that_is_no_regular_file_is_refused_saying_what_is_there(tiny_model, tmp_path, capsys, name, kind):
+    """A FIFO, device or directory at a model file's name was reported as "not found"."""
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns("hf")))
+    (model / name).unlink()
+    if kind == "a FIFO":
+        os.mkfifo(model / name)
+    elif kind == "a directory":
+        (model / name).mkdir()
+    else:
+        (model / name).symlink_to("/dev/null")
+    rc, out, err = run_cli(capsys, "verify", str(model), "--no-progress")
+    assert (rc, out) == (3, "") and err.count("\n") == 1, (rc, out, err)
+    assert err.endswith(f"{model / name}: not a regular file ({kind})\n"), err
+
+
 # --- a broken tokenizer ----------------------------------------------------------------------------------------
 
 
