@@ -23,10 +23,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", action="store_true", help="include each token's log-probability")
 
 
+# SamplingParams names its fields; the operator typed these flags.
+FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"}
+MAX_SEED = (1 << 64) - 1  # the router's seed field (uint64): a seed beyond it could not be replayed there
+
+
+def sampling_params(args: argparse.Namespace, seed: int) -> SamplingParams:
+    """The sampling flags as SamplingParams, checked before the model loads; an error names the flag."""
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidRequestError("--seed", f"must be in [0, {MAX_SEED}], got {seed}")
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed, logprobs=args.logprobs
+        )
+    except InvalidRequestError as e:
+        raise InvalidRequestError(FLAGS.get(e.field, e.field), e.detail) from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InvalidRequestError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
+    sampling = sampling_params(args, seed)
     engine, ids = open_engine(args)
+    vocab_size = engine.model_config.vocab_size
+    if args.top_k > vocab_size:  # refused as the router's API refuses it, not taken as "off"
+        raise InvalidRequestError(
+            "--top-k", f"must be <= the vocabulary size ({vocab_size}; 0 = off), got {args.top_k}"
+        )
     # Checked before generating, as the router does: past the context the engine fails mid-completion and every
     # token generated so far is lost.
     limit = engine.model_config.max_position_embeddings
@@ -47,10 +71,6 @@ def run(args: argparse.Namespace) -> int:
             "raise --num-kv-blocks or --kv-cache-tokens)"
         )
     tokenizer = read_tokenizer(engine.model)  # before generating: a broken one would lose the completion
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**63)
-    sampling = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed, logprobs=args.logprobs
-    )
     stop = () if args.ignore_eos else engine.model_config.eos_token_ids
     tokens, logprobs, reason = engine.generate(ids, args.max_new_tokens, sampling, stop_token_ids=stop)
     result = {

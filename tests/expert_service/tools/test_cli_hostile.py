@@ -4,7 +4,9 @@ and nothing written half."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import resource
 import shutil
 import signal
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from colibri.cli import main
+from expert_service.tools.tiny_model import VOCAB_SIZE
 from tests.helpers import serve_env
 
 
@@ -140,6 +143,42 @@ def test_a_model_file_that_is_no_regular_file_is_refused_saying_what_is_there(ti
     rc, out, err = run_cli(capsys, "verify", str(model), "--no-progress")
     assert (rc, out) == (3, "") and err.count("\n") == 1, (rc, out, err)
     assert err.endswith(f"{model / name}: not a regular file ({kind})\n"), err
+
+
+# --- complete's sampling flags ---------------------------------------------------------------------------------
+
+
+def test_complete_sampling_errors_name_the_flag_typed(tiny_model, capsys):
+    """They named SamplingParams' fields (top_k, seed), not the flags."""
+    rng = random.Random()
+    cases = [
+        ("--top-k", str(-rng.randrange(1, 1 << 20)), "must be >= 0"),
+        ("--top-p", str(1 + rng.random() + 1e-6), "must be in (0, 1]"),
+        ("--temperature", str(-rng.random() - 1e-6), "must be a finite number >= 0"),
+        ("--seed", str(-rng.randrange(1, 1 << 70)), f"must be in [0, {(1 << 64) - 1}]"),
+    ]
+    for flag, value, message in cases:
+        argv = ["--model", str(tiny_model), "--tokens", "1,2", "--temperature", "1", flag, value]
+        rc, out, err = run_cli(capsys, "complete", *argv)
+        assert (rc, out) == (2, "") and err.startswith(f"colibri complete: error: {flag}: {message}, got "), err
+
+
+def test_complete_refuses_a_top_k_past_the_vocabulary_and_a_seed_past_uint64(tiny_model, capsys):
+    """Both were taken: a top-k over the vocabulary as "off" (the router's API refuses it), a seed over 2^64 - 1
+    as a seed the router's uint64 field cannot carry."""
+    argv = ["complete", "--model", str(tiny_model), "--tokens", "1,2", "--max-new-tokens", "1", "--temperature", "1"]
+    top_k = VOCAB_SIZE + random.randrange(1, 1 << 40)
+    rc, out, err = run_cli(capsys, *argv, "--top-k", str(top_k))
+    assert (rc, out, err) == (
+        2,
+        "",
+        f"colibri complete: error: --top-k: must be <= the vocabulary size ({VOCAB_SIZE}; 0 = off), got {top_k}\n",
+    )
+    seed = (1 << 64) + random.randrange(1 << 80)
+    rc, out, err = run_cli(capsys, *argv, "--seed", str(seed))
+    assert (rc, out, err) == (2, "", f"colibri complete: error: --seed: must be in [0, {(1 << 64) - 1}], got {seed}\n")
+    rc, out, _ = run_cli(capsys, *argv, "--top-k", str(VOCAB_SIZE), "--seed", str((1 << 64) - 1))
+    assert rc == 0 and json.loads(out)["seed"] == (1 << 64) - 1
 
 
 # --- a broken tokenizer ----------------------------------------------------------------------------------------

@@ -404,7 +404,7 @@ def test_complete_refuses_a_completion_past_the_kv_cache_before_generating(tiny_
 def test_complete_refuses_a_negative_seed(tiny_model, capsys):
     argv = ["--tokens", "1,2", "--temperature", "1", "--seed", "-1"]
     rc, out, err = run_cli(capsys, "complete", "--model", str(tiny_model), *argv)
-    assert (rc, out, err) == (2, "", "colibri complete: error: seed: must be >= 0, got -1\n")
+    assert (rc, out, err) == (2, "", f"colibri complete: error: --seed: must be in [0, {(1 << 64) - 1}], got -1\n")
 
 
 def test_make_tiny_refuses_a_negative_seed_before_writing(tmp_path, capsys):
