@@ -102,7 +102,7 @@ MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
 MAX_TIMEOUT_S = 1e9  # about 31 years
 
 
-def _check_integer_ranges(args: argparse.Namespace) -> None:
+def _check_integer_ranges(args: argparse.Namespace, tokens: list[int] | None) -> None:
     """Each integer flag fits its unsigned proto field (protobuf would raise a bare ValueError); what the
     values mean (--top-logprobs <= 20, ...) the router checks."""
     values = [
@@ -113,7 +113,7 @@ def _check_integer_ranges(args: argparse.Namespace) -> None:
         ("--seed", args.seed, MAX_UINT64),
     ]
     values += [("--stop-token-id", v, MAX_UINT32) for v in args.stop_token_id]
-    values += [(f"--tokens[{i}]", v, MAX_UINT32) for i, v in enumerate(args.tokens or [])]
+    values += [(f"--tokens[{i}]", v, MAX_UINT32) for i, v in enumerate(tokens or [])]
     for flag, value, high in values:
         if value is not None and not 0 <= value <= high:
             raise ConfigError(f"{flag} must be in [0, {high}], got {value}")
@@ -131,18 +131,19 @@ def _check_text(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens is not None:  # parsed here, for one line naming the flag (argparse adds its usage)
+    tokens = None  # parsed here, for one line naming the flag (argparse adds its usage); args stay as given
+    if args.tokens is not None:
         try:
-            args.tokens = parse_id_list(args.tokens)
+            tokens = parse_id_list(args.tokens)
         except ValueError as e:
             raise ConfigError(f"--tokens: {e}") from None
-        if not args.tokens:
+        if not tokens:
             raise ConfigError("--tokens: the prompt is empty")
     if not args.target.strip():
         raise ConfigError("--target: empty (name the router's HOST:PORT, or leave it out for localhost:50051)")
     if (args.prompt is None) == (args.tokens is None):
         raise ConfigError("give a text prompt or --tokens, exactly one")
-    _check_integer_ranges(args)
+    _check_integer_ranges(args, tokens)
     _check_text(args)
     # gRPC takes a deadline of 0, a negative, NaN, inf or past ~2^63 ns since the epoch as already passed: the
     # call would fail at once with DEADLINE_EXCEEDED, which reads as a slow router.
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
                 stream = client.chat_stream(messages, **params)
             else:
-                stream = client.stream(args.prompt, token_ids=args.tokens, **params)
+                stream = client.stream(args.prompt, token_ids=tokens, **params)
             for message in stream:
                 logprobs += zip(message.token_ids, message.logprobs)
                 tops += message.top_logprobs
