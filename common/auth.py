@@ -112,6 +112,16 @@ def token_lines(path: str):
     return parse
 
 
+def check_sendable(token: bytes, what: str) -> None:
+    """Raises ValueError unless `token` can travel as `authorization: Bearer TOKEN` gRPC metadata, which carries
+    printable ASCII only: gRPC refuses any other byte only as the call starts (`INTERNAL: Invalid metadata`)."""
+    bad = next((i for i, byte in enumerate(token) if not 0x20 <= byte <= 0x7E), None)
+    if bad is not None:  # the token is a secret: its position and byte are told, never the token
+        raise ValueError(
+            f"{what}: byte 0x{token[bad]:02x} at position {bad} of the token; a bearer token is printable ASCII"
+        )
+
+
 class TokenSet:
     """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication."""
 

@@ -10,19 +10,23 @@ The asyncio twin is router_service.async_client.AsyncColibriClient.
 
 Errors surface as grpc.RpcError; `retry_delay(error)` reads the RetryInfo of a RESOURCE_EXHAUSTED answer.
 TLS: `tls_ca` (the CA that signed the router's certificate; `tls=True` alone trusts the system's CAs), plus
-`tls_cert`/`tls_key` where the router requires client certificates; `token` or `token_file` for bearer auth.
+`tls_cert`/`tls_key` where the router requires client certificates; `token` or `token_file` for bearer auth. A
+token gRPC metadata cannot carry, or a token or TLS file that is unreadable or wrong, is a ConfigError
+(common.errors) when the client is made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from common.auth import MAX_TOKEN_FILE_BYTES, WatchedFiles, check_sendable, token_lines
+from common.errors import ConfigError
 from common.pb import router_pb2, router_pb2_grpc
+from common.tls_files import check_certificates, check_pair
 
 SAMPLING_FIELDS = {f.name for f in router_pb2.SamplingParameters.DESCRIPTOR.fields}
 
@@ -97,22 +101,62 @@ def retry_delay(error: grpc.RpcError) -> float | None:
     return None
 
 
-def read_token_file(path: str) -> str:
-    """The first token of a token file (one per line; blank lines and # comments skipped)."""
-    for line in Path(path).read_text().splitlines():
-        if line.strip() and not line.strip().startswith("#"):
-            return line.strip()
-    raise ValueError(f"{path}: no token in the file")
+# How errors name the token and TLS arguments; `colibri generate` passes its flags (--token-file, ...).
+ARGUMENT_NAMES = {name: name for name in ("token", "token_file", "tls_ca", "tls_cert", "tls_key")}
 
 
-def channel_credentials(tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> grpc.ChannelCredentials:
-    """TLS credentials from PEM files: the CA to trust (empty = the system's) and an optional client pair."""
+def checked_token(token: str | bytes, what: str = "token") -> str:
+    """`token` without the whitespace around it (as the router strips its own), refused as a ConfigError naming
+    `what` unless gRPC metadata can carry it."""
+    data = token if isinstance(token, bytes) else token.encode("utf-8", "surrogateescape")
+    try:
+        check_sendable(data.strip(), what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return data.strip().decode("ascii")
+
+
+def read_token_file(path: str, what: str = "token_file") -> str:
+    """The first token of a token file (one per line; blank lines and # comments skipped), read as the router
+    and worker read theirs (common/auth.py): a FIFO or device is refused, never waited on. ConfigError naming
+    `what` and the file."""
+    tokens = WatchedFiles([path], token_lines(path), what, MAX_TOKEN_FILE_BYTES).value
+    return checked_token(tokens[0], f"{what}: {path}")
+
+
+def channel_credentials(
+    tls_ca: str = "", tls_cert: str = "", tls_key: str = "", names: dict[str, str] = ARGUMENT_NAMES
+) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files: the CA to trust (empty = the system's) and an optional client pair. Each is
+    read and checked as the router checks its own (common/tls_files.py), so that a file that is no PEM
+    certificate, or a key of another certificate, is a ConfigError naming it now, not a failed connection."""
     if bool(tls_cert) != bool(tls_key):
-        raise ValueError("tls_cert and tls_key go together")
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return grpc.ssl_channel_credentials(
-        root_certificates=read(tls_ca), private_key=read(tls_key), certificate_chain=read(tls_cert)
-    )
+        raise ConfigError(f"{names['tls_cert']} and {names['tls_key']} go together")
+    ca = WatchedFiles([tls_ca], _certificates(tls_ca), names["tls_ca"]).value if tls_ca else None
+    cert = key = None
+    if tls_cert:
+        what = f"{names['tls_cert']}, {names['tls_key']}"
+        cert, key = WatchedFiles([tls_cert, tls_key], _pair(tls_cert, tls_key), what).value
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _certificates(path: str):
+    def parse(contents: list[bytes]) -> bytes:
+        check_certificates(contents[0], path)
+        return contents[0]
+
+    return parse
+
+
+def _pair(cert_path: str, key_path: str):
+    def parse(contents: list[bytes]) -> list[bytes]:
+        try:
+            check_pair(*contents)
+        except ValueError as e:
+            raise ValueError(f"{cert_path}, {key_path}: {e}") from None
+        return contents
+
+    return parse
 
 
 def connection(
@@ -124,9 +168,14 @@ def connection(
     tls_key: str,
     tls_server_name: str,
     max_message_bytes: int,
+    names: dict[str, str] = ARGUMENT_NAMES,
 ):
-    """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments."""
-    token = token or (read_token_file(token_file) if token_file else "")
+    """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments; a token
+    or TLS file that cannot serve is a ConfigError naming it (by `names`), before anything connects."""
+    if token.strip():
+        token = checked_token(token, names["token"])
+    else:
+        token = read_token_file(token_file, names["token_file"]) if token_file else ""
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -135,7 +184,7 @@ def connection(
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     secure = tls or tls_ca or tls_cert or tls_key
-    return metadata, options, channel_credentials(tls_ca, tls_cert, tls_key) if secure else None
+    return metadata, options, channel_credentials(tls_ca, tls_cert, tls_key, names) if secure else None
 
 
 class ColibriClient:
@@ -155,10 +204,11 @@ class ColibriClient:
         tls_key: str = "",
         tls_server_name: str = "",
         max_message_bytes: int = 16 << 20,
+        argument_names: dict[str, str] = ARGUMENT_NAMES,
     ):
         self.timeout = timeout
         self._metadata, options, credentials = connection(
-            token, token_file, tls, tls_ca, tls_cert, tls_key, tls_server_name, max_message_bytes
+            token, token_file, tls, tls_ca, tls_cert, tls_key, tls_server_name, max_message_bytes, argument_names
         )
         if credentials is not None:
             self._channel = grpc.secure_channel(target, credentials, options)

@@ -99,6 +99,14 @@ def terminal_safe(text: str) -> str:
 
 
 MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
+# How the client's errors name its token and TLS arguments: by the flags (the token may come from the environment).
+FLAGS = {
+    "token": "--token (or COLIBRI_AUTH_TOKEN)",
+    "token_file": "--token-file",
+    "tls_ca": "--tls-ca",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
+}
 MAX_TIMEOUT_S = 1e9  # about 31 years
 
 
@@ -181,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_server_name=args.tls_server_name,
+            argument_names=FLAGS,
         )
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None

@@ -6,12 +6,11 @@ the router sends to the worker. docs/security.md describes the model.
 from __future__ import annotations
 
 import logging
-import os
-import ssl
 
 import grpc
 
 from common.auth import BearerAuthInterceptor, Refusal, TokenSet, WatchedFiles, token_lines
+from common.tls_files import check_certificates, check_pair
 from router_service import errors
 from router_service.protocol import decode_guard
 
@@ -36,29 +35,11 @@ def public_interceptors(tokens: TokenSet) -> list[grpc.aio.ServerInterceptor]:
 
 
 # ---- TLS ----
-def _check_pair(cert: bytes, key: bytes) -> None:
-    """Raises ValueError unless `key` is the private key of `cert` (both PEM): a rotation caught half-way
-    (new certificate, old key) is not served. The key goes through anonymous memory files, never the disk."""
-    fds = [os.memfd_create(name) for name in ("cert", "key")]
-    try:
-        for fd, data in zip(fds, (cert, key)):
-            os.write(fd, data)
-        cert_path, key_path = (f"/proc/self/fd/{fd}" for fd in fds)
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path, password=lambda: b"")
-    except ssl.SSLError as e:
-        raise ValueError(f"the certificate and key do not form a pair ({e.reason or e})") from None
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 def _tls_material(contents: list[bytes]):
     cert, key, *ca = contents
-    if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
-        raise ValueError("the certificate and key files must be PEM")
-    _check_pair(cert, key)
-    if ca and b"-----BEGIN CERTIFICATE" not in ca[0]:
-        raise ValueError("the client CA file must hold PEM certificates")
+    check_pair(cert, key)
+    if ca:
+        check_certificates(ca[0], "the client CA file")
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None)
 
 

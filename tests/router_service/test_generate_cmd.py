@@ -1,14 +1,19 @@
-"""`colibri generate`'s flags: an integer its proto field cannot hold is a one-line ConfigError naming the flag,
-raised before anything connects (the router checks the values' meaning: --top-logprobs over 20, ...)."""
+"""`colibri generate`'s flags: an integer its proto field cannot hold, a token gRPC metadata cannot carry, a token
+or TLS file that cannot serve, each is a one-line ConfigError naming the flag, raised before anything connects (the
+router checks the values' meaning: --top-logprobs over 20, ...)."""
 
 import argparse
+import os
 import random
+import string
 
 import pytest
 
 from colibri import cli
 from common.errors import ConfigError
 from router_service import generate_cmd
+from router_service.client import connection
+from tests.router_service.certs import issue, make_ca
 
 UINT32_FLAGS = ["--max-new-tokens", "--min-new-tokens", "--top-k", "--top-logprobs", "--stop-token-id"]
 
@@ -96,3 +101,74 @@ def test_an_empty_target_is_the_default_from_the_environment_and_refused_as_a_fl
     with pytest.raises(ConfigError) as e:
         generate_cmd.run(parser.parse_args(["--tokens", "1", "--target", ""]))
     assert str(e.value).startswith("--target: empty"), e.value
+
+
+# --- the token and TLS files: refused before anything connects, naming the flag ----------------------------------
+
+
+def refusal(*argv: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        generate_cmd.run(parse("--tokens", "1", *argv))
+    return str(e.value)
+
+
+@pytest.mark.timeout(120)  # opening the FIFO would wait for a writer for ever
+def test_a_token_file_that_cannot_serve_is_refused_naming_the_flag(tmp_path):
+    """The errors were Python's (`[Errno 2] No such file or directory: '...'`), and a FIFO blocked for ever."""
+    name = tmp_path / f"token-{random.randrange(1 << 30)}"
+    assert refusal("--token-file", str(name)) == f"--token-file: cannot read {name}: No such file or directory"
+    os.mkfifo(name)
+    assert refusal("--token-file", str(name)) == f"--token-file: cannot read {name}: not a regular file (a FIFO)"
+    name.unlink()
+    name.write_text("# only a comment\n\n")
+    assert refusal("--token-file", str(name)) == f"--token-file: {name} holds no token (one per line)"
+    name.write_bytes(b"t0k\xffen\n")
+    assert refusal("--token-file", str(name)).startswith(f"--token-file: {name}: byte 0xff at position 3 ")
+
+
+def test_a_token_grpc_metadata_cannot_carry_is_refused_naming_the_flag():
+    """A newline or another control character inside the token failed the call as `INTERNAL: Invalid metadata`."""
+    rng = random.Random()
+    secret = "".join(rng.choice(string.ascii_letters) for _ in range(rng.randrange(8, 40)))
+    at = rng.randrange(1, len(secret))
+    bad = rng.choice(["\n", "\r", "\x00", "\x1b", "\x7f", "é"])
+    message = refusal("--token", secret[:at] + bad + secret[at:])
+    assert message.startswith(f"--token (or COLIBRI_AUTH_TOKEN): byte 0x{bad.encode()[0]:02x} at position {at} ")
+    assert secret[:at] not in message and secret[at:] not in message  # a secret is never printed
+
+
+def test_a_token_gets_the_whitespace_around_it_stripped_as_the_router_strips_its_own():
+    token = "".join(random.choice(string.ascii_letters + string.digits) for _ in range(20))
+    metadata, _, _ = connection(f" {token}\n", "", False, "", "", "", "", 1 << 20)
+    assert metadata == (("authorization", f"Bearer {token}"),)
+
+
+def test_tls_files_that_are_no_pem_are_refused_at_start_naming_the_flag(tmp_path):
+    """A CA file that is no PEM failed only as the connection was made, reading as a router that is down."""
+    junk = tmp_path / "ca.pem"
+    junk.write_bytes(random.randbytes(random.randrange(1, 4096)))
+    assert (
+        refusal("--tls-ca", str(junk))
+        == f"--tls-ca: {junk} holds no PEM certificate (-----BEGIN CERTIFICATE----- blocks)"
+    )
+    ca, other = make_ca(), make_ca()
+    (tmp_path / "ok.pem").write_bytes(ca.cert)
+    client = issue(ca, "client", server=False)
+    (tmp_path / "c.crt").write_bytes(client.cert)
+    (tmp_path / "k.key").write_bytes(issue(other, "client", server=False).key)  # another certificate's key
+    message = refusal(
+        "--tls-ca",
+        str(tmp_path / "ok.pem"),
+        "--tls-cert",
+        str(tmp_path / "c.crt"),
+        "--tls-key",
+        str(tmp_path / "k.key"),
+    )
+    assert message.startswith(
+        f"--tls-cert, --tls-key: {tmp_path / 'c.crt'}, {tmp_path / 'k.key'}: the certificate and key do not form a pair"
+    ), message
+    (tmp_path / "k.key").write_bytes(client.key)
+    _, _, credentials = connection(
+        "", "", False, str(tmp_path / "ok.pem"), str(tmp_path / "c.crt"), str(tmp_path / "k.key"), "", 1 << 20
+    )
+    assert credentials is not None
