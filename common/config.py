@@ -190,6 +190,10 @@ def check_distinct_ports(label: str, endpoints: dict[str, tuple[str, int]]) -> N
                 raise ConfigError(f"{label}{name} must differ from {other} (both {port})")
 
 
+# The worker's default --max-message-bytes: what a router assumes of a worker whose Info does not report its limit.
+WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 def check_message_limit(label: str, value: int) -> None:
     """A gRPC message limit in bytes. gRPC takes it as a 32-bit int (2^31 stopped a server with an OverflowError),
     and a limit under a KiB refuses even health checks' and errors' messages."""

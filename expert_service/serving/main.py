@@ -27,6 +27,7 @@ from common.auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerAuthInterceptor,
 from common.auth import WORKER_TOKEN_ENV as TOKEN_ENV
 from common.config import (
     LOG_LEVEL_ENV,
+    WORKER_MAX_MESSAGE_BYTES,
     add_flags,
     check_distinct_ports,
     check_message_limit,
@@ -121,7 +122,9 @@ class WorkerConfig:
         env=("COLIBRI_STEP_TIMEOUT_S",),
     )
     max_message_bytes: int = setting(
-        64 * 1024 * 1024, "largest gRPC message either way", env=("COLIBRI_MAX_MESSAGE_BYTES",)
+        WORKER_MAX_MESSAGE_BYTES,
+        "largest gRPC message either way (Info reports it: the router keeps each step under it)",
+        env=("COLIBRI_MAX_MESSAGE_BYTES",),
     )
     warmup_tokens: int = setting(64, "prompt tokens of the start-up warm-up step", env=("COLIBRI_WARMUP_TOKENS",))
     grpc_max_connections: int = setting(
@@ -290,7 +293,9 @@ async def serve(
 
     quiet_cancelled_streams()
     health = WorkerHealth(config.step_timeout_s)
-    servicer = WorkerServicer(health, on_fatal, config.step_timeout_s, metrics, tracer_provider)
+    servicer = WorkerServicer(
+        health, on_fatal, config.step_timeout_s, metrics, tracer_provider, max_message_bytes=config.max_message_bytes
+    )
     connections = [*SERVER_OPTIONS, *grpc_connection_options(config.grpc_max_connections)]
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),

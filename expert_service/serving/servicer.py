@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
+from common.config import WORKER_MAX_MESSAGE_BYTES
 from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.model_identity import ModelDigests
 from common.pb import worker_pb2 as pb
@@ -81,6 +82,7 @@ class WorkerServicer:
         step_timeout_s: float = 300.0,
         metrics=None,
         tracer_provider=None,
+        max_message_bytes: int = WORKER_MAX_MESSAGE_BYTES,
     ):
         self.engine: Engine | None = None  # set by attach() once the model is loaded
         self.model_name = ""
@@ -88,6 +90,7 @@ class WorkerServicer:
         self.health = health
         self.on_fatal = on_fatal
         self.step_timeout_s = step_timeout_s
+        self.max_message_bytes = max_message_bytes  # the server's receive limit, which Info tells the router
         self.metrics = metrics
         self.tracer_provider = tracer_provider
         self.executor = ModelThread()
@@ -200,6 +203,8 @@ class WorkerServicer:
             prefix_tokens_for_repetition_only=True,
             model_digest=self.digests.manifest,
             tokenizer_digest=self.digests.tokenizer,
+            max_message_bytes=self.max_message_bytes,
+            step_timeout_s=self.step_timeout_s,
         )
 
     def warmup(self, num_tokens: int) -> float:

@@ -41,6 +41,8 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2  # one uint16 word per slot and token
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
     assert list(info.expert_dtypes) == [info.dtype] == ["float32"]  # no approximation: experts as the rest
+    # what a router keeps its steps under, and the watchdog its step deadline must outlast
+    assert info.max_message_bytes == 64 * 1024 * 1024 and info.step_timeout_s == 300.0
 
 
 def test_messages_convert_through_the_types():
