@@ -39,7 +39,14 @@ from router_service.tokenizer import StopSequenceMatcher, Tokenizer
 from router_service.validation import ModelLimits, ValidatedRequest
 from router_service.worker_client import WorkerClient
 from router_service.worker_connection import ReadinessWatch, WorkerConnector
-from router_service.worker_info import kept_compiler, model_limits, prefix_index, scheduler_limits, sends_prefix_tokens
+from router_service.worker_info import (
+    kept_compiler,
+    model_limits,
+    prefix_index,
+    scheduler_limits,
+    sends_prefix_tokens,
+    step_size,
+)
 
 log = logging.getLogger("colibri.router.batching_loop")
 IDLE_POLL_S = 1.0  # while idle: expire queue deadlines and check the worker's health this often
@@ -156,24 +163,27 @@ class BatchingLoop:
         if req.constraint is not None:
             state.matcher = matcher or self._constraint_compiler().matcher(req.constraint, req.ignore_eos)
         eos = frozenset() if req.ignore_eos else frozenset(self.limits.eos_token_ids)
-        self.scheduler.add(
-            ScheduledRequest(
-                seq_id,
-                list(req.prompt_ids),
-                req.max_new_tokens,
-                eos,
-                frozenset(req.stop_token_ids),
-                sampling=wire.sampling_params(req, self.limits.eos_token_ids),
-                queue_deadline=min(deadline, now + self.config.queue_timeout_s),
-                scores_prompt=req.prompt_logprobs is not None,
-                penalized=req.penalized,
-                sends_prefix_tokens=sends_prefix_tokens(req, self.info),
-                constrained=state.matcher is not None,
-                late_masks=state.matcher is not None and self._depth >= 2 and may_mask_late(req),
-                cache_salt=req.cache_salt,
-                prompt_bytes=req.prompt_bytes,
-            )
+        sampling = wire.sampling_params(req, self.limits.eos_token_ids)
+        scheduled = ScheduledRequest(
+            seq_id,
+            list(req.prompt_ids),
+            req.max_new_tokens,
+            eos,
+            frozenset(req.stop_token_ids),
+            sampling=sampling,
+            sampling_bytes=sampling.ByteSize(),
+            queue_deadline=min(deadline, now + self.config.queue_timeout_s),
+            scores_prompt=req.prompt_logprobs is not None,
+            penalized=req.penalized,
+            sends_prefix_tokens=sends_prefix_tokens(req, self.info),
+            constrained=state.matcher is not None,
+            late_masks=state.matcher is not None and self._depth >= 2 and may_mask_late(req),
+            cache_salt=req.cache_salt,
+            prompt_bytes=req.prompt_bytes,
         )
+        if (too_large := self.scheduler.step_size.problem(scheduled)) is not None:  # no step could carry it
+            raise InvalidRequestError(*too_large)
+        self.scheduler.add(scheduled)
         self._requests[seq_id] = state
         self._num_constrained += state.matcher is not None
         self._pipeline.arrived(now)
@@ -311,7 +321,9 @@ class BatchingLoop:
                 if self._pipeline.has_failed():
                     return
             now = time.monotonic()
-            step = self._ready_scheduler.schedule(now)
+            scheduler = self._ready_scheduler
+            # the late masks the step sent last waits for ride this message: its budget holds them first
+            step = scheduler.schedule(now, len(self._pipeline.late_ids) * scheduler.step_size.mask_bytes)
             for seq_id in step.expired_ids:
                 # its queue deadline is the earliest of queue_timeout_s, request_timeout_s and the client's: name it
                 state = self._requests.get(seq_id)
@@ -418,7 +430,11 @@ class BatchingLoop:
 
     def _configure(self, info) -> None:
         self.info = info
-        self.scheduler = Scheduler(scheduler_limits(self.config, info), prefix_index(self.config, info))
+        self.scheduler = Scheduler(
+            scheduler_limits(self.config, info),
+            prefix_index(self.config, info),
+            step_size(self.config, info, self.planner),
+        )
         self.limits = model_limits(info, self.generation_defaults, self.tokenizer is not None)
         self._constraints = kept_compiler(self._constraints, self.limits)  # built again if its vocabulary changed
 

@@ -25,6 +25,9 @@ steps in order); a request whose next block a running one is computing waits for
 place) and starts on it in the step after the one writing it. Cached blocks no request holds are evicted,
 least recently used first, only when an admission needs their room; the step carries the evictions.
 
+Each step's message must also stay under the worker's receive limit (router_service/step_size.py): chunks are cut
+to the bytes left, and a decode, chunk or admission that does not fit waits for the next step, as for tokens.
+
 A request that leaves (finished or cancelled) returns its blocks at once; when the worker had already seen
 it, the next scheduled step carries its id among the step's frees, which the worker runs before the step. A request cancelled while waiting is dropped from the queue and never reaches the worker.
 """
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from common.kv_blocks import blocks_needed
 from router_service.logprobs import Scored
 from router_service.prefix_cache import UNKNOWN_PREFIX_BLOCK, PrefixCache, PrefixState
+from router_service.step_size import ID_BYTES, SEQUENCE_BLOCK_BYTES, StepRoom, StepSize
 
 
 class Status(enum.Enum):
@@ -70,6 +74,7 @@ class ScheduledRequest:
     # Opaque to the scheduler: the worker's sampling settings as the wire built them, carried into the first
     # prompt chunk.
     sampling: object = None
+    sampling_bytes: int = 0  # its serialized size: the first chunk's share of the step message (step_size.py)
     # time.monotonic() after which a still-waiting request is dropped.
     queue_deadline: float = float("inf")
     output_ids: list[int] = field(default_factory=list)
@@ -213,9 +218,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self, limits: SchedulerLimits, prefix_cache: PrefixCache | None = None, step_size: StepSize = StepSize()
+    ):
         self.limits = limits
         self.prefix_cache = prefix_cache
+        self.step_size = step_size  # the step message's byte budget (the worker's receive limit)
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []  # admission order
         self.requests: dict[int, ScheduledRequest] = {}
@@ -293,13 +301,16 @@ class Scheduler:
         return self.limits.blocks_for(req.num_prompt_tokens + req.max_new_tokens)
 
     # ---- one step ----
-    def schedule(self, now: float = 0.0) -> ScheduledStep:
+    def schedule(self, now: float = 0.0, reserved_bytes: int = 0) -> ScheduledStep:
+        """The next step; `reserved_bytes`: what its message carries besides the step (late grammar masks)."""
         expired = [s.request_id for s in self.waiting if s.queue_deadline <= now]
         for request_id in expired:
             self.finish(request_id, FinishReason.EXPIRED)
         if self.prefix_cache is not None:
             self.prefix_cache.begin_step()  # before any chunk: blocks this step writes are ready from the next
         budget = self.limits.max_batch_tokens
+        evictions = len(self.prefix_cache.pending_evictions) if self.prefix_cache is not None else 0
+        room = self.step_size.room(reserved_bytes + ID_BYTES * (len(self._pending_free) + evictions))
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
@@ -311,8 +322,8 @@ class Scheduler:
             if req.is_prefilling:
                 if req.scores_prompt and not self._scoring_budget:
                     continue
-                budget -= self._add_chunk(req, budget, scheduled, chunks)
-            elif req.may_decode:
+                budget -= self._fit_chunk(req, budget, room, scheduled, chunks)
+            elif req.may_decode and room.take(self.step_size.decode_bytes(req)):  # else: the next step
                 scheduled[req.request_id] = 1
                 decodes.append(req.request_id)
                 # -1: the input token is still being sampled by a step in flight (the worker feeds its own copy)
@@ -327,12 +338,14 @@ class Scheduler:
             if hits is None:  # a running request is computing its next block: it starts on that block instead
                 deferred.append(self.waiting.popleft())
                 continue
+            hits = self.step_size.prefix_blocks_that_fit(req, hits)
             needed = self._blocks_needed(req) - hits
             shortfall = max(needed - self.num_free_blocks, 0)
             if (
                 shortfall > (cache.evictable_beyond(req.prefix, hits) if cache and req.prefix else 0)
                 or (req.scores_prompt and not self._scoring_budget)
                 or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size)
+                or not self._first_chunk_fits(req, hits, budget, room, shortfall)
             ):
                 break
             self.waiting.popleft()
@@ -345,18 +358,19 @@ class Scheduler:
             self.num_free_blocks -= needed
             req.num_blocks, req.status = needed, Status.RUNNING
             self.running.append(req)
-            budget -= self._add_chunk(req, budget, scheduled, chunks)
+            budget -= self._fit_chunk(req, budget, room, scheduled, chunks)
         self.waiting.extendleft(reversed(deferred))
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
-        generated = self._cache_generated() if cache and cache.caches_generated else ()
+        generated = self._cache_generated(room) if cache and cache.caches_generated else ()
         evictions = cache.take_evictions() if cache else ()
         steps = (tuple(chunks), tuple(decodes), tuple(decode_tokens))
         return ScheduledStep(scheduled, *steps, free_ids, tuple(expired), evictions, generated)
 
-    def _cache_generated(self) -> tuple[tuple[int, int, int], ...]:
+    def _cache_generated(self, room: StepRoom) -> tuple[tuple[int, int, int], ...]:
         """Registrations of the blocks running requests filled: full of tokens back from the worker, their last
-        position fed by a decode of this step or an earlier one (the worker registers them once it is launched)."""
+        position fed by a decode of this step or an earlier one (the worker registers them once it is launched).
+        Those past the step's bytes wait for a later step."""
         cache, bs, out = self.prefix_cache, self.limits.kv_block_size, []
         assert cache is not None
         for req in self.running:
@@ -364,6 +378,8 @@ class Scheduler:
             if state is None or not state.may_claim or req.is_prefilling:
                 continue
             for index in range(len(state.hashes), min(req.num_scheduled_tokens, req.num_tokens) // bs):
+                if not room.take(SEQUENCE_BLOCK_BYTES):
+                    return tuple(out)
                 start, end, prompt = index * bs, (index + 1) * bs, req.num_prompt_tokens
                 tokens = req.prompt_ids[start:prompt] + req.output_ids[max(start - prompt, 0) : end - prompt]
                 block_id = cache.cache_generated(state, req.cache_salt, tokens)
@@ -371,6 +387,25 @@ class Scheduler:
                     req.num_blocks -= 1  # moved from its reservation to the index
                     out.append((req.request_id, index, block_id))
         return tuple(out)
+
+    def _first_chunk_fits(self, req: ScheduledRequest, hits: int, budget: int, room: StepRoom, evicted: int) -> bool:
+        """Whether a waiting request's first chunk (at least a token of it, on `hits` cached blocks) and the
+        `evicted` blocks' ids fit the step's bytes; it waits for the next step otherwise."""
+        start, left = hits * self.limits.kv_block_size, room.left - ID_BYTES * evicted
+        if not self.step_size.tokens_that_fit(req, start, True, hits, budget, left):
+            return False
+        return room.take(ID_BYTES * evicted)  # the evictions' ids: fit, as the chunk's check counted them
+
+    def _fit_chunk(self, req: ScheduledRequest, budget: int, room: StepRoom, scheduled: dict, chunks: list) -> int:
+        """Adds `req`'s next chunk, as long as the token budget and the step's bytes allow; 0: not a token fits."""
+        start, first = req.num_scheduled_tokens, not req.is_on_worker
+        blocks = len(req.prefix.hit_ids) if first and req.prefix is not None else 0
+        n = self.step_size.tokens_that_fit(req, start, first, blocks, budget, room.left)
+        if n == 0:
+            return 0
+        n = self._add_chunk(req, n, scheduled, chunks)
+        room.take(self.step_size.chunk_bytes(req, start, n, first, blocks))
+        return n
 
     def _add_chunk(self, req: ScheduledRequest, budget: int, scheduled: dict, chunks: list) -> int:
         start = req.num_scheduled_tokens

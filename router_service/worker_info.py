@@ -10,6 +10,7 @@ from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import SchedulerLimits
+from router_service.step_size import StepSize
 from router_service.validation import ModelLimits, ValidatedRequest
 
 
@@ -20,6 +21,14 @@ def scheduler_limits(config: RouterConfig, info) -> SchedulerLimits:
         max_batch_tokens=min(config.max_batch_tokens, info.max_batch_tokens or config.max_batch_tokens),
         kv_block_size=info.kv_block_size,
         num_kv_blocks=info.num_kv_blocks,
+    )
+
+
+def step_size(config: RouterConfig, info, planner=None) -> StepSize:
+    """The byte budget of a step message: the worker's receive limit (0 from a worker that predates the field: its
+    64 MiB default), within the router's own channel limit."""
+    return StepSize.of(
+        info.max_message_bytes, config.worker_max_message_bytes, info.vocab_size, info.kv_block_size, planner
     )
 
 

@@ -340,12 +340,20 @@ def make_token_routed_model(tmp_path: Path, seed: int = 0, token_dims: int = 16)
 class BackgroundWorker:
     """Runs `expert_service.serving.main.serve` on its own event loop in a thread; `.address` once ready."""
 
-    def __init__(self, model_dir: Path, port: int = 0, metrics_port: int = 0, tracer_provider=None, **engine_overrides):
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int = 0,
+        metrics_port: int = 0,
+        tracer_provider=None,
+        worker_overrides: dict | None = None,
+        **engine_overrides,
+    ):
         from common.tracing import make_tracer_provider
         from expert_service.engine.config import EngineConfig
         from expert_service.serving.main import WorkerConfig
 
-        self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8)
+        self.config = WorkerConfig(port=port, metrics_port=metrics_port, warmup_tokens=8, **(worker_overrides or {}))
         self.engine_config = EngineConfig(
             **{"backend": "cpu", "kv_block_size": 4, "kv_cache_tokens": 4096, **engine_overrides}
         )
