@@ -13,7 +13,7 @@ from router_service.config import RouterConfig
 from router_service.routing import lut_plan_problem
 from router_service.worker_client import WorkerClient
 from router_service.worker_identity import ModelCheck
-from router_service.worker_info import scheduler_limits
+from router_service.worker_info import scheduler_limits, step_timeout_problem
 
 log = logging.getLogger("colibri.router.batching_loop")
 # A worker loading a large model keeps the router waiting for minutes: one line when the wait starts, then one
@@ -34,8 +34,8 @@ class _Busy(Exception):
 
 
 class _Unusable(Exception):
-    """The worker answers, but every step this router sends would be refused, or it serves another model than
-    this router's (the reason is the message)."""
+    """The worker answers, but every step this router sends would be refused, it serves another model than this
+    router's, or its watchdog is not shorter than the router's step deadline (the reason is the message)."""
 
 
 class WorkerConnector:
@@ -45,7 +45,8 @@ class WorkerConnector:
     not ready, not in time or FAILED_PRECONDITION to ClearCache: the wait is logged at INFO with the reason
     (connection refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong
     token, another service at the address, a failed warm-up, steps it would refuse) or that serves another model
-    than this router's (worker_identity.py) is logged once as a WARNING, as is a reset refused for BUSY_WARNING_S."""
+    than this router's (worker_identity.py) or whose step watchdog would outlast the router's step deadline
+    (worker_info.step_timeout_problem) is logged once as a WARNING, as is a reset refused for BUSY_WARNING_S."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
@@ -63,6 +64,8 @@ class WorkerConnector:
                 raise _Unusable(unusable)
             if (other_model := self.model.problem(info)) is not None:
                 raise _Unusable(other_model)
+            if (timeouts := step_timeout_problem(self.config, info)) is not None:
+                raise _Unusable(timeouts)
             if not await self.worker.health():
                 raise _NotReady()
             await self._clear_cache()

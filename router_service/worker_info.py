@@ -32,6 +32,20 @@ def step_size(config: RouterConfig, info, planner=None) -> StepSize:
     )
 
 
+def step_timeout_problem(config: RouterConfig, info) -> str | None:
+    """Why the router's step deadline would cut the worker's steps short (None: it would not, or the worker predates
+    InfoResponse.step_timeout_s). Its watchdog must fire first: a step the router gave up on would fail its requests
+    with the router's bare deadline while the worker kept running it, and the steps behind it, until the watchdog."""
+    watchdog, deadline = info.step_timeout_s, config.worker_step_timeout_s
+    if not watchdog or deadline > watchdog:
+        return None
+    return (
+        f"its step watchdog step_timeout_s={watchdog:g} s is not shorter than this router's step deadline "
+        f"worker_step_timeout_s={deadline:g} s: the router would give up on steps the worker still runs; raise the "
+        f"router's --worker-step-timeout-s or lower the worker's --step-timeout-s"
+    )
+
+
 def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:
     """The request validation's view of the model: the worker's end tokens first, then generation_config.json's
     that fall inside its vocabulary."""
