@@ -309,8 +309,8 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.begin_step()  # before any chunk: blocks this step writes are ready from the next
         budget = self.limits.max_batch_tokens
-        evictions = len(self.prefix_cache.pending_evictions) if self.prefix_cache is not None else 0
-        room = self.step_size.room(reserved_bytes + ID_BYTES * (len(self._pending_free) + evictions))
+        queued_evictions = len(self.prefix_cache.pending_evictions) if self.prefix_cache is not None else 0
+        room = self.step_size.room(reserved_bytes + ID_BYTES * (len(self._pending_free) + queued_evictions))
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
@@ -371,7 +371,8 @@ class Scheduler:
         """Registrations of the blocks running requests filled: full of tokens back from the worker, their last
         position fed by a decode of this step or an earlier one (the worker registers them once it is launched).
         Those past the step's bytes wait for a later step."""
-        cache, bs, out = self.prefix_cache, self.limits.kv_block_size, []
+        cache, bs = self.prefix_cache, self.limits.kv_block_size
+        out: list[tuple[int, int, int]] = []
         assert cache is not None
         for req in self.running:
             state = req.prefix
