@@ -314,8 +314,9 @@ def _check_step_timeouts(args: argparse.Namespace, router: RouterConfig, file_va
     section (serve passes the worker no watchdog flag)."""
     from expert_service.serving.main import WorkerConfig  # here: loads grpc's server parts serve needs nowhere else
 
-    listen = {"port": args.worker_port} if args.worker_port else {"socket": "serve's private socket"}
-    flags = {**listen, "metrics_port": args.worker_metrics_port}
+    port, metrics_port = getattr(args, "worker_port", 0), getattr(args, "worker_metrics_port", 0)  # as _check_ports
+    listen = {"port": port} if port else {"socket": "serve's private socket"}
+    flags = {**listen, "metrics_port": metrics_port}
     worker = resolve(WorkerConfig, file_values=file_values, flags=flags)
     if router.worker_step_timeout_s <= worker.step_timeout_s:
         raise ConfigError(

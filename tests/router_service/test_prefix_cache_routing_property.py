@@ -161,6 +161,7 @@ def _run(engine, traffic, prefix_caching: bool, planner: RoutingPlanner | None, 
                     n,
                     sampling=params,
                     penalized=params.penalties.active,
+                    sends_prefix_tokens=params.penalties.repetition != 1.0,  # as the batching loop decides
                     scores_prompt=params.prompt_logprobs is not None,
                 )
             )
