@@ -124,13 +124,15 @@ def test_a_burst_of_arrivals_joins_one_pipelined_step(monkeypatch, coalesce):
     (without the wait, the next step is scheduled at once and the burst spills into the one after)."""
     from router_service import step_pipeline
 
-    monkeypatch.setattr(step_pipeline, "ARRIVAL_QUIET_S", 0.05 if coalesce else 0.0)
-    monkeypatch.setattr(step_pipeline, "ARRIVAL_WINDOW_S", 0.5)
+    # a quiet period far longer than the 10 ms gaps: a loaded CI machine delayed one arrival past 50 ms and split
+    # the burst; the window still ends the wait well inside the first step's second
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_QUIET_S", 0.3 if coalesce else 0.0)
+    monkeypatch.setattr(step_pipeline, "ARRIVAL_WINDOW_S", 0.8)
 
     async def main():
         fake = FakeWorker(step_delay=1.0)  # the first step runs long enough for the whole burst to arrive
         async with harness(fake, pipeline_depth=2) as (router, _, stub, _):
-            # 10 ms apart: inside the quiet period, far inside the first step
+            # 10 ms apart: far inside the quiet period and the first step
             return await burst_behind(stub, router.batching_loop, [7, 8, 9], gap_s=0.01)
 
     new_per_step = asyncio.run(main())
