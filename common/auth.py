@@ -103,11 +103,13 @@ def token_lines(path: str):
     skipped); ValueError when it holds none."""
 
     def parse(contents: list[bytes]) -> tuple[bytes, ...]:
-        lines = (line.strip() for line in contents[0].splitlines())
-        tokens = tuple(line for line in lines if line and not line.startswith(b"#"))
+        lines = [line.strip() for line in contents[0].removeprefix(b"\xef\xbb\xbf").splitlines()]  # BOM: editors
+        tokens = tuple((n, line) for n, line in enumerate(lines, 1) if line and not line.startswith(b"#"))
         if not tokens:
             raise ValueError(f"{path} holds no token (one per line)")
-        return tokens
+        for n, token in tokens:  # a token gRPC cannot send would fail every call (or never match) at run time
+            check_sendable(token, f"{path}, line {n}")
+        return tuple(token for _, token in tokens)
 
     return parse
 
@@ -122,11 +124,23 @@ def check_sendable(token: bytes, what: str) -> None:
         )
 
 
-class TokenSet:
-    """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication."""
+def fixed_token(token: str, what: str) -> bytes:
+    """`token` (from the environment or a config file) without the whitespace around it; a ConfigError naming
+    `what` (never the token) unless gRPC metadata can carry it."""
+    data = token.strip().encode("utf-8", "surrogateescape")
+    try:
+        check_sendable(data, what)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return data
 
-    def __init__(self, token_file: str = "", token: str = ""):
-        self._fixed = (token.strip().encode(),) if token.strip() else ()
+
+class TokenSet:
+    """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication.
+    `token_name` names where the fixed token came from in the error refusing it."""
+
+    def __init__(self, token_file: str = "", token: str = "", token_name: str = "token"):
+        self._fixed = (fixed_token(token, token_name),) if token.strip() else ()
         self._file = (
             WatchedFiles([token_file], token_lines(token_file), "auth_token_file", MAX_TOKEN_FILE_BYTES)
             if token_file

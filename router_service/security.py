@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-from common.auth import BearerAuthInterceptor, Refusal, TokenSet, WatchedFiles, token_lines
+from common.auth import BearerAuthInterceptor, Refusal, TokenSet, WatchedFiles, fixed_token, token_lines
 from common.tls_files import check_certificates, check_pair
 from router_service import errors
 from router_service.protocol import decode_guard
@@ -24,7 +24,7 @@ def _refusal() -> Refusal:
 
 def public_tokens(config) -> TokenSet:
     """The tokens the public ports (gRPC and HTTP) accept: `auth_token_file`'s and `auth_token`."""
-    return TokenSet(config.auth_token_file, config.auth_token)
+    return TokenSet(config.auth_token_file, config.auth_token, "auth_token (COLIBRI_AUTH_TOKEN, API_KEY)")
 
 
 def public_interceptors(tokens: TokenSet) -> list[grpc.aio.ServerInterceptor]:
@@ -80,4 +80,5 @@ def worker_token_source(config):
         path = config.worker_token_file
         watched = WatchedFiles([path], token_lines(path), "worker_token_file")
         return lambda: watched.current()[0].decode()
-    return lambda: config.worker_token
+    token = fixed_token(config.worker_token, "worker_token (COLIBRI_WORKER_TOKEN)").decode("ascii")
+    return lambda: token

@@ -170,6 +170,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, EngineConfig)
 
 
+def worker_tokens(auth_token_file: str) -> TokenSet:
+    """The tokens the worker accepts: the file's and the one in TOKEN_ENV, each refused at start-up (ConfigError
+    naming the file or variable) when gRPC metadata could not carry it."""
+    return TokenSet(auth_token_file, os.environ.get(TOKEN_ENV, ""), TOKEN_ENV)
+
+
 def worker_interceptors(tokens: TokenSet, tracer_provider=None) -> list[grpc.aio.ServerInterceptor]:
     """Auth first (an unauthenticated caller's bytes are never parsed; health and reflection are exempt: probes
     carry no token), then the guard against bytes that do not parse, then tracing."""
@@ -278,7 +284,7 @@ async def serve(
     model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
     check_plan_table(model, engine_config)  # loaded with the engine, after the bytes: a bad file is told now
     digests = ModelDigests.of_dir(model_dir)  # what Info tells a router about the model (colibri.json, tokenizer)
-    tokens = TokenSet(config.auth_token_file, os.environ.get(TOKEN_ENV, ""))
+    tokens = worker_tokens(config.auth_token_file)
     check_exposure(config, tokens)
     name = config.model_name or Path(model_dir).resolve().name
     registry = new_registry()

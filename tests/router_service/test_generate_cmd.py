@@ -123,7 +123,7 @@ def test_a_token_file_that_cannot_serve_is_refused_naming_the_flag(tmp_path):
     name.write_text("# only a comment\n\n")
     assert refusal("--token-file", str(name)) == f"--token-file: {name} holds no token (one per line)"
     name.write_bytes(b"t0k\xffen\n")
-    assert refusal("--token-file", str(name)).startswith(f"--token-file: {name}: byte 0xff at position 3 ")
+    assert refusal("--token-file", str(name)).startswith(f"--token-file: {name}, line 1: byte 0xff at position 3 ")
 
 
 def test_a_token_grpc_metadata_cannot_carry_is_refused_naming_the_flag():
