@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 from common.errors import ConfigError
+from common.files import read_regular
 from common.unique_keys import DuplicateKeyError, UniqueKeyLoader, unique_pairs
 
 if TYPE_CHECKING:
@@ -116,10 +117,14 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     if not path:
         return {}
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: {p} is not a file" if p.exists() else f"--config: file {p} not found")
-    try:
-        text = p.read_text(encoding="utf-8")
+    try:  # opened without blocking: a FIFO there is refused, never waited on
+        text = read_regular(p).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {p} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {p} is not a file") from None
+    except OSError as e:
+        raise ConfigError(f"--config: {p}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
     is_yaml = p.suffix.lower() in YAML_SUFFIXES  # colibri.YAML is YAML too

@@ -59,17 +59,25 @@ def stat_regular(path: Path | str) -> os.stat_result:
     return st
 
 
-def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
-    """The bytes of the regular file at `path` (at most max_bytes + 1 of them, for the caller to refuse). Anything
-    else is an OSError naming it: opening a FIFO waited for a writer for ever, holding a service's start-up and its
-    stop signals, and a device such as /dev/zero never ends."""
+def open_regular(path: Path | str) -> BinaryIO:
+    """The regular file at `path` opened for reading. Anything else is an OSError naming it: opening a FIFO waited
+    for a writer for ever, holding a service's start-up and its stop signals, and a device such as /dev/zero never
+    ends. Checked on the opened file, so a FIFO swapped in after a stat is refused too."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO opens at once
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
+    f = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"not a regular file ({_kind(mode)})", str(path))
+        raise OSError(errno.EINVAL, f"not a regular file ({_kind(mode)})", str(path))
+    return f
+
+
+def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (at most max_bytes + 1 of them, for the caller to refuse); anything
+    else is refused as open_regular does."""
+    with open_regular(path) as f:
         return f.read(-1 if max_bytes is None else max_bytes + 1)
 
 

@@ -304,8 +304,16 @@ class ModelDir:
                 bar.update(nbytes)
 
     def tokenizer_path(self) -> Path | None:
+        """tokenizer.json, or None when the model has none; a FIFO, device or directory there is refused (a
+        ModelFormatError saying what is there), not taken for a model without one."""
         p = self.path / "tokenizer.json"
-        return p if p.is_file() else None
+        try:
+            stat_regular(p)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise ModelFormatError(f"{p}: {e.strerror or e}") from None
+        return p
 
 
 def _regular_size(path: Path, missing: str, what: str = "") -> int:

@@ -42,7 +42,7 @@ from typing import BinaryIO
 import numpy as np
 
 from common.errors import InvalidRequestError, ModelFormatError
-from common.files import create_new
+from common.files import create_new, open_regular
 from common.model_config import ModelConfig
 from common.model_identity import MANIFEST, file_digest
 from common.routing_plan import RoutingPlan
@@ -166,7 +166,7 @@ def recorded_model_digest(path: str | os.PathLike) -> str | None:
     decides by it whether a table left in the directory fits what it wrote); None for a version-1 table or a file
     whose header is not a table's."""
     try:
-        with Path(path).open("rb") as f:
+        with open_regular(path) as f:  # a FIFO there is passed over, never waited on
             header = f.read(HEADER_SIZES[2])
     except OSError:
         return None
@@ -180,10 +180,10 @@ def _fail(path: Path, field: str, found, expected) -> RoutingTableError:
 
 
 def _open(path: Path) -> BinaryIO:
-    if not path.is_file():
-        raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)")
-    try:
-        return path.open("rb")
+    try:  # a FIFO or device there is refused saying what it is, never read as missing nor waited on
+        return open_regular(path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise RoutingTableError(f"{path}: routing table not found (build one with `colibri router-gen`)") from None
     except OSError as e:  # unreadable (permissions, an I/O error): one line, as a malformed table is
         raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
 

@@ -113,7 +113,7 @@ def _unread(config: EngineConfig, cached: bool) -> str | None:
 def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, ModelConfig, str | None], T]) -> T:
     """`read(path, model config, model digest)` of the file plan_table names, its errors naming the setting."""
     path = Path(config.plan_table)
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()) or path.is_dir():  # a FIFO there: `read` says what it is
         raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
     try:
         return read(path, model.config, model_digest(model.path))
@@ -130,7 +130,7 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
     if config.plan_table:
         return _named_table(model, config, RoutingTable.load), str(Path(config.plan_table))
     path = model.path / TABLE_FILE
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()) or path.is_dir():  # a FIFO there is told below, not taken for none
         return None, f"no {TABLE_FILE} in the model directory"
     try:
         return RoutingTable.load(path, model.config, model_digest(model.path)), str(path)

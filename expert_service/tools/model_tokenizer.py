@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.errors import ModelFormatError
+from common.files import read_regular
 from common.model_format import ModelDir
 
 if TYPE_CHECKING:
@@ -20,7 +21,9 @@ def read_tokenizer(model: ModelDir) -> Tokenizer | None:
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(read_regular(path).decode("utf-8"))  # a FIFO swapped in is refused, not waited on
+    except OSError as e:
+        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
     except Exception as e:  # the library raises bare Exceptions with a message
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise ModelFormatError(f"{path}: not a valid tokenizer.json ({reason})") from None

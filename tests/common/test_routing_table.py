@@ -335,12 +335,12 @@ def test_random_corruptions_are_refused_in_one_line_or_load_a_valid_table(tmp_pa
 def test_an_unreadable_table_is_one_line(table_file, monkeypatch):
     """A model directory's routing_table.bin the worker may not read stopped it with a PermissionError traceback
     (the sandbox runs as root, so the refusal is simulated)."""
-    from pathlib import Path
+    from common import routing_table
 
-    def refuse(self, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(self))
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(Path, "open", refuse)
+    monkeypatch.setattr(routing_table, "open_regular", refuse)
     expect_error(table_file, f"{table_file}: routing table cannot be read: Permission denied")
 
 
