@@ -25,12 +25,10 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import math
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import grpc
 from opentelemetry import context as otel_context
@@ -40,8 +38,8 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 
-from common.errors import ConfigError
 from common.rate_limited_log import RateLimitedLog
+from common.tracing_env import check_tracing_env
 
 INSTRUMENTATION_NAME = "colibri"
 
@@ -91,49 +89,6 @@ _SERVER_ERROR_CODES = frozenset(
 def request_span_name(model: str, operation: str = OPERATION_TEXT_COMPLETION) -> str:
     """GenAI span name: `{gen_ai.operation.name} {gen_ai.request.model}`."""
     return f"{operation} {model}"
-
-
-_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
-
-
-def check_tracing_env(env: Mapping[str, str] | None = None) -> None:
-    """Refuses, naming the variable, the tracing settings the SDK would take badly: an OTLP endpoint urllib cannot
-    parse (a traceback at start-up), one with no host, a port out of range or a scheme but http(s) (every export
-    failing, one log line each), and a ratio sampler's argument that is no number in [0, 1] (the SDK warns once,
-    then samples every trace)."""
-    env = os.environ if env is None else env
-    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        if env.get(var):
-            _check_endpoint(var, env[var])
-            break  # the exporter reads the first one set
-    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
-    arg = env.get("OTEL_TRACES_SAMPLER_ARG")
-    if sampler in _RATIO_SAMPLERS and arg is not None:
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = math.nan
-        if not 0.0 <= ratio <= 1.0:
-            raise ConfigError(
-                f"OTEL_TRACES_SAMPLER_ARG: {sampler} takes a ratio in [0, 1], got {arg!r} (the SDK would sample "
-                "every trace)"
-            )
-
-
-def _check_endpoint(var: str, endpoint: str) -> None:
-    text = endpoint.strip()
-    has_scheme = "://" in text
-    try:
-        parts = urlsplit(text if has_scheme else f"//{text}")
-        parts.port  # noqa: B018 -- raises ValueError past 65535
-    except ValueError as e:
-        raise ConfigError(f"{var}: {endpoint!r} is not a URL ({e})") from None
-    if has_scheme and parts.scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"{var}: {endpoint!r} must be http:// or https:// (OTLP over gRPC)")
-    if text != endpoint or any(c.isspace() for c in text):
-        raise ConfigError(f"{var}: {endpoint!r} holds white space (expected e.g. http://otel-collector:4317)")
-    if not parts.hostname:
-        raise ConfigError(f"{var}: {endpoint!r} names no host (expected e.g. http://otel-collector:4317)")
 
 
 def otlp_span_processor(env: Mapping[str, str] | None = None) -> SpanProcessor | None:

@@ -17,6 +17,13 @@ from tests.helpers import serve_env
 BAD_ENDPOINTS = ["http://[::1", "http://collector:99999", "ftp://collector:4317", " ",
                  "http://:4317", " http://collector:4317", "http://coll ector:4317"]  # fmt: skip
 GOOD_ENDPOINTS = ["http://collector:4317", "https://collector:4317/", "collector:4317", "http://[::1]:4317"]
+# What the gRPC exporter dials as well: grpc:// (its host and port, over TLS unless OTEL_EXPORTER_OTLP_INSECURE), a
+# path after the port (ignored), and gRPC's own target names, which it hands to gRPC whole.
+EXPORTER_ENDPOINTS = ["grpc://collector:4317", "GRPC://collector:4317", "https://[::1]:4318/v1/traces",
+                      "unix:///var/run/otel.sock", "dns:///collector:4317", "ipv4:127.0.0.1:4317",
+                      "ipv6:[::1]:4317", "unix-abstract:otel-collector"]  # fmt: skip
+# gRPC target names the exporter would dial wrongly (the authority alone: a DNS server, "tmp") or not at all
+BAD_TARGETS = ["dns://8.8.8.8/collector:4317", "unix://tmp/otel.sock", "unix:", "dns:///"]
 
 
 @pytest.mark.parametrize("endpoint", BAD_ENDPOINTS)
@@ -30,6 +37,19 @@ def test_a_bad_otlp_endpoint_is_refused_naming_the_variable(var, endpoint):
 @pytest.mark.parametrize("endpoint", GOOD_ENDPOINTS)
 def test_an_otlp_endpoint_with_or_without_scheme_is_taken(endpoint):
     check_tracing_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+
+
+@pytest.mark.parametrize("endpoint", EXPORTER_ENDPOINTS)
+def test_an_endpoint_the_grpc_exporter_dials_is_not_refused(endpoint):
+    """The check refused grpc://, unix:// and dns:/// endpoints, which the OTLP/gRPC exporter serves."""
+    check_tracing_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint})
+
+
+@pytest.mark.parametrize("endpoint", BAD_TARGETS)
+def test_a_grpc_target_the_exporter_would_dial_wrongly_is_refused(endpoint):
+    with pytest.raises(ConfigError) as e:
+        check_tracing_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    assert str(e.value).startswith(f"OTEL_EXPORTER_OTLP_ENDPOINT: {endpoint!r} "), e.value
 
 
 @pytest.mark.parametrize("arg", ["abc", "1.5", "-0.1", "nan", "inf", "10%", "0,1"])
