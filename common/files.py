@@ -115,7 +115,8 @@ def copy_new(source: Path, path: Path) -> None:
 def replaced_whole(path: Path | str) -> Iterator[BinaryIO]:
     """A binary file whose bytes replace `path` only once all of them are written: into a new hidden file beside it,
     renamed over it at the end. A failure or a Ctrl-C before then (a full disk) removes that file and leaves `path`
-    as it was, rather than a truncated file in place of the old one. A symlink at `path` is followed, as open()
+    as it was, rather than a truncated file in place of the old one; one a killed run left is removed by the next.
+    The new file takes the old one's permission bits. A symlink at `path` is followed, as open()
     would; a name that is no regular file (/dev/stdout, a FIFO) cannot be renamed over and is written directly."""
     target = Path(os.path.realpath(path))
     try:
@@ -128,12 +129,15 @@ def replaced_whole(path: Path | str) -> Iterator[BinaryIO]:
         with naming(path), open(target, "wb") as f:
             yield f
         return
+    _remove_stale_temps(target)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         fd = create_new(tmp)
     except OSError as e:  # the folder is missing or not writable: named as the operator wrote it
         raise OSError(e.errno, e.strerror, str(path)) from None
     try:
+        if mode is not None:  # the old file's permission bits (an operator's 0600 stays unreadable to others)
+            os.fchmod(fd, stat.S_IMODE(mode))
         with naming(path), os.fdopen(fd, "wb") as f:
             yield f
         with naming(path):
@@ -142,3 +146,26 @@ def replaced_whole(path: Path | str) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Removes the temporary files replaced_whole left beside `target` in runs that were killed (SIGKILL runs no
+    cleanup): those whose process id names no live process."""
+    prefix = f".{target.name}."
+    with contextlib.suppress(OSError):
+        for p in target.parent.iterdir():
+            pid = p.name[len(prefix) : -len(".tmp")]
+            if p.name.startswith(prefix) and p.name.endswith(".tmp") and pid.isascii() and pid.isdigit():
+                if int(pid) != os.getpid() and not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process (or no pid a process has): left alone
+        return True
+    return True
