@@ -20,13 +20,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
 from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
-from common.files import stat_regular
+from common.files import open_regular, stat_regular
 from common.model_config import ModelConfig
 from common.model_manifest import (
     DENSE_ALIGN,
@@ -74,6 +75,7 @@ class ModelDir:
         self.entries: dict[str, TensorEntry] = {}
         self.expert_layouts: dict[tuple[int, int], ExpertLayout] = {}
         self._maps: dict[str, np.memmap] = {}
+        self._sizes: dict[str, int] = {}  # each file's size when checked: one cut short since is refused
 
     @classmethod
     def open(cls, path: str | os.PathLike, verify: bool = True, progress: bool = False) -> ModelDir:
@@ -127,7 +129,7 @@ class ModelDir:
     def _check_entries(self) -> None:
         if not isinstance(self.dtype, str) or dtypes.ALIASES.get(self.dtype) != self.dtype:
             raise ModelFormatError(f"{MANIFEST}: dtype {self.dtype!r} is not supported")
-        file_sizes: dict[str, int] = {}
+        file_sizes = self._sizes
         for name, raw in self.manifest["tensors"].items():
             entry = tensor_entry(name, raw)
             if entry.dtype not in dtypes.STORAGE:
@@ -204,28 +206,43 @@ class ModelDir:
     def _check_scale_values(self) -> None:
         """Every 8-bit expert's scales hold positive finite values, whether or not checksums are verified. The
         three scales end their expert's block: one small pread per expert, never the weights' bytes."""
-        fds: dict[str, int] = {}
+        fds: dict[str, BinaryIO] = {}
         try:
             for (layer, expert), layout in self.expert_layouts.items():
                 if not layout.scale_offsets:
                     continue
                 if layout.file not in fds:
-                    fds[layout.file] = os.open(self.path / layout.file, os.O_RDONLY)
+                    fds[layout.file] = self._open_checked(layout.file)
                 start = layout.offset + layout.scale_offsets[0]
-                data = os.pread(fds[layout.file], layout.offset + layout.nbytes - start, start)
+                data = os.pread(fds[layout.file].fileno(), layout.offset + layout.nbytes - start, start)
                 for projection, shape, offset in zip(PROJECTIONS, layout.scale_shapes, layout.scale_offsets):
                     at = layout.offset + offset - start
                     scale = np.frombuffer(data, "<f4", math.prod(shape), at).reshape(shape)
                     name = scale_name(f"layers.{layer}.experts.{expert}.{projection}")
                     quant.check_scale_values(scale, name, layout.file)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
 
     def _map(self, file: str) -> np.memmap:
         if file not in self._maps:
-            self._maps[file] = np.memmap(self.path / file, dtype=np.uint8, mode="r")
+            with self._open_checked(file) as f:
+                self._maps[file] = np.memmap(f, dtype=np.uint8, mode="r")
         return self._maps[file]
+
+    def _open_checked(self, file: str) -> BinaryIO:
+        """`file` opened as open() checked it: a FIFO renamed over it since is refused, never waited on, and a
+        shorter file (replaced or cut short) is refused rather than read as tensors cut short."""
+        path = self.path / file
+        try:
+            f = open_regular(path)
+        except OSError as e:
+            raise ModelFormatError(f"{path}: {e.strerror or e}") from None
+        size, checked = os.fstat(f.fileno()).st_size, self._sizes.get(file, 0)
+        if size < checked:
+            f.close()
+            raise ModelFormatError(f"{path}: {size} bytes, {checked} when the model was opened (replaced since?)")
+        return f
 
     def raw_bytes(self, name: str) -> np.ndarray:
         e = self.entries[name]
