@@ -59,7 +59,7 @@ def stat_regular(path: Path | str) -> os.stat_result:
     return st
 
 
-def open_regular(path: Path | str) -> BinaryIO:
+def open_regular(path: str | os.PathLike) -> BinaryIO:
     """The regular file at `path` opened for reading. Anything else is an OSError naming it: opening a FIFO waited
     for a writer for ever, holding a service's start-up and its stop signals, and a device such as /dev/zero never
     ends. Checked on the opened file, so a FIFO swapped in after a stat is refused too."""
@@ -74,7 +74,7 @@ def open_regular(path: Path | str) -> BinaryIO:
     return f
 
 
-def read_regular(path: Path | str, max_bytes: int | None = None) -> bytes:
+def read_regular(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file at `path` (at most max_bytes + 1 of them, for the caller to refuse); anything
     else is refused as open_regular does."""
     with open_regular(path) as f:
