@@ -64,9 +64,12 @@ MAX_FAILED_STARTS = 5
 HEALTHY_AFTER_S = 60.0
 NOT_RESTARTED = (2, 3, 4, 7)  # ConfigError, ModelFormatError, ChecksumError, AddressInUseError
 STOP_MARGIN_S = 15.0  # beyond a child's drain timeout before it is killed
-# Router settings serve does not take as router flags: it gives --worker and --model itself, and the router caps
-# its batch limits to the worker's (Info), so the two batch flags go to the worker only.
-ROUTER_SET_BY_SERVE = ("worker", "model", "max_batch_tokens", "max_batch_size")
+# Router settings serve gives the router itself.
+ROUTER_SET_BY_SERVE = ("worker", "model")
+# Router settings that are engine flags too: serve's parser has them once (as EngineConfig's), and their value goes
+# to both processes. The router caps its batch limits to the worker's but never raises them, so a --max-batch-tokens
+# given to the worker alone left the router's step budget at its own default.
+ROUTER_AND_ENGINE = ("max_batch_tokens", "max_batch_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9091,
         help="the worker's Prometheus /metrics port on 127.0.0.1; 0 = off (default: 9091)",
     )
-    add_flags(parser, RouterConfig, skip=ROUTER_SET_BY_SERVE)
+    add_flags(parser, RouterConfig, skip=ROUTER_SET_BY_SERVE + ROUTER_AND_ENGINE)
     add_flags(parser, EngineConfig)
 
 

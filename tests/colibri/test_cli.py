@@ -212,22 +212,25 @@ def test_serve_hints_the_port_the_router_resolves(tmp_path, monkeypatch, flags, 
             signal.signal(sig, handler)
 
 
-def test_serve_gives_the_router_model_once_and_the_batch_limits_to_the_worker_only(tmp_path, monkeypatch):
-    """The router's command line held `--model DIR` twice, and the worker's --max-batch-tokens/--max-batch-size
-    too (the router caps its limits to the worker's)."""
+def test_serve_gives_the_router_model_once_and_the_batch_limits_to_both(tmp_path, monkeypatch):
+    """The router's command line held `--model DIR` twice. The batch limits go to both processes: the router caps
+    its own to the worker's but never raises them, so `serve --max-batch-tokens 4096` given to the worker alone left
+    the router's step budget at 2048 (docs/configuration.md: it goes to both)."""
     from colibri import serve as serve_module
     from colibri.cli import build_parser
 
     monkeypatch.setattr(sys, "argv", ["colibri", "serve"])
     args = build_parser().parse_args(
-        ["serve", "--model", str(tmp_path), "--max-batch-tokens", "128", "--max-batch-size", "4", "--port", "0"]
+        ["serve", "--model", str(tmp_path), "--max-batch-tokens", "4096", "--max-batch-size", "4", "--port", "0"]
     )
     supervisor = serve_module.Supervisor(args)
     shutil.rmtree(supervisor.private_dir)
     router, worker = supervisor.router_cmd, supervisor.worker_cmd
     assert router.count("--model") == 1 and router[router.index("--model") + 1] == str(tmp_path)
-    assert "--max-batch-tokens" not in router and "--max-batch-size" not in router
-    assert worker[worker.index("--max-batch-tokens") + 1] == "128" and worker.count("--model") == 1
+    for cmd in (router, worker):
+        assert cmd.count("--max-batch-tokens") == 1 and cmd[cmd.index("--max-batch-tokens") + 1] == "4096"
+        assert cmd.count("--max-batch-size") == 1 and cmd[cmd.index("--max-batch-size") + 1] == "4"
+    assert worker.count("--model") == 1
     assert router[router.index("--port") + 1] == "0"
 
 
