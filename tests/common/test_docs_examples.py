@@ -86,3 +86,38 @@ def test_configuration_snippets_load(tmp_path):
         for section, cls in SECTIONS.items():
             flags = {"socket": "/tmp/w.sock"} if cls is WorkerConfig else None  # the worker needs a listener
             resolve(cls, file_values=load_config_file(path, section), env={}, flags=flags)
+
+
+def colibri_commands() -> list:
+    """(subcommand, its words) of every `colibri SUBCOMMAND ...` command in the docs' shell blocks and inline code."""
+    from colibri.cli import SUBCOMMANDS
+
+    lines = [
+        (doc, line)
+        for doc in DOCS
+        for block in code_blocks(doc, ("sh", "bash", "console", ""))
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
+    for doc in DOCS:  # inline code in the prose, cli.md's headings included
+        lines += [(doc, span) for span in re.findall(r"`((?:\.venv/bin/)?colibri [a-z][^`]*)`", doc.read_text())]
+    found = []
+    for doc, line in lines:
+        for m in re.finditer(r"(?:^|[\s`$(])(?:\.venv/bin/)?colibri ([a-z-]+)\b([^`#|;&]*)", line):
+            if m.group(1) in SUBCOMMANDS:
+                found.append(
+                    pytest.param(m.group(1), m.group(2), id=f"{doc.name}:colibri {m.group(1)}{m.group(2)[:30]}")
+                )
+    return found
+
+
+@pytest.mark.parametrize("subcommand, words", colibri_commands())
+def test_documented_colibri_flags_exist(subcommand, words, monkeypatch):
+    import sys
+
+    from colibri.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["colibri", subcommand])
+    parser = build_parser()
+    options = parser._subparsers._group_actions[0].choices[subcommand]._option_string_actions
+    unknown = [flag for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", words) if flag not in options]
+    assert not unknown, f"colibri {subcommand}: no such option {unknown}"
