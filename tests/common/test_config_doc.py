@@ -54,3 +54,24 @@ def test_configuration_tables_match_the_settings(section, cls):
         assert env == (", ".join(f"`{e}`" for e in f.metadata.get("env", ())) or "—"), f"{flag}: environment variables"
         assert default == f"`{shown(f.default)}`", f"{flag}: default"
     assert set(rows) == flags, f"docs/configuration.md ({section}): no such setting: {sorted(set(rows) - flags)}"
+
+
+def section_text(section: str) -> str:
+    """The text under the heading of `section:` up to the next heading."""
+    text, current = [], False
+    for line in DOC.read_text().splitlines():
+        if line.startswith("#"):
+            current = re.search(rf"section `{section}:`", line) is not None
+        elif current:
+            text.append(line)
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("section, cls", [("router", RouterConfig), ("worker", WorkerConfig), ("engine", EngineConfig)])
+def test_settings_without_a_flag_are_documented_as_config_keys(section, cls):
+    """A setting with no flag (a secret, a mapping) is still a key of its config-file section: the section's text
+    names it as one (the engine's cuda_options, the router's worker_token were named nowhere in this file)."""
+    text = section_text(section)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            assert f"`{f.name}`" in text, f"docs/configuration.md ({section}): config key {f.name} is not named"
