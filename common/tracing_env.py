@@ -15,8 +15,8 @@ _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 
 def check_tracing_env(env: Mapping[str, str] | None = None) -> None:
     """Refuses, naming the variable, the tracing settings the SDK would take badly: an OTLP endpoint urllib cannot
-    parse (a traceback at start-up), one with no host, a port out of range or a scheme but http(s) (every export
-    failing, one log line each), and a ratio sampler's argument that is no number in [0, 1] (the SDK warns once,
+    parse (a traceback at start-up), one with no host, a port out of range or a scheme but http(s), grpc or a gRPC
+    target name's (every export failing, one log line each), and a ratio sampler's argument that is no number in [0, 1] (the SDK warns once,
     then samples every trace)."""
     env = os.environ if env is None else env
     for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
