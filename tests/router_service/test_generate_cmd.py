@@ -129,8 +129,8 @@ def test_a_token_file_that_cannot_serve_is_refused_naming_the_flag(tmp_path):
 def test_a_token_grpc_metadata_cannot_carry_is_refused_naming_the_flag():
     """A newline or another control character inside the token failed the call as `INTERNAL: Invalid metadata`."""
     rng = random.Random()
-    secret = "".join(rng.choice(string.ascii_letters) for _ in range(rng.randrange(8, 40)))
-    at = rng.randrange(1, len(secret))
+    secret = "".join(rng.choice(string.ascii_letters) for _ in range(rng.randrange(16, 40)))
+    at = rng.randrange(8, len(secret) - 7)  # both halves long enough not to occur in the message by chance
     bad = rng.choice(["\n", "\r", "\x00", "\x1b", "\x7f", "é"])
     message = refusal("--token", secret[:at] + bad + secret[at:])
     assert message.startswith(f"--token (or COLIBRI_AUTH_TOKEN): byte 0x{bad.encode()[0]:02x} at position {at} ")
