@@ -2,6 +2,7 @@
 
     colibri router-gen MODEL --corpus train.txt --holdout 0      # the table from the training text only
     python bench/table_recall.py MODEL --text heldout.txt [--train-text train.txt] [--backend cuda] --out r.json
+        [--table A.bin [--table B.bin ...]]      # several tables (a --top-k 1 and a --top-k 2 one) on one trace
 
 `colibri router-gen` measures recall on the tail of its own corpus. This measures it on a separate file the
 table never saw (held-out books), the way router-gen does: the text is tokenised with the model's tokenizer
@@ -10,6 +11,13 @@ routing, and for every token and MoE layer recall = |table(token) ∩ exact(toke
 fallback alone (router-gen without a corpus) is scored on the same tokens, and chance is top_k / num_experts.
 With --train-text, the share of held-out tokens whose id never occurs in the training text (those the table
 fills from the fallback) is reported too.
+
+Precision by rank: for the table's j-th prediction of a token (router-gen orders them most frequent first), the
+share of tokens for which it is among the exact top-k experts, per layer. A plan prefetch of the rank-j
+prediction copies an expert that the step uses that often; a prefetch that is wrong more often than the slot it
+evicts would have been hit costs bytes on a link-bound step. Recall = the sum of the ranks' precisions / the
+model's k. Every --table is scored on the same traced routing; the first one's figures are the JSON's top-level
+keys, and "tables" lists each one's.
 """
 
 from __future__ import annotations
@@ -35,6 +43,29 @@ from expert_service.tools.routing_gen import build_table, load_corpus, recall_su
 BATCH_TOKENS = 4096  # what router-gen packs into one step
 
 
+def rank_hits(table: np.ndarray, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> np.ndarray:
+    """[L, k] int: per MoE layer and rank j, the tokens whose j-th predicted expert is among the exact ones."""
+    hits = np.zeros((len(experts_per_layer), table.shape[2]), dtype=np.int64)
+    for l, exact in enumerate(experts_per_layer):
+        predicted = table[l, token_ids]  # [T, k]
+        hits[l] = (predicted[:, :, None] == exact[:, None, :]).any(axis=2).sum(axis=0)
+    return hits
+
+
+def table_scores(table: RoutingTable, hits: np.ndarray, tokens: int, model_top_k: int) -> dict:
+    """A table's recall and precision by rank from its rank_hits summed over `tokens` held-out tokens."""
+    precision = hits / tokens  # [L, k]
+    recall = precision.sum(axis=1) / model_top_k  # the table's entries of a token are distinct
+    return {
+        "top_k": table.top_k,
+        "recall_per_layer": [float(r) for r in recall],
+        "recall": float(recall.mean()),
+        "precision_per_rank": [[float(p) for p in precision[:, j]] for j in range(table.top_k)],
+        "precision_by_rank": [float(p) for p in precision.mean(axis=0)],
+        "precision": float(precision.mean()),
+    }
+
+
 def heldout_recall(
     model: ModelDir,
     engine: Engine,
@@ -42,34 +73,40 @@ def heldout_recall(
     ids: np.ndarray,
     sequence_length: int,
     seen: np.ndarray | None = None,
+    others: tuple[RoutingTable, ...] = (),
 ) -> dict:
-    """Recall of `table` and of the fallback-only table on token ids `ids` [N], per MoE layer and overall.
+    """Recall and precision by rank of `table` (and of each of `others`, under "tables", `table` first), and the
+    fallback-only table's recall, on token ids `ids` [N], per MoE layer and overall.
     seen: bool [V], the token ids of the training text (for the unseen share), or None."""
     config = model.config
     sequences, _ = split_sequences(ids, sequence_length, 0.0)
     fallback = build_table(model, None, table.top_k)
+    tables = (table, *others)
     layers = len(config.moe_layers)
-    sums, fallback_sums, unseen = np.zeros(layers), np.zeros(layers), 0
+    hits = [np.zeros((layers, t.top_k), dtype=np.int64) for t in tables]
+    fallback_sums, unseen = np.zeros(layers), 0
     for token_ids, traced in trace_routing(engine, sequences):
         exact = [traced[layer] for layer in config.moe_layers]
-        sums += recall_sums(table.table, token_ids, exact)
+        for h, t in zip(hits, tables):
+            h += rank_hits(t.table, token_ids, exact)
         fallback_sums += recall_sums(fallback, token_ids, exact)
         if seen is not None:
             unseen += int((~seen[token_ids]).sum())
-    per_layer, fallback_per_layer = sums / ids.size, fallback_sums / ids.size
+    scores = [table_scores(t, h, ids.size, config.num_experts_per_tok) for t, h in zip(tables, hits)]
+    fallback_per_layer = fallback_sums / ids.size
     return {
         "tokens": int(ids.size),
         "sequence_length": sequence_length,
         "sequences": len(sequences),
-        "top_k": table.top_k,
         "model_top_k": config.num_experts_per_tok,
         "num_experts": config.num_experts,
         "moe_layers": list(config.moe_layers),
-        "recall_per_layer": [float(r) for r in per_layer],
-        "recall": float(per_layer.mean()),
+        **scores[0],
+        "tables": scores,
         "fallback_recall_per_layer": [float(r) for r in fallback_per_layer],
         "fallback_recall": float(fallback_per_layer.mean()),
         "chance_recall": table.top_k / config.num_experts,
+        "chance_precision": config.num_experts_per_tok / config.num_experts,  # of any one prediction
         "heldout_unseen_share": unseen / ids.size if seen is not None else None,
     }
 
@@ -77,7 +114,11 @@ def heldout_recall(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="converted Colibri model directory")
-    parser.add_argument("--table", help="routing table (default: MODEL/routing_table.bin)")
+    parser.add_argument(
+        "--table",
+        action="append",
+        help="routing table (default: MODEL/routing_table.bin); repeat it to score several on one trace",
+    )
     parser.add_argument("--text", required=True, help="held-out text: never in the table's corpus")
     parser.add_argument("--train-text", help="the text the table was built from (for the unseen-token share)")
     parser.add_argument(
@@ -89,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         model = ModelDir.open(args.model, verify=False)
-        table = RoutingTable.load(args.table or model.path / TABLE_FILE, model.config, model_digest(model.path))
+        paths = args.table or [model.path / TABLE_FILE]
+        digest = model_digest(model.path)
+        tables = [RoutingTable.load(path, model.config, digest) for path in paths]
         if not 1 <= args.sequence_length <= model.config.max_position_embeddings:
             raise ConfigError(
                 f"--sequence-length: must be in [1, {model.config.max_position_embeddings}], got {args.sequence_length}"
@@ -107,28 +150,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = {
         "model": str(model.path),
-        "table": str(args.table or model.path / "routing_table.bin"),
+        "table": str(paths[0]),
         "text": str(args.text),
         "train_text": args.train_text,
         "backend": args.backend,
-        **heldout_recall(model, engine, table, ids, args.sequence_length, seen),
+        **heldout_recall(model, engine, tables[0], ids, args.sequence_length, seen, tuple(tables[1:])),
     }
+    for entry, path in zip(result["tables"], paths):
+        entry["table"] = str(path)
     result["wall_s"] = round(time.time() - started, 1)
     print(
         f"top-{result['top_k']} recall on {result['tokens']} held-out tokens ({args.text}), chance "
         f"{result['chance_recall']:.3f}"
         + ("" if seen is None else f", {100 * result['heldout_unseen_share']:.1f}% unseen in training")
     )
-    for layer, r, f in zip(result["moe_layers"], result["recall_per_layer"], result["fallback_recall_per_layer"]):
-        print(f"  layer {layer:3d}: {r:.4f}   (fallback {f:.4f})")
+    for l, (layer, r, f) in enumerate(
+        zip(result["moe_layers"], result["recall_per_layer"], result["fallback_recall_per_layer"])
+    ):
+        print(f"  layer {layer:3d}: {r:.4f}   (fallback {f:.4f})   precision by rank {_ranks(result, l)}")
     print(
-        f"  overall  : {result['recall']:.4f}   (fallback {result['fallback_recall']:.4f})  {result['wall_s']} s",
+        f"  overall  : {result['recall']:.4f}   (fallback {result['fallback_recall']:.4f})   precision by rank "
+        f"{_ranks(result)}  {result['wall_s']} s",
         flush=True,
     )
+    for entry in result["tables"][1:]:
+        print(f"top-{entry['top_k']} table {entry['table']}: recall {entry['recall']:.4f}, precision by rank")
+        for l, layer in enumerate(result["moe_layers"]):
+            print(f"  layer {layer:3d}: {_ranks(entry, l)}")
+        print(f"  overall  : {_ranks(entry)}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _ranks(scores: dict, layer: int | None = None) -> str:
+    """ "1: 0.9412  2: 0.7012" — one layer's precision per rank, or the layers' mean."""
+    values = scores["precision_by_rank"] if layer is None else [p[layer] for p in scores["precision_per_rank"]]
+    return "  ".join(f"{j + 1}: {p:.4f}" for j, p in enumerate(values))
 
 
 if __name__ == "__main__":

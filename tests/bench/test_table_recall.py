@@ -31,7 +31,7 @@ def texts(tmp_path, seed: int):
     return train, held
 
 
-def build_table(model_dir, corpus_path, out):
+def build_table(model_dir, corpus_path, out, top_k: int | None = None):
     model = ModelDir.open(model_dir, verify=False)
     corpus = load_corpus(corpus_path, "text", model)
     run_router_gen(
@@ -40,7 +40,7 @@ def build_table(model_dir, corpus_path, out):
         corpus,
         str(corpus_path),
         out,
-        model.config.num_experts_per_tok,
+        top_k or model.config.num_experts_per_tok,
         0.0,
         SEQUENCE_LENGTH,
     )
@@ -63,6 +63,7 @@ def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
     # the same measure, one sequence at a time on a fresh engine, counted with Python sets
     engine, k = engine_of(model), model.config.num_experts_per_tok
     hits = np.zeros(len(model.config.moe_layers))
+    by_rank = np.zeros((len(model.config.moe_layers), table.top_k))  # rank j's prediction among the exact experts
     for rid, start in enumerate(range(0, ids.size, SEQUENCE_LENGTH)):
         seq = ids[start : start + SEQUENCE_LENGTH]
         trace = engine.step([PrefillInput(rid, seq, SamplingParams(), False)]).trace
@@ -70,10 +71,16 @@ def test_recall_matches_a_set_count_over_each_sequence(tiny_model, tmp_path):
         for l, layer in enumerate(model.config.moe_layers):
             for t, token in enumerate(seq):
                 hits[l] += len(set(trace.expert_ids[layer][t]) & set(table.table[l, token])) / k
+                for j, expert in enumerate(table.table[l, token]):
+                    by_rank[l, j] += expert in set(trace.expert_ids[layer][t])
     assert got["tokens"] == ids.size and got["sequences"] == -(-ids.size // SEQUENCE_LENGTH)
     assert got["recall_per_layer"] == pytest.approx(list(hits / ids.size), abs=1e-12)
     assert got["recall"] == pytest.approx(float(np.mean(hits / ids.size)), abs=1e-12)
     assert got["chance_recall"] == k / model.config.num_experts
+    assert got["precision_per_rank"] == [pytest.approx(list(by_rank[:, j] / ids.size), abs=1e-12) for j in range(k)]
+    assert got["precision_by_rank"] == pytest.approx(list((by_rank / ids.size).mean(axis=0)), abs=1e-12)
+    assert got["precision"] == pytest.approx(float(by_rank.mean() / ids.size), abs=1e-12)
+    assert got["tables"] == [{key: got[key] for key in got["tables"][0]}]  # one table: its figures at the top
     assert all(0 <= r <= 1 for r in got["fallback_recall_per_layer"]) and got["heldout_unseen_share"] is None
 
 
@@ -120,6 +127,31 @@ def test_main_writes_the_report_with_the_unseen_share(tiny_model, tmp_path, caps
     assert result["text"] == str(held) and len(result["recall_per_layer"]) == len(model.config.moe_layers)
     printed = capsys.readouterr().out
     assert f"overall  : {result['recall']:.4f}" in printed and "unseen in training" in printed
+
+
+def test_a_top_1_table_is_the_top_2_tables_first_rank(tiny_model, tmp_path, capsys):
+    """router-gen --top-k 1 keeps the first column of the --top-k 2 table (one ranking, cut), so its precision is
+    the top-2 table's rank-1 precision; both are scored on one trace, the first --table's figures at the top."""
+    train, held = texts(tmp_path, seed=4)
+    model = ModelDir.open(tiny_model, verify=False)
+    top2, top1 = (build_table(tiny_model, train, tmp_path / f"t{k}.bin", top_k=k) for k in (2, 1))
+    digest = model_digest(model.path)
+    t2, t1 = (RoutingTable.load(path, model.config, digest) for path in (top2, top1))
+    assert t1.top_k == 1 and np.array_equal(t1.table[:, :, 0], t2.table[:, :, 0])
+    out = tmp_path / "recall.json"
+    argv = [str(tiny_model), "--table", str(top2), "--table", str(top1), "--text", str(held)]
+    assert table_recall.main([*argv, "--sequence-length", str(SEQUENCE_LENGTH), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    first, second = result["tables"]
+    assert (first["table"], first["top_k"], second["table"], second["top_k"]) == (str(top2), 2, str(top1), 1)
+    assert result["precision_by_rank"] == first["precision_by_rank"] and len(first["precision_by_rank"]) == 2
+    assert second["precision_per_rank"] == first["precision_per_rank"][:1]
+    assert second["recall"] == pytest.approx(first["precision_by_rank"][0] / 2)  # one of the model's two experts
+    assert result["chance_precision"] == 2 / model.config.num_experts
+    # the rank-2 prediction is right less often than the rank-1 one on every layer of this model
+    assert all(p1 > p2 for p1, p2 in zip(*first["precision_per_rank"]))
+    printed = capsys.readouterr().out
+    assert f"top-1 table {top1}: recall {second['recall']:.4f}" in printed and "precision by rank 1: " in printed
 
 
 def test_missing_table_is_one_line(tiny_model, tmp_path, capsys):
