@@ -19,7 +19,8 @@ The "plan" prefetch needs a routing table: one is built for the benchmark model 
 (a fully resident engine, routing_gen.generate) over 64 x 128 random token ids; every step's plan is then
 looked up from it the way the router does (prompt chunks first, then decode tokens). A table from random
 weights and tokens says little about a trained model's on real traffic; its held-out recall and the per-step
-plan recall are recorded next to the runs.
+plan recall are recorded next to the runs. `--plan-top-k 1,2` runs every plan mode once per k with the table's
+k most likely predictions a token (keyed MODE/topK below the table's own k; bench/offload_plan.py).
 
 HF reference: the same weights, held on the host; at 100% the model is moved to the GPU; below it, the most
 favourable placement at the same device budget (non-expert bytes + the Colibri run's slot bytes): everything
@@ -31,7 +32,7 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--plan-source worker|router] [--policy lru|lfu] [--temperature 0.8] [--timeline]
+        [--plan-source worker|router] [--plan-top-k 1,2] [--policy lru|lfu] [--temperature 0.8] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
 
 `--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
@@ -78,6 +79,13 @@ from bench.offload_hf import (  # noqa: E402
     bench_hf_budgets,
 )
 from bench.offload_model import TokenSource, load_table, open_model, text_source  # noqa: E402
+from bench.offload_plan import (  # noqa: E402
+    build_routing_table,
+    check_plan_top_k,
+    parse_plan_top_k,
+    plan_runs,
+    plan_tables,
+)
 from bench.offload_report import (  # noqa: E402
     DECODE_PHASES,
     OPTIONS,
@@ -89,7 +97,7 @@ from bench.offload_report import (  # noqa: E402
 )
 from common.errors import ColibriError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
-from common.routing_table import RoutingTable, model_digest, write_routing_table  # noqa: E402
+from common.routing_table import RoutingTable  # noqa: E402
 from expert_service.backends import build_engine, cuda_available
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
@@ -97,7 +105,6 @@ from expert_service.engine.engine import Engine, PrefillInput  # noqa: E402
 from expert_service.engine.sampling import SamplingParams  # noqa: E402
 from expert_service.experts.cache import POLICIES, CacheStats  # noqa: E402
 from expert_service.experts.slots import plan_slots  # noqa: E402
-from expert_service.tools.routing_gen import generate  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 PREFETCH_MODES = ("none", "plan", "lookahead", "plan+lookahead")
@@ -105,7 +112,6 @@ TINY = "tiny"  # test-only shape: expert_service.tools.tiny_model's Mixtral (cpu
 NOMINAL_PCIE_BYTES_PER_S = 55e9  # pinned host->device on the H200; used only when no GPU can measure it
 PREFILL_REPEATS, WARMUP_STEPS = 3, 3
 SAMPLED_TEMPERATURE = 0.8  # the sampled continuations' temperature unless --temperature says otherwise
-TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
 
 
 def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
@@ -157,31 +163,6 @@ def close(engine: Engine) -> None:
     closer = getattr(decoder, "close", None) or getattr(getattr(decoder, "copy_engine", None), "close", None)
     if closer is not None:
         closer()
-
-
-def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[RoutingTable, dict]:
-    """Traces exact routing of random token ids through `engine` (fully resident) into a table at `path`."""
-    cfg = model.config
-    corpus = np.random.default_rng(1).integers(0, cfg.vocab_size, TABLE_SEQUENCES * TABLE_SEQUENCE_LENGTH)
-    table, report = generate(model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT, TABLE_SEQUENCE_LENGTH)
-    write_routing_table(path, table, cfg.num_experts, model_digest(model.path))
-    keys = (
-        "top_k",
-        "num_experts",
-        "train_tokens",
-        "heldout_tokens",
-        "heldout_unseen_share",
-        "recall",
-        "fallback_recall",
-    )
-    summary = {k: report[k] for k in keys}
-    summary["chance_recall"] = cfg.num_experts_per_tok / cfg.num_experts
-    summary["note"] = (
-        f"{TABLE_SEQUENCES} x {TABLE_SEQUENCE_LENGTH} random token ids through random weights: "
-        f"this recall says nothing about a trained model's table on real traffic, so neither do "
-        f"the plan-prefetch runs; token ids the corpus missed use the embedding fallback"
-    )
-    return RoutingTable.load(path, cfg, model_digest(model.path)), summary
 
 
 def cache_stats(result) -> CacheStats:
@@ -318,6 +299,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
         elif any("plan" in m for m in args.prefetch_modes):
             table_path = workdir / "routing_table.bin"
             table, entry["routing_table"] = build_routing_table(model, engine, table_path)
+        tables = plan_tables(model, table, table_path, args.plan_top_k, workdir) if table is not None else {}
         # every cached run is compared with the resident engine, measured in the same run
         resident = {
             "slots_per_layer": experts,
@@ -328,19 +310,21 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
     finally:
         close(engine)
     entry["resident"] = resident
+    entry["plan_top_k"] = list(tables)  # the tables the plan runs prefetch from: the first k predictions a token
     for fraction, n in slots.items():
         runs = entry["runs"][str(fraction)] = {}
         if n >= experts:
             runs["resident"] = resident
             continue
-        for mode in args.prefetch_modes:
+        for mode, name, k in plan_runs(args.prefetch_modes, tables, table.top_k if table is not None else None):
+            run_table, run_path = tables[k] if k is not None else (table, table_path)
             for values in itertools.product(*(getattr(args, option) for option in OPTIONS)):
                 settings = dict(zip(OPTIONS, values))
-                key = option_key(mode, settings)  # runs off the default options keyed apart
+                key = option_key(name, settings)  # runs off the default options keyed apart
                 # the worker's own lookup of the table (no plan sent with the steps, which then run two in flight
                 # as served), or the router's plan sent with every step (--plan-source router)
-                own = "plan" in mode and table_path is not None and args.plan_source == "worker"
-                plan_table = str(table_path) if own else "router"
+                own = "plan" in mode and run_path is not None and args.plan_source == "worker"
+                plan_table = str(run_path) if own else "router"
                 cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table, args.policy)
                 try:
                     runs[key] = {
@@ -348,11 +332,12 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
                         "plan_source": ("worker" if own else "router") if "plan" in mode else None,
+                        "plan_top_k": k,
                         "policy": args.policy,
                         **settings,
                         **bench_colibri(
                             cached,
-                            None if own else table,
+                            None if own else run_table,
                             bytes_per_s,
                             tokens,
                             args.decode_steps,
@@ -367,8 +352,8 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                         print_run(fraction, key, runs[key][phase], resident[phase], phase)
             base = {option: getattr(args, option)[0] for option in OPTIONS}
             for option in (option for option in OPTIONS if len(getattr(args, option)) == 2):
-                on, off = (runs[option_key(mode, {**base, option: value})] for value in (True, False))
-                print_option(fraction, mode, option, on, off)
+                on, off = (runs[option_key(name, {**base, option: value})] for value in (True, False))
+                print_option(fraction, name, option, on, off)
     return entry
 
 
@@ -440,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         "each step",
     )
     parser.add_argument(
+        "--plan-top-k",
+        help="run each plan mode once per k (1,2): with the table's k most likely predictions a token, keyed "
+        "MODE/topK below the table's own k (default: the table as it is)",
+    )
+    parser.add_argument(
         "--timeline",
         action="store_true",
         help="cuda: record one more decode step per batch size kernel by kernel (streams, waits) into the JSON",
@@ -475,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_steps < 1:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:
+        args.plan_top_k = parse_plan_top_k(args.plan_top_k)
+        if args.plan_top_k and not any("plan" in m for m in args.prefetch_modes):
+            parser.error("--plan-top-k: no plan mode in --prefetch-modes")
         model_input = _check_model_args(parser, args)
     except ColibriError as e:
         parser.error(str(e))
@@ -564,8 +557,8 @@ def _check_model_args(parser, args) -> tuple[ModelDir, TokenSource] | None:
     default_table = model.path / "routing_table.bin"
     if args.table is None and (default_table.is_file() or any("plan" in m for m in args.prefetch_modes)):
         args.table = str(default_table)
-    if args.table is not None:
-        load_table(model, args.table)  # a missing or mismatched table fails now, not after an hour
+    if args.table is not None:  # a missing or mismatched table fails now, not after an hour
+        check_plan_top_k(args.plan_top_k, load_table(model, args.table)[0].top_k)
     return model, _token_source(model, args.prompts)
 
 

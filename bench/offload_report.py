@@ -29,6 +29,13 @@ MODE_NAMES = {
 }
 
 
+def mode_name(key: str) -> str:
+    """A run's key as the docs name it: "plan/top1" -> "table top-1" (the table's most likely prediction alone)."""
+    mode, *rest = key.split("/")
+    cuts = [f"top-{r[3:]}" if r.startswith("top") and r[3:].isdigit() else r for r in rest]
+    return " ".join([MODE_NAMES.get(mode, mode), *cuts])
+
+
 def _fmt(v, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -132,7 +139,7 @@ def plot_offload(results: dict, path: Path) -> None:
                     (float(f), m[mode]["decode"][b]["tok_s"]) for f, m in entry["runs"].items() if mode in m
                 )
                 points += [(float(f), r["decode"][b]["tok_s"]) for f, r in resident.items()]
-                ax.plot(*zip(*sorted(points)), marker="o", label=f"colibri, prefetch {MODE_NAMES.get(mode, mode)}")
+                ax.plot(*zip(*sorted(points)), marker="o", label=f"colibri, prefetch {mode_name(mode)}")
             hf = sorted(
                 (float(f), int(b) * 1e3 / h["decode_ms"][b])
                 for f, h in (entry.get("hf") or {}).items()
@@ -178,7 +185,7 @@ def offload_markdown(results: dict) -> str:
                 counts.append(
                     [
                         budget,
-                        MODE_NAMES.get(mode, mode),
+                        mode_name(mode),
                         _fmt(d1["hit_rate"], ".3f"),
                         _fmt(d16["hit_rate"], ".3f"),
                         f"{d1['bytes_copied_per_token'] / 1e6:.2f}",
@@ -192,7 +199,7 @@ def offload_markdown(results: dict) -> str:
                 speed.append(
                     [
                         budget,
-                        MODE_NAMES.get(mode, mode),
+                        mode_name(mode),
                         f"{d1['tok_s']:.1f}",
                         _fmt(d1["x_pcie_bound"]),
                         _fmt(r.get("decode_b1_x_hf"), ".1f"),
@@ -307,7 +314,7 @@ def _sampled_runs(entry: dict) -> list[tuple[str, str, dict]]:
 
 
 def _sampled_row(fraction: str, mode: str, run: dict, r: dict) -> list[str]:
-    row = [f"{float(fraction):.0%} ({run['slots_per_layer']} slots)", MODE_NAMES.get(mode, mode)]
+    row = [f"{float(fraction):.0%} ({run['slots_per_layer']} slots)", mode_name(mode)]
     for b in ("1", "16"):
         d = run["decode_sampled"][b]
         row += [
