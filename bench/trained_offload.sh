@@ -3,7 +3,8 @@
 #   train the `large` preset (321 M parameters, 32 experts, top-2) -> convert to bf16 -> colibri router-gen on
 #   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> int8 / fp8 experts'
 #   quality against bf16 on the held-out books (bench/quant_quality.py) -> bench/offload.py
-#   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, with the PCIe
+#   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, each plan mode
+#   also from the table's rank-1 predictions alone (--plan-top-k 1,2: runs keyed plan/top1), with the PCIe
 #   bound and transformers + accelerate at the same budget, and one decode step of each run kernel by kernel ->
 #   the same at 50 / 25 % with the lfu replacement policy (no HF) -> int8 experts in the cache against bf16 at
 #   the same device bytes (bench/offload_q8.py).
@@ -14,6 +15,7 @@
 # On a GPU machine with the project installed (the cuda extra; accelerate for the HF reference), from the checkout:
 #     OUT=out bash bench/trained_offload.sh          (SKIP_QUALITY=1: without the 8-bit quality stage)
 # The offload stages decode greedy continuations and, on new prompts, continuations sampled at temperature 0.8.
+# PLAN_TOP_K (default 1,2) is the offload stage's --plan-top-k; PLAN_TOP_K= runs the table as it is only.
 # It needs training/data/corpus.txt (`python -m training.corpus` writes it; git-ignored). Wheels in .whl/extra
 # (accelerate, psutil) are installed when the machine lacks accelerate; without them the HF reference is skipped.
 # CPU dry run (no GPU, no HF): a tiny variant (the tiny preset with 1,024-token windows), 2 steps, cpu backend:
@@ -144,6 +146,7 @@ if [ -f "$W/model/routing_table.bin" ]; then
     --backend "$BACKEND" --out "$R/recall.json"
   tail -12 "$R/recall.log" | tee -a "$R/summary.txt"
   MODES=none,plan,lookahead,plan+lookahead
+  PLAN_RUNS=${PLAN_TOP_K-1,2}
 else
   note "no routing table: offload runs without the plan prefetch"
   MODES=none,lookahead
@@ -159,10 +162,11 @@ else
   sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
 fi
 
-# 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes, the PCIe bound, HF + accelerate
+# 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes (each plan mode with the top-2 table and its
+#    rank-1 cut), the PCIe bound, HF + accelerate
 stage offload 400 100 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
   --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
-  --out "$R/offload" --workdir "$W/offload-work" --timeline
+  --out "$R/offload" --workdir "$W/offload-work" --timeline ${PLAN_RUNS:+--plan-top-k "$PLAN_RUNS"}
 sed -n '/experts x/,$p' "$R/offload.log" | tee -a "$R/summary.txt"
 
 # 8. the frequency-aware replacement (lfu) against the runs above (lru), where the cache is short: no HF
