@@ -351,6 +351,11 @@ def recall_markdown(recall: dict) -> str:
             *[f"{recall['chance_recall']:.3f}"] * (len(layers) + 1),
         ],
     ]
+    # bench/table_recall.py's precision by rank: how often the table's j-th prediction is among the exact experts
+    for j, (per_layer, mean) in enumerate(
+        zip(recall.get("precision_per_rank", []), recall.get("precision_by_rank", []))
+    ):
+        rows.append([f"precision of rank {j + 1}", *(f"{p:.3f}" for p in per_layer), f"**{mean:.3f}**"])
     unseen = recall.get("heldout_unseen_share")
     note = (
         f"Top-{recall['top_k']} recall on {recall['tokens']:,} held-out tokens ({Path(recall['text']).name}, "

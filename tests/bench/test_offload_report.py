@@ -66,6 +66,9 @@ def test_markdown_has_every_run_and_the_numbers_of_the_json(results_dir, capsys)
     row = "| table from the training split | " + " | ".join(f"{r:.3f}" for r in recall["recall_per_layer"])
     assert row + f" | **{recall['recall']:.3f}** |" in text
     assert "| chance (k/E = 2/4) | 0.500 | 0.500 | 0.500 |" in text
+    for j, per_layer in enumerate(recall["precision_per_rank"]):
+        row = f"| precision of rank {j + 1} | " + " | ".join(f"{p:.3f}" for p in per_layer)
+        assert row + f" | **{recall['precision_by_rank'][j]:.3f}** |" in text
 
     log = json.loads(TRAINING_LOG.read_text())
     assert f"| training | {log['steps']} steps (asked {log['steps_requested']}) x 16 x 1,024 tokens" in text
