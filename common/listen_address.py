@@ -10,10 +10,13 @@ IPv4 only on those two (gRPC core makes it dual-stack too), ::1 and 127.0.0.1 th
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import logging
 import socket
+
+from common.errors import AddressInUseError
 
 log = logging.getLogger("colibri.listen")
 EVERY_INTERFACE = "::"
@@ -62,12 +65,27 @@ def ipv6_available() -> bool:
 
 def listen_host(host: str) -> str:
     """The address a listener binds for the setting `host` (brackets dropped): `::` becomes 0.0.0.0 on a host
-    without IPv6."""
+    without IPv6, and an IPv4-mapped address (::ffff:a.b.c.d) its IPv4 address, which is what it means: an IPv6
+    socket cannot bind one once IPV6_V6ONLY is on, as it is on every IPv6 socket but `::`."""
     bare = _unbracketed(host)
     if bare == EVERY_INTERFACE and not ipv6_available():
         log.info("this host has no IPv6: listening on 0.0.0.0 (IPv4) for ::")
         return IPV4_EVERY_INTERFACE
+    try:
+        mapped = ipaddress.ip_address(bare)
+    except ValueError:
+        return bare
+    if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+        return str(mapped.ipv4_mapped)
     return bare
+
+
+def bind_target(bound_host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The family and socket address to bind for `bound_host` (listen_host's answer): the first address it
+    resolves to, with an IPv6 zone (fe80::1%eth0) as its scope id, which bind((host, port)) would drop and the
+    kernel then refuses a link-local address. Raises OSError when the name does not resolve."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0]
+    return family, sockaddr
 
 
 def host_port(host: str, port: int) -> str:
@@ -104,3 +122,20 @@ def dual_stack_socket(port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def bind_failure(role: str, host: str, port: int) -> AddressInUseError:
+    """Why gRPC could not bind host:port, found by binding it ourselves (gRPC only says that it failed): one line
+    naming the role and the address ("worker gRPC 127.0.0.1:50052 is in use")."""
+    bound_host = listen_host(host)
+    where = host_port(bound_host, port)
+    try:
+        family, sockaddr = bind_target(bound_host, port)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            set_v6only(s, bound_host)
+            s.bind(sockaddr)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return AddressInUseError(f"{role} {where} is in use")
+        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
+    return AddressInUseError(f"{role} {where} cannot be bound")

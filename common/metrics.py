@@ -12,7 +12,6 @@ docs/observability.md lists every metric with its meaning.
 from __future__ import annotations
 
 import errno
-import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -21,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from common.errors import AddressInUseError
-from common.listen_address import host_port, listen_host, set_v6only
+from common.listen_address import bind_target, host_port, listen_host, set_v6only
 
 PREFIX = "colibri_"
 
@@ -307,13 +306,14 @@ def start_metrics_server(
     """
     bound_host = listen_host(host)
     try:
-        family = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0][0]
+        family, sockaddr = bind_target(bound_host, port)
 
         class MetricsServer(ThreadingWSGIServer):
             address_family = family
 
             def server_bind(self):
                 set_v6only(self.socket, bound_host)
+                self.server_address = sockaddr  # with an IPv6 zone's scope id, which (host, port) lacks
                 super().server_bind()
 
         server = make_server(bound_host, port, make_wsgi_app(registry), MetricsServer, handler_class=_QuietHandler)

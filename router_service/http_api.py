@@ -27,8 +27,7 @@ from opentelemetry import trace
 
 from common import metrics
 from common import tracing as semconv
-from common.errors import AddressInUseError
-from common.listen_address import host_port
+from common.listen_address import bind_failure
 from common.tracing import request_span_name, set_request_status, start_server_span
 from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.errors import clipped
@@ -139,7 +138,7 @@ class HttpFront:
             )
         except OSError:
             await self.stop()
-            raise AddressInUseError(f"router HTTP {host_port(host, port)} is in use or cannot be bound") from None
+            raise bind_failure("router HTTP", host, port) from None
         self.port = self._server.sockets[0].getsockname()[1]
         self.frontend.batching_loop.hooks.on_http_body_bytes(lambda: self.bodies.held)
         return self.port

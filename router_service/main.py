@@ -26,11 +26,11 @@ from opentelemetry import trace
 
 from common.config import add_flags, flag_values, load_config_file, resolve
 from common.connection_limits import fit_open_files, grpc_connection_options
-from common.errors import AddressInUseError, ConfigError
+from common.errors import ConfigError
 from common.grpc_connections import counted_server
 from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
-from common.listen_address import grpc_listen_address, host_port
+from common.listen_address import bind_failure, grpc_listen_address, host_port
 from common.logging_setup import configure_logging
 from common.metrics import new_registry, start_metrics_server
 from common.pb import router_pb2, router_pb2_grpc
@@ -190,6 +190,8 @@ async def start_router(
                 # Long-lived client connections get re-balanced across replicas behind a Service.
                 ("grpc.max_connection_age_ms", 600_000),
                 ("grpc.max_connection_age_grace_ms", int(config.request_timeout_s * 1000)),
+                # gRPC's SO_REUSEPORT would let a second router on this port share it: it must fail instead
+                ("grpc.so_reuseport", 0),
                 *connections,
             ],
             maximum_concurrent_rpcs=config.max_concurrent_requests * 2 + 16,
@@ -215,25 +217,13 @@ async def start_router(
         from router_service.http_api import HttpFront, ssl_context
 
         router.http = HttpFront(frontend, tokens, ssl_context(config))
-    if metrics_registry is not None and config.metrics_port:
-        router.metrics_server, _, router.metrics_port = start_metrics_server(
-            metrics_registry, config.metrics_port, config.metrics_host, role="router metrics"
-        )
-        log.info("metrics on http://%s/metrics", host_port(config.metrics_host, router.metrics_port))
-    router.port = _bind(server, "router gRPC", config.host, config.port, tls.credentials if tls is not None else None)
-    if config.health_port:
-        router.health_server, health_connections = counted_server(
-            lambda: grpc.aio.server(interceptors=[decode_guard()], options=connections)
-        )
-        batching_loop.hooks.on_grpc_connections("health", health_connections.gauge_value)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
-        router.health_port = _bind(router.health_server, "router health", config.host, config.health_port)
-        await router.health_server.start()
-    if router.http is not None:
-        router.http_port = await router.http.start(config.host, config.http_port)
-        log.info("OpenAI-compatible HTTP API on %s", host_port(config.host, router.http_port))
-    await server.start()
-    await batching_loop.start()
+    try:
+        await _listen(router, config, tls, connections, metrics_registry)
+    except BaseException:
+        # a port that cannot be bound (or a signal) after others were: what was started is stopped, so no
+        # listening socket, metrics thread or worker channel outlives the failed start-up
+        await router.stop(grace=0)
+        raise
     log.info(
         "router listening on %s (%s%s), worker %s",
         host_port(config.host, router.port),
@@ -245,16 +235,40 @@ async def start_router(
     return router
 
 
+async def _listen(router: Router, config: RouterConfig, tls, connections, metrics_registry) -> None:
+    """Binds and starts every listener, then the batching loop."""
+    server, batching_loop, health_servicer = router.server, router.batching_loop, router.health
+    if metrics_registry is not None and config.metrics_port:
+        router.metrics_server, _, router.metrics_port = start_metrics_server(
+            metrics_registry, config.metrics_port, config.metrics_host, role="router metrics"
+        )
+        log.info("metrics on http://%s/metrics", host_port(config.metrics_host, router.metrics_port))
+    router.port = _bind(server, "router gRPC", config.host, config.port, tls.credentials if tls is not None else None)
+    if config.health_port:
+        router.health_server, health_connections = counted_server(
+            lambda: grpc.aio.server(interceptors=[decode_guard()], options=[("grpc.so_reuseport", 0), *connections])
+        )
+        batching_loop.hooks.on_grpc_connections("health", health_connections.gauge_value)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, router.health_server)
+        router.health_port = _bind(router.health_server, "router health", config.host, config.health_port)
+        await router.health_server.start()
+    if router.http is not None:
+        router.http_port = await router.http.start(config.host, config.http_port)
+        log.info("OpenAI-compatible HTTP API on %s", host_port(config.host, router.http_port))
+    await server.start()
+    await batching_loop.start()
+
+
 def _bind(server: grpc.aio.Server, role: str, host: str, port: int, credentials=None) -> int:
     """Adds a port (TLS with `credentials`); a port that cannot be bound is AddressInUseError naming role and
     address (exit code 7, which `colibri serve` does not restart on)."""
-    address = grpc_listen_address(host, port)
+    address, port_wanted = grpc_listen_address(host, port), port
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError:
         port = 0
     if not port:
-        raise AddressInUseError(f"{role} {address} is in use or cannot be bound")
+        raise bind_failure(role, host, port_wanted)
     return port
 
 

@@ -7,7 +7,6 @@ turned off, so a second worker on the same port fails instead of silently sharin
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import logging
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from common.errors import AddressInUseError, ConfigError
-from common.listen_address import grpc_listen_address, host_port, listen_host, set_v6only
+from common.listen_address import bind_failure, grpc_listen_address
 
 log = logging.getLogger("colibri.worker")
 # A router whose host died, or whose connection a network dropped, leaves a half-open connection: without pings of
@@ -54,22 +53,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _tcp_failure(role: str, host: str, port: int) -> AddressInUseError:
-    """Why gRPC could not bind host:port, found by binding it ourselves (gRPC only says that it failed)."""
-    bound_host = listen_host(host)
-    where = host_port(bound_host, port)
-    try:
-        family = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            set_v6only(s, bound_host)
-            s.bind((bound_host, port))
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return AddressInUseError(f"{role} {where} is in use")
-        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
-    return AddressInUseError(f"{role} {where} cannot be bound")
-
-
 def bind_tcp(server: grpc.aio.Server, role: str, host: str, port: int) -> int:
     """Adds an insecure TCP port; returns the port bound (port 0 picks one)."""
     try:
@@ -77,7 +60,7 @@ def bind_tcp(server: grpc.aio.Server, role: str, host: str, port: int) -> int:
     except RuntimeError:
         bound = 0
     if not bound:
-        raise _tcp_failure(role, host, port)
+        raise bind_failure(role, host, port)
     return bound
 
 

@@ -3,6 +3,7 @@ refused in one line naming the flag; `::` is every interface, bound dual-stack w
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from common import listen_address
 from common.config import resolve
 from common.errors import ConfigError
-from common.listen_address import bind_address_problem, grpc_listen_address, listen_host
+from common.listen_address import bind_address_problem, bind_failure, grpc_listen_address, listen_host
+from common.metrics import new_registry, start_metrics_server
 from expert_service.serving.main import WorkerConfig
 from router_service.config import RouterConfig
 from tests.listen_checks import HAS_IPV6
@@ -65,3 +67,47 @@ def test_the_dual_stack_socket_takes_ipv4_and_ipv6():
         for address in ("127.0.0.1", "::1"):
             with socket.create_connection((address, port), timeout=5):
                 pass
+
+
+def _link_local() -> str | None:
+    """An IPv6 link-local address of this host with its zone (fe80::1%eth0), from the kernel's table; None if
+    there is none."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    for hex_address, _, _, scope, _, interface in rows:
+        if scope == "20":  # link scope
+            return f"{ipaddress.IPv6Address(bytes.fromhex(hex_address))}%{interface}"
+    return None
+
+
+LINK_LOCAL = _link_local()
+
+
+@pytest.mark.skipif(LINK_LOCAL is None, reason="this host has no IPv6 link-local address")
+def test_the_metrics_port_binds_a_link_local_address_with_its_zone():
+    # bind((host, port)) drops the zone, and the kernel refuses a link-local address without one ("Invalid
+    # argument"), while gRPC and the HTTP front bound it
+    server, _, port = start_metrics_server(new_registry(), 0, LINK_LOCAL)
+    try:
+        assert server.socket.getsockname()[3] != 0  # the zone's interface
+        with socket.create_connection((LINK_LOCAL, port), timeout=5):
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_ipv4_mapped_address_is_its_ipv4_address():
+    assert listen_host("::ffff:127.0.0.1") == listen_host("[::ffff:127.0.0.1]") == "127.0.0.1"
+    assert listen_host("::1") == "::1" and listen_host("localhost") == "localhost"
+
+
+def test_a_bind_failure_names_the_role_the_address_and_why():
+    message = str(bind_failure("worker health", "192.0.2.1", 9))  # TEST-NET-1: no address of this host
+    assert message.startswith("worker health 192.0.2.1:9 cannot be bound: ") and "\n" not in message
+    if LINK_LOCAL is not None:  # with its zone, the address is refused for what it is: unassigned here
+        zone = LINK_LOCAL.split("%")[1]
+        assert "Invalid argument" not in str(bind_failure("worker gRPC", f"fe80::dead:1%{zone}", 0))
