@@ -15,6 +15,7 @@ import sys
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
 from common import connection_limits
 from common.config import resolve
@@ -218,3 +219,41 @@ def test_a_cap_grpc_cannot_take_is_refused_in_one_line(value):
     with pytest.raises(ConfigError, match="grpc_max_connections"):
         resolve(RouterConfig, env={"COLIBRI_GRPC_MAX_CONNECTIONS": str(value)})
     assert resolve(RouterConfig, env={"COLIBRI_GRPC_MAX_CONNECTIONS": "7"}).grpc_max_connections == 7
+
+
+def _broken(*_args):
+    raise RuntimeError("channelz changed")
+
+
+@pytest.mark.parametrize(
+    "servers, sockets",
+    [
+        (_broken, None),  # listing servers fails: at start-up
+        (lambda _start: '{"server": [{"ref": {}}]}', None),  # a JSON of another shape: at start-up
+        (None, _broken),  # listing a server's sockets fails: at a scrape
+        (None, lambda *_args: '{"socketRef": [{"id": 1}]}'),  # a JSON of another shape: at a scrape
+    ],
+)
+def test_a_failing_channelz_never_fails_a_start_up_or_a_scrape(monkeypatch, servers, sockets):
+    """The gauges read grpcio's private channelz: whatever it raises, the router starts and a scrape reads 0 (only a
+    stopped server's ValueError was caught; anything else failed start-up or every scrape)."""
+    from common import grpc_connections
+
+    if servers is not None:
+        monkeypatch.setattr(grpc_connections, "_get_servers", servers)
+    if sockets is not None:
+        monkeypatch.setattr(grpc_connections, "_get_server_sockets", sockets)
+    registry = new_registry()
+    hooks, _ = router_metrics("m", -1, registry)
+
+    async def body():
+        async with harness(hooks=hooks, health_port=free_port()) as (router, _, _, channel):
+            await channel.close()
+            held, code = await check(router.port)
+            assert code == grpc.StatusCode.OK
+            text = await asyncio.to_thread(lambda: generate_latest(registry).decode())
+            await held.close()
+            return text
+
+    text = asyncio.run(body())
+    assert 'colibri_grpc_connections{model_name="m"} 0.0' in text
