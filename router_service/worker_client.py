@@ -45,6 +45,10 @@ class WorkerClient:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # grpc.http2.max_pings_without_data stays at its default (2): an idle router still sends the worker a
+            # health RPC every second (batching_loop.IDLE_POLL_S), which re-arms the pings and tells a vanished
+            # worker within seconds. At 0, pings between those RPCs would count as abuse against the worker's
+            # policy (no keepalive_permit_without_calls) and bring GOAWAY too_many_pings and a reconnect.
             ("grpc.enable_retries", 0),
         ]
         self._channel = grpc.aio.insecure_channel(address, options=options)
