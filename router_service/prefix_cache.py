@@ -267,6 +267,17 @@ class PrefixCache:
                 self._claims[h] = state
                 state.claimed.add(index)
 
+    def evict_ahead(self, state: PrefixState, k: int, count: int) -> int:
+        """Evicts up to `count` LRU blocks, the request's first `k` (its hits) kept: an admission whose evictions'
+        ids cannot ride one step makes its room over several. Returns how many were evicted."""
+        own = set(state.hashes[:k])
+        victims = list(itertools.islice((h for h in self._lru if h not in own), count))
+        for h in victims:
+            del self._lru[h]
+            self._drop(self.blocks.pop(h))
+        self.num_evicted += len(victims)
+        return len(victims)
+
     def chunk_block_ids(self, state: PrefixState, start: int, num_tokens: int) -> tuple[int, ...]:
         """One id per block the chunk [start, start + num_tokens) completes: a new id for a block the request
         claimed (in the index from now on, held by the request, ready from the next step), 0 for one it does
@@ -372,8 +383,10 @@ class PrefixCache:
                 self._drop(block)
         return sum(not block.refs for block in indexed)
 
-    def take_evictions(self) -> tuple[int, ...]:
-        out, self.pending_evictions = tuple(self.pending_evictions), []
+    def take_evictions(self, limit: int | None = None) -> tuple[int, ...]:
+        """The evictions the next step carries: all, or the first `limit` (the rest wait for a later step)."""
+        limit = len(self.pending_evictions) if limit is None else limit
+        out, self.pending_evictions = tuple(self.pending_evictions[:limit]), self.pending_evictions[limit:]
         return out
 
     def _detach(self, block: _Block) -> None:

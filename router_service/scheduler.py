@@ -169,6 +169,9 @@ class ScheduledStep:
     evict_block_ids: tuple[int, ...] = ()
     # (request id, block index, block id): full blocks running requests' decodes wrote, cached once the step is launched.
     sequence_blocks: tuple[tuple[int, int, int], ...] = ()
+    # What the step's byte budget counted for its message (the bytes reserved for late masks included): the
+    # serialized message stays under it plus step_size.FRAMING_BYTES, which is what the margin keeps back.
+    estimated_bytes: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -310,7 +313,10 @@ class Scheduler:
             self.prefix_cache.begin_step()  # before any chunk: blocks this step writes are ready from the next
         budget = self.limits.max_batch_tokens
         queued_evictions = len(self.prefix_cache.pending_evictions) if self.prefix_cache is not None else 0
-        room = self.step_size.room(reserved_bytes + ID_BYTES * (len(self._pending_free) + queued_evictions))
+        carried = reserved_bytes + ID_BYTES * (len(self._pending_free) + queued_evictions)
+        if carried > self.step_size.max_bytes:  # a burst of frees and evictions passes the limit on its own
+            return self._release_step(tuple(expired), reserved_bytes)
+        room = self.step_size.room(carried)
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
@@ -345,8 +351,11 @@ class Scheduler:
                 shortfall > (cache.evictable_beyond(req.prefix, hits) if cache and req.prefix else 0)
                 or (req.scores_prompt and not self._scoring_budget)
                 or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size)
-                or not self._first_chunk_fits(req, hits, budget, room, shortfall)
             ):
+                break
+            if not self._first_chunk_fits(req, hits, budget, room, shortfall):
+                if shortfall and cache and req.prefix:  # its evictions' ids may never fit one step with its chunk
+                    self._evict_ahead(req, hits, shortfall, room)
                 break
             self.waiting.popleft()
             if cache and req.prefix:
@@ -365,7 +374,28 @@ class Scheduler:
         generated = self._cache_generated(room) if cache and cache.caches_generated else ()
         evictions = cache.take_evictions() if cache else ()
         steps = (tuple(chunks), tuple(decodes), tuple(decode_tokens))
-        return ScheduledStep(scheduled, *steps, free_ids, tuple(expired), evictions, generated)
+        spent = self.step_size.max_bytes - room.left
+        return ScheduledStep(scheduled, *steps, free_ids, tuple(expired), evictions, generated, spent)
+
+    def _release_step(self, expired: tuple[int, ...], reserved_bytes: int) -> ScheduledStep:
+        """A step of frees and evictions alone, as many as its bytes carry (frees first; the rest wait for the next
+        steps): many requests gone at once can pass the limit by themselves. It runs nothing, so no work takes the
+        worker's blocks before all of them are out."""
+        n = max(self.step_size.max_bytes - reserved_bytes, 0) // ID_BYTES
+        frees = frozenset(sorted(self._pending_free)[:n])
+        self._pending_free -= frees
+        evictions = self.prefix_cache.take_evictions(n - len(frees)) if self.prefix_cache is not None else ()
+        spent = reserved_bytes + ID_BYTES * (len(frees) + len(evictions))
+        return ScheduledStep({}, (), (), (), frees, expired, evictions, estimated_bytes=spent)
+
+    def _evict_ahead(self, req: ScheduledRequest, hits: int, shortfall: int, room: StepRoom) -> None:
+        """The head of the queue waits for its bytes while blocks must be evicted for its room: the step carries as
+        many of those evictions as it has bytes for, so an admission needing more than one step's worth of ids is
+        made over several (the queue behind it waits, as for its KV)."""
+        assert self.prefix_cache is not None and req.prefix is not None
+        evicted = self.prefix_cache.evict_ahead(req.prefix, hits, min(shortfall, max(room.left, 0) // ID_BYTES))
+        room.take(ID_BYTES * evicted)
+        self.num_free_blocks += evicted
 
     def _cache_generated(self, room: StepRoom) -> tuple[tuple[int, int, int], ...]:
         """Registrations of the blocks running requests filled: full of tokens back from the worker, their last

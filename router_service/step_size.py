@@ -21,6 +21,7 @@ VARINT_ID_BYTES = 10  # a block id in a repeated uint64 field: its longest varin
 SEQUENCE_BLOCK_BYTES = 3 * ID_BYTES  # one cache_sequence_blocks entry
 CHUNK_OVERHEAD_BYTES = 64  # a PrefillChunk's tag and length, request id, start position, is_last, field headers
 UNBOUNDED = 1 << 62
+FRAMING_BYTES = 1024  # what no cost counts: the step id, the message's field headers, the trace context
 
 
 def _varint_bytes(value: int) -> int:
@@ -30,7 +31,7 @@ def _varint_bytes(value: int) -> int:
 def framing_margin(limit: int) -> int:
     """Bytes of the limit kept back for what the costs leave out: a KiB (the trace context, the step id, the
     message's field headers) and a sixteenth of the limit for anything that grows with the step."""
-    return 1024 + limit // 16
+    return FRAMING_BYTES + limit // 16
 
 
 @dataclass(frozen=True)

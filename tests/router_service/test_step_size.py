@@ -15,7 +15,7 @@ from common.config import WORKER_MAX_MESSAGE_BYTES
 from common.pb import worker_pb2 as pb
 from router_service import wire
 from router_service.prefix_cache import PrefixCache
-from router_service.scheduler import RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
+from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
 from router_service.step_size import StepSize
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request
 
@@ -87,7 +87,7 @@ def test_every_step_message_stays_under_the_workers_limit_and_every_request_fini
 def _drive(s: Scheduler, limit: int, vocab: int) -> list:
     """Steps until every request finished, each message under `limit`; the first chunks sent."""
     first_chunks = []
-    for step_id in range(1, 100):
+    for step_id in range(1, 400):
         step = s.schedule()
         if step.is_empty and not s.requests:
             return first_chunks
@@ -170,3 +170,47 @@ def test_bytes_reserved_for_the_late_masks_come_out_of_the_steps_budget():
     s.add(ScheduledRequest(1, [5, 6, 7], 2, sampling=pb.SamplingParams()))
     assert s.schedule(reserved_bytes=size.max_bytes).is_empty  # the late masks take the whole message
     assert s.schedule().num_scheduled_tokens == {1: 3}
+
+
+def test_a_burst_of_frees_past_the_limit_goes_over_steps_that_run_nothing_until_it_is_out():
+    """Hundreds of requests on the worker cancelled at once: their frees alone pass a 4 KiB limit. They go over as
+    many steps as they need, none of which runs work (the worker must free the blocks before a step may use them)."""
+    rng = np.random.default_rng()
+    limit, n = 4096, int(rng.integers(530, 900))  # their ids alone: over 4 KiB
+    size = StepSize.of(limit, ROUTER_LIMIT, 300, 4)
+    s = Scheduler(SchedulerLimits(1024, 1 << 20, 4, 1 << 16), step_size=size)
+    for rid in range(1, n + 1):
+        s.add(ScheduledRequest(rid, [int(rng.integers(0, 300))], 1, sampling=pb.SamplingParams()))
+    for step_id in range(1, 1000):  # their first chunks, a few dozen a step, none answered yet (pipelined)
+        step = s.schedule()
+        if step.is_empty:
+            break
+        assert _message(step, step_id, 10, set()).ByteSize() <= limit
+    assert all(s.requests[rid].is_on_worker for rid in range(1, n + 1))
+    for rid in range(1, n + 1):
+        s.finish(rid, FinishReason.CANCELLED)
+    s.add(ScheduledRequest(n + 1, [5, 6], 1, sampling=pb.SamplingParams()))
+    freed: set[int] = set()
+    while freed != set(range(1, n + 1)):
+        step = s.schedule()
+        assert _message(step, 1, 10, set()).ByteSize() <= limit
+        assert not freed & step.free_ids and (step.is_empty or freed | step.free_ids == set(range(1, n + 1)))
+        freed |= step.free_ids
+    assert s.requests[n + 1].is_on_worker or s.schedule().num_scheduled_tokens == {n + 1: 2}
+
+
+def test_an_admission_needing_more_evictions_than_a_step_carries_makes_its_room_over_several():
+    """A 4 KiB limit carries ~350 block ids: a request whose room needs 600 cached blocks evicted would wait for ever
+    (and the queue behind it) if they had to ride its first step; they go ahead of it, a step's worth at a time."""
+    rng = np.random.default_rng()
+    limit, block, blocks = 4096, 1, int(rng.integers(600, 900))
+    s = Scheduler(
+        SchedulerLimits(8, 8192, block, blocks), PrefixCache(block, b"m"), StepSize.of(limit, ROUTER_LIMIT, 300, block)
+    )
+    filler = [int(t) for t in rng.integers(0, 300, blocks - 2)]
+    s.add(ScheduledRequest(1, filler, 1, sampling=pb.SamplingParams()))
+    _drive(s, limit, 300)  # its blocks stay cached, unreferenced: all but one must go for the next request
+    assert s.prefix_cache is not None and s.prefix_cache.num_evictable_blocks > 350
+    s.add(ScheduledRequest(2, [int(t) for t in rng.integers(0, 300, blocks - 1)], 1, sampling=pb.SamplingParams()))
+    s.add(ScheduledRequest(3, [5, 6], 1, sampling=pb.SamplingParams()))
+    _drive(s, limit, 300)
