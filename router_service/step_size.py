@@ -132,14 +132,21 @@ class StepSize:
         if need <= self.max_bytes - self.plan_fixed_bytes:
             return None
         mask = self.mask_bytes if req.constrained else 0
+        plan = self.plan_fixed_bytes + self.plan_token_bytes  # its fixed part and its token's rows
         parts = [
             ("parameters.constraint", mask, f"its grammar mask ({mask} bytes a step)"),
             ("parameters", req.sampling_bytes, f"its sampling settings ({req.sampling_bytes} bytes)"),
-            ("routing_table", self.plan_fixed_bytes, f"the routing plan ({self.plan_fixed_bytes} bytes a step)"),
+            ("routing_table", plan, f"the routing plan ({plan} bytes a step)"),
         ]
+        # The part to blame is one without which the step would fit; when none would do, the limit leaves no room
+        # for any request's first step (a limit near the margin), and the refusal says so.
+        over = need + self.plan_fixed_bytes - self.max_bytes
         field, _, what = max(parts, key=lambda part: part[1])
+        what += " cannot"
+        if max(part[1] for part in parts) < over:
+            field, what = "parameters", "not even the smallest request can"
         return field, (
-            f"{what} cannot fit a step message to the worker: its first step needs {need + self.plan_fixed_bytes} "
+            f"{what} fit a step message to the worker: its first step needs {need + self.plan_fixed_bytes} "
             f"bytes, over {self.max_bytes} (the limit, {self.limit_source}, less a {framing_margin(self.limit)}-byte "
             f"margin for framing)"
         )

@@ -214,3 +214,12 @@ def test_an_admission_needing_more_evictions_than_a_step_carries_makes_its_room_
     s.add(ScheduledRequest(2, [int(t) for t in rng.integers(0, 300, blocks - 1)], 1, sampling=pb.SamplingParams()))
     s.add(ScheduledRequest(3, [5, 6], 1, sampling=pb.SamplingParams()))
     _drive(s, limit, 300)
+
+
+def test_a_limit_too_small_for_any_step_is_named_not_a_request_field_it_lacks():
+    """At a 1,100-byte limit (the config allows 1,024) the margin leaves no room for any first step: the refusal
+    names the limit, not a grammar mask or routing plan the request does not have."""
+    size = StepSize.of(int(np.random.default_rng().integers(1024, 1150)), ROUTER_LIMIT, 300, 4)
+    problem = size.problem(ScheduledRequest(1, [5, 6], 2, sampling=pb.SamplingParams(seed=3), sampling_bytes=2))
+    assert problem is not None and problem[0] == "parameters" and "--max-message-bytes" in problem[1]
+    assert "mask" not in problem[1] and "routing plan" not in problem[1] and "sampling settings" not in problem[1]
