@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 from common.errors import ConfigError
-from common.files import read_regular
+from common.files import read_setting_file
 from common.unique_keys import DuplicateKeyError, UniqueKeyLoader, unique_pairs
 
 if TYPE_CHECKING:
@@ -118,13 +118,7 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         return {}
     p = Path(path)
     try:  # opened without blocking: a FIFO there is refused, never waited on
-        text = read_regular(p).decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file {p} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"--config: {p} is not a file") from None
-    except OSError as e:
-        raise ConfigError(f"--config: {p}: {e.strerror or e}") from None
+        text = read_setting_file(p, "--config").decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
     is_yaml = p.suffix.lower() in YAML_SUFFIXES  # colibri.YAML is YAML too

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from common.errors import ConfigError
+
 COPY_CHUNK = 1 << 20
 
 
@@ -79,6 +81,19 @@ def read_regular(path: str | os.PathLike, max_bytes: int | None = None) -> bytes
     else is refused as open_regular does."""
     with open_regular(path) as f:
         return f.read(-1 if max_bytes is None else max_bytes + 1)
+
+
+def read_setting_file(path: Path, setting: str) -> bytes:
+    """read_regular(path) for a file a setting names, each failure one ConfigError line naming the setting and the
+    file: not found, a directory, not a regular file (a FIFO is refused, never waited on), or the OS's reason."""
+    try:
+        return read_regular(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{setting}: {path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{setting}: {path} is not a file") from None
+    except OSError as e:
+        raise ConfigError(f"{setting}: {path}: {e.strerror or e}") from None
 
 
 def create_new(path: Path) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from common.files import read_regular
+from common.files import read_setting_file
 from router_service.call_deadline import run_in_time
 from router_service.chat_tokens import ESC, SpecialTokenGuard
 from router_service.thread_pools import HELPER_THREADS, LazyPool
@@ -104,14 +104,8 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer  # imported here: only text-serving routers need it
 
         p = Path(path)
-        try:  # opened without blocking: a FIFO there is refused saying so, never waited on
-            text = read_regular(p).decode("utf-8", "surrogateescape")
-        except FileNotFoundError:
-            raise ConfigError(f"tokenizer: {p} not found") from None
-        except IsADirectoryError:
-            raise ConfigError(f"tokenizer: {p} is not a file") from None
-        except OSError as e:
-            raise ConfigError(f"tokenizer: {p}: {e.strerror or e}") from None
+        # opened without blocking: a FIFO there is refused saying so, never waited on
+        text = read_setting_file(p, "tokenizer").decode("utf-8", "surrogateescape")
         try:
             tokenizer = cls(HFTokenizer.from_str(text), str(p))
         except Exception as e:  # the library raises bare Exceptions with a message

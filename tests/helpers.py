@@ -266,6 +266,24 @@ def byte_ids(text: str) -> list[int]:
 
 
 # --- ports -----------------------------------------------------------------------------------------------
+def outcome_unblocked(call, seconds: float = 10.0):
+    """`call()`'s result or the exception it raised; a call still blocked after `seconds` (in open() on a FIFO, say)
+    fails the test instead of hanging it."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as e:
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "blocked opening a FIFO"
+    return out[0]
+
+
 def free_port() -> int:
     """A loopback port kept from other takers until a server binds it: it is left in TIME_WAIT, so the kernel
     hands it to no bind(0) or outgoing connection, while a server binding it with SO_REUSEADDR (gRPC, aiohttp,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import threading
 
 import pytest
 
@@ -19,25 +18,9 @@ from expert_service.engine.config import EngineConfig
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.tools.model_tokenizer import read_tokenizer
 from router_service.tokenizer import Tokenizer
+from tests.helpers import outcome_unblocked
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _outcome(call):
-    """`call()`'s result or exception; a call still blocked after 10 s (in open() on the FIFO) fails the test."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(call())
-        except Exception as e:
-            out.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "blocked opening a FIFO"
-    return out[0]
 
 
 @pytest.fixture
@@ -60,24 +43,28 @@ def _refused(result, kind, path):
 
 def test_a_fifo_at_tokenizer_json_is_refused_not_read_as_missing(model):
     path = model / "tokenizer.json"
-    _refused(_outcome(lambda: read_tokenizer(ModelDir.open(model, verify=False))), ModelFormatError, path)
-    _refused(_outcome(lambda: Tokenizer.from_model_dir(model)), ConfigError, path)
+    _refused(outcome_unblocked(lambda: read_tokenizer(ModelDir.open(model, verify=False))), ModelFormatError, path)
+    _refused(outcome_unblocked(lambda: Tokenizer.from_model_dir(model)), ConfigError, path)
 
 
 def test_a_fifo_at_routing_table_bin_is_refused_not_read_as_missing(model, caplog):
     path = model / "routing_table.bin"
     config = ModelDir.open(model, verify=False).config
     for read in (RoutingTable.load, RoutingTable.check):
-        _refused(_outcome(lambda read=read: read(path, config, None)), ModelFormatError, path)
+        _refused(outcome_unblocked(lambda read=read: read(path, config, None)), ModelFormatError, path)
     # the worker passes over its model directory's table when it does not fit, saying why (not "no table")
-    plan = _outcome(lambda: worker_plan_table(ModelDir.open(model, verify=False), EngineConfig(prefetch="plan")))
+    plan = outcome_unblocked(
+        lambda: worker_plan_table(ModelDir.open(model, verify=False), EngineConfig(prefetch="plan"))
+    )
     assert plan is None and any(str(path) in r.message and "a FIFO" in r.message for r in caplog.records)
     named = EngineConfig(prefetch="plan", plan_table=str(path))
-    _refused(_outcome(lambda: worker_plan_table(ModelDir.open(model, verify=False), named)), ModelFormatError, path)
-    assert _outcome(lambda: recorded_model_digest(path)) is None
+    _refused(
+        outcome_unblocked(lambda: worker_plan_table(ModelDir.open(model, verify=False), named)), ModelFormatError, path
+    )
+    assert outcome_unblocked(lambda: recorded_model_digest(path)) is None
 
 
 def test_a_fifo_at_the_config_file_is_refused_saying_so(tmp_path):
     path = tmp_path / f"colibri-{secrets.token_hex(3)}.yaml"
     os.mkfifo(path)
-    _refused(_outcome(lambda: load_config_file(path, "router")), ConfigError, path)
+    _refused(outcome_unblocked(lambda: load_config_file(path, "router")), ConfigError, path)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import threading
 
 import numpy as np
 import pytest
 
 from common.errors import ModelFormatError
 from common.model_format import ModelDir
+from tests.helpers import outcome_unblocked
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,22 +25,6 @@ def model(tiny_model, tmp_path):
     return copy
 
 
-def _outcome(call):
-    out: list = []
-
-    def run():
-        try:
-            out.append(call())
-        except Exception as e:
-            out.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "blocked opening a FIFO"
-    return out[0]
-
-
 def _dense_tensor(model: ModelDir) -> str:
     return next(name for name, e in model.entries.items() if e.file == "dense.bin")
 
@@ -50,7 +34,7 @@ def test_a_fifo_renamed_over_a_checked_file_is_refused_not_waited_on(model):
     fifo = model / f".swap-{secrets.token_hex(3)}"
     os.mkfifo(fifo)
     os.replace(fifo, model / "dense.bin")
-    result = _outcome(lambda: opened.raw_bytes(_dense_tensor(opened)))
+    result = outcome_unblocked(lambda: opened.raw_bytes(_dense_tensor(opened)))
     assert isinstance(result, ModelFormatError) and "dense.bin" in str(result) and "a FIFO" in str(result), result
 
 
@@ -59,7 +43,7 @@ def test_a_file_cut_short_after_the_checks_is_refused(model):
     path = model / "dense.bin"
     cut = int(np.random.default_rng().integers(0, path.stat().st_size))
     os.truncate(path, cut)
-    result = _outcome(lambda: opened.raw_bytes(_dense_tensor(opened)))
+    result = outcome_unblocked(lambda: opened.raw_bytes(_dense_tensor(opened)))
     assert isinstance(result, ModelFormatError) and str(path) in str(result), result
 
 
