@@ -61,9 +61,7 @@ def test_a_taken_port_is_one_line():
         port = taken.getsockname()[1]
         done = subprocess.run(router_command(port), env=serve_env("GRPC_VERBOSITY"), capture_output=True, timeout=60)
     assert done.returncode == 7
-    assert done.stderr.decode().splitlines() == [
-        f"colibri router: error: router gRPC 127.0.0.1:{port} is in use"
-    ]
+    assert done.stderr.decode().splitlines() == [f"colibri router: error: router gRPC 127.0.0.1:{port} is in use"]
 
 
 def test_the_router_logs_at_the_level_colibri_log_level_sets():
