@@ -166,13 +166,11 @@ def recorded_model_digest(path: str | os.PathLike) -> str | None:
     decides by it whether a table left in the directory fits what it wrote); None for a version-1 table or a file
     whose header is not a table's."""
     try:
-        with open_regular(path) as f:  # a FIFO there is passed over, never waited on
-            header = f.read(HEADER_SIZES[2])
-    except OSError:
+        with _open(Path(path)) as f:  # a FIFO there is passed over, never waited on
+            digest = _read_header(f, Path(path))[-1]
+    except RoutingTableError:
         return None
-    if len(header) < HEADER_SIZES[2] or _HEADER.unpack_from(header)[:2] != (MAGIC, 2):
-        return None
-    return "sha256:" + header[_HEADER.size :].hex()
+    return _digest_name(digest) or None
 
 
 def _fail(path: Path, field: str, found, expected) -> RoutingTableError:
@@ -188,10 +186,9 @@ def _open(path: Path) -> BinaryIO:
         raise RoutingTableError(f"{path}: routing table cannot be read: {e.strerror or e}") from None
 
 
-def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, int, int, int, int, bytes]:
-    """(num_layers, vocab_size, top_k, num_experts, crc32, model digest bytes: b"" for version 1) of the open
-    file, each field checked against the model and the file's size against their shape; the file is left at the
-    body. A wrong or oversized file is never read whole."""
+def _read_header(f: BinaryIO, path: Path) -> tuple[int, int, int, int, int, int, bytes]:
+    """(version, num_layers, vocab_size, top_k, num_experts, crc32, model digest bytes: b"" for version 1) of the
+    open file, its magic and version checked; the file is left at the body."""
     header = f.read(_HEADER.size)
     if len(header) < _HEADER.size:
         raise _fail(path, "header size", f"{len(header)} bytes", f"{HEADER_SIZE} bytes (file truncated)")
@@ -204,6 +201,14 @@ def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, 
     digest = f.read(header_size - _HEADER.size)
     if len(digest) < header_size - _HEADER.size:
         raise _fail(path, "header size", f"{_HEADER.size + len(digest)} bytes", f"{header_size} bytes (truncated)")
+    return version, num_layers, vocab_size, top_k, num_experts, crc, digest
+
+
+def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, int, int, int, int, bytes]:
+    """(num_layers, vocab_size, top_k, num_experts, crc32, model digest bytes: b"" for version 1) of the open
+    file (`_read_header`), each field checked against the model and the file's size against their shape; the file
+    is left at the body. A wrong or oversized file is never read whole."""
+    version, num_layers, vocab_size, top_k, num_experts, crc, digest = _read_header(f, path)
     if num_layers != len(config.moe_layers):
         raise _fail(path, "num_layers", num_layers, f"{len(config.moe_layers)} (the model's MoE layers)")
     if vocab_size != config.vocab_size:
@@ -213,7 +218,7 @@ def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, 
     if not 1 <= top_k <= num_experts:
         raise _fail(path, "top_k", top_k, f"1..{num_experts} (num_experts)")
     body_size = num_layers * vocab_size * top_k * ENTRY_DTYPE.itemsize
-    found = os.fstat(f.fileno()).st_size - header_size
+    found = os.fstat(f.fileno()).st_size - HEADER_SIZES[version]
     if found != body_size:
         raise _fail(path, "body size", f"{found} bytes", f"{body_size} bytes (num_layers x vocab_size x top_k x 2)")
     return num_layers, vocab_size, top_k, num_experts, crc, digest
@@ -222,7 +227,7 @@ def _checked_header(f: BinaryIO, path: Path, config: ModelConfig) -> tuple[int, 
 def _check_identity(path: Path, digest: bytes, model_digest: str | None, warn: bool = True) -> str:
     """The "sha256:<hex>" model the table was built for ("" for version 1, which records none: warned about),
     refused when it is not `model_digest` (None: the shape alone is checked)."""
-    built_for = "sha256:" + digest.hex() if digest else ""
+    built_for = _digest_name(digest)
     if not digest:
         if warn:
             log.warning(
@@ -239,6 +244,11 @@ def _check_identity(path: Path, digest: bytes, model_digest: str | None, warn: b
             "table with `colibri router-gen`)",
         )
     return built_for
+
+
+def _digest_name(digest: bytes) -> str:
+    """A header's model digest as tables and Info name it ("sha256:<hex>"); "" for version 1's none."""
+    return "sha256:" + digest.hex() if digest else ""
 
 
 def _check_entries(table: np.ndarray, num_experts: int, fail, moe_layers: list[int]) -> None:
