@@ -113,12 +113,18 @@ def _unread(config: EngineConfig, cached: bool) -> str | None:
 def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, ModelConfig, str | None], T]) -> T:
     """`read(path, model config, model digest)` of the file plan_table names, its errors naming the setting."""
     path = Path(config.plan_table)
-    if not (path.exists() or path.is_symlink()) or path.is_dir():  # a FIFO there: `read` says what it is
+    if _nothing_to_read(path):  # a FIFO there: `read` says what it is
         raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
     try:
         return read(path, model.config, model_digest(model.path))
     except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
         raise type(e)(f"plan_table: {e}") from None
+
+
+def _nothing_to_read(path: Path) -> bool:
+    """Nothing, or a directory, at `path`; anything else (a file, a link, a FIFO) is for the table reader to open
+    or refuse saying what it is."""
+    return not (path.exists() or path.is_symlink()) or path.is_dir()
 
 
 def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | None, str]:
@@ -130,7 +136,7 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
     if config.plan_table:
         return _named_table(model, config, RoutingTable.load), str(Path(config.plan_table))
     path = model.path / TABLE_FILE
-    if not (path.exists() or path.is_symlink()) or path.is_dir():  # a FIFO there is told below, not taken for none
+    if _nothing_to_read(path):  # a FIFO there is told below, not taken for none
         return None, f"no {TABLE_FILE} in the model directory"
     try:
         return RoutingTable.load(path, model.config, model_digest(model.path)), str(path)
