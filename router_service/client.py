@@ -23,7 +23,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from common.auth import MAX_TOKEN_FILE_BYTES, WatchedFiles, check_sendable, token_lines
+from common.auth import MAX_TOKEN_FILE_BYTES, WatchedFiles, fixed_token, token_lines
 from common.errors import ConfigError
 from common.pb import router_pb2, router_pb2_grpc
 from common.tls_files import check_certificates, check_pair
@@ -105,23 +105,12 @@ def retry_delay(error: grpc.RpcError) -> float | None:
 ARGUMENT_NAMES = {name: name for name in ("token", "token_file", "tls_ca", "tls_cert", "tls_key")}
 
 
-def checked_token(token: str | bytes, what: str = "token") -> str:
-    """`token` without the whitespace around it (as the router strips its own), refused as a ConfigError naming
-    `what` unless gRPC metadata can carry it."""
-    data = token if isinstance(token, bytes) else token.encode("utf-8", "surrogateescape")
-    try:
-        check_sendable(data.strip(), what)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return data.strip().decode("ascii")
-
-
 def read_token_file(path: str, what: str = "token_file") -> str:
     """The first token of a token file (one per line; blank lines and # comments skipped), read as the router
     and worker read theirs (common/auth.py): a FIFO or device is refused, never waited on. ConfigError naming
     `what` and the file."""
     tokens = WatchedFiles([path], token_lines(path), what, MAX_TOKEN_FILE_BYTES).value
-    return checked_token(tokens[0], f"{what}: {path}")
+    return tokens[0].decode("ascii")  # token_lines stripped it and checked gRPC metadata can carry it
 
 
 def channel_credentials(
@@ -173,7 +162,7 @@ def connection(
     """(call metadata, channel options, TLS credentials or None) from the clients' constructor arguments; a token
     or TLS file that cannot serve is a ConfigError naming it (by `names`), before anything connects."""
     if token.strip():
-        token = checked_token(token, names["token"])
+        token = fixed_token(token, names["token"]).decode("ascii")
     else:
         token = read_token_file(token_file, names["token_file"]) if token_file else ""
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
