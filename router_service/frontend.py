@@ -198,8 +198,7 @@ class Frontend:
                 if current is not limits:  # the worker reconnected meanwhile: the request must fit the one it goes to
                     own = revalidate(request, self.config, current, self.batching_loop.tokenizer, own)
                     req, limits = own, current
-                is_chat = operation == OPERATION_CHAT  # a chat's request ids look like OpenAI's
-                handles.append(self.batching_loop.submit(own, deadline, span.get_span_context(), matcher, is_chat))
+                handles.append(self.batching_loop.submit(own, deadline, span.get_span_context(), matcher, chat))
         except BaseException:
             for handle in handles:
                 handle.cancel()

@@ -116,19 +116,19 @@ class StepSize:
         """How many of its `hits` cached blocks `req` may start on: as many as let its first chunk (one token)
         fit an otherwise empty step. A repetition penalty sends the blocks' tokens; past that, the rest of the
         prefix is computed again rather than the request refused."""
-        spare = self.max_bytes - self.plan_fixed_bytes - self._smallest_first_chunk(req, 0)
+        spare = self.max_bytes - self.plan_fixed_bytes - self._smallest_first_chunk(req)
         per_block = VARINT_ID_BYTES + (self.kv_block_size * self.token_bytes if req.sends_prefix_tokens else 0)
         return max(0, min(hits, spare // per_block))
 
-    def _smallest_first_chunk(self, req, prefix_blocks: int) -> int:
-        """A first chunk of one token, counted as the prompt's last (its grammar mask included): the least any
-        request's first step carries, whatever the token budget leaves."""
-        return self.chunk_bytes(req, req.num_prompt_tokens - 1, 1, True, prefix_blocks)
+    def _smallest_first_chunk(self, req) -> int:
+        """A first chunk of one token on no cached block, counted as the prompt's last (its grammar mask included):
+        the least any request's first step carries, whatever the token budget leaves."""
+        return self.chunk_bytes(req, req.num_prompt_tokens - 1, 1, True, 0)
 
     def problem(self, req) -> tuple[str, str] | None:
         """(field, message) when `req`'s smallest first step (one prompt token, no cached block) cannot fit a step
         message on its own; None when it can."""
-        need = self._smallest_first_chunk(req, 0)
+        need = self._smallest_first_chunk(req)
         if need <= self.max_bytes - self.plan_fixed_bytes:
             return None
         mask = self.mask_bytes if req.constrained else 0
