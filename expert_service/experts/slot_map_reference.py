@@ -20,8 +20,9 @@ LFU_UNIT = 16
 LFU_HALF_LIFE = 64
 LFU_MAX = (1 << 19) - 1
 # The device slot map's limits per MoE layer: its shared-memory arrays have these compile-time sizes (28-32 KiB
-# a block), and a slot fits the victim key's low bits. Here, not in the kernel module, so the worker refuses a
-# model beyond them at start-up without importing numba (expert_service/backends.py).
+# a block), and a slot fits the victim key's low bits. Here, beside the reference, with no numba import; the
+# cuda routing kernels route fewer experts a layer than these (expert_service/backends.py refuses a model beyond
+# them at start-up, and a test holds these limits above them).
 MAX_EXPERTS = 1024
 MAX_SLOTS = 1024
 

@@ -43,8 +43,9 @@ voted expert's rank, votes desc then id asc, computed in parallel over the voted
 s = l mod 32: a victim search is one pass of each lane over its slots and a shuffle argmin over the key
 (empty first, oldest stamp, lower slot), and the owner lane applies the fill, so only slot_of crosses lanes
 (a warp barrier per prediction). Shared arrays have compile-time sizes: layers over MAX_EXPERTS experts or
-MAX_SLOTS slots are refused by the launchers and DeviceSlots; a model over them never gets here: the worker
-refuses it at start-up (backends.make_decoder) in one line.
+MAX_SLOTS slots are refused by the launchers and DeviceSlots; a model over them never gets here: the cuda
+routing kernels hold fewer experts a layer, and the worker refuses a model beyond those at start-up
+(backends.make_decoder) in one line.
 Under the simulator the block is one warp and the warp primitives are shared-memory twins.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ from expert_service.kernels.numeric import FULL_MASK, SIMULATOR, WARP
 HITS, MISSES, PREFETCHES_ISSUED, PREFETCHES_USED = range(4)
 POLICIES = (POLICY_LRU, POLICY_LFU)
 # MAX_EXPERTS, MAX_SLOTS (per layer: the shared-memory arrays' sizes; a slot fits the victim key's low _SLOT_BITS
-# bits) live in slot_map_reference, where the worker's start-up check reads them without numba
+# bits) live in slot_map_reference, beside the numpy reference that shares them
 # The simulator runs a Python thread per CUDA thread, and its warp twins below need the block to be one warp.
 THREADS = WARP if SIMULATOR else 256
 _SLOT_BITS = 10
