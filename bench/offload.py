@@ -34,8 +34,10 @@ Needs `accelerate` (not a project dependency).
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
         [--plan-source worker|router] [--plan-top-k 1,2] [--policy lru|lfu] [--temperature 0.8] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
+        [--prefetch-yields on,off]
 
-`--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` run every
+`--cached-gemv on,off` / `--pipelined-waves on,off` / `--cached-mma on,off` / `--cached-mma-large on,off` /
+`--prefetch-yields on,off` run every
 cached (fraction, mode) with and without that CudaOptions field (docs/expert-cache.md) and print the step times
 (decode at each batch size, and the prefill step) side by side with their ratio. `--timeline` records one more
 decode step of every run kernel by kernel (bench/kernel_timeline.py: each stream's busy time, where the stream that

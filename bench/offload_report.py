@@ -56,7 +56,7 @@ def print_run(fraction: float, key: str, decode: dict, base: dict, phase: str = 
 
 
 # the CudaOptions fields bench/offload.py can vary
-OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma", "cached_mma_large")
+OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma", "cached_mma_large", "prefetch_yields")
 
 
 def option_key(mode: str, settings: dict[str, bool], defaults: CudaOptions = CudaOptions()) -> str:

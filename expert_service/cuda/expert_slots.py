@@ -91,6 +91,9 @@ class DeviceSlots:
         self.pf_expert = _filled((L, S), 0, i32, stream)
         self.pf_slot = _filled((L, S), 0, i32, stream)
         self.pf_count = _filled((L, 1), 0, i32, stream)
+        # demand copies' CTAs now copying: prefetch copies wait while it is above 0 (kernels/expert_fetch.py)
+        self.demand_copies = _filled((1,), 0, i32, stream)
+        self.prefetch_yields = True  # CudaOptions.prefetch_yields of the pass being launched (set by start_pass)
         self.host_stats = cuda.pinned_array((STATS_TWINS, L, 4), np.int64)
         self.host_stats[:] = 0
         self._totals = np.zeros((L, 4), np.int64)
@@ -165,6 +168,7 @@ class DeviceSlots:
             self.fetch_count[m, wave : wave + 1],
             self.block_bytes[m],
             stream=stream,
+            active=self.demand_copies if self.prefetch_yields else None,
         )
 
     def wave_slots(self, layer: int, wave: int):
@@ -199,6 +203,8 @@ class DeviceSlots:
             self.pf_count[m],
             self.block_bytes[m],
             stream=stream,
+            active=self.demand_copies if self.prefetch_yields else None,
+            speculative=True,
         )
 
     # --- counters ------------------------------------------------------------------------------------

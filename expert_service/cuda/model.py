@@ -81,7 +81,7 @@ class CudaModel:
         )
         normed = False  # x already holds this layer's input norm (the previous MoE combine wrote it)
         if self.cached is not None:
-            self.cached.start_pass(T, large=self.moe.cached_large(T))
+            self.cached.start_pass(T, large=self.moe.cached_large(T), prefetch_yields=self.options.prefetch_yields)
         for i in range(cfg.num_hidden_layers):
             if not normed:
                 rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)

@@ -199,10 +199,12 @@ class CachedExperts:
         self.hint_ids.copy_to_device(host, stream=self.stream)
         self._hints_clear = not hints
 
-    def start_pass(self, T: int, large: bool) -> None:
+    def start_pass(self, T: int, large: bool, prefetch_yields: bool = True) -> None:
         """Issued at the start of a pass of T tokens: the clock ticks, and every MoE layer's plan is prefetched,
         in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch). With the table
-        on the device the plan is first looked up from the pass's own input tokens (fed decodes included)."""
+        on the device the plan is first looked up from the pass's own input tokens (fed decodes included).
+        prefetch_yields: the pass's prefetch copies wait for its demand copies (CudaOptions.prefetch_yields)."""
+        self.slots.prefetch_yields = prefetch_yields
         # a pass that raised can leave layers pending: their events belong to it (maybe to a failed capture), and
         # this pass's own forks on those streams come after that work anyway (each stream runs in order)
         self._pending.clear()

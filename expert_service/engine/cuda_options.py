@@ -65,6 +65,9 @@ class CudaOptions:
     # of half the slots, wave w + 1's copies on a copy stream while wave w computes (False: waves of every slot,
     # copies and kernels in turn on the compute stream)
     pipelined_waves: bool = True
+    # expert-cache prefetch copies wait while a demand copy runs, so a miss the step waits for has the link to
+    # itself instead of half of it (kernels/expert_fetch.py) (False: both copy at once, sharing the link)
+    prefetch_yields: bool = True
     # expert-cache grouped steps on bf16 layers (up to moe_align's limits) run each wave on the tensor-core grouped
     # kernel (moe_gemm_mma through a tile -> slot map, tile_slots.py) instead of moe_ffn's CUDA-core kernels (False:
     # moe_ffn through the wave's slot map; H200 figures in docs/expert-cache.md)
