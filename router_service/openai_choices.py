@@ -217,7 +217,7 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
                 )
                 text = out.text
                 if parsed.echo:
-                    text = openai_echo.prompt_text(parsed, prompt, texts, row[0].prompt_ids) + text
+                    text = openai_echo.prompt_text(parsed, prompt, texts, row[0]) + text
                     if parsed.logprobs:
                         scored = (out.token_ids, out.logprobs, out.top_logprobs)
                         lp = openai_echo.with_prompt(parsed, texts, out.prompt_logprobs, *scored)
@@ -292,7 +292,7 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
                     text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
                     if parsed.echo and not echoed[index]:  # the choice's first chunk starts with its prompt
                         echoed[index] = True
-                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts, flat[index].prompt_ids) + text
+                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts, flat[index]) + text
                         if parsed.logprobs:
                             scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
                             lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)

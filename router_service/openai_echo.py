@@ -10,18 +10,18 @@ from __future__ import annotations
 from router_service.logprobs import PromptLogprob, TokenTexts, Top
 from router_service.openai_request import ParsedRequest
 from router_service.openai_response import logprobs_field
+from router_service.request_state import RequestHandle
 
 
-def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts, prompt_ids) -> str:
-    """Prompt `index` as echoed: a text prompt as sent, token ids decoded (special tokens left out, as from
-    generated text). A prompt truncate_prompt_tokens cut is `prompt_ids` (the tokens kept) decoded: the text as sent
-    would hold a part the model never saw and the echoed logprobs do not score. A text prompt is taken as cut when
-    it kept exactly truncate_prompt_tokens tokens; with fewer, nothing was cut and it is echoed as sent."""
-    prompt, keep = parsed.prompts[index], parsed.parameters.truncate_input_tokens
-    if isinstance(prompt, str) and len(prompt_ids) != keep:
+def prompt_text(parsed: ParsedRequest, index: int, texts: TokenTexts, handle: RequestHandle) -> str:
+    """Prompt `index` (`handle`: one of its samples) as echoed: a text prompt as sent, token ids decoded (special
+    tokens left out, as from generated text). A prompt truncate_prompt_tokens cut is the tokens kept, decoded: the
+    text as sent would hold a part the model never saw and the echoed logprobs do not score."""
+    prompt = parsed.prompts[index]
+    if handle.prompt_truncated:
+        prompt = list(handle.prompt_ids)
+    elif isinstance(prompt, str):
         return prompt
-    if keep:
-        prompt = list(prompt_ids)
     return texts.tokenizer.decode(prompt) if texts.tokenizer is not None else ""
 
 

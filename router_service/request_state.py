@@ -72,6 +72,7 @@ class RequestHandle:
         self._batching_loop, self._state = batching_loop, state
         self.request_id = state.request_id
         self.prompt_ids = state.req.prompt_ids  # the prompt the model sees (after truncate_input_tokens)
+        self.prompt_truncated = state.req.prompt_truncated
         self.num_prompt_tokens = len(state.req.prompt_ids)
 
     @property

@@ -61,7 +61,7 @@ class ValidatedRequest:
     """A request that passed validation, with defaults applied; no client protobuf below this point."""
 
     request_id: str  # the caller's, or "" (the batching loop assigns one)
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # after truncate_input_tokens
     max_new_tokens: int
     min_new_tokens: int
     temperature: float
@@ -84,6 +84,8 @@ class ValidatedRequest:
     # prompt_ids as uint32 little-endian, made as validation checked them (the prefix cache hashes these bytes);
     # b"" in a request built without validation, whose ids are converted where they are hashed
     prompt_bytes: bytes = dataclasses.field(default=b"", repr=False)
+    # truncate_input_tokens dropped some of the prompt's tokens: completions' echo then shows the ids kept, decoded
+    prompt_truncated: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -124,10 +126,13 @@ def _id_array(ids) -> np.ndarray:
 check_ids = _check_ids  # Detokenize checks its ids the same way
 
 
+def _cuts(num_ids: int, p: router_pb2.SamplingParameters) -> bool:
+    return 0 < p.truncate_input_tokens < num_ids
+
+
 def _truncated(ids, p: router_pb2.SamplingParameters):
     """The last truncate_input_tokens ids (all of them when it is 0 or larger)."""
-    n = p.truncate_input_tokens
-    return ids[len(ids) - n :] if 0 < n < len(ids) else ids
+    return ids[len(ids) - p.truncate_input_tokens :] if _cuts(len(ids), p) else ids
 
 
 def validate_request(req: PromptRequest, config: RouterConfig, limits: ModelLimits, tokenizer=None) -> ValidatedRequest:
@@ -157,7 +162,8 @@ def revalidate(
     worker reconnected while it was tokenized, and a restart may bring a smaller KV pool or another vocabulary."""
     text = _check_before_tokenizing(req, config, limits, tokenizer)
     again = _complete(req, config, limits, list(validated.prompt_ids) if text is not None else None)
-    return dataclasses.replace(again, seed=validated.seed)
+    # a text prompt's ids are the kept ones: cutting them again cuts nothing, yet the prompt was cut
+    return dataclasses.replace(again, seed=validated.seed, prompt_truncated=validated.prompt_truncated)
 
 
 def prompt_byte_limit(config: RouterConfig, limits: ModelLimits | None) -> int:
@@ -244,6 +250,7 @@ def _complete(
     req: PromptRequest, config: RouterConfig, limits: ModelLimits, text_ids: list[int] | None
 ) -> ValidatedRequest:
     p = req.parameters
+    truncated = _cuts(len(text_ids) if text_ids is not None else len(req.token_ids.ids), p)
     if text_ids is not None:
         if not text_ids:
             raise InvalidRequestError("text", "tokenizes to no tokens")
@@ -293,6 +300,7 @@ def _complete(
         constraint=constraint,
         cache_salt=req.cache_salt,
         prompt_bytes=prompt_bytes,
+        prompt_truncated=truncated,
     )
 
 

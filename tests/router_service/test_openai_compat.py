@@ -318,6 +318,29 @@ def test_echo_of_a_prompt_truncate_prompt_tokens_did_not_cut_is_the_text_as_sent
     asyncio.run(body())
 
 
+def test_echo_of_a_prompt_exactly_truncate_prompt_tokens_long_is_the_text_as_sent(tmp_path):
+    """A prompt of exactly truncate_prompt_tokens tokens is not cut: every choice, unary or streamed, echoes it as
+    sent, not its tokens decoded ("a</s>b" is 3 tokens, decoded "ab": a special token's text is left out)."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            request = {"prompt": "a</s>b", "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 3, "n": 2}
+            async with aiohttp.ClientSession(headers=AUTH) as s:
+                async with s.post(base + "/v1/completions", json=request) as r:
+                    whole = await r.json()
+                    assert r.status == 200, whole
+                async with s.post(base + "/v1/completions", json={**request, "stream": True}) as r:
+                    events = [json.loads(e[6:]) for e in (await r.text()).split("\n\n") if e.startswith("data: {")]
+            streamed = ["", ""]
+            for event in events:
+                for c in event["choices"]:
+                    streamed[c["index"]] += c["text"]
+            texts = [c["text"] for c in whole["choices"]]
+            assert len(texts) == 2 and all(t.startswith("a</s>b") for t in texts + streamed), (texts, streamed)
+
+    asyncio.run(body())
+
+
 @pytest.mark.slow
 def test_echoed_logprobs_of_a_truncated_prompt_line_up_with_its_text(worker, tiny_model, tmp_path):
     async def body():

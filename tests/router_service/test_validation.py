@@ -189,6 +189,17 @@ def test_prompt_bytes_are_the_prompt_ids_as_uint32_little_endian(truncate, token
     ).prompt_ids == tuple(kept)
 
 
+@pytest.mark.parametrize("truncate", [0, 3, 4, 5])
+def test_prompt_truncated_says_whether_truncate_input_tokens_cut(truncate, tokenizer):
+    """Set only when tokens were dropped (a prompt of exactly truncate_input_tokens tokens keeps them all), and kept
+    by revalidate, whose text prompt's ids are the ones already kept."""
+    for request in (req(ids=(1, 2, 3, 4), max_new_tokens=1), req(text="abcd", max_new_tokens=1)):
+        request.parameters.truncate_input_tokens = truncate
+        v = validate_request(request, CONFIG, LIMITS, tokenizer)
+        assert len(v.prompt_ids) == min(truncate or 4, 4) and v.prompt_truncated == (truncate == 3), request
+        assert validation.revalidate(request, CONFIG, LIMITS, tokenizer, v).prompt_truncated == v.prompt_truncated
+
+
 @pytest.mark.parametrize("value", [-1, 2**32, 2**64, LIMITS.vocab_size])
 def test_a_list_of_ids_that_does_not_fit_uint32_is_checked_as_before(value):
     """A tokenizer's list of ids goes through array("I"); one that cannot (negative, too large)
