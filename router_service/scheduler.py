@@ -146,7 +146,8 @@ class Scheduler:
         carried = reserved_bytes + ID_BYTES * (len(self._pending_free) + queued_evictions)
         if carried > self.step_size.max_bytes:  # a burst of frees and evictions passes the limit on its own
             return self._release_step(tuple(expired), reserved_bytes)
-        room = self.step_size.room(carried)
+        size = self.step_size
+        room = size.room(carried)
         self._scoring_budget = self.limits.max_batch_size  # prompt_logprobs tokens this step
         scheduled: dict[int, int] = {}
         chunks: list[Chunk] = []
@@ -159,7 +160,7 @@ class Scheduler:
                 if req.scores_prompt and not self._scoring_budget:
                     continue
                 budget -= self._fit_chunk(req, budget, room, scheduled, chunks)
-            elif req.may_decode and room.take(self.step_size.decode_bytes(req)):  # else: the next step
+            elif req.may_decode and room.take(size.decode_bytes(req), size.late_mask_bytes(req)):  # else: the next step
                 scheduled[req.request_id] = 1
                 decodes.append(req.request_id)
                 # -1: the input token is still being sampled by a step in flight (the worker feeds its own copy)

@@ -7,8 +7,10 @@ past its --max-message-bytes (RESOURCE_EXHAUSTED, and every request of the step 
 byte budget as it builds the step (`StepRoom`): a chunk is cut to the tokens that fit, and an admission, decode or
 chunk that does not fit at all waits for the next step. Costs are upper bounds of the serialized sizes (varints
 at their longest), and `margin` bytes of the limit are kept back for what is not counted (field tags and lengths,
-the step id, the trace context). `problem` names what is too large in a request whose own first step cannot fit
-alone; a cached prefix whose tokens would not fit is used only as far as they do (the rest is computed again)."""
+the step id, the trace context). A constrained decode sent with its input token pending has its grammar mask in the
+next message (late masks): that mask counts there only, which reserves it first. `problem` names what is too large
+in a request whose own first step cannot fit alone; a cached prefix whose tokens would not fit is used only as far
+as they do (the rest is computed again)."""
 
 from __future__ import annotations
 
@@ -78,11 +80,19 @@ class StepSize:
 
     def room(self, reserved: int) -> StepRoom:
         """The budget of a step being built, less `reserved` bytes already promised (frees, evictions, late masks)
-        and the routing plan's fixed part."""
-        return StepRoom(self.max_bytes - reserved - self.plan_fixed_bytes)
+        and the routing plan's fixed part; its late masks are promised out of the next message's whole budget."""
+        return StepRoom(self.max_bytes - reserved - self.plan_fixed_bytes, self.max_bytes)
 
     def decode_bytes(self, req) -> int:
-        return ID_BYTES + self.plan_token_bytes + (self.mask_bytes if req.constrained else 0)
+        """A decode of `req` about to be scheduled, in this message: its grammar mask only when its input token is
+        back (`late_mask_bytes` otherwise)."""
+        mask = self.mask_bytes if req.constrained and not req.num_pending_outputs else 0
+        return ID_BYTES + self.plan_token_bytes + mask
+
+    def late_mask_bytes(self, req) -> int:
+        """What a decode of `req` about to be scheduled adds to the next message: the mask of a constrained decode
+        sent with its input token pending (late masks), which goes there once that token is back."""
+        return self.mask_bytes if req.constrained and req.num_pending_outputs else 0
 
     def chunk_bytes(self, req, start: int, n: int, first: bool, prefix_blocks: int) -> int:
         """Bytes of `req`'s chunk of `n` prompt tokens from `start`: its tokens and their plan rows, an id per
@@ -153,14 +163,17 @@ class StepSize:
 
 
 class StepRoom:
-    """The bytes left in the step being built."""
+    """The bytes left in the step being built (`left`), and in the next message for the late masks this step's
+    decodes promise it (`late_left`): that message reserves them before anything else, so they must fit it alone."""
 
-    def __init__(self, left: int):
-        self.left = left
+    def __init__(self, left: int, late_left: int = 0):
+        self.left, self.late_left = left, late_left
 
-    def take(self, num_bytes: int) -> bool:
-        """Spends `num_bytes` when they fit; False (nothing spent) when they do not."""
-        if num_bytes > self.left:
+    def take(self, num_bytes: int, late_bytes: int = 0) -> bool:
+        """Spends `num_bytes` of this step and `late_bytes` of the next message when both fit; False (nothing
+        spent) when either does not."""
+        if num_bytes > self.left or late_bytes > self.late_left:
             return False
         self.left -= num_bytes
+        self.late_left -= late_bytes
         return True

@@ -2,7 +2,8 @@
 steps in flight as the batching loop keeps them (late grammar masks riding in the next message), each step built by
 the real wire serializer with its routing plan and masks. Every message is at most what the budget counted for it
 plus the fixed framing allowance (the limit's sixteenth is not needed to cover anything), and never over the limit;
-every request the budget accepted finishes."""
+every request the budget accepted finishes. Also under limits that hold one grammar mask but not two, where a late
+mask counted in both its decode's step and the next would halve a constrained request's steps."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from router_service.constraints import any_token_mask
 from router_service.prefix_cache import UNKNOWN_PREFIX_BLOCK, PrefixCache
 from router_service.routing import RoutingPlanner
 from router_service.scheduler import FinishReason, RequestOutput, ScheduledRequest, Scheduler, SchedulerLimits
-from router_service.step_size import FRAMING_BYTES, StepSize
+from router_service.step_size import FRAMING_BYTES, StepSize, framing_margin
 
 ROUTER_LIMIT = 256 * 1024 * 1024
 # A W3C trace context as the router's span writes it: its share of FRAMING_BYTES.
@@ -43,20 +44,35 @@ def _sampling(rng, vocab: int, seed: int) -> pb.SamplingParams:
     return params
 
 
+def one_mask_limit(mask_bytes: int, spare: float) -> int:
+    """A limit whose budget (less the framing margin) is one mask and `spare` of another."""
+    target = mask_bytes + int(spare * mask_bytes)
+    limit = (target + FRAMING_BYTES) * 16 // 15
+    while limit - framing_margin(limit) < target:
+        limit += 1
+    return limit
+
+
 class Traffic:
     """Random requests (shared system prompts, penalties that send cached prefixes' tokens, prompt logprobs, grammar
         masks early and late, n > 1 copies) through one scheduler, stepped at pipeline depth 2 (1 with a routing plan,
     as the batching loop keeps it: a plan needs every decode's input token)."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, one_mask: bool = False):
         self.rng = rng = np.random.default_rng(seed)
         self.vocab = int(rng.choice([40, 300, 32000, 152064, int(rng.integers(2, 260000))]))
         block = int(rng.choice([1, 2, 4, 16, 32]))
         planner = _planner(rng, self.vocab) if rng.random() < 0.5 else None
+        self.limit = int(rng.choice([4096, 8192, 32768, 200_000, 1 << 20]))
+        if one_mask:  # depth 2 (no plan), masks of KiBs, and a step that holds one of them and part of another
+            planner, self.vocab = None, int(rng.choice([32000, 152064, int(rng.integers(40000, 260000))]))
+            self.limit = one_mask_limit(
+                StepSize.of(0, ROUTER_LIMIT, self.vocab, block).mask_bytes, rng.uniform(0.3, 0.9)
+            )
         self.planner = planner
         self.depth = 1 if planner is not None else 2
-        self.limit = int(rng.choice([4096, 8192, 32768, 200_000, 1 << 20]))
         self.size = StepSize.of(self.limit, ROUTER_LIMIT, self.vocab, block, planner)
+        assert not one_mask or self.size.mask_bytes <= self.size.max_bytes < 2 * self.size.mask_bytes
         limits = SchedulerLimits(
             int(rng.integers(1, 48)), int(rng.integers(1, 4096)), block, int(rng.integers(64, 600))
         )
@@ -140,7 +156,54 @@ class Traffic:
 
 @pytest.mark.parametrize("seed", range(24))
 def test_no_step_message_is_larger_than_its_estimate(seed):
-    t = Traffic(seed)
+    run_traffic(Traffic(seed))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_step_message_is_larger_than_its_estimate_when_the_limit_holds_one_mask(seed):
+    run_traffic(Traffic(seed, one_mask=True))
+
+
+def test_a_late_mask_is_counted_in_one_step_only():
+    """A greedy constrained request at depth 2 under a limit that holds one mask: each decode's mask rides the next
+    message beside that message's own decode (whose mask rides the one after), so its max_new_tokens take the
+    prompt's step, one step a token after it, and a last message for the last decode's mask (counted twice, a
+    decode could not share a message with a late mask and ran every other step)."""
+    vocab, max_new = 152064, 12
+    size = StepSize.of(one_mask_limit(StepSize.of(0, ROUTER_LIMIT, vocab, 16).mask_bytes, 0.5), ROUTER_LIMIT, vocab, 16)
+    s = Scheduler(SchedulerLimits(8, 512, 16, 64), None, size)
+    sampling = pb.SamplingParams(seed=1)
+    s.add(ScheduledRequest(7, [5] * 10, max_new, sampling=sampling, sampling_bytes=sampling.ByteSize(),
+                           constrained=True, late_masks=True))  # fmt: skip
+    mask, in_flight, late_before, sent = any_token_mask(vocab), collections.deque(), (), 0
+    while s.requests or late_before:
+        while len(in_flight) < 2:
+            step = s.schedule(0.0, len(late_before) * size.mask_bytes)
+            if step.is_empty and not late_before:
+                break
+            late_ids = tuple(d for d, t in zip(step.decode_ids, step.decode_token_ids) if t < 0)
+            sampling_ids = [c.request_id for c in step.prefill_chunks if c.is_last] + list(step.decode_ids)
+            masks = {r: mask for r in sampling_ids if r not in late_ids}
+            late = {r: mask for r in late_before if r in s.requests} or None
+            sent += 1
+            message = wire.step_request(step, sent, None, masks, late)
+            message.trace_context.update(TRACEPARENT)
+            assert message.ByteSize() <= min(step.estimated_bytes + FRAMING_BYTES, size.limit)
+            in_flight.append(step)
+            late_before = late_ids
+            if step.is_empty:
+                break
+        step = in_flight.popleft()
+        s.update(
+            step, [RequestOutput(r, 9) for r in [c.request_id for c in step.prefill_chunks] + list(step.decode_ids)]
+        )
+        if not in_flight:
+            late_before = ()
+    assert sent == max_new + 1
+
+
+def run_traffic(t: Traffic) -> None:
+    """Steps `t` at its pipeline depth until every request finished, checking each message's size."""
     in_flight: collections.deque = collections.deque()
     late_before: tuple[int, ...] = ()
     step_ids = iter(range(1, 1 << 30))
@@ -169,4 +232,4 @@ def test_no_step_message_is_larger_than_its_estimate(seed):
                 late_before = ()  # nothing in flight waits for a mask
         elif tick >= 150 and not t.scheduler.requests:
             return
-    raise AssertionError(f"{len(t.scheduler.requests)} requests never finished (seed {seed})")
+    raise AssertionError(f"{len(t.scheduler.requests)} requests never finished")
