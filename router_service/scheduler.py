@@ -184,7 +184,8 @@ class Scheduler:
                 or (req.penalized and sum(r.penalized for r in self.running) >= self.limits.max_batch_size)
             ):
                 break
-            if not self._first_chunk_fits(req, hits, budget, room, shortfall):
+            first = self._first_chunk_tokens(req, hits, budget, room, shortfall)
+            if not first:
                 if shortfall and cache and req.prefix:  # its evictions' ids may never fit one step with its chunk
                     self._evict_ahead(req, hits, shortfall, room)
                 break
@@ -198,7 +199,7 @@ class Scheduler:
             self.num_free_blocks -= needed
             req.num_blocks, req.status = needed, Status.RUNNING
             self.running.append(req)
-            budget -= self._fit_chunk(req, budget, room, scheduled, chunks)
+            budget -= self._fit_chunk(req, budget, room, scheduled, chunks, first)
         self.waiting.extendleft(reversed(deferred))
         free_ids = frozenset(self._pending_free)
         self._pending_free.clear()
@@ -250,19 +251,23 @@ class Scheduler:
                     out.append((req.request_id, index, block_id))
         return tuple(out)
 
-    def _first_chunk_fits(self, req: ScheduledRequest, hits: int, budget: int, room: StepRoom, evicted: int) -> bool:
-        """Whether a waiting request's first chunk (at least a token of it, on `hits` cached blocks) and the
-        `evicted` blocks' ids fit the step's bytes; it waits for the next step otherwise."""
+    def _first_chunk_tokens(self, req: ScheduledRequest, hits: int, budget: int, room: StepRoom, evicted: int) -> int:
+        """How many tokens of a waiting request's first chunk (on `hits` cached blocks) fit the step's bytes beside
+        the `evicted` blocks' ids, which are then spent; 0: not one, and it waits for the next step."""
         start, left = hits * self.limits.kv_block_size, room.left - ID_BYTES * evicted
-        if not self.step_size.tokens_that_fit(req, start, True, hits, budget, left):
-            return False
-        return room.take(ID_BYTES * evicted)  # the evictions' ids: fit, as the chunk's check counted them
+        n = self.step_size.tokens_that_fit(req, start, True, hits, budget, left)
+        if not n or not room.take(ID_BYTES * evicted):  # the evictions' ids: fit, as the chunk's check counted them
+            return 0
+        return n
 
-    def _fit_chunk(self, req: ScheduledRequest, budget: int, room: StepRoom, scheduled: dict, chunks: list) -> int:
-        """Adds `req`'s next chunk, as long as the token budget and the step's bytes allow; 0: not a token fits."""
+    def _fit_chunk(
+        self, req: ScheduledRequest, budget: int, room: StepRoom, scheduled: dict, chunks: list, fits: int = 0
+    ) -> int:
+        """Adds `req`'s next chunk, as long as the token budget and the step's bytes allow; 0: not a token fits.
+        `fits`: the tokens that fit, when the admission's check just found them for this budget and room."""
         start, first = req.num_scheduled_tokens, not req.is_on_worker
         blocks = len(req.prefix.hit_ids) if first and req.prefix is not None else 0
-        n = self.step_size.tokens_that_fit(req, start, first, blocks, budget, room.left)
+        n = fits or self.step_size.tokens_that_fit(req, start, first, blocks, budget, room.left)
         if n == 0:
             return 0
         n = self._add_chunk(req, n, scheduled, chunks)

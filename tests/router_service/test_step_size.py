@@ -223,3 +223,25 @@ def test_a_limit_too_small_for_any_step_is_named_not_a_request_field_it_lacks():
     problem = size.problem(ScheduledRequest(1, [5, 6], 2, sampling=pb.SamplingParams(seed=3), sampling_bytes=2))
     assert problem is not None and problem[0] == "parameters" and "--max-message-bytes" in problem[1]
     assert "mask" not in problem[1] and "routing plan" not in problem[1] and "sampling settings" not in problem[1]
+
+
+def test_an_admission_sizes_its_first_chunk_once(monkeypatch):
+    """The admission's check that a first chunk fits finds how many tokens do; the chunk is cut to that count, not
+    found again by a second bisection over the same room (on cached blocks too)."""
+    size, calls = StepSize.of(8192, ROUTER_LIMIT, 300, 4), []
+    fit = StepSize.tokens_that_fit
+
+    def counted(self, *args):
+        calls.append(args)
+        return fit(self, *args)
+
+    s = Scheduler(SchedulerLimits(8, 64, 4, 64), PrefixCache(4, b"m"), size)
+    s.add(ScheduledRequest(1, list(range(1, 14)), 1, sampling=pb.SamplingParams()))
+    _drive(s, 8192, 300)  # its 3 full blocks stay cached
+    monkeypatch.setattr(StepSize, "tokens_that_fit", counted)
+    for rid in (2, 3, 4):
+        s.add(ScheduledRequest(rid, list(range(1, 14)) + [rid] * 30, 1, sampling=pb.SamplingParams()))
+    step = s.schedule()
+    chunks = [(c.request_id, c.start, len(c.token_ids)) for c in step.prefill_chunks]
+    assert chunks == [(2, 12, 31), (3, 12, 31), (4, 12, 2)]  # each on the 3 cached blocks; the last cut to 64 tokens
+    assert len(calls) == 3
