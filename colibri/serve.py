@@ -55,7 +55,7 @@ from expert_service.engine.config import (  # noqa: E402 (numpy-only: serve neve
     EngineConfig,
     RoutingMode,
 )
-from router_service.config import RouterConfig  # noqa: E402
+from router_service.config import RouterConfig, step_timeouts_problem  # noqa: E402
 
 log = logging.getLogger("colibri.serve")
 TOKEN_ENV = "COLIBRI_WORKER_TOKEN"
@@ -311,21 +311,17 @@ def _check_routing(args: argparse.Namespace, router: RouterConfig, file_values: 
 
 
 def _check_step_timeouts(args: argparse.Namespace, router: RouterConfig, file_values: dict) -> None:
-    """The router gives up on a step after its worker_step_timeout_s, the worker's watchdog after its step_timeout_s:
-    were the router's the shorter, a slow step failed its requests with the router's deadline while the worker kept
-    running it (and took more steps behind it) until its own watchdog. `file_values`: the config file's worker
-    section (serve passes the worker no watchdog flag)."""
+    """A router step deadline the worker's watchdog outlasts is refused before either starts (the comparison and its
+    reasons: router_service.config.step_timeouts_problem). `file_values`: the config file's worker section (serve
+    passes the worker no watchdog flag)."""
     from expert_service.serving.main import WorkerConfig  # here: loads grpc's server parts serve needs nowhere else
 
     port, metrics_port = getattr(args, "worker_port", 0), getattr(args, "worker_metrics_port", 0)  # as _check_ports
     listen = {"port": port} if port else {"socket": "serve's private socket"}
     flags = {**listen, "metrics_port": metrics_port}
     worker = resolve(WorkerConfig, file_values=file_values, flags=flags)
-    if router.worker_step_timeout_s <= worker.step_timeout_s:
-        raise ConfigError(
-            f"router worker_step_timeout_s ({router.worker_step_timeout_s:g} s) must exceed the worker's watchdog "
-            f"step_timeout_s ({worker.step_timeout_s:g} s): the router would give up on steps the worker still runs"
-        )
+    if (problem := step_timeouts_problem(router.worker_step_timeout_s, worker.step_timeout_s)) is not None:
+        raise ConfigError(problem)
 
 
 def _exit_status(code: int) -> int:

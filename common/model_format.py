@@ -27,8 +27,9 @@ import numpy as np
 from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
 from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
-from common.files import open_regular, stat_regular
+from common.files import open_regular, read_regular, stat_regular
 from common.model_config import ModelConfig
+from common.model_identity import bytes_digest
 from common.model_manifest import (
     DENSE_ALIGN,
     DENSE_FILE,
@@ -43,7 +44,7 @@ from common.model_manifest import (
     tensor_entry,
 )
 from common.models import config_from_hf, tensor_specs
-from common.strict_json import load_json
+from common.strict_json import parse_json
 
 VERIFY_CHUNK = 1 << 18  # verify reads a tensor in chunks this size: the crc and the fp8 NaN check share each in cache
 
@@ -51,9 +52,12 @@ VERIFY_CHUNK = 1 << 18  # verify reads a tensor in chunks this size: the crc and
 class ModelDir:
     """A validated, memory-mapped model directory. Tensors are zero-copy read-only views."""
 
-    def __init__(self, path: str | os.PathLike, manifest: dict):
+    def __init__(self, path: str | os.PathLike, manifest: dict, digest: str):
         self.path = Path(path)
         self.manifest = manifest
+        # "sha256:<hex>" of the colibri.json bytes parsed into `manifest`: the identity Info reports and routing
+        # tables are checked against, taken from those bytes so it names the manifest this model was read from
+        self.digest = digest
         self.version: int = manifest["format_version"]
         self.hf_config: dict = manifest["config"]
         self.config: ModelConfig = config_from_hf(self.hf_config)
@@ -85,7 +89,8 @@ class ModelDir:
             manifest_path,
             f"{manifest_path}: not found (is {root} a Colibri model directory? make one with `colibri convert`)",
         )
-        manifest = load_json(manifest_path, ModelFormatError)
+        data = read_regular(manifest_path)
+        manifest = parse_json(data, manifest_path, ModelFormatError)
         if not isinstance(manifest, dict):
             raise ModelFormatError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
         for key in ("format", "format_version", "dtype", "config", "tensors", "expert_stride"):
@@ -100,7 +105,7 @@ class ModelDir:
         if version >= 2 and not isinstance(manifest.get("expert_strides"), dict):
             raise ModelFormatError(f"{manifest_path}: missing key 'expert_strides' (an object: MoE layer -> bytes)")
         try:
-            model = cls(root, manifest)
+            model = cls(root, manifest, bytes_digest(data))
         except ConfigError as e:
             raise ModelFormatError(f"{manifest_path}: {e}") from None
         except KeyError as e:

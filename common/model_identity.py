@@ -33,13 +33,18 @@ class ModelDigests:
         return cls(file_digest(root / MANIFEST), vocabulary_digest(root / TOKENIZER))
 
 
+def bytes_digest(data: bytes) -> str:
+    """The "sha256:<hex>" digest of `data`, as Info and routing tables name a model."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
 def file_digest(path: Path) -> str:
     """The "sha256:<hex>" digest of the file's bytes; "" when it is not a readable file (no tokenizer)."""
     try:
         data = path.read_bytes()
     except OSError:
         return ""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    return bytes_digest(data)
 
 
 def vocabulary_digest(path: Path) -> str:
@@ -61,7 +66,7 @@ def vocabulary_digest(path: Path) -> str:
         return file_digest(path)
     except RecursionError:
         raise ModelFormatError(f"{path}: nested too deeply to be a tokenizer.json") from None
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return bytes_digest(text.encode())
 
 
 def _merge_pair(merge) -> list:

@@ -20,6 +20,11 @@ def load_json(path: Path, error: type[Exception]) -> object:
     """A JSON file as Python values, refusing what would later overflow or recurse: NaN/Infinity, numbers
     that do not fit a double (1e999), nesting deeper than a manifest ever needs; and a key repeated in one
     object, which would silently lose all but its last value."""
+    return parse_json(read_regular(path), path, error)  # opened without blocking: a FIFO swapped in is refused
+
+
+def parse_json(data: bytes, path: Path, error: type[Exception]) -> object:
+    """`load_json` of bytes already read from `path` (the file its errors name)."""
 
     def reject_constant(name: str):
         raise error(f"{path}: {name} is not a valid JSON number here")
@@ -31,7 +36,7 @@ def load_json(path: Path, error: type[Exception]) -> object:
         return value
 
     try:
-        text = read_regular(path).decode()  # opened without blocking: a FIFO swapped in is refused, not waited on
+        text = data.decode()
     except UnicodeDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
     # Checked before parsing: letting the parser hit Python's recursion limit leaves CPython 3.11's

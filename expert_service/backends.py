@@ -87,9 +87,12 @@ def _check_cuda_routing(model: ModelDir) -> None:
         )
 
 
-def build_engine(model: ModelDir, config: EngineConfig = EngineConfig()) -> Engine:
-    """An engine over the backend `config.backend` resolves to, with the expert slots its budget allows."""
-    slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
+def build_engine(model: ModelDir, config: EngineConfig = EngineConfig(), slot_plan: SlotPlan | None = None) -> Engine:
+    """An engine over the backend `config.backend` resolves to, with the expert slots its budget allows.
+    `slot_plan`: plan_slots of this model and config when the caller has it already (the worker plans them before
+    it binds its ports); None plans them here."""
+    if slot_plan is None:
+        slot_plan = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots)
     log.info(slot_plan.describe())
     warn_unread_plan_table(config, slot_plan.is_cached)
     return Engine(model, config, make_decoder(model, config, slot_plan))

@@ -43,6 +43,20 @@ def worker_address_problem(address: str) -> str | None:
     return None
 
 
+def step_timeouts_problem(worker_step_timeout_s: float, step_timeout_s: float) -> str | None:
+    """Why the router's step deadline (its worker_step_timeout_s) would cut the worker's steps short, or None. The
+    worker's watchdog (its step_timeout_s) must fire first: a step the router gave up on failed its requests with the
+    router's bare deadline while the worker kept running it, and the steps behind it, until the watchdog. `colibri
+    serve` refuses such a pair at start; a router started apart does not use that worker (worker_info.py)."""
+    if worker_step_timeout_s > step_timeout_s:
+        return None
+    return (
+        f"router worker_step_timeout_s={worker_step_timeout_s:g} s must exceed the worker's watchdog "
+        f"step_timeout_s={step_timeout_s:g} s: the router would give up on steps the worker still runs; raise the "
+        "router's worker_step_timeout_s or lower the worker's step_timeout_s"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = setting(

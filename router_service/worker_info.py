@@ -5,7 +5,7 @@ of another model before any of this)."""
 
 from __future__ import annotations
 
-from router_service.config import RouterConfig
+from router_service.config import RouterConfig, step_timeouts_problem
 from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
 from router_service.prefix_cache import PrefixCache
@@ -33,17 +33,11 @@ def step_size(config: RouterConfig, info, planner=None) -> StepSize:
 
 
 def step_timeout_problem(config: RouterConfig, info) -> str | None:
-    """Why the router's step deadline would cut the worker's steps short (None: it would not, or the worker predates
-    InfoResponse.step_timeout_s). Its watchdog must fire first: a step the router gave up on would fail its requests
-    with the router's bare deadline while the worker kept running it, and the steps behind it, until the watchdog."""
-    watchdog, deadline = info.step_timeout_s, config.worker_step_timeout_s
-    if not watchdog or deadline > watchdog:
+    """step_timeouts_problem (router_service.config) of this router's step deadline and the watchdog the worker
+    reports; None also from a worker that predates InfoResponse.step_timeout_s."""
+    if not info.step_timeout_s:
         return None
-    return (
-        f"its step watchdog step_timeout_s={watchdog:g} s is not shorter than this router's step deadline "
-        f"worker_step_timeout_s={deadline:g} s: the router would give up on steps the worker still runs; raise the "
-        f"router's --worker-step-timeout-s or lower the worker's --step-timeout-s"
-    )
+    return step_timeouts_problem(config.worker_step_timeout_s, info.step_timeout_s)
 
 
 def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:

@@ -17,9 +17,8 @@ from common.errors import ConfigError, ModelFormatError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
-from common.routing_table import TABLE_FILE, RoutingTable, model_digest
+from common.routing_table import TABLE_FILE, RoutingTable
 from expert_service.engine.config import EngineConfig, PrefetchSource, RoutingMode
-from expert_service.experts.slots import plan_slots
 
 log = logging.getLogger("colibri.worker")
 T = TypeVar("T")
@@ -76,14 +75,14 @@ def worker_plan_table(model: ModelDir, config: EngineConfig) -> RoutingTable | N
     return table
 
 
-def check_plan_table(model: ModelDir, config: EngineConfig) -> None:
+def check_plan_table(model: ModelDir, config: EngineConfig, cached: bool) -> None:
     """The plan_table file the settings will read, checked at start-up before the worker binds its ports (it is
     loaded with the engine, after the model's bytes are verified): a file that opens, with a header that fits the
     model and the size that header gives. One line naming the setting and the file otherwise (ConfigError for no
-    such file, RoutingTableError for one that does not fit, as the load would raise)."""
+    such file, RoutingTableError for one that does not fit, as the load would raise). `cached`: the expert cache
+    runs (the worker's slot plan), without which no table is read."""
     if config.plan_table in ("", ROUTER_PLANS):
         return
-    cached = plan_slots(model, config.expert_cache_gb, config.expert_cache_slots).is_cached
     if _unread(config, cached) is None:
         _named_table(model, config, RoutingTable.check)
 
@@ -116,7 +115,7 @@ def _named_table(model: ModelDir, config: EngineConfig, read: Callable[[Path, Mo
     if _nothing_to_read(path):  # a FIFO there: `read` says what it is
         raise ConfigError(f"plan_table: {path} is not a file (a `colibri router-gen` table, or {ROUTER_PLANS!r})")
     try:
-        return read(path, model.config, model_digest(model.path))
+        return read(path, model.config, model.digest)
     except ModelFormatError as e:  # the file is named; the setting too, as the missing-file error does
         raise type(e)(f"plan_table: {e}") from None
 
@@ -139,7 +138,7 @@ def _plan_table(model: ModelDir, config: EngineConfig) -> tuple[RoutingTable | N
     if _nothing_to_read(path):  # a FIFO there is told below, not taken for none
         return None, f"no {TABLE_FILE} in the model directory"
     try:
-        return RoutingTable.load(path, model.config, model_digest(model.path)), str(path)
+        return RoutingTable.load(path, model.config, model.digest), str(path)
     except ModelFormatError as e:
         log.warning("plan prefetch: %s; passed over (--plan-table names another table)", e)
         return None, f"the model directory's {TABLE_FILE} does not fit the model"

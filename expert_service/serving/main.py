@@ -46,7 +46,7 @@ from common.listen_address import ADDRESS_HELP, bind_address_problem, host_port
 from common.logging_setup import configure_logging
 from common.metrics import WorkerMetrics, new_registry, start_metrics_server
 from common.model_format import ModelDir
-from common.model_identity import ModelDigests
+from common.model_identity import TOKENIZER, ModelDigests, vocabulary_digest
 from common.pb import worker_pb2
 from common.reflection import enable_reflection
 from common.tracing import ServerTracingInterceptor, check_tracing_env, configure_tracing
@@ -54,6 +54,7 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
 from expert_service.experts.routing_plan import check_plan_table
+from expert_service.experts.slots import plan_slots
 from expert_service.serving.endpoints import SERVER_OPTIONS, bind_socket, bind_tcp, is_loopback
 from expert_service.serving.lifecycle import WorkerHealth, close_engine, quiet_cancelled_streams, watch_parent
 from expert_service.serving.servicer import SERVICE_NAME, WorkerServicer, add_to_server
@@ -282,8 +283,9 @@ async def serve(
 
     STOP_SIGNALS.attach(loop, lambda _signum: on_signal())
     model = ModelDir.open(model_dir, verify=False)  # the structure, before anything binds; bytes below
-    check_plan_table(model, engine_config)  # loaded with the engine, after the bytes: a bad file is told now
-    digests = ModelDigests.of_dir(model_dir)  # what Info tells a router about the model (colibri.json, tokenizer)
+    slot_plan = plan_slots(model, engine_config.expert_cache_gb, engine_config.expert_cache_slots)
+    check_plan_table(model, engine_config, slot_plan.is_cached)  # loaded with the engine, after the bytes: told now
+    digests = ModelDigests(model.digest, vocabulary_digest(model.path / TOKENIZER))  # what Info reports
     tokens = worker_tokens(config.auth_token_file)
     check_exposure(config, tokens)
     name = config.model_name or Path(model_dir).resolve().name
@@ -353,7 +355,7 @@ async def serve(
                 # A bar only for a person at a terminal: one that fails to write (a full disk, a closed pipe)
                 # leaves tqdm's lock held and its finalizer then hangs the process's exit.
                 model.verify(progress=sys.stderr.isatty())
-            return build_engine(model, engine_config)
+            return build_engine(model, engine_config, slot_plan)
 
         engine = await _unless_stopped(_in_daemon_thread(load), stop)
         if engine is None:

@@ -279,7 +279,7 @@ def test_serve_refuses_a_router_step_timeout_the_worker_watchdog_outlasts(tmp_pa
     """The router's 120 s step deadline ran out on steps the worker's 300 s watchdog still let run: requests failed
     DEADLINE_EXCEEDED while the worker kept the step (and queued the next ones behind it)."""
     lines = _serve_refusal(tmp_path, tiny_model, *flags, env=env, config=config)
-    assert len(lines) == 1 and lines[0].startswith("colibri serve: error: router worker_step_timeout_s ("), lines
+    assert len(lines) == 1 and lines[0].startswith("colibri serve: error: router worker_step_timeout_s="), lines
     assert "must exceed the worker's watchdog step_timeout_s" in lines[0]
 
 
