@@ -10,7 +10,8 @@ Shapes: the mixtral (H=32, Hkv=8) and qwen3moe (H=32, Hkv=4) attention at head s
 KV pool (16-token blocks, shuffled block ids), batches 1, 16, 64 at contexts 128 (what bench/engine.py's decode
 steps attend over), 1024 and 4096. Split-K counts come from `decode_splits` with a 4096-token model context, as
 the decoder's. The reference is what Hugging Face runs: SDPA (enable_gqa) on a contiguous bf16 cache, gathered
-beforehand (not timed). Times are GPU time per launch (graph replay); the roofline is the K/V bytes / 4.3 TB/s.
+beforehand (not timed). Times are GPU time per launch (graph replay); the roofline is the K/V bytes / this GPU's
+streaming HBM read rate (bench/hbm_rate.py, measured at the start of the run; --hbm-bytes-per-s to override).
 Each case also checks the kernels against each other (float32, same inputs) and against SDPA.
 
     python bench/attention_decode.py --out out/attention_decode.json [--previous OLD_attention_decode.py]
@@ -31,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 from bench.kernels import graph_timed, load_module, torch_timed  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
 SHAPES = {"mixtral-shape": (32, 8), "qwen3moe-shape": (32, 4)}
 CASES = [(b, ctx) for b in (1, 16, 64) for ctx in (128, 1024)] + [(1, 4096), (16, 4096)]
 HEAD_DIM, BLOCK, MODEL_CONTEXT, REPEATS = 128, 16, 4096, 50
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
         metavar="SHAPE:B:CTX",
         help="run only these cases (repeatable)",
     )
+    hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     only = set(args.only)
     from numba import cuda
@@ -136,6 +138,8 @@ def main(argv=None) -> int:
     if args.previous:
         previous = load_module(args.previous)
         kernels["previous"] = (previous.launch_attention_decode, previous.decode_splits)
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     results = []
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
                 row[f"{name}_us"], row[f"{name}_splits"] = seconds * 1e6, P
             ref_s, ref = sdpa(host, b, H, Hkv)
             row["sdpa_us"] = ref_s * 1e6
-            row["roofline_us"] = row["kv_bytes"] / HBM_BYTES_PER_S * 1e6
+            row["roofline_us"] = row["kv_bytes"] / roofline.bytes_per_s * 1e6
             row["new_vs_sdpa_max_rel"] = float(np.abs(outs["new"] - ref).max() / np.abs(ref).max())
             row["tiled_vs_new_max_abs"] = float(np.abs(outs["tiled"] - outs["new"]).max())
             row["tiled_speedup_vs_new"] = row["new_us"] / row["tiled_us"]
@@ -183,7 +187,7 @@ def main(argv=None) -> int:
                 f"{row['mma_vs_sdpa_max_rel']:.1e})  k32 {row['mma_k32_us']:7.1f} us  k256 {row['mma_k256_us']:7.1f} us  3 stages {row['mma_3stage_us']:7.1f} us",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))
+            Path(args.out).write_text(json.dumps({**roofline.record(), "cases": results}, indent=1))
     return 0
 
 

@@ -9,8 +9,9 @@ generated keys. `mma` reads the prefix's blocks once per sequence (from L2 after
 blocks of their own (no reuse through L2: what caching off decodes over). Shapes: mixtral (H=32, Hkv=8: groups of 4) and qwen3moe (H=32, Hkv=4: pairs) at head size
 128, 16-token blocks; split counts as the decoder takes them (decode_splits of the largest batch, 64, for `mma`;
 workspace.shared_split_count for the prefix). Times are GPU time per launch sequence (graph replay); the roofline
-is the unique K/V bytes (the prefix once, every sequence's own keys) / 4.3 TB/s. Both outputs are checked against
-each other.
+is the unique K/V bytes (the prefix once, every sequence's own keys) / this GPU's streaming HBM read rate
+(bench/hbm_rate.py, measured at the start of the run; --hbm-bytes-per-s to override). Both outputs are checked
+against each other.
 
     python bench/attention_decode_shared.py --out out/attention_decode_shared.json
 """
@@ -26,9 +27,9 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 from bench.kernels import graph_timed  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
 SHAPES = {"mixtral-shape": (32, 8), "qwen3moe-shape": (32, 4)}
 CASES = [(16, 2048, 128), (16, 512, 128), (64, 1024, 128), (4, 2048, 64)]  # (sequences, prefix keys, own keys at most)
 HEAD_DIM, BLOCK, MODEL_CONTEXT, MAX_SEQS, REPEATS = 128, 16, 32768, 64, 50
@@ -37,6 +38,7 @@ HEAD_DIM, BLOCK, MODEL_CONTEXT, MAX_SEQS, REPEATS = 128, 16, 32768, 64, 50
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_decode_shared.json")
+    hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     from numba import cuda
 
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
     from expert_service.kernels.attention_decode_shared import launch_attention_decode_shared, max_members
     from tests.helpers import shared_cache
 
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     results = []
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
             row["shared_us"] = graph_timed(shared, stream, REPEATS) * 1e6
             row["mma_distinct_us"] = graph_timed(mma_distinct, stream, REPEATS) * 1e6
             unique = (prefix + sum(own)) * 2 * Hkv * HEAD_DIM * 2
-            row["roofline_us"] = unique / HBM_BYTES_PER_S * 1e6
+            row["roofline_us"] = unique / roofline.bytes_per_s * 1e6
             got, want = outs["shared"].copy_to_host(), outs["mma"].copy_to_host()
             row["shared_vs_mma_max_rel"] = float(np.abs(got - want).max() / np.abs(want).max())
             row["shared_speedup"] = row["mma_us"] / row["shared_us"]
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
                 f"roofline of the unique bytes {row['roofline_us']:6.1f} us  diff {row['shared_vs_mma_max_rel']:.1e}",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))
+            Path(args.out).write_text(json.dumps({**roofline.record(), "cases": results}, indent=1))
     return 0
 
 

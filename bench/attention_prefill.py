@@ -11,7 +11,8 @@ gathered beforehand (not timed), with the chunk's causal mask (query i of a sequ
 with a mask SDPA cannot take its flash kernel, so its time is an upper bound of what transformers pays there.
 Times are GPU time per launch (graph replay). Printed per case: both times, the kernel's TFLOP/s over the score
 and value products it must compute (causal), its K/V bytes against the HBM roofline if each kv head's keys were
-read once, and its largest difference from SDPA.
+read once (this GPU's streaming read rate, measured at the start of the run by bench/hbm_rate.py;
+--hbm-bytes-per-s to override), and its largest difference from SDPA.
 
     python bench/attention_prefill.py --out out/attention_prefill.json [--previous OLD_attention_prefill_mma.py]
                                       [--only mixtral-shape:16:64:2048 ...]
@@ -27,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 from bench.kernels import graph_timed, load_module, torch_timed  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
 SHAPES = {"mixtral-shape": (32, 8), "qwen3moe-shape": (32, 4)}
 # (batch, new tokens, cached prefix): whole prompts as bench/engine.py prefills them, the 2,048-token chunk of a
 # long prompt, and chunks over a cached prefix (bench/serve.py --workload prefix's turns step, and smaller ones)
@@ -133,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only", action="append", default=[], type=_case, metavar="SHAPE:B:NEW:PREFIX", help="run only these cases"
     )
+    hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     only = set(args.only)
     from numba import cuda
@@ -141,6 +143,8 @@ def main(argv=None) -> int:
 
     previous = {Path(path).stem: load_module(path) for path in args.previous}
 
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     results = []
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
                 "mma_us": mma_s * 1e6,
                 "sdpa_us": sdpa_s * 1e6,
                 "mma_tflops": flops / mma_s / 1e12,
-                "kv_roofline_us": kv_bytes / HBM_BYTES_PER_S * 1e6,
+                "kv_roofline_us": kv_bytes / roofline.bytes_per_s * 1e6,
                 "mma_speedup_vs_sdpa": sdpa_s / mma_s,
                 "sdpa_graph_replay": sdpa_graphed,
                 "mma_vs_sdpa_max_rel": float(np.abs(got - ref).max() / np.abs(ref).max()),
@@ -199,7 +203,7 @@ def main(argv=None) -> int:
                 f"diff vs sdpa {row['mma_vs_sdpa_max_rel']:.1e}",
                 flush=True,
             )
-            Path(args.out).write_text(json.dumps({"hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": results}, indent=1))
+            Path(args.out).write_text(json.dumps({**roofline.record(), "cases": results}, indent=1))
     return 0
 
 

@@ -7,7 +7,8 @@ b=16 x 128; best of 5 after warm-up -- for Colibri an eager and a captured step,
 bucket's graphs), decode ms/step (b=1, 16, 64) and peak device memory (HF: torch's peak over all of that work, and
 up to b=1; Colibri: device memory in use after building the engine or after the work, whichever is more, with a
 KV pool sized for the work); for Colibri also the decode HBM-roofline fraction (bytes the step must read --
-dense weights, the experts its tokens routed to, the KV it attends over -- / 4.3 TB/s / measured time). Colibri's
+dense weights, the experts its tokens routed to, the KV it attends over -- / this GPU's streaming HBM read rate,
+measured at the start of the run by bench/hbm_rate.py / measured time). Colibri's
 decode is timed as the worker serves a step stream (`decode_ms`: a StepPump with two steps in flight from the
 sender, so step t+1 runs on the device while step t is sampled and answered) and one step at a time
 (`decode_ms_sequential`: Engine.step, each waiting for the one before). Writes JSON + PNG and prints ratios.
@@ -45,9 +46,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
 SHAPES = {
     "mixtral-shape": (
         "mixtral",
@@ -200,7 +201,8 @@ def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float,
     return seconds, float(np.median(moved))
 
 
-def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None = None) -> dict:
+def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None, hbm_bytes_per_s: float) -> dict:
+    """Colibri's figures on one model; `hbm_bytes_per_s` is the roofline fractions' denominator."""
     from common.model_format import ModelDir
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
@@ -287,10 +289,10 @@ def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None = None)
         engine.clear()
         step, bytes_moved = float(np.median(times)), float(np.median(moved))
         out["decode_ms_sequential"][str(b)] = step * 1e3
-        out["roofline_fraction_sequential"][str(b)] = bytes_moved / HBM_BYTES_PER_S / step
+        out["roofline_fraction_sequential"][str(b)] = bytes_moved / hbm_bytes_per_s / step
         out["decode_ms"][str(b)] = served * 1e3
         out["bytes_per_step"][str(b)] = served_moved
-        out["roofline_fraction"][str(b)] = served_moved / HBM_BYTES_PER_S / served
+        out["roofline_fraction"][str(b)] = served_moved / hbm_bytes_per_s / served
     thread.shutdown()
     # which MoE strategy each timed step size took (Q8_MMA, Q8, GROUPED_MMA, per-expert cuBLAS, ...)
     out["moe_strategy"] = strategies(engine, sorted({*DECODE_BATCHES, *(b * n for b, n in PREFILL)}))
@@ -379,6 +381,7 @@ def main() -> int:
     parser.add_argument(
         "--cuda-options", default="{}", help='CudaOptions fields as a JSON object, e.g. {"wgmma_experts": false}'
     )
+    hbm_rate.add_argument(parser)
     args = parser.parse_args()
     cuda_options = cuda_options_arg(parser, args.cuda_options)
     expert_dtypes = args.expert_dtype.split(",")
@@ -386,9 +389,10 @@ def main() -> int:
         parser.error(f"--expert-dtype {args.expert_dtype}: each must be bfloat16, int8 or fp8")
     import torch
 
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)  # before any model takes the device's memory
+    print(roofline.summary(), flush=True)
     results = {
-        "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "device": torch.cuda.get_device_name(),
+        **roofline.record(),
         "expert_dtypes": expert_dtypes,
         "cuda_options": cuda_options,
         "shapes": {},
@@ -418,7 +422,7 @@ def main() -> int:
         runs = {}
         for dtype in expert_dtypes:  # one model on disk at a time
             model_dir = model_of(dtype)
-            runs[dtype] = bench_colibri(model_dir, params["vocab_size"], cuda_options)
+            runs[dtype] = bench_colibri(model_dir, params["vocab_size"], cuda_options, roofline.bytes_per_s)
             shutil.rmtree(model_dir, ignore_errors=True)
             results["shapes"][name] = {**entry, "colibri_by_expert_dtype": runs}  # what is done, if cut short
             (out_dir / "engine.json").write_text(json.dumps(results, indent=1))

@@ -12,8 +12,9 @@ more than the H200's 50 MB L2), so every byte comes from HBM. torch is also time
 (`ref_eager_ms`: what an ungraphed decode pays; launch cost dominates the small matrices).
 
 One line per case: MB read, gemv ms and TB/s, reference ms and TB/s, ratio = reference time / gemv time
-(> 1: gemv faster), HBM roofline fraction = bytes / 4.3 TB/s / time, and max |gemv - ref| / max |ref| (torch
-returns bf16, so ~1e-2 is expected; moe_ffn is fp32, ~1e-6). JSON is written to --out after each model.
+(> 1: gemv faster), HBM roofline fraction = bytes / this GPU's streaming HBM read rate / time (bench/hbm_rate.py,
+measured at the start of the run; --hbm-bytes-per-s to override), and max |gemv - ref| / max |ref| (torch returns
+bf16, so ~1e-2 is expected; moe_ffn is fp32, ~1e-6). JSON is written to --out after each model.
 `--sweep` adds the gemv kernels' TB/s under other launch shapes (LaunchShape) and LOADS_IN_FLIGHT 4 / 16.
 
     python bench/kernels.py --out out/kernels.json [--sweep]
@@ -33,8 +34,8 @@ import numpy as np
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12  # H200 HBM peak used for roofline fractions (as bench/engine.py)
 L2_FLUSH = 192 << 20  # weight bytes cycled through per measurement (H200 L2: 50 MB)
 SHAPES = {  # decode shapes: hidden D, expert F, experts E, top-k K, vocab V, q / kv widths
     "mixtral": dict(D=4096, F=14336, E=8, K=2, V=32000, Q=4096, KV=1024),
@@ -133,8 +134,8 @@ def rel_diff(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def summarize(nbytes: int, reference: str, t_gemv: float, t_ref: float, diff: float) -> dict:
-    """One case's JSON entry from seconds per launch."""
+def summarize(nbytes: int, reference: str, t_gemv: float, t_ref: float, diff: float, hbm_bytes_per_s: float) -> dict:
+    """One case's JSON entry from seconds per launch; the roofline fractions are of `hbm_bytes_per_s`."""
     return {
         "bytes": nbytes,
         "reference": reference,
@@ -143,8 +144,8 @@ def summarize(nbytes: int, reference: str, t_gemv: float, t_ref: float, diff: fl
         "gemv_TB_per_s": nbytes / t_gemv / 1e12,
         "ref_TB_per_s": nbytes / t_ref / 1e12,
         "ratio": t_ref / t_gemv,
-        "gemv_roofline": nbytes / HBM_BYTES_PER_S / t_gemv,
-        "ref_roofline": nbytes / HBM_BYTES_PER_S / t_ref,
+        "gemv_roofline": nbytes / hbm_bytes_per_s / t_gemv,
+        "ref_roofline": nbytes / hbm_bytes_per_s / t_ref,
         "max_rel_diff": diff,
     }
 
@@ -258,7 +259,7 @@ def build_cases(s: dict, st, dense_mlp: bool) -> dict:
     return cases
 
 
-def measure(case: Case, st, repeats: int) -> dict:
+def measure(case: Case, st, repeats: int, hbm_bytes_per_s: float) -> dict:
     """Times gemv and its reference over the same rotation; diff from one launch each on copy / set 0."""
     t_gemv = graph_timed(case.gemv, st, repeats)
     case.gemv(0, st)
@@ -268,14 +269,14 @@ def measure(case: Case, st, repeats: int) -> dict:
         t_ref = torch_timed(case.torch_ref, repeats, graph=True)
         t_eager = torch_timed(case.torch_ref, repeats, graph=False)
         want = case.torch_ref(0).float().cpu().numpy()
-        entry = summarize(case.nbytes, "torch", t_gemv, t_ref, rel_diff(got, want))
+        entry = summarize(case.nbytes, "torch", t_gemv, t_ref, rel_diff(got, want), hbm_bytes_per_s)
         entry["ref_eager_ms"] = t_eager * 1e3
         return entry
     t_ref = graph_timed(case.moe_ref, st, repeats)
     case.moe_ref(0, st)
     want = case.moe_y.copy_to_host(stream=st)
     st.synchronize()
-    return summarize(case.nbytes, "moe", t_gemv, t_ref, rel_diff(got, want))
+    return summarize(case.nbytes, "moe", t_gemv, t_ref, rel_diff(got, want), hbm_bytes_per_s)
 
 
 def _sweep(cases, st, repeats):
@@ -327,19 +328,19 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=20, help="launches per timed graph / event pair")
     parser.add_argument("--sweep", action="store_true", help="also launch-shape and LOADS_IN_FLIGHT variants")
     parser.add_argument("--gemv", action="store_true", help=argparse.SUPPRESS)  # old command lines: no-op
+    hbm_rate.add_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    import torch
-
     from expert_service.cuda.driver import non_blocking_stream
 
     args = parse_args(argv)
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     _, st = non_blocking_stream()
     results = {
-        "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "device": torch.cuda.get_device_name(),
+        **roofline.record(),
         "repeats": args.repeats,
         "models": {},
     }
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
         st.synchronize()  # torch reads the weights on its own stream
         out = {}
         for name, case in cases.items():
-            out[name] = measure(case, st, args.repeats)
+            out[name] = measure(case, st, args.repeats, roofline.bytes_per_s)
             print(format_row(model, name, out[name]), flush=True)
         if args.sweep:
             out["sweep"] = _sweep(cases, st, args.repeats)

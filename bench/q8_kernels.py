@@ -11,8 +11,9 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
 
 Per kernel: GPU microseconds per launch (--iters launches captured in one CUDA graph, replayed between two
 events; b=1 launches cycle through disjoint expert sets so L2 does not serve them), the bytes it must move (decode:
-the routed experts' weights and scales, once; dequant: 8-bit read + bf16 written), GB/s and the fraction of
-bench/engine.py's HBM_BYTES_PER_S, and the ratios new/old and bf16/new. Outputs of old and new are compared (max
+the routed experts' weights and scales, once; dequant: 8-bit read + bf16 written), GB/s and the fraction of the
+HBM roofline (this GPU's streaming read rate, measured at the start of the run by bench/hbm_rate.py;
+--hbm-bytes-per-s to override), and the ratios new/old and bf16/new. Outputs of old and new are compared (max
 relative difference; they differ only by float32 summation order). int8 experts take per-channel scales, fp8
 128x128 block scales (the checkpoints' usual forms). Weights are random bytes (no quantiser pass: a mixtral-shape
 layer is 1.4 GB), fp8 bytes with the NaN codes replaced.
@@ -33,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import hbm_rate  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12  # as bench/engine.py
 SHAPES = {  # D, F, E, K
     "mixtral-shape": (4096, 14336, 8, 2),
     "qwen3moe-shape": (2048, 768, 128, 8),
@@ -75,10 +76,11 @@ def timed(fn, iters: int, stream) -> float:
     return graph_timed(lambda i, _stream: fn(i), stream, iters) * 1e6
 
 
-def row(name: str, us: float, nbytes: int) -> dict:
+def row(name: str, us: float, nbytes: int, hbm_bytes_per_s: float) -> dict:
+    """One kernel's entry, printed: time, bytes, GB/s and the fraction of the roofline `hbm_bytes_per_s`."""
     gbs = nbytes / (us * 1e-6) / 1e9
-    print(f"  {name:34s} {us:10.1f} us  {nbytes / 1e6:9.1f} MB  {gbs:8.1f} GB/s  {gbs * 1e9 / HBM_BYTES_PER_S:6.1%}")
-    return {"us": us, "bytes": nbytes, "gb_s": gbs, "roofline_fraction": gbs * 1e9 / HBM_BYTES_PER_S}
+    print(f"  {name:34s} {us:10.1f} us  {nbytes / 1e6:9.1f} MB  {gbs:8.1f} GB/s  {gbs * 1e9 / hbm_bytes_per_s:6.1%}")
+    return {"us": us, "bytes": nbytes, "gb_s": gbs, "roofline_fraction": gbs * 1e9 / hbm_bytes_per_s}
 
 
 def max_rel(a, b) -> float:
@@ -100,7 +102,8 @@ def parse_q8_shapes(text: str) -> dict:
     return out
 
 
-def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: dict | None = None) -> dict:
+def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, q8_shapes: dict | None = None) -> dict:
+    """Every kernel of one shape; `rate` is the roofline fractions' denominator (bytes a second)."""
     from numba import cuda
 
     from bench import q8_before as old
@@ -142,7 +145,7 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
         iters,
         stream,
     )
-    out["bf16_gemv_b1"] = row("bf16 gemv, b=1", b16, K * 3 * F * D * 2)
+    out["bf16_gemv_b1"] = row("bf16 gemv, b=1", b16, K * 3 * F * D * 2, rate)
 
     tids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     groups = group_by_expert(tids, E)
@@ -188,24 +191,24 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
             old.launch_q8(xt, order, offsets, None, W, dmeta, F, D, K, True, ht_old, stream)
             old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
 
-        res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert)
+        res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert, rate)
         if q8_shapes:
             res["launch_shapes"] = launch_shapes(
-                q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert
+                q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert, rate
             )
             res["launch_shapes"]["default"] = res["new_b1"]
         if name == "int8":  # the same step on int8 activations (dp4a), against the float32-activation outputs
-            res["dp4a_b1"] = row("int8 moe_q8_dp4a, b=1", timed(dp4a_b1, iters, stream), K * per_expert)
+            res["dp4a_b1"] = row("int8 moe_q8_dp4a, b=1", timed(dp4a_b1, iters, stream), K * per_expert, rate)
             dp4a_b1(iters - 1)  # the set new_b1 ended on (h and y hold its outputs)
             res["dp4a_b1_max_rel_diff"] = max_rel(y_dp4a, y)
-        res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, stream), K * per_expert)
+        res["old_b1"] = row(f"{name} moe_q8 old, b=1", timed(old_b1, iters, stream), K * per_expert, rate)
         res["b1_max_rel_diff"] = max(max_rel(h, h_old), max_rel(y, y_old))
         tb = active_t * per_expert
-        res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, stream), tb)
+        res[f"new_b{T}"] = row(f"{name} moe_q8 new, grouped b={T}", timed(new_grouped, iters, stream), tb, rate)
         if name == "int8":
-            res[f"dp4a_b{T}"] = row(f"int8 moe_q8_dp4a_grouped, b={T}", timed(dp4a_grouped, iters, stream), tb)
+            res[f"dp4a_b{T}"] = row(f"int8 moe_q8_dp4a_grouped, b={T}", timed(dp4a_grouped, iters, stream), tb, rate)
             res[f"dp4a_b{T}_max_rel_diff"] = max_rel(yt_dp4a, yt)
-        res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, stream), tb)
+        res[f"old_b{T}"] = row(f"{name} moe_q8 old, grouped b={T}", timed(old_grouped, iters, stream), tb, rate)
         res[f"b{T}_max_rel_diff"] = max(max_rel(ht, ht_old), max_rel(yt, yt_old))
 
         group = dequant_group(E, F, D, 2)  # a half of the bf16 scratch, as CUBLAS_PER_EXPERT widens it
@@ -216,6 +219,7 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
             f"{name} dequant new, {group} experts",
             timed(lambda _i: launch_dequant_experts(W, dmeta, every, 0, F, D, scratch, stream=stream), iters, stream),
             moved,
+            rate,
         )
         res["dequant_old"] = row(
             f"{name} dequant old, {group} experts",
@@ -225,6 +229,7 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
                 stream,
             ),
             moved,
+            rate,
         )
         res["dequant_equal"] = bool(np.array_equal(scratch.copy_to_host(), scratch_old.copy_to_host()))
         res["ratios"] = {
@@ -250,7 +255,9 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, q8_shapes: di
     return out
 
 
-def launch_shapes(shapes: dict, name: str, x, W, dmeta, kinds, sets, h, y, iters: int, stream, per_expert: int) -> dict:
+def launch_shapes(
+    shapes: dict, name: str, x, W, dmeta, kinds, sets, h, y, iters: int, stream, per_expert: int, rate: float
+) -> dict:
     """moe_q8's b=1 gate/up + down under each launch shape: time, bytes, and whether h and y equal the default
     shape's bit for bit (h and y hold the default launch's last outputs)."""
     from numba import cuda
@@ -272,7 +279,7 @@ def launch_shapes(shapes: dict, name: str, x, W, dmeta, kinds, sets, h, y, iters
         us = timed(run, iters, stream)
         run(iters - 1)  # the default's last set, so the outputs compare
         stream.synchronize()
-        out[label] = row(f"{name} moe_q8 {label} {'/'.join(map(str, launch_shape))}", us, K * per_expert)
+        out[label] = row(f"{name} moe_q8 {label} {'/'.join(map(str, launch_shape))}", us, K * per_expert, rate)
         out[label]["shape"] = list(launch_shape)
         out[label]["equal"] = bool(
             np.array_equal(h2.copy_to_host(), want_h) and np.array_equal(y2.copy_to_host(), want_y)
@@ -288,6 +295,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
     parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... moe_q8 b=1 launch shapes to compare")
+    hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     try:
         q8_shapes = parse_q8_shapes(args.q8_shapes)
@@ -296,9 +304,11 @@ def main(argv=None) -> int:
     shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
     if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
         parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     result = {
-        "hbm_bytes_per_s": HBM_BYTES_PER_S,
-        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens, q8_shapes) for s in shapes},
+        **roofline.record(),
+        "shapes": {s: bench_shape(s, dtypes, args.iters, args.tokens, roofline.bytes_per_s, q8_shapes) for s in shapes},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -4,7 +4,8 @@ layer of random experts per named tile config, at a decode batch and a prefill s
   per (shape, expert dtype, tokens T, config): GPU microseconds of each launch (--iters launches captured in one
   CUDA graph, replayed between two events), the fraction of the HBM roofline of the weight bytes it reads once
   (the active experts' matrices; padding rows and re-reads of a weight tile by other row tiles are the kernel's
-  cost), and the TFLOP/s of the routed rows;
+  cost; the roofline is this GPU's streaming read rate, measured at the start of the run by bench/hbm_rate.py,
+  --hbm-bytes-per-s to override), and the TFLOP/s of the routed rows;
   with --previous FILE (an earlier moe_gemm_q8mma.py, e.g. `git show REV:expert_service/kernels/moe_gemm_q8mma.py`)
   the same launches of that version on the same buffers, its outputs compared with the current ones (max relative
   difference of y) and the ratio previous us / current us printed.
@@ -30,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.q8_kernels import HBM_BYTES_PER_S, SHAPES, random_layer, timed  # noqa: E402
+from bench import hbm_rate  # noqa: E402
+from bench.q8_kernels import SHAPES, random_layer, timed  # noqa: E402
 
 
 def configs(module, spec: str | None = None) -> dict:
@@ -94,7 +96,9 @@ def time_config(module, layer: Layer, W, meta, F: int, D: int, cfg, iters: int, 
     return gate_up, down
 
 
-def bench_case(shape: str, dtype: str, T: int, modules: dict, iters: int, rng, spec: str | None = None) -> list[dict]:
+def bench_case(
+    shape: str, dtype: str, T: int, modules: dict, iters: int, rng, rate: float, spec: str | None = None
+) -> list[dict]:
     from numba import cuda
 
     from expert_service.kernels import expert_quant as q
@@ -123,8 +127,8 @@ def bench_case(shape: str, dtype: str, T: int, modules: dict, iters: int, rng, s
             row[version] = {
                 "gate_up_us": gate_up,
                 "down_us": down,
-                "gate_up_roofline": weight_bytes["gate_up"] / (gate_up * 1e-6) / HBM_BYTES_PER_S,
-                "down_roofline": weight_bytes["down"] / (down * 1e-6) / HBM_BYTES_PER_S,
+                "gate_up_roofline": weight_bytes["gate_up"] / (gate_up * 1e-6) / rate,
+                "down_roofline": weight_bytes["down"] / (down * 1e-6) / rate,
                 "tflop_s": flops / ((gate_up + down) * 1e-6) / 1e12,
             }
         line = (
@@ -153,14 +157,14 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--previous", help="an earlier moe_gemm_q8mma.py, timed on the same buffers")
     parser.add_argument("--configs", help="names and NAME=WM/WN/MT/NT/BK/STAGES shapes (default: the named ones)")
+    hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
-
-    from numba import cuda
 
     from bench.kernels import load_module
     from expert_service.kernels import moe_gemm_q8mma
-    from expert_service.kernels.numeric import SIMULATOR
 
+    roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
+    print(roofline.summary(), flush=True)
     modules = {"current": moe_gemm_q8mma}
     if args.previous:
         modules["previous"] = load_module(args.previous)
@@ -169,12 +173,11 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
             for T in (int(t) for t in args.tokens.split(",")):
-                cases += bench_case(shape, dtype, T, modules, args.iters, rng, args.configs)
-    device = "simulator" if SIMULATOR else cuda.get_current_device().name
-    out = {"benchmark": "q8mma-kernels", "device": str(device), "hbm_bytes_per_s": HBM_BYTES_PER_S, "cases": cases}
+                cases += bench_case(shape, dtype, T, modules, args.iters, rng, roofline.bytes_per_s, args.configs)
+    out = {"benchmark": "q8mma-kernels", **roofline.record(), "cases": cases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}; {roofline.summary()}")
     return 0
 
 

@@ -62,14 +62,14 @@ def test_pipelined_decode_serves_two_steps_in_flight_on_the_cpu_backend(tiny_mod
 
 
 def test_main_skip_hf_runs_every_shape_and_dtype(tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     monkeypatch.setattr(bench, "SHAPES", small_shapes())
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "test device")
     measured = []
 
-    def fake_colibri(model_dir, vocab, cuda_options=None):
+    def fake_colibri(model_dir, vocab, cuda_options, hbm_bytes_per_s):
         model = ModelDir.open(model_dir, verify=False)
         measured.append((model_dir.name, list(model.expert_formats), cuda_options))
+        assert hbm_bytes_per_s == 3.35e12  # --hbm-bytes-per-s, over the H200 reference the simulator falls back to
         scale = 2.0 if list(model.expert_formats) == ["bfloat16"] else 1.0  # 8-bit: twice as fast
         return {
             "prefill_tok_s": {f"{b}x{n}": 100.0 / scale for b, n in bench.PREFILL},
@@ -80,12 +80,15 @@ def test_main_skip_hf_runs_every_shape_and_dtype(tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--workdir", str(tmp_path / "work"), "--shapes", "mixtral-shape,qwen3moe-shape"]
     argv += ["--expert-dtype", "bfloat16,int8,fp8", "--skip-hf", "--cuda-options", '{"cached_gemv": false}']
+    argv += ["--hbm-bytes-per-s", "3.35e12"]
     monkeypatch.setattr(sys, "argv", ["engine.py", *argv])
     assert bench.main() == 0
     assert [(name.split("-")[-1], formats) for name, formats, _ in measured] == [*FORMATS.items()] * 2
     assert all(options == {"cached_gemv": False} for _, _, options in measured)
     result = json.loads((out / "engine.json").read_text())
     assert result["expert_dtypes"] == ["bfloat16", "int8", "fp8"] and result["cuda_options"] == {"cached_gemv": False}
+    assert result["hbm_bytes_per_s"] == 3.35e12 and result["hbm_bytes_per_s_h200_reference"] == 4.3e12
+    assert result["device"] == "simulator" and result["hbm_read_bytes_per_s_measured"] is None
     for entry in result["shapes"].values():
         assert entry["hf"] is None and list(entry["colibri_by_expert_dtype"]) == ["bfloat16", "int8", "fp8"]
         ratios = entry["expert_dtype_ratios"]

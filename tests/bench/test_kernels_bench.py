@@ -46,7 +46,7 @@ def test_expert_reference_rows_line_up():
 
 def test_summary_and_row():
     assert abs(kernels.rel_diff(np.array([1.0, 2.1]), np.array([1.0, 2.0])) - 0.05) < 1e-12
-    r = kernels.summarize(4_300_000, "torch", 2e-6, 3e-6, 1e-2)
+    r = kernels.summarize(4_300_000, "torch", 2e-6, 3e-6, 1e-2, 4.3e12)
     assert abs(r["gemv_TB_per_s"] - 2.15) < 1e-9 and abs(r["ref_TB_per_s"] - 4.3 / 3) < 1e-9
     assert abs(r["ratio"] - 1.5) < 1e-9
     assert abs(r["gemv_roofline"] - 0.5) < 1e-9 and abs(r["ref_roofline"] - 1 / 3) < 1e-9
@@ -57,5 +57,6 @@ def test_summary_and_row():
 
 def test_arguments():
     args = kernels.parse_args(["--gemv", "--sweep", "--out", "o.json"])  # old command line still parses
-    assert args.sweep and args.out == "o.json" and args.repeats == 20
+    assert args.sweep and args.out == "o.json" and args.repeats == 20 and args.hbm_bytes_per_s is None
     assert kernels.parse_args([]).out == "out/kernels.json"
+    assert kernels.parse_args(["--hbm-bytes-per-s", "4.3e12"]).hbm_bytes_per_s == 4.3e12
