@@ -159,10 +159,9 @@ def bench_hf(model, vocab: int) -> dict:
 def release_device_memory() -> None:
     """Frees what earlier engines left: Python garbage first, then Numba's pending deallocations (it batches them),
     so device_used_bytes measures this engine alone (a later free had made an int8 run's figure negative)."""
-    from numba import cuda
+    from expert_service.cuda.device_memory import free_pending_deallocations
 
-    gc.collect()
-    cuda.current_context().deallocations.clear()
+    free_pending_deallocations()  # the memory manager's queue: the context's own holds streams and events
 
 
 def device_used_bytes() -> int:

@@ -34,6 +34,7 @@ import numpy as np
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from expert_service.cuda.device_memory import free_pending_deallocations  # noqa: E402
 from expert_service.kernels.ptx import ld_stream_v4  # noqa: E402
 
 HBM_H200_REFERENCE = 4.3e12  # the streaming read on an H200 (4.2-4.4 TB/s): earlier JSONs' denominator
@@ -158,7 +159,7 @@ def measure(read_bytes: int = READ_BYTES, copy_bytes: int = COPY_BYTES, repeats:
     """This GPU's streaming read and copy rates (bytes a second), once per process; the 3 GiB it takes are freed
     before it returns, so the bench's own memory figures do not see them."""
     measured = _measure(read_bytes, copy_bytes, repeats)
-    cuda.current_context().deallocations.clear()  # Numba batches frees: release the buffers now
+    free_pending_deallocations()  # Numba batches frees: release the buffers now, before the bench measures memory
     return measured
 
 

@@ -15,9 +15,10 @@ Demand copies first: a demand copy and a speculative one (a prefetch) running at
 evenly, so a miss the step is waiting for took twice its time while a prediction was copied beside it (H100,
 trained 32-expert model: 94 us for one 2.36 MB block beside a prefetch, 50 us alone). With `active` given, a
 DEMAND launch counts its working CTAs in active[0] while they copy, and a SPECULATIVE launch's CTAs wait
-(nanosleep) before each chunk of loads while active[0] > 0. The wait cannot deadlock: no demand copy waits for a
-speculative one of the same or a later layer (the compute stream joins a layer's prefetches before that layer's
-demand plan), so every demand copy ends without it. Without `active` (PLAIN) neither happens.
+(nanosleep) before each chunk of loads while active[0] > 0. The wait cannot deadlock: only CTAs already copying
+are counted, and a counted CTA waits on nothing (a DEMAND kernel must never wait inside itself), so each ends and
+the count falls to 0 whatever the streams order; a demand launch queued behind a prefetch (a layer's demand copies
+follow that layer's joined prefetches) counts nothing until it runs. Without `active` (PLAIN) neither happens.
 
   src [E * words] uint32   the layer's experts as the model stores them (mapped host memory; words = block / 4)
   dst [S * words] uint32   the layer's slot buffer

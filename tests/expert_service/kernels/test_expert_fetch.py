@@ -97,7 +97,8 @@ def test_a_speculative_copy_waits_while_a_demand_copy_is_counted():
     rng = np.random.default_rng(11)
     E, S, block_bytes = 4, 2, 1 << 20
     words = block_bytes // 4
-    src = rng.integers(1, 2**32, size=E * words, dtype=np.uint32)
+    src_host = rng.integers(1, 2**32, size=E * words, dtype=np.uint32)
+    src = cuda.to_device(src_host)  # a host array would be copied back after the launch, behind the waiting kernel
     dst = cuda.to_device(np.zeros(S * words, np.uint32) + 1)
     active = cuda.to_device(np.ones(1, np.int32))
     waiting, releasing = cuda.stream(), cuda.stream()
@@ -122,5 +123,5 @@ def test_a_speculative_copy_waits_while_a_demand_copy_is_counted():
     zero[0] = 0
     active.copy_to_device(zero, stream=releasing)
     waiting.synchronize()
-    want = src.reshape(E, words)[[3, 0]].reshape(-1)
+    want = src_host.reshape(E, words)[[3, 0]].reshape(-1)
     np.testing.assert_array_equal(dst.copy_to_host(), want)
