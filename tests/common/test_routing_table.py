@@ -1,4 +1,5 @@
-"""The routing table file: round trip, every load error, lookup, and the CSR plan against a slow reference."""
+"""The routing table file: round trip, every load error, lookup, and the CSR plan against a slow reference; version
+3's NO_EXPERT entries (a gated table: predictions first, then none) in each."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 
 from common.errors import InvalidRequestError, ModelFormatError
 from common.models import config_from_hf
-from common.routing_table import HEADER_SIZE, HEADER_SIZES, RoutingTable, RoutingTableError, write_routing_table
+from common.routing_table import (
+    HEADER_SIZE,
+    HEADER_SIZES,
+    NO_EXPERT,
+    RoutingTable,
+    RoutingTableError,
+    write_routing_table,
+)
 from expert_service.tools.tiny_model import tiny_hf_config
 
 CONFIG = config_from_hf(tiny_hf_config("mixtral"))  # 2 MoE layers, 259 tokens, 4 experts, top-2
@@ -25,6 +33,14 @@ def random_table(k: int = 2, seed: int = 0) -> np.ndarray:
     """[L, V, k] with distinct experts per token (a random permutation's first k)."""
     rng = np.random.default_rng(seed)
     return np.argsort(rng.random((L, V, E)), axis=2)[:, :, :k].astype(np.uint16)
+
+
+def gated_table(k: int = 3, seed: int = 0) -> np.ndarray:
+    """random_table with each token keeping a random number of its predictions (none to all), NO_EXPERT after."""
+    table = random_table(k, seed)
+    kept = np.random.default_rng(seed + 100).integers(0, k + 1, (L, V))
+    table[np.arange(k)[None, None, :] >= kept[:, :, None]] = NO_EXPERT
+    return table
 
 
 @pytest.fixture
@@ -146,7 +162,7 @@ def test_missing_file(tmp_path):
 @pytest.mark.parametrize(
     "index, field, value, expected",
     [
-        (0, "version", 7, "expected 1 or 2"),
+        (0, "version", 7, "expected 1, 2 or 3"),
         (1, "num_layers", 5, f"expected {L}"),
         (2, "vocab_size", 1000, f"expected {V}"),
         (4, "num_experts", 8, f"expected {E}"),
@@ -188,12 +204,13 @@ def test_crc_mismatch(table_file):
     expect_error(table_file, "crc32", f"is {crc:#010x}", f"expected {stored:#010x}")
 
 
-def write_raw(path, table: np.ndarray, num_experts: int, digest: str | None = None) -> None:
-    """Writes a table bypassing the writer's checks, with a correct crc: version 1 without a digest, else 2."""
+def write_raw(path, table: np.ndarray, num_experts: int, digest: str | None = None, version: int = 0) -> None:
+    """Writes a table bypassing the writer's checks, with a correct crc: version 1 without a digest, else 2 (or
+    `version`)."""
     body = table.astype("<u2").tobytes()
     recorded = bytes.fromhex(digest.removeprefix("sha256:")) if digest else b""
     crc = zlib.crc32(recorded + body)
-    version = 2 if digest else 1
+    version = version or (2 if digest else 1)
     path.write_bytes(
         struct.pack("<4s6I", b"CLRT", version, *table.shape[:2], table.shape[2], num_experts, crc) + recorded + body
     )
@@ -233,17 +250,20 @@ def test_lookup(table_file):
 
 
 def reference_plan(table: RoutingTable, token_ids) -> list[tuple[list[int], list[int]]]:
-    """Slow and obvious: walk the tokens in order, append each to its experts' lists."""
+    """Slow and obvious: walk the tokens in order, append each to its experts' lists (a NO_EXPERT entry to none);
+    each row padded with -1 to the step's T*k."""
     plans = []
     for l in range(table.table.shape[0]):
         lists = [[] for _ in range(table.num_experts)]
         for t, token in enumerate(token_ids):
             for e in table.table[l, token]:
-                lists[int(e)].append(t)
+                if e != NO_EXPERT:
+                    lists[int(e)].append(t)
         offsets = [0]
         for tokens in lists:
             offsets.append(offsets[-1] + len(tokens))
-        plans.append((offsets, [t for tokens in lists for t in tokens]))
+        indices = [t for tokens in lists for t in tokens]
+        plans.append((offsets, indices + [-1] * (len(token_ids) * table.top_k - len(indices))))
     return plans
 
 
@@ -355,3 +375,107 @@ def test_a_failed_write_names_the_table_and_leaves_no_tmp(tmp_path, where):
         write_routing_table(path, random_table(), E, DIGEST)
     assert e.value.filename == str(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out.bin"] if where == "a directory" else [])
+
+
+# --- version 3: NO_EXPERT entries --------------------------------------------------------------------------
+
+
+def test_a_gated_table_round_trips_as_version_3(tmp_path):
+    """A table with NO_EXPERT entries is written as version 3, one without as version 2 (what every earlier
+    reader loads), and loads back equal either way."""
+    gated = gated_table()
+    assert (gated == NO_EXPERT).any() and (gated != NO_EXPERT).any()
+    path = write_routing_table(tmp_path / "gated.bin", gated, E, DIGEST)
+    assert struct.unpack_from("<I", path.read_bytes(), 4) == (3,) and path.stat().st_size == HEADER_SIZE + gated.nbytes
+    table = RoutingTable.load(path, CONFIG, DIGEST)
+    np.testing.assert_array_equal(table.table, gated)
+    assert (table.top_k, table.model_digest, table.complete) == (3, DIGEST, False)
+    full = write_routing_table(tmp_path / "full.bin", random_table(k=3), E, DIGEST)
+    assert struct.unpack_from("<I", full.read_bytes(), 4) == (2,) and RoutingTable.load(full, CONFIG, DIGEST).complete
+    all_none = write_routing_table(tmp_path / "none.bin", np.full((L, V, 2), NO_EXPERT, np.uint16), E, DIGEST)
+    assert not RoutingTable.load(all_none, CONFIG, DIGEST).complete  # a table may predict nothing at all
+
+
+def test_a_version_2_file_written_by_hand_still_loads(tmp_path):
+    write_raw(tmp_path / "v2.bin", random_table(seed=8), E, DIGEST, version=2)
+    np.testing.assert_array_equal(RoutingTable.load(tmp_path / "v2.bin", CONFIG, DIGEST).table, random_table(seed=8))
+
+
+@pytest.mark.parametrize(
+    "row, version, fragments",
+    [
+        ([NO_EXPERT, 1, 2], 3, ["experts of [layer 1 (model layer 1), token 42]", "predictions first, then NO_EXPERT"]),
+        ([1, NO_EXPERT, 2], 3, ["[1, 65535, 2]", "predictions first"]),
+        ([2, 2, NO_EXPERT], 3, ["[2, 2, 65535]", "distinct expert ids"]),
+        ([3, E, NO_EXPERT], 3, ["entry [layer 1 (model layer 1), token 42, slot 1] is 4", f"< num_experts={E}"]),
+        ([3, 1, NO_EXPERT], 2, ["slot 2] is 65535", f"< num_experts={E} (NO_EXPERT=65535 needs version 3)"]),
+    ],
+)
+def test_each_entry_check_of_a_gated_table_is_one_line(tmp_path, row, version, fragments):
+    """A real entry after NO_EXPERT, a duplicate, an id out of range, and NO_EXPERT in a version-2 file."""
+    table = gated_table() if version == 3 else random_table(k=3)
+    table[1, 42] = row
+    write_raw(tmp_path / "bad.bin", table, E, DIGEST, version=version)
+    expect_error(tmp_path / "bad.bin", *fragments)
+
+
+def test_repeated_no_expert_entries_are_no_duplicates(tmp_path):
+    table = random_table(k=3)
+    table[0, 5] = [2, NO_EXPERT, NO_EXPERT]
+    table[1, 6] = [NO_EXPERT] * 3
+    write_raw(tmp_path / "ok.bin", table, E, DIGEST, version=3)
+    np.testing.assert_array_equal(RoutingTable.load(tmp_path / "ok.bin", CONFIG, DIGEST).table, table)
+
+
+@pytest.mark.parametrize("row", [[NO_EXPERT, 1], [1, 1], [E, NO_EXPERT]])
+def test_the_writer_refuses_what_the_reader_would(tmp_path, row):
+    table = random_table()
+    table[0, 9] = row
+    with pytest.raises(ValueError, match=r"^(experts of|entry) \[layer 0, token 9"):
+        write_routing_table(tmp_path / "x.bin", table, E, DIGEST)
+    assert not list(tmp_path.iterdir())
+
+
+def test_lookup_and_plan_of_a_gated_table(tmp_path):
+    """The lookup keeps NO_EXPERT; the plan lists each token under its real predictions only, each row padded
+    with -1 after them, and the worker reads it back as each token's predictions, -1 for the rest."""
+    path = write_routing_table(tmp_path / "gated.bin", gated_table(seed=3), E, DIGEST)
+    table = RoutingTable.load(path, CONFIG, DIGEST)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        ids = rng.integers(0, 30, size=int(rng.integers(1, 40)))
+        np.testing.assert_array_equal(table.lookup(ids), table.table[:, ids])
+        assert_plan_matches(table, ids)
+        planned = table.routing_plan(ids).expert_ids(E, len(ids))
+        for l, layer in enumerate(CONFIG.moe_layers):
+            expected = [sorted(int(e) for e in row if e != NO_EXPERT) for row in table.table[l, ids]]
+            got = [[int(e) for e in row if e >= 0] for row in planned[layer]]
+            assert got == expected
+            assert all(list(row[len(e) :]) == [-1] * (table.top_k - len(e)) for row, e in zip(planned[layer], got))
+    with pytest.raises(InvalidRequestError, match="every token needs 3 experts"):  # a routing needs all k
+        table.routing_plan(np.arange(30)).expert_ids(E, 30, 3)
+
+
+def test_random_corruptions_of_a_gated_table_are_refused_or_valid(tmp_path):
+    """Seeded fuzz over a version-3 body (entries rewritten, the crc fixed up): a one-line refusal, or a table
+    whose rows are predictions first (distinct, < num_experts), NO_EXPERT after them."""
+    rng = np.random.default_rng(12)
+    good = write_routing_table(tmp_path / "good.bin", gated_table(seed=5), E, DIGEST).read_bytes()
+    path, refused = tmp_path / "fuzz.bin", 0
+    for _ in range(200):
+        data = bytearray(good)
+        body = np.frombuffer(data, "<u2", offset=HEADER_SIZE).copy()
+        body[rng.integers(0, body.size, int(rng.integers(1, 4)))] = rng.choice([0, 1, E - 1, E, NO_EXPERT])
+        data[HEADER_SIZE:] = body.tobytes()
+        struct.pack_into("<I", data, 24, zlib.crc32(bytes(data[DIGEST_AT:])))
+        path.write_bytes(bytes(data))
+        try:
+            table = RoutingTable.load(path, CONFIG, DIGEST).table
+        except RoutingTableError as error:
+            assert "\n" not in str(error) and str(error).startswith(str(path))
+            refused += 1
+            continue
+        for row in table.reshape(-1, table.shape[2]).tolist():
+            real = [e for e in row if e != NO_EXPERT]
+            assert row[: len(real)] == real and len(set(real)) == len(real) and all(e < E for e in real)
+    assert 20 < refused < 200

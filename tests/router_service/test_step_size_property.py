@@ -31,6 +31,8 @@ def _planner(rng, vocab: int) -> RoutingPlanner:
     top_k = int(rng.integers(1, min(experts, 8) + 1))
     first = rng.integers(0, experts, (layers, vocab, 1))
     table = ((first + np.arange(top_k)) % experts).astype(np.uint16)  # distinct experts per token
+    if rng.random() < 0.3:  # a gated table (router-gen --min-share): rows padded, the message no larger
+        table[np.arange(top_k)[None, None, :] >= rng.integers(0, top_k + 1, (layers, vocab))[:, :, None]] = 0xFFFF
     return RoutingPlanner(RoutingTable(table, experts, sorted(rng.choice(64, layers, replace=False).tolist())))
 
 

@@ -316,3 +316,68 @@ def test_a_plan_table_that_is_read_or_the_router_warns_nothing(tmp_path, caplog)
         assert warn_unread_plan_table(EngineConfig(plan_table="router"), cached=False) is None
         assert warn_unread_plan_table(EngineConfig(), cached=False) is None
     assert not caplog.records
+
+
+def gapped_ids(rng, L: int, T: int, k: int, E: int) -> np.ndarray:
+    """[L, T, k] uint16: each token's first 0..k of k distinct experts, NO_EXPERT after them (a gated table's)."""
+    from common.routing_plan import NO_EXPERT
+
+    ids = np.argsort(rng.random((L, T, E)), axis=2)[:, :, :k].astype(np.uint16)
+    ids[np.arange(k)[None, None, :] >= rng.integers(0, k + 1, (L, T))[:, :, None]] = NO_EXPERT
+    return ids
+
+
+def test_a_gapped_plan_round_trips_through_the_wire_as_padded_ids():
+    """A prediction naming fewer experts for some tokens: each CSR row lists the real entries, -1 padding after
+    them; the worker reads back each token's experts ascending, then -1; keep_rows renumbers it as a full plan."""
+    from common.routing_plan import NO_EXPERT
+
+    rng = np.random.default_rng(21)
+    L, T, k, E = 3, 11, 3, 7
+    ids = gapped_ids(rng, L, T, k, E)
+    plan = RoutingPlan.from_expert_ids([1, 2, 4], ids, E)
+    real = (ids != NO_EXPERT).sum(axis=(1, 2))
+    assert plan.offsets[:, -1].tolist() == real.tolist() and plan.token_indices.shape == (L, T * k)
+    for l in range(L):
+        assert (plan.token_indices[l, real[l] :] == -1).all() and (plan.token_indices[l, : real[l]] >= 0).all()
+    back = wire.routing_plan(pb.RoutingPlan.FromString(router_wire.routing_plan(plan).SerializeToString()), [1, 2, 4])
+    got = back.expert_ids(E, T)
+    for l, layer in enumerate((1, 2, 4)):
+        for t in range(T):
+            named = sorted(int(e) for e in ids[l, t] if e != NO_EXPERT)
+            assert got[layer][t].tolist() == named + [-1] * (k - len(named))
+    kept = plan.keep_rows([4, 7], [False, True], E)  # the first 4 tokens' row failed alone
+    again = kept.expert_ids(E, 7)
+    for layer in (1, 2, 4):
+        np.testing.assert_array_equal(again[layer], got[layer][4:])
+    assert routing_plan_recall(got, {layer: np.tile([[0, 1]], (T, 1)) for layer in got}) is not None
+    with pytest.raises(InvalidRequestError, match=f"every token needs {k} experts"):  # a routing needs all k
+        back.expert_ids(E, T, k)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda o, t: (o, np.where(np.arange(t.shape[1]) < o[:, -1:], t, 99).astype(np.int32)), None),  # padding
+        (lambda o, t: (o, np.where(t == 0, 5, t).astype(np.int32)), "token_indices"),  # a token listed too often
+        (lambda o, t: (np.minimum(o + 1, 99).astype(np.int32), t), "offsets"),  # past the row
+    ],
+)
+def test_a_gapped_plans_padding_is_ignored_and_its_entries_checked(mutate, field):
+    """Entries past a row's offsets[E] are padding, whatever they hold; the real ones still index the step's
+    tokens, each at most k times; offsets still end inside the row."""
+    rng = np.random.default_rng(22)
+    L, T, k, E = 2, 6, 2, 5
+    ids = gapped_ids(rng, L, T, k, E)
+    ids[:, 0, :] = [1, 3]  # token 0 has both experts at every layer
+    ids[:, 5, :] = [2, 0xFFFF]  # token 5 one: every row has padding, and token 0's two more are three
+    plan = RoutingPlan.from_expert_ids([0, 1], ids, E)
+    good = plan.expert_ids(E, T)
+    offsets, tokens = mutate(plan.offsets, plan.token_indices)
+    if field is None:
+        got = RoutingPlan((0, 1), offsets, tokens).expert_ids(E, T)
+        assert all(np.array_equal(got[layer], good[layer]) for layer in good)
+        return
+    with pytest.raises(InvalidRequestError) as e:
+        RoutingPlan((0, 1), offsets, tokens).expert_ids(E, T)
+    assert e.value.field == f"routing_plan.{field}" and "\n" not in str(e.value)
