@@ -29,6 +29,8 @@ class RoutingPlanner:
         self.model_top_k = model_top_k  # the model's experts a token: what a worker on --routing lut needs a plan of
 
     def routing_plan(self, step: ScheduledStep) -> RoutingPlan:
+        """The step's plan: each token's predictions per layer, a NO_EXPERT entry (a token the table predicts
+        nothing more for) naming no expert (rows padded, common/routing_plan.py)."""
         return self.table.routing_plan(step_token_ids(step))
 
 
@@ -47,5 +49,11 @@ def lut_plan_problem(worker_routing: str, planner: RoutingPlanner | None) -> str
         return (
             f"routing_table: {top_k} experts a token, but the worker runs --routing lut, which routes each token "
             f"to the model's {model_top_k} (`colibri router-gen --top-k {model_top_k}`)"
+        )
+    if not planner.table.complete:
+        return (
+            "routing_table: some tokens have no prediction at some layers (NO_EXPERT entries, `router-gen "
+            "--min-share`), but the worker runs --routing lut, which routes each token to the experts the plan names "
+            "(build the table without --min-share)"
         )
     return None

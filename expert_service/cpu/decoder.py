@@ -22,7 +22,7 @@ from expert_service.engine.step import ForwardBatch, HostLogits, StepTrace
 from expert_service.experts.cache import ExpertCache
 from expert_service.experts.grouping import experts_by_count
 from expert_service.experts.host_copy import HostCopyEngine
-from expert_service.experts.routing_plan import worker_plan_table
+from expert_service.experts.routing_plan import lookup_hints, worker_plan_table
 from expert_service.experts.slots import SlotPlan
 
 
@@ -192,10 +192,11 @@ class CpuDecoder:
 
     # --- expert cache -------------------------------------------------------------------------------
     def _plan_hints(self, batch: ForwardBatch) -> dict[int, np.ndarray] | None:
-        """The step's plan, layer -> predicted ids [T, k]: its own tokens looked up in the table, or the router's."""
+        """The step's plan, layer -> predicted ids [T, k] (-1: no prediction): its own tokens looked up in the
+        table, or the router's."""
         if self.plan_lookup is None:
             return batch.expert_hints
-        return dict(zip(self.config.moe_layers, self.plan_lookup.lookup(batch.token_ids)))
+        return lookup_hints(self.plan_lookup, batch.token_ids)
 
     def _prefetch_plan(self, cache: ExpertCache, hints: dict[int, np.ndarray] | None, layer: int | None) -> None:
         if layer is not None and PrefetchSource.PLAN in self.prefetch and hints and layer in hints:

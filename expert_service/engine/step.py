@@ -53,7 +53,7 @@ class ForwardBatch:
     logits_rows: np.ndarray  # rows whose logits are wanted (e.g. each sequence's last token)
     routed_experts: dict[int, np.ndarray] | None = None  # routing=lut: layer -> planned expert ids [T, k]
     expert_hints: dict[int, np.ndarray] | None = None  # the router's plan (either routing): layer -> [T, k],
-    # what the expert cache prefetches from
+    # what the expert cache prefetches from (-1: no prediction, a token the table predicts fewer experts for)
     penalties: PenaltyBatch | None = None  # penalty state updates and the penalised sampling rows (the first
     # rows of logits_rows); None: no penalised sequence in the step
     fed_rows: np.ndarray | None = None  # [T] int32: the logits row of the step launched just before whose

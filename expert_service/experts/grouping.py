@@ -60,6 +60,8 @@ def combine(grouped_outputs: np.ndarray, groups: ExpertGroups, weights: np.ndarr
 
 
 def experts_by_count(ids: np.ndarray) -> list[int]:
-    """Distinct expert ids, most tokens first (what a prefetch with little room should bring first)."""
-    experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
+    """Distinct expert ids, most tokens first (what a prefetch with little room should bring first); a negative
+    id (-1: a plan's "no prediction", as the device's hints write it) names no expert and is left out."""
+    flat = np.asarray(ids).reshape(-1)
+    experts, counts = np.unique(flat[flat >= 0], return_counts=True)
     return [int(e) for e in experts[np.argsort(-counts, kind="stable")]]

@@ -17,7 +17,7 @@ from common.errors import ConfigError, ModelFormatError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.routing_plan import RoutingPlan
-from common.routing_table import TABLE_FILE, RoutingTable
+from common.routing_table import NO_EXPERT, TABLE_FILE, RoutingTable
 from expert_service.engine.config import EngineConfig, PrefetchSource, RoutingMode
 
 log = logging.getLogger("colibri.worker")
@@ -27,7 +27,7 @@ ROUTER_PLANS = "router"  # EngineConfig.plan_table: the router's plans, never a 
 
 def routing_plan_recall(planned: dict[int, np.ndarray], exact: dict[int, np.ndarray]) -> float | None:
     """Share of the exact (token, expert) assignments the routing plan predicted, over all planned MoE layers
-    (both as {layer: expert ids [T, k]})."""
+    (both as {layer: expert ids [T, k]}; a planned -1, no prediction, matches none)."""
     hits = total = 0
     for layer, exact_ids in exact.items():
         predicted = planned.get(layer)
@@ -40,12 +40,21 @@ def routing_plan_recall(planned: dict[int, np.ndarray], exact: dict[int, np.ndar
 
 def table_recall(table: RoutingTable, token_ids: np.ndarray, exact: dict[int, np.ndarray]) -> float | None:
     """`routing_plan_recall` of the table's own prediction for a step's input tokens [T] (the worker's plan
-    lookup), every MoE layer of `exact` ({layer: ids [T, K]}) at once."""
+    lookup), every MoE layer of `exact` ({layer: ids [T, K]}) at once (a NO_EXPERT entry matches no expert)."""
     if not exact or not len(token_ids):
         return None
     predicted = table.lookup(token_ids)[[table.moe_layers.index(layer) for layer in exact]]  # [L, T, k]
     ids = np.stack(list(exact.values()))  # [L, T, K]
     return int((ids[:, :, :, None] == predicted[:, :, None, :]).any(axis=-1).sum()) / ids.size
+
+
+def lookup_hints(table: RoutingTable, token_ids: np.ndarray) -> dict[int, np.ndarray]:
+    """The plan prefetch's predictions for a step's tokens [T] from the table: {MoE layer: expert ids [T, k]
+    int32}, -1 where the table predicts nothing (NO_EXPERT), as the device's lookup (kernels/table_hints.py) and
+    the router's padded plans write it."""
+    ids = table.lookup(token_ids).astype(np.int32)
+    ids[ids == NO_EXPERT] = -1
+    return dict(zip(table.moe_layers, ids))
 
 
 def warmup_routing_plan(moe_layers: list[int], num_experts: int, top_k: int, num_tokens: int) -> RoutingPlan:

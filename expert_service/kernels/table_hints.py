@@ -2,14 +2,16 @@
 looked up in the table (the file the router reads, [L, V, k]) from the step's own input tokens, decodes fed from
 the step before's argmax included. The prefetch then needs nothing from the host, and a step launched before the
 one ahead is collected predicts for its real input token, which the router learns only a step later. Reference:
-numpy ``hints[l, t*W + j] = table[l, token(t), j]`` for a real token t and j < k, -1 elsewhere
-(tests/expert_service/kernels/test_table_hints.py).
+numpy ``hints[l, t*W + j] = table[l, token(t), j]`` for a real token t, j < k and an entry that is not NO_EXPERT,
+-1 elsewhere (tests/expert_service/kernels/test_table_hints.py).
 
   ids [T] int32             the step's staged token ids
   feed [T] int32            the row of `fed` holding token t's id, or -1 (ids[t] is it)
   fed [R] int32             the step before's argmax ids (decodes fed on the device)
   slot_mapping [T] int32    token t's KV slot; -1 marks a padding token, which predicts nothing
-  table [L, V, k] uint16    per MoE layer and token id, the experts predicted
+  table [L, V, k] uint16    per MoE layer and token id, the experts predicted; NO_EXPERT (0xFFFF, a version-3
+                            table's "no prediction", common/routing_table.py) predicts nothing: -1, as a
+                            padding token's entries (the prefetch skips -1)
   hints [L, >= T*W] int32   out: each row's first T*W entries written, token-major, W >= k entries a token (the
                             model's top-k, or the table's k when it predicts more)
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, types
 
+from common.routing_plan import NO_EXPERT
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR
 
@@ -44,7 +47,9 @@ def _table_hints_kernel(ids, feed, fed, slot_mapping, table, hints, T, W):
             if feed[t] >= 0:
                 token = fed[feed[t]]
             if token >= 0 and token < V:
-                expert = np.int32(table[layer, token, j])
+                predicted = table[layer, token, j]
+                if predicted != NO_EXPERT:
+                    expert = np.int32(predicted)
         hints[layer, entry] = expert
 
 

@@ -30,7 +30,7 @@ from common.model_config import ModelConfig
 from common.model_manifest import MANIFEST, expert_file
 from common.model_writer import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
-from common.routing_table import TABLE_FILE, model_digest, recorded_model_digest
+from common.routing_table import COUNTS_SUFFIX, TABLE_FILE, model_digest, recorded_model_digest
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 from expert_service.tools.routing_gen import report_path_for
@@ -55,7 +55,8 @@ GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 # Names in OUT_DIR that belong to the model directory but that a conversion does not rewrite: the routing table
 # (the worker reads it by name), its report, and leftovers of a killed write. An earlier model's are removed:
 # each describes that model alone. Expert files of layers the new model lacks go too (EXPERT_FILE).
-TABLE_OUTPUTS = (TABLE_FILE, report_path_for(Path(TABLE_FILE)).name)  # kept together when the table fits the model
+# router-gen's outputs beside the table: its report and (--save-counts) its counts, kept together when it fits
+TABLE_OUTPUTS = (TABLE_FILE, report_path_for(Path(TABLE_FILE)).name, TABLE_FILE + COUNTS_SUFFIX)
 STALE_OUTPUTS = (*TABLE_OUTPUTS, TABLE_FILE + ".tmp", MANIFEST + ".tmp")
 EXPERT_FILE = re.compile(r"experts-L(\d{3,})\.bin")
 

@@ -136,7 +136,7 @@ def load_plan(
 def _keep_hot(spec: object, config: ModelConfig, path: Path) -> tuple[frozenset[tuple[int, int]], Path]:
     """The `per_layer` experts each MoE layer's table rows name most often (over every token id; ties to
     the lower id): the experts most tokens are predicted to use; and the table's path."""
-    from common.routing_table import RoutingTable
+    from common.routing_table import NO_EXPERT, RoutingTable
 
     keep = _mapping(spec, path, "keep_hot")
     unknown = [k for k in keep if k not in ("routing_table", "per_layer")]
@@ -159,7 +159,8 @@ def _keep_hot(spec: object, config: ModelConfig, path: Path) -> tuple[frozenset[
         raise type(e)(f"{path}: keep_hot.routing_table: {e}") from None
     hot: set[tuple[int, int]] = set()
     for index, layer in enumerate(table.moe_layers):
-        counts = np.bincount(table.table[index].ravel(), minlength=config.num_experts)
+        named = table.table[index].ravel()
+        counts = np.bincount(named[named != NO_EXPERT], minlength=config.num_experts)  # NO_EXPERT names none
         hot.update((layer, int(expert)) for expert in np.argsort(-counts, kind="stable")[:per_layer])
     return frozenset(hot), table_path
 

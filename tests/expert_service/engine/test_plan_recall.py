@@ -97,3 +97,44 @@ def test_a_router_table_wider_than_the_models_top_k_is_a_prediction_under_exact_
     lut = build_engine(model, EngineConfig(backend="cpu", kv_block_size=4, routing="lut"))
     with pytest.raises(InvalidRequestError, match="^routing_plan.token_indices: every token needs 2 experts$"):
         lut.step(chunks, routing_plan=plan)
+
+
+@pytest.mark.parametrize("source", ["worker", "router"])
+def test_a_gated_tables_no_expert_entries_predict_and_prefetch_nothing(token_routed, tmp_path, monkeypatch, source):
+    """A version-3 table (router-gen --min-share): a NO_EXPERT entry is no prediction. The cpu cache prefetches
+    only the real ones, from the worker's own lookup or the router's padded plan, and the recall counts them: the
+    exact table's kept predictions are all hits, so recall = kept predictions / (tokens x layers x k)."""
+    from common.routing_table import NO_EXPERT
+    from expert_service.experts.cache import ExpertCache
+
+    model, table = token_routed
+    cfg = model.config
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    gated = table.copy()
+    gated[:, ::2, 1:] = NO_EXPERT  # even token ids keep their first prediction
+    gated[:, ::3, :] = NO_EXPERT  # every third predicts nothing
+    gated[1:, 42] = table[1:, 42]  # one token predicts at some layers and not at others
+    path = write_routing_table(tmp_path / "gated.bin", gated, E, model_digest(model.path))
+    prefetched: list[int] = []
+    prefetch = ExpertCache.prefetch
+
+    def spy(self, layer, experts):
+        experts = list(experts)
+        prefetched.extend(experts)
+        return prefetch(self, layer, experts)
+
+    monkeypatch.setattr(ExpertCache, "prefetch", spy)
+    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan")
+    tokens = np.concatenate(PROMPTS)
+    chunks = [PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)]
+    if source == "worker":
+        engine = cpu_engine(model, EngineConfig(**config, plan_table=str(path)), overlap=False)
+        result = engine.step(chunks)  # serial 0: scored
+    else:
+        engine = build_engine(model, EngineConfig(**config, plan_table="router"))
+        plan = RoutingTable.load(path, cfg, model_digest(model.path)).routing_plan(tokens)
+        result = engine.step(chunks, routing_plan=plan)
+    kept = int((gated[:, tokens] != NO_EXPERT).sum())
+    assert 0 < kept < gated[:, tokens].size
+    assert result.routing_plan_recall == pytest.approx(kept / (len(tokens) * len(cfg.moe_layers) * K))
+    assert prefetched and all(0 <= e < E for e in prefetched)

@@ -1,11 +1,12 @@
 """table_hints vs numpy: random tables and steps with fed decodes and padding tokens; every entry of the written
 rows checked (the hints start as garbage), the entries past T*W untouched, tables predicting fewer experts a
-token than the hints hold, and the launcher's refusals."""
+token than the hints hold, version-3 tables whose NO_EXPERT entries predict nothing, and the launcher's refusals."""
 
 import numpy as np
 import pytest
 from numba import cuda
 
+from common.routing_table import NO_EXPERT
 from expert_service.kernels.table_hints import launch_table_hints
 
 GARBAGE = -7
@@ -20,7 +21,9 @@ def reference(ids, feed, fed, slot_mapping, table, K):
         if slot_mapping[t] < 0 or not 0 <= token < V:
             continue
         for layer in range(L):
-            hints[layer, t * K : t * K + k] = table[layer, token]
+            for j in range(k):
+                if table[layer, token, j] != NO_EXPERT:
+                    hints[layer, t * K + j] = table[layer, token, j]
     return hints
 
 
@@ -50,6 +53,26 @@ def test_hints_are_the_tables_predictions_of_each_real_token(L, V, E, k, K, T, w
     np.testing.assert_array_equal(got[:, : T * K], reference(ids, feed, fed, slot_mapping, table, K))
     assert (got[:, T * K :] == GARBAGE).all()  # past the step's entries: not written
     assert (got[:, : T * K] >= -1).all() and (got[:, : T * K] < E).all()
+
+
+@pytest.mark.parametrize("L,V,E,k,K,T,width", [(3, 50, 8, 2, 2, 7, 14), (2, 300, 128, 8, 8, 33, 33 * 8 + 5)])
+def test_no_expert_entries_predict_nothing(L, V, E, k, K, T, width):
+    """A version-3 table (router-gen --min-share): each token keeps a random number of its k predictions (none
+    to all), NO_EXPERT after them; every written entry against the reference, so a NO_EXPERT is -1, never 0xFFFF."""
+    rng = np.random.default_rng(7 * T + k)
+    table = np.stack([[rng.choice(E, size=k, replace=False) for _ in range(V)] for _ in range(L)]).astype(np.uint16)
+    kept = rng.integers(0, k + 1, (L, V))
+    table[np.arange(k)[None, None, :] >= kept[:, :, None]] = NO_EXPERT
+    ids, feed, fed, slot_mapping = step(rng, T, V, fed_rows=3)
+    ids[: T // 2] = rng.choice(np.flatnonzero(kept.min(axis=0) < k), T // 2)  # tokens with gaps at some layer
+    out = cuda.to_device(np.full((L, width), GARBAGE, np.int32))
+    launch_table_hints(*(cuda.to_device(a) for a in (ids, feed, fed, slot_mapping, table)), out, K)
+    got = out.copy_to_host()
+    expected = reference(ids, feed, fed, slot_mapping, table, K)
+    np.testing.assert_array_equal(got[:, : T * K], expected)
+    assert (got[:, T * K :] == GARBAGE).all()
+    assert (got[:, : T * K] >= -1).all() and (got[:, : T * K] < E).all()
+    assert (expected == -1).sum() > (slot_mapping < 0).sum() * L * K  # the NO_EXPERT entries were exercised
 
 
 def test_a_token_id_outside_the_table_predicts_nothing():

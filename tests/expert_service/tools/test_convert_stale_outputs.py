@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from colibri.cli import main
 from common.model_format import ModelDir
-from common.routing_table import TABLE_FILE, RoutingTable, model_digest, write_routing_table
+from common.routing_table import COUNTS_SUFFIX, NO_EXPERT, TABLE_FILE, RoutingTable, model_digest, write_routing_table
 from expert_service.engine.config import EngineConfig
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.tools.convert import convert
@@ -140,21 +140,27 @@ def test_names_a_model_directory_never_uses_as_files_are_left_alone(tmp_path, ca
     assert later.config.moe_layers
 
 
-def test_converting_the_same_checkpoint_again_keeps_the_table_built_for_it(tmp_path, caplog):
+@pytest.mark.parametrize("gated", [False, True])
+def test_converting_the_same_checkpoint_again_keeps_the_table_built_for_it(tmp_path, caplog, gated):
     """A convert run twice over the same checkpoint with the same settings (a Job restarted) writes the same model,
     whose routing table stays valid: it was deleted, and plan prefetch lost it until `colibri router-gen` ran again.
-    A conversion with other settings is another model: its table still goes."""
+    A conversion with other settings is another model: its table still goes. A gated table (version 3, router-gen
+    --min-share) is kept or removed the same way, its counts file (--save-counts) with it."""
     seed = int(np.random.default_rng().integers(0, 1000))
     hf_dir, out = checkpoint(tmp_path / "hf", seed), tmp_path / "m"
     model = ModelDir.open(convert(hf_dir, out, dtype="bfloat16", progress=False))
     table = random_table(model, seed)
+    if gated:
+        table[:, ::3, 1:] = NO_EXPERT
     write_routing_table(out / TABLE_FILE, table, model.config.num_experts, model_digest(out))
-    report = out / f"{TABLE_FILE}.report.json"
+    assert struct.unpack_from("<I", (out / TABLE_FILE).read_bytes(), 4) == (3 if gated else 2,)
+    report, counts = out / f"{TABLE_FILE}.report.json", out / f"{TABLE_FILE}{COUNTS_SUFFIX}"
     report.write_text('{"recall": 0.5}')
+    counts.write_bytes(b"router-gen's counts")
     with caplog.at_level(logging.INFO, logger="colibri.convert"):
         again = ModelDir.open(convert(hf_dir, out, dtype="bfloat16", progress=False))
     assert np.array_equal(RoutingTable.load(out / TABLE_FILE, again.config, model_digest(out)).table, table)
-    assert report.read_text() == '{"recall": 0.5}'
+    assert report.read_text() == '{"recall": 0.5}' and counts.read_bytes() == b"router-gen's counts"
     assert not [r for r in caplog.records if "removed" in r.getMessage()]
     convert(hf_dir, out, dtype="bfloat16", expert_dtype="int8", progress=False)
-    assert not (out / TABLE_FILE).exists() and not report.exists()
+    assert not (out / TABLE_FILE).exists() and not report.exists() and not counts.exists()

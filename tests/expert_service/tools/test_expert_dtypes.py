@@ -47,3 +47,21 @@ def test_an_empty_keep_hot_routing_table_is_refused_naming_the_key(tmp_path, val
     path.write_text(f"keep_hot:\n  routing_table: {value}\n")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: keep_hot.routing_table must name a routing"):
         load_plan(CONFIG, None, quant.BLOCK128, path)
+
+
+def test_keep_hot_counts_only_a_gated_tables_real_predictions(tmp_path):
+    """A gated table (router-gen --min-share) fills a row's end with NO_EXPERT (65535): never an expert to keep
+    hot, however often it appears (np.bincount of the raw entries gave 65,536 counts and picked nothing real)."""
+    import numpy as np
+
+    from common.routing_table import NO_EXPERT, write_routing_table
+
+    L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts
+    table = np.full((L, V, 2), NO_EXPERT, np.uint16)
+    table[:, :, 0] = np.arange(L)[:, None] % E  # each layer's one predicted expert: layer % E
+    table[:, :7, 1] = (np.arange(L)[:, None] + 1) % E  # a second prediction for a few tokens
+    write_routing_table(tmp_path / "gated.bin", table, E, "sha256:" + "ab" * 32)
+    path = tmp_path / "plan.yaml"
+    path.write_text("keep_hot:\n  routing_table: gated.bin\n  per_layer: 1\n")
+    plan = load_plan(CONFIG, None, quant.BLOCK128, path)
+    assert plan.hot == {(layer, index % E) for index, layer in enumerate(CONFIG.moe_layers)}
