@@ -5,7 +5,9 @@ kept aside. Every other sequence is prefilled with the engine (exact routing), a
 count how often each (token id, expert) pair is chosen. The table keeps, per layer and token id, the k most
 frequent experts; ties, and token ids never seen, are ranked by the fallback: the layer's gate applied to
 the token's embedding normalised by the norm that feeds the gate (post_attn_norm), i.e. the routing the
-token would get if attention and earlier layers added nothing to the residual stream. Recall is then
+token would get if attention and earlier layers added nothing to the residual stream. With --min-share F, only
+the predictions whose share of the token's occurrences is >= F are kept, NO_EXPERT after them
+(expert_service/tools/routing_shares.py). Recall, and the predictions a token keeps and their precision, are then
 measured against exact routing of the held-out sequences.
 
 Memory: counting buffers one int32 key (token * E + expert; int64 when V * E >= 2**31) per chosen expert,
@@ -29,12 +31,13 @@ from common import dtypes
 from common.errors import ConfigError, InvalidRequestError, ModelFormatError
 from common.files import write_new
 from common.model_format import ModelDir
-from common.routing_table import model_digest, write_routing_table
+from common.routing_table import NO_EXPERT, model_digest, write_routing_table
 from expert_service.cpu.layers.moe import route
 from expert_service.cpu.layers.norm import rms_norm
 from expert_service.engine.engine import Engine, PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.model_tokenizer import read_tokenizer
+from expert_service.tools.routing_shares import TableCounts, gate_by_share, write_counts
 
 CORPUS_FORMATS = ("auto", "text", "ids")
 _COMPACT_KEYS = 64 * 1024 * 1024
@@ -161,11 +164,16 @@ class RoutingCounts:
         self.buffer: list[list[np.ndarray]] = [[] for _ in range(num_layers)]  # per layer: raw keys
         self.merged = [(np.zeros(0, self.key_dtype), np.zeros(0, np.int64)) for _ in range(num_layers)]
         self.buffered = 0
-        self.seen = np.zeros(vocab_size, dtype=bool)  # [V]: token ids present in the training data
+        self.occurrences = np.zeros(vocab_size, dtype=np.int64)  # [V]: each token id's occurrences in training
+
+    @property
+    def seen(self) -> np.ndarray:
+        """[V] bool: token ids present in the training data."""
+        return self.occurrences > 0
 
     def add(self, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> None:
         """token_ids [T]; experts_per_layer: per MoE layer, chosen expert ids [T, K]."""
-        self.seen[token_ids] = True
+        self.occurrences += np.bincount(token_ids, minlength=self.vocab_size)
         base = token_ids.astype(self.key_dtype)[:, None] * self.num_experts
         for layer, experts in enumerate(experts_per_layer):
             self.buffer[layer].append((base + experts.astype(self.key_dtype)).ravel())
@@ -210,9 +218,15 @@ def fallback_ranking(model: ModelDir, layer: int, token_start: int, token_end: i
 def build_table(model: ModelDir, counts: RoutingCounts | None, top_k: int) -> np.ndarray:
     """uint16 [L, V, top_k]: per MoE layer and token, the top_k most counted experts, ties and unseen tokens
     ranked by `fallback_ranking` (so with no counts the table is the fallback alone)."""
+    return ranked_table(model, counts, top_k)[0]
+
+
+def ranked_table(model: ModelDir, counts: RoutingCounts | None, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(`build_table`'s table, the count of each of its entries int64 [L, V, top_k]: zeros without counts)."""
     config = model.config
     V = config.vocab_size
     table = np.zeros((len(config.moe_layers), V, top_k), dtype=np.uint16)
+    chosen = np.zeros(table.shape, dtype=np.int64)
     for l, layer in enumerate(config.moe_layers):
         dense = counts.dense(l) if counts is not None else None
         for lo in range(0, V, _VOCAB_BATCH):
@@ -222,18 +236,26 @@ def build_table(model: ModelDir, counts: RoutingCounts | None, top_k: int) -> np
                 # Stable sort by count over the fallback order = lexicographic (count, fallback rank).
                 by_count = np.argsort(-np.take_along_axis(dense[lo:hi], ranking, axis=1), axis=1, kind="stable")
                 ranking = np.take_along_axis(ranking, by_count, axis=1)
+                chosen[l, lo:hi] = np.take_along_axis(dense[lo:hi], ranking[:, :top_k], axis=1)
             table[l, lo:hi] = ranking[:, :top_k]
-    return table
+    return table, chosen
+
+
+def score_sums(table: np.ndarray, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> np.ndarray:
+    """Per MoE layer, sums over tokens of |table(token) ∩ exact(token)| / |exact(token)| (recall), of
+    |table(token) ∩ exact(token)| (hits) and of the predictions table(token) makes: float64 [L, 3] (a NO_EXPERT
+    entry is no prediction and matches nothing)."""
+    sums = np.zeros((len(experts_per_layer), 3), dtype=np.float64)
+    for l, exact in enumerate(experts_per_layer):
+        predicted = table[l, token_ids]  # [T, k]
+        hits = int((exact[:, :, None] == predicted[:, None, :]).any(axis=2).sum())
+        sums[l] = hits / exact.shape[1], hits, int((predicted != NO_EXPERT).sum())
+    return sums
 
 
 def recall_sums(table: np.ndarray, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> np.ndarray:
     """Per MoE layer, the sum over tokens of |table(token) ∩ exact(token)| / |exact(token)|."""
-    sums = np.zeros(len(experts_per_layer), dtype=np.float64)
-    for l, exact in enumerate(experts_per_layer):
-        predicted = table[l, token_ids]  # [T, k]
-        hits = (exact[:, :, None] == predicted[:, None, :]).any(axis=2).sum(axis=1)  # [T]
-        sums[l] = hits.sum() / exact.shape[1]
-    return sums
+    return score_sums(table, token_ids, experts_per_layer)[:, 0]
 
 
 def generate(
@@ -244,8 +266,25 @@ def generate(
     holdout: float,
     sequence_length: int,
     progress: bool = False,
+    min_share: float = 0.0,
 ) -> tuple[np.ndarray, dict]:
     """Returns (table uint16 [L, V, top_k], report dict). `engine` is only needed with a corpus."""
+    table, report, _ = generate_with_counts(model, engine, corpus, top_k, holdout, sequence_length, progress, min_share)
+    return table, report
+
+
+def generate_with_counts(
+    model: ModelDir,
+    engine: Engine | None,
+    corpus: np.ndarray | None,
+    top_k: int,
+    holdout: float,
+    sequence_length: int,
+    progress: bool = False,
+    min_share: float = 0.0,
+) -> tuple[np.ndarray, dict, TableCounts | None]:
+    """`generate`, and the table's counts (None without a corpus). min_share > 0 needs a corpus: without one
+    no token has a share, and every prediction would go."""
     config = model.config
     moe_layers = config.moe_layers
     report: dict[str, Any] = {  # the JSON report written next to the table
@@ -254,6 +293,7 @@ def generate(
         "num_experts": config.num_experts,
         "vocab_size": config.vocab_size,
         "moe_layers": moe_layers,
+        "min_share": min_share,
         "has_corpus": corpus is not None,
         "corpus_tokens": 0,
         "sequence_length": sequence_length,
@@ -264,46 +304,62 @@ def generate(
         "heldout_unseen_share": None,
         "recall_per_layer": None,
         "recall": None,
+        "predictions_per_token_per_layer": None,
+        "predictions_per_token": None,
+        "precision_per_layer": None,
+        "precision": None,
         "fallback_recall_per_layer": None,
         "fallback_recall": None,
         "note": NO_CORPUS_NOTE,
     }
     if corpus is None:
-        return build_table(model, None, top_k), report
+        if min_share > 0:
+            raise ConfigError("--min-share: needs --corpus (a token's share is counted over the corpus)")
+        return build_table(model, None, top_k), report, None
     assert engine is not None, "a corpus needs an engine to trace its routing"
     train, heldout = split_sequences(corpus, sequence_length, holdout)
     counts = RoutingCounts(config.vocab_size, config.num_experts, len(moe_layers))
     for token_ids, traced in trace_routing(engine, train, progress, "trace train"):
         counts.add(token_ids, [traced[layer] for layer in moe_layers])
-    table = build_table(model, counts, top_k)
+    ranked, chosen = ranked_table(model, counts, top_k)
+    table = gate_by_share(ranked, chosen, counts.occurrences, min_share)
+    counted = TableCounts(np.where(table == NO_EXPERT, 0, chosen), counts.occurrences)
+    gated = f"; predictions kept where their share is >= {min_share}, unseen token ids predict nothing"
     report.update(
         corpus_tokens=int(corpus.size),
         train_sequences=len(train),
         heldout_sequences=len(heldout),
         train_tokens=int(sum(s.size for s in train)),
         heldout_tokens=int(sum(s.size for s in heldout)),
-        note="table from exact routing over the corpus; unseen token ids use the embedding fallback",
+        note="table from exact routing over the corpus"
+        + (gated if min_share > 0 else "; unseen token ids use the embedding fallback"),
     )
     if not heldout:
         report["note"] += "; nothing held out (corpus shorter than two sequences or --holdout 0): recall not measured"
-        return table, report
+        return table, report, counted
     # The fallback alone is scored too: it shows what the corpus added.
     fallback = build_table(model, None, top_k)
-    sums, fallback_sums, unseen = np.zeros(len(moe_layers)), np.zeros(len(moe_layers)), 0
+    sums, fallback_sums, unseen = np.zeros((len(moe_layers), 3)), np.zeros((len(moe_layers), 3)), 0
     for token_ids, traced in trace_routing(engine, heldout, progress, "trace held-out"):
         exact = [traced[layer] for layer in moe_layers]
-        sums += recall_sums(table, token_ids, exact)
-        fallback_sums += recall_sums(fallback, token_ids, exact)
+        sums += score_sums(table, token_ids, exact)
+        fallback_sums += score_sums(fallback, token_ids, exact)
         unseen += int((~counts.seen[token_ids]).sum())
-    per_layer, fallback_per_layer = sums / report["heldout_tokens"], fallback_sums / report["heldout_tokens"]
+    tokens = report["heldout_tokens"]
+    per_layer, fallback_per_layer, predictions = sums[:, 0] / tokens, fallback_sums[:, 0] / tokens, sums[:, 2] / tokens
+    precision = [float(h / p) if p else None for h, p in zip(sums[:, 1], sums[:, 2])]
     report.update(
         recall_per_layer=[float(r) for r in per_layer],
         recall=float(per_layer.mean()),
+        predictions_per_token_per_layer=[float(p) for p in predictions],
+        predictions_per_token=float(predictions.mean()),
+        precision_per_layer=precision,
+        precision=float(sums[:, 1].sum() / sums[:, 2].sum()) if sums[:, 2].sum() else None,
         fallback_recall_per_layer=[float(r) for r in fallback_per_layer],
         fallback_recall=float(fallback_per_layer.mean()),
-        heldout_unseen_share=unseen / report["heldout_tokens"],
+        heldout_unseen_share=unseen / tokens,
     )
-    return table, report
+    return table, report, counted
 
 
 def report_path_for(out: Path) -> Path:
@@ -320,11 +376,21 @@ def run_router_gen(
     holdout: float,
     sequence_length: int,
     progress: bool = False,
+    min_share: float = 0.0,
+    save_counts: bool = False,
 ) -> dict:
-    """Builds and writes the table and `<out>.report.json`; returns the report."""
+    """Builds and writes the table and `<out>.report.json` (and with `save_counts` `<out>.counts.npz`); returns
+    the report."""
+    if save_counts and corpus is None:
+        raise ConfigError("--save-counts: needs --corpus (a table from the fallback alone counted nothing)")
     engine = engine_factory() if corpus is not None else None
-    table, report = generate(model, engine, corpus, top_k, holdout, sequence_length, progress)
+    table, report, counted = generate_with_counts(
+        model, engine, corpus, top_k, holdout, sequence_length, progress, min_share
+    )
     write_routing_table(out, table, model.config.num_experts, model_digest(model.path))
-    report = {"model": str(model.path), "table": str(out), "corpus": corpus_path, **report}
+    counts_file = None
+    if save_counts and counted is not None:
+        counts_file = str(write_counts(out, table, counted.counts, counted.occurrences))
+    report = {"model": str(model.path), "table": str(out), "corpus": corpus_path, "counts": counts_file, **report}
     write_new(report_path_for(out), (json.dumps(report, indent=1) + "\n").encode())  # a link there is replaced
     return report

@@ -15,6 +15,7 @@ from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
 from expert_service.tools.cli.paths import given_path
 from expert_service.tools.routing_gen import CORPUS_FORMATS, load_corpus, report_path_for, run_router_gen
+from expert_service.tools.routing_shares import check_min_share, counts_path_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cpu",
         help="engine backend for exact routing (default: cpu)",
     )
+    parser.add_argument(
+        "--min-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="keep a token's prediction at a layer only if that expert was chosen at >= F of the token's "
+        "occurrences in the corpus, no prediction (NO_EXPERT, a version-3 table) otherwise; token ids the corpus "
+        "never holds then predict nothing (0 <= F < 1; default 0: every prediction, the version-2 table)",
+    )
+    parser.add_argument(
+        "--save-counts",
+        action="store_true",
+        help="also write FILE.counts.npz: each entry's count and each token's occurrences, to cut the table at "
+        "any --min-share later (bench/offload.py --plan-min-share) without tracing the corpus again",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -76,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k: must be in [1, num_experts={config.num_experts}], got {top_k}")
     if not 0 <= args.holdout < 1:
         raise ConfigError(f"--holdout: must be in [0, 1), got {args.holdout}")
+    check_min_share(args.min_share)
+    for flag, given in (("--min-share", args.min_share > 0), ("--save-counts", args.save_counts)):
+        if given and not args.corpus:  # checked before the model's engine is built
+            raise ConfigError(f"{flag}: needs --corpus (shares are counted over the corpus)")
     if not 1 <= args.sequence_length <= config.max_position_embeddings:
         raise ConfigError(
             f"--sequence-length: must be in [1, max_position_embeddings="
@@ -89,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None and not str(args.out).strip():
         raise ConfigError(f"--out: empty; name the table's file, or leave the flag out for {model.path / TABLE_FILE}")
     out = Path(args.out) if args.out else model.path / TABLE_FILE
-    check_out(out)
+    check_out(out, args.save_counts)
     corpus = load_corpus(args.corpus, args.corpus_format, model) if args.corpus else None
     batch_tokens = max(args.sequence_length, 4096)
 
@@ -109,16 +129,20 @@ def run(args: argparse.Namespace) -> int:
         args.holdout,
         args.sequence_length,
         progress=not args.no_progress,
+        min_share=args.min_share,
+        save_counts=args.save_counts,
     )
     print_report(report)
     return 0
 
 
-def check_out(out: Path) -> None:
-    """Where the table and its report go, checked before the corpus is traced (which can take hours): writing them
-    used to fail only at the end, naming no flag, or with the table written and its report not."""
-    for path in (out, report_path_for(out)):
-        flag = "--out" if path == out else "--out's report"
+def check_out(out: Path, save_counts: bool = False) -> None:
+    """Where the table and its report (and counts) go, checked before the corpus is traced (which can take hours):
+    writing them used to fail only at the end, naming no flag, or with the table written and its report not."""
+    names = {out: "--out", report_path_for(out): "--out's report"}
+    if save_counts:
+        names[counts_path_for(out)] = "--save-counts"
+    for path, flag in names.items():
         if path.is_dir():
             raise ConfigError(f"{flag}: {path} is a directory (name the table's file, e.g. {out / TABLE_FILE})")
         # Each file is written new and renamed over the name: a device or FIFO there (--out /dev/null, as root)
@@ -137,6 +161,7 @@ def print_report(report: dict) -> None:
     print(
         f"wrote {report['table']}: {len(layers)} MoE layers x {report['vocab_size']} token ids x top-{report['top_k']} "
         f"(of {report['num_experts']} experts)"
+        + (f", predictions with a share >= {report['min_share']} only" if report.get("min_share") else "")
     )
     if not report["has_corpus"]:
         print(f"note: {report['note']}")
@@ -157,4 +182,11 @@ def print_report(report: dict) -> None:
         for layer, recall in zip(layers, report["recall_per_layer"]):
             print(f"  layer {layer:3d}: {recall:.4f}")
         print(f"  overall  : {report['recall']:.4f}   (embedding fallback alone: {report['fallback_recall']:.4f})")
+        precision = report["precision"]
+        print(
+            f"predictions a held-out token keeps: {report['predictions_per_token']:.3f} a layer (of {report['top_k']}), "
+            f"precision {'n/a' if precision is None else f'{precision:.4f}'}"
+        )
+    if report.get("counts"):
+        print(f"counts: {report['counts']}")
     print(f"report: {report_path_for(Path(report['table']))}")
