@@ -69,6 +69,9 @@ def main() -> int:
                 Path(tmp) / f"{family}.bin", table_array, model.config.num_experts, model_digest(model.path)
             )
             table = RoutingTable.load(path, model.config, model_digest(model.path))
+            # routing=lut routes each token to its k predictions: a gated table (NO_EXPERT, router-gen
+            # --min-share) has tokens with fewer, which no lut step takes; generate() keeps every one here
+            assert table.complete, "routing=lut needs a table without NO_EXPERT entries"
             divergence, agreement, first = [], [], []
             for _ in range(args.prompts):
                 prompt = rng.integers(3, model.config.vocab_size, int(rng.integers(4, 40))).tolist()

@@ -20,7 +20,8 @@ The "plan" prefetch needs a routing table: one is built for the benchmark model 
 looked up from it the way the router does (prompt chunks first, then decode tokens). A table from random
 weights and tokens says little about a trained model's on real traffic; its held-out recall and the per-step
 plan recall are recorded next to the runs. `--plan-top-k 1,2` runs every plan mode once per k with the table's
-k most likely predictions a token (keyed MODE/topK below the table's own k; bench/offload_plan.py).
+k most likely predictions a token (keyed MODE/topK below the table's own k), `--plan-min-share 0.3,0.5` once per
+F with the table gated by share (keyed MODE/shareF; it reads router-gen --save-counts' file; bench/offload_plan.py).
 
 HF reference: the same weights, held on the host; at 100% the model is moved to the GPU; below it, the most
 favourable placement at the same device budget (non-expert bytes + the Colibri run's slot bytes): everything
@@ -32,7 +33,8 @@ decode steps when offloaded (each takes ~a second); a failing reference is recor
 Needs `accelerate` (not a project dependency).
     python bench/offload.py --out out/ [--shapes mixtral-shape,qwen3moe-shape] [--fractions 1,0.5,0.25,0.125]
         [--prefetch-modes none,plan,lookahead,plan+lookahead] [--backend cuda] [--skip-hf] [--workdir /dev/shm/...]
-        [--plan-source worker|router] [--plan-top-k 1,2] [--policy lru|lfu] [--temperature 0.8] [--timeline]
+        [--plan-source worker|router] [--plan-top-k 1,2] [--plan-min-share 0.3,0.5] [--policy lru|lfu]
+        [--temperature 0.8] [--timeline]
         [--cached-gemv on,off] [--pipelined-waves on,off] [--cached-mma on,off] [--cached-mma-large on,off]
         [--prefetch-yields on,off]
 
@@ -83,7 +85,10 @@ from bench.offload_hf import (  # noqa: E402
 from bench.offload_model import TokenSource, load_table, open_model, text_source  # noqa: E402
 from bench.offload_plan import (  # noqa: E402
     build_routing_table,
-    check_plan_top_k,
+    check_plan_cuts,
+    cut_fields,
+    own_cut,
+    parse_plan_min_share,
     parse_plan_top_k,
     plan_runs,
     plan_tables,
@@ -301,7 +306,8 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
         elif any("plan" in m for m in args.prefetch_modes):
             table_path = workdir / "routing_table.bin"
             table, entry["routing_table"] = build_routing_table(model, engine, table_path)
-        tables = plan_tables(model, table, table_path, args.plan_top_k, workdir) if table is not None else {}
+        cuts = (args.plan_top_k, workdir, args.plan_min_share)
+        tables = plan_tables(model, table, table_path, *cuts) if table is not None else {}
         # every cached run is compared with the resident engine, measured in the same run
         resident = {
             "slots_per_layer": experts,
@@ -312,14 +318,14 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
     finally:
         close(engine)
     entry["resident"] = resident
-    entry["plan_top_k"] = list(tables)  # the tables the plan runs prefetch from: the first k predictions a token
+    entry["plan_cuts"] = list(tables)  # the tables the plan runs prefetch from: topK (first k), shareF (gated)
     for fraction, n in slots.items():
         runs = entry["runs"][str(fraction)] = {}
         if n >= experts:
             runs["resident"] = resident
             continue
-        for mode, name, k in plan_runs(args.prefetch_modes, tables, table.top_k if table is not None else None):
-            run_table, run_path = tables[k] if k is not None else (table, table_path)
+        for mode, name, cut in plan_runs(args.prefetch_modes, tables, own_cut(table) if table is not None else None):
+            run_table, run_path = tables[cut] if cut is not None else (table, table_path)
             for values in itertools.product(*(getattr(args, option) for option in OPTIONS)):
                 settings = dict(zip(OPTIONS, values))
                 key = option_key(name, settings)  # runs off the default options keyed apart
@@ -334,7 +340,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                         "slot_bytes": n * layers * block,
                         "prefetch": mode,
                         "plan_source": ("worker" if own else "router") if "plan" in mode else None,
-                        "plan_top_k": k,
+                        **cut_fields(cut, run_table, tokens.stream),
                         "policy": args.policy,
                         **settings,
                         **bench_colibri(
@@ -432,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         "MODE/topK below the table's own k (default: the table as it is)",
     )
     parser.add_argument(
+        "--plan-min-share",
+        help="also run each plan mode once per F (0.3,0.5) with the table gated by share, keyed MODE/shareF (needs "
+        "the table's counts file: colibri router-gen --save-counts)",
+    )
+    parser.add_argument(
         "--timeline",
         action="store_true",
         help="cuda: record one more decode step per batch size kernel by kernel (streams, waits) into the JSON",
@@ -468,8 +479,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--decode-steps: must be >= 1, got {args.decode_steps}")
     try:
         args.plan_top_k = parse_plan_top_k(args.plan_top_k)
-        if args.plan_top_k and not any("plan" in m for m in args.prefetch_modes):
-            parser.error("--plan-top-k: no plan mode in --prefetch-modes")
+        args.plan_min_share = parse_plan_min_share(args.plan_min_share)
+        for flag in ("plan_top_k", "plan_min_share"):
+            if getattr(args, flag) and not any("plan" in m for m in args.prefetch_modes):
+                parser.error(f"--{flag.replace('_', '-')}: no plan mode in --prefetch-modes")
         model_input = _check_model_args(parser, args)
     except ColibriError as e:
         parser.error(str(e))
@@ -559,8 +572,8 @@ def _check_model_args(parser, args) -> tuple[ModelDir, TokenSource] | None:
     default_table = model.path / "routing_table.bin"
     if args.table is None and (default_table.is_file() or any("plan" in m for m in args.prefetch_modes)):
         args.table = str(default_table)
-    if args.table is not None:  # a missing or mismatched table fails now, not after an hour
-        check_plan_top_k(args.plan_top_k, load_table(model, args.table)[0].top_k)
+    if args.table is not None:  # a missing or mismatched table (or counts file) fails now, not after an hour
+        check_plan_cuts(load_table(model, args.table)[0], Path(args.table), args.plan_top_k, args.plan_min_share)
     return model, _token_source(model, args.prompts)
 
 

@@ -34,6 +34,9 @@ REPORT_KEYS = (
     "heldout_unseen_share",
     "recall_per_layer",
     "recall",
+    "min_share",
+    "predictions_per_token",
+    "precision",
     "fallback_recall_per_layer",
     "fallback_recall",
     "note",
@@ -102,6 +105,7 @@ def load_table(model: ModelDir, path: str | Path) -> tuple[RoutingTable, dict]:
         "table": str(path),
         "source": "colibri router-gen",
         "top_k": table.top_k,
+        "complete": table.complete,  # false: a gated table (router-gen --min-share), some entries NO_EXPERT
         "num_experts": cfg.num_experts,
         "chance_recall": cfg.num_experts_per_tok / cfg.num_experts,
     }

@@ -30,9 +30,13 @@ MODE_NAMES = {
 
 
 def mode_name(key: str) -> str:
-    """A run's key as the docs name it: "plan/top1" -> "table top-1" (the table's most likely prediction alone)."""
+    """A run's key as the docs name it: "plan/top1" -> "table top-1" (the table's most likely prediction alone),
+    "plan/share0.3" -> "table share>=0.3" (its predictions with a share of 0.3 or more)."""
     mode, *rest = key.split("/")
-    cuts = [f"top-{r[3:]}" if r.startswith("top") and r[3:].isdigit() else r for r in rest]
+    cuts = [
+        f"top-{r[3:]}" if r.startswith("top") and r[3:].isdigit() else f"share>={r[5:]}" if r.startswith("share") else r
+        for r in rest
+    ]
     return " ".join([MODE_NAMES.get(mode, mode), *cuts])
 
 

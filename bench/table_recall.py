@@ -13,11 +13,14 @@ With --train-text, the share of held-out tokens whose id never occurs in the tra
 fills from the fallback) is reported too.
 
 Precision by rank: for the table's j-th prediction of a token (router-gen orders them most frequent first), the
-share of tokens for which it is among the exact top-k experts, per layer. A plan prefetch of the rank-j
-prediction copies an expert that the step uses that often; a prefetch that is wrong more often than the slot it
-evicts would have been hit costs bytes on a link-bound step. Recall = the sum of the ranks' precisions / the
-model's k. Every --table is scored on the same traced routing; the first one's figures are the JSON's top-level
-keys, and "tables" lists each one's.
+share of the tokens that have one for which it is among the exact top-k experts, per layer. A plan prefetch of
+the rank-j prediction copies an expert that the step uses that often; a prefetch that is wrong more often than
+the slot it evicts would have been hit costs bytes on a link-bound step. Only real predictions count: a gated
+table (router-gen --min-share) has NO_EXPERT entries, which predict nothing, so "predictions_per_rank" is the
+share of tokens with a rank-j prediction and "predictions_per_token" the predictions a token keeps (k for a
+table without NO_EXPERT). Recall = |table ∩ exact| / the model's k over all tokens; "precision" = hits over
+predictions. Every --table is scored on the same traced routing; the first one's figures are the JSON's
+top-level keys, and "tables" lists each one's.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import ColibriError, ConfigError  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
-from common.routing_table import TABLE_FILE, RoutingTable, model_digest  # noqa: E402
+from common.routing_table import NO_EXPERT, TABLE_FILE, RoutingTable, model_digest  # noqa: E402
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.engine import Engine  # noqa: E402
@@ -44,26 +47,38 @@ BATCH_TOKENS = 4096  # what router-gen packs into one step
 
 
 def rank_hits(table: np.ndarray, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> np.ndarray:
-    """[L, k] int: per MoE layer and rank j, the tokens whose j-th predicted expert is among the exact ones."""
-    hits = np.zeros((len(experts_per_layer), table.shape[2]), dtype=np.int64)
+    """[2, L, k] int: per MoE layer and rank j, the tokens whose j-th predicted expert is among the exact ones,
+    and the tokens that have a j-th prediction (not NO_EXPERT)."""
+    counts = np.zeros((2, len(experts_per_layer), table.shape[2]), dtype=np.int64)
     for l, exact in enumerate(experts_per_layer):
-        predicted = table[l, token_ids]  # [T, k]
-        hits[l] = (predicted[:, :, None] == exact[:, None, :]).any(axis=2).sum(axis=0)
-    return hits
+        predicted = table[l, token_ids]  # [T, k]; NO_EXPERT equals no expert id
+        counts[0, l] = (predicted[:, :, None] == exact[:, None, :]).any(axis=2).sum(axis=0)
+        counts[1, l] = (predicted != NO_EXPERT).sum(axis=0)
+    return counts
 
 
-def table_scores(table: RoutingTable, hits: np.ndarray, tokens: int, model_top_k: int) -> dict:
-    """A table's recall and precision by rank from its rank_hits summed over `tokens` held-out tokens."""
-    precision = hits / tokens  # [L, k]
-    recall = precision.sum(axis=1) / model_top_k  # the table's entries of a token are distinct
+def table_scores(table: RoutingTable, counts: np.ndarray, tokens: int, model_top_k: int) -> dict:
+    """A table's recall, precision by rank and predictions a token from its rank_hits summed over `tokens`
+    held-out tokens (a rank no token has a prediction at, at some layer, has precision None there)."""
+    hits, made = counts
+    recall = hits.sum(axis=1) / tokens / model_top_k  # the table's entries of a token are distinct
+    per_rank = np.where(made > 0, hits / np.maximum(made, 1), np.nan)  # [L, k]
+    by_rank = hits.sum(axis=0) / np.maximum(made.sum(axis=0), 1)
     return {
         "top_k": table.top_k,
         "recall_per_layer": [float(r) for r in recall],
         "recall": float(recall.mean()),
-        "precision_per_rank": [[float(p) for p in precision[:, j]] for j in range(table.top_k)],
-        "precision_by_rank": [float(p) for p in precision.mean(axis=0)],
-        "precision": float(precision.mean()),
+        "precision_per_rank": [[_number(p) for p in per_rank[:, j]] for j in range(table.top_k)],
+        "precision_by_rank": [_number(p) if m else None for p, m in zip(by_rank, made.sum(axis=0))],
+        "precision": _number(hits.sum() / made.sum()) if made.sum() else None,
+        "predictions_per_rank": [[float(m) for m in made[:, j] / tokens] for j in range(table.top_k)],
+        "predictions_per_token_per_layer": [float(m) for m in made.sum(axis=1) / tokens],
+        "predictions_per_token": float(made.sum() / tokens / made.shape[0]),
     }
+
+
+def _number(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
 
 
 def heldout_recall(
@@ -83,7 +98,7 @@ def heldout_recall(
     fallback = build_table(model, None, table.top_k)
     tables = (table, *others)
     layers = len(config.moe_layers)
-    hits = [np.zeros((layers, t.top_k), dtype=np.int64) for t in tables]
+    hits = [np.zeros((2, layers, t.top_k), dtype=np.int64) for t in tables]
     fallback_sums, unseen = np.zeros(layers), 0
     for token_ids, traced in trace_routing(engine, sequences):
         exact = [traced[layer] for layer in config.moe_layers]
@@ -173,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{_ranks(result)}  {result['wall_s']} s",
         flush=True,
     )
+    print(f"  predictions a token keeps: {result['predictions_per_token']:.3f} a layer (of {result['top_k']})")
     for entry in result["tables"][1:]:
-        print(f"top-{entry['top_k']} table {entry['table']}: recall {entry['recall']:.4f}, precision by rank")
+        print(
+            f"top-{entry['top_k']} table {entry['table']}: recall {entry['recall']:.4f}, "
+            f"{entry['predictions_per_token']:.3f} predictions a token, precision by rank"
+        )
         for l, layer in enumerate(result["moe_layers"]):
             print(f"  layer {layer:3d}: {_ranks(entry, l)}")
         print(f"  overall  : {_ranks(entry)}", flush=True)
@@ -187,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 def _ranks(scores: dict, layer: int | None = None) -> str:
     """ "1: 0.9412  2: 0.7012" — one layer's precision per rank, or the layers' mean."""
     values = scores["precision_by_rank"] if layer is None else [p[layer] for p in scores["precision_per_rank"]]
-    return "  ".join(f"{j + 1}: {p:.4f}" for j, p in enumerate(values))
+    return "  ".join(f"{j + 1}: " + ("n/a" if p is None else f"{p:.4f}") for j, p in enumerate(values))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   the training split -> the table's recall on the held-out books (bench/table_recall.py) -> int8 / fp8 experts'
 #   quality against bf16 on the held-out books (bench/quant_quality.py) -> bench/offload.py
 #   at 100 / 50 / 25 % of the experts resident, prefetch none / plan (table) / lookahead / both, each plan mode
-#   also from the table's rank-1 predictions alone (--plan-top-k 1,2: runs keyed plan/top1), with the PCIe
+#   also from the table's rank-1 predictions alone (--plan-top-k 1,2: runs keyed plan/top1) and from its confident
+#   predictions alone (--plan-min-share 0.3,0.5: runs keyed plan/share0.3, plan/share0.5), with the PCIe
 #   bound and transformers + accelerate at the same budget, and one decode step of each run kernel by kernel ->
 #   the same at 50 / 25 % with the lfu replacement policy (no HF) -> int8 experts in the cache against bf16 at
 #   the same device bytes (bench/offload_q8.py).
@@ -16,6 +17,8 @@
 #     OUT=out bash bench/trained_offload.sh          (SKIP_QUALITY=1: without the 8-bit quality stage)
 # The offload stages decode greedy continuations and, on new prompts, continuations sampled at temperature 0.8.
 # PLAN_TOP_K (default 1,2) is the offload stage's --plan-top-k; PLAN_TOP_K= runs the table as it is only.
+# PLAN_MIN_SHARE (default 0.3,0.5) is its --plan-min-share: the table gated by share, cut with the counts file
+# router-gen --save-counts writes beside it (one trace for every F); PLAN_MIN_SHARE= runs no gated table.
 # It needs training/data/corpus.txt (`python -m training.corpus` writes it; git-ignored). Wheels in .whl/extra
 # (accelerate, psutil) are installed when the machine lacks accelerate; without them the HF reference is skipped.
 # CPU dry run (no GPU, no HF): a tiny variant (the tiny preset with 1,024-token windows), 2 steps, cpu backend:
@@ -130,7 +133,7 @@ stage convert 60 210 "$PY" -m colibri.cli convert "$W/hf" "$W/model" --dtype bfl
 
 # 4. router-gen on the training split (all of it: the held-out recall comes from the next stage)
 ROUTER_GEN=(-m:colibri.cli router-gen "$W/model" --corpus "$W/train-split.txt" --holdout 0 --backend "$BACKEND"
-            --no-progress)
+            --save-counts --no-progress)
 stage router_gen 150 150 py_engine "${ROUTER_GEN[@]}"
 rc=$?
 if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] && [ "$BACKEND" = cuda ]; then    # failed, not out of time
@@ -147,6 +150,8 @@ if [ -f "$W/model/routing_table.bin" ]; then
   tail -12 "$R/recall.log" | tee -a "$R/summary.txt"
   MODES=none,plan,lookahead,plan+lookahead
   PLAN_RUNS=${PLAN_TOP_K-1,2}
+  SHARE_RUNS=${PLAN_MIN_SHARE-0.3,0.5}
+  [ -f "$W/model/routing_table.bin.counts.npz" ] || SHARE_RUNS=
 else
   note "no routing table: offload runs without the plan prefetch"
   MODES=none,lookahead
@@ -162,11 +167,12 @@ else
   sed -n '/^variant/,/^wrote/p' "$R/quality.log" | tee -a "$R/summary.txt"
 fi
 
-# 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes (each plan mode with the top-2 table and its
-#    rank-1 cut), the PCIe bound, HF + accelerate
+# 7. the offload benchmark: Colibri at 100/50/25 % x prefetch modes (each plan mode with the top-2 table, its
+#    rank-1 cut and its share cuts), the PCIe bound, HF + accelerate
 stage offload 400 100 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
   --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
-  --out "$R/offload" --workdir "$W/offload-work" --timeline ${PLAN_RUNS:+--plan-top-k "$PLAN_RUNS"}
+  --out "$R/offload" --workdir "$W/offload-work" --timeline ${PLAN_RUNS:+--plan-top-k "$PLAN_RUNS"} \
+  ${SHARE_RUNS:+--plan-min-share "$SHARE_RUNS"}
 sed -n '/experts x/,$p' "$R/offload.log" | tee -a "$R/summary.txt"
 
 # 8. the frequency-aware replacement (lfu) against the runs above (lru), where the cache is short: no HF

@@ -22,8 +22,8 @@ def text_file(path, start: int, chars: int):
 
 @pytest.fixture(scope="session")
 def model_with_table(tiny_model, tmp_path_factory):
-    """The tiny model, a table router-gen built from one part of the held-out books (cpu), and a prompt text
-    from another part."""
+    """The tiny model, a table router-gen built from one part of the held-out books (cpu, with its counts file),
+    and a prompt text from another part."""
     work = tmp_path_factory.mktemp("offload-model")
     model = ModelDir.open(tiny_model, verify=False)
     corpus_path = text_file(work / "corpus.txt", 100_000, 6_000)
@@ -38,6 +38,7 @@ def model_with_table(tiny_model, tmp_path_factory):
         model.config.num_experts_per_tok,
         0.1,
         256,
+        save_counts=True,
     )
     return model, table, text_file(work / "prompts.txt", 20_000, 3_000)
 

@@ -161,3 +161,46 @@ def test_missing_table_is_one_line(tiny_model, tmp_path, capsys):
         table_recall.main([str(tiny_model), "--table", str(tmp_path / "none.bin"), "--text", str(held)])
     assert exit_info.value.code == 2
     assert "none.bin: routing table not found" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_gated_tables_precision_counts_only_its_real_predictions(tiny_model, tmp_path, capsys):
+    """A table with NO_EXPERT entries (router-gen --min-share): precision by rank over the tokens that have a
+    prediction at that rank, the predictions a token keeps, and recall over every token, each recomputed here
+    from one trace of our own."""
+    from common.routing_table import NO_EXPERT, write_routing_table
+    from expert_service.tools.routing_gen import split_sequences, trace_routing
+
+    train, held = texts(tmp_path, seed=6)
+    model = ModelDir.open(tiny_model, verify=False)
+    digest = model_digest(model.path)
+    full = RoutingTable.load(build_table(tiny_model, train, tmp_path / "t.bin"), model.config, digest)
+    gated = full.table.copy()
+    rng = np.random.default_rng(6)
+    gated[:, :, 1][rng.random(gated.shape[:2]) < 0.5] = NO_EXPERT  # half the tokens lose their second prediction
+    gated[:, :, :][rng.random(gated.shape[:2]) < 0.2] = NO_EXPERT  # a fifth predict nothing
+    path = write_routing_table(tmp_path / "gated.bin", gated, model.config.num_experts, digest)
+    out = tmp_path / "recall.json"
+    argv = [str(tiny_model), "--table", str(path), "--table", str(tmp_path / "t.bin"), "--text", str(held)]
+    assert table_recall.main([*argv, "--sequence-length", str(SEQUENCE_LENGTH), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ids = load_corpus(held, "text", model)
+    L, K = gated.shape[0], model.config.num_experts_per_tok
+    hits, made, recall = np.zeros((L, 2)), np.zeros((L, 2)), np.zeros(L)
+    for token_ids, traced in trace_routing(engine_of(model), split_sequences(ids, SEQUENCE_LENGTH, 0.0)[0]):
+        for l, layer in enumerate(model.config.moe_layers):
+            for row, exact in zip(gated[l, token_ids], traced[layer]):
+                for j, e in enumerate(row):
+                    made[l, j] += e != NO_EXPERT
+                    hits[l, j] += e != NO_EXPERT and e in exact
+                recall[l] += sum(e in exact for e in row) / K
+    np.testing.assert_allclose(result["predictions_per_rank"], (made / ids.size).T)
+    np.testing.assert_allclose(result["precision_per_rank"], (hits / made).T)
+    assert result["precision"] == pytest.approx(hits.sum() / made.sum())
+    assert (
+        result["predictions_per_token"] == pytest.approx(made.sum() / ids.size / L)
+        and result["predictions_per_token"] < 2
+    )
+    assert result["recall_per_layer"] == pytest.approx((recall / ids.size).tolist())
+    full_scores = result["tables"][1]
+    assert full_scores["predictions_per_token"] == 2.0 and full_scores["recall"] >= result["recall"]
+    assert f"predictions a token keeps: {result['predictions_per_token']:.3f}" in capsys.readouterr().out
