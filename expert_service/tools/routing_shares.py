@@ -23,6 +23,7 @@ entries, so a counts file is never applied to another table). A benchmark cuts t
 from __future__ import annotations
 
 import io
+import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ def read_counts(table_path: Path, table: np.ndarray) -> tuple[np.ndarray, np.nda
         raise ConfigError(
             f"{path}: not found (build the table with `colibri router-gen --save-counts` to cut it by share)"
         ) from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # not an .npz, or cut short
         raise ConfigError(f"{path}: not a router-gen counts file ({e})") from None
     if crc != zlib.crc32(np.ascontiguousarray(table, dtype="<u2").tobytes()) or counts.shape != table.shape:
         raise ConfigError(f"{path}: the counts of another table than {table_path} (rebuild both with router-gen)")

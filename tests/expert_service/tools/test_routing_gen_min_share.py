@@ -151,3 +151,19 @@ def test_a_directory_at_the_counts_name_is_refused_before_the_corpus_is_traced(t
     assert code == 2 and err.count("\n") == 1 and "--save-counts: " in err and "is a directory" in err, err
     assert not (tmp_path / "t.bin").exists()
     assert router_gen(capsys, tiny_model, "--corpus", corpus, "--out", tmp_path / "t.bin", "--no-progress")[0] == 0
+
+
+def test_a_counts_file_that_is_cut_short_or_no_npz_is_one_line(tmp_path):
+    from common.errors import ConfigError
+    from expert_service.tools.routing_shares import write_counts
+
+    table = np.tile(np.array([0, 1], np.uint16), (2, 5, 1))
+    path = write_counts(tmp_path / "t.bin", table, np.ones((2, 5, 2)), np.full(5, 2))
+    counts, occurrences = read_counts(tmp_path / "t.bin", table)
+    assert counts.tolist() == np.ones((2, 5, 2)).tolist() and occurrences.tolist() == [2] * 5
+    good = path.read_bytes()
+    for bad in (good[:40], good[:-10], b"PK\x03\x04 no zip", b"not even that"):
+        path.write_bytes(bad)
+        with pytest.raises(ConfigError, match=r"t.bin.counts.npz: not a router-gen counts file \(") as e:
+            read_counts(tmp_path / "t.bin", table)
+        assert "\n" not in str(e.value)
