@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     model = ModelDir.open(args.model)
     table_path = args.table or args.model / "routing_table.bin"
     table = RoutingTable.load(table_path, model.config, model_digest(model.path))
+    if not table.complete and not args.skip_lut:  # lut routes each token to k predictions: a gated table lacks some
+        parser.error(f"--table: {table_path} has NO_EXPERT entries (router-gen --min-share): lut needs --skip-lut")
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
