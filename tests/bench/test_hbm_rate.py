@@ -51,6 +51,7 @@ def test_the_kernel_compiles_for_sm90_to_16_byte_loads():
 
 
 def test_the_roofline_is_the_override_the_measured_rate_or_the_h200_reference(monkeypatch):
+    monkeypatch.setattr("numba.config.ENABLE_CUDASIM", True)  # on a GPU run too: the simulator's fallback
     simulated = hbm_rate.roofline()
     assert simulated.bytes_per_s == hbm_rate.HBM_H200_REFERENCE and simulated.device == "simulator"
     assert simulated.record()["hbm_read_bytes_per_s_measured"] is None
