@@ -19,6 +19,8 @@
 # PLAN_TOP_K (default 1,2) is the offload stage's --plan-top-k; PLAN_TOP_K= runs the table as it is only.
 # PLAN_MIN_SHARE (default 0.3,0.5) is its --plan-min-share: the table gated by share, cut with the counts file
 # router-gen --save-counts writes beside it (one trace for every F); PLAN_MIN_SHARE= runs no gated table.
+# OFFLOAD_FRACTIONS (e.g. 1,0.25) replaces the offload stage's budgets, OFFLOAD_ARGS is added to its arguments
+# (e.g. "--prefetch-yields on,off": every cached run with and without the prefetch yielding to demand copies).
 # It needs training/data/corpus.txt (`python -m training.corpus` writes it; git-ignored). Wheels in .whl/extra
 # (accelerate, psutil) are installed when the machine lacks accelerate; without them the HF reference is skipped.
 # CPU dry run (no GPU, no HF): a tiny variant (the tiny preset with 1,024-token windows), 2 steps, cpu backend:
@@ -172,7 +174,7 @@ fi
 stage offload 400 100 py_engine bench/offload.py --model "$W/model" --prompts "$HELDOUT" --hf-model "$W/hf" $SKIP_HF \
   --fractions 1,0.5,0.25 --prefetch-modes "$MODES" --decode-steps "$DECODE_STEPS" --backend "$BACKEND" \
   --out "$R/offload" --workdir "$W/offload-work" --timeline ${PLAN_RUNS:+--plan-top-k "$PLAN_RUNS"} \
-  ${SHARE_RUNS:+--plan-min-share "$SHARE_RUNS"}
+  ${SHARE_RUNS:+--plan-min-share "$SHARE_RUNS"} ${OFFLOAD_FRACTIONS:+--fractions "$OFFLOAD_FRACTIONS"} $OFFLOAD_ARGS
 sed -n '/experts x/,$p' "$R/offload.log" | tee -a "$R/summary.txt"
 
 # 8. the frequency-aware replacement (lfu) against the runs above (lru), where the cache is short: no HF
