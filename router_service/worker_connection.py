@@ -13,7 +13,7 @@ from router_service.config import RouterConfig
 from router_service.routing import lut_plan_problem
 from router_service.worker_client import WorkerClient
 from router_service.worker_identity import ModelCheck
-from router_service.worker_info import scheduler_limits, step_timeout_problem
+from router_service.worker_info import plan_gaps_problem, scheduler_limits, step_timeout_problem
 
 log = logging.getLogger("colibri.router.batching_loop")
 # A worker loading a large model keeps the router waiting for minutes: one line when the wait starts, then one
@@ -44,9 +44,11 @@ class WorkerConnector:
     A worker absent, starting, loading, draining, hung or running another stream's sequences answers UNAVAILABLE,
     not ready, not in time or FAILED_PRECONDITION to ClearCache: the wait is logged at INFO with the reason
     (connection refused, not HTTP/2, ...), when it starts and then every WAITING_LOG_S. One that refuses us (a wrong
-    token, another service at the address, a failed warm-up, steps it would refuse) or that serves another model
-    than this router's (worker_identity.py) or whose step watchdog would outlast the router's step deadline
-    (worker_info.step_timeout_problem) is logged once as a WARNING, as is a reset refused for BUSY_WARNING_S."""
+    token, another service at the address, a failed warm-up, steps it would refuse: lut_plan_problem,
+    worker_info.plan_gaps_problem) or that serves another model than this router's (worker_identity.py) or whose
+    step watchdog would outlast the router's step deadline (worker_info.step_timeout_problem) is logged once as a
+    WARNING and retried (an upgraded or restarted worker at the address is used), as is a reset refused for
+    BUSY_WARNING_S."""
 
     def __init__(self, config: RouterConfig, worker: WorkerClient, planner=None):
         self.config, self.worker, self.planner = config, worker, planner
@@ -62,6 +64,8 @@ class WorkerConnector:
             info = await self.worker.info()
             if (unusable := lut_plan_problem(info.routing, self.planner)) is not None:
                 raise _Unusable(unusable)
+            if (gaps := plan_gaps_problem(self.config, info, self.planner)) is not None:
+                raise _Unusable(gaps)
             if (other_model := self.model.problem(info)) is not None:
                 raise _Unusable(other_model)
             if (timeouts := step_timeout_problem(self.config, info)) is not None:

@@ -9,6 +9,7 @@ from router_service.config import RouterConfig, step_timeouts_problem
 from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
 from router_service.prefix_cache import PrefixCache
+from router_service.routing import RoutingPlanner
 from router_service.scheduler import SchedulerLimits
 from router_service.step_size import StepSize
 from router_service.validation import ModelLimits, ValidatedRequest
@@ -38,6 +39,18 @@ def step_timeout_problem(config: RouterConfig, info) -> str | None:
     if not info.step_timeout_s:
         return None
     return step_timeouts_problem(config.worker_step_timeout_s, info.step_timeout_s)
+
+
+def plan_gaps_problem(config: RouterConfig, info, planner: RoutingPlanner | None) -> str | None:
+    """Why the worker would refuse every step this router plans (None: it would not): a table with NO_EXPERT entries
+    gives some tokens fewer than k experts, and workers that predate InfoResponse.plans_with_gaps need exactly k."""
+    if planner is None or planner.table.complete or info.plans_with_gaps:
+        return None
+    return (
+        f"routing_table {config.routing_table} has NO_EXPERT entries (`router-gen --min-share`), so its plans list "
+        "fewer than k experts for some tokens, which this worker refuses (no InfoResponse.plans_with_gaps): upgrade "
+        "the worker, or start the router with a table built without --min-share"
+    )
 
 
 def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:

@@ -29,6 +29,7 @@ from common.errors import CapacityError, ColibriError, InvalidRequestError
 from common.model_identity import ModelDigests
 from common.pb import worker_pb2 as pb
 from common.tracing import COLIBRI_STEP_KIND, extract_context, get_tracer
+from expert_service.engine.config import RoutingMode
 from expert_service.engine.engine import Engine, PrefillInput, StepResult
 from expert_service.engine.sampling import SamplingParams
 from expert_service.experts.routing_plan import warmup_routing_plan
@@ -205,6 +206,8 @@ class WorkerServicer:
             tokenizer_digest=self.digests.tokenizer,
             max_message_bytes=self.max_message_bytes,
             step_timeout_s=self.step_timeout_s,
+            # a prediction ignores a row's padding; under lut the plan is the routing: k experts every token
+            plans_with_gaps=e.config.routing is not RoutingMode.LUT,
         )
 
     def warmup(self, num_tokens: int) -> float:

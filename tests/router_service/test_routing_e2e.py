@@ -137,6 +137,7 @@ def test_lut_on_a_random_model_is_labelled(tmp_path):
     finally:
         worker.stop()
     assert info.routing == "lut" and all(r.routing == "lut" for r in replies)
+    assert not info.plans_with_gaps  # the plan is the routing: k experts every token
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "routing_plan" in e.value.details()
 
 

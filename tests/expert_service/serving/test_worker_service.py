@@ -43,6 +43,7 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert list(info.expert_dtypes) == [info.dtype] == ["float32"]  # no approximation: experts as the rest
     # what a router keeps its steps under, and the watchdog its step deadline must outlast
     assert info.max_message_bytes == 64 * 1024 * 1024 and info.step_timeout_s == 300.0
+    assert info.plans_with_gaps  # routing=exact: a gated table's plans, some tokens with fewer than k experts
 
 
 def test_messages_convert_through_the_types():
