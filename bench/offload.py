@@ -279,7 +279,7 @@ def _model_thread(engine: Engine):
     return _THREADS["thread"]
 
 
-def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens: TokenSource) -> dict:
+def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens: TokenSource, saved=None) -> dict:
     """Every (fraction, prefetch mode) run of one model; without --table the resident engine also traces the
     routing table."""
     cfg = model.config
@@ -318,6 +318,8 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
     finally:
         close(engine)
     entry["resident"] = resident
+    saved = saved or (lambda entry: None)  # called after every run: a call cut off by its time limit keeps them
+    saved(entry)
     entry["plan_cuts"] = list(tables)  # the tables the plan runs prefetch from: topK (first k), shareF (gated)
     for fraction, n in slots.items():
         runs = entry["runs"][str(fraction)] = {}
@@ -355,6 +357,7 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                     }
                 finally:
                     close(cached)
+                saved(entry)
                 for phase in DECODE_PHASES:
                     if phase in runs[key]:
                         print_run(fraction, key, runs[key][phase], resident[phase], phase)
@@ -512,7 +515,12 @@ def main(argv: list[str] | None = None) -> int:
             model_dir, base = _build_shape(name, workdir, args.expert_dtype)
             model = ModelDir.open(model_dir, verify=False)
             tokens = _token_source(model, args.prompts)
-        entry = bench_shape(model, args, bytes_per_s, workdir, tokens)
+
+        def saved(entry, name=name):  # the runs so far, marked partial, in case the call is stopped
+            results["shapes"][name] = {**entry, "partial": True}
+            (out_dir / "offload.json").write_text(json.dumps(results, indent=1))
+
+        entry = bench_shape(model, args, bytes_per_s, workdir, tokens, saved)
         entry["hf"] = None
         results["shapes"][name] = entry
         (out_dir / "offload.json").write_text(json.dumps(results, indent=1))  # Colibri's runs, before HF

@@ -206,3 +206,26 @@ def test_temperature_must_be_finite_and_not_negative(tmp_path, value, capsys):
     with pytest.raises(SystemExit):
         offload.main(argv)
     assert f"--temperature: a finite number >= 0, got {float(value)}" in capsys.readouterr().err
+
+
+def test_a_run_cut_off_leaves_the_runs_before_it_in_the_json(model_with_table, tmp_path, monkeypatch):
+    """The JSON is rewritten after every run (marked partial), so a call stopped by its time limit keeps what
+    finished: here the second cached run raises, and the file holds the resident run and the first cached one."""
+    model, table_path, prompts = model_with_table
+    bench_colibri, calls = offload.bench_colibri, []
+
+    def stopped_on_the_third(*args, **kwargs):  # resident, none, then plan: "killed"
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return bench_colibri(*args, **kwargs)
+
+    monkeypatch.setattr(offload, "bench_colibri", stopped_on_the_third)
+    argv = ["--model", str(model.path), "--prompts", str(prompts), "--table", str(table_path), "--skip-hf"]
+    argv += ["--backend", "cpu", "--fractions", "0.5", "--prefetch-modes", "none,plan", "--decode-steps", "2"]
+    argv += ["--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "work")]
+    with pytest.raises(KeyboardInterrupt):
+        offload.main(argv)
+    shape = json.loads((tmp_path / "out" / "offload.json").read_text())["shapes"][model.path.name]
+    assert shape["partial"] is True and "decode" in shape["resident"]
+    assert list(shape["runs"]["0.5"]) == ["none"] and "decode" in shape["runs"]["0.5"]["none"]
