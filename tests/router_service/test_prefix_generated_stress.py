@@ -215,7 +215,9 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
         import expert_service.serving.main as worker_main
 
         paced = random.Random(seed + 1) if case["decoder"] == "paced" else None
-        monkeypatch.setattr(worker_main, "build_engine", lambda model, config: _overlapped(model, config, paced))
+        monkeypatch.setattr(
+            worker_main, "build_engine", lambda model, config, slot_plan=None: _overlapped(model, config, paced)
+        )
     worker = BackgroundWorker(
         tiny_model,
         kv_block_size=case["block"],
