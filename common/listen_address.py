@@ -80,12 +80,16 @@ def listen_host(host: str) -> str:
     return bare
 
 
-def bind_target(bound_host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
-    """The family and socket address to bind for `bound_host` (listen_host's answer): the first address it
-    resolves to, with an IPv6 zone (fe80::1%eth0) as its scope id, which bind((host, port)) would drop and the
-    kernel then refuses a link-local address. Raises OSError when the name does not resolve."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM)[0]
-    return family, sockaddr
+def bind_targets(bound_host: str, port: int) -> list[tuple[socket.AddressFamily, tuple]]:
+    """The family and socket address of every address `bound_host` (listen_host's answer) resolves to, in the
+    resolver's order and without repeats (a name such as localhost may be 127.0.0.1 and ::1, and gRPC and the HTTP
+    front bind each), each with an IPv6 zone (fe80::1%eth0) as its scope id, which bind((host, port)) would drop
+    and the kernel then refuses a link-local address. Raises OSError when the name does not resolve."""
+    targets: list[tuple[socket.AddressFamily, tuple]] = []
+    for family, _, _, _, sockaddr in socket.getaddrinfo(bound_host, port, type=socket.SOCK_STREAM):
+        if (family, sockaddr) not in targets:
+            targets.append((family, sockaddr))
+    return targets
 
 
 def host_port(host: str, port: int) -> str:
@@ -124,18 +128,29 @@ def dual_stack_socket(port: int) -> socket.socket:
     return sock
 
 
+def bound_address(bound_host: str, sockaddr: tuple, several: bool) -> str:
+    """How a bind error names one address of `bound_host`: the host as given, or, where it resolves to several,
+    the address that failed (so the message says which one)."""
+    return host_port(sockaddr[0] if several else bound_host, sockaddr[1])
+
+
 def bind_failure(role: str, host: str, port: int) -> AddressInUseError:
-    """Why gRPC could not bind host:port, found by binding it ourselves (gRPC only says that it failed): one line
-    naming the role and the address ("worker gRPC 127.0.0.1:50052 is in use")."""
+    """Why gRPC could not bind host:port, found by binding each address ourselves (gRPC only says that it failed):
+    one line naming the role and the address ("worker gRPC 127.0.0.1:50052 is in use")."""
     bound_host = listen_host(host)
     where = host_port(bound_host, port)
     try:
-        family, sockaddr = bind_target(bound_host, port)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            set_v6only(s, bound_host)
-            s.bind(sockaddr)
+        targets = bind_targets(bound_host, port)
+    except OSError as e:
+        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
+    try:
+        for family, sockaddr in targets:
+            where = bound_address(bound_host, sockaddr, len(targets) > 1)
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                set_v6only(s, bound_host)
+                s.bind(sockaddr)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             return AddressInUseError(f"{role} {where} is in use")
         return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
-    return AddressInUseError(f"{role} {where} cannot be bound")
+    return AddressInUseError(f"{role} {host_port(bound_host, port)} cannot be bound")

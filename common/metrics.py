@@ -12,6 +12,7 @@ docs/observability.md lists every metric with its meaning.
 from __future__ import annotations
 
 import errno
+import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from common.errors import AddressInUseError
-from common.listen_address import bind_target, host_port, listen_host, set_v6only
+from common.listen_address import bind_targets, bound_address, host_port, listen_host, set_v6only
 
 PREFIX = "colibri_"
 
@@ -293,33 +294,67 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class MetricsServer:
+    """The /metrics listeners of one process: one per address its host resolves to, all on one port and one
+    registry. Stop with ``shutdown(); server_close()``."""
+
+    def __init__(self) -> None:
+        self.servers: list[WSGIServer] = []
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def server_port(self) -> int:
+        return self.servers[0].server_port
+
+    def shutdown(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+
+    def server_close(self) -> None:
+        for server in self.servers:
+            server.server_close()
+
+
+def _bind(app, bound_host: str, family: socket.AddressFamily, sockaddr: tuple) -> WSGIServer:
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+        def server_bind(self):
+            set_v6only(self.socket, bound_host)
+            self.server_address = sockaddr  # with an IPv6 zone's scope id, which (host, port) lacks
+            super().server_bind()
+
+    return make_server(sockaddr[0], sockaddr[1], app, Server, handler_class=_QuietHandler)
+
+
 def start_metrics_server(
     registry: CollectorRegistry, port: int, host: str = "127.0.0.1", role: str = "metrics"
-) -> tuple[WSGIServer, threading.Thread, int]:
-    """Serves the registry as Prometheus text on http://host:port/metrics from a daemon thread; `::` is every
+) -> MetricsServer:
+    """Serves the registry as Prometheus text on http://host:port/metrics from daemon threads; `::` is every
     interface, IPv6 and IPv4 (common/listen_address.py: prometheus_client's own server leaves IPV6_V6ONLY to the
-    platform).
+    platform), and a host name is every address it resolves to (localhost: 127.0.0.1 and ::1), as gRPC binds it.
 
-    Port 0 binds a free port; the third value is the port actually bound. Stop with
-    ``server.shutdown(); server.server_close()``. A port that cannot be bound raises AddressInUseError
-    naming `role` and the address ("worker metrics [::]:9091 is in use").
+    Port 0 binds a free port, then that same port on the other addresses; `server_port` is the port bound. A port
+    that cannot be bound on any address raises AddressInUseError naming `role` and that address ("worker metrics
+    [::]:9091 is in use"), with whatever was bound already closed.
     """
     bound_host = listen_host(host)
+    app = make_wsgi_app(registry)
+    metrics = MetricsServer()
+    where = host_port(bound_host, port)
     try:
-        family, sockaddr = bind_target(bound_host, port)
-
-        class MetricsServer(ThreadingWSGIServer):
-            address_family = family
-
-            def server_bind(self):
-                set_v6only(self.socket, bound_host)
-                self.server_address = sockaddr  # with an IPv6 zone's scope id, which (host, port) lacks
-                super().server_bind()
-
-        server = make_server(bound_host, port, make_wsgi_app(registry), MetricsServer, handler_class=_QuietHandler)
+        targets = bind_targets(bound_host, port)
+        for family, sockaddr in targets:
+            if metrics.servers:  # one port for every address, so a scrape config names one
+                sockaddr = (sockaddr[0], metrics.server_port, *sockaddr[2:])
+            where = bound_address(bound_host, sockaddr, len(targets) > 1)
+            metrics.servers.append(_bind(app, bound_host, family, sockaddr))
     except OSError as e:
+        metrics.server_close()
         reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
-        raise AddressInUseError(f"{role} {host_port(bound_host, port)} {reason}") from None
-    thread = threading.Thread(target=server.serve_forever, name=f"colibri-{role.replace(' ', '-')}", daemon=True)
-    thread.start()
-    return server, thread, server.server_port
+        raise AddressInUseError(f"{role} {where} {reason}") from None
+    for server in metrics.servers:
+        thread = threading.Thread(target=server.serve_forever, name=f"colibri-{role.replace(' ', '-')}", daemon=True)
+        thread.start()
+        metrics.threads.append(thread)
+    return metrics

@@ -32,7 +32,7 @@ from common.heap import freeze_startup_heap
 from common.lifecycle import STOP_SIGNALS, settle_tasks
 from common.listen_address import bind_failure, grpc_listen_address, host_port
 from common.logging_setup import configure_logging
-from common.metrics import new_registry, start_metrics_server
+from common.metrics import MetricsServer, new_registry, start_metrics_server
 from common.pb import router_pb2, router_pb2_grpc
 from common.reflection import enable_reflection
 from common.tracing import configure_tracing
@@ -48,8 +48,6 @@ from router_service.tokenizer import Tokenizer
 from router_service.worker_client import WorkerClient
 
 if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp loads only then
-    from wsgiref.simple_server import WSGIServer
-
     from prometheus_client import CollectorRegistry
 
     from router_service.http_api import HttpFront
@@ -84,7 +82,7 @@ class Router:
     health_port: int = 0
     http: HttpFront | None = None  # when --http-port is set
     http_port: int = 0
-    metrics_server: WSGIServer | None = None  # when a metrics registry and --metrics-port are given
+    metrics_server: MetricsServer | None = None  # when a metrics registry and --metrics-port are given
     metrics_port: int = 0
     frontend: Frontend | None = None  # its chat-template render processes end with the router
 
@@ -239,9 +237,10 @@ async def _listen(router: Router, config: RouterConfig, tls, connections, metric
     """Binds and starts every listener, then the batching loop."""
     server, batching_loop, health_servicer = router.server, router.batching_loop, router.health
     if metrics_registry is not None and config.metrics_port:
-        router.metrics_server, _, router.metrics_port = start_metrics_server(
+        router.metrics_server = start_metrics_server(
             metrics_registry, config.metrics_port, config.metrics_host, role="router metrics"
         )
+        router.metrics_port = router.metrics_server.server_port
         log.info("metrics on http://%s/metrics", host_port(config.metrics_host, router.metrics_port))
     router.port = _bind(server, "router gRPC", config.host, config.port, tls.credentials if tls is not None else None)
     if config.health_port:

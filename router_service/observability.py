@@ -181,5 +181,5 @@ def router_metrics(
     """Metrics hooks on a fresh registry, served on http://host:port/metrics (port 0 = a free one, -1 = none)."""
     registry = registry or new_registry()
     hooks = MetricsHooks(RouterMetrics(registry, model_name))
-    bound = start_metrics_server(registry, port, host, role="router metrics")[2] if port >= 0 else -1
+    bound = start_metrics_server(registry, port, host, role="router metrics").server_port if port >= 0 else -1
     return hooks, bound

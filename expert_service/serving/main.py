@@ -334,9 +334,10 @@ async def serve(
             bind_tcp(health_server, "worker health", config.health_host, config.health_port)
             servers.append(health_server)
         if config.metrics_port:
-            metrics_server, _, metrics_port = start_metrics_server(
+            metrics_server = start_metrics_server(
                 registry, config.metrics_port, config.metrics_host, role="worker metrics"
             )
+            metrics_port = metrics_server.server_port
             log.info("metrics on http://%s/metrics", host_port(config.metrics_host, metrics_port))
         for s in servers:
             await s.start()

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import urllib.request
 
 import pytest
 
 from common import listen_address
 from common.config import resolve
-from common.errors import ConfigError
-from common.listen_address import bind_address_problem, bind_failure, grpc_listen_address, listen_host
+from common.errors import AddressInUseError, ConfigError
+from common.listen_address import (
+    bind_address_problem,
+    bind_failure,
+    grpc_listen_address,
+    host_port,
+    listen_host,
+)
 from common.metrics import new_registry, start_metrics_server
 from expert_service.serving.main import WorkerConfig
 from router_service.config import RouterConfig
-from tests.listen_checks import HAS_IPV6
+from tests.listen_checks import HAS_IPV6, accepts
 
 UNRESOLVABLE = "no-such-host.invalid"  # .invalid never resolves (RFC 2606)
 
@@ -90,9 +97,10 @@ LINK_LOCAL = _link_local()
 def test_the_metrics_port_binds_a_link_local_address_with_its_zone():
     # bind((host, port)) drops the zone, and the kernel refuses a link-local address without one ("Invalid
     # argument"), while gRPC and the HTTP front bound it
-    server, _, port = start_metrics_server(new_registry(), 0, LINK_LOCAL)
+    server = start_metrics_server(new_registry(), 0, LINK_LOCAL)
+    port = server.server_port
     try:
-        assert server.socket.getsockname()[3] != 0  # the zone's interface
+        assert server.servers[0].socket.getsockname()[3] != 0  # the zone's interface
         with socket.create_connection((LINK_LOCAL, port), timeout=5):
             pass
     finally:
@@ -111,3 +119,60 @@ def test_a_bind_failure_names_the_role_the_address_and_why():
     if LINK_LOCAL is not None:  # with its zone, the address is refused for what it is: unassigned here
         zone = LINK_LOCAL.split("%")[1]
         assert "Invalid argument" not in str(bind_failure("worker gRPC", f"fe80::dead:1%{zone}", 0))
+
+
+# A name resolving to two loopback addresses, as localhost does on many hosts (127.0.0.1 and ::1); two IPv4 ones
+# where this host has no IPv6 loopback.
+TWO_ADDRESSES = "two-loopbacks.test"
+FIRST, SECOND = ("127.0.0.1", "::1") if HAS_IPV6 else ("127.0.0.1", "127.0.0.2")
+
+
+@pytest.fixture
+def two_address_name(monkeypatch):
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host == TWO_ADDRESSES:
+            return [row for address in (FIRST, SECOND, FIRST) for row in real(address, port, *args, **kwargs)]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def _metrics_answer(address: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host_port(address, port)}/metrics", timeout=5) as resp:
+            return resp.status == 200 and b"process_" in resp.read()
+    except OSError:
+        return False
+
+
+def test_the_metrics_port_binds_every_address_of_a_host_name(two_address_name):
+    # gRPC and the HTTP front bind every address a name resolves to; a scraper on the other family was refused
+    server = start_metrics_server(new_registry(), 0, TWO_ADDRESSES)
+    port = server.server_port
+    try:
+        assert len(server.servers) == 2  # the repeated address is bound once
+        assert {s.server_port for s in server.servers} == {port}  # port 0: the first free port, on both
+        assert _metrics_answer(FIRST, port) and _metrics_answer(SECOND, port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not accepts(FIRST, port) and not accepts(SECOND, port)
+    assert not any(t.is_alive() for t in server.threads)
+
+
+def test_a_taken_port_on_the_second_address_names_it(two_address_name):
+    family = socket.AF_INET6 if ":" in SECOND else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as taken:
+        taken.bind((SECOND, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(AddressInUseError) as e:
+            start_metrics_server(new_registry(), port, TWO_ADDRESSES, role="worker metrics")
+        assert str(e.value) == f"worker metrics {host_port(SECOND, port)} is in use"
+        assert (
+            str(bind_failure("worker gRPC", TWO_ADDRESSES, port)) == f"worker gRPC {host_port(SECOND, port)} is in use"
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as first:  # the first address was let go again
+        first.bind((FIRST, port))

@@ -60,7 +60,8 @@ WORKER = {
 
 
 def scrape(registry) -> dict:
-    server, thread, port = start_metrics_server(registry, 0, host="127.0.0.1")
+    server = start_metrics_server(registry, 0, host="127.0.0.1")
+    port = server.server_port
     try:
         assert port > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
