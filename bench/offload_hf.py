@@ -14,7 +14,7 @@ import numpy as np
 from bench.engine import cuda_time
 from bench.offload_model import TokenSource, load_hf
 
-# The timed work, the same for both engines (bench/offload.py imports it)
+# The timed work, the same for both engines (bench/offload_measure.py and bench/offload_args.py import it)
 PREFILL_TOKENS = 512
 DECODE_BATCHES = (1, 16)
 DECODE_CONTEXT = 128

@@ -35,16 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine import SHAPES, random_model  # noqa: E402
-from bench.offload import (  # noqa: E402
-    NOMINAL_PCIE_BYTES_PER_S,
-    SAMPLED_TEMPERATURE,
-    TINY,
-    bench_colibri,
-    close,
-    make_engine,
-    measure_pcie,
-)
+from bench.offload import NOMINAL_PCIE_BYTES_PER_S  # noqa: E402
+from bench.offload_args import SAMPLED_TEMPERATURE, TINY  # noqa: E402
 from bench.offload_hf import DECODE_CONTEXT, PREFILL_TOKENS  # noqa: E402
+from bench.offload_measure import bench_colibri, close, make_engine, measure_pcie  # noqa: E402
 from bench.offload_model import TokenSource, open_model, text_source  # noqa: E402
 from bench.offload_report import DECODE_PHASES  # noqa: E402
 from common.dtypes import EXPERT_ALIASES  # noqa: E402

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import offload
+from bench import offload, offload_args, offload_hf, offload_measure
 from bench.offload_report import option_key
 from expert_service.engine.cuda_options import CudaOptions
 
@@ -168,8 +168,8 @@ def test_sampled_phase_samples_with_fixed_seeds(tmp_path):
         assert list(out[phase]) == ["1", "16"]
         for d in out[phase].values():
             assert d["steps"] == 2 and d["tok_s"] > 0 and d["hits"] + d["misses"] > 0
-    prefill, greedy, sampled = sent[: offload.PREFILL_REPEATS + 1], sent[4:21], sent[21:]
-    assert [len(c.token_ids) for c in prefill] == [offload.PREFILL_TOKENS] * 4
+    prefill, greedy, sampled = sent[: offload_measure.PREFILL_REPEATS + 1], sent[4:21], sent[21:]
+    assert [len(c.token_ids) for c in prefill] == [offload_hf.PREFILL_TOKENS] * 4
     assert len(greedy) == len(sampled) == 17  # b=1 then b=16 prompts of DECODE_CONTEXT tokens
     assert all(c.sampling.temperature == 0 for c in prefill + greedy)
     assert all(c.sampling.temperature == 0.7 and c.sampling.seed == c.request_id for c in sampled)
@@ -189,7 +189,7 @@ def test_sampled_runs_reported_with_their_ratios(tmp_path, capsys):
     results = json.loads((out / "offload.json").read_text())
     entry = results["shapes"]["tiny"]
     run = entry["runs"]["0.5"]["none"]
-    assert run["sampled_temperature"] == offload.SAMPLED_TEMPERATURE
+    assert run["sampled_temperature"] == offload_args.SAMPLED_TEMPERATURE
     ratios = entry["ratios"]["0.5"]["none"]
     base = entry["resident"]["decode_sampled"]["16"]
     assert ratios["decode_sampled_b16_x_resident"] == run["decode_sampled"]["16"]["tok_s"] / base["tok_s"]
