@@ -54,29 +54,29 @@ def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[Ro
     return RoutingTable.load(path, cfg, model_digest(model.path)), summary
 
 
+def _positive_list(text: str, parse, flag: str, what: str) -> list:
+    """`text` "a,b,..." parsed by `parse`, every value > 0; one line naming `flag` otherwise."""
+    try:
+        values = [parse(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise ConfigError(f"{flag}: {what} separated by commas, got {text!r}")
+    return values
+
+
 def parse_plan_top_k(text: str | None) -> list[int] | None:
     """`--plan-top-k 1,2` -> [2, 1] (the largest first: the table as it is runs before its cuts); None: not given."""
     if text is None:
         return None
-    try:
-        ks = [int(v) for v in text.split(",")]
-    except ValueError:
-        ks = []
-    if not ks or min(ks) < 1:
-        raise ConfigError(f"--plan-top-k: integers >= 1 separated by commas, got {text!r}")
-    return sorted(set(ks), reverse=True)
+    return sorted(set(_positive_list(text, int, "--plan-top-k", "integers >= 1")), reverse=True)
 
 
 def parse_plan_min_share(text: str | None) -> list[float] | None:
     """`--plan-min-share 0.3,0.5` -> [0.3, 0.5] (each in (0, 1): 0 is the table as it is); None: not given."""
     if text is None:
         return None
-    try:
-        shares = [float(v) for v in text.split(",")]
-    except ValueError:
-        shares = []
-    if not shares or any(not v > 0 for v in shares):
-        raise ConfigError(f"--plan-min-share: numbers in (0, 1) separated by commas, got {text!r}")
+    shares = _positive_list(text, float, "--plan-min-share", "numbers in (0, 1)")
     return sorted({check_min_share(v, "--plan-min-share") for v in shares})
 
 

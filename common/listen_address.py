@@ -134,6 +134,13 @@ def bound_address(bound_host: str, sockaddr: tuple, several: bool) -> str:
     return host_port(sockaddr[0] if several else bound_host, sockaddr[1])
 
 
+def bind_error(role: str, where: str, error: OSError) -> AddressInUseError:
+    """One bind failure in one line: "worker metrics [::]:9091 is in use", or "... cannot be bound: <reason>"."""
+    if error.errno == errno.EADDRINUSE:
+        return AddressInUseError(f"{role} {where} is in use")
+    return AddressInUseError(f"{role} {where} cannot be bound: {error.strerror or error}")
+
+
 def bind_failure(role: str, host: str, port: int) -> AddressInUseError:
     """Why gRPC could not bind host:port, found by binding each address ourselves (gRPC only says that it failed):
     one line naming the role and the address ("worker gRPC 127.0.0.1:50052 is in use")."""
@@ -141,16 +148,11 @@ def bind_failure(role: str, host: str, port: int) -> AddressInUseError:
     where = host_port(bound_host, port)
     try:
         targets = bind_targets(bound_host, port)
-    except OSError as e:
-        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
-    try:
         for family, sockaddr in targets:
             where = bound_address(bound_host, sockaddr, len(targets) > 1)
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 set_v6only(s, bound_host)
                 s.bind(sockaddr)
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return AddressInUseError(f"{role} {where} is in use")
-        return AddressInUseError(f"{role} {where} cannot be bound: {e.strerror or e}")
+        return bind_error(role, where, e)
     return AddressInUseError(f"{role} {host_port(bound_host, port)} cannot be bound")

@@ -11,7 +11,6 @@ docs/observability.md lists every metric with its meaning.
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,8 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from common.errors import AddressInUseError
-from common.listen_address import bind_targets, bound_address, host_port, listen_host, set_v6only
+from common.listen_address import bind_error, bind_targets, bound_address, host_port, listen_host, set_v6only
 
 PREFIX = "colibri_"
 
@@ -351,8 +349,7 @@ def start_metrics_server(
             metrics.servers.append(_bind(app, bound_host, family, sockaddr))
     except OSError as e:
         metrics.server_close()
-        reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
-        raise AddressInUseError(f"{role} {where} {reason}") from None
+        raise bind_error(role, where, e) from None
     for server in metrics.servers:
         thread = threading.Thread(target=server.serve_forever, name=f"colibri-{role.replace(' ', '-')}", daemon=True)
         thread.start()

@@ -166,11 +166,6 @@ class RoutingCounts:
         self.buffered = 0
         self.occurrences = np.zeros(vocab_size, dtype=np.int64)  # [V]: each token id's occurrences in training
 
-    @property
-    def seen(self) -> np.ndarray:
-        """[V] bool: token ids present in the training data."""
-        return self.occurrences > 0
-
     def add(self, token_ids: np.ndarray, experts_per_layer: list[np.ndarray]) -> None:
         """token_ids [T]; experts_per_layer: per MoE layer, chosen expert ids [T, K]."""
         self.occurrences += np.bincount(token_ids, minlength=self.vocab_size)
@@ -344,7 +339,7 @@ def generate_with_counts(
         exact = [traced[layer] for layer in moe_layers]
         sums += score_sums(table, token_ids, exact)
         fallback_sums += score_sums(fallback, token_ids, exact)
-        unseen += int((~counts.seen[token_ids]).sum())
+        unseen += int((counts.occurrences[token_ids] == 0).sum())  # not a [V] mask rebuilt per sequence
     tokens = report["heldout_tokens"]
     per_layer, fallback_per_layer, predictions = sums[:, 0] / tokens, fallback_sums[:, 0] / tokens, sums[:, 2] / tokens
     precision = [float(h / p) if p else None for h, p in zip(sums[:, 1], sums[:, 2])]
