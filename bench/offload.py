@@ -80,6 +80,7 @@ from bench.offload_measure import (  # noqa: E402
 from bench.offload_model import TokenSource, load_table  # noqa: E402
 from bench.offload_plan import build_routing_table, cut_fields, own_cut, plan_runs, plan_tables  # noqa: E402
 from bench.offload_report import (  # noqa: E402
+    CUDA_OPTIONS,
     DECODE_PHASES,
     OPTIONS,
     option_key,
@@ -151,7 +152,9 @@ def bench_shape(model: ModelDir, args, bytes_per_s: float, workdir: Path, tokens
                 # as served), or the router's plan sent with every step (--plan-source router)
                 own = "plan" in mode and run_path is not None and args.plan_source == "worker"
                 plan_table = str(run_path) if own else "router"
-                cached = make_engine(model, args.backend, n, mode, CudaOptions(**settings), plan_table, args.policy)
+                cuda = CudaOptions(**{k: v for k, v in settings.items() if k in CUDA_OPTIONS})
+                large_steps = settings["prefetch_large_steps"]
+                cached = make_engine(model, args.backend, n, mode, cuda, plan_table, args.policy, large_steps)
                 try:
                     runs[key] = {
                         "slots_per_layer": n,

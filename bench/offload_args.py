@@ -13,10 +13,9 @@ from bench.engine import SHAPES
 from bench.offload_hf import DECODE_CONTEXT, DECODE_STEPS, PREFILL_TOKENS
 from bench.offload_model import TokenSource, load_table, open_model, text_source
 from bench.offload_plan import check_plan_cuts, parse_plan_min_share, parse_plan_top_k
-from bench.offload_report import OPTIONS
+from bench.offload_report import CUDA_OPTIONS, OPTIONS, option_defaults
 from common.errors import ColibriError
 from common.model_format import ModelDir
-from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import POLICIES
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
@@ -80,9 +79,11 @@ def parse_args(
         action="store_true",
         help="cuda: record one more decode step per batch size kernel by kernel (streams, waits) into the JSON",
     )
+    defaults = option_defaults()
     for option in OPTIONS:  # each run keyed by the options it changes (option_key)
-        default = "on" if getattr(CudaOptions(), option) else "off"
-        help_text = f"CudaOptions.{option} of the cached runs: on, off or on,off (both, side by side)"
+        default = "on" if defaults[option] else "off"
+        owner = "CudaOptions" if option in CUDA_OPTIONS else "EngineConfig"
+        help_text = f"{owner}.{option} of the cached runs: on, off or on,off (both, side by side)"
         parser.add_argument("--" + option.replace("_", "-"), default=default, help=help_text)
     parser.add_argument(
         "--expert-dtype",
@@ -104,7 +105,7 @@ def parse_args(
         values = [settings.get(v, v) for v in dict.fromkeys(getattr(args, option).split(","))]
         if bad := [v for v in values if not isinstance(v, bool)]:
             parser.error(f"--{option.replace('_', '-')}: {bad} not in on, off")
-        default = getattr(CudaOptions(), option)
+        default = defaults[option]
         setattr(args, option, sorted(values, key=lambda v, d=default: v != d))  # the default first: MODE's key
     if not (np.isfinite(args.temperature) and args.temperature >= 0):
         parser.error(f"--temperature: a finite number >= 0, got {args.temperature}")

@@ -51,6 +51,7 @@ def make_engine(
     options: CudaOptions = CudaOptions(),
     plan_table: str = "router",
     policy: str = "lru",
+    prefetch_large_steps: bool = False,
 ) -> Engine:
     return build_engine(
         model,
@@ -65,6 +66,7 @@ def make_engine(
             cuda_options=options,
             plan_table=plan_table,
             expert_cache_policy=policy,
+            prefetch_large_steps=prefetch_large_steps,
         ),
     )
 

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot  # noqa: E402
+from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
 
 MODE_NAMES = {
@@ -59,19 +60,28 @@ def print_run(fraction: float, key: str, decode: dict, base: dict, phase: str = 
     print(f"{fraction:>6} {key:<15} {label} {line}", flush=True)
 
 
-# the CudaOptions fields bench/offload.py can vary
-OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma", "cached_mma_large", "prefetch_yields")
+# the CudaOptions fields bench/offload.py can vary, and the EngineConfig switches it varies the same way
+CUDA_OPTIONS = ("cached_gemv", "pipelined_waves", "cached_mma", "cached_mma_large", "prefetch_yields")
+ENGINE_OPTIONS = ("prefetch_large_steps",)
+OPTIONS = CUDA_OPTIONS + ENGINE_OPTIONS
+
+
+def option_defaults(cuda: CudaOptions = CudaOptions()) -> dict[str, bool]:
+    """Each option's default: the CudaOptions field's, or the EngineConfig setting's."""
+    engine = EngineConfig()
+    return {name: getattr(cuda if name in CUDA_OPTIONS else engine, name) for name in OPTIONS}
 
 
 def option_key(mode: str, settings: dict[str, bool], defaults: CudaOptions = CudaOptions()) -> str:
-    """A cached run's key: the prefetch mode, then each CudaOptions field the run sets off its default
+    """A cached run's key: the prefetch mode, then each option the run sets off its default
     ("/no-cached-gemv" for a field on by default, "/cached-gemv" for one off by default)."""
-    changed = (name for name in OPTIONS if settings.get(name, getattr(defaults, name)) != getattr(defaults, name))
-    return mode + "".join(f"/{'no-' if getattr(defaults, n) else ''}{n.replace('_', '-')}" for n in changed)
+    default = option_defaults(defaults)
+    changed = (name for name in OPTIONS if settings.get(name, default[name]) != default[name])
+    return mode + "".join(f"/{'no-' if default[n] else ''}{n.replace('_', '-')}" for n in changed)
 
 
 def print_option(fraction: float, mode: str, option: str, on: dict, off: dict) -> None:
-    """The same cached run (bench_colibri's result) with a CudaOptions field on and off: step times side by side
+    """The same cached run (bench_colibri's result) with an option on and off: step times side by side
     (on / off) and how many times faster the run with it on is (off / on), decode at each batch size and prefill."""
     steps = [(f"b={b}", on["decode"][b], off["decode"][b]) for b in on["decode"]]
     steps.append(("prefill", on["prefill"], off["prefill"]))

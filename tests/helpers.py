@@ -303,6 +303,9 @@ def run_session(model, plans=None, backend="cpu", prompts=SESSION_PROMPTS, **ove
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
 
+    # the expert-cache tests prefetch in steps of every size (by default only steps whose tokens' experts fit the
+    # slots do), so each prefetch source runs beside prefill chunks and batched decodes too
+    overrides.setdefault("prefetch_large_steps", True)
     engine = build_engine(model, EngineConfig(backend=backend, kv_block_size=4, **overrides))
     greedy = SamplingParams()
     steps = [dict(prefill=[PrefillInput(i, p, greedy, True) for i, p in enumerate(prompts)])]

@@ -80,6 +80,7 @@ class CpuDecoder:
             self.config.head_dim,
         )
         self.slot_plan, self.prefetch = slot_plan, config.prefetch_sources
+        self.prefetch_large_steps = config.prefetch_large_steps
         self.cache: ExpertCache | None = None  # None: every expert resident, no cache logic runs
         if slot_plan.is_cached:
             self.copy_engine = HostCopyEngine(model, self.config.moe_layers, slot_plan.slots_per_layer)
@@ -165,7 +166,10 @@ class CpuDecoder:
         cfg, kv, cache = self.config, self.kv, self.cache
         h = self.w.get("embed_tokens")[batch.token_ids]  # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions)
-        hints = self._plan_hints(batch) if cache is not None else None
+        prefetching = cache is not None and self.slot_plan.step_prefetches(
+            len(batch.token_ids), cfg.num_experts_per_tok, self.prefetch_large_steps
+        )
+        hints = self._plan_hints(batch) if prefetching else None
         if cache is not None:
             cache.begin_step()
             if cfg.moe_layers:  # the first MoE layer's plan: its copies overlap the attention before it
@@ -178,7 +182,7 @@ class CpuDecoder:
             )
             planned = batch.routed_experts.get(i) if batch.routed_experts else None
             x = rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps)
-            if cache is not None:
+            if prefetching:
                 self._prefetch_lookahead(cache, x, self._next_moe[i])
             h = h + self._mlp(i, x, trace, planned)
         if cache is not None:

@@ -158,6 +158,7 @@ class CudaDecoder:
                 host_break=self.host_breaks,
                 plan_table=self.plan_lookup.table if self.plan_lookup is not None else None,
                 largest_grouped=self.workspace_cached_grouped,
+                prefetch_large_steps=config.prefetch_large_steps,
             )
             if cached
             else None

@@ -22,7 +22,8 @@ starts, layer after layer on a plan stream: a layer's
 predicted experts arrive while the layers before it compute, not only behind the layer before. Lookahead, the next
 layer's router applied to this layer's input (its top-k on the device), is known one layer ahead only: it runs on a
 side stream forked after the layer's first wave of demand copies, behind that next layer's plan copies (both
-update the next layer's slot map), and fills the slots the plan left unprotected.
+update the next layer's slot map), and fills the slots the plan left unprotected. Only passes whose tokens' experts
+fit the slots prefetch (SlotPlan.step_prefetches; EngineConfig.prefetch_large_steps for every pass).
 Steps above GROUPED_MAX_TOKENS (CACHED_CUBLAS; with CudaOptions.cached_mma_large on layers whose waves run on a
 tensor-core kernel they take the grouped waves too) read the waves and expert offsets back at a host break and run two cuBLAS GEMMs per expert on
 its slot, as the resident per-expert path does; they take no prefetch.
@@ -104,10 +105,13 @@ class CachedExperts:
         host_break=None,
         plan_table: np.ndarray | None = None,
         largest_grouped: int = GROUPED_MAX_TOKENS,
+        prefetch_large_steps: bool = False,
     ):
         cfg = config
         self.config, self.weights, self.ws, self.linear, self.stream = cfg, weights, workspace, linear, stream
         self.prefetch = prefetch
+        self.slot_plan, self.prefetch_large_steps = slot_plan, prefetch_large_steps
+        self._prefetching = False  # the pass being launched prefetches (start_pass: SlotPlan.step_prefetches)
         self.host_break = host_break if host_break is not None else (lambda resume: resume())
         moe = cfg.moe_layers
         self.moe_layers = moe
@@ -201,7 +205,8 @@ class CachedExperts:
 
     def start_pass(self, T: int, large: bool, prefetch_yields: bool = True) -> None:
         """Issued at the start of a pass of T tokens: the clock ticks, and every MoE layer's plan is prefetched,
-        in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch). With the table
+        in layer order on the plan stream (large: a CACHED_CUBLAS step, which takes no prefetch; nor does a pass
+        whose tokens may route to more experts than the slots, unless prefetch_large_steps). With the table
         on the device the plan is first looked up from the pass's own input tokens (fed decodes included).
         prefetch_yields: the pass's prefetch copies wait for its demand copies (CudaOptions.prefetch_yields)."""
         self.slots.prefetch_yields = prefetch_yields
@@ -210,7 +215,10 @@ class CachedExperts:
         self._pending.clear()
         self._plan_pending.clear()
         self.slots.advance(self.stream)
-        if not self.moe_layers or large or PrefetchSource.PLAN not in self.prefetch:
+        K = self.config.num_experts_per_tok
+        # a static choice per token bucket, so a captured pass replays it
+        self._prefetching = not large and self.slot_plan.step_prefetches(T, K, self.prefetch_large_steps)
+        if not self.moe_layers or not self._prefetching or PrefetchSource.PLAN not in self.prefetch:
             return
         if self.plan_table is not None:
             ws = self.ws
@@ -279,7 +287,7 @@ class CachedExperts:
         elif not gemv:  # the GEMV kernels take the ids as routed: no grouping
             launch_expert_grouping(ids, ws.counts, ws.offsets, order, position, stream=st)
         ahead = self.next_moe[i]
-        lookahead = ahead is not None and PrefetchSource.LOOKAHEAD in self.prefetch and not large
+        lookahead = ahead is not None and PrefetchSource.LOOKAHEAD in self.prefetch and self._prefetching and not large
         if lookahead and ahead is not None:  # the next layer's router on this layer's input
             self.linear.linear(x, self.weights.layer(ahead, "router"), self.ahead_logits[:T])
             launch_gate_topk(

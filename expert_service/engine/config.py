@@ -100,6 +100,13 @@ class EngineConfig:
         "comma-separated",
         env=("COLIBRI_PREFETCH",),
     )
+    prefetch_large_steps: bool = setting(
+        False,
+        "also prefetch in steps whose tokens may route to more experts than a layer has slots (tokens x top-k > "
+        "slots: prefill chunks, large batches), where demand copies already fill the link and a prediction "
+        "evicts experts the step itself needs (false: such steps copy only their misses)",
+        env=("COLIBRI_PREFETCH_LARGE_STEPS",),
+    )
     plan_table: str = setting(
         "",
         "routing table the expert cache's plan prefetch looks each step's own tokens up in (on the device on "

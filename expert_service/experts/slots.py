@@ -28,6 +28,13 @@ class SlotPlan:
         """Fewer slots than experts: the expert cache runs."""
         return self.slots_per_layer < self.num_experts
 
+    def step_prefetches(self, tokens: int, top_k: int, large_steps: bool = False) -> bool:
+        """Whether a step of `tokens` tokens prefetches (plan or lookahead): only while every expert its tokens may
+        route to fits a layer's slots (tokens x top_k <= slots), unless `large_steps`
+        (EngineConfig.prefetch_large_steps). A larger step misses most of what a prediction names anyway, its demand
+        copies already fill the link, and its prefetches evict experts its own later tokens hit."""
+        return large_steps or tokens * top_k <= self.slots_per_layer
+
     def describe(self) -> str:
         """One log line: what the settings came to, the bytes the slots take against the budget (a budget is
         floored to whole slots per layer, and one holding every expert runs no cache)."""

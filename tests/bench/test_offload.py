@@ -70,8 +70,9 @@ def test_offload_tiny_cpu(tmp_path, plan_source):
                     assert phase["plan_recall"] is None
                 elif plan_source == "router":  # every step's plan scored (the worker's lookup: one step in 8)
                     assert 0 <= phase["plan_recall"] <= 1
-                if mode == "plan":
-                    assert run["plan_source"] == plan_source and phase["prefetches_issued"] > 0
+                if mode == "plan":  # only one-token steps' experts fit the slots: the others copy only misses
+                    assert run["plan_source"] == plan_source
+                    assert (phase["prefetches_issued"] > 0) == (phase is run["decode"]["1"])
     # b=16 x top-2 needs every expert of the tiny model and only half of them fit: misses every step
     assert entry["runs"]["0.5"]["none"]["decode"]["16"]["hit_rate"] < 1
     assert "decode_b1_x_none" in entry["ratios"]["0.5"]["plan"]
@@ -106,6 +107,18 @@ def test_offload_runs_both_cached_gemv_settings_side_by_side(tmp_path, capsys):
     assert list(runs) == ["none", "none/no-cached-gemv"]
     assert runs["none"]["cached_gemv"] is True and runs["none/no-cached-gemv"]["cached_gemv"] is False
     assert "ms per step with cached_gemv on/off: b=1 " in capsys.readouterr().out
+
+
+def test_offload_runs_the_engine_switch_prefetch_large_steps_side_by_side(tmp_path, capsys):
+    """--prefetch-large-steps on,off (an EngineConfig setting, off by default): lookahead prefetches in b=16 steps
+    only with it on; both runs keyed apart and printed together."""
+    argv = ["--prefetch-modes", "lookahead", "--prefetch-large-steps", "on,off"]
+    runs = _tiny_option_runs(tmp_path, *argv)
+    assert list(runs) == ["lookahead", "lookahead/prefetch-large-steps"]
+    on, off = runs["lookahead/prefetch-large-steps"], runs["lookahead"]
+    assert on["prefetch_large_steps"] is True and off["prefetch_large_steps"] is False
+    assert on["decode"]["16"]["prefetches_issued"] > 0 and off["decode"]["16"]["prefetches_issued"] == 0
+    assert "ms per step with prefetch_large_steps on/off: b=1 " in capsys.readouterr().out
 
 
 def test_offload_runs_every_option_combination_keyed_apart(tmp_path, capsys):

@@ -103,6 +103,35 @@ def test_prefetch_changes_only_counters(family_model, prefetch):
         engine.decoder.close()
 
 
+def test_only_passes_whose_experts_fit_the_slots_prefetch_by_default(family_model):
+    """As on the cpu backend: with K slots a one-token decode prefetches, the prompt's chunk and a two-sequence
+    decode do not (a static choice per token bucket, so replayed graphs keep it), and the outputs stay the resident
+    engine's."""
+    K = family_model.config.num_experts_per_tok
+    prompt = (SESSION_PROMPTS[0],)
+    ref_logits, ref_tokens, _, traces, _ = run_session(family_model, backend="cuda", prompts=prompt)
+    plans = exact_plans(traces, family_model.config.num_experts)
+    for source in ("plan", "plan,lookahead"):
+        logits, tokens, stats, _, engine = run_session(
+            family_model,
+            plans,
+            backend="cuda",
+            prompts=prompt,
+            expert_cache_slots=K,
+            prefetch=source,
+            prefetch_large_steps=False,
+        )
+        assert tokens == ref_tokens and all(rel_error(a, b) <= 1e-4 for a, b in zip(logits, ref_logits))
+        assert stats[0].prefetches_issued == 0 and sum(stats[1:], CacheStats()).prefetches_used > 0
+        engine.decoder.close()
+    plans = exact_plans(run_session(family_model, backend="cuda")[3], family_model.config.num_experts)
+    two = run_session(
+        family_model, plans, backend="cuda", expert_cache_slots=K, prefetch="plan", prefetch_large_steps=False
+    )
+    assert sum(two[2], CacheStats()).prefetches_issued == 0
+    two[4].decoder.close()
+
+
 @pytest.mark.parametrize("prefetch", ["none", "plan,lookahead"])
 def test_lfu_changes_only_which_slots(family_model, prefetch):
     """The frequency-aware policy on the device: other victims, the same outputs bit for bit (a slot holds the
@@ -261,7 +290,10 @@ def check_no_allocations_during_cached_steps(model, monkeypatch):
     from numba.cuda.cudadrv import driver
 
     engine = build_engine(
-        model, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead")
+        model,
+        EngineConfig(
+            backend="cuda", kv_block_size=4, expert_cache_slots=2, prefetch="plan,lookahead", prefetch_large_steps=True
+        ),
     )
     plan = dict(engine.decoder.memory_plan())
     assert plan["expert_weights"] == 0 and plan["expert_slots"] > 0

@@ -90,7 +90,7 @@ def test_a_router_table_wider_than_the_models_top_k_is_a_prediction_under_exact_
     tokens = np.concatenate(PROMPTS)
     plan = wider.routing_plan(tokens)
     chunks = [PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)]
-    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=3, prefetch="plan")
+    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=3, prefetch="plan", prefetch_large_steps=True)
     engine = build_engine(model, EngineConfig(**config))
     result = engine.step(chunks, routing_plan=plan)
     assert result.routing_plan_recall == 1.0 and result.expert_cache.prefetches_issued > 0
@@ -124,7 +124,8 @@ def test_a_gated_tables_no_expert_entries_predict_and_prefetch_nothing(token_rou
         return prefetch(self, layer, experts)
 
     monkeypatch.setattr(ExpertCache, "prefetch", spy)
-    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan")
+    # a prefill chunk prefetches only with prefetch_large_steps (its tokens' experts exceed the slots)
+    config = dict(backend="cpu", kv_block_size=4, expert_cache_slots=2, prefetch="plan", prefetch_large_steps=True)
     tokens = np.concatenate(PROMPTS)
     chunks = [PrefillInput(i, p, SamplingParams(), True) for i, p in enumerate(PROMPTS)]
     if source == "worker":

@@ -10,10 +10,10 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.experts.cache import CacheStats, ExpertCache
 from expert_service.experts.host_copy import HostCopyEngine
-from expert_service.experts.slots import GIB, plan_slots
+from expert_service.experts.slots import GIB, SlotPlan, plan_slots
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import make_tiny
-from tests.helpers import BackgroundWorker, exact_plans, run_session
+from tests.helpers import SESSION_PROMPTS, BackgroundWorker, exact_plans, run_session
 
 NBYTES = 1000
 
@@ -265,6 +265,42 @@ def test_plan_prefetch_turns_misses_into_hits(family_model):
     none = sum(run_session(family_model, plans, expert_cache_slots=2, prefetch="none")[2], CacheStats())
     plan = sum(run_session(family_model, plans, expert_cache_slots=2, prefetch="plan")[2], CacheStats())
     assert plan.prefetches_used > 0 and plan.misses < none.misses
+
+
+def test_only_steps_whose_experts_fit_the_slots_prefetch_by_default(family_model):
+    """A step prefetches while tokens x top-k <= slots: one-token decodes with K slots do, a prefill chunk and a
+    two-sequence decode do not (their own routing fills the slots); prefetch_large_steps brings those back."""
+    K = family_model.config.num_experts_per_tok
+    prompt = (SESSION_PROMPTS[0],)
+    _, ref_tokens, _, traces, _ = run_session(family_model, prompts=prompt)
+    plans = exact_plans(traces)
+    for source in ("plan", "lookahead"):
+        _, tokens, stats, _, _ = run_session(
+            family_model, plans, prompts=prompt, expert_cache_slots=K, prefetch=source, prefetch_large_steps=False
+        )
+        assert tokens == ref_tokens
+        assert stats[0].prefetches_issued == 0  # the prompt's chunk
+        if source == "plan" or len(family_model.config.moe_layers) > 1:
+            assert sum(stats[1:], CacheStats()).prefetches_issued > 0  # its one-token decodes
+    two = [
+        run_session(
+            family_model,
+            exact_plans(run_session(family_model)[3]),
+            expert_cache_slots=K,
+            prefetch="plan",
+            prefetch_large_steps=large,
+        )[2]
+        for large in (False, True)
+    ]
+    assert sum(two[0], CacheStats()).prefetches_issued == 0
+    assert sum(two[1], CacheStats()).prefetches_issued > 0
+
+
+def test_step_prefetches_counts_the_steps_assignments():
+    plan = SlotPlan(slots_per_layer=8, num_experts=32, num_moe_layers=4, expert_block_bytes=1, budget_bytes=0)
+    assert [plan.step_prefetches(t, 2) for t in (1, 4, 5, 16)] == [True, True, False, False]
+    assert plan.step_prefetches(16, 2, large_steps=True)
+    assert not plan.step_prefetches(1, 9)  # one token routed to more experts than the slots
 
 
 def test_slot_plan_from_budget_and_memory_plan(family_model):
