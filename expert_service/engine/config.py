@@ -93,7 +93,7 @@ class EngineConfig:
         env=("COLIBRI_EXPERT_CACHE_POLICY",),
     )
     prefetch: str = setting(
-        "plan,lookahead",
+        "plan",
         "expert prefetch sources when the expert cache runs: none, plan (the "
         "routing table's prediction for the step's tokens: see --plan-table), lookahead (layer L+1's gate on "
         "layer L's input) or both, "
