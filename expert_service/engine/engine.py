@@ -25,7 +25,12 @@ from expert_service.engine.forward_batch import build_batch
 from expert_service.engine.kv_cache import BlockAllocator
 from expert_service.engine.logprobs import StepScores
 from expert_service.engine.penalties import PenaltySlots
-from expert_service.engine.prefix_blocks import attach_prefix, cache_registrations, prefix_penalty_tokens
+from expert_service.engine.prefix_blocks import (
+    attach_prefix,
+    cache_registrations,
+    check_prefix_scoring,
+    prefix_penalty_tokens,
+)
 from expert_service.engine.records import InFlightStep, SequenceOutput, SequenceState, StepResult
 from expert_service.engine.sampling import Sampler, SamplingParams
 from expert_service.engine.step import Decoder, HostLogits, Logits, PrefillInput, StepTrace
@@ -205,6 +210,7 @@ class Engine:
                         )
                     chunk.sampling.check_vocabulary(self.model_config.vocab_size)
                     check_first_position(chunk, self.config.kv_block_size)
+                    check_prefix_scoring(chunk)
                     try:
                         num_cached = attach_prefix(self.allocator, chunk, owner)
                     except KeyError as missing:  # the router's view is stale: this sequence alone fails

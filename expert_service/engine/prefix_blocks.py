@@ -31,6 +31,16 @@ def attach_prefix(allocator: BlockAllocator, chunk: PrefillInput, owner: int) ->
     return len(keys) * allocator.block_size
 
 
+def check_prefix_scoring(chunk: PrefillInput) -> None:
+    """A new sequence scoring its prompt (prompt_logprobs) starts on no cached block: the prefix's positions would
+    go unscored and its first computed token be scored as the prompt's first (NaN). Refused, not answered wrong."""
+    if chunk.prefix_block_ids and chunk.sampling is not None and chunk.sampling.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs",
+            f"sequence {chunk.request_id}: a sequence scoring its prompt cannot start on cached blocks",
+        )
+
+
 def cache_registrations(
     allocator: BlockAllocator, sequences: Mapping[int, _Cached], prefill: Sequence[PrefillInput], owner: int
 ) -> list[tuple[int, int, tuple[int, int]]]:

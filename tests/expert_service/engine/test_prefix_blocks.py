@@ -70,6 +70,19 @@ def test_bad_instructions_fail_the_step_or_the_sequence(engine):
     assert other_owner.outputs[0].error == UNKNOWN_PREFIX_BLOCK  # another stream's ids are not ours
 
 
+def test_a_sequence_scoring_its_prompt_is_refused_cached_blocks(engine):
+    """prompt_logprobs scores every prompt position: on cached blocks the prefix would go unscored and the first
+    computed token would be scored as the prompt's first (NaN). Refused, as a penalty without its prefix tokens."""
+    prompt = np.arange(3, 16)
+    engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(21, 22, 23))])
+    scoring = SamplingParams(prompt_logprobs=1)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        engine.step([PrefillInput(2, prompt[12:], scoring, True, prefix_block_ids=(21, 22, 23))])
+    assert 2 not in engine.sequences and engine.allocator.tables.keys() == {1}
+    whole = engine.step([PrefillInput(3, prompt, scoring, True)]).outputs[0]
+    assert not whole.error and len(whole.prompt.logprobs) == len(prompt)
+
+
 def test_a_penalised_sequence_counts_its_cached_prefix(engine):
     prompt = np.random.default_rng(1).integers(3, 250, 13)
     engine.step([PrefillInput(1, prompt, SamplingParams(), True, cache_block_ids=(21, 22, 23))])
