@@ -6,10 +6,10 @@ the directory (symlinks), files too short for a tensor's range, ``nbytes`` that 
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
 boundary), 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
 (version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
-(read on every open, one small range per expert), expert blocks off their planned offsets, an expert_stride
-other than the largest of expert_strides, and (unless told to skip) any crc32 mismatch, scales included, or a
-NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError`` (``ChecksumError`` for
-a mismatch).
+or so large that a code times it overflows float32 (read on every open, one small range per expert), expert
+blocks off their planned offsets, an expert_stride other than the largest of expert_strides, and (unless told
+to skip) any crc32 mismatch, scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a
+one-line ``ModelFormatError`` (``ChecksumError`` for a mismatch).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class ModelDir:
                     at = layout.offset + offset - start
                     scale = np.frombuffer(data, "<f4", math.prod(shape), at).reshape(shape)
                     name = scale_name(f"layers.{layer}.experts.{expert}.{projection}")
-                    quant.check_scale_values(scale, name, layout.file)
+                    quant.check_scale_values(scale, layout.dtype, name, layout.file)
         finally:
             for f in fds.values():
                 f.close()

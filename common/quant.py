@@ -11,7 +11,7 @@ Two dtypes and two scale schemes, the scale always a float32 *multiplier* (dequa
 fp8 bytes are stored raw (uint8); a 256-entry table decodes them, so the reference never depends on how a
 library casts. All-zero rows/blocks get scale 1 (their q is 0 either way), rows too small for max / limit to be a
 nonzero float32 the smallest one, a subnormal scale the float32 at or above max / limit; non-finite weights are
-refused.
+refused, as are scales above MAX_SCALE (a code times them would overflow float32).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ BLOCK = 128
 CHANNEL, BLOCK128 = "channel", "block128"
 SCHEMES = (CHANNEL, BLOCK128)
 SMALLEST_SCALE = np.float32(2.0**-149)  # the smallest positive float32 (a subnormal)
+# The largest |code| a dtype's bytes can hold: int8's -128 too, though the quantizer writes -127..127.
+CODE_MAGNITUDE = {"int8": 128.0, "float8_e4m3fn": FP8_MAX}
 
 
 def _fp8_table() -> np.ndarray:
@@ -64,6 +66,22 @@ def expand_scale(scale: np.ndarray, scheme: str, shape: tuple[int, ...]) -> np.n
         return np.asarray(scale, dtype=np.float32)[:, None]
     out, inner = shape
     return np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), BLOCK, axis=0), BLOCK, axis=1)[:out, :inner]
+
+
+def _max_scale(dtype: str) -> np.float32:
+    """The largest float32 scale whose product with every code of `dtype` is a finite float32: a larger one
+    dequantises the row's largest codes to infinity."""
+    code = np.float32(CODE_MAGNITUDE[dtype])
+    scale = np.float32(float(np.finfo(np.float32).max) / float(code))
+    with np.errstate(over="ignore"):
+        while not np.isfinite(scale * code):
+            scale = np.nextafter(scale, np.float32(0))
+        while np.isfinite(np.nextafter(scale, np.float32(np.inf)) * code):
+            scale = np.nextafter(scale, np.float32(np.inf))
+    return scale
+
+
+MAX_SCALE = {dtype: _max_scale(dtype) for dtype in CODE_MAGNITUDE}
 
 
 def fp8_to_float32(raw: np.ndarray) -> np.ndarray:
@@ -103,6 +121,13 @@ def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np
     # step up keeps the row's largest weights within the limit instead of saturating them.
     low = (scale < np.finfo(np.float32).tiny) & (amax / scale > limit)
     scale[low] = np.nextafter(scale[low], np.float32(np.inf))
+    # any code times the scale must stay finite: int8 rows above 127/128 of float32's max cannot (-128 x max / 127)
+    if (scale > MAX_SCALE[dtype]).any():
+        peak = float(amax[scale > MAX_SCALE[dtype]].max())
+        raise ModelFormatError(
+            f"tensor {name}: weights up to {peak:g} are too large to quantize to {dtype} "
+            f"(their scale times a code would overflow float32)"
+        )
     scaled = values / expand_scale(scale, scheme, values.shape)
     # amax / limit rounds, so w / scale may land a hair past the limit: clip (saturate), never overflow.
     np.clip(scaled, -limit, limit, out=scaled)
@@ -111,13 +136,14 @@ def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np
     return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
 
 
-def check_scale_values(scale: np.ndarray, name: str, file: str = "") -> None:
-    """Refuses a scale holding NaN, an infinity, zero or a negative value: the converter never writes one, and
-    as a multiplier it would turn the expert's output into NaN or garbage without any error."""
-    bad = ~(np.isfinite(scale) & (scale > 0))
+def check_scale_values(scale: np.ndarray, dtype: str, name: str, file: str = "") -> None:
+    """Refuses a scale holding NaN, an infinity, zero, a negative value or one above MAX_SCALE[dtype]: the
+    converter never writes one, and as a multiplier it would turn the expert's output into NaN, infinity or
+    garbage without any error."""
+    bad = ~(np.isfinite(scale) & (scale > 0) & (scale <= MAX_SCALE[dtype]))
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ModelFormatError(
             f"{file + ': ' if file else ''}invalid scale in tensor {name}: {float(scale[index])} at {list(index)} "
-            f"(scales are positive and finite; corrupted?)"
+            f"(scales are positive and finite, {dtype} ones at most {float(MAX_SCALE[dtype]):g}; corrupted?)"
         )

@@ -119,5 +119,5 @@ def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:
     if not np.isfinite(scale).all():
         raise ModelFormatError(f"tensor {scale_name}: non-finite block scales")
     # zero or negative: refused whether the bytes are kept or dequantised, so no flag turns them into weights
-    quant.check_scale_values(scale, scale_name)
+    quant.check_scale_values(scale, "float8_e4m3fn", scale_name)
     return scale

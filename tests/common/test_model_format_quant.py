@@ -299,6 +299,9 @@ BAD_SCALES = [
     (FP8_SCALE, 0, float("inf"), "inf", r"\[0, 0\]"),
     (FP8_SCALE, 0, 0.0, "0.0", r"\[0, 0\]"),
     (FP8_SCALE, 0, -0.25, "-0.25", r"\[0, 0\]"),
+    # finite, but 127 (or 448) x the scale overflows float32: the cpu backend dequantised the codes to infinity
+    (INT8_SCALE, 4, 2.0**122, re.escape(str(2.0**122)), r"\[4\]"),
+    (FP8_SCALE, 0, 2.0**120, re.escape(str(2.0**120)), r"\[0, 0\]"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -78,6 +80,38 @@ def test_non_finite_weights_are_refused_naming_the_tensor(bad):
     values[1, 1] = bad
     with pytest.raises(ModelFormatError, match=r"^tensor layers\.0\.experts\.1\.up_proj: non-finite"):
         quant.quantize(values, "int8", quant.CHANNEL, "layers.0.experts.1.up_proj")
+
+
+def test_weights_whose_int8_codes_would_dequantise_to_infinity_are_refused():
+    """A row whose maximum is float32's largest value got the scale max / 127 rounded up, and 127 x that scale is
+    infinity: the model served inf for a finite weight. fp8's max / 448 fits, so it quantizes that row."""
+    values = np.ones((2, 3), dtype=np.float32)
+    values[1, 0] = np.finfo(np.float32).max
+    with pytest.raises(
+        ModelFormatError, match=r"^tensor w: weights up to 3\.40282e\+38 are too large to quantize to int8"
+    ):
+        quant.quantize(values, "int8", quant.CHANNEL, "w")
+    for scheme in quant.SCHEMES:
+        q, scale = quant.quantize(values, "float8_e4m3fn", scheme, "w")
+        assert np.isfinite(quant.dequantize(q, scale, "float8_e4m3fn", scheme)).all()
+    q, scale = quant.quantize(values * np.float32(0.99), "int8", quant.CHANNEL, "w")  # below the bound: as before
+    assert np.isfinite(quant.dequantize(q, scale, "int8", quant.CHANNEL)).all() and q[1, 0] == 127
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_the_largest_scale_times_every_code_is_finite(dtype):
+    codes = np.arange(256, dtype=np.uint8) if dtype == "float8_e4m3fn" else np.arange(-128, 128, dtype=np.int8)
+    codes = codes[None, :] if dtype == "int8" else codes[None, (codes & 0x7F) != 0x7F]
+    largest = np.array([quant.MAX_SCALE[dtype]], np.float32)
+    assert np.isfinite(quant.dequantize(codes, largest, dtype, quant.CHANNEL)).all()
+    with np.errstate(over="ignore"):
+        above = np.nextafter(largest, np.float32(np.inf))
+        assert not np.isfinite(quant.dequantize(codes, above, dtype, quant.CHANNEL)).all()
+    with pytest.raises(
+        ModelFormatError, match=rf"invalid scale in tensor s: {re.escape(str(float(above[0])))} at \[0\] "
+    ):
+        quant.check_scale_values(above, dtype, "s")
+    quant.check_scale_values(largest, dtype, "s")
 
 
 def test_int8_takes_per_channel_scales_only():

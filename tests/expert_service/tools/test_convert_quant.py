@@ -338,10 +338,11 @@ Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
     "name, flags",
     [(Q_PROJ, []), (EXPERT, ["--expert-dtype", "int8"]), (EXPERT, ["--expert-dtype", "bf16"])],
 )
-@pytest.mark.parametrize("value", [0.0, -2.0])
+@pytest.mark.parametrize("value", [0.0, -2.0, 2.0**120])
 def test_a_zero_or_negative_block_scale_is_refused_when_dequantised_too(tmp_path, capsys, name, flags, value):
     """Kept expert bytes were refused such a scale; a dense layer, or an expert another dtype was asked for,
-    took it into its weights (zeroed or sign-flipped)."""
+    took it into its weights (zeroed or sign-flipped). A finite scale so large that 448 x it overflows float32
+    was taken everywhere: its block's largest codes dequantised to infinity."""
     write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
     rewrite(tmp_path / "hf", lambda t: t[name + "_scale_inv"].fill_(value))
     rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", *flags)
