@@ -87,7 +87,15 @@ def convert(raw: np.ndarray, src: str, dst: str, tensor_name: str) -> np.ndarray
     if dst == "float32":
         return values
     if dst == "bfloat16":
-        return float32_to_bf16(values)
+        words = float32_to_bf16(values)
+        # float32 values from 2^128 x (1 - 2^-9) up round to bfloat16's infinity: more infinities than went in
+        if np.count_nonzero((words & 0x7FFF) == 0x7F80) != np.count_nonzero(np.isinf(values)):
+            peak = float(np.abs(values[np.isfinite(values)]).max())
+            raise ModelFormatError(
+                f"tensor {tensor_name}: converting {src} to bfloat16 would overflow "
+                f"(|value| up to {peak:.6g} rounds to infinity); use --dtype float32"
+            )
+        return words
     finite = values[np.isfinite(values)]
     peak = float(np.abs(finite).max()) if finite.size else 0.0
     if peak > FP16_MAX:

@@ -70,6 +70,19 @@ def test_fp16_overflow_is_refused_with_the_tensor_named(src):
         dtypes.convert(raw, src, "float16", "layers.3.o_proj")
 
 
+def test_bf16_overflow_is_refused_with_the_tensor_named():
+    """float32 values near float32's max round to bfloat16's infinity: the fp16 conversion refused its overflow,
+    the bf16 one wrote inf for a finite weight. The largest bf16 value and real infinities still pass."""
+    values = np.array([1.0, -3.4e38, 3.0], dtype=np.float32)
+    with pytest.raises(
+        ModelFormatError, match=r"^tensor layers\.3\.o_proj: converting float32 to bfloat16 would overflow"
+    ):
+        dtypes.convert(values, "float32", "bfloat16", "layers.3.o_proj")
+    largest = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    passing = np.array([largest, -largest, np.inf, -np.inf, np.nan], dtype=np.float32)
+    assert np.array_equal(dtypes.convert(passing, "float32", "bfloat16", "t"), reference_bf16(passing))
+
+
 def test_fp16_limit_and_non_finite_values_pass():
     values = np.array([65504.0, -65504.0, np.inf, np.nan], dtype=np.float32)
     out = dtypes.convert(values, "float32", "float16", "t")

@@ -350,6 +350,18 @@ def test_a_zero_or_negative_block_scale_is_refused_when_dequantised_too(tmp_path
     assert f"invalid scale in tensor {name}_scale_inv: {value} at [0, 0]" in err
 
 
+@pytest.mark.parametrize("flags", [[], ["--expert-dtype", "bf16"]])
+def test_an_fp8_block_dequantised_past_bfloat16s_range_is_refused(tmp_path, capsys, flags):
+    """The largest scale fp8 allows times the code 448 is float32's largest value, which rounds to bfloat16's
+    infinity: the dense layer (or an expert converted to bf16) held inf for a finite weight."""
+    write_fp8_checkpoint(tmp_path / "hf", tiny_hf_config("qwen3_moe"))
+    name = Q_PROJ if not flags else EXPERT
+    rewrite(tmp_path / "hf", lambda t: t[name + "_scale_inv"].fill_(float(quant.MAX_SCALE["float8_e4m3fn"])))
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", *flags)
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"tensor {name}: converting float32 to bfloat16 would overflow (|value| up to 3.40282e+38" in err
+
+
 @pytest.mark.parametrize(
     "checkpoint, flags, named",
     [
