@@ -22,8 +22,30 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
     return result
 
 
+MAX_YAML_DEPTH = 64  # a settings file is a few levels deep
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key written twice in one mapping; `check_key` lets a subclass refuse others."""
+    """SafeLoader refusing a key written twice in one mapping, and nesting deeper than MAX_YAML_DEPTH; `check_key`
+    lets a subclass refuse other keys."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        # The composer recurses once per level: 10,000 '[' reached Python's recursion limit, a RecursionError
+        # (a traceback) where every other malformed file is a YAMLError its reader words in one line.
+        if self._depth >= MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"nested deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1}, column {mark.column + 1})",
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def check_key(self, key_node: yaml.Node, key: object) -> None:
         """Called with every key of every mapping (merges aside) before it is checked for a repeat."""

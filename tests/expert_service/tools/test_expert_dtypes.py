@@ -65,3 +65,18 @@ def test_keep_hot_counts_only_a_gated_tables_real_predictions(tmp_path):
     path.write_text("keep_hot:\n  routing_table: gated.bin\n  per_layer: 1\n")
     plan = load_plan(CONFIG, None, quant.BLOCK128, path)
     assert plan.hot == {(layer, index % E) for index, layer in enumerate(CONFIG.moe_layers)}
+
+
+@pytest.mark.parametrize(
+    "text", ["[" * 10_000 + "]" * 10_000, "layers:\n" + "".join(f"{'  ' * i}a{i}:\n" for i in range(1, 200))]
+)
+def test_yaml_nested_past_pythons_stack_is_one_line(tmp_path, text):
+    """PyYAML composes one level per recursive call: 10,000 '[' raised RecursionError, a traceback from `colibri
+    convert`, where the JSON reader refuses nesting deeper than 64 levels in one line."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{re.escape(str(path))}: not valid YAML \(nested deeper than 64 levels \(line \d+, column \d+\)\)$",
+    ):
+        load_plan(CONFIG, None, None, path)
