@@ -64,8 +64,10 @@ def expand_scale(scale: np.ndarray, scheme: str, shape: tuple[int, ...]) -> np.n
     """Scale [out] or [ceil(out/128), ceil(in/128)] -> a float32 array broadcastable against [out, in]."""
     if scheme == CHANNEL:
         return np.asarray(scale, dtype=np.float32)[:, None]
-    out, inner = shape
-    return np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), BLOCK, axis=0), BLOCK, axis=1)[:out, :inner]
+    # each block's scale over exactly its rows and columns (tail blocks partial): repeating every block 128 times
+    # and cutting the result built a padded copy, twice the matrix for 129 rows
+    rows, cols = (np.minimum(BLOCK, n - BLOCK * np.arange(math.ceil(n / BLOCK))) for n in shape)
+    return np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), rows, axis=0), cols, axis=1)
 
 
 def _max_scale(dtype: str) -> np.float32:
@@ -98,10 +100,9 @@ def _amax(values: np.ndarray, scheme: str) -> np.ndarray:
     if scheme == CHANNEL:
         return np.abs(values).max(axis=1)
     out, inner = values.shape
-    rows, cols = scale_shape(BLOCK128, values.shape)
-    padded = np.zeros((rows * BLOCK, cols * BLOCK), dtype=np.float32)  # zero tail: max|.| ignores it
-    np.abs(values, out=padded[:out, :inner])
-    return padded.reshape(rows, BLOCK, cols, BLOCK).max(axis=(1, 3))
+    # the maximum of each run of 128 rows, then of 128 columns: tail blocks hold what is left, nothing padded
+    row_blocks = np.maximum.reduceat(np.abs(values), np.arange(0, out, BLOCK), axis=0)
+    return np.maximum.reduceat(row_blocks, np.arange(0, inner, BLOCK), axis=1)
 
 
 def quantize(values: np.ndarray, dtype: str, scheme: str, name: str) -> tuple[np.ndarray, np.ndarray]:
