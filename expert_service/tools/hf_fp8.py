@@ -40,13 +40,14 @@ class Shard(Protocol):
 class Fp8Checkpoint:
     """What config.json says about an fp8 checkpoint: block-scaled weights except the listed modules."""
 
-    not_converted: tuple[str, ...]  # modules_to_not_convert / ignored_layers: stored unquantized
+    not_converted: tuple[tuple[str, str], ...]  # (modules_to_not_convert or ignored_layers, name): unquantized
 
-    def is_not_converted(self, hf_name: str) -> bool:
-        module = hf_name.removesuffix(".weight")
-        return any(
-            m and (module == m or module.endswith("." + m) or module.startswith(m + ".")) for m in self.not_converted
-        )
+    def listing(self, hf_name: str) -> str | None:
+        """Where config.json lists this tensor's module as unquantized ("ignored_layers entry 'lm_head'"), or None. A
+        name lists a module when it is a run of whole components of its dotted path, anywhere in it: "lm_head",
+        "mlp.gate", "model.layers.0" and "experts" (every expert) all do."""
+        module = "." + hf_name.removesuffix(".weight") + "."
+        return next((f"{key} entry {m!r}" for key, m in self.not_converted if m and f".{m}." in module), None)
 
 
 def read_quantization_config(hf_config: dict, config_path: Path) -> Fp8Checkpoint | None:
@@ -66,12 +67,13 @@ def read_quantization_config(hf_config: dict, config_path: Path) -> Fp8Checkpoin
         raise ModelFormatError(
             f"{where}: weight_block_size {q.get('weight_block_size')!r} is not supported (supported: {SUPPORTED})"
         )
-    skipped: list = []
+    skipped: list[tuple[str, str]] = []
     for key in ("modules_to_not_convert", "ignored_layers"):
-        value = q.get(key) or []
+        value = q.get(key)
+        value = [] if value is None else value  # "" or {} is no list either: refused below, not read as none
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ModelFormatError(f"{where}: {key} must be a list of module names, got {value!r}")
-        skipped += value
+        skipped += [(key, name) for name in value]
     return Fp8Checkpoint(tuple(skipped))
 
 
@@ -90,10 +92,8 @@ def check_fp8_tensor(
         raise ModelFormatError(
             f"{hf_dir}: tensor {hf_name} is {FP8} but config.json has no quantization_config (supported: {SUPPORTED})"
         )
-    if fp8.is_not_converted(hf_name):
-        raise ModelFormatError(
-            f"{hf_dir}: tensor {hf_name} is {FP8} but config.json lists its module in modules_to_not_convert"
-        )
+    if (listing := fp8.listing(hf_name)) is not None:
+        raise ModelFormatError(f"{hf_dir}: tensor {hf_name} is {FP8} but config.json's {listing} names its module")
     if len(shape) != 2:
         raise ModelFormatError(
             f"{hf_dir}: tensor {hf_name} is {FP8} {list(shape)}: only matrices are read block-quantized"

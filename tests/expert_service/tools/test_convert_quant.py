@@ -266,8 +266,14 @@ SUPPORTED = 'supported: quant_method "fp8" with fmt "e4m3" and weight_block_size
         (quant_config(weight_block_size=None), "weight_block_size None is not supported"),
         (lambda c: c.update(quantization_config="fp8"), "quantization_config must be an object"),
         (lambda c: c.pop("quantization_config"), "is F8_E4M3 but config.json has no quantization_config"),
-        (quant_config(modules_to_not_convert=["self_attn.q_proj"]), "q_proj.weight is F8_E4M3 but config.json lists its module in modules_to_not_convert"),
+        (quant_config(modules_to_not_convert=["self_attn.q_proj"]), "q_proj.weight is F8_E4M3 but config.json's modules_to_not_convert entry 'self_attn.q_proj' names its module"),
         (quant_config(ignored_layers="lm_head"), "ignored_layers must be a list of module names"),
+        # a component run inside the path names a module too: 'experts' was matched only as a prefix or suffix;
+        # and the error named modules_to_not_convert for an ignored_layers entry
+        (quant_config(modules_to_not_convert=["experts"]), "experts.0.gate_proj.weight is F8_E4M3 but config.json's modules_to_not_convert entry 'experts' names its module"),
+        (quant_config(ignored_layers=["self_attn"]), "self_attn.q_proj.weight is F8_E4M3 but config.json's ignored_layers entry 'self_attn' names its module"),
+        (quant_config(modules_to_not_convert=""), "modules_to_not_convert must be a list of module names, got ''"),
+        (quant_config(ignored_layers={}), "ignored_layers must be a list of module names, got {}"),
     ],
 )  # fmt: skip
 def test_refused_quantization_configs_are_one_line(tmp_path, capsys, change, message):
