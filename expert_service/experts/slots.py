@@ -68,8 +68,10 @@ def plan_slots(model: ModelDir, expert_cache_gb: float, expert_cache_slots: int)
             f"expert_cache_slots: {expert_cache_slots} slots per MoE layer is more than the model's "
             f"{num_experts} experts per layer (at most {num_experts}; 0 = from --expert-cache-gb)"
         )
+    if not layers:  # every layer dense: no expert to cache, and a cache of no layer is one no backend builds
+        return SlotPlan(num_experts, num_experts, 0, model.max_expert_nbytes, budget, row)
     slots = expert_cache_slots or num_experts
-    if expert_cache_gb > 0 and layers:  # a positive budget under one byte is still a budget, not "none"
+    if expert_cache_gb > 0:  # a positive budget under one byte is still a budget, not "none"
         fits = budget // row
         if fits < 1:
             raise ConfigError(

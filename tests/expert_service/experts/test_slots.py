@@ -115,3 +115,39 @@ def test_the_plan_states_what_a_budget_came_to(models):
     assert line.startswith(f"expert cache: off, all {experts} experts") and f"{experts * row} bytes" in line, line
     assert plan_slots(model, 0, 0).describe().endswith("; no --expert-cache-gb)")
     assert "no --expert-cache-gb" in plan_slots(model, 0, 3).describe()
+
+
+@pytest.fixture(scope="module")
+def dense_only(tmp_path_factory) -> ModelDir:
+    """A Qwen2-MoE checkpoint whose every layer is in mlp_only_layers: experts in its config, no MoE layer."""
+    import json
+
+    from safetensors.numpy import save
+
+    from expert_service.tools.tiny_model import tiny_hf_config, tiny_weights
+
+    tmp = tmp_path_factory.mktemp("dense")
+    hf = write_tiny_checkpoint(tmp / "hf", "qwen2_moe")
+    config = {**tiny_hf_config("qwen2_moe"), "mlp_only_layers": [0, 1]}
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors").write_bytes(save(tiny_weights(config), metadata={"format": "pt"}))
+    return ModelDir.open(convert(hf, tmp / "model", "bfloat16", False))
+
+
+@pytest.mark.parametrize("gb,slots", [(0, 1), (0, 3), (0.001, 1), (0.001, 0)])
+def test_a_model_without_moe_layers_has_nothing_to_cache_whatever_the_settings(dense_only, gb, slots):
+    """--expert-cache-slots below the experts of a model with no MoE layer planned a cache of zero layers, and the
+    cpu backend's copy engine then failed on its first MoE layer (an IndexError traceback before any step)."""
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+
+    assert dense_only.config.moe_layers == [] and dense_only.config.num_experts == 4
+    plan = plan_slots(dense_only, gb, slots)
+    assert not plan.is_cached and plan.num_moe_layers == 0
+    assert plan.describe().startswith("expert cache: off"), plan.describe()
+    config = EngineConfig(backend="cpu", kv_cache_tokens=256, expert_cache_gb=gb, expert_cache_slots=slots)
+    engine = build_engine(dense_only, config)
+    try:
+        assert engine.slot_plan == plan
+    finally:
+        engine.close()
