@@ -94,7 +94,7 @@ def check_plan_cuts(table: RoutingTable, path: Path, ks: list[int] | None, share
     the counts file a share cut reads)."""
     check_plan_top_k(ks, table.top_k)
     if shares:
-        read_counts(path, table.table)
+        read_counts(path, table.table, shares)
 
 
 def own_cut(table: RoutingTable) -> str:
@@ -122,7 +122,7 @@ def plan_tables(
     if shares:
         if path is None:
             raise ConfigError("--plan-min-share: needs the table's file (its counts file lies beside it)")
-        counts, occurrences = read_counts(path, table.table)
+        counts, occurrences = read_counts(path, table.table, shares)
         cuts.update({f"share{f:g}": gate_by_share(table.table, counts, occurrences, f) for f in shares})
     out: dict[str, tuple[RoutingTable, Path | None]] = {}
     for name, cut in cuts.items():

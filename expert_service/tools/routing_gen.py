@@ -385,7 +385,7 @@ def run_router_gen(
     write_routing_table(out, table, model.config.num_experts, model_digest(model.path))
     counts_file = None
     if save_counts and counted is not None:
-        counts_file = str(write_counts(out, table, counted.counts, counted.occurrences))
+        counts_file = str(write_counts(out, table, counted.counts, counted.occurrences, min_share))
     report = {"model": str(model.path), "table": str(out), "corpus": corpus_path, "counts": counts_file, **report}
     write_new(report_path_for(out), (json.dumps(report, indent=1) + "\n").encode())  # a link there is replaced
     return report

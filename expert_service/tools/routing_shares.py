@@ -15,9 +15,11 @@ embedding) is a guess at chance level past the first MoE layer (docs/routing.md)
 The same goes for a seen token's entries past its counted experts (the fallback filled them: share 0).
 
 `router-gen --save-counts` writes `<table>.counts.npz` beside the table: `counts` uint32 [L, V, k] (each
-entry's count; 0 for NO_EXPERT), `occurrences` uint32 [V] and `table_crc32` (zlib.crc32 of the table's uint16
-entries, so a counts file is never applied to another table). A benchmark cuts the table at any F with it
-(`bench/offload_plan.py`) without tracing the corpus again, and gets exactly `router-gen --min-share F`'s table.
+entry's count; 0 for NO_EXPERT), `occurrences` uint32 [V], `table_crc32` (zlib.crc32 of the table's uint16
+entries, so a counts file is never applied to another table) and `min_share` (the F the table was built with; absent
+from older files: 0). A benchmark cuts the table at any F at or above that with it (`bench/offload_plan.py`) without
+tracing the corpus again, and gets exactly `router-gen --min-share F`'s table; below it the predictions the gate
+dropped are gone, and such a cut is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import io
 import zipfile
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,8 +72,11 @@ def counts_path_for(table_path: Path) -> Path:
     return table_path.with_name(table_path.name + COUNTS_SUFFIX)
 
 
-def write_counts(table_path: Path, table: np.ndarray, counts: np.ndarray, occurrences: np.ndarray) -> Path:
-    """`<table_path>.counts.npz` (module docstring), created new at its name (a link there is replaced)."""
+def write_counts(
+    table_path: Path, table: np.ndarray, counts: np.ndarray, occurrences: np.ndarray, min_share: float = 0.0
+) -> Path:
+    """`<table_path>.counts.npz` (module docstring) of a table gated at `min_share`, created new at its name (a link
+    there is replaced)."""
     buffer = io.BytesIO()
     crc = zlib.crc32(np.ascontiguousarray(table, dtype="<u2").tobytes())
     np.savez(
@@ -78,19 +84,22 @@ def write_counts(table_path: Path, table: np.ndarray, counts: np.ndarray, occurr
         counts=counts.astype(np.uint32),
         occurrences=occurrences.astype(np.uint32),
         table_crc32=np.uint32(crc),
+        min_share=np.float64(min_share),
     )
     path = counts_path_for(table_path)
     write_new(path, buffer.getvalue())
     return path
 
 
-def read_counts(table_path: Path, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def read_counts(table_path: Path, table: np.ndarray, cuts: Iterable[float] = ()) -> tuple[np.ndarray, np.ndarray]:
     """(counts [L, V, k], occurrences [V]) of the table at `table_path` (its entries `table`), from the counts file
-    beside it; one line naming the file when it is missing or belongs to another table."""
+    beside it, to cut the table at each share of `cuts`; one line naming the file when it is missing, belongs to
+    another table or was gated above a cut."""
     path = counts_path_for(Path(table_path))
     try:
         with np.load(path, allow_pickle=False) as data:
             counts, occurrences, crc = data["counts"], data["occurrences"], int(data["table_crc32"])
+            built_at = float(data["min_share"]) if "min_share" in data.files else 0.0
     except FileNotFoundError:
         raise ConfigError(
             f"{path}: not found (build the table with `colibri router-gen --save-counts` to cut it by share)"
@@ -101,4 +110,10 @@ def read_counts(table_path: Path, table: np.ndarray) -> tuple[np.ndarray, np.nda
         raise ConfigError(f"{path}: the counts of another table than {table_path} (rebuild both with router-gen)")
     if occurrences.shape != (table.shape[1],):
         raise ConfigError(f"{path}: occurrences has shape {occurrences.shape}, expected ({table.shape[1]},)")
+    # a table gated at F0 lost the predictions whose share is below F0: cut lower, it would still be the F0 table
+    if below := sorted(f for f in cuts if f < built_at):
+        raise ConfigError(
+            f"{path}: {table_path} was built with --min-share {built_at:g}, so it cannot be cut at a share below that "
+            f"({', '.join(f'{f:g}' for f in below)}; build it with --min-share 0 --save-counts to cut it anywhere)"
+        )
     return counts, occurrences

@@ -95,6 +95,26 @@ def test_a_share_cut_is_router_gens_min_share_table(model_with_table, tmp_path):
         plan_tables(model, table, alone, None, tmp_path / "w3", [0.3])
 
 
+def test_the_counts_of_a_gated_table_cut_it_only_at_its_share_or_above(model_with_table, tmp_path):
+    """router-gen --min-share F0 --save-counts writes the counts of the gated table, whose dropped predictions are
+    gone: a cut below F0 came back as the F0 table, labelled with the lower share, and measured as such. It is
+    refused in one line; a cut at F0 or above is router-gen's table."""
+    model, table_path, _ = model_with_table
+    digest = model_digest(model.path)
+    corpus_path = table_path.parent / "corpus.txt"
+    gated_path = tmp_path / "gated.bin"
+    build(model, corpus_path, gated_path, 2, 0.5, save_counts=True)
+    gated = RoutingTable.load(gated_path, model.config, digest)
+    with pytest.raises(ConfigError) as error:
+        plan_tables(model, gated, gated_path, None, tmp_path / "low", [0.3, 0.9])
+    message = str(error.value)
+    assert "\n" not in message and str(gated_path) in message and "0.5" in message and "0.3" in message, message
+    assert not (tmp_path / "low").exists()
+    build(model, corpus_path, tmp_path / "s0.9.bin", 2, 0.9)
+    cut, _ = plan_tables(model, gated, gated_path, None, tmp_path / "high", [0.5, 0.9])["share0.9"]
+    assert np.array_equal(cut.table, RoutingTable.load(tmp_path / "s0.9.bin", model.config, digest).table)
+
+
 def test_plan_runs_are_keyed_by_the_cut():
     tables = {"top2": None, "top1": None, "share0.3": None}
     runs = plan_runs(["none", "plan", "plan+lookahead"], tables, own="top2")
