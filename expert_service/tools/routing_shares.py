@@ -104,7 +104,8 @@ def read_counts(table_path: Path, table: np.ndarray, cuts: Iterable[float] = ())
         raise ConfigError(
             f"{path}: not found (build the table with `colibri router-gen --save-counts` to cut it by share)"
         ) from None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # not an .npz, or cut short
+    # not an .npz, cut short, or a field of another shape (TypeError: an array where a number belongs)
+    except (OSError, ValueError, TypeError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise ConfigError(f"{path}: not a router-gen counts file ({e})") from None
     if crc != zlib.crc32(np.ascontiguousarray(table, dtype="<u2").tobytes()) or counts.shape != table.shape:
         raise ConfigError(f"{path}: the counts of another table than {table_path} (rebuild both with router-gen)")

@@ -167,3 +167,18 @@ def test_a_counts_file_that_is_cut_short_or_no_npz_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match=r"t.bin.counts.npz: not a router-gen counts file \(") as e:
             read_counts(tmp_path / "t.bin", table)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["table_crc32", "min_share"])
+def test_a_counts_file_whose_number_is_an_array_is_one_line(tmp_path, field):
+    """A table_crc32 or min_share holding an array instead of one number failed with a TypeError traceback."""
+    from common.errors import ConfigError
+
+    table = np.tile(np.array([0, 1], np.uint16), (2, 5, 1))
+    fields = dict(counts=np.ones((2, 5, 2), np.uint32), occurrences=np.full(5, 2, np.uint32))
+    fields.update(table_crc32=np.uint32(0), min_share=np.float64(0))
+    fields[field] = np.zeros(2)
+    np.savez(tmp_path / "t.bin.counts.npz", **fields)
+    with pytest.raises(ConfigError, match=r"t.bin.counts.npz: not a router-gen counts file \(") as e:
+        read_counts(tmp_path / "t.bin", table)
+    assert "\n" not in str(e.value)
