@@ -192,6 +192,16 @@ def recorded_model_digest(path: str | os.PathLike) -> str | None:
     return _digest_name(digest) or None
 
 
+def is_routing_table(path: str | os.PathLike) -> bool:
+    """Whether the file at `path` begins as a routing table does (its magic), whatever its version or shape; False
+    for anything else, a FIFO or a file that cannot be read included."""
+    try:
+        with _open(Path(path)) as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except RoutingTableError:
+        return False
+
+
 def _fail(path: Path, field: str, found, expected) -> RoutingTableError:
     return RoutingTableError(f"{path}: {field} is {found}, expected {expected}")
 

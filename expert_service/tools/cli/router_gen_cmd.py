@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 from pathlib import Path
 
 from common.errors import ConfigError
 from common.model_format import ModelDir
-from common.routing_table import TABLE_FILE
+from common.routing_table import TABLE_FILE, is_routing_table
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.engine import Engine
@@ -149,11 +150,24 @@ def check_out(out: Path, save_counts: bool = False) -> None:
         # would be replaced by a regular file.
         if path.exists() and not path.is_file():
             raise ConfigError(f"{flag}: {path} is not a regular file (the table is written as a new file there)")
+    if _would_lose(out):
+        raise ConfigError(f"--out: {out} exists and is not a routing table (name a new file, or remove this one first)")
     parent = out.parent
     if not parent.is_dir():
         raise ConfigError(f"--out: {parent} is not a directory (the table's folder must exist)")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"--out: {parent} is not writable")
+
+
+def _would_lose(out: Path) -> bool:
+    """Whether writing the table at `out` would lose a file that is no table: the corpus or a file of the model, named
+    by a slip. The table is renamed over the name, so a link there is replaced and its file kept (a symlink's target,
+    a hard link's other names); an empty file (`mktemp`) holds nothing to lose."""
+    try:
+        found = out.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_nlink == 1 and found.st_size > 0 and not is_routing_table(out)
 
 
 def print_report(report: dict) -> None:

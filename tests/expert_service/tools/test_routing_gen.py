@@ -309,3 +309,34 @@ def test_a_corpus_that_is_a_fifo_is_named_as_one(tiny_model, tmp_path, capsys):
         f"colibri router-gen: error: --corpus: {tmp_path / 'traffic'} is not a regular file (a corpus is read from "
         "a file)\n"
     )
+
+
+@pytest.mark.parametrize("which", ["the corpus", "the model's colibri.json", "a tensor file"])
+def test_an_out_naming_a_file_that_is_no_table_is_refused_before_anything_is_replaced(
+    tmp_path, capsys, monkeypatch, which
+):
+    """The table is renamed over --out's name, whatever was there: `--out traffic.txt` beside `--corpus traffic.txt`
+    replaced the corpus, and `--out MODEL/colibri.json` the model's manifest (the model was gone), after the whole
+    trace. A file there that is not a routing table is refused in one line, before the corpus is traced."""
+    from expert_service.tools.cli import router_gen_cmd
+
+    model_dir = make_tiny(tmp_path / "m", seed=0)
+    corpus = write_ids(tmp_path / "ids.txt", 300)
+    out = {"the corpus": corpus, "the model's colibri.json": model_dir / "colibri.json"}.get(which)
+    out = out or model_dir / "experts-L000.bin"
+    before = out.read_bytes()
+    monkeypatch.setattr(router_gen_cmd, "build_engine", lambda *a, **k: pytest.fail("traced before --out was checked"))
+    code, stdout, err = router_gen(capsys, model_dir, "--corpus", corpus, "--out", out, "--no-progress")
+    assert (code, stdout) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"colibri router-gen: error: --out: {out} ") and "not a routing table" in err, err
+    assert out.read_bytes() == before and not out.with_name(out.name + ".report.json").exists()
+
+
+def test_an_out_holding_a_table_or_an_empty_file_is_replaced(tiny_model, tmp_path, capsys):
+    """A table built before (router-gen run again) and an empty file (`OUT=$(mktemp)`) are what --out may replace."""
+    out = tmp_path / "t.bin"
+    out.touch()
+    for _ in range(2):  # empty, then the table the first run wrote
+        code, _, err = router_gen(capsys, tiny_model, "--out", out, "--no-progress")
+        assert code == 0, err
+        RoutingTable.load(out, ModelDir.open(tiny_model, verify=False).config, model_digest(tiny_model))
