@@ -161,7 +161,9 @@ def _keep_hot(spec: object, config: ModelConfig, path: Path) -> tuple[frozenset[
     for index, layer in enumerate(table.moe_layers):
         named = table.table[index].ravel()
         counts = np.bincount(named[named != NO_EXPERT], minlength=config.num_experts)  # NO_EXPERT names none
-        hot.update((layer, int(expert)) for expert in np.argsort(-counts, kind="stable")[:per_layer])
+        # a gated table may name fewer than per_layer experts: one no row names is no hot expert, whatever its id
+        ranked = np.argsort(-counts, kind="stable")[:per_layer]
+        hot.update((layer, int(expert)) for expert in ranked if counts[expert])
     return frozenset(hot), table_path
 
 

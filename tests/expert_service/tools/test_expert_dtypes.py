@@ -80,3 +80,22 @@ def test_yaml_nested_past_pythons_stack_is_one_line(tmp_path, text):
         match=rf"^{re.escape(str(path))}: not valid YAML \(nested deeper than 64 levels \(line \d+, column \d+\)\)$",
     ):
         load_plan(CONFIG, None, None, path)
+
+
+def test_keep_hot_keeps_no_expert_that_no_row_names(tmp_path):
+    """A gated table whose layer names fewer experts than per_layer filled the rest with experts no token predicts
+    (ties at a count of 0 went to the lowest ids): experts 0, 1, ... kept dense because nothing named them. Only
+    the experts some row names are hot."""
+    import numpy as np
+
+    from common.routing_table import NO_EXPERT, write_routing_table
+
+    L, V, E = len(CONFIG.moe_layers), CONFIG.vocab_size, CONFIG.num_experts
+    table = np.full((L, V, 2), NO_EXPERT, np.uint16)
+    table[:, :5, 0] = E - 1  # a few tokens predict the last expert, at every layer; nothing else is predicted
+    table[0] = NO_EXPERT  # the first MoE layer predicts nothing at all
+    write_routing_table(tmp_path / "gated.bin", table, E, "sha256:" + "ab" * 32)
+    path = tmp_path / "plan.yaml"
+    path.write_text("keep_hot:\n  routing_table: gated.bin\n  per_layer: 3\n")
+    plan = load_plan(CONFIG, None, quant.BLOCK128, path)
+    assert plan.hot == {(layer, E - 1) for layer in CONFIG.moe_layers[1:]}
