@@ -182,7 +182,7 @@ class CpuDecoder:
             )
             planned = batch.routed_experts.get(i) if batch.routed_experts else None
             x = rms_norm(h, self.w.layer(i, "post_attn_norm"), cfg.rms_norm_eps)
-            if prefetching:
+            if cache is not None and prefetching:
                 self._prefetch_lookahead(cache, x, self._next_moe[i])
             h = h + self._mlp(i, x, trace, planned)
         if cache is not None:

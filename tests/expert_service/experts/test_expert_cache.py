@@ -350,7 +350,7 @@ def test_worker_reports_cache_stats_and_metrics(tiny_model):
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             info = stub.Info(pb.InfoRequest())
             assert info.expert_slots.cached and info.expert_slots.slots_per_layer == 1
-            assert info.expert_slots.expert_block_bytes > 0 and info.expert_slots.prefetch == "plan,lookahead"
+            assert info.expert_slots.expert_block_bytes > 0 and info.expert_slots.prefetch == "plan"
             assert any(m.name == "expert_slots" and m.bytes > 0 for m in info.memory_plan)
             chunk = pb.PrefillChunk(
                 request_id=1, token_ids=list(range(3, 20)), sampling=pb.SamplingParams(), is_last=True
