@@ -75,8 +75,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError
         if base is int and isinstance(value, float) and not value.is_integer():  # int(2.5) would truncate
             raise ValueError
+        # int() and float() also read "1_0" as 10 and other scripts' digits ("١" as 1): a typo, not a number
+        if base in (int, float) and isinstance(value, str) and (not value.isascii() or "_" in value):
+            raise ValueError
         if base is str and isinstance(value, (dict, list)):  # str() would read a YAML list as "[1, 2]"
             raise ValueError
+        if (
+            base is float
+            and isinstance(value, str)
+            and float(value) == 0
+            and re.search(r"[1-9]", value.lower().split("e")[0])
+        ):
+            raise ValueError  # "1e-400" underflows to 0: a budget of 0 means "none", not "tiny"
         if base in (int, float, str):
             return base(value)
         if typing.get_origin(base) is tuple or base is tuple:

@@ -37,6 +37,25 @@ def test_a_setting_left_without_a_value_is_refused(cls, key):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("expert_cache_gb", "1_0"),
+        ("expert_cache_slots", "1_6"),
+        ("expert_cache_gb", "\u0661"),
+        ("kv_block_size", "\u0661\u0666"),
+        ("expert_cache_gb", "1e-400"),
+    ],
+)
+def test_numbers_spelled_with_underscores_or_other_scripts_digits_are_refused(key, value):
+    """float("1_0") is 10.0, int("١٦") is 16 and float("1e-400") is 0.0: a budget typed "1_0" silently meant ten
+    GiB, and one of "1e-400" every expert resident."""
+    env = {f"COLIBRI_{key.upper()}": value}
+    for source in ({"file_values": {key: value}, "env": {}}, {"env": env}, {"flags": {key: value}, "env": {}}):
+        with pytest.raises(ConfigError, match=rf"cannot read {re.escape(repr(value))} as (int|float)$"):
+            resolve(EngineConfig, **source)
+
+
 @pytest.mark.parametrize("value", [[1, 2], {"a": 1}])
 def test_a_list_or_mapping_for_a_text_setting_is_refused(value):
     """It was read as its Python spelling ("[1, 2]")."""
