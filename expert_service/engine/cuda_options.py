@@ -73,11 +73,11 @@ class CudaOptions:
     # moe_ffn through the wave's slot map; H200 figures in docs/expert-cache.md)
     cached_mma: bool = True
     # with cached_mma, expert-cache steps of every size on such layers run those waves too (the sorted rows laid
-    # out for the engine's largest step), so a prefill chunk under a budget is captured whole, with its prefetch,
-    # instead of reading the waves back at a host break per layer for per-expert cuBLAS GEMMs on each expert's
-    # exact row count (False: steps above moe_ffn.GROUPED_MAX_TOKENS take that CACHED_CUBLAS path; H200,
-    # qwen3moe-shape at 25 %: prefill 1x512 7.3x faster with it, decode unchanged); laid out only when the
-    # engine's config has it on
+    # out for the engine's largest step), so a prefill chunk under a budget is captured whole (with its prefetch
+    # under EngineConfig.prefetch_large_steps), instead of reading the waves back at a host break per layer for
+    # per-expert cuBLAS GEMMs on each expert's exact row count (False: steps above moe_ffn.GROUPED_MAX_TOKENS take
+    # that CACHED_CUBLAS path; H200, qwen3moe-shape at 25 %: prefill 1x512 7.3x faster with it, decode
+    # unchanged); laid out only when the engine's config has it on
     cached_mma_large: bool = True
     # 8-bit layers' per-expert cuBLAS steps widen the next group of experts on a side stream while this group's
     # GEMMs run (cuda/dequant_pipeline.py) (False: widening and GEMMs in turn on the compute stream)
