@@ -184,8 +184,9 @@ def test_top_1_top_2_and_gated_plans_in_one_run(model_with_table, tmp_path, plan
         for b in ("1", "16"):
             d = runs[key]["decode"][b]
             assert d["bytes_copied"] == (d["misses"] + d["prefetches_issued"]) * block
-            # the random model's greedy tokens may be ones the corpus never held: the gated table predicts nothing
-            assert d["prefetches_issued"] > 0 or key == "plan/share0.5"
+            # the random model's greedy tokens may be ones the corpus never held: the gated table predicts nothing;
+            # b=16 prefetches nothing (its tokens' experts exceed the slots)
+            assert (d["prefetches_issued"] > 0 or key == "plan/share0.5") if b == "1" else d["prefetches_issued"] == 0
             if plan_source == "router":  # one prediction a token names at most one of its two experts
                 assert 0 < d["plan_recall"] <= (0.5 if key == "plan/top1" else 1.0) or key == "plan/share0.5"
     for b in ("1", "16"):  # the gated table prefetches no more than the table it was cut from
