@@ -216,7 +216,7 @@ class CachedExperts:
         self._plan_pending.clear()
         self.slots.advance(self.stream)
         K = self.config.num_experts_per_tok
-        # a static choice per token bucket, so a captured pass replays it
+        # a static choice per token bucket, so a captured pass replays it (T is the bucket: its padding routes too)
         self._prefetching = not large and self.slot_plan.step_prefetches(T, K, self.prefetch_large_steps)
         if not self.moe_layers or not self._prefetching or PrefetchSource.PLAN not in self.prefetch:
             return
