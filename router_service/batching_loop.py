@@ -42,6 +42,7 @@ from router_service.worker_connection import ReadinessWatch, WorkerConnector
 from router_service.worker_info import (
     kept_compiler,
     model_limits,
+    planner_for,
     prefix_index,
     scheduler_limits,
     sends_prefix_tokens,
@@ -430,10 +431,12 @@ class BatchingLoop:
 
     def _configure(self, info) -> None:
         self.info = info
+        planner = planner_for(self.planner, info)  # each token's predictions as many as the worker reads
+        self._pipeline.planner = planner
         self.scheduler = Scheduler(
             scheduler_limits(self.config, info),
             prefix_index(self.config, info),
-            step_size(self.config, info, self.planner),
+            step_size(self.config, info, planner),
         )
         self.limits = model_limits(info, self.generation_defaults, self.tokenizer is not None)
         self._constraints = kept_compiler(self._constraints, self.limits)  # built again if its vocabulary changed

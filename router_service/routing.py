@@ -33,6 +33,15 @@ class RoutingPlanner:
         nothing more for) naming no expert (rows padded, common/routing_plan.py)."""
         return self.table.routing_plan(step_token_ids(step))
 
+    def narrowed(self, width: int) -> RoutingPlanner:
+        """This planner with each token's first `width` predictions (the table's best ranks: its first k columns are
+        router-gen's --top-k k table), over a view of the table; itself when it predicts no more."""
+        table = self.table
+        if not 0 < width < table.top_k:
+            return self
+        first = RoutingTable(table.table[:, :, :width], table.num_experts, table.moe_layers, table.model_digest)
+        return RoutingPlanner(first, self.model_top_k)
+
 
 def lut_plan_problem(worker_routing: str, planner: RoutingPlanner | None) -> str | None:
     """Why a worker whose Info reports `worker_routing` would refuse every step this router's `planner` plans (None:

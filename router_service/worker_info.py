@@ -5,6 +5,8 @@ of another model before any of this)."""
 
 from __future__ import annotations
 
+import logging
+
 from router_service.config import RouterConfig, step_timeouts_problem
 from router_service.constraints import ConstraintCompiler
 from router_service.generation_defaults import GenerationDefaults
@@ -13,6 +15,8 @@ from router_service.routing import RoutingPlanner
 from router_service.scheduler import SchedulerLimits
 from router_service.step_size import StepSize
 from router_service.validation import ModelLimits, ValidatedRequest
+
+log = logging.getLogger("colibri.router.worker_info")
 
 
 def scheduler_limits(config: RouterConfig, info) -> SchedulerLimits:
@@ -51,6 +55,22 @@ def plan_gaps_problem(config: RouterConfig, info, planner: RoutingPlanner | None
         "fewer than k experts for some tokens, which this worker refuses (no InfoResponse.plans_with_gaps): upgrade "
         "the worker, or start the router with a table built without --min-share"
     )
+
+
+def planner_for(planner: RoutingPlanner | None, info) -> RoutingPlanner | None:
+    """The planner whose plans this worker reads whole: a worker reporting InfoResponse.plan_width (its prefetch
+    stages that many predictions a token of a router's plan) gets each token's first plan_width, the table's best
+    ranks, instead of dropping what it has no room for; 0 (every one, or a worker before the field): as it is."""
+    if planner is None or not 0 < info.plan_width < planner.table.top_k:
+        return planner
+    log.info(
+        "routing plans: the worker's prefetch reads %d predictions a token; this router's table has %d, so each "
+        "token's plan sends its first %d (give the worker the table itself, --plan-table, to prefetch them all)",
+        info.plan_width,
+        planner.table.top_k,
+        info.plan_width,
+    )
+    return planner.narrowed(info.plan_width)
 
 
 def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:

@@ -63,6 +63,7 @@ class CpuDecoder:
     """The numpy backend: weights in host memory, KV pool as host arrays."""
 
     backend = Backend.CPU
+    router_plan_width = 0  # the cache prefetches every prediction of the router's plans
 
     def __init__(self, model: ModelDir, config: EngineConfig, slot_plan: SlotPlan, overlap: bool = False):
         # launch runs the step at once: a step launched behind another would only delay the other's answer. The

@@ -240,6 +240,14 @@ class CudaDecoder:
             plan.append(("expert_slots", self.cached.nbytes))
         return plan
 
+    @property
+    def router_plan_width(self) -> int:
+        """The predictions a token of the router's plans the cache's prefetch reads: its staging buffers hold the
+        model's top-k a token; 0 where it reads no router plan (no cache, or its own table)."""
+        if self.cached is None or self.cached.plan_table is not None:
+            return 0
+        return self.cached.hint_width
+
     # --- step ---------------------------------------------------------------------------------------
     @property
     def supports_overlap(self) -> bool:

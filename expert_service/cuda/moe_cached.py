@@ -198,7 +198,9 @@ class CachedExperts:
         host[:] = -1
         width = host.shape[1]
         for m, layer in enumerate(self.moe_layers):
-            ids = np.asarray(hints.get(layer, ()) if hints else (), np.int32).reshape(-1)[:width]
+            ids = np.asarray(hints.get(layer, ()) if hints else (), np.int32)
+            # each token's first hint_width ids (a router told Info.plan_width sends no more), never whole tokens
+            ids = (ids[:, : self.hint_width] if ids.ndim == 2 else ids).reshape(-1)[:width]
             host[m, : ids.size] = ids
         self.hint_ids.copy_to_device(host, stream=self.stream)
         self._hints_clear = not hints

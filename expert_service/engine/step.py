@@ -143,6 +143,10 @@ class Decoder(Protocol):
     plan_lookup: RoutingTable | None
 
     @property
+    def router_plan_width(self) -> int:
+        """The predictions a token of the router's plans its prefetch reads (0: every one): Info.plan_width."""
+
+    @property
     def supports_overlap(self) -> bool:
         """A step may be launched before the one ahead of it is finished (its greedy rows feed the later
         step's decodes: batch.fed_rows). Read-only here: the cuda backend derives it from its config."""

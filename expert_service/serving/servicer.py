@@ -208,6 +208,7 @@ class WorkerServicer:
             step_timeout_s=self.step_timeout_s,
             # a prediction ignores a row's padding; under lut the plan is the routing: k experts every token
             plans_with_gaps=e.config.routing is not RoutingMode.LUT,
+            plan_width=e.decoder.router_plan_width,
         )
 
     def warmup(self, num_tokens: int) -> float:

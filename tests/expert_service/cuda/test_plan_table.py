@@ -56,6 +56,7 @@ def test_device_plan_predicts_every_expert_of_fed_decodes(token_routed):
         token_routed, EngineConfig(backend="cuda", kv_block_size=4, expert_cache_slots=K, prefetch="plan")
     )
     assert cached.decoder.cached.plan_table is not None  # found in the model directory
+    assert cached.decoder.router_plan_width == 0  # its own table: the router's plans are not read
     tokens, stats = decode_in_flight(cached)
     assert tokens == expected
     total = sum(stats, CacheStats())
@@ -75,8 +76,15 @@ def test_router_plans_when_asked_for(token_routed):
     )
     engine = build_engine(token_routed, config)
     assert engine.decoder.cached.plan_table is None
+    K = cfg.num_experts_per_tok
+    assert engine.decoder.router_plan_width == K  # Info.plan_width: a router sends each token's first K
     tokens, stats = decode_in_flight(engine)  # no plan sent: the plan prefetch copies nothing
     assert sum(stats, CacheStats()).prefetches_issued == 0 and len(tokens) == DECODES + 1
+    # a plan wider than that (a router before the field) is staged token by token, no token's predictions dropped
+    cached, layer = engine.decoder.cached, cfg.moe_layers[0]
+    wide = np.arange(3 * (K + 1), dtype=np.int64).reshape(3, K + 1) % cfg.num_experts
+    cached.stage_hints({layer: wide}, 0)
+    assert np.array_equal(cached.host_hints[0, 0, : 3 * K], wide[:, :K].reshape(-1))
     engine.decoder.close()
 
 

@@ -44,6 +44,7 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     # what a router keeps its steps under, and the watchdog its step deadline must outlast
     assert info.max_message_bytes == 64 * 1024 * 1024 and info.step_timeout_s == 300.0
     assert info.plans_with_gaps  # routing=exact: a gated table's plans, some tokens with fewer than k experts
+    assert info.plan_width == 0  # the cpu backend prefetches every prediction of a router's plan
 
 
 def test_messages_convert_through_the_types():
