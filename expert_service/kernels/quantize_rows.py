@@ -24,7 +24,7 @@ from common import quant as common_quant
 from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.kernels.expert_quant import CODE_FP8, CODE_INT8, decode
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import WARP, bf16_to_f32, f32_as_u32, warp_max
+from expert_service.kernels.numeric import WARP, bf16_to_f32, f32_as_u32, u32_as_f32, warp_max
 
 QUANT_THREADS = 256
 _WARPS = QUANT_THREADS // 32  # a literal for the shared-array shape
@@ -33,6 +33,7 @@ INT8_MAX, FP8_MAX = common_quant.INT8_MAX, common_quant.FP8_MAX
 _RNE_MAGIC = np.float32(12582912.0)
 _FP8_MIN_NORMAL = np.float32(2.0 ** -6)
 _SMALLEST_SCALE = common_quant.SMALLEST_SCALE
+_TINY = np.float32(np.finfo(np.float32).tiny)  # the smallest normal float32: scales below it are subnormal
 DTYPES = {CODE_INT8: "int8", CODE_FP8: "float8_e4m3fn"}  # common.quant's names
 
 
@@ -126,6 +127,10 @@ def _build(gathered: bool, code: int):
         amax = _block_max(amax)
         # a row of subnormals: max / limit underflows to 0; the smallest float32 holds it (common.quant does the same)
         scale = max(amax / limit, _SMALLEST_SCALE) if amax > np.float32(0.0) else np.float32(1.0)
+        # a subnormal max / limit rounds down by up to a third: one float32 step up keeps the row's largest values
+        # within the limit instead of saturating them (common.quant does the same)
+        if scale < _TINY and amax / scale > limit:
+            scale = u32_as_f32(f32_as_u32(scale) + np.uint32(1))
         if amax != amax:
             scale = amax
         if cuda.threadIdx.x == 0:

@@ -116,6 +116,25 @@ def test_rows_of_subnormals_match_reference_without_nan_codes(code):
 
 
 @pytest.mark.parametrize("code", CODES)
+def test_rows_whose_scale_is_subnormal_step_it_up_as_the_reference(code):
+    """max|row| / limit between the smallest float32 and the smallest normal one rounds down by up to a third (a
+    multiple of 2^-149): common.quant steps such a scale up once so the largest values stay within the limit; the
+    kernel did not, so its codes and scales differed from the reference it is held to bit for bit."""
+    rng = np.random.default_rng(40 + code)
+    x = rng.integers(-30_000, 30_001, size=(8, 40)).astype(np.float32) * np.float32(2.0**-149)
+    x[:, 0] = np.float32(2.0**-149) * np.array([300, 301, 427, 1000, 4001, 12_345, 29_999, 30_000], np.float32)
+    ref_q, ref_s = quantize_rows_reference(x, code)
+    assert (ref_s < np.finfo(np.float32).tiny).all()  # every row's scale is subnormal here
+    sorted_ids = cuda.to_device(np.arange(8, dtype=np.int32))
+    one = cuda.to_device(np.array([1], np.int32))
+    q = cuda.to_device(np.full(x.shape, 0xAB, np.uint8))
+    scales = cuda.to_device(np.full(8, np.nan, np.float32))
+    launch_quantize_gathered(cuda.to_device(x), sorted_ids, one, 1, 8, code, q, scales)
+    np.testing.assert_array_equal(scales.copy_to_host(), ref_s)
+    np.testing.assert_array_equal(q.copy_to_host(), ref_q)
+
+
+@pytest.mark.parametrize("code", CODES)
 def test_non_finite_row_gets_nan_scale(code):
     x = np.ones((2, 8), np.float32)
     x[1, 3] = np.inf
