@@ -50,6 +50,34 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+def _read_number(text: str, base: type) -> Any:
+    """int(text) or float(text), refusing (ValueError) what those read but is a typo, not a number: "1_0" (10),
+    other scripts' digits ("١" as 1) and a float so small it underflows to 0 ("1e-400": a budget of 0 means
+    "none", not "tiny")."""
+    if not text.isascii() or "_" in text:
+        raise ValueError
+    number = base(text)
+    if base is float and _underflows(text, number):
+        raise ValueError
+    return number
+
+
+def _underflows(text: str, number: float) -> bool:
+    """A float written with a nonzero digit before its exponent that came out 0."""
+    return number == 0 and re.search(r"[1-9]", text.lower().split("e")[0]) is not None
+
+
+def _flag_type(base: type) -> Any:
+    """argparse's type for a number setting's flag: _read_number, so a flag is read as a file's or the
+    environment's text is (argparse's float() took --expert-cache-gb 1_0 as 10 before the setting saw it)."""
+
+    def read(text: str) -> Any:
+        return _read_number(text, base)
+
+    read.__name__ = base.__name__  # argparse words a refusal "invalid float value: '1_0'"
+    return read
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     base = _base_type(tp)
     if value is None:  # a YAML key with nothing after it: the setting would reach the dataclass as None
@@ -75,18 +103,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError
         if base is int and isinstance(value, float) and not value.is_integer():  # int(2.5) would truncate
             raise ValueError
-        # int() and float() also read "1_0" as 10 and other scripts' digits ("١" as 1): a typo, not a number
-        if base in (int, float) and isinstance(value, str) and (not value.isascii() or "_" in value):
-            raise ValueError
+        if base in (int, float) and isinstance(value, str):
+            return _read_number(value, base)
         if base is str and isinstance(value, (dict, list)):  # str() would read a YAML list as "[1, 2]"
             raise ValueError
-        if (
-            base is float
-            and isinstance(value, str)
-            and float(value) == 0
-            and re.search(r"[1-9]", value.lower().split("e")[0])
-        ):
-            raise ValueError  # "1e-400" underflows to 0: a budget of 0 means "none", not "tiny"
         if base in (int, float, str):
             return base(value)
         if typing.get_origin(base) is tuple or base is tuple:
@@ -121,6 +141,31 @@ SECTIONS = ("router", "worker", "engine")
 YAML_SUFFIXES = (".yaml", ".yml")
 
 
+class _SettingsLoader(UniqueKeyLoader):
+    """A --config file's YAML: a number written with underscores ("1_0", which YAML reads as 10) or a float that
+    underflows to 0 ("1.0e-400") stays its text, which the setting then refuses as it does the environment's."""
+
+
+def _yaml_int(loader: _SettingsLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    return text if "_" in text else loader.construct_yaml_int(node)
+
+
+def _yaml_float(loader: _SettingsLoader, node: yaml.ScalarNode) -> Any:
+    text, number = loader.construct_scalar(node), loader.construct_yaml_float(node)
+    return text if "_" in text or _underflows(text, number) else number
+
+
+_SettingsLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+_SettingsLoader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
+
+
+def _file_float(text: str) -> Any:
+    """A JSON file's float: its text where it underflows to 0 (1e-400), for the setting to refuse."""
+    number = float(text)
+    return text if _underflows(text, number) else number
+
+
 def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     """The `section` mapping of a JSON or YAML file: empty when the file has other sections but not this one, the
     whole file when it has no sections at all."""
@@ -133,7 +178,10 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         raise ConfigError(f"--config: {p} is not UTF-8 text (byte {e.start})") from None
     is_yaml = p.suffix.lower() in YAML_SUFFIXES  # colibri.YAML is YAML too
     try:
-        data = yaml.load(text, Loader=UniqueKeyLoader) if is_yaml else json.loads(text, object_pairs_hook=unique_pairs)
+        if is_yaml:
+            data = yaml.load(text, Loader=_SettingsLoader)
+        else:
+            data = json.loads(text, object_pairs_hook=unique_pairs, parse_float=_file_float)
     except DuplicateKeyError as e:  # one of the two values would be dropped without a word
         raise ConfigError(f"--config: {p}: {e}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
@@ -244,6 +292,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
             and issubclass(base, enum.Enum)
             else base
         )
+        if base in (int, float):
+            kind = _flag_type(base)
         metavar = "BOOL" if base is bool else None
         group.add_argument(f"--{flag_name(f)}", dest=f.name, type=kind, default=None, metavar=metavar, help=help_text)
 

@@ -56,6 +56,46 @@ def test_numbers_spelled_with_underscores_or_other_scripts_digits_are_refused(ke
             resolve(EngineConfig, **source)
 
 
+@pytest.mark.parametrize(
+    "suffix, text, key, value",
+    [
+        (".yaml", "expert_cache_gb: 1_0\n", "expert_cache_gb", "1_0"),
+        (".yaml", "expert_cache_slots: 1_6\n", "expert_cache_slots", "1_6"),
+        (".yaml", "expert_cache_gb: 1_0.5\n", "expert_cache_gb", "1_0.5"),
+        (".yaml", "expert_cache_gb: 1.0e-400\n", "expert_cache_gb", "1.0e-400"),
+        (".json", '{"expert_cache_gb": 1e-400}', "expert_cache_gb", "1e-400"),
+    ],
+)
+def test_a_config_files_numbers_are_held_to_the_same_rule(tmp_path, suffix, text, key, value):
+    """YAML reads 1_0 as the number 10 and 1.0e-400 (JSON 1e-400) as 0.0 before the setting sees them: a file's
+    budget of "1_0" still meant ten GiB, and one of "1.0e-400" every expert resident."""
+    path = tmp_path / f"colibri{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^config file: {key}: cannot read {re.escape(repr(value))} as "):
+        resolve(EngineConfig, file_values=load_config_file(path, "engine"), env={})
+    path.write_text(text.replace(value, "0.5" if "gb" in key else "16"))  # plain numbers still read as before
+    assert getattr(resolve(EngineConfig, file_values=load_config_file(path, "engine"), env={}), key) in (0.5, 16)
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--expert-cache-gb", "1_0"), ("--expert-cache-gb", "1e-400"), ("--expert-cache-slots", "\u0661")]
+)
+def test_a_flags_number_is_held_to_the_same_rule(flag, value, capsys):
+    """argparse read a flag's number with float() or int() before the setting saw it: --expert-cache-gb 1_0 was
+    10 GiB, 1e-400 every expert resident."""
+    import argparse
+
+    from expert_service.serving.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", flag, value])
+    assert f"argument {flag}: invalid " in capsys.readouterr().err
+    args = parser.parse_args(["--model", "m", "--expert-cache-gb", "1e-3", "--expert-cache-slots", " 5 "])
+    assert (args.expert_cache_gb, args.expert_cache_slots) == (0.001, 5)
+
+
 @pytest.mark.parametrize("value", [[1, 2], {"a": 1}])
 def test_a_list_or_mapping_for_a_text_setting_is_refused(value):
     """It was read as its Python spelling ("[1, 2]")."""
