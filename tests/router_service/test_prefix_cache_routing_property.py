@@ -260,7 +260,9 @@ def test_prefix_caching_keeps_routing_plans_and_the_expert_cache_exact(
     table = RoutingTable(table_ids, cfg.num_experts, cfg.moe_layers)
     path = write_routing_table(tmp_path / "table.bin", table_ids, cfg.num_experts, model_digest(model.path))
     base = dict(backend="cpu", kv_block_size=BLOCK, kv_cache_tokens=BLOCK * NUM_BLOCKS, routing=routing, **BATCH)
-    cache = dict(expert_cache_slots=slots, prefetch=prefetch, expert_cache_policy=policy)
+    # prefetch in steps of every size, as run_session does: by default a step prefetches only while its tokens x
+    # top-k fit the slots, which none of this traffic's does at one slot
+    cache = dict(expert_cache_slots=slots, prefetch=prefetch, expert_cache_policy=policy, prefetch_large_steps=True)
     plan_table = str(path) if source == "worker" else "router"
     # its launch takes part in overlapped steps as the cuda backend's does: decodes fed the step ahead's argmax
     engine = cpu_engine(model, EngineConfig(**base, **cache, plan_table=plan_table), overlap=True)
@@ -276,6 +278,8 @@ def test_prefix_caching_keeps_routing_plans_and_the_expert_cache_exact(
         engine.close()
         resident.close()
     assert index.num_hit_tokens > 0 and index.num_evicted > 0
+    if slots and ("lookahead" in prefetch or ("plan" in prefetch and source != "none")):
+        assert engine.decoder.cache.total.prefetches_issued > 0  # the prefetch ran beside the prefix cache
     # a cached prefix's tokens are not computed again, so they route nothing
     assert routed_plain - routed_cached == index.num_hit_tokens
     for rid, tokens in cached.items():

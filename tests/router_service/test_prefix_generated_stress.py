@@ -226,6 +226,7 @@ def test_random_chat_traffic_equals_offline(tiny_model, offline, records, monkey
         expert_cache_slots=case["slots"],
         prefetch=case["prefetch"],
         expert_cache_policy=case["policy"],
+        prefetch_large_steps=True,  # each source beside batched and chunked steps too (by default they copy misses)
     ).start()
     assert worker.engine.decoder.supports_overlap == (case["decoder"] != "at-once")
     rng = random.Random(seed)

@@ -81,8 +81,9 @@ def _engines(request, tmp_path_factory):
     else:
         model = request.getfixturevalue("tiny_model")
     # "cache": the expert cache at one slot a layer with the device lookahead, whose slot map and prefetches a
-    # step launched behind another must see in stream order
-    cached = dict(expert_cache_slots=1, prefetch="lookahead") if cache else {}
+    # step launched behind another must see in stream order (in every step: by default one slot holds no step's
+    # top-k, so none would prefetch)
+    cached = dict(expert_cache_slots=1, prefetch="lookahead", prefetch_large_steps=True) if cache else {}
     config = EngineConfig(
         backend=backend, kv_block_size=4, kv_cache_tokens=1024, max_batch_tokens=128, max_batch_size=8, **cached
     )
