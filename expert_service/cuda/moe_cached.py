@@ -199,7 +199,8 @@ class CachedExperts:
         width = host.shape[1]
         for m, layer in enumerate(self.moe_layers):
             ids = np.asarray(hints.get(layer, ()) if hints else (), np.int32)
-            # each token's first hint_width ids (a router told Info.plan_width sends no more), never whole tokens
+            # each token's first hint_width ids (a router told Info.plan_width sends no more), never whole tokens;
+            # from an older router's wider plan those are its lowest-numbered experts (the plan carries no rank)
             ids = (ids[:, : self.hint_width] if ids.ndim == 2 else ids).reshape(-1)[:width]
             host[m, : ids.size] = ids
         self.hint_ids.copy_to_device(host, stream=self.stream)
