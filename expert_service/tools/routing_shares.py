@@ -111,6 +111,8 @@ def read_counts(table_path: Path, table: np.ndarray, cuts: Iterable[float] = ())
         raise ConfigError(f"{path}: the counts of another table than {table_path} (rebuild both with router-gen)")
     if occurrences.shape != (table.shape[1],):
         raise ConfigError(f"{path}: occurrences has shape {occurrences.shape}, expected ({table.shape[1]},)")
+    if not 0 <= built_at < 1:  # NaN too: no cut compares below it, so the check below would pass every cut
+        raise ConfigError(f"{path}: min_share is {built_at}, expected a share in [0, 1) (rebuild it with router-gen)")
     # a table gated at F0 lost the predictions whose share is below F0: cut lower, it would still be the F0 table
     if below := sorted(f for f in cuts if f < built_at):
         raise ConfigError(

@@ -182,3 +182,19 @@ def test_a_counts_file_whose_number_is_an_array_is_one_line(tmp_path, field):
     with pytest.raises(ConfigError, match=r"t.bin.counts.npz: not a router-gen counts file \(") as e:
         read_counts(tmp_path / "t.bin", table)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("built_at", [float("nan"), -0.5, 1.0, 7.0])
+def test_a_counts_file_whose_min_share_is_no_share_is_one_line(tmp_path, built_at):
+    """A NaN min_share compared below no cut, so a table gated at an unknown share was cut anywhere in silence."""
+    import zlib
+
+    from common.errors import ConfigError
+
+    table = np.tile(np.array([0, 1], np.uint16), (2, 5, 1))
+    crc = zlib.crc32(np.ascontiguousarray(table, dtype="<u2").tobytes())
+    fields = dict(counts=np.ones((2, 5, 2), np.uint32), occurrences=np.full(5, 2, np.uint32))
+    np.savez(tmp_path / "t.bin.counts.npz", table_crc32=np.uint32(crc), min_share=np.float64(built_at), **fields)
+    with pytest.raises(ConfigError, match=r"t.bin.counts.npz: min_share is .*, expected a share in \[0, 1\)") as e:
+        read_counts(tmp_path / "t.bin", table, [0.3])
+    assert "\n" not in str(e.value)
