@@ -64,7 +64,7 @@ def main() -> int:
             exact = build_engine(model, EngineConfig(backend="cpu", routing="exact"))
             lut = build_engine(model, EngineConfig(backend="cpu", routing="lut"))
             corpus = rng.integers(3, model.config.vocab_size, args.corpus_tokens)
-            table_array, report = generate(model, exact, corpus, model.config.num_experts_per_tok, 0.1, 256)
+            table_array, report, _ = generate(model, exact, corpus, model.config.num_experts_per_tok, 0.1, 256)
             path = write_routing_table(
                 Path(tmp) / f"{family}.bin", table_array, model.config.num_experts, model_digest(model.path)
             )

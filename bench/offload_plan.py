@@ -27,7 +27,7 @@ from common.errors import ConfigError
 from common.model_format import ModelDir
 from common.routing_table import NO_EXPERT, RoutingTable, model_digest, write_routing_table
 from expert_service.engine.engine import Engine
-from expert_service.tools.routing_gen import generate_with_counts
+from expert_service.tools.routing_gen import generate
 from expert_service.tools.routing_shares import check_min_share, gate_by_share, read_counts, write_counts
 
 TABLE_SEQUENCES, TABLE_SEQUENCE_LENGTH, TABLE_HOLDOUT = 64, 128, 0.125
@@ -37,7 +37,7 @@ def build_routing_table(model: ModelDir, engine: Engine, path: Path) -> tuple[Ro
     """Traces exact routing of random token ids through `engine` (fully resident) into a table at `path`."""
     cfg = model.config
     corpus = np.random.default_rng(1).integers(0, cfg.vocab_size, TABLE_SEQUENCES * TABLE_SEQUENCE_LENGTH)
-    table, report, counts = generate_with_counts(
+    table, report, counts = generate(
         model, engine, corpus, cfg.num_experts_per_tok, TABLE_HOLDOUT, TABLE_SEQUENCE_LENGTH
     )
     write_routing_table(path, table, cfg.num_experts, model_digest(model.path))

@@ -262,24 +262,10 @@ def generate(
     sequence_length: int,
     progress: bool = False,
     min_share: float = 0.0,
-) -> tuple[np.ndarray, dict]:
-    """Returns (table uint16 [L, V, top_k], report dict). `engine` is only needed with a corpus."""
-    table, report, _ = generate_with_counts(model, engine, corpus, top_k, holdout, sequence_length, progress, min_share)
-    return table, report
-
-
-def generate_with_counts(
-    model: ModelDir,
-    engine: Engine | None,
-    corpus: np.ndarray | None,
-    top_k: int,
-    holdout: float,
-    sequence_length: int,
-    progress: bool = False,
-    min_share: float = 0.0,
 ) -> tuple[np.ndarray, dict, TableCounts | None]:
-    """`generate`, and the table's counts (None without a corpus). min_share > 0 needs a corpus: without one
-    no token has a share, and every prediction would go."""
+    """(table uint16 [L, V, top_k], report dict, the table's counts: None without a corpus). `engine` is only
+    needed with a corpus. min_share > 0 needs a corpus: without one no token has a share, and every prediction
+    would go."""
     config = model.config
     moe_layers = config.moe_layers
     report: dict[str, Any] = {  # the JSON report written next to the table
@@ -379,9 +365,7 @@ def run_router_gen(
     if save_counts and corpus is None:
         raise ConfigError("--save-counts: needs --corpus (a table from the fallback alone counted nothing)")
     engine = engine_factory() if corpus is not None else None
-    table, report, counted = generate_with_counts(
-        model, engine, corpus, top_k, holdout, sequence_length, progress, min_share
-    )
+    table, report, counted = generate(model, engine, corpus, top_k, holdout, sequence_length, progress, min_share)
     write_routing_table(out, table, model.config.num_experts, model_digest(model.path))
     counts_file = None
     if save_counts and counted is not None:

@@ -56,7 +56,7 @@ def _table(model: ModelDir, kind: str, top_k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if kind == "traced":
         engine = build_engine(model, EngineConfig(backend="cpu", kv_block_size=BLOCK, kv_cache_tokens=1024))
-        table, _ = generate(model, engine, rng.integers(3, 250, 600), top_k, holdout=0.0, sequence_length=60)
+        table, _, _ = generate(model, engine, rng.integers(3, 250, 600), top_k, holdout=0.0, sequence_length=60)
         return table
     scores = rng.random((len(cfg.moe_layers), cfg.vocab_size, cfg.num_experts))
     return np.argsort(scores, axis=2)[:, :, :top_k].astype(np.uint16)

@@ -28,7 +28,7 @@ def test_router_gen_recall_is_far_above_chance(default_model_bf16, heldout_ids):
     config = model.config
     engine = build_engine(model, EngineConfig(backend="cpu", max_batch_tokens=4096, kv_cache_tokens=8192))
     corpus = np.asarray(heldout_ids[:CORPUS_TOKENS], dtype=np.int64)
-    _, report = generate(model, engine, corpus, config.num_experts_per_tok, HOLDOUT, SEQUENCE_LENGTH)
+    _, report, _ = generate(model, engine, corpus, config.num_experts_per_tok, HOLDOUT, SEQUENCE_LENGTH)
     chance = config.num_experts_per_tok / config.num_experts
     summary = (
         f"recall per layer {np.round(report['recall_per_layer'], 3).tolist()}, overall {report['recall']:.3f}, "
