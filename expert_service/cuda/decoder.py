@@ -243,8 +243,8 @@ class CudaDecoder:
     @property
     def router_plan_width(self) -> int:
         """The predictions a token of the router's plans the cache's prefetch reads: its staging buffers hold the
-        model's top-k a token; 0 where it reads no router plan (no cache, or its own table)."""
-        if self.cached is None or self.cached.plan_table is not None:
+        model's top-k a token; 0 where it reads no router plan (no cache, its own table, or no plan prefetch)."""
+        if self.cached is None or not self.cached.reads_router_plans:
             return 0
         return self.cached.hint_width
 
@@ -292,7 +292,7 @@ class CudaDecoder:
         tokens = None if decode_only else self._prefill_bucket(T)
         padded = bucket or tokens or T
         if self.cached is not None:
-            self.cached.stage_hints(batch.expert_hints, self._twin)
+            self.cached.stage_hints(batch.expert_hints, self._twin, padded)
         if bucket is not None:
             shared = self._stage(batch, bucket, bucket, bucket, decode=True) > 0
             key = decode_key(bucket, shared)
@@ -433,7 +433,7 @@ class CudaDecoder:
         once, the LM head in chunks of max_batch_size rows, each chunk copied to the host."""
         tokens = self._prefill_bucket(T)
         if self.cached is not None:
-            self.cached.stage_hints(batch.expert_hints, self._twin)
+            self.cached.stage_hints(batch.expert_hints, self._twin, tokens or T)
         if tokens is not None:  # padded as a step with fewer rows would be: the same bits in its sampling rows
             self._prefill_layers(batch, tokens, 0)
             T = tokens

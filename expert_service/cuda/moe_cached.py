@@ -188,11 +188,20 @@ class CachedExperts:
         )
 
     # --- step boundaries ----------------------------------------------------------------------------
-    def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int) -> None:
-        """The step's routing plan (layer -> [T, k] ids) to the device before its pass (outside any graph), on
-        the compute stream; with plan prefetch off, or no plan, the device keeps (or gets) none. With the table
-        on the device the pass looks its plan up itself (start_pass) and the router's is not needed."""
-        if self.plan_table is not None or PrefetchSource.PLAN not in self.prefetch or (not hints and self._hints_clear):
+    @property
+    def reads_router_plans(self) -> bool:
+        """Whether passes prefetch from the router's plans (plan prefetch on, no table of its own on the device)."""
+        return self.plan_table is None and PrefetchSource.PLAN in self.prefetch
+
+    def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int, T: int) -> None:
+        """The step's routing plan (layer -> [T, k] ids) to the device before its pass of T (bucket) tokens,
+        outside any graph, on the compute stream; with plan prefetch off, or no plan, the device keeps (or gets)
+        none. With the table on the device the pass looks its plan up itself (start_pass) and the router's is not
+        needed; a pass too large to prefetch (SlotPlan.step_prefetches) never reads it, so it costs no host time."""
+        if not self.reads_router_plans or (not hints and self._hints_clear):
+            return
+        K = self.config.num_experts_per_tok
+        if not self.slot_plan.step_prefetches(T, K, self.prefetch_large_steps):
             return
         host = self.host_hints[twin]
         host[:] = -1

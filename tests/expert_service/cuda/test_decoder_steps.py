@@ -260,7 +260,7 @@ def test_per_expert_cublas_steps_pad_to_their_bucket_and_replay(monkeypatch):
 def cached_stub(d):
     """An expert cache that records what the decoder asks of it."""
     return SimpleNamespace(
-        stage_hints=lambda hints, twin: d.issued.append(("hints", hints is not None, twin)),
+        stage_hints=lambda hints, twin, tokens: d.issued.append(("hints", hints is not None, twin)),
         download_stats=lambda twin: d.issued.append(("stats", twin)),
         step_stats=lambda twin: d.issued.append(("collect", twin)),
         settle_totals=lambda: d.issued.append("settle"),

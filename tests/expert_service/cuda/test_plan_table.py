@@ -83,8 +83,27 @@ def test_router_plans_when_asked_for(token_routed):
     # a plan wider than that (a router before the field) is staged token by token, no token's predictions dropped
     cached, layer = engine.decoder.cached, cfg.moe_layers[0]
     wide = np.arange(3 * (K + 1), dtype=np.int64).reshape(3, K + 1) % cfg.num_experts
-    cached.stage_hints({layer: wide}, 0)
+    cached.host_hints[0] = -7
+    cached.stage_hints({layer: wide}, 0, 3)  # 3 x K assignments, K slots: a pass that never prefetches
+    assert (cached.host_hints[0] == -7).all()  # ... so nothing was staged for it
+    cached.prefetch_large_steps = True
+    cached.stage_hints({layer: wide}, 0, 3)
     assert np.array_equal(cached.host_hints[0, 0, : 3 * K], wide[:, :K].reshape(-1))
+    engine.decoder.close()
+
+
+def test_no_plan_width_without_plan_prefetch(token_routed):
+    """A cache that prefetches by lookahead alone reads no router plan: Info.plan_width 0 (the router sends its
+    plans whole, for the recall it reports)."""
+    config = EngineConfig(
+        backend="cuda",
+        kv_block_size=4,
+        expert_cache_slots=token_routed.config.num_experts_per_tok,
+        prefetch="lookahead",
+        plan_table="router",
+    )
+    engine = build_engine(token_routed, config)
+    assert not engine.decoder.cached.reads_router_plans and engine.decoder.router_plan_width == 0
     engine.decoder.close()
 
 
