@@ -387,15 +387,16 @@ class WorkerServicer:
 
     def _submit(self, pump: StepPump, request: pb.StepStreamRequest):
         """The step queued on the model thread; a malformed request is refused there too, in order (a step
-        waiting for late masks the request carried learns that they will not come)."""
+        waiting for late masks the request carried learns that they will not come), after its frees and
+        evictions run."""
         try:
-            submitted = pump.submit(wire.step_request(request, self._step_limits))
-        except ColibriError as e:  # malformed: refuse this step alone (in order: late masks it held never come)
-            submitted = pump.refuse(StepAnswer(request.step_id, None, str(e), 0.0))
+            step = wire.step_request(request, self._step_limits)
+        except ColibriError as e:  # malformed: refuse this step alone
+            step = wire.refused_step_request(request, self._step_limits, str(e))
         except Exception as e:  # a check missed something: still this step's problem alone
             log.warning("malformed step refused: %s: %s", type(e).__name__, str(e)[:200])
-            submitted = pump.refuse(StepAnswer(request.step_id, None, f"step: malformed ({type(e).__name__})", 0.0))
-        future = asyncio.wrap_future(submitted)
+            step = wire.refused_step_request(request, self._step_limits, f"step: malformed ({type(e).__name__})")
+        future = asyncio.wrap_future(pump.submit(step))
         # a fault fails every queued step at once; those behind the one awaited are never awaited
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return future

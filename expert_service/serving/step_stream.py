@@ -111,10 +111,16 @@ class StepRequest:
     # words [W], applied to that step before this one launches
     # [r, 3] uint64: (sequence, block index, block id) of full blocks running sequences' decodes wrote, to cache
     sequence_blocks: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), "<u8"))
+    refusal: str = ""  # why the message was refused before it became a step: only its frees and evictions run
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks and not len(self.decode_ids)
+
+    def bookkeeping(self) -> StepRequest:
+        """The step's frees and evictions alone: what still runs when the rest is refused (the router counts them
+        as done whatever the answer, and never sends them again)."""
+        return StepRequest(self.step_id, self.free_ids, [], np.zeros(0, "<u8"), None, evict_ids=self.evict_ids)
 
 
 @dataclass
@@ -290,19 +296,16 @@ class StepPump:
         self._draining = False
         self._ignore_late = False  # the message before did not run (refused) or its late masks were given up on
 
-    def refuse(self, answer: StepAnswer) -> concurrent.futures.Future:
-        """A message refused before it became a step (malformed) answers in order, after the steps before it: the
-        late masks it carried never come, which the step waiting for them learns here."""
-        return self._put(answer)
-
     def submit(self, step: StepRequest) -> concurrent.futures.Future:
+        """Queues a step; one with a `refusal` (malformed) answers in order, after the steps before it, and the
+        late masks it carried never come, which the step waiting for them learns then."""
         return self._put(step)
 
     def close(self) -> concurrent.futures.Future:
         """Frees every sequence the stream started, once the steps queued before have run."""
         return self._put(None)
 
-    def _put(self, step: StepRequest | StepAnswer | None) -> concurrent.futures.Future:
+    def _put(self, step: StepRequest | None) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # a waiter that goes away cannot cancel it: the pump settles each one
         self._inbox.put((step, done))
@@ -417,17 +420,14 @@ class StepPump:
                         return
                     continue
                 step, done = current
-                refused = step if isinstance(step, StepAnswer) else None
-                if isinstance(step, StepRequest) and (why := self._apply_late(step, pending)):
-                    refused = StepAnswer(step.step_id, None, why, 0.0)
-                if refused is not None:
-                    if pending is not None and pending[0].in_flight.late:
-                        self._collect(pending)
+                if step is not None and (why := step.refusal or self._apply_late(step, pending)):
+                    if pending is not None and (pending[0].in_flight.late or len(step.free_ids)):
+                        self._collect(pending)  # its late rows fail; frees of its sequences take effect at once
                         pending = None
-                    self._answer(done, refused)
+                    self.session.launch(step.bookkeeping())  # frees and evictions only: it launches nothing
+                    self._answer(done, StepAnswer(step.step_id, None, why, 0.0))
                     current = None
                     continue
-                assert not isinstance(step, StepAnswer)
                 if step is None or pending is not None and self._must_collect_first(step, pending):
                     if pending is not None:
                         self._collect(pending)

@@ -22,7 +22,7 @@ from expert_service.engine.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingParam
 from expert_service.engine.token_masks import mask_words
 from expert_service.experts.cache import CacheStats
 from expert_service.experts.slots import SlotPlan
-from expert_service.serving.step_stream import StepLimits, StepRequest
+from expert_service.serving.step_stream import MAX_FREE_IDS, StepLimits, StepRequest
 
 NO_TOKEN = -1  # token_ids of a stream answer: this sequence sampled nothing this step
 
@@ -146,6 +146,26 @@ def step_request(request: pb.StepStreamRequest, limits: StepLimits) -> StepReque
         masks=token_masks(request.mask_request_ids, request.token_masks, limits),
         late_masks=token_masks(request.late_mask_request_ids, request.late_token_masks, limits, LATE_MASK_FIELDS),
     )
+
+
+def refused_step_request(request: pb.StepStreamRequest, limits: StepLimits, reason: str) -> StepRequest:
+    """A message refused before it became a step (`reason`): its frees and evictions still run, since the router
+    counts them as done whatever the answer. Either list is dropped only when it is malformed itself."""
+    return StepRequest(
+        request.step_id,
+        _bookkeeping_ids(request.free_request_ids, MAX_FREE_IDS),
+        [],
+        np.zeros(0, "<u8"),
+        None,
+        evict_ids=_bookkeeping_ids(request.evict_block_ids, limits.max_block_ids),
+        refusal=reason,
+    )
+
+
+def _bookkeeping_ids(data: bytes, most: int) -> np.ndarray:
+    if len(data) % 8 or len(data) // 8 > most:
+        return np.zeros(0, "<u8")
+    return np.frombuffer(data, dtype="<u8")
 
 
 def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: StepLimits) -> StepRequest:

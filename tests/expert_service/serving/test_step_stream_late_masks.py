@@ -115,8 +115,11 @@ def test_rows_whose_masks_are_refused_fail_alone_and_the_next_late_masks_are_ign
         "empty": {10: np.zeros(mask_words(vocab), np.uint32)},
     }
     futures = [pump.submit(start(pump, masks)), pump.submit(msg(1, decodes=[10, 12]))]
-    if how == "malformed":  # refused while parsing (wire.step_request): it never became a step
-        futures.append(pump.refuse(StepAnswer(2, None, "late_token_masks: 3 bytes for 1 masks", 0.0)))
+    if how == "malformed":  # refused while parsing (wire.refused_step_request): it never became a step
+        refused = wire.refused_step_request(
+            pb.StepStreamRequest(step_id=2), StepLimits.of(engine), "late_token_masks: 3 bytes"
+        )
+        futures.append(pump.submit(refused))
     else:
         futures.append(pump.submit(msg(2, decodes=[12], late=late[how])))
     futures.append(pump.submit(msg(3, decodes=[12], late={10: masks(2, 10)})))  # for step 2, which did not run
