@@ -125,7 +125,9 @@ class RouterMetrics:
         self.prefix_cache_queries = b.counter(
             "prefix_cache_queries", "Prompt tokens of requests that looked the prefix cache up (tokens)"
         )
-        self.prefix_cache_hits = b.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (tokens)")
+        self.prefix_cache_hits = b.counter(
+            "prefix_cache_hits", "Prompt tokens sequences started on from the prefix cache, once the worker ran them"
+        )
         self.prefix_cache_evictions = b.counter(
             "prefix_cache_evictions", "Cached KV blocks evicted to make room for new requests"
         )

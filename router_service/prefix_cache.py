@@ -170,7 +170,7 @@ class PrefixCache:
         self._step = 0  # the step being scheduled (begin_step)
         self._recent = _RecentPrompts()  # the prompts hashed last, whose hashes a prompt starting alike reuses
         self.pending_evictions: list[int] = []  # ids the next step tells the worker to drop
-        # Counters for metrics, in tokens and blocks.
+        # Counters for metrics, in tokens and blocks: queries at admission, hits once the worker ran on them.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted = 0
@@ -258,14 +258,18 @@ class PrefixCache:
             h, _ = self._lru.popitem(last=False)
             self._drop(self.blocks.pop(h))
             self.num_evicted += 1
-        if state.may_hit:
+        if state.may_hit:  # its hits count once the worker ran its first chunk on them (`reused`)
             self.num_query_tokens += num_prompt_tokens
-            self.num_hit_tokens += k * self.block_size
         for index in range(k, len(state.hashes) if state.may_claim else k):
             h = state.hashes[index]
             if h not in self.blocks and h not in self._claims:
                 self._claims[h] = state
                 state.claimed.add(index)
+
+    def reused(self, num_blocks: int) -> None:
+        """A sequence's first chunk ran on `num_blocks` cached blocks: the hits it looked up are real (one refused
+        on them, UNKNOWN_PREFIX_BLOCK or its step refused as a whole, reused nothing)."""
+        self.num_hit_tokens += num_blocks * self.block_size
 
     def evict_ahead(self, state: PrefixState, k: int, count: int) -> int:
         """Evicts up to `count` LRU blocks, the request's first `k` (its hits) kept: an admission whose evictions'

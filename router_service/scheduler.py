@@ -367,13 +367,16 @@ class Scheduler:
     def _settle(self, step: ScheduledStep, by_id: dict[int, RequestOutput], answered: bool = True) -> None:
         """Blocks the step's chunks registered stay cached when their sequence ran unharmed; blocks it registered
         for running sequences (written by this step or earlier ones), unless the step was refused or the sequence failed;
-        blocks a new sequence was refused on (UNKNOWN_PREFIX_BLOCK) leave the index when the worker lost them."""
+        blocks a new sequence was refused on (UNKNOWN_PREFIX_BLOCK) leave the index when the worker lost them, and
+        blocks a new sequence ran on count as prefix cache hits."""
         if self.prefix_cache is None:
             return
         for chunk in step.prefill_chunks:
             gen = by_id.get(chunk.request_id)
             if gen is not None and gen.error == UNKNOWN_PREFIX_BLOCK:  # stale: offered again, refused again
                 self.num_free_blocks += self.prefix_cache.forget(chunk.prefix_block_ids)
+            elif chunk.prefix_block_ids and gen is not None and not gen.error:
+                self.prefix_cache.reused(len(chunk.prefix_block_ids))
             if any(chunk.cache_block_ids):
                 ok = gen is not None and not gen.error
                 self.num_free_blocks += self.prefix_cache.settle([b for b in chunk.cache_block_ids if b], ok)

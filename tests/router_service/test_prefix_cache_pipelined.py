@@ -120,6 +120,9 @@ def test_racing_requests_compute_a_shared_prefix_once_and_start_the_step_after()
     for rid in (2, 3, 4):
         assert chunks[rid].prefix_block_ids == ids and chunks[rid].token_ids == (100 + rid, 200 + rid)
     assert sum(second.num_scheduled_tokens.values()) == 8  # the system prompt ran once, in the first step
+    s.update(first, _answers(first))
+    assert s.prefix_cache.num_hit_tokens == 0  # hits count once the worker ran the chunks on them
+    s.update(second, _answers(second))
     assert s.prefix_cache.num_hit_tokens == 3 * 16
 
 
