@@ -75,6 +75,7 @@ from bench.offload_measure import (  # noqa: E402
     close,
     device_name,
     make_engine,
+    measure_fetch_kernel,
     measure_pcie,
 )
 from bench.offload_model import TokenSource, load_table  # noqa: E402
@@ -226,11 +227,21 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(),
         "pcie_bytes_per_s": bytes_per_s,
         "pcie_measured": measured is not None,
+        # what the cuda backend's device-driven miss copies reach on this host, against the copy engine
+        "fetch_kernel": measure_fetch_kernel() if measured and args.backend == "cuda" else None,
         "expert_dtype": args.expert_dtype or "as converted",
         "shapes": {},
         "note": "bytes copied count demand and prefetch copies; the PCIe bound is bytes copied per step / "
         "pcie_bytes_per_s" + ("" if measured else " (nominal 55 GB/s: no GPU to measure it)"),
     }
+    if results["fetch_kernel"]:
+        fk = results["fetch_kernel"]
+        print(
+            f"host->device: copy engine {bytes_per_s / 1e9:.1f} GB/s (the PCIe bound's rate); the fetch kernel that "
+            f"copies a cached step's misses {fk['bytes_per_s'] / 1e9:.1f} GB/s ({fk['x_copy_engine']:.2f}x, this "
+            "host's): steps made of misses run at >= 1/that x the bound",
+            flush=True,
+        )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [Path(args.model).name] if model_input else args.shapes.split(",")

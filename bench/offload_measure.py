@@ -43,6 +43,15 @@ def measure_pcie(nbytes: int = 512 << 20, repeats: int = 5) -> float | None:
     return nbytes / best
 
 
+def measure_fetch_kernel(block: int = 9 << 20) -> dict:
+    """The expert fetch kernel's host -> device rate and the copy engine's, from registered mapped memory (blocks of
+    a qwen3moe-shape expert's size): a cached step's misses run at the kernel's, which depends on the host."""
+    from bench.pcie_fetch import fetch_kernel_bytes_per_s
+
+    kernel, engine = fetch_kernel_bytes_per_s(block)
+    return {"bytes_per_s": kernel, "copy_engine_bytes_per_s": engine, "x_copy_engine": kernel / engine}
+
+
 def make_engine(
     model: ModelDir,
     backend: str,

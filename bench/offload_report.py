@@ -180,6 +180,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _fetch_kernel_words(fetch: dict | None) -> str:
+    """The fetch kernel's rate beside the copy engine's (runs from before the field, or on the cpu: nothing)."""
+    if not fetch:
+        return ""
+    return f", the fetch kernel {fetch['bytes_per_s'] / 1e9:.1f} GB/s ({fetch['x_copy_engine']:.2f}x)"
+
+
 def offload_markdown(results: dict) -> str:
     """Per model: the cache counts table and the speed table, every budget and prefetch mode, HF beside it."""
     out = []
@@ -188,7 +195,8 @@ def offload_markdown(results: dict) -> str:
         out.append(
             f"**{name}**: {e['num_experts']} experts x {e['num_moe_layers']} MoE layers, top-{e['top_k']}, "
             f"{e['expert_bytes'] / 1e6:,.0f} MB of experts ({e['expert_block_bytes'] / 1e6:.2f} MB a block); "
-            f"host->device {bw:.1f} GB/s{' (measured)' if results['pcie_measured'] else ' (nominal)'}; "
+            f"host->device {bw:.1f} GB/s{' (measured)' if results['pcie_measured'] else ' (nominal)'}"
+            f"{_fetch_kernel_words(results.get('fetch_kernel'))}; "
             f"prompts: {_describe_prompts(e.get('prompts'))}.\n"
         )
         counts, speed = [], []

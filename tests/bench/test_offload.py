@@ -211,6 +211,28 @@ def test_sampled_runs_reported_with_their_ratios(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "   0.5 none            sampled b=1 " in printed and "continuations sampled at temperature 0.8" in printed
     assert "Continuations sampled at temperature 0.8" in offload_markdown(results)
+    assert results["fetch_kernel"] is None and "fetch kernel" not in printed  # no GPU: nothing measured
+    results["fetch_kernel"] = {"bytes_per_s": 33e9, "copy_engine_bytes_per_s": 55e9, "x_copy_engine": 0.6}
+    assert "(nominal), the fetch kernel 33.0 GB/s (0.60x);" in offload_markdown(results)
+
+
+def test_the_fetch_kernels_rate_beside_the_copy_engines(tmp_path, monkeypatch, capsys):
+    """With a GPU the run records what the fetch kernel (a cached step's miss copies) reaches on the host against
+    the copy engine the PCIe bound is taken from, and prints it."""
+    fetch = {"bytes_per_s": 33e9, "copy_engine_bytes_per_s": 55e9, "x_copy_engine": 0.6}
+    monkeypatch.setattr(offload, "measure_pcie", lambda: 54.5e9)
+    monkeypatch.setattr(offload, "measure_fetch_kernel", lambda: fetch)
+    out = tmp_path / "out"
+    argv = ["--shapes", "tiny", "--backend", "cuda", "--fractions", "1", "--prefetch-modes", "none", "--skip-hf"]
+    monkeypatch.setattr(offload, "bench_shape", lambda *a, **kw: {"runs": {}})
+    monkeypatch.setattr(offload, "add_ratios", lambda entry: None)
+    monkeypatch.setattr(offload, "print_offload", lambda name, entry: None)
+    monkeypatch.setattr(offload, "plot_offload", lambda results, path: None)
+    assert offload.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "offload.json").read_text())
+    assert results["fetch_kernel"] == fetch and results["pcie_bytes_per_s"] == 54.5e9
+    printed = capsys.readouterr().out
+    assert "copy engine 54.5 GB/s" in printed and "copies a cached step's misses 33.0 GB/s (0.60x" in printed
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from cuda.bindings import driver as drv
 from numba import cuda
 
@@ -15,11 +16,12 @@ import expert_service.cuda.driver as driver
 from bench import pcie_fetch
 
 
-def test_pcie_fetch_measures_every_case(tmp_path, monkeypatch):
-    blocks = {"small": 256, "large": 1024}
-    monkeypatch.setattr(pcie_fetch, "BLOCKS", blocks)
+@pytest.fixture
+def copy_engine(monkeypatch) -> list[int]:
+    """The driver stubbed for the simulator: device addresses are fake bases, the copy engine's copies write the
+    bytes asked for; returns the list of copied sizes."""
     arrays: dict[int, object] = {}  # fake device address -> the simulator array behind it
-    copies = []
+    copies: list[int] = []
 
     def address(array) -> int:
         base = (len(arrays) + 1) << 32
@@ -40,6 +42,13 @@ def test_pcie_fetch_measures_every_case(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "check", lambda result: None)
     monkeypatch.setattr(driver, "pin_readonly", lambda array, mapped=False: False)
     monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", copy)
+    return copies
+
+
+def test_pcie_fetch_measures_every_case(tmp_path, monkeypatch, copy_engine):
+    blocks = {"small": 256, "large": 1024}
+    monkeypatch.setattr(pcie_fetch, "BLOCKS", blocks)
+    copies = copy_engine
     monkeypatch.setattr(cuda, "event_elapsed_time", lambda start, end: 1.0, raising=False)  # ms
     out = tmp_path / "pcie.json"
     assert pcie_fetch.main(["--out", str(out), "--repeats", "1"]) == 0
@@ -55,3 +64,13 @@ def test_pcie_fetch_measures_every_case(tmp_path, monkeypatch):
     repeats = 2
     per_shape = sum(pcie_fetch.COPIES) * repeats + max(pcie_fetch.COPIES) // 2 * repeats
     assert sorted(copies) == sorted([b for b in blocks.values() for _ in range(per_shape)])
+
+
+def test_fetch_kernel_rate_against_the_copy_engine(monkeypatch, copy_engine):
+    """The rate bench/offload.py records: the kernel's time and the copy engine's over the same bytes (the kernel
+    timed at 2 ms, the copy engine at 1 ms: 0.5x), both copies complete."""
+    times = iter([2.0] * 4 + [1.0] * 4)  # the kernel's warm-up and 3 repeats, then the copy engine's
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda start, end: next(times), raising=False)
+    kernel, engine = pcie_fetch.fetch_kernel_bytes_per_s(256, copies=3, repeats=3)
+    assert kernel == 3 * 256 / 2e-3 and engine == 3 * 256 / 1e-3
+    assert copy_engine == [256] * 3 * 4
