@@ -6,10 +6,11 @@ measures what that costs against cuMemcpyHtoDAsync (the copy engine) from the sa
 reference shapes' expert blocks (mixtral-shape: 3 x 14336 x 4096 bf16 = 336 MiB; qwen3moe-shape: 3 x 768 x 2048
 bf16 = 9 MiB) and a few copies per launch, and with both running at once on two streams (they share the link).
 
-    python bench/pcie_fetch.py --out out/pcie_fetch.json [--repeats 5]
+    python bench/pcie_fetch.py --out out/pcie_fetch.json [--repeats 5] [--grids 33,66,132,264,528]
 
 Prints GB/s per case and the ratio kernel / copy engine (target: >= 0.9; the probe in the design notes reached
-51.3 against 55.5 GB/s with 16-byte loads from >= 33 CTAs).
+51.3 against 55.5 GB/s with 16-byte loads from >= 33 CTAs on the H200's host). The ratio is the host's: on one
+H100 host the kernel stayed at 31-34 GB/s on every grid --grids tried while the copy engine reached 55.
 """
 
 from __future__ import annotations
@@ -155,10 +156,45 @@ def bench(repeats: int) -> dict:
     return out
 
 
+def _grid_list(text: str) -> tuple[int, ...]:
+    try:
+        grids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        grids = ()
+    if not grids or min(grids) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive CTA counts")
+    return grids
+
+
+def grid_sweep(grids: tuple[int, ...], repeats: int) -> dict:
+    """{shape: {CTAs: fetch kernel GB/s}} for 8 blocks of each shape, the grid set per launch."""
+    from expert_service.kernels import expert_fetch
+
+    shipped = expert_fetch.CTAS
+    out: dict = {}
+    try:
+        for shape, block in BLOCKS.items():
+            rates = out[shape] = {}
+            for ctas in grids:
+                expert_fetch.CTAS = ctas  # read at each launch; the kernel strides by its grid
+                rates[str(ctas)] = fetch_kernel_bytes_per_s(block, max(COPIES), repeats)[0] / 1e9
+            print(f"{shape}: fetch kernel " + ", ".join(f"{c} CTAs {r:.1f} GB/s" for c, r in rates.items()))
+    finally:
+        expert_fetch.CTAS = shipped
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--grids",
+        type=_grid_list,
+        default=(),
+        help="comma list of CTA counts: also time the fetch kernel on each grid (8 blocks of each shape), to tell "
+        "a host that serves the SMs' reads slowly from a grid too small to fill the link",
+    )
     args = parser.parse_args(argv)
     from expert_service.backends import cuda_available
 
@@ -166,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print("pcie_fetch: no GPU visible", file=sys.stderr)
         return 2
     result = bench(args.repeats)
+    if args.grids:
+        result["grids"] = grid_sweep(args.grids, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -74,3 +74,33 @@ def test_fetch_kernel_rate_against_the_copy_engine(monkeypatch, copy_engine):
     kernel, engine = pcie_fetch.fetch_kernel_bytes_per_s(256, copies=3, repeats=3)
     assert kernel == 3 * 256 / 2e-3 and engine == 3 * 256 / 1e-3
     assert copy_engine == [256] * 3 * 4
+
+
+def test_grid_sweep_times_each_grid_and_restores_the_shipped_one(tmp_path, monkeypatch, copy_engine):
+    from expert_service.kernels import expert_fetch
+
+    monkeypatch.setattr(pcie_fetch, "BLOCKS", {"small": 256})
+    monkeypatch.setattr(pcie_fetch, "COPIES", (1, 2))
+    seen = []
+    launch = expert_fetch.launch_expert_fetch
+
+    def counting(*args, **kwargs):
+        seen.append(expert_fetch.CTAS)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(expert_fetch, "launch_expert_fetch", counting)
+    monkeypatch.setattr(cuda, "event_elapsed_time", lambda start, end: 1.0, raising=False)
+    shipped = expert_fetch.CTAS
+    out = tmp_path / "pcie.json"
+    assert pcie_fetch.main(["--out", str(out), "--repeats", "1", "--grids", "1,3"]) == 0
+    grids = json.loads(out.read_text())["grids"]
+    assert list(grids) == ["small"] and list(grids["small"]) == ["1", "3"]
+    assert grids["small"]["1"] == 2 * 256 / 1e-3 / 1e9  # 2 blocks in 1 ms
+    assert seen[-4:] == [1, 1, 3, 3] and expert_fetch.CTAS == shipped
+
+
+def test_grids_that_are_no_counts_are_refused(tmp_path, capsys):
+    for bad in ("0", "a,b", "", "66,-1"):
+        with pytest.raises(SystemExit):
+            pcie_fetch.main(["--out", str(tmp_path / "x.json"), "--grids", bad])
+        assert "--grids" in capsys.readouterr().err
