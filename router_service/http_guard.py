@@ -34,13 +34,12 @@ from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
 from router_service.http_bodies import Reservation
-from router_service.json_text import strict_json
+from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
-# A lone surrogate can only come from a \uD800-\uDFFF escape: the body is decoded strictly, so raw surrogate
-# bytes fail to decode (json.loads would decode bytes with surrogatepass and let them through).
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+# A lone surrogate can only come from a \uD800-\uDFFF escape (json_text.SURROGATE_ESCAPE): the body is decoded
+# strictly, so raw surrogate bytes fail to decode (json.loads would decode bytes with surrogatepass).
 CONTINUED = web.RequestKey("colibri.continued", bool)  # its 100 Continue was sent
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -162,7 +161,8 @@ def parse_json(raw: bytes | bytearray):
     """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
     try:
         text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
-        value = strict_json(text, check_integers=False)  # NaN and Infinity are no JSON
+        # NaN and Infinity are no JSON; a lone surrogate is found below, naming where it is
+        value = strict_json(text, check_integers=False, check_surrogates=False)
     except RecursionError:
         raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:
@@ -195,8 +195,8 @@ def json_problem(value) -> tuple[str, str] | None:
     while stack:
         item, path, depth = stack.pop()
         if isinstance(item, str):
-            if _has_surrogate(item):
-                return path, "holds a lone UTF-16 surrogate (\\ud800-\\udfff escapes must form pairs)"
+            if not encodes(item):
+                return path, LONE_SURROGATE
             continue
         if not isinstance(item, (dict, list)):
             continue
@@ -204,7 +204,7 @@ def json_problem(value) -> tuple[str, str] | None:
             return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
         for key, child in item.items() if isinstance(item, dict) else enumerate(item):
             where = (f"{path}.{key}" if path else str(key)) if isinstance(item, dict) else f"{path}[{key}]"
-            if isinstance(key, str) and _has_surrogate(key):
+            if isinstance(key, str) and not encodes(key):
                 return path or "the body", "holds a key with a lone UTF-16 surrogate"
             if isinstance(child, (str, dict, list)):
                 stack.append((child, where, depth + 1))
@@ -216,14 +216,6 @@ def _first_line(error: Exception, limit: int = 160) -> str:
     text = getattr(error, "message", None) or str(error)
     lines = [line.strip() for line in re.sub(r"^\d{3}, message:", "", text.strip()).splitlines() if line.strip()]
     return (lines or [""])[0][:limit]
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def abort(request: web.Request) -> None:

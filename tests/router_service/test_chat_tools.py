@@ -185,6 +185,19 @@ def test_grpc_json_text_nested_past_the_parser_names_the_field():
     assert e.value.field == "messages[0].tool_calls[0].function.arguments"
 
 
+def test_grpc_json_text_escaping_a_lone_surrogate_names_the_field():
+    """JSON text whose string escapes a lone surrogate ("\\ud800") parsed into a str UTF-8 cannot encode: the
+    rendered prompt then failed to become a GenerateRequest, an internal error instead of the caller's 400."""
+    lone = '{"type": "object", "description": "\\ud800"}'
+    with pytest.raises(InvalidRequestError) as e:
+        from_pb(rpb.ChatRequest(tools=[rpb.Tool(name="f", parameters_json=lone)]))
+    assert e.value.field == "tools[0].parameters_json" and "surrogate" in str(e.value)
+    message = rpb.ChatMessage(role="assistant", tool_calls=[rpb.ToolCall(id="x", name="f", arguments='{"\\udc00": 1}')])
+    with pytest.raises(InvalidRequestError) as e:
+        message_dicts([message])
+    assert e.value.field == "messages[0].tool_calls[0].function.arguments"
+
+
 def test_strict_is_accepted_where_it_is_enforced():
     strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
     assert from_openai({"tools": strict, "tool_choice": "required"}).is_forced
@@ -213,6 +226,13 @@ def test_strict_is_accepted_where_it_is_enforced():
         ),
         (  # nested past Python's JSON parser
             {"role": "assistant", "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": "[" * 10**5}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (  # a lone surrogate escape inside the JSON text: valid-looking, but no character
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}],
+            },
             "messages[0].tool_calls[0].function.arguments",
         ),
         ({"role": "assistant", "tool_calls": [{"id": 3, "function": {"name": "f"}}]}, "messages[0].tool_calls[0].id"),
