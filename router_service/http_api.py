@@ -73,7 +73,7 @@ def error_response(error: ApiError, request_id: str = "") -> web.Response:
         headers["WWW-Authenticate"] = "Bearer"
     answer = web.json_response(error.body(), status=error.status, headers=headers)
     # the rest of the body is not read: the connection cannot carry another request
-    if error.status in (408, 413) or error.code == http_bodies.CODE:
+    if error.status in (408, 413, 415) or error.code == http_bodies.CODE:
         answer.force_close()
     return answer
 

@@ -28,15 +28,20 @@ import socket
 import struct
 
 from aiohttp import hdrs, web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
+from router_service.errors import clipped
 from router_service.http_bodies import Reservation
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
+# The content codings aiohttp decodes here (br and zstd only with their optional packages, and without them
+# aiohttp's parser refuses the request itself).
+DECODED_CODINGS = ("gzip", "deflate") + ("br",) * HAS_BROTLI + ("zstd",) * HAS_ZSTD
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
 # A lone surrogate can only come from a \uD800-\uDFFF escape (json_text.SURROGATE_ESCAPE): the body is decoded
 # strictly, so raw surrogate bytes fail to decode (json.loads would decode bytes with surrogatepass).
@@ -135,12 +140,30 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large")
 
 
+def content_encoding(request: web.Request) -> str:
+    """The body's one content coding, lower-cased ("identity" when none); a 415 ApiError naming the codings taken
+    when it is one aiohttp does not decode: aiohttp passes such a body through as it came, so a coding it does not
+    know (or a stacked one, "gzip, gzip") would be read as plain JSON, the header ignored."""
+    codings = request.headers.getall(hdrs.CONTENT_ENCODING, [])
+    coding = ", ".join(codings).strip()
+    # one header only: of two, aiohttp's parser heeds the last and request.headers the first
+    if len(codings) <= 1 and coding.isascii() and coding.lower() in ("", "identity", *DECODED_CODINGS):
+        return coding.lower() or "identity"
+    taken = ", ".join(DECODED_CODINGS)
+    raise ApiError(
+        415,
+        f"Content-Encoding header: {clipped(coding)!r} is not decoded here; send one of {taken}, or none",
+        code="unsupported_content_encoding",
+        headers={"Accept-Encoding": taken},
+    )
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation) -> bytearray:
     """The request's body (parse it with `parse_json`); raises ApiError (408, 413, 400, and 503 when `reservation`
     cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
     Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
     reserve; a client that expects it gets its 100 Continue only then."""
-    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    encoding = content_encoding(request)
     length = request.content_length or 0
     if encoding == "identity" and length > max_bytes:
         raise _too_large(max_bytes)

@@ -34,7 +34,7 @@ FUZZ = settings(
     print_blob=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
-ACCEPTABLE = {200, 400, 401, 404, 405, 408, 413, 429}
+ACCEPTABLE = {200, 400, 401, 404, 405, 408, 413, 415, 429}
 CLASS_NAME = re.compile(r"\b[A-Z][a-z]+(Error|Exception)\b|<class |Traceback")
 TOKEN = b"sesame"
 

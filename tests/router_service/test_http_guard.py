@@ -1,0 +1,72 @@
+"""What router_service/http_guard.py decides from a request's headers before its body is read (the fake worker
+behind the real HTTP front; raw sockets, for headers an HTTP client library would not send)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import pytest
+
+from tests.router_service.test_http_errors import (
+    AUTH_LINE,
+    COMPLETIONS,
+    assert_openai_error,
+    http_harness,
+    post_bytes,
+    problems,
+    raw_exchange,
+    rejected,
+    status_and_body,
+)
+
+BODY = b'{"prompt": "x", "max_tokens": 1}'
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [
+        [b"compress"],
+        [b"x-gzip"],
+        [b"frobnicate"],
+        [b"gzip, gzip"],  # a stacked coding aiohttp does not undo
+        [b"identity, gzip"],
+        [b"gzip", b"frobnicate"],  # two headers: aiohttp's parser heeds the last, the request's headers the first
+    ],
+)
+def test_a_content_encoding_the_server_does_not_decode_is_415(tmp_path, caplog, codings):
+    """aiohttp decodes gzip and deflate and passes any other coding through as it came: a plain JSON body labelled
+    with one was answered as if unlabelled, the header ignored, and a compressed one was a JSON error about its
+    bytes. RFC 9110's answer is a 415 naming the codings it takes; the body is not read."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            headers = AUTH_LINE + b"".join(b"Content-Encoding: " + c + b"\r\n" for c in codings)
+            raw = await raw_exchange(router.http_port, post_bytes(COMPLETIONS, BODY, headers))
+            got, answer = status_and_body(raw)
+            assert_openai_error(answer, 415, got, code="unsupported_content_encoding")
+            assert answer["error"]["message"].startswith("Content-Encoding header:")
+            head = raw.partition(b"\r\n\r\n")[0].lower()
+            assert b"\r\naccept-encoding: gzip, deflate" in head and b"\r\nconnection: close" in head
+            assert rejected(hooks, "invalid_argument") == 1
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    "coding,payload",
+    [(b"gzip", gzip.compress(BODY)), (b"GZip", gzip.compress(BODY)), (b"identity", BODY), (b"", BODY)],
+)
+def test_the_codings_it_decodes_are_served(tmp_path, caplog, coding, payload):
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            headers = AUTH_LINE + b"Content-Encoding: " + coding + b"\r\n"
+            got, answer = status_and_body(
+                await raw_exchange(router.http_port, post_bytes(COMPLETIONS, payload, headers))
+            )
+            assert got == 200, answer
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert not problems(caplog)
+
+    asyncio.run(body())
