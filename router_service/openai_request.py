@@ -89,7 +89,8 @@ def _float(body, name, default):
 def _logit_bias(body) -> dict[int, float]:
     """OpenAI's {"token id": bias} (the keys are strings, JSON's only kind); the router checks ids and ranges."""
     raw = _get(body, "logit_bias", dict, {}, "an object of token id -> bias")
-    bias = {}
+    bias: dict[int, float] = {}
+    keys: dict[int, str] = {}  # token id -> the key that gave it a bias
     for key, value in raw.items():
         param = f"logit_bias[{key}]"
         # int() refuses a string of more than 4,300 digits (a ValueError): a token id has at most 10
@@ -97,7 +98,11 @@ def _logit_bias(body) -> dict[int, float]:
             raise ApiError(400, f"{param}: the key must be a token id (a non-negative integer)", param=param)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ApiError(400, f"{param}: the bias must be a number, got {type(value).__name__}", param=param)
-        bias[int(key)] = _float({param: value}, param, 0.0)
+        token = int(key)
+        if token in keys:  # "5" and "05": one of the two biases would be dropped
+            raise ApiError(400, f"{param}: token {token} already has a bias (logit_bias[{keys[token]}])", param=param)
+        keys[token] = key
+        bias[token] = _float({param: value}, param, 0.0)
     return bias
 
 

@@ -1,0 +1,26 @@
+"""OpenAI request bodies -> the router's parameters (router_service/openai_request.py): what is refused, and how
+the 400 names it."""
+
+import pytest
+
+from router_service.openai_errors import ApiError
+from router_service.openai_request import parse_request
+
+
+def refusal(body: dict, kind: str = "completion") -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_request(body, kind, "m")
+    assert e.value.status == 400 and "\n" not in e.value.message
+    return e.value
+
+
+@pytest.mark.parametrize("keys", [("5", "05"), ("007", "7"), ("12", "0012")])
+def test_logit_bias_keys_naming_one_token_twice_are_refused(keys):
+    """Both keys became one token id and the later bias silently replaced the earlier."""
+    error = refusal({"prompt": "x", "logit_bias": {keys[0]: 5, keys[1]: -5}})
+    assert error.param == f"logit_bias[{keys[1]}]" and f"logit_bias[{keys[0]}]" in error.message
+
+
+def test_logit_bias_with_distinct_tokens_is_kept_whole():
+    bias = parse_request({"prompt": "x", "logit_bias": {"5": 1, "50": -2, "0": 3}}, "completion", "m")
+    assert dict(bias.parameters.logit_bias) == {5: 1.0, 50: -2.0, 0: 3.0}
