@@ -161,7 +161,8 @@ def parse_request(
         stop_sequences=stop or [],
         stop_token_ids=stop_ids,
         ignore_eos=_get(body, "ignore_eos", bool, False, "a boolean"),
-        truncate_input_tokens=_int(body, "truncate_prompt_tokens", 0),
+        # the router's 0 is "off": sent, it would keep the whole prompt rather than none of it (null is off)
+        truncate_input_tokens=_int(body, "truncate_prompt_tokens", None, low=1) or 0,
         presence_penalty=_float(body, "presence_penalty", 0.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0),
         logit_bias=_logit_bias(body),

@@ -24,3 +24,14 @@ def test_logit_bias_keys_naming_one_token_twice_are_refused(keys):
 def test_logit_bias_with_distinct_tokens_is_kept_whole():
     bias = parse_request({"prompt": "x", "logit_bias": {"5": 1, "50": -2, "0": 3}}, "completion", "m")
     assert dict(bias.parameters.logit_bias) == {5: 1.0, 50: -2.0, 0: 3.0}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_truncate_prompt_tokens_zero_is_refused(kind):
+    """0 reached the router as its "off" and the prompt went whole: a request to keep no token served as one that
+    cuts nothing. vLLM refuses it too (at least 1)."""
+    body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
+    error = refusal({**body, "truncate_prompt_tokens": 0}, kind)
+    assert error.param == "truncate_prompt_tokens" and "got 0" in error.message
+    assert parse_request({**body, "truncate_prompt_tokens": None}, kind, "m").parameters.truncate_input_tokens == 0
+    assert parse_request({**body, "truncate_prompt_tokens": 1}, kind, "m").parameters.truncate_input_tokens == 1
