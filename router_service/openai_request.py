@@ -254,9 +254,12 @@ def parse_request(
 
 
 def _prompts(body) -> tuple[list[str | list[int]], bool]:
-    """The prompts: a string, a list of token ids, or a list of either (a batch); and whether it was a list."""
+    """The prompts: a string, a list of token ids, or a list of either (a batch, told by its first element); and
+    whether it was a list."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if prompt is None:
+        raise ApiError(400, "prompt: required, a string or a list of token ids", param="prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > MAX_CHOICES:
             raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts, got {len(prompt)}", param="prompt")
         return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)], True
@@ -266,14 +269,21 @@ def _prompts(body) -> tuple[list[str | list[int]], bool]:
 def _one_prompt(prompt, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        bad = next((j for j, i in enumerate(prompt) if not 0 <= i <= MAX_UINT32), None)
-        if bad is not None:
-            param = f"{name}[{bad}]"
-            bound = "non-negative" if prompt[bad] < 0 else f"at most {MAX_UINT32}"
+    if not isinstance(prompt, list):
+        what = "null" if prompt is None else type(prompt).__name__
+        raise ApiError(400, f"{name}: must be a string or a list of token ids, got {what}", param=name)
+    if not prompt:
+        raise ApiError(400, f"{name}: must not be empty", param=name)
+    for j, token in enumerate(prompt):
+        if isinstance(token, bool) or not isinstance(token, int):
+            param = f"{name}[{j}]"
+            what = "null" if token is None else type(token).__name__
+            raise ApiError(400, f"{param}: a token id must be an integer, got {what}", param=param)
+        if not 0 <= token <= MAX_UINT32:
+            param = f"{name}[{j}]"
+            bound = "non-negative" if token < 0 else f"at most {MAX_UINT32}"
             raise ApiError(400, f"{param}: a token id must be {bound}", param=param)
-        return prompt
-    raise ApiError(400, f"{name}: required, a string or a list of token ids", param=name)
+    return prompt
 
 
 def generate_request(

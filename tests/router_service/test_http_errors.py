@@ -288,7 +288,7 @@ BIG_TOOL = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHE
         (COMPLETIONS, {"prompt": [[1, 2], [3, 4], [5, 999_999]]}, "prompt[2][1]", "got 999999"),
         (COMPLETIONS, {"prompt": [[5, 999_999]]}, "prompt[0][1]", "got 999999"),
         (COMPLETIONS, {"prompt": [[1], [2, -1]]}, "prompt[1][1]", "must be non-negative"),
-        (COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt[1]", "a list of token ids"),
+        (COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt[1]", "must not be empty"),
         (COMPLETIONS, {"prompt": ["a", "b", ""]}, "prompt[2]", "must not be empty"),
         (COMPLETIONS, {"prompt": ["a", "x" * 1100]}, "prompt[1]", "1100 tokens leave no room"),
     ],

@@ -281,7 +281,7 @@ def test_errors_have_openai_shape_and_the_server_keeps_serving(worker, tiny_mode
                     ),
                     (comp, {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", None),
                     (comp, {"prompt": "x", "stop": ["a", ""]}, 400, "stop[1]", None),
-                    (comp, {"prompt": ["a", 5]}, 400, "prompt", None),
+                    (comp, {"prompt": ["a", 5]}, 400, "prompt[1]", None),
                     (comp, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
                     (comp, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
                     (comp, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", None),

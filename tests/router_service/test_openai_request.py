@@ -35,3 +35,29 @@ def test_truncate_prompt_tokens_zero_is_refused(kind):
     assert error.param == "truncate_prompt_tokens" and "got 0" in error.message
     assert parse_request({**body, "truncate_prompt_tokens": None}, kind, "m").parameters.truncate_input_tokens == 0
     assert parse_request({**body, "truncate_prompt_tokens": 1}, kind, "m").parameters.truncate_input_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "prompt,param,says",
+    [
+        ([1, 2.5], "prompt[1]", "a token id must be an integer, got float"),
+        ([1, True], "prompt[1]", "a token id must be an integer, got bool"),
+        ([7, "a"], "prompt[1]", "a token id must be an integer, got str"),
+        (["a", [1, 2.0]], "prompt[1][1]", "a token id must be an integer, got float"),
+        (["a", 3], "prompt[1]", "must be a string or a list of token ids, got int"),
+        ([[1], {"x": 1}], "prompt[1]", "must be a string or a list of token ids, got dict"),
+        ({"x": 1}, "prompt", "must be a string or a list of token ids, got dict"),
+        ([[]], "prompt[0]", "must not be empty"),
+        ([], "prompt", "must not be empty"),
+    ],
+)
+def test_a_malformed_prompt_names_the_element_and_what_is_wrong(prompt, param, says):
+    """A token-id list holding one float, or a prompt list holding one number, was "prompt: required, a string or a
+    list of token ids": the whole prompt named, as if it were missing."""
+    error = refusal({"prompt": prompt})
+    assert (error.param, error.message) == (param, f"{param}: {says}")
+
+
+def test_a_missing_prompt_is_required():
+    for body in ({}, {"prompt": None}):
+        assert refusal(body).message == "prompt: required, a string or a list of token ids"
