@@ -180,18 +180,46 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
 
 
+class RepeatedKey(dict):
+    """A body's object that held `key` more than once (json keeps its last value): json_problem names where."""
+
+    key: str = ""
+
+
+def _object(pairs: list) -> dict:
+    """json's object_pairs_hook: the object, marked when a key repeats."""
+    value = dict(pairs)
+    if len(value) == len(pairs):
+        return value
+    marked, seen = RepeatedKey(value), set()
+    for key, _ in pairs:
+        if key in seen:
+            marked.key = key
+            break
+        seen.add(key)
+    return marked
+
+
 def parse_json(raw: bytes | bytearray):
     """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
+    repeated = False
+
+    def objects(pairs: list) -> dict:
+        nonlocal repeated
+        value = _object(pairs)
+        repeated = repeated or isinstance(value, RepeatedKey)
+        return value
+
     try:
         text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
-        # NaN and Infinity are no JSON; a lone surrogate is found below, naming where it is
-        value = strict_json(text, check_integers=False, check_surrogates=False)
+        # NaN and Infinity are no JSON; a lone surrogate or a repeated key is found below, naming where it is
+        value = strict_json(text, check_integers=False, check_surrogates=False, object_pairs_hook=objects)
     except RecursionError:
         raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     # Cheap tests on the text first: a large prompt of token ids is walked only when it could fail.
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(text):
+    if repeated or text.count("[") + text.count("{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(text):
         problem = json_problem(value)
         if problem is not None:
             path, what = problem
@@ -225,6 +253,8 @@ def json_problem(value) -> tuple[str, str] | None:
             continue
         if depth >= MAX_JSON_DEPTH:
             return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
+        if isinstance(item, RepeatedKey):  # readers differ on which value counts (Python's json: the last)
+            return (f"{path}.{item.key}" if path else item.key), "appears twice in one object"
         for key, child in item.items() if isinstance(item, dict) else enumerate(item):
             where = (f"{path}.{key}" if path else str(key)) if isinstance(item, dict) else f"{path}[{key}]"
             if isinstance(key, str) and not encodes(key):

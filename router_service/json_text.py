@@ -16,16 +16,20 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 LONE_SURROGATE = "holds a lone UTF-16 surrogate (\\ud800-\\udfff escapes must form pairs)"
 
 
-def strict_json(text: str | bytes | bytearray, check_integers: bool = True, check_surrogates: bool = True) -> Any:
+def strict_json(
+    text: str | bytes | bytearray, check_integers: bool = True, check_surrogates: bool = True, object_pairs_hook=None
+) -> Any:
     """`text` parsed; ValueError naming the problem. check_integers=False leaves integers to json's own scanner (in
     C: a body of a million token ids would otherwise call back into Python for each) and only rewords its
     digit-limit error. check_surrogates=False leaves lone surrogates to the caller (the HTTP body's check names
-    where one is)."""
+    where one is). object_pairs_hook: as json.loads's."""
     try:
-        if check_integers:
-            value = json.loads(text, parse_constant=_not_json, parse_int=_integer)
-        else:
-            value = json.loads(text, parse_constant=_not_json)
+        value = json.loads(
+            text,
+            parse_constant=_not_json,
+            parse_int=_integer if check_integers else None,
+            object_pairs_hook=object_pairs_hook,
+        )
     except ValueError as e:
         if "set_int_max_str_digits" in str(e):
             raise ValueError(f"an integer has more than {sys.get_int_max_str_digits()} digits") from None

@@ -8,6 +8,8 @@ import gzip
 
 import pytest
 
+from router_service.http_guard import parse_json
+from router_service.openai_errors import ApiError
 from tests.router_service.test_http_errors import (
     AUTH_LINE,
     COMPLETIONS,
@@ -70,3 +72,28 @@ def test_the_codings_it_decodes_are_served(tmp_path, caplog, coding, payload):
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    "raw,where",
+    [
+        (b'{"prompt": "x", "max_tokens": 1, "max_tokens": 900}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "a", "role": "system"}]}', "messages[0].role"),
+        (b'{"prompt": "x", "logit_bias": {"5": 100, "5": -100}}', "logit_bias.5"),
+        (b'{"prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}', None),
+    ],
+)
+def test_a_body_repeating_a_key_is_refused(raw, where):
+    """Python's json keeps a repeated key's last value and drops the others in silence; a proxy or gateway in
+    front that reads the first (for quotas or policy) would see another request than the one served."""
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    error = e.value
+    assert error.status == 400 and "appears twice" in error.message and "\n" not in error.message
+    if where is not None:
+        assert error.message.startswith(f"{where}: ") and error.param == where.partition("[")[0].partition(".")[0]
+
+
+def test_equal_keys_in_different_objects_are_fine():
+    raw = b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "n": 1}'
+    assert parse_json(raw)["messages"][1]["content"] == "b"
