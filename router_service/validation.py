@@ -304,18 +304,26 @@ def _complete(
     )
 
 
+def _shown(value: float) -> str:
+    """A float32 field's value, with the digits that tell it from a bound: with six significant digits top_p
+    1.0000001 read "got 1", a value in range."""
+    short = f"{value:g}"
+    return short if np.float32(short) == np.float32(value) else str(np.float32(value))
+
+
 def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> None:
     # Below MIN_TEMPERATURE, logits / temperature overflows float32 (1e-45 made every token inf and always
     # sampled the last id); use 0 for greedy.
     t = p.temperature  # a float32: 0.01 arrives as 0.0099999998, hence the float32-sized tolerance
     if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE * (1 - 1e-6) <= t <= MAX_TEMPERATURE):
         raise InvalidRequestError(
-            "parameters.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t:g}"
+            "parameters.temperature",
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {_shown(t)}",
         )
     _check_logprobs_and_penalties(p)
     if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
         raise InvalidRequestError(
-            "parameters.top_p", f"must be in (0, 1] (0 = the model's default, else 1), got {p.top_p:g}"
+            "parameters.top_p", f"must be in (0, 1] (0 = the model's default, else 1), got {_shown(p.top_p)}"
         )
     if p.top_k > limits.vocab_size:
         raise InvalidRequestError(
@@ -323,7 +331,7 @@ def _check_sampling(p: router_pb2.SamplingParameters, limits: ModelLimits) -> No
             f"must be <= vocab_size ({limits.vocab_size}) (0 = the model's default, else off), got {p.top_k}",
         )
     if not math.isfinite(p.min_p) or not 0 <= p.min_p <= 1:
-        raise InvalidRequestError("parameters.min_p", f"must be in [0, 1] (0 = off), got {p.min_p:g}")
+        raise InvalidRequestError("parameters.min_p", f"must be in [0, 1] (0 = off), got {_shown(p.min_p)}")
     _check_logit_bias(p, limits.vocab_size)
 
 
@@ -337,7 +345,9 @@ def _check_logit_bias(p: router_pb2.SamplingParameters, vocab_size: int) -> None
         if token_id >= vocab_size:
             raise InvalidRequestError(field, f"token id must be in [0, {vocab_size})")
         if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
-            raise InvalidRequestError(field, f"bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias:g}")
+            raise InvalidRequestError(
+                field, f"bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {_shown(bias)}"
+            )
 
 
 def _check_logprobs_and_penalties(p: router_pb2.SamplingParameters) -> None:
@@ -353,13 +363,15 @@ def _check_logprobs_and_penalties(p: router_pb2.SamplingParameters) -> None:
         )
     r = p.repetition_penalty
     if p.HasField("repetition_penalty") and not (math.isfinite(r) and r > 0):
-        raise InvalidRequestError("parameters.repetition_penalty", f"must be a finite number > 0 (1 = off), got {r:g}")
+        raise InvalidRequestError(
+            "parameters.repetition_penalty", f"must be a finite number > 0 (1 = off), got {_shown(r)}"
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not (math.isfinite(value) and abs(value) <= MAX_PRESENCE_FREQUENCY):
             raise InvalidRequestError(
                 f"parameters.{name}",
-                f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {value:g}",
+                f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}] (0 = off), got {_shown(value)}",
             )
 
 

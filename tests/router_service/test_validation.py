@@ -209,3 +209,23 @@ def test_a_list_of_ids_that_does_not_fit_uint32_is_checked_as_before(value):
         validation.check_ids("text (tokenized)", ids, LIMITS.vocab_size)
     assert validation.check_ids("text (tokenized)", [3, 4, 257], LIMITS.vocab_size).tolist() == [3, 4, 257]
     assert validation.check_ids("text (tokenized)", [], LIMITS.vocab_size) is None
+
+
+@pytest.mark.parametrize(
+    "field,value,shown",
+    [
+        ("top_p", 1.0000001, "1.0000001"),
+        ("temperature", 100.0001, "100.0001"),
+        ("min_p", 1.0000001, "1.0000001"),
+        ("presence_penalty", 2.0000002, "2.0000002"),
+        ("repetition_penalty", -0.0, "-0"),
+        ("temperature", 1e30, "1e+30"),
+        ("top_p", 1.5, "1.5"),
+    ],
+)
+def test_an_out_of_range_number_is_shown_as_it_differs_from_the_bound(field, value, shown, tokenizer):
+    """Shown with six significant digits, a float32 just past a bound read as the bound itself (top_p 1.0000001:
+    "must be in (0, 1] ..., got 1")."""
+    with pytest.raises(InvalidRequestError) as err:
+        validate_request(req(**{field: value}), CONFIG, LIMITS, tokenizer)
+    assert err.value.field == f"parameters.{field}" and str(err.value).endswith(f"got {shown}"), str(err.value)
