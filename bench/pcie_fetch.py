@@ -72,20 +72,38 @@ def fetch_kernel_bytes_per_s(block: int, copies: int = 8, repeats: int = 3) -> t
     from expert_service.kernels.expert_fetch import launch_expert_fetch
 
     cuda.current_context()  # registering the host memory needs one
-    host, src, _ = _host_source(copies * block)
-    dst = cuda.device_array(copies * block // 4, np.uint32)
-    stream = cuda.stream()
-    ids = cuda.to_device(np.arange(copies, dtype=np.int32))
-    count = cuda.to_device(np.array([copies], np.int32))
-    handle = stream_handle(stream)
+    host, src, kind = _host_source(copies * block)
+    try:
+        dst = cuda.device_array(copies * block // 4, np.uint32)
+        stream = cuda.stream()
+        ids = cuda.to_device(np.arange(copies, dtype=np.int32))
+        count = cuda.to_device(np.array([copies], np.int32))
+        handle = stream_handle(stream)
 
-    def engine():
-        for j in range(copies):
-            check(drv.cuMemcpyHtoDAsync(device_address(dst) + j * block, host.ctypes.data + j * block, block, handle))
+        def engine():
+            for j in range(copies):
+                address = device_address(dst) + j * block
+                check(drv.cuMemcpyHtoDAsync(address, host.ctypes.data + j * block, block, handle))
 
-    t_kernel = _timed(stream, lambda: launch_expert_fetch(src, dst, ids, ids, count, block, stream=stream), repeats)
-    t_engine = _timed(stream, engine, repeats)
+        def kernel():
+            launch_expert_fetch(src, dst, ids, ids, count, block, stream=stream)
+
+        t_kernel, t_engine = _timed(stream, kernel, repeats), _timed(stream, engine, repeats)
+    finally:
+        _release(host, kind)
     return copies * block / t_kernel, copies * block / t_engine
+
+
+def _release(host, kind: str) -> None:
+    """Unregisters a registered mmap before it goes: its range, unmapped while registered, would make the
+    driver's later allocations or registrations of that address range fail (CUDA_ERROR_ALREADY_MAPPED)."""
+    from numba import cuda
+
+    from expert_service.cuda.driver import unpin
+
+    if kind == "registered mmap":
+        cuda.synchronize()
+        unpin(host)
 
 
 def bench(repeats: int) -> dict:
@@ -143,6 +161,7 @@ def bench(repeats: int) -> dict:
 
         t_both = _timed(stream, both, repeats)
         rows["concurrent"] = {"bytes": n * block, "total_gb_s": n * block / t_both / 1e9}
+        _release(host, kind)
         out[shape] = {"block_bytes": block, "source": kind, "runs": rows}
         print(f"{shape}: block {block / 2**20:.1f} MiB from {kind}")
         for key, r in rows.items():
