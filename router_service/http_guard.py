@@ -1,7 +1,8 @@
 """What keeps the HTTP front's connections bounded and its log quiet when clients are hostile
 (router_service/http_api.py applies it).
 
-- Bodies (`read_body`, `parse_json`): read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
+- Bodies (`read_body`, `parse_json`): a body labelled with a form type a browser posts across sites unasked
+  (text/plain, urlencoded, multipart) or with a coding not decoded here is a 415 before it is read; read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
   each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
   parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
   valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
@@ -158,11 +159,35 @@ def content_encoding(request: web.Request) -> str:
     )
 
 
+# The media types a browser posts to another site without asking it first (CORS "simple" requests): a web page
+# could make its visitors' browsers spend this server's compute, or read its answers after a DNS rebinding, with a
+# JSON text labelled as one. No API client needs them: JSON is application/json.
+CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def check_content_type(request: web.Request) -> None:
+    """A 415 ApiError for a body labelled with a type a browser sends across sites unasked (CROSS_SITE_TYPES, curl
+    -d's among them); no header, application/json and any other type are read as JSON."""
+    labelled = request.headers.getall(hdrs.CONTENT_TYPE, [])
+    kinds = {value.split(";", 1)[0].strip().lower() for value in labelled}
+    refused = sorted(kinds.intersection(CROSS_SITE_TYPES))
+    if refused:
+        raise ApiError(
+            415,
+            f"Content-Type header: {clipped(refused[0])!r} is a form type browsers post across sites unasked; "
+            "send the body as application/json (curl: -H 'Content-Type: application/json')",
+            code="unsupported_media_type",
+            headers={"Accept-Post": "application/json"},
+        )
+
+
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation) -> bytearray:
     """The request's body (parse it with `parse_json`); raises ApiError (408, 413, 400, and 503 when `reservation`
     cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
     Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
-    reserve; a client that expects it gets its 100 Continue only then."""
+    reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
+    coding not decoded here, is a 415 before anything is read."""
+    check_content_type(request)
     encoding = content_encoding(request)
     length = request.content_length or 0
     if encoding == "identity" and length > max_bytes:

@@ -26,6 +26,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 WORDS = r"(?:[^`'\n\\]|\\\n|'[^'\n]*')*?"
 GRPCURL = re.compile(rf"\bgrpcurl\b{WORDS}-d '([^']*)'{WORDS}\s([a-z][\w.]*\.[A-Z]\w*)/(\w+)")
 CURL = re.compile(rf"\bcurl\b{WORDS}(/v1/[\w/]+){WORDS}-d '([^']*)'")
+CURL_POST = re.compile(rf"(\bcurl\b{WORDS})-d '")  # a curl command up to its body
 SECTIONS = {"router": RouterConfig, "worker": WorkerConfig, "engine": EngineConfig}
 
 
@@ -66,6 +67,13 @@ def test_curl_bodies_pass_the_openai_parser(path, body):
     kind = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}[path]
     parsed = json.loads(body)
     parse_request(parsed, kind, parsed.get("model", "default-model"))
+
+
+@pytest.mark.parametrize("command", examples(CURL_POST))
+def test_curl_posts_say_their_body_is_json(command):
+    """curl -d labels its body application/x-www-form-urlencoded, a type the HTTP front refuses (a browser posts it
+    across sites unasked): every example sends the JSON header."""
+    assert re.search(r"-H '[Cc]ontent-[Tt]ype: application/json'", command), command
 
 
 def test_the_examples_are_found():

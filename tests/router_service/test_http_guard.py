@@ -81,6 +81,57 @@ def test_the_codings_it_decodes_are_served(tmp_path, caplog, coding, payload):
     asyncio.run(body())
 
 
+def _post_typed(content_types: list[bytes]) -> bytes:
+    """A completions POST with exactly these Content-Type headers (none: no header)."""
+    typed = b"".join(b"Content-Type: " + t + b"\r\n" for t in content_types)
+    return (
+        b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + typed
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY) + BODY
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "content_types",
+    [
+        [b"text/plain"],
+        [b"text/plain;charset=UTF-8"],  # what a page's fetch() sends for a string body
+        [b"Application/X-WWW-Form-Urlencoded"],  # curl -d's, and an HTML form's
+        [b"multipart/form-data; boundary=x"],
+    ],
+)
+def test_a_body_labelled_with_a_form_type_is_415(tmp_path, caplog, content_types):
+    """A browser posts these three types to any site without asking it first: a web page could make its visitors
+    spend this server's compute (or read its answers after a DNS rebinding) with a JSON text labelled as one.
+    The body is not read, the answer names the header and what to send."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            raw = await raw_exchange(router.http_port, _post_typed(content_types))
+            got, answer = status_and_body(raw)
+            assert_openai_error(answer, 415, got, code="unsupported_media_type")
+            message = answer["error"]["message"]
+            assert message.startswith("Content-Type header:") and "application/json" in message
+            head = raw.partition(b"\r\n\r\n")[0].lower()
+            assert b"\r\naccept-post: application/json" in head and b"\r\nconnection: close" in head
+            assert not fake.seen_ids  # nothing reached the worker
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    "content_types", [[], [b"application/json"], [b"application/json; charset=utf-8"], [b"application/octet-stream"]]
+)
+def test_json_and_types_a_browser_must_ask_for_are_served(tmp_path, caplog, content_types):
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            got, answer = status_and_body(await raw_exchange(router.http_port, _post_typed(content_types)))
+            assert got == 200, answer
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize(
     "raw,where",
     [
