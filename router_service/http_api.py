@@ -158,7 +158,10 @@ class HttpFront:
     async def _middleware(self, request: web.Request, handler):
         answer: web.StreamResponse
         expectation = http_guard.expectation_problem(request)
-        if request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
+        repeated = http_guard.repeated_header(request)
+        if repeated is not None:
+            answer = error_response(ApiError(400, repeated))
+        elif request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
             answer = error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))
         elif expectation is not None:
             answer = error_response(ApiError(417, expectation, code="expectation_failed"))

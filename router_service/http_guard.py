@@ -65,6 +65,20 @@ def expectation_problem(request: web.Request) -> str | None:
     return f"Expect header: only 100-continue is supported, got {expect[:64]!r}"
 
 
+# Headers the router acts on that hold one value: sent twice, the router reads the first while a proxy in front
+# may have checked or logged the other (a token, a request id).
+SINGLE_HEADERS = (hdrs.AUTHORIZATION, "X-Request-Id")
+
+
+def repeated_header(request: web.Request) -> str | None:
+    """Why the request is refused for a SINGLE_HEADERS header sent more than once (400), or None."""
+    for name in SINGLE_HEADERS:
+        count = len(request.headers.getall(name, []))
+        if count > 1:
+            return f"{name} header: sent {count} times; a request carries one"
+    return None
+
+
 async def defer_continue(request: web.Request) -> None:
     """The routes' expect handler: answers nothing, so that aiohttp's default does not send 100 Continue before
     the middleware has checked the request (send_continue sends it when the body is read)."""

@@ -155,3 +155,31 @@ def test_a_body_repeating_a_key_is_refused(raw, where):
 def test_equal_keys_in_different_objects_are_fine():
     raw = b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "n": 1}'
     assert parse_json(raw)["messages"][1]["content"] == "b"
+
+
+@pytest.mark.parametrize(
+    "headers,name",
+    [
+        (AUTH_LINE + AUTH_LINE, "Authorization"),
+        (AUTH_LINE + b"Authorization: Bearer other\r\n", "Authorization"),
+        (AUTH_LINE + b"X-Request-Id: a\r\nX-Request-Id: b\r\n", "X-Request-Id"),
+    ],
+    ids=["same-token-twice", "two-tokens", "two-request-ids"],
+)
+def test_a_single_valued_header_sent_twice_is_refused(tmp_path, caplog, headers, name):
+    """The router read the first of two Authorization or X-Request-Id headers while a proxy in front may have
+    checked or logged the other: the request is a 400 naming the header, and reaches no worker."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(COMPLETIONS, BODY, headers)))
+            assert_openai_error(answer, 400, got)
+            assert answer["error"]["message"] == f"{name} header: sent 2 times; a request carries one"
+            assert not fake.seen_ids
+            assert not problems(caplog)
+            # one of each is served
+            once = AUTH_LINE + b"X-Request-Id: a\r\n"
+            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(COMPLETIONS, BODY, once)))
+            assert got == 200, answer
+
+    asyncio.run(body())
