@@ -13,6 +13,7 @@ import importlib
 import inspect
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -262,3 +263,35 @@ def test_mtls_does_not_render_without_tls(tmp_path):
     router = container(spec, "router")
     ca = flag(router["args"], "tls-client-ca-file")
     assert mount_of(router, ca) == mount_of(router, flag(router["args"], "tls-cert-file")), "one Secret for both"
+
+
+def test_components_added_to_an_overlay_land_in_its_namespace(tmp_path):
+    """Each component's header, and docs/deploy.md, say to add it to an overlay (`components:` there, or
+    `kustomize edit add component`). The objects a component adds (Certificate, HPA, PodMonitor, rules, dashboard)
+    take the namespace of the kustomization that lists it, not the base's: without one in the overlay they went to
+    whatever namespace kubectl's context names, where the HPA scales nothing, the PodMonitor scrapes nothing and the
+    Certificate's Secret never reaches the pod (which then waits for its `tls` volume)."""
+    command = kustomize_command()
+    if command is None:
+        pytest.skip("no kubectl or kustomize to render with")
+    components = [
+        "../../components/monitoring",
+        "../../components/hpa",
+        "../../components/tls",
+        "../../components/mtls",
+        "../../components/private-registry",
+    ]
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    for overlay in ("overlays/gpu", "overlays/cpu"):
+        path = tree / overlay / "kustomization.yaml"
+        kustomization = yaml.safe_load(path.read_text())
+        path.write_text(yaml.safe_dump({**kustomization, "components": components}))
+        proc = subprocess.run([*command, str(path.parent)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        objects = [o for o in yaml.safe_load_all(proc.stdout) if o]
+        assert {"Certificate", "HorizontalPodAutoscaler", "PodMonitor"} <= {o["kind"] for o in objects}, overlay
+        outside = [
+            f"{o['kind']} {o['metadata']['name']}" for o in objects if o["metadata"].get("namespace") != "colibri"
+        ]
+        assert not outside, f"{overlay} with its components: not in the colibri namespace: {outside}"
