@@ -411,3 +411,38 @@ def test_private_registry_component_gives_every_pod_the_pull_secret(renderings):
             assert "imagePullSecrets" not in spec, f"{name}: a pull secret without the component"
     docs = (REPO / "docs" / "deploy.md").read_text()
     assert "create secret docker-registry colibri-registry" in docs and "components/private-registry" in docs
+
+
+def _quantity_bytes(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", str(q))
+    assert m and (m.group(2) in units or not m.group(2)), f"unexpected quantity {q}"
+    return int(m.group(1)) * units.get(m.group(2), 1)
+
+
+def test_disk_backed_volumes_are_requested_as_ephemeral_storage(renderings):
+    """A node-disk emptyDir (the kernel cache, /tmp) is capped by its sizeLimit, but only ephemeral-storage requests
+    reserve that disk: without them the scheduler places the pod on a node with no room, and under disk pressure the
+    kubelet evicts first the pods that use more than they requested (anything, for a request of zero): a GPU replica
+    that takes minutes to warm up. Each pod requests at least what its disk emptyDirs may hold, each container at
+    least what the ones it mounts may hold."""
+    for name, spec in pods(renderings):
+        disk = {
+            v["name"]: v["emptyDir"]
+            for v in spec.get("volumes", [])
+            if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+        }
+        for volume_name, empty_dir in disk.items():
+            assert "sizeLimit" in empty_dir, f"{name}: emptyDir {volume_name} has no sizeLimit"
+        requested = 0
+        for c in all_containers(spec):
+            request = _quantity_bytes(c["resources"].get("requests", {}).get("ephemeral-storage", "0"))
+            mounted = {m["name"] for m in c.get("volumeMounts", []) if m["name"] in disk}
+            need = sum(_quantity_bytes(disk[v]["sizeLimit"]) for v in mounted)
+            assert request >= need, (
+                f"{name}: {c['name']} mounts {sorted(mounted)} (up to {need} bytes) and requests {request} bytes of "
+                "ephemeral storage"
+            )
+            requested += request
+        total = sum(_quantity_bytes(d["sizeLimit"]) for d in disk.values())
+        assert requested >= total, f"{name}: the pod requests {requested} bytes, its disk emptyDirs hold up to {total}"
