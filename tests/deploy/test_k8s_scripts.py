@@ -49,11 +49,22 @@ def test_convert_job_script(renderings, tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert {"colibri.json", "routing_table.bin", "tokenizer.json"} <= {p.name for p in model.iterdir()}
     assert f"model ready at {model}" in first.stdout
-    # Converting again (keeping the checkpoint's dtype, no corpus) replaces the model as a whole.
+    assert sorted(p.name for p in model.parent.iterdir()) == ["model"], "no .partial left behind"
+    # Converting again (keeping the checkpoint's dtype, no corpus) replaces the model as a whole. The replaced one
+    # stays beside it: replicas on other nodes still map its files until they are restarted, and on NFS a file one
+    # client deletes is gone for every other client that has it open (their next page-in is a SIGBUS).
     second = _run_script(script, {**env, "DTYPE": "", "CORPUS": ""}, bin_dir)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "routing_table.bin" not in {p.name for p in model.iterdir()}
-    assert sorted(p.name for p in model.parent.iterdir()) == ["model"], "no .partial or .old left behind"
+    old = model.with_name("model.old")
+    assert sorted(p.name for p in model.parent.iterdir()) == ["model", "model.old"], (
+        "the replaced model is kept as model.old, and no .partial is left behind"
+    )
+    assert "routing_table.bin" in {p.name for p in old.iterdir()}, "model.old is the model the servers ran"
+    # The next conversion (after the restart the docs ask for) removes it first.
+    third = _run_script(script, {**env, "CORPUS": ""}, bin_dir)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "routing_table.bin" not in {p.name for p in old.iterdir()}, "the model of two conversions ago is gone"
     # A failing conversion leaves the served model untouched.
     bad = _run_script(script, {**env, "HF_DIR": str(tmp_path / "missing")}, bin_dir)
     assert bad.returncode != 0
