@@ -33,6 +33,7 @@ from ephemeral_port_reserve import reserve
 
 from common.dtypes import bf16_to_float32, float32_to_bf16
 from expert_service.tools.tiny_model import NUM_SPECIAL
+from tests.grpc_teardown import grpc_tasks_ended
 
 STORAGE_DTYPES = [np.float32, np.float16, np.uint16]  # uint16 = bfloat16 bits
 
@@ -464,6 +465,7 @@ async def running_router(worker_address: str, wait_ready: bool = True, **overrid
             yield router, router_pb2_grpc.GenerationServiceStub(channel)
     finally:
         await router.stop(grace=0.1)
+        await grpc_tasks_ended()
 
 
 async def worker_kv_blocks_used(client) -> int:
