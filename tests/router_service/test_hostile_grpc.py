@@ -10,7 +10,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from common.pb import router_pb2
-from tests.helpers import drained, running_router
+from tests.helpers import drained, grpc_poller_of_a_closed_loop, running_router
 
 
 def _stream(max_new_tokens=40, prompt=(1, 2, 3)):
@@ -66,4 +66,6 @@ def test_streams_past_the_limit_or_cancelled_anywhere_leave_nothing_held(worker,
             await drained(router)
 
     asyncio.run(body())
-    assert not [r for r in caplog.records if r.exc_info], "a client's cancel logged a traceback"
+    assert not [r for r in caplog.records if r.exc_info and not grpc_poller_of_a_closed_loop(r)], (
+        "a client's cancel logged a traceback"
+    )

@@ -20,6 +20,7 @@ from router_service.routing import RoutingPlanner
 from router_service.worker_client import WorkerClient
 from router_service.worker_connection import WorkerConnector
 from router_service.worker_info import plan_gaps_problem
+from tests.helpers import grpc_poller_of_a_closed_loop
 from tests.router_service.fake_worker import FakeWorker, start_fake_worker
 
 L, V, E, K = 2, 1000, 8, 2  # FakeWorker's vocabulary; its config's 8 experts, 2 a token
@@ -101,7 +102,7 @@ def test_an_older_worker_is_refused_with_a_gated_table_until_it_reports_the_fiel
     (line,) = _warnings(caplog)  # once, while it retries
     assert line.startswith("the router cannot use the worker at 127.0.0.1:") and f"routing_table {TABLE}" in line
     assert "upgrade the worker" in line and "\n" not in line
-    assert not any(r.exc_info for r in caplog.records)
+    assert not any(r.exc_info and not grpc_poller_of_a_closed_loop(r) for r in caplog.records)
 
 
 @pytest.mark.parametrize("gated, reports", [(True, True), (False, False), (False, True)])
