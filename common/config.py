@@ -99,7 +99,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 raise ConfigError(
                     f"{where}: must be one of {', '.join(m.value for m in base)}, got {value!r}"
                 ) from None
-        if base in (int, float) and isinstance(value, bool):  # int(True) is 1: a YAML `true` is no number
+        if base in (int, float) and isinstance(value, bool):  # int(True) is 1: a JSON `true` is no number
             raise ValueError
         if base is int and isinstance(value, float) and not value.is_integer():  # int(2.5) would truncate
             raise ValueError
@@ -142,22 +142,27 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 class _SettingsLoader(UniqueKeyLoader):
-    """A --config file's YAML: a number written with underscores ("1_0", which YAML reads as 10) or a float that
-    underflows to 0 ("1.0e-400") stays its text, which the setting then refuses as it does the environment's."""
+    """A --config file's YAML, whose plain scalars stay the text written (null aside): each setting reads it as it
+    reads an environment variable's. PyYAML follows YAML 1.1, which made 010 the number 8, 0x10 16, 1:20 80 and
+    yes True before any setting saw them, for a text setting (a model named 010 became "8") as for a number."""
 
 
-def _yaml_int(loader: _SettingsLoader, node: yaml.ScalarNode) -> Any:
-    text = loader.construct_scalar(node)
-    return text if "_" in text else loader.construct_yaml_int(node)
+# Null stays None, so a key with no value is refused as such; '<<' merges keep working.
+_KEPT_TAGS = ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")
+_SettingsLoader.yaml_implicit_resolvers = {
+    first: kept
+    for first, resolvers in UniqueKeyLoader.yaml_implicit_resolvers.items()
+    if (kept := [(tag, pattern) for tag, pattern in resolvers if tag in _KEPT_TAGS])
+}
 
 
-def _yaml_float(loader: _SettingsLoader, node: yaml.ScalarNode) -> Any:
-    text, number = loader.construct_scalar(node), loader.construct_yaml_float(node)
-    return text if "_" in text or _underflows(text, number) else number
+def _scalar_text(loader: _SettingsLoader, node: yaml.ScalarNode) -> str:
+    return loader.construct_scalar(node)
 
 
-_SettingsLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
-_SettingsLoader.add_constructor("tag:yaml.org,2002:float", _yaml_float)
+# An explicit tag (`!!int 0x10`) does not get around the settings' rule either.
+for _tag in ("int", "float", "bool"):
+    _SettingsLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _scalar_text)
 
 
 def _file_float(text: str) -> Any:

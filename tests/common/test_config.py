@@ -122,7 +122,7 @@ def test_a_section_the_file_lacks_is_empty(tmp_path):
     `engine:` sections whole (as settings named router and engine)."""
     path = _write(tmp_path, "router:\n  max_batch_tokens: 4096\nengine:\n  kv_block_size: 16\n")
     assert load_config_file(path, "worker") == {}
-    assert load_config_file(path, "router") == {"max_batch_tokens": 4096}
+    assert load_config_file(path, "router") == {"max_batch_tokens": "4096"}  # as written: the setting reads it
     assert resolve(WorkerConfig, file_values=load_config_file(path, "worker"), env={}) == WorkerConfig()
 
 
@@ -155,7 +155,7 @@ def test_an_unknown_section_next_to_known_ones_is_refused(tmp_path):
 def test_a_file_without_sections_is_read_whole(tmp_path):
     # RouterConfig has a setting named worker (the worker's address): a string there is no section.
     path = _write(tmp_path, "worker: localhost:50052\nmax_batch_tokens: 4096\n")
-    assert load_config_file(path, "router") == {"worker": "localhost:50052", "max_batch_tokens": 4096}
+    assert load_config_file(path, "router") == {"worker": "localhost:50052", "max_batch_tokens": "4096"}
     config = resolve(RouterConfig, file_values=load_config_file(path, "router"), env={})
     assert (config.worker, config.max_batch_tokens) == ("localhost:50052", 4096)
 
@@ -225,14 +225,14 @@ def test_a_yaml_merge_may_still_override(tmp_path):
     """'<<' merges are how YAML shares settings; the key written beside one wins, by YAML's own rule."""
     path = tmp_path / "colibri.yaml"
     path.write_text("router:\n  <<: {port: 1, max_batch_tokens: 64}\n  port: 2\n")
-    assert load_config_file(path, "router") == {"port": 2, "max_batch_tokens": 64}
+    assert load_config_file(path, "router") == {"port": "2", "max_batch_tokens": "64"}
 
 
 def test_the_suffix_decides_yaml_whatever_its_case_and_other_names_are_told_so(tmp_path):
     """colibri.YAML was read as JSON ('Expecting value'); colibri.toml gets told which names are read as YAML."""
     path = tmp_path / "colibri.YAML"
     path.write_text("router:\n  port: 1\n")
-    assert load_config_file(path, "router") == {"port": 1}
+    assert load_config_file(path, "router") == {"port": "1"}
     toml = tmp_path / "colibri.toml"
     toml.write_text("[router]\nport = 1\n")
     message = f"--config: {toml} is not valid JSON (names ending in .yaml or .yml are read as YAML): Expecting value"
