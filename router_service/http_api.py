@@ -17,13 +17,11 @@ has OpenAI's shape, and only the router's own faults are 500s.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
 
 from aiohttp import web
-from opentelemetry import trace
 
 from common import metrics
 from common import tracing as semconv
@@ -33,11 +31,11 @@ from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, listen
-from router_service.http_guard import abort, bounded
 from router_service.logprobs import TokenTexts
 from router_service.openai_errors import HTTP_STATUS, ApiError, api_error, grpc_code
 from router_service.openai_request import ParsedRequest, parse_request
 from router_service.openai_response import envelope, logprobs_field, response, usage
+from router_service.openai_stream import Send, stream_events
 from router_service.protocol import is_metadata_safe
 from router_service.request_state import new_request_id
 from router_service.tool_replies import ToolReply, collect_reply, split
@@ -339,57 +337,34 @@ class HttpFront:
                 raise
 
     async def _stream(self, request: web.Request, parsed, handle, reply: ToolReply | None) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": handle.request_id,
-            }
-        )
-        timeout_s = self.config.http_write_timeout_s
-
-        async def event(payload: dict) -> None:
-            data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-            await bounded(request, resp.write(b"data: " + data + b"\n\n"), timeout_s)
-
         kind, model, created = parsed.kind, self.frontend.model_name, int(time.time())
         texts = self.texts()
-        generated, first, offset = 0, kind == "chat", 0
-        try:
-            await bounded(request, resp.prepare(request), timeout_s)
-            try:
-                async for delta in handle:
-                    generated += len(delta.token_ids)
-                    text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
-                    if not openai_choices.makes_chunks(parsed, delta, text, calls, first):
-                        continue
-                    lp = None
-                    if parsed.logprobs:
-                        lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
-                    # offsets count token texts, as the unary answer's do (held-back text would shift them)
-                    offset += sum(len(texts(i)) for i in delta.token_ids)
-                    finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
-                    args = (delta, text, calls, finish, lp, first)
-                    for chunk in openai_choices.delta_chunks(parsed, texts, handle.request_id, model, created, *args):
-                        await event(chunk)
-                    first = False
-                    if delta.finish_reason is not None:
-                        set_usage(handle, generated, delta.finish_reason)
-                if parsed.include_usage:
-                    chunk = envelope(kind, handle.request_id, model, created, [], True)
-                    chunk["usage"] = usage(handle.num_prompt_tokens, generated, handle.num_cached_tokens)
+
+        async def chunks(event: Send) -> None:
+            generated, first, offset = 0, kind == "chat", 0
+            async for delta in handle:
+                generated += len(delta.token_ids)
+                text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
+                if not openai_choices.makes_chunks(parsed, delta, text, calls, first):
+                    continue
+                lp = None
+                if parsed.logprobs:
+                    lp = logprobs_field(kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+                # offsets count token texts, as the unary answer's do (held-back text would shift them)
+                offset += sum(len(texts(i)) for i in delta.token_ids)
+                finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
+                args = (delta, text, calls, finish, lp, first)
+                for chunk in openai_choices.delta_chunks(parsed, texts, handle.request_id, model, created, *args):
                     await event(chunk)
-            except ConnectionError:
-                raise
-            except Exception as e:  # the status line is sent: the error travels as an event
-                error = api_error(e, kind, handle.request_id, parsed)
-                set_request_status(trace.get_current_span(), grpc_code(error.status))
-                await event(error.body())
-            await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
-            await bounded(request, resp.write_eof(), timeout_s)
-        except ConnectionError:  # the client went away or stopped reading (aborted): the caller cancels the request
-            abort(request)
-        return resp
+                first = False
+                if delta.finish_reason is not None:
+                    set_usage(handle, generated, delta.finish_reason)
+            if parsed.include_usage:
+                chunk = envelope(kind, handle.request_id, model, created, [], True)
+                chunk["usage"] = usage(handle.num_prompt_tokens, generated, handle.num_cached_tokens)
+                await event(chunk)
+
+        return await stream_events(request, parsed, handle.request_id, self.config.http_write_timeout_s, chunks)
 
 
 def ssl_context(config) -> ssl.SSLContext | None:

@@ -19,19 +19,15 @@ computed for the ranking and returned only when asked for) and cannot be streame
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from aiohttp import web
-from opentelemetry import trace
 
 from common.errors import InvalidRequestError
 from common.pb import router_pb2
-from common.tracing import set_request_status
 from router_service import openai_echo
 from router_service.frontend import Completion, collect, set_usage
-from router_service.http_guard import abort, bounded
-from router_service.openai_errors import api_error, grpc_code, in_prompt_list
+from router_service.openai_errors import in_prompt_list
 from router_service.openai_request import ParsedRequest, generate_request
 from router_service.openai_response import (
     add_prompt_logprobs,
@@ -41,6 +37,7 @@ from router_service.openai_response import (
     prompt_logprobs_field,
     usage,
 )
+from router_service.openai_stream import Send, stream_events
 from router_service.tool_replies import ToolReply, collect_reply, split
 from router_service.tool_replies import finish_reason as tool_finish_reason
 from router_service.validation import default_max_new_tokens
@@ -237,15 +234,6 @@ async def serve(server, request: web.Request, parsed: ParsedRequest, request_id:
 
 async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, echo: str) -> web.StreamResponse:
     """Every choice's deltas as they come, each chunk naming its choice's index."""
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": echo}
-    )
-    timeout_s = server.config.http_write_timeout_s
-
-    async def event(payload: dict) -> None:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        await bounded(request, resp.write(b"data: " + data + b"\n\n"), timeout_s)
-
     flat = [h for row in handles for h in row]
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -262,64 +250,55 @@ async def _stream(server, request: web.Request, parsed: ParsedRequest, handles, 
     offsets, generated = [0] * len(flat), [0] * len(flat)
     echoed = [False] * len(flat)
     replies = [_reply(server, parsed) for _ in flat]  # a parser per choice: each reply is read on its own
+
+    async def chunks(event: Send) -> None:
+        if kind == "chat":  # the SDKs' stream helpers place a choice at the position its first chunk arrives
+            for index in range(len(flat)):
+                chunk = envelope(
+                    kind, echo, model, created, [choice(kind, "", None, None, True, True, (), None, index)], True
+                )
+                if parsed.include_usage:
+                    chunk["usage"] = None
+                await event(chunk)
+        for _ in range(len(flat)):
+            while True:
+                index, delta, error = await queue.get()
+                if error is not None:
+                    raise error
+                if delta is None:
+                    break
+                generated[index] += len(delta.token_ids)
+                lp = None
+                if parsed.logprobs:
+                    lp = logprobs_field(
+                        kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[index]
+                    )
+                offsets[index] += sum(len(texts(i)) for i in delta.token_ids)
+                reply = replies[index]
+                text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
+                if parsed.echo and not echoed[index]:  # the choice's first chunk starts with its prompt
+                    echoed[index] = True
+                    text = openai_echo.prompt_text(parsed, index // parsed.n, texts, flat[index]) + text
+                    if parsed.logprobs:
+                        scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
+                        lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)
+                        offsets[index] = sum(len(t) for t in lp["tokens"])
+                finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
+                if delta.finish_reason is not None:
+                    set_usage(flat[index], generated[index], delta.finish_reason)
+                if not makes_chunks(parsed, delta, text, calls, False):
+                    continue
+                args = (delta, text, calls, finish, lp, False, index)
+                for chunk in delta_chunks(parsed, texts, echo, model, created, *args):
+                    await event(chunk)
+        if parsed.include_usage:
+            chunk = envelope(kind, echo, model, created, [], True)
+            chunk["usage"] = _usage(handles, sum(generated))
+            await event(chunk)
+
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(flat)]
     try:
-        await bounded(request, resp.prepare(request), timeout_s)
-        try:
-            if kind == "chat":  # the SDKs' stream helpers place a choice at the position its first chunk arrives
-                for index in range(len(flat)):
-                    chunk = envelope(
-                        kind, echo, model, created, [choice(kind, "", None, None, True, True, (), None, index)], True
-                    )
-                    if parsed.include_usage:
-                        chunk["usage"] = None
-                    await event(chunk)
-            for _ in range(len(flat)):
-                while True:
-                    index, delta, error = await queue.get()
-                    if error is not None:
-                        raise error
-                    if delta is None:
-                        break
-                    generated[index] += len(delta.token_ids)
-                    lp = None
-                    if parsed.logprobs:
-                        lp = logprobs_field(
-                            kind, texts, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[index]
-                        )
-                    offsets[index] += sum(len(texts(i)) for i in delta.token_ids)
-                    reply = replies[index]
-                    text, calls = split(reply.feed(delta)) if reply is not None else (delta.text, [])
-                    if parsed.echo and not echoed[index]:  # the choice's first chunk starts with its prompt
-                        echoed[index] = True
-                        text = openai_echo.prompt_text(parsed, index // parsed.n, texts, flat[index]) + text
-                        if parsed.logprobs:
-                            scored = (delta.token_ids, delta.logprobs, delta.top_logprobs)
-                            lp = openai_echo.with_prompt(parsed, texts, delta.prompt_logprobs, *scored)
-                            offsets[index] = sum(len(t) for t in lp["tokens"])
-                    finish = reply.finish_reason(delta.finish_reason) if reply is not None else None
-                    if delta.finish_reason is not None:
-                        set_usage(flat[index], generated[index], delta.finish_reason)
-                    if not makes_chunks(parsed, delta, text, calls, False):
-                        continue
-                    args = (delta, text, calls, finish, lp, False, index)
-                    for chunk in delta_chunks(parsed, texts, echo, model, created, *args):
-                        await event(chunk)
-            if parsed.include_usage:
-                chunk = envelope(kind, echo, model, created, [], True)
-                chunk["usage"] = _usage(handles, sum(generated))
-                await event(chunk)
-        except ConnectionError:
-            raise
-        except Exception as e:  # the status line is sent: the error travels as an event
-            error = api_error(e, kind, echo, parsed)
-            set_request_status(trace.get_current_span(), grpc_code(error.status))
-            await event(error.body())
-        await bounded(request, resp.write(b"data: [DONE]\n\n"), timeout_s)
-        await bounded(request, resp.write_eof(), timeout_s)
-    except ConnectionError:  # the client went away or stopped reading: the caller cancels the requests
-        abort(request)
+        return await stream_events(request, parsed, echo, server.config.http_write_timeout_s, chunks)
     finally:
         for task in tasks:
             task.cancel()
-    return resp
