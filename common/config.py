@@ -78,6 +78,12 @@ def _flag_type(base: type) -> Any:
     return read
 
 
+def coerce_value(value: Any, tp: Any, where: str) -> Any:
+    """`value` (a --config file's text, the environment's, or a JSON value) as type `tp`, by the settings' rules;
+    ConfigError naming `where` when it cannot be read so. For values inside a setting's mapping (cuda_options)."""
+    return _coerce(value, tp, where)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     base = _base_type(tp)
     if value is None:  # a YAML key with nothing after it: the setting would reach the dataclass as None

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
-from common.config import setting
+from common.config import coerce_value, setting
 from common.errors import ConfigError
 from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.cache import POLICIES
@@ -169,13 +169,16 @@ class EngineConfig:
 def cuda_options_from_mapping(values: Mapping) -> CudaOptions:
     """CudaOptions from a config file's mapping: every key a field, every value of the field's type (a boolean
     switch, or an integer threshold)."""
-    types = {f.name: f.type for f in fields(CudaOptions)}
+    types = {f.name: {"bool": bool, "int": int}.get(f.type, f.type) for f in fields(CudaOptions)}
+    read = {}
     for key, value in values.items():
         if key not in types:
             raise ConfigError(f"cuda_options: unknown option {key!r} (known: {', '.join(sorted(types))})")
-        if types[key] in (bool, "bool") and not isinstance(value, bool):
+        # a YAML file's values arrive as the text written (common.config): read as a setting's are
+        if types[key] is bool and not isinstance(value, (bool, str)):
             raise ConfigError(f"cuda_options.{key}: must be true or false, got {value!r}")
+        read[key] = coerce_value(value, types[key], f"cuda_options.{key}")
     try:
-        return CudaOptions(**values)
+        return CudaOptions(**read)
     except ValueError as err:
         raise ConfigError(str(err)) from None

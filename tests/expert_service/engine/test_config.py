@@ -56,3 +56,21 @@ def test_the_cache_policy_and_prefetch_are_read_case_insensitively_like_the_enum
         "plan",
         "lookahead",
     }
+
+
+def test_cuda_options_from_a_yaml_config_file_are_read_as_settings_are(tmp_path):
+    """A --config YAML file's values arrive as the text written; the cuda_options mapping reads its switches and
+    thresholds by the settings' rules (a YAML false or 4 once arrived as a bool and an int), and refuses what they
+    refuse, naming the option."""
+    from common.config import load_config_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  cuda_options: {greedy_split: false, fused_router: On, q8_mma_min_tokens: 4}\n")
+    options = EngineConfig(**load_config_file(path, "engine")).cuda_options
+    assert (options.greedy_split, options.fused_router, options.q8_mma_min_tokens) == (False, True, 4)
+    for written, why in (("greedy_split: maybe", "greedy_split: cannot read"), ("w8a8_min_rows: 0x10", "w8a8_min_rows: cannot read")):
+        path.write_text(f"engine:\n  cuda_options: {{{written}}}\n")
+        with pytest.raises(ConfigError, match=f"cuda_options.{why}"):
+            EngineConfig(**load_config_file(path, "engine"))
+    with pytest.raises(ConfigError, match="greedy_split: must be true or false, got 1"):
+        EngineConfig(cuda_options={"greedy_split": 1})  # JSON's 1 is no switch
