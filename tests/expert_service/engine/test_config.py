@@ -68,7 +68,10 @@ def test_cuda_options_from_a_yaml_config_file_are_read_as_settings_are(tmp_path)
     path.write_text("engine:\n  cuda_options: {greedy_split: false, fused_router: On, q8_mma_min_tokens: 4}\n")
     options = EngineConfig(**load_config_file(path, "engine")).cuda_options
     assert (options.greedy_split, options.fused_router, options.q8_mma_min_tokens) == (False, True, 4)
-    for written, why in (("greedy_split: maybe", "greedy_split: cannot read"), ("w8a8_min_rows: 0x10", "w8a8_min_rows: cannot read")):
+    for written, why in (
+        ("greedy_split: maybe", "greedy_split: cannot read"),
+        ("w8a8_min_rows: 0x10", "w8a8_min_rows: cannot read"),
+    ):
         path.write_text(f"engine:\n  cuda_options: {{{written}}}\n")
         with pytest.raises(ConfigError, match=f"cuda_options.{why}"):
             EngineConfig(**load_config_file(path, "engine"))
