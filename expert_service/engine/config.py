@@ -169,7 +169,8 @@ class EngineConfig:
 def cuda_options_from_mapping(values: Mapping) -> CudaOptions:
     """CudaOptions from a config file's mapping: every key a field, every value of the field's type (a boolean
     switch, or an integer threshold)."""
-    types = {f.name: {"bool": bool, "int": int}.get(f.type, f.type) for f in fields(CudaOptions)}
+    # the fields' annotations are strings (postponed evaluation): every CudaOptions field is a bool or an int
+    types: dict[str, type] = {f.name: bool if f.type in (bool, "bool") else int for f in fields(CudaOptions)}
     read = {}
     for key, value in values.items():
         if key not in types:
