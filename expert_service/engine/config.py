@@ -175,10 +175,11 @@ def cuda_options_from_mapping(values: Mapping) -> CudaOptions:
     for key, value in values.items():
         if key not in types:
             raise ConfigError(f"cuda_options: unknown option {key!r} (known: {', '.join(sorted(types))})")
-        # a YAML file's values arrive as the text written (common.config): read as a setting's are
-        if types[key] is bool and not isinstance(value, (bool, str)):
+        if isinstance(value, str):  # a YAML file's values arrive as the text written: read as a setting's text is
+            value = coerce_value(value, types[key], f"cuda_options.{key}")
+        elif types[key] is bool and not isinstance(value, bool):
             raise ConfigError(f"cuda_options.{key}: must be true or false, got {value!r}")
-        read[key] = coerce_value(value, types[key], f"cuda_options.{key}")
+        read[key] = value  # an integer's range (and a JSON true or 2.5 for one) is CudaOptions' to refuse
     try:
         return CudaOptions(**read)
     except ValueError as err:

@@ -22,10 +22,16 @@ def test_every_option_defaults_to_the_shipped_path():
 def test_thresholds_come_from_a_config_file_and_are_checked():
     config = resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_min_tokens": 17}}, env={})
     assert config.cuda_options == CudaOptions(q8_mma_min_tokens=17)
-    for bad in (0, -3, True, "8", 2.5):
+    for bad in (0, -3, True, 2.5, "0"):
         with pytest.raises(ConfigError) as error:
             resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": bad}}, env={})
-        assert str(error.value) == f"cuda_options.q8_mma_max_tokens: must be a positive integer, got {bad!r}"
+        got = 0 if bad == "0" else bad
+        assert str(error.value) == f"cuda_options.q8_mma_max_tokens: must be a positive integer, got {got!r}"
+    # a YAML file's values arrive as the text written, read by the settings' rule for numbers
+    config = resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": "8"}}, env={})
+    assert config.cuda_options.q8_mma_max_tokens == 8
+    with pytest.raises(ConfigError, match=r"^cuda_options.q8_mma_max_tokens: cannot read '0x10' as int$"):
+        resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": "0x10"}}, env={})
 
 
 def test_a_config_file_mapping_becomes_options():
@@ -41,7 +47,8 @@ def test_a_config_file_mapping_becomes_options():
             {"greedy": False},
             "cuda_options: unknown option 'greedy' (known: " + ", ".join(sorted(f.name for f in fields(CudaOptions))),
         ),
-        ({"greedy_split": "no"}, "cuda_options.greedy_split: must be true or false, got 'no'"),
+        ({"greedy_split": "maybe"}, "cuda_options.greedy_split: cannot read 'maybe' as bool"),
+        ({"greedy_split": 0}, "cuda_options.greedy_split: must be true or false, got 0"),
         ("fast", "cuda_options: must be a mapping of CudaOptions fields, got 'fast'"),
     ],
 )
