@@ -101,8 +101,11 @@ def _check_fits(server, parsed: ParsedRequest, num_prompts: int) -> None:
     capacity, asked = limits.kv_capacity_tokens, parsed.parameters.max_new_tokens
     max_tokens = asked or default_max_new_tokens(server.config, limits)
     tokens_name = parsed.max_tokens_name if asked else f"the default {parsed.max_tokens_name}"
-    param = "best_of" if parsed.best_of > parsed.n else "n"
-    what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
+    if parsed.best_of == 1:  # one sample a prompt: the prompt list asks for them all (the client sent no n)
+        param, what = "prompt", f"{num_prompts} prompts"
+    else:
+        param = "best_of" if parsed.best_of > parsed.n else "n"
+        what = f"{num_prompts} prompts x {param} {parsed.best_of}" if num_prompts > 1 else f"{param} {parsed.best_of}"
     admitted = server.config.max_concurrent_requests
     if samples > admitted:  # each sample is a request: a 429 here, which clients retry, would come back forever
         raise InvalidRequestError(

@@ -33,7 +33,7 @@ async def _post(session, url, body):
     [
         ({"prompt": "hello", "n": 128, "max_tokens": 200}, "n"),
         ({"prompt": "hello", "n": 1, "best_of": 4, "max_tokens": 100}, "best_of"),
-        ({"prompt": ["a", [5, 6], "b"], "max_tokens": 100}, "n"),
+        ({"prompt": ["a", [5, 6], "b"], "max_tokens": 100}, "prompt"),  # one sample each: the list is the cause
     ],
     ids=["n", "best_of", "prompt-list"],
 )
