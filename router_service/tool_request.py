@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
+from router_service.errors import clipped
 from router_service.json_text import strict_json
 
 MAX_TOOLS = 128  # OpenAI's own limit
@@ -247,8 +248,10 @@ def _call_dict(call_id, name, arguments, where: str) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = strict_json(arguments or "{}")
-        except ValueError:
-            raise InvalidRequestError(f"{where}.function.arguments", "must be the JSON text of an object") from None
+        except ValueError as e:  # the parser's reason: a position, a lone surrogate, NaN, ...
+            raise InvalidRequestError(
+                f"{where}.function.arguments", f"must be the JSON text of an object: {clipped(str(e))}"
+            ) from None
         except RecursionError:  # JSON text nested deeper than Python's parser goes
             raise InvalidRequestError(f"{where}.function.arguments", "is nested too deeply") from None
     if not isinstance(arguments, dict):

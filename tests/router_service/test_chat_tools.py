@@ -246,6 +246,16 @@ def test_bad_tool_messages_name_the_field(message, field):
     assert e.value.field == field
 
 
+def test_arguments_that_are_no_json_say_why():
+    """The parser's reason follows the field: a lone surrogate, a position, NaN."""
+    cases = {'{"a": "\\ud800"}': "surrogate", '{"a": 1': "line 1 column", '{"a": NaN}': "NaN is not a JSON number"}
+    for arguments, reason in cases.items():
+        call = {"id": "x", "function": {"name": "f", "arguments": arguments}}
+        with pytest.raises(InvalidRequestError) as e:
+            message_dicts([{"role": "assistant", "tool_calls": [call]}])
+        assert "must be the JSON text of an object: " in str(e.value) and reason in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize(
     "reply",
     [

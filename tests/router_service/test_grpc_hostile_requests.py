@@ -218,7 +218,8 @@ def test_json_text_is_read_as_the_standard_has_it(tokenizer):
                 ),
                 (
                     stub.Chat(rpb.ChatRequest(messages=[HI, rpb.ChatMessage(role="assistant", tool_calls=[call])])),
-                    "messages[1].tool_calls[0].function.arguments: must be the JSON text of an object",
+                    "messages[1].tool_calls[0].function.arguments: must be the JSON text of an object: "
+                    "-Infinity is not a JSON number",
                 ),
                 (
                     stub.Generate(ids_request([5], constraint=rpb.Constraint(json_schema='{"maximum": Infinity}'))),
