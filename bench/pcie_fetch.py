@@ -65,33 +65,39 @@ def fetch_kernel_bytes_per_s(block: int, copies: int = 8, repeats: int = 3) -> t
     best of `repeats`: the rate a cached step's device-driven misses reach on this host, beside the copy engine's.
     The ratio is the host's (its root complex serves the SMs' small reads): 0.92x on the H200 host of
     docs/expert-cache.md, 0.60x on an H100 host whatever the grid (33-528 CTAs) or the page size."""
+    from numba import cuda
+
+    cuda.current_context()  # registering the host memory needs one
+    host, src, kind = _host_source(copies * block)
+    try:
+        dst = cuda.device_array(copies * block // 4, np.uint32)
+        t_kernel, t_engine = _kernel_and_engine_times(host, src, dst, copies, block, cuda.stream(), repeats)
+    finally:
+        _release(host, kind)
+    return copies * block / t_kernel, copies * block / t_engine
+
+
+def _kernel_and_engine_times(host, src, dst, copies: int, block: int, stream, repeats: int) -> tuple[float, float]:
+    """Best seconds of the fetch kernel copying the first `copies` blocks of `src` into `dst`, then of the copy
+    engine copying the same blocks from `host` (the same memory), each on `stream`."""
     from cuda.bindings import driver as drv
     from numba import cuda
 
     from expert_service.cuda.driver import check, device_address, stream_handle
     from expert_service.kernels.expert_fetch import launch_expert_fetch
 
-    cuda.current_context()  # registering the host memory needs one
-    host, src, kind = _host_source(copies * block)
-    try:
-        dst = cuda.device_array(copies * block // 4, np.uint32)
-        stream = cuda.stream()
-        ids = cuda.to_device(np.arange(copies, dtype=np.int32))
-        count = cuda.to_device(np.array([copies], np.int32))
-        handle = stream_handle(stream)
+    ids = cuda.to_device(np.arange(copies, dtype=np.int32))
+    count = cuda.to_device(np.array([copies], np.int32))
+    handle = stream_handle(stream)
 
-        def engine():
-            for j in range(copies):
-                address = device_address(dst) + j * block
-                check(drv.cuMemcpyHtoDAsync(address, host.ctypes.data + j * block, block, handle))
+    def kernel():
+        launch_expert_fetch(src, dst, ids, ids, count, block, stream=stream)
 
-        def kernel():
-            launch_expert_fetch(src, dst, ids, ids, count, block, stream=stream)
+    def engine():
+        for j in range(copies):
+            check(drv.cuMemcpyHtoDAsync(device_address(dst) + j * block, host.ctypes.data + j * block, block, handle))
 
-        t_kernel, t_engine = _timed(stream, kernel, repeats), _timed(stream, engine, repeats)
-    finally:
-        _release(host, kind)
-    return copies * block / t_kernel, copies * block / t_engine
+    return _timed(stream, kernel, repeats), _timed(stream, engine, repeats)
 
 
 def _release(host, kind: str) -> None:
@@ -119,22 +125,9 @@ def bench(repeats: int) -> dict:
         host, src, kind = _host_source(n * block)
         dst = cuda.device_array(n * block // 4, np.uint32)
         stream, other = cuda.stream(), cuda.stream()
-        handle = stream_handle(stream)
         rows = {}
         for count in COPIES:
-            ids = cuda.to_device(np.arange(n, dtype=np.int32))
-            counter = cuda.to_device(np.array([count], np.int32))
-
-            def kernel(s=stream, c=counter):
-                launch_expert_fetch(src, dst, ids, ids, c, block, stream=s)
-
-            def engine(h=handle, c=count):
-                for j in range(c):
-                    check(
-                        drv.cuMemcpyHtoDAsync(device_address(dst) + j * block, host.ctypes.data + j * block, block, h)
-                    )
-
-            t_kernel, t_engine = _timed(stream, kernel, repeats), _timed(stream, engine, repeats)
+            t_kernel, t_engine = _kernel_and_engine_times(host, src, dst, count, block, stream, repeats)
             words = count * block // 4
             np.testing.assert_array_equal(dst[:words].copy_to_host(), np.asarray(host).view(np.uint32)[:words])
             rows[str(count)] = {

@@ -79,12 +79,9 @@ def _flag_type(base: type) -> Any:
 
 
 def coerce_value(value: Any, tp: Any, where: str) -> Any:
-    """`value` (a --config file's text, the environment's, or a JSON value) as type `tp`, by the settings' rules;
-    ConfigError naming `where` when it cannot be read so. For values inside a setting's mapping (cuda_options)."""
-    return _coerce(value, tp, where)
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """`value` (a --config file's text, the environment's, a flag's or a JSON value) as type `tp`, by the settings'
+    rules; ConfigError naming `where` when it cannot be read so. Settings and the values inside a setting's mapping
+    (cuda_options) are read by it."""
     base = _base_type(tp)
     if value is None:  # a YAML key with nothing after it: the setting would reach the dataclass as None
         raise ConfigError(f"{where}: no value (leave the setting out for its default)")
@@ -235,13 +232,13 @@ def resolve(
             raise ConfigError(
                 f"config file: unknown setting {key!r} for {cls.__name__} (known: {', '.join(sorted(fields))})"
             )
-        values[key] = _coerce(value, hints[key], f"config file: {key}")
+        values[key] = coerce_value(value, hints[key], f"config file: {key}")
     for name, f in fields.items():
         if (found := env_value(f.metadata.get("env", ()), env)) is not None:
             var, value = found
-            values[name] = _coerce(value, hints[name], f"environment {var}")
+            values[name] = coerce_value(value, hints[name], f"environment {var}")
         if flags is not None and flags.get(name) is not None:
-            values[name] = _coerce(flags[name], hints[name], f"--{flag_name(f)}")
+            values[name] = coerce_value(flags[name], hints[name], f"--{flag_name(f)}")
     return cls(**values)
 
 

@@ -2,8 +2,8 @@
 (router_service/http_api.py applies it).
 
 - Bodies (`read_body`, `parse_json`): a body labelled with a form type a browser posts across sites unasked
-  (text/plain, urlencoded, multipart) or with a coding not decoded here is a 415 before it is read; read within `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413),
-  each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
+  (text/plain, urlencoded, multipart) or with a coding not decoded here is a 415 before it is read; read within
+  `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413), each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
   parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
   valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
   naming where.
@@ -182,13 +182,11 @@ CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipar
 def check_content_type(request: web.Request) -> None:
     """A 415 ApiError for a body labelled with a type a browser sends across sites unasked (CROSS_SITE_TYPES, curl
     -d's among them); no header, application/json and any other type are read as JSON."""
-    labelled = request.headers.getall(hdrs.CONTENT_TYPE, [])
-    kinds = {value.split(";", 1)[0].strip().lower() for value in labelled}
-    refused = sorted(kinds.intersection(CROSS_SITE_TYPES))
-    if refused:
+    kind = request.content_type  # aiohttp's parse: lower case, no parameters (application/octet-stream if none)
+    if kind in CROSS_SITE_TYPES:
         raise ApiError(
             415,
-            f"Content-Type header: {clipped(refused[0])!r} is a form type browsers post across sites unasked; "
+            f"Content-Type header: {kind!r} is a form type browsers post across sites unasked; "
             "send the body as application/json (curl: -H 'Content-Type: application/json')",
             code="unsupported_media_type",
             headers={"Accept-Post": "application/json"},

@@ -61,7 +61,10 @@ def planner_for(planner: RoutingPlanner | None, info) -> RoutingPlanner | None:
     """The planner whose plans this worker reads whole: a worker reporting InfoResponse.plan_width (its prefetch
     stages that many predictions a token of a router's plan) gets each token's first plan_width, the table's best
     ranks, instead of dropping what it has no room for; 0 (every one, or a worker before the field): as it is."""
-    if planner is None or not 0 < info.plan_width < planner.table.top_k:
+    if planner is None:
+        return None
+    narrowed = planner.narrowed(info.plan_width)
+    if narrowed is planner:
         return planner
     log.info(
         "routing plans: the worker's prefetch reads %d predictions a token; this router's table has %d, so each "
@@ -70,7 +73,7 @@ def planner_for(planner: RoutingPlanner | None, info) -> RoutingPlanner | None:
         planner.table.top_k,
         info.plan_width,
     )
-    return planner.narrowed(info.plan_width)
+    return narrowed
 
 
 def model_limits(info, defaults: GenerationDefaults, has_tokenizer: bool) -> ModelLimits:

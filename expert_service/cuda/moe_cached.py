@@ -193,15 +193,16 @@ class CachedExperts:
         """Whether passes prefetch from the router's plans (plan prefetch on, no table of its own on the device)."""
         return self.plan_table is None and PrefetchSource.PLAN in self.prefetch
 
+    def _fits_prefetch(self, T: int) -> bool:
+        """Whether a pass of T (bucket) tokens prefetches: SlotPlan.step_prefetches under this engine's setting."""
+        return self.slot_plan.step_prefetches(T, self.config.num_experts_per_tok, self.prefetch_large_steps)
+
     def stage_hints(self, hints: dict[int, np.ndarray] | None, twin: int, T: int) -> None:
         """The step's routing plan (layer -> [T, k] ids) to the device before its pass of T (bucket) tokens,
         outside any graph, on the compute stream; with plan prefetch off, or no plan, the device keeps (or gets)
         none. With the table on the device the pass looks its plan up itself (start_pass) and the router's is not
         needed; a pass too large to prefetch (SlotPlan.step_prefetches) never reads it, so it costs no host time."""
-        if not self.reads_router_plans or (not hints and self._hints_clear):
-            return
-        K = self.config.num_experts_per_tok
-        if not self.slot_plan.step_prefetches(T, K, self.prefetch_large_steps):
+        if not self.reads_router_plans or (not hints and self._hints_clear) or not self._fits_prefetch(T):
             return
         host = self.host_hints[twin]
         host[:] = -1
@@ -227,9 +228,8 @@ class CachedExperts:
         self._pending.clear()
         self._plan_pending.clear()
         self.slots.advance(self.stream)
-        K = self.config.num_experts_per_tok
         # a static choice per token bucket, so a captured pass replays it (T is the bucket: its padding routes too)
-        self._prefetching = not large and self.slot_plan.step_prefetches(T, K, self.prefetch_large_steps)
+        self._prefetching = not large and self._fits_prefetch(T)
         if not self.moe_layers or not self._prefetching or PrefetchSource.PLAN not in self.prefetch:
             return
         if self.plan_table is not None:

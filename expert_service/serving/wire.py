@@ -153,19 +153,22 @@ def refused_step_request(request: pb.StepStreamRequest, limits: StepLimits, reas
     counts them as done whatever the answer. Either list is dropped only when it is malformed itself."""
     return StepRequest(
         request.step_id,
-        _bookkeeping_ids(request.free_request_ids, MAX_FREE_IDS),
+        _bookkeeping_ids(request.free_request_ids, "free_request_ids", MAX_FREE_IDS),
         [],
         np.zeros(0, "<u8"),
         None,
-        evict_ids=_bookkeeping_ids(request.evict_block_ids, limits.max_block_ids),
+        evict_ids=_bookkeeping_ids(request.evict_block_ids, "evict_block_ids", limits.max_block_ids),
         refusal=reason,
     )
 
 
-def _bookkeeping_ids(data: bytes, most: int) -> np.ndarray:
-    if len(data) % 8 or len(data) // 8 > most:
+def _bookkeeping_ids(data: bytes, field: str, most: int) -> np.ndarray:
+    """The field's ids as step_request reads them, or none when they are malformed themselves."""
+    try:
+        ids = _packed_ids(data, field)
+    except InvalidRequestError:
         return np.zeros(0, "<u8")
-    return np.frombuffer(data, dtype="<u8")
+    return ids if len(ids) <= most else np.zeros(0, "<u8")
 
 
 def unary_step_request(request: pb.PrefillRequest | pb.DecodeRequest, limits: StepLimits) -> StepRequest:
