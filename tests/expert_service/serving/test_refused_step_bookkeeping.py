@@ -6,8 +6,6 @@ is itself malformed (then there is nothing to read it as)."""
 
 from __future__ import annotations
 
-import queue
-
 import grpc
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import pytest
 from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from expert_service.engine.token_masks import mask_words
+from tests.expert_service.serving.test_worker_lifecycle import Stream
 
 BLOCK = 4  # the test worker's kv_block_size
 GREEDY = pb.SamplingParams(temperature=0, top_p=1.0)
@@ -24,26 +23,10 @@ def _ids(values) -> bytes:
     return np.asarray(values, "<u8").tobytes()
 
 
-class _Stream:
-    """A step stream sent one message at a time, each answer read before the next goes."""
-
-    def __init__(self, stub):
-        self._requests: queue.Queue = queue.Queue()
-        self._answers = stub.StepStream(iter(self._requests.get, None))
-
-    def send(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
-        self._requests.put(request)
-        return next(self._answers)
-
-    def close(self) -> None:
-        self._requests.put(None)
-        list(self._answers)
-
-
 @pytest.fixture
 def stream(worker):
     channel = grpc.insecure_channel(worker.address)
-    s = _Stream(worker_pb2_grpc.WorkerServiceStub(channel))
+    s = Stream(worker_pb2_grpc.WorkerServiceStub(channel))
     yield s
     s.close()
     channel.close()
@@ -55,7 +38,7 @@ def _cached_prompt(stream) -> None:
         request_id=1, token_ids=list(range(5, 5 + 2 * BLOCK + 1)), sampling=GREEDY, is_last=True,
         cache_block_ids=[20, 21],
     )  # fmt: skip
-    answer = stream.send(pb.StepStreamRequest(step_id=1, chunks=[chunk]))
+    answer = stream.step(pb.StepStreamRequest(step_id=1, chunks=[chunk]))
     assert not answer.step_error and not answer.errors and answer.kv_blocks_used == 3
 
 
@@ -74,7 +57,7 @@ def test_a_refused_message_still_frees_and_evicts(worker, stream, kind):
     _cached_prompt(stream)
     assert engine.allocator.num_cached_blocks == 2
     bookkeeping = {"free_request_ids": _ids([1]), "evict_block_ids": _ids([20])}
-    refused = stream.send(
+    refused = stream.step(
         pb.StepStreamRequest(step_id=2, **bookkeeping, **_malformed(kind, engine.model_config.vocab_size))
     )
     assert refused.step_error and refused.kv_blocks_used == 0
@@ -84,17 +67,17 @@ def test_a_refused_message_still_frees_and_evicts(worker, stream, kind):
     on_21 = pb.PrefillChunk(
         request_id=2, token_ids=[7, 8], sampling=GREEDY, is_last=True, prefix_block_ids=[21], start_position=BLOCK
     )
-    answer = stream.send(pb.StepStreamRequest(step_id=3, chunks=[on_21]))
+    answer = stream.step(pb.StepStreamRequest(step_id=3, chunks=[on_21]))
     assert not answer.step_error and not answer.errors, answer
 
 
 def test_a_malformed_list_of_frees_or_evictions_is_dropped_alone(worker, stream):
     allocator = worker.servicer.engine.allocator
     _cached_prompt(stream)
-    refused = stream.send(pb.StepStreamRequest(step_id=2, free_request_ids=b"\x01", evict_block_ids=_ids([20, 21])))
+    refused = stream.step(pb.StepStreamRequest(step_id=2, free_request_ids=b"\x01", evict_block_ids=_ids([20, 21])))
     assert "free_request_ids" in refused.step_error
     assert 1 in worker.servicer.engine.sequences and not allocator.cached  # nothing freed, both evicted
-    refused = stream.send(pb.StepStreamRequest(step_id=3, free_request_ids=_ids([1]), evict_block_ids=b"\x01"))
+    refused = stream.step(pb.StepStreamRequest(step_id=3, free_request_ids=_ids([1]), evict_block_ids=b"\x01"))
     assert "evict_block_ids" in refused.step_error
     assert not worker.servicer.engine.sequences and refused.kv_blocks_used == 0
     assert allocator.num_free_blocks == allocator.num_blocks
