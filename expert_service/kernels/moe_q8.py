@@ -432,6 +432,7 @@ EIGHT_BIT_KINDS = ALL_KINDS[:4]
 SM90_VARIANTS = tuple(
     [((k,), g, 1) for k in EIGHT_BIT_KINDS for g in (True, False)]
     + [((k,), g, TOK_TILE) for k in ((CODE_INT8, SCALE_CHANNEL), (CODE_FP8, SCALE_BLOCK)) for g in (True, False)]
+    + [(((CODE_FP8, SCALE_CHANNEL),), False, TOK_TILE)]  # linear_q8's fp8 LM head over several rows
     + [(((CODE_INT8, SCALE_CHANNEL), (CODE_F16, SCALE_NONE)), True, 1)]
     + [(((CODE_FP8, SCALE_BLOCK), (CODE_BF16, SCALE_NONE), (CODE_F32, SCALE_NONE)), False, TOK_TILE)]
 )

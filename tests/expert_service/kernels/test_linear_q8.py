@@ -1,0 +1,60 @@
+"""linear_q8 (a dense matrix on 8-bit rows with per-row scales: the 8-bit LM head) vs its numpy reference: one
+row (by slot) and several (grouped, a partial token tile), int8 and fp8, a row count that is no multiple of a
+block's rows (simulator on tiny shapes)."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.kernels import expert_quant as q
+from expert_service.kernels.linear_q8 import launch_linear_q8, linear_q8_reference, matrix_meta, row_bounds
+
+
+def matrix_block(rng, code, n_out, K):
+    """(uint8 block: codes then scales at a 64-byte-aligned offset, meta, codes [n_out, K], scales [n_out])."""
+    w = rng.standard_normal((n_out, K)).astype(np.float32) * rng.uniform(0.05, 2.0, (n_out, 1)).astype(np.float32)
+    raw, scale = q.quantize(w, code, q.SCALE_CHANNEL)
+    scale_at = -(-raw.size // 64) * 64
+    block = np.zeros(scale_at + scale.nbytes, np.uint8)
+    block[: raw.size] = raw
+    block[scale_at:] = scale.view(np.uint8)
+    return block, matrix_meta(code, scale_at), raw.reshape(n_out, K), scale
+
+
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_matches_reference(code, rows):
+    rng = np.random.default_rng(100 * code + rows)
+    n_out, K = 37, 48  # 37: the last row block is partial
+    block, meta, codes, scale = matrix_block(rng, code, n_out, K)
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))  # every element must be written
+    bounds = cuda.to_device(row_bounds(8))
+    first = cuda.to_device(np.zeros((1, 1), np.int32))
+    launch_linear_q8(cuda.to_device(x), cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
+    got = out.copy_to_host()
+    ref = linear_q8_reference(x, codes, scale, code)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_refusals():
+    rng = np.random.default_rng(1)
+    block, meta, _, _ = matrix_block(rng, q.CODE_INT8, 16, 32)
+    args = dict(
+        block=cuda.to_device(block),
+        meta=cuda.to_device(meta),
+        bounds=cuda.to_device(row_bounds(2)),
+        first_row=cuda.to_device(np.zeros((1, 1), np.int32)),
+    )
+    out = cuda.to_device(np.zeros((3, 16), np.float32))
+    with pytest.raises(ValueError, match="bounds hold offsets for 1 to 2 rows"):
+        launch_linear_q8(cuda.to_device(np.ones((3, 32), np.float32)), code=q.CODE_INT8, n_out=16, out=out, **args)
+    with pytest.raises(ValueError, match="int8 .* or fp8"):
+        launch_linear_q8(cuda.to_device(np.ones((1, 32), np.float32)), code=q.CODE_BF16, n_out=16, out=out[:1], **args)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        launch_linear_q8(
+            cuda.to_device(np.ones((1, 24), np.float32)), code=q.CODE_INT8, n_out=16, out=out[:1], **args
+        )
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        matrix_meta(q.CODE_INT8, 66)
