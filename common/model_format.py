@@ -4,7 +4,7 @@ checked on open, memory-mapped, its tensors zero-copy views.
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
-boundary), 8-bit dtypes outside routed experts, dense tensors in another dtype than "dtype"
+boundary), 8-bit dtypes outside routed experts and lm_head (an 8-bit head: ``common/head_format.py``), dense tensors in another dtype than "dtype"
 (version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
 or so large that a code times it overflows float32 (read on every open, one small range per expert), expert
 blocks off their planned offsets, an expert_stride other than the largest of expert_strides, and (unless told
@@ -28,6 +28,7 @@ from common import dtypes, quant
 from common.errors import ChecksumError, ConfigError, ModelFormatError
 from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
 from common.files import open_regular, read_regular, stat_regular
+from common.head_format import HeadFormat, read_head_format
 from common.model_config import ModelConfig
 from common.model_identity import bytes_digest
 from common.model_manifest import (
@@ -35,6 +36,8 @@ from common.model_manifest import (
     DENSE_FILE,
     EXPERT_MATRIX,
     FORMAT_NAME,
+    HEAD,
+    HEAD_SCALE,
     MANIFEST,
     READABLE_VERSIONS,
     TensorEntry,
@@ -78,6 +81,9 @@ class ModelDir:
             )
         self.entries: dict[str, TensorEntry] = {}
         self.expert_layouts: dict[tuple[int, int], ExpertLayout] = {}
+        # an 8-bit lm_head's dtype, scale scheme and byte range in dense.bin; None: the head is in the dense dtype
+        # (lm_head, or embed_tokens when tied)
+        self.head_format: HeadFormat | None = None
         self._maps: dict[str, np.memmap] = {}
         self._sizes: dict[str, int] = {}  # each file's size when checked: one cut short since is refused
 
@@ -139,8 +145,11 @@ class ModelDir:
             entry = tensor_entry(name, raw)
             if entry.dtype not in dtypes.STORAGE:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
-            if entry.dtype in dtypes.QUANTIZED_DTYPES and not EXPERT_MATRIX.fullmatch(name):
-                raise ModelFormatError(f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices")
+            eight_bit = entry.dtype in dtypes.QUANTIZED_DTYPES
+            if eight_bit and not EXPERT_MATRIX.fullmatch(name) and name != HEAD:
+                raise ModelFormatError(
+                    f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices and {HEAD}"
+                )
             expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
                 raise ModelFormatError(
@@ -153,7 +162,12 @@ class ModelDir:
                     f"{self.dtype} (version 2 holds 8-bit experts)"
                 )
             # same-size dtypes (bf16 / fp16) cannot be told apart by nbytes: the dense ones must be the manifest's
-            if entry.dtype != self.dtype and not EXPERT_MATRIX.fullmatch(name) and not name.endswith(SCALE_SUFFIX):
+            if (
+                entry.dtype != self.dtype
+                and not EXPERT_MATRIX.fullmatch(name)
+                and not name.endswith(SCALE_SUFFIX)
+                and not (name == HEAD and eight_bit)
+            ):
                 raise ModelFormatError(
                     f"tensor {name}: dtype {entry.dtype}, but every tensor other than routed experts' is the "
                     f"manifest's dtype {self.dtype}"
@@ -193,7 +207,8 @@ class ModelDir:
                     f"tensor {spec.name}: shape {list(entry.shape)} in {MANIFEST}, "
                     f"config.json implies {list(spec.shape)}"
                 )
-        known = {s.name for s in specs}
+        self.head_format = read_head_format(self.entries, self.config)
+        known = {s.name for s in specs} | ({HEAD} if self.head_format else set())  # tied: an 8-bit head beside
         for name in self.entries:
             if name not in known and not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in known):
                 raise ModelFormatError(f"tensor {name}: not part of a {self.config.family} model of this config")
@@ -209,10 +224,16 @@ class ModelDir:
         self._check_scale_values()
 
     def _check_scale_values(self) -> None:
-        """Every 8-bit expert's scales hold positive finite values, whether or not checksums are verified. The
-        three scales end their expert's block: one small pread per expert, never the weights' bytes."""
+        """Every 8-bit expert's scales, and an 8-bit head's, hold positive finite values, whether or not checksums
+        are verified. The three scales end their expert's block: one small pread per expert, never the weights'
+        bytes."""
         fds: dict[str, BinaryIO] = {}
         try:
+            if (head := self.head_format) is not None:
+                entry = self.entries[HEAD_SCALE]
+                fds[head.file] = self._open_checked(head.file)
+                data = os.pread(fds[head.file].fileno(), entry.nbytes, entry.offset)
+                quant.check_scale_values(np.frombuffer(data, "<f4"), head.dtype, HEAD_SCALE, head.file)
             for (layer, expert), layout in self.expert_layouts.items():
                 if not layout.scale_offsets:
                     continue
@@ -259,8 +280,10 @@ class ModelDir:
         return self.raw_bytes(name).view(dtypes.STORAGE[e.dtype]).reshape(e.shape)
 
     def tensor_f32(self, name: str) -> np.ndarray:
-        """float32 values; an 8-bit expert matrix comes back dequantised exactly (q * scale)."""
+        """float32 values; an 8-bit expert matrix or lm_head comes back dequantised exactly (q * scale)."""
         e = self.entries[name]
+        if name == HEAD and self.head_format is not None:
+            return quant.dequantize(self.tensor(name), self.tensor(HEAD_SCALE), e.dtype, self.head_format.scheme)
         if e.dtype in dtypes.QUANTIZED_DTYPES:
             match = EXPERT_MATRIX.fullmatch(name)
             assert match is not None  # _check_entries allows 8-bit dtypes only there

@@ -27,7 +27,10 @@ share: the file names, the manifest's tensor entries with their type and range c
 Every tensor records its own dtype. Routed experts' matrices may be "int8" (per-output-channel scale) or
 "float8_e4m3fn" (per-channel or 128x128-block scale); their scale is the float32 tensor "<name>_scale"
 ([out] or [ceil(out/128), ceil(in/128)], dequantised = q * scale, ``common/quant.py``). One expert has one
-dtype; experts of a layer may differ. Everything else stays in the dense dtype.
+dtype; experts of a layer may differ. The LM head may be 8-bit too (``common/head_format.py``): "lm_head" int8 or
+"float8_e4m3fn" with a float32 per-row scale "lm_head_scale" [vocab_size] right after it in dense.bin; a tied model
+(tie_word_embeddings) then holds both "embed_tokens" in the dense dtype and the 8-bit "lm_head". Everything else
+stays in the dense dtype.
 
 Version 1 (still read): one "dtype" for every tensor, one "expert_stride", no scales, the three matrices of
 an expert back to back with no gaps.
@@ -57,6 +60,8 @@ DENSE_FILE = "dense.bin"
 DENSE_ALIGN = 64
 MAX_DIM = 1 << 31  # one tensor dimension
 MAX_FILE_BYTES = 1 << 48  # offsets and sizes: far past any disk, far below int64 overflow
+HEAD = "lm_head"
+HEAD_SCALE = scale_name(HEAD)  # an 8-bit head's per-row float32 scale, right after it in dense.bin
 EXPERT_MATRIX = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 
 ExpertFormats = Callable[[int, int], ExpertFormat]  # (layer, expert) -> how that expert is stored
@@ -141,10 +146,11 @@ def byte_count(value: object, key: str) -> int:
 
 
 def plan_layout(
-    config: ModelConfig, dtype: str, expert_formats: ExpertFormats | None = None
+    config: ModelConfig, dtype: str, expert_formats: ExpertFormats | None = None, head_dtype: str | None = None
 ) -> tuple[dict[str, TensorEntry], dict[int, int]]:
     """Where every tensor goes (crc32 left 0) and each MoE layer's expert stride: a pure function of the
-    config, the dense dtype and each expert's format (default: the dense dtype)."""
+    config, the dense dtype, each expert's format (default: the dense dtype) and the LM head's 8-bit dtype
+    (None: the dense dtype). An 8-bit head ends dense.bin, tied or not, its per-row scale right after it."""
     formats = expert_formats or (lambda layer, expert: ExpertFormat(dtype))
     F, D = config.moe_intermediate_size, config.hidden_size
     blocks = {
@@ -157,12 +163,17 @@ def plan_layout(
         for layer in config.moe_layers
     }
     entries, dense_offset = {}, 0
+
+    def dense(name: str, shape: tuple[int, ...], stored: str) -> None:
+        nonlocal dense_offset
+        nbytes = math.prod(shape) * dtypes.itemsize(stored)
+        dense_offset = align(dense_offset, DENSE_ALIGN)
+        entries[name] = TensorEntry(name, DENSE_FILE, dense_offset, nbytes, stored, shape, 0)
+        dense_offset += nbytes
+
     for spec in tensor_specs(config):
         if spec.expert is None:
-            nbytes = math.prod(spec.shape) * dtypes.itemsize(dtype)
-            dense_offset = align(dense_offset, DENSE_ALIGN)
-            entries[spec.name] = TensorEntry(spec.name, DENSE_FILE, dense_offset, nbytes, dtype, spec.shape, 0)
-            dense_offset += nbytes
+            dense(spec.name, spec.shape, dtype if spec.name != HEAD or head_dtype is None else head_dtype)
             continue
         assert spec.layer is not None  # tensor_specs gives every expert matrix its layer
         fmt, weight_offsets, scale_shapes, scale_offsets, _ = blocks[spec.layer, spec.expert]
@@ -177,4 +188,10 @@ def plan_layout(
             entries[name] = TensorEntry(
                 name, file, base + scale_offsets[index], 4 * math.prod(shape), "float32", shape, 0
             )
+    if head_dtype is not None:  # tensor_specs ends with lm_head, or (tied) with final_norm: the head comes last
+        if head_dtype not in dtypes.QUANTIZED_DTYPES:
+            raise ValueError(f"head dtype {head_dtype!r}: an 8-bit dtype, or None for the dense dtype")
+        if config.tie_word_embeddings:
+            dense(HEAD, (config.vocab_size, config.hidden_size), head_dtype)
+        dense(HEAD_SCALE, (config.vocab_size,), "float32")
     return entries, strides
