@@ -4,7 +4,8 @@ Streams one tensor at a time from memory-mapped shards, so peak memory is bounde
 tensor (a few float32 copies of it while changing dtype or quantizing), not by the model. Pickle
 checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
 (`expert_service/tools/expert_dtypes.py`); fine-grained fp8 checkpoints are read as `hf_fp8.py` describes,
-their experts' bytes kept as they are unless another expert dtype is asked for.
+their experts' bytes kept as they are unless another expert dtype is asked for. The LM head may be quantized to
+int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embedding, which stays dense).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.files import copy_new
 from common.model_config import ModelConfig
-from common.model_manifest import MANIFEST, expert_file
+from common.model_manifest import HEAD, MANIFEST, expert_file
 from common.model_writer import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from common.routing_table import COUNTS_SUFFIX, TABLE_FILE, model_digest, recorded_model_digest
@@ -157,10 +158,13 @@ def convert(
     expert_dtype: str | None = None,
     fp8_scale: str | None = None,
     expert_dtype_file: str | Path | None = None,
+    head_dtype: str | None = None,
 ) -> Path:
     """`dtype`: every tensor but routed experts' (default: the checkpoint's); `expert_dtype`, `fp8_scale`
     (None: block128, and an fp8 checkpoint's experts keep theirs) and `expert_dtype_file`: the experts'
-    (expert_dtypes.py; default: as the checkpoint stores them)."""
+    (expert_dtypes.py; default: as the checkpoint stores them); `head_dtype`: the LM head's, int8 or fp8 with
+    per-row scales, or the dense dtype (None: the dense dtype)."""
+    head_name = _head_dtype_name(head_dtype)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
         raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")
@@ -200,6 +204,7 @@ def convert(
         target = dtypes.canonical_dtype(dtype)
     else:  # an fp8 embedding: fp8 checkpoints' dense tensors default to bfloat16
         target = first_dtype if first_dtype in dtypes.DENSE_DTYPES else "bfloat16"
+    head_8bit = _head_8bit(head_name, head_dtype, target)
     formats = {
         (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
         for s in specs
@@ -216,19 +221,25 @@ def convert(
             "ignored; drop it or give --expert-dtype fp8"
         )
     table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
-    writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert])
-    total = sum(int(np.prod(s.shape)) for s in specs)
+    writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit)
+    head_fmt = ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None
+    tied_head = head_fmt is not None and config.tie_word_embeddings  # quantized from the embedding
+    total = sum(int(np.prod(s.shape)) for s in specs) + (config.vocab_size * config.hidden_size if tied_head else 0)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
         for spec in specs:
             raw, src_dtype = where[spec.hf_name].read(spec.hf_name)
-            fmt = (
-                formats[spec.layer, spec.expert]
-                if spec.layer is not None and spec.expert is not None
-                else ExpertFormat(target)
-            )
+            if spec.layer is not None and spec.expert is not None:
+                fmt = formats[spec.layer, spec.expert]
+            else:
+                fmt = head_fmt if spec.name == HEAD and head_fmt is not None else ExpertFormat(target)
             scale = scales[spec.hf_name]
-            _write(writer, spec, raw, src_dtype, hf_fp8.read_scale(where, scale[0]) if scale else None, fmt)
+            block_scale = hf_fp8.read_scale(where, scale[0]) if scale else None
+            _write(writer, spec, raw, src_dtype, block_scale, fmt)
             bar.update(raw.size)
+            if tied_head and spec.name == "embed_tokens":  # one tensor at a time: the dense copy is gone by now
+                assert head_fmt is not None
+                _write(writer, TensorSpec(HEAD, spec.hf_name, spec.shape), raw, src_dtype, block_scale, head_fmt)
+                bar.update(raw.size)
     del raw  # the last view into a shard's mmap must go before the mmap can close
     for shard in set(where.values()):
         shard.close()
@@ -242,6 +253,29 @@ def convert(
     if table_digest is not None:
         _settle_table(out_dir, table_digest)
     return written
+
+
+def _head_dtype_name(name: str | None) -> str | None:
+    """`--head-dtype`'s canonical name (an 8-bit or a dense dtype), checked before anything is read."""
+    canonical = dtypes.EXPERT_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if name is not None and canonical is None:
+        raise ModelFormatError(
+            f"--head-dtype: {name!r} is not supported (supported: int8, float8_e4m3fn (fp8), or the dense dtype: "
+            f"{', '.join(dtypes.DENSE_DTYPES)} as --dtype)"
+        )
+    return canonical
+
+
+def _head_8bit(canonical: str | None, name: str | None, dense: str) -> str | None:
+    """The LM head's 8-bit dtype, or None for the dense dtype; a dense dtype other than --dtype's is refused (every
+    tensor but routed experts' and an 8-bit head is in the dense dtype)."""
+    if canonical is None or canonical in dtypes.QUANTIZED_DTYPES:
+        return canonical
+    if canonical != dense:
+        raise ModelFormatError(
+            f"--head-dtype: {name!r} is not the dense dtype {dense} (supported: int8, float8_e4m3fn (fp8), or {dense})"
+        )
+    return None
 
 
 def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | None) -> str | None:

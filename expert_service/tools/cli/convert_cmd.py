@@ -1,4 +1,4 @@
-"""`colibri convert HF_DIR OUT_DIR [--dtype D] [--expert-dtype E]`: a Hugging Face safetensors checkpoint
+"""`colibri convert HF_DIR OUT_DIR [--dtype D] [--expert-dtype E] [--head-dtype H]`: a Hugging Face safetensors checkpoint
 -> a model directory."""
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON or YAML choosing the dtype per layer / per expert, and optionally keeping the experts a "
         "routing table marks hot in the dense dtype (docs/quantization.md)",
     )
+    parser.add_argument(
+        "--head-dtype",
+        metavar="DTYPE",
+        default=None,
+        help="storage of the LM head: int8 or fp8 (float8_e4m3fn), one float32 scale per row, or the dense dtype "
+        "(default); a tied model's 8-bit head is quantized from the embedding, which stays in the dense dtype",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -63,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
         expert_dtype=args.expert_dtype,
         fp8_scale=args.fp8_scale,
         expert_dtype_file=args.expert_dtype_file,
+        head_dtype=args.head_dtype,
     )
     model = ModelDir.open(out, verify=False)
     print(
         f"converted {args.hf_dir} -> {out}: {model.config.family}, {len(model.entries)} tensors, "
         f"{model.total_bytes:,} bytes {model.dtype}, experts {' + '.join(model.expert_formats) or 'none'}"
+        + (f", head {model.head_format.dtype}" if model.head_format else "")
     )
     return 0
