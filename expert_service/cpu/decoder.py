@@ -11,6 +11,7 @@ import numpy as np
 
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
+from common.model_manifest import HEAD, HEAD_SCALE
 from expert_service.cpu.layers.attention import paged_attention, write_kv
 from expert_service.cpu.layers.moe import route, sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
@@ -32,7 +33,10 @@ class CpuWeights:
     def __init__(self, model: ModelDir):
         self.model = model
         self.config = model.config
-        self.dense = {name: model.tensor_f32(name) for name, e in model.entries.items() if ".experts." not in name}
+        # an 8-bit head comes dequantised (q * scale): its scale is folded in, not held
+        self.dense = {
+            name: model.tensor_f32(name) for name in model.entries if ".experts." not in name and name != HEAD_SCALE
+        }
         self._experts: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def get(self, name: str) -> np.ndarray:
@@ -56,7 +60,9 @@ class CpuWeights:
 
     @property
     def lm_head(self) -> np.ndarray:
-        return self.dense["embed_tokens"] if self.config.tie_word_embeddings else self.dense["lm_head"]
+        """lm_head when the directory holds one (untied, or an 8-bit head beside a tied embedding), else the
+        embedding (tied)."""
+        return self.dense[HEAD] if HEAD in self.dense else self.dense["embed_tokens"]
 
 
 class CpuDecoder:
