@@ -14,7 +14,8 @@ sender, so step t+1 runs on the device while step t is sampled and answered) and
 (`decode_ms_sequential`: Engine.step, each waiting for the one before). Writes JSON + PNG and prints ratios.
 
 `--expert-dtype bfloat16,int8,fp8` runs Colibri once per routed-expert dtype on the same weights (the HF save
-converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds `<dtype>_x_bfloat16` ratios;
+converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds `<dtype>_x_bfloat16` ratios
+(`int8+head` / `fp8+head`: the LM head in the same 8 bits too, per-row scales, `--head-dtype`);
 `colibri` holds the first dtype's figures, `colibri_by_expert_dtype` all of them, each with the HBM roofline of
 the bytes its steps read (8-bit experts: their bytes and scales). The full-depth shape `qwen3moe-full`
 (Qwen3-30B-A3B, all 48 layers: ~61 GB bf16, ~31 GB 8-bit) is written straight into the model format with random
@@ -309,11 +310,24 @@ def save_hf(model, out: Path) -> Path:
     return hf_dir
 
 
+# a run's dtype: the routed experts' (bfloat16, int8, fp8), "+head" for the LM head in the same 8 bits
+RUN_DTYPES = ("bfloat16", "int8", "fp8", "int8+head", "fp8+head")
+
+
+def expert_and_head(dtype: str) -> tuple[str, str | None]:
+    """A run's dtype -> (expert dtype, head dtype for `colibri convert --head-dtype`, None: the dense dtype)."""
+    experts, _, head = dtype.partition("+")
+    return experts, ({"int8": "int8", "fp8": "float8_e4m3fn"}[experts] if head else None)
+
+
 def convert_expert_dtype(hf_dir: Path, dtype: str) -> Path:
     from expert_service.tools.convert import convert
 
     out = hf_dir.parent / f"{hf_dir.name[: -len('-hf')]}-{dtype}"
-    return convert(hf_dir, out, progress=False, expert_dtype=None if dtype == "bfloat16" else dtype)
+    experts, head = expert_and_head(dtype)
+    return convert(
+        hf_dir, out, progress=False, expert_dtype=None if experts == "bfloat16" else experts, head_dtype=head
+    )
 
 
 def random_model(family: str, params: dict, out: Path, dtype: str) -> Path:
@@ -322,7 +336,8 @@ def random_model(family: str, params: dict, out: Path, dtype: str) -> Path:
 
     hf_config = {**tiny_hf_config(family), **params, "tie_word_embeddings": False}
     start = time.perf_counter()
-    model = write_random_model(out.parent / f"{out.name}-{dtype}", hf_config, dtype)
+    experts, head = expert_and_head(dtype)
+    model = write_random_model(out.parent / f"{out.name}-{dtype}", hf_config, experts, head_dtype=head)
     print(f"wrote {model} in {time.perf_counter() - start:.0f} s", flush=True)
     return model
 
@@ -376,7 +391,9 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--expert-dtype", default="bfloat16", help="comma-separated: bfloat16, int8, fp8")
+    parser.add_argument(
+        "--expert-dtype", default="bfloat16", help=f"comma-separated: {', '.join(RUN_DTYPES)} (+head: the LM head too)"
+    )
     parser.add_argument(
         "--cuda-options", default="{}", help='CudaOptions fields as a JSON object, e.g. {"wgmma_experts": false}'
     )
@@ -384,8 +401,8 @@ def main() -> int:
     args = parser.parse_args()
     cuda_options = cuda_options_arg(parser, args.cuda_options)
     expert_dtypes = args.expert_dtype.split(",")
-    if not set(expert_dtypes) <= {"bfloat16", "int8", "fp8"}:
-        parser.error(f"--expert-dtype {args.expert_dtype}: each must be bfloat16, int8 or fp8")
+    if not set(expert_dtypes) <= set(RUN_DTYPES):
+        parser.error(f"--expert-dtype {args.expert_dtype}: each must be one of {', '.join(RUN_DTYPES)}")
     import torch
 
     roofline = hbm_rate.roofline(args.hbm_bytes_per_s)  # before any model takes the device's memory

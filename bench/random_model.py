@@ -50,22 +50,27 @@ def _tensor(pools, rng, dtype: str, shape: tuple[int, ...], scale_of: str | None
     return raw.view(np.int8 if dtype == "int8" else np.uint8).reshape(shape)
 
 
-def write_random_model(out: Path, hf_config: dict, expert_dtype: str = "bfloat16", seed: int = 0) -> Path:
+def write_random_model(
+    out: Path, hf_config: dict, expert_dtype: str = "bfloat16", seed: int = 0, head_dtype: str | None = None
+) -> Path:
     """A bf16 model of `hf_config` whose routed experts are `expert_dtype` (bfloat16, int8, or fp8: e4m3 with
-    128x128 block scales)."""
+    128x128 block scales) and whose LM head is `head_dtype` (int8 or float8_e4m3fn with per-row scales; None:
+    bf16)."""
     rng = np.random.default_rng(seed)
     fmt = {
         "bfloat16": ExpertFormat("bfloat16"),
         "int8": ExpertFormat("int8", quant.CHANNEL),
         "fp8": ExpertFormat("float8_e4m3fn", quant.BLOCK128),
     }[expert_dtype]
-    writer = ModelWriter(out, hf_config, "bfloat16", lambda layer, expert: fmt)
+    writer = ModelWriter(out, hf_config, "bfloat16", lambda layer, expert: fmt, head_dtype)
     pools = _pools(rng)
     norms = np.full(hf_config["hidden_size"], 0x3F80, np.uint16)  # 1.0: keep the residual stream's scale
     for name, entry in writer.layout.items():
         if entry.dtype == "bfloat16" and len(entry.shape) == 1 and "norm" in name:
             writer.write(name, np.resize(norms, entry.shape))
             continue
-        scale_of = fmt.dtype if name.endswith("_scale") else None
+        scale_of = None
+        if name.endswith("_scale"):
+            scale_of = head_dtype if name == "lm_head_scale" else fmt.dtype
         writer.write(name, _tensor(pools, rng, entry.dtype, tuple(entry.shape), scale_of))
     return writer.finish()

@@ -22,6 +22,7 @@ from common.model_manifest import DENSE_FILE, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
 from expert_service.cuda.moe_grouped_mma import every_layer_w8a8
 from expert_service.kernels import expert_quant
+from expert_service.kernels.linear_q8 import matrix_meta
 
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -154,6 +155,7 @@ class ExpertFacts:
 
 def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
     """The model's ExpertFacts with every expert on the device (resident) or behind the expert cache."""
+    check_head_for_cuda(model)  # the other 8-bit matrix, checked as early
     cfg = model.config
     quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
     meta = {layer: expert_meta(model, layer) for layer in cfg.moe_layers} if quantized else {}
@@ -163,6 +165,26 @@ def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
     resident_layers = dict.fromkeys(cfg.moe_layers if resident else ())
     w8a8 = all_8bit and every_layer_w8a8(F, D, resident_layers, kinds, model.expert_strides)
     return ExpertFacts(np.dtype(dtypes.STORAGE[model.dtype]), quantized, all_8bit, meta, kinds, w8a8)
+
+
+@dataclass(frozen=True)
+class EightBitHead:
+    """An LM head stored in 8 bits: `block` is the dense buffer's range holding its codes [V, D] then its per-row
+    float32 scales, `meta` its linear_q8.matrix_meta row on the device, `code` its expert_quant dtype code."""
+
+    block: DeviceNDArray
+    meta: DeviceNDArray
+    code: int
+
+
+def check_head_for_cuda(model: ModelDir) -> None:
+    """An 8-bit LM head runs on linear_q8, whose rows are whole 16-byte chunks: hidden_size a multiple of 16."""
+    D = model.config.hidden_size
+    if model.head_format is not None and D % 16:
+        raise ValueError(
+            f"{model.path}: an 8-bit lm_head needs hidden_size a multiple of 16 on the cuda backend (got {D}); "
+            f"convert with --head-dtype {model.dtype}, or run the cpu backend"
+        )
 
 
 class DeviceWeights:
@@ -192,6 +214,11 @@ class DeviceWeights:
             if entry.file == DENSE_FILE:
                 raw = self.dense_buffer[entry.offset : entry.offset + entry.nbytes]
                 self.views[name] = raw.view(dtypes.STORAGE[entry.dtype]).reshape(entry.shape)
+        self.head_8bit: EightBitHead | None = None
+        if (head := model.head_format) is not None:  # its codes and scales: one range of the dense buffer
+            code = expert_quant.CODES[head.dtype]
+            meta = cuda.to_device(matrix_meta(code, head.scale_offset), stream=stream)
+            self.head_8bit = EightBitHead(self.dense_buffer[head.offset : head.offset + head.nbytes], meta, code)
         for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
             for fused, parts in (
                 ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -242,6 +269,9 @@ class DeviceWeights:
 
     @property
     def lm_head(self):
+        """The head in the dense dtype (an 8-bit one is `head_8bit`)."""
+        if self.head_8bit is not None:
+            raise ValueError("the LM head is 8-bit: read head_8bit")
         return self.views["embed_tokens"] if self.config.tie_word_embeddings else self.views["lm_head"]
 
     @property

@@ -22,6 +22,8 @@ from expert_service.serving.lifecycle import ModelThread
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256}
 SMALL_QWEN = {"moe_intermediate_size": 32, "head_dim": 16, "num_experts": 16}
 FORMATS = {"bfloat16": ["bfloat16"], "int8": ["int8"], "fp8": ["float8_e4m3fn/block128"]}
+# the runs with the LM head in the experts' 8 bits too: (expert formats, head dtype)
+HEAD_RUNS = {"int8+head": (["int8"], "int8"), "fp8+head": (["float8_e4m3fn/block128"], "float8_e4m3fn")}
 
 
 def small_shapes() -> dict:
@@ -39,6 +41,13 @@ def test_random_model_per_expert_dtype(tmp_path, name):
         model = ModelDir.open(bench.random_model(family, params, tmp_path / name, dtype))  # checks every crc32
         assert list(model.expert_formats) == formats
         assert model.config.num_experts == params.get("num_experts", params.get("num_local_experts"))
+        assert model.head_format is None
+    for dtype, (formats, head) in HEAD_RUNS.items():
+        model = ModelDir.open(bench.random_model(family, params, tmp_path / name, dtype))
+        assert list(model.expert_formats) == formats and model.head_format.dtype == head
+        assert model.entries["embed_tokens"].dtype == "bfloat16"
+        values = model.tensor_f32("lm_head")  # small and finite, as the bf16 weights around it
+        assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.1
 
 
 def test_pipelined_decode_serves_two_steps_in_flight_on_the_cpu_backend(tiny_model, monkeypatch):
@@ -64,11 +73,12 @@ def test_pipelined_decode_serves_two_steps_in_flight_on_the_cpu_backend(tiny_mod
 def test_main_skip_hf_runs_every_shape_and_dtype(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setattr(bench, "SHAPES", small_shapes())
-    measured = []
+    measured, heads = [], []
 
     def fake_colibri(model_dir, vocab, cuda_options, hbm_bytes_per_s):
         model = ModelDir.open(model_dir, verify=False)
         measured.append((model_dir.name, list(model.expert_formats), cuda_options))
+        heads.append(model.head_format and model.head_format.dtype)
         assert hbm_bytes_per_s == 3.35e12  # --hbm-bytes-per-s, over the H200 reference the simulator falls back to
         scale = 2.0 if list(model.expert_formats) == ["bfloat16"] else 1.0  # 8-bit: twice as fast
         return {
@@ -79,21 +89,29 @@ def test_main_skip_hf_runs_every_shape_and_dtype(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "bench_colibri", fake_colibri)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--workdir", str(tmp_path / "work"), "--shapes", "mixtral-shape,qwen3moe-shape"]
-    argv += ["--expert-dtype", "bfloat16,int8,fp8", "--skip-hf", "--cuda-options", '{"cached_gemv": false}']
+    argv += ["--expert-dtype", "bfloat16,int8,fp8,int8+head", "--skip-hf", "--cuda-options", '{"cached_gemv": false}']
     argv += ["--hbm-bytes-per-s", "3.35e12"]
     monkeypatch.setattr(sys, "argv", ["engine.py", *argv])
     assert bench.main() == 0
-    assert [(name.split("-")[-1], formats) for name, formats, _ in measured] == [*FORMATS.items()] * 2
+    runs = [*FORMATS.items(), ("int8+head", ["int8"])]
+    assert [(name.split("-")[-1], formats) for name, formats, _ in measured] == runs * 2
+    assert heads == [None, None, None, "int8"] * 2
     assert all(options == {"cached_gemv": False} for _, _, options in measured)
     result = json.loads((out / "engine.json").read_text())
-    assert result["expert_dtypes"] == ["bfloat16", "int8", "fp8"] and result["cuda_options"] == {"cached_gemv": False}
+    assert result["expert_dtypes"] == ["bfloat16", "int8", "fp8", "int8+head"]
+    assert result["cuda_options"] == {"cached_gemv": False}
     assert result["hbm_bytes_per_s"] == 3.35e12 and result["hbm_bytes_per_s_h200_reference"] == 4.3e12
     assert result["device"] == "simulator" and result["hbm_read_bytes_per_s_measured"] is None
     for entry in result["shapes"].values():
-        assert entry["hf"] is None and list(entry["colibri_by_expert_dtype"]) == ["bfloat16", "int8", "fp8"]
+        assert entry["hf"] is None and list(entry["colibri_by_expert_dtype"]) == [
+            "bfloat16",
+            "int8",
+            "fp8",
+            "int8+head",
+        ]
         ratios = entry["expert_dtype_ratios"]
         assert ratios["decode_b1_int8_x_bfloat16"] == ratios["decode_b64_fp8_x_bfloat16"] == 2.0
-        assert ratios["prefill_1x512_fp8_x_bfloat16"] == 2.0
+        assert ratios["prefill_1x512_fp8_x_bfloat16"] == ratios["decode_b1_int8+head_x_bfloat16"] == 2.0
     if bench.pyplot() is not None:
         assert (out / "engine.png").stat().st_size > 0
     assert not any((tmp_path / "work").glob("*/*"))  # each model removed after its run

@@ -30,8 +30,9 @@ VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed", "mixed-8bit")
 FAMILIES = ("mixtral", "qwen3_moe")
 
 
-def quantized_model(root, family: str, variant: str, dense: str | None = None):
-    """The tiny model with 8-bit experts; `dense`: the other tensors' dtype (None: the checkpoint's float32)."""
+def quantized_model(root, family: str, variant: str, dense: str | None = None, head: str | None = None):
+    """The tiny model with 8-bit experts; `dense`: the other tensors' dtype (None: the checkpoint's float32);
+    `head`: the LM head's 8-bit dtype (None: the dense dtype)."""
     model = make_tiny(root / "f32", family=family, seed=11)
     if variant.startswith("mixed"):
         # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8 ("mixed") or
@@ -50,9 +51,17 @@ def quantized_model(root, family: str, variant: str, dense: str | None = None):
                 }
             )
         )
-        return convert(model / "hf", root / variant, dense, progress=False, expert_dtype_file=plan)
+        return convert(model / "hf", root / variant, dense, progress=False, expert_dtype_file=plan, head_dtype=head)
     dtype, _, scale = variant.partition("-")
-    return convert(model / "hf", root / variant, dense, progress=False, expert_dtype=dtype, fp8_scale=scale or None)
+    return convert(
+        model / "hf",
+        root / variant,
+        dense,
+        progress=False,
+        expert_dtype=dtype,
+        fp8_scale=scale or None,
+        head_dtype=head,
+    )
 
 
 @pytest.fixture(scope="module", params=[(f, v) for f in FAMILIES for v in VARIANTS], ids=lambda p: "-".join(p))
@@ -110,13 +119,14 @@ def test_prompt_logits_close_to_cpu(engines):
 
 
 @pytest.mark.serial
-def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head", [None, "int8"])  # int8: the 8-bit LM head (linear_q8) too
+def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch, head):
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
 
-    gpu = build_engine(
-        ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed")), EngineConfig(backend="cuda", **CFG)
-    )
+    model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed", head=head))
+    assert (model.head_format and model.head_format.dtype) == head
+    gpu = build_engine(model, EngineConfig(backend="cuda", **CFG))
     gpu.warmup()
     gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])
     free_before = drv.cuMemGetInfo()[1]

@@ -1,0 +1,99 @@
+"""The cuda backend with an 8-bit LM head (linear_q8) against the cpu backend on the same converted model (GPU
+only): int8 and fp8 heads, untied and tied (the 8-bit head beside the embedding the lookup reads), with bf16
+experts and with int8 ones; greedy tokens equal, logits of batched decode and of prompts within the bf16
+tolerance, graphs and eager."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from common.model_format import ModelDir
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
+from expert_service.tools.convert import convert
+from expert_service.tools.tiny_model import write_tiny_checkpoint
+from tests.expert_service.cuda.test_quantized import CFG, EXACT_ACTIVATIONS, TOLERANCE
+from tests.helpers import random_prompt, rel_error
+
+pytestmark = pytest.mark.gpu
+
+# (family, head dtype, expert dtype, tied)
+VARIANTS = [
+    ("qwen3_moe", "int8", None, False),
+    ("mixtral", "float8_e4m3fn", None, False),
+    ("qwen3_moe", "int8", "int8", True),
+    ("mixtral", "int8", "fp8", False),
+]
+
+
+def tiny_checkpoint(hf_dir, family: str, tied: bool):
+    """The tiny checkpoint; tied: its config ties the head to the embedding and it holds no lm_head."""
+    write_tiny_checkpoint(hf_dir, family, seed=13)
+    if tied:
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        weights = load_file(hf_dir / "model.safetensors")
+        del weights["lm_head.weight"]
+        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    return hf_dir
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda p: "-".join(str(v) for v in p))
+def engines(request, tmp_path_factory):
+    family, head, experts, tied = request.param
+    root = tmp_path_factory.mktemp(f"{family}-{head}")
+    hf = tiny_checkpoint(root / "hf", family, tied)
+    model = convert(hf, root / "converted", "bfloat16", progress=False, expert_dtype=experts, head_dtype=head)
+    opened = ModelDir.open(model)
+    assert opened.entries["lm_head"].dtype == head and opened.config.tie_word_embeddings == tied
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
+    gpus = {
+        "graphs": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS),
+        "eager": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS, cuda_graphs=False),
+    }
+    assert gpus["graphs"].decoder.weights.head_8bit is not None
+    return "-".join(str(v) for v in request.param), open_(backend="cpu"), gpus
+
+
+def test_greedy_tokens_match_cpu(engines):
+    name, cpu, gpus = engines
+    for i, n in enumerate((1, 6, 70)):
+        prompt = random_prompt(90 + i, n)
+        want = cpu.generate(prompt, 10)[0]
+        for mode, gpu in gpus.items():
+            assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+
+
+def test_batched_decode_logits_close_to_cpu(engines):
+    name, cpu, gpus = engines
+    prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40, 80, 5, 17))]  # 6 rows: a partial tile
+    outs = {}
+    for label, engine in [("cpu", cpu), *gpus.items()]:
+        first = engine.step([PrefillInput(300 + i, np.array(p), SamplingParams(), True) for i, p in enumerate(prompts)])
+        tokens, rows = [[o.token_id] for o in first.outputs], [[r] for r in first.logits]
+        for _ in range(4):
+            step = engine.step(decode_ids=[300 + i for i in range(len(prompts))])
+            for i, o in enumerate(step.outputs):
+                tokens[i].append(o.token_id)
+                rows[i].append(step.logits[i])
+        engine.clear()
+        outs[label] = (tokens, rows)
+    for mode in gpus:
+        assert outs[mode][0] == outs["cpu"][0], f"{name} {mode}"
+        for a, b in zip(outs[mode][1], outs["cpu"][1]):
+            got = np.stack(a)
+            assert np.isfinite(got).all() and rel_error(got, np.stack(b)) <= TOLERANCE, f"{name} {mode}"
+
+
+def test_prompt_logits_close_to_cpu(engines):
+    name, cpu, gpus = engines
+    for n in (1, 40):
+        ids = random_prompt(80 + n, n)
+        want = cpu.prompt_logits(ids)
+        for mode, gpu in gpus.items():
+            got = gpu.prompt_logits(ids)
+            assert np.all(np.isfinite(got)) and rel_error(got, want) <= TOLERANCE, f"{name} {mode} n={n}"
