@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
+from expert_service.cuda.head_8bit import DeviceHead8Bit
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.moe import DeviceMoe
 from expert_service.cuda.moe_cached import CachedExperts
@@ -33,7 +34,6 @@ from expert_service.kernels.embedding import launch_embedding
 from expert_service.kernels.gather import launch_gather_rows
 from expert_service.kernels.greedy_split import launch_greedy_split
 from expert_service.kernels.kv_write import launch_kv_write
-from expert_service.kernels.linear_q8 import launch_linear_q8, row_bounds
 from expert_service.kernels.qk_norm_rope_kv_write import launch_qk_norm_rope_kv_write
 from expert_service.kernels.qk_norm_rope_kv_write import supports as supports_fused_qk_norm
 from expert_service.kernels.rope import launch_rope
@@ -63,9 +63,10 @@ class CudaModel:
         self.k_pool, self.v_pool, self.cached, self.options = k_pool, v_pool, cached, options
         inv_freq, self.rope_scale = config.rope.inverse_frequencies(config.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=stream)
-        if weights.head_8bit is not None:  # the 8-bit head's launch arguments for every row count a step has
-            self.head_rows = cuda.to_device(row_bounds(workspace.logits.shape[0]), stream=stream)
-            self.head_slot = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
+        self.head_8bit: DeviceHead8Bit | None = None
+        if weights.head_8bit is not None:
+            rows = workspace.logits.shape[0]
+            self.head_8bit = DeviceHead8Bit(weights.head_8bit, config.vocab_size, config.hidden_size, rows, stream)
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
@@ -111,10 +112,8 @@ class CudaModel:
         last = ws.last_hidden[:R]
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
-        if w.head_8bit is not None:
-            head, logits = w.head_8bit, ws.logits[:R]
-            rows, slot = self.head_rows, self.head_slot
-            launch_linear_q8(last, head.block, head.meta, head.code, cfg.vocab_size, logits, rows, slot, stream=st)
+        if self.head_8bit is not None:
+            self.head_8bit.run(last, ws.logits[:R])
         else:
             self.linear.linear(last, w.lm_head, ws.logits[:R])
         if self.options.greedy_split:

@@ -11,7 +11,6 @@ first find those rows in L2). No host reads: graph-capturable.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
 
 from expert_service.kernels import expert_quant
 from expert_service.kernels.moe_q8 import DECODE_SHAPE, TOK_TILE, _kernel

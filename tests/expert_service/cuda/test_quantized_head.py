@@ -21,32 +21,40 @@ from tests.helpers import random_prompt, rel_error
 
 pytestmark = pytest.mark.gpu
 
-# (family, head dtype, expert dtype, tied)
+# (family, head dtype, expert dtype, tied, vocabulary): 259 (the tokenizer's) runs the weight stream at every row
+# count; 272, a multiple of 16, takes the tensor-core GEMM past TOK_TILE rows
 VARIANTS = [
-    ("qwen3_moe", "int8", None, False),
-    ("mixtral", "float8_e4m3fn", None, False),
-    ("qwen3_moe", "int8", "int8", True),
-    ("mixtral", "int8", "fp8", False),
+    ("qwen3_moe", "int8", None, False, 259),
+    ("mixtral", "float8_e4m3fn", None, False, 272),
+    ("qwen3_moe", "int8", "int8", True, 272),
+    ("mixtral", "int8", "fp8", False, 259),
+    ("qwen3_moe", "float8_e4m3fn", "int8", True, 259),
 ]
 
 
-def tiny_checkpoint(hf_dir, family: str, tied: bool):
-    """The tiny checkpoint; tied: its config ties the head to the embedding and it holds no lm_head."""
+def tiny_checkpoint(hf_dir, family: str, tied: bool, vocab: int = 259):
+    """The tiny checkpoint; tied: its config ties the head to the embedding and it holds no lm_head; vocab: rows
+    of the embedding and head (past the tokenizer's 259: random rows as the others)."""
     write_tiny_checkpoint(hf_dir, family, seed=13)
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(hf_dir / "model.safetensors")
+    rng = np.random.default_rng(vocab)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[name]
+        extra = rng.standard_normal((vocab - w.shape[0], w.shape[1])).astype(w.dtype) * w.std()
+        weights[name] = np.concatenate([w, extra])
     if tied:
-        config = json.loads((hf_dir / "config.json").read_text())
-        (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-        weights = load_file(hf_dir / "model.safetensors")
         del weights["lm_head.weight"]
-        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": tied, "vocab_size": vocab}))
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
     return hf_dir
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=lambda p: "-".join(str(v) for v in p))
 def engines(request, tmp_path_factory):
-    family, head, experts, tied = request.param
+    family, head, experts, tied, vocab = request.param
     root = tmp_path_factory.mktemp(f"{family}-{head}")
-    hf = tiny_checkpoint(root / "hf", family, tied)
+    hf = tiny_checkpoint(root / "hf", family, tied, vocab)
     model = convert(hf, root / "converted", "bfloat16", progress=False, expert_dtype=experts, head_dtype=head)
     opened = ModelDir.open(model)
     assert opened.entries["lm_head"].dtype == head and opened.config.tie_word_embeddings == tied
@@ -55,7 +63,7 @@ def engines(request, tmp_path_factory):
         "graphs": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS),
         "eager": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS, cuda_graphs=False),
     }
-    assert gpus["graphs"].decoder.weights.head_8bit is not None
+    assert gpus["graphs"].decoder.model.head_8bit.mma == (vocab % 16 == 0)
     return "-".join(str(v) for v in request.param), open_(backend="cpu"), gpus
 
 

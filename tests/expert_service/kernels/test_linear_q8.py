@@ -53,8 +53,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="int8 .* or fp8"):
         launch_linear_q8(cuda.to_device(np.ones((1, 32), np.float32)), code=q.CODE_BF16, n_out=16, out=out[:1], **args)
     with pytest.raises(ValueError, match="multiple of 16"):
-        launch_linear_q8(
-            cuda.to_device(np.ones((1, 24), np.float32)), code=q.CODE_INT8, n_out=16, out=out[:1], **args
-        )
+        launch_linear_q8(cuda.to_device(np.ones((1, 24), np.float32)), code=q.CODE_INT8, n_out=16, out=out[:1], **args)
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
         matrix_meta(q.CODE_INT8, 66)
