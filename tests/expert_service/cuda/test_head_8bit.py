@@ -39,3 +39,24 @@ def test_every_row_count_matches_reference(code, V):
         ref = linear_q8_reference(bf16(x) if on_mma else x, codes, scale, code)
         assert np.isfinite(got).all(), f"R={R}"
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(), err_msg=f"R={R} mma={on_mma}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+def test_real_tiles_match_reference(code):
+    """On the GPU, with the tile shapes a step's row counts pick (m16 to m64) and a vocabulary of many tiles."""
+    rng = np.random.default_rng(code)
+    V, D, max_rows = 4000, 512, 64
+    block, meta, codes, scale = matrix_block(rng, code, V, D)
+    stream = cuda.stream()
+    head = DeviceHead8Bit(EightBitHead(cuda.to_device(block), cuda.to_device(meta), code), V, D, max_rows, stream)
+    assert head.mma
+    for R in (1, 2, MMA_MIN_ROWS - 1, MMA_MIN_ROWS, 16, 33, max_rows):
+        x = rng.standard_normal((R, D)).astype(np.float32)
+        out = cuda.to_device(np.full((R, V), np.nan, np.float32), stream=stream)
+        head.run(cuda.to_device(x, stream=stream), out)
+        got = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        ref = linear_q8_reference(bf16(x) if R >= MMA_MIN_ROWS else x, codes, scale, code)
+        assert np.isfinite(got).all(), f"R={R}"
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(), err_msg=f"R={R}")
