@@ -1,14 +1,19 @@
-"""What 8-bit experts cost in quality: held-out perplexity, next-token agreement, logit error and greedy
-agreement of a model converted with int8 / fp8 experts, against the same checkpoint with bf16 experts.
+"""What 8-bit experts (and an 8-bit LM head) cost in quality: held-out perplexity, next-token agreement, logit
+error and greedy agreement of a model converted with int8 / fp8 experts, against the same checkpoint with bf16
+experts.
 
 Every variant is converted from the same Hugging Face checkpoint with dense weights in bfloat16 (only the
-experts' storage differs) and run on the same held-out token stream, window by window:
+experts' storage, and the head's in the `+...-head` variants, differs) and run on the same held-out token stream,
+window by window:
 - perplexity: exp(mean next-token cross-entropy) over non-overlapping windows (as training/train.py's
   `evaluate`); its change against bf16 in percent;
 - top-1 agreement: share of positions whose argmax equals bf16's (teacher-forced);
 - logit error: max |logits - bf16| / max |bf16| per window, worst and mean over windows;
 - greedy: continuations of `--new-tokens` from held-out prompts; share identical to bf16's, and the mean
   share of positions that agree before the first difference.
+- a variant with an 8-bit head (`int8+int8-head`: `--head-dtype int8`, per-row scales) is also compared with the
+  same experts and a bf16 head when that variant runs too (`vs_experts_only`): perplexity change, top-1
+  agreement and logit error of the head alone.
 
 - the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations, which the
   others turn off): on the
@@ -24,6 +29,7 @@ experts' storage differs) and run on the same held-out token stream, window by w
     python bench/quant_quality.py --out bench/results/cpu-quant-quality-default.json
     python bench/quant_quality.py --variants bfloat16,int8,int8-w8a8,fp8-block128,fp8-block128-w8a8 --max-windows 16
     python bench/quant_quality.py --hf-model DIR --heldout TEXT --backend cuda --out FILE.json  # any model
+    python bench/quant_quality.py --variants bfloat16,int8,int8+int8-head,fp8-block128,fp8-block128+fp8-head
 """
 
 from __future__ import annotations
@@ -55,17 +61,32 @@ W8A8_OPTIONS = CudaOptions(q8_activations=True, q8_mma_max_tokens_few_experts=1 
 # ... and one-token steps on int8 activations too (moe_q8_dp4a; int8 experts only)
 A8_OPTIONS = replace(W8A8_OPTIONS, q8_decode_activations=True)
 EXACT_OPTIONS = CudaOptions(q8_activations=False, q8_decode_activations=False)
-# name -> (--expert-dtype, --fp8-scale, the cuda backend's options); "-w8a8" / "-a8" names take 8-bit activations
+# name -> (--expert-dtype, --fp8-scale, the cuda backend's options, --head-dtype or None for the dense dtype);
+# "-w8a8" / "-a8" names take 8-bit activations, "+...-head" ones an 8-bit LM head
 VARIANTS = {
-    "bfloat16": ("bfloat16", "block128", EXACT_OPTIONS),
-    "int8": ("int8", "block128", EXACT_OPTIONS),
-    "fp8-block128": ("fp8", "block128", EXACT_OPTIONS),
-    "fp8-channel": ("fp8", "channel", EXACT_OPTIONS),
-    "int8-w8a8": ("int8", "block128", W8A8_OPTIONS),
-    "int8-a8": ("int8", "block128", A8_OPTIONS),
-    "fp8-block128-w8a8": ("fp8", "block128", W8A8_OPTIONS),
-    "fp8-channel-w8a8": ("fp8", "channel", W8A8_OPTIONS),
+    "bfloat16": ("bfloat16", "block128", EXACT_OPTIONS, None),
+    "int8": ("int8", "block128", EXACT_OPTIONS, None),
+    "fp8-block128": ("fp8", "block128", EXACT_OPTIONS, None),
+    "fp8-channel": ("fp8", "channel", EXACT_OPTIONS, None),
+    "int8-w8a8": ("int8", "block128", W8A8_OPTIONS, None),
+    "int8-a8": ("int8", "block128", A8_OPTIONS, None),
+    "fp8-block128-w8a8": ("fp8", "block128", W8A8_OPTIONS, None),
+    "fp8-channel-w8a8": ("fp8", "channel", W8A8_OPTIONS, None),
+    "bfloat16+int8-head": ("bfloat16", "block128", EXACT_OPTIONS, "int8"),
+    "bfloat16+fp8-head": ("bfloat16", "block128", EXACT_OPTIONS, "fp8"),
+    "int8+int8-head": ("int8", "block128", EXACT_OPTIONS, "int8"),
+    "fp8-block128+fp8-head": ("fp8", "block128", EXACT_OPTIONS, "fp8"),
 }
+
+
+def experts_only(name: str) -> str | None:
+    """The variant of the same experts with a bf16 head, for a variant with an 8-bit head; None otherwise."""
+    expert_dtype, scale, options, head = VARIANTS[name]
+    if head is None:
+        return None
+    return next(n for n, v in VARIANTS.items() if v == (expert_dtype, scale, options, None))
+
+
 DEFAULT_VARIANTS = ("bfloat16", "int8", "fp8-block128", "fp8-channel")
 
 
@@ -91,7 +112,7 @@ def emulated_w8a8(expert_dtype: str):
 
 def run_variant(name: str, backend: str):
     """The context a variant's engine runs in: W8A8 emulated on the cpu backend, nothing otherwise."""
-    expert_dtype, _, options = VARIANTS[name]
+    expert_dtype, _, options, _ = VARIANTS[name]
     eight_bit = options is not EXACT_OPTIONS
     return emulated_w8a8(expert_dtype) if eight_bit and backend == "cpu" else contextlib.nullcontext()
 
@@ -108,6 +129,11 @@ def heldout_stream(model: ModelDir, heldout: Path) -> np.ndarray:
         raise SystemExit(f"{model.path}: no tokenizer.json to encode {heldout}")
     docs = encode_documents(Tokenizer.from_file(str(path)), [c.as_paragraph() for c in read_chapters(heldout)])
     return np.fromiter((t for d in docs for t in d), dtype=np.int64)
+
+
+def head_nbytes(model: ModelDir) -> int:
+    """A dense head's stored bytes: lm_head, or the embedding a tied model's logits read."""
+    return model.entries["lm_head" if "lm_head" in model.entries else "embed_tokens"].nbytes
 
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -144,13 +170,16 @@ def main() -> int:
     names = ["bfloat16"] + [v for v in names if v != "bfloat16"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        engines, sizes = {}, {}
+        engines, sizes, head_sizes = {}, {}, {}
         for name in names:
-            expert_dtype, scale, options = VARIANTS[name]
+            expert_dtype, scale, options, head_dtype = VARIANTS[name]
             fp8_scale = scale if expert_dtype == "fp8" else None  # convert refuses a scale no expert takes
-            out = convert(args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, fp8_scale)
+            out = convert(
+                args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, fp8_scale, head_dtype=head_dtype
+            )
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
+            head_sizes[name] = model.head_format.nbytes if model.head_format else head_nbytes(model)
             config = EngineConfig(
                 backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window, cuda_options=options
             )
@@ -160,18 +189,28 @@ def main() -> int:
         nats = {n: 0.0 for n in names}
         agree = {n: 0 for n in names}
         errors: dict[str, list[float]] = {n: [] for n in names}
+        # an 8-bit head against the same experts with a bf16 head: nats, top-1 agreement, logit errors
+        pairs = {n: base for n in names if (base := experts_only(n)) in names}
+        head_agree = {n: 0 for n in pairs}
+        head_errors: dict[str, list[float]] = {n: [] for n in pairs}
         tokens = 0
         for i, start in enumerate(starts):
             window = stream[start : start + args.window]
             if len(window) < 2:
                 continue
             ref = engines["bfloat16"].prompt_logits(window)
+            window_logits = {}
             for name in names:
                 with run_variant(name, args.backend):
                     logits = ref if name == "bfloat16" else engines[name].prompt_logits(window)
+                window_logits[name] = logits
                 nats[name] += float(cross_entropy(logits[:-1], window[1:]).sum())
                 agree[name] += int((logits[:-1].argmax(1) == ref[:-1].argmax(1)).sum())
                 errors[name].append(float(np.abs(logits - ref).max() / np.abs(ref).max()))
+            for name, base in pairs.items():
+                logits, base_logits = window_logits[name], window_logits[base]
+                head_agree[name] += int((logits[:-1].argmax(1) == base_logits[:-1].argmax(1)).sum())
+                head_errors[name].append(float(np.abs(logits - base_logits).max() / np.abs(base_logits).max()))
             tokens += len(window) - 1
             print(f"window {i + 1}/{len(starts)}: {tokens} tokens, {time.perf_counter() - started:.0f} s", flush=True)
         rng = np.random.default_rng(0)
@@ -191,6 +230,8 @@ def main() -> int:
             ppl = float(np.exp(nats[name] / tokens))
             results[name] = {
                 "expert_dtype": VARIANTS[name][0],
+                "head_dtype": VARIANTS[name][3] or "bfloat16",
+                "head_bytes": head_sizes[name],
                 "fp8_scale": VARIANTS[name][1] if VARIANTS[name][0] == "fp8" else None,
                 "activations_8bit": VARIANTS[name][2] is not EXACT_OPTIONS,
                 "decode_activations_8bit": VARIANTS[name][2].q8_decode_activations,
@@ -207,6 +248,15 @@ def main() -> int:
         for name in names:
             results[name]["perplexity_change_pct"] = 100.0 * (results[name]["perplexity"] / base - 1.0)
             results[name]["expert_bytes_ratio"] = results[name]["expert_bytes"] / results["bfloat16"]["expert_bytes"]
+            results[name]["head_bytes_ratio"] = results[name]["head_bytes"] / results["bfloat16"]["head_bytes"]
+        for name, base in pairs.items():
+            results[name]["vs_experts_only"] = {
+                "variant": base,
+                "perplexity_change_pct": 100.0 * (results[name]["perplexity"] / results[base]["perplexity"] - 1.0),
+                "top1_agreement": head_agree[name] / tokens,
+                "logits_rel_error_max": max(head_errors[name]),
+                "logits_rel_error_mean": float(np.mean(head_errors[name])),
+            }
     report = {
         "model": str(args.hf_model),
         "heldout": str(args.heldout),
@@ -223,11 +273,15 @@ def main() -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'variant':<18} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} {'bytes':>6}")
+    print(
+        f"{'variant':<22} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} "
+        f"{'bytes':>6} {'head':>6}"
+    )
     for name, r in results.items():
         print(
-            f"{name:<18} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
-            f"{r['logits_rel_error_max']:11.2e} {r['greedy_identical']:11.3f} {r['expert_bytes_ratio']:6.3f}"
+            f"{name:<22} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
+            f"{r['logits_rel_error_max']:11.2e} {r['greedy_identical']:11.3f} {r['expert_bytes_ratio']:6.3f} "
+            f"{r['head_bytes_ratio']:6.3f}"
         )
     print(f"wrote {args.out}")
     return 0
