@@ -4,12 +4,13 @@ checked on open, memory-mapped, its tensors zero-copy views.
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
-boundary), 8-bit dtypes outside routed experts and lm_head (an 8-bit head: ``common/head_format.py``), dense tensors in another dtype than "dtype"
-(version 1: any tensor), scales missing, of the wrong shape or holding a value that is not positive and finite
-or so large that a code times it overflows float32 (read on every open, one small range per expert), expert
-blocks off their planned offsets, an expert_stride other than the largest of expert_strides, and (unless told
-to skip) any crc32 mismatch, scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a
-one-line ``ModelFormatError`` (``ChecksumError`` for a mismatch).
+boundary), 8-bit dtypes outside routed experts and lm_head (an 8-bit head: ``common/head_format.py``), dense
+tensors in another dtype than "dtype" (version 1: any tensor), scales missing, of the wrong shape or holding a
+value that is not positive and finite or so large that a code times it overflows float32 (read on every open, one
+small range per expert and one for the head), expert blocks off their planned offsets, an expert_stride other
+than the largest of expert_strides, and (unless told to skip) any crc32 mismatch, scales included, or a NaN byte
+(0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError`` (``ChecksumError`` for a
+mismatch).
 """
 
 from __future__ import annotations

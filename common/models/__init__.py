@@ -3,7 +3,8 @@ and naming the checkpoint tensors behind Colibri's canonical tensor names.
 
 Canonical names (what the manifest and the engine use):
 
-    embed_tokens [V, D]    final_norm [D]    lm_head [V, D] (absent when tie_word_embeddings)
+    embed_tokens [V, D]    final_norm [D]    lm_head [V, D] (absent when tie_word_embeddings: tensor_specs lists
+                           it only untied; an 8-bit head beside a tied embedding is common/head_format.py's)
     layers.{i}.input_norm [D]   layers.{i}.post_attn_norm [D]
     layers.{i}.q_proj [Hq*Hd, D]  k_proj / v_proj [Hkv*Hd, D]  o_proj [D, Hq*Hd]   (+ q/k/v/o _bias)
     layers.{i}.q_norm / k_norm   [Hd] (per_head) or [Hq*Hd] / [Hkv*Hd] (full)
