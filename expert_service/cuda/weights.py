@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda
 
 from common import dtypes
+from common.errors import ConfigError
 from common.model_format import ModelDir
 from common.model_manifest import DENSE_FILE, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
@@ -178,12 +179,14 @@ class EightBitHead:
 
 
 def check_head_for_cuda(model: ModelDir) -> None:
-    """An 8-bit LM head runs on linear_q8, whose rows are whole 16-byte chunks: hidden_size a multiple of 16."""
+    """An 8-bit LM head runs on linear_q8, whose rows are whole 16-byte chunks: hidden_size a multiple of 16. Any
+    other is refused in one line (a ConfigError, as the worker prints it) before anything is uploaded."""
     D = model.config.hidden_size
     if model.head_format is not None and D % 16:
-        raise ValueError(
-            f"{model.path}: an 8-bit lm_head needs hidden_size a multiple of 16 on the cuda backend (got {D}); "
-            f"convert with --head-dtype {model.dtype}, or run the cpu backend"
+        raise ConfigError(
+            f"backend: the cuda backend runs an 8-bit lm_head only with hidden_size a multiple of 16, and "
+            f"{model.path} has {model.head_format.dtype} lm_head with hidden_size {D}; convert with --head-dtype "
+            f"{model.dtype}, or use --backend cpu"
         )
 
 

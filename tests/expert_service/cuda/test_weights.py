@@ -3,6 +3,7 @@
 import gc
 
 import numpy as np
+import pytest
 
 import expert_service.cuda.weights as weights
 
@@ -82,3 +83,25 @@ def test_expert_facts_come_from_the_model_directory_alone(tiny_model, tmp_path):
     for layer in model.config.moe_layers:
         np.testing.assert_array_equal(facts.meta[layer], weights.expert_meta(model, layer))
         assert facts.kinds[layer] == expert_quant.layer_kinds(facts.meta[layer])
+
+
+def test_an_8bit_head_the_cuda_kernels_cannot_run_is_one_config_line(tmp_path):
+    """hidden_size not a multiple of 16: linear_q8's rows are whole 16-byte chunks. The worker prints a ConfigError
+    in one line; any other exception would be a traceback."""
+    from common.errors import ConfigError
+    from common.model_format import ModelDir
+    from expert_service.tools.convert import convert
+    from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+
+    hf_config = head_config("mixtral", hidden_size=40, num_attention_heads=4, num_key_value_heads=2)
+    write_head_checkpoint(tmp_path / "hf", hf_config)
+    model = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m", "bfloat16", False, head_dtype="int8"))
+    message = (
+        r"^backend: the cuda backend runs an 8-bit lm_head only with hidden_size a multiple of 16, and \S+ has int8 "
+        r"lm_head with hidden_size 40; convert with --head-dtype bfloat16, or use --backend cpu$"
+    )
+    for resident in (True, False):
+        with pytest.raises(ConfigError, match=message):
+            weights.expert_facts(model, resident=resident)
+    plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False))
+    weights.check_head_for_cuda(plain)  # a dense head runs at any size
