@@ -80,6 +80,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             routing="exact",
             model_name="fake",
             expert_dtypes=["float8_e4m3fn/block128", "int8"],  # a mixed 8-bit model: the router passes them on
+            head_dtype="int8",  # an 8-bit LM head: passed on too
         )
 
     async def Health(self, request, context):
