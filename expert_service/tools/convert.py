@@ -240,7 +240,7 @@ def convert(
                 assert head_fmt is not None
                 _write(writer, TensorSpec(HEAD, spec.hf_name, spec.shape), raw, src_dtype, block_scale, head_fmt)
                 bar.update(raw.size)
-    del raw  # the last view into a shard's mmap must go before the mmap can close
+    del raw, block_scale  # the last views into a shard's mmap (a block scale too) must go before the mmap can close
     for shard in set(where.values()):
         shard.close()
     for name in TOKENIZER_FILES:

@@ -131,6 +131,25 @@ def test_an_fp8_checkpoint_takes_an_8bit_head(tmp_path, tied):
     assert np.array_equal(model.tensor("layers.0.experts.1.down_proj"), quantized[expert][0])  # bytes kept
 
 
+@pytest.mark.parametrize("head_dtype", [None, "int8", "fp8"])
+def test_an_fp8_checkpoint_whose_lm_head_is_fp8_too(tmp_path, monkeypatch, head_dtype):
+    """A checkpoint that quantized lm_head with the rest (not in modules_to_not_convert): its block scale is the
+    last tensor read, and no view of it may outlive the shards' maps (a BufferError traceback on close)."""
+    import tests.expert_service.tools.fp8_checkpoint as fp8_checkpoint
+
+    every = fp8_checkpoint.unquantized_modules
+    monkeypatch.setattr(fp8_checkpoint, "unquantized_modules", lambda c: [m for m in every(c) if m != "lm_head"])
+    quantized = write_fp8_checkpoint(tmp_path / "hf", head_config("qwen3_moe"), seed=1)
+    model = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m", progress=False, head_dtype=head_dtype))
+    head = quant.dequantize(*quantized["lm_head.weight"], "float8_e4m3fn", quant.BLOCK128)
+    if head_dtype is None:
+        assert model.head_format is None and model.entries["lm_head"].dtype == "bfloat16"
+        assert np.allclose(model.tensor_f32("lm_head"), head, rtol=2**-8, atol=0)
+    else:
+        q, scale = quant.quantize(head, model.head_format.dtype, quant.CHANNEL, "lm_head")
+        assert np.array_equal(model.tensor("lm_head"), q) and np.array_equal(model.tensor("lm_head_scale"), scale)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("head_dtype", ["int8", "fp8"])
 def test_quantizing_the_head_holds_a_few_bytes_per_element_of_it(tmp_path, tied, head_dtype):
