@@ -28,6 +28,7 @@ from common.errors import ColibriError, ConfigError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.model_manifest import DENSE_FILE
+from expert_service.cuda import head_8bit
 from expert_service.cuda.cublas import CublasError
 from expert_service.cuda.moe_cached import dense_scratch_needed
 from expert_service.cuda.moe_strategy import ModelStrategies
@@ -204,8 +205,11 @@ def plan_device_memory(
     workspace = plan_workspace(
         ModelStrategies(cfg, facts, T), config, facts.dtype, blocks_per_sequence(cfg, num_blocks, block_size), cached
     )
-    # the penalties' and grammar masks' buffers are allocated beside the workspace, sized like it
+    # the penalties' and grammar masks' buffers are allocated beside the workspace, sized like it; so are an 8-bit
+    # head's launch tables and bf16 rows
     sampling = DevicePenalties.planned_nbytes(S, V, S, T) + DeviceMasks.planned_nbytes(S, V)
+    if (head := model.head_format) is not None:
+        sampling += head_8bit.planned_nbytes(V, cfg.hidden_size, head.nbytes, S)
     if cached:
         experts = slot_plan.slots_per_layer * slot_plan.slot_row_bytes + plan_table_bytes
         if dense_scratch_needed(facts.quantized, T, workspace.cached_grouped):  # one 8-bit expert made dense

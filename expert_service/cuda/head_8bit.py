@@ -22,6 +22,30 @@ from expert_service.kernels.moe_q8 import TOK_TILE
 MMA_MIN_ROWS = TOK_TILE + 1  # fewer rows: one pass of the weight stream
 
 
+def takes_mma(vocab_size: int, block_nbytes: int, max_rows: int) -> bool:
+    """Whether a head of `vocab_size` rows, its codes and scales `block_nbytes` bytes, runs the tensor-core GEMM past
+    TOK_TILE rows (its output tiles are whole 16-column groups)."""
+    return vocab_size % 16 == 0 and block_nbytes % 16 == 0 and max_rows >= MMA_MIN_ROWS
+
+
+def mma_tiles(max_rows: int) -> tuple[dict, dict[int, int], int]:
+    """Each row count's GEMM config and tile count from MMA_MIN_ROWS to max_rows, and the widest rows they take."""
+    configs = {r: choose_config(r, 1) for r in range(MMA_MIN_ROWS, max_rows + 1)}
+    tiles = {r: -(-r // cfg.block_m) for r, cfg in configs.items()}
+    return configs, tiles, max(t * configs[r].block_m for r, t in tiles.items())
+
+
+def planned_nbytes(vocab_size: int, hidden_size: int, block_nbytes: int, max_rows: int) -> int:
+    """The device bytes a DeviceHead8Bit of these sizes allocates beside the weights (its launch tables and the bf16
+    rows the GEMM reads), for the device-memory plan: what __init__ allocates, from the sizes alone."""
+    nbytes = (max_rows + 1) * 2 * 4 + 4  # bounds, first_row
+    if takes_mma(vocab_size, block_nbytes, max_rows):
+        _, tiles, width = mma_tiles(max_rows)
+        # sorted_ids, num_tiles, tile_expert, rows_bf16
+        nbytes += (max_rows + 1) * width * 4 + (max_rows + 1) * 4 + max(tiles.values()) * 4 + width * hidden_size * 2
+    return nbytes
+
+
 class DeviceHead8Bit:
     """Runs `head` for 1 to max_rows rows; V (vocab_size) a multiple of 16 takes the tensor-core GEMM past
     TOK_TILE rows (its output tiles are whole 16-column groups), any other V the weight stream at every count."""
@@ -30,13 +54,11 @@ class DeviceHead8Bit:
         self.head, self.V, self.D, self.stream = head, vocab_size, hidden_size, stream
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)
         self.first_row = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
-        self.mma = vocab_size % 16 == 0 and head.block.size % 16 == 0 and max_rows >= MMA_MIN_ROWS
+        self.mma = takes_mma(vocab_size, head.block.size, max_rows)
         if not self.mma:
             return
         # row count r: config choose_config(r, 1), tiles(r) tiles of BM rows; sorted_ids row r = 0 .. r-1, then -1
-        self.configs = {r: choose_config(r, 1) for r in range(MMA_MIN_ROWS, max_rows + 1)}
-        tiles = {r: -(-r // cfg.block_m) for r, cfg in self.configs.items()}
-        width = max(t * self.configs[r].block_m for r, t in tiles.items())
+        self.configs, tiles, width = mma_tiles(max_rows)
         sorted_ids = np.full((max_rows + 1, width), -1, np.int32)
         num_tiles = np.zeros((max_rows + 1, 1), np.int32)
         for r, t in tiles.items():

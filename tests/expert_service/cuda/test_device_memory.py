@@ -301,3 +301,37 @@ def test_a_real_failed_allocation_while_loading_becomes_one_line(tiny_model, mon
     assert message.startswith("device out of memory while loading the model (") and "\n" not in message
     assert "CUDA_ERROR_OUT_OF_MEMORY" in message and "(kv_cache_tokens 1073741824)" in message
     assert is_out_of_memory(refused.value.__cause__)
+
+
+@pytest.mark.parametrize("vocab", [259, 272], ids=["stream", "mma"])
+def test_an_8bit_heads_device_buffers_are_planned_with_the_workspace(tmp_path, vocab):
+    """DeviceHead8Bit's launch tables and bf16 rows (quadratic in max_batch_size where the vocabulary takes the
+    tensor-core GEMM) are allocated beside the workspace: the plan counts exactly what it allocates."""
+    from numba import cuda
+
+    from expert_service.cuda.head_8bit import DeviceHead8Bit, planned_nbytes
+    from expert_service.cuda.weights import EightBitHead
+    from expert_service.kernels import expert_quant
+    from expert_service.kernels.linear_q8 import matrix_meta
+    from expert_service.tools.convert import convert
+    from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+
+    write_head_checkpoint(tmp_path / "hf", head_config("mixtral", vocab_size=vocab))
+    eight_bit = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m8", "bfloat16", False, head_dtype="int8"))
+    plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False))
+    config, rows, D = EngineConfig(backend="cuda", kv_cache_tokens=256, max_batch_size=12), 12, plain.config.hidden_size
+
+    def workspace(model: ModelDir) -> int:
+        plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
+        return {item.name: item.nbytes for item in plan.items}["workspace"]
+
+    head = eight_bit.head_format
+    planned = planned_nbytes(vocab, D, head.nbytes, rows)
+    assert workspace(eight_bit) - workspace(plain) == planned
+    code = expert_quant.CODES[head.dtype]
+    block = cuda.device_array(head.nbytes, np.uint8)
+    weights = EightBitHead(block, cuda.to_device(matrix_meta(code, head.scale_offset)), code)
+    device = DeviceHead8Bit(weights, vocab, D, rows, cuda.default_stream())
+    assert device.mma == (vocab % 16 == 0)
+    allocated = [v for k, v in vars(device).items() if hasattr(v, "copy_to_host") and k != "block_2d"]  # a view
+    assert len(allocated) == (6 if device.mma else 2) and sum(a.nbytes for a in allocated) == planned
