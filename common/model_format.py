@@ -169,10 +169,12 @@ class ModelDir:
                 and not name.endswith(SCALE_SUFFIX)
                 and not (name == HEAD and eight_bit)
             ):
-                raise ModelFormatError(
-                    f"tensor {name}: dtype {entry.dtype}, but every tensor other than routed experts' is the "
-                    f"manifest's dtype {self.dtype}"
+                rule = (
+                    f"{HEAD} is the manifest's dtype {self.dtype} or 8-bit ({', '.join(dtypes.QUANTIZED_DTYPES)})"
+                    if name == HEAD
+                    else f"every tensor other than routed experts' is the manifest's dtype {self.dtype}"
                 )
+                raise ModelFormatError(f"tensor {name}: dtype {entry.dtype}, but {rule}")
             path = self._safe_path(entry.file, name)
             if entry.file not in file_sizes:
                 missing = f"tensor {name}: file {entry.file} not found in {self.path}"
