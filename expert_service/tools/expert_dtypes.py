@@ -91,7 +91,9 @@ def load_plan(
     spec = _read(path)
     unknown = [k for k in spec if k not in FILE_KEYS]
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: {', '.join(FILE_KEYS)})")
+        # the file plans routed experts only: a key naming the LM head is pointed at the flag that stores it
+        head = "; the LM head's storage is --head-dtype" if "head" in str(unknown[0]).lower() else ""
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (keys: {', '.join(FILE_KEYS)}{head})")
     if "fp8_scale" in spec:
         scheme = asked = fp8_scheme(spec["fp8_scale"], f"{path}: fp8_scale")
 

@@ -96,6 +96,12 @@ def test_expert_dtype_file_mixes_dtypes_and_keeps_hot_experts_dense(tmp_path):
     [
         ('{"default": "int4"}', r"plan\.json: default: expert dtype 'int4' is not supported \(supported: float32, "),
         ('{"layer": {}}', r"plan\.json: unknown key 'layer' \(keys: default, fp8_scale, layers, experts, keep_hot\)$"),
+        # the file plans experts only: a head key is pointed at the flag
+        (
+            '{"lm_head": "int8"}',
+            r"plan\.json: unknown key 'lm_head' \(keys: default, fp8_scale, layers, experts, "
+            r"keep_hot; the LM head's storage is --head-dtype\)$",
+        ),
         ('{"layers": {"2": "int8"}}', r"plan\.json: layers: layer '2' is not in \[0, 2\)$"),
         ('{"experts": {"1.4": "int8"}}', r"plan\.json: experts\.1\.4: expert '4' is not in \[0, 4\)$"),
         ('{"experts": {"x": "int8"}}', r"plan\.json: experts\.x: layer 'x' is not in \[0, 2\)$"),
