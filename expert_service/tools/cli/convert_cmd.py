@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from common.errors import ConfigError
+from common import dtypes
+from common.errors import ConfigError, ModelFormatError
 from common.model_format import ModelDir
+
+
+def _dense_dtype(text: str) -> str:
+    """--dtype's value: a dense dtype or its alias (as --expert-dtype and --head-dtype take them) -> its name."""
+    try:
+        return dtypes.canonical_dtype(text)
+    except ModelFormatError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="model directory to write (created if missing)")
     parser.add_argument(
         "--dtype",
-        choices=("float32", "float16", "bfloat16"),
+        type=_dense_dtype,
+        metavar="DTYPE",
         default=None,
-        help="storage dtype of every tensor but the routed experts' (default: the checkpoint's; bfloat16 for "
-        "an fp8 checkpoint); overflowing conversions are refused",
+        help="storage dtype of every tensor but the routed experts': float32, float16 or bfloat16 (aliases fp32, "
+        "fp16, bf16; default: the checkpoint's; bfloat16 for an fp8 checkpoint); overflowing conversions are refused",
     )
     parser.add_argument(
         "--expert-dtype",

@@ -178,3 +178,21 @@ def test_convert_records_the_tied_model_as_tied(tmp_path):
     manifest = json.loads((Path(out) / "colibri.json").read_text())
     assert manifest["config"]["tie_word_embeddings"] is True and manifest["format_version"] == 2
     assert list(manifest["tensors"])[-2:] == ["lm_head", "lm_head_scale"]  # the head ends dense.bin
+
+
+def test_dtype_takes_the_aliases_the_other_dtype_flags_take(tmp_path, capsys):
+    """--dtype bf16 converts as --dtype bfloat16 (as --expert-dtype and --head-dtype read bf16); an unknown one is
+    argparse's usage error naming --dtype and what it takes."""
+    write_head_checkpoint(tmp_path / "hf", head_config("mixtral"))
+    rc, _, err = run_cli(
+        capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress", "--dtype", "BF16"
+    )
+    assert rc == 0, err
+    assert ModelDir.open(tmp_path / "m").dtype == "bfloat16"
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "n"), "--no-progress", "--dtype", "i8")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and not (tmp_path / "n").exists() and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "colibri convert: error: argument --dtype: dtype 'i8' is not supported (supported: float32, float16, bfloat16)"
+    ), err
