@@ -1,5 +1,6 @@
 """The cuda expert cache on 8-bit and mixed-dtype experts (GPU only): int8, fp8 with 128x128 block scales, and a
-mixed model (fp8, int8, bfloat16 and float32 experts; its layers have different strides).
+mixed model (fp8, int8, bfloat16 and float32 experts; its layers have different strides), and int8 experts with an
+int8 LM head.
 
 Slots hold the blocks' bytes as stored and the kernels find each expert's dtype through its meta row, so the
 cached path runs the same kernel per row whatever the number of slots: bitwise equal at 1, 2 and 3 slots, graphs
@@ -20,13 +21,22 @@ from tests.helpers import SESSION_PROMPTS, exact_plans, rel_error, run_session
 
 pytestmark = pytest.mark.gpu
 
-CASES = [("mixtral", "int8"), ("mixtral", "fp8-block128"), ("qwen3_moe", "mixed")]
+# (family, experts, LM head: None for the dense dtype; an 8-bit head is dense, resident whatever the cache holds)
+CASES = [
+    ("mixtral", "int8", None),
+    ("mixtral", "fp8-block128", None),
+    ("qwen3_moe", "mixed", None),
+    ("qwen3_moe", "int8", "int8"),
+]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(v for v in p if v))
 def model(request, tmp_path_factory):
-    family, variant = request.param
-    return ModelDir.open(quantized_model(tmp_path_factory.mktemp(f"{family}-{variant}"), family, variant))
+    family, variant, head = request.param
+    root = tmp_path_factory.mktemp(f"{family}-{variant}")
+    model = ModelDir.open(quantized_model(root, family, variant, head=head))
+    assert (model.head_format and model.head_format.dtype) == head
+    return model
 
 
 def _check_accounting(model, stats, traces):
