@@ -89,14 +89,25 @@ def test_greedy_tokens_match_cpu(engines):
 
 
 def test_batched_decode_logits_close_to_cpu(engines):
+    prompts = [random_prompt(50 + i, n) for i, n in enumerate((3, 9, 40, 80))]  # 4 sequences: the grouped kernel
+    check_batched_decode(engines, prompts, first_id=200, steps=5)
+
+
+def test_prompt_logits_close_to_cpu(engines):
+    check_prompt_logits(engines, (1, 40, 90), seed=70)
+
+
+def check_batched_decode(engines, prompts, first_id: int, steps: int) -> None:
+    """Every engine prefills `prompts` in one step and decodes them together `steps` times: the gpus' tokens
+    equal the cpu backend's, their logits rows within TOLERANCE."""
     name, cpu, gpus = engines
-    prompts = [random_prompt(50 + i, n) for i, n in enumerate((3, 9, 40, 80))]
     outs = {}
+    ids = [first_id + i for i in range(len(prompts))]
     for label, engine in [("cpu", cpu), *gpus.items()]:
-        first = engine.step([PrefillInput(200 + i, np.array(p), SamplingParams(), True) for i, p in enumerate(prompts)])
+        first = engine.step([PrefillInput(s, np.array(p), SamplingParams(), True) for s, p in zip(ids, prompts)])
         tokens, rows = [[o.token_id] for o in first.outputs], [[r] for r in first.logits]
-        for _ in range(5):  # 4 sequences: the grouped kernel at decode
-            step = engine.step(decode_ids=[200 + i for i in range(len(prompts))])
+        for _ in range(steps):
+            step = engine.step(decode_ids=ids)
             for i, o in enumerate(step.outputs):
                 tokens[i].append(o.token_id)
                 rows[i].append(step.logits[i])
@@ -105,13 +116,15 @@ def test_batched_decode_logits_close_to_cpu(engines):
     for mode in gpus:
         assert outs[mode][0] == outs["cpu"][0], f"{name} {mode}"
         for a, b in zip(outs[mode][1], outs["cpu"][1]):
-            assert rel_error(np.stack(a), np.stack(b)) <= TOLERANCE, f"{name} {mode}"
+            got = np.stack(a)
+            assert np.isfinite(got).all() and rel_error(got, np.stack(b)) <= TOLERANCE, f"{name} {mode}"
 
 
-def test_prompt_logits_close_to_cpu(engines):
+def check_prompt_logits(engines, lengths, seed: int) -> None:
+    """Prompt logits of random prompts of `lengths` tokens: the gpus' within TOLERANCE of the cpu backend's."""
     name, cpu, gpus = engines
-    for n in (1, 40, 90):
-        ids = random_prompt(70 + n, n)
+    for n in lengths:
+        ids = random_prompt(seed + n, n)
         want = cpu.prompt_logits(ids)
         for mode, gpu in gpus.items():
             got = gpu.prompt_logits(ids)

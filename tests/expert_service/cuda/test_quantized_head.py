@@ -12,12 +12,10 @@ from safetensors.numpy import load_file, save_file
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
-from expert_service.engine.engine import PrefillInput
-from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import write_tiny_checkpoint
-from tests.expert_service.cuda.test_quantized import CFG, EXACT_ACTIVATIONS, TOLERANCE
-from tests.helpers import random_prompt, rel_error
+from tests.expert_service.cuda.test_quantized import CFG, EXACT_ACTIVATIONS, check_batched_decode, check_prompt_logits
+from tests.helpers import random_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -77,31 +75,9 @@ def test_greedy_tokens_match_cpu(engines):
 
 
 def test_batched_decode_logits_close_to_cpu(engines):
-    name, cpu, gpus = engines
-    prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40, 80, 5, 17))]  # 6 rows: a partial tile
-    outs = {}
-    for label, engine in [("cpu", cpu), *gpus.items()]:
-        first = engine.step([PrefillInput(300 + i, np.array(p), SamplingParams(), True) for i, p in enumerate(prompts)])
-        tokens, rows = [[o.token_id] for o in first.outputs], [[r] for r in first.logits]
-        for _ in range(4):
-            step = engine.step(decode_ids=[300 + i for i in range(len(prompts))])
-            for i, o in enumerate(step.outputs):
-                tokens[i].append(o.token_id)
-                rows[i].append(step.logits[i])
-        engine.clear()
-        outs[label] = (tokens, rows)
-    for mode in gpus:
-        assert outs[mode][0] == outs["cpu"][0], f"{name} {mode}"
-        for a, b in zip(outs[mode][1], outs["cpu"][1]):
-            got = np.stack(a)
-            assert np.isfinite(got).all() and rel_error(got, np.stack(b)) <= TOLERANCE, f"{name} {mode}"
+    prompts = [random_prompt(60 + i, n) for i, n in enumerate((3, 9, 40, 80, 5, 17))]  # 6 rows: past one token tile
+    check_batched_decode(engines, prompts, first_id=300, steps=4)
 
 
 def test_prompt_logits_close_to_cpu(engines):
-    name, cpu, gpus = engines
-    for n in (1, 40):
-        ids = random_prompt(80 + n, n)
-        want = cpu.prompt_logits(ids)
-        for mode, gpu in gpus.items():
-            got = gpu.prompt_logits(ids)
-            assert np.all(np.isfinite(got)) and rel_error(got, want) <= TOLERANCE, f"{name} {mode} n={n}"
+    check_prompt_logits(engines, (1, 40), seed=80)
