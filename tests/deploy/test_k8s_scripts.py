@@ -3,14 +3,16 @@ Job on the tiny model, and the server pod's `prepare` init container."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.deploy.k8s import container, find_tool, pod_spec
+from tests.deploy.k8s import REPO, container, find_tool, pod_spec
 
 
 def _colibri_bin() -> Path:
@@ -20,9 +22,65 @@ def _colibri_bin() -> Path:
     return Path(colibri).parent
 
 
-def _run_script(script: str, env: dict[str, str], bin_dir: Path) -> subprocess.CompletedProcess:
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": env.get("HOME", "/tmp"), **env}
-    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=300)
+def _run_script(
+    script: str, env: dict[str, str], bin_dir: Path, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the colibri of this checkout, also where the venv's is an editable install of another one.
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": env.get("HOME", "/tmp"),
+        "PYTHONPATH": str(REPO),
+        **env,
+    }
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+# A stand-in for the image's `colibri`: logs each call's arguments (one per line, a blank line after each call) to
+# $FAKE_LOG and makes what each step makes, so that the script's own logic runs in milliseconds.
+FAKE_COLIBRI = """#!/bin/sh
+for a in "$@"; do printf '%s\\n' "$a"; done >> "$FAKE_LOG"
+echo >> "$FAKE_LOG"
+case "$1" in
+  convert) [ -f "$2/config.json" ] || { echo "colibri convert: error: no config.json in $2" >&2; exit 2; }
+           mkdir -p "$3" && echo '{}' > "$3/colibri.json" && echo "$*" > "$3/made-by" ;;
+  router-gen) touch "$2/routing_table.bin" ;;
+  verify) [ -f "$2/colibri.json" ] ;;
+  *) echo "usage: colibri [-h] SUBCOMMAND ..." >&2; exit 2 ;;
+esac
+"""
+
+
+def _fake_colibri(tmp_path: Path) -> tuple[Path, Path]:
+    """(a bin folder holding the fake `colibri`, the file its calls are logged to)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "colibri"
+    fake.write_text(FAKE_COLIBRI)
+    fake.chmod(0o755)
+    return bin_dir, tmp_path / "colibri-calls.log"
+
+
+def _calls(log: Path) -> list[list[str]]:
+    """The fake colibri's calls, each its argument list."""
+    if not log.exists():
+        return []
+    return [call.split("\n") for call in log.read_text().split("\n\n") if call]
+
+
+def _job(renderings) -> tuple[str, dict[str, str]]:
+    """(the convert Job's script, its settings as the ConfigMap renders them)."""
+    r = renderings["convert"]
+    (c,) = pod_spec(r.one("Job", "colibri-convert"))["containers"]
+    assert c["command"] == ["/bin/sh", "-c"]
+    return c["args"][0], r.one("ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "mixtral"}')
+    (hf / "model.safetensors").write_bytes(b"\0" * 64)
+    return hf
 
 
 def test_convert_job_script(renderings, tmp_path):
@@ -32,7 +90,16 @@ def test_convert_job_script(renderings, tmp_path):
     assert c["command"] == ["/bin/sh", "-c"]
     script = c["args"][0]
     settings = r.one("ConfigMap", c["envFrom"][0]["configMapRef"]["name"])["data"]
-    assert set(settings) == {"HF_DIR", "HF_REPO", "MODEL_DIR", "DTYPE", "CORPUS"}
+    assert set(settings) == {
+        "HF_DIR",
+        "HF_REPO",
+        "MODEL_DIR",
+        "DTYPE",
+        "EXPERT_DTYPE",
+        "FP8_SCALE",
+        "HEAD_DTYPE",
+        "CORPUS",
+    }
 
     tiny = tmp_path / "tiny"
     made = subprocess.run(
@@ -69,6 +136,81 @@ def test_convert_job_script(renderings, tmp_path):
     bad = _run_script(script, {**env, "HF_DIR": str(tmp_path / "missing")}, bin_dir)
     assert bad.returncode != 0
     assert (model / "colibri.json").is_file()
+
+
+def test_convert_job_passes_the_8bit_settings(renderings, tmp_path):
+    """EXPERT_DTYPE, FP8_SCALE and HEAD_DTYPE reach `colibri convert` as its flags when set, and not at all when
+    empty (the converter's own defaults), each documented where the operator sets it."""
+    script, settings = _job(renderings)
+    for key in ("EXPERT_DTYPE", "FP8_SCALE", "HEAD_DTYPE"):
+        assert settings[key] == "", f"{key}: empty by default (the flag is not passed)"
+    kustomization = (REPO / "deploy" / "k8s" / "convert" / "kustomization.yaml").read_text()
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for key in settings:
+        assert f"| `{key}` |" in docs, f"docs/deploy.md: {key} is not in the convert Job's settings table"
+        assert re.search(rf"#[^\n]*\n\s+- {key}=", kustomization), f"the kustomization does not explain {key}"
+    bin_dir, log = _fake_colibri(tmp_path)
+    env = {**settings, "HF_DIR": str(_checkpoint(tmp_path)), "MODEL_DIR": str(tmp_path / "models" / "model")}
+    env["FAKE_LOG"] = str(log)
+
+    run = _run_script(script, env, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (convert,) = [c for c in _calls(log) if c[0] == "convert"]
+    assert not [a for a in convert if a.startswith(("--expert-dtype", "--fp8-scale", "--head-dtype"))], convert
+
+    log.unlink()
+    eight_bit = {"DTYPE": "bf16", "EXPERT_DTYPE": "fp8", "FP8_SCALE": "channel", "HEAD_DTYPE": "int8"}
+    run = _run_script(script, {**env, **eight_bit}, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (convert,) = [c for c in _calls(log) if c[0] == "convert"]
+    for flag in ("--dtype=bf16", "--expert-dtype=fp8", "--fp8-scale=channel", "--head-dtype=int8"):
+        assert flag in convert, convert
+
+
+def test_convert_job_quotes_the_settings(renderings, tmp_path):
+    """A value with spaces, globs or shell syntax is one argument of `colibri convert`, as written: not split into
+    several flags, not expanded, not run."""
+    script, settings = _job(renderings)
+    bin_dir, log = _fake_colibri(tmp_path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "a-file").touch()  # what an unquoted * would expand to
+    hostile = {
+        "DTYPE": "bfloat16 --head-dtype fp8",
+        "EXPERT_DTYPE": "int8 $(touch pwned) `touch pwned2`",
+        "FP8_SCALE": "*",
+        "HEAD_DTYPE": "fp8; touch pwned3",
+    }
+    env = {**settings, **hostile, "HF_DIR": str(_checkpoint(tmp_path)), "MODEL_DIR": str(tmp_path / "m" / "model")}
+    run = _run_script(script, {**env, "FAKE_LOG": str(log)}, bin_dir, cwd=work)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (convert,) = [c for c in _calls(log) if c[0] == "convert"]
+    assert convert[3:] == [
+        "--dtype=bfloat16 --head-dtype fp8",
+        "--expert-dtype=int8 $(touch pwned) `touch pwned2`",
+        "--fp8-scale=*",
+        "--head-dtype=fp8; touch pwned3",
+        "--no-progress",
+    ]
+    assert sorted(p.name for p in work.iterdir()) == ["a-file"], "a value was run by the shell"
+
+
+def test_convert_job_converts_an_8bit_model(renderings, tmp_path):
+    """The real converter, as the Job calls it: int8 experts and an int8 head from the settings."""
+    bin_dir = _colibri_bin()
+    script, settings = _job(renderings)
+    tiny = tmp_path / "tiny"
+    made = subprocess.run(
+        [bin_dir / "colibri", "make-tiny", str(tiny), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stderr
+    model = tmp_path / "models" / "model"
+    env = {**settings, "HF_DIR": str(tiny / "hf"), "MODEL_DIR": str(model), "EXPERT_DTYPE": "int8"}
+    run = _run_script(script, {**env, "HEAD_DTYPE": "int8"}, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "experts int8, head int8" in run.stdout, run.stdout
+    manifest = json.loads((model / "colibri.json").read_text())
+    assert "int8" in {t["dtype"] for t in manifest["tensors"].values()}
 
 
 def test_convert_job_script_recovers_from_a_stop_between_its_renames(renderings, tmp_path):
