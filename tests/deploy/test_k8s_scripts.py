@@ -99,6 +99,7 @@ def test_convert_job_script(renderings, tmp_path):
         "FP8_SCALE",
         "HEAD_DTYPE",
         "CORPUS",
+        "FORCE",
     }
 
     tiny = tmp_path / "tiny"
@@ -132,6 +133,12 @@ def test_convert_job_script(renderings, tmp_path):
     third = _run_script(script, {**env, "CORPUS": ""}, bin_dir)
     assert third.returncode == 0, third.stdout + third.stderr
     assert "routing_table.bin" not in {p.name for p in old.iterdir()}, "the model of two conversions ago is gone"
+    # The same inputs again: nothing to do, the model and model.old are left as they are.
+    before = {p: p.stat().st_mtime_ns for p in model.parent.rglob("*")}
+    fourth = _run_script(script, {**env, "CORPUS": ""}, bin_dir)
+    assert fourth.returncode == 0, fourth.stdout + fourth.stderr
+    assert f"model at {model} is already converted from these inputs; nothing to do" in fourth.stdout
+    assert {p: p.stat().st_mtime_ns for p in model.parent.rglob("*")} == before
     # A failing conversion leaves the served model untouched.
     bad = _run_script(script, {**env, "HF_DIR": str(tmp_path / "missing")}, bin_dir)
     assert bad.returncode != 0
@@ -211,6 +218,159 @@ def test_convert_job_converts_an_8bit_model(renderings, tmp_path):
     assert "experts int8, head int8" in run.stdout, run.stdout
     manifest = json.loads((model / "colibri.json").read_text())
     assert "int8" in {t["dtype"] for t in manifest["tensors"].values()}
+
+
+FAKE_HF = """#!/bin/sh
+printf '%s\\n' hf "$@" "" >> "$FAKE_LOG"
+"""
+
+
+def _idempotence_setup(renderings, tmp_path: Path) -> tuple[str, dict[str, str], Path, Path, Path]:
+    """(script, env, bin folder, call log, MODEL_DIR) for the fake colibri, with a corpus and a fake `hf`."""
+    script, settings = _job(renderings)
+    bin_dir, log = _fake_colibri(tmp_path)
+    (bin_dir / "hf").write_text(FAKE_HF)
+    (bin_dir / "hf").chmod(0o755)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some traffic\n")
+    model = tmp_path / "models" / "model"
+    env = {**settings, "HF_DIR": str(_checkpoint(tmp_path)), "MODEL_DIR": str(model), "CORPUS": str(corpus)}
+    return script, {**env, "FAKE_LOG": str(log)}, bin_dir, log, model
+
+
+def _tree(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file and folder under `directory`: (inode, mtime, content)."""
+    return {
+        str(p.relative_to(directory)): (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+        for p in directory.rglob("*")
+    }
+
+
+def test_convert_job_applied_again_converts_nothing(renderings, tmp_path):
+    """A Job applied again with the same inputs (GitOps re-creating it after ttlSecondsAfterFinished removed it, an
+    apply after a delete) converts nothing: it neither replaces the model with the same bytes (a restart of every
+    replica for nothing) nor deletes MODEL_DIR.old, which replicas not restarted since still read (on NFS: ESTALE,
+    SIGBUS)."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    first = _run_script(script, env, bin_dir)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [c[0] for c in _calls(log)] == ["convert", "router-gen", "verify"]
+    stamp = (model / ".colibri-convert-inputs").read_text()
+    assert f"DTYPE={env['DTYPE']}\n" in stamp and f"CORPUS={env['CORPUS']}\n" in stamp
+    old = model.with_name("model.old")  # the model that conversion replaced, still mapped by some replicas
+    old.mkdir()
+    (old / "colibri.json").write_text("{}")
+    before = _tree(model.parent)
+
+    log.unlink()
+    again = _run_script(script, env, bin_dir)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"model at {model} is already converted from these inputs; nothing to do" in again.stdout
+    assert _calls(log) == [], "nothing is converted"
+    assert _tree(model.parent) == before, "MODEL_DIR and MODEL_DIR.old are left exactly as they were"
+
+    # HF_REPO set: the download runs (it fetches only what changed), then the same checkpoint converts nothing.
+    with_repo = {**env, "HF_REPO": "org/model"}
+    assert _run_script(script, with_repo, bin_dir).returncode == 0
+    log.unlink()
+    again = _run_script(script, with_repo, bin_dir)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr
+    assert [c[0] for c in _calls(log)] == ["hf"]
+
+
+def _change_dtype(env, tmp_path):
+    return {**env, "DTYPE": "float16"}
+
+
+def _touch_shard(env, tmp_path):
+    shard = Path(env["HF_DIR"]) / "model.safetensors"
+    os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 10))
+    return env
+
+
+def _add_shard(env, tmp_path):
+    (Path(env["HF_DIR"]) / "model-00002-of-00002.safetensors").write_bytes(b"\0")
+    return env
+
+
+def _edit_config(env, tmp_path):
+    config = Path(env["HF_DIR"]) / "config.json"
+    mtime = config.stat().st_mtime_ns
+    config.write_text(config.read_text().replace("mixtral", "mixtraL"))  # same size, same mtime
+    os.utime(config, ns=(mtime, mtime))
+    return env
+
+
+def _grow_corpus(env, tmp_path):
+    with open(env["CORPUS"], "a") as f:
+        f.write("more traffic\n")
+    return env
+
+
+CHANGES = {
+    "DTYPE": _change_dtype,
+    "EXPERT_DTYPE": lambda env, tmp_path: {**env, "EXPERT_DTYPE": "int8"},
+    "FP8_SCALE": lambda env, tmp_path: {**env, "EXPERT_DTYPE": "fp8", "FP8_SCALE": "channel"},
+    "HEAD_DTYPE": lambda env, tmp_path: {**env, "HEAD_DTYPE": "int8"},
+    "HF_REPO": lambda env, tmp_path: {**env, "HF_REPO": "org/model"},
+    "CORPUS": lambda env, tmp_path: {**env, "CORPUS": ""},
+    "corpus file": _grow_corpus,
+    "a shard's mtime": _touch_shard,
+    "a new shard": _add_shard,
+    "config.json's content": _edit_config,
+    "FORCE=1": lambda env, tmp_path: {**env, "FORCE": "1"},
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_convert_job_converts_again_when_an_input_changes(renderings, tmp_path, change):
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    assert _run_script(script, env, bin_dir).returncode == 0
+    (model / "served").touch()
+    log.unlink()
+    changed = CHANGES[change](env, tmp_path)
+    run = _run_script(script, changed, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "convert" in [c[0] for c in _calls(log)], f"{change} changed, and the model was not converted again"
+    assert (model.with_name("model.old") / "served").exists(), "the new model is swapped in"
+    if change != "FORCE=1":  # the new model records its own inputs: the same Job applied again converts nothing
+        assert "nothing to do" in _run_script(script, changed, bin_dir).stdout
+
+
+def test_convert_job_converts_a_model_without_a_record(renderings, tmp_path):
+    """A model converted before the Job recorded its inputs, and a record without a model manifest, are converted
+    again; a FORCE that is neither empty nor 1 is refused before anything is touched."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    assert _run_script(script, env, bin_dir).returncode == 0
+    (model / ".colibri-convert-inputs").unlink()
+    log.unlink()
+    assert _run_script(script, env, bin_dir).returncode == 0
+    assert "convert" in [c[0] for c in _calls(log)]
+    (model / "colibri.json").unlink()
+    log.unlink()
+    assert _run_script(script, env, bin_dir).returncode == 0
+    assert "convert" in [c[0] for c in _calls(log)]
+
+    before = _tree(model.parent)
+    bad = _run_script(script, {**env, "FORCE": "yes"}, bin_dir)
+    assert bad.returncode == 1 and "FORCE is 'yes'" in bad.stderr, bad.stderr
+    assert _tree(model.parent) == before
+
+
+def test_convert_job_without_a_checkpoint_deletes_nothing(renderings, tmp_path):
+    """The checkpoint gone from the volume (deleted to free space after converting): the Job fails in one line
+    before it deletes MODEL_DIR.old or touches MODEL_DIR."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    assert _run_script(script, env, bin_dir).returncode == 0
+    old = model.with_name("model.old")
+    old.mkdir()
+    before = _tree(model.parent)
+    for p in Path(env["HF_DIR"]).iterdir():
+        p.unlink()
+    run = _run_script(script, env, bin_dir)
+    assert run.returncode == 1
+    assert f"no checkpoint at {env['HF_DIR']} (no config.json)" in run.stderr
+    assert _tree(model.parent) == before
 
 
 def test_convert_job_script_recovers_from_a_stop_between_its_renames(renderings, tmp_path):
