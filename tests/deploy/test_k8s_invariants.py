@@ -349,6 +349,12 @@ def test_convert_job(renderings):
     job = r.one("Job", "colibri-convert")
     spec = pod_spec(job)
     assert spec["restartPolicy"] == "Never"
+    # A stuck download or conversion does not hold the volume forever; the documented `kubectl wait` outlasts it.
+    deadline = job["spec"].get("activeDeadlineSeconds")
+    assert deadline and 3600 <= deadline <= 24 * 3600, f"activeDeadlineSeconds: {deadline}"
+    for doc in (DEPLOY / "k8s" / "convert" / "kustomization.yaml", REPO / "docs" / "deploy.md"):
+        waits = re.findall(r"job/colibri-convert --timeout=(\d+)h", doc.read_text())
+        assert waits and all(int(h) * 3600 >= deadline for h in waits), f"{doc.name}: kubectl wait --timeout={waits}"
     (c,) = spec["containers"]
     script = c["args"][0]
     for step in ("colibri convert", "colibri router-gen", "colibri verify"):
