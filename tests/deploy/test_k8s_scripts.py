@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -371,6 +373,64 @@ def test_convert_job_without_a_checkpoint_deletes_nothing(renderings, tmp_path):
     assert run.returncode == 1
     assert f"no checkpoint at {env['HF_DIR']} (no config.json)" in run.stderr
     assert _tree(model.parent) == before
+
+
+JOB_UID = 10001
+
+
+def test_convert_job_says_when_it_cannot_write_the_volume(renderings, tmp_path):
+    """A volume the Job's user cannot write (an NFS export owned by root: fsGroup is not applied to NFS) fails in
+    one line saying what to do, before anything runs, not with a bare "Permission denied" from rm or mv. Run as
+    the Job's uid where the tests run as root (root writes anywhere), else on a read-only folder."""
+    script, settings = _job(renderings)
+    bin_dir, log = _fake_colibri(tmp_path)
+    as_job_user: list[str] = []
+    top = Path(tempfile.mkdtemp(prefix="colibri-volume-"))  # not under tmp_path, which only root may enter
+    try:
+        top.chmod(0o755)
+        read_only, writable = top / "read-only", top / "writable"
+        read_only.mkdir()
+        writable.mkdir()
+        if os.geteuid() == 0:
+            setpriv = find_tool("setpriv")
+            if setpriv is None:
+                pytest.skip("running as root without setpriv: cannot run the script as a user the folder refuses")
+            as_job_user = [setpriv, f"--reuid={JOB_UID}", f"--regid={JOB_UID}", "--clear-groups"]
+            os.chown(writable, JOB_UID, JOB_UID)
+        else:
+            read_only.chmod(0o555)
+        env = {**settings, "HF_DIR": str(top / "missing"), "FAKE_LOG": str(log)}
+        env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": "/tmp", **env}
+
+        def run(models: Path) -> subprocess.CompletedProcess:
+            command = [*as_job_user, "sh", "-c", script]
+            env["MODEL_DIR"] = str(models / "model")
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=top)
+
+        refused = run(read_only)
+        uid = JOB_UID if as_job_user else os.geteuid()
+        assert refused.returncode == 1
+        assert refused.stderr.startswith(f"cannot write {read_only} as uid {uid} gid "), refused.stderr
+        assert "make the volume writable by uid/gid 10001 (NFS: chown" in refused.stderr
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr
+        assert not log.exists(), "nothing ran"
+        # MODEL_DIR in a folder still to be made: the folder it will be made in is the one checked.
+        refused = run(read_only / "sub")
+        assert refused.returncode == 1 and refused.stderr.startswith(f"cannot write {read_only} as"), refused.stderr
+        # A writable volume passes the check (and fails at the next one: there is no checkpoint).
+        passed = run(writable)
+        assert "cannot write" not in passed.stderr and "no checkpoint at" in passed.stderr, passed.stderr
+        # So does a volume whose MODEL_DIR.old the Job's user cannot delete.
+        old = writable / "model.old"
+        old.mkdir()
+        if not as_job_user:
+            old.chmod(0o555)
+        refused = run(writable)
+        assert refused.returncode == 1 and refused.stderr.startswith(f"cannot write {old} as uid"), refused.stderr
+    finally:
+        for p in (top, *top.rglob("*")):
+            p.chmod(0o755)
+        shutil.rmtree(top)
 
 
 def test_convert_job_script_recovers_from_a_stop_between_its_renames(renderings, tmp_path):
