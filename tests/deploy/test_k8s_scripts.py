@@ -3,6 +3,7 @@ Job on the tiny model, and the server pod's `prepare` init container."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from expert_service.tools.convert import TOKENIZER_FILES
 from tests.deploy.k8s import REPO, container, find_tool, pod_spec
 
 
@@ -278,6 +280,23 @@ def test_convert_job_applied_again_converts_nothing(renderings, tmp_path):
     again = _run_script(script, with_repo, bin_dir)
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr
     assert [c[0] for c in _calls(log)] == ["hf"]
+
+
+def test_convert_job_downloads_only_what_the_converter_reads(renderings, tmp_path):
+    """With HF_REPO the Job downloads the safetensors, config and tokenizer files, not the copies of the weights in
+    other formats that some repositories also hold (Mixtral's consolidated.*.pt, pytorch_model*.bin): those would
+    double the download and can fill the volume before the model is written."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    run = _run_script(script, {**env, "HF_REPO": "org/model"}, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (download,) = [c for c in _calls(log) if c[0] == "hf"]
+    assert download[1:5] == ["download", "org/model", "--local-dir", env["HF_DIR"]], download
+    patterns = [download[i + 1] for i, a in enumerate(download) if a == "--include"]
+    wanted = ["config.json", "model.safetensors", "model-00001-of-00019.safetensors", "model.safetensors.index.json"]
+    for name in (*wanted, *TOKENIZER_FILES):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not downloaded ({patterns})"
+    for name in ("consolidated.00.pt", "pytorch_model-00001-of-00019.bin", "pytorch_model.bin", "model.pth"):
+        assert not any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is downloaded ({patterns})"
 
 
 def _change_dtype(env, tmp_path):
