@@ -97,6 +97,7 @@ def test_convert_job_script(renderings, tmp_path):
     assert set(settings) == {
         "HF_DIR",
         "HF_REPO",
+        "HF_REVISION",
         "MODEL_DIR",
         "DTYPE",
         "EXPERT_DTYPE",
@@ -291,12 +292,27 @@ def test_convert_job_downloads_only_what_the_converter_reads(renderings, tmp_pat
     assert run.returncode == 0, run.stdout + run.stderr
     (download,) = [c for c in _calls(log) if c[0] == "hf"]
     assert download[1:5] == ["download", "org/model", "--local-dir", env["HF_DIR"]], download
+    assert env["HF_REVISION"] == "" and not [a for a in download if a.startswith("--revision")]
     patterns = [download[i + 1] for i, a in enumerate(download) if a == "--include"]
     wanted = ["config.json", "model.safetensors", "model-00001-of-00019.safetensors", "model.safetensors.index.json"]
     for name in (*wanted, *TOKENIZER_FILES):
         assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not downloaded ({patterns})"
     for name in ("consolidated.00.pt", "pytorch_model-00001-of-00019.bin", "pytorch_model.bin", "model.pth"):
         assert not any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is downloaded ({patterns})"
+
+
+def test_convert_job_downloads_the_revision_it_is_given(renderings, tmp_path):
+    """HF_REVISION pins the checkpoint (`hf download --revision`, one argument whatever it holds): without it a Job
+    applied again after a push to the repository's default branch converts another checkpoint than the one served."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    for revision in ("0123456789abcdef0123456789abcdef01234567", "v1.0 $(touch pwned) *"):
+        log.unlink(missing_ok=True)
+        run = _run_script(script, {**env, "HF_REPO": "org/model", "HF_REVISION": revision}, bin_dir, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout + run.stderr
+        (download,) = [c for c in _calls(log) if c[0] == "hf"]
+        assert download[1:4] == ["download", "org/model", f"--revision={revision}"], download
+        assert f"HF_REVISION={revision}\n" in (model / ".colibri-convert-inputs").read_text()
+    assert not (tmp_path / "pwned").exists()
 
 
 def _change_dtype(env, tmp_path):
@@ -334,6 +350,7 @@ CHANGES = {
     "FP8_SCALE": lambda env, tmp_path: {**env, "EXPERT_DTYPE": "fp8", "FP8_SCALE": "channel"},
     "HEAD_DTYPE": lambda env, tmp_path: {**env, "HEAD_DTYPE": "int8"},
     "HF_REPO": lambda env, tmp_path: {**env, "HF_REPO": "org/model"},
+    "HF_REVISION": lambda env, tmp_path: {**env, "HF_REPO": "org/model", "HF_REVISION": "0123abc"},
     "CORPUS": lambda env, tmp_path: {**env, "CORPUS": ""},
     "corpus file": _grow_corpus,
     "a shard's mtime": _touch_shard,
