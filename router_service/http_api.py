@@ -120,8 +120,10 @@ class HttpFront:
         # handler_cancellation: a client that disconnects cancels its handler, hence its request. aiohttp's
         # keep-alive timer runs from a connection's opening (or previous answer) until a request's headers are
         # complete: it is the header timeout, and the idle timeout too. `listen` binds the port behind the cap.
+        # auto_decompress off: bodies are decoded by http_guard.read_body, after the middleware's checks.
         self._runner = web.AppRunner(
             self.app(),
+            auto_decompress=False,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=1.0,

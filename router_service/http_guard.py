@@ -2,11 +2,12 @@
 (router_service/http_api.py applies it).
 
 - Bodies (`read_body`, `parse_json`): a body labelled with a form type a browser posts across sites unasked
-  (text/plain, urlencoded, multipart) or with a coding not decoded here is a 415 before it is read; read within
-  `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413), each reserved in the front's body budget before it is read (router_service.http_bodies; 503 past it),
-  parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no lone UTF-16 surrogate (`"\\ud800"` is
-  valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8 encoder refuse it later), each a 400
-  naming where.
+  (text/plain, urlencoded, multipart) or with a coding not decoded here (DECODED_CODINGS) is a 415 before it is
+  read, one that does not decode as its coding a 400; read within `http_body_timeout_s` (408 after it), at most
+  `max_message_bytes` (413), each reserved in the front's body budget before it is read
+  (router_service.http_bodies; 503 past it), parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no
+  lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8
+  encoder refuse it later), each a 400 naming where.
 - Writes (`send`, `bounded`): one write of an answer may wait `http_write_timeout_s` for the client to read; a
   client that stops reading is disconnected (its buffered bytes dropped) and its request cancelled.
 - `Expect: 100-continue` (`send_continue`, `refused_before_continue`): aiohttp would answer it before the
@@ -31,7 +32,8 @@ import struct
 from aiohttp import hdrs, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http import HttpVersion11
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_parser import DeflateBuffer
 from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
@@ -40,9 +42,18 @@ from router_service.http_bodies import Reservation
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
-# The content codings aiohttp decodes here (br and zstd only with their optional packages, and without them
-# aiohttp's parser refuses the request itself).
-DECODED_CODINGS = ("gzip", "deflate") + ("br",) * HAS_BROTLI + ("zstd",) * HAS_ZSTD
+
+def decoded_codings(has_brotli: bool, has_zstd: bool) -> tuple[str, ...]:
+    """The content codings aiohttp's decoder takes given its optional packages: br with brotli or brotlicffi, zstd
+    with the zstd module (Python 3.14's compression.zstd, before it backports.zstd)."""
+    return ("gzip", "deflate") + ("br",) * has_brotli + ("zstd",) * has_zstd
+
+
+# The codings decoded in this process, from the availability aiohttp found at its import. The server takes bodies
+# undecoded (auto_decompress off): aiohttp's parser would refuse br or zstd without their package with its own
+# plain-text 400 before the middleware runs; read_body decodes them with aiohttp's decoder instead.
+DECODED_CODINGS = decoded_codings(HAS_BROTLI, HAS_ZSTD)
+DECODE_STEP_BYTES = 64 * 1024  # the most one step of decoding yields: a small body cannot balloon at once
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
 # A lone surrogate can only come from a \uD800-\uDFFF escape (json_text.SURROGATE_ESCAPE): the body is decoded
 # strictly, so raw surrogate bytes fail to decode (json.loads would decode bytes with surrogatepass).
@@ -198,7 +209,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
     Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
     reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
-    coding not decoded here, is a 415 before anything is read."""
+    coding not decoded here, is a 415 before anything is read; one that does not decode as its coding is a 400
+    naming Content-Encoding."""
     check_content_type(request)
     encoding = content_encoding(request)
     length = request.content_length or 0
@@ -208,13 +220,21 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     try:
         async with asyncio.timeout(timeout_s):
             await send_continue(request)
-            return await _read(request, max_bytes, reservation)
+            if encoding == "identity":
+                return await _read(request, max_bytes, reservation)
+            return await _decode(request, encoding, max_bytes, reservation)
     except TimeoutError:
         raise ApiError(
             408, f"the body did not arrive within {timeout_s:g} s (http_body_timeout_s)", code="request_timeout"
         ) from None
-    except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not gzip
+    except web.RequestPayloadError as e:  # e.g. a chunked body cut short
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
+    except ContentEncodingError:
+        raise ApiError(
+            400,
+            f"Content-Encoding header: the body does not decode as {encoding} (corrupt, or cut short)",
+            code="unreadable_body",
+        ) from None
 
 
 class RepeatedKey(dict):
@@ -274,6 +294,39 @@ async def _read(request: web.Request, max_bytes: int, reservation: Reservation) 
         reservation.grow_to(len(body) + len(chunk))
         body += chunk
     return body
+
+
+class _Decoded:
+    """The stream aiohttp's DeflateBuffer writes the decoded body to: the body's bytes, at most `max_bytes` (413
+    past them), the reservation grown as they arrive."""
+
+    _low_water = 0  # DeflateBuffer's step is then its max_decompress_size
+
+    def __init__(self, max_bytes: int, reservation: Reservation):
+        self.body, self.max_bytes, self.reservation = bytearray(), max_bytes, reservation
+        self.total_compressed_bytes = 0
+
+    def feed_data(self, chunk: bytes, size: int) -> None:
+        if len(self.body) + len(chunk) > self.max_bytes:
+            raise _too_large(self.max_bytes)
+        self.reservation.grow_to(len(self.body) + len(chunk))
+        self.body += chunk
+
+    def feed_eof(self) -> None:
+        pass
+
+
+async def _decode(request: web.Request, encoding: str, max_bytes: int, reservation: Reservation) -> bytearray:
+    """The body decoded from `encoding` by aiohttp's own decoder (as its parser would have), a step of at most
+    DECODE_STEP_BYTES at a time; raises ContentEncodingError for a body that does not decode."""
+    decoded = _Decoded(max_bytes, reservation)
+    decoder = DeflateBuffer(decoded, encoding, max_decompress_size=DECODE_STEP_BYTES)  # type: ignore[arg-type]
+    while chunk := await request.content.readany():
+        more = decoder.feed_data(chunk, len(chunk))
+        while more:  # the rest of what this chunk holds, a step at a time
+            more = decoder.feed_data(b"", 0)
+    decoder.feed_eof()  # a deflate stream cut short is refused here
+    return decoded.body
 
 
 def json_problem(value) -> tuple[str, str] | None:
@@ -360,7 +413,6 @@ class ProtocolLog(logging.LoggerAdapter):
     def log(self, level, msg, *args, exc_info=None, **kwargs):
         error = exc_info if isinstance(exc_info, BaseException) else None
         if level >= logging.ERROR and isinstance(error, (HttpProcessingError, web.RequestPayloadError)):
-            # (a body aiohttp cannot decode surfaces again when it reads the rest of it, after the answer)
             self._malformed.warning("malformed HTTP request: %s", _first_line(error))
         elif level >= logging.ERROR and isinstance(error, ConnectionError):
             self.logger.debug("HTTP client gone mid-answer: %s", error)

@@ -390,28 +390,6 @@ def test_a_body_over_the_limit_is_413(tmp_path, caplog):
     asyncio.run(body())
 
 
-@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
-def test_a_body_that_cannot_be_decoded_is_400(tmp_path, caplog, encoding):
-    """Content-Encoding: gzip on a plain body: aiohttp's decoding error escaped the handler as a 500."""
-
-    async def body():
-        async with http_harness(tmp_path) as (router, fake, base, hooks):
-            got, answer = status_and_body(
-                await raw_exchange(
-                    router.http_port,
-                    post_bytes(
-                        COMPLETIONS,
-                        b'{"prompt": "x", "max_tokens": 1}',
-                        b"Authorization: Bearer sesame\r\nContent-Encoding: " + encoding + b"\r\n",
-                    ),
-                )
-            )
-            assert_openai_error(answer, 400, got, code="unreadable_body")
-            assert not problems(caplog)
-
-    asyncio.run(body())
-
-
 @pytest.mark.parametrize("value", [b"\xff\xfe", b"\x80", b"\xed\xa0\x80", "é".encode(), b"x" * 200])
 def test_a_request_id_header_that_is_not_printable_ascii_is_400(tmp_path, caplog, value):
     async def body():

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import types
+import zlib
 
+import aiohttp.compression_utils
+import aiohttp.http_parser
 import pytest
 
-from router_service.http_guard import parse_json
+from router_service import http_guard
+from router_service.http_guard import decoded_codings, parse_json
 from router_service.openai_errors import ApiError
 from tests.router_service.test_http_errors import (
     AUTH_LINE,
@@ -76,6 +81,175 @@ def test_the_codings_it_decodes_are_served(tmp_path, caplog, coding, payload):
             )
             assert got == 200, answer
             assert answer["choices"][0]["finish_reason"] == "length"
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_the_codings_taken_follow_aiohttps_optional_packages():
+    assert decoded_codings(False, False) == ("gzip", "deflate")
+    assert decoded_codings(True, False) == ("gzip", "deflate", "br")
+    assert decoded_codings(False, True) == ("gzip", "deflate", "zstd")
+    assert decoded_codings(True, True) == ("gzip", "deflate", "br", "zstd")
+    has = aiohttp.compression_utils
+    assert http_guard.DECODED_CODINGS == decoded_codings(has.HAS_BROTLI, has.HAS_ZSTD)
+
+
+@pytest.mark.parametrize(
+    "encoding,payload",
+    [
+        (b"gzip", BODY),
+        (b"deflate", BODY),
+        (b"gzip", gzip.compress(BODY, mtime=0) + b"junk"),
+        (b"gzip", gzip.compress(BODY, mtime=0)[:-8] + b"\0\0\0\0" + gzip.compress(BODY, mtime=0)[-4:]),  # its CRC
+        (b"deflate", zlib.compress(BODY)[:-6]),  # cut short
+    ],
+    ids=["gzip-plain", "deflate-plain", "gzip-junk", "gzip-crc", "deflate-cut"],
+)
+def test_a_body_that_cannot_be_decoded_is_400(tmp_path, caplog, encoding, payload):
+    """Content-Encoding: gzip on a plain body: aiohttp's decoding error escaped the handler as a 500; and a
+    deflate stream cut short was found by aiohttp's parser after the body, a plain-text 400 of one word
+    ("deflate"). Each is the front's 400 naming the header."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            got, answer = status_and_body(
+                await raw_exchange(
+                    router.http_port,
+                    post_bytes(COMPLETIONS, payload, AUTH_LINE + b"Content-Encoding: " + encoding + b"\r\n"),
+                )
+            )
+            assert_openai_error(answer, 400, got, code="unreadable_body")
+            assert answer["error"]["message"].startswith("Content-Encoding header:"), answer
+            assert encoding.decode() in answer["error"]["message"]
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def _without_optional_codecs(monkeypatch) -> None:
+    """This process as if neither brotli nor a zstd module were installed (aiohttp's flags and the front's set)."""
+    for module in (aiohttp.compression_utils, aiohttp.http_parser):
+        monkeypatch.setattr(module, "HAS_BROTLI", False)
+        monkeypatch.setattr(module, "HAS_ZSTD", False)
+    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(False, False))
+
+
+@pytest.mark.parametrize("coding", [b"br", b"zstd", b"BR"])
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions"])
+def test_br_or_zstd_without_their_package_is_the_fronts_415(tmp_path, caplog, monkeypatch, coding, path):
+    """Without brotli (zstd) installed, aiohttp's parser refused such a request itself, before the middleware: a
+    plain-text 400 ("Can not decode content-encoding: brotli (br). Please install `Brotli`"), not the OpenAI
+    error shape, and unauthenticated clients got it too. It is the front's 415 naming the codings it takes."""
+    _without_optional_codecs(monkeypatch)
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            headers = AUTH_LINE + b"Content-Encoding: " + coding + b"\r\n"
+            raw = await raw_exchange(router.http_port, post_bytes(path, BODY, headers))
+            got, answer = status_and_body(raw)
+            assert_openai_error(answer, 415, got, code="unsupported_content_encoding")
+            message = answer["error"]["message"]
+            assert message.startswith("Content-Encoding header:") and "send one of gzip, deflate, or none" in message
+            assert b"\r\naccept-encoding: gzip, deflate\r\n" in raw.partition(b"\r\n\r\n")[0].lower()
+            # without a token it is the 401, as for any other request
+            raw = await raw_exchange(router.http_port, post_bytes(path, BODY, b"Content-Encoding: " + coding + b"\r\n"))
+            assert_openai_error(status_and_body(raw)[1], 401, status_and_body(raw)[0], code="invalid_api_key")
+            # a request without a body is not concerned
+            get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + b"Content-Encoding: " + coding
+            got, answer = status_and_body(await raw_exchange(router.http_port, get + b"\r\nConnection: close\r\n\r\n"))
+            assert got == 200, answer
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+class _FakeBrotli:
+    """A stand-in for the brotli module's Decompressor (raw deflate inside): aiohttp's br path, packages or not."""
+
+    def __init__(self):
+        self._z = zlib.decompressobj(-15)
+
+    def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+        return self._z.decompress(self._z.unconsumed_tail + data, max_length)
+
+    def is_finished(self) -> bool:
+        return self._z.eof
+
+
+class _FakeZstd:
+    """A stand-in for compression.zstd's ZstdDecompressor (raw deflate inside)."""
+
+    def __init__(self):
+        self._z = zlib.decompressobj(-15)
+
+    def decompress(self, data: bytes, max_length: int = -1) -> bytes:
+        return self._z.decompress(self._z.unconsumed_tail + data, max(max_length, 0))
+
+    @property
+    def eof(self) -> bool:
+        return self._z.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._z.unused_data
+
+    @property
+    def needs_input(self) -> bool:
+        return not self._z.unconsumed_tail
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-15)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize("coding", [b"br", b"zstd"])
+def test_br_and_zstd_with_their_package_are_decoded(tmp_path, caplog, monkeypatch, coding):
+    """With the package aiohttp looks for, the coding is taken and decoded by aiohttp's decoder, and a body that is
+    not in it is the front's 400 (here a stand-in codec: the packages need not be installed)."""
+    for module in (aiohttp.compression_utils, aiohttp.http_parser):
+        monkeypatch.setattr(module, "HAS_BROTLI", True)
+        monkeypatch.setattr(module, "HAS_ZSTD", True)
+    monkeypatch.setattr(
+        aiohttp.compression_utils, "brotli", types.SimpleNamespace(Decompressor=_FakeBrotli), raising=False
+    )
+    monkeypatch.setattr(aiohttp.compression_utils, "ZstdDecompressor", _FakeZstd, raising=False)
+    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(True, True))
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            headers = AUTH_LINE + b"Content-Encoding: " + coding + b"\r\n"
+            got, answer = status_and_body(
+                await raw_exchange(router.http_port, post_bytes(COMPLETIONS, _raw_deflate(BODY), headers))
+            )
+            assert got == 200, answer
+            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(COMPLETIONS, BODY, headers)))
+            assert_openai_error(answer, 400, got, code="unreadable_body")
+            assert answer["error"]["message"].startswith("Content-Encoding header:")
+            got, answer = status_and_body(
+                await raw_exchange(
+                    router.http_port, post_bytes(COMPLETIONS, BODY, AUTH_LINE + b"Content-Encoding: x\r\n")
+                )
+            )
+            assert_openai_error(answer, 415, got, code="unsupported_content_encoding")
+            assert "send one of gzip, deflate, br, zstd, or none" in answer["error"]["message"]
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_a_compressed_body_past_the_limit_is_413_as_it_decodes(tmp_path, caplog):
+    """A small gzip body that decodes past max_message_bytes (a compression bomb) is refused once the decoded bytes
+    pass the limit."""
+    bomb = gzip.compress(b'{"prompt": "' + b"x" * 4_000_000 + b'"}', mtime=0)
+
+    async def body():
+        async with http_harness(tmp_path, max_message_bytes=65536) as (router, fake, base, hooks):
+            headers = AUTH_LINE + b"Content-Encoding: gzip\r\n"
+            got, answer = status_and_body(await raw_exchange(router.http_port, post_bytes(COMPLETIONS, bomb, headers)))
+            assert_openai_error(answer, 413, got, code="request_too_large")
+            assert router.http.bodies.held == 0
             assert not problems(caplog)
 
     asyncio.run(body())
