@@ -184,6 +184,20 @@ def content_encoding(request: web.Request) -> str:
     )
 
 
+def check_transfer_encoding(request: web.Request) -> None:
+    """A 400 ApiError for a Transfer-Encoding other than chunked alone: aiohttp takes any list ending in chunked
+    ("gzip, chunked") and undoes only the chunking, so the body would be read with its other codings left on."""
+    codings = request.headers.getall(hdrs.TRANSFER_ENCODING, [])
+    coding = ", ".join(codings).strip()
+    if codings and coding.lower() != "chunked":
+        raise ApiError(
+            400,
+            f"Transfer-Encoding header: {clipped(coding)!r} is not decoded here; send chunked alone "
+            "(compress with Content-Encoding)",
+            code="unsupported_transfer_encoding",
+        )
+
+
 # The media types a browser posts to another site without asking it first (CORS "simple" requests): a web page
 # could make its visitors' browsers spend this server's compute, or read its answers after a DNS rebinding, with a
 # JSON text labelled as one. No API client needs them: JSON is application/json.
@@ -209,9 +223,10 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
     Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
     reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
-    coding not decoded here, is a 415 before anything is read; one that does not decode as its coding is a 400
-    naming Content-Encoding."""
+    coding not decoded here, is a 415 before anything is read (a transfer coding besides chunked a 400); one that
+    does not decode as its coding is a 400 naming Content-Encoding."""
     check_content_type(request)
+    check_transfer_encoding(request)
     encoding = content_encoding(request)
     length = request.content_length or 0
     if encoding == "identity" and length > max_bytes:
