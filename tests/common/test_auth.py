@@ -17,6 +17,7 @@ from common import auth
 from common.auth import TokenSet
 from expert_service.serving.main import worker_interceptors
 from router_service.security import public_interceptors
+from tests.grpc_teardown import served
 
 SERVICE = "test.Probe"
 TOKEN = "probe-token"
@@ -87,13 +88,9 @@ def serve(interceptors, parser: CountingParser, check, service: str = SERVICE, n
         handlers = {(names or {}).get(shape, shape): h for shape, h in probe_handlers(parser).items()}
         server = grpc.aio.server(interceptors=interceptors)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
+        async with served(server) as port:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 await asyncio.to_thread(check, channel)
-        finally:
-            await server.stop(0)
 
     asyncio.run(main())
 
@@ -207,13 +204,8 @@ async def health_server():
     server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token=TOKEN)))
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield servicer, channel
-    finally:
-        await server.stop(0)
+    async with served(server) as port, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield servicer, channel
 
 
 def test_the_health_service_answers_through_the_exempt_wrapper():

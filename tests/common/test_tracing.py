@@ -20,6 +20,7 @@ from common.tracing import (
     otlp_span_processor,
     start_server_span,
 )
+from tests.grpc_teardown import served
 
 SERVICE = "test.Worker"
 
@@ -43,13 +44,8 @@ async def serve_and_call(handlers: dict, call, interceptors=()):
     """Starts a loopback grpc.aio server with `handlers` (method -> handler), runs `call(channel)`."""
     server = grpc.aio.server(interceptors=list(interceptors))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await call(channel)
-    finally:
-        await server.stop(None)
+    async with served(server, grace=None) as port, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return await call(channel)
 
 
 def by_name(exporter) -> dict:

@@ -24,7 +24,7 @@ from expert_service.tools.tiny_model import EOS_ID as EOS
 from expert_service.tools.tiny_model import NUM_SPECIAL, VOCAB_SIZE
 from router_service.config import RouterConfig
 from router_service.main import start_router
-from tests.grpc_teardown import grpc_tasks_ended
+from tests.grpc_teardown import stopped
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
@@ -282,8 +282,7 @@ async def harness(fake=None, tokenizer=None, wait_ready=True, hooks=None, **over
         deadline = asyncio.get_running_loop().time() + 2.0
         while fake.open_streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-        await worker_server.stop(0)
-        await grpc_tasks_ended()
+        await stopped(worker_server)
 
 
 async def wait_for(predicate, timeout=5.0):

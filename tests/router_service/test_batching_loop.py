@@ -17,6 +17,7 @@ from router_service.main import start_router
 from router_service.observability import BatchingLoopHooks
 from router_service.prefix_cache import PrefixCache
 from router_service.scheduler import Scheduler, SchedulerLimits
+from tests.grpc_teardown import served
 from tests.router_service.fake_worker import FakeWorker
 
 LIMITS = SchedulerLimits(max_batch_size=4, max_batch_tokens=16, kv_block_size=4, num_kv_blocks=16)
@@ -88,19 +89,17 @@ def test_a_worker_that_refuses_the_router_is_named_once_in_the_log(tmp_path, cap
     async def main():
         server = grpc.aio.server(interceptors=worker_interceptors(TokenSet(token="right")))
         serve(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        (tmp_path / "token").write_text("wrong" if serve is _token_refused else "right")
-        config = RouterConfig(
-            host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, worker_token_file=str(tmp_path / "token")
-        )
-        router = await start_router(config, f"127.0.0.1:{port}")
-        try:
-            await asyncio.sleep(1.0)  # many retries
-            assert not router.batching_loop.is_worker_ready
-        finally:
-            await router.stop(0.1)
-            await server.stop(0)
+        async with served(server) as port:
+            (tmp_path / "token").write_text("wrong" if serve is _token_refused else "right")
+            config = RouterConfig(
+                host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, worker_token_file=str(tmp_path / "token")
+            )
+            router = await start_router(config, f"127.0.0.1:{port}")
+            try:
+                await asyncio.sleep(1.0)  # many retries
+                assert not router.batching_loop.is_worker_ready
+            finally:
+                await router.stop(0.1)
 
     with caplog.at_level(logging.INFO, logger="colibri.router"):
         asyncio.run(main())
@@ -150,19 +149,17 @@ def test_a_lut_worker_is_not_served_without_a_table_that_routes_the_models_top_k
     async def main():
         server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(LutWorker(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        table = {} if top_k is None else {"routing_table": str(_table(tiny_top2, top_k))}
-        config = RouterConfig(
-            host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, model=str(tiny_top2), **table
-        )
-        router = await start_router(config, f"127.0.0.1:{port}")
-        try:
-            await asyncio.sleep(1.0)  # many retries
-            return router.batching_loop.is_worker_ready
-        finally:
-            await router.stop(0.1)
-            await server.stop(0)
+        async with served(server) as port:
+            table = {} if top_k is None else {"routing_table": str(_table(tiny_top2, top_k))}
+            config = RouterConfig(
+                host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, model=str(tiny_top2), **table
+            )
+            router = await start_router(config, f"127.0.0.1:{port}")
+            try:
+                await asyncio.sleep(1.0)  # many retries
+                return router.batching_loop.is_worker_ready
+            finally:
+                await router.stop(0.1)
 
     with caplog.at_level(logging.INFO, logger="colibri.router"):
         ready = asyncio.run(main())

@@ -12,6 +12,7 @@ from common.config import resolve
 from common.errors import ConfigError
 from router_service.config import MAX_DURATION_S, RouterConfig
 from router_service.main import start_router
+from tests.grpc_teardown import grpc_tasks_ended
 
 DURATIONS = ("request_timeout_s", "worker_step_timeout_s", "queue_timeout_s", "drain_timeout_s", "retry_after_s")
 
@@ -33,6 +34,7 @@ def test_the_longest_durations_start_a_router():
         )
         router = await start_router(config, "127.0.0.1:1")
         await router.stop(0.1)
+        await grpc_tasks_ended()
 
     asyncio.run(main())
 

@@ -14,6 +14,7 @@ from common.errors import AddressInUseError
 from common.metrics import new_registry
 from router_service.config import RouterConfig
 from router_service.main import start_router
+from tests.grpc_teardown import grpc_tasks_ended
 from tests.helpers import free_port
 from tests.listen_checks import EVERY_LOOPBACK, HAS_IPV6, IPV4_LOOPBACK, IPV6_LOOPBACK, accepts, reached
 
@@ -42,6 +43,7 @@ def test_every_router_listener_binds_the_configured_address(hosts, expected):
             return {name: await asyncio.to_thread(reached, port) for name, port in listeners.items()}
         finally:
             await router.stop(grace=0.1)
+            await grpc_tasks_ended()
 
     reached_by = asyncio.run(body())
     assert reached_by == dict.fromkeys(("grpc", "health_port", "http_port", "metrics_port"), expected)
@@ -60,6 +62,7 @@ def test_a_second_router_on_the_same_port_is_refused():
             return str(e.value)
         finally:
             await first.stop(grace=0.1)
+            await grpc_tasks_ended()
 
     assert asyncio.run(body()).startswith("router gRPC 127.0.0.1:")
 

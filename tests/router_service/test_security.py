@@ -17,6 +17,7 @@ from common.pb import router_pb2_grpc, worker_pb2_grpc
 from router_service import generate_cmd, security
 from router_service.config import RouterConfig
 from router_service.main import start_router
+from tests.grpc_teardown import served
 from tests.helpers import free_port
 from tests.router_service.certs import issue, make_ca
 from tests.router_service.fake_worker import FakeWorker, harness, ids_request, wait_for
@@ -209,26 +210,24 @@ def test_worker_token_sent_on_every_worker_call(tmp_path, monkeypatch):
         fake = FakeWorker()
         server = grpc.aio.server(interceptors=[RequireToken()])
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        config = RouterConfig(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=0,
-            worker_retry_s=0.05,
-            worker_token_file=write(tmp_path / "token", "s3cret\n"),
-        )
-        router = await start_router(config, f"127.0.0.1:{port}")
-        try:
-            await wait_for(lambda: router.batching_loop.is_worker_ready)
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
-            assert (
-                await router_pb2_grpc.GenerationServiceStub(channel).Generate(ids_request([5], max_new_tokens=2))
-            ).generated_tokens == 2
-            await channel.close()
-        finally:
-            await router.stop(0.1)
-            await server.stop(0)
+        async with served(server) as port:
+            config = RouterConfig(
+                host="127.0.0.1",
+                port=0,
+                metrics_port=0,
+                worker_retry_s=0.05,
+                worker_token_file=write(tmp_path / "token", "s3cret\n"),
+            )
+            router = await start_router(config, f"127.0.0.1:{port}")
+            try:
+                await wait_for(lambda: router.batching_loop.is_worker_ready)
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+                assert (
+                    await router_pb2_grpc.GenerationServiceStub(channel).Generate(ids_request([5], max_new_tokens=2))
+                ).generated_tokens == 2
+                await channel.close()
+            finally:
+                await router.stop(0.1)
         assert {m for m, _ in seen} >= {"Info", "Health", "ClearCache", "StepStream"}
         assert {token for _, token in seen} == {"Bearer s3cret"}
 

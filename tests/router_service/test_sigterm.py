@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb import router_pb2_grpc
+from tests.grpc_teardown import stopped
 from tests.helpers import free_port
 from tests.router_service.fake_worker import FakeWorker, ids_request, start_fake_worker
 
@@ -71,6 +72,6 @@ def test_sigterm_drains_in_flight_and_exits_zero():
                 proc.kill()
                 await proc.wait()
             await channel.close()
-            await worker_server.stop(0)
+            await stopped(worker_server)
 
     asyncio.run(main())

@@ -20,6 +20,7 @@ from router_service.main import start_router
 from router_service.validation import ModelLimits
 from router_service.worker_identity import ModelCheck
 from router_service.worker_info import kept_compiler
+from tests.grpc_teardown import stopped
 from tests.helpers import BackgroundWorker, byte_ids
 from tests.router_service.fake_worker import FakeWorker, ids_request, wait_for
 
@@ -103,7 +104,7 @@ def test_a_worker_restarted_with_another_model_is_refused_in_one_line(caplog, ch
         finally:
             await channel.close()
             await router.stop(0.1)
-            await server.stop(0)
+            await stopped(server)
 
     with caplog.at_level(logging.INFO, logger="colibri.router"):
         asyncio.run(main())
@@ -150,7 +151,7 @@ def test_a_restart_with_the_same_model_and_another_pool_serves_constrained_reque
         finally:
             await channel.close()
             await router.stop(0.1)
-            await server.stop(0)
+            await stopped(server)
 
     asyncio.run(main())
 

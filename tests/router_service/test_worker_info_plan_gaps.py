@@ -20,6 +20,7 @@ from router_service.routing import RoutingPlanner
 from router_service.worker_client import WorkerClient
 from router_service.worker_connection import WorkerConnector
 from router_service.worker_info import plan_gaps_problem
+from tests.grpc_teardown import stopped
 from tests.helpers import grpc_poller_of_a_closed_loop
 from tests.router_service.fake_worker import FakeWorker, start_fake_worker
 
@@ -79,7 +80,7 @@ def attempts(fake: GapsWorker, gated: bool, upgrade_after: int | None = None) ->
                 got.append(await asyncio.wait_for(connector.attempt(), 10))
         finally:
             await client.close()
-            await server.stop(0)
+            await stopped(server)
         return got
 
     return asyncio.run(main())

@@ -18,6 +18,7 @@ from common.routing_plan import NO_EXPERT
 from common.routing_table import RoutingTable
 from router_service.routing import RoutingPlanner
 from router_service.worker_info import planner_for
+from tests.grpc_teardown import served
 from tests.helpers import running_router
 from tests.router_service.fake_worker import FakeWorker
 
@@ -104,14 +105,10 @@ def test_the_router_sends_as_many_predictions_a_token_as_the_worker_reads(tiny_w
     async def main():
         server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
+        async with served(server) as port:
             async with running_router(f"127.0.0.1:{port}", model=str(model), routing_table=str(path)) as (_, stub):
                 params = rpb.SamplingParameters(max_new_tokens=3, ignore_eos=True)
                 await stub.Generate(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[5, 17, 42]), parameters=params))
-        finally:
-            await server.stop(0)
 
     with caplog.at_level(logging.INFO, logger="colibri.router"):
         asyncio.run(main())

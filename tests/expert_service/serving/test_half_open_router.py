@@ -14,6 +14,7 @@ from common.pb import worker_pb2 as pb
 from common.pb import worker_pb2_grpc
 from expert_service.serving import endpoints
 from router_service import worker_connection
+from tests.grpc_teardown import served
 
 
 class _Echo(worker_pb2_grpc.WorkerServiceServicer):
@@ -40,32 +41,30 @@ def test_a_step_stream_whose_router_went_silent_ends_at_the_keepalive():
         servicer, cut, tasks = _Echo(), asyncio.Event(), []
         server = grpc.aio.server(options=endpoints.server_options(keepalive_s=0.3, ping_timeout_s=0.5))
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        async with served(server, grace=None) as port:
 
-        async def relay(client_reader, client_writer):
-            worker_reader, worker_writer = await asyncio.open_connection("127.0.0.1", port)
-            tasks.extend(
-                asyncio.ensure_future(_relay(r, w, cut))
-                for r, w in ((client_reader, worker_writer), (worker_reader, client_writer))
-            )
+            async def relay(client_reader, client_writer):
+                worker_reader, worker_writer = await asyncio.open_connection("127.0.0.1", port)
+                tasks.extend(
+                    asyncio.ensure_future(_relay(r, w, cut))
+                    for r, w in ((client_reader, worker_writer), (worker_reader, client_writer))
+                )
 
-        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
-        try:
-            call = worker_pb2_grpc.WorkerServiceStub(channel).StepStream()
-            step_id = random.randint(1, 1 << 30)
-            await call.write(pb.StepStreamRequest(step_id=step_id))
-            assert (await call.read()).step_id == step_id
-            cut.set()
-            await asyncio.wait_for(servicer.ended.wait(), 45)  # in about a second; 2 hours before
-        finally:
-            call.cancel()
-            await channel.close()
-            for task in tasks:
-                task.cancel()
-            proxy.close()
-            await server.stop(None)
+            proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+            try:
+                call = worker_pb2_grpc.WorkerServiceStub(channel).StepStream()
+                step_id = random.randint(1, 1 << 30)
+                await call.write(pb.StepStreamRequest(step_id=step_id))
+                assert (await call.read()).step_id == step_id
+                cut.set()
+                await asyncio.wait_for(servicer.ended.wait(), 45)  # in about a second; 2 hours before
+            finally:
+                call.cancel()
+                await channel.close()
+                for task in tasks:
+                    task.cancel()
+                proxy.close()
 
     asyncio.run(main())
 
