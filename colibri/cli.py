@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from common.errors import ColibriError
 
@@ -46,8 +48,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _InterruptSeen:
+    """Python's SIGINT behaviour (KeyboardInterrupt), remembering that it fired: an extension module whose import
+    the interrupt lands in can turn it into an ImportError (numpy's does: "PyCapsule_Import could not import module
+    'datetime'"), and that is the operator's Ctrl-C, not a broken install."""
+
+    def __init__(self):
+        self.fired = False
+
+    def __call__(self, signum, frame):
+        self.fired = True
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    interrupt = _InterruptSeen()
+    own = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+        signal.default_int_handler  # not where a caller installed its own
+    )
+    if own:
+        signal.signal(signal.SIGINT, interrupt)
+    try:
+        return _main(sys.argv[1:] if argv is None else argv, interrupt)
+    finally:
+        if own and signal.getsignal(signal.SIGINT) is interrupt:  # router/worker put theirs in place: kept
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _main(argv: list[str], interrupt: _InterruptSeen) -> int:
     if argv[:1] in (["router"], ["worker"]):  # before their imports: a signal then stops them cleanly (0)
         from common.lifecycle import STOP_SIGNALS
 
@@ -77,8 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except KeyboardInterrupt:
-        print(f"colibri{' ' + command if command else ''}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(command)
+    except ImportError:
+        if interrupt.fired:
+            return _interrupted(command)
+        raise
+
+
+def _interrupted(command: str) -> int:
+    print(f"colibri{' ' + command if command else ''}: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

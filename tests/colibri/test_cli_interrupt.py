@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from colibri import cli
 from tests.helpers import serve_env
 
 
@@ -38,3 +41,38 @@ def test_ctrl_c_while_the_subcommand_is_imported_is_one_line_and_130(tiny_model)
     assert process.returncode == 130, err.decode()
     assert err.decode() == "colibri complete: interrupted\n"
     assert out == b""
+
+
+FAKE_IMPORT = """
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)  # the handler runs here
+except KeyboardInterrupt:  # as numpy's C import of datetime reports an interrupt landing in it
+    raise ImportError('PyCapsule_Import could not import module "datetime"') from None
+"""
+
+
+@pytest.fixture
+def interrupted_subcommand(tmp_path, monkeypatch):
+    """A subcommand whose module's import is interrupted and reports it as an ImportError."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    (tmp_path / "interrupted_import.py").write_text(FAKE_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fake", ("interrupted_import", "a subcommand whose import is interrupted"))
+    yield
+    sys.modules.pop("interrupted_import", None)
+
+
+def test_an_interrupt_an_import_turned_into_an_import_error_is_one_line_and_130(interrupted_subcommand, capsys):
+    assert cli.main(["fake"]) == 130
+    assert capsys.readouterr().err == "colibri fake: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_an_import_error_without_an_interrupt_keeps_its_traceback(tmp_path, monkeypatch):
+    (tmp_path / "broken_import.py").write_text("raise ImportError('a broken install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "broken", ("broken_import", "a subcommand whose module does not import"))
+    with pytest.raises(ImportError, match="a broken install"):
+        cli.main(["broken"])
