@@ -45,7 +45,8 @@ FAKE_COLIBRI = """#!/bin/sh
 for a in "$@"; do printf '%s\\n' "$a"; done >> "$FAKE_LOG"
 echo >> "$FAKE_LOG"
 case "$1" in
-  convert) [ -f "$2/config.json" ] || { echo "colibri convert: error: no config.json in $2" >&2; exit 2; }
+  convert) [ -f "$2/config.json" ] || { echo "colibri convert: error: no config.json in $2" >&2; exit 3; }
+           [ -z "${FAKE_CONVERT_EXIT:-}" ] || exit "$FAKE_CONVERT_EXIT"
            mkdir -p "$3" && echo '{}' > "$3/colibri.json" && echo "$*" > "$3/made-by" ;;
   router-gen) touch "$2/routing_table.bin" ;;
   verify) [ -f "$2/colibri.json" ] ;;
@@ -227,6 +228,7 @@ def test_convert_job_converts_an_8bit_model(renderings, tmp_path):
 
 FAKE_HF = """#!/bin/sh
 printf '%s\\n' hf "$@" "" >> "$FAKE_LOG"
+exit "${FAKE_HF_EXIT:-0}"
 """
 
 
@@ -391,7 +393,7 @@ def test_convert_job_converts_a_model_without_a_record(renderings, tmp_path):
 
     before = _tree(model.parent)
     bad = _run_script(script, {**env, "FORCE": "yes"}, bin_dir)
-    assert bad.returncode == 1 and "FORCE is 'yes'" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "FORCE is 'yes'" in bad.stderr, bad.stderr
     assert _tree(model.parent) == before
 
 
@@ -406,7 +408,7 @@ def test_convert_job_without_a_checkpoint_deletes_nothing(renderings, tmp_path):
     for p in Path(env["HF_DIR"]).iterdir():
         p.unlink()
     run = _run_script(script, env, bin_dir)
-    assert run.returncode == 1
+    assert run.returncode == 3
     assert f"no checkpoint at {env['HF_DIR']} (no config.json)" in run.stderr
     assert _tree(model.parent) == before
 
@@ -445,14 +447,14 @@ def test_convert_job_says_when_it_cannot_write_the_volume(renderings, tmp_path):
 
         refused = run(read_only)
         uid = JOB_UID if as_job_user else os.geteuid()
-        assert refused.returncode == 1
+        assert refused.returncode == 2
         assert refused.stderr.startswith(f"cannot write {read_only} as uid {uid} gid "), refused.stderr
         assert "make the volume writable by uid/gid 10001 (NFS: chown" in refused.stderr
         assert len(refused.stderr.splitlines()) == 1, refused.stderr
         assert not log.exists(), "nothing ran"
         # MODEL_DIR in a folder still to be made: the folder it will be made in is the one checked.
         refused = run(read_only / "sub")
-        assert refused.returncode == 1 and refused.stderr.startswith(f"cannot write {read_only} as"), refused.stderr
+        assert refused.returncode == 2 and refused.stderr.startswith(f"cannot write {read_only} as"), refused.stderr
         # A writable volume passes the check (and fails at the next one: there is no checkpoint).
         passed = run(writable)
         assert "cannot write" not in passed.stderr and "no checkpoint at" in passed.stderr, passed.stderr
@@ -462,7 +464,7 @@ def test_convert_job_says_when_it_cannot_write_the_volume(renderings, tmp_path):
         if not as_job_user:
             old.chmod(0o555)
         refused = run(writable)
-        assert refused.returncode == 1 and refused.stderr.startswith(f"cannot write {old} as uid"), refused.stderr
+        assert refused.returncode == 2 and refused.stderr.startswith(f"cannot write {old} as uid"), refused.stderr
     finally:
         for p in (top, *top.rglob("*")):
             p.chmod(0o755)

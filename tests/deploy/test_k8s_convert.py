@@ -1,0 +1,81 @@
+"""The convert Job as an object: which failures it retries (its pod failure policy, evaluated the way the Job
+controller evaluates it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from common.errors import ChecksumError, ColibriError, ConfigError, ModelFormatError
+from tests.deploy.k8s import REPO, pod_spec
+from tests.deploy.test_k8s_scripts import _idempotence_setup, _run_script
+
+# A pod's container that ran out of memory, and one stopped by SIGTERM (an eviction's grace period).
+OOM_KILLED, SIGTERM = 137, 143
+
+
+def _job(renderings) -> dict:
+    return renderings["convert"].one("Job", "colibri-convert")
+
+
+def failure_action(job: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+    """What the Job controller does with a failed pod of `job` whose container `convert` exited with `exit_code`
+    and which has the (True) pod conditions `conditions`: the first matching rule's action, else "Count" (a
+    failure counted against backoffLimit), as batch/v1 podFailurePolicy is evaluated."""
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        if "onExitCodes" in rule:
+            on = rule["onExitCodes"]
+            if on.get("containerName", "convert") != "convert":
+                continue
+            matches = exit_code in on["values"]
+            if matches == (on["operator"] == "In"):
+                return rule["action"]
+        for condition in rule.get("onPodConditions", []):
+            if condition.get("status", "True") == "True" and condition["type"] in conditions:
+                return rule["action"]
+    return "Count"
+
+
+def test_convert_job_fails_at_once_when_its_inputs_are_wrong(renderings):
+    """A pod that failed on a setting or a checkpoint colibri refuses (exit 2, 3) fails the Job at once instead of
+    being retried twice, each retry downloading again to fail the same way; what may pass (a network or I/O error,
+    a checksum, OOMKilled) is retried, and an evicted pod is replaced without counting as a failure."""
+    job = _job(renderings)
+    assert pod_spec(job)["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
+    assert job["spec"]["backoffLimit"] >= 1
+    assert job["spec"].get("podReplacementPolicy") == "Failed", "a retry starts before the failed pod has stopped"
+    for code in (ConfigError.exit_code, ModelFormatError.exit_code):
+        assert failure_action(job, code) == "FailJob", f"exit {code} is retried"
+    for code in (ColibriError.exit_code, ChecksumError.exit_code, OOM_KILLED, SIGTERM):
+        assert failure_action(job, code) == "Count", f"exit {code}: {failure_action(job, code)}"
+    for code in (ConfigError.exit_code, ColibriError.exit_code, OOM_KILLED, SIGTERM):
+        assert failure_action(job, code, ("DisruptionTarget",)) == "Ignore", f"an evicted pod (exit {code}) counts"
+    fail_at_once = sorted(c for c in range(256) if failure_action(job, c) == "FailJob")
+    assert fail_at_once == [2, 3], fail_at_once
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    (paragraph,) = [p for p in docs.split("\n\n") if "`podFailurePolicy`" in p]
+    for code in fail_at_once:
+        assert f"exit code {code}," in paragraph, f"docs/deploy.md: exit code {code} failing the Job is not said"
+    assert re.search(r"Retried: exit code 1\b.*\b4\b.*\b137\b", paragraph, re.S), paragraph
+    assert "`DisruptionTarget`" in paragraph
+
+
+def test_convert_job_script_exits_with_the_codes_the_policy_reads(renderings, tmp_path):
+    """The script's own checks exit with the code of colibri's errors of the same kind (a setting: 2, the
+    checkpoint: 3), so they fail the Job at once; colibri's and hf's codes pass through unchanged."""
+    job = _job(renderings)
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    hf_dir = Path(env["HF_DIR"])
+    cases = {
+        "FORCE neither empty nor 1": ({**env, "FORCE": "yes"}, "FailJob"),
+        "no checkpoint": ({**env, "HF_DIR": str(hf_dir.with_name("missing"))}, "FailJob"),
+        "a flag colibri convert refuses": ({**env, "FAKE_CONVERT_EXIT": "2"}, "FailJob"),
+        "a malformed checkpoint": ({**env, "FAKE_CONVERT_EXIT": "3"}, "FailJob"),
+        "a tensor that did not verify": ({**env, "FAKE_CONVERT_EXIT": "4"}, "Count"),
+        "a disk or network error": ({**env, "FAKE_CONVERT_EXIT": "1"}, "Count"),
+        "a failed download": ({**env, "HF_REPO": "org/model", "FAKE_HF_EXIT": "1"}, "Count"),
+    }
+    for case, (case_env, action) in cases.items():
+        run = _run_script(script, case_env, bin_dir)
+        assert run.returncode != 0, f"{case}: {run.stdout}"
+        assert failure_action(job, run.returncode) == action, f"{case}: exit {run.returncode}, {run.stderr}"
