@@ -79,3 +79,59 @@ def test_convert_job_script_exits_with_the_codes_the_policy_reads(renderings, tm
         run = _run_script(script, case_env, bin_dir)
         assert run.returncode != 0, f"{case}: {run.stdout}"
         assert failure_action(job, run.returncode) == action, f"{case}: exit {run.returncode}, {run.stderr}"
+
+
+def _names(rendering, kind: str) -> set[str]:
+    return {o["metadata"]["name"] for o in rendering.of_kind(kind)}
+
+
+def test_convert_kustomization_is_self_contained(renderings):
+    """`kubectl apply -k deploy/k8s/convert` alone (before the servers, or without them) gives a pod that can run:
+    every ServiceAccount and ConfigMap it names is in the rendering, every Secret is optional. The one thing it uses
+    from the server overlays, the model claim, is one they all create, and the docs apply them first; it shares no
+    object with them (deleting or pruning the convert kustomization would delete the servers' too)."""
+    r = renderings["convert"]
+    spec = pod_spec(_job(renderings))
+    account = spec.get("serviceAccountName")
+    assert account in _names(r, "ServiceAccount"), f"the Job runs as ServiceAccount {account}, which it does not create"
+    assert r.one("ServiceAccount", account).get("automountServiceAccountToken") is False
+    config_maps, secrets, claims = set(), [], set()
+    for c in spec["containers"] + spec.get("initContainers", []):
+        for source in c.get("envFrom", []):
+            if "configMapRef" in source and not source["configMapRef"].get("optional"):
+                config_maps.add(source["configMapRef"]["name"])
+            if "secretRef" in source:
+                secrets.append(source["secretRef"])
+        for var in c.get("env", []):
+            ref = var.get("valueFrom", {})
+            if "configMapKeyRef" in ref and not ref["configMapKeyRef"].get("optional"):
+                config_maps.add(ref["configMapKeyRef"]["name"])
+            if "secretKeyRef" in ref:
+                secrets.append(ref["secretKeyRef"])
+    for v in spec.get("volumes", []):
+        if "configMap" in v and not v["configMap"].get("optional"):
+            config_maps.add(v["configMap"]["name"])
+        if "secret" in v:
+            secrets.append(v["secret"])
+        if "persistentVolumeClaim" in v:
+            claims.add(v["persistentVolumeClaim"]["claimName"])
+    assert config_maps and config_maps <= _names(r, "ConfigMap"), config_maps
+    assert all(s.get("optional") is True for s in secrets), secrets
+    assert claims == {"colibri-models"}
+    for name in ("gpu", "cpu", "production"):
+        assert claims <= _names(renderings[name], "PersistentVolumeClaim"), f"{name} does not create {claims}"
+        server = {(o["kind"], o["metadata"]["name"]) for o in renderings[name].objects}
+        shared = server & {(o["kind"], o["metadata"]["name"]) for o in r.objects}
+        assert not shared, f"the convert kustomization and {name} both hold {shared}"
+    assert not r.of_kind("Namespace") and not r.of_kind("PersistentVolumeClaim")
+    # The order the docs give: the namespace, the server overlay (the claim), then the Job.
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    steps = [
+        "kubectl create namespace colibri",
+        "kubectl apply -k deploy/k8s/overlays/",
+        "kubectl apply -k deploy/k8s/convert",
+    ]
+    positions = [docs.find(s) for s in steps]
+    assert -1 not in positions and positions == sorted(positions), dict(zip(steps, positions, strict=True))
+    kustomization = (REPO / "deploy" / "k8s" / "convert" / "kustomization.yaml").read_text()
+    assert "kubectl create namespace colibri" in kustomization and "colibri-models" in kustomization

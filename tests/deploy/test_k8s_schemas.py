@@ -49,7 +49,7 @@ def test_renderings_hold_the_expected_objects(renderings):
     }
     for name in ("gpu", "cpu"):
         assert {o["kind"] for o in renderings[name].objects} == server_kinds, name
-    assert {o["kind"] for o in renderings["convert"].objects} == {"Job", "ConfigMap", "NetworkPolicy"}
+    assert {o["kind"] for o in renderings["convert"].objects} == {"Job", "ConfigMap", "NetworkPolicy", "ServiceAccount"}
     assert {o["kind"] for o in renderings["production"].objects} == server_kinds | {
         "PodMonitor",
         "PrometheusRule",
