@@ -135,3 +135,25 @@ def test_convert_kustomization_is_self_contained(renderings):
     assert -1 not in positions and positions == sorted(positions), dict(zip(steps, positions, strict=True))
     kustomization = (REPO / "deploy" / "k8s" / "convert" / "kustomization.yaml").read_text()
     assert "kubectl create namespace colibri" in kustomization and "colibri-models" in kustomization
+
+
+def test_convert_job_is_recreated_by_gitops_tools(renderings):
+    """A changed setting changes the Job's immutable pod template (the ConfigMap's hashed name): Argo CD and Flux
+    are told to delete and create the Job rather than apply over it, which Kubernetes refuses (the sync would fail
+    until someone deleted the Job). Argo CD needs Force with Replace: Replace alone is a `kubectl replace`."""
+    job = _job(renderings)
+    annotations = job["metadata"]["annotations"]
+    options = {o.strip() for o in annotations["argocd.argoproj.io/sync-options"].split(",")}
+    assert {"Force=true", "Replace=true"} <= options, options
+    assert annotations["kustomize.toolkit.fluxcd.io/force"] == "enabled"
+    template = job["spec"]["template"]["metadata"].get("annotations", {})
+    assert not [k for k in template if "argoproj" in k or "fluxcd" in k], "on the pod, they do nothing"
+    assert re.search(
+        r"colibri-convert-[a-z0-9]{10}$", pod_spec(job)["containers"][0]["envFrom"][0]["configMapRef"]["name"]
+    )
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for text in (
+        "argocd.argoproj.io/sync-options: Force=true,Replace=true",
+        "kustomize.toolkit.fluxcd.io/force: enabled",
+    ):
+        assert text in docs, f"docs/deploy.md does not say what {text} does"
