@@ -104,6 +104,7 @@ def test_convert_job_script(renderings, tmp_path):
         "EXPERT_DTYPE",
         "FP8_SCALE",
         "HEAD_DTYPE",
+        "EXPERT_DTYPE_FILE",
         "CORPUS",
         "FORCE",
     }
@@ -155,7 +156,7 @@ def test_convert_job_passes_the_8bit_settings(renderings, tmp_path):
     """EXPERT_DTYPE, FP8_SCALE and HEAD_DTYPE reach `colibri convert` as its flags when set, and not at all when
     empty (the converter's own defaults), each documented where the operator sets it."""
     script, settings = _job(renderings)
-    for key in ("EXPERT_DTYPE", "FP8_SCALE", "HEAD_DTYPE"):
+    for key in ("EXPERT_DTYPE", "FP8_SCALE", "HEAD_DTYPE", "EXPERT_DTYPE_FILE"):
         assert settings[key] == "", f"{key}: empty by default (the flag is not passed)"
     kustomization = (REPO / "deploy" / "k8s" / "convert" / "kustomization.yaml").read_text()
     docs = (REPO / "docs" / "deploy.md").read_text()
@@ -172,12 +173,23 @@ def test_convert_job_passes_the_8bit_settings(renderings, tmp_path):
     assert not [a for a in convert if a.startswith(("--expert-dtype", "--fp8-scale", "--head-dtype"))], convert
 
     log.unlink()
+    dtype_file = tmp_path / "expert dtypes.yaml"  # a space: still one argument
+    dtype_file.write_text("default: int8\n")
     eight_bit = {"DTYPE": "bf16", "EXPERT_DTYPE": "fp8", "FP8_SCALE": "channel", "HEAD_DTYPE": "int8"}
-    run = _run_script(script, {**env, **eight_bit}, bin_dir)
+    run = _run_script(script, {**env, **eight_bit, "EXPERT_DTYPE_FILE": str(dtype_file)}, bin_dir)
     assert run.returncode == 0, run.stdout + run.stderr
     (convert,) = [c for c in _calls(log) if c[0] == "convert"]
     for flag in ("--dtype=bf16", "--expert-dtype=fp8", "--fp8-scale=channel", "--head-dtype=int8"):
         assert flag in convert, convert
+    assert f"--expert-dtype-file={dtype_file}" in convert, convert
+    assert f"EXPERT_DTYPE_FILE={dtype_file}\n" in (Path(env["MODEL_DIR"]) / ".colibri-convert-inputs").read_text()
+
+    # A path that is not a file is refused before anything is touched, with the code that fails the Job at once.
+    before = _tree(Path(env["MODEL_DIR"]).parent)
+    log.unlink()
+    missing = _run_script(script, {**env, "EXPERT_DTYPE_FILE": str(tmp_path / "nope.yaml")}, bin_dir)
+    assert missing.returncode == 2 and "EXPERT_DTYPE_FILE is '" in missing.stderr, missing.stderr
+    assert not log.exists() and _tree(Path(env["MODEL_DIR"]).parent) == before
 
 
 def test_convert_job_quotes_the_settings(renderings, tmp_path):
@@ -224,6 +236,12 @@ def test_convert_job_converts_an_8bit_model(renderings, tmp_path):
     assert "experts int8, head int8" in run.stdout, run.stdout
     manifest = json.loads((model / "colibri.json").read_text())
     assert "int8" in {t["dtype"] for t in manifest["tensors"].values()}
+    # The experts' dtype from a file (the flag as the real parser spells it).
+    dtype_file = tmp_path / "expert-dtypes.yaml"
+    dtype_file.write_text("default: int8\n")
+    run = _run_script(script, {**env, "EXPERT_DTYPE": "", "EXPERT_DTYPE_FILE": str(dtype_file)}, bin_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "experts int8" in run.stdout, run.stdout
 
 
 FAKE_HF = """#!/bin/sh
@@ -346,6 +364,20 @@ def _grow_corpus(env, tmp_path):
     return env
 
 
+def _add_dtype_file(env, tmp_path):
+    (tmp_path / "expert-dtypes.yaml").write_text("default: int8\n")
+    return {**env, "EXPERT_DTYPE_FILE": str(tmp_path / "expert-dtypes.yaml")}
+
+
+def _edit_dtype_file(env, tmp_path):
+    """The file the model was converted with, given other content of the same size and mtime."""
+    dtype_file = Path(env["EXPERT_DTYPE_FILE"])
+    mtime = dtype_file.stat().st_mtime_ns
+    dtype_file.write_text("default: fp8\n\n")
+    os.utime(dtype_file, ns=(mtime, mtime))
+    return env
+
+
 CHANGES = {
     "DTYPE": _change_dtype,
     "EXPERT_DTYPE": lambda env, tmp_path: {**env, "EXPERT_DTYPE": "int8"},
@@ -354,6 +386,8 @@ CHANGES = {
     "HF_REPO": lambda env, tmp_path: {**env, "HF_REPO": "org/model"},
     "HF_REVISION": lambda env, tmp_path: {**env, "HF_REPO": "org/model", "HF_REVISION": "0123abc"},
     "CORPUS": lambda env, tmp_path: {**env, "CORPUS": ""},
+    "EXPERT_DTYPE_FILE": _add_dtype_file,
+    "the expert dtype file's content": _edit_dtype_file,
     "corpus file": _grow_corpus,
     "a shard's mtime": _touch_shard,
     "a new shard": _add_shard,
@@ -365,6 +399,8 @@ CHANGES = {
 @pytest.mark.parametrize("change", CHANGES)
 def test_convert_job_converts_again_when_an_input_changes(renderings, tmp_path, change):
     script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    if change == "the expert dtype file's content":
+        env = _add_dtype_file(env, tmp_path)
     assert _run_script(script, env, bin_dir).returncode == 0
     (model / "served").touch()
     log.unlink()
