@@ -296,6 +296,11 @@ def test_pdb_and_rollout_keep_serving(renderings):
         assert pdb["maxUnavailable"] == 1 and pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow", name
         strategy = r.one("Deployment", "colibri")["spec"]["strategy"]["rollingUpdate"]
         assert strategy["maxUnavailable"] == 0, name
+    # With one replica the budget lets a drain evict it (never blocked for good): the docs say the API is then down.
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    (disruptions,) = [p for p in docs.split("\n- ") if p.startswith("**Disruptions.**")]
+    assert "single replica" in disruptions and "the API is down until its replacement" in disruptions, disruptions
+    assert "at least 2 replicas" in disruptions
 
 
 def test_network_policy_ports_match_the_containers(renderings):
