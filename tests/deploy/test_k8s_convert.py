@@ -81,6 +81,22 @@ def test_convert_job_script_exits_with_the_codes_the_policy_reads(renderings, tm
         assert failure_action(job, run.returncode) == action, f"{case}: exit {run.returncode}, {run.stderr}"
 
 
+def test_convert_job_refuses_a_missing_corpus_before_converting(renderings, tmp_path):
+    """A CORPUS that is not a file fails the Job at once, before the conversion (hours, after which router-gen
+    would refuse it) and before MODEL_DIR.old, which replicas may still read, is deleted."""
+    job = _job(renderings)
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    assert _run_script(script, env, bin_dir).returncode == 0
+    model.with_name("model.old").mkdir()
+    before = {p: p.stat().st_mtime_ns for p in model.parent.rglob("*")}
+    log.unlink()
+    run = _run_script(script, {**env, "CORPUS": str(tmp_path / "gone.txt")}, bin_dir)
+    assert failure_action(job, run.returncode) == "FailJob", f"exit {run.returncode}: {run.stderr}"
+    assert f"CORPUS is '{tmp_path / 'gone.txt'}', which is not a file" in run.stderr
+    assert not log.exists(), "something ran"
+    assert {p: p.stat().st_mtime_ns for p in model.parent.rglob("*")} == before
+
+
 def _names(rendering, kind: str) -> set[str]:
     return {o["metadata"]["name"] for o in rendering.of_kind(kind)}
 
