@@ -3,8 +3,9 @@
 
 - Bodies (`read_body`, `parse_json`): a body labelled with a form type a browser posts across sites unasked
   (text/plain, urlencoded, multipart) or with a coding not decoded here (DECODED_CODINGS) is a 415 before it is
-  read, one that does not decode as its coding a 400; read within `http_body_timeout_s` (408 after it), at most
-  `max_message_bytes` (413), each reserved in the front's body budget before it is read
+  read, one that is not whole streams of its coding a 400 (router_service.http_codings); read within
+  `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413), each reserved in the front's body
+  budget before it is read
   (router_service.http_bodies; 503 past it), parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no
   lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8
   encoder refuse it later), each a 400 naming where.
@@ -33,12 +34,12 @@ from aiohttp import hdrs, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
-from aiohttp.http_parser import DeflateBuffer
 from yarl import URL
 
 from common.rate_limited_log import RateLimitedLog
 from router_service.errors import clipped
 from router_service.http_bodies import Reservation
+from router_service.http_codings import BodyDecoder
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
@@ -51,7 +52,7 @@ def decoded_codings(has_brotli: bool, has_zstd: bool) -> tuple[str, ...]:
 
 # The codings decoded in this process, from the availability aiohttp found at its import. The server takes bodies
 # undecoded (auto_decompress off): aiohttp's parser would refuse br or zstd without their package with its own
-# plain-text 400 before the middleware runs; read_body decodes them with aiohttp's decoder instead.
+# plain-text 400 before the middleware runs; read_body decodes them with aiohttp's decompressors instead
 DECODED_CODINGS = decoded_codings(HAS_BROTLI, HAS_ZSTD)
 DECODE_STEP_BYTES = 64 * 1024  # the most one step of decoding yields: a small body cannot balloon at once
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
@@ -224,7 +225,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
     reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
     coding not decoded here, is a 415 before anything is read (a transfer coding besides chunked a 400); one that
-    does not decode as its coding is a 400 naming Content-Encoding."""
+    is not whole streams of its coding (corrupt, cut short, empty) is a 400 naming Content-Encoding."""
     check_content_type(request)
     check_transfer_encoding(request)
     encoding = content_encoding(request)
@@ -247,7 +248,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     except ContentEncodingError:
         raise ApiError(
             400,
-            f"Content-Encoding header: the body does not decode as {encoding} (corrupt, or cut short)",
+            f"Content-Encoding header: the body is not whole {encoding} streams "
+            "(corrupt, cut short, empty, or followed by other bytes)",
             code="unreadable_body",
         ) from None
 
@@ -311,37 +313,18 @@ async def _read(request: web.Request, max_bytes: int, reservation: Reservation) 
     return body
 
 
-class _Decoded:
-    """The stream aiohttp's DeflateBuffer writes the decoded body to: the body's bytes, at most `max_bytes` (413
-    past them), the reservation grown as they arrive."""
-
-    _low_water = 0  # DeflateBuffer's step is then its max_decompress_size
-
-    def __init__(self, max_bytes: int, reservation: Reservation):
-        self.body, self.max_bytes, self.reservation = bytearray(), max_bytes, reservation
-        self.total_compressed_bytes = 0
-
-    def feed_data(self, chunk: bytes, size: int) -> None:
-        if len(self.body) + len(chunk) > self.max_bytes:
-            raise _too_large(self.max_bytes)
-        self.reservation.grow_to(len(self.body) + len(chunk))
-        self.body += chunk
-
-    def feed_eof(self) -> None:
-        pass
-
-
 async def _decode(request: web.Request, encoding: str, max_bytes: int, reservation: Reservation) -> bytearray:
-    """The body decoded from `encoding` by aiohttp's own decoder (as its parser would have), a step of at most
-    DECODE_STEP_BYTES at a time; raises ContentEncodingError for a body that does not decode."""
-    decoded = _Decoded(max_bytes, reservation)
-    decoder = DeflateBuffer(decoded, encoding, max_decompress_size=DECODE_STEP_BYTES)  # type: ignore[arg-type]
+    """The body decoded from `encoding` (router_service.http_codings), at most `max_bytes` (413 past them), the
+    reservation grown as they decode; raises ContentEncodingError for a body that is not whole streams of it."""
+    body, decoder = bytearray(), BodyDecoder(encoding, DECODE_STEP_BYTES)
     while chunk := await request.content.readany():
-        more = decoder.feed_data(chunk, len(chunk))
-        while more:  # the rest of what this chunk holds, a step at a time
-            more = decoder.feed_data(b"", 0)
-    decoder.feed_eof()  # a deflate stream cut short is refused here
-    return decoded.body
+        for piece in decoder.feed(chunk):
+            if len(body) + len(piece) > max_bytes:
+                raise _too_large(max_bytes)
+            reservation.grow_to(len(body) + len(piece))
+            body += piece
+    decoder.finish()  # a stream cut short (in a gzip trailer too), or an empty body
+    return body
 
 
 def json_problem(value) -> tuple[str, str] | None:

@@ -1,0 +1,236 @@
+"""Compressed request bodies as a hostile client sends them (router_service/http_codings.py behind the real HTTP
+front, the fake worker behind it): streams cut short, concatenated members, trailing bytes, both deflate forms,
+the decoded-size limit at its boundary, a trickled body, and the body budget after each refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import types
+import zlib
+
+import aiohttp.compression_utils
+import aiohttp.http_parser
+import pytest
+
+from router_service import http_guard
+from router_service.http_guard import DECODE_STEP_BYTES, decoded_codings
+from tests.router_service.test_http_errors import (
+    AUTH_LINE,
+    COMPLETIONS,
+    assert_openai_error,
+    http_harness,
+    post_bytes,
+    problems,
+    raw_exchange,
+    status_and_body,
+)
+from tests.router_service.test_http_guard import _FakeBrotli, _FakeZstd, _raw_deflate
+
+BODY = b'{"prompt": "x", "max_tokens": 1}'
+GZ = gzip.compress(BODY, mtime=0)  # mtime=0: the same bytes (and test ids) in every xdist worker
+ZL = zlib.compress(BODY)
+
+
+async def _post(router, coding: bytes, payload: bytes, headers: bytes = b"") -> tuple[int, dict | None]:
+    head = AUTH_LINE + headers + (b"Content-Encoding: " + coding + b"\r\n" if coding else b"")
+    return status_and_body(await raw_exchange(router.http_port, post_bytes(COMPLETIONS, payload, head)))
+
+
+def _assert_unreadable(got: int, answer, coding: bytes) -> None:
+    assert_openai_error(answer, 400, got, code="unreadable_body")
+    message = answer["error"]["message"]
+    assert message.startswith("Content-Encoding header:") and coding.decode() in message, answer
+
+
+NOT_WHOLE = {
+    "gzip-no-trailer": (b"gzip", GZ[:-8]),
+    "gzip-half-trailer": (b"gzip", GZ[:-3]),
+    "gzip-cut-mid": (b"gzip", GZ[:15]),
+    "gzip-header-only": (b"gzip", GZ[:10]),
+    "gzip-empty": (b"gzip", b""),
+    "gzip-then-member-cut": (b"gzip", GZ + GZ[:12]),
+    "gzip-then-magic-byte": (b"gzip", GZ + b"\x1f"),
+    "gzip-then-zeros": (b"gzip", GZ + b"\0" * 8),
+    "gzip-then-junk": (b"gzip", GZ + b"junk"),
+    "zlib-no-adler": (b"deflate", ZL[:-4]),
+    "raw-deflate-cut": (b"deflate", _raw_deflate(BODY)[:-2]),
+    "zlib-then-junk": (b"deflate", ZL + b"x"),
+    "deflate-empty": (b"deflate", b""),
+}
+
+
+def test_a_body_that_is_not_whole_streams_of_its_coding_is_400(tmp_path, caplog):
+    """aiohttp's decoder does not check that a gzip stream ends: one cut off in its 8-byte trailer (CRC-32 and
+    length) was served, one cut off earlier was parsed as the JSON it held so far, and a whole member followed by
+    another's first bytes was served as the first alone; an empty body labelled with a coding was read as empty.
+    Each is the front's 400 naming Content-Encoding, and the body budget is whole again after it."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for name, (coding, payload) in NOT_WHOLE.items():
+                got, answer = await _post(router, coding, payload)
+                assert got == 400, (name, answer)
+                _assert_unreadable(got, answer, coding)
+                assert router.http.bodies.held == 0, name
+            assert not fake.seen_ids
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def _split(data: bytes, at: int) -> bytes:
+    packer = zlib.compressobj(wbits=31)
+    return gzip.compress(data[:at], mtime=0) + packer.compress(data[at:]) + packer.flush()
+
+
+def test_whole_bodies_in_every_form_are_served(tmp_path, caplog):
+    """gzip members back to back (`cat a.gz b.gz`, RFC 1952) are decoded whole, a request split across them; so
+    are zlib streams; deflate is taken zlib-wrapped (RFC 1950) or raw (RFC 1951); the coding's name in any case
+    and padded with blanks; an empty Content-Encoding and identity are no coding."""
+    served = [
+        (b"gzip", _split(BODY, 10)),
+        (b"gzip", _split(BODY, 0) + gzip.compress(b"", mtime=0)),  # empty members too
+        (b"deflate", zlib.compress(BODY[:10]) + zlib.compress(BODY[10:])),
+        (b"deflate", ZL),
+        (b"deflate", _raw_deflate(BODY)),
+        (b"GZIP", GZ),
+        (b"  gzip\t", GZ),
+        (b"DeFlate", ZL),
+        (b"identity", BODY),
+        (b"", BODY),
+    ]
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for coding, payload in served:
+                head = AUTH_LINE + b"Content-Encoding:" + coding + b"\r\n"
+                got, answer = status_and_body(
+                    await raw_exchange(router.http_port, post_bytes(COMPLETIONS, payload, head))
+                )
+                assert got == 200, (coding, payload, answer)
+            assert router.http.bodies.held == 0
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_stacked_or_listed_codings_are_415(tmp_path, caplog):
+    """A list of codings is legal HTTP (applied in order), but the front decodes one: each list is the 415 naming
+    the header, the body unread, whatever the list holds."""
+    lists = [b"gzip,", b", gzip", b"gzip, identity", b"deflate, gzip", b"identity, identity", b"gzip gzip"]
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for coding in lists:
+                got, answer = await _post(router, coding, gzip.compress(GZ, mtime=0))
+                assert_openai_error(answer, 415, got, code="unsupported_content_encoding")
+                assert answer["error"]["message"].startswith("Content-Encoding header:"), answer
+            assert router.http.bodies.held == 0
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("coding", [b"br", b"zstd"])
+def test_br_and_zstd_bodies_must_be_whole(tmp_path, caplog, monkeypatch, coding):
+    """The same for br and zstd (stand-in codecs: the packages need not be installed): a stream cut short or an
+    empty body is the 400; zstd frames back to back are decoded whole."""
+    for module in (aiohttp.compression_utils, aiohttp.http_parser):
+        monkeypatch.setattr(module, "HAS_BROTLI", True)
+        monkeypatch.setattr(module, "HAS_ZSTD", True)
+    monkeypatch.setattr(
+        aiohttp.compression_utils, "brotli", types.SimpleNamespace(Decompressor=_FakeBrotli), raising=False
+    )
+    monkeypatch.setattr(aiohttp.compression_utils, "ZstdDecompressor", _FakeZstd, raising=False)
+    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(True, True))
+    whole = _raw_deflate(BODY)
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            for payload in (whole[:-2], whole[:1], b""):
+                got, answer = await _post(router, coding, payload)
+                _assert_unreadable(got, answer, coding)
+                assert router.http.bodies.held == 0
+            got, answer = await _post(router, coding, whole)
+            assert got == 200, answer
+            if coding == b"zstd":
+                got, answer = await _post(router, coding, _raw_deflate(BODY[:9]) + _raw_deflate(BODY[9:]))
+                assert got == 200, answer
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def _padded(size: int) -> bytes:
+    """A request of exactly `size` bytes (blanks after its JSON): thousands to one under gzip."""
+    return BODY + b" " * (size - len(BODY))
+
+
+@pytest.mark.parametrize("limit", [1024, DECODE_STEP_BYTES, 3 * DECODE_STEP_BYTES + 7])
+def test_the_decoded_size_limit_holds_at_its_boundary(tmp_path, caplog, limit):
+    """--max-message-bytes counts decoded bytes: a gzip body that decodes to exactly the limit is served, one a byte
+    over is the 413 (at a decoding step's edge too), and either way the body budget is whole after it."""
+
+    async def body():
+        async with http_harness(tmp_path, max_message_bytes=limit) as (router, fake, base, hooks):
+            for coding, pack in ((b"gzip", lambda b: gzip.compress(b, mtime=0)), (b"deflate", zlib.compress)):
+                got, answer = await _post(router, coding, pack(_padded(limit)))
+                assert got == 200, answer
+                got, answer = await _post(router, coding, pack(_padded(limit + 1)))
+                assert_openai_error(answer, 413, got, code="request_too_large")
+                # two members that reach the limit only together
+                half = limit // 2
+                got, answer = await _post(router, coding, pack(_padded(limit)[:half]) + pack(b" " * (limit + 1 - half)))
+                assert_openai_error(answer, 413, got, code="request_too_large")
+                assert router.http.bodies.held == 0
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_a_body_corrupt_past_its_first_megabyte_releases_its_reservation(tmp_path, caplog):
+    """A gzip body that decodes a megabyte (the reservation grown to hold it) before its bytes go bad is the 400,
+    and what it reserved is released."""
+    good = gzip.compress(_padded(1_000_000), mtime=0)
+    corrupt = good[:-20] + bytes(b ^ 0x55 for b in good[-20:])
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            got, answer = await _post(router, b"gzip", corrupt)
+            _assert_unreadable(got, answer, b"gzip")
+            assert router.http.bodies.held == 0
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_a_trickled_or_overdeclared_compressed_body_meets_the_body_timeout(tmp_path, caplog):
+    """A gzip body sent a byte at a time, or one declaring far more bytes than it sends, is the 408 once
+    http_body_timeout_s has passed, and releases what it reserved."""
+
+    async def trickle(port: int, payload: bytes, length: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = asyncio.ensure_future(asyncio.wait_for(reader.read(), 10))
+        head = post_bytes(COMPLETIONS, b"", AUTH_LINE + b"Content-Encoding: gzip\r\n")
+        try:
+            writer.write(head.replace(b"Content-Length: 0", b"Content-Length: %d" % length))
+            for byte in payload:
+                await asyncio.wait([answer], timeout=0.05)
+                if answer.done():
+                    break
+                writer.write(bytes([byte]))
+            return await answer
+        finally:
+            writer.close()
+
+    async def body():
+        async with http_harness(tmp_path, http_body_timeout_s=0.5) as (router, fake, base, hooks):
+            for payload, length in ((GZ, len(GZ)), (GZ, 10**9)):
+                got, answer = status_and_body(await trickle(router.http_port, payload, length))
+                assert_openai_error(answer, 408, got, code="request_timeout")
+                assert router.http.bodies.held == 0
+            assert not fake.seen_ids
+            assert not problems(caplog)
+
+    asyncio.run(body())
