@@ -24,6 +24,14 @@ from aiohttp.compression_utils import BrotliDecompressor, ZLibDecompressor, ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
 
 
+def compressed_limit(max_bytes: int) -> int:
+    """The most bytes a compressed body decoding to at most `max_bytes` may take: what a coding adds to data it
+    cannot shrink (zstd's most, about 1/256, doubled) and 64 KiB for headers, file names and members. No encoder
+    writes more; without a bound a client could send bytes that decode to nothing (empty deflate blocks, a gzip
+    header's endless file name) for as long as the body timeout lets it."""
+    return max_bytes + max_bytes // 128 + 65536
+
+
 class _Member:
     """One member's raw decompressor (zlib's or zstd's), noting whether it was given any input: aiohttp's handler
     starts a fresh one each time a member ends, so a body is whole when the current one has ended or was never

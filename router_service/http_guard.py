@@ -39,7 +39,7 @@ from yarl import URL
 from common.rate_limited_log import RateLimitedLog
 from router_service.errors import clipped
 from router_service.http_bodies import Reservation
-from router_service.http_codings import BodyDecoder
+from router_service.http_codings import BodyDecoder, compressed_limit
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
@@ -167,6 +167,15 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"the body is larger than {max_bytes} bytes (max_message_bytes)", code="request_too_large")
 
 
+def _too_large_compressed(max_bytes: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the compressed body is larger than {compressed_limit(max_bytes)} bytes, more than any coding makes of "
+        f"{max_bytes} (max_message_bytes)",
+        code="request_too_large",
+    )
+
+
 def content_encoding(request: web.Request) -> str:
     """The body's one content coding, lower-cased ("identity" when none); a 415 ApiError naming the codings taken
     when it is one aiohttp does not decode: aiohttp passes such a body through as it came, so a coding it does not
@@ -221,9 +230,9 @@ def check_content_type(request: web.Request) -> None:
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation) -> bytearray:
     """The request's body (parse it with `parse_json`); raises ApiError (408, 413, 400, and 503 when `reservation`
-    cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (with no
-    Content-Encoding: a compressed length says nothing exact of the body's), and so is one the body budget cannot
-    reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
+    cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (a compressed
+    one says nothing exact of the decoded body: it is refused past `compressed_limit`), and so is one the body
+    budget cannot reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
     coding not decoded here, is a 415 before anything is read (a transfer coding besides chunked a 400); one that
     is not whole streams of its coding (corrupt, cut short, empty) is a 400 naming Content-Encoding."""
     check_content_type(request)
@@ -232,6 +241,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
     length = request.content_length or 0
     if encoding == "identity" and length > max_bytes:
         raise _too_large(max_bytes)
+    if encoding != "identity" and length > compressed_limit(max_bytes):
+        raise _too_large_compressed(max_bytes)
     reservation.grow_to(min(length, max_bytes))
     try:
         async with asyncio.timeout(timeout_s):
@@ -317,7 +328,11 @@ async def _decode(request: web.Request, encoding: str, max_bytes: int, reservati
     """The body decoded from `encoding` (router_service.http_codings), at most `max_bytes` (413 past them), the
     reservation grown as they decode; raises ContentEncodingError for a body that is not whole streams of it."""
     body, decoder = bytearray(), BodyDecoder(encoding, DECODE_STEP_BYTES)
+    received, most = 0, compressed_limit(max_bytes)
     while chunk := await request.content.readany():
+        received += len(chunk)
+        if received > most:  # bytes that decode to little or nothing, sent on and on
+            raise _too_large_compressed(max_bytes)
         for piece in decoder.feed(chunk):
             if len(body) + len(piece) > max_bytes:
                 raise _too_large(max_bytes)

@@ -14,6 +14,7 @@ import aiohttp.http_parser
 import pytest
 
 from router_service import http_guard
+from router_service.http_codings import compressed_limit
 from router_service.http_guard import DECODE_STEP_BYTES, decoded_codings
 from tests.router_service.test_http_errors import (
     AUTH_LINE,
@@ -206,7 +207,7 @@ def test_a_body_corrupt_past_its_first_megabyte_releases_its_reservation(tmp_pat
 
 
 def test_a_trickled_or_overdeclared_compressed_body_meets_the_body_timeout(tmp_path, caplog):
-    """A gzip body sent a byte at a time, or one declaring far more bytes than it sends, is the 408 once
+    """A gzip body sent a byte at a time, or one declaring many more bytes than it sends, is the 408 once
     http_body_timeout_s has passed, and releases what it reserved."""
 
     async def trickle(port: int, payload: bytes, length: int) -> bytes:
@@ -226,11 +227,63 @@ def test_a_trickled_or_overdeclared_compressed_body_meets_the_body_timeout(tmp_p
 
     async def body():
         async with http_harness(tmp_path, http_body_timeout_s=0.5) as (router, fake, base, hooks):
-            for payload, length in ((GZ, len(GZ)), (GZ, 10**9)):
+            for payload, length in ((GZ, len(GZ)), (GZ, 1_000_000)):
                 got, answer = status_and_body(await trickle(router.http_port, payload, length))
                 assert_openai_error(answer, 408, got, code="request_timeout")
                 assert router.http.bodies.held == 0
             assert not fake.seen_ids
+            assert not problems(caplog)
+
+    asyncio.run(body())
+
+
+def _inflated(size: int) -> bytes:
+    """BODY as a raw deflate stream of exactly `size` bytes: empty stored blocks (5 bytes each, decoding to nothing)
+    after the data, filler any encoder could write but none does at length."""
+    packer = zlib.compressobj(wbits=-15)
+    data, end = packer.compress(BODY) + packer.flush(zlib.Z_SYNC_FLUSH), packer.flush()
+    blocks, extra = divmod(size - len(data) - len(end), 5)
+    assert extra == 0 or blocks > 0
+    filler = b"\x00\x00\x00\xff\xff" * (blocks - (extra > 0))
+    if extra:  # one stored block of `extra` bytes more: 5 + extra, data of its own, so split the last empty one
+        filler += b"\x00" + (extra).to_bytes(2, "little") + (0xFFFF ^ extra).to_bytes(2, "little") + b" " * extra
+    return data + filler + end
+
+
+async def _answer(port: int, data: bytes) -> bytes:
+    """The answer to `data`, read without waiting for the connection to close (aiohttp may linger, reading on the
+    body the request announced)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0])
+        return head + await asyncio.wait_for(reader.readexactly(length), 5)
+    finally:
+        writer.close()
+
+
+def test_compressed_bytes_past_what_any_coding_makes_are_413(tmp_path, caplog):
+    """A compressed body's bytes were not bounded, only what they decode to: a client could send bytes that decode
+    to nothing (empty deflate blocks) for as long as the body timeout let it, and a Content-Length of a gigabyte
+    with Content-Encoding was read on. Past compressed_limit(--max-message-bytes) either is the 413, the declared
+    length before anything is read; a body of exactly that many bytes is served."""
+    limit = 4096
+    most = compressed_limit(limit)
+
+    async def body():
+        async with http_harness(tmp_path, max_message_bytes=limit) as (router, fake, base, hooks):
+            got, answer = await _post(router, b"deflate", _inflated(most))
+            assert got == 200, answer
+            got, answer = await _post(router, b"deflate", _inflated(most + 1))
+            assert_openai_error(answer, 413, got, code="request_too_large")
+            assert f"larger than {most} bytes" in answer["error"]["message"]
+            head = post_bytes(COMPLETIONS, b"", AUTH_LINE + b"Content-Encoding: gzip\r\n")
+            for length in (most + 1, 10**9):
+                declared = head.replace(b"Content-Length: 0", b"Content-Length: %d" % length)
+                got, answer = status_and_body(await _answer(router.http_port, declared + GZ))
+                assert_openai_error(answer, 413, got, code="request_too_large")
+            assert router.http.bodies.held == 0
             assert not problems(caplog)
 
     asyncio.run(body())
