@@ -39,7 +39,7 @@ from yarl import URL
 from common.rate_limited_log import RateLimitedLog
 from router_service.errors import clipped
 from router_service.http_bodies import Reservation
-from router_service.http_codings import BodyDecoder, compressed_limit
+from router_service.http_codings import BodyDecoder, TooManyMembers, compressed_limit
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
@@ -256,6 +256,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
         ) from None
     except web.RequestPayloadError as e:  # e.g. a chunked body cut short
         raise ApiError(400, f"the body cannot be read: {_first_line(e)}", code="unreadable_body") from None
+    except TooManyMembers as e:
+        raise ApiError(400, f"Content-Encoding header: the body holds {e.message}", code="unreadable_body") from None
     except ContentEncodingError:
         raise ApiError(
             400,
