@@ -328,3 +328,37 @@ def test_a_body_of_more_members_than_the_cap_is_400_however_it_arrives(tmp_path,
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+def test_a_compressed_body_the_budget_cannot_hold_as_it_decodes_is_503_and_releases_its_share(tmp_path, caplog):
+    """A gzip body reserves its compressed length, then grows its share as it decodes: past what the body budget
+    has left (another body holding most of it) it is the 503, and what it had grown to is released at once."""
+    limit = 4 * DECODE_STEP_BYTES
+    held_elsewhere = 3 * DECODE_STEP_BYTES
+    settings = dict(max_message_bytes=limit, http_max_body_bytes_in_flight=limit)
+
+    async def body():
+        async with http_harness(tmp_path, **settings) as (router, fake, base, hooks):
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
+            try:  # a plain body that reserves its Content-Length and sends nothing
+                writer.write(
+                    post_bytes(COMPLETIONS, b"", AUTH_LINE).replace(b"Length: 0", b"Length: %d" % held_elsewhere)
+                )
+                for _ in range(100):
+                    if router.http.bodies.held == held_elsewhere:
+                        break
+                    await asyncio.sleep(0.02)
+                assert router.http.bodies.held == held_elsewhere
+                got, answer = await _post(router, b"gzip", gzip.compress(_padded(2 * DECODE_STEP_BYTES), mtime=0))
+                assert got == 503 and answer["error"]["code"] == "too_many_body_bytes", answer
+                assert router.http.bodies.held == held_elsewhere
+            finally:
+                writer.close()
+            for _ in range(100):
+                if router.http.bodies.held == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert router.http.bodies.held == 0
+            assert not problems(caplog)
+
+    asyncio.run(body())
