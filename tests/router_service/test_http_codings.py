@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import types
 import zlib
 
-import aiohttp.compression_utils
-import aiohttp.http_parser
 import pytest
 
-from router_service import http_guard
 from router_service.http_codings import MAX_MEMBERS, compressed_limit
-from router_service.http_guard import DECODE_STEP_BYTES, decoded_codings
+from router_service.http_guard import DECODE_STEP_BYTES
 from tests.router_service.test_http_errors import (
     AUTH_LINE,
     COMPLETIONS,
@@ -26,7 +22,7 @@ from tests.router_service.test_http_errors import (
     raw_exchange,
     status_and_body,
 )
-from tests.router_service.test_http_guard import _FakeBrotli, _FakeZstd, _raw_deflate
+from tests.router_service.test_http_guard import _raw_deflate, _with_stand_in_codecs
 
 BODY = b'{"prompt": "x", "max_tokens": 1}'
 GZ = gzip.compress(BODY, mtime=0)  # mtime=0: the same bytes (and test ids) in every xdist worker
@@ -137,14 +133,7 @@ def test_stacked_or_listed_codings_are_415(tmp_path, caplog):
 def test_br_and_zstd_bodies_must_be_whole(tmp_path, caplog, monkeypatch, coding):
     """The same for br and zstd (stand-in codecs: the packages need not be installed): a stream cut short or an
     empty body is the 400; zstd frames back to back are decoded whole."""
-    for module in (aiohttp.compression_utils, aiohttp.http_parser):
-        monkeypatch.setattr(module, "HAS_BROTLI", True)
-        monkeypatch.setattr(module, "HAS_ZSTD", True)
-    monkeypatch.setattr(
-        aiohttp.compression_utils, "brotli", types.SimpleNamespace(Decompressor=_FakeBrotli), raising=False
-    )
-    monkeypatch.setattr(aiohttp.compression_utils, "ZstdDecompressor", _FakeZstd, raising=False)
-    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(True, True))
+    _with_stand_in_codecs(monkeypatch)
     whole = _raw_deflate(BODY)
 
     async def body():

@@ -199,6 +199,18 @@ class _FakeZstd:
         return not self._z.unconsumed_tail
 
 
+def _with_stand_in_codecs(monkeypatch) -> None:
+    """br and zstd as aiohttp sees them with their packages installed, decoded by the stand-ins above."""
+    for module in (aiohttp.compression_utils, aiohttp.http_parser):
+        monkeypatch.setattr(module, "HAS_BROTLI", True)
+        monkeypatch.setattr(module, "HAS_ZSTD", True)
+    monkeypatch.setattr(
+        aiohttp.compression_utils, "brotli", types.SimpleNamespace(Decompressor=_FakeBrotli), raising=False
+    )
+    monkeypatch.setattr(aiohttp.compression_utils, "ZstdDecompressor", _FakeZstd, raising=False)
+    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(True, True))
+
+
 def _raw_deflate(data: bytes) -> bytes:
     packer = zlib.compressobj(wbits=-15)
     return packer.compress(data) + packer.flush()
@@ -208,14 +220,7 @@ def _raw_deflate(data: bytes) -> bytes:
 def test_br_and_zstd_with_their_package_are_decoded(tmp_path, caplog, monkeypatch, coding):
     """With the package aiohttp looks for, the coding is taken and decoded by aiohttp's decoder, and a body that is
     not in it is the front's 400 (here a stand-in codec: the packages need not be installed)."""
-    for module in (aiohttp.compression_utils, aiohttp.http_parser):
-        monkeypatch.setattr(module, "HAS_BROTLI", True)
-        monkeypatch.setattr(module, "HAS_ZSTD", True)
-    monkeypatch.setattr(
-        aiohttp.compression_utils, "brotli", types.SimpleNamespace(Decompressor=_FakeBrotli), raising=False
-    )
-    monkeypatch.setattr(aiohttp.compression_utils, "ZstdDecompressor", _FakeZstd, raising=False)
-    monkeypatch.setattr(http_guard, "DECODED_CODINGS", decoded_codings(True, True))
+    _with_stand_in_codecs(monkeypatch)
 
     async def body():
         async with http_harness(tmp_path) as (router, fake, base, hooks):
