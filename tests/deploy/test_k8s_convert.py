@@ -1,9 +1,13 @@
 """The convert Job as an object: which failures it retries (its pod failure policy, evaluated the way the Job
-controller evaluates it)."""
+controller evaluates it), and how its script stops on a pod's SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from common.errors import ChecksumError, ColibriError, ConfigError, ModelFormatError
@@ -173,3 +177,46 @@ def test_convert_job_is_recreated_by_gitops_tools(renderings):
         "kustomize.toolkit.fluxcd.io/force: enabled",
     ):
         assert text in docs, f"docs/deploy.md does not say what {text} does"
+
+
+def test_convert_job_stops_its_step_at_once_on_sigterm(renderings, tmp_path):
+    """A deleted pod's SIGTERM (as PID 1 the shell would ignore it without a trap, and run a trap only after its
+    foreground command) stops the running conversion at once with exit 143, before it writes on beside the pod that
+    replaces it; MODEL_DIR is left as it was."""
+    script, env, bin_dir, log, model = _idempotence_setup(renderings, tmp_path)
+    assert _run_script(script, env, bin_dir).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in model.rglob("*")}
+    command_env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": "/tmp", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        ["sh", "-c", script],
+        env={**command_env, **env, "FORCE": "1", "FAKE_CONVERT_SLEEP": "60"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    pid_file = Path(f"{log}.pid")
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.01)
+        converter = int(pid_file.read_text())
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == SIGTERM
+    deadline = time.monotonic() + 5
+    while _alive(converter):
+        assert time.monotonic() < deadline, "the conversion kept running"
+        time.sleep(0.01)
+    assert {p: p.stat().st_mtime_ns for p in model.rglob("*")} == before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))  # a zombie has ended

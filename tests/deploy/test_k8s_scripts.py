@@ -46,6 +46,7 @@ for a in "$@"; do printf '%s\\n' "$a"; done >> "$FAKE_LOG"
 echo >> "$FAKE_LOG"
 case "$1" in
   convert) [ -f "$2/config.json" ] || { echo "colibri convert: error: no config.json in $2" >&2; exit 3; }
+           if [ -n "${FAKE_CONVERT_SLEEP:-}" ]; then echo $$ > "$FAKE_LOG.pid"; exec sleep "$FAKE_CONVERT_SLEEP"; fi
            [ -z "${FAKE_CONVERT_EXIT:-}" ] || exit "$FAKE_CONVERT_EXIT"
            mkdir -p "$3" && echo '{}' > "$3/colibri.json" && echo "$*" > "$3/made-by" ;;
   router-gen) touch "$2/routing_table.bin" ;;
