@@ -117,7 +117,8 @@ def test_convert_job_commands_come_from_declared_packages(renderings):
     """The Job runs on the CPU image: every command its script calls is installed by a declared package."""
     (c,) = pod_spec(renderings["convert"].one("Job", "colibri-convert"))["containers"]
     assert c["image"].endswith("-cpu")
-    commands = set(re.findall(r"^\s*(?:if .*then )?([a-z][\w-]*) ", c["args"][0], re.M)) & set(JOB_COMMANDS)
+    # a command at a line's start, or run by the script's `step` (in the background, waited for)
+    commands = set(re.findall(r"^\s*(?:if .*then )?(?:step )?([a-z][\w-]*) ", c["args"][0], re.M)) & set(JOB_COMMANDS)
     assert commands == set(JOB_COMMANDS), f"the script's commands changed: {commands}"
     declared = {canonicalize_name(r.name) for r in _declared(())}
     pins = _pinned("cpu", ENVIRONMENTS[0])
