@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from expert_service.kernels import expert_quant
-from expert_service.kernels.moe_q8 import DECODE_SHAPE, TOK_TILE, _kernel
-from expert_service.kernels.numeric import WARP, check_array
+from expert_service.kernels.moe_q8 import DECODE_SHAPE, _launch
+from expert_service.kernels.numeric import check_array
 
 # the 8-bit encodings a matrix may have: per-row scales only (a block scale would split the K axis, which this
 # layout does not record)
@@ -24,8 +24,7 @@ CODES = (expert_quant.CODE_INT8, expert_quant.CODE_FP8)
 def matrix_meta(code: int, scale_offset: int) -> np.ndarray:
     """meta [1, META_WIDTH] int32 for a block holding the matrix at byte 0 and its per-row float32 scales from byte
     `scale_offset` (a multiple of 4: the kernel indexes the block's bytes as floats there)."""
-    if code not in CODES:
-        raise ValueError(f"dtype code {code}: an 8-bit matrix is int8 ({CODES[0]}) or fp8 e4m3 ({CODES[1]})")
+    _check_code(code)
     if scale_offset <= 0 or scale_offset % 4:
         raise ValueError(f"scale offset {scale_offset}: the scales start past the matrix, at a multiple of 4 bytes")
     return np.array([[code, expert_quant.SCALE_CHANNEL, 0, 0, 0, 0, 0, scale_offset]], np.int32)
@@ -50,36 +49,23 @@ def launch_linear_q8(x, block, meta, code: int, n_out: int, out, bounds, first_r
     check_array("meta", meta, (1, expert_quant.META_WIDTH), np.int32)
     check_array("bounds", bounds, (bounds.shape[0], 2), np.int32)
     check_array("first_row", first_row, (1, 1), np.int32)
-    if code not in CODES:
-        raise ValueError(f"dtype code {code}: an 8-bit matrix is int8 ({CODES[0]}) or fp8 e4m3 ({CODES[1]})")
+    _check_code(code)
     if K % 16 or K <= 0 or n_out <= 0:
         raise ValueError(f"an 8-bit matrix [{n_out}, {K}] needs rows of a positive multiple of 16 values")
     if block.ndim != 1 or np.dtype(block.dtype) != np.uint8 or block.size % 4:
         raise ValueError(f"block must be uint8 [n] with n % 4 == 0, got {block.dtype} {list(block.shape)}")
     if not 1 <= R < bounds.shape[0]:
         raise ValueError(f"{R} rows: bounds hold offsets for 1 to {bounds.shape[0] - 1} rows")
-    one = R == 1
-    rows_per_block = DECODE_SHAPE.warps * DECODE_SHAPE.rows(False)
-    grid = (1, -(-n_out // rows_per_block))
-    unused = bounds[R]
-    kernel = _kernel(((int(code), expert_quant.SCALE_CHANNEL),), False, 1 if one else TOK_TILE, DECODE_SHAPE)[1]
-    kernel[grid, DECODE_SHAPE.warps * WARP, stream](
-        x.reshape(x.size),
-        unused,  # order: the down projection reads row p of x for position p
-        bounds[R],  # offsets: positions [0, R) are the one expert's
-        first_row.reshape(1),
-        int(one),
-        block.view(np.uint32),
-        block.view(np.float32),
-        meta,
-        block.size,
-        n_out,
-        K,
-        1,
-        unused,  # slot_of: not read (use_slots 0)
-        0,
-        out,
-    )
+    # one row by slot (slot 0 runs expert first_row[0] = 0), more as the expert's grouped positions [0, R)
+    ids, offsets = (first_row, None) if R == 1 else (None, bounds[R])
+    kinds = ((int(code), expert_quant.SCALE_CHANNEL),)
+    experts = block.reshape(1, block.size)  # the one expert's block
+    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, DECODE_SHAPE)
+
+
+def _check_code(code: int) -> None:
+    if code not in CODES:
+        raise ValueError(f"dtype code {code}: an 8-bit matrix is int8 ({CODES[0]}) or fp8 e4m3 ({CODES[1]})")
 
 
 def linear_q8_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, code: int) -> np.ndarray:
