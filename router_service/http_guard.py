@@ -319,11 +319,16 @@ async def _read(request: web.Request, max_bytes: int, reservation: Reservation) 
     which keeps its copy on the request for as long as the handler runs."""
     body = bytearray()
     while chunk := await request.content.readany():
-        if len(body) + len(chunk) > max_bytes:
-            raise _too_large(max_bytes)
-        reservation.grow_to(len(body) + len(chunk))
-        body += chunk
+        _take(body, chunk, max_bytes, reservation)
     return body
+
+
+def _take(body: bytearray, piece: bytes, max_bytes: int, reservation: Reservation) -> None:
+    """Appends `piece` to the body read so far: a 413 past `max_bytes`, the reservation grown to hold it first."""
+    if len(body) + len(piece) > max_bytes:
+        raise _too_large(max_bytes)
+    reservation.grow_to(len(body) + len(piece))
+    body += piece
 
 
 async def _decode(request: web.Request, encoding: str, max_bytes: int, reservation: Reservation) -> bytearray:
@@ -336,10 +341,7 @@ async def _decode(request: web.Request, encoding: str, max_bytes: int, reservati
         if received > most:  # bytes that decode to little or nothing, sent on and on
             raise _too_large_compressed(max_bytes)
         for piece in decoder.feed(chunk):
-            if len(body) + len(piece) > max_bytes:
-                raise _too_large(max_bytes)
-            reservation.grow_to(len(body) + len(piece))
-            body += piece
+            _take(body, piece, max_bytes, reservation)
     decoder.finish()  # a stream cut short (in a gzip trailer too), or an empty body
     return body
 
