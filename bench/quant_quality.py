@@ -136,6 +136,13 @@ def head_nbytes(model: ModelDir) -> int:
     return model.entries["lm_head" if "lm_head" in model.entries else "embed_tokens"].nbytes
 
 
+def against(logits: np.ndarray, ref: np.ndarray) -> tuple[int, float]:
+    """A window's logits against a reference's: positions whose next-token argmax agrees (the last position has no
+    target), and the logit error max |logits - ref| / max |ref|."""
+    agree = int((logits[:-1].argmax(1) == ref[:-1].argmax(1)).sum())
+    return agree, float(np.abs(logits - ref).max() / np.abs(ref).max())
+
+
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Per-position next-token loss in nats (float64 log-sum-exp)."""
     z = logits.astype(np.float64)
@@ -205,12 +212,14 @@ def main() -> int:
                     logits = ref if name == "bfloat16" else engines[name].prompt_logits(window)
                 window_logits[name] = logits
                 nats[name] += float(cross_entropy(logits[:-1], window[1:]).sum())
-                agree[name] += int((logits[:-1].argmax(1) == ref[:-1].argmax(1)).sum())
-                errors[name].append(float(np.abs(logits - ref).max() / np.abs(ref).max()))
+                agreed, error = against(logits, ref)
+                agree[name] += agreed
+                errors[name].append(error)
             for name, base in pairs.items():
                 logits, base_logits = window_logits[name], window_logits[base]
-                head_agree[name] += int((logits[:-1].argmax(1) == base_logits[:-1].argmax(1)).sum())
-                head_errors[name].append(float(np.abs(logits - base_logits).max() / np.abs(base_logits).max()))
+                agreed, error = against(logits, base_logits)
+                head_agree[name] += agreed
+                head_errors[name].append(error)
             tokens += len(window) - 1
             print(f"window {i + 1}/{len(starts)}: {tokens} tokens, {time.perf_counter() - started:.0f} s", flush=True)
         rng = np.random.default_rng(0)
