@@ -19,8 +19,9 @@ holds a cached block the router does not know of, and a sequence the router star
 (UNKNOWN_PREFIX_BLOCK) only when a step refused as a whole kept the block from being registered: that step was to
 register it or, at pipeline depth 3 or more, a step sent behind it was, and the worker failed that chunk's sequence
 alone or skipped a decoded block the refusal left short. A refusal that no detached block explains takes the
-blocks the sequence started on out of the index (`forget`): blocks the worker lost otherwise (another caller's
-ClearCache) are then computed again, not offered to every later request.
+blocks the sequence started on out of the index (`forget`): blocks the worker lost otherwise (it keeps a live
+stream's blocks through another caller's ClearCache, so this is a guard) are then computed again, not offered to
+every later request.
 
 Generated tokens too (a worker that says so: InfoResponse.caches_generated_blocks). Once a running request's
 block is full of known tokens (prompt tail and generated ones) and the decode feeding its last position is in the
@@ -374,8 +375,8 @@ class PrefixCache:
     def forget(self, block_ids) -> int:
         """A sequence started on these blocks was refused UNKNOWN_PREFIX_BLOCK: the worker lacks one of them. When
         one already left the index (a refused step was to register it: detached when that answer came), that is
-        the one, and the others stay. Otherwise the worker lost blocks the router still offers (another caller's
-        ClearCache): they all leave the index, so the next request computes them again, and are evicted once no
+        the one, and the others stay. Otherwise the worker lost blocks the router still offers (a guard: the worker
+        keeps a live stream's blocks): they all leave the index, so the next request computes them again, and are evicted once no
         request holds them. Returns the blocks to give back to the free pool now (those none holds)."""
         blocks = [self._by_id.get(block_id) for block_id in block_ids]
         indexed = [block for block in blocks if block is not None and self.blocks.get(block.hash) is block]

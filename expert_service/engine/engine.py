@@ -11,7 +11,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import replace
 
 import numpy as np
@@ -87,9 +87,11 @@ class Engine:
         keep = set(keep_ids)
         return self.release([rid for rid in list(self.sequences) if rid not in keep])
 
-    def clear(self) -> int:
+    def clear(self, keep_owners: Collection[int] = ()) -> int:
+        """Frees every sequence and drops the cached blocks of every owner but `keep_owners` (open step streams,
+        whose routers still offer their blocks); returns how many sequences were freed."""
         freed = len(self.release(list(self.sequences)))
-        for owner in {key[0] for key in self.allocator.cached}:
+        for owner in {key[0] for key in self.allocator.cached} - set(keep_owners):
             self.allocator.evict_owner(owner)
         return freed
 

@@ -99,6 +99,9 @@ class WorkerServicer:
         self.sequence_owners: dict[int, int] = {}  # sequence id -> the session that started it
         self.open_streams = 0
         self._stream_ends: set[Callable[[], None]] = set()  # each open stream's end (`end_streams`)
+        # sessions whose routers still offer the blocks they cached: ClearCache leaves those (added on the loop,
+        # discarded once the session's close has run on the model thread)
+        self.live_sessions: set[int] = set()
         self.limits: StepLimits | None = None
         self._unary: StreamSession | None = None
 
@@ -316,6 +319,7 @@ class WorkerServicer:
         """Steps queue on the model thread as they arrive; results go back in order as they complete."""
         await self._require(context, new_work=True)
         session = StreamSession(self.attached_engine, self.sequence_owners, self.is_draining)
+        self.live_sessions.add(session.id)
         loop = asyncio.get_running_loop()  # a fault on the model thread reaches the fatal path on the loop
         pump = StepPump(session, self.executor, on_fault=lambda e: loop.call_soon_threadsafe(self._fatal, e))
         queued: asyncio.Queue = asyncio.Queue()
@@ -364,7 +368,9 @@ class WorkerServicer:
             self.open_streams -= 1
             self._stream_ends.discard(end)
             # After every step it queued; the gauge shows the blocks the stream held coming back.
-            (closing or pump.close()).add_done_callback(lambda _: self.update_gauges())
+            closed = closing or pump.close()
+            closed.add_done_callback(lambda _: self.live_sessions.discard(session.id))
+            closed.add_done_callback(lambda _: self.update_gauges())
 
     def end_streams(self) -> None:
         """Ends every open step stream UNAVAILABLE once the steps queued ahead are answered: a server stopped with
@@ -431,9 +437,11 @@ class WorkerServicer:
         return self.attached_engine.release(gone)
 
     def _clear(self) -> int:
-        """The worker's reset: frees the unary calls' sequences and drops every cached prefix block. Refused while a
-        step stream holds sequences: freeing them would fail (or, with their ids taken again, corrupt) steps that
-        stream already sent; a stream frees its own, and all of them when it ends."""
+        """The worker's reset: frees the unary calls' sequences and drops the cached prefix blocks no open step
+        stream owns (a live stream's router still offers its blocks: dropping them would fail its next requests on
+        them; a stream's blocks go when it ends). Refused while a step stream holds sequences: freeing them would
+        fail (or, with their ids taken again, corrupt) steps that stream already sent; a stream frees its own, and
+        all of them when it ends."""
         running = [owner for owner in self.sequence_owners.values() if owner != UNARY]
         if running:
             streams = len(set(running))
@@ -442,7 +450,7 @@ class WorkerServicer:
                 "running; nothing was cleared (a stream's sequences are freed by its frees or when it ends)"
             )
         self.sequence_owners.clear()
-        return self.attached_engine.clear()
+        return self.attached_engine.clear(keep_owners=frozenset(self.live_sessions))
 
     async def FilterBatch(self, request, context):
         await self._require(context)
