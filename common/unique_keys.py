@@ -26,8 +26,8 @@ MAX_YAML_DEPTH = 64  # a settings file is a few levels deep
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key written twice in one mapping, and nesting deeper than MAX_YAML_DEPTH; `check_key`
-    lets a subclass refuse other keys."""
+    """SafeLoader refusing a key written twice in one mapping, and nesting deeper than MAX_YAML_DEPTH;
+    `check_mapping_key` lets a subclass refuse other keys."""
 
     _depth = 0
 
@@ -47,8 +47,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def check_key(self, key_node: yaml.Node, key: object) -> None:
-        """Called with every key of every mapping (merges aside) before it is checked for a repeat."""
+    def check_mapping_key(self, key_node: yaml.Node, key: object) -> None:
+        """Called with every key of every mapping (merges aside) before it is checked for a repeat. Not `check_key`:
+        that is the scanner's test for a '?' key indicator, and overriding it broke every '?' starting a token."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -56,7 +57,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's own rule
                 continue
             key = self.construct_object(key_node, deep=deep)
-            self.check_key(key_node, key)
+            self.check_mapping_key(key_node, key)
             try:
                 duplicate = key in seen
             except TypeError:  # unhashable: SafeLoader names it below

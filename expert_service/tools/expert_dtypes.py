@@ -188,7 +188,7 @@ def _read(path: Path) -> dict:
         from common.unique_keys import DuplicateKeyError, UniqueKeyLoader
 
         class Loader(UniqueKeyLoader):
-            def check_key(self, key_node, key) -> None:
+            def check_mapping_key(self, key_node, key) -> None:
                 if key_node.tag == "tag:yaml.org,2002:int" and not re.fullmatch(r"0|[1-9][0-9]*", key_node.value):
                     mark = key_node.start_mark
                     raise ConfigError(  # YAML 1.1 reads 010 as octal 8, 0x10 as 16, 1_0 as 10

@@ -73,6 +73,15 @@ def test_a_text_setting_keeps_the_text_as_written(tmp_path, text):
     assert _from_file(tmp_path, RouterConfig, "model_name", text) == text
 
 
+def test_a_yaml_explicit_key_is_read(tmp_path):
+    """'?' starting a token (an explicit key, or text such as ?x) raised a TypeError: the loader's key hook shadowed
+    the YAML scanner's method of the same name."""
+    path = tmp_path / "colibri.yaml"
+    path.write_text("? model_name\n: m\n")
+    assert load_config_file(path, "router") == {"model_name": "m"}
+    assert _from_file(tmp_path, RouterConfig, "model_name", "?x") == "?x"
+
+
 @pytest.mark.parametrize("text, value", [("yes", True), ("on", True), ("1", True), ("off", False), ("false", False)])
 def test_a_switch_reads_the_environment_s_words(tmp_path, text, value):
     assert _from_file(tmp_path, RouterConfig, "warmup", text) is value is _from_env(RouterConfig, "warmup", text)

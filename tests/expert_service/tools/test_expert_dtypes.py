@@ -99,3 +99,27 @@ def test_keep_hot_keeps_no_expert_that_no_row_names(tmp_path):
     path.write_text("keep_hot:\n  routing_table: gated.bin\n  per_layer: 3\n")
     plan = load_plan(CONFIG, None, quant.BLOCK128, path)
     assert plan.hot == {(layer, E - 1) for layer in CONFIG.moe_layers[1:]}
+
+
+def test_a_yaml_explicit_key_is_read_as_written(tmp_path):
+    """The loader's key hook was named check_key, which is also the YAML scanner's test for a '?' key indicator:
+    any '?' starting a token raised a TypeError, a traceback where a one-line error or a plan was due."""
+    path = tmp_path / "plan.yaml"
+    path.write_text("layers:\n  ? 10\n  : int8\nexperts: {? '3.1' : fp8}\n")
+    plan = load_plan(CONFIG, None, quant.BLOCK128, path)
+    assert plan.chosen[10, 0].dtype == "int8" and plan.chosen[3, 1].dtype == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("default: ?int8\n", "default: expert dtype '?int8' is not supported"),
+        ("default: ?\n", "not valid YAML (mapping keys are not allowed here)"),
+        ("layers: {? 010 : int8}\n", "key 010 (line 1, column 12) is the YAML number 8"),
+    ],
+)
+def test_a_question_mark_in_yaml_is_a_one_line_error(tmp_path, text, message):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {re.escape(message)}"):
+        load_plan(CONFIG, None, quant.BLOCK128, path)
