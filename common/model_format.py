@@ -4,13 +4,13 @@ checked on open, memory-mapped, its tensors zero-copy views.
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
-boundary), 8-bit dtypes outside routed experts and lm_head (an 8-bit head: ``common/head_format.py``), dense
-tensors in another dtype than "dtype" (version 1: any tensor), scales missing, of the wrong shape or holding a
-value that is not positive and finite or so large that a code times it overflows float32 (read on every open, one
-small range per expert and one for the head), expert blocks off their planned offsets, an expert_stride other
-than the largest of expert_strides, and (unless told to skip) any crc32 mismatch, scales included, or a NaN byte
-(0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError`` (``ChecksumError`` for a
-mismatch).
+boundary), two tensors sharing a byte, 8-bit dtypes outside routed experts and lm_head (an 8-bit head:
+``common/head_format.py``), dense tensors in another dtype than "dtype" (version 1: any tensor), scales missing, of
+the wrong shape or holding a value that is not positive and finite or so large that a code times it overflows
+float32 (read on every open, one small range per expert and one for the head), expert blocks off their planned
+offsets, an expert_stride other than the largest of expert_strides, and (unless told to skip) any crc32 mismatch,
+scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError``
+(``ChecksumError`` for a mismatch).
 """
 
 from __future__ import annotations
@@ -224,7 +224,27 @@ class ModelDir:
                 and self.entries[name[: -len(SCALE_SUFFIX)]].dtype not in dtypes.QUANTIZED_DTYPES
             ):
                 raise ModelFormatError(f"tensor {name}: a scale for {name[: -len(SCALE_SUFFIX)]}, which is not 8-bit")
+        self._check_disjoint()
         self._check_scale_values()
+
+    def _check_disjoint(self) -> None:
+        """No byte belongs to two tensors. Experts sit in planned blocks, but dense tensors only on 64-byte
+        boundaries: one pointed into another's bytes (its crc32 taken there) would pass every other check."""
+        by_file: dict[str, list[TensorEntry]] = {}
+        for entry in self.entries.values():
+            by_file.setdefault(entry.file, []).append(entry)
+        for file, entries in by_file.items():
+            entries.sort(key=lambda e: (e.offset, e.nbytes))
+            reach = entries[0]  # of the entries so far, the one ending last
+            for entry in entries[1:]:
+                if entry.offset < reach.offset + reach.nbytes:
+                    raise ModelFormatError(
+                        f"tensor {entry.name}: bytes {entry.offset}...{entry.offset + entry.nbytes} of {file} overlap "
+                        f"tensor {reach.name} (bytes {reach.offset}...{reach.offset + reach.nbytes}); each tensor has "
+                        "bytes of its own"
+                    )
+                if entry.offset + entry.nbytes > reach.offset + reach.nbytes:
+                    reach = entry
 
     def _check_scale_values(self) -> None:
         """Every 8-bit expert's scales, and an 8-bit head's, hold positive finite values, whether or not checksums

@@ -143,3 +143,38 @@ def test_reader_rejects_an_expert_that_is_not_one_contiguous_block(tmp_path):
     (bad / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ModelFormatError, match=r"layers\.1\.experts\.2\..*not one 4096-byte-aligned block"):
         ModelDir.open(bad, verify=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reader_rejects_a_tensor_whose_bytes_overlap_anothers(tmp_path, seed):
+    """A manifest pointing a dense tensor into another one's bytes (its crc32 taken over those bytes, so every
+    checksum matches) loaded: two tensors read one range, and the model ran weights its checkpoint never had."""
+    import shutil
+    import zlib
+
+    rng = np.random.default_rng(seed)
+    src = convert(write_tiny_checkpoint(tmp_path / "hf", "mixtral", seed=seed), tmp_path / "model", progress=False)
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    tensors = manifest["tensors"]
+    dense = sorted((n for n, e in tensors.items() if e["file"] == DENSE_FILE), key=lambda n: tensors[n]["offset"])
+    moved = dense[rng.integers(len(dense))]
+    others = [n for n in dense if n != moved]
+    into = others[rng.integers(len(others))]
+    size = (bad / DENSE_FILE).stat().st_size
+    nbytes, start, end = (
+        tensors[moved]["nbytes"],
+        tensors[into]["offset"],
+        tensors[into]["offset"] + tensors[into]["nbytes"],
+    )
+    # a 64-byte-aligned start inside `into` from which `moved` still fits in the file
+    candidates = [o for o in range(start, min(end, size - nbytes + 1), DENSE_ALIGN) if o != tensors[moved]["offset"]]
+    offset = int(candidates[rng.integers(len(candidates))])
+    tensors[moved].update(offset=offset, crc32=zlib.crc32((bad / DENSE_FILE).read_bytes()[offset : offset + nbytes]))
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        ModelFormatError, match=r"^tensor .*: bytes \d+\.\.\.\d+ of dense\.bin overlap tensor "
+    ) as error:
+        ModelDir.open(bad)
+    assert moved in str(error.value) and "\n" not in str(error.value)
