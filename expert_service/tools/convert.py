@@ -349,15 +349,26 @@ def _refuse_unused(where: dict[str, SafetensorsShard], specs: list[TensorSpec], 
     unused = sorted(name for name in where if name not in used and named.fullmatch(name))
     embed = specs[0].hf_name
     if unused == [family_module(family).HF_NAMES["lm_head"]]:  # tied: a copy of the embedding is harmless
-        lm_head, tied_to = where[unused[0]], where[embed]
-        if lm_head.tensors[unused[0]] == tied_to.tensors[embed]:
-            if np.array_equal(lm_head.read(unused[0])[0], tied_to.read(embed)[0]):
-                return
+        # a copy down to its fp8 scales: the same bytes times another scale are another matrix
+        pairs = [(unused[0] + suffix, embed + suffix) for suffix in ("", *hf_fp8.SCALE_SUFFIXES)]
+        if all(_same_tensor(where, head, tied_to) for head, tied_to in pairs):
+            return
     if unused:
         raise ModelFormatError(
             f"{hf_dir}: checkpoint tensor {unused[0]} is not part of the {family} model config.json describes "
             f"({len(unused)} such tensors: check num_hidden_layers, the expert count, biases and tie_word_embeddings)"
         )
+
+
+def _same_tensor(where: dict[str, SafetensorsShard], a: str, b: str) -> bool:
+    """Both absent, or both present with one dtype, shape and bytes."""
+    if (a in where) != (b in where):
+        return False
+    if a not in where:
+        return True
+    if where[a].tensors[a] != where[b].tensors[b]:
+        return False
+    return np.array_equal(where[a].read(a)[0].view(np.uint8), where[b].read(b)[0].view(np.uint8))  # NaN equals NaN
 
 
 def _stored(specs: list[TensorSpec], scales: dict, spec: TensorSpec) -> ExpertFormat | None:

@@ -196,3 +196,38 @@ def test_dtype_takes_the_aliases_the_other_dtype_flags_take(tmp_path, capsys):
     assert err.splitlines()[-1] == (
         "colibri convert: error: argument --dtype: dtype 'i8' is not supported (supported: float32, float16, bfloat16)"
     ), err
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("head_scale", ["other", "stray", "same"])
+def test_a_tied_checkpoints_lm_head_copy_counts_only_with_the_embeddings_scale(tmp_path, capsys, seed, head_scale):
+    """A tied checkpoint may hold lm_head.weight as a copy of the embedding; the copy was taken for one on its bytes
+    alone, so an fp8 head with its own block scale (another matrix: q x another scale), or a scale beside a bf16
+    copy, was dropped without a word."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    rng = np.random.default_rng(seed)
+    write_fp8_checkpoint(tmp_path / "hf", head_config("qwen3_moe", tied=True), seed=seed)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    if head_scale == "stray":  # a bf16 copy of the embedding, and a scale no weight takes
+        tensors["lm_head.weight"] = tensors[EMBED].clone()
+        tensors["lm_head.weight_scale_inv"] = torch.ones(3, 1)
+    else:  # embedding and head stored fp8 with the same bytes
+        q, scale = quant.quantize(tensors[EMBED].float().numpy(), "float8_e4m3fn", quant.BLOCK128, EMBED)
+        tensors[EMBED] = torch.from_numpy(q).view(torch.float8_e4m3fn)
+        tensors[EMBED + "_scale_inv"] = torch.from_numpy(scale)
+        tensors["lm_head.weight"] = tensors[EMBED].clone()
+        other = scale * np.float32(rng.uniform(1.5, 4.0)) if head_scale == "other" else scale.copy()
+        tensors["lm_head.weight_scale_inv"] = torch.from_numpy(other)
+    save_torch(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    rc, out, err = run_cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "m"), "--no-progress")
+    if head_scale == "same":
+        assert rc == 0, err
+        return
+    assert rc == ModelFormatError.exit_code and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "checkpoint tensor lm_head.weight is not part of the qwen3_moe model config.json describes" in err
+    assert not (tmp_path / "m").exists()
