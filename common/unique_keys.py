@@ -53,8 +53,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = set()
+        merged = False
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges may override: YAML's own rule
+                if merged:  # but '<<' twice is a key written twice: PyYAML kept the first merge's values
+                    mark = key_node.start_mark
+                    raise DuplicateKeyError(f"duplicate key '<<' (line {mark.line + 1}, column {mark.column + 1})")
+                merged = True
                 continue
             key = self.construct_object(key_node, deep=deep)
             self.check_mapping_key(key_node, key)

@@ -228,6 +228,16 @@ def test_a_yaml_merge_may_still_override(tmp_path):
     assert load_config_file(path, "router") == {"port": "2", "max_batch_tokens": "64"}
 
 
+def test_two_yaml_merges_in_one_mapping_are_refused(tmp_path):
+    """'<<' written twice in one mapping is a key written twice: PyYAML kept the first merge's values and dropped
+    the second's (an override meant to win lost) without a word."""
+    path = tmp_path / "colibri.yaml"
+    path.write_text("router:\n  <<: {port: 1}\n  <<: {port: 2}\n")
+    message = f"--config: {path}: duplicate key '<<' (line 3, column 3)"
+    with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
+        load_config_file(path, "router")
+
+
 def test_the_suffix_decides_yaml_whatever_its_case_and_other_names_are_told_so(tmp_path):
     """colibri.YAML was read as JSON ('Expecting value'); colibri.toml gets told which names are read as YAML."""
     path = tmp_path / "colibri.YAML"

@@ -123,3 +123,12 @@ def test_a_question_mark_in_yaml_is_a_one_line_error(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {re.escape(message)}"):
         load_plan(CONFIG, None, quant.BLOCK128, path)
+
+
+def test_two_yaml_merges_naming_one_layer_are_refused(tmp_path):
+    """Two '<<' keys in one mapping kept the first merge's dtype for layer 3 and dropped the second's silently."""
+    path = tmp_path / "plan.yaml"
+    path.write_text("layers:\n  <<: {3: int8}\n  <<: {3: fp8}\n")
+    message = f"{path}: duplicate key '<<' (line 3, column 3)"
+    with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
+        load_plan(CONFIG, None, quant.BLOCK128, path)
