@@ -176,12 +176,17 @@ def _mapping(value: object, path: Path, key: str) -> dict:
 
 
 def _read(path: Path) -> dict:
-    from common.strict_json import load_json
+    from common.files import read_regular
+    from common.strict_json import parse_json
 
-    if path.is_dir():
-        raise ConfigError(f"{path}: a directory, not an expert dtype file")
-    if not path.is_file():
-        raise ConfigError(f"{path}: expert dtype file not found")
+    try:  # opened without blocking: a FIFO or device there is named as such, never waited on
+        data = read_regular(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: expert dtype file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not an expert dtype file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
@@ -197,11 +202,11 @@ def _read(path: Path) -> dict:
                     )
 
         try:
-            spec = yaml.load(path.read_text(), Loader=Loader)
+            spec = yaml.load(data.decode(), Loader=Loader)
         except DuplicateKeyError as e:
             raise ConfigError(f"{path}: {e}") from None
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     else:
-        spec = load_json(path, ConfigError)
+        spec = parse_json(data, path, ConfigError)
     return _mapping(spec, path, "the file")

@@ -132,3 +132,14 @@ def test_two_yaml_merges_naming_one_layer_are_refused(tmp_path):
     message = f"{path}: duplicate key '<<' (line 3, column 3)"
     with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
         load_plan(CONFIG, None, quant.BLOCK128, path)
+
+
+@pytest.mark.parametrize("name", ["plan.yaml", "plan.json"])
+def test_a_fifo_as_the_expert_dtype_file_is_named_as_one(tmp_path, name):
+    """A FIFO (or device) there was reported as 'expert dtype file not found', though something was there."""
+    import os
+
+    path = tmp_path / name
+    os.mkfifo(path)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{path}: not a regular file (a FIFO)") + "$"):
+        load_plan(CONFIG, None, quant.BLOCK128, path)
