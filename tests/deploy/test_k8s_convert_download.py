@@ -111,8 +111,8 @@ def test_a_download_error_that_may_pass_is_retried(renderings, tmp_path, case):
 
 @pytest.mark.parametrize("case", FALLBACK_CAUSES)
 def test_an_earlier_download_is_not_converted_as_another(renderings, tmp_path, case):
-    """hf exits 0 over an error when HF_DIR holds files: the checkpoint there is not HF_REPO at HF_REVISION (the
-    setting changed since) and must not be converted and recorded as it. A cause no retry can pass fails the Job at
+    """hf exits 0 over an error when HF_DIR holds files: the checkpoint there may not be HF_REPO at HF_REVISION (a
+    branch moved on, a download stopped midway) and must not be converted and recorded as it. A cause no retry can pass fails the Job at
     once; one that may pass is retried, unless the model in place was made from these very inputs."""
     job = _job(renderings)
     script, env, bin_dir, log, model = _setup(renderings, tmp_path)
@@ -122,11 +122,11 @@ def test_an_earlier_download_is_not_converted_as_another(renderings, tmp_path, c
     model.with_name("model.old").mkdir()
     before = _tree(model.parent)
     log.unlink()
-    changed = {**env, **warning, "HF_REPO": "org/other-model"}
+    changed = {**env, **warning, "DTYPE": "float16"}  # the checkpoint HF_DIR holds may be another one by now
     run = _run_script(script, changed, bin_dir)
     assert run.returncode == code, run.stdout + run.stderr
     assert failure_action(job, code) == ("FailJob" if code == 2 else "Count")
-    (line,) = [x for x in run.stderr.splitlines() if x.startswith("cannot download HF_REPO 'org/other-model'")]
+    line = _the_line(run, env)
     assert ("not retried" in line) == (code == 2), line
     assert [c[0] for c in _calls(log)] == ["hf"] and _tree(model.parent) == before, "nothing converted or deleted"
     # The same inputs as the model in place: the Hub out of reach changes nothing, there is nothing to do.
@@ -191,3 +191,60 @@ def test_the_real_hf_download_errors_are_told_apart(renderings, tmp_path):
         server.shutdown()
         server.server_close()
     assert not Path(env["HF_DIR"], "config.json").exists()
+
+
+# A stand-in for `hf download` that writes the files $FAKE_HF_FILES names (name=content, one a line) into its
+# --local-dir, overwriting, never removing, as hf does.
+FAKE_HF_WRITING = """#!/bin/sh
+printf '%s\\n' hf "$@" "" >> "$FAKE_LOG"
+while [ "$#" -gt 0 ]; do [ "$1" = --local-dir ] && dir=$2; shift; done
+mkdir -p "$dir"
+printf '%s\\n' "$FAKE_HF_FILES" | while IFS='=' read -r name content; do printf '%s' "$content" > "$dir/$name"; done
+"""
+REPOSITORIES = {
+    "org/a": {
+        "config.json": '{"model_type": "mixtral"}',
+        "model.safetensors.index.json": '{"weight_map": {}}',
+        "model-00001-of-00002.safetensors": "a1",
+        "model-00002-of-00002.safetensors": "a2",
+        "chat_template.jinja": "a's template",
+        "generation_config.json": "{}",
+    },
+    "org/b": {"config.json": '{"model_type": "qwen3_moe"}', "model.safetensors": "b", "tokenizer.json": "{}"},
+}
+
+
+def test_a_download_of_another_repository_leaves_none_of_the_last_ones_files(renderings, tmp_path):
+    """HF_REPO (or HF_REVISION) changed: the files of the earlier download that the new one lacks (its shards and
+    index, its chat template, its generation config) are not left in HF_DIR to be converted as the new model's.
+    Files not downloaded by the Job (a checkpoint put there by hand, no download recorded) are left alone."""
+    script, env, bin_dir, log, model = _setup(renderings, tmp_path)
+    (bin_dir / "hf").write_text(FAKE_HF_WRITING)
+    hf_dir = Path(tmp_path / "download")
+    hf_dir.mkdir()
+    (hf_dir / "notes.txt").write_text("the operator's")
+
+    def download(repo: str, revision: str = "") -> set[str]:
+        files = "\n".join(f"{k}={v}" for k, v in REPOSITORIES[repo].items())
+        run = _run_script(
+            script,
+            {**env, "HF_DIR": str(hf_dir), "HF_REPO": repo, "HF_REVISION": revision, "FAKE_HF_FILES": files},
+            bin_dir,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        return {p.name for p in hf_dir.iterdir() if not p.name.startswith(".")}
+
+    (hf_dir / "by-hand.safetensors").write_text("put there before the first download")
+    assert download("org/a") == {*REPOSITORIES["org/a"], "notes.txt", "by-hand.safetensors"}
+    assert download("org/b") == {*REPOSITORIES["org/b"], "notes.txt"}
+    converted_from = (model / ".colibri-convert-inputs").read_text()
+    assert "HF_REPO=org/b\n" in converted_from and "./model.safetensors " in converted_from
+    assert "./chat_template.jinja" not in converted_from and "./model-00001" not in converted_from
+    # The same repository again: nothing removed, nothing to do.
+    before = _tree(hf_dir)
+    log.unlink()
+    assert download("org/b") == {*REPOSITORIES["org/b"], "notes.txt"}
+    assert [c[0] for c in _calls(log)] == ["hf"] and _tree(hf_dir).keys() == before.keys()
+    # Another revision of it: a fresh download too.
+    (hf_dir / "model-00009-of-00009.safetensors").write_text("of an older revision")
+    assert download("org/b", random.choice(["v2", "0123abc"])) == {*REPOSITORIES["org/b"], "notes.txt"}

@@ -245,8 +245,12 @@ def test_convert_job_converts_an_8bit_model(renderings, tmp_path):
     assert "experts int8" in run.stdout, run.stdout
 
 
+# A stand-in for `hf download`: a checkpoint in its --local-dir when none is there (hf leaves files that are up to
+# date as they are).
 FAKE_HF = """#!/bin/sh
 printf '%s\\n' hf "$@" "" >> "$FAKE_LOG"
+while [ "$#" -gt 0 ]; do [ "$1" = --local-dir ] && dir=$2; shift; done
+mkdir -p "$dir" && [ -f "$dir/config.json" ] || echo '{"model_type": "mixtral"}' > "$dir/config.json"
 exit "${FAKE_HF_EXIT:-0}"
 """
 
