@@ -51,6 +51,10 @@ TRANSIENT = {
     "a rate limit": f"Error: Local entry not found. 429 Too Many Requests for url: {URL}.",
     "no connection": "Error: Local entry not found. [Errno 111] Connection refused",
     "a timeout": "Error: Local entry not found. The read operation timed out",
+    "a file's storage URL that expired": (
+        "Error: \n\n403 Forbidden: None.\nCannot access content at: https://cas-bridge.xethub.hf.co/xet-bridge-us/"
+        "abc/def?X-Amz-Expires=3600.\nMake sure your token has the correct permissions."
+    ),
 }
 # What it writes when HF_DIR already holds files and the Hub answers with an error: a warning, then exit 0.
 FALLBACK = "Returning existing local_dir `{hf_dir}` as remote repo cannot be accessed in `snapshot_download` ({cause})."
@@ -194,12 +198,14 @@ def test_the_real_hf_download_errors_are_told_apart(renderings, tmp_path):
 
 
 # A stand-in for `hf download` that writes the files $FAKE_HF_FILES names (name=content, one a line) into its
-# --local-dir, overwriting, never removing, as hf does.
+# --local-dir, overwriting those that differ, never removing any, as hf does.
 FAKE_HF_WRITING = """#!/bin/sh
 printf '%s\\n' hf "$@" "" >> "$FAKE_LOG"
 while [ "$#" -gt 0 ]; do [ "$1" = --local-dir ] && dir=$2; shift; done
 mkdir -p "$dir"
-printf '%s\\n' "$FAKE_HF_FILES" | while IFS='=' read -r name content; do printf '%s' "$content" > "$dir/$name"; done
+printf '%s\\n' "$FAKE_HF_FILES" | while IFS='=' read -r name content; do
+  [ "$(cat "$dir/$name" 2>/dev/null)" = "$content" ] || printf '%s' "$content" > "$dir/$name"
+done
 """
 REPOSITORIES = {
     "org/a": {
