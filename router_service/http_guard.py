@@ -176,15 +176,20 @@ def _too_large_compressed(max_bytes: int) -> ApiError:
     )
 
 
+# Old names RFC 9110 asks a recipient to take as the coding's (x-compress too, but compress is not decoded here).
+OLD_NAMES = {"x-gzip": "gzip"}
+
+
 def content_encoding(request: web.Request) -> str:
-    """The body's one content coding, lower-cased ("identity" when none); a 415 ApiError naming the codings taken
-    when it is one aiohttp does not decode: aiohttp passes such a body through as it came, so a coding it does not
-    know (or a stacked one, "gzip, gzip") would be read as plain JSON, the header ignored."""
+    """The body's one content coding, lower-cased and by its current name ("identity" when none); a 415 ApiError
+    naming the codings taken when it is one aiohttp does not decode: aiohttp passes such a body through as it came,
+    so a coding it does not know (or a stacked one, "gzip, gzip") would be read as plain JSON, the header ignored."""
     codings = request.headers.getall(hdrs.CONTENT_ENCODING, [])
     coding = ", ".join(codings).strip()
+    named = OLD_NAMES.get(coding.lower(), coding.lower()) if coding.isascii() else coding
     # one header only: of two, aiohttp's parser heeds the last and request.headers the first
-    if len(codings) <= 1 and coding.isascii() and coding.lower() in ("", "identity", *DECODED_CODINGS):
-        return coding.lower() or "identity"
+    if len(codings) <= 1 and named in ("", "identity", *DECODED_CODINGS):
+        return named or "identity"
     taken = ", ".join(DECODED_CODINGS)
     raise ApiError(
         415,
