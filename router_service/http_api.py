@@ -30,7 +30,7 @@ from common.tracing import request_span_name, set_request_status, start_server_s
 from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
-from router_service.http_connections import ConnectionGate, listen
+from router_service.http_connections import ConnectionGate, body_unread, close_unread, listen
 from router_service.logprobs import TokenTexts
 from router_service.openai_errors import HTTP_STATUS, ApiError, api_error, grpc_code
 from router_service.openai_request import ParsedRequest, parse_request
@@ -167,15 +167,16 @@ class HttpFront:
             answer = error_response(ApiError(417, expectation, code="expectation_failed"))
         else:
             answer = await self._answer(request, handler)
-        # A client never asked for the body it announced may send it or not: its connection ends with this answer.
-        unasked = http_guard.refused_before_continue(request) and not answer.prepared
-        if unasked:
+        # A client never asked for the body it announced may send it or not, and one answered before its body
+        # arrived sends the rest: its connection ends with this answer, the rest read on only a little.
+        unread = http_guard.refused_before_continue(request) or body_unread(request)
+        if unread and not answer.prepared:
             answer.force_close()
         await http_guard.send(request, answer, self.config.http_write_timeout_s)
-        if (answer.status == 408 or unasked) and request.transport is not None:
-            # A client stalled mid-body, or one never asked for its body: it has its answer; aiohttp would wait up
-            # to 10 s more for the rest.
-            request.transport.close()
+        if answer.status == 408 and request.transport is not None:
+            request.transport.close()  # a client stalled mid-body has its answer: no linger for it
+        elif unread:
+            await close_unread(request)
         return answer
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:

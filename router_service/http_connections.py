@@ -4,9 +4,9 @@ aiohttp takes every connection it is offered: a client opening thousands of idle
 descriptor and a handler each until its header timeout. `ConnectionGate` is the listening socket's protocol
 factory: it hands each connection to aiohttp's handler while fewer than the cap are open; past it the connection
 is sent a canned 503 (OpenAI's error shape, `Retry-After`, `Connection: close`) as soon as it opens, and closed
-once the client has closed its side or after REFUSAL_LINGER_S (a close with the client's request unread would
-reset the connection and could lose the answer); at most MAX_LINGERING linger, so a flood of refusals holds few
-descriptors. Connections still in their TLS handshake are not counted: each
+once the client has closed its side or after REFUSAL_LINGER_S or REFUSAL_LINGER_BYTES (a close with the client's
+request unread would reset the connection and could lose the answer); at most MAX_LINGERING linger, so a flood of
+refusals holds few descriptors. A request answered before its body arrived (`close_unread`) lingers the same way. Connections still in their TLS handshake are not counted: each
 has http_header_timeout_s to finish it (the server's ssl_handshake_timeout).
 """
 
@@ -17,9 +17,15 @@ import json
 import math
 from collections.abc import Callable
 
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
 from common.listen_address import dual_stack_socket, is_dual_stack, listen_host
 
+# How long and how many bytes a refused connection is read on before it closes (a close with the client's bytes
+# unread resets the connection, and the client may lose the answer): a client past either has had its chance.
 REFUSAL_LINGER_S = 1.0
+REFUSAL_LINGER_BYTES = 1024 * 1024
 MAX_LINGERING = 64  # refused connections lingering at once; past it (a flood) one is closed as soon as answered
 
 
@@ -72,6 +78,7 @@ class _Gated(asyncio.Protocol):
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.dropped = 0  # a refused connection's bytes
 
     def connection_made(self, transport) -> None:
         gate = self.gate
@@ -93,7 +100,11 @@ class _Gated(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
-            self.inner.data_received(data)  # a refused connection's bytes are dropped
+            self.inner.data_received(data)
+            return
+        self.dropped += len(data)  # a refused connection's bytes are dropped, so many at most
+        if self.dropped > REFUSAL_LINGER_BYTES and self.transport is not None:
+            self.transport.abort()
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.inner is not None else None  # refused: None closes it
@@ -115,6 +126,31 @@ class _Gated(asyncio.Protocol):
             self.timer.cancel()
         if self.transport is not None:
             self.gate._refused.discard(self.transport)
+
+
+def body_unread(request: web.Request) -> bool:
+    """True when the request announced a body that has not all arrived: its answer must end the connection."""
+    return request.body_exists and not request.content.is_eof()
+
+
+async def close_unread(request: web.Request) -> None:
+    """Ends the connection of a request answered before its body arrived (the answer sent, with `Connection:
+    close`): the answer's end is signalled (a half-close), the body read on and dropped for at most
+    REFUSAL_LINGER_BYTES and REFUSAL_LINGER_S, then the connection is closed. aiohttp would read on for 10 s at any
+    rate, then serve the next request."""
+    transport = request.transport
+    if transport is None:
+        return
+    if transport.can_write_eof():  # not over TLS
+        transport.write_eof()
+    dropped = 0
+    try:
+        async with asyncio.timeout(REFUSAL_LINGER_S):
+            while dropped <= REFUSAL_LINGER_BYTES and (piece := await request.content.readany()):
+                dropped += len(piece)
+    except (TimeoutError, ConnectionError, HttpProcessingError, web.RequestPayloadError):
+        pass  # the linger is over, or the body was malformed: the connection ends either way
+    request.protocol.force_close()  # aiohttp's own linger is skipped, and so is the next request
 
 
 async def listen(factory, config, hooks, host: str, port: int, ssl_context) -> tuple[asyncio.Server, ConnectionGate]:
