@@ -17,6 +17,7 @@ has OpenAI's shape, and only the router's own faults are 500s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -325,7 +326,8 @@ class HttpFront:
         def parse(raw: bytearray) -> ParsedRequest:
             return parse_request(http_guard.parse_json(raw), kind, frontend.model_name, defaults, vocab_size)
 
-        with self.bodies.reservation() as reservation:
+        framing = self._gate.framing(request) if self._gate is not None else contextlib.nullcontext()
+        with self.bodies.reservation() as reservation, framing:
             raw = await http_guard.read_body(
                 request, self.config.max_message_bytes, self.config.http_body_timeout_s, reservation
             )

@@ -6,16 +6,19 @@ factory: it hands each connection to aiohttp's handler while fewer than the cap 
 is sent a canned 503 (OpenAI's error shape, `Retry-After`, `Connection: close`) as soon as it opens, and closed
 once the client has closed its side or after REFUSAL_LINGER_S or REFUSAL_LINGER_BYTES (a close with the client's
 request unread would reset the connection and could lose the answer); at most MAX_LINGERING linger, so a flood of
-refusals holds few descriptors. A request answered before its body arrived (`close_unread`) lingers the same way. Connections still in their TLS handshake are not counted: each
-has http_header_timeout_s to finish it (the server's ssl_handshake_timeout).
+refusals holds few descriptors. A request answered before its body arrived (`close_unread`) lingers the same way.
+Connections still in their TLS handshake are not counted: each has http_header_timeout_s to finish it (the
+server's ssl_handshake_timeout). The gate sees each connection's bytes as they arrive: a chunked body whose
+framing outgrows the body it carries (`framing`) fails its reader, which the body's own limits never see.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -26,6 +29,10 @@ from common.listen_address import dual_stack_socket, is_dual_stack, listen_host
 # unread resets the connection, and the client may lose the answer): a client past either has had its chance.
 REFUSAL_LINGER_S = 1.0
 REFUSAL_LINGER_BYTES = 1024 * 1024
+# A chunked body's framing (chunk sizes, extensions) may take this many bytes per body byte (1-byte chunks with a
+# short extension take 7) and FRAMING_SLACK_BYTES besides: framing that carries no body is filler, sent on and on.
+FRAMING_BYTES_PER_BYTE = 8
+FRAMING_SLACK_BYTES = 64 * 1024
 MAX_LINGERING = 64  # refused connections lingering at once; past it (a flood) one is closed as soon as answered
 
 
@@ -44,6 +51,33 @@ def refusal(limit: int, retry_after_s: float) -> bytes:
     return head.encode() + body
 
 
+class FramingTooLarge(web.RequestPayloadError):
+    """A chunked body whose framing outgrew its bytes (the body's reader raises it)."""
+
+
+class _Framing:
+    """Watches one chunked body's bytes on the wire against the body bytes they carried."""
+
+    def __init__(self, payload) -> None:
+        self.payload, self.start = payload, payload.total_bytes
+        self.wire = 0
+
+    def took(self, size: int) -> None:
+        """`size` bytes arrived (and were parsed): the body's reader fails once they are mostly framing."""
+        payload = self.payload
+        if payload.is_eof() or payload.exception() is not None:
+            return  # what follows the body is the next request's, not framing
+        self.wire += size
+        carried = payload.total_bytes - self.start
+        if self.wire > FRAMING_BYTES_PER_BYTE * carried + FRAMING_SLACK_BYTES:
+            payload.set_exception(
+                FramingTooLarge(
+                    f"its chunked framing (chunk sizes, extensions) passed {FRAMING_SLACK_BYTES} bytes beyond "
+                    f"{FRAMING_BYTES_PER_BYTE} per body byte"
+                )
+            )
+
+
 class ConnectionGate:
     """Protocol factory for the HTTP port: `factory()` (aiohttp's server) serves each connection while fewer than
     `limit` are open; the others are refused. `open` counts the connections served now."""
@@ -59,9 +93,23 @@ class ConnectionGate:
         self.answer = refusal(limit, retry_after_s)
         self.open = 0
         self._refused: set[asyncio.Transport] = set()  # refused connections lingering before their close
+        self._served: dict[asyncio.BaseTransport | None, _Gated] = {}  # the connections served, by transport
 
     def __call__(self) -> asyncio.Protocol:
         return _Gated(self)
+
+    @contextlib.contextmanager
+    def framing(self, request: web.Request) -> Iterator[None]:
+        """Within it, the request's chunked body fails with FramingTooLarge once its framing outgrows its bytes."""
+        served = self._served.get(request.transport) if request.transport is not None else None
+        if served is None:
+            yield
+            return
+        served.framing = _Framing(request.content)
+        try:
+            yield
+        finally:
+            served.framing = None
 
     def close(self) -> None:
         """Closes the refused connections still lingering (the server stops)."""
@@ -79,12 +127,15 @@ class _Gated(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.dropped = 0  # a refused connection's bytes
+        self.framing: _Framing | None = None  # a chunked body being read
 
     def connection_made(self, transport) -> None:
         gate = self.gate
         if gate.open < gate.limit:
             gate.open += 1
             self.inner = gate.factory()
+            gate._served[transport] = self
+            self.transport = transport
             self.inner.connection_made(transport)
             return
         gate.on_refused()
@@ -101,6 +152,8 @@ class _Gated(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
             self.inner.data_received(data)
+            if self.framing is not None:
+                self.framing.took(len(data))
             return
         self.dropped += len(data)  # a refused connection's bytes are dropped, so many at most
         if self.dropped > REFUSAL_LINGER_BYTES and self.transport is not None:
@@ -120,6 +173,7 @@ class _Gated(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.inner is not None:
             self.gate.open -= 1
+            self.gate._served.pop(self.transport, None)
             self.inner.connection_lost(exc)
             return
         if self.timer is not None:

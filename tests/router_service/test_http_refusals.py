@@ -164,3 +164,64 @@ def test_a_connection_past_the_cap_is_read_on_only_a_little(tmp_path, caplog, se
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+def chunked_head() -> bytes:
+    return head(COMPLETIONS, AUTH_LINE + b"Transfer-Encoding: chunked\r\n", None)
+
+
+# (name, the body's start, filler sent on and on: chunk framing that carries (next to) no body byte)
+FRAMING_FILLERS = [
+    ("extension", b"1;", b"a" * PIECE),
+    ("leading zeros", b"", b"0" * PIECE),
+    ("extension per chunk", b"", (b"1;" + b"e" * 4000 + b"\r\n \r\n") * 16),
+]
+
+
+@pytest.mark.parametrize("name, start, filler", FRAMING_FILLERS, ids=[f[0] for f in FRAMING_FILLERS])
+def test_a_chunked_body_of_framing_is_refused_once_it_outgrows_its_bytes(
+    tmp_path, caplog, server_reads, name, start, filler
+):
+    """Chunk extensions and leading zeros are framing that carries no body: aiohttp reads them on for as long as
+    the body timeout lets the client send (GBs), where max_message_bytes bounds the body itself."""
+
+    async def body():
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            answer, closed_after = await push(router.http_port, chunked_head() + start, filler, 6.0)
+            assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+            assert b"unreadable_body" in answer and b"framing" in answer, answer[:600]
+            assert closed_after < http_connections.REFUSAL_LINGER_S + 3, closed_after
+            limit = http_connections.FRAMING_SLACK_BYTES + http_connections.REFUSAL_LINGER_BYTES + 2 * SLACK
+            assert server_reads[0] <= limit, f"the server read {server_reads[0]} bytes, more than {limit}"
+            assert fake.seen_ids == set() and not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_a_chunked_body_in_the_smallest_chunks_is_served(tmp_path, caplog):
+    """Honest framing is never refused: chunks of one byte or a few, with an extension now and then."""
+
+    async def body():
+        rng = random.Random()
+        prompt, padding = b"p" * rng.randrange(1, 1000), b" " * rng.randrange(0, 60_000)
+        text = b'{"prompt": "%s",%s "max_tokens": 2}' % (prompt, padding)
+        chunks, at = [], 0
+        while at < len(text):
+            size = min(rng.choice((1, 1, 1, 2, 3, rng.randrange(1, 64))), len(text) - at)
+            extension = b";x=%d" % rng.randrange(100) if rng.random() < 0.1 else b""
+            chunks.append(b"%x%s\r\n%s\r\n" % (size, extension, text[at : at + size]))
+            at += size
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
+            writer.write(chunked_head().replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+            for i in range(0, len(chunks), 500):
+                writer.write(b"".join(chunks[i : i + 500]))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            received = bytearray()
+            await asyncio.wait_for(answers_until_closed(reader, received), 10)
+            writer.close()
+            assert received.startswith(b"HTTP/1.1 200 "), bytes(received[:400])
+            assert not problems(caplog)
+
+    asyncio.run(body())
