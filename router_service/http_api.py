@@ -31,7 +31,7 @@ from common.tracing import request_span_name, set_request_status, start_server_s
 from router_service import errors, http_bodies, http_guard, openai_choices
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
-from router_service.http_connections import ConnectionGate, body_unread, close_unread, listen
+from router_service.http_connections import ConnectionGate, body_unread, close_unread, framing_faulty, listen
 from router_service.logprobs import TokenTexts
 from router_service.openai_errors import HTTP_STATUS, ApiError, api_error, grpc_code
 from router_service.openai_request import ParsedRequest, parse_request
@@ -168,9 +168,10 @@ class HttpFront:
             answer = error_response(ApiError(417, expectation, code="expectation_failed"))
         else:
             answer = await self._answer(request, handler)
-        # A client never asked for the body it announced may send it or not, and one answered before its body
-        # arrived sends the rest: its connection ends with this answer, the rest read on only a little.
-        unread = http_guard.refused_before_continue(request) or body_unread(request)
+        # A client never asked for the body it announced may send it or not, one answered before its body arrived
+        # sends the rest, and faulty framing leaves the rest unknown: the connection ends with this answer, the
+        # rest read on only a little.
+        unread = http_guard.refused_before_continue(request) or body_unread(request) or framing_faulty(request)
         if unread and not answer.prepared:
             answer.force_close()
         await http_guard.send(request, answer, self.config.http_write_timeout_s)

@@ -20,7 +20,8 @@ import json
 import math
 from collections.abc import Callable, Iterator
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 
 from common.listen_address import dual_stack_socket, is_dual_stack, listen_host
@@ -185,6 +186,12 @@ class _Gated(asyncio.Protocol):
 def body_unread(request: web.Request) -> bool:
     """True when the request announced a body that has not all arrived: its answer must end the connection."""
     return request.body_exists and not request.content.is_eof()
+
+
+def framing_faulty(request: web.Request) -> bool:
+    """An HTTP/1.0 request with Transfer-Encoding, which HTTP/1.0 lacks: RFC 9112 has its framing treated as faulty
+    (a sender may have kept part of the message back) and its connection closed after it."""
+    return request.version < HttpVersion11 and hdrs.TRANSFER_ENCODING in request.headers
 
 
 async def close_unread(request: web.Request) -> None:

@@ -225,3 +225,35 @@ def test_a_chunked_body_in_the_smallest_chunks_is_served(tmp_path, caplog):
             assert not problems(caplog)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/health"])
+def test_an_http_1_0_request_with_transfer_encoding_ends_its_connection(tmp_path, caplog, path):
+    """HTTP/1.0 has no Transfer-Encoding: RFC 9112 has such a message's framing treated as faulty (a sender may
+    have kept part of it) and the connection closed after it; aiohttp served the keep-alive request behind it."""
+
+    async def body():
+        text = b'{"prompt": "x", "max_tokens": 2}'
+        request = (
+            f"{'POST' if path == COMPLETIONS else 'GET'} {path} HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nContent-Type: application/json\r\n".encode()
+            + AUTH_LINE
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+            + chunk(len(text)).replace(b"x" * len(text), text)
+            + b"0\r\n\r\n"
+            + b"GET /health HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n"
+        )
+        async with http_harness(tmp_path) as (router, fake, base, hooks):
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
+            writer.write(request)
+            received = bytearray()
+            answer = asyncio.create_task(answers_until_closed(reader, received))
+            done, _ = await asyncio.wait([answer], timeout=http_connections.REFUSAL_LINGER_S + 3)
+            answer.cancel()
+            writer.transport.abort()
+            assert received.count(b"HTTP/1.") == 1, bytes(received)
+            assert received.startswith(b"HTTP/1.0 200 "), bytes(received)
+            assert b"\r\nconnection: keep-alive\r\n" not in received.lower(), bytes(received)  # HTTP/1.0: it closes
+            assert done, "the connection was kept for another request"
+            assert not problems(caplog)
+
+    asyncio.run(body())
