@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 
 import pytest
 
 from router_service import http_connections
+from tests.router_service.certs import issue, make_ca
 from tests.router_service.test_http_errors import AUTH_LINE, COMPLETIONS, http_harness, problems
 
 PIECE = 64 * 1024
@@ -71,12 +73,12 @@ async def answers_until_closed(reader: asyncio.StreamReader, received: bytearray
         pass
 
 
-async def push(port: int, request_head: bytes, piece: bytes, seconds: float) -> tuple[bytes, float]:
+async def push(port: int, request_head: bytes, piece: bytes, seconds: float, tls=None) -> tuple[bytes, float]:
     """Sends `request_head`, then `piece` after piece for up to `seconds`, as fast as the server takes them and
     whatever it answers (a hostile client); returns what the server answered and how long after the head the
     connection could no longer be written (the server closed it; inf: it did not)."""
     loop = asyncio.get_running_loop()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
     started, closed_after = loop.time(), float("inf")
     writer.write(request_head)
     received = bytearray()
@@ -116,6 +118,28 @@ def test_a_refused_body_is_not_read_on_and_its_connection_closes(
             assert server_reads[0] <= limit, f"the server read {server_reads[0]} bytes, more than {limit}"
             assert answer.count(b"HTTP/1.1 ") == 1, answer[:400]
             assert fake.seen_ids == set() and not problems(caplog)
+
+    asyncio.run(body())
+
+
+def test_over_tls_a_refused_body_is_not_read_on_either(tmp_path, caplog, server_reads):
+    """TLS has no half-close: the refusal is sent, the body read on within the same bounds, the connection closed."""
+
+    async def body():
+        ca = make_ca()
+        pair = issue(ca, "localhost", server=True)
+        (tmp_path / "tls.crt").write_bytes(pair.cert)
+        (tmp_path / "tls.key").write_bytes(pair.key)
+        files = dict(tls_cert_file=str(tmp_path / "tls.crt"), tls_key_file=str(tmp_path / "tls.key"))
+        trust = ssl.create_default_context(cadata=ca.cert.decode())
+        trust.check_hostname = False
+        async with http_harness(tmp_path, **files) as (router, fake, base, hooks):
+            answer, closed_after = await push(router.http_port, head(COMPLETIONS, b"", HUGE), b"x" * PIECE, 6.0, trust)
+            assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+            assert closed_after < http_connections.REFUSAL_LINGER_S + 3, closed_after
+            limit = http_connections.REFUSAL_LINGER_BYTES + 2 * SLACK
+            assert server_reads[0] <= limit, f"the server read {server_reads[0]} bytes, more than {limit}"
+            assert not problems(caplog)
 
     asyncio.run(body())
 
