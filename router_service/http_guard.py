@@ -352,28 +352,58 @@ async def _decode(request: web.Request, encoding: str, max_bytes: int, reservati
 
 
 def json_problem(value) -> tuple[str, str] | None:
-    """(path, what) of the first place in a parsed JSON value nested past MAX_JSON_DEPTH or holding a lone
-    surrogate (in a string or a key); None when there is none. Iterative: a deep value cannot exhaust the stack."""
-    stack = [(value, "", 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if isinstance(item, str):
-            if not encodes(item):
-                return path, LONE_SURROGATE
-            continue
-        if not isinstance(item, (dict, list)):
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
-        if isinstance(item, RepeatedKey):  # readers differ on which value counts (Python's json: the last)
-            return (f"{path}.{item.key}" if path else item.key), "appears twice in one object"
-        for key, child in item.items() if isinstance(item, dict) else enumerate(item):
-            where = (f"{path}.{key}" if path else str(key)) if isinstance(item, dict) else f"{path}[{key}]"
-            if isinstance(key, str) and not encodes(key):
-                return path or "the body", "holds a key with a lone UTF-16 surrogate"
-            if isinstance(child, (str, dict, list)):
-                stack.append((child, where, depth + 1))
+    """(path, what) of the first place, in document order, in a parsed JSON value nested past MAX_JSON_DEPTH,
+    holding a lone surrogate (in a string or a key) or a repeated key; None when there is none. Iterative (a deep
+    value cannot exhaust the stack), with one iterator per open container and a path built only for a problem: a
+    stack of every waiting child with its path took ~40x a wide body's bytes, which the garbage collector rescanned
+    over and over (seconds)."""
+    open_: list = []  # an iterator over each open container's (key, child) pairs, outermost first
+    keys: list = []  # the key (or list index) in its parent of each open container but the outermost
+    item, key = value, None  # the item visited, and its key in the innermost open container (None: the root)
+    while True:
+        if isinstance(item, (dict, list)):
+            problem = _container_problem(item, len(open_), keys, key)
+            if problem is not None:
+                return problem
+            if item:  # an empty one has nothing more to check
+                if open_:
+                    keys.append(key)
+                open_.append(iter(item.items()) if isinstance(item, dict) else enumerate(item))
+        elif isinstance(item, str) and not encodes(item):
+            return _path(keys, key), LONE_SURROGATE
+        while open_:  # the next item: the innermost open container's next child, else its parent's
+            pair = next(open_[-1], None)
+            if pair is not None:
+                key, item = pair
+                break
+            open_.pop()
+            if keys:
+                keys.pop()
+        else:
+            return None
+
+
+def _container_problem(item: dict | list, depth: int, keys: list, key) -> tuple[str, str] | None:
+    """What is wrong with a container itself, its children aside: too deep, a repeated key, a key with a lone
+    surrogate."""
+    if depth >= MAX_JSON_DEPTH:
+        return _path(keys, key), f"nested deeper than {MAX_JSON_DEPTH} levels"
+    if not item or isinstance(item, list):
+        return None
+    if isinstance(item, RepeatedKey):  # readers differ on which value counts (Python's json: the last)
+        path = _path(keys, key)
+        return (f"{path}.{item.key}" if path else item.key), "appears twice in one object"
+    if not all(encodes(k) for k in item if isinstance(k, str)):
+        return _path(keys, key) or "the body", "holds a key with a lone UTF-16 surrogate"
     return None
+
+
+def _path(keys: list, key) -> str:
+    """`messages[2].content`: the path of the item under `key` in the container that `keys` lead to."""
+    path = ""
+    for step in (*keys, key) if key is not None else keys:
+        path = f"{path}[{step}]" if isinstance(step, int) else (f"{path}.{step}" if path else step)
+    return path
 
 
 def _first_line(error: Exception, limit: int = 160) -> str:
