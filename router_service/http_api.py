@@ -28,7 +28,7 @@ from common import metrics
 from common import tracing as semconv
 from common.listen_address import bind_failure
 from common.tracing import request_span_name, set_request_status, start_server_span
-from router_service import errors, http_bodies, http_guard, openai_choices
+from router_service import errors, http_bodies, http_guard, http_json, openai_choices
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, body_unread, close_unread, framing_faulty, listen
@@ -325,7 +325,7 @@ class HttpFront:
         defaults = frontend.batching_loop.generation_defaults
 
         def parse(raw: bytearray) -> ParsedRequest:
-            return parse_request(http_guard.parse_json(raw), kind, frontend.model_name, defaults, vocab_size)
+            return parse_request(http_json.parse_json(raw), kind, frontend.model_name, defaults, vocab_size)
 
         framing = self._gate.framing(request) if self._gate is not None else contextlib.nullcontext()
         with self.bodies.reservation() as reservation, framing:

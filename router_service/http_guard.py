@@ -1,14 +1,12 @@
 """What keeps the HTTP front's connections bounded and its log quiet when clients are hostile
 (router_service/http_api.py applies it).
 
-- Bodies (`read_body`, `parse_json`): a body labelled with a form type a browser posts across sites unasked
+- Bodies (`read_body`): a body labelled with a form type a browser posts across sites unasked
   (text/plain, urlencoded, multipart) or with a coding not decoded here (DECODED_CODINGS) is a 415 before it is
   read, one that is not whole streams of its coding a 400 (router_service.http_codings); read within
   `http_body_timeout_s` (408 after it), at most `max_message_bytes` (413), each reserved in the front's body
-  budget before it is read
-  (router_service.http_bodies; 503 past it), parsed as JSON nested at most MAX_JSON_DEPTH levels and holding no
-  lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode text: protobuf, the tokenizer and every UTF-8
-  encoder refuse it later), each a 400 naming where.
+  budget before it is read (router_service.http_bodies; 503 past it), then parsed and checked as JSON by
+  router_service.http_json.
 - Writes (`send`, `bounded`): one write of an answer may wait `http_write_timeout_s` for the client to read; a
   client that stops reading is disconnected (its buffered bytes dropped) and its request cancelled.
 - `Expect: 100-continue` (`send_continue`, `refused_before_continue`): aiohttp would answer it before the
@@ -24,7 +22,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import socket
@@ -40,7 +37,6 @@ from common.rate_limited_log import RateLimitedLog
 from router_service.errors import clipped
 from router_service.http_bodies import Reservation
 from router_service.http_codings import BodyDecoder, TooManyMembers, compressed_limit
-from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
 
 
@@ -55,9 +51,6 @@ def decoded_codings(has_brotli: bool, has_zstd: bool) -> tuple[str, ...]:
 # plain-text 400 before the middleware runs; read_body decodes them with aiohttp's decompressors instead
 DECODED_CODINGS = decoded_codings(HAS_BROTLI, HAS_ZSTD)
 DECODE_STEP_BYTES = 64 * 1024  # the most one step of decoding yields: a small body cannot balloon at once
-MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4 deep (messages[i].content[j].text); chat_template_kwargs a few more
-# A lone surrogate can only come from a \uD800-\uDFFF escape (json_text.SURROGATE_ESCAPE): the body is decoded
-# strictly, so raw surrogate bytes fail to decode (json.loads would decode bytes with surrogatepass).
 CONTINUED = web.RequestKey("colibri.continued", bool)  # its 100 Continue was sent
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -234,12 +227,13 @@ def check_content_type(request: web.Request) -> None:
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float, reservation: Reservation) -> bytearray:
-    """The request's body (parse it with `parse_json`); raises ApiError (408, 413, 400, and 503 when `reservation`
-    cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (a compressed
-    one says nothing exact of the decoded body: it is refused past `compressed_limit`), and so is one the body
-    budget cannot reserve; a client that expects it gets its 100 Continue only then. A body labelled with a form type, or a
-    coding not decoded here, is a 415 before anything is read (a transfer coding besides chunked a 400); one that
-    is not whole streams of its coding (corrupt, cut short, empty) is a 400 naming Content-Encoding."""
+    """The request's body (parse it with http_json.parse_json); raises ApiError (408, 413, 400, and 503 when
+    `reservation` cannot grow to hold it). A Content-Length over `max_bytes` is refused before anything is read (a
+    compressed one says nothing exact of the decoded body: it is refused past `compressed_limit`), and so is one
+    the body budget cannot reserve; a client that expects it gets its 100 Continue only then. A body labelled with
+    a form type, or a coding not decoded here, is a 415 before anything is read (a transfer coding besides chunked
+    a 400); one that is not whole streams of its coding (corrupt, cut short, empty) is a 400 naming
+    Content-Encoding."""
     check_content_type(request)
     check_transfer_encoding(request)
     encoding = content_encoding(request)
@@ -272,53 +266,6 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, rese
         ) from None
 
 
-class RepeatedKey(dict):
-    """A body's object that held `key` more than once (json keeps its last value): json_problem names where."""
-
-    key: str = ""
-
-
-def _object(pairs: list) -> dict:
-    """json's object_pairs_hook: the object, marked when a key repeats."""
-    value = dict(pairs)
-    if len(value) == len(pairs):
-        return value
-    marked, seen = RepeatedKey(value), set()
-    for key, _ in pairs:
-        if key in seen:
-            marked.key = key
-            break
-        seen.add(key)
-    return marked
-
-
-def parse_json(raw: bytes | bytearray):
-    """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
-    repeated = False
-
-    def objects(pairs: list) -> dict:
-        nonlocal repeated
-        value = _object(pairs)
-        repeated = repeated or isinstance(value, RepeatedKey)
-        return value
-
-    try:
-        text = raw.decode(json.detect_encoding(raw))  # UTF-8, or UTF-16/32 as JSON allows
-        # NaN and Infinity are no JSON; a lone surrogate or a repeated key is found below, naming where it is
-        value = strict_json(text, check_integers=False, check_surrogates=False, object_pairs_hook=objects)
-    except RecursionError:
-        raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    # Cheap tests on the text first: a large prompt of token ids is walked only when it could fail.
-    if repeated or text.count("[") + text.count("{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(text):
-        problem = json_problem(value)
-        if problem is not None:
-            path, what = problem
-            raise ApiError(400, f"{path or 'the body'}: {what}", param=path.partition("[")[0].partition(".")[0] or None)
-    return value
-
-
 async def _read(request: web.Request, max_bytes: int, reservation: Reservation) -> bytearray:
     """The body's (decoded) bytes, the reservation grown as they arrive past what it holds. Not request.read(),
     which keeps its copy on the request for as long as the handler runs."""
@@ -349,61 +296,6 @@ async def _decode(request: web.Request, encoding: str, max_bytes: int, reservati
             _take(body, piece, max_bytes, reservation)
     decoder.finish()  # a stream cut short (in a gzip trailer too), or an empty body
     return body
-
-
-def json_problem(value) -> tuple[str, str] | None:
-    """(path, what) of the first place, in document order, in a parsed JSON value nested past MAX_JSON_DEPTH,
-    holding a lone surrogate (in a string or a key) or a repeated key; None when there is none. Iterative (a deep
-    value cannot exhaust the stack), with one iterator per open container and a path built only for a problem: a
-    stack of every waiting child with its path took ~40x a wide body's bytes, which the garbage collector rescanned
-    over and over (seconds)."""
-    open_: list = []  # an iterator over each open container's (key, child) pairs, outermost first
-    keys: list = []  # the key (or list index) in its parent of each open container but the outermost
-    item, key = value, None  # the item visited, and its key in the innermost open container (None: the root)
-    while True:
-        if isinstance(item, (dict, list)):
-            problem = _container_problem(item, len(open_), keys, key)
-            if problem is not None:
-                return problem
-            if item:  # an empty one has nothing more to check
-                if open_:
-                    keys.append(key)
-                open_.append(iter(item.items()) if isinstance(item, dict) else enumerate(item))
-        elif isinstance(item, str) and not encodes(item):
-            return _path(keys, key), LONE_SURROGATE
-        while open_:  # the next item: the innermost open container's next child, else its parent's
-            pair = next(open_[-1], None)
-            if pair is not None:
-                key, item = pair
-                break
-            open_.pop()
-            if keys:
-                keys.pop()
-        else:
-            return None
-
-
-def _container_problem(item: dict | list, depth: int, keys: list, key) -> tuple[str, str] | None:
-    """What is wrong with a container itself, its children aside: too deep, a repeated key, a key with a lone
-    surrogate."""
-    if depth >= MAX_JSON_DEPTH:
-        return _path(keys, key), f"nested deeper than {MAX_JSON_DEPTH} levels"
-    if not item or isinstance(item, list):
-        return None
-    if isinstance(item, RepeatedKey):  # readers differ on which value counts (Python's json: the last)
-        path = _path(keys, key)
-        return (f"{path}.{item.key}" if path else item.key), "appears twice in one object"
-    if not all(encodes(k) for k in item if isinstance(k, str)):
-        return _path(keys, key) or "the body", "holds a key with a lone UTF-16 surrogate"
-    return None
-
-
-def _path(keys: list, key) -> str:
-    """`messages[2].content`: the path of the item under `key` in the container that `keys` lead to."""
-    path = ""
-    for step in (*keys, key) if key is not None else keys:
-        path = f"{path}[{step}]" if isinstance(step, int) else (f"{path}.{step}" if path else step)
-    return path
 
 
 def _first_line(error: Exception, limit: int = 160) -> str:

@@ -13,7 +13,8 @@ import aiohttp.http_parser
 import pytest
 
 from router_service import http_guard
-from router_service.http_guard import decoded_codings, parse_json
+from router_service.http_guard import decoded_codings
+from router_service.http_json import parse_json
 from router_service.openai_errors import ApiError
 from tests.router_service.test_http_errors import (
     AUTH_LINE,

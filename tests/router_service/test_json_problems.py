@@ -1,4 +1,4 @@
-"""http_guard.json_problem: the walk of a parsed body for nesting past MAX_JSON_DEPTH, lone surrogates and repeated
+"""http_json.json_problem: the walk of a parsed body for nesting past MAX_JSON_DEPTH, lone surrogates and repeated
 keys. Any body with more than MAX_JSON_DEPTH brackets is walked, so its cost must stay that of the parse: checked
 against a plain recursive reference on random values, and in memory on a wide one."""
 
@@ -8,7 +8,7 @@ import json
 import random
 import tracemalloc
 
-from router_service.http_guard import MAX_JSON_DEPTH, RepeatedKey, json_problem, parse_json
+from router_service.http_json import MAX_JSON_DEPTH, RepeatedKey, json_problem, parse_json
 
 LONE = "\ud800"
 
