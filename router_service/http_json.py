@@ -7,7 +7,11 @@ naming where.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import threading
+from collections.abc import Iterator
 
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
 from router_service.openai_errors import ApiError
@@ -37,8 +41,38 @@ def _object(pairs: list) -> dict:
     return marked
 
 
+_paused = 0  # parses running with the collector paused
+_was_enabled = False  # whether the collector ran before the first of them
+_pausing = threading.Lock()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The garbage collector off while any thread is within (a parse): json.loads holds the GIL throughout when it
+    calls no Python code (arrays), and each list it made counted toward a collection rescanning those made so far:
+    the event loop stalled 2.7 s on 15 MiB of `[[[1]]]`, 0.45 s without. A parsed body holds no reference cycle."""
+    global _paused, _was_enabled
+    with _pausing:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _pausing:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
+
+
 def parse_json(raw: bytes | bytearray):
     """A body as checked JSON (no I/O: a large one may be parsed on a thread); raises a 400 ApiError."""
+    with collector_paused():
+        return _parse(raw)
+
+
+def _parse(raw: bytes | bytearray):
     repeated = False
 
     def objects(pairs: list) -> dict:
