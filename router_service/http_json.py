@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 from router_service.json_text import LONE_SURROGATE, SURROGATE_ESCAPE, encodes, strict_json
@@ -41,29 +42,36 @@ def _object(pairs: list) -> dict:
     return marked
 
 
+# A pause older than this takes no more parses: once those in it end, the collector runs again (its first young
+# collection frees the cycles made meanwhile), however closely parses follow one another.
+PAUSE_LIMIT_S = 2.0
 _paused = 0  # parses running with the collector paused
-_was_enabled = False  # whether the collector ran before the first of them
+_pause_began = 0.0
+_was_enabled = False  # whether the collector ran before the pause
 _pausing = threading.Lock()
 
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """The garbage collector off while any thread is within (a parse): json.loads holds the GIL throughout when it
-    calls no Python code (arrays), and each list it made counted toward a collection rescanning those made so far:
-    the event loop stalled 2.7 s on 15 MiB of `[[[1]]]`, 0.45 s without. A parsed body holds no reference cycle."""
-    global _paused, _was_enabled
+    """The garbage collector off while a parse runs: json.loads holds the GIL throughout when it calls no Python
+    code (arrays), and each list it made counted toward a collection rescanning those made so far: the event loop
+    stalled 2.7 s on 15 MiB of `[[[1]]]`, 0.75 s without. A parsed body holds no reference cycle."""
+    global _paused, _pause_began, _was_enabled
     with _pausing:
-        if _paused == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _paused += 1
+        joined = _paused == 0 or time.monotonic() - _pause_began < PAUSE_LIMIT_S
+        if joined:
+            if _paused == 0:
+                _was_enabled, _pause_began = gc.isenabled(), time.monotonic()
+                gc.disable()
+            _paused += 1
     try:
         yield
     finally:
-        with _pausing:
-            _paused -= 1
-            if _paused == 0 and _was_enabled:
-                gc.enable()
+        if joined:
+            with _pausing:
+                _paused -= 1
+                if _paused == 0 and _was_enabled:
+                    gc.enable()
 
 
 def parse_json(raw: bytes | bytearray):

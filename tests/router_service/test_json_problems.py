@@ -8,8 +8,10 @@ import concurrent.futures
 import gc
 import json
 import random
+import time
 import tracemalloc
 
+from router_service import http_json
 from router_service.http_json import MAX_JSON_DEPTH, RepeatedKey, json_problem, parse_json
 
 LONE = "\ud800"
@@ -149,3 +151,20 @@ def test_parses_on_several_threads_turn_the_collector_back_on_once_all_end():
         for _ in range(3):
             list(pool.map(lambda _: parse_json(raw), range(8)))
             assert gc.isenabled()
+
+
+def test_a_pause_takes_no_parse_past_its_limit(monkeypatch):
+    """Parses that follow one another closely (a client sending body after body) cannot keep the collector off for
+    good: a pause past PAUSE_LIMIT_S takes no more of them, and the collector runs once those in it end."""
+    monkeypatch.setattr(http_json, "PAUSE_LIMIT_S", 0.05)
+    first, second = http_json.collector_paused(), http_json.collector_paused()
+    first.__enter__()
+    assert not gc.isenabled()
+    time.sleep(0.1)
+    second.__enter__()
+    first.__exit__(None, None, None)
+    try:
+        assert gc.isenabled()
+    finally:
+        second.__exit__(None, None, None)
+    assert gc.isenabled()
