@@ -1,7 +1,8 @@
 """`colibri convert HF_DIR OUT_DIR`: a Hugging Face safetensors checkpoint -> a Colibri model directory.
 
 Streams one tensor at a time from memory-mapped shards, so peak memory is bounded by the largest single
-tensor (a few float32 copies of it while changing dtype or quantizing), not by the model. Pickle
+tensor (a few float32 copies of it while changing dtype or quantizing), not by the model; an fp8 checkpoint's
+block scales (4 bytes per 128x128 block) are all read and checked up front, before OUT_DIR changes. Pickle
 checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
 (`expert_service/tools/expert_dtypes.py`); fine-grained fp8 checkpoints are read as `hf_fp8.py` describes,
 their experts' bytes kept as they are unless another expert dtype is asked for. The LM head may be quantized to
@@ -199,6 +200,9 @@ def convert(
                 f"{hf_dir}: tensor {spec.hf_name} has shape {list(shape)}, config.json implies {list(spec.shape)}"
             )
     scales = {s.hf_name: hf_fp8.check_fp8_tensor(fp8, where, s.hf_name, hf_dir) for s in specs}
+    # Every block scale's values too, before OUT_DIR changes: one per 128x128 block, so all of them are a small
+    # fraction of the weights, and a bad one found while writing left the earlier model there unloadable.
+    block_scales = {hf_name: hf_fp8.read_scale(where, scale[0]) for hf_name, scale in scales.items() if scale}
     first_dtype = SOURCE_DTYPES[where[specs[0].hf_name].tensors[specs[0].hf_name][0]]
     if dtype:
         target = dtypes.canonical_dtype(dtype)
@@ -232,15 +236,15 @@ def convert(
                 fmt = formats[spec.layer, spec.expert]
             else:
                 fmt = head_fmt if spec.name == HEAD and head_fmt is not None else ExpertFormat(target)
-            scale = scales[spec.hf_name]
-            block_scale = hf_fp8.read_scale(where, scale[0]) if scale else None
+            block_scale = block_scales.get(spec.hf_name)
             _write(writer, spec, raw, src_dtype, block_scale, fmt)
             bar.update(raw.size)
             if tied_head and spec.name == "embed_tokens":  # one tensor at a time: the dense copy is gone by now
                 assert head_fmt is not None
                 _write(writer, TensorSpec(HEAD, spec.hf_name, spec.shape), raw, src_dtype, block_scale, head_fmt)
                 bar.update(raw.size)
-    del raw, block_scale  # the last views into a shard's mmap (a block scale too) must go before the mmap can close
+    del raw, block_scale  # the last views into a shard's mmap (block scales too) must go before the mmap can close
+    block_scales.clear()
     for shard in set(where.values()):
         shard.close()
     for name in TOKENIZER_FILES:
