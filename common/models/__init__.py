@@ -92,7 +92,8 @@ def _check_numbers(hf: dict) -> None:
         if value is not None and not isinstance(value, bool):
             raise ConfigError(f"config.json: {key} must be true or false, got {value!r}")
     for key in ("mlp_only_layers",):
-        value = hf.get(key) or []
+        value = hf.get(key)
+        value = [] if value is None else value  # "", 0, false or {} is no list of layers: refused, not read as none
         if not isinstance(value, list) or any(
             isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1024 for v in value
         ):

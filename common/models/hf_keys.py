@@ -54,6 +54,13 @@ def require(hf: dict, key: str):
     return hf[key]
 
 
+def _given(hf: dict, key: str, default):
+    """hf[key], or `default` when the key is absent or null. Never `hf.get(key) or default`: that read a written 0,
+    "" or [] as absent, so a value to refuse took the default's place."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
 def token_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -70,8 +77,8 @@ def shared_fields(hf: dict) -> dict:
         hidden_size=hidden,
         num_hidden_layers=int(require(hf, "num_hidden_layers")),
         num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
+        num_key_value_heads=int(_given(hf, "num_key_value_heads", heads)),
+        head_dim=int(_given(hf, "head_dim", hidden // heads)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(require(hf, "max_position_embeddings")),
         rope=RopeConfig.from_hf(hf),
@@ -83,8 +90,8 @@ def shared_fields(hf: dict) -> dict:
 
 def qwen_sparse_layers(hf: dict, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style dense/MoE layer choice: `mlp_only_layers` and every `decoder_sparse_step`-th layer."""
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    dense = set(hf.get("mlp_only_layers") or [])
+    step = int(_given(hf, "decoder_sparse_step", 1))
+    dense = set(_given(hf, "mlp_only_layers", []))
     return tuple(
         i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(int(hf["num_hidden_layers"]))
     )
@@ -96,10 +103,12 @@ def qwen_sliding_windows(hf: dict) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     if not hf.get("use_sliding_window") or not window:
         return (None,) * n
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 and i < int(hf.get("max_window_layers", n)) else "full_attention"
-        for i in range(n)
-    ]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # absent or null only: a written [] or "" is refused below, not replaced
+        layer_types = [
+            "sliding_attention" if (i + 1) % 2 and i < int(hf.get("max_window_layers", n)) else "full_attention"
+            for i in range(n)
+        ]
     # Any other kind (a linear-attention layer, a typo) would silently run as full attention
     if not isinstance(layer_types, list) or len(layer_types) != n:
         raise ConfigError(f"config.json: layer_types must list one kind per layer ({n}), got {layer_types!r}")
