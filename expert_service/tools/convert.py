@@ -19,6 +19,7 @@ import re
 import stat
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -27,12 +28,13 @@ from tqdm import tqdm
 from common import dtypes, quant
 from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
-from common.files import copy_new
+from common.files import copy_new, read_regular
 from common.model_config import ModelConfig
 from common.model_manifest import HEAD, MANIFEST, expert_file
 from common.model_writer import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from common.routing_table import COUNTS_SUFFIX, TABLE_FILE, model_digest, recorded_model_digest
+from common.strict_json import parse_json
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 from expert_service.tools.routing_gen import report_path_for
@@ -128,10 +130,12 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
     opened = {p.name: SafetensorsShard(p) for p in shards}
     index_path = hf_dir / "model.safetensors.index.json"
     where: dict[str, SafetensorsShard] = {}
-    if index_path.is_file():
+    index_bytes = _read_checkpoint_file(index_path)
+    if index_bytes is not None:
+        index: Any = parse_json(index_bytes, index_path, ModelFormatError)
         try:
-            weight_map = dict(json.loads(index_path.read_text())["weight_map"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+            weight_map = dict(index["weight_map"])
+        except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{index_path}: malformed index ({type(e).__name__}: {e})") from None
         for name, file in weight_map.items():
             if file not in opened:
@@ -149,6 +153,24 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
                     )
                 where[name] = shard
     return where
+
+
+def _read_checkpoint_file(path: Path) -> bytes | None:
+    """The bytes of the checkpoint's file at `path`, None when nothing is there. A FIFO or device is refused, named
+    as what it is, never waited on; a link to nothing is a broken download, not an absent file. Its JSON is parsed
+    as the model directory's reader parses its manifest (parse_json): a key written twice, NaN or a number past a
+    double is refused here rather than in the manifest that would carry it."""
+    try:
+        data = read_regular(path)
+    except FileNotFoundError:
+        if path.is_symlink():  # a link into a cache's blob that is gone
+            raise ModelFormatError(f"{path}: not found") from None
+        return None
+    except IsADirectoryError:
+        raise ModelFormatError(f"{path}: not a regular file (a directory)") from None
+    except OSError as e:
+        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
+    return data
 
 
 def convert(
@@ -170,13 +192,11 @@ def convert(
     if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
         raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")
     config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+    config_bytes = _read_checkpoint_file(config_path)
+    if config_bytes is None:
         raise ModelFormatError(f"{config_path}: not found")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFormatError(f"{config_path}: not valid JSON ({e})") from None
-    config = config_from_hf(hf_config)
+    hf_config: Any = parse_json(config_bytes, config_path, ModelFormatError)
+    config = config_from_hf(hf_config)  # refuses anything but an object
     fp8 = hf_fp8.read_quantization_config(hf_config, config_path)
     plan = load_plan(config, expert_dtype, fp8_scale, expert_dtype_file)
     where = open_checkpoint(hf_dir)

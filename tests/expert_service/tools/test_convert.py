@@ -416,7 +416,13 @@ class FullDisk:
                 super().close()
 
         monkeypatch.setattr(os, "pwrite", pwrite)
-        monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: io.BufferedWriter(File(fd)))
+        monkeypatch.setattr(  # writes only: the checkpoint's files are read through os.fdopen too
+            os,
+            "fdopen",
+            lambda fd, mode="r", *a, **k: (
+                io.BufferedWriter(File(fd)) if "w" in mode else real_fdopen(fd, mode, *a, **k)
+            ),
+        )
 
     def take(self, n: int) -> int:
         if self.free == 0:
