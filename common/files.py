@@ -116,8 +116,8 @@ def write_new(path: Path, data: bytes) -> None:
 
 def copy_new(source: Path, path: Path) -> None:
     """`source`'s bytes as a new file at `path` (create_new); a symlink at `source` is followed (a Hugging Face
-    cache's snapshot files are links into its blobs)."""
-    with open(source, "rb") as src, naming(path), os.fdopen(create_new(path), "wb") as dst:
+    cache's snapshot files are links into its blobs), a FIFO or device there refused (open_regular), never read."""
+    with open_regular(source) as src, naming(path), os.fdopen(create_new(path), "wb") as dst:
         while True:
             with naming(source):  # a read error names the source, a write error (a full disk) the copy
                 chunk = src.read(COPY_CHUNK)

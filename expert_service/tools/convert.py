@@ -28,7 +28,7 @@ from tqdm import tqdm
 from common import dtypes, quant
 from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
-from common.files import copy_new, read_regular
+from common.files import copy_new, read_regular, stat_regular
 from common.model_config import ModelConfig
 from common.model_manifest import HEAD, MANIFEST, expert_file
 from common.model_writer import ModelWriter
@@ -155,6 +155,20 @@ def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
     return where
 
 
+def _regular_or_absent(path: Path) -> bool:
+    """Whether the checkpoint has a regular file (or a link to one) at `path`; anything else there is refused
+    before OUT_DIR changes: taken for absent, a FIFO or directory dropped the file without a word."""
+    try:
+        stat_regular(path)
+    except FileNotFoundError:
+        if path.is_symlink():  # a link into a cache's blob that is gone
+            raise ModelFormatError(f"{path}: not found") from None
+        return False
+    except OSError as e:
+        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
+    return True
+
+
 def _read_checkpoint_file(path: Path) -> bytes | None:
     """The bytes of the checkpoint's file at `path`, None when nothing is there. A FIFO or device is refused, named
     as what it is, never waited on; a link to nothing is a broken download, not an absent file. Its JSON is parsed
@@ -244,6 +258,7 @@ def convert(
             f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
             "ignored; drop it or give --expert-dtype fp8"
         )
+    tokenizer_files = [name for name in TOKENIZER_FILES if _regular_or_absent(hf_dir / name)]
     table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
     writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit)
     head_fmt = ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None
@@ -268,7 +283,7 @@ def convert(
     for shard in set(where.values()):
         shard.close()
     for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
+        if name in tokenizer_files:
             copy_new(hf_dir / name, out_dir / name)
             writer.tokenizer_files.append(name)
         elif (out_dir / name).is_file() or (out_dir / name).is_symlink():  # an earlier model's: the router would

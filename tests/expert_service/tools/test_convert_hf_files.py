@@ -89,3 +89,31 @@ def test_a_regular_index_still_maps_the_tensors(tmp_path, capsys):
     rc, out, err = run_cli(capsys, "convert", str(hf), str(tmp_path / "m"), "--no-progress")
     assert rc == 0, err
     assert ModelDir.open(tmp_path / "m", verify=True).config.family == "olmoe"
+
+
+@pytest.mark.timeout(120)  # copying from the FIFO would wait for a writer for ever
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory", "a character device"])
+def test_a_tokenizer_file_that_is_no_regular_file_is_refused_before_out_dir_changes(tmp_path, capsys, name, kind):
+    """It was taken for absent: the model lost its tokenizer without a word, and the earlier model's copy in
+    OUT_DIR was removed with the rest of it."""
+    hf = write_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", seed=8)
+    out = tmp_path / "m"
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(out), "--no-progress")
+    assert rc == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    place(hf / name, kind)
+    rc, out_text, err = run_cli(capsys, "convert", str(hf), str(out), "--no-progress")
+    assert (rc, out_text) == (3, "") and err.count("\n") == 1, (rc, out_text, err)
+    assert err.endswith(f"{hf / name}: not a regular file ({kind})\n"), err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    ModelDir.open(out, verify=True)
+
+
+@pytest.mark.timeout(20)  # the copy opened a FIFO put there after the check with a blocking open()
+def test_a_tokenizer_file_swapped_for_a_fifo_is_refused_by_the_copy_too(tmp_path):
+    from common.files import copy_new
+
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(OSError, match="not a regular file \\(a FIFO\\)"):
+        copy_new(tmp_path / "tokenizer.json", tmp_path / "copy.json")
