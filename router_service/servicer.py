@@ -299,8 +299,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             has_tokenizer=limits.has_tokenizer,
             backend=info.backend,
             routing=info.routing,
-            num_experts=int(hf.get("num_experts", hf.get("num_local_experts", 0)) or 0),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0),
+            num_experts=config_count(hf, "num_experts", "num_local_experts"),
+            num_experts_per_tok=config_count(hf, "num_experts_per_tok"),
             server_version=_version(),
             generation_config=self._generation_config(),
             prefix_caching=self.batching_loop.prefix_caching,
@@ -437,6 +437,13 @@ def _version() -> str:
         return importlib.metadata.version("colibri")
     except importlib.metadata.PackageNotFoundError:
         return ""
+
+
+def config_count(hf: dict, *keys: str) -> int:
+    """The first of `keys` config.json writes a value for, 0 when none: null is absent (Qwen3-MoE may write
+    `"num_experts": null` beside `num_local_experts`), never the 0 it was read as; a non-integer is 0 too."""
+    value = next((hf[key] for key in keys if hf.get(key) is not None), 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _hf_config(text: str) -> dict:
