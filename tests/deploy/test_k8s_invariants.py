@@ -368,6 +368,8 @@ def test_convert_job(renderings):
     servers_model = flag(container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "worker")["args"], "model")
     assert env_map["MODEL_DIR"] == servers_model, "the Job writes where the servers read"
     assert c["image"].endswith("-cpu"), "converting needs no GPU"
+    # hf's start-up query of PyPI for a newer release is off: the image pins hf
+    assert {"name": "HF_HUB_DISABLE_UPDATE_CHECK", "value": "1"} in c["env"]
     assert mount_of(c, env_map["MODEL_DIR"]).get("readOnly") is not True
     # The servers wait for the model's manifest, which appears when the Job moves the verified model in.
     prepare = container(pod_spec(renderings["gpu"].one("Deployment", "colibri")), "prepare")
