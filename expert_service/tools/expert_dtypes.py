@@ -176,17 +176,10 @@ def _mapping(value: object, path: Path, key: str) -> dict:
 
 
 def _read(path: Path) -> dict:
-    from common.files import read_regular
+    from common.files import read_setting_file
     from common.strict_json import parse_json
 
-    try:  # opened without blocking: a FIFO or device there is named as such, never waited on
-        data = read_regular(path)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: expert dtype file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: a directory, not an expert dtype file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror or e}") from None
+    data = read_setting_file(path, "--expert-dtype-file")  # a FIFO or device is named as such, never waited on
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 

@@ -176,7 +176,7 @@ def test_unknown_expert_dtype_flag_is_one_line(tmp_path, capsys, value):
     "value, message",
     [
         ("", "--expert-dtype-file: empty; name a JSON or YAML file"),  # `--expert-dtype-file "$PLAN"`, PLAN unset
-        ("plans", "plans: a directory, not an expert dtype file"),
+        ("plans", "--expert-dtype-file: plans is not a file"),
     ],
 )
 def test_an_empty_or_directory_expert_dtype_file_is_named(tmp_path, capsys, monkeypatch, value, message):
