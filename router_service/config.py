@@ -13,6 +13,7 @@ from common.config import LOG_LEVEL_ENV, check_distinct_ports, check_message_lim
 from common.connection_limits import MAX_CONNECTIONS
 from common.errors import ConfigError
 from common.listen_address import ADDRESS_HELP, bind_address_problem
+from router_service.http_hosts import allowed_hosts_problem
 
 # gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
 # call whose deadline it cannot represent at once (worker_step_timeout_s): longer ones stop nothing useful.
@@ -200,6 +201,13 @@ class RouterConfig:
         "/v1/models, /health), with the same auth and TLS as the gRPC port; 0 = off",
         ("COLIBRI_HTTP_PORT",),
     )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "Host header names the HTTP front answers besides loopback ones (comma-separated; *.example.com for its "
+        "subdomains; * = any). Empty: any Host on a non-loopback --host, only localhost, *.localhost and loopback "
+        "addresses on a loopback one, against DNS rebinding; set: those and these on either",
+        ("COLIBRI_ALLOWED_HOSTS",),
+    )
     chat_template: str = setting(
         "",
         "Jinja2 chat template file used instead of the model's (tokenizer_config.json chat_template)",
@@ -382,6 +390,8 @@ class RouterConfig:
         for name in ("host", "metrics_host"):  # a typo would surface only as a port that cannot be bound
             if problem := bind_address_problem(getattr(self, name)):
                 raise ConfigError(f"router: --{name.replace('_', '-')} {getattr(self, name)!r} {problem}")
+        if problem := allowed_hosts_problem(self.allowed_hosts):
+            raise ConfigError(f"router: allowed_hosts {problem}")
         check_distinct_ports("router: ", self.listeners())
 
     def listeners(self) -> dict[str, tuple[str, int]]:

@@ -32,6 +32,7 @@ from router_service import errors, http_bodies, http_guard, http_json, openai_ch
 from router_service.errors import clipped
 from router_service.frontend import OPERATION_CHAT, Frontend, collect, set_usage
 from router_service.http_connections import ConnectionGate, body_unread, close_unread, framing_faulty, listen
+from router_service.http_hosts import HostCheck
 from router_service.logprobs import TokenTexts
 from router_service.openai_errors import HTTP_STATUS, ApiError, api_error, grpc_code
 from router_service.openai_request import ParsedRequest, parse_request
@@ -89,6 +90,7 @@ class HttpFront:
         self._server: asyncio.Server | None = None
         self._gate: ConnectionGate | None = None
         self._texts: TokenTexts | None = None
+        self.hosts = HostCheck(enforced=True)  # the listener's own, once bound (start)
         self.bodies = http_bodies.BodyBudget(
             self.config.http_body_budget_bytes,
             self.config.retry_after_s,
@@ -141,6 +143,8 @@ class HttpFront:
             await self.stop()
             raise bind_failure("router HTTP", host, port) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        bound = [sock.getsockname()[0] for sock in self._server.sockets]
+        self.hosts = HostCheck.for_listener(self.config.allowed_hosts, bound)
         self.frontend.batching_loop.hooks.on_http_body_bytes(lambda: self.bodies.held)
         return self.port
 
@@ -160,7 +164,9 @@ class HttpFront:
         answer: web.StreamResponse
         expectation = http_guard.expectation_problem(request)
         repeated = http_guard.repeated_header(request)
-        if repeated is not None:
+        if (wrong_host := self.hosts.refusal(request)) is not None:
+            answer = error_response(wrong_host)
+        elif repeated is not None:
             answer = error_response(ApiError(400, repeated))
         elif request.path != "/health" and not authorized(self.tokens, request.headers.get("Authorization", "")):
             answer = error_response(ApiError(401, UNAUTHENTICATED, code="invalid_api_key"))

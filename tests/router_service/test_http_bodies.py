@@ -35,7 +35,7 @@ def body_of(size: int, **fields) -> bytes:
 def head(length: int | None, extra: bytes = b"") -> bytes:
     framing = b"Content-Length: %d\r\n" % length if length is not None else b"Transfer-Encoding: chunked\r\n"
     return (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + AUTH_LINE
         + extra
         + framing

@@ -68,7 +68,7 @@ def post_bytes(path: str, body: bytes, headers: bytes = b"") -> bytes:
     return (
         b"POST "
         + path.encode()
-        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b" HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + headers
         + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
         + body
@@ -464,7 +464,9 @@ def test_an_authorization_header_that_is_not_utf8_is_401(tmp_path, caplog, value
         async with http_harness(tmp_path) as (router, fake, base, hooks):
             raw = await raw_exchange(
                 router.http_port,
-                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n",
+                b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: "
+                + value
+                + b"\r\nConnection: close\r\n\r\n",
             )
             got, answer = status_and_body(raw)
             assert got == 401 and answer["error"]["code"] == "invalid_api_key", raw
@@ -478,9 +480,9 @@ def test_malformed_http_is_400_and_one_rate_limited_warning(tmp_path, caplog):
     WARNING line for the lot (it logged an ERROR with a traceback for each)."""
     caplog.set_level(logging.INFO)
     malformed = [
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Bad: a\x7fb\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Bad: a\x7fb\r\n\r\n",
     ]
 
     async def body():

@@ -23,7 +23,7 @@ BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
 
 def expect_head(method: str, path: str, headers: bytes = AUTH_LINE, length: int = len(BODY)) -> bytes:
     return (
-        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n".encode()
         + headers
         + b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % length
     )
@@ -160,7 +160,7 @@ def test_an_empty_expect_header_expects_nothing(tmp_path, caplog):
             assert answer.startswith(b"HTTP/1.1 200 "), answer
             assert completion is not None and completion["usage"]["completion_tokens"] == 2
             assert b"connection: close" not in answer.lower()
-            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + b"Expect:\r\n\r\n")
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + AUTH_LINE + b"Expect:\r\n\r\n")
             answer, models = await first_answer(reader)
             assert answer.startswith(b"HTTP/1.1 200 ") and models is not None and models["object"] == "list"
             writer.close()

@@ -131,7 +131,7 @@ def request(
         method
         + b" "
         + path
-        + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + b" HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
         + (b"Authorization: Bearer " + TOKEN + b"\r\n" if auth else b"")
         + headers
         + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length)

@@ -159,7 +159,7 @@ def test_br_or_zstd_without_their_package_is_the_fronts_415(tmp_path, caplog, mo
             raw = await raw_exchange(router.http_port, post_bytes(path, BODY, b"Content-Encoding: " + coding + b"\r\n"))
             assert_openai_error(status_and_body(raw)[1], 401, status_and_body(raw)[0], code="invalid_api_key")
             # a request without a body is not concerned
-            get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + b"Content-Encoding: " + coding
+            get = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + AUTH_LINE + b"Content-Encoding: " + coding
             got, answer = status_and_body(await raw_exchange(router.http_port, get + b"\r\nConnection: close\r\n\r\n"))
             assert got == 200, answer
             assert not problems(caplog)
@@ -265,7 +265,7 @@ def test_a_compressed_body_past_the_limit_is_413_as_it_decodes(tmp_path, caplog)
 
 def _post_chunked(transfer_encoding: bytes, payload: bytes, headers: bytes = b"") -> bytes:
     return (
-        b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + AUTH_LINE
+        b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + AUTH_LINE
         + headers + b"Transfer-Encoding: " + transfer_encoding + b"\r\nConnection: close\r\n\r\n"
         + b"%x\r\n" % len(payload) + payload + b"\r\n0\r\n\r\n"
     )  # fmt: skip
@@ -306,7 +306,7 @@ def _post_typed(content_types: list[bytes]) -> bytes:
     """A completions POST with exactly these Content-Type headers (none: no header)."""
     typed = b"".join(b"Content-Type: " + t + b"\r\n" for t in content_types)
     return (
-        b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: x\r\n" + AUTH_LINE + typed
+        b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: localhost\r\n" + AUTH_LINE + typed
         + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY) + BODY
     )  # fmt: skip
 

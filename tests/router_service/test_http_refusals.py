@@ -25,7 +25,10 @@ MAX_MESSAGE = 64 * 1024
 def head(path: str, headers: bytes, length: int | None) -> bytes:
     framing = b"Content-Length: %d\r\n" % length if length is not None else b""
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode() + headers + framing + b"\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n".encode()
+        + headers
+        + framing
+        + b"\r\n"
     )
 
 
@@ -159,7 +162,7 @@ def test_a_request_pipelined_behind_a_refused_body_is_not_served(tmp_path, caplo
             received = bytearray()
             answer = asyncio.create_task(answers_until_closed(reader, received))
             await asyncio.sleep(0.2)  # the 401 is sent before the rest arrives
-            writer.write(b" " * (length - first) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b" " * (length - first) + b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             done, _ = await asyncio.wait([answer], timeout=http_connections.REFUSAL_LINGER_S + 3)
             answer.cancel()
             writer.transport.abort()
@@ -259,12 +262,12 @@ def test_an_http_1_0_request_with_transfer_encoding_ends_its_connection(tmp_path
     async def body():
         text = b'{"prompt": "x", "max_tokens": 2}'
         request = (
-            f"{'POST' if path == COMPLETIONS else 'GET'} {path} HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nContent-Type: application/json\r\n".encode()
+            f"{'POST' if path == COMPLETIONS else 'GET'} {path} HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\nContent-Type: application/json\r\n".encode()
             + AUTH_LINE
             + b"Transfer-Encoding: chunked\r\n\r\n"
             + chunk(len(text)).replace(b"x" * len(text), text)
             + b"0\r\n\r\n"
-            + b"GET /health HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n\r\n"
+            + b"GET /health HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n"
         )
         async with http_harness(tmp_path) as (router, fake, base, hooks):
             reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)

@@ -34,7 +34,7 @@ def test_connections_that_never_finish_their_headers_are_closed(tmp_path, caplog
             connections = []
             for i in range(50):
                 reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n" if i % 2 else b"")
                 connections.append((reader, writer))
             started = time.monotonic()
             deadline = asyncio.get_running_loop().time() + 10
@@ -57,7 +57,7 @@ def test_a_body_that_stalls_is_408_and_its_connection_closed(tmp_path, caplog):
             reader, writer = await asyncio.open_connection("127.0.0.1", router.http_port)
             payload = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
             writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer sesame\r\n"
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload[:10]
             )
             await writer.drain()
@@ -96,7 +96,7 @@ def test_a_streaming_client_that_stops_reading_is_disconnected_and_its_request_c
             ).encode()
             await loop.sock_sendall(
                 sock,
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                 b"sesame\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload,
             )
             assert (await asyncio.wait_for(loop.sock_recv(sock, 100), 10)).startswith(b"HTTP/1.1 200")
