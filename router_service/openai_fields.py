@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from router_service.errors import clipped
+
 # Read by router_service.openai_request.parse_request.
 IMPLEMENTED_BOTH = frozenset(
     {
@@ -142,6 +144,9 @@ MESSAGE_REFUSED: dict[str, tuple[object, ...]] = {
     "audio": (),
     "annotations": ([],),  # an answer's citations, echoed back with its message
 }
+# OpenAI's message roles (function: the deprecated form of tool); any other is a 400 naming them, as OpenAI's. The
+# gRPC front takes any role its template knows.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # The openai package's own parse of the content (`chat.completions.parse`, its stream helper): echoed back with the
 # message it came in, it repeats the content the template sees.
 MESSAGE_IGNORED = frozenset({"parsed"})
@@ -215,4 +220,18 @@ def _refused_keys(
         message = _refusal(param, value, refused[name])
         if message:
             return param, message
+    return None
+
+
+def message_problem(message: dict, where: str) -> tuple[str, str] | None:
+    """(param, message) for a chat message OpenAI refuses from its role alone: a role not one of CHAT_ROLES (or not
+    a string), a tool result without the tool_call_id of the call it answers. None when it is taken."""
+    role, roles = message.get("role"), ", ".join(CHAT_ROLES)
+    if "role" not in message:
+        return f"{where}.role", f"{where}.role: required, one of {roles}"
+    if role not in CHAT_ROLES:  # a list or an object too: never in the tuple
+        got = clipped(json.dumps(role, ensure_ascii=False))
+        return f"{where}.role", f"{where}.role: must be one of {roles}, got {got}"
+    if role == "tool" and message.get("tool_call_id") is None:
+        return f"{where}.tool_call_id", f"{where}.tool_call_id: required for role tool (the id of the call answered)"
     return None

@@ -239,6 +239,9 @@ def parse_request(
             raise ApiError(400, "messages: required, a non-empty list of {role, content} objects", param="messages")
         if not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages: each message must be an object", param="messages")
+        for i, message in enumerate(messages):
+            if problem := openai_fields.message_problem(message, f"messages[{i}]"):
+                raise ApiError(400, problem[1], param=problem[0])
         parsed.messages = messages
         cont = _get(body, "continue_final_message", bool, False, "a boolean")
         add = _get(body, "add_generation_prompt", bool, not cont, "a boolean")

@@ -111,6 +111,8 @@ CLIENT_MISTAKES = [
     (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
     (COMPLETIONS, b'{"prompt": "ab", "stop": ["x", "\\udfff"]}', 400, "stop", None),
     (CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages", None),
+    (CHAT, b'{"messages": [{"role": "bogus", "content": "x"}]}', 400, "messages[0].role", None),
+    (CHAT, b'{"messages": [{"role": "tool", "content": "1"}]}', 400, "messages[0].tool_call_id", None),
     (
         CHAT,
         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',

@@ -61,3 +61,43 @@ def test_a_malformed_prompt_names_the_element_and_what_is_wrong(prompt, param, s
 def test_a_missing_prompt_is_required():
     for body in ({}, {"prompt": None}):
         assert refusal(body).message == "prompt: required, a string or a list of token ids"
+
+
+ROLES = "system, developer, user, assistant, tool, function"
+
+
+@pytest.mark.parametrize(
+    "message, got",
+    [
+        ({"role": "bogus", "content": "x"}, '"bogus"'),
+        ({"role": "User", "content": "x"}, '"User"'),  # OpenAI's roles are lower case
+        ({"role": "", "content": "x"}, '""'),
+        ({"role": 3, "content": "x"}, "3"),
+        ({"role": ["user"], "content": "x"}, '["user"]'),
+        ({"role": None, "content": "x"}, "null"),
+        ({"content": "x"}, None),
+    ],
+)
+def test_a_role_not_openais_is_refused_naming_the_roles(message, got):
+    """A role OpenAI does not have was rendered as sent (or failed in the template, as a chat template error):
+    OpenAI answers 400 naming messages[i].role and its roles."""
+    error = refusal({"messages": [{"role": "user", "content": "x"}, message]}, "chat")
+    assert error.param == "messages[1].role" and error.type == "invalid_request_error"
+    assert error.message.startswith("messages[1].role: ") and ROLES in error.message, error.message
+    assert (got is None and "required" in error.message) or f"got {got}" in error.message, error.message
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "function"])
+def test_openais_roles_are_taken(role):
+    parsed = parse_request({"messages": [{"role": role, "content": "x", "name": "n"}]}, "chat", "m")
+    assert parsed.messages[0]["role"] == role
+
+
+def test_a_tool_message_without_tool_call_id_is_refused():
+    """OpenAI requires a tool result to name the call it answers; one naming a call no earlier message made is the
+    template's to judge (docs/api.md), and is taken."""
+    for tool in ({"role": "tool", "content": "1"}, {"role": "tool", "content": "1", "tool_call_id": None}):
+        error = refusal({"messages": [{"role": "user", "content": "x"}, tool]}, "chat")
+        assert error.param == "messages[1].tool_call_id" and "required for role tool" in error.message, error.message
+    unknown = {"role": "tool", "content": "1", "tool_call_id": "call_nobody_made"}
+    assert parse_request({"messages": [{"role": "user", "content": "x"}, unknown]}, "chat", "m").messages[1] == unknown
