@@ -1,9 +1,9 @@
 """`colibri convert HF_DIR OUT_DIR`: a Hugging Face safetensors checkpoint -> a Colibri model directory.
 
-Streams one tensor at a time from memory-mapped shards, so peak memory is bounded by the largest single
-tensor (a few float32 copies of it while changing dtype or quantizing), not by the model; an fp8 checkpoint's
-block scales (4 bytes per 128x128 block) are all read and checked up front, before OUT_DIR changes. Pickle
-checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
+Streams one tensor at a time from memory-mapped shards (`safetensors_checkpoint.py`), so peak memory is bounded
+by the largest single tensor (a few float32 copies of it while changing dtype or quantizing), not by the model; an
+fp8 checkpoint's block scales (4 bytes per 128x128 block) are all read and checked up front, before OUT_DIR
+changes. Pickle checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
 (`expert_service/tools/expert_dtypes.py`); fine-grained fp8 checkpoints are read as `hf_fp8.py` describes,
 their experts' bytes kept as they are unless another expert dtype is asked for. The LM head may be quantized to
 int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embedding, which stays dense).
@@ -11,24 +11,18 @@ int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embe
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import mmap
 import re
-import stat
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from common import dtypes, quant
 from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
-from common.files import copy_new, read_regular, stat_regular
+from common.files import copy_new, stat_regular
 from common.model_config import ModelConfig
 from common.model_manifest import HEAD, MANIFEST, expert_file
 from common.model_writer import ModelWriter
@@ -38,6 +32,12 @@ from common.strict_json import parse_json
 from expert_service.tools import hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 from expert_service.tools.routing_gen import report_path_for
+from expert_service.tools.safetensors_checkpoint import (
+    SOURCE_DTYPES,
+    SafetensorsShard,
+    open_checkpoint,
+    read_checkpoint_file,
+)
 
 log = logging.getLogger("colibri.convert")
 TOKENIZER_FILES = (
@@ -50,12 +50,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-# F8_E4M3 only with its block scales (hf_fp8.py); safetensors' numpy loader cannot read it, our mmap can.
-SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
 FP8_BLOCK = ExpertFormat("float8_e4m3fn", quant.BLOCK128)
 
-
-GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 # Names in OUT_DIR that belong to the model directory but that a conversion does not rewrite: the routing table
 # (the worker reads it by name), its report, and leftovers of a killed write. An earlier model's are removed:
 # each describes that model alone. Expert files of layers the new model lacks go too (EXPERT_FILE).
@@ -63,96 +59,6 @@ GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 TABLE_OUTPUTS = (TABLE_FILE, report_path_for(Path(TABLE_FILE)).name, TABLE_FILE + COUNTS_SUFFIX)
 STALE_OUTPUTS = (*TABLE_OUTPUTS, TABLE_FILE + ".tmp", MANIFEST + ".tmp")
 EXPERT_FILE = re.compile(r"experts-L(\d{3,})\.bin")
-
-
-def _check_shard_file(path: Path) -> None:
-    """Refuses what safe_open mishandles: it blocks for ever on a FIFO (holding the GIL), says 'No such device' of
-    a directory naming no file, and 'header too large' of the Git LFS pointer a clone without git-lfs holds."""
-    why = "(every *.safetensors here is read as a shard)"
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise ModelFormatError(f"{path}: a link to nothing {why}") from None
-    if not stat.S_ISREG(mode):
-        raise ModelFormatError(f"{path}: not a regular file {why}")
-    with open(path, "rb") as file:
-        if file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
-            raise ModelFormatError(
-                f"{path}: a Git LFS pointer, not the weights (run `git lfs pull` in the checkpoint's clone)"
-            )
-
-
-class SafetensorsShard:
-    """One checkpoint file. `safetensors.safe_open` parses and validates the header (names, dtypes, shapes,
-    offsets that tile the data inside the file); tensors are read as views of our own read-only mmap at the
-    header's offsets, because safe_open hands numpy a copy of each tensor (and has no numpy bfloat16)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        _check_shard_file(path)
-        try:
-            with safe_open(path, framework="numpy") as f:
-                self.tensors = {
-                    name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()
-                }
-        except SafetensorError as e:
-            raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
-        with open(path, "rb") as file:  # safe_open does not expose offsets: read them from the checked header
-            (header_len,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(header_len))
-            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        self._begin = {name: 8 + header_len + int(header[name]["data_offsets"][0]) for name in self.tensors}
-
-    def read(self, name: str) -> tuple[np.ndarray, str]:
-        """(storage array view, dtype name) of one tensor."""
-        safetensors_dtype, shape = self.tensors[name]
-        dtype = SOURCE_DTYPES.get(safetensors_dtype)
-        if dtype is None:
-            raise ModelFormatError(
-                f"{self.path}: tensor {name} has dtype {safetensors_dtype}, supported: {', '.join(SOURCE_DTYPES)}"
-            )
-        raw = np.frombuffer(
-            self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype), offset=self._begin[name]
-        )
-        return raw.view(dtypes.STORAGE[dtype]).reshape(shape), dtype
-
-    def close(self):
-        self._map.close()
-
-
-def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
-    """Tensor name -> the shard holding it, from `model.safetensors.index.json` or the shard files."""
-    shards = sorted(hf_dir.glob("*.safetensors"))
-    if not shards:
-        pickles = [p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        hint = f" (found pickle checkpoints {pickles}: these are never loaded; save as safetensors)" if pickles else ""
-        raise ModelFormatError(f"{hf_dir}: no .safetensors files{hint}")
-    opened = {p.name: SafetensorsShard(p) for p in shards}
-    index_path = hf_dir / "model.safetensors.index.json"
-    where: dict[str, SafetensorsShard] = {}
-    index_bytes = _read_checkpoint_file(index_path)
-    if index_bytes is not None:
-        index: Any = parse_json(index_bytes, index_path, ModelFormatError)
-        try:
-            weight_map = dict(index["weight_map"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelFormatError(f"{index_path}: malformed index ({type(e).__name__}: {e})") from None
-        for name, file in weight_map.items():
-            if file not in opened:
-                raise ModelFormatError(f"{index_path}: tensor {name} maps to missing shard {file}")
-            if name not in opened[file].tensors:
-                raise ModelFormatError(f"{index_path}: tensor {name} maps to shard {file}, which does not hold it")
-            where[name] = opened[file]
-    else:
-        for shard in opened.values():
-            for name in shard.tensors:
-                if name in where:  # no index to say which copy is meant: never keep one silently
-                    raise ModelFormatError(
-                        f"{hf_dir}: tensor {name} is in both {where[name].path.name} and {shard.path.name} "
-                        f"and there is no model.safetensors.index.json"
-                    )
-                where[name] = shard
-    return where
 
 
 def _regular_or_absent(path: Path) -> bool:
@@ -167,24 +73,6 @@ def _regular_or_absent(path: Path) -> bool:
     except OSError as e:
         raise ModelFormatError(f"{path}: {e.strerror or e}") from None
     return True
-
-
-def _read_checkpoint_file(path: Path) -> bytes | None:
-    """The bytes of the checkpoint's file at `path`, None when nothing is there. A FIFO or device is refused, named
-    as what it is, never waited on; a link to nothing is a broken download, not an absent file. Its JSON is parsed
-    as the model directory's reader parses its manifest (parse_json): a key written twice, NaN or a number past a
-    double is refused here rather than in the manifest that would carry it."""
-    try:
-        data = read_regular(path)
-    except FileNotFoundError:
-        if path.is_symlink():  # a link into a cache's blob that is gone
-            raise ModelFormatError(f"{path}: not found") from None
-        return None
-    except IsADirectoryError:
-        raise ModelFormatError(f"{path}: not a regular file (a directory)") from None
-    except OSError as e:
-        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
-    return data
 
 
 def convert(
@@ -206,7 +94,7 @@ def convert(
     if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
         raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")
     config_path = hf_dir / "config.json"
-    config_bytes = _read_checkpoint_file(config_path)
+    config_bytes = read_checkpoint_file(config_path)
     if config_bytes is None:
         raise ModelFormatError(f"{config_path}: not found")
     hf_config: Any = parse_json(config_bytes, config_path, ModelFormatError)

@@ -1,0 +1,134 @@
+"""Reading a Hugging Face safetensors checkpoint for `colibri convert`: its shard files (memory-mapped, one tensor
+at a time), the index that says which shard holds each tensor, and its other files as bytes. Pickle checkpoints
+(.bin/.pt) are never loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from common import dtypes
+from common.errors import ModelFormatError
+from common.files import read_regular
+from common.strict_json import parse_json
+from expert_service.tools import hf_fp8
+
+# F8_E4M3 only with its block scales (hf_fp8.py); safetensors' numpy loader cannot read it, our mmap can.
+SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
+GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _check_shard_file(path: Path) -> None:
+    """Refuses what safe_open mishandles: it blocks for ever on a FIFO (holding the GIL), says 'No such device' of
+    a directory naming no file, and 'header too large' of the Git LFS pointer a clone without git-lfs holds."""
+    why = "(every *.safetensors here is read as a shard)"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: a link to nothing {why}") from None
+    if not stat.S_ISREG(mode):
+        raise ModelFormatError(f"{path}: not a regular file {why}")
+    with open(path, "rb") as file:
+        if file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
+            raise ModelFormatError(
+                f"{path}: a Git LFS pointer, not the weights (run `git lfs pull` in the checkpoint's clone)"
+            )
+
+
+class SafetensorsShard:
+    """One checkpoint file. `safetensors.safe_open` parses and validates the header (names, dtypes, shapes,
+    offsets that tile the data inside the file); tensors are read as views of our own read-only mmap at the
+    header's offsets, because safe_open hands numpy a copy of each tensor (and has no numpy bfloat16)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        _check_shard_file(path)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                self.tensors = {
+                    name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()
+                }
+        except SafetensorError as e:
+            raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
+        with open(path, "rb") as file:  # safe_open does not expose offsets: read them from the checked header
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_len))
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._begin = {name: 8 + header_len + int(header[name]["data_offsets"][0]) for name in self.tensors}
+
+    def read(self, name: str) -> tuple[np.ndarray, str]:
+        """(storage array view, dtype name) of one tensor."""
+        safetensors_dtype, shape = self.tensors[name]
+        dtype = SOURCE_DTYPES.get(safetensors_dtype)
+        if dtype is None:
+            raise ModelFormatError(
+                f"{self.path}: tensor {name} has dtype {safetensors_dtype}, supported: {', '.join(SOURCE_DTYPES)}"
+            )
+        raw = np.frombuffer(
+            self._map, dtype=np.uint8, count=math.prod(shape) * dtypes.itemsize(dtype), offset=self._begin[name]
+        )
+        return raw.view(dtypes.STORAGE[dtype]).reshape(shape), dtype
+
+    def close(self):
+        self._map.close()
+
+
+def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
+    """Tensor name -> the shard holding it, from `model.safetensors.index.json` or the shard files."""
+    shards = sorted(hf_dir.glob("*.safetensors"))
+    if not shards:
+        pickles = [p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = f" (found pickle checkpoints {pickles}: these are never loaded; save as safetensors)" if pickles else ""
+        raise ModelFormatError(f"{hf_dir}: no .safetensors files{hint}")
+    opened = {p.name: SafetensorsShard(p) for p in shards}
+    index_path = hf_dir / "model.safetensors.index.json"
+    where: dict[str, SafetensorsShard] = {}
+    index_bytes = read_checkpoint_file(index_path)
+    if index_bytes is not None:
+        index: Any = parse_json(index_bytes, index_path, ModelFormatError)
+        try:
+            weight_map = dict(index["weight_map"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{index_path}: malformed index ({type(e).__name__}: {e})") from None
+        for name, file in weight_map.items():
+            if file not in opened:
+                raise ModelFormatError(f"{index_path}: tensor {name} maps to missing shard {file}")
+            if name not in opened[file].tensors:
+                raise ModelFormatError(f"{index_path}: tensor {name} maps to shard {file}, which does not hold it")
+            where[name] = opened[file]
+    else:
+        for shard in opened.values():
+            for name in shard.tensors:
+                if name in where:  # no index to say which copy is meant: never keep one silently
+                    raise ModelFormatError(
+                        f"{hf_dir}: tensor {name} is in both {where[name].path.name} and {shard.path.name} "
+                        f"and there is no model.safetensors.index.json"
+                    )
+                where[name] = shard
+    return where
+
+
+def read_checkpoint_file(path: Path) -> bytes | None:
+    """The bytes of the checkpoint's file at `path`, None when nothing is there. A FIFO or device is refused, named
+    as what it is, never waited on; a link to nothing is a broken download, not an absent file. Its JSON is parsed
+    as the model directory's reader parses its manifest (parse_json): a key written twice, NaN or a number past a
+    double is refused here rather than in the manifest that would carry it."""
+    try:
+        data = read_regular(path)
+    except FileNotFoundError:
+        if path.is_symlink():  # a link into a cache's blob that is gone
+            raise ModelFormatError(f"{path}: not found") from None
+        return None
+    except IsADirectoryError:
+        raise ModelFormatError(f"{path}: not a regular file (a directory)") from None
+    except OSError as e:
+        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
+    return data
