@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import stat
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from common import dtypes
 from common.errors import ModelFormatError
-from common.files import read_regular
+from common.files import open_regular, read_regular
 from common.strict_json import parse_json
 from expert_service.tools import hf_fp8
 
@@ -26,39 +25,46 @@ SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
 GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
-def _check_shard_file(path: Path) -> None:
-    """Refuses what safe_open mishandles: it blocks for ever on a FIFO (holding the GIL), says 'No such device' of
-    a directory naming no file, and 'header too large' of the Git LFS pointer a clone without git-lfs holds."""
-    why = "(every *.safetensors here is read as a shard)"
+def _open_shard(path: Path) -> BinaryIO:
+    """The shard at `path` opened for reading, refused in one line unless it is a regular file holding more than a
+    Git LFS pointer (which safe_open calls 'header too large'). A FIFO is named, never waited on: safe_open blocked
+    for ever on one (holding the GIL), and of a directory said 'No such device', naming no file."""
+    why = "every *.safetensors here is read as a shard"
     try:
-        mode = path.stat().st_mode
+        file = open_regular(path)
     except FileNotFoundError:
-        raise ModelFormatError(f"{path}: a link to nothing {why}") from None
-    if not stat.S_ISREG(mode):
-        raise ModelFormatError(f"{path}: not a regular file {why}")
-    with open(path, "rb") as file:
-        if file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
-            raise ModelFormatError(
-                f"{path}: a Git LFS pointer, not the weights (run `git lfs pull` in the checkpoint's clone)"
-            )
+        raise ModelFormatError(f"{path}: {'a link to nothing' if path.is_symlink() else 'not found'}; {why}") from None
+    except IsADirectoryError:
+        raise ModelFormatError(f"{path}: not a regular file (a directory); {why}") from None
+    except OSError as e:
+        raise ModelFormatError(f"{path}: {e.strerror or e}; {why}") from None
+    if file.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
+        file.close()
+        raise ModelFormatError(
+            f"{path}: a Git LFS pointer, not the weights (run `git lfs pull` in the checkpoint's clone)"
+        )
+    return file
 
 
 class SafetensorsShard:
     """One checkpoint file. `safetensors.safe_open` parses and validates the header (names, dtypes, shapes,
     offsets that tile the data inside the file); tensors are read as views of our own read-only mmap at the
-    header's offsets, because safe_open hands numpy a copy of each tensor (and has no numpy bfloat16)."""
+    header's offsets, because safe_open hands numpy a copy of each tensor (and has no numpy bfloat16). The file
+    is opened once, checked, and everything is read from that opening: a FIFO swapped in at its name since is
+    never opened."""
 
     def __init__(self, path: Path):
         self.path = path
-        _check_shard_file(path)
-        try:
-            with safe_open(path, framework="numpy") as f:
-                self.tensors = {
-                    name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()
-                }
-        except SafetensorError as e:
-            raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
-        with open(path, "rb") as file:  # safe_open does not expose offsets: read them from the checked header
+        with _open_shard(path) as file:
+            # safe_open opens a name itself, with a blocking open: it gets this opening's own name
+            try:
+                with safe_open(f"/proc/self/fd/{file.fileno()}", framework="numpy") as f:
+                    self.tensors = {
+                        name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()
+                    }
+            except SafetensorError as e:
+                raise ModelFormatError(f"{path}: not a valid safetensors file ({e})") from None
+            file.seek(0)  # safe_open does not expose offsets: read them from the checked header
             (header_len,) = struct.unpack("<Q", file.read(8))
             header = json.loads(file.read(header_len))
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -476,8 +476,9 @@ def test_a_shard_name_that_is_no_file_is_one_line_not_a_hang(tmp_path, kind):
         done = subprocess.run(command, capture_output=True, timeout=60, env=serve_env())
     except subprocess.TimeoutExpired:
         pytest.fail("a FIFO shard blocked the conversion")
-    what = "a link to nothing" if kind == "dangling link" else "not a regular file"
-    message = f"colibri convert: error: {odd}: {what} (every *.safetensors here is read as a shard)\n"
+    what = {"directory": "not a regular file (a directory)", "fifo": "not a regular file (a FIFO)"}
+    message = f"colibri convert: error: {odd}: {what.get(kind, 'a link to nothing')}; every *.safetensors here is "
+    message += "read as a shard\n"
     assert (done.returncode, done.stderr.decode()) == (ModelFormatError.exit_code, message)
 
 
