@@ -29,7 +29,8 @@ from common.models import config_from_hf
 
 
 class ModelWriter:
-    """Writes a model directory tensor by tensor, in any order; memory stays at one tensor.
+    """Writes a model directory tensor by tensor, in any order; memory stays at one tensor. Its files stay open
+    until finish(); a writer left before (an error) is closed by `with` or close().
     `expert_formats(layer, expert)` picks each routed expert's storage (default: the dense dtype), `head_dtype`
     an 8-bit LM head's (None: the dense dtype; 8-bit: "lm_head" and "lm_head_scale" are written, tied or not)."""
 
@@ -59,11 +60,26 @@ class ModelWriter:
             sizes[entry.file] = max(sizes.get(entry.file, 0), entry.offset + entry.nbytes)
         for layer, stride in self.expert_strides.items():  # whole strides, so a copy of any expert's slot stays
             sizes[expert_file(layer)] = self.config.num_experts * stride  # inside the file (the last one's too)
-        for name, size in sizes.items():
-            fd = create_new(self.out_dir / name)  # a new file: a link there is replaced, never written through
-            self._files[name] = fd
-            with naming(self.out_dir / name):
-                os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
+        try:
+            for name, size in sizes.items():
+                fd = create_new(self.out_dir / name)  # a new file: a link there is replaced, never written through
+                self._files[name] = fd
+                with naming(self.out_dir / name):
+                    os.ftruncate(fd, align(size, EXPERT_ALIGN) if name != DENSE_FILE else size)
+        except BaseException:  # a full disk: no caller holds the writer to close them
+            self.close()
+            raise
+
+    def __enter__(self) -> ModelWriter:
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the model's files still open: all of them when the write stopped before finish()."""
+        while self._files:
+            os.close(self._files.popitem()[1])
 
     def write(self, name: str, array: np.ndarray) -> None:
         entry = self.layout.get(name)
@@ -87,7 +103,7 @@ class ModelWriter:
         for name, fd in self._files.items():
             with naming(self.out_dir / name):  # a full disk can show first here
                 os.fsync(fd)
-            os.close(fd)
+        self.close()
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,

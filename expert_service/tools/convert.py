@@ -12,6 +12,7 @@ int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embe
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -101,64 +102,91 @@ def convert(
     config = config_from_hf(hf_config)  # refuses anything but an object
     fp8 = hf_fp8.read_quantization_config(hf_config, config_path)
     plan = load_plan(config, expert_dtype, fp8_scale, expert_dtype_file)
-    where = open_checkpoint(hf_dir)
-    specs = tensor_specs(config)
-    missing = [s.hf_name for s in specs if s.hf_name not in where]
-    if missing:
-        raise ModelFormatError(
-            f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
-            f"({len(missing)} missing for a {config.family} model of this config)"
-        )
-    _refuse_unused(where, specs, config.family, hf_dir)
-    for spec in specs:  # from the headers, before the writer truncates what OUT_DIR already holds
-        src_dtype, shape = where[spec.hf_name].tensors[spec.hf_name]
-        if src_dtype not in SOURCE_DTYPES:
+    with open_checkpoint(hf_dir) as where:  # its maps closed however this is left
+        specs = tensor_specs(config)
+        missing = [s.hf_name for s in specs if s.hf_name not in where]
+        if missing:
             raise ModelFormatError(
-                f"{where[spec.hf_name].path}: tensor {spec.hf_name} has dtype {src_dtype}, "
-                f"supported: {', '.join(SOURCE_DTYPES)}"
+                f"{hf_dir}: checkpoint lacks tensor {missing[0]} "
+                f"({len(missing)} missing for a {config.family} model of this config)"
             )
-        if shape != spec.shape:
-            raise ModelFormatError(
-                f"{hf_dir}: tensor {spec.hf_name} has shape {list(shape)}, config.json implies {list(spec.shape)}"
+        _refuse_unused(where, specs, config.family, hf_dir)
+        for spec in specs:  # from the headers, before the writer truncates what OUT_DIR already holds
+            src_dtype, shape = where[spec.hf_name].tensors[spec.hf_name]
+            if src_dtype not in SOURCE_DTYPES:
+                raise ModelFormatError(
+                    f"{where[spec.hf_name].path}: tensor {spec.hf_name} has dtype {src_dtype}, "
+                    f"supported: {', '.join(SOURCE_DTYPES)}"
+                )
+            if shape != spec.shape:
+                raise ModelFormatError(
+                    f"{hf_dir}: tensor {spec.hf_name} has shape {list(shape)}, config.json implies {list(spec.shape)}"
+                )
+        scales = {s.hf_name: hf_fp8.check_fp8_tensor(fp8, where, s.hf_name, hf_dir) for s in specs}
+        # Every block scale's values too, before OUT_DIR changes: one per 128x128 block, so all of them are a small
+        # fraction of the weights, and a bad one found while writing left the earlier model there unloadable.
+        block_scales = {hf_name: hf_fp8.read_scale(where, scale[0]) for hf_name, scale in scales.items() if scale}
+        first_dtype = SOURCE_DTYPES[where[specs[0].hf_name].tensors[specs[0].hf_name][0]]
+        if dtype:
+            target = dtypes.canonical_dtype(dtype)
+        else:  # an fp8 embedding: fp8 checkpoints' dense tensors default to bfloat16
+            target = first_dtype if first_dtype in dtypes.DENSE_DTYPES else "bfloat16"
+        head_8bit = _head_8bit(head_name, head_dtype, target)
+        formats = {
+            (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
+            for s in specs
+            if s.expert is not None and s.layer is not None and s.name.endswith("gate_proj")
+        }
+        if plan.fp8_scheme is not None and all(f.dtype != "float8_e4m3fn" for f in formats.values()):
+            given = [f"--expert-dtype {expert_dtype}"] if expert_dtype is not None else []
+            given += [f"--expert-dtype-file {expert_dtype_file}"] if expert_dtype_file is not None else []
+            # the file's fp8_scale, when it has one, is the one in force (flag None: only the file can have asked)
+            asked = f"--fp8-scale {fp8_scale}" if fp8_scale is not None else f"{expert_dtype_file}: fp8_scale"
+            raise ConfigError(
+                f"{asked}: no routed expert is stored fp8 "
+                f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
+                "ignored; drop it or give --expert-dtype fp8"
             )
-    scales = {s.hf_name: hf_fp8.check_fp8_tensor(fp8, where, s.hf_name, hf_dir) for s in specs}
-    # Every block scale's values too, before OUT_DIR changes: one per 128x128 block, so all of them are a small
-    # fraction of the weights, and a bad one found while writing left the earlier model there unloadable.
-    block_scales = {hf_name: hf_fp8.read_scale(where, scale[0]) for hf_name, scale in scales.items() if scale}
-    first_dtype = SOURCE_DTYPES[where[specs[0].hf_name].tensors[specs[0].hf_name][0]]
-    if dtype:
-        target = dtypes.canonical_dtype(dtype)
-    else:  # an fp8 embedding: fp8 checkpoints' dense tensors default to bfloat16
-        target = first_dtype if first_dtype in dtypes.DENSE_DTYPES else "bfloat16"
-    head_8bit = _head_8bit(head_name, head_dtype, target)
-    formats = {
-        (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
-        for s in specs
-        if s.expert is not None and s.layer is not None and s.name.endswith("gate_proj")
-    }
-    if plan.fp8_scheme is not None and all(f.dtype != "float8_e4m3fn" for f in formats.values()):
-        given = [f"--expert-dtype {expert_dtype}"] if expert_dtype is not None else []
-        given += [f"--expert-dtype-file {expert_dtype_file}"] if expert_dtype_file is not None else []
-        # the file's fp8_scale, when it has one, is the one in force (flag None: only the file can have asked)
-        asked = f"--fp8-scale {fp8_scale}" if fp8_scale is not None else f"{expert_dtype_file}: fp8_scale"
-        raise ConfigError(
-            f"{asked}: no routed expert is stored fp8 "
-            f"({' and '.join(given) or 'no --expert-dtype, and the checkpoint experts are not fp8'}), so it would be "
-            "ignored; drop it or give --expert-dtype fp8"
-        )
-    tokenizer_files = [name for name in TOKENIZER_FILES if _regular_or_absent(hf_dir / name)]
-    table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
-    writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit)
-    head_fmt = ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None
-    tied_head = head_fmt is not None and config.tie_word_embeddings  # quantized from the embedding
-    total = sum(int(np.prod(s.shape)) for s in specs) + (config.vocab_size * config.hidden_size if tied_head else 0)
+        tokenizer_files = [name for name in TOKENIZER_FILES if _regular_or_absent(hf_dir / name)]
+        table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
+        writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit)
+        with writer:  # its files closed however this is left
+            head_fmt = ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None
+            _write_tensors(writer, where, specs, formats, block_scales, head_fmt, ExpertFormat(target), progress)
+            for name in TOKENIZER_FILES:
+                if name in tokenizer_files:
+                    copy_new(hf_dir / name, out_dir / name)
+                    writer.tokenizer_files.append(name)
+                elif _is_file_or_link(out_dir / name):  # an earlier model's: the router would read it as this one's
+                    (out_dir / name).unlink()
+            written = writer.finish()
+    if table_digest is not None:
+        _settle_table(out_dir, table_digest)
+    return written
+
+
+def _write_tensors(
+    writer: ModelWriter,
+    where: dict[str, SafetensorsShard],
+    specs: list[TensorSpec],
+    formats: dict[tuple[int, int], ExpertFormat],
+    block_scales: dict[str, np.ndarray],
+    head_fmt: ExpertFormat | None,
+    dense_fmt: ExpertFormat,
+    progress: bool,
+) -> None:
+    """Every tensor read, converted and written, one at a time (an 8-bit head of a tied checkpoint from its
+    embedding). A function of its own: the views into the shards' maps it holds go with its frame, so that the maps
+    can close whether the writing completes or fails."""
+    tied_head = head_fmt is not None and writer.config.tie_word_embeddings  # quantized from the embedding
+    total = sum(math.prod(s.shape) for s in specs) + (math.prod(specs[0].shape) if tied_head else 0)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
         for spec in specs:
             raw, src_dtype = where[spec.hf_name].read(spec.hf_name)
             if spec.layer is not None and spec.expert is not None:
                 fmt = formats[spec.layer, spec.expert]
             else:
-                fmt = head_fmt if spec.name == HEAD and head_fmt is not None else ExpertFormat(target)
+                fmt = head_fmt if spec.name == HEAD and head_fmt is not None else dense_fmt
             block_scale = block_scales.get(spec.hf_name)
             _write(writer, spec, raw, src_dtype, block_scale, fmt)
             bar.update(raw.size)
@@ -166,20 +194,6 @@ def convert(
                 assert head_fmt is not None
                 _write(writer, TensorSpec(HEAD, spec.hf_name, spec.shape), raw, src_dtype, block_scale, head_fmt)
                 bar.update(raw.size)
-    del raw, block_scale  # the last views into a shard's mmap (block scales too) must go before the mmap can close
-    block_scales.clear()
-    for shard in set(where.values()):
-        shard.close()
-    for name in TOKENIZER_FILES:
-        if name in tokenizer_files:
-            copy_new(hf_dir / name, out_dir / name)
-            writer.tokenizer_files.append(name)
-        elif (out_dir / name).is_file() or (out_dir / name).is_symlink():  # an earlier model's: the router would
-            (out_dir / name).unlink()  # read it as this model's
-    written = writer.finish()
-    if table_digest is not None:
-        _settle_table(out_dir, table_digest)
-    return written
 
 
 def _head_dtype_name(name: str | None) -> str | None:

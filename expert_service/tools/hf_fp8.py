@@ -113,9 +113,10 @@ def check_fp8_tensor(
 
 
 def read_scale(where: Mapping[str, Shard], scale_name: str) -> np.ndarray:
-    """The block scale as float32 (a bfloat16 or float16 one widened: exact)."""
+    """The block scale as float32 (a bfloat16 or float16 one widened: exact), a copy: it is kept while the other
+    tensors are written, and a view would keep the shard's map from closing."""
     stored, dtype = where[scale_name].read(scale_name)
-    scale = np.ascontiguousarray(dtypes.to_float32(stored, dtype), dtype=np.float32)
+    scale = np.array(dtypes.to_float32(stored, dtype), dtype=np.float32, order="C")
     if not np.isfinite(scale).all():
         raise ModelFormatError(f"tensor {scale_name}: non-finite block scales")
     # zero or negative: refused whether the bytes are kept or dequantised, so no flag turns them into weights

@@ -4,10 +4,13 @@ at a time), the index that says which shard holds each tensor, and its other fil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import struct
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -83,18 +86,57 @@ class SafetensorsShard:
         )
         return raw.view(dtypes.STORAGE[dtype]).reshape(shape), dtype
 
-    def close(self):
+    def close(self) -> None:
         self._map.close()
 
+    def __enter__(self) -> SafetensorsShard:
+        return self
 
-def open_checkpoint(hf_dir: Path) -> dict[str, SafetensorsShard]:
-    """Tensor name -> the shard holding it, from `model.safetensors.index.json` or the shard files."""
+    def __exit__(self, error_type: object, error: BaseException | None, frames: object) -> None:
+        if error is None:
+            self.close()
+            return
+        _clear_left_frames(error)
+        with contextlib.suppress(BufferError):  # a view a frame still running holds: the map goes with that view
+            self.close()
+
+
+def _clear_left_frames(error: BaseException) -> None:
+    """The frames an error left keep their locals as long as the error is held, views into a shard's map among them
+    (the tensor being written): they are cleared, the error keeping its message and lines, so that the map can close
+    now. So are those of the errors it was raised from or while handling, when they were caught in one of its frames
+    (an error a caller was handling when it converted is left as it is)."""
+    frames, tb = set(), error.__traceback__
+    while tb is not None:
+        frames.add(tb.tb_frame)
+        tb = tb.tb_next
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen or current.__traceback__ is None:
+            continue
+        seen.add(id(current))
+        if current is error or current.__traceback__.tb_frame in frames:
+            traceback.clear_frames(current.__traceback__)  # a frame still running is left as it is
+            pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+
+
+@contextlib.contextmanager
+def open_checkpoint(hf_dir: Path) -> Iterator[dict[str, SafetensorsShard]]:
+    """Tensor name -> the shard holding it, from `model.safetensors.index.json` or the shard files. The shards'
+    maps are closed on leaving, however it is left: a conversion that fails part-way leaves none open."""
     shards = sorted(hf_dir.glob("*.safetensors"))
     if not shards:
         pickles = [p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = f" (found pickle checkpoints {pickles}: these are never loaded; save as safetensors)" if pickles else ""
         raise ModelFormatError(f"{hf_dir}: no .safetensors files{hint}")
-    opened = {p.name: SafetensorsShard(p) for p in shards}
+    with contextlib.ExitStack() as opened_shards:
+        opened = {p.name: opened_shards.enter_context(SafetensorsShard(p)) for p in shards}
+        yield _tensor_shards(hf_dir, opened)
+
+
+def _tensor_shards(hf_dir: Path, opened: dict[str, SafetensorsShard]) -> dict[str, SafetensorsShard]:
+    """Tensor name -> the shard holding it among the `opened` shards (file name -> shard) of `hf_dir`."""
     index_path = hf_dir / "model.safetensors.index.json"
     where: dict[str, SafetensorsShard] = {}
     index_bytes = read_checkpoint_file(index_path)
