@@ -534,9 +534,14 @@ def test_a_failure_of_several_choices_names_the_request_the_log_names(tmp_path, 
     async def body():
         async with http_harness(tmp_path, FakeWorker(step_delay=0.02)) as (router, fake, base, hooks):
             async with aiohttp.ClientSession(headers=AUTH) as s:
-                fake.fail_next = grpc.StatusCode.INTERNAL
-                async with s.post(base + path, json={**request_body, "n": 2, "max_tokens": 8}) as r:
-                    answer = await r.json()
+                for _ in range(20):  # a loaded box: a health poll timing out loses the worker (503) before the step
+                    await wait_for(lambda: router.batching_loop.is_worker_ready)
+                    fake.fail_next = grpc.StatusCode.INTERNAL
+                    caplog.clear()
+                    async with s.post(base + path, json={**request_body, "n": 2, "max_tokens": 8}) as r:
+                        answer = await r.json()
+                    if r.status != 503:
+                        break
                 request_id = r.headers.get("X-Request-Id", "")
                 assert r.status == 500 and request_id.startswith("chatcmpl-" if path == CHAT else "cmpl-"), answer
                 assert f"(request {request_id})" in answer["error"]["message"], answer
