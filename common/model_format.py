@@ -4,10 +4,10 @@ checked on open, memory-mapped, its tensors zero-copy views.
 The reader never trusts the manifest: it rejects paths that are absolute, contain ``..`` or resolve outside
 the directory (symlinks), files too short for a tensor's range, ``nbytes`` that disagree with dtype x shape,
 missing or unknown tensors, a tensor outside the file above that holds it (dense ones off a 64-byte
-boundary), two tensors sharing a byte, 8-bit dtypes outside routed experts and lm_head (an 8-bit head:
-``common/head_format.py``), dense tensors in another dtype than "dtype" (version 1: any tensor), scales missing, of
+boundary), two tensors sharing a byte, 8-bit dtypes outside routed experts, attention projections and lm_head
+(``common/attention_format.py``, ``common/head_format.py``), dense tensors in another dtype than "dtype" (version 1: any tensor), scales missing, of
 the wrong shape or holding a value that is not positive and finite or so large that a code times it overflows
-float32 (read on every open, one small range per expert and one for the head), expert blocks off their planned
+float32 (read on every open, one small range per expert and one per 8-bit head or projection), expert blocks off their planned
 offsets, an expert_stride other than the largest of expert_strides, and (unless told to skip) any crc32 mismatch,
 scales included, or a NaN byte (0x7f/0xff) in a float8_e4m3fn tensor; each is a one-line ``ModelFormatError``
 (``ChecksumError`` for a mismatch).
@@ -26,6 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from common import dtypes, quant
+from common.attention_format import AttentionFormat, read_attention_format
 from common.errors import ChecksumError, ConfigError, ModelFormatError
 from common.expert_layout import PROJECTIONS, SCALE_SUFFIX, ExpertLayout, read_expert_layout, scale_name
 from common.files import open_regular, read_regular, stat_regular
@@ -33,16 +34,17 @@ from common.head_format import HeadFormat, read_head_format
 from common.model_config import ModelConfig
 from common.model_identity import bytes_digest
 from common.model_manifest import (
+    ATTENTION_MATRIX,
     DENSE_ALIGN,
     DENSE_FILE,
     EXPERT_MATRIX,
     FORMAT_NAME,
     HEAD,
-    HEAD_SCALE,
     MANIFEST,
     READABLE_VERSIONS,
     TensorEntry,
     byte_count,
+    check_disjoint,
     expert_file,
     planned_file,
     tensor_entry,
@@ -85,6 +87,8 @@ class ModelDir:
         # an 8-bit lm_head's dtype, scale scheme and byte range in dense.bin; None: the head is in the dense dtype
         # (lm_head, or embed_tokens when tied)
         self.head_format: HeadFormat | None = None
+        # 8-bit attention projections' dtype and each layer's qkv and o blocks in dense.bin; None: the dense dtype
+        self.attention_format: AttentionFormat | None = None
         self._maps: dict[str, np.memmap] = {}
         self._sizes: dict[str, int] = {}  # each file's size when checked: one cut short since is refused
 
@@ -147,9 +151,11 @@ class ModelDir:
             if entry.dtype not in dtypes.STORAGE:
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype!r} is not supported")
             eight_bit = entry.dtype in dtypes.QUANTIZED_DTYPES
-            if eight_bit and not EXPERT_MATRIX.fullmatch(name) and name != HEAD:
+            may_be_8bit = EXPERT_MATRIX.fullmatch(name) or ATTENTION_MATRIX.fullmatch(name) or name == HEAD
+            if eight_bit and not may_be_8bit:
                 raise ModelFormatError(
-                    f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices and {HEAD}"
+                    f"tensor {name}: dtype {entry.dtype} is only for routed experts' matrices, attention projections "
+                    f"and {HEAD}"
                 )
             expected = math.prod(entry.shape) * dtypes.itemsize(entry.dtype)
             if entry.nbytes != expected:
@@ -167,11 +173,11 @@ class ModelDir:
                 entry.dtype != self.dtype
                 and not EXPERT_MATRIX.fullmatch(name)
                 and not name.endswith(SCALE_SUFFIX)
-                and not (name == HEAD and eight_bit)
+                and not (may_be_8bit and eight_bit)
             ):
                 rule = (
-                    f"{HEAD} is the manifest's dtype {self.dtype} or 8-bit ({', '.join(dtypes.QUANTIZED_DTYPES)})"
-                    if name == HEAD
+                    f"{name} is the manifest's dtype {self.dtype} or 8-bit ({', '.join(dtypes.QUANTIZED_DTYPES)})"
+                    if may_be_8bit
                     else f"every tensor other than routed experts' is the manifest's dtype {self.dtype}"
                 )
                 raise ModelFormatError(f"tensor {name}: dtype {entry.dtype}, but {rule}")
@@ -211,6 +217,7 @@ class ModelDir:
                     f"config.json implies {list(spec.shape)}"
                 )
         self.head_format = read_head_format(self.entries, self.config)
+        self.attention_format = read_attention_format(self.entries, self.config)
         known = {s.name for s in specs} | ({HEAD} if self.head_format else set())  # tied: an 8-bit head beside
         for name in self.entries:
             if name not in known and not (name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in known):
@@ -224,46 +231,31 @@ class ModelDir:
                 and self.entries[name[: -len(SCALE_SUFFIX)]].dtype not in dtypes.QUANTIZED_DTYPES
             ):
                 raise ModelFormatError(f"tensor {name}: a scale for {name[: -len(SCALE_SUFFIX)]}, which is not 8-bit")
-        self._check_disjoint()
+        check_disjoint(self.entries.values())
         self._check_scale_values()
 
-    def _check_disjoint(self) -> None:
-        """No byte belongs to two tensors. Experts sit in planned blocks, but dense tensors only on 64-byte
-        boundaries: one pointed into another's bytes (its crc32 taken there) would pass every other check."""
-        by_file: dict[str, list[TensorEntry]] = {}
-        for entry in self.entries.values():
-            by_file.setdefault(entry.file, []).append(entry)
-        for file, entries in by_file.items():
-            entries.sort(key=lambda e: (e.offset, e.nbytes))
-            reach = entries[0]  # of the entries so far, the one ending last
-            for entry in entries[1:]:
-                if entry.offset < reach.offset + reach.nbytes:
-                    raise ModelFormatError(
-                        f"tensor {entry.name}: bytes {entry.offset}...{entry.offset + entry.nbytes} of {file} overlap "
-                        f"tensor {reach.name} (bytes {reach.offset}...{reach.offset + reach.nbytes}); each tensor has "
-                        "bytes of its own"
-                    )
-                if entry.offset + entry.nbytes > reach.offset + reach.nbytes:
-                    reach = entry
-
     def _check_scale_values(self) -> None:
-        """Every 8-bit expert's scales, and an 8-bit head's, hold positive finite values, whether or not checksums
-        are verified. The three scales end their expert's block: one small pread per expert, never the weights'
-        bytes."""
+        """Every 8-bit matrix's scales hold positive finite values, whether or not checksums are verified: an
+        8-bit head's and projections' (one small pread each), and each 8-bit expert's three, which end its block
+        (one small pread per expert), never the weights' bytes."""
         fds: dict[str, BinaryIO] = {}
+
+        def read(file: str, nbytes: int, offset: int) -> bytes:
+            if file not in fds:
+                fds[file] = self._open_checked(file)
+            return os.pread(fds[file].fileno(), nbytes, offset)
+
         try:
-            if (head := self.head_format) is not None:
-                entry = self.entries[HEAD_SCALE]
-                fds[head.file] = self._open_checked(head.file)
-                data = os.pread(fds[head.file].fileno(), entry.nbytes, entry.offset)
-                quant.check_scale_values(np.frombuffer(data, "<f4"), head.dtype, HEAD_SCALE, head.file)
+            for name, entry in self.entries.items():  # the head and attention projections: per-row scales
+                if entry.dtype in dtypes.QUANTIZED_DTYPES and not EXPERT_MATRIX.fullmatch(name):
+                    row_scale = self.entries[scale_name(name)]
+                    data = read(row_scale.file, row_scale.nbytes, row_scale.offset)
+                    quant.check_scale_values(np.frombuffer(data, "<f4"), entry.dtype, row_scale.name, row_scale.file)
             for (layer, expert), layout in self.expert_layouts.items():
                 if not layout.scale_offsets:
                     continue
-                if layout.file not in fds:
-                    fds[layout.file] = self._open_checked(layout.file)
                 start = layout.offset + layout.scale_offsets[0]
-                data = os.pread(fds[layout.file].fileno(), layout.offset + layout.nbytes - start, start)
+                data = read(layout.file, layout.offset + layout.nbytes - start, start)
                 for projection, shape, offset in zip(PROJECTIONS, layout.scale_shapes, layout.scale_offsets):
                     at = layout.offset + offset - start
                     scale = np.frombuffer(data, "<f4", math.prod(shape), at).reshape(shape)
@@ -303,13 +295,13 @@ class ModelDir:
         return self.raw_bytes(name).view(dtypes.STORAGE[e.dtype]).reshape(e.shape)
 
     def tensor_f32(self, name: str) -> np.ndarray:
-        """float32 values; an 8-bit expert matrix or lm_head comes back dequantised exactly (q * scale)."""
+        """float32 values; an 8-bit expert matrix, attention projection or lm_head comes back dequantised exactly
+        (q * scale)."""
         e = self.entries[name]
-        if name == HEAD and self.head_format is not None:
-            return quant.dequantize(self.tensor(name), self.tensor(HEAD_SCALE), e.dtype, self.head_format.scheme)
         if e.dtype in dtypes.QUANTIZED_DTYPES:
             match = EXPERT_MATRIX.fullmatch(name)
-            assert match is not None  # _check_entries allows 8-bit dtypes only there
+            if match is None:  # lm_head or an attention projection: one scale per row, both formats' only scheme
+                return quant.dequantize(self.tensor(name), self.tensor(scale_name(name)), e.dtype, quant.CHANNEL)
             layout = self.expert_layouts[int(match[1]), int(match[2])]
             assert layout.scheme is not None
             return quant.dequantize(self.tensor(name), self.tensor(scale_name(name)), e.dtype, layout.scheme)

@@ -29,8 +29,10 @@ Every tensor records its own dtype. Routed experts' matrices may be "int8" (per-
 ([out] or [ceil(out/128), ceil(in/128)], dequantised = q * scale, ``common/quant.py``). One expert has one
 dtype; experts of a layer may differ. The LM head may be 8-bit too (``common/head_format.py``): "lm_head" int8 or
 "float8_e4m3fn" with a float32 per-row scale "lm_head_scale" [vocab_size] right after it in dense.bin; a tied model
-(tie_word_embeddings) then holds both "embed_tokens" in the dense dtype and the 8-bit "lm_head". Everything else
-stays in the dense dtype.
+(tie_word_embeddings) then holds both "embed_tokens" in the dense dtype and the 8-bit "lm_head". The attention
+projections q_proj, k_proj, v_proj and o_proj may be 8-bit too (``common/attention_format.py``): all of them in one
+of those dtypes, each with a float32 per-row "<name>_scale" [out], q|k|v and their scales laid out as one block.
+Everything else stays in the dense dtype.
 
 Version 1 (still read): one "dtype" for every tensor, one "expert_stride", no scales, the three matrices of
 an expert back to back with no gaps.
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common import dtypes
@@ -63,6 +65,9 @@ MAX_FILE_BYTES = 1 << 48  # offsets and sizes: far past any disk, far below int6
 HEAD = "lm_head"
 HEAD_SCALE = scale_name(HEAD)  # an 8-bit head's per-row float32 scale, right after it in dense.bin
 EXPERT_MATRIX = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
+QKV = ("q_proj", "k_proj", "v_proj")
+ATTENTION_PROJECTIONS = (*QKV, "o_proj")  # may be 8-bit, all in one dtype (``common/attention_format.py``)
+ATTENTION_MATRIX = re.compile(r"layers\.(\d+)\.(q_proj|k_proj|v_proj|o_proj)")
 
 ExpertFormats = Callable[[int, int], ExpertFormat]  # (layer, expert) -> how that expert is stored
 
@@ -138,6 +143,26 @@ def tensor_entry(name: str, raw: object) -> TensorEntry:
         raise ModelFormatError(f"tensor {name}: manifest entry lacks {e}") from None
 
 
+def check_disjoint(entries: Iterable[TensorEntry]) -> None:
+    """No byte belongs to two tensors. Experts sit in planned blocks, but dense tensors only on 64-byte
+    boundaries: one pointed into another's bytes (its crc32 taken there) would pass every other check."""
+    by_file: dict[str, list[TensorEntry]] = {}
+    for entry in entries:
+        by_file.setdefault(entry.file, []).append(entry)
+    for file, in_file in by_file.items():
+        in_file.sort(key=lambda e: (e.offset, e.nbytes))
+        reach = in_file[0]  # of the entries so far, the one ending last
+        for entry in in_file[1:]:
+            if entry.offset < reach.offset + reach.nbytes:
+                raise ModelFormatError(
+                    f"tensor {entry.name}: bytes {entry.offset}...{entry.offset + entry.nbytes} of {file} overlap "
+                    f"tensor {reach.name} (bytes {reach.offset}...{reach.offset + reach.nbytes}); each tensor has "
+                    "bytes of its own"
+                )
+            if entry.offset + entry.nbytes > reach.offset + reach.nbytes:
+                reach = entry
+
+
 def byte_count(value: object, key: str) -> int:
     """A manifest byte count (an offset, a stride), refused unless an integer in range."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_FILE_BYTES:
@@ -145,12 +170,35 @@ def byte_count(value: object, key: str) -> int:
     return value
 
 
+def _scales_after(config: ModelConfig, name: str) -> tuple[tuple[str, int], ...]:
+    """(scale, rows) that 8-bit attention projections place right after projection `name`: q|k|v's after v_proj
+    (from the next 64-byte boundary, back to back), o_proj's after o_proj."""
+    layer, projection = name.split(".")[1:]
+    rows = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size, "o_proj": config.hidden_size}
+    after = {"v_proj": QKV, "o_proj": ("o_proj",)}.get(projection, ())
+    return tuple((scale_name(f"layers.{layer}.{p}"), rows[p]) for p in after)
+
+
 def plan_layout(
-    config: ModelConfig, dtype: str, expert_formats: ExpertFormats | None = None, head_dtype: str | None = None
+    config: ModelConfig,
+    dtype: str,
+    expert_formats: ExpertFormats | None = None,
+    head_dtype: str | None = None,
+    attention_dtype: str | None = None,
 ) -> tuple[dict[str, TensorEntry], dict[int, int]]:
     """Where every tensor goes (crc32 left 0) and each MoE layer's expert stride: a pure function of the
-    config, the dense dtype, each expert's format (default: the dense dtype) and the LM head's 8-bit dtype
-    (None: the dense dtype). An 8-bit head ends dense.bin, tied or not, its per-row scale right after it."""
+    config, the dense dtype, each expert's format (default: the dense dtype), the LM head's 8-bit dtype
+    (None: the dense dtype) and the attention projections' (None: the dense dtype). An 8-bit head ends dense.bin,
+    tied or not, its per-row scale right after it; 8-bit projections sit as ``common/attention_format.py`` says,
+    which takes hidden_size a multiple of 64 and q/kv sizes multiples of 16 (those make every gap zero)."""
+    if attention_dtype is not None:
+        if attention_dtype not in dtypes.QUANTIZED_DTYPES:
+            raise ValueError(f"attention dtype {attention_dtype!r}: an 8-bit dtype, or None for the dense dtype")
+        if config.hidden_size % 64 or config.q_size % 16 or config.kv_size % 16:
+            raise ValueError(
+                f"8-bit attention projections: hidden_size {config.hidden_size}, q {config.q_size}, "
+                f"kv {config.kv_size} leave gaps between q|k|v"
+            )
     formats = expert_formats or (lambda layer, expert: ExpertFormat(dtype))
     F, D = config.moe_intermediate_size, config.hidden_size
     blocks = {
@@ -173,6 +221,11 @@ def plan_layout(
 
     for spec in tensor_specs(config):
         if spec.expert is None:
+            if attention_dtype is not None and ATTENTION_MATRIX.fullmatch(spec.name):
+                dense(spec.name, spec.shape, attention_dtype)
+                for name, rows in _scales_after(config, spec.name):
+                    dense(name, (rows,), "float32")
+                continue
             dense(spec.name, spec.shape, dtype if spec.name != HEAD or head_dtype is None else head_dtype)
             continue
         assert spec.layer is not None  # tensor_specs gives every expert matrix its layer

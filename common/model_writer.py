@@ -32,7 +32,8 @@ class ModelWriter:
     """Writes a model directory tensor by tensor, in any order; memory stays at one tensor. Its files stay open
     until finish(); a writer left before (an error) is closed by `with` or close().
     `expert_formats(layer, expert)` picks each routed expert's storage (default: the dense dtype), `head_dtype`
-    an 8-bit LM head's (None: the dense dtype; 8-bit: "lm_head" and "lm_head_scale" are written, tied or not)."""
+    an 8-bit LM head's (None: the dense dtype; 8-bit: "lm_head" and "lm_head_scale" are written, tied or not),
+    `attention_dtype` the attention projections' (None: the dense dtype; 8-bit: each with its "<name>_scale")."""
 
     def __init__(
         self,
@@ -41,12 +42,13 @@ class ModelWriter:
         dtype: str,
         expert_formats: ExpertFormats | None = None,
         head_dtype: str | None = None,
+        attention_dtype: str | None = None,
     ):
         self.out_dir = Path(out_dir)
         self.hf_config = hf_config
         self.config = config_from_hf(hf_config)
         self.dtype = dtype
-        self.layout, self.expert_strides = plan_layout(self.config, dtype, expert_formats, head_dtype)
+        self.layout, self.expert_strides = plan_layout(self.config, dtype, expert_formats, head_dtype, attention_dtype)
         self.written: dict[str, TensorEntry] = {}
         self.tokenizer_files: list[str] = []
         if self.out_dir.exists() and not self.out_dir.is_dir():  # mkdir would say only "File exists"

@@ -6,7 +6,8 @@ fp8 checkpoint's block scales (4 bytes per 128x128 block) are all read and check
 changes. Pickle checkpoints (.bin/.pt) are never loaded. Routed experts may be stored in another dtype than the rest
 (`expert_service/tools/expert_dtypes.py`); fine-grained fp8 checkpoints are read as `hf_fp8.py` describes,
 their experts' bytes kept as they are unless another expert dtype is asked for. The LM head may be quantized to
-int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embedding, which stays dense).
+int8 or fp8 with per-row scales (`head_dtype`; a tied checkpoint's from its embedding, which stays dense), and so
+may the attention projections (`attention_dtype`), by the same quantize function (`dense_8bit.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,12 @@ from common.errors import ConfigError, ModelFormatError
 from common.expert_layout import ExpertFormat, scale_name
 from common.files import copy_new, stat_regular
 from common.model_config import ModelConfig
-from common.model_manifest import HEAD, MANIFEST, expert_file
+from common.model_manifest import ATTENTION_MATRIX, HEAD, MANIFEST, expert_file
 from common.model_writer import ModelWriter
 from common.models import TensorSpec, config_from_hf, family_module, tensor_specs
 from common.routing_table import COUNTS_SUFFIX, TABLE_FILE, model_digest, recorded_model_digest
 from common.strict_json import parse_json
-from expert_service.tools import hf_fp8
+from expert_service.tools import dense_8bit, hf_fp8
 from expert_service.tools.expert_dtypes import load_plan
 from expert_service.tools.routing_gen import report_path_for
 from expert_service.tools.safetensors_checkpoint import (
@@ -76,6 +78,22 @@ def _regular_or_absent(path: Path) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class DenseFormats:
+    """How tensors outside routed experts are stored: the dense dtype, or an 8-bit head / attention projections."""
+
+    dense: ExpertFormat
+    head: ExpertFormat | None  # None: the dense dtype
+    attention: ExpertFormat | None  # None: the dense dtype
+
+    def of(self, name: str) -> ExpertFormat:
+        if name == HEAD and self.head is not None:
+            return self.head
+        if self.attention is not None and ATTENTION_MATRIX.fullmatch(name):
+            return self.attention
+        return self.dense
+
+
 def convert(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -85,12 +103,15 @@ def convert(
     fp8_scale: str | None = None,
     expert_dtype_file: str | Path | None = None,
     head_dtype: str | None = None,
+    attention_dtype: str | None = None,
 ) -> Path:
     """`dtype`: every tensor but routed experts' (default: the checkpoint's); `expert_dtype`, `fp8_scale`
     (None: block128, and an fp8 checkpoint's experts keep theirs) and `expert_dtype_file`: the experts'
     (expert_dtypes.py; default: as the checkpoint stores them); `head_dtype`: the LM head's, int8 or fp8 with
-    per-row scales, or the dense dtype (None: the dense dtype)."""
-    head_name = _head_dtype_name(head_dtype)
+    per-row scales, or the dense dtype (None: the dense dtype); `attention_dtype`: the attention projections', as
+    the head's."""
+    head_name = dense_8bit.dtype_name("--head-dtype", head_dtype)
+    attention_name = dense_8bit.dtype_name("--attention-dtype", attention_dtype)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.resolve() == hf_dir.resolve():  # its bin files would land beside the checkpoint before a copy failed
         raise ModelFormatError(f"{out_dir}: the output directory is the checkpoint's; convert into another one")
@@ -131,7 +152,10 @@ def convert(
             target = dtypes.canonical_dtype(dtype)
         else:  # an fp8 embedding: fp8 checkpoints' dense tensors default to bfloat16
             target = first_dtype if first_dtype in dtypes.DENSE_DTYPES else "bfloat16"
-        head_8bit = _head_8bit(head_name, head_dtype, target)
+        head_8bit = dense_8bit.eight_bit("--head-dtype", head_name, head_dtype, target)
+        attention_8bit = dense_8bit.eight_bit("--attention-dtype", attention_name, attention_dtype, target)
+        if attention_8bit is not None:
+            dense_8bit.check_attention_sizes(config, str(attention_dtype))
         formats = {
             (s.layer, s.expert): plan.resolve(s.layer, s.expert, target, _stored(specs, scales, s))
             for s in specs
@@ -149,10 +173,16 @@ def convert(
             )
         tokenizer_files = [name for name in TOKENIZER_FILES if _regular_or_absent(hf_dir / name)]
         table_digest = _remove_stale_outputs(out_dir, config, plan.hot_table)
-        writer = ModelWriter(out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit)
+        writer = ModelWriter(
+            out_dir, hf_config, target, lambda layer, expert: formats[layer, expert], head_8bit, attention_8bit
+        )
         with writer:  # its files closed however this is left
-            head_fmt = ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None
-            _write_tensors(writer, where, specs, formats, block_scales, head_fmt, ExpertFormat(target), progress)
+            dense_fmts = DenseFormats(
+                ExpertFormat(target),
+                ExpertFormat(head_8bit, quant.CHANNEL) if head_8bit else None,
+                ExpertFormat(attention_8bit, quant.CHANNEL) if attention_8bit else None,
+            )
+            _write_tensors(writer, where, specs, formats, block_scales, dense_fmts, progress)
             for name in TOKENIZER_FILES:
                 if name in tokenizer_files:
                     copy_new(hf_dir / name, out_dir / name)
@@ -171,13 +201,13 @@ def _write_tensors(
     specs: list[TensorSpec],
     formats: dict[tuple[int, int], ExpertFormat],
     block_scales: dict[str, np.ndarray],
-    head_fmt: ExpertFormat | None,
-    dense_fmt: ExpertFormat,
+    dense_fmts: DenseFormats,
     progress: bool,
 ) -> None:
     """Every tensor read, converted and written, one at a time (an 8-bit head of a tied checkpoint from its
     embedding). A function of its own: the views into the shards' maps it holds go with its frame, so that the maps
     can close whether the writing completes or fails."""
+    head_fmt = dense_fmts.head
     tied_head = head_fmt is not None and writer.config.tie_word_embeddings  # quantized from the embedding
     total = sum(math.prod(s.shape) for s in specs) + (math.prod(specs[0].shape) if tied_head else 0)
     with tqdm(total=total, unit=" params", unit_scale=True, desc="convert", disable=not progress) as bar:
@@ -186,7 +216,7 @@ def _write_tensors(
             if spec.layer is not None and spec.expert is not None:
                 fmt = formats[spec.layer, spec.expert]
             else:
-                fmt = head_fmt if spec.name == HEAD and head_fmt is not None else dense_fmt
+                fmt = dense_fmts.of(spec.name)
             block_scale = block_scales.get(spec.hf_name)
             _write(writer, spec, raw, src_dtype, block_scale, fmt)
             bar.update(raw.size)
@@ -194,29 +224,6 @@ def _write_tensors(
                 assert head_fmt is not None
                 _write(writer, TensorSpec(HEAD, spec.hf_name, spec.shape), raw, src_dtype, block_scale, head_fmt)
                 bar.update(raw.size)
-
-
-def _head_dtype_name(name: str | None) -> str | None:
-    """`--head-dtype`'s canonical name (an 8-bit or a dense dtype), checked before anything is read."""
-    canonical = dtypes.EXPERT_ALIASES.get(name.lower()) if isinstance(name, str) else None
-    if name is not None and canonical is None:
-        raise ModelFormatError(
-            f"--head-dtype: {name!r} is not supported (supported: int8, float8_e4m3fn (fp8), or the dense dtype: "
-            f"{', '.join(dtypes.DENSE_DTYPES)} as --dtype)"
-        )
-    return canonical
-
-
-def _head_8bit(canonical: str | None, name: str | None, dense: str) -> str | None:
-    """The LM head's 8-bit dtype, or None for the dense dtype; a dense dtype other than --dtype's is refused (every
-    tensor but routed experts' and an 8-bit head is in the dense dtype)."""
-    if canonical is None or canonical in dtypes.QUANTIZED_DTYPES:
-        return canonical
-    if canonical != dense:
-        raise ModelFormatError(
-            f"--head-dtype: {name!r} is not the dense dtype {dense} (supported: int8, float8_e4m3fn (fp8), or {dense})"
-        )
-    return None
 
 
 def _remove_stale_outputs(out_dir: Path, config: ModelConfig, hot_table: Path | None) -> str | None:

@@ -103,10 +103,11 @@ CORRUPTIONS = [
     (lambda t: t["lm_head"].update(shape=[D, V]), rf"^tensor lm_head: shape \[{D}, {V}\] in colibri\.json, config\.json "
      rf"implies \[{V}, {D}\]$"),
     (lambda t: t["lm_head"].update(dtype="int4"), r"^tensor lm_head: dtype 'int4' is not supported$"),
-    (lambda t: t["layers.0.q_proj"].update(dtype="int8", nbytes=D * D),
-     r"^tensor layers\.0\.q_proj: dtype int8 is only for routed experts' matrices and lm_head$"),
+    (lambda t: t["layers.0.router"].update(dtype="int8", nbytes=4 * D),
+     r"^tensor layers\.0\.router: dtype int8 is only for routed experts' matrices, attention projections and "
+     r"lm_head$"),
     (lambda t: t["embed_tokens"].update(dtype="int8", nbytes=V * D),
-     r"^tensor embed_tokens: dtype int8 is only for routed experts' matrices and lm_head$"),
+     r"^tensor embed_tokens: dtype int8 is only for routed experts' matrices, attention projections and lm_head$"),
     (lambda t: t.update({"final_norm_scale": t[S]}), r"^tensor final_norm_scale: a scale for final_norm, which is not 8-bit$"),
 ]  # fmt: skip
 

@@ -152,7 +152,9 @@ CORRUPTIONS = [
     (drop(G + "_scale"), rf"^tensor {G}_scale: missing \(the scale of int8 tensor {G}\)$"),
     (set_tensor(G + "_scale", shape=[4, 4], nbytes=64), rf"^tensor {G}_scale: float32 \[4, 4\], expected float32 \[19\]"),
     (set_tensor(G + "_scale", dtype="float16", nbytes=38), rf"^tensor {G}_scale: float16 \[19\], expected float32"),
-    (set_tensor("layers.0.q_proj", dtype="int8", nbytes=6144), r"^tensor layers\.0\.q_proj: dtype int8 is only for routed"),
+    (set_tensor("layers.0.q_proj", dtype="int8", nbytes=6144), r"^tensor layers\.0\.k_proj: dtype \w+, but layers\.0\.q_proj "
+     r"is int8: the attention projections of every layer share one dtype$"),
+    (set_tensor("layers.0.router", dtype="int8", nbytes=5 * 64), r"^tensor layers\.0\.router: dtype int8 is only for routed"),
     (set_tensor(G, dtype="float8_e4m3fn"), rf"^tensor layers\.0\.experts\.0\.up_proj: dtype int8 differs from {G}'s float8"),
     (set_tensor(G, offset=256), rf"^tensor {G}: expert 0 of layer 0 is not one 4096-byte-aligned block"),
     (set_tensor(G + "_scale", offset=4096 - 76), rf"^tensor {G}: expert 0 of layer 0 is not one"),
