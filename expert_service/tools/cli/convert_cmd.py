@@ -1,5 +1,5 @@
-"""`colibri convert HF_DIR OUT_DIR [--dtype D] [--expert-dtype E] [--head-dtype H]`: a Hugging Face safetensors checkpoint
--> a model directory."""
+"""`colibri convert HF_DIR OUT_DIR [--dtype D] [--expert-dtype E] [--head-dtype H] [--attention-dtype A]`: a Hugging
+Face safetensors checkpoint -> a model directory."""
 
 from __future__ import annotations
 
@@ -63,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="storage of the LM head: int8 or fp8 (float8_e4m3fn), one float32 scale per row, or the dense dtype "
         "(default); a tied model's 8-bit head is quantized from the embedding, which stays in the dense dtype",
     )
+    parser.add_argument(
+        "--attention-dtype",
+        metavar="DTYPE",
+        default=None,
+        help="storage of the attention projections (q_proj, k_proj, v_proj, o_proj of every layer): int8 or fp8 "
+        "(float8_e4m3fn), one float32 scale per row, or the dense dtype (default); biases and q/k norms stay dense; "
+        "the cpu backend runs them, the cuda backend not yet",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -81,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
         fp8_scale=args.fp8_scale,
         expert_dtype_file=args.expert_dtype_file,
         head_dtype=args.head_dtype,
+        attention_dtype=args.attention_dtype,
     )
     model = ModelDir.open(out, verify=False)
     print(
         f"converted {args.hf_dir} -> {out}: {model.config.family}, {len(model.entries)} tensors, "
         f"{model.total_bytes:,} bytes {model.dtype}, experts {' + '.join(model.expert_formats) or 'none'}"
         + (f", head {model.head_format.dtype}" if model.head_format else "")
+        + (f", attention {model.attention_format.dtype}" if model.attention_format else "")
     )
     return 0
