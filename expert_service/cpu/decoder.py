@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from common.expert_layout import SCALE_SUFFIX
 from common.model_config import ModelConfig, QKNorm
 from common.model_format import ModelDir
-from common.model_manifest import HEAD, HEAD_SCALE
+from common.model_manifest import HEAD
 from expert_service.cpu.layers.attention import paged_attention, write_kv
 from expert_service.cpu.layers.moe import route, sparse_moe, swiglu_mlp
 from expert_service.cpu.layers.norm import rms_norm
@@ -27,15 +28,22 @@ from expert_service.experts.routing_plan import lookup_hints, worker_plan_table
 from expert_service.experts.slots import SlotPlan
 
 
+def _is_scale(model: ModelDir, name: str) -> bool:
+    """Whether `name` is the scale of an 8-bit matrix (the head or an attention projection) of the directory."""
+    return name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in model.entries
+
+
 class CpuWeights:
     """Float32 weights from a model directory: dense tensors up front, experts converted on first use."""
 
     def __init__(self, model: ModelDir):
         self.model = model
         self.config = model.config
-        # an 8-bit head comes dequantised (q * scale): its scale is folded in, not held
+        # an 8-bit head or attention projection comes dequantised (q * scale): its scale is folded in, not held
         self.dense = {
-            name: model.tensor_f32(name) for name in model.entries if ".experts." not in name and name != HEAD_SCALE
+            name: model.tensor_f32(name)
+            for name in model.entries
+            if ".experts." not in name and not _is_scale(model, name)
         }
         self._experts: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
