@@ -156,7 +156,8 @@ class ExpertFacts:
 
 def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
     """The model's ExpertFacts with every expert on the device (resident) or behind the expert cache."""
-    check_head_for_cuda(model)  # the other 8-bit matrix, checked as early
+    check_head_for_cuda(model)  # the other 8-bit matrices, checked as early
+    check_attention_for_cuda(model)
     cfg = model.config
     quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
     meta = {layer: expert_meta(model, layer) for layer in cfg.moe_layers} if quantized else {}
@@ -187,6 +188,16 @@ def check_head_for_cuda(model: ModelDir) -> None:
             f"backend: the cuda backend runs an 8-bit lm_head only with hidden_size a multiple of 16, and "
             f"{model.path} has {model.head_format.dtype} lm_head with hidden_size {D}; convert with --head-dtype "
             f"{model.dtype}, or use --backend cpu"
+        )
+
+
+def check_attention_for_cuda(model: ModelDir) -> None:
+    """8-bit attention projections have no cuda kernels yet: refused in one line (a ConfigError, as the worker prints
+    it) before anything is uploaded."""
+    if model.attention_format is not None:
+        raise ConfigError(
+            f"backend: {model.path} has {model.attention_format.dtype} attention projections; 8-bit attention "
+            f"projections run on the cpu backend only for now; convert with --attention-dtype {model.dtype}"
         )
 
 

@@ -105,3 +105,29 @@ def test_an_8bit_head_the_cuda_kernels_cannot_run_is_one_config_line(tmp_path):
             weights.expert_facts(model, resident=resident)
     plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False))
     weights.check_head_for_cuda(plain)  # a dense head runs at any size
+
+
+def test_8bit_attention_projections_are_refused_before_any_upload_in_one_config_line(tmp_path, monkeypatch):
+    """No cuda kernels take them yet: the worker prints a ConfigError in one line, and nothing reaches the device."""
+    from common.errors import ConfigError
+    from common.model_format import ModelDir
+    from expert_service.tools.convert import convert
+    from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+
+    uploads = []
+    monkeypatch.setattr(weights.HostUploader, "__init__", lambda *args, **kwargs: uploads.append(args))
+    write_head_checkpoint(tmp_path / "hf", head_config("qwen3_moe"))
+    for dtype in ("int8", "fp8"):
+        model = ModelDir.open(convert(tmp_path / "hf", tmp_path / dtype, "bfloat16", False, attention_dtype=dtype))
+        message = (
+            rf"^backend: \S+ has {model.attention_format.dtype} attention projections; 8-bit attention projections "
+            r"run on the cpu backend only for now; convert with --attention-dtype bfloat16$"
+        )
+        for resident in (True, False):
+            with pytest.raises(ConfigError, match=message):
+                weights.expert_facts(model, resident=resident)
+        with pytest.raises(ConfigError, match=message):
+            weights.DeviceWeights(model, stream=None)
+    assert uploads == []
+    plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False, head_dtype="int8"))
+    weights.check_attention_for_cuda(plain)  # dense projections (with an 8-bit head) are the cuda backend's
