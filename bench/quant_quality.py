@@ -14,6 +14,8 @@ window by window:
 - a variant with an 8-bit head (`int8+int8-head`: `--head-dtype int8`, per-row scales) is also compared with the
   same experts and a bf16 head when that variant runs too (`vs_experts_only`): perplexity change, top-1
   agreement and logit error of the head alone.
+- a variant with 8-bit attention projections (`int8+int8-head+int8-attn`: `--attention-dtype int8`, per-row scales)
+  likewise against the same variant with dense projections (`vs_dense_attention`).
 
 - the `-w8a8` variants run the same 8-bit experts with 8-bit activations (CudaOptions.q8_activations, which the
   others turn off): on the
@@ -30,6 +32,8 @@ window by window:
     python bench/quant_quality.py --variants bfloat16,int8,int8-w8a8,fp8-block128,fp8-block128-w8a8 --max-windows 16
     python bench/quant_quality.py --hf-model DIR --heldout TEXT --backend cuda --out FILE.json  # any model
     python bench/quant_quality.py --variants bfloat16,int8,int8+int8-head,fp8-block128,fp8-block128+fp8-head
+    python bench/quant_quality.py --variants bfloat16,int8+int8-head,int8+int8-head+int8-attn,\
+        fp8-block128+fp8-head+fp8-attn --out bench/results/cpu-quant-quality-attn.json
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.expert_layout import scale_name  # noqa: E402
 from common.model_format import ModelDir  # noqa: E402
+from common.model_manifest import ATTENTION_PROJECTIONS  # noqa: E402
 from expert_service.backends import build_engine  # noqa: E402
 from expert_service.engine.config import EngineConfig  # noqa: E402
 from expert_service.engine.cuda_options import CudaOptions  # noqa: E402
@@ -61,30 +68,46 @@ W8A8_OPTIONS = CudaOptions(q8_activations=True, q8_mma_max_tokens_few_experts=1 
 # ... and one-token steps on int8 activations too (moe_q8_dp4a; int8 experts only)
 A8_OPTIONS = replace(W8A8_OPTIONS, q8_decode_activations=True)
 EXACT_OPTIONS = CudaOptions(q8_activations=False, q8_decode_activations=False)
-# name -> (--expert-dtype, --fp8-scale, the cuda backend's options, --head-dtype or None for the dense dtype);
-# "-w8a8" / "-a8" names take 8-bit activations, "+...-head" ones an 8-bit LM head
+# name -> (--expert-dtype, --fp8-scale, the cuda backend's options, --head-dtype or None for the dense dtype,
+# --attention-dtype or None for the dense dtype); "-w8a8" / "-a8" names take 8-bit activations, "+...-head" ones an
+# 8-bit LM head, "+...-attn" ones 8-bit attention projections
 VARIANTS = {
-    "bfloat16": ("bfloat16", "block128", EXACT_OPTIONS, None),
-    "int8": ("int8", "block128", EXACT_OPTIONS, None),
-    "fp8-block128": ("fp8", "block128", EXACT_OPTIONS, None),
-    "fp8-channel": ("fp8", "channel", EXACT_OPTIONS, None),
-    "int8-w8a8": ("int8", "block128", W8A8_OPTIONS, None),
-    "int8-a8": ("int8", "block128", A8_OPTIONS, None),
-    "fp8-block128-w8a8": ("fp8", "block128", W8A8_OPTIONS, None),
-    "fp8-channel-w8a8": ("fp8", "channel", W8A8_OPTIONS, None),
-    "bfloat16+int8-head": ("bfloat16", "block128", EXACT_OPTIONS, "int8"),
-    "bfloat16+fp8-head": ("bfloat16", "block128", EXACT_OPTIONS, "fp8"),
-    "int8+int8-head": ("int8", "block128", EXACT_OPTIONS, "int8"),
-    "fp8-block128+fp8-head": ("fp8", "block128", EXACT_OPTIONS, "fp8"),
+    "bfloat16": ("bfloat16", "block128", EXACT_OPTIONS, None, None),
+    "int8": ("int8", "block128", EXACT_OPTIONS, None, None),
+    "fp8-block128": ("fp8", "block128", EXACT_OPTIONS, None, None),
+    "fp8-channel": ("fp8", "channel", EXACT_OPTIONS, None, None),
+    "int8-w8a8": ("int8", "block128", W8A8_OPTIONS, None, None),
+    "int8-a8": ("int8", "block128", A8_OPTIONS, None, None),
+    "fp8-block128-w8a8": ("fp8", "block128", W8A8_OPTIONS, None, None),
+    "fp8-channel-w8a8": ("fp8", "channel", W8A8_OPTIONS, None, None),
+    "bfloat16+int8-head": ("bfloat16", "block128", EXACT_OPTIONS, "int8", None),
+    "bfloat16+fp8-head": ("bfloat16", "block128", EXACT_OPTIONS, "fp8", None),
+    "int8+int8-head": ("int8", "block128", EXACT_OPTIONS, "int8", None),
+    "fp8-block128+fp8-head": ("fp8", "block128", EXACT_OPTIONS, "fp8", None),
+    "bfloat16+int8-attn": ("bfloat16", "block128", EXACT_OPTIONS, None, "int8"),
+    "int8+int8-head+int8-attn": ("int8", "block128", EXACT_OPTIONS, "int8", "int8"),
+    "fp8-block128+fp8-head+fp8-attn": ("fp8", "block128", EXACT_OPTIONS, "fp8", "fp8"),
 }
 
 
-def experts_only(name: str) -> str | None:
-    """The variant of the same experts with a bf16 head, for a variant with an 8-bit head; None otherwise."""
-    expert_dtype, scale, options, head = VARIANTS[name]
-    if head is None:
+def baseline_of(name: str) -> tuple[str, str] | None:
+    """(key, variant) of what `name` adds to: a variant with 8-bit attention projections against the same one with
+    dense projections ("vs_dense_attention"), one with an 8-bit head against the same experts with a bf16 head
+    ("vs_experts_only"); None for a variant that adds neither."""
+    expert_dtype, scale, options, head, attention = VARIANTS[name]
+    if attention is not None:
+        key, base = "vs_dense_attention", (expert_dtype, scale, options, head, None)
+    elif head is not None:
+        key, base = "vs_experts_only", (expert_dtype, scale, options, None, None)
+    else:
         return None
-    return next(n for n, v in VARIANTS.items() if v == (expert_dtype, scale, options, None))
+    return key, next(n for n, v in VARIANTS.items() if v == base)
+
+
+def attention_nbytes(model: ModelDir) -> int:
+    """The attention projections' stored bytes, their scales included."""
+    names = [f"layers.{i}.{p}" for i in range(model.config.num_hidden_layers) for p in ATTENTION_PROJECTIONS]
+    return sum(model.entries[n].nbytes for n in names + [scale_name(n) for n in names] if n in model.entries)
 
 
 DEFAULT_VARIANTS = ("bfloat16", "int8", "fp8-block128", "fp8-channel")
@@ -112,7 +135,7 @@ def emulated_w8a8(expert_dtype: str):
 
 def run_variant(name: str, backend: str):
     """The context a variant's engine runs in: W8A8 emulated on the cpu backend, nothing otherwise."""
-    expert_dtype, _, options, _ = VARIANTS[name]
+    expert_dtype, _, options, _, _ = VARIANTS[name]
     eight_bit = options is not EXACT_OPTIONS
     return emulated_w8a8(expert_dtype) if eight_bit and backend == "cpu" else contextlib.nullcontext()
 
@@ -177,16 +200,24 @@ def main() -> int:
     names = ["bfloat16"] + [v for v in names if v != "bfloat16"]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        engines, sizes, head_sizes = {}, {}, {}
+        engines, sizes, head_sizes, attention_sizes = {}, {}, {}, {}
         for name in names:
-            expert_dtype, scale, options, head_dtype = VARIANTS[name]
+            expert_dtype, scale, options, head_dtype, attention_dtype = VARIANTS[name]
             fp8_scale = scale if expert_dtype == "fp8" else None  # convert refuses a scale no expert takes
             out = convert(
-                args.hf_model, Path(tmp) / name, "bfloat16", False, expert_dtype, fp8_scale, head_dtype=head_dtype
+                args.hf_model,
+                Path(tmp) / name,
+                "bfloat16",
+                False,
+                expert_dtype,
+                fp8_scale,
+                head_dtype=head_dtype,
+                attention_dtype=attention_dtype,
             )
             model = ModelDir.open(out)
             sizes[name] = sum(model.expert_block(*key)[2] for key in model.expert_layouts)
             head_sizes[name] = model.head_format.nbytes if model.head_format else head_nbytes(model)
+            attention_sizes[name] = attention_nbytes(model)
             config = EngineConfig(
                 backend=args.backend, kv_block_size=16, kv_cache_tokens=2 * args.window, cuda_options=options
             )
@@ -196,8 +227,10 @@ def main() -> int:
         nats = {n: 0.0 for n in names}
         agree = {n: 0 for n in names}
         errors: dict[str, list[float]] = {n: [] for n in names}
-        # an 8-bit head against the same experts with a bf16 head: nats, top-1 agreement, logit errors
-        pairs = {n: base for n in names if (base := experts_only(n)) in names}
+        # an 8-bit head against the same experts with a bf16 head, 8-bit attention projections against the same
+        # model with dense ones: top-1 agreement, logit errors
+        keys = {n: pair for n in names if (pair := baseline_of(n)) is not None and pair[1] in names}
+        pairs = {n: pair[1] for n, pair in keys.items()}
         head_agree = {n: 0 for n in pairs}
         head_errors: dict[str, list[float]] = {n: [] for n in pairs}
         tokens = 0
@@ -226,7 +259,7 @@ def main() -> int:
         prompt_starts = rng.integers(0, len(stream) - args.prompt_tokens, size=args.prompts)
         prompts = [stream[s : s + args.prompt_tokens] for s in prompt_starts]
         ref_greedy = [greedy(engines["bfloat16"], p, args.new_tokens) for p in prompts]
-        results = {}
+        results: dict[str, dict[str, Any]] = {}
         for name in names:
             with run_variant(name, args.backend):
                 ours = (
@@ -241,6 +274,8 @@ def main() -> int:
                 "expert_dtype": VARIANTS[name][0],
                 "head_dtype": VARIANTS[name][3] or "bfloat16",
                 "head_bytes": head_sizes[name],
+                "attention_dtype": VARIANTS[name][4] or "bfloat16",
+                "attention_bytes": attention_sizes[name],
                 "fp8_scale": VARIANTS[name][1] if VARIANTS[name][0] == "fp8" else None,
                 "activations_8bit": VARIANTS[name][2] is not EXACT_OPTIONS,
                 "decode_activations_8bit": VARIANTS[name][2].q8_decode_activations,
@@ -258,8 +293,10 @@ def main() -> int:
             results[name]["perplexity_change_pct"] = 100.0 * (results[name]["perplexity"] / base - 1.0)
             results[name]["expert_bytes_ratio"] = results[name]["expert_bytes"] / results["bfloat16"]["expert_bytes"]
             results[name]["head_bytes_ratio"] = results[name]["head_bytes"] / results["bfloat16"]["head_bytes"]
+            attention_bf16 = results["bfloat16"]["attention_bytes"]
+            results[name]["attention_bytes_ratio"] = results[name]["attention_bytes"] / attention_bf16
         for name, base in pairs.items():
-            results[name]["vs_experts_only"] = {
+            results[name][keys[name][0]] = {
                 "variant": base,
                 "perplexity_change_pct": 100.0 * (results[name]["perplexity"] / results[base]["perplexity"] - 1.0),
                 "top1_agreement": head_agree[name] / tokens,
@@ -283,14 +320,14 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(
-        f"{'variant':<22} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} "
-        f"{'bytes':>6} {'head':>6}"
+        f"{'variant':<30} {'ppl':>8} {'vs bf16':>8} {'top1':>7} {'rel err max':>11} {'greedy same':>11} "
+        f"{'bytes':>6} {'head':>6} {'attn':>6}"
     )
     for name, r in results.items():
         print(
-            f"{name:<22} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
+            f"{name:<30} {r['perplexity']:8.3f} {r['perplexity_change_pct']:+7.3f}% {r['top1_agreement']:7.4f} "
             f"{r['logits_rel_error_max']:11.2e} {r['greedy_identical']:11.3f} {r['expert_bytes_ratio']:6.3f} "
-            f"{r['head_bytes_ratio']:6.3f}"
+            f"{r['head_bytes_ratio']:6.3f} {r['attention_bytes_ratio']:6.3f}"
         )
     print(f"wrote {args.out}")
     return 0

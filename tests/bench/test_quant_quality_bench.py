@@ -31,3 +31,30 @@ def test_quant_quality_compares_each_variant_with_bf16(tmp_path, monkeypatch):
     assert results["int8-w8a8"]["activations_8bit"] and not results["int8"]["activations_8bit"]
     # W8A8's emulation rounds activations too: not the same logits as the exact int8 run
     assert results["int8-w8a8"]["logits_rel_error_max"] != results["int8"]["logits_rel_error_max"]
+
+
+def test_each_8bit_addition_is_compared_with_what_it_adds_to():
+    assert quant_quality.baseline_of("int8+int8-head+int8-attn") == ("vs_dense_attention", "int8+int8-head")
+    assert quant_quality.baseline_of("fp8-block128+fp8-head+fp8-attn") == (
+        "vs_dense_attention",
+        "fp8-block128+fp8-head",
+    )
+    assert quant_quality.baseline_of("bfloat16+int8-attn") == ("vs_dense_attention", "bfloat16")
+    assert quant_quality.baseline_of("int8+int8-head") == ("vs_experts_only", "int8")
+    assert quant_quality.baseline_of("int8") is None
+
+
+@pytest.mark.slow
+def test_8bit_attention_variants_report_their_bytes_and_their_own_error(tmp_path, monkeypatch):
+    out = tmp_path / "quality.json"
+    argv = ["--variants", "bfloat16,int8+int8-head,int8+int8-head+int8-attn", "--max-windows", "1", "--window", "64"]
+    argv += ["--prompts", "1", "--new-tokens", "2", "--backend", "cpu", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["quant_quality.py", *argv])
+    assert quant_quality.main() == 0
+    results = json.loads(out.read_text())["results"]
+    attn, head = results["int8+int8-head+int8-attn"], results["int8+int8-head"]
+    assert attn["attention_dtype"] == "int8" and head["attention_dtype"] == "bfloat16"
+    assert head["attention_bytes_ratio"] == 1 and 0.45 < attn["attention_bytes_ratio"] < 0.55
+    own = attn["vs_dense_attention"]
+    assert own["variant"] == "int8+int8-head" and 0 < own["logits_rel_error_max"] < 0.5
+    assert 0.5 < own["top1_agreement"] <= 1 and "vs_dense_attention" not in head
