@@ -306,6 +306,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             prefix_caching=self.batching_loop.prefix_caching,
             expert_dtypes=list(info.expert_dtypes),
             head_dtype=info.head_dtype,
+            attention_dtype=info.attention_dtype,
         )
 
     def _generation_config(self) -> struct_pb2.Struct:

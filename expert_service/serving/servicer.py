@@ -203,6 +203,7 @@ class WorkerServicer:
             expert_slots=wire.slot_plan(e.slot_plan, e.config.expert_cache_policy, e.config.prefetch_sources),
             expert_dtypes=list(e.model.expert_formats),
             head_dtype=e.model.head_format.dtype if e.model.head_format else e.model.dtype,
+            attention_dtype=e.model.attention_format.dtype if e.model.attention_format else e.model.dtype,
             prefix_caching=True,
             caches_generated_blocks=True,
             prefix_tokens_for_repetition_only=True,

@@ -81,6 +81,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             model_name="fake",
             expert_dtypes=["float8_e4m3fn/block128", "int8"],  # a mixed 8-bit model: the router passes them on
             head_dtype="int8",  # an 8-bit LM head: passed on too
+            attention_dtype="float8_e4m3fn",  # and 8-bit attention projections
         )
 
     async def Health(self, request, context):

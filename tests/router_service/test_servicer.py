@@ -83,7 +83,7 @@ def test_stream_text_with_stop_sequence(tokenizer):
             assert info.vocab_size == VOCAB_SIZE and info.has_tokenizer and info.num_experts == 8
             assert list(info.eos_token_ids) == [EOS] and info.max_sequence_length == 1024
             assert info.dtype == "float32" and list(info.expert_dtypes) == ["float8_e4m3fn/block128", "int8"]
-            assert info.head_dtype == "int8"
+            assert info.head_dtype == "int8" and info.attention_dtype == "float8_e4m3fn"
 
     run(main())
 

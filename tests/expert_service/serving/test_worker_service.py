@@ -41,7 +41,7 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
     assert plan["penalties"] == info.max_batch_size * info.vocab_size * 2  # one uint16 word per slot and token
     assert json.loads(info.hf_config_json)["model_type"] == "mixtral"
     assert list(info.expert_dtypes) == [info.dtype] == ["float32"]  # no approximation: experts as the rest
-    assert info.head_dtype == info.dtype  # the head in the dense dtype
+    assert info.head_dtype == info.attention_dtype == info.dtype  # the head and attention in the dense dtype
     # what a router keeps its steps under, and the watchdog its step deadline must outlast
     assert info.max_message_bytes == 64 * 1024 * 1024 and info.step_timeout_s == 300.0
     assert info.plans_with_gaps  # routing=exact: a gated table's plans, some tokens with fewer than k experts
@@ -49,14 +49,15 @@ def test_info_describes_model_and_memory_plan(stub, tiny_model):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_info_names_an_8bit_heads_dtype(tmp_path, tied):
-    """An 8-bit LM head approximates the checkpoint's as 8-bit experts do: Info says so beside expert_dtypes."""
+def test_info_names_an_8bit_heads_and_attentions_dtypes(tmp_path, tied):
+    """An 8-bit LM head and 8-bit attention projections approximate the checkpoint's as 8-bit experts do: Info says
+    so beside expert_dtypes."""
     from expert_service.tools.convert import convert
     from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
     from tests.helpers import BackgroundWorker
 
     write_head_checkpoint(tmp_path / "hf", head_config("mixtral", tied))
-    model = convert(tmp_path / "hf", tmp_path / "m", "float32", False, head_dtype="fp8")
+    model = convert(tmp_path / "hf", tmp_path / "m", "float32", False, head_dtype="fp8", attention_dtype="int8")
     worker = BackgroundWorker(model).start()
     try:
         with grpc.insecure_channel(worker.address) as channel:
@@ -64,6 +65,7 @@ def test_info_names_an_8bit_heads_dtype(tmp_path, tied):
     finally:
         worker.stop()
     assert (info.head_dtype, info.dtype, list(info.expert_dtypes)) == ("float8_e4m3fn", "float32", ["float32"])
+    assert info.attention_dtype == "int8"
 
 
 def test_messages_convert_through_the_types():

@@ -141,5 +141,7 @@ def test_a_fifo_as_the_expert_dtype_file_is_named_as_one(tmp_path, name):
 
     path = tmp_path / name
     os.mkfifo(path)
-    with pytest.raises(ConfigError, match="^" + re.escape(f"--expert-dtype-file: {path}: not a regular file (a FIFO)") + "$"):
+    with pytest.raises(
+        ConfigError, match="^" + re.escape(f"--expert-dtype-file: {path}: not a regular file (a FIFO)") + "$"
+    ):
         load_plan(CONFIG, None, quant.BLOCK128, path)
