@@ -13,9 +13,8 @@ from safetensors.numpy import save_file
 
 from common.model_format import ModelDir
 from expert_service.tools.convert import convert
-from tests.expert_service.cpu.test_head_8bit import TOLERANCE, engine_of, random_prompt
+from tests.expert_service.cpu.test_head_8bit import check_equals_its_dense_twin, engine_of
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
-from tests.helpers import rel_error
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -47,17 +46,8 @@ def models(request, tmp_path_factory):
 
 
 def test_logits_equal_dense_projections_of_the_dequantised_values(models):
-    model, twin, plain = models
-    ours, dense, exact = engine_of(model), engine_of(twin), engine_of(plain)
-    vocab = model.config.vocab_size
-    for seed, n in ((1, 1), (2, 9), (3, 27)):
-        ids = random_prompt(seed, n, vocab)
-        logits = ours.prompt_logits(ids)
-        assert rel_error(logits, dense.prompt_logits(ids)) <= TOLERANCE
-        # the 8-bit projections are what ran: the exact ones give other logits
-        assert rel_error(logits, exact.prompt_logits(ids)) > 10 * TOLERANCE
-    ids = random_prompt(4, 6, vocab)
-    assert ours.generate(ids, max_new_tokens=10)[0] == dense.generate(ids, max_new_tokens=10)[0]
+    """The 8-bit projections are what ran: the exact ones give other logits."""
+    check_equals_its_dense_twin(models, (1, 9, 27))
 
 
 def test_the_decoder_holds_the_dequantised_projections_and_no_scale(models):
