@@ -50,6 +50,7 @@ from common.config import (  # noqa: E402
     resolve,
 )
 from common.errors import ConfigError  # noqa: E402
+from common.listen_address import unix_socket_path_problem  # noqa: E402
 from common.logging_setup import configure_logging  # noqa: E402
 from expert_service.engine.config import (  # noqa: E402 (numpy-only: serve never loads numba itself)
     EngineConfig,
@@ -121,6 +122,11 @@ class Supervisor:
             listen, address = ["--port", str(args.worker_port)], f"127.0.0.1:{args.worker_port}"
         else:
             sock = self.private_dir / "worker.sock"
+            if (problem := unix_socket_path_problem(str(sock))) is not None:  # the path is serve's choice, not theirs
+                shutil.rmtree(self.private_dir, ignore_errors=True)
+                raise ConfigError(
+                    f"the worker's socket {problem}: set TMPDIR to a shorter directory, or give --worker-port"
+                )
             listen, address = ["--socket", str(sock)], f"unix://{sock}"
         self.worker_address = address
         self.worker_cmd = base + [

@@ -14,6 +14,7 @@ import errno
 import functools
 import ipaddress
 import logging
+import os
 import socket
 
 from common.errors import AddressInUseError
@@ -21,11 +22,22 @@ from common.errors import AddressInUseError
 log = logging.getLogger("colibri.listen")
 EVERY_INTERFACE = "::"
 IPV4_EVERY_INTERFACE = "0.0.0.0"
+# sockaddr_un.sun_path is 108 bytes on Linux, its terminating NUL included: gRPC and the kernel refuse a longer path
+# with no word of why ("cannot be bound", "Failed to create channel").
+MAX_UNIX_SOCKET_PATH_BYTES = 107
 ADDRESS_HELP = "an IP address or a host name; :: = every interface, IPv6 and IPv4 (0.0.0.0 where the host has no IPv6)"
 
 
 def _unbracketed(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def unix_socket_path_problem(path: str) -> str | None:
+    """Why `path` cannot be a Unix socket's address (too long), or None; the message starts with the path."""
+    size = len(os.fsencode(path))
+    if size <= MAX_UNIX_SOCKET_PATH_BYTES:
+        return None
+    return f"{path} is {size} bytes long; a Unix socket path holds at most {MAX_UNIX_SOCKET_PATH_BYTES}"
 
 
 def bind_address_problem(host: str) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from common.config import LOG_LEVEL_ENV, check_distinct_ports, check_message_limit, setting
 from common.connection_limits import MAX_CONNECTIONS
 from common.errors import ConfigError
-from common.listen_address import ADDRESS_HELP, bind_address_problem
+from common.listen_address import ADDRESS_HELP, bind_address_problem, unix_socket_path_problem
 from router_service.http_hosts import allowed_hosts_problem
 
 # gRPC takes some durations in milliseconds as a 32-bit int (request_timeout_s is a channel argument) and fails a
@@ -31,7 +31,11 @@ def worker_address_problem(address: str) -> str | None:
         return "an address has no whitespace"
     if address.startswith(GRPC_SCHEMES):  # unix: with no path was an empty address list, retried for ever
         scheme, _, rest = address.partition(":")
-        return None if rest.lstrip("/") else f"nothing after {scheme + ':'!r} (e.g. unix:/ABSOLUTE/PATH)"
+        if not rest.lstrip("/"):
+            return f"nothing after {scheme + ':'!r} (e.g. unix:/ABSOLUTE/PATH)"
+        if scheme == "unix":  # unix:PATH or unix:///ABSOLUTE/PATH
+            return unix_socket_path_problem(rest[2:] if rest.startswith("//") else rest)
+        return None
     if "://" in address:  # http://worker:50052 read as an IPv6 host ("an IPv6 host goes in brackets")
         return f"a URL; gRPC takes HOST:PORT or unix:PATH (schemes: {', '.join(GRPC_SCHEMES)})"
     host, colon, port = address.rpartition(":")

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from common.errors import AddressInUseError, ConfigError
-from common.listen_address import bind_failure, grpc_listen_address
+from common.listen_address import bind_failure, grpc_listen_address, unix_socket_path_problem
 
 log = logging.getLogger("colibri.worker")
 # A router whose host died, or whose connection a network dropped, leaves a half-open connection: without pings of
@@ -78,6 +78,8 @@ def prepare_socket(path: str, role: str) -> Path:
     p = Path(path)
     if not p.is_absolute():
         raise ConfigError(f"socket: {path} must be an absolute path")
+    if (problem := unix_socket_path_problem(path)) is not None:
+        raise ConfigError(f"socket: {problem}: use a shorter one")
     parent = p.parent
     if not parent.is_dir():
         raise ConfigError(f"socket: directory {parent} does not exist")

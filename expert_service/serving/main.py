@@ -75,7 +75,7 @@ class WorkerConfig:
     )
     socket: str = setting(
         "",
-        "serve the RPCs on this Unix socket instead of TCP (absolute path; created with "
+        "serve the RPCs on this Unix socket instead of TCP (absolute path of at most 107 bytes; created with "
         "mode 0600 in an existing directory; a stale socket file is replaced)",
         env=("COLIBRI_WORKER_SOCKET",),
     )

@@ -109,3 +109,18 @@ def test_the_http_body_budget_is_set_like_its_neighbours_and_fits_a_largest_body
     assert RouterConfig(max_message_bytes=1 << 20, http_max_body_bytes_in_flight=1 << 20)
     with pytest.raises(ConfigError, match=r"^router: http_max_body_bytes_in_flight must be >= 0, got -1$"):
         RouterConfig(http_max_body_bytes_in_flight=-1)
+
+
+@pytest.mark.parametrize("scheme", ["unix:", "unix://"])
+def test_a_worker_socket_path_too_long_is_refused(scheme):
+    """gRPC cannot open such a socket: the router logged 'cannot use the worker' and retried for ever."""
+    path = "/run/" + "w" * 110 + ".sock"
+    with pytest.raises(ConfigError) as error:
+        RouterConfig(worker=scheme + path)
+    assert str(error.value) == (
+        f"router: worker {scheme + path!r}: {path} is {len(path)} bytes long; a Unix socket path holds at most 107"
+    )
+
+
+def test_a_worker_socket_path_of_the_longest_length_is_taken():
+    assert RouterConfig(worker="unix:/" + "w" * 106).worker == "unix:/" + "w" * 106
