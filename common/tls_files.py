@@ -19,8 +19,9 @@ def check_certificates(data: bytes, what: str) -> None:
 def check_pair(cert: bytes, key: bytes) -> None:
     """Raises ValueError unless `cert` and `key` are PEM and `key` is the private key of `cert`: a rotation caught
     half-way (new certificate, old key) is not served. The key goes through anonymous memory files, never the disk."""
-    if b"-----BEGIN" not in cert or b"-----BEGIN" not in key:
-        raise ValueError("the certificate and key files must be PEM")
+    for data, which in ((cert, "certificate"), (key, "key")):
+        if b"-----BEGIN" not in data:
+            raise ValueError(f"the {which} file is not PEM (no -----BEGIN line)")
     fds = [os.memfd_create(name) for name in ("cert", "key")]
     try:
         for fd, data in zip(fds, (cert, key)):

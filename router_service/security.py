@@ -35,12 +35,20 @@ def public_interceptors(tokens: TokenSet) -> list[grpc.aio.ServerInterceptor]:
 
 
 # ---- TLS ----
-def _tls_material(contents: list[bytes]):
-    cert, key, *ca = contents
-    check_pair(cert, key)
-    if ca:
-        check_certificates(ca[0], "the client CA file")
-    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None)
+def _tls_material(cert_file: str, key_file: str, client_ca_file: str):
+    """The WatchedFiles parser of the TLS files; each refusal names the settings and files it is about."""
+
+    def parse(contents: list[bytes]):
+        cert, key, *ca = contents
+        try:
+            check_pair(cert, key)
+        except ValueError as e:
+            raise ValueError(f"tls_cert_file {cert_file}, tls_key_file {key_file}: {e}") from None
+        if ca:
+            check_certificates(ca[0], f"tls_client_ca_file {client_ca_file}")
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca[0] if ca else None)
+
+    return parse
 
 
 class ReloadingServerCredentials:
@@ -49,7 +57,7 @@ class ReloadingServerCredentials:
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = ""):
         paths = [cert_file, key_file] + ([client_ca_file] if client_ca_file else [])
-        self._files = WatchedFiles(paths, _tls_material, "tls")
+        self._files = WatchedFiles(paths, _tls_material(cert_file, key_file, client_ca_file), "tls")
         self._served = self._files.version
         self.credentials = grpc.dynamic_ssl_server_credentials(
             self._files.value, self.fetch, require_client_authentication=bool(client_ca_file)
