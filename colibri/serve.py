@@ -40,13 +40,12 @@ from pathlib import Path  # noqa: E402
 
 from common.config import (  # noqa: E402
     LOG_LEVEL_ENV,
-    SECTIONS,
     add_flags,
     check_distinct_ports,
     env_value,
     flag_name,
     flag_values,
-    load_config_file,
+    load_process_config,
     resolve,
 )
 from common.errors import ConfigError  # noqa: E402
@@ -345,7 +344,13 @@ def run(args: argparse.Namespace) -> int:
             f"--model: {args.model} is not a directory" if found else f"--model: directory {args.model} not found"
         )
     # the file both children read, checked before they start (and read once here for serve's own checks)
-    sections = {section: load_config_file(getattr(args, "config", None), section) for section in SECTIONS}
+    from expert_service.serving.main import WorkerConfig  # here: loads grpc's server parts serve needs nowhere else
+
+    sections = load_process_config(
+        getattr(args, "config", None),
+        {"router": RouterConfig, "worker": WorkerConfig, "engine": EngineConfig},
+        sections_needed="serve gives it to both processes, and each reads its own sections",
+    )
     router = _check_ports(args, sections["router"])
     _check_routing(args, router, sections["engine"])
     _check_step_timeouts(args, router, sections["worker"])

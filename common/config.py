@@ -179,7 +179,41 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
     whole file when it has no sections at all."""
     if not path:
         return {}
+    data = _read_config_file(Path(path))
+    return dict(data.get(section) or {}) if _has_sections(data, Path(path)) else dict(data)
+
+
+def load_process_config(
+    path: str | os.PathLike | None, classes: Mapping[str, type], sections_needed: str = ""
+) -> dict[str, dict]:
+    """The file's values for each section one process reads (section name -> its dataclass). A file without sections
+    is shared out by the classes' fields (or, given `sections_needed`, the reason, refused), and a setting of one of
+    them found in another's section is refused naming where it goes: either was 'unknown setting' for a setting the
+    process has."""
+    if not path:
+        return {section: {} for section in classes}
     p = Path(path)
+    data = _read_config_file(p)
+    fields = {section: {f.name for f in dataclasses.fields(cls)} for section, cls in classes.items()}
+    if not _has_sections(data, p):
+        if sections_needed and data:
+            raise ConfigError(f"--config: {p} has no router:, worker: or engine: section: {sections_needed}")
+        known = set().union(*fields.values())
+        if unknown := sorted(set(data) - known):
+            owners = " or ".join(cls.__name__ for cls in classes.values())
+            raise ConfigError(
+                f"config file: unknown setting {unknown[0]!r} for {owners} (known: {', '.join(sorted(known))})"
+            )
+        return {section: {k: v for k, v in data.items() if k in names} for section, names in fields.items()}
+    for section, names in fields.items():
+        for key in data.get(section) or {}:
+            homes = " or ".join(f"{other}:" for other, theirs in fields.items() if key in theirs)
+            if key not in names and homes:
+                raise ConfigError(f"--config: {p}: {key!r} belongs in {homes}, not {section}:")
+    return {section: dict(data.get(section) or {}) for section in classes}
+
+
+def _read_config_file(p: Path) -> dict:
     try:  # opened without blocking: a FIFO there is refused, never waited on
         text = read_setting_file(p, "--config").decode("utf-8")
     except UnicodeDecodeError as e:
@@ -200,9 +234,17 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {p} must hold a mapping")
-    # A section is a mapping (or empty) under one of these names; RouterConfig's `worker: HOST:PORT` is a setting.
-    if not any(name in data and (data[name] is None or isinstance(data[name], dict)) for name in SECTIONS):
-        return dict(data)
+    return data
+
+
+def _has_sections(data: dict, p: Path) -> bool:
+    """Whether the file is of sections (checked: each a mapping, none unknown) rather than settings read whole."""
+    # A section is a mapping (or empty) under one of these names; RouterConfig's `worker: HOST:PORT` is a setting,
+    # while `router:` and `engine:` name no setting: `router: [...]` is a section that is no mapping.
+    if not any(
+        name in data and (name != "worker" or data[name] is None or isinstance(data[name], dict)) for name in SECTIONS
+    ):
+        return False
     # One file serves both processes, each reading its own sections: a section it lacks is empty, and a section
     # nobody reads (a typo) or one that holds no settings is refused rather than dropped.
     for name, values in data.items():
@@ -212,7 +254,7 @@ def load_config_file(path: str | os.PathLike | None, section: str) -> dict:
             raise ConfigError(
                 f"--config: {p}: section {name!r} must hold a mapping of settings, got {type(values).__name__}"
             )
-    return dict(data.get(section) or {})
+    return True
 
 
 def resolve(

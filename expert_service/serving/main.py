@@ -32,7 +32,7 @@ from common.config import (
     check_distinct_ports,
     check_message_limit,
     flag_values,
-    load_config_file,
+    load_process_config,
     resolve,
     setting,
 )
@@ -414,11 +414,9 @@ async def serve(
 
 def run(args: argparse.Namespace) -> int:
     STOP_SIGNALS.hold()
-    file_values = load_config_file(args.config, "worker")
-    config = resolve(WorkerConfig, file_values=file_values, flags=flag_values(args, WorkerConfig))
-    engine_config = resolve(
-        EngineConfig, file_values=load_config_file(args.config, "engine"), flags=flag_values(args, EngineConfig)
-    )
+    file_values = load_process_config(args.config, {"worker": WorkerConfig, "engine": EngineConfig})
+    config = resolve(WorkerConfig, file_values=file_values["worker"], flags=flag_values(args, WorkerConfig))
+    engine_config = resolve(EngineConfig, file_values=file_values["engine"], flags=flag_values(args, EngineConfig))
     configure_logging("colibri-worker", config.log_level)
     check_tracing_env()  # before the model loads, as the other settings are
     return asyncio.run(serve(args.model, config, engine_config, freeze_heap=True))

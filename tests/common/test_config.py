@@ -248,3 +248,12 @@ def test_the_suffix_decides_yaml_whatever_its_case_and_other_names_are_told_so(t
     message = f"--config: {toml} is not valid JSON (names ending in .yaml or .yml are read as YAML): Expecting value"
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         load_config_file(toml, "router")
+
+
+@pytest.mark.parametrize("value", ["[1, 2]", "5"])
+def test_a_lone_router_or_engine_key_that_is_no_mapping_is_a_section_refused(tmp_path, value):
+    """With no other section beside it, the file was read whole: 'unknown setting 'router' for RouterConfig'."""
+    for section in ("router", "engine"):
+        path = _write(tmp_path, f"{section}: {value}\n")
+        with pytest.raises(ConfigError, match=rf"^--config: {re.escape(str(path))}: section '{section}' must hold a"):
+            load_config_file(path, "router")
