@@ -96,6 +96,10 @@ class ModelDir:
     def open(cls, path: str | os.PathLike, verify: bool = True, progress: bool = False) -> ModelDir:
         root = Path(path)
         manifest_path = root / MANIFEST
+        if root.exists() and not root.is_dir():  # its colibri.json would read "Not a directory", naming no real path
+            raise ModelFormatError(
+                f"{root} is not a directory (a Colibri model is one; make one with `colibri convert`)"
+            )
         _regular_size(
             manifest_path,
             f"{manifest_path}: not found (is {root} a Colibri model directory? make one with `colibri convert`)",

@@ -178,3 +178,13 @@ def test_reader_rejects_a_tensor_whose_bytes_overlap_anothers(tmp_path, seed):
     ) as error:
         ModelDir.open(bad)
     assert moved in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_model_path_that_is_a_file_is_named_as_no_directory(tmp_path):
+    """A checkpoint file given as the model read '<file>/colibri.json: Not a directory', naming a path that
+    cannot exist."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"weights")
+    with pytest.raises(ModelFormatError) as error:
+        ModelDir.open(path)
+    assert str(error.value) == (f"{path} is not a directory (a Colibri model is one; make one with `colibri convert`)")
