@@ -19,6 +19,7 @@ import hmac
 import inspect
 import logging
 import os
+import stat
 import threading
 import time
 
@@ -135,6 +136,17 @@ def fixed_token(token: str, what: str) -> bytes:
     return data
 
 
+def warn_if_every_user_reads(path: str, what: str) -> None:
+    """Logs a warning when any local user may read the secret file at `path` (mode o+r): they could call as its
+    holder. Not refused: the file may be meant so (a single-user host), and the operator decides."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # reading it reports the problem
+        return
+    if mode & stat.S_IROTH:
+        log.warning("%s: %s is readable by every user (mode 0%o); chmod o-r it", what, path, stat.S_IMODE(mode))
+
+
 class TokenSet:
     """The accepted bearer tokens: one fixed token and those of a watched file; empty = no authentication.
     `token_name` names where the fixed token came from in the error refusing it."""
@@ -146,6 +158,8 @@ class TokenSet:
             if token_file
             else None
         )
+        if token_file:
+            warn_if_every_user_reads(token_file, "auth_token_file")
 
     @property
     def enabled(self) -> bool:

@@ -9,7 +9,15 @@ import logging
 
 import grpc
 
-from common.auth import BearerAuthInterceptor, Refusal, TokenSet, WatchedFiles, fixed_token, token_lines
+from common.auth import (
+    BearerAuthInterceptor,
+    Refusal,
+    TokenSet,
+    WatchedFiles,
+    fixed_token,
+    token_lines,
+    warn_if_every_user_reads,
+)
 from common.tls_files import check_certificates, check_pair
 from router_service import errors
 from router_service.protocol import decode_guard
@@ -87,6 +95,7 @@ def worker_token_source(config):
     if config.worker_token_file:
         path = config.worker_token_file
         watched = WatchedFiles([path], token_lines(path), "worker_token_file")
+        warn_if_every_user_reads(path, "worker_token_file")
         return lambda: watched.current()[0].decode()
     token = fixed_token(config.worker_token, "worker_token (COLIBRI_WORKER_TOKEN)").decode("ascii")
     return lambda: token

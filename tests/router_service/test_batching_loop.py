@@ -91,6 +91,7 @@ def test_a_worker_that_refuses_the_router_is_named_once_in_the_log(tmp_path, cap
         serve(server)
         async with served(server) as port:
             (tmp_path / "token").write_text("wrong" if serve is _token_refused else "right")
+            (tmp_path / "token").chmod(0o600)  # a secret's mode: only the refusal is warned of
             config = RouterConfig(
                 host="127.0.0.1", port=0, metrics_port=0, worker_retry_s=0.05, worker_token_file=str(tmp_path / "token")
             )
