@@ -319,12 +319,13 @@ def _check_step_timeouts(args: argparse.Namespace, router: RouterConfig, file_va
     """A router step deadline the worker's watchdog outlasts is refused before either starts (the comparison and its
     reasons: router_service.config.step_timeouts_problem). `file_values`: the config file's worker section (serve
     passes the worker no watchdog flag)."""
-    from expert_service.serving.main import WorkerConfig  # here: loads grpc's server parts serve needs nowhere else
+    from expert_service.serving.main import WorkerConfig, refuse_port_beside_socket  # here: grpc's server parts
 
     port, metrics_port = getattr(args, "worker_port", 0), getattr(args, "worker_metrics_port", 0)  # as _check_ports
     listen = {"port": port} if port else {"socket": "serve's private socket"}
     flags = {**listen, "metrics_port": metrics_port}
     worker = resolve(WorkerConfig, file_values=file_values, flags=flags)
+    refuse_port_beside_socket(f"--worker-port {port}" if port else "", None, worker.socket)
     if (problem := step_timeouts_problem(router.worker_step_timeout_s, worker.step_timeout_s)) is not None:
         raise ConfigError(problem)
 

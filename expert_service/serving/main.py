@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from common.config import (
     add_flags,
     check_distinct_ports,
     check_message_limit,
+    env_value,
     flag_values,
     load_process_config,
     resolve,
@@ -412,11 +414,27 @@ async def serve(
         log.info("worker stopped", extra={"exit_code": exit_code[0]})
 
 
+def refuse_port_beside_socket(port_named: str, socket_flag: str | None, socket: str) -> None:
+    """A TCP port given as a flag (`port_named`, '--port 5'; empty: none) beside a socket from any source: the worker
+    took the socket and left the port unused, so a router dialling the port waited for ever."""
+    if not port_named or not socket:
+        return
+    socket_env = next(f for f in dataclasses.fields(WorkerConfig) if f.name == "socket").metadata["env"]
+    if socket_flag:
+        source = "--socket"
+    elif (found := env_value(socket_env)) is not None:
+        source = f"environment {found[0]}"
+    else:
+        source = "--config's socket"
+    raise ConfigError(f"{port_named} and {source} {socket} exclude each other: the worker listens on one or the other")
+
+
 def run(args: argparse.Namespace) -> int:
     STOP_SIGNALS.hold()
     file_values = load_process_config(args.config, {"worker": WorkerConfig, "engine": EngineConfig})
     config = resolve(WorkerConfig, file_values=file_values["worker"], flags=flag_values(args, WorkerConfig))
     engine_config = resolve(EngineConfig, file_values=file_values["engine"], flags=flag_values(args, EngineConfig))
+    refuse_port_beside_socket("" if args.port is None else f"--port {args.port}", args.socket, config.socket)
     configure_logging("colibri-worker", config.log_level)
     check_tracing_env()  # before the model loads, as the other settings are
     return asyncio.run(serve(args.model, config, engine_config, freeze_heap=True))
