@@ -118,7 +118,9 @@ class Supervisor:
         common = ["--config", args.config] if args.config else []
         base = [sys.executable, "-m", "colibri.cli"]
         if args.worker_port:
-            listen, address = ["--port", str(args.worker_port)], f"127.0.0.1:{args.worker_port}"
+            # the host as a flag: one from the environment or the config file left the router dialling nobody
+            listen = ["--host", "127.0.0.1", "--port", str(args.worker_port)]
+            address = f"127.0.0.1:{args.worker_port}"
         else:
             sock = self.private_dir / "worker.sock"
             if (problem := unix_socket_path_problem(str(sock))) is not None:  # the path is serve's choice, not theirs
