@@ -25,6 +25,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def place(path: Path, kind: str) -> None:
+    """Something that is no regular file at `path`: "a FIFO", "a directory" or a link to a character device."""
     path.unlink(missing_ok=True)
     if kind == "a FIFO":
         os.mkfifo(path)

@@ -7,36 +7,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from colibri.cli import main
 from common.errors import ModelFormatError
 from common.model_format import ModelDir
 from expert_service.tools.tiny_model import write_tiny_checkpoint
+from tests.expert_service.tools.test_convert_hf_files import place, run_cli
 from tests.helpers import serve_env
 
 SHARD = "model.safetensors"
 WHY = "every *.safetensors here is read as a shard"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def place(path: Path, kind: str) -> None:
-    path.unlink(missing_ok=True)
-    if kind == "a FIFO":
-        os.mkfifo(path)
-    elif kind == "a directory":
-        path.mkdir()
-    else:
-        path.symlink_to("/dev/null")
 
 
 @pytest.mark.timeout(120)  # opening the FIFO would wait for a writer for ever
