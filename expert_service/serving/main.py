@@ -237,6 +237,11 @@ async def _unless_stopped(work: asyncio.Future, stop: asyncio.Event):
     return None
 
 
+# How long the servers' stop waits for calls still answering (a call a fault failed sending its INTERNAL) before
+# cancelling them: half a second was not always enough on a loaded machine, and the call then read as a lost worker.
+STOP_GRACE_S = 2.0
+
+
 async def _drain(servicer: WorkerServicer, timeout: float, hurry: asyncio.Event) -> None:
     """Waits while the router's streams still hold sequences (they keep stepping), up to `timeout`."""
     servicer.health.update(draining=True)
@@ -400,7 +405,7 @@ async def serve(
         health.update(draining=True)
         servicer.end_streams()
         for s in servers:  # the grace lets a call failed by a fault answer INTERNAL before the rest are cancelled
-            await s.stop(0.5)
+            await s.stop(STOP_GRACE_S)
         for task in tasks:
             task.cancel()
         if metrics_server is not None:
