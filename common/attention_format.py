@@ -20,12 +20,20 @@ from dataclasses import dataclass
 
 from common import dtypes, quant
 from common.errors import ModelFormatError
-from common.expert_layout import align, scale_name
+from common.expert_layout import align
+from common.head_format import check_placed, row_scale
 from common.model_config import ModelConfig
-from common.model_manifest import ATTENTION_PROJECTIONS, DENSE_ALIGN, DENSE_FILE, TensorEntry
+from common.model_manifest import (
+    ATTENTION_HIDDEN_MULTIPLE,
+    ATTENTION_OUT_MULTIPLE,
+    ATTENTION_PROJECTIONS,
+    DENSE_ALIGN,
+    DENSE_FILE,
+    TensorEntry,
+    attention_sizes_fit,
+)
 
 ATTENTION_SCHEME = quant.CHANNEL  # the only scale scheme of the projections: one scale per row
-HIDDEN_MULTIPLE, OUT_MULTIPLE = 64, 16  # whole 64-byte rows of codes, whole 64-byte float32 scale vectors
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +63,13 @@ class AttentionFormat:
 
 def unsupported_sizes(config: ModelConfig) -> str | None:
     """Why this model's projections cannot take the 8-bit layout, in words naming the sizes; None when they can."""
-    D, q, kv = config.hidden_size, config.q_size, config.kv_size
-    if D % HIDDEN_MULTIPLE or q % OUT_MULTIPLE or kv % OUT_MULTIPLE:
-        return (
-            f"8-bit attention projections need hidden_size a multiple of {HIDDEN_MULTIPLE} and the q and kv "
-            f"projection sizes multiples of {OUT_MULTIPLE}; this model has hidden_size {D}, q {q}, kv {kv}"
-        )
-    return None
+    if attention_sizes_fit(config):
+        return None
+    return (
+        f"8-bit attention projections need hidden_size a multiple of {ATTENTION_HIDDEN_MULTIPLE} and the q and kv "
+        f"projection sizes multiples of {ATTENTION_OUT_MULTIPLE}; this model has hidden_size {config.hidden_size}, "
+        f"q {config.q_size}, kv {config.kv_size}"
+    )
 
 
 def read_attention_format(entries: Mapping[str, TensorEntry], config: ModelConfig) -> AttentionFormat | None:
@@ -85,35 +93,19 @@ def read_attention_format(entries: Mapping[str, TensorEntry], config: ModelConfi
     return AttentionFormat(first.dtype, ATTENTION_SCHEME, DENSE_FILE, (q + 2 * kv, D), (D, q), layers)
 
 
-def _scale(entries: Mapping[str, TensorEntry], matrix: TensorEntry) -> TensorEntry:
-    name, rows = scale_name(matrix.name), matrix.shape[0]
-    scale = entries.get(name)
-    if scale is None:
-        raise ModelFormatError(f"tensor {name}: missing (the scale of {matrix.dtype} tensor {matrix.name})")
-    if scale.dtype != "float32" or scale.shape != (rows,):
-        raise ModelFormatError(
-            f"tensor {name}: {scale.dtype} {list(scale.shape)}, expected float32 [{rows}] (one per row)"
-        )
-    return scale
-
-
-def _at(entry: TensorEntry, planned: int, after: str) -> None:
-    if entry.file != DENSE_FILE or entry.offset != planned:
-        raise ModelFormatError(
-            f"tensor {entry.name}: stored in {entry.file} at byte {entry.offset}; the format puts it in {DENSE_FILE} "
-            f"{after}, at byte {planned}"
-        )
-
-
 def _layer_blocks(entries: Mapping[str, TensorEntry], layer: int, dtype: str) -> AttentionBlocks:
     q, k, v, o = (entries[f"layers.{layer}.{p}"] for p in ATTENTION_PROJECTIONS)
-    _at(k, q.offset + q.nbytes, f"right where {q.name} ends")
-    _at(v, k.offset + k.nbytes, f"right where {k.name} ends")
-    q_scale, k_scale, v_scale, o_scale = (_scale(entries, m) for m in (q, k, v, o))
-    _at(q_scale, align(v.offset + v.nbytes, DENSE_ALIGN), f"at the first {DENSE_ALIGN}-byte boundary after {v.name}")
-    _at(k_scale, q_scale.offset + q_scale.nbytes, f"right where {q_scale.name} ends")
-    _at(v_scale, k_scale.offset + k_scale.nbytes, f"right where {k_scale.name} ends")
-    _at(o_scale, align(o.offset + o.nbytes, DENSE_ALIGN), f"at the first {DENSE_ALIGN}-byte boundary after {o.name}")
+    check_placed(k, q.offset + q.nbytes, f"right where {q.name} ends")
+    check_placed(v, k.offset + k.nbytes, f"right where {k.name} ends")
+    q_scale, k_scale, v_scale, o_scale = (row_scale(entries, m) for m in (q, k, v, o))
+    check_placed(
+        q_scale, align(v.offset + v.nbytes, DENSE_ALIGN), f"at the first {DENSE_ALIGN}-byte boundary after {v.name}"
+    )
+    check_placed(k_scale, q_scale.offset + q_scale.nbytes, f"right where {q_scale.name} ends")
+    check_placed(v_scale, k_scale.offset + k_scale.nbytes, f"right where {k_scale.name} ends")
+    check_placed(
+        o_scale, align(o.offset + o.nbytes, DENSE_ALIGN), f"at the first {DENSE_ALIGN}-byte boundary after {o.name}"
+    )
     return AttentionBlocks(
         qkv_offset=q.offset,
         qkv_nbytes=v_scale.offset + v_scale.nbytes - q.offset,

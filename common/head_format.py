@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from common import dtypes, quant
 from common.errors import ModelFormatError
-from common.expert_layout import align
+from common.expert_layout import align, scale_name
 from common.model_config import ModelConfig
-from common.model_manifest import DENSE_ALIGN, DENSE_FILE, HEAD, HEAD_SCALE, MANIFEST, TensorEntry
+from common.model_manifest import DENSE_ALIGN, DENSE_FILE, HEAD, MANIFEST, TensorEntry
 
 HEAD_SCHEME = quant.CHANNEL  # the only scale scheme of a head: one scale per row
 
@@ -42,6 +42,29 @@ def scale_offset(head: TensorEntry) -> int:
     return align(head.offset + head.nbytes, DENSE_ALIGN)
 
 
+def row_scale(entries: Mapping[str, TensorEntry], matrix: TensorEntry) -> TensorEntry:
+    """The float32 per-row scale of 8-bit `matrix` (the head, an attention projection), refused in one line when
+    missing or of another dtype or shape."""
+    name, rows = scale_name(matrix.name), matrix.shape[0]
+    scale = entries.get(name)
+    if scale is None:
+        raise ModelFormatError(f"tensor {name}: missing (the scale of {matrix.dtype} tensor {matrix.name})")
+    if scale.dtype != "float32" or scale.shape != (rows,):
+        raise ModelFormatError(
+            f"tensor {name}: {scale.dtype} {list(scale.shape)}, expected float32 [{rows}] (one per row)"
+        )
+    return scale
+
+
+def check_placed(entry: TensorEntry, planned: int, where: str) -> None:
+    """`entry` is in dense.bin at byte `planned` (`where` says the place in words), else one line says so."""
+    if entry.file != DENSE_FILE or entry.offset != planned:
+        raise ModelFormatError(
+            f"tensor {entry.name}: stored in {entry.file} at byte {entry.offset}; the format puts it in {DENSE_FILE} "
+            f"{where}, at byte {planned}"
+        )
+
+
 def read_head_format(entries: Mapping[str, TensorEntry], config: ModelConfig) -> HeadFormat | None:
     """The checked format of an 8-bit lm_head, or None when the head is in the dense dtype (or tied without one):
     its shape, a float32 [vocab_size] scale beside it and right after it in dense.bin."""
@@ -53,20 +76,8 @@ def read_head_format(entries: Mapping[str, TensorEntry], config: ModelConfig) ->
         raise ModelFormatError(
             f"tensor {HEAD}: shape {list(head.shape)} in {MANIFEST}, config.json implies {list(implied)}"
         )
-    scale = entries.get(HEAD_SCALE)
-    if scale is None:
-        raise ModelFormatError(f"tensor {HEAD_SCALE}: missing (the scale of {head.dtype} tensor {HEAD})")
-    if scale.dtype != "float32" or scale.shape != (config.vocab_size,):
-        raise ModelFormatError(
-            f"tensor {HEAD_SCALE}: {scale.dtype} {list(scale.shape)}, expected float32 [{config.vocab_size}] "
-            "(one per row)"
-        )
-    planned = scale_offset(head)
-    if scale.file != DENSE_FILE or head.file != DENSE_FILE or scale.offset != planned:
-        raise ModelFormatError(
-            f"tensor {HEAD_SCALE}: stored in {scale.file} at byte {scale.offset}; the format puts it in {DENSE_FILE} "
-            f"right after {HEAD}, at byte {planned}"
-        )
+    scale = row_scale(entries, head)
+    check_placed(scale, scale_offset(head), f"right after {HEAD}")  # (the reader has put lm_head in dense.bin)
     return HeadFormat(
         dtype=head.dtype,
         scheme=HEAD_SCHEME,

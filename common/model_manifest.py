@@ -68,6 +68,8 @@ EXPERT_MATRIX = re.compile(r"layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|d
 QKV = ("q_proj", "k_proj", "v_proj")
 ATTENTION_PROJECTIONS = (*QKV, "o_proj")  # may be 8-bit, all in one dtype (``common/attention_format.py``)
 ATTENTION_MATRIX = re.compile(r"layers\.(\d+)\.(q_proj|k_proj|v_proj|o_proj)")
+# 8-bit projections back to back need whole 64-byte rows of codes and whole 64-byte float32 scale vectors
+ATTENTION_HIDDEN_MULTIPLE, ATTENTION_OUT_MULTIPLE = 64, 16
 
 ExpertFormats = Callable[[int, int], ExpertFormat]  # (layer, expert) -> how that expert is stored
 
@@ -170,6 +172,15 @@ def byte_count(value: object, key: str) -> int:
     return value
 
 
+def attention_sizes_fit(config: ModelConfig) -> bool:
+    """Whether 8-bit attention projections of this model lie back to back with no gap (``common/attention_format.py``)."""
+    return not (
+        config.hidden_size % ATTENTION_HIDDEN_MULTIPLE
+        or config.q_size % ATTENTION_OUT_MULTIPLE
+        or config.kv_size % ATTENTION_OUT_MULTIPLE
+    )
+
+
 def _scales_after(config: ModelConfig, name: str) -> tuple[tuple[str, int], ...]:
     """(scale, rows) that 8-bit attention projections place right after projection `name`: q|k|v's after v_proj
     (from the next 64-byte boundary, back to back), o_proj's after o_proj."""
@@ -194,7 +205,7 @@ def plan_layout(
     if attention_dtype is not None:
         if attention_dtype not in dtypes.QUANTIZED_DTYPES:
             raise ValueError(f"attention dtype {attention_dtype!r}: an 8-bit dtype, or None for the dense dtype")
-        if config.hidden_size % 64 or config.q_size % 16 or config.kv_size % 16:
+        if not attention_sizes_fit(config):
             raise ValueError(
                 f"8-bit attention projections: hidden_size {config.hidden_size}, q {config.q_size}, "
                 f"kv {config.kv_size} leave gaps between q|k|v"
