@@ -38,6 +38,7 @@ from expert_service.tools.routing_gen import report_path_for
 from expert_service.tools.safetensors_checkpoint import (
     SOURCE_DTYPES,
     SafetensorsShard,
+    checkpoint_file,
     open_checkpoint,
     read_checkpoint_file,
 )
@@ -67,15 +68,7 @@ EXPERT_FILE = re.compile(r"experts-L(\d{3,})\.bin")
 def _regular_or_absent(path: Path) -> bool:
     """Whether the checkpoint has a regular file (or a link to one) at `path`; anything else there is refused
     before OUT_DIR changes: taken for absent, a FIFO or directory dropped the file without a word."""
-    try:
-        stat_regular(path)
-    except FileNotFoundError:
-        if path.is_symlink():  # a link into a cache's blob that is gone
-            raise ModelFormatError(f"{path}: not found") from None
-        return False
-    except OSError as e:
-        raise ModelFormatError(f"{path}: {e.strerror or e}") from None
-    return True
+    return checkpoint_file(path, stat_regular) is not None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import math
 import mmap
 import struct
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -26,6 +26,7 @@ from expert_service.tools import hf_fp8
 # F8_E4M3 only with its block scales (hf_fp8.py); safetensors' numpy loader cannot read it, our mmap can.
 SOURCE_DTYPES = {**dtypes.SAFETENSORS_NAMES, hf_fp8.FP8: "float8_e4m3fn"}
 GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+T = TypeVar("T")
 
 
 def _open_shard(path: Path) -> BinaryIO:
@@ -165,12 +166,16 @@ def _tensor_shards(hf_dir: Path, opened: dict[str, SafetensorsShard]) -> dict[st
 
 
 def read_checkpoint_file(path: Path) -> bytes | None:
-    """The bytes of the checkpoint's file at `path`, None when nothing is there. A FIFO or device is refused, named
-    as what it is, never waited on; a link to nothing is a broken download, not an absent file. Its JSON is parsed
-    as the model directory's reader parses its manifest (parse_json): a key written twice, NaN or a number past a
-    double is refused here rather than in the manifest that would carry it."""
+    """The bytes of the checkpoint's file at `path`, None when nothing is there (checkpoint_file)."""
+    return checkpoint_file(path, read_regular)
+
+
+def checkpoint_file(path: Path, get: Callable[[Path], T]) -> T | None:
+    """get(path) (read_regular, stat_regular) for a file of the checkpoint, None when nothing is there. A FIFO or
+    device is refused, named as what it is, never waited on; a link to nothing is a broken download, not an absent
+    file; each failure is one ModelFormatError line naming the file."""
     try:
-        data = read_regular(path)
+        return get(path)
     except FileNotFoundError:
         if path.is_symlink():  # a link into a cache's blob that is gone
             raise ModelFormatError(f"{path}: not found") from None
@@ -179,4 +184,3 @@ def read_checkpoint_file(path: Path) -> bytes | None:
         raise ModelFormatError(f"{path}: not a regular file (a directory)") from None
     except OSError as e:
         raise ModelFormatError(f"{path}: {e.strerror or e}") from None
-    return data
