@@ -15,7 +15,8 @@ sender, so step t+1 runs on the device while step t is sampled and answered) and
 
 `--expert-dtype bfloat16,int8,fp8` runs Colibri once per routed-expert dtype on the same weights (the HF save
 converted with `--expert-dtype int8` / `fp8` with 128x128 block scales) and adds `<dtype>_x_bfloat16` ratios
-(`int8+head` / `fp8+head`: the LM head in the same 8 bits too, per-row scales, `--head-dtype`);
+(`int8+head` / `fp8+head`: the LM head in the same 8 bits too, per-row scales, `--head-dtype`; `int8+head+attn` /
+`fp8+head+attn`: the attention projections as well, `--attention-dtype`);
 `colibri` holds the first dtype's figures, `colibri_by_expert_dtype` all of them, each with the HBM roofline of
 the bytes its steps read (8-bit experts: their bytes and scales). The full-depth shape `qwen3moe-full`
 (Qwen3-30B-A3B, all 48 layers: ~61 GB bf16, ~31 GB 8-bit) is written straight into the model format with random
@@ -310,23 +311,31 @@ def save_hf(model, out: Path) -> Path:
     return hf_dir
 
 
-# a run's dtype: the routed experts' (bfloat16, int8, fp8), "+head" for the LM head in the same 8 bits
-RUN_DTYPES = ("bfloat16", "int8", "fp8", "int8+head", "fp8+head")
+# a run's dtype: the routed experts' (bfloat16, int8, fp8), "+head" for the LM head in the same 8 bits, "+attn"
+# for the attention projections too
+RUN_DTYPES = ("bfloat16", "int8", "fp8", "int8+head", "fp8+head", "int8+head+attn", "fp8+head+attn")
 
 
-def expert_and_head(dtype: str) -> tuple[str, str | None]:
-    """A run's dtype -> (expert dtype, head dtype for `colibri convert --head-dtype`, None: the dense dtype)."""
-    experts, _, head = dtype.partition("+")
-    return experts, ({"int8": "int8", "fp8": "float8_e4m3fn"}[experts] if head else None)
+def run_formats(dtype: str) -> tuple[str, str | None, str | None]:
+    """A run's dtype -> (expert dtype, head dtype for `colibri convert --head-dtype`, attention dtype for
+    `--attention-dtype`; None: the dense dtype)."""
+    experts, *parts = dtype.split("+")
+    eight_bit = {"int8": "int8", "fp8": "float8_e4m3fn"}.get(experts)
+    return experts, eight_bit if "head" in parts else None, eight_bit if "attn" in parts else None
 
 
 def convert_expert_dtype(hf_dir: Path, dtype: str) -> Path:
     from expert_service.tools.convert import convert
 
     out = hf_dir.parent / f"{hf_dir.name[: -len('-hf')]}-{dtype}"
-    experts, head = expert_and_head(dtype)
+    experts, head, attention = run_formats(dtype)
     return convert(
-        hf_dir, out, progress=False, expert_dtype=None if experts == "bfloat16" else experts, head_dtype=head
+        hf_dir,
+        out,
+        progress=False,
+        expert_dtype=None if experts == "bfloat16" else experts,
+        head_dtype=head,
+        attention_dtype=attention,
     )
 
 
@@ -336,8 +345,10 @@ def random_model(family: str, params: dict, out: Path, dtype: str) -> Path:
 
     hf_config = {**tiny_hf_config(family), **params, "tie_word_embeddings": False}
     start = time.perf_counter()
-    experts, head = expert_and_head(dtype)
-    model = write_random_model(out.parent / f"{out.name}-{dtype}", hf_config, experts, head_dtype=head)
+    experts, head, attention = run_formats(dtype)
+    model = write_random_model(
+        out.parent / f"{out.name}-{dtype}", hf_config, experts, head_dtype=head, attention_dtype=attention
+    )
     print(f"wrote {model} in {time.perf_counter() - start:.0f} s", flush=True)
     return model
 
@@ -392,7 +403,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="/dev/shm/colibri-bench")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
-        "--expert-dtype", default="bfloat16", help=f"comma-separated: {', '.join(RUN_DTYPES)} (+head: the LM head too)"
+        "--expert-dtype",
+        default="bfloat16",
+        help=f"comma-separated: {', '.join(RUN_DTYPES)} (+head: the LM head too, +attn: the attention projections)",
     )
     parser.add_argument(
         "--cuda-options", default="{}", help='CudaOptions fields as a JSON object, e.g. {"wgmma_experts": false}'

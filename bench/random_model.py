@@ -14,9 +14,11 @@ import numpy as np
 
 from common import quant
 from common.expert_layout import ExpertFormat
+from common.model_manifest import ATTENTION_PROJECTIONS
 from common.model_writer import ModelWriter
 
 POOL_BYTES = 64 << 20
+ATTENTION_SCALES = {f"{p}_scale" for p in ATTENTION_PROJECTIONS}
 
 
 def _pools(rng) -> dict[str, np.ndarray]:
@@ -51,18 +53,23 @@ def _tensor(pools, rng, dtype: str, shape: tuple[int, ...], scale_of: str | None
 
 
 def write_random_model(
-    out: Path, hf_config: dict, expert_dtype: str = "bfloat16", seed: int = 0, head_dtype: str | None = None
+    out: Path,
+    hf_config: dict,
+    expert_dtype: str = "bfloat16",
+    seed: int = 0,
+    head_dtype: str | None = None,
+    attention_dtype: str | None = None,
 ) -> Path:
     """A bf16 model of `hf_config` whose routed experts are `expert_dtype` (bfloat16, int8, or fp8: e4m3 with
-    128x128 block scales) and whose LM head is `head_dtype` (int8 or float8_e4m3fn with per-row scales; None:
-    bf16)."""
+    128x128 block scales), whose LM head is `head_dtype` and attention projections `attention_dtype` (int8 or
+    float8_e4m3fn with per-row scales; None: bf16)."""
     rng = np.random.default_rng(seed)
     fmt = {
         "bfloat16": ExpertFormat("bfloat16"),
         "int8": ExpertFormat("int8", quant.CHANNEL),
         "fp8": ExpertFormat("float8_e4m3fn", quant.BLOCK128),
     }[expert_dtype]
-    writer = ModelWriter(out, hf_config, "bfloat16", lambda layer, expert: fmt, head_dtype)
+    writer = ModelWriter(out, hf_config, "bfloat16", lambda layer, expert: fmt, head_dtype, attention_dtype)
     pools = _pools(rng)
     norms = np.full(hf_config["hidden_size"], 0x3F80, np.uint16)  # 1.0: keep the residual stream's scale
     for name, entry in writer.layout.items():
@@ -72,5 +79,7 @@ def write_random_model(
         scale_of = None
         if name.endswith("_scale"):
             scale_of = head_dtype if name == "lm_head_scale" else fmt.dtype
+            if name.rsplit(".", 1)[-1] in ATTENTION_SCALES:
+                scale_of = attention_dtype
         writer.write(name, _tensor(pools, rng, entry.dtype, tuple(entry.shape), scale_of))
     return writer.finish()

@@ -28,8 +28,9 @@ from common.errors import ColibriError, ConfigError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.model_manifest import DENSE_FILE
-from expert_service.cuda import head_8bit
+from expert_service.cuda.attention_8bit import DeviceAttention8Bit
 from expert_service.cuda.cublas import CublasError
+from expert_service.cuda.linear_8bit import EightBitRows, takes_mma
 from expert_service.cuda.moe_cached import dense_scratch_needed
 from expert_service.cuda.moe_strategy import ModelStrategies
 from expert_service.cuda.penalties import DevicePenalties
@@ -205,11 +206,13 @@ def plan_device_memory(
     workspace = plan_workspace(
         ModelStrategies(cfg, facts, T), config, facts.dtype, blocks_per_sequence(cfg, num_blocks, block_size), cached
     )
-    # the penalties' and grammar masks' buffers are allocated beside the workspace, sized like it; so are an 8-bit
-    # head's launch tables and bf16 rows
+    # the penalties' and grammar masks' buffers are allocated beside the workspace, sized like it; so are the
+    # launch tables and bf16 rows of an 8-bit head and of 8-bit attention projections
     sampling = DevicePenalties.planned_nbytes(S, V, S, T) + DeviceMasks.planned_nbytes(S, V)
     if (head := model.head_format) is not None:
-        sampling += head_8bit.planned_nbytes(V, cfg.hidden_size, head.nbytes, S)
+        sampling += EightBitRows.planned_nbytes(S, cfg.hidden_size, takes_mma(V, head.nbytes))
+    if model.attention_format is not None:
+        sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T)
     if cached:
         experts = slot_plan.slots_per_layer * slot_plan.slot_row_bytes + plan_table_bytes
         if dense_scratch_needed(facts.quantized, T, workspace.cached_grouped):  # one 8-bit expert made dense

@@ -11,8 +11,9 @@ import numpy as np
 from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
-from expert_service.cuda.head_8bit import DeviceHead8Bit
+from expert_service.cuda.attention_8bit import DeviceAttention8Bit
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
+from expert_service.cuda.linear_8bit import EightBitRows, Matrix8Bit
 from expert_service.cuda.moe import DeviceMoe
 from expert_service.cuda.moe_cached import CachedExperts
 from expert_service.cuda.weights import DeviceWeights
@@ -63,10 +64,13 @@ class CudaModel:
         self.k_pool, self.v_pool, self.cached, self.options = k_pool, v_pool, cached, options
         inv_freq, self.rope_scale = config.rope.inverse_frequencies(config.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=stream)
-        self.head_8bit: DeviceHead8Bit | None = None
-        if weights.head_8bit is not None:
-            rows = workspace.logits.shape[0]
-            self.head_8bit = DeviceHead8Bit(weights.head_8bit, config.vocab_size, config.hidden_size, rows, stream)
+        self.head_8bit: tuple[Matrix8Bit, EightBitRows] | None = None  # the head and what runs it
+        if (head := weights.head_8bit) is not None:
+            self.head_8bit = head, EightBitRows(workspace.logits.shape[0], head.n_in, head.takes_mma, stream)
+        self.attention_8bit: DeviceAttention8Bit | None = None
+        if weights.attention_8bit is not None:
+            rows = workspace.hidden.shape[0]
+            self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream)
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
@@ -87,6 +91,8 @@ class CudaModel:
         normed = False  # x already holds this layer's input norm (the previous MoE combine wrote it)
         if self.cached is not None:
             self.cached.start_pass(T, large=self.moe.cached_large(T), prefetch_yields=self.options.prefetch_yields)
+        if self.attention_8bit is not None:
+            self.attention_8bit.start_pass(T)
         for i in range(cfg.num_hidden_layers):
             if not normed:
                 rmsnorm.launch_rmsnorm(h, w.layer(i, "input_norm"), cfg.rms_norm_eps, x, stream=st)
@@ -113,7 +119,9 @@ class CudaModel:
         launch_gather_rows(h, ws.logits_rows[:R], last, stream=st)
         rmsnorm.launch_rmsnorm(last, w.get("final_norm"), cfg.rms_norm_eps, last, stream=st)
         if self.head_8bit is not None:
-            self.head_8bit.run(last, ws.logits[:R])
+            head, rows = self.head_8bit
+            rows.set_rows(R)
+            rows.apply(head, rows.inputs(last), ws.logits[:R])
         else:
             self.linear.linear(last, w.lm_head, ws.logits[:R])
         if self.options.greedy_split:
@@ -133,7 +141,11 @@ class CudaModel:
         cfg, ws, w, st = self.config, self.ws, self.weights, self.stream
         q, k, v = self.qkv_views(T)
         qkv, qkv_bias = w.layer(i, "qkv_proj"), w.layer(i, "qkv_bias")
-        if (
+        width = cfg.q_size + 2 * cfg.kv_size
+        stacked = ws.qkv[:width].reshape(1, width) if T == 1 else None  # [q | k | v]: the views' one row
+        if self.attention_8bit is not None:
+            self.attention_8bit.qkv(i, x, q, k, v, stacked, self.options.fused_qkv)
+        elif (
             self.options.fused_qkv
             and T == 1
             and T <= GEMV_MAX_TOKENS
@@ -141,7 +153,7 @@ class CudaModel:
             and (qkv_bias is not None or w.layer(i, "q_bias") is None)
         ):
             # one GEMV over the q|k|v rows: the k and v ones alone are too small to keep HBM busy
-            self.linear.linear(x, qkv, ws.qkv[: qkv.shape[0]].reshape(1, qkv.shape[0]), bias=qkv_bias)
+            self.linear.linear(x, qkv, stacked, bias=qkv_bias)
         else:
             xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
             for name, out in (("q", q), ("k", k), ("v", v)):
@@ -202,7 +214,10 @@ class CudaModel:
                 attn3,
                 stream=st,
             )
-        self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+        if self.attention_8bit is not None:
+            self.attention_8bit.o(i, ws.attn[:T], h)
+        else:
+            self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
 
     def qkv_views(self, T: int):
         """q [T, q_size], k and v [T, kv_size] of a step: consecutive ranges of workspace.qkv, so at T = 1 they

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from numba import cuda
 
 from common import dtypes
+from common.attention_format import AttentionFormat
 from common.errors import ConfigError
+from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.model_manifest import DENSE_FILE, expert_file
 from expert_service.cuda.driver import pin_readonly, unpin
+from expert_service.cuda.linear_8bit import Matrix8Bit
 from expert_service.cuda.moe_grouped_mma import every_layer_w8a8
 from expert_service.kernels import expert_quant
 from expert_service.kernels.linear_q8 import matrix_meta
@@ -157,7 +160,6 @@ class ExpertFacts:
 def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
     """The model's ExpertFacts with every expert on the device (resident) or behind the expert cache."""
     check_head_for_cuda(model)  # the other 8-bit matrices, checked as early
-    check_attention_for_cuda(model)
     cfg = model.config
     quantized = model.expert_formats not in ((), (model.dtype,)) or not _back_to_back_experts(model)
     meta = {layer: expert_meta(model, layer) for layer in cfg.moe_layers} if quantized else {}
@@ -169,14 +171,29 @@ def expert_facts(model: ModelDir, resident: bool) -> ExpertFacts:
     return ExpertFacts(np.dtype(dtypes.STORAGE[model.dtype]), quantized, all_8bit, meta, kinds, w8a8)
 
 
-@dataclass(frozen=True)
-class EightBitHead:
-    """An LM head stored in 8 bits: `block` is the dense buffer's range holding its codes [V, D] then its per-row
-    float32 scales, `meta` its linear_q8.matrix_meta row on the device, `code` its expert_quant dtype code."""
+class Projections8Bit(NamedTuple):
+    """One layer's 8-bit attention projections: q|k|v stacked (one launch at one token), q, k and v (views of the
+    same block: their own codes and scales) and o."""
 
-    block: DeviceNDArray
-    meta: DeviceNDArray
-    code: int
+    qkv: Matrix8Bit
+    q: Matrix8Bit
+    k: Matrix8Bit
+    v: Matrix8Bit
+    o: Matrix8Bit
+
+
+def attention_metas(fmt: AttentionFormat, config: ModelConfig) -> np.ndarray:
+    """Every layer's linear_q8.matrix_meta rows [layers, 4, META_WIDTH]: q|k|v (and q: the same offsets, fewer
+    rows), k, v and o, each offset within its block."""
+    code, D, nq, nkv = expert_quant.CODES[fmt.dtype], config.hidden_size, config.q_size, config.kv_size
+    metas = np.zeros((len(fmt.layers), 4, expert_quant.META_WIDTH), np.int32)
+    for i, b in enumerate(fmt.layers):
+        scales = b.qkv_scale_offset
+        metas[i, 0] = matrix_meta(code, scales)
+        metas[i, 1] = matrix_meta(code, scales + 4 * nq, nq * D)
+        metas[i, 2] = matrix_meta(code, scales + 4 * (nq + nkv), (nq + nkv) * D)
+        metas[i, 3] = matrix_meta(code, b.o_scale_offset)
+    return metas
 
 
 def check_head_for_cuda(model: ModelDir) -> None:
@@ -188,16 +205,6 @@ def check_head_for_cuda(model: ModelDir) -> None:
             f"backend: the cuda backend runs an 8-bit lm_head only with hidden_size a multiple of 16, and "
             f"{model.path} has {model.head_format.dtype} lm_head with hidden_size {D}; convert with --head-dtype "
             f"{model.dtype}, or use --backend cpu"
-        )
-
-
-def check_attention_for_cuda(model: ModelDir) -> None:
-    """8-bit attention projections have no cuda kernels yet: refused in one line (a ConfigError, as the worker prints
-    it) before anything is uploaded."""
-    if model.attention_format is not None:
-        raise ConfigError(
-            f"backend: {model.path} has {model.attention_format.dtype} attention projections; 8-bit attention "
-            f"projections run on the cpu backend only for now; convert with --attention-dtype {model.dtype}"
         )
 
 
@@ -228,16 +235,21 @@ class DeviceWeights:
             if entry.file == DENSE_FILE:
                 raw = self.dense_buffer[entry.offset : entry.offset + entry.nbytes]
                 self.views[name] = raw.view(dtypes.STORAGE[entry.dtype]).reshape(entry.shape)
-        self.head_8bit: EightBitHead | None = None
+        self.head_8bit: Matrix8Bit | None = None
         if (head := model.head_format) is not None:  # its codes and scales: one range of the dense buffer
             code = expert_quant.CODES[head.dtype]
             meta = cuda.to_device(matrix_meta(code, head.scale_offset), stream=stream)
-            self.head_8bit = EightBitHead(self.dense_buffer[head.offset : head.offset + head.nbytes], meta, code)
+            block = self.dense_buffer[head.offset : head.offset + head.nbytes]
+            self.head_8bit = Matrix8Bit(block, meta, code, self.config.vocab_size, self.config.hidden_size)
+        self.attention_8bit = self._attention_8bit(model.attention_format, stream)
+        eight_bit_qkv = self.attention_8bit is not None
         for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
             for fused, parts in (
                 ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                 ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
             ):
+                if fused == "qkv_proj" and eight_bit_qkv:  # codes, not weights: attention_8bit has them
+                    continue
                 view = self._back_to_back(model, [f"layers.{i}.{p}" for p in parts])
                 if view is not None:
                     self.views[f"layers.{i}.{fused}"] = view
@@ -263,6 +275,30 @@ class DeviceWeights:
                 unit = np.dtype(np.uint8) if self.quantized else self.dtype
                 self.experts[layer] = buffer.view(unit).reshape(E, stride // unit.itemsize)
         stream.synchronize()
+
+    def _attention_8bit(self, fmt: AttentionFormat | None, stream) -> tuple[Projections8Bit, ...] | None:
+        """Each layer's 8-bit projections as views of the dense buffer (the format's two blocks a layer), their
+        meta rows in one upload."""
+        if fmt is None:
+            return None
+        cfg, code = self.config, expert_quant.CODES[fmt.dtype]
+        D, nq, nkv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        self.attention_meta = cuda.to_device(attention_metas(fmt, cfg), stream=stream)
+        layers = []
+        for i, b in enumerate(fmt.layers):
+            qkv = self.dense_buffer[b.qkv_offset : b.qkv_offset + b.qkv_nbytes]
+            o = self.dense_buffer[b.o_offset : b.o_offset + b.o_nbytes]
+            meta = [self.attention_meta[i, j : j + 1] for j in range(4)]
+            layers.append(
+                Projections8Bit(
+                    qkv=Matrix8Bit(qkv, meta[0], code, nq + 2 * nkv, D),
+                    q=Matrix8Bit(qkv, meta[0], code, nq, D),
+                    k=Matrix8Bit(qkv, meta[1], code, nkv, D),
+                    v=Matrix8Bit(qkv, meta[2], code, nkv, D),
+                    o=Matrix8Bit(o, meta[3], code, D, nq),
+                )
+            )
+        return tuple(layers)
 
     def _back_to_back(self, model: ModelDir, names: list[str]):
         stacked = stacked_range([model.entries.get(n) for n in names])

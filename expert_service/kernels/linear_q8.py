@@ -1,5 +1,5 @@
-"""A dense linear layer on 8-bit rows: out [R, N] = x [R, K] @ (q * scale)^T, q int8 or fp8 e4m3 [N, K] with one
-float32 scale per output row (the 8-bit LM head). Reference: ``linear_q8_reference``.
+"""A dense linear layer on 8-bit rows: out [R, N] (+)= x [R, K] @ (q * scale)^T, q int8 or fp8 e4m3 [N, K] with one
+float32 scale per output row (the 8-bit LM head and attention projections). Reference: ``linear_q8_reference``.
 
 The matrix is the down projection of a one-expert layer to moe_q8's kernels (the same HBM-streaming bodies that
 run 8-bit experts, dequantising in registers): its block is the matrix followed by its scales, `meta` row 0 says
@@ -21,13 +21,17 @@ from expert_service.kernels.numeric import check_array
 CODES = (expert_quant.CODE_INT8, expert_quant.CODE_FP8)
 
 
-def matrix_meta(code: int, scale_offset: int) -> np.ndarray:
-    """meta [1, META_WIDTH] int32 for a block holding the matrix at byte 0 and its per-row float32 scales from byte
-    `scale_offset` (a multiple of 4: the kernel indexes the block's bytes as floats there)."""
+def matrix_meta(code: int, scale_offset: int, offset: int = 0) -> np.ndarray:
+    """meta [1, META_WIDTH] int32 for a block holding the matrix from byte `offset` (a multiple of 16: whole
+    16-byte loads) and its per-row float32 scales from byte `scale_offset` (a multiple of 4: the kernel indexes the
+    block's bytes as floats there). A nonzero offset picks rows of a stacked matrix (q|k|v's k rows: their codes
+    and their scales further on)."""
     _check_code(code)
-    if scale_offset <= 0 or scale_offset % 4:
+    if offset < 0 or offset % 16:
+        raise ValueError(f"matrix offset {offset}: a matrix starts at a multiple of 16 bytes")
+    if scale_offset <= offset or scale_offset % 4:
         raise ValueError(f"scale offset {scale_offset}: the scales start past the matrix, at a multiple of 4 bytes")
-    return np.array([[code, expert_quant.SCALE_CHANNEL, 0, 0, 0, 0, 0, scale_offset]], np.int32)
+    return np.array([[code, expert_quant.SCALE_CHANNEL, 0, 0, offset, 0, 0, scale_offset]], np.int32)
 
 
 def row_bounds(max_rows: int):
@@ -38,11 +42,14 @@ def row_bounds(max_rows: int):
     return bounds
 
 
-def launch_linear_q8(x, block, meta, code: int, n_out: int, out, bounds, first_row, stream=0) -> None:
-    """x [R, K] float32; block uint8 [nbytes] (matrix [n_out, K] of `code` then its scales [n_out] float32 at byte
-    meta[0, 7]; 16-byte aligned, nbytes a multiple of 4); meta [1, META_WIDTH] int32 (device, matrix_meta); out
-    [R, n_out] float32; bounds: row_bounds(>= R) on the device; first_row: int32 [1, 1] device array holding 0
-    (the one-row launch's slot). K must be a positive multiple of 16 (whole 16-byte chunks of a row)."""
+def launch_linear_q8(
+    x, block, meta, code: int, n_out: int, out, bounds, first_row, stream=0, accumulate: bool = False
+) -> None:
+    """x [R, K] float32; block uint8 [nbytes] (matrix [n_out, K] of `code` from byte meta[0, 4], its scales [n_out]
+    float32 from byte meta[0, 7]; 16-byte aligned, nbytes a multiple of 4); meta [1, META_WIDTH] int32 (device,
+    matrix_meta); out [R, n_out] float32, written (accumulate: added to); bounds: row_bounds(>= R) on the device;
+    first_row: int32 [1, 1] device array holding 0 (the one-row launch's slot). K must be a positive multiple of 16
+    (whole 16-byte chunks of a row)."""
     R, K = x.shape
     check_array("x", x, (R, K), np.float32)
     check_array("out", out, (R, n_out), np.float32)
@@ -60,7 +67,7 @@ def launch_linear_q8(x, block, meta, code: int, n_out: int, out, bounds, first_r
     ids, offsets = (first_row, None) if R == 1 else (None, bounds[R])
     kinds = ((int(code), expert_quant.SCALE_CHANNEL),)
     experts = block.reshape(1, block.size)  # the one expert's block
-    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, DECODE_SHAPE)
+    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, DECODE_SHAPE, accumulate)
 
 
 def _check_code(code: int) -> None:

@@ -91,7 +91,9 @@ CONFIGS = {
 SIM_CONFIG = Config(1, 2, 1, 2, bk=16, stages=2, group_m=2)
 SIM_CONFIG_2 = Config(2, 1, 1, 4, bk=32, stages=3, group_m=1)   # two warps along M, BK 32 (swizzled rows)
 COMBINE_ATOMIC, COMBINE_STORE = "atomic", "store"
-_MODE_SWIGLU, _MODE_STORE, _MODE_ATOMIC = 0, 1, 2
+# _MODE_ADD: the store's rows added to out (each element has one writer: no atomics), for a projection that ends
+# in the residual (moe_gemm_q8mma's 8-bit attention o_proj)
+_MODE_SWIGLU, _MODE_STORE, _MODE_ATOMIC, _MODE_ADD = 0, 1, 2, 3
 _LO32 = np.uint64(0xFFFFFFFF)
 _WORD = np.dtype(np.uint64)   # a dtype instance: the simulator's dynamic shared array needs its itemsize
 # cp.async writes 16-byte words: the stages' base must be 16-byte aligned whatever else shares the block's
@@ -186,6 +188,10 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int, activation=silu):
         @cuda.jit(device=True, inline=True)
         def put(out, idx, value, scale):
             cuda.atomic.add(out, idx, value * scale)
+    elif mode == _MODE_ADD:
+        @cuda.jit(device=True, inline=True)
+        def put(out, idx, value, scale):
+            out[idx] += value
     else:
         @cuda.jit(device=True, inline=True)
         def put(out, idx, value, scale):
@@ -193,7 +199,7 @@ def _epilogue(mode: int, aligned: bool, MT: int, NT: int, activation=silu):
 
     @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the swiglu branch returned its own epi above
     def epi(acc, out, sorted_ids, route_w, m0, n0, n_out, top_k, wn, g, t):
-        # row m holds assignment sorted_ids[m] (-1: padding, dropped): y row asg (store) or residual row
+        # row m holds assignment sorted_ids[m] (-1: padding, dropped): y row asg (store, add) or residual row
         # asg // K scaled by its routing weight (atomic)
         for i in range(MT):
             for hv in range(2):

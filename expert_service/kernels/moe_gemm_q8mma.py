@@ -49,7 +49,15 @@ from expert_service.kernels.expert_quant import (
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.mma import block_mma as mma
 from expert_service.kernels.mma import block_pack as pack
-from expert_service.kernels.moe_gemm_mma import _MODE_STORE, _MODE_SWIGLU, Config, _epilogue, _launch, bf16_round
+from expert_service.kernels.moe_gemm_mma import (
+    _MODE_ADD,
+    _MODE_STORE,
+    _MODE_SWIGLU,
+    Config,
+    _epilogue,
+    _launch,
+    bf16_round,
+)
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, lds32
 
@@ -422,10 +430,11 @@ def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: i
 
 
 def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: int, D: int, out,
-                      config: Config | None = None, stream=0, tile_slot=None) -> None:
+                      config: Config | None = None, stream=0, tile_slot=None, accumulate: bool = False) -> None:
     """h [rows, F] uint16 (launch_q8mma_gate_up's), tile_expert / num_tiles / sorted_ids from launch_moe_align,
     experts / meta / tile_slot as for gate_up -> out [T*K, D] f32 = h @ down^T in assignment order (every routed
-    row written, skipped tiles' rows untouched; not yet weighted: launch_moe_combine adds them up)."""
+    row written, skipped tiles' rows untouched; not yet weighted: launch_moe_combine adds them up). accumulate:
+    out += instead (a dense matrix's rows into the residual: the 8-bit attention's o_proj)."""
     cfg = config or choose_config(h.shape[0], tile_expert.shape[0])
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
@@ -437,8 +446,9 @@ def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: i
     if tiles == 0 or out.shape[0] == 0:
         return
     n_tiles_n = -(-D // cfg.block_n)
-    _run(cfg, _MODE_STORE, tiles * n_tiles_n, h, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids, D,
-         F, n_tiles_n, out.reshape(out.size), stream)
+    mode = _MODE_ADD if accumulate else _MODE_STORE
+    _run(cfg, mode, tiles * n_tiles_n, h, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids, D, F,
+         n_tiles_n, out.reshape(out.size), stream)
 
 
 # ---- numpy reference --------------------------------------------------------------------------------------
@@ -483,13 +493,13 @@ def moe_reference_q8(x, ids, route_weights, blocks, metas, F: int, D: int, resid
 
 
 def sm90_signatures():
-    """(python function, numba signature): both epilogues at each named config (input dim a multiple of BK, as
+    """(python function, numba signature): the three epilogues at each named config (input dim a multiple of BK, as
     real models), and at m64 with a K tail."""
     u32, i1, i64, f1 = types.uint32[::1], types.int32[::1], types.int64, types.float32[::1]
     out = []
     for name, cfg in CONFIGS.items():
         for exact_k in (True, False) if name == "m64" else (True,):
-            for mode in (_MODE_SWIGLU, _MODE_STORE):
+            for mode in (_MODE_SWIGLU, _MODE_STORE, _MODE_ADD):
                 dst = u32 if mode == _MODE_SWIGLU else f1
                 out.append((_build(cfg, mode, exact_k)[0],
                             (u32, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, i64, dst)))

@@ -149,10 +149,10 @@ def _quad_decoder(code: int):
 
 
 @functools.cache
-def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape):
+def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape, accumulate: bool = False):
     """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
     gate/up (gated) or down, `tokens` per pass, rows spread as `shape` says (the kernel's arguments, plus the
-    expert e, its block and its positions [start, end))."""
+    expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =."""
     rows = shape.rows(gated)
     warps = shape.warps
     nw = 2 * rows if gated else rows  # weight rows one warp streams
@@ -258,6 +258,8 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                                 if scheme == SCALE_CHANNEL:
                                     b *= scales[sidx[rows + r]]
                                 out[p0 + t, row] = silu(a) * b
+                            elif accumulate:
+                                out[p0 + t, row] += a
                             else:
                                 out[p0 + t, row] = a
 
@@ -270,12 +272,21 @@ def _absent(e, block, start, end, src, order, by_slot, words, scales, meta, stri
 
 
 @functools.cache
-def _kernel(kinds: tuple[tuple[int, int], ...], gated: bool, tokens: int, shape: LaunchShape = DECODE_SHAPE):
+def _kernel(
+    kinds: tuple[tuple[int, int], ...],
+    gated: bool,
+    tokens: int,
+    shape: LaunchShape = DECODE_SHAPE,
+    accumulate: bool = False,
+):
     """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
-    (gated) or down, `tokens` per pass, rows spread as `shape` says."""
+    (gated) or down, `tokens` per pass, rows spread as `shape` says; accumulate: down adds into out (linear_q8's
+    projections that end in the residual)."""
+    if accumulate and gated:
+        raise ValueError("accumulate is for the down projection (gate/up writes h)")
     # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
     # (a branch on values uniform over the block; registers are the largest body's)
-    bodies = [_expert_body(*k, gated, tokens, shape) if k in kinds else _absent for k in ALL_KINDS]
+    bodies = [_expert_body(*k, gated, tokens, shape, accumulate) if k in kinds else _absent for k in ALL_KINDS]
     body0, body1, body2, body3, body4, body5, body6 = bodies
     (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
@@ -352,7 +363,10 @@ def buffer_args(experts, meta) -> tuple:
     return flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1]
 
 
-def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds, shape):
+def _launch(
+    src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds, shape,
+    accumulate=False,
+):
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     dummy = meta.reshape(meta.size)[:1]
@@ -371,7 +385,7 @@ def _launch(src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated,
         int(slot_of is not None),
         out,
     )
-    _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape)[1][grid, shape.warps * WARP, stream](*args)
+    _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate)[1][grid, shape.warps * WARP, stream](*args)
 
 
 def launch_q8_gate_up(
@@ -436,6 +450,10 @@ SM90_VARIANTS = tuple(
     + [(((CODE_INT8, SCALE_CHANNEL), (CODE_F16, SCALE_NONE)), True, 1)]
     + [(((CODE_FP8, SCALE_BLOCK), (CODE_BF16, SCALE_NONE), (CODE_F32, SCALE_NONE)), False, TOK_TILE)]
 )
+# linear_q8 adding into the residual (8-bit attention's o_proj), one token and a token tile: (kinds, tokens)
+SM90_ACCUMULATE = tuple(
+    (((code, SCALE_CHANNEL),), tokens) for code in (CODE_INT8, CODE_FP8) for tokens in (1, TOK_TILE)
+)
 
 
 def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tuple[int, int]:
@@ -458,7 +476,13 @@ def sm90_signature():
 
 def sm90_signatures():
     """(python function, numba signature, compile options) of the kernels for the sm_90 compile check."""
-    return [
+    stored = [
         (_kernel(kinds, gated, tokens)[0], sm90_signature(), {"launch_bounds": kernel_bounds(kinds, tokens)})
         for kinds, gated, tokens in SM90_VARIANTS
     ]
+    added = [
+        (_kernel(kinds, False, tokens, accumulate=True)[0], sm90_signature(),
+         {"launch_bounds": kernel_bounds(kinds, tokens)})
+        for kinds, tokens in SM90_ACCUMULATE
+    ]
+    return stored + added

@@ -24,6 +24,8 @@ SMALL_QWEN = {"moe_intermediate_size": 32, "head_dim": 16, "num_experts": 16}
 FORMATS = {"bfloat16": ["bfloat16"], "int8": ["int8"], "fp8": ["float8_e4m3fn/block128"]}
 # the runs with the LM head in the experts' 8 bits too: (expert formats, head dtype)
 HEAD_RUNS = {"int8+head": (["int8"], "int8"), "fp8+head": (["float8_e4m3fn/block128"], "float8_e4m3fn")}
+# and with the attention projections too: (expert formats, head and attention dtype)
+ATTENTION_RUNS = {"int8+head+attn": (["int8"], "int8"), "fp8+head+attn": (["float8_e4m3fn/block128"], "float8_e4m3fn")}
 
 
 def small_shapes() -> dict:
@@ -48,6 +50,14 @@ def test_random_model_per_expert_dtype(tmp_path, name):
         assert model.entries["embed_tokens"].dtype == "bfloat16"
         values = model.tensor_f32("lm_head")  # small and finite, as the bf16 weights around it
         assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.1
+        assert model.attention_format is None
+    for dtype, (formats, eight_bit) in ATTENTION_RUNS.items():
+        model = ModelDir.open(bench.random_model(family, params, tmp_path / name, dtype))
+        assert list(model.expert_formats) == formats
+        assert model.head_format.dtype == model.attention_format.dtype == eight_bit
+        for p in ("q_proj", "o_proj"):
+            values = model.tensor_f32(f"layers.1.{p}")
+            assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.1, (dtype, p)
 
 
 def test_pipelined_decode_serves_two_steps_in_flight_on_the_cpu_backend(tiny_model, monkeypatch):

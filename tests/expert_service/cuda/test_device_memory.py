@@ -303,16 +303,18 @@ def test_a_real_failed_allocation_while_loading_becomes_one_line(tiny_model, mon
     assert is_out_of_memory(refused.value.__cause__)
 
 
+def allocated_arrays(device) -> list:
+    """The device arrays an object holds (its own allocations: views of others' are not kept on these objects)."""
+    return [v for v in vars(device).values() if hasattr(v, "copy_to_host")]
+
+
 @pytest.mark.parametrize("vocab", [259, 272], ids=["stream", "mma"])
 def test_an_8bit_heads_device_buffers_are_planned_with_the_workspace(tmp_path, vocab):
-    """DeviceHead8Bit's launch tables and bf16 rows (quadratic in max_batch_size where the vocabulary takes the
-    tensor-core GEMM) are allocated beside the workspace: the plan counts exactly what it allocates."""
+    """The 8-bit head's launch tables and bf16 rows (EightBitRows over max_batch_size rows; the GEMM's only where
+    the vocabulary takes it) are allocated beside the workspace: the plan counts exactly what it allocates."""
     from numba import cuda
 
-    from expert_service.cuda.head_8bit import DeviceHead8Bit, planned_nbytes
-    from expert_service.cuda.weights import EightBitHead
-    from expert_service.kernels import expert_quant
-    from expert_service.kernels.linear_q8 import matrix_meta
+    from expert_service.cuda.linear_8bit import EightBitRows, takes_mma
     from expert_service.tools.convert import convert
     from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
 
@@ -325,13 +327,40 @@ def test_an_8bit_heads_device_buffers_are_planned_with_the_workspace(tmp_path, v
         plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
         return {item.name: item.nbytes for item in plan.items}["workspace"]
 
-    head = eight_bit.head_format
-    planned = planned_nbytes(vocab, D, head.nbytes, rows)
+    mma = takes_mma(vocab, eight_bit.head_format.nbytes)
+    assert mma == (vocab % 16 == 0)
+    planned = EightBitRows.planned_nbytes(rows, D, mma)
     assert workspace(eight_bit) - workspace(plain) == planned
-    code = expert_quant.CODES[head.dtype]
-    block = cuda.device_array(head.nbytes, np.uint8)
-    weights = EightBitHead(block, cuda.to_device(matrix_meta(code, head.scale_offset)), code)
-    device = DeviceHead8Bit(weights, vocab, D, rows, cuda.default_stream())
-    assert device.mma == (vocab % 16 == 0)
-    allocated = [v for k, v in vars(device).items() if hasattr(v, "copy_to_host") and k != "block_2d"]  # a view
-    assert len(allocated) == (6 if device.mma else 2) and sum(a.nbytes for a in allocated) == planned
+    device = EightBitRows(rows, D, mma, cuda.default_stream())
+    allocated = allocated_arrays(device)
+    assert len(allocated) == (6 if mma else 2) and sum(a.nbytes for a in allocated) == planned
+
+
+def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path):
+    """8-bit attention projections' launch tables and bf16 rows (as wide as the widest input, q_size or hidden_size,
+    for max_batch_tokens rows): allocated beside the workspace and counted exactly."""
+    from numba import cuda
+
+    from expert_service.cuda.attention_8bit import DeviceAttention8Bit
+    from expert_service.cuda.weights import DeviceWeights
+    from expert_service.tools.convert import convert
+    from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+
+    write_head_checkpoint(tmp_path / "hf", head_config("qwen3_moe"))
+    eight_bit = ModelDir.open(convert(tmp_path / "hf", tmp_path / "m8", "bfloat16", False, attention_dtype="int8"))
+    plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False))
+    config = EngineConfig(backend="cuda", kv_cache_tokens=256, max_batch_size=12, max_batch_tokens=200)
+    cfg = plain.config
+
+    def workspace(model: ModelDir) -> int:
+        plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
+        return {item.name: item.nbytes for item in plan.items}["workspace"]
+
+    planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200)
+    assert workspace(eight_bit) - workspace(plain) == planned
+    weights = DeviceWeights(eight_bit, cuda.default_stream(), use_pinned_memory=False)
+    device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream())
+    allocated = allocated_arrays(device.rows)
+    assert len(allocated) == 6 and sum(a.nbytes for a in allocated) == planned
+    assert device.rows.rows_bf16.size == device.rows.sorted_ids.size * max(cfg.hidden_size, cfg.q_size)
+    weights.close()

@@ -30,9 +30,11 @@ VARIANTS = ("int8", "fp8-block128", "fp8-channel", "mixed", "mixed-8bit")
 FAMILIES = ("mixtral", "qwen3_moe")
 
 
-def quantized_model(root, family: str, variant: str, dense: str | None = None, head: str | None = None):
+def quantized_model(
+    root, family: str, variant: str, dense: str | None = None, head: str | None = None, attention: str | None = None
+):
     """The tiny model with 8-bit experts; `dense`: the other tensors' dtype (None: the checkpoint's float32);
-    `head`: the LM head's 8-bit dtype (None: the dense dtype)."""
+    `head` / `attention`: the LM head's / attention projections' 8-bit dtype (None: the dense dtype)."""
     model = make_tiny(root / "f32", family=family, seed=11)
     if variant.startswith("mixed"):
         # first MoE layer fp8, the rest int8; the last layer: expert 1 bf16, 2 float32, 3 fp8 ("mixed") or
@@ -51,7 +53,15 @@ def quantized_model(root, family: str, variant: str, dense: str | None = None, h
                 }
             )
         )
-        return convert(model / "hf", root / variant, dense, progress=False, expert_dtype_file=plan, head_dtype=head)
+        return convert(
+            model / "hf",
+            root / variant,
+            dense,
+            progress=False,
+            expert_dtype_file=plan,
+            head_dtype=head,
+            attention_dtype=attention,
+        )
     dtype, _, scale = variant.partition("-")
     return convert(
         model / "hf",
@@ -61,6 +71,7 @@ def quantized_model(root, family: str, variant: str, dense: str | None = None, h
         expert_dtype=dtype,
         fp8_scale=scale or None,
         head_dtype=head,
+        attention_dtype=attention,
     )
 
 
@@ -132,13 +143,15 @@ def check_prompt_logits(engines, lengths, seed: int) -> None:
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("head", [None, "int8"])  # int8: the 8-bit LM head (linear_q8) too
-def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch, head):
+# int8: the 8-bit LM head (linear_q8) too, then the attention projections as well
+@pytest.mark.parametrize("head, attention", [(None, None), ("int8", None), ("int8", "int8")])
+def test_no_device_allocations_during_quantized_steps(tmp_path, monkeypatch, head, attention):
     from cuda.bindings import driver as drv
     from numba.cuda.cudadrv import driver
 
-    model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed", head=head))
+    model = ModelDir.open(quantized_model(tmp_path, "qwen3_moe", "mixed", head=head, attention=attention))
     assert (model.head_format and model.head_format.dtype) == head
+    assert (model.attention_format and model.attention_format.dtype) == attention
     gpu = build_engine(model, EngineConfig(backend="cuda", **CFG))
     gpu.warmup()
     gpu.step([PrefillInput(5, np.array(random_prompt(5, 9)), SamplingParams(), True)])

@@ -61,7 +61,7 @@ def engines(request, tmp_path_factory):
         "graphs": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS),
         "eager": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS, cuda_graphs=False),
     }
-    assert gpus["graphs"].decoder.model.head_8bit.mma == (vocab % 16 == 0)
+    assert gpus["graphs"].decoder.model.head_8bit[1].mma == (vocab % 16 == 0)
     return "-".join(str(v) for v in request.param), open_(backend="cpu"), gpus
 
 

@@ -4,6 +4,7 @@ import gc
 
 import numpy as np
 import pytest
+from numba import cuda
 
 import expert_service.cuda.weights as weights
 
@@ -107,27 +108,42 @@ def test_an_8bit_head_the_cuda_kernels_cannot_run_is_one_config_line(tmp_path):
     weights.check_head_for_cuda(plain)  # a dense head runs at any size
 
 
-def test_8bit_attention_projections_are_refused_before_any_upload_in_one_config_line(tmp_path, monkeypatch):
-    """No cuda kernels take them yet: the worker prints a ConfigError in one line, and nothing reaches the device."""
-    from common.errors import ConfigError
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_8bit_attention_projections_are_read_through_their_meta_rows(tmp_path, monkeypatch, dtype):
+    """Each layer's q|k|v, q, k, v and o as the kernels read them (the meta row's matrix and scale offsets into
+    the uploaded block) are the model directory's codes and scales, byte for byte; no dense "qkv_proj" view of
+    the codes is made (simulator: the upload is a copy)."""
     from common.model_format import ModelDir
     from expert_service.tools.convert import convert
     from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
 
-    uploads = []
-    monkeypatch.setattr(weights.HostUploader, "__init__", lambda *args, **kwargs: uploads.append(args))
+    recorders(monkeypatch)
     write_head_checkpoint(tmp_path / "hf", head_config("qwen3_moe"))
-    for dtype in ("int8", "fp8"):
-        model = ModelDir.open(convert(tmp_path / "hf", tmp_path / dtype, "bfloat16", False, attention_dtype=dtype))
-        message = (
-            rf"^backend: \S+ has {model.attention_format.dtype} attention projections; 8-bit attention projections "
-            r"run on the cpu backend only for now; convert with --attention-dtype bfloat16$"
-        )
-        for resident in (True, False):
-            with pytest.raises(ConfigError, match=message):
-                weights.expert_facts(model, resident=resident)
-        with pytest.raises(ConfigError, match=message):
-            weights.DeviceWeights(model, stream=None)
-    assert uploads == []
-    plain = ModelDir.open(convert(tmp_path / "hf", tmp_path / "plain", "bfloat16", False, head_dtype="int8"))
-    weights.check_attention_for_cuda(plain)  # dense projections (with an 8-bit head) are the cuda backend's
+    model = ModelDir.open(convert(tmp_path / "hf", tmp_path / dtype, "bfloat16", False, attention_dtype=dtype))
+    device = weights.DeviceWeights(model, stream=cuda.default_stream())
+    cfg = model.config
+    D, nq, nkv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    assert len(device.attention_8bit) == cfg.num_hidden_layers
+    for i, layer in enumerate(device.attention_8bit):
+        assert device.layer(i, "qkv_proj") is None
+        names = {
+            "q": ["q_proj"],
+            "k": ["k_proj"],
+            "v": ["v_proj"],
+            "o": ["o_proj"],
+            "qkv": ["q_proj", "k_proj", "v_proj"],
+        }
+        for field, parts in names.items():
+            matrix = getattr(layer, field)
+            block, meta = matrix.block.copy_to_host(), matrix.meta.copy_to_host()[0]
+            rows, cols = matrix.n_out, matrix.n_in
+            codes = block[meta[4] : meta[4] + rows * cols]
+            scales = block[meta[7] : meta[7] + 4 * rows].view(np.float32)
+            want = [model.raw_bytes(f"layers.{i}.{p}").reshape(-1) for p in parts]
+            want_scales = [model.tensor(f"layers.{i}.{p}_scale") for p in parts]
+            np.testing.assert_array_equal(codes, np.concatenate(want), err_msg=f"layer {i} {field}")
+            np.testing.assert_array_equal(scales, np.concatenate(want_scales), err_msg=f"layer {i} {field}")
+            assert (rows, cols) == {"q": (nq, D), "k": (nkv, D), "v": (nkv, D), "o": (D, nq), "qkv": (nq + 2 * nkv, D)}[
+                field
+            ]
+    device.close()

@@ -38,6 +38,24 @@ def test_matches_reference(code, rows):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_adds_into_out_through_a_stacked_blocks_offsets(rows):
+    """accumulate: out += x @ W^T; a meta row whose matrix and scales start inside the block (k of q|k|v)."""
+    rng = np.random.default_rng(rows)
+    code, K, n_first, n_out = q.CODE_INT8, 32, 16, 21
+    block, _, codes, scale = matrix_block(rng, code, n_first + n_out, K)
+    scale_at = block.size - 4 * (n_first + n_out)
+    meta = matrix_meta(code, scale_at + 4 * n_first, n_first * K)
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    base = rng.standard_normal((rows, n_out)).astype(np.float32)
+    out = cuda.to_device(base)
+    bounds, first = cuda.to_device(row_bounds(4)), cuda.to_device(np.zeros((1, 1), np.int32))
+    args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
+    launch_linear_q8(cuda.to_device(x), *args, accumulate=True)
+    ref = base + linear_q8_reference(x, codes[n_first:], scale[n_first:], code)
+    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
 def test_refusals():
     rng = np.random.default_rng(1)
     block, meta, _, _ = matrix_block(rng, q.CODE_INT8, 16, 32)
@@ -56,3 +74,7 @@ def test_refusals():
         launch_linear_q8(cuda.to_device(np.ones((1, 24), np.float32)), code=q.CODE_INT8, n_out=16, out=out[:1], **args)
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
         matrix_meta(q.CODE_INT8, 66)
+    with pytest.raises(ValueError, match="matrix offset 8: a matrix starts at a multiple of 16 bytes"):
+        matrix_meta(q.CODE_INT8, 64, 8)
+    with pytest.raises(ValueError, match="scales start past the matrix"):
+        matrix_meta(q.CODE_INT8, 32, 32)

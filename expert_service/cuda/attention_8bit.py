@@ -1,0 +1,55 @@
+"""8-bit attention projections on the device: each layer's q, k, v and o as int8 or fp8 e4m3 rows with per-row
+scales (cuda/linear_8bit.py runs them), in place of the dense GEMVs and cuBLAS GEMMs.
+
+At one token q|k|v is one launch over the stacked rows (the format stores their codes back to back, then their
+scales), as the dense path's fused GEMV: the k and v rows alone are too few to keep HBM busy. Past one token
+q, k and v are three launches on one bf16 copy of the input rows, each writing its own range of the workspace.
+o_proj adds into the residual in its epilogue. Biases (Qwen2-MoE's q/k/v) stay dense, added after.
+"""
+
+from __future__ import annotations
+
+from expert_service.cuda.linear_8bit import EightBitRows
+from expert_service.cuda.weights import Projections8Bit
+from expert_service.kernels import elementwise
+
+
+class DeviceAttention8Bit:
+    """Runs `layers` (DeviceWeights.attention_8bit) for steps of 1 to max_rows rows. `weights`: for the dense
+    biases, if any."""
+
+    def __init__(self, layers: tuple[Projections8Bit, ...], weights, max_rows: int, stream):
+        self.layers, self.weights, self.stream = layers, weights, stream
+        first = layers[0]
+        self.rows = EightBitRows(max_rows, max(first.q.n_in, first.o.n_in), mma=True, stream=stream)
+
+    @staticmethod
+    def planned_nbytes(hidden_size: int, q_size: int, max_rows: int) -> int:
+        """The device bytes __init__ allocates (its launch tables and bf16 rows), for the device-memory plan."""
+        return EightBitRows.planned_nbytes(max_rows, max(hidden_size, q_size), mma=True)
+
+    def start_pass(self, rows: int) -> None:
+        """Every launch until the next call runs `rows` rows (a forward pass's T)."""
+        self.rows.set_rows(rows)
+
+    def qkv(self, i: int, x, q, k, v, stacked, fused: bool) -> None:
+        """x [T, D] float32 (the normed input) -> q [T, q_size], k and v [T, kv_size] float32 with their biases;
+        stacked: at T = 1 the row [1, q_size + 2 kv_size] that q, k and v are views of (fused: one launch writes
+        it), else None."""
+        p, rows, w = self.layers[i], self.rows.inputs(x), self.weights
+        qkv_bias = w.layer(i, "qkv_bias")
+        if fused and stacked is not None and (qkv_bias is not None or w.layer(i, "q_bias") is None):
+            self.rows.apply(p.qkv, rows, stacked)
+            if qkv_bias is not None:
+                elementwise.launch_add_bias(stacked, qkv_bias, stream=self.stream)
+            return
+        for name, matrix, out in (("q", p.q, q), ("k", p.k, k), ("v", p.v, v)):
+            self.rows.apply(matrix, rows, out)
+            if (bias := w.layer(i, f"{name}_bias")) is not None:
+                elementwise.launch_add_bias(out, bias, stream=self.stream)
+
+    def o(self, i: int, attn, h) -> None:
+        """h [T, D] float32 += attn [T, q_size] @ o_proj^T (+ its bias, if any)."""
+        self.rows.apply(self.layers[i].o, self.rows.inputs(attn), h, accumulate=True)
+        if (bias := self.weights.layer(i, "o_bias")) is not None:
+            elementwise.launch_add_bias(h, bias, stream=self.stream)

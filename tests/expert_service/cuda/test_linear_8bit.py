@@ -1,0 +1,119 @@
+"""EightBitRows (the 8-bit LM head's and attention projections' launches) vs the numpy reference on every path, in the
+simulator: the weight stream up to TOK_TILE rows, the tensor-core GEMM past it (rows rounded to bf16 as it takes
+them), a matrix that is no multiple of 16 rows on the stream at every row count, adding into the output, and the
+q, k and v rows of one stacked block read through their own offsets. Every element of the output written."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda
+
+from expert_service.cuda.linear_8bit import MMA_MIN_ROWS, EightBitRows, Matrix8Bit, mma_width
+from expert_service.kernels import expert_quant as q
+from expert_service.kernels.linear_q8 import linear_q8_reference, matrix_meta
+from tests.expert_service.kernels.test_linear_q8 import matrix_block
+
+MAX_ROWS = 7
+
+
+def bf16(x):
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def device_matrix(block, meta, code, n_out, n_in, stream=0):
+    return Matrix8Bit(cuda.to_device(block, stream=stream), cuda.to_device(meta, stream=stream), code, n_out, n_in)
+
+
+def run(rows: EightBitRows, matrix, x, out, accumulate=False, stream=0):
+    rows.set_rows(x.shape[0])
+    rows.apply(matrix, rows.inputs(cuda.to_device(x, stream=stream)), out, accumulate=accumulate)
+
+
+def check(got, x, codes, scale, code, on_mma, base=None):
+    ref = linear_q8_reference(bf16(x) if on_mma else x, codes, scale, code)
+    if base is not None:
+        ref = ref + base
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(), err_msg=f"mma={on_mma}")
+
+
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("V", [48, 37])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "add"])
+def test_every_row_count_matches_reference(code, V, accumulate):
+    rng = np.random.default_rng(V + code + 7 * accumulate)
+    D = 32
+    block, meta, codes, scale = matrix_block(rng, code, V, D)
+    matrix = device_matrix(block, meta, code, V, D)
+    rows = EightBitRows(MAX_ROWS, D, matrix.takes_mma, stream=cuda.default_stream())
+    assert rows.mma == (V % 16 == 0)
+    for R in (1, MMA_MIN_ROWS - 1, MMA_MIN_ROWS, MAX_ROWS):
+        x = rng.standard_normal((R, D)).astype(np.float32)
+        base = rng.standard_normal((R, V)).astype(np.float32) if accumulate else np.full((R, V), np.nan, np.float32)
+        out = cuda.to_device(base)
+        run(rows, matrix, x, out, accumulate)
+        check(out.copy_to_host(), x, codes, scale, code, rows.mma and R >= MMA_MIN_ROWS, base if accumulate else None)
+
+
+@pytest.mark.parametrize("R", [1, MMA_MIN_ROWS + 1])
+def test_stacked_rows_read_through_their_offsets(R):
+    """q|k|v codes back to back, then their scales: k's meta row points into the middle of both."""
+    rng = np.random.default_rng(R)
+    code, D, nq, nkv = q.CODE_INT8, 64, 32, 16
+    n = nq + 2 * nkv
+    block, _, codes, scale = matrix_block(rng, code, n, D)
+    scale_at = block.size - 4 * n
+    matrices = {
+        "qkv": (matrix_meta(code, scale_at), 0, n),
+        "q": (matrix_meta(code, scale_at), 0, nq),
+        "k": (matrix_meta(code, scale_at + 4 * nq, nq * D), nq, nkv),
+        "v": (matrix_meta(code, scale_at + 4 * (nq + nkv), (nq + nkv) * D), nq + nkv, nkv),
+    }
+    rows = EightBitRows(MMA_MIN_ROWS + 1, D, mma=True, stream=cuda.default_stream())
+    x = rng.standard_normal((R, D)).astype(np.float32)
+    for name, (meta, first, count) in matrices.items():
+        out = cuda.to_device(np.full((R, count), np.nan, np.float32))
+        run(rows, device_matrix(block, meta, code, count, D), x, out)
+        got = out.copy_to_host()
+        assert got.shape == (R, count), name
+        check(got, x, codes[first : first + count], scale[first : first + count], code, R >= MMA_MIN_ROWS)
+
+
+def test_refusals():
+    rows = EightBitRows(3, 16, mma=False, stream=cuda.default_stream())
+    with pytest.raises(ValueError, match="4 rows: laid out for 1 to 3"):
+        rows.set_rows(4)
+    rows.set_rows(2)
+    with pytest.raises(ValueError, match="x has 3 rows, set_rows said 2"):
+        rows.inputs(cuda.to_device(np.ones((3, 16), np.float32)))
+
+
+def test_mma_width_covers_every_row_count():
+    from expert_service.kernels.moe_gemm_q8mma import choose_config
+
+    for max_rows in (MMA_MIN_ROWS, 11, 12, 63, 64, 255, 256, 300, 1000):
+        width = mma_width(max_rows)
+        needs = [-(-r // choose_config(r, 1).block_m) * choose_config(r, 1).block_m for r in range(1, max_rows + 1)]
+        assert width == max(needs[MMA_MIN_ROWS - 1 :]), max_rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "add"])
+def test_real_tiles_match_reference(code, accumulate):
+    """On the GPU, with the tile shapes a step's row counts pick (m16 to m128) and a matrix of many tiles."""
+    rng = np.random.default_rng(code)
+    V, D, max_rows = 4000, 512, 300
+    block, meta, codes, scale = matrix_block(rng, code, V, D)
+    stream = cuda.stream()
+    matrix = device_matrix(block, meta, code, V, D, stream)
+    rows = EightBitRows(max_rows, D, matrix.takes_mma, stream)
+    assert rows.mma
+    for R in (1, 2, MMA_MIN_ROWS - 1, MMA_MIN_ROWS, 16, 33, 64, 257, max_rows):
+        x = rng.standard_normal((R, D)).astype(np.float32)
+        base = rng.standard_normal((R, V)).astype(np.float32) if accumulate else np.full((R, V), np.nan, np.float32)
+        out = cuda.to_device(base, stream=stream)
+        run(rows, matrix, x, out, accumulate, stream)
+        got = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        check(got, x, codes, scale, code, R >= MMA_MIN_ROWS, base if accumulate else None)

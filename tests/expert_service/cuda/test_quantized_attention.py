@@ -1,0 +1,67 @@
+"""The cuda backend with 8-bit attention projections (linear_q8 up to TOK_TILE rows, moe_gemm_q8mma past it; o_proj
+adding into the residual in both) against the cpu backend on the same converted model (GPU only): int8 and fp8, every
+family (Qwen2-MoE's q/k/v biases, OLMoE's full-width q/k norms, Qwen3-MoE's per-head ones), beside 8-bit experts and
+an 8-bit head; greedy tokens equal, logits of batched decode and of prompts within the bf16 tolerance, graphs and
+eager, q|k|v fused at one token and not."""
+
+import dataclasses
+
+import pytest
+
+from common.model_format import ModelDir
+from expert_service.backends import build_engine
+from expert_service.engine.config import EngineConfig
+from expert_service.tools.convert import convert
+from tests.expert_service.cuda.test_quantized import CFG, EXACT_ACTIVATIONS, check_batched_decode, check_prompt_logits
+from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+from tests.helpers import random_prompt
+
+pytestmark = pytest.mark.gpu
+
+# (family, attention dtype, expert dtype, head dtype)
+VARIANTS = [
+    ("qwen3_moe", "int8", None, None),
+    ("qwen2_moe", "int8", "int8", None),
+    ("mixtral", "fp8", None, "int8"),
+    ("olmoe", "int8", "int8", "int8"),
+    ("qwen3_moe", "fp8", "fp8", "float8_e4m3fn"),
+]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=lambda p: "-".join(str(v) for v in p))
+def engines(request, tmp_path_factory):
+    family, attention, experts, head = request.param
+    root = tmp_path_factory.mktemp(f"{family}-{attention}")
+    write_head_checkpoint(root / "hf", head_config(family, tied=family == "qwen3_moe"), seed=17)
+    model = convert(
+        root / "hf", root / "m", "bfloat16", False, expert_dtype=experts, head_dtype=head, attention_dtype=attention
+    )
+    assert ModelDir.open(model).attention_format is not None
+    open_ = lambda **kw: build_engine(ModelDir.open(model), EngineConfig(**{**CFG, **kw}))  # noqa: E731
+    unfused = dataclasses.replace(EXACT_ACTIVATIONS, fused_qkv=False)
+    gpus = {
+        "graphs": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS),
+        "eager": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS, cuda_graphs=False),
+        "unfused": open_(backend="cuda", cuda_options=unfused),
+    }
+    assert gpus["graphs"].decoder.model.attention_8bit is not None
+    return "-".join(str(v) for v in request.param), open_(backend="cpu"), gpus
+
+
+def test_greedy_tokens_match_cpu(engines):
+    name, cpu, gpus = engines
+    for i, n in enumerate((1, 3, 6, 70)):  # one row, a token tile, past it, many tiles
+        prompt = random_prompt(40 + i, n)
+        want = cpu.generate(prompt, 10)[0]
+        for mode, gpu in gpus.items():
+            assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+
+
+def test_batched_decode_logits_close_to_cpu(engines):
+    prompts = [random_prompt(70 + i, n) for i, n in enumerate((3, 9, 40, 80, 5, 17))]  # 6 rows: past one token tile
+    check_batched_decode(engines, prompts, first_id=400, steps=4)
+    check_batched_decode(engines, prompts[:3], first_id=410, steps=3)  # 3 rows: one token tile
+
+
+def test_prompt_logits_close_to_cpu(engines):
+    check_prompt_logits(engines, (1, 4, 40, 300), seed=90)
