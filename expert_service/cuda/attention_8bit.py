@@ -3,7 +3,8 @@ scales (cuda/linear_8bit.py runs them), in place of the dense GEMVs and cuBLAS G
 
 At one token q|k|v is one launch over the stacked rows (the format stores their codes back to back, then their
 scales), as the dense path's fused GEMV: the k and v rows alone are too few to keep HBM busy. Past one token
-q, k and v are three launches on one bf16 copy of the input rows, each writing its own range of the workspace.
+q, k and v are three launches on the same input rows (past 4 rows one bf16 copy of them, made once), each writing
+its own range of the workspace.
 o_proj adds into the residual in its epilogue. Biases (Qwen2-MoE's q/k/v) stay dense, added after.
 """
 
@@ -20,13 +21,23 @@ class DeviceAttention8Bit:
 
     def __init__(self, layers: tuple[Projections8Bit, ...], weights, max_rows: int, stream):
         self.layers, self.weights, self.stream = layers, weights, stream
-        first = layers[0]
-        self.rows = EightBitRows(max_rows, max(first.q.n_in, first.o.n_in), mma=True, stream=stream)
+        if not all(m.takes_mma for m in layers[0]):  # the format's sizes guarantee it
+            raise ValueError("8-bit attention projections need outputs of whole 16-column tiles")
+        widest = max(layers[0].q.n_in, layers[0].o.n_in)  # q_size or hidden_size, in and out
+        self.rows = EightBitRows(max_rows, widest, mma=True, stream=stream, split_outputs=widest)
+
+    def warmup_rows(self) -> tuple[int, ...]:
+        """The forward passes' token counts that load every kernel the projections launch (each layer's are the
+        first layer's shapes)."""
+        first = self.layers[0]
+        return self.rows.warmup_rows(range(1, self.rows.max_rows + 1), (first.q, first.k, first.v, first.o))
 
     @staticmethod
     def planned_nbytes(hidden_size: int, q_size: int, max_rows: int) -> int:
-        """The device bytes __init__ allocates (its launch tables and bf16 rows), for the device-memory plan."""
-        return EightBitRows.planned_nbytes(max_rows, max(hidden_size, q_size), mma=True)
+        """The device bytes __init__ allocates (its launch tables, bf16 rows and split-K partials), for the
+        device-memory plan."""
+        widest = max(hidden_size, q_size)
+        return EightBitRows.planned_nbytes(max_rows, widest, mma=True, split_outputs=widest)
 
     def start_pass(self, rows: int) -> None:
         """Every launch until the next call runs `rows` rows (a forward pass's T)."""

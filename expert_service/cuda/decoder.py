@@ -194,7 +194,9 @@ class CudaDecoder:
             for b in self.prefill_buckets
             if self.engine_config.cuda_graphs and self._prefill_bucket(b) == b and -(-b // span) <= self.max_seqs
         ]
-        sizes = self.strategies.warmup_tokens(self.options, self.cached)
+        sizes = set(self.strategies.warmup_tokens(self.options, self.cached))
+        if self.model.attention_8bit is not None:  # their GEMM's tile configs and split-K choices by step size
+            sizes |= set(self.model.attention_8bit.warmup_rows())
         for T in sorted({t for t in sizes if t <= span} | set(buckets)):
             self._warm(warmup_batch(T, span, self.block_size, logits=True))
         if self.cached is None and MoeStrategy.CUBLAS_PER_EXPERT in self.strategies.reachable(self.options, False):
@@ -202,8 +204,14 @@ class CudaDecoder:
         for T in buckets:  # without logits rows, so a one-token step takes its token bucket (not decode)
             for _ in range(2):  # first sight eager, then captured (already captured: replayed)
                 self._warm(warmup_batch(T, span, self.block_size, logits=False))
-        # the padded steps' LM heads (none without prefill graphs), on the hidden state the warm-up left
-        for rows in (b for b in GRAPH_BUCKETS if b <= self.max_seqs) if buckets else ():
+        # the padded steps' LM heads (none without prefill graphs), on the hidden state the warm-up left; an 8-bit
+        # head's kernels at every row count they change at
+        head_rows = {b for b in GRAPH_BUCKETS if b <= self.max_seqs} if buckets else set()
+        if self.model.head_8bit is not None:
+            head, head_runner = self.model.head_8bit
+            counts = {self._head_rows(r) for r in range(1, self.max_seqs + 1)}
+            head_rows |= set(head_runner.warmup_rows(counts, (head,)))
+        for rows in sorted(head_rows):
             for _ in range(2):
                 self._stage(padding_batch(), 1, 1, rows)
                 self._head(rows)
@@ -238,6 +246,10 @@ class CudaDecoder:
         ]
         if self.cached is not None:
             plan.append(("expert_slots", self.cached.nbytes))
+        runners = [self.model.head_8bit[1]] if self.model.head_8bit is not None else []
+        runners += [self.model.attention_8bit.rows] if self.model.attention_8bit is not None else []
+        if runners:  # launch tables, bf16 rows and split-K partials of the 8-bit head and attention projections
+            plan.append(("8bit_matrix_rows", sum(r.nbytes for r in runners)))
         return plan
 
     @property

@@ -8,6 +8,11 @@ rounded to bf16 as cuBLAS takes a bf16 matrix's, the codes widened exactly in sh
 applied to each fp32 sum. Its row table is written on the device once a step (row_tiles), so a captured step
 replays with no allocation and no host read. Either path can add into `out` (a projection that ends in the
 residual) in its epilogue: no separate add launch.
+
+A matrix of a few thousand rows over a few rows of input is too few output tiles to keep HBM busy (mixtral's o_proj
+over 16 rows: 32 tiles for 132 SMs, 8 % of the roofline), so given room for them (`split_outputs`), the GEMM splits
+its input axis until the step has about two tiles an SM, each split's sums in a plane of `partials` that split_sum
+then adds in a fixed order.
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ from numba import cuda
 
 from expert_service.kernels.linear_q8 import launch_linear_q8, row_bounds
 from expert_service.kernels.moe_align import launch_moe_gather_bf16
-from expert_service.kernels.moe_gemm_q8mma import choose_config, launch_q8mma_down
-from expert_service.kernels.moe_q8 import TOK_TILE
+from expert_service.kernels.moe_gemm_q8mma import choose_config, launch_q8mma_down, split_plan
+from expert_service.kernels.moe_q8 import DECODE_SHAPE, TOK_TILE, LaunchShape
+from expert_service.kernels.numeric import SIMULATOR
 from expert_service.kernels.row_tiles import launch_row_tiles
 
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
 MMA_MIN_ROWS = TOK_TILE + 1  # fewer rows: one pass of the weight stream
+MAX_SPLITS = 8  # split-K parts at most (each a plane of partial sums, and fewer K steps a tile)
+SPLIT_PLANES = 4  # the partials hold this many planes of the largest split step (more of smaller ones)
+SPLIT_MAX_ROWS = 256  # steps of more rows have tiles enough: no split
 
 
 @dataclass(frozen=True)
@@ -68,13 +77,39 @@ class StepRows(NamedTuple):
     xs: DeviceNDArray | None
 
 
+def split_capacity(max_rows: int, split_outputs: int) -> int:
+    """float32 elements of the split-K partials for steps of up to max_rows rows and outputs split_outputs wide."""
+    return SPLIT_PLANES * min(max_rows, SPLIT_MAX_ROWS) * split_outputs if max_rows >= MMA_MIN_ROWS else 0
+
+
+def split_count(tiles: int, k_dim: int, rows: int, n_out: int, capacity: int, target_tiles: int, cfg) -> int:
+    """Parts of the input axis a GEMM of `tiles` output tiles splits into: enough for target_tiles, at most
+    MAX_SPLITS, each plane of rows x n_out fitting the partials' capacity (1: no split)."""
+    if rows > SPLIT_MAX_ROWS or tiles >= target_tiles:
+        return 1
+    wanted = min(MAX_SPLITS, -(-target_tiles // tiles), capacity // max(1, rows * n_out))
+    return split_plan(wanted, k_dim, cfg)[0] if wanted > 1 else 1
+
+
 class EightBitRows:
     """Runs 8-bit matrices over 1 to max_rows rows of input width up to widest_input. mma: every matrix it runs
-    takes the tensor-core GEMM past TOK_TILE rows; otherwise each takes the weight stream at every row count."""
+    takes the tensor-core GEMM past TOK_TILE rows; otherwise each takes the weight stream at every row count.
+    split_outputs: the widest output a split-K GEMM may write (0: none splits; the LM head has tiles enough).
+    stream_shape: the weight stream's launch shape (bench/attention_8bit.py --q8-shapes compares others)."""
 
-    def __init__(self, max_rows: int, widest_input: int, mma: bool, stream):
+    def __init__(
+        self,
+        max_rows: int,
+        widest_input: int,
+        mma: bool,
+        stream,
+        split_outputs: int = 0,
+        stream_shape: LaunchShape = DECODE_SHAPE,
+    ):
         self.max_rows, self.mma, self.stream = max_rows, mma and max_rows >= MMA_MIN_ROWS, stream
+        self.stream_shape = stream_shape
         self.rows = 0
+        self.partials: DeviceNDArray | None = None  # split-K partial sums (none: no split)
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)
         self.first_row = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
         if not self.mma:
@@ -84,15 +119,46 @@ class EightBitRows:
         self.num_tiles = cuda.device_array(1, np.int32, stream=stream)
         self.tile_expert = cuda.to_device(np.zeros(-(-width // 16), np.int32), stream=stream)  # one expert: 0
         self.rows_bf16 = cuda.device_array(width * widest_input, np.uint16, stream=stream)
+        if capacity := split_capacity(max_rows, split_outputs):
+            self.partials = cuda.device_array(capacity, np.float32, stream=stream)
+            # about two tiles an SM (the simulator: a few, so its small shapes split too)
+            self.target_tiles = 4 if SIMULATOR else 2 * cuda.get_current_device().MULTIPROCESSOR_COUNT
 
     @staticmethod
-    def planned_nbytes(max_rows: int, widest_input: int, mma: bool) -> int:
+    def planned_nbytes(max_rows: int, widest_input: int, mma: bool, split_outputs: int = 0) -> int:
         """The device bytes __init__ allocates, from the sizes alone (the device-memory plan counts them)."""
         nbytes = (max_rows + 1) * 2 * 4 + 4  # bounds, first_row
         if mma and max_rows >= MMA_MIN_ROWS:
             width = mma_width(max_rows)
             nbytes += width * 4 + 4 + -(-width // 16) * 4 + width * widest_input * 2
+            nbytes += split_capacity(max_rows, split_outputs) * 4
         return nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """The device bytes it holds (planned_nbytes of its sizes)."""
+        return sum(a.nbytes for a in vars(self).values() if hasattr(a, "copy_to_host"))
+
+    def variant(self, rows: int, matrices) -> tuple:
+        """What decides the kernels a step of `rows` rows over `matrices` launches (the weight stream by slot or
+        grouped; the GEMM's tile config and, per matrix, whether it splits): steps of equal variants compile
+        nothing new."""
+        if not (self.mma and rows >= MMA_MIN_ROWS):
+            return ("stream", rows == 1)
+        cfg, splits = choose_config(rows, 1), []
+        for m in matrices:
+            tiles = -(-rows // cfg.block_m) * -(-m.n_out // cfg.block_n)
+            capacity = 0 if self.partials is None else self.partials.size
+            splits.append(split_count(tiles, m.n_in, rows, m.n_out, capacity, self.target_tiles, cfg) > 1)
+        return cfg, tuple(splits)
+
+    def warmup_rows(self, counts, matrices) -> tuple[int, ...]:
+        """The smallest of `counts` (the row counts steps can have) of each variant: running those loads every
+        kernel the others launch."""
+        first: dict[tuple, int] = {}
+        for rows in sorted(counts):
+            first.setdefault(self.variant(rows, matrices), rows)
+        return tuple(sorted(first.values()))
 
     @property
     def on_mma(self) -> bool:
@@ -127,10 +193,14 @@ class EightBitRows:
         """out [R, n_out] float32 = (accumulate: +=) rows @ matrix^T, every element written."""
         st = self.stream
         if rows.xs is None:
-            args = (matrix.code, matrix.n_out, out, self.bounds, self.first_row, st, accumulate)
+            args = (matrix.code, matrix.n_out, out, self.bounds, self.first_row, st, accumulate, self.stream_shape)
             launch_linear_q8(rows.x, matrix.block, matrix.meta, *args)
             return
-        bm = self.config.block_m
+        bm, splits, R = self.config.block_m, 1, self.rows
+        if self.partials is not None:
+            tiles = self.tiles * -(-matrix.n_out // self.config.block_n)
+            capacity = self.partials.size
+            splits = split_count(tiles, matrix.n_in, R, matrix.n_out, capacity, self.target_tiles, self.config)
         launch_q8mma_down(
             rows.xs,
             self.tile_expert[: self.tiles],
@@ -144,4 +214,6 @@ class EightBitRows:
             self.config,
             stream=st,
             accumulate=accumulate,
+            splits=splits,
+            partials=self.partials,
         )

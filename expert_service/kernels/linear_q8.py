@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from expert_service.kernels import expert_quant
-from expert_service.kernels.moe_q8 import DECODE_SHAPE, _launch
+from expert_service.kernels.moe_q8 import DECODE_SHAPE, LaunchShape, _launch
 from expert_service.kernels.numeric import check_array
 
 # the 8-bit encodings a matrix may have: per-row scales only (a block scale would split the K axis, which this
@@ -43,13 +43,14 @@ def row_bounds(max_rows: int):
 
 
 def launch_linear_q8(
-    x, block, meta, code: int, n_out: int, out, bounds, first_row, stream=0, accumulate: bool = False
+    x, block, meta, code: int, n_out: int, out, bounds, first_row, stream=0, accumulate: bool = False,
+    shape: LaunchShape = DECODE_SHAPE,
 ) -> None:
     """x [R, K] float32; block uint8 [nbytes] (matrix [n_out, K] of `code` from byte meta[0, 4], its scales [n_out]
     float32 from byte meta[0, 7]; 16-byte aligned, nbytes a multiple of 4); meta [1, META_WIDTH] int32 (device,
     matrix_meta); out [R, n_out] float32, written (accumulate: added to); bounds: row_bounds(>= R) on the device;
     first_row: int32 [1, 1] device array holding 0 (the one-row launch's slot). K must be a positive multiple of 16
-    (whole 16-byte chunks of a row)."""
+    (whole 16-byte chunks of a row). shape: how the rows spread over warps and blocks (moe_q8.LaunchShape)."""
     R, K = x.shape
     check_array("x", x, (R, K), np.float32)
     check_array("out", out, (R, n_out), np.float32)
@@ -67,7 +68,7 @@ def launch_linear_q8(
     ids, offsets = (first_row, None) if R == 1 else (None, bounds[R])
     kinds = ((int(code), expert_quant.SCALE_CHANNEL),)
     experts = block.reshape(1, block.size)  # the one expert's block
-    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, DECODE_SHAPE, accumulate)
+    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, shape, accumulate)
 
 
 def _check_code(code: int) -> None:

@@ -60,6 +60,7 @@ from expert_service.kernels.moe_gemm_mma import (
 )
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn, lds32
+from expert_service.kernels.split_sum import launch_split_sum
 
 # Named shapes (bench/moe_gemm.py --q8 times them): m16 / m32 stream weights (128-byte 8-bit row pieces a stage),
 # m64 / m128 reuse each weight tile over more rows.
@@ -70,6 +71,7 @@ CONFIGS = {
     "m128": Config(2, 4, 4, 4, bk=64, stages=3),
 }
 SIM_CONFIG = Config(1, 2, 1, 2, bk=32, stages=2, group_m=2)
+NO_SPLIT = 1 << 40  # split_steps of a launch that does not split K
 SIM_CONFIG_2 = Config(2, 1, 1, 4, bk=64, stages=3, group_m=1)
 MIN_DIM = 16
 _WORD = np.dtype(np.uint64)
@@ -209,10 +211,11 @@ def _build(cfg: Config, mode: int, exact_k: bool):
 
         @cuda.jit(device=True, inline=True)
         def run(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col, b_start,
-                b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb):
+                b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb, step0):
             """The K loop of one tile: S-stage cp.async pipeline, A fragments as four 32-bit shared loads (the mma
             reads them from four consecutive registers, which 64-bit loads of row pairs cannot give without
-            moves), B as one 32-bit word of 4 weight bytes a lane, widened once per n-tile for every m-tile."""
+            moves), B as one 32-bit word of 4 weight bytes a lane, widened once per n-tile for every m-tile.
+            step0: the split's first step (k_dim, a_start and b_start are already the split's)."""
             cur = np.uint32(0)
             fs = np.uint32(S - 1)
             for step in range(n_steps):
@@ -224,7 +227,7 @@ def _build(cfg: Config, mode: int, exact_k: bool):
                          words, k_dim, tid, a_start, a_word, a_col, b_start, b_word, b_col, b_ok)
                 cp_async_commit()
                 if block_scaled:
-                    kb = (step * BK) // SCALE_BLOCK_SIZE
+                    kb = ((step + step0) * BK) // SCALE_BLOCK_SIZE
                     for j in range(NT):
                         if s_row[j] >= 0:
                             factor[j] = scales[s_row[j] + kb]
@@ -256,15 +259,17 @@ def _build(cfg: Config, mode: int, exact_k: bool):
     loop_fp8_channel, loop_fp8_block = main_loop(False, False), main_loop(False, True)
 
     def q8mma_kernel(a, words, scales, meta, tile_expert, tile_block, num_tiles, sorted_ids, stride, n_out, k_dim,
-                     n_tiles_n, out):
+                     n_tiles_n, split_steps, plane, out):
         """a: A rows [rows * k_dim] bf16 as uint32 pairs; words / scales: the blocks [blocks * stride bytes] as
         uint32 / float32; meta [E, META_WIDTH] int32; tile_expert [tiles] (the tile's expert: its meta row),
         tile_block [tiles] (the block holding its weights: the expert, or its cache slot; -1: skip the tile),
         num_tiles [1], sorted_ids [rows] int32; stride: bytes per block; n_out, k_dim: output columns, input dim
-        (F, D for gate|up; D, F for down); out: h [rows * F / 2] (bf16 pairs) | y [T*K * D] f32.
-        Grid (tiles * n_tiles_n,), THREADS."""
+        (F, D for gate|up; D, F for down); out: h [rows * F / 2] (bf16 pairs) | y [T*K * D] f32. split_steps:
+        K steps a split sums (split-K: >= every step's count, no split); each split s writes its partial sums to
+        out[s * plane:] (store mode). Grid (splits * tiles * n_tiles_n,), THREADS."""
         tiles = tile_expert.shape[0]
-        b = cuda.blockIdx.x
+        split = cuda.blockIdx.x // (tiles * n_tiles_n)
+        b = cuda.blockIdx.x - split * (tiles * n_tiles_n)
         group = b // (GM * n_tiles_n)
         first = group * GM
         gsize = min(GM, tiles - first)
@@ -307,10 +312,15 @@ def _build(cfg: Config, mode: int, exact_k: bool):
         b_word = cuda.local.array(B_ITERS, np.uint32)
         b_col = cuda.local.array(B_ITERS, np.int32)
         b_ok = cuda.local.array(B_ITERS, np.int32)
+        # split-K: this split's steps [step0, step0 + n_steps) of the input, seen as an input of k_left values from
+        # step0 (the start offsets below move there; the K-tail checks count from it)
+        step0 = np.int64(split) * split_steps
+        k_left = k_dim - step0 * BK
+        k_from = step0 * BK
         for it in range(A_ITERS):
             q = tid + it * THREADS
             r, c = q // CPR_A, q % CPR_A
-            a_start[it] = ((row0 + r) * k_dim + c * 8) >> 1
+            a_start[it] = ((row0 + r) * k_dim + k_from + c * 8) >> 1
             a_word[it] = r * WPR_A + ((c >> 1) ^ xor_a(r)) * 4 + (c & 1) * 2
             a_col[it] = c * 8
         for it in range(B_ITERS):
@@ -325,7 +335,7 @@ def _build(cfg: Config, mode: int, exact_k: bool):
             b_ok[it] = 1 if (col < n_out and q < B_CHUNKS) else 0
             b_start[it] = 0
             if b_ok[it]:
-                b_start[it] = (base + meta[expert, GATE_OFF + mat] + np.int64(col) * k_dim + c * 16) >> 2
+                b_start[it] = (base + meta[expert, GATE_OFF + mat] + np.int64(col) * k_dim + k_from + c * 16) >> 2
             b_word[it] = r * WPR_B + (c ^ xor_b(r)) * 2
             b_col[it] = c * 16
 
@@ -352,29 +362,30 @@ def _build(cfg: Config, mode: int, exact_k: bool):
         a_lane = np.uint32(2 * ((wm * MT * 16 + g) * WPR_A + t))
         b_lane = np.uint32(2 * (((wn * NH if gated else wn * NT) * 8 + g) * WPR_B + (t >> 1)) + (t & 1))
 
-        n_steps = (k_dim + BK - 1) // BK
+        n_steps = min((k_left + BK - 1) // BK, split_steps)
         for s in range(S - 1):
             if s < n_steps:
-                fill(smem, np.uint32(s * A_WORDS), np.uint32(B_SHARED + s * B_WORDS), s * BK, a, words, k_dim, tid,
+                fill(smem, np.uint32(s * A_WORDS), np.uint32(B_SHARED + s * B_WORDS), s * BK, a, words, k_left, tid,
                      a_start, a_word, a_col, b_start, b_word, b_col, b_ok)
             cp_async_commit()
 
         # one main loop per encoding (a tile is one expert's): no per-value branches or predicated multiplies
         if is_int8 and block_scaled:
-            loop_int8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col,
-                            b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+            loop_int8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_left, tid, a_start, a_word, a_col,
+                            b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb, step0)
         elif is_int8:
-            loop_int8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word,
-                              a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+            loop_int8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_left, tid, a_start, a_word,
+                              a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb, step0)
         elif block_scaled:
-            loop_fp8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word, a_col,
-                           b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+            loop_fp8_block(smem, smem32, acc, af, factor, scales, s_row, a, words, k_left, tid, a_start, a_word, a_col,
+                           b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb, step0)
         else:
-            loop_fp8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_dim, tid, a_start, a_word,
-                             a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb)
+            loop_fp8_channel(smem, smem32, acc, af, factor, scales, s_row, a, words, k_left, tid, a_start, a_word,
+                             a_col, b_start, b_word, b_col, b_ok, n_steps, a_lane, b_lane, fa, fb, step0)
 
         scale_sums(acc, meta, expert, base, scales, n0, n_out, wn, t)
-        epilogue(acc, out, sorted_ids, scales, row0 + wm * MT * 16, n0, n_out, 1, wn, g, t)
+        dst = out[split * plane :] if split > 0 else out  # a split's partial sums: its own plane
+        epilogue(acc, dst, sorted_ids, scales, row0 + wm * MT * 16, n0, n_out, 1, wn, g, t)
 
     return q8mma_kernel, cached_jit(q8mma_kernel)
 
@@ -399,13 +410,21 @@ def _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F: int, D: i
 
 
 def _run(cfg: Config, mode: int, grid: int, a, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids,
-         n_out, k_dim, n_tiles_n, out, stream) -> None:
+         n_out, k_dim, n_tiles_n, out, stream, split_steps: int = NO_SPLIT, plane: int = 0) -> None:
     flat = experts.reshape(experts.size)
     kernel = _build(cfg, mode, k_dim % cfg.bk == 0)[1]
     _launch(kernel, grid, cfg, stream, (
         a.reshape(a.size).view(np.uint32), flat.view(np.uint32), flat.view(np.float32), meta, tile_expert,
         tile_expert if tile_slot is None else tile_slot, num_tiles, sorted_ids, np.int64(experts.shape[1]),
-        np.int64(n_out), np.int64(k_dim), np.int64(n_tiles_n), out), shared_bytes=shared_bytes(cfg))
+        np.int64(n_out), np.int64(k_dim), np.int64(n_tiles_n), np.int64(split_steps), np.int64(plane), out),
+        shared_bytes=shared_bytes(cfg))
+
+
+def split_plan(splits: int, k_dim: int, cfg: Config) -> tuple[int, int]:
+    """(splits that each get steps, K steps a split sums) for asking `splits` ways over k_dim's steps of BK."""
+    steps = -(-k_dim // cfg.bk)
+    per = -(-steps // max(1, min(splits, steps)))
+    return -(-steps // per), per
 
 
 def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: int, h, config: Config | None = None,
@@ -430,11 +449,15 @@ def launch_q8mma_gate_up(xs, tile_expert, num_tiles, experts, meta, F: int, D: i
 
 
 def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: int, D: int, out,
-                      config: Config | None = None, stream=0, tile_slot=None, accumulate: bool = False) -> None:
+                      config: Config | None = None, stream=0, tile_slot=None, accumulate: bool = False,
+                      splits: int = 1, partials=None) -> None:
     """h [rows, F] uint16 (launch_q8mma_gate_up's), tile_expert / num_tiles / sorted_ids from launch_moe_align,
     experts / meta / tile_slot as for gate_up -> out [T*K, D] f32 = h @ down^T in assignment order (every routed
     row written, skipped tiles' rows untouched; not yet weighted: launch_moe_combine adds them up). accumulate:
-    out += instead (a dense matrix's rows into the residual: the 8-bit attention's o_proj)."""
+    out += instead (a dense matrix's rows into the residual: the 8-bit attention's o_proj).
+    splits > 1 (split-K, for steps of too few tiles to fill the GPU: a dense matrix over a few rows): each of up to
+    `splits` parts of the F axis writes its sums to its plane of partials (float32, >= splits * T*K * D), and
+    split_sum adds the planes into out in a fixed order (deterministic); every row of out must be routed."""
     cfg = config or choose_config(h.shape[0], tile_expert.shape[0])
     tiles = _check_common(experts, meta, tile_expert, tile_slot, num_tiles, F, D)
     rows = tiles * cfg.block_m
@@ -446,6 +469,16 @@ def launch_q8mma_down(h, tile_expert, num_tiles, sorted_ids, experts, meta, F: i
     if tiles == 0 or out.shape[0] == 0:
         return
     n_tiles_n = -(-D // cfg.block_n)
+    used, per = split_plan(splits, F, cfg)
+    if used > 1:
+        plane = out.size
+        if partials is None or partials.ndim != 1 or partials.size < used * plane:
+            raise ValueError(f"split-K over {used} parts needs partials float32 [>= {used * plane}]")
+        check_array("partials", partials, partials.shape, np.float32)
+        _run(cfg, _MODE_STORE, used * tiles * n_tiles_n, h, experts, meta, tile_expert, tile_slot, num_tiles,
+             sorted_ids, D, F, n_tiles_n, partials, stream, per, plane)
+        launch_split_sum(partials[: used * plane].reshape(used, out.shape[0], D), out, accumulate, stream=stream)
+        return
     mode = _MODE_ADD if accumulate else _MODE_STORE
     _run(cfg, mode, tiles * n_tiles_n, h, experts, meta, tile_expert, tile_slot, num_tiles, sorted_ids, D, F,
          n_tiles_n, out.reshape(out.size), stream)
@@ -494,13 +527,13 @@ def moe_reference_q8(x, ids, route_weights, blocks, metas, F: int, D: int, resid
 
 def sm90_signatures():
     """(python function, numba signature): the three epilogues at each named config (input dim a multiple of BK, as
-    real models), and at m64 with a K tail."""
+    real models), and with a K tail up to m64 (the 8-bit attention projections over a few rows)."""
     u32, i1, i64, f1 = types.uint32[::1], types.int32[::1], types.int64, types.float32[::1]
     out = []
     for name, cfg in CONFIGS.items():
-        for exact_k in (True, False) if name == "m64" else (True,):
+        for exact_k in (True, False) if name != "m128" else (True,):  # dense matrices' K tails at few rows
             for mode in (_MODE_SWIGLU, _MODE_STORE, _MODE_ADD):
                 dst = u32 if mode == _MODE_SWIGLU else f1
                 out.append((_build(cfg, mode, exact_k)[0],
-                            (u32, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, i64, dst)))
+                            (u32, u32, f1, types.int32[:, ::1], i1, i1, i1, i1, i64, i64, i64, i64, i64, i64, dst)))
     return out

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from expert_service.cuda.linear_8bit import MMA_MIN_ROWS, EightBitRows, Matrix8Bit, mma_width
+from expert_service.cuda.linear_8bit import (
+    MMA_MIN_ROWS,
+    SPLIT_MAX_ROWS,
+    EightBitRows,
+    Matrix8Bit,
+    mma_width,
+    split_count,
+)
 from expert_service.kernels import expert_quant as q
 from expert_service.kernels.linear_q8 import linear_q8_reference, matrix_meta
 from tests.expert_service.kernels.test_linear_q8 import matrix_block
@@ -40,19 +47,32 @@ def check(got, x, codes, scale, code, on_mma, base=None):
 @pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
 @pytest.mark.parametrize("V", [48, 37])
 @pytest.mark.parametrize("accumulate", [False, True], ids=["store", "add"])
-def test_every_row_count_matches_reference(code, V, accumulate):
-    rng = np.random.default_rng(V + code + 7 * accumulate)
-    D = 32
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-k"])
+def test_every_row_count_matches_reference(code, V, accumulate, split, monkeypatch):
+    """split: room for split-K partials (the simulator's config splits D = 128 in up to 4 parts of its 32-wide
+    steps: each part's sums in its plane, added in order)."""
+    import expert_service.kernels.moe_gemm_q8mma as q8mma
+
+    sums = []
+    launch = q8mma.launch_split_sum
+    monkeypatch.setattr(
+        q8mma, "launch_split_sum", lambda partials, *a, **k: sums.append(partials.shape[0]) or launch(partials, *a, **k)
+    )
+    rng = np.random.default_rng(V + code + 7 * accumulate + 3 * split)
+    D = 128 if split else 32
     block, meta, codes, scale = matrix_block(rng, code, V, D)
     matrix = device_matrix(block, meta, code, V, D)
-    rows = EightBitRows(MAX_ROWS, D, matrix.takes_mma, stream=cuda.default_stream())
-    assert rows.mma == (V % 16 == 0)
+    rows = EightBitRows(MAX_ROWS, D, matrix.takes_mma, cuda.default_stream(), split_outputs=V if split else 0)
+    assert rows.mma == (V % 16 == 0) and (rows.partials is not None) == (split and rows.mma)
     for R in (1, MMA_MIN_ROWS - 1, MMA_MIN_ROWS, MAX_ROWS):
         x = rng.standard_normal((R, D)).astype(np.float32)
         base = rng.standard_normal((R, V)).astype(np.float32) if accumulate else np.full((R, V), np.nan, np.float32)
         out = cuda.to_device(base)
         run(rows, matrix, x, out, accumulate)
         check(out.copy_to_host(), x, codes, scale, code, rows.mma and R >= MMA_MIN_ROWS, base if accumulate else None)
+    assert sums == (
+        [2, 2] if split and rows.mma else []
+    )  # past TOK_TILE: 2 tiles of 32 columns, split in 2 for the 4 wanted
 
 
 @pytest.mark.parametrize("R", [1, MMA_MIN_ROWS + 1])
@@ -69,7 +89,7 @@ def test_stacked_rows_read_through_their_offsets(R):
         "k": (matrix_meta(code, scale_at + 4 * nq, nq * D), nq, nkv),
         "v": (matrix_meta(code, scale_at + 4 * (nq + nkv), (nq + nkv) * D), nq + nkv, nkv),
     }
-    rows = EightBitRows(MMA_MIN_ROWS + 1, D, mma=True, stream=cuda.default_stream())
+    rows = EightBitRows(MMA_MIN_ROWS + 1, D, mma=True, stream=cuda.default_stream(), split_outputs=n)
     x = rng.standard_normal((R, D)).astype(np.float32)
     for name, (meta, first, count) in matrices.items():
         out = cuda.to_device(np.full((R, count), np.nan, np.float32))
@@ -86,6 +106,19 @@ def test_refusals():
     rows.set_rows(2)
     with pytest.raises(ValueError, match="x has 3 rows, set_rows said 2"):
         rows.inputs(cuda.to_device(np.ones((3, 16), np.float32)))
+
+
+def test_split_count_fills_the_gpu_within_the_partials():
+    from expert_service.kernels.moe_gemm_q8mma import CONFIGS
+
+    m16 = CONFIGS["m16"]  # BK 128: K = 4096 is 32 steps
+    assert split_count(32, 4096, 16, 4096, 1 << 30, 264, m16) == 8  # mixtral's o over 16 rows: 32 tiles
+    assert split_count(32, 4096, 16, 4096, 16 * 4096 * 3, 264, m16) == 3  # three planes fit
+    assert split_count(300, 4096, 16, 4096, 1 << 30, 264, m16) == 1  # tiles enough
+    assert split_count(32, 4096, SPLIT_MAX_ROWS + 1, 4096, 1 << 30, 264, m16) == 1
+    assert split_count(4, 256, 16, 512, 1 << 30, 264, m16) == 2  # K of two steps: two parts at most
+    assert split_count(4, 128 * 6, 16, 512, 1 << 30, 264, m16) == 6
+    assert split_count(4, 128 * 11, 16, 512, 1 << 30, 264, m16) == 6  # 8 wanted: 2 steps a part, the last 1
 
 
 def test_mma_width_covers_every_row_count():
@@ -107,7 +140,7 @@ def test_real_tiles_match_reference(code, accumulate):
     block, meta, codes, scale = matrix_block(rng, code, V, D)
     stream = cuda.stream()
     matrix = device_matrix(block, meta, code, V, D, stream)
-    rows = EightBitRows(max_rows, D, matrix.takes_mma, stream)
+    rows = EightBitRows(max_rows, D, matrix.takes_mma, stream, split_outputs=V)
     assert rows.mma
     for R in (1, 2, MMA_MIN_ROWS - 1, MMA_MIN_ROWS, 16, 33, 64, 257, max_rows):
         x = rng.standard_normal((R, D)).astype(np.float32)
