@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import hbm_rate  # noqa: E402
-from bench.q8_kernels import parse_q8_shapes, timed  # noqa: E402
+from bench.q8_kernels import shapes_dtypes_q8_shapes, timed  # noqa: E402
 
 SHAPES = {  # hidden D, q width, kv width
     "mixtral": (4096, 4096, 1024),
@@ -222,13 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... weight-stream launch shapes to compare")
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        q8_shapes = parse_q8_shapes(args.q8_shapes)
-    except ValueError as exc:
-        parser.error(str(exc))
-    shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
-    if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
-        parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
+    shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)
     rows = [int(r) for r in args.rows.split(",")]
     roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
     print(roofline.summary(), flush=True)

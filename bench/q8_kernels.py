@@ -88,6 +88,19 @@ def max_rel(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def shapes_dtypes_q8_shapes(parser: argparse.ArgumentParser, args, known: dict) -> tuple[list, list, dict]:
+    """--shapes (names in `known`), --dtypes (int8, fp8) and --q8-shapes, checked: a bad one ends the run with the
+    parser's one-line usage error."""
+    try:
+        q8_shapes = parse_q8_shapes(args.q8_shapes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
+    if any(s not in known for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
+        parser.error(f"--shapes from {list(known)}, --dtypes from int8, fp8")
+    return shapes, dtypes, q8_shapes
+
+
 def parse_q8_shapes(text: str) -> dict:
     """'NAME=W/RG/RD/U/WPS,...' -> {name: moe_q8.LaunchShape}."""
     from expert_service.kernels.moe_q8 import LaunchShape
@@ -297,13 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... moe_q8 b=1 launch shapes to compare")
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        q8_shapes = parse_q8_shapes(args.q8_shapes)
-    except ValueError as exc:
-        parser.error(str(exc))
-    shapes, dtypes = args.shapes.split(","), args.dtypes.split(",")
-    if any(s not in SHAPES for s in shapes) or any(d not in ("int8", "fp8") for d in dtypes):
-        parser.error(f"--shapes from {list(SHAPES)}, --dtypes from int8, fp8")
+    shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)
     roofline = hbm_rate.roofline(args.hbm_bytes_per_s)
     print(roofline.summary(), flush=True)
     result = {
