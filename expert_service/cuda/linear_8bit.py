@@ -145,12 +145,16 @@ class EightBitRows:
         nothing new."""
         if not (self.mma and rows >= MMA_MIN_ROWS):
             return ("stream", rows == 1)
-        cfg, splits = choose_config(rows, 1), []
-        for m in matrices:
-            tiles = -(-rows // cfg.block_m) * -(-m.n_out // cfg.block_n)
-            capacity = 0 if self.partials is None else self.partials.size
-            splits.append(split_count(tiles, m.n_in, rows, m.n_out, capacity, self.target_tiles, cfg) > 1)
-        return cfg, tuple(splits)
+        cfg = choose_config(rows, 1)
+        return cfg, tuple(self._splits(rows, m, cfg) > 1 for m in matrices)
+
+    def _splits(self, rows: int, matrix: Matrix8Bit, cfg) -> int:
+        """The split-K parts of the GEMM of `matrix` over `rows` rows in tiles of `cfg` (1: none)."""
+        if self.partials is None:
+            return 1
+        tiles = -(-rows // cfg.block_m) * -(-matrix.n_out // cfg.block_n)
+        args = (matrix.n_in, rows, matrix.n_out, self.partials.size, self.target_tiles, cfg)
+        return split_count(tiles, *args)
 
     def warmup_rows(self, counts, matrices) -> tuple[int, ...]:
         """The smallest of `counts` (the row counts steps can have) of each variant: running those loads every
@@ -196,11 +200,7 @@ class EightBitRows:
             args = (matrix.code, matrix.n_out, out, self.bounds, self.first_row, st, accumulate, self.stream_shape)
             launch_linear_q8(rows.x, matrix.block, matrix.meta, *args)
             return
-        bm, splits, R = self.config.block_m, 1, self.rows
-        if self.partials is not None:
-            tiles = self.tiles * -(-matrix.n_out // self.config.block_n)
-            capacity = self.partials.size
-            splits = split_count(tiles, matrix.n_in, R, matrix.n_out, capacity, self.target_tiles, self.config)
+        bm = self.config.block_m
         launch_q8mma_down(
             rows.xs,
             self.tile_expert[: self.tiles],
@@ -214,6 +214,6 @@ class EightBitRows:
             self.config,
             stream=st,
             accumulate=accumulate,
-            splits=splits,
+            splits=self._splits(self.rows, matrix, self.config),
             partials=self.partials,
         )
