@@ -149,6 +149,8 @@ def host_decoder(
         layers=lambda T, S, decode, shared=False: d.issued.append(("layers", T, S, decode) + ("shared",) * shared),
         head=lambda T, R: d.issued.append(("head", T, R)),
         moe=SimpleNamespace(warm_cublas_shapes=lambda T: d.issued.append(("cublas shapes", T))),
+        head_8bit=None,  # a dense head and dense attention projections
+        attention_8bit=None,
     )
     d.workspace_strategies = d.strategies.reachable(d.model.options, d.cached is not None)
     return d
